@@ -1,0 +1,149 @@
+"""The `llmgw` command: a registry of command groups, one module each (nomad style).
+
+`COMMANDS` maps each command word to the module that implements it and a one-line summary.
+Only the chosen command's module is imported, so `llmgw --help` and a command's start-up do
+not pay for every other command's imports. A module provides:
+
+    def configure(parser: Parser) -> None     # arguments, subcommands
+    def run(args: argparse.Namespace) -> int  # the exit status
+
+A usage error prints that command's help and exits 2. An `LlmgwError` prints its message and
+exits with the status its class carries; anything else is a bug and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import attrs
+
+from llmgw import log
+from llmgw.errors import LlmgwError
+
+
+@attrs.frozen
+class CommandSpec:
+    name: str
+    module: str
+    summary: str
+
+
+# Only commands that work are listed; `llmgw --help` prints exactly these.
+COMMANDS: tuple[CommandSpec, ...] = (
+    CommandSpec("config", "llmgw.commands.config", "check server.toml and agent.toml"),
+    CommandSpec("version", "llmgw.commands.version", "print version, commit, architecture and Python"),
+)
+
+EXIT_USAGE = 2
+EXIT_BUG = 70
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors show the whole help of the command at fault."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_help(sys.stderr)
+        self.exit(EXIT_USAGE, f"\n{self.prog}: error: {message}\n")
+
+
+def _common_options() -> Parser:
+    common = Parser(add_help=False)
+    group = common.add_argument_group("logging")
+    # SUPPRESS keeps a value given before the command word from being reset after it.
+    group.add_argument("--log-level", choices=log.LEVELS, default=argparse.SUPPRESS, help="default: info")
+    group.add_argument("--log-format", choices=log.FORMATS, default=argparse.SUPPRESS, help="kv (default) or json")
+    return common
+
+
+COMMON = _common_options()
+
+
+def add_leaf(subparsers: Any, name: str, help: str, run: Callable[[argparse.Namespace], int]) -> Parser:
+    """Add a subcommand that does something; used by command groups for their verbs."""
+    parser = subparsers.add_parser(name, help=help, description=help, parents=[COMMON])
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def add_group(parser: Parser, dest: str) -> Any:
+    """Subcommands of a command group; naming none is a usage error."""
+    sub = parser.add_subparsers(dest=dest, metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    return sub
+
+
+def _top_parser() -> Parser:
+    return Parser(
+        prog="llmgw",
+        usage="llmgw [--log-level LEVEL] [--log-format FORMAT] COMMAND ...",
+        description="llmgw turns machines you already own into one LLM serving cluster.",
+        parents=[COMMON],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n"
+        + "\n".join(f"  {c.name:<12}{c.summary}" for c in COMMANDS)
+        + "\n\nRun `llmgw COMMAND --help` for a command's options.",
+    )
+
+
+def _find_command(argv: list[str]) -> int | None:
+    """Index of the command word: the first argument that is neither an option nor its value."""
+    valued = {a for action in COMMON._actions for a in action.option_strings if action.nargs is None}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in valued:
+            i += 2
+            continue
+        if not arg.startswith("-"):
+            return i
+        i += 1
+    return None
+
+
+def build_parser(command: str) -> Parser:
+    spec = next(c for c in COMMANDS if c.name == command)
+    module = importlib.import_module(spec.module)
+    parser = Parser(prog=f"llmgw {command}", description=spec.summary, parents=[COMMON])
+    module.configure(parser)
+    if parser.get_default("run") is None:
+        parser.set_defaults(run=getattr(module, "run", None))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    at = _find_command(argv)
+    if at is None:
+        top.parse_args(argv)  # handles --help (exit 0) and bad options (exit 2)
+        top.print_help(sys.stderr)
+        return EXIT_USAGE
+    command = argv[at]
+    if command not in {c.name for c in COMMANDS}:
+        top.error(f"unknown command {command!r} (one of: {', '.join(c.name for c in COMMANDS)})")
+    args = build_parser(command).parse_args(argv[:at] + argv[at + 1 :])
+    log.setup(level=getattr(args, "log_level", "info"), fmt=getattr(args, "log_format", "kv"))
+    try:
+        return int(args.run(args) or 0)
+    except LlmgwError as exc:
+        print(f"llmgw {command}: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 - the last line of defence: a bug, reported as one
+        traceback.print_exc()
+        print(
+            f"llmgw {command}: internal error (a bug in llmgw); the traceback above says where. "
+            "Please report it with the output of `llmgw version`.",
+            file=sys.stderr,
+        )
+        return EXIT_BUG

@@ -1,0 +1,1 @@
+"""One module per command group; `llmgw.cli.COMMANDS` lists them."""

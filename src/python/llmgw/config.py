@@ -1,0 +1,334 @@
+"""The two configuration files, `server.toml` and `agent.toml`: their types and how they load.
+
+Classes stay plain (frozen, keyword-only attrs); all conversion lives in the one converter
+below, which refuses unknown keys. Loading reports every problem at once, each with its path
+(`expected int @ $.models[0].replicas`), as a `ConfigError`. Type errors come from cattrs;
+rules that span fields (unique model names, a known engine) come from `_check_*`, which
+returns problems instead of raising so that both kinds are reported together.
+
+Secrets (tokens in config) are held in `Secret`, whose repr and str never show the value, so a
+config object can be logged whole without leaking them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, TypeVar, get_origin
+
+import attrs
+import cattrs
+from cattrs.cols import homogenous_tuple_structure_factory
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn
+
+from llmgw.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on the nodes' 3.10
+    import tomli as tomllib
+
+ENGINES = ("llamacpp", "vllm", "sglang", "sim")
+DEFAULT_SERVER_STATE_DIR = "/var/lib/llmgw"
+DEFAULT_AGENT_STATE_DIR = "/var/lib/llmgw-agent"
+
+
+@attrs.frozen(repr=False)
+class Secret:
+    """A value that must never be printed. `reveal()` is the one way to read it."""
+
+    _value: str
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('<redacted>')"
+
+    __str__ = __repr__
+
+
+# -- server.toml ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ServerSection:
+    state_dir: str = DEFAULT_SERVER_STATE_DIR
+    agent_listen: str = "0.0.0.0:7443"
+    http_listen: str = "127.0.0.1:8080"
+    advertise: tuple[str, ...] = ()
+    heartbeat_interval_s: float = 5.0
+    heartbeat_ttl_s: float = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class CASection:
+    ca_validity_days: int = 3650
+    server_cert_validity_days: int = 825
+    node_cert_validity_days: int = 365
+
+
+@attrs.frozen(kw_only=True)
+class ModelSource:
+    url: str = ""
+    sha256: str = ""
+    path: str = ""
+    token: Secret | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Model:
+    name: str
+    engine: str
+    source: ModelSource = ModelSource()
+    replicas: int = 1
+    gpus_per_replica: int = 0
+    nodes_per_replica: int = 1
+    memory_gb: float = 0.0
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    server: ServerSection = ServerSection()
+    ca: CASection = CASection()
+    models: tuple[Model, ...] = ()
+
+
+# -- agent.toml ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class FabricDecl:
+    name: str
+    adapters: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    server: str
+    node_id: str = ""
+    state_dir: str = DEFAULT_AGENT_STATE_DIR
+    nvidia_smi: str = "/usr/bin/nvidia-smi"
+    ib_root: str = "/sys/class/infiniband"
+    fabrics: tuple[FabricDecl, ...] = ()
+
+
+# -- the converter -------------------------------------------------------------------------
+
+converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+converter.register_structure_hook(Secret, lambda v, _: Secret(_expect_str(v)))
+converter.register_unstructure_hook(Secret, lambda s: "<redacted>")
+
+
+def _expect_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _strict(kind: type, name: str):
+    # cattrs would turn "3" into 3 and 1.5 into 1; a config file that says "3" is a mistake
+    # worth naming, not one to paper over.
+    def hook(value: Any, _: type) -> Any:
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise TypeError(f"expected {name}, got {type(value).__name__} {value!r}")
+        return value
+
+    return hook
+
+
+def _is_list_type(t: Any) -> bool:
+    return get_origin(t) is tuple and t.__args__[-1] is Ellipsis
+
+
+def _list_hook(t: Any):
+    inner = homogenous_tuple_structure_factory(t, converter)
+
+    def hook(value: Any, _: type) -> Any:
+        # Without this a string would be taken as a list of its characters.
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list, got {type(value).__name__} {value!r}")
+        return inner(value, t)
+
+    return hook
+
+
+def _is_table_type(t: Any) -> bool:
+    return attrs.has(t) and t is not Secret
+
+
+def _table_hook(cl: type):
+    inner = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
+
+    def hook(value: Any, _: type) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a table, got {type(value).__name__} {value!r}")
+        return inner(value, cl)
+
+    return hook
+
+
+converter.register_structure_hook_factory(_is_list_type, _list_hook)
+converter.register_structure_hook_factory(_is_table_type, _table_hook)
+converter.register_structure_hook(int, _strict(int, "int"))
+converter.register_structure_hook(float, _strict(float, "a number"))
+converter.register_structure_hook(str, _strict(str, "a string"))
+converter.register_structure_hook(bool, _strict(bool, "true or false"))
+
+
+def _format_error(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        allowed = sorted(f.name.lstrip("_") for f in attrs.fields(exc.cl))
+        keys = ", ".join(repr(k) for k in sorted(exc.extra_fields))
+        return f"unknown key {keys} (allowed here: {', '.join(allowed)})"
+    if isinstance(exc, KeyError):
+        return "required key is missing"
+    if isinstance(exc, TypeError) and str(exc).startswith("expected"):
+        return str(exc)
+    return f"invalid value: {exc}"
+
+
+T = TypeVar("T")
+
+
+def _structure(data: dict, cls: type[T], path: str) -> T:
+    try:
+        return converter.structure(data, cls)
+    except (ClassValidationError, IterableValidationError) as exc:
+        raise ConfigError(path, cattrs.transform_error(exc, path="$", format_exception=_format_error)) from None
+
+
+def _check_server(cfg: ServerConfig) -> list[str]:
+    problems = []
+    if cfg.server.heartbeat_ttl_s <= cfg.server.heartbeat_interval_s:
+        problems.append(
+            f"heartbeat_ttl_s ({cfg.server.heartbeat_ttl_s}) must be longer than heartbeat_interval_s "
+            f"({cfg.server.heartbeat_interval_s}) @ $.server.heartbeat_ttl_s"
+        )
+    for key in ("agent_listen", "http_listen"):
+        value = getattr(cfg.server, key)
+        if not _HOSTPORT.match(value):
+            problems.append(f"expected HOST:PORT, got {value!r} @ $.server.{key}")
+    for key in ("ca_validity_days", "server_cert_validity_days", "node_cert_validity_days"):
+        if getattr(cfg.ca, key) < 1:
+            problems.append(f"must be at least 1 @ $.ca.{key}")
+    seen: dict[str, int] = {}
+    for i, m in enumerate(cfg.models):
+        at = f"$.models[{i}]"
+        if not _NAME.match(m.name):
+            problems.append(
+                f"model name {m.name!r} may use only letters, digits, '.', '_' and '-' "
+                f"and start with a letter or digit @ {at}.name"
+            )
+        if m.name in seen:
+            problems.append(f"model name {m.name!r} is already used by $.models[{seen[m.name]}] @ {at}.name")
+        seen.setdefault(m.name, i)
+        if m.engine not in ENGINES:
+            problems.append(f"unknown engine {m.engine!r} (one of: {', '.join(ENGINES)}) @ {at}.engine")
+        for key in ("replicas", "nodes_per_replica"):
+            if getattr(m, key) < 1:
+                problems.append(f"must be at least 1 @ {at}.{key}")
+        if m.gpus_per_replica < 0 or m.memory_gb < 0:
+            bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
+            problems.append(f"must not be negative @ {at}.{bad}")
+        if m.engine == "llamacpp" and m.nodes_per_replica > 1:
+            problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
+        problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
+    return problems
+
+
+def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
+    if src.url and src.path:
+        return [f"give either url or path, not both @ {at}"]
+    if src.url:
+        if not src.url.startswith(("https://", "http://")):
+            return [f"expected an http(s) URL, got {src.url!r} @ {at}.url"]
+        if not re.fullmatch(r"[0-9a-f]{64}", src.sha256):
+            return [f"a url source needs sha256 = 64 lowercase hex digits @ {at}.sha256"]
+    elif src.path:
+        if not src.path.startswith("/"):
+            return [f"path must be absolute on the nodes, got {src.path!r} @ {at}.path"]
+    elif needed:
+        return [f"needs url (with sha256) or path @ {at}"]
+    return []
+
+
+def _check_agent(cfg: AgentConfig) -> list[str]:
+    problems = []
+    if not cfg.server.startswith("wss://"):
+        problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
+    if cfg.node_id and not _NAME.match(cfg.node_id):
+        problems.append(f"node id {cfg.node_id!r} may use only letters, digits, '.', '_' and '-' @ $.node_id")
+    owner: dict[str, str] = {}
+    for i, f in enumerate(cfg.fabrics):
+        if not _NAME.match(f.name):
+            problems.append(
+                f"fabric name {f.name!r} may use only letters, digits, '.', '_' and '-' @ $.fabrics[{i}].name"
+            )
+        for a in f.adapters:
+            if a in owner and owner[a] != f.name:
+                problems.append(
+                    f"adapter {a!r} is under fabrics {owner[a]!r} and {f.name!r}; an adapter belongs to one "
+                    f"fabric (a replica given adapters on two fabrics hangs on its first all-reduce) "
+                    f"@ $.fabrics[{i}].adapters"
+                )
+            owner.setdefault(a, f.name)
+    return problems
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            str(path), ["file not found; create it (see docs/configuration.md) or pass --config"]
+        ) from None
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), [f"cannot be read: {exc.__class__.__name__}: {exc}"]) from None
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, label: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(label, [f"not valid TOML: {exc}"]) from None
+
+
+def server_config_from_dict(data: dict, label: str = "server.toml") -> ServerConfig:
+    cfg = _structure(data, ServerConfig, label)
+    problems = _check_server(cfg)
+    if problems:
+        raise ConfigError(label, problems)
+    return cfg
+
+
+def agent_config_from_dict(data: dict, label: str = "agent.toml") -> AgentConfig:
+    cfg = _structure(data, AgentConfig, label)
+    problems = _check_agent(cfg)
+    if problems:
+        raise ConfigError(label, problems)
+    return cfg
+
+
+def load_server_config(path: Path) -> ServerConfig:
+    return server_config_from_dict(_read_toml(path), str(path))
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    return agent_config_from_dict(_read_toml(path), str(path))
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data, secrets redacted: safe to print and to log."""
+    return converter.unstructure(cfg)

@@ -1,0 +1,1 @@
+"""Engine specs: how each inference engine is installed, checked and started. Pure code."""

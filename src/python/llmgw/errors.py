@@ -1,0 +1,42 @@
+"""Errors of the llmgw package, split by who has to act.
+
+Every message names the bad value and the fix. Callers never match on message text; they
+catch a class. The CLI maps each class to an exit status (see `exit_status`).
+"""
+
+from __future__ import annotations
+
+
+class LlmgwError(Exception):
+    """Base class. `str(err)` is the whole message shown to the operator."""
+
+    exit_status = 1
+
+
+class UsageError(LlmgwError):
+    """The command line is wrong: the operator fixes the arguments."""
+
+    exit_status = 2
+
+
+class ConfigError(LlmgwError):
+    """A configuration file is wrong or missing: the operator fixes the file.
+
+    `problems` holds one line per problem, each naming its path in the file, so that one run
+    reports every mistake rather than the first.
+    """
+
+    exit_status = 2
+
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{path}: {p}" for p in self.problems))
+
+
+class MachineError(LlmgwError):
+    """This machine lacks something: a file, a permission, a tool. The operator installs or fixes it."""
+
+
+class PeerError(LlmgwError):
+    """The other end (control plane, agent, engine, SSH host) refused or failed."""

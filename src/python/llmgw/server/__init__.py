@@ -1,0 +1,1 @@
+"""The control plane: registry, scheduler, reconciler, agent endpoint, gateway, admin API."""

@@ -1,0 +1,76 @@
+"""What this llmgw is: version, the commit it was built from, the Python running it.
+
+The commit comes, in order, from build metadata generated into the package (`_build_info`
+by the release build, `_scm_version` by Pants' `vcs_version` for `./pants package`), then
+from git when running from a checkout, else "unknown". Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+
+from llmgw import __version__
+
+
+@attrs.frozen(kw_only=True)
+class VersionInfo:
+    version: str
+    commit: str
+    build_date: str
+    architecture: str
+    python: str
+    python_executable: str
+
+
+def _generated(module: str, name: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _commit_from_scm_version(scm_version: str) -> str | None:
+    # setuptools_scm writes e.g. "0.1.dev12+g3f2a1b0" or "0.1.dev12+g3f2a1b0.d20261129".
+    m = re.search(r"\+g([0-9a-f]{7,40})", scm_version)
+    return m.group(1) if m else None
+
+
+def _commit_from_git(directory: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def version_info() -> VersionInfo:
+    commit = _generated("llmgw._build_info", "commit")
+    build_date = _generated("llmgw._build_info", "build_date") or "unknown"
+    if commit is None:
+        scm = _generated("llmgw._scm_version", "version")
+        commit = _commit_from_scm_version(scm) if scm else None
+    if commit is None:
+        commit = _commit_from_git(Path(__file__).resolve().parent)
+    return VersionInfo(
+        version=__version__,
+        commit=commit or "unknown",
+        build_date=build_date,
+        architecture=platform.machine(),
+        python=platform.python_version(),
+        python_executable=sys.executable,
+    )

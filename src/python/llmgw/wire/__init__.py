@@ -1,0 +1,1 @@
+"""Message types of each link (frozen attrs classes) and the one converter for them."""

@@ -1,0 +1,77 @@
+"""The command registry: help lists what works, usage errors show the command's help, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmgw import cli
+from testlib.proc import run_llmgw
+
+
+def test_help_lists_exactly_the_registered_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.split("commands:\n")[1].splitlines() if line.startswith("  ")]
+    assert listed == [c.name for c in cli.COMMANDS]
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS])
+def test_every_listed_command_has_working_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: llmgw {command}" in capsys.readouterr().out
+
+
+def test_no_arguments_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == cli.EXIT_USAGE
+    assert "commands:" in capsys.readouterr().err
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["frobnicate"])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert "unknown command 'frobnicate' (one of: config, version)" in capsys.readouterr().err
+
+
+def test_usage_error_prints_that_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["config", "check", "--kind", "nope", "x.toml"])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: llmgw config check")
+    assert "--kind {server,agent,auto}" in err
+    assert "argument --kind: invalid choice: 'nope'" in err
+
+
+def test_log_options_work_before_and_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--log-level", "debug", "version"]) == 0
+    assert cli.main(["version", "--log-format", "json"]) == 0
+
+
+def test_version_json_has_version_commit_and_python(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["version", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info) >= {"version", "commit", "python", "architecture", "build_date"}
+    assert info["python"].startswith("3.")
+
+
+def test_config_error_exits_2_with_the_path(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "server.toml"
+    f.write_text('[[models]]\nname = "a"\nengine = "sim"\nreplicas = "2"\n')
+    assert cli.main(["config", "check", str(f)]) == 2
+    assert f"{f}: expected int, got str '2' @ $.models[0].replicas" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_same_cli_as_a_process() -> None:
+    done = run_llmgw("version", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["version"]
+    done = run_llmgw("config")
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: llmgw config")

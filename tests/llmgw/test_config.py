@@ -1,0 +1,163 @@
+"""server.toml / agent.toml loading: every problem reported with its path; the docs' examples load."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import attrs
+import pytest
+
+from llmgw import config
+from llmgw.errors import ConfigError
+from testlib.proc import build_root
+
+
+def problems_of(data: dict, kind: str = "server") -> list[str]:
+    load = config.server_config_from_dict if kind == "server" else config.agent_config_from_dict
+    with pytest.raises(ConfigError) as info:
+        load(data)
+    return info.value.problems
+
+
+def test_empty_server_file_is_valid_with_defaults() -> None:
+    cfg = config.server_config_from_dict({})
+    assert cfg.server.state_dir == "/var/lib/llmgw"
+    assert cfg.models == ()
+
+
+def test_wrong_type_names_its_path() -> None:
+    data = {"models": [{"name": "a", "engine": "sim"}, {"name": "b", "engine": "sim", "replicas": "2"}]}
+    assert problems_of(data) == ["expected int, got str '2' @ $.models[1].replicas"]
+
+
+def test_unknown_key_is_named_with_the_allowed_ones() -> None:
+    [problem] = problems_of({"server": {"stat_dir": "/x"}})
+    assert problem.startswith("unknown key 'stat_dir' (allowed here: advertise, agent_listen,")
+    assert problem.endswith("@ $.server")
+
+
+def test_every_problem_is_reported_in_one_run() -> None:
+    data = {
+        "server": {"advertise": "10.0.0.1", "heartbeat_ttl_s": "30"},
+        "ca": 3,
+        "models": [{"engine": "sim"}, "oops", {"name": "c", "engine": "sim", "args": [1]}],
+    }
+    assert sorted(problems_of(data)) == sorted(
+        [
+            "expected a list, got str '10.0.0.1' @ $.server.advertise",
+            "expected a number, got str '30' @ $.server.heartbeat_ttl_s",
+            "expected a table, got int 3 @ $.ca",
+            "required key is missing @ $.models[0].name",
+            "expected a table, got str 'oops' @ $.models[1]",
+            "expected a string, got int 1 @ $.models[2].args[0]",
+        ]
+    )
+
+
+def test_rules_across_fields_are_checked_after_types() -> None:
+    data = {
+        "server": {"heartbeat_interval_s": 10, "heartbeat_ttl_s": 5, "http_listen": "8080"},
+        "models": [
+            {"name": "m", "engine": "sim"},
+            {"name": "m", "engine": "llamacpp", "nodes_per_replica": 2, "source": {"path": "models/x"}},
+            {"name": "../evil", "engine": "tensorrt", "source": {"url": "https://x/y", "sha256": "abc"}},
+        ],
+    }
+    got = problems_of(data)
+    assert "heartbeat_ttl_s (5.0) must be longer than heartbeat_interval_s (10.0) @ $.server.heartbeat_ttl_s" in got
+    assert "expected HOST:PORT, got '8080' @ $.server.http_listen" in got
+    assert "model name 'm' is already used by $.models[0] @ $.models[1].name" in got
+    assert "llama.cpp runs on one node; set nodes_per_replica = 1 @ $.models[1].nodes_per_replica" in got
+    assert "path must be absolute on the nodes, got 'models/x' @ $.models[1].source.path" in got
+    assert any(p.startswith("model name '../evil' may use only") for p in got)
+    assert "unknown engine 'tensorrt' (one of: llamacpp, vllm, sglang, sim) @ $.models[2].engine" in got
+    assert "a url source needs sha256 = 64 lowercase hex digits @ $.models[2].source.sha256" in got
+
+
+def test_integer_accepted_where_a_number_is_expected_but_bool_is_not_an_int() -> None:
+    cfg = config.server_config_from_dict({"server": {"heartbeat_ttl_s": 60}})
+    assert cfg.server.heartbeat_ttl_s == 60.0
+    assert problems_of({"models": [{"name": "a", "engine": "sim", "replicas": True}]}) == [
+        "expected int, got bool True @ $.models[0].replicas"
+    ]
+
+
+def test_agent_adapter_under_two_fabrics_is_refused() -> None:
+    data = {
+        "server": "wss://10.0.0.1:7443",
+        "fabrics": [{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"]}, {"name": "ib-b", "adapters": ["mlx5_1"]}],
+    }
+    [problem] = problems_of(data, "agent")
+    assert problem.startswith("adapter 'mlx5_1' is under fabrics 'ib-a' and 'ib-b'")
+    assert problem.endswith("@ $.fabrics[1].adapters")
+
+
+def test_agent_needs_a_wss_server() -> None:
+    assert problems_of({}, "agent") == ["required key is missing @ $.server"]
+    assert problems_of({"server": "http://x:1"}, "agent") == [
+        "expected a wss:// URL of the control plane, got 'http://x:1' @ $.server"
+    ]
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load_server_config(tmp_path / "missing.toml")
+    assert str(info.value).startswith(f"{tmp_path / 'missing.toml'}: file not found")
+    bad = tmp_path / "server.toml"
+    bad.write_text("[server\nstate_dir = 1\n")
+    with pytest.raises(ConfigError) as info:
+        config.load_server_config(bad)
+    assert "not valid TOML" in str(info.value) and "line 1" in str(info.value)
+
+
+def test_secret_is_redacted_in_repr_and_dict() -> None:
+    cfg = config.server_config_from_dict(
+        {"models": [{"name": "a", "engine": "llamacpp", "source": {"path": "/m", "token": "s3cr3t-t0ken"}}]}
+    )
+    assert cfg.models[0].source.token.reveal() == "s3cr3t-t0ken"
+    assert "s3cr3t-t0ken" not in repr(cfg)
+    assert "s3cr3t-t0ken" not in str(config.to_dict(cfg))
+
+
+def doc_examples() -> list[tuple[str, str, str]]:
+    """(doc file, kind, text) of every ```toml block in docs/ whose first line names its file."""
+    found = []
+    for doc in sorted((build_root() / "docs").glob("*.md")):
+        for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), flags=re.S):
+            first = block.splitlines()[0].strip()
+            m = re.fullmatch(r"# (server|agent)\.toml", first)
+            if m:
+                found.append((doc.name, m.group(1), block))
+    return found
+
+
+def test_docs_have_examples_of_both_files() -> None:
+    kinds = {kind for _, kind, _ in doc_examples()}
+    assert kinds == {"server", "agent"}
+
+
+@pytest.mark.parametrize(("doc", "kind", "text"), doc_examples())
+def test_each_config_example_in_the_docs_loads(doc: str, kind: str, text: str) -> None:
+    data = config.parse_toml(text, f"{doc} example")
+    load = config.server_config_from_dict if kind == "server" else config.agent_config_from_dict
+    load(data, f"{doc} example")
+
+
+def test_every_key_is_documented() -> None:
+    doc = (build_root() / "docs" / "configuration.md").read_text()
+
+    def keys(cls: type) -> set[str]:
+        out = set()
+        for name, hint in typing.get_type_hints(cls).items():
+            out.add(name)
+            for t in (hint, *typing.get_args(hint)):
+                if isinstance(t, type) and attrs.has(t) and t is not config.Secret:
+                    out |= keys(t)
+        return out
+
+    every = keys(config.ServerConfig) | keys(config.AgentConfig)
+    assert {"replicas", "sha256", "adapters", "node_cert_validity_days"} <= every
+    documented = set(re.findall(r"`([a-z0-9_]+)`", doc)) | set(re.findall(r"`\[+([a-z0-9_]+)\]+`", doc))
+    assert every - documented == set()
