@@ -122,10 +122,14 @@ def test_secret_is_redacted_in_repr_and_dict() -> None:
 
 
 def doc_examples() -> list[tuple[str, str, str]]:
-    """(doc file, kind, text) of every ```toml block in docs/ whose first line names its file."""
+    """(doc file, kind, text) of every ```toml block in docs/ and every docs/examples file whose
+    first line names its kind (`# server.toml` or `# agent.toml`)."""
     found = []
-    for doc in sorted((build_root() / "docs").glob("*.md")):
-        for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), flags=re.S):
+    docs = build_root() / "docs"
+    for doc in sorted(docs.glob("*.md")) + sorted(docs.glob("examples/*.toml")):
+        text = doc.read_text()
+        blocks = [text] if doc.suffix == ".toml" else re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+        for block in blocks:
             first = block.splitlines()[0].strip()
             m = re.fullmatch(r"# (server|agent)\.toml", first)
             if m:
@@ -134,8 +138,8 @@ def doc_examples() -> list[tuple[str, str, str]]:
 
 
 def test_docs_have_examples_of_both_files() -> None:
-    kinds = {kind for _, kind, _ in doc_examples()}
-    assert kinds == {"server", "agent"}
+    found = {(doc, kind) for doc, kind, _ in doc_examples()}
+    assert {("configuration.md", "server"), ("configuration.md", "agent"), ("server.toml", "server")} <= found
 
 
 @pytest.mark.parametrize(("doc", "kind", "text"), doc_examples())

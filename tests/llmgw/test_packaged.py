@@ -1,0 +1,34 @@
+"""The packaged executable (`./pants package src/python/llmgw:llmgw`) runs the same CLI as `python -m llmgw`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from testlib.proc import build_root, run_llmgw
+
+
+def pex() -> Path:
+    path = build_root() / "llmgw.pex"
+    assert path.is_file(), f"{path} missing: the test target must list src/python/llmgw:llmgw in runtime_package_dependencies"
+    return path
+
+
+def run_pex(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(pex()), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_same_help_same_usage_error() -> None:
+    for args in (["--help"], ["config", "check", "--help"], ["config"]):
+        packaged, module = run_pex(*args), run_llmgw(*args)
+        assert (packaged.returncode, packaged.stdout, packaged.stderr) == (module.returncode, module.stdout, module.stderr)
+
+
+def test_packaged_version_knows_its_commit() -> None:
+    done = run_pex("version", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    # The pex carries the commit it was built from (Pants' vcs_version), unlike a bare source tree.
+    assert info["commit"] != "unknown" and len(info["commit"]) >= 7
+    assert info["version"] == json.loads(run_llmgw("version", "--json").stdout)["version"]
