@@ -1,0 +1,69 @@
+"""The one converter of the wire types: JSON text <-> message objects.
+
+Every message is a JSON object whose "type" field names it (the class name in snake case).
+Unknown fields are errors, as are unknown types, so a peer speaking another dialect is told
+at once instead of being half-understood.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, get_args
+
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from llmgw.wire import agent_link
+from llmgw.wire.errors import WireError
+
+TAG = "type"
+
+
+def _tag(cls: type) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+
+
+converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+# One union of everything either side may send; AgentMessage and ServerMessage are its halves.
+_ALL = agent_link.Hello | agent_link.Heartbeat | agent_link.InventoryChanged | agent_link.Welcome | agent_link.DesiredState | agent_link.LinkError
+configure_tagged_union(_ALL, converter, tag_generator=_tag, tag_name=TAG)
+TYPES = {_tag(cls): cls for cls in get_args(_ALL)}
+
+
+def encode(message: Any) -> str:
+    return json.dumps(converter.unstructure(message, _ALL), separators=(",", ":"))
+
+
+def decode(text: str | bytes, expected: Any) -> Any:
+    """Parse one frame; `expected` is the union the receiving side accepts."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise WireError(agent_link.BAD_MESSAGE, f"frame is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise WireError(agent_link.BAD_MESSAGE, f"frame is a JSON {type(data).__name__}, expected an object")
+    kind = data.get(TAG)
+    allowed = {_tag(c) for c in get_args(expected)}
+    if kind not in allowed:
+        raise WireError(
+            agent_link.UNKNOWN_TYPE,
+            f"unknown message type {kind!r} (this side accepts: {', '.join(sorted(allowed))}); "
+            "the peer runs a different llmgw version",
+        )
+    if kind == "hello" and data.get("protocol_version") != agent_link.PROTOCOL_VERSION:
+        # Checked before the rest: another version's hello may not parse as ours at all.
+        raise WireError(
+            agent_link.PROTOCOL,
+            f"the agent speaks protocol {data.get('protocol_version')!r} and this control plane speaks "
+            f"{agent_link.PROTOCOL_VERSION}; run the same llmgw release on both (re-run `llmgw node add` "
+            "to upgrade the node)",
+        )
+    try:
+        return converter.structure(data, _ALL)
+    except cattrs.BaseValidationError as exc:
+        problems = "; ".join(cattrs.transform_error(exc, path=kind))
+        raise WireError(agent_link.BAD_MESSAGE, f"malformed {kind}: {problems}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(agent_link.BAD_MESSAGE, f"malformed {kind}: {exc}") from None

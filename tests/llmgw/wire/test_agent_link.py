@@ -1,0 +1,98 @@
+"""The agent link's messages survive the round trip; bad frames get the right error code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmgw.wire import agent_link as m
+from llmgw.wire.convert import TYPES, decode, encode
+from llmgw.wire.errors import WireError
+
+INVENTORY = m.Inventory(
+    hostname="node-1",
+    os="Debian GNU/Linux 12",
+    arch="x86_64",
+    python="3.11.7",
+    cpu_model="Intel Xeon",
+    cpu_cores=8,
+    cpu_flags=("avx2", "fma"),
+    memory_total_bytes=32 << 30,
+    gpus=(
+        m.Gpu(
+            index=0,
+            name="NVIDIA L4",
+            uuid="GPU-1",
+            memory_total_mib=23034,
+            memory_free_mib=22000,
+            driver_version="550.54",
+            compute_capability="8.9",
+            pci_bus_id="00000000:00:03.0",
+        ),
+    ),
+    fabrics=(m.Fabric(name="ib-a", identity="sm:0x0002c90300a1b2c3", adapters=("mlx5_0",)),),
+)
+
+HELLO = m.Hello(
+    protocol_version=m.PROTOCOL_VERSION,
+    node_id="node-1",
+    agent_version="0.1.0",
+    boot_id="b0",
+    started_at=1700000000.5,
+    inventory=INVENTORY,
+    engines=(m.EngineStatus(name="llamacpp", version="b4000", ok=True),),
+    replicas=(m.ReplicaStatus(replica_id="r1", model="sim", state="ready"),),
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "side"),
+    [
+        (HELLO, m.AgentMessage),
+        (m.Heartbeat(seq=7), m.AgentMessage),
+        (m.InventoryChanged(inventory=INVENTORY), m.AgentMessage),
+        (m.Welcome(node_id="node-1", server_version="0.1.0", heartbeat_interval_s=5.0), m.ServerMessage),
+        (m.DesiredState(generation=3, cordoned=True, engines=("llamacpp",)), m.ServerMessage),
+        (m.LinkError(code=m.REVOKED, message="x"), m.ServerMessage),
+        (m.LinkError(code=m.REVOKED, message="x"), m.AgentMessage),
+    ],
+)
+def test_round_trip(message: object, side: object) -> None:
+    text = encode(message)
+    assert TYPES[json.loads(text)["type"]] is type(message)
+    assert decode(text, side) == message
+
+
+def code_of(text: str, side: object = m.AgentMessage) -> str:
+    with pytest.raises(WireError) as info:
+        decode(text, side)
+    return info.value.code
+
+
+def test_type_tags_are_snake_case() -> None:
+    assert TYPES["inventory_changed"] is m.InventoryChanged
+    assert TYPES["link_error"] is m.LinkError
+
+
+def test_a_message_for_the_other_side_is_an_unknown_type() -> None:
+    assert code_of(encode(m.Welcome(node_id="n", server_version="v", heartbeat_interval_s=1))) == m.UNKNOWN_TYPE
+    assert code_of('{"type": "reboot_now"}') == m.UNKNOWN_TYPE
+    assert code_of('{"seq": 1}') == m.UNKNOWN_TYPE
+
+
+def test_malformed_frames_are_bad_messages() -> None:
+    assert code_of("not json") == m.BAD_MESSAGE
+    assert code_of("[1, 2]") == m.BAD_MESSAGE
+    assert code_of('{"type": "heartbeat", "seq": 1, "extra": true}') == m.BAD_MESSAGE
+    assert code_of('{"type": "heartbeat"}') == m.BAD_MESSAGE
+
+
+def test_protocol_version_is_checked_before_the_rest_of_hello() -> None:
+    future = json.loads(encode(HELLO))
+    future["protocol_version"] = m.PROTOCOL_VERSION + 1
+    future["a_field_from_the_future"] = {}
+    with pytest.raises(WireError) as info:
+        decode(json.dumps(future), m.AgentMessage)
+    assert info.value.code == m.PROTOCOL
+    assert f"speaks protocol {m.PROTOCOL_VERSION + 1!r}" in str(info.value)
