@@ -1,0 +1,151 @@
+"""The node registry: what the control plane knows of each node, and each node's state.
+
+Pure and synchronous: callers pass `now` (trio's clock, so tests run on MockClock) and the
+registry never does I/O. Durable intent (cordon, drain, known nodes) comes from the store at
+start and is mirrored here by the caller; observed state (inventory, engines) arrives with
+each agent session and is never persisted.
+
+Liveness, from the heartbeats of the agent's current process:
+
+    joining  connected, no heartbeat yet from this agent process
+    joined   a heartbeat from this agent process within the TTL
+    lost     none within the TTL (or never, once the control plane has run for a TTL)
+    unknown  known from before a control-plane restart, not yet reconnected, within the first TTL
+
+"Joined" needs a heartbeat since the agent last started: a node merely known from before, or
+a cordoned node re-added, counts only once its new agent process has heartbeated.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from llmgw.wire.agent_link import Hello, Inventory
+
+JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
+
+
+@attrs.define(kw_only=True)
+class Session:
+    """One agent process's link, from its hello; replaced when the agent restarts."""
+
+    conn_id: int
+    address: str
+    hello: Hello
+    cert_serial: int
+    cert_not_after: float  # unix time
+    connected_at: float
+    connected: bool = True
+    last_heartbeat_at: float | None = None
+
+
+@attrs.define(kw_only=True)
+class Node:
+    node_id: str
+    cordoned: bool = False
+    draining: bool = False
+    address: str = ""
+    session: Session | None = None
+    inventory: Inventory | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Transition:
+    node_id: str
+    old: str
+    new: str
+
+
+class Registry:
+    def __init__(self, *, heartbeat_ttl_s: float, started_at: float) -> None:
+        self.ttl = heartbeat_ttl_s
+        self.started_at = started_at
+        self.nodes: dict[str, Node] = {}
+        self._last_states: dict[str, str] = {}
+        self._next_conn = 0
+
+    # -- intent (mirrors the store) -------------------------------------------------------
+
+    def know(self, node_id: str, *, address: str = "", cordoned: bool = False, draining: bool = False) -> Node:
+        node = self.nodes.setdefault(node_id, Node(node_id=node_id))
+        node.address = node.address or address
+        node.cordoned, node.draining = cordoned, draining
+        return node
+
+    def forget(self, node_id: str) -> Node | None:
+        self._last_states.pop(node_id, None)
+        return self.nodes.pop(node_id, None)
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def connect(self, hello: Hello, *, address: str, cert_serial: int, cert_not_after: float, now: float) -> int:
+        """A hello arrived on a new link; returns the connection id that later calls name."""
+        self._next_conn += 1
+        node = self.nodes.setdefault(hello.node_id, Node(node_id=hello.node_id))
+        node.address = address
+        node.inventory = hello.inventory
+        old = node.session
+        node.session = Session(
+            conn_id=self._next_conn,
+            address=address,
+            hello=hello,
+            cert_serial=cert_serial,
+            cert_not_after=cert_not_after,
+            connected_at=now,
+        )
+        # A reconnect of the same agent process (same start time and boot) keeps its heartbeat:
+        # the node did not stop being joined because a TCP connection was replaced.
+        if old is not None and (old.hello.started_at, old.hello.boot_id) == (hello.started_at, hello.boot_id):
+            node.session.last_heartbeat_at = old.last_heartbeat_at
+        return self._next_conn
+
+    def heartbeat(self, node_id: str, conn_id: int, now: float) -> None:
+        session = self._session(node_id, conn_id)
+        if session is not None:
+            session.last_heartbeat_at = now
+
+    def inventory_changed(self, node_id: str, conn_id: int, inventory: Inventory) -> None:
+        if self._session(node_id, conn_id) is not None:
+            self.nodes[node_id].inventory = inventory
+
+    def disconnect(self, node_id: str, conn_id: int) -> None:
+        session = self._session(node_id, conn_id)
+        if session is not None:
+            session.connected = False
+
+    def _session(self, node_id: str, conn_id: int) -> Session | None:
+        node = self.nodes.get(node_id)
+        if node is None or node.session is None or node.session.conn_id != conn_id:
+            return None  # a stale link of a replaced session, or a forgotten node
+        return node.session
+
+    # -- state ----------------------------------------------------------------------------
+
+    def liveness(self, node: Node, now: float) -> str:
+        s = node.session
+        if s is None:
+            return LOST if now - self.started_at > self.ttl else UNKNOWN
+        if s.last_heartbeat_at is None:
+            return JOINING if s.connected and now - s.connected_at <= self.ttl else LOST
+        return JOINED if now - s.last_heartbeat_at <= self.ttl else LOST
+
+    def transitions(self, now: float) -> list[Transition]:
+        """Liveness changes since the last call, for logging and for whoever reacts to them."""
+        out = []
+        for node_id, node in sorted(self.nodes.items()):
+            new = self.liveness(node, now)
+            old = self._last_states.get(node_id, UNKNOWN)
+            if new != old:
+                out.append(Transition(node_id=node_id, old=old, new=new))
+                self._last_states[node_id] = new
+        return out
+
+    def next_deadline(self, now: float) -> float:
+        """The earliest time a node's liveness can change without a message arriving."""
+        times = [self.started_at + self.ttl]
+        for node in self.nodes.values():
+            s = node.session
+            if s is not None:
+                times.append((s.last_heartbeat_at if s.last_heartbeat_at is not None else s.connected_at) + self.ttl)
+        future = [t for t in times if t >= now]
+        return min(future) + 1e-3 if future else now + self.ttl
