@@ -1,0 +1,144 @@
+"""The h11 server adapter, driven over in-memory streams with a fake clock."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from llmgw.server import http
+
+pytestmark = pytest.mark.trio
+
+
+async def echo(request: http.Request) -> http.Response:
+    if request.path == "/boom":
+        raise RuntimeError("handler bug")
+    if request.path == "/refuse":
+        raise http.HTTPError(409, "no, because")
+    return http.Response.json(200, {"method": request.method, "path": request.path, "body": request.body.decode()})
+
+
+class Client:
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def send(self, method: str, target: str, body: bytes = b"", headers=()) -> None:
+        hdrs = [("host", "test"), ("content-length", str(len(body))), *headers]
+        await self.stream.send_all(self.conn.send(h11.Request(method=method, target=target, headers=hdrs)))
+        await self.stream.send_all(self.conn.send(h11.Data(data=body)) if body else b"")
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+    async def response(self) -> tuple[int, bytes, dict[str, str]]:
+        status, body, headers = None, b"", {}
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await self.stream.receive_some(65536))
+                continue
+            if isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+                    self.conn.start_next_cycle()
+                return status, body, headers
+            elif isinstance(event, h11.ConnectionClosed):
+                raise EOFError
+
+
+async def start(nursery: trio.Nursery, limits: http.Limits = http.Limits()) -> Client:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    nursery.start_soon(http._serve_connection, echo, limits, server_stream)
+    return Client(client_stream)
+
+
+async def test_keep_alive_serves_several_requests_in_order() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery)
+        for i in range(3):
+            await c.send("POST", f"/r{i}?x=1", body=b"hello")
+            status, body, headers = await c.response()
+            assert status == 200 and f'"path":"/r{i}"'.encode() in body and b'"body":"hello"' in body
+            assert headers["content-type"] == "application/json"
+        nursery.cancel_scope.cancel()
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery)
+        raw = b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nGET /b HTTP/1.1\r\nhost: t\r\n\r\n"
+        await c.stream.send_all(raw)
+        c.conn.send(h11.Request(method="GET", target="/a", headers=[("host", "t")]))
+        c.conn.send(h11.EndOfMessage())
+        assert b'"/a"' in (await c.response())[1]
+        c.conn.send(h11.Request(method="GET", target="/b", headers=[("host", "t")]))
+        c.conn.send(h11.EndOfMessage())
+        assert b'"/b"' in (await c.response())[1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_errors_are_json_with_their_status() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery)
+        await c.send("GET", "/refuse")
+        status, body, _ = await c.response()
+        assert status == 409 and b'"message":"no, because"' in body
+        await c.send("GET", "/boom")
+        status, body, _ = await c.response()
+        assert status == 500 and b"server_error" in body
+        await c.send("GET", "/after-a-bug")  # the connection survives a handler's bug
+        assert (await c.response())[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_body_over_the_limit_is_413_before_it_is_read() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery, http.Limits(max_body_bytes=10))
+        await c.send("POST", "/x", body=b"x" * 11)
+        status, body, headers = await c.response()
+        assert status == 413 and b"larger than the limit of 10" in body
+        assert headers["connection"] == "close"
+        nursery.cancel_scope.cancel()
+
+
+async def test_oversized_head_is_refused() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery, http.Limits(max_head_bytes=200))
+        await c.send("GET", "/x", headers=[("x-big", "y" * 400)])
+        status, _, _ = await c.response()
+        assert status == 431
+        nursery.cancel_scope.cancel()
+
+
+async def test_malformed_request_is_400() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery)
+        await c.stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+        c.conn.send(h11.Request(method="GET", target="/", headers=[("host", "t")]))
+        status, body, _ = await c.response()
+        assert status == 400 and b"malformed HTTP request" in body
+        nursery.cancel_scope.cancel()
+
+
+async def test_stalled_body_times_out_with_408(autojump_clock: trio.testing.MockClock) -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start(nursery, http.Limits(body_timeout_s=5))
+        await c.stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\n\r\nonly-some")
+        c.conn.send(h11.Request(method="POST", target="/x", headers=[("host", "t"), ("content-length", "100")]))
+        before = trio.current_time()
+        status, body, _ = await c.response()
+        assert status == 408 and trio.current_time() - before == pytest.approx(5, abs=0.1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_idle_connection_is_closed_after_the_head_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    with trio.fail_after(100):
+        await http._serve_connection(echo, http.Limits(head_timeout_s=30), server_stream)
+    assert trio.current_time() == pytest.approx(30, abs=0.1)
+    assert await client_stream.receive_some(10) == b""
