@@ -36,7 +36,10 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["frobnicate"])
     assert exit_info.value.code == cli.EXIT_USAGE
-    assert "unknown command 'frobnicate' (one of: config, version)" in capsys.readouterr().err
+    names = [c.name for c in cli.COMMANDS]
+    assert names == sorted(names)
+    assert "ca" in names
+    assert f"unknown command 'frobnicate' (one of: {', '.join(names)})" in capsys.readouterr().err
 
 
 def test_usage_error_prints_that_commands_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,9 @@ from testlib.proc import build_root, run_llmgw
 
 def pex() -> Path:
     path = build_root() / "llmgw.pex"
-    assert path.is_file(), f"{path} missing: the test target must list src/python/llmgw:llmgw in runtime_package_dependencies"
+    assert path.is_file(), (
+        f"{path} missing: the test target must list src/python/llmgw:llmgw in runtime_package_dependencies"
+    )
     return path
 
 
@@ -22,7 +24,11 @@ def run_pex(*args: str) -> subprocess.CompletedProcess:
 def test_same_help_same_usage_error() -> None:
     for args in (["--help"], ["config", "check", "--help"], ["config"]):
         packaged, module = run_pex(*args), run_llmgw(*args)
-        assert (packaged.returncode, packaged.stdout, packaged.stderr) == (module.returncode, module.stdout, module.stderr)
+        assert (packaged.returncode, packaged.stdout, packaged.stderr) == (
+            module.returncode,
+            module.stdout,
+            module.stderr,
+        )
 
 
 def test_packaged_version_knows_its_commit() -> None:

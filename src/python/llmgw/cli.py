@@ -35,7 +35,12 @@ class CommandSpec:
 
 # Only commands that work are listed; `llmgw --help` prints exactly these.
 COMMANDS: tuple[CommandSpec, ...] = (
+    CommandSpec("agent", "llmgw.commands.agent", "the node side: run the agent, make the node's key and CSR"),
+    CommandSpec("ca", "llmgw.commands.ca", "the cluster's certificate authority: init, show, server-cert, issue"),
     CommandSpec("config", "llmgw.commands.config", "check server.toml and agent.toml"),
+    CommandSpec("ctl", "llmgw.commands.ctl", "operate a running cluster: nodes, cordon, uncordon"),
+    CommandSpec("node", "llmgw.commands.node", "cluster membership: remove a node and revoke its certificate"),
+    CommandSpec("server", "llmgw.commands.server", "run the control plane: agent endpoint and admin API"),
     CommandSpec("version", "llmgw.commands.version", "print version, commit, architecture and Python"),
 )
 

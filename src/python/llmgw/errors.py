@@ -40,3 +40,25 @@ class MachineError(LlmgwError):
 
 class PeerError(LlmgwError):
     """The other end (control plane, agent, engine, SSH host) refused or failed."""
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or [exc] itself.
+
+    trio nurseries wrap whatever a task raises in an exception group; code that must react to
+    one kind of failure looks at the leaves. (`except*` would do this, but nodes run 3.10.)
+    """
+    group = getattr(exc, "exceptions", None)
+    if not isinstance(group, tuple):
+        return [exc]
+    return [leaf for inner in group for leaf in leaves(inner)]
+
+
+def find(exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first leaf of `exc` that is an instance of `kind`, if any."""
+    return next((e for e in leaves(exc) if isinstance(e, kind)), None)
+
+
+def only(exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> bool:
+    """Whether every leaf of `exc` is an instance of `kind`."""
+    return all(isinstance(e, kind) for e in leaves(exc))

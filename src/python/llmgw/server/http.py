@@ -97,8 +97,12 @@ async def serve_http(
     await trio.serve_listeners(lambda stream: _serve_connection(handler, limits, stream), listeners)
 
 
-def bound_address(listeners: list[trio.SocketListener]) -> tuple[str, int]:
-    host, port = listeners[0].socket.getsockname()[:2]
+def bound_address(listeners: list) -> tuple[str, int]:
+    """(host, port) a SocketListener or an SSLListener over one is bound to."""
+    listener = listeners[0]
+    while not isinstance(listener, trio.SocketListener):
+        listener = listener.transport_listener
+    host, port = listener.socket.getsockname()[:2]
     return host, port
 
 
@@ -118,9 +122,11 @@ async def _serve_connection(handler: Handler, limits: Limits, stream: trio.abc.S
                 response = await handler(request)
             except HTTPError as exc:
                 response = error_response(exc.status, exc.message, exc.kind, exc.headers)
-            except Exception:  # noqa: BLE001 - one bad request must not take the server down
+            except Exception:
                 log.exception("http_handler_failed", method=request.method, path=request.path)
-                response = error_response(500, "internal error in llmgw; the server's log has the traceback", "server_error")
+                response = error_response(
+                    500, "internal error in llmgw; the server's log has the traceback", "server_error"
+                )
             await _send_response(conn, stream, response)
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return

@@ -79,7 +79,9 @@ class Store:
             "SELECT node_id, first_seen, last_seen, address, cordoned, draining FROM nodes ORDER BY node_id"
         ).fetchall()
         return [
-            NodeRow(node_id=r[0], first_seen=r[1], last_seen=r[2], address=r[3], cordoned=bool(r[4]), draining=bool(r[5]))
+            NodeRow(
+                node_id=r[0], first_seen=r[1], last_seen=r[2], address=r[3], cordoned=bool(r[4]), draining=bool(r[5])
+            )
             for r in rows
         ]
 
@@ -150,4 +152,6 @@ class UnknownNode(UsageError):
     def __init__(self, node_id: str, known: list[str]) -> None:
         self.node_id = node_id
         listing = ", ".join(known) if known else "none"
-        super().__init__(f"no node {node_id!r} is known to this control plane (known nodes: {listing}); see `llmgw ctl nodes`")
+        super().__init__(
+            f"no node {node_id!r} is known to this control plane (known nodes: {listing}); see `llmgw ctl nodes`"
+        )

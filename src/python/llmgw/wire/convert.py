@@ -27,7 +27,14 @@ def _tag(cls: type) -> str:
 converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
 
 # One union of everything either side may send; AgentMessage and ServerMessage are its halves.
-_ALL = agent_link.Hello | agent_link.Heartbeat | agent_link.InventoryChanged | agent_link.Welcome | agent_link.DesiredState | agent_link.LinkError
+_ALL = (
+    agent_link.Hello
+    | agent_link.Heartbeat
+    | agent_link.InventoryChanged
+    | agent_link.Welcome
+    | agent_link.DesiredState
+    | agent_link.LinkError
+)
 configure_tagged_union(_ALL, converter, tag_generator=_tag, tag_name=TAG)
 TYPES = {_tag(cls): cls for cls in get_args(_ALL)}
 

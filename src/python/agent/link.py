@@ -1,0 +1,242 @@
+"""The agent's side of the link: dial the control plane, prove who we are, stay connected.
+
+One session: TCP, then the TLS handshake with the node certificate (done first and on its own,
+so a refused certificate is an immediate, clear error and not a WebSocket timeout), then the
+WebSocket upgrade naming our node id, `Hello`, and heartbeats until the link breaks.
+
+Between sessions the agent waits with exponential backoff and full jitter, and keeps its work:
+nothing here stops replicas. Every failure is logged once per attempt with the reason in the
+operator's terms and the fix (`describe_failure`).
+"""
+
+from __future__ import annotations
+
+import random
+import ssl
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import attrs
+import trio
+import trio_websocket
+
+from llmgw import pki
+from llmgw.errors import UsageError, find, leaves, only
+from llmgw.log import get_logger
+from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
+from llmgw.wire.errors import WireError
+
+log = get_logger("llmgw.agent.link")
+
+AGENT_PATH = "/v1/agent"
+NODE_ID_HEADER = b"x-llmgw-node-id"
+CONNECT_TIMEOUT_S = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class Backoff:
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    factor: float = 2.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        # Full jitter: many agents refused together (a control-plane restart) do not return together.
+        return rng.uniform(0, min(self.max_s, self.initial_s * self.factor**attempt))
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme != "wss" or not parts.hostname:
+            raise UsageError(f"control plane URL {url!r} must look like wss://HOST:PORT")
+        return cls(host=parts.hostname, port=parts.port or 443)
+
+
+class SessionRefused(Exception):
+    """The control plane (or TLS) refused this agent; `reason` says why and what to do."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@attrs.define(kw_only=True)
+class LinkState:
+    """What the rest of the agent can read about the link."""
+
+    connected: bool = False
+    attempts: int = 0
+    last_error: str = ""
+    desired: w.DesiredState | None = None
+    sessions: int = 0
+
+
+class AgentLink:
+    def __init__(
+        self,
+        *,
+        target: Target,
+        node_id: str,
+        ssl_context: ssl.SSLContext,
+        make_hello: Callable[[], w.Hello],
+        backoff: Backoff = Backoff(),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.target = target
+        self.node_id = node_id
+        self.ssl_context = ssl_context
+        self.make_hello = make_hello
+        self.backoff = backoff
+        self.rng = rng or random.Random()
+        self.state = LinkState()
+        self._desired_changed = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a session open forever, reconnecting with backoff; never returns."""
+        task_status.started()
+        failures = 0
+        while True:
+            self.state.attempts += 1
+            try:
+                await self.run_session()
+                failures = 0  # the session ran and ended: reconnect promptly
+                reason = "the control plane closed the link"
+            except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
+                reason = self.reason_of(exc)
+            self.state.connected = False
+            self.state.last_error = reason
+            delay = self.backoff.delay(failures, self.rng)
+            failures += 1
+            log.warning(
+                "link_down", server=f"{self.target.host}:{self.target.port}", reason=reason, retry_in_s=round(delay, 2)
+            )
+            await trio.sleep(delay)
+
+    def reason_of(self, exc: BaseException) -> str:
+        refused = find(exc, SessionRefused)
+        if refused is not None:
+            return refused.reason
+        rejected = find(exc, trio_websocket.ConnectionRejected)
+        if rejected is not None:
+            body = (rejected.body or b"").decode("utf-8", "replace").strip()
+            return f"the control plane refused this node (HTTP {rejected.status_code}): {body}"
+        closed = find(exc, trio_websocket.ConnectionClosed)
+        if closed is not None and pki.describe_tls_failure(exc, side="client") is None:
+            return f"the link closed: {closed.reason}"
+        if only(
+            exc,
+            (
+                OSError,
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+                trio.TooSlowError,
+                trio_websocket.HandshakeError,
+                trio_websocket.ConnectionClosed,
+            ),
+        ):
+            return describe_failure(exc, self.target)
+        log.exception("link_failed_unexpectedly", server=f"{self.target.host}:{self.target.port}")
+        return f"unexpected failure: {leaves(exc)[0]!r} (a bug in llmgw; the log above has the traceback)"
+
+    async def run_session(self) -> None:
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            tcp = await trio.open_tcp_stream(self.target.host, self.target.port)
+            stream = trio.SSLStream(tcp, self.ssl_context, server_hostname=self.target.host, https_compatible=True)
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError:
+                await pki.send_tls_alert(stream)  # tells the server why we hung up (e.g. its cert)
+                raise
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(CONNECT_TIMEOUT_S):
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        stream,
+                        self.target.host,
+                        AGENT_PATH,
+                        extra_headers=[(NODE_ID_HEADER, self.node_id.encode())],
+                    )
+                try:
+                    await self._converse(ws)
+                finally:
+                    with trio.move_on_after(1) as cleanup:
+                        cleanup.shield = True
+                        await ws.aclose()
+                nursery.cancel_scope.cancel()
+        finally:
+            self.state.connected = False
+
+    async def _converse(self, ws: trio_websocket.WebSocketConnection) -> None:
+        await ws.send_message(encode(self.make_hello()))
+        welcome = await self._receive(ws)
+        if not isinstance(welcome, w.Welcome):
+            raise SessionRefused(f"expected a welcome from the control plane, got {type(welcome).__name__}")
+        self.state.connected = True
+        self.state.sessions += 1
+        log.info("link_up", server=f"{self.target.host}:{self.target.port}", node=self.node_id)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, ws, welcome.heartbeat_interval_s)
+            while True:
+                message = await self._receive(ws)
+                if isinstance(message, w.DesiredState):
+                    self.state.desired = message
+                    self._desired_changed.set()
+                    self._desired_changed = trio.Event()
+
+    async def _receive(self, ws: trio_websocket.WebSocketConnection) -> w.ServerMessage:
+        try:
+            message = decode(await ws.get_message(), w.ServerMessage)
+        except WireError as exc:
+            await ws.send_message(encode(w.LinkError(code=exc.code, message=str(exc))))
+            raise SessionRefused(f"the control plane sent something this agent does not understand: {exc}") from None
+        if isinstance(message, w.LinkError):
+            raise SessionRefused(f"the control plane closed the link: {message.message}")
+        return message
+
+    async def _heartbeats(self, ws: trio_websocket.WebSocketConnection, interval: float) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            await ws.send_message(encode(w.Heartbeat(seq=seq)))
+            await trio.sleep(interval)
+
+
+def describe_failure(exc: BaseException, target: Target) -> str:
+    """One line for the operator: what failed and what to do."""
+    where = f"{target.host}:{target.port}"
+    tls = pki.describe_tls_failure(exc, side="client")
+    if tls:
+        return tls
+    root = _root_cause(exc)
+    if isinstance(root, ConnectionRefusedError):
+        return f"nothing listens at {where}: is `llmgw server` running there, and agent_listen set to this port?"
+    if isinstance(root, trio.TooSlowError):
+        return f"no answer from {where} within {CONNECT_TIMEOUT_S:g} s: check the address, routes and firewalls"
+    if isinstance(root, OSError):
+        return f"cannot reach {where}: {root.strerror or root}"
+    return f"the link to {where} failed: {root!r}"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        group = getattr(exc, "exceptions", None)  # an exception group (3.10 has only the backport)
+        if group:
+            exc = group[0]  # trio's happy eyeballs: every address failed, the first says how
+            continue
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None:
+            break
+        exc = nxt
+    return exc

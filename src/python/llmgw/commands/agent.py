@@ -1,0 +1,49 @@
+"""`llmgw agent`: the node side. The only module of llmgw that imports the `agent` package."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import trio
+
+from llmgw import config as cfg
+from llmgw import pki
+from llmgw.cli import Parser, add_group, add_leaf
+
+DEFAULT_CONFIG = "/etc/llmgw/agent.toml"
+
+
+def configure(parser: Parser) -> None:
+    sub = add_group(parser, "verb")
+    run = add_leaf(
+        sub, "run", "run the agent: connect to the control plane and keep the node's work running", run_agent
+    )
+    run.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
+    csr = add_leaf(
+        sub,
+        "csr",
+        "make this node's private key (kept here) and a certificate signing request for the control plane",
+        run_csr,
+    )
+    csr.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from agent.main import run_agent as serve
+
+    trio.run(serve, cfg.load_agent_config(args.config))
+    return 0
+
+
+def run_csr(args: argparse.Namespace) -> int:
+    from agent.main import node_id_of
+
+    config = cfg.load_agent_config(args.config)
+    node_id = node_id_of(config)
+    files = pki.write_node_key_and_csr(Path(config.state_dir), node_id)
+    print(f"key (stays on this node): {files.key}")
+    print(f"certificate signing request for node {node_id!r}: {files.csr}")
+    print(f"on the control plane: llmgw ca issue {node_id} --csr node.csr --out node.crt")
+    print(f"then copy node.crt to {files.cert} and the CA's ca.crt to {files.ca_cert}")
+    return 0

@@ -1,0 +1,248 @@
+"""`llmgw ca`: create the cluster's certificate authority, show it, reissue the server certificate,
+issue node certificates by hand.
+
+Runs on the control plane, which is the only machine that holds the CA key. Also owns how a
+control-plane command finds its files (`add_server_options`, `resolve_server_paths`), which
+`llmgw server` and `llmgw node` reuse: --state-dir, else $LLMGW_STATE_DIR, else the config's
+[server].state_dir; the config is --config, else /etc/llmgw/server.toml if it exists, else the
+defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cryptography import x509
+
+from llmgw import config, pki
+from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.errors import MachineError, UsageError
+from llmgw.log import get_logger
+from llmgw.paths import STATE_DIR_ENV, ensure_admin_token, state_dir_from
+
+log = get_logger("llmgw.ca")
+
+DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.toml")
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("control plane")
+    group.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"where the control plane keeps its state (default: ${STATE_DIR_ENV}, else [server].state_dir of the config)",
+    )
+    group.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"server.toml (default: {DEFAULT_SERVER_CONFIG} if it exists, else built-in defaults)",
+    )
+
+
+def resolve_server_paths(args: argparse.Namespace) -> tuple[config.ServerConfig, Path]:
+    """The server config and state directory a control-plane command works on."""
+    path = getattr(args, "config", None)
+    if path is None and DEFAULT_SERVER_CONFIG.exists():
+        path = DEFAULT_SERVER_CONFIG
+    cfg = config.load_server_config(path) if path is not None else config.ServerConfig()
+    return cfg, state_dir_from(getattr(args, "state_dir", None), cfg.server.state_dir)
+
+
+def configure(parser: Parser) -> None:
+    sub = add_group(parser, "verb")
+
+    init = add_leaf(sub, "init", "create the certificate authority and the agent endpoint's certificate", run_init)
+    add_server_options(init)
+    init.add_argument("--validity-days", type=int, metavar="N", help="of the CA (default: [ca].ca_validity_days)")
+    _add_san_option(init, required=False)
+    add_json_flag(init)
+
+    show = add_leaf(
+        sub, "show", "show the CA and the server certificate: subject, fingerprint, expiry, addresses", run_show
+    )
+    add_server_options(show)
+    add_json_flag(show)
+
+    server = add_leaf(
+        sub, "server-cert", "reissue the agent endpoint's certificate for these addresses", run_server_cert
+    )
+    add_server_options(server)
+    _add_san_option(server, required=True)
+    server.add_argument("--validity-days", type=int, metavar="N", help="default: [ca].server_cert_validity_days")
+    add_json_flag(server)
+
+    issue = add_leaf(sub, "issue", "sign a node's request, or make a node key and certificate by hand", run_issue)
+    add_server_options(issue)
+    issue.add_argument("node_id", metavar="NODE_ID", help="the node's hostname; becomes the certificate's CN")
+    issue.add_argument("--csr", type=Path, metavar="FILE", help="the node's request (node.csr) to sign")
+    issue.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="with --csr: the certificate file to write (default: standard output); "
+        "without: a directory to write node.key, node.crt and ca.crt into",
+    )
+    issue.add_argument("--validity-days", type=int, metavar="N", help="default: [ca].node_cert_validity_days")
+
+
+def _add_san_option(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--san",
+        action="append",
+        metavar="ADDR",
+        required=required,
+        help="an address (IP or DNS name) agents dial to reach the control plane; repeat for each"
+        + ("" if required else " (default: [server].advertise, else localhost and 127.0.0.1)"),
+    )
+
+
+def run_init(args: argparse.Namespace) -> int:
+    cfg, state_dir = resolve_server_paths(args)
+    sans = args.san or list(cfg.server.advertise) or ["localhost", "127.0.0.1"]
+    pki.parse_sans(sans)  # a bad address must fail before the CA exists, not after
+    ca_info = pki.init_ca(state_dir, validity_days=_or(args.validity_days, cfg.ca.ca_validity_days))
+    ca = pki.load_ca(state_dir)
+    server_info = ca.issue_server_cert(state_dir, sans, validity_days=cfg.ca.server_cert_validity_days)
+    token_path = ensure_admin_token(state_dir)
+    paths = pki.ca_paths(state_dir)
+    log.info("ca_created", dir=str(paths.dir), fingerprint=ca_info.fingerprint_sha256, sans=list(server_info.sans))
+    if args.json:
+        _print_json(ca_info, server_info, paths)
+    else:
+        print(f"created the certificate authority in {paths.dir}")
+        _print_cert("CA", paths.ca_cert, ca_info)
+        _print_cert("server", paths.server_cert, server_info)
+        print(f"admin credential (for `llmgw ctl`, readable only by you): {token_path}")
+        print(f"keep {paths.ca_key} on this machine and back it up: every node certificate hangs off it")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    _, state_dir = resolve_server_paths(args)
+    paths = pki.ca_paths(state_dir)
+    if not _exists(paths.ca_cert):
+        pki.load_ca(state_dir)  # raises the error that says how to create one
+    ca_info = pki.cert_info(pki.load_cert(paths.ca_cert))  # the certificate only: no need to read the key
+    server_info = pki.cert_info(pki.load_cert(paths.server_cert)) if _exists(paths.server_cert) else None
+    if args.json:
+        _print_json(ca_info, server_info, paths)
+        return 0
+    _print_cert("CA", paths.ca_cert, ca_info)
+    if server_info is None:
+        print(f"server: none; issue it with `llmgw ca server-cert --state-dir {state_dir} --san ADDRESS`")
+    else:
+        _print_cert("server", paths.server_cert, server_info)
+    return 0
+
+
+def run_server_cert(args: argparse.Namespace) -> int:
+    cfg, state_dir = resolve_server_paths(args)
+    ca = pki.load_ca(state_dir)
+    info = ca.issue_server_cert(
+        state_dir, args.san, validity_days=_or(args.validity_days, cfg.ca.server_cert_validity_days)
+    )
+    paths = pki.ca_paths(state_dir)
+    log.info("server_cert_issued", sans=list(info.sans), fingerprint=info.fingerprint_sha256)
+    if args.json:
+        _print_json(None, info, paths)
+    else:
+        _print_cert("server", paths.server_cert, info)
+        print("restart `llmgw server` so the agent endpoint presents it")
+    return 0
+
+
+def run_issue(args: argparse.Namespace) -> int:
+    if args.csr is None and args.out is None:
+        raise UsageError(
+            "give --csr FILE to sign a node's request (the node keeps its key), "
+            "or --out DIR to make a key and certificate into DIR by hand"
+        )
+    if args.csr is not None and args.out is not None and args.out.is_dir():
+        raise UsageError(f"with --csr, --out names the certificate file to write, and {args.out} is a directory")
+    pki.check_node_id(args.node_id)
+    cfg, state_dir = resolve_server_paths(args)
+    ca = pki.load_ca(state_dir)
+    days = _or(args.validity_days, cfg.ca.node_cert_validity_days)
+    if args.csr is None:
+        paths = pki.issue_to_dir(ca, args.node_id, args.out, validity_days=days)
+        info = pki.cert_info(pki.load_cert(paths.cert))
+        _record(state_dir, args.node_id, info)
+        log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=True)
+        _print_cert("node", paths.cert, info)
+        print(f"copy {paths.key}, {paths.cert} and {paths.ca_cert} into the node's pki directory; delete them here")
+        return 0
+    try:
+        csr_pem = args.csr.read_bytes()
+    except OSError as exc:
+        raise UsageError(
+            f"cannot read the request {args.csr}: {exc.strerror or exc}; pass the node's node.csr"
+        ) from None
+    cert_pem = ca.sign_csr(csr_pem, args.node_id, validity_days=days)
+    info = pki.cert_info(x509.load_pem_x509_certificate(cert_pem))
+    _record(state_dir, args.node_id, info)
+    log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=False)
+    if args.out is None:
+        print(cert_pem.decode(), end="")
+    else:
+        pki.write_cert(args.out, cert_pem)
+        _print_cert("node", args.out, info)
+    return 0
+
+
+def _record(state_dir: Path, node_id: str, info: pki.CertInfo) -> None:
+    """Remember the serial, so `llmgw node remove` revokes this certificate even if it never connected."""
+    from llmgw.server.store import Store
+
+    store = Store.open(state_dir)
+    try:
+        store.record_certificate(info.serial, node_id, info.not_after.timestamp())
+    finally:
+        store.close()
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except PermissionError:  # the ca directory is 0700: only its owner may look inside
+        raise MachineError(
+            f"cannot read {path.parent}: permission denied; run as the user that owns it (e.g. with sudo)"
+        ) from None
+
+
+def _or(given: int | None, default: int) -> int:
+    return default if given is None else given
+
+
+def _print_cert(role: str, path: Path, info: pki.CertInfo) -> None:
+    print(f"{role} certificate {path}")
+    print(f"  subject:     {info.subject}")
+    print(f"  fingerprint: {info.fingerprint_sha256}")
+    print(f"  expires:     {info.not_after:%Y-%m-%d %H:%M:%S} UTC")
+    if info.sans:
+        print(f"  addresses:   {', '.join(info.sans)}")
+
+
+def _print_json(ca: pki.CertInfo | None, server: pki.CertInfo | None, paths: pki.CAPaths) -> None:
+    out: dict = {"dir": str(paths.dir)}
+    if ca is not None:
+        out["ca"] = {"path": str(paths.ca_cert), **_info_dict(ca)}
+    out["server"] = None if server is None else {"path": str(paths.server_cert), **_info_dict(server)}
+    print(json.dumps(out, indent=2))
+
+
+def _info_dict(info: pki.CertInfo) -> dict:
+    return {
+        "subject": info.subject,
+        "issuer": info.issuer,
+        "common_name": info.common_name,
+        "serial": str(info.serial),  # 159 bits: JSON readers would round a number
+        "fingerprint_sha256": info.fingerprint_sha256,
+        "not_before": info.not_before.isoformat(),
+        "not_after": info.not_after.isoformat(),
+        "sans": list(info.sans),
+        "is_ca": info.is_ca,
+    }

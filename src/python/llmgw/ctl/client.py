@@ -1,0 +1,86 @@
+"""The admin API client used by `llmgw ctl` and `llmgw node remove`.
+
+Finds the control plane in one of two ways: `--server URL` with `--credential FILE`, or a
+local control plane's state directory (`--state-dir`, $LLMGW_STATE_DIR, or the default), whose
+`admin.url` a running server wrote and whose `admin.token` is the credential. Synchronous:
+one request per command, stdlib `http.client`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from llmgw import paths
+from llmgw.config import DEFAULT_SERVER_STATE_DIR
+from llmgw.errors import MachineError, PeerError, UsageError
+
+TIMEOUT_S = 30.0
+
+
+class AdminClient:
+    def __init__(self, url: str, token: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UsageError(f"admin URL {url!r} must look like http://HOST:PORT")
+        self.url = url.rstrip("/")
+        self._parts = parts
+        self._token = token
+
+    @classmethod
+    def locate(cls, *, server: str | None, credential: str | None, state_dir: str | None) -> AdminClient:
+        if server:
+            if not credential:
+                raise UsageError("--server needs --credential FILE (a copy of the control plane's admin.token)")
+            return cls(server, paths.read_admin_token(Path(credential)))
+        directory = paths.state_dir_from(state_dir, DEFAULT_SERVER_STATE_DIR)
+        url_file = paths.admin_url_path(directory)
+        token_file = Path(credential) if credential else paths.admin_token_path(directory)
+        try:
+            url = url_file.read_text().strip()
+        except FileNotFoundError:
+            raise MachineError(
+                f"no control plane has run with state directory {directory} ({url_file} is missing); start "
+                "`llmgw server`, or point at one with --state-dir DIR or --server URL --credential FILE"
+            ) from None
+        except PermissionError:
+            raise MachineError(f"cannot read {url_file}; run the command with sudo") from None
+        return cls(url, paths.read_admin_token(token_file))
+
+    def request(self, method: str, path: str) -> Any:
+        conn_cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(self._parts.hostname, self._parts.port, timeout=TIMEOUT_S)
+        try:
+            conn.request(method, path, headers={"authorization": f"Bearer {self._token}", "accept": "application/json"})
+            response = conn.getresponse()
+            body = response.read()
+        except ConnectionRefusedError:
+            raise PeerError(f"no control plane answers at {self.url}: is `llmgw server` running?") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"the admin API at {self.url} failed: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            data = json.loads(body or b"null")
+        except ValueError:
+            raise PeerError(
+                f"the admin API at {self.url} answered {response.status} with a body that is not JSON"
+            ) from None
+        if response.status >= 400:
+            message = (data or {}).get("error", {}).get("message", body.decode("utf-8", "replace"))
+            error = UsageError if response.status in (404, 405) else PeerError
+            raise error(f"{message} (HTTP {response.status} from {self.url})")
+        return data
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.request("GET", "/admin/v1/nodes")["nodes"]
+
+    def cordon(self, node_id: str, cordoned: bool) -> dict[str, Any]:
+        action = "cordon" if cordoned else "uncordon"
+        return self.request("POST", f"/admin/v1/nodes/{quote(node_id, safe='')}/{action}")["node"]
+
+    def remove_node(self, node_id: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/admin/v1/nodes/{quote(node_id, safe='')}")

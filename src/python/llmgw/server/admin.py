@@ -1,0 +1,82 @@
+"""The admin API: what `llmgw ctl` and `llmgw node remove` call, under /admin/v1/.
+
+Every request carries the admin credential as `Authorization: Bearer TOKEN`; without it, or
+with a wrong one, the answer is 401 with what to do. Routes:
+
+    GET    /admin/v1/nodes                 every node with its state and inventory
+    POST   /admin/v1/nodes/NODE/cordon     no new work for the node
+    POST   /admin/v1/nodes/NODE/uncordon
+    DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import TYPE_CHECKING
+
+from llmgw.log import get_logger
+from llmgw.server.http import HTTPError, Request, Response
+from llmgw.server.store import UnknownNode
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+log = get_logger("llmgw.admin")
+
+PREFIX = "/admin/v1/"
+_NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon))?$")
+
+
+class AdminAPI:
+    def __init__(self, plane: ControlPlane, token: str) -> None:
+        self.plane = plane
+        self._token = token.encode()
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise HTTPError(
+                401,
+                "the admin API needs the admin credential (Authorization: Bearer ...); `llmgw ctl` reads it from "
+                "the control plane's state directory (admin.token) or from --credential FILE",
+                kind="authentication_error",
+            )
+        if not hmac.compare_digest(given.strip().encode(), self._token):
+            log.warning("admin_credential_refused", client=request.client)
+            raise HTTPError(
+                401,
+                "wrong admin credential: it does not match this control plane's admin.token",
+                kind="authentication_error",
+            )
+
+    async def handle(self, request: Request) -> Response:
+        self._authorize(request)
+        if request.path == "/admin/v1/nodes":
+            _allow(request, "GET")
+            return Response.json(200, {"nodes": self.plane.node_views()})
+        m = _NODE_ACTION.match(request.path)
+        if m is None:
+            raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
+        node_id, action = m.groups()
+        try:
+            if action in ("cordon", "uncordon"):
+                _allow(request, "POST")
+                await self.plane.set_cordoned(node_id, action == "cordon")
+                log.info(f"node_{action}ed", node=node_id)
+                return Response.json(200, {"node": self.plane.node_view(node_id)})
+            _allow(request, "DELETE")
+            result = await self.plane.remove_node(node_id)
+            return Response.json(200, result)
+        except UnknownNode as exc:
+            raise HTTPError(404, str(exc), kind="not_found_error") from None
+
+
+def _allow(request: Request, method: str) -> None:
+    if request.method != method:
+        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(PREFIX)

@@ -1,0 +1,203 @@
+"""The control plane process: wires the store, the registry, the agent endpoint and the HTTP
+API together, and runs them under one nursery (`serve_control_plane`).
+
+Start-up order matters for the operator: the certificate authority is read first (a missing
+CA is said before anything listens), then the store, then the listeners; `task_status` is
+given the bound addresses only once both listeners accept connections.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from llmgw import paths, pki
+from llmgw.config import ServerConfig
+from llmgw.errors import MachineError
+from llmgw.log import get_logger
+from llmgw.server.admin import AdminAPI, is_admin_path
+from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
+from llmgw.server.registry import Node, Registry
+from llmgw.server.store import Store, UnknownNode
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.server")
+
+
+@attrs.frozen(kw_only=True)
+class Bound:
+    agent_address: tuple[str, int]
+    http_address: tuple[str, int]
+
+    @property
+    def admin_url(self) -> str:
+        host, port = self.http_address
+        return f"http://{_url_host(host)}:{port}"
+
+
+class ControlPlane:
+    def __init__(self, config: ServerConfig, state_dir: Path) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.ca = pki.load_ca(state_dir)  # first: a missing authority is the first thing said
+        self.ssl_context = pki.server_ssl_context(state_dir)
+        self.store = Store.open(state_dir)
+        self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
+        self.registry = Registry(heartbeat_ttl_s=config.server.heartbeat_ttl_s, started_at=trio.current_time())
+        for row in self.store.nodes():
+            self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
+        self._changed = trio.Event()
+        self.endpoint = AgentEndpoint(
+            registry=self.registry,
+            store=self.store,
+            heartbeat_interval_s=config.server.heartbeat_interval_s,
+            desired_state=self.desired_state,
+            on_change=self._notify,
+        )
+        self.admin = AdminAPI(self, self.admin_token)
+        self._generation = 0
+
+    # -- desired state --------------------------------------------------------------------
+
+    def desired_state(self, node_id: str) -> w.DesiredState:
+        node = self.registry.nodes.get(node_id)
+        self._generation += 1
+        return w.DesiredState(generation=self._generation, cordoned=bool(node and node.cordoned))
+
+    # -- operator intent ------------------------------------------------------------------
+
+    async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
+        self.store.set_cordoned(node_id, cordoned)
+        node = self.registry.nodes.get(node_id) or self.registry.know(node_id)
+        node.cordoned = cordoned
+        await self.endpoint.push_desired_state(node_id)
+
+    async def remove_node(self, node_id: str) -> dict[str, Any]:
+        node = self.registry.nodes.get(node_id)
+        try:
+            revoked = self.store.remove_node(node_id)
+        except UnknownNode:
+            if node is None:
+                raise
+            revoked = []
+        if node is not None and node.session is not None:
+            # The certificate it connected with, even if this control plane did not issue it.
+            self.store.revoke_serial(node.session.cert_serial, node_id)
+            revoked.append(str(node.session.cert_serial))
+        revoked = sorted({f"{int(serial):x}" for serial in revoked})  # hex, as openssl and the refusals print it
+        closed = await self.endpoint.close_node(
+            node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
+        )
+        self.registry.forget(node_id)
+        log.info("node_removed", node=node_id, revoked_serials=revoked, link_closed=closed)
+        self._notify()
+        return {"removed": node_id, "revoked_serials": revoked, "link_closed": closed}
+
+    # -- views ----------------------------------------------------------------------------
+
+    def node_views(self) -> list[dict[str, Any]]:
+        now = trio.current_time()
+        return [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
+
+    def node_view(self, node_id: str) -> dict[str, Any]:
+        node = self.registry.nodes[node_id]
+        now = trio.current_time()
+        return node_view(node, self.registry.liveness(node, now), now)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def serve_liveness(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Logs every node's liveness change as it happens, including losses no message announces."""
+        task_status.started()
+        while True:
+            now = trio.current_time()
+            for t in self.registry.transitions(now):
+                log.info(f"node_{t.new}", node=t.node_id, was=t.old)
+            self._changed = trio.Event()
+            with trio.move_on_at(self.registry.next_deadline(now)):
+                await self._changed.wait()
+
+    async def handle_http(self, request: Request) -> Response:
+        if is_admin_path(request.path):
+            return await self.admin.handle(request)
+        if request.path == "/health":
+            return Response.json(200, {"status": "ok"})
+        raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
+
+
+async def serve_control_plane(
+    config: ServerConfig, state_dir: Path, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
+) -> None:
+    plane = ControlPlane(config, state_dir)
+    agent_host, agent_port = _split_hostport(config.server.agent_listen)
+    http_host, http_port = _split_hostport(config.server.http_listen)
+    async with trio.open_nursery() as nursery:
+        try:
+            agent_listeners = await nursery.start(plane.endpoint.serve, agent_host, agent_port, plane.ssl_context)
+            http_listeners = await nursery.start(serve_http, plane.handle_http, http_host, http_port)
+        except OSError as exc:
+            raise MachineError(f"cannot listen: {exc}; is another llmgw server running, or the port taken?") from None
+        await nursery.start(plane.serve_liveness)
+        bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
+        paths.admin_url_path(state_dir).write_text(bound.admin_url + "\n")
+        log.info(
+            "server_ready",
+            agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
+            admin_url=bound.admin_url,
+            state_dir=str(state_dir),
+            nodes_known=len(plane.registry.nodes),
+        )
+        task_status.started(bound)
+
+
+def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
+    s = node.session
+    inv = node.inventory
+    hello = s.hello if s else None
+    return {
+        "id": node.node_id,
+        "state": state,
+        "cordoned": node.cordoned,
+        "draining": node.draining,
+        "connected": bool(s and s.connected),
+        "address": node.address,
+        "agent_version": hello.agent_version if hello else None,
+        "agent_started_at": hello.started_at if hello else None,
+        "last_heartbeat_age_s": round(now - s.last_heartbeat_at, 3) if s and s.last_heartbeat_at is not None else None,
+        "cpu": {"model": inv.cpu_model, "cores": inv.cpu_cores, "flags": list(inv.cpu_flags)} if inv else None,
+        "arch": inv.arch if inv else None,
+        "memory_total_bytes": inv.memory_total_bytes if inv else None,
+        "gpus": [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib} for g in inv.gpus]
+        if inv
+        else [],
+        "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
+        if inv
+        else [],
+        "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in hello.engines]
+        if hello
+        else [],
+        "cert_serial": f"{s.cert_serial:x}" if s else None,
+        "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
+        "cert_expires_in_days": round((s.cert_not_after - time.time()) / 86400, 1) if s else None,
+    }
+
+
+def _split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,240 @@
+"""The agent endpoint: where agents connect, prove who they are, and keep a link open.
+
+Order of checks on a new connection, each refusal logged here with its reason and told to the
+agent in the clearest way the stage allows:
+
+1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's,
+   an expired one, or none; the agent receives the TLS alert at once).
+2. The certificate's serial is not revoked (`llmgw node remove`) -> else HTTP 403 with the reason.
+3. The node id the agent claims (`x-llmgw-node-id`) equals the certificate's CN -> else 403.
+4. WebSocket upgrade; the first frame is a `Hello` of our protocol version with the same node id
+   -> else a `LinkError` frame and close.
+
+Then the link carries heartbeats and inventory from the agent and desired state to it. A
+node's newer link replaces an older one; `close_node` ends a node's link (revocation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+import trio
+import trio_websocket
+
+from llmgw import __version__, pki
+from llmgw.errors import leaves, only
+from llmgw.log import get_logger
+from llmgw.server.registry import Registry
+from llmgw.server.store import Store
+from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
+from llmgw.wire.errors import WireError
+
+log = get_logger("llmgw.endpoint")
+
+_LINK_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio_websocket.ConnectionClosed)
+
+AGENT_PATH = "/v1/agent"
+NODE_ID_HEADER = "x-llmgw-node-id"
+HANDSHAKE_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
+
+
+@attrs.define(kw_only=True)
+class Link:
+    node_id: str
+    conn_id: int
+    ws: trio_websocket.WebSocketConnection
+    cancel_scope: trio.CancelScope
+
+
+class AgentEndpoint:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        store: Store,
+        heartbeat_interval_s: float,
+        desired_state: Callable[[str], w.DesiredState],
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.desired_state = desired_state
+        self.on_change = on_change
+        self.links: dict[str, Link] = {}
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        ssl_context,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
+        task_status.started(listeners)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SSLStream) -> None:
+        address = _peer_host(stream)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                await stream.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            reason = pki.describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+            log.warning("agent_refused", address=address, stage="tls", reason=reason)
+            await pki.send_tls_alert(stream)  # so the agent learns why, at once
+            return
+        cert = pki.cert_info_from_der(stream.getpeercert(binary_form=True))
+        try:
+            async with trio.open_nursery() as nursery:
+                request = await trio_websocket.wrap_server_stream(nursery, stream)
+                refusal = self._refusal(request, cert)
+                if refusal is not None:
+                    status, reason = refusal
+                    log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=reason)
+                    await request.reject(status, body=reason.encode())
+                    return
+                ws = await request.accept()
+                await self._run_link(ws, cert, address)
+                nursery.cancel_scope.cancel()
+        except Exception as exc:
+            if only(exc, _LINK_BROKEN):
+                log.info("agent_link_closed", address=address, cn=cert.common_name, detail=repr(leaves(exc)[0]))
+            else:
+                log.exception("agent_link_failed", address=address, cn=cert.common_name)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def _refusal(self, request: trio_websocket.WebSocketRequest, cert: pki.CertInfo) -> tuple[int, str] | None:
+        if request.path != AGENT_PATH:
+            return 404, f"no agent endpoint at {request.path!r}; agents connect to {AGENT_PATH}"
+        if self.store.is_revoked(cert.serial):
+            return 403, (
+                f"the certificate of node {cert.common_name!r} (serial {cert.serial:x}) was revoked by "
+                "`llmgw node remove`; add the node again with `llmgw node add` to issue a new one"
+            )
+        claimed = dict(request.headers).get(NODE_ID_HEADER.encode(), b"").decode("utf-8", "replace")
+        if claimed != cert.common_name:
+            return 403, (
+                f"node id {claimed!r} does not match its certificate CN {cert.common_name!r}; set node_id in "
+                "agent.toml to the certificate's CN, or reissue the certificate with `llmgw node add`"
+            )
+        return None
+
+    async def _run_link(self, ws: trio_websocket.WebSocketConnection, cert: pki.CertInfo, address: str) -> None:
+        node_id = cert.common_name
+        try:
+            with trio.fail_after(HELLO_TIMEOUT_S):
+                hello = decode(await ws.get_message(), w.AgentMessage)
+        except trio.TooSlowError:
+            await _close_with(ws, w.LinkError(code=w.BAD_MESSAGE, message=f"no hello within {HELLO_TIMEOUT_S:g} s"))
+            return
+        except WireError as exc:
+            log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=str(exc))
+            await _close_with(ws, w.LinkError(code=exc.code, message=str(exc)))
+            return
+        if not isinstance(hello, w.Hello) or hello.node_id != node_id:
+            what = f"hello for node {hello.node_id!r}" if isinstance(hello, w.Hello) else type(hello).__name__
+            message = f"expected a hello from node {node_id!r} (its certificate's CN), got {what}"
+            log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=message)
+            code = w.NODE_ID_MISMATCH if isinstance(hello, w.Hello) else w.UNEXPECTED
+            await _close_with(ws, w.LinkError(code=code, message=message))
+            return
+
+        self.store.saw_node(node_id, address)
+        row = self.store.node(node_id)
+        self.registry.know(node_id, address=address, cordoned=row.cordoned, draining=row.draining)
+        now = trio.current_time()
+        not_after = cert.not_after.timestamp()
+        conn_id = self.registry.connect(
+            hello, address=address, cert_serial=cert.serial, cert_not_after=not_after, now=now
+        )
+        log.info(
+            "agent_connected",
+            node=node_id,
+            address=address,
+            agent_version=hello.agent_version,
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(hello.started_at)),
+        )
+        with trio.CancelScope() as scope:
+            old = self.links.get(node_id)
+            link = Link(node_id=node_id, conn_id=conn_id, ws=ws, cancel_scope=scope)
+            self.links[node_id] = link
+            if old is not None:
+                old.cancel_scope.cancel()  # a node has one link; the newest wins
+            self.on_change()
+            try:
+                await ws.send_message(
+                    encode(
+                        w.Welcome(
+                            node_id=node_id, server_version=__version__, heartbeat_interval_s=self.heartbeat_interval_s
+                        )
+                    )
+                )
+                await ws.send_message(encode(self.desired_state(node_id)))
+                await self._receive_loop(link)
+            finally:
+                self.registry.disconnect(node_id, conn_id)
+                if self.links.get(node_id) is link:
+                    del self.links[node_id]
+                self.on_change()
+
+    async def _receive_loop(self, link: Link) -> None:
+        while True:
+            try:
+                message = decode(await link.ws.get_message(), w.AgentMessage)
+            except WireError as exc:
+                log.warning("agent_bad_message", node=link.node_id, code=exc.code, reason=str(exc))
+                await _close_with(link.ws, w.LinkError(code=exc.code, message=str(exc)))
+                return
+            if isinstance(message, w.Heartbeat):
+                self.registry.heartbeat(link.node_id, link.conn_id, trio.current_time())
+                self.on_change()
+            elif isinstance(message, w.InventoryChanged):
+                self.registry.inventory_changed(link.node_id, link.conn_id, message.inventory)
+                self.on_change()
+            elif isinstance(message, w.LinkError):
+                log.warning("agent_reported_error", node=link.node_id, code=message.code, reason=message.message)
+                return
+            else:
+                reason = f"unexpected {type(message).__name__} after hello"
+                await _close_with(link.ws, w.LinkError(code=w.UNEXPECTED, message=reason))
+                return
+
+    async def push_desired_state(self, node_id: str) -> None:
+        link = self.links.get(node_id)
+        if link is not None:
+            try:
+                await link.ws.send_message(encode(self.desired_state(node_id)))
+            except trio_websocket.ConnectionClosed:
+                pass
+
+    async def close_node(self, node_id: str, code: str, message: str) -> bool:
+        """End a node's open link, telling the agent why; False if it had none."""
+        link = self.links.pop(node_id, None)
+        if link is None:
+            return False
+        with trio.move_on_after(1):  # tell it why; a hung agent is not waited for
+            await _close_with(link.ws, w.LinkError(code=code, message=message))
+        link.cancel_scope.cancel()
+        return True
+
+
+async def _close_with(ws: trio_websocket.WebSocketConnection, error: w.LinkError) -> None:
+    try:
+        await ws.send_message(encode(error))
+        await ws.aclose(code=1008, reason=error.code)
+    except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+def _peer_host(stream: trio.SSLStream) -> str:
+    try:
+        return stream.transport_stream.socket.getpeername()[0]
+    except (OSError, AttributeError):
+        return "?"
