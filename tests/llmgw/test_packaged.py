@@ -11,9 +11,9 @@ from testlib.proc import build_root, run_llmgw
 
 def pex() -> Path:
     path = build_root() / "llmgw.pex"
-    assert path.is_file(), (
-        f"{path} missing: the test target must list src/python/llmgw:llmgw in runtime_package_dependencies"
-    )
+    assert (
+        path.is_file()
+    ), f"{path} missing: the test target must list src/python/llmgw:llmgw in runtime_package_dependencies"
     return path
 
 

@@ -156,16 +156,21 @@ class AgentLink:
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
+        watched = _WatchedStream(stream)
         try:
             async with trio.open_nursery() as nursery:
-                with trio.fail_after(CONNECT_TIMEOUT_S):
+                with trio.fail_after(CONNECT_TIMEOUT_S), trio.CancelScope() as upgrade:
+                    watched.on_failure = upgrade.cancel
                     ws = await trio_websocket.wrap_client_stream(
                         nursery,
-                        stream,
+                        watched,
                         self.target.host,
                         AGENT_PATH,
                         extra_headers=[(NODE_ID_HEADER, self.node_id.encode())],
                     )
+                if upgrade.cancelled_caught:
+                    raise watched.failure
+                watched.on_failure = None
                 try:
                     await self._converse(ws)
                 finally:
@@ -209,6 +214,50 @@ class AgentLink:
             seq += 1
             await ws.send_message(encode(w.Heartbeat(seq=seq)))
             await trio.sleep(interval)
+
+
+class _WatchedStream(trio.abc.Stream):
+    """The TLS stream, reporting its first failure to whoever waits on the WebSocket upgrade.
+
+    In TLS 1.3 the server judges our certificate after our side of the handshake is done, so a
+    refusal arrives as an alert on the first read, inside trio-websocket's reader task, which
+    does not wake the upgrade waiting for a response (trio-websocket issue 199): the agent would
+    hang until its timeout. This wrapper cancels the wait and keeps the error for the reason.
+    """
+
+    def __init__(self, inner: trio.SSLStream) -> None:
+        self.inner = inner
+        self.failure: BaseException | None = None
+        self.on_failure = None
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            if self.on_failure is not None:
+                self.on_failure()
+
+    async def send_all(self, data) -> None:
+        try:
+            await self.inner.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._failed(exc)
+            raise
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        try:
+            data = await self.inner.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._failed(exc)
+            raise
+        if not data:
+            self._failed(trio.BrokenResourceError("the control plane closed the connection during the upgrade"))
+        return data
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def describe_failure(exc: BaseException, target: Target) -> str:

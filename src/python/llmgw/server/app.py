@@ -125,6 +125,29 @@ class ControlPlane:
             with trio.move_on_at(self.registry.next_deadline(now)):
                 await self._changed.wait()
 
+    async def serve(self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED) -> None:
+        agent_host, agent_port = _split_hostport(self.config.server.agent_listen)
+        http_host, http_port = _split_hostport(self.config.server.http_listen)
+        async with trio.open_nursery() as nursery:
+            try:
+                agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
+                http_listeners = await nursery.start(serve_http, self.handle_http, http_host, http_port)
+            except OSError as exc:
+                raise MachineError(
+                    f"cannot listen: {exc}; is another llmgw server running, or the port taken?"
+                ) from None
+            await nursery.start(self.serve_liveness)
+            bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
+            paths.admin_url_path(self.state_dir).write_text(bound.admin_url + "\n")
+            log.info(
+                "server_ready",
+                agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
+                admin_url=bound.admin_url,
+                state_dir=str(self.state_dir),
+                nodes_known=len(self.registry.nodes),
+            )
+            task_status.started(bound)
+
     async def handle_http(self, request: Request) -> Response:
         if is_admin_path(request.path):
             return await self.admin.handle(request)
@@ -137,25 +160,7 @@ async def serve_control_plane(
     config: ServerConfig, state_dir: Path, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
 ) -> None:
     plane = ControlPlane(config, state_dir)
-    agent_host, agent_port = _split_hostport(config.server.agent_listen)
-    http_host, http_port = _split_hostport(config.server.http_listen)
-    async with trio.open_nursery() as nursery:
-        try:
-            agent_listeners = await nursery.start(plane.endpoint.serve, agent_host, agent_port, plane.ssl_context)
-            http_listeners = await nursery.start(serve_http, plane.handle_http, http_host, http_port)
-        except OSError as exc:
-            raise MachineError(f"cannot listen: {exc}; is another llmgw server running, or the port taken?") from None
-        await nursery.start(plane.serve_liveness)
-        bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
-        paths.admin_url_path(state_dir).write_text(bound.admin_url + "\n")
-        log.info(
-            "server_ready",
-            agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
-            admin_url=bound.admin_url,
-            state_dir=str(state_dir),
-            nodes_known=len(plane.registry.nodes),
-        )
-        task_status.started(bound)
+    await plane.serve(task_status=task_status)
 
 
 def node_view(node: Node, state: str, now: float) -> dict[str, Any]:

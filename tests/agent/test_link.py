@@ -1,0 +1,226 @@
+"""The agent link on real loopback sockets, against the real control plane endpoint.
+
+Every refusal is checked on both sides: the control plane logs `agent_refused` with the reason,
+and the agent's session fails at once (well inside its 10 s connect timeout) with a reason that
+says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from agent.link import AgentLink, Backoff, Target
+from llmgw import paths, pki
+from llmgw.config import ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.wire import agent_link as w
+
+pytestmark = pytest.mark.trio
+
+REFUSAL_DEADLINE_S = 5  # far below CONNECT_TIMEOUT_S: a refusal must not wait for a timeout
+
+
+@attrs.frozen
+class Plane:
+    state: Path
+    ca: pki.CA
+    host: str
+    port: int
+    plane: ControlPlane
+
+
+def hello_for(node_id: str):
+    def make() -> w.Hello:
+        return w.Hello(
+            protocol_version=w.PROTOCOL_VERSION,
+            node_id=node_id,
+            agent_version="test",
+            boot_id="boot",
+            started_at=1.0,
+            inventory=w.Inventory(
+                hostname=node_id, os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1
+            ),
+        )
+
+    return make
+
+
+async def start_plane(state: Path, nursery: trio.Nursery, *, listen: str, sans: list[str]) -> Plane:
+    pki.init_ca(state, validity_days=30)
+    ca = pki.load_ca(state)
+    ca.issue_server_cert(state, sans, validity_days=30)
+    paths.ensure_admin_token(state)
+    config = ServerConfig(
+        server=ServerSection(
+            state_dir=str(state),
+            agent_listen=f"{listen}:0",
+            http_listen="127.0.0.1:0",
+            heartbeat_interval_s=0.05,
+            heartbeat_ttl_s=5,
+        )
+    )
+    control_plane = ControlPlane(config, state)
+    bound = await nursery.start(control_plane.serve)
+    host, port = bound.agent_address
+    return Plane(state=state, ca=ca, host=host, port=port, plane=control_plane)
+
+
+@pytest.fixture
+async def plane(tmp_path: Path, nursery: trio.Nursery) -> Plane:
+    return await start_plane(tmp_path / "cp", nursery, listen="127.0.0.1", sans=["127.0.0.1"])
+
+
+def node_files(plane: Plane, tmp_path: Path, node_id: str, **kw) -> pki.NodePaths:
+    return pki.issue_to_dir(
+        plane.ca,
+        node_id,
+        tmp_path / f"node-{node_id}-{len(list(tmp_path.iterdir()))}",
+        validity_days=kw.pop("days", 30),
+        **kw,
+    )
+
+
+def link_for(plane: Plane, node_id: str, ctx: ssl.SSLContext, *, host: str | None = None) -> AgentLink:
+    return AgentLink(
+        target=Target(host=host or plane.host, port=plane.port),
+        node_id=node_id,
+        ssl_context=ctx,
+        make_hello=hello_for(node_id),
+        backoff=Backoff(initial_s=0.01, max_s=0.05),
+    )
+
+
+async def session_failure(link: AgentLink) -> str:
+    with trio.fail_after(REFUSAL_DEADLINE_S):
+        try:
+            await link.run_session()
+        except Exception as exc:  # noqa: BLE001 - what the agent would log
+            return link.reason_of(exc)
+    raise AssertionError("the session ended without a failure")
+
+
+def server_refusals(caplog: pytest.LogCaptureFixture) -> list[dict]:
+    return [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_refused"]
+
+
+async def wait_for(predicate, what: str, timeout: float = 5) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_a_node_with_a_good_certificate_joins(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    nursery.start_soon(link.serve)
+    registry = plane.plane.registry
+    await wait_for(
+        lambda: "node-a" in registry.nodes
+        and registry.liveness(registry.nodes["node-a"], trio.current_time()) == "joined",
+        "join",
+    )
+    assert link.state.connected and link.state.desired is not None
+
+
+async def test_another_cas_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    other_state = tmp_path / "other"
+    pki.init_ca(other_state, validity_days=30)
+    files = pki.issue_to_dir(pki.load_ca(other_state), "node-a", tmp_path / "other-node", validity_days=30)
+    trusted = pki.ca_paths(plane.state).ca_cert  # the agent trusts the right CA; its own cert is foreign
+    reason = await session_failure(link_for(plane, "node-a", pki.client_ssl_context(trusted, files.cert, files.key)))
+    assert "does not trust the CA that issued this node's certificate" in reason, reason
+    [refused] = server_refusals(caplog)
+    print(refused)
+    assert refused["stage"] == "tls", refused
+
+
+async def test_cn_not_equal_to_the_claimed_node_id(
+    plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = node_files(plane, tmp_path, "node-b")
+    reason = await session_failure(
+        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    )
+    assert "HTTP 403" in reason and "node id 'node-a' does not match its certificate CN 'node-b'" in reason
+    [refused] = server_refusals(caplog)
+    assert refused["stage"] == "identity" and "does not match its certificate CN 'node-b'" in refused["reason"]
+
+
+async def test_an_expired_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    long_ago = datetime.now(timezone.utc) - timedelta(days=10)
+    files = node_files(plane, tmp_path, "node-a", days=1, now=long_ago)
+    reason = await session_failure(
+        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    )
+    assert "expired" in reason, reason
+    [refused] = server_refusals(caplog)
+    print(refused)
+    assert refused["stage"] == "tls" and "expired" in refused["reason"], refused
+
+
+async def test_no_client_certificate(plane: Plane, caplog: pytest.LogCaptureFixture) -> None:
+    ctx = ssl.create_default_context(cafile=str(pki.ca_paths(plane.state).ca_cert))
+    reason = await session_failure(link_for(plane, "node-a", ctx))
+    assert "requires a node certificate and this agent sent none" in reason, reason
+    [refused] = server_refusals(caplog)
+    print(refused)
+    assert refused["stage"] == "tls", refused
+
+
+async def test_a_revoked_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    serial = pki.cert_info(pki.load_cert(files.cert)).serial
+    plane.plane.store.revoke_serial(serial, "node-a")
+    reason = await session_failure(
+        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    )
+    assert "HTTP 403" in reason and "was revoked by `llmgw node remove`" in reason
+    [refused] = server_refusals(caplog)
+    assert refused["stage"] == "identity" and f"serial {serial:x}" in refused["reason"]
+
+
+async def test_server_certificate_not_covering_the_dialled_address(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server listens on 127.0.0.2, its certificate names only 127.0.0.1.
+    plane = await start_plane(tmp_path / "cp2", nursery, listen="127.0.0.2", sans=["127.0.0.1"])
+    files = node_files(plane, tmp_path, "node-a")
+    reason = await session_failure(
+        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    )
+    assert "127.0.0.2" in reason and "llmgw ca server-cert" in reason, reason
+    await wait_for(lambda: server_refusals(caplog), "the server's log of it")
+    [refused] = server_refusals(caplog)
+    print(refused)
+    assert refused["stage"] == "tls", refused
+
+
+async def test_a_refused_agent_keeps_retrying_with_backoff(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
+    files = node_files(plane, tmp_path, "node-b")
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    nursery.start_soon(link.serve)
+    await wait_for(lambda: link.state.attempts >= 4, "retries")
+    assert "does not match its certificate CN" in link.state.last_error
+    assert not link.state.connected
+
+
+async def test_removing_a_node_closes_its_open_link(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    nursery.start_soon(link.serve)
+    await wait_for(lambda: link.state.connected, "connect")
+    result = await plane.plane.remove_node("node-a")
+    assert result["link_closed"] is True
+    await wait_for(lambda: "revoked by `llmgw node remove`" in link.state.last_error, "refusal after removal")
+    assert "node-a" not in plane.plane.registry.nodes
+    logged = [r.llmgw_fields for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage() == "link_down"]
+    assert any("removed from the cluster" in f["reason"] for f in logged)
