@@ -15,12 +15,14 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio_websocket
 
 from agent.link import AgentLink, Backoff, Target
 from llmgw import paths, pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
 
 pytestmark = pytest.mark.trio
 
@@ -220,3 +222,38 @@ async def test_removing_a_node_closes_its_open_link(
     assert "node-a" not in plane.plane.registry.nodes
     logged = [r.llmgw_fields for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage() == "link_down"]
     assert any("removed from the cluster" in f["reason"] for f in logged)
+
+
+async def test_another_protocol_version_is_told_and_closed(
+    plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link.make_hello = lambda: attrs.evolve(hello_for("node-a")(), protocol_version=w.PROTOCOL_VERSION + 1)
+    reason = await session_failure(link)
+    assert f"the agent speaks protocol {w.PROTOCOL_VERSION + 1}" in reason and "run the same llmgw release" in reason
+    [refused] = server_refusals(caplog)
+    assert refused["stage"] == "hello"
+
+
+async def test_an_unknown_message_gets_an_error_frame_then_close(plane: Plane, tmp_path: Path) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    with trio.fail_after(REFUSAL_DEADLINE_S):
+        tcp = await trio.open_tcp_stream(plane.host, plane.port)
+        stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
+        await stream.do_handshake()
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(
+                nursery, stream, plane.host, "/v1/agent", extra_headers=[(b"x-llmgw-node-id", b"node-a")]
+            )
+            await ws.send_message(encode(hello_for("node-a")()))
+            assert isinstance(decode(await ws.get_message(), w.ServerMessage), w.Welcome)
+            assert isinstance(decode(await ws.get_message(), w.ServerMessage), w.DesiredState)
+            await ws.send_message('{"type": "reboot_now"}')
+            error = decode(await ws.get_message(), w.ServerMessage)
+            assert isinstance(error, w.LinkError) and error.code == w.UNKNOWN_TYPE
+            assert "unknown message type 'reboot_now'" in error.message
+            with pytest.raises(trio_websocket.ConnectionClosed):
+                await ws.get_message()
+            nursery.cancel_scope.cancel()

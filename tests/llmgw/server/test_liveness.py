@@ -1,0 +1,90 @@
+"""The control plane notices a lost node on its own, on time, with no message arriving (MockClock)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from llmgw import paths, pki
+from llmgw.config import ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.wire import agent_link as w
+
+pytestmark = pytest.mark.trio
+
+TTL = 30.0
+
+
+def hello(node_id: str) -> w.Hello:
+    return w.Hello(
+        protocol_version=w.PROTOCOL_VERSION,
+        node_id=node_id,
+        agent_version="t",
+        boot_id="b",
+        started_at=1.0,
+        inventory=w.Inventory(hostname=node_id, os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1),
+    )
+
+
+@pytest.fixture
+async def plane(tmp_path: Path) -> ControlPlane:
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    return ControlPlane(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+
+
+def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.getMessage(), r.llmgw_fields["node"]) for r in caplog.records if r.getMessage().startswith("node_")]
+
+
+async def test_a_silent_node_is_declared_lost_one_ttl_after_its_last_heartbeat(
+    plane: ControlPlane, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.serve_liveness)
+        conn = plane.registry.connect(
+            hello("n1"), address="127.0.0.2", cert_serial=1, cert_not_after=2e9, now=trio.current_time()
+        )
+        plane.registry.heartbeat("n1", conn, trio.current_time())
+        last = trio.current_time()
+        plane._notify()
+        await trio.sleep(1)
+        assert events(caplog) == [("node_joined", "n1")]
+        await trio.sleep(TTL - 2)  # still within the TTL of the heartbeat
+        assert events(caplog) == [("node_joined", "n1")]
+        await trio.sleep(2)
+        assert events(caplog) == [("node_joined", "n1"), ("node_lost", "n1")]
+        assert plane.registry.liveness(plane.registry.nodes["n1"], trio.current_time()) == "lost"
+        assert trio.current_time() - last == pytest.approx(TTL + 1, abs=0.01)
+        nursery.cancel_scope.cancel()
+
+
+async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_from_start(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    from llmgw.server.store import Store
+
+    store = Store.open(state)
+    store.saw_node("old", "127.0.0.3")
+    store.set_cordoned("old", True)
+    store.close()
+    plane = ControlPlane(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+    assert plane.registry.nodes["old"].cordoned  # operator intent survives the restart
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.serve_liveness)
+        await trio.sleep(TTL - 1)
+        assert [v["state"] for v in plane.node_views()] == ["unknown"]
+        await trio.sleep(2)
+        assert events(caplog) == [("node_lost", "old")]
+        nursery.cancel_scope.cancel()
