@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import trio
-
 from llmgw import config as cfg
 from llmgw import pki
 from llmgw.cli import Parser, add_group, add_leaf
+from llmgw.commands._service import run_service
 
 DEFAULT_CONFIG = "/etc/llmgw/agent.toml"
 
@@ -32,8 +31,7 @@ def configure(parser: Parser) -> None:
 def run_agent(args: argparse.Namespace) -> int:
     from agent.main import run_agent as serve
 
-    trio.run(serve, cfg.load_agent_config(args.config))
-    return 0
+    return run_service("agent", serve, cfg.load_agent_config(args.config))
 
 
 def run_csr(args: argparse.Namespace) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-import trio
-
 from llmgw.cli import Parser
+from llmgw.commands._service import run_service
 from llmgw.commands.ca import add_server_options, resolve_server_paths
 
 
@@ -18,5 +17,4 @@ def run(args: argparse.Namespace) -> int:
     from llmgw.server.app import serve_control_plane
 
     config, state_dir = resolve_server_paths(args)
-    trio.run(serve_control_plane, config, state_dir)
-    return 0
+    return run_service("server", serve_control_plane, config, state_dir)

@@ -1,0 +1,37 @@
+"""Running a long-lived process (server, agent) until SIGTERM or SIGINT, then stopping cleanly.
+
+Shutdown is cancellation: the signal cancels the root nursery, every task unwinds through its
+own cleanup (bounded where it must run), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.service")
+
+
+def run_service(name: str, serve: Callable[..., Awaitable[Any]], *args: Any) -> int:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+
+                async def watch() -> None:
+                    async for signum in signals:
+                        log.info(f"{name}_stopping", signal=signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(watch)
+                await serve(*args)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    log.info(f"{name}_stopped")
+    return 0
