@@ -1,0 +1,83 @@
+"""The admin API over real HTTP on loopback, called through the real client `llmgw ctl` uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw import paths, pki
+from llmgw.config import ServerConfig, ServerSection
+from llmgw.ctl.client import AdminClient
+from llmgw.errors import PeerError, UsageError
+from llmgw.server.app import ControlPlane
+
+pytestmark = pytest.mark.trio
+
+
+@pytest.fixture
+async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, Path]:
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    )
+    plane = ControlPlane(config, state)
+    await nursery.start(plane.serve)
+    return plane, state
+
+
+async def call(fn, *args):
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+async def test_the_client_finds_a_local_control_plane_by_its_state_dir(running) -> None:
+    plane, state = running
+    plane.store.saw_node("n1", "127.0.0.5")
+    plane.registry.know("n1", address="127.0.0.5")
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    [node] = await call(client.nodes)
+    assert node["id"] == "n1" and node["state"] in ("unknown", "lost") and node["address"] == "127.0.0.5"
+    assert (await call(client.cordon, "n1", True))["cordoned"] is True
+    assert plane.store.node("n1").cordoned
+    assert (await call(client.cordon, "n1", False))["cordoned"] is False
+
+
+async def test_a_missing_or_wrong_credential_is_401_with_what_to_do(running, tmp_path: Path) -> None:
+    plane, state = running
+    url = paths.admin_url_path(state).read_text().strip()
+    with pytest.raises(PeerError) as info:
+        await call(AdminClient(url, "not-the-token").nodes)
+    assert "wrong admin credential" in str(info.value) and "HTTP 401" in str(info.value)
+    anonymous = AdminClient(url, "x")
+    anonymous._token = ""
+    with pytest.raises(PeerError) as info:
+        await call(anonymous.nodes)
+    assert "needs the admin credential" in str(info.value)
+
+
+async def test_unknown_nodes_and_routes_are_clear_errors(running) -> None:
+    _, state = running
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    with pytest.raises(UsageError) as info:
+        await call(client.remove_node, "ghost")
+    assert "no node 'ghost' is known" in str(info.value) and "HTTP 404" in str(info.value)
+    with pytest.raises(UsageError) as info:
+        await call(client.cordon, "ghost", True)
+    assert "no node 'ghost'" in str(info.value)
+    with pytest.raises(UsageError) as info:
+        await call(client.request, "POST", "/admin/v1/nodes")
+    assert "takes GET, not POST" in str(info.value)
+
+
+async def test_without_a_running_server_the_client_says_so(tmp_path: Path) -> None:
+    from llmgw.errors import MachineError
+
+    with pytest.raises(MachineError) as info:
+        AdminClient.locate(server=None, credential=None, state_dir=str(tmp_path))
+    assert "admin.url is missing" in str(info.value) and "llmgw server" in str(info.value)
+    with pytest.raises(UsageError):
+        AdminClient.locate(server="http://127.0.0.1:1", credential=None, state_dir=None)
