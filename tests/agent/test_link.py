@@ -257,3 +257,24 @@ async def test_an_unknown_message_gets_an_error_frame_then_close(plane: Plane, t
             with pytest.raises(trio_websocket.ConnectionClosed):
                 await ws.get_message()
             nursery.cancel_scope.cancel()
+
+
+async def test_backoff_starts_over_after_a_session_that_was_up(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
+    files = node_files(plane, tmp_path, "node-a")
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    delays: list[float] = []
+    real = link.backoff
+
+    class Recording:
+        def delay(self, attempt, rng):
+            delays.append(attempt)
+            return real.delay(attempt, rng)
+
+    link.backoff = Recording()
+    nursery.start_soon(link.serve)
+    for round_ in range(3):
+        await wait_for(lambda r=round_: link.state.sessions == r + 1 and link.state.connected, "connect")
+        with trio.fail_after(5):  # the control plane drops the link
+            assert await plane.plane.endpoint.close_node("node-a", "test", "dropped by the test")
+        await wait_for(lambda r=round_: len(delays) == r + 1, "reconnect")
+    assert delays == [0, 0, 0]  # each reconnect after a working session is the first attempt again

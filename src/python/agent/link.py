@@ -103,12 +103,14 @@ class AgentLink:
         failures = 0
         while True:
             self.state.attempts += 1
+            sessions_before = self.state.sessions
             try:
                 await self.run_session()
-                failures = 0  # the session ran and ended: reconnect promptly
                 reason = "the control plane closed the link"
             except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
                 reason = self.reason_of(exc)
+            if self.state.sessions > sessions_before:
+                failures = 0  # the link was up: a control-plane restart gets a prompt reconnect
             self.state.connected = False
             self.state.last_error = reason
             delay = self.backoff.delay(failures, self.rng)

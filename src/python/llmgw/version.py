@@ -2,7 +2,9 @@
 
 The commit comes, in order, from build metadata generated into the package (`_build_info`
 by the release build, `_scm_version` by Pants' `vcs_version` for `./pants package`), then
-from git when running from a checkout, else "unknown". Nothing here runs at import time.
+from git when running from a checkout, else "unknown". Build date and build target (the
+release artifact's platform, e.g. `linux-amd64`) come from `_build_info` only. Nothing here
+runs at import time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class VersionInfo:
     commit: str
     build_date: str
     architecture: str
+    build_target: str
     python: str
     python_executable: str
 
@@ -61,6 +64,7 @@ def _commit_from_git(directory: Path) -> str | None:
 def version_info() -> VersionInfo:
     commit = _generated("llmgw._build_info", "commit")
     build_date = _generated("llmgw._build_info", "build_date") or "unknown"
+    build_target = _generated("llmgw._build_info", "target") or "unknown"
     if commit is None:
         scm = _generated("llmgw._scm_version", "version")
         commit = _commit_from_scm_version(scm) if scm else None
@@ -71,6 +75,7 @@ def version_info() -> VersionInfo:
         commit=commit or "unknown",
         build_date=build_date,
         architecture=platform.machine(),
+        build_target=build_target,
         python=platform.python_version(),
         python_executable=sys.executable,
     )

@@ -138,7 +138,9 @@ class ControlPlane:
                 ) from None
             await nursery.start(self.serve_liveness)
             bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
-            paths.admin_url_path(self.state_dir).write_text(bound.admin_url + "\n")
+            url_file = paths.admin_url_path(self.state_dir)
+            url_file.write_text(bound.admin_url + "\n")
+            nursery.start_soon(_remove_on_exit, url_file)
             log.info(
                 "server_ready",
                 agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
@@ -161,6 +163,14 @@ async def serve_control_plane(
 ) -> None:
     plane = ControlPlane(config, state_dir)
     await plane.serve(task_status=task_status)
+
+
+async def _remove_on_exit(path: Path) -> None:
+    """A stopped server leaves no admin.url behind, so `llmgw ctl` says none is running."""
+    try:
+        await trio.sleep_forever()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def node_view(node: Node, state: str, now: float) -> dict[str, Any]:

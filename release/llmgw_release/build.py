@@ -1,0 +1,224 @@
+"""`./pants run release:build -- --version X --out DIR`: the release zipapps and their SHA256SUMS.
+
+Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz` and `SHA256SUMS` into DIR. Each
+zipapp holds llmgw and agent from src/python, the runtime requirements pinned by default.lock
+with the wheels of every CPython 3.10-3.13 side by side, and `llmgw/_build_info.py` (version,
+commit, build date, target). The build date is the commit's time (or SOURCE_DATE_EPOCH), never
+the clock, so building one commit twice gives the same bytes.
+
+`build_release` takes every input explicitly; `main` finds them in the checkout (git for the
+commit and its time), which is what a test in a sandbox without git cannot do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.resources
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from llmgw_release import lock as lockfile
+from llmgw_release import wheels, zipapp
+
+ARCHES = ("amd64", "arm64")
+PACKAGES = ("llmgw", "agent")
+# Generated files a source tree may hold; the build writes its own _build_info.py.
+GENERATED = ("_build_info.py", "_scm_version.py")
+VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+-]*")
+INIT_VERSION_RE = re.compile(r'^__version__ = "[^"\n]*"$', re.MULTILINE)
+
+
+class BuildError(Exception):
+    """The release cannot be built from these inputs; the message says which and why."""
+
+
+@attrs.frozen(kw_only=True)
+class Inputs:
+    version: str
+    commit: str
+    source_date_epoch: int
+    src_root: Path  # holds the llmgw and agent packages
+    requirements_txt: Path
+    lockfile: Path
+    wheel_cache: Path
+    index_url: str = wheels.PYPI
+
+
+def artifact_name(version: str, arch: str) -> str:
+    return f"llmgw-{version}-linux-{arch}.pyz"
+
+
+def build_date(epoch: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def sources(src_root: Path, version: str) -> dict[str, bytes]:
+    """The .py files of llmgw and agent by path under site-packages; __init__ says `version`."""
+    out: dict[str, bytes] = {}
+    for package in PACKAGES:
+        if not (src_root / package / "__init__.py").is_file():
+            raise BuildError(f"no package {package!r} in {src_root}")
+        for path in sorted((src_root / package).rglob("*.py")):
+            rel = path.relative_to(src_root).as_posix()
+            if "__pycache__" in path.parts or path.name in GENERATED:
+                continue
+            out[rel] = path.read_bytes()
+    init = out["llmgw/__init__.py"].decode()
+    init, count = INIT_VERSION_RE.subn(f'__version__ = "{version}"', init)
+    if count != 1:
+        raise BuildError(f'{src_root}/llmgw/__init__.py must have exactly one line `__version__ = "..."`')
+    out["llmgw/__init__.py"] = init.encode()
+    return out
+
+
+def build_info(inputs: Inputs, arch: str) -> bytes:
+    return (
+        '"""Written by the release build (release/llmgw_release/build.py); not in the source tree."""\n\n'
+        f"commit = {inputs.commit!r}\n"
+        f"build_date = {build_date(inputs.source_date_epoch)!r}\n"
+        f"target = {'linux-' + arch!r}\n"
+    ).encode()
+
+
+def runtime_file(name: str) -> bytes:
+    return importlib.resources.files("llmgw_release").joinpath(name).read_bytes()
+
+
+def main_py(arch: str) -> bytes:
+    text = runtime_file("pyz_main.py").decode()
+    text, count = re.subn(r"^MACHINES = \(\)", f"MACHINES = ({wheels.MACHINES[arch]!r},)", text, flags=re.MULTILINE)
+    if count != 1:
+        raise BuildError("pyz_main.py must have exactly one line starting with `MACHINES = ()`")
+    return text.encode()
+
+
+def build_release(inputs: Inputs, out_dir: Path, arches: Sequence[str] = ARCHES, progress=print) -> list[Path]:
+    """Build the artifacts and SHA256SUMS into `out_dir`; their paths."""
+    if not VERSION_RE.fullmatch(inputs.version):
+        raise BuildError(f"version {inputs.version!r} may hold only letters, digits and . + - (it names files)")
+    unknown = [a for a in arches if a not in ARCHES]
+    if unknown or not arches:
+        raise BuildError(f"architectures {list(arches)}: each must be one of {', '.join(ARCHES)}")
+    try:
+        pins, lock = lockfile.read_pins(inputs.requirements_txt, inputs.lockfile)
+    except lockfile.LockError as exc:
+        raise BuildError(str(exc)) from None
+    src = sources(inputs.src_root, inputs.version)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    artifacts = []
+    with tempfile.TemporaryDirectory(prefix="llmgw-release-") as work:
+        try:
+            fetched = wheels.fetch(
+                pins, arches, cache=inputs.wheel_cache, work=Path(work), index_url=inputs.index_url, progress=progress
+            )
+            for arch in arches:
+                chosen = wheels.choose({m: [p.name for p in ps] for m, ps in fetched[arch].items()})
+                paths = [inputs.wheel_cache / name for name in chosen]
+                checked = wheels.verify(paths, lock)
+                site = wheels.site_packages(paths)
+                clash = sorted(name for name in src if name in site)
+                if clash:
+                    raise BuildError(f"wheels and llmgw's sources both provide {clash[:5]}")
+                site.update(src)
+                site["llmgw/_build_info.py"] = build_info(inputs, arch)
+                entries = zipapp.assemble(
+                    version=inputs.version,
+                    main=main_py(arch),
+                    preamble=runtime_file("pyz_preamble.py"),
+                    site=site,
+                    epoch=inputs.source_date_epoch,
+                )
+                path = out_dir / artifact_name(inputs.version, arch)
+                zipapp.write(path, entries, inputs.source_date_epoch)
+                progress(
+                    f"{path}: {path.stat().st_size / 1e6:.1f} MB, {len(chosen)} wheels "
+                    f"({checked} checked against default.lock), {len(entries)} entries"
+                )
+                artifacts.append(path)
+        except wheels.WheelError as exc:
+            raise BuildError(str(exc)) from None
+    sums = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(artifacts))
+    (out_dir / "SHA256SUMS").write_text(sums)
+    return [*artifacts, out_dir / "SHA256SUMS"]
+
+
+# -- the command line: inputs from the checkout ---------------------------------------------
+
+
+def find_checkout(start: Path) -> Path:
+    for d in (start, *start.parents):
+        if (d / "pants.toml").is_file() and (d / "3rdparty" / "python" / "requirements.txt").is_file():
+            return d
+    raise BuildError(f"{start} is not inside the llmgw checkout (no pants.toml above it); run from the checkout")
+
+
+def _git(repo: Path, *args: str) -> str:
+    try:
+        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BuildError(f"cannot run git: {exc}") from None
+    if done.returncode != 0:
+        raise BuildError(f"`git {' '.join(args)}` failed in {repo}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str) -> tuple[Inputs, bool]:
+    """Inputs from the checkout, and whether it has uncommitted changes to what is built."""
+    commit = _git(repo, "rev-parse", "--short=12", "HEAD")
+    dirty = bool(_git(repo, "status", "--porcelain", "--", "src/python", "release", "3rdparty/python"))
+    epoch = os.environ.get("SOURCE_DATE_EPOCH") or _git(repo, "log", "-1", "--format=%ct", "HEAD")
+    inputs = Inputs(
+        version=version,
+        commit=f"{commit}-dirty" if dirty else commit,
+        source_date_epoch=int(epoch),
+        src_root=repo / "src" / "python",
+        requirements_txt=repo / "3rdparty" / "python" / "requirements.txt",
+        lockfile=repo / "3rdparty" / "python" / "default.lock",
+        wheel_cache=wheel_cache,
+        index_url=index_url,
+    )
+    return inputs, dirty
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="release:build", description="Build the llmgw release zipapps and SHA256SUMS from this checkout."
+    )
+    parser.add_argument("--version", required=True, help="the release version, e.g. 0.2.0")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write the artifacts into")
+    parser.add_argument(
+        "--arch", action="append", choices=ARCHES, help="an architecture to build (repeatable; default: all)"
+    )
+    parser.add_argument("--wheel-cache", type=Path, default=wheels.default_cache(), help="default: %(default)s")
+    parser.add_argument("--index-url", default=wheels.PYPI, help="where missing wheels come from (default: PyPI)")
+    args = parser.parse_args(argv)
+
+    def progress(message: str) -> None:
+        print(f"release: {message}", file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    try:
+        repo = find_checkout(Path.cwd())
+        inputs, dirty = checkout_inputs(repo, args.version, args.wheel_cache, args.index_url)
+        if dirty:
+            progress(f"uncommitted changes under src/python, release or 3rdparty/python: commit is {inputs.commit}")
+        paths = build_release(inputs, args.out.resolve(), tuple(dict.fromkeys(args.arch or ARCHES)), progress)
+    except BuildError as exc:
+        print(f"release: {exc}", file=sys.stderr)
+        return 1
+    progress(f"built {inputs.commit} ({build_date(inputs.source_date_epoch)}) in {time.monotonic() - started:.1f}s")
+    sys.stdout.write(paths[-1].read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,439 @@
+"""The release artifacts, built the way `./pants run release:build` builds them, then run for real.
+
+The build runs twice into separate directories (the second from the wheel cache the first one
+filled, so only a cold cache needs the network) and must give the same bytes. The amd64 artifact
+runs under each of pyenv's CPython 3.10-3.13; the arm64 one is inspected: every ELF object in it
+must be aarch64. Every run unpacks under this test's temporary directories (SHIV_ROOT), never
+under the user's cache.
+
+To check another command under every Python, add one line to COMMANDS (a command that prints
+and exits) or SERVICES (a command that serves HTTP until SIGTERM).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import pytest
+from llmgw_release import build, wheels
+
+import llmgw
+from testlib.proc import build_root
+
+VERSION = "0.0.0-test"
+COMMIT = "0123456789ab"
+EPOCH = 1795965623  # 2026-11-29T15:20:23Z
+MINORS = (10, 11, 12, 13)
+RUN_TIMEOUT_S = 60
+READY_DEADLINE_S = 30
+POLL_S = 0.1
+E_MACHINE = {"x86_64": 0x3E, "aarch64": 0xB7}
+
+SERVER_TOML = """\
+[server]
+state_dir = "{tmp}/state"
+agent_listen = "127.0.0.1:0"
+http_listen = "127.0.0.1:0"
+advertise = ["127.0.0.1"]
+"""
+
+
+# -- building --------------------------------------------------------------------------------
+
+
+def release_inputs() -> build.Inputs:
+    root = build_root()
+    requirements = root / "3rdparty" / "python" / "requirements.txt"
+    lock = root / "3rdparty" / "python" / "default.lock"
+    if not requirements.is_file() or not lock.is_file():
+        pytest.fail(
+            f"{requirements} and {lock} are not here. Under Pants the test needs them as files: "
+            'add `files(name="release-inputs", sources=["requirements.txt", "default.lock"])` to '
+            '3rdparty/python/BUILD and "3rdparty/python:release-inputs" to tests/release/BUILD\'s dependencies.'
+        )
+    return build.Inputs(
+        version=VERSION,
+        commit=COMMIT,
+        source_date_epoch=EPOCH,
+        src_root=Path(llmgw.__file__).parent.parent,
+        requirements_txt=requirements,
+        lockfile=lock,
+        wheel_cache=wheels.default_cache(),
+    )
+
+
+@attrs.frozen
+class Release:
+    out: Path
+    again: Path  # the same inputs built a second time
+
+    def artifact(self, arch: str) -> Path:
+        return self.out / build.artifact_name(VERSION, arch)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
+    inputs = release_inputs()
+    first, second = tmp_path_factory.mktemp("release"), tmp_path_factory.mktemp("release-again")
+    build.build_release(inputs, first)
+    build.build_release(inputs, second)
+    return Release(out=first, again=second)
+
+
+def members(artifact: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(artifact) as z:
+        return {name: z.read(name) for name in z.namelist()}
+
+
+# -- the files -------------------------------------------------------------------------------
+
+
+def test_sha256sums_lists_both_artifacts_and_verifies(release: Release) -> None:
+    lines = (release.out / "SHA256SUMS").read_text().splitlines()
+    expected = [
+        f"{hashlib.sha256(release.artifact(arch).read_bytes()).hexdigest()}  {release.artifact(arch).name}"
+        for arch in ("amd64", "arm64")
+    ]
+    assert lines == expected
+    # What docs/install.md tells the operator to run.
+    done = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=release.out, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_two_builds_of_one_commit_are_byte_identical(release: Release) -> None:
+    names = sorted(p.name for p in release.out.iterdir())
+    assert names == sorted(p.name for p in release.again.iterdir())
+    for name in names:
+        assert (release.out / name).read_bytes() == (release.again / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("arch", ["amd64", "arm64"])
+def test_every_minor_has_its_compiled_modules_and_conditional_dependencies(release: Release, arch: str) -> None:
+    names = set(members(release.artifact(arch)))
+    machine = wheels.MACHINES[arch]
+    for minor in MINORS:
+        for module in ("_cffi_backend", "greenlet/_greenlet"):
+            assert f"site-packages/{module}.cpython-3{minor}-{machine}-linux-gnu.so" in names
+    assert "site-packages/cryptography/hazmat/bindings/_rust.abi3.so" in names
+    # Needed below 3.11 only, shipped to all: one artifact serves every minor.
+    assert "site-packages/tomli/__init__.py" in names
+    assert "site-packages/exceptiongroup/__init__.py" in names
+    # The runtime only: no test or build tools.
+    tops = {n.split("/")[1] for n in names if n.startswith("site-packages/")}
+    assert not tops & {"pytest", "_pytest", "ruff", "shiv", "pip", "click", "setuptools"}
+
+
+def elf_machine(data: bytes) -> int | None:
+    if not data.startswith(b"\x7fELF") or len(data) < 20:
+        return None
+    endian = "<" if data[5] == 1 else ">"  # EI_DATA: 1 little-endian, 2 big-endian
+    return struct.unpack(f"{endian}H", data[18:20])[0]  # e_machine
+
+
+@pytest.mark.parametrize("arch", ["amd64", "arm64"])
+def test_every_elf_object_is_for_the_target_machine(release: Release, arch: str) -> None:
+    machines = {name: elf_machine(data) for name, data in members(release.artifact(arch)).items()}
+    elves = {name: m for name, m in machines.items() if m is not None}
+    assert len(elves) >= 10, sorted(elves)
+    wrong = {name: hex(m) for name, m in elves.items() if m != E_MACHINE[wheels.MACHINES[arch]]}
+    assert not wrong, f"{arch} artifact holds objects for other machines: {wrong}"
+
+
+# -- running it under every Python -----------------------------------------------------------
+
+
+def pyenv_root() -> Path:
+    if os.environ.get("PYENV_ROOT"):
+        return Path(os.environ["PYENV_ROOT"])
+    try:
+        done = subprocess.run(["pyenv", "root"], capture_output=True, text=True, timeout=30, check=False)
+        if done.returncode == 0 and done.stdout.strip():
+            return Path(done.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return Path.home() / ".pyenv"
+
+
+def find_python(minor: int) -> Path:
+    """The newest pyenv CPython 3.`minor`.N; missing is a failure: the artifact claims to run there."""
+    root = pyenv_root()
+    found = [
+        p
+        for p in root.glob(f"versions/3.{minor}.*/bin/python3.{minor}")
+        if re.fullmatch(rf"3\.{minor}\.\d+", p.parents[1].name)  # not 3.13.0t and the like
+    ]
+    if not found:
+        pytest.fail(f"no CPython 3.{minor} in {root}/versions; install it with `pyenv install 3.{minor}`")
+    return max(found, key=lambda p: tuple(int(x) for x in p.parents[1].name.split(".")))
+
+
+@pytest.fixture(scope="module")
+def shiv_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("unpacked")
+
+
+def artifact_env(root: Path, **extra: str) -> dict[str, str]:
+    """The environment an operator's shell would give it: no PYTHONPATH (this test's own, which
+    would put the checkout's llmgw first), no PEX or shiv settings; SHIV_ROOT under the test's tmp."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PEX", "SHIV_"))}
+    return {**env, "SHIV_ROOT": str(root), **extra}
+
+
+def run(python: Path, artifact: Path, args: Sequence[str], root: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(python), str(artifact), *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=artifact_env(root, **env),
+        check=False,
+    )
+
+
+def expect_version(done: subprocess.CompletedProcess, minor: int) -> None:
+    info = json.loads(done.stdout)
+    assert info["version"] == VERSION
+    assert info["commit"] == COMMIT
+    assert info["build_date"] == "2026-11-29T15:20:23Z"
+    assert info["build_target"] == "linux-amd64"
+    assert info["architecture"] == "x86_64"
+    assert info["python"].startswith(f"3.{minor}.")
+
+
+def expect_help(done: subprocess.CompletedProcess, minor: int) -> None:
+    assert done.stdout.startswith("usage: llmgw")
+    assert "config" in done.stdout and "version" in done.stdout
+
+
+def expect_ok(done: subprocess.CompletedProcess, minor: int) -> None:
+    assert done.stdout.strip().endswith("ok (server configuration)")
+
+
+def expect_json(done: subprocess.CompletedProcess, minor: int) -> None:
+    json.loads(done.stdout)
+
+
+IMPORT_COMPILED = (
+    "import sys, _cffi_backend, greenlet, cryptography.hazmat.bindings._rust, wcwidth, trio_asyncio, asyncssh, urwid\n"
+    "from cryptography.hazmat.primitives.asymmetric import ec\n"
+    "ec.generate_private_key(ec.SECP256R1())\n"
+    "if sys.version_info < (3, 11):\n"
+    "    import tomli, exceptiongroup\n"
+    "print(_cffi_backend.__file__)\n"
+)
+
+
+def expect_own_cffi(done: subprocess.CompletedProcess, minor: int) -> None:
+    assert f"_cffi_backend.cpython-3{minor}-x86_64-linux-gnu.so" in done.stdout
+
+
+@attrs.frozen
+class Command:
+    """A command the artifact runs to completion, exiting with one of `statuses`; `{tmp}` in
+    `args` is a fresh directory holding `server.toml`."""
+
+    args: tuple[str, ...]
+    expect: Callable[[subprocess.CompletedProcess, int], None]
+    env: tuple[tuple[str, str], ...] = ()
+    statuses: tuple[int, ...] = (0,)
+
+
+COMMANDS = {
+    "version --json": Command(("version", "--json"), expect_version),
+    "--help": Command(("--help",), expect_help),
+    "config check": Command(("config", "check", "{tmp}/server.toml"), expect_ok),
+    # shiv's interpreter mode: every compiled module loads on this minor.
+    "imports": Command(("-c", IMPORT_COMPILED), expect_own_cffi, env=(("SHIV_INTERPRETER", "1"),)),
+    # "doctor --json": Command(("doctor", "--json"), expect_json, statuses=(0, 1)),
+}
+
+
+@attrs.frozen
+class Service:
+    """A command that serves HTTP until SIGTERM: after `setup`, it must answer `method path`
+    (with `body`, as JSON) with 200, and exit 0 on SIGTERM.
+
+    It says where it listens either in a file (`url_file`, holding a base URL) or on a port the
+    test chose (`url`, with `{port}`).
+    """
+
+    args: tuple[str, ...]
+    path: str
+    setup: tuple[tuple[str, ...], ...] = ()
+    url_file: str | None = None
+    url: str | None = None
+    method: str = "GET"
+    body: bytes | None = None
+
+
+SERVICES = {
+    "server": Service(
+        ("server", "--config", "{tmp}/server.toml"),
+        "/health",
+        setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
+        url_file="{tmp}/state/admin.url",
+    ),
+    # "engine sim": Service(("engine", "sim", "--listen", "127.0.0.1:{port}"), "/v1/models", url="http://127.0.0.1:{port}"),
+}
+
+
+def fill(template: str, tmp: Path, port: int) -> str:
+    return template.replace("{tmp}", str(tmp)).replace("{port}", str(port))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "server.toml").write_text(SERVER_TOML.format(tmp=tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("minor", MINORS, ids=lambda m: f"3.{m}")
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_command_runs_under_every_python(
+    release: Release, shiv_root: Path, workdir: Path, name: str, minor: int
+) -> None:
+    command = COMMANDS[name]
+    args = [fill(a, workdir, 0) for a in command.args]
+    done = run(find_python(minor), release.artifact("amd64"), args, shiv_root, **dict(command.env))
+    assert (
+        done.returncode in command.statuses
+    ), f"llmgw {' '.join(args)} on 3.{minor}: exit {done.returncode}\n{done.stderr}"
+    command.expect(done, minor)
+
+
+@pytest.mark.parametrize("minor", MINORS, ids=lambda m: f"3.{m}")
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_service_answers_under_every_python(
+    release: Release, shiv_root: Path, workdir: Path, name: str, minor: int
+) -> None:
+    service, python, artifact = SERVICES[name], find_python(minor), release.artifact("amd64")
+    port = free_port()
+    for step in service.setup:
+        done = run(python, artifact, [fill(a, workdir, port) for a in step], shiv_root)
+        assert done.returncode == 0, f"llmgw {' '.join(step)}: exit {done.returncode}\n{done.stderr}"
+    log = (workdir / "service.log").open("wb")
+    proc = subprocess.Popen(
+        [str(python), str(artifact), *(fill(a, workdir, port) for a in service.args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=artifact_env(shiv_root),
+    )
+    try:
+        base = wait_for_url(service, workdir, port, proc)
+        headers = {"Content-Type": "application/json"} if service.body is not None else {}
+        request = urllib.request.Request(base + service.path, data=service.body, headers=headers, method=service.method)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            status = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    assert status == 0, (workdir / "service.log").read_text()
+
+
+def wait_for_url(service: Service, tmp: Path, port: int, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"exited {proc.returncode} before answering:\n{(tmp / 'service.log').read_text()}")
+        if service.url_file is not None:
+            url_file = Path(fill(service.url_file, tmp, port))
+            if url_file.is_file() and url_file.read_text().strip():
+                return url_file.read_text().strip()
+        elif service.url is not None:
+            try:
+                with urllib.request.urlopen(fill(service.url, tmp, port), timeout=1):
+                    pass
+                return fill(service.url, tmp, port)
+            except urllib.error.HTTPError:
+                return fill(service.url, tmp, port)  # it answers; the status is the test's business
+            except OSError:
+                pass
+        time.sleep(POLL_S)
+    pytest.fail(f"not answering after {READY_DEADLINE_S}s:\n{(tmp / 'service.log').read_text()}")
+
+
+def test_a_python_it_was_not_built_for_gets_a_message(release: Release, tmp_path: Path) -> None:
+    old = sorted(pyenv_root().glob("versions/3.9.*/bin/python3.9"))
+    if not old:
+        pytest.skip("no CPython 3.9 under pyenv to try the artifact with")
+    done = run(old[-1], release.artifact("amd64"), ["version"], tmp_path)
+    assert done.returncode == 70
+    assert "llmgw needs CPython 3.10 to 3.13; this is Python 3.9." in done.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be unpacked for a Python that cannot run it"
+
+
+def test_an_artifact_for_another_machine_gets_a_message(release: Release, tmp_path: Path) -> None:
+    other = "arm64" if platform.machine() == "x86_64" else "amd64"
+    done = run(find_python(11), release.artifact(other), ["version"], tmp_path)
+    assert done.returncode == 70
+    assert f"this llmgw is built for {wheels.MACHINES[other]}, but this machine is {platform.machine()}" in done.stderr
+
+
+# -- where it unpacks ------------------------------------------------------------------------
+
+
+def unpacked(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+
+
+def test_older_unpacked_versions_are_removed_unless_in_use(release: Release, tmp_path: Path) -> None:
+    """Copies of one artifact under other names unpack to other directories, as other versions do."""
+    python, root = find_python(11), tmp_path / "root"
+    copies = {}
+    for name in ("a", "b", "c"):
+        copies[name] = tmp_path / f"llmgw-{name}.pyz"
+        shutil.copyfile(release.artifact("amd64"), copies[name])
+    foreign = root / "someone-else.pyz_0123456789abcdef"  # another shiv app sharing a SHIV_ROOT
+    foreign.mkdir(parents=True)
+
+    def start(name: str) -> None:
+        done = run(python, copies[name], ["version"], root)
+        assert done.returncode == 0, done.stderr
+
+    start("a")
+    (dir_a,) = (n for n in unpacked(root) if n.startswith("llmgw-a.pyz_"))
+    assert dir_a.endswith(f"_llmgw-{VERSION}-" + dir_a.rsplit("-", 1)[-1])  # the versioned build id
+    start("b")
+    (dir_b,) = (n for n in unpacked(root) if n.startswith("llmgw-b.pyz_"))
+    assert unpacked(root) == [dir_b, foreign.name]
+    assert not (root / f".{dir_a}_lock").exists()
+
+    # A process still running b (an agent not yet restarted after an upgrade) keeps b's files.
+    held = os.open(root / dir_b, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        start("c")
+        (dir_c,) = (n for n in unpacked(root) if n.startswith("llmgw-c.pyz_"))
+        assert unpacked(root) == [dir_b, dir_c, foreign.name]
+    finally:
+        os.close(held)
+    start("c")
+    assert unpacked(root) == [dir_c, foreign.name]

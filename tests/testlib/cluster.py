@@ -1,0 +1,251 @@
+"""A cluster of real `llmgw` processes on loopback: one control plane, its agents, their files.
+
+`Cluster` owns every process it starts and kills each one in `close()`, whatever state a test
+left it in. Nothing waits by sleeping: every wait is a poll with a deadline that, when it
+expires, fails with what was last seen and the log tails of the processes involved, so a red
+run says what each side saw. Processes log JSON lines (`--log-format json`) to one file per
+run, so a test reads the events of exactly the run it started.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+
+from testlib.proc import llmgw_env, run_llmgw
+
+T = TypeVar("T")
+
+POLL_S = 0.1
+DEADLINE_S = 20.0
+CLI_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+TAIL_LINES = 40
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now. Another process may take it before we do; on loopback in
+    a test run that is rare enough, and a server that cannot listen says so in its log."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One child process whose standard output and error go to one log file."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=llmgw_env(),
+        )
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def events(self, event: str | None = None) -> list[dict[str, Any]]:
+        """The JSON log lines written so far (other lines, e.g. tracebacks, are skipped)."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line still being written
+            if event is None or record.get("event") == event:
+                out.append(record)
+        return out
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        status = "running" if self.returncode is None else f"exited {self.returncode}"
+        return f"--- {self.name} ({status}) {self.log_path} ---\n" + "\n".join(text)
+
+    def stop(self, sig: signal.Signals, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """Send `sig` and wait; the exit status, or None if it did not exit in time (then it is killed)."""
+        if self.returncode is not None:
+            return self.returncode
+        self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(STOP_TIMEOUT_S)
+        self._log.close()
+
+
+def tails(procs: Iterable[Proc]) -> str:
+    return "\n".join(p.tail() for p in procs)
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], T | None],
+    *,
+    procs: Iterable[Proc] = (),
+    alive: Iterable[Proc] = (),
+    timeout: float = DEADLINE_S,
+    last_seen: Callable[[], Any] = lambda: None,
+) -> T:
+    """Poll `check` until it returns something truthy; fail after `timeout` or as soon as a
+    process in `alive` exits, with `last_seen()` and the log tails of `procs` and `alive`."""
+    procs, alive = list(procs), list(alive)
+    shown = procs + [p for p in alive if p not in procs]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        dead = [p for p in alive if p.returncode is not None]
+        if dead or time.monotonic() >= deadline:
+            why = f"{', '.join(p.name for p in dead)} exited" if dead else f"not within {timeout:g} s"
+            raise AssertionError(f"waiting for {what}: {why}\nlast seen: {last_seen()!r}\n{tails(shown)}")
+        time.sleep(POLL_S)
+
+
+@attrs.frozen(kw_only=True)
+class NodeFiles:
+    node_id: str
+    state_dir: Path
+    config: Path
+
+    @property
+    def pki(self) -> Path:
+        return self.state_dir / "pki"
+
+
+class Cluster:
+    """A control plane in `root/state` with its agent endpoint on a fixed loopback port (so a
+    restarted server listens where its agents dial), and the agents' state under `root`."""
+
+    def __init__(self, root: Path, *, heartbeat_interval_s: float = 0.2, heartbeat_ttl_s: float = 1.5) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.port = free_port()
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.server_config = root / "server.toml"
+        self.server_config.write_text(
+            "[server]\n"
+            f'state_dir = "{self.state}"\n'
+            f'agent_listen = "127.0.0.1:{self.port}"\n'
+            'http_listen = "127.0.0.1:0"\n'
+            'advertise = ["127.0.0.1"]\n'
+            f"heartbeat_interval_s = {heartbeat_interval_s}\n"
+            f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
+        )
+        self.nodes_files: dict[str, NodeFiles] = {}
+        self.server: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        self.procs: list[Proc] = []
+        self.last_nodes: Any = None  # the last `ctl nodes` answer, for failure messages
+        self._runs: dict[str, int] = {}
+
+    # -- one-shot commands ----------------------------------------------------------------
+
+    def llmgw(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        result = run_llmgw(*args, timeout=CLI_TIMEOUT_S)
+        if ok and result.returncode != 0:
+            raise AssertionError(
+                f"`llmgw {' '.join(args)}` exited {result.returncode}\n"
+                f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{tails(self.latest())}"
+            )
+        return result
+
+    def init_ca(self) -> None:
+        self.llmgw("ca", "init", "--config", str(self.server_config))
+
+    def add_node(self, node_id: str) -> NodeFiles:
+        """The node's own key and CSR, a certificate the CA signs for it, and the CA certificate."""
+        files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
+        files.config.write_text(
+            f'server = "wss://127.0.0.1:{self.port}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n'
+        )
+        self.llmgw("agent", "csr", "--config", str(files.config))
+        self.llmgw(
+            "ca",
+            "issue",
+            node_id,
+            "--config",
+            str(self.server_config),
+            "--csr",
+            str(files.pki / "node.csr"),
+            "--out",
+            str(files.pki / "node.crt"),
+        )
+        shutil.copy(self.state / "ca" / "ca.crt", files.pki / "ca.crt")
+        self.nodes_files[node_id] = files
+        return files
+
+    def nodes(self) -> dict[str, dict[str, Any]] | None:
+        """`llmgw ctl nodes --json` by node id, or None while no control plane answers."""
+        result = self.llmgw("ctl", "nodes", "--json", "--state-dir", str(self.state), ok=False)
+        if result.returncode != 0:
+            self.last_nodes = f"exit {result.returncode}: {result.stderr.strip()}"
+            return None
+        nodes = {n["id"]: n for n in json.loads(result.stdout)}
+        self.last_nodes = {k: n["state"] for k, n in nodes.items()}
+        return nodes
+
+    # -- long-running processes -----------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        run = self._runs[name] = self._runs.get(name, 0) + 1
+        proc = Proc(name, args, self.root / f"{name}-{run}.log")
+        self.procs.append(proc)
+        return proc
+
+    def start_server(self) -> Proc:
+        """Start `llmgw server` and wait for this run's `server_ready` (both listeners accept)."""
+        assert self.server is None or self.server.returncode is not None, "the server is already running"
+        server = self.server = self._spawn(
+            "server", ["server", "--config", str(self.server_config), "--log-format", "json"]
+        )
+        wait_until("the server to be ready", lambda: server.events("server_ready"), alive=[server])
+        return server
+
+    def start_agent(self, node_id: str) -> Proc:
+        """Start `llmgw agent run` for a node added with `add_node`; does not wait for its link."""
+        files = self.nodes_files[node_id]
+        agent = self._spawn(node_id, ["agent", "run", "--config", str(files.config), "--log-format", "json"])
+        self.agents[node_id] = agent
+        return agent
+
+    def wait_nodes(self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool]) -> dict[str, dict[str, Any]]:
+        """Poll `ctl nodes` until `check(nodes)`; the nodes it passed on."""
+
+        def poll() -> dict[str, dict[str, Any]] | None:
+            nodes = self.nodes()
+            return nodes if nodes is not None and check(nodes) else None
+
+        return wait_until(what, poll, procs=self.latest(), alive=[self.server], last_seen=lambda: self.last_nodes)
+
+    def latest(self) -> list[Proc]:
+        """The latest run of the server and of each agent: whose logs a failure shows."""
+        return [p for p in (self.server, *self.agents.values()) if p is not None]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
