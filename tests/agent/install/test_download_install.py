@@ -1,0 +1,153 @@
+"""Downloads resume and are verified; installs are checked before `current` switches.
+
+A real HTTP server on loopback (llmgw's own h11 server) serves the files, with Range support
+that the tests can switch off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.install.download import fetch
+from agent.install.errors import DownloadError, EngineCheckFailed
+from agent.install.installer import ArchiveSource, EngineStore, Wanted
+from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
+
+pytestmark = pytest.mark.trio
+
+
+class Files:
+    def __init__(self) -> None:
+        self.content: dict[str, bytes] = {}
+        self.ranges_seen: list[str] = []
+        self.honour_range = True
+
+    async def handle(self, request: Request) -> Response:
+        body = self.content.get(request.path)
+        if body is None:
+            raise HTTPError(404, "no such file")
+        wanted = request.headers.get("range")
+        if wanted:
+            self.ranges_seen.append(wanted)
+        if wanted and self.honour_range:
+            start = int(wanted.removeprefix("bytes=").rstrip("-"))
+            if start >= len(body):
+                return Response(status=416)
+            return Response(
+                status=206,
+                body=body[start:],
+                headers=(("content-range", f"bytes {start}-{len(body) - 1}/{len(body)}"),),
+            )
+        return Response(status=200, body=body)
+
+
+@pytest.fixture
+async def files(nursery: trio.Nursery) -> tuple[Files, str]:
+    f = Files()
+    listeners = await nursery.start(serve_http, f.handle, "127.0.0.1", 0)
+    host, port = bound_address(listeners)
+    return f, f"http://{host}:{port}"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def test_download_resumes_a_part_with_a_range_request(files, tmp_path: Path) -> None:
+    server, base = files
+    data = os.urandom(3 << 20)
+    server.content["/w.bin"] = data
+    (tmp_path / "w.bin.part").write_bytes(data[: 1 << 20])
+    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data))
+    assert (tmp_path / "w.bin").read_bytes() == data
+    assert server.ranges_seen == [f"bytes={1 << 20}-"]
+    assert not (tmp_path / "w.bin.part").exists()
+
+
+async def test_a_server_without_range_support_restarts_the_download(files, tmp_path: Path) -> None:
+    server, base = files
+    server.honour_range = False
+    data = b"abc" * 1000
+    server.content["/w.bin"] = data
+    (tmp_path / "w.bin.part").write_bytes(b"garbage-that-must-not-survive")
+    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data))
+    assert (tmp_path / "w.bin").read_bytes() == data
+
+
+async def test_a_wrong_checksum_installs_nothing_and_drops_the_part(files, tmp_path: Path) -> None:
+    server, base = files
+    server.content["/w.bin"] = b"tampered"
+    with pytest.raises(DownloadError) as info:
+        await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(b"original"))
+    assert f"has sha256 {sha(b'tampered')}, but server.toml says {sha(b'original')}" in str(info.value)
+    assert not (tmp_path / "w.bin").exists() and not (tmp_path / "w.bin.part").exists()
+
+
+async def test_http_errors_name_the_url(files, tmp_path: Path) -> None:
+    _, base = files
+    with pytest.raises(DownloadError) as info:
+        await fetch(f"{base}/missing", tmp_path / "x", sha256=sha(b""))
+    assert "/missing answered HTTP 404" in str(info.value)
+
+
+def engine_archive(version: str, *, works: bool = True) -> bytes:
+    script = (
+        f"#!/bin/sh\necho fake-engine {version}\n"
+        if works
+        else "#!/bin/sh\necho 'error: libcuda.so.1 not found' >&2\nexit 127\n"
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("pkg/bin/fake-engine")
+        info.mode = 0o755
+        info.size = len(script)
+        tar.addfile(info, io.BytesIO(script.encode()))
+    return buf.getvalue()
+
+
+async def test_install_checks_then_switches_and_a_broken_upgrade_keeps_the_old(files, tmp_path: Path) -> None:
+    server, base = files
+    store = EngineStore(tmp_path / "engines")
+    for version, works in (("v1", True), ("v2", False), ("v3", True)):
+        server.content[f"/{version}.tgz"] = engine_archive(version, works=works)
+
+    def wanted(version: str) -> Wanted:
+        data = server.content[f"/{version}.tgz"]
+        return Wanted(
+            name="fake",
+            version=version,
+            source=ArchiveSource(url=f"{base}/{version}.tgz", sha256=sha(data), binary="pkg/bin/fake-engine"),
+        )
+
+    v1 = await store.ensure(wanted("v1"))
+    assert v1.version == "v1" and os.readlink(tmp_path / "engines/fake/current") == "v1"
+
+    with pytest.raises(EngineCheckFailed) as info:
+        await store.ensure(wanted("v2"))
+    assert "libcuda.so.1 not found" in str(info.value)  # the engine's own words
+    assert os.readlink(tmp_path / "engines/fake/current") == "v1"  # the old one keeps serving
+    assert not (tmp_path / "engines/fake/v2").exists()
+
+    await store.ensure(wanted("v3"))
+    assert os.readlink(tmp_path / "engines/fake/current") == "v3"
+    assert sorted(p.name for p in (tmp_path / "engines/fake").iterdir()) == ["current", "v1", "v3"]
+    assert store.current("fake").executable.endswith("v3/pkg/bin/fake-engine")
+
+
+async def test_an_operator_installed_engine_is_only_checked(tmp_path: Path) -> None:
+    binary = tmp_path / "my-llama-server"
+    binary.write_text("#!/bin/sh\necho 'version: 4242 (abc)'\n")
+    binary.chmod(0o755)
+    store = EngineStore(tmp_path / "engines")
+    installed = await store.ensure(Wanted(name="llamacpp", version="", binary=str(binary)))
+    assert installed.executable == str(binary) and "4242" in installed.version
+    with pytest.raises(EngineCheckFailed) as info:
+        await store.ensure(Wanted(name="llamacpp", version="", binary=str(tmp_path / "absent")))
+    assert "cannot be run" in str(info.value)
