@@ -20,6 +20,7 @@ from llmgw.config import ServerConfig
 from llmgw.errors import MachineError
 from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
+from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
 from llmgw.server.registry import Node, Registry
@@ -58,6 +59,7 @@ class ControlPlane:
             heartbeat_interval_s=config.server.heartbeat_interval_s,
             desired_state=self.desired_state,
             on_change=self._notify,
+            artifact_store=Artifacts(artifacts_dir(state_dir)),
         )
         self.admin = AdminAPI(self, self.admin_token)
         self._generation = 0

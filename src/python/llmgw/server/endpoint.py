@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import trio
@@ -26,6 +27,7 @@ import trio_websocket
 from llmgw import __version__, pki
 from llmgw.errors import leaves, only
 from llmgw.log import get_logger
+from llmgw.server import artifacts
 from llmgw.server.registry import Registry
 from llmgw.server.store import Store
 from llmgw.wire import agent_link as w
@@ -59,7 +61,9 @@ class AgentEndpoint:
         heartbeat_interval_s: float,
         desired_state: Callable[[str], w.DesiredState],
         on_change: Callable[[], None] = lambda: None,
+        artifact_store: artifacts.Artifacts | None = None,
     ) -> None:
+        self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
         self.registry = registry
         self.store = store
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -91,8 +95,16 @@ class AgentEndpoint:
             return
         cert = pki.cert_info_from_der(stream.getpeercert(binary_form=True))
         try:
+            with trio.fail_after(HELLO_TIMEOUT_S):
+                head, conn, http_request = await artifacts.read_request_head(stream)
+            if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
+                if self.store.is_revoked(cert.serial):
+                    log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked")
+                    return
+                await artifacts.serve(stream, conn, http_request, self.artifacts, cert.common_name)
+                return
             async with trio.open_nursery() as nursery:
-                request = await trio_websocket.wrap_server_stream(nursery, stream)
+                request = await trio_websocket.wrap_server_stream(nursery, artifacts.ReplayStream(stream, head))
                 refusal = self._refusal(request, cert)
                 if refusal is not None:
                     status, reason = refusal
@@ -102,8 +114,8 @@ class AgentEndpoint:
                 ws = await request.accept()
                 await self._run_link(ws, cert, address)
                 nursery.cancel_scope.cancel()
-        except Exception as exc:
-            if only(exc, _LINK_BROKEN):
+        except Exception as exc:  # noqa: BLE001 - one link's failure must never stop the endpoint
+            if only(exc, (*_LINK_BROKEN, trio.TooSlowError)):
                 log.info("agent_link_closed", address=address, cn=cert.common_name, detail=repr(leaves(exc)[0]))
             else:
                 log.exception("agent_link_failed", address=address, cn=cert.common_name)

@@ -1,0 +1,68 @@
+"""The control plane as mirror: an archive in its artifacts directory reaches agents over the
+mTLS agent port, with resume, and only for nodes whose certificate is good."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.install.download import fetch
+from agent.install.errors import DownloadError
+from llmgw import paths, pki
+from llmgw.config import ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+
+pytestmark = pytest.mark.trio
+
+
+@pytest.fixture
+async def mirror(tmp_path: Path, nursery: trio.Nursery):
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    ca = pki.load_ca(state)
+    ca.issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    plane = ControlPlane(
+        ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")), state
+    )
+    bound = await nursery.start(plane.serve)
+    node = pki.issue_to_dir(ca, "node-a", tmp_path / "node", validity_days=3)
+    ctx = pki.client_ssl_context(node.ca_cert, node.cert, node.key)
+    base = f"https://127.0.0.1:{bound.agent_address[1]}/v1/artifacts"
+    return plane, state, ctx, base, node
+
+
+async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirror, tmp_path: Path) -> None:
+    plane, state, ctx, base, _ = mirror
+    data = os.urandom(2 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    (state / "artifacts").mkdir()
+    (state / "artifacts" / "llama-b4000-bin-ubuntu-x64.tar.gz").write_bytes(data)  # any name will do
+    dest = tmp_path / "got"
+    (tmp_path / "got.part").write_bytes(data[:12345])
+    await fetch(f"{base}/{digest}", dest, sha256=digest, ssl_context=ctx)
+    assert dest.read_bytes() == data
+    assert digest in plane.endpoint.artifacts.available()
+
+
+async def test_unknown_artifacts_are_404(mirror, tmp_path: Path) -> None:
+    _, _, ctx, base, _ = mirror
+    with pytest.raises(DownloadError) as info:
+        await fetch(f"{base}/{'0' * 64}", tmp_path / "x", sha256="0" * 64, ssl_context=ctx)
+    assert "HTTP 404" in str(info.value)
+
+
+async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
+    plane, state, ctx, base, node = mirror
+    data = b"engine"
+    digest = hashlib.sha256(data).hexdigest()
+    (state / "artifacts").mkdir()
+    (state / "artifacts" / digest).write_bytes(data)
+    plane.store.revoke_serial(pki.cert_info(pki.load_cert(node.cert)).serial, "node-a")
+    with pytest.raises(DownloadError):
+        await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx)
+    assert not (tmp_path / "x").exists()
