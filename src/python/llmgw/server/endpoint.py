@@ -114,7 +114,7 @@ class AgentEndpoint:
                 ws = await request.accept()
                 await self._run_link(ws, cert, address)
                 nursery.cancel_scope.cancel()
-        except Exception as exc:  # noqa: BLE001 - one link's failure must never stop the endpoint
+        except Exception as exc:  # - one link's failure must never stop the endpoint
             if only(exc, (*_LINK_BROKEN, trio.TooSlowError)):
                 log.info("agent_link_closed", address=address, cn=cert.common_name, detail=repr(leaves(exc)[0]))
             else:
