@@ -259,7 +259,9 @@ async def test_an_unknown_message_gets_an_error_frame_then_close(plane: Plane, t
             nursery.cancel_scope.cancel()
 
 
-async def test_backoff_starts_over_after_a_session_that_was_up(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
+async def test_backoff_starts_over_after_a_session_that_was_up(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery
+) -> None:
     files = node_files(plane, tmp_path, "node-a")
     link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
     delays: list[float] = []

@@ -1,66 +1,52 @@
-"""What this machine is, as the agent reports it in `hello`: host, OS, CPU, memory.
+"""What this node is, as the agent reports it in `hello`: the wire `Inventory` of a snapshot.
 
-Reads /proc and `platform`; paths are parameters so tests can point them at fixtures.
+`collect(config)` looks at the node (blocking: call it with `trio.to_thread.run_sync`) and
+`inventory_of(snapshot, declared)` is the pure mapping, so the control plane sees exactly what
+`llmgw doctor` saw: GPUs with nvidia-smi's status, vLLM's eligibility with its reason, the
+InfiniBand / RoCE adapters, the fabric groups they form, and the declared fabrics that hold
+(those that do not are listed in `fabric_problems`, each with its fix, and are not sent as
+fabrics, so the node is an island for them rather than a member of the wrong fabric).
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import socket
-from pathlib import Path
+from collections.abc import Sequence
 
+from agent.discovery import fabrics
+from agent.discovery.gpus import vllm_eligibility
+from agent.discovery.snapshot import Snapshot, Sources, discover, sources_from_config
+from llmgw.config import AgentConfig, FabricDecl
 from llmgw.wire.agent_link import Inventory
 
 
-def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, int, tuple[str, ...]]:
-    """(model name, logical cores, flags) from /proc/cpuinfo; flags of the first processor."""
-    model, flags, cores = "", (), 0
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return platform.processor() or "unknown", os.cpu_count() or 0, ()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "processor":
-            cores += 1
-        elif key in ("model name", "Model", "cpu model") and not model:
-            model = value
-        elif key in ("flags", "Features") and not flags:
-            flags = tuple(sorted(value.split()))
-    return model or "unknown", cores or (os.cpu_count() or 0), flags
-
-
-def memory_total_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def os_name(os_release: Path = Path("/etc/os-release")) -> str:
-    try:
-        for line in os_release.read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip().strip('"')
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.release()}"
-
-
-def collect() -> Inventory:
-    model, cores, flags = cpu_info()
+def inventory_of(snap: Snapshot, declared: Sequence[FabricDecl] = ()) -> Inventory:
+    check = fabrics.check_declarations(declared, snap.ib.adapters)
     return Inventory(
-        hostname=socket.gethostname(),
-        os=os_name(),
-        arch=platform.machine(),
-        python=platform.python_version(),
-        cpu_model=model,
-        cpu_cores=cores,
-        cpu_flags=flags,
-        memory_total_bytes=memory_total_bytes(),
+        hostname=snap.hostname,
+        os=snap.os,
+        arch=snap.arch,
+        python=".".join(map(str, snap.python)),
+        cpu_model=snap.cpu.model if snap.cpu else "unknown",
+        cpu_cores=snap.cpu.cores if snap.cpu else 0,
+        cpu_flags=snap.cpu.flags if snap.cpu else (),
+        memory_total_bytes=snap.memory.total_bytes if snap.memory else 0,
+        memory_available_bytes=snap.memory.available_bytes if snap.memory else 0,
+        gpus=snap.gpus.gpus,
+        fabrics=check.fabrics,
+        kernel=snap.kernel,
+        weights_dir=snap.disk.path if snap.disk else "",
+        disk_free_bytes=snap.disk.free_bytes if snap.disk else 0,
+        gpu_status=snap.gpus.status,
+        gpu_detail=snap.gpus.detail + (f"; fix: {snap.gpus.fix}" if snap.gpus.fix else ""),
+        engine_eligibility=(vllm_eligibility(snap.gpus),),
+        ib_adapters=snap.ib.adapters,
+        fabric_groups=fabrics.group_adapters(snap.ib.adapters),
+        fabric_problems=tuple(f"{p.message}; fix: {p.fix}" for p in check.problems),
     )
+
+
+def collect(config: AgentConfig | None = None, sources: Sources | None = None) -> Inventory:
+    """Look at this node now. Blocking (tool runs are bounded by `Sources.tool_timeout_s`)."""
+    if sources is None:
+        sources = sources_from_config(config) if config else Sources()
+    return inventory_of(discover(sources), config.fabrics if config else ())

@@ -13,7 +13,8 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent import inventory
+from agent import ibdiags, inventory
+from agent.discovery import system
 from agent.link import AgentLink, Target
 from llmgw import __version__, pki
 from llmgw.config import AgentConfig
@@ -46,7 +47,16 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     files = pki.node_paths(state_dir)
     identity = Identity(node_id=node_id_of(config), boot_id=boot_id(), started_at=time.time())
     ssl_context = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
-    inv = inventory.collect()
+    if config.fabrics:
+        # Fabric identities come from sminfo (infiniband-diags): install it where it is missing.
+        outcome = await trio.to_thread.run_sync(
+            lambda: ibdiags.ensure(config.sminfo, system.os_family(Path("/etc/os-release")), needed=True)
+        )
+        log.info("infiniband_diags", status=outcome.status, detail=outcome.detail)
+    # Discovery runs tools with timeouts and reads sysfs: off the event loop.
+    inv = await trio.to_thread.run_sync(inventory.collect, config)
+    for problem in inv.fabric_problems:
+        log.warning("fabric_refused", problem=problem)
 
     def make_hello() -> w.Hello:
         return w.Hello(

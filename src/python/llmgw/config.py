@@ -33,6 +33,9 @@ else:  # pragma: no cover - exercised on the nodes' 3.10
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 DEFAULT_SERVER_STATE_DIR = "/var/lib/llmgw"
 DEFAULT_AGENT_STATE_DIR = "/var/lib/llmgw-agent"
+DEFAULT_NVIDIA_SMI = "/usr/bin/nvidia-smi"
+DEFAULT_IB_ROOT = "/sys/class/infiniband"
+DEFAULT_SMINFO = "/usr/sbin/sminfo"  # infiniband-diags, on Debian/Ubuntu and RHEL alike
 
 
 @attrs.frozen(repr=False)
@@ -111,9 +114,37 @@ class AgentConfig:
     server: str
     node_id: str = ""
     state_dir: str = DEFAULT_AGENT_STATE_DIR
-    nvidia_smi: str = "/usr/bin/nvidia-smi"
-    ib_root: str = "/sys/class/infiniband"
+    nvidia_smi: str = DEFAULT_NVIDIA_SMI
+    ib_root: str = DEFAULT_IB_ROOT
+    sminfo: str = DEFAULT_SMINFO
+    weights_dir: str = ""  # "" means <state_dir>/weights
     fabrics: tuple[FabricDecl, ...] = ()
+
+
+def weights_dir_of(cfg: AgentConfig) -> str:
+    return cfg.weights_dir or str(Path(cfg.state_dir) / "weights")
+
+
+def parse_fabric_flag(text: str) -> FabricDecl:
+    """`--fabric NAME[:ADAPTER,ADAPTER]` as a declaration; ValueError says what is wrong.
+
+    Whether the adapters exist and agree is not decided here: that needs the hardware
+    (`agent.discovery.fabrics`).
+    """
+    name, sep, rest = text.partition(":")
+    if not _NAME.match(name):
+        raise ValueError(
+            f"fabric name {name!r} may use only letters, digits, '.', '_' and '-' (e.g. --fabric ib-a:mlx5_0,mlx5_1)"
+        )
+    adapters = tuple(a.strip() for a in rest.split(",")) if sep else ()
+    if sep and (not adapters or any(not _ADAPTER.match(a) for a in adapters)):
+        raise ValueError(
+            f"adapters of fabric {name!r} must be a comma-separated list of names like mlx5_0, got {rest!r} "
+            f"(e.g. --fabric {name}:mlx5_0,mlx5_1, or --fabric {name} for the default two)"
+        )
+    if len(set(adapters)) != len(adapters):
+        raise ValueError(f"fabric {name!r} names an adapter twice: {rest!r}")
+    return FabricDecl(name=name, adapters=adapters)
 
 
 # -- the converter -------------------------------------------------------------------------
@@ -263,6 +294,8 @@ def _check_agent(cfg: AgentConfig) -> list[str]:
     problems = []
     if not cfg.server.startswith("wss://"):
         problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
+    if cfg.weights_dir and not cfg.weights_dir.startswith("/"):
+        problems.append(f"weights_dir must be an absolute path, got {cfg.weights_dir!r} @ $.weights_dir")
     if cfg.node_id and not _NAME.match(cfg.node_id):
         problems.append(f"node id {cfg.node_id!r} may use only letters, digits, '.', '_' and '-' @ $.node_id")
     owner: dict[str, str] = {}
@@ -283,6 +316,7 @@ def _check_agent(cfg: AgentConfig) -> list[str]:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_ADAPTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 
 

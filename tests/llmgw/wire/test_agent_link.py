@@ -31,7 +31,38 @@ INVENTORY = m.Inventory(
             pci_bus_id="00000000:00:03.0",
         ),
     ),
-    fabrics=(m.Fabric(name="ib-a", identity="sm:0x0002c90300a1b2c3", adapters=("mlx5_0",)),),
+    fabrics=(m.Fabric(name="ib-a", identity="ib-sm:0x0002c90300a1b2c3", adapters=("mlx5_0",), kind="infiniband"),),
+    kernel="6.1.0-18-amd64",
+    memory_available_bytes=30 << 30,
+    weights_dir="/var/lib/llmgw-agent/weights",
+    disk_free_bytes=400 << 30,
+    gpu_status=m.GPUS_PRESENT,
+    gpu_detail="1 x NVIDIA L4, driver 550.54",
+    engine_eligibility=(m.EngineEligibility(engine="vllm", status=m.ELIGIBLE, reason="1 GPU(s)"),),
+    ib_adapters=(
+        m.IbAdapter(
+            name="mlx5_0",
+            node_guid="0c42:a103:0012:3456",
+            ports=(
+                m.IbPort(
+                    port=1,
+                    state="ACTIVE",
+                    phys_state="LinkUp",
+                    link_layer="InfiniBand",
+                    rate="200 Gb/sec (4X HDR)",
+                    lid=5,
+                    sm_lid=1,
+                    gid_prefix="fe80:0000:0000:0000",
+                    sm_guid="0x0002c90300a1b2c3",
+                    identity="ib-sm:0x0002c90300a1b2c3",
+                ),
+            ),
+        ),
+    ),
+    fabric_groups=(
+        m.FabricGroup(identity="ib-sm:0x0002c90300a1b2c3", kind="infiniband", adapters=("mlx5_0",), detail="x"),
+    ),
+    fabric_problems=("fabric 'ib-b': ...; fix: ...",),
 )
 
 HELLO = m.Hello(

@@ -43,11 +43,19 @@ def configure(parser: Parser) -> None:
 
 
 def run_nodes(args: argparse.Namespace) -> int:
-    nodes = client_from(args).nodes()
+    cluster = client_from(args).cluster()
+    nodes = cluster["nodes"]
     if args.json:
         print(json.dumps(nodes, indent=2))
     else:
         print(format_nodes(nodes))
+        for note in cluster.get("notes", []):
+            print(f"note: {note}")
+        for n in nodes:
+            for problem in n.get("fabric_problems") or []:
+                print(f"{n['id']}: fabric refused: {problem}")
+            if n.get("gpu_status") in ("not_found", "failed"):
+                print(f"{n['id']}: GPUs: {n.get('gpu_detail')}")
     return 0
 
 
@@ -65,10 +73,32 @@ def state_text(node: dict[str, Any]) -> str:
     return node["state"] + (f" ({', '.join(marks)})" if marks else "")
 
 
+def _gpus(n: dict[str, Any]) -> str:
+    gpus = n.get("gpus") or []
+    if gpus:
+        return f"{len(gpus)} x {gpus[0]['name']}"
+    # A node whose nvidia-smi is missing or failing must not look like a CPU node.
+    return {"not_found": "nvidia-smi missing!", "failed": "nvidia-smi failed!"}.get(n.get("gpu_status") or "", "none")
+
+
+def _vllm(n: dict[str, Any]) -> str:
+    e = next((e for e in n.get("eligibility") or [] if e["engine"] == "vllm"), None)
+    if e is None:
+        return "-"
+    return {"not_applicable": "not applicable", "eligible": "eligible"}.get(e["status"], e["status"].replace("_", " "))
+
+
+def _fabrics(n: dict[str, Any]) -> str:
+    shown = [f"{f['name']}@{f['identity']}" for f in n.get("fabrics") or []]
+    if n.get("fabric_problems"):
+        shown.append("refused")
+    return ",".join(shown) or "-"
+
+
 def format_nodes(nodes: list[dict[str, Any]]) -> str:
     if not nodes:
         return "no nodes yet: add one with `llmgw node add USER@HOST`"
-    header = ("NODE", "STATE", "ADDRESS", "AGENT", "HEARTBEAT", "CPU", "GPUS", "ENGINES", "FABRICS", "CERT EXPIRES")
+    header = ("NODE", "STATE", "ADDRESS", "AGENT", "HEARTBEAT", "CPU", "GPUS", "ENGINES", "VLLM", "FABRICS", "CERT EXPIRES")
     rows = [header]
     for n in nodes:
         age = n.get("last_heartbeat_age_s")
@@ -82,9 +112,10 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
                 n.get("agent_version") or "-",
                 f"{age:.0f}s ago" if age is not None else "never",
                 f"{cpu.get('cores', '?')} x {cpu.get('model', '?')}" if cpu else "-",
-                f"{len(gpus)} x {gpus[0]['name']}" if gpus else "none",
+                _gpus(n),
                 ",".join(e["name"] + ("" if e["ok"] else "(failed)") for e in n.get("engines") or []) or "-",
-                ",".join(f["name"] for f in n.get("fabrics") or []) or "-",
+                _vllm(n),
+                _fabrics(n),
                 f"{n['cert_not_after']} ({n['cert_expires_in_days']:.0f}d)" if n.get("cert_not_after") else "-",
             )
         )

@@ -78,6 +78,10 @@ class AdminClient:
     def nodes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/admin/v1/nodes")["nodes"]
 
+    def cluster(self) -> dict[str, Any]:
+        """Nodes, the fabrics placement sees, and notes for the operator."""
+        return self.request("GET", "/admin/v1/nodes")
+
     def cordon(self, node_id: str, cordoned: bool) -> dict[str, Any]:
         action = "cordon" if cordoned else "uncordon"
         return self.request("POST", f"/admin/v1/nodes/{quote(node_id, safe='')}/{action}")["node"]

@@ -55,7 +55,9 @@ class AdminAPI:
         self._authorize(request)
         if request.path == "/admin/v1/nodes":
             _allow(request, "GET")
-            return Response.json(200, {"nodes": self.plane.node_views()})
+            fabrics = self.plane.fabric_map()
+            placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
+            return Response.json(200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)})
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")

@@ -18,6 +18,7 @@ import trio
 from llmgw import paths, pki
 from llmgw.config import ServerConfig
 from llmgw.errors import MachineError
+from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
@@ -105,6 +106,10 @@ class ControlPlane:
     def node_views(self) -> list[dict[str, Any]]:
         now = trio.current_time()
         return [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
+
+    def fabric_map(self) -> FabricMap:
+        """The cluster's fabrics as placement sees them: by name and identity, with notes."""
+        return fabric_map({n.node_id: n.inventory.fabrics for n in self.registry.nodes.values() if n.inventory})
 
     def node_view(self, node_id: str) -> dict[str, Any]:
         node = self.registry.nodes[node_id]
@@ -195,6 +200,13 @@ def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
         "gpus": [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib} for g in inv.gpus]
         if inv
         else [],
+        "gpu_status": inv.gpu_status if inv else None,
+        "gpu_detail": inv.gpu_detail if inv else "",
+        "eligibility": [{"engine": e.engine, "status": e.status, "reason": e.reason} for e in inv.engine_eligibility]
+        if inv
+        else [],
+        "fabric_problems": list(inv.fabric_problems) if inv else [],
+        "disk_free_bytes": inv.disk_free_bytes if inv else None,
         "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
         if inv
         else [],

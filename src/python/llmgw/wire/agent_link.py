@@ -18,6 +18,10 @@ PROTOCOL_VERSION = 1
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------
+#
+# Every field added after the first release has a default, so an older agent's hello still
+# parses; a new field an older control plane does not know is refused by its converter, which
+# is why PROTOCOL_VERSION moves when a released message changes.
 
 
 @attrs.frozen(kw_only=True)
@@ -32,20 +36,87 @@ class Gpu:
     pci_bus_id: str
 
 
+# Values of Inventory.gpu_status.
+GPUS_PRESENT = "present"  # nvidia-smi listed them
+GPUS_NONE = "none"  # no nvidia-smi and no NVIDIA GPU on the PCI bus: a CPU node
+GPUS_NOT_FOUND = "not_found"  # NVIDIA GPUs on the PCI bus but no nvidia-smi where configured
+GPUS_FAILED = "failed"  # nvidia-smi is there and fails (driver not loaded, wrong version, ...)
+GPUS_UNKNOWN = "unknown"  # the agent did not say
+
+
+# Values of EngineEligibility.status. "not_applicable" is not "skipped": vLLM on a CPU node is
+# not a thing that was left out, it is a thing that does not exist there.
+ELIGIBLE = "eligible"
+INELIGIBLE = "ineligible"
+NOT_APPLICABLE = "not_applicable"
+UNKNOWN = "unknown"
+
+
+@attrs.frozen(kw_only=True)
+class EngineEligibility:
+    """Whether this node's hardware can run an engine at all, and why (before any install)."""
+
+    engine: str
+    status: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class IbPort:
+    """One port of an InfiniBand / RoCE adapter, as sysfs (and sminfo, ip) report it."""
+
+    port: int
+    state: str  # the kernel's name: "ACTIVE", "DOWN", "INIT", "ARMED"
+    phys_state: str  # "LinkUp", "Polling", "Disabled", ...
+    link_layer: str  # "InfiniBand", or "Ethernet" for RoCE
+    rate: str = ""  # "200 Gb/sec (4X HDR)"
+    lid: int = 0
+    sm_lid: int = 0  # 0: no subnet manager has configured this port
+    gid_prefix: str = ""  # subnet prefix of GID 0: "fe80:0000:0000:0000" unless the SM sets one
+    netdev: str = ""  # RoCE: the Ethernet interface
+    network: str = ""  # RoCE: that interface's IP network, "192.168.50.0/24"
+    sm_guid: str = ""  # InfiniBand: the master subnet manager's port GUID, as sminfo reports it
+    identity: str = ""  # the fabric this port is on ("ib-sm:0x...", "roce:10.1.0.0/24"); "" if none
+    identity_error: str = ""  # why an active port has no identity
+
+
+@attrs.frozen(kw_only=True)
+class IbAdapter:
+    name: str  # "mlx5_0"
+    node_guid: str = ""  # "0c42:a103:0012:3456"
+    ports: tuple[IbPort, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class FabricGroup:
+    """Active adapters that report one fabric identity: what `node add` asks the operator to name."""
+
+    identity: str
+    kind: str  # "infiniband" or "roce"
+    adapters: tuple[str, ...]
+    detail: str = ""  # for people: "subnet manager 0x0002c90300a1b2c3 (LID 1)"
+
+
 @attrs.frozen(kw_only=True)
 class Fabric:
-    """A fabric this node is on: the operator's name and the identity the adapters report."""
+    """A fabric this node is on: the operator's name and the identity the adapters report.
+
+    Only declarations that were checked against the adapters are sent: every adapter exists,
+    is active and reports `identity`. The control plane places by (name, identity), so two
+    fabrics given one name stay two, and a typo in a name cannot merge anything.
+    """
 
     name: str
     identity: str
     adapters: tuple[str, ...] = ()
+    kind: str = ""  # "infiniband" or "roce"
 
 
 @attrs.frozen(kw_only=True)
 class Inventory:
     hostname: str
     os: str
-    arch: str
+    arch: str  # `uname -m`
     python: str
     cpu_model: str
     cpu_cores: int
@@ -53,6 +124,16 @@ class Inventory:
     memory_total_bytes: int = 0
     gpus: tuple[Gpu, ...] = ()
     fabrics: tuple[Fabric, ...] = ()
+    kernel: str = ""
+    memory_available_bytes: int = 0
+    weights_dir: str = ""
+    disk_free_bytes: int = 0  # free where weights go (or its nearest existing parent)
+    gpu_status: str = GPUS_UNKNOWN
+    gpu_detail: str = ""  # for people: what was found, or what is wrong and the fix
+    engine_eligibility: tuple[EngineEligibility, ...] = ()
+    ib_adapters: tuple[IbAdapter, ...] = ()
+    fabric_groups: tuple[FabricGroup, ...] = ()
+    fabric_problems: tuple[str, ...] = ()  # declared fabrics refused, each with its fix
 
 
 @attrs.frozen(kw_only=True)

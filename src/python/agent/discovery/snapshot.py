@@ -1,0 +1,92 @@
+"""One look at the node: `discover(Sources) -> Snapshot`.
+
+`Sources` says where to look. Every path is a parameter, defaulting to the usual place, so
+that tests (and `llmgw doctor --ib-root ...`) point discovery at recorded fixtures: a proc-
+shaped directory, a sysfs-shaped tree, scripts standing in for nvidia-smi, sminfo and ip.
+
+`discover` is blocking (file reads and a few bounded tool runs, see `tools`); the agent runs it
+with `trio.to_thread.run_sync`. A `Snapshot` is plain data: doctor's checks and the hello's
+inventory are both pure functions of it.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import sys
+from pathlib import Path
+
+import attrs
+
+from agent.discovery import cpu, gpus, infiniband, system
+from agent.discovery.tools import DEFAULT_TIMEOUT_S
+from llmgw import config
+
+DEFAULT_PROC_ROOT = "/proc"
+DEFAULT_PCI_ROOT = "/sys/bus/pci/devices"
+DEFAULT_IP = "/usr/sbin/ip"
+DEFAULT_OS_RELEASE = "/etc/os-release"
+
+
+@attrs.frozen(kw_only=True)
+class Sources:
+    proc_root: Path = Path(DEFAULT_PROC_ROOT)
+    pci_root: Path = Path(DEFAULT_PCI_ROOT)
+    ib_root: Path = Path(config.DEFAULT_IB_ROOT)
+    os_release: Path = Path(DEFAULT_OS_RELEASE)
+    nvidia_smi: str = config.DEFAULT_NVIDIA_SMI
+    sminfo: str = config.DEFAULT_SMINFO
+    ip: str = DEFAULT_IP
+    weights_dir: Path = Path(config.DEFAULT_AGENT_STATE_DIR) / "weights"
+    tool_timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def sources_from_config(cfg: config.AgentConfig, **overrides: object) -> Sources:
+    """Where agent.toml says to look; keyword arguments (a command's flags) win over it."""
+    base = Sources(
+        ib_root=Path(cfg.ib_root),
+        nvidia_smi=cfg.nvidia_smi,
+        sminfo=cfg.sminfo,
+        weights_dir=Path(config.weights_dir_of(cfg)),
+    )
+    return attrs.evolve(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@attrs.frozen(kw_only=True)
+class Snapshot:
+    hostname: str
+    os: str
+    os_family: str  # "debian", "rhel" or "": which package manager fixes name
+    kernel: str
+    arch: str  # uname -m
+    python: tuple[int, int, int]
+    cpu: cpu.CpuInfo | None  # None: /proc/cpuinfo unreadable
+    memory: system.MemInfo | None
+    disk: system.DiskInfo | None
+    clock: system.ClockInfo
+    pci: gpus.NvidiaPci | None  # None: the PCI bus could not be read
+    gpus: gpus.GpuReport
+    ib: infiniband.IbReport
+    modules: frozenset[str] | None  # None: /proc/modules unreadable
+    commands: frozenset[str] | None  # running processes' names; None: /proc unreadable
+
+
+def discover(src: Sources) -> Snapshot:
+    pci = gpus.read_nvidia_pci(src.pci_root)
+    return Snapshot(
+        hostname=socket.gethostname(),
+        os=system.os_name(src.os_release),
+        os_family=system.os_family(src.os_release),
+        kernel=platform.release(),
+        arch=system.machine(),
+        python=tuple(sys.version_info[:3]),  # type: ignore[arg-type]
+        cpu=cpu.read_cpuinfo(src.proc_root),
+        memory=system.read_meminfo(src.proc_root),
+        disk=system.disk_free(src.weights_dir),
+        clock=system.read_clock(),
+        pci=pci,
+        gpus=gpus.probe_gpus(src.nvidia_smi, pci, timeout_s=src.tool_timeout_s),
+        ib=infiniband.probe_infiniband(src.ib_root, sminfo=src.sminfo, ip=src.ip, timeout_s=src.tool_timeout_s),
+        modules=system.loaded_modules(src.proc_root),
+        commands=system.running_commands(src.proc_root),
+    )
