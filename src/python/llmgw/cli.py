@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -145,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`llmgw doctor --json | head`): not an error of ours. Point stdout
+        # at /dev/null so the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception:  # noqa: BLE001 - the last line of defence: a bug, reported as one
         traceback.print_exc()
         print(
