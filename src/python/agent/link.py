@@ -96,6 +96,7 @@ class AgentLink:
         self.rng = rng or random.Random()
         self.state = LinkState()
         self._desired_changed = trio.Event()
+        self._ws: trio_websocket.WebSocketConnection | None = None
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a session open forever, reconnecting with backoff; never returns."""
@@ -190,6 +191,7 @@ class AgentLink:
             raise SessionRefused(f"expected a welcome from the control plane, got {type(welcome).__name__}")
         self.state.connected = True
         self.state.sessions += 1
+        self._ws = ws
         log.info("link_up", server=f"{self.target.host}:{self.target.port}", node=self.node_id)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, ws, welcome.heartbeat_interval_s)
@@ -199,6 +201,17 @@ class AgentLink:
                     self.state.desired = message
                     self._desired_changed.set()
                     self._desired_changed = trio.Event()
+
+    async def send(self, message: w.AgentMessage) -> bool:
+        """Send on the current session, if one is up; False if not (the next hello carries it)."""
+        ws = self._ws
+        if ws is None or not self.state.connected:
+            return False
+        try:
+            await ws.send_message(encode(message))
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     async def _receive(self, ws: trio_websocket.WebSocketConnection) -> w.ServerMessage:
         try:

@@ -23,6 +23,8 @@ from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent")
 
+INVENTORY_INTERVAL_S = 60.0
+
 
 @attrs.frozen(kw_only=True)
 class Identity:
@@ -54,8 +56,8 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
         )
         log.info("infiniband_diags", status=outcome.status, detail=outcome.detail)
     # Discovery runs tools with timeouts and reads sysfs: off the event loop.
-    inv = await trio.to_thread.run_sync(inventory.collect, config)
-    for problem in inv.fabric_problems:
+    current = Current(inventory=await trio.to_thread.run_sync(inventory.collect, config))
+    for problem in current.inventory.fabric_problems:
         log.warning("fabric_refused", problem=problem)
 
     def make_hello() -> w.Hello:
@@ -65,7 +67,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
             agent_version=__version__,
             boot_id=identity.boot_id,
             started_at=identity.started_at,
-            inventory=inv,
+            inventory=current.inventory,
         )
 
     link = AgentLink(
@@ -74,4 +76,41 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     async with trio.open_nursery() as nursery:
         await nursery.start(link.serve)
+        await nursery.start(serve_inventory, config, current, link)
         task_status.started(link)
+
+
+def _stable(inv: w.Inventory) -> w.Inventory:
+    """The inventory without what changes by the minute (free memory, disk, GPU memory)."""
+    return attrs.evolve(
+        inv,
+        memory_available_bytes=0,
+        disk_free_bytes=0,
+        gpus=tuple(attrs.evolve(g, memory_free_mib=0) for g in inv.gpus),
+    )
+
+
+@attrs.define
+class Current:
+    inventory: w.Inventory
+
+
+async def serve_inventory(
+    config: AgentConfig,
+    current: Current,
+    link: AgentLink,
+    *,
+    interval_s: float = INVENTORY_INTERVAL_S,
+    read=None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Look at the node again every `interval_s`; tell the control plane when anything changed
+    (a GPU gone, a link down, memory added). A reconnect's hello carries the latest anyway."""
+    task_status.started()
+    while True:
+        await trio.sleep(interval_s)
+        fresh = await (read() if read is not None else trio.to_thread.run_sync(inventory.collect, config))
+        if _stable(fresh) != _stable(current.inventory):
+            current.inventory = fresh
+            sent = await link.send(w.InventoryChanged(inventory=fresh))
+            log.info("inventory_changed", sent=sent)
