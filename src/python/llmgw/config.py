@@ -94,9 +94,40 @@ class Model:
 
 
 @attrs.frozen(kw_only=True)
+class EngineArchive:
+    """A prebuilt engine for one architecture and backend: a .tar.gz/.tgz/.tar.xz/.zip file."""
+
+    arch: str  # as `uname -m` prints it: x86_64, aarch64
+    backend: str = "cpu"  # "cpu" or "cuda": cuda archives go to nodes with an NVIDIA GPU
+    url: str
+    sha256: str
+    binary: str  # the executable's path inside the archive
+
+
+@attrs.frozen(kw_only=True)
+class EngineSource:
+    """Which version of an engine the nodes should have, and where it comes from.
+
+    version "" means: use the engine the operator installed on each node (agent.toml's
+    `llamacpp_bin`, `vllm_bin`, `sglang_python`)."""
+
+    version: str = ""
+    archives: tuple[EngineArchive, ...] = ()
+    pip: str = ""  # a pip requirement installed into a venv per version, e.g. "vllm==0.11.0"
+
+
+@attrs.frozen(kw_only=True)
+class EnginesSection:
+    llamacpp: EngineSource = EngineSource()
+    vllm: EngineSource | None = None
+    sglang: EngineSource | None = None
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     ca: CASection = CASection()
+    engines: EnginesSection = EnginesSection()
     models: tuple[Model, ...] = ()
 
 
@@ -119,6 +150,9 @@ class AgentConfig:
     sminfo: str = DEFAULT_SMINFO
     weights_dir: str = ""  # "" means <state_dir>/weights
     fabrics: tuple[FabricDecl, ...] = ()
+    llamacpp_bin: str = ""  # an operator-installed llama-server (engine version "")
+    vllm_bin: str = ""  # an operator-installed `vllm` executable
+    sglang_python: str = ""  # the Python whose environment has SGLang installed
 
 
 def weights_dir_of(cfg: AgentConfig) -> str:
@@ -249,6 +283,7 @@ def _check_server(cfg: ServerConfig) -> list[str]:
     for key in ("ca_validity_days", "server_cert_validity_days", "node_cert_validity_days"):
         if getattr(cfg.ca, key) < 1:
             problems.append(f"must be at least 1 @ $.ca.{key}")
+    problems.extend(_check_engines(cfg.engines))
     seen: dict[str, int] = {}
     for i, m in enumerate(cfg.models):
         at = f"$.models[{i}]"
@@ -271,6 +306,37 @@ def _check_server(cfg: ServerConfig) -> list[str]:
         if m.engine == "llamacpp" and m.nodes_per_replica > 1:
             problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
         problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
+    return problems
+
+
+def _check_engines(engines: EnginesSection) -> list[str]:
+    problems = []
+    for name in ("llamacpp", "vllm", "sglang"):
+        source = getattr(engines, name)
+        if source is None:
+            continue
+        at = f"$.engines.{name}"
+        if source.version and not (source.archives or source.pip):
+            problems.append(
+                f'version {source.version!r} needs `archives` or `pip` to install it from, or version = "" to use '
+                f"the engine the operator installed on each node @ {at}"
+            )
+        if source.archives and source.pip:
+            problems.append(f"give either archives or pip, not both @ {at}")
+        seen = set()
+        for j, a in enumerate(source.archives):
+            where = f"{at}.archives[{j}]"
+            if a.backend not in ("cpu", "cuda"):
+                problems.append(f'backend must be "cpu" or "cuda", got {a.backend!r} @ {where}.backend')
+            if (a.arch, a.backend) in seen:
+                problems.append(f"a second archive for {a.arch}/{a.backend} @ {where}")
+            seen.add((a.arch, a.backend))
+            if not a.url.startswith(("https://", "http://")):
+                problems.append(f"expected an http(s) URL, got {a.url!r} @ {where}.url")
+            if not re.fullmatch(r"[0-9a-f]{64}", a.sha256):
+                problems.append(f"sha256 must be 64 lowercase hex digits @ {where}.sha256")
+            if not a.binary or a.binary.startswith("/") or ".." in a.binary.split("/"):
+                problems.append(f"binary must be a relative path inside the archive, got {a.binary!r} @ {where}.binary")
     return problems
 
 

@@ -84,7 +84,36 @@ HELLO = m.Hello(
         (m.Heartbeat(seq=7), m.AgentMessage),
         (m.InventoryChanged(inventory=INVENTORY), m.AgentMessage),
         (m.Welcome(node_id="node-1", server_version="0.1.0", heartbeat_interval_s=5.0), m.ServerMessage),
-        (m.DesiredState(generation=3, cordoned=True, engines=("llamacpp",)), m.ServerMessage),
+        (
+            m.DesiredState(
+                generation=3,
+                cordoned=True,
+                engines=(
+                    m.EngineWant(
+                        name="llamacpp",
+                        version="b4000",
+                        archives=(
+                            m.EngineArchive(
+                                arch="x86_64",
+                                backend="cpu",
+                                url="https://x/l.tgz",
+                                sha256="a" * 64,
+                                binary="bin/llama-server",
+                                mirrored=True,
+                            ),
+                        ),
+                    ),
+                    m.EngineWant(name="vllm", version="0.11.0", pip="vllm==0.11.0"),
+                ),
+            ),
+            m.ServerMessage,
+        ),
+        (
+            m.EnginesChanged(
+                engines=(m.EngineStatus(name="llamacpp", version="b4000", ok=False, detail="no libgomp"),)
+            ),
+            m.AgentMessage,
+        ),
         (m.LinkError(code=m.REVOKED, message="x"), m.ServerMessage),
         (m.LinkError(code=m.REVOKED, message="x"), m.AgentMessage),
     ],

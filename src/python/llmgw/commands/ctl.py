@@ -97,13 +97,24 @@ def _fabrics(n: dict[str, Any]) -> str:
 
 def format_nodes(nodes: list[dict[str, Any]]) -> str:
     if not nodes:
-        return "no nodes yet: add one with `llmgw node add USER@HOST`"
-    header = ("NODE", "STATE", "ADDRESS", "AGENT", "HEARTBEAT", "CPU", "GPUS", "ENGINES", "VLLM", "FABRICS", "CERT EXPIRES")
+        return 'no nodes yet: see docs/operations.md, "Adding a node by hand"'
+    header = (
+        "NODE",
+        "STATE",
+        "ADDRESS",
+        "AGENT",
+        "HEARTBEAT",
+        "CPU",
+        "GPUS",
+        "ENGINES",
+        "VLLM",
+        "FABRICS",
+        "CERT EXPIRES",
+    )
     rows = [header]
     for n in nodes:
         age = n.get("last_heartbeat_age_s")
         cpu = n.get("cpu") or {}
-        gpus = n.get("gpus") or []
         rows.append(
             (
                 n["id"],

@@ -178,6 +178,13 @@ class InventoryChanged:
     inventory: Inventory
 
 
+@attrs.frozen(kw_only=True)
+class EnginesChanged:
+    """The engines the node has checked to run (ok) or failed to install (detail says why)."""
+
+    engines: tuple[EngineStatus, ...]
+
+
 # -- control plane -> agent ----------------------------------------------------------------
 
 
@@ -189,10 +196,30 @@ class Welcome:
 
 
 @attrs.frozen(kw_only=True)
+class EngineArchive:
+    arch: str
+    backend: str
+    url: str
+    sha256: str
+    binary: str
+    mirrored: bool = False  # the control plane has it: fetch it over the link's port instead
+
+
+@attrs.frozen(kw_only=True)
+class EngineWant:
+    """An engine the control plane wants on the node. version "" = the operator's install."""
+
+    name: str
+    version: str
+    archives: tuple[EngineArchive, ...] = ()
+    pip: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class DesiredState:
     generation: int
     cordoned: bool = False
-    engines: tuple[str, ...] = ()
+    engines: tuple[EngineWant, ...] = ()
 
 
 # -- either way ----------------------------------------------------------------------------
@@ -206,7 +233,7 @@ class LinkError:
     message: str
 
 
-AgentMessage = Hello | Heartbeat | InventoryChanged | LinkError
+AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | LinkError
 ServerMessage = Welcome | DesiredState | LinkError
 
 # Error codes of LinkError.
