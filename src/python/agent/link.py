@@ -202,6 +202,10 @@ class AgentLink:
                     self._desired_changed.set()
                     self._desired_changed = trio.Event()
 
+    async def desired_changed(self) -> None:
+        """Return when the next desired state arrives."""
+        await self._desired_changed.wait()
+
     async def send(self, message: w.AgentMessage) -> bool:
         """Send on the current session, if one is up; False if not (the next hello carries it)."""
         ws = self._ws

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -15,6 +16,7 @@ import trio
 
 from agent import ibdiags, inventory
 from agent.discovery import system
+from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink, Target
 from llmgw import __version__, pki
 from llmgw.config import AgentConfig
@@ -57,6 +59,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
         log.info("infiniband_diags", status=outcome.status, detail=outcome.detail)
     # Discovery runs tools with timeouts and reads sysfs: off the event loop.
     current = Current(inventory=await trio.to_thread.run_sync(inventory.collect, config))
+    engines = Engines()
     for problem in current.inventory.fabric_problems:
         log.warning("fabric_refused", problem=problem)
 
@@ -68,6 +71,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
             boot_id=identity.boot_id,
             started_at=identity.started_at,
             inventory=current.inventory,
+            engines=engines.as_tuple(),
         )
 
     link = AgentLink(
@@ -77,6 +81,19 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     async with trio.open_nursery() as nursery:
         await nursery.start(link.serve)
         await nursery.start(serve_inventory, config, current, link)
+        await nursery.start(
+            partial(
+                serve_engines,
+                config,
+                engines,
+                lambda: link.state.desired,
+                link.desired_changed,
+                link.send,
+                lambda: current.inventory,
+                store=engine_store(config, ssl_context),
+                server_url=config.server,
+            )
+        )
         task_status.started(link)
 
 

@@ -57,7 +57,9 @@ class AdminAPI:
             _allow(request, "GET")
             fabrics = self.plane.fabric_map()
             placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
-            return Response.json(200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)})
+            return Response.json(
+                200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
+            )
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")

@@ -17,6 +17,7 @@ import trio
 
 from llmgw import paths, pki
 from llmgw.config import ServerConfig
+from llmgw.engines.wants import engines_for
 from llmgw.errors import MachineError
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
@@ -70,7 +71,10 @@ class ControlPlane:
     def desired_state(self, node_id: str) -> w.DesiredState:
         node = self.registry.nodes.get(node_id)
         self._generation += 1
-        return w.DesiredState(generation=self._generation, cordoned=bool(node and node.cordoned))
+        engines = engines_for(
+            self.config.engines, node.inventory if node else None, self.endpoint.artifacts.available()
+        )
+        return w.DesiredState(generation=self._generation, cordoned=bool(node and node.cordoned), engines=engines)
 
     # -- operator intent ------------------------------------------------------------------
 
@@ -210,9 +214,7 @@ def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
         "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
         if inv
         else [],
-        "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in hello.engines]
-        if hello
-        else [],
+        "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in node.engines],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
         "cert_expires_in_days": round((s.cert_not_after - time.time()) / 86400, 1) if s else None,

@@ -66,7 +66,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-async def serve(stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request, artifacts: Artifacts, node: str) -> None:
+async def serve(
+    stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request, artifacts: Artifacts, node: str
+) -> None:
     """Answer one artifact request on an h11 connection whose request head has been read."""
     target = request.target.decode("latin-1")
     sha256 = target.removeprefix(PREFIX)
@@ -132,7 +134,9 @@ class ReplayStream(trio.abc.Stream):
         await self.inner.aclose()
 
 
-async def read_request_head(stream: trio.abc.Stream, max_bytes: int = 16384) -> tuple[bytes, h11.Connection, h11.Request | None]:
+async def read_request_head(
+    stream: trio.abc.Stream, max_bytes: int = 16384
+) -> tuple[bytes, h11.Connection, h11.Request | None]:
     """Read until one HTTP request head has arrived; returns the raw bytes read, the h11
     connection holding it, and the request (None if the peer closed or sent no HTTP)."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)

@@ -99,7 +99,9 @@ class AgentEndpoint:
                 head, conn, http_request = await artifacts.read_request_head(stream)
             if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
                 if self.store.is_revoked(cert.serial):
-                    log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked")
+                    log.warning(
+                        "agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked"
+                    )
                     return
                 await artifacts.serve(stream, conn, http_request, self.artifacts, cert.common_name)
                 return
@@ -209,6 +211,15 @@ class AgentEndpoint:
                 self.on_change()
             elif isinstance(message, w.InventoryChanged):
                 self.registry.inventory_changed(link.node_id, link.conn_id, message.inventory)
+                self.on_change()
+                await self.push_desired_state(link.node_id)  # e.g. a GPU appeared: vLLM is now wanted
+            elif isinstance(message, w.EnginesChanged):
+                self.registry.engines_changed(link.node_id, link.conn_id, message.engines)
+                log.info(
+                    "node_engines",
+                    node=link.node_id,
+                    engines=[f"{e.name}={e.version}" + ("" if e.ok else " (failed)") for e in message.engines],
+                )
                 self.on_change()
             elif isinstance(message, w.LinkError):
                 log.warning("agent_reported_error", node=link.node_id, code=message.code, reason=message.message)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw.wire.agent_link import Hello, Inventory
+from llmgw.wire.agent_link import EngineStatus, Hello, Inventory
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
 
@@ -47,6 +47,7 @@ class Node:
     address: str = ""
     session: Session | None = None
     inventory: Inventory | None = None
+    engines: tuple[EngineStatus, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +85,7 @@ class Registry:
         node = self.nodes.setdefault(hello.node_id, Node(node_id=hello.node_id))
         node.address = address
         node.inventory = hello.inventory
+        node.engines = hello.engines
         old = node.session
         node.session = Session(
             conn_id=self._next_conn,
@@ -107,6 +109,10 @@ class Registry:
     def inventory_changed(self, node_id: str, conn_id: int, inventory: Inventory) -> None:
         if self._session(node_id, conn_id) is not None:
             self.nodes[node_id].inventory = inventory
+
+    def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> None:
+        if self._session(node_id, conn_id) is not None:
+            self.nodes[node_id].engines = engines
 
     def disconnect(self, node_id: str, conn_id: int) -> None:
         session = self._session(node_id, conn_id)

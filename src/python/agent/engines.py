@@ -1,0 +1,145 @@
+"""The agent's engines: make the engines the control plane wants present and checked, and tell
+it which ones this node can run.
+
+Each wanted engine is installed (or, at version "", the operator's install is checked) by
+`EngineStore.ensure`; an engine is reported ok only after it ran its self-check here, so the
+node never offers an engine that cannot start. The sim engine ships inside llmgw and is
+always offered once `llmgw engine sim --version` runs. Failures are reported with the
+engine's own output and retried when the desired state changes or after `RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+import trio
+
+from agent.install.errors import EngineCheckFailed
+from agent.install.installer import ArchiveSource, EngineStore, PipSource, Wanted, check_runs
+from agent.selfexec import llmgw_command
+from llmgw.config import AgentConfig
+from llmgw.engines.wants import pick_archive
+from llmgw.errors import LlmgwError
+from llmgw.log import get_logger
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.agent.engines")
+
+RETRY_S = 300.0
+SGLANG_CHECK = ("-c", "import sglang, sys; print(sglang.__version__)")
+
+
+def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: bool) -> Wanted:
+    """The install plan for one wanted engine on this node; LlmgwError if there is none."""
+    if want.name == "sglang":
+        check = SGLANG_CHECK
+    else:
+        check = ("--version",)
+    if not want.version:
+        binary = {"llamacpp": config.llamacpp_bin, "vllm": config.vllm_bin, "sglang": config.sglang_python}.get(
+            want.name, ""
+        )
+        return Wanted(name=want.name, version="", binary=binary, check_args=check)
+    if want.pip:
+        executable = "bin/python" if want.name == "sglang" else f"bin/{want.name}"
+        return Wanted(
+            name=want.name,
+            version=want.version,
+            source=PipSource(requirement=want.pip, executable=executable),
+            check_args=check,
+        )
+    archive = pick_archive(want, arch, has_gpu)
+    if archive is None:
+        offered = ", ".join(f"{a.arch}/{a.backend}" for a in want.archives) or "none"
+        raise LlmgwError(
+            f"server.toml offers {want.name} {want.version} for {offered}, not for this node ({arch}"
+            f"{', with an NVIDIA GPU' if has_gpu else ''}); add an archive for it under [engines.{want.name}]"
+        )
+    return Wanted(
+        name=want.name,
+        version=want.version,
+        source=ArchiveSource(url=archive.url, sha256=archive.sha256, binary=archive.binary),
+        check_args=check,
+    )
+
+
+@attrs.define
+class Engines:
+    """What this node offers, as the hello and EnginesChanged carry it."""
+
+    statuses: dict[str, w.EngineStatus] = attrs.Factory(dict)
+
+    def as_tuple(self) -> tuple[w.EngineStatus, ...]:
+        return tuple(self.statuses[k] for k in sorted(self.statuses))
+
+
+async def check_sim(command: list[str] | None = None) -> w.EngineStatus:
+    argv = [*(command or llmgw_command()), "engine", "sim", "--version"]
+    try:
+        output = await check_runs(argv, env={**os.environ})
+    except EngineCheckFailed as exc:
+        return w.EngineStatus(name="sim", version="", ok=False, detail=str(exc))
+    return w.EngineStatus(name="sim", version=output.strip().split()[-1] if output.strip() else "", ok=True)
+
+
+async def serve_engines(
+    config: AgentConfig,
+    engines: Engines,
+    desired: Callable[[], w.DesiredState | None],
+    changed: Callable[[], Awaitable[None]],
+    send: Callable[[w.AgentMessage], Awaitable[bool]],
+    inventory: Callable[[], w.Inventory],
+    *,
+    store: EngineStore,
+    server_url: str,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Reconcile installed engines with the desired state, forever."""
+    task_status.started()
+    engines.statuses["sim"] = await check_sim()
+    await send(w.EnginesChanged(engines=engines.as_tuple()))
+    done_generation = None
+    while True:
+        state = desired()
+        if state is not None and state.generation != done_generation:
+            await _reconcile(config, engines, state, send, inventory(), store, server_url)
+            done_generation = state.generation
+        with trio.move_on_after(RETRY_S):
+            await changed()
+        if all(s.ok for s in engines.statuses.values()):
+            continue
+        done_generation = None  # something failed: try again now or at the next change
+
+
+async def _reconcile(
+    config, engines: Engines, state: w.DesiredState, send, inv: w.Inventory, store: EngineStore, server_url: str
+) -> None:
+    host = urlsplit(server_url)
+    for want in state.engines:
+        try:
+            plan = wanted_from(want, config, inv.arch, bool(inv.gpus))
+            archive = pick_archive(want, inv.arch, bool(inv.gpus)) if want.archives else None
+            mirror = (
+                f"https://{host.hostname}:{host.port}/v1/artifacts/{archive.sha256}"
+                if archive and archive.mirrored
+                else None
+            )
+            installed = await store.ensure(plan, mirror_url=mirror)
+            status = w.EngineStatus(name=want.name, version=installed.version, ok=True)
+        except LlmgwError as exc:
+            log.warning("engine_unavailable", engine=want.name, version=want.version, reason=str(exc))
+            status = w.EngineStatus(name=want.name, version=want.version, ok=False, detail=str(exc))
+        if engines.statuses.get(want.name) != status:
+            engines.statuses[want.name] = status
+            await send(w.EnginesChanged(engines=engines.as_tuple()))
+    for name in set(engines.statuses) - {want.name for want in state.engines} - {"sim"}:
+        del engines.statuses[name]  # no longer wanted here: no longer offered
+        await send(w.EnginesChanged(engines=engines.as_tuple()))
+
+
+def engine_store(config: AgentConfig, ssl_context) -> EngineStore:
+    return EngineStore(Path(config.state_dir) / "engines", ssl_context=ssl_context)

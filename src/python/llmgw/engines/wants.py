@@ -1,0 +1,53 @@
+"""Which engines the control plane wants on a node: a pure function of the config and the
+node's inventory (spec: llama.cpp everywhere, vLLM where an NVIDIA GPU can run it, SGLang
+where a version is named, on nodes with an NVIDIA GPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from llmgw.config import EngineSource, EnginesSection
+from llmgw.wire import agent_link as w
+
+
+def _want(name: str, source: EngineSource, inv: w.Inventory | None, mirrored: Collection[str]) -> w.EngineWant:
+    arch = inv.arch if inv else None
+    archives = tuple(
+        w.EngineArchive(
+            arch=a.arch, backend=a.backend, url=a.url, sha256=a.sha256, binary=a.binary, mirrored=a.sha256 in mirrored
+        )
+        for a in source.archives
+        if arch is None or a.arch == arch
+    )
+    return w.EngineWant(name=name, version=source.version, archives=archives, pip=source.pip)
+
+
+def _gpu_eligible(inv: w.Inventory | None, engine: str) -> bool:
+    if inv is None:
+        return False
+    verdict = next((e for e in inv.engine_eligibility if e.engine == engine), None)
+    if verdict is not None:
+        return verdict.status == w.ELIGIBLE
+    return bool(inv.gpus)
+
+
+def engines_for(
+    config: EnginesSection, inv: w.Inventory | None, mirrored: Collection[str] = ()
+) -> tuple[w.EngineWant, ...]:
+    wants = [_want("llamacpp", config.llamacpp, inv, mirrored)]
+    if config.vllm is not None and _gpu_eligible(inv, "vllm"):
+        wants.append(_want("vllm", config.vllm, inv, mirrored))
+    if config.sglang is not None and _gpu_eligible(inv, "vllm"):  # same hardware bar as vLLM: an NVIDIA GPU
+        wants.append(_want("sglang", config.sglang, inv, mirrored))
+    return tuple(wants)
+
+
+def pick_archive(want: w.EngineWant, arch: str, has_gpu: bool) -> w.EngineArchive | None:
+    """The archive for this node: CUDA where there is an NVIDIA GPU and a CUDA build, else CPU."""
+    mine = [a for a in want.archives if a.arch == arch]
+    if has_gpu:
+        cuda = [a for a in mine if a.backend == "cuda"]
+        if cuda:
+            return cuda[0]
+    cpu = [a for a in mine if a.backend == "cpu"]
+    return cpu[0] if cpu else None

@@ -1,0 +1,117 @@
+"""Engines end to end in one process: the control plane names a llama.cpp version whose archive
+it mirrors; a real agent link installs it from the mirror, checks it runs, and the control
+plane sees it offered. A version whose binary does not run is reported with its own words."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import platform
+import tarfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.engines import wanted_from
+from agent.main import run_agent
+from llmgw import paths, pki
+from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection, ServerConfig, ServerSection
+from llmgw.errors import LlmgwError
+from llmgw.server.app import ControlPlane
+from llmgw.wire import agent_link as w
+
+
+def fake_engine(version: str, *, works: bool) -> bytes:
+    script = (
+        f"#!/bin/sh\necho 'version: {version}'\n"
+        if works
+        else "#!/bin/sh\necho 'illegal instruction (needs AVX2)' >&2\nexit 132\n"
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("build/bin/llama-server")
+        info.mode = 0o755
+        info.size = len(script)
+        tar.addfile(info, io.BytesIO(script.encode()))
+    return buf.getvalue()
+
+
+async def wait_for(predicate, timeout: float = 20) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("works", [True, False])
+async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
+    tmp_path: Path, nursery: trio.Nursery, works: bool
+) -> None:
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    ca = pki.load_ca(state)
+    ca.issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    archive = fake_engine("b4242", works=works)
+    digest = hashlib.sha256(archive).hexdigest()
+    (state / "artifacts").mkdir()
+    (state / "artifacts" / "llama-b4242.tgz").write_bytes(archive)
+    engines = EnginesSection(
+        llamacpp=EngineSource(
+            version="b4242",
+            archives=(
+                EngineArchive(
+                    arch=platform.machine(),
+                    url="https://unreachable.invalid/llama-b4242.tgz",  # only the mirror can serve it
+                    sha256=digest,
+                    binary="build/bin/llama-server",
+                ),
+            ),
+        )
+    )
+    config = ServerConfig(
+        server=ServerSection(
+            state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
+        ),
+        engines=engines,
+    )
+    plane = ControlPlane(config, state)
+    bound = await nursery.start(plane.serve)
+    node_dir = tmp_path / "node"
+    files = pki.node_paths(node_dir)
+    pki.issue_to_dir(ca, "node-a", files.dir, validity_days=3)
+    agent_config = AgentConfig(
+        server=f"wss://127.0.0.1:{bound.agent_address[1]}", node_id="node-a", state_dir=str(node_dir)
+    )
+    await nursery.start(run_agent, agent_config)
+
+    def llama():
+        node = plane.registry.nodes.get("node-a")
+        return next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
+
+    await wait_for(lambda: llama() is not None)
+    status = llama()
+    if works:
+        assert status.ok and status.version == "b4242"
+        assert (node_dir / "engines/llamacpp/current").resolve().name == "b4242"
+    else:
+        assert not status.ok
+        assert "illegal instruction (needs AVX2)" in status.detail  # the engine's own message
+        assert not (node_dir / "engines/llamacpp/current").exists()  # never offered, never current
+    view = plane.node_view("node-a")
+    assert {e["name"]: e["ok"] for e in view["engines"]}["llamacpp"] is works
+
+
+def test_an_operator_install_and_a_missing_archive() -> None:
+    config = AgentConfig(server="wss://x:1", llamacpp_bin="/opt/llama/llama-server")
+    plan = wanted_from(w.EngineWant(name="llamacpp", version=""), config, "x86_64", False)
+    assert plan.binary == "/opt/llama/llama-server" and plan.source is None
+    want = w.EngineWant(
+        name="llamacpp",
+        version="b1",
+        archives=(w.EngineArchive(arch="aarch64", backend="cpu", url="https://x", sha256="a" * 64, binary="b"),),
+    )
+    with pytest.raises(LlmgwError) as info:
+        wanted_from(want, config, "x86_64", False)
+    assert "offers llamacpp b1 for aarch64/cpu, not for this node (x86_64)" in str(info.value)
