@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.install.download import fetch
 from agent.install.errors import DownloadError, EngineCheckFailed
 from agent.install.installer import ArchiveSource, EngineStore, Wanted
+from llmgw.download import fetch
 from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
 
 pytestmark = pytest.mark.trio

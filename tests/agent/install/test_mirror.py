@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.install.download import fetch
 from agent.install.errors import DownloadError
 from llmgw import paths, pki
 from llmgw.config import ServerConfig, ServerSection
+from llmgw.download import fetch
 from llmgw.server.app import ControlPlane
 
 pytestmark = pytest.mark.trio
@@ -66,3 +66,37 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
     with pytest.raises(DownloadError):
         await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx)
     assert not (tmp_path / "x").exists()
+
+
+async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path, nursery: trio.Nursery) -> None:
+    from llmgw.config import EngineArchive, EngineSource, EnginesSection
+    from llmgw.server.http import Response, bound_address, serve_http
+
+    data = os.urandom(100_000)
+    digest = hashlib.sha256(data).hexdigest()
+    hits = []
+
+    async def origin(request):
+        hits.append(request.path)
+        return Response(status=200, body=data)
+
+    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
+    host, port = bound_address(listeners)
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    engines = EnginesSection(
+        llamacpp=EngineSource(
+            version="b1",
+            archives=(EngineArchive(arch="x86_64", url=f"http://{host}:{port}/llama.tgz", sha256=digest, binary="bin/x"),),
+        )
+    )
+    config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines)
+    plane = ControlPlane(config, state)
+    with trio.fail_after(10):
+        await plane.fill_mirror()
+        await plane.fill_mirror()  # already there: no second download
+    assert (state / "artifacts" / digest).read_bytes() == data
+    assert hits == ["/llama.tgz"]
+    assert digest in plane.endpoint.artifacts.available()

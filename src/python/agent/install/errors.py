@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
+from llmgw.download import DiskFull, DownloadError  # noqa: F401 - re-exported for the agent
 from llmgw.errors import MachineError, PeerError, UsageError
-
-
-class DownloadError(PeerError):
-    """The source failed or sent something else than promised (status, size, checksum)."""
 
 
 class UnsafeArchive(PeerError):
     """An archive tried to write outside its directory (path traversal, links, devices)."""
-
-
-class DiskFull(MachineError):
-    """Not enough free space where the file must go."""
 
 
 class EngineCheckFailed(MachineError):

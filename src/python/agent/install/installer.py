@@ -24,9 +24,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.install.download import Progress, fetch
 from agent.install.errors import BadSource, EngineCheckFailed
 from agent.install.unpack import unpack
+from llmgw.download import Progress, fetch
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")

@@ -17,8 +17,9 @@ import trio
 
 from llmgw import paths, pki
 from llmgw.config import ServerConfig
+from llmgw.download import fetch
 from llmgw.engines.wants import engines_for
-from llmgw.errors import MachineError
+from llmgw.errors import LlmgwError, MachineError
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
@@ -148,6 +149,7 @@ class ControlPlane:
                     f"cannot listen: {exc}; is another llmgw server running, or the port taken?"
                 ) from None
             await nursery.start(self.serve_liveness)
+            nursery.start_soon(self.fill_mirror)
             bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
             url_file = paths.admin_url_path(self.state_dir)
             url_file.write_text(bound.admin_url + "\n")
@@ -160,6 +162,32 @@ class ControlPlane:
                 nodes_known=len(self.registry.nodes),
             )
             task_status.started(bound)
+
+    async def fill_mirror(self, *, retry_s: float = 600.0) -> None:
+        """Fetch every configured engine archive once into the artifacts directory, so nodes
+        without internet access can install from the control plane; retried while any fails."""
+        archives = [
+            a
+            for source in (self.config.engines.llamacpp, self.config.engines.vllm, self.config.engines.sglang)
+            if source
+            for a in source.archives
+        ]
+        directory = artifacts_dir(self.state_dir)
+        while True:
+            missing = [a for a in archives if a.sha256 not in self.endpoint.artifacts.available()]
+            if not missing:
+                return
+            for archive in missing:
+                try:
+                    await fetch(archive.url, directory / archive.sha256, sha256=archive.sha256)
+                    log.info("mirror_fetched", url=archive.url, sha256=archive.sha256)
+                    for node_id in list(self.endpoint.links):
+                        await self.endpoint.push_desired_state(node_id)  # now mirrored
+                except LlmgwError as exc:
+                    log.warning("mirror_fetch_failed", url=archive.url, reason=str(exc), retry_in_s=retry_s)
+            if set(a.sha256 for a in archives) <= self.endpoint.artifacts.available():
+                return
+            await trio.sleep(retry_s)
 
     async def handle_http(self, request: Request) -> Response:
         if is_admin_path(request.path):

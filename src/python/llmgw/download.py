@@ -1,5 +1,7 @@
 """Downloading a file once, verified: resume with HTTP Range, sha256 before use, atomic rename.
 
+Shared by the agent (engines, weights) and the control plane (filling its mirror).
+
 `fetch` leaves either nothing, a `.part` file a later call resumes, or the complete verified
 file at its final name; never an unverified file at the final name. The transfer runs in a
 worker thread (stdlib urllib: https, redirects, proxies from the environment) and stops at the
@@ -21,10 +23,19 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.install.errors import DiskFull, DownloadError
+from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
 
-log = get_logger("llmgw.agent.download")
+log = get_logger("llmgw.download")
+
+
+class DownloadError(PeerError):
+    """The source failed or sent something else than promised (status, size, checksum)."""
+
+
+class DiskFull(MachineError):
+    """Not enough free space where the file must go."""
+
 
 CHUNK = 1 << 20
 TIMEOUT_S = 60.0
