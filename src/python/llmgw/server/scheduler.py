@@ -1,0 +1,206 @@
+"""Placement: which replicas of which models run on which nodes. A pure function.
+
+`plan(snapshot, catalog, placed)` reads a frozen view of the cluster and the catalog and
+returns a `Plan`; it does no I/O and keeps no state, so tests run it in memory and the
+reconciler performs what it returns. Rules, in the order they are applied:
+
+- Existing placements are kept while still valid (stable): a restart or an unrelated change
+  reshuffles nothing. A placement stops being valid when a node it uses is lost or removed, or
+  its model left the catalog or changed engine, GPUs, nodes or memory. Replicas beyond the
+  catalog's count are stopped, newest first.
+- New replicas go only on nodes that are joined, not cordoned, not draining, and have the
+  model's engine installed and checked; they must fit the node's free GPUs and memory after
+  what is already placed there.
+- A replica spanning several nodes goes only on nodes that share one fabric (by identity, not
+  by name), never on a node with no fabric.
+- Replicas of one model spread across nodes: a node already holding one comes last.
+- A replica that cannot be placed is pending with the reason, e.g.
+  "needs 2 nodes on one fabric, 1 available on ib-a".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from llmgw.config import Model
+
+GIB = 1 << 30
+
+
+@attrs.frozen(kw_only=True)
+class NodeView:
+    node_id: str
+    schedulable: bool  # joined, not cordoned, not draining
+    engines: frozenset[str]  # installed and checked here
+    gpus: int
+    memory_bytes: int
+    fabrics: tuple[str, ...] = ()  # placement keys "name@identity"
+    alive: bool = True  # False: lost or removed; its replicas are rebuilt elsewhere
+    why_not: str = ""  # for pending reasons: "cordoned", "lost", ...
+
+
+@attrs.frozen(kw_only=True)
+class Placement:
+    replica_id: str
+    model: str
+    nodes: tuple[str, ...]  # rank order: nodes[0] is rank 0
+    gpus_per_node: int = 0
+    memory_bytes: int = 0
+    engine: str = ""
+    fabric: str = ""  # the placement key the members share ("" for single-node)
+
+
+@attrs.frozen(kw_only=True)
+class Pending:
+    model: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    keep: tuple[Placement, ...]
+    start: tuple[Placement, ...]
+    stop: tuple[Placement, ...]
+    pending: tuple[Pending, ...]
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.keep + self.start
+
+
+def _fits(model: Model, placement: Placement) -> bool:
+    return (
+        placement.engine == model.engine
+        and len(placement.nodes) == model.nodes_per_replica
+        and placement.gpus_per_node == model.gpus_per_replica
+        and placement.memory_bytes == int(model.memory_gb * GIB)
+    )
+
+
+@attrs.define
+class _Free:
+    gpus: dict[str, int]
+    memory: dict[str, int]
+    per_model: dict[tuple[str, str], int]  # (model, node) -> replicas
+
+    def take(self, p: Placement) -> None:
+        for n in p.nodes:
+            self.gpus[n] -= p.gpus_per_node
+            self.memory[n] -= p.memory_bytes
+            self.per_model[(p.model, n)] = self.per_model.get((p.model, n), 0) + 1
+
+
+def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[Placement]) -> Plan:
+    by_id = {n.node_id: n for n in nodes}
+    models = {m.name: m for m in catalog}
+    keep: list[Placement] = []
+    stop: list[Placement] = []
+    for p in sorted(placed, key=lambda p: p.replica_id):
+        model = models.get(p.model)
+        valid = (
+            model is not None
+            and _fits(model, p)
+            and all(n in by_id and by_id[n].alive and model.engine in by_id[n].engines for n in p.nodes)
+        )
+        (keep if valid else stop).append(p)
+    # Too many replicas of a model (its count went down): stop the newest.
+    for name, model in models.items():
+        mine = [p for p in keep if p.model == name]
+        for extra in sorted(mine, key=_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
+            keep.remove(extra)
+            stop.append(extra)
+    free = _Free(
+        gpus={n.node_id: n.gpus for n in nodes},
+        memory={n.node_id: n.memory_bytes for n in nodes},
+        per_model={},
+    )
+    for p in keep:
+        free.take(p)
+    start: list[Placement] = []
+    pending: list[Pending] = []
+    for model in catalog:
+        have = [p for p in keep if p.model == model.name]
+        used_slots = {_slot(p) for p in have}
+        for _ in range(model.replicas - len(have)):
+            slot = next(i for i in range(len(used_slots) + 1) if i not in used_slots)
+            placement, reason = _place(model, f"{model.name}-{slot}", nodes, free)
+            if placement is None:
+                pending.append(Pending(model=model.name, reason=reason))
+                continue
+            used_slots.add(slot)
+            free.take(placement)
+            start.append(placement)
+    return Plan(keep=tuple(keep), start=tuple(start), stop=tuple(stop), pending=tuple(pending))
+
+
+def _slot(p: Placement) -> int:
+    tail = p.replica_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 1 << 30
+
+
+def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[list[NodeView], str]:
+    memory = int(model.memory_gb * GIB)
+    ok, reasons = [], []
+    for n in nodes:
+        if not n.schedulable:
+            reasons.append(f"{n.node_id} {n.why_not or 'not schedulable'}")
+        elif model.engine not in n.engines:
+            reasons.append(f"{n.node_id} has no working {model.engine}")
+        elif free.gpus[n.node_id] < model.gpus_per_replica:
+            reasons.append(f"{n.node_id} has {free.gpus[n.node_id]} free GPUs")
+        elif free.memory[n.node_id] < memory:
+            reasons.append(f"{n.node_id} has {free.memory[n.node_id] / GIB:.1f} GiB free")
+        else:
+            ok.append(n)
+    # Spread: nodes without a replica of this model first; then the most free GPUs, then name.
+    ok.sort(key=lambda n: (free.per_model.get((model.name, n.node_id), 0), -free.gpus[n.node_id], n.node_id))
+    return ok, "; ".join(reasons) or "no nodes"
+
+
+def _place(model: Model, replica_id: str, nodes: Sequence[NodeView], free: _Free) -> tuple[Placement | None, str]:
+    memory = int(model.memory_gb * GIB)
+    candidates, why = _candidates(model, nodes, free)
+    if model.nodes_per_replica == 1:
+        if not candidates:
+            return None, f"needs 1 node with {_needs(model)}, none available ({why})"
+        return Placement(
+            replica_id=replica_id,
+            model=model.name,
+            nodes=(candidates[0].node_id,),
+            gpus_per_node=model.gpus_per_replica,
+            memory_bytes=memory,
+            engine=model.engine,
+        ), ""
+    by_fabric: dict[str, list[NodeView]] = {}
+    for n in candidates:
+        for f in n.fabrics:
+            by_fabric.setdefault(f, []).append(n)
+    need = model.nodes_per_replica
+    best = max(sorted(by_fabric), key=lambda f: len(by_fabric[f]), default=None)
+    for fabric in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
+        members = by_fabric[fabric]
+        if len(members) >= need:
+            chosen = tuple(n.node_id for n in members[:need])
+            return Placement(
+                replica_id=replica_id,
+                model=model.name,
+                nodes=chosen,
+                gpus_per_node=model.gpus_per_replica,
+                memory_bytes=memory,
+                engine=model.engine,
+                fabric=fabric,
+            ), ""
+    if best is None:
+        return None, f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric"
+    return None, f"needs {need} nodes on one fabric, {len(by_fabric[best])} available on {best.split('@')[0]}"
+
+
+def _needs(model: Model) -> str:
+    parts = [f"working {model.engine}"]
+    if model.gpus_per_replica:
+        parts.append(f"{model.gpus_per_replica} free GPUs")
+    if model.memory_gb:
+        parts.append(f"{model.memory_gb:g} GiB free")
+    return ", ".join(parts)

@@ -1,0 +1,117 @@
+"""Placement in an in-memory harness: no I/O, only a cluster view, a catalog and what runs."""
+
+from __future__ import annotations
+
+import attrs
+
+from llmgw.config import Model
+from llmgw.server.scheduler import GIB, NodeView, Placement, plan
+
+
+def node(node_id: str, *, gpus: int = 0, mem: float = 64, engines=("sim", "llamacpp"), fabrics=(), **kw) -> NodeView:
+    return NodeView(
+        node_id=node_id,
+        schedulable=kw.pop("schedulable", True),
+        engines=frozenset(engines),
+        gpus=gpus,
+        memory_bytes=int(mem * GIB),
+        fabrics=tuple(fabrics),
+        **kw,
+    )
+
+
+def model(name: str = "m", **kw) -> Model:
+    return Model(name=name, engine=kw.pop("engine", "sim"), **kw)
+
+
+def test_replicas_of_one_model_spread_across_nodes() -> None:
+    p = plan([node("a"), node("b"), node("c")], [model(replicas=3)], [])
+    assert sorted(x.nodes for x in p.start) == [("a",), ("b",), ("c",)]
+    assert [x.replica_id for x in p.start] == ["m-0", "m-1", "m-2"]
+
+
+def test_existing_placements_are_kept_and_an_unrelated_change_reshuffles_nothing() -> None:
+    nodes = [node("a"), node("b"), node("c")]
+    first = plan(nodes, [model(replicas=2)], [])
+    again = plan([*nodes, node("d")], [model(replicas=2), model("other")], first.placements)
+    assert again.keep == first.placements and again.stop == ()
+    assert [x.model for x in again.start] == ["other"]
+
+
+def test_gpus_and_memory_must_fit_after_what_is_placed() -> None:
+    nodes = [node("a", gpus=2, mem=16), node("b", gpus=1, mem=64)]
+    p = plan(nodes, [model(replicas=3, gpus_per_replica=1, memory_gb=10)], [])
+    assert sorted(x.nodes for x in p.start) == [("a",), ("b",)]
+    [pending] = p.pending
+    assert "needs 1 node with working sim, 1 free GPUs, 10 GiB free" in pending.reason
+    assert "a has 1 free GPUs" in pending.reason or "a has 6.0 GiB free" in pending.reason
+
+
+def test_only_schedulable_nodes_with_the_engine() -> None:
+    nodes = [
+        node("cordoned", schedulable=False, why_not="cordoned"),
+        node("no-engine", engines=("sim",)),
+        node("ok"),
+    ]
+    p = plan(nodes, [model(engine="llamacpp", replicas=2)], [])
+    # Spreading is a preference: with one eligible node, both replicas share it.
+    assert [x.nodes for x in p.start] == [("ok",), ("ok",)] and p.pending == ()
+    p = plan(nodes[:2], [model(engine="llamacpp")], [])
+    [pending] = p.pending
+    assert "cordoned cordoned" in pending.reason and "no-engine has no working llamacpp" in pending.reason
+
+
+def test_multi_node_replicas_stay_on_one_fabric_and_say_why_not() -> None:
+    nodes = [
+        node("a", fabrics=("ib-a@sm1",)),
+        node("b", fabrics=("ib-a@sm1",)),
+        node("c", fabrics=("ib-b@sm2",)),
+        node("island"),
+    ]
+    p = plan(nodes, [model(nodes_per_replica=2)], [])
+    [r] = p.start
+    assert r.nodes == ("a", "b") and r.fabric == "ib-a@sm1"
+    one_gpu_each = [attrs.evolve(n, gpus=1) for n in nodes]
+    p2 = plan(one_gpu_each, [model(nodes_per_replica=2, replicas=2, gpus_per_replica=1)], [])
+    [pending] = p2.pending
+    assert pending.reason == "needs 2 nodes on one fabric, 1 available on ib-b"
+    p3 = plan([node("x"), node("y")], [model(nodes_per_replica=2)], [])
+    assert "none of the nodes that fit is on a fabric" in p3.pending[0].reason
+
+
+def test_the_same_fabric_name_with_two_identities_is_two_fabrics() -> None:
+    nodes = [node("a", fabrics=("ib@sm1",)), node("b", fabrics=("ib@sm2",))]
+    p = plan(nodes, [model(nodes_per_replica=2)], [])
+    assert p.start == () and p.pending[0].reason == "needs 2 nodes on one fabric, 1 available on ib"
+
+
+def test_a_lost_node_gets_its_replicas_rebuilt_elsewhere_as_a_whole() -> None:
+    fab = ("ib@sm1",)
+    nodes = [node(n, fabrics=fab) for n in "abc"]
+    first = plan(nodes, [model(nodes_per_replica=2)], [])
+    [r] = first.start
+    lost = [
+        attrs.evolve(n, alive=False, schedulable=False, why_not="lost") if n.node_id == r.nodes[1] else n for n in nodes
+    ]
+    p = plan(lost, [model(nodes_per_replica=2)], first.placements)
+    assert p.stop == (r,)
+    [new] = p.start
+    assert r.nodes[1] not in new.nodes and len(new.nodes) == 2 and new.replica_id == r.replica_id
+
+
+def test_a_changed_model_or_a_lower_count_stops_the_right_replicas() -> None:
+    nodes = [node("a"), node("b"), node("c")]
+    first = plan(nodes, [model(replicas=3)], [])
+    fewer = plan(nodes, [model(replicas=1)], first.placements)
+    assert [x.replica_id for x in fewer.keep] == ["m-0"]
+    assert sorted(x.replica_id for x in fewer.stop) == ["m-1", "m-2"]
+    changed = plan(nodes, [model(replicas=1, memory_gb=1)], fewer.keep)
+    assert [x.replica_id for x in changed.stop] == ["m-0"] and [x.replica_id for x in changed.start] == ["m-0"]
+    gone = plan(nodes, [], first.placements)
+    assert len(gone.stop) == 3 and gone.start == ()
+
+
+def test_a_removed_node_is_like_a_lost_one() -> None:
+    r = Placement(replica_id="m-0", model="m", nodes=("gone",), engine="sim")
+    p = plan([node("a")], [model()], [r])
+    assert p.stop == (r,) and p.start[0].nodes == ("a",)
