@@ -299,7 +299,13 @@ SERVICES = {
         setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
         url_file="{tmp}/state/admin.url",
     ),
-    # "engine sim": Service(("engine", "sim", "--listen", "127.0.0.1:{port}"), "/v1/models", url="http://127.0.0.1:{port}"),
+    "engine sim": Service(
+        ("engine", "sim", "--model", "tiny", "--port", "{port}"),
+        "/v1/completions",
+        url="http://127.0.0.1:{port}",
+        method="POST",
+        body=b'{"model": "tiny", "prompt": "hello", "max_tokens": 4}',
+    ),
 }
 
 

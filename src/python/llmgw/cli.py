@@ -41,6 +41,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("config", "llmgw.commands.config", "check server.toml and agent.toml"),
     CommandSpec("ctl", "llmgw.commands.ctl", "operate a running cluster: nodes, cordon, uncordon"),
     CommandSpec("doctor", "llmgw.commands.doctor", "check this node: CPU, GPUs, fabrics, disk, clock; exit 0/1/2"),
+    CommandSpec("engine", "llmgw.commands.engine", "run an inference engine that ships with llmgw (sim)"),
     CommandSpec("node", "llmgw.commands.node", "cluster membership: remove a node and revoke its certificate"),
     CommandSpec("server", "llmgw.commands.server", "run the control plane: agent endpoint and admin API"),
     CommandSpec("version", "llmgw.commands.version", "print version, commit, architecture and Python"),

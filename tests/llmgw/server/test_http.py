@@ -142,3 +142,135 @@ async def test_idle_connection_is_closed_after_the_head_timeout(autojump_clock: 
         await http._serve_connection(echo, http.Limits(head_timeout_s=30), server_stream)
     assert trio.current_time() == pytest.approx(30, abs=0.1)
     assert await client_stream.receive_some(10) == b""
+
+
+# -- streamed responses -------------------------------------------------------------------------
+
+
+class Producer:
+    """A streamed body that records what happened to it: chunks made, and how it ended."""
+
+    def __init__(self, count: int, gap_s: float, fail_at: int | None = None) -> None:
+        self.count, self.gap_s, self.fail_at = count, gap_s, fail_at
+        self.made: list[float] = []
+        self.ended: tuple[str, float] | None = None
+
+    async def body(self):
+        try:
+            for i in range(self.count):
+                await trio.sleep(self.gap_s)
+                if i == self.fail_at:
+                    raise RuntimeError("producer bug")
+                self.made.append(trio.current_time())
+                yield f"chunk {i}\n".encode()
+            self.ended = ("finished", trio.current_time())
+        except trio.Cancelled:
+            self.ended = ("cancelled", trio.current_time())
+            raise
+        except GeneratorExit:
+            self.ended = ("closed", trio.current_time())
+            raise
+
+
+async def start_streaming(nursery: trio.Nursery, producer: Producer) -> Client:
+    async def handler(request: http.Request) -> http.Response | http.StreamingResponse:
+        if request.path == "/stream":
+            return http.StreamingResponse(
+                status=200, body=producer.body(), headers=(("content-type", "text/event-stream"),)
+            )
+        return await echo(request)
+
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    nursery.start_soon(http._serve_connection, handler, http.Limits(), server_stream)
+    return Client(client_stream)
+
+
+async def read_events(c: Client):
+    """h11 events of one response as they arrive, each with the (fake) time it arrived."""
+    while True:
+        event = c.conn.next_event()
+        if event is h11.NEED_DATA:
+            c.conn.receive_data(await c.stream.receive_some(65536))
+            continue
+        yield trio.current_time(), event
+        if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return
+
+
+async def test_streamed_chunks_are_sent_as_produced_then_the_connection_is_reused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    producer = Producer(count=3, gap_s=2)
+    async with trio.open_nursery() as nursery:
+        c = await start_streaming(nursery, producer)
+        await c.send("GET", "/stream")
+        arrivals, head = [], None
+        async for at, event in read_events(c):
+            if isinstance(event, h11.Response):
+                head = event
+            elif isinstance(event, h11.Data):
+                arrivals.append((at, bytes(event.data)))
+        assert head is not None and head.status_code == 200
+        headers = {k.decode(): v.decode() for k, v in head.headers}
+        assert headers["transfer-encoding"] == "chunked" and "content-length" not in headers
+        assert headers["content-type"] == "text/event-stream"
+        # Each chunk arrived when it was made, not all at the end.
+        assert [body for _, body in arrivals] == [b"chunk 0\n", b"chunk 1\n", b"chunk 2\n"]
+        assert [at for at, _ in arrivals] == pytest.approx(producer.made)
+        assert producer.made == pytest.approx([2, 4, 6])
+        assert producer.ended == ("finished", pytest.approx(6))
+        c.conn.start_next_cycle()
+        await c.send("GET", "/after")  # keep-alive survives a streamed response
+        assert (await c.response())[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_disconnect_cancels_the_producer_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    producer = Producer(count=5, gap_s=100)
+    async with trio.open_nursery() as nursery:
+        c = await start_streaming(nursery, producer)
+        await c.send("GET", "/stream")
+        async for _, event in read_events(c):
+            if isinstance(event, h11.Data):
+                break  # the first chunk, at t=100
+        closed_at = trio.current_time()
+        await c.stream.aclose()
+        with trio.fail_after(1):  # not at the next chunk, 100 s later
+            while producer.ended is None:
+                await trio.sleep(0.01)
+        assert producer.ended[0] in ("cancelled", "closed")
+        assert producer.ended[1] == pytest.approx(closed_at, abs=0.1)
+        assert len(producer.made) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_failing_producer_truncates_the_body_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    producer = Producer(count=3, gap_s=1, fail_at=1)
+    async with trio.open_nursery() as nursery:
+        c = await start_streaming(nursery, producer)
+        await c.send("GET", "/stream")
+        data = b""
+        with pytest.raises(h11.RemoteProtocolError):  # closed before the last chunk: not a whole body
+            async for _, event in read_events(c):
+                if isinstance(event, h11.Data):
+                    data += event.data
+        assert data == b"chunk 0\n"
+        nursery.cancel_scope.cancel()
+
+
+async def test_request_pipelined_during_a_stream_is_answered_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    producer = Producer(count=2, gap_s=1)
+    async with trio.open_nursery() as nursery:
+        c = await start_streaming(nursery, producer)
+        await c.stream.send_all(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\nGET /next HTTP/1.1\r\nhost: t\r\n\r\n")
+        c.conn.send(h11.Request(method="GET", target="/stream", headers=[("host", "t")]))
+        c.conn.send(h11.EndOfMessage())
+        status, body, _ = await c.response()
+        assert status == 200 and body == b"chunk 0\nchunk 1\n"
+        c.conn.send(h11.Request(method="GET", target="/next", headers=[("host", "t")]))
+        c.conn.send(h11.EndOfMessage())
+        status, body, _ = await c.response()
+        assert status == 200 and b'"/next"' in body
+        nursery.cancel_scope.cancel()

@@ -1,8 +1,14 @@
-"""A small HTTP/1.1 server on h11 and trio, for the admin API (and the gateway's routes).
+"""A small HTTP/1.1 server on h11 and trio, for the admin API, the gateway and the sim engine.
 
 h11 is the protocol state machine; this module is the trio adapter around it: read bytes,
 feed h11, hand a whole `Request` to the handler, write its `Response`. Keep-alive and
 pipelined requests are handled in order, one at a time per connection (RFC 9112 §9.3.2).
+
+A handler may answer with a `StreamingResponse` instead: its body is an async iterable of
+byte chunks, each sent as soon as it is produced, with `transfer-encoding: chunked` (h11
+chooses it for a response without a length, RFC 9112 §6.3; an HTTP/1.0 client gets a body
+delimited by closing the connection). While a body streams the connection is also read, so a
+client that goes away cancels the producer at once rather than at its next chunk.
 
 Limits, each answered with its proper status instead of a hang or a crash: a request head
 larger than `max_head_bytes` (431), a body larger than `max_body_bytes` (413), a head not
@@ -13,7 +19,8 @@ body stalled for `body_timeout_s` (408).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -65,6 +72,18 @@ class Response:
         return cls(status=status, body=body, headers=(("content-type", "application/json"), *headers))
 
 
+@attrs.frozen(kw_only=True)
+class StreamingResponse:
+    """A response whose body is produced while it is sent. Iteration is cancelled when the client
+    goes away, and the iterable's `aclose()` (an async generator's) is called however it ends.
+    Once the head is sent the status cannot change: a producer that raises ends the connection
+    without the final chunk, which a client sees as a truncated body."""
+
+    status: int
+    body: AsyncIterable[bytes]
+    headers: tuple[tuple[str, str], ...] = ()
+
+
 class HTTPError(Exception):
     """Raised by handlers to answer with an error status and an explanation."""
 
@@ -81,7 +100,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return Response.json(status, {"error": {"message": message, "type": kind, "code": status}}, tuple(headers))
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 
 async def serve_http(
@@ -127,7 +146,11 @@ async def _serve_connection(handler: Handler, limits: Limits, stream: trio.abc.S
                 response = error_response(
                     500, "internal error in llmgw; the server's log has the traceback", "server_error"
                 )
-            await _send_response(conn, stream, response)
+            if isinstance(response, StreamingResponse):
+                if not await _send_streaming(conn, stream, response, limits):
+                    return
+            else:
+                await _send_response(conn, stream, response)
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
             conn.start_next_cycle()
@@ -206,7 +229,84 @@ async def _send_response(conn: h11.Connection, stream, response: Response, close
     headers.append((b"content-length", str(len(response.body)).encode()))
     if close:
         headers.append((b"connection", b"close"))
-    await stream.send_all(conn.send(h11.Response(status_code=response.status, headers=headers)))
+    await stream.send_all(
+        conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+    )
     if response.body:
         await stream.send_all(conn.send(h11.Data(data=response.body)))
     await stream.send_all(conn.send(h11.EndOfMessage()))
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+async def _send_streaming(conn: h11.Connection, stream, response: StreamingResponse, limits: Limits) -> bool:
+    """Send a streamed response; whether it completed. False (the client went away, or the
+    producer failed) means the connection must be closed."""
+    headers = [(k.encode(), v.encode()) for k, v in response.headers if k.lower() != "content-length"]
+    await stream.send_all(
+        conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+    )
+    completed = False
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await _wait_for_disconnect(conn, stream, limits)
+                nursery.cancel_scope.cancel()  # the client is gone: stop the producer now
+
+            nursery.start_soon(watch)
+            try:
+                completed = await _send_body(conn, stream, response.body)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        aclose = getattr(response.body, "aclose", None)
+        if aclose is not None:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await aclose()
+    return completed
+
+
+async def _send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes]) -> bool:
+    # The producer's failures and the client's are told apart: only the first is a bug to log.
+    chunks = aiter(body)
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except Exception:
+            log.exception("http_stream_failed")
+            return False
+        if not chunk:
+            continue  # an empty chunk would end a chunked body (RFC 9112 §7.1)
+        try:
+            await stream.send_all(conn.send(h11.Data(data=chunk)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+            return False
+    try:
+        await stream.send_all(conn.send(h11.EndOfMessage()))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+        return False
+    return True
+
+
+async def _wait_for_disconnect(conn: h11.Connection, stream, limits: Limits) -> None:
+    """Read the connection while a response streams; return when the client has closed it.
+    Bytes that arrive meanwhile (a pipelined request) go to h11's buffer for the next cycle;
+    past one request's worth of them this stops reading and lets TCP push back."""
+    while len(conn.trailing_data[0]) < limits.max_head_bytes + limits.max_body_bytes:
+        try:
+            data = await stream.receive_some(RECEIVE_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if not data:
+            return
+        conn.receive_data(data)
+    await trio.sleep_forever()

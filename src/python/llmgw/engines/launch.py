@@ -1,0 +1,146 @@
+"""What a replica needs to start (`ReplicaLaunch`), what an engine spec makes of it (`Command`),
+and the parts every engine shares: GPU and fabric pinning in the environment.
+
+Pure: no I/O, no environment reads. `Command.env` holds only what llmgw adds; the supervisor
+starts the engine with its own environment updated by it.
+
+Secrets: the per-replica API key goes into the environment wherever the engine reads it from
+there, because argv is visible to every user of the machine (`ps`, /proc/PID/cmdline) and the
+environment is not (/proc/PID/environ is readable by the owner only). Where an engine takes it
+only as a flag, `Command.secret_positions` says which argv entries to hide when logging.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from llmgw.config import Secret
+
+REDACTED = "<redacted>"
+
+# A flag, as opposed to a value: "-m", "--ctx-size", "--ctx-size=4096", "-nocb". Negative
+# numbers ("-1") are values.
+_FLAG = re.compile(r"^--?[A-Za-z][A-Za-z0-9_.-]*(=.*)?$")
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaLaunch:
+    """One process of one replica: what the control plane decided, in the engine's terms.
+
+    A multi-node replica is `nnodes` of these, one per node, differing in `node_rank`; rank 0
+    serves the API, the others only compute. `rank0_addr:dist_init_port` is where they meet.
+    """
+
+    engine: str
+    model_path: str  # weights on this node (a file for llama.cpp, a directory for vLLM/SGLang); "" for sim
+    served_name: str  # the model name clients use (the catalog's name)
+    host: str
+    port: int
+    api_key: Secret  # per replica: only the gateway may use the engine's port
+    gpus: tuple[int, ...] = ()  # indices as nvidia-smi numbers them; () = no GPU
+    context: int = 0  # tokens; 0 = the engine's default (the model's own)
+    extra_args: tuple[str, ...] = ()  # the catalog's `args`, appended as given
+    nnodes: int = 1
+    node_rank: int = 0
+    rank0_addr: str = ""  # the address rank 0 binds and the others dial
+    dist_init_port: int = 0
+    ib_adapters: tuple[str, ...] = ()  # the fabric's adapters on this node, e.g. ("mlx5_0", "mlx5_1")
+    socket_ifname: str = ""  # the network interface for rendezvous traffic, e.g. "ib0"
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def dist_init_addr(self) -> str:
+        host = f"[{self.rank0_addr}]" if ":" in self.rank0_addr else self.rank0_addr
+        return f"{host}:{self.dist_init_port}"
+
+
+@attrs.frozen(kw_only=True)
+class Command:
+    """A process to start: argv (argv[0] is the executable) and the variables to add to its environment."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    secret_positions: frozenset[int] = frozenset()  # argv entries that hold a secret
+
+    def for_log(self) -> dict[str, object]:
+        """The command with its secrets hidden: safe to log and to show."""
+        argv = [REDACTED if i in self.secret_positions else a for i, a in enumerate(self.argv)]
+        env = {k: REDACTED if _SECRET_ENV.search(k) else v for k, v in self.env.items()}
+        return {"argv": argv, "env": env}
+
+
+# Environment variables whose name says they hold a secret (LLAMA_API_KEY, VLLM_API_KEY, ...):
+# `Command.for_log` hides them by name, as llmgw.log does for fields.
+_SECRET_ENV = re.compile(r"(^|_)(KEY|TOKEN|SECRET|PASSWORD)S?$")
+
+
+def check_launch(launch: ReplicaLaunch, *, engine_title: str, max_nodes: int | None) -> list[str]:
+    """What is wrong with `launch` whatever the engine: one line per problem, each with its fix."""
+    problems = []
+    if not 1 <= launch.port <= 65535:
+        problems.append(f"port {launch.port} is not a TCP port (1-65535)")
+    if not launch.served_name:
+        problems.append("served_name is empty; it is the model name clients ask for")
+    if launch.nnodes < 1:
+        problems.append(f"nnodes is {launch.nnodes}; a replica runs on at least one node")
+    elif max_nodes is not None and launch.nnodes > max_nodes:
+        problems.append(
+            f"{engine_title} runs on one node, but the replica asks for {launch.nnodes}; "
+            "set nodes_per_replica = 1 for this model"
+        )
+    elif not 0 <= launch.node_rank < launch.nnodes:
+        problems.append(f"node_rank {launch.node_rank} is outside 0..{launch.nnodes - 1}")
+    if launch.multi_node and (not launch.rank0_addr or not 1 <= launch.dist_init_port <= 65535):
+        problems.append(
+            f"a {launch.nnodes}-node replica needs rank0_addr and dist_init_port (got "
+            f"{launch.rank0_addr!r}, {launch.dist_init_port})"
+        )
+    if any(g < 0 for g in launch.gpus) or len(set(launch.gpus)) != len(launch.gpus):
+        problems.append(f"gpus {list(launch.gpus)} must be distinct non-negative indices")
+    if launch.context < 0:
+        problems.append(f"context {launch.context} is negative; 0 means the model's own")
+    return problems
+
+
+def flags_in(argv: Iterable[str]) -> list[str]:
+    """The flags among `argv`, in order, without `=value` ("--ctx-size=8" -> "--ctx-size")."""
+    return [a.split("=", 1)[0] for a in argv if _FLAG.match(a)]
+
+
+def gpu_env(launch: ReplicaLaunch) -> dict[str, str]:
+    """Pin the engine to its GPUs. An empty CUDA_VISIBLE_DEVICES hides every GPU, which is what
+    a CPU replica on a GPU node must get (otherwise it would grab GPU 0)."""
+    # PCI bus order is nvidia-smi's order; CUDA's default ("fastest first") is not.
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in launch.gpus)}
+
+
+def fabric_env(launch: ReplicaLaunch) -> dict[str, str]:
+    """Pin NCCL (and gloo, which torch uses for CPU-side groups) to the replica's fabric.
+
+    A replica given adapters on two fabrics starts, passes its health checks and hangs on its
+    first all-reduce, so a multi-node replica uses exactly the adapters the placement chose.
+    NCCL_IB_HCA's leading "=" asks for exact names: without it "mlx5_1" would also select
+    mlx5_10..mlx5_19 (NCCL matches prefixes by default).
+    """
+    env = {}
+    if launch.ib_adapters:
+        env["NCCL_IB_HCA"] = "=" + ",".join(launch.ib_adapters)
+    if launch.socket_ifname:
+        # "=" again: exact interface name, not prefix.
+        env["NCCL_SOCKET_IFNAME"] = "=" + launch.socket_ifname
+        env["GLOO_SOCKET_IFNAME"] = launch.socket_ifname
+    return env
+
+
+def managed_conflicts(args: Iterable[str], managed: Iterable[str]) -> list[str]:
+    """Operator args that would override a flag llmgw sets itself (the last one given wins in
+    every engine here, so an operator's `--port` would silently move the replica away from the
+    port the gateway dials)."""
+    managed_set = set(managed)
+    return sorted({f for f in flags_in(args) if f in managed_set})

@@ -1,0 +1,96 @@
+"""`EngineSpec`: what llmgw knows about one engine's command line, and how a launch becomes a
+`Command`. One instance per engine lives in that engine's module; `llmgw.engines` lists them.
+
+Pure: building a command reads nothing and starts nothing. Arguments that carry a secret are
+given as `Secret` by the engine modules, so the built command knows which argv entries to hide
+when it is logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from llmgw.config import Secret
+from llmgw.engines.errors import LaunchError
+from llmgw.engines.launch import Command, ReplicaLaunch, check_launch, managed_conflicts
+
+Arg = str | Secret
+
+
+@attrs.frozen(kw_only=True)
+class EngineSpec:
+    name: str  # as the catalog names it: llamacpp, vllm, sglang, sim
+    title: str  # as people name it, in messages
+    flags_for: str  # the engine version whose command line the flags were written against
+    default_executable: tuple[str, ...]  # when the caller names none (found on PATH)
+    subcommand: tuple[str, ...]  # between the executable and the arguments ("serve", "-m MODULE")
+    max_nodes: int | None  # None: any number
+    # Flags llmgw always sets and an operator's args may not override (with their aliases): the
+    # model, the name, where it listens, the key, the GPUs and nodes it spans. Others (context,
+    # GPU layers) are the operator's to tune: given in args, they win over llmgw's.
+    managed: frozenset[str]
+    # The engine's own arguments for `launch` (not the operator's), and what it adds to the environment.
+    args: Callable[[ReplicaLaunch], Sequence[Arg]]
+    env: Callable[[ReplicaLaunch], Mapping[str, str]]
+    # How to make it print its whole help, and what that needs in the environment, given the
+    # environment it will run in (so a variable the operator set is not overridden).
+    help_args: tuple[str, ...] = ("--help",)
+    help_env: Callable[[Mapping[str, str]], Mapping[str, str]] = lambda environ: {}
+    help_style: str = "argparse"  # how its help lays out options (see llmgw.engines.helptext)
+    # Environment variables llmgw relies on that the help documents (e.g. the API key's): a
+    # rename would go unnoticed by the flag check, and a key that is not read means an open port.
+    documented_env: tuple[str, ...] = ()
+    # Text that appears only in a help that is not the whole list, and what to do instead.
+    partial_help_marker: str = ""
+    partial_help_fix: str = ""
+
+    def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
+        """The command for `launch`: the engine's arguments, then the operator's `extra_args`.
+
+        `executable` is argv[0] (a path) or the argv prefix that runs the engine (the agent
+        passes its own interpreter and llmgw for sim); default: `default_executable`.
+        Raises `LaunchError` for a launch this engine cannot run.
+        """
+        problems = self.problems(launch)
+        if problems:
+            raise LaunchError(f"cannot launch {launch.served_name!r} on {self.title}: " + "; ".join(problems))
+        prefix = self.default_executable if executable is None else _as_argv(executable)
+        argv: list[str] = [*prefix, *self.subcommand]
+        secret: set[int] = set()
+        for arg in self.args(launch):
+            if isinstance(arg, Secret):
+                secret.add(len(argv))
+                argv.append(arg.reveal())
+            else:
+                argv.append(arg)
+        argv.extend(launch.extra_args)
+        return Command(argv=tuple(argv), env=dict(self.env(launch)), secret_positions=frozenset(secret))
+
+    def problems(self, launch: ReplicaLaunch) -> list[str]:
+        problems = []
+        if launch.engine != self.name:
+            problems.append(f"the launch is for engine {launch.engine!r}, not {self.name!r}")
+        problems.extend(check_launch(launch, engine_title=self.title, max_nodes=self.max_nodes))
+        conflicts = managed_conflicts(launch.extra_args, self.managed)
+        if conflicts:
+            problems.append(
+                f"args set {', '.join(conflicts)}, which llmgw sets itself for every replica; "
+                "remove them from the model's args"
+            )
+        return problems
+
+    def help_command(
+        self, executable: str | Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None
+    ) -> Command:
+        """The command that prints the engine's whole help, run with `environ` updated by `env`."""
+        prefix = self.default_executable if executable is None else _as_argv(executable)
+        return Command(argv=(*prefix, *self.subcommand, *self.help_args), env=dict(self.help_env(environ or {})))
+
+
+def _as_argv(executable: str | Sequence[str]) -> tuple[str, ...]:
+    argv = (executable,) if isinstance(executable, str) else tuple(executable)
+    if not argv or not all(argv):
+        raise ValueError(f"executable must name a program, got {executable!r}")
+    return argv

@@ -1,0 +1,126 @@
+"""The sim engine's HTTP side: routes, the API key, readiness, and the time each answer takes.
+
+Time is simulated with `trio.sleep`, so a test on a fake clock sees exact figures: an answer
+takes `prompt_tokens * prompt_token_ms` before its first token and `output_token_ms` before
+each token. A streamed answer sends each token as it is "generated"; a whole one is sent
+after the same total time.
+
+Until `serving` is set (rank 0, after the rendezvous and the startup delay) every route
+answers 503 with what it is waiting for, as llama-server answers "Loading model".
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import trio
+
+from llmgw.log import get_logger
+from llmgw.server.http import HTTPError, Request, Response, StreamingResponse
+from llmgw.simengine import api
+from llmgw.simengine.options import SimOptions
+from llmgw.simengine.text import complete
+
+log = get_logger("llmgw.sim")
+
+ROUTES = {
+    "/health": "GET",
+    "/v1/models": "GET",
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+}
+
+
+class SimEngine:
+    def __init__(
+        self,
+        options: SimOptions,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self.options = options
+        self.wall_clock = wall_clock
+        self.new_id = new_id
+        self.created = int(wall_clock())
+        self.serving = False
+        self._waiting_for: Callable[[], str] = lambda: "starting"
+
+    def set_waiting(self, describe: Callable[[], str]) -> None:
+        """What the 503 answers say while not serving: asked at each request, so it is current."""
+        self._waiting_for = describe
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        fields: dict[str, object] = {}
+        try:
+            response = await self._route(request, fields)
+        except HTTPError as exc:
+            log.debug("sim_request", method=request.method, path=request.path, status=exc.status, error=exc.message)
+            raise
+        log.debug("sim_request", method=request.method, path=request.path, status=response.status, **fields)
+        return response
+
+    async def _route(self, request: Request, fields: dict[str, object]) -> Response | StreamingResponse:
+        method = ROUTES.get(request.path)
+        if method is None:
+            raise HTTPError(
+                404, f"no route {request.path!r}; this server has {', '.join(ROUTES)}", kind="not_found_error"
+            )
+        if request.method != method:
+            raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+        if request.path.startswith("/v1/"):
+            self._authorize(request)
+        if not self.serving:
+            raise HTTPError(503, f"not serving yet: {self._waiting_for()}", kind="unavailable_error")
+        if request.path == "/health":
+            return Response.json(200, {"status": "ok"})
+        if request.path == "/v1/models":
+            return Response.json(200, api.models_body(self.options.model, self.created))
+        kind: api.Kind = "chat" if request.path == "/v1/chat/completions" else "completion"
+        job = api.parse_job(
+            kind, request.json(), served_model=self.options.model, max_tokens_default=self.options.max_tokens_default
+        )
+        return await self.answer(job, fields)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise _unauthorized("missing API key: send 'Authorization: Bearer KEY' with this replica's key")
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise _unauthorized("incorrect API key for this replica")
+
+    async def answer(self, job: api.Job, fields: dict[str, object] | None = None) -> Response | StreamingResponse:
+        """The answer to a checked request, after the time it takes (a stream: as it goes)."""
+        completion = complete(job.model, job.prompt_key, job.max_tokens, job.stop, job.ignore_eos)
+        if fields is not None:
+            fields.update(prompt_tokens=job.prompt_tokens, completion_tokens=completion.tokens, stream=job.stream)
+        prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
+        ident, created = prefix + self.new_id(), int(self.wall_clock())
+        prompt_s = job.prompt_tokens * self.options.prompt_token_ms / 1000
+        token_s = self.options.output_token_ms / 1000
+        if not job.stream:
+            await trio.sleep(prompt_s + completion.tokens * token_s)
+            return Response.json(200, api.response_body(job, completion, id=ident, created=created))
+
+        async def events() -> AsyncIterator[bytes]:
+            await trio.sleep(prompt_s)
+            for is_token, event in api.stream_events(job, completion, id=ident, created=created):
+                if is_token:
+                    await trio.sleep(token_s)
+                yield event
+
+        return StreamingResponse(
+            status=200,
+            body=events(),
+            headers=(("content-type", "text/event-stream"), ("cache-control", "no-cache")),
+        )
+
+
+def _unauthorized(message: str) -> HTTPError:
+    return HTTPError(401, message, kind="authentication_error", headers=(("www-authenticate", "Bearer"),))

@@ -1,0 +1,93 @@
+"""What the sim engine says: deterministic text, and how tokens are counted. Pure.
+
+A token is a word. The prompt is counted by splitting on whitespace; the completion is a
+sequence of words chosen by hashing (model, prompt key, position), so the same request gets the
+same answer on every run, every machine and every CPython, and a larger `max_tokens` extends
+the same text rather than starting another. Each prompt also has a natural length of
+`MIN_WORDS`..`MAX_WORDS` words, after which the answer ends by itself (finish_reason "stop")
+unless `ignore_eos` asks for exactly `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import attrs
+
+MIN_WORDS = 16
+MAX_WORDS = 128
+
+# Short, common, and free of characters that need escaping in JSON.
+WORDS = (
+    "the a of and to in is it that for on with as was at by be this from or an are not have but "
+    "one all they we which their can there more when will would so what about if out up into time "
+    "has two some could them see other than then now only its over also after use how our first "
+    "well way even new want because any these give day most us model token cluster node engine "
+    "replica gateway fabric sim river stone light cloud paper quiet green north signal answer"
+).split()
+
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    pieces: tuple[str, ...]  # one per output token, each with its leading space
+    finish_reason: str  # "stop" (natural end or a stop sequence) or "length" (max_tokens)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pieces)
+
+
+def count_tokens(text: str) -> int:
+    return len(text.split())
+
+
+def _digest(*parts: str) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return int.from_bytes(h.digest(), "big")
+
+
+def natural_length(model: str, prompt_key: str) -> int:
+    return MIN_WORDS + _digest(model, prompt_key, "length") % (MAX_WORDS - MIN_WORDS + 1)
+
+
+def word(model: str, prompt_key: str, index: int) -> str:
+    return WORDS[_digest(model, prompt_key, str(index)) % len(WORDS)]
+
+
+def complete(
+    model: str, prompt_key: str, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+) -> Completion:
+    """The answer to a prompt: at most `max_tokens` words, cut before the first stop sequence."""
+    natural = natural_length(model, prompt_key)
+    count = max_tokens if ignore_eos else min(max_tokens, natural)
+    pieces = [("" if i == 0 else " ") + word(model, prompt_key, i) for i in range(count)]
+    if count == natural and not ignore_eos:
+        pieces[-1] += "."
+    reason = "length" if count < natural or ignore_eos else "stop"
+    cut = _first_stop(pieces, stop)
+    if cut is not None:
+        return Completion(pieces=cut, finish_reason="stop")
+    return Completion(pieces=tuple(pieces), finish_reason=reason)
+
+
+def _first_stop(pieces: Sequence[str], stop: Sequence[str]) -> tuple[str, ...] | None:
+    """The pieces before the earliest stop sequence (which is not included), or None."""
+    text = "".join(pieces)
+    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if not found:
+        return None
+    end, kept, at = min(found), [], 0
+    for piece in pieces:
+        if at >= end:
+            break
+        kept.append(piece[: end - at])
+        at += len(piece)
+    return tuple(kept)

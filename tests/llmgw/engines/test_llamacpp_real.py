@@ -1,0 +1,187 @@
+"""The real llama-server, started through llmgw's llama.cpp spec on a tiny model made here.
+
+Needs the binary built by tools/llama/build-llama-server (CI builds it first): from
+LLMGW_LLAMA_SERVER, or the build's cache. Without it these tests fail rather than skip, so a
+machine that cannot build llama.cpp is noticed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from llmgw import cli
+from llmgw.config import Secret
+from llmgw.engines import ReplicaLaunch, build_command
+from llmgw.engines.helptext import documented_flags
+from testlib.proc import build_root
+from testlib.tinygguf import write_tiny_llama
+
+LLAMA_VERSION = "11434.0.0"  # tools/llama/build-llama-server's
+READY_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 30.0
+
+
+def llama_server() -> str:
+    given = os.environ.get("LLMGW_LLAMA_SERVER")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = Path(given) if given else cache / "llmgw-llama" / LLAMA_VERSION / "bin" / "llama-server"
+    if not os.access(path, os.X_OK):
+        pytest.fail(
+            f"no llama-server at {path} ({'LLMGW_LLAMA_SERVER' if given else 'the build cache'}); "
+            "run tools/llama/build-llama-server (about 5 minutes) or set LLMGW_LLAMA_SERVER"
+        )
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, launch: ReplicaLaunch, proc: subprocess.Popen, log: Path) -> None:
+        self.launch, self.proc, self.log = launch, proc, log
+
+    def request(self, method: str, path: str, body: dict | None = None, *, key: str | None = None):
+        conn = http.client.HTTPConnection(self.launch.host, self.launch.port, timeout=REQUEST_TIMEOUT_S)
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        return conn, conn.getresponse()
+
+    def call(self, method: str, path: str, body: dict | None = None, *, key: str | None = None) -> tuple[int, dict]:
+        conn, resp = self.request(method, path, body, key=key)
+        with closing(conn):
+            return resp.status, json.loads(resp.read() or b"{}")
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+
+def wait_ready(server: Server) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"llama-server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            if server.call("GET", "/health")[0] == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.05)  # a poll interval, bounded by the deadline
+    pytest.fail(f"llama-server did not answer /health 200 within {READY_TIMEOUT_S:.0f} s:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    binary = llama_server()
+    work = tmp_path_factory.mktemp("llama")
+    model = write_tiny_llama(work / "tiny.gguf", seed=1)
+    launch = ReplicaLaunch(
+        engine="llamacpp",
+        model_path=str(model),
+        served_name="tiny",
+        host="127.0.0.1",
+        port=free_port(),
+        api_key=Secret(secrets.token_urlsafe(24)),
+        context=2048,
+        extra_args=("--threads", "2", "--parallel", "2"),
+    )
+    cmd = build_command(launch, binary)
+    log = work / "llama-server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd.argv, env={**os.environ, **cmd.env}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
+    srv = Server(launch, proc, log)
+    try:
+        wait_ready(srv)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"llama-server ignored SIGTERM for 15 s:\n{srv.log_tail()}")
+        if proc.returncode != 0:  # SIGTERM is a clean stop for llama-server
+            pytest.fail(f"llama-server exited with {proc.returncode} on SIGTERM:\n{srv.log_tail()}")
+
+
+def test_models_lists_the_served_name(server: Server) -> None:
+    status, body = server.call("GET", "/v1/models", key=server.launch.api_key.reveal())
+    assert status == 200
+    assert [m["id"] for m in body["data"]] == ["tiny"]
+
+
+def test_completion(server: Server) -> None:
+    request = {"model": "tiny", "prompt": "hello model", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, body = server.call("POST", "/v1/completions", request, key=server.launch.api_key.reveal())
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 8
+    assert isinstance(body["choices"][0]["text"], str)
+    # Greedy decoding of the same weights: the same text again.
+    assert (
+        server.call("POST", "/v1/completions", request, key=server.launch.api_key.reveal())[1]["choices"]
+        == body["choices"]
+    )
+
+
+def test_streamed_chat_completion(server: Server) -> None:
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn, resp = server.request("POST", "/v1/chat/completions", request, key=server.launch.api_key.reveal())
+    with closing(conn):
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        events = [line[len(b"data: ") :] for line in resp.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert sum(1 for piece in content if piece) >= 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+@pytest.mark.parametrize("key", [None, "not-the-key"])
+def test_the_engine_port_refuses_any_other_key(server: Server, key: str | None) -> None:
+    status, body = server.call("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}, key=key)
+    assert status == 401, body
+
+
+def test_the_key_is_not_on_the_command_line(server: Server) -> None:
+    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+    assert b"tiny.gguf" in cmdline
+    assert server.launch.api_key.reveal().encode() not in cmdline
+
+
+def test_engine_check_against_the_installed_binary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["ctl", "engine-check", "llamacpp", "--binary", llama_server()]) == 0
+    assert "result: ok (exit 0)" in capsys.readouterr().out
+
+
+def test_the_recorded_help_is_this_binarys() -> None:
+    # tests/fixtures/help/README.md says the recording came from this build: keep them in step.
+    done = subprocess.run([llama_server(), "--help"], capture_output=True, text=True, timeout=30, check=True)
+    recorded = (build_root() / "tests" / "fixtures" / "help" / "llama-server.txt").read_text()
+    assert documented_flags(done.stdout, "column0") == documented_flags(recorded, "column0")

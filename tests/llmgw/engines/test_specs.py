@@ -1,0 +1,237 @@
+"""Engine specs: what each engine's command line and environment are for a replica."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from llmgw import config
+from llmgw.config import Secret
+from llmgw.engines import SPECS, LaunchError, ReplicaLaunch, build_command, spec_for
+
+KEY = "k-0123456789abcdef"
+
+
+def launch(engine: str, **kw: object) -> ReplicaLaunch:
+    fields: dict = dict(
+        engine=engine,
+        model_path="/w/qwen",
+        served_name="qwen",
+        host="10.0.0.5",
+        port=8001,
+        api_key=Secret(KEY),
+    )
+    fields.update(kw)
+    return ReplicaLaunch(**fields)
+
+
+def two_nodes(engine: str, rank: int, **kw: object) -> ReplicaLaunch:
+    return launch(
+        engine,
+        gpus=(2, 3),
+        nnodes=2,
+        node_rank=rank,
+        rank0_addr="10.0.0.5",
+        dist_init_port=29500,
+        ib_adapters=("mlx5_0", "mlx5_1"),
+        socket_ifname="ib0",
+        **kw,
+    )
+
+
+def test_the_engines_are_the_catalogs() -> None:
+    assert tuple(SPECS) == config.ENGINES
+
+
+def test_llamacpp_command_and_environment() -> None:
+    cmd = build_command(launch("llamacpp", gpus=(1,), context=8192, extra_args=("-np", "4")), "/opt/llama-server")
+    assert cmd.argv == (
+        "/opt/llama-server",
+        "--model",
+        "/w/qwen",
+        "--alias",
+        "qwen",
+        "--host",
+        "10.0.0.5",
+        "--port",
+        "8001",
+        "--ctx-size",
+        "8192",
+        "--n-gpu-layers",
+        "999",
+        "-np",
+        "4",
+    )
+    assert cmd.env == {"LLAMA_API_KEY": KEY, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_a_cpu_replica_sees_no_gpu_and_gets_no_optional_flags() -> None:
+    cmd = build_command(launch("llamacpp"))
+    assert cmd.argv[0] == "llama-server"
+    assert "--ctx-size" not in cmd.argv and "--n-gpu-layers" not in cmd.argv
+    # Empty, not unset: unset would let the engine take GPU 0 on a GPU node.
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_key_is_never_in_argv_where_the_engine_reads_it_from_the_environment() -> None:
+    for engine in ("llamacpp", "vllm", "sim"):
+        cmd = build_command(launch(engine))
+        assert KEY not in cmd.argv, engine
+        assert KEY in cmd.env.values(), engine
+        assert not cmd.secret_positions
+
+
+def test_sglang_takes_its_key_in_argv_and_the_log_form_hides_it() -> None:
+    cmd = build_command(launch("sglang"), "/venv/bin/python")
+    at = cmd.argv.index("--api-key") + 1
+    assert cmd.argv[at] == KEY and cmd.secret_positions == {at}
+    shown = cmd.for_log()
+    assert KEY not in str(shown)
+    assert shown["argv"][at] == "<redacted>"
+
+
+def test_for_log_hides_key_variables_by_name() -> None:
+    shown = build_command(launch("llamacpp", gpus=(0,))).for_log()
+    assert shown["env"] == {
+        "LLAMA_API_KEY": "<redacted>",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+
+
+def test_vllm_single_node() -> None:
+    cmd = build_command(launch("vllm", gpus=(0, 1), context=4096))
+    assert cmd.argv == (
+        "vllm",
+        "serve",
+        "/w/qwen",
+        "--served-model-name",
+        "qwen",
+        "--host",
+        "10.0.0.5",
+        "--port",
+        "8001",
+        "--max-model-len",
+        "4096",
+        "--tensor-parallel-size",
+        "2",
+    )
+    assert cmd.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_API_KEY": KEY}
+
+
+def test_vllm_two_nodes_rank0_serves_and_the_worker_is_headless() -> None:
+    rank0 = build_command(two_nodes("vllm", 0))
+    worker = build_command(two_nodes("vllm", 1))
+    head = ("vllm", "serve", "/w/qwen", "--served-model-name", "qwen", "--host", "10.0.0.5", "--port", "8001")
+    parallel = ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")  # a node's GPUs; the nodes
+    nodes = ("--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank")
+    meet = ("--master-addr", "10.0.0.5", "--master-port", "29500")
+    assert rank0.argv == (*head, *parallel, *nodes, "0", *meet)
+    assert worker.argv == (*head, *parallel, *nodes, "1", *meet, "--headless")
+    assert rank0.env["VLLM_API_KEY"] == KEY
+    assert "VLLM_API_KEY" not in worker.env  # a headless worker serves nothing
+
+
+def test_fabric_pinning_is_exact() -> None:
+    env = build_command(two_nodes("vllm", 1)).env
+    # "=" asks NCCL for exact names: "mlx5_1" alone would also select mlx5_10..mlx5_19.
+    assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+    assert env["NCCL_SOCKET_IFNAME"] == "=ib0"
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "NCCL_IB_HCA" not in build_command(launch("vllm")).env
+
+
+def test_sglang_two_nodes_spans_every_gpu_with_tensor_parallel() -> None:
+    rank0 = build_command(two_nodes("sglang", 0, context=32768), ("/venv/bin/python",))
+    assert rank0.argv[:3] == ("/venv/bin/python", "-m", "sglang.launch_server")
+    args = rank0.argv[3:]
+    assert args[args.index("--tp-size") + 1] == "4"
+    assert args[args.index("--context-length") + 1] == "32768"
+    assert args[-6:] == ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.5:29500")
+    worker = build_command(two_nodes("sglang", 1))
+    assert "--api-key" not in worker.argv and KEY not in worker.argv
+    assert worker.env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+
+
+def test_an_ipv6_rank0_is_bracketed() -> None:
+    cmd = build_command(attrs.evolve(two_nodes("sglang", 1), rank0_addr="fd00::5"))
+    assert cmd.argv[cmd.argv.index("--dist-init-addr") + 1] == "[fd00::5]:29500"
+
+
+def test_sim_runs_under_the_callers_llmgw() -> None:
+    rank0 = build_command(two_nodes("sim", 0), ["/usr/bin/python3", "-m", "llmgw"])
+    assert rank0.argv == (
+        "/usr/bin/python3",
+        "-m",
+        "llmgw",
+        "engine",
+        "sim",
+        "--model",
+        "qwen",
+        "--host",
+        "10.0.0.5",
+        "--port",
+        "8001",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--dist-init-addr",
+        "10.0.0.5:29500",
+    )
+    assert rank0.env["LLMGW_SIM_API_KEY"] == KEY
+    assert "LLMGW_SIM_API_KEY" not in build_command(two_nodes("sim", 1)).env
+
+
+@pytest.mark.parametrize(
+    ("replica", "says"),
+    [
+        (launch("llamacpp", nnodes=2, rank0_addr="a", dist_init_port=1), "set nodes_per_replica = 1"),
+        (launch("vllm", nnodes=2), "needs rank0_addr and dist_init_port"),
+        (launch("vllm", nnodes=2, node_rank=2, rank0_addr="a", dist_init_port=1), "node_rank 2 is outside 0..1"),
+        (launch("sim", port=0), "port 0 is not a TCP port"),
+        (launch("sim", gpus=(1, 1)), "must be distinct"),
+        (launch("sim", served_name=""), "served_name is empty"),
+        (launch("llamacpp", extra_args=("--port", "9000")), "args set --port, which llmgw sets itself"),
+        (launch("vllm", extra_args=("-tp", "8")), "args set -tp"),
+        (launch("sglang", extra_args=("--api-key=x",)), "args set --api-key"),
+    ],
+)
+def test_a_launch_the_engine_cannot_run_is_refused_with_the_fix(replica: ReplicaLaunch, says: str) -> None:
+    with pytest.raises(LaunchError, match="cannot launch") as err:
+        build_command(replica)
+    assert says in str(err.value)
+    assert err.value.exit_status == 2
+
+
+def test_operator_args_may_tune_what_llmgw_only_defaults() -> None:
+    # The context given in args comes last and wins over llmgw's.
+    cmd = build_command(launch("llamacpp", context=4096, extra_args=("-c", "8192")))
+    assert cmd.argv[-2:] == ("-c", "8192")
+
+
+def test_unknown_engine_and_mismatched_spec() -> None:
+    with pytest.raises(LaunchError, match="unknown engine 'tgi'"):
+        spec_for("tgi")
+    with pytest.raises(LaunchError, match="for engine 'sim', not 'vllm'"):
+        spec_for("vllm").build(launch("sim"))
+
+
+def test_an_empty_executable_is_a_bug() -> None:
+    with pytest.raises(ValueError, match="must name a program"):
+        build_command(launch("sim"), [])
+
+
+def test_the_launch_repr_does_not_show_the_key() -> None:
+    assert KEY not in repr(launch("vllm"))
+
+
+def test_help_commands() -> None:
+    assert spec_for("llamacpp").help_command("/x/llama-server").argv == ("/x/llama-server", "--help")
+    vllm = spec_for("vllm").help_command(environ={})
+    assert vllm.argv == ("vllm", "serve", "--help=all")
+    assert vllm.env == {"VLLM_TARGET_DEVICE": "cpu"}
+    # An operator's own choice is kept.
+    assert spec_for("vllm").help_command(environ={"VLLM_TARGET_DEVICE": "cuda"}).env == {}
+    assert spec_for("sglang").help_command("/v/python").argv == ("/v/python", "-m", "sglang.launch_server", "--help")

@@ -1,0 +1,190 @@
+"""The sim engine's HTTP side over in-memory streams on a fake clock: routes, the key, readiness,
+and how long answers take, streamed and not."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from llmgw.server import http
+from llmgw.simengine.app import SimEngine
+from llmgw.simengine.options import SimOptions
+from llmgw.simengine.text import complete
+
+pytestmark = pytest.mark.trio
+
+KEY = "replica-secret"
+
+
+class Client:
+    """An h11 client over a memory stream that notes when each piece of a response arrived."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def request(
+        self, method: str, target: str, body: Any = None, *, key: str | None = KEY, raw: bytes | None = None
+    ):
+        data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+        headers = [("host", "sim"), ("content-length", str(len(data)))]
+        if key is not None:
+            headers.append(("authorization", f"Bearer {key}"))
+        await self.stream.send_all(self.conn.send(h11.Request(method=method, target=target, headers=headers)))
+        if data:
+            await self.stream.send_all(self.conn.send(h11.Data(data=data)))
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+        return await self.response()
+
+    async def response(self) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
+        """(status, headers, [(arrival time, data)])."""
+        status, headers, parts = 0, {}, []
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await self.stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status, headers = event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                parts.append((trio.current_time(), bytes(event.data)))
+            elif isinstance(event, h11.EndOfMessage):
+                self.conn.start_next_cycle()
+                return status, headers, parts
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+
+
+def body_of(parts: list[tuple[float, bytes]]) -> Any:
+    return json.loads(b"".join(data for _, data in parts))
+
+
+def engine(**options: Any) -> SimEngine:
+    e = SimEngine(SimOptions(model="m", api_key=KEY, **options), wall_clock=lambda: 1000.0, new_id=lambda: "id1")
+    e.serving = True
+    return e
+
+
+async def connect(nursery: trio.Nursery, e: SimEngine) -> Client:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    nursery.start_soon(http._serve_connection, e.handle, http.Limits(), server_stream)
+    return Client(client_stream)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three four"}], "max_tokens": 5}
+
+
+async def test_whole_answer_waits_prompt_then_output_time(autojump_clock: trio.testing.MockClock) -> None:
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, engine(prompt_token_ms=100, output_token_ms=50))
+        start = trio.current_time()
+        status, headers, parts = await c.request("POST", "/v1/chat/completions", CHAT)
+        assert status == 200 and headers["content-type"] == "application/json"
+        body = body_of(parts)
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+        assert body["id"] == "chatcmpl-id1" and body["created"] == 1000
+        # 4 prompt tokens x 100 ms + 5 output tokens x 50 ms
+        assert parts[0][0] - start == pytest.approx(0.65)
+        nursery.cancel_scope.cancel()
+
+
+async def test_same_request_same_text_over_http(autojump_clock: trio.testing.MockClock) -> None:
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, engine())
+        first = body_of((await c.request("POST", "/v1/chat/completions", CHAT))[2])
+        again = body_of((await c.request("POST", "/v1/chat/completions", CHAT))[2])
+        assert first == again
+        prompt = complete("m", json.dumps([["user", "one two three four"]], separators=(",", ":")), 5)
+        assert first["choices"][0]["message"]["content"] == prompt.text
+        completion = {"model": "m", "prompt": "one two", "max_tokens": 3}
+        text = body_of((await c.request("POST", "/v1/completions", completion))[2])["choices"][0]["text"]
+        assert text == complete("m", "one two", 3).text
+        nursery.cancel_scope.cancel()
+
+
+async def test_stream_sends_each_token_when_it_is_made(autojump_clock: trio.testing.MockClock) -> None:
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, engine(prompt_token_ms=100, output_token_ms=50))
+        start = trio.current_time()
+        status, headers, parts = await c.request("POST", "/v1/chat/completions", {**CHAT, "stream": True})
+        assert status == 200
+        assert headers["content-type"] == "text/event-stream" and headers["transfer-encoding"] == "chunked"
+        events = [(at - start, data) for at, data in parts]
+        assert all(data.startswith(b"data: ") and data.endswith(b"\n\n") for _, data in events)
+        chunks = [json.loads(data[6:]) for _, data in events[:-1]]
+        assert events[-1][1] == b"data: [DONE]\n\n"
+        # role at 0.4 s (the prompt), then one token every 50 ms, then the finish and [DONE].
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        token_times = [at for at, data in events[1:6]]
+        assert token_times == pytest.approx([0.45, 0.5, 0.55, 0.6, 0.65])
+        assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None] * 6 + ["length"]
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+        whole = body_of((await c.request("POST", "/v1/chat/completions", CHAT))[2])
+        assert text == whole["choices"][0]["message"]["content"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_key_is_required_on_v1_and_not_on_health() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, engine())
+        for key, says in ((None, "missing API key"), ("wrong", "incorrect API key")):
+            status, headers, parts = await c.request("GET", "/v1/models", key=key)
+            assert status == 401 and headers["www-authenticate"] == "Bearer"
+            error = body_of(parts)["error"]
+            assert error["type"] == "authentication_error" and error["code"] == 401 and says in error["message"]
+            assert KEY not in error["message"]
+        status, _, parts = await c.request("GET", "/health", key=None)
+        assert (status, body_of(parts)) == (200, {"status": "ok"})
+        status, _, parts = await c.request("GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in body_of(parts)["data"]] == ["m"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_a_key_anyone_may_ask() -> None:
+    e = SimEngine(SimOptions(model="m"))
+    e.serving = True
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, e)
+        assert (await c.request("GET", "/v1/models", key=None))[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_not_serving_is_503_saying_what_it_waits_for() -> None:
+    e = engine()
+    e.serving = False
+    e.set_waiting(lambda: "rendezvous: 0 of 1 workers joined")
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, e)
+        for target in ("/health", "/v1/models"):
+            status, _, parts = await c.request("GET", target)
+            error = body_of(parts)["error"]
+            assert status == 503 and error["type"] == "unavailable_error"
+            assert error["message"] == "not serving yet: rendezvous: 0 of 1 workers joined"
+        e.serving = True
+        assert (await c.request("GET", "/health"))[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "raw", "status", "says"),
+    [
+        ("POST", "/v1/chat/completions", b"{not json", 400, "request body is not valid JSON"),
+        ("POST", "/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "the model 'other' does not exist"),
+        ("POST", "/v1/completions", b'{"model": "m", "prompt": "x", "n": 3}', 400, "'n' must be 1"),
+        ("GET", "/v1/chat/completions", b"", 405, "/v1/chat/completions takes POST, not GET"),
+        ("GET", "/v2/nothing", b"", 404, "no route '/v2/nothing'"),
+    ],
+)
+async def test_errors_are_openai_shaped(method: str, target: str, raw: bytes, status: int, says: str) -> None:
+    async with trio.open_nursery() as nursery:
+        c = await connect(nursery, engine())
+        got, headers, parts = await c.request(method, target, raw=raw)
+        body = body_of(parts)
+        assert got == status and headers["content-type"] == "application/json"
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}
+        assert body["error"]["code"] == status and says in body["error"]["message"]
+        nursery.cancel_scope.cancel()
