@@ -27,7 +27,8 @@ async def mirror(tmp_path: Path, nursery: trio.Nursery):
     ca.issue_server_cert(state, ["127.0.0.1"], validity_days=3)
     paths.ensure_admin_token(state)
     plane = ControlPlane(
-        ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")), state
+        ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")),
+        state,
     )
     bound = await nursery.start(plane.serve)
     node = pki.issue_to_dir(ca, "node-a", tmp_path / "node", validity_days=3)
@@ -89,7 +90,9 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
     engines = EnginesSection(
         llamacpp=EngineSource(
             version="b1",
-            archives=(EngineArchive(arch="x86_64", url=f"http://{host}:{port}/llama.tgz", sha256=digest, binary="bin/x"),),
+            archives=(
+                EngineArchive(arch="x86_64", url=f"http://{host}:{port}/llama.tgz", sha256=digest, binary="bin/x"),
+            ),
         )
     )
     config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines)
