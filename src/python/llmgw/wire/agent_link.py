@@ -148,9 +148,29 @@ class EngineStatus:
 
 @attrs.frozen(kw_only=True)
 class ReplicaStatus:
+    """What the agent observes of one replica member on this node."""
+
     replica_id: str
     model: str
-    state: str
+    state: str  # one of REPLICA_STATES
+    node_rank: int = 0
+    port: int = 0  # where rank 0 serves the API on this node (0 until it listens)
+    restarts: int = 0  # engine process restarts since the agent started
+    detail: str = ""  # why, for failed/restarting: with the engine's last log lines
+    pid: int = 0
+
+
+# A replica member's life on a node. `ready` = rank 0 answers its health check (workers: running).
+FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED = (
+    "fetching",
+    "starting",
+    "ready",
+    "restarting",
+    "failed",
+    "stopping",
+    "stopped",
+)
+REPLICA_STATES = (FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED)
 
 
 # -- agent -> control plane ----------------------------------------------------------------
@@ -176,6 +196,13 @@ class Heartbeat:
 @attrs.frozen(kw_only=True)
 class InventoryChanged:
     inventory: Inventory
+
+
+@attrs.frozen(kw_only=True)
+class ReplicasChanged:
+    """Every replica member on this node, as observed now (level-triggered: the whole set)."""
+
+    replicas: tuple[ReplicaStatus, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -216,10 +243,37 @@ class EngineWant:
 
 
 @attrs.frozen(kw_only=True)
+class WeightsSource:
+    url: str = ""  # downloaded once per node, verified against sha256
+    sha256: str = ""
+    path: str = ""  # already on the node (the operator's arrangement)
+    token: str = ""  # bearer token for the download; a secret: never logged
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaAssignment:
+    """One member of one replica that this node must run (node_rank of len(nodes))."""
+
+    replica_id: str
+    model: str  # also the served model name
+    engine: str
+    weights: WeightsSource = WeightsSource()
+    api_key: str  # per replica: only the gateway may use the engine's port; never logged
+    nodes: tuple[str, ...]  # rank order
+    node_rank: int = 0
+    rank0_addr: str = ""  # the rank-0 node's address as the members dial it (multi-node)
+    dist_init_port: int = 0
+    gpus: int = 0  # GPUs on this node for this member
+    args: tuple[str, ...] = ()  # the catalog's engine args
+    ib_adapters: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class DesiredState:
     generation: int
     cordoned: bool = False
     engines: tuple[EngineWant, ...] = ()
+    replicas: tuple[ReplicaAssignment, ...] = ()  # everything this node should run; others stop
 
 
 # -- either way ----------------------------------------------------------------------------
@@ -233,7 +287,7 @@ class LinkError:
     message: str
 
 
-AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | LinkError
+AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LinkError
 ServerMessage = Welcome | DesiredState | LinkError
 
 # Error codes of LinkError.

@@ -32,6 +32,7 @@ _ALL = (
     | agent_link.Heartbeat
     | agent_link.InventoryChanged
     | agent_link.EnginesChanged
+    | agent_link.ReplicasChanged
     | agent_link.Welcome
     | agent_link.DesiredState
     | agent_link.LinkError
