@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import attrs
+
 from llmgw import config as cfg
 from llmgw import pki
 from llmgw.cli import Parser, add_group, add_leaf
@@ -19,6 +21,12 @@ def configure(parser: Parser) -> None:
         sub, "run", "run the agent: connect to the control plane and keep the node's work running", run_agent
     )
     run.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
+    for flag, key, what in (
+        ("--llamacpp-bin", "llamacpp_bin", "a llama-server you installed (used when llama.cpp's version is \"\")"),
+        ("--vllm-bin", "vllm_bin", "a vllm command you installed (used when vLLM's version is \"\")"),
+        ("--sglang-python", "sglang_python", "the Python of your SGLang environment (used when SGLang's version is \"\")"),
+    ):
+        run.add_argument(flag, dest=key, metavar="PATH", help=f"{what}; overrides agent.toml")
     csr = add_leaf(
         sub,
         "csr",
@@ -31,7 +39,9 @@ def configure(parser: Parser) -> None:
 def run_agent(args: argparse.Namespace) -> int:
     from agent.main import run_agent as serve
 
-    return run_service("agent", serve, cfg.load_agent_config(args.config))
+    config = cfg.load_agent_config(args.config)
+    overrides = {k: getattr(args, k) for k in ("llamacpp_bin", "vllm_bin", "sglang_python") if getattr(args, k)}
+    return run_service("agent", serve, attrs.evolve(config, **overrides))
 
 
 def run_csr(args: argparse.Namespace) -> int:
