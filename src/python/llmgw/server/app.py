@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from llmgw import paths, pki
-from llmgw.config import ServerConfig
+from llmgw.config import Model, ServerConfig
 from llmgw.download import fetch
 from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError
@@ -27,6 +27,7 @@ from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
 from llmgw.server.registry import Node, Registry
+from llmgw.server.replicas import Replicas
 from llmgw.server.store import Store, UnknownNode
 from llmgw.wire import agent_link as w
 
@@ -64,6 +65,8 @@ class ControlPlane:
             on_change=self._notify,
             artifact_store=Artifacts(artifacts_dir(state_dir)),
         )
+        self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
+        self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._generation = 0
 
@@ -75,7 +78,18 @@ class ControlPlane:
         engines = engines_for(
             self.config.engines, node.inventory if node else None, self.endpoint.artifacts.available()
         )
-        return w.DesiredState(generation=self._generation, cordoned=bool(node and node.cordoned), engines=engines)
+        return w.DesiredState(
+            generation=self._generation,
+            cordoned=bool(node and node.cordoned),
+            engines=engines,
+            replicas=self.replicas.assignments_for(node_id, self.model),
+        )
+
+    def model(self, name: str) -> Model | None:
+        return next((m for m in self.config.models if m.name == name), None)
+
+    def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
+        self.replicas.note_statuses(node_id, statuses)
 
     # -- operator intent ------------------------------------------------------------------
 
@@ -133,6 +147,8 @@ class ControlPlane:
             now = trio.current_time()
             for t in self.registry.transitions(now):
                 log.info(f"node_{t.new}", node=t.node_id, was=t.old)
+            for node_id in sorted(self.replicas.reconcile(now)):
+                await self.endpoint.push_desired_state(node_id)
             self._changed = trio.Event()
             with trio.move_on_at(self.registry.next_deadline(now)):
                 await self._changed.wait()

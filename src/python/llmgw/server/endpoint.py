@@ -62,7 +62,9 @@ class AgentEndpoint:
         desired_state: Callable[[str], w.DesiredState],
         on_change: Callable[[], None] = lambda: None,
         artifact_store: artifacts.Artifacts | None = None,
+        on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
     ) -> None:
+        self.on_replicas = on_replicas
         self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
         self.registry = registry
         self.store = store
@@ -213,6 +215,10 @@ class AgentEndpoint:
                 self.registry.inventory_changed(link.node_id, link.conn_id, message.inventory)
                 self.on_change()
                 await self.push_desired_state(link.node_id)  # e.g. a GPU appeared: vLLM is now wanted
+            elif isinstance(message, w.ReplicasChanged):
+                if self.registry.replicas_changed(link.node_id, link.conn_id, message.replicas):
+                    self.on_replicas(link.node_id, message.replicas)
+                    self.on_change()
             elif isinstance(message, w.EnginesChanged):
                 self.registry.engines_changed(link.node_id, link.conn_id, message.engines)
                 log.info(

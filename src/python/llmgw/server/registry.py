@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw.wire.agent_link import EngineStatus, Hello, Inventory
+from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
 
@@ -48,6 +48,7 @@ class Node:
     session: Session | None = None
     inventory: Inventory | None = None
     engines: tuple[EngineStatus, ...] = ()
+    replicas: tuple[ReplicaStatus, ...] = ()  # what the agent reports running
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +87,7 @@ class Registry:
         node.address = address
         node.inventory = hello.inventory
         node.engines = hello.engines
+        node.replicas = hello.replicas
         old = node.session
         node.session = Session(
             conn_id=self._next_conn,
@@ -113,6 +115,12 @@ class Registry:
     def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> None:
         if self._session(node_id, conn_id) is not None:
             self.nodes[node_id].engines = engines
+
+    def replicas_changed(self, node_id: str, conn_id: int, replicas: tuple[ReplicaStatus, ...]) -> bool:
+        if self._session(node_id, conn_id) is None:
+            return False
+        self.nodes[node_id].replicas = replicas
+        return True
 
     def disconnect(self, node_id: str, conn_id: int) -> None:
         session = self._session(node_id, conn_id)

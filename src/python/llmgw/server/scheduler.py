@@ -39,6 +39,7 @@ class NodeView:
     fabrics: tuple[str, ...] = ()  # placement keys "name@identity"
     alive: bool = True  # False: lost or removed; its replicas are rebuilt elsewhere
     why_not: str = ""  # for pending reasons: "cordoned", "lost", ...
+    avoid: frozenset[str] = frozenset()  # models that failed here: place them elsewhere
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +149,8 @@ def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[l
             reasons.append(f"{n.node_id} {n.why_not or 'not schedulable'}")
         elif model.engine not in n.engines:
             reasons.append(f"{n.node_id} has no working {model.engine}")
+        elif model.name in n.avoid:
+            reasons.append(f"{n.node_id} failed to run it")
         elif free.gpus[n.node_id] < model.gpus_per_replica:
             reasons.append(f"{n.node_id} has {free.gpus[n.node_id]} free GPUs")
         elif free.memory[n.node_id] < memory:

@@ -12,6 +12,7 @@ certificate while the server runs.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -37,6 +38,10 @@ CREATE TABLE IF NOT EXISTS certificates (
     revoked_at  REAL                       -- NULL while valid
 );
 CREATE INDEX IF NOT EXISTS certificates_node ON certificates (node_id);
+CREATE TABLE IF NOT EXISTS placements (
+    replica_id  TEXT PRIMARY KEY,
+    body        TEXT NOT NULL              -- JSON of the placement, its secret and rendezvous port
+);
 """
 
 
@@ -122,6 +127,22 @@ class Store:
                 "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL", (now, node_id)
             )
         return [r[0] for r in issued]
+
+    # -- placements -----------------------------------------------------------------------
+
+    def placements(self) -> dict[str, dict]:
+        rows = self._db.execute("SELECT replica_id, body FROM placements ORDER BY replica_id").fetchall()
+        return {r[0]: json.loads(r[1]) for r in rows}
+
+    def set_placements(self, placements: dict[str, dict]) -> None:
+        """Replace the stored placements with these (one transaction)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM placements")
+            self._db.executemany(
+                "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
+                [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
+            )
 
     # -- certificates ---------------------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""Replicas on the control plane: the catalog turned into placements, kept in SQLite, and each
+node's share of them as the assignments in its desired state.
+
+`Replicas.reconcile(now)` builds the cluster view the scheduler needs from the registry, runs
+the pure `scheduler.plan`, stores the result and returns the nodes whose assignments changed;
+the caller pushes their desired state. The rules that make it safe:
+
+- A node known from before a control-plane restart (liveness `unknown`) keeps its placements
+  and gets nothing new: its agent is still running them and will be adopted when it reconnects.
+- A lost node's replicas are placed elsewhere, as a whole. Fencing is level-triggered: the lost
+  node's desired state no longer lists them, so when it comes back its agent stops them.
+- A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from llmgw.config import ENGINES, Model
+from llmgw.fabrics import FabricMap
+from llmgw.log import get_logger
+from llmgw.server.registry import JOINED, LOST, UNKNOWN, Registry
+from llmgw.server.scheduler import NodeView, Pending, Placement, plan
+from llmgw.server.store import Store
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.replicas")
+
+DIST_INIT_PORTS = range(29500, 29900)
+
+
+@attrs.frozen(kw_only=True)
+class Stored:
+    placement: Placement
+    api_key: str
+    dist_init_port: int = 0
+
+
+def _to_row(s: Stored) -> dict:
+    return {"placement": attrs.asdict(s.placement), "api_key": s.api_key, "dist_init_port": s.dist_init_port}
+
+
+def _from_row(row: dict) -> Stored:
+    p = dict(row["placement"])
+    p["nodes"] = tuple(p["nodes"])
+    return Stored(placement=Placement(**p), api_key=row["api_key"], dist_init_port=row["dist_init_port"])
+
+
+class Replicas:
+    def __init__(
+        self, store: Store, registry: Registry, models: Callable[[], Sequence[Model]], fabrics: Callable[[], FabricMap]
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.models = models
+        self.fabrics = fabrics
+        self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.placements().items()}
+        self.pending: tuple[Pending, ...] = ()
+        self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
+
+    def node_views(self, now: float) -> list[NodeView]:
+        keys_of: dict[str, list[str]] = {}
+        for f in self.fabrics().fabrics:
+            for n in f.nodes:
+                keys_of.setdefault(n, []).append(f.key)
+        views = []
+        for node_id, node in sorted(self.registry.nodes.items()):
+            state = self.registry.liveness(node, now)
+            inv = node.inventory
+            if state == UNKNOWN:
+                # Not reconnected yet after our restart: keep what it runs, place nothing new.
+                engines = frozenset(ENGINES)
+            else:
+                engines = frozenset(e.name for e in node.engines if e.ok)
+            why = "lost" if state == LOST else "cordoned" if node.cordoned else "draining" if node.draining else state
+            views.append(
+                NodeView(
+                    node_id=node_id,
+                    schedulable=state == JOINED and not node.cordoned and not node.draining,
+                    engines=engines,
+                    gpus=len(inv.gpus) if inv else 0,
+                    memory_bytes=inv.memory_total_bytes if inv else 0,
+                    fabrics=tuple(keys_of.get(node_id, ())),
+                    alive=state != LOST,
+                    why_not=why,
+                    avoid=frozenset(self.failed_on.get(node_id, ())),
+                )
+            )
+        return views
+
+    def note_statuses(self, node_id: str, statuses: Sequence[w.ReplicaStatus]) -> bool:
+        """Record members a node reports failed; True if that should trigger a reconcile."""
+        changed = False
+        for s in statuses:
+            if s.state == w.FAILED and s.replica_id in self.placed:
+                self.failed_on.setdefault(node_id, set()).add(s.model)
+                log.warning("replica_failed", replica=s.replica_id, node=node_id, detail=s.detail)
+                del self.placed[s.replica_id]  # rebuilt elsewhere at the next reconcile
+                changed = True
+        return changed
+
+    def reconcile(self, now: float) -> set[str]:
+        """Place what the catalog wants; returns the nodes whose assignments changed."""
+        before = {k: s.placement.nodes for k, s in self.placed.items()}
+        result = plan(self.node_views(now), list(self.models()), [s.placement for s in self.placed.values()])
+        placed = {p.replica_id: self.placed[p.replica_id] for p in result.keep}
+        used_ports = {s.dist_init_port for s in placed.values()}
+        for p in result.start:
+            port = 0
+            if len(p.nodes) > 1:
+                port = next(x for x in DIST_INIT_PORTS if x not in used_ports)
+                used_ports.add(port)
+            placed[p.replica_id] = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
+            log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
+        for p in result.stop:
+            log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
+        for pend in result.pending:
+            if pend not in self.pending:
+                log.warning("replica_pending", model=pend.model, reason=pend.reason)
+        self.pending = result.pending
+        changed = set()
+        for rid in set(before) | set(placed):
+            old, new = before.get(rid), placed[rid].placement.nodes if rid in placed else None
+            if old != new:
+                changed |= set(old or ()) | set(new or ())
+        if changed or placed.keys() != self.placed.keys():
+            self.store.set_placements({k: _to_row(v) for k, v in placed.items()})
+        self.placed = placed
+        return changed
+
+    def assignments_for(self, node_id: str, model_of: Callable[[str], Model | None]) -> tuple[w.ReplicaAssignment, ...]:
+        out = []
+        for rid, stored in sorted(self.placed.items()):
+            p = stored.placement
+            if node_id not in p.nodes:
+                continue
+            model = model_of(p.model)
+            if model is None:
+                continue
+            rank0 = self.registry.nodes.get(p.nodes[0])
+            source = model.source
+            out.append(
+                w.ReplicaAssignment(
+                    replica_id=rid,
+                    model=p.model,
+                    engine=p.engine,
+                    weights=w.WeightsSource(
+                        url=source.url,
+                        sha256=source.sha256,
+                        path=source.path,
+                        token=source.token.reveal() if source.token else "",
+                    ),
+                    api_key=stored.api_key,
+                    nodes=p.nodes,
+                    node_rank=p.nodes.index(node_id),
+                    rank0_addr=rank0.address if rank0 and len(p.nodes) > 1 else "",
+                    dist_init_port=stored.dist_init_port,
+                    gpus=p.gpus_per_node,
+                    args=model.args,
+                )
+            )
+        return tuple(out)

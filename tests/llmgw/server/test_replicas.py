@@ -1,0 +1,107 @@
+"""The control plane's replicas: placed from the catalog, stored, adopted after a restart,
+moved off a lost node (fenced there), rebuilt elsewhere when they fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmgw.config import Model
+from llmgw.fabrics import FabricMap
+from llmgw.server.registry import Registry
+from llmgw.server.replicas import Replicas
+from llmgw.server.store import Store
+from llmgw.wire import agent_link as w
+
+TTL = 10.0
+SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
+CATALOG = [Model(name="chat", engine="sim", replicas=2)]
+
+
+def joined(reg: Registry, node_id: str, now: float) -> int:
+    hello = w.Hello(
+        protocol_version=w.PROTOCOL_VERSION,
+        node_id=node_id,
+        agent_version="t",
+        boot_id="b",
+        started_at=1.0,
+        inventory=w.Inventory(
+            hostname=node_id,
+            os="l",
+            arch="x86_64",
+            python="3.11",
+            cpu_model="c",
+            cpu_cores=2,
+            memory_total_bytes=8 << 30,
+        ),
+        engines=SIM,
+    )
+    conn = reg.connect(hello, address=f"10.0.0.{len(reg.nodes) + 1}", cert_serial=1, cert_not_after=2e9, now=now)
+    reg.heartbeat(node_id, conn, now)
+    return conn
+
+
+def replicas(tmp_path: Path, reg: Registry, catalog=CATALOG) -> Replicas:
+    return Replicas(Store.open(tmp_path), reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()))
+
+
+def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    for n in ("a", "b"):
+        joined(reg, n, 1)
+    r = replicas(tmp_path, reg)
+    assert r.reconcile(1) == {"a", "b"}
+    [on_a] = r.assignments_for("a", lambda name: CATALOG[0])
+    [on_b] = r.assignments_for("b", lambda name: CATALOG[0])
+    assert {on_a.replica_id, on_b.replica_id} == {"chat-0", "chat-1"}
+    assert on_a.api_key and on_a.api_key != on_b.api_key  # a secret per replica
+    assert r.reconcile(2) == set()  # nothing changed, nothing pushed
+
+
+def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path: Path) -> None:
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    for n in ("a", "b"):
+        joined(reg, n, 1)
+    first = replicas(tmp_path, reg)
+    first.reconcile(1)
+    keys = {k: v.api_key for k, v in first.placed.items()}
+    # A new control plane: nodes known from the store, not reconnected yet.
+    reg2 = Registry(heartbeat_ttl_s=TTL, started_at=100)
+    for n in ("a", "b"):
+        reg2.know(n)
+    second = replicas(tmp_path, reg2)
+    assert second.reconcile(101) == set()
+    assert {k: v.api_key for k, v in second.placed.items()} == keys
+    for n in ("a", "b"):
+        joined(reg2, n, 102)  # the agents come back
+    assert second.reconcile(102) == set()  # adopted: none restarted
+
+
+def test_a_lost_nodes_replica_moves_and_is_fenced_there(tmp_path: Path) -> None:
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    for n in ("a", "b", "c"):
+        joined(reg, n, 1)
+    r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=1)])
+    r.reconcile(1)
+    [(rid, stored)] = r.placed.items()
+    home = stored.placement.nodes[0]
+    for n in ("a", "b", "c"):
+        if n != home:
+            reg.heartbeat(n, reg.nodes[n].session.conn_id, 1 + TTL)
+    changed = r.reconcile(1 + TTL + 1)  # `home` has been silent for longer than the TTL
+    new_home = r.placed[rid].placement.nodes[0]
+    assert new_home != home and changed == {home, new_home}
+    assert r.assignments_for(home, lambda name: Model(name="chat", engine="sim")) == ()  # it must stop there
+
+
+def test_a_failed_replica_is_rebuilt_on_another_node(tmp_path: Path) -> None:
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    for n in ("a", "b"):
+        joined(reg, n, 1)
+    r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=1)])
+    r.reconcile(1)
+    [(rid, stored)] = r.placed.items()
+    home = stored.placement.nodes[0]
+    status = w.ReplicaStatus(replica_id=rid, model="chat", state=w.FAILED, detail="exit 3")
+    assert r.note_statuses(home, (status,))
+    r.reconcile(2)
+    assert r.placed[rid].placement.nodes[0] != home
