@@ -81,3 +81,24 @@ async def test_without_a_running_server_the_client_says_so(tmp_path: Path) -> No
     assert "admin.url is missing" in str(info.value) and "llmgw server" in str(info.value)
     with pytest.raises(UsageError):
         AdminClient.locate(server="http://127.0.0.1:1", credential=None, state_dir=None)
+
+
+async def test_replicas_and_models_say_what_is_pending_and_why(tmp_path: Path, nursery: trio.Nursery) -> None:
+    from llmgw.config import Model
+
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
+        models=(Model(name="big", engine="sim", nodes_per_replica=2),),
+    )
+    plane = ControlPlane(config, state)
+    await nursery.start(plane.serve)
+    plane.replicas.reconcile(trio.current_time())
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    [replica] = (await call(client.request, "GET", "/admin/v1/replicas"))["replicas"]
+    assert replica["state"] == "pending" and replica["detail"].startswith("needs 2 nodes on one fabric")
+    [model] = (await call(client.request, "GET", "/admin/v1/models"))["models"]
+    assert model["ready"] == 0 and model["replicas"] == 1 and model["pending"] == [replica["detail"]]

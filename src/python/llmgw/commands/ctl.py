@@ -44,6 +44,13 @@ def configure(parser: Parser) -> None:
     )
     add_json_flag(nodes)
     add_admin_options(nodes)
+    for verb, text, fn in (
+        ("replicas", "list replicas: model, nodes, state, port, restarts; and what is pending, with why", run_replicas),
+        ("models", "list the catalog: each model with its ready and wanted replicas", run_models),
+    ):
+        leaf = add_leaf(sub, verb, text, fn)
+        add_json_flag(leaf)
+        add_admin_options(leaf)
     for verb, text in (("cordon", "stop placing work on a node"), ("uncordon", "allow work on a cordoned node again")):
         leaf = add_leaf(sub, verb, text, run_cordon)
         leaf.add_argument("node", help="node id")
@@ -66,6 +73,60 @@ def run_nodes(args: argparse.Namespace) -> int:
                 print(f"{n['id']}: fabric refused: {problem}")
             if n.get("gpu_status") in ("not_found", "failed"):
                 print(f"{n['id']}: GPUs: {n.get('gpu_detail')}")
+    return 0
+
+
+def _table(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    replicas = client_from(args).request("GET", "/admin/v1/replicas")["replicas"]
+    if args.json:
+        print(json.dumps(replicas, indent=2))
+        return 0
+    if not replicas:
+        print("no replicas: the catalog ([[models]] in server.toml) is empty")
+        return 0
+    rows = [("REPLICA", "MODEL", "NODES", "STATE", "PORT", "RESTARTS", "DETAIL")]
+    for r in replicas:
+        if r["state"] == "pending":
+            rows.append(("-", r["model"], "-", "pending", "-", "-", r["detail"]))
+        else:
+            rows.append(
+                (
+                    r["replica"],
+                    r["model"],
+                    ",".join(r["nodes"]),
+                    r["state"],
+                    r["port"] or "-",
+                    r["restarts"],
+                    r["detail"][:80],
+                )
+            )
+    print(_table(rows))
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    models = client_from(args).request("GET", "/admin/v1/models")["models"]
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    rows = [("MODEL", "ENGINE", "READY", "GPUS", "NODES", "PENDING")]
+    for m in models:
+        rows.append(
+            (
+                m["model"],
+                m["engine"],
+                f"{m['ready']}/{m['replicas']}",
+                m["gpus_per_replica"],
+                m["nodes_per_replica"],
+                "; ".join(m["pending"]) or "-",
+            )
+        )
+    print(_table(rows) if models else "no models: add [[models]] to server.toml")
     return 0
 
 

@@ -4,6 +4,8 @@ Every request carries the admin credential as `Authorization: Bearer TOKEN`; wit
 with a wrong one, the answer is 401 with what to do. Routes:
 
     GET    /admin/v1/nodes                 every node with its state and inventory
+    GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
+    GET    /admin/v1/models                the catalog with ready replicas per model
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
     POST   /admin/v1/nodes/NODE/uncordon
     DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
@@ -60,6 +62,12 @@ class AdminAPI:
             return Response.json(
                 200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
             )
+        if request.path == "/admin/v1/replicas":
+            _allow(request, "GET")
+            return Response.json(200, {"replicas": self.plane.replica_views()})
+        if request.path == "/admin/v1/models":
+            _allow(request, "GET")
+            return Response.json(200, {"models": self.plane.model_views()})
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")

@@ -126,6 +126,48 @@ class ControlPlane:
         now = trio.current_time()
         return [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
 
+    def replica_views(self) -> list[dict[str, Any]]:
+        """Each placed replica with what its members report, then what could not be placed."""
+        reported = {(s.replica_id, node.node_id): s for node in self.registry.nodes.values() for s in node.replicas}
+        out = []
+        for rid, stored in sorted(self.replicas.placed.items()):
+            p = stored.placement
+            members = [reported.get((rid, n)) for n in p.nodes]
+            states = [m.state if m else "assigned" for m in members]
+            rank0 = members[0]
+            out.append(
+                {
+                    "replica": rid,
+                    "model": p.model,
+                    "engine": p.engine,
+                    "nodes": list(p.nodes),
+                    "state": states[0] if len(set(states)) == 1 else ",".join(states),
+                    "member_states": states,
+                    "port": rank0.port if rank0 else 0,
+                    "restarts": sum(m.restarts for m in members if m),
+                    "detail": "; ".join(m.detail for m in members if m and m.detail),
+                    "fabric": p.fabric,
+                }
+            )
+        for pend in self.replicas.pending:
+            out.append({"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []})
+        return out
+
+    def model_views(self) -> list[dict[str, Any]]:
+        views = self.replica_views()
+        return [
+            {
+                "model": m.name,
+                "engine": m.engine,
+                "replicas": m.replicas,
+                "ready": sum(1 for v in views if v["model"] == m.name and v["state"] == w.READY),
+                "pending": [v["detail"] for v in views if v["model"] == m.name and v["state"] == "pending"],
+                "gpus_per_replica": m.gpus_per_replica,
+                "nodes_per_replica": m.nodes_per_replica,
+            }
+            for m in self.config.models
+        ]
+
     def fabric_map(self) -> FabricMap:
         """The cluster's fabrics as placement sees them: by name and identity, with notes."""
         return fabric_map({n.node_id: n.inventory.fabrics for n in self.registry.nodes.values() if n.inventory})
