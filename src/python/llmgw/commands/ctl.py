@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 
@@ -51,6 +53,26 @@ def configure(parser: Parser) -> None:
         leaf = add_leaf(sub, verb, text, fn)
         add_json_flag(leaf)
         add_admin_options(leaf)
+    drain = add_leaf(
+        sub,
+        "drain",
+        "move a node's replicas off it one at a time (each replacement ready before its original stops), then cordon it",
+        run_drain,
+    )
+    drain.add_argument("node", help="node id")
+    drain.add_argument(
+        "--wait", action="store_true", help="block until the drain is done (or stops), printing progress"
+    )
+    drain.add_argument(
+        "--timeout", type=float, default=3600.0, metavar="S", help="with --wait: give up waiting after S seconds"
+    )
+    drain.add_argument(
+        "--force",
+        action="store_true",
+        help="stop a replica that cannot be placed elsewhere instead of stopping the drain",
+    )
+    add_json_flag(drain)
+    add_admin_options(drain)
     for verb, text in (("cordon", "stop placing work on a node"), ("uncordon", "allow work on a cordoned node again")):
         leaf = add_leaf(sub, verb, text, run_cordon)
         leaf.add_argument("node", help="node id")
@@ -109,6 +131,37 @@ def run_replicas(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_drain(args: argparse.Namespace) -> int:
+    client = client_from(args)
+    path = f"/admin/v1/nodes/{quote(args.node, safe='')}/drain" + ("?force=1" if args.force else "")
+    progress = client.request("POST", path)["drain"]
+    deadline = time.monotonic() + args.timeout
+    last = None
+    while args.wait and not progress["done"] and not progress["error"] and time.monotonic() < deadline:
+        if not args.json and (progress["moved"], progress["current"]) != last:
+            print(
+                f"{args.node}: {progress['moved']}/{progress['total']} moved"
+                + (f", moving {progress['current']}" if progress["current"] else "")
+            )
+            last = (progress["moved"], progress["current"])
+        time.sleep(1.0)
+        node = next((n for n in client.nodes() if n["id"] == args.node), None)
+        progress = (node or {}).get("drain") or progress
+    if args.json:
+        print(json.dumps(progress, indent=2))
+    elif progress["error"]:
+        print(f"{args.node}: drain stopped: {progress['error']}")
+    elif progress["done"]:
+        print(
+            f"{args.node}: drained: {progress['moved']}/{progress['total']} replicas moved; the node is cordoned and empty"
+        )
+    else:
+        print(f"{args.node}: draining, {progress['moved']}/{progress['total']} moved; follow it with `llmgw ctl nodes`")
+    if progress["error"]:
+        return 1
+    return 0 if progress["done"] or not args.wait else 1
+
+
 def run_models(args: argparse.Namespace) -> int:
     models = client_from(args).request("GET", "/admin/v1/models")["models"]
     if args.json:
@@ -141,6 +194,9 @@ def run_cordon(args: argparse.Namespace) -> int:
 
 def state_text(node: dict[str, Any]) -> str:
     marks = [m for m in ("cordoned", "draining") if node.get(m)]
+    drain = node.get("drain")
+    if drain and node.get("draining"):
+        marks[-1] = f"draining {drain['moved']}/{drain['total']}"
     return node["state"] + (f" ({', '.join(marks)})" if marks else "")
 
 

@@ -8,6 +8,7 @@ with a wrong one, the answer is 401 with what to do. Routes:
     GET    /admin/v1/models                the catalog with ready replicas per model
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
     POST   /admin/v1/nodes/NODE/uncordon
+    POST   /admin/v1/nodes/NODE/drain[?force=1]   move its replicas off, one at a time, then cordon
     DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
 """
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = get_logger("llmgw.admin")
 
 PREFIX = "/admin/v1/"
-_NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon))?$")
+_NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
 
 
 class AdminAPI:
@@ -73,6 +74,10 @@ class AdminAPI:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
         node_id, action = m.groups()
         try:
+            if action == "drain":
+                _allow(request, "POST")
+                force = request.query.get("force", ["0"])[0] in ("1", "true")
+                return Response.json(202, {"drain": await self.plane.start_drain(node_id, force=force)})
             if action in ("cordon", "uncordon"):
                 _allow(request, "POST")
                 await self.plane.set_cordoned(node_id, action == "cordon")

@@ -66,6 +66,10 @@ class ControlPlane:
             artifact_store=Artifacts(artifacts_dir(state_dir)),
         )
         self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
+        self._replicas_changed = trio.Event()
+        self.drains: dict[str, dict[str, Any]] = {}
+        self.drain_ready_timeout_s = 600.0
+        self._nursery: trio.Nursery | None = None
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._generation = 0
@@ -90,6 +94,93 @@ class ControlPlane:
 
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)
+        self._replicas_changed.set()
+        self._replicas_changed = trio.Event()
+
+    def _member_state(self, replica_id: str, node_id: str) -> str | None:
+        node = self.registry.nodes.get(node_id)
+        s = next((s for s in node.replicas if s.replica_id == replica_id), None) if node else None
+        return s.state if s else None
+
+    # -- drain ----------------------------------------------------------------------------
+
+    async def start_drain(self, node_id: str, *, force: bool) -> dict[str, Any]:
+        if node_id not in self.registry.nodes:
+            raise UnknownNode(node_id, sorted(self.registry.nodes))
+        current = self.drains.get(node_id)
+        if current is not None and not current.get("done") and not current.get("error"):
+            return current
+        self.store.set_draining(node_id, True)
+        self.registry.nodes[node_id].draining = True
+        todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
+        progress: dict[str, Any] = {
+            "node": node_id,
+            "total": len(todo),
+            "moved": 0,
+            "current": None,
+            "done": False,
+            "error": None,
+        }
+        self.drains[node_id] = progress
+        log.info("drain_started", node=node_id, replicas=todo, force=force)
+        self._nursery.start_soon(self._drain, node_id, todo, force, progress)
+        return progress
+
+    async def _drain(self, node_id: str, todo: list[str], force: bool, progress: dict[str, Any]) -> None:
+        for rid in todo:
+            progress["current"] = rid
+            original = self.replicas.placed.get(rid)
+            if original is None:
+                continue  # gone meanwhile (lost, failed, catalog change)
+            replacement, reason = self.replicas.place_replacement(rid, trio.current_time())
+            if replacement is None and not force:
+                progress["error"] = (
+                    f"cannot move {rid} off {node_id}: {reason}. The drain stopped and {rid} keeps running "
+                    f"there; free capacity elsewhere, or run `llmgw ctl drain {node_id} --force` to stop it "
+                    "without a replacement"
+                )
+                log.warning("drain_stopped", node=node_id, replica=rid, reason=reason)
+                return
+            if replacement is not None:
+                new = replacement.placement
+                for n in new.nodes:
+                    await self.endpoint.push_desired_state(n)
+                ready = await self._wait_ready(new.replica_id, new.nodes[0], self.drain_ready_timeout_s)
+                if not ready:
+                    self.replicas.retire(new.replica_id, new.replica_id)
+                    for n in new.nodes:
+                        await self.endpoint.push_desired_state(n)
+                    progress["error"] = (
+                        f"the replacement {new.replica_id} of {rid} did not become ready within "
+                        f"{self.drain_ready_timeout_s:g} s; the drain stopped and {rid} keeps running "
+                        f"(`llmgw ctl replicas` says why)"
+                    )
+                    log.warning(
+                        "drain_stopped", node=node_id, replica=rid, replacement=new.replica_id, reason="not ready"
+                    )
+                    return
+                log.info(
+                    "drain_replacement_ready", node=node_id, replica=rid, replacement=new.replica_id, on=list(new.nodes)
+                )
+            self.replicas.retire(rid, replacement.placement.replica_id if replacement else None)
+            for n in original.placement.nodes:
+                await self.endpoint.push_desired_state(n)
+            log.info("drain_original_stopped", node=node_id, replica=rid)
+            progress["moved"] += 1
+        self.store.set_cordoned(node_id, True)
+        self.store.set_draining(node_id, False)
+        node = self.registry.nodes.get(node_id)
+        if node is not None:
+            node.cordoned, node.draining = True, False
+        progress["current"], progress["done"] = None, True
+        log.info("drain_done", node=node_id, moved=progress["moved"])
+
+    async def _wait_ready(self, replica_id: str, rank0: str, timeout_s: float) -> bool:
+        with trio.move_on_after(timeout_s):
+            while self._member_state(replica_id, rank0) != w.READY:
+                await self._replicas_changed.wait()
+            return True
+        return False
 
     # -- operator intent ------------------------------------------------------------------
 
@@ -124,7 +215,10 @@ class ControlPlane:
 
     def node_views(self) -> list[dict[str, Any]]:
         now = trio.current_time()
-        return [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
+        views = [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
+        for v in views:
+            v["drain"] = self.drains.get(v["id"])
+        return views
 
     def replica_views(self) -> list[dict[str, Any]]:
         """Each placed replica with what its members report, then what could not be placed."""
@@ -199,6 +293,7 @@ class ControlPlane:
         agent_host, agent_port = _split_hostport(self.config.server.agent_listen)
         http_host, http_port = _split_hostport(self.config.server.http_listen)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             try:
                 agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
                 http_listeners = await nursery.start(serve_http, self.handle_http, http_host, http_port)
@@ -301,6 +396,7 @@ def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
         if inv
         else [],
         "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in node.engines],
+        "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
         "cert_expires_in_days": round((s.cert_not_after - time.time()) / 86400, 1) if s else None,

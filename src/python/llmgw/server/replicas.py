@@ -60,6 +60,7 @@ class Replicas:
         self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.placements().items()}
         self.pending: tuple[Pending, ...] = ()
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
+        self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
 
     def node_views(self, now: float) -> list[NodeView]:
         keys_of: dict[str, list[str]] = {}
@@ -105,8 +106,10 @@ class Replicas:
     def reconcile(self, now: float) -> set[str]:
         """Place what the catalog wants; returns the nodes whose assignments changed."""
         before = {k: s.placement.nodes for k, s in self.placed.items()}
-        result = plan(self.node_views(now), list(self.models()), [s.placement for s in self.placed.values()])
+        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
+        result = plan(self.node_views(now), list(self.models()), counted)
         placed = {p.replica_id: self.placed[p.replica_id] for p in result.keep}
+        placed.update({k: self.placed[k] for k in self.surge if k in self.placed})  # a drain owns these
         used_ports = {s.dist_init_port for s in placed.values()}
         for p in result.start:
             port = 0
@@ -130,6 +133,33 @@ class Replicas:
             self.store.set_placements({k: _to_row(v) for k, v in placed.items()})
         self.placed = placed
         return changed
+
+    def place_replacement(self, replica_id: str, now: float) -> tuple[Stored | None, str]:
+        """For a drain: one more replica of `replica_id`'s model, placed where the scheduler
+        allows (the draining node is not schedulable), on top of the catalog's count."""
+        original = self.placed[replica_id].placement
+        models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
+        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
+        result = plan(self.node_views(now), models, counted)
+        new = [p for p in result.start if p.model == original.model]
+        if not new:
+            reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
+            return None, reason
+        p = new[0]
+        used = {s.dist_init_port for s in self.placed.values()}
+        port = next(x for x in DIST_INIT_PORTS if x not in used) if len(p.nodes) > 1 else 0
+        stored = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
+        self.placed[p.replica_id] = stored
+        self.surge.add(p.replica_id)
+        self.store.set_placements({k: _to_row(v) for k, v in self.placed.items()})
+        return stored, ""
+
+    def retire(self, replica_id: str, replacement: str | None) -> None:
+        """For a drain: the original goes; its replacement now counts as one of the catalog's."""
+        self.placed.pop(replica_id, None)
+        if replacement is not None:
+            self.surge.discard(replacement)
+        self.store.set_placements({k: _to_row(v) for k, v in self.placed.items()})
 
     def assignments_for(self, node_id: str, model_of: Callable[[str], Model | None]) -> tuple[w.ReplicaAssignment, ...]:
         out = []

@@ -1,0 +1,98 @@
+"""Rolling drain on the control plane: each replacement ready before its original stops; no room
+elsewhere stops the drain instead of causing an outage; --force proceeds anyway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw import paths, pki
+from llmgw.config import Model, ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.wire import agent_link as w
+
+pytestmark = pytest.mark.trio
+
+SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
+
+
+async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], replicas: int) -> ControlPlane:
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=replicas),)
+    )
+    plane = ControlPlane(config, state)
+    plane._nursery = nursery
+    now = trio.current_time()
+    for n in nodes:
+        hello = w.Hello(
+            protocol_version=w.PROTOCOL_VERSION,
+            node_id=n,
+            agent_version="t",
+            boot_id="b",
+            started_at=1.0,
+            inventory=w.Inventory(hostname=n, os="l", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=2),
+            engines=SIM,
+        )
+        plane.store.saw_node(n, "127.0.0.1")
+        conn = plane.registry.connect(hello, address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now)
+        plane.registry.heartbeat(n, conn, now)
+    plane.replicas.reconcile(now)
+    return plane
+
+
+def ready(plane: ControlPlane, replica_id: str) -> None:
+    node = plane.replicas.placed[replica_id].placement.nodes[0]
+    statuses = (w.ReplicaStatus(replica_id=replica_id, model="chat", state=w.READY),)
+    plane.registry.nodes[node].replicas = statuses  # as the endpoint records a ReplicasChanged
+    plane._replicas_reported(node, statuses)
+
+
+def events(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain_")]
+
+
+async def test_each_replacement_is_ready_before_its_original_stops(
+    tmp_path: Path, nursery: trio.Nursery, caplog
+) -> None:
+    caplog.set_level("INFO")
+    plane = await plane_with(tmp_path, nursery, ["a", "b", "c"], replicas=3)
+    on_a = sorted(k for k, v in plane.replicas.placed.items() if "a" in v.placement.nodes)
+    assert len(on_a) == 1
+    progress = await plane.start_drain("a", force=False)
+    await trio.sleep(0.1)
+    assert progress["moved"] == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
+    [replacement] = sorted(plane.replicas.surge)
+    assert "a" not in plane.replicas.placed[replacement].placement.nodes
+    ready(plane, replacement)
+    with trio.fail_after(5):
+        while not progress["done"]:
+            await trio.sleep(0.01)
+    assert on_a[0] not in plane.replicas.placed and replacement in plane.replicas.placed
+    assert events(caplog) == ["drain_started", "drain_replacement_ready", "drain_original_stopped", "drain_done"]
+    node = plane.registry.nodes["a"]
+    assert node.cordoned and not node.draining and plane.store.node("a").cordoned
+    assert not any("a" in v.placement.nodes for v in plane.replicas.placed.values())
+    assert plane.replicas.reconcile(trio.current_time()) == set()  # the replacement counts as one of three
+
+
+async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(tmp_path: Path, nursery: trio.Nursery) -> None:
+    plane = await plane_with(tmp_path, nursery, ["only"], replicas=1)
+    [original] = plane.replicas.placed
+    plane.registry.nodes["only"].draining = False
+    progress = await plane.start_drain("only", force=False)
+    with trio.fail_after(5):
+        while not progress["error"]:
+            await trio.sleep(0.01)
+    assert f"cannot move {original} off only" in progress["error"] and "--force" in progress["error"]
+    assert original in plane.replicas.placed  # no outage
+    forced = await plane.start_drain("only", force=True)
+    with trio.fail_after(5):
+        while not forced["done"]:
+            await trio.sleep(0.01)
+    assert original not in plane.replicas.placed
