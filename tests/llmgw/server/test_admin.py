@@ -102,3 +102,28 @@ async def test_replicas_and_models_say_what_is_pending_and_why(tmp_path: Path, n
     assert replica["state"] == "pending" and replica["detail"].startswith("needs 2 nodes on one fabric")
     [model] = (await call(client.request, "GET", "/admin/v1/models"))["models"]
     assert model["ready"] == 0 and model["replicas"] == 1 and model["pending"] == [replica["detail"]]
+
+
+async def test_reload_changes_the_catalog_and_a_bad_file_changes_nothing(tmp_path: Path, nursery: trio.Nursery) -> None:
+    from llmgw.config import load_server_config
+
+    state = tmp_path / "cp"
+    pki.init_ca(state, validity_days=3)
+    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
+    paths.ensure_admin_token(state)
+    toml = tmp_path / "server.toml"
+    head = f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
+    toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\n')
+    plane = ControlPlane(load_server_config(toml), state, toml)
+    await nursery.start(plane.serve)
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\n[[models]]\nname = "two"\nengine = "sim"\n')
+    result = await call(client.request, "POST", "/admin/v1/reload")
+    assert result["models"] == ["one", "two"] and [m.name for m in plane.config.models] == ["one", "two"]
+    toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\nreplicas = "2"\n')
+    with pytest.raises(PeerError) as info:
+        await call(client.request, "POST", "/admin/v1/reload")
+    assert "expected int, got str '2' @ $.models[0].replicas" in str(info.value) and "nothing changed" in str(
+        info.value
+    )
+    assert [m.name for m in plane.config.models] == ["one", "two"]

@@ -22,9 +22,13 @@ def configure(parser: Parser) -> None:
     )
     run.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
     for flag, key, what in (
-        ("--llamacpp-bin", "llamacpp_bin", "a llama-server you installed (used when llama.cpp's version is \"\")"),
-        ("--vllm-bin", "vllm_bin", "a vllm command you installed (used when vLLM's version is \"\")"),
-        ("--sglang-python", "sglang_python", "the Python of your SGLang environment (used when SGLang's version is \"\")"),
+        ("--llamacpp-bin", "llamacpp_bin", 'a llama-server you installed (used when llama.cpp\'s version is "")'),
+        ("--vllm-bin", "vllm_bin", 'a vllm command you installed (used when vLLM\'s version is "")'),
+        (
+            "--sglang-python",
+            "sglang_python",
+            'the Python of your SGLang environment (used when SGLang\'s version is "")',
+        ),
     ):
         run.add_argument(flag, dest=key, metavar="PATH", help=f"{what}; overrides agent.toml")
     csr = add_leaf(

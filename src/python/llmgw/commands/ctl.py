@@ -53,6 +53,11 @@ def configure(parser: Parser) -> None:
         leaf = add_leaf(sub, verb, text, fn)
         add_json_flag(leaf)
         add_admin_options(leaf)
+    reload = add_leaf(
+        sub, "reload", "read server.toml again: catalog and engines; unchanged replicas keep running", run_reload
+    )
+    add_json_flag(reload)
+    add_admin_options(reload)
     drain = add_leaf(
         sub,
         "drain",
@@ -128,6 +133,17 @@ def run_replicas(args: argparse.Namespace) -> int:
                 )
             )
     print(_table(rows))
+    return 0
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    result = client_from(args).request("POST", "/admin/v1/reload")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"reloaded: {len(result['models'])} models; nodes whose replicas changed: {', '.join(result['nodes_changed']) or 'none'}"
+        )
     return 0
 
 

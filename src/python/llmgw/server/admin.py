@@ -6,6 +6,7 @@ with a wrong one, the answer is 401 with what to do. Routes:
     GET    /admin/v1/nodes                 every node with its state and inventory
     GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
     GET    /admin/v1/models                the catalog with ready replicas per model
+    POST   /admin/v1/reload                read server.toml again (catalog, engines)
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
     POST   /admin/v1/nodes/NODE/uncordon
     POST   /admin/v1/nodes/NODE/drain[?force=1]   move its replicas off, one at a time, then cordon
@@ -18,6 +19,7 @@ import hmac
 import re
 from typing import TYPE_CHECKING
 
+from llmgw.errors import ConfigError
 from llmgw.log import get_logger
 from llmgw.server.http import HTTPError, Request, Response
 from llmgw.server.store import UnknownNode
@@ -63,6 +65,12 @@ class AdminAPI:
             return Response.json(
                 200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
             )
+        if request.path == "/admin/v1/reload":
+            _allow(request, "POST")
+            try:
+                return Response.json(200, await self.plane.reload())
+            except ConfigError as exc:
+                raise HTTPError(422, f"server.toml has problems; nothing changed:\n{exc}") from None
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
             return Response.json(200, {"replicas": self.plane.replica_views()})

@@ -8,6 +8,7 @@ given the bound addresses only once both listeners accept connections.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import attrs
 import trio
 
 from llmgw import paths, pki
-from llmgw.config import Model, ServerConfig
+from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.download import fetch
 from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError
@@ -46,8 +47,9 @@ class Bound:
 
 
 class ControlPlane:
-    def __init__(self, config: ServerConfig, state_dir: Path) -> None:
+    def __init__(self, config: ServerConfig, state_dir: Path, config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.state_dir = state_dir
         self.ca = pki.load_ca(state_dir)  # first: a missing authority is the first thing said
         self.ssl_context = pki.server_ssl_context(state_dir)
@@ -101,6 +103,25 @@ class ControlPlane:
         node = self.registry.nodes.get(node_id)
         s = next((s for s in node.replicas if s.replica_id == replica_id), None) if node else None
         return s.state if s else None
+
+    # -- reload ---------------------------------------------------------------------------
+
+    async def reload(self) -> dict[str, Any]:
+        """Read server.toml again; the catalog and engines change, nothing unchanged restarts.
+
+        A bad file changes nothing: its problems are returned (and logged) and the running
+        configuration stays."""
+        if self.config_path is None:
+            raise HTTPError(409, "this control plane was started without --config; there is no file to reload")
+        new = load_server_config(self.config_path)  # ConfigError propagates to the caller
+        if new.server != self.config.server or new.ca != self.config.ca:
+            log.warning("reload_ignores", sections="[server] and [ca]", fix="restart `llmgw server` for those")
+        self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
+        changed = self.replicas.reconcile(trio.current_time())
+        for node_id in list(self.endpoint.links):
+            await self.endpoint.push_desired_state(node_id)  # engines may have changed for everyone
+        log.info("config_reloaded", models=[m.name for m in new.models], nodes_changed=sorted(changed))
+        return {"models": [m.name for m in new.models], "nodes_changed": sorted(changed)}
 
     # -- drain ----------------------------------------------------------------------------
 
@@ -351,10 +372,26 @@ class ControlPlane:
 
 
 async def serve_control_plane(
-    config: ServerConfig, state_dir: Path, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
+    config: ServerConfig,
+    state_dir: Path,
+    config_path: Path | None = None,
+    *,
+    task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    plane = ControlPlane(config, state_dir)
-    await plane.serve(task_status=task_status)
+    plane = ControlPlane(config, state_dir, config_path)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(plane.serve)
+        nursery.start_soon(_reload_on_sighup, plane)
+        task_status.started(bound)
+
+
+async def _reload_on_sighup(plane: ControlPlane) -> None:
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                await plane.reload()
+            except (LlmgwError, HTTPError) as exc:
+                log.error("reload_failed", reason=str(exc), kept="the running configuration")
 
 
 async def _remove_on_exit(path: Path) -> None:
