@@ -15,11 +15,12 @@ import trio
 
 from agent.engines import wanted_from
 from agent.main import run_agent
-from llmgw import paths, pki
+from llmgw import pki
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection, ServerConfig, ServerSection
 from llmgw.errors import LlmgwError
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
+from testlib.controlplane import make_state
 
 
 def fake_engine(version: str, *, works: bool) -> bytes:
@@ -49,10 +50,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
     tmp_path: Path, nursery: trio.Nursery, works: bool
 ) -> None:
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    ca = pki.load_ca(state)
-    ca.issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    ca = make_state(state, sans=["127.0.0.1"], days=3)
     archive = fake_engine("b4242", works=works)
     digest = hashlib.sha256(archive).hexdigest()
     (state / "artifacts").mkdir()

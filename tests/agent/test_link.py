@@ -18,11 +18,12 @@ import trio
 import trio_websocket
 
 from agent.link import AgentLink, Backoff, Target
-from llmgw import paths, pki
+from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
+from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
 
@@ -55,10 +56,7 @@ def hello_for(node_id: str):
 
 
 async def start_plane(state: Path, nursery: trio.Nursery, *, listen: str, sans: list[str]) -> Plane:
-    pki.init_ca(state, validity_days=30)
-    ca = pki.load_ca(state)
-    ca.issue_server_cert(state, sans, validity_days=30)
-    paths.ensure_admin_token(state)
+    ca = make_state(state, sans=sans, days=30)
     config = ServerConfig(
         server=ServerSection(
             state_dir=str(state),

@@ -11,10 +11,11 @@ import pytest
 import trio
 
 from agent.install.errors import DownloadError
-from llmgw import paths, pki
+from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.download import fetch
 from llmgw.server.app import ControlPlane
+from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
 
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.trio
 @pytest.fixture
 async def mirror(tmp_path: Path, nursery: trio.Nursery):
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    ca = pki.load_ca(state)
-    ca.issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    ca = make_state(state, sans=["127.0.0.1"], days=3)
     plane = ControlPlane(
         ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")),
         state,
@@ -84,9 +82,7 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
     listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
     host, port = bound_address(listeners)
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     engines = EnginesSection(
         llamacpp=EngineSource(
             version="b1",

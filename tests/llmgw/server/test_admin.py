@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw import paths, pki
+from llmgw import paths
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError, UsageError
 from llmgw.server.app import ControlPlane
+from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
 
@@ -19,9 +20,7 @@ pytestmark = pytest.mark.trio
 @pytest.fixture
 async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, Path]:
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
     )
@@ -87,9 +86,7 @@ async def test_replicas_and_models_say_what_is_pending_and_why(tmp_path: Path, n
     from llmgw.config import Model
 
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
         models=(Model(name="big", engine="sim", nodes_per_replica=2),),
@@ -108,9 +105,7 @@ async def test_reload_changes_the_catalog_and_a_bad_file_changes_nothing(tmp_pat
     from llmgw.config import load_server_config
 
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     toml = tmp_path / "server.toml"
     head = f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
     toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\n')

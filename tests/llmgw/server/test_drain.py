@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw import paths, pki
 from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
+from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
 
@@ -20,9 +20,7 @@ SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
 
 async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], replicas: int) -> ControlPlane:
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
         server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=replicas),)
     )

@@ -8,10 +8,10 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw import paths, pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
+from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
 
@@ -32,9 +32,7 @@ def hello(node_id: str) -> w.Hello:
 @pytest.fixture
 async def plane(tmp_path: Path) -> ControlPlane:
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     return ControlPlane(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
 
 
@@ -70,9 +68,7 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_from_start(
 ) -> None:
     caplog.set_level("INFO")
     state = tmp_path / "cp"
-    pki.init_ca(state, validity_days=3)
-    pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=3)
-    paths.ensure_admin_token(state)
+    make_state(state, sans=["127.0.0.1"], days=3)
     from llmgw.server.store import Store
 
     store = Store.open(state)
