@@ -67,14 +67,41 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
     )
 
 
+class EngineUnavailable(LlmgwError):
+    """An engine a replica needs is not usable here; `pending` if it may still be installed."""
+
+    def __init__(self, message: str, *, pending: bool) -> None:
+        self.pending = pending
+        super().__init__(message)
+
+
 @attrs.define
 class Engines:
     """What this node offers, as the hello and EnginesChanged carry it."""
 
     statuses: dict[str, w.EngineStatus] = attrs.Factory(dict)
+    executables: dict[str, str] = attrs.Factory(dict)  # engine -> the checked executable in use
 
     def as_tuple(self) -> tuple[w.EngineStatus, ...]:
         return tuple(self.statuses[k] for k in sorted(self.statuses))
+
+    def command_for(self, name: str) -> tuple[str, ...]:
+        """The argv prefix that runs engine `name` here, or `EngineUnavailable` saying why not.
+
+        sim runs this agent's own llmgw; the others run what `EngineStore` installed and checked
+        (or the operator's binary, for version "")."""
+        status = self.statuses.get(name)
+        if status is not None and not status.ok:
+            raise EngineUnavailable(f"engine {name} does not run on this node: {status.detail}", pending=False)
+        if name == "sim":
+            return tuple(llmgw_command())
+        executable = self.executables.get(name)
+        if status is None or executable is None:
+            raise EngineUnavailable(
+                f"engine {name} is not installed on this node yet (the agent installs what server.toml names)",
+                pending=True,
+            )
+        return (executable,)
 
 
 async def check_sim(command: list[str] | None = None) -> w.EngineStatus:
@@ -129,6 +156,7 @@ async def _reconcile(
                 else None
             )
             installed = await store.ensure(plan, mirror_url=mirror)
+            engines.executables[want.name] = installed.executable
             status = w.EngineStatus(name=want.name, version=installed.version, ok=True)
         except LlmgwError as exc:
             log.warning("engine_unavailable", engine=want.name, version=want.version, reason=str(exc))
@@ -138,6 +166,7 @@ async def _reconcile(
             await send(w.EnginesChanged(engines=engines.as_tuple()))
     for name in set(engines.statuses) - {want.name for want in state.engines} - {"sim"}:
         del engines.statuses[name]  # no longer wanted here: no longer offered
+        engines.executables.pop(name, None)
         await send(w.EnginesChanged(engines=engines.as_tuple()))
 
 

@@ -18,8 +18,10 @@ from agent import ibdiags, inventory
 from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink, Target
+from agent.replicas import Supervisor, serve_assignments
+from agent.weights import WeightsStore
 from llmgw import __version__, pki
-from llmgw.config import AgentConfig
+from llmgw.config import AgentConfig, weights_dir_of
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
 
@@ -60,6 +62,13 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     # Discovery runs tools with timeouts and reads sysfs: off the event loop.
     current = Current(inventory=await trio.to_thread.run_sync(inventory.collect, config))
     engines = Engines()
+    # The supervisor belongs to the agent, not to the link: replicas outlive any session.
+    supervisor = Supervisor(
+        state_dir=state_dir,
+        weights=WeightsStore(Path(weights_dir_of(config))),  # public URLs: the system's CAs, not the cluster's
+        engine_command=engines.command_for,
+        gpus=lambda: tuple(g.index for g in current.inventory.gpus),
+    )
     for problem in current.inventory.fabric_problems:
         log.warning("fabric_refused", problem=problem)
 
@@ -72,6 +81,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
             started_at=identity.started_at,
             inventory=current.inventory,
             engines=engines.as_tuple(),
+            replicas=supervisor.statuses(),
         )
 
     link = AgentLink(
@@ -79,7 +89,10 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     )
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.serve)
         await nursery.start(link.serve)
+        await nursery.start(serve_assignments, supervisor, lambda: link.state.desired, link.desired_changed)
+        await nursery.start(supervisor.serve_reports, link.send)
         await nursery.start(serve_inventory, config, current, link)
         await nursery.start(
             partial(

@@ -99,7 +99,12 @@ def _fetch_blocking(url, dest: Path, sha256: str, ctx, headers: dict, on_progres
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     offset = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers=headers)
+    request = urllib.request.Request(url)
+    for name, value in headers.items():
+        if name.lower() == "authorization":
+            request.add_unredirected_header(name, value)  # a redirect to another host must not get the token
+        else:
+            request.add_header(name, value)
     if offset:
         request.add_header("Range", f"bytes={offset}-")
     try:

@@ -1,0 +1,106 @@
+"""One engine process's plumbing: its output pump, its process group, its health probe, its port.
+
+The engine leads its own session (`start_new_session=True`), so its process group id is its
+pid and a signal to the group reaches every process it started (vLLM's workers, a shell's
+children). A process group id is not reused while any member of the group lives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import h11
+import trio
+
+from agent.replica_logs import EngineLog
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.agent.replicas")
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+class Pump:
+    """Copies the engine's output to its log until end of file. Shielded: when the member is
+    stopped, the engine's last words (why it stopped, what it flushed) still reach the log; the
+    caller cancels `scope` once the engine is gone."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, sink: EngineLog) -> None:
+        self.stream = stream
+        self.sink = sink
+        self.scope = trio.CancelScope(shield=True)
+        self.finished = trio.Event()
+
+    async def run(self) -> None:
+        try:
+            with self.scope:
+                while True:
+                    try:
+                        data = await self.stream.receive_some(1 << 16)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
+                        break
+                    if not data:
+                        break
+                    self.sink.write(data)
+        finally:
+            self.finished.set()
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass  # nothing left in the group
+    except PermissionError as exc:
+        log.error("replica_signal_refused", pid=pid, signal=sig.name, reason=str(exc))
+
+
+def probe_host(listen_host: str) -> str:
+    return "127.0.0.1" if listen_host in ("", "0.0.0.0") else ("::1" if listen_host == "::" else listen_host)
+
+
+def pick_port(host: str, preferred: int = 0) -> int:
+    """`preferred` if it can be bound on `host` now, else a free port the kernel picks.
+
+    Another process may take it before the engine binds it; the engine then exits saying so and
+    the next start picks another."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in (preferred, 0) if preferred else (0,):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # As the engines' servers do: a port in TIME_WAIT after a crash is still ours.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
+
+
+async def probe_health(host: str, port: int, *, timeout_s: float = HEALTH_TIMEOUT_S) -> int | None:
+    """The status of `GET /health` on the engine, or None if nothing answered within `timeout_s`."""
+    with trio.move_on_after(timeout_s):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            return None
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            request = h11.Request(
+                method="GET", target="/health", headers=[("host", f"{host}:{port}"), ("connection", "close")]
+            )
+            try:
+                await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await stream.receive_some(1 << 14))
+                    elif isinstance(event, h11.Response):
+                        return event.status_code
+                    elif isinstance(event, h11.ConnectionClosed):
+                        return None
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+                return None
+    return None

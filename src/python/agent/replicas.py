@@ -1,0 +1,547 @@
+"""The agent's replica supervisor: runs the replica members the control plane assigns to this node.
+
+`Supervisor.assign` takes the whole set this node should run (level-triggered, from every
+`DesiredState`); `plan` compares it with what runs: new members start, members no longer
+listed stop, a member whose assignment changed is stopped and started again, identical ones
+are left alone. So a control plane that restarts and resends the same assignments adopts the
+running replicas and restarts none; a dropped link changes nothing here.
+
+Each member is one task in the supervisor's nursery, living through
+`fetching -> starting -> ready`, `restarting` after an engine exit (with the engine's last log
+lines in `detail`), `failed` when it cannot start or failed too often (`RestartPolicy`), and
+`stopping -> stopped` when cancelled; `TRANSITIONS` is the whole table. Cancelling the task is
+the stop: SIGTERM to the engine's process group, a deadline, then SIGKILL, in shielded and
+bounded cleanup. Rank 0 is ready when `GET /health` answers 200; a worker when it runs. A
+multi-node engine fails as a whole by itself (rank 0 exits when a member is lost), so every
+member just restarts its own process and the rendezvous forms again.
+
+Engine output goes to rotated files (`agent.replica_logs`); the process plumbing (output
+pump, process group signals, health probe, port) is `agent.engine_proc`; weights are
+`agent.weights`. Secrets never reach a log: the API key travels in the engine's environment
+and commands are logged with `Command.for_log()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from agent.engine_proc import Pump, pick_port, probe_health, probe_host, signal_group
+from agent.engines import EngineUnavailable
+from agent.replica_logs import FILES, MAX_BYTES, EngineLog, log_path, tail_replica
+from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
+from llmgw.config import Secret
+from llmgw.engines import Command, ReplicaLaunch, build_command
+from llmgw.errors import LlmgwError, leaves, only
+from llmgw.log import get_logger
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.agent.replicas")
+
+Key = tuple[str, int]  # (replica_id, node_rank)
+
+STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
+KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
+DRAIN_S = 2.0  # for the engine's last output after it exited
+HEALTH_INTERVAL_S = 0.5
+PROGRESS_INTERVAL_S = 2.0
+ENGINE_POLL_S = 5.0  # how often a member waiting for its engine looks again
+TAIL_LINES = 20  # engine log lines in a restarting/failed detail
+
+# Every move a member's state may make (staying put, with new fields, is always allowed). A
+# member being stopped only goes on to stopped: whatever else it was about to report is moot.
+TRANSITIONS: Mapping[str, frozenset[str]] = {
+    w.FETCHING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
+    w.STARTING: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
+    w.READY: frozenset({w.RESTARTING, w.FAILED, w.STOPPING}),
+    w.RESTARTING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
+    w.FAILED: frozenset({w.FETCHING, w.STARTING, w.STOPPING}),  # waiting for an engine or GPUs
+    w.STOPPING: frozenset({w.STOPPED}),
+    w.STOPPED: frozenset(),
+}
+
+
+# -- pure decisions --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RestartPolicy:
+    """When to start an engine again after it exited, and when to stop trying.
+
+    Exits within `window_s` count; `max_failures` of them and the member is failed (the control
+    plane places it elsewhere). Otherwise the delay doubles with each recent exit, so an engine
+    that ran for hours and crashed once is back after `first_delay_s`.
+    """
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    factor: float = 2.0
+    window_s: float = 600.0
+    max_failures: int = 5
+
+    def recent(self, exits: Iterable[float], now: float) -> list[float]:
+        return [t for t in exits if now - t <= self.window_s]
+
+    def next_delay(self, exits: Sequence[float], now: float) -> float | None:
+        """Seconds to wait before the next start, given the times of the exits so far; None: give up."""
+        n = len(self.recent(exits, now))
+        if n >= self.max_failures:
+            return None
+        return min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, n - 1))
+
+
+DEFAULT_POLICY = RestartPolicy()
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    start: tuple[w.ReplicaAssignment, ...] = ()
+    stop: tuple[Key, ...] = ()
+
+
+def key_of(a: w.ReplicaAssignment) -> Key:
+    return (a.replica_id, a.node_rank)
+
+
+def plan(running: Mapping[Key, w.ReplicaAssignment], wanted: Iterable[w.ReplicaAssignment]) -> Plan:
+    """What to stop and start so that exactly `wanted` runs. Identical assignments are kept."""
+    want = {key_of(a): a for a in wanted}
+    return Plan(
+        start=tuple(a for k, a in sorted(want.items()) if running.get(k) != a),
+        stop=tuple(k for k, a in sorted(running.items()) if want.get(k) != a),
+    )
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "the engine could not be started"
+    if code < 0:
+        try:
+            return f"the engine was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"the engine was killed by signal {-code}"
+    return f"the engine exited with status {code}"
+
+
+# -- the supervisor --------------------------------------------------------------------------
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Member:
+    assignment: w.ReplicaAssignment
+    status: w.ReplicaStatus
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    done: trio.Event = attrs.Factory(trio.Event)
+    gpus: tuple[int, ...] = ()
+    port: int = 0  # kept across restarts while it is free, so the gateway's address holds
+    exits: list[float] = attrs.Factory(list)
+
+
+class Supervisor:
+    """Every replica member on this node: one task each, in the nursery of `serve`."""
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        weights: WeightsStore,
+        engine_command: Callable[[str], Sequence[str]],
+        gpus: Callable[[], Sequence[int]] = lambda: (),
+        env: Mapping[str, str] | None = None,
+        listen_host: str = "0.0.0.0",
+        policy: RestartPolicy = DEFAULT_POLICY,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+        health_interval_s: float = HEALTH_INTERVAL_S,
+        log_max_bytes: int = MAX_BYTES,
+        log_files: int = FILES,
+    ) -> None:
+        """`engine_command(name)` is the argv prefix of an engine (`Engines.command_for`);
+        `gpus()` the GPU indices of this node; `env` the engines' base environment (default:
+        the agent's, read at each start)."""
+        self.logs_dir = state_dir / "logs"
+        self.weights = weights
+        self.engine_command = engine_command
+        self.gpus = gpus
+        self.env = env
+        self.listen_host = listen_host
+        self.policy = policy
+        self.stop_timeout_s = stop_timeout_s
+        self.health_interval_s = health_interval_s
+        self.log_max_bytes = log_max_bytes
+        self.log_files = log_files
+        self._wanted: tuple[w.ReplicaAssignment, ...] = ()
+        self._members: dict[Key, _Member] = {}
+        self._retiring: list[_Member] = []  # cancelled, not yet finished
+        self._nursery: trio.Nursery | None = None
+        self._version = 0
+        self._changed_event = trio.Event()
+        self._released = trio.Event()  # GPUs were given back
+
+    # -- what the rest of the agent calls
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the members until cancelled; cancelling stops every engine (gracefully, bounded)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._apply()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    def assign(self, assignments: Iterable[w.ReplicaAssignment]) -> None:
+        """Make exactly `assignments` run on this node (call with every desired state)."""
+        self._wanted = tuple(assignments)
+        if self._nursery is not None:
+            self._apply()
+
+    def statuses(self) -> tuple[w.ReplicaStatus, ...]:
+        """Every member as observed now: for the hello and `ReplicasChanged`."""
+        shown = dict(self._members)
+        for m in self._retiring:
+            shown.setdefault(key_of(m.assignment), m)  # a successor waiting for it speaks for the key
+        return tuple(shown[k].status for k in sorted(shown))
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of `statuses()`."""
+        await self._changed_event.wait()
+
+    async def serve_reports(
+        self,
+        send: Callable[[w.AgentMessage], Awaitable[object]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Send `ReplicasChanged` after every change (bursts coalesce: the whole set goes each time).
+
+        A send while the link is down is lost, which is fine: the next hello carries `statuses()`.
+        """
+        task_status.started()
+        sent = None
+        while True:
+            if sent == self._version:
+                await self.wait_changed()
+                continue
+            sent = self._version
+            await send(w.ReplicasChanged(replicas=self.statuses()))
+
+    def tail(self, replica_id: str, lines: int = 100) -> str:
+        """The last `lines` lines of the engine logs of `replica_id` on this node ("" if none)."""
+        return tail_replica(self.logs_dir, replica_id, lines)
+
+    # -- bookkeeping (synchronous)
+
+    def _apply(self) -> None:
+        assert self._nursery is not None
+        todo = plan({k: m.assignment for k, m in self._members.items()}, self._wanted)
+        for k in todo.stop:
+            self._retire(self._members.pop(k))
+        for a in todo.start:
+            k = key_of(a)
+            before = [m for m in self._retiring if key_of(m.assignment) == k]
+            m = _Member(
+                assignment=a,
+                status=w.ReplicaStatus(replica_id=a.replica_id, model=a.model, state=w.FETCHING, node_rank=a.node_rank),
+            )
+            self._members[k] = m
+            log.info("replica_assigned", replica=a.replica_id, rank=a.node_rank, model=a.model, engine=a.engine)
+            self._nursery.start_soon(self._run, m, before)
+        if todo.start or todo.stop:
+            self._changed()
+
+    def _retire(self, m: _Member) -> None:
+        log.info("replica_unassigned", replica=m.assignment.replica_id, rank=m.assignment.node_rank)
+        if m.done.is_set():
+            return  # failed and finished already: nothing runs
+        self._set(m, w.STOPPING, detail="")
+        self._retiring.append(m)
+        m.scope.cancel()
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._changed_event.set()
+        self._changed_event = trio.Event()
+
+    def _set(self, m: _Member, state: str, *, detail: str | None = None, **fields: object) -> None:
+        old = m.status
+        if old.state == w.STOPPING and state != w.STOPPED:
+            return
+        if state != old.state and state not in TRANSITIONS[old.state]:
+            raise RuntimeError(f"replica member may not go from {old.state} to {state}")
+        if detail is None:
+            detail = old.detail if state == old.state else ""
+        new = attrs.evolve(old, state=state, detail=detail, **fields)
+        if new == old:
+            return
+        m.status = new
+        if state != old.state:
+            a = m.assignment
+            log.info("replica_state", replica=a.replica_id, rank=a.node_rank, state=state, was=old.state, pid=new.pid)
+        self._changed()
+
+    def _fail(self, m: _Member, reason: str) -> None:
+        a = m.assignment
+        log.warning("replica_failed", replica=a.replica_id, rank=a.node_rank, reason=reason)
+        self._set(m, w.FAILED, detail=reason, pid=0)
+
+    # -- one member's life
+
+    async def _run(self, m: _Member, before: list[_Member]) -> None:
+        a = m.assignment
+        try:
+            with m.scope:
+                for previous in before:
+                    await previous.done.wait()  # its engine holds the port, the GPUs, the log file
+                await self._live(m)
+        except Exception as exc:  # one member's bug must not take down the others
+            log.exception("replica_supervision_failed", replica=a.replica_id, rank=a.node_rank)
+            m.status = attrs.evolve(
+                m.status,
+                state=w.FAILED,
+                pid=0,
+                detail=f"the agent failed supervising it: {exc!r} (a bug in llmgw; the agent's log has the traceback)",
+            )
+        finally:
+            if m.gpus:
+                m.gpus = ()
+                self._released.set()
+                self._released = trio.Event()
+            if m in self._retiring:
+                self._retiring.remove(m)
+                # Directly, not through the table: a member that failed on its way out is stopped too.
+                m.status = attrs.evolve(m.status, state=w.STOPPED, pid=0, port=0)
+                log.info("replica_state", replica=a.replica_id, rank=a.node_rank, state=w.STOPPED)
+            m.done.set()
+            self._changed()
+
+    async def _live(self, m: _Member) -> None:
+        a = m.assignment
+        try:
+            check_name(a.replica_id, "replica id")
+            check_name(a.model, "model name")
+            model_path = await self._fetch(m)
+            prefix = await self._engine(m)
+            await self._take_gpus(m)
+        except Exception as exc:
+            # Raised inside a nursery (the download's progress reporter), it comes in a group.
+            if not only(exc, LlmgwError):
+                raise
+            self._fail(m, str(leaves(exc)[0]))
+            return
+        engine_log = EngineLog(
+            log_path(self.logs_dir, a.replica_id, a.node_rank), max_bytes=self.log_max_bytes, files=self.log_files
+        )
+        try:
+            await self._keep_running(m, model_path, prefix, engine_log)
+        finally:
+            engine_log.close()
+
+    async def _fetch(self, m: _Member) -> str:
+        a = m.assignment
+        source = a.weights
+        if not source.url and not source.path:
+            if a.engine == "sim":
+                return ""  # the sim needs no weights
+            raise BadWeightsSource(f"model {a.model} on {a.engine} has no weights url or path; set one in server.toml")
+        self._set(m, w.FETCHING)
+
+        async def report() -> None:
+            while True:
+                await trio.sleep(PROGRESS_INTERVAL_S)
+                progress = self.weights.progress(source)
+                if progress is not None:
+                    self._set(m, w.FETCHING, detail=describe(progress))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(report)
+            path = await self.weights.prepare(source, on_wait=lambda text: self._set(m, w.FETCHING, detail=text))
+            nursery.cancel_scope.cancel()
+        return path
+
+    async def _engine(self, m: _Member) -> tuple[str, ...]:
+        while True:
+            try:
+                return tuple(self.engine_command(m.assignment.engine))
+            except EngineUnavailable as exc:
+                if exc.pending:
+                    self._set(m, w.FETCHING, detail=str(exc))
+                else:
+                    self._fail(m, str(exc))
+            await trio.sleep(ENGINE_POLL_S)  # an install may finish, or be retried, at any time
+
+    async def _take_gpus(self, m: _Member) -> None:
+        wanted = m.assignment.gpus
+        while True:
+            held = {g for x in (*self._members.values(), *self._retiring) if x is not m for g in x.gpus}
+            mine = list(self.gpus())
+            free = [g for g in mine if g not in held]
+            if len(free) >= wanted:
+                m.gpus = tuple(free[:wanted])
+                return
+            detail = f"needs {wanted} GPUs; {len(free)} of this node's {len(mine)} are free"
+            if any(x.gpus for x in self._retiring):
+                self._set(m, w.FETCHING, detail=detail + ", waiting for stopping replicas to release theirs")
+            else:
+                self._fail(m, detail)
+            await self._released.wait()
+
+    async def _keep_running(self, m: _Member, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog) -> None:
+        a = m.assignment
+        while True:
+            try:
+                command = build_command(self._launch(m, model_path), prefix)
+            except LlmgwError as exc:
+                self._fail(m, str(exc))
+                return
+            code = await self._run_once(m, command, engine_log)
+            now = trio.current_time()
+            m.exits = [*self.policy.recent(m.exits, now), now]
+            delay = self.policy.next_delay(m.exits, now)
+            what = describe_exit(code)
+            if delay is None:
+                engine_log.note(f"{what}; {len(m.exits)} exits within {self.policy.window_s:g} s: not restarting")
+                self._fail(
+                    m,
+                    f"{what}, {len(m.exits)} times within {self.policy.window_s:g} s; not restarted until the "
+                    f"assignment changes. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+                )
+                return
+            engine_log.note(f"{what}; restarting in {delay:g} s")
+            log.warning("replica_exited", replica=a.replica_id, rank=a.node_rank, exit_status=code, restart_in_s=delay)
+            self._set(
+                m,
+                w.RESTARTING,
+                detail=f"{what}; restarting in {delay:g} s. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+                pid=0,
+                port=0,
+                restarts=m.status.restarts + 1,
+            )
+            await trio.sleep(delay)
+
+    def _launch(self, m: _Member, model_path: str) -> ReplicaLaunch:
+        a = m.assignment
+        rank0 = a.node_rank == 0
+        # Workers serve nothing, but every spec wants a port: a free one on loopback, never reported.
+        host = self.listen_host if rank0 else "127.0.0.1"
+        m.port = pick_port(host, m.port)
+        return ReplicaLaunch(
+            engine=a.engine,
+            model_path=model_path,
+            served_name=a.model,
+            host=host,
+            port=m.port,
+            api_key=Secret(a.api_key),
+            gpus=m.gpus,
+            extra_args=a.args,
+            nnodes=max(1, len(a.nodes)),
+            node_rank=a.node_rank,
+            rank0_addr=a.rank0_addr,
+            dist_init_port=a.dist_init_port,
+            ib_adapters=a.ib_adapters,
+        )
+
+    async def _run_once(self, m: _Member, command: Command, engine_log: EngineLog) -> int | None:
+        """Run the engine once, until it exits (its status) or the member is cancelled (then stop it)."""
+        a = m.assignment
+        shown = command.for_log()
+        self._set(m, w.STARTING, pid=0, port=0)
+        engine_log.note(f"starting {a.engine} for replica {a.replica_id} rank {a.node_rank}: {json.dumps(shown)}")
+        log.info("replica_starting", replica=a.replica_id, rank=a.node_rank, **shown)
+        env = {**(os.environ if self.env is None else self.env), **command.env}
+        try:
+            proc = await trio.lowlevel.open_process(
+                list(command.argv),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a stop reaches the engine's children too
+            )
+        except OSError as exc:
+            engine_log.note(f"cannot run {command.argv[0]}: {exc.strerror or exc}")
+            return None
+        self._set(m, w.STARTING, pid=proc.pid)
+        engine_log.note(f"pid {proc.pid}")
+        assert proc.stdout is not None
+        pump = Pump(proc.stdout, engine_log)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run)
+            try:
+                if a.node_rank == 0:
+                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port)
+                else:
+                    self._set(m, w.READY)
+                await proc.wait()
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(self.stop_timeout_s + KILL_WAIT_S + DRAIN_S):
+                    if proc.returncode is None:
+                        self._set(m, w.STOPPING)
+                        await self._terminate(m, proc, engine_log)
+                    signal_group(proc.pid, signal.SIGKILL)  # whatever it left behind in its group
+                    with trio.move_on_after(DRAIN_S):
+                        await pump.finished.wait()
+                    await trio.aclose_forcefully(proc.stdout)
+                pump.scope.cancel()
+                nursery.cancel_scope.cancel()
+                if proc.returncode is None:  # the bounded cleanup ran out: leave nothing running
+                    signal_group(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    async def _terminate(self, m: _Member, proc: trio.Process, engine_log: EngineLog) -> None:
+        a = m.assignment
+        started = trio.current_time()
+        signal_group(proc.pid, signal.SIGTERM)
+        with trio.move_on_after(self.stop_timeout_s):
+            await proc.wait()
+        if proc.returncode is None:
+            engine_log.note(f"still running {self.stop_timeout_s:g} s after SIGTERM: sending SIGKILL")
+            log.warning("replica_kill", replica=a.replica_id, rank=a.node_rank, after_s=self.stop_timeout_s)
+            signal_group(proc.pid, signal.SIGKILL)
+            with trio.move_on_after(KILL_WAIT_S):
+                await proc.wait()
+        took = trio.current_time() - started
+        engine_log.note(f"stopped: {describe_exit(proc.returncode)}, {took:.1f} s after SIGTERM")
+        log.info(
+            "replica_stopped",
+            replica=a.replica_id,
+            rank=a.node_rank,
+            exit_status=proc.returncode,
+            took_s=round(took, 2),
+        )
+
+    async def _watch_health(self, m: _Member, host: str, port: int) -> None:
+        while True:
+            status = await probe_health(host, port)
+            if status == 200:
+                self._set(m, w.READY, port=port)
+                return
+            if status is not None:
+                self._set(m, w.STARTING, port=port)  # it listens, it does not serve yet
+            await trio.sleep(self.health_interval_s)
+
+
+async def serve_assignments(
+    supervisor: Supervisor,
+    desired: Callable[[], w.DesiredState | None],
+    desired_changed: Callable[[], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Give the supervisor the replicas of every desired state the link receives, forever.
+
+    A dropped link leaves the last desired state in place, so nothing stops while the control
+    plane is away; the desired state it sends on its return is compared, not obeyed blindly."""
+    task_status.started()
+    while True:
+        state = desired()
+        if state is not None:
+            supervisor.assign(state.replicas)
+        await desired_changed()

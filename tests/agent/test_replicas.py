@@ -1,0 +1,260 @@
+"""The supervisor with real sim engines on loopback: start, health, restart after a kill, adopt
+unchanged assignments, stop with SIGTERM, and a two-node replica whose members fail together.
+
+Two `Supervisor`s stand in for two nodes. Every wait is bounded; a failed wait shows the
+statuses and the engine log tails.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from agent.replicas import RestartPolicy, Supervisor
+from agent.selfexec import llmgw_command
+from agent.weights import WeightsStore
+from llmgw.log import EventFormatter
+from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
+from testlib.cluster import free_port
+from testlib.proc import llmgw_env
+
+pytestmark = pytest.mark.trio
+
+DEADLINE_S = 30.0
+API_KEY = "sk-replica-secret-1234"
+
+
+def make_supervisor(state_dir: Path, **kw) -> Supervisor:
+    options = {
+        "engine_command": lambda name: llmgw_command(),
+        "env": llmgw_env(),  # the engine is `python -m llmgw`: it needs this process's sys.path
+        "listen_host": "127.0.0.1",
+        "stop_timeout_s": 5.0,
+        "health_interval_s": 0.1,
+    }
+    return Supervisor(state_dir=state_dir, weights=WeightsStore(state_dir / "weights"), **{**options, **kw})
+
+
+def sim(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
+    fields = {"replica_id": rid, "model": "m", "engine": "sim", "api_key": API_KEY, "nodes": ("n1",)}
+    return w.ReplicaAssignment(**{**fields, **kw})
+
+
+def status(sup: Supervisor, rid: str = "m-1") -> w.ReplicaStatus | None:
+    return next((s for s in sup.statuses() if s.replica_id == rid), None)
+
+
+async def wait_for(sup: Supervisor, predicate, what: str, *others: Supervisor):
+    """Wait (bounded) until `predicate(sup)` is truthy; returns its value."""
+    try:
+        with trio.fail_after(DEADLINE_S):
+            while not (value := predicate(sup)):
+                with trio.move_on_after(0.5):  # other supervisors change too; look again now and then
+                    await sup.wait_changed()
+            return value
+    except trio.TooSlowError:
+        report = [f"{what}: not within {DEADLINE_S:g} s"]
+        for s in (sup, *others):
+            report.append(repr(s.statuses()))
+            report.extend(s.tail(st.replica_id, 30) for st in s.statuses())
+        raise AssertionError("\n".join(report)) from None
+
+
+def in_state(state: str, rid: str = "m-1"):
+    def check(sup: Supervisor) -> w.ReplicaStatus | None:
+        st = status(sup, rid)
+        return st if st is not None and st.state == state else None
+
+    return check
+
+
+def post(port: int, path: str, body: dict, key: str | None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        conn.request("POST", path, json.dumps(body), headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (killed; an orphan waits for init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_stops_with_sigterm(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2))
+    seen: list[w.ReplicaStatus] = []
+
+    async def record(message: w.ReplicasChanged) -> bool:
+        seen.extend(message.replicas)
+        return True
+
+    await nursery.start(sup.serve)
+    await nursery.start(sup.serve_reports, record)
+    sup.assign((sim(),))
+    ready = await wait_for(sup, in_state(w.READY), "ready")
+    assert ready.port > 0 and ready.pid > 0 and ready.restarts == 0
+
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    code, answer = await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, API_KEY)
+    assert code == 200 and answer["choices"][0]["text"]
+    code, answer = await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, None)
+    assert code == 401
+
+    # The same assignment again, even rebuilt from the wire (a control plane that came back): nothing restarts.
+    sup.assign((sim(),))
+    sup.assign(decode(encode(w.DesiredState(generation=2, replicas=(sim(),))), w.ServerMessage).replicas)
+    assert status(sup) == ready
+
+    os.kill(ready.pid, signal.SIGKILL)
+    again = await wait_for(
+        sup, lambda s: (st := status(s)) and st.state == w.READY and st.restarts == 1 and st, "ready again"
+    )
+    assert again.pid != ready.pid and gone(ready.pid)
+    restarting = next(s for s in seen if s.state == w.RESTARTING)
+    assert restarting.detail.startswith("the engine was killed by SIGKILL; restarting in 0.2 s.")
+    assert "sim_serving" in restarting.detail  # the engine's own last lines
+    assert restarting.pid == 0 and restarting.restarts == 1
+
+    sup.assign(())
+    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    assert gone(again.pid)
+    assert any(s.state == w.STOPPING for s in seen)
+    log = sup.tail("m-1", 10)
+    assert "sim_stopping signal=SIGTERM" in log  # the engine heard SIGTERM, not SIGKILL
+    assert "stopped: the engine exited with status 0, " in log
+
+    # No secret in the agent's log (as its formatter renders it) or the engine's.
+    formatter = EventFormatter("json")
+    agent_log = "\n".join(formatter.format(r) for r in caplog.records)
+    engine_logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
+    assert API_KEY not in agent_log and API_KEY not in engine_logs
+    assert '"LLMGW_SIM_API_KEY": "<redacted>"' in engine_logs  # the command is shown, its key hidden
+    starting = next(r.llmgw_fields for r in caplog.records if r.getMessage() == "replica_starting")
+    assert starting["env"]["LLMGW_SIM_API_KEY"] == "<redacted>"
+
+
+async def test_a_changed_assignment_restarts_its_engine(tmp_path: Path, nursery: trio.Nursery) -> None:
+    sup = make_supervisor(tmp_path)
+    await nursery.start(sup.serve)
+    sup.assign((sim(), sim("other-1")))
+    first = await wait_for(sup, in_state(w.READY), "ready")
+    other = await wait_for(sup, in_state(w.READY, "other-1"), "other ready")
+    sup.assign((sim(api_key="sk-rotated"), sim("other-1")))
+    second = await wait_for(
+        sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != first.pid and st, "new"
+    )
+    assert gone(first.pid)
+    assert status(sup, "other-1") == other  # untouched
+    code, _ = await trio.to_thread.run_sync(post, second.port, "/v1/models", {}, "sk-rotated")
+    assert code == 405  # GET only; authorised, so the new key is the one in use
+
+
+async def test_a_two_node_replica_is_ready_only_with_its_worker_and_fails_as_a_whole(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    policy = RestartPolicy(first_delay_s=0.2)
+    node1 = make_supervisor(tmp_path / "n1", policy=policy)
+    node2 = make_supervisor(tmp_path / "n2", policy=policy)
+    await nursery.start(node1.serve)
+    await nursery.start(node2.serve)
+    base = sim(nodes=("n1", "n2"), rank0_addr="127.0.0.1", dist_init_port=free_port())
+    node1.assign((base,))
+    # Rank 0 listens (its health says 503 while it waits) but is not ready without its worker.
+    waiting = await wait_for(node1, lambda s: (st := status(s)) and st.port and st, "rank 0 listening", node2)
+    assert waiting.state == w.STARTING
+    node2.assign((attrs.evolve(base, node_rank=1),))
+    rank0 = await wait_for(node1, in_state(w.READY), "rank 0 ready", node2)
+    worker = await wait_for(node2, in_state(w.READY), "worker running", node1)
+    assert worker.port == 0 and worker.node_rank == 1
+
+    os.kill(worker.pid, signal.SIGKILL)
+    # Rank 0 loses its member and exits 3; the sim says why in its log, the status carries it.
+    lost = await wait_for(
+        node1, lambda s: (st := status(s)) and st.restarts >= 1 and st, "rank 0 restarting after the worker died", node2
+    )
+    assert lost.pid != rank0.pid
+    log = node1.tail("m-1", 200)
+    assert "worker_lost" in log and "the engine exited with status 3" in log
+    # Both come back: the restarted worker joins the restarted rank 0.
+    back = await wait_for(
+        node1, lambda s: (st := status(s)) and st.state == w.READY and st.restarts >= 1 and st, "back", node2
+    )
+    assert (await wait_for(node2, in_state(w.READY), "worker back", node1)).restarts == 1
+    assert back.port > 0
+
+
+def shell_engine(script: str):
+    """An engine command that runs `script` (the sim's arguments follow as $1..., unused)."""
+    return lambda name: ("/bin/sh", "-c", script, "engine")
+
+
+async def test_an_engine_deaf_to_sigterm_is_killed_after_the_deadline_with_its_children(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    child = tmp_path / "child.pid"
+    sup = make_supervisor(
+        tmp_path,
+        engine_command=shell_engine(f"trap '' TERM; sleep 600 & echo $! > {child}; echo up; wait"),
+        stop_timeout_s=0.5,
+    )
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    starting = await wait_for(sup, lambda s: (st := status(s)) and st.pid and child.exists() and st, "started")
+    sleeper = int(child.read_text())
+    sup.assign(())
+    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    assert gone(starting.pid)
+    await wait_for(sup, lambda s: gone(sleeper), "the engine's child killed too")  # the whole process group
+    log = sup.tail("m-1", 5)
+    assert "still running 0.5 s after SIGTERM: sending SIGKILL" in log
+    assert "stopped: the engine was killed by SIGKILL" in log
+
+
+async def test_what_an_exited_engine_left_behind_is_killed(tmp_path: Path, nursery: trio.Nursery) -> None:
+    child = tmp_path / "child.pid"
+    sup = make_supervisor(
+        tmp_path,
+        engine_command=shell_engine(f"sleep 600 & echo $! > {child}; echo 'CUDA out of memory'; exit 7"),
+        policy=RestartPolicy(max_failures=1),
+    )
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    failed = await wait_for(sup, in_state(w.FAILED), "failed")
+    assert "the engine exited with status 7, 1 times within 600 s" in failed.detail
+    assert "CUDA out of memory" in failed.detail
+    await wait_for(sup, lambda s: gone(int(child.read_text())), "the engine's child killed")
+
+
+async def test_cancelling_the_supervisor_stops_every_engine(tmp_path: Path) -> None:
+    sup = make_supervisor(tmp_path)
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.serve)
+            sup.assign((sim("a-1"), sim("b-1")))
+            a = await wait_for(sup, in_state(w.READY, "a-1"), "a ready")
+            b = await wait_for(sup, in_state(w.READY, "b-1"), "b ready")
+            nursery.cancel_scope.cancel()  # the agent stops
+    assert gone(a.pid) and gone(b.pid)
+    assert "sim_stopping signal=SIGTERM" in sup.tail("a-1") and "sim_stopping signal=SIGTERM" in sup.tail("b-1")

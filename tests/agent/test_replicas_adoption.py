@@ -1,0 +1,89 @@
+"""A control plane restart loses nothing: an in-process control plane places a sim replica on a
+real agent; the control plane goes away and comes back on the same port; the agent kept the
+engine running and the same replica is adopted, not restarted (same pid, restarts 0)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.main import run_agent
+from llmgw import pki
+from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.wire import agent_link as w
+from testlib.cluster import free_port
+from testlib.controlplane import make_state
+
+
+async def wait_for(predicate, what: str, timeout: float = 30):
+    try:
+        with trio.fail_after(timeout):
+            while not (value := predicate()):
+                await trio.sleep(0.05)
+            return value
+    except trio.TooSlowError:
+        raise AssertionError(f"{what}: not within {timeout:g} s") from None
+
+
+def reported(plane: ControlPlane) -> w.ReplicaStatus | None:
+    node = plane.registry.nodes.get("node-a")
+    return next(iter(node.replicas), None) if node and node.replicas else None
+
+
+@pytest.mark.trio
+async def test_a_control_plane_restart_adopts_the_running_replica(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent runs the sim as `python -m llmgw`: give it this process's sys.path (a PEX under Pants).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    state = tmp_path / "cp"
+    ca = make_state(state)
+    port = free_port()
+    config = ServerConfig(
+        server=ServerSection(
+            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
+        ),
+        models=(Model(name="chat", engine="sim", replicas=1),),
+    )
+    node_dir = tmp_path / "node"
+    pki.issue_to_dir(ca, "node-a", pki.node_paths(node_dir).dir, validity_days=3)
+
+    async def control_plane(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        plane = ControlPlane(config, state)
+        async with trio.open_nursery() as inner:
+            await inner.start(plane.serve)
+            task_status.started((plane, inner.cancel_scope))
+
+    plane, scope = await nursery.start(control_plane)
+    agent_config = AgentConfig(server=f"wss://127.0.0.1:{port}", node_id="node-a", state_dir=str(node_dir))
+    link = await nursery.start(run_agent, agent_config)
+    ready = await wait_for(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
+    assert ready.pid and ready.port and ready.restarts == 0
+
+    first_desired = link.state.desired
+    scope.cancel()  # the control plane goes away
+    await wait_for(lambda: not link.state.connected, "link down")
+    os.kill(ready.pid, 0)  # the engine still runs
+
+    plane, scope = await nursery.start(control_plane)
+    sessions = link.state.sessions
+    await wait_for(lambda: link.state.sessions > sessions, "agent back")
+    again = await wait_for(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica reported again")
+    assert (again.replica_id, again.pid, again.port, again.restarts) == (
+        ready.replica_id,
+        ready.pid,
+        ready.port,
+        0,
+    )
+    # The new control plane's desired state has arrived, with the same assignment, and changed nothing.
+    await wait_for(lambda: link.state.desired is not first_desired, "a new desired state")
+    assert link.state.desired.replicas == first_desired.replicas
+    await trio.sleep(0.5)  # a window for a wrong restart to show (SIGTERM, a new pid)
+    assert reported(plane) == again
+    os.kill(ready.pid, 0)
+    scope.cancel()

@@ -1,0 +1,208 @@
+"""The supervisor's decisions without engines: restart policy, plan, state table, log files, and
+members that cannot start, on trio's MockClock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from agent.engines import Engines, EngineUnavailable
+from agent.replica_logs import EngineLog, tail_files, tail_replica
+from agent.replicas import TRANSITIONS, RestartPolicy, Supervisor, describe_exit, key_of, plan
+from agent.weights import WeightsStore
+from llmgw.errors import UsageError
+from llmgw.wire import agent_link as w
+
+
+def assignment(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
+    fields = {"replica_id": rid, "model": "m", "engine": "sim", "api_key": "k-" + rid, "nodes": ("n1",)}
+    return w.ReplicaAssignment(**{**fields, **kw})
+
+
+# -- restart policy --------------------------------------------------------------------------
+
+
+def test_backoff_doubles_with_recent_exits_up_to_the_cap() -> None:
+    policy = RestartPolicy(first_delay_s=1, max_delay_s=60, window_s=600, max_failures=10)
+    delays = [policy.next_delay([float(i) for i in range(n)], float(n)) for n in range(1, 10)]
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+
+
+def test_too_many_quick_exits_give_up_and_old_ones_are_forgotten() -> None:
+    policy = RestartPolicy(window_s=600, max_failures=5)
+    quick = [0.0, 10.0, 20.0, 30.0, 40.0]
+    assert policy.next_delay(quick, 50.0) is None
+    assert policy.next_delay(quick[:4], 50.0) == 8
+    # The same five exits spread over hours: each one is a first failure again.
+    assert policy.next_delay([0.0, 3600.0, 7200.0, 10800.0, 14400.0], 14401.0) == policy.first_delay_s
+
+
+def test_exit_descriptions() -> None:
+    assert describe_exit(3) == "the engine exited with status 3"
+    assert describe_exit(-9) == "the engine was killed by SIGKILL"
+    assert describe_exit(None) == "the engine could not be started"
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+def test_plan_keeps_identical_assignments_and_replaces_changed_ones() -> None:
+    a, b, c = assignment("a-1"), assignment("b-1"), assignment("c-1")
+    running = {key_of(a): a, key_of(b): b}
+    b2 = w.ReplicaAssignment(
+        **{**{f: getattr(b, f) for f in ("replica_id", "model", "engine", "nodes")}, "api_key": "new"}
+    )
+    p = plan(running, [a, b2, c])
+    assert p.start == (b2, c)
+    assert p.stop == (key_of(b),)
+    assert plan(running, [a, b]).start == () and plan(running, [a, b]).stop == ()
+    assert plan(running, []).stop == (key_of(a), key_of(b))
+
+
+def test_every_state_is_in_the_table_and_only_stopping_reaches_stopped() -> None:
+    assert set(TRANSITIONS) == set(w.REPLICA_STATES)
+    assert [s for s, nxt in TRANSITIONS.items() if w.STOPPED in nxt] == [w.STOPPING]
+    assert all(w.STOPPING in nxt for s, nxt in TRANSITIONS.items() if s not in (w.STOPPING, w.STOPPED))
+
+
+# -- log files -------------------------------------------------------------------------------
+
+
+def test_logs_rotate_by_size_keep_n_files_and_tail_across_them(tmp_path: Path) -> None:
+    path = tmp_path / "logs" / "m-1-r0.log"
+    log = EngineLog(path, max_bytes=100, files=3)
+    for i in range(100):
+        log.write(f"line {i:03d}\n".encode())  # 9 bytes each: 11 lines a file
+    log.close()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m-1-r0.log", "m-1-r0.log.1", "m-1-r0.log.2"]
+    assert all(p.stat().st_size <= 100 for p in path.parent.iterdir())
+    assert tail_files(path, 3).splitlines() == ["line 097", "line 098", "line 099"]
+    # More lines than the current file holds come from the older files, in order.
+    assert tail_files(path, 20).splitlines() == [f"line {i:03d}" for i in range(80, 100)]
+    # Older than the kept files: gone.
+    assert tail_files(path, 1000).splitlines()[0] == "line 077"
+
+
+def test_tail_of_a_replica_refuses_names_that_leave_the_log_directory(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    EngineLog(logs / "m-1-r0.log").write(b"hello\n")
+    EngineLog(logs / "m-1-r0-r0.log").write(b"another replica\n")
+    assert tail_replica(logs, "m-1") == "hello"
+    assert tail_replica(logs, "nothing-here") == ""
+    for hostile in ("../secret", "m-1/../../x", "*", ""):
+        with pytest.raises(UsageError):
+            tail_replica(logs, hostile)
+
+
+# -- members that cannot start (MockClock) ---------------------------------------------------
+
+
+def supervisor(tmp_path: Path, engine_command, **kw) -> Supervisor:
+    return Supervisor(
+        state_dir=tmp_path,
+        weights=WeightsStore(tmp_path / "weights"),
+        engine_command=engine_command,
+        listen_host="127.0.0.1",
+        **kw,
+    )
+
+
+async def wait_state(sup: Supervisor, state: str | set[str], rid: str = "m-1") -> w.ReplicaStatus:
+    states = {state} if isinstance(state, str) else state
+    with trio.fail_after(20):
+        while True:
+            found = [s for s in sup.statuses() if s.replica_id == rid]
+            if found and found[0].state in states:
+                return found[0]
+            await sup.wait_changed()
+
+
+@pytest.mark.trio
+async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # Real time (starting a process uses a thread, which a MockClock would jump over), short delays.
+    sup = supervisor(
+        tmp_path,
+        lambda name: ("/nonexistent/engine",),
+        policy=RestartPolicy(first_delay_s=0.01, max_failures=4, window_s=600),
+    )
+    seen: list[w.ReplicaStatus] = []
+
+    async def record(message: w.ReplicasChanged) -> bool:
+        seen.extend(message.replicas)
+        return True
+
+    await nursery.start(sup.serve)
+    await nursery.start(sup.serve_reports, record)
+    sup.assign((assignment(),))
+    failed = await wait_state(sup, w.FAILED)
+    assert "could not be started, 4 times within 600 s" in failed.detail
+    assert "cannot run /nonexistent/engine" in failed.detail  # the agent's own line in the engine log
+    assert failed.restarts == 3
+    await wait_reported(seen, failed)
+    assert [s.restarts for s in seen if s.state == w.RESTARTING] == [1, 2, 3]
+    assert [s.detail.split(".")[0] for s in seen if s.state == w.RESTARTING] == [
+        "the engine could not be started; restarting in 0",
+        "the engine could not be started; restarting in 0",
+        "the engine could not be started; restarting in 0",
+    ]
+    # Given again unchanged, a failed member stays failed; changed, it starts over.
+    sup.assign((assignment(),))
+    assert sup.statuses()[0].state == w.FAILED
+    sup.assign((assignment(args=("--x",)),))
+    assert sup.statuses()[0].state == w.FETCHING and sup.statuses()[0].restarts == 0
+
+
+async def wait_reported(seen: list[w.ReplicaStatus], status: w.ReplicaStatus) -> None:
+    with trio.fail_after(10):
+        while status not in seen:
+            await trio.sleep(0.1)
+
+
+@pytest.mark.trio
+async def test_an_engine_not_installed_waits_and_a_broken_one_is_failed_with_its_reason(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    engines = Engines()
+    sup = supervisor(tmp_path, engines.command_for)
+    await nursery.start(sup.serve)
+    sup.assign((assignment(engine="llamacpp", weights=w.WeightsSource(path=str(tmp_path))),))
+    waiting = await wait_state(sup, w.FETCHING)
+    with trio.fail_after(60):
+        while "not installed on this node yet" not in sup.statuses()[0].detail:
+            await sup.wait_changed()
+    engines.statuses["llamacpp"] = w.EngineStatus(
+        name="llamacpp", version="b1", ok=False, detail="illegal instruction (needs AVX2)"
+    )
+    failed = await wait_state(sup, w.FAILED)
+    assert failed.detail == "engine llamacpp does not run on this node: illegal instruction (needs AVX2)"
+    assert waiting.pid == 0 and failed.pid == 0
+    with pytest.raises(EngineUnavailable):
+        engines.command_for("vllm")
+
+
+@pytest.mark.trio
+async def test_too_few_gpus_fail_with_the_count(tmp_path: Path, nursery: trio.Nursery) -> None:
+    sup = supervisor(tmp_path, lambda name: ("/nonexistent",), gpus=lambda: (0, 1))
+    await nursery.start(sup.serve)
+    sup.assign((assignment("a-1", gpus=2),))
+    await wait_state(sup, {w.STARTING, w.RESTARTING}, "a-1")  # it holds both GPUs (and keeps failing to start)
+    sup.assign((assignment("a-1", gpus=2), assignment("b-1", gpus=1)))
+    failed = await wait_state(sup, w.FAILED, "b-1")
+    assert failed.detail == "needs 1 GPUs; 0 of this node's 2 are free"
+
+
+@pytest.mark.trio
+async def test_hostile_names_fail_the_member_and_write_nothing(tmp_path: Path, nursery: trio.Nursery) -> None:
+    sup = supervisor(tmp_path / "state", lambda name: ("/nonexistent",))
+    await nursery.start(sup.serve)
+    sup.assign((assignment("../../evil"), assignment("m-1", model="../../etc/passwd")))
+    evil = await wait_state(sup, w.FAILED, "../../evil")
+    model = await wait_state(sup, w.FAILED, "m-1")
+    assert "replica id '../../evil' is not a plain name" in evil.detail
+    assert "model name '../../etc/passwd' is not a plain name" in model.detail
+    assert list(tmp_path.iterdir()) == []  # not even the state directory
