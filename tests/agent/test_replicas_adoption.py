@@ -15,6 +15,7 @@ from agent.main import run_agent
 from llmgw import pki
 from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
+from llmgw.server.http import HTTPError
 from llmgw.wire import agent_link as w
 from testlib.cluster import free_port
 from testlib.controlplane import make_state
@@ -86,4 +87,12 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     await trio.sleep(0.5)  # a window for a wrong restart to show (SIGTERM, a new pid)
     assert reported(plane) == again
     os.kill(ready.pid, 0)
+    # `llmgw ctl logs`: the control plane asks the agent for the engine log's tail over the link.
+    logs = await plane.replica_logs(again.replica_id, 50)
+    [member] = logs["members"]
+    assert member["node"] == "node-a" and member["error"] == ""
+    assert "sim" in member["text"] and len(member["text"].splitlines()) <= 50
+    with pytest.raises(HTTPError) as info:
+        await plane.replica_logs("nope-0", 10)
+    assert info.value.status == 404 and again.replica_id in info.value.message
     scope.cancel()

@@ -97,6 +97,10 @@ class AgentLink:
         self.state = LinkState()
         self._desired_changed = trio.Event()
         self._ws: trio_websocket.WebSocketConnection | None = None
+        # Set by the agent: answers the control plane's request for a replica's log tail.
+        self.answer_logs: Callable[[w.LogsRequest], w.LogsReply] = lambda req: w.LogsReply(
+            request_id=req.request_id, replica_id=req.replica_id, error="this agent keeps no replica logs"
+        )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a session open forever, reconnecting with backoff; never returns."""
@@ -197,7 +201,10 @@ class AgentLink:
             nursery.start_soon(self._heartbeats, ws, welcome.heartbeat_interval_s)
             while True:
                 message = await self._receive(ws)
-                if isinstance(message, w.DesiredState):
+                if isinstance(message, w.LogsRequest):
+                    reply = self.answer_logs(message)
+                    await ws.send_message(encode(reply))
+                elif isinstance(message, w.DesiredState):
                     self.state.desired = message
                     self._desired_changed.set()
                     self._desired_changed = trio.Event()

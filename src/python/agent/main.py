@@ -22,6 +22,7 @@ from agent.replicas import Supervisor, serve_assignments
 from agent.weights import WeightsStore
 from llmgw import __version__, pki
 from llmgw.config import AgentConfig, weights_dir_of
+from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
 
@@ -89,6 +90,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     )
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     async with trio.open_nursery() as nursery:
+        link.answer_logs = partial(answer_logs, supervisor)
         await nursery.start(supervisor.serve)
         await nursery.start(link.serve)
         await nursery.start(serve_assignments, supervisor, lambda: link.state.desired, link.desired_changed)
@@ -108,6 +110,15 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
             )
         )
         task_status.started(link)
+
+
+def answer_logs(supervisor: Supervisor, request: w.LogsRequest) -> w.LogsReply:
+    """`llmgw ctl logs`: the tail of a replica's engine log here, or why there is none."""
+    try:
+        text = supervisor.tail(request.replica_id, lines=max(1, min(request.lines, 10000)))
+    except LlmgwError as exc:
+        return w.LogsReply(request_id=request.request_id, replica_id=request.replica_id, error=str(exc))
+    return w.LogsReply(request_id=request.request_id, replica_id=request.replica_id, text=text)
 
 
 def _stable(inv: w.Inventory) -> w.Inventory:

@@ -53,6 +53,13 @@ def configure(parser: Parser) -> None:
         leaf = add_leaf(sub, verb, text, fn)
         add_json_flag(leaf)
         add_admin_options(leaf)
+    logs = add_leaf(sub, "logs", "show the tail of a replica's engine log, from every node it runs on", run_logs)
+    logs.add_argument("replica", help="replica id, as `llmgw ctl replicas` lists it")
+    logs.add_argument(
+        "--lines", type=int, default=100, metavar="N", help="how many lines from each member (default 100)"
+    )
+    add_json_flag(logs)
+    add_admin_options(logs)
     reload = add_leaf(
         sub, "reload", "read server.toml again: catalog and engines; unchanged replicas keep running", run_reload
     )
@@ -134,6 +141,18 @@ def run_replicas(args: argparse.Namespace) -> int:
             )
     print(_table(rows))
     return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    path = f"/admin/v1/replicas/{quote(args.replica, safe='')}/logs?lines={args.lines}"
+    result = client_from(args).request("GET", path)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for m in result["members"]:
+        print(f"==> {result['replica']} rank {m['rank']} on {m['node']} <==")
+        print(m["text"].rstrip("\n") if not m["error"] else f"(no log: {m['error']})")
+    return 1 if any(m["error"] for m in result["members"]) else 0
 
 
 def run_reload(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ with a wrong one, the answer is 401 with what to do. Routes:
 
     GET    /admin/v1/nodes                 every node with its state and inventory
     GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
+    GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log
     GET    /admin/v1/models                the catalog with ready replicas per model
     POST   /admin/v1/reload                read server.toml again (catalog, engines)
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = get_logger("llmgw.admin")
 
 PREFIX = "/admin/v1/"
+_REPLICA_LOGS = re.compile(r"^/admin/v1/replicas/([^/]+)/logs$")
 _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
 
 
@@ -71,6 +73,13 @@ class AdminAPI:
                 return Response.json(200, await self.plane.reload())
             except ConfigError as exc:
                 raise HTTPError(422, f"server.toml has problems; nothing changed:\n{exc}") from None
+        logs = _REPLICA_LOGS.match(request.path)
+        if logs is not None:
+            _allow(request, "GET")
+            lines = request.query.get("lines", ["100"])[0]
+            if not lines.isdigit():
+                raise HTTPError(400, f"lines must be a whole number, got {lines!r}")
+            return Response.json(200, await self.plane.replica_logs(logs.group(1), int(lines)))
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
             return Response.json(200, {"replicas": self.plane.replica_views()})

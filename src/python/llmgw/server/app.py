@@ -268,6 +268,19 @@ class ControlPlane:
             out.append({"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []})
         return out
 
+    async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]:
+        stored = self.replicas.placed.get(replica_id)
+        if stored is None:
+            known = ", ".join(sorted(self.replicas.placed)) or "none"
+            raise HTTPError(
+                404, f"no replica {replica_id!r} (replicas: {known}); see `llmgw ctl replicas`", kind="not_found_error"
+            )
+        members = []
+        for rank, node_id in enumerate(stored.placement.nodes):
+            reply = await self.endpoint.request_logs(node_id, replica_id, lines)
+            members.append({"node": node_id, "rank": rank, "text": reply.text, "error": reply.error})
+        return {"replica": replica_id, "members": members}
+
     def model_views(self) -> list[dict[str, Any]]:
         views = self.replica_views()
         return [

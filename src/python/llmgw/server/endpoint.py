@@ -65,6 +65,9 @@ class AgentEndpoint:
         on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
     ) -> None:
         self.on_replicas = on_replicas
+        self._log_waiters: dict[int, list[w.LogsReply]] = {}
+        self._log_event = trio.Event()
+        self._next_request = 0
         self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
         self.registry = registry
         self.store = store
@@ -215,6 +218,11 @@ class AgentEndpoint:
                 self.registry.inventory_changed(link.node_id, link.conn_id, message.inventory)
                 self.on_change()
                 await self.push_desired_state(link.node_id)  # e.g. a GPU appeared: vLLM is now wanted
+            elif isinstance(message, w.LogsReply):
+                waiter = self._log_waiters.get(message.request_id)
+                if waiter is not None:
+                    waiter.append(message)
+                    self._log_event.set()
             elif isinstance(message, w.ReplicasChanged):
                 if self.registry.replicas_changed(link.node_id, link.conn_id, message.replicas):
                     self.on_replicas(link.node_id, message.replicas)
@@ -242,6 +250,35 @@ class AgentEndpoint:
                 await link.ws.send_message(encode(self.desired_state(node_id)))
             except trio_websocket.ConnectionClosed:
                 pass
+
+    async def request_logs(self, node_id: str, replica_id: str, lines: int, timeout_s: float = 10.0) -> w.LogsReply:
+        """Ask a node's agent for the tail of a replica's log; the reply, or one saying why not."""
+        self._next_request += 1
+        rid = self._next_request
+        link = self.links.get(node_id)
+        if link is None:
+            return w.LogsReply(request_id=rid, replica_id=replica_id, error=f"node {node_id} is not connected")
+        box: list[w.LogsReply] = []
+        self._log_waiters[rid] = box
+        try:
+            await link.ws.send_message(encode(w.LogsRequest(request_id=rid, replica_id=replica_id, lines=lines)))
+            with trio.move_on_after(timeout_s):
+                while not box:
+                    event = self._log_event
+                    await event.wait()
+                    if event is self._log_event:
+                        self._log_event = trio.Event()
+        except trio_websocket.ConnectionClosed:
+            pass
+        finally:
+            self._log_waiters.pop(rid, None)
+        return (
+            box[0]
+            if box
+            else w.LogsReply(
+                request_id=rid, replica_id=replica_id, error=f"node {node_id} did not answer within {timeout_s:g} s"
+            )
+        )
 
     async def close_node(self, node_id: str, code: str, message: str) -> bool:
         """End a node's open link, telling the agent why; False if it had none."""

@@ -206,6 +206,16 @@ class ReplicasChanged:
 
 
 @attrs.frozen(kw_only=True)
+class LogsReply:
+    """The tail of a replica member's engine log on this node (`error` if there is none)."""
+
+    request_id: int
+    replica_id: str
+    text: str = ""
+    error: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class EnginesChanged:
     """The engines the node has checked to run (ok) or failed to install (detail says why)."""
 
@@ -276,6 +286,13 @@ class DesiredState:
     replicas: tuple[ReplicaAssignment, ...] = ()  # everything this node should run; others stop
 
 
+@attrs.frozen(kw_only=True)
+class LogsRequest:
+    request_id: int
+    replica_id: str
+    lines: int = 100
+
+
 # -- either way ----------------------------------------------------------------------------
 
 
@@ -287,8 +304,8 @@ class LinkError:
     message: str
 
 
-AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LinkError
-ServerMessage = Welcome | DesiredState | LinkError
+AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LogsReply | LinkError
+ServerMessage = Welcome | DesiredState | LogsRequest | LinkError
 
 # Error codes of LinkError.
 BAD_MESSAGE = "bad_message"

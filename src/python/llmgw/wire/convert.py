@@ -33,6 +33,8 @@ _ALL = (
     | agent_link.InventoryChanged
     | agent_link.EnginesChanged
     | agent_link.ReplicasChanged
+    | agent_link.LogsReply
+    | agent_link.LogsRequest
     | agent_link.Welcome
     | agent_link.DesiredState
     | agent_link.LinkError
