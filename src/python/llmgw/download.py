@@ -76,8 +76,6 @@ async def fetch(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Path:
     """Make `dest` the verified content of `url`; reuses a complete `dest`, resumes a `.part`."""
-    if dest.exists() and sha256_of(dest) == sha256:
-        return dest
     stop = threading.Event()
     try:
         return await trio.to_thread.run_sync(
@@ -96,6 +94,8 @@ async def fetch(
 
 
 def _fetch_blocking(url, dest: Path, sha256: str, ctx, headers: dict, on_progress, stop: threading.Event) -> Path:
+    if dest.exists() and sha256_of(dest) == sha256:  # hashing a large file: here, off the event loop
+        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     offset = part.stat().st_size if part.exists() else 0
