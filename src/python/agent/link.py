@@ -87,8 +87,10 @@ class AgentLink:
         make_hello: Callable[[], w.Hello],
         backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
+        source_address: str = "",
     ) -> None:
         self.target = target
+        self.source_address = source_address
         self.node_id = node_id
         self.ssl_context = ssl_context
         self.make_hello = make_hello
@@ -153,7 +155,9 @@ class AgentLink:
 
     async def run_session(self) -> None:
         with trio.fail_after(CONNECT_TIMEOUT_S):
-            tcp = await trio.open_tcp_stream(self.target.host, self.target.port)
+            tcp = await trio.open_tcp_stream(
+                self.target.host, self.target.port, local_address=self.source_address or None
+            )
             stream = trio.SSLStream(tcp, self.ssl_context, server_hostname=self.target.host, https_compatible=True)
             try:
                 await stream.do_handshake()

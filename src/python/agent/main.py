@@ -86,7 +86,11 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
         )
 
     link = AgentLink(
-        target=Target.parse(config.server), node_id=identity.node_id, ssl_context=ssl_context, make_hello=make_hello
+        target=Target.parse(config.server),
+        node_id=identity.node_id,
+        ssl_context=ssl_context,
+        make_hello=make_hello,
+        source_address=config.source_address,
     )
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     async with trio.open_nursery() as nursery:

@@ -153,6 +153,7 @@ class AgentConfig:
     llamacpp_bin: str = ""  # an operator-installed llama-server (engine version "")
     vllm_bin: str = ""  # an operator-installed `vllm` executable
     sglang_python: str = ""  # the Python whose environment has SGLang installed
+    source_address: str = ""  # the local address to dial the control plane from ("" = the system's choice)
 
 
 def weights_dir_of(cfg: AgentConfig) -> str:
