@@ -5,11 +5,17 @@ left it in. Nothing waits by sleeping: every wait is a poll with a deadline that
 expires, fails with what was last seen and the log tails of the processes involved, so a red
 run says what each side saw. Processes log JSON lines (`--log-format json`) to one file per
 run, so a test reads the events of exactly the run it started.
+
+Engines are the agents' children in their own process groups, so they outlive an agent that
+is killed. Each agent runs with `MARKER_ENV` naming its node, which its engines inherit: that
+is how `engine_pids` finds them in /proc, how `kill_node` takes a node down as a dead machine
+would (agent and engines), and how `close` leaves no engine behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -31,6 +37,7 @@ DEADLINE_S = 20.0
 CLI_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 TAIL_LINES = 40
+MARKER_ENV = "LLMGW_TESTLIB_NODE"  # read by this module only; the product never looks at it
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,7 +51,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Proc:
     """One child process whose standard output and error go to one log file."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
@@ -53,7 +60,7 @@ class Proc:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=llmgw_env(),
+            env=llmgw_env(env),
         )
 
     @property
@@ -95,6 +102,38 @@ class Proc:
             self.popen.kill()
         self.popen.wait(STOP_TIMEOUT_S)
         self._log.close()
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Every live process whose environment has `MARKER_ENV=marker` (an agent and its engines)."""
+    want = f"{MARKER_ENV}={marker}".encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if want in environ.split(b"\0"):
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def kill_groups(pids: Iterable[int]) -> None:
+    """SIGKILL the process group of each pid (an engine leads its own), and the pid itself. An
+    agent and its short-lived tool runs share the test's own group: that one is left alone."""
+    for pid in pids:
+        try:
+            group = os.getpgid(pid)
+            if group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def tails(procs: Iterable[Proc]) -> str:
@@ -147,7 +186,7 @@ class Cluster:
         self.port = free_port()
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.server_config = root / "server.toml"
-        self.server_config.write_text(
+        self._server_section = (
             "[server]\n"
             f'state_dir = "{self.state}"\n'
             f'agent_listen = "127.0.0.1:{self.port}"\n'
@@ -155,12 +194,16 @@ class Cluster:
             'advertise = ["127.0.0.1"]\n'
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
+            # Agents come back on their own backoff after a server restart; give them that long.
+            "reconnect_grace_s = 10.0\n"
         )
+        self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}
         self.server: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.procs: list[Proc] = []
         self.last_nodes: Any = None  # the last `ctl nodes` answer, for failure messages
+        self.last_replicas: Any = None  # the last `ctl replicas` answer, likewise
         self._runs: dict[str, int] = {}
 
     # -- one-shot commands ----------------------------------------------------------------
@@ -174,14 +217,24 @@ class Cluster:
             )
         return result
 
+    def ctl(self, *args: str) -> Any:
+        """`llmgw ctl ARGS --json` against this control plane, parsed; fails on a non-zero exit."""
+        return json.loads(self.llmgw("ctl", *args, "--json", "--state-dir", str(self.state)).stdout)
+
     def init_ca(self) -> None:
         self.llmgw("ca", "init", "--config", str(self.server_config))
 
-    def add_node(self, node_id: str) -> NodeFiles:
-        """The node's own key and CSR, a certificate the CA signs for it, and the CA certificate."""
+    def set_catalog(self, models_toml: str) -> None:
+        """server.toml's `[[models]]` (TOML text); a running server reads it on `ctl reload`."""
+        self.server_config.write_text(self._server_section + models_toml)
+
+    def add_node(self, node_id: str, agent_toml: str = "") -> NodeFiles:
+        """The node's own key and CSR, a certificate the CA signs for it, and the CA certificate.
+        `agent_toml` is added to its agent.toml (top-level keys, then tables)."""
         files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
         files.config.write_text(
             f'server = "wss://127.0.0.1:{self.port}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n'
+            + agent_toml
         )
         self.llmgw("agent", "csr", "--config", str(files.config))
         self.llmgw(
@@ -199,6 +252,15 @@ class Cluster:
         self.nodes_files[node_id] = files
         return files
 
+    def replicas(self) -> list[dict[str, Any]] | None:
+        """`llmgw ctl replicas --json` (placed, then pending), or None while no control plane answers."""
+        result = self.llmgw("ctl", "replicas", "--json", "--state-dir", str(self.state), ok=False)
+        if result.returncode != 0:
+            self.last_replicas = f"exit {result.returncode}: {result.stderr.strip()}"
+            return None
+        self.last_replicas = json.loads(result.stdout)
+        return self.last_replicas
+
     def nodes(self) -> dict[str, dict[str, Any]] | None:
         """`llmgw ctl nodes --json` by node id, or None while no control plane answers."""
         result = self.llmgw("ctl", "nodes", "--json", "--state-dir", str(self.state), ok=False)
@@ -211,9 +273,9 @@ class Cluster:
 
     # -- long-running processes -----------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         run = self._runs[name] = self._runs.get(name, 0) + 1
-        proc = Proc(name, args, self.root / f"{name}-{run}.log")
+        proc = Proc(name, args, self.root / f"{name}-{run}.log", env)
         self.procs.append(proc)
         return proc
 
@@ -229,7 +291,11 @@ class Cluster:
     def start_agent(self, node_id: str) -> Proc:
         """Start `llmgw agent run` for a node added with `add_node`; does not wait for its link."""
         files = self.nodes_files[node_id]
-        agent = self._spawn(node_id, ["agent", "run", "--config", str(files.config), "--log-format", "json"])
+        agent = self._spawn(
+            node_id,
+            ["agent", "run", "--config", str(files.config), "--log-format", "json"],
+            {MARKER_ENV: self._marker(node_id)},
+        )
         self.agents[node_id] = agent
         return agent
 
@@ -242,6 +308,43 @@ class Cluster:
 
         return wait_until(what, poll, procs=self.latest(), alive=[self.server], last_seen=lambda: self.last_nodes)
 
+    def wait_replicas(
+        self, what: str, check: Callable[[list[dict[str, Any]]], bool], *, timeout: float = DEADLINE_S
+    ) -> list[dict[str, Any]]:
+        """Poll `ctl replicas` until `check(replicas)`; the replicas it passed on. A failure shows
+        what `ctl replicas` and `ctl nodes` last said."""
+
+        def poll() -> list[dict[str, Any]] | None:
+            replicas = self.replicas()
+            if replicas is None or not check(replicas):
+                self.nodes()  # for the failure message
+                return None
+            return replicas
+
+        return wait_until(
+            what,
+            poll,
+            procs=self.latest(),
+            alive=[self.server],
+            timeout=timeout,
+            last_seen=lambda: {"replicas": self.last_replicas, "nodes": self.last_nodes},
+        )
+
+    def _marker(self, node_id: str) -> str:
+        return f"{self.root}/{node_id}"
+
+    def engine_pids(self, node_id: str) -> list[int]:
+        """The live engine processes a node's agents started (this run's or an earlier one's)."""
+        agents = {p.popen.pid for p in self.procs if p.name == node_id}
+        return [pid for pid in marked_pids(self._marker(node_id)) if pid not in agents]
+
+    def kill_node(self, node_id: str) -> list[int]:
+        """The machine dies: SIGKILL its agent, then its engines' process groups; the engine pids."""
+        engines = self.engine_pids(node_id)
+        self.agents[node_id].kill()
+        kill_groups(engines)
+        return engines
+
     def latest(self) -> list[Proc]:
         """The latest run of the server and of each agent: whose logs a failure shows."""
         return [p for p in (self.server, *self.agents.values()) if p is not None]
@@ -249,3 +352,5 @@ class Cluster:
     def close(self) -> None:
         for proc in self.procs:
             proc.kill()
+        for node_id in self.nodes_files:  # engines outlive their agent: they lead their own groups
+            kill_groups(marked_pids(self._marker(node_id)))

@@ -46,6 +46,9 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("engine", "llmgw.commands.engine", "run an inference engine that ships with llmgw (sim)"),
     CommandSpec("node", "llmgw.commands.node", "cluster membership: remove a node and revoke its certificate"),
     CommandSpec("server", "llmgw.commands.server", "run the control plane: agent endpoint and admin API"),
+    CommandSpec(
+        "up", "llmgw.commands.up", "a whole local cluster in one command: control plane, agents, sim models, gateway"
+    ),
     CommandSpec("version", "llmgw.commands.version", "print version, commit, architecture and Python"),
 )
 

@@ -64,6 +64,7 @@ class ServerSection:
     advertise: tuple[str, ...] = ()
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
+    reconnect_grace_s: float = 35.0
 
 
 @attrs.frozen(kw_only=True)

@@ -63,7 +63,7 @@ async def test_a_silent_node_is_declared_lost_one_ttl_after_its_last_heartbeat(
         nursery.cancel_scope.cancel()
 
 
-async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_from_start(
+async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_and_the_reconnect_grace(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO")
@@ -79,8 +79,11 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_from_start(
     assert plane.registry.nodes["old"].cordoned  # operator intent survives the restart
     async with trio.open_nursery() as nursery:
         await nursery.start(plane.serve_liveness)
-        await trio.sleep(TTL - 1)
+        grace = plane.config.server.reconnect_grace_s
+        assert grace >= 30  # agents retry at most 30 s apart: a restart must not look like a loss
+        await trio.sleep(TTL + grace - 1)
         assert [v["state"] for v in plane.node_views()] == ["unknown"]
+        assert events(caplog) == []
         await trio.sleep(2)
         assert events(caplog) == [("node_lost", "old")]
         nursery.cancel_scope.cancel()

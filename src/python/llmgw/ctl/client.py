@@ -50,11 +50,16 @@ class AdminClient:
             raise MachineError(f"cannot read {url_file}; run the command with sudo") from None
         return cls(url, paths.read_admin_token(token_file))
 
-    def request(self, method: str, path: str) -> Any:
+    def request(self, method: str, path: str, body: Any = None) -> Any:
         conn_cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(self._parts.hostname, self._parts.port, timeout=TIMEOUT_S)
+        headers = {"authorization": f"Bearer {self._token}", "accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["content-type"] = "application/json"
         try:
-            conn.request(method, path, headers={"authorization": f"Bearer {self._token}", "accept": "application/json"})
+            conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
             body = response.read()
         except ConnectionRefusedError:

@@ -12,6 +12,10 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/nodes/NODE/uncordon
     POST   /admin/v1/nodes/NODE/drain[?force=1]   move its replicas off, one at a time, then cordon
     DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
+    GET    /admin/v1/keys                  the gateway's API keys (never their tokens)
+    POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
+                                           the answer holds the token, shown this once
+    DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from __future__ import annotations
 import hmac
 import re
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 from llmgw.errors import ConfigError
 from llmgw.log import get_logger
+from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
+from llmgw.server.gateway.keys import key_view
 from llmgw.server.http import HTTPError, Request, Response
 from llmgw.server.store import UnknownNode
 
@@ -32,6 +39,7 @@ log = get_logger("llmgw.admin")
 
 PREFIX = "/admin/v1/"
 _REPLICA_LOGS = re.compile(r"^/admin/v1/replicas/([^/]+)/logs$")
+_KEY = re.compile(r"^/admin/v1/keys/([^/]+)$")
 _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
 
 
@@ -86,6 +94,8 @@ class AdminAPI:
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
             return Response.json(200, {"models": self.plane.model_views()})
+        if request.path == "/admin/v1/keys" or _KEY.match(request.path):
+            return self._keys(request)
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
@@ -105,6 +115,43 @@ class AdminAPI:
             return Response.json(200, result)
         except UnknownNode as exc:
             raise HTTPError(404, str(exc), kind="not_found_error") from None
+
+    def _keys(self, request: Request) -> Response:
+        ring = self.plane.gateway.keys
+        try:
+            if request.path != "/admin/v1/keys":
+                _allow(request, "DELETE")
+                name = unquote(_KEY.match(request.path).group(1))
+                ring.revoke(name)
+                log.info("api_key_revoked", name=name)
+                return Response.json(200, {"revoked": name})
+            if request.method == "GET":
+                return Response.json(200, {"keys": [key_view(r) for r in ring.rows()]})
+            _allow(request, "POST")
+            body = request.json()
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
+            unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
+            if unknown:
+                raise HTTPError(
+                    400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
+                )
+            if not isinstance(body.get("name"), str):
+                raise HTTPError(400, f"'name' must be a string, got {body.get('name')!r}")
+            row, token = ring.create(
+                body["name"],
+                models=body.get("models") or (),
+                rate_per_minute=body.get("rate_per_minute", 0),
+                max_concurrency=body.get("max_concurrency", 0),
+            )
+        except UnknownApiKey as exc:
+            raise HTTPError(404, str(exc), kind="not_found_error") from None
+        except ApiKeyExists as exc:
+            raise HTTPError(409, str(exc)) from None
+        except ApiKeyError as exc:
+            raise HTTPError(400, str(exc)) from None
+        log.info("api_key_created", name=row.name, models=list(row.models))
+        return Response.json(201, {"key": key_view(row), "token": token})
 
 
 def _allow(request: Request, method: str) -> None:

@@ -26,8 +26,11 @@ from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
-from llmgw.server.registry import Node, Registry
+from llmgw.server.gateway.app import Gateway
+from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.routing import Endpoint, Rotation
+from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
+from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
 from llmgw.server.store import Store, UnknownNode
 from llmgw.wire import agent_link as w
@@ -55,7 +58,11 @@ class ControlPlane:
         self.ssl_context = pki.server_ssl_context(state_dir)
         self.store = Store.open(state_dir)
         self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
-        self.registry = Registry(heartbeat_ttl_s=config.server.heartbeat_ttl_s, started_at=trio.current_time())
+        self.registry = Registry(
+            heartbeat_ttl_s=config.server.heartbeat_ttl_s,
+            started_at=trio.current_time(),
+            reconnect_grace_s=config.server.reconnect_grace_s,
+        )
         for row in self.store.nodes():
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
         self._changed = trio.Event()
@@ -74,6 +81,8 @@ class ControlPlane:
         self._nursery: trio.Nursery | None = None
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
+        self._rotation_changed = trio.Event()
+        self.gateway = Gateway(self, KeyRing(self.store))
         self._generation = 0
 
     # -- desired state --------------------------------------------------------------------
@@ -98,6 +107,44 @@ class ControlPlane:
         self.replicas.note_statuses(node_id, statuses)
         self._replicas_changed.set()
         self._replicas_changed = trio.Event()
+        self._rotation_touched()
+
+    # -- the gateway's endpoints ----------------------------------------------------------
+
+    def gateway_rotation(self) -> Rotation:
+        """The catalog's models and, for each placed replica whose rank 0 reports ready with a
+        port on a node not lost, where the gateway reaches it and with which key. A replica on
+        a draining node is marked draining: no new requests while another replica can take them."""
+        now = trio.current_time()
+        endpoints = []
+        for rid, stored in sorted(self.replicas.placed.items()):
+            p = stored.placement
+            rank0 = self.registry.nodes.get(p.nodes[0])
+            if rank0 is None or not rank0.address or self.registry.liveness(rank0, now) == LOST:
+                continue
+            status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None)
+            if status is None or status.state != w.READY or not status.port:
+                continue
+            draining = any((n := self.registry.nodes.get(m)) is not None and n.draining for m in p.nodes)
+            endpoints.append(
+                Endpoint(
+                    replica_id=rid,
+                    model=p.model,
+                    host=rank0.address,
+                    port=status.port,
+                    api_key=stored.api_key,
+                    draining=draining,
+                )
+            )
+        return Rotation(models=frozenset(m.name for m in self.config.models), endpoints=tuple(endpoints))
+
+    def rotation_changed(self) -> trio.Event:
+        """Set at the next change that may alter `gateway_rotation()`."""
+        return self._rotation_changed
+
+    def _rotation_touched(self) -> None:
+        self._rotation_changed.set()
+        self._rotation_changed = trio.Event()
 
     def _member_state(self, replica_id: str, node_id: str) -> str | None:
         node = self.registry.nodes.get(node_id)
@@ -133,6 +180,7 @@ class ControlPlane:
             return current
         self.store.set_draining(node_id, True)
         self.registry.nodes[node_id].draining = True
+        self._rotation_touched()
         todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
         progress: dict[str, Any] = {
             "node": node_id,
@@ -184,6 +232,7 @@ class ControlPlane:
                     "drain_replacement_ready", node=node_id, replica=rid, replacement=new.replica_id, on=list(new.nodes)
                 )
             self.replicas.retire(rid, replacement.placement.replica_id if replacement else None)
+            self._rotation_touched()
             for n in original.placement.nodes:
                 await self.endpoint.push_desired_state(n)
             log.info("drain_original_stopped", node=node_id, replica=rid)
@@ -259,6 +308,7 @@ class ControlPlane:
                     "state": states[0] if len(set(states)) == 1 else ",".join(states),
                     "member_states": states,
                     "port": rank0.port if rank0 else 0,
+                    "pids": [m.pid if m else 0 for m in members],  # per member, on its node; 0 while none runs
                     "restarts": sum(m.restarts for m in members if m),
                     "detail": "; ".join(m.detail for m in members if m and m.detail),
                     "fabric": p.fabric,
@@ -309,6 +359,7 @@ class ControlPlane:
 
     def _notify(self) -> None:
         self._changed.set()
+        self._rotation_touched()
 
     async def serve_liveness(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Logs every node's liveness change as it happens, including losses no message announces."""
@@ -317,6 +368,7 @@ class ControlPlane:
             now = trio.current_time()
             for t in self.registry.transitions(now):
                 log.info(f"node_{t.new}", node=t.node_id, was=t.old)
+                self._rotation_touched()
             for node_id in sorted(self.replicas.reconcile(now)):
                 await self.endpoint.push_desired_state(node_id)
             self._changed = trio.Event()
@@ -328,6 +380,7 @@ class ControlPlane:
         http_host, http_port = _split_hostport(self.config.server.http_listen)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.gateway.serve_rotation)
             try:
                 agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
                 http_listeners = await nursery.start(serve_http, self.handle_http, http_host, http_port)
@@ -376,11 +429,11 @@ class ControlPlane:
                 return
             await trio.sleep(retry_s)
 
-    async def handle_http(self, request: Request) -> Response:
+    async def handle_http(self, request: Request) -> Response | StreamingResponse:
         if is_admin_path(request.path):
             return await self.admin.handle(request)
-        if request.path == "/health":
-            return Response.json(200, {"status": "ok"})
+        if request.path.startswith("/v1/") or request.path in ("/health", "/metrics"):
+            return await self.gateway.handle(request)
         raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
 
 

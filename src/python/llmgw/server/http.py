@@ -248,11 +248,12 @@ async def _send_streaming(conn: h11.Connection, stream, response: StreamingRespo
     """Send a streamed response; whether it completed. False (the client went away, or the
     producer failed) means the connection must be closed."""
     headers = [(k.encode(), v.encode()) for k, v in response.headers if k.lower() != "content-length"]
-    await stream.send_all(
-        conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
-    )
     completed = False
     try:
+        # Inside the try: a client gone before the head still gets the producer closed.
+        await stream.send_all(
+            conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+        )
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:

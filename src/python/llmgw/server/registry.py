@@ -11,6 +11,7 @@ Liveness, from the heartbeats of the agent's current process:
     joined   a heartbeat from this agent process within the TTL
     lost     none within the TTL (or never, once the control plane has run for a TTL)
     unknown  known from before a control-plane restart, not yet reconnected, within the first TTL
+             plus the reconnect grace (agents retry up to 30 s apart)
 
 "Joined" needs a heartbeat since the agent last started: a node merely known from before, or
 a cordoned node re-added, counts only once its new agent process has heartbeated.
@@ -59,9 +60,12 @@ class Transition:
 
 
 class Registry:
-    def __init__(self, *, heartbeat_ttl_s: float, started_at: float) -> None:
+    def __init__(self, *, heartbeat_ttl_s: float, started_at: float, reconnect_grace_s: float = 0.0) -> None:
         self.ttl = heartbeat_ttl_s
         self.started_at = started_at
+        # After a control-plane restart, agents come back on their own backoff (up to 30 s apart):
+        # a node known from before is not lost until they have had that long, so a restart moves nothing.
+        self.reconnect_grace = reconnect_grace_s
         self.nodes: dict[str, Node] = {}
         self._last_states: dict[str, str] = {}
         self._next_conn = 0
@@ -138,7 +142,7 @@ class Registry:
     def liveness(self, node: Node, now: float) -> str:
         s = node.session
         if s is None:
-            return LOST if now - self.started_at > self.ttl else UNKNOWN
+            return LOST if now - self.started_at > self.ttl + self.reconnect_grace else UNKNOWN
         if s.last_heartbeat_at is None:
             return JOINING if s.connected and now - s.connected_at <= self.ttl else LOST
         return JOINED if now - s.last_heartbeat_at <= self.ttl else LOST
@@ -156,7 +160,7 @@ class Registry:
 
     def next_deadline(self, now: float) -> float:
         """The earliest time a node's liveness can change without a message arriving."""
-        times = [self.started_at + self.ttl]
+        times = [self.started_at + self.ttl + self.reconnect_grace]
         for node in self.nodes.values():
             s = node.session
             if s is not None:

@@ -14,6 +14,7 @@ the caller pushes their desired state. The rules that make it safe:
 
 from __future__ import annotations
 
+import random
 import secrets
 from collections.abc import Callable, Sequence
 
@@ -29,7 +30,18 @@ from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.replicas")
 
-DIST_INIT_PORTS = range(29500, 29900)
+# Rendezvous ports are drawn at random from a range away from the usual defaults (29500 is
+# torch.distributed's): a port taken on the rank-0 node fails that replica, which is then rebuilt
+# with another draw instead of hitting the same port again.
+DIST_INIT_PORTS = range(41000, 49000)
+_rng = random.SystemRandom()
+
+
+def _free_port(used: set[int]) -> int:
+    while True:
+        port = _rng.choice(DIST_INIT_PORTS)
+        if port not in used:
+            return port
 
 
 @attrs.frozen(kw_only=True)
@@ -114,7 +126,7 @@ class Replicas:
         for p in result.start:
             port = 0
             if len(p.nodes) > 1:
-                port = next(x for x in DIST_INIT_PORTS if x not in used_ports)
+                port = _free_port(used_ports)
                 used_ports.add(port)
             placed[p.replica_id] = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
             log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
@@ -147,7 +159,7 @@ class Replicas:
             return None, reason
         p = new[0]
         used = {s.dist_init_port for s in self.placed.values()}
-        port = next(x for x in DIST_INIT_PORTS if x not in used) if len(p.nodes) > 1 else 0
+        port = _free_port(used) if len(p.nodes) > 1 else 0
         stored = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
         self.placed[p.replica_id] = stored
         self.surge.add(p.replica_id)

@@ -42,7 +42,27 @@ CREATE TABLE IF NOT EXISTS placements (
     replica_id  TEXT PRIMARY KEY,
     body        TEXT NOT NULL              -- JSON of the placement, its secret and rendezvous port
 );
+CREATE TABLE IF NOT EXISTS api_keys (
+    name            TEXT PRIMARY KEY,
+    token_sha256    TEXT NOT NULL UNIQUE,  -- hex; the token itself is shown once and never stored
+    models          TEXT NOT NULL,         -- JSON array; empty = every model
+    rate_per_minute INTEGER NOT NULL,      -- 0 = no limit
+    max_concurrency INTEGER NOT NULL,      -- 0 = no limit
+    created_at      REAL NOT NULL,
+    revoked_at      REAL                   -- NULL while valid
+);
 """
+
+
+@attrs.frozen(kw_only=True)
+class KeyRow:
+    name: str
+    token_sha256: str = attrs.field(repr=False)
+    models: tuple[str, ...]
+    rate_per_minute: int
+    max_concurrency: int
+    created_at: float
+    revoked_at: float | None
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +163,51 @@ class Store:
                 "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
                 [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
             )
+
+    # -- gateway API keys -----------------------------------------------------------------
+
+    def api_keys(self) -> list[KeyRow]:
+        rows = self._db.execute(
+            "SELECT name, token_sha256, models, rate_per_minute, max_concurrency, created_at, revoked_at "
+            "FROM api_keys ORDER BY name"
+        ).fetchall()
+        return [
+            KeyRow(
+                name=r[0],
+                token_sha256=r[1],
+                models=tuple(json.loads(r[2])),
+                rate_per_minute=r[3],
+                max_concurrency=r[4],
+                created_at=r[5],
+                revoked_at=r[6],
+            )
+            for r in rows
+        ]
+
+    def add_api_key(self, row: KeyRow) -> bool:
+        """Record a new key; False if the name is taken (a revoked key keeps its name)."""
+        try:
+            self._db.execute(
+                "INSERT INTO api_keys (name, token_sha256, models, rate_per_minute, max_concurrency, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    row.name,
+                    row.token_sha256,
+                    json.dumps(list(row.models)),
+                    row.rate_per_minute,
+                    row.max_concurrency,
+                    row.created_at,
+                ),
+            )
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def revoke_api_key(self, name: str, now: float | None = None) -> bool:
+        """Mark a key revoked; False if no key has that name."""
+        now = time.time() if now is None else now
+        cur = self._db.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?", (now, name))
+        return cur.rowcount > 0
 
     # -- certificates ---------------------------------------------------------------------
 

@@ -1,0 +1,208 @@
+"""`llmgw up`: a whole cluster on this machine in one command — the first thing to run.
+
+One process tree: the control plane (CA and state in --state-dir), N local agents with their
+own node ids, certificates and loopback addresses (127.0.0.1, 127.0.0.2, ...), a sim model with
+two replicas (and, with --fabric and two or more nodes, a sim model spanning two nodes of a
+simulated fabric), the gateway on localhost. It prints the gateway URL, an API key and a curl
+command that works as printed; `--json` prints one JSON object per event instead. Ctrl-C stops
+everything; running it again reuses the state (CA, certificates, key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from llmgw import paths, pki, simfabric
+from llmgw.cli import Parser
+from llmgw.commands._service import run_service
+from llmgw.config import AgentConfig, FabricDecl, load_server_config
+from llmgw.errors import LlmgwError, UsageError
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.up")
+
+READY_TIMEOUT_S = 120.0
+
+
+def default_state_dir() -> Path:
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "llmgw" / "up"
+
+
+def configure(parser: Parser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"where the cluster keeps its state (default {default_state_dir()})",
+    )
+    parser.add_argument("--port", type=int, default=8080, help="the gateway's port on 127.0.0.1 (default 8080)")
+    parser.add_argument(
+        "--nodes", type=int, default=1, metavar="N", help="local agents to start (default 1, at most 250)"
+    )
+    parser.add_argument("--fabric", metavar="NAME", help="put the nodes on a simulated InfiniBand fabric of this name")
+    parser.add_argument("--model", type=Path, metavar="FILE.gguf", help="also serve this GGUF file with llama.cpp")
+    parser.add_argument(
+        "--llama-server", metavar="PATH", help="the llama-server for --model (default: $LLMGW_LLAMA_SERVER)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per event on standard output")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.nodes <= 250:
+        raise UsageError(f"--nodes must be between 1 and 250, got {args.nodes}")
+    if args.model is not None and not args.model.is_file():
+        raise UsageError(f"--model {args.model}: no such file")
+    state = (args.state_dir or default_state_dir()).resolve()
+    return run_service("up", up, args, state)
+
+
+class Events:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def __call__(self, event: str, text: str = "", **fields: Any) -> None:
+        if self.as_json:
+            print(json.dumps({"event": event, **fields}), flush=True)
+        elif text:
+            print(text, flush=True)
+
+
+def _server_toml(state: Path, args: argparse.Namespace) -> Path:
+    path = state / "server.toml"
+    if path.exists():
+        return path  # the operator may have edited it: reuse as it is
+    models = ['[[models]]\nname = "sim-small"\nengine = "sim"\nreplicas = 2\n']
+    if args.fabric and args.nodes >= 2:
+        models.append('[[models]]\nname = "sim-big"\nengine = "sim"\nnodes_per_replica = 2\n')
+    if args.model is not None:
+        models.append(
+            f'[[models]]\nname = "{args.model.stem}"\nengine = "llamacpp"\nsource = {{ path = "{args.model.resolve()}" }}\n'
+        )
+    path.write_text(
+        "# Written by `llmgw up`; edit it and run `llmgw ctl reload --state-dir "
+        f'{state}`.\n[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\n'
+        f'http_listen = "127.0.0.1:{args.port}"\nadvertise = ["127.0.0.1"]\nheartbeat_interval_s = 1.0\n'
+        "heartbeat_ttl_s = 5.0\n\n" + "\n".join(models)
+    )
+    return path
+
+
+def _node_config(state: Path, ca: pki.CA, i: int, agent_port: int, args: argparse.Namespace) -> AgentConfig:
+    node_id = f"local-{i + 1}"
+    node_dir = state / "nodes" / node_id
+    files = pki.node_paths(node_dir)
+    if not files.cert.exists():
+        pki.issue_to_dir(ca, node_id, files.dir, validity_days=365)
+    extra: dict[str, Any] = {}
+    if args.fabric:
+        ib_root, sminfo = simfabric.write_node(node_dir / "sim-fabric", fabric=args.fabric, node=node_id, index=i)
+        extra = {
+            "ib_root": str(ib_root),
+            "sminfo": str(sminfo),
+            "fabrics": (FabricDecl(name=args.fabric, adapters=simfabric.ADAPTERS),),
+        }
+    llama = args.llama_server or os.environ.get("LLMGW_LLAMA_SERVER", "")
+    return AgentConfig(
+        server=f"wss://127.0.0.1:{agent_port}",
+        node_id=node_id,
+        state_dir=str(node_dir),
+        source_address=f"127.0.0.{i + 1}",
+        llamacpp_bin=llama,
+        **extra,
+    )
+
+
+async def up(args: argparse.Namespace, state: Path) -> None:
+    from agent.main import run_agent
+    from llmgw.server.app import ControlPlane
+
+    emit = Events(args.json)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    emit("starting", f"llmgw up: state in {state}", state_dir=str(state), nodes=args.nodes)
+    if not pki.ca_paths(state).ca_key.exists():
+        pki.init_ca(state, validity_days=3650)
+        pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=825)
+        emit("ca_created", state_dir=str(state))
+    ca = pki.load_ca(state)
+    paths.ensure_admin_token(state)
+    config_path = _server_toml(state, args)
+    plane = ControlPlane(load_server_config(config_path), state, config_path)
+    async with trio.open_nursery() as nursery:
+        try:
+            bound = await nursery.start(plane.serve)
+        except LlmgwError as exc:
+            raise LlmgwError(f"{exc} (the gateway wants 127.0.0.1:{args.port}; pick another with --port)") from None
+        emit("control_plane", admin_url=bound.admin_url, agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}")
+        for i in range(args.nodes):
+            await nursery.start(run_agent, _node_config(state, ca, i, bound.agent_address[1], args))
+        await _wait_ready(plane, args.nodes, emit)
+        api_key = _api_key(plane, state)
+        gateway = bound.admin_url
+        emit(
+            "ready",
+            "\n".join(
+                [
+                    f"llmgw is up: {args.nodes} node(s), gateway {gateway}",
+                    f"API key: {api_key}",
+                    "Try it:",
+                    f"  curl -s {gateway}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+                    "-H 'Content-Type: application/json' "
+                    '-d \'{"model": "sim-small", "messages": [{"role": "user", "content": "hello"}]}\'',
+                    f"Operate it: llmgw ctl nodes --state-dir {state}   (Ctrl-C stops everything)",
+                ]
+            ),
+            gateway_url=gateway,
+            admin_url=bound.admin_url,
+            api_key=api_key,
+            state_dir=str(state),
+        )
+
+
+async def _wait_ready(plane, nodes: int, emit: Events) -> None:
+    from llmgw.wire import agent_link as w
+
+    joined: set[str] = set()
+    with trio.move_on_after(READY_TIMEOUT_S) as scope:
+        while True:
+            now = trio.current_time()
+            for node_id, node in plane.registry.nodes.items():
+                if node_id not in joined and plane.registry.liveness(node, now) == "joined":
+                    joined.add(node_id)
+                    emit("node_joined", f"node {node_id} joined", node=node_id)
+            views = plane.replica_views()
+            ready = [v for v in views if v["model"] == "sim-small" and v["state"] == w.READY]
+            if len(joined) >= nodes and len(ready) >= 2:
+                return
+            await trio.sleep(0.1)
+    if scope.cancelled_caught:
+        raise LlmgwError(
+            f"the cluster did not become ready within {READY_TIMEOUT_S:g} s; see `llmgw ctl replicas "
+            f"--state-dir {plane.state_dir}` and the log above"
+        )
+
+
+def _api_key(plane, state: Path) -> str:
+    """The key `up` made for you: made once and kept (0600), so a second `up` prints it again.
+    A key revoked since (or a lost file) gets a new one."""
+    from llmgw.server.gateway.keys import ApiKeyExists
+
+    path = state / "up-api-key"
+    if path.exists():
+        token = path.read_text().strip()
+        if plane.gateway.keys.authenticate(token) is not None:
+            return token
+    for n in range(1, 1000):
+        try:
+            _, token = plane.gateway.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
+            break
+        except ApiKeyExists:
+            continue
+    paths.write_private(path, (token + "\n").encode())
+    return token

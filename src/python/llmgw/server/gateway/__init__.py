@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: routing, the upstream pool, API keys, metrics, the handler."""

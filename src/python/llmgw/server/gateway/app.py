@@ -1,0 +1,462 @@
+"""The gateway's request handler: OpenAI-compatible routes in front of the replicas.
+
+    GET  /health                 200 while serving (ready replicas per model); 503 while draining
+    GET  /metrics                Prometheus text
+    GET  /v1/models              the models this key may use
+    POST /v1/chat/completions, /v1/completions, /v1/embeddings   forwarded to a replica
+
+A forwarded request: the API key is checked (401) and counted against its limits (429); the
+body is parsed only to read "model" and "stream" (400 naming what is wrong); an unknown model
+is a 404. A replica is picked by `Router`; with none free the request waits in a bounded queue
+until one is, or 503 with Retry-After at the deadline. The request goes out with the replica's
+own engine key; a failure before the first response byte (refused, reset, timed out, or a
+502/503 from the engine) takes the replica out of rotation for a cooldown and sends the request
+to another, at most `max_attempts` times in all. The answer is relayed as it comes: a body
+with a length is read whole (bounded), anything else (SSE) is passed on chunk by chunk without
+being parsed; a client that goes away closes the upstream connection, which cancels the work
+on the engine.
+
+Each response carries `x-llmgw-replica` and `x-llmgw-overhead-ms`: the time the gateway spent
+before the request reached the replica that answered (parsing, auth, queueing, failed attempts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import attrs
+import trio
+
+from llmgw.log import get_logger
+from llmgw.server.gateway.errors import UpstreamError, UpstreamUnavailable
+from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.metrics import GatewayMetrics
+from llmgw.server.gateway.routing import Endpoint, Rotation, Router
+from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
+from llmgw.server.http import HTTPError, Request, Response, StreamingResponse
+from llmgw.server.store import KeyRow
+
+log = get_logger("llmgw.gateway")
+
+FORWARDED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# RFC 9110 §7.6.1: connection-specific headers are not forwarded; host, length and the key are ours.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_NOT_RELAYED = _HOP_BY_HOP | {"content-length", "date", "server"}
+_RETRY_STATUSES = (502, 503)
+
+
+@attrs.frozen(kw_only=True)
+class GatewayOptions:
+    queue_timeout_s: float = 30.0
+    max_queue: int = 1024  # requests waiting, all models together; past it, 503 at once
+    max_attempts: int = 3  # replicas tried per request
+    max_outstanding_per_replica: int = 0  # 0 = no cap
+    affinity_chars: int = 0  # 0 = no prefix affinity
+    down_cooldown_s: float = 5.0
+    max_buffered_body: int = 64 << 20
+    retry_after_s: int = 5
+
+
+class EndpointProvider(Protocol):
+    def gateway_rotation(self) -> Rotation: ...
+
+    def rotation_changed(self) -> trio.Event:
+        """An event set at the next change of `gateway_rotation()`."""
+        ...
+
+
+class StaticEndpoints:
+    """An endpoint provider without a control plane: a fixed set, replaced with `set`."""
+
+    def __init__(self, endpoints: tuple[Endpoint, ...] = (), models: frozenset[str] | None = None) -> None:
+        self._changed = trio.Event()
+        self._rotation = Rotation(models=frozenset(), endpoints=())
+        self.set(endpoints, models)
+
+    def set(self, endpoints: tuple[Endpoint, ...], models: frozenset[str] | None = None) -> None:
+        models = frozenset(ep.model for ep in endpoints) if models is None else models
+        self._rotation = Rotation(models=models, endpoints=tuple(endpoints))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def gateway_rotation(self) -> Rotation:
+        return self._rotation
+
+    def rotation_changed(self) -> trio.Event:
+        return self._changed
+
+
+class Gateway:
+    def __init__(
+        self,
+        provider: EndpointProvider,
+        keys: KeyRing,
+        *,
+        options: GatewayOptions | None = None,
+        pool: UpstreamPool | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.provider = provider
+        self.keys = keys
+        self.options = options = options or GatewayOptions()
+        self.pool = pool or UpstreamPool()
+        self.clock = clock
+        self.router = Router(
+            rng=rng,
+            affinity_chars=options.affinity_chars,
+            max_outstanding=options.max_outstanding_per_replica,
+            down_cooldown_s=options.down_cooldown_s,
+        )
+        self.metrics = GatewayMetrics()
+        self.queued: dict[str, int] = {}
+        self.in_flight: dict[str, int] = {}
+        self.draining = False
+        self._wakeup = trio.Event()
+
+    # -- rotation -------------------------------------------------------------------------
+
+    async def serve_rotation(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Follow the provider: the rotation is replaced the moment it changes."""
+        started = False
+        while True:
+            changed = self.provider.rotation_changed()
+            self.apply(self.provider.gateway_rotation())
+            if not started:
+                task_status.started()
+                started = True
+            await changed.wait()
+
+    def apply(self, rotation: Rotation) -> None:
+        before = {(ep.host, ep.port) for eps in self.router.endpoints.values() for ep in eps}
+        self.router.update(rotation.models, rotation.endpoints)
+        after = {(ep.host, ep.port) for ep in rotation.endpoints}
+        for host, port in before - after:
+            for conn in self.pool.forget(host, port):
+                self.pool.open_connections -= 1
+                conn.stream.socket.close()  # idle: nothing to flush, nothing to wait for
+        self._wake()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        self._wakeup = trio.Event()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (503) and wait for those in flight; whether they all finished."""
+        self.draining = True
+        with trio.move_on_after(timeout_s):
+            while any(self.in_flight.values()):
+                await trio.sleep(0.05)
+            return True
+        return False
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        if request.path == "/health":
+            _allow(request, "GET")
+            ready = {m: len(self.router.in_rotation(m, self.clock())) for m in sorted(self.router.models)}
+            if self.draining:
+                return Response.json(503, {"status": "draining", "ready": ready})
+            return Response.json(200, {"status": "ok", "ready": ready})
+        if request.path == "/metrics":
+            _allow(request, "GET")
+            return Response(
+                status=200,
+                body=self.render_metrics().encode(),
+                headers=(("content-type", "text/plain; version=0.0.4; charset=utf-8"),),
+            )
+        if request.path == "/v1/models":
+            _allow(request, "GET")
+            key = self._authenticate(request)
+            allowed = sorted(m for m in self.router.models if not key.models or m in key.models)
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "llmgw"} for m in allowed]
+            return Response.json(200, {"object": "list", "data": data})
+        if request.path in FORWARDED:
+            _allow(request, "POST")
+            return await self._forward(request)
+        raise HTTPError(
+            404,
+            f"no route {request.method} {request.path}; the gateway serves /v1/models, "
+            + ", ".join(FORWARDED)
+            + ", /health and /metrics",
+            kind="not_found_error",
+        )
+
+    def _authenticate(self, request: Request) -> KeyRow:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _counted(
+                self,
+                "-",
+                HTTPError(
+                    401,
+                    "no API key: send 'Authorization: Bearer KEY'; an operator creates keys with "
+                    "`llmgw ctl keys create NAME`",
+                    kind="authentication_error",
+                    headers=(("www-authenticate", "Bearer"),),
+                ),
+            )
+        row = self.keys.authenticate(token.strip())
+        if row is None:
+            raise _counted(
+                self,
+                "-",
+                HTTPError(
+                    401,
+                    "invalid API key: it is unknown or revoked (`llmgw ctl keys list`)",
+                    kind="authentication_error",
+                    headers=(("www-authenticate", "Bearer"),),
+                ),
+            )
+        return row
+
+    async def _forward(self, request: Request) -> Response | StreamingResponse:
+        started = self.clock()
+        if self.draining:
+            raise _counted(self, "-", self._unavailable("the gateway is shutting down"))
+        key = self._authenticate(request)
+        model, prompt = self._read_model(request)
+        if key.models and model not in key.models:
+            raise _counted(
+                self,
+                model,
+                HTTPError(
+                    403,
+                    f"API key {key.name!r} may not use model {model!r}; it may use {', '.join(key.models)}",
+                    kind="permission_error",
+                ),
+            )
+        limited = self.keys.admit(key)
+        if limited is not None:
+            retry = str(max(1, math.ceil(limited.retry_after_s)))
+            raise _counted(
+                self, model, HTTPError(429, limited.message, kind="rate_limit_error", headers=(("retry-after", retry),))
+            )
+        job = _Job(self, key, model, started)
+        try:
+            response = await self._attempts(request, job, prompt)
+        except BaseException:
+            job.finish(None)
+            raise
+        return response
+
+    def _read_model(self, request: Request) -> tuple[str, str | None]:
+        def bad(message: str) -> HTTPError:
+            return _counted(self, "-", HTTPError(400, message))
+
+        try:
+            body = json.loads(request.body)
+        except ValueError as exc:
+            raise bad(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad(f"request body must be a JSON object, got {type(body).__name__}")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad(f"'model' must be a non-empty string naming a model (GET /v1/models lists them), got {model!r}")
+        if not isinstance(body.get("stream", False), (bool, type(None))):
+            raise bad(f"'stream' must be true or false, got {body.get('stream')!r}")
+        if model not in self.router.models:
+            known = ", ".join(sorted(self.router.models)) or "none"
+            raise _counted(
+                self,
+                "-",
+                HTTPError(
+                    404, f"the model {model!r} does not exist; this gateway serves: {known}", kind="not_found_error"
+                ),
+            )
+        prompt = None
+        if self.options.affinity_chars:
+            prompt = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))[:4096]
+            prompt = prompt if isinstance(prompt, str) else None
+        return model, prompt
+
+    def _unavailable(self, why: str) -> HTTPError:
+        return HTTPError(
+            503, why, kind="unavailable_error", headers=(("retry-after", str(self.options.retry_after_s)),)
+        )
+
+    async def _attempts(self, request: Request, job: _Job, prompt: str | None) -> Response | StreamingResponse:
+        deadline = job.started + self.options.queue_timeout_s
+        tried: set[str] = set()
+        last = last_reason = ""
+        for attempt in range(self.options.max_attempts):
+            ep = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
+            if ep is None:
+                why = (
+                    f"no ready replica of {job.model!r} within {self.options.queue_timeout_s:g} s"
+                    if not last
+                    else f"no replica of {job.model!r} could answer: {last}"
+                )
+                raise _counted(self, job.model, self._unavailable(why + "; try again later"))
+            if attempt:
+                self.metrics.retries.inc(model=job.model, reason=last_reason)
+            self.router.acquire(ep)
+            job.endpoint = ep
+            job.sent_at = self.clock()
+            try:
+                upstream = await self.pool.send(
+                    ep.host, ep.port, request.method, request.path, _upstream_headers(request, ep), request.body
+                )
+            except UpstreamUnavailable as exc:
+                last, last_reason = str(exc), "connect"
+            else:
+                if upstream.status not in _RETRY_STATUSES:
+                    return await self._relay(upstream, job)
+                await upstream.aclose()
+                last, last_reason = f"{ep.replica_id} answered {upstream.status}", str(upstream.status)
+            log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last)
+            self.router.release(ep)
+            job.endpoint = None
+            self.router.mark_down(ep.replica_id, self.clock())
+            tried.add(ep.replica_id)
+            self._wake()
+        raise _counted(
+            self, job.model, self._unavailable(f"{self.options.max_attempts} replicas failed; the last: {last}")
+        )
+
+    async def _wait_for_endpoint(self, model: str, tried: set[str], prompt: str | None, deadline: float):
+        ep = self.router.pick(model, self.clock(), exclude=tried, prompt=prompt)
+        if ep is not None:
+            return ep
+        if sum(self.queued.values()) >= self.options.max_queue:
+            return None
+        self.queued[model] = self.queued.get(model, 0) + 1
+        try:
+            with trio.move_on_at(deadline):
+                while True:
+                    # A cooldown ends without an event: look again at least every second.
+                    with trio.move_on_after(1.0):
+                        await self._wakeup.wait()
+                    ep = self.router.pick(model, self.clock(), exclude=tried, prompt=prompt)
+                    if ep is not None:
+                        return ep
+        finally:
+            self.queued[model] -= 1
+        return None
+
+    async def _relay(self, upstream: UpstreamResponse, job: _Job) -> Response | StreamingResponse:
+        ep = job.endpoint
+        assert ep is not None
+        headers = (
+            *((k, v) for k, v in upstream.headers if k not in _NOT_RELAYED),
+            ("x-llmgw-replica", ep.replica_id),
+            ("x-llmgw-overhead-ms", f"{(job.sent_at - job.started) * 1000:.2f}"),
+        )
+        if upstream.header("content-length") is not None:
+            try:
+                body = await upstream.read(self.options.max_buffered_body)
+            except UpstreamError as exc:
+                raise _counted(self, job.model, HTTPError(502, str(exc), kind="upstream_error")) from None
+            finally:
+                await upstream.aclose()
+            job.first_byte()
+            job.finish(upstream.status)
+            return Response(status=upstream.status, body=body, headers=headers)
+        job.first_byte()
+        return StreamingResponse(status=upstream.status, body=_stream(upstream, job), headers=headers)
+
+    def render_metrics(self) -> str:
+        m = self.metrics
+        now = self.clock()
+        m.replica_state.clear()
+        m.replica_outstanding.clear()
+        for model, eps in sorted(self.router.endpoints.items()):
+            for ep in eps:
+                m.replica_state.set(1, model=model, replica=ep.replica_id, state=self.router.state_of(ep, now))
+                m.replica_outstanding.set(
+                    self.router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id
+                )
+        for model in sorted(self.router.models | set(self.queued) | set(self.in_flight)):
+            m.queue_depth.set(self.queued.get(model, 0), model=model)
+            m.in_flight.set(self.in_flight.get(model, 0), model=model)
+        return m.render()
+
+
+class _Job:
+    """One forwarded request's accounting; `finish` runs once, however the request ends."""
+
+    def __init__(self, gw: Gateway, key: KeyRow, model: str, started: float) -> None:
+        self.gw, self.key, self.model, self.started = gw, key, model, started
+        self.endpoint: Endpoint | None = None
+        self.sent_at = started
+        self._first_byte_seen = False
+        self._done = False
+        gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
+
+    def first_byte(self) -> None:
+        if not self._first_byte_seen:
+            self._first_byte_seen = True
+            self.gw.metrics.ttfb.observe(self.gw.clock() - self.started, model=self.model)
+
+    def finish(self, status: int | None) -> None:
+        """`status` None: the request ended without an answer of ours (counted where raised,
+        or the client went away: 499, as nginx logs it)."""
+        if self._done:
+            return
+        self._done = True
+        gw = self.gw
+        gw.in_flight[self.model] -= 1
+        gw.keys.leave(self.key)
+        if self.endpoint is not None:
+            gw.router.release(self.endpoint)
+            gw._wake()
+        if status is not None:
+            gw.metrics.requests.inc(model=self.model, status=str(status))
+            gw.metrics.latency.observe(gw.clock() - self.started, model=self.model)
+
+
+async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]:
+    status: int | None = 499
+    try:
+        async for chunk in upstream.body():
+            yield chunk
+        status = upstream.status
+    except UpstreamError as exc:
+        log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc))
+        status = 502
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await upstream.aclose()  # not read to its end: closed, which stops the engine's work
+        job.finish(status)
+
+
+def _upstream_headers(request: Request, ep: Endpoint) -> list[tuple[str, str]]:
+    named = {h.strip() for h in request.headers.get("connection", "").lower().split(",") if h.strip()}
+    headers = [(k, v) for k, v in request.headers.items() if k not in _NOT_FORWARDED and k not in named]
+    if ep.api_key:
+        headers.append(("authorization", f"Bearer {ep.api_key}"))
+    client_host = request.client.rpartition(":")[0]
+    if client_host:
+        prior = request.headers.get("x-forwarded-for")
+        headers = [(k, v) for k, v in headers if k != "x-forwarded-for"]
+        headers.append(("x-forwarded-for", f"{prior}, {client_host}" if prior else client_host))
+    return headers
+
+
+def _counted(gw: Gateway, model: str, error: HTTPError) -> HTTPError:
+    gw.metrics.requests.inc(model=model, status=str(error.status))
+    return error
+
+
+def _allow(request: Request, method: str) -> None:
+    if request.method != method:
+        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))

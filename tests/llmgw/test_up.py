@@ -1,0 +1,75 @@
+"""`llmgw up` as a newcomer runs it: one real process tree, a working gateway, a key that works,
+Ctrl-C stops everything, and a second run reuses the state."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from testlib.proc import llmgw_env
+
+READY_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(state: Path, port: int) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=llmgw_env(),
+    )
+    events = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # bounded: `up` itself gives up after its ready timeout
+        event = json.loads(line)
+        events.append(event["event"])
+        if event["event"] == "ready":
+            assert events[0] == "starting" and "node_joined" in events
+            return proc, event
+    raise AssertionError(f"llmgw up ended before ready: exit {proc.wait(10)}, events {events}")
+
+
+def chat(url: str, key: str) -> dict:
+    body = json.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    return proc.wait(timeout=30)
+
+
+def test_up_serves_a_sim_model_through_the_gateway_and_restarts_on_its_state(tmp_path: Path) -> None:
+    state, port = tmp_path / "state", free_port()
+    proc, ready = start(state, port)
+    try:
+        assert ready["gateway_url"] == f"http://127.0.0.1:{port}" and ready["api_key"]
+        answer = chat(ready["gateway_url"], ready["api_key"])
+        assert answer["choices"][0]["message"]["content"]
+    finally:
+        code = stop(proc)
+    assert code == 0
+    proc, again = start(state, port)  # the same state: same CA, same key
+    try:
+        assert again["api_key"] == ready["api_key"]
+        assert chat(again["gateway_url"], again["api_key"])["model"] == "sim-small"
+    finally:
+        assert stop(proc) == 0

@@ -1,0 +1,137 @@
+"""Building blocks of gateway tests: real sim engine processes on loopback, a gateway in front of
+them (a static endpoint provider, no control plane), a blocking HTTP client run in a thread, and
+a parser of Prometheus text."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
+from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.routing import Endpoint
+from llmgw.server.http import Limits, bound_address, serve_http
+from llmgw.server.store import Store
+from testlib.cluster import free_port
+from testlib.proc import llmgw_env
+
+
+class Sim:
+    def __init__(self, name: str, model: str = "chat", *extra: str) -> None:
+        self.name, self.model, self.port, self.key = name, model, free_port(), f"key-{name}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "engine", "sim", "--model", model, "--port", str(self.port)]
+            + ["--api-key", self.key, *extra],
+            env=llmgw_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def endpoint(self, **kw) -> Endpoint:
+        return Endpoint(
+            replica_id=self.name, model=self.model, host="127.0.0.1", port=self.port, api_key=self.key, **kw
+        )
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"sim {self.name} exited with {self.proc.returncode}"
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"sim {self.name} did not serve within {timeout:g} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@attrs.define
+class GW:
+    url_host: str
+    port: int
+    gateway: Gateway
+    provider: StaticEndpoints
+    token: str
+
+    async def call(self, method: str, path: str, body=None, *, token: str | None = "", headers=None, timeout=15.0):
+        """(status, headers, body) of one request on a fresh connection."""
+        token = self.token if token == "" else token
+        return await trio.to_thread.run_sync(
+            lambda: request(self.port, method, path, body, token=token, headers=headers, timeout=timeout)
+        )
+
+
+def request(port: int, method: str, path: str, body=None, *, token=None, headers=None, timeout=15.0):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        hdrs = dict(headers or {})
+        if token:
+            hdrs["authorization"] = f"Bearer {token}"
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        if data is not None:
+            hdrs.setdefault("content-type", "application/json")
+        conn.request(method, path, body=data, headers=hdrs)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+async def start_gateway(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    endpoints: tuple[Endpoint, ...],
+    *,
+    models: frozenset[str] | None = None,
+    limits: Limits = Limits(),
+    **options,
+) -> GW:
+    keys = KeyRing(Store.open(tmp_path / "cp"))
+    _, token = keys.create("tests")
+    provider = StaticEndpoints(endpoints, models)
+    gateway = Gateway(provider, keys, options=GatewayOptions(**options))
+    await nursery.start(gateway.serve_rotation)
+    listeners = await nursery.start(
+        lambda task_status: serve_http(gateway.handle, "127.0.0.1", 0, limits=limits, task_status=task_status)
+    )
+    host, port = bound_address(listeners)
+    return GW(url_host=host, port=port, gateway=gateway, provider=provider, token=token)
+
+
+def chat(content: str = "hello", **extra) -> dict:
+    return {"model": "chat", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text as {(name, labels): value}; checks each line is well formed."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            assert line.startswith(("# HELP ", "# TYPE ")) or not line, line
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        labels: frozenset = frozenset()
+        if "{" in name_labels:
+            name, _, rest = name_labels.partition("{")
+            assert rest.endswith("}"), line
+            pairs = [p for p in rest[:-1].split(",") if p]
+            labels = frozenset((k, v.strip('"')) for k, _, v in (p.partition("=") for p in pairs))
+        else:
+            name = name_labels
+        out[(name, labels)] = float(value)
+    return out
