@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import attrs
 
 from llmgw import log
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, leaves
 
 
 @attrs.frozen
@@ -157,7 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # at /dev/null so the interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except Exception:  # noqa: BLE001 - the last line of defence: a bug, reported as one
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: a bug, reported as one
+        # A task of a nursery raised an LlmgwError: it arrives wrapped in an exception group.
+        wrapped = [e for e in leaves(exc) if isinstance(e, LlmgwError)]
+        if wrapped and all(isinstance(e, LlmgwError) for e in leaves(exc)):
+            print(f"llmgw {command}: {wrapped[0]}", file=sys.stderr)
+            return wrapped[0].exit_status
         traceback.print_exc()
         print(
             f"llmgw {command}: internal error (a bug in llmgw); the traceback above says where. "
