@@ -73,3 +73,49 @@ def test_up_serves_a_sim_model_through_the_gateway_and_restarts_on_its_state(tmp
         assert chat(again["gateway_url"], again["api_key"])["model"] == "sim-small"
     finally:
         assert stop(proc) == 0
+
+
+def test_up_serves_a_gguf_file_with_the_real_llama_server(tmp_path: Path) -> None:
+    from testlib.llama import llama_server
+    from testlib.tinygguf import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw",
+            "up",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--port",
+            str(port),
+            "--model",
+            str(model),
+            "--llama-server",
+            llama_server(),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=llmgw_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        ready = next(e for e in map(json.loads, proc.stdout) if e["event"] == "ready")
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 8}).encode()
+        request = urllib.request.Request(
+            f"{ready['gateway_url']}/v1/completions",
+            data=body,
+            headers={"Authorization": f"Bearer {ready['api_key']}", "Content-Type": "application/json"},
+        )
+        # The llama.cpp replica may still be loading when `ready` (which waits for the sim) comes:
+        # the gateway queues the request until it is ready.
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.headers["x-llmgw-replica"].startswith("tiny-")
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] > 0
+    finally:
+        assert stop(proc) == 0

@@ -25,24 +25,12 @@ from llmgw import cli
 from llmgw.config import Secret
 from llmgw.engines import ReplicaLaunch, build_command
 from llmgw.engines.helptext import documented_flags
+from testlib.llama import llama_server
 from testlib.proc import build_root
 from testlib.tinygguf import write_tiny_llama
 
-LLAMA_VERSION = "11434.0.0"  # tools/llama/build-llama-server's
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
-
-
-def llama_server() -> str:
-    given = os.environ.get("LLMGW_LLAMA_SERVER")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    path = Path(given) if given else cache / "llmgw-llama" / LLAMA_VERSION / "bin" / "llama-server"
-    if not os.access(path, os.X_OK):
-        pytest.fail(
-            f"no llama-server at {path} ({'LLMGW_LLAMA_SERVER' if given else 'the build cache'}); "
-            "run tools/llama/build-llama-server (about 5 minutes) or set LLMGW_LLAMA_SERVER"
-        )
-    return str(path)
 
 
 def free_port() -> int:
