@@ -3,8 +3,8 @@ simulated InfiniBand fabric, and real sim engines, driven only through what an o
 (`ctl nodes|replicas|reload|drain`, signals) and observed through `ctl`, /proc and the logs.
 
 The fabric is the recorded `one-fabric` tree with its stand-in `sminfo`: every node sees the
-same subnet manager, so the three form one fabric `ib-a` by name and identity. All agents dial
-from 127.0.0.1: the agent has no setting for its source address.
+same subnet manager, so the three form one fabric `ib-a` by name and identity. Each agent dials
+from its own loopback address (127.0.0.2, .3, .4), as separate machines would.
 
 One story, in order, because each step starts from what the previous one left: a two-node
 replica placed on the fabric answers with its own key; an engine killed is restarted; a node
@@ -49,6 +49,12 @@ name = "small"
 engine = "sim"
 replicas = 2
 """
+
+
+def address_of(node_id: str) -> str:
+    return f"127.0.0.{NODES.index(node_id) + 2}"
+
+
 AGENT_TOML = (
     f'ib_root = "{ib_root(IB_CASE)}"\n'
     f'sminfo = "{sminfo(IB_CASE)}"\n'
@@ -136,7 +142,7 @@ def test_replicas_are_placed_restarted_rebuilt_fenced_drained_and_survive_a_cont
     #    placement sees the whole cluster (it is stable: what it places first stays there).
     cluster.init_ca()
     for node_id in NODES:
-        cluster.add_node(node_id, AGENT_TOML)
+        cluster.add_node(node_id, AGENT_TOML + f'source_address = "{address_of(node_id)}"\n')
     server = cluster.start_server()
     for node_id in NODES:
         cluster.start_agent(node_id)
@@ -147,7 +153,7 @@ def test_replicas_are_placed_restarted_rebuilt_fenced_drained_and_survive_a_cont
     for node in nodes.values():
         assert node["fabrics"] == [{"name": "ib-a", "identity": IDENTITY, "adapters": ["mlx5_0", "mlx5_1"]}], node
         assert node["fabric_problems"] == [], node
-        assert node["address"] == "127.0.0.1", node  # the agent cannot choose its source address
+        assert node["address"] == address_of(node["id"]), node
     cluster.set_catalog(CATALOG)
     reloaded = cluster.ctl("reload")
     assert reloaded["models"] == ["big", "small"], reloaded
