@@ -293,8 +293,7 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
                 f"{n['cert_not_after']} ({n['cert_expires_in_days']:.0f}d)" if n.get("cert_not_after") else "-",
             )
         )
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return _table(rows)
 
 
 # -- keys: the gateway's API keys ----------------------------------------------------------
