@@ -1,0 +1,93 @@
+"""The steps of `llmgw node add`, in the order they run, and the events they emit.
+
+Each step emits `started`, then exactly one of `ok`, `warn` or `failed`, with a detail; the
+run stops at the first `failed`. The screens (a urwid checklist in a terminal, one line per
+step elsewhere, or one JSON object per event) only draw these events, so what the operator
+sees and what a script reads come from one place. Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import attrs
+
+STARTED, OK, WARN, FAILED = "started", "ok", "warn", "failed"
+OUTCOMES = (OK, WARN, FAILED)
+
+# (name, what the operator reads), in order. The authority is read before the node is touched.
+STEPS: tuple[tuple[str, str], ...] = (
+    ("authority", "read the certificate authority"),
+    ("connect", "connect over SSH and verify the host key"),
+    ("identify", "read the node's hostname and architecture"),
+    ("address", "find the address the agent will dial, covered by the server certificate"),
+    ("ship", "ship the release for the node's architecture and verify its sha256"),
+    ("doctor", "run llmgw doctor on the node"),
+    ("fabrics", "name the fabrics of the node's adapters"),
+    ("identity", "make the node's key and CSR there, sign it here"),
+    ("trust", "install the certificate and trust the CA root"),
+    ("configure", "write agent.toml and the service"),
+    ("start", "start the agent"),
+    ("join", "wait for the node to join and install llama.cpp"),
+)
+NAMES = tuple(name for name, _ in STEPS)
+
+
+@attrs.frozen(kw_only=True)
+class Event:
+    step: str
+    status: str  # STARTED or one of OUTCOMES
+    detail: str = ""
+
+
+@attrs.define
+class Checklist:
+    """What has happened so far; `apply` enforces the order and the one-outcome rule."""
+
+    events: list[Event] = attrs.Factory(list)
+    status: dict[str, str] = attrs.Factory(dict)
+
+    def apply(self, event: Event) -> None:
+        if event.step not in NAMES:
+            raise ValueError(f"unknown step {event.step!r}")  # a bug in the caller
+        if self.failed is not None:
+            raise ValueError(f"step {event.step!r} after {self.failed!r} failed")
+        current = self.status.get(event.step)
+        if event.status == STARTED:
+            if current is not None:
+                raise ValueError(f"step {event.step!r} started twice")
+            done = [n for n in NAMES[: NAMES.index(event.step)] if self.status.get(n) not in OUTCOMES]
+            if done:
+                raise ValueError(f"step {event.step!r} started before {done[0]!r} finished")
+        elif event.status in OUTCOMES:
+            if current != STARTED:
+                raise ValueError(f"step {event.step!r} finished without starting")
+        else:
+            raise ValueError(f"unknown status {event.status!r}")
+        self.status[event.step] = event.status
+        self.events.append(event)
+
+    @property
+    def failed(self) -> str | None:
+        return next((n for n in NAMES if self.status.get(n) == FAILED), None)
+
+    @property
+    def done(self) -> bool:
+        return self.failed is not None or all(self.status.get(n) in OUTCOMES for n in NAMES)
+
+
+def plain_line(event: Event) -> str | None:
+    """One line per finished step (`started` prints nothing), e.g. `ok     connect  ubuntu@10.0.0.21`."""
+    if event.status == STARTED:
+        return None
+    text = f"{event.status:<6} {event.step:<10} {dict(STEPS)[event.step]}"
+    return f"{text}: {event.detail}" if event.detail else text
+
+
+def json_line(event: Event) -> str:
+    return json.dumps({"step": event.step, "status": event.status, "detail": event.detail})
+
+
+def summary(checklist: Checklist) -> Sequence[str]:
+    return [f"{checklist.status.get(n, 'pending'):<7} {text}" for n, text in STEPS]
