@@ -78,6 +78,7 @@ class ControlPlane:
         self._replicas_changed = trio.Event()
         self.drains: dict[str, dict[str, Any]] = {}
         self.drain_ready_timeout_s = 600.0
+        self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self._nursery: trio.Nursery | None = None
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
@@ -376,32 +377,57 @@ class ControlPlane:
                 await self._changed.wait()
 
     async def serve(self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled. On cancellation the HTTP listener outlives the rest for a drain:
+        the gateway answers new requests 503 while those in flight finish, for at most
+        `shutdown_drain_s`; then the listener and its connections close."""
         agent_host, agent_port = _split_hostport(self.config.server.agent_listen)
         http_host, http_port = _split_hostport(self.config.server.http_listen)
+        # Shielded: cancelling the control plane must not cut the requests in flight; the drain
+        # below ends this scope itself, once they finished or the deadline passed.
+        http_scope = trio.CancelScope(shield=True)
+
+        async def serve_http_until_drained(*, task_status: trio.TaskStatus) -> None:
+            with http_scope:
+                await serve_http(self.handle_http, http_host, http_port, task_status=task_status)
+
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await nursery.start(self.gateway.serve_rotation)
             try:
-                agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
-                http_listeners = await nursery.start(serve_http, self.handle_http, http_host, http_port)
-            except OSError as exc:
-                raise MachineError(
-                    f"cannot listen: {exc}; is another llmgw server running, or the port taken?"
-                ) from None
-            await nursery.start(self.serve_liveness)
-            nursery.start_soon(self.fill_mirror)
-            bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
-            url_file = paths.admin_url_path(self.state_dir)
-            url_file.write_text(bound.admin_url + "\n")
-            nursery.start_soon(_remove_on_exit, url_file)
-            log.info(
-                "server_ready",
-                agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
-                admin_url=bound.admin_url,
-                state_dir=str(self.state_dir),
-                nodes_known=len(self.registry.nodes),
-            )
-            task_status.started(bound)
+                await nursery.start(self.gateway.serve_rotation)
+                try:
+                    agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
+                    http_listeners = await nursery.start(serve_http_until_drained)
+                except OSError as exc:
+                    raise MachineError(
+                        f"cannot listen: {exc}; is another llmgw server running, or the port taken?"
+                    ) from None
+                await nursery.start(self.serve_liveness)
+                nursery.start_soon(self.fill_mirror)
+                bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
+                url_file = paths.admin_url_path(self.state_dir)
+                url_file.write_text(bound.admin_url + "\n")
+                nursery.start_soon(_remove_on_exit, url_file)
+                log.info(
+                    "server_ready",
+                    agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
+                    admin_url=bound.admin_url,
+                    state_dir=str(self.state_dir),
+                    nodes_known=len(self.registry.nodes),
+                )
+                task_status.started(bound)
+                await trio.sleep_forever()
+            finally:
+                with trio.move_on_after(self.shutdown_drain_s + 1) as cleanup:
+                    cleanup.shield = True
+                    log.info("server_draining", in_flight=sum(self.gateway.in_flight.values()))
+                    finished = await self.gateway.drain(self.shutdown_drain_s)
+                    if not finished:
+                        log.warning(
+                            "server_drain_timed_out",
+                            in_flight=sum(self.gateway.in_flight.values()),
+                            after_s=self.shutdown_drain_s,
+                        )
+                http_scope.cancel()
 
     async def fill_mirror(self, *, retry_s: float = 600.0) -> None:
         """Fetch every configured engine archive once into the artifacts directory, so nodes

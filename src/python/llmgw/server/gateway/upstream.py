@@ -168,19 +168,38 @@ class UpstreamResponse:
         return next((v for k, v in self.headers if k == name), None)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The body's chunks as they arrive; ends at the end of the message."""
+        """The body's chunks as they arrive; ends at the end of the message. What h11 already
+        holds when a chunk is taken goes out with it: when the engine writes faster than the
+        client reads (many small SSE events), one write relays several, not one each."""
         host, port = self.key
+        held = None  # an event read ahead of its turn
         while True:
-            try:
-                event = await _next_event(self.conn, self.pool.read_timeout_s)
-            except trio.TooSlowError:
-                raise UpstreamBroken(
-                    f"{host}:{port} sent nothing for {self.pool.read_timeout_s:g} s in the middle of a response"
-                ) from None
-            except _STREAM_ERRORS as exc:
-                raise UpstreamBroken(f"{host}:{port} failed in the middle of a response: {_describe(exc)}") from None
+            if held is not None:
+                event, held = held, None
+            else:
+                try:
+                    event = await _next_event(self.conn, self.pool.read_timeout_s)
+                except trio.TooSlowError:
+                    raise UpstreamBroken(
+                        f"{host}:{port} sent nothing for {self.pool.read_timeout_s:g} s in the middle of a response"
+                    ) from None
+                except _STREAM_ERRORS as exc:
+                    raise UpstreamBroken(
+                        f"{host}:{port} failed in the middle of a response: {_describe(exc)}"
+                    ) from None
             if isinstance(event, h11.Data):
-                yield bytes(event.data)
+                data = bytes(event.data)
+                while True:
+                    try:
+                        more = self.conn.h11.next_event()
+                    except h11.ProtocolError:
+                        break  # h11 raises it again at the next read, where it is translated
+                    if isinstance(more, h11.Data):
+                        data += more.data
+                    else:
+                        held = None if more is h11.NEED_DATA else more
+                        break
+                yield data
             elif isinstance(event, h11.EndOfMessage):
                 return
             else:

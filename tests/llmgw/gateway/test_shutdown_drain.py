@@ -1,0 +1,79 @@
+"""A control plane that is stopped (cancelled, as SIGTERM does through `run_service`) drains its
+gateway first: a stream in flight runs to its end, a new request meanwhile gets 503 with
+Retry-After, and only then does the HTTP listener close."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.config import ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.server.gateway.app import StaticEndpoints
+from testlib.cluster import free_port
+from testlib.controlplane import make_state
+from testlib.gateway import chat, request
+
+pytestmark = pytest.mark.trio
+
+
+async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requests(
+    tmp_path: Path, nursery: trio.Nursery, sims
+) -> None:
+    (sim,) = sims(1, "--output-token-ms", "100")
+    state = tmp_path / "cp"
+    make_state(state)
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state), agent_listen=f"127.0.0.1:{free_port()}", http_listen="127.0.0.1:0"),
+    )
+    plane = ControlPlane(config, state)
+    plane.gateway.provider = StaticEndpoints((sim.endpoint(),))  # the replica without an agent
+    plane.shutdown_drain_s = 20
+    _, token = plane.gateway.keys.create("tests")
+    stopped = trio.Event()
+    plane_scope = trio.CancelScope()
+
+    async def run_plane(*, task_status: trio.TaskStatus) -> None:
+        with plane_scope:
+            async with trio.open_nursery() as inner:
+                task_status.started(await inner.start(plane.serve))
+        stopped.set()
+
+    port = (await nursery.start(run_plane)).http_address[1]
+
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    body = json.dumps(chat(stream=True, max_tokens=20, ignore_eos=True)).encode()  # ~2 s of tokens
+    await client.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    got = b""
+    with trio.fail_after(10):
+        while got.count(b"data: ") < 3:
+            got += await client.receive_some(65536)
+
+    plane_scope.cancel()  # what SIGTERM does to `llmgw server`
+    with trio.fail_after(5):
+        while not plane.gateway.draining:
+            await trio.sleep(0.01)
+    status, headers, refused = await trio.to_thread.run_sync(
+        lambda: request(port, "POST", "/v1/chat/completions", chat(), token=token, timeout=5)
+    )
+    assert status == 503 and headers["retry-after"] and b"shutting down" in refused
+    assert not stopped.is_set()
+
+    with trio.fail_after(15):
+        while not got.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            data = await client.receive_some(65536)
+            assert data, f"the stream was cut during the drain: {got[-200:]!r}"
+            got += data
+    assert b"data: [DONE]" in got and got.count(b'"content":') >= 20
+    await client.aclose()
+    with trio.fail_after(5):
+        await stopped.wait()
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)

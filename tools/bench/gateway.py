@@ -1,0 +1,368 @@
+"""What the gateway costs: the same load straight to a sim engine and through the gateway, in one run.
+
+    PYTHONPATH=src/python python3 tools/bench/gateway.py [--requests N] [--streams S] [--skip-streams]
+
+Loopback only. The gateway runs in its own process (`tools/bench/gateway_runner.py`), so its CPU
+time and memory are its own (read from /proc/PID/stat and /proc/PID/status); the engines are
+`llmgw engine sim` processes; the load comes from this process (trio + h11, keep-alive
+connections). Phases, each with a fixed number of requests and a deadline:
+
+1. latency at concurrency 1: N non-streamed requests one after another, direct and through the
+   gateway in alternating blocks; the added latency is the difference of the percentiles;
+2. throughput at concurrency 64: the same N requests over 64 connections, direct then gateway;
+3. SSE relay: streamed requests of 256 tokens at concurrency 16; events relayed per second of the
+   gateway's CPU time (user + system);
+4. open streams: S streams held open at once through a fresh gateway to an engine with a slow
+   `--output-token-ms`; the gateway's RSS before and with all of them open.
+
+Prints one JSON object: the settings, the figures and whether each meets its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h11
+import trio
+
+MAX_REQUESTS = 20_000
+MAX_STREAMS = 8_000
+READY_TIMEOUT_S = 30.0
+PHASE_TIMEOUT_S = 180.0
+RUNNER = Path(__file__).with_name("gateway_runner.py")
+CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+TARGETS = {"added_latency_p50_ms": 1.0, "throughput_ratio": 0.5, "sse_chunks_per_cpu_second": 50_000, "rss_mib": 1024}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+class Sim:
+    def __init__(self, name: str, *flags: str) -> None:
+        self.name, self.port, self.key = name, free_port(), f"key-{name}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "engine", "sim", "--model", "chat", "--port", str(self.port)]
+            + ["--api-key", self.key, *flags],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def endpoint(self) -> dict:
+        return {"replica_id": self.name, "model": "chat", "host": "127.0.0.1", "port": self.port, "api_key": self.key}
+
+
+class GatewayProc:
+    def __init__(self, tmp: Path, name: str, sims: list[Sim]) -> None:
+        spec = tmp / f"{name}.json"
+        spec.write_text(json.dumps({"state_dir": str(tmp / name), "endpoints": [s.endpoint() for s in sims]}))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(spec)],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # bounded: the runner prints once it listens, or exits
+        if not line:
+            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening")
+        info = json.loads(line)
+        self.port, self.token, self.pid = info["port"], info["token"], self.proc.pid
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.port, self.token = port, token
+        self.stream: trio.SocketStream | None = None
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def post(self, body: bytes) -> tuple[int, bytes]:
+        if self.stream is None:
+            self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        headers = [
+            ("host", "bench"),
+            ("content-type", "application/json"),
+            ("authorization", f"Bearer {self.token}"),
+            ("content-length", str(len(body))),
+        ]
+        conn = self.conn
+        out = conn.send(h11.Request(method="POST", target="/v1/chat/completions", headers=headers))
+        await self.stream.send_all(out + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        status, data = 0, bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await self.stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                data += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise RuntimeError(f"unexpected {event!r}")
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+        else:
+            await self.aclose()
+        return status, bytes(data)
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+        self.stream, self.conn = None, h11.Connection(h11.CLIENT)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def sequential(port: int, token: str, count: int, body: bytes) -> list[float]:
+    client, times = Client(port, token), []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            status, data = await client.post(body)
+            times.append(time.perf_counter() - started)
+            if status != 200:
+                raise SystemExit(f"answer {status}: {data[:200]!r}")
+    finally:
+        await client.aclose()
+    return times
+
+
+async def concurrent(port: int, token: str, count: int, concurrency: int, body: bytes) -> tuple[float, int]:
+    """(wall seconds, SSE events received) for `count` requests over `concurrency` connections."""
+    remaining, events = [count], [0]
+
+    async def worker() -> None:
+        client = Client(port, token)
+        try:
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                status, data = await client.post(body)
+                if status != 200:
+                    raise SystemExit(f"answer {status}: {data[:200]!r}")
+                events[0] += data.count(b"\n\n")
+        finally:
+            await client.aclose()
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return time.perf_counter() - started, events[0]
+
+
+async def hold_streams(gw: GatewayProc, count: int) -> dict:
+    """Open `count` streams through the gateway, measure its RSS with all open, then close them."""
+    body = json.dumps({**CHAT, "stream": True, "max_tokens": 64}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {gw.token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    opened, failed = [0], []
+    all_open = trio.Event()
+    connecting = trio.Semaphore(200)  # below the listen backlog
+
+    async def one() -> None:
+        async with connecting:
+            stream = await trio.open_tcp_stream("127.0.0.1", gw.port)
+            await stream.send_all(request)
+            got = b""
+            while b"data: " not in got:
+                data = await stream.receive_some(65536)
+                if not data:
+                    failed.append(got[:200])
+                    return
+                got += data
+        if b" 200 " not in got.split(b"\r\n", 1)[0]:
+            failed.append(got[:200])
+        opened[0] += 1
+        if opened[0] == count:
+            all_open.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stream.socket.close()
+
+    rss_before = gw.rss_mib()
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(one)
+        await all_open.wait()
+        open_s = time.perf_counter() - started
+        await trio.sleep(1.0)  # let the last streams' buffers settle before reading RSS
+        rss = gw.rss_mib()
+        nursery.cancel_scope.cancel()
+    return {
+        "streams_open": opened[0],
+        "streams_failed": len(failed),
+        "streams_open_s": round(open_s, 1),
+        "rss_idle_mib": round(rss_before, 1),
+        "rss_mib": round(rss, 1),
+    }
+
+
+async def bench(args: argparse.Namespace, tmp: Path) -> dict:
+    fast = Sim("fast")
+    sims = [fast]
+    gateways: list[GatewayProc] = []
+    try:
+        gw = GatewayProc(tmp, "gw", [fast])
+        gateways.append(gw)
+        body = json.dumps(CHAT).encode()
+        with trio.fail_after(READY_TIMEOUT_S):
+            while True:  # the engine is up once it answers
+                try:
+                    await sequential(fast.port, fast.key, 1, body)
+                    break
+                except (OSError, SystemExit):
+                    await trio.sleep(0.1)
+        out: dict = {}
+        n = args.requests
+        with trio.fail_after(PHASE_TIMEOUT_S):
+            await sequential(fast.port, fast.key, 200, body)  # warm-up
+            await sequential(gw.port, gw.token, 200, body)
+            direct, through = [], []
+            for _ in range(10):
+                direct += await sequential(fast.port, fast.key, n // 10, body)
+                through += await sequential(gw.port, gw.token, n // 10, body)
+            for name, times in (("direct", direct), ("gateway", through)):
+                out[f"{name}_latency_p50_ms"] = round(pct(times, 0.5) * 1000, 3)
+                out[f"{name}_latency_p99_ms"] = round(pct(times, 0.99) * 1000, 3)
+            out["added_latency_p50_ms"] = round(out["gateway_latency_p50_ms"] - out["direct_latency_p50_ms"], 3)
+            out["added_latency_p99_ms"] = round(out["gateway_latency_p99_ms"] - out["direct_latency_p99_ms"], 3)
+
+        with trio.fail_after(PHASE_TIMEOUT_S):
+            direct_s, _ = await concurrent(fast.port, fast.key, n, 64, body)
+            through_s, _ = await concurrent(gw.port, gw.token, n, 64, body)
+        out["direct_rps_c64"] = round(n / direct_s)
+        out["gateway_rps_c64"] = round(n / through_s)
+        out["throughput_ratio"] = round(direct_s / through_s, 3)
+
+        streamed = json.dumps({**CHAT, "stream": True, "max_tokens": 256, "ignore_eos": True}).encode()
+        with trio.fail_after(PHASE_TIMEOUT_S):
+            cpu0, wall0 = gw.cpu_s(), time.perf_counter()
+            _, events = await concurrent(gw.port, gw.token, args.sse_requests, 16, streamed)
+            cpu, wall = gw.cpu_s() - cpu0, time.perf_counter() - wall0
+        out["sse_events"] = events
+        out["sse_gateway_cpu_s"] = round(cpu, 2)
+        out["sse_wall_s"] = round(wall, 2)
+        out["sse_chunks_per_wall_second"] = round(events / wall)
+        out["sse_chunks_per_cpu_second"] = round(events / cpu) if cpu else None
+
+        if args.streams:
+            slow = Sim("slow", "--output-token-ms", "2000")
+            sims.append(slow)
+            gw2 = GatewayProc(tmp, "gw-streams", [slow])
+            gateways.append(gw2)
+            with trio.fail_after(READY_TIMEOUT_S):
+                while True:
+                    try:
+                        await sequential(slow.port, slow.key, 1, json.dumps({**CHAT, "max_tokens": 1}).encode())
+                        break
+                    except (OSError, SystemExit):
+                        await trio.sleep(0.1)
+            with trio.fail_after(PHASE_TIMEOUT_S):
+                held = await hold_streams(gw2, args.streams)
+            out.update({k if k.startswith("streams") else f"streams_{k}": v for k, v in held.items()})
+            out[f"streams_{args.streams}_rss_mib"] = held["rss_mib"]
+        return out
+    finally:
+        for g in gateways:
+            stop(g.proc)
+        for s in sims:
+            stop(s.proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=4000, help="requests per phase 1 and 2 (default: 4000)")
+    parser.add_argument("--sse-requests", type=int, default=400, help="streamed requests in phase 3 (default: 400)")
+    parser.add_argument("--streams", type=int, default=5000, help="streams held open in phase 4; 0 skips it")
+    args = parser.parse_args(argv)
+    if not 10 <= args.requests <= MAX_REQUESTS or not 1 <= args.sse_requests <= MAX_REQUESTS:
+        parser.error(f"--requests must be 10..{MAX_REQUESTS}, --sse-requests 1..{MAX_REQUESTS}")
+    if not 0 <= args.streams <= MAX_STREAMS:
+        parser.error(f"--streams must be 0..{MAX_STREAMS}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * args.streams + 1024  # the gateway holds two sockets per stream; children inherit this
+    if hard < needed:
+        parser.error(f"--streams {args.streams} needs {needed} open files; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
+        figures = trio.run(bench, args, Path(tmp))
+    result = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "requests": args.requests,
+        "sse_requests": args.sse_requests,
+        "sse_max_tokens": 256,
+        "streams": args.streams,
+        "sim_flags": "zero delays; --output-token-ms 2000 for the open streams",
+        **figures,
+    }
+    result["targets"] = TARGETS
+    result["ok"] = {
+        "added_latency_p50": figures["added_latency_p50_ms"] <= TARGETS["added_latency_p50_ms"],
+        "throughput_ratio": figures["throughput_ratio"] >= TARGETS["throughput_ratio"],
+        "sse_chunks_per_cpu_second": (figures["sse_chunks_per_cpu_second"] or 0)
+        >= TARGETS["sse_chunks_per_cpu_second"],
+    }
+    if args.streams:
+        result["ok"]["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""A gateway alone in its own process, for `tools/bench/gateway.py` to measure its CPU and memory.
+
+    PYTHONPATH=src/python python3 tools/bench/gateway_runner.py SPEC.json
+
+SPEC is `{"state_dir": DIR, "endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`.
+It serves a `Gateway` with those `StaticEndpoints` on 127.0.0.1 (a free port), creates one API
+key in a fresh store under DIR, prints `{"port": P, "token": T, "pid": PID}` on one line once it
+listens, and runs until SIGTERM or SIGINT. The open-file limit is raised to its hard limit so
+thousands of streams fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import trio
+
+from llmgw.commands._service import run_service
+from llmgw.server.gateway.app import Gateway, StaticEndpoints
+from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.routing import Endpoint
+from llmgw.server.http import bound_address, serve_http
+from llmgw.server.store import Store
+
+
+async def serve(spec: dict) -> None:
+    keys = KeyRing(Store.open(Path(spec["state_dir"])))
+    _, token = keys.create("bench")
+    endpoints = tuple(Endpoint(**ep) for ep in spec["endpoints"])
+    gateway = Gateway(StaticEndpoints(endpoints), keys)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(gateway.serve_rotation)
+        listeners = await nursery.start(serve_http, gateway.handle, "127.0.0.1", 0)
+        _, port = bound_address(listeners)
+        print(json.dumps({"port": port, "token": token, "pid": os.getpid()}), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        raise SystemExit(__doc__)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return run_service("bench_gateway", serve, json.loads(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
