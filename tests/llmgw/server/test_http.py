@@ -274,3 +274,24 @@ async def test_request_pipelined_during_a_stream_is_answered_after_it(
         status, body, _ = await c.response()
         assert status == 200 and b'"/next"' in body
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_leaves_cancels_a_working_handler() -> None:
+    cancelled = trio.Event()
+
+    async def slow(request: http.Request) -> http.Response:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(http._serve_connection, slow, http.Limits(), server_stream)
+        c = Client(client_stream)
+        await c.send("POST", "/v1/completions", body=b"{}")
+        await trio.testing.wait_all_tasks_blocked()
+        await client_stream.aclose()
+        with trio.fail_after(5):
+            await cancelled.wait()

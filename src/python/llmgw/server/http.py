@@ -137,15 +137,9 @@ async def _serve_connection(handler: Handler, limits: Limits, stream: trio.abc.S
             request = await _read_request(conn, stream, limits, client)
             if request is None:
                 return
-            try:
-                response = await handler(request)
-            except HTTPError as exc:
-                response = error_response(exc.status, exc.message, exc.kind, exc.headers)
-            except Exception:
-                log.exception("http_handler_failed", method=request.method, path=request.path)
-                response = error_response(
-                    500, "internal error in llmgw; the server's log has the traceback", "server_error"
-                )
+            response = await _call_handler(handler, request, conn, stream, limits)
+            if response is None:
+                return  # the client went away while the handler worked: it was cancelled
             if isinstance(response, StreamingResponse):
                 if not await _send_streaming(conn, stream, response, limits):
                     return
@@ -163,6 +157,33 @@ async def _serve_connection(handler: Handler, limits: Limits, stream: trio.abc.S
         with trio.move_on_after(1) as cleanup:
             cleanup.shield = True
             await stream.aclose()
+
+
+async def _call_handler(handler: Handler, request: Request, conn: h11.Connection, stream, limits: Limits):
+    """The handler's response; None if the client closed the connection first, in which case the
+    handler is cancelled (so a gateway request stops its upstream request too)."""
+    answer: list = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            try:
+                answer.append(await handler(request))
+            except HTTPError as exc:
+                answer.append(error_response(exc.status, exc.message, exc.kind, exc.headers))
+            except Exception:  # - one bad request must not take the server down
+                log.exception("http_handler_failed", method=request.method, path=request.path)
+                answer.append(
+                    error_response(500, "internal error in llmgw; the server's log has the traceback", "server_error")
+                )
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await _wait_for_disconnect(conn, stream, limits)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        nursery.start_soon(watch)
+    return answer[0] if answer else None
 
 
 class _Refuse(Exception):
