@@ -1,0 +1,89 @@
+"""`llmgw ctl drain` of a real node under load through the gateway: zero failed requests.
+
+An in-process control plane with its gateway, two real agents (127.0.0.1 and 127.0.0.2) running
+real sim engines; bounded load from four clients while the node holding the replicas is drained
+the way `ctl drain` does it (each replacement ready before its original stops)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.main import run_agent
+from llmgw import pki
+from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from testlib.cluster import free_port
+from testlib.controlplane import make_state
+from testlib.gateway import chat, request
+
+pytestmark = pytest.mark.trio
+
+MAX_REQUESTS = 2000  # the load is bounded in count as well as in time
+DRAIN_TIMEOUT_S = 60
+
+
+async def wait_for(predicate, what: str, timeout: float = 30):
+    with trio.fail_after(timeout):
+        while not (value := predicate()):
+            await trio.sleep(0.05)
+        return value
+
+
+async def test_draining_a_node_under_load_fails_no_request(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    state = tmp_path / "cp"
+    ca = make_state(state)
+    port = free_port()
+    config = ServerConfig(
+        server=ServerSection(
+            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
+        ),
+        models=(Model(name="chat", engine="sim", replicas=2),),
+    )
+    plane = ControlPlane(config, state)
+    bound = await nursery.start(plane.serve)
+    _, token = plane.gateway.keys.create("load")
+    for i, node_id in enumerate(("node-a", "node-b")):
+        node_dir = tmp_path / node_id
+        pki.issue_to_dir(ca, node_id, pki.node_paths(node_dir).dir, validity_days=3)
+        agent = AgentConfig(
+            server=f"wss://127.0.0.1:{port}",
+            node_id=node_id,
+            state_dir=str(node_dir),
+            source_address=f"127.0.0.{i + 1}",
+        )
+        await nursery.start(run_agent, agent)
+    await wait_for(lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2, "two replicas in rotation")
+    victim = plane.replicas.placed["chat-0"].placement.nodes[0]
+
+    results: list[int] = []
+    stop = trio.Event()
+
+    async def client() -> None:
+        while not stop.is_set() and len(results) < MAX_REQUESTS:
+            status, _, _ = await trio.to_thread.run_sync(
+                lambda: request(bound.http_address[1], "POST", "/v1/chat/completions", chat(), token=token)
+            )
+            results.append(status)
+
+    async with trio.open_nursery() as load:
+        for _ in range(4):
+            load.start_soon(client)
+        await wait_for(lambda: len(results) >= 20, "load running")
+        progress = await plane.start_drain(victim, force=False)
+        await wait_for(lambda: progress["done"] or progress["error"], "the drain", timeout=DRAIN_TIMEOUT_S)
+        before = len(results)
+        await wait_for(lambda: len(results) >= before + 20, "load after the drain")
+        stop.set()
+
+    assert progress["error"] is None and progress["moved"] == progress["total"] >= 1
+    assert not any(victim in s.placement.nodes for s in plane.replicas.placed.values())
+    failed = [s for s in results if s != 200]
+    assert failed == [], f"{len(failed)} of {len(results)} requests failed: {sorted(set(failed))}"
