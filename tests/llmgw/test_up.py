@@ -119,3 +119,49 @@ def test_up_serves_a_gguf_file_with_the_real_llama_server(tmp_path: Path) -> Non
         assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] > 0
     finally:
         assert stop(proc) == 0
+
+
+def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: Path) -> None:
+    from testlib.proc import run_llmgw
+
+    state, port = tmp_path / "state", free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw",
+            "up",
+            "--state-dir",
+            str(state),
+            "--port",
+            str(port),
+            "--nodes",
+            "2",
+            "--fabric",
+            "ib-a",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=llmgw_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        joined = set()
+        for event in map(json.loads, proc.stdout):
+            joined |= {event["node"]} if event["event"] == "node_joined" else set()
+            if event["event"] == "ready":
+                break
+        assert joined == {"local-1", "local-2"}
+        nodes = json.loads(run_llmgw("ctl", "nodes", "--json", "--state-dir", str(state)).stdout)
+        assert {n["address"] for n in nodes} == {"127.0.0.1", "127.0.0.2"}
+        assert all(f["name"] == "ib-a" for n in nodes for f in n["fabrics"]) and all(n["fabrics"] for n in nodes)
+        for _ in range(300):  # the two-node replica may still be meeting at its rendezvous
+            replicas = json.loads(run_llmgw("ctl", "replicas", "--json", "--state-dir", str(state)).stdout)
+            big = [r for r in replicas if r["model"] == "sim-big"]
+            if big and big[0]["state"] == "ready":
+                break
+        assert big and big[0]["state"] == "ready" and sorted(big[0]["nodes"]) == ["local-1", "local-2"], replicas
+    finally:
+        assert stop(proc) == 0
