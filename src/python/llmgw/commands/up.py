@@ -144,6 +144,8 @@ async def up(args: argparse.Namespace, state: Path) -> None:
             await nursery.start(run_agent, _node_config(state, ca, i, bound.agent_address[1], args))
         await _wait_ready(plane, args.nodes, emit)
         api_key = _api_key(plane, state)
+        names = [m.name for m in plane.config.models]
+        example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url
         emit(
             "ready",
@@ -154,7 +156,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                     "Try it:",
                     f"  curl -s {gateway}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
                     "-H 'Content-Type: application/json' "
-                    '-d \'{"model": "sim-small", "messages": [{"role": "user", "content": "hello"}]}\'',
+                    f"-d '{{\"model\": \"{example}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'",
                     f"Operate it: llmgw ctl nodes --state-dir {state}   (Ctrl-C stops everything)",
                 ]
             ),
@@ -176,9 +178,12 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
                 if node_id not in joined and plane.registry.liveness(node, now) == "joined":
                     joined.add(node_id)
                     emit("node_joined", f"node {node_id} joined", node=node_id)
-            views = plane.replica_views()
-            ready = [v for v in views if v["model"] == "sim-small" and v["state"] == w.READY]
-            if len(joined) >= nodes and len(ready) >= 2:
+            # Ready when every simulated model serves (those start in seconds); a llama.cpp model
+            # may still be loading, and the gateway queues its requests meanwhile. A catalog the
+            # operator edited to hold no sim model is ready when anything serves.
+            ready = {v["model"] for v in plane.replica_views() if v["state"] == w.READY}
+            sims = {m.name for m in plane.config.models if m.engine == "sim"}
+            if len(joined) >= nodes and ((sims and sims <= ready) or (not sims and ready)):
                 return
             await trio.sleep(0.1)
     if scope.cancelled_caught:
