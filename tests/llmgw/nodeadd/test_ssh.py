@@ -92,7 +92,7 @@ async def test_a_command_past_its_deadline_is_abandoned(sshd: Sshd, known_hosts:
                 assert (await s.run(["echo", "still here"], timeout_s=10)).stdout == "still here\n"
     finally:
         if pidfile.exists():  # sshd does not pass signals to a root session: end it here
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, ValueError):  # ValueError: not written yet
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
