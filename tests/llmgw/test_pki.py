@@ -306,7 +306,7 @@ def test_client_context_without_a_certificate_names_the_file(tmp_path: Path) -> 
     with pytest.raises(MachineError) as info:
         pki.client_ssl_context(files.ca_cert, files.cert, files.key)
     assert str(info.value).startswith(f"{files.ca_cert} does not exist;")
-    assert "llmgw node add" in str(info.value)
+    assert "llmgw ca issue" in str(info.value)
 
 
 def test_contexts_require_tls12_and_trust_only_the_cluster_ca(state: Path, ca: pki.CA, tmp_path: Path) -> None:
@@ -351,8 +351,8 @@ async def test_describe_finds_the_ssl_error_behind_trio_and_exception_groups() -
             nursery.start_soon(unrelated)
             nursery.start_soon(handshake_fails)
     assert pki.describe_tls_failure(group.value, side="server") == (
-        "the connecting node's certificate has expired (certificate has expired); renew it with `llmgw node add` "
-        "(or `llmgw ca issue`)"
+        "the connecting node's certificate has expired (certificate has expired); renew it with `llmgw ca issue` "
+        "(docs/operations.md: adding a node by hand)"
     )
 
 
@@ -469,7 +469,7 @@ async def test_an_expired_node_certificate_is_refused(cluster: Cluster) -> None:
     assert server.startswith("the connecting node's certificate has expired (certificate has expired); renew it")
     assert client == (
         "the control plane refused this node's certificate as expired; renew it from the control plane with "
-        "`llmgw node add`"
+        "`llmgw ca issue` (docs/operations.md: adding a node by hand)"
     )
 
 

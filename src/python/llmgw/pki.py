@@ -143,7 +143,7 @@ def cert_info_from_der(der: bytes) -> CertInfo:
 
 
 def load_cert(path: Path) -> x509.Certificate:
-    data = _read(Path(path), "this file is written by `llmgw ca init`, `llmgw ca issue` or `llmgw node add`")
+    data = _read(Path(path), "this file is written by `llmgw ca init` or `llmgw ca issue`")
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError as exc:
@@ -277,7 +277,7 @@ def init_ca(
         if exists:
             raise UsageError(
                 f"a certificate authority already exists: {p}; `llmgw ca init` will not replace it, because "
-                "removing it would orphan every node certificate it issued (each node would need `llmgw node add` "
+                "removing it would orphan every node certificate it issued (each node would need `llmgw ca issue` (docs/operations.md: adding a node by hand) "
                 "again). Use `llmgw ca show` to see it"
             )
     if not 0 < len(common_name) <= _MAX_CN:
@@ -391,7 +391,7 @@ def install_node_cert(state_dir: Path, cert_pem: bytes, ca_cert_pem: bytes) -> N
 
 
 def issue_to_dir(ca: CA, node_id: str, out_dir: Path, *, validity_days: int, now: datetime | None = None) -> NodePaths:
-    """The manual path, for operators without `llmgw node add`: a key, its certificate and the CA
+    """The manual path, for an operator adding a node by hand: a key, its certificate and the CA
     certificate in `out_dir` (flat), to be copied into the node's pki directory."""
     key_pem, csr_pem = make_key_and_csr(node_id)
     cert_pem = ca.sign_csr(csr_pem, node_id, validity_days=validity_days, now=now)
@@ -438,7 +438,7 @@ def server_ssl_context(state_dir: Path) -> ssl.SSLContext:
 def client_ssl_context(ca_cert: Path, cert: Path, key: Path) -> ssl.SSLContext:
     """The agent's side: present the node certificate; believe only the cluster CA, and check
     that the control plane's certificate covers the address dialled."""
-    fix = "add this node from the control plane with `llmgw node add`, or copy in what `llmgw ca issue NODE_ID --out DIR` wrote"
+    fix = "issue this node a certificate on the control plane (`llmgw ca issue`, docs/operations.md), or copy in what `llmgw ca issue NODE_ID --out DIR` wrote"
     for path in (ca_cert, cert, key):
         _require(Path(path), fix)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no load_default_certs(): the system store is not trusted here

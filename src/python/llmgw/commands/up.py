@@ -156,7 +156,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                     "Try it:",
                     f"  curl -s {gateway}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
                     "-H 'Content-Type: application/json' "
-                    f"-d '{{\"model\": \"{example}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'",
+                    f'-d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "hello"}}]}}\'',
                     f"Operate it: llmgw ctl nodes --state-dir {state}   (Ctrl-C stops everything)",
                 ]
             ),

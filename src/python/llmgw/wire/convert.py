@@ -68,7 +68,7 @@ def decode(text: str | bytes, expected: Any) -> Any:
         raise WireError(
             agent_link.PROTOCOL,
             f"the agent speaks protocol {data.get('protocol_version')!r} and this control plane speaks "
-            f"{agent_link.PROTOCOL_VERSION}; run the same llmgw release on both (re-run `llmgw node add` "
+            f"{agent_link.PROTOCOL_VERSION}; run the same llmgw release on both (reinstall the node's llmgw "
             "to upgrade the node)",
         )
     try:
