@@ -5,20 +5,17 @@ engine running and the same replica is adopted, not restarted (same pid, restart
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import trio
 
 from agent.main import run_agent
-from llmgw import pki
-from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.server.http import HTTPError
 from llmgw.wire import agent_link as w
-from testlib.cluster import free_port
-from testlib.controlplane import make_state
+from testlib.controlplane import local
 
 
 async def wait_for(predicate, what: str, timeout: float = 30):
@@ -40,19 +37,8 @@ def reported(plane: ControlPlane) -> w.ReplicaStatus | None:
 async def test_a_control_plane_restart_adopts_the_running_replica(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The agent runs the sim as `python -m llmgw`: give it this process's sys.path (a PEX under Pants).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
-    state = tmp_path / "cp"
-    ca = make_state(state)
-    port = free_port()
-    config = ServerConfig(
-        server=ServerSection(
-            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
-        ),
-        models=(Model(name="chat", engine="sim", replicas=1),),
-    )
-    node_dir = tmp_path / "node"
-    pki.issue_to_dir(ca, "node-a", pki.node_paths(node_dir).dir, validity_days=3)
+    cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=1),))
+    config, state = cluster.config, cluster.state
 
     async def control_plane(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
         plane = ControlPlane(config, state)
@@ -61,7 +47,7 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
             task_status.started((plane, inner.cancel_scope))
 
     plane, scope = await nursery.start(control_plane)
-    agent_config = AgentConfig(server=f"wss://127.0.0.1:{port}", node_id="node-a", state_dir=str(node_dir))
+    agent_config = cluster.agent(tmp_path, "node-a")
     link = await nursery.start(run_agent, agent_config)
     ready = await wait_for(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
     assert ready.pid and ready.port and ready.restarts == 0

@@ -3,11 +3,17 @@ and admin credential; a hello as an agent would send it."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
+
 from llmgw import paths, pki
+from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
 from llmgw.wire import agent_link as w
+from testlib.cluster import free_port
 
 
 def make_state(state: Path, *, sans: Sequence[str] = ("127.0.0.1",), days: int = 3) -> pki.CA:
@@ -38,3 +44,40 @@ def hello(
         inventory=w.Inventory(**inv),
         engines=engines,
     )
+
+
+@attrs.frozen(kw_only=True)
+class Local:
+    """An in-process control plane's configuration and CA, and how agents join it."""
+
+    state: Path
+    ca: pki.CA
+    port: int  # the agent endpoint's fixed port, so a restarted control plane is found again
+    config: ServerConfig
+
+    def agent(self, root: Path, node_id: str, *, source_address: str = "") -> AgentConfig:
+        """A node with its own certificate, dialling this control plane."""
+        node_dir = root / node_id
+        pki.issue_to_dir(self.ca, node_id, pki.node_paths(node_dir).dir, validity_days=3)
+        return AgentConfig(
+            server=f"wss://127.0.0.1:{self.port}",
+            node_id=node_id,
+            state_dir=str(node_dir),
+            source_address=source_address,
+        )
+
+
+def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
+    """State, CA and config for a control plane run in the test's own process, whose agents run
+    real sim engines as `python -m llmgw` (given this process's sys.path: a PEX under Pants)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    state = tmp_path / "cp"
+    ca = make_state(state)
+    port = free_port()
+    config = ServerConfig(
+        server=ServerSection(
+            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
+        ),
+        models=models,
+    )
+    return Local(state=state, ca=ca, port=port, config=config)

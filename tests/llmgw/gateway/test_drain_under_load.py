@@ -6,19 +6,15 @@ the way `ctl drain` does it (each replacement ready before its original stops)."
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import trio
 
 from agent.main import run_agent
-from llmgw import pki
-from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.config import Model
 from llmgw.server.app import ControlPlane
-from testlib.cluster import free_port
-from testlib.controlplane import make_state
+from testlib.controlplane import local
 from testlib.gateway import chat, request
 
 pytestmark = pytest.mark.trio
@@ -37,29 +33,12 @@ async def wait_for(predicate, what: str, timeout: float = 30):
 async def test_draining_a_node_under_load_fails_no_request(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
-    state = tmp_path / "cp"
-    ca = make_state(state)
-    port = free_port()
-    config = ServerConfig(
-        server=ServerSection(
-            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
-        ),
-        models=(Model(name="chat", engine="sim", replicas=2),),
-    )
-    plane = ControlPlane(config, state)
+    cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=2),))
+    plane = ControlPlane(cluster.config, cluster.state)
     bound = await nursery.start(plane.serve)
     _, token = plane.gateway.keys.create("load")
     for i, node_id in enumerate(("node-a", "node-b")):
-        node_dir = tmp_path / node_id
-        pki.issue_to_dir(ca, node_id, pki.node_paths(node_dir).dir, validity_days=3)
-        agent = AgentConfig(
-            server=f"wss://127.0.0.1:{port}",
-            node_id=node_id,
-            state_dir=str(node_dir),
-            source_address=f"127.0.0.{i + 1}",
-        )
-        await nursery.start(run_agent, agent)
+        await nursery.start(run_agent, cluster.agent(tmp_path, node_id, source_address=f"127.0.0.{i + 1}"))
     await wait_for(lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2, "two replicas in rotation")
     victim = plane.replicas.placed["chat-0"].placement.nodes[0]
 

@@ -5,8 +5,6 @@ ready; keys are made and revoked with `llmgw ctl keys`; cordon-and-drain marks i
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import attrs
@@ -14,12 +12,10 @@ import pytest
 import trio
 
 from agent.main import run_agent
-from llmgw import pki
-from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.cluster import free_port
-from testlib.controlplane import make_state
+from testlib.controlplane import local
 from testlib.gateway import chat, request
 from testlib.proc import run_llmgw
 
@@ -44,18 +40,8 @@ async def ctl(*args: str) -> str:
 async def test_a_placed_sim_replica_is_served_through_the_gateway(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
-    state = tmp_path / "cp"
-    ca = make_state(state)
-    port = free_port()
-    config = ServerConfig(
-        server=ServerSection(
-            state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
-        ),
-        models=(Model(name="chat", engine="sim", replicas=1),),
-    )
-    node_dir = tmp_path / "node"
-    pki.issue_to_dir(ca, "node-a", pki.node_paths(node_dir).dir, validity_days=3)
+    cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=1),))
+    config, state = cluster.config, cluster.state
     plane = ControlPlane(config, state)
     plane.gateway.options = attrs.evolve(plane.gateway.options, queue_timeout_s=0.5)
     bound = await nursery.start(plane.serve)
@@ -72,9 +58,7 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
     assert status == 503 and headers["retry-after"]  # nothing placed yet: queued, then refused
     assert plane.gateway_rotation().models == {"chat"}
 
-    await nursery.start(
-        run_agent, AgentConfig(server=f"wss://127.0.0.1:{port}", node_id="node-a", state_dir=str(node_dir))
-    )
+    await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
     await wait_for(lambda: plane.gateway.router.endpoints.get("chat"), "the replica in the gateway's rotation")
     [ep] = plane.gateway.router.endpoints["chat"]
     [view] = plane.replica_views()
