@@ -15,17 +15,7 @@ from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.server.http import HTTPError
 from llmgw.wire import agent_link as w
-from testlib.controlplane import local
-
-
-async def wait_for(predicate, what: str, timeout: float = 30):
-    try:
-        with trio.fail_after(timeout):
-            while not (value := predicate()):
-                await trio.sleep(0.05)
-            return value
-    except trio.TooSlowError:
-        raise AssertionError(f"{what}: not within {timeout:g} s") from None
+from testlib.controlplane import local, wait_for
 
 
 def reported(plane: ControlPlane) -> w.ReplicaStatus | None:

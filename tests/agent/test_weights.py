@@ -16,37 +16,16 @@ from agent.selfexec import llmgw_command
 from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, file_name_of, target_of
 from llmgw.download import DownloadError
 from llmgw.log import EventFormatter
-from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
 from llmgw.wire import agent_link as w
+from testlib.fileserver import Files, serve_files
 from testlib.proc import llmgw_env
 
 TOKEN = "hf_secret_token_5678"
 
 
-class Files:
-    def __init__(self) -> None:
-        self.content: dict[str, bytes] = {}
-        self.gets: list[str] = []
-        self.authorizations: list[str] = []
-        self.release = trio.Event()  # the body is sent only once set: downloads overlap for sure
-        self.release.set()
-
-    async def handle(self, request: Request) -> Response:
-        self.gets.append(request.path)
-        self.authorizations.append(request.headers.get("authorization", ""))
-        body = self.content.get(request.path)
-        if body is None:
-            raise HTTPError(404, "no such file")
-        await self.release.wait()
-        return Response(status=200, body=body)
-
-
 @pytest.fixture
 async def files(nursery: trio.Nursery) -> tuple[Files, str]:
-    f = Files()
-    listeners = await nursery.start(serve_http, f.handle, "127.0.0.1", 0)
-    host, port = bound_address(listeners)
-    return f, f"http://{host}:{port}"
+    return await serve_files(nursery)
 
 
 def sha(data: bytes) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import trio
 
 from llmgw import paths, pki
 from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
@@ -81,3 +82,14 @@ def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
         models=models,
     )
     return Local(state=state, ca=ca, port=port, config=config)
+
+
+async def wait_for(predicate, what: str, timeout: float = 30):
+    """Poll `predicate` until it gives something true, which is returned; bounded."""
+    try:
+        with trio.fail_after(timeout):
+            while not (value := predicate()):
+                await trio.sleep(0.05)
+            return value
+    except trio.TooSlowError:
+        raise AssertionError(f"{what}: not within {timeout:g} s") from None

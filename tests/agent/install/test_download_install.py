@@ -18,42 +18,14 @@ import trio
 from agent.install.errors import DownloadError, EngineCheckFailed
 from agent.install.installer import ArchiveSource, EngineStore, Wanted
 from llmgw.download import fetch
-from llmgw.server.http import HTTPError, Request, Response, bound_address, serve_http
+from testlib.fileserver import Files, serve_files
 
 pytestmark = pytest.mark.trio
 
 
-class Files:
-    def __init__(self) -> None:
-        self.content: dict[str, bytes] = {}
-        self.ranges_seen: list[str] = []
-        self.honour_range = True
-
-    async def handle(self, request: Request) -> Response:
-        body = self.content.get(request.path)
-        if body is None:
-            raise HTTPError(404, "no such file")
-        wanted = request.headers.get("range")
-        if wanted:
-            self.ranges_seen.append(wanted)
-        if wanted and self.honour_range:
-            start = int(wanted.removeprefix("bytes=").rstrip("-"))
-            if start >= len(body):
-                return Response(status=416)
-            return Response(
-                status=206,
-                body=body[start:],
-                headers=(("content-range", f"bytes {start}-{len(body) - 1}/{len(body)}"),),
-            )
-        return Response(status=200, body=body)
-
-
 @pytest.fixture
 async def files(nursery: trio.Nursery) -> tuple[Files, str]:
-    f = Files()
-    listeners = await nursery.start(serve_http, f.handle, "127.0.0.1", 0)
-    host, port = bound_address(listeners)
-    return f, f"http://{host}:{port}"
+    return await serve_files(nursery)
 
 
 def sha(data: bytes) -> str:

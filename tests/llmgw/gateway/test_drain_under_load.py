@@ -14,20 +14,13 @@ import trio
 from agent.main import run_agent
 from llmgw.config import Model
 from llmgw.server.app import ControlPlane
-from testlib.controlplane import local
+from testlib.controlplane import local, wait_for
 from testlib.gateway import chat, request
 
 pytestmark = pytest.mark.trio
 
 MAX_REQUESTS = 2000  # the load is bounded in count as well as in time
 DRAIN_TIMEOUT_S = 60
-
-
-async def wait_for(predicate, what: str, timeout: float = 30):
-    with trio.fail_after(timeout):
-        while not (value := predicate()):
-            await trio.sleep(0.05)
-        return value
 
 
 async def test_draining_a_node_under_load_fails_no_request(

@@ -15,19 +15,9 @@ from agent.main import run_agent
 from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.controlplane import local
+from testlib.controlplane import local, wait_for
 from testlib.gateway import chat, request
 from testlib.proc import run_llmgw
-
-
-async def wait_for(predicate, what: str, timeout: float = 30):
-    try:
-        with trio.fail_after(timeout):
-            while not (value := predicate()):
-                await trio.sleep(0.05)
-            return value
-    except trio.TooSlowError:
-        raise AssertionError(f"{what}: not within {timeout:g} s") from None
 
 
 async def ctl(*args: str) -> str:
