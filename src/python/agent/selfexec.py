@@ -1,6 +1,7 @@
 """How this agent runs llmgw itself (for the sim engine): the same Python and the same code.
 
-Run as a zipapp, `sys.argv[0]` is the .pyz; run from a PEX, $PEX names the file; run as
+Run as a zipapp, `sys.argv[0]` is the zip file (a .pyz, or installed as /usr/local/bin/llmgw
+by `llmgw node add`); run from a PEX, $PEX names the file; run as
 `python -m llmgw` (a checkout), the package is importable by this interpreter.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 
@@ -16,6 +18,6 @@ def llmgw_command() -> list[str]:
     if pex and Path(pex).is_file():
         return [sys.executable, pex]
     first = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if first is not None and first.suffix == ".pyz" and first.is_file():
+    if first is not None and first.is_file() and zipfile.is_zipfile(first):
         return [sys.executable, str(first.resolve())]
     return [sys.executable, "-m", "llmgw"]
