@@ -1,16 +1,125 @@
-"""`llmgw node`: a node's membership of the cluster. `remove` forgets it and revokes its certificate."""
+"""`llmgw node`: a node's membership of the cluster.
+
+`add USER@HOST` onboards a machine over SSH (llmgw.nodeadd.flow), drawing its steps as a
+checklist in a terminal, one line per step elsewhere (`--plain`), or one JSON object per event
+(`--json`). `remove NODE` forgets a node and revokes its certificate; with `--ssh USER@HOST` it
+also stops and disables the agent there.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
+import trio
+
+from llmgw import config as cfg
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.commands.ca import add_server_options, resolve_server_paths
 from llmgw.commands.ctl import add_admin_options, client_from
+from llmgw.errors import LlmgwError, UsageError
+from llmgw.nodeadd import steps
+from llmgw.nodeadd.questions import Unattended
+
+
+def _fabric(text: str) -> cfg.FabricDecl:
+    try:
+        return cfg.parse_fabric_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _default_known_hosts() -> Path:
+    return Path.home() / ".ssh" / "known_hosts"
+
+
+def _add_ssh_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SSH")
+    group.add_argument("--port", type=int, default=22, help="the node's SSH port (default 22)")
+    group.add_argument(
+        "-i",
+        "--identity",
+        action="append",
+        type=Path,
+        metavar="KEY",
+        help="a private key to log in with (repeatable; default: ssh's usual files in ~/.ssh, and the SSH agent)",
+    )
+    group.add_argument(
+        "--known-hosts",
+        type=Path,
+        metavar="FILE",
+        help="known_hosts to verify the node's host key against (default: ~/.ssh/known_hosts)",
+    )
+    group.add_argument(
+        "--accept-new-host-key",
+        action="store_true",
+        help="trust a host not yet in known_hosts and add it there (in a terminal you are asked instead)",
+    )
 
 
 def configure(parser: Parser) -> None:
     sub = add_group(parser, "verb")
+    add = add_leaf(
+        sub,
+        "add",
+        "make a machine a node over SSH: ship llmgw, run doctor, issue its certificate, start its agent, "
+        "wait for it to join",
+        run_add,
+    )
+    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.21")
+    add.add_argument(
+        "--release",
+        metavar="DIR|FILE|URL",
+        default="",
+        help="the release to install: a directory with llmgw-VERSION-linux-ARCH.pyz and SHA256SUMS, one .pyz, or "
+        "the URL of such a directory (fetched by the node); default: this llmgw, if it is a release for the "
+        "node's architecture",
+    )
+    add.add_argument(
+        "--fabric",
+        action="append",
+        type=_fabric,
+        default=[],
+        metavar="NAME[:ADAPTER,...]",
+        help="the fabric a group of the node's adapters is on, e.g. ib-a:mlx5_0,mlx5_1 (repeatable; in a "
+        "terminal you are asked)",
+    )
+    add.add_argument(
+        "--ignore-doctor",
+        action="append",
+        default=[],
+        metavar="CHECK[,CHECK]",
+        help="go on although doctor's CHECK fails on the node (in a terminal you are asked)",
+    )
+    add.add_argument(
+        "--reissue", action="store_true", help="make the node a new key and certificate even if it has valid ones"
+    )
+    add.add_argument(
+        "--server-address",
+        metavar="ADDR",
+        default="",
+        help="the address the agent dials (default: this machine's address on the route to the node); the "
+        "server certificate must cover it",
+    )
+    add.add_argument(
+        "--join-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="how long to wait for the agent to join and check llama.cpp (default 600)",
+    )
+    engines = add.add_argument_group('engines you installed yourself (used when the engine\'s version is "")')
+    engines.add_argument("--llamacpp-bin", default="", metavar="PATH", help="llama-server on the node")
+    engines.add_argument("--vllm-bin", default="", metavar="PATH", help="the vllm command on the node")
+    engines.add_argument("--sglang-python", default="", metavar="PATH", help="the Python of SGLang on the node")
+    out = add.add_mutually_exclusive_group()
+    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
+    out.add_argument("--json", action="store_true", help="one JSON object per event")
+    _add_ssh_options(add)
+    add_server_options(add)
+
     remove = add_leaf(
         sub,
         "remove",
@@ -18,18 +127,139 @@ def configure(parser: Parser) -> None:
         run_remove,
     )
     remove.add_argument("node", help="node id")
+    remove.add_argument(
+        "--ssh", metavar="USER@HOST", help="also log in there and stop and disable the agent (its files stay)"
+    )
+    _add_ssh_options(remove)
     add_json_flag(remove)
     add_admin_options(remove)
 
 
-def run_remove(args: argparse.Namespace) -> int:
-    result = client_from(args).remove_node(args.node)
+# -- add -----------------------------------------------------------------------------------
+
+
+def run_add(args: argparse.Namespace) -> int:
+    from llmgw.nodeadd import flow, ssh
+
+    ssh.parse_target(args.target)  # a bad target is a usage error before anything is read
+    if args.join_timeout <= 0:
+        raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
+    server_config, state_dir = resolve_server_paths(args)
+    opts = flow.Options(
+        target=args.target,
+        server_config=server_config,
+        state_dir=state_dir,
+        known_hosts=args.known_hosts or _default_known_hosts(),
+        identity_files=tuple(args.identity) if args.identity else None,
+        ssh_port=args.port,
+        release=args.release,
+        server_address=args.server_address,
+        fabrics=tuple(args.fabric),
+        ignore_doctor=frozenset(n.strip() for item in args.ignore_doctor for n in item.split(",") if n.strip()),
+        reissue=args.reissue,
+        join_timeout_s=args.join_timeout,
+        llamacpp_bin=args.llamacpp_bin,
+        vllm_bin=args.vllm_bin,
+        sglang_python=args.sglang_python,
+    )
+    interactive = not (args.plain or args.json) and sys.stdin.isatty() and sys.stdout.isatty()
+    if interactive:
+        from llmgw.nodeadd.screen import run_with_screen
+
+        async def body(emit, questions):
+            return await flow.add_node(opts, emit=emit, questions=questions)
+
+        try:
+            added = trio.run(run_with_screen, f"llmgw node add {args.target}", body)
+        except LlmgwError as exc:
+            return exc.exit_status  # the screen has printed the checklist and the failure
+        print(_added_text(added))
+        return 0
+
+    render = steps.json_line if args.json else steps.plain_line
+
+    def emit(event: steps.Event) -> None:
+        line = render(event)
+        if line is not None:
+            print(line, flush=True)
+
+    questions = Unattended(accept_new_host_key=args.accept_new_host_key)
+    try:
+        added = trio.run(lambda: flow.add_node(opts, emit=emit, questions=questions))
+    except LlmgwError as exc:
+        return exc.exit_status  # its step's `failed` line said what and why
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({"added": added.node_id, "server": added.server, "version": added.version,
+                          "service": added.service, "cert_serial": added.cert_serial, "log": added.log}))  # fmt: skip
     else:
-        serials = ", ".join(result["revoked_serials"]) or "none recorded"
-        print(f"removed {result['removed']}; revoked certificate serials: {serials}")
-        if result["link_closed"]:
-            print("its open link was closed")
-        print("stop the agent on the machine too (systemctl disable --now llmgw-agent)")
+        print(_added_text(added))
     return 0
+
+
+def _added_text(added) -> str:
+    return (
+        f"node {added.node_id} joined, running llmgw {added.version} under {added.service}; "
+        f"its log: {added.log}. See it with `llmgw ctl nodes`."
+    )
+
+
+# -- remove --------------------------------------------------------------------------------
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    if args.ssh:
+        from llmgw.nodeadd import ssh
+
+        ssh.parse_target(args.ssh)
+    result = client_from(args).remove_node(args.node)
+    stopped = ""
+    if args.ssh:
+        stopped = trio.run(_stop_remote, args)
+    if args.json:
+        print(json.dumps({**result, "agent_stopped": stopped}, indent=2))
+        return 0
+    serials = ", ".join(result["revoked_serials"]) or "none recorded"
+    print(f"removed {result['removed']}; revoked certificate serials: {serials}")
+    if result["link_closed"]:
+        print("its open link was closed")
+    if stopped:
+        print(stopped)
+    else:
+        print(
+            "stop the agent on the machine too: `sudo systemctl disable --now llmgw-agent` "
+            "(or pass --ssh USER@HOST to have it done)"
+        )
+    return 0
+
+
+async def _stop_remote(args: argparse.Namespace) -> str:
+    import trio_asyncio
+
+    from llmgw.nodeadd import flow, layout, ssh
+
+    async with trio_asyncio.open_loop():
+        async with ssh.open_session(
+            args.ssh,
+            known_hosts=args.known_hosts or _default_known_hosts(),
+            accept_new_host_key=args.accept_new_host_key,
+            client_keys=tuple(args.identity) if args.identity else None,
+            port=args.port,
+        ) as s:
+            probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
+            facts = layout.parse_probe(probe.stdout)
+            if facts.get("systemd") == "yes":
+                argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
+                how = f"systemctl disable --now {layout.UNIT_NAME}"
+            else:
+                argv = flow.stop_supervisor_argv()
+                how = f"llmgw agent stop --pid-file {layout.PID_FILE}"
+            res = await s.run(argv, sudo=True, timeout_s=120)
+            if res.exit_status != 0:
+                from llmgw.errors import PeerError
+
+                raise PeerError(
+                    f"the node was removed from the cluster, but stopping its agent on {args.ssh} failed "
+                    f"({how}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); "
+                    "stop it there by hand"
+                )
+            return f"stopped and disabled the agent on {args.ssh} ({how}); its files are left in place"

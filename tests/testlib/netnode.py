@@ -1,0 +1,206 @@
+"""A separate host for tests: a network namespace with its own address, hostname and a real sshd.
+
+The node is this machine seen from inside a network namespace the test creates, reached over a
+veth pair (host side HOST_ADDR, node side NODE_ADDR, a /30 of its own). Its sshd runs in a
+private mount namespace in which /etc, /usr/local and /var are overlays whose writes land in
+this test's directory (`written()` lists them: "what was written on the node"), and /root and
+/run are fresh empty tmpfs: the login's home is empty, as on a new machine. Everything the node
+starts (its agent, engines) lives in those namespaces, and `stop()` kills every process in the
+network namespace before deleting it. Needs root (CI runs as root), iproute2 and openssh-server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from testlib.sshd import SSHD, keygen
+
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0
+OVERLAID = ("/etc", "/usr/local", "/var")
+
+
+def _run(*argv: str) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def preflight() -> str:
+    """Why this machine cannot make a NetNode, or "" when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    for tool in ("/usr/sbin/ip", "/usr/bin/unshare", str(SSHD)):
+        if not Path(tool).exists():
+            return f"{tool} is missing: install iproute2, util-linux and openssh-server (.ci/install-deps does)"
+    return ""
+
+
+class NetNode:
+    def __init__(self, root: Path, *, index: int, binds: dict[str, Path] | None = None) -> None:
+        """`index` (1-250) picks the namespace's name and its /30; `binds` mounts host paths at node paths
+        (e.g. a llama-server's directory at /mnt) that must already exist on the node's side."""
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.name = f"llmgwt{os.getpid() % 10000}n{index}"
+        self.veth = f"lgv{os.getpid() % 10000}n{index}"
+        self.host_addr = f"10.231.{index}.1"
+        self.node_addr = f"10.231.{index}.2"
+        self.hostname = f"node{index}"
+        self.binds = dict(binds or {})
+        self.log = root / "sshd.log"
+        self.client_key = keygen(root / "client_key", "llmgw-test-client")
+        self.host_key = keygen(root / "host_key", "llmgw-test-node")
+        (root / "authorized_keys").write_text((root / "client_key.pub").read_text())
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"root@{self.node_addr}"
+
+    def upper(self, path: str) -> Path:
+        return self.root / "upper" / path.strip("/").replace("/", "_")
+
+    def start(self) -> None:
+        _run("ip", "netns", "add", self.name)
+        try:
+            _run("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.name)
+            _run("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.veth)
+            _run("ip", "link", "set", self.veth, "up")
+            for argv in (
+                ("ip", "link", "set", "lo", "up"),
+                ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),
+                ("ip", "link", "set", "eth0", "up"),
+            ):
+                _run("ip", "netns", "exec", self.name, *argv)
+            self._start_sshd()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_sshd(self) -> None:
+        lines = ["set -e", f"hostname {self.hostname}"]
+        for path in OVERLAID:
+            upper, work = self.upper(path), self.root / "work" / path.strip("/").replace("/", "_")
+            upper.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            lines.append(f"mount -t overlay overlay -o lowerdir={path},upperdir={upper},workdir={work} {path}")
+        for node_path, host_path in self.binds.items():  # before /root is hidden: a source may be there
+            lines.append(f"mount --bind {host_path} {node_path}")
+        lines += ["mount -t tmpfs -o mode=0700 tmpfs /root", "mount -t tmpfs -o mode=0755 tmpfs /run"]
+        lines.append("mkdir -p /run/sshd")
+        lines.append(f"exec {SSHD} -D -e -f {self._config()}")
+        script = self.root / "node-init.sh"
+        script.write_text("\n".join(lines) + "\n")
+        with self.log.open("ab") as log:
+            self._proc = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.name,
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    str(script),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while f"Server listening on {self.node_addr} port 22" not in self.log_text():
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the node's sshd exited with {self._proc.returncode}:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node's sshd did not listen within {START_TIMEOUT_S} s:\n{self.log_text()}")
+            time.sleep(0.05)
+
+    def _config(self) -> Path:
+        config = self.root / "sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {self.node_addr}:22",
+                    f"HostKey {self.host_key}",
+                    f"PidFile {self.root / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "StrictModes no",
+                    "UsePAM no",
+                    "PrintMotd no",
+                    "LogLevel VERBOSE",
+                    "Subsystem sftp internal-sftp",
+                    "",
+                ]
+            )
+        )
+        return config
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _run("ip", "netns", "pids", self.name).split()]
+        except RuntimeError:
+            return []
+
+    def stop(self) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            self._proc = None
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_bytes().decode("utf-8", "replace") if self.log.exists() else ""
+
+    def connections(self) -> int:
+        """How many SSH connections reached the node's sshd."""
+        return self.log_text().count("Connection from ")
+
+    def written(self) -> list[str]:
+        """Every file or directory written on the node under the overlaid trees, as node paths."""
+        out = []
+        for path in OVERLAID:
+            upper = self.upper(path)
+            for dirpath, dirnames, filenames in os.walk(upper):
+                for name in dirnames + filenames:
+                    out.append(path + "/" + str((Path(dirpath) / name).relative_to(upper)))
+        return sorted(out)
+
+    def read(self, node_path: str) -> bytes:
+        """A file as the node sees it: its overlay's copy if written, else this machine's."""
+        for path in OVERLAID:
+            if node_path.startswith(path + "/"):
+                copy = self.upper(path) / node_path[len(path) + 1 :]
+                if copy.exists():
+                    return copy.read_bytes()
+        return Path(node_path).read_bytes()
+
+    def run(self, *argv: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+        """A command inside the node's namespaces (its network, its mounts: via nsenter on sshd)."""
+        pid = int((self.root / "sshd.pid").read_text().split()[0])
+        return subprocess.run(
+            ["nsenter", "-t", str(pid), "-n", "-m", *argv], capture_output=True, text=True, timeout=timeout_s
+        )
