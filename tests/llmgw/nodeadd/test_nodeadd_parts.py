@@ -1,0 +1,206 @@
+"""The pure parts of `llmgw node add`: the files it writes, the release it picks, the address
+it checks and what "joined" means. The whole flow against a real node is test_node_add_e2e.py."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from llmgw import config as cfg
+from llmgw import pki
+from llmgw.errors import ConfigError, MachineError, UsageError
+from llmgw.nodeadd import flow, layout, release
+
+
+def test_agent_toml_is_what_the_agent_loads(tmp_path: Path) -> None:
+    text = layout.agent_toml(
+        server="wss://10.0.0.1:7443",
+        node_id="node-a",
+        fabrics=(cfg.FabricDecl(name="ib-a", adapters=("mlx5_0", "mlx5_1")),),
+        llamacpp_bin="/opt/llama/llama-server",
+    )
+    (tmp_path / "agent.toml").write_text(text)
+    loaded = cfg.load_agent_config(tmp_path / "agent.toml")
+    assert loaded.server == "wss://10.0.0.1:7443"
+    assert loaded.node_id == "node-a"
+    assert loaded.state_dir == layout.STATE_DIR
+    assert loaded.fabrics == (cfg.FabricDecl(name="ib-a", adapters=("mlx5_0", "mlx5_1")),)
+    assert loaded.llamacpp_bin == "/opt/llama/llama-server"
+    assert "vllm_bin" not in text  # defaults are left out
+
+
+def test_agent_toml_refuses_a_bad_server() -> None:
+    with pytest.raises(ConfigError, match="server"):
+        layout.agent_toml(server="10.0.0.1:7443", node_id="node-a")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # ExecStart must name an executable that exists for verify to pass: this Python stands in for llmgw.
+    unit = tmp_path / layout.UNIT_NAME
+    unit.write_text(layout.systemd_unit(bin_path=sys.executable))
+    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == ""
+    broken = tmp_path / "broken.service"
+    broken.write_text(layout.systemd_unit(bin_path=sys.executable).replace("Restart=always", "Restart=sometimes"))
+    out = subprocess.run(["systemd-analyze", "verify", str(broken)], capture_output=True, text=True, timeout=60)
+    assert "sometimes" in out.stderr  # verify does read what is written
+
+
+def test_probe_output_is_read_from_stdout_only() -> None:
+    facts = layout.parse_probe("hostname=node-a\narch=aarch64\nsystemd=no\ntrust=/usr/sbin/update-ca-certificates\n")
+    assert facts == {
+        "hostname": "node-a",
+        "arch": "aarch64",
+        "systemd": "no",
+        "trust": "/usr/sbin/update-ca-certificates",
+    }
+    # The first value wins, and a line that is not key=value (a warning someone printed) is ignored.
+    assert layout.parse_probe("Warning: Permanently added\nhostname=a\nhostname=b\n") == {"hostname": "a"}
+
+
+# -- the release ---------------------------------------------------------------------------
+
+
+def _pyz(path: Path) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("__main__.py", "print('hi')\n")
+    return path
+
+
+def _sums(directory: Path, *names: str) -> None:
+    lines = [f"{hashlib.sha256((directory / n).read_bytes()).hexdigest()}  {n}" for n in names]
+    (directory / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+
+def test_a_release_directory_gives_the_file_for_the_architecture(tmp_path: Path) -> None:
+    amd = _pyz(tmp_path / "llmgw-0.3.0-linux-amd64.pyz")
+    arm = _pyz(tmp_path / "llmgw-0.3.0-linux-arm64.pyz")
+    arm.write_bytes(arm.read_bytes() + b"\n")  # different bytes
+    _sums(tmp_path, amd.name, arm.name)
+    got = release.find_artifact(str(tmp_path), release.release_arch("aarch64"))
+    assert got.path == arm
+    assert got.version == "0.3.0"
+    assert got.sha256 == hashlib.sha256(arm.read_bytes()).hexdigest()
+
+
+def test_a_damaged_file_is_refused_before_it_is_shipped(tmp_path: Path) -> None:
+    amd = _pyz(tmp_path / "llmgw-0.3.0-linux-amd64.pyz")
+    _sums(tmp_path, amd.name)
+    amd.write_bytes(amd.read_bytes() + b"x")
+    with pytest.raises(MachineError, match="damaged or not the released one"):
+        release.find_artifact(str(tmp_path), "amd64")
+
+
+def test_a_directory_without_the_architecture_says_which_is_missing(tmp_path: Path) -> None:
+    amd = _pyz(tmp_path / "llmgw-0.3.0-linux-amd64.pyz")
+    _sums(tmp_path, amd.name)
+    with pytest.raises(UsageError, match="no llmgw-VERSION-linux-arm64.pyz"):
+        release.find_artifact(str(tmp_path), "arm64")
+    (tmp_path / "SHA256SUMS").unlink()
+    with pytest.raises(UsageError, match="has no SHA256SUMS"):
+        release.find_artifact(str(tmp_path), "amd64")
+
+
+def test_a_single_file_must_be_for_the_node(tmp_path: Path) -> None:
+    amd = _pyz(tmp_path / "llmgw-0.3.0-linux-amd64.pyz")
+    assert release.find_artifact(str(amd), "amd64").sha256 == hashlib.sha256(amd.read_bytes()).hexdigest()
+    with pytest.raises(UsageError, match="is the amd64 release; the node is arm64"):
+        release.find_artifact(str(amd), "arm64")
+
+
+def test_a_development_build_is_not_shipped() -> None:
+    # These tests run from a checkout (or a PEX), not a release zipapp.
+    with pytest.raises(UsageError, match="not a release build"):
+        release.find_artifact("", "amd64")
+
+
+def test_an_unknown_machine_is_said() -> None:
+    with pytest.raises(UsageError, match="'riscv64'"):
+        release.release_arch("riscv64")
+
+
+# -- the address ---------------------------------------------------------------------------
+
+
+def _server_cert(tmp_path: Path, sans: list[str]) -> pki.CertInfo:
+    pki.init_ca(tmp_path, validity_days=30)
+    return pki.load_ca(tmp_path).issue_server_cert(tmp_path, sans, validity_days=30)
+
+
+def _opts(tmp_path: Path, *, agent_listen: str = "0.0.0.0:7443", server_address: str = "") -> flow.Options:
+    server = cfg.server_config_from_dict({"server": {"agent_listen": agent_listen}})
+    return flow.Options(
+        target="root@127.0.0.1",
+        server_config=server,
+        state_dir=tmp_path,
+        known_hosts=tmp_path / "known_hosts",
+        server_address=server_address,
+    )
+
+
+def test_the_source_address_on_the_route_must_be_in_the_server_certificate(tmp_path: Path) -> None:
+    cert = _server_cert(tmp_path, ["127.0.0.1"])
+    assert flow._agent_address(_opts(tmp_path), "127.0.0.1", cert) == ("127.0.0.1", 7443)
+    other = _server_cert(tmp_path / "other", ["10.9.9.9"])
+    with pytest.raises(ConfigError) as err:
+        flow._agent_address(_opts(tmp_path), "127.0.0.1", other)
+    assert "127.0.0.1" in str(err.value) and "--san 10.9.9.9 --san 127.0.0.1" in str(err.value)
+
+
+def test_a_named_server_address_is_checked_too(tmp_path: Path) -> None:
+    cert = _server_cert(tmp_path, ["cp.example.net", "127.0.0.1"])
+    opts = _opts(tmp_path, server_address="CP.example.net")
+    assert flow._agent_address(opts, "127.0.0.1", cert) == ("CP.example.net", 7443)
+    with pytest.raises(ConfigError, match="--server-address"):
+        flow._agent_address(_opts(tmp_path, server_address="other.example.net"), "127.0.0.1", cert)
+
+
+def test_an_agent_endpoint_bound_elsewhere_or_to_port_0_is_refused(tmp_path: Path) -> None:
+    cert = _server_cert(tmp_path, ["127.0.0.1"])
+    with pytest.raises(ConfigError, match="port 0"):
+        flow._agent_address(_opts(tmp_path, agent_listen="0.0.0.0:0"), "127.0.0.1", cert)
+    with pytest.raises(ConfigError, match="cannot reach it at 127.0.0.1"):
+        flow._agent_address(_opts(tmp_path, agent_listen="10.1.1.1:7443"), "127.0.0.1", cert)
+
+
+# -- joined --------------------------------------------------------------------------------
+
+
+def _node(**over) -> dict:
+    node = {
+        "id": "node-a",
+        "state": "joined",
+        "connected": True,
+        "cordoned": False,
+        "agent_started_at": 200.0,
+        "engines": [{"name": "llamacpp", "version": "b4000", "ok": True, "detail": ""}],
+    }
+    node.update(over)
+    return node
+
+
+def test_joined_means_the_restarted_agent_heartbeated_and_checked_llama_cpp() -> None:
+    assert flow.join_progress(_node(), started_before=100.0)[0]
+    assert flow.join_progress(_node(), started_before=None)[0]
+    # A node known from before (joined, even cordoned) is not joined until its new agent has said so.
+    done, why = flow.join_progress(_node(cordoned=True), started_before=200.0)
+    assert not done and "from before the restart" in why
+    done, why = flow.join_progress(None, started_before=None)
+    assert not done and "not heard" in why
+    done, why = flow.join_progress(_node(state="joining"), started_before=100.0)
+    assert not done and "heartbeat" in why
+    done, why = flow.join_progress(_node(engines=[]), started_before=100.0)
+    assert not done and "llama.cpp is not installed yet" in why
+    bad = [{"name": "llamacpp", "version": "", "ok": False, "detail": "no llama-server at /x"}]
+    done, why = flow.join_progress(_node(engines=bad), started_before=100.0)
+    assert not done and "no llama-server at /x" in why
+    done, why = flow.join_progress(_node(connected=False, state="lost"), started_before=100.0)
+    assert not done and "not connected" in why
