@@ -1,0 +1,255 @@
+"""`llmgw node add` end to end, with real parts only: a real `llmgw server`, a release built from
+this checkout the way `release:build` builds it, and a node that is a separate host as far as
+the network goes (testlib.netnode: its own network namespace, address and hostname, a real
+sshd, a fresh empty home, and /etc, /usr/local and /var overlaid so that what node add writes
+there can be inspected and is thrown away afterwards).
+
+The node's llama.cpp is the real llama-server CI builds (tools/llama/build-llama-server),
+mounted on the node at /mnt and named with --llamacpp-bin; the model served is a sim model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from llmgw_release import build, wheels
+
+import llmgw
+from testlib.cluster import Proc, wait_until
+from testlib.llama import llama_server
+from testlib.netnode import NetNode, preflight
+from testlib.proc import build_root, run_llmgw
+
+ADD_TIMEOUT_S = 300
+CATALOG = """
+[[models]]
+name = "sim-small"
+engine = "sim"
+replicas = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = build_root()
+    out = tmp_path_factory.mktemp("release")
+    inputs = build.Inputs(
+        version="0.0.0-e2e",
+        commit="0123456789ab",
+        source_date_epoch=1795965623,
+        src_root=Path(llmgw.__file__).parent.parent,
+        requirements_txt=root / "3rdparty" / "python" / "requirements.txt",
+        lockfile=root / "3rdparty" / "python" / "default.lock",
+        wheel_cache=wheels.default_cache(),
+    )
+    build.build_release(inputs, out, arches=("amd64",), progress=lambda *a: None)
+    return out
+
+
+@pytest.fixture()
+def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NetNode]:
+    why = preflight()
+    if why:
+        pytest.fail(why)
+    index = 10 + (abs(hash(request.node.name)) % 200)
+    n = NetNode(tmp_path / "node", index=index, binds={"/mnt": Path(llama_server()).parent})
+    n.start()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+class ControlPlane:
+    def __init__(self, root: Path, node: NetNode) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.config = root / "server.toml"
+        self.known_hosts = root / "known_hosts"
+        self.config.write_text(
+            "[server]\n"
+            f'state_dir = "{self.state}"\n'
+            f'agent_listen = "{node.host_addr}:7443"\n'
+            'http_listen = "127.0.0.1:0"\n'
+            f'advertise = ["{node.host_addr}"]\n'
+            "heartbeat_interval_s = 0.5\n"
+            "heartbeat_ttl_s = 3.0\n" + CATALOG
+        )
+        self.node = node
+        self.server: Proc | None = None
+
+    def llmgw(self, *args: str, timeout: float = 60):
+        return run_llmgw(*args, timeout=timeout)
+
+    def init_ca(self) -> None:
+        done = self.llmgw("ca", "init", "--config", str(self.config))
+        assert done.returncode == 0, done.stderr
+
+    def start(self) -> None:
+        self.server = Proc(
+            "server", ["server", "--config", str(self.config), "--log-format", "json"], self.root / "server.log"
+        )
+        wait_until("the server to be ready", lambda: self.server.events("server_ready"), alive=[self.server])
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+
+    def ctl(self, *args: str):
+        done = self.llmgw("ctl", *args, "--json", "--state-dir", str(self.state))
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def node_add(self, *extra: str, release: Path | None = None) -> tuple[int, str, str]:
+        args = [
+            "node", "add", self.node.target, "--config", str(self.config),
+            "-i", str(self.node.client_key), "--known-hosts", str(self.known_hosts),
+            "--llamacpp-bin", "/mnt/llama-server", "--join-timeout", "120",
+        ]  # fmt: skip
+        if release is not None:
+            args += ["--release", str(release)]
+        done = self.llmgw(*args, *extra, timeout=ADD_TIMEOUT_S)
+        return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture()
+def cp(tmp_path: Path, node: NetNode) -> Iterator[ControlPlane]:
+    c = ControlPlane(tmp_path, node)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"step"')]
+
+
+def _outcomes(stdout: str) -> dict[str, str]:
+    return {e["step"]: e["status"] for e in _events(stdout) if e["status"] != "started"}
+
+
+def _chat(url: str, key: str) -> dict:
+    body = json.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=body, headers={"Authorization": f"Bearer {key}"}
+    )
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    with direct.open(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _agents_running(node: NetNode) -> list[str]:
+    out = node.run("ps", "-ww", "-eo", "args")
+    return [line for line in out.stdout.splitlines() if " agent run " in line or " agent supervise " in line]
+
+
+def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
+    cp: ControlPlane, node: NetNode, release_dir: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
+    assert rc == 0, out + err
+    lines = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["ok"], ["warn"])]
+    assert [step for _, step in lines] == [
+        "authority", "connect", "identify", "address", "ship", "doctor",
+        "fabrics", "identity", "trust", "configure", "start", "join",
+    ]  # fmt: skip
+    assert "node id 'node" in out and f"wss://{node.host_addr}:7443" in out
+    # No systemd in the namespace: the fallback supervisor, said by the step, and doctor's warning.
+    assert "no systemd on the node" in out and "service-manager" in out
+
+    # Joined in `ctl nodes`, llama.cpp checked, and the sim replica answers through the gateway.
+    nodes = {n["id"]: n for n in cp.ctl("nodes")}
+    me = nodes[node.hostname]
+    assert me["state"] == "joined" and me["address"] == node.node_addr
+    assert any(e["name"] == "llamacpp" and e["ok"] for e in me["engines"])
+    url = cp.server.events("server_ready")[-1]["admin_url"]
+    key = cp.ctl("keys", "create", "e2e")["token"]
+    wait_until(
+        "the sim replica to be ready",
+        lambda: any(r.get("state") == "ready" for r in cp.ctl("replicas")),
+        alive=[cp.server],
+        timeout=60,
+    )
+    assert _chat(url, key)["model"] == "sim-small"
+
+    # What is on the node: the files the docs name, the certificate for its hostname.
+    assert node.read("/etc/llmgw/agent.toml").decode().count("server = ") == 1
+    first_cert = node.read("/var/lib/llmgw-agent/pki/node.crt")
+    assert node.read("/usr/local/share/ca-certificates/llmgw-ca.crt") == (cp.state / "ca" / "ca.crt").read_bytes()
+    known = cp.known_hosts.read_text().splitlines()
+    assert len(known) == 1 and known[0].startswith(node.node_addr)
+    started_before = me["agent_started_at"]
+
+    # Again, cordoned, with --json: converges, keeps the identity, restarts the agent, counts the
+    # restarted agent's heartbeat as the join.
+    cp.ctl("cordon", node.hostname)
+    rc, out, err = cp.node_add("--json", release=release_dir)
+    assert rc == 0, out + err
+    outcomes = _outcomes(out)
+    assert outcomes["join"] == "ok" and outcomes["identity"] == "ok", out
+    said = {e["step"]: e["detail"] for e in _events(out) if e["status"] != "started"}
+    assert "kept its certificate" in said["identity"]
+    assert "the same as /usr/local/bin/llmgw" in said["ship"]
+    assert "cordoned" in said["join"]
+    assert json.loads(out.splitlines()[-1])["added"] == node.hostname
+    assert node.read("/var/lib/llmgw-agent/pki/node.crt") == first_cert
+    assert cp.known_hosts.read_text().splitlines() == known
+    me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
+    assert me["agent_started_at"] != started_before and me["state"] == "joined"
+    assert len(_agents_running(node)) == 2, _agents_running(node)  # one supervisor, one agent: nothing doubled
+
+    # Remove, stopping the agent over SSH.
+    done = cp.llmgw(
+        "node", "remove", node.hostname, "--state-dir", str(cp.state), "--ssh", node.target,
+        "-i", str(node.client_key), "--known-hosts", str(cp.known_hosts), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopped and disabled the agent" in done.stdout
+    assert node.hostname not in {n["id"] for n in cp.ctl("nodes")}
+    deadline = time.monotonic() + 20
+    while _agents_running(node) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _agents_running(node) == []
+
+
+def test_a_missing_authority_is_said_before_any_ssh_connection(cp: ControlPlane, node: NetNode) -> None:
+    rc, out, err = cp.node_add("--plain", "--accept-new-host-key")
+    assert rc != 0
+    assert out.splitlines()[0].startswith("failed authority"), out
+    assert "llmgw ca init" in out
+    assert node.connections() == 0, node.log_text()
+    assert not cp.known_hosts.exists()
+
+
+def test_a_doctor_failure_changes_nothing_on_the_node(cp: ControlPlane, node: NetNode, release_dir: Path) -> None:
+    cp.init_ca()
+    cp.start()
+    # A typo in --fabric: the node has no such adapter, which doctor's fabrics check refuses.
+    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", "--fabric", "ib-a:mlx5_9", release=release_dir)
+    assert rc != 0, out
+    assert "failed doctor" in out and "mlx5_9" in out and "--ignore-doctor fabrics" in out, out
+    assert "Nothing was changed on the node" in out
+    assert "Starting session" in node.log_text()  # it did run things there: doctor
+    written = [p for p in node.written() if "llmgw" in p]
+    assert written == [], written
+    leftover = node.run("sh", "-c", "ls -d /tmp/llmgw-node-add.* 2>/dev/null || true").stdout.strip()
+    assert leftover == ""
+    assert node.hostname not in {n["id"] for n in cp.ctl("nodes")}
+
+
+def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node: NetNode, release_dir: Path) -> None:
+    cp.init_ca()
+    cp.start()
+    rc, out, err = cp.node_add("--plain", release=release_dir)
+    assert rc != 0
+    assert "failed connect" in out and "SHA256:" in out and "--accept-new-host-key" in out, out
+    assert not cp.known_hosts.exists() or cp.known_hosts.read_text() == ""
+    assert "Starting session" not in node.log_text()
