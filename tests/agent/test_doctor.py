@@ -22,9 +22,19 @@ SYNCED = system.ClockInfo(now=1_790_000_000.0, synchronized=True)
 GIB = 1 << 30
 
 
-def snap(tmp_path: Path, **kw) -> Snapshot:
-    found = discover(sources(weights_dir=tmp_path / "weights", **kw))
-    return attrs.evolve(found, clock=SYNCED)
+def systemd_dir(tmp_path: Path, *, booted: bool = True) -> Path:
+    """Where discovery looks for /run/systemd/system, present or not: never this machine's own."""
+    path = tmp_path / "run" / "systemd" / "system"
+    if booted:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def snap(tmp_path: Path, *, systemd: bool = True, **kw) -> Snapshot:
+    src = attrs.evolve(
+        sources(weights_dir=tmp_path / "weights", **kw), systemd_dir=systemd_dir(tmp_path, booted=systemd)
+    )
+    return attrs.evolve(discover(src), clock=SYNCED)
 
 
 def by_name(checks) -> dict[str, doctor.Check]:
@@ -103,6 +113,25 @@ def test_clock(tmp_path: Path) -> None:
     assert unknown.status == doctor.UNKNOWN and unknown.detail.startswith("could not check")
     wrong = doctor.check_clock(attrs.evolve(s, clock=system.ClockInfo(now=86400.0, synchronized=True)))
     assert wrong.status == doctor.FAIL and "1970-01-02T00:00:00Z" in wrong.detail
+
+
+def test_service_manager_is_ok_under_systemd_and_warns_without_it(tmp_path: Path) -> None:
+    ok = check(tmp_path / "booted", "service-manager")
+    assert (ok.status, ok.detail, ok.fix) == (doctor.OK, "systemd", "")
+    bare = check(tmp_path / "container", "service-manager", systemd=False)
+    assert bare.status == doctor.WARN
+    assert bare.detail == (
+        "no systemd here (no /run/systemd/system): `llmgw node add` runs the agent under llmgw's own supervisor "
+        "(`llmgw agent supervise`), which does not start it again after a reboot"
+    )
+    assert bare.fix.startswith("run the node with systemd as its init, or start the agent at boot yourself: ")
+    assert bare.fix.endswith(
+        "llmgw agent supervise --daemon --config /etc/llmgw/agent.toml --pid-file /run/llmgw-agent.pid "
+        "--log /var/log/llmgw-agent.log"
+    )
+    rep = doctor.report(snap(tmp_path / "container", systemd=False))
+    assert (rep.status, rep.exit_status) == (doctor.WARN, 1)
+    assert doctor.report(snap(tmp_path / "booted")).exit_status == 0
 
 
 def test_a_cpu_node_is_not_an_error_and_vllm_is_not_applicable_there(tmp_path: Path) -> None:

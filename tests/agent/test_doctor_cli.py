@@ -1,7 +1,8 @@
 """`llmgw doctor` run as a real process with fixture paths: output, --json and exit 0 / 1 / 2.
 
-The clock and the free disk space are this machine's own, so these tests ignore those two
-checks (`--ignore`, which still runs and shows them); everything else comes from fixtures.
+The clock, the free disk space and the service manager (systemd or not) are this machine's
+own, so these tests ignore those three checks (`--ignore`, which still runs and shows them);
+everything else comes from fixtures.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 from testlib.hardware import FIXTURES, ib_root, nvidia_smi, sminfo
 from testlib.proc import run_llmgw
 
-REAL_MACHINE = ("--ignore", "clock,disk")
+REAL_MACHINE = ("--ignore", "clock,disk,service-manager")
+MACHINE_CHECKS = ("clock", "disk", "service-manager")
 
 
 def fixture_args(tmp_path: Path, *, proc: str, pci: str, gpu: str | None, ib: str) -> list[str]:
@@ -66,10 +68,10 @@ def test_exit_0_on_a_healthy_gpu_node_with_two_fabrics(tmp_path: Path, control_p
         "--server",
         control_plane,
     )
-    counted = {n: s for n, s in statuses(data).items() if n not in ("clock", "disk")}
+    counted = {n: s for n, s in statuses(data).items() if n not in MACHINE_CHECKS}
     assert set(counted.values()) == {"ok"}, data["checks"]
     assert (code, data["exit_status"], data["status"]) == (0, 0, "ok")
-    assert [c["ignored"] for c in data["checks"] if c["name"] in ("clock", "disk")] == [True, True]
+    assert [c["ignored"] for c in data["checks"] if c["name"] in MACHINE_CHECKS] == [True, True, True]
     assert "control-plane" in counted
     fabrics = data["inventory"]["fabrics"]
     assert [(f["name"], f["adapters"]) for f in fabrics] == [

@@ -23,7 +23,7 @@ import attrs
 
 from agent.discovery import cpu as cpumod
 from agent.discovery import fabrics, gpus, infiniband
-from agent.discovery.snapshot import Snapshot, Sources, discover
+from agent.discovery.snapshot import DEFAULT_SYSTEMD_DIR, Snapshot, Sources, discover
 from agent.inventory import inventory_of
 from llmgw.config import FabricDecl
 from llmgw.errors import UsageError
@@ -196,6 +196,25 @@ def check_clock(snap: Snapshot) -> Check:
             fix=fix,
         )
     return Check(name="clock", status=OK, detail=f"synchronised ({now})")
+
+
+SERVICE_MANAGER_FIX = (
+    "run the node with systemd as its init, or start the agent at boot yourself: llmgw agent supervise --daemon "
+    "--config /etc/llmgw/agent.toml --pid-file /run/llmgw-agent.pid --log /var/log/llmgw-agent.log"
+)
+
+
+def check_service_manager(snap: Snapshot) -> Check:
+    name = "service-manager"
+    if snap.systemd:
+        return Check(name=name, status=OK, detail="systemd")
+    return Check(
+        name=name,
+        status=WARN,
+        detail=f"no systemd here (no {DEFAULT_SYSTEMD_DIR}): `llmgw node add` runs the agent under llmgw's own "
+        "supervisor (`llmgw agent supervise`), which does not start it again after a reboot",
+        fix=SERVICE_MANAGER_FIX,
+    )
 
 
 def check_nvidia(snap: Snapshot) -> Check:
@@ -389,6 +408,7 @@ CHECKS: tuple[tuple[str, Callable[..., Check]], ...] = (
     ("python", check_python),
     ("disk", check_disk),
     ("clock", check_clock),
+    ("service-manager", check_service_manager),
     ("nvidia-smi", check_nvidia),
     ("vllm", check_vllm),
     ("fabric-manager", check_fabric_manager),

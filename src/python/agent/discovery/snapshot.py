@@ -26,6 +26,8 @@ DEFAULT_PROC_ROOT = "/proc"
 DEFAULT_PCI_ROOT = "/sys/bus/pci/devices"
 DEFAULT_IP = "/usr/sbin/ip"
 DEFAULT_OS_RELEASE = "/etc/os-release"
+# Present exactly when systemd is the init: sd_booted(3) decides by it.
+DEFAULT_SYSTEMD_DIR = "/run/systemd/system"
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +36,7 @@ class Sources:
     pci_root: Path = Path(DEFAULT_PCI_ROOT)
     ib_root: Path = Path(config.DEFAULT_IB_ROOT)
     os_release: Path = Path(DEFAULT_OS_RELEASE)
+    systemd_dir: Path = Path(DEFAULT_SYSTEMD_DIR)
     nvidia_smi: str = config.DEFAULT_NVIDIA_SMI
     sminfo: str = config.DEFAULT_SMINFO
     ip: str = DEFAULT_IP
@@ -64,6 +67,7 @@ class Snapshot:
     memory: system.MemInfo | None
     disk: system.DiskInfo | None
     clock: system.ClockInfo
+    systemd: bool  # systemd is the init (`systemd_dir` exists)
     pci: gpus.NvidiaPci | None  # None: the PCI bus could not be read
     gpus: gpus.GpuReport
     ib: infiniband.IbReport
@@ -84,6 +88,7 @@ def discover(src: Sources) -> Snapshot:
         memory=system.read_meminfo(src.proc_root),
         disk=system.disk_free(src.weights_dir),
         clock=system.read_clock(),
+        systemd=src.systemd_dir.is_dir(),
         pci=pci,
         gpus=gpus.probe_gpus(src.nvidia_smi, pci, timeout_s=src.tool_timeout_s),
         ib=infiniband.probe_infiniband(src.ib_root, sminfo=src.sminfo, ip=src.ip, timeout_s=src.tool_timeout_s),
