@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import attrs
@@ -13,9 +14,15 @@ from llmgw.cli import Parser, add_group, add_leaf
 from llmgw.commands._service import run_service
 
 DEFAULT_CONFIG = "/etc/llmgw/agent.toml"
+# Kept equal to agent.supervise's (imported only when a command runs); a test checks they agree.
+DEFAULT_PID_FILE = "/run/llmgw-agent.pid"
+DEFAULT_LOG = "/var/log/llmgw-agent.log"
 
 
 def configure(parser: Parser) -> None:
+    # `supervise --log PATH` would otherwise read, at this level, as an abbreviation of both
+    # --log-level and --log-format ("ambiguous option") before `supervise` ever sees it.
+    parser.allow_abbrev = False
     sub = add_group(parser, "verb")
     run = add_leaf(
         sub, "run", "run the agent: connect to the control plane and keep the node's work running", run_agent
@@ -38,6 +45,49 @@ def configure(parser: Parser) -> None:
         run_csr,
     )
     csr.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
+    sup = add_leaf(
+        sub,
+        "supervise",
+        "run the agent under llmgw's own supervisor, for nodes without systemd: start it again when it exits "
+        "(waiting 1 s, doubling up to 30 s), its output appended to a log file; SIGTERM stops both",
+        run_supervise,
+    )
+    sup.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
+    sup.add_argument(
+        "--pid-file",
+        default=DEFAULT_PID_FILE,
+        type=Path,
+        metavar="PATH",
+        help=f"holds the supervisor's pid, locked while it runs: one supervisor per file (default {DEFAULT_PID_FILE})",
+    )
+    sup.add_argument(
+        "--log",
+        default=DEFAULT_LOG,
+        type=Path,
+        metavar="PATH",
+        help=f"the supervisor's and the agent's output, appended (default {DEFAULT_LOG})",
+    )
+    sup.add_argument(
+        "--daemon",
+        action="store_true",
+        help="detach, and return once the supervisor runs, printing its pid",
+    )
+    stop = add_leaf(
+        sub,
+        "stop",
+        "stop the agent supervisor (`llmgw agent supervise`) and its agent; not running is not an error",
+        run_stop,
+    )
+    stop.add_argument(
+        "--pid-file", default=DEFAULT_PID_FILE, type=Path, metavar="PATH", help=f"default {DEFAULT_PID_FILE}"
+    )
+    stop.add_argument(
+        "--timeout",
+        default=20.0,
+        type=float,
+        metavar="S",
+        help="how long to wait for it to stop after SIGTERM (default 20)",
+    )
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -59,3 +109,23 @@ def run_csr(args: argparse.Namespace) -> int:
     print(f"on the control plane: llmgw ca issue {node_id} --csr node.csr --out node.crt")
     print(f"then copy node.crt to {files.cert} and the CA's ca.crt to {files.ca_cert}")
     return 0
+
+
+def run_supervise(args: argparse.Namespace) -> int:
+    from agent import supervise
+
+    cfg.load_agent_config(args.config)  # a broken agent.toml is an error here, not a restart loop in the log
+    level, fmt = getattr(args, "log_level", "info"), getattr(args, "log_format", "kv")
+    spec = supervise.Spec(
+        argv=supervise.agent_argv(args.config, log_level=level, log_format=fmt),
+        pid_file=args.pid_file.absolute(),
+        log_file=args.log.absolute(),
+        env=supervise.child_env(os.environ),
+    )
+    return supervise.run(spec, daemon=args.daemon, log_level=level, log_format=fmt)
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    from agent import supervise
+
+    return supervise.stop(args.pid_file.absolute(), timeout_s=args.timeout)

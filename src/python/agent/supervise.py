@@ -1,0 +1,484 @@
+"""`llmgw agent supervise` and `llmgw agent stop`: llmgw's own supervisor for the agent, used
+where systemd is not the init (containers, some VMs).
+
+It runs one child (`llmgw agent run --config ...`) with stdin from /dev/null and stdout and
+stderr appended to the log file, starts it again after it exits (`RestartPolicy`, pure), and
+on SIGTERM or SIGINT stops it (SIGTERM, then SIGKILL to its process group after 10 s) and exits 0.
+
+Invariants:
+- The pid file's exclusive flock is held exactly while a supervisor runs; the kernel drops it
+  when the process dies, however it dies. So the lock, not the number written in the file, says
+  whether a supervisor runs, and `stop` signals a pid only while its lock is held: a stale file
+  left by a killed supervisor never gets an unrelated process (which reused the pid) killed.
+- The lock is taken before detaching (`--daemon`), so a refusal is an ordinary error at the
+  caller's terminal; flock locks belong to the open file description, which the daemon shares
+  through fork and keeps when the original process exits.
+- Paths and the child's command are made absolute before detaching: the daemon runs in `/`.
+- The daemon holds none of the caller's stdin, stdout or stderr (an SSH channel closes at once),
+  and it reports "ready" (pid written, signal handlers in place) through a pipe the original
+  process waits on, bounded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TextIO
+
+import attrs
+import trio
+
+from agent.selfexec import llmgw_command
+from llmgw import log as llmgw_log
+from llmgw.errors import MachineError
+
+log = llmgw_log.get_logger("llmgw.agent.supervise")
+
+DEFAULT_PID_FILE = "/run/llmgw-agent.pid"
+DEFAULT_LOG = "/var/log/llmgw-agent.log"
+STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL of the child
+KILL_WAIT_S = 5.0  # after SIGKILL, for the kernel to reap it
+READY_TIMEOUT_S = 30.0  # how long `--daemon` waits for the daemon to say it runs
+DEFAULT_STOP_WAIT_S = 20.0  # `stop`: more than the child's SIGTERM-to-SIGKILL time
+POLL_S = 0.05
+
+
+@attrs.frozen(kw_only=True)
+class RestartPolicy:
+    """How long to wait before starting the child again. Pure: the caller measures the uptime.
+
+    The first restart waits `initial_s`, each quick one after it twice as long up to `cap_s`;
+    a child that stayed up `reset_after_s` counts as healthy and the next wait is `initial_s`.
+    """
+
+    initial_s: float = 1.0
+    cap_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def next_delay(self, previous_s: float | None, uptime_s: float) -> float:
+        if previous_s is None or uptime_s >= self.reset_after_s:
+            return self.initial_s
+        return min(previous_s * 2, self.cap_s)
+
+
+@attrs.frozen(kw_only=True)
+class Spec:
+    """What one supervisor runs and where it keeps its files; every path absolute."""
+
+    argv: tuple[str, ...]
+    pid_file: Path
+    log_file: Path
+    env: Mapping[str, str] | None = None  # None: this process's environment
+    policy: RestartPolicy = RestartPolicy()
+    stop_timeout_s: float = STOP_TIMEOUT_S
+
+
+def agent_argv(config: Path, *, log_level: str = "info", log_format: str = "kv") -> tuple[str, ...]:
+    """`llmgw agent run` by this same llmgw: the zipapp at /usr/local/bin/llmgw, a PEX, or `-m llmgw`."""
+    return (
+        *llmgw_command(),
+        "--log-level",
+        log_level,
+        "--log-format",
+        log_format,
+        "agent",
+        "run",
+        "--config",
+        str(config.absolute()),
+    )
+
+
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """This environment with PYTHONPATH made absolute, so that `python -m llmgw` from a checkout
+    still finds the same code once a daemon has moved to `/`."""
+    env = dict(environ)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+    return env
+
+
+# -- the pid file ----------------------------------------------------------------------------
+
+
+def _read_pid(fd: int) -> int | None:
+    text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+class PidFile:
+    """The supervisor's pid file, held open and exclusively locked.
+
+    Nothing here unlocks on garbage collection: after `--daemon` forks, the original process
+    simply exits and the daemon keeps the lock.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def acquire(cls, path: Path) -> PidFile:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MachineError(
+                f"cannot create {path.parent} for the pid file: {exc.strerror}; "
+                "run as a user who may, or pass --pid-file in a directory you can write"
+            ) from None
+        # A supervisor that is stopping unlinks its file: if that happens between our open and
+        # our lock, we hold a lock on a file nobody else will see. Open again then.
+        for _ in range(5):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise MachineError(
+                    f"cannot open the pid file {path}: {exc.strerror}; pass --pid-file in a directory you can write"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _read_pid(fd)
+                os.close(fd)
+                who = f"pid {pid}" if pid else "its pid not written yet"
+                raise MachineError(
+                    f"an agent supervisor already runs with the pid file {path} ({who}); "
+                    f"stop it first with `llmgw agent stop --pid-file {path}`, or use another --pid-file"
+                ) from None
+            if _same_file(fd, path):
+                os.ftruncate(fd, 0)
+                try:
+                    os.fchmod(fd, 0o644)  # whatever the umask said
+                except PermissionError:
+                    pass  # someone else's file that we may write: leave its mode alone
+                return cls(path, fd)
+            os.close(fd)
+        raise MachineError(f"the pid file {path} keeps being replaced while it is locked; try again")
+
+    def write_pid(self, pid: int) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{pid}\n".encode(), 0)
+
+    def release(self) -> None:
+        if _same_file(self.fd, self.path):
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)  # the last descriptor of the description: the lock goes with it
+
+
+@attrs.frozen
+class Holder:
+    """Who holds a pid file: `locked` while a supervisor runs; `pid` what the file says."""
+
+    exists: bool
+    locked: bool
+    pid: int | None
+
+
+def holder(path: Path) -> Holder:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return Holder(exists=False, locked=False, pid=None)
+    except OSError as exc:
+        raise MachineError(f"cannot read the pid file {path}: {exc.strerror}; run as its owner or root") from None
+    try:
+        pid = _read_pid(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return Holder(exists=True, locked=True, pid=pid)
+        return Holder(exists=True, locked=False, pid=pid)
+    finally:
+        os.close(fd)
+
+
+# -- the child -------------------------------------------------------------------------------
+
+
+def _exit_fields(code: int | None) -> dict[str, object]:
+    if code is None:
+        return {"exit_status": "not_started"}
+    if code < 0:
+        try:
+            return {"signal": signal.Signals(-code).name}
+        except ValueError:
+            return {"signal": -code}
+    return {"exit_status": code}
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+async def _stop_child(proc: trio.Process, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL to its process group after `timeout_s`; shielded and bounded."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout_s + KILL_WAIT_S):
+        log.info("agent_stopping", pid=proc.pid, signal="SIGTERM")
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(timeout_s):
+            await proc.wait()
+        if proc.returncode is None:
+            log.warning("agent_kill", pid=proc.pid, after_s=timeout_s)
+            _signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        log.info("agent_stopped", pid=proc.pid, **_exit_fields(proc.returncode))
+
+
+async def serve_child(spec: Spec, log_fd: int, *, task_status: trio.TaskStatus[int | None]) -> None:
+    """Run the child, and again after each exit, until cancelled; cancelling stops the child."""
+    delay: float | None = None
+    started = False
+    while True:
+        try:
+            proc: trio.Process | None = await trio.lowlevel.open_process(
+                list(spec.argv),
+                env=None if spec.env is None else dict(spec.env),
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                start_new_session=True,  # its own group: a SIGKILL reaches what it started too
+            )
+        except OSError as exc:
+            log.error("agent_start_failed", command=shlex.join(spec.argv), reason=exc.strerror or str(exc))
+            proc = None
+        if not started:
+            task_status.started(proc.pid if proc else None)
+            started = True
+        began = trio.current_time()
+        if proc is not None:
+            log.info("agent_started", pid=proc.pid, command=shlex.join(spec.argv))
+            try:
+                await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    await _stop_child(proc, spec.stop_timeout_s)
+        uptime = trio.current_time() - began
+        delay = spec.policy.next_delay(delay, uptime)
+        log.warning(
+            "agent_exited",
+            pid=proc.pid if proc else 0,
+            **_exit_fields(proc.returncode if proc else None),
+            uptime_s=round(uptime, 1),
+            restart_in_s=delay,
+        )
+        await trio.sleep(delay)
+
+
+async def _supervise(spec: Spec, pid_file: PidFile, log_fd: int, ready: Callable[[int], None]) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        pid_file.write_pid(os.getpid())
+        log.info("supervisor_started", pid=os.getpid(), pid_file=str(spec.pid_file), log=str(spec.log_file))
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("supervisor_stopping", signal=signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            await nursery.start(serve_child, spec, log_fd)
+            ready(os.getpid())
+    log.info("supervisor_stopped", pid=os.getpid())
+
+
+# -- detaching -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Detached:
+    """One side of `_detach`: the original process reads the ready pipe, the daemon writes it."""
+
+    original: bool
+    fd: int
+
+
+def _detach(log_fd: int) -> Detached:
+    """Fork, setsid, fork: the daemon has no controlling terminal and is no session leader."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle:
+        os.close(write_end)
+        os.waitpid(middle, 0)  # it exits as soon as it has forked the daemon
+        return Detached(original=True, fd=read_end)
+    try:
+        os.close(read_end)
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        os.chdir("/")
+        os.umask(0o022)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        # The caller's stdout and stderr (an SSH channel, a test's pipes) are let go here.
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+    except BaseException:  # noqa: BLE001 - a forked child must never unwind into its parent's code
+        os._exit(1)  # the original reads end of file and says the daemon did not start
+    return Detached(original=False, fd=write_end)
+
+
+class _ReadyPipe:
+    """The daemon's end of the ready pipe: its pid once it runs, or why it could not start."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def send(self, text: str) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, text.encode()[:4000])
+        except OSError:
+            pass  # the caller gave up waiting (and said so); the pid file still tells the truth
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _wait_ready(read_end: int, spec: Spec, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                raise MachineError(
+                    f"the agent supervisor did not say it runs within {timeout_s:g} s; see {spec.log_file}, and "
+                    f"stop it with `llmgw agent stop --pid-file {spec.pid_file}` before starting it again"
+                )
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(read_end)
+    text = data.decode(errors="replace").strip()
+    if text.isdigit():
+        return int(text)
+    raise MachineError(f"the agent supervisor did not start: {text or 'it exited at once'}; see {spec.log_file}")
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def open_log(path: Path) -> int:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise MachineError(
+            f"cannot open the log file {path}: {exc.strerror}; pass --log in a directory you can write"
+        ) from None
+
+
+def run(
+    spec: Spec,
+    *,
+    daemon: bool = False,
+    out: TextIO | None = None,
+    log_level: str = "info",
+    log_format: str = "kv",
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> int:
+    """Supervise until SIGTERM or SIGINT (exit 0). With `daemon`, the calling process returns
+    once the detached supervisor runs, having printed its pid."""
+    out = out or sys.stdout
+    log_fd = open_log(spec.log_file)
+    try:
+        pid_file = PidFile.acquire(spec.pid_file)
+    except BaseException:
+        os.close(log_fd)
+        raise
+    pipe: _ReadyPipe | None = None
+    if daemon:
+        side = _detach(log_fd)
+        if side.original:
+            pid = _wait_ready(side.fd, spec, ready_timeout_s)
+            print(f"agent supervisor started, pid {pid}, log {spec.log_file}", file=out, flush=True)
+            return 0
+        pipe = _ReadyPipe(side.fd)
+
+    def ready(pid: int) -> None:
+        if pipe is not None:
+            pipe.send(f"{pid}\n")
+            return
+        print(
+            f"agent supervisor running, pid {pid}, log {spec.log_file}; "
+            f"stop it with `llmgw agent stop --pid-file {spec.pid_file}`",
+            file=out,
+            flush=True,
+        )
+
+    try:
+        llmgw_log.setup(level=log_level, fmt=log_format, stream=os.fdopen(os.dup(log_fd), "a", buffering=1))
+        trio.run(_supervise, spec, pid_file, log_fd, ready)
+    except BaseException as exc:
+        if pipe is not None:
+            pipe.send(f"{exc.__class__.__name__}: {exc}")  # nothing when it was ready already
+        raise
+    finally:
+        pid_file.release()
+        os.close(log_fd)
+    return 0
+
+
+def stop(pid_file: Path, *, timeout_s: float = DEFAULT_STOP_WAIT_S, out: TextIO | None = None) -> int:
+    """SIGTERM the supervisor holding `pid_file` and wait until it has let go. Not running is
+    not an error: node add and node remove both call this whatever the node's state."""
+    out = out or sys.stdout
+    deadline = time.monotonic() + timeout_s
+    held = holder(pid_file)
+    if not held.exists:
+        print(f"agent supervisor not running (no pid file {pid_file})", file=out)
+        return 0
+    while held.locked and held.pid is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)  # a supervisor starting: locked, its pid not written yet
+        held = holder(pid_file)
+    if not held.locked:
+        stale = f"; {pid_file} names pid {held.pid}, which does not hold it" if held.pid else ""
+        print(f"agent supervisor not running{stale}", file=out)
+        return 0
+    if held.pid is None:
+        raise MachineError(
+            f"{pid_file} is locked but holds no pid after {timeout_s:g} s; see who holds it: fuser -v {pid_file}"
+        )
+    pid = held.pid
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it exited just now; the lock says so below
+    except PermissionError:
+        raise MachineError(f"not allowed to signal the agent supervisor (pid {pid}); run as its user or root") from None
+    began = time.monotonic()
+    while holder(pid_file).locked:
+        if time.monotonic() >= deadline:
+            raise MachineError(
+                f"the agent supervisor (pid {pid}) still runs {timeout_s:g} s after SIGTERM; see its log, "
+                f"or end it with `kill -KILL {pid}` (its agent then stays behind: kill that too)"
+            )
+        time.sleep(POLL_S)
+    print(f"agent supervisor stopped (pid {pid}, SIGTERM, {time.monotonic() - began:.1f} s)", file=out)
+    return 0
