@@ -351,8 +351,8 @@ async def test_describe_finds_the_ssl_error_behind_trio_and_exception_groups() -
             nursery.start_soon(unrelated)
             nursery.start_soon(handshake_fails)
     assert pki.describe_tls_failure(group.value, side="server") == (
-        "the connecting node's certificate has expired (certificate has expired); renew it with `llmgw ca issue` "
-        "(docs/operations.md: adding a node by hand)"
+        "the connecting node's certificate has expired (certificate has expired); renew it with "
+        "`llmgw node add USER@HOST --reissue`"
     )
 
 
@@ -469,7 +469,7 @@ async def test_an_expired_node_certificate_is_refused(cluster: Cluster) -> None:
     assert server.startswith("the connecting node's certificate has expired (certificate has expired); renew it")
     assert client == (
         "the control plane refused this node's certificate as expired; renew it from the control plane with "
-        "`llmgw ca issue` (docs/operations.md: adding a node by hand)"
+        "`llmgw node add USER@HOST --reissue`"
     )
 
 

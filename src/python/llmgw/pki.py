@@ -277,7 +277,7 @@ def init_ca(
         if exists:
             raise UsageError(
                 f"a certificate authority already exists: {p}; `llmgw ca init` will not replace it, because "
-                "removing it would orphan every node certificate it issued (each node would need `llmgw ca issue` (docs/operations.md: adding a node by hand) "
+                "removing it would orphan every node certificate it issued (each node would need `llmgw node add USER@HOST --reissue` "
                 "again). Use `llmgw ca show` to see it"
             )
     if not 0 < len(common_name) <= _MAX_CN:
@@ -438,7 +438,7 @@ def server_ssl_context(state_dir: Path) -> ssl.SSLContext:
 def client_ssl_context(ca_cert: Path, cert: Path, key: Path) -> ssl.SSLContext:
     """The agent's side: present the node certificate; believe only the cluster CA, and check
     that the control plane's certificate covers the address dialled."""
-    fix = "issue this node a certificate on the control plane (`llmgw ca issue`, docs/operations.md), or copy in what `llmgw ca issue NODE_ID --out DIR` wrote"
+    fix = "add this node from the control plane with `llmgw node add USER@HOST`, which installs its certificate (by hand: `llmgw ca issue`, docs/operations.md)"
     for path in (ca_cert, cert, key):
         _require(Path(path), fix)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no load_default_certs(): the system store is not trusted here

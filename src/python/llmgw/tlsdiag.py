@@ -97,17 +97,17 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
     if code in _V_UNTRUSTED:
         fix = {
             "client": "this node's ca.crt is another cluster's, or the control plane's CA was recreated: "
-            "add the node again with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
-            "server": "it was issued by another cluster's CA: add the node again with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
-            None: "both ends must hold certificates from one CA: add the node again with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
+            "add the node again with `llmgw node add USER@HOST --reissue`",
+            "server": "it was issued by another cluster's CA: add the node again with `llmgw node add USER@HOST --reissue`",
+            None: "both ends must hold certificates from one CA: add the node again with `llmgw node add USER@HOST --reissue`",
         }[side]
         return f"{theirs} was not issued by this cluster's CA ({message}); {fix}"
     if code == _V_EXPIRED:
         fix = {
             "client": "on the control plane, `llmgw ca show` says which certificate; reissue the server's with "
             "`llmgw ca server-cert` and restart `llmgw server`",
-            "server": "renew it with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
-            None: "renew it: `llmgw ca server-cert` for the control plane's, `llmgw ca issue` (docs/operations.md: adding a node by hand) for a node's",
+            "server": "renew it with `llmgw node add USER@HOST --reissue`",
+            None: "renew it: `llmgw ca server-cert` for the control plane's, `llmgw node add USER@HOST --reissue` for a node's",
         }[side]
         return f"{theirs} has expired ({message}); {fix}"
     if code == _V_NOT_YET_VALID:
@@ -128,34 +128,34 @@ def _describe_alert(reason: str | None, side: Side | None) -> str | None:
     if reason == _A_CERT_REQUIRED:  # sent by a server, so received by a client
         return (
             "the control plane requires a node certificate and this agent sent none; check that node.crt and "
-            "node.key are in the agent's pki directory, or add the node with `llmgw ca issue` (docs/operations.md: adding a node by hand)"
+            "node.key are in the agent's pki directory, or add the node with `llmgw node add USER@HOST --reissue`"
         )
     if reason == _A_HANDSHAKE_FAILURE and side != "server":
         return (
             "the control plane ended the handshake (handshake failure alert); over TLS 1.2 that is how it "
             "refuses an agent that presented no node certificate: check that node.crt and node.key are in the "
-            "agent's pki directory, or add the node with `llmgw ca issue` (docs/operations.md: adding a node by hand)"
+            "agent's pki directory, or add the node with `llmgw node add USER@HOST --reissue`"
         )
     if reason == _NO_PEER_CERT:  # a server's own verdict
         return (
             "a client connected without a certificate; only agents holding a node certificate may connect "
-            "(`llmgw ca issue` (docs/operations.md: adding a node by hand) gives a node one)"
+            "(`llmgw node add USER@HOST --reissue` gives a node one)"
         )
     fix = {
-        "client": "renew it from the control plane with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
+        "client": "renew it from the control plane with `llmgw node add USER@HOST --reissue`",
         "server": "reissue it with `llmgw ca server-cert` (`llmgw ca show` shows its dates and addresses)",
-        None: "renew it: `llmgw ca issue` (docs/operations.md: adding a node by hand) for a node, `llmgw ca server-cert` for the control plane",
+        None: "renew it: `llmgw node add USER@HOST --reissue` for a node, `llmgw ca server-cert` for the control plane",
     }[side]
     if reason == _A_EXPIRED:
         return f"{they} refused {ours} as expired; {fix}"
     if reason == _A_UNKNOWN_CA:
         return (
             f"{they} does not trust the CA that issued {ours}: the two hold different clusters' CAs "
-            "(or the CA was recreated); add the node again with `llmgw ca issue` (docs/operations.md: adding a node by hand)"
+            "(or the CA was recreated); add the node again with `llmgw node add USER@HOST --reissue`"
         )
     if reason in _A_REFUSED:
         hint = {
-            "client": "reissue it with `llmgw ca issue` (docs/operations.md: adding a node by hand)",
+            "client": "reissue it with `llmgw node add USER@HOST --reissue`",
             "server": "it may not cover the address the node dials: compare `llmgw ca show` with the node's server URL",
             None: "check both ends' certificates with `llmgw ca show`",
         }[side]

@@ -135,13 +135,13 @@ class AgentEndpoint:
         if self.store.is_revoked(cert.serial):
             return 403, (
                 f"the certificate of node {cert.common_name!r} (serial {cert.serial:x}) was revoked by "
-                "`llmgw node remove`; add the node again with `llmgw ca issue` (docs/operations.md: adding a node by hand) to issue a new one"
+                "`llmgw node remove`; add the node again with `llmgw node add USER@HOST --reissue` to issue a new one"
             )
         claimed = dict(request.headers).get(NODE_ID_HEADER.encode(), b"").decode("utf-8", "replace")
         if claimed != cert.common_name:
             return 403, (
                 f"node id {claimed!r} does not match its certificate CN {cert.common_name!r}; set node_id in "
-                "agent.toml to the certificate's CN, or reissue the certificate with `llmgw ca issue` (docs/operations.md: adding a node by hand)"
+                "agent.toml to the certificate's CN, or reissue the certificate with `llmgw node add USER@HOST --reissue`"
             )
         return None
 
