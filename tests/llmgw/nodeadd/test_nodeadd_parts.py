@@ -10,12 +10,15 @@ import sys
 import zipfile
 from pathlib import Path
 
+import attrs
 import pytest
+import trio
 
 from llmgw import config as cfg
 from llmgw import pki
 from llmgw.errors import ConfigError, MachineError, UsageError
 from llmgw.nodeadd import flow, layout, release
+from llmgw.nodeadd.questions import Unattended
 
 
 def test_agent_toml_is_what_the_agent_loads(tmp_path: Path) -> None:
@@ -204,3 +207,48 @@ def test_joined_means_the_restarted_agent_heartbeated_and_checked_llama_cpp() ->
     assert not done and "no llama-server at /x" in why
     done, why = flow.join_progress(_node(connected=False, state="lost"), started_before=100.0)
     assert not done and "not connected" in why
+
+
+# -- fabrics -------------------------------------------------------------------------------
+
+GROUPS = {
+    "fabric_groups": [
+        {"identity": "ib-sm:0x0002c90300a1b2c3", "kind": "infiniband", "adapters": ["mlx5_0", "mlx5_1"]},
+        {"identity": "roce:10.20.0.0/24", "kind": "roce", "adapters": ["mlx5_2"]},
+    ]
+}
+CLUSTER = [{"id": "node-b", "fabrics": [{"name": "ib-a"}]}, {"id": "node-c", "fabrics": []}]
+
+
+class Recorder(Unattended):
+    """Unattended answers, remembering what the step offered."""
+
+    asked: list = []
+
+    async def name_fabrics(self, groups, existing, given):
+        Recorder.asked.append((tuple(g.adapters for g in groups), tuple(existing)))
+        return await super().name_fabrics(groups, existing, given)
+
+
+def _fabrics(tmp_path: Path, decls: tuple[cfg.FabricDecl, ...], inventory: dict) -> tuple[str, str, tuple]:
+    opts = attrs.evolve(_opts(tmp_path), fabrics=decls)
+    facts = flow._Facts()
+    status, text = trio.run(flow._fabrics, opts, facts, inventory, CLUSTER, Recorder())
+    return status, text, facts.fabrics
+
+
+def test_fabric_groups_are_offered_with_the_clusters_names_and_answered_by_flags(tmp_path: Path) -> None:
+    Recorder.asked.clear()
+    decl = cfg.FabricDecl(name="ib-a", adapters=("mlx5_0", "mlx5_1"))
+    status, text, decls = _fabrics(tmp_path, (decl,), GROUPS)
+    assert Recorder.asked == [((("mlx5_0", "mlx5_1"), ("mlx5_2",)), ("ib-a",))]
+    assert decls == (decl,)
+    # The RoCE group was named by nobody: said, with the flag that would name it.
+    assert status == "warn" and "--fabric NAME:mlx5_2" in text and "ib-a: mlx5_0,mlx5_1" in text
+
+
+def test_no_adapters_and_no_flags_asks_nothing(tmp_path: Path) -> None:
+    Recorder.asked.clear()
+    status, text, decls = _fabrics(tmp_path, (), {"fabric_groups": []})
+    assert (status, decls, Recorder.asked) == ("ok", (), [])
+    assert "its own island" in text
