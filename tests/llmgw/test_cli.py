@@ -78,3 +78,14 @@ def test_python_dash_m_runs_the_same_cli_as_a_process() -> None:
     done = run_llmgw("config")
     assert done.returncode == 2
     assert done.stderr.startswith("usage: llmgw config")
+
+
+def test_a_service_that_fails_at_start_says_why_not_internal_error(tmp_path) -> None:
+    # `llmgw agent run` without its certificates: the agent's own error and status 1, not the
+    # signal watcher's complaint about a closed receiver (exit 70, "a bug in llmgw").
+    config = tmp_path / "agent.toml"
+    config.write_text(f'server = "wss://127.0.0.1:9"\nstate_dir = "{tmp_path / "state"}"\n')
+    done = run_llmgw("agent", "run", "--config", str(config))
+    assert done.returncode == 1, done.stderr
+    assert "ca.crt does not exist" in done.stderr and "llmgw node add" in done.stderr
+    assert "internal error" not in done.stderr

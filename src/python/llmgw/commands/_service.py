@@ -19,8 +19,10 @@ log = get_logger("llmgw.service")
 
 def run_service(name: str, serve: Callable[..., Awaitable[Any]], *args: Any) -> int:
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # The receiver outlives the nursery: were it closed first, a serve() that fails at once
+        # would leave watch() reading a closed receiver, and its error would hide serve()'s.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
 
                 async def watch() -> None:
                     async for signum in signals:
