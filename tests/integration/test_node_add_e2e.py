@@ -11,6 +11,8 @@ mounted on the node at /mnt and named with --llamacpp-bin; the model served is a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 from llmgw_release import build, wheels
 
 import llmgw
-from testlib.cluster import Proc, wait_until
+from testlib.cluster import Proc, free_port, wait_until
 from testlib.llama import llama_server
 from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
@@ -105,9 +107,9 @@ class ControlPlane:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
-    def node_add(self, *extra: str, release: Path | None = None) -> tuple[int, str, str]:
+    def node_add(self, *extra: str, release: Path | str | None = None, login: str = "root") -> tuple[int, str, str]:
         args = [
-            "node", "add", self.node.target, "--config", str(self.config),
+            "node", "add", f"{login}@{self.node.node_addr}", "--config", str(self.config),
             "-i", str(self.node.client_key), "--known-hosts", str(self.known_hosts),
             "--llamacpp-bin", "/mnt/llama-server", "--join-timeout", "120",
         ]  # fmt: skip
@@ -253,3 +255,58 @@ def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node
     assert "failed connect" in out and "SHA256:" in out and "--accept-new-host-key" in out, out
     assert not cp.known_hosts.exists() or cp.known_hosts.read_text() == ""
     assert "Starting session" not in node.log_text()
+
+
+def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
+    cp: ControlPlane, node: NetNode, release_dir: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    # A password of "*" (none works) rather than useradd's "!", which sshd takes for a locked account.
+    made = node.run(
+        "useradd", "--create-home", "--home-dir", "/var/lib/ubuntu-home", "--shell", "/bin/sh", "--password", "*", "ubuntu"
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    port = free_port(node.host_addr)
+    files = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", node.host_addr, "--directory", str(release_dir), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://{node.host_addr}:{port}/"
+        wait_until("the release's file server", lambda: _answers(url), timeout=15)
+
+        # Without passwordless sudo: stopped at identify, with the line that would allow it.
+        rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=url, login="ubuntu")
+        assert rc != 0 and "failed identify" in out and "NOPASSWD" in out, out + err
+        assert [p for p in node.written() if "llmgw" in p] == []
+
+        allow = node.run("sh", "-c", "echo 'ubuntu ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/ubuntu")
+        assert allow.returncode == 0, allow.stderr
+        rc, out, err = cp.node_add("--plain", release=url, login="ubuntu")
+        assert rc == 0, out + err
+        assert f"fetched by the node from {url}llmgw-0.0.0-e2e-linux-amd64.pyz" in out
+        first_cert = node.read("/var/lib/llmgw-agent/pki/node.crt")
+
+        # --reissue: a new key and certificate, and the old one revoked.
+        rc, out, err = cp.node_add("--json", "--reissue", release=url, login="ubuntu")
+        assert rc == 0, out + err
+        said = {e["step"]: e["detail"] for e in _events(out) if e["status"] != "started"}
+        assert "issued CN=node" in said["identity"] and "a new key" in said["identity"], said
+        assert "revoked the previous one" in said["identity"]
+        assert node.read("/var/lib/llmgw-agent/pki/node.crt") != first_cert
+        me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
+        assert me["state"] == "joined"
+    finally:
+        files.kill()
+        files.wait(10)
+
+
+def _answers(url: str) -> bool:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(url + "SHA256SUMS", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -56,7 +56,12 @@ class NetNode:
         self.log = root / "sshd.log"
         self.client_key = keygen(root / "client_key", "llmgw-test-client")
         self.host_key = keygen(root / "host_key", "llmgw-test-node")
-        (root / "authorized_keys").write_text((root / "client_key.pub").read_text())
+        # Inside the node's /etc, so that any login can read it: sshd reads it as the user, and
+        # this test's own directory is root's alone.
+        self.authorized_keys = self.upper("/etc") / "ssh" / "test_authorized_keys"
+        self.authorized_keys.parent.mkdir(parents=True, exist_ok=True)
+        self.authorized_keys.write_text((root / "client_key.pub").read_text())
+        self.authorized_keys.chmod(0o644)
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -132,7 +137,7 @@ class NetNode:
                     f"ListenAddress {self.node_addr}:22",
                     f"HostKey {self.host_key}",
                     f"PidFile {self.root / 'sshd.pid'}",
-                    f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+                    "AuthorizedKeysFile /etc/ssh/test_authorized_keys",
                     "PermitRootLogin prohibit-password",
                     "PubkeyAuthentication yes",
                     "PasswordAuthentication no",

@@ -510,6 +510,8 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
     config_text = _agent_toml(opts, facts)
     await _put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
     node = pki.node_paths(Path(layout.STATE_DIR))
+    current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
+    had_key = (await s.run(["test", "-e", str(node.key)], sudo=True, timeout_s=_SHORT_S)).exit_status == 0
     if opts.reissue:
         await _must(s, ["rm", "-f", "--", str(node.key), str(node.cert)], sudo=True, what="removing the old identity")
     await _must(
@@ -520,7 +522,6 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
         timeout_s=_DOCTOR_S,
     )
     csr_pem = (await _must(s, ["cat", "--", str(node.csr)], sudo=True, what="reading the request")).encode()
-    current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
     kept = (
         None
         if opts.reissue or current.exit_status != 0
@@ -537,7 +538,7 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
     facts.cert_serial = f"{info.serial:x}"
     revoked = _record(opts.state_dir, facts.node_id, info, old, ca)
     also = f"; revoked the previous one (serial {revoked})" if revoked else ""
-    key = "a new key" if opts.reissue or old is None else "its key"
+    key = "a new key" if opts.reissue or not had_key else "its key"
     return f"issued CN={facts.node_id} for {key}, serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}{also}"
 
 
