@@ -26,6 +26,8 @@ from testlib.cluster import Proc, free_port, wait_until
 from testlib.llama import llama_server
 from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
+from testlib.sshd import fingerprint_of
+from testlib.terminal import Terminal, words
 
 ADD_TIMEOUT_S = 300
 CATALOG = """
@@ -310,3 +312,28 @@ def _answers(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def test_in_a_terminal_the_checklist_asks_for_the_host_key(
+    cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    argv = [
+        sys.executable, "-m", "llmgw", "node", "add", node.target, "--config", str(cp.config),
+        "-i", str(node.client_key), "--known-hosts", str(cp.known_hosts), "--release", str(release_dir),
+        "--llamacpp-bin", "/mnt/llama-server", "--join-timeout", "120",
+    ]  # fmt: skip
+    term = Terminal(tmp_path, argv, timeout_s=60)
+    try:
+        term.wait_for(f"llmgw node add {node.target}", fingerprint_of(node.host_key.with_suffix(".pub")))
+        assert "[ok] read the certificate authority" in term.screen()
+        term.keys("y")
+        assert term.wait_exit(timeout_s=ADD_TIMEOUT_S) == 0, term.scrollback()
+        shown = words(term.scrollback())
+        assert words(f"node {node.hostname} joined") in shown
+        assert words("ok wait for the node to join and install llama.cpp") in shown  # the summary left behind
+    finally:
+        term.close()
+    assert len(cp.known_hosts.read_text().splitlines()) == 1
+    assert {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]["state"] == "joined"

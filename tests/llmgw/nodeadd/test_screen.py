@@ -7,13 +7,7 @@ Each test has its own tmux server (`-L`), killed at the end; every wait is bound
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import shutil
-import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +16,7 @@ import pytest
 from llmgw.config import FabricDecl
 from llmgw.nodeadd.screen import offered_name, typed_name
 from llmgw.wire.agent_link import FabricGroup
+from testlib.terminal import Terminal, words
 
 DRIVER = Path(__file__).with_name("screen_driver.py")
 TIMEOUT = 10.0
@@ -36,86 +31,21 @@ LONG_DETAIL = (
 )
 
 
-def words(text: str) -> str:
-    """Text as drawn, wrapped anywhere: compare word sequences, not lines."""
-    return " ".join(text.replace("|", " ").split())
-
-
-class Pane:
-    """One tmux server with one 120x40 pane running the driver."""
+class Pane(Terminal):
+    """The pane running the driver, and what the driver got from run_with_screen."""
 
     def __init__(self, tmp_path: Path, scenario: str) -> None:
-        if shutil.which("tmux") is None:
-            pytest.fail("tmux is missing: install it (apt-get install tmux; .ci/install-deps installs it)")
         self.out = tmp_path
-        self.socket = f"llmgw-screen-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        conf = tmp_path / "tmux.conf"
-        # The pane stays after the driver exits, so the test can read what it printed last.
-        conf.write_text("set -g remain-on-exit on\n")
-        pythonpath = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
-        command = shlex.join(
-            [
-                "env",
-                "TERM=xterm-256color",
-                f"PYTHONPATH={pythonpath}",
-                sys.executable,
-                str(DRIVER),
-                scenario,
-                str(tmp_path),
-            ]
-        )
-        self.tmux("-f", str(conf), "new-session", "-d", "-x", "120", "-y", "40", "-s", "t", "-c", os.getcwd(), command)
-
-    def tmux(self, *args: str) -> str:
-        done = subprocess.run(
-            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=TIMEOUT, check=False
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"tmux {' '.join(args)} failed: {done.stderr.strip()}")
-        return done.stdout
-
-    def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-J", "-t", "t")
-
-    def scrollback(self) -> str:
-        """The visible pane and the history above it, where what was printed last stays."""
-        return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t")
-
-    def wait_for(self, *needles: str) -> str:
-        """The screen once it shows every needle (compared as words); bounded by TIMEOUT."""
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            text = self.screen()
-            if all(words(n) in words(text) for n in needles):
-                return text
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not drawn within {TIMEOUT:g} s: {needles!r}; the screen:\n{text}")
-            time.sleep(0.05)
-
-    def keys(self, *keys: str) -> None:
-        self.tmux("send-keys", "-t", "t", *keys)
-
-    def type(self, text: str) -> None:
-        self.tmux("send-keys", "-t", "t", "-l", text)
+        super().__init__(tmp_path, [sys.executable, str(DRIVER), scenario, str(tmp_path)], timeout_s=TIMEOUT)
 
     def result(self) -> dict:
-        """What the driver got from run_with_screen, once it has exited and tmux has read all it wrote."""
         path = self.out / "result.json"
-        deadline = time.monotonic() + TIMEOUT
-        # #{pane_dead} turns 1 once the pty is closed and drained. (Not #{pane_dead_status}: tmux
-        # 3.3 sometimes never sets it when the pty closes before the child is reaped.)
-        while self.tmux("display-message", "-p", "-t", "t", "#{pane_dead}").strip() != "1":
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the driver did not exit within {TIMEOUT:g} s; the screen:\n{self.screen()}")
-            time.sleep(0.05)
+        self.wait_exit()
         assert path.exists(), f"the driver wrote no result; the pane:\n{self.scrollback()}"
         return json.loads(path.read_text())
 
     def release(self) -> None:
         (self.out / "release").write_text("")
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=TIMEOUT, check=False)
 
 
 @pytest.fixture

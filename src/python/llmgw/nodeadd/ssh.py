@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -235,6 +236,8 @@ async def connect(
 ) -> Session:
     """`open_session` for a caller that closes the session itself (`Session.close`)."""
     parsed = parse_target(target)
+    # asyncssh narrates every connection at INFO; what matters reaches the operator as our errors.
+    logging.getLogger("asyncssh").setLevel(max(logging.WARNING, logging.getLogger("asyncssh").level))
     if trio_asyncio.current_loop.get() is None:
         raise RuntimeError("llmgw.nodeadd.ssh must run inside `async with trio_asyncio.open_loop():`")
     keys = _load_client_keys(client_keys)
