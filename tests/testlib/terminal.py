@@ -36,7 +36,12 @@ class Terminal:
         conf = tmp_path / f"tmux-{self.socket}.conf"
         conf.write_text("set -g remain-on-exit on\nset -g history-limit 5000\n")
         pythonpath = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
-        command = shlex.join(["env", "TERM=xterm-256color", f"PYTHONPATH={pythonpath}", *argv])
+        # The exit status goes to a file: tmux 3.3 does not always set #{pane_dead_status}.
+        self._status = tmp_path / f"{self.socket}.status"
+        script = f'"$@"; echo $? > {shlex.quote(str(self._status))}'
+        command = shlex.join(
+            ["env", "TERM=xterm-256color", f"PYTHONPATH={pythonpath}", "sh", "-c", script, "sh", *argv]
+        )
         self.tmux("-f", str(conf), "new-session", "-d", "-x", "120", "-y", "40", "-s", "t", "-c", os.getcwd(), command)
 
     def tmux(self, *args: str) -> str:
@@ -74,14 +79,12 @@ class Terminal:
     def wait_exit(self, timeout_s: float | None = None) -> int:
         """The command's exit status, once it has exited and tmux has read all it wrote."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        # #{pane_dead} turns 1 once the pty is closed and drained. (#{pane_dead_status} alone is not
-        # enough: tmux 3.3 sometimes never sets it when the pty closes before the child is reaped.)
+        # #{pane_dead} turns 1 once the pty is closed and drained, after the status file is written.
         while self.tmux("display-message", "-p", "-t", "t", "#{pane_dead}").strip() != "1":
             if time.monotonic() > deadline:
                 raise AssertionError(f"the command did not exit in time; the screen:\n{self.screen()}")
             time.sleep(0.05)
-        status = self.tmux("display-message", "-p", "-t", "t", "#{pane_dead_status}").strip()
-        return int(status) if status.lstrip("-").isdigit() else -1
+        return int(self._status.read_text())
 
     def close(self) -> None:
         subprocess.run(
