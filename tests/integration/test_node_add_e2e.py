@@ -11,6 +11,7 @@ mounted on the node at /mnt and named with --llamacpp-bin; the model served is a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -269,15 +270,9 @@ def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
         "useradd", "--create-home", "--home-dir", "/var/lib/ubuntu-home", "--shell", "/bin/sh", "--password", "*", "ubuntu"
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
-    port = free_port(node.host_addr)
-    files = subprocess.Popen(
-        [sys.executable, "-m", "http.server", "--bind", node.host_addr, "--directory", str(release_dir), str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    served = _Served(node, release_dir)
     try:
-        url = f"http://{node.host_addr}:{port}/"
-        wait_until("the release's file server", lambda: _answers(url), timeout=15)
+        url = served.url
 
         # Without passwordless sudo: stopped at identify, with the line that would allow it.
         rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=url, login="ubuntu")
@@ -301,8 +296,7 @@ def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
         me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
         assert me["state"] == "joined"
     finally:
-        files.kill()
-        files.wait(10)
+        served.stop()
 
 
 def _answers(url: str) -> bool:
@@ -337,3 +331,57 @@ def test_in_a_terminal_the_checklist_asks_for_the_host_key(
         term.close()
     assert len(cp.known_hosts.read_text().splitlines()) == 1
     assert {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]["state"] == "joined"
+
+
+class _Served:
+    """A release directory served over HTTP on the host's side of the node's link."""
+
+    def __init__(self, node: NetNode, directory: Path) -> None:
+        port = free_port(node.host_addr)
+        self.url = f"http://{node.host_addr}:{port}/"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "http.server", "--bind", node.host_addr, "--directory", str(directory), str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until("the release's file server", lambda: _answers(self.url), timeout=15)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def test_a_file_that_arrives_damaged_is_never_run(
+    cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(release_dir, damaged)
+    pyz = next(damaged.glob("*.pyz"))
+    pyz.write_bytes(pyz.read_bytes() + b"tampered")  # SHA256SUMS still lists the released bytes
+    served = _Served(node, damaged)
+    try:
+        rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=served.url)
+    finally:
+        served.stop()
+    assert rc != 0
+    assert "failed ship" in out and "arrived with sha256" in out and "nothing ran it" in out, out
+    assert [line.split()[1] for line in out.splitlines()][-1] == "ship"  # it stopped there: doctor never ran
+    assert [p for p in node.written() if "llmgw" in p] == []
+    assert node.run("sh", "-c", "ls -d /tmp/llmgw-node-add.* 2>/dev/null || true").stdout.strip() == ""
+
+
+def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
+    cp: ControlPlane, node: NetNode, release_dir: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    args = ("--plain", "--accept-new-host-key", "--llamacpp-bin", "/mnt/no-such-llama-server", "--join-timeout", "8")
+    rc, out, err = cp.node_add(*args, release=release_dir)
+    assert rc != 0
+    failed = next(line for line in out.splitlines() if line.startswith("failed"))
+    assert failed.startswith("failed join"), out
+    assert "did not finish joining within 8 s" in out
+    assert "llama.cpp is not usable" in out and "/mnt/no-such-llama-server" in out, out
+    assert "/var/log/llmgw-agent.log" in out and "its last lines" in out

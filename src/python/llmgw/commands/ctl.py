@@ -260,7 +260,7 @@ def _fabrics(n: dict[str, Any]) -> str:
 
 def format_nodes(nodes: list[dict[str, Any]]) -> str:
     if not nodes:
-        return 'no nodes yet: see docs/operations.md, "Adding a node by hand"'
+        return "no nodes yet: add one with `sudo llmgw node add USER@HOST` (docs/node-onboarding.md)"
     header = (
         "NODE",
         "STATE",
