@@ -385,3 +385,27 @@ def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
     assert "did not finish joining within 8 s" in out
     assert "llama.cpp is not usable" in out and "/mnt/no-such-llama-server" in out, out
     assert "/var/log/llmgw-agent.log" in out and "its last lines" in out
+
+
+def test_another_machine_with_a_joined_nodes_hostname_is_refused(
+    cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
+    assert rc == 0, out + err
+    twin = NetNode(tmp_path / "twin", index=(int(node.node_addr.split(".")[2]) % 250) + 1, hostname=node.hostname)
+    twin.start()
+    try:
+        done = cp.llmgw(
+            "node", "add", twin.target, "--config", str(cp.config), "-i", str(twin.client_key),
+            "--known-hosts", str(cp.known_hosts), "--accept-new-host-key", "--plain", "--release", str(release_dir),
+            timeout=ADD_TIMEOUT_S,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert "failed identify" in done.stdout and "another machine with the same hostname" in done.stdout
+        assert [p for p in twin.written() if "llmgw" in p] == []
+    finally:
+        twin.stop()
+    me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
+    assert me["state"] == "joined" and me["address"] == node.node_addr  # the first machine keeps its place

@@ -42,7 +42,7 @@ def preflight() -> str:
 
 
 class NetNode:
-    def __init__(self, root: Path, *, index: int, binds: dict[str, Path] | None = None) -> None:
+    def __init__(self, root: Path, *, index: int, binds: dict[str, Path] | None = None, hostname: str = "") -> None:
         """`index` (1-250) picks the namespace's name and its /30; `binds` mounts host paths at node paths
         (e.g. a llama-server's directory at /mnt) that must already exist on the node's side."""
         self.root = root
@@ -51,7 +51,7 @@ class NetNode:
         self.veth = f"lgv{os.getpid() % 10000}n{index}"
         self.host_addr = f"10.231.{index}.1"
         self.node_addr = f"10.231.{index}.2"
-        self.hostname = f"node{index}"
+        self.hostname = hostname or f"node{index}"
         self.binds = dict(binds or {})
         self.log = root / "sshd.log"
         self.client_key = keygen(root / "client_key", "llmgw-test-client")

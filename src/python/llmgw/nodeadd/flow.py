@@ -199,6 +199,13 @@ async def _on_node(
             kb = facts.known_before
             marks = "".join(f", {m}" for m in ("cordoned", "draining") if kb.get(m))
             again = f"; known to the cluster already ({kb['state']}{marks}): adding it again"
+            if kb.get("connected") and not await _has_identity(s):
+                raise UsageError(
+                    f"the cluster has a node {facts.node_id!r} connected now (from {kb.get('address') or '?'}), and "
+                    f"{s.target} has no llmgw identity, so it is another machine with the same hostname. Give it "
+                    f"its own (`sudo hostnamectl set-hostname NAME` there), or, if the other is gone, "
+                    f"`llmgw node remove {facts.node_id}` first"
+                )
         service = "systemd" if facts.systemd else "no systemd"
         st.ok(f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{again}")
 
@@ -292,6 +299,11 @@ async def _identify(s: ssh.Session, facts: _Facts) -> None:
                 f"log in as root, or allow it: `echo '{s.user} ALL=(ALL) NOPASSWD: ALL' | "
                 f"sudo tee /etc/sudoers.d/llmgw-{s.user}` on the node"
             )
+
+
+async def _has_identity(s: ssh.Session) -> bool:
+    key = pki.node_paths(Path(layout.STATE_DIR)).key
+    return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=_SHORT_S)).exit_status == 0
 
 
 # -- address -------------------------------------------------------------------------------
