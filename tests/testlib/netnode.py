@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from testlib.sshd import SSHD, keygen
+from testlib.sshd import SSHD, keygen, sshd_config
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
@@ -132,23 +132,11 @@ class NetNode:
     def _config(self) -> Path:
         config = self.root / "sshd_config"
         config.write_text(
-            "\n".join(
-                [
-                    f"ListenAddress {self.node_addr}:22",
-                    f"HostKey {self.host_key}",
-                    f"PidFile {self.root / 'sshd.pid'}",
-                    "AuthorizedKeysFile /etc/ssh/test_authorized_keys",
-                    "PermitRootLogin prohibit-password",
-                    "PubkeyAuthentication yes",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "StrictModes no",
-                    "UsePAM no",
-                    "PrintMotd no",
-                    "LogLevel VERBOSE",
-                    "Subsystem sftp internal-sftp",
-                    "",
-                ]
+            sshd_config(
+                listen=f"{self.node_addr}:22",
+                host_key=self.host_key,
+                pid_file=self.root / "sshd.pid",
+                authorized_keys="/etc/ssh/test_authorized_keys",
             )
         )
         return config

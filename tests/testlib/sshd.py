@@ -36,6 +36,28 @@ def fingerprint_of(pub: Path) -> str:
     return out.stdout.split()[1]
 
 
+def sshd_config(*, listen: str, host_key: Path, pid_file: Path, authorized_keys: Path | str) -> str:
+    """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP."""
+    return "\n".join(
+        [
+            f"ListenAddress {listen}",
+            f"HostKey {host_key}",
+            f"PidFile {pid_file}",
+            f"AuthorizedKeysFile {authorized_keys}",
+            "PermitRootLogin prohibit-password",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "StrictModes no",
+            "UsePAM no",
+            "PrintMotd no",
+            "LogLevel VERBOSE",
+            "Subsystem sftp internal-sftp",
+            "",
+        ]
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,23 +94,11 @@ class Sshd:
     def _config(self) -> Path:
         config = self.root / "sshd_config"
         config.write_text(
-            "\n".join(
-                [
-                    f"ListenAddress 127.0.0.1:{self.port}",
-                    f"HostKey {self.host_key}",
-                    f"PidFile {self.root / 'sshd.pid'}",
-                    f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
-                    "PermitRootLogin prohibit-password",
-                    "PubkeyAuthentication yes",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "StrictModes no",
-                    "UsePAM no",
-                    "PrintMotd no",
-                    "LogLevel VERBOSE",
-                    "Subsystem sftp internal-sftp",
-                    "",
-                ]
+            sshd_config(
+                listen=f"127.0.0.1:{self.port}",
+                host_key=self.host_key,
+                pid_file=self.root / "sshd.pid",
+                authorized_keys=self.root / "authorized_keys",
             )
         )
         return config

@@ -87,6 +87,16 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def fabric_arg(text: str) -> Any:
+    """argparse's `type` for `--fabric NAME[:ADAPTER,...]`: a FabricDecl, or the reason it is not one."""
+    from llmgw.config import parse_fabric_flag
+
+    try:
+        return parse_fabric_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_group(parser: Parser, dest: str) -> Any:
     """Subcommands of a command group; naming none is a usage error."""
     sub = parser.add_subparsers(dest=dest, metavar="COMMAND", parser_class=Parser)

@@ -13,14 +13,7 @@ import json
 from pathlib import Path
 
 from llmgw import config as cfg
-from llmgw.cli import Parser, add_json_flag
-
-
-def _fabric(text: str):
-    try:
-        return cfg.parse_fabric_flag(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from llmgw.cli import Parser, add_json_flag, fabric_arg
 
 
 def configure(parser: Parser) -> None:
@@ -34,7 +27,7 @@ def configure(parser: Parser) -> None:
     parser.add_argument(
         "--fabric",
         action="append",
-        type=_fabric,
+        type=fabric_arg,
         metavar="NAME[:ADAPTER,...]",
         help="a fabric this node is on, e.g. ib-a:mlx5_0,mlx5_1 (without adapters: the next two by name); repeatable",
     )

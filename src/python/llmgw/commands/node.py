@@ -15,20 +15,12 @@ from pathlib import Path
 
 import trio
 
-from llmgw import config as cfg
-from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.cli import Parser, add_group, add_json_flag, add_leaf, fabric_arg
 from llmgw.commands.ca import add_server_options, resolve_server_paths
 from llmgw.commands.ctl import add_admin_options, client_from
 from llmgw.errors import LlmgwError, UsageError
 from llmgw.nodeadd import steps
 from llmgw.nodeadd.questions import Unattended
-
-
-def _fabric(text: str) -> cfg.FabricDecl:
-    try:
-        return cfg.parse_fabric_flag(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _default_known_hosts() -> Path:
@@ -80,7 +72,7 @@ def configure(parser: Parser) -> None:
     add.add_argument(
         "--fabric",
         action="append",
-        type=_fabric,
+        type=fabric_arg,
         default=[],
         metavar="NAME[:ADAPTER,...]",
         help="the fabric a group of the node's adapters is on, e.g. ib-a:mlx5_0,mlx5_1 (repeatable; in a "

@@ -111,6 +111,16 @@ async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
     emit(Event(step=name, status=outcome.status, detail=outcome.detail))
 
 
+@attrs.frozen(kw_only=True)
+class _Authority:
+    """What the control plane holds, read before the node is touched."""
+
+    ca: pki.CA
+    server_cert: pki.CertInfo
+    admin: AdminClient
+    nodes: list[dict[str, Any]]
+
+
 @attrs.define
 class _Facts:
     node_id: str = ""
@@ -143,8 +153,9 @@ async def add_node(opts: Options, *, emit: Emit, questions: Questions) -> Added:
             f"CA {ca.info().common_name!r} (sha256 {ca.info().fingerprint_sha256[:23]}...), "
             f"control plane at {admin.url} with {len(nodes)} node(s)"
         )
+    auth = _Authority(ca=ca, server_cert=server_cert, admin=admin, nodes=nodes)
     try:
-        return await _over_ssh(opts, emit, questions, ca, server_cert, admin, nodes)
+        return await _over_ssh(opts, emit, questions, auth)
     except BaseExceptionGroup as group:  # trio-asyncio's loop runs in a nursery, which wraps what it raises
         mine = [e for e in leaves(group) if isinstance(e, LlmgwError)]
         if mine and only(group, (LlmgwError, trio.Cancelled)):
@@ -152,15 +163,7 @@ async def add_node(opts: Options, *, emit: Emit, questions: Questions) -> Added:
         raise
 
 
-async def _over_ssh(
-    opts: Options,
-    emit: Emit,
-    questions: Questions,
-    ca: pki.CA,
-    server_cert: pki.CertInfo,
-    admin: AdminClient,
-    nodes: list[dict[str, Any]],
-) -> Added:
+async def _over_ssh(opts: Options, emit: Emit, questions: Questions, auth: _Authority) -> Added:
     facts = _Facts()
     async with trio_asyncio.open_loop():
         async with _step(emit, "connect") as st:
@@ -174,26 +177,18 @@ async def _over_ssh(
             st.ok(f"{session.target} port {opts.ssh_port}, host key verified against {opts.known_hosts}")
         async with session:
             try:
-                return await _on_node(opts, session, facts, emit, questions, ca, server_cert, admin, nodes)
+                return await _on_node(opts, session, facts, emit, questions, auth)
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(_SHORT_S):
                     await _remove_stage(session, facts.stage)
 
 
 async def _on_node(
-    opts: Options,
-    s: ssh.Session,
-    facts: _Facts,
-    emit: Emit,
-    questions: Questions,
-    ca: pki.CA,
-    server_cert: pki.CertInfo,
-    admin: AdminClient,
-    nodes: list[dict[str, Any]],
+    opts: Options, s: ssh.Session, facts: _Facts, emit: Emit, questions: Questions, auth: _Authority
 ) -> Added:
     async with _step(emit, "identify") as st:
         await _identify(s, facts)
-        facts.known_before = next((n for n in nodes if n["id"] == facts.node_id), None)
+        facts.known_before = next((n for n in auth.nodes if n["id"] == facts.node_id), None)
         again = ""
         if facts.known_before is not None:
             kb = facts.known_before
@@ -210,7 +205,7 @@ async def _on_node(
         st.ok(f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{again}")
 
     async with _step(emit, "address") as st:
-        facts.address, facts.port = _agent_address(opts, s.target.host, server_cert)
+        facts.address, facts.port = _agent_address(opts, s.target.host, auth.server_cert)
         st.ok(f"the agent will dial {facts.server}, covered by the server certificate")
 
     async with _step(emit, "ship") as st:
@@ -223,14 +218,14 @@ async def _on_node(
         (st.ok if status == OK else st.warn)(text)
 
     async with _step(emit, "fabrics") as st:
-        status, text = await _fabrics(opts, facts, inventory, nodes, questions)
+        status, text = await _fabrics(opts, facts, inventory, auth.nodes, questions)
         (st.ok if status == OK else st.warn)(text)
 
     async with _step(emit, "identity") as st:
-        st.ok(await _identity(opts, s, facts, ca))
+        st.ok(await _identity(opts, s, facts, auth.ca))
 
     async with _step(emit, "trust") as st:
-        status, text = await _trust(s, facts, ca)
+        status, text = await _trust(s, facts, auth.ca)
         (st.ok if status == OK else st.warn)(text)
 
     async with _step(emit, "configure") as st:
@@ -238,13 +233,13 @@ async def _on_node(
         (st.ok if status == OK else st.warn)(text)
 
     async with _step(emit, "start") as st:
-        started_at = _started_at(await trio.to_thread.run_sync(admin.nodes), facts.node_id)
+        started_at = _started_at(await trio.to_thread.run_sync(auth.admin.nodes), facts.node_id)
         await _start(s, facts)
         how = f"systemctl restart {layout.UNIT_NAME}" if facts.systemd else "llmgw agent supervise --daemon"
         st.ok(f"started ({how}); its log: {layout.log_hint(facts.systemd)}")
 
     async with _step(emit, "join") as st:
-        st.ok(await _wait_for_join(opts, s, facts, admin, started_at))
+        st.ok(await _wait_for_join(opts, s, facts, auth.admin, started_at))
 
     assert facts.artifact is not None
     return Added(
