@@ -57,12 +57,11 @@ def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture()
-def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NetNode]:
+def node(tmp_path: Path) -> Iterator[NetNode]:
     why = preflight()
     if why:
         pytest.fail(why)
-    index = 10 + (abs(hash(request.node.name)) % 200)
-    n = NetNode(tmp_path / "node", index=index, binds={"/mnt": Path(llama_server()).parent})
+    n = NetNode(tmp_path / "node", binds={"/mnt": Path(llama_server()).parent})
     n.start()
     try:
         yield n
@@ -150,8 +149,7 @@ def _chat(url: str, key: str) -> dict:
 
 
 def _agents_running(node: NetNode) -> list[str]:
-    out = node.run("ps", "-ww", "-eo", "args")
-    return [line for line in out.stdout.splitlines() if " agent run " in line or " agent supervise " in line]
+    return [line for line in node.processes() if " agent run " in line or " agent supervise " in line]
 
 
 def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
@@ -244,9 +242,7 @@ def test_a_doctor_failure_changes_nothing_on_the_node(cp: ControlPlane, node: Ne
     assert "Nothing was changed on the node" in out
     assert "Starting session" in node.log_text()  # it did run things there: doctor
     written = [p for p in node.written() if "llmgw" in p]
-    assert written == [], written
-    leftover = node.run("sh", "-c", "ls -d /tmp/llmgw-node-add.* 2>/dev/null || true").stdout.strip()
-    assert leftover == ""
+    assert written == [], written  # nor a stage left in /tmp
     assert node.hostname not in {n["id"] for n in cp.ctl("nodes")}
 
 
@@ -369,7 +365,6 @@ def test_a_file_that_arrives_damaged_is_never_run(
     assert "failed ship" in out and "arrived with sha256" in out and "nothing ran it" in out, out
     assert [line.split()[1] for line in out.splitlines()][-1] == "ship"  # it stopped there: doctor never ran
     assert [p for p in node.written() if "llmgw" in p] == []
-    assert node.run("sh", "-c", "ls -d /tmp/llmgw-node-add.* 2>/dev/null || true").stdout.strip() == ""
 
 
 def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
@@ -377,13 +372,15 @@ def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
 ) -> None:
     cp.init_ca()
     cp.start()
-    args = ("--plain", "--accept-new-host-key", "--llamacpp-bin", "/mnt/no-such-llama-server", "--join-timeout", "8")
+    # server.toml names no llama.cpp release (version ""), and this llama-server does not exist:
+    # the agent says so at once, and node add stops waiting then, long before its timeout.
+    args = ("--plain", "--accept-new-host-key", "--llamacpp-bin", "/mnt/no-such-llama-server", "--join-timeout", "100")
+    started = time.monotonic()
     rc, out, err = cp.node_add(*args, release=release_dir)
-    assert rc != 0
+    assert rc != 0 and time.monotonic() - started < 90
     failed = next(line for line in out.splitlines() if line.startswith("failed"))
     assert failed.startswith("failed join"), out
-    assert "did not finish joining within 8 s" in out
-    assert "llama.cpp is not usable" in out and "/mnt/no-such-llama-server" in out, out
+    assert "llama.cpp cannot be used" in out and "/mnt/no-such-llama-server" in out, out
     assert "/var/log/llmgw-agent.log" in out and "its last lines" in out
 
 
@@ -394,7 +391,7 @@ def test_another_machine_with_a_joined_nodes_hostname_is_refused(
     cp.start()
     rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
     assert rc == 0, out + err
-    twin = NetNode(tmp_path / "twin", index=(int(node.node_addr.split(".")[2]) % 250) + 1, hostname=node.hostname)
+    twin = NetNode(tmp_path / "twin", hostname=node.hostname)
     twin.start()
     try:
         done = cp.llmgw(

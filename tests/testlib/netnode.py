@@ -2,7 +2,7 @@
 
 The node is this machine seen from inside a network namespace the test creates, reached over a
 veth pair (host side HOST_ADDR, node side NODE_ADDR, a /30 of its own). Its sshd runs in a
-private mount namespace in which /etc, /usr/local and /var are overlays whose writes land in
+private mount namespace in which /etc, /usr/local, /var and /tmp are overlays whose writes land in
 this test's directory (`written()` lists them: "what was written on the node"), and /root and
 /run are fresh empty tmpfs: the login's home is empty, as on a new machine. Everything the node
 starts (its agent, engines) lives in those namespaces, and `stop()` kills every process in the
@@ -12,6 +12,8 @@ network namespace before deleting it. Needs root (CI runs as root), iproute2 and
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import subprocess
 import time
@@ -21,7 +23,7 @@ from testlib.sshd import SSHD, keygen, sshd_config
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
-OVERLAID = ("/etc", "/usr/local", "/var")
+OVERLAID = ("/etc", "/usr/local", "/var", "/tmp")
 
 
 def _run(*argv: str) -> str:
@@ -41,10 +43,24 @@ def preflight() -> str:
     return ""
 
 
+def free_index() -> int:
+    """A /30 under 10.231.0.0/16 that no interface on this machine has."""
+    used = set(re.findall(r"inet 10\.231\.(\d+)\.", _run("ip", "-4", "-o", "addr", "show")))
+    free = [i for i in range(1, 251) if str(i) not in used]
+    if not free:
+        raise RuntimeError("every 10.231.X.0/30 is in use: stale test namespaces? see `ip netns list`")
+    return random.choice(free)
+
+
 class NetNode:
-    def __init__(self, root: Path, *, index: int, binds: dict[str, Path] | None = None, hostname: str = "") -> None:
-        """`index` (1-250) picks the namespace's name and its /30; `binds` mounts host paths at node paths
-        (e.g. a llama-server's directory at /mnt) that must already exist on the node's side."""
+    def __init__(
+        self, root: Path, *, index: int | None = None, binds: dict[str, Path] | None = None, hostname: str = ""
+    ) -> None:
+        """`index` (1-250) picks the namespace's name and its /30 (default: one no other node on this
+        machine uses, so two test runs side by side do not share addresses); `binds` mounts host paths
+        at node paths (e.g. a llama-server's directory at /mnt) that must already exist on the node's side."""
+        if index is None:
+            index = free_index()
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.name = f"llmgwt{os.getpid() % 10000}n{index}"
@@ -94,6 +110,7 @@ class NetNode:
             upper, work = self.upper(path), self.root / "work" / path.strip("/").replace("/", "_")
             upper.mkdir(parents=True, exist_ok=True)
             work.mkdir(parents=True, exist_ok=True)
+            os.chmod(upper, os.stat(path).st_mode & 0o7777)  # the overlay's top takes the upper's mode: /tmp is 1777
             lines.append(f"mount -t overlay overlay -o lowerdir={path},upperdir={upper},workdir={work} {path}")
         for node_path, host_path in self.binds.items():  # before /root is hidden: a source may be there
             lines.append(f"mount --bind {host_path} {node_path}")
@@ -135,7 +152,7 @@ class NetNode:
             sshd_config(
                 listen=f"{self.node_addr}:22",
                 host_key=self.host_key,
-                pid_file=self.root / "sshd.pid",
+                pid_file="/run/sshd-test.pid",  # inside the node
                 authorized_keys="/etc/ssh/test_authorized_keys",
             )
         )
@@ -191,9 +208,21 @@ class NetNode:
                     return copy.read_bytes()
         return Path(node_path).read_bytes()
 
+    def processes(self) -> list[str]:
+        """The command lines of the processes in the node's network namespace (not the whole machine's)."""
+        out = []
+        for pid in self.pids():
+            try:
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # exited meanwhile
+            out.append(" ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part))
+        return out
+
     def run(self, *argv: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
         """A command inside the node's namespaces (its network, its mounts: via nsenter on sshd)."""
-        pid = int((self.root / "sshd.pid").read_text().split()[0])
+        assert self._proc is not None, "the node is not running"
+        pid = self._proc.pid  # sshd itself: ip netns exec, unshare and sh each exec the next
         return subprocess.run(
             ["nsenter", "-t", str(pid), "-n", "-m", *argv], capture_output=True, text=True, timeout=timeout_s
         )

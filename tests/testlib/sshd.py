@@ -36,7 +36,7 @@ def fingerprint_of(pub: Path) -> str:
     return out.stdout.split()[1]
 
 
-def sshd_config(*, listen: str, host_key: Path, pid_file: Path, authorized_keys: Path | str) -> str:
+def sshd_config(*, listen: str, host_key: Path, pid_file: Path | str, authorized_keys: Path | str) -> str:
     """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP."""
     return "\n".join(
         [

@@ -13,11 +13,12 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from trio.testing import MockClock
 
 from llmgw import config as cfg
 from llmgw import pki
-from llmgw.errors import ConfigError, MachineError, UsageError
-from llmgw.nodeadd import flow, layout, release
+from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
+from llmgw.nodeadd import flow, layout, release, ssh
 from llmgw.nodeadd.questions import Unattended
 
 
@@ -191,22 +192,64 @@ def _node(**over) -> dict:
 
 
 def test_joined_means_the_restarted_agent_heartbeated_and_checked_llama_cpp() -> None:
-    assert flow.join_progress(_node(), started_before=100.0)[0]
-    assert flow.join_progress(_node(), started_before=None)[0]
+    assert flow.join_progress(_node(), started_before=100.0)[0] == flow.JOINED
+    assert flow.join_progress(_node(), started_before=None)[0] == flow.JOINED
     # A node known from before (joined, even cordoned) is not joined until its new agent has said so.
-    done, why = flow.join_progress(_node(cordoned=True), started_before=200.0)
-    assert not done and "from before the restart" in why
-    done, why = flow.join_progress(None, started_before=None)
-    assert not done and "not heard" in why
-    done, why = flow.join_progress(_node(state="joining"), started_before=100.0)
-    assert not done and "heartbeat" in why
-    done, why = flow.join_progress(_node(engines=[]), started_before=100.0)
-    assert not done and "llama.cpp is not installed yet" in why
+    state, why = flow.join_progress(_node(cordoned=True), started_before=200.0)
+    assert state == flow.WAITING and "from before the restart" in why
+    state, why = flow.join_progress(None, started_before=None)
+    assert state == flow.WAITING and "not heard" in why
+    state, why = flow.join_progress(_node(state="joining"), started_before=100.0)
+    assert state == flow.WAITING and "heartbeat" in why
+    state, why = flow.join_progress(_node(engines=[]), started_before=100.0)
+    assert state == flow.WAITING and "llama.cpp is not installed yet" in why
+    state, why = flow.join_progress(_node(connected=False, state="lost"), started_before=100.0)
+    assert state == flow.WAITING and "not connected" in why
+
+
+def test_a_llama_cpp_the_agent_cannot_use_ends_the_wait() -> None:
     bad = [{"name": "llamacpp", "version": "", "ok": False, "detail": "no llama-server at /x"}]
-    done, why = flow.join_progress(_node(engines=bad), started_before=100.0)
-    assert not done and "no llama-server at /x" in why
-    done, why = flow.join_progress(_node(connected=False, state="lost"), started_before=100.0)
-    assert not done and "not connected" in why
+    state, why = flow.join_progress(_node(engines=bad), started_before=100.0)
+    assert state == flow.BROKEN and "no llama-server at /x" in why
+
+
+class _Admin:
+    """The admin API as node add polls it: a node that connected but never heartbeats."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def nodes(self) -> list[dict]:
+        self.polls += 1
+        return [_node(state="joining", agent_started_at=300.0)]
+
+
+class _Session:
+    """Answers the one command the timeout runs: the tail of the agent's log."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[str]] = []
+
+    async def run(self, argv, *, sudo=False, timeout_s):
+        self.ran.append(list(argv))
+        return ssh.Result(exit_status=0, stdout="agent_connect_failed reason=refused\n", stderr="")
+
+
+def test_the_join_timeout_says_what_is_missing_and_shows_the_log(tmp_path: Path) -> None:
+    opts = attrs.evolve(_opts(tmp_path), join_timeout_s=30.0)
+    facts = flow._Facts(node_id="node-a", systemd=False)
+    admin, session = _Admin(), _Session()
+
+    async def wait() -> str:
+        return await flow._wait_for_join(opts, session, facts, admin, started_before=200.0)
+
+    with pytest.raises(PeerError) as err:
+        trio.run(wait, clock=MockClock(autojump_threshold=0))
+    text = str(err.value)
+    assert text.startswith("node-a did not finish joining within 30 s: the agent is connected but has not sent")
+    assert "/var/log/llmgw-agent.log" in text and "agent_connect_failed reason=refused" in text
+    assert session.ran == [["tail", "-n", "15", "--", "/var/log/llmgw-agent.log"]]
+    assert admin.polls >= 1
 
 
 # -- fabrics -------------------------------------------------------------------------------
@@ -252,3 +295,28 @@ def test_no_adapters_and_no_flags_asks_nothing(tmp_path: Path) -> None:
     status, text, decls = _fabrics(tmp_path, (), {"fabric_groups": []})
     assert (status, decls, Recorder.asked) == ("ok", (), [])
     assert "its own island" in text
+
+
+def test_a_fabric_flag_for_adapters_no_group_reports_is_kept(tmp_path: Path) -> None:
+    # Doctor checked it (an adapter not active yet, say); the answer covers discovered groups only.
+    quiet = cfg.FabricDecl(name="ib-b", adapters=("mlx5_4",))
+    status, text, decls = _fabrics(tmp_path, (quiet,), {"fabric_groups": []})
+    assert decls == (quiet,) and status == "ok" and "ib-b: mlx5_4" in text
+
+
+def test_adding_again_keeps_the_settings_node_add_does_not_own(tmp_path: Path) -> None:
+    before = cfg.agent_config_from_dict(
+        {
+            "server": "wss://10.0.0.9:7443",
+            "node_id": "node-a",
+            "nvidia_smi": "/opt/nvidia/bin/nvidia-smi",
+            "weights_dir": "/data/weights",
+            "llamacpp_bin": "/opt/llama/llama-server",
+        }
+    )
+    text = layout.agent_toml(server="wss://10.0.0.1:7443", node_id="node-a", keep=before)
+    (tmp_path / "agent.toml").write_text(text)
+    after = cfg.load_agent_config(tmp_path / "agent.toml")
+    assert after.server == "wss://10.0.0.1:7443"  # node add's own keys are rewritten
+    assert (after.nvidia_smi, after.weights_dir) == ("/opt/nvidia/bin/nvidia-smi", "/data/weights")
+    assert "ib_root" not in text and "sminfo" not in text  # defaults stay unwritten

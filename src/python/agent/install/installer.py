@@ -125,12 +125,14 @@ class EngineStore:
 
     async def _operator_installed(self, wanted: Wanted) -> Installed:
         if not wanted.binary:
+            key, flag = _OPERATOR_KEYS.get(wanted.name, (f"{wanted.name}_bin", f"--{wanted.name}-bin"))
             raise BadSource(
-                f'engine {wanted.name} has version "" (use the operator\'s install) but this node names no binary; '
-                f"pass --{wanted.name}-bin PATH to the agent"
+                f'engine {wanted.name} has version "" in server.toml (use the operator\'s install) but this node '
+                f"names none: set {key} in agent.toml (`llmgw node add USER@HOST {flag} PATH` writes it), or give "
+                f"[engines.{wanted.name}] a version and archives so the agent installs it"
             )
         output = await check_runs([wanted.binary, *wanted.check_args])
-        version = output.strip().splitlines()[-1][:80] if output.strip() else "operator-installed"
+        version = _version_line(output)
         return Installed(name=wanted.name, version=version, executable=wanted.binary, ok=True)
 
     async def _install_archive(
@@ -202,3 +204,21 @@ class EngineStore:
         for child in directory.iterdir():
             if child.name not in keep and not child.name.startswith("."):
                 shutil.rmtree(child, ignore_errors=True)
+
+
+# agent.toml's key and node add's flag for an operator-installed engine.
+_OPERATOR_KEYS = {
+    "llamacpp": ("llamacpp_bin", "--llamacpp-bin"),
+    "vllm": ("vllm_bin", "--vllm-bin"),
+    "sglang": ("sglang_python", "--sglang-python"),
+}
+
+
+def _version_line(output: str) -> str:
+    """What an engine's --version says its version is: the line naming it, else the first line.
+    (llama-server prints `version: 4000 (abc)` and then `built with ... for ...`.)"""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if not lines:
+        return "operator-installed"
+    named = next((line for line in lines if line.lower().startswith("version")), lines[0])
+    return named[:80]

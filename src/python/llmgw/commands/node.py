@@ -236,8 +236,8 @@ def run_remove(args: argparse.Namespace) -> int:
         print(stopped)
     else:
         print(
-            "stop the agent on the machine too: `sudo systemctl disable --now llmgw-agent` "
-            "(or pass --ssh USER@HOST to have it done)"
+            "stop the agent on the machine too: `sudo systemctl disable --now llmgw-agent`, or where it runs "
+            "without systemd `sudo llmgw agent stop`; or pass --ssh USER@HOST to have it done"
         )
     return 0
 

@@ -102,7 +102,7 @@ async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
     except LlmgwError as exc:
         emit(Event(step=name, status=FAILED, detail=str(exc)))
         raise
-    except trio.Cancelled:
+    except (trio.Cancelled, KeyboardInterrupt):
         emit(Event(step=name, status=FAILED, detail="interrupted"))
         raise
     except BaseException as exc:
@@ -137,6 +137,11 @@ class _Facts:
     cert_pem: bytes = b""
     cert_serial: str = ""
     known_before: dict[str, Any] | None = None
+    existing: cfg.AgentConfig | None = None  # the node's agent.toml from an earlier add, if it loads
+
+    def given_fabrics(self, opts: Options) -> tuple[cfg.FabricDecl, ...]:
+        """--fabric flags, else what the node declared before: adding again does not drop them."""
+        return opts.fabrics or (self.existing.fabrics if self.existing else ())
 
     @property
     def server(self) -> str:
@@ -294,6 +299,15 @@ async def _identify(s: ssh.Session, facts: _Facts) -> None:
                 f"log in as root, or allow it: `echo '{s.user} ALL=(ALL) NOPASSWD: ALL' | "
                 f"sudo tee /etc/sudoers.d/llmgw-{s.user}` on the node"
             )
+    current = await s.run(["cat", "--", layout.CONFIG], sudo=True, timeout_s=_SHORT_S)
+    if current.exit_status == 0:
+        try:
+            facts.existing = cfg.agent_config_from_dict(cfg.parse_toml(current.stdout, layout.CONFIG), layout.CONFIG)
+        except ConfigError as exc:
+            raise PeerError(
+                f"{s.target}: its {layout.CONFIG} (from an earlier add, or written by hand) does not load: {exc}. "
+                f"Fix it, or remove it to have it written afresh"
+            ) from None
 
 
 async def _has_identity(s: ssh.Session) -> bool:
@@ -447,7 +461,9 @@ async def _doctor(
 ) -> tuple[str, str, dict[str, Any]]:
     host = f"[{facts.address}]" if ":" in facts.address else facts.address
     args = ["doctor", "--json", "--server", f"{host}:{facts.port}"]
-    for decl in opts.fabrics:
+    if facts.existing is not None:
+        args += ["--config", layout.CONFIG]  # its paths (nvidia_smi, ib_root, ...) as the agent will use them
+    for decl in facts.given_fabrics(opts):
         args += ["--fabric", f"{decl.name}:{','.join(decl.adapters)}" if decl.adapters else decl.name]
     if opts.ignore_doctor:
         args += ["--ignore", ",".join(sorted(opts.ignore_doctor))]
@@ -493,9 +509,14 @@ async def _fabrics(
         for g in inventory.get("fabric_groups") or ()
     ]
     existing = sorted({f["name"] for n in nodes for f in n.get("fabrics") or ()})
-    if not groups and not opts.fabrics:
+    given = facts.given_fabrics(opts)
+    if not groups and not given:
         return OK, "no active InfiniBand or RoCE adapter: the node is its own island"
-    facts.fabrics = tuple(await questions.name_fabrics(groups, existing, opts.fabrics))
+    answered = tuple(await questions.name_fabrics(groups, existing, given)) if groups else ()
+    # A declaration no group accounts for (doctor has checked it) is kept: the answer covers groups only.
+    grouped = {a for g in groups for a in g.adapters}
+    kept = tuple(d for d in given if d.name not in {a.name for a in answered} and not set(d.adapters) & grouped)
+    facts.fabrics = answered + kept
     named = {a for d in facts.fabrics for a in d.adapters}
     said = "; ".join(f"{d.name}: {','.join(d.adapters) or 'the next two adapters'}" for d in facts.fabrics)
     unnamed = [g for g in groups if not set(g.adapters) & named and not _default_covers(facts.fabrics)]
@@ -550,13 +571,15 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
 
 
 def _agent_toml(opts: Options, facts: _Facts) -> str:
+    before = facts.existing
     return layout.agent_toml(
         server=facts.server,
         node_id=facts.node_id,
         fabrics=facts.fabrics,
-        llamacpp_bin=opts.llamacpp_bin,
-        vllm_bin=opts.vllm_bin,
-        sglang_python=opts.sglang_python,
+        llamacpp_bin=opts.llamacpp_bin or (before.llamacpp_bin if before else ""),
+        vllm_bin=opts.vllm_bin or (before.vllm_bin if before else ""),
+        sglang_python=opts.sglang_python or (before.sglang_python if before else ""),
+        keep=before,
     )
 
 
@@ -699,41 +722,46 @@ def _started_at(nodes: list[dict[str, Any]], node_id: str) -> float | None:
 # -- join ----------------------------------------------------------------------------------
 
 
-def join_progress(node: dict[str, Any] | None, started_before: float | None) -> tuple[bool, str]:
-    """Whether the restarted agent has joined with llama.cpp checked; else what is still missing."""
+JOINED, WAITING, BROKEN = "joined", "waiting", "broken"
+
+
+def join_progress(node: dict[str, Any] | None, started_before: float | None) -> tuple[str, str]:
+    """JOINED (the restarted agent heartbeated and llama.cpp is checked), WAITING (and for what),
+    or BROKEN (the agent said llama.cpp cannot be used: waiting longer would not change it)."""
     if node is None:
-        return False, "the control plane has not heard from the agent"
+        return WAITING, "the control plane has not heard from the agent"
     if not node.get("connected"):
-        return False, f"the agent is not connected (state {node['state']})"
+        return WAITING, f"the agent is not connected (state {node['state']})"
     if node.get("agent_started_at") == started_before:
-        return False, "the agent connected is the one from before the restart"
+        return WAITING, "the agent connected is the one from before the restart"
     if node["state"] != "joined":
-        return False, f"the agent is connected but has not sent a heartbeat (state {node['state']})"
+        return WAITING, f"the agent is connected but has not sent a heartbeat (state {node['state']})"
     llama = next((e for e in node.get("engines") or () if e["name"] == "llamacpp"), None)
     if llama is None:
-        return False, "joined; llama.cpp is not installed yet"
+        return WAITING, "joined; llama.cpp is not installed yet"
     if not llama["ok"]:
-        return False, f"joined; llama.cpp is not usable: {llama['detail']}"
-    return True, f"joined; llama.cpp {llama['version'] or '(operator-installed)'} installed and checked"
+        return BROKEN, f"joined, but llama.cpp cannot be used: {llama['detail']}"
+    return JOINED, f"joined; llama.cpp installed and checked ({llama['version']})"
 
 
 async def _wait_for_join(
     opts: Options, s: ssh.Session, facts: _Facts, admin: AdminClient, started_before: float | None
 ) -> str:
-    missing = ""
+    state, said = WAITING, ""
     with trio.move_on_after(opts.join_timeout_s):
-        while True:
+        while state == WAITING:
             nodes = await trio.to_thread.run_sync(admin.nodes)
             node = next((n for n in nodes if n["id"] == facts.node_id), None)
-            done, missing = join_progress(node, started_before)
-            if done:
+            state, said = join_progress(node, started_before)
+            if state == JOINED:
                 marks = " (cordoned: no new work until `llmgw ctl uncordon`)" if node and node.get("cordoned") else ""
-                return missing + marks
-            await trio.sleep(_POLL_S)
+                return said + marks
+            if state == WAITING:
+                await trio.sleep(_POLL_S)
     tail = await _log_tail(s, facts.systemd)
+    why = said if state == BROKEN else f"did not finish joining within {opts.join_timeout_s:g} s: {said}"
     raise PeerError(
-        f"{facts.node_id} did not finish joining within {opts.join_timeout_s:g} s: {missing}. "
-        f"The agent's log on the node ({layout.log_hint(facts.systemd)}) says why"
+        f"{facts.node_id} {why}. The agent's log on the node ({layout.log_hint(facts.systemd)}) says more"
         + (f"; its last lines:\n{tail}" if tail else "")
     )
 

@@ -66,9 +66,19 @@ def agent_toml(
     llamacpp_bin: str = "",
     vllm_bin: str = "",
     sglang_python: str = "",
+    keep: cfg.AgentConfig | None = None,
 ) -> str:
-    """The node's agent.toml; checked by the same loader the agent uses before it is shipped."""
+    """The node's agent.toml; checked by the same loader the agent uses before it is shipped.
+
+    `keep` is the node's agent.toml from before: the settings node add does not own (nvidia_smi,
+    ib_root, sminfo, weights_dir, source_address) stay as they were."""
     data: dict = {"server": server, "node_id": node_id, "state_dir": STATE_DIR}
+    if keep is not None:
+        defaults = cfg.AgentConfig(server=server)
+        for key in _KEPT:
+            value = getattr(keep, key)
+            if value != getattr(defaults, key):
+                data[key] = value
     for key, value in (("llamacpp_bin", llamacpp_bin), ("vllm_bin", vllm_bin), ("sglang_python", sglang_python)):
         if value:
             data[key] = value
@@ -77,6 +87,9 @@ def agent_toml(
     cfg.agent_config_from_dict(data, "the agent.toml node add writes")  # raises ConfigError if wrong
     head = "# Written by `llmgw node add`; running it again rewrites this file.\n"
     return head + tomli_w.dumps(data)
+
+
+_KEPT = ("nvidia_smi", "ib_root", "sminfo", "weights_dir", "source_address")
 
 
 def systemd_unit(*, bin_path: str = BIN, config_path: str = CONFIG) -> str:
