@@ -85,7 +85,9 @@ def agent_toml(
     if fabrics:
         data["fabrics"] = [{"name": f.name, "adapters": list(f.adapters)} for f in fabrics]
     cfg.agent_config_from_dict(data, "the agent.toml node add writes")  # raises ConfigError if wrong
-    head = "# Written by `llmgw node add`; running it again rewrites this file.\n"
+    head = (
+        "# Written by `llmgw node add`. Adding the node again rewrites it and keeps its settings (not its comments).\n"
+    )
     return head + tomli_w.dumps(data)
 
 
