@@ -24,6 +24,7 @@ from llmgw_release import build, wheels
 
 import llmgw
 from testlib.cluster import Proc, free_port, wait_until
+from testlib.hardware import ib_root, sminfo
 from testlib.llama import llama_server
 from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
@@ -31,6 +32,8 @@ from testlib.sshd import fingerprint_of
 from testlib.terminal import Terminal, words
 
 ADD_TIMEOUT_S = 300
+IB_CASE = "one-fabric"  # tests/fixtures/ib: two active adapters behind one subnet manager
+IB_IDENTITY = "ib-sm:0x0002c90300a1b2c3"  # the subnet manager GUID the fixture's sminfo answers
 CATALOG = """
 [[models]]
 name = "sim-small"
@@ -406,3 +409,35 @@ def test_another_machine_with_a_joined_nodes_hostname_is_refused(
         twin.stop()
     me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
     assert me["state"] == "joined" and me["address"] == node.node_addr  # the first machine keeps its place
+
+
+def test_in_a_terminal_each_adapter_group_is_named_and_the_node_keeps_its_settings(
+    cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    # The node's own agent.toml says where its adapters are (a sysfs-shaped tree and an sminfo
+    # that answers for one subnet manager): node add keeps those settings and doctor uses them.
+    node.write(
+        "/etc/llmgw/agent.toml",
+        f'server = "wss://{node.host_addr}:7443"\nib_root = "{ib_root(IB_CASE)}"\nsminfo = "{sminfo(IB_CASE)}"\n',
+    )
+    argv = [
+        sys.executable, "-m", "llmgw", "node", "add", node.target, "--config", str(cp.config),
+        "-i", str(node.client_key), "--known-hosts", str(cp.known_hosts), "--release", str(release_dir),
+        "--llamacpp-bin", "/mnt/llama-server", "--accept-new-host-key",
+    ]  # fmt: skip
+    term = Terminal(tmp_path, argv, timeout_s=60)
+    try:
+        term.wait_for(
+            "infiniband adapters mlx5_0, mlx5_1", f"identity {IB_IDENTITY}", "fabrics in the cluster: none yet"
+        )
+        term.type("ib-a")
+        term.keys("Enter")
+        assert term.wait_exit(timeout_s=ADD_TIMEOUT_S) == 0, term.scrollback()
+    finally:
+        term.close()
+    me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
+    assert me["fabrics"] == [{"name": "ib-a", "identity": IB_IDENTITY, "adapters": ["mlx5_0", "mlx5_1"]}]
+    written = node.read("/etc/llmgw/agent.toml").decode()
+    assert f'ib_root = "{ib_root(IB_CASE)}"' in written and 'name = "ib-a"' in written

@@ -219,10 +219,20 @@ class NetNode:
             out.append(" ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part))
         return out
 
-    def run(self, *argv: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+    def write(self, node_path: str, text: str) -> None:
+        """Put a file on the node (through its overlays, as root there)."""
+        done = self.run("sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", node_path, input=text)
+        if done.returncode != 0:
+            raise RuntimeError(f"writing {node_path} on the node failed: {done.stderr}")
+
+    def run(self, *argv: str, timeout_s: float = 30, input: str | None = None) -> subprocess.CompletedProcess:
         """A command inside the node's namespaces (its network, its mounts: via nsenter on sshd)."""
         assert self._proc is not None, "the node is not running"
         pid = self._proc.pid  # sshd itself: ip netns exec, unshare and sh each exec the next
         return subprocess.run(
-            ["nsenter", "-t", str(pid), "-n", "-m", *argv], capture_output=True, text=True, timeout=timeout_s
+            ["nsenter", "-t", str(pid), "-n", "-m", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            input=input,
         )
