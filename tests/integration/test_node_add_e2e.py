@@ -20,9 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 from llmgw_release import build, wheels
 
 import llmgw
+from llmgw import pki
 from testlib.cluster import Proc, free_port, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.llama import llama_server
@@ -42,12 +44,10 @@ replicas = 1
 """
 
 
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build(out: Path, version: str) -> Path:
     root = build_root()
-    out = tmp_path_factory.mktemp("release")
     inputs = build.Inputs(
-        version="0.0.0-e2e",
+        version=version,
         commit="0123456789ab",
         source_date_epoch=1795965623,
         src_root=Path(llmgw.__file__).parent.parent,
@@ -57,6 +57,11 @@ def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     build.build_release(inputs, out, arches=("amd64",), progress=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory.mktemp("release"), "0.0.0-e2e")
 
 
 @pytest.fixture()
@@ -189,6 +194,7 @@ def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     # What is on the node: the files the docs name, the certificate for its hostname.
     assert node.read("/etc/llmgw/agent.toml").decode().count("server = ") == 1
     first_cert = node.read("/var/lib/llmgw-agent/pki/node.crt")
+    assert pki.cert_info(x509.load_pem_x509_certificate(first_cert)).common_name == node.hostname
     assert node.read("/usr/local/share/ca-certificates/llmgw-ca.crt") == (cp.state / "ca" / "ca.crt").read_bytes()
     known = cp.known_hosts.read_text().splitlines()
     assert len(known) == 1 and known[0].startswith(node.node_addr)
@@ -247,6 +253,12 @@ def test_a_doctor_failure_changes_nothing_on_the_node(cp: ControlPlane, node: Ne
     written = [p for p in node.written() if "llmgw" in p]
     assert written == [], written  # nor a stage left in /tmp
     assert node.hostname not in {n["id"] for n in cp.ctl("nodes")}
+
+    # --ignore-doctor: the check runs and is shown, but no longer stops the run.
+    rc, out, err = cp.node_add("--plain", "--fabric", "ib-a:mlx5_9", "--ignore-doctor", "fabrics", release=release_dir)
+    assert rc == 0, out + err
+    assert "ignored: fabrics" in out
+    assert node.hostname in {n["id"] for n in cp.ctl("nodes")}
 
 
 def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node: NetNode, release_dir: Path) -> None:
@@ -441,3 +453,19 @@ def test_in_a_terminal_each_adapter_group_is_named_and_the_node_keeps_its_settin
     assert me["fabrics"] == [{"name": "ib-a", "identity": IB_IDENTITY, "adapters": ["mlx5_0", "mlx5_1"]}]
     written = node.read("/etc/llmgw/agent.toml").decode()
     assert f'ib_root = "{ib_root(IB_CASE)}"' in written and 'name = "ib-a"' in written
+
+
+def test_adding_again_with_a_new_release_upgrades_the_node(
+    cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    cp.init_ca()
+    cp.start()
+    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
+    assert rc == 0, out + err
+    newer = _build(tmp_path / "newer", "0.0.1-e2e")
+    rc, out, err = cp.node_add("--plain", release=newer)
+    assert rc == 0, out + err
+    assert "will replace /usr/local/bin/llmgw there" in out and "kept its certificate" in out, out
+    assert node.read("/usr/local/bin/llmgw") == next(newer.glob("*.pyz")).read_bytes()
+    me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
+    assert me["agent_version"] == "0.0.1-e2e" and me["state"] == "joined"
