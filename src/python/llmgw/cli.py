@@ -36,15 +36,25 @@ class CommandSpec:
 
 # Only commands that work are listed; `llmgw --help` prints exactly these.
 COMMANDS: tuple[CommandSpec, ...] = (
-    CommandSpec("agent", "llmgw.commands.agent", "the node side: run the agent, make the node's key and CSR"),
+    CommandSpec(
+        "agent",
+        "llmgw.commands.agent",
+        "the node side: run the agent (or supervise it without systemd), make the node's key and CSR",
+    ),
     CommandSpec("ca", "llmgw.commands.ca", "the cluster's certificate authority: init, show, server-cert, issue"),
     CommandSpec("config", "llmgw.commands.config", "check server.toml and agent.toml"),
     CommandSpec(
         "ctl", "llmgw.commands.ctl", "operate a running cluster: nodes, replicas, models, cordon, engine-check"
     ),
-    CommandSpec("doctor", "llmgw.commands.doctor", "check this node: CPU, GPUs, fabrics, disk, clock; exit 0/1/2"),
+    CommandSpec(
+        "doctor",
+        "llmgw.commands.doctor",
+        "check this node: CPU, GPUs, fabrics, disk, clock, service manager; exit 0/1/2",
+    ),
     CommandSpec("engine", "llmgw.commands.engine", "run an inference engine that ships with llmgw (sim)"),
-    CommandSpec("node", "llmgw.commands.node", "cluster membership: remove a node and revoke its certificate"),
+    CommandSpec(
+        "node", "llmgw.commands.node", "add a machine as a node over SSH; remove a node and revoke its certificate"
+    ),
     CommandSpec("server", "llmgw.commands.server", "run the control plane: agent endpoint and admin API"),
     CommandSpec(
         "up", "llmgw.commands.up", "a whole local cluster in one command: control plane, agents, sim models, gateway"
