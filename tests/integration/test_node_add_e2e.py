@@ -474,3 +474,21 @@ def test_adding_again_with_a_new_release_upgrades_the_node(
     assert node.read("/usr/local/bin/llmgw") == next(newer.glob("*.pyz")).read_bytes()
     me = {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]
     assert me["agent_version"] == "0.0.1-e2e" and me["state"] == "joined"
+
+
+def test_a_hostile_hostname_runs_nothing(cp: ControlPlane, tmp_path: Path, release_dir: Path) -> None:
+    # The kernel takes almost any bytes as a hostname; node add reads it and must not run it.
+    hostile = NetNode(tmp_path / "hostile", hostname="x;touch${IFS}/tmp/pwned;$(touch${IFS}/tmp/pwned2)")
+    hostile.start()
+    try:
+        cp.node = hostile
+        cp.init_ca()
+        cp.start()
+        rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
+        assert rc != 0
+        assert "failed identify" in out and "cannot be a node id" in out, out
+        assert hostile.run("ls", "/tmp/pwned", "/tmp/pwned2").returncode != 0
+        written = [p for p in hostile.written() if not p.startswith("/etc/ssh")]  # the test's authorized keys
+        assert written == [], written  # not even in /tmp
+    finally:
+        hostile.stop()
