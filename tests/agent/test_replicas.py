@@ -155,6 +155,46 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     assert starting["env"]["LLMGW_SIM_API_KEY"] == "<redacted>"
 
 
+async def test_an_engine_that_stops_answering_after_ready_is_restarted(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A real hang: the engine process is stopped (SIGSTOP), so it holds its port and answers nothing.
+    caplog.set_level(logging.INFO)
+    sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2), liveness=(0.2, 0.3, 3))
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    ready = await wait_for(sup, in_state(w.READY), "ready")
+    os.kill(ready.pid, signal.SIGSTOP)
+    try:
+        again = await wait_for(
+            sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != ready.pid and st, "ready again"
+        )
+    finally:
+        if not gone(ready.pid):
+            os.kill(ready.pid, signal.SIGKILL)
+    assert again.restarts == 1
+    assert gone(ready.pid)
+    assert "times in a row" in sup.tail("m-1") and "the engine is stuck" in sup.tail("m-1")
+    events = [json.loads(EventFormatter("json").format(r)) for r in caplog.records]
+    stuck = [e for e in events if e.get("event") == "replica_unresponsive"]
+    assert stuck and stuck[0]["failures"] == 3 and stuck[0]["last"] == "no answer"
+
+
+async def test_a_slow_answer_now_and_then_is_not_a_hang(tmp_path: Path, nursery: trio.Nursery) -> None:
+    # A pause of 0.5 s costs at most two probes (0.3 s timeout, 0.2 s apart); the limit is four
+    # in a row, so there is room for a slow test machine and nothing is restarted.
+    sup = make_supervisor(tmp_path, liveness=(0.2, 0.3, 4))
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    ready = await wait_for(sup, in_state(w.READY), "ready")
+    os.kill(ready.pid, signal.SIGSTOP)
+    await trio.sleep(0.5)
+    os.kill(ready.pid, signal.SIGCONT)
+    await trio.sleep(1.5)  # several healthy probes later
+    st = status(sup)
+    assert st.state == w.READY and st.pid == ready.pid and st.restarts == 0
+
+
 async def test_a_changed_assignment_restarts_its_engine(tmp_path: Path, nursery: trio.Nursery) -> None:
     sup = make_supervisor(tmp_path)
     await nursery.start(sup.serve)

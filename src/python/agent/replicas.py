@@ -12,6 +12,8 @@ lines in `detail`), `failed` when it cannot start or failed too often (`RestartP
 `stopping -> stopped` when cancelled; `TRANSITIONS` is the whole table. Cancelling the task is
 the stop: SIGTERM to the engine's process group, a deadline, then SIGKILL, in shielded and
 bounded cleanup. Rank 0 is ready when `GET /health` answers 200; a worker when it runs. A
+rank 0 that stops answering /health while it runs is stopped and restarted as if it had exited
+(`LIVENESS_*`: a hung engine is not left holding its replica). A
 multi-node engine fails as a whole by itself (rank 0 exits when a member is lost), so every
 member just restarts its own process and the rendezvous forms again.
 
@@ -51,6 +53,13 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
 DRAIN_S = 2.0  # for the engine's last output after it exited
 HEALTH_INTERVAL_S = 0.5
+# Once ready, rank 0's /health is asked again every LIVENESS_INTERVAL_S; LIVENESS_FAILURES
+# answers in a row that are not 200 within LIVENESS_TIMEOUT_S mean the engine is stuck (alive,
+# not serving): it is stopped and started again like an engine that exited. Generous, so that
+# an engine busy under load is never taken for a stuck one: about a minute to notice.
+LIVENESS_INTERVAL_S = 10.0
+LIVENESS_TIMEOUT_S = 10.0
+LIVENESS_FAILURES = 3
 PROGRESS_INTERVAL_S = 2.0
 ENGINE_POLL_S = 5.0  # how often a member waiting for its engine looks again
 TAIL_LINES = 20  # engine log lines in a restarting/failed detail
@@ -159,6 +168,7 @@ class Supervisor:
         policy: RestartPolicy = DEFAULT_POLICY,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         health_interval_s: float = HEALTH_INTERVAL_S,
+        liveness: tuple[float, float, int] = (LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, LIVENESS_FAILURES),
         log_max_bytes: int = MAX_BYTES,
         log_files: int = FILES,
     ) -> None:
@@ -174,6 +184,7 @@ class Supervisor:
         self.policy = policy
         self.stop_timeout_s = stop_timeout_s
         self.health_interval_s = health_interval_s
+        self.liveness_interval_s, self.liveness_timeout_s, self.liveness_failures = liveness
         self.log_max_bytes = log_max_bytes
         self.log_files = log_files
         self._wanted: tuple[w.ReplicaAssignment, ...] = ()
@@ -476,7 +487,7 @@ class Supervisor:
             nursery.start_soon(pump.run)
             try:
                 if a.node_rank == 0:
-                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port)
+                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port, proc, engine_log)
                 else:
                     self._set(m, w.READY)
                 await proc.wait()
@@ -517,15 +528,31 @@ class Supervisor:
             took_s=round(took, 2),
         )
 
-    async def _watch_health(self, m: _Member, host: str, port: int) -> None:
+    async def _watch_health(self, m: _Member, host: str, port: int, proc: trio.Process, engine_log: EngineLog) -> None:
+        """Ready once `GET /health` answers 200; then, while it runs, stopped if it stops answering."""
         while True:
             status = await probe_health(host, port)
             if status == 200:
                 self._set(m, w.READY, port=port)
-                return
+                break
             if status is not None:
                 self._set(m, w.STARTING, port=port)  # it listens, it does not serve yet
             await trio.sleep(self.health_interval_s)
+        failures = 0
+        while failures < self.liveness_failures:
+            await trio.sleep(self.liveness_interval_s)
+            status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
+            failures = 0 if status == 200 else failures + 1
+        a = m.assignment
+        last = "no answer" if status is None else f"status {status}"
+        said = (
+            f"GET /health: {last}, {failures} times in a row {self.liveness_interval_s:g} s apart (after it was "
+            "ready): the engine is stuck; stopping it to start it again"
+        )
+        engine_log.note(said)
+        log.warning("replica_unresponsive", replica=a.replica_id, rank=a.node_rank, failures=failures, last=last)
+        self._set(m, w.RESTARTING, detail=said)
+        await self._terminate(m, proc, engine_log)
 
 
 async def serve_assignments(
