@@ -102,6 +102,11 @@ class ControlPlane:
         done = self.llmgw("ca", "init", "--config", str(self.config))
         assert done.returncode == 0, done.stderr
 
+    def run(self) -> None:
+        """A CA, then the server: the usual start of a test."""
+        self.init_ca()
+        self.start()
+
     def start(self) -> None:
         self.server = Proc(
             "server", ["server", "--config", str(self.config), "--log-format", "json"], self.root / "server.log"
@@ -116,6 +121,12 @@ class ControlPlane:
         done = self.llmgw("ctl", *args, "--json", "--state-dir", str(self.state))
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
+
+    def added(self, release: Path) -> str:
+        """A first add that must succeed; its output."""
+        rc, out, err = self.node_add("--plain", "--accept-new-host-key", release=release)
+        assert rc == 0, out + err
+        return out
 
     def node_add(self, *extra: str, release: Path | str | None = None, login: str = "root") -> tuple[int, str, str]:
         args = [
@@ -167,8 +178,7 @@ def _agents_running(node: NetNode) -> list[str]:
 def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     cp: ControlPlane, node: NetNode, release_dir: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
     assert rc == 0, out + err
     lines = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["ok"], ["warn"])]
@@ -247,8 +257,7 @@ def test_a_missing_authority_is_said_before_any_ssh_connection(cp: ControlPlane,
 
 
 def test_a_doctor_failure_changes_nothing_on_the_node(cp: ControlPlane, node: NetNode, release_dir: Path) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     # A typo in --fabric: the node has no such adapter, which doctor's fabrics check refuses.
     rc, out, err = cp.node_add("--plain", "--accept-new-host-key", "--fabric", "ib-a:mlx5_9", release=release_dir)
     assert rc != 0, out
@@ -267,8 +276,7 @@ def test_a_doctor_failure_changes_nothing_on_the_node(cp: ControlPlane, node: Ne
 
 
 def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node: NetNode, release_dir: Path) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     rc, out, err = cp.node_add("--plain", release=release_dir)
     assert rc != 0
     assert "failed connect" in out and "SHA256:" in out and "--accept-new-host-key" in out, out
@@ -279,8 +287,7 @@ def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node
 def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
     cp: ControlPlane, node: NetNode, release_dir: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     # A password of "*" (none works) rather than useradd's "!", which sshd takes for a locked account.
     made = node.run(
         "useradd", "--create-home", "--home-dir", "/var/lib/ubuntu-home", "--shell", "/bin/sh", "--password", "*", "ubuntu"
@@ -327,8 +334,7 @@ def _answers(url: str) -> bool:
 def test_in_a_terminal_the_checklist_asks_for_the_host_key(
     cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     argv = [
         sys.executable, "-m", "llmgw", "node", "add", node.target, "--config", str(cp.config),
         "-i", str(node.client_key), "--known-hosts", str(cp.known_hosts), "--release", str(release_dir),
@@ -370,8 +376,7 @@ class _Served:
 def test_a_file_that_arrives_damaged_is_never_run(
     cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     damaged = tmp_path / "damaged"
     shutil.copytree(release_dir, damaged)
     pyz = next(damaged.glob("*.pyz"))
@@ -390,8 +395,7 @@ def test_a_file_that_arrives_damaged_is_never_run(
 def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
     cp: ControlPlane, node: NetNode, release_dir: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     # server.toml names no llama.cpp release (version ""), and this llama-server does not exist:
     # the agent says so at once, and node add stops waiting then, long before its timeout.
     args = ("--plain", "--accept-new-host-key", "--llamacpp-bin", "/mnt/no-such-llama-server", "--join-timeout", "100")
@@ -407,10 +411,8 @@ def test_a_join_that_does_not_finish_says_what_is_missing_and_shows_the_log(
 def test_another_machine_with_a_joined_nodes_hostname_is_refused(
     cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
-    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
-    assert rc == 0, out + err
+    cp.run()
+    cp.added(release_dir)
     twin = NetNode(tmp_path / "twin", hostname=node.hostname)
     twin.start()
     try:
@@ -431,8 +433,7 @@ def test_another_machine_with_a_joined_nodes_hostname_is_refused(
 def test_in_a_terminal_each_adapter_group_is_named_and_the_node_keeps_its_settings(
     cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
+    cp.run()
     # The node's own agent.toml says where its adapters are (a sysfs-shaped tree and an sminfo
     # that answers for one subnet manager): node add keeps those settings and doctor uses them.
     node.write(
@@ -463,10 +464,8 @@ def test_in_a_terminal_each_adapter_group_is_named_and_the_node_keeps_its_settin
 def test_adding_again_with_a_new_release_upgrades_the_node(
     cp: ControlPlane, node: NetNode, release_dir: Path, tmp_path: Path
 ) -> None:
-    cp.init_ca()
-    cp.start()
-    rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
-    assert rc == 0, out + err
+    cp.run()
+    cp.added(release_dir)
     newer = _build(tmp_path / "newer", "0.0.1-e2e")
     rc, out, err = cp.node_add("--plain", release=newer)
     assert rc == 0, out + err
@@ -482,8 +481,7 @@ def test_a_hostile_hostname_runs_nothing(cp: ControlPlane, tmp_path: Path, relea
     hostile.start()
     try:
         cp.node = hostile
-        cp.init_ca()
-        cp.start()
+        cp.run()
         rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
         assert rc != 0
         assert "failed identify" in out and "cannot be a node id" in out, out
