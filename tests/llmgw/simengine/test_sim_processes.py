@@ -11,8 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,47 +18,17 @@ from typing import Any
 
 import pytest
 
-from testlib.cluster import free_port, wait_until
-from testlib.proc import llmgw_env
+from testlib.cluster import Proc, free_port, wait_until
 
 KEY = "replica-key"
 EXIT_REPLICA_FAILED = 3
 
 
-class Sim:
+class Sim(Proc):
     """One `llmgw engine sim` process logging JSON lines to a file."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", "engine", "sim", "--log-format", "json", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=llmgw_env(env),
-        )
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def events(self, event: str) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # still being written
-                if record.get("event") == event:
-                    out.append(record)
-        return out
-
-    def tail(self) -> str:
-        status = "running" if self.returncode is None else f"exited {self.returncode}"
-        return f"--- {self.name} ({status}) ---\n" + self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__(name, ["engine", "sim", "--log-format", "json", *args], log_path, env)
 
     def port(self) -> int:
         listening = wait_until(f"{self.name} to listen", lambda: self.events("sim_listening"), alive=[self])
@@ -72,10 +40,8 @@ class Sim:
 
     def kill(self) -> None:
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGCONT)  # a stopped process cannot die of SIGKILL until resumed
-            self.popen.kill()
-        self.popen.wait(10)
-        self._log.close()
+            self.popen.send_signal(signal.SIGCONT)  # a test may have stopped it: let it go on to die
+        super().kill()
 
 
 @pytest.fixture
