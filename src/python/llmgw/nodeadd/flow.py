@@ -92,6 +92,10 @@ class _Outcome:
     def warn(self, detail: str) -> None:
         self.status, self.detail = WARN, detail
 
+    def say(self, status: str, detail: str) -> None:
+        """OK or WARN, as a step's helper decided."""
+        self.status, self.detail = status, detail
+
 
 @asynccontextmanager
 async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
@@ -136,7 +140,6 @@ class _Facts:
     fabrics: tuple[cfg.FabricDecl, ...] = ()
     cert_pem: bytes = b""
     cert_serial: str = ""
-    known_before: dict[str, Any] | None = None
     existing: cfg.AgentConfig | None = None  # the node's agent.toml from an earlier add, if it loads
 
     def given_fabrics(self, opts: Options) -> tuple[cfg.FabricDecl, ...]:
@@ -154,8 +157,9 @@ async def add_node(opts: Options, *, emit: Emit, questions: Questions) -> Added:
         ca, server_cert = _read_authority(opts.state_dir)
         admin = AdminClient.locate(server=None, credential=None, state_dir=str(opts.state_dir))
         nodes = await trio.to_thread.run_sync(admin.nodes)
+        info = ca.info()
         st.ok(
-            f"CA {ca.info().common_name!r} (sha256 {ca.info().fingerprint_sha256[:23]}...), "
+            f"CA {info.common_name!r} (sha256 {info.fingerprint_sha256[:23]}...), "
             f"control plane at {admin.url} with {len(nodes)} node(s)"
         )
     auth = _Authority(ca=ca, server_cert=server_cert, admin=admin, nodes=nodes)
@@ -193,10 +197,9 @@ async def _on_node(
 ) -> Added:
     async with _step(emit, "identify") as st:
         await _identify(s, facts)
-        facts.known_before = next((n for n in auth.nodes if n["id"] == facts.node_id), None)
+        kb = _view_of(auth.nodes, facts.node_id)
         again = ""
-        if facts.known_before is not None:
-            kb = facts.known_before
+        if kb is not None:
             marks = "".join(f", {m}" for m in ("cordoned", "draining") if kb.get(m))
             again = f"; known to the cluster already ({kb['state']}{marks}): adding it again"
             if kb.get("connected") and not await _has_identity(s):
@@ -220,25 +223,26 @@ async def _on_node(
 
     async with _step(emit, "doctor") as st:
         status, text, inventory = await _doctor(opts, s, facts, questions)
-        (st.ok if status == OK else st.warn)(text)
+        st.say(status, text)
 
     async with _step(emit, "fabrics") as st:
         status, text = await _fabrics(opts, facts, inventory, auth.nodes, questions)
-        (st.ok if status == OK else st.warn)(text)
+        st.say(status, text)
 
     async with _step(emit, "identity") as st:
         st.ok(await _identity(opts, s, facts, auth.ca))
 
     async with _step(emit, "trust") as st:
         status, text = await _trust(s, facts, auth.ca)
-        (st.ok if status == OK else st.warn)(text)
+        st.say(status, text)
 
     async with _step(emit, "configure") as st:
         status, text = await _configure(opts, s, facts)
-        (st.ok if status == OK else st.warn)(text)
+        st.say(status, text)
 
     async with _step(emit, "start") as st:
-        started_at = _started_at(await trio.to_thread.run_sync(auth.admin.nodes), facts.node_id)
+        before = _view_of(await trio.to_thread.run_sync(auth.admin.nodes), facts.node_id)
+        started_at = before.get("agent_started_at") if before else None
         await _start(s, facts)
         how = f"systemctl restart {layout.UNIT_NAME}" if facts.systemd else "llmgw agent supervise --daemon"
         st.ok(f"started ({how}); its log: {layout.log_hint(facts.systemd)}")
@@ -539,7 +543,7 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
     await _put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
     node = pki.node_paths(Path(layout.STATE_DIR))
     current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
-    had_key = (await s.run(["test", "-e", str(node.key)], sudo=True, timeout_s=_SHORT_S)).exit_status == 0
+    had_key = await _has_identity(s)
     if opts.reissue:
         await _must(s, ["rm", "-f", "--", str(node.key), str(node.cert)], sudo=True, what="removing the old identity")
     await _must(
@@ -599,9 +603,8 @@ def _fitting_cert(pem: bytes, csr_pem: bytes, ca: pki.CA, node_id: str, state_di
         return None
     info = pki.cert_info(cert)
     csr = x509.load_pem_x509_csr(csr_pem)
-    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem())
     try:
-        cert.verify_directly_issued_by(ca_cert)
+        cert.verify_directly_issued_by(ca.cert)
     except (ValueError, TypeError, InvalidSignature):
         return None
     same_key = _public_der(cert.public_key()) == _public_der(csr.public_key())
@@ -626,7 +629,7 @@ def _record(state_dir: Path, node_id: str, info: pki.CertInfo, old: x509.Certifi
     store = Store.open(state_dir)
     try:
         store.record_certificate(info.serial, node_id, info.not_after.timestamp())
-        if old is None or old.issuer != x509.load_pem_x509_certificate(ca.cert_pem()).subject:
+        if old is None or old.issuer != ca.cert.subject:
             return ""
         store.revoke_serial(old.serial_number, node_id)
         return f"{old.serial_number:x}"
@@ -714,9 +717,9 @@ def stop_supervisor_argv() -> list[str]:
     return [layout.BIN, "agent", "stop", "--pid-file", layout.PID_FILE]
 
 
-def _started_at(nodes: list[dict[str, Any]], node_id: str) -> float | None:
-    node = next((n for n in nodes if n["id"] == node_id), None)
-    return node.get("agent_started_at") if node else None
+def _view_of(nodes: list[dict[str, Any]], node_id: str) -> dict[str, Any] | None:
+    """The admin API's view of one node, if the control plane knows it."""
+    return next((n for n in nodes if n["id"] == node_id), None)
 
 
 # -- join ----------------------------------------------------------------------------------
@@ -751,7 +754,7 @@ async def _wait_for_join(
     with trio.move_on_after(opts.join_timeout_s):
         while state == WAITING:
             nodes = await trio.to_thread.run_sync(admin.nodes)
-            node = next((n for n in nodes if n["id"] == facts.node_id), None)
+            node = _view_of(nodes, facts.node_id)
             state, said = join_progress(node, started_before)
             if state == JOINED:
                 marks = " (cordoned: no new work until `llmgw ctl uncordon`)" if node and node.get("cordoned") else ""
