@@ -143,6 +143,7 @@ def run_add(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         known_hosts=args.known_hosts or _default_known_hosts(),
         identity_files=tuple(args.identity) if args.identity else None,
+        accept_new_host_key=args.accept_new_host_key,
         ssh_port=args.port,
         release=args.release,
         server_address=args.server_address,
@@ -159,8 +160,6 @@ def run_add(args: argparse.Namespace) -> int:
         from llmgw.nodeadd.screen import run_with_screen
 
         async def body(emit, questions):
-            if args.accept_new_host_key:
-                questions = _HostKeyAccepted(questions)
             return await flow.add_node(opts, emit=emit, questions=questions)
 
         try:
@@ -177,7 +176,7 @@ def run_add(args: argparse.Namespace) -> int:
         if line is not None:
             print(line, flush=True)
 
-    questions = Unattended(accept_new_host_key=args.accept_new_host_key)
+    questions = Unattended()
     try:
         added = trio.run(lambda: flow.add_node(opts, emit=emit, questions=questions))
     except LlmgwError as exc:
@@ -188,22 +187,6 @@ def run_add(args: argparse.Namespace) -> int:
     else:
         print(_added_text(added))
     return 0
-
-
-class _HostKeyAccepted:
-    """The screen's questions, but --accept-new-host-key answers the host key one."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    async def accept_host_key(self, target: str, algorithm_and_fingerprint: str) -> bool:
-        return True
-
-    async def go_past_doctor(self, failures):
-        return await self._inner.go_past_doctor(failures)
-
-    async def name_fabrics(self, groups, existing, given):
-        return await self._inner.name_fabrics(groups, existing, given)
 
 
 def _added_text(added) -> str:

@@ -59,6 +59,7 @@ class Options:
     state_dir: Path
     known_hosts: Path
     identity_files: tuple[Path, ...] | None = None
+    accept_new_host_key: bool = False  # trust a host absent from known_hosts without asking
     ssh_port: int = 22
     release: str = ""
     server_address: str = ""
@@ -179,7 +180,7 @@ async def _over_ssh(opts: Options, emit: Emit, questions: Questions, auth: _Auth
             session = await ssh.connect(
                 opts.target,
                 known_hosts=opts.known_hosts,
-                accept_new_host_key=lambda fp: questions.accept_host_key(opts.target, fp),
+                accept_new_host_key=opts.accept_new_host_key or (lambda fp: questions.accept_host_key(opts.target, fp)),
                 client_keys=opts.identity_files,
                 port=opts.ssh_port,
             )

@@ -3,7 +3,7 @@
 The steps ask through a `Questions` object; the terminal screen answers with dialogs, and
 `Unattended` answers from the command line's flags, so a script never waits on a prompt:
 
-- a host absent from known_hosts: accepted only with `--accept-new-host-key`;
+- a host absent from known_hosts: refused (`--accept-new-host-key` accepts it before anyone is asked);
 - doctor failures: never gone past (`--ignore-doctor CHECK` leaves a check out of doctor's verdict);
 - the fabrics of the node's active adapters: named only by `--fabric NAME[:ADAPTERS]`.
 """
@@ -43,10 +43,8 @@ class Questions(Protocol):
 
 @attrs.frozen(kw_only=True)
 class Unattended:
-    accept_new_host_key: bool = False
-
     async def accept_host_key(self, target: str, algorithm_and_fingerprint: str) -> bool:
-        return self.accept_new_host_key
+        return False
 
     async def go_past_doctor(self, failures: Sequence[DoctorFailure]) -> bool:
         return False
