@@ -68,6 +68,21 @@ class ServerSection:
 
 
 @attrs.frozen(kw_only=True)
+class HttpSection:
+    """The HTTP listener's deadlines and limits (gateway and admin API); see docs/configuration.md."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    body_min_bytes_per_s: int = 1024
+    keepalive_timeout_s: float = 60.0
+    send_timeout_s: float = 30.0
+    max_head_bytes: int = 16384
+    max_body_bytes: int = 8 << 20
+    max_connections: int = 0  # 0 = sized from the open-file limit
+    max_agent_connections: int = 0  # the agent listener's own budget; 0 = sized from the open-file limit
+
+
+@attrs.frozen(kw_only=True)
 class CASection:
     ca_validity_days: int = 3650
     server_cert_validity_days: int = 825
@@ -127,6 +142,7 @@ class EnginesSection:
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
+    http: HttpSection = HttpSection()
     ca: CASection = CASection()
     engines: EnginesSection = EnginesSection()
     models: tuple[Model, ...] = ()
@@ -282,6 +298,17 @@ def _check_server(cfg: ServerConfig) -> list[str]:
         value = getattr(cfg.server, key)
         if not _HOSTPORT.match(value):
             problems.append(f"expected HOST:PORT, got {value!r} @ $.server.{key}")
+    for key in ("head_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s"):
+        if getattr(cfg.http, key) <= 0:
+            problems.append(f"must be more than 0 seconds @ $.http.{key}")
+    for key in ("max_head_bytes", "max_body_bytes"):
+        if getattr(cfg.http, key) < 1024:
+            problems.append(f"must be at least 1024 @ $.http.{key}")
+    for key in ("body_min_bytes_per_s", "max_connections", "max_agent_connections"):
+        if getattr(cfg.http, key) < 0:
+            problems.append(
+                f"must not be negative (0 means {'no minimum' if key.startswith('body') else 'sized from the open-file limit'}) @ $.http.{key}"
+            )
     for key in ("ca_validity_days", "server_cert_validity_days", "node_cert_validity_days"):
         if getattr(cfg.ca, key) < 1:
             problems.append(f"must be at least 1 @ $.ca.{key}")

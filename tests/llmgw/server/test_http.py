@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import h11
 import pytest
 import trio
@@ -51,9 +53,13 @@ class Client:
                 raise EOFError
 
 
+async def serve(handler, limits: http.Limits, stream, stats: http.ConnectionStats | None = None) -> None:
+    await http.serve_connection(handler, stream, limits=limits, stats=stats)
+
+
 async def start(nursery: trio.Nursery, limits: http.Limits = http.Limits()) -> Client:
     client_stream, server_stream = trio.testing.memory_stream_pair()
-    nursery.start_soon(http._serve_connection, echo, limits, server_stream)
+    nursery.start_soon(serve, echo, limits, server_stream)
     return Client(client_stream)
 
 
@@ -139,7 +145,7 @@ async def test_stalled_body_times_out_with_408(autojump_clock: trio.testing.Mock
 async def test_idle_connection_is_closed_after_the_head_timeout(autojump_clock: trio.testing.MockClock) -> None:
     client_stream, server_stream = trio.testing.memory_stream_pair()
     with trio.fail_after(100):
-        await http._serve_connection(echo, http.Limits(head_timeout_s=30), server_stream)
+        await serve(echo, http.Limits(head_timeout_s=30), server_stream)
     assert trio.current_time() == pytest.approx(30, abs=0.1)
     assert await client_stream.receive_some(10) == b""
 
@@ -181,7 +187,7 @@ async def start_streaming(nursery: trio.Nursery, producer: Producer) -> Client:
         return await echo(request)
 
     client_stream, server_stream = trio.testing.memory_stream_pair()
-    nursery.start_soon(http._serve_connection, handler, http.Limits(), server_stream)
+    nursery.start_soon(serve, handler, http.Limits(), server_stream)
     return Client(client_stream)
 
 
@@ -288,10 +294,219 @@ async def test_a_client_that_leaves_cancels_a_working_handler() -> None:
 
     client_stream, server_stream = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(http._serve_connection, slow, http.Limits(), server_stream)
+        nursery.start_soon(serve, slow, http.Limits(), server_stream)
         c = Client(client_stream)
         await c.send("POST", "/v1/completions", body=b"{}")
         await trio.testing.wait_all_tasks_blocked()
         await client_stream.aclose()
         with trio.fail_after(5):
             await cancelled.wait()
+
+
+# -- hostile peers: deadlines, containment, counts -------------------------------------------------
+
+
+async def serve_and_answer(handler, limits, feed, stats) -> tuple[bytes, float]:
+    """Serve one connection whose client runs `feed(stream)` and reads everything; the bytes
+    the client received and when the first of them arrived."""
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    answer, answered_at = b"", []
+
+    async def read() -> None:
+        nonlocal answer
+        while chunk := await client_stream.receive_some(65536):
+            answered_at.append(trio.current_time())
+            answer += chunk
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(feed, client_stream)
+        nursery.start_soon(read)
+        await serve(handler, limits, server_stream, stats)
+        nursery.cancel_scope.cancel()
+    return answer, (answered_at or [math.inf])[0]
+
+
+def aborted(stats: http.ConnectionStats) -> dict[str, float]:
+    return {key[1]: value for key, value in stats.aborted.values.items()}
+
+
+async def test_a_head_trickled_a_byte_a_second_is_cut_at_the_head_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A per-read timeout restarts on every byte; a deadline does not.
+    stats = http.ConnectionStats()
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    head = b"GET /x HTTP/1.1\r\nhost: t\r\nx-pad: " + b"y" * 100 + b"\r\n\r\n"
+
+    async def trickle() -> None:
+        for i in range(len(head)):
+            await trio.sleep(1)
+            try:
+                await client_stream.send_all(head[i : i + 1])
+            except trio.BrokenResourceError:
+                return
+
+    answer, answered_at = b"", []
+
+    async def read() -> None:
+        nonlocal answer
+        while chunk := await client_stream.receive_some(65536):
+            answered_at.append(trio.current_time())
+            answer += chunk
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        nursery.start_soon(read)
+        await serve(echo, http.Limits(head_timeout_s=10), server_stream, stats)
+        nursery.cancel_scope.cancel()
+    assert answered_at[0] == pytest.approx(10, abs=0.1)
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"request head not received within 10 s" in answer
+    assert aborted(stats) == {"head_timeout": 1}
+
+
+async def test_a_body_below_the_minimum_rate_is_408(autojump_clock: trio.testing.MockClock) -> None:
+    stats = http.ConnectionStats()
+
+    async def send_slowly(stream) -> None:
+        await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\n")
+        for _ in range(60):
+            await trio.sleep(1)
+            await stream.send_all(b"z" * 100)  # 100 bytes a second
+
+    limits = http.Limits(body_min_bytes_per_s=1024, body_timeout_s=60)
+    answer, at = await serve_and_answer(echo, limits, send_slowly, stats)
+    # 5 s of grace plus what the bytes received bought (1/1024 s each): far below 60 s.
+    assert 5 < at < 6
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"slower than 1024 bytes per second" in answer
+    assert aborted(stats) == {"body_too_slow": 1}
+
+
+async def test_a_body_at_the_minimum_rate_is_taken_until_the_body_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stats = http.ConnectionStats()
+
+    async def send(stream) -> None:
+        await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 30720\r\n\r\n")
+        for _ in range(30):
+            await trio.sleep(1)
+            await stream.send_all(b"z" * 1024)
+
+    limits = http.Limits(body_min_bytes_per_s=1024, body_timeout_s=20, max_body_bytes=1 << 20)
+    answer, at = await serve_and_answer(echo, limits, send, stats)
+    assert at == pytest.approx(20, abs=0.1)  # fast enough, but not whole by the body deadline
+    assert b"request body not received within 20 s" in answer
+    assert aborted(stats) == {"body_timeout": 1}
+
+
+async def test_an_idle_keep_alive_connection_closes_quietly_after_the_keepalive_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stats = http.ConnectionStats()
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve, echo, http.Limits(head_timeout_s=5, keepalive_timeout_s=40), server_stream, stats)
+        c = Client(client_stream)
+        await c.send("GET", "/one")
+        assert (await c.response())[0] == 200
+        answered = trio.current_time()
+        assert await client_stream.receive_some(65536) == b""  # closed, with nothing more said
+        assert trio.current_time() - answered == pytest.approx(40, abs=0.1)
+    assert aborted(stats) == {}  # an idle keep-alive ending is no abort
+
+
+async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stats = http.ConnectionStats()
+    ended: list[float] = []
+
+    async def endless():
+        try:
+            while True:
+                await trio.sleep(0.01)
+                yield b"x" * 4096
+        finally:
+            ended.append(trio.current_time())
+
+    async def handler(request: http.Request) -> http.StreamingResponse:
+        return http.StreamingResponse(status=200, body=endless())
+
+    # lockstep: a write completes only when the other side has read all of it.
+    client_stream, server_stream = trio.testing.lockstep_stream_pair()
+
+    async def client() -> None:
+        await Client(client_stream).send("GET", "/stream")
+        await client_stream.receive_some(200)  # the head, a chunk maybe; then it never reads again
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client)
+        with trio.fail_after(100):
+            await serve(handler, http.Limits(send_timeout_s=7), server_stream, stats)
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() == pytest.approx(7, abs=1)
+    assert aborted(stats) == {"send_timeout": 1}
+
+
+@pytest.mark.parametrize("cut", [1, 10, 30])
+async def test_a_head_cut_short_by_the_client_ends_that_connection_only(cut: int) -> None:
+    stats = http.ConnectionStats()
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    await client_stream.send_all(b"GET /health HTTP/1.1\r\nhost: t\r\nx-more: stuff\r\n\r\n"[:cut])
+    await client_stream.aclose()  # FIN in the middle of the head
+    with trio.fail_after(5):
+        await serve(echo, http.Limits(), server_stream, stats)  # returns: raises nothing
+    assert aborted(stats) == {"closed": 1}
+
+
+async def test_an_error_answer_the_client_cannot_receive_ends_that_connection_only() -> None:
+    # The first crash seen: garbage, then the peer gone before the 400 could be written.
+    stats = http.ConnectionStats()
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    await client_stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+    client_stream.send_stream.close()  # fully closed: the server's write of its 400 fails
+    client_stream.receive_stream.close()
+    with trio.fail_after(5):
+        await serve(echo, http.Limits(), server_stream, stats)
+    assert aborted(stats) == {"malformed": 1}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 65 + b"1" + b"}" * 65, b'{"messages":' + b"[" * 5000],
+    ids=["array-100000", "object-65", "unclosed-5000"],
+)
+async def test_json_nested_too_deep_is_a_400_naming_the_limit(body: bytes) -> None:
+    async def handler(request: http.Request) -> http.Response:
+        return http.Response.json(200, request.json())
+
+    async with trio.open_nursery() as nursery:
+        client_stream, server_stream = trio.testing.memory_stream_pair()
+        nursery.start_soon(serve, handler, http.Limits(), server_stream)
+        c = Client(client_stream)
+        await c.send("POST", "/x", body=body)
+        status, answer, _ = await c.response()
+        assert status == 400 and b"deeper than 64 levels" in answer
+        await c.send("POST", "/x", body=b'{"ok": [[["still served"]]], "s": "[[[[[[[[[[[[[[[[[[[[[[["}')
+        assert (await c.response())[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_json_depth_counts_brackets_outside_strings_only() -> None:
+    assert not http.json_depth_exceeds(b'["' + b"[" * 1000 + b'"]')
+    assert not http.json_depth_exceeds(b'["\\"' + b"[" * 1000 + b'"]')  # an escaped quote stays inside
+    assert http.json_depth_exceeds(b"[" * 65 + b"]" * 65)
+    assert not http.json_depth_exceeds(b"[" * 64 + b"]" * 64)
+    assert not http.json_depth_exceeds(b"[]" * 10_000)  # many, but shallow
+
+
+async def test_peer_failures_are_told_from_bugs() -> None:
+    reset = trio.BrokenResourceError()
+    reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    assert http.peer_reason(reset) == "reset"
+    assert http.peer_reason(trio.BrokenResourceError()) == "closed"
+    assert http.peer_reason(trio.TooSlowError()) == "send_timeout"
+    group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [reset])])
+    assert http.peer_reason(group) == "reset"
+    assert http.peer_reason(ExceptionGroup("mixed", [reset, KeyError("bug")])) is None
+    assert http.peer_reason(RuntimeError("bug")) is None

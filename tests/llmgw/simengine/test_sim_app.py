@@ -4,6 +4,7 @@ and how long answers take, streamed and not."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import h11
@@ -71,7 +72,7 @@ def engine(**options: Any) -> SimEngine:
 
 async def connect(nursery: trio.Nursery, e: SimEngine) -> Client:
     client_stream, server_stream = trio.testing.memory_stream_pair()
-    nursery.start_soon(http._serve_connection, e.handle, http.Limits(), server_stream)
+    nursery.start_soon(partial(http.serve_connection, e.handle, server_stream))
     return Client(client_stream)
 
 

@@ -29,7 +29,16 @@ from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint, Rotation
-from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
+from llmgw.server.http import (
+    HTTPError,
+    Limits,
+    Request,
+    Response,
+    StreamingResponse,
+    bound_address,
+    serve_http,
+)
+from llmgw.server.listeners import ConnectionStats, raise_fd_limit
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
 from llmgw.server.store import Store, UnknownNode
@@ -66,6 +75,7 @@ class ControlPlane:
         for row in self.store.nodes():
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
         self._changed = trio.Event()
+        self.connections = ConnectionStats()
         self.endpoint = AgentEndpoint(
             registry=self.registry,
             store=self.store,
@@ -73,6 +83,9 @@ class ControlPlane:
             desired_state=self.desired_state,
             on_change=self._notify,
             artifact_store=Artifacts(artifacts_dir(state_dir)),
+            silence_timeout_s=config.server.heartbeat_ttl_s,
+            stats=self.connections,
+            max_connections=config.http.max_agent_connections,
         )
         self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
         self._replicas_changed = trio.Event()
@@ -388,8 +401,16 @@ class ControlPlane:
 
         async def serve_http_until_drained(*, task_status: trio.TaskStatus) -> None:
             with http_scope:
-                await serve_http(self.handle_http, http_host, http_port, task_status=task_status)
+                await serve_http(
+                    self.handle_http,
+                    http_host,
+                    http_port,
+                    limits=http_limits(self.config),
+                    stats=self.connections,
+                    task_status=task_status,
+                )
 
+        fd_limit = raise_fd_limit()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
@@ -413,6 +434,7 @@ class ControlPlane:
                     admin_url=bound.admin_url,
                     state_dir=str(self.state_dir),
                     nodes_known=len(self.registry.nodes),
+                    open_file_limit=fd_limit,
                 )
                 task_status.started(bound)
                 await trio.sleep_forever()
@@ -458,9 +480,29 @@ class ControlPlane:
     async def handle_http(self, request: Request) -> Response | StreamingResponse:
         if is_admin_path(request.path):
             return await self.admin.handle(request)
-        if request.path.startswith("/v1/") or request.path in ("/health", "/metrics"):
+        if request.path == "/metrics":
+            # The gateway's families, then the process's own (its listeners' connections).
+            response = await self.gateway.handle(request)
+            if isinstance(response, Response) and response.status == 200:
+                response = attrs.evolve(response, body=response.body + self.connections.render().encode())
+            return response
+        if request.path.startswith("/v1/") or request.path == "/health":
             return await self.gateway.handle(request)
         raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
+
+
+def http_limits(config: ServerConfig) -> Limits:
+    h = config.http
+    return Limits(
+        max_head_bytes=h.max_head_bytes,
+        max_body_bytes=h.max_body_bytes,
+        head_timeout_s=h.head_timeout_s,
+        body_timeout_s=h.body_timeout_s,
+        body_min_bytes_per_s=h.body_min_bytes_per_s,
+        keepalive_timeout_s=h.keepalive_timeout_s,
+        send_timeout_s=h.send_timeout_s,
+        max_connections=h.max_connections,
+    )
 
 
 async def serve_control_plane(

@@ -16,6 +16,7 @@ node's newer link replaces an older one; `close_node` ends a node's link (revoca
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ import trio_websocket
 from llmgw import __version__, pki
 from llmgw.errors import leaves, only
 from llmgw.log import get_logger
-from llmgw.server import artifacts
+from llmgw.server import artifacts, http, listeners
 from llmgw.server.registry import Registry
 from llmgw.server.store import Store
 from llmgw.wire import agent_link as w
@@ -40,8 +41,13 @@ _LINK_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio_websock
 
 AGENT_PATH = "/v1/agent"
 NODE_ID_HEADER = "x-llmgw-node-id"
+LISTENER = "agent"  # the listener's name in /metrics
 HANDSHAKE_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
+REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
+# A message to an agent must be taken within this; an agent that stops reading is cut off
+# (its link is closed) instead of stalling whoever pushes desired state to it.
+SEND_TIMEOUT_S = 10.0
 
 
 @attrs.define(kw_only=True)
@@ -63,7 +69,15 @@ class AgentEndpoint:
         on_change: Callable[[], None] = lambda: None,
         artifact_store: artifacts.Artifacts | None = None,
         on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
+        silence_timeout_s: float = 0.0,
+        stats: listeners.ConnectionStats | None = None,
+        max_connections: int = 0,
     ) -> None:
+        # A link silent this long (no heartbeat, no message) is closed: the agent is gone or cut
+        # off, and its connection's resources go back. 0 = never (tests of other things).
+        self.silence_timeout_s = silence_timeout_s
+        self.stats = stats or listeners.ConnectionStats()
+        self.max_connections = max_connections  # 0 = sized from the fd limit
         self.on_replicas = on_replicas
         self._log_waiters: dict[int, list[w.LogsReply]] = {}
         self._log_event = trio.Event()
@@ -84,50 +98,78 @@ class AgentEndpoint:
         *,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
-        task_status.started(listeners)
-        await trio.serve_listeners(self._handle, listeners)
+        bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
+        task_status.started(bound)
+        cap = self.max_connections or listeners.default_max_connections(LISTENER)
+        await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
 
     async def _handle(self, stream: trio.SSLStream) -> None:
+        """One connection, contained: whatever the peer does ends this connection only (see
+        `llmgw.server.http`'s "Containment"); a bug of ours is logged with its traceback."""
         address = _peer_host(stream)
+        cn = "?"
+        try:
+            cert = await self._handshake(stream, address)
+            if cert is None:
+                return
+            cn = cert.common_name
+            await self._serve_authenticated(stream, cert, address)
+        except Exception as exc:  # - one link's failure must never stop the endpoint
+            reason = http.peer_reason(exc)
+            if reason is None and only(exc, _LINK_BROKEN):
+                reason = "closed"
+            if reason is None:
+                self.stats.abort(LISTENER, "internal")
+                log.exception("agent_link_failed", address=address, cn=cn)
+            else:
+                self.stats.abort(LISTENER, reason)
+                log.info("agent_link_closed", address=address, cn=cn, reason=reason, detail=repr(leaves(exc)[0]))
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _handshake(self, stream: trio.SSLStream, address: str) -> pki.CertInfo | None:
+        """The TLS handshake with a client certificate of the cluster CA, or None (refused,
+        logged, the agent told why by the TLS alert)."""
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 await stream.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
             reason = pki.describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
             log.warning("agent_refused", address=address, stage="tls", reason=reason)
+            self.stats.abort(LISTENER, "tls")
             await pki.send_tls_alert(stream)  # so the agent learns why, at once
-            return
-        cert = pki.cert_info_from_der(stream.getpeercert(binary_form=True))
-        try:
-            with trio.fail_after(HELLO_TIMEOUT_S):
-                head, conn, http_request = await artifacts.read_request_head(stream)
-            if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
-                if self.store.is_revoked(cert.serial):
-                    log.warning(
-                        "agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked"
-                    )
-                    return
-                await artifacts.serve(stream, conn, http_request, self.artifacts, cert.common_name)
+            return None
+        return pki.cert_info_from_der(stream.getpeercert(binary_form=True))
+
+    async def _serve_authenticated(self, stream: trio.SSLStream, cert: pki.CertInfo, address: str) -> None:
+        # The whole request head within the deadline, however it trickles in.
+        with trio.fail_after(HELLO_TIMEOUT_S):
+            head, conn, http_request = await artifacts.read_request_head(stream)
+        if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
+            if self.store.is_revoked(cert.serial):
+                log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked")
+                self.stats.abort(LISTENER, "refused")
                 return
-            async with trio.open_nursery() as nursery:
-                request = await trio_websocket.wrap_server_stream(nursery, artifacts.ReplayStream(stream, head))
+            await artifacts.serve(stream, conn, http_request, self.artifacts, cert.common_name)
+            return
+        async with trio.open_nursery() as nursery:
+            # trio-websocket reads the connection in a task of this nursery; it ends with the
+            # connection, whichever way (the cancel below, for a refusal: not at the peer's leisure).
+            try:
+                with trio.fail_after(HELLO_TIMEOUT_S):
+                    request = await trio_websocket.wrap_server_stream(nursery, artifacts.ReplayStream(stream, head))
                 refusal = self._refusal(request, cert)
                 if refusal is not None:
                     status, reason = refusal
                     log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=reason)
-                    await request.reject(status, body=reason.encode())
+                    self.stats.abort(LISTENER, "refused")
+                    with trio.move_on_after(REFUSAL_SEND_S):
+                        await request.reject(status, body=reason.encode())
                     return
                 ws = await request.accept()
                 await self._run_link(ws, cert, address)
+            finally:
                 nursery.cancel_scope.cancel()
-        except Exception as exc:  # - one link's failure must never stop the endpoint
-            if only(exc, (*_LINK_BROKEN, trio.TooSlowError)):
-                log.info("agent_link_closed", address=address, cn=cert.common_name, detail=repr(leaves(exc)[0]))
-            else:
-                log.exception("agent_link_failed", address=address, cn=cert.common_name)
-        finally:
-            await trio.aclose_forcefully(stream)
 
     def _refusal(self, request: trio_websocket.WebSocketRequest, cert: pki.CertInfo) -> tuple[int, str] | None:
         if request.path != AGENT_PATH:
@@ -188,15 +230,23 @@ class AgentEndpoint:
                 old.cancel_scope.cancel()  # a node has one link; the newest wins
             self.on_change()
             try:
-                await ws.send_message(
-                    encode(
+                # A certificate is good until its notAfter, not until the link happens to close.
+                with trio.move_on_at(trio.current_time() + (not_after - time.time())) as expiry:
+                    await _send(
+                        ws,
                         w.Welcome(
                             node_id=node_id, server_version=__version__, heartbeat_interval_s=self.heartbeat_interval_s
-                        )
+                        ),
                     )
-                )
-                await ws.send_message(encode(self.desired_state(node_id)))
-                await self._receive_loop(link)
+                    await _send(ws, self.desired_state(node_id))
+                    await self._receive_loop(link)
+                if expiry.cancelled_caught:
+                    message = (
+                        f"the certificate of node {node_id!r} (serial {cert.serial:x}) expired at "
+                        f"{cert.not_after:%Y-%m-%d %H:%M:%S} UTC; renew it with `llmgw node add USER@HOST --reissue`"
+                    )
+                    log.warning("agent_certificate_expired", node=node_id, serial=f"{cert.serial:x}")
+                    await _close_with(ws, w.LinkError(code=w.CERT_EXPIRED, message=message))
             finally:
                 self.registry.disconnect(node_id, conn_id)
                 if self.links.get(node_id) is link:
@@ -206,7 +256,14 @@ class AgentEndpoint:
     async def _receive_loop(self, link: Link) -> None:
         while True:
             try:
-                message = decode(await link.ws.get_message(), w.AgentMessage)
+                with trio.move_on_after(self.silence_timeout_s or math.inf) as silence:
+                    text = await link.ws.get_message()
+                if silence.cancelled_caught:
+                    reason = f"nothing received for {self.silence_timeout_s:g} s (heartbeats stopped); closing the link"
+                    log.warning("agent_link_silent", node=link.node_id, after_s=self.silence_timeout_s)
+                    await _close_with(link.ws, w.LinkError(code=w.SILENT, message=reason))
+                    return
+                message = decode(text, w.AgentMessage)
             except WireError as exc:
                 log.warning("agent_bad_message", node=link.node_id, code=exc.code, reason=str(exc))
                 await _close_with(link.ws, w.LinkError(code=exc.code, message=str(exc)))
@@ -247,9 +304,13 @@ class AgentEndpoint:
         link = self.links.get(node_id)
         if link is not None:
             try:
-                await link.ws.send_message(encode(self.desired_state(node_id)))
+                await _send(link.ws, self.desired_state(node_id))
             except trio_websocket.ConnectionClosed:
                 pass
+            except trio.TooSlowError:
+                # It does not read what we send: a link in name only. Its agent reconnects.
+                log.warning("agent_link_not_reading", node=node_id, after_s=SEND_TIMEOUT_S)
+                link.cancel_scope.cancel()
 
     async def request_logs(self, node_id: str, replica_id: str, lines: int, timeout_s: float = 10.0) -> w.LogsReply:
         """Ask a node's agent for the tail of a replica's log; the reply, or one saying why not."""
@@ -261,15 +322,15 @@ class AgentEndpoint:
         box: list[w.LogsReply] = []
         self._log_waiters[rid] = box
         try:
-            await link.ws.send_message(encode(w.LogsRequest(request_id=rid, replica_id=replica_id, lines=lines)))
             with trio.move_on_after(timeout_s):
+                await _send(link.ws, w.LogsRequest(request_id=rid, replica_id=replica_id, lines=lines))
                 while not box:
                     event = self._log_event
                     await event.wait()
                     if event is self._log_event:
                         self._log_event = trio.Event()
-        except trio_websocket.ConnectionClosed:
-            pass
+        except (trio_websocket.ConnectionClosed, trio.TooSlowError):
+            pass  # the answer says it did not reply
         finally:
             self._log_waiters.pop(rid, None)
         return (
@@ -291,12 +352,20 @@ class AgentEndpoint:
         return True
 
 
+async def _send(ws: trio_websocket.WebSocketConnection, message) -> None:
+    """One message to the agent; `TooSlowError` if it is not taken within SEND_TIMEOUT_S."""
+    with trio.fail_after(SEND_TIMEOUT_S):
+        await ws.send_message(encode(message))
+
+
 async def _close_with(ws: trio_websocket.WebSocketConnection, error: w.LinkError) -> None:
-    try:
-        await ws.send_message(encode(error))
-        await ws.aclose(code=1008, reason=error.code)
-    except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+    """Tell the agent why, then close; bounded, since the agent may be the reason."""
+    with trio.move_on_after(REFUSAL_SEND_S):
+        try:
+            await ws.send_message(encode(error))
+            await ws.aclose(code=1008, reason=error.code)
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 def _peer_host(stream: trio.SSLStream) -> str:

@@ -39,7 +39,7 @@ def encode(message: Mapping[str, Any]) -> bytes:
 def decode(line: bytes) -> dict[str, Any]:
     try:
         message = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a line of 4,000 brackets
         raise ProtocolError(f"not a rendezvous message: {line[:80]!r}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError(f"not a rendezvous message: {line[:80]!r}")

@@ -314,3 +314,5 @@ PROTOCOL = "protocol_version"
 NODE_ID_MISMATCH = "node_id_mismatch"
 REVOKED = "revoked"
 UNEXPECTED = "unexpected_message"
+CERT_EXPIRED = "certificate_expired"
+SILENT = "silent"  # the control plane heard nothing for longer than the heartbeat TTL

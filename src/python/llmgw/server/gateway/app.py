@@ -37,7 +37,7 @@ from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router
 from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
-from llmgw.server.http import HTTPError, Request, Response, StreamingResponse
+from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, parse_json
 from llmgw.server.store import KeyRow
 
 log = get_logger("llmgw.gateway")
@@ -263,9 +263,9 @@ class Gateway:
             return _counted(self, "-", HTTPError(400, message))
 
         try:
-            body = json.loads(request.body)
-        except ValueError as exc:
-            raise bad(f"request body is not valid JSON: {exc}") from None
+            body = parse_json(request.body)
+        except HTTPError as exc:
+            raise bad(exc.message) from None
         if not isinstance(body, dict):
             raise bad(f"request body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
