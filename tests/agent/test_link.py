@@ -55,7 +55,9 @@ def hello_for(node_id: str):
     return make
 
 
-async def start_plane(state: Path, nursery: trio.Nursery, *, listen: str, sans: list[str]) -> Plane:
+async def start_plane(
+    state: Path, nursery: trio.Nursery, *, listen: str, sans: list[str], heartbeat_ttl_s: float = 5
+) -> Plane:
     ca = make_state(state, sans=sans, days=30)
     config = ServerConfig(
         server=ServerSection(
@@ -63,7 +65,7 @@ async def start_plane(state: Path, nursery: trio.Nursery, *, listen: str, sans: 
             agent_listen=f"{listen}:0",
             http_listen="127.0.0.1:0",
             heartbeat_interval_s=0.05,
-            heartbeat_ttl_s=5,
+            heartbeat_ttl_s=heartbeat_ttl_s,
         )
     )
     control_plane = ControlPlane(config, state)
@@ -278,3 +280,83 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
             assert await plane.plane.endpoint.close_node("node-a", "test", "dropped by the test")
         await wait_for(lambda r=round_: len(delays) == r + 1, "reconnect")
     assert delays == [0, 0, 0]  # each reconnect after a working session is the first attempt again
+
+
+# -- the server closes what it refuses, what expires and what falls silent ----------------------------
+
+
+async def raw_upgrade(plane: Plane, files: pki.NodePaths, *, claim: str, path: str = "/v1/agent") -> trio.SSLStream:
+    """A TLS connection with `files`' certificate that asks to upgrade, claiming node `claim`."""
+    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    tcp = await trio.open_tcp_stream(plane.host, plane.port)
+    stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
+    await stream.do_handshake()
+    await stream.send_all(
+        f"GET {path} HTTP/1.1\r\nhost: {plane.host}\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+        f"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+        f"x-llmgw-node-id: {claim}\r\n\r\n".encode()
+    )
+    return stream
+
+
+@pytest.mark.parametrize("case", ["cn-mismatch", "revoked", "wrong-path"])
+async def test_a_refused_agent_connection_is_closed_by_the_server_at_once(
+    plane: Plane, tmp_path: Path, case: str
+) -> None:
+    files = node_files(plane, tmp_path, "node-b")
+    if case == "revoked":
+        plane.plane.store.revoke_serial(pki.cert_info(pki.load_cert(files.cert)).serial, "node-b")
+    stream = await raw_upgrade(
+        plane,
+        files,
+        claim="node-a" if case == "cn-mismatch" else "node-b",
+        path="/elsewhere" if case == "wrong-path" else "/v1/agent",
+    )
+    answer = b""
+    with trio.fail_after(1):  # told why, then closed: not held open for the peer's leisure
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    expected = b"404" if case == "wrong-path" else b"403"
+    assert answer.startswith(b"HTTP/1.1 " + expected), answer
+    await stream.aclose()
+
+
+async def test_a_link_is_closed_when_its_certificate_expires(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    expires_in_s = 2.0
+    issued = datetime.now(timezone.utc) - timedelta(days=1) + timedelta(seconds=expires_in_s)
+    files = node_files(plane, tmp_path, "node-a", days=1, now=issued)
+    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    nursery.start_soon(link.serve)
+    await wait_for(lambda: link.state.connected, "connect")
+    await wait_for(
+        lambda: not link.state.connected, "the link closed at the certificate's expiry", timeout=expires_in_s + 2
+    )
+    expired = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_certificate_expired"]
+    assert expired and expired[0]["node"] == "node-a"
+    await wait_for(lambda: "expired" in link.state.last_error, "the agent told why")
+    await wait_for(lambda: not plane.plane.registry.nodes["node-a"].session.connected, "the control plane's view")
+
+
+async def test_a_silent_link_is_closed_after_the_heartbeat_ttl(tmp_path: Path, nursery: trio.Nursery) -> None:
+    plane = await start_plane(tmp_path / "cp", nursery, listen="127.0.0.1", sans=["127.0.0.1"], heartbeat_ttl_s=1)
+    files = node_files(plane, tmp_path, "node-a")
+    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    tcp = await trio.open_tcp_stream(plane.host, plane.port)
+    stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
+    await stream.do_handshake()
+    async with trio.open_nursery() as inner:
+        ws = await trio_websocket.wrap_client_stream(
+            inner, stream, plane.host, "/v1/agent", extra_headers=[(b"x-llmgw-node-id", b"node-a")]
+        )
+        await ws.send_message(encode(hello_for("node-a")()))
+        started = trio.current_time()
+        messages = []
+        with trio.fail_after(3):
+            with pytest.raises(trio_websocket.ConnectionClosed):
+                while True:  # an agent that says hello, then nothing: no heartbeat
+                    messages.append(decode(await ws.get_message(), w.ServerMessage))
+        assert 0.9 < trio.current_time() - started < 2.5
+        assert isinstance(messages[-1], w.LinkError) and messages[-1].code == w.SILENT
+        inner.cancel_scope.cancel()

@@ -86,6 +86,7 @@ class ControlPlane:
             silence_timeout_s=config.server.heartbeat_ttl_s,
             stats=self.connections,
             max_connections=config.http.max_agent_connections,
+            send_timeout_s=config.http.send_timeout_s,
         )
         self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
         self._replicas_changed = trio.Event()

@@ -21,6 +21,7 @@ log = get_logger("llmgw.artifacts")
 
 PREFIX = "/v1/artifacts/"
 CHUNK = 1 << 20
+SEND_TIMEOUT_S = 30.0
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -67,14 +68,29 @@ def _sha256(path: Path) -> str:
 
 
 async def serve(
-    stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request, artifacts: Artifacts, node: str
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    request: h11.Request,
+    artifacts: Artifacts,
+    node: str,
+    *,
+    send_timeout_s: float = SEND_TIMEOUT_S,
 ) -> None:
-    """Answer one artifact request on an h11 connection whose request head has been read."""
+    """Answer one artifact request on an h11 connection whose request head has been read.
+    Every write must drain within `send_timeout_s` (`TooSlowError` otherwise): an agent that
+    stops reading does not hold the connection and the file open."""
     target = request.target.decode("latin-1")
     sha256 = target.removeprefix(PREFIX)
-    path = artifacts.path_for(sha256) if _SHA.match(sha256) and request.method == b"GET" else None
+    ok = _SHA.match(sha256) and request.method == b"GET"
+    # Listing the directory (and hashing a file dropped in by hand) is disk work: off the loop.
+    path = await trio.to_thread.run_sync(artifacts.path_for, sha256) if ok else None
+
+    async def send(data: bytes) -> None:
+        with trio.fail_after(send_timeout_s):
+            await stream.send_all(data)
+
     if path is None:
-        await _send(stream, conn, 404, b"no such artifact on this control plane\n")
+        await _send(send, conn, 404, b"no such artifact on this control plane\n")
         return
     size = path.stat().st_size
     start = 0
@@ -84,30 +100,26 @@ async def serve(
     if m:
         start = int(m.group(1))
         if start >= size:
-            await _send(stream, conn, 416, b"", [(b"content-range", f"bytes */{size}".encode())])
+            await _send(send, conn, 416, b"", [(b"content-range", f"bytes */{size}".encode())])
             return
     status = 206 if start else 200
     extra = [(b"content-range", f"bytes {start}-{size - 1}/{size}".encode())] if start else []
     log.info("artifact_served", node=node, sha256=sha256, offset=start, size=size)
     response = h11.Response(status_code=status, headers=[(b"content-length", str(size - start).encode()), *extra])
-    await stream.send_all(conn.send(response))
+    await send(conn.send(response))
     with path.open("rb") as f:
         f.seek(start)
         while True:
             block = await trio.to_thread.run_sync(f.read, CHUNK)
             if not block:
                 break
-            await stream.send_all(conn.send(h11.Data(data=block)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+            await send(conn.send(h11.Data(data=block)))
+    await send(conn.send(h11.EndOfMessage()))
 
 
-async def _send(stream, conn: h11.Connection, status: int, body: bytes, headers=()) -> None:
-    await stream.send_all(
-        conn.send(h11.Response(status_code=status, headers=[(b"content-length", str(len(body)).encode()), *headers]))
-    )
-    if body:
-        await stream.send_all(conn.send(h11.Data(data=body)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+async def _send(send, conn: h11.Connection, status: int, body: bytes, headers=()) -> None:
+    data = conn.send(h11.Response(status_code=status, headers=[(b"content-length", str(len(body)).encode()), *headers]))
+    await send(data + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))
 
 
 class ReplayStream(trio.abc.Stream):

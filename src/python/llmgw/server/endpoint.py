@@ -72,7 +72,9 @@ class AgentEndpoint:
         silence_timeout_s: float = 0.0,
         stats: listeners.ConnectionStats | None = None,
         max_connections: int = 0,
+        send_timeout_s: float = artifacts.SEND_TIMEOUT_S,
     ) -> None:
+        self.send_timeout_s = send_timeout_s  # each write of a mirrored archive
         # A link silent this long (no heartbeat, no message) is closed: the agent is gone or cut
         # off, and its connection's resources go back. 0 = never (tests of other things).
         self.silence_timeout_s = silence_timeout_s
@@ -150,7 +152,9 @@ class AgentEndpoint:
                 log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked")
                 self.stats.abort(LISTENER, "refused")
                 return
-            await artifacts.serve(stream, conn, http_request, self.artifacts, cert.common_name)
+            await artifacts.serve(
+                stream, conn, http_request, self.artifacts, cert.common_name, send_timeout_s=self.send_timeout_s
+            )
             return
         async with trio.open_nursery() as nursery:
             # trio-websocket reads the connection in a task of this nursery; it ends with the

@@ -1,0 +1,363 @@
+"""Hostile peers against a real cluster: `llmgw server`, one `llmgw agent`, a real sim engine.
+
+Every listener llmgw runs — the HTTP listener (gateway and admin API), the agent endpoint (and
+its artifact mirror), the sim engine — is sent what a broken or malicious peer sends: a FIN or
+an RST at many offsets of a request's head and body, in the middle of a streamed response and
+of the error answer itself, garbage, a head or body trickled a byte at a time, JSON nested
+100,000 deep, and two thousand idle connections. After each, `assert_serving` checks that
+nothing died and everything still answers: the server and agent processes run, the gateway
+and the engine answer, the node stays joined, no engine restarted and no traceback was logged.
+
+The server's deadlines are shortened in its server.toml ([http]) so a slow peer is cut in
+seconds; the sim engine keeps its defaults (it is not configured by server.toml).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from llmgw.server.store import store_path
+from testlib import hostile
+from testlib.cluster import Cluster
+
+HEAD_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 3.0
+SEND_TIMEOUT_S = 3.0
+CATALOG = f"""
+[http]
+head_timeout_s = {HEAD_TIMEOUT_S}
+body_timeout_s = {BODY_TIMEOUT_S}
+keepalive_timeout_s = 5.0
+send_timeout_s = {SEND_TIMEOUT_S}
+
+[[models]]
+name = "sim-small"
+engine = "sim"
+replicas = 1
+args = ["--output-token-ms", "20"]
+"""
+MODEL = "sim-small"
+IDLE_CONNECTIONS = 2000
+
+
+@attrs.frozen(kw_only=True)
+class Live:
+    cluster: Cluster
+    http_port: int
+    token: str
+    engine_port: int
+    engine_key: str
+
+    @property
+    def auth(self) -> tuple[str, str]:
+        return ("authorization", f"Bearer {self.token}")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    cluster = Cluster(tmp_path_factory.mktemp("hostile"))
+    try:
+        cluster.init_ca()
+        cluster.set_catalog(CATALOG)
+        cluster.add_node("node-a")
+        server = cluster.start_server()
+        cluster.start_agent("node-a")
+        replicas = cluster.wait_replicas("the sim replica to serve", lambda rs: any(r["state"] == "ready" for r in rs))
+        admin_url = server.events("server_ready")[0]["admin_url"]
+        token = cluster.ctl("keys", "create", "hostile")["token"]
+        with sqlite3.connect(store_path(cluster.state)) as db:
+            (body,) = db.execute("SELECT body FROM placements").fetchone()
+        yield Live(
+            cluster=cluster,
+            http_port=int(admin_url.rsplit(":", 1)[1]),
+            token=token,
+            engine_port=replicas[0]["port"],
+            engine_key=json.loads(body)["api_key"],
+        )
+    finally:
+        cluster.close()
+
+
+def request(port: int, method: str, path: str, body: bytes = b"", headers=(), timeout: float = 5.0):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=dict(headers))
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def metrics(live: Live) -> dict[str, float]:
+    _, text = request(live.http_port, "GET", "/metrics")
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("llmgw_connections_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def aborted(live: Live, listener: str, reason: str) -> float:
+    return metrics(live).get(f'llmgw_connections_aborted_total{{listener="{listener}",reason="{reason}"}}', 0.0)
+
+
+def assert_serving(live: Live) -> None:
+    """Nothing died, and every listener still answers a well-behaved client at once."""
+    cluster = live.cluster
+    assert cluster.server.returncode is None, cluster.server.tail()
+    assert cluster.agents["node-a"].returncode is None, cluster.agents["node-a"].tail()
+    started = time.monotonic()
+    status, body = request(live.http_port, "GET", "/health")
+    assert status == 200, body
+    status, body = request(
+        live.http_port,
+        "POST",
+        "/v1/chat/completions",
+        hostile.chat_body(MODEL),
+        [live.auth, ("content-type", "application/json")],
+    )
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"], body
+    status, body = request(
+        live.engine_port,
+        "POST",
+        "/v1/chat/completions",
+        hostile.chat_body(MODEL),
+        [("authorization", f"Bearer {live.engine_key}")],
+    )
+    assert status == 200, body
+    assert time.monotonic() - started < 5, "answered, but slowly"
+    nodes = cluster.nodes()
+    assert nodes is not None and nodes["node-a"]["state"] == "joined", cluster.last_nodes
+    replicas = cluster.replicas()
+    assert replicas and replicas[0]["restarts"] == 0, replicas  # the engine never died
+    for proc in (cluster.server, cluster.agents["node-a"]):
+        assert "Traceback" not in proc.log_path.read_text(errors="replace"), proc.tail(80)
+
+
+def chat_request(live: Live, *, port: int | None = None, stream: bool = False) -> tuple[bytes, bytes]:
+    key = live.token if port is None else live.engine_key
+    body = hostile.chat_body(MODEL, stream=stream, max_tokens=200 if stream else 16)
+    return hostile.request_bytes(
+        "POST", "/v1/chat/completions", body=body, headers=[("authorization", f"Bearer {key}")]
+    )
+
+
+@pytest.mark.parametrize("listener", ["gateway", "engine"])
+def test_a_fin_or_rst_at_any_byte_of_a_request_ends_that_connection_only(live: Live, listener: str) -> None:
+    port = live.http_port if listener == "gateway" else live.engine_port
+    head, body = chat_request(live, port=None if listener == "gateway" else port)
+    before = aborted(live, "http", "closed") + aborted(live, "http", "reset")
+    cuts = hostile.offsets(head, body)
+    for offset in cuts:
+        for how in ("fin", "rst"):
+            hostile.cut_at("127.0.0.1", port, head + body, offset, how=how)
+    if listener == "gateway":
+        after = aborted(live, "http", "closed") + aborted(live, "http", "reset")
+        # A FIN after the whole request is a client gone before the answer, counted too.
+        assert after - before >= len(cuts), metrics(live)
+    assert_serving(live)
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+@pytest.mark.parametrize("listener", ["gateway", "engine"])
+def test_a_client_gone_in_the_middle_of_a_streamed_response(live: Live, listener: str, how: str) -> None:
+    port = live.http_port if listener == "gateway" else live.engine_port
+    head, body = chat_request(live, port=None if listener == "gateway" else port, stream=True)
+    for _ in range(5):
+        sock = hostile.connect("127.0.0.1", port)
+        sock.sendall(head + body)
+        got = b""
+        while b"data:" not in got:  # the head and a first event: the stream is flowing
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        assert hostile.status_of(got) == 200, got
+        if how == "rst":
+            hostile.reset(sock)
+        else:
+            sock.close()
+    assert_serving(live)
+
+
+@pytest.mark.parametrize("listener", ["gateway", "engine"])
+def test_a_client_gone_before_its_error_answer_is_written(live: Live, listener: str) -> None:
+    """The first crash found: half a head, then FIN; the server's 400 hit a closed socket."""
+    port = live.http_port if listener == "gateway" else live.engine_port
+    for _ in range(30):
+        hostile.cut_at("127.0.0.1", port, b"GET /health HTTP/1.1\r\nHo", 24, how="fin")
+        hostile.cut_at("127.0.0.1", port, b"NOT HTTP AT ALL\r\n\r\n", 19, how="rst")
+        hostile.cut_at("127.0.0.1", port, b"GET / HTTP/1.1\r\n\x00\x01\x02 garbage\r\n\r\n", 33, how="rst")
+        oversized, _ = hostile.request_bytes("POST", "/v1/chat/completions", headers=[("x", "y")])
+        oversized = oversized.replace(b"content-length: 0", b"content-length: 999999999")
+        hostile.cut_at("127.0.0.1", port, oversized, len(oversized), how="rst")
+    answer = hostile.cut_at("127.0.0.1", port, b"NOT HTTP AT ALL\r\n\r\n", 19, how="fin")
+    assert hostile.status_of(answer) == 400, answer  # a client that stays to read is told why
+    assert_serving(live)
+
+
+def test_garbage_and_cut_handshakes_at_the_agent_endpoint(live: Live) -> None:
+    port = live.cluster.port
+    tls_hello_start = bytes.fromhex("160301020001") + b"\x00" * 40  # a TLS record header, then nonsense
+    for data in (b"GET / HTTP/1.1\r\n\r\n", b"\x00" * 100, tls_hello_start):
+        for offset in (1, len(data) // 2, len(data)):
+            for how in ("fin", "rst"):
+                hostile.cut_at("127.0.0.1", port, data, offset, how=how)
+    # A client with a good certificate that sends half a request head and leaves.
+    files = live.cluster.nodes_files["node-a"]
+    for how in ("fin", "rst"):
+        sock = hostile.tls_client(
+            "127.0.0.1",
+            port,
+            ca=str(files.pki / "ca.crt"),
+            cert=str(files.pki / "node.crt"),
+            key=str(files.pki / "node.key"),
+        )
+        sock.sendall(b"GET /v1/agent HTTP/1.1\r\nhost: x\r\nupgr")
+        if how == "rst":
+            hostile.reset(sock)
+        else:
+            sock.close()
+    assert_serving(live)
+
+
+def test_a_head_or_body_trickled_in_is_cut_at_its_deadline(live: Live) -> None:
+    head, body = chat_request(live)
+    engine_head, engine_body = chat_request(live, port=live.engine_port)
+    results: dict[str, tuple[bytes, float]] = {}
+    early = hostile.connect("127.0.0.1", live.http_port)
+    early.sendall(head)  # the head at once; the body will come at 4 bytes a second
+
+    jobs = {
+        "head": lambda: hostile.trickle("127.0.0.1", live.http_port, head + body, interval_s=0.25, limit_s=30),
+        "body": lambda: _trickle_body(early, body),
+        # The sim engine keeps llmgw's default head deadline (10 s).
+        "engine": lambda: hostile.trickle(
+            "127.0.0.1", live.engine_port, engine_head + engine_body, interval_s=0.5, limit_s=30
+        ),
+    }
+    threads = [threading.Thread(target=lambda k=k, job=job: results.__setitem__(k, job())) for k, job in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    answer, took = results["head"]
+    assert hostile.status_of(answer) == 408 and b"request head not received within" in answer, answer
+    assert HEAD_TIMEOUT_S - 0.5 < took < HEAD_TIMEOUT_S + 2, took
+    answer, took = results["body"]
+    assert hostile.status_of(answer) == 408 and b"request body not received within" in answer, answer
+    assert took < BODY_TIMEOUT_S + 2, took
+    answer, took = results["engine"]
+    assert hostile.status_of(answer) == 408, answer
+    assert 9 < took < 13, took
+    assert aborted(live, "http", "head_timeout") >= 1 and aborted(live, "http", "body_timeout") >= 1
+    assert_serving(live)
+
+
+def _trickle_body(sock: socket.socket, body: bytes) -> tuple[bytes, float]:
+    started = time.monotonic()
+    sock.settimeout(0.25)
+    answer = b""
+    for i in range(len(body)):
+        try:
+            sock.sendall(body[i : i + 1])
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            break
+        if not chunk:
+            break
+        answer += chunk
+    sock.settimeout(5)
+    answer += hostile.read_all(sock)
+    sock.close()
+    return answer, time.monotonic() - started
+
+
+def test_json_nested_100000_deep_is_a_400_everywhere(live: Live) -> None:
+    deep = hostile.chat_body(MODEL, nested=100_000)
+    status, body = request(live.http_port, "POST", "/v1/chat/completions", deep, [live.auth])
+    assert status == 400 and b"deeper than 64 levels" in body, body
+    admin = (live.cluster.state / "admin.token").read_text().strip()
+    status, body = request(
+        live.http_port,
+        "POST",
+        "/admin/v1/keys",
+        b"[" * 100_000 + b"]" * 100_000,
+        [("authorization", f"Bearer {admin}")],
+    )
+    assert status == 400 and b"deeper than 64 levels" in body, body
+    status, body = request(
+        live.engine_port, "POST", "/v1/chat/completions", deep, [("authorization", f"Bearer {live.engine_key}")]
+    )
+    assert status == 400 and b"deeper than 64 levels" in body, body
+    assert_serving(live)
+
+
+def test_two_thousand_idle_connections_while_requests_are_answered(live: Live) -> None:
+    socks = hostile.idle("127.0.0.1", live.http_port, IDLE_CONNECTIONS)
+    try:
+        # While all of them are open (well inside the head deadline), the gateway still answers.
+        started = time.monotonic()
+        status, _ = request(live.http_port, "GET", "/health")
+        assert status == 200 and time.monotonic() - started < 1.0
+        opened = metrics(live)['llmgw_connections_open{listener="http"}']
+        assert opened >= IDLE_CONNECTIONS, opened
+        # ... and the server reclaims them at the head deadline.
+        assert all(hostile.closed_by_server(s, HEAD_TIMEOUT_S + 3) for s in socks)
+    finally:
+        for s in socks:
+            s.close()
+    assert_serving(live)
+
+
+def test_idle_connections_to_the_agent_endpoint_leave_agents_connected(live: Live) -> None:
+    socks = hostile.idle("127.0.0.1", live.cluster.port, 500)
+    try:
+        nodes = live.cluster.nodes()
+        assert nodes is not None and nodes["node-a"]["state"] == "joined"
+        opened = metrics(live)['llmgw_connections_open{listener="agent"}']
+        assert opened >= 500, opened
+    finally:
+        for s in socks:
+            s.close()
+    assert_serving(live)
+
+
+def test_a_mirror_download_that_stops_reading_is_cut(live: Live, tmp_path: Path) -> None:
+    archive = live.cluster.state / "artifacts" / "big.tar.gz"
+    archive.parent.mkdir(exist_ok=True)
+    with archive.open("wb") as f:
+        f.truncate(64 << 20)  # more than any socket buffer holds
+    sha = __import__("hashlib").sha256(archive.read_bytes()).hexdigest()
+    files = live.cluster.nodes_files["node-a"]
+    sock = hostile.tls_client(
+        "127.0.0.1",
+        live.cluster.port,
+        ca=str(files.pki / "ca.crt"),
+        cert=str(files.pki / "node.crt"),
+        key=str(files.pki / "node.key"),
+    )
+    try:
+        sock.sendall(f"GET /v1/artifacts/{sha} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        assert hostile.status_of(sock.recv(4096)) == 200
+        before = aborted(live, "agent", "send_timeout")
+        deadline = time.monotonic() + SEND_TIMEOUT_S + 10
+        while aborted(live, "agent", "send_timeout") == before:  # we read nothing more
+            assert time.monotonic() < deadline, metrics(live)
+            time.sleep(0.2)
+    finally:
+        sock.close()
+        archive.unlink()
+    assert_serving(live)
