@@ -50,7 +50,7 @@ import trio
 
 from llmgw.errors import leaves
 from llmgw.log import get_logger
-from llmgw.server.listeners import ConnectionStats, default_max_connections, serve_capped
+from llmgw.server.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
 
 log = get_logger("llmgw.http")
 
@@ -219,17 +219,22 @@ async def serve_http(
     limits: Limits = Limits(),
     stats: ConnectionStats | None = None,
     listener: str = "http",
+    shutdown: Shutdown | None = None,
+    sockets: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    """Serve HTTP on (host, port), or on `sockets` already listening (socket activation).
+    `shutdown.begin()` stops it gracefully (see `Shutdown`); cancellation stops it at once."""
+    listeners = sockets or await trio.open_tcp_listeners(port, host=host)
     task_status.started(listeners)
     stats = stats or ConnectionStats()
+    shutdown = shutdown or Shutdown()
 
     async def one(stream: trio.abc.Stream) -> None:
-        await serve_connection(handler, stream, limits=limits, stats=stats, listener=listener)
+        await serve_connection(handler, stream, limits=limits, stats=stats, listener=listener, shutdown=shutdown)
 
     cap = limits.max_connections or default_max_connections(listener)
-    await serve_capped(one, listeners, max_connections=cap, stats=stats, listener=listener)
+    await serve_capped(one, listeners, max_connections=cap, stats=stats, listener=listener, shutdown=shutdown)
 
 
 def bound_address(listeners: list) -> tuple[str, int]:
@@ -259,13 +264,14 @@ async def serve_connection(
     limits: Limits = Limits(),
     stats: ConnectionStats | None = None,
     listener: str = "http",
+    shutdown: Shutdown | None = None,
 ) -> None:
     """Serve one connection until it closes. Never raises (but Cancelled): see the module's
     "Containment"."""
     client = peer_address(stream)
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
     try:
-        await _serve_requests(handler, limits, conn, stream, client)
+        await _serve_requests(handler, limits, conn, stream, client, shutdown or Shutdown())
     except Exception as exc:
         reason = peer_reason(exc)
         if reason is None:
@@ -313,20 +319,23 @@ async def _linger(stream) -> None:
             read += len(data)
 
 
-async def _serve_requests(handler: Handler, limits: Limits, conn: h11.Connection, stream, client: str) -> None:
+async def _serve_requests(
+    handler: Handler, limits: Limits, conn: h11.Connection, stream, client: str, shutdown: Shutdown
+) -> None:
     first = True
     while True:
-        request = await _read_request(conn, stream, limits, client, first=first)
+        request = await _read_request(conn, stream, limits, client, first=first, shutdown=shutdown)
         first = False
         if request is None:
             return
         response = await _call_handler(handler, request, conn, stream, limits)
         if response is None:
             raise _Abort("closed", message="the client closed the connection before the answer")
+        # Stopping: this answer is the connection's last, and it says so (RFC 9112 §9.6).
         if isinstance(response, StreamingResponse):
-            await _send_streaming(conn, stream, response, limits)
+            await _send_streaming(conn, stream, response, limits, close=shutdown.begun)
         else:
-            await _send_response(conn, stream, response, limits)
+            await _send_response(conn, stream, response, limits, close=shutdown.begun)
         if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
             return
         conn.start_next_cycle()
@@ -390,11 +399,12 @@ def _next_event(conn: h11.Connection):
         raise _Abort(reason, status, f"malformed HTTP request: {exc}") from None
 
 
-async def _read_request(conn: h11.Connection, stream, limits: Limits, client: str, *, first: bool) -> Request | None:
+async def _read_request(
+    conn: h11.Connection, stream, limits: Limits, client: str, *, first: bool, shutdown: Shutdown
+) -> Request | None:
     now = trio.current_time()
     # A new connection must send its head within head_timeout_s; a kept-alive one may idle
     # for keepalive_timeout_s before the next head starts, then has head_timeout_s for it.
-    idle_deadline = now + (limits.head_timeout_s if first else limits.keepalive_timeout_s)
     head_deadline = now + limits.head_timeout_s if first or conn.trailing_data[0] else None
     while True:
         event = _next_event(conn)
@@ -402,9 +412,18 @@ async def _read_request(conn: h11.Connection, stream, limits: Limits, client: st
             break
         if head_deadline is None and conn.trailing_data[0]:
             head_deadline = trio.current_time() + limits.head_timeout_s
-        if not await _receive(conn, stream, head_deadline if head_deadline is not None else idle_deadline):
-            if head_deadline is None:
+        if head_deadline is None:
+            # Between requests: idle until the keep-alive deadline, or the server stopping.
+            idle = shutdown.idle_scope(now + limits.keepalive_timeout_s)
+            try:
+                with idle:
+                    conn.receive_data(await stream.receive_some(RECEIVE_SIZE))
+            finally:
+                shutdown.leave_idle(idle)
+            if idle.cancelled_caught:
                 return None  # an idle keep-alive connection: closed quietly
+            continue
+        if not await _receive(conn, stream, head_deadline):
             if first and not conn.trailing_data[0]:
                 raise _Abort("head_timeout", message=f"nothing sent within {limits.head_timeout_s:g} s")
             raise _Abort(
@@ -496,10 +515,14 @@ def _reason(status: int) -> bytes:
         return b""
 
 
-async def _send_streaming(conn: h11.Connection, stream, response: StreamingResponse, limits: Limits) -> None:
+async def _send_streaming(
+    conn: h11.Connection, stream, response: StreamingResponse, limits: Limits, close: bool = False
+) -> None:
     """Send a streamed response. The client going away, or the producer failing, ends the
     connection (`_Abort` or the stream's error)."""
     headers = [(k.encode(), v.encode()) for k, v in response.headers if k.lower() != "content-length"]
+    if close:
+        headers.append((b"connection", b"close"))
     gone: list[bool] = []
     try:
         # Inside the try: a client gone before the head still gets the producer closed.

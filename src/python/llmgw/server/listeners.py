@@ -91,6 +91,39 @@ class ConnectionStats:
         return "\n".join(out) + "\n"
 
 
+class Shutdown:
+    """A graceful stop of one server, begun once: its listeners stop accepting (with socket
+    activation the kernel's backlog then holds new connections for the next process), each
+    connection ends after the request it is on (answered with `Connection: close`), and idle
+    keep-alive connections close now. Requests in flight are not touched: their owner waits
+    for them (with a deadline) and then cancels what is left."""
+
+    def __init__(self) -> None:
+        self.begun = False
+        self._accepting = trio.CancelScope()
+        self._idle: set[trio.CancelScope] = set()
+
+    def begin(self) -> None:
+        if self.begun:
+            return
+        self.begun = True
+        self._accepting.cancel()
+        for scope in self._idle:
+            scope.cancel()
+
+    def idle_scope(self, deadline: float) -> trio.CancelScope:
+        """A scope for a wait between requests: cancelled at `deadline` or when the stop
+        begins, whichever is first. Leave it with `leave_idle`."""
+        scope = trio.CancelScope(deadline=deadline)
+        if self.begun:
+            scope.cancel()
+        self._idle.add(scope)
+        return scope
+
+    def leave_idle(self, scope: trio.CancelScope) -> None:
+        self._idle.discard(scope)
+
+
 async def serve_capped(
     handle: Callable[[trio.abc.Stream], Awaitable[None]],
     listeners: list,
@@ -98,13 +131,16 @@ async def serve_capped(
     max_connections: int,
     stats: ConnectionStats,
     listener: str,
+    shutdown: Shutdown | None = None,
 ) -> None:
     """Accept on every listener, each connection in its own task, at most `max_connections`
     at once (all listeners together); past that, accepting pauses and the kernel's backlog
-    holds new connections. `handle` must contain its connection's failures."""
+    holds new connections. `handle` must contain its connection's failures. After
+    `shutdown.begin()` nothing more is accepted, and this returns once every connection ended."""
     slots = trio.Semaphore(max_connections)
     stats.limit.set(max_connections, listener=listener)
     stats.open.set(0, listener=listener)
+    shutdown = shutdown or Shutdown()
 
     async def run(stream: trio.abc.Stream) -> None:
         stats.open.inc(listener=listener)
@@ -119,7 +155,7 @@ async def serve_capped(
             while True:
                 if slots.value == 0:
                     stats.at_capacity.inc(listener=listener)
-                    log.warning("http_connections_at_capacity", listener=listener, max_connections=max_connections)
+                    log.warning("connections_at_capacity", listener=listener, max_connections=max_connections)
                 await slots.acquire()
                 try:
                     stream = await sock_listener.accept()
@@ -127,7 +163,7 @@ async def serve_capped(
                     slots.release()
                     if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                         raise
-                    log.error("http_accept_failed", listener=listener, reason=exc.strerror or str(exc))
+                    log.error("accept_failed", listener=listener, reason=exc.strerror or str(exc))
                     await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 except BaseException:
@@ -135,6 +171,8 @@ async def serve_capped(
                     raise
                 nursery.start_soon(run, stream)
 
-    async with trio.open_nursery() as nursery:
-        for sock_listener in listeners:
-            nursery.start_soon(accept_loop, sock_listener, nursery)
+    async with trio.open_nursery() as connections:
+        with shutdown._accepting:
+            async with trio.open_nursery() as accepting:
+                for sock_listener in listeners:
+                    accepting.start_soon(accept_loop, sock_listener, connections)
