@@ -1,6 +1,10 @@
 """The agent process: load agent.toml, check the node's identity files, keep the link up.
 
-`run_agent` is the root of the agent's one nursery; `llmgw agent run` calls it.
+`run_agent` is the root of the agent's one nursery; `llmgw agent run` calls it. Each of its
+loops (replicas, link, assignments, reports, inventory, engines) runs under
+`llmgw.supervision.Background`: a failure after start is logged with its traceback and that
+loop alone starts again with backoff, so the link and the replicas outlive a failing
+inventory or engine check; a failure at start ends the agent with its own message.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from llmgw import __version__, pki
 from llmgw.config import AgentConfig, weights_dir_of
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
+from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent")
@@ -93,14 +98,24 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
         source_address=config.source_address,
     )
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
+    background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process
     async with trio.open_nursery() as nursery:
         link.answer_logs = partial(answer_logs, supervisor)
-        await nursery.start(supervisor.serve)
-        await nursery.start(link.serve)
-        await nursery.start(serve_assignments, supervisor, lambda: link.state.desired, link.desired_changed)
-        await nursery.start(supervisor.serve_reports, link.send)
-        await nursery.start(serve_inventory, config, current, link)
+        await nursery.start(background.run, "replicas", supervisor.serve)
+        await nursery.start(background.run, "link", link.serve)
         await nursery.start(
+            background.run,
+            "assignments",
+            serve_assignments,
+            supervisor,
+            lambda: link.state.desired,
+            link.desired_changed,
+        )
+        await nursery.start(background.run, "reports", supervisor.serve_reports, link.send)
+        await nursery.start(background.run, "inventory", serve_inventory, config, current, link)
+        await nursery.start(
+            background.run,
+            "engines",
             partial(
                 serve_engines,
                 config,
@@ -111,7 +126,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
                 lambda: current.inventory,
                 store=engine_store(config, ssl_context),
                 server_url=config.server,
-            )
+            ),
         )
         task_status.started(link)
 

@@ -198,7 +198,13 @@ class Supervisor:
     # -- what the rest of the agent calls
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the members until cancelled; cancelling stops every engine (gracefully, bounded)."""
+        """Run the members until cancelled; cancelling stops every engine (gracefully, bounded).
+
+        Run again after a failure (each member contains its own, so only a bug in this class
+        gets here), it starts over from what is wanted: the previous run's members all ended
+        with its nursery."""
+        self._members.clear()
+        self._retiring.clear()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery

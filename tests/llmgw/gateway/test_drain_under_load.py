@@ -50,12 +50,12 @@ async def test_draining_a_node_under_load_fails_no_request(
             load.start_soon(client)
         await wait_for(lambda: len(results) >= 20, "load running")
         progress = await plane.start_drain(victim, force=False)
-        await wait_for(lambda: progress["done"] or progress["error"], "the drain", timeout=DRAIN_TIMEOUT_S)
+        await wait_for(lambda: progress.done or progress.error, "the drain", timeout=DRAIN_TIMEOUT_S)
         before = len(results)
         await wait_for(lambda: len(results) >= before + 20, "load after the drain")
         stop.set()
 
-    assert progress["error"] is None and progress["moved"] == progress["total"] >= 1
+    assert progress.error is None and progress.moved == progress.total >= 1
     assert not any(victim in s.placement.nodes for s in plane.replicas.placed.values())
     failed = [s for s in results if s != 200]
     assert failed == [], f"{len(failed)} of {len(results)} requests failed: {sorted(set(failed))}"

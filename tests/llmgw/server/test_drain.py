@@ -25,7 +25,7 @@ async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], re
         server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=replicas),)
     )
     plane = ControlPlane(config, state)
-    plane._nursery = nursery
+    await nursery.start(plane.serve_drains)
     now = trio.current_time()
     for n in nodes:
         hello = w.Hello(
@@ -64,12 +64,12 @@ async def test_each_replacement_is_ready_before_its_original_stops(
     assert len(on_a) == 1
     progress = await plane.start_drain("a", force=False)
     await trio.sleep(0.1)
-    assert progress["moved"] == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
+    assert progress.moved == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
     [replacement] = sorted(plane.replicas.surge)
     assert "a" not in plane.replicas.placed[replacement].placement.nodes
     ready(plane, replacement)
     with trio.fail_after(5):
-        while not progress["done"]:
+        while not progress.done:
             await trio.sleep(0.01)
     assert on_a[0] not in plane.replicas.placed and replacement in plane.replicas.placed
     assert events(caplog) == ["drain_started", "drain_replacement_ready", "drain_original_stopped", "drain_done"]
@@ -85,12 +85,12 @@ async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(tmp_path: Pa
     plane.registry.nodes["only"].draining = False
     progress = await plane.start_drain("only", force=False)
     with trio.fail_after(5):
-        while not progress["error"]:
+        while not progress.error:
             await trio.sleep(0.01)
-    assert f"cannot move {original} off only" in progress["error"] and "--force" in progress["error"]
+    assert f"cannot move {original} off only" in progress.error and "--force" in progress.error
     assert original in plane.replicas.placed  # no outage
     forced = await plane.start_drain("only", force=True)
     with trio.fail_after(5):
-        while not forced["done"]:
+        while not forced.done:
             await trio.sleep(0.01)
     assert original not in plane.replicas.placed

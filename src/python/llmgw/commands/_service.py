@@ -1,7 +1,9 @@
 """Running a long-lived process (server, agent) until SIGTERM or SIGINT, then stopping cleanly.
 
 Shutdown is cancellation: the signal cancels the root nursery, every task unwinds through its
-own cleanup (bounded where it must run), and the process exits 0.
+own cleanup (bounded where it must run), and the process exits 0. Whatever `serve` raises (a
+failure at start: its background loops contain their own later failures) reaches the CLI,
+which prints an `LlmgwError`'s message and exits with its status.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ def run_service(name: str, serve: Callable[..., Awaitable[Any]], *args: Any) -> 
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
 
-                async def watch() -> None:
+                async def watch(*, task_status: trio.TaskStatus[None]) -> None:
+                    task_status.started()
                     async for signum in signals:
                         log.info(f"{name}_stopping", signal=signal.Signals(signum).name)
                         nursery.cancel_scope.cancel()
                         return
 
-                nursery.start_soon(watch)
+                await nursery.start(watch)
                 await serve(*args)
                 nursery.cancel_scope.cancel()
 

@@ -22,7 +22,7 @@ from llmgw import paths, pki, simfabric
 from llmgw.cli import Parser
 from llmgw.commands._service import run_service
 from llmgw.config import AgentConfig, FabricDecl, load_server_config
-from llmgw.errors import LlmgwError, UsageError
+from llmgw.errors import LlmgwError, UsageError, leaves, only
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.up")
@@ -137,8 +137,12 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     async with trio.open_nursery() as nursery:
         try:
             bound = await nursery.start(plane.serve)
-        except LlmgwError as exc:
-            raise LlmgwError(f"{exc} (the gateway wants 127.0.0.1:{args.port}; pick another with --port)") from None
+        except Exception as exc:  # raised inside the plane's nursery: it comes in a group
+            if not only(exc, LlmgwError):
+                raise
+            raise LlmgwError(
+                f"{leaves(exc)[0]} (the gateway wants 127.0.0.1:{args.port}; pick another with --port)"
+            ) from None
         emit("control_plane", admin_url=bound.admin_url, agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}")
         for i in range(args.nodes):
             await nursery.start(run_agent, _node_config(state, ca, i, bound.agent_address[1], args))

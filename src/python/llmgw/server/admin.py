@@ -104,7 +104,8 @@ class AdminAPI:
             if action == "drain":
                 _allow(request, "POST")
                 force = request.query.get("force", ["0"])[0] in ("1", "true")
-                return Response.json(202, {"drain": await self.plane.start_drain(node_id, force=force)})
+                progress = await self.plane.start_drain(node_id, force=force)
+                return Response.json(202, {"drain": progress.view()})
             if action in ("cordon", "uncordon"):
                 _allow(request, "POST")
                 await self.plane.set_cordoned(node_id, action == "cordon")

@@ -4,6 +4,11 @@ API together, and runs them under one nursery (`serve_control_plane`).
 Start-up order matters for the operator: the certificate authority is read first (a missing
 CA is said before anything listens), then the store, then the listeners; `task_status` is
 given the bound addresses only once both listeners accept connections.
+
+Every background loop (rotation, liveness and reconcile, mirror fill, SIGHUP reload) runs under
+`llmgw.supervision.Background`: a failure after start is logged with its traceback and the loop
+started again with backoff; only a failure at start ends the process. A drain is a one-shot job
+in the plane's own nursery; an unexpected failure in one becomes that drain's error.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from llmgw import paths, pki
 from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.download import fetch
 from llmgw.engines.wants import engines_for
-from llmgw.errors import LlmgwError, MachineError
+from llmgw.errors import LlmgwError, MachineError, leaves
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
@@ -42,6 +47,7 @@ from llmgw.server.listeners import ConnectionStats, raise_fd_limit
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
 from llmgw.server.store import Store, UnknownNode
+from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
@@ -56,6 +62,25 @@ class Bound:
     def admin_url(self) -> str:
         host, port = self.http_address
         return f"http://{_url_host(host)}:{port}"
+
+
+@attrs.define(kw_only=True)
+class DrainProgress:
+    """One node's drain as the admin API shows it (`view()`), updated as it goes."""
+
+    node: str
+    total: int
+    moved: int = 0
+    current: str | None = None
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return not self.done and self.error is None
+
+    def view(self) -> dict[str, Any]:
+        return attrs.asdict(self)
 
 
 class ControlPlane:
@@ -90,10 +115,12 @@ class ControlPlane:
         )
         self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
         self._replicas_changed = trio.Event()
-        self.drains: dict[str, dict[str, Any]] = {}
+        self.drains: dict[str, DrainProgress] = {}
         self.drain_ready_timeout_s = 600.0
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
-        self._nursery: trio.Nursery | None = None
+        self.mirror_retry_s = 600.0  # a mirror fetch that failed is tried again after this long
+        self.background = Background(log)  # its `restarts` are for /metrics
+        self._drain_jobs: trio.Nursery | None = None  # set while `serve_drains` runs
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._rotation_changed = trio.Event()
@@ -187,38 +214,56 @@ class ControlPlane:
 
     # -- drain ----------------------------------------------------------------------------
 
-    async def start_drain(self, node_id: str, *, force: bool) -> dict[str, Any]:
+    async def serve_drains(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the drains: each runs in this nursery until it is done, stops or the plane stops."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._drain_jobs = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._drain_jobs = None
+
+    async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress:
         if node_id not in self.registry.nodes:
             raise UnknownNode(node_id, sorted(self.registry.nodes))
+        if self._drain_jobs is None:
+            raise RuntimeError("start_drain before serve_drains runs")
         current = self.drains.get(node_id)
-        if current is not None and not current.get("done") and not current.get("error"):
+        if current is not None and current.running:
             return current
         self.store.set_draining(node_id, True)
         self.registry.nodes[node_id].draining = True
         self._rotation_touched()
         todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
-        progress: dict[str, Any] = {
-            "node": node_id,
-            "total": len(todo),
-            "moved": 0,
-            "current": None,
-            "done": False,
-            "error": None,
-        }
-        self.drains[node_id] = progress
+        progress = self.drains[node_id] = DrainProgress(node=node_id, total=len(todo))
         log.info("drain_started", node=node_id, replicas=todo, force=force)
-        self._nursery.start_soon(self._drain, node_id, todo, force, progress)
+        await self._drain_jobs.start(self._run_drain, todo, force, progress)
         return progress
 
-    async def _drain(self, node_id: str, todo: list[str], force: bool, progress: dict[str, Any]) -> None:
+    async def _run_drain(
+        self, todo: list[str], force: bool, progress: DrainProgress, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """One drain, whose failure stays its own: a bug ends this drain with an error saying so."""
+        task_status.started()
+        try:
+            await self._drain(progress.node, todo, force, progress)
+        except Exception as exc:
+            log.exception("drain_failed", node=progress.node, replica=progress.current)
+            progress.error = (
+                f"internal error while draining {progress.node}: {leaves(exc)[0]!r}; the log has the traceback; "
+                f"run `llmgw ctl drain {progress.node}` again"
+            )
+
+    async def _drain(self, node_id: str, todo: list[str], force: bool, progress: DrainProgress) -> None:
         for rid in todo:
-            progress["current"] = rid
+            progress.current = rid
             original = self.replicas.placed.get(rid)
             if original is None:
                 continue  # gone meanwhile (lost, failed, catalog change)
             replacement, reason = self.replicas.place_replacement(rid, trio.current_time())
             if replacement is None and not force:
-                progress["error"] = (
+                progress.error = (
                     f"cannot move {rid} off {node_id}: {reason}. The drain stopped and {rid} keeps running "
                     f"there; free capacity elsewhere, or run `llmgw ctl drain {node_id} --force` to stop it "
                     "without a replacement"
@@ -234,7 +279,7 @@ class ControlPlane:
                     self.replicas.retire(new.replica_id, new.replica_id)
                     for n in new.nodes:
                         await self.endpoint.push_desired_state(n)
-                    progress["error"] = (
+                    progress.error = (
                         f"the replacement {new.replica_id} of {rid} did not become ready within "
                         f"{self.drain_ready_timeout_s:g} s; the drain stopped and {rid} keeps running "
                         f"(`llmgw ctl replicas` says why)"
@@ -251,14 +296,14 @@ class ControlPlane:
             for n in original.placement.nodes:
                 await self.endpoint.push_desired_state(n)
             log.info("drain_original_stopped", node=node_id, replica=rid)
-            progress["moved"] += 1
+            progress.moved += 1
         self.store.set_cordoned(node_id, True)
         self.store.set_draining(node_id, False)
         node = self.registry.nodes.get(node_id)
         if node is not None:
             node.cordoned, node.draining = True, False
-        progress["current"], progress["done"] = None, True
-        log.info("drain_done", node=node_id, moved=progress["moved"])
+        progress.current, progress.done = None, True
+        log.info("drain_done", node=node_id, moved=progress.moved)
 
     async def _wait_ready(self, replica_id: str, rank0: str, timeout_s: float) -> bool:
         with trio.move_on_after(timeout_s):
@@ -302,7 +347,8 @@ class ControlPlane:
         now = trio.current_time()
         views = [node_view(n, self.registry.liveness(n, now), now) for _, n in sorted(self.registry.nodes.items())]
         for v in views:
-            v["drain"] = self.drains.get(v["id"])
+            drain = self.drains.get(v["id"])
+            v["drain"] = drain.view() if drain else None
         return views
 
     def replica_views(self) -> list[dict[str, Any]]:
@@ -413,22 +459,23 @@ class ControlPlane:
 
         fd_limit = raise_fd_limit()
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             try:
-                await nursery.start(self.gateway.serve_rotation)
+                await nursery.start(self.background.run, "rotation", self.gateway.serve_rotation)
+                await nursery.start(self.serve_drains)
                 try:
                     agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
+                except OSError as exc:
+                    raise _cannot_listen("agent_listen", self.config.server.agent_listen, exc) from None
+                try:
                     http_listeners = await nursery.start(serve_http_until_drained)
                 except OSError as exc:
-                    raise MachineError(
-                        f"cannot listen: {exc}; is another llmgw server running, or the port taken?"
-                    ) from None
-                await nursery.start(self.serve_liveness)
-                nursery.start_soon(self.fill_mirror)
+                    raise _cannot_listen("http_listen", self.config.server.http_listen, exc) from None
+                await nursery.start(self.background.run, "liveness", self.serve_liveness)
+                await nursery.start(self.background.run, "mirror", self.fill_mirror)
                 bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
                 url_file = paths.admin_url_path(self.state_dir)
                 url_file.write_text(bound.admin_url + "\n")
-                nursery.start_soon(_remove_on_exit, url_file)
+                await nursery.start(_remove_on_exit, url_file)
                 log.info(
                     "server_ready",
                     agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
@@ -452,9 +499,11 @@ class ControlPlane:
                         )
                 http_scope.cancel()
 
-    async def fill_mirror(self, *, retry_s: float = 600.0) -> None:
+    async def fill_mirror(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Fetch every configured engine archive once into the artifacts directory, so nodes
-        without internet access can install from the control plane; retried while any fails."""
+        without internet access can install from the control plane; retried while any fails
+        (every `mirror_retry_s`); returns once all are there."""
+        task_status.started()
         archives = [
             a
             for source in (self.config.engines.llamacpp, self.config.engines.vllm, self.config.engines.sglang)
@@ -473,10 +522,10 @@ class ControlPlane:
                     for node_id in list(self.endpoint.links):
                         await self.endpoint.push_desired_state(node_id)  # now mirrored
                 except LlmgwError as exc:
-                    log.warning("mirror_fetch_failed", url=archive.url, reason=str(exc), retry_in_s=retry_s)
+                    log.warning("mirror_fetch_failed", url=archive.url, reason=str(exc), retry_in_s=self.mirror_retry_s)
             if set(a.sha256 for a in archives) <= self.endpoint.artifacts.available():
                 return
-            await trio.sleep(retry_s)
+            await trio.sleep(self.mirror_retry_s)
 
     async def handle_http(self, request: Request) -> Response | StreamingResponse:
         if is_admin_path(request.path):
@@ -515,26 +564,43 @@ async def serve_control_plane(
 ) -> None:
     plane = ControlPlane(config, state_dir, config_path)
     async with trio.open_nursery() as nursery:
+        # Before the plane says it is ready: from then on a SIGHUP must reload, not end the
+        # process (its default action).
+        await nursery.start(plane.background.run, "reload", serve_reload_on_sighup, plane)
         bound = await nursery.start(plane.serve)
-        nursery.start_soon(_reload_on_sighup, plane)
         task_status.started(bound)
 
 
-async def _reload_on_sighup(plane: ControlPlane) -> None:
+async def serve_reload_on_sighup(
+    plane: ControlPlane, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """SIGHUP reads server.toml again. Each reload's failure is its own: a bad file is said, a bug
+    is logged with its traceback, and the next SIGHUP is still received."""
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
         async for _ in signals:
             try:
                 await plane.reload()
             except (LlmgwError, HTTPError) as exc:
                 log.error("reload_failed", reason=str(exc), kept="the running configuration")
+            except Exception:
+                log.exception("reload_failed", kept="the running configuration")
 
 
-async def _remove_on_exit(path: Path) -> None:
+async def _remove_on_exit(path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """A stopped server leaves no admin.url behind, so `llmgw ctl` says none is running."""
     try:
+        task_status.started()
         await trio.sleep_forever()
     finally:
         path.unlink(missing_ok=True)
+
+
+def _cannot_listen(key: str, value: str, exc: OSError) -> MachineError:
+    return MachineError(
+        f"cannot listen on {value} ([server] {key}): {exc.strerror or exc}; is another llmgw server running, "
+        "or is the port taken? Stop it, or set another address in server.toml"
+    )
 
 
 def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
