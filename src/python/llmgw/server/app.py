@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,13 @@ from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError, leaves
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
+from llmgw.server import activation
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.metrics import Counter
 from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.http import (
     HTTPError,
@@ -43,7 +46,7 @@ from llmgw.server.http import (
     bound_address,
     serve_http,
 )
-from llmgw.server.listeners import ConnectionStats, raise_fd_limit
+from llmgw.server.listeners import ConnectionStats, Shutdown, raise_fd_limit
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
 from llmgw.server.store import Store, UnknownNode
@@ -437,14 +440,26 @@ class ControlPlane:
                 await self._changed.wait()
 
     async def serve(self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled. On cancellation the HTTP listener outlives the rest for a drain:
-        the gateway answers new requests 503 while those in flight finish, for at most
-        `shutdown_drain_s`; then the listener and its connections close."""
+        """Run until cancelled. On cancellation requests in flight finish, for at most
+        `shutdown_drain_s`, then whatever is left is cut. Meanwhile new requests get 503 with
+        Retry-After — unless the listening sockets were passed to us (socket activation): then
+        we stop accepting, new connections wait in the kernel's backlog for the next process,
+        and each open connection gets the answer to the request it is on and then closes."""
         agent_host, agent_port = _split_hostport(self.config.server.agent_listen)
         http_host, http_port = _split_hostport(self.config.server.http_listen)
+        passed = activation.take()  # sockets systemd (or whoever started us) listens on for us
+        agent_sockets = activation.matching(passed, agent_host, agent_port)
+        http_sockets = activation.matching(passed, http_host, http_port)
+        if passed:
+            log.warning(
+                "activation_sockets_unused",
+                sockets=activation.describe(passed),
+                fix="make the .socket unit's ListenStream= match agent_listen and http_listen in server.toml",
+            )
         # Shielded: cancelling the control plane must not cut the requests in flight; the drain
         # below ends this scope itself, once they finished or the deadline passed.
         http_scope = trio.CancelScope(shield=True)
+        http_shutdown = Shutdown()
 
         async def serve_http_until_drained(*, task_status: trio.TaskStatus) -> None:
             with http_scope:
@@ -454,6 +469,8 @@ class ControlPlane:
                     http_port,
                     limits=http_limits(self.config),
                     stats=self.connections,
+                    shutdown=http_shutdown,
+                    sockets=http_sockets,
                     task_status=task_status,
                 )
 
@@ -463,7 +480,9 @@ class ControlPlane:
                 await nursery.start(self.background.run, "rotation", self.gateway.serve_rotation)
                 await nursery.start(self.serve_drains)
                 try:
-                    agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
+                    agent_listeners = await nursery.start(
+                        partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context
+                    )
                 except OSError as exc:
                     raise _cannot_listen("agent_listen", self.config.server.agent_listen, exc) from None
                 try:
@@ -483,6 +502,7 @@ class ControlPlane:
                     state_dir=str(self.state_dir),
                     nodes_known=len(self.registry.nodes),
                     open_file_limit=fd_limit,
+                    socket_activation=bool(agent_sockets or http_sockets),
                 )
                 task_status.started(bound)
                 await trio.sleep_forever()
@@ -490,6 +510,10 @@ class ControlPlane:
                 with trio.move_on_after(self.shutdown_drain_s + 1) as cleanup:
                     cleanup.shield = True
                     log.info("server_draining", in_flight=sum(self.gateway.in_flight.values()))
+                    if http_sockets:
+                        # The sockets outlive us: new connections wait in the backlog for the
+                        # next process instead of being answered 503 here.
+                        http_shutdown.begin()
                     finished = await self.gateway.drain(self.shutdown_drain_s)
                     if not finished:
                         log.warning(
@@ -531,14 +555,27 @@ class ControlPlane:
         if is_admin_path(request.path):
             return await self.admin.handle(request)
         if request.path == "/metrics":
-            # The gateway's families, then the process's own (its listeners' connections).
+            # The gateway's families, then the process's own (its listeners' connections, the
+            # restarts of its background loops).
             response = await self.gateway.handle(request)
             if isinstance(response, Response) and response.status == 200:
-                response = attrs.evolve(response, body=response.body + self.connections.render().encode())
+                own = self.connections.render() + _restarts_metric(self.background.restarts)
+                response = attrs.evolve(response, body=response.body + own.encode())
             return response
         if request.path.startswith("/v1/") or request.path == "/health":
             return await self.gateway.handle(request)
         raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
+
+
+def _restarts_metric(restarts: dict[str, int]) -> str:
+    family = Counter(
+        "llmgw_background_restarts_total",
+        "Times a background loop of the control plane was started again after a failure.",
+        ("task",),
+    )
+    for task, count in sorted(restarts.items()):
+        family.inc(count, task=task)
+    return "\n".join([f"# HELP {family.name} {family.help}", f"# TYPE {family.name} counter", *family.lines()]) + "\n"
 
 
 def http_limits(config: ServerConfig) -> Limits:

@@ -98,9 +98,14 @@ class AgentEndpoint:
         port: int,
         ssl_context,
         *,
+        sockets: list[trio.SocketListener] | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
+        """Accept agents on (host, port), or on `sockets` already listening (socket activation)."""
+        if sockets:
+            bound = [trio.SSLListener(s, ssl_context, https_compatible=True) for s in sockets]
+        else:
+            bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
         task_status.started(bound)
         cap = self.max_connections or listeners.default_max_connections(LISTENER)
         await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
