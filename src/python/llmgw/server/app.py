@@ -26,7 +26,7 @@ from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.gateway.app import Gateway
+from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
@@ -83,7 +83,7 @@ class ControlPlane:
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._rotation_changed = trio.Event()
-        self.gateway = Gateway(self, KeyRing(self.store))
+        self.gateway = Gateway(self, KeyRing(self.store), options=GatewayOptions.of(config.gateway))
         self._generation = 0
 
     # -- desired state --------------------------------------------------------------------
@@ -162,8 +162,10 @@ class ControlPlane:
         if self.config_path is None:
             raise HTTPError(409, "this control plane was started without --config; there is no file to reload")
         new = load_server_config(self.config_path)  # ConfigError propagates to the caller
-        if new.server != self.config.server or new.ca != self.config.ca:
-            log.warning("reload_ignores", sections="[server] and [ca]", fix="restart `llmgw server` for those")
+        if new.server != self.config.server or new.ca != self.config.ca or new.gateway != self.config.gateway:
+            log.warning(
+                "reload_ignores", sections="[server], [ca] and [gateway]", fix="restart `llmgw server` for those"
+            )
         self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
         changed = self.replicas.reconcile(trio.current_time())
         for node_id in list(self.endpoint.links):
@@ -394,6 +396,7 @@ class ControlPlane:
             self._nursery = nursery
             try:
                 await nursery.start(self.gateway.serve_rotation)
+                await nursery.start(self.gateway.serve_probes)
                 try:
                     agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
                     http_listeners = await nursery.start(serve_http_until_drained)
