@@ -28,6 +28,7 @@ class Sim:
     def __init__(self, name: str, model: str = "chat", *extra: str, netns: NetNS | None = None) -> None:
         """A sim engine on loopback, or inside `netns` on its address."""
         self.name, self.model, self.port, self.key = name, model, free_port(), f"key-{name}"
+        self.netns = netns
         self.host = netns.node_addr if netns else "127.0.0.1"
         argv = [sys.executable, "-m", "llmgw", "engine", "sim", "--model", model, "--port", str(self.port)]
         argv += ["--host", self.host, "--api-key", self.key, *extra]
