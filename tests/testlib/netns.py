@@ -7,9 +7,12 @@ Use it as a context manager, which always stops it.
 
 A cut is made on the namespace's side, and this machine's neighbour entry for `node_addr` is
 pinned, so this machine keeps its route and its peer's MAC address and sends into silence: no
-error comes back, as when a node's cable or switch port dies. (Taking this machine's side down
-instead removes the route: connects then fail at once, or, on a machine with a default route,
-leave for the real network, where something may even accept them.) Needs root and iproute2.
+error comes back, as when a node's cable or switch port dies. Measured here, it fails
+connections exactly as a cut behind a switch (a bridge in a third namespace, this machine's link
+staying up) does: connects time out, a request written onto an open connection is unacknowledged,
+keepalive probes go unanswered. Taking this machine's side down instead is not a cut: the route
+goes with it, so connects fail at once or, on a machine with a default route, leave for the real
+network (where something accepted them). Needs root and iproute2.
 """
 
 from __future__ import annotations
