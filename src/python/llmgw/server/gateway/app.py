@@ -147,7 +147,7 @@ class Gateway:
             read_timeout_s=options.read_timeout_s,
             probe_timeout_s=options.probe_timeout_s,
         )
-        self.clock = clock
+        self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
             rng=rng,
             affinity_chars=options.affinity_chars,
@@ -226,7 +226,7 @@ class Gateway:
                 "gateway_replica_back", replica=ep.replica_id, model=ep.model, down_s=round(started - down.since, 3)
             )
             self._wake()
-        elif why:
+        elif why is not None:
             log.debug("gateway_probe_failed", replica=ep.replica_id, model=ep.model, reason=why)
 
     async def drain(self, timeout_s: float) -> bool:

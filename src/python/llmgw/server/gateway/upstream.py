@@ -18,9 +18,10 @@ synchronously from h11's state, then the I/O is done (as httpcore's pool does):
 Silence is bounded at every step. Connecting takes at most `connect_timeout_s`. Every socket
 sets TCP_USER_TIMEOUT (data unacknowledged for about as long is an error) and TCP keepalive
 (an idle connection, or one waiting for an answer, is checked every second): a peer cut off
-the network fails its connections within a second or two (measured: a request written onto a
-pooled connection to a partitioned node fails in 1.4 s; without these options the kernel
-retransmits for about 15 minutes), whether or not data is outstanding. A peer whose kernel
+the network fails its connections within a second or two, whether or not data is outstanding
+(measured: a request written onto a pooled connection to a partitioned node fails in 1.4 s, one
+waiting for its answer 1.5 s after the cut; without these options both wait out
+`read_timeout_s`, the kernel retransmitting for about 15 minutes by tcp(7)'s tcp_retries2). A peer whose kernel
 still answers while the engine does not (a stopped or hung process) is caught by the
 first-byte timeout: when no response head has come within `first_byte_timeout_s`, the engine
 is probed (`probe`: GET /health on a fresh connection); one that answers keeps the request
