@@ -1,6 +1,6 @@
-"""Building blocks of gateway tests: real sim engine processes on loopback, a gateway in front of
-them (a static endpoint provider, no control plane), a blocking HTTP client run in a thread, and
-a parser of Prometheus text."""
+"""Building blocks of gateway tests: real sim engine processes on loopback (or inside a network
+namespace), a gateway in front of them (a static endpoint provider, no control plane), a blocking
+HTTP client run in a thread, and a parser of Prometheus text."""
 
 from __future__ import annotations
 
@@ -20,32 +20,30 @@ from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.http import Limits, bound_address, serve_http
 from llmgw.server.store import Store
 from testlib.cluster import free_port
+from testlib.netns import NetNS
 from testlib.proc import llmgw_env
 
 
 class Sim:
-    def __init__(self, name: str, model: str = "chat", *extra: str) -> None:
+    def __init__(self, name: str, model: str = "chat", *extra: str, netns: NetNS | None = None) -> None:
+        """A sim engine on loopback, or inside `netns` on its address."""
         self.name, self.model, self.port, self.key = name, model, free_port(), f"key-{name}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", "engine", "sim", "--model", model, "--port", str(self.port)]
-            + ["--api-key", self.key, *extra],
-            env=llmgw_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.netns = netns
+        self.host = netns.node_addr if netns else "127.0.0.1"
+        argv = [sys.executable, "-m", "llmgw", "engine", "sim", "--model", model, "--port", str(self.port)]
+        argv += ["--host", self.host, "--api-key", self.key, *extra]
+        io = dict(env=llmgw_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = netns.popen(argv, **io) if netns else subprocess.Popen(argv, **io)
 
     def endpoint(self, **kw) -> Endpoint:
-        return Endpoint(
-            replica_id=self.name, model=self.model, host="127.0.0.1", port=self.port, api_key=self.key, **kw
-        )
+        return Endpoint(replica_id=self.name, model=self.model, host=self.host, port=self.port, api_key=self.key, **kw)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"sim {self.name} exited with {self.proc.returncode}"
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=2)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     return
@@ -106,6 +104,7 @@ async def start_gateway(
     provider = StaticEndpoints(endpoints, models)
     gateway = Gateway(provider, keys, options=GatewayOptions(**options))
     await nursery.start(gateway.serve_rotation)
+    await nursery.start(gateway.serve_probes)
     listeners = await nursery.start(
         lambda task_status: serve_http(gateway.handle, "127.0.0.1", 0, limits=limits, task_status=task_status)
     )

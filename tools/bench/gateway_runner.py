@@ -34,6 +34,7 @@ async def serve(spec: dict) -> None:
     gateway = Gateway(StaticEndpoints(endpoints), keys)
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.serve_rotation)
+        await nursery.start(gateway.serve_probes)
         listeners = await nursery.start(serve_http, gateway.handle, "127.0.0.1", 0)
         _, port = bound_address(listeners)
         print(json.dumps({"port": port, "token": token, "pid": os.getpid()}), flush=True)

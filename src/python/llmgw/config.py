@@ -140,11 +140,30 @@ class EnginesSection:
 
 
 @attrs.frozen(kw_only=True)
+class GatewaySection:
+    """How the gateway waits for replicas and gives up on them (docs/configuration.md says why
+    each default). The names are `GatewayOptions`' own."""
+
+    connect_timeout_s: float = 1.0
+    first_byte_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    queue_timeout_s: float = 30.0
+    max_queue: int = 1024
+    max_attempts: int = 3
+    max_outstanding_per_replica: int = 0
+    affinity_chars: int = 0
+    max_idle_per_replica: int = 64
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     http: HttpSection = HttpSection()
     ca: CASection = CASection()
     engines: EnginesSection = EnginesSection()
+    gateway: GatewaySection = GatewaySection()
     models: tuple[Model, ...] = ()
 
 
@@ -313,6 +332,7 @@ def _check_server(cfg: ServerConfig) -> list[str]:
         if getattr(cfg.ca, key) < 1:
             problems.append(f"must be at least 1 @ $.ca.{key}")
     problems.extend(_check_engines(cfg.engines))
+    problems.extend(_check_gateway(cfg.gateway))
     seen: dict[str, int] = {}
     for i, m in enumerate(cfg.models):
         at = f"$.models[{i}]"
@@ -366,6 +386,26 @@ def _check_engines(engines: EnginesSection) -> list[str]:
                 problems.append(f"sha256 must be 64 lowercase hex digits @ {where}.sha256")
             if not a.binary or a.binary.startswith("/") or ".." in a.binary.split("/"):
                 problems.append(f"binary must be a relative path inside the archive, got {a.binary!r} @ {where}.binary")
+    return problems
+
+
+def _check_gateway(gw: GatewaySection) -> list[str]:
+    problems = []
+    for key in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "probe_interval_s", "probe_timeout_s"):
+        if getattr(gw, key) <= 0:
+            problems.append(f"must be more than 0 seconds, got {getattr(gw, key)} @ $.gateway.{key}")
+    if gw.queue_timeout_s < 0:
+        problems.append(f"must not be negative, got {gw.queue_timeout_s} @ $.gateway.queue_timeout_s")
+    if gw.read_timeout_s < gw.first_byte_timeout_s:
+        problems.append(
+            f"read_timeout_s ({gw.read_timeout_s}) must be at least first_byte_timeout_s "
+            f"({gw.first_byte_timeout_s}) @ $.gateway.read_timeout_s"
+        )
+    if gw.max_attempts < 1:
+        problems.append(f"must be at least 1, got {gw.max_attempts} @ $.gateway.max_attempts")
+    for key in ("max_queue", "max_outstanding_per_replica", "affinity_chars", "max_idle_per_replica"):
+        if getattr(gw, key) < 0:
+            problems.append(f"must not be negative, got {getattr(gw, key)} @ $.gateway.{key}")
     return problems
 
 

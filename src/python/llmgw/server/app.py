@@ -33,7 +33,7 @@ from llmgw.server import activation
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.gateway.app import Gateway
+from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import Counter
 from llmgw.server.gateway.routing import Endpoint, Rotation
@@ -127,7 +127,7 @@ class ControlPlane:
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._rotation_changed = trio.Event()
-        self.gateway = Gateway(self, KeyRing(self.store))
+        self.gateway = Gateway(self, KeyRing(self.store), options=GatewayOptions.of(config.gateway))
         self._generation = 0
 
     # -- desired state --------------------------------------------------------------------
@@ -206,8 +206,10 @@ class ControlPlane:
         if self.config_path is None:
             raise HTTPError(409, "this control plane was started without --config; there is no file to reload")
         new = load_server_config(self.config_path)  # ConfigError propagates to the caller
-        if new.server != self.config.server or new.ca != self.config.ca:
-            log.warning("reload_ignores", sections="[server] and [ca]", fix="restart `llmgw server` for those")
+        fixed = ("server", "http", "ca", "gateway")  # read once, at start
+        changed_fixed = [f"[{name}]" for name in fixed if getattr(new, name) != getattr(self.config, name)]
+        if changed_fixed:
+            log.warning("reload_ignores", sections=changed_fixed, fix="restart `llmgw server` for those")
         self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
         changed = self.replicas.reconcile(trio.current_time())
         for node_id in list(self.endpoint.links):
@@ -478,6 +480,7 @@ class ControlPlane:
         async with trio.open_nursery() as nursery:
             try:
                 await nursery.start(self.background.run, "rotation", self.gateway.serve_rotation)
+                await nursery.start(self.background.run, "probes", self.gateway.serve_probes)
                 await nursery.start(self.serve_drains)
                 try:
                     agent_listeners = await nursery.start(

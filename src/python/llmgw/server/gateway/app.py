@@ -9,12 +9,15 @@ A forwarded request: the API key is checked (401) and counted against its limits
 body is parsed only to read "model" and "stream" (400 naming what is wrong); an unknown model
 is a 404. A replica is picked by `Router`; with none free the request waits in a bounded queue
 until one is, or 503 with Retry-After at the deadline. The request goes out with the replica's
-own engine key; a failure before the first response byte (refused, reset, timed out, or a
-502/503 from the engine) takes the replica out of rotation for a cooldown and sends the request
-to another, at most `max_attempts` times in all. The answer is relayed as it comes: a body
-with a length is read whole (bounded), anything else (SSE) is passed on chunk by chunk without
-being parsed; a client that goes away closes the upstream connection, which cancels the work
-on the engine.
+own engine key. An attempt that fails while nothing has gone to the client yet (no connection
+within the connect timeout, refused or reset, no response head within the first-byte timeout
+and no answer to a probe, a 502/503, a body read whole that broke off) takes the replica out
+of rotation and sends the request to another, at most `max_attempts` times in all; a stream
+that breaks once relayed takes the replica out too, but is not retried. A replica out of
+rotation is probed (`serve_probes`) every `probe_interval_s` and returns when a probe reaches
+it. The answer is relayed as it comes: a body with a length is read whole (bounded), anything
+else (SSE) is passed on chunk by chunk without being parsed; a client that goes away closes the
+upstream connection, which cancels the work on the engine.
 
 Each response carries `x-llmgw-replica` and `x-llmgw-overhead-ms`: the time the gateway spent
 before the request reached the replica that answered (parsing, auth, queueing, failed attempts).
@@ -31,11 +34,18 @@ from typing import Protocol
 import attrs
 import trio
 
+from llmgw.config import GatewaySection
 from llmgw.log import get_logger
-from llmgw.server.gateway.errors import UpstreamError, UpstreamUnavailable
+from llmgw.server.gateway.errors import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamNoFirstByte,
+    UpstreamTooLarge,
+    UpstreamUnavailable,
+)
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
-from llmgw.server.gateway.routing import Endpoint, Rotation, Router
+from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
 from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
 from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, parse_json
 from llmgw.server.store import KeyRow
@@ -64,14 +74,27 @@ _RETRY_STATUSES = (502, 503)
 
 @attrs.frozen(kw_only=True)
 class GatewayOptions:
+    """The gateway's knobs. Those server.toml's `[gateway]` sets have the same names there, and
+    the defaults and their reasons are in docs/configuration.md."""
+
     queue_timeout_s: float = 30.0
     max_queue: int = 1024  # requests waiting, all models together; past it, 503 at once
     max_attempts: int = 3  # replicas tried per request
     max_outstanding_per_replica: int = 0  # 0 = no cap
     affinity_chars: int = 0  # 0 = no prefix affinity
-    down_cooldown_s: float = 5.0
+    connect_timeout_s: float = 1.0
+    first_byte_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    max_idle_per_replica: int = 64
     max_buffered_body: int = 64 << 20
     retry_after_s: int = 5
+
+    @classmethod
+    def of(cls, section: GatewaySection) -> GatewayOptions:
+        """The options server.toml's `[gateway]` sets, the rest at their defaults."""
+        return cls(**{f.name: getattr(section, f.name) for f in attrs.fields(GatewaySection)})
 
 
 class EndpointProvider(Protocol):
@@ -117,19 +140,27 @@ class Gateway:
         self.provider = provider
         self.keys = keys
         self.options = options = options or GatewayOptions()
-        self.pool = pool or UpstreamPool()
-        self.clock = clock
+        self.pool = pool or UpstreamPool(
+            max_idle_per_endpoint=options.max_idle_per_replica,
+            connect_timeout_s=options.connect_timeout_s,
+            first_byte_timeout_s=options.first_byte_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            probe_timeout_s=options.probe_timeout_s,
+        )
+        self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
             rng=rng,
             affinity_chars=options.affinity_chars,
             max_outstanding=options.max_outstanding_per_replica,
-            down_cooldown_s=options.down_cooldown_s,
+            probe_interval_s=options.probe_interval_s,
         )
         self.metrics = GatewayMetrics()
         self.queued: dict[str, int] = {}
         self.in_flight: dict[str, int] = {}
         self.draining = False
-        self._wakeup = trio.Event()
+        self._wakeup = trio.Event()  # set when a replica may have become free (`_wake`)
+        self._went_down = trio.Event()  # set when a replica leaves rotation: the prober looks again
+        self._all_finished = trio.Event()  # set when the last request in flight finishes
 
     # -- rotation -------------------------------------------------------------------------
 
@@ -149,21 +180,61 @@ class Gateway:
         self.router.update(rotation.models, rotation.endpoints)
         after = {(ep.host, ep.port) for ep in rotation.endpoints}
         for host, port in before - after:
-            for conn in self.pool.forget(host, port):
-                self.pool.open_connections -= 1
-                conn.stream.socket.close()  # idle: nothing to flush, nothing to wait for
+            self.pool.close_idle(host, port)
         self._wake()
 
     def _wake(self) -> None:
         self._wakeup.set()
         self._wakeup = trio.Event()
 
+    # -- down replicas --------------------------------------------------------------------
+
+    def _failed(self, ep: Endpoint, reason: str, *, client_saw_bytes: bool) -> Verdict:
+        verdict = self.router.failed(ep, reason, self.clock(), client_saw_bytes=client_saw_bytes)
+        if verdict.went_down:
+            log.warning("gateway_replica_down", replica=ep.replica_id, model=ep.model, reason=reason)
+            self.metrics.replica_down.inc(model=ep.model, reason=reason)
+            self.pool.close_idle(ep.host, ep.port)  # after silence they are likely dead too
+            self._went_down.set()
+            self._went_down = trio.Event()
+        return verdict
+
+    async def serve_probes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Probe each replica out of rotation every `probe_interval_s`; one that answers is back.
+        The probes of one round run together, each bounded by the connect and probe timeouts."""
+        task_status.started()
+        while True:
+            due = self.router.due_probes(self.clock())
+            if due:
+                async with trio.open_nursery() as nursery:
+                    for ep in due:
+                        nursery.start_soon(self._probe, ep)
+                continue
+            went_down = self._went_down
+            next_at = self.router.next_probe_at()
+            with trio.move_on_at(math.inf if next_at is None else next_at):
+                await went_down.wait()
+
+    async def _probe(self, ep: Endpoint) -> None:
+        started = self.clock()
+        why = await self.pool.probe(ep.host, ep.port)
+        self.metrics.probes.inc(result="failed" if why else "reached")
+        down = self.router.down.get(ep.replica_id)
+        if self.router.probed(ep, started, reached=why is None):
+            assert down is not None
+            log.info(
+                "gateway_replica_back", replica=ep.replica_id, model=ep.model, down_s=round(started - down.since, 3)
+            )
+            self._wake()
+        elif why is not None:
+            log.debug("gateway_probe_failed", replica=ep.replica_id, model=ep.model, reason=why)
+
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests (503) and wait for those in flight; whether they all finished."""
         self.draining = True
         with trio.move_on_after(timeout_s):
             while any(self.in_flight.values()):
-                await trio.sleep(0.05)
+                await self._all_finished.wait()
             return True
         return False
 
@@ -172,7 +243,7 @@ class Gateway:
     async def handle(self, request: Request) -> Response | StreamingResponse:
         if request.path == "/health":
             _allow(request, "GET")
-            ready = {m: len(self.router.in_rotation(m, self.clock())) for m in sorted(self.router.models)}
+            ready = {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
             if self.draining:
                 return Response.json(503, {"status": "draining", "ready": ready})
             return Response.json(200, {"status": "ok", "ready": ready})
@@ -316,16 +387,20 @@ class Gateway:
                     ep.host, ep.port, request.method, request.path, _upstream_headers(request, ep), request.body
                 )
             except UpstreamUnavailable as exc:
-                last, last_reason = str(exc), "connect"
+                last, last_reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
             else:
-                if upstream.status not in _RETRY_STATUSES:
-                    return await self._relay(upstream, job)
-                await upstream.aclose()
-                last, last_reason = f"{ep.replica_id} answered {upstream.status}", str(upstream.status)
+                if upstream.status in _RETRY_STATUSES:
+                    await upstream.aclose()
+                    last, last_reason = f"{ep.replica_id} answered {upstream.status}", str(upstream.status)
+                else:
+                    try:
+                        return await self._relay(upstream, job)
+                    except UpstreamBroken as exc:  # a body read whole: none of it went to the client
+                        last, last_reason = str(exc), "broken"
             log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last)
             self.router.release(ep)
             job.endpoint = None
-            self.router.mark_down(ep.replica_id, self.clock())
+            self._failed(ep, last_reason, client_saw_bytes=False)  # a retry, by the rule
             tried.add(ep.replica_id)
             self._wake()
         raise _counted(
@@ -333,7 +408,7 @@ class Gateway:
         )
 
     async def _wait_for_endpoint(self, model: str, tried: set[str], prompt: str | None, deadline: float):
-        ep = self.router.pick(model, self.clock(), exclude=tried, prompt=prompt)
+        ep = self.router.pick(model, exclude=tried, prompt=prompt)
         if ep is not None:
             return ep
         if sum(self.queued.values()) >= self.options.max_queue:
@@ -342,10 +417,10 @@ class Gateway:
         try:
             with trio.move_on_at(deadline):
                 while True:
-                    # A cooldown ends without an event: look again at least every second.
-                    with trio.move_on_after(1.0):
-                        await self._wakeup.wait()
-                    ep = self.router.pick(model, self.clock(), exclude=tried, prompt=prompt)
+                    # Every change that can free a replica wakes us: a rotation update, a request
+                    # finished, a probe that reached a down replica.
+                    await self._wakeup.wait()
+                    ep = self.router.pick(model, exclude=tried, prompt=prompt)
                     if ep is not None:
                         return ep
         finally:
@@ -362,8 +437,8 @@ class Gateway:
         )
         if upstream.header("content-length") is not None:
             try:
-                body = await upstream.read(self.options.max_buffered_body)
-            except UpstreamError as exc:
+                body = await upstream.read(self.options.max_buffered_body)  # UpstreamBroken: the caller retries
+            except UpstreamTooLarge as exc:
                 raise _counted(self, job.model, HTTPError(502, str(exc), kind="upstream_error")) from None
             finally:
                 await upstream.aclose()
@@ -375,12 +450,11 @@ class Gateway:
 
     def render_metrics(self) -> str:
         m = self.metrics
-        now = self.clock()
         m.replica_state.clear()
         m.replica_outstanding.clear()
         for model, eps in sorted(self.router.endpoints.items()):
             for ep in eps:
-                m.replica_state.set(1, model=model, replica=ep.replica_id, state=self.router.state_of(ep, now))
+                m.replica_state.set(1, model=model, replica=ep.replica_id, state=self.router.state_of(ep))
                 m.replica_outstanding.set(
                     self.router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id
                 )
@@ -414,6 +488,9 @@ class _Job:
         self._done = True
         gw = self.gw
         gw.in_flight[self.model] -= 1
+        if not any(gw.in_flight.values()):
+            gw._all_finished.set()
+            gw._all_finished = trio.Event()
         gw.keys.leave(self.key)
         if self.endpoint is not None:
             gw.router.release(self.endpoint)
@@ -432,6 +509,8 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
     except UpstreamError as exc:
         log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc))
         status = 502
+        if job.endpoint is not None:  # out of rotation until probed; the client has part of an answer: no retry
+            job.gw._failed(job.endpoint, "broken", client_saw_bytes=True)
         raise
     finally:
         with trio.CancelScope(shield=True):

@@ -14,8 +14,24 @@ class UpstreamUnavailable(UpstreamError):
     can safely go to another replica, because the engine produced nothing."""
 
 
+class UpstreamSilent(UpstreamUnavailable):
+    """Nothing came back in time: a connect or data unacknowledged that timed out, an address
+    unreachable. Another connection to the same address would fare no better."""
+
+
+class UpstreamNoFirstByte(UpstreamSilent):
+    """The engine took the request but sent no response head within the first-byte timeout,
+    and a probe of it failed too (or the read timeout passed)."""
+
+
 class UpstreamBroken(UpstreamError):
-    """Failed after the response began: the client sees a truncated answer; no retry."""
+    """Failed after the response began. Retried elsewhere only while nothing of it went to the
+    client (a body read whole); a stream already relayed is cut short."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """An answer larger than the gateway buffers: 502, not retried (another replica would
+    answer the same) and no fault of the replica's health."""
 
 
 class ApiKeyError(UsageError):

@@ -146,6 +146,16 @@ class GatewayMetrics:
         self.replica_outstanding = r.gauge(
             "llmgw_gateway_replica_outstanding", "Requests outstanding on each replica.", ("model", "replica")
         )
+        self.replica_down = r.counter(
+            "llmgw_gateway_replica_down_total",
+            "Times a replica left rotation after a failed attempt, by reason; it returns when a probe reaches it.",
+            ("model", "reason"),
+        )
+        self.probes = r.counter(
+            "llmgw_gateway_probes_total",
+            "Probes of replicas out of rotation, by result (reached, failed).",
+            ("result",),
+        )
 
     def render(self) -> str:
         return self.registry.render()

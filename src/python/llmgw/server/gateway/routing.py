@@ -4,11 +4,19 @@
 by `update`) and the requests outstanding on each (kept by `acquire`/`release`, keyed by
 replica id so a count survives an update). `pick` chooses the endpoint with the fewest
 outstanding requests, ties broken at random, never one already tried for this request, one
-that is draining, one marked down, or one at its per-replica cap.
+that is draining, one down, or one at its per-replica cap.
+
+Down replicas: an attempt that fails on a replica (`failed`: no connection, no answer in time,
+a 502/503, an answer cut off) takes it out of rotation until a probe reaches it again. The
+prober (I/O, elsewhere) asks `due_probes` which to try now, and reports each result with
+`probed`; one probe per replica per `probe_interval_s`. There is no timed return: a replica
+that cannot be reached stays out however long that lasts, and one that answers is back within
+an interval. A replica the control plane removes from rotation, or moves to another address,
+is forgotten, down state included.
 
 Invariants: an endpoint leaves rotation the moment `update` omits it or marks it draining, or
-`mark_down` says a connection to it failed (until `now` passes the cooldown); requests already
-on it are not touched, and their `release` still balances the count.
+`failed` says it failed; requests already on it are not touched, and their `release` still
+balances the count.
 
 Prefix affinity (optional): a hash of the first `affinity_chars` characters of the prompt names
 a preferred endpoint (rendezvous hashing, stable while the set changes); it is chosen when its
@@ -39,6 +47,25 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+@attrs.frozen(kw_only=True)
+class Down:
+    """Why and since when a replica is out of rotation, and when it is next probed."""
+
+    reason: str  # as the retries metric names it: connect, first_byte, 502, 503, broken
+    since: float
+    address: str  # where it failed: a replica that moves to another address is forgotten
+    next_probe: float
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """What a failed attempt means: whether the request may go to another replica, and whether
+    this failure is the one that took the replica out of rotation."""
+
+    retry: bool
+    went_down: bool
+
+
 class Router:
     def __init__(
         self,
@@ -46,16 +73,16 @@ class Router:
         rng: random.Random | None = None,
         affinity_chars: int = 0,
         max_outstanding: int = 0,
-        down_cooldown_s: float = 5.0,
+        probe_interval_s: float = 1.0,
     ) -> None:
         self.rng = rng or random.Random()
         self.affinity_chars = affinity_chars
         self.max_outstanding = max_outstanding  # per replica; 0 = no cap
-        self.down_cooldown_s = down_cooldown_s
+        self.probe_interval_s = probe_interval_s
         self.models: frozenset[str] = frozenset()
         self.endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self.outstanding: dict[str, int] = {}
-        self.down_until: dict[str, float] = {}
+        self.down: dict[str, Down] = {}
 
     def update(self, models: Iterable[str], endpoints: Iterable[Endpoint]) -> None:
         """The models served (known, even with nothing ready) and the endpoints ready now."""
@@ -64,25 +91,60 @@ class Router:
             by_model.setdefault(ep.model, []).append(ep)
         self.models = frozenset(models) | frozenset(by_model)
         self.endpoints = {m: tuple(sorted(eps, key=lambda e: e.replica_id)) for m, eps in by_model.items()}
-        live = {ep.replica_id for eps in self.endpoints.values() for ep in eps}
-        self.down_until = {k: v for k, v in self.down_until.items() if k in live}
+        live = {ep.replica_id: ep.address for eps in self.endpoints.values() for ep in eps}
+        self.down = {k: d for k, d in self.down.items() if live.get(k) == d.address}
 
-    def mark_down(self, replica_id: str, now: float) -> None:
-        self.down_until[replica_id] = now + self.down_cooldown_s
+    def _current(self, ep: Endpoint) -> bool:
+        return any(e.replica_id == ep.replica_id and e.address == ep.address for e in self.endpoints.get(ep.model, ()))
 
-    def in_rotation(self, model: str, now: float) -> list[Endpoint]:
+    def failed(self, ep: Endpoint, reason: str, now: float, *, client_saw_bytes: bool) -> Verdict:
+        """An attempt on `ep` failed: it leaves rotation until a probe reaches it (unless it
+        already left: down, removed or moved). The request may go to another replica only while
+        nothing of the answer went to the client: a retry then is invisible to it, later it is
+        not (a client cannot tell a second answer from the rest of the first)."""
+        went_down = ep.replica_id not in self.down and self._current(ep)
+        if went_down:
+            self.down[ep.replica_id] = Down(
+                reason=reason, since=now, address=ep.address, next_probe=now + self.probe_interval_s
+            )
+        return Verdict(retry=not client_saw_bytes, went_down=went_down)
+
+    def due_probes(self, now: float) -> list[Endpoint]:
+        """The down endpoints whose probe is due now, each scheduled again one interval on (so
+        a probe that times out is not started twice). Report each result with `probed`."""
+        due = []
+        for eps in self.endpoints.values():
+            for ep in eps:
+                d = self.down.get(ep.replica_id)
+                if d is not None and d.next_probe <= now:
+                    self.down[ep.replica_id] = attrs.evolve(d, next_probe=now + self.probe_interval_s)
+                    due.append(ep)
+        return due
+
+    def next_probe_at(self) -> float | None:
+        return min((d.next_probe for d in self.down.values()), default=None)
+
+    def probed(self, ep: Endpoint, started: float, *, reached: bool) -> bool:
+        """A probe of `ep` begun at `started` reached it or not; whether it is back in rotation.
+        A probe begun before the replica's latest failure says nothing about it, and one of a
+        replica forgotten meanwhile changes nothing."""
+        d = self.down.get(ep.replica_id)
+        if d is None or d.address != ep.address or d.since > started or not reached:
+            return False
+        del self.down[ep.replica_id]
+        return True
+
+    def in_rotation(self, model: str) -> list[Endpoint]:
         """The endpoints that may take a new request. A draining one does only while no other
         of its model can: a drain of a model's only replica must not be an outage while its
         replacement starts (the control plane retires it once the replacement is ready)."""
-        up = [ep for ep in self.endpoints.get(model, ()) if self.down_until.get(ep.replica_id, 0.0) <= now]
+        up = [ep for ep in self.endpoints.get(model, ()) if ep.replica_id not in self.down]
         return [ep for ep in up if not ep.draining] or up
 
-    def pick(
-        self, model: str, now: float, *, exclude: Collection[str] = (), prompt: str | None = None
-    ) -> Endpoint | None:
+    def pick(self, model: str, *, exclude: Collection[str] = (), prompt: str | None = None) -> Endpoint | None:
         candidates = [
             ep
-            for ep in self.in_rotation(model, now)
+            for ep in self.in_rotation(model)
             if ep.replica_id not in exclude
             and (self.max_outstanding <= 0 or self.outstanding.get(ep.replica_id, 0) < self.max_outstanding)
         ]
@@ -106,10 +168,10 @@ class Router:
         else:
             self.outstanding.pop(ep.replica_id, None)
 
-    def state_of(self, ep: Endpoint, now: float) -> str:
-        if ep.draining:
-            return "draining"
-        return "down" if self.down_until.get(ep.replica_id, 0.0) > now else "ready"
+    def state_of(self, ep: Endpoint) -> str:
+        if ep.replica_id in self.down:
+            return "down"
+        return "draining" if ep.draining else "ready"
 
 
 def _affinity(prefix: str, replica_id: str) -> int:

@@ -11,8 +11,22 @@ synchronously from h11's state, then the I/O is done (as httpcore's pool does):
   reused first, so idle ones age out on the engine's side rather than ours.
 - A failure before any response byte is `UpstreamUnavailable` (the engine produced nothing, so
   the caller may try another replica). On a reused connection that failure may only mean the
-  engine closed it while idle (RFC 9112 §9.3.1), so it is retried once on a fresh connection.
+  engine closed it while idle (RFC 9112 §9.3.1), so it is retried once on a fresh connection,
+  unless it was silence (`UpstreamSilent`): then a fresh connection would wait the same.
 - A failure after the head is `UpstreamBroken`.
+
+Silence is bounded at every step. Connecting takes at most `connect_timeout_s`. Every socket
+sets TCP_USER_TIMEOUT (data unacknowledged for about as long is an error) and TCP keepalive
+(an idle connection, or one waiting for an answer, is checked every second): a peer cut off
+the network fails its connections within a second or two, whether or not data is outstanding
+(measured: a request written onto a pooled connection to a partitioned node fails in 1.4 s, one
+waiting for its answer 1.5 s after the cut; without these options both wait out
+`read_timeout_s`, the kernel retransmitting for about 15 minutes by tcp(7)'s tcp_retries2). A peer whose kernel
+still answers while the engine does not (a stopped or hung process) is caught by the
+first-byte timeout: when no response head has come within `first_byte_timeout_s`, the engine
+is probed (`probe`: GET /health on a fresh connection); one that answers keeps the request
+(a long non-streamed answer sends its head at the end), one that does not makes it
+`UpstreamNoFirstByte`. `read_timeout_s` bounds silence in all.
 
 Foreign exceptions (OSError, trio's stream errors, h11's protocol errors) are translated here,
 once.
@@ -20,16 +34,28 @@ once.
 
 from __future__ import annotations
 
+import errno
+import math
+import socket
 from collections.abc import AsyncIterator, Sequence
 
 import attrs
 import h11
 import trio
 
-from llmgw.server.gateway.errors import UpstreamBroken, UpstreamUnavailable
+from llmgw.server.gateway.errors import (
+    UpstreamBroken,
+    UpstreamNoFirstByte,
+    UpstreamSilent,
+    UpstreamTooLarge,
+    UpstreamUnavailable,
+)
 
 RECEIVE_SIZE = 65536
 _STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
+# What the kernel reports for a peer that stopped answering (TCP_USER_TIMEOUT, keepalive, a
+# connect's SYNs) or that no route reaches: a fresh connection would meet the same.
+_SILENT_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
 
 
 @attrs.define(eq=False)
@@ -51,12 +77,16 @@ class UpstreamPool:
         self,
         *,
         max_idle_per_endpoint: int = 64,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 1.0,
+        first_byte_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
+        probe_timeout_s: float = 2.0,
     ) -> None:
         self.max_idle_per_endpoint = max_idle_per_endpoint
         self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s  # silence allowed between bytes (an engine may think long)
+        self.first_byte_timeout_s = first_byte_timeout_s  # silence before the engine is probed
+        self.read_timeout_s = read_timeout_s  # silence allowed in all (an engine may think long)
+        self.probe_timeout_s = probe_timeout_s  # for GET /health's answer, once connected
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self.stats = PoolStats()
         self.open_connections = 0
@@ -76,6 +106,8 @@ class UpstreamPool:
         if conn is not None:
             try:
                 return await self._exchange(host, port, conn, request, body)
+            except UpstreamSilent:
+                raise
             except UpstreamUnavailable:
                 pass  # closed by the engine while idle: once more, on a fresh connection
         conn = await self._connect(host, port)
@@ -90,16 +122,20 @@ class UpstreamPool:
         self.stats.reused += 1
         return conn
 
-    async def _connect(self, host: str, port: int) -> _Conn:
+    async def _open(self, host: str, port: int) -> trio.SocketStream:
         try:
             with trio.fail_after(self.connect_timeout_s):
                 stream = await trio.open_tcp_stream(host, port)
         except trio.TooSlowError:
-            raise UpstreamUnavailable(
-                f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s"
-            ) from None
+            raise UpstreamSilent(f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s") from None
         except OSError as exc:
-            raise UpstreamUnavailable(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+            kind = UpstreamSilent if _errno(exc) in _SILENT_ERRNOS else UpstreamUnavailable
+            raise kind(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+        _bound_silence(stream, self.connect_timeout_s)
+        return stream
+
+    async def _connect(self, host: str, port: int) -> _Conn:
+        stream = await self._open(host, port)
         self.stats.opened += 1
         self.open_connections += 1
         return _Conn(stream=stream, h11=h11.Connection(h11.CLIENT))
@@ -108,24 +144,77 @@ class UpstreamPool:
         try:
             data = conn.h11.send(request) + (conn.h11.send(h11.Data(data=body)) if body else b"")
             await conn.stream.send_all(data + conn.h11.send(h11.EndOfMessage()))
-            while True:
-                event = await _next_event(conn, self.read_timeout_s)
-                if isinstance(event, h11.InformationalResponse):
-                    continue
-                if isinstance(event, h11.Response):
-                    break
-                raise UpstreamUnavailable(f"{host}:{port} closed the connection before answering")
+            event = await self._head(host, port, conn)
         except UpstreamUnavailable:
             await self._discard(conn)
             raise
-        except (*_STREAM_ERRORS, trio.TooSlowError) as exc:
+        except _STREAM_ERRORS as exc:
             await self._discard(conn)
-            raise UpstreamUnavailable(f"{host}:{port} failed before answering: {_describe(exc)}") from None
+            kind = UpstreamSilent if _errno(exc) in _SILENT_ERRNOS else UpstreamUnavailable
+            raise kind(f"{host}:{port} failed before answering: {_describe(exc)}") from None
         except BaseException:
             await self._discard(conn)
             raise
         headers = tuple((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in event.headers)
         return UpstreamResponse(pool=self, key=(host, port), conn=conn, status=event.status_code, headers=headers)
+
+    async def _head(self, host: str, port: int, conn: _Conn) -> h11.Response:
+        """The response head. Each `first_byte_timeout_s` without it the engine is probed; the
+        wait goes on while it answers probes, up to `read_timeout_s` in all. (A head that comes
+        during a probe that fails is lost with the connection: the engine answered a request
+        but not GET /health within `probe_timeout_s`, and is not trusted with more.)"""
+        waited = 0.0
+        while True:
+            window = min(self.first_byte_timeout_s, self.read_timeout_s - waited)
+            with trio.move_on_after(window):
+                event = await _head_event(conn)
+                if isinstance(event, h11.Response):
+                    return event
+                raise UpstreamUnavailable(f"{host}:{port} closed the connection before answering")
+            waited += window
+            if waited >= self.read_timeout_s:
+                raise UpstreamNoFirstByte(f"{host}:{port} sent no answer for {self.read_timeout_s:g} s")
+            why = await self.probe(host, port)
+            if why is not None:
+                raise UpstreamNoFirstByte(f"{host}:{port} sent no answer within {waited:g} s and {why}")
+
+    async def probe(self, host: str, port: int) -> str | None:
+        """Whether the engine at host:port answers now: None when it does, else what failed.
+
+        GET /health on a fresh connection, answered within `probe_timeout_s` once connected,
+        with any status below 500 (a 401 or 404 is an answer; a 503 is an engine saying it
+        cannot serve). Not a bare TCP connect: the kernel completes those for a process that
+        is stopped or hung. No key is sent: every engine llmgw runs serves /health without one."""
+        try:
+            stream = await self._open(host, port)
+        except UpstreamUnavailable as exc:
+            return f"does not answer a probe: {exc}"
+        client = h11.Connection(h11.CLIENT)
+        request = h11.Request(
+            method="GET", target="/health", headers=[("host", f"{host}:{port}"), ("connection", "close")]
+        )
+        try:
+            with trio.fail_after(self.probe_timeout_s):
+                await stream.send_all(client.send(request) + client.send(h11.EndOfMessage()))
+                while True:
+                    event = client.next_event()
+                    if event is h11.NEED_DATA:
+                        client.receive_data(await stream.receive_some(RECEIVE_SIZE))
+                    elif not isinstance(event, h11.InformationalResponse):
+                        break
+        except trio.TooSlowError:
+            return f"does not answer GET /health within {self.probe_timeout_s:g} s"
+        except _STREAM_ERRORS as exc:
+            return f"failed a probe: {_describe(exc)}"
+        finally:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await stream.aclose()
+        if not isinstance(event, h11.Response):
+            return "closed a probe's connection without answering"
+        if event.status_code >= 500:
+            return f"answered GET /health with {event.status_code}"
+        return None
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> bool:
         """Keep the connection for reuse if h11 says it can be; whether it was kept."""
@@ -144,9 +233,15 @@ class UpstreamPool:
             cleanup.shield = True
             await conn.stream.aclose()
 
-    def forget(self, host: str, port: int) -> list[_Conn]:
-        """Drop an endpoint's idle connections (it left rotation); the caller closes them."""
-        return self._idle.pop((host, port), [])
+    def close_idle(self, host: str, port: int) -> int:
+        """Close an endpoint's idle connections (it left rotation, or went down: they may be
+        dead); how many. Idle ones have nothing to flush, so this does not wait."""
+        conns = self._idle.pop((host, port), [])
+        for conn in conns:
+            self.stats.discarded += 1
+            self.open_connections -= 1
+            conn.stream.socket.close()
+        return len(conns)
 
     async def aclose(self) -> None:
         for conns in list(self._idle.values()):
@@ -210,7 +305,7 @@ class UpstreamResponse:
         async for chunk in self.body():
             out += chunk
             if len(out) > limit:
-                raise UpstreamBroken(f"{self.key[0]}:{self.key[1]} sent a body larger than {limit} bytes")
+                raise UpstreamTooLarge(f"{self.key[0]}:{self.key[1]} sent a body larger than {limit} bytes")
         return bytes(out)
 
     async def aclose(self) -> None:
@@ -220,6 +315,41 @@ class UpstreamResponse:
         self._closed = True
         if not self.pool._release(self.key, self.conn):
             await self.pool._discard(self.conn)
+
+
+async def _head_event(conn: _Conn):
+    """The next event that is not a 1xx; cancellable at any point without losing a byte."""
+    while True:
+        event = conn.h11.next_event()
+        if event is h11.NEED_DATA:
+            conn.h11.receive_data(await conn.stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
+        elif not isinstance(event, h11.InformationalResponse):
+            return event
+
+
+def _bound_silence(stream: trio.SocketStream, timeout_s: float) -> None:
+    """Make a peer's silence an error within about `timeout_s` (at least 1 s), on Linux (tcp(7)):
+    TCP_USER_TIMEOUT fails a connection whose data stays unacknowledged that long, and with
+    keepalive it also ends one whose keepalive probes go unanswered, so a connection with
+    nothing outstanding (idle in the pool, or waiting for an answer) is checked too. A floor
+    of 1 s: the kernel's minimum retransmission timeout is 200 ms, and a single lost segment
+    must not end a connection."""
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    settings = (
+        ("TCP_USER_TIMEOUT", max(1000, int(timeout_s * 1000))),  # milliseconds
+        ("TCP_KEEPIDLE", max(1, math.ceil(timeout_s))),  # seconds
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", 3),  # where TCP_USER_TIMEOUT is missing; Linux lets it decide instead
+    )
+    for name, value in settings:
+        if hasattr(socket, name):
+            stream.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _errno(exc: BaseException) -> int | None:
+    """The OS error number behind `exc` (trio wraps socket errors in BrokenResourceError)."""
+    cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else exc
+    return cause.errno if isinstance(cause, OSError) else None
 
 
 async def _next_event(conn: _Conn, timeout: float):
@@ -237,4 +367,7 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     if isinstance(exc, OSError):
         return exc.strerror or str(exc) or type(exc).__name__
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
     return str(exc) or type(exc).__name__

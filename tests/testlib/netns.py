@@ -1,0 +1,112 @@
+"""A network namespace joined to this machine by a veth pair, for tests whose peer must go silent.
+
+`NetNS.start()` makes the namespace, the veth pair and a /30 of its own (this machine's side
+`host_addr`, the namespace's `node_addr`); `popen` runs a process inside; `cut()` takes the link
+down and `restore()` brings it back; `stop()` kills every process inside and deletes both ends.
+Use it as a context manager, which always stops it.
+
+A cut is made on the namespace's side, and this machine's neighbour entry for `node_addr` is
+pinned, so this machine keeps its route and its peer's MAC address and sends into silence: no
+error comes back, as when a node's cable or switch port dies. Measured here, it fails
+connections exactly as a cut behind a switch (a bridge in a third namespace, this machine's link
+staying up) does: connects time out, a request written onto an open connection is unacknowledged,
+keepalive probes go unanswered. Taking this machine's side down instead is not a cut: the route
+goes with it, so connects fail at once or, on a machine with a default route, leave for the real
+network (where something accepted them). Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from testlib.netnode import free_index
+
+STOP_TIMEOUT_S = 10.0
+
+
+def _run(*argv: str) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def preflight() -> str:
+    """Why this machine cannot make a NetNS, or "" when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    if not Path("/usr/sbin/ip").exists():
+        return "/usr/sbin/ip is missing: install iproute2"
+    return ""
+
+
+class NetNS:
+    def __init__(self, index: int | None = None) -> None:
+        """`index` (1-250) picks the names and the /30 under 10.231.0.0/16 (default: one no
+        interface on this machine has)."""
+        index = free_index() if index is None else index
+        self.name = f"llmgwc{os.getpid() % 10000}n{index}"
+        self.veth = f"lgc{os.getpid() % 10000}n{index}"  # interface names: 15 characters at most
+        self.host_addr = f"10.231.{index}.1"
+        self.node_addr = f"10.231.{index}.2"
+
+    def __enter__(self) -> NetNS:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        _run("ip", "netns", "add", self.name)
+        try:
+            _run("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.name)
+            _run("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.veth)
+            _run("ip", "link", "set", self.veth, "up")
+            for argv in (
+                ("ip", "link", "set", "lo", "up"),
+                ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),
+                ("ip", "link", "set", "eth0", "up"),
+            ):
+                self.run(*argv)
+            mac = self.run("cat", "/sys/class/net/eth0/address").strip()
+            _run("ip", "neigh", "replace", self.node_addr, "lladdr", mac, "dev", self.veth, "nud", "permanent")
+        except BaseException:
+            self.stop()
+            raise
+
+    def run(self, *argv: str) -> str:
+        """A short command inside the namespace; its output."""
+        return _run("ip", "netns", "exec", self.name, *argv)
+
+    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """A process inside the namespace (`ip netns exec` execs it: the pid is the process's own)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], **kw)
+
+    def cut(self) -> None:
+        self.run("ip", "link", "set", "eth0", "down")
+
+    def restore(self) -> None:
+        self.run("ip", "link", "set", "eth0", "up")
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _run("ip", "netns", "pids", self.name).split()]
+        except RuntimeError:
+            return []
+
+    def stop(self) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
