@@ -174,7 +174,7 @@ async def test_no_client_certificate(plane: Plane, caplog: pytest.LogCaptureFixt
 async def test_a_revoked_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     files = node_files(plane, tmp_path, "node-a")
     serial = pki.cert_info(pki.load_cert(files.cert)).serial
-    plane.plane.store.revoke_serial(serial, "node-a")
+    await plane.plane.store.revoke_serial(serial, "node-a")
     reason = await session_failure(
         link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
     )

@@ -25,6 +25,7 @@ from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
@@ -32,7 +33,7 @@ from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
-from llmgw.server.store import Store, UnknownNode
+from llmgw.server.store import StoreError, UnknownNode
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
@@ -56,14 +57,14 @@ class ControlPlane:
         self.state_dir = state_dir
         self.ca = pki.load_ca(state_dir)  # first: a missing authority is the first thing said
         self.ssl_context = pki.server_ssl_context(state_dir)
-        self.store = Store.open(state_dir)
+        self.store = AsyncStore.open(state_dir)  # checked: a damaged database stops the start here
         self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=trio.current_time(),
             reconnect_grace_s=config.server.reconnect_grace_s,
         )
-        for row in self.store.nodes():
+        for row in self.store.at_open.nodes:
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
         self._changed = trio.Event()
         self.endpoint = AgentEndpoint(
@@ -179,7 +180,7 @@ class ControlPlane:
         current = self.drains.get(node_id)
         if current is not None and not current.get("done") and not current.get("error"):
             return current
-        self.store.set_draining(node_id, True)
+        await self.store.set_draining(node_id, True)
         self.registry.nodes[node_id].draining = True
         self._rotation_touched()
         todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
@@ -238,11 +239,15 @@ class ControlPlane:
                 await self.endpoint.push_desired_state(n)
             log.info("drain_original_stopped", node=node_id, replica=rid)
             progress["moved"] += 1
-        self.store.set_cordoned(node_id, True)
-        self.store.set_draining(node_id, False)
         node = self.registry.nodes.get(node_id)
         if node is not None:
             node.cordoned, node.draining = True, False
+        try:
+            await self.store.set_cordoned(node_id, True)
+            await self.store.set_draining(node_id, False)
+        except (StoreError, UnknownNode) as exc:
+            # Drained and cordoned all the same; only a restart would find the old marks.
+            log.warning("drain_marks_not_saved", node=node_id, reason=str(exc), fix=f"`llmgw ctl cordon {node_id}`")
         progress["current"], progress["done"] = None, True
         log.info("drain_done", node=node_id, moved=progress["moved"])
 
@@ -256,23 +261,21 @@ class ControlPlane:
     # -- operator intent ------------------------------------------------------------------
 
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
-        self.store.set_cordoned(node_id, cordoned)
+        await self.store.set_cordoned(node_id, cordoned)  # first: a refusal changes nothing
         node = self.registry.nodes.get(node_id) or self.registry.know(node_id)
         node.cordoned = cordoned
         await self.endpoint.push_desired_state(node_id)
 
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         node = self.registry.nodes.get(node_id)
+        # The certificate it connected with is revoked too, even if this control plane did not issue it.
+        connected = node.session.cert_serial if node is not None and node.session is not None else None
         try:
-            revoked = self.store.remove_node(node_id)
+            revoked = await self.store.remove_node(node_id, also_revoke=connected)
         except UnknownNode:
             if node is None:
                 raise
             revoked = []
-        if node is not None and node.session is not None:
-            # The certificate it connected with, even if this control plane did not issue it.
-            self.store.revoke_serial(node.session.cert_serial, node_id)
-            revoked.append(str(node.session.cert_serial))
         revoked = sorted({f"{int(serial):x}" for serial in revoked})  # hex, as openssl and the refusals print it
         closed = await self.endpoint.close_node(
             node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
@@ -393,6 +396,7 @@ class ControlPlane:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
+                await nursery.start(self.replicas.saver.serve)  # first: the reconciler offers it placements
                 await nursery.start(self.gateway.serve_rotation)
                 try:
                     agent_listeners = await nursery.start(self.endpoint.serve, agent_host, agent_port, self.ssl_context)
