@@ -229,6 +229,10 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
     )
     [not_recorded] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "node_not_recorded"]
     assert not_recorded["node"] == "node-a" and "is locked by another process" in not_recorded["reason"]
+    # Known without a row in the store: a cordon still finds it, and records it.
+    store.refused = set()
+    await plane.plane.set_cordoned("node-a", True)
+    assert [(n.node_id, n.cordoned) for n in await store.nodes()] == [("node-a", True)]
 
 
 async def test_server_certificate_not_covering_the_dialled_address(

@@ -180,7 +180,7 @@ class ControlPlane:
         current = self.drains.get(node_id)
         if current is not None and not current.get("done") and not current.get("error"):
             return current
-        await self.store.set_draining(node_id, True)
+        await self.store.set_draining(node_id, True, known_at=self.registry.nodes[node_id].address)
         self.registry.nodes[node_id].draining = True
         self._rotation_touched()
         todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
@@ -243,7 +243,7 @@ class ControlPlane:
         if node is not None:
             node.cordoned, node.draining = True, False
         try:
-            await self.store.set_cordoned(node_id, True)
+            await self.store.set_cordoned(node_id, True, known_at=node.address if node else None)
             await self.store.set_draining(node_id, False)
         except (StoreError, UnknownNode) as exc:
             # Drained and cordoned all the same; only a restart would find the old marks.
@@ -261,8 +261,10 @@ class ControlPlane:
     # -- operator intent ------------------------------------------------------------------
 
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
-        await self.store.set_cordoned(node_id, cordoned)  # first: a refusal changes nothing
-        node = self.registry.nodes.get(node_id) or self.registry.know(node_id)
+        known = self.registry.nodes.get(node_id)
+        # The store first: a refusal changes nothing.
+        await self.store.set_cordoned(node_id, cordoned, known_at=known.address if known else None)
+        node = known or self.registry.know(node_id)
         node.cordoned = cordoned
         await self.endpoint.push_desired_state(node_id)
 

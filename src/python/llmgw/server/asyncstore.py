@@ -92,11 +92,18 @@ class AsyncStore:
 
         return await self._run(saw)
 
-    async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
-        await self._run(self._store.set_cordoned, node_id, cordoned)
+    async def set_cordoned(self, node_id: str, cordoned: bool, *, known_at: str | None = None) -> None:
+        """`known_at`: the address of a node the caller knows, which gets a row if it has none
+        (its connection was not recorded while the store was busy)."""
+        await self._run(self._set_mark, self._store.set_cordoned, node_id, cordoned, known_at)
 
-    async def set_draining(self, node_id: str, draining: bool) -> None:
-        await self._run(self._store.set_draining, node_id, draining)
+    async def set_draining(self, node_id: str, draining: bool, *, known_at: str | None = None) -> None:
+        await self._run(self._set_mark, self._store.set_draining, node_id, draining, known_at)
+
+    def _set_mark(self, set_mark: Callable[[str, bool], None], node_id: str, on: bool, known_at: str | None) -> None:
+        if known_at is not None:
+            self._store.know_node(node_id, known_at)
+        set_mark(node_id, on)
 
     async def remove_node(self, node_id: str, *, also_revoke: int | None = None) -> list[str]:
         return await self._run(lambda: self._store.remove_node(node_id, also_revoke=also_revoke))

@@ -184,6 +184,15 @@ class Store:
         )
 
     @_at_the_edge
+    def know_node(self, node_id: str, address: str, now: float | None = None) -> None:
+        """Make sure the node has a row (a new one says it was seen now); an existing one is kept."""
+        now = time.time() if now is None else now
+        self._db.execute(
+            "INSERT OR IGNORE INTO nodes (node_id, first_seen, last_seen, address) VALUES (?, ?, ?, ?)",
+            (node_id, now, now, address),
+        )
+
+    @_at_the_edge
     def set_cordoned(self, node_id: str, cordoned: bool) -> None:
         self._update_known(node_id, "UPDATE nodes SET cordoned = ? WHERE node_id = ?", (int(cordoned), node_id))
 
