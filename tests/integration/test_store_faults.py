@@ -1,6 +1,7 @@
 """The control plane's database under faults, against a real `llmgw server` and a real agent:
-another process holding SQLite's write lock, a damaged file, and a backup taken while the
-server runs and restored with the commands docs/operations.md shows.
+another process holding SQLite's write lock (while an admin write is refused, the reconciler
+places a replica, the gateway routes to it and /health answers), a damaged file, and a backup
+taken while the server runs and restored with the commands docs/operations.md shows.
 
 Each case ends with the server still serving (or, for the damaged file, refusing to start with
 its own message, then starting from the restored backup).
@@ -122,6 +123,36 @@ class HealthPoller:
         self._thread.join(10)
 
 
+CATALOG = """
+[[models]]
+name = "chat"
+engine = "sim"
+replicas = 1
+"""
+
+
+def chat(cluster: Cluster, token: str) -> tuple[int, Any]:
+    url = urlsplit((cluster.state / "admin.url").read_text().strip())
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        )
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def stored_placements(db: Path) -> list[str]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return [r[0] for r in conn.execute("SELECT replica_id FROM placements")]
+
+
 def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_on(cluster: Cluster) -> None:
     joined_node(cluster)
     token = json.loads(
@@ -142,13 +173,20 @@ def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_
             ctl = cluster.llmgw("ctl", "cordon", "node-a", "--state-dir", str(cluster.state), ok=False)
             assert ctl.returncode != 0 and "is locked by another process" in ctl.stderr and "HTTP 503" in ctl.stderr
 
-            status, _, models, _ = call(cluster, "GET", "/v1/models", token=token)  # keys from memory
-            assert status == 200, models
-            # Held for well over the busy timeout, with the server answering throughout.
-            while time.monotonic() - locked_at < 3 * BUSY_TIMEOUT_S:
-                time.sleep(0.05)
+            # The reconciler places a replica meanwhile: kept in memory, served, written later.
+            cluster.set_catalog(CATALOG)
+            cluster.ctl("reload")
+            cluster.wait_replicas(
+                "chat-0 ready", lambda rs: [r["state"] for r in rs if r["model"] == "chat"] == ["ready"]
+            )
+            status, answer = chat(cluster, token)  # through the gateway: key and route from memory
+            assert status == 200 and answer["choices"], answer
+            wait_until("the failing write logged", lambda: server.events("store_write_failing"), procs=[server])
+            assert stored_placements(db) == [] and not server.events("store_write_recovered")
+            held_s = time.monotonic() - locked_at
             released_at = time.monotonic()
         time.sleep(0.3)  # a few more polls after the release
+    assert held_s > 2 * BUSY_TIMEOUT_S, held_s
     during = [(status, took) for at, status, took in health.answers if locked_at <= at <= released_at]
     assert len(during) >= 10, health.answers
     assert all(status == 200 for status, _ in during), during
@@ -158,6 +196,10 @@ def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_
     status, _, body, _ = call(cluster, "POST", "/admin/v1/nodes/node-a/cordon")
     assert status == 200 and body["node"]["cordoned"] is True, body
     assert cluster.nodes()["node-a"]["cordoned"] is True
+    wait_until("the placement written", lambda: stored_placements(db) == ["chat-0"], procs=[server])
+    [failing] = server.events("store_write_failing")
+    [recovered] = server.events("store_write_recovered")
+    assert failing["what"] == recovered["what"] == "placements" and recovered["attempts"] >= 2, (failing, recovered)
     [refused, *_] = server.events("admin_store_unavailable")
     assert "locked" in refused["reason"], refused
     assert "Traceback" not in server.log_path.read_text(), server.tail()
