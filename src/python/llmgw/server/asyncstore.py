@@ -9,8 +9,9 @@ lock. A caller cancelled while its call runs returns at once; the thread finishe
 The busy timeout is short (`BUSY_TIMEOUT_S`): another llmgw process (`llmgw ca issue`,
 `llmgw node add`) holds the write lock for milliseconds, so 1 s rides out those and a slow
 fsync, while a lock held for longer (a `sqlite3` shell in a transaction) fails the one call
-with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10. Reads are
-not affected by such a lock at all: in WAL mode readers never wait for a writer.
+with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10. Reads do
+not wait for such a lock (in WAL mode readers never wait for a writer), though one may wait,
+up to that second, behind a write of ours that does.
 
 `LatestWriter` is for state the loop keeps in memory and persists as a whole (the replica
 placements): the loop offers each new version and goes on; `serve` writes the latest one in
@@ -72,9 +73,6 @@ class AsyncStore:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
-
-    async def aclose(self) -> None:
-        await self._run(self._store.close)
 
     # -- nodes ----------------------------------------------------------------------------
 
