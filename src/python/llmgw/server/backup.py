@@ -35,7 +35,14 @@ class BackupInfo:
 
 def backup(state_dir: Path, dest: Path, *, force: bool = False) -> BackupInfo:
     source = store_path(state_dir)
-    if not source.is_file():
+    try:
+        found = source.is_file()
+    except PermissionError:
+        raise MachineError(
+            f"cannot read {source}: the state directory is readable only by its owner (root on a control "
+            "plane); run the command with sudo"
+        ) from None
+    if not found:
         raise MachineError(
             f"no control-plane database at {source}, so nothing to back up; is the state directory right "
             "(--state-dir, or [server].state_dir of --config)?"
