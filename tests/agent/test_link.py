@@ -21,6 +21,7 @@ from agent.link import AgentLink, Backoff, Target
 from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
+from llmgw.server.store import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.controlplane import make_state
@@ -176,13 +177,64 @@ async def test_no_client_certificate(plane: Plane, caplog: pytest.LogCaptureFixt
 async def test_a_revoked_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     files = node_files(plane, tmp_path, "node-a")
     serial = pki.cert_info(pki.load_cert(files.cert)).serial
-    plane.plane.store.revoke_serial(serial, "node-a")
+    await plane.plane.store.revoke_serial(serial, "node-a")
     reason = await session_failure(
         link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
     )
     assert "HTTP 403" in reason and "was revoked by `llmgw node remove`" in reason
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "identity" and f"serial {serial:x}" in refused["reason"]
+
+
+class RefusingStore:
+    """The control plane's store with the calls named in `refused` failing, as they do while
+    the database is locked or damaged; everything else goes to the real store."""
+
+    def __init__(self, store, refused: set[str]) -> None:
+        self._store = store
+        self.refused = refused
+
+    def __getattr__(self, name: str):
+        call = getattr(self._store, name)
+        if name not in self.refused:
+            return call
+
+        async def refuse(*args, **kwargs):
+            raise StoreBusy(self._store.path, self._store.busy_timeout_s)
+
+        return refuse
+
+
+async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until_it_can(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    store = RefusingStore(plane.plane.store, {"is_revoked", "saw_node"})
+    plane.plane.endpoint.store = store
+    files = node_files(plane, tmp_path, "node-a")
+    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    reason = await session_failure(link_for(plane, "node-a", ctx))
+    # Fails closed, at once, saying why; the agent retries by itself.
+    assert "HTTP 503" in reason and "database is busy" in reason and "the agent retries" in reason, reason
+    [refused] = server_refusals(caplog)
+    assert refused["stage"] == "identity" and "database is busy" in refused["reason"], refused
+
+    # The check works again while recording the node still fails: it joins all the same.
+    store.refused = {"saw_node"}
+    link = link_for(plane, "node-a", ctx)
+    nursery.start_soon(link.serve)
+    registry = plane.plane.registry
+    await wait_for(
+        lambda: "node-a" in registry.nodes
+        and registry.liveness(registry.nodes["node-a"], trio.current_time()) == "joined",
+        "join",
+    )
+    [not_recorded] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "node_not_recorded"]
+    assert not_recorded["node"] == "node-a" and "is locked by another process" in not_recorded["reason"]
+    # Known without a row in the store: a cordon still finds it, and records it.
+    store.refused = set()
+    await plane.plane.set_cordoned("node-a", True)
+    assert [(n.node_id, n.cordoned) for n in await store.nodes()] == [("node-a", True)]
 
 
 async def test_server_certificate_not_covering_the_dialled_address(

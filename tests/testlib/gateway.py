@@ -14,11 +14,11 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.http import Limits, bound_address, serve_http
-from llmgw.server.store import Store
 from testlib.cluster import free_port
 from testlib.netns import NetNS
 from testlib.proc import llmgw_env
@@ -99,8 +99,8 @@ async def start_gateway(
     limits: Limits = Limits(),
     **options,
 ) -> GW:
-    keys = KeyRing(Store.open(tmp_path / "cp"))
-    _, token = keys.create("tests")
+    keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
+    _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
     gateway = Gateway(provider, keys, options=GatewayOptions(**options))
     await nursery.start(gateway.serve_rotation)

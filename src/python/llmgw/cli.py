@@ -55,7 +55,11 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec(
         "node", "llmgw.commands.node", "add a machine as a node over SSH; remove a node and revoke its certificate"
     ),
-    CommandSpec("server", "llmgw.commands.server", "run the control plane: agent endpoint and admin API"),
+    CommandSpec(
+        "server",
+        "llmgw.commands.server",
+        "run the control plane: agent endpoint, gateway, admin API; back up its state",
+    ),
     CommandSpec(
         "up", "llmgw.commands.up", "a whole local cluster in one command: control plane, agents, sim models, gateway"
     ),

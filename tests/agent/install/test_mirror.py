@@ -61,7 +61,7 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
     digest = hashlib.sha256(data).hexdigest()
     (state / "artifacts").mkdir()
     (state / "artifacts" / digest).write_bytes(data)
-    plane.store.revoke_serial(pki.cert_info(pki.load_cert(node.cert)).serial, "node-a")
+    await plane.store.revoke_serial(pki.cert_info(pki.load_cert(node.cert)).serial, "node-a")
     with pytest.raises(DownloadError):
         await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx)
     assert not (tmp_path / "x").exists()

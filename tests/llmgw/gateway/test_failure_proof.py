@@ -93,14 +93,14 @@ async def test_a_key_revoked_under_load_is_refused_at_its_next_request(
 ) -> None:
     a, b = sims(2, "--output-token-ms", "5")
     gw = await start_gateway(nursery, tmp_path, (a.endpoint(), b.endpoint()))
-    _, other = gw.gateway.keys.create("other")
+    _, other = await gw.gateway.keys.create("other")
     revoked, kept = Load(gw), Load(gw, other)
     async with trio.open_nursery() as clients:
         for n in range(CLIENTS // 2):
             clients.start_soon(revoked.client, n)
             clients.start_soon(kept.client, n)
         await revoked.done(20)
-        gw.gateway.keys.revoke("tests")
+        await gw.gateway.keys.revoke("tests")
         revoked_at = trio.current_time()
     assert len(kept.answers) == CLIENTS // 2 * PER_CLIENT and kept.failed() == []
     assert all(status == 200 for sent, status, _, _ in revoked.answers if sent < revoked_at - 0.5)

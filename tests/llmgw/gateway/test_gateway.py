@@ -131,11 +131,11 @@ async def test_a_revoked_key_is_refused_at_once_while_another_keeps_working(
 ) -> None:
     (a,) = sims(1)
     gw = await start_gateway(nursery, tmp_path, (a.endpoint(),))
-    _, other = gw.gateway.keys.create("other")
-    _, limited = gw.gateway.keys.create("limited", rate_per_minute=1)
-    _, narrow = gw.gateway.keys.create("narrow", models=["embed"])
+    _, other = await gw.gateway.keys.create("other")
+    _, limited = await gw.gateway.keys.create("limited", rate_per_minute=1)
+    _, narrow = await gw.gateway.keys.create("narrow", models=["embed"])
     assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
-    gw.gateway.keys.revoke("tests")
+    await gw.gateway.keys.revoke("tests")
     assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 401
     assert (await gw.call("POST", "/v1/chat/completions", chat(), token=other))[0] == 200
     assert (await gw.call("POST", "/v1/chat/completions", chat(), token=limited))[0] == 200

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.errors import ApiKeyError
 from llmgw.server.gateway.keys import KeyRing, TokenBucket, token_hash
-from llmgw.server.store import Store, store_path
+from llmgw.server.store import store_path
 
 
 class FakeClock:
@@ -28,34 +29,36 @@ def test_a_token_bucket_allows_a_minutes_burst_then_refills_at_the_rate() -> Non
     assert bucket.take(1000.0) == 0.0 and bucket.tokens == pytest.approx(59.0)  # capped at one minute's worth
 
 
-def test_keys_are_stored_hashed_and_revocation_takes_effect_at_once(tmp_path: Path) -> None:
-    ring = KeyRing(Store.open(tmp_path))
-    row, token = ring.create("team-a", models=["chat"], rate_per_minute=10, max_concurrency=2)
-    _, other = ring.create("team-b")
+@pytest.mark.trio
+async def test_keys_are_stored_hashed_and_revocation_takes_effect_at_once(tmp_path: Path) -> None:
+    ring = KeyRing(AsyncStore.open(tmp_path))
+    row, token = await ring.create("team-a", models=["chat"], rate_per_minute=10, max_concurrency=2)
+    _, other = await ring.create("team-b")
     assert token.startswith("llmgw-") and row.token_sha256 == token_hash(token)
     assert token.encode() not in store_path(tmp_path).read_bytes()
     assert ring.authenticate(token).name == "team-a"
     assert ring.authenticate(token + "x") is None
     # A second ring on the same store (a restarted control plane) knows the keys.
-    assert KeyRing(Store.open(tmp_path)).authenticate(token).models == ("chat",)
-    ring.revoke("team-a")
+    assert KeyRing(AsyncStore.open(tmp_path)).authenticate(token).models == ("chat",)
+    await ring.revoke("team-a")
     assert ring.authenticate(token) is None and ring.authenticate(other).name == "team-b"
-    assert KeyRing(Store.open(tmp_path)).authenticate(token) is None
-    assert [r.revoked_at is not None for r in ring.rows()] == [True, False]
+    assert KeyRing(AsyncStore.open(tmp_path)).authenticate(token) is None
+    assert [r.revoked_at is not None for r in await ring.rows()] == [True, False]
     with pytest.raises(ApiKeyError, match="exists already"):
-        ring.create("team-a")
+        await ring.create("team-a")
     with pytest.raises(ApiKeyError, match="no API key named 'nope'"):
-        ring.revoke("nope")
+        await ring.revoke("nope")
     with pytest.raises(ApiKeyError, match="not valid"):
-        ring.create("bad name!")
+        await ring.create("bad name!")
     with pytest.raises(ApiKeyError, match="rate_per_minute"):
-        ring.create("c", rate_per_minute=-1)
+        await ring.create("c", rate_per_minute=-1)
 
 
-def test_rate_and_concurrency_limits_per_key(tmp_path: Path) -> None:
+@pytest.mark.trio
+async def test_rate_and_concurrency_limits_per_key(tmp_path: Path) -> None:
     clock = FakeClock()
-    ring = KeyRing(Store.open(tmp_path), clock=clock)
-    rated, _ = ring.create("rated", rate_per_minute=2)
+    ring = KeyRing(AsyncStore.open(tmp_path), clock=clock)
+    rated, _ = await ring.create("rated", rate_per_minute=2)
     assert ring.admit(rated) is None and ring.admit(rated) is None
     limited = ring.admit(rated)
     assert limited is not None and "2 requests per minute" in limited.message
@@ -63,7 +66,7 @@ def test_rate_and_concurrency_limits_per_key(tmp_path: Path) -> None:
     clock.now += 30.0
     assert ring.admit(rated) is None
 
-    narrow, _ = ring.create("narrow", max_concurrency=1)
+    narrow, _ = await ring.create("narrow", max_concurrency=1)
     assert ring.admit(narrow) is None
     refused = ring.admit(narrow)
     assert refused is not None and "1 requests in flight" in refused.message

@@ -32,7 +32,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     plane = ControlPlane(config, state)
     plane.gateway.provider = StaticEndpoints((sim.endpoint(),))  # the replica without an agent
     plane.shutdown_drain_s = 20
-    _, token = plane.gateway.keys.create("tests")
+    _, token = await plane.gateway.keys.create("tests")
     stopped = trio.Event()
     plane_scope = trio.CancelScope()
 

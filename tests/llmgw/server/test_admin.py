@@ -35,13 +35,13 @@ async def call(fn, *args):
 
 async def test_the_client_finds_a_local_control_plane_by_its_state_dir(running) -> None:
     plane, state = running
-    plane.store.saw_node("n1", "127.0.0.5")
+    await plane.store.saw_node("n1", "127.0.0.5")
     plane.registry.know("n1", address="127.0.0.5")
     client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
     [node] = await call(client.nodes)
     assert node["id"] == "n1" and node["state"] in ("unknown", "lost") and node["address"] == "127.0.0.5"
     assert (await call(client.cordon, "n1", True))["cordoned"] is True
-    assert plane.store.node("n1").cordoned
+    assert [r.cordoned for r in await plane.store.nodes()] == [True]
     assert (await call(client.cordon, "n1", False))["cordoned"] is False
 
 

@@ -37,7 +37,7 @@ async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], re
             inventory=w.Inventory(hostname=n, os="l", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=2),
             engines=SIM,
         )
-        plane.store.saw_node(n, "127.0.0.1")
+        await plane.store.saw_node(n, "127.0.0.1")
         conn = plane.registry.connect(hello, address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now)
         plane.registry.heartbeat(n, conn, now)
     plane.replicas.reconcile(now)
@@ -74,7 +74,9 @@ async def test_each_replacement_is_ready_before_its_original_stops(
     assert on_a[0] not in plane.replicas.placed and replacement in plane.replicas.placed
     assert events(caplog) == ["drain_started", "drain_replacement_ready", "drain_original_stopped", "drain_done"]
     node = plane.registry.nodes["a"]
-    assert node.cordoned and not node.draining and plane.store.node("a").cordoned
+    assert (
+        node.cordoned and not node.draining and [r for r in await plane.store.nodes() if r.node_id == "a"][0].cordoned
+    )
     assert not any("a" in v.placement.nodes for v in plane.replicas.placed.values())
     assert plane.replicas.reconcile(trio.current_time()) == set()  # the replacement counts as one of three
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import trio
+
 from llmgw.config import Model
 from llmgw.fabrics import FabricMap
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import Replicas
-from llmgw.server.store import Store
 from llmgw.wire import agent_link as w
 
 TTL = 10.0
@@ -41,7 +44,7 @@ def joined(reg: Registry, node_id: str, now: float) -> int:
 
 
 def replicas(tmp_path: Path, reg: Registry, catalog=CATALOG) -> Replicas:
-    return Replicas(Store.open(tmp_path), reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()))
+    return Replicas(AsyncStore.open(tmp_path), reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()))
 
 
 def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
@@ -57,12 +60,17 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
     assert r.reconcile(2) == set()  # nothing changed, nothing pushed
 
 
-def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path: Path) -> None:
+@pytest.mark.trio
+async def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path: Path) -> None:
     reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b"):
         joined(reg, n, 1)
     first = replicas(tmp_path, reg)
-    first.reconcile(1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.saver.serve)
+        first.reconcile(1)
+        nursery.cancel_scope.cancel()  # a stop at once: the writer's last flush saves them
+    assert not first.saver.pending
     keys = {k: v.api_key for k, v in first.placed.items()}
     # A new control plane: nodes known from the store, not reconnected yet.
     reg2 = Registry(heartbeat_ttl_s=TTL, started_at=100)

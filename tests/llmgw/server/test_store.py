@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
 
-from llmgw.server.store import Store, UnknownNode
+from llmgw.errors import MachineError, UsageError
+from llmgw.server.backup import backup
+from llmgw.server.store import (
+    Store,
+    StoreBusy,
+    StoreCorrupt,
+    StoreFailed,
+    UnknownNode,
+    store_error,
+    store_path,
+)
 
 
 def reopen(store: Store) -> Store:
@@ -72,8 +84,83 @@ def test_revoking_a_serial_never_recorded(tmp_path: Path) -> None:
 
 def test_a_store_that_cannot_be_opened_says_where(tmp_path: Path) -> None:
     (tmp_path / "llmgw.db").mkdir()
-    from llmgw.errors import MachineError
-
     with pytest.raises(MachineError) as info:
         Store.open(tmp_path)
     assert "llmgw.db" in str(info.value)
+
+
+def test_removal_also_revokes_the_certificate_the_node_connected_with(tmp_path: Path) -> None:
+    store = Store.open(tmp_path)
+    store.record_certificate(111, "a", not_after=2e9)
+    # Known to the registry only, connected with a certificate another CA run issued: still removable.
+    assert sorted(store.remove_node("a", also_revoke=999)) == ["111", "999"]
+    assert store.is_revoked(999) and store.is_revoked(111)
+    assert store.remove_node("never-seen", also_revoke=5) == ["5"]
+
+
+def test_sqlite_errors_are_translated_by_blame_with_or_without_a_code(tmp_path: Path) -> None:
+    path = tmp_path / "llmgw.db"
+    for exc, kind in (
+        (sqlite3.OperationalError("database is locked"), StoreBusy),  # Python 3.10: no code, SQLite's text
+        (sqlite3.DatabaseError("database disk image is malformed"), StoreCorrupt),
+        (sqlite3.DatabaseError("file is not a database"), StoreCorrupt),
+        (sqlite3.OperationalError("database or disk is full"), StoreFailed),
+    ):
+        translated = store_error(path, exc, 1.0)
+        assert type(translated) is kind and str(path) in str(translated), (exc, translated)
+    coded = sqlite3.OperationalError("whatever the text")
+    coded.sqlite_errorcode = 5 | (3 << 8)  # SQLITE_BUSY_TIMEOUT: an extended code of SQLITE_BUSY
+    assert isinstance(store_error(path, coded, 1.0), StoreBusy)
+    assert isinstance(store_error(path, coded, 1.0), MachineError)  # the CLI says it and exits 1
+
+
+def test_a_cli_call_under_the_lock_says_so_instead_of_a_traceback(tmp_path: Path) -> None:
+    store = Store(store_path(tmp_path), busy_timeout_s=0.05)
+    other = sqlite3.connect(str(store_path(tmp_path)), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreBusy, match="is locked by another process"):
+            store.record_certificate(1, "a", not_after=2e9)
+    finally:
+        other.execute("ROLLBACK")
+    store.record_certificate(1, "a", not_after=2e9)
+    assert not store.is_revoked(1)
+
+
+def test_a_backup_is_whole_private_checked_and_never_overwrites_unasked(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = Store.open(state)
+    store.saw_node("a", "10.0.0.2")
+    store.set_cordoned("a", True)
+    store.revoke_serial(7, "gone")
+    dest = tmp_path / "out" / "b.db"
+    dest.parent.mkdir()
+    info = backup(state, dest)  # the store is open meanwhile, as a running server's is
+    assert (info.nodes, info.api_keys, info.placements, info.revoked_certificates) == (1, 0, 0, 1)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o600 and info.size_bytes == dest.stat().st_size
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["b.db"]  # one file: no -wal, no temporary
+    copy = Store(dest)
+    assert [(n.node_id, n.cordoned) for n in copy.nodes()] == [("a", True)] and copy.is_revoked(7)
+    copy.close()
+    with pytest.raises(UsageError, match="exists; choose another name, or pass --force"):
+        backup(state, dest)
+    store.saw_node("b", "10.0.0.3")
+    assert backup(state, dest, force=True).nodes == 2
+    with pytest.raises(MachineError, match="no control-plane database at"):
+        backup(tmp_path / "elsewhere", tmp_path / "x.db")
+    assert not (tmp_path / "elsewhere" / "llmgw.db").exists()  # not created empty by looking
+
+
+def test_a_backup_of_a_damaged_database_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = Store.open(state)
+    for i in range(300):
+        store.saw_node(f"node-{i:03d}", "10.0.0.1")
+    store.close()
+    path = store_path(state)
+    with open(path, "r+b") as f:
+        f.seek(4096 * 3)
+        f.write(b"\x5a" * 4096 * 2)
+    with pytest.raises(StoreCorrupt, match="is damaged"):
+        backup(state, tmp_path / "b.db")
+    assert list(tmp_path.iterdir()) == [state]

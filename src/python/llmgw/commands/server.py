@@ -1,17 +1,46 @@
-"""`llmgw server`: run the control plane (agent endpoint, admin API) until interrupted.
-SIGHUP (or `llmgw ctl reload`) reads server.toml again."""
+"""`llmgw server`: run the control plane (agent endpoint, gateway, admin API) until interrupted.
+SIGHUP (or `llmgw ctl reload`) reads server.toml again.
+
+`llmgw server backup FILE` copies the control plane's database while the server runs; the
+options that find the state directory (--state-dir, --config) may come before or after `backup`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 
-from llmgw.cli import Parser
+from llmgw.cli import Parser, add_json_flag, add_leaf
 from llmgw.commands._service import run_service
 from llmgw.commands.ca import DEFAULT_SERVER_CONFIG, add_server_options, resolve_server_paths
 
 
 def configure(parser: Parser) -> None:
+    parser.usage = (
+        "%(prog)s [--state-dir DIR] [--config FILE] [--log-level LEVEL] [--log-format FORMAT]\n"
+        "       %(prog)s backup [--state-dir DIR] [--config FILE] [--force] [--json] FILE"
+    )
+    parser.description = (
+        "With no COMMAND: run the control plane (the agent endpoint, the gateway and the admin API) until "
+        "SIGTERM or Ctrl-C; SIGHUP reads server.toml again. With a COMMAND: do that instead."
+    )
     add_server_options(parser)
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=Parser)  # none: run the server
+    backup = add_leaf(
+        sub,
+        "backup",
+        "copy the control plane's database (nodes, cordons, placements, API keys, revocations) to FILE, "
+        "safely while the server runs",
+        run_backup,
+    )
+    add_server_options(backup)
+    for action in backup._actions:
+        if action.dest in ("state_dir", "config"):
+            # Given before `backup`, the value stays: a subcommand's defaults would overwrite it.
+            action.default = argparse.SUPPRESS
+    backup.add_argument("file", metavar="FILE", help="the backup to write (mode 0600); see docs/operations.md")
+    backup.add_argument("--force", action="store_true", help="replace FILE if it exists (default: refuse)")
+    add_json_flag(backup)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,3 +49,27 @@ def run(args: argparse.Namespace) -> int:
     config, state_dir = resolve_server_paths(args)
     path = args.config or (DEFAULT_SERVER_CONFIG if DEFAULT_SERVER_CONFIG.exists() else None)
     return run_service("server", serve_control_plane, config, state_dir, path)
+
+
+def run_backup(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmgw.server.backup import backup
+
+    _, state_dir = resolve_server_paths(args)
+    info = backup(state_dir, Path(args.file), force=args.force)
+    counts = {
+        "nodes": info.nodes,
+        "api_keys": info.api_keys,
+        "placements": info.placements,
+        "revoked_certificates": info.revoked_certificates,
+    }
+    if args.json:
+        print(json.dumps({"source": str(info.source), "backup": str(info.path), "bytes": info.size_bytes, **counts}))
+    else:
+        print(
+            f"backed up {info.source} to {info.path} ({info.size_bytes} bytes): {info.nodes} nodes, "
+            f"{info.api_keys} valid API keys, {info.placements} replica placements, "
+            f"{info.revoked_certificates} revoked certificates"
+        )
+    return 0

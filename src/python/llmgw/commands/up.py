@@ -147,7 +147,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
         for i in range(args.nodes):
             await nursery.start(run_agent, _node_config(state, ca, i, bound.agent_address[1], args))
         await _wait_ready(plane, args.nodes, emit)
-        api_key = _api_key(plane, state)
+        api_key = await _api_key(plane, state)
         names = [m.name for m in plane.config.models]
         example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url
@@ -197,7 +197,7 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
         )
 
 
-def _api_key(plane, state: Path) -> str:
+async def _api_key(plane, state: Path) -> str:
     """The key `up` made for you: made once and kept (0600), so a second `up` prints it again.
     A key revoked since (or a lost file) gets a new one."""
     from llmgw.server.gateway.keys import ApiKeyExists
@@ -209,7 +209,7 @@ def _api_key(plane, state: Path) -> str:
             return token
     for n in range(1, 1000):
         try:
-            _, token = plane.gateway.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
+            _, token = await plane.gateway.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
             break
         except ApiKeyExists:
             continue

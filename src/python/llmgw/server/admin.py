@@ -16,11 +16,16 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+
+A change the store cannot record (another process holds its lock, the disk fails) is answered
+503 with `Retry-After` and the store's message; nothing changed, and the same request may be
+sent again.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 import re
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
@@ -30,7 +35,7 @@ from llmgw.log import get_logger
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import key_view
 from llmgw.server.http import HTTPError, Request, Response
-from llmgw.server.store import UnknownNode
+from llmgw.server.store import StoreError, UnknownNode
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -68,6 +73,14 @@ class AdminAPI:
 
     async def handle(self, request: Request) -> Response:
         self._authorize(request)
+        try:
+            return await self._route(request)
+        except StoreError as exc:
+            log.warning("admin_store_unavailable", path=request.path, reason=str(exc))
+            retry = str(math.ceil(exc.retry_after_s))
+            raise HTTPError(503, str(exc), kind="unavailable_error", headers=(("retry-after", retry),)) from None
+
+    async def _route(self, request: Request) -> Response:
         if request.path == "/admin/v1/nodes":
             _allow(request, "GET")
             fabrics = self.plane.fabric_map()
@@ -95,7 +108,7 @@ class AdminAPI:
             _allow(request, "GET")
             return Response.json(200, {"models": self.plane.model_views()})
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
-            return self._keys(request)
+            return await self._keys(request)
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
@@ -117,17 +130,17 @@ class AdminAPI:
         except UnknownNode as exc:
             raise HTTPError(404, str(exc), kind="not_found_error") from None
 
-    def _keys(self, request: Request) -> Response:
+    async def _keys(self, request: Request) -> Response:
         ring = self.plane.gateway.keys
         try:
             if request.path != "/admin/v1/keys":
                 _allow(request, "DELETE")
                 name = unquote(_KEY.match(request.path).group(1))
-                ring.revoke(name)
+                await ring.revoke(name)
                 log.info("api_key_revoked", name=name)
                 return Response.json(200, {"revoked": name})
             if request.method == "GET":
-                return Response.json(200, {"keys": [key_view(r) for r in ring.rows()]})
+                return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
             _allow(request, "POST")
             body = request.json()
             if not isinstance(body, dict):
@@ -139,7 +152,7 @@ class AdminAPI:
                 )
             if not isinstance(body.get("name"), str):
                 raise HTTPError(400, f"'name' must be a string, got {body.get('name')!r}")
-            row, token = ring.create(
+            row, token = await ring.create(
                 body["name"],
                 models=body.get("models") or (),
                 rate_per_minute=body.get("rate_per_minute", 0),

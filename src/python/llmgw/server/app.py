@@ -32,6 +32,7 @@ from llmgw.log import get_logger
 from llmgw.server import activation
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
@@ -49,7 +50,7 @@ from llmgw.server.http import (
 from llmgw.server.listeners import ConnectionStats, Shutdown, raise_fd_limit
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
-from llmgw.server.store import Store, UnknownNode
+from llmgw.server.store import StoreError, UnknownNode
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
@@ -93,14 +94,14 @@ class ControlPlane:
         self.state_dir = state_dir
         self.ca = pki.load_ca(state_dir)  # first: a missing authority is the first thing said
         self.ssl_context = pki.server_ssl_context(state_dir)
-        self.store = Store.open(state_dir)
+        self.store = AsyncStore.open(state_dir)  # checked: a damaged database stops the start here
         self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=trio.current_time(),
             reconnect_grace_s=config.server.reconnect_grace_s,
         )
-        for row in self.store.nodes():
+        for row in self.store.at_open.nodes:
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
         self._changed = trio.Event()
         self.connections = ConnectionStats()
@@ -237,7 +238,7 @@ class ControlPlane:
         current = self.drains.get(node_id)
         if current is not None and current.running:
             return current
-        self.store.set_draining(node_id, True)
+        await self.store.set_draining(node_id, True, known_at=self.registry.nodes[node_id].address)
         self.registry.nodes[node_id].draining = True
         self._rotation_touched()
         todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
@@ -302,11 +303,15 @@ class ControlPlane:
                 await self.endpoint.push_desired_state(n)
             log.info("drain_original_stopped", node=node_id, replica=rid)
             progress.moved += 1
-        self.store.set_cordoned(node_id, True)
-        self.store.set_draining(node_id, False)
         node = self.registry.nodes.get(node_id)
         if node is not None:
             node.cordoned, node.draining = True, False
+        try:
+            await self.store.set_cordoned(node_id, True, known_at=node.address if node else None)
+            await self.store.set_draining(node_id, False)
+        except (StoreError, UnknownNode) as exc:
+            # Drained and cordoned all the same; only a restart would find the old marks.
+            log.warning("drain_marks_not_saved", node=node_id, reason=str(exc), fix=f"`llmgw ctl cordon {node_id}`")
         progress.current, progress.done = None, True
         log.info("drain_done", node=node_id, moved=progress.moved)
 
@@ -320,23 +325,23 @@ class ControlPlane:
     # -- operator intent ------------------------------------------------------------------
 
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
-        self.store.set_cordoned(node_id, cordoned)
-        node = self.registry.nodes.get(node_id) or self.registry.know(node_id)
+        known = self.registry.nodes.get(node_id)
+        # The store first: a refusal changes nothing.
+        await self.store.set_cordoned(node_id, cordoned, known_at=known.address if known else None)
+        node = known or self.registry.know(node_id)
         node.cordoned = cordoned
         await self.endpoint.push_desired_state(node_id)
 
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         node = self.registry.nodes.get(node_id)
+        # The certificate it connected with is revoked too, even if this control plane did not issue it.
+        connected = node.session.cert_serial if node is not None and node.session is not None else None
         try:
-            revoked = self.store.remove_node(node_id)
+            revoked = await self.store.remove_node(node_id, also_revoke=connected)
         except UnknownNode:
             if node is None:
                 raise
             revoked = []
-        if node is not None and node.session is not None:
-            # The certificate it connected with, even if this control plane did not issue it.
-            self.store.revoke_serial(node.session.cert_serial, node_id)
-            revoked.append(str(node.session.cert_serial))
         revoked = sorted({f"{int(serial):x}" for serial in revoked})  # hex, as openssl and the refusals print it
         closed = await self.endpoint.close_node(
             node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
@@ -479,6 +484,8 @@ class ControlPlane:
         fd_limit = raise_fd_limit()
         async with trio.open_nursery() as nursery:
             try:
+                # First: the reconciler offers it placements.
+                await nursery.start(self.background.run, "placements", self.replicas.saver.serve)
                 await nursery.start(self.background.run, "rotation", self.gateway.serve_rotation)
                 await nursery.start(self.background.run, "probes", self.gateway.serve_probes)
                 await nursery.start(self.serve_drains)

@@ -6,6 +6,7 @@ agent in the clearest way the stage allows:
 1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's,
    an expired one, or none; the agent receives the TLS alert at once).
 2. The certificate's serial is not revoked (`llmgw node remove`) -> else HTTP 403 with the reason.
+   When the store cannot answer, the check fails closed: HTTP 503 saying so, and the agent retries.
 3. The node id the agent claims (`x-llmgw-node-id`) equals the certificate's CN -> else 403.
 4. WebSocket upgrade; the first frame is a `Hello` of our protocol version with the same node id
    -> else a `LinkError` frame and close.
@@ -29,8 +30,9 @@ from llmgw import __version__, pki
 from llmgw.errors import leaves, only
 from llmgw.log import get_logger
 from llmgw.server import artifacts, http, listeners
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
-from llmgw.server.store import Store
+from llmgw.server.store import StoreError
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from llmgw.wire.errors import WireError
@@ -63,7 +65,7 @@ class AgentEndpoint:
         self,
         *,
         registry: Registry,
-        store: Store,
+        store: AsyncStore,
         heartbeat_interval_s: float,
         desired_state: Callable[[str], w.DesiredState],
         on_change: Callable[[], None] = lambda: None,
@@ -153,8 +155,9 @@ class AgentEndpoint:
         with trio.fail_after(HELLO_TIMEOUT_S):
             head, conn, http_request = await artifacts.read_request_head(stream)
         if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
-            if self.store.is_revoked(cert.serial):
-                log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason="revoked")
+            refusal = await self._revocation_refusal(cert)
+            if refusal is not None:
+                log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=refusal[1])
                 self.stats.abort(LISTENER, "refused")
                 return
             await artifacts.serve(
@@ -167,7 +170,7 @@ class AgentEndpoint:
             try:
                 with trio.fail_after(HELLO_TIMEOUT_S):
                     request = await trio_websocket.wrap_server_stream(nursery, artifacts.ReplayStream(stream, head))
-                refusal = self._refusal(request, cert)
+                refusal = await self._refusal(request, cert)
                 if refusal is not None:
                     status, reason = refusal
                     log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=reason)
@@ -180,14 +183,28 @@ class AgentEndpoint:
             finally:
                 nursery.cancel_scope.cancel()
 
-    def _refusal(self, request: trio_websocket.WebSocketRequest, cert: pki.CertInfo) -> tuple[int, str] | None:
-        if request.path != AGENT_PATH:
-            return 404, f"no agent endpoint at {request.path!r}; agents connect to {AGENT_PATH}"
-        if self.store.is_revoked(cert.serial):
+    async def _revocation_refusal(self, cert: pki.CertInfo) -> tuple[int, str] | None:
+        try:
+            revoked = await self.store.is_revoked(cert.serial)
+        except StoreError as exc:
+            # Fail closed: a certificate not known to be valid does not get in.
+            return 503, (
+                f"the control plane's database is busy or failing, so the revocation of certificate {cert.serial:x} "
+                f"cannot be checked; this connection is refused and the agent retries by itself ({exc})"
+            )
+        if revoked:
             return 403, (
                 f"the certificate of node {cert.common_name!r} (serial {cert.serial:x}) was revoked by "
                 "`llmgw node remove`; add the node again with `llmgw node add USER@HOST --reissue` to issue a new one"
             )
+        return None
+
+    async def _refusal(self, request: trio_websocket.WebSocketRequest, cert: pki.CertInfo) -> tuple[int, str] | None:
+        if request.path != AGENT_PATH:
+            return 404, f"no agent endpoint at {request.path!r}; agents connect to {AGENT_PATH}"
+        revoked = await self._revocation_refusal(cert)
+        if revoked is not None:
+            return revoked
         claimed = dict(request.headers).get(NODE_ID_HEADER.encode(), b"").decode("utf-8", "replace")
         if claimed != cert.common_name:
             return 403, (
@@ -216,9 +233,15 @@ class AgentEndpoint:
             await _close_with(ws, w.LinkError(code=code, message=message))
             return
 
-        self.store.saw_node(node_id, address)
-        row = self.store.node(node_id)
-        self.registry.know(node_id, address=address, cordoned=row.cordoned, draining=row.draining)
+        known = self.registry.nodes.get(node_id)
+        try:
+            row = await self.store.saw_node(node_id, address)
+            cordoned, draining = row.cordoned, row.draining
+        except StoreError as exc:
+            # Best effort: last_seen and the address are for the operator; the link does not need them.
+            log.warning("node_not_recorded", node=node_id, address=address, reason=str(exc))
+            cordoned, draining = (known.cordoned, known.draining) if known is not None else (False, False)
+        self.registry.know(node_id, address=address, cordoned=cordoned, draining=draining)
         now = trio.current_time()
         not_after = cert.not_after.timestamp()
         conn_id = self.registry.connect(

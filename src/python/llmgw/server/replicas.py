@@ -2,8 +2,12 @@
 node's share of them as the assignments in its desired state.
 
 `Replicas.reconcile(now)` builds the cluster view the scheduler needs from the registry, runs
-the pure `scheduler.plan`, stores the result and returns the nodes whose assignments changed;
-the caller pushes their desired state. The rules that make it safe:
+the pure `scheduler.plan`, keeps the result and returns the nodes whose assignments changed;
+the caller pushes their desired state. The placements in memory are the truth while the
+control plane runs: every change is offered to `saver`, whose loop (`saver.serve`, started by
+the control plane) writes the latest set to the store in the background, so a locked or failing
+database never holds up the reconciler (it retries until the write goes through). The rules
+that make it safe:
 
 - A node known from before a control-plane restart (liveness `unknown`) keeps its placements
   and gets nothing new: its agent is still running them and will be adopted when it reconnects.
@@ -23,9 +27,9 @@ import attrs
 from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
+from llmgw.server.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.registry import JOINED, LOST, UNKNOWN, Registry
 from llmgw.server.scheduler import NodeView, Pending, Placement, plan
-from llmgw.server.store import Store
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.replicas")
@@ -63,13 +67,17 @@ def _from_row(row: dict) -> Stored:
 
 class Replicas:
     def __init__(
-        self, store: Store, registry: Registry, models: Callable[[], Sequence[Model]], fabrics: Callable[[], FabricMap]
+        self,
+        store: AsyncStore,
+        registry: Registry,
+        models: Callable[[], Sequence[Model]],
+        fabrics: Callable[[], FabricMap],
     ) -> None:
-        self.store = store
         self.registry = registry
         self.models = models
         self.fabrics = fabrics
-        self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.placements().items()}
+        self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.at_open.placements.items()}
+        self.saver: LatestWriter[dict[str, dict]] = LatestWriter("placements", store.set_placements)
         self.pending: tuple[Pending, ...] = ()
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
         self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
@@ -141,9 +149,10 @@ class Replicas:
             old, new = before.get(rid), placed[rid].placement.nodes if rid in placed else None
             if old != new:
                 changed |= set(old or ()) | set(new or ())
-        if changed or placed.keys() != self.placed.keys():
-            self.store.set_placements({k: _to_row(v) for k, v in placed.items()})
+        save = changed or placed.keys() != self.placed.keys()
         self.placed = placed
+        if save:
+            self._save()
         return changed
 
     def place_replacement(self, replica_id: str, now: float) -> tuple[Stored | None, str]:
@@ -163,7 +172,7 @@ class Replicas:
         stored = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
         self.placed[p.replica_id] = stored
         self.surge.add(p.replica_id)
-        self.store.set_placements({k: _to_row(v) for k, v in self.placed.items()})
+        self._save()
         return stored, ""
 
     def retire(self, replica_id: str, replacement: str | None) -> None:
@@ -171,7 +180,10 @@ class Replicas:
         self.placed.pop(replica_id, None)
         if replacement is not None:
             self.surge.discard(replacement)
-        self.store.set_placements({k: _to_row(v) for k, v in self.placed.items()})
+        self._save()
+
+    def _save(self) -> None:
+        self.saver.offer({k: _to_row(v) for k, v in self.placed.items()})
 
     def assignments_for(self, node_id: str, model_of: Callable[[str], Model | None]) -> tuple[w.ReplicaAssignment, ...]:
         out = []

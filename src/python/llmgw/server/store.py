@@ -1,25 +1,43 @@
 """The control plane's durable state: operator intent and identity, in SQLite.
 
 What lives here survives a control-plane restart: the nodes it knows (and when it last saw
-each), cordon and drain marks, the certificates it issued and the serials it revoked. What
-does not: anything an agent reports (inventory, engines, replicas), which is rebuilt when the
-agents reconnect.
+each), cordon and drain marks, the certificates it issued and the serials it revoked, the
+replica placements and the gateway's API keys. What does not: anything an agent reports
+(inventory, engines, replicas), which is rebuilt when the agents reconnect.
 
-Calls are synchronous and short (one small transaction each); callers on the trio loop call
-them directly. The database is opened in WAL mode so `llmgw ca issue` can record a
-certificate while the server runs.
+`Store` is synchronous: one small transaction per call, on one connection. The CLI commands
+(`llmgw ca issue`, `llmgw node add`) use it directly; the running control plane never does on
+its event loop: it goes through `llmgw.server.asyncstore`, which owns a `Store` and runs its
+calls in a worker thread. The database is in WAL mode, so readers never wait for a writer and
+`llmgw ca issue` can record a certificate while the server runs.
+
+sqlite3's exceptions never leave this module: each public method translates them once, into
+`StoreBusy` (another process holds the lock past the busy timeout), `StoreCorrupt` (the file
+is damaged) or `StoreFailed` (anything else the database or the disk refused). A failed call
+changed nothing: each is one transaction.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import attrs
 
 from llmgw.errors import MachineError, UsageError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# How long a call of the CLI waits for another process's write lock: a command can afford to
+# wait out the server's transactions (milliseconds each). The server uses a much shorter one
+# (asyncstore.BUSY_TIMEOUT_S), since each of its waits holds its only connection.
+CLI_BUSY_TIMEOUT_S = 10.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -79,16 +97,47 @@ def store_path(state_dir: Path) -> Path:
     return state_dir / "llmgw.db"
 
 
+def _at_the_edge(method: Callable[P, R]) -> Callable[P, R]:
+    """sqlite3's exceptions, translated once into the store's own classes by blame."""
+
+    @functools.wraps(method)
+    def translated(self: Store, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except (sqlite3.ProgrammingError, sqlite3.InterfaceError):
+            raise  # misuse of the connection: a bug of ours, not the database's state
+        except sqlite3.Error as exc:
+            raise store_error(self.path, exc, self.busy_timeout_s) from exc
+
+    return translated  # type: ignore[return-value]
+
+
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self, path: Path, *, busy_timeout_s: float = CLI_BUSY_TIMEOUT_S, check_same_thread: bool = True
+    ) -> None:
+        """Open (creating if need be) the database at `path`. `check_same_thread=False` is for an
+        owner that hands the connection from thread to thread, one at a time (asyncstore)."""
         self.path = path
+        self.busy_timeout_s = busy_timeout_s
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
+        except OSError as exc:
             raise MachineError(f"cannot open the control plane's store {path}: {exc}; check its permissions") from None
+        self._db = self._connect(check_same_thread)
+
+    @_at_the_edge
+    def _connect(self, check_same_thread: bool) -> sqlite3.Connection:
+        db = sqlite3.connect(
+            str(self.path), isolation_level=None, timeout=self.busy_timeout_s, check_same_thread=check_same_thread
+        )
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     @classmethod
     def open(cls, state_dir: Path) -> Store:
@@ -97,8 +146,19 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
+    @_at_the_edge
+    def check(self) -> None:
+        """SQLite's `PRAGMA quick_check` (every page and b-tree, in a few ms for a store this
+        size); raises `StoreCorrupt` with what it found."""
+        found = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+        if found != ["ok"]:
+            raise StoreCorrupt(
+                self.path, "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+            )
+
     # -- nodes ----------------------------------------------------------------------------
 
+    @_at_the_edge
     def nodes(self) -> list[NodeRow]:
         rows = self._db.execute(
             "SELECT node_id, first_seen, last_seen, address, cordoned, draining FROM nodes ORDER BY node_id"
@@ -110,9 +170,11 @@ class Store:
             for r in rows
         ]
 
+    @_at_the_edge
     def node(self, node_id: str) -> NodeRow | None:
         return next((n for n in self.nodes() if n.node_id == node_id), None)
 
+    @_at_the_edge
     def saw_node(self, node_id: str, address: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self._db.execute(
@@ -121,9 +183,20 @@ class Store:
             (node_id, now, now, address),
         )
 
+    @_at_the_edge
+    def know_node(self, node_id: str, address: str, now: float | None = None) -> None:
+        """Make sure the node has a row (a new one says it was seen now); an existing one is kept."""
+        now = time.time() if now is None else now
+        self._db.execute(
+            "INSERT OR IGNORE INTO nodes (node_id, first_seen, last_seen, address) VALUES (?, ?, ?, ?)",
+            (node_id, now, now, address),
+        )
+
+    @_at_the_edge
     def set_cordoned(self, node_id: str, cordoned: bool) -> None:
         self._update_known(node_id, "UPDATE nodes SET cordoned = ? WHERE node_id = ?", (int(cordoned), node_id))
 
+    @_at_the_edge
     def set_draining(self, node_id: str, draining: bool) -> None:
         self._update_known(node_id, "UPDATE nodes SET draining = ? WHERE node_id = ?", (int(draining), node_id))
 
@@ -131,33 +204,44 @@ class Store:
         if self._db.execute(sql, args).rowcount == 0:
             raise UnknownNode(node_id, [n.node_id for n in self.nodes()])
 
-    def remove_node(self, node_id: str, now: float | None = None) -> list[str]:
-        """Forget a node and revoke every certificate issued to it; returns the revoked serials."""
+    @_at_the_edge
+    def remove_node(self, node_id: str, now: float | None = None, *, also_revoke: int | None = None) -> list[str]:
+        """Forget a node and revoke every certificate issued to it, and `also_revoke` (the one it
+        is connected with, which this control plane may not have issued), in one transaction;
+        returns the revoked serials. `UnknownNode` if there is nothing to forget or revoke."""
         now = time.time() if now is None else now
-        known = self._db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
-        issued = self._db.execute(
-            "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL", (node_id,)
-        ).fetchall()
-        if not known and not issued:
-            raise UnknownNode(node_id, [n.node_id for n in self.nodes()])
         with self._db:
-            self._db.execute("BEGIN")
+            self._db.execute("BEGIN IMMEDIATE")  # the lock first: no read that a writer could outdate
+            known = self._db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+            issued = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL", (node_id,)
+                ).fetchall()
+            ]
+            if not known and not issued and also_revoke is None:
+                raise UnknownNode(node_id, [n.node_id for n in self.nodes()])
             self._db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
             self._db.execute(
                 "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL", (now, node_id)
             )
-        return [r[0] for r in issued]
+            if also_revoke is not None:
+                self._revoke(also_revoke, node_id, now)
+                issued.append(str(also_revoke))
+        return issued
 
     # -- placements -----------------------------------------------------------------------
 
+    @_at_the_edge
     def placements(self) -> dict[str, dict]:
         rows = self._db.execute("SELECT replica_id, body FROM placements ORDER BY replica_id").fetchall()
         return {r[0]: json.loads(r[1]) for r in rows}
 
+    @_at_the_edge
     def set_placements(self, placements: dict[str, dict]) -> None:
         """Replace the stored placements with these (one transaction)."""
         with self._db:
-            self._db.execute("BEGIN")
+            self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM placements")
             self._db.executemany(
                 "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
@@ -166,6 +250,7 @@ class Store:
 
     # -- gateway API keys -----------------------------------------------------------------
 
+    @_at_the_edge
     def api_keys(self) -> list[KeyRow]:
         rows = self._db.execute(
             "SELECT name, token_sha256, models, rate_per_minute, max_concurrency, created_at, revoked_at "
@@ -184,6 +269,7 @@ class Store:
             for r in rows
         ]
 
+    @_at_the_edge
     def add_api_key(self, row: KeyRow) -> bool:
         """Record a new key; False if the name is taken (a revoked key keeps its name)."""
         try:
@@ -203,6 +289,7 @@ class Store:
             return False
         return True
 
+    @_at_the_edge
     def revoke_api_key(self, name: str, now: float | None = None) -> bool:
         """Mark a key revoked; False if no key has that name."""
         now = time.time() if now is None else now
@@ -211,6 +298,7 @@ class Store:
 
     # -- certificates ---------------------------------------------------------------------
 
+    @_at_the_edge
     def record_certificate(self, serial: int, node_id: str, not_after: float, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self._db.execute(
@@ -218,18 +306,23 @@ class Store:
             (str(serial), node_id, not_after, now),
         )
 
+    @_at_the_edge
     def revoke_serial(self, serial: int, node_id: str, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        self._revoke(serial, node_id, time.time() if now is None else now)
+
+    def _revoke(self, serial: int, node_id: str, now: float) -> None:
         self._db.execute(
             "INSERT INTO certificates (serial, node_id, not_after, issued_at, revoked_at) VALUES (?, ?, 0, ?, ?) "
             "ON CONFLICT (serial) DO UPDATE SET revoked_at = COALESCE(revoked_at, excluded.revoked_at)",
             (str(serial), node_id, now, now),
         )
 
+    @_at_the_edge
     def is_revoked(self, serial: int) -> bool:
         row = self._db.execute("SELECT revoked_at FROM certificates WHERE serial = ?", (str(serial),)).fetchone()
         return row is not None and row[0] is not None
 
+    @_at_the_edge
     def revoked_serials(self) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")]
 
@@ -241,3 +334,83 @@ class UnknownNode(UsageError):
         super().__init__(
             f"no node {node_id!r} is known to this control plane (known nodes: {listing}); see `llmgw ctl nodes`"
         )
+
+
+# -- errors, by blame ---------------------------------------------------------------------
+
+
+class StoreError(MachineError):
+    """The database could not do what was asked; nothing changed. `retry_after_s`: when trying
+    again may work."""
+
+    retry_after_s = 5.0
+
+    def __init__(self, path: Path, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class StoreBusy(StoreError):
+    """Another process held the database's write lock for longer than the busy timeout."""
+
+    retry_after_s = 2.0
+
+    def __init__(self, path: Path, waited_s: float) -> None:
+        super().__init__(
+            path,
+            f"{path} is locked by another process (a backup, a sqlite3 shell, `llmgw ca issue`, `llmgw node add`) "
+            f"and stayed locked for {waited_s:g} s; nothing changed; try again",
+        )
+
+
+class StoreFailed(StoreError):
+    """The database or the disk under it refused: full, read-only, an I/O error."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(
+            path,
+            f"the control plane's database {path} failed: {detail}; nothing changed. Check the disk under it "
+            "(free space, permissions, I/O errors in the kernel log)",
+        )
+
+
+class StoreCorrupt(StoreFailed):
+    """The file is damaged: only a backup, or starting empty, brings it back."""
+
+    retry_after_s = 60.0
+
+    def __init__(self, path: Path, detail: str) -> None:
+        StoreError.__init__(
+            self,
+            path,
+            f"the control plane's database {path} is damaged ({detail}). Stop the server and restore the latest "
+            f'backup (made by `llmgw server backup`; docs/operations.md, "Backing up and restoring the control '
+            f"plane's state\", has the commands), or move {path.name} and its -wal and -shm files aside to start "
+            "with an empty one, which loses the cordon and drain marks, the replica placements (replicas are placed "
+            "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
+            "`llmgw node remove` again for nodes removed before)",
+        )
+
+
+# SQLite's primary result codes (https://www.sqlite.org/rescode.html).
+SQLITE_BUSY, SQLITE_LOCKED, SQLITE_CORRUPT, SQLITE_NOTADB = 5, 6, 11, 26
+# Python before 3.11 gives no code, only SQLite's own message for it (sqlite3_errstr), which is
+# stable across SQLite versions: the one place this module reads an error's text.
+_CODE_OF_MESSAGE = {
+    "database is locked": SQLITE_BUSY,
+    "database table is locked": SQLITE_LOCKED,
+    "database schema is locked": SQLITE_LOCKED,
+    "database disk image is malformed": SQLITE_CORRUPT,
+    "file is not a database": SQLITE_NOTADB,
+    "file is encrypted or is not a database": SQLITE_NOTADB,
+}
+
+
+def store_error(path: Path, exc: sqlite3.Error, busy_timeout_s: float) -> StoreError:
+    code = getattr(exc, "sqlite_errorcode", None)
+    code = _CODE_OF_MESSAGE.get(str(exc).split(":")[0].strip(), -1) if code is None else code & 0xFF
+    if code in (SQLITE_BUSY, SQLITE_LOCKED):
+        return StoreBusy(path, busy_timeout_s)
+    if code in (SQLITE_CORRUPT, SQLITE_NOTADB):
+        return StoreCorrupt(path, str(exc))
+    return StoreFailed(path, str(exc))

@@ -5,7 +5,9 @@ at creation), the models it may use, its limits and when it was revoked. `KeyRin
 valid keys in memory, indexed by that hash: a request's token is hashed and looked up, so the
 comparison never runs over the secret itself, and the stored hash is checked again with
 `hmac.compare_digest`. Every change goes through the ring, so a revocation takes effect on the
-very next request.
+very next request. A change is written to the store first and made in memory only once written:
+when the store refuses (`StoreError`, e.g. locked by another process) nothing changed, and
+requests keep being authenticated from memory meanwhile.
 
 Limits are per key: a token bucket of `rate_per_minute` requests (a burst of up to one minute's
 worth) and a count of requests in flight against `max_concurrency`. `TokenBucket` is pure and
@@ -23,8 +25,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
-from llmgw.server.store import KeyRow, Store
+from llmgw.server.store import KeyRow
 
 TOKEN_PREFIX = "llmgw-"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -64,20 +67,16 @@ class Limited:
 
 
 class KeyRing:
-    def __init__(self, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: AsyncStore, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.clock = clock
-        self._by_hash: dict[str, KeyRow] = {}
+        self._by_hash: dict[str, KeyRow] = {r.token_sha256: r for r in store.at_open.api_keys if r.revoked_at is None}
         self._buckets: dict[str, TokenBucket] = {}
         self._in_flight: dict[str, int] = {}
-        self.reload()
-
-    def reload(self) -> None:
-        self._by_hash = {r.token_sha256: r for r in self.store.api_keys() if r.revoked_at is None}
 
     # -- administration -------------------------------------------------------------------
 
-    def create(
+    async def create(
         self, name: str, *, models: Sequence[str] = (), rate_per_minute: int = 0, max_concurrency: int = 0
     ) -> tuple[KeyRow, str]:
         """A new key and its token; the token is not kept anywhere and cannot be shown again."""
@@ -101,22 +100,22 @@ class KeyRing:
             created_at=time.time(),
             revoked_at=None,
         )
-        if not self.store.add_api_key(row):
+        if not await self.store.add_api_key(row):
             raise ApiKeyExists(
                 f"a key named {name!r} exists already (revoked keys keep their names); choose another name"
             )
         self._by_hash[row.token_sha256] = row
         return row, token
 
-    def revoke(self, name: str) -> None:
-        if not self.store.revoke_api_key(name):
-            known = ", ".join(r.name for r in self.store.api_keys()) or "none"
+    async def revoke(self, name: str) -> None:
+        if not await self.store.revoke_api_key(name):
+            known = ", ".join(r.name for r in await self.store.api_keys()) or "none"
             raise UnknownApiKey(f"no API key named {name!r} (keys: {known}); see `llmgw ctl keys list`")
         self._by_hash = {h: r for h, r in self._by_hash.items() if r.name != name}
         self._buckets.pop(name, None)
 
-    def rows(self) -> list[KeyRow]:
-        return self.store.api_keys()
+    async def rows(self) -> list[KeyRow]:
+        return await self.store.api_keys()
 
     # -- requests -------------------------------------------------------------------------
 

@@ -1,0 +1,225 @@
+"""The running control plane's store: the synchronous `Store`, used off the event loop.
+
+`AsyncStore` owns one `Store` (one SQLite connection) and runs each call in a worker thread
+through a `CapacityLimiter(1)`: one call at a time, so the connection has one user at any
+moment, and the trio loop never waits on SQLite — neither on a disk nor on another process's
+lock. A caller cancelled while its call runs returns at once; the thread finishes that one call
+(bounded by the busy timeout) and only then lets the next one have the connection.
+
+The busy timeout is short (`BUSY_TIMEOUT_S`): another llmgw process (`llmgw ca issue`,
+`llmgw node add`) holds the write lock for milliseconds, so 1 s rides out those and a slow
+fsync, while a lock held for longer (a `sqlite3` shell in a transaction) fails the one call
+with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10. Reads do
+not wait for such a lock (in WAL mode readers never wait for a writer), though one may wait,
+up to that second, behind a write of ours that does.
+
+`LatestWriter` is for state the loop keeps in memory and persists as a whole (the replica
+placements): the loop offers each new version and goes on; `serve` writes the latest one in
+the background, retrying with backoff while the database refuses, and writes it once more,
+bounded, at shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import attrs
+import trio
+
+from llmgw.log import get_logger
+from llmgw.server.store import KeyRow, NodeRow, Store, StoreError, store_path
+
+log = get_logger("llmgw.store")
+
+T = TypeVar("T")
+
+BUSY_TIMEOUT_S = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class Snapshot:
+    """What the store held when the control plane opened it, read before anything runs."""
+
+    nodes: tuple[NodeRow, ...]
+    placements: dict[str, dict]
+    api_keys: tuple[KeyRow, ...]
+
+
+class AsyncStore:
+    def __init__(self, store: Store, at_open: Snapshot) -> None:
+        self._store = store
+        self._limiter = trio.CapacityLimiter(1)
+        self.path = store.path
+        self.busy_timeout_s = store.busy_timeout_s
+        self.at_open = at_open
+
+    @classmethod
+    def open(cls, state_dir: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> AsyncStore:
+        """Open the database, check it (`PRAGMA quick_check`: a damaged file is `StoreCorrupt`,
+        said at start rather than at the first write that touches a bad page) and read what the
+        control plane starts from. Synchronous: it runs before anything else does."""
+        store = Store(store_path(state_dir), busy_timeout_s=busy_timeout_s, check_same_thread=False)
+        try:
+            store.check()
+            at_open = Snapshot(
+                nodes=tuple(store.nodes()), placements=store.placements(), api_keys=tuple(store.api_keys())
+            )
+        except BaseException:
+            store.close()
+            raise
+        return cls(store, at_open)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    async def nodes(self) -> list[NodeRow]:
+        return await self._run(self._store.nodes)
+
+    async def saw_node(self, node_id: str, address: str) -> NodeRow:
+        """Record that the node connected from `address` now; its row as it is then."""
+
+        def saw() -> NodeRow:
+            self._store.saw_node(node_id, address)
+            row = self._store.node(node_id)
+            assert row is not None, "just written"
+            return row
+
+        return await self._run(saw)
+
+    async def set_cordoned(self, node_id: str, cordoned: bool, *, known_at: str | None = None) -> None:
+        """`known_at`: the address of a node the caller knows, which gets a row if it has none
+        (its connection was not recorded while the store was busy)."""
+        await self._run(self._set_mark, self._store.set_cordoned, node_id, cordoned, known_at)
+
+    async def set_draining(self, node_id: str, draining: bool, *, known_at: str | None = None) -> None:
+        await self._run(self._set_mark, self._store.set_draining, node_id, draining, known_at)
+
+    def _set_mark(self, set_mark: Callable[[str, bool], None], node_id: str, on: bool, known_at: str | None) -> None:
+        if known_at is not None:
+            self._store.know_node(node_id, known_at)
+        set_mark(node_id, on)
+
+    async def remove_node(self, node_id: str, *, also_revoke: int | None = None) -> list[str]:
+        return await self._run(lambda: self._store.remove_node(node_id, also_revoke=also_revoke))
+
+    # -- certificates ---------------------------------------------------------------------
+
+    async def is_revoked(self, serial: int) -> bool:
+        return await self._run(self._store.is_revoked, serial)
+
+    async def revoke_serial(self, serial: int, node_id: str) -> None:
+        await self._run(self._store.revoke_serial, serial, node_id)
+
+    # -- placements -----------------------------------------------------------------------
+
+    async def placements(self) -> dict[str, dict]:
+        return await self._run(self._store.placements)
+
+    async def set_placements(self, placements: dict[str, dict]) -> None:
+        await self._run(self._store.set_placements, placements)
+
+    # -- gateway API keys -----------------------------------------------------------------
+
+    async def api_keys(self) -> list[KeyRow]:
+        return await self._run(self._store.api_keys)
+
+    async def add_api_key(self, row: KeyRow) -> bool:
+        return await self._run(self._store.add_api_key, row)
+
+    async def revoke_api_key(self, name: str) -> bool:
+        return await self._run(self._store.revoke_api_key, name)
+
+
+class LatestWriter(Generic[T]):
+    """Writes the latest offered version of one thing with `write`, in the background.
+
+    `offer` never waits and never fails; `serve` writes what was offered last, skipping versions
+    superseded meanwhile. While writes fail (`StoreError`) it retries with backoff, from
+    `first_retry_s` doubling to `max_retry_s`, and logs once when writing starts failing and
+    once when it works again. On cancellation it makes one last attempt, shielded and bounded
+    by `flush_timeout_s`, and logs if the latest version stayed unwritten."""
+
+    def __init__(
+        self,
+        what: str,
+        write: Callable[[T], Awaitable[None]],
+        *,
+        first_retry_s: float = 0.5,
+        max_retry_s: float = 30.0,
+        flush_timeout_s: float = BUSY_TIMEOUT_S + 1.0,
+    ) -> None:
+        self.what = what
+        self._write = write
+        self.first_retry_s = first_retry_s
+        self.max_retry_s = max_retry_s
+        self.flush_timeout_s = flush_timeout_s
+        self._latest: T | None = None
+        self._offered = 0  # versions offered so far
+        self._written = 0  # the last version written
+        self._wake = trio.Event()
+        self._failing_since: float | None = None
+        self._failures = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether the latest version offered is not written yet."""
+        return self._written < self._offered
+
+    def offer(self, value: T) -> None:
+        self._latest = value
+        self._offered += 1
+        self._wake.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            delay = self.first_retry_s
+            while True:
+                if not self.pending:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                if await self._write_latest():
+                    delay = self.first_retry_s
+                else:
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, self.max_retry_s)
+        finally:
+            with trio.move_on_after(self.flush_timeout_s) as flush:
+                flush.shield = True
+                if self.pending:
+                    await self._write_latest()
+            if self.pending:
+                log.warning(
+                    "store_write_lost",
+                    what=self.what,
+                    reason="the last write timed out"
+                    if flush.cancelled_caught
+                    else "the database refused the last write",
+                    after="the next start begins from the version written before",
+                )
+
+    async def _write_latest(self) -> bool:
+        version, value = self._offered, self._latest
+        try:
+            await self._write(value)  # type: ignore[arg-type]
+        except StoreError as exc:
+            self._failures += 1
+            if self._failing_since is None:
+                self._failing_since = trio.current_time()
+                log.warning("store_write_failing", what=self.what, reason=str(exc), retry="with backoff until it works")
+            return False
+        self._written = max(self._written, version)
+        if self._failing_since is not None:
+            log.info(
+                "store_write_recovered",
+                what=self.what,
+                failed_for_s=round(trio.current_time() - self._failing_since, 3),
+                attempts=self._failures + 1,
+            )
+            self._failing_since, self._failures = None, 0
+        return True

@@ -1,0 +1,118 @@
+"""An online backup of the control plane's database (`llmgw server backup FILE`).
+
+SQLite's backup API copies the database page by page inside one read transaction, so the copy
+is the database as of one moment, even while the server writes (in WAL mode a reader neither
+waits for the writer nor holds it up). The copy is made in a temporary file next to FILE
+(mode 0600 from its creation: it holds the gateway keys' hashes and the placements' engine
+keys), switched to a rollback journal so it is one self-contained file, checked with
+`PRAGMA quick_check`, synced, and only then renamed to FILE: a FILE that exists is a whole,
+checked backup. An existing FILE is kept unless `force`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
+import attrs
+
+from llmgw.errors import MachineError, UsageError
+from llmgw.server.store import CLI_BUSY_TIMEOUT_S, StoreCorrupt, StoreError, store_error, store_path
+
+
+@attrs.frozen(kw_only=True)
+class BackupInfo:
+    source: Path
+    path: Path
+    size_bytes: int
+    nodes: int
+    api_keys: int
+    placements: int
+    revoked_certificates: int
+
+
+def backup(state_dir: Path, dest: Path, *, force: bool = False) -> BackupInfo:
+    source = store_path(state_dir)
+    try:
+        found = source.is_file()
+    except PermissionError:
+        raise MachineError(
+            f"cannot read {source}: the state directory is readable only by its owner (root on a control "
+            "plane); run the command with sudo"
+        ) from None
+    if not found:
+        raise MachineError(
+            f"no control-plane database at {source}, so nothing to back up; is the state directory right "
+            "(--state-dir, or [server].state_dir of --config)?"
+        )
+    if dest.is_dir():
+        raise UsageError(f"{dest} is a directory; give the backup's file name, e.g. {dest / 'llmgw-backup.db'}")
+    if dest.exists() and not force:
+        raise UsageError(f"{dest} exists; choose another name, or pass --force to replace it")
+    if not dest.parent.is_dir():
+        raise UsageError(f"the directory {dest.parent} does not exist; create it first")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise MachineError(f"cannot write the backup next to {dest}: {exc}") from None
+    os.close(fd)
+    try:
+        counts = _copy(source, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        _publish(tmp, dest, force=force)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return BackupInfo(source=source, path=dest, size_bytes=dest.stat().st_size, **counts)
+
+
+def _copy(source: Path, tmp: Path) -> dict[str, int]:
+    """Copy `source` into the empty file `tmp`; the row counts of the copy."""
+    uri = f"{source.resolve().as_uri()}?mode=rw"  # rw, not create: a missing database is not made empty
+    at = source
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=CLI_BUSY_TIMEOUT_S)) as src:
+            with contextlib.closing(sqlite3.connect(str(tmp), isolation_level=None)) as dst:
+                src.backup(dst)
+                at = tmp
+                dst.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal beside it
+                found = [r[0] for r in dst.execute("PRAGMA quick_check").fetchall()]
+                if found != ["ok"]:
+                    raise StoreCorrupt(source, "; ".join(found[:3]))
+                return {
+                    "nodes": _count(dst, "SELECT COUNT(*) FROM nodes"),
+                    "api_keys": _count(dst, "SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL"),
+                    "placements": _count(dst, "SELECT COUNT(*) FROM placements"),
+                    "revoked_certificates": _count(
+                        dst, "SELECT COUNT(*) FROM certificates WHERE revoked_at IS NOT NULL"
+                    ),
+                }
+    except StoreError:
+        raise
+    except sqlite3.Error as exc:
+        raise store_error(at, exc, CLI_BUSY_TIMEOUT_S) from exc
+
+
+def _count(db: sqlite3.Connection, sql: str) -> int:
+    return int(db.execute(sql).fetchone()[0])
+
+
+def _publish(tmp: Path, dest: Path, *, force: bool) -> None:
+    """Rename the finished copy to `dest` atomically; without `force`, never over an existing file."""
+    try:
+        if force:
+            os.replace(tmp, dest)
+        else:
+            os.link(tmp, dest)  # fails if dest appeared meanwhile, where a rename would replace it
+    except FileExistsError:
+        raise UsageError(f"{dest} exists; choose another name, or pass --force to replace it") from None
+    except OSError as exc:
+        raise MachineError(f"cannot write the backup {dest}: {exc}") from None
+    dir_fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,178 @@
+"""The running control plane's store against a real SQLite file that another connection locks.
+
+These run on trio's real clock, on purpose: what is under test is a real SQLite lock and a real
+worker thread, and "the loop is not blocked" can only be shown by a task that keeps running in
+real time while SQLite waits. The busy timeout is made short (0.3 s) to keep them quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.server.asyncstore import AsyncStore, LatestWriter
+from llmgw.server.store import Store, StoreBusy, StoreCorrupt, store_path
+from testlib.controlplane import wait_for
+
+pytestmark = pytest.mark.trio
+
+BUSY_S = 0.3
+
+
+@contextmanager
+def write_lock(state: Path) -> Iterator[sqlite3.Connection]:
+    """Another connection holding the database's write lock, as a `sqlite3` shell in a
+    transaction does, until the block ends."""
+    other = sqlite3.connect(str(store_path(state)), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        yield other
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+    return [r.llmgw_fields for r in caplog.records if r.getMessage() == name]
+
+
+async def test_a_locked_database_fails_the_one_call_within_the_busy_timeout_while_the_loop_runs_on(
+    tmp_path: Path,
+) -> None:
+    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    await store.saw_node("a", "127.0.0.2")
+    ticks = 0
+    with write_lock(tmp_path):
+        async with trio.open_nursery() as nursery:
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await trio.sleep(0.01)
+                    ticks += 1
+
+            nursery.start_soon(tick)
+            started = trio.current_time()
+            with pytest.raises(StoreBusy) as info:
+                await store.set_cordoned("a", True)
+            waited = trio.current_time() - started
+            assert await store.is_revoked(5) is False  # reads go on: in WAL mode nobody waits for a writer
+            nursery.cancel_scope.cancel()
+    assert BUSY_S * 0.9 <= waited < BUSY_S + 1.0, waited
+    # A blocked loop would not have ticked at all; a free one ticks every 10 ms or so.
+    assert ticks >= 10, ticks
+    message = str(info.value)
+    assert f"{store_path(tmp_path)} is locked by another process" in message
+    assert "a sqlite3 shell" in message and "nothing changed; try again" in message
+    assert [n.cordoned for n in await store.nodes()] == [False]  # nothing changed
+    await store.set_cordoned("a", True)  # the lock is gone: the same call works
+    assert [n.cordoned for n in await store.nodes()] == [True]
+
+
+async def test_calls_take_turns_on_the_one_connection(tmp_path: Path) -> None:
+    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(store.saw_node, f"n{i:02d}", f"127.0.0.{i + 2}")
+    assert [n.node_id for n in await store.nodes()] == [f"n{i:02d}" for i in range(50)]
+
+
+async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    writes: list[dict] = []
+
+    async def write(value: dict[str, dict]) -> None:
+        writes.append(value)
+        await store.set_placements(value)
+
+    writer = LatestWriter("placements", write, first_retry_s=0.01, max_retry_s=0.05)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.serve)
+        with write_lock(tmp_path):
+            writer.offer({"r-0": {"v": 1}})
+            await wait_for(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
+            writer.offer({"r-0": {"v": 2}, "r-1": {"v": 2}})  # the loop goes on changing placements
+            await wait_for(lambda: len(writes) >= 4, "a few more attempts", timeout=10)
+            assert writer.pending
+        await wait_for(lambda: not writer.pending, "the write once the lock is gone", timeout=5)
+        nursery.cancel_scope.cancel()
+    assert await store.placements() == {"r-0": {"v": 2}, "r-1": {"v": 2}}  # the latest, not each version
+    [failing] = events(caplog, "store_write_failing")
+    [recovered] = events(caplog, "store_write_recovered")
+    assert failing["what"] == "placements" and "is locked by another process" in failing["reason"]
+    assert recovered["attempts"] == len(writes) >= 4, (recovered, len(writes))  # 3 or more refused, then one
+
+
+async def test_a_stop_writes_the_latest_version_once_and_bounded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    writer = LatestWriter("placements", store.set_placements, first_retry_s=10.0, flush_timeout_s=2.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.serve)
+        writer.offer({"r-0": {"v": 1}})
+        nursery.cancel_scope.cancel()  # before the loop ran: only the flush can write it
+    assert await store.placements() == {"r-0": {"v": 1}}
+
+    # The lock held across the stop: the flush tries once, within its bound, and says what was lost.
+    with write_lock(tmp_path):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.serve)
+            writer.offer({"r-0": {"v": 2}})
+            started = trio.current_time()
+            nursery.cancel_scope.cancel()
+        took = trio.current_time() - started
+    assert took < writer.flush_timeout_s + 0.5, took
+    [lost] = events(caplog, "store_write_lost")
+    assert lost["what"] == "placements"
+    assert await store.placements() == {"r-0": {"v": 1}}
+
+
+def damage(path: Path, *, first_page: int, pages: int) -> None:
+    """Overwrite `pages` pages from `first_page` (1-based, as SQLite counts) with garbage."""
+    with sqlite3.connect(str(path)) as db:
+        page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    with open(path, "r+b") as f:
+        f.seek((first_page - 1) * page_size)
+        f.write(bytes((i * 7 + 13) % 256 for i in range(page_size * pages)))
+
+
+def a_store_with_some_pages(state: Path) -> Path:
+    store = Store.open(state)
+    for i in range(300):
+        store.record_certificate(10**30 + i, f"node-{i % 7}", not_after=2e9)
+        store.saw_node(f"node-{i:03d}", "10.0.0.1")
+    store.close()
+    return store_path(state)
+
+
+async def test_a_damaged_page_stops_the_open_with_the_file_and_the_recovery(tmp_path: Path) -> None:
+    path = a_store_with_some_pages(tmp_path)
+    pages = path.stat().st_size // 4096
+    assert pages >= 10, pages
+    damage(path, first_page=pages // 2, pages=3)
+    Store.open(tmp_path).close()  # opening alone does not notice: that is why the start checks
+    with pytest.raises(StoreCorrupt) as info:
+        AsyncStore.open(tmp_path)
+    message = str(info.value)
+    assert str(path) in message and "is damaged" in message
+    assert "llmgw server backup" in message and "aside" in message
+    assert "API keys" in message and "revocations" in message and "placements" in message
+    assert info.value.exit_status == 1
+
+
+async def test_a_file_that_is_not_a_database_is_damaged_too(tmp_path: Path) -> None:
+    path = a_store_with_some_pages(tmp_path)
+    damage(path, first_page=1, pages=1)
+    with pytest.raises(StoreCorrupt) as info:
+        AsyncStore.open(tmp_path)
+    assert str(path) in str(info.value)
