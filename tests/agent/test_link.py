@@ -357,7 +357,7 @@ async def test_a_refused_agent_connection_is_closed_by_the_server_at_once(
 ) -> None:
     files = node_files(plane, tmp_path, "node-b")
     if case == "revoked":
-        plane.plane.store.revoke_serial(pki.cert_info(pki.load_cert(files.cert)).serial, "node-b")
+        await plane.plane.store.revoke_serial(pki.cert_info(pki.load_cert(files.cert)).serial, "node-b")
     stream = await raw_upgrade(
         plane,
         files,
