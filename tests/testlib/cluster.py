@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from testlib import activation
 from testlib.proc import llmgw_env, run_llmgw
 
 T = TypeVar("T")
@@ -51,16 +52,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Proc:
     """One child process whose standard output and error go to one log file."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        sockets: list[socket.socket] | None = None,
+    ) -> None:
+        """`sockets`: listening sockets passed to it as systemd's socket activation does."""
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
+        command = [sys.executable, "-m", "llmgw", *args]
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", *args],
+            activation.argv(command, sockets) if sockets else command,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=llmgw_env(env),
+            pass_fds=[s.fileno() for s in sockets or ()],
         )
 
     @property
@@ -180,17 +192,34 @@ class Cluster:
     """A control plane in `root/state` with its agent endpoint on a fixed loopback port (so a
     restarted server listens where its agents dial), and the agents' state under `root`."""
 
-    def __init__(self, root: Path, *, heartbeat_interval_s: float = 0.2, heartbeat_ttl_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        heartbeat_interval_s: float = 0.2,
+        heartbeat_ttl_s: float = 1.5,
+        socket_activation: bool = False,
+    ) -> None:
+        """`socket_activation`: the cluster owns the server's listening sockets and passes them
+        to each `llmgw server` it starts, as a systemd .socket unit does; connections made
+        while the server restarts wait in their backlog."""
         self.root = root
         self.state = root / "state"
-        self.port = free_port()
+        self.sockets: list[socket.socket] = []
+        if socket_activation:
+            self.sockets = [activation.listening_socket(), activation.listening_socket()]
+            self.port = self.sockets[0].getsockname()[1]
+            self.http_port = self.sockets[1].getsockname()[1]
+        else:
+            self.port = free_port()
+            self.http_port = 0
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.server_config = root / "server.toml"
         self._server_section = (
             "[server]\n"
             f'state_dir = "{self.state}"\n'
             f'agent_listen = "127.0.0.1:{self.port}"\n'
-            'http_listen = "127.0.0.1:0"\n'
+            f'http_listen = "127.0.0.1:{self.http_port}"\n'
             'advertise = ["127.0.0.1"]\n'
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
@@ -273,9 +302,11 @@ class Cluster:
 
     # -- long-running processes -----------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, sockets: list[socket.socket] | None = None
+    ) -> Proc:
         run = self._runs[name] = self._runs.get(name, 0) + 1
-        proc = Proc(name, args, self.root / f"{name}-{run}.log", env)
+        proc = Proc(name, args, self.root / f"{name}-{run}.log", env, sockets=sockets)
         self.procs.append(proc)
         return proc
 
@@ -283,7 +314,7 @@ class Cluster:
         """Start `llmgw server` and wait for this run's `server_ready` (both listeners accept)."""
         assert self.server is None or self.server.returncode is not None, "the server is already running"
         server = self.server = self._spawn(
-            "server", ["server", "--config", str(self.server_config), "--log-format", "json"]
+            "server", ["server", "--config", str(self.server_config), "--log-format", "json"], sockets=self.sockets
         )
         wait_until("the server to be ready", lambda: server.events("server_ready"), alive=[server])
         return server
@@ -354,3 +385,5 @@ class Cluster:
             proc.kill()
         for node_id in self.nodes_files:  # engines outlive their agent: they lead their own groups
             kill_groups(marked_pids(self._marker(node_id)))
+        for sock in self.sockets:
+            sock.close()

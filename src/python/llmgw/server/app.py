@@ -524,7 +524,7 @@ class ControlPlane:
                         # The sockets outlive us: new connections wait in the backlog for the
                         # next process instead of being answered 503 here.
                         http_shutdown.begin()
-                    finished = await self.gateway.drain(self.shutdown_drain_s)
+                    finished = await self.gateway.drain(self.shutdown_drain_s, refuse_new=not http_sockets)
                     if not finished:
                         log.warning(
                             "server_drain_timed_out",

@@ -158,6 +158,7 @@ class Gateway:
         self.queued: dict[str, int] = {}
         self.in_flight: dict[str, int] = {}
         self.draining = False
+        self.refusing = False
         self._wakeup = trio.Event()  # set when a replica may have become free (`_wake`)
         self._went_down = trio.Event()  # set when a replica leaves rotation: the prober looks again
         self._all_finished = trio.Event()  # set when the last request in flight finishes
@@ -229,9 +230,13 @@ class Gateway:
         elif why is not None:
             log.debug("gateway_probe_failed", replica=ep.replica_id, model=ep.model, reason=why)
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests (503) and wait for those in flight; whether they all finished."""
+    async def drain(self, timeout_s: float, *, refuse_new: bool = True) -> bool:
+        """Wait for the requests in flight; whether they all finished. With `refuse_new`, new
+        requests meanwhile get 503 with Retry-After; without it (the listener stopped accepting
+        and each connection closes after its request: a socket-activated restart) the few that
+        still arrive on open connections are served."""
         self.draining = True
+        self.refusing = refuse_new
         with trio.move_on_after(timeout_s):
             while any(self.in_flight.values()):
                 await self._all_finished.wait()
@@ -301,7 +306,7 @@ class Gateway:
 
     async def _forward(self, request: Request) -> Response | StreamingResponse:
         started = self.clock()
-        if self.draining:
+        if self.refusing:
             raise _counted(self, "-", self._unavailable("the gateway is shutting down"))
         key = self._authenticate(request)
         model, prompt = self._read_model(request)
