@@ -60,12 +60,14 @@ class Proc:
         env: dict[str, str] | None = None,
         *,
         sockets: list[socket.socket] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
-        """`sockets`: listening sockets passed to it as systemd's socket activation does."""
+        """`sockets`: listening sockets passed to it as systemd's socket activation does.
+        `prefix`: a command that runs it (`ip netns exec NAME`), exec'ing it in its own pid."""
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
-        command = [sys.executable, "-m", "llmgw", *args]
+        command = [*(prefix or ()), sys.executable, "-m", "llmgw", *args]
         self.popen = subprocess.Popen(
             activation.argv(command, sockets) if sockets else command,
             stdin=subprocess.DEVNULL,

@@ -1,0 +1,381 @@
+"""Chaos: a local cluster under steady load, one fault at a time, and what each fault cost.
+
+    sudo PYTHONPATH=src/python:tests:tools python3 -m bench.chaos --json
+
+A real cluster on this machine (`tools/bench/chaos_cluster.py`): `llmgw server` on sockets this
+process owns (as a systemd .socket unit would), three nodes each running `llmgw agent run`
+(as root, each in its own network namespace; otherwise on loopback addresses) and real sim
+engines, the server's default heartbeats (every 5 s, lost after 30 s) unless told otherwise.
+The catalog has one model, `chat`, with two replicas, so one node is spare. Through the
+gateway runs a steady load (`tools/bench/chaos_load.py`): 50 non-streamed requests a second
+and 20 streams in flight. Then, one at a time, each fault waiting for full capacity first:
+
+- engine_kill      SIGKILL one replica's engine
+- agent_kill       SIGKILL one node's agent alone, start it again a second later (as systemd
+                   would): its engines keep serving, nothing should move, the new agent adopts them
+- node_kill        SIGKILL a node's agent and engines together (a machine dies); it comes back
+- node_partition   cut a node's network link (root only); restore it once its replica runs
+                   elsewhere: no duplicate may survive the rejoin
+- drain            `llmgw ctl drain` of a node with a replica, then uncordon
+- restart          SIGTERM the control plane and start it again on the same sockets
+- hostile          hostile clients (FIN/RST at every offset, garbage, slowloris, JSON 100,000
+                   deep, 1,000 idle connections) against the gateway and the agent endpoint
+
+For each: the requests and streams started from the fault until capacity was full again (and a
+few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
+replicas in the gateway's rotation), `engine_starts` (engine processes started meanwhile), and
+whether any llmgw process exited that the fault did not kill. Prints one JSON object; bounded
+in time (every wait has a deadline) and loopback/namespaces only. About 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import trio
+from bench.chaos_cluster import ChaosCluster, poll
+from bench.chaos_load import Load
+
+from testlib import hostile
+
+MODEL = "chat"
+REPLICAS = 2
+NODES = ("node-a", "node-b", "node-c")
+FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition", "drain", "restart", "hostile")
+SETTLE_S = 3.0  # load measured this long after capacity is full again
+FULL_TIMEOUT_S = 180.0
+ZERO_FAILURE_FAULTS = ("engine_kill", "node_partition", "drain", "restart", "agent_kill", "hostile")
+
+
+def catalog(output_token_ms: int) -> str:
+    return (
+        f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
+        f'args = ["--output-token-ms", "{output_token_ms}"]\n'
+    )
+
+
+class Bench:
+    def __init__(self, cluster: ChaosCluster, load: Load, ttl_s: float) -> None:
+        self.cluster, self.load, self.ttl_s = cluster, load, ttl_s
+        self.results: dict[str, dict] = {}
+        self.unexpected_exits: list[str] = []
+        self._killed: set[int] = set()
+
+    # -- observations -------------------------------------------------------------------------
+
+    def full(self) -> bool:
+        if self.cluster.ready_in_gateway(MODEL) != REPLICAS:
+            return False
+        ready = [r for r in self.cluster.replicas() if r["model"] == MODEL and r["state"] == "ready"]
+        return len(ready) == REPLICAS
+
+    def placed(self) -> list[dict]:
+        return [r for r in self.cluster.replicas() if r["model"] == MODEL and r.get("replica")]
+
+    def watch_exits(self) -> None:
+        for proc in self.cluster.procs:
+            if proc.returncode is not None and proc.popen.pid not in self._killed and proc.returncode != 0:
+                what = f"{proc.name} (pid {proc.popen.pid}) exited {proc.returncode}"
+                if what not in self.unexpected_exits:
+                    self.unexpected_exits.append(what)
+
+    # -- one fault ----------------------------------------------------------------------------
+
+    async def fault(self, name: str, inject, recovered, after=None, extra=None) -> None:
+        if not await trio.to_thread.run_sync(lambda: poll("full capacity", self.full, FULL_TIMEOUT_S)):
+            self.results[name] = {"error": f"the cluster was not at full capacity within {FULL_TIMEOUT_S:g} s"}
+            return
+        before = await trio.to_thread.run_sync(self.cluster.engine_pids)
+        seen: set[int] = set(before)
+        started = trio.current_time()
+        info = await trio.to_thread.run_sync(inject) or {}
+        injected = trio.current_time()
+
+        def watch() -> bool:
+            seen.update(self.cluster.engine_pids())
+            self.watch_exits()
+            return recovered(info)
+
+        ok = await trio.to_thread.run_sync(lambda: poll(f"{name} recovered", watch, FULL_TIMEOUT_S, 0.1))
+        # A fault that lasts (the hostile clients) is over when `inject` returns; one that is a
+        # moment (a kill, a cut) starts the clock when it is dealt.
+        lasting = info.pop("_lasting", False)
+        recovery_s = trio.current_time() - (injected if lasting else started) if ok else None
+        if lasting:
+            info["fault_s"] = round(injected - started, 2)
+        if after is not None:
+            info.update(await trio.to_thread.run_sync(lambda: after(info)) or {})
+        await trio.sleep(SETTLE_S)
+        seen.update(await trio.to_thread.run_sync(self.cluster.engine_pids))
+        result = {
+            **self.load.between(started, trio.current_time()),
+            "recovery_s": round(recovery_s, 2) if recovery_s is not None else None,
+            "engine_starts": len(seen - before),
+        }
+        result.update({k: v for k, v in info.items() if not k.startswith("_")})
+        if extra is not None:
+            result.update(extra(info))
+        self.results[name] = result
+
+    def _replica_on(self, spare_ok: bool = False) -> tuple[str, dict]:
+        replica = self.placed()[0]
+        return replica["nodes"][0], replica
+
+    # -- the faults -----------------------------------------------------------------------------
+
+    def engine_kill(self) -> dict:
+        node, replica = self._replica_on()
+        pid = replica["pids"][0]
+        os.kill(pid, signal.SIGKILL)
+        self._killed.add(pid)
+        return {"node": node, "replica": replica["replica"]}
+
+    def agent_kill(self) -> dict:
+        node, _ = self._replica_on()
+        placements = sorted((r["replica"], tuple(r["nodes"])) for r in self.placed())
+        agent = self.cluster.agents[node]
+        self._killed.add(agent.popen.pid)
+        self.cluster.kill_agent(node)
+        time.sleep(1.0)  # systemd's RestartSec
+        self.cluster.start_agent(node)
+        return {"node": node, "_placements": placements}
+
+    def agent_back(self, info: dict) -> bool:
+        nodes = self.cluster.ctl("nodes")
+        back = any(n["id"] == info["node"] and n["state"] == "joined" and n["connected"] for n in nodes)
+        return back and self.full()
+
+    def node_kill(self) -> dict:
+        node, _ = self._replica_on()
+        self._killed.add(self.cluster.agents[node].popen.pid)
+        self.cluster.kill_node(node)
+        return {"node": node}
+
+    def moved_off(self, info: dict) -> bool:
+        return self.full() and all(info["node"] not in r["nodes"] for r in self.placed())
+
+    def node_back(self, info: dict) -> dict:
+        """The machine comes back (its agent starts again): it joins, and runs nothing stale."""
+        node = info["node"]
+        if node in self.cluster.namespaces and info.get("_cut"):
+            self.cluster.restore(node)
+        else:
+            self.cluster.start_agent(node)
+        back_at = time.monotonic()
+        rejoined = poll(
+            "rejoin",
+            lambda: any(n["id"] == node and n["state"] == "joined" for n in self.cluster.ctl("nodes")),
+            FULL_TIMEOUT_S,
+        )
+        rejoin_s = time.monotonic() - back_at if rejoined else None
+        clean = poll("no duplicate", lambda: len(self.cluster.engine_pids()) == REPLICAS, 60)
+        return {
+            "rejoin_s": round(rejoin_s, 2) if rejoin_s is not None else None,
+            "duplicate_engines_left": len(self.cluster.engine_pids()) - REPLICAS,
+            "stale_stopped_s": round(time.monotonic() - back_at, 2) if clean else None,
+        }
+
+    def node_partition(self) -> dict:
+        node, _ = self._replica_on()
+        self.cluster.cut(node)
+        return {"node": node, "_cut": True}
+
+    def drain(self) -> dict:
+        node, _ = self._replica_on()
+        self.cluster.ctl("drain", node)
+        return {"node": node}
+
+    def drained(self, info: dict) -> bool:
+        nodes = {n["id"]: n for n in self.cluster.ctl("nodes")}
+        drain = nodes[info["node"]].get("drain") or {}
+        return bool(drain.get("done")) and self.full()
+
+    def uncordon(self, info: dict) -> dict:
+        self.cluster.ctl("uncordon", info["node"])
+        return {}
+
+    def restart(self) -> dict:
+        self._killed.add(self.cluster.server.popen.pid)
+        status = self.cluster.stop_server()
+        self.cluster.start_server()
+        return {"old_server_exit": status}
+
+    def hostile(self) -> dict:
+        port, agent_port = self.cluster.http_port, self.cluster.agent_port
+        head, body = hostile.request_bytes(
+            "POST", "/v1/chat/completions", body=hostile.chat_body(MODEL), headers=[("authorization", "Bearer x")]
+        )
+        done = {"connections": 0}
+
+        def cuts() -> None:
+            for offset in hostile.offsets(head, body):
+                for how in ("fin", "rst"):
+                    hostile.cut_at("127.0.0.1", port, head + body, offset, how=how)
+                    done["connections"] += 1
+            for _ in range(50):
+                hostile.cut_at("127.0.0.1", port, b"NOT HTTP\r\n\r\n", 12, how="rst")
+                hostile.cut_at("127.0.0.1", agent_port, b"\x16\x03\x01\x02\x00garbage", 10, how="fin")
+                done["connections"] += 2
+            deep = hostile.chat_body(MODEL, nested=100_000)
+            for _ in range(5):
+                sock = hostile.connect("127.0.0.1", port)
+                req_head, req_body = hostile.request_bytes("POST", "/v1/chat/completions", body=deep)
+                sock.sendall(req_head + req_body)
+                hostile.read_all(sock, 4096)
+                sock.close()
+                done["connections"] += 1
+
+        def slow() -> None:
+            hostile.trickle("127.0.0.1", port, head + body, interval_s=0.5, limit_s=15)
+
+        threads = [threading.Thread(target=cuts)] + [threading.Thread(target=slow) for _ in range(10)]
+        for t in threads:
+            t.start()
+        idle = hostile.idle("127.0.0.1", port, 1000)
+        for t in threads:
+            t.join(60)
+        for s in idle:
+            s.close()
+        done["connections"] += 1010
+        return {"hostile_connections": done["connections"], "_lasting": True}
+
+    def alive(self, info: dict) -> bool:
+        return self.cluster.server.returncode is None and self.full()
+
+    async def run(self, faults: tuple[str, ...]) -> None:
+        plans = {
+            "engine_kill": (self.engine_kill, lambda i: self.full(), None),
+            "agent_kill": (self.agent_kill, self.agent_back, None),
+            "node_kill": (self.node_kill, self.moved_off, self.node_back),
+            "node_partition": (self.node_partition, self.moved_off, self.node_back),
+            "drain": (self.drain, self.drained, self.uncordon),
+            "restart": (self.restart, lambda i: self.full(), None),
+            "hostile": (self.hostile, self.alive, None),
+        }
+        for name in faults:
+            inject, recovered, after = plans[name]
+            extra = None
+            if name == "agent_kill":
+
+                def extra(info: dict) -> dict:
+                    now = sorted((r["replica"], tuple(r["nodes"])) for r in self.placed())
+                    return {"replicas_moved": now != info["_placements"]}
+
+            await self.fault(name, inject, recovered, after, extra)
+            print(f"chaos: {name}: {json.dumps(self.results[name])}", file=sys.stderr, flush=True)
+
+
+def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
+    met = {}
+    for name in ZERO_FAILURE_FAULTS:
+        if name in results and "requests" in results[name]:
+            met[f"{name}_no_failed_requests"] = results[name]["failed_requests"] == 0
+    for name in ("node_kill", "node_partition"):
+        r = results.get(name)
+        if r and r.get("recovery_s") is not None:
+            # Lost after the TTL (plus at most one check interval), then a replica's start.
+            start_s = results.get("engine_kill", {}).get("recovery_s") or 10.0
+            met[f"{name}_recovery_within_ttl_plus_start"] = r["recovery_s"] <= ttl_s + interval_s + start_s + 5
+        if r and "duplicate_engines_left" in r:
+            met[f"{name}_no_duplicate_after_rejoin"] = r["duplicate_engines_left"] == 0
+    if "agent_kill" in results and "engine_starts" in results["agent_kill"]:
+        met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_starts"] == 0
+        met["agent_kill_nothing_moved"] = results["agent_kill"].get("replicas_moved") is False
+    return met
+
+
+async def main_async(args: argparse.Namespace, root: Path) -> dict:
+    netns = os.geteuid() == 0 and not args.no_netns
+    faults = tuple(f for f in args.faults.split(",") if f)
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise SystemExit(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    if not netns:
+        faults = tuple(f for f in faults if f != "node_partition")
+    interval = args.heartbeat_interval_s
+    cluster = await trio.to_thread.run_sync(
+        lambda: ChaosCluster(
+            root,
+            nodes=NODES,
+            netns=netns,
+            catalog=catalog(args.output_token_ms),
+            heartbeat_interval_s=interval,
+            heartbeat_ttl_s=args.heartbeat_ttl_s,
+        )
+    )
+    try:
+        await trio.to_thread.run_sync(cluster.start_server)
+        for node in NODES:
+            cluster.start_agent(node)
+        token = await trio.to_thread.run_sync(lambda: cluster.token("chaos"))
+        load = Load("127.0.0.1", cluster.http_port, token, model=MODEL, rate=args.rate, streams=args.streams)
+        bench = Bench(cluster, load, args.heartbeat_ttl_s)
+        async with trio.open_nursery() as nursery:
+            if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, FULL_TIMEOUT_S)):
+                raise SystemExit("chaos: the cluster did not reach full capacity; see the logs under " + str(root))
+            await nursery.start(load.run)
+            await bench.run(faults)
+            nursery.cancel_scope.cancel()
+        bench.watch_exits()
+        return {
+            "settings": {
+                "nodes": len(NODES),
+                "network_namespaces": netns,
+                "replicas": REPLICAS,
+                "rate_per_s": args.rate,
+                "streams": args.streams,
+                "output_token_ms": args.output_token_ms,
+                "heartbeat_interval_s": interval,
+                "heartbeat_ttl_s": args.heartbeat_ttl_s,
+                "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
+            },
+            "faults": bench.results,
+            "unexpected_process_exits": bench.unexpected_exits,
+            "targets_met": {
+                **targets(bench.results, args.heartbeat_ttl_s, interval),
+                "no_process_exits": not bench.unexpected_exits,
+            },
+        }
+    finally:
+        await trio.to_thread.run_sync(cluster.close)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    parser.add_argument(
+        "--faults", default=",".join(FAULTS), help=f"comma-separated, in order (default: {','.join(FAULTS)})"
+    )
+    parser.add_argument("--rate", type=float, default=50.0, help="non-streamed requests a second (default 50)")
+    parser.add_argument("--streams", type=int, default=20, help="streams in flight (default 20)")
+    parser.add_argument("--output-token-ms", type=int, default=10, help="the sim engine's time per token (default 10)")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=5.0, help="server.toml's (default 5)")
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=30.0, help="server.toml's (default 30)")
+    parser.add_argument("--no-netns", action="store_true", help="nodes on loopback addresses even as root")
+    parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs) afterwards")
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-"))
+    try:
+        result = trio.run(main_async, args, root)
+    finally:
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"chaos: logs kept in {root}", file=sys.stderr)
+    print(json.dumps(result, indent=2))
+    return 0 if all(result["targets_met"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

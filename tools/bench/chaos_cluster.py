@@ -1,0 +1,211 @@
+"""The chaos benchmark's cluster: real `llmgw server` and `llmgw agent run` processes, real sim
+engines, and the handles the faults need (kill a process, cut a node's network, restart the
+control plane on the same sockets).
+
+The control plane's listening sockets belong to this process and are passed to each
+`llmgw server` it starts, as a systemd .socket unit passes them (docs/operations.md), so a
+restart keeps its backlog. As root, each node runs in a network namespace of its own
+(`testlib.netns`): its agent dials the control plane over the namespace's link, the gateway
+reaches its engines over it, and cutting the link partitions exactly that node. Without root,
+nodes are loopback addresses (127.0.0.2, ...) and the partition fault is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from testlib import activation
+from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_pids, wait_until
+from testlib.netns import NetNS
+from testlib.proc import run_llmgw
+
+CLI_TIMEOUT_S = 30.0
+
+
+class ChaosCluster:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        nodes: tuple[str, ...],
+        netns: bool,
+        catalog: str,
+        heartbeat_interval_s: float,
+        heartbeat_ttl_s: float,
+    ) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.node_ids = nodes
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.namespaces: dict[str, NetNS] = {}
+        self.agent_socket = activation.listening_socket("0.0.0.0" if netns else "127.0.0.1")
+        self.http_socket = activation.listening_socket("127.0.0.1")
+        self.agent_port = self.agent_socket.getsockname()[1]
+        self.http_port = self.http_socket.getsockname()[1]
+        self.server: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        self.procs: list[Proc] = []
+        self._runs: dict[str, int] = {}
+        if netns:
+            for node in nodes:
+                ns = NetNS()
+                ns.start()
+                self.namespaces[node] = ns
+        advertise = ["127.0.0.1", *(ns.host_addr for ns in self.namespaces.values())]
+        self.config = root / "server.toml"
+        self.config.write_text(
+            "[server]\n"
+            f'state_dir = "{self.state}"\n'
+            f'agent_listen = "{"0.0.0.0" if netns else "127.0.0.1"}:{self.agent_port}"\n'
+            f'http_listen = "127.0.0.1:{self.http_port}"\n'
+            f"advertise = {json.dumps(advertise)}\n"
+            f"heartbeat_interval_s = {heartbeat_interval_s}\n"
+            f"heartbeat_ttl_s = {heartbeat_ttl_s}\n\n" + catalog
+        )
+        self._cli("ca", "init", "--config", str(self.config))
+        for i, node in enumerate(nodes):
+            self._add_node(node, i)
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _add_node(self, node: str, index: int) -> None:
+        ns = self.namespaces.get(node)
+        server_host = ns.host_addr if ns else "127.0.0.1"
+        source = "" if ns else f'source_address = "127.0.0.{index + 2}"\n'
+        state = self.root / node
+        config = self.root / f"{node}.toml"
+        config.write_text(
+            f'server = "wss://{server_host}:{self.agent_port}"\nnode_id = "{node}"\nstate_dir = "{state}"\n{source}'
+        )
+        pki = state / "pki"
+        self._cli("agent", "csr", "--config", str(config))
+        self._cli(
+            "ca",
+            "issue",
+            node,
+            "--config",
+            str(self.config),
+            "--csr",
+            str(pki / "node.csr"),
+            "--out",
+            str(pki / "node.crt"),
+        )
+        shutil.copy(self.state / "ca" / "ca.crt", pki / "ca.crt")
+
+    def _cli(self, *args: str) -> str:
+        out = run_llmgw(*args, timeout=CLI_TIMEOUT_S)
+        if out.returncode != 0:
+            raise RuntimeError(f"`llmgw {' '.join(args)}` exited {out.returncode}: {out.stderr.strip()}")
+        return out.stdout
+
+    def _spawn(self, name: str, args: list[str], **kw: Any) -> Proc:
+        run = self._runs[name] = self._runs.get(name, 0) + 1
+        proc = Proc(name, args, self.root / f"{name}-{run}.log", **kw)
+        self.procs.append(proc)
+        return proc
+
+    # -- processes --------------------------------------------------------------------------
+
+    def start_server(self) -> Proc:
+        server = self.server = self._spawn(
+            "server",
+            ["server", "--config", str(self.config), "--log-format", "json"],
+            sockets=[self.agent_socket, self.http_socket],
+        )
+        wait_until("the control plane to be ready", lambda: server.events("server_ready"), alive=[server])
+        return server
+
+    def stop_server(self) -> int | None:
+        assert self.server is not None
+        return self.server.stop(signal.SIGTERM, timeout=60)
+
+    def start_agent(self, node: str) -> Proc:
+        ns = self.namespaces.get(node)
+        agent = self._spawn(
+            node,
+            ["agent", "run", "--config", str(self.root / f"{node}.toml"), "--log-format", "json"],
+            env={MARKER_ENV: self.marker(node)},
+            prefix=["ip", "netns", "exec", ns.name] if ns else None,
+        )
+        self.agents[node] = agent
+        return agent
+
+    def marker(self, node: str) -> str:
+        return f"{self.root}/{node}"
+
+    def engine_pids(self, node: str | None = None) -> set[int]:
+        """Live engine processes (of every node, or one): marked processes that are no agent."""
+        agents = {p.popen.pid for p in self.procs if p.name in self.node_ids}
+        nodes = self.node_ids if node is None else (node,)
+        return {pid for n in nodes for pid in marked_pids(self.marker(n)) if pid not in agents}
+
+    def kill_agent(self, node: str) -> None:
+        self.agents[node].popen.send_signal(signal.SIGKILL)
+        self.agents[node].popen.wait(10)
+
+    def kill_node(self, node: str) -> None:
+        engines = self.engine_pids(node)
+        self.kill_agent(node)
+        kill_groups(engines)
+
+    def cut(self, node: str) -> None:
+        self.namespaces[node].cut()
+
+    def restore(self, node: str) -> None:
+        self.namespaces[node].restore()
+
+    # -- what the control plane says --------------------------------------------------------
+
+    def ctl(self, *args: str) -> Any:
+        return json.loads(self._cli("ctl", *args, "--json", "--state-dir", str(self.state)))
+
+    def token(self, name: str) -> str:
+        return self.ctl("keys", "create", name)["token"]
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.ctl("replicas")
+
+    def ready_in_gateway(self, model: str) -> int:
+        """Replicas of `model` the gateway routes to now (its /metrics), -1 while none answers."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.http_port), timeout=2) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
+                s.settimeout(2)
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+        except OSError:
+            return -1
+        want = f'llmgw_gateway_replica_state{{model="{model}",'.encode()
+        return sum(
+            1
+            for line in data.splitlines()
+            if line.startswith(want) and b'state="ready"' in line and line.endswith(b" 1")
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for node in self.node_ids:
+            kill_groups(marked_pids(self.marker(node)))
+        for ns in self.namespaces.values():
+            ns.stop()
+        self.agent_socket.close()
+        self.http_socket.close()
+
+
+def poll(what: str, check, timeout: float, interval: float = 0.2):
+    """`check()` until truthy (its value) or `timeout` (then None); never raises for time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
