@@ -11,6 +11,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from testlib import hostile
 from testlib.proc import llmgw_env
 
 READY_TIMEOUT_S = 90
@@ -64,6 +65,11 @@ def test_up_serves_a_sim_model_through_the_gateway_and_restarts_on_its_state(tmp
         assert ready["gateway_url"] == f"http://127.0.0.1:{port}" and ready["api_key"]
         answer = chat(ready["gateway_url"], ready["api_key"])
         assert answer["choices"][0]["message"]["content"]
+        # The crash first reported: half a request head, then FIN. It used to end `up` (exit 70).
+        for _ in range(20):
+            hostile.cut_at("127.0.0.1", port, b"GET /health HTTP/1.1\r\nHo", 24, how="fin")
+        assert proc.poll() is None
+        assert chat(ready["gateway_url"], ready["api_key"])["choices"][0]["message"]["content"]
     finally:
         code = stop(proc)
     assert code == 0
