@@ -299,9 +299,9 @@ async def _answer_and_close(conn: h11.Connection, stream, limits: Limits, respon
     try:
         await _send_response(conn, stream, response, limits, close=True)
         await _linger(stream)
-    except Exception as exc:
-        if peer_reason(exc) is None and not isinstance(exc, h11.LocalProtocolError):
-            raise
+    except Exception as exc:  # - the connection ends either way; nothing may escape it
+        if peer_reason(exc) is None:
+            log.exception("http_error_answer_failed", status=response.status)
 
 
 async def _linger(stream) -> None:
