@@ -238,10 +238,8 @@ def test_replicas_are_placed_restarted_rebuilt_fenced_drained_and_survive_a_cont
     [started] = [e for e in events if e.get("event") == "drain_started" and e["node"] == drained]
     assert sorted(started["replicas"]) == moving, started
     for rid in moving:
-        ready = [i for i, e in enumerate(events) if e.get("event") == "drain_replacement_ready" and e["replica"] == rid]
-        stopped = [
-            i for i, e in enumerate(events) if e.get("event") == "drain_original_stopped" and e["replica"] == rid
-        ]
+        ready = [i for i, e in enumerate(events) if e.get("event") == "move_replacement_ready" and e["replica"] == rid]
+        stopped = [i for i, e in enumerate(events) if e.get("event") == "move_original_stopped" and e["replica"] == rid]
         assert len(ready) == 1 and len(stopped) == 1 and ready[0] < stopped[0], (rid, ready, stopped)
     nodes = cluster.wait_nodes(
         f"{drained} cordoned and empty",

@@ -52,7 +52,7 @@ def ready(plane: ControlPlane, replica_id: str) -> None:
 
 
 def events(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain_")]
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(("drain_", "move_"))]
 
 
 async def test_each_replacement_is_ready_before_its_original_stops(
@@ -72,7 +72,7 @@ async def test_each_replacement_is_ready_before_its_original_stops(
         while not progress.done:
             await trio.sleep(0.01)
     assert on_a[0] not in plane.replicas.placed and replacement in plane.replicas.placed
-    assert events(caplog) == ["drain_started", "drain_replacement_ready", "drain_original_stopped", "drain_done"]
+    assert events(caplog) == ["drain_started", "move_replacement_ready", "move_original_stopped", "drain_done"]
     node = plane.registry.nodes["a"]
     assert (
         node.cordoned and not node.draining and [r for r in await plane.store.nodes() if r.node_id == "a"][0].cordoned

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw.config import Model
-from llmgw.server.scheduler import GIB, NodeView, Placement, plan
+from llmgw.server.scheduler import GIB, NodeView, Placement, crowded, plan
 
 
 def node(node_id: str, *, gpus: int = 0, mem: float = 64, engines=("sim", "llamacpp"), fabrics=(), **kw) -> NodeView:
@@ -115,3 +115,26 @@ def test_a_removed_node_is_like_a_lost_one() -> None:
     r = Placement(replica_id="m-0", model="m", nodes=("gone",), engine="sim")
     p = plan([node("a")], [model()], [r])
     assert p.stop == (r,) and p.start[0].nodes == ("a",)
+
+
+# -- crowded replicas: candidates for a spreading move -------------------------------------------
+
+
+def test_replicas_placed_together_while_alone_are_crowded_once_another_node_is_free() -> None:
+    alone = plan([node("a")], [model(replicas=3)], [])
+    assert [x.nodes for x in alone.start] == [("a",)] * 3  # the only node when they were placed
+    assert crowded([node("a")], alone.placements) == []  # nowhere better: not crowded
+    # A node joins: every replica but the oldest on "a" may move, the newest first.
+    assert crowded([node("a"), node("b")], alone.placements) == ["m-2", "m-1"]
+
+
+def test_a_node_that_cannot_take_work_makes_nothing_crowded() -> None:
+    together = plan([node("a")], [model(replicas=2)], []).placements
+    assert crowded([node("a"), node("b", schedulable=False)], together) == []
+    spread = plan([node("a"), node("b")], [model(replicas=2)], []).placements
+    assert crowded([node("a"), node("b"), node("c")], spread) == []  # already one per node
+
+
+def test_multi_node_replicas_are_not_moved_for_spreading() -> None:
+    placed = [Placement(replica_id=f"m-{i}", model="m", nodes=("a", "b"), engine="sim", fabric="f") for i in range(2)]
+    assert crowded([node("a"), node("b"), node("c")], placed) == []

@@ -26,7 +26,7 @@ from llmgw import paths, pki
 from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.download import fetch
 from llmgw.engines.wants import engines_for
-from llmgw.errors import LlmgwError, MachineError, leaves
+from llmgw.errors import LlmgwError, MachineError
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
 from llmgw.server import activation
@@ -48,9 +48,10 @@ from llmgw.server.http import (
     serve_http,
 )
 from llmgw.server.listeners import ConnectionStats, Shutdown, raise_fd_limit
+from llmgw.server.moves import DrainProgress, Moves
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import Replicas
-from llmgw.server.store import StoreError, UnknownNode
+from llmgw.server.store import UnknownNode
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
@@ -66,25 +67,6 @@ class Bound:
     def admin_url(self) -> str:
         host, port = self.http_address
         return f"http://{_url_host(host)}:{port}"
-
-
-@attrs.define(kw_only=True)
-class DrainProgress:
-    """One node's drain as the admin API shows it (`view()`), updated as it goes."""
-
-    node: str
-    total: int
-    moved: int = 0
-    current: str | None = None
-    done: bool = False
-    error: str | None = None
-
-    @property
-    def running(self) -> bool:
-        return not self.done and self.error is None
-
-    def view(self) -> dict[str, Any]:
-        return attrs.asdict(self)
 
 
 class ControlPlane:
@@ -118,13 +100,11 @@ class ControlPlane:
             send_timeout_s=config.http.send_timeout_s,
         )
         self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
-        self._replicas_changed = trio.Event()
-        self.drains: dict[str, DrainProgress] = {}
-        self.drain_ready_timeout_s = 600.0
+        self.moves = Moves(self)  # drains and spreading: replicas moved without an outage
+        self._cluster_changed = trio.Event()
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self.mirror_retry_s = 600.0  # a mirror fetch that failed is tried again after this long
         self.background = Background(log)  # its `restarts` are for /metrics
-        self._drain_jobs: trio.Nursery | None = None  # set while `serve_drains` runs
         self.endpoint.on_replicas = self._replicas_reported
         self.admin = AdminAPI(self, self.admin_token)
         self._rotation_changed = trio.Event()
@@ -151,8 +131,7 @@ class ControlPlane:
 
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)
-        self._replicas_changed.set()
-        self._replicas_changed = trio.Event()
+        self.moves.replicas_changed()
         self._rotation_touched()
 
     # -- the gateway's endpoints ----------------------------------------------------------
@@ -171,7 +150,9 @@ class ControlPlane:
             status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None)
             if status is None or status.state != w.READY or not status.port:
                 continue
-            draining = any((n := self.registry.nodes.get(m)) is not None and n.draining for m in p.nodes)
+            draining = rid in self.moves.retiring or any(
+                (n := self.registry.nodes.get(m)) is not None and n.draining for m in p.nodes
+            )
             endpoints.append(
                 Endpoint(
                     replica_id=rid,
@@ -221,106 +202,14 @@ class ControlPlane:
     # -- drain ----------------------------------------------------------------------------
 
     async def serve_drains(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the drains: each runs in this nursery until it is done, stops or the plane stops."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._drain_jobs = nursery
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            self._drain_jobs = None
+        await self.moves.serve(task_status=task_status)
 
     async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress:
-        if node_id not in self.registry.nodes:
-            raise UnknownNode(node_id, sorted(self.registry.nodes))
-        if self._drain_jobs is None:
-            raise RuntimeError("start_drain before serve_drains runs")
-        current = self.drains.get(node_id)
-        if current is not None and current.running:
-            return current
-        await self.store.set_draining(node_id, True, known_at=self.registry.nodes[node_id].address)
-        self.registry.nodes[node_id].draining = True
-        self._rotation_touched()
-        todo = sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes)
-        progress = self.drains[node_id] = DrainProgress(node=node_id, total=len(todo))
-        log.info("drain_started", node=node_id, replicas=todo, force=force)
-        await self._drain_jobs.start(self._run_drain, todo, force, progress)
-        return progress
+        return await self.moves.start_drain(node_id, force=force)
 
-    async def _run_drain(
-        self, todo: list[str], force: bool, progress: DrainProgress, *, task_status: trio.TaskStatus[None]
-    ) -> None:
-        """One drain, whose failure stays its own: a bug ends this drain with an error saying so."""
-        task_status.started()
-        try:
-            await self._drain(progress.node, todo, force, progress)
-        except Exception as exc:
-            log.exception("drain_failed", node=progress.node, replica=progress.current)
-            progress.error = (
-                f"internal error while draining {progress.node}: {leaves(exc)[0]!r}; the log has the traceback; "
-                f"run `llmgw ctl drain {progress.node}` again"
-            )
-
-    async def _drain(self, node_id: str, todo: list[str], force: bool, progress: DrainProgress) -> None:
-        for rid in todo:
-            progress.current = rid
-            original = self.replicas.placed.get(rid)
-            if original is None:
-                continue  # gone meanwhile (lost, failed, catalog change)
-            replacement, reason = self.replicas.place_replacement(rid, trio.current_time())
-            if replacement is None and not force:
-                progress.error = (
-                    f"cannot move {rid} off {node_id}: {reason}. The drain stopped and {rid} keeps running "
-                    f"there; free capacity elsewhere, or run `llmgw ctl drain {node_id} --force` to stop it "
-                    "without a replacement"
-                )
-                log.warning("drain_stopped", node=node_id, replica=rid, reason=reason)
-                return
-            if replacement is not None:
-                new = replacement.placement
-                for n in new.nodes:
-                    await self.endpoint.push_desired_state(n)
-                ready = await self._wait_ready(new.replica_id, new.nodes[0], self.drain_ready_timeout_s)
-                if not ready:
-                    self.replicas.retire(new.replica_id, new.replica_id)
-                    for n in new.nodes:
-                        await self.endpoint.push_desired_state(n)
-                    progress.error = (
-                        f"the replacement {new.replica_id} of {rid} did not become ready within "
-                        f"{self.drain_ready_timeout_s:g} s; the drain stopped and {rid} keeps running "
-                        f"(`llmgw ctl replicas` says why)"
-                    )
-                    log.warning(
-                        "drain_stopped", node=node_id, replica=rid, replacement=new.replica_id, reason="not ready"
-                    )
-                    return
-                log.info(
-                    "drain_replacement_ready", node=node_id, replica=rid, replacement=new.replica_id, on=list(new.nodes)
-                )
-            self.replicas.retire(rid, replacement.placement.replica_id if replacement else None)
-            self._rotation_touched()
-            for n in original.placement.nodes:
-                await self.endpoint.push_desired_state(n)
-            log.info("drain_original_stopped", node=node_id, replica=rid)
-            progress.moved += 1
-        node = self.registry.nodes.get(node_id)
-        if node is not None:
-            node.cordoned, node.draining = True, False
-        try:
-            await self.store.set_cordoned(node_id, True, known_at=node.address if node else None)
-            await self.store.set_draining(node_id, False)
-        except (StoreError, UnknownNode) as exc:
-            # Drained and cordoned all the same; only a restart would find the old marks.
-            log.warning("drain_marks_not_saved", node=node_id, reason=str(exc), fix=f"`llmgw ctl cordon {node_id}`")
-        progress.current, progress.done = None, True
-        log.info("drain_done", node=node_id, moved=progress.moved)
-
-    async def _wait_ready(self, replica_id: str, rank0: str, timeout_s: float) -> bool:
-        with trio.move_on_after(timeout_s):
-            while self._member_state(replica_id, rank0) != w.READY:
-                await self._replicas_changed.wait()
-            return True
-        return False
+    @property
+    def drains(self) -> dict[str, DrainProgress]:
+        return self.moves.drains
 
     # -- operator intent ------------------------------------------------------------------
 
@@ -428,6 +317,10 @@ class ControlPlane:
 
     # -- serving --------------------------------------------------------------------------
 
+    def cluster_changed(self) -> trio.Event:
+        """Set once the reconciler has looked at the next change of nodes or replicas."""
+        return self._cluster_changed
+
     def _notify(self) -> None:
         self._changed.set()
         self._rotation_touched()
@@ -443,6 +336,8 @@ class ControlPlane:
             for node_id in sorted(self.replicas.reconcile(now)):
                 await self.endpoint.push_desired_state(node_id)
             self._changed = trio.Event()
+            self._cluster_changed.set()  # after the reconcile: the spreader sees its result
+            self._cluster_changed = trio.Event()
             with trio.move_on_at(self.registry.next_deadline(now)):
                 await self._changed.wait()
 
@@ -500,6 +395,7 @@ class ControlPlane:
                 except OSError as exc:
                     raise _cannot_listen("http_listen", self.config.server.http_listen, exc) from None
                 await nursery.start(self.background.run, "liveness", self.serve_liveness)
+                await nursery.start(self.background.run, "spread", self.moves.serve_spread)
                 await nursery.start(self.background.run, "mirror", self.fill_mirror)
                 bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
                 url_file = paths.admin_url_path(self.state_dir)

@@ -155,9 +155,9 @@ class Replicas:
             self._save()
         return changed
 
-    def place_replacement(self, replica_id: str, now: float) -> tuple[Stored | None, str]:
-        """For a drain: one more replica of `replica_id`'s model, placed where the scheduler
-        allows (the draining node is not schedulable), on top of the catalog's count."""
+    def propose_replacement(self, replica_id: str, now: float) -> tuple[Placement | None, str]:
+        """Where one more replica of `replica_id`'s model would go now, on top of the catalog's
+        count (the reason when nowhere); changes nothing."""
         original = self.placed[replica_id].placement
         models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
         counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
@@ -166,14 +166,28 @@ class Replicas:
         if not new:
             reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
             return None, reason
-        p = new[0]
+        return new[0], ""
+
+    def add_surge(self, p: Placement) -> Stored:
+        """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""
         used = {s.dist_init_port for s in self.placed.values()}
         port = _free_port(used) if len(p.nodes) > 1 else 0
         stored = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
         self.placed[p.replica_id] = stored
         self.surge.add(p.replica_id)
         self._save()
-        return stored, ""
+        return stored
+
+    def place_replacement(self, replica_id: str, now: float) -> tuple[Stored | None, str]:
+        """For a drain: one more replica of `replica_id`'s model, placed where the scheduler
+        allows (the draining node is not schedulable), on top of the catalog's count."""
+        proposal, reason = self.propose_replacement(replica_id, now)
+        return (self.add_surge(proposal), "") if proposal is not None else (None, reason)
+
+    def spreads(self, p: Placement) -> bool:
+        """Whether `p` would run where no replica of its model runs now."""
+        taken = {n for s in self.placed.values() if s.placement.model == p.model for n in s.placement.nodes}
+        return not taken & set(p.nodes)
 
     def retire(self, replica_id: str, replacement: str | None) -> None:
         """For a drain: the original goes; its replacement now counts as one of the catalog's."""

@@ -13,7 +13,9 @@ reconciler performs what it returns. Rules, in the order they are applied:
   what is already placed there.
 - A replica spanning several nodes goes only on nodes that share one fabric (by identity, not
   by name), never on a node with no fabric.
-- Replicas of one model spread across nodes: a node already holding one comes last.
+- Replicas of one model spread across nodes: a node already holding one comes last. Replicas
+  placed together while no other node was there (nodes join one at a time) are named by
+  `crowded`, for the control plane to move with a replacement first (`llmgw.server.moves`).
 - A replica that cannot be placed is pending with the reason, e.g.
   "needs 2 nodes on one fabric, 1 available on ib-a".
 """
@@ -134,6 +136,28 @@ def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[P
             free.take(placement)
             start.append(placement)
     return Plan(keep=tuple(keep), start=tuple(start), stop=tuple(stop), pending=tuple(pending))
+
+
+def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]:
+    """Single-node replicas that share their node with another replica of their model while a
+    schedulable node holds none of that model: candidates for a spreading move, the newest of
+    each crowded node first. Whether a free node can really take one (engine, GPUs, memory) is
+    for `plan` to say."""
+    by_id = {n.node_id: n for n in nodes}
+    holding: dict[str, set[str]] = {}  # model -> nodes holding a replica of it
+    groups: dict[tuple[str, str], list[Placement]] = {}
+    for p in placed:
+        holding.setdefault(p.model, set()).update(p.nodes)
+        if len(p.nodes) == 1:
+            groups.setdefault((p.model, p.nodes[0]), []).append(p)
+    out = []
+    for (model, node), group in sorted(groups.items()):
+        if len(group) < 2 or not (node in by_id and by_id[node].alive):
+            continue
+        if not any(n.schedulable and n.node_id not in holding[model] for n in nodes):
+            continue
+        out.extend(p.replica_id for p in sorted(group, key=_slot, reverse=True)[:-1])
+    return out
 
 
 def _slot(p: Placement) -> int:

@@ -243,6 +243,15 @@ class Gateway:
             return True
         return False
 
+    async def quiesce(self, replica_id: str, timeout_s: float) -> bool:
+        """Wait until no request is outstanding on `replica_id` (which the caller has taken out
+        of rotation first), for at most `timeout_s`; whether it got there."""
+        with trio.move_on_after(timeout_s):
+            while self.router.outstanding.get(replica_id, 0) > 0:
+                await self._wakeup.wait()  # set whenever a request lets go of its replica
+            return True
+        return False
+
     # -- requests -------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response | StreamingResponse:

@@ -1,0 +1,144 @@
+"""Moves on an in-process control plane with a fake clock: replicas placed together while one
+node was alone are spread once another joins, each move's replacement ready before the
+original goes, and the original's requests finishing before it stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from llmgw.config import Model, ServerConfig, ServerSection
+from llmgw.server.app import ControlPlane
+from llmgw.server.gateway.routing import Endpoint
+from llmgw.wire import agent_link as w
+from testlib.controlplane import make_state
+
+pytestmark = pytest.mark.trio
+
+SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
+
+
+async def join(plane: ControlPlane, node: str) -> None:
+    hello = w.Hello(
+        protocol_version=w.PROTOCOL_VERSION,
+        node_id=node,
+        agent_version="t",
+        boot_id="b",
+        started_at=1.0,
+        inventory=w.Inventory(hostname=node, os="l", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=2),
+        engines=SIM,
+    )
+    await plane.store.saw_node(node, "127.0.0.1")
+    now = trio.current_time()
+    conn = plane.registry.connect(hello, address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now)
+    plane.registry.heartbeat(node, conn, now)
+
+
+def ready(plane: ControlPlane, replica_id: str) -> None:
+    node = plane.replicas.placed[replica_id].placement.nodes[0]
+    statuses = (w.ReplicaStatus(replica_id=replica_id, model="chat", state=w.READY),)
+    plane.registry.nodes[node].replicas = statuses  # as the endpoint records a ReplicasChanged
+    plane._replicas_reported(node, statuses)
+
+
+def where(plane: ControlPlane) -> dict[str, tuple[str, ...]]:
+    return {k: v.placement.nodes for k, v in sorted(plane.replicas.placed.items())}
+
+
+async def crowded_plane(tmp_path: Path, nursery: trio.Nursery) -> ControlPlane:
+    """Two replicas of "chat" placed while node "a" was alone; then "b" joins."""
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=2),)
+    )
+    plane = ControlPlane(config, state)
+    await nursery.start(plane.moves.serve)
+    await join(plane, "a")
+    plane.replicas.reconcile(trio.current_time())
+    assert where(plane) == {"chat-0": ("a",), "chat-1": ("a",)}
+    await join(plane, "b")
+    return plane
+
+
+async def wait_for(predicate, what: str) -> None:
+    with trio.fail_after(1000):  # fake time: only a hang would take this long
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def test_a_replica_placed_with_another_of_its_model_moves_to_a_free_node(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog
+) -> None:
+    caplog.set_level("INFO")
+    plane = await crowded_plane(tmp_path, nursery)
+    moved: list[bool] = []
+
+    async def spread() -> None:
+        moved.append(await plane.moves.spread_once())
+
+    nursery.start_soon(spread)
+    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    [replacement] = plane.replicas.surge
+    assert plane.replicas.placed[replacement].placement.nodes == ("b",)
+    assert where(plane)["chat-1"] == ("a",)  # the original runs until its replacement is ready
+    ready(plane, replacement)
+    await wait_for(lambda: moved, "the move to finish")
+    assert moved == [True] and sorted(where(plane).values()) == [("a",), ("b",)]
+    assert not plane.replicas.surge  # the replacement now counts as one of the catalog's
+    names = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
+    assert names == ["spread_started", "move_replacement_ready", "move_original_stopped"]
+    assert await plane.moves.spread_once() is False  # spread: nothing more to do
+
+
+async def test_the_original_stops_only_once_its_requests_have_finished(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    plane = await crowded_plane(tmp_path, nursery)
+    original = Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1)
+    plane.gateway.router.acquire(original)  # a stream in flight on it
+    nursery.start_soon(plane.moves.spread_once)
+    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    ready(plane, next(iter(plane.replicas.surge)))
+    await wait_for(lambda: "chat-1" in plane.moves.retiring, "the original to leave rotation")
+    await trio.sleep(plane.moves.retire_grace_s / 2)
+    assert "chat-1" in plane.replicas.placed  # still serving what it has
+    started = trio.current_time()
+    plane.gateway.router.release(original)
+    plane.gateway._wake()  # what a finished request does
+    await wait_for(lambda: "chat-1" not in plane.replicas.placed, "the original to go")
+    assert trio.current_time() - started < 1
+
+
+async def test_requests_that_outlast_the_grace_do_not_hold_the_move_forever(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog
+) -> None:
+    plane = await crowded_plane(tmp_path, nursery)
+    plane.gateway.router.acquire(Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1))
+    nursery.start_soon(plane.moves.spread_once)
+    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    ready(plane, next(iter(plane.replicas.surge)))
+    await wait_for(lambda: "chat-1" in plane.moves.retiring, "the original to leave rotation")
+    left_rotation = trio.current_time()
+    await wait_for(lambda: "chat-1" not in plane.replicas.placed, "the original to go")
+    assert trio.current_time() - left_rotation == pytest.approx(plane.moves.retire_grace_s, abs=0.1)
+    assert any(r.getMessage() == "move_retire_grace_over" for r in caplog.records)
+
+
+async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_later(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    plane = await crowded_plane(tmp_path, nursery)
+    assert await plane.moves.spread_once() is False  # waited ready_timeout_s (fake time) in vain
+    assert where(plane) == {"chat-0": ("a",), "chat-1": ("a",)} and not plane.replicas.surge
+    failed_at = trio.current_time()
+    assert await plane.moves.spread_once() is False  # within the retry pause: not even tried
+    assert not plane.replicas.surge and trio.current_time() == failed_at
+    await trio.sleep(plane.moves.spread_retry_s)
+    for node in ("a", "b"):  # the nodes kept their heartbeats all along
+        plane.registry.heartbeat(node, plane.registry.nodes[node].session.conn_id, trio.current_time())
+    nursery.start_soon(plane.moves.spread_once)
+    await wait_for(lambda: plane.replicas.surge, "a second attempt")
