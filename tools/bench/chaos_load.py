@@ -171,8 +171,9 @@ class Load:
                 await trio.sleep_until(next_at)
 
     def between(self, start: float, end: float) -> dict:
-        """What was started in [start, end): counts and failures of each kind."""
-        window = [o for o in self.outcomes if start <= o.started < end]
+        """What ran during [start, end) — started in it, or in flight when it began (a stream
+        cut by a fault started before it): counts and failures of each kind."""
+        window = [o for o in self.outcomes if o.started < end and o.ended >= start]
         out: dict = {}
         for kind, name in (("request", "requests"), ("stream", "streams")):
             of_kind = [o for o in window if o.kind == kind]

@@ -516,3 +516,26 @@ async def test_peer_failures_are_told_from_bugs() -> None:
     assert http.peer_reason(group) == "reset"
     assert http.peer_reason(ExceptionGroup("mixed", [reset, KeyError("bug")])) is None
     assert http.peer_reason(RuntimeError("bug")) is None
+
+
+async def test_a_producer_that_aborts_on_purpose_truncates_without_a_traceback(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    stats = http.ConnectionStats()
+
+    async def upstream_breaks():
+        yield b"data: part\n\n"
+        await trio.sleep(1)
+        raise http.BodyAborted("the replica's connection broke")
+
+    async def handler(request: http.Request) -> http.StreamingResponse:
+        return http.StreamingResponse(status=200, body=upstream_breaks())
+
+    async def ask(stream) -> None:
+        await Client(stream).send("GET", "/stream")
+
+    answer, _ = await serve_and_answer(handler, http.Limits(), ask, stats)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"data: part" in answer
+    assert not answer.endswith(b"0\r\n\r\n")  # no last chunk: the client can tell it was cut
+    assert aborted(stats) == {"body_aborted": 1}
+    assert not [r for r in caplog.records if r.exc_info]

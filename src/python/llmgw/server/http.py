@@ -119,6 +119,12 @@ class StreamingResponse:
     headers: tuple[tuple[str, str], ...] = ()
 
 
+class BodyAborted(Exception):
+    """Raised by a streamed body's producer to end its response without the last chunk, for a
+    reason it has logged itself (an upstream broke): the client sees a truncated body, and
+    this is not logged as a bug."""
+
+
 class HTTPError(Exception):
     """Raised by handlers to answer with an error status and an explanation."""
 
@@ -562,6 +568,8 @@ async def _send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes], l
             chunk = await anext(chunks)
         except StopAsyncIteration:
             break
+        except BodyAborted as exc:
+            raise _Abort("body_aborted", message=str(exc)) from None  # said where it was raised
         except Exception:
             log.exception("http_stream_failed")
             raise _Abort("producer_failed", message="the streamed body's producer failed") from None

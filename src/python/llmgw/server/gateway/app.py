@@ -47,7 +47,7 @@ from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
 from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
-from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, parse_json
+from llmgw.server.http import BodyAborted, HTTPError, Request, Response, StreamingResponse, parse_json
 from llmgw.server.store import KeyRow
 
 log = get_logger("llmgw.gateway")
@@ -525,7 +525,7 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
         status = 502
         if job.endpoint is not None:  # out of rotation until probed; the client has part of an answer: no retry
             job.gw._failed(job.endpoint, "broken", client_saw_bytes=True)
-        raise
+        raise BodyAborted(str(exc)) from None
     finally:
         with trio.CancelScope(shield=True):
             await upstream.aclose()  # not read to its end: closed, which stops the engine's work
