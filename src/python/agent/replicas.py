@@ -180,6 +180,7 @@ def describe_end(engine: EngineProcess) -> str:
 class _Member:
     status: w.ReplicaStatus
     fingerprint: str  # of the assignment it runs
+    engine: str
     assignment: w.ReplicaAssignment | None  # None: adopted, until a desired state confirms it
     assigned: trio.Event = attrs.Factory(trio.Event)
     observed: trio.Event = attrs.Factory(trio.Event)  # its engine was probed once (or it ended)
@@ -276,6 +277,10 @@ class Supervisor:
         if self._nursery is not None:
             self._apply()
 
+    def adopted_engines(self) -> frozenset[str]:
+        """The engines that adopted members not yet confirmed by a desired state run."""
+        return frozenset(m.engine for m in self._members.values() if m.assignment is None)
+
     def statuses(self) -> tuple[w.ReplicaStatus, ...]:
         """Every member as observed now: for the hello and `ReplicasChanged`."""
         shown = dict(self._members)
@@ -320,6 +325,7 @@ class Supervisor:
                 replica_id=r.replica_id, model=r.model, state=w.STARTING, node_rank=r.node_rank, pid=r.pid
             ),
             fingerprint=r.fingerprint,
+            engine=r.engine,
             assignment=None,
             gpus=r.gpus,
             port=r.port,
@@ -347,6 +353,7 @@ class Supervisor:
             m = _Member(
                 status=w.ReplicaStatus(replica_id=a.replica_id, model=a.model, state=w.FETCHING, node_rank=a.node_rank),
                 fingerprint=fingerprint(a),
+                engine=a.engine,
                 assignment=a,
             )
             m.assigned.set()
