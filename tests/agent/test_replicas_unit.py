@@ -15,9 +15,9 @@ import pytest
 import trio
 import trio.testing
 
+from agent.adoption import fingerprint
 from agent.engines import Engines, EngineUnavailable
 from agent.replica_logs import EngineLog, tail_files, tail_replica
-from agent.adoption import fingerprint
 from agent.replicas import TRANSITIONS, Plan, RestartPolicy, Supervisor, describe_exit, key_of, plan
 from agent.weights import WeightsStore
 from llmgw.errors import UsageError
