@@ -30,6 +30,7 @@ from agent.adoption import (
     proc_stat,
     read_boot_id,
 )
+from agent.replica_plan import RestartPolicy
 from agent.replicas import Supervisor
 from agent.weights import WeightsStore
 from llmgw.wire import agent_link as w
@@ -304,8 +305,6 @@ async def test_an_adopted_member_assigned_differently_is_stopped_before_its_succ
 async def test_an_adopted_worker_that_exits_before_any_desired_state_waits_for_its_assignment(
     tmp_path: Path, sleeper: subprocess.Popen, nursery: trio.Nursery
 ) -> None:
-    from agent.replicas import RestartPolicy
-
     a = assignment()
     RunRecords(tmp_path / "run").write(record_of(sleeper, fingerprint=fingerprint(a)))
     sup = supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.05))

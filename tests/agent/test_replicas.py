@@ -23,7 +23,8 @@ import trio
 
 from agent.adoption import Record, RunRecords, fingerprint, proc_stat, read_boot_id
 from agent.replica_logs import EngineLog, log_path
-from agent.replicas import RestartPolicy, Supervisor
+from agent.replica_plan import RestartPolicy
+from agent.replicas import Supervisor
 from agent.selfexec import llmgw_command
 from agent.weights import WeightsStore
 from llmgw.log import EventFormatter

@@ -18,7 +18,8 @@ import trio.testing
 from agent.adoption import fingerprint
 from agent.engines import Engines, EngineUnavailable
 from agent.replica_logs import EngineLog, tail_files, tail_replica
-from agent.replicas import TRANSITIONS, Plan, RestartPolicy, Supervisor, describe_exit, key_of, plan
+from agent.replica_plan import TRANSITIONS, Plan, RestartPolicy, describe_exit, key_of, plan
+from agent.replicas import Supervisor
 from agent.weights import WeightsStore
 from llmgw.errors import UsageError
 from llmgw.wire import agent_link as w

@@ -81,6 +81,29 @@ class Record:
     def key(self) -> tuple[str, int]:
         return (self.replica_id, self.node_rank)
 
+    @classmethod
+    def of_child(
+        cls, a: w.ReplicaAssignment, pid: int, *, port: int, gpus: tuple[int, ...], fingerprint: str, boot_id: str
+    ) -> Record | None:
+        """The record of an engine just started (it leads its own process group); None if it is gone already."""
+        seen = proc_stat(pid)
+        if seen is None:
+            return None
+        return cls(
+            replica_id=a.replica_id,
+            node_rank=a.node_rank,
+            model=a.model,
+            engine=a.engine,
+            pid=pid,
+            pgid=pid,
+            start_time=seen.start_time,
+            boot_id=boot_id,
+            port=port,
+            gpus=gpus,
+            fingerprint=fingerprint,
+            started_at=time.time(),
+        )
+
 
 @attrs.frozen
 class ProcStat:

@@ -26,8 +26,10 @@ it runs is stopped and restarted as if it had exited (`LIVENESS_*`: a hung engin
 holding its replica). A multi-node engine fails as a whole by itself (rank 0 exits when a
 member is lost), so every member just restarts its own process and the rendezvous forms again.
 
-Engine output goes to rotated files (`agent.replica_logs`); the process plumbing (process
-group signals, health probe, port) is `agent.engine_proc`; weights are `agent.weights`.
+The decisions are pure, in `agent.replica_plan` (state table, restart policy, plan); engine
+output goes to rotated files (`agent.replica_logs`); the process plumbing (process group
+signals, health probe, port) is `agent.engine_proc`; records and adoption `agent.adoption`;
+weights are `agent.weights`.
 Secrets never reach a log: the API key travels in the engine's environment and commands are
 logged with `Command.for_log()`.
 """
@@ -45,7 +47,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.adoption import Adopted, Record, RunRecords, adopt_all, fingerprint, proc_stat, read_boot_id
+from agent.adoption import Adopted, Record, RunRecords, adopt_all, fingerprint, read_boot_id
 from agent.engine_proc import (
     HEALTH_TIMEOUT_S,
     Child,
@@ -57,6 +59,16 @@ from agent.engine_proc import (
 )
 from agent.engines import EngineUnavailable
 from agent.replica_logs import CHECK_INTERVAL_S, FILES, MAX_BYTES, EngineLog, log_path, tail_replica
+from agent.replica_plan import (
+    DEFAULT_POLICY,
+    TRANSITIONS,
+    Key,
+    RestartPolicy,
+    describe_end,
+    describe_exit,
+    key_of,
+    plan,
+)
 from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
 from llmgw.config import Secret
 from llmgw.engines import Command, ReplicaLaunch, build_command
@@ -65,8 +77,6 @@ from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.replicas")
-
-Key = tuple[str, int]  # (replica_id, node_rank)
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
@@ -84,94 +94,6 @@ TAIL_LINES = 20  # engine log lines in a restarting/failed detail
 # How long a starting agent waits for the first /health answer of the engines it adopts before
 # its hello goes out: long enough for one probe, so the hello says "ready" and nothing moves.
 ADOPT_PROBE_S = HEALTH_TIMEOUT_S + 0.5
-
-# Every move a member's state may make (staying put, with new fields, is always allowed). A
-# member being stopped only goes on to stopped: whatever else it was about to report is moot.
-TRANSITIONS: Mapping[str, frozenset[str]] = {
-    w.FETCHING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
-    w.STARTING: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
-    w.READY: frozenset({w.RESTARTING, w.FAILED, w.STOPPING}),
-    # An adopted engine that exited is followed by an ordinary start, which may fetch first.
-    w.RESTARTING: frozenset({w.FETCHING, w.STARTING, w.FAILED, w.STOPPING}),
-    w.FAILED: frozenset({w.FETCHING, w.STARTING, w.STOPPING}),  # waiting for an engine or GPUs
-    w.STOPPING: frozenset({w.STOPPED}),
-    w.STOPPED: frozenset(),
-}
-
-
-# -- pure decisions --------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class RestartPolicy:
-    """When to start an engine again after it exited, and when to stop trying.
-
-    Exits within `window_s` count; `max_failures` of them and the member is failed (the control
-    plane places it elsewhere). Otherwise the delay doubles with each recent exit, so an engine
-    that ran for hours and crashed once is back after `first_delay_s`.
-    """
-
-    first_delay_s: float = 1.0
-    max_delay_s: float = 60.0
-    factor: float = 2.0
-    window_s: float = 600.0
-    max_failures: int = 5
-
-    def recent(self, exits: Iterable[float], now: float) -> list[float]:
-        return [t for t in exits if now - t <= self.window_s]
-
-    def next_delay(self, exits: Sequence[float], now: float) -> float | None:
-        """Seconds to wait before the next start, given the times of the exits so far; None: give up."""
-        n = len(self.recent(exits, now))
-        if n >= self.max_failures:
-            return None
-        return min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, n - 1))
-
-
-DEFAULT_POLICY = RestartPolicy()
-
-
-@attrs.frozen(kw_only=True)
-class Plan:
-    start: tuple[w.ReplicaAssignment, ...] = ()
-    stop: tuple[Key, ...] = ()
-    keep: tuple[w.ReplicaAssignment, ...] = ()  # running already, identical: confirms an adopted member
-
-
-def key_of(a: w.ReplicaAssignment) -> Key:
-    return (a.replica_id, a.node_rank)
-
-
-def plan(running: Mapping[Key, str], wanted: Iterable[w.ReplicaAssignment]) -> Plan:
-    """What to stop and start so that exactly `wanted` runs. `running` holds the fingerprint of
-    what each member runs (an adopted engine's comes from its record). Identical ones are kept."""
-    want = {key_of(a): a for a in wanted}
-    prints = {k: fingerprint(a) for k, a in want.items()}
-    return Plan(
-        start=tuple(a for k, a in sorted(want.items()) if running.get(k) != prints[k]),
-        stop=tuple(k for k, f in sorted(running.items()) if prints.get(k) != f),
-        keep=tuple(a for k, a in sorted(want.items()) if running.get(k) == prints[k]),
-    )
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "the engine could not be started"
-    if code < 0:
-        try:
-            return f"the engine was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"the engine was killed by signal {-code}"
-    return f"the engine exited with status {code}"
-
-
-def describe_end(engine: EngineProcess) -> str:
-    if engine.returncode is not None:
-        return describe_exit(engine.returncode)
-    if engine.exited:
-        return f"the engine (pid {engine.pid}, adopted) exited; its exit status went to its parent"
-    return f"the engine (pid {engine.pid}) is still running"
-
 
 # -- the supervisor --------------------------------------------------------------------------
 
@@ -405,25 +327,10 @@ class Supervisor:
 
     def _record(self, m: _Member, a: w.ReplicaAssignment, pid: int) -> None:
         """Note the engine in STATE/run, so that the next agent adopts it should this one die."""
-        seen = proc_stat(pid)
-        if seen is None:
-            return  # gone already: nothing to adopt
-        record = Record(
-            replica_id=a.replica_id,
-            node_rank=a.node_rank,
-            model=a.model,
-            engine=a.engine,
-            pid=pid,
-            pgid=pid,
-            start_time=seen.start_time,
-            boot_id=self._boot_id,
-            port=m.port,
-            gpus=m.gpus,
-            fingerprint=m.fingerprint,
-            started_at=time.time(),
-        )
+        record = Record.of_child(a, pid, port=m.port, gpus=m.gpus, fingerprint=m.fingerprint, boot_id=self._boot_id)
         try:
-            self.records.write(record)
+            if record is not None:  # None: it is gone already, nothing to adopt
+                self.records.write(record)
         except OSError as exc:
             # The engine runs all the same; only an agent that dies now would leave it unadopted.
             log.warning("replica_record_failed", replica=a.replica_id, rank=a.node_rank, reason=str(exc))
