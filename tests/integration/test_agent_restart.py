@@ -5,13 +5,16 @@ sim engine it starts. Under a bounded load of requests through the gateway, the 
 SIGKILLed; its engine keeps answering (also after writing far more than a pipe holds to its
 log, with no agent alive to read anything); the agent is started again and adopts the very same
 process: same pid and port, `restarts` 0, no second engine, not one request failed. Then the
-catalog drops the model and the restarted agent stops the engine it adopted.
+catalog drops the model and the restarted agent stops the engine it adopted. The same holds
+under `llmgw agent supervise`, which starts a dead agent again by itself.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import sqlite3
 import threading
 import time
@@ -36,6 +39,7 @@ LOAD_INTERVAL_S = 0.05
 LOAD_MAX_REQUESTS = 2000  # bounded in count, and by LOAD_MAX_S in time
 LOAD_MAX_S = 50.0
 CLIENT_TIMEOUT_S = 10.0
+STOP_WAIT_S = 30.0
 
 
 @attrs.define
@@ -162,4 +166,54 @@ def test_a_killed_agent_restarted_adopts_its_engine_and_no_request_fails(tmp_pat
         if load_thread is not None:
             load.stop.set()
             load_thread.join(LOAD_MAX_S + CLIENT_TIMEOUT_S)
+        cluster.close()
+
+
+def json_events(path: Path, event: str) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if record.get("event") == event:
+                out.append(record)
+    return out
+
+
+def test_under_llmgw_agent_supervise_a_killed_agent_is_restarted_and_adopts_its_engine(tmp_path: Path) -> None:
+    # The fallback supervisor (nodes without systemd) starts the agent again after it dies; the
+    # engine outlives the agent there too. `llmgw agent stop` is a clean stop: the engine goes with it.
+    cluster = Cluster(tmp_path, heartbeat_interval_s=0.5, heartbeat_ttl_s=15)
+    try:
+        cluster.init_ca()
+        cluster.set_catalog(CATALOG)
+        files = cluster.add_node("node-a")
+        cluster.start_server()
+        pid_file, agent_log = tmp_path / "agent.pid", tmp_path / "agent.log"
+        supervisor = cluster.start_supervised_agent("node-a", pid_file, agent_log)
+        [ready] = cluster.wait_replicas("the replica ready", lambda rs: [r["state"] for r in rs] == ["ready"])
+        rid, [pid] = ready["replica"], ready["pids"]
+        [started] = json_events(agent_log, "agent_started")
+        os.kill(started["pid"], signal.SIGKILL)
+        wait_until(
+            "the agent started again, its adoption confirmed",
+            lambda: json_events(agent_log, "replica_adoption_confirmed"),
+            procs=[supervisor],
+            alive=[supervisor],
+            timeout=30,
+        )
+        assert [e["signal"] for e in json_events(agent_log, "agent_exited")] == ["SIGKILL"]
+        assert [e["pid"] for e in json_events(agent_log, "replica_adopted")] == [pid]
+        [again] = cluster.wait_replicas("the replica ready again", lambda rs: [r["state"] for r in rs] == ["ready"])
+        assert (again["replica"], again["pids"], again["restarts"]) == (rid, [pid], 0)
+        assert not json_events(agent_log, "replica_stopped") and alive(pid)
+        # A clean stop of the supervisor stops its agent, which stops its engine.
+        cluster.llmgw("agent", "stop", "--pid-file", str(pid_file))
+        assert supervisor.popen.wait(STOP_WAIT_S) == 0
+        assert not alive(pid), "the engine outlived a clean stop of its agent"
+        assert [e["pid"] for e in json_events(agent_log, "replica_stopped")] == [pid]
+        assert not (files.state_dir / "run" / f"{rid}-r0.json").exists()
+    finally:
         cluster.close()
