@@ -1,4 +1,6 @@
-"""One engine process's plumbing: its process group, its health probe, its port.
+"""One engine process's plumbing: its process group, its health probe, its port, and the one
+interface (`EngineProcess`) through which the supervisor watches an engine it started (`Child`)
+or adopted from an earlier agent (`agent.adoption.Adopted`).
 
 The engine leads its own session (`start_new_session=True`), so its process group id is its
 pid and a signal to the group reaches every process it started (vLLM's workers, a shell's
