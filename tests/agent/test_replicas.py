@@ -1,5 +1,6 @@
 """The supervisor with real sim engines on loopback: start, health, restart after a kill, adopt
-unchanged assignments, stop with SIGTERM, and a two-node replica whose members fail together.
+unchanged assignments, stop with SIGTERM, a two-node replica whose members fail together, and
+an engine left running by an earlier agent adopted, probed and restarted.
 
 Two `Supervisor`s stand in for two nodes. Every wait is bounded; a failed wait shows the
 statuses and the engine log tails.
@@ -12,13 +13,18 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import attrs
 import pytest
 import trio
 
-from agent.replicas import RestartPolicy, Supervisor
+from agent.adoption import Record, RunRecords, fingerprint, proc_stat, read_boot_id
+from agent.replica_logs import EngineLog, log_path
+from agent.replica_plan import RestartPolicy
+from agent.replicas import Supervisor
 from agent.selfexec import llmgw_command
 from agent.weights import WeightsStore
 from llmgw.log import EventFormatter
@@ -307,3 +313,90 @@ async def test_cancelling_the_supervisor_stops_every_engine(tmp_path: Path) -> N
             nursery.cancel_scope.cancel()  # the agent stops
     assert gone(a.pid) and gone(b.pid)
     assert "sim_stopping signal=SIGTERM" in sup.tail("a-1") and "sim_stopping signal=SIGTERM" in sup.tail("b-1")
+
+
+# -- an agent that starts next to an engine an earlier agent left running ---------------------
+
+
+def sim_assignment() -> w.ReplicaAssignment:
+    return w.ReplicaAssignment(replica_id="m-1", model="m", engine="sim", api_key=API_KEY, nodes=("n1",))
+
+
+def start_orphan_sim(state_dir: Path, port: int) -> subprocess.Popen:
+    """A sim started as an agent starts one (own session, output on its log file), and its record:
+    what an agent killed with SIGKILL leaves behind."""
+    engine_log = EngineLog(log_path(state_dir / "logs", "m-1", 0))
+    argv = [*llmgw_command(), "engine", "sim", "--model", "m", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(
+        argv,
+        env=llmgw_env({"LLMGW_SIM_API_KEY": API_KEY}),
+        stdin=subprocess.DEVNULL,
+        stdout=engine_log.fileno(),
+        stderr=engine_log.fileno(),
+        start_new_session=True,
+    )
+    engine_log.close()
+    seen = proc_stat(proc.pid)
+    assert seen is not None
+    RunRecords(state_dir / "run").write(
+        Record(
+            replica_id="m-1",
+            node_rank=0,
+            model="m",
+            engine="sim",
+            pid=proc.pid,
+            pgid=proc.pid,
+            start_time=seen.start_time,
+            boot_id=read_boot_id(),
+            port=port,
+            fingerprint=fingerprint(sim_assignment()),
+            started_at=time.time(),
+        )
+    )
+    return proc
+
+
+def serves(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+
+
+async def test_an_adopted_engine_is_ready_in_the_first_report_probed_and_restarted_when_it_hangs(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    port = free_port()
+    orphan = start_orphan_sim(tmp_path, port)
+    try:
+        with trio.fail_after(30):
+            while not await trio.to_thread.run_sync(serves, port):
+                await trio.sleep(0.05)
+        sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2), liveness=(0.2, 0.3, 3))
+        sup.stop_timeout_s = 1.0
+        await nursery.start(sup.serve)
+        # Started, the supervisor has probed it: the hello would say ready, with its pid and port.
+        [first] = sup.statuses()
+        assert (first.state, first.pid, first.port, first.restarts) == (w.READY, orphan.pid, port, 0)
+        sup.assign((sim_assignment(),))
+        code, _ = await trio.to_thread.run_sync(post, port, "/v1/completions", {"model": "m", "prompt": "x"}, API_KEY)
+        assert code == 200 and status(sup) == first
+
+        # Liveness holds for it too: stopped (SIGSTOP), it is killed and a fresh engine is started
+        # the ordinary way, a child of this supervisor, on the same port.
+        os.kill(orphan.pid, signal.SIGSTOP)
+        again = await wait_for(
+            sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != orphan.pid and st, "a new engine"
+        )
+        assert orphan.wait(10) == -signal.SIGKILL  # deaf to SIGTERM while stopped
+        assert (again.restarts, again.port) == (1, port)
+        log = sup.tail("m-1", 200)
+        assert "the engine is stuck" in log and f"the engine (pid {orphan.pid}, adopted) exited" in log
+        [record] = RunRecords(tmp_path / "run").read()[0]
+        assert (record.pid, record.port, record.fingerprint) == (again.pid, port, fingerprint(sim_assignment()))
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()

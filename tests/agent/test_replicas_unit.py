@@ -3,18 +3,27 @@ members that cannot start, on trio's MockClock."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
+from agent.adoption import fingerprint
 from agent.engines import Engines, EngineUnavailable
 from agent.replica_logs import EngineLog, tail_files, tail_replica
-from agent.replicas import TRANSITIONS, RestartPolicy, Supervisor, describe_exit, key_of, plan
+from agent.replica_plan import TRANSITIONS, Plan, RestartPolicy, describe_exit, key_of, plan
+from agent.replicas import Supervisor
 from agent.weights import WeightsStore
 from llmgw.errors import UsageError
 from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
 
 
 def assignment(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
@@ -51,15 +60,48 @@ def test_exit_descriptions() -> None:
 
 def test_plan_keeps_identical_assignments_and_replaces_changed_ones() -> None:
     a, b, c = assignment("a-1"), assignment("b-1"), assignment("c-1")
-    running = {key_of(a): a, key_of(b): b}
-    b2 = w.ReplicaAssignment(
-        **{**{f: getattr(b, f) for f in ("replica_id", "model", "engine", "nodes")}, "api_key": "new"}
-    )
+    running = {key_of(a): fingerprint(a), key_of(b): fingerprint(b)}
+    b2 = attrs.evolve(b, api_key="new")
     p = plan(running, [a, b2, c])
     assert p.start == (b2, c)
     assert p.stop == (key_of(b),)
-    assert plan(running, [a, b]).start == () and plan(running, [a, b]).stop == ()
+    assert p.keep == (a,)
+    assert plan(running, [a, b]) == Plan(keep=(a, b))
     assert plan(running, []).stop == (key_of(a), key_of(b))
+
+
+def test_an_adopted_engine_is_kept_when_its_assignment_is_the_same_and_stopped_otherwise() -> None:
+    # What an adopted member runs is known only by the fingerprint its record holds.
+    a = assignment("a-1", args=("--x",), gpus=1, weights=w.WeightsSource(url="https://h/m.gguf", sha256="0" * 64))
+    recorded = {key_of(a): fingerprint(a)}
+    # The same assignment, even decoded from the wire by a control plane that came back: kept.
+    again = decode(encode(w.DesiredState(generation=7, replicas=(a,))), w.ServerMessage).replicas
+    assert plan(recorded, again) == Plan(keep=(a,))
+    # Changed in any field (a new key, other args, another rank-0 address): stopped and started anew.
+    for changed in (
+        attrs.evolve(a, api_key="rotated"),
+        attrs.evolve(a, args=()),
+        attrs.evolve(a, rank0_addr="10.0.0.9"),
+        attrs.evolve(a, weights=attrs.evolve(a.weights, sha256="1" * 64)),
+    ):
+        assert plan(recorded, [changed]) == Plan(start=(changed,), stop=(key_of(a),)), changed
+    # No longer assigned: stopped; another rank of the same replica is another member.
+    assert plan(recorded, []) == Plan(stop=(key_of(a),))
+    other_rank = attrs.evolve(a, node_rank=1)
+    assert plan(recorded, [other_rank]) == Plan(start=(other_rank,), stop=(key_of(a),))
+
+
+def test_a_fingerprint_names_the_whole_assignment_and_ignores_fields_left_at_their_defaults() -> None:
+    a = assignment()
+    assert fingerprint(a) == fingerprint(assignment()) and len(fingerprint(a)) == 64
+    assert fingerprint(a) != fingerprint(attrs.evolve(a, api_key="other"))
+    assert fingerprint(a) != fingerprint(attrs.evolve(a, nodes=("n1", "n2")))
+    assert "k-m-1" not in fingerprint(a)  # a digest, not the key
+    # Only fields that differ from their defaults count, so a wire field added later with a
+    # default does not change the fingerprint of what an older agent recorded.
+    explicit = {"replica_id": "m-1", "model": "m", "engine": "sim", "api_key": "k-m-1", "nodes": ["n1"]}
+    text = json.dumps(explicit, sort_keys=True, separators=(",", ":"))
+    assert fingerprint(a) == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_every_state_is_in_the_table_and_only_stopping_reaches_stopped() -> None:
@@ -75,15 +117,64 @@ def test_logs_rotate_by_size_keep_n_files_and_tail_across_them(tmp_path: Path) -
     path = tmp_path / "logs" / "m-1-r0.log"
     log = EngineLog(path, max_bytes=100, files=3)
     for i in range(100):
-        log.write(f"line {i:03d}\n".encode())  # 9 bytes each: 11 lines a file
+        log.write(f"line {i:03d}\n".encode())  # 9 bytes each: 12 lines pass 100 bytes
+        if log.too_big():
+            log.rotate()
     log.close()
     assert sorted(p.name for p in path.parent.iterdir()) == ["m-1-r0.log", "m-1-r0.log.1", "m-1-r0.log.2"]
-    assert all(p.stat().st_size <= 100 for p in path.parent.iterdir())
+    assert all(p.stat().st_size <= 108 for p in path.parent.iterdir())
     assert tail_files(path, 3).splitlines() == ["line 097", "line 098", "line 099"]
     # More lines than the current file holds come from the older files, in order.
     assert tail_files(path, 20).splitlines() == [f"line {i:03d}" for i in range(80, 100)]
     # Older than the kept files: gone.
-    assert tail_files(path, 1000).splitlines()[0] == "line 077"
+    assert tail_files(path, 1000).splitlines()[0] == "line 072"
+
+
+def test_an_engine_writing_its_own_log_keeps_writing_at_the_start_of_the_rotated_file(tmp_path: Path) -> None:
+    # The engine holds the file open with O_APPEND: after copy and truncate, its next line lands at
+    # offset 0 of the emptied file (no hole of NUL bytes where the old end was), and nothing it
+    # wrote before the rotation is lost.
+    path = tmp_path / "m-1-r0.log"
+    log = EngineLog(path, max_bytes=1000, files=2)
+    script = "import sys\nfor i in range(200): print(f'engine line {i:03d}')\nsys.stdout.flush()\ninput()\n"
+    script += "for i in range(200, 210): print(f'engine line {i:03d}')\n"
+    engine = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=log.fileno(), stderr=log.fileno()
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while path.stat().st_size < 200 * 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        log.note("a line of the agent's")
+        assert log.too_big()
+        log.rotate()
+        assert path.stat().st_size == 0
+        engine.communicate(b"\n", timeout=20)
+    finally:
+        engine.kill()
+        engine.wait()
+    log.close()
+    older = (tmp_path / "m-1-r0.log.1").read_text().splitlines()
+    assert older[:200] == [f"engine line {i:03d}" for i in range(200)] and "a line of the agent's" in older[200]
+    assert path.read_bytes() == b"".join(f"engine line {i:03d}\n".encode() for i in range(200, 210))
+
+
+@pytest.mark.trio
+async def test_rotation_runs_while_the_engine_runs(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    path = tmp_path / "m-1-r0.log"
+    log = EngineLog(path, max_bytes=50, files=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(log.serve_rotation, 5.0)
+        log.write(b"x" * 80 + b"\n")
+        await trio.sleep(4.9)
+        assert path.stat().st_size == 81  # not at the write: at the next check
+        await trio.sleep(0.2)  # the check at 5 s has handed the copy to a thread
+        deadline = time.monotonic() + 10
+        while path.stat().st_size and time.monotonic() < deadline:
+            await trio.sleep(0)  # runnable, so the clock stays put while the thread copies
+        assert (tmp_path / "m-1-r0.log.1").read_bytes() == b"x" * 80 + b"\n"
+        nursery.cancel_scope.cancel()
+    log.close()
 
 
 def test_tail_of_a_replica_refuses_names_that_leave_the_log_directory(tmp_path: Path) -> None:

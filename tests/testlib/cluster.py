@@ -332,6 +332,18 @@ class Cluster:
         self.agents[node_id] = agent
         return agent
 
+    def start_supervised_agent(self, node_id: str, pid_file: Path, log: Path) -> Proc:
+        """Start `llmgw agent supervise` for a node (its agent's and its own events, JSON, go to
+        `log`). Its agent child is marked like any agent, so `close` leaves nothing behind; it is
+        not told from an engine by `engine_pids`."""
+        files = self.nodes_files[node_id]
+        return self._spawn(
+            f"{node_id}-supervise",
+            ["--log-format", "json", "agent", "supervise", "--config", str(files.config)]
+            + ["--pid-file", str(pid_file), "--log", str(log)],
+            {MARKER_ENV: self._marker(node_id)},
+        )
+
     def wait_nodes(self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool]) -> dict[str, dict[str, Any]]:
         """Poll `ctl nodes` until `check(nodes)`; the nodes it passed on."""
 

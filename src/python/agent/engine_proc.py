@@ -1,4 +1,6 @@
-"""One engine process's plumbing: its output pump, its process group, its health probe, its port.
+"""One engine process's plumbing: its process group, its health probe, its port, and the one
+interface (`EngineProcess`) through which the supervisor watches an engine it started (`Child`)
+or adopted from an earlier agent (`agent.adoption.Adopted`).
 
 The engine leads its own session (`start_new_session=True`), so its process group id is its
 pid and a signal to the group reaches every process it started (vLLM's workers, a shell's
@@ -10,11 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+from typing import Protocol
 
 import h11
 import trio
 
-from agent.replica_logs import EngineLog
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.replicas")
@@ -22,30 +24,45 @@ log = get_logger("llmgw.agent.replicas")
 HEALTH_TIMEOUT_S = 2.0
 
 
-class Pump:
-    """Copies the engine's output to its log until end of file. Shielded: when the member is
-    stopped, the engine's last words (why it stopped, what it flushed) still reach the log; the
-    caller cancels `scope` once the engine is gone."""
+class EngineProcess(Protocol):
+    """A running engine: started by this agent (`Child`) or by an earlier one (`adoption.Adopted`)."""
 
-    def __init__(self, stream: trio.abc.ReceiveStream, sink: EngineLog) -> None:
-        self.stream = stream
-        self.sink = sink
-        self.scope = trio.CancelScope(shield=True)
-        self.finished = trio.Event()
+    pid: int
+    pgid: int
 
-    async def run(self) -> None:
-        try:
-            with self.scope:
-                while True:
-                    try:
-                        data = await self.stream.receive_some(1 << 16)
-                    except (trio.ClosedResourceError, trio.BrokenResourceError):
-                        break
-                    if not data:
-                        break
-                    self.sink.write(data)
-        finally:
-            self.finished.set()
+    @property
+    def exited(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None: ...  # None while it runs, or when the status is not ours to know
+
+    async def wait(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Child:
+    """An engine this agent started: `trio.Process` seen as `adoption.Adopted` is, so that one
+    supervision loop watches both."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.pgid = proc.pid  # it leads its own session
+
+    @property
+    def exited(self) -> bool:
+        return self.proc.returncode is not None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> None:
+        await self.proc.wait()
+
+    def close(self) -> None:
+        pass
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:

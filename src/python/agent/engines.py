@@ -11,7 +11,7 @@ engine's own output and retried when the desired state changes or after `RETRY_S
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -81,6 +81,15 @@ class Engines:
 
     statuses: dict[str, w.EngineStatus] = attrs.Factory(dict)
     executables: dict[str, str] = attrs.Factory(dict)  # engine -> the checked executable in use
+
+    def vouch(self, names: Iterable[str]) -> None:
+        """Offer the engines that replicas adopted from an earlier agent process run here, until
+        this agent's own check replaces them: a hello without them would tell the control plane
+        this node cannot run the replicas it is running, and it would move them."""
+        for name in names:
+            self.statuses.setdefault(
+                name, w.EngineStatus(name=name, version="", ok=True, detail="runs adopted replicas; not checked yet")
+            )
 
     def as_tuple(self) -> tuple[w.EngineStatus, ...]:
         return tuple(self.statuses[k] for k in sorted(self.statuses))

@@ -102,6 +102,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     async with trio.open_nursery() as nursery:
         link.answer_logs = partial(answer_logs, supervisor)
         await nursery.start(background.run, "replicas", supervisor.serve)
+        engines.vouch(supervisor.adopted_engines())
         await nursery.start(background.run, "link", link.serve)
         await nursery.start(
             background.run,

@@ -3,20 +3,31 @@
     STATE/logs/<replica_id>-r<rank>.log       the current file
     STATE/logs/<replica_id>-r<rank>.log.1     older, .2 older still; the oldest is dropped
 
-The agent reads the engine's standard output and error from a pipe and writes them here, so
-rotation needs nothing from the engine. Lines the agent adds itself (process started, exited,
-stopped) begin with "[llmgw-agent]". Nothing secret is written by the agent: commands are
-logged through `Command.for_log()`.
+The engine's standard output and error are this file itself, opened with O_APPEND: the engine
+writes to it directly, so its output never depends on the agent being alive (an agent that is
+killed leaves its engines running, and a pipe without a reader would break their next write).
+Lines the agent adds itself (process started, exited, stopped) begin with "[llmgw-agent" and
+are appended to the same file; O_APPEND keeps each write whole whoever makes it.
 
-Writes are synchronous: a chunk of at most a pipe's worth of bytes appended to a local file
-costs less than a thread hop, and the order of lines is kept.
+Rotation is the agent's, by copy and truncate, since the engine's descriptor must stay valid:
+older files shift up, the current one is copied to `.1` (in a thread: up to `max_bytes`), what
+arrived meanwhile is copied too, and the current file is truncated; with O_APPEND the engine's
+next write lands at the new end. What the engine writes between that last copy and the
+truncation (microseconds) is lost: the price of rotating a file another process writes. The
+agent checks the size when an engine starts or is adopted and every `CHECK_INTERVAL_S` while it
+runs, so a file may pass `max_bytes` by what the engine writes in that time.
+
+Nothing secret is written by the agent: commands are logged through `Command.for_log()`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
+
+import trio
 
 from agent.weights import SAFE_NAME
 from llmgw.errors import UsageError
@@ -24,6 +35,7 @@ from llmgw.errors import UsageError
 MAX_BYTES = 10 << 20
 FILES = 3  # the current file and two older ones
 TAIL_BUDGET = 4 << 20  # bytes read at most to find the last lines
+CHECK_INTERVAL_S = 5.0
 
 
 def log_path(logs_dir: Path, replica_id: str, rank: int) -> Path:
@@ -32,22 +44,23 @@ def log_path(logs_dir: Path, replica_id: str, rank: int) -> Path:
 
 
 class EngineLog:
-    """The log files of one replica member, open for appending."""
+    """The log files of one replica member: the engine's output descriptor, the agent's notes, rotation."""
 
     def __init__(self, path: Path, *, max_bytes: int = MAX_BYTES, files: int = FILES) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.files = max(1, files)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("ab")
-        self._size = self._file.tell()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def fileno(self) -> int:
+        """The descriptor to give the engine as its stdout and stderr (it keeps O_APPEND)."""
+        return self._fd
 
     def write(self, data: bytes) -> None:
-        if self._size and self._size + len(data) > self.max_bytes:
-            self._rotate()
-        self._file.write(data)
-        self._file.flush()
-        self._size += len(data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def note(self, text: str) -> None:
         """A line of the agent's own about this engine (started, exited, stopped)."""
@@ -58,19 +71,51 @@ class EngineLog:
         return tail_files(self.path, lines)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
-    def _rotate(self) -> None:
-        self._file.close()
-        for i in range(self.files - 1, 0, -1):
-            older = _numbered(self.path, i)
+    def too_big(self) -> bool:
+        return os.fstat(self._fd).st_size > self.max_bytes
+
+    def rotate(self) -> None:
+        """Rotate now, all of it in this thread (tests; `rotate_if_needed` does the copy off the loop)."""
+        self._finish(self._shift_and_copy())
+
+    async def rotate_if_needed(self) -> bool:
+        """Rotate if the current file holds more than `max_bytes`; True if it did."""
+        if not self.too_big():
+            return False
+        self._finish(await trio.to_thread.run_sync(self._shift_and_copy))
+        return True
+
+    async def serve_rotation(
+        self, interval_s: float = CHECK_INTERVAL_S, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Check the size now and every `interval_s`, until cancelled."""
+        task_status.started()
+        while True:
+            await self.rotate_if_needed()
+            await trio.sleep(interval_s)
+
+    def _shift_and_copy(self) -> int:
+        """Shift the older files up and copy the current one to `.1`; the bytes copied."""
+        if self.files == 1:
+            return 0
+        for i in range(self.files - 1, 1, -1):
             newer = _numbered(self.path, i - 1)
             if newer.exists():
-                os.replace(newer, older)  # over the oldest: it is dropped
-        if self.files == 1:
-            self.path.unlink(missing_ok=True)
-        self._file = self.path.open("ab")
-        self._size = 0
+                os.replace(newer, _numbered(self.path, i))  # over the oldest: it is dropped
+        with self.path.open("rb") as src, _numbered(self.path, 1).open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            return dst.tell()
+
+    def _finish(self, copied: int) -> None:
+        """What was written after the copy goes to `.1` too, then the current file is emptied.
+        Synchronous: no note of the agent's can fall between the two."""
+        if self.files > 1:
+            with self.path.open("rb") as src, _numbered(self.path, 1).open("ab") as dst:
+                src.seek(copied)
+                shutil.copyfileobj(src, dst, 1 << 20)
+        os.ftruncate(self._fd, 0)
 
 
 def _numbered(path: Path, i: int) -> Path:

@@ -6,21 +6,32 @@ listed stop, a member whose assignment changed is stopped and started again, ide
 are left alone. So a control plane that restarts and resends the same assignments adopts the
 running replicas and restarts none; a dropped link changes nothing here.
 
+Engines outlive their agent (`agent.adoption`): each leads its own session and writes its
+output straight to its log file, and a record of it is kept in STATE/run while it runs. An
+agent that starts adopts the recorded engines that still run: they are members from the start
+(in the hello, ready once their /health answers), and the first desired state decides their
+fate like anyone's, by the fingerprint of their assignment: identical, kept; changed or gone,
+stopped. Until a desired state arrives nothing is stopped. So an agent that was killed and
+started again moves nothing.
+
 Each member is one task in the supervisor's nursery, living through
 `fetching -> starting -> ready`, `restarting` after an engine exit (with the engine's last log
 lines in `detail`), `failed` when it cannot start or failed too often (`RestartPolicy`), and
-`stopping -> stopped` when cancelled; `TRANSITIONS` is the whole table. Cancelling the task is
-the stop: SIGTERM to the engine's process group, a deadline, then SIGKILL, in shielded and
-bounded cleanup. Rank 0 is ready when `GET /health` answers 200; a worker when it runs. A
-rank 0 that stops answering /health while it runs is stopped and restarted as if it had exited
-(`LIVENESS_*`: a hung engine is not left holding its replica). A
-multi-node engine fails as a whole by itself (rank 0 exits when a member is lost), so every
-member just restarts its own process and the rendezvous forms again.
+`stopping -> stopped` when cancelled; `TRANSITIONS` is the whole table. An adopted member
+starts at `starting`; when its engine exits it goes through the same restart policy and its
+successor starts the ordinary way. Cancelling the task is the stop: SIGTERM to the engine's
+process group, a deadline, then SIGKILL, in shielded and bounded cleanup. Rank 0 is ready when
+`GET /health` answers 200; a worker when it runs. A rank 0 that stops answering /health while
+it runs is stopped and restarted as if it had exited (`LIVENESS_*`: a hung engine is not left
+holding its replica). A multi-node engine fails as a whole by itself (rank 0 exits when a
+member is lost), so every member just restarts its own process and the rendezvous forms again.
 
-Engine output goes to rotated files (`agent.replica_logs`); the process plumbing (output
-pump, process group signals, health probe, port) is `agent.engine_proc`; weights are
-`agent.weights`. Secrets never reach a log: the API key travels in the engine's environment
-and commands are logged with `Command.for_log()`.
+The decisions are pure, in `agent.replica_plan` (state table, restart policy, plan); engine
+output goes to rotated files (`agent.replica_logs`); the process plumbing (process group
+signals, health probe, port) is `agent.engine_proc`; records and adoption `agent.adoption`;
+weights are `agent.weights`.
+Secrets never reach a log: the API key travels in the engine's environment and commands are
+logged with `Command.for_log()`.
 """
 
 from __future__ import annotations
@@ -29,15 +40,35 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
-from agent.engine_proc import Pump, pick_port, probe_health, probe_host, signal_group
+from agent.adoption import Adopted, Record, RunRecords, adopt_all, fingerprint, read_boot_id
+from agent.engine_proc import (
+    HEALTH_TIMEOUT_S,
+    Child,
+    EngineProcess,
+    pick_port,
+    probe_health,
+    probe_host,
+    signal_group,
+)
 from agent.engines import EngineUnavailable
-from agent.replica_logs import FILES, MAX_BYTES, EngineLog, log_path, tail_replica
+from agent.replica_logs import CHECK_INTERVAL_S, FILES, MAX_BYTES, EngineLog, log_path, tail_replica
+from agent.replica_plan import (
+    DEFAULT_POLICY,
+    TRANSITIONS,
+    Key,
+    RestartPolicy,
+    describe_end,
+    describe_exit,
+    key_of,
+    plan,
+)
 from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
 from llmgw.config import Secret
 from llmgw.engines import Command, ReplicaLaunch, build_command
@@ -47,11 +78,8 @@ from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.replicas")
 
-Key = tuple[str, int]  # (replica_id, node_rank)
-
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
-DRAIN_S = 2.0  # for the engine's last output after it exited
 HEALTH_INTERVAL_S = 0.5
 # Once ready, rank 0's /health is asked again every LIVENESS_INTERVAL_S; LIVENESS_FAILURES
 # answers in a row that are not 200 within LIVENESS_TIMEOUT_S mean the engine is stuck (alive,
@@ -63,94 +91,30 @@ LIVENESS_FAILURES = 3
 PROGRESS_INTERVAL_S = 2.0
 ENGINE_POLL_S = 5.0  # how often a member waiting for its engine looks again
 TAIL_LINES = 20  # engine log lines in a restarting/failed detail
-
-# Every move a member's state may make (staying put, with new fields, is always allowed). A
-# member being stopped only goes on to stopped: whatever else it was about to report is moot.
-TRANSITIONS: Mapping[str, frozenset[str]] = {
-    w.FETCHING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
-    w.STARTING: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
-    w.READY: frozenset({w.RESTARTING, w.FAILED, w.STOPPING}),
-    w.RESTARTING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
-    w.FAILED: frozenset({w.FETCHING, w.STARTING, w.STOPPING}),  # waiting for an engine or GPUs
-    w.STOPPING: frozenset({w.STOPPED}),
-    w.STOPPED: frozenset(),
-}
-
-
-# -- pure decisions --------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class RestartPolicy:
-    """When to start an engine again after it exited, and when to stop trying.
-
-    Exits within `window_s` count; `max_failures` of them and the member is failed (the control
-    plane places it elsewhere). Otherwise the delay doubles with each recent exit, so an engine
-    that ran for hours and crashed once is back after `first_delay_s`.
-    """
-
-    first_delay_s: float = 1.0
-    max_delay_s: float = 60.0
-    factor: float = 2.0
-    window_s: float = 600.0
-    max_failures: int = 5
-
-    def recent(self, exits: Iterable[float], now: float) -> list[float]:
-        return [t for t in exits if now - t <= self.window_s]
-
-    def next_delay(self, exits: Sequence[float], now: float) -> float | None:
-        """Seconds to wait before the next start, given the times of the exits so far; None: give up."""
-        n = len(self.recent(exits, now))
-        if n >= self.max_failures:
-            return None
-        return min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, n - 1))
-
-
-DEFAULT_POLICY = RestartPolicy()
-
-
-@attrs.frozen(kw_only=True)
-class Plan:
-    start: tuple[w.ReplicaAssignment, ...] = ()
-    stop: tuple[Key, ...] = ()
-
-
-def key_of(a: w.ReplicaAssignment) -> Key:
-    return (a.replica_id, a.node_rank)
-
-
-def plan(running: Mapping[Key, w.ReplicaAssignment], wanted: Iterable[w.ReplicaAssignment]) -> Plan:
-    """What to stop and start so that exactly `wanted` runs. Identical assignments are kept."""
-    want = {key_of(a): a for a in wanted}
-    return Plan(
-        start=tuple(a for k, a in sorted(want.items()) if running.get(k) != a),
-        stop=tuple(k for k, a in sorted(running.items()) if want.get(k) != a),
-    )
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "the engine could not be started"
-    if code < 0:
-        try:
-            return f"the engine was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"the engine was killed by signal {-code}"
-    return f"the engine exited with status {code}"
-
+# How long a starting agent waits for the first /health answer of the engines it adopts before
+# its hello goes out: long enough for one probe, so the hello says "ready" and nothing moves.
+ADOPT_PROBE_S = HEALTH_TIMEOUT_S + 0.5
 
 # -- the supervisor --------------------------------------------------------------------------
 
 
 @attrs.define(eq=False, kw_only=True)
 class _Member:
-    assignment: w.ReplicaAssignment
     status: w.ReplicaStatus
+    fingerprint: str  # of the assignment it runs
+    engine: str
+    assignment: w.ReplicaAssignment | None  # None: adopted, until a desired state confirms it
+    assigned: trio.Event = attrs.Factory(trio.Event)
+    observed: trio.Event = attrs.Factory(trio.Event)  # its engine was probed once (or it ended)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     done: trio.Event = attrs.Factory(trio.Event)
     gpus: tuple[int, ...] = ()
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
     exits: list[float] = attrs.Factory(list)
+
+    @property
+    def key(self) -> Key:
+        return (self.status.replica_id, self.status.node_rank)
 
 
 class Supervisor:
@@ -171,11 +135,15 @@ class Supervisor:
         liveness: tuple[float, float, int] = (LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, LIVENESS_FAILURES),
         log_max_bytes: int = MAX_BYTES,
         log_files: int = FILES,
+        log_check_s: float = CHECK_INTERVAL_S,
+        use_pidfd: bool = True,
     ) -> None:
         """`engine_command(name)` is the argv prefix of an engine (`Engines.command_for`);
         `gpus()` the GPU indices of this node; `env` the engines' base environment (default:
-        the agent's, read at each start)."""
+        the agent's, read at each start); `use_pidfd=False` watches adopted engines through
+        /proc as on kernels without pidfds."""
         self.logs_dir = state_dir / "logs"
+        self.records = RunRecords(state_dir / "run")
         self.weights = weights
         self.engine_command = engine_command
         self.gpus = gpus
@@ -187,7 +155,10 @@ class Supervisor:
         self.liveness_interval_s, self.liveness_timeout_s, self.liveness_failures = liveness
         self.log_max_bytes = log_max_bytes
         self.log_files = log_files
-        self._wanted: tuple[w.ReplicaAssignment, ...] = ()
+        self.log_check_s = log_check_s
+        self.use_pidfd = use_pidfd
+        self._boot_id = ""
+        self._wanted: tuple[w.ReplicaAssignment, ...] | None = None  # None: no desired state yet
         self._members: dict[Key, _Member] = {}
         self._retiring: list[_Member] = []  # cancelled, not yet finished
         self._nursery: trio.Nursery | None = None
@@ -198,17 +169,25 @@ class Supervisor:
     # -- what the rest of the agent calls
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the members until cancelled; cancelling stops every engine (gracefully, bounded).
+        """Adopt the engines an earlier agent left running, then run the members until cancelled;
+        cancelling stops every engine (gracefully, bounded).
 
-        Run again after a failure (each member contains its own, so only a bug in this class
-        gets here), it starts over from what is wanted: the previous run's members all ended
-        with its nursery."""
+        Started, it has looked once at each adopted engine (bounded by `ADOPT_PROBE_S`), so the
+        hello that follows says which serve. Run again after a failure (each member contains its
+        own, so only a bug in this class gets here), it starts over from what is wanted: the
+        previous run's members all ended with its nursery."""
         self._members.clear()
         self._retiring.clear()
+        self._boot_id = read_boot_id()
+        found = adopt_all(self.records, boot_id=self._boot_id, use_pidfd=self.use_pidfd)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                adopted = [self._adopt(engine) for engine in found]
                 self._apply()
+                with trio.move_on_after(ADOPT_PROBE_S):
+                    for m in adopted:
+                        await m.observed.wait()
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -220,11 +199,15 @@ class Supervisor:
         if self._nursery is not None:
             self._apply()
 
+    def adopted_engines(self) -> frozenset[str]:
+        """The engines that adopted members not yet confirmed by a desired state run."""
+        return frozenset(m.engine for m in self._members.values() if m.assignment is None)
+
     def statuses(self) -> tuple[w.ReplicaStatus, ...]:
         """Every member as observed now: for the hello and `ReplicasChanged`."""
         shown = dict(self._members)
         for m in self._retiring:
-            shown.setdefault(key_of(m.assignment), m)  # a successor waiting for it speaks for the key
+            shown.setdefault(m.key, m)  # a successor waiting for it speaks for the key
         return tuple(shown[k].status for k in sorted(shown))
 
     async def wait_changed(self) -> None:
@@ -256,18 +239,46 @@ class Supervisor:
 
     # -- bookkeeping (synchronous)
 
+    def _adopt(self, engine: Adopted) -> _Member:
+        assert self._nursery is not None
+        r = engine.record
+        m = _Member(
+            status=w.ReplicaStatus(
+                replica_id=r.replica_id, model=r.model, state=w.STARTING, node_rank=r.node_rank, pid=r.pid
+            ),
+            fingerprint=r.fingerprint,
+            engine=r.engine,
+            assignment=None,
+            gpus=r.gpus,
+            port=r.port,
+        )
+        self._members[r.key] = m
+        self._nursery.start_soon(self._run, m, [], engine)
+        return m
+
     def _apply(self) -> None:
         assert self._nursery is not None
-        todo = plan({k: m.assignment for k, m in self._members.items()}, self._wanted)
+        if self._wanted is None:
+            return  # no desired state since the agent started: adopted engines keep running meanwhile
+        todo = plan({k: m.fingerprint for k, m in self._members.items()}, self._wanted)
         for k in todo.stop:
             self._retire(self._members.pop(k))
+        for a in todo.keep:
+            m = self._members[key_of(a)]
+            if m.assignment is None:
+                m.assignment = a
+                m.assigned.set()
+                log.info("replica_adoption_confirmed", replica=a.replica_id, rank=a.node_rank, pid=m.status.pid)
         for a in todo.start:
             k = key_of(a)
-            before = [m for m in self._retiring if key_of(m.assignment) == k]
+            before = [m for m in self._retiring if m.key == k]
             m = _Member(
-                assignment=a,
                 status=w.ReplicaStatus(replica_id=a.replica_id, model=a.model, state=w.FETCHING, node_rank=a.node_rank),
+                fingerprint=fingerprint(a),
+                engine=a.engine,
+                assignment=a,
             )
+            m.assigned.set()
             self._members[k] = m
             log.info("replica_assigned", replica=a.replica_id, rank=a.node_rank, model=a.model, engine=a.engine)
             self._nursery.start_soon(self._run, m, before)
@@ -275,7 +286,8 @@ class Supervisor:
             self._changed()
 
     def _retire(self, m: _Member) -> None:
-        log.info("replica_unassigned", replica=m.assignment.replica_id, rank=m.assignment.node_rank)
+        replica, rank = m.key
+        log.info("replica_unassigned", replica=replica, rank=rank, adopted=m.assignment is None)
         if m.done.is_set():
             return  # failed and finished already: nothing runs
         self._set(m, w.STOPPING, detail="")
@@ -300,26 +312,44 @@ class Supervisor:
             return
         m.status = new
         if state != old.state:
-            a = m.assignment
-            log.info("replica_state", replica=a.replica_id, rank=a.node_rank, state=state, was=old.state, pid=new.pid)
+            replica, rank = m.key
+            log.info("replica_state", replica=replica, rank=rank, state=state, was=old.state, pid=new.pid)
         self._changed()
 
     def _fail(self, m: _Member, reason: str) -> None:
-        a = m.assignment
-        log.warning("replica_failed", replica=a.replica_id, rank=a.node_rank, reason=reason)
+        replica, rank = m.key
+        log.warning("replica_failed", replica=replica, rank=rank, reason=reason)
         self._set(m, w.FAILED, detail=reason, pid=0)
+
+    def _open_log(self, m: _Member) -> EngineLog:
+        replica, rank = m.key
+        return EngineLog(log_path(self.logs_dir, replica, rank), max_bytes=self.log_max_bytes, files=self.log_files)
+
+    def _record(self, m: _Member, a: w.ReplicaAssignment, pid: int) -> None:
+        """Note the engine in STATE/run, so that the next agent adopts it should this one die."""
+        record = Record.of_child(a, pid, port=m.port, gpus=m.gpus, fingerprint=m.fingerprint, boot_id=self._boot_id)
+        try:
+            if record is not None:  # None: it is gone already, nothing to adopt
+                self.records.write(record)
+        except OSError as exc:
+            # The engine runs all the same; only an agent that dies now would leave it unadopted.
+            log.warning("replica_record_failed", replica=a.replica_id, rank=a.node_rank, reason=str(exc))
 
     # -- one member's life
 
-    async def _run(self, m: _Member, before: list[_Member]) -> None:
-        a = m.assignment
+    async def _run(self, m: _Member, before: list[_Member], adopted: Adopted | None = None) -> None:
+        replica, rank = m.key
         try:
             with m.scope:
                 for previous in before:
                     await previous.done.wait()  # its engine holds the port, the GPUs, the log file
-                await self._live(m)
+                if adopted is not None and not await self._keep_adopted(m, adopted):
+                    return
+                await m.assigned.wait()  # an adopted engine that exited: its successor needs the assignment
+                assert m.assignment is not None
+                await self._live(m, m.assignment)
         except Exception as exc:  # one member's bug must not take down the others
-            log.exception("replica_supervision_failed", replica=a.replica_id, rank=a.node_rank)
+            log.exception("replica_supervision_failed", replica=replica, rank=rank)
             m.status = attrs.evolve(
                 m.status,
                 state=w.FAILED,
@@ -327,6 +357,9 @@ class Supervisor:
                 detail=f"the agent failed supervising it: {exc!r} (a bug in llmgw; the agent's log has the traceback)",
             )
         finally:
+            if adopted is not None:
+                adopted.close()
+            m.observed.set()
             if m.gpus:
                 m.gpus = ()
                 self._released.set()
@@ -335,34 +368,44 @@ class Supervisor:
                 self._retiring.remove(m)
                 # Directly, not through the table: a member that failed on its way out is stopped too.
                 m.status = attrs.evolve(m.status, state=w.STOPPED, pid=0, port=0)
-                log.info("replica_state", replica=a.replica_id, rank=a.node_rank, state=w.STOPPED)
+                log.info("replica_state", replica=replica, rank=rank, state=w.STOPPED)
             m.done.set()
             self._changed()
 
-    async def _live(self, m: _Member) -> None:
-        a = m.assignment
+    async def _keep_adopted(self, m: _Member, engine: Adopted) -> bool:
+        """Watch an engine an earlier agent started until it exits; True: start it again."""
+        engine_log = self._open_log(m)
+        try:
+            ago = max(0.0, time.time() - engine.record.started_at)
+            engine_log.note(
+                f"adopted pid {engine.pid} (port {engine.record.port}), started {ago:.0f} s ago by an earlier "
+                f"agent process; its exit is watched through {engine.watched_by}"
+            )
+            await self._watch(m, engine, engine_log)
+            return await self._back_off(m, None, describe_end(engine), engine_log)
+        finally:
+            engine_log.close()
+
+    async def _live(self, m: _Member, a: w.ReplicaAssignment) -> None:
         try:
             check_name(a.replica_id, "replica id")
             check_name(a.model, "model name")
-            model_path = await self._fetch(m)
-            prefix = await self._engine(m)
-            await self._take_gpus(m)
+            model_path = await self._fetch(m, a)
+            prefix = await self._engine(m, a)
+            await self._take_gpus(m, a)
         except Exception as exc:
             # Raised inside a nursery (the download's progress reporter), it comes in a group.
             if not only(exc, LlmgwError):
                 raise
             self._fail(m, str(leaves(exc)[0]))
             return
-        engine_log = EngineLog(
-            log_path(self.logs_dir, a.replica_id, a.node_rank), max_bytes=self.log_max_bytes, files=self.log_files
-        )
+        engine_log = self._open_log(m)
         try:
-            await self._keep_running(m, model_path, prefix, engine_log)
+            await self._keep_running(m, a, model_path, prefix, engine_log)
         finally:
             engine_log.close()
 
-    async def _fetch(self, m: _Member) -> str:
-        a = m.assignment
+    async def _fetch(self, m: _Member, a: w.ReplicaAssignment) -> str:
         source = a.weights
         if not source.url and not source.path:
             if a.engine == "sim":
@@ -383,10 +426,10 @@ class Supervisor:
             nursery.cancel_scope.cancel()
         return path
 
-    async def _engine(self, m: _Member) -> tuple[str, ...]:
+    async def _engine(self, m: _Member, a: w.ReplicaAssignment) -> tuple[str, ...]:
         while True:
             try:
-                return tuple(self.engine_command(m.assignment.engine))
+                return tuple(self.engine_command(a.engine))
             except EngineUnavailable as exc:
                 if exc.pending:
                     self._set(m, w.FETCHING, detail=str(exc))
@@ -394,8 +437,8 @@ class Supervisor:
                     self._fail(m, str(exc))
             await trio.sleep(ENGINE_POLL_S)  # an install may finish, or be retried, at any time
 
-    async def _take_gpus(self, m: _Member) -> None:
-        wanted = m.assignment.gpus
+    async def _take_gpus(self, m: _Member, a: w.ReplicaAssignment) -> None:
+        wanted = a.gpus
         while True:
             held = {g for x in (*self._members.values(), *self._retiring) if x is not m for g in x.gpus}
             mine = list(self.gpus())
@@ -410,41 +453,47 @@ class Supervisor:
                 self._fail(m, detail)
             await self._released.wait()
 
-    async def _keep_running(self, m: _Member, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog) -> None:
-        a = m.assignment
+    async def _keep_running(
+        self, m: _Member, a: w.ReplicaAssignment, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog
+    ) -> None:
         while True:
             try:
-                command = build_command(self._launch(m, model_path), prefix)
+                command = build_command(self._launch(m, a, model_path), prefix)
             except LlmgwError as exc:
                 self._fail(m, str(exc))
                 return
-            code = await self._run_once(m, command, engine_log)
-            now = trio.current_time()
-            m.exits = [*self.policy.recent(m.exits, now), now]
-            delay = self.policy.next_delay(m.exits, now)
-            what = describe_exit(code)
-            if delay is None:
-                engine_log.note(f"{what}; {len(m.exits)} exits within {self.policy.window_s:g} s: not restarting")
-                self._fail(
-                    m,
-                    f"{what}, {len(m.exits)} times within {self.policy.window_s:g} s; not restarted until the "
-                    f"assignment changes. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
-                )
+            code = await self._run_once(m, a, command, engine_log)
+            if not await self._back_off(m, code, describe_exit(code), engine_log):
                 return
-            engine_log.note(f"{what}; restarting in {delay:g} s")
-            log.warning("replica_exited", replica=a.replica_id, rank=a.node_rank, exit_status=code, restart_in_s=delay)
-            self._set(
-                m,
-                w.RESTARTING,
-                detail=f"{what}; restarting in {delay:g} s. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
-                pid=0,
-                port=0,
-                restarts=m.status.restarts + 1,
-            )
-            await trio.sleep(delay)
 
-    def _launch(self, m: _Member, model_path: str) -> ReplicaLaunch:
-        a = m.assignment
+    async def _back_off(self, m: _Member, code: int | None, what: str, engine_log: EngineLog) -> bool:
+        """After an engine exit: wait as the restart policy says (True), or fail the member (False)."""
+        replica, rank = m.key
+        now = trio.current_time()
+        m.exits = [*self.policy.recent(m.exits, now), now]
+        delay = self.policy.next_delay(m.exits, now)
+        if delay is None:
+            engine_log.note(f"{what}; {len(m.exits)} exits within {self.policy.window_s:g} s: not restarting")
+            self._fail(
+                m,
+                f"{what}, {len(m.exits)} times within {self.policy.window_s:g} s; not restarted until the "
+                f"assignment changes. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+            )
+            return False
+        engine_log.note(f"{what}; restarting in {delay:g} s")
+        log.warning("replica_exited", replica=replica, rank=rank, exit_status=code, restart_in_s=delay)
+        self._set(
+            m,
+            w.RESTARTING,
+            detail=f"{what}; restarting in {delay:g} s. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+            pid=0,
+            port=0,
+            restarts=m.status.restarts + 1,
+        )
+        await trio.sleep(delay)
+        return True
+
+    def _launch(self, m: _Member, a: w.ReplicaAssignment, model_path: str) -> ReplicaLaunch:
         rank0 = a.node_rank == 0
         # Workers serve nothing, but every spec wants a port: a free one on loopback, never reported.
         host = self.listen_host if rank0 else "127.0.0.1"
@@ -465,11 +514,13 @@ class Supervisor:
             ib_adapters=a.ib_adapters,
         )
 
-    async def _run_once(self, m: _Member, command: Command, engine_log: EngineLog) -> int | None:
+    async def _run_once(
+        self, m: _Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog
+    ) -> int | None:
         """Run the engine once, until it exits (its status) or the member is cancelled (then stop it)."""
-        a = m.assignment
         shown = command.for_log()
         self._set(m, w.STARTING, pid=0, port=0)
+        await engine_log.rotate_if_needed()
         engine_log.note(f"starting {a.engine} for replica {a.replica_id} rank {a.node_rank}: {json.dumps(shown)}")
         log.info("replica_starting", replica=a.replica_id, rank=a.node_rank, **shown)
         env = {**(os.environ if self.env is None else self.env), **command.env}
@@ -478,8 +529,9 @@ class Supervisor:
                 list(command.argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                # The log file itself, not a pipe: the engine's output must not depend on this agent living.
+                stdout=engine_log.fileno(),
+                stderr=engine_log.fileno(),
                 start_new_session=True,  # its own process group: a stop reaches the engine's children too
             )
         except OSError as exc:
@@ -487,57 +539,64 @@ class Supervisor:
             return None
         self._set(m, w.STARTING, pid=proc.pid)
         engine_log.note(f"pid {proc.pid}")
-        assert proc.stdout is not None
-        pump = Pump(proc.stdout, engine_log)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump.run)
-            try:
-                if a.node_rank == 0:
-                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port, proc, engine_log)
-                else:
-                    self._set(m, w.READY)
-                await proc.wait()
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(self.stop_timeout_s + KILL_WAIT_S + DRAIN_S):
-                    if proc.returncode is None:
-                        self._set(m, w.STOPPING)
-                        await self._terminate(m, proc, engine_log)
-                    signal_group(proc.pid, signal.SIGKILL)  # whatever it left behind in its group
-                    with trio.move_on_after(DRAIN_S):
-                        await pump.finished.wait()
-                    await trio.aclose_forcefully(proc.stdout)
-                pump.scope.cancel()
-                nursery.cancel_scope.cancel()
-                if proc.returncode is None:  # the bounded cleanup ran out: leave nothing running
-                    signal_group(proc.pid, signal.SIGKILL)
+        self._record(m, a, proc.pid)
+        await self._watch(m, Child(proc), engine_log)
         return proc.returncode
 
-    async def _terminate(self, m: _Member, proc: trio.Process, engine_log: EngineLog) -> None:
-        a = m.assignment
+    async def _watch(self, m: _Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        """Until the engine exits; cancelled, it stops the engine first (shielded, bounded). Either
+        way nothing of its process group is left and its run record is gone."""
+        replica, rank = m.key
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine_log.serve_rotation, self.log_check_s)
+                if rank == 0:
+                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port, engine, engine_log)
+                else:
+                    self._set(m, w.READY)
+                    m.observed.set()
+                await engine.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.stop_timeout_s + KILL_WAIT_S):
+                if not engine.exited:
+                    self._set(m, w.STOPPING)
+                    await self._terminate(m, engine, engine_log)
+                signal_group(engine.pgid, signal.SIGKILL)  # whatever it left behind in its group
+            if not engine.exited:  # the bounded cleanup ran out: leave nothing running
+                signal_group(engine.pgid, signal.SIGKILL)
+            self.records.remove(replica, rank)
+
+    async def _terminate(self, m: _Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        replica, rank = m.key
         started = trio.current_time()
-        signal_group(proc.pid, signal.SIGTERM)
+        signal_group(engine.pgid, signal.SIGTERM)
         with trio.move_on_after(self.stop_timeout_s):
-            await proc.wait()
-        if proc.returncode is None:
+            await engine.wait()
+        if not engine.exited:
             engine_log.note(f"still running {self.stop_timeout_s:g} s after SIGTERM: sending SIGKILL")
-            log.warning("replica_kill", replica=a.replica_id, rank=a.node_rank, after_s=self.stop_timeout_s)
-            signal_group(proc.pid, signal.SIGKILL)
+            log.warning("replica_kill", replica=replica, rank=rank, after_s=self.stop_timeout_s)
+            signal_group(engine.pgid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):
-                await proc.wait()
+                await engine.wait()
         took = trio.current_time() - started
-        engine_log.note(f"stopped: {describe_exit(proc.returncode)}, {took:.1f} s after SIGTERM")
+        engine_log.note(f"stopped: {describe_end(engine)}, {took:.1f} s after SIGTERM")
         log.info(
             "replica_stopped",
-            replica=a.replica_id,
-            rank=a.node_rank,
-            exit_status=proc.returncode,
+            replica=replica,
+            rank=rank,
+            pid=engine.pid,
+            exit_status=engine.returncode,
             took_s=round(took, 2),
         )
 
-    async def _watch_health(self, m: _Member, host: str, port: int, proc: trio.Process, engine_log: EngineLog) -> None:
+    async def _watch_health(
+        self, m: _Member, host: str, port: int, engine: EngineProcess, engine_log: EngineLog
+    ) -> None:
         """Ready once `GET /health` answers 200; then, while it runs, stopped if it stops answering."""
         while True:
             status = await probe_health(host, port)
+            m.observed.set()
             if status == 200:
                 self._set(m, w.READY, port=port)
                 break
@@ -549,16 +608,16 @@ class Supervisor:
             await trio.sleep(self.liveness_interval_s)
             status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
             failures = 0 if status == 200 else failures + 1
-        a = m.assignment
+        replica, rank = m.key
         last = "no answer" if status is None else f"status {status}"
         said = (
             f"GET /health: {last}, {failures} times in a row {self.liveness_interval_s:g} s apart (after it was "
             "ready): the engine is stuck; stopping it to start it again"
         )
         engine_log.note(said)
-        log.warning("replica_unresponsive", replica=a.replica_id, rank=a.node_rank, failures=failures, last=last)
+        log.warning("replica_unresponsive", replica=replica, rank=rank, failures=failures, last=last)
         self._set(m, w.RESTARTING, detail=said)
-        await self._terminate(m, proc, engine_log)
+        await self._terminate(m, engine, engine_log)
 
 
 async def serve_assignments(

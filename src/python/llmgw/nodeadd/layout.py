@@ -107,6 +107,11 @@ Type=simple
 ExecStart={bin_path} agent run --config {config_path}
 Restart=always
 RestartSec=2
+# The agent stops its engines itself on a clean stop (SIGTERM: each engine gets SIGTERM, then
+# SIGKILL after 10 s, well within TimeoutStopSec). An agent that crashes or is killed must not
+# take the replicas with it: the engines keep serving and the agent started next adopts them.
+# So only the agent's own process is signalled, not the rest of its control group.
+KillMode=process
 TimeoutStopSec=30
 
 [Install]

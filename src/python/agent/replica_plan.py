@@ -1,0 +1,101 @@
+"""The replica supervisor's decisions, pure: the member state table, the restart policy, the plan
+that turns a desired set of assignments into starts, stops and keeps, and how an engine's end
+is told. `agent.replicas` performs them.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from agent.adoption import fingerprint
+from agent.engine_proc import EngineProcess
+from llmgw.wire import agent_link as w
+
+Key = tuple[str, int]  # (replica_id, node_rank)
+
+# Every move a member's state may make (staying put, with new fields, is always allowed). A
+# member being stopped only goes on to stopped: whatever else it was about to report is moot.
+TRANSITIONS: Mapping[str, frozenset[str]] = {
+    w.FETCHING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
+    w.STARTING: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
+    w.READY: frozenset({w.RESTARTING, w.FAILED, w.STOPPING}),
+    # An adopted engine that exited is followed by an ordinary start, which may fetch first.
+    w.RESTARTING: frozenset({w.FETCHING, w.STARTING, w.FAILED, w.STOPPING}),
+    w.FAILED: frozenset({w.FETCHING, w.STARTING, w.STOPPING}),  # waiting for an engine or GPUs
+    w.STOPPING: frozenset({w.STOPPED}),
+    w.STOPPED: frozenset(),
+}
+
+
+@attrs.frozen(kw_only=True)
+class RestartPolicy:
+    """When to start an engine again after it exited, and when to stop trying.
+
+    Exits within `window_s` count; `max_failures` of them and the member is failed (the control
+    plane places it elsewhere). Otherwise the delay doubles with each recent exit, so an engine
+    that ran for hours and crashed once is back after `first_delay_s`.
+    """
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    factor: float = 2.0
+    window_s: float = 600.0
+    max_failures: int = 5
+
+    def recent(self, exits: Iterable[float], now: float) -> list[float]:
+        return [t for t in exits if now - t <= self.window_s]
+
+    def next_delay(self, exits: Sequence[float], now: float) -> float | None:
+        """Seconds to wait before the next start, given the times of the exits so far; None: give up."""
+        n = len(self.recent(exits, now))
+        if n >= self.max_failures:
+            return None
+        return min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, n - 1))
+
+
+DEFAULT_POLICY = RestartPolicy()
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    start: tuple[w.ReplicaAssignment, ...] = ()
+    stop: tuple[Key, ...] = ()
+    keep: tuple[w.ReplicaAssignment, ...] = ()  # running already, identical: confirms an adopted member
+
+
+def key_of(a: w.ReplicaAssignment) -> Key:
+    return (a.replica_id, a.node_rank)
+
+
+def plan(running: Mapping[Key, str], wanted: Iterable[w.ReplicaAssignment]) -> Plan:
+    """What to stop and start so that exactly `wanted` runs. `running` holds the fingerprint of
+    what each member runs (an adopted engine's comes from its record). Identical ones are kept."""
+    want = {key_of(a): a for a in wanted}
+    prints = {k: fingerprint(a) for k, a in want.items()}
+    return Plan(
+        start=tuple(a for k, a in sorted(want.items()) if running.get(k) != prints[k]),
+        stop=tuple(k for k, f in sorted(running.items()) if prints.get(k) != f),
+        keep=tuple(a for k, a in sorted(want.items()) if running.get(k) == prints[k]),
+    )
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "the engine could not be started"
+    if code < 0:
+        try:
+            return f"the engine was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"the engine was killed by signal {-code}"
+    return f"the engine exited with status {code}"
+
+
+def describe_end(engine: EngineProcess) -> str:
+    if engine.returncode is not None:
+        return describe_exit(engine.returncode)
+    if engine.exited:
+        return f"the engine (pid {engine.pid}, adopted) exited; its exit status went to its parent"
+    return f"the engine (pid {engine.pid}) is still running"
