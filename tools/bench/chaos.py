@@ -53,7 +53,7 @@ NODES = ("node-a", "node-b", "node-c")
 FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition", "drain", "restart", "hostile")
 SETTLE_S = 3.0  # load measured this long after capacity is full again
 FULL_TIMEOUT_S = 180.0
-ZERO_FAILURE_FAULTS = ("engine_kill", "node_partition", "drain", "restart", "agent_kill", "hostile")
+ZERO_FAILURE_FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition", "drain", "restart", "hostile")
 
 
 def catalog(output_token_ms: int) -> str:

@@ -1,0 +1,25 @@
+"""The chaos benchmark (tools/bench/chaos.py) still runs and meets its targets, in a short form:
+three faults on loopback nodes with fast heartbeats. The published figures come from the full
+run (docs/reliability.md); this only keeps the benchmark from rotting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import chaos
+
+
+def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    code = chaos.main(
+        ["--faults", "engine_kill,agent_kill,restart", "--no-netns", "--rate", "10", "--streams", "2"]
+        + ["--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["faults"]) == {"engine_kill", "agent_kill", "restart"}, result
+    for name, fault in result["faults"].items():
+        assert fault["requests"] > 0 and fault["failed_requests"] == 0, (name, fault)
+    assert result["faults"]["agent_kill"]["engine_starts"] == 0  # adopted, not started again
+    assert result["unexpected_process_exits"] == []
+    assert code == 0 and all(result["targets_met"].values()), result["targets_met"]
