@@ -1,6 +1,6 @@
 """Chaos: a local cluster under steady load, one fault at a time, and what each fault cost.
 
-    sudo PYTHONPATH=src/python:tests:tools python3 -m bench.chaos --json
+    ./pants run tools/bench/chaos.py -- --json           (as root: nodes in network namespaces)
 
 A real cluster on this machine (`tools/bench/chaos_cluster.py`): `llmgw server` on sockets this
 process owns (as a systemd .socket unit would), three nodes each running `llmgw agent run`
@@ -25,7 +25,7 @@ For each: the requests and streams started from the fault until capacity was ful
 few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
 replicas in the gateway's rotation), `engine_starts` (engine processes started meanwhile), and
 whether any llmgw process exited that the fault did not kill. Prints one JSON object; bounded
-in time (every wait has a deadline) and loopback/namespaces only. About 4 minutes.
+in time (every wait has a deadline) and loopback/namespaces only. About 5 minutes.
 """
 
 from __future__ import annotations
