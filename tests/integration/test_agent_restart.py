@@ -16,15 +16,12 @@ import json
 import os
 import signal
 import sqlite3
-import threading
-import time
 from pathlib import Path
-
-import attrs
 
 from agent.replica_logs import log_path
 from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
+from testlib.load import Load
 
 CATALOG = """
 [[models]]
@@ -33,36 +30,9 @@ engine = "sim"
 replicas = 1
 args = ["--log-level", "debug"]
 """
-BODY = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
 PIPE_BUFFER = 64 << 10  # Linux's default pipe capacity
-LOAD_INTERVAL_S = 0.05
-LOAD_MAX_REQUESTS = 2000  # bounded in count, and by LOAD_MAX_S in time
-LOAD_MAX_S = 50.0
 CLIENT_TIMEOUT_S = 10.0
 STOP_WAIT_S = 30.0
-
-
-@attrs.define
-class Load:
-    """Non-streamed requests through the gateway, one after another, each on its own connection."""
-
-    port: int
-    token: str
-    ok: int = 0
-    failures: list[str] = attrs.Factory(list)
-    stop: threading.Event = attrs.Factory(threading.Event)
-
-    def run(self) -> None:
-        deadline = time.monotonic() + LOAD_MAX_S
-        for _ in range(LOAD_MAX_REQUESTS):
-            if self.stop.is_set() or time.monotonic() > deadline:
-                return
-            status, body = post(self.port, "/v1/chat/completions", BODY, self.token)
-            if status == 200:
-                self.ok += 1
-            else:
-                self.failures.append(f"{status}: {body[:200]!r}")
-            time.sleep(LOAD_INTERVAL_S)
 
 
 def post(port: int, path: str, body: bytes, token: str) -> tuple[int | str, bytes]:
@@ -96,7 +66,7 @@ def alive(pid: int) -> bool:
 def test_a_killed_agent_restarted_adopts_its_engine_and_no_request_fails(tmp_path: Path) -> None:
     # A TTL longer than the agent's restart: the node must not be taken for lost meanwhile.
     cluster = Cluster(tmp_path, heartbeat_interval_s=0.5, heartbeat_ttl_s=15)
-    load_thread = None
+    load = None
     try:
         cluster.init_ca()
         cluster.set_catalog(CATALOG)
@@ -109,9 +79,7 @@ def test_a_killed_agent_restarted_adopts_its_engine_and_no_request_fails(tmp_pat
         record = files.state_dir / "run" / f"{rid}-r0.json"
         assert json.loads(record.read_text())["pid"] == pid
         http_port = int(server.events("server_ready")[-1]["admin_url"].rsplit(":", 1)[1])
-        load = Load(port=http_port, token=cluster.ctl("keys", "create", "load")["token"])
-        load_thread = threading.Thread(target=load.run)
-        load_thread.start()
+        load = Load(port=http_port, token=cluster.ctl("keys", "create", "load")["token"]).start()
         wait_until("the load to run", lambda: load.ok >= 10, procs=cluster.latest())
 
         # The agent dies; its engine does not, and serves on with its log file to itself.
@@ -146,8 +114,7 @@ def test_a_killed_agent_restarted_adopts_its_engine_and_no_request_fails(tmp_pat
         assert not second.events("replica_starting") and not server.events("replica_placed")[1:]
         after_restart = load.ok
         wait_until("requests through the gateway after the restart", lambda: load.ok >= after_restart + 10)
-        load.stop.set()
-        load_thread.join(LOAD_MAX_S)
+        load.finish()
         assert load.failures == [], load.failures
         # `ctl logs` reads the log the engine kept writing while no agent ran.
         [member] = cluster.ctl("logs", rid, "--lines", "400")["members"]
@@ -163,9 +130,8 @@ def test_a_killed_agent_restarted_adopts_its_engine_and_no_request_fails(tmp_pat
         assert "sim_stopping signal=SIGTERM" in engine_log.read_text()  # a clean stop, not a kill
         assert cluster.engine_pids("node-a") == []
     finally:
-        if load_thread is not None:
-            load.stop.set()
-            load_thread.join(LOAD_MAX_S + CLIENT_TIMEOUT_S)
+        if load is not None:
+            load.finish()
         cluster.close()
 
 

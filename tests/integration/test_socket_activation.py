@@ -16,12 +16,10 @@ import http.client
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
-import attrs
-
 from testlib.cluster import Cluster, wait_until
+from testlib.load import Load
 
 CATALOG = """
 [[models]]
@@ -30,61 +28,7 @@ engine = "sim"
 replicas = 2
 args = ["--output-token-ms", "20"]
 """
-BODY = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
-INTERVAL_S = 0.05
 CLIENT_TIMEOUT_S = 30.0
-
-
-@attrs.define
-class Load:
-    """Non-streamed requests one after another on a keep-alive connection, until stopped."""
-
-    port: int
-    token: str
-    ok: int = 0
-    failures: list[str] = attrs.Factory(list)
-    slowest_s: float = 0.0
-    stop: threading.Event = attrs.Factory(threading.Event)
-    _conn: http.client.HTTPConnection | None = None
-
-    def _once(self) -> int:
-        reused = self._conn is not None
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=CLIENT_TIMEOUT_S)
-        try:
-            self._conn.request(
-                "POST",
-                "/v1/chat/completions",
-                body=BODY,
-                headers={"authorization": f"Bearer {self.token}", "content-type": "application/json"},
-            )
-            response = self._conn.getresponse()
-            response.read()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            self._conn.close()
-            self._conn = None
-            if reused:
-                return self._once()  # closed while idle: nothing was answered, so try again
-            raise
-        if response.getheader("connection", "").lower() == "close":
-            self._conn.close()
-            self._conn = None
-        return response.status
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            started = time.monotonic()
-            try:
-                status = self._once()
-            except (OSError, http.client.HTTPException) as exc:
-                self.failures.append(repr(exc))
-            else:
-                if status == 200:
-                    self.ok += 1
-                else:
-                    self.failures.append(f"HTTP {status}")
-            self.slowest_s = max(self.slowest_s, time.monotonic() - started)
-            time.sleep(INTERVAL_S)
 
 
 def _stream(port: int, token: str, started: threading.Event) -> tuple[int, bytes]:
@@ -114,11 +58,10 @@ def test_a_socket_activated_restart_loses_no_request(tmp_path: Path) -> None:
             cluster.start_agent(node)
         cluster.wait_replicas("two ready replicas", lambda rs: sum(r["state"] == "ready" for r in rs) == 2)
         token = cluster.ctl("keys", "create", "load")["token"]
-        load = Load(port=cluster.http_port, token=token)
+        load = Load(port=cluster.http_port, token=token, keep_alive=True)
         streamed: list[tuple[int, bytes]] = []
         started = threading.Event()
-        worker = threading.Thread(target=load.run)
-        worker.start()
+        load.start()
         try:
             wait_until("the load to run", lambda: load.ok >= 20, procs=[first])
             stream = threading.Thread(target=lambda: streamed.append(_stream(cluster.http_port, token, started)))
@@ -130,8 +73,7 @@ def test_a_socket_activated_restart_loses_no_request(tmp_path: Path) -> None:
             second = cluster.start_server()
             wait_until("requests answered by the new server", lambda: load.ok >= before_restart + 20, procs=[second])
         finally:
-            load.stop.set()
-            worker.join(CLIENT_TIMEOUT_S + 5)
+            load.finish()
         assert load.failures == [], load.failures
         [(status, body)] = streamed
         assert status == 200 and body.rstrip().endswith(b"data: [DONE]"), body[-300:]  # finished by the old server

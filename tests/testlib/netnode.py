@@ -12,26 +12,17 @@ network namespace before deleting it. Needs root (CI runs as root), iproute2 and
 from __future__ import annotations
 
 import os
-import random
-import re
 import shlex
-import signal
 import subprocess
 import time
 from pathlib import Path
 
+from testlib.netns import _run, free_index, kill_namespace, namespace_pids
 from testlib.sshd import SSHD, keygen, sshd_config
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
 OVERLAID = ("/etc", "/usr/local", "/var", "/tmp")
-
-
-def _run(*argv: str) -> str:
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out.stdout
 
 
 def preflight() -> str:
@@ -42,15 +33,6 @@ def preflight() -> str:
         if not Path(tool).exists():
             return f"{tool} is missing: install iproute2, util-linux and openssh-server (.ci/install-deps does)"
     return ""
-
-
-def free_index() -> int:
-    """A /30 under 10.231.0.0/16 that no interface on this machine has."""
-    used = set(re.findall(r"inet 10\.231\.(\d+)\.", _run("ip", "-4", "-o", "addr", "show")))
-    free = [i for i in range(1, 251) if str(i) not in used]
-    if not free:
-        raise RuntimeError("every 10.231.X.0/30 is in use: stale test namespaces? see `ip netns list`")
-    return random.choice(free)
 
 
 class NetNode:
@@ -161,20 +143,10 @@ class NetNode:
         return config
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in _run("ip", "netns", "pids", self.name).split()]
-        except RuntimeError:
-            return []
+        return namespace_pids(self.name)
 
     def stop(self) -> None:
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while (pids := self.pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        kill_namespace(self.name, STOP_TIMEOUT_S)
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=STOP_TIMEOUT_S)

@@ -18,12 +18,12 @@ network (where something accepted them). Needs root and iproute2.
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
-
-from testlib.netnode import free_index
 
 STOP_TIMEOUT_S = 10.0
 
@@ -33,6 +33,35 @@ def _run(*argv: str) -> str:
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
     return out.stdout
+
+
+def free_index() -> int:
+    """A /30 under 10.231.0.0/16 that no interface on this machine has."""
+    used = set(re.findall(r"inet 10\.231\.(\d+)\.", _run("ip", "-4", "-o", "addr", "show")))
+    free = [i for i in range(1, 251) if str(i) not in used]
+    if not free:
+        raise RuntimeError("every 10.231.X.0/30 is in use: stale test namespaces? see `ip netns list`")
+    return random.choice(free)
+
+
+def namespace_pids(name: str) -> list[int]:
+    """Every process in network namespace `name` ([] once it is gone)."""
+    try:
+        return [int(p) for p in _run("ip", "netns", "pids", name).split()]
+    except RuntimeError:
+        return []
+
+
+def kill_namespace(name: str, timeout_s: float) -> None:
+    """SIGKILL every process in the namespace until none is left (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := namespace_pids(name)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def preflight() -> str:
@@ -94,19 +123,9 @@ class NetNS:
         self.run("ip", "link", "set", "eth0", "up")
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in _run("ip", "netns", "pids", self.name).split()]
-        except RuntimeError:
-            return []
+        return namespace_pids(self.name)
 
     def stop(self) -> None:
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while (pids := self.pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        kill_namespace(self.name, STOP_TIMEOUT_S)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)

@@ -485,17 +485,8 @@ def _restarts_metric(restarts: dict[str, int]) -> str:
 
 
 def http_limits(config: ServerConfig) -> Limits:
-    h = config.http
-    return Limits(
-        max_head_bytes=h.max_head_bytes,
-        max_body_bytes=h.max_body_bytes,
-        head_timeout_s=h.head_timeout_s,
-        body_timeout_s=h.body_timeout_s,
-        body_min_bytes_per_s=h.body_min_bytes_per_s,
-        keepalive_timeout_s=h.keepalive_timeout_s,
-        send_timeout_s=h.send_timeout_s,
-        max_connections=h.max_connections,
-    )
+    """The HTTP listener's limits from `[http]` (same names; the agents' budget is the endpoint's)."""
+    return Limits(**{f.name: getattr(config.http, f.name) for f in attrs.fields(Limits)})
 
 
 async def serve_control_plane(
