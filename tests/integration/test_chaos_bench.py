@@ -19,6 +19,6 @@ def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFi
     assert set(result["faults"]) == {"engine_kill", "agent_kill", "restart"}, result
     for name, fault in result["faults"].items():
         assert fault["requests"] > 0 and fault["failed_requests"] == 0, (name, fault)
-    assert result["faults"]["agent_kill"]["engine_starts"] == 0  # adopted, not started again
+    assert result["faults"]["agent_kill"]["engine_restarts"] == 0  # adopted, not started again
     assert result["unexpected_process_exits"] == []
     assert code == 0 and all(result["targets_met"].values()), result["targets_met"]

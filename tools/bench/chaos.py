@@ -23,7 +23,7 @@ and 20 streams in flight. Then, one at a time, each fault waiting for full capac
 
 For each: the requests and streams started from the fault until capacity was full again (and a
 few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
-replicas in the gateway's rotation), `engine_starts` (engine processes started meanwhile), and
+replicas in the gateway's rotation), `engine_restarts` (engine processes started meanwhile: restarts and replacements), and
 whether any llmgw process exited that the fault did not kill. Prints one JSON object; bounded
 in time (every wait has a deadline) and loopback/namespaces only. About 5 minutes.
 """
@@ -119,7 +119,7 @@ class Bench:
         result = {
             **self.load.between(started, trio.current_time()),
             "recovery_s": round(recovery_s, 2) if recovery_s is not None else None,
-            "engine_starts": len(seen - before),
+            "engine_restarts": len(seen - before),
         }
         result.update({k: v for k, v in info.items() if not k.startswith("_")})
         if extra is not None:
@@ -287,8 +287,8 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
             met[f"{name}_recovery_within_ttl_plus_start"] = r["recovery_s"] <= ttl_s + interval_s + start_s + 5
         if r and "duplicate_engines_left" in r:
             met[f"{name}_no_duplicate_after_rejoin"] = r["duplicate_engines_left"] == 0
-    if "agent_kill" in results and "engine_starts" in results["agent_kill"]:
-        met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_starts"] == 0
+    if "agent_kill" in results and "engine_restarts" in results["agent_kill"]:
+        met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_restarts"] == 0
         met["agent_kill_nothing_moved"] = results["agent_kill"].get("replicas_moved") is False
     return met
 
