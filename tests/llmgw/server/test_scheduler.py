@@ -115,3 +115,9 @@ def test_a_removed_node_is_like_a_lost_one() -> None:
     r = Placement(replica_id="m-0", model="m", nodes=("gone",), engine="sim")
     p = plan([node("a")], [model()], [r])
     assert p.stop == (r,) and p.start[0].nodes == ("a",)
+
+
+def test_replicas_held_back_for_one_reason_are_one_pending_entry_with_their_count() -> None:
+    p = plan([node("a", schedulable=False, why_not="joining")], [model(replicas=3), model("other")], [])
+    assert [(x.model, x.replicas) for x in p.pending] == [("m", 3), ("other", 1)]
+    assert p.pending[0].reason == "needs 1 node with working sim, none available (a joining)"
