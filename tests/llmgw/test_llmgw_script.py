@@ -25,15 +25,20 @@ echo "$*" >>pants.calls
 echo "pants says this on standard output"
 sleep "${BUILD_S:-0}"
 [[ -z "${BUILD_FAILS:-}" ]] || exit 3
-mkdir -p dist
-cat >dist/llmgw.pex <<'PEX'
+distdir=dist
+[[ "$1" != --pants-distdir=* ]] || distdir="${1#--pants-distdir=}"
+mkdir -p "$distdir"
+cat >"$distdir/llmgw.pex" <<'PEX'
 #!/usr/bin/env bash
 echo "pid=$$ args=$* invoked_as=$LLMGW_INVOKED_AS"
 [[ "${1:-}" != wait ]] || { trap 'exit 0' INT; echo ready; while :; do sleep 0.1; done; }
 exit 7
 PEX
-chmod +x dist/llmgw.pex
+chmod +x "$distdir/llmgw.pex"
 """
+
+
+BUILD_CALL = "--pants-distdir=dist/.llmgw-build package src/python/llmgw:llmgw"
 
 
 @pytest.fixture
@@ -71,14 +76,15 @@ def builds(checkout: Path) -> list[str]:
 
 def test_it_builds_the_pex_once_then_runs_it_with_the_arguments_and_its_exit_status(checkout: Path) -> None:
     first = run(checkout, "ctl", "nodes", "--state-dir", "/x y")
-    assert builds(checkout) == ["package src/python/llmgw:llmgw"]
+    assert builds(checkout) == [BUILD_CALL]
+    assert not (checkout / "dist/.llmgw-build/llmgw.pex").exists()  # built aside, renamed into place
     assert first.stderr.startswith(
         "llmgw: building dist/llmgw.pex (there is none yet): ./pants package src/python/llmgw:llmgw\n"
     )
     assert "pants says this on standard output" in first.stderr  # standard output is llmgw's alone
     assert first.stdout.endswith("args=ctl nodes --state-dir /x y invoked_as=./llmgw\n") and first.returncode == 7
     again = run(checkout, "version")
-    assert builds(checkout) == ["package src/python/llmgw:llmgw"] and again.stderr == ""
+    assert builds(checkout) == [BUILD_CALL] and again.stderr == ""
     assert again.stdout.endswith("args=version invoked_as=./llmgw\n") and again.returncode == 7
 
 
@@ -112,7 +118,7 @@ def test_two_at_once_build_it_once(checkout: Path) -> None:
         for _ in range(2)
     ]
     assert [p.wait(60) for p in both] == [7, 7]
-    assert builds(checkout) == ["package src/python/llmgw:llmgw"]
+    assert builds(checkout) == [BUILD_CALL]
 
 
 def test_it_becomes_llmgw_so_ctrl_c_reaches_llmgw_and_its_status_is_the_commands(checkout: Path) -> None:
