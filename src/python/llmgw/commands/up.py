@@ -125,10 +125,10 @@ def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
     )
     if path.exists():
         doc = parse_toml(path.read_text(), str(path))
-        owned = tuple(json.loads(record.read_text())["models"]) if record.exists() else _upconfig.legacy_owned(doc)
+        owned = _owned(record, doc)
         planned = _upconfig.update(doc, owned, shape, path)
         if not planned.changes:
-            if not record.exists():
+            if planned.owned != owned or not record.exists():  # e.g. the operator removed one
                 record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
             return path
     else:
@@ -148,6 +148,15 @@ def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
             changes=list(planned.changes),
         )
     return path
+
+
+def _owned(record: Path, doc: dict[str, Any]) -> tuple[str, ...]:
+    """The models an earlier `up` added, from up.json; from the catalog itself for a state
+    directory from before up.json (or one whose up.json was damaged)."""
+    try:
+        return tuple(str(name) for name in json.loads(record.read_text())["models"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _upconfig.legacy_owned(doc)
 
 
 def _node_config(state: Path, ca: pki.CA, i: int, agent_port: int, args: argparse.Namespace) -> AgentConfig:
