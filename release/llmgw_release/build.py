@@ -191,7 +191,9 @@ def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str)
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="release:build", description="Build the llmgw release zipapps and SHA256SUMS from this checkout."
+        prog="release:build",
+        description="Build the llmgw release zipapps and SHA256SUMS from this checkout.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", required=True, help="the release version, e.g. 0.2.0")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the artifacts into")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from typing import NoReturn
 
 import pytest
 
@@ -89,3 +91,54 @@ def test_a_service_that_fails_at_start_says_why_not_internal_error(tmp_path) -> 
     assert done.returncode == 1, done.stderr
     assert "ca.crt does not exist" in done.stderr and "llmgw node add" in done.stderr
     assert "internal error" not in done.stderr
+
+
+def _command_tree() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every parser of the CLI, by the words that reach it: each command and each subcommand."""
+    found = [("llmgw", cli._top_parser())]
+    todo = [(f"llmgw {c.name}", cli.build_parser(c.name)) for c in cli.COMMANDS]
+    while todo:
+        path, parser = todo.pop()
+        found.append((path, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend((f"{path} {name}", sub) for name, sub in action.choices.items())
+    return found
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_no_parser_in_the_command_tree_takes_an_abbreviated_option() -> None:
+    tree = _command_tree()
+    assert {"llmgw up", "llmgw agent supervise", "llmgw ctl keys create", "llmgw server backup"} <= {p for p, _ in tree}
+    tried = 0
+    for path, parser in tree:
+        # Nothing else is required here, so an option argparse does not know ends up in the extras.
+        for action in parser._actions:
+            action.required = False
+
+        def error(message: str) -> NoReturn:
+            raise _Refused(message)
+
+        parser.error = error  # type: ignore[method-assign]
+        spelled = {s for a in parser._actions for s in a.option_strings}
+        for option in sorted(s for s in spelled if s.startswith("--") and len(s) > 4):
+            abbreviation = option[:-1]
+            if abbreviation in spelled:
+                continue
+            tried += 1
+            try:
+                _, extras = parser.parse_known_args([abbreviation])
+            except _Refused as exc:
+                raise AssertionError(f"`{path} {abbreviation}` was taken as {option}: {exc}") from None
+            assert extras == [abbreviation], f"`{path} {abbreviation}` was taken as {option}"
+    assert tried > 100
+
+
+def test_a_typo_of_an_option_is_a_usage_error_not_another_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser("up").parse_args(["--node", "3"])  # parsed only: were it taken, nothing starts
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert "unrecognized arguments: --node 3" in capsys.readouterr().err

@@ -165,3 +165,14 @@ def test_every_key_is_documented() -> None:
     assert {"replicas", "sha256", "adapters", "node_cert_validity_days"} <= every
     documented = set(re.findall(r"`([a-z0-9_]+)`", doc)) | set(re.findall(r"`\[+([a-z0-9_]+)\]+`", doc))
     assert every - documented == set()
+
+
+def test_a_model_of_an_engine_turned_off_is_refused() -> None:
+    cfg = config.server_config_from_dict({"engines": {"llamacpp": {"enabled": False}}})
+    assert not cfg.engines.llamacpp.enabled
+    model = {"name": "m", "engine": "llamacpp", "source": {"path": "/m.gguf"}}
+    problems = problems_of({"engines": {"llamacpp": {"enabled": False}}, "models": [model]})
+    assert problems == [
+        "model 'm' uses llamacpp, which [engines.llamacpp] turns off (enabled = false); remove that line or this "
+        "model @ $.models[0].engine"
+    ]

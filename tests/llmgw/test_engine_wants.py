@@ -68,3 +68,9 @@ def test_pick_archive_prefers_cuda_on_gpu_nodes_and_falls_back_to_cpu() -> None:
     cpu_only = w.EngineWant(name="llamacpp", version="b1", archives=(llama.archives[0],))
     assert pick_archive(cpu_only, "x86_64", has_gpu=True).backend == "cpu"
     assert pick_archive(cpu_only, "riscv64", has_gpu=False) is None
+
+
+def test_an_engine_turned_off_is_not_asked_of_any_node() -> None:
+    off = EnginesSection(llamacpp=EngineSource(enabled=False), vllm=CONFIG.vllm)
+    assert [e.name for e in engines_for(off, node(vllm=w.NOT_APPLICABLE))] == []
+    assert [e.name for e in engines_for(off, node(vllm=w.ELIGIBLE, gpus=1))] == ["vllm"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def test_packaged_version_knows_its_commit() -> None:
     done = run_pex("version", "--json")
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
-    # The pex carries the commit it was built from (Pants' vcs_version), unlike a bare source tree.
-    assert info["commit"] != "unknown" and len(info["commit"]) >= 7
+    # The pex carries the commit it was built from and when (pants-plugins/llmgw_build), unlike a
+    # bare source tree: a commit time for a clean tree, the build's for a dirty one.
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", info["commit"]), info
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", info["build_date"]) and info["build_target"] == "pex", info
     assert info["version"] == json.loads(run_llmgw("version", "--json").stdout)["version"]

@@ -4,15 +4,18 @@ Ctrl-C stops everything, and a second run reuses the state."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from testlib import hostile
-from testlib.proc import llmgw_env
+from testlib.proc import build_root, llmgw_env, run_llmgw
 
 READY_TIMEOUT_S = 90
 
@@ -23,11 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(state: Path, port: int) -> tuple[subprocess.Popen, dict]:
+def start(state: Path, port: int, *flags: str, stderr: Any = subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
+    """`llmgw up --json` until its `ready` event, which comes back with the events before it
+    (under "before")."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port), "--json"],
+        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port), "--json", *flags],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         env=llmgw_env(),
     )
@@ -35,10 +40,10 @@ def start(state: Path, port: int) -> tuple[subprocess.Popen, dict]:
     assert proc.stdout is not None
     for line in proc.stdout:  # bounded: `up` itself gives up after its ready timeout
         event = json.loads(line)
-        events.append(event["event"])
         if event["event"] == "ready":
-            assert events[0] == "starting" and "node_joined" in events
-            return proc, event
+            assert events[0]["event"] == "starting" and "node_joined" in {e["event"] for e in events}
+            return proc, {**event, "before": events}
+        events.append(event)
     raise AssertionError(f"llmgw up ended before ready: exit {proc.wait(10)}, events {events}")
 
 
@@ -127,9 +132,53 @@ def test_up_serves_a_gguf_file_with_the_real_llama_server(tmp_path: Path) -> Non
         assert stop(proc) == 0
 
 
-def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: Path) -> None:
-    from testlib.proc import run_llmgw
+def test_a_plain_up_logs_no_warning_from_start_to_ctrl_c(tmp_path: Path) -> None:
+    state, port, log = tmp_path / "state", free_port(), tmp_path / "up.log"
+    with log.open("w") as stderr:
+        proc, ready = start(state, port, "--log-format", "json", stderr=stderr)
+        try:
+            assert chat(ready["gateway_url"], ready["api_key"])["choices"][0]["message"]["content"]
+            nodes = json.loads(run_llmgw("ctl", "nodes", "--json", "--state-dir", str(state)).stdout)
+            # No llama.cpp on a sim cluster: nothing "failed" that nobody asked for.
+            assert [[(e["name"], e["ok"]) for e in n["engines"]] for n in nodes] == [[("sim", True)]]
+            shown = run_llmgw("ctl", "nodes", "--state-dir", str(state))
+            assert shown.returncode == 0 and "failed" not in shown.stdout, shown.stdout
+        finally:
+            code = stop(proc)
+    assert code == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[-1]["event"] == "up_stopped"
+    assert [r for r in records if r["level"] in ("warning", "error")] == []
+    said = [(r["event"], r.get("model"), r.get("reason")) for r in records if r["event"] == "replica_pending"]
+    assert said and len(said) == len(set(said)), said  # each event once
 
+
+def test_fabric_flags_after_a_plain_up_add_sim_big_and_a_plain_up_then_removes_it(tmp_path: Path) -> None:
+    state, port = tmp_path / "state", free_port()
+    proc, _ = start(state, port)
+    assert stop(proc) == 0
+    proc, ready = start(state, port, "--nodes", "3", "--fabric", "ib-a")
+    try:
+        [updated] = [e for e in ready["before"] if e["event"] == "config_updated"]
+        assert updated["changes"] == ["added model sim-big: one replica across 2 nodes of fabric ib-a"]
+        for _ in range(300):  # the two-node replica may still be meeting at its rendezvous
+            replicas = json.loads(run_llmgw("ctl", "replicas", "--json", "--state-dir", str(state)).stdout)
+            if any(r["model"] == "sim-big" and r["state"] == "ready" for r in replicas):
+                break
+        assert any(r["model"] == "sim-big" and r["state"] == "ready" for r in replicas), replicas
+    finally:
+        assert stop(proc) == 0
+    proc, ready = start(state, port)  # a plain `up` again: one node, no fabric, no sim-big
+    try:
+        [updated] = [e for e in ready["before"] if e["event"] == "config_updated"]
+        assert updated["changes"][0].startswith("removed model sim-big: its replica spans 2 nodes of a fabric")
+        models = json.loads(run_llmgw("ctl", "models", "--json", "--state-dir", str(state)).stdout)
+        assert [m["model"] for m in models] == ["sim-small"]
+    finally:
+        assert stop(proc) == 0
+
+
+def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: Path) -> None:
     state, port = tmp_path / "state", free_port()
     proc = subprocess.Popen(
         [
@@ -169,5 +218,63 @@ def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: P
             if big and big[0]["state"] == "ready":
                 break
         assert big and big[0]["state"] == "ready" and sorted(big[0]["nodes"]) == ["local-1", "local-2"], replicas
+    finally:
+        assert stop(proc) == 0
+
+
+def quickstart_commands() -> list[str]:
+    """Every `./llmgw` command docs/quickstart.md shows: lines of its code blocks, and inline code."""
+    text = (build_root() / "docs" / "quickstart.md").read_text()
+    blocks = re.findall(r"^```\n(.*?)^```", text, flags=re.M | re.S)
+    lines = [line for block in blocks for line in block.splitlines() if line.startswith("./llmgw ")]
+    inline = re.findall(r"`(\./llmgw [^`]+)`", text)
+    return lines + [c for c in inline if c not in lines]
+
+
+def as_run_here(command: str, home: Path) -> list[str]:
+    """A printed or documented `./llmgw ...` command as this test runs it: the checkout's script
+    (which builds and execs dist/llmgw.pex; tests/llmgw/test_llmgw_script.py tests it) becomes
+    this interpreter running llmgw, and `~` is the HOME the command runs with, as a shell does."""
+    argv = shlex.split(command)
+    assert argv[0] == "./llmgw", command
+    return [sys.executable, "-m", "llmgw", *(str(home) + a[1:] if a.startswith("~/") else a for a in argv[1:])]
+
+
+def test_the_quickstarts_commands_work_as_printed_while_up_runs(tmp_path: Path) -> None:
+    documented = quickstart_commands()
+    [up] = [c for c in documented if c.startswith("./llmgw up --nodes 3 --fabric ib-a")]
+    ctl = [c for c in documented if c.startswith("./llmgw ctl ")]
+    assert len(ctl) >= 4, documented  # nodes, replicas, drain, reload
+    home = tmp_path / "home"
+    home.mkdir()
+    env = llmgw_env({"HOME": str(home), "LLMGW_INVOKED_AS": "./llmgw"})  # what ./llmgw sets
+    env.pop("XDG_DATA_HOME", None)  # the quickstart's default state directory, under this HOME
+    state = home / ".local" / "share" / "llmgw" / "up"
+    port = free_port()  # not part of what is printed; 8080 may be taken where tests run
+    proc = subprocess.Popen(
+        [*as_run_here(up, home), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        printed = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded: `up` gives up after its ready timeout
+            printed.append(line.rstrip("\n"))
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        operate = [line.strip() for line in printed if line.startswith("  ./llmgw ")]
+        assert operate == [
+            f"./llmgw ctl nodes --state-dir {state}",
+            f"./llmgw ctl replicas --state-dir {state}",
+        ], printed
+        for command in operate + ctl:
+            done = subprocess.run(as_run_here(command, home), capture_output=True, text=True, env=env, timeout=120)
+            assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+            assert done.stdout.strip(), command
+        nodes = subprocess.run(as_run_here(operate[0], home), capture_output=True, text=True, env=env, timeout=60)
+        assert "local-2" in nodes.stdout and "cordoned" in nodes.stdout  # the drain ran: cordoned and empty
     finally:
         assert stop(proc) == 0

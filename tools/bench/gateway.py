@@ -324,7 +324,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=4000, help="requests per phase 1 and 2 (default: 4000)")
     parser.add_argument("--sse-requests", type=int, default=400, help="streamed requests in phase 3 (default: 400)")
     parser.add_argument("--streams", type=int, default=5000, help="streams held open in phase 4; 0 skips it")

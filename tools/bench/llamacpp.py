@@ -116,7 +116,9 @@ def phase(port: int, key: str, body: dict, requests: int, concurrency: int) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--server", default=default_server(), help="llama-server binary")
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the tests' tiny model, made now)")
     parser.add_argument("--requests", type=int, default=256)

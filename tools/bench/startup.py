@@ -66,7 +66,7 @@ def bench(python: str, artifact: Path, args: list[str], runs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--python", action="append", help="interpreter to run it with (repeatable; default: this one)")
     parser.add_argument("--runs", type=int, default=10, help=f"warm runs, 1-{MAX_RUNS} (default: 10)")

@@ -168,9 +168,10 @@ async def _reconcile(
             engines.executables[want.name] = installed.executable
             status = w.EngineStatus(name=want.name, version=installed.version, ok=True)
         except LlmgwError as exc:
-            log.warning("engine_unavailable", engine=want.name, version=want.version, reason=str(exc))
             status = w.EngineStatus(name=want.name, version=want.version, ok=False, detail=str(exc))
         if engines.statuses.get(want.name) != status:
+            if not status.ok:  # once per change: a retry that fails the same way is no news
+                log.warning("engine_unavailable", engine=want.name, version=want.version, reason=status.detail)
             engines.statuses[want.name] = status
             await send(w.EnginesChanged(engines=engines.as_tuple()))
     for name in set(engines.statuses) - {want.name for want in state.engines} - {"sim"}:

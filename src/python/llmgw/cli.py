@@ -71,7 +71,15 @@ EXIT_BUG = 70
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors show the whole help of the command at fault."""
+    """An ArgumentParser whose usage errors show the whole help of the command at fault, and
+    which takes options only as spelled: argparse's prefix matching would read a typo such as
+    `up --node 3` as `--nodes 3`, and a flag added later would silently change what an old
+    abbreviation means. Subcommand parsers are made with this class too (`add_subparsers`
+    defaults to its parser's class), so the whole command tree refuses abbreviations."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_help(sys.stderr)

@@ -125,11 +125,13 @@ class EngineSource:
     """Which version of an engine the nodes should have, and where it comes from.
 
     version "" means: use the engine the operator installed on each node (agent.toml's
-    `llamacpp_bin`, `vllm_bin`, `sglang_python`)."""
+    `llamacpp_bin`, `vllm_bin`, `sglang_python`). enabled = false: the nodes are not asked for
+    it at all (llama.cpp on a cluster that serves no GGUF model, like `llmgw up` without --model)."""
 
     version: str = ""
     archives: tuple[EngineArchive, ...] = ()
     pip: str = ""  # a pip requirement installed into a venv per version, e.g. "vllm==0.11.0"
+    enabled: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -352,6 +354,12 @@ def _check_server(cfg: ServerConfig) -> list[str]:
         if m.gpus_per_replica < 0 or m.memory_gb < 0:
             bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
             problems.append(f"must not be negative @ {at}.{bad}")
+        source = getattr(cfg.engines, m.engine, None)
+        if source is not None and not source.enabled:
+            problems.append(
+                f"model {m.name!r} uses {m.engine}, which [engines.{m.engine}] turns off (enabled = false); "
+                f"remove that line or this model @ {at}.engine"
+            )
         if m.engine == "llamacpp" and m.nodes_per_replica > 1:
             problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
         problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))

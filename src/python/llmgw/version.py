@@ -1,17 +1,16 @@
 """What this llmgw is: version, the commit it was built from, the Python running it.
 
-The commit comes, in order, from build metadata generated into the package (`_build_info`
-by the release build, `_scm_version` by Pants' `vcs_version` for `./pants package`), then
-from git when running from a checkout, else "unknown". Build date and build target (the
-release artifact's platform, e.g. `linux-amd64`) come from `_build_info` only. Nothing here
-runs at import time.
+The commit comes from build metadata generated into the package (`_build_info`, written by
+the release build and, for `./pants package`, by pants-plugins/llmgw_build), else from git when
+running from a checkout, else "unknown". Build date and build target (the release artifact's
+platform, e.g. `linux-amd64`, or `pex`) come from `_build_info` only. Nothing here runs at
+import time.
 """
 
 from __future__ import annotations
 
 import importlib
 import platform
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +38,6 @@ def _generated(module: str, name: str) -> str | None:
         return None
 
 
-def _commit_from_scm_version(scm_version: str) -> str | None:
-    # setuptools_scm writes e.g. "0.1.dev12+g3f2a1b0" or "0.1.dev12+g3f2a1b0.d20261129".
-    m = re.search(r"\+g([0-9a-f]{7,40})", scm_version)
-    return m.group(1) if m else None
-
-
 def _commit_from_git(directory: Path) -> str | None:
     try:
         out = subprocess.run(
@@ -65,9 +58,6 @@ def version_info() -> VersionInfo:
     commit = _generated("llmgw._build_info", "commit")
     build_date = _generated("llmgw._build_info", "build_date") or "unknown"
     build_target = _generated("llmgw._build_info", "target") or "unknown"
-    if commit is None:
-        scm = _generated("llmgw._scm_version", "version")
-        commit = _commit_from_scm_version(scm) if scm else None
     if commit is None:
         commit = _commit_from_git(Path(__file__).resolve().parent)
     return VersionInfo(

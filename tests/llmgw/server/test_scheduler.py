@@ -138,3 +138,9 @@ def test_a_node_that_cannot_take_work_makes_nothing_crowded() -> None:
 def test_multi_node_replicas_are_not_moved_for_spreading() -> None:
     placed = [Placement(replica_id=f"m-{i}", model="m", nodes=("a", "b"), engine="sim", fabric="f") for i in range(2)]
     assert crowded([node("a"), node("b"), node("c")], placed) == []
+
+
+def test_replicas_held_back_for_one_reason_are_one_pending_entry_with_their_count() -> None:
+    p = plan([node("a", schedulable=False, why_not="joining")], [model(replicas=3), model("other")], [])
+    assert [(x.model, x.replicas) for x in p.pending] == [("m", 3), ("other", 1)]
+    assert p.pending[0].reason == "needs 1 node with working sim, none available (a joining)"

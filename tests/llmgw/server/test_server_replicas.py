@@ -113,3 +113,55 @@ def test_a_failed_replica_is_rebuilt_on_another_node(tmp_path: Path) -> None:
     assert r.note_statuses(home, (status,))
     r.reconcile(2)
     assert r.placed[rid].placement.nodes[0] != home
+
+
+def pending_events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.llmgw_fields["reason"]) for r in caplog.records if r.getMessage() == "replica_pending"]
+
+
+def test_a_pending_replica_is_logged_once_and_a_forming_cluster_is_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=5)
+    r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=2), Model(name="gpu", engine="vllm")])
+    r.reconcile(1)  # just started, no node yet
+    conn = reg.connect(
+        w.Hello(
+            protocol_version=w.PROTOCOL_VERSION,
+            node_id="a",
+            agent_version="t",
+            boot_id="b",
+            started_at=1.0,
+            inventory=None,
+            engines=(),  # the agent has not checked its engines yet
+        ),
+        address="10.0.0.1",
+        cert_serial=1,
+        cert_not_after=2e9,
+        now=2,
+    )
+    r.reconcile(2)
+    r.reconcile(2.5)  # the same again: nothing new to say
+    reg.heartbeat("a", conn, 3)
+    r.reconcile(3)
+    reg.engines_changed("a", conn, SIM)
+    r.reconcile(4)  # chat placed; the vLLM model still has nowhere to go, and the cluster is forming
+    assert all(level == "INFO" for level, _ in pending_events(caplog)), pending_events(caplog)
+    assert [reason for _, reason in pending_events(caplog)] == [
+        "needs 1 node with working sim, none available (no nodes)",
+        "needs 1 node with working vllm, none available (no nodes)",
+        "needs 1 node with working sim, none available (a joining)",
+        "needs 1 node with working vllm, none available (a joining)",
+        "needs 1 node with working sim, none available (a has not reported its engines yet)",
+        "needs 1 node with working vllm, none available (a has not reported its engines yet)",
+        "needs 1 node with working vllm, none available (a has no working vllm)",
+    ]
+    caplog.clear()
+    reg.heartbeat("a", conn, TTL + 5.5)
+    r.reconcile(TTL + 5.5)  # formed: what is still pending now is a problem, said once
+    r.reconcile(TTL + 6)
+    assert pending_events(caplog) == [
+        ("WARNING", "needs 1 node with working vllm, none available (a has no working vllm)")
+    ]
+    assert [v.replicas for v in r.pending] == [1]

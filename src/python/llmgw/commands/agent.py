@@ -20,9 +20,6 @@ DEFAULT_LOG = "/var/log/llmgw-agent.log"
 
 
 def configure(parser: Parser) -> None:
-    # `supervise --log PATH` would otherwise read, at this level, as an abbreviation of both
-    # --log-level and --log-format ("ambiguous option") before `supervise` ever sees it.
-    parser.allow_abbrev = False
     sub = add_group(parser, "verb")
     run = add_leaf(
         sub, "run", "run the agent: connect to the control plane and keep the node's work running", run_agent

@@ -3,9 +3,12 @@
 One process tree: the control plane (CA and state in --state-dir), N local agents with their
 own node ids, certificates and loopback addresses (127.0.0.1, 127.0.0.2, ...), a sim model with
 two replicas (and, with --fabric and two or more nodes, a sim model spanning two nodes of a
-simulated fabric), the gateway on localhost. It prints the gateway URL, an API key and a curl
-command that works as printed; `--json` prints one JSON object per event instead. Ctrl-C stops
-everything; running it again reuses the state (CA, certificates, key).
+simulated fabric), the gateway on localhost. It prints the gateway URL, an API key, a curl
+command and the `ctl` commands that operate the cluster, each working as printed (`./llmgw ...`
+when run by the checkout's script, `llmgw ...` otherwise); `--json` prints one JSON object per
+event instead. Ctrl-C (or SIGTERM) stops everything and exits 0; a second one during the stop
+cuts it short (exit 130). Running it again reuses the state (CA, certificates, key); server.toml
+changes only as the new flags say, and `up` prints what changed (`_upconfig`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +24,16 @@ import trio
 
 from llmgw import paths, pki, simfabric
 from llmgw.cli import Parser
+from llmgw.commands import _upconfig
 from llmgw.commands._service import run_service
-from llmgw.config import AgentConfig, FabricDecl, load_server_config
+from llmgw.config import AgentConfig, FabricDecl, load_server_config, parse_toml, server_config_from_dict
 from llmgw.errors import LlmgwError, UsageError, leaves, only
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.up")
 
 READY_TIMEOUT_S = 120.0
+INVOKED_AS_ENV = "LLMGW_INVOKED_AS"  # set by the checkout's ./llmgw script: how to run this llmgw again
 
 
 def default_state_dir() -> Path:
@@ -42,12 +48,26 @@ def configure(parser: Parser) -> None:
         metavar="DIR",
         help=f"where the cluster keeps its state (default {default_state_dir()})",
     )
-    parser.add_argument("--port", type=int, default=8080, help="the gateway's port on 127.0.0.1 (default 8080)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="the gateway's port on 127.0.0.1 (default 8080, or the port saved in --state-dir's server.toml)",
+    )
     parser.add_argument(
         "--nodes", type=int, default=1, metavar="N", help="local agents to start (default 1, at most 250)"
     )
-    parser.add_argument("--fabric", metavar="NAME", help="put the nodes on a simulated InfiniBand fabric of this name")
-    parser.add_argument("--model", type=Path, metavar="FILE.gguf", help="also serve this GGUF file with llama.cpp")
+    parser.add_argument(
+        "--fabric",
+        metavar="NAME",
+        help="put the nodes on a simulated InfiniBand fabric of this name; with 2 or more nodes, also serve "
+        "sim-big, one replica across 2 nodes",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        metavar="FILE.gguf",
+        help="also serve this GGUF file with llama.cpp (needs --llama-server or $LLMGW_LLAMA_SERVER)",
+    )
     parser.add_argument(
         "--llama-server", metavar="PATH", help="the llama-server for --model (default: $LLMGW_LLAMA_SERVER)"
     )
@@ -57,10 +77,24 @@ def configure(parser: Parser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.nodes <= 250:
         raise UsageError(f"--nodes must be between 1 and 250, got {args.nodes}")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
     if args.model is not None and not args.model.is_file():
         raise UsageError(f"--model {args.model}: no such file")
     state = (args.state_dir or default_state_dir()).resolve()
     return run_service("up", up, args, state)
+
+
+def command_name() -> str:
+    """How the operator runs this llmgw, so that the commands `up` prints work as printed: the
+    checkout's `./llmgw` script names itself in $LLMGW_INVOKED_AS; an installed one is `llmgw`."""
+    return os.environ.get(INVOKED_AS_ENV) or "llmgw"
+
+
+def operate_commands(state: Path) -> list[str]:
+    """The commands `up` prints for operating the cluster it started (docs/quickstart.md)."""
+    prefix, where = command_name(), shlex.quote(str(state))
+    return [f"{prefix} ctl nodes --state-dir {where}", f"{prefix} ctl replicas --state-dir {where}"]
 
 
 class Events:
@@ -74,24 +108,55 @@ class Events:
             print(text, flush=True)
 
 
-def _server_toml(state: Path, args: argparse.Namespace) -> Path:
-    path = state / "server.toml"
-    if path.exists():
-        return path  # the operator may have edited it: reuse as it is
-    models = ['[[models]]\nname = "sim-small"\nengine = "sim"\nreplicas = 2\n']
-    if args.fabric and args.nodes >= 2:
-        models.append('[[models]]\nname = "sim-big"\nengine = "sim"\nnodes_per_replica = 2\n')
-    if args.model is not None:
-        models.append(
-            f'[[models]]\nname = "{args.model.stem}"\nengine = "llamacpp"\nsource = {{ path = "{args.model.resolve()}" }}\n'
-        )
-    path.write_text(
-        "# Written by `llmgw up`; edit it and run `llmgw ctl reload --state-dir "
-        f'{state}`.\n[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\n'
-        f'http_listen = "127.0.0.1:{args.port}"\nadvertise = ["127.0.0.1"]\nheartbeat_interval_s = 1.0\n'
-        "heartbeat_ttl_s = 5.0\n\n" + "\n".join(models)
+def _llama_server(args: argparse.Namespace) -> str:
+    return args.llama_server or os.environ.get("LLMGW_LLAMA_SERVER", "")
+
+
+def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
+    """server.toml as this `up`'s flags ask (see `_upconfig`), with up.json beside it naming the
+    models `up` added; rewritten, and the changes printed, only when something changed."""
+    path, record = state / "server.toml", state / "up.json"
+    shape = _upconfig.Shape(
+        nodes=args.nodes,
+        port=args.port,
+        fabric=args.fabric,
+        gguf=args.model.resolve() if args.model is not None else None,
+        llama_server=bool(_llama_server(args)),
     )
+    if path.exists():
+        doc = parse_toml(path.read_text(), str(path))
+        owned = _owned(record, doc)
+        planned = _upconfig.update(doc, owned, shape, path)
+        if not planned.changes:
+            if planned.owned != owned or not record.exists():  # e.g. the operator removed one
+                record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
+            return path
+    else:
+        planned = _upconfig.first(state, shape)
+    server_config_from_dict(planned.doc, str(path))  # a file `up` would not start on is not written
+    header = (
+        f"# Written by `llmgw up`. Edit it and run `{command_name()} ctl reload --state-dir {shlex.quote(str(state))}`;\n"
+        "# a later `up` changes only what its flags decide (--port, --fabric, --model), and says so.\n"
+    )
+    path.write_text(_upconfig.render(planned.doc, header))
+    record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
+    if planned.changes:
+        emit(
+            "config_updated",
+            "\n".join([f"llmgw up: updated {path}:", *(f"  {c}" for c in planned.changes)]),
+            path=str(path),
+            changes=list(planned.changes),
+        )
     return path
+
+
+def _owned(record: Path, doc: dict[str, Any]) -> tuple[str, ...]:
+    """The models an earlier `up` added, from up.json; from the catalog itself for a state
+    directory from before up.json (or one whose up.json was damaged)."""
+    try:
+        return tuple(str(name) for name in json.loads(record.read_text())["models"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _upconfig.legacy_owned(doc)
 
 
 def _node_config(state: Path, ca: pki.CA, i: int, agent_port: int, args: argparse.Namespace) -> AgentConfig:
@@ -108,7 +173,7 @@ def _node_config(state: Path, ca: pki.CA, i: int, agent_port: int, args: argpars
             "sminfo": str(sminfo),
             "fabrics": (FabricDecl(name=args.fabric, adapters=simfabric.ADAPTERS),),
         }
-    llama = args.llama_server or os.environ.get("LLMGW_LLAMA_SERVER", "")
+    llama = _llama_server(args)
     return AgentConfig(
         server=f"wss://127.0.0.1:{agent_port}",
         node_id=node_id,
@@ -132,8 +197,9 @@ async def up(args: argparse.Namespace, state: Path) -> None:
         emit("ca_created", state_dir=str(state))
     ca = pki.load_ca(state)
     paths.ensure_admin_token(state)
-    config_path = _server_toml(state, args)
-    plane = ControlPlane(load_server_config(config_path), state, config_path)
+    config_path = _server_toml(state, args, emit)
+    config = load_server_config(config_path)
+    plane = ControlPlane(config, state, config_path)
     async with trio.open_nursery() as nursery:
         try:
             bound = await nursery.start(plane.serve)
@@ -141,7 +207,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
             if not only(exc, LlmgwError):
                 raise
             raise LlmgwError(
-                f"{leaves(exc)[0]} (the gateway wants 127.0.0.1:{args.port}; pick another with --port)"
+                f"{leaves(exc)[0]} (the gateway wants {config.server.http_listen}; pick another with --port)"
             ) from None
         emit("control_plane", admin_url=bound.admin_url, agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}")
         for i in range(args.nodes):
@@ -151,6 +217,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
         names = [m.name for m in plane.config.models]
         example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url
+        operate = operate_commands(state)
         emit(
             "ready",
             "\n".join(
@@ -161,13 +228,16 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                     f"  curl -s {gateway}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
                     "-H 'Content-Type: application/json' "
                     f'-d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "hello"}}]}}\'',
-                    f"Operate it: llmgw ctl nodes --state-dir {state}   (Ctrl-C stops everything)",
+                    "Operate it, from another terminal:",
+                    *(f"  {c}" for c in operate),
+                    "Ctrl-C stops everything.",
                 ]
             ),
             gateway_url=gateway,
             admin_url=bound.admin_url,
             api_key=api_key,
             state_dir=str(state),
+            operate=operate,
         )
 
 
@@ -192,8 +262,8 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
             await trio.sleep(0.1)
     if scope.cancelled_caught:
         raise LlmgwError(
-            f"the cluster did not become ready within {READY_TIMEOUT_S:g} s; see `llmgw ctl replicas "
-            f"--state-dir {plane.state_dir}` and the log above"
+            f"the cluster did not become ready within {READY_TIMEOUT_S:g} s; see `{operate_commands(plane.state_dir)[1]}` "
+            "and the log above"
         )
 
 

@@ -1,6 +1,6 @@
 """Which engines the control plane wants on a node: a pure function of the config and the
-node's inventory (spec: llama.cpp everywhere, vLLM where an NVIDIA GPU can run it, SGLang
-where a version is named, on nodes with an NVIDIA GPU)."""
+node's inventory (spec: llama.cpp everywhere unless turned off, vLLM where an NVIDIA GPU can
+run it, SGLang where a version is named, on nodes with an NVIDIA GPU)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ def _gpu_eligible(inv: w.Inventory | None, engine: str) -> bool:
 def engines_for(
     config: EnginesSection, inv: w.Inventory | None, mirrored: Collection[str] = ()
 ) -> tuple[w.EngineWant, ...]:
-    wants = [_want("llamacpp", config.llamacpp, inv, mirrored)]
-    if config.vllm is not None and _gpu_eligible(inv, "vllm"):
+    wants = []
+    if config.llamacpp.enabled:
+        wants.append(_want("llamacpp", config.llamacpp, inv, mirrored))
+    if config.vllm is not None and config.vllm.enabled and _gpu_eligible(inv, "vllm"):
         wants.append(_want("vllm", config.vllm, inv, mirrored))
-    if config.sglang is not None and _gpu_eligible(inv, "vllm"):  # same hardware bar as vLLM: an NVIDIA GPU
+    # SGLang: the same hardware bar as vLLM, an NVIDIA GPU.
+    if config.sglang is not None and config.sglang.enabled and _gpu_eligible(inv, "vllm"):
         wants.append(_want("sglang", config.sglang, inv, mirrored))
     return tuple(wants)
 

@@ -275,7 +275,8 @@ class ControlPlane:
                 }
             )
         for pend in self.replicas.pending:
-            out.append({"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []})
+            row = {"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []}
+            out.extend(dict(row) for _ in range(pend.replicas))  # a row per replica held back, as ctl counts them
         return out
 
     async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]:

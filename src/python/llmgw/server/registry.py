@@ -147,6 +147,12 @@ class Registry:
             return JOINING if s.connected and now - s.connected_at <= self.ttl else LOST
         return JOINED if now - s.last_heartbeat_at <= self.ttl else LOST
 
+    def forming(self, now: float) -> bool:
+        """Whether the cluster may still be assembling by itself: within the first TTL plus the
+        reconnect grace after the control plane started, while nodes known from before may
+        still come back (the window in which an absent node is `unknown`, not `lost`)."""
+        return now - self.started_at <= self.ttl + self.reconnect_grace
+
     def transitions(self, now: float) -> list[Transition]:
         """Liveness changes since the last call, for logging and for whoever reacts to them."""
         out = []

@@ -28,7 +28,7 @@ from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
-from llmgw.server.registry import JOINED, LOST, UNKNOWN, Registry
+from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, Registry
 from llmgw.server.scheduler import NodeView, Pending, Placement, plan
 from llmgw.wire import agent_link as w
 
@@ -65,6 +65,12 @@ def _from_row(row: dict) -> Stored:
     return Stored(placement=Placement(**p), api_key=row["api_key"], dist_init_port=row["dist_init_port"])
 
 
+def _arriving(state: str, node: Node) -> bool:
+    """Connected (or expected back) but not yet ready for work. Every agent checks and reports
+    its engines (sim at least) right after it joins: until then it is arriving, not short of one."""
+    return state in (JOINING, UNKNOWN) or (state == JOINED and not node.engines)
+
+
 class Replicas:
     def __init__(
         self,
@@ -79,6 +85,7 @@ class Replicas:
         self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.at_open.placements.items()}
         self.saver: LatestWriter[dict[str, dict]] = LatestWriter("placements", store.set_placements)
         self.pending: tuple[Pending, ...] = ()
+        self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
         self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
 
@@ -97,10 +104,13 @@ class Replicas:
             else:
                 engines = frozenset(e.name for e in node.engines if e.ok)
             why = "lost" if state == LOST else "cordoned" if node.cordoned else "draining" if node.draining else state
+            unreported = state == JOINED and _arriving(state, node)
+            if unreported and why == JOINED:
+                why = "has not reported its engines yet"
             views.append(
                 NodeView(
                     node_id=node_id,
-                    schedulable=state == JOINED and not node.cordoned and not node.draining,
+                    schedulable=state == JOINED and not node.cordoned and not node.draining and not unreported,
                     engines=engines,
                     gpus=len(inv.gpus) if inv else 0,
                     memory_bytes=inv.memory_total_bytes if inv else 0,
@@ -140,9 +150,7 @@ class Replicas:
             log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
         for p in result.stop:
             log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
-        for pend in result.pending:
-            if pend not in self.pending:
-                log.warning("replica_pending", model=pend.model, reason=pend.reason)
+        self._report_pending(result.pending, self._forming(now))
         self.pending = result.pending
         changed = set()
         for rid in set(before) | set(placed):
@@ -154,6 +162,29 @@ class Replicas:
         if save:
             self._save()
         return changed
+
+    def _forming(self, now: float) -> bool:
+        """The cluster is still assembling by itself: just after the control plane started (nodes
+        known from before may come back), with no node at all yet, or with a node that has
+        connected but not yet joined and reported its engines."""
+        if self.registry.forming(now) or not self.registry.nodes:
+            return True
+        return any(_arriving(self.registry.liveness(node, now), node) for node in self.registry.nodes.values())
+
+    def _report_pending(self, pending: Sequence[Pending], forming: bool) -> None:
+        """Log each pending reason once: at info while the cluster is still forming (a replica
+        waiting for nodes that are on their way is no problem), as a warning once it is formed
+        and the replica still has nowhere to go — also when the reason stayed the same."""
+        level = "info" if forming else "warning"
+        logged: dict[Pending, str] = {}
+        for pend in pending:
+            before = self._pending_logged.get(pend)
+            if before is None or (before, level) == ("info", "warning"):
+                emit = log.info if forming else log.warning
+                emit("replica_pending", model=pend.model, replicas=pend.replicas, reason=pend.reason)
+                before = level
+            logged[pend] = before
+        self._pending_logged = logged
 
     def propose_replacement(self, replica_id: str, now: float) -> tuple[Placement | None, str]:
         """Where one more replica of `replica_id`'s model would go now, on top of the catalog's

@@ -17,7 +17,8 @@ reconciler performs what it returns. Rules, in the order they are applied:
   placed together while no other node was there (nodes join one at a time) are named by
   `crowded`, for the control plane to move with a replacement first (`llmgw.server.moves`).
 - A replica that cannot be placed is pending with the reason, e.g.
-  "needs 2 nodes on one fabric, 1 available on ib-a".
+  "needs 2 nodes on one fabric, 1 available on ib-a"; replicas of one model held back for the
+  same reason are one `Pending` with their count.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ class Placement:
 
 @attrs.frozen(kw_only=True)
 class Pending:
+    """Replicas of `model` that cannot be placed, all for the same reason: one entry per reason,
+    so the reconciler reports each once however many replicas it holds back."""
+
     model: str
     reason: str
+    replicas: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -130,7 +135,10 @@ def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[P
             slot = next(i for i in range(len(used_slots) + 1) if i not in used_slots)
             placement, reason = _place(model, f"{model.name}-{slot}", nodes, free)
             if placement is None:
-                pending.append(Pending(model=model.name, reason=reason))
+                if pending and (pending[-1].model, pending[-1].reason) == (model.name, reason):
+                    pending[-1] = attrs.evolve(pending[-1], replicas=pending[-1].replicas + 1)
+                else:
+                    pending.append(Pending(model=model.name, reason=reason))
                 continue
             used_slots.add(slot)
             free.take(placement)
