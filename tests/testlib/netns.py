@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from testlib.needs import missing_message
 from testlib.netnode import free_index
 
 STOP_TIMEOUT_S = 10.0
@@ -36,11 +37,11 @@ def _run(*argv: str) -> str:
 
 
 def preflight() -> str:
-    """Why this machine cannot make a NetNS, or "" when it can."""
+    """Why this machine cannot make a NetNS, or "" when it can (a test fails with it: never a skip)."""
     if os.geteuid() != 0:
-        return "network namespaces need root (CI runs as root)"
+        return "network namespaces need root: run the suite as root (CI does)"
     if not Path("/usr/sbin/ip").exists():
-        return "/usr/sbin/ip is missing: install iproute2"
+        return missing_message("/usr/sbin/ip", "iproute2")
     return ""
 
 
