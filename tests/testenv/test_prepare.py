@@ -242,3 +242,23 @@ def test_on_this_prepared_machine_prepare_is_quick_and_does_nothing() -> None:
     lines = [line for line in done.stderr.splitlines() if not line.startswith("testenv: not root:")]
     assert lines == [], done.stderr  # nothing installed or built: `./pants test` prepared it already
     assert took < 2.0, f"prepare took {took:.2f} s on a prepared machine"  # ~0.05 s measured; 2 s for a loaded machine
+
+
+@pytest.mark.parametrize(
+    ("args", "prepares"),
+    [
+        ("test ::", True),
+        ("--no-pantsd test --force tests/llmgw::", True),
+        ("lint test ::", True),
+        ("test tests/x.py -- -k test", True),
+        ("lint ::", False),
+        ("run src/python/llmgw:llmgw -- test", False),  # after --: the program's arguments
+        ("help test", False),
+        ("package src/python/llmgw:llmgw", False),
+    ],
+)
+def test_pants_prepares_for_the_test_goal_only(args: str, prepares: bool) -> None:
+    script = (build_root() / "pants").read_text()
+    function = script[script.index("wants_tests() {") : script.index("\n}\n", script.index("wants_tests() {")) + 3]
+    done = subprocess.run(["bash", "-c", f"{function}\nwants_tests {args}"], capture_output=True, timeout=30)
+    assert (done.returncode == 0) == prepares, done.stderr
