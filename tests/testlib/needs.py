@@ -33,9 +33,3 @@ def program(name: str, package: str) -> str:
     if found is None:
         pytest.fail(missing_message(name, package))
     return found
-
-
-def root(why: str) -> None:
-    """The test fails unless it runs as root, saying why it needs root."""
-    if os.geteuid() != 0:
-        pytest.fail(f"this test needs root ({why}); run the suite as root: `sudo ./pants test ::`")
