@@ -4,8 +4,10 @@ the network goes (testlib.netnode: its own network namespace, address and hostna
 sshd, a fresh empty home, and /etc, /usr/local and /var overlaid so that what node add writes
 there can be inspected and is thrown away afterwards).
 
-The node's llama.cpp is the real llama-server CI builds (tools/llama/build-llama-server),
-mounted on the node at /mnt and named with --llamacpp-bin; the model served is a sim model.
+The node's llama.cpp is the real llama-server `./pants test` builds before the tests run
+(tools/llama/build-llama-server), mounted on the node at /mnt and named with --llamacpp-bin; the
+model served is a sim model. The node's programs are this machine's (/usr is shared): what the
+tests need of them (sshd, sudo, useradd, curl, python3) `./pants test` installs first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from llmgw import pki
 from testlib.cluster import Proc, free_port, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.llama import llama_server
+from testlib.needs import program
 from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
 from testlib.sshd import fingerprint_of
@@ -287,6 +290,10 @@ def test_an_unknown_host_key_is_not_trusted_without_a_yes(cp: ControlPlane, node
 def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
     cp: ControlPlane, node: NetNode, release_dir: Path
 ) -> None:
+    # The node's programs are this machine's: without sudo, node add would stop at identify for that
+    # reason instead of the one this test is about.
+    program("sudo", "sudo")
+    program("useradd", "passwd")
     cp.run()
     # A password of "*" (none works) rather than useradd's "!", which sshd takes for a locked account.
     made = node.run(

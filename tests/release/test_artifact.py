@@ -184,6 +184,23 @@ def find_python(minor: int) -> Path:
     return max(found, key=lambda p: tuple(int(x) for x in p.parents[1].name.split(".")))
 
 
+def find_python39() -> Path:
+    """A CPython 3.9, found where ./pants finds the one it runs Pants with; missing is a failure."""
+    candidates = [os.environ.get("LLMGW_PANTS_PYTHON", ""), shutil.which("python3.9") or ""]
+    candidates += [str(p) for p in sorted(pyenv_root().glob("versions/3.9.*/bin/python3.9"), reverse=True)]
+    for candidate in filter(None, candidates):
+        done = subprocess.run(
+            [candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 9))"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        if done.stdout.strip() == "True":
+            return Path(candidate)
+    pytest.fail(
+        "no CPython 3.9 to try the artifact with (on PATH, under pyenv or in LLMGW_PANTS_PYTHON); "
+        "./pants needs one too: `pyenv install 3.9`"
+    )
+
+
 @pytest.fixture(scope="module")
 def shiv_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("unpacked")
@@ -396,10 +413,7 @@ def wait_for_url(service: Service, tmp: Path, port: int, proc: subprocess.Popen)
 
 
 def test_a_python_it_was_not_built_for_gets_a_message(release: Release, tmp_path: Path) -> None:
-    old = sorted(pyenv_root().glob("versions/3.9.*/bin/python3.9"))
-    if not old:
-        pytest.skip("no CPython 3.9 under pyenv to try the artifact with")
-    done = run(old[-1], release.artifact("amd64"), ["version"], tmp_path)
+    done = run(find_python39(), release.artifact("amd64"), ["version"], tmp_path)
     assert done.returncode == 70
     assert "llmgw needs CPython 3.10 to 3.13; this is Python 3.9." in done.stderr
     assert not list(tmp_path.iterdir()), "nothing may be unpacked for a Python that cannot run it"

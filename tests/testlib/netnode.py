@@ -17,21 +17,29 @@ import subprocess
 import time
 from pathlib import Path
 
+from testlib.needs import missing_message
 from testlib.netns import _run, free_index, kill_namespace, namespace_pids
 from testlib.sshd import SSHD, keygen, sshd_config
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
 OVERLAID = ("/etc", "/usr/local", "/var", "/tmp")
+# What a node is made with, and the Debian package of each.
+TOOLS = (
+    ("/usr/sbin/ip", "iproute2"),
+    ("/usr/bin/unshare", "util-linux"),
+    ("/usr/bin/nsenter", "util-linux"),
+    (str(SSHD), "openssh-server"),
+)
 
 
 def preflight() -> str:
-    """Why this machine cannot make a NetNode, or "" when it can."""
+    """Why this machine cannot make a NetNode, or "" when it can (a test fails with it: never a skip)."""
     if os.geteuid() != 0:
-        return "network namespaces need root (CI runs as root)"
-    for tool in ("/usr/sbin/ip", "/usr/bin/unshare", str(SSHD)):
+        return "network namespaces need root: run the suite as root (CI does)"
+    for tool, package in TOOLS:
         if not Path(tool).exists():
-            return f"{tool} is missing: install iproute2, util-linux and openssh-server (.ci/install-deps does)"
+            return missing_message(tool, package)
     return ""
 
 

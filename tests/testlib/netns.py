@@ -25,6 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from testlib.needs import missing_message
+
 STOP_TIMEOUT_S = 10.0
 
 
@@ -65,11 +67,11 @@ def kill_namespace(name: str, timeout_s: float) -> None:
 
 
 def preflight() -> str:
-    """Why this machine cannot make a NetNS, or "" when it can."""
+    """Why this machine cannot make a NetNS, or "" when it can (a test fails with it: never a skip)."""
     if os.geteuid() != 0:
-        return "network namespaces need root (CI runs as root)"
+        return "network namespaces need root: run the suite as root (CI does)"
     if not Path("/usr/sbin/ip").exists():
-        return "/usr/sbin/ip is missing: install iproute2"
+        return missing_message("/usr/sbin/ip", "iproute2")
     return ""
 
 

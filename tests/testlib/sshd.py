@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from testlib.needs import missing_message
+
 SSHD = Path("/usr/sbin/sshd")
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -67,7 +69,7 @@ def free_port() -> int:
 class Sshd:
     def __init__(self, root: Path) -> None:
         if not SSHD.exists():
-            raise RuntimeError(f"{SSHD} is missing: install openssh-server (.ci/install-deps does)")
+            raise RuntimeError(missing_message(str(SSHD), "openssh-server"))
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.user = pwd.getpwuid(os.getuid()).pw_name

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
+from testlib.needs import program
 
 TMUX_TIMEOUT_S = 10.0
 
@@ -29,8 +28,7 @@ def words(text: str) -> str:
 class Terminal:
     def __init__(self, tmp_path: Path, argv: Sequence[str], *, timeout_s: float = TMUX_TIMEOUT_S) -> None:
         """Run `argv` in the pane with TERM=xterm-256color and this process's sys.path as PYTHONPATH."""
-        if shutil.which("tmux") is None:
-            pytest.fail("tmux is missing: install it (apt-get install tmux; .ci/install-deps installs it)")
+        program("tmux", "tmux")
         self.timeout_s = timeout_s
         self.socket = f"llmgw-term-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         conf = tmp_path / f"tmux-{self.socket}.conf"

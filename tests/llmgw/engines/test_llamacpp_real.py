@@ -1,8 +1,8 @@
 """The real llama-server, started through llmgw's llama.cpp spec on a tiny model made here.
 
-Needs the binary built by tools/llama/build-llama-server (CI builds it first): from
-LLMGW_LLAMA_SERVER, or the build's cache. Without it these tests fail rather than skip, so a
-machine that cannot build llama.cpp is noticed.
+Needs the binary built by tools/llama/build-llama-server, which `./pants test` runs before the
+tests (tools/testenv/prepare.py): from LLMGW_LLAMA_SERVER, or the build's cache. Without it these
+tests fail rather than skip, so a machine that cannot build llama.cpp is noticed.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ it checks and what "joined" means. The whole flow against a real node is test_no
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,6 +19,7 @@ from llmgw import pki
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
 from llmgw.nodeadd import flow, layout, release, ssh
 from llmgw.nodeadd.questions import Unattended
+from testlib.needs import program
 
 
 def test_agent_toml_is_what_the_agent_loads(tmp_path: Path) -> None:
@@ -44,8 +44,8 @@ def test_agent_toml_refuses_a_bad_server() -> None:
         layout.agent_toml(server="10.0.0.1:7443", node_id="node-a")
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
 def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    program("systemd-analyze", "systemd")
     # ExecStart must name an executable that exists for verify to pass: this Python stands in for llmgw.
     unit = tmp_path / layout.UNIT_NAME
     unit.write_text(layout.systemd_unit(bin_path=sys.executable))

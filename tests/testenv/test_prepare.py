@@ -1,0 +1,264 @@
+"""tools/testenv/prepare.py: what `./pants test` provides before the tests run, and what it says.
+
+The decisions run against a fake machine (what exists, who runs it, what apt-get and the llama
+build answer); the last tests run the real script and the real build script on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from testenv import prepare
+from testenv.prepare import NEEDS, Machine
+from testlib import llama
+from testlib.proc import build_root
+
+EVERYTHING = {item for need in NEEDS for item in need.provides} | {prepare.APT_GET}
+BUILD = Path("/checkout/tools/llama/build-llama-server")
+
+
+class Fake:
+    """A machine that has `present`, runs as `euid`, and records what would be run."""
+
+    def __init__(
+        self,
+        present: set[str],
+        *,
+        euid: int = 0,
+        apt_status: int = 0,
+        installs: dict[str, set[str]] | None = None,
+        llama: str = "cached",
+        env: dict | None = None,
+    ) -> None:
+        self.present = set(present)
+        self._euid = euid
+        self.apt_status = apt_status
+        self.installs = installs or {}  # package -> what installing it provides
+        self.llama = llama  # "cached", "missing", "fails"
+        self.ran: list[tuple[list[str], dict]] = []
+        self.captured: list[list[str]] = []
+        self.said: list[str] = []
+        self.machine = Machine(
+            has=self.present.__contains__,
+            euid=lambda: self._euid,
+            run=self._run,
+            capture=self._capture,
+            quiet=self._quiet,
+            env=dict(env or {}),
+            say=self.said.append,
+        )
+
+    def _run(self, argv: Sequence[str], env: dict) -> int:
+        self.ran.append((list(argv), dict(env)))
+        if argv[:2] == ["apt-get", "install"] and self.apt_status == 0:
+            for package in argv[2:]:
+                self.present |= self.installs.get(package, set())
+        return self.apt_status
+
+    def _capture(self, argv: Sequence[str]) -> tuple[int, str]:
+        self.captured.append(list(argv))
+        if argv[1:] == ["--cached"]:
+            return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
+        if self.llama == "fails":
+            return 1, ""
+        self.llama = "cached"
+        return 0, "/cache/llama-server\n"
+
+    def _quiet(self, argv: Sequence[str]) -> int:
+        self.captured.append(list(argv))
+        return 0 if argv[0] in self.present else 127
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.said)
+
+
+def without(*items: str) -> set[str]:
+    return EVERYTHING - set(items)
+
+
+def run(fake: Fake) -> int:
+    return prepare.prepare(fake.machine, build=BUILD)
+
+
+# -- packages ---------------------------------------------------------------------------------
+
+
+def test_everything_there_as_root_says_nothing_and_runs_nothing_but_the_cache_check() -> None:
+    fake = Fake(EVERYTHING)
+    assert run(fake) == 0
+    assert fake.said == []
+    assert fake.ran == []
+    assert fake.captured == [[str(BUILD), "--cached"]]
+
+
+def test_as_root_only_the_missing_packages_are_installed_saying_what_and_why() -> None:
+    fake = Fake(without("tmux", "/usr/sbin/sshd"), installs={"tmux": {"tmux"}, "openssh-server": {"/usr/sbin/sshd"}})
+    assert run(fake) == 0
+    assert [argv for argv, _ in fake.ran] == [
+        ["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=300"],
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", "openssh-server", "tmux"],
+    ]  # fmt: skip
+    assert all(env == {"DEBIAN_FRONTEND": "noninteractive"} for _, env in fake.ran)
+    assert "openssh-server: node add's tests log into a real sshd (/usr/sbin/sshd missing)" in fake.text
+    assert "tmux: node add's terminal screens are tested in a real tmux pane (tmux missing)" in fake.text
+    assert "installing them: apt-get install openssh-server tmux" in fake.text
+
+
+def test_not_root_is_told_the_one_command_and_nothing_is_run() -> None:
+    fake = Fake(without("tmux", "/usr/sbin/sshd"), euid=1000)
+    assert run(fake) == 1
+    assert fake.ran == [] and fake.captured == []  # no llama build either: cmake and g++ may be missing too
+    assert fake.said[-2:] == [
+        "installing them needs root; run this, then ./pants test again:",
+        "  sudo apt-get update && sudo apt-get install -y --no-install-recommends openssh-server tmux",
+    ]
+
+
+def test_not_root_without_sudo_is_told_to_use_su() -> None:
+    fake = Fake(without("sudo"), euid=1000)
+    assert run(fake) == 1
+    assert fake.said[-1] == "  su -c 'apt-get update && apt-get install -y --no-install-recommends sudo'"
+    assert "sudo: node add's test logs into its node as a user with passwordless sudo (sudo missing)" in fake.text
+
+
+def test_a_machine_without_apt_get_is_told_what_is_missing_and_stops() -> None:
+    fake = Fake(without("ip", prepare.APT_GET))
+    assert run(fake) == 1
+    assert fake.ran == []
+    assert "iproute2: tests make network namespaces and veth pairs (ip netns) (ip missing)" in fake.text
+    assert "no /usr/bin/apt-get" in fake.said[-1]
+
+
+def test_a_failed_apt_get_stops_before_pants_runs() -> None:
+    fake = Fake(without("tmux"), apt_status=100)
+    assert run(fake) == 1
+    assert len(fake.ran) == 1  # update failed: no install attempted
+    assert fake.said[-1] == "apt-get update failed (above); fix that and run ./pants test again"
+    assert fake.captured == []  # and no llama build
+
+
+def test_a_package_that_installs_but_does_not_provide_the_program_is_named() -> None:
+    fake = Fake(without("systemd-analyze"), installs={"systemd": set()})
+    assert run(fake) == 1
+    assert fake.said[-1] == (
+        "systemd is installed but systemd-analyze is still missing; the tests need it: "
+        "the systemd units node add writes and the docs show are verified"
+    )
+
+
+def test_one_package_with_several_programs_is_installed_once_naming_every_missing_one() -> None:
+    fake = Fake(without("unshare", "nsenter"), installs={"util-linux": {"unshare", "nsenter"}})
+    assert run(fake) == 0
+    assert fake.ran[-1][0][-1:] == ["util-linux"]
+    assert "(unshare, nsenter missing)" in fake.text
+
+
+# -- llama-server ---------------------------------------------------------------------------
+
+
+def test_an_unbuilt_llama_server_is_built_saying_why_and_how_long() -> None:
+    fake = Fake(EVERYTHING, llama="missing", env={"LLAMA_BUILD_JOBS": "4"})
+    assert run(fake) == 0
+    assert fake.captured == [[str(BUILD), "--cached"], [str(BUILD)]]
+    [said] = fake.said
+    assert said.startswith("llama-server is not built yet: the llama.cpp engine tests and node add's test node run")
+    assert "with 4 jobs" in said and "about 5 minutes" in said
+
+
+def test_a_failed_llama_build_stops_with_a_message() -> None:
+    fake = Fake(EVERYTHING, llama="fails")
+    assert run(fake) == 1
+    assert fake.said[-1] == "building llama-server failed (above); fix that and run ./pants test again"
+
+
+def test_llmgw_llama_server_overrides_the_build_when_it_runs() -> None:
+    fake = Fake(EVERYTHING | {"/opt/llama-server"}, llama="missing", env={"LLMGW_LLAMA_SERVER": "/opt/llama-server"})
+    assert run(fake) == 0
+    assert fake.captured == [["/opt/llama-server", "--version"]]
+    assert fake.said == []
+
+
+def test_an_llmgw_llama_server_that_does_not_run_stops_with_its_name() -> None:
+    fake = Fake(EVERYTHING, env={"LLMGW_LLAMA_SERVER": "/nowhere/llama-server"})
+    assert run(fake) == 1
+    assert fake.said == [
+        "LLMGW_LLAMA_SERVER=/nowhere/llama-server does not run (`/nowhere/llama-server --version` fails); "
+        "fix it, or unset it to use the cached build"
+    ]
+
+
+def test_not_root_with_everything_there_runs_and_says_which_tests_need_root() -> None:
+    fake = Fake(EVERYTHING, euid=1000)
+    assert run(fake) == 0
+    [said] = fake.said
+    assert said.startswith("not root: the tests that make network namespaces")
+
+
+# -- the real scripts, on this machine ------------------------------------------------------
+
+
+def test_every_need_names_a_package_and_says_why() -> None:
+    assert len({n.package for n in NEEDS}) == len(NEEDS)
+    assert all(n.provides and n.why for n in NEEDS)
+    # The paths the test helpers run by absolute path are the ones checked.
+    provided = {item for n in NEEDS for item in n.provides}
+    assert {"/usr/sbin/sshd", "ip", "unshare", "nsenter", "sudo", "tmux", "systemd-analyze"} <= provided
+
+
+def test_the_build_script_caches_where_the_tests_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = build_root() / "tools" / "llama" / "build-llama-server"
+    [version] = [line.split("=", 1)[1] for line in script.read_text().splitlines() if line.startswith("VERSION=")]
+    assert version == llama.LLAMA_VERSION
+    env = {**os.environ, "LLMGW_LLAMA_CACHE": str(tmp_path)}
+    env.pop("LLMGW_LLAMA_SERVER", None)
+    assert subprocess.run([str(script), "--cached"], env=env, capture_output=True, timeout=30).returncode == 3
+    fake = tmp_path / version / "bin" / "llama-server"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\necho 'version: fake'\n")
+    fake.chmod(0o755)
+    done = subprocess.run([str(script), "--cached"], env=env, capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, f"{fake}\n")
+    monkeypatch.delenv("LLMGW_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("LLMGW_LLAMA_CACHE", str(tmp_path))
+    assert llama.llama_server() == str(fake)
+    monkeypatch.setenv("LLMGW_LLAMA_SERVER", "/usr/bin/true")  # the variable still wins
+    assert llama.llama_server() == "/usr/bin/true"
+
+
+def test_on_this_prepared_machine_prepare_is_quick_and_does_nothing() -> None:
+    script = build_root() / "tools" / "testenv" / "prepare.py"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("testenv: not root:")]
+    assert lines == [], done.stderr  # nothing installed or built: `./pants test` prepared it already
+    assert took < 2.0, f"prepare took {took:.2f} s on a prepared machine"  # ~0.05 s measured; 2 s for a loaded machine
+
+
+@pytest.mark.parametrize(
+    ("args", "prepares"),
+    [
+        ("test ::", True),
+        ("--no-pantsd test --force tests/llmgw::", True),
+        ("lint test ::", True),
+        ("test tests/x.py -- -k test", True),
+        ("lint ::", False),
+        ("run src/python/llmgw:llmgw -- test", False),  # after --: the program's arguments
+        ("help test", False),
+        ("package src/python/llmgw:llmgw", False),
+    ],
+)
+def test_pants_prepares_for_the_test_goal_only(args: str, prepares: bool) -> None:
+    script = (build_root() / "pants").read_text()
+    function = script[script.index("wants_tests() {") : script.index("\n}\n", script.index("wants_tests() {")) + 3]
+    done = subprocess.run(["bash", "-c", f"{function}\nwants_tests {args}"], capture_output=True, timeout=30)
+    assert (done.returncode == 0) == prepares, done.stderr

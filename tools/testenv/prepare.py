@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""What `./pants test` needs of this machine, provided before Pants starts.
+
+`./pants` runs this (with the Python 3.9 it runs Pants with) whenever its arguments name the
+`test` goal; `tools/testenv/prepare.py` runs it alone. It makes sure of two things, in order:
+
+1. The Debian packages whose programs the tests run (NEEDS says which and why). It checks for
+   the programs themselves, not for package records: a missing one is installed with apt-get
+   when running as root; otherwise it prints the one `apt-get install` command to run and exits 1.
+2. A built llama-server (tools/llama/build-llama-server, cached under ~/.cache/llmgw-llama), unless
+   LLMGW_LLAMA_SERVER names one. The first build takes minutes and says so.
+
+Everything there: it prints nothing and costs a few stat() calls and one
+`build-llama-server --cached` (a `--version` of the cached binary): 0.05-0.2 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
+need it cannot meet stops `./pants test` with a message naming it and the fix.
+
+Runs on CPython 3.9 (Pants' own interpreter) and later; the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_LLAMA = ROOT / "tools" / "llama" / "build-llama-server"
+NOT_BUILT = 3  # build-llama-server --cached: no binary in the cache
+# Where the programs are looked for, beyond PATH: sbin is not on a user's PATH on Debian.
+SYSTEM_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+APT_GET = "/usr/bin/apt-get"
+
+
+@dataclass(frozen=True)
+class Need:
+    package: str  # the Debian package that provides it
+    provides: tuple[str, ...]  # programs (looked up like commands) or absolute paths, all required
+    why: str
+
+
+NEEDS: tuple[Need, ...] = (
+    Need("ca-certificates", ("/etc/ssl/certs/ca-certificates.crt",), "Pants and pip reach PyPI over HTTPS"),
+    Need("git", ("git",), "llmgw version and the release build read the commit"),
+    Need("curl", ("curl",), "fetches llama.cpp's source; node add's node fetches the release with it"),
+    Need("cmake", ("cmake",), "builds llama-server"),
+    Need("ninja-build", ("ninja",), "builds llama-server"),
+    Need("g++", ("g++",), "builds llama-server"),
+    Need("python3", ("/usr/bin/python3",), "node add's test node runs the release on the system's python3"),
+    Need("openssh-server", ("/usr/sbin/sshd",), "node add's tests log into a real sshd"),
+    Need("openssh-client", ("ssh-keygen", "ssh-keyscan"), "the SSH tests make keys and scan host keys"),
+    Need("iproute2", ("ip",), "tests make network namespaces and veth pairs (ip netns)"),
+    Need("util-linux", ("unshare", "nsenter", "flock"), "the test node's own mounts; one llama build at a time"),
+    Need("procps", ("ps",), "process tools on the test node"),
+    Need("passwd", ("useradd",), "node add's sudo test makes a login on its node"),
+    Need("systemd", ("systemd-analyze",), "the systemd units node add writes and the docs show are verified"),
+    Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
+    Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
+)
+
+
+@dataclass
+class Machine:
+    """The seam to the real system: tests give a fake one."""
+
+    has: Callable[[str], bool]
+    euid: Callable[[], int]
+    run: Callable[[Sequence[str], dict], int]  # argv, extra environment -> exit status (output passes through)
+    capture: Callable[[Sequence[str]], tuple[int, str]]  # argv -> exit status, stdout (stderr passes through)
+    quiet: Callable[[Sequence[str]], int]  # argv -> exit status, all output discarded
+    env: dict
+    say: Callable[[str], None]
+
+
+def _has(item: str) -> bool:
+    if item.startswith("/"):
+        return os.path.exists(item)
+    path = os.pathsep.join([os.environ.get("PATH", ""), *SYSTEM_DIRS])
+    return shutil.which(item, path=path) is not None
+
+
+def _run(argv: Sequence[str], env: dict) -> int:
+    return subprocess.run(list(argv), env={**os.environ, **env}, check=False).returncode
+
+
+def _capture(argv: Sequence[str]) -> tuple[int, str]:
+    try:
+        done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=None, text=True, check=False)
+    except OSError:
+        return 127, ""
+    return done.returncode, done.stdout
+
+
+def _quiet(argv: Sequence[str]) -> int:
+    try:
+        return subprocess.run(list(argv), capture_output=True, check=False).returncode
+    except OSError:
+        return 127
+
+
+def real_machine() -> Machine:
+    return Machine(
+        has=_has,
+        euid=os.geteuid,
+        run=_run,
+        capture=_capture,
+        quiet=_quiet,
+        env=dict(os.environ),
+        say=lambda line: print(f"testenv: {line}", file=sys.stderr, flush=True),
+    )
+
+
+# -- decisions --------------------------------------------------------------------------------
+
+
+def missing(needs: Sequence[Need], has: Callable[[str], bool]) -> list[tuple[Need, list[str]]]:
+    """Each need with something absent, and what is absent."""
+    out = []
+    for need in needs:
+        absent = [item for item in need.provides if not has(item)]
+        if absent:
+            out.append((need, absent))
+    return out
+
+
+def install_argv(packages: Sequence[str]) -> list[str]:
+    # Another apt-get (or a second `./pants test`) holding the lock is waited for, not failed on.
+    return ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", *packages]
+
+
+def command_for_user(packages: Sequence[str], *, has_sudo: bool) -> str:
+    """The one command a user who is not root runs to install `packages`."""
+    install = f"apt-get install -y --no-install-recommends {' '.join(packages)}"
+    if has_sudo:
+        return f"sudo apt-get update && sudo {install}"
+    return f"su -c 'apt-get update && {install}'"  # sudo itself is among the missing
+
+
+# -- steps ------------------------------------------------------------------------------------
+
+
+def ensure_packages(m: Machine, needs: Sequence[Need] = NEEDS) -> bool:
+    gaps = missing(needs, m.has)
+    if not gaps:
+        return True
+    packages = [need.package for need, _ in gaps]
+    m.say(f"the tests need {len(packages)} Debian package(s) this machine does not have:")
+    for need, absent in gaps:
+        m.say(f"  {need.package}: {need.why} ({', '.join(absent)} missing)")
+    if not m.has(APT_GET):
+        m.say(
+            f"this machine has no {APT_GET}: install those packages (or their equivalents) and run ./pants test again"
+        )
+        return False
+    if m.euid() != 0:
+        m.say("installing them needs root; run this, then ./pants test again:")
+        m.say(f"  {command_for_user(packages, has_sudo=m.has('sudo'))}")
+        return False
+    m.say(f"installing them: apt-get install {' '.join(packages)}")
+    apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
+    if m.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=300"], apt_env) != 0:
+        m.say("apt-get update failed (above); fix that and run ./pants test again")
+        return False
+    if m.run(install_argv(packages), apt_env) != 0:
+        m.say(f"apt-get install {' '.join(packages)} failed (above); fix that and run ./pants test again")
+        return False
+    still = missing(needs, m.has)
+    if still:
+        for need, absent in still:
+            m.say(
+                f"{need.package} is installed but {', '.join(absent)} is still missing; the tests need it: {need.why}"
+            )
+        return False
+    return True
+
+
+def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
+    given = m.env.get("LLMGW_LLAMA_SERVER", "")
+    if given:
+        if m.quiet([given, "--version"]) == 0:
+            return True
+        m.say(
+            f"LLMGW_LLAMA_SERVER={given} does not run (`{given} --version` fails); fix it, or unset it to use the cached build"
+        )
+        return False
+    status, _ = m.capture([str(build), "--cached"])
+    if status == 0:
+        return True
+    if status != NOT_BUILT:
+        m.say(f"{build} --cached failed with status {status}")
+        return False
+    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
+    m.say(
+        "llama-server is not built yet: the llama.cpp engine tests and node add's test node run the real one. "
+        f"Building it once from llama.cpp's source with {jobs} jobs (about 5 minutes on 2 cores; "
+        f"LLAMA_BUILD_JOBS=N for more): {build.relative_to(ROOT) if build.is_relative_to(ROOT) else build}"
+    )
+    status, _ = m.capture([str(build)])
+    if status != 0:
+        m.say("building llama-server failed (above); fix that and run ./pants test again")
+        return False
+    return True
+
+
+def prepare(m: Machine, build: Path = BUILD_LLAMA) -> int:
+    if not ensure_packages(m):
+        return 1
+    if not ensure_llama_server(m, build):
+        return 1
+    if m.euid() != 0:
+        m.say(
+            "not root: the tests that make network namespaces (node add end to end, the gateway's silent-peer "
+            "tests) need root and will fail saying so; run the suite as root to run all of it"
+        )
+    return 0
+
+
+def main() -> int:
+    return prepare(real_machine())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
