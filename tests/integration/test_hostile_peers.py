@@ -312,8 +312,10 @@ def test_two_thousand_idle_connections_while_requests_are_answered(live: Live) -
         started = time.monotonic()
         status, _ = request(live.http_port, "GET", "/health")
         assert status == 200 and time.monotonic() - started < 1.0
-        opened = metrics(live)['llmgw_connections_open{listener="http"}']
-        assert opened >= IDLE_CONNECTIONS, opened
+        deadline = time.monotonic() + HEAD_TIMEOUT_S
+        while (opened := metrics(live)['llmgw_connections_open{listener="http"}']) < IDLE_CONNECTIONS:
+            assert time.monotonic() < deadline, opened  # all held at once, within their head deadline
+            time.sleep(0.05)
         # ... and the server reclaims them at the head deadline.
         assert all(hostile.closed_by_server(s, HEAD_TIMEOUT_S + 3) for s in socks)
     finally:
@@ -327,8 +329,12 @@ def test_idle_connections_to_the_agent_endpoint_leave_agents_connected(live: Liv
     try:
         nodes = live.cluster.nodes()
         assert nodes is not None and nodes["node-a"]["state"] == "joined"
-        opened = metrics(live)['llmgw_connections_open{listener="agent"}']
-        assert opened >= 500, opened
+        # The server takes them from its backlog as fast as it can; on a loaded machine that is
+        # not at once: wait (bounded) until all are held, not refused or dropped.
+        deadline = time.monotonic() + 10
+        while (opened := metrics(live)['llmgw_connections_open{listener="agent"}']) < 500:
+            assert time.monotonic() < deadline, opened
+            time.sleep(0.1)
     finally:
         for s in socks:
             s.close()
