@@ -68,3 +68,11 @@ def test_pick_archive_prefers_cuda_on_gpu_nodes_and_falls_back_to_cpu() -> None:
     cpu_only = w.EngineWant(name="llamacpp", version="b1", archives=(llama.archives[0],))
     assert pick_archive(cpu_only, "x86_64", has_gpu=True).backend == "cpu"
     assert pick_archive(cpu_only, "riscv64", has_gpu=False) is None
+
+
+def test_unpack_caps_reach_the_want() -> None:
+    capped = EnginesSection(
+        llamacpp=EngineSource(version="b1", archives=(CPU_ARCHIVE,), max_unpacked_bytes=5, max_members=6)
+    )
+    [llama] = engines_for(capped, node(vllm=w.NOT_APPLICABLE))
+    assert (llama.max_unpacked_bytes, llama.max_members) == (5, 6)

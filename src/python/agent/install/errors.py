@@ -22,6 +22,10 @@ class ArchiveTooLarge(BadArchive):
     """The archive unpacks to more bytes or more members than its engine's cap in server.toml."""
 
 
+class CannotWrite(MachineError):
+    """This node could not write an archive's files (permissions, a read-only or failing disk)."""
+
+
 class EngineCheckFailed(MachineError):
     """An installed engine does not run; `output` holds what it printed."""
 

@@ -33,7 +33,7 @@ from typing import IO
 
 from agent.install import archive as a
 from agent.install.archive import Blame, Limits, Member
-from agent.install.errors import BadArchive, DiskFull
+from agent.install.errors import BadArchive, CannotWrite, DiskFull
 
 CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -234,4 +234,7 @@ class _Writer:
             return self.blame.unsafe(member.name, "is given twice (a name already unpacked would be overwritten)")
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             return self.blame.unsafe(member.name, "would be written through a link or under a file")
-        return self.blame.unsafe(member.name, f"cannot be written: {exc.strerror or exc}")
+        return CannotWrite(
+            f"cannot write member {member.name!r} of {self.blame.archive} into {self.dest}: {exc.strerror or exc}; "
+            "check that the agent's state directory is writable by the agent (permissions, a read-only or failing disk)"
+        )
