@@ -31,6 +31,7 @@ from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 
 MAX_LINK_HOPS = 40  # as Linux's path resolution
 MAX_LINK_TARGET = 4095  # PATH_MAX - 1: a zip stores a symlink's target as its contents
+MAX_NAME = 4095  # likewise a member's name: deeper trees are no engine's, and each level costs a syscall
 
 # What reading a damaged archive raises from tarfile, zipfile and their decompressors.
 READ_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, RuntimeError, OSError)
@@ -98,6 +99,8 @@ def split_name(name: str, blame: Blame) -> tuple[str, ...]:
         raise blame.unsafe(name, "has an absolute path")
     if "\0" in name:
         raise blame.unsafe(name, "has a NUL byte in its name")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME:
+        raise blame.unsafe(name[:80] + "...", f"has a name longer than {MAX_NAME} bytes")
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
     if ".." in parts:
         raise blame.unsafe(name, "leaves the directory ('..')")

@@ -44,9 +44,9 @@ _data_filter = getattr(tarfile, "data_filter", None)  # 3.10.12+/3.11.4+; the ot
 def unpack(
     archive: Path, dest: Path, *, limits: Limits | None = None, label: str = "", engine: str = ""
 ) -> list[Member]:
-    """Unpack `archive` into `dest` (created here; must not exist) or raise BadArchive (or
-    DiskFull) and leave no `dest`. `label` names the archive in messages (its URL), `engine`
-    the server.toml section that configures it."""
+    """Unpack `archive` into `dest` (created here; must not exist), or raise BadArchive (the
+    archive's fault), DiskFull or CannotWrite (this node's) and leave no `dest`. `label` names
+    the archive in messages (its URL), `engine` the server.toml section that configures it."""
     blame = Blame(archive=label or archive.name, engine=engine)
     limits = limits or Limits()
     with a.open_archive(archive, blame) as opened:
