@@ -113,3 +113,16 @@ def test_an_operator_install_and_a_missing_archive() -> None:
     with pytest.raises(LlmgwError) as info:
         wanted_from(want, config, "x86_64", False)
     assert "offers llamacpp b1 for aarch64/cpu, not for this node (x86_64)" in str(info.value)
+
+
+def test_an_archive_plan_carries_the_unpack_caps() -> None:
+    config = AgentConfig(server="wss://x:1")
+    want = w.EngineWant(
+        name="llamacpp",
+        version="b1",
+        archives=(w.EngineArchive(arch="x86_64", backend="cpu", url="https://x", sha256="a" * 64, binary="b"),),
+        max_unpacked_bytes=123,
+        max_members=45,
+    )
+    source = wanted_from(want, config, "x86_64", False).source
+    assert (source.max_unpacked_bytes, source.max_members) == (123, 45)

@@ -176,3 +176,17 @@ def test_a_model_of_an_engine_turned_off_is_refused() -> None:
         "model 'm' uses llamacpp, which [engines.llamacpp] turns off (enabled = false); remove that line or this "
         "model @ $.models[0].engine"
     ]
+
+
+def test_engine_unpack_caps_default_and_must_be_positive() -> None:
+    cfg = config.server_config_from_dict({})
+    assert cfg.engines.llamacpp.max_unpacked_bytes == config.DEFAULT_MAX_UNPACKED_BYTES == 8 << 30
+    assert cfg.engines.llamacpp.max_members == config.DEFAULT_MAX_MEMBERS == 50_000
+    cfg = config.server_config_from_dict({"engines": {"llamacpp": {"max_unpacked_bytes": 1 << 20, "max_members": 9}}})
+    assert (cfg.engines.llamacpp.max_unpacked_bytes, cfg.engines.llamacpp.max_members) == (1 << 20, 9)
+    got = problems_of({"engines": {"vllm": {"max_unpacked_bytes": 0, "max_members": -1}}})
+    assert "must be at least 1, got 0 @ $.engines.vllm.max_unpacked_bytes" in got
+    assert "must be at least 1, got -1 @ $.engines.vllm.max_members" in got
+    assert any(
+        "$.engines.llamacpp.max_members" in p for p in problems_of({"engines": {"llamacpp": {"max_members": "9"}}})
+    )

@@ -74,3 +74,11 @@ def test_an_engine_turned_off_is_not_asked_of_any_node() -> None:
     off = EnginesSection(llamacpp=EngineSource(enabled=False), vllm=CONFIG.vllm)
     assert [e.name for e in engines_for(off, node(vllm=w.NOT_APPLICABLE))] == []
     assert [e.name for e in engines_for(off, node(vllm=w.ELIGIBLE, gpus=1))] == ["vllm"]
+
+
+def test_unpack_caps_reach_the_want() -> None:
+    capped = EnginesSection(
+        llamacpp=EngineSource(version="b1", archives=(CPU_ARCHIVE,), max_unpacked_bytes=5, max_members=6)
+    )
+    [llama] = engines_for(capped, node(vllm=w.NOT_APPLICABLE))
+    assert (llama.max_unpacked_bytes, llama.max_members) == (5, 6)

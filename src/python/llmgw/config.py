@@ -36,6 +36,9 @@ DEFAULT_AGENT_STATE_DIR = "/var/lib/llmgw-agent"
 DEFAULT_NVIDIA_SMI = "/usr/bin/nvidia-smi"
 DEFAULT_IB_ROOT = "/sys/class/infiniband"
 DEFAULT_SMINFO = "/usr/sbin/sminfo"  # infiniband-diags, on Debian/Ubuntu and RHEL alike
+# An engine archive may unpack to at most this many bytes and members (docs/configuration.md).
+DEFAULT_MAX_UNPACKED_BYTES = 8 << 30
+DEFAULT_MAX_MEMBERS = 50_000
 
 
 @attrs.frozen(repr=False)
@@ -132,6 +135,8 @@ class EngineSource:
     archives: tuple[EngineArchive, ...] = ()
     pip: str = ""  # a pip requirement installed into a venv per version, e.g. "vllm==0.11.0"
     enabled: bool = True
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES  # an archive unpacking to more is refused
+    max_members: int = DEFAULT_MAX_MEMBERS  # likewise an archive with more members
 
 
 @attrs.frozen(kw_only=True)
@@ -380,6 +385,9 @@ def _check_engines(engines: EnginesSection) -> list[str]:
             )
         if source.archives and source.pip:
             problems.append(f"give either archives or pip, not both @ {at}")
+        for key in ("max_unpacked_bytes", "max_members"):
+            if getattr(source, key) < 1:
+                problems.append(f"must be at least 1, got {getattr(source, key)} @ {at}.{key}")
         seen = set()
         for j, a in enumerate(source.archives):
             where = f"{at}.archives[{j}]"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.install.errors import DownloadError, EngineCheckFailed
+from agent.install.errors import ArchiveTooLarge, DownloadError, EngineCheckFailed, UnsafeArchive
 from agent.install.installer import ArchiveSource, EngineStore, Wanted
 from llmgw.download import fetch
 from testlib.fileserver import Files, serve_files
@@ -123,3 +123,35 @@ async def test_an_operator_installed_engine_is_only_checked(tmp_path: Path) -> N
     with pytest.raises(EngineCheckFailed) as info:
         await store.ensure(Wanted(name="llamacpp", version="", binary=str(tmp_path / "absent")))
     assert "cannot be run" in str(info.value)
+
+
+async def test_an_archive_over_its_caps_or_unsafe_is_refused_and_leaves_no_staging(files, tmp_path: Path) -> None:
+    server, base = files
+    store = EngineStore(tmp_path / "engines")
+    good = engine_archive("v1")
+    server.content["/v1.tgz"] = good
+    source = ArchiveSource(url=f"{base}/v1.tgz", sha256=sha(good), binary="pkg/bin/fake-engine")
+    await store.ensure(Wanted(name="fake", version="v1", source=source))
+
+    capped = ArchiveSource(url=f"{base}/v1.tgz", sha256=sha(good), binary="pkg/bin/fake-engine", max_unpacked_bytes=8)
+    with pytest.raises(ArchiveTooLarge) as info:
+        await store.ensure(Wanted(name="fake", version="v2", source=capped))
+    assert f"archive {base}/v1.tgz has more than 8 bytes unpacked (at member 'pkg/bin/fake-engine')" in str(info.value)
+    assert "max_unpacked_bytes under [engines.fake]" in str(info.value)
+    capped = ArchiveSource(url=f"{base}/v1.tgz", sha256=sha(good), binary="pkg/bin/fake-engine", max_members=0)
+    with pytest.raises(ArchiveTooLarge):
+        await store.ensure(Wanted(name="fake", version="v2", source=capped))
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, target in (("a", "."), ("l1", "a/..")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    server.content["/evil.tgz"] = buf.getvalue()
+    evil = ArchiveSource(url=f"{base}/evil.tgz", sha256=sha(buf.getvalue()), binary="pkg/bin/fake-engine")
+    with pytest.raises(UnsafeArchive) as info:
+        await store.ensure(Wanted(name="fake", version="v3", source=evil))
+    assert "member 'l1'" in str(info.value) and f"{base}/evil.tgz" in str(info.value)
+    assert sorted(p.name for p in (tmp_path / "engines/fake").iterdir()) == ["current", "v1"]  # no staging left
+    assert os.readlink(tmp_path / "engines/fake/current") == "v1"

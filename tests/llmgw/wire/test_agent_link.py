@@ -156,3 +156,12 @@ def test_protocol_version_is_checked_before_the_rest_of_hello() -> None:
         decode(json.dumps(future), m.AgentMessage)
     assert info.value.code == m.PROTOCOL
     assert f"speaks protocol {m.PROTOCOL_VERSION + 1!r}" in str(info.value)
+
+
+def test_an_engine_want_without_unpack_caps_gets_the_defaults() -> None:
+    """An older control plane sends no caps: the agent applies server.toml's defaults."""
+    old = '{"type":"desired_state","generation":1,"engines":[{"name":"llamacpp","version":"b1"}]}'
+    [want] = decode(old, m.ServerMessage).engines
+    assert (want.max_unpacked_bytes, want.max_members) == (8 << 30, 50_000)
+    capped = m.DesiredState(generation=2, engines=(m.EngineWant(name="llamacpp", version="b1", max_members=7),))
+    assert decode(encode(capped), m.ServerMessage).engines[0].max_members == 7

@@ -6,8 +6,24 @@ from llmgw.download import DiskFull, DownloadError  # noqa: F401 - re-exported f
 from llmgw.errors import MachineError, PeerError, UsageError
 
 
-class UnsafeArchive(PeerError):
-    """An archive tried to write outside its directory (path traversal, links, devices)."""
+class BadArchive(PeerError):
+    """An engine archive llmgw will not unpack: the archive (where server.toml points) is to blame.
+
+    Unreadable, or a member that is unsafe or over a cap; the message names the archive, the
+    member and what the operator checks or changes in server.toml."""
+
+
+class UnsafeArchive(BadArchive):
+    """A member would write or point outside its directory, or is a device, FIFO, setuid file or
+    a hard link to something else than a file unpacked before it."""
+
+
+class ArchiveTooLarge(BadArchive):
+    """The archive unpacks to more bytes or more members than its engine's cap in server.toml."""
+
+
+class CannotWrite(MachineError):
+    """This node could not write an archive's files (permissions, a read-only or failing disk)."""
 
 
 class EngineCheckFailed(MachineError):

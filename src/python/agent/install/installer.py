@@ -13,6 +13,7 @@ and the previous version are kept.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -24,8 +25,10 @@ from pathlib import Path
 import attrs
 import trio
 
+from agent.install.archive import Limits
 from agent.install.errors import BadSource, EngineCheckFailed
 from agent.install.unpack import unpack
+from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, fetch
 from llmgw.log import get_logger
 
@@ -40,6 +43,8 @@ class ArchiveSource:
     url: str
     sha256: str
     binary: str  # the executable's path inside the archive, e.g. "build/bin/llama-server"
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
+    max_members: int = DEFAULT_MAX_MEMBERS
 
 
 @attrs.frozen(kw_only=True)
@@ -152,7 +157,10 @@ class EngineStore:
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
-            await trio.to_thread.run_sync(unpack, archive, staging)
+            limits = Limits(max_bytes=source.max_unpacked_bytes, max_members=source.max_members)
+            await trio.to_thread.run_sync(
+                functools.partial(unpack, archive, staging, limits=limits, label=source.url, engine=wanted.name)
+            )
             executable = staging / source.binary
             if not executable.is_file():
                 raise BadSource(

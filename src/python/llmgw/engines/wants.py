@@ -19,7 +19,14 @@ def _want(name: str, source: EngineSource, inv: w.Inventory | None, mirrored: Co
         for a in source.archives
         if arch is None or a.arch == arch
     )
-    return w.EngineWant(name=name, version=source.version, archives=archives, pip=source.pip)
+    return w.EngineWant(
+        name=name,
+        version=source.version,
+        archives=archives,
+        pip=source.pip,
+        max_unpacked_bytes=source.max_unpacked_bytes,
+        max_members=source.max_members,
+    )
 
 
 def _gpu_eligible(inv: w.Inventory | None, engine: str) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
+
 PROTOCOL_VERSION = 1
 
 
@@ -250,6 +252,10 @@ class EngineWant:
     version: str
     archives: tuple[EngineArchive, ...] = ()
     pip: str = ""
+    # The caps on unpacking an archive (server.toml's [engines.NAME]); an older control plane
+    # sends none and the defaults apply.
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
+    max_members: int = DEFAULT_MAX_MEMBERS
 
 
 @attrs.frozen(kw_only=True)
