@@ -78,6 +78,18 @@ class Bench:
         ready = [r for r in self.cluster.replicas() if r["model"] == MODEL and r["state"] == "ready"]
         return len(ready) == REPLICAS
 
+    def settled(self) -> bool:
+        """Full capacity with nothing about to move: every node joined, and the replicas on
+        distinct nodes (the control plane spreads replicas placed while one node was alone;
+        a fault must not start in the middle of such a move)."""
+        if not self.full():
+            return False
+        nodes = self.cluster.ctl("nodes")
+        if len(nodes) != len(NODES) or any(n["state"] != "joined" for n in nodes):
+            return False
+        placed = self.placed()
+        return len(placed) == REPLICAS and len({r["nodes"][0] for r in placed}) == REPLICAS
+
     def placed(self) -> list[dict]:
         return [r for r in self.cluster.replicas() if r["model"] == MODEL and r.get("replica")]
 
@@ -91,7 +103,7 @@ class Bench:
     # -- one fault ----------------------------------------------------------------------------
 
     async def fault(self, name: str, inject, recovered, after=None, extra=None) -> None:
-        if not await trio.to_thread.run_sync(lambda: poll("full capacity", self.full, FULL_TIMEOUT_S)):
+        if not await trio.to_thread.run_sync(lambda: poll("full capacity", self.settled, FULL_TIMEOUT_S)):
             self.results[name] = {"error": f"the cluster was not at full capacity within {FULL_TIMEOUT_S:g} s"}
             return
         before = await trio.to_thread.run_sync(self.cluster.engine_pids)
