@@ -66,6 +66,7 @@ class Options:
     fabrics: tuple[cfg.FabricDecl, ...] = ()
     ignore_doctor: frozenset[str] = frozenset()
     reissue: bool = False
+    system_trust: bool = True  # also trust the CA root in the node's system store (layout.TRUST_STORES)
     join_timeout_s: float = 600.0
     llamacpp_bin: str = ""
     vllm_bin: str = ""
@@ -132,7 +133,7 @@ class _Facts:
     arch: str = ""
     machine: str = ""
     systemd: bool = False
-    trust_tool: str = ""  # full path, or ""
+    trust_store: layout.TrustStore | None = None  # None: --no-system-trust
     address: str = ""
     port: int = 0
     stage: str = ""
@@ -197,7 +198,7 @@ async def _on_node(
     opts: Options, s: ssh.Session, facts: _Facts, emit: Emit, questions: Questions, auth: _Authority
 ) -> Added:
     async with _step(emit, "identify") as st:
-        await _identify(s, facts)
+        await _identify(opts, s, facts)
         kb = _view_of(auth.nodes, facts.node_id)
         again = ""
         if kb is not None:
@@ -211,7 +212,8 @@ async def _on_node(
                     f"`llmgw node remove {facts.node_id}` first"
                 )
         service = "systemd" if facts.systemd else "no systemd"
-        st.ok(f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{again}")
+        store = f", {facts.trust_store.family} trust store" if facts.trust_store else ""
+        st.ok(f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{store}{again}")
 
     async with _step(emit, "address") as st:
         facts.address, facts.port = _agent_address(opts, s.target.host, auth.server_cert)
@@ -279,12 +281,12 @@ def _read_authority(state_dir: Path) -> tuple[pki.CA, pki.CertInfo]:
 # -- identify ------------------------------------------------------------------------------
 
 
-async def _identify(s: ssh.Session, facts: _Facts) -> None:
+async def _identify(opts: Options, s: ssh.Session, facts: _Facts) -> None:
     res = await s.run(["sh", "-c", layout.PROBE], timeout_s=_SHORT_S)
     if res.exit_status != 0:
         raise PeerError(f"{s.target}: probing the node failed ({_said(res)})")
     found = layout.parse_probe(res.stdout)
-    hostname = found.get("hostname", "")
+    hostname = found.hostname
     try:
         facts.node_id = pki.check_node_id(hostname)
     except UsageError:
@@ -292,10 +294,11 @@ async def _identify(s: ssh.Session, facts: _Facts) -> None:
             f"{s.target}: its hostname {hostname!r} cannot be a node id (letters, digits, '-' and '.'); "
             "give the machine a proper hostname (`sudo hostnamectl set-hostname NAME`) and run again"
         ) from None
-    facts.machine = found.get("arch", "")
+    facts.machine = found.arch
     facts.arch = release_arch(facts.machine)
-    facts.systemd = found.get("systemd") == "yes"
-    facts.trust_tool = found.get("trust", "")
+    facts.systemd = found.systemd
+    if opts.system_trust:
+        facts.trust_store = layout.trust_store(found, str(s.target))
     if s.user != "root":
         res = await s.run(["sudo", "-n", "true"], timeout_s=_SHORT_S)
         if res.exit_status != 0:
@@ -649,18 +652,16 @@ async def _trust(s: ssh.Session, facts: _Facts, ca: pki.CA) -> tuple[str, str]:
         await _must(
             s, ["install", "-m", "0644", f"{facts.stage}/{name}", str(dest)], sudo=True, what=f"installing {dest}"
         )
-    if not facts.trust_tool:
-        return WARN, (
-            f"certificate and CA root installed in {node.dir}; neither update-ca-certificates nor update-ca-trust "
-            "is on the node, so the root is not trusted system-wide (the agent does not need it to be)"
+    store = facts.trust_store
+    if store is None:
+        return OK, (
+            f"certificate and CA root installed in {node.dir}; the root is not added to the system store "
+            "(--no-system-trust): the agent trusts only its own ca.crt"
         )
-    tool = facts.trust_tool.rsplit("/", 1)[-1]
-    anchor = layout.TRUST_ANCHORS[tool]
-    await _must(
-        s, ["install", "-D", "-m", "0644", f"{facts.stage}/ca.crt", anchor], sudo=True, what=f"installing {anchor}"
-    )
-    await _must(s, [facts.trust_tool, *layout.TRUST_ARGS[tool]], sudo=True, what=f"running {tool}", timeout_s=_DOCTOR_S)
-    return OK, f"certificate and CA root installed in {node.dir}; root trusted system-wide ({anchor}, {tool})"
+    tool = store.tool.rsplit("/", 1)[-1]
+    for argv in layout.trust_commands(store, f"{facts.stage}/ca.crt"):
+        await _must(s, argv, sudo=True, what=f"running `{' '.join(argv)}`", timeout_s=_DOCTOR_S)
+    return OK, f"certificate and CA root installed in {node.dir}; root trusted system-wide ({store.anchor}, {tool})"
 
 
 # -- configure and start -------------------------------------------------------------------
