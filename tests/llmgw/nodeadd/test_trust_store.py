@@ -161,7 +161,7 @@ def _identify_and_trust(tmp_path: Path, probe: str, *, system_trust: bool = True
     facts = flow._Facts(stage="/tmp/llmgw-node-add.abcdefgh", cert_pem=b"-----BEGIN CERTIFICATE-----\n")
 
     async def steps() -> None:
-        await flow._identify(opts, node, facts)
+        await flow._probe(opts, node, facts)
         node.ran.clear()
         await flow._trust(node, facts, ca)
 
