@@ -68,3 +68,10 @@ def test_pick_archive_prefers_cuda_on_gpu_nodes_and_falls_back_to_cpu() -> None:
     cpu_only = w.EngineWant(name="llamacpp", version="b1", archives=(llama.archives[0],))
     assert pick_archive(cpu_only, "x86_64", has_gpu=True).backend == "cpu"
     assert pick_archive(cpu_only, "riscv64", has_gpu=False) is None
+
+
+def test_each_archive_carries_its_size_and_the_maximum_for_the_download() -> None:
+    sized = EngineArchive(arch="x86_64", url="https://x/s.tgz", sha256="d" * 64, binary="b", size=123456)
+    config = EnginesSection(llamacpp=EngineSource(version="b1", archives=(sized, CUDA_ARCHIVE)))
+    [llama] = engines_for(config, node(vllm=w.NOT_APPLICABLE), max_archive_bytes=4 << 30)
+    assert [(a.size, a.max_bytes) for a in llama.archives] == [(123456, 4 << 30), (0, 4 << 30)]

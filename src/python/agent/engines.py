@@ -62,7 +62,13 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
     return Wanted(
         name=want.name,
         version=want.version,
-        source=ArchiveSource(url=archive.url, sha256=archive.sha256, binary=archive.binary),
+        source=ArchiveSource(
+            url=archive.url,
+            sha256=archive.sha256,
+            binary=archive.binary,
+            size=archive.size,
+            max_bytes=archive.max_bytes,
+        ),
         check_args=check,
     )
 

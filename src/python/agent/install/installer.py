@@ -26,7 +26,7 @@ import trio
 
 from agent.install.errors import BadSource, EngineCheckFailed
 from agent.install.unpack import unpack
-from llmgw.download import Progress, fetch
+from llmgw.download import Progress, archive_cap, fetch
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")
@@ -40,6 +40,8 @@ class ArchiveSource:
     url: str
     sha256: str
     binary: str  # the executable's path inside the archive, e.g. "build/bin/llama-server"
+    size: int = 0  # server.toml's size of the archive; 0: not given
+    max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
 
 
 @attrs.frozen(kw_only=True)
@@ -148,7 +150,12 @@ class EngineStore:
                 )
 
         archive = await fetch(
-            url, downloads / source.sha256, sha256=source.sha256, ssl_context=self.ssl_context, on_progress=progress
+            url,
+            downloads / source.sha256,
+            sha256=source.sha256,
+            cap=archive_cap(source.size, source.max_bytes),
+            ssl_context=self.ssl_context,
+            on_progress=progress,
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
