@@ -247,7 +247,7 @@ async def _stop_remote(args: argparse.Namespace) -> str:
         ) as s:
             probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
             facts = layout.parse_probe(probe.stdout)
-            if facts.get("systemd") == "yes":
+            if facts.systemd:
                 argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
                 how = f"systemctl disable --now {layout.UNIT_NAME}"
             else:
