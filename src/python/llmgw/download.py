@@ -9,8 +9,9 @@ next chunk when the caller is cancelled.
 
 Every download is capped (`Cap`): at the file's size when server.toml gives it (a server that
 announces another size is refused before a byte is written), else at the Content-Length the
-server announces (checked against free space first), else at a configured maximum. A body that
-goes past its cap stops the download at that byte and removes the partial file.
+server announces, else at a configured maximum. A size known either way is checked against the
+free space first. A body that goes past its cap stops the download at that byte and removes the
+partial file.
 """
 
 from __future__ import annotations
@@ -194,8 +195,9 @@ def _fetch_blocking(
             part.unlink(missing_ok=True)
             raise DownloadError(cap.wrong_size(url, total))
         limit = cap.size or total or cap.max_bytes
-        if total is not None:
-            check_free_space(dest.parent, total - offset, f"downloading {url}")
+        expected = total if total is not None else cap.size  # 0: not known
+        if expected:
+            check_free_space(dest.parent, expected - offset, f"downloading {url}")
         over = False
         with part.open("ab" if offset else "wb") as out:
             done = offset
