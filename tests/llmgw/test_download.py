@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.weights import WeightsStore
 from llmgw.download import Cap, DownloadError, Progress, fetch
-from llmgw.wire import agent_link as w
 from testlib.fileserver import Files, serve_files, serve_raw
 
 pytestmark = pytest.mark.trio
@@ -155,16 +153,3 @@ async def test_a_part_longer_than_the_configured_size_is_started_afresh(files, t
     await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data), cap=Cap(size=MIB, max_bytes=1, setting=SETTING))
     assert (tmp_path / "w.bin").read_bytes() == data
     assert server.ranges_seen == []  # no resume from a part that cannot be the file's beginning
-
-
-async def test_a_node_caps_weights_at_what_the_control_plane_sent(files, tmp_path: Path) -> None:
-    server, base = files
-    server.streamed["/model.gguf"] = (b"x" * 65536, 64)
-    store = WeightsStore(tmp_path / "weights")
-    # No size: the maximum the control plane sent ([downloads].max_weights_gib, here 1 MiB).
-    with pytest.raises(DownloadError, match=r"sent more than 1048576 bytes .* \[downloads\]\.max_weights_gib"):
-        await store.prepare(w.WeightsSource(url=f"{base}/model.gguf", sha256="a" * 64, max_bytes=MIB))
-    # A size: that.
-    with pytest.raises(DownloadError, match="sent more than 65536 bytes, the size server.toml gives it"):
-        await store.prepare(w.WeightsSource(url=f"{base}/model.gguf", sha256="a" * 64, size=65536, max_bytes=MIB))
-    assert list((tmp_path / "weights" / ("a" * 64)).iterdir()) == []
