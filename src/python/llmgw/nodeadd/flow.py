@@ -324,7 +324,7 @@ async def _probe(opts: Options, s: ssh.Session, facts: _Facts) -> None:
 
 
 async def _why_not_the_holder(s: ssh.Session, node_id: str, ca: pki.CA, state_dir: Path) -> str:
-    """ "" if the machine holds the known node's certificate (identity.why_not_the_holder)."""
+    """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
     node = pki.node_paths(Path(layout.STATE_DIR))
     res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
     pem = res.stdout.encode() if res.exit_status == 0 else None

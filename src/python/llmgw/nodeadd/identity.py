@@ -24,7 +24,7 @@ from llmgw import pki
 def why_not_the_holder(
     pem: bytes | None, *, ca_cert: x509.Certificate, node_id: str, is_revoked: Callable[[int], bool]
 ) -> str:
-    """ "" if `pem` is a certificate this CA issued for `node_id` and has not revoked (its expiry
+    """Empty if `pem` is a certificate this CA issued for `node_id` and has not revoked (its expiry
     does not matter: the key is checked when a new one is issued); else what it is, in words."""
     if pem is None:
         return "has no llmgw certificate"
