@@ -176,3 +176,17 @@ async def test_two_replicas_share_one_download_and_a_bad_one_fails_with_the_reas
     assert server.gets.count("/m.gguf") == 1
     assert "/missing.gguf answered HTTP 404" in sup.statuses()[2].detail
     assert (tmp_path / "weights" / sha(data) / "m.gguf").read_bytes() == data
+
+
+@pytest.mark.trio
+async def test_a_node_caps_weights_at_what_the_control_plane_sent(files, tmp_path: Path) -> None:
+    server, base = files
+    server.streamed["/model.gguf"] = (b"x" * 65536, 64)
+    store = WeightsStore(tmp_path / "weights")
+    # No size: the maximum the control plane sent ([downloads].max_weights_gib, here 1 MiB).
+    with pytest.raises(DownloadError, match=r"sent more than 1048576 bytes .* \[downloads\]\.max_weights_gib"):
+        await store.prepare(w.WeightsSource(url=f"{base}/model.gguf", sha256="a" * 64, max_bytes=1 << 20))
+    # A size: that.
+    with pytest.raises(DownloadError, match="sent more than 65536 bytes, the size server.toml gives it"):
+        await store.prepare(w.WeightsSource(url=f"{base}/model.gguf", sha256="a" * 64, size=65536, max_bytes=1 << 20))
+    assert list((tmp_path / "weights" / ("a" * 64)).iterdir()) == []

@@ -192,6 +192,11 @@ def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     assert "node id 'node" in out and f"wss://{node.host_addr}:7443" in out
     # No systemd in the namespace: the fallback supervisor, said by the step, and doctor's warning.
     assert "no systemd on the node" in out and "service-manager" in out
+    # The trust store comes from the table row for the node's os-release (Debian here), not from the node's word.
+    assert (
+        "Debian, Ubuntu trust store" in out
+        and "(/usr/local/share/ca-certificates/llmgw-ca.crt, update-ca-certificates)" in out
+    )
 
     # Joined in `ctl nodes`, llama.cpp checked, and the sim replica answers through the gateway.
     nodes = {n["id"]: n for n in cp.ctl("nodes")}

@@ -76,6 +76,34 @@ def test_rules_across_fields_are_checked_after_types() -> None:
     assert "a url source needs sha256 = 64 lowercase hex digits @ $.models[2].source.sha256" in got
 
 
+def test_download_sizes_and_maxima_are_checked() -> None:
+    url = {"url": "https://x/m.gguf", "sha256": "a" * 64}
+    data = {
+        "downloads": {"max_archive_gib": 0},
+        "engines": {
+            "llamacpp": {
+                "version": "b1",
+                "archives": [
+                    {"arch": "x86_64", "url": "https://x/a.tgz", "sha256": "b" * 64, "binary": "b", "size": -1}
+                ],
+            }
+        },
+        "models": [
+            {"name": "a", "engine": "llamacpp", "source": {**url, "size": -5}},
+            {"name": "b", "engine": "llamacpp", "source": {"path": "/m/b.gguf", "size": 5}},
+        ],
+    }
+    got = problems_of(data)
+    assert "must be at least 1 @ $.downloads.max_archive_gib" in got
+    assert "must not be negative (0: not given), got -1 @ $.engines.llamacpp.archives[0].size" in got
+    assert "must not be negative (0: not given), got -5 @ $.models[0].source.size" in got
+    assert "size is the size of the file at url; give it with url, not path @ $.models[1].source.size" in got
+    fine = config.server_config_from_dict(
+        {"models": [{"name": "a", "engine": "llamacpp", "source": {**url, "size": 5}}]}
+    )
+    assert fine.models[0].source.size == 5 and fine.downloads.max_weights_bytes == 64 << 30
+
+
 def test_integer_accepted_where_a_number_is_expected_but_bool_is_not_an_int() -> None:
     cfg = config.server_config_from_dict({"server": {"heartbeat_ttl_s": 60}})
     assert cfg.server.heartbeat_ttl_s == 60.0

@@ -82,3 +82,10 @@ def test_unpack_caps_reach_the_want() -> None:
     )
     [llama] = engines_for(capped, node(vllm=w.NOT_APPLICABLE))
     assert (llama.max_unpacked_bytes, llama.max_members) == (5, 6)
+
+
+def test_each_archive_carries_its_size_and_the_maximum_for_the_download() -> None:
+    sized = EngineArchive(arch="x86_64", url="https://x/s.tgz", sha256="d" * 64, binary="b", size=123456)
+    config = EnginesSection(llamacpp=EngineSource(version="b1", archives=(sized, CUDA_ARCHIVE)))
+    [llama] = engines_for(config, node(vllm=w.NOT_APPLICABLE), max_archive_bytes=4 << 30)
+    assert [(a.size, a.max_bytes) for a in llama.archives] == [(123456, 4 << 30), (0, 4 << 30)]

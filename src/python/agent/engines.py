@@ -68,6 +68,8 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
             binary=archive.binary,
             max_unpacked_bytes=want.max_unpacked_bytes,
             max_members=want.max_members,
+            size=archive.size,
+            max_bytes=archive.max_bytes,
         ),
         check_args=check,
     )

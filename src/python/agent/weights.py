@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from llmgw.download import Progress, fetch, sha256_of
+from llmgw.download import Progress, fetch, sha256_of, weights_cap
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
@@ -161,6 +161,7 @@ class WeightsStore:
                 source.url,
                 target,
                 sha256=digest,
+                cap=weights_cap(source.size, source.max_bytes),
                 ssl_context=self.ssl_context,
                 headers=headers,
                 on_progress=progress,

@@ -96,6 +96,7 @@ class CASection:
 class ModelSource:
     url: str = ""
     sha256: str = ""
+    size: int = 0  # the file's size in bytes, if given: the download may bring no more (and no other)
     path: str = ""
     token: Secret | None = None
 
@@ -121,6 +122,7 @@ class EngineArchive:
     url: str
     sha256: str
     binary: str  # the executable's path inside the archive
+    size: int = 0  # the archive's size in bytes, if given: the download may bring no more (and no other)
 
 
 @attrs.frozen(kw_only=True)
@@ -165,12 +167,30 @@ class GatewaySection:
 
 
 @attrs.frozen(kw_only=True)
+class DownloadsSection:
+    """The most a download whose size is not known may bring (docs/configuration.md says why).
+    A source with `size` is capped at that, one whose server sends Content-Length at that."""
+
+    max_archive_gib: int = 4
+    max_weights_gib: int = 64
+
+    @property
+    def max_archive_bytes(self) -> int:
+        return self.max_archive_gib << 30
+
+    @property
+    def max_weights_bytes(self) -> int:
+        return self.max_weights_gib << 30
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     http: HttpSection = HttpSection()
     ca: CASection = CASection()
     engines: EnginesSection = EnginesSection()
     gateway: GatewaySection = GatewaySection()
+    downloads: DownloadsSection = DownloadsSection()
     models: tuple[Model, ...] = ()
 
 
@@ -340,6 +360,9 @@ def _check_server(cfg: ServerConfig) -> list[str]:
             problems.append(f"must be at least 1 @ $.ca.{key}")
     problems.extend(_check_engines(cfg.engines))
     problems.extend(_check_gateway(cfg.gateway))
+    for key in ("max_archive_gib", "max_weights_gib"):
+        if getattr(cfg.downloads, key) < 1:
+            problems.append(f"must be at least 1 @ $.downloads.{key}")
     seen: dict[str, int] = {}
     for i, m in enumerate(cfg.models):
         at = f"$.models[{i}]"
@@ -400,6 +423,8 @@ def _check_engines(engines: EnginesSection) -> list[str]:
                 problems.append(f"expected an http(s) URL, got {a.url!r} @ {where}.url")
             if not re.fullmatch(r"[0-9a-f]{64}", a.sha256):
                 problems.append(f"sha256 must be 64 lowercase hex digits @ {where}.sha256")
+            if a.size < 0:
+                problems.append(f"must not be negative (0: not given), got {a.size} @ {where}.size")
             if not a.binary or a.binary.startswith("/") or ".." in a.binary.split("/"):
                 problems.append(f"binary must be a relative path inside the archive, got {a.binary!r} @ {where}.binary")
     return problems
@@ -428,6 +453,10 @@ def _check_gateway(gw: GatewaySection) -> list[str]:
 def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
     if src.url and src.path:
         return [f"give either url or path, not both @ {at}"]
+    if src.size < 0:
+        return [f"must not be negative (0: not given), got {src.size} @ {at}.size"]
+    if src.size and not src.url:
+        return [f"size is the size of the file at url; give it with url, not path @ {at}.size"]
     if src.url:
         if not src.url.startswith(("https://", "http://")):
             return [f"expected an http(s) URL, got {src.url!r} @ {at}.url"]

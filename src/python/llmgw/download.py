@@ -6,6 +6,12 @@ Shared by the agent (engines, weights) and the control plane (filling its mirror
 file at its final name; never an unverified file at the final name. The transfer runs in a
 worker thread (stdlib urllib: https, redirects, proxies from the environment) and stops at the
 next chunk when the caller is cancelled.
+
+Every download is capped (`Cap`): at the file's size when server.toml gives it (a server that
+announces another size is refused before a byte is written), else at the Content-Length the
+server announces, else at a configured maximum. A size known either way is checked against the
+free space first. A body that goes past its cap stops the download at that byte and removes the
+partial file.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw.config import DownloadsSection
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
 
@@ -39,6 +46,59 @@ class DiskFull(MachineError):
 
 CHUNK = 1 << 20
 TIMEOUT_S = 60.0
+
+
+@attrs.frozen(kw_only=True)
+class Cap:
+    """How many bytes a download may bring, and what an error about it names as the fix."""
+
+    size: int = 0  # the file's exact size, from server.toml's `size`; 0: not given
+    max_bytes: int  # the cap when neither `size` nor a Content-Length is known
+    setting: str  # the server.toml key that sets max_bytes, e.g. "[downloads].max_weights_gib"
+
+    def wrong_size(self, url: str, announced: int) -> str:
+        return (
+            f"{url} announces {announced} bytes, but server.toml gives its size as {self.size}; nothing was kept. "
+            f"The file at the URL changed, or `size` is wrong: set it to the file's size in bytes (`stat -c %s FILE`)"
+        )
+
+    def exceeded(self, url: str, limit: int, announced: int | None) -> str:
+        head = f"{url} sent more than {limit} bytes"
+        tail = "; the download was stopped and its partial file removed"
+        if self.size:
+            return (
+                f"{head}, the size server.toml gives it{tail}. The file at the URL changed, or `size` is wrong: set "
+                "it to the file's size in bytes (`stat -c %s FILE`)"
+            )
+        if announced is not None:
+            return f"{head}, the Content-Length it announced{tail}; the server is broken, or not the one meant"
+        return (
+            f"{head} ({_gib(limit)}) without announcing its size, more than {self.setting} allows{tail}. If the file "
+            f"really is larger, give its source `size = BYTES` in server.toml (`stat -c %s FILE`), or raise "
+            f"{self.setting}"
+        )
+
+
+def archive_cap(size: int, max_bytes: int) -> Cap:
+    """An engine archive's cap; `max_bytes` 0 (a control plane from before caps): the default."""
+    return Cap(
+        size=size,
+        max_bytes=max_bytes or DownloadsSection().max_archive_bytes,
+        setting="[downloads].max_archive_gib",
+    )
+
+
+def weights_cap(size: int, max_bytes: int) -> Cap:
+    """A weights file's cap; `max_bytes` 0 (a control plane from before caps): the default."""
+    return Cap(
+        size=size,
+        max_bytes=max_bytes or DownloadsSection().max_weights_bytes,
+        setting="[downloads].max_weights_gib",
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +131,7 @@ async def fetch(
     dest: Path,
     *,
     sha256: str,
+    cap: Cap,
     ssl_context: ssl.SSLContext | None = None,
     headers: dict[str, str] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -83,6 +144,7 @@ async def fetch(
             url,
             dest,
             sha256,
+            cap,
             ssl_context,
             dict(headers or {}),
             on_progress,
@@ -93,12 +155,17 @@ async def fetch(
         stop.set()
 
 
-def _fetch_blocking(url, dest: Path, sha256: str, ctx, headers: dict, on_progress, stop: threading.Event) -> Path:
+def _fetch_blocking(
+    url, dest: Path, sha256: str, cap: Cap, ctx, headers: dict, on_progress, stop: threading.Event
+) -> Path:
     if dest.exists() and sha256_of(dest) == sha256:  # hashing a large file: here, off the event loop
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     offset = part.stat().st_size if part.exists() else 0
+    if cap.size and offset > cap.size:  # not a prefix of the file: start afresh
+        part.unlink()
+        offset = 0
     request = urllib.request.Request(url)
     for name, value in headers.items():
         if name.lower() == "authorization":
@@ -124,20 +191,35 @@ def _fetch_blocking(url, dest: Path, sha256: str, ctx, headers: dict, on_progres
             offset = 0
         length = response.headers.get("content-length")
         total = offset + int(length) if length and length.isdigit() else None
-        if total is not None:
-            check_free_space(dest.parent, total - offset, f"downloading {url}")
+        if cap.size and total is not None and total != cap.size:
+            part.unlink(missing_ok=True)
+            raise DownloadError(cap.wrong_size(url, total))
+        limit = cap.size or total or cap.max_bytes
+        expected = total if total is not None else cap.size  # 0: not known
+        if expected:
+            check_free_space(dest.parent, expected - offset, f"downloading {url}")
+        over = False
         with part.open("ab" if offset else "wb") as out:
             done = offset
             while not stop.is_set():
-                block = response.read(CHUNK)
+                if done > limit:  # a part kept from before is past the cap already
+                    over = True
+                    break
+                block = response.read(min(CHUNK, limit - done + 1))  # one byte past the cap says it is passed
                 if not block:
+                    break
+                if done + len(block) > limit:
+                    over = True
                     break
                 out.write(block)
                 done += len(block)
                 if on_progress is not None:
-                    on_progress(Progress(url=url, done_bytes=done, total_bytes=total))
+                    on_progress(Progress(url=url, done_bytes=done, total_bytes=total or cap.size or None))
             if stop.is_set():
                 raise DownloadError(f"download of {url} was cancelled at {done} bytes; it resumes next time")
+        if over:
+            part.unlink(missing_ok=True)
+            raise DownloadError(cap.exceeded(url, limit, total))
         if total is not None and done != total:
             raise DownloadError(f"{url} ended after {done} of {total} bytes; it resumes next time")
     return _finish(part, dest, sha256, url)

@@ -17,10 +17,11 @@ import trio
 
 from agent.install.errors import ArchiveTooLarge, DownloadError, EngineCheckFailed, UnsafeArchive
 from agent.install.installer import ArchiveSource, EngineStore, Wanted
-from llmgw.download import fetch
+from llmgw.download import archive_cap, fetch
 from testlib.fileserver import Files, serve_files
 
 pytestmark = pytest.mark.trio
+CAP = archive_cap(0, 0)  # the default maximum; these files announce their Content-Length anyway
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ async def test_download_resumes_a_part_with_a_range_request(files, tmp_path: Pat
     data = os.urandom(3 << 20)
     server.content["/w.bin"] = data
     (tmp_path / "w.bin.part").write_bytes(data[: 1 << 20])
-    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data))
+    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data), cap=CAP)
     assert (tmp_path / "w.bin").read_bytes() == data
     assert server.ranges_seen == [f"bytes={1 << 20}-"]
     assert not (tmp_path / "w.bin.part").exists()
@@ -49,7 +50,7 @@ async def test_a_server_without_range_support_restarts_the_download(files, tmp_p
     data = b"abc" * 1000
     server.content["/w.bin"] = data
     (tmp_path / "w.bin.part").write_bytes(b"garbage-that-must-not-survive")
-    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data))
+    await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(data), cap=CAP)
     assert (tmp_path / "w.bin").read_bytes() == data
 
 
@@ -57,7 +58,7 @@ async def test_a_wrong_checksum_installs_nothing_and_drops_the_part(files, tmp_p
     server, base = files
     server.content["/w.bin"] = b"tampered"
     with pytest.raises(DownloadError) as info:
-        await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(b"original"))
+        await fetch(f"{base}/w.bin", tmp_path / "w.bin", sha256=sha(b"original"), cap=CAP)
     assert f"has sha256 {sha(b'tampered')}, but server.toml says {sha(b'original')}" in str(info.value)
     assert not (tmp_path / "w.bin").exists() and not (tmp_path / "w.bin.part").exists()
 
@@ -65,7 +66,7 @@ async def test_a_wrong_checksum_installs_nothing_and_drops_the_part(files, tmp_p
 async def test_http_errors_name_the_url(files, tmp_path: Path) -> None:
     _, base = files
     with pytest.raises(DownloadError) as info:
-        await fetch(f"{base}/missing", tmp_path / "x", sha256=sha(b""))
+        await fetch(f"{base}/missing", tmp_path / "x", sha256=sha(b""), cap=CAP)
     assert "/missing answered HTTP 404" in str(info.value)
 
 

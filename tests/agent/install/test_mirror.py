@@ -13,7 +13,7 @@ import trio
 from agent.install.errors import DownloadError
 from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
-from llmgw.download import fetch
+from llmgw.download import archive_cap, fetch
 from llmgw.server.app import ControlPlane
 from testlib.controlplane import make_state
 
@@ -43,7 +43,7 @@ async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirro
     (state / "artifacts" / "llama-b4000-bin-ubuntu-x64.tar.gz").write_bytes(data)  # any name will do
     dest = tmp_path / "got"
     (tmp_path / "got.part").write_bytes(data[:12345])
-    await fetch(f"{base}/{digest}", dest, sha256=digest, ssl_context=ctx)
+    await fetch(f"{base}/{digest}", dest, sha256=digest, ssl_context=ctx, cap=archive_cap(0, 0))
     assert dest.read_bytes() == data
     assert digest in plane.endpoint.artifacts.available()
 
@@ -51,7 +51,7 @@ async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirro
 async def test_unknown_artifacts_are_404(mirror, tmp_path: Path) -> None:
     _, _, ctx, base, _ = mirror
     with pytest.raises(DownloadError) as info:
-        await fetch(f"{base}/{'0' * 64}", tmp_path / "x", sha256="0" * 64, ssl_context=ctx)
+        await fetch(f"{base}/{'0' * 64}", tmp_path / "x", sha256="0" * 64, ssl_context=ctx, cap=archive_cap(0, 0))
     assert "HTTP 404" in str(info.value)
 
 
@@ -63,7 +63,7 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
     (state / "artifacts" / digest).write_bytes(data)
     await plane.store.revoke_serial(pki.cert_info(pki.load_cert(node.cert)).serial, "node-a")
     with pytest.raises(DownloadError):
-        await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx)
+        await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx, cap=archive_cap(0, 0))
     assert not (tmp_path / "x").exists()
 
 

@@ -59,15 +59,18 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_probe_output_is_read_from_stdout_only() -> None:
-    facts = layout.parse_probe("hostname=node-a\narch=aarch64\nsystemd=no\ntrust=/usr/sbin/update-ca-certificates\n")
-    assert facts == {
-        "hostname": "node-a",
-        "arch": "aarch64",
-        "systemd": "no",
-        "trust": "/usr/sbin/update-ca-certificates",
-    }
+    facts = layout.parse_probe(
+        "hostname=node-a\narch=aarch64\nsystemd=no\nos_id=debian\ntool=/usr/sbin/update-ca-certificates\n"
+    )
+    assert facts == layout.Probe(
+        hostname="node-a",
+        arch="aarch64",
+        systemd=False,
+        os_id="debian",
+        tools=frozenset({"/usr/sbin/update-ca-certificates"}),
+    )
     # The first value wins, and a line that is not key=value (a warning someone printed) is ignored.
-    assert layout.parse_probe("Warning: Permanently added\nhostname=a\nhostname=b\n") == {"hostname": "a"}
+    assert layout.parse_probe("Warning: Permanently added\nhostname=a\nhostname=b\n") == layout.Probe(hostname="a")
 
 
 # -- the release ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.config import Model
+from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
@@ -58,6 +58,10 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
     assert {on_a.replica_id, on_b.replica_id} == {"chat-0", "chat-1"}
     assert on_a.api_key and on_a.api_key != on_b.api_key  # a secret per replica
     assert r.reconcile(2) == set()  # nothing changed, nothing pushed
+    # The weights' size and the download maximum travel with the assignment.
+    sized = Model(name="chat", engine="sim", source=ModelSource(url="https://h/m.gguf", sha256="a" * 64, size=7))
+    [with_size] = r.assignments_for("a", lambda name: sized, max_weights_bytes=64 << 30)
+    assert (with_size.weights.size, with_size.weights.max_bytes) == (7, 64 << 30)
 
 
 @pytest.mark.trio

@@ -29,7 +29,7 @@ from agent.install.archive import Limits
 from agent.install.errors import BadSource, EngineCheckFailed
 from agent.install.unpack import unpack
 from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
-from llmgw.download import Progress, fetch
+from llmgw.download import Progress, archive_cap, fetch
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")
@@ -45,6 +45,8 @@ class ArchiveSource:
     binary: str  # the executable's path inside the archive, e.g. "build/bin/llama-server"
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
     max_members: int = DEFAULT_MAX_MEMBERS
+    size: int = 0  # server.toml's size of the archive; 0: not given
+    max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
 
 
 @attrs.frozen(kw_only=True)
@@ -153,7 +155,12 @@ class EngineStore:
                 )
 
         archive = await fetch(
-            url, downloads / source.sha256, sha256=source.sha256, ssl_context=self.ssl_context, on_progress=progress
+            url,
+            downloads / source.sha256,
+            sha256=source.sha256,
+            cap=archive_cap(source.size, source.max_bytes),
+            ssl_context=self.ssl_context,
+            on_progress=progress,
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:

@@ -89,6 +89,12 @@ def configure(parser: Parser) -> None:
         "--reissue", action="store_true", help="make the node a new key and certificate even if it has valid ones"
     )
     add.add_argument(
+        "--no-system-trust",
+        action="store_true",
+        help="leave the node's system trust store alone (the agent trusts only its own pki/ca.crt); for an OS "
+        "whose store llmgw does not know",
+    )
+    add.add_argument(
         "--server-address",
         metavar="ADDR",
         default="",
@@ -150,6 +156,7 @@ def run_add(args: argparse.Namespace) -> int:
         fabrics=tuple(args.fabric),
         ignore_doctor=frozenset(n.strip() for item in args.ignore_doctor for n in item.split(",") if n.strip()),
         reissue=args.reissue,
+        system_trust=not args.no_system_trust,
         join_timeout_s=args.join_timeout,
         llamacpp_bin=args.llamacpp_bin,
         vllm_bin=args.vllm_bin,
@@ -240,7 +247,7 @@ async def _stop_remote(args: argparse.Namespace) -> str:
         ) as s:
             probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
             facts = layout.parse_probe(probe.stdout)
-            if facts.get("systemd") == "yes":
+            if facts.systemd:
                 argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
                 how = f"systemctl disable --now {layout.UNIT_NAME}"
             else:

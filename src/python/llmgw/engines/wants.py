@@ -10,11 +10,20 @@ from llmgw.config import EngineSource, EnginesSection
 from llmgw.wire import agent_link as w
 
 
-def _want(name: str, source: EngineSource, inv: w.Inventory | None, mirrored: Collection[str]) -> w.EngineWant:
+def _want(
+    name: str, source: EngineSource, inv: w.Inventory | None, mirrored: Collection[str], max_bytes: int
+) -> w.EngineWant:
     arch = inv.arch if inv else None
     archives = tuple(
         w.EngineArchive(
-            arch=a.arch, backend=a.backend, url=a.url, sha256=a.sha256, binary=a.binary, mirrored=a.sha256 in mirrored
+            arch=a.arch,
+            backend=a.backend,
+            url=a.url,
+            sha256=a.sha256,
+            binary=a.binary,
+            mirrored=a.sha256 in mirrored,
+            size=a.size,
+            max_bytes=max_bytes,
         )
         for a in source.archives
         if arch is None or a.arch == arch
@@ -39,16 +48,17 @@ def _gpu_eligible(inv: w.Inventory | None, engine: str) -> bool:
 
 
 def engines_for(
-    config: EnginesSection, inv: w.Inventory | None, mirrored: Collection[str] = ()
+    config: EnginesSection, inv: w.Inventory | None, mirrored: Collection[str] = (), *, max_archive_bytes: int = 0
 ) -> tuple[w.EngineWant, ...]:
+    """`max_archive_bytes`: [downloads].max_archive_gib in bytes (0: the agent's default)."""
     wants = []
     if config.llamacpp.enabled:
-        wants.append(_want("llamacpp", config.llamacpp, inv, mirrored))
+        wants.append(_want("llamacpp", config.llamacpp, inv, mirrored, max_archive_bytes))
     if config.vllm is not None and config.vllm.enabled and _gpu_eligible(inv, "vllm"):
-        wants.append(_want("vllm", config.vllm, inv, mirrored))
+        wants.append(_want("vllm", config.vllm, inv, mirrored, max_archive_bytes))
     # SGLang: the same hardware bar as vLLM, an NVIDIA GPU.
     if config.sglang is not None and config.sglang.enabled and _gpu_eligible(inv, "vllm"):
-        wants.append(_want("sglang", config.sglang, inv, mirrored))
+        wants.append(_want("sglang", config.sglang, inv, mirrored, max_archive_bytes))
     return tuple(wants)
 
 

@@ -37,7 +37,7 @@ from llmgw import config as cfg
 from llmgw import pki
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import ConfigError, LlmgwError, MachineError, PeerError, UsageError, leaves, only
-from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd import identity, layout, ssh
 from llmgw.nodeadd.questions import DoctorFailure, Questions
 from llmgw.nodeadd.release import Artifact, find_artifact, release_arch
 from llmgw.nodeadd.steps import FAILED, OK, STARTED, WARN, Event
@@ -66,6 +66,7 @@ class Options:
     fabrics: tuple[cfg.FabricDecl, ...] = ()
     ignore_doctor: frozenset[str] = frozenset()
     reissue: bool = False
+    system_trust: bool = True  # also trust the CA root in the node's system store (layout.TRUST_STORES)
     join_timeout_s: float = 600.0
     llamacpp_bin: str = ""
     vllm_bin: str = ""
@@ -132,7 +133,7 @@ class _Facts:
     arch: str = ""
     machine: str = ""
     systemd: bool = False
-    trust_tool: str = ""  # full path, or ""
+    trust_store: layout.TrustStore | None = None  # None: --no-system-trust
     address: str = ""
     port: int = 0
     stage: str = ""
@@ -197,21 +198,7 @@ async def _on_node(
     opts: Options, s: ssh.Session, facts: _Facts, emit: Emit, questions: Questions, auth: _Authority
 ) -> Added:
     async with _step(emit, "identify") as st:
-        await _identify(s, facts)
-        kb = _view_of(auth.nodes, facts.node_id)
-        again = ""
-        if kb is not None:
-            marks = "".join(f", {m}" for m in ("cordoned", "draining") if kb.get(m))
-            again = f"; known to the cluster already ({kb['state']}{marks}): adding it again"
-            if kb.get("connected") and not await _has_identity(s):
-                raise UsageError(
-                    f"the cluster has a node {facts.node_id!r} connected now (from {kb.get('address') or '?'}), and "
-                    f"{s.target} has no llmgw identity, so it is another machine with the same hostname. Give it "
-                    f"its own (`sudo hostnamectl set-hostname NAME` there), or, if the other is gone, "
-                    f"`llmgw node remove {facts.node_id}` first"
-                )
-        service = "systemd" if facts.systemd else "no systemd"
-        st.ok(f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{again}")
+        st.ok(await _identify(opts, s, facts, auth))
 
     async with _step(emit, "address") as st:
         facts.address, facts.port = _agent_address(opts, s.target.host, auth.server_cert)
@@ -279,12 +266,32 @@ def _read_authority(state_dir: Path) -> tuple[pki.CA, pki.CertInfo]:
 # -- identify ------------------------------------------------------------------------------
 
 
-async def _identify(s: ssh.Session, facts: _Facts) -> None:
+async def _identify(opts: Options, s: ssh.Session, facts: _Facts, auth: _Authority) -> str:
+    await _probe(opts, s, facts)
+    kb = _view_of(auth.nodes, facts.node_id)
+    again = ""
+    if kb is not None:
+        marks = "".join(f", {m}" for m in ("cordoned", "draining") if kb.get(m))
+        again = f"; known to the cluster already ({kb['state']}{marks}): adding it again"
+        why = await _why_not_the_holder(s, facts.node_id, auth.ca, opts.state_dir)
+        if why and not opts.reissue:
+            raise UsageError(identity.refusal(facts.node_id, kb, str(s.target), why))
+        if why:
+            again = (
+                f"; known to the cluster already ({kb['state']}{marks}), and this machine {why}: --reissue makes it "
+                f"{facts.node_id!r} and revokes the certificates of the machine it replaces"
+            )
+    service = "systemd" if facts.systemd else "no systemd"
+    store = f", {facts.trust_store.family} trust store" if facts.trust_store else ""
+    return f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{store}{again}"
+
+
+async def _probe(opts: Options, s: ssh.Session, facts: _Facts) -> None:
     res = await s.run(["sh", "-c", layout.PROBE], timeout_s=_SHORT_S)
     if res.exit_status != 0:
         raise PeerError(f"{s.target}: probing the node failed ({_said(res)})")
     found = layout.parse_probe(res.stdout)
-    hostname = found.get("hostname", "")
+    hostname = found.hostname
     try:
         facts.node_id = pki.check_node_id(hostname)
     except UsageError:
@@ -292,10 +299,11 @@ async def _identify(s: ssh.Session, facts: _Facts) -> None:
             f"{s.target}: its hostname {hostname!r} cannot be a node id (letters, digits, '-' and '.'); "
             "give the machine a proper hostname (`sudo hostnamectl set-hostname NAME`) and run again"
         ) from None
-    facts.machine = found.get("arch", "")
+    facts.machine = found.arch
     facts.arch = release_arch(facts.machine)
-    facts.systemd = found.get("systemd") == "yes"
-    facts.trust_tool = found.get("trust", "")
+    facts.systemd = found.systemd
+    if opts.system_trust:
+        facts.trust_store = layout.trust_store(found, str(s.target))
     if s.user != "root":
         res = await s.run(["sudo", "-n", "true"], timeout_s=_SHORT_S)
         if res.exit_status != 0:
@@ -313,6 +321,25 @@ async def _identify(s: ssh.Session, facts: _Facts) -> None:
                 f"{s.target}: its {layout.CONFIG} (from an earlier add, or written by hand) does not load: {exc}. "
                 f"Fix it, or remove it to have it written afresh"
             ) from None
+
+
+async def _why_not_the_holder(s: ssh.Session, node_id: str, ca: pki.CA, state_dir: Path) -> str:
+    """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
+    node = pki.node_paths(Path(layout.STATE_DIR))
+    res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
+    pem = res.stdout.encode() if res.exit_status == 0 else None
+    revoked = await trio.to_thread.run_sync(_revoked_serials, state_dir)
+    return identity.why_not_the_holder(pem, ca_cert=ca.cert, node_id=node_id, is_revoked=lambda n: str(n) in revoked)
+
+
+def _revoked_serials(state_dir: Path) -> set[str]:
+    from llmgw.server.store import Store
+
+    store = Store.open(state_dir)
+    try:
+        return set(store.revoked_serials())
+    finally:
+        store.close()
 
 
 async def _has_identity(s: ssh.Session) -> bool:
@@ -570,7 +597,11 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
     info = pki.cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
     facts.cert_serial = f"{info.serial:x}"
     revoked = _record(opts.state_dir, facts.node_id, info, old, ca)
-    also = f"; revoked the previous one (serial {revoked})" if revoked else ""
+    also = ""
+    if len(revoked) == 1:
+        also = f"; revoked the previous one (serial {revoked[0]})"
+    elif revoked:
+        also = f"; revoked the previous ones (serials {', '.join(revoked)})"
     key = "a new key" if opts.reissue or not had_key else "its key"
     return f"issued CN={facts.node_id} for {key}, serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}{also}"
 
@@ -623,17 +654,20 @@ def _public_der(key: Any) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _record(state_dir: Path, node_id: str, info: pki.CertInfo, old: x509.Certificate | None, ca: pki.CA) -> str:
-    """Remember the new serial (so `node remove` revokes it); revoke the one it replaces, if ours."""
+def _record(state_dir: Path, node_id: str, info: pki.CertInfo, old: x509.Certificate | None, ca: pki.CA) -> list[str]:
+    """Remember the new serial (so `node remove` revokes it), and revoke every other certificate
+    of the node id: the one it replaces on this machine, if ours, and those of a machine it
+    replaces. Returns the serials revoked, in hex."""
     from llmgw.server.store import Store
 
     store = Store.open(state_dir)
     try:
         store.record_certificate(info.serial, node_id, info.not_after.timestamp())
-        if old is None or old.issuer != ca.cert.subject:
-            return ""
-        store.revoke_serial(old.serial_number, node_id)
-        return f"{old.serial_number:x}"
+        revoked = [int(n) for n in store.revoke_others(node_id, keep=info.serial)]
+        if old is not None and old.issuer == ca.cert.subject and old.serial_number not in revoked:
+            store.revoke_serial(old.serial_number, node_id)
+            revoked.append(old.serial_number)
+        return [f"{n:x}" for n in sorted(revoked)]
     finally:
         store.close()
 
@@ -649,18 +683,16 @@ async def _trust(s: ssh.Session, facts: _Facts, ca: pki.CA) -> tuple[str, str]:
         await _must(
             s, ["install", "-m", "0644", f"{facts.stage}/{name}", str(dest)], sudo=True, what=f"installing {dest}"
         )
-    if not facts.trust_tool:
-        return WARN, (
-            f"certificate and CA root installed in {node.dir}; neither update-ca-certificates nor update-ca-trust "
-            "is on the node, so the root is not trusted system-wide (the agent does not need it to be)"
+    store = facts.trust_store
+    if store is None:
+        return OK, (
+            f"certificate and CA root installed in {node.dir}; the root is not added to the system store "
+            "(--no-system-trust): the agent trusts only its own ca.crt"
         )
-    tool = facts.trust_tool.rsplit("/", 1)[-1]
-    anchor = layout.TRUST_ANCHORS[tool]
-    await _must(
-        s, ["install", "-D", "-m", "0644", f"{facts.stage}/ca.crt", anchor], sudo=True, what=f"installing {anchor}"
-    )
-    await _must(s, [facts.trust_tool, *layout.TRUST_ARGS[tool]], sudo=True, what=f"running {tool}", timeout_s=_DOCTOR_S)
-    return OK, f"certificate and CA root installed in {node.dir}; root trusted system-wide ({anchor}, {tool})"
+    tool = store.tool.rsplit("/", 1)[-1]
+    for argv in layout.trust_commands(store, f"{facts.stage}/ca.crt"):
+        await _must(s, argv, sudo=True, what=f"running `{' '.join(argv)}`", timeout_s=_DOCTOR_S)
+    return OK, f"certificate and CA root installed in {node.dir}; root trusted system-wide ({store.anchor}, {tool})"
 
 
 # -- configure and start -------------------------------------------------------------------

@@ -8,16 +8,22 @@
     /usr/local/share/ca-certificates/llmgw-ca.crt    the CA root, trusted system-wide (Debian, Ubuntu)
     /etc/pki/ca-trust/source/anchors/llmgw-ca.crt    the same on RHEL and its relatives
 
-Pure: rendering only, no I/O.
+Also the decisions `identify` makes from what the node answered (`parse_probe`, `trust_store`):
+a node's answer selects a row of a fixed table or fails, and never becomes part of a command.
+
+Pure: rendering and deciding only, no I/O.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 
+import attrs
 import tomli_w
 
 from llmgw import config as cfg
+from llmgw.errors import MachineError
 
 BIN = "/usr/local/bin/llmgw"
 CONFIG = "/etc/llmgw/agent.toml"
@@ -29,33 +35,146 @@ PID_FILE = "/run/llmgw-agent.pid"
 LOG_FILE = "/var/log/llmgw-agent.log"
 STAGE_PREFIX = "/tmp/llmgw-node-add."
 
-# The system trust tool, and where it takes an extra root: the first one the node has is used.
-TRUST_ANCHORS = {
-    "update-ca-certificates": "/usr/local/share/ca-certificates/llmgw-ca.crt",
-    "update-ca-trust": "/etc/pki/ca-trust/source/anchors/llmgw-ca.crt",
-}
-TRUST_ARGS = {"update-ca-certificates": (), "update-ca-trust": ("extract",)}
+# -- the system trust store -----------------------------------------------------------------
+#
+# What runs as root on the node to trust the CA root system-wide comes from this table only,
+# chosen by the OS family that /etc/os-release names. The node's answers select a row or
+# nothing: no string the node sends becomes part of a command.
 
-# What `identify` learns in one round trip. A constant script: nothing is interpolated into it.
-PROBE = r"""
+
+@attrs.frozen(kw_only=True)
+class TrustStore:
+    family: str  # as docs/node-onboarding.md names it
+    ids: tuple[str, ...]  # os-release ID / ID_LIKE values of the family
+    tool: str  # absolute path, where the family's package puts it
+    args: tuple[str, ...]
+    anchor: str  # where the family takes an extra root
+    install: str  # the command that installs the tool
+
+
+TRUST_STORES = (
+    TrustStore(
+        family="Debian, Ubuntu",
+        ids=("debian", "ubuntu"),
+        tool="/usr/sbin/update-ca-certificates",
+        args=(),
+        anchor="/usr/local/share/ca-certificates/llmgw-ca.crt",
+        install="sudo apt-get install ca-certificates",
+    ),
+    TrustStore(
+        family="RHEL, Fedora, CentOS, Rocky, AlmaLinux",
+        ids=("rhel", "fedora", "centos", "rocky", "almalinux"),
+        tool="/usr/bin/update-ca-trust",
+        args=("extract",),
+        anchor="/etc/pki/ca-trust/source/anchors/llmgw-ca.crt",
+        install="sudo dnf install ca-certificates",
+    ),
+)
+
+
+@attrs.frozen(kw_only=True)
+class Probe:
+    """What `identify` read on the node: data, never a command or a path to run."""
+
+    hostname: str = ""
+    arch: str = ""
+    systemd: bool = False
+    os_id: str = ""  # "" when the node has no os-release
+    os_like: tuple[str, ...] = ()
+    tools: frozenset[str] = frozenset()  # which of TRUST_STORES' tools are executable there
+
+
+# What `identify` learns in one round trip. A constant script: nothing is interpolated into it
+# but this module's own constants.
+PROBE = (
+    r"""
 echo "hostname=$(uname -n)"
 echo "arch=$(uname -m)"
 if [ -d /run/systemd/system ]; then echo "systemd=yes"; else echo "systemd=no"; fi
-for tool in update-ca-certificates update-ca-trust; do
-  for dir in /usr/sbin /usr/bin /sbin /bin; do
-    if [ -x "$dir/$tool" ]; then echo "trust=$dir/$tool"; break 2; fi
-  done
+for f in /etc/os-release /usr/lib/os-release; do
+  if [ -r "$f" ]; then sed -n -e 's/^ID=/os_id=/p' -e 's/^ID_LIKE=/os_like=/p' "$f"; break; fi
+done
+for tool in """
+    + " ".join(shlex.quote(t.tool) for t in TRUST_STORES)
+    + r"""; do
+  if [ -x "$tool" ]; then echo "tool=$tool"; fi
 done
 """
+)
 
 
-def parse_probe(stdout: str) -> dict[str, str]:
-    facts: dict[str, str] = {}
+def parse_probe(stdout: str) -> Probe:
+    """The probe's stdout, read as data: the first value of each key wins, other lines are
+    ignored, and a `tool=` line counts only when it is one of TRUST_STORES' own paths."""
+    found: dict[str, str] = {}
+    tools = set()
+    known = {t.tool for t in TRUST_STORES}
     for line in stdout.splitlines():
         key, sep, value = line.partition("=")
-        if sep and key in ("hostname", "arch", "systemd", "trust"):
-            facts.setdefault(key, value.strip())
-    return facts
+        if not sep:
+            continue
+        if key == "tool" and value in known:
+            tools.add(value)
+        elif key in ("hostname", "arch", "systemd", "os_id", "os_like"):
+            found.setdefault(key, value.strip())
+    return Probe(
+        hostname=found.get("hostname", ""),
+        arch=found.get("arch", ""),
+        systemd=found.get("systemd") == "yes",
+        os_id=_unquote(found.get("os_id", "")),
+        os_like=tuple(_unquote(found.get("os_like", "")).split()),
+        tools=frozenset(tools),
+    )
+
+
+def _unquote(value: str) -> str:
+    # os-release values may be quoted (ID="rocky"); nothing else of shell syntax is honoured.
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
+def trust_store(probe: Probe, target: str) -> TrustStore:
+    """The row of TRUST_STORES for the node's OS family, with its tool there; else MachineError
+    naming what the node said and what the operator can do."""
+    skip = (
+        "or add the node with --no-system-trust: the agent trusts only its own pki/ca.crt, so the CA root then "
+        "stays out of the system store and nothing else changes"
+    )
+    families = "; ".join(f"{t.family} ({t.tool.rsplit('/', 1)[-1]})" for t in TRUST_STORES)
+    if not probe.os_id:
+        raise MachineError(
+            f"{target} has no readable /etc/os-release (nor /usr/lib/os-release), so llmgw cannot tell which "
+            f"system trust store it has (it knows {families}); {skip}"
+        )
+    said = f"ID={_shown(probe.os_id)}" + (f" ID_LIKE={_shown(' '.join(probe.os_like))}" if probe.os_like else "")
+    names = [probe.os_id, *probe.os_like]
+    store = next((t for name in names for t in TRUST_STORES if name in t.ids), None)
+    if store is None:
+        raise MachineError(
+            f"{target}: its os-release says {said}, and llmgw knows the system trust store only of {families}; "
+            f"{skip}"
+        )
+    if store.tool not in probe.tools:
+        raise MachineError(
+            f"{target}: its os-release says {said} ({store.family}), but it has no {store.tool} to trust the "
+            f"cluster's CA root system-wide; install it (`{store.install}` there) and run again, {skip}"
+        )
+    return store
+
+
+def _shown(value: str) -> str:
+    # A node's value in a message: quoted with escapes (no control characters reach the terminal), and short.
+    return repr(value if len(value) <= 64 else value[:64] + "...")
+
+
+def trust_commands(store: TrustStore, staged_ca: str) -> list[list[str]]:
+    """The argv run as root to trust the staged CA root system-wide: all from `store`, the
+    staging path from node add itself."""
+    return [
+        ["install", "-D", "-m", "0644", staged_ca, store.anchor],
+        [store.tool, *store.args],
+    ]
 
 
 def agent_toml(

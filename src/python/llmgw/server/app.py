@@ -24,7 +24,7 @@ import trio
 
 from llmgw import paths, pki
 from llmgw.config import Model, ServerConfig, load_server_config
-from llmgw.download import fetch
+from llmgw.download import archive_cap, fetch
 from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError
 from llmgw.fabrics import FabricMap, fabric_map
@@ -117,13 +117,18 @@ class ControlPlane:
         node = self.registry.nodes.get(node_id)
         self._generation += 1
         engines = engines_for(
-            self.config.engines, node.inventory if node else None, self.endpoint.artifacts.available()
+            self.config.engines,
+            node.inventory if node else None,
+            self.endpoint.artifacts.available(),
+            max_archive_bytes=self.config.downloads.max_archive_bytes,
         )
         return w.DesiredState(
             generation=self._generation,
             cordoned=bool(node and node.cordoned),
             engines=engines,
-            replicas=self.replicas.assignments_for(node_id, self.model),
+            replicas=self.replicas.assignments_for(
+                node_id, self.model, max_weights_bytes=self.config.downloads.max_weights_bytes
+            ),
         )
 
     def model(self, name: str) -> Model | None:
@@ -448,7 +453,8 @@ class ControlPlane:
                 return
             for archive in missing:
                 try:
-                    await fetch(archive.url, directory / archive.sha256, sha256=archive.sha256)
+                    cap = archive_cap(archive.size, self.config.downloads.max_archive_bytes)
+                    await fetch(archive.url, directory / archive.sha256, sha256=archive.sha256, cap=cap)
                     log.info("mirror_fetched", url=archive.url, sha256=archive.sha256)
                     for node_id in list(self.endpoint.links):
                         await self.endpoint.push_desired_state(node_id)  # now mirrored

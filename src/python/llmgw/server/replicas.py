@@ -230,7 +230,10 @@ class Replicas:
     def _save(self) -> None:
         self.saver.offer({k: _to_row(v) for k, v in self.placed.items()})
 
-    def assignments_for(self, node_id: str, model_of: Callable[[str], Model | None]) -> tuple[w.ReplicaAssignment, ...]:
+    def assignments_for(
+        self, node_id: str, model_of: Callable[[str], Model | None], *, max_weights_bytes: int = 0
+    ) -> tuple[w.ReplicaAssignment, ...]:
+        """`max_weights_bytes`: [downloads].max_weights_gib in bytes (0: the agent's default)."""
         out = []
         for rid, stored in sorted(self.placed.items()):
             p = stored.placement
@@ -251,6 +254,8 @@ class Replicas:
                         sha256=source.sha256,
                         path=source.path,
                         token=source.token.reveal() if source.token else "",
+                        size=source.size,
+                        max_bytes=max_weights_bytes if source.url else 0,
                     ),
                     api_key=stored.api_key,
                     nodes=p.nodes,

@@ -318,6 +318,26 @@ class Store:
         )
 
     @_at_the_edge
+    def revoke_others(self, node_id: str, keep: int, now: float | None = None) -> list[str]:
+        """Revoke every certificate issued to `node_id` but `keep` (the one just issued to it): a
+        node id has one live certificate. Returns the serials revoked now (decimal)."""
+        now = time.time() if now is None else now
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            serials = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                    (node_id, str(keep)),
+                ).fetchall()
+            ]
+            self._db.execute(
+                "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                (now, node_id, str(keep)),
+            )
+        return serials
+
+    @_at_the_edge
     def is_revoked(self, serial: int) -> bool:
         row = self._db.execute("SELECT revoked_at FROM certificates WHERE serial = ?", (str(serial),)).fetchone()
         return row is not None and row[0] is not None

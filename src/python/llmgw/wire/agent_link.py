@@ -242,6 +242,8 @@ class EngineArchive:
     sha256: str
     binary: str
     mirrored: bool = False  # the control plane has it: fetch it over the link's port instead
+    size: int = 0  # server.toml's size of the archive in bytes; 0: not given
+    max_bytes: int = 0  # without size or Content-Length, the most the download may bring; 0: the agent's default
 
 
 @attrs.frozen(kw_only=True)
@@ -264,6 +266,8 @@ class WeightsSource:
     sha256: str = ""
     path: str = ""  # already on the node (the operator's arrangement)
     token: str = ""  # bearer token for the download; a secret: never logged
+    size: int = 0  # server.toml's size of the file in bytes; 0: not given
+    max_bytes: int = 0  # without size or Content-Length, the most the download may bring; 0: the agent's default
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,142 @@
+"""What a node id rests on once the cluster knows the node: the certificate its machine holds.
+A second machine that takes a known node's hostname is refused unless the operator says it
+replaces it, and a certificate issued for a node id revokes every other one of that node id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+
+from llmgw import pki
+from llmgw.errors import UsageError
+from llmgw.nodeadd import flow, identity, ssh
+from llmgw.server.store import Store
+
+
+def _ca(directory: Path) -> pki.CA:
+    pki.init_ca(directory, validity_days=30)
+    return pki.load_ca(directory)
+
+
+def _cert(ca: pki.CA, node_id: str) -> bytes:
+    _, csr = pki.make_key_and_csr(node_id)
+    return ca.sign_csr(csr, node_id, validity_days=30)
+
+
+def _serial(pem: bytes) -> int:
+    return x509.load_pem_x509_certificate(pem).serial_number
+
+
+def test_only_this_cas_unrevoked_certificate_for_the_node_id_makes_a_machine_that_node(tmp_path: Path) -> None:
+    ca = _ca(tmp_path / "ca")
+    other = _ca(tmp_path / "other")
+    mine = _cert(ca, "node-a")
+
+    def why(pem: bytes | None, revoked: frozenset[int] = frozenset()) -> str:
+        return identity.why_not_the_holder(pem, ca_cert=ca.cert, node_id="node-a", is_revoked=revoked.__contains__)
+
+    assert why(mine) == ""
+    assert why(None) == "has no llmgw certificate"
+    assert why(b"not a certificate") == "has a node.crt that is not a certificate"
+    assert why(_cert(other, "node-a")) == "holds a certificate from another CA"
+    assert why(_cert(ca, "node-b")) == "holds the certificate of node 'node-b'"
+    assert why(mine, frozenset({_serial(mine)})).startswith("holds a revoked certificate of 'node-a' (serial ")
+
+
+def test_the_refusal_says_how_to_replace_the_node_or_rename_the_machine() -> None:
+    connected = {"id": "node-a", "connected": True, "state": "joined", "address": "10.0.0.21"}
+    text = identity.refusal("node-a", connected, "root@10.0.0.99", "has no llmgw certificate")
+    assert text.startswith(
+        "the cluster has a node 'node-a' (connected now from 10.0.0.21), and root@10.0.0.99 has no llmgw "
+        "certificate, so it is another machine with the same hostname"
+    )
+    assert "`llmgw node remove node-a`" in text and "--reissue" in text and "hostnamectl set-hostname" in text
+    gone = {"id": "node-a", "connected": False, "state": "lost", "address": "10.0.0.21"}
+    assert "(not connected now (state lost, last from 10.0.0.21))" in identity.refusal(
+        "node-a", gone, "root@10.0.0.99", "has no llmgw certificate"
+    )
+
+
+def test_a_certificate_issued_for_a_node_id_revokes_the_replaced_machines(tmp_path: Path) -> None:
+    ca = _ca(tmp_path)
+    first = _cert(ca, "node-a")  # the machine that was node-a
+    store = Store.open(tmp_path)
+    try:
+        info = pki.cert_info(x509.load_pem_x509_certificate(first))
+        store.record_certificate(info.serial, "node-a", info.not_after.timestamp())
+        elsewhere = _cert(ca, "node-b")
+        store.record_certificate(_serial(elsewhere), "node-b", info.not_after.timestamp())
+    finally:
+        store.close()
+
+    # The machine replacing it holds no certificate (old=None): the first machine's is revoked all the same.
+    second = _cert(ca, "node-a")
+    revoked = flow._record(tmp_path, "node-a", pki.cert_info(x509.load_pem_x509_certificate(second)), None, ca)
+    assert revoked == [f"{_serial(first):x}"]
+    store = Store.open(tmp_path)
+    try:
+        assert store.is_revoked(_serial(first))
+        assert not store.is_revoked(_serial(second))
+        assert not store.is_revoked(_serial(elsewhere))  # another node id is left alone
+    finally:
+        store.close()
+
+    # The same machine renewing: the certificate it held goes too, and is named once.
+    third = _cert(ca, "node-a")
+    old = x509.load_pem_x509_certificate(second)
+    revoked = flow._record(tmp_path, "node-a", pki.cert_info(x509.load_pem_x509_certificate(third)), old, ca)
+    assert revoked == [f"{_serial(second):x}"]
+
+
+# -- identify, against a scripted node -----------------------------------------------------
+
+PROBE = "hostname=node-a\narch=x86_64\nsystemd=yes\nos_id=debian\ntool=/usr/sbin/update-ca-certificates\n"
+
+
+class _Node:
+    """Answers the probe, has no agent.toml, and holds `cert` (None: no certificate)."""
+
+    def __init__(self, cert: bytes | None) -> None:
+        self.target = ssh.Target(user="root", host="10.0.0.99")
+        self.user = "root"
+        self.cert = cert
+
+    async def run(self, argv, *, sudo=False, timeout_s):
+        if argv[:2] == ["sh", "-c"]:
+            return ssh.Result(exit_status=0, stdout=PROBE, stderr="")
+        if argv == ["cat", "--", "/var/lib/llmgw-agent/pki/node.crt"] and self.cert is not None:
+            return ssh.Result(exit_status=0, stdout=self.cert.decode(), stderr="")
+        return ssh.Result(exit_status=1, stdout="", stderr="No such file or directory")
+
+
+def _identify(tmp_path: Path, ca: pki.CA, cert: bytes | None, known: list[dict], *, reissue: bool = False) -> str:
+    opts = flow.Options(
+        target="root@10.0.0.99",
+        server_config=None,  # type: ignore[arg-type]  # not read by identify
+        state_dir=tmp_path,
+        known_hosts=tmp_path / "known_hosts",
+        reissue=reissue,
+    )
+    auth = flow._Authority(ca=ca, server_cert=None, admin=None, nodes=known)  # type: ignore[arg-type]
+    return trio.run(flow._identify, opts, _Node(cert), flow._Facts(), auth)
+
+
+def test_identify_refuses_a_machine_taking_a_known_nodes_name_connected_or_not(tmp_path: Path) -> None:
+    ca = _ca(tmp_path)
+    for connected, state in ((True, "joined"), (False, "lost")):
+        known = [{"id": "node-a", "connected": connected, "state": state, "address": "10.0.0.21"}]
+        with pytest.raises(UsageError, match="another machine with the same hostname"):
+            _identify(tmp_path, ca, None, known)
+        with pytest.raises(UsageError, match="holds the certificate of node 'node-b'"):
+            _identify(tmp_path, ca, _cert(ca, "node-b"), known)
+        # The operator says it replaces node-a: it goes on, and says what --reissue will do.
+        said = _identify(tmp_path, ca, None, known, reissue=True)
+        assert "--reissue makes it 'node-a' and revokes the certificates of the machine it replaces" in said
+        # The machine that is node-a: adding it again.
+        said = _identify(tmp_path, ca, _cert(ca, "node-a"), known)
+        assert said.endswith(f"; known to the cluster already ({state}): adding it again"), said
+    # A node id the cluster does not know yet: nothing to hold.
+    assert "known to the cluster" not in _identify(tmp_path, ca, None, [])
