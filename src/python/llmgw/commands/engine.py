@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
 from llmgw import __version__
 from llmgw.cli import Parser, add_group, add_leaf
@@ -181,12 +182,12 @@ def _addr(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key, else --api-key-file, else the environment; None: serve without one."""
+def api_key_of(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key or --api-key-file, else from `environ`; None: serve without one."""
     if args.api_key is not None and args.api_key_file is not None:
         raise UsageError("give --api-key or --api-key-file, not both")
     if args.api_key_file is None:
-        return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        return args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None
     try:
         with open(args.api_key_file, encoding="utf-8") as f:
             key = f.readline().strip()
@@ -207,7 +208,7 @@ def run_sim(args: argparse.Namespace) -> int:
         model=args.model,
         host=args.host,
         port=args.port,
-        api_key=_api_key(args),
+        api_key=api_key_of(args, os.environ),
         prompt_token_ms=args.prompt_token_ms,
         output_token_ms=args.output_token_ms,
         max_tokens_default=args.max_tokens_default,
