@@ -45,8 +45,11 @@ class EngineKeys:
         """Write `command.files` (0600) into the member's directory, made afresh (0700).
 
         Raises OSError (`UnsafeKeyDir` among them) if they cannot be written privately."""
-        self._private_root()
         member = self.dir_for(replica_id, rank)
+        if not command.files:  # a worker serves nothing and reads no key
+            self.remove(replica_id, rank)
+            return
+        self._private_root()
         _remove_tree(member)
         os.mkdir(member, 0o700)
         for f in command.files:

@@ -154,8 +154,8 @@ class Supervisor:
         `gpus()` the GPU indices of this node; `env` the engines' base environment (default:
         the agent's, read at each start); `listen_host` where rank 0 engines listen: the link's
         `NodeAddress`, or a fixed address; `address_present(host)` whether an address is still
-        this machine's (tests stand in for an address that leaves); `use_pidfd=False` watches adopted engines through
-        /proc as on kernels without pidfds."""
+        this machine's (tests stand in for an address that leaves); `use_pidfd=False` watches
+        adopted engines through /proc as on kernels without pidfds."""
         self.logs_dir = state_dir / "logs"
         self.records = RunRecords(state_dir / "run")
         self.keys = EngineKeys(state_dir / "keys")
