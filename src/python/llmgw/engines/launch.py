@@ -2,7 +2,7 @@
 and the parts every engine shares: GPU and fabric pinning in the environment.
 
 Pure: no I/O, no environment reads. `Command.env` holds only what llmgw adds; the supervisor
-starts the engine with its own environment updated by it.
+starts the engine with `Command.environment(its own)`.
 
 Secrets: the per-replica API key never goes in argv, which every user of the machine can read
 (`ps`, /proc/PID/cmdline). Where the engine reads its key from a file, the key is in
