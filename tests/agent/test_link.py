@@ -132,6 +132,27 @@ async def test_a_node_with_a_good_certificate_joins(plane: Plane, tmp_path: Path
     assert link.state.connected and link.state.desired is not None
 
 
+async def test_the_links_local_address_is_the_nodes_address_as_the_control_plane_sees_it(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # Where the engines listen (the link's local address) is where the gateway dials them (the peer's).
+    files = node_files(plane, tmp_path, "node-a")
+    link = AgentLink(
+        target=Target(host=plane.host, port=plane.port),
+        node_id="node-a",
+        ssl_context=pki.client_ssl_context(files.ca_cert, files.cert, files.key),
+        make_hello=hello_for("node-a"),
+        source_address="127.0.0.5",
+    )
+    assert link.address.current == ""  # not known before the first connect
+    nursery.start_soon(link.serve)
+    with trio.fail_after(5):
+        assert await link.address.wait_known() == "127.0.0.5"
+    registry = plane.plane.registry
+    await wait_for(lambda: "node-a" in registry.nodes and registry.nodes["node-a"].address, "the node's address")
+    assert registry.nodes["node-a"].address == link.address.current
+
+
 async def test_another_cas_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     other_state = tmp_path / "other"
     pki.init_ca(other_state, validity_days=30)

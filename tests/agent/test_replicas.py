@@ -20,8 +20,10 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from agent.adoption import Record, RunRecords, fingerprint, proc_stat, read_boot_id
+from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
 from agent.replica_plan import RestartPolicy
 from agent.replicas import Supervisor
@@ -31,6 +33,7 @@ from llmgw.log import EventFormatter
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.cluster import free_port
+from testlib.exposure import cmdlines_holding, listening
 from testlib.proc import llmgw_env
 
 pytestmark = pytest.mark.trio
@@ -83,8 +86,8 @@ def in_state(state: str, rid: str = "m-1"):
     return check
 
 
-def post(port: int, path: str, body: dict, key: str | None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+def post(port: int, path: str, body: dict, key: str | None, host: str = "127.0.0.1") -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(host, port, timeout=10)
     headers = {"content-type": "application/json"}
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
@@ -156,9 +159,74 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     agent_log = "\n".join(formatter.format(r) for r in caplog.records)
     engine_logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
     assert API_KEY not in agent_log and API_KEY not in engine_logs
-    assert '"LLMGW_SIM_API_KEY": "<redacted>"' in engine_logs  # the command is shown, its key hidden
+    key_file = str(tmp_path / "keys" / "m-1-r0" / "api-key")
+    assert f'"files": ["{key_file}"]' in engine_logs  # the command is shown: its key file, not its key
     starting = next(r.llmgw_fields for r in caplog.records if r.getMessage() == "replica_starting")
-    assert starting["env"]["LLMGW_SIM_API_KEY"] == "<redacted>"
+    assert starting["files"] == [key_file] and "--api-key-file" in starting["argv"]
+    assert not (tmp_path / "keys" / "m-1-r0").exists()  # removed with the engine
+
+
+def mode(path: Path) -> int:
+    return path.lstat().st_mode & 0o777
+
+
+async def test_the_engine_listens_on_the_nodes_address_only_and_its_key_is_in_a_private_file(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # 127.0.0.9 stands for the node's address on the link: the engine must not listen elsewhere.
+    sup = make_supervisor(tmp_path, listen_host=NodeAddress("127.0.0.9"))
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    ready = await wait_for(sup, in_state(w.READY), "ready")
+    assert listening(ready.pid) == [("127.0.0.9", ready.port)]
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+    assert (await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, API_KEY, "127.0.0.9"))[0] == 200
+    assert (await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, None, "127.0.0.9"))[0] == 401
+    with pytest.raises(ConnectionRefusedError):  # the same port on another address of the machine
+        await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, API_KEY, "127.0.0.1")
+
+    # The key is in no process's argv, not in the engine's environment: in a file only root reads.
+    assert cmdlines_holding(API_KEY) == []
+    environ = Path(f"/proc/{ready.pid}/environ").read_bytes()
+    assert API_KEY.encode() not in environ and b"LLMGW_SIM_API_KEY" not in environ
+    key_file = tmp_path / "keys" / "m-1-r0" / "api-key"
+    assert key_file.read_text() == API_KEY + "\n"
+    assert (mode(tmp_path / "keys"), mode(key_file.parent), mode(key_file)) == (0o700, 0o700, 0o600)
+    record = json.loads((tmp_path / "run" / "m-1-r0.json").read_text())
+    assert (record["host"], record["port"]) == ("127.0.0.9", ready.port)  # what an adopting agent probes
+
+    sup.assign(())
+    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    assert not key_file.parent.exists() and gone(ready.pid)
+
+
+async def test_an_engine_is_started_again_on_the_links_new_address_only_once_its_own_is_gone(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    address = NodeAddress("127.0.0.9")
+    present = {"127.0.0.9": True}  # stands for the machine's addresses: 127.0.0.0/8 never leaves lo
+    sup = make_supervisor(
+        tmp_path, listen_host=address, address_present=lambda host: present.get(host, True), health_interval_s=0.1
+    )
+    await nursery.start(sup.serve)
+    sup.assign((sim(),))
+    ready = await wait_for(sup, in_state(w.READY), "ready")
+
+    # The link comes back from another address while the engine's is still here: it is left alone.
+    address.set("127.0.0.10")
+    await trio.testing.wait_all_tasks_blocked()
+    assert status(sup) == ready and listening(ready.pid) == [("127.0.0.9", ready.port)]
+
+    # Its address leaves the machine: it is stopped and started again where the link now comes from.
+    present["127.0.0.9"] = False
+    address.set("127.0.0.11")
+    again = await wait_for(
+        sup, lambda s: (st := status(s)) and st.state == w.READY and st.restarts == 1 and st, "ready again"
+    )
+    assert listening(again.pid) == [("127.0.0.11", again.port)] and gone(ready.pid)
+    assert "its address 127.0.0.9 is no longer one of this machine's" in sup.tail("m-1", 50)
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+    assert (await trio.to_thread.run_sync(post, again.port, "/v1/completions", body, API_KEY, "127.0.0.11"))[0] == 200
 
 
 async def test_an_engine_that_stops_answering_after_ready_is_restarted(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -128,6 +129,23 @@ def test_logs_rotate_by_size_keep_n_files_and_tail_across_them(tmp_path: Path) -
     assert tail_files(path, 20).splitlines() == [f"line {i:03d}" for i in range(80, 100)]
     # Older than the kept files: gone.
     assert tail_files(path, 1000).splitlines()[0] == "line 072"
+
+
+def test_log_files_are_the_agents_only_even_where_an_earlier_agent_left_them_open(tmp_path: Path) -> None:
+    # Engines print what they were given (SGLang its whole configuration, key included).
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o755)
+    os.chmod(logs, 0o755)
+    (logs / "m-1-r0.log").write_text("old\n")
+    os.chmod(logs / "m-1-r0.log", 0o644)
+    log = EngineLog(logs / "m-1-r0.log", max_bytes=1, files=2)
+    log.write(b"more\n")
+    log.rotate()
+    log.close()
+    fresh = EngineLog(logs / "n-1-r0.log")
+    fresh.close()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (logs, *logs.iterdir())}
+    assert modes == {"logs": 0o700, "m-1-r0.log": 0o600, "m-1-r0.log.1": 0o600, "n-1-r0.log": 0o600}
 
 
 def test_an_engine_writing_its_own_log_keeps_writing_at_the_start_of_the_rotated_file(tmp_path: Path) -> None:

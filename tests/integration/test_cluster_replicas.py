@@ -117,8 +117,9 @@ def api_key(cluster: Cluster, replica_id: str) -> str:
     return json.loads(body)["api_key"]
 
 
-def complete(port: int, key: str | None) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+def complete(replica: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
+    """A completion from the replica's rank 0 engine, where it listens: its node's own address."""
+    conn = http.client.HTTPConnection(address_of(replica["nodes"][0]), replica["port"], timeout=10)
     try:
         headers = {"content-type": "application/json"}
         if key is not None:
@@ -168,12 +169,12 @@ def test_replicas_are_placed_restarted_rebuilt_fenced_drained_and_survive_a_cont
     assert all(pid > 0 for pid in big["pids"]), big
     assert [e for e in server.events("replica_placed") if e["model"] == "big"][-1]["nodes"] == big["nodes"]
     key = api_key(cluster, big["replica"])
-    status, body = complete(big["port"], key)
+    status, body = complete(big, key)
     assert status == 200, body
     assert body["model"] == "big" and body["choices"][0]["text"], body
-    status, body = complete(big["port"], None)
+    status, body = complete(big, None)
     assert status == 401, body
-    status, body = complete(big["port"], key + "-wrong")
+    status, body = complete(big, key + "-wrong")
     assert status == 401, body
 
     # 3. An engine killed outright is restarted by its agent, on the same node, and is ready again.
@@ -212,7 +213,7 @@ def test_replicas_are_placed_restarted_rebuilt_fenced_drained_and_survive_a_cont
     assert not set(big["pids"]) & set(big_before["pids"]), (big_before, big)  # new processes on both members
     assert [e for e in server.events("node_lost") if e["node"] == victim], server.tail()
     assert cluster.engine_pids(victim) == [], "a dead machine's engines are gone"
-    status, body = complete(big["port"], api_key(cluster, big["replica"]))
+    status, body = complete(big, api_key(cluster, big["replica"]))
     assert status == 200, body
 
     # 5. The dead node comes back with its certificate: it rejoins, and runs nothing: its old

@@ -151,11 +151,20 @@ def main() -> None:
             context=args.ctx_size,
             # -lv 2: warnings only; at the default every request logs several lines.
             extra_args=("--threads", str(args.threads), "--parallel", str(args.parallel), "-lv", "2"),
+            private_dir=tmp,  # the key file goes there (mkdtemp makes it 0700)
         )
         cmd = build_command(launch, args.server)
+        for f in cmd.files:
+            fd = os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(f.content.reveal())
         with open(Path(tmp) / "llama-server.log", "wb") as log:
             proc = subprocess.Popen(
-                cmd.argv, env={**os.environ, **cmd.env}, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                cmd.argv,
+                env=cmd.environment(os.environ),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         try:
             ready_s = wait_ready(proc, port)

@@ -4,8 +4,8 @@ An engine leads its own session and writes its output straight to its log file, 
 that is killed (SIGKILL, OOM, a crash) leaves its engines serving. For each running member the
 agent keeps a record:
 
-    STATE/run/<replica_id>-r<rank>.json     pid, process group, start time, port, GPUs, and a
-                                            fingerprint of the assignment it runs
+    STATE/run/<replica_id>-r<rank>.json     pid, process group, start time, address and port,
+                                            GPUs, and a fingerprint of the assignment it runs
 
 written when the engine starts (atomically: a temporary file renamed over it) and removed
 when it stops. The agent that starts next reads them: a record whose process still runs and
@@ -73,6 +73,9 @@ class Record:
     start_time: int  # clock ticks after boot, /proc/PID/stat field 22
     boot_id: str
     port: int
+    # The address it listens on; "" in a record written before engines had their own (they
+    # listened on every address then): a field with a default, so those records still read.
+    host: str = ""
     gpus: tuple[int, ...] = ()
     fingerprint: str
     started_at: float = 0.0  # unix time, for people reading the file or the log
@@ -83,7 +86,15 @@ class Record:
 
     @classmethod
     def of_child(
-        cls, a: w.ReplicaAssignment, pid: int, *, port: int, gpus: tuple[int, ...], fingerprint: str, boot_id: str
+        cls,
+        a: w.ReplicaAssignment,
+        pid: int,
+        *,
+        port: int,
+        host: str = "",
+        gpus: tuple[int, ...],
+        fingerprint: str,
+        boot_id: str,
     ) -> Record | None:
         """The record of an engine just started (it leads its own process group); None if it is gone already."""
         seen = proc_stat(pid)
@@ -99,6 +110,7 @@ class Record:
             start_time=seen.start_time,
             boot_id=boot_id,
             port=port,
+            host=host,
             gpus=gpus,
             fingerprint=fingerprint,
             started_at=time.time(),
@@ -284,6 +296,7 @@ def adopt_all(records: RunRecords, *, boot_id: str, use_pidfd: bool = True) -> l
             replica=record.replica_id,
             rank=record.node_rank,
             pid=record.pid,
+            host=record.host or "0.0.0.0",
             port=record.port,
             running_s=round(max(0.0, time.time() - record.started_at), 1),
             watched_by=found.watched_by,

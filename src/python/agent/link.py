@@ -20,6 +20,7 @@ import attrs
 import trio
 import trio_websocket
 
+from agent.node_address import NodeAddress, local_host
 from llmgw import pki
 from llmgw.errors import UsageError, find, leaves, only
 from llmgw.log import get_logger
@@ -88,9 +89,12 @@ class AgentLink:
         backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
         source_address: str = "",
+        address: NodeAddress | None = None,
     ) -> None:
+        """`address` gets the local address of each connection: where this node's engines listen."""
         self.target = target
         self.source_address = source_address
+        self.address = address if address is not None else NodeAddress()
         self.node_id = node_id
         self.ssl_context = ssl_context
         self.make_hello = make_hello
@@ -158,6 +162,7 @@ class AgentLink:
             tcp = await trio.open_tcp_stream(
                 self.target.host, self.target.port, local_address=self.source_address or None
             )
+            self.address.set(local_host(tcp.socket))
             stream = trio.SSLStream(tcp, self.ssl_context, server_hostname=self.target.host, https_compatible=True)
             try:
                 await stream.do_handshake()

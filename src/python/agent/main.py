@@ -22,6 +22,7 @@ from agent import ibdiags, inventory
 from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink, Target
+from agent.node_address import NodeAddress
 from agent.replicas import Supervisor, serve_assignments
 from agent.weights import WeightsStore
 from llmgw import __version__, pki
@@ -68,12 +69,15 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     # Discovery runs tools with timeouts and reads sysfs: off the event loop.
     current = Current(inventory=await trio.to_thread.run_sync(inventory.collect, config))
     engines = Engines()
+    # Engines listen on the address the control plane reaches this node at: the link's local one.
+    address = NodeAddress()
     # The supervisor belongs to the agent, not to the link: replicas outlive any session.
     supervisor = Supervisor(
         state_dir=state_dir,
         weights=WeightsStore(Path(weights_dir_of(config))),  # public URLs: the system's CAs, not the cluster's
         engine_command=engines.command_for,
         gpus=lambda: tuple(g.index for g in current.inventory.gpus),
+        listen_host=address,
     )
     for problem in current.inventory.fabric_problems:
         log.warning("fabric_refused", problem=problem)
@@ -96,6 +100,7 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
         ssl_context=ssl_context,
         make_hello=make_hello,
         source_address=config.source_address,
+        address=address,
     )
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process

@@ -17,7 +17,10 @@ truncation (microseconds) is lost: the price of rotating a file another process 
 agent checks the size when an engine starts or is adopted and every `CHECK_INTERVAL_S` while it
 runs, so a file may pass `max_bytes` by what the engine writes in that time.
 
-Nothing secret is written by the agent: commands are logged through `Command.for_log()`.
+Nothing secret is written by the agent: commands are logged through `Command.for_log()`. An
+engine may print what it was given all the same (SGLang logs its whole configuration, key
+included, when it starts; requests at debug level hold prompts), so the files are the agent's
+user's only: 0600 in a 0700 directory, tightened if an earlier agent left them looser.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ class EngineLog:
         self.path = path
         self.max_bytes = max_bytes
         self.files = max(1, files)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _tighten(path.parent, 0o700)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(self._fd).st_mode & 0o077:
+            os.fchmod(self._fd, 0o600)
 
     def fileno(self) -> int:
         """The descriptor to give the engine as its stdout and stderr (it keeps O_APPEND)."""
@@ -104,7 +110,7 @@ class EngineLog:
             newer = _numbered(self.path, i - 1)
             if newer.exists():
                 os.replace(newer, _numbered(self.path, i))  # over the oldest: it is dropped
-        with self.path.open("rb") as src, _numbered(self.path, 1).open("wb") as dst:
+        with self.path.open("rb") as src, open(_numbered(self.path, 1), "wb", opener=_private) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
             return dst.tell()
 
@@ -112,10 +118,21 @@ class EngineLog:
         """What was written after the copy goes to `.1` too, then the current file is emptied.
         Synchronous: no note of the agent's can fall between the two."""
         if self.files > 1:
-            with self.path.open("rb") as src, _numbered(self.path, 1).open("ab") as dst:
+            with self.path.open("rb") as src, open(_numbered(self.path, 1), "ab", opener=_private) as dst:
                 src.seek(copied)
                 shutil.copyfileobj(src, dst, 1 << 20)
         os.ftruncate(self._fd, 0)
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Take group and other access away from a directory of ours (left looser by an earlier agent)."""
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.chmod(path, mode)
 
 
 def _numbered(path: Path, i: int) -> Path:

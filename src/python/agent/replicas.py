@@ -30,8 +30,16 @@ The decisions are pure, in `agent.replica_plan` (state table, restart policy, pl
 output goes to rotated files (`agent.replica_logs`); the process plumbing (process group
 signals, health probe, port) is `agent.engine_proc`; records and adoption `agent.adoption`;
 weights are `agent.weights`.
-Secrets never reach a log: the API key travels in the engine's environment and commands are
-logged with `Command.for_log()`.
+
+Where an engine listens: rank 0 on the address the gateway reaches this node at
+(`agent.node_address`: the local address of the agent's link), taken at each start and kept
+while the engine runs; an engine whose address has left the machine when the link comes back
+from another is stopped and started again there. Adopted engines keep the address their record
+names. Workers serve nothing and get a loopback port.
+
+Secrets never reach argv or a log: the API key goes in a private file the engine reads
+(`agent.engine_keys`, written before each start and removed when the engine stops) or, for
+engines that read no file, in its environment; commands are logged with `Command.for_log()`.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import attrs
 import trio
 
 from agent.adoption import Adopted, Record, RunRecords, adopt_all, fingerprint, read_boot_id
+from agent.engine_keys import EngineKeys
 from agent.engine_proc import (
     HEALTH_TIMEOUT_S,
     Child,
@@ -58,6 +67,7 @@ from agent.engine_proc import (
     signal_group,
 )
 from agent.engines import EngineUnavailable
+from agent.node_address import NodeAddress, address_present
 from agent.replica_logs import CHECK_INTERVAL_S, FILES, MAX_BYTES, EngineLog, log_path, tail_replica
 from agent.replica_plan import (
     DEFAULT_POLICY,
@@ -110,6 +120,7 @@ class _Member:
     done: trio.Event = attrs.Factory(trio.Event)
     gpus: tuple[int, ...] = ()
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
+    host: str = ""  # where rank 0's engine listens (while it runs)
     exits: list[float] = attrs.Factory(list)
 
     @property
@@ -128,7 +139,7 @@ class Supervisor:
         engine_command: Callable[[str], Sequence[str]],
         gpus: Callable[[], Sequence[int]] = lambda: (),
         env: Mapping[str, str] | None = None,
-        listen_host: str = "0.0.0.0",
+        listen_host: str | NodeAddress,
         policy: RestartPolicy = DEFAULT_POLICY,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         health_interval_s: float = HEALTH_INTERVAL_S,
@@ -137,18 +148,22 @@ class Supervisor:
         log_files: int = FILES,
         log_check_s: float = CHECK_INTERVAL_S,
         use_pidfd: bool = True,
+        address_present: Callable[[str], bool] = address_present,
     ) -> None:
         """`engine_command(name)` is the argv prefix of an engine (`Engines.command_for`);
         `gpus()` the GPU indices of this node; `env` the engines' base environment (default:
-        the agent's, read at each start); `use_pidfd=False` watches adopted engines through
-        /proc as on kernels without pidfds."""
+        the agent's, read at each start); `listen_host` where rank 0 engines listen: the link's
+        `NodeAddress`, or a fixed address; `address_present(host)` whether an address is still
+        this machine's (tests stand in for an address that leaves); `use_pidfd=False` watches
+        adopted engines through /proc as on kernels without pidfds."""
         self.logs_dir = state_dir / "logs"
         self.records = RunRecords(state_dir / "run")
+        self.keys = EngineKeys(state_dir / "keys")
         self.weights = weights
         self.engine_command = engine_command
         self.gpus = gpus
         self.env = env
-        self.listen_host = listen_host
+        self.address = listen_host if isinstance(listen_host, NodeAddress) else NodeAddress(listen_host)
         self.policy = policy
         self.stop_timeout_s = stop_timeout_s
         self.health_interval_s = health_interval_s
@@ -157,6 +172,7 @@ class Supervisor:
         self.log_files = log_files
         self.log_check_s = log_check_s
         self.use_pidfd = use_pidfd
+        self.address_present = address_present
         self._boot_id = ""
         self._wanted: tuple[w.ReplicaAssignment, ...] | None = None  # None: no desired state yet
         self._members: dict[Key, _Member] = {}
@@ -180,6 +196,7 @@ class Supervisor:
         self._retiring.clear()
         self._boot_id = read_boot_id()
         found = adopt_all(self.records, boot_id=self._boot_id, use_pidfd=self.use_pidfd)
+        self.keys.sweep(engine.record.key for engine in found)  # the others' engines are gone
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -251,6 +268,7 @@ class Supervisor:
             assignment=None,
             gpus=r.gpus,
             port=r.port,
+            host=r.host or "0.0.0.0",  # recorded before engines had their own address: all of them
         )
         self._members[r.key] = m
         self._nursery.start_soon(self._run, m, [], engine)
@@ -327,7 +345,9 @@ class Supervisor:
 
     def _record(self, m: _Member, a: w.ReplicaAssignment, pid: int) -> None:
         """Note the engine in STATE/run, so that the next agent adopts it should this one die."""
-        record = Record.of_child(a, pid, port=m.port, gpus=m.gpus, fingerprint=m.fingerprint, boot_id=self._boot_id)
+        record = Record.of_child(
+            a, pid, port=m.port, host=m.host, gpus=m.gpus, fingerprint=m.fingerprint, boot_id=self._boot_id
+        )
         try:
             if record is not None:  # None: it is gone already, nothing to adopt
                 self.records.write(record)
@@ -457,8 +477,9 @@ class Supervisor:
         self, m: _Member, a: w.ReplicaAssignment, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog
     ) -> None:
         while True:
+            host = await self._listen_host(m) if a.node_rank == 0 else "127.0.0.1"
             try:
-                command = build_command(self._launch(m, a, model_path), prefix)
+                command = build_command(self._launch(m, a, model_path, host), prefix)
             except LlmgwError as exc:
                 self._fail(m, str(exc))
                 return
@@ -493,11 +514,24 @@ class Supervisor:
         await trio.sleep(delay)
         return True
 
-    def _launch(self, m: _Member, a: w.ReplicaAssignment, model_path: str) -> ReplicaLaunch:
-        rank0 = a.node_rank == 0
+    async def _listen_host(self, m: _Member) -> str:
+        """Where rank 0's engine listens this start: the address the gateway reaches this node at
+        now. Unknown only before the link's first connect (an adopted engine that exited early):
+        then it waits rather than listen on every address."""
+        if not self.address.current:
+            self._set(
+                m,
+                w.FETCHING,
+                detail="waiting for the link to the control plane: the engine listens on the address it reaches this "
+                "node at",
+            )
+        return await self.address.wait_known()
+
+    def _launch(self, m: _Member, a: w.ReplicaAssignment, model_path: str, host: str) -> ReplicaLaunch:
         # Workers serve nothing, but every spec wants a port: a free one on loopback, never reported.
-        host = self.listen_host if rank0 else "127.0.0.1"
         m.port = pick_port(host, m.port)
+        m.host = host
+        replica, rank = m.key
         return ReplicaLaunch(
             engine=a.engine,
             model_path=model_path,
@@ -512,6 +546,7 @@ class Supervisor:
             rank0_addr=a.rank0_addr,
             dist_init_port=a.dist_init_port,
             ib_adapters=a.ib_adapters,
+            private_dir=str(self.keys.dir_for(replica, rank)),
         )
 
     async def _run_once(
@@ -523,7 +558,14 @@ class Supervisor:
         await engine_log.rotate_if_needed()
         engine_log.note(f"starting {a.engine} for replica {a.replica_id} rank {a.node_rank}: {json.dumps(shown)}")
         log.info("replica_starting", replica=a.replica_id, rank=a.node_rank, **shown)
-        env = {**(os.environ if self.env is None else self.env), **command.env}
+        env = command.environment(os.environ if self.env is None else self.env)
+        try:
+            self.keys.write(a.replica_id, a.node_rank, command)
+        except OSError as exc:
+            engine_log.note(f"cannot write the engine's key file: {exc}")
+            log.error("replica_key_not_written", replica=a.replica_id, rank=a.node_rank, reason=str(exc))
+            self.keys.remove(a.replica_id, a.node_rank)
+            return None
         try:
             proc = await trio.lowlevel.open_process(
                 list(command.argv),
@@ -536,6 +578,7 @@ class Supervisor:
             )
         except OSError as exc:
             engine_log.note(f"cannot run {command.argv[0]}: {exc.strerror or exc}")
+            self.keys.remove(a.replica_id, a.node_rank)
             return None
         self._set(m, w.STARTING, pid=proc.pid)
         engine_log.note(f"pid {proc.pid}")
@@ -551,7 +594,8 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine_log.serve_rotation, self.log_check_s)
                 if rank == 0:
-                    nursery.start_soon(self._watch_health, m, probe_host(self.listen_host), m.port, engine, engine_log)
+                    nursery.start_soon(self._watch_health, m, probe_host(m.host), m.port, engine, engine_log)
+                    nursery.start_soon(self._watch_address, m, engine, engine_log)
                 else:
                     self._set(m, w.READY)
                     m.observed.set()
@@ -566,6 +610,7 @@ class Supervisor:
             if not engine.exited:  # the bounded cleanup ran out: leave nothing running
                 signal_group(engine.pgid, signal.SIGKILL)
             self.records.remove(replica, rank)
+            self.keys.remove(replica, rank)
 
     async def _terminate(self, m: _Member, engine: EngineProcess, engine_log: EngineLog) -> None:
         replica, rank = m.key
@@ -589,6 +634,24 @@ class Supervisor:
             exit_status=engine.returncode,
             took_s=round(took, 2),
         )
+
+    async def _watch_address(self, m: _Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        """Stop the engine, to be started again, once the address it listens on has left this
+        machine: the gateway could no longer reach it. Looked at whenever the link's address changes."""
+        while True:
+            await self.address.wait_changed()
+            if self.address_present(m.host):
+                continue  # still here: the engine is not restarted for the link's sake
+            said = (
+                f"its address {m.host} is no longer one of this machine's (the link now comes from "
+                f"{self.address.current}): stopping it to start it again there"
+            )
+            engine_log.note(said)
+            replica, rank = m.key
+            log.warning("replica_address_gone", replica=replica, rank=rank, host=m.host, now=self.address.current)
+            self._set(m, w.RESTARTING, detail=said)
+            await self._terminate(m, engine, engine_log)
+            return
 
     async def _watch_health(
         self, m: _Member, host: str, port: int, engine: EngineProcess, engine_log: EngineLog

@@ -38,9 +38,11 @@ def test_the_widest_command_is_multi_node_where_the_engine_spans_nodes() -> None
     assert [r.node_rank for r in widest_launches(spec_for("llamacpp"))] == [0]
     # Flags a worker alone gets, or only a multi-node replica, are checked too.
     assert {"--headless", "--master-addr", "--nnodes", "--max-model-len"} <= set(widest_flags(spec_for("vllm")))
-    assert {"--dist-init-addr", "--context-length", "--api-key"} <= set(widest_flags(spec_for("sglang")))
+    # --api-key is set through SGLang's --config file: it is checked all the same.
+    assert {"--dist-init-addr", "--context-length", "--config", "--api-key"} <= set(widest_flags(spec_for("sglang")))
     assert widest_flags(spec_for("llamacpp")) == (
         "--alias",
+        "--api-key-file",
         "--ctx-size",
         "--host",
         "--model",
@@ -52,7 +54,7 @@ def test_the_widest_command_is_multi_node_where_the_engine_spans_nodes() -> None
 def test_llama_help_cut_to_400_lines_reports_what_it_lacks() -> None:
     cut = "".join(help_text("llama-server.txt").splitlines(keepends=True)[:400])
     result = check_engine("llamacpp", cut)
-    assert result.missing == ("--alias", "--host", "--port")
+    assert result.missing == ("--alias", "--api-key-file", "--host", "--port")
     assert result.missing_env == ("LLAMA_API_KEY",)  # documented at line 588
     assert result.warnings == ()  # --help is at line 3: nothing says it was cut
     assert result.status == MISSING

@@ -41,16 +41,16 @@ def test_help_given_as_text_the_way_the_docs_show(capsys: pytest.CaptureFixture[
     assert text.startswith("-----")
     assert engine_check("llamacpp", "--help-output", text) == 2
     out = capsys.readouterr().out
-    for flag in ("--alias", "--host", "--port"):
+    for flag in ("--alias", "--api-key-file", "--host", "--port"):
         assert f"  MISSING {flag}\n" in out
     assert "MISSING LLAMA_API_KEY" in out
-    assert "result: 4 of llmgw's flags missing, 0 problems in models' args (exit 2)" in out
+    assert "result: 5 of llmgw's flags missing, 0 problems in models' args (exit 2)" in out
 
 
 def test_warnings_only_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     # The sim's layout (flags at column 0), every flag llmgw uses, but no --help line.
     text = "".join(f"{f} X  what it does\n" for f in ("--model", "--host", "--port", "--nnodes", "--node-rank"))
-    text += "--dist-init-addr A  where\n--api-key KEY  the key (env: LLMGW_SIM_API_KEY)\n"
+    text += "--dist-init-addr A  where\n--api-key KEY  the key (env: LLMGW_SIM_API_KEY)\n--api-key-file F  its file\n"
     assert engine_check("sim", "--help-output", text) == 1
     assert "warning: the help text does not document --help itself" in capsys.readouterr().out
 

@@ -31,6 +31,7 @@ from testlib.tinygguf import write_tiny_llama
 
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
+STRAY_KEY = "stray-key-in-the-agents-environment"
 
 
 def free_port() -> int:
@@ -79,6 +80,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     binary = llama_server()
     work = tmp_path_factory.mktemp("llama")
     model = write_tiny_llama(work / "tiny.gguf", seed=1)
+    private = work / "keys"
+    private.mkdir(mode=0o700)
     launch = ReplicaLaunch(
         engine="llamacpp",
         model_path=str(model),
@@ -88,12 +91,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         api_key=Secret(secrets.token_urlsafe(24)),
         context=2048,
         extra_args=("--threads", "2", "--parallel", "2"),
+        private_dir=str(private),
     )
     cmd = build_command(launch, binary)
+    for f in cmd.files:  # as the agent writes them (agent.engine_keys)
+        fd = os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f.content.reveal())
     log = work / "llama-server.log"
+    # A key variable in the environment the engine would inherit: it must not become a second key.
+    inherited = {**os.environ, "LLAMA_API_KEY": STRAY_KEY}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd.argv, env={**os.environ, **cmd.env}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            cmd.argv, env=cmd.environment(inherited), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
     srv = Server(launch, proc, log)
     try:
@@ -151,16 +161,21 @@ def test_streamed_chat_completion(server: Server) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
-@pytest.mark.parametrize("key", [None, "not-the-key"])
+@pytest.mark.parametrize("key", [None, "not-the-key", STRAY_KEY])
 def test_the_engine_port_refuses_any_other_key(server: Server, key: str | None) -> None:
     status, body = server.call("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}, key=key)
     assert status == 401, body
 
 
-def test_the_key_is_not_on_the_command_line(server: Server) -> None:
-    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
-    assert b"tiny.gguf" in cmdline
-    assert server.launch.api_key.reveal().encode() not in cmdline
+def test_the_key_reaches_it_through_its_file_only(server: Server) -> None:
+    key = server.launch.api_key.reveal().encode()
+    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--api-key-file" in cmdline and b"--api-key" not in cmdline
+    assert not any(key in arg for arg in cmdline)
+    environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes()
+    assert key not in environ and b"LLAMA_API_KEY=" not in environ
+    [key_file] = [Path(f.path) for f in build_command(server.launch).files]
+    assert key_file.read_bytes() == key + b"\n" and key_file.stat().st_mode & 0o777 == 0o600
 
 
 def test_engine_check_against_the_installed_binary(capsys: pytest.CaptureFixture[str]) -> None:

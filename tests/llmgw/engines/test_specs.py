@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 
 from llmgw import config
 from llmgw.config import Secret
 from llmgw.engines import SPECS, LaunchError, ReplicaLaunch, build_command, spec_for
+from llmgw.engines.launch import PrivateFile
 
 KEY = "k-0123456789abcdef"
+PRIVATE = "/var/lib/llmgw-agent/keys/m-1-r0"
 
 
 def launch(engine: str, **kw: object) -> ReplicaLaunch:
@@ -20,6 +24,7 @@ def launch(engine: str, **kw: object) -> ReplicaLaunch:
         host="10.0.0.5",
         port=8001,
         api_key=Secret(KEY),
+        private_dir=PRIVATE,
     )
     fields.update(kw)
     return ReplicaLaunch(**fields)
@@ -55,6 +60,8 @@ def test_llamacpp_command_and_environment() -> None:
         "10.0.0.5",
         "--port",
         "8001",
+        "--api-key-file",
+        f"{PRIVATE}/api-key",
         "--ctx-size",
         "8192",
         "--n-gpu-layers",
@@ -62,7 +69,10 @@ def test_llamacpp_command_and_environment() -> None:
         "-np",
         "4",
     )
-    assert cmd.env == {"LLAMA_API_KEY": KEY, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+    assert cmd.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+    # One key per line, as --api-key-file reads it; the caller writes it before the start.
+    [key_file] = cmd.files
+    assert key_file.path == f"{PRIVATE}/api-key" and key_file.content.reveal() == KEY + "\n"
 
 
 def test_a_cpu_replica_sees_no_gpu_and_gets_no_optional_flags() -> None:
@@ -73,30 +83,62 @@ def test_a_cpu_replica_sees_no_gpu_and_gets_no_optional_flags() -> None:
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_the_key_is_never_in_argv_where_the_engine_reads_it_from_the_environment() -> None:
-    for engine in ("llamacpp", "vllm", "sim"):
+def test_the_key_is_never_in_argv_and_in_a_private_file_where_the_engine_reads_one() -> None:
+    for engine, where in (("llamacpp", "file"), ("sglang", "file"), ("sim", "file"), ("vllm", "env")):
         cmd = build_command(launch(engine))
-        assert KEY not in cmd.argv, engine
-        assert KEY in cmd.env.values(), engine
-        assert not cmd.secret_positions
+        assert not any(KEY in a for a in cmd.argv), engine
+        assert not cmd.secret_positions, engine
+        in_files = [f for f in cmd.files if KEY in f.content.reveal()]
+        in_env = [k for k, v in cmd.env.items() if KEY in v]
+        assert (bool(in_files), bool(in_env)) == (where == "file", where == "env"), engine
+        for f in cmd.files:
+            assert f.path.startswith(PRIVATE + "/") and f.path in cmd.argv, engine  # in the member's own directory
+        assert KEY not in str(cmd.for_log()) and KEY not in repr(cmd), engine
 
 
-def test_sglang_takes_its_key_in_argv_and_the_log_form_hides_it() -> None:
+def test_sglang_reads_its_key_from_a_yaml_config_file() -> None:
     cmd = build_command(launch("sglang"), "/venv/bin/python")
-    at = cmd.argv.index("--api-key") + 1
-    assert cmd.argv[at] == KEY and cmd.secret_positions == {at}
-    shown = cmd.for_log()
-    assert KEY not in str(shown)
-    assert shown["argv"][at] == "<redacted>"
+    at = cmd.argv.index("--config") + 1
+    # SGLang requires the .yaml suffix, and replaces the pair "--config FILE" (two entries) by its lines.
+    assert cmd.argv[at] == f"{PRIVATE}/api-key.yaml"
+    assert cmd.files == (PrivateFile(path=f"{PRIVATE}/api-key.yaml", content=cmd.files[0].content),)
+    # A JSON string is a YAML double-quoted scalar: SGLang reads back exactly the key.
+    name, value = cmd.files[0].content.reveal().rstrip("\n").split(": ", 1)
+    assert (name, json.loads(value)) == ("api-key", KEY)
+    assert "--api-key" not in cmd.argv
 
 
-def test_for_log_hides_key_variables_by_name() -> None:
-    shown = build_command(launch("llamacpp", gpus=(0,))).for_log()
+def test_a_key_file_without_a_private_dir_or_an_empty_key_is_refused() -> None:
+    for engine in ("llamacpp", "sglang", "sim"):
+        with pytest.raises(LaunchError, match="private_dir '' is not an absolute path"):
+            build_command(launch(engine, private_dir=""))
+        with pytest.raises(LaunchError, match="private_dir 'keys' is not an absolute path"):
+            build_command(launch(engine, private_dir="keys"))
+    # A worker serves nothing and gets no key: it needs no directory.
+    assert build_command(two_nodes("sim", 1, private_dir="")).files == ()
+    for key in ("", "two\nlines", "with space", "#comment"):
+        with pytest.raises(LaunchError, match="API key is empty or holds characters"):
+            build_command(launch("llamacpp", api_key=Secret(key)))
+
+
+def test_a_key_variable_the_agent_inherited_does_not_reach_the_engine() -> None:
+    # llama-server adds LLAMA_API_KEY's keys to its file's: a stray one would open the port to its holder.
+    inherited = {"PATH": "/usr/bin", "LLAMA_API_KEY": "stray", "LLMGW_SIM_API_KEY": "stray"}
+    llama = build_command(launch("llamacpp")).environment(inherited)
+    assert "LLAMA_API_KEY" not in llama and llama["PATH"] == "/usr/bin" and llama["CUDA_VISIBLE_DEVICES"] == ""
+    assert "LLMGW_SIM_API_KEY" not in build_command(launch("sim")).environment(inherited)
+    # vLLM's comes from llmgw and wins over an inherited one.
+    assert build_command(launch("vllm")).environment({"VLLM_API_KEY": "stray"})["VLLM_API_KEY"] == KEY
+
+
+def test_for_log_hides_key_variables_by_name_and_shows_file_paths() -> None:
+    shown = build_command(launch("vllm", gpus=(0,))).for_log()
     assert shown["env"] == {
-        "LLAMA_API_KEY": "<redacted>",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "0",
+        "VLLM_API_KEY": "<redacted>",
     }
+    assert build_command(launch("llamacpp")).for_log()["files"] == [f"{PRIVATE}/api-key"]
 
 
 def test_vllm_single_node() -> None:
@@ -150,7 +192,7 @@ def test_sglang_two_nodes_spans_every_gpu_with_tensor_parallel() -> None:
     assert args[args.index("--context-length") + 1] == "32768"
     assert args[-6:] == ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.5:29500")
     worker = build_command(two_nodes("sglang", 1))
-    assert "--api-key" not in worker.argv and KEY not in worker.argv
+    assert "--config" not in worker.argv and KEY not in worker.argv and worker.files == ()
     assert worker.env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
 
 
@@ -173,6 +215,8 @@ def test_sim_runs_under_the_callers_llmgw() -> None:
         "10.0.0.5",
         "--port",
         "8001",
+        "--api-key-file",
+        f"{PRIVATE}/api-key",
         "--nnodes",
         "2",
         "--node-rank",
@@ -180,8 +224,9 @@ def test_sim_runs_under_the_callers_llmgw() -> None:
         "--dist-init-addr",
         "10.0.0.5:29500",
     )
-    assert rank0.env["LLMGW_SIM_API_KEY"] == KEY
-    assert "LLMGW_SIM_API_KEY" not in build_command(two_nodes("sim", 1)).env
+    assert rank0.files[0].content.reveal() == KEY + "\n"
+    worker = build_command(two_nodes("sim", 1))
+    assert "--api-key-file" not in worker.argv and worker.files == ()
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,15 @@ bad flag or combination refused with exit 2 before anything listens."""
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 import pytest
 
 from llmgw import cli
+from llmgw.commands.engine import api_key_of
+from llmgw.errors import UsageError
 from llmgw.simengine.options import SimOptions, format_addr, parse_addr
 
 FLAGS = [
@@ -17,6 +21,7 @@ FLAGS = [
     "--host",
     "--port",
     "--api-key",
+    "--api-key-file",
     "--prompt-token-ms",
     "--output-token-ms",
     "--max-tokens-default",
@@ -103,3 +108,33 @@ def test_options_defaults_serve_one_node_on_localhost() -> None:
     options = SimOptions(model="m").check()
     assert (options.host, options.nnodes, options.node_rank, options.is_worker) == ("127.0.0.1", 1, 0, False)
     assert "k3y" not in repr(SimOptions(model="m", api_key="k3y"))
+
+
+def key_args(api_key: str | None = None, api_key_file: Path | None = None) -> argparse.Namespace:
+    return argparse.Namespace(api_key=api_key, api_key_file=None if api_key_file is None else str(api_key_file))
+
+
+def test_the_key_comes_from_the_flag_or_the_file_before_the_environment(tmp_path: Path) -> None:
+    env = {"LLMGW_SIM_API_KEY": "from-env"}
+    key_file = tmp_path / "api-key"
+    key_file.write_text("from-file\n# a comment line llama-server would skip\n")
+    assert api_key_of(key_args(api_key_file=key_file), env) == "from-file"
+    assert api_key_of(key_args(api_key="from-flag"), env) == "from-flag"
+    assert api_key_of(key_args(), env) == "from-env"
+    assert api_key_of(key_args(), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("content", "both", "says"),
+    [
+        (None, False, "cannot read --api-key-file {path}: No such file or directory"),
+        ("\n", False, "--api-key-file {path} holds no key on its first line"),
+        ("k\n", True, "give --api-key or --api-key-file, not both"),
+    ],
+)
+def test_a_bad_key_file_is_refused_naming_it(tmp_path: Path, content: str | None, both: bool, says: str) -> None:
+    key_file = tmp_path / "api-key"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(UsageError, match=re.escape(says.format(path=key_file))):
+        api_key_of(key_args(api_key="k" if both else None, api_key_file=key_file), {})

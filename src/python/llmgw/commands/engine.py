@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
 from llmgw import __version__
 from llmgw.cli import Parser, add_group, add_leaf
-from llmgw.errors import LlmgwError, find
+from llmgw.errors import LlmgwError, UsageError, find
 
 API_KEY_ENV = "LLMGW_SIM_API_KEY"
 
@@ -68,6 +69,11 @@ def configure_sim(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every /v1 request, else 401 (env: {API_KEY_ENV}; default: none)",
+    )
+    p(
+        "--api-key-file",
+        metavar="FNAME",
+        help="read the key from this file instead (its first line; keeps the key out of argv and the environment)",
     )
     p(
         "--prompt-token-ms",
@@ -176,6 +182,23 @@ def _addr(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def api_key_of(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key or --api-key-file, else from `environ`; None: serve without one."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is None:
+        return args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"cannot read --api-key-file {args.api_key_file}: {reason}") from None
+    if not key:
+        raise UsageError(f"--api-key-file {args.api_key_file} holds no key on its first line; write the key there")
+    return key
+
+
 def run_sim(args: argparse.Namespace) -> int:
     from llmgw.commands._service import run_service
     from llmgw.simengine.main import serve_sim
@@ -185,7 +208,7 @@ def run_sim(args: argparse.Namespace) -> int:
         model=args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key_of(args, os.environ),
         prompt_token_ms=args.prompt_token_ms,
         output_token_ms=args.output_token_ms,
         max_tokens_default=args.max_tokens_default,

@@ -64,12 +64,13 @@ def widest_launches(spec: EngineSpec) -> tuple[ReplicaLaunch, ...]:
         dist_init_port=29500 if nnodes > 1 else 0,
         ib_adapters=("mlx5_0", "mlx5_1") if nnodes > 1 else (),
         socket_ifname="ib0" if nnodes > 1 else "",
+        private_dir="/var/lib/llmgw-agent/keys/widest-r0",
     )
     return tuple(attrs.evolve(base, node_rank=rank) for rank in range(nnodes))
 
 
 def widest_flags(spec: EngineSpec) -> tuple[str, ...]:
-    flags: set[str] = set()
+    flags: set[str] = set(spec.flags_in_files)
     for launch in widest_launches(spec):
         flags.update(flags_in(a for a in spec.args(launch) if isinstance(a, str)))
     return tuple(sorted(flags))

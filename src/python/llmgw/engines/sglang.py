@@ -4,22 +4,31 @@ Flags checked against SGLang 0.5.23 (its `--help`, tests/fixtures/help/sglang.tx
 nodes: tensor parallel over every GPU of every node (`--tp-size` is the total), with
 `--nnodes N --node-rank R --dist-init-addr HOST:PORT` on each; rank 0 serves the API.
 
-SGLang reads its key only from `--api-key` (no environment variable), so the key is in argv,
-where other users of the node can read it (`ps`); `Command.for_log` hides it. Ranks above 0
-serve no HTTP and are not given it.
+SGLang reads its key only from `--api-key` (its help names no environment variable for it), but
+it also reads any of its flags from a YAML file given with `--config FILE` (which must end in
+.yaml or .yml, and must be one argv entry of its own, not `--config=FILE`): SGLang replaces
+`--config FILE` by the file's `key: value` lines as `--key value` before parsing, inside its own
+process, so /proc/PID/cmdline shows only the file's path. The key goes in such a private file,
+`api-key: "KEY"`; `--config` is therefore llmgw's, and an operator's own is refused (its flags
+can go in the model's `args`). Ranks above 0 serve no HTTP and are not given it.
 """
 
 from __future__ import annotations
 
-from llmgw.engines.launch import ReplicaLaunch, fabric_env, gpu_env
+import json
+
+from llmgw.config import Secret
+from llmgw.engines.launch import PrivateFile, ReplicaLaunch, fabric_env, gpu_env, key_file
 from llmgw.engines.spec import Arg, EngineSpec
+
+KEY_FILE = "api-key.yaml"
 
 
 def _args(launch: ReplicaLaunch) -> list[Arg]:
     args: list[Arg] = ["--model-path", launch.model_path, "--served-model-name", launch.served_name]
     args += ["--host", launch.host, "--port", str(launch.port)]
     if launch.node_rank == 0:
-        args += ["--api-key", launch.api_key]
+        args += ["--config", key_file(launch, KEY_FILE)]
     if launch.context:
         args += ["--context-length", str(launch.context)]
     args += ["--tp-size", str(max(1, len(launch.gpus)) * launch.nnodes)]
@@ -33,6 +42,14 @@ def _env(launch: ReplicaLaunch) -> dict[str, str]:
     return {**gpu_env(launch), **fabric_env(launch)}
 
 
+def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
+    if launch.node_rank != 0:
+        return []
+    # A JSON string is a YAML double-quoted scalar: the key is read back exactly, whatever it holds.
+    text = f"api-key: {json.dumps(launch.api_key.reveal())}\n"
+    return [PrivateFile(path=key_file(launch, KEY_FILE), content=Secret(text))]
+
+
 SPEC = EngineSpec(
     name="sglang",
     title="SGLang",
@@ -41,11 +58,13 @@ SPEC = EngineSpec(
     subcommand=("-m", "sglang.launch_server"),
     max_nodes=None,
     managed=frozenset(
-        {"--model-path", "--model", "--served-model-name", "--host", "--port", "--api-key"}
+        {"--model-path", "--model", "--served-model-name", "--host", "--port", "--api-key", "--config"}
         | {"--tp-size", "--tensor-parallel-size", "--tp", "--nnodes", "--node-rank"}
         | {"--dist-init-addr", "--nccl-init-addr"}
     ),
     args=_args,
     env=_env,
+    files=_files,
+    flags_in_files=("--api-key",),
     help_style="argparse",
 )

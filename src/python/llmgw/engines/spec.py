@@ -1,20 +1,22 @@
 """`EngineSpec`: what llmgw knows about one engine's command line, and how a launch becomes a
 `Command`. One instance per engine lives in that engine's module; `llmgw.engines` lists them.
 
-Pure: building a command reads nothing and starts nothing. Arguments that carry a secret are
-given as `Secret` by the engine modules, so the built command knows which argv entries to hide
-when it is logged.
+Pure: building a command reads nothing and starts nothing. The key goes in a private file
+(`files`) where the engine reads one, else in the environment; never in argv. Arguments that
+carry a secret would be given as `Secret`, so the built command knows which argv entries to
+hide when it is logged.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
 from llmgw.config import Secret
 from llmgw.engines.errors import LaunchError
-from llmgw.engines.launch import Command, ReplicaLaunch, check_launch, managed_conflicts
+from llmgw.engines.launch import Command, PrivateFile, ReplicaLaunch, check_launch, managed_conflicts
 
 Arg = str | Secret
 
@@ -34,6 +36,13 @@ class EngineSpec:
     # The engine's own arguments for `launch` (not the operator's), and what it adds to the environment.
     args: Callable[[ReplicaLaunch], Sequence[Arg]]
     env: Callable[[ReplicaLaunch], Mapping[str, str]]
+    # The files the engine reads its key from, in `launch.private_dir` (the caller writes them
+    # before the engine starts), and the variables to drop from the environment it inherits.
+    files: Callable[[ReplicaLaunch], Sequence[PrivateFile]] = lambda launch: ()
+    unset_env: frozenset[str] = frozenset()
+    # Flags those files set (SGLang reads its flags from a YAML file): checked against the help
+    # like the ones in argv.
+    flags_in_files: tuple[str, ...] = ()
     # How to make it print its whole help, and what that needs in the environment, given the
     # environment it will run in (so a variable the operator set is not overridden).
     help_args: tuple[str, ...] = ("--help",)
@@ -66,13 +75,24 @@ class EngineSpec:
             else:
                 argv.append(arg)
         argv.extend(launch.extra_args)
-        return Command(argv=tuple(argv), env=dict(self.env(launch)), secret_positions=frozenset(secret))
+        return Command(
+            argv=tuple(argv),
+            env=dict(self.env(launch)),
+            secret_positions=frozenset(secret),
+            files=tuple(self.files(launch)),
+            unset_env=self.unset_env,
+        )
 
     def problems(self, launch: ReplicaLaunch) -> list[str]:
         problems = []
         if launch.engine != self.name:
             problems.append(f"the launch is for engine {launch.engine!r}, not {self.name!r}")
         problems.extend(check_launch(launch, engine_title=self.title, max_nodes=self.max_nodes))
+        if self.files(launch) and not posixpath.isabs(launch.private_dir):
+            problems.append(
+                f"{self.title} reads its key from a file, and private_dir {launch.private_dir!r} is not an "
+                "absolute path to a directory only the engine's user can read (a bug in the caller)"
+            )
         conflicts = managed_conflicts(launch.extra_args, self.managed)
         if conflicts:
             problems.append(
