@@ -16,7 +16,9 @@ import attrs
 
 from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 
-PROTOCOL_VERSION = 1
+# 2: engine wants carry unpack caps and download sizes (EngineWant, EngineArchive), weights
+# their download cap (WeightsSource) — fields an agent of version 1 would refuse.
+PROTOCOL_VERSION = 2
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------
