@@ -23,6 +23,8 @@ FAKE_PANTS = """#!/usr/bin/env bash
 set -eu
 echo "$*" >>pants.calls
 echo "pants says this on standard output"
+# Like pantsd, a daemon may outlive the build, with whatever descriptors it was given.
+[[ -z "${LEAVE_DAEMON:-}" ]] || { sleep 60 </dev/null >/dev/null 2>&1 & echo $! >daemon.pid; }
 sleep "${BUILD_S:-0}"
 [[ -z "${BUILD_FAILS:-}" ]] || exit 3
 distdir=dist
@@ -146,3 +148,16 @@ def test_the_printed_commands_start_the_way_it_was_run(checkout: Path) -> None:
     assert done.stdout.endswith("invoked_as=./llmgw\n")
     done = run(spaced, "version", script=str(spaced / "llmgw"), cwd=elsewhere)
     assert done.stdout.endswith(f"invoked_as={str(spaced).replace(' ', chr(92) + ' ')}/llmgw\n")
+
+
+def test_a_daemon_the_build_leaves_behind_does_not_hold_the_next_build(checkout: Path) -> None:
+    run(checkout, "version", LEAVE_DAEMON="1")
+    daemon = int((checkout / "daemon.pid").read_text())
+    try:
+        (checkout / "src/python/llmgw/cli.py").write_text("print('changed')\n")
+        started = time.monotonic()
+        done = run(checkout, "version", LLMGW_BUILD_WAIT_S="5")
+        assert done.returncode == 7, done.stderr  # rebuilt and ran: the lock was free
+        assert time.monotonic() - started < 5 and len(builds(checkout)) == 2
+    finally:
+        os.kill(daemon, signal.SIGKILL)
