@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from llmgw import paths, pki, simfabric
+from llmgw import paths, pki, private, simfabric
 from llmgw.cli import Parser
 from llmgw.commands._service import run_service
 from llmgw.config import AgentConfig, FabricDecl, load_server_config
@@ -85,12 +85,13 @@ def _server_toml(state: Path, args: argparse.Namespace) -> Path:
         models.append(
             f'[[models]]\nname = "{args.model.stem}"\nengine = "llamacpp"\nsource = {{ path = "{args.model.resolve()}" }}\n'
         )
-    path.write_text(
+    text = (
         "# Written by `llmgw up`; edit it and run `llmgw ctl reload --state-dir "
         f'{state}`.\n[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\n'
         f'http_listen = "127.0.0.1:{args.port}"\nadvertise = ["127.0.0.1"]\nheartbeat_interval_s = 1.0\n'
         "heartbeat_ttl_s = 5.0\n\n" + "\n".join(models)
     )
+    paths.write_private(path, text.encode())  # a model's source may hold a token
     return path
 
 
@@ -124,7 +125,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     from llmgw.server.app import ControlPlane
 
     emit = Events(args.json)
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private.make_dir(state, "the state directory of `llmgw up`")  # 0700, and its missing parents
     emit("starting", f"llmgw up: state in {state}", state_dir=str(state), nodes=args.nodes)
     if not pki.ca_paths(state).ca_key.exists():
         pki.init_ca(state, validity_days=3650)
@@ -202,9 +203,9 @@ async def _api_key(plane, state: Path) -> str:
     A key revoked since (or a lost file) gets a new one."""
     from llmgw.server.gateway.keys import ApiKeyExists
 
-    path = state / "up-api-key"
+    path = paths.up_api_key_path(state)
     if path.exists():
-        token = path.read_text().strip()
+        token = private.read(path, "a gateway API key").decode().strip()
         if plane.gateway.keys.authenticate(token) is not None:
             return token
     for n in range(1, 1000):

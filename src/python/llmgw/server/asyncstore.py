@@ -122,6 +122,12 @@ class AsyncStore:
     async def set_placements(self, placements: dict[str, dict]) -> None:
         await self._run(self._store.set_placements, placements)
 
+    def scrub_placements_at_start(self, placements: dict[str, dict]) -> None:
+        """Replace the placements and leave no trace of the old rows in the files
+        (`Store.set_placements(scrub=True)`). Synchronous, like `open`: before anything runs."""
+        self._store.set_placements(placements, scrub=True)
+        self.at_open = attrs.evolve(self.at_open, placements=placements)
+
     # -- gateway API keys -----------------------------------------------------------------
 
     async def api_keys(self) -> list[KeyRow]:
