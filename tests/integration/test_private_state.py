@@ -86,15 +86,6 @@ def running_cluster(cluster: Cluster) -> list[dict[str, Any]]:
     return cluster.wait_replicas("both chat replicas ready", settled, timeout=READY_S)
 
 
-def engine_key(cluster: Cluster, replica_id: str) -> str:
-    """The replica's key as the control plane holds it: its sealed row opened with the secret."""
-    with sqlite3.connect(f"file:{store_path(cluster.state)}?mode=ro", uri=True) as db:
-        [(body,)] = db.execute("SELECT body FROM placements WHERE replica_id = ?", (replica_id,)).fetchall()
-    key = enginekeys.load(cluster.state, sealed_keys=1).open(replica_id, json.loads(body)["sealed_key"])
-    assert key is not None, replica_id
-    return key
-
-
 def post(host: str, port: int, path: str, key: str | None, body: dict[str, Any]) -> tuple[int, Any]:
     conn = http.client.HTTPConnection(host, port, timeout=10)
     try:
@@ -274,7 +265,7 @@ def test_the_agent_refuses_a_key_directory_open_to_others_or_a_key_of_another_ow
 def test_the_database_alone_reveals_no_engine_key(cluster: Cluster) -> None:
     replicas = running_cluster(cluster)
     for r in replicas:
-        key = engine_key(cluster, r["replica"])
+        key = cluster.engine_key(r["replica"])
         assert complete_directly(r["port"], key) == 200  # the key the engine was given
         assert complete_directly(r["port"], None) == 401
         assert key.encode() not in database_bytes(cluster.state), r["replica"]
@@ -330,7 +321,7 @@ def test_a_database_of_the_earlier_format_is_taken_over_with_no_engine_restarted
     raw = database_bytes(cluster.state)
     assert [k for k in plain if k.encode() in raw] == []  # scrubbed from the files
     assert mode(paths.engine_keys_secret_path(cluster.state)) == 0o600
-    assert sorted(engine_key(cluster, r["replica"]) for r in after if r["replica"]) == sorted(plain)
+    assert sorted(cluster.engine_key(r["replica"]) for r in after if r["replica"]) == sorted(plain)
 
 
 # -- the documented restore ----------------------------------------------------------------
