@@ -123,7 +123,14 @@ class ControlPlane:
         plain, replaced = self.replicas.at_open[PLAIN], self.replicas.at_open[REPLACED]
         if not plain and not replaced:
             return
-        self.store.scrub_placements_at_start(self.replicas.rows())
+        if not self.store.scrub_placements_at_start(self.replicas.rows()):
+            log.warning(
+                "engine_keys_scrub_incomplete",
+                path=str(self.store.path),
+                detail="another process reading the database kept its write-ahead log from being emptied: the old "
+                "rows stay in it until the log is reused, or emptied when the last process using the database closes it; "
+                "stop that process (a sqlite3 shell?)",
+            )
         if plain:
             log.info(
                 "engine_keys_sealed",

@@ -122,11 +122,13 @@ class AsyncStore:
     async def set_placements(self, placements: dict[str, dict]) -> None:
         await self._run(self._store.set_placements, placements)
 
-    def scrub_placements_at_start(self, placements: dict[str, dict]) -> None:
+    def scrub_placements_at_start(self, placements: dict[str, dict]) -> bool:
         """Replace the placements and leave no trace of the old rows in the files
-        (`Store.set_placements(scrub=True)`). Synchronous, like `open`: before anything runs."""
-        self._store.set_placements(placements, scrub=True)
+        (`Store.scrub_placements`, whose answer this is). Synchronous, like `open`: before
+        anything runs."""
+        scrubbed = self._store.scrub_placements(placements)
         self.at_open = attrs.evolve(self.at_open, placements=placements)
+        return scrubbed
 
     # -- gateway API keys -----------------------------------------------------------------
 

@@ -255,29 +255,36 @@ class Store:
         return {r[0]: json.loads(r[1]) for r in rows}
 
     @_at_the_edge
-    def set_placements(self, placements: dict[str, dict], *, scrub: bool = False) -> None:
-        """Replace the stored placements with these (one transaction). `scrub`: and leave no
-        trace of what they replace anywhere in the files, for rows that held a secret: deleted
-        content is overwritten with zeros (secure_delete), the file is rebuilt from what is live
-        (VACUUM: earlier writes left old rows in free space) and the write-ahead log is emptied."""
-        if scrub:
-            self._db.execute("PRAGMA secure_delete = ON")
+    def set_placements(self, placements: dict[str, dict]) -> None:
+        """Replace the stored placements with these (one transaction)."""
+        self._replace_placements(placements)
+
+    @_at_the_edge
+    def scrub_placements(self, placements: dict[str, dict]) -> bool:
+        """Replace the placements and leave no trace of the rows they replace in the files, for
+        rows that held a secret: deleted content is overwritten with zeros (secure_delete), the
+        file is rebuilt from what is live (VACUUM: earlier writes left old rows in free space)
+        and the write-ahead log is emptied. The replacement is one transaction, as in
+        `set_placements`; the scrub follows it. False if a reader of another process kept the
+        log from being emptied within the busy timeout: its old frames are overwritten as the
+        log is reused."""
+        self._db.execute("PRAGMA secure_delete = ON")
         try:
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("DELETE FROM placements")
-                self._db.executemany(
-                    "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
-                    [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
-                )
-            if scrub:
-                self._db.execute("VACUUM")
-                busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-                if busy:  # a reader of another process holds the log: its old frames stay until it is gone
-                    raise StoreBusy(self.path, self.busy_timeout_s)
+            self._replace_placements(placements)
+            self._db.execute("VACUUM")
+            busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         finally:
-            if scrub:
-                self._db.execute("PRAGMA secure_delete = OFF")
+            self._db.execute("PRAGMA secure_delete = OFF")
+        return not busy
+
+    def _replace_placements(self, placements: dict[str, dict]) -> None:
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM placements")
+            self._db.executemany(
+                "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
+                [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
+            )
 
     # -- gateway API keys -----------------------------------------------------------------
 
