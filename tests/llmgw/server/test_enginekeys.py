@@ -126,7 +126,7 @@ def test_plain_keys_of_an_earlier_version_are_sealed_in_place_with_the_same_keys
     astore, r = open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
     assert sorted(r.at_open[PLAIN]) == ["chat-0", "chat-1", "chat-2"] and r.at_open[REPLACED] == []
     assert {k: s.api_key for k, s in r.placed.items()} == {k: v["api_key"] for k, v in legacy.items()}
-    astore.scrub_placements_at_start(r.rows())  # what the control plane does next, before anything runs
+    assert astore.scrub_placements_at_start(r.rows())  # what the control plane does next, before anything runs
     raw = database_bytes(tmp_path)
     assert [k for k in ever if k.encode() in raw] == []  # none left anywhere, not even old ones
     assert b"plain-key-" not in raw
@@ -164,3 +164,18 @@ def test_a_secret_that_is_not_one_or_is_open_to_others_is_refused(tmp_path: Path
     secret.chmod(0o644)
     with pytest.raises(private.NotPrivate, match=f"`chmod 600 {secret}`"):
         enginekeys.load(tmp_path, sealed_keys=0)
+
+
+def test_a_scrub_says_when_a_reader_of_another_process_keeps_the_log(tmp_path: Path) -> None:
+    store = Store(tmp_path / "llmgw.db", busy_timeout_s=0.05)
+    store.set_placements({"chat-0": {"api_key": "plain"}})
+    reader = sqlite3.connect(str(tmp_path / "llmgw.db"), isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM placements").fetchone()  # holds a snapshot in the log
+        assert store.scrub_placements({"chat-0": {"sealed_key": "x"}}) is False
+        assert store.placements() == {"chat-0": {"sealed_key": "x"}}  # the replacement stands
+    finally:
+        reader.close()
+    assert store.scrub_placements({"chat-0": {"sealed_key": "x"}}) is True
+    assert b"plain" not in database_bytes(tmp_path)
