@@ -7,8 +7,9 @@ is `llmgw.tlsdiag`'s business; `describe_tls_failure` is re-exported here.
 
 Invariants:
 - A private key is never on disk with group or other access, not even for an instant: it is
-  created 0600 from the start and renamed into place, so a reader sees the old file or the
-  whole new one. A CA key found with a looser mode is refused, not silently fixed.
+  created 0600 from the start, fsynced and renamed into place (`llmgw.private`), so a reader
+  sees the old file or the whole new one. A key, or the 0700 directory that holds it, found
+  open to others or owned by another user is refused with the fixing command, not silently fixed.
 - The CA key stays on the control plane. A node makes its own key and sends a request; the
   certificate it gets back names the node id the control plane chose, whatever the request
   asked for, because that CN is the node's identity on the agent link.
