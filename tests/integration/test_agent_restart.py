@@ -15,11 +15,9 @@ import http.client
 import json
 import os
 import signal
-import sqlite3
 from pathlib import Path
 
 from agent.replica_logs import log_path
-from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
 from testlib.load import Load
 
@@ -50,9 +48,7 @@ def post(port: int, path: str, body: bytes, token: str) -> tuple[int | str, byte
 
 
 def api_key(cluster: Cluster, replica_id: str) -> str:
-    with sqlite3.connect(f"file:{store_path(cluster.state)}?mode=ro", uri=True) as db:
-        [(body,)] = db.execute("SELECT body FROM placements WHERE replica_id = ?", (replica_id,)).fetchall()
-    return json.loads(body)["api_key"]
+    return cluster.engine_key(replica_id)
 
 
 def alive(pid: int) -> bool:

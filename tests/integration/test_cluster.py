@@ -127,6 +127,10 @@ def test_ctl_says_when_the_credential_is_wrong_or_no_control_plane_ran(cluster: 
 
     wrong_token = tmp_path / "wrong.token"
     wrong_token.write_text("not-the-admin-token\n")
+    wrong_token.chmod(0o644)  # a credential others may read is refused before it is sent
+    loose = cluster.llmgw("ctl", "nodes", "--server", url, "--credential", str(wrong_token), ok=False)
+    assert loose.returncode == 1 and f"`chmod 600 {wrong_token}`" in loose.stderr, loose.stderr
+    wrong_token.chmod(0o600)
     wrong = cluster.llmgw("ctl", "nodes", "--server", url, "--credential", str(wrong_token), ok=False)
     assert wrong.returncode == 1, wrong
     assert "wrong admin credential" in wrong.stderr, wrong.stderr

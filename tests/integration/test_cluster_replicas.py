@@ -20,7 +20,6 @@ import http.client
 import json
 import os
 import signal
-import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import pytest
 
 from agent.replica_logs import log_path
-from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
 from testlib.hardware import ib_root, sminfo
 
@@ -111,10 +109,8 @@ def joined_on_fabric(node: dict[str, Any]) -> bool:
 
 
 def api_key(cluster: Cluster, replica_id: str) -> str:
-    """The per-replica key, from the control plane's store (its placements table)."""
-    with sqlite3.connect(f"file:{store_path(cluster.state)}?mode=ro", uri=True) as db:
-        [(body,)] = db.execute("SELECT body FROM placements WHERE replica_id = ?", (replica_id,)).fetchall()
-    return json.loads(body)["api_key"]
+    """The per-replica key, as the control plane holds it (sealed in its store)."""
+    return cluster.engine_key(replica_id)
 
 
 def complete(replica: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ from pathlib import Path
 import attrs
 import pytest
 
-from llmgw.server.store import store_path
 from testlib import hostile
 from testlib.cluster import Cluster
 
@@ -75,14 +73,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         replicas = cluster.wait_replicas("the sim replica to serve", lambda rs: any(r["state"] == "ready" for r in rs))
         admin_url = server.events("server_ready")[0]["admin_url"]
         token = cluster.ctl("keys", "create", "hostile")["token"]
-        with sqlite3.connect(store_path(cluster.state)) as db:
-            (body,) = db.execute("SELECT body FROM placements").fetchone()
         yield Live(
             cluster=cluster,
             http_port=int(admin_url.rsplit(":", 1)[1]),
             token=token,
             engine_port=replicas[0]["port"],
-            engine_key=json.loads(body)["api_key"],
+            engine_key=cluster.engine_key(replicas[0]["replica"]),
         )
     finally:
         cluster.close()

@@ -206,7 +206,7 @@ def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_
 
 
 def operations_blocks() -> list[str]:
-    """The command blocks of docs/operations.md's backup section: the backup, then the restore."""
+    """The command blocks of docs/operations.md's backup section."""
     text = (build_root() / "docs" / "operations.md").read_text()
     section = text.split("## Backing up and restoring the control plane's state", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```\n(.*?)```", section, flags=re.S)
@@ -233,7 +233,9 @@ def test_a_backup_taken_while_the_server_runs_restores_a_damaged_database_as_the
         cluster.llmgw("ctl", "keys", "create", "team", "--json", "--state-dir", str(cluster.state)).stdout
     )["token"]
     cluster.llmgw("ctl", "cordon", "node-a", "--state-dir", str(cluster.state))
-    backup_block, restore_block = operations_blocks()
+    blocks = operations_blocks()
+    backup_block = next(b for b in blocks if "server backup" in b)
+    restore_block = next(b for b in blocks if "mv llmgw.db*" in b)  # the restore of a damaged database
     backup = tmp_path / "backups" / "llmgw-backup.db"
     backup.parent.mkdir()
 

@@ -23,6 +23,8 @@ exit is seen through the pidfd (readable once it has exited) or, where pidfds ar
 
 Records hold no secret: the fingerprint is a SHA-256 over the whole assignment (its API key
 included, so that a new key is a new assignment), and the file is readable by its owner only.
+They decide which process groups the agent watches and signals, so STATE/run is private (0700,
+the agent's own): the agent refuses to start when it is not (`llmgw.private`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import cattrs
 import trio
 
 from agent.weights import SAFE_NAME
+from llmgw import private
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
 
@@ -170,12 +173,13 @@ class RunRecords:
         return self.run_dir / f"{replica_id}-r{rank}.json"
 
     def write(self, record: Record) -> None:
-        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private.make_dir(self.run_dir, check_existing=False)  # 0700 whatever the umask; checked at start
         final = self.path(record.replica_id, record.node_rank)
         tmp = final.with_name(f".{final.name}.tmp")
         data = json.dumps(_converter.unstructure(record), indent=1, sort_keys=True).encode() + b"\n"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # a temporary left by a crash keeps its mode through O_CREAT
             os.write(fd, data)
         finally:
             os.close(fd)

@@ -25,7 +25,7 @@ from agent.link import AgentLink, Target
 from agent.node_address import NodeAddress
 from agent.replicas import Supervisor, serve_assignments
 from agent.weights import WeightsStore
-from llmgw import __version__, pki
+from llmgw import __version__, pki, private
 from llmgw.config import AgentConfig, weights_dir_of
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
@@ -55,9 +55,22 @@ def boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
         return f"unknown-{uuid.uuid4()}"
 
 
+def check_private(state_dir: Path) -> None:
+    """Refuse to start (`private.NotPrivate`, with the fixes) unless the node's private directories
+    are its own and closed to others: pki/ (the node key; the key itself is checked where TLS reads
+    it) and run/ (the records that decide which processes the agent adopts and signals), and the
+    state directory that holds them is writable by no one else."""
+    found = private.check(state_dir, "the agent's state directory", is_dir=True, writable_only=True)
+    found += private.check(state_dir / "pki", pki.NODE_DIR_WHAT, is_dir=True)
+    found += private.check(state_dir / "run", "the records of the engines this agent runs", is_dir=True)
+    if found:
+        raise private.NotPrivate(found)
+
+
 async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLink] = trio.TASK_STATUS_IGNORED) -> None:
     state_dir = Path(config.state_dir)
     files = pki.node_paths(state_dir)
+    check_private(state_dir)
     identity = Identity(node_id=node_id_of(config), boot_id=boot_id(), started_at=time.time())
     ssl_context = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
     if config.fabrics:

@@ -7,8 +7,9 @@ is `llmgw.tlsdiag`'s business; `describe_tls_failure` is re-exported here.
 
 Invariants:
 - A private key is never on disk with group or other access, not even for an instant: it is
-  created 0600 from the start and renamed into place, so a reader sees the old file or the
-  whole new one. A CA key found with a looser mode is refused, not silently fixed.
+  created 0600 from the start, fsynced and renamed into place (`llmgw.private`), so a reader
+  sees the old file or the whole new one. A key, or the 0700 directory that holds it, found
+  open to others or owned by another user is refused with the fixing command, not silently fixed.
 - The CA key stays on the control plane. A node makes its own key and sends a request; the
   certificate it gets back names the node id the control plane chose, whatever the request
   asked for, because that CN is the node's identity on the agent link.
@@ -20,10 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import re
 import ssl
-import tempfile
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from llmgw import private
 from llmgw.errors import MachineError, UsageError
 from llmgw.tlsdiag import Side as Side
 from llmgw.tlsdiag import describe_tls_failure as describe_tls_failure
@@ -50,6 +50,11 @@ _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _DNS_NAME = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 _MAX_CN = 64  # RFC 5280 ub-common-name
+
+# What each private directory holds, as a refusal names it.
+STATE_DIR_WHAT = "the control plane's state directory"
+CA_DIR_WHAT = "the certificate authority's directory"
+NODE_DIR_WHAT = "the node's key directory"
 
 
 # -- where the files are -------------------------------------------------------------------
@@ -222,7 +227,8 @@ class CA:
             .sign(self.key, hashes.SHA256())
         )
         paths = ca_paths(state_dir)
-        _make_private_dir(paths.dir)
+        _make_private_dir(Path(state_dir), STATE_DIR_WHAT)
+        _make_private_dir(paths.dir, CA_DIR_WHAT)
         _write_file(paths.server_key, _key_pem(key), mode=0o600)
         _write_file(paths.server_cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
         return cert_info(cert)
@@ -290,7 +296,8 @@ def init_ca(
         .add_extension(_key_usage(cert_sign=True), critical=True)
         .sign(key, hashes.SHA256())
     )
-    _make_private_dir(paths.dir)
+    _make_private_dir(Path(state_dir), STATE_DIR_WHAT)
+    _make_private_dir(paths.dir, CA_DIR_WHAT)
     _write_file(paths.ca_key, _key_pem(key), mode=0o600, exclusive=True)
     _write_file(paths.ca_cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o644, exclusive=True)
     return cert_info(cert)
@@ -309,7 +316,7 @@ def load_ca(state_dir: Path) -> CA:
             f"the CA key {paths.ca_key} is missing (its certificate {paths.ca_cert} is there); restore it from "
             "a backup: a new CA would orphan every node certificate"
         )
-    key_pem = _read_private(paths.ca_key, "CA key")
+    key_pem = _read_private(paths.ca_key, "the CA key")
     cert = load_cert(paths.ca_cert)
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
@@ -347,11 +354,11 @@ def write_node_key_and_csr(state_dir: Path, node_id: str) -> NodePaths:
     the node's identity changes only when someone deletes node.key on purpose."""
     check_node_id(node_id)
     paths = node_paths(state_dir)
-    _make_private_dir(paths.dir)
+    _make_private_dir(paths.dir, NODE_DIR_WHAT)
     if not paths.key.exists():
         with contextlib.suppress(FileExistsError):  # another run made it first: keep that one
             _write_file(paths.key, _key_pem(ec.generate_private_key(ec.SECP256R1())), mode=0o600, exclusive=True)
-    key_pem = _read_private(paths.key, "node key")
+    key_pem = _read_private(paths.key, "the node key")
     try:
         csr = make_csr(key_pem, node_id)
     except (ValueError, TypeError) as exc:
@@ -373,7 +380,7 @@ def install_node_cert(state_dir: Path, cert_pem: bytes, ca_cert_pem: bytes) -> N
             f"{paths.key} does not exist; make the node's key and request before installing a certificate"
         )
     try:
-        key = serialization.load_pem_private_key(_read_private(paths.key, "node key"), password=None)
+        key = serialization.load_pem_private_key(_read_private(paths.key, "the node key"), password=None)
     except (ValueError, TypeError) as exc:
         raise MachineError(f"{paths.key} is not a PEM private key ({exc}); delete it and make a new request") from None
     if not _same_key(cert.public_key(), key.public_key()):
@@ -399,7 +406,7 @@ def issue_to_dir(ca: CA, node_id: str, out_dir: Path, *, validity_days: int, now
     if paths.dir.exists() and not paths.dir.is_dir():
         raise UsageError(f"{paths.dir} is a file; node.key, node.crt and ca.crt go into a directory: name one")
     with _fs("create", paths.dir):
-        paths.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private.make_dir(paths.dir, check_existing=False)  # the operator's choice: a new one is 0700
     try:
         _write_file(paths.key, key_pem, mode=0o600, exclusive=True)
     except FileExistsError:
@@ -457,6 +464,8 @@ def _require(path: Path, fix: str) -> None:
 
 
 def _load(ctx: ssl.SSLContext, ca_cert: Path, cert: Path, key: Path, fix: str) -> None:
+    with _fs("read", key):  # OpenSSL reads the key by name: look at it first, as `_read_private` would
+        private.require([(key, "a private key", False)])
     with _fs("read", ca_cert):
         try:
             ctx.load_verify_locations(cafile=str(ca_cert))
@@ -571,47 +580,19 @@ def _read(path: Path, fix: str) -> bytes:
 
 
 def _read_private(path: Path, what: str) -> bytes:
-    """A key file, refused when group or others may read it: the key must be assumed leaked."""
+    """A key file, refused when group or others may read it, or another user owns it: the key
+    must be assumed leaked (`llmgw.private`)."""
     with _fs("read", path):
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise MachineError(
-                f"{path} has mode {mode:04o}, so other users can read the {what}; fix it with `chmod 600 {path}` "
-                "(and consider the key exposed if this machine has other users)"
-            )
-        return path.read_bytes()
+        return private.read(path, what)
 
 
-def _make_private_dir(d: Path) -> None:
+def _make_private_dir(d: Path, what: str) -> None:
     with _fs("create", d):
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(d, 0o700)
+        private.make_dir(d, what)
 
 
 def _write_file(path: Path, data: bytes, *, mode: int, exclusive: bool = False) -> None:
-    """Write `path` whole or not at all. The temporary file is created 0600 (mkstemp opens it
-    with os.open(..., O_EXCL, 0o600)) and only then given `mode`, so a key is never readable by
-    others. `exclusive` refuses to replace an existing file (FileExistsError): link() fails
-    where rename() would overwrite, so two racing writers cannot both win."""
+    """Write `path` whole or not at all, durably, never readable by others while it is written
+    (`llmgw.private.write`). `exclusive` refuses to replace an existing file (FileExistsError)."""
     with _fs("write", path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), mode)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if exclusive:
-                os.link(tmp, path)
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+        private.write(path, data, mode=mode, exclusive=exclusive)

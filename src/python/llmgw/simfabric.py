@@ -27,6 +27,8 @@ def write_node(directory: Path, *, fabric: str, node: str, index: int) -> tuple[
         base = ib_root / adapter
         port = base / "ports" / "1"
         (port / "gids").mkdir(parents=True, exist_ok=True)
+        for d in (directory, ib_root, base, base / "ports", port, port / "gids"):
+            d.chmod(0o755)  # as sysfs has them, whatever the umask
         files = {
             base / "node_guid": guid,
             base / "node_type": "1: CA",
@@ -42,6 +44,7 @@ def write_node(directory: Path, *, fabric: str, node: str, index: int) -> tuple[
         }
         for path, text in files.items():
             path.write_text(text + "\n")
+            path.chmod(0o644)
     sm_guid = "0x" + hashlib.sha256(f"sm/{fabric}".encode()).hexdigest()[:16]
     sminfo = directory / "sminfo"
     sminfo.write_text(

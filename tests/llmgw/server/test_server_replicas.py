@@ -10,9 +10,10 @@ import trio
 
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
+from llmgw.server import enginekeys
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
-from llmgw.server.replicas import Replicas
+from llmgw.server.replicas import Replicas, sealed_keys
 from llmgw.wire import agent_link as w
 
 TTL = 10.0
@@ -44,7 +45,9 @@ def joined(reg: Registry, node_id: str, now: float) -> int:
 
 
 def replicas(tmp_path: Path, reg: Registry, catalog=CATALOG) -> Replicas:
-    return Replicas(AsyncStore.open(tmp_path), reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()))
+    store = AsyncStore.open(tmp_path)
+    keys = enginekeys.load(tmp_path, sealed_keys=sealed_keys(store.at_open.placements))
+    return Replicas(store, reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()), keys)
 
 
 def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from llmgw import config, pki
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
-from llmgw.paths import STATE_DIR_ENV, ensure_admin_token, state_dir_from
+from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
+from llmgw.server import enginekeys
 
 log = get_logger("llmgw.ca")
 
@@ -108,6 +109,7 @@ def run_init(args: argparse.Namespace) -> int:
     ca = pki.load_ca(state_dir)
     server_info = ca.issue_server_cert(state_dir, sans, validity_days=cfg.ca.server_cert_validity_days)
     token_path = ensure_admin_token(state_dir)
+    enginekeys.generate(state_dir)  # made now, so that the files to copy once are all there from the start
     paths = pki.ca_paths(state_dir)
     log.info("ca_created", dir=str(paths.dir), fingerprint=ca_info.fingerprint_sha256, sans=list(server_info.sans))
     if args.json:
@@ -118,6 +120,9 @@ def run_init(args: argparse.Namespace) -> int:
         _print_cert("server", paths.server_cert, server_info)
         print(f"admin credential (for `llmgw ctl`, readable only by you): {token_path}")
         print(f"keep {paths.ca_key} on this machine and back it up: every node certificate hangs off it")
+        print(
+            f"back up {engine_keys_secret_path(state_dir)} with it: it opens the engine keys that llmgw.db holds sealed"
+        )
     return 0
 
 

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 def run_backup(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from llmgw.paths import engine_keys_secret_path
     from llmgw.server.backup import backup
 
     _, state_dir = resolve_server_paths(args)
@@ -72,4 +73,9 @@ def run_backup(args: argparse.Namespace) -> int:
             f"{info.api_keys} valid API keys, {info.placements} replica placements, "
             f"{info.revoked_certificates} revoked certificates"
         )
+        if info.placements:
+            print(
+                f"its engine keys are sealed: they open with {engine_keys_secret_path(state_dir)}, which it does not "
+                "hold; copy that file once (docs/operations.md)"
+            )
     return 0

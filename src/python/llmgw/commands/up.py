@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from llmgw import paths, pki, simfabric
+from llmgw import paths, pki, private, simfabric
 from llmgw.cli import Parser
 from llmgw.commands import _upconfig
 from llmgw.commands._service import run_service
@@ -138,7 +138,7 @@ def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
         f"# Written by `llmgw up`. Edit it and run `{command_name()} ctl reload --state-dir {shlex.quote(str(state))}`;\n"
         "# a later `up` changes only what its flags decide (--port, --fabric, --model), and says so.\n"
     )
-    path.write_text(_upconfig.render(planned.doc, header))
+    paths.write_private(path, _upconfig.render(planned.doc, header).encode())  # a model's source may hold a token
     record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
     if planned.changes:
         emit(
@@ -189,7 +189,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     from llmgw.server.app import ControlPlane
 
     emit = Events(args.json)
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private.make_dir(state, "the state directory of `llmgw up`")  # 0700, and its missing parents
     emit("starting", f"llmgw up: state in {state}", state_dir=str(state), nodes=args.nodes)
     if not pki.ca_paths(state).ca_key.exists():
         pki.init_ca(state, validity_days=3650)
@@ -272,9 +272,9 @@ async def _api_key(plane, state: Path) -> str:
     A key revoked since (or a lost file) gets a new one."""
     from llmgw.server.gateway.keys import ApiKeyExists
 
-    path = state / "up-api-key"
+    path = paths.up_api_key_path(state)
     if path.exists():
-        token = path.read_text().strip()
+        token = private.read(path, "a gateway API key").decode().strip()
         if plane.gateway.keys.authenticate(token) is not None:
             return token
     for n in range(1, 1000):

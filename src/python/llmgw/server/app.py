@@ -29,7 +29,7 @@ from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.log import get_logger
-from llmgw.server import activation
+from llmgw.server import activation, enginekeys
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
@@ -50,7 +50,7 @@ from llmgw.server.http import (
 from llmgw.server.listeners import ConnectionStats, Shutdown, raise_fd_limit
 from llmgw.server.moves import DrainProgress, Moves
 from llmgw.server.registry import LOST, Node, Registry
-from llmgw.server.replicas import Replicas
+from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
 from llmgw.server.store import UnknownNode
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
@@ -74,9 +74,11 @@ class ControlPlane:
         self.config = config
         self.config_path = config_path
         self.state_dir = state_dir
-        self.ca = pki.load_ca(state_dir)  # first: a missing authority is the first thing said
+        paths.check_state_dir(state_dir)  # first: private files open to others are refused before use
+        self.ca = pki.load_ca(state_dir)  # then a missing authority is the first thing said
         self.ssl_context = pki.server_ssl_context(state_dir)
         self.store = AsyncStore.open(state_dir)  # checked: a damaged database stops the start here
+        self.engine_keys = enginekeys.load(state_dir, sealed_keys=sealed_keys(self.store.at_open.placements))
         self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
@@ -99,7 +101,10 @@ class ControlPlane:
             max_connections=config.http.max_agent_connections,
             send_timeout_s=config.http.send_timeout_s,
         )
-        self.replicas = Replicas(self.store, self.registry, lambda: self.config.models, self.fabric_map)
+        self.replicas = Replicas(
+            self.store, self.registry, lambda: self.config.models, self.fabric_map, self.engine_keys
+        )
+        self._seal_engine_keys()
         self.moves = Moves(self)  # drains and spreading: replicas moved without an outage
         self._cluster_changed = trio.Event()
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -110,6 +115,36 @@ class ControlPlane:
         self._rotation_changed = trio.Event()
         self.gateway = Gateway(self, KeyRing(self.store), options=GatewayOptions.of(config.gateway))
         self._generation = 0
+
+    def _seal_engine_keys(self) -> None:
+        """Before anything runs: a database of an earlier version held engine keys in plain text;
+        they are sealed in place and scrubbed from its files, with the same keys (the engines
+        running with them are adopted as they are). Keys that did not open have new ones."""
+        plain, replaced = self.replicas.at_open[PLAIN], self.replicas.at_open[REPLACED]
+        if not plain and not replaced:
+            return
+        if not self.store.scrub_placements_at_start(self.replicas.rows()):
+            log.warning(
+                "engine_keys_scrub_incomplete",
+                path=str(self.store.path),
+                detail="another process reading the database kept its write-ahead log from being emptied: the old "
+                "rows stay in it until the log is reused, or emptied when the last process using the database closes it; "
+                "stop that process (a sqlite3 shell?)",
+            )
+        if plain:
+            log.info(
+                "engine_keys_sealed",
+                replicas=plain,
+                detail=f"{self.store.path} held them in plain text; sealed with "
+                f"{paths.engine_keys_secret_path(self.state_dir)}, the engines keep their keys",
+            )
+        if replaced:
+            log.warning(
+                "engine_keys_replaced",
+                replicas=replaced,
+                detail=f"their keys do not open with {paths.engine_keys_secret_path(self.state_dir)} (sealed with "
+                "another secret): new keys; their engines restart once",
+            )
 
     # -- desired state --------------------------------------------------------------------
 
@@ -405,7 +440,7 @@ class ControlPlane:
                 await nursery.start(self.background.run, "mirror", self.fill_mirror)
                 bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
                 url_file = paths.admin_url_path(self.state_dir)
-                url_file.write_text(bound.admin_url + "\n")
+                paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
                 await nursery.start(_remove_on_exit, url_file)
                 log.info(
                     "server_ready",

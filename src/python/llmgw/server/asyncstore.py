@@ -122,6 +122,14 @@ class AsyncStore:
     async def set_placements(self, placements: dict[str, dict]) -> None:
         await self._run(self._store.set_placements, placements)
 
+    def scrub_placements_at_start(self, placements: dict[str, dict]) -> bool:
+        """Replace the placements and leave no trace of the old rows in the files
+        (`Store.scrub_placements`, whose answer this is). Synchronous, like `open`: before
+        anything runs."""
+        scrubbed = self._store.scrub_placements(placements)
+        self.at_open = attrs.evolve(self.at_open, placements=placements)
+        return scrubbed
+
     # -- gateway API keys -----------------------------------------------------------------
 
     async def api_keys(self) -> list[KeyRow]:

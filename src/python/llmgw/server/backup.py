@@ -4,7 +4,7 @@ SQLite's backup API copies the database page by page inside one read transaction
 is the database as of one moment, even while the server writes (in WAL mode a reader neither
 waits for the writer nor holds it up). The copy is made in a temporary file next to FILE
 (mode 0600 from its creation: it holds the gateway keys' hashes and the placements' engine
-keys), switched to a rollback journal so it is one self-contained file, checked with
+keys, sealed: they open only with the state directory's engine-keys.secret, which is not in it), switched to a rollback journal so it is one self-contained file, checked with
 `PRAGMA quick_check`, synced, and only then renamed to FILE: a FILE that exists is a whole,
 checked backup. An existing FILE is kept unless `force`.
 """
@@ -55,10 +55,13 @@ def backup(state_dir: Path, dest: Path, *, force: bool = False) -> BackupInfo:
         raise UsageError(f"the directory {dest.parent} does not exist; create it first")
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise MachineError(f"cannot write the backup next to {dest}: {exc}") from None
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o600)  # exactly: a umask such as 0277 would leave it 0400, which SQLite cannot write
+    finally:
+        os.close(fd)
     try:
         counts = _copy(source, tmp)
         with open(tmp, "rb+") as f:

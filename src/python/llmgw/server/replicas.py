@@ -14,6 +14,11 @@ that make it safe:
 - A lost node's replicas are placed elsewhere, as a whole. Fencing is level-triggered: the lost
   node's desired state no longer lists them, so when it comes back its agent stops them.
 - A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model.
+
+Each replica's engine key is in memory in plain text and in the store only sealed
+(`llmgw.server.enginekeys`). A row of an earlier version holds its key in plain text: it is read
+as it is (its engines keep running with it) and `at_open[PLAIN]` names it, for the caller to
+rewrite the store sealed before anything runs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
+from llmgw.server.enginekeys import EngineKeys
 from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, Registry
 from llmgw.server.scheduler import NodeView, Pending, Placement, plan
 from llmgw.wire import agent_link as w
@@ -51,18 +57,41 @@ def _free_port(used: set[int]) -> int:
 @attrs.frozen(kw_only=True)
 class Stored:
     placement: Placement
-    api_key: str
+    api_key: str = attrs.field(repr=False)  # in memory only: the database holds `sealed_key`
+    sealed_key: str = attrs.field(repr=False)
     dist_init_port: int = 0
 
 
+# How a row came out of the database.
+SEALED = "sealed"  # as this version writes it
+PLAIN = "plain"  # an earlier version's row, with the key in plain text: sealed now, the same key
+REPLACED = "replaced"  # its key did not open (sealed under a lost secret): a new key, the engine restarts
+
+
 def _to_row(s: Stored) -> dict:
-    return {"placement": attrs.asdict(s.placement), "api_key": s.api_key, "dist_init_port": s.dist_init_port}
+    return {"placement": attrs.asdict(s.placement), "sealed_key": s.sealed_key, "dist_init_port": s.dist_init_port}
 
 
-def _from_row(row: dict) -> Stored:
+def _from_row(replica_id: str, row: dict, keys: EngineKeys) -> tuple[Stored, str]:
     p = dict(row["placement"])
     p["nodes"] = tuple(p["nodes"])
-    return Stored(placement=Placement(**p), api_key=row["api_key"], dist_init_port=row["dist_init_port"])
+    placement = Placement(**p)
+    if "api_key" in row:  # written before keys were sealed: {"placement", "api_key", "dist_init_port"}
+        key, how = row["api_key"], PLAIN
+    else:
+        opened = keys.open(replica_id, row["sealed_key"])
+        key, how = (opened, SEALED) if opened is not None else (_new_key(), REPLACED)
+    sealed = row["sealed_key"] if how == SEALED else keys.seal(replica_id, key)
+    return Stored(placement=placement, api_key=key, sealed_key=sealed, dist_init_port=row["dist_init_port"]), how
+
+
+def sealed_keys(rows: dict[str, dict]) -> int:
+    """How many stored placements hold a sealed key (which only the secret opens)."""
+    return sum(1 for row in rows.values() if "sealed_key" in row)
+
+
+def _new_key() -> str:
+    return secrets.token_urlsafe(24)
 
 
 def _arriving(state: str, node: Node) -> bool:
@@ -78,11 +107,17 @@ class Replicas:
         registry: Registry,
         models: Callable[[], Sequence[Model]],
         fabrics: Callable[[], FabricMap],
+        keys: EngineKeys,
     ) -> None:
         self.registry = registry
         self.models = models
         self.fabrics = fabrics
-        self.placed: dict[str, Stored] = {k: _from_row(v) for k, v in store.at_open.placements.items()}
+        self.keys = keys
+        self.placed: dict[str, Stored] = {}
+        self.at_open: dict[str, list[str]] = {PLAIN: [], REPLACED: []}  # replica ids, by how their row was read
+        for rid, row in store.at_open.placements.items():
+            self.placed[rid], how = _from_row(rid, row, keys)
+            self.at_open.setdefault(how, []).append(rid)
         self.saver: LatestWriter[dict[str, dict]] = LatestWriter("placements", store.set_placements)
         self.pending: tuple[Pending, ...] = ()
         self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
@@ -146,7 +181,7 @@ class Replicas:
             if len(p.nodes) > 1:
                 port = _free_port(used_ports)
                 used_ports.add(port)
-            placed[p.replica_id] = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
+            placed[p.replica_id] = self._new(p, port)
             log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
         for p in result.stop:
             log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
@@ -203,7 +238,7 @@ class Replicas:
         """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""
         used = {s.dist_init_port for s in self.placed.values()}
         port = _free_port(used) if len(p.nodes) > 1 else 0
-        stored = Stored(placement=p, api_key=secrets.token_urlsafe(24), dist_init_port=port)
+        stored = self._new(p, port)
         self.placed[p.replica_id] = stored
         self.surge.add(p.replica_id)
         self._save()
@@ -227,8 +262,18 @@ class Replicas:
             self.surge.discard(replacement)
         self._save()
 
+    def _new(self, p: Placement, dist_init_port: int) -> Stored:
+        key = _new_key()
+        return Stored(
+            placement=p, api_key=key, sealed_key=self.keys.seal(p.replica_id, key), dist_init_port=dist_init_port
+        )
+
+    def rows(self) -> dict[str, dict]:
+        """The placements as the store keeps them: no key in plain text."""
+        return {k: _to_row(v) for k, v in self.placed.items()}
+
     def _save(self) -> None:
-        self.saver.offer({k: _to_row(v) for k, v in self.placed.items()})
+        self.saver.offer(self.rows())
 
     def assignments_for(
         self, node_id: str, model_of: Callable[[str], Model | None], *, max_weights_bytes: int = 0

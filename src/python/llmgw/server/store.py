@@ -29,6 +29,7 @@ from typing import ParamSpec, TypeVar
 
 import attrs
 
+from llmgw import private
 from llmgw.errors import MachineError, UsageError
 
 P = ParamSpec("P")
@@ -121,9 +122,19 @@ class Store:
         self.path = path
         self.busy_timeout_s = busy_timeout_s
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private.make_dir(path.parent, check_existing=False)  # a new one is 0700; see `open`
+            # Made 0600 before SQLite opens it: SQLite creates its -wal and -shm files with the
+            # database's mode, and would create the database itself 0644 less the umask.
+            private.create_empty(path)
         except OSError as exc:
             raise MachineError(f"cannot open the control plane's store {path}: {exc}; check its permissions") from None
+        private.require(
+            [
+                (path, "the control plane's database", False),
+                (path.with_name(path.name + "-wal"), "the database's write-ahead log", False),
+                (path.with_name(path.name + "-shm"), "the database's shared-memory index", False),
+            ]
+        )
         self._db = self._connect(check_same_thread)
 
     @_at_the_edge
@@ -141,6 +152,12 @@ class Store:
 
     @classmethod
     def open(cls, state_dir: Path) -> Store:
+        """The control plane's database, in its state directory, which must be private too (a
+        copy elsewhere, such as a backup, is opened with `Store(path)`)."""
+        try:
+            private.make_dir(state_dir, "the control plane's state directory")
+        except OSError as exc:
+            raise MachineError(f"cannot open the state directory {state_dir}: {exc.strerror or exc}") from None
         return cls(store_path(state_dir))
 
     def close(self) -> None:
@@ -240,6 +257,27 @@ class Store:
     @_at_the_edge
     def set_placements(self, placements: dict[str, dict]) -> None:
         """Replace the stored placements with these (one transaction)."""
+        self._replace_placements(placements)
+
+    @_at_the_edge
+    def scrub_placements(self, placements: dict[str, dict]) -> bool:
+        """Replace the placements and leave no trace of the rows they replace in the files, for
+        rows that held a secret: deleted content is overwritten with zeros (secure_delete), the
+        file is rebuilt from what is live (VACUUM: earlier writes left old rows in free space)
+        and the write-ahead log is emptied. The replacement is one transaction, as in
+        `set_placements`; the scrub follows it. False if a reader of another process kept the
+        log from being emptied within the busy timeout: its old frames are overwritten as the
+        log is reused."""
+        self._db.execute("PRAGMA secure_delete = ON")
+        try:
+            self._replace_placements(placements)
+            self._db.execute("VACUUM")
+            busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            self._db.execute("PRAGMA secure_delete = OFF")
+        return not busy
+
+    def _replace_placements(self, placements: dict[str, dict]) -> None:
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM placements")
