@@ -129,7 +129,7 @@ def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
         planned = _upconfig.update(doc, owned, shape, path)
         if not planned.changes:
             if planned.owned != owned or not record.exists():  # e.g. the operator removed one
-                record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
+                paths.write_private(record, (json.dumps({"models": list(planned.owned)}) + "\n").encode())
             return path
     else:
         planned = _upconfig.first(state, shape)
@@ -139,7 +139,7 @@ def _server_toml(state: Path, args: argparse.Namespace, emit: Events) -> Path:
         "# a later `up` changes only what its flags decide (--port, --fabric, --model), and says so.\n"
     )
     paths.write_private(path, _upconfig.render(planned.doc, header).encode())  # a model's source may hold a token
-    record.write_text(json.dumps({"models": list(planned.owned)}) + "\n")
+    paths.write_private(record, (json.dumps({"models": list(planned.owned)}) + "\n").encode())
     if planned.changes:
         emit(
             "config_updated",
