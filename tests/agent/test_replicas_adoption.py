@@ -12,8 +12,8 @@ import trio
 
 from agent.main import run_agent
 from llmgw.config import Model
+from llmgw.http.server import HTTPError
 from llmgw.server.app import ControlPlane
-from llmgw.server.http import HTTPError
 from llmgw.wire import agent_link as w
 from testlib.controlplane import local, wait_for
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import attrs
 import trio
 
-from llmgw.server.http import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
 
 
 class Files:

@@ -14,11 +14,11 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw.http.server import Limits, bound_address, serve_http
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
-from llmgw.server.http import Limits, bound_address, serve_http
 from testlib.cluster import free_port
 from testlib.netns import NetNS
 from testlib.proc import llmgw_env

@@ -20,10 +20,10 @@ from pathlib import Path
 import trio
 
 from llmgw.commands._service import run_service
+from llmgw.http.server import bound_address, serve_http
 from llmgw.server.gateway.app import Gateway, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
-from llmgw.server.http import bound_address, serve_http
 from llmgw.server.store import Store
 
 

@@ -69,7 +69,7 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
 
 async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path, nursery: trio.Nursery) -> None:
     from llmgw.config import EngineArchive, EngineSource, EnginesSection
-    from llmgw.server.http import Response, bound_address, serve_http
+    from llmgw.http.server import Response, bound_address, serve_http
 
     data = os.urandom(100_000)
     digest = hashlib.sha256(data).hexdigest()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.server.http import Limits
+from llmgw.http.server import Limits
 from testlib.gateway import chat, parse_metrics, request, start_gateway
 
 pytestmark = pytest.mark.trio

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server import http
+from llmgw.http import server as http
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.options import SimOptions
 from llmgw.simengine.text import complete

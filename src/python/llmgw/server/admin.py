@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from llmgw.errors import ConfigError
+from llmgw.http.server import HTTPError, Request, Response
 from llmgw.log import get_logger
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import key_view
-from llmgw.server.http import HTTPError, Request, Response
 from llmgw.server.store import StoreError, UnknownNode
 
 if TYPE_CHECKING:

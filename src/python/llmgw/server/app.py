@@ -28,17 +28,8 @@ from llmgw.download import archive_cap, fetch
 from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError, MachineError
 from llmgw.fabrics import FabricMap, fabric_map
-from llmgw.log import get_logger
-from llmgw.server import activation, enginekeys
-from llmgw.server.admin import AdminAPI, is_admin_path
-from llmgw.server.artifacts import Artifacts, artifacts_dir
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.gateway.app import Gateway, GatewayOptions
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.metrics import Counter
-from llmgw.server.gateway.routing import Endpoint, Rotation
-from llmgw.server.http import (
+from llmgw.http.listeners import ConnectionStats, Shutdown, raise_fd_limit
+from llmgw.http.server import (
     HTTPError,
     Limits,
     Request,
@@ -47,7 +38,16 @@ from llmgw.server.http import (
     bound_address,
     serve_http,
 )
-from llmgw.server.listeners import ConnectionStats, Shutdown, raise_fd_limit
+from llmgw.log import get_logger
+from llmgw.metrics import Registry as MetricsRegistry
+from llmgw.server import activation, enginekeys
+from llmgw.server.admin import AdminAPI, is_admin_path
+from llmgw.server.artifacts import Artifacts, artifacts_dir
+from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server.gateway.app import Gateway, GatewayOptions
+from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.moves import DrainProgress, Moves
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
@@ -516,14 +516,15 @@ class ControlPlane:
 
 
 def _restarts_metric(restarts: dict[str, int]) -> str:
-    family = Counter(
+    registry = MetricsRegistry()
+    family = registry.counter(
         "llmgw_background_restarts_total",
         "Times a background loop of the control plane was started again after a failure.",
         ("task",),
     )
     for task, count in sorted(restarts.items()):
         family.inc(count, task=task)
-    return "\n".join([f"# HELP {family.name} {family.help}", f"# TYPE {family.name} counter", *family.lines()]) + "\n"
+    return registry.render()
 
 
 def http_limits(config: ServerConfig) -> Limits:

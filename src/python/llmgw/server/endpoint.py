@@ -28,8 +28,10 @@ import trio_websocket
 
 from llmgw import __version__, pki
 from llmgw.errors import leaves, only
+from llmgw.http import listeners
+from llmgw.http import server as http
 from llmgw.log import get_logger
-from llmgw.server import artifacts, http, listeners
+from llmgw.server import artifacts
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
 from llmgw.server.store import StoreError
@@ -114,7 +116,7 @@ class AgentEndpoint:
 
     async def _handle(self, stream: trio.SSLStream) -> None:
         """One connection, contained: whatever the peer does ends this connection only (see
-        `llmgw.server.http`'s "Containment"); a bug of ours is logged with its traceback."""
+        `llmgw.http.server`'s "Containment"); a bug of ours is logged with its traceback."""
         address = _peer_host(stream)
         cn = "?"
         try:

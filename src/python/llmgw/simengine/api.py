@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from llmgw.server.http import HTTPError
+from llmgw.http.server import HTTPError
 from llmgw.simengine.text import Completion, count_tokens
 
 Kind = Literal["chat", "completion"]

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
-from llmgw.server.http import HTTPError, Request, Response, StreamingResponse
 from llmgw.simengine import api
 from llmgw.simengine.options import SimOptions
 from llmgw.simengine.text import complete

@@ -10,8 +10,8 @@ from __future__ import annotations
 import trio
 
 from llmgw.errors import MachineError
+from llmgw.http.server import bound_address, serve_http
 from llmgw.log import get_logger
-from llmgw.server.http import bound_address, serve_http
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.errors import RendezvousFailed, SimulatedCrash
 from llmgw.simengine.options import SimOptions, format_addr

@@ -35,6 +35,7 @@ import attrs
 import trio
 
 from llmgw.config import GatewaySection
+from llmgw.http.server import BodyAborted, HTTPError, Request, Response, StreamingResponse, parse_json
 from llmgw.log import get_logger
 from llmgw.server.gateway.errors import (
     UpstreamBroken,
@@ -47,7 +48,6 @@ from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
 from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
-from llmgw.server.http import BodyAborted, HTTPError, Request, Response, StreamingResponse, parse_json
 from llmgw.server.store import KeyRow
 
 log = get_logger("llmgw.gateway")

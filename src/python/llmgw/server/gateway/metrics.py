@@ -1,120 +1,12 @@
-"""Gateway metrics and their Prometheus text exposition (format 0.0.4).
+"""The gateway's metric families (llmgw.metrics renders them).
 
-Counters, gauges and histograms keyed by label values, all in memory; `render` writes them in
-registration order, each family with its HELP and TYPE lines. Gauges that mirror state kept
-elsewhere (replica states, queue depth) are set by the gateway just before rendering, so a
-scrape sees the state as it is, not as it was at the last event.
+Gauges that mirror state kept elsewhere (replica states, queue depth) are set by the gateway
+just before rendering, so a scrape sees the state as it is, not as it was at the last event.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class _Family:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...]) -> None:
-        self.name, self.help, self.labels = name, help, labels
-
-    def _key(self, values: dict[str, str]) -> tuple[str, ...]:
-        if set(values) != set(self.labels):
-            raise ValueError(f"{self.name} takes labels {self.labels}, got {tuple(values)}")
-        return tuple(str(values[k]) for k in self.labels)
-
-    def _labels(self, key: tuple[str, ...], extra: tuple[tuple[str, str], ...] = ()) -> str:
-        pairs = [*zip(self.labels, key, strict=True), *extra]
-        if not pairs:
-            return ""
-        return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
-
-    def lines(self) -> list[str]:
-        raise NotImplementedError
-
-
-class Counter(_Family):
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
-        super().__init__(name, help, labels)
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def get(self, **labels: str) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{self._labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
-
-
-class Gauge(Counter):
-    kind = "gauge"
-
-    def set(self, value: float, **labels: str) -> None:
-        self.values[self._key(labels)] = value
-
-    def clear(self) -> None:
-        self.values.clear()
-
-
-class Histogram(_Family):
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = (), buckets=LATENCY_BUCKETS) -> None:
-        super().__init__(name, help, labels)
-        self.buckets = tuple(sorted(buckets))
-        self.counts: dict[tuple[str, ...], list[int]] = {}  # per bucket, not cumulative; last = +Inf
-        self.sums: dict[tuple[str, ...], float] = {}
-
-    def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        counts = self.counts.setdefault(key, [0] * (len(self.buckets) + 1))
-        counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def lines(self) -> list[str]:
-        out = []
-        for key, counts in sorted(self.counts.items()):
-            total = 0
-            for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
-                total += count
-                le = "+Inf" if bound == math.inf else _num(bound)
-                out.append(f"{self.name}_bucket{self._labels(key, (('le', le),))} {total}")
-            out.append(f"{self.name}_sum{self._labels(key)} {_num(self.sums[key])}")
-            out.append(f"{self.name}_count{self._labels(key)} {total}")
-        return out
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.families: list[_Family] = []
-
-    def _add(self, family):
-        self.families.append(family)
-        return family
-
-    def counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
-        return self._add(Counter(name, help, labels))
-
-    def gauge(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return self._add(Gauge(name, help, labels))
-
-    def histogram(self, name: str, help: str, labels: tuple[str, ...] = (), buckets=LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, help, labels, buckets))
-
-    def render(self) -> str:
-        out = []
-        for f in self.families:
-            out.append(f"# HELP {f.name} {f.help}")
-            out.append(f"# TYPE {f.name} {f.kind}")
-            out.extend(f.lines())
-        return "\n".join(out) + "\n"
+from llmgw.metrics import Registry
 
 
 class GatewayMetrics:
@@ -159,13 +51,3 @@ class GatewayMetrics:
 
     def render(self) -> str:
         return self.registry.render()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(value: float) -> str:
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))

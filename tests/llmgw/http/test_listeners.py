@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from llmgw.errors import find
-from llmgw.server import http, listeners
+from llmgw.http import listeners
+from llmgw.http import server as http
 
 pytestmark = pytest.mark.trio
 

@@ -49,8 +49,8 @@ import h11
 import trio
 
 from llmgw.errors import leaves
+from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
 from llmgw.log import get_logger
-from llmgw.server.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
 
 log = get_logger("llmgw.http")
 

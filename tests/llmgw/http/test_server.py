@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server import http
+from llmgw.http import server as http
 
 pytestmark = pytest.mark.trio
 

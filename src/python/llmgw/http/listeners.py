@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from llmgw.log import get_logger
-from llmgw.server.gateway.metrics import Counter, Gauge
+from llmgw.metrics import Registry
 
 log = get_logger("llmgw.listeners")
 
@@ -68,14 +68,17 @@ class ConnectionStats:
     or a deadline, by reason. Rendered as Prometheus text by `render`."""
 
     def __init__(self) -> None:
-        self.open = Gauge("llmgw_connections_open", "Connections open now, per listener.", ("listener",))
-        self.limit = Gauge("llmgw_connections_limit", "The most connections a listener serves at once.", ("listener",))
-        self.aborted = Counter(
+        r = self.registry = Registry()
+        self.open = r.gauge("llmgw_connections_open", "Connections open now, per listener.", ("listener",))
+        self.limit = r.gauge(
+            "llmgw_connections_limit", "The most connections a listener serves at once.", ("listener",)
+        )
+        self.aborted = r.counter(
             "llmgw_connections_aborted_total",
             "Connections ended by the peer (closed, reset, garbage) or a deadline, by reason.",
             ("listener", "reason"),
         )
-        self.at_capacity = Counter(
+        self.at_capacity = r.counter(
             "llmgw_connections_at_capacity_total",
             "Times a listener stopped accepting because it served its most connections.",
             ("listener",),
@@ -85,10 +88,7 @@ class ConnectionStats:
         self.aborted.inc(listener=listener, reason=reason)
 
     def render(self) -> str:
-        out = []
-        for family in (self.open, self.limit, self.aborted, self.at_capacity):
-            out += [f"# HELP {family.name} {family.help}", f"# TYPE {family.name} {family.kind}", *family.lines()]
-        return "\n".join(out) + "\n"
+        return self.registry.render()
 
 
 class Shutdown:
