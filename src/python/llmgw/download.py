@@ -109,6 +109,7 @@ class Progress:
 
 
 def sha256_of(path: Path) -> str:
+    """The file's SHA-256, hex: the one helper for it (blocking: call it off the event loop)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):

@@ -9,7 +9,6 @@ never shipped, so the fleet does not end up running whatever was in somebody's w
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sys
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import attrs
 
+from llmgw import download
 from llmgw.errors import MachineError, PeerError, UsageError
 from llmgw.version import version_info
 
@@ -51,14 +51,10 @@ def release_arch(machine: str) -> str:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
     try:
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        return download.sha256_of(path)
     except OSError as exc:
         raise MachineError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return h.hexdigest()
 
 
 def parse_sums(text: str, label: str) -> dict[str, str]:

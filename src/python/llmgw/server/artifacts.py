@@ -8,13 +8,13 @@ the link) and may resume with `Range: bytes=N-`; anything else of HTTP is not of
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import h11
 import trio
 
+from llmgw.download import sha256_of
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.artifacts")
@@ -47,7 +47,7 @@ class Artifacts:
             key = (path.name, st.st_size, st.st_mtime_ns)
             digest = self._hashes.get(key)
             if digest is None:
-                digest = path.name if _SHA.match(path.name) else _sha256(path)
+                digest = path.name if _SHA.match(path.name) else sha256_of(path)
                 self._hashes[key] = digest
             found[digest] = path
         return found
@@ -57,14 +57,6 @@ class Artifacts:
 
     def path_for(self, sha256: str) -> Path | None:
         return self._index().get(sha256)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 async def serve(
