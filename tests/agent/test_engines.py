@@ -74,7 +74,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         ),
         engines=engines,
     )
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     bound = await nursery.start(plane.serve)
     node_dir = tmp_path / "node"
     files = pki.node_paths(node_dir)

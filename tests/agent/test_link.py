@@ -69,7 +69,7 @@ async def start_plane(
             heartbeat_ttl_s=heartbeat_ttl_s,
         )
     )
-    control_plane = ControlPlane(config, state)
+    control_plane = ControlPlane.open(config, state)
     bound = await nursery.start(control_plane.serve)
     host, port = bound.agent_address
     return Plane(state=state, ca=ca, host=host, port=port, plane=control_plane)

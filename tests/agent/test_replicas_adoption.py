@@ -12,8 +12,8 @@ import trio
 
 from agent.main import run_agent
 from llmgw.config import Model
-from llmgw.http.server import HTTPError
 from llmgw.server.app import ControlPlane
+from llmgw.server.errors import UnknownReplica
 from llmgw.wire import agent_link as w
 from testlib.controlplane import local, wait_for
 
@@ -31,7 +31,7 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     config, state = cluster.config, cluster.state
 
     async def control_plane(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        plane = ControlPlane(config, state)
+        plane = ControlPlane.open(config, state)
         async with trio.open_nursery() as inner:
             await inner.start(plane.serve)
             task_status.started((plane, inner.cancel_scope))
@@ -68,7 +68,7 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     [member] = logs["members"]
     assert member["node"] == "node-a" and member["error"] == ""
     assert "sim" in member["text"] and len(member["text"].splitlines()) <= 50
-    with pytest.raises(HTTPError) as info:
+    with pytest.raises(UnknownReplica) as info:  # the admin API answers it 404
         await plane.replica_logs("nope-0", 10)
-    assert info.value.status == 404 and again.replica_id in info.value.message
+    assert "'nope-0'" in str(info.value) and again.replica_id in str(info.value)
     scope.cancel()

@@ -15,6 +15,7 @@ from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.download import archive_cap, fetch
 from llmgw.server.app import ControlPlane
+from llmgw.server.mirror import fill_mirror
 from testlib.controlplane import make_state
 
 pytestmark = pytest.mark.trio
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.trio
 async def mirror(tmp_path: Path, nursery: trio.Nursery):
     state = tmp_path / "cp"
     ca = make_state(state, sans=["127.0.0.1"], days=3)
-    plane = ControlPlane(
+    plane = ControlPlane.open(
         ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")),
         state,
     )
@@ -92,10 +93,10 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
         )
     )
     config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines)
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     with trio.fail_after(10):
-        await plane.fill_mirror()
-        await plane.fill_mirror()  # already there: no second download
+        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
+        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
     assert (state / "artifacts" / digest).read_bytes() == data
     assert hits == ["/llama.tgz"]
     assert digest in plane.endpoint.artifacts.available()

@@ -27,7 +27,7 @@ async def test_draining_a_node_under_load_fails_no_request(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=2),))
-    plane = ControlPlane(cluster.config, cluster.state)
+    plane = ControlPlane.open(cluster.config, cluster.state)
     bound = await nursery.start(plane.serve)
     _, token = await plane.gateway.keys.create("load")
     for i, node_id in enumerate(("node-a", "node-b")):

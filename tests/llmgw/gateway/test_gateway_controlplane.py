@@ -32,7 +32,7 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
 ) -> None:
     cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=1),))
     config, state = cluster.config, cluster.state
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     plane.gateway.options = attrs.evolve(plane.gateway.options, queue_timeout_s=0.5)
     bound = await nursery.start(plane.serve)
     http_port = bound.http_address[1]

@@ -29,7 +29,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen=f"127.0.0.1:{free_port()}", http_listen="127.0.0.1:0"),
     )
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     plane.gateway.provider = StaticEndpoints((sim.endpoint(),))  # the replica without an agent
     plane.shutdown_drain_s = 20
     _, token = await plane.gateway.keys.create("tests")

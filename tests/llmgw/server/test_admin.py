@@ -24,7 +24,7 @@ async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, 
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
     )
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)
     return plane, state
 
@@ -91,7 +91,7 @@ async def test_replicas_and_models_say_what_is_pending_and_why(tmp_path: Path, n
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
         models=(Model(name="big", engine="sim", nodes_per_replica=2),),
     )
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)
     plane.replicas.reconcile(trio.current_time())
     client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
@@ -109,7 +109,7 @@ async def test_reload_changes_the_catalog_and_a_bad_file_changes_nothing(tmp_pat
     toml = tmp_path / "server.toml"
     head = f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
     toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\n')
-    plane = ControlPlane(load_server_config(toml), state, toml)
+    plane = ControlPlane.open(load_server_config(toml), state, toml)
     await nursery.start(plane.serve)
     client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
     toml.write_text(head + '[[models]]\nname = "one"\nengine = "sim"\n[[models]]\nname = "two"\nengine = "sim"\n')

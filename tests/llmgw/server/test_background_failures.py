@@ -60,7 +60,7 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
             archives=(EngineArchive(arch=platform.machine(), url=f"{base}/llama.tgz", sha256=digest, binary="bin/x"),),
         )
     )
-    plane = ControlPlane(attrs.evolve(cluster.config, engines=engines), cluster.state)
+    plane = ControlPlane.open(attrs.evolve(cluster.config, engines=engines), cluster.state)
     plane.background.backoff = FAST
     # The faults, real ones: a directory where the mirror's copy of the archive goes (reading it
     # to check its hash fails), and a file where the agent keeps its engines (installing fails).
@@ -113,7 +113,7 @@ async def test_a_drain_hit_by_a_bug_reports_it_and_can_be_run_again(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=1),))
-    plane = ControlPlane(cluster.config, cluster.state)
+    plane = ControlPlane.open(cluster.config, cluster.state)
     bound = await nursery.start(plane.serve)
     port = bound.http_address[1]
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))

@@ -24,8 +24,8 @@ async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], re
     config = ServerConfig(
         server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=replicas),)
     )
-    plane = ControlPlane(config, state)
-    await nursery.start(plane.serve_drains)
+    plane = ControlPlane.open(config, state)
+    await nursery.start(plane.drains.serve)
     now = trio.current_time()
     for n in nodes:
         hello = w.Hello(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import trio.testing
 
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
+from llmgw.server.liveness import serve_liveness
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state
 
@@ -33,7 +35,11 @@ def hello(node_id: str) -> w.Hello:
 async def plane(tmp_path: Path) -> ControlPlane:
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
-    return ControlPlane(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+    return ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+
+
+def reconciler(plane: ControlPlane):
+    return partial(serve_liveness, plane.registry, plane.replicas, plane.changes, plane.push)
 
 
 def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
@@ -45,13 +51,13 @@ async def test_a_silent_node_is_declared_lost_one_ttl_after_its_last_heartbeat(
 ) -> None:
     caplog.set_level("INFO")
     async with trio.open_nursery() as nursery:
-        await nursery.start(plane.serve_liveness)
+        await nursery.start(reconciler(plane))
         conn = plane.registry.connect(
             hello("n1"), address="127.0.0.2", cert_serial=1, cert_not_after=2e9, now=trio.current_time()
         )
         plane.registry.heartbeat("n1", conn, trio.current_time())
         last = trio.current_time()
-        plane._notify()
+        plane.changes.node_changed()  # what the endpoint does on a hello or a heartbeat
         await trio.sleep(1)
         assert events(caplog) == [("node_joined", "n1")]
         await trio.sleep(TTL - 2)  # still within the TTL of the heartbeat
@@ -75,10 +81,10 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_and_the_reco
     store.saw_node("old", "127.0.0.3")
     store.set_cordoned("old", True)
     store.close()
-    plane = ControlPlane(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+    plane = ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
     assert plane.registry.nodes["old"].cordoned  # operator intent survives the restart
     async with trio.open_nursery() as nursery:
-        await nursery.start(plane.serve_liveness)
+        await nursery.start(reconciler(plane))
         grace = plane.config.server.reconnect_grace_s
         assert grace >= 30  # agents retry at most 30 s apart: a restart must not look like a loss
         await trio.sleep(TTL + grace - 1)

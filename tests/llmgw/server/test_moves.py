@@ -55,8 +55,8 @@ async def crowded_plane(tmp_path: Path, nursery: trio.Nursery) -> ControlPlane:
     config = ServerConfig(
         server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=2),)
     )
-    plane = ControlPlane(config, state)
-    await nursery.start(plane.moves.serve)
+    plane = ControlPlane.open(config, state)
+    await nursery.start(plane.drains.serve)
     await join(plane, "a")
     plane.replicas.reconcile(trio.current_time())
     assert where(plane) == {"chat-0": ("a",), "chat-1": ("a",)}

@@ -199,7 +199,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     paths.ensure_admin_token(state)
     config_path = _server_toml(state, args, emit)
     config = load_server_config(config_path)
-    plane = ControlPlane(config, state, config_path)
+    plane = ControlPlane.open(config, state, config_path)
     async with trio.open_nursery() as nursery:
         try:
             bound = await nursery.start(plane.serve)

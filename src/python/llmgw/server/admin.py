@@ -17,9 +17,13 @@ with a wrong one, the answer is 401 with what to do. Routes:
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
 
-A change the store cannot record (another process holds its lock, the disk fails) is answered
-503 with `Retry-After` and the store's message; nothing changed, and the same request may be
-sent again.
+Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
+key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409. A change the
+store cannot record (another process holds its lock, the disk fails) is answered 503 with
+`Retry-After` and the store's message; nothing changed, and the same request may be sent again.
+
+The control plane is seen through `Plane`, the calls this module makes, so that the admin API
+does not import the module that builds it (`llmgw.server.app`).
 """
 
 from __future__ import annotations
@@ -27,18 +31,20 @@ from __future__ import annotations
 import hmac
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 from urllib.parse import unquote
 
-from llmgw.errors import ConfigError
+import attrs
+
+from llmgw.errors import ConfigError, LlmgwError
+from llmgw.fabrics import FabricMap
 from llmgw.http.server import HTTPError, Request, Response
 from llmgw.log import get_logger
+from llmgw.server.drains import DrainProgress
+from llmgw.server.errors import NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
-from llmgw.server.gateway.keys import key_view
-from llmgw.server.store import StoreError, UnknownNode
-
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
+from llmgw.server.gateway.keys import KeyRing, key_view
+from llmgw.server.store import StoreError
 
 log = get_logger("llmgw.admin")
 
@@ -48,9 +54,58 @@ _KEY = re.compile(r"^/admin/v1/keys/([^/]+)$")
 _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
 
 
+class Plane(Protocol):
+    """What the admin API asks of the control plane."""
+
+    def node_views(self) -> list[dict[str, Any]]: ...
+    def node_view(self, node_id: str) -> dict[str, Any]: ...
+    def replica_views(self) -> list[dict[str, Any]]: ...
+    def model_views(self) -> list[dict[str, Any]]: ...
+    def fabric_map(self) -> FabricMap: ...
+    async def reload(self) -> dict[str, Any]: ...
+    async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]: ...
+    async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress: ...
+    async def set_cordoned(self, node_id: str, cordoned: bool) -> None: ...
+    async def remove_node(self, node_id: str) -> dict[str, Any]: ...
+
+
+@attrs.frozen
+class Answer:
+    """How a domain error is answered: its status, its OpenAI error type, and its message in a
+    frame (`{}` is the error's own)."""
+
+    status: int
+    kind: str = "invalid_request_error"
+    frame: str = "{}"
+
+
+# The one mapping of domain errors to HTTP statuses, looked up along the error's class hierarchy
+# (the most specific class first). A `StoreError` also says when to try again (`Retry-After`).
+ANSWERS: dict[type[LlmgwError], Answer] = {
+    UnknownNode: Answer(404, "not_found_error"),
+    UnknownReplica: Answer(404, "not_found_error"),
+    UnknownApiKey: Answer(404, "not_found_error"),
+    ApiKeyExists: Answer(409),
+    ApiKeyError: Answer(400),
+    NoConfigFile: Answer(409),
+    ConfigError: Answer(422, frame="server.toml has problems; nothing changed:\n{}"),
+    StoreError: Answer(503, "unavailable_error"),
+}
+
+
+def answer(exc: LlmgwError) -> HTTPError | None:
+    """The HTTP error a domain error is answered with; None for one that has no answer (a bug)."""
+    found = next((ANSWERS[c] for c in type(exc).__mro__ if c in ANSWERS), None)
+    if found is None:
+        return None
+    headers = (("retry-after", str(math.ceil(exc.retry_after_s))),) if isinstance(exc, StoreError) else ()
+    return HTTPError(found.status, found.frame.format(exc), kind=found.kind, headers=headers)
+
+
 class AdminAPI:
-    def __init__(self, plane: ControlPlane, token: str) -> None:
+    def __init__(self, plane: Plane, keys: KeyRing, token: str) -> None:
         self.plane = plane
+        self.keys = keys
         self._token = token.encode()
 
     def _authorize(self, request: Request) -> None:
@@ -75,10 +130,13 @@ class AdminAPI:
         self._authorize(request)
         try:
             return await self._route(request)
-        except StoreError as exc:
-            log.warning("admin_store_unavailable", path=request.path, reason=str(exc))
-            retry = str(math.ceil(exc.retry_after_s))
-            raise HTTPError(503, str(exc), kind="unavailable_error", headers=(("retry-after", retry),)) from None
+        except LlmgwError as exc:
+            error = answer(exc)
+            if error is None:
+                raise
+            if isinstance(exc, StoreError):
+                log.warning("admin_store_unavailable", path=request.path, reason=str(exc))
+            raise error from None
 
     async def _route(self, request: Request) -> Response:
         if request.path == "/admin/v1/nodes":
@@ -90,10 +148,7 @@ class AdminAPI:
             )
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
-            try:
-                return Response.json(200, await self.plane.reload())
-            except ConfigError as exc:
-                raise HTTPError(422, f"server.toml has problems; nothing changed:\n{exc}") from None
+            return Response.json(200, await self.plane.reload())
         logs = _REPLICA_LOGS.match(request.path)
         if logs is not None:
             _allow(request, "GET")
@@ -113,57 +168,46 @@ class AdminAPI:
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
         node_id, action = m.groups()
-        try:
-            if action == "drain":
-                _allow(request, "POST")
-                force = request.query.get("force", ["0"])[0] in ("1", "true")
-                progress = await self.plane.start_drain(node_id, force=force)
-                return Response.json(202, {"drain": progress.view()})
-            if action in ("cordon", "uncordon"):
-                _allow(request, "POST")
-                await self.plane.set_cordoned(node_id, action == "cordon")
-                log.info(f"node_{action}ed", node=node_id)
-                return Response.json(200, {"node": self.plane.node_view(node_id)})
-            _allow(request, "DELETE")
-            result = await self.plane.remove_node(node_id)
-            return Response.json(200, result)
-        except UnknownNode as exc:
-            raise HTTPError(404, str(exc), kind="not_found_error") from None
+        if action == "drain":
+            _allow(request, "POST")
+            force = request.query.get("force", ["0"])[0] in ("1", "true")
+            progress = await self.plane.start_drain(node_id, force=force)
+            return Response.json(202, {"drain": progress.view()})
+        if action in ("cordon", "uncordon"):
+            _allow(request, "POST")
+            await self.plane.set_cordoned(node_id, action == "cordon")
+            log.info(f"node_{action}ed", node=node_id)
+            return Response.json(200, {"node": self.plane.node_view(node_id)})
+        _allow(request, "DELETE")
+        return Response.json(200, await self.plane.remove_node(node_id))
 
     async def _keys(self, request: Request) -> Response:
-        ring = self.plane.gateway.keys
-        try:
-            if request.path != "/admin/v1/keys":
-                _allow(request, "DELETE")
-                name = unquote(_KEY.match(request.path).group(1))
-                await ring.revoke(name)
-                log.info("api_key_revoked", name=name)
-                return Response.json(200, {"revoked": name})
-            if request.method == "GET":
-                return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
-            _allow(request, "POST")
-            body = request.json()
-            if not isinstance(body, dict):
-                raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
-            unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
-            if unknown:
-                raise HTTPError(
-                    400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
-                )
-            if not isinstance(body.get("name"), str):
-                raise HTTPError(400, f"'name' must be a string, got {body.get('name')!r}")
-            row, token = await ring.create(
-                body["name"],
-                models=body.get("models") or (),
-                rate_per_minute=body.get("rate_per_minute", 0),
-                max_concurrency=body.get("max_concurrency", 0),
+        ring = self.keys
+        if request.path != "/admin/v1/keys":
+            _allow(request, "DELETE")
+            name = unquote(_KEY.match(request.path).group(1))
+            await ring.revoke(name)
+            log.info("api_key_revoked", name=name)
+            return Response.json(200, {"revoked": name})
+        if request.method == "GET":
+            return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
+        _allow(request, "POST")
+        body = request.json()
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
+        unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
+        if unknown:
+            raise HTTPError(
+                400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
             )
-        except UnknownApiKey as exc:
-            raise HTTPError(404, str(exc), kind="not_found_error") from None
-        except ApiKeyExists as exc:
-            raise HTTPError(409, str(exc)) from None
-        except ApiKeyError as exc:
-            raise HTTPError(400, str(exc)) from None
+        if not isinstance(body.get("name"), str):
+            raise HTTPError(400, f"'name' must be a string, got {body.get('name')!r}")
+        row, token = await ring.create(
+            body["name"],
+            models=body.get("models") or (),
+            rate_per_minute=body.get("rate_per_minute", 0),
+            max_concurrency=body.get("max_concurrency", 0),
+        )
         log.info("api_key_created", name=row.name, models=list(row.models))
         return Response.json(201, {"key": key_view(row), "token": token})
 

@@ -17,8 +17,8 @@ that make it safe:
 
 Each replica's engine key is in memory in plain text and in the store only sealed
 (`llmgw.server.enginekeys`). A row of an earlier version holds its key in plain text: it is read
-as it is (its engines keep running with it) and `at_open[PLAIN]` names it, for the caller to
-rewrite the store sealed before anything runs.
+as it is (its engines keep running with it) and `at_open[PLAIN]` names it; `seal_at_start`,
+called by the control plane as it opens, rewrites the store sealed before anything runs.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import secrets
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -312,3 +313,34 @@ class Replicas:
                 )
             )
         return tuple(out)
+
+
+def seal_at_start(store: AsyncStore, replicas: Replicas, secret: Path) -> None:
+    """Before anything runs: a database of an earlier version held engine keys in plain text;
+    they are sealed in place and scrubbed from its files, with the same keys (the engines
+    running with them are adopted as they are). Keys that did not open have new ones. `secret`
+    is the file the keys are sealed with, for the log."""
+    plain, replaced = replicas.at_open[PLAIN], replicas.at_open[REPLACED]
+    if not plain and not replaced:
+        return
+    if not store.scrub_placements_at_start(replicas.rows()):
+        log.warning(
+            "engine_keys_scrub_incomplete",
+            path=str(store.path),
+            detail="another process reading the database kept its write-ahead log from being emptied: the old "
+            "rows stay in it until the log is reused, or emptied when the last process using the database closes it; "
+            "stop that process (a sqlite3 shell?)",
+        )
+    if plain:
+        log.info(
+            "engine_keys_sealed",
+            replicas=plain,
+            detail=f"{store.path} held them in plain text; sealed with {secret}, the engines keep their keys",
+        )
+    if replaced:
+        log.warning(
+            "engine_keys_replaced",
+            replicas=replaced,
+            detail=f"their keys do not open with {secret} (sealed with another secret): new keys; their engines "
+            "restart once",
+        )

@@ -30,7 +30,8 @@ from typing import ParamSpec, TypeVar
 import attrs
 
 from llmgw import private
-from llmgw.errors import MachineError, UsageError
+from llmgw.errors import MachineError
+from llmgw.server.errors import UnknownNode
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -383,15 +384,6 @@ class Store:
     @_at_the_edge
     def revoked_serials(self) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")]
-
-
-class UnknownNode(UsageError):
-    def __init__(self, node_id: str, known: list[str]) -> None:
-        self.node_id = node_id
-        listing = ", ".join(known) if known else "none"
-        super().__init__(
-            f"no node {node_id!r} is known to this control plane (known nodes: {listing}); see `llmgw ctl nodes`"
-        )
 
 
 # -- errors, by blame ---------------------------------------------------------------------

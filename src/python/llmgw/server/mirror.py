@@ -1,0 +1,51 @@
+"""The mirror fill: every engine archive server.toml names is fetched once into the artifacts
+directory, so nodes without internet access install from the control plane (which serves them,
+`llmgw.server.artifacts`). Agents are told as each one arrives; a fetch that failed is tried
+again every `retry_s` while any is missing, and the fill returns once all are there."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from llmgw.config import ServerConfig
+from llmgw.download import archive_cap, fetch
+from llmgw.errors import LlmgwError
+from llmgw.log import get_logger
+from llmgw.server.artifacts import Artifacts
+
+log = get_logger("llmgw.server")
+
+RETRY_S = 600.0
+
+
+async def fill_mirror(
+    config: Callable[[], ServerConfig],
+    artifacts: Artifacts,
+    push_all: Callable[[], Awaitable[None]],
+    *,
+    retry_s: float = RETRY_S,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """`config()` is read at each start (a restart after a reload sees its engines); `push_all`
+    sends every connected node its desired state, which now names the mirrored archive."""
+    task_status.started()
+    current = config()
+    engines = current.engines
+    archives = [a for source in (engines.llamacpp, engines.vllm, engines.sglang) if source for a in source.archives]
+    while True:
+        missing = [a for a in archives if a.sha256 not in artifacts.available()]
+        if not missing:
+            return
+        for archive in missing:
+            try:
+                cap = archive_cap(archive.size, current.downloads.max_archive_bytes)
+                await fetch(archive.url, artifacts.directory / archive.sha256, sha256=archive.sha256, cap=cap)
+                log.info("mirror_fetched", url=archive.url, sha256=archive.sha256)
+                await push_all()  # now mirrored
+            except LlmgwError as exc:
+                log.warning("mirror_fetch_failed", url=archive.url, reason=str(exc), retry_in_s=retry_s)
+        if set(a.sha256 for a in archives) <= artifacts.available():
+            return
+        await trio.sleep(retry_s)

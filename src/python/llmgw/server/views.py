@@ -1,0 +1,143 @@
+"""What the control plane shows: the admin API's views of nodes, replicas and models, and the
+gateway's rotation. Pure functions of the registry, the placements and the catalog; `now` is
+the trio clock's, given by the caller."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from llmgw.config import Model
+from llmgw.fabrics import FabricMap, fabric_map
+from llmgw.server.drains import DrainProgress
+from llmgw.server.gateway.routing import Endpoint, Rotation
+from llmgw.server.registry import LOST, Node, Registry
+from llmgw.server.replicas import Replicas
+from llmgw.wire import agent_link as w
+
+
+def cluster_fabrics(registry: Registry) -> FabricMap:
+    """The cluster's fabrics as placement sees them: by name and identity, with notes."""
+    return fabric_map({n.node_id: n.inventory.fabrics for n in registry.nodes.values() if n.inventory})
+
+
+def node_views(registry: Registry, drains: Mapping[str, DrainProgress], now: float) -> list[dict[str, Any]]:
+    views = [node_view(n, registry.liveness(n, now), now) for _, n in sorted(registry.nodes.items())]
+    for v in views:
+        drain = drains.get(v["id"])
+        v["drain"] = drain.view() if drain else None
+    return views
+
+
+def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
+    s = node.session
+    inv = node.inventory
+    hello = s.hello if s else None
+    return {
+        "id": node.node_id,
+        "state": state,
+        "cordoned": node.cordoned,
+        "draining": node.draining,
+        "connected": bool(s and s.connected),
+        "address": node.address,
+        "agent_version": hello.agent_version if hello else None,
+        "agent_started_at": hello.started_at if hello else None,
+        "last_heartbeat_age_s": round(now - s.last_heartbeat_at, 3) if s and s.last_heartbeat_at is not None else None,
+        "cpu": {"model": inv.cpu_model, "cores": inv.cpu_cores, "flags": list(inv.cpu_flags)} if inv else None,
+        "arch": inv.arch if inv else None,
+        "memory_total_bytes": inv.memory_total_bytes if inv else None,
+        "gpus": [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib} for g in inv.gpus]
+        if inv
+        else [],
+        "gpu_status": inv.gpu_status if inv else None,
+        "gpu_detail": inv.gpu_detail if inv else "",
+        "eligibility": [{"engine": e.engine, "status": e.status, "reason": e.reason} for e in inv.engine_eligibility]
+        if inv
+        else [],
+        "fabric_problems": list(inv.fabric_problems) if inv else [],
+        "disk_free_bytes": inv.disk_free_bytes if inv else None,
+        "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
+        if inv
+        else [],
+        "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in node.engines],
+        "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
+        "cert_serial": f"{s.cert_serial:x}" if s else None,
+        "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
+        "cert_expires_in_days": round((s.cert_not_after - time.time()) / 86400, 1) if s else None,
+    }
+
+
+def replica_views(registry: Registry, replicas: Replicas) -> list[dict[str, Any]]:
+    """Each placed replica with what its members report, then what could not be placed."""
+    reported = {(s.replica_id, node.node_id): s for node in registry.nodes.values() for s in node.replicas}
+    out = []
+    for rid, stored in sorted(replicas.placed.items()):
+        p = stored.placement
+        members = [reported.get((rid, n)) for n in p.nodes]
+        states = [m.state if m else "assigned" for m in members]
+        rank0 = members[0]
+        out.append(
+            {
+                "replica": rid,
+                "model": p.model,
+                "engine": p.engine,
+                "nodes": list(p.nodes),
+                "state": states[0] if len(set(states)) == 1 else ",".join(states),
+                "member_states": states,
+                "port": rank0.port if rank0 else 0,
+                "pids": [m.pid if m else 0 for m in members],  # per member, on its node; 0 while none runs
+                "restarts": sum(m.restarts for m in members if m),
+                "detail": "; ".join(m.detail for m in members if m and m.detail),
+                "fabric": p.fabric,
+            }
+        )
+    for pend in replicas.pending:
+        row = {"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []}
+        out.extend(dict(row) for _ in range(pend.replicas))  # a row per replica held back, as ctl counts them
+    return out
+
+
+def model_views(models: Sequence[Model], replica_views: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": m.name,
+            "engine": m.engine,
+            "replicas": m.replicas,
+            "ready": sum(1 for v in replica_views if v["model"] == m.name and v["state"] == w.READY),
+            "pending": [v["detail"] for v in replica_views if v["model"] == m.name and v["state"] == "pending"],
+            "gpus_per_replica": m.gpus_per_replica,
+            "nodes_per_replica": m.nodes_per_replica,
+        }
+        for m in models
+    ]
+
+
+def gateway_rotation(
+    registry: Registry, replicas: Replicas, models: Sequence[Model], retiring: Collection[str], now: float
+) -> Rotation:
+    """The catalog's models and, for each placed replica whose rank 0 reports ready with a
+    port on a node not lost, where the gateway reaches it and with which key. A replica on
+    a draining node, or being retired by a move, is marked draining: no new requests while
+    another replica can take them."""
+    endpoints = []
+    for rid, stored in sorted(replicas.placed.items()):
+        p = stored.placement
+        rank0 = registry.nodes.get(p.nodes[0])
+        if rank0 is None or not rank0.address or registry.liveness(rank0, now) == LOST:
+            continue
+        status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None)
+        if status is None or status.state != w.READY or not status.port:
+            continue
+        draining = rid in retiring or any((n := registry.nodes.get(m)) is not None and n.draining for m in p.nodes)
+        endpoints.append(
+            Endpoint(
+                replica_id=rid,
+                model=p.model,
+                host=rank0.address,
+                port=status.port,
+                api_key=stored.api_key,
+                draining=draining,
+            )
+        )
+    return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints))
