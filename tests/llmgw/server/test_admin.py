@@ -122,3 +122,31 @@ async def test_reload_changes_the_catalog_and_a_bad_file_changes_nothing(tmp_pat
         info.value
     )
     assert [m.name for m in plane.config.models] == ["one", "two"]
+
+
+async def test_domain_errors_are_answered_with_their_status_and_message(running) -> None:
+    _, state = running  # started without a configuration file
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    with pytest.raises(UsageError) as info:
+        await call(client.request, "GET", "/admin/v1/replicas/nope-0/logs")
+    assert "no replica 'nope-0' (replicas: none)" in str(info.value) and "HTTP 404" in str(info.value)
+    with pytest.raises(UsageError) as info:
+        await call(client.request, "POST", "/admin/v1/nodes/ghost/drain")
+    assert "no node 'ghost' is known" in str(info.value) and "HTTP 404" in str(info.value)
+    with pytest.raises(PeerError) as info:
+        await call(client.request, "POST", "/admin/v1/reload")
+    assert "started without --config; there is no file to reload" in str(info.value) and "HTTP 409" in str(info.value)
+
+
+async def test_the_answers_table_picks_the_most_specific_class() -> None:
+    from llmgw.errors import ConfigError, MachineError
+    from llmgw.server.admin import answer
+    from llmgw.server.gateway.errors import ApiKeyExists
+    from llmgw.server.store import StoreBusy
+
+    busy = answer(StoreBusy(Path("/s/llmgw.db"), 1.0))
+    assert busy.status == 503 and busy.kind == "unavailable_error" and busy.headers == (("retry-after", "2"),)
+    assert answer(ApiKeyExists("key 'a' exists")).status == 409  # not 400, its base class's answer
+    bad = answer(ConfigError("server.toml", ["expected int @ $.models[0].replicas"]))
+    assert bad.status == 422 and bad.message.startswith("server.toml has problems; nothing changed:\nserver.toml: ")
+    assert answer(MachineError("no disk")) is None  # not a domain error: a bug, answered 500 by the server
