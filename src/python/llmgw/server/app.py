@@ -19,6 +19,7 @@ it, bounded, so that requests in flight finish.
 from __future__ import annotations
 
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -61,6 +62,10 @@ log = get_logger("llmgw.server")
 
 
 class ControlPlane:
+    """The control plane's parts, each given what it needs: the registry (nodes as agents report
+    them), the agent endpoint, the placements (`Replicas`), the gateway, moves and drains, the
+    admin API. The gateway sees it as its `EndpointProvider`, the admin API as its `Plane`."""
+
     def __init__(
         self,
         config: ServerConfig,
@@ -68,7 +73,7 @@ class ControlPlane:
         config_path: Path | None = None,
         *,
         ca: pki.CA,
-        ssl_context: Any,
+        ssl_context: ssl.SSLContext,
         store: AsyncStore,
         engine_keys: EngineKeys,
         admin_token: str,
