@@ -12,6 +12,7 @@ from cryptography import x509
 
 from llmgw import cli, pki
 from llmgw.commands import ca as ca_command
+from testlib.controlplane import make_state
 from testlib.proc import run_llmgw
 
 Capsys = pytest.CaptureFixture[str]
@@ -215,3 +216,97 @@ def test_ca_commands_as_a_real_process(tmp_path: Path) -> None:
     done = run_llmgw("ca", "init", env=env)
     assert done.returncode == 2
     assert "already exists" in done.stderr
+
+
+# -- where `ca issue` records the serial ----------------------------------------------------
+
+
+def _issue(state: Path, tmp_path: Path, node_id: str) -> tuple[int, int]:
+    """`llmgw ca issue NODE --csr`; (exit status, serial printed or 0)."""
+    import io
+    from contextlib import redirect_stdout
+
+    node = pki.write_node_key_and_csr(tmp_path / node_id, node_id)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        status = cli.main(["ca", "issue", node_id, "--state-dir", str(state), "--csr", str(node.csr)])
+    printed = out.getvalue()
+    return status, x509.load_pem_x509_certificate(printed.encode()).serial_number if printed else 0
+
+
+@pytest.mark.trio
+async def test_issue_while_the_control_plane_runs_records_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nursery
+) -> None:
+    import trio
+
+    from llmgw.config import ServerConfig, ServerSection
+    from llmgw.ctl.client import AdminClient
+    from llmgw.server.app import ControlPlane
+    from llmgw.server.store import Store
+
+    state = tmp_path / "state"
+    make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
+    listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    plane = ControlPlane(ServerConfig(server=listen), state)
+    await nursery.start(plane.serve)
+
+    def opened(*_: object) -> Store:
+        raise AssertionError("`ca issue` opened the database while the control plane runs")
+
+    monkeypatch.setattr(Store, "open", opened)
+    status, serial = await trio.to_thread.run_sync(_issue, state, tmp_path, "node05")
+    assert status == 0
+    row = await plane.store.certificate(serial)
+    assert row is not None and row.node_id == "node05" and row.revoked_at is None
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    assert (await trio.to_thread.run_sync(client.remove_node, "node05"))["revoked_serials"] == [f"{serial:x}"]
+
+
+@pytest.mark.trio
+async def test_issue_while_the_control_plane_cannot_record_prints_no_certificate(
+    tmp_path: Path, capsys: Capsys, nursery
+) -> None:
+    import sqlite3
+
+    import trio
+
+    from llmgw.config import ServerConfig, ServerSection
+    from llmgw.server.app import ControlPlane
+    from llmgw.server.store import store_path
+
+    state = tmp_path / "state"
+    make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
+    listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    plane = ControlPlane(ServerConfig(server=listen), state)
+    await nursery.start(plane.serve)
+    capsys.readouterr()
+    other = sqlite3.connect(str(store_path(state)), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # a sqlite3 shell in a transaction
+    try:
+        status, serial = await trio.to_thread.run_sync(_issue, state, tmp_path, "node06")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    err = capsys.readouterr().err
+    assert (status, serial) == (1, 0)
+    assert f"{store_path(state)} is locked by another process" in err and "nothing changed; try again" in err
+    assert "HTTP 503" in err
+
+
+def test_issue_with_no_control_plane_running_records_in_the_database(state: Path, tmp_path: Path) -> None:
+    from llmgw import paths
+    from llmgw.server.store import Store
+    from testlib.cluster import free_port
+
+    # A control plane that was killed leaves its admin.url behind; nothing answers there.
+    paths.admin_url_path(state).write_text(f"http://127.0.0.1:{free_port()}\n")
+    status, serial = _issue(state, tmp_path, "node07")
+    paths.admin_url_path(state).unlink()
+    status_again, serial_again = _issue(state, tmp_path, "node08")  # and one that stopped: no admin.url
+    assert status == status_again == 0
+    store = Store.open(state)
+    try:
+        assert [store.certificate(serial).node_id, store.certificate(serial_again).node_id] == ["node07", "node08"]
+    finally:
+        store.close()

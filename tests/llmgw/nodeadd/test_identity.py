@@ -12,7 +12,8 @@ from cryptography import x509
 
 from llmgw import pki
 from llmgw.errors import UsageError
-from llmgw.nodeadd import flow, identity, ssh
+from llmgw.nodeadd import identify, identity, install, ssh
+from llmgw.nodeadd.context import Authority, Facts, Options
 from llmgw.server.store import Store
 
 
@@ -60,35 +61,63 @@ def test_the_refusal_says_how_to_replace_the_node_or_rename_the_machine() -> Non
     )
 
 
+class _StoreAdmin:
+    """The admin API's certificate routes, answered from the store as the control plane answers them."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def record_certificate(self, serial, node_id, not_after, *, revoke_others=False, also_revoke=()):
+        store = Store.open(self.state_dir)
+        try:
+            revoked = store.record_issued(
+                serial, node_id, not_after, revoke_others=revoke_others, also_revoke=also_revoke
+            )
+        finally:
+            store.close()
+        return [int(n) for n in revoked]
+
+    def is_revoked(self, serial: int) -> bool:
+        store = Store.open(self.state_dir)
+        try:
+            return store.is_revoked(serial)
+        finally:
+            store.close()
+
+
 def test_a_certificate_issued_for_a_node_id_revokes_the_replaced_machines(tmp_path: Path) -> None:
     ca = _ca(tmp_path)
     first = _cert(ca, "node-a")  # the machine that was node-a
     store = Store.open(tmp_path)
+    admin = _StoreAdmin(tmp_path)
     try:
         info = pki.cert_info(x509.load_pem_x509_certificate(first))
-        store.record_certificate(info.serial, "node-a", info.not_after.timestamp())
+        store.record_issued(info.serial, "node-a", info.not_after.timestamp())
         elsewhere = _cert(ca, "node-b")
-        store.record_certificate(_serial(elsewhere), "node-b", info.not_after.timestamp())
-    finally:
-        store.close()
+        store.record_issued(_serial(elsewhere), "node-b", info.not_after.timestamp())
 
-    # The machine replacing it holds no certificate (old=None): the first machine's is revoked all the same.
-    second = _cert(ca, "node-a")
-    revoked = flow._record(tmp_path, "node-a", pki.cert_info(x509.load_pem_x509_certificate(second)), None, ca)
-    assert revoked == [f"{_serial(first):x}"]
-    store = Store.open(tmp_path)
-    try:
+        # The machine replacing it holds no certificate (old=None): the first machine's is revoked all the same.
+        second = _cert(ca, "node-a")
+        revoked = install.record(admin, "node-a", pki.cert_info(x509.load_pem_x509_certificate(second)), None, ca)
+        assert revoked == [f"{_serial(first):x}"]
         assert store.is_revoked(_serial(first))
         assert not store.is_revoked(_serial(second))
         assert not store.is_revoked(_serial(elsewhere))  # another node id is left alone
+
+        # The same machine renewing: the certificate it held goes too, and is named once.
+        third = _cert(ca, "node-a")
+        old = x509.load_pem_x509_certificate(second)
+        revoked = install.record(admin, "node-a", pki.cert_info(x509.load_pem_x509_certificate(third)), old, ca)
+        assert revoked == [f"{_serial(second):x}"]
+
+        # A certificate of this CA the machine held, never recorded here, is revoked too.
+        unrecorded = x509.load_pem_x509_certificate(_cert(ca, "node-a"))
+        fourth = pki.cert_info(x509.load_pem_x509_certificate(_cert(ca, "node-a")))
+        assert install.record(admin, "node-a", fourth, unrecorded, ca) == sorted(
+            [f"{_serial(third):x}", f"{unrecorded.serial_number:x}"], key=lambda h: int(h, 16)
+        )
     finally:
         store.close()
-
-    # The same machine renewing: the certificate it held goes too, and is named once.
-    third = _cert(ca, "node-a")
-    old = x509.load_pem_x509_certificate(second)
-    revoked = flow._record(tmp_path, "node-a", pki.cert_info(x509.load_pem_x509_certificate(third)), old, ca)
-    assert revoked == [f"{_serial(second):x}"]
 
 
 # -- identify, against a scripted node -----------------------------------------------------
@@ -113,15 +142,15 @@ class _Node:
 
 
 def _identify(tmp_path: Path, ca: pki.CA, cert: bytes | None, known: list[dict], *, reissue: bool = False) -> str:
-    opts = flow.Options(
+    opts = Options(
         target="root@10.0.0.99",
         server_config=None,  # type: ignore[arg-type]  # not read by identify
         state_dir=tmp_path,
         known_hosts=tmp_path / "known_hosts",
         reissue=reissue,
     )
-    auth = flow._Authority(ca=ca, server_cert=None, admin=None, nodes=known)  # type: ignore[arg-type]
-    return trio.run(flow._identify, opts, _Node(cert), flow._Facts(), auth)
+    auth = Authority(ca=ca, server_cert=None, admin=_StoreAdmin(tmp_path), nodes=known)  # type: ignore[arg-type]
+    return trio.run(identify.identify, opts, _Node(cert), Facts(), auth)
 
 
 def test_identify_refuses_a_machine_taking_a_known_nodes_name_connected_or_not(tmp_path: Path) -> None:
@@ -140,3 +169,17 @@ def test_identify_refuses_a_machine_taking_a_known_nodes_name_connected_or_not(t
         assert said.endswith(f"; known to the cluster already ({state}): adding it again"), said
     # A node id the cluster does not know yet: nothing to hold.
     assert "known to the cluster" not in _identify(tmp_path, ca, None, [])
+
+
+def test_identify_asks_the_control_plane_whether_the_held_certificate_is_revoked(tmp_path: Path) -> None:
+    ca = _ca(tmp_path)
+    held = _cert(ca, "node-a")
+    known = [{"id": "node-a", "connected": False, "state": "lost", "address": "10.0.0.21"}]
+    assert _identify(tmp_path, ca, held, known).endswith("adding it again")
+    store = Store.open(tmp_path)
+    try:
+        store.remove_node("node-a", also_revoke=_serial(held))  # `llmgw node remove node-a`
+    finally:
+        store.close()
+    with pytest.raises(UsageError, match=f"holds a revoked certificate of 'node-a' \\(serial {_serial(held):x}\\)"):
+        _identify(tmp_path, ca, held, known)

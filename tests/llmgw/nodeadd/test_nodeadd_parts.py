@@ -17,7 +17,8 @@ from trio.testing import MockClock
 from llmgw import config as cfg
 from llmgw import pki
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
-from llmgw.nodeadd import flow, layout, release, ssh
+from llmgw.nodeadd import identify, install, layout, release, ship, ssh
+from llmgw.nodeadd.context import Facts, Options
 from llmgw.nodeadd.questions import Unattended
 from testlib.needs import program
 
@@ -142,9 +143,9 @@ def _server_cert(tmp_path: Path, sans: list[str]) -> pki.CertInfo:
     return pki.load_ca(tmp_path).issue_server_cert(tmp_path, sans, validity_days=30)
 
 
-def _opts(tmp_path: Path, *, agent_listen: str = "0.0.0.0:7443", server_address: str = "") -> flow.Options:
+def _opts(tmp_path: Path, *, agent_listen: str = "0.0.0.0:7443", server_address: str = "") -> Options:
     server = cfg.server_config_from_dict({"server": {"agent_listen": agent_listen}})
-    return flow.Options(
+    return Options(
         target="root@127.0.0.1",
         server_config=server,
         state_dir=tmp_path,
@@ -155,27 +156,27 @@ def _opts(tmp_path: Path, *, agent_listen: str = "0.0.0.0:7443", server_address:
 
 def test_the_source_address_on_the_route_must_be_in_the_server_certificate(tmp_path: Path) -> None:
     cert = _server_cert(tmp_path, ["127.0.0.1"])
-    assert flow._agent_address(_opts(tmp_path), "127.0.0.1", cert) == ("127.0.0.1", 7443)
+    assert identify.agent_address(_opts(tmp_path), "127.0.0.1", cert) == ("127.0.0.1", 7443)
     other = _server_cert(tmp_path / "other", ["10.9.9.9"])
     with pytest.raises(ConfigError) as err:
-        flow._agent_address(_opts(tmp_path), "127.0.0.1", other)
+        identify.agent_address(_opts(tmp_path), "127.0.0.1", other)
     assert "127.0.0.1" in str(err.value) and "--san 10.9.9.9 --san 127.0.0.1" in str(err.value)
 
 
 def test_a_named_server_address_is_checked_too(tmp_path: Path) -> None:
     cert = _server_cert(tmp_path, ["cp.example.net", "127.0.0.1"])
     opts = _opts(tmp_path, server_address="CP.example.net")
-    assert flow._agent_address(opts, "127.0.0.1", cert) == ("CP.example.net", 7443)
+    assert identify.agent_address(opts, "127.0.0.1", cert) == ("CP.example.net", 7443)
     with pytest.raises(ConfigError, match="--server-address"):
-        flow._agent_address(_opts(tmp_path, server_address="other.example.net"), "127.0.0.1", cert)
+        identify.agent_address(_opts(tmp_path, server_address="other.example.net"), "127.0.0.1", cert)
 
 
 def test_an_agent_endpoint_bound_elsewhere_or_to_port_0_is_refused(tmp_path: Path) -> None:
     cert = _server_cert(tmp_path, ["127.0.0.1"])
     with pytest.raises(ConfigError, match="port 0"):
-        flow._agent_address(_opts(tmp_path, agent_listen="0.0.0.0:0"), "127.0.0.1", cert)
+        identify.agent_address(_opts(tmp_path, agent_listen="0.0.0.0:0"), "127.0.0.1", cert)
     with pytest.raises(ConfigError, match="cannot reach it at 127.0.0.1"):
-        flow._agent_address(_opts(tmp_path, agent_listen="10.1.1.1:7443"), "127.0.0.1", cert)
+        identify.agent_address(_opts(tmp_path, agent_listen="10.1.1.1:7443"), "127.0.0.1", cert)
 
 
 # -- joined --------------------------------------------------------------------------------
@@ -195,25 +196,25 @@ def _node(**over) -> dict:
 
 
 def test_joined_means_the_restarted_agent_heartbeated_and_checked_llama_cpp() -> None:
-    assert flow.join_progress(_node(), started_before=100.0)[0] == flow.JOINED
-    assert flow.join_progress(_node(), started_before=None)[0] == flow.JOINED
+    assert install.join_progress(_node(), started_before=100.0)[0] == install.JOINED
+    assert install.join_progress(_node(), started_before=None)[0] == install.JOINED
     # A node known from before (joined, even cordoned) is not joined until its new agent has said so.
-    state, why = flow.join_progress(_node(cordoned=True), started_before=200.0)
-    assert state == flow.WAITING and "from before the restart" in why
-    state, why = flow.join_progress(None, started_before=None)
-    assert state == flow.WAITING and "not heard" in why
-    state, why = flow.join_progress(_node(state="joining"), started_before=100.0)
-    assert state == flow.WAITING and "heartbeat" in why
-    state, why = flow.join_progress(_node(engines=[]), started_before=100.0)
-    assert state == flow.WAITING and "llama.cpp is not installed yet" in why
-    state, why = flow.join_progress(_node(connected=False, state="lost"), started_before=100.0)
-    assert state == flow.WAITING and "not connected" in why
+    state, why = install.join_progress(_node(cordoned=True), started_before=200.0)
+    assert state == install.WAITING and "from before the restart" in why
+    state, why = install.join_progress(None, started_before=None)
+    assert state == install.WAITING and "not heard" in why
+    state, why = install.join_progress(_node(state="joining"), started_before=100.0)
+    assert state == install.WAITING and "heartbeat" in why
+    state, why = install.join_progress(_node(engines=[]), started_before=100.0)
+    assert state == install.WAITING and "llama.cpp is not installed yet" in why
+    state, why = install.join_progress(_node(connected=False, state="lost"), started_before=100.0)
+    assert state == install.WAITING and "not connected" in why
 
 
 def test_a_llama_cpp_the_agent_cannot_use_ends_the_wait() -> None:
     bad = [{"name": "llamacpp", "version": "", "ok": False, "detail": "no llama-server at /x"}]
-    state, why = flow.join_progress(_node(engines=bad), started_before=100.0)
-    assert state == flow.BROKEN and "no llama-server at /x" in why
+    state, why = install.join_progress(_node(engines=bad), started_before=100.0)
+    assert state == install.BROKEN and "no llama-server at /x" in why
 
 
 class _Admin:
@@ -240,11 +241,11 @@ class _Session:
 
 def test_the_join_timeout_says_what_is_missing_and_shows_the_log(tmp_path: Path) -> None:
     opts = attrs.evolve(_opts(tmp_path), join_timeout_s=30.0)
-    facts = flow._Facts(node_id="node-a", systemd=False)
+    facts = Facts(node_id="node-a", systemd=False)
     admin, session = _Admin(), _Session()
 
     async def wait() -> str:
-        return await flow._wait_for_join(opts, session, facts, admin, started_before=200.0)
+        return await install.wait_for_join(opts, session, facts, admin, started_before=200.0)
 
     with pytest.raises(PeerError) as err:
         trio.run(wait, clock=MockClock(autojump_threshold=0))
@@ -278,8 +279,8 @@ class Recorder(Unattended):
 
 def _fabrics(tmp_path: Path, decls: tuple[cfg.FabricDecl, ...], inventory: dict) -> tuple[str, str, tuple]:
     opts = attrs.evolve(_opts(tmp_path), fabrics=decls)
-    facts = flow._Facts()
-    status, text = trio.run(flow._fabrics, opts, facts, inventory, CLUSTER, Recorder())
+    facts = Facts()
+    status, text = trio.run(ship.fabrics, opts, facts, inventory, CLUSTER, Recorder())
     return status, text, facts.fabrics
 
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import trio
-import trio_asyncio
 
-from llmgw.errors import MachineError, UsageError
+from llmgw.errors import MachineError, PeerError, UsageError
 from llmgw.nodeadd.errors import AuthFailed, ChangedHostKey, RemoteTimeout, UnknownHostKey
 from llmgw.nodeadd.ssh import open_session, parse_target
 from testlib.sshd import Sshd, keygen
@@ -53,7 +52,7 @@ def session(sshd: Sshd, known_hosts: Path, *, accept=True, client_key: Path | No
 @pytest.mark.trio
 async def test_stdout_and_stderr_come_back_apart(sshd: Sshd, known_hosts: Path) -> None:
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts) as s:
+        async with session(sshd, known_hosts) as s:
             result = await s.run(["sh", "-c", "echo out; echo err >&2"], timeout_s=10)
     assert (result.exit_status, result.stdout, result.stderr) == (0, "out\n", "err\n")
 
@@ -61,7 +60,7 @@ async def test_stdout_and_stderr_come_back_apart(sshd: Sshd, known_hosts: Path) 
 @pytest.mark.trio
 async def test_exit_status_is_passed_on_and_the_session_stays_usable(sshd: Sshd, known_hosts: Path) -> None:
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts) as s:
+        async with session(sshd, known_hosts) as s:
             failed = await s.run(["sh", "-c", "exit 3"], timeout_s=10)
             again = await s.run(["true"], sudo=True, timeout_s=10)  # as root: no sudo in between
     assert failed.exit_status == 3
@@ -73,7 +72,7 @@ async def test_a_hostile_argument_is_one_word_and_runs_nothing(sshd: Sshd, known
     canary = tmp_path / "canary"
     words = [f"x; touch {canary}", f"$(touch {canary})", f"`touch {canary}`", f"'; touch {canary}; '"]
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts) as s:
+        async with session(sshd, known_hosts) as s:
             result = await s.run(["printf", "%s\\n", *words], timeout_s=10)
     assert result.stdout.splitlines() == words
     assert not canary.exists()
@@ -84,7 +83,7 @@ async def test_a_command_past_its_deadline_is_abandoned(sshd: Sshd, known_hosts:
     pidfile = tmp_path / "sleeper.pid"
     try:
         with trio.fail_after(TIMEOUT_S):
-            async with trio_asyncio.open_loop(), session(sshd, known_hosts) as s:
+            async with session(sshd, known_hosts) as s:
                 started = trio.current_time()
                 with pytest.raises(RemoteTimeout, match="sleep"):
                     await s.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], timeout_s=0.3)
@@ -105,13 +104,12 @@ async def test_a_new_host_not_accepted_runs_nothing(sshd: Sshd, known_hosts: Pat
         return False
 
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop():
-            for accept in (False, operator_says_no):
-                with pytest.raises(UnknownHostKey) as caught:
-                    async with session(sshd, known_hosts, accept=accept) as s:
-                        await s.run(["touch", str(sshd.root / "ran")], timeout_s=10)
-                assert caught.value.fingerprint == sshd.host_key_fingerprint
-                assert sshd.host_key_fingerprint in str(caught.value)
+        for accept in (False, operator_says_no):
+            with pytest.raises(UnknownHostKey) as caught:
+                async with session(sshd, known_hosts, accept=accept) as s:
+                    await s.run(["touch", str(sshd.root / "ran")], timeout_s=10)
+            assert caught.value.fingerprint == sshd.host_key_fingerprint
+            assert sshd.host_key_fingerprint in str(caught.value)
     assert offered == [sshd.host_key_fingerprint]  # the operator saw what ssh-keygen -lf prints
     assert not known_hosts.exists()
     assert not (sshd.root / "ran").exists()
@@ -125,13 +123,12 @@ async def test_a_new_host_accepted_is_remembered(sshd: Sshd, known_hosts: Path) 
         return True
 
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop():
-            async with session(sshd, known_hosts, accept=operator_says_yes) as s:
-                assert (await s.run(["echo", "1"], timeout_s=10)).stdout == "1\n"
-            lines = known_hosts.read_text().splitlines()
-            # The second connection asks nobody: the key is known now.
-            async with session(sshd, known_hosts, accept=False) as s:
-                assert (await s.run(["echo", "2"], timeout_s=10)).stdout == "2\n"
+        async with session(sshd, known_hosts, accept=operator_says_yes) as s:
+            assert (await s.run(["echo", "1"], timeout_s=10)).stdout == "1\n"
+        lines = known_hosts.read_text().splitlines()
+        # The second connection asks nobody: the key is known now.
+        async with session(sshd, known_hosts, accept=False) as s:
+            assert (await s.run(["echo", "2"], timeout_s=10)).stdout == "2\n"
     assert known_hosts.read_text().splitlines() == lines
     assert len(lines) == 1 and lines[0].startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
     found = subprocess.run(
@@ -152,24 +149,23 @@ async def test_a_known_hosts_file_written_by_openssh_is_trusted(sshd: Sshd, know
     known_hosts.parent.mkdir(parents=True)
     known_hosts.write_text("# hashed, as ssh(1) writes with HashKnownHosts\n" + scan.stdout)
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts, accept=False) as s:
+        async with session(sshd, known_hosts, accept=False) as s:
             assert (await s.run(["true"], timeout_s=10)).exit_status == 0
 
 
 @pytest.mark.trio
 async def test_a_changed_host_key_is_refused_with_both_fingerprints(sshd: Sshd, known_hosts: Path) -> None:
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts, accept=True) as s:
+        async with session(sshd, known_hosts, accept=True) as s:
             await s.run(["true"], timeout_s=10)
     old = sshd.host_key_fingerprint
     before = known_hosts.read_text()
     sshd.restart(new_host_key=True)
     new = sshd.host_key_fingerprint
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop():
-            with pytest.raises(ChangedHostKey) as caught:
-                async with session(sshd, known_hosts, accept=True) as s:
-                    await s.run(["touch", str(sshd.root / "ran")], timeout_s=10)
+        with pytest.raises(ChangedHostKey) as caught:
+            async with session(sshd, known_hosts, accept=True) as s:
+                await s.run(["touch", str(sshd.root / "ran")], timeout_s=10)
     assert (caught.value.offered, caught.value.known) == (new, (old,))
     message = str(caught.value)
     assert all(part in message for part in ("127.0.0.1", old, new, "ssh-keygen -R"))
@@ -185,7 +181,7 @@ async def test_put_writes_the_file_with_its_mode(sshd: Sshd, known_hosts: Path, 
     remote = sshd.root / "installed" / "llmgw"
     remote.parent.mkdir()
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop(), session(sshd, known_hosts) as s:
+        async with session(sshd, known_hosts) as s:
             await s.put(local, str(remote), mode=0o750)
             with pytest.raises(MachineError, match="not a file"):
                 await s.put(tmp_path / "missing", str(remote))
@@ -198,20 +194,23 @@ async def test_put_writes_the_file_with_its_mode(sshd: Sshd, known_hosts: Path, 
 async def test_a_refused_key_names_the_user_and_the_key_file(sshd: Sshd, known_hosts: Path, tmp_path: Path) -> None:
     stranger = keygen(tmp_path / "stranger", "not-authorized")
     with trio.fail_after(TIMEOUT_S):
-        async with trio_asyncio.open_loop():
-            with pytest.raises(AuthFailed) as caught:
-                async with session(sshd, known_hosts, client_key=stranger):
-                    pass
+        with pytest.raises(AuthFailed) as caught:
+            async with session(sshd, known_hosts, client_key=stranger):
+                pass
     message = str(caught.value)
     assert all(part in message for part in (repr(sshd.user), str(stranger), "ssh-copy-id", "SSH_AUTH_SOCK"))
     assert sshd.sessions_started() == 0
 
 
 @pytest.mark.trio
-async def test_the_session_needs_the_trio_asyncio_loop(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="open_loop"):
-        async with open_session("root@127.0.0.1", known_hosts=tmp_path / "kh", accept_new_host_key=False):
-            pass
+async def test_an_error_inside_the_session_comes_out_bare(sshd: Sshd, known_hosts: Path) -> None:
+    """The asyncio loop under the session runs in a nursery; its exception group stays inside ssh.py."""
+    with trio.fail_after(TIMEOUT_S):
+        with pytest.raises(PeerError, match="the caller's own") as caught:
+            async with session(sshd, known_hosts) as s:
+                assert (await s.run(["true"], timeout_s=10)).exit_status == 0
+                raise PeerError("the caller's own")
+    assert type(caught.value) is PeerError
 
 
 @pytest.mark.parametrize(

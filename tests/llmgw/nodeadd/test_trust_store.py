@@ -13,7 +13,8 @@ import trio
 
 from llmgw import pki
 from llmgw.errors import MachineError
-from llmgw.nodeadd import flow, layout, ssh
+from llmgw.nodeadd import identify, install, layout, ssh
+from llmgw.nodeadd.context import Facts, Options
 
 DEBIAN_12 = """\
 hostname=vm
@@ -150,7 +151,7 @@ class _Node:
 def _identify_and_trust(tmp_path: Path, probe: str, *, system_trust: bool = True) -> _Node:
     pki.init_ca(tmp_path, validity_days=30)
     ca = pki.load_ca(tmp_path)
-    opts = flow.Options(
+    opts = Options(
         target="root@10.0.0.21",
         server_config=None,  # type: ignore[arg-type]  # not read by these two steps
         state_dir=tmp_path,
@@ -158,12 +159,12 @@ def _identify_and_trust(tmp_path: Path, probe: str, *, system_trust: bool = True
         system_trust=system_trust,
     )
     node = _Node(probe)
-    facts = flow._Facts(stage="/tmp/llmgw-node-add.abcdefgh", cert_pem=b"-----BEGIN CERTIFICATE-----\n")
+    facts = Facts(stage="/tmp/llmgw-node-add.abcdefgh", cert_pem=b"-----BEGIN CERTIFICATE-----\n")
 
     async def steps() -> None:
-        await flow._probe(opts, node, facts)
+        await identify.probe(opts, node, facts)
         node.ran.clear()
-        await flow._trust(node, facts, ca)
+        await install.trust(node, facts, ca)
 
     trio.run(steps)
     return node

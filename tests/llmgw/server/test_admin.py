@@ -150,3 +150,81 @@ async def test_the_answers_table_picks_the_most_specific_class() -> None:
     bad = answer(ConfigError("server.toml", ["expected int @ $.models[0].replicas"]))
     assert bad.status == 422 and bad.message.startswith("server.toml has problems; nothing changed:\nserver.toml: ")
     assert answer(MachineError("no disk")) is None  # not a domain error: a bug, answered 500 by the server
+
+
+# -- certificates: how `llmgw node add` and `llmgw ca issue` reach the database while it runs --
+
+
+async def test_a_recorded_certificate_is_read_back_and_revokes_the_node_ids_others(running) -> None:
+    plane, state = running
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    big = 2**158 + 12345  # x509 serials exceed what a JSON number keeps: sent as decimal strings
+    assert await call(client.is_revoked, big) is False  # never recorded: nothing says it is revoked
+    assert await call(lambda: client.record_certificate(big, "node-a", 2e9)) == []
+    shown = await call(client.request, "GET", f"/admin/v1/certificates/{big}")
+    assert shown == {
+        "serial": str(big),
+        "recorded": True,
+        "node_id": "node-a",
+        "not_after": 2e9,
+        "revoked": False,
+        "revoked_at": None,
+    }
+    revoked = await call(lambda: client.record_certificate(7, "node-a", 2e9, revoke_others=True, also_revoke=[99]))
+    assert revoked == [99, big]
+    assert await call(client.is_revoked, big) and await call(client.is_revoked, 99)
+    assert not await call(client.is_revoked, 7)
+    # What `llmgw node remove` revokes is what was recorded here.
+    assert (await call(client.remove_node, "node-a"))["revoked_serials"] == ["7"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"serial": 5, "node_id": "n", "not_after": 1.0}, "'serial': a serial is a positive whole number in decimal"),
+        ({"serial": "0x5", "node_id": "n", "not_after": 1.0}, "got '0x5'"),
+        ({"serial": "5", "node_id": "bad id", "not_after": 1.0}, "'node_id': node id 'bad id' may use only"),
+        ({"serial": "5", "node_id": None, "not_after": 1.0}, "'node_id' must be the node id"),
+        ({"serial": "5", "node_id": "n", "not_after": "soon"}, "'not_after' must be the certificate's expiry"),
+        ({"serial": "5", "node_id": "n", "not_after": 1.0, "revoke_others": "yes"}, "'revoke_others' must be true"),
+        ({"serial": "5", "node_id": "n", "not_after": 1.0, "also_revoke": [5]}, "'also_revoke': a serial is"),
+        ({"serial": "5", "node_id": "n", "not_after": 1.0, "extra": 1}, "unknown fields ['extra']"),
+    ],
+)
+async def test_a_bad_certificate_record_is_400_naming_the_field_and_records_nothing(running, body, says) -> None:
+    plane, state = running
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    with pytest.raises(PeerError) as info:
+        await call(client.request, "POST", "/admin/v1/certificates", body)
+    assert says in str(info.value) and "HTTP 400" in str(info.value)
+    assert await plane.store.certificate(5) is None
+
+
+async def test_the_certificate_routes_need_the_credential(running) -> None:
+    _, state = running
+    url = paths.admin_url_path(state).read_text().strip()
+    stranger = AdminClient(url, "not-the-token")
+    for attempt in (lambda: stranger.record_certificate(5, "n", 2e9), lambda: stranger.is_revoked(5)):
+        with pytest.raises(PeerError, match="wrong admin credential"):
+            await call(attempt)
+
+
+async def test_a_locked_database_is_503_with_the_stores_message_and_records_nothing(running) -> None:
+    import sqlite3
+
+    from llmgw.server.store import store_path
+
+    plane, state = running
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    other = sqlite3.connect(str(store_path(state)), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # a sqlite3 shell in a transaction
+    try:
+        with pytest.raises(PeerError) as info:
+            await call(lambda: client.record_certificate(5, "node-a", 2e9))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    message = str(info.value)
+    assert f"{store_path(state)} is locked by another process" in message and "try again" in message
+    assert "HTTP 503" in message
+    assert await plane.store.certificate(5) is None

@@ -149,7 +149,7 @@ def damage(path: Path, *, first_page: int, pages: int) -> None:
 def a_store_with_some_pages(state: Path) -> Path:
     store = Store.open(state)
     for i in range(300):
-        store.record_certificate(10**30 + i, f"node-{i % 7}", not_after=2e9)
+        store.record_issued(10**30 + i, f"node-{i % 7}", not_after=2e9)
         store.saw_node(f"node-{i:03d}", "10.0.0.1")
     store.close()
     return store_path(state)

@@ -57,9 +57,9 @@ def test_cordoning_an_unknown_node_names_the_known_ones(tmp_path: Path) -> None:
 def test_removal_revokes_every_certificate_of_the_node_and_persists(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
     store.saw_node("a", "x")
-    store.record_certificate(111, "a", not_after=2e9)
-    store.record_certificate(222, "a", not_after=2e9)
-    store.record_certificate(333, "b", not_after=2e9)
+    store.record_issued(111, "a", not_after=2e9)
+    store.record_issued(222, "a", not_after=2e9)
+    store.record_issued(333, "b", not_after=2e9)
     assert sorted(store.remove_node("a")) == ["111", "222"]
     store = reopen(store)
     assert store.nodes() == []
@@ -70,10 +70,41 @@ def test_removal_revokes_every_certificate_of_the_node_and_persists(tmp_path: Pa
 
 def test_a_node_only_issued_a_certificate_can_be_removed(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    store.record_certificate(5, "never-connected", not_after=2e9)
+    store.record_issued(5, "never-connected", not_after=2e9)
     assert store.remove_node("never-connected") == ["5"]
     with pytest.raises(UnknownNode):
         store.remove_node("never-connected")
+
+
+def test_a_certificate_issued_revokes_the_node_ids_others_and_what_the_machine_held(tmp_path: Path) -> None:
+    store = Store.open(tmp_path)
+    assert store.record_issued(111, "a", not_after=2e9) == []
+    assert store.record_issued(333, "b", not_after=2e9) == []
+    assert store.record_issued(222, "a", not_after=2e9, revoke_others=True, also_revoke=[2**150 + 7]) == [
+        "111",
+        str(2**150 + 7),  # never recorded here (another run of the CA's records, say): revoked all the same
+    ]
+    assert store.record_issued(222, "a", not_after=2e9, revoke_others=True, also_revoke=[222]) == []  # again: no-op
+    store = reopen(store)
+    assert store.is_revoked(111) and store.is_revoked(2**150 + 7)
+    assert not store.is_revoked(222) and not store.is_revoked(333)  # the new one, and another node id's
+    row = store.certificate(222)
+    assert row is not None and (row.node_id, row.not_after, row.revoked_at) == ("a", 2e9, None)
+    assert store.certificate(111).revoked_at is not None and store.certificate(444) is None
+
+
+def test_recording_a_certificate_is_one_transaction(tmp_path: Path) -> None:
+    store = Store(store_path(tmp_path), busy_timeout_s=0.05)
+    store.record_issued(111, "a", not_after=2e9)
+    other = sqlite3.connect(str(store_path(tmp_path)), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreBusy, match="nothing changed; try again"):
+            store.record_issued(222, "a", not_after=2e9, revoke_others=True)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert store.certificate(222) is None and not store.is_revoked(111)
 
 
 def test_revoking_a_serial_never_recorded(tmp_path: Path) -> None:
@@ -91,7 +122,7 @@ def test_a_store_that_cannot_be_opened_says_where(tmp_path: Path) -> None:
 
 def test_removal_also_revokes_the_certificate_the_node_connected_with(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    store.record_certificate(111, "a", not_after=2e9)
+    store.record_issued(111, "a", not_after=2e9)
     # Known to the registry only, connected with a certificate another CA run issued: still removable.
     assert sorted(store.remove_node("a", also_revoke=999)) == ["111", "999"]
     assert store.is_revoked(999) and store.is_revoked(111)
@@ -120,10 +151,10 @@ def test_a_cli_call_under_the_lock_says_so_instead_of_a_traceback(tmp_path: Path
     other.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(StoreBusy, match="is locked by another process"):
-            store.record_certificate(1, "a", not_after=2e9)
+            store.record_issued(1, "a", not_after=2e9)
     finally:
         other.execute("ROLLBACK")
-    store.record_certificate(1, "a", not_after=2e9)
+    store.record_issued(1, "a", not_after=2e9)
     assert not store.is_revoked(1)
 
 

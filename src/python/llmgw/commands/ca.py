@@ -199,12 +199,25 @@ def run_issue(args: argparse.Namespace) -> int:
 
 
 def _record(state_dir: Path, node_id: str, info: pki.CertInfo) -> None:
-    """Remember the serial, so `llmgw node remove` revokes this certificate even if it never connected."""
-    from llmgw.server.store import Store
+    """Remember the serial, so `llmgw node remove` revokes this certificate even if it never connected.
 
+    While a control plane runs, it alone opens its database: the serial goes through its admin
+    API. With none running (no admin.url, or nothing answers there) the database is written
+    here, with the method the admin API uses. The store's own errors (locked, failed, damaged)
+    say what to do either way: the admin API passes them on with a 503."""
+    from llmgw.ctl.client import AdminClient
+    from llmgw.ctl.errors import NoControlPlane, NotAnswering
+    from llmgw.server.store import Store, store_path
+
+    try:
+        admin = AdminClient.locate(server=None, credential=None, state_dir=str(state_dir))
+        admin.record_certificate(info.serial, node_id, info.not_after.timestamp())
+        return
+    except (NoControlPlane, NotAnswering):
+        log.info("no_control_plane_runs", recorded_in=str(store_path(state_dir)))
     store = Store.open(state_dir)
     try:
-        store.record_certificate(info.serial, node_id, info.not_after.timestamp())
+        store.record_issued(info.serial, node_id, info.not_after.timestamp())
     finally:
         store.close()
 

@@ -233,33 +233,29 @@ def run_remove(args: argparse.Namespace) -> int:
 
 
 async def _stop_remote(args: argparse.Namespace) -> str:
-    import trio_asyncio
+    from llmgw.errors import PeerError
+    from llmgw.nodeadd import install, layout, ssh
 
-    from llmgw.nodeadd import flow, layout, ssh
-
-    async with trio_asyncio.open_loop():
-        async with ssh.open_session(
-            args.ssh,
-            known_hosts=args.known_hosts or _default_known_hosts(),
-            accept_new_host_key=args.accept_new_host_key,
-            client_keys=tuple(args.identity) if args.identity else None,
-            port=args.port,
-        ) as s:
-            probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
-            facts = layout.parse_probe(probe.stdout)
-            if facts.systemd:
-                argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
-                how = f"systemctl disable --now {layout.UNIT_NAME}"
-            else:
-                argv = flow.stop_supervisor_argv()
-                how = f"llmgw agent stop --pid-file {layout.PID_FILE}"
-            res = await s.run(argv, sudo=True, timeout_s=120)
-            if res.exit_status != 0:
-                from llmgw.errors import PeerError
-
-                raise PeerError(
-                    f"the node was removed from the cluster, but stopping its agent on {args.ssh} failed "
-                    f"({how}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); "
-                    "stop it there by hand"
-                )
-            return f"stopped and disabled the agent on {args.ssh} ({how}); its files are left in place"
+    async with ssh.open_session(
+        args.ssh,
+        known_hosts=args.known_hosts or _default_known_hosts(),
+        accept_new_host_key=args.accept_new_host_key,
+        client_keys=tuple(args.identity) if args.identity else None,
+        port=args.port,
+    ) as s:
+        probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
+        facts = layout.parse_probe(probe.stdout)
+        if facts.systemd:
+            argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
+            how = f"systemctl disable --now {layout.UNIT_NAME}"
+        else:
+            argv = install.stop_supervisor_argv()
+            how = f"llmgw agent stop --pid-file {layout.PID_FILE}"
+        res = await s.run(argv, sudo=True, timeout_s=120)
+        if res.exit_status != 0:
+            raise PeerError(
+                f"the node was removed from the cluster, but stopping its agent on {args.ssh} failed "
+                f"({how}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); "
+                "stop it there by hand"
+            )
+        return f"stopped and disabled the agent on {args.ssh} ({how}); its files are left in place"

@@ -1,4 +1,4 @@
-"""The admin API client used by `llmgw ctl` and `llmgw node remove`.
+"""The admin API client used by `llmgw ctl`, `llmgw node` and `llmgw ca issue`.
 
 Finds the control plane in one of two ways: `--server URL` with `--credential FILE`, or a
 local control plane's state directory (`--state-dir`, $LLMGW_STATE_DIR, or the default), whose
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from llmgw import paths
 from llmgw.config import DEFAULT_SERVER_STATE_DIR
+from llmgw.ctl.errors import NoControlPlane, NotAnswering
 from llmgw.errors import MachineError, PeerError, UsageError
 
 TIMEOUT_S = 30.0
@@ -42,7 +44,7 @@ class AdminClient:
         try:
             url = url_file.read_text().strip()
         except FileNotFoundError:
-            raise MachineError(
+            raise NoControlPlane(
                 f"no control plane has run with state directory {directory} ({url_file} is missing); start "
                 "`llmgw server`, or point at one with --state-dir DIR or --server URL --credential FILE"
             ) from None
@@ -63,7 +65,7 @@ class AdminClient:
             response = conn.getresponse()
             body = response.read()
         except ConnectionRefusedError:
-            raise PeerError(f"no control plane answers at {self.url}: is `llmgw server` running?") from None
+            raise NotAnswering(f"no control plane answers at {self.url}: is `llmgw server` running?") from None
         except (OSError, http.client.HTTPException) as exc:
             raise PeerError(f"the admin API at {self.url} failed: {exc}") from None
         finally:
@@ -93,3 +95,26 @@ class AdminClient:
 
     def remove_node(self, node_id: str) -> dict[str, Any]:
         return self.request("DELETE", f"/admin/v1/nodes/{quote(node_id, safe='')}")
+
+    def record_certificate(
+        self,
+        serial: int,
+        node_id: str,
+        not_after: float,
+        *,
+        revoke_others: bool = False,
+        also_revoke: Sequence[int] = (),
+    ) -> list[int]:
+        """Have the control plane record a certificate it issued (server.store `record_issued`);
+        returns the serials it revoked with it."""
+        body = {
+            "serial": str(serial),
+            "node_id": node_id,
+            "not_after": not_after,
+            "revoke_others": revoke_others,
+            "also_revoke": [str(n) for n in also_revoke],
+        }
+        return [int(n) for n in self.request("POST", "/admin/v1/certificates", body)["revoked_serials"]]
+
+    def is_revoked(self, serial: int) -> bool:
+        return bool(self.request("GET", f"/admin/v1/certificates/{serial}")["revoked"])

@@ -5,7 +5,7 @@ a node, what makes a machine that node is its certificate: issued by this CA for
 and not revoked, for a key made on the machine that never left it. `identify` refuses a machine
 that takes a known node's hostname without holding such a certificate, unless the operator says
 it replaces that node (`--reissue`, or `llmgw node remove` first); either way the replaced
-machine's certificates are revoked when the new one is issued (`flow._record`).
+machine's certificates are revoked when the new one is issued (`install.record`).
 
 Pure: it reads the certificate it is given and asks `is_revoked`; no I/O of its own.
 """

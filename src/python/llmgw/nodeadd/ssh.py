@@ -10,12 +10,16 @@ asyncssh. Invariants:
   known_hosts and the operator accepted its fingerprint; an accepted key is appended to
   known_hosts. A host whose key differs from the one known is refused, never re-accepted here.
   Host keys are checked before authentication, so a refused host never runs anything.
-- asyncssh runs on asyncio; this module runs it under trio through trio-asyncio. The caller opens
-  the loop ONCE around the whole session:
+- asyncssh runs on asyncio; this module alone knows it. `open_session` opens trio-asyncio's
+  loop for as long as the session lasts and closes it after the session, and every `Session`
+  method is a trio function, so a caller sees trio only:
 
-      async with trio_asyncio.open_loop():
-          async with open_session("ubuntu@10.0.0.21", known_hosts=..., accept_new_host_key=ask) as s:
-              result = await s.run(["hostname"], timeout_s=30)
+      async with open_session("ubuntu@10.0.0.21", known_hosts=..., accept_new_host_key=ask) as s:
+          result = await s.run(["hostname"], timeout_s=30)
+
+  The loop runs in a nursery, which wraps what passes through it in an exception group; an
+  llmgw error (the session's, or the caller's from inside the block) comes out bare, as if
+  there were no loop.
 
 - ~/.ssh/config is not read: what is connected to, as whom, and with which keys is what the
   command line says.
@@ -38,7 +42,7 @@ import trio
 import trio_asyncio
 from trio_asyncio import aio_as_trio
 
-from llmgw.errors import MachineError, PeerError, UsageError
+from llmgw.errors import LlmgwError, MachineError, PeerError, UsageError, leaves, only
 from llmgw.nodeadd.errors import AuthFailed, ChangedHostKey, RemoteTimeout, UnknownHostKey
 from llmgw.nodeadd.remote import command, sudo_command
 
@@ -206,41 +210,44 @@ async def open_session(
 ) -> AsyncIterator[Session]:
     """Connect to `user@host`, verify its host key, authenticate by key; close on exit.
 
-    Must run inside `async with trio_asyncio.open_loop():`, opened once by the caller around the
-    whole session. `accept_new_host_key` decides for a host absent from `known_hosts`: True
-    accepts (`--accept-new-host-key`), False refuses, or an async callable is given the key's
-    fingerprint (`SHA256:...`) and returns whether the operator accepts it. `client_keys` are
-    private key files; None means ssh's default files in ~/.ssh. The SSH agent (SSH_AUTH_SOCK)
-    is used in both cases, as ssh(1) does.
+    `accept_new_host_key` decides for a host absent from `known_hosts`: True accepts
+    (`--accept-new-host-key`), False refuses, or an async callable is given the key's fingerprint
+    (`SHA256:...`) and returns whether the operator accepts it. `client_keys` are private key
+    files; None means ssh's default files in ~/.ssh. The SSH agent (SSH_AUTH_SOCK) is used in
+    both cases, as ssh(1) does.
     """
-    session = await connect(
-        target,
-        known_hosts=known_hosts,
-        accept_new_host_key=accept_new_host_key,
-        client_keys=client_keys,
-        port=port,
-        connect_timeout_s=connect_timeout_s,
-    )
-    async with session:
-        yield session
+    parsed = parse_target(target)
+    keys = _load_client_keys(client_keys)
+    async with _asyncio_bridge():
+        session = await _connect(parsed, known_hosts, accept_new_host_key, client_keys, keys, port, connect_timeout_s)
+        async with session:
+            yield session
 
 
-async def connect(
-    target: str,
-    *,
+@asynccontextmanager
+async def _asyncio_bridge() -> AsyncIterator[None]:
+    """trio-asyncio's loop, for asyncssh, around one session; llmgw errors come out of it bare."""
+    try:
+        async with trio_asyncio.open_loop():
+            yield
+    except BaseException as exc:
+        mine = [e for e in leaves(exc) if isinstance(e, LlmgwError)]
+        if mine and mine[0] is not exc and only(exc, (LlmgwError, trio.Cancelled)):
+            raise mine[0] from None
+        raise
+
+
+async def _connect(
+    parsed: Target,
     known_hosts: Path,
     accept_new_host_key: AcceptNewHostKey,
-    client_keys: Sequence[Path] | None = None,
-    port: int = 22,
-    connect_timeout_s: float = 15,
+    client_keys: Sequence[Path] | None,
+    keys: list[asyncssh.SSHKeyPair] | None,
+    port: int,
+    connect_timeout_s: float,
 ) -> Session:
-    """`open_session` for a caller that closes the session itself (`Session.close`)."""
-    parsed = parse_target(target)
     # asyncssh narrates every connection at INFO; what matters reaches the operator as our errors.
     logging.getLogger("asyncssh").setLevel(max(logging.WARNING, logging.getLogger("asyncssh").level))
-    if trio_asyncio.current_loop.get() is None:
-        raise RuntimeError("llmgw.nodeadd.ssh must run inside `async with trio_asyncio.open_loop():`")
-    keys = _load_client_keys(client_keys)
     asked = False
     while True:
         trusted = _read_known_hosts(known_hosts)

@@ -16,6 +16,9 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
+                                           issue`): {serial, node_id, not_after, revoke_others, also_revoke}
+    GET    /admin/v1/certificates/SERIAL   what the control plane holds of a serial: recorded, revoked
 
 Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
 key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409. A change the
@@ -31,12 +34,13 @@ from __future__ import annotations
 import hmac
 import math
 import re
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
 
 import attrs
 
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw import pki
+from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.fabrics import FabricMap
 from llmgw.http.server import HTTPError, Request, Response
 from llmgw.log import get_logger
@@ -45,6 +49,9 @@ from llmgw.server.errors import NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import KeyRing, key_view
 from llmgw.server.store import StoreError
+
+if TYPE_CHECKING:
+    from llmgw.server.asyncstore import AsyncStore
 
 log = get_logger("llmgw.admin")
 
@@ -56,6 +63,8 @@ _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))
 
 class Plane(Protocol):
     """What the admin API asks of the control plane."""
+
+    store: AsyncStore
 
     def node_views(self) -> list[dict[str, Any]]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
@@ -164,6 +173,8 @@ class AdminAPI:
             return Response.json(200, {"models": self.plane.model_views()})
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
+        if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
+            return await certificates(self.plane.store, request)
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
@@ -210,6 +221,69 @@ class AdminAPI:
         )
         log.info("api_key_created", name=row.name, models=list(row.models))
         return Response.json(201, {"key": key_view(row), "token": token})
+
+
+# -- certificates --------------------------------------------------------------------------
+# Serials travel as decimal strings: 159 bits, which a JSON reader would round as a number.
+
+CERTIFICATES = "/admin/v1/certificates"
+_RECORD_FIELDS = {"serial", "node_id", "not_after", "revoke_others", "also_revoke"}
+
+
+async def certificates(store: AsyncStore, request: Request) -> Response:
+    """The serials of node certificates: recorded by the commands that issue them, read by
+    `llmgw node add`, so that no command but the control plane opens its database while it runs."""
+    if request.path != CERTIFICATES:
+        _allow(request, "GET")
+        serial = _serial(unquote(request.path[len(CERTIFICATES) + 1 :]), "the path")
+        row = await store.certificate(serial)
+        return Response.json(
+            200,
+            {
+                "serial": str(serial),
+                "recorded": row is not None,
+                "node_id": row.node_id if row else None,
+                "not_after": row.not_after if row else None,
+                "revoked": row is not None and row.revoked_at is not None,
+                "revoked_at": row.revoked_at if row else None,
+            },
+        )
+    _allow(request, "POST")
+    body = request.json()
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"the body must be a JSON object: {{{', '.join(sorted(_RECORD_FIELDS))}}}")
+    unknown = sorted(set(body) - _RECORD_FIELDS)
+    if unknown:
+        raise HTTPError(400, f"unknown fields {unknown}; a certificate takes {', '.join(sorted(_RECORD_FIELDS))}")
+    serial = _serial(body.get("serial"), "'serial'")
+    node_id = body.get("node_id")
+    if not isinstance(node_id, str):
+        raise HTTPError(400, f"'node_id' must be the node id the certificate names, as a string; got {node_id!r}")
+    try:
+        pki.check_node_id(node_id)
+    except UsageError as exc:
+        raise HTTPError(400, f"'node_id': {exc}") from None
+    not_after = body.get("not_after")
+    if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or not math.isfinite(not_after):
+        raise HTTPError(400, f"'not_after' must be the certificate's expiry in seconds since 1970, got {not_after!r}")
+    revoke_others = body.get("revoke_others", False)
+    if not isinstance(revoke_others, bool):
+        raise HTTPError(400, f"'revoke_others' must be true or false, got {revoke_others!r}")
+    also = body.get("also_revoke", [])
+    if not isinstance(also, list):
+        raise HTTPError(400, f"'also_revoke' must be a list of serials, got {also!r}")
+    also_revoke = [_serial(s, "'also_revoke'") for s in also]
+    revoked = await store.record_issued(
+        serial, node_id, float(not_after), revoke_others=revoke_others, also_revoke=also_revoke
+    )
+    log.info("certificate_recorded", node=node_id, serial=str(serial), revoked_serials=revoked)
+    return Response.json(201, {"recorded": str(serial), "revoked_serials": revoked})
+
+
+def _serial(given: object, where: str) -> int:
+    if isinstance(given, str) and given.isascii() and given.isdigit() and int(given) > 0:
+        return int(given)
+    raise HTTPError(400, f"{where}: a serial is a positive whole number in decimal, as a string; got {given!r}")
 
 
 def _allow(request: Request, method: str) -> None:

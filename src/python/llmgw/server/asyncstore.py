@@ -6,9 +6,10 @@ moment, and the trio loop never waits on SQLite — neither on a disk nor on ano
 lock. A caller cancelled while its call runs returns at once; the thread finishes that one call
 (bounded by the busy timeout) and only then lets the next one have the connection.
 
-The busy timeout is short (`BUSY_TIMEOUT_S`): another llmgw process (`llmgw ca issue`,
-`llmgw node add`) holds the write lock for milliseconds, so 1 s rides out those and a slow
-fsync, while a lock held for longer (a `sqlite3` shell in a transaction) fails the one call
+The busy timeout is short (`BUSY_TIMEOUT_S`): while the control plane runs no other llmgw
+process writes to its database (`llmgw ca issue` and `llmgw node add` go through the admin
+API), and a write of another program that holds the lock for milliseconds is ridden out, as is
+a slow fsync, while a lock held for longer (a `sqlite3` shell in a transaction) fails the one call
 with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10. Reads do
 not wait for such a lock (in WAL mode readers never wait for a writer), though one may wait,
 up to that second, behind a write of ours that does.
@@ -21,7 +22,7 @@ bounded, at shutdown.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +30,7 @@ import attrs
 import trio
 
 from llmgw.log import get_logger
-from llmgw.server.store import KeyRow, NodeRow, Store, StoreError, store_path
+from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, StoreError, store_path
 
 log = get_logger("llmgw.store")
 
@@ -113,6 +114,19 @@ class AsyncStore:
 
     async def revoke_serial(self, serial: int, node_id: str) -> None:
         await self._run(self._store.revoke_serial, serial, node_id)
+
+    async def certificate(self, serial: int) -> CertRow | None:
+        return await self._run(self._store.certificate, serial)
+
+    async def record_issued(
+        self, serial: int, node_id: str, not_after: float, *, revoke_others: bool, also_revoke: Sequence[int]
+    ) -> list[str]:
+        """`Store.record_issued`: for the admin API, which `llmgw node add` and `llmgw ca issue` call."""
+        return await self._run(
+            lambda: self._store.record_issued(
+                serial, node_id, not_after, revoke_others=revoke_others, also_revoke=also_revoke
+            )
+        )
 
     # -- placements -----------------------------------------------------------------------
 

@@ -5,11 +5,13 @@ each), cordon and drain marks, the certificates it issued and the serials it rev
 replica placements and the gateway's API keys. What does not: anything an agent reports
 (inventory, engines, replicas), which is rebuilt when the agents reconnect.
 
-`Store` is synchronous: one small transaction per call, on one connection. The CLI commands
-(`llmgw ca issue`, `llmgw node add`) use it directly; the running control plane never does on
-its event loop: it goes through `llmgw.server.asyncstore`, which owns a `Store` and runs its
-calls in a worker thread. The database is in WAL mode, so readers never wait for a writer and
-`llmgw ca issue` can record a certificate while the server runs.
+`Store` is synchronous: one small transaction per call, on one connection. While the control
+plane runs, it alone opens the database, through `llmgw.server.asyncstore` (which owns a `Store`
+and runs its calls in a worker thread, never on the event loop); `llmgw node add` and
+`llmgw ca issue` record a serial and read revocations through its admin API. Only while no
+control plane runs does `llmgw ca issue` open the database itself, and records with the same
+method the admin API calls (`record_issued`). The database is in WAL mode, so readers never
+wait for a writer (a backup, `llmgw server backup`, reads while the server runs).
 
 sqlite3's exceptions never leave this module: each public method translates them once, into
 `StoreBusy` (another process holds the lock past the busy timeout), `StoreCorrupt` (the file
@@ -23,7 +25,7 @@ import functools
 import json
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -93,6 +95,15 @@ class NodeRow:
     address: str
     cordoned: bool
     draining: bool
+
+
+@attrs.frozen(kw_only=True)
+class CertRow:
+    serial: int
+    node_id: str
+    not_after: float  # 0 for a serial revoked without having been recorded
+    issued_at: float
+    revoked_at: float | None
 
 
 def store_path(state_dir: Path) -> Path:
@@ -338,12 +349,48 @@ class Store:
     # -- certificates ---------------------------------------------------------------------
 
     @_at_the_edge
-    def record_certificate(self, serial: int, node_id: str, not_after: float, now: float | None = None) -> None:
+    def record_issued(
+        self,
+        serial: int,
+        node_id: str,
+        not_after: float,
+        *,
+        revoke_others: bool = False,
+        also_revoke: Sequence[int] = (),
+        now: float | None = None,
+    ) -> list[str]:
+        """Record a certificate just issued to `node_id`, so that `llmgw node remove` revokes it
+        even if it never connects. With `revoke_others`, revoke every other certificate issued to
+        the node id (a node id has one live certificate: the machine it replaces loses its own);
+        and revoke `also_revoke` (what the machine held before, which this CA issued but may not
+        have recorded). One transaction, the one way a serial is recorded (`llmgw ca issue`,
+        `llmgw node add` through the admin API); returns the serials it revoked, decimal, in
+        numeric order. Recording a serial again changes nothing."""
         now = time.time() if now is None else now
-        self._db.execute(
-            "INSERT OR IGNORE INTO certificates (serial, node_id, not_after, issued_at) VALUES (?, ?, ?, ?)",
-            (str(serial), node_id, not_after, now),
-        )
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT OR IGNORE INTO certificates (serial, node_id, not_after, issued_at) VALUES (?, ?, ?, ?)",
+                (str(serial), node_id, not_after, now),
+            )
+            revoked: list[str] = []
+            if revoke_others:
+                revoked = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                        (node_id, str(serial)),
+                    ).fetchall()
+                ]
+                self._db.execute(
+                    "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                    (now, node_id, str(serial)),
+                )
+            for other in also_revoke:
+                if other != serial and str(other) not in revoked:
+                    self._revoke(other, node_id, now)
+                    revoked.append(str(other))
+        return sorted(revoked, key=int)
 
     @_at_the_edge
     def revoke_serial(self, serial: int, node_id: str, now: float | None = None) -> None:
@@ -357,29 +404,20 @@ class Store:
         )
 
     @_at_the_edge
-    def revoke_others(self, node_id: str, keep: int, now: float | None = None) -> list[str]:
-        """Revoke every certificate issued to `node_id` but `keep` (the one just issued to it): a
-        node id has one live certificate. Returns the serials revoked now (decimal)."""
-        now = time.time() if now is None else now
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            serials = [
-                r[0]
-                for r in self._db.execute(
-                    "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
-                    (node_id, str(keep)),
-                ).fetchall()
-            ]
-            self._db.execute(
-                "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
-                (now, node_id, str(keep)),
-            )
-        return serials
-
-    @_at_the_edge
     def is_revoked(self, serial: int) -> bool:
         row = self._db.execute("SELECT revoked_at FROM certificates WHERE serial = ?", (str(serial),)).fetchone()
         return row is not None and row[0] is not None
+
+    @_at_the_edge
+    def certificate(self, serial: int) -> CertRow | None:
+        """What the store holds of one serial; None if it was never recorded or revoked."""
+        row = self._db.execute(
+            "SELECT serial, node_id, not_after, issued_at, revoked_at FROM certificates WHERE serial = ?",
+            (str(serial),),
+        ).fetchone()
+        if row is None:
+            return None
+        return CertRow(serial=int(row[0]), node_id=row[1], not_after=row[2], issued_at=row[3], revoked_at=row[4])
 
     @_at_the_edge
     def revoked_serials(self) -> list[str]:
@@ -408,8 +446,8 @@ class StoreBusy(StoreError):
     def __init__(self, path: Path, waited_s: float) -> None:
         super().__init__(
             path,
-            f"{path} is locked by another process (a backup, a sqlite3 shell, `llmgw ca issue`, `llmgw node add`) "
-            f"and stayed locked for {waited_s:g} s; nothing changed; try again",
+            f"{path} is locked by another process (a sqlite3 shell in a transaction, a backup, another "
+            f"llmgw command) and stayed locked for {waited_s:g} s; nothing changed; try again",
         )
 
 

@@ -1,0 +1,115 @@
+"""What every step of `llmgw node add` shares: the operator's `Options`, the `Authority` read
+before the node is touched, the `Facts` the steps learn in order, and the helpers that run a
+command on the node and fail with what it said.
+
+`Facts` is filled step by step (flow.py says in which order): a step reads only what the steps
+before it wrote. Every remote command is argv, quoted by `llmgw.nodeadd.remote`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmgw import config as cfg
+from llmgw import pki
+from llmgw.ctl.client import AdminClient
+from llmgw.errors import PeerError
+from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd.release import Artifact
+
+SHORT_S = 60  # a command that only reads or writes a file
+DOCTOR_S = 180  # doctor runs nvidia-smi and sminfo, and unpacks the zipapp first
+FETCH_S = 600
+
+
+@attrs.frozen(kw_only=True)
+class Options:
+    target: str  # user@host
+    server_config: cfg.ServerConfig
+    state_dir: Path
+    known_hosts: Path
+    identity_files: tuple[Path, ...] | None = None
+    accept_new_host_key: bool = False  # trust a host absent from known_hosts without asking
+    ssh_port: int = 22
+    release: str = ""
+    server_address: str = ""
+    fabrics: tuple[cfg.FabricDecl, ...] = ()
+    ignore_doctor: frozenset[str] = frozenset()
+    reissue: bool = False
+    system_trust: bool = True  # also trust the CA root in the node's system store (layout.TRUST_STORES)
+    join_timeout_s: float = 600.0
+    llamacpp_bin: str = ""
+    vllm_bin: str = ""
+    sglang_python: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Authority:
+    """What the control plane holds, read before the node is touched. `admin` is the one way to
+    its state: node add never opens the control plane's database."""
+
+    ca: pki.CA
+    server_cert: pki.CertInfo
+    admin: AdminClient
+    nodes: list[dict[str, Any]]
+
+
+@attrs.define
+class Facts:
+    node_id: str = ""
+    arch: str = ""
+    machine: str = ""
+    systemd: bool = False
+    trust_store: layout.TrustStore | None = None  # None: --no-system-trust
+    address: str = ""
+    port: int = 0
+    stage: str = ""
+    artifact: Artifact | None = None
+    installed_sha256: str = ""
+    fabrics: tuple[cfg.FabricDecl, ...] = ()
+    cert_pem: bytes = b""
+    cert_serial: str = ""
+    existing: cfg.AgentConfig | None = None  # the node's agent.toml from an earlier add, if it loads
+
+    def given_fabrics(self, opts: Options) -> tuple[cfg.FabricDecl, ...]:
+        """--fabric flags, else what the node declared before: adding again does not drop them."""
+        return opts.fabrics or (self.existing.fabrics if self.existing else ())
+
+    @property
+    def server(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"wss://{host}:{self.port}"
+
+
+def view_of(nodes: list[dict[str, Any]], node_id: str) -> dict[str, Any] | None:
+    """The admin API's view of one node, if the control plane knows it."""
+    return next((n for n in nodes if n["id"] == node_id), None)
+
+
+def staged_llmgw(facts: Facts, *args: str) -> list[str]:
+    """Run the staged release (as root, through sudo), unpacking into the stage, not the node."""
+    return ["env", f"SHIV_ROOT={facts.stage}/pyz", "python3", f"{facts.stage}/llmgw", *args]
+
+
+async def must(s: ssh.Session, argv: list[str], *, sudo: bool, what: str, timeout_s: float = SHORT_S) -> str:
+    res = await s.run(argv, sudo=sudo, timeout_s=timeout_s)
+    if res.exit_status != 0:
+        raise PeerError(f"{s.target}: {what} failed ({said(res)})")
+    return res.stdout
+
+
+async def put_text(s: ssh.Session, text: str, remote: str, *, mode: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="llmgw-node-add-") as d:
+        local = Path(d) / "file"
+        local.write_text(text)
+        await s.put(local, remote, mode=mode, timeout_s=SHORT_S)
+
+
+def said(res: ssh.Result) -> str:
+    err = res.stderr.strip() or res.stdout.strip()
+    err = err[-600:] if len(err) > 600 else err
+    return f"exit status {res.exit_status}" + (f": {err}" if err else "")

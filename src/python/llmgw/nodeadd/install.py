@@ -1,0 +1,284 @@
+"""The steps of `llmgw node add` that change the node, after doctor has passed: `identity`,
+`trust`, `configure`, `start`, and `join`, which waits for the restarted agent.
+
+`identity` makes the node's key on the node (it never leaves it), signs its request here and
+records the serial through the control plane's admin API, before the certificate is installed:
+a serial the control plane did not record is never shipped, so `llmgw node remove` can revoke
+every certificate a node holds. Each certificate issued for a node id revokes every other one of
+that node id (identity.py says why). A certificate the node holds is kept while it fits (ours,
+for this node and key, more than a week left, not revoked) unless `--reissue`.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import trio
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+
+from llmgw import pki
+from llmgw.ctl.client import AdminClient
+from llmgw.errors import LlmgwError, PeerError
+from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd.context import (
+    DOCTOR_S,
+    SHORT_S,
+    Authority,
+    Facts,
+    Options,
+    must,
+    put_text,
+    staged_llmgw,
+    view_of,
+)
+from llmgw.nodeadd.steps import OK, WARN
+
+POLL_S = 1.0
+LOG_LINES = 15
+KEEP_FOR_S = 7 * 86400  # a certificate with less left than this is renewed
+
+# -- identity ------------------------------------------------------------------------------
+
+
+async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
+    config_text = _agent_toml(opts, facts)
+    await put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
+    node = pki.node_paths(Path(layout.STATE_DIR))
+    current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)
+    had_key = await _has_identity(s)
+    if opts.reissue:
+        await must(s, ["rm", "-f", "--", str(node.key), str(node.cert)], sudo=True, what="removing the old identity")
+    await must(
+        s,
+        staged_llmgw(facts, "agent", "csr", "--config", f"{facts.stage}/agent.toml"),
+        sudo=True,
+        what="making the node's key and request",
+        timeout_s=DOCTOR_S,
+    )
+    csr_pem = (await must(s, ["cat", "--", str(node.csr)], sudo=True, what="reading the request")).encode()
+    kept = (
+        None
+        if opts.reissue or current.exit_status != 0
+        else fitting_cert(current.stdout.encode(), csr_pem, auth.ca, facts.node_id)
+    )
+    if kept is not None and await trio.to_thread.run_sync(auth.admin.is_revoked, kept.serial):
+        kept = None
+    if kept is not None:
+        facts.cert_pem, info = current.stdout.encode(), kept
+        facts.cert_serial = f"{info.serial:x}"
+        return f"kept its certificate (serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}); --reissue makes a new key"
+    old = _cert_or_none(current.stdout.encode()) if current.exit_status == 0 else None
+    days = opts.server_config.ca.node_cert_validity_days
+    facts.cert_pem = auth.ca.sign_csr(csr_pem, facts.node_id, validity_days=days)
+    info = pki.cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
+    facts.cert_serial = f"{info.serial:x}"
+    revoked = await trio.to_thread.run_sync(record, auth.admin, facts.node_id, info, old, auth.ca)
+    also = ""
+    if len(revoked) == 1:
+        also = f"; revoked the previous one (serial {revoked[0]})"
+    elif revoked:
+        also = f"; revoked the previous ones (serials {', '.join(revoked)})"
+    key = "a new key" if opts.reissue or not had_key else "its key"
+    return f"issued CN={facts.node_id} for {key}, serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}{also}"
+
+
+def _agent_toml(opts: Options, facts: Facts) -> str:
+    before = facts.existing
+    return layout.agent_toml(
+        server=facts.server,
+        node_id=facts.node_id,
+        fabrics=facts.fabrics,
+        llamacpp_bin=opts.llamacpp_bin or (before.llamacpp_bin if before else ""),
+        vllm_bin=opts.vllm_bin or (before.vllm_bin if before else ""),
+        sglang_python=opts.sglang_python or (before.sglang_python if before else ""),
+        keep=before,
+    )
+
+
+async def _has_identity(s: ssh.Session) -> bool:
+    key = pki.node_paths(Path(layout.STATE_DIR)).key
+    return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
+
+
+def _cert_or_none(pem: bytes) -> x509.Certificate | None:
+    try:
+        return x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return None
+
+
+def fitting_cert(pem: bytes, csr_pem: bytes, ca: pki.CA, node_id: str) -> pki.CertInfo | None:
+    """The node's certificate, if it can stay as far as it alone tells: ours, for this node and
+    its key, valid a while. Whether it is revoked only the control plane knows."""
+    cert = _cert_or_none(pem)
+    if cert is None:
+        return None
+    info = pki.cert_info(cert)
+    csr = x509.load_pem_x509_csr(csr_pem)
+    try:
+        cert.verify_directly_issued_by(ca.cert)
+    except (ValueError, TypeError, InvalidSignature):
+        return None
+    same_key = _public_der(cert.public_key()) == _public_der(csr.public_key())
+    fresh = info.not_after.timestamp() - time.time() > KEEP_FOR_S
+    if not (same_key and fresh and info.common_name == node_id and info.valid_at(datetime.now(timezone.utc))):
+        return None
+    return info
+
+
+def _public_der(key: Any) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def record(admin: AdminClient, node_id: str, info: pki.CertInfo, old: x509.Certificate | None, ca: pki.CA) -> list[str]:
+    """Have the control plane remember the new serial (so `node remove` revokes it), and revoke
+    every other certificate of the node id: the one it replaces on this machine, if ours, and
+    those of a machine it replaces. Returns the serials revoked, in hex. Blocking: one request."""
+    also = [old.serial_number] if old is not None and old.issuer == ca.cert.subject else []
+    revoked = admin.record_certificate(
+        info.serial, node_id, info.not_after.timestamp(), revoke_others=True, also_revoke=also
+    )
+    return [f"{n:x}" for n in sorted(revoked)]
+
+
+# -- trust ---------------------------------------------------------------------------------
+
+
+async def trust(s: ssh.Session, facts: Facts, ca: pki.CA) -> tuple[str, str]:
+    node = pki.node_paths(Path(layout.STATE_DIR))
+    await put_text(s, facts.cert_pem.decode(), f"{facts.stage}/node.crt", mode=0o644)
+    await put_text(s, ca.cert_pem().decode(), f"{facts.stage}/ca.crt", mode=0o644)
+    for name, dest in (("node.crt", node.cert), ("ca.crt", node.ca_cert)):
+        await must(
+            s, ["install", "-m", "0644", f"{facts.stage}/{name}", str(dest)], sudo=True, what=f"installing {dest}"
+        )
+    store = facts.trust_store
+    if store is None:
+        return OK, (
+            f"certificate and CA root installed in {node.dir}; the root is not added to the system store "
+            "(--no-system-trust): the agent trusts only its own ca.crt"
+        )
+    tool = store.tool.rsplit("/", 1)[-1]
+    for argv in layout.trust_commands(store, f"{facts.stage}/ca.crt"):
+        await must(s, argv, sudo=True, what=f"running `{' '.join(argv)}`", timeout_s=DOCTOR_S)
+    return OK, f"certificate and CA root installed in {node.dir}; root trusted system-wide ({store.anchor}, {tool})"
+
+
+# -- configure and start -------------------------------------------------------------------
+
+
+async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, str]:
+    assert facts.artifact is not None
+    if facts.installed_sha256 != facts.artifact.sha256:
+        await must(
+            s,
+            ["install", "-D", "-m", "0755", f"{facts.stage}/llmgw", layout.BIN],
+            sudo=True,
+            what=f"installing {layout.BIN}",
+        )
+    await must(
+        s,
+        ["install", "-D", "-m", "0644", f"{facts.stage}/agent.toml", layout.CONFIG],
+        sudo=True,
+        what=f"writing {layout.CONFIG}",
+    )
+    written = f"{layout.BIN} ({facts.artifact.version}), {layout.CONFIG}"
+    if facts.systemd:
+        await put_text(s, layout.systemd_unit(), f"{facts.stage}/unit", mode=0o644)
+        await must(
+            s, ["install", "-m", "0644", f"{facts.stage}/unit", layout.UNIT], sudo=True, what=f"writing {layout.UNIT}"
+        )
+        await must(s, ["systemctl", "daemon-reload"], sudo=True, what="reloading systemd")
+        await must(s, ["systemctl", "enable", layout.UNIT_NAME], sudo=True, what=f"enabling {layout.UNIT_NAME}")
+        return OK, f"{written}, {layout.UNIT} (enabled)"
+    return WARN, (
+        f"{written}; no systemd on the node, so the agent runs under llmgw's own supervisor "
+        f"(`llmgw agent supervise`, pid file {layout.PID_FILE}, log {layout.LOG_FILE}), which does not "
+        "start it again after a reboot"
+    )
+
+
+async def start(s: ssh.Session, facts: Facts) -> None:
+    if facts.systemd:
+        await must(s, ["systemctl", "restart", layout.UNIT_NAME], sudo=True, what=f"starting {layout.UNIT_NAME}")
+        return
+    await must(s, stop_supervisor_argv(), sudo=True, what="stopping the running agent", timeout_s=DOCTOR_S)
+    await must(
+        s,
+        [
+            layout.BIN, "agent", "supervise", "--daemon", "--config", layout.CONFIG,
+            "--pid-file", layout.PID_FILE, "--log", layout.LOG_FILE,
+        ],
+        sudo=True,
+        what="starting the agent",
+        timeout_s=DOCTOR_S,
+    )  # fmt: skip
+
+
+def stop_supervisor_argv() -> list[str]:
+    return [layout.BIN, "agent", "stop", "--pid-file", layout.PID_FILE]
+
+
+# -- join ----------------------------------------------------------------------------------
+
+
+JOINED, WAITING, BROKEN = "joined", "waiting", "broken"
+
+
+def join_progress(node: dict[str, Any] | None, started_before: float | None) -> tuple[str, str]:
+    """JOINED (the restarted agent heartbeated and llama.cpp is checked), WAITING (and for what),
+    or BROKEN (the agent said llama.cpp cannot be used: waiting longer would not change it)."""
+    if node is None:
+        return WAITING, "the control plane has not heard from the agent"
+    if not node.get("connected"):
+        return WAITING, f"the agent is not connected (state {node['state']})"
+    if node.get("agent_started_at") == started_before:
+        return WAITING, "the agent connected is the one from before the restart"
+    if node["state"] != "joined":
+        return WAITING, f"the agent is connected but has not sent a heartbeat (state {node['state']})"
+    llama = next((e for e in node.get("engines") or () if e["name"] == "llamacpp"), None)
+    if llama is None:
+        return WAITING, "joined; llama.cpp is not installed yet"
+    if not llama["ok"]:
+        return BROKEN, f"joined, but llama.cpp cannot be used: {llama['detail']}"
+    return JOINED, f"joined; llama.cpp installed and checked ({llama['version']})"
+
+
+async def wait_for_join(
+    opts: Options, s: ssh.Session, facts: Facts, admin: AdminClient, started_before: float | None
+) -> str:
+    state, said = WAITING, ""
+    with trio.move_on_after(opts.join_timeout_s):
+        while state == WAITING:
+            nodes = await trio.to_thread.run_sync(admin.nodes)
+            node = view_of(nodes, facts.node_id)
+            state, said = join_progress(node, started_before)
+            if state == JOINED:
+                marks = " (cordoned: no new work until `llmgw ctl uncordon`)" if node and node.get("cordoned") else ""
+                return said + marks
+            if state == WAITING:
+                await trio.sleep(POLL_S)
+    tail = await _log_tail(s, facts.systemd)
+    why = said if state == BROKEN else f"did not finish joining within {opts.join_timeout_s:g} s: {said}"
+    raise PeerError(
+        f"{facts.node_id} {why}. The agent's log on the node ({layout.log_hint(facts.systemd)}) says more"
+        + (f"; its last lines:\n{tail}" if tail else "")
+    )
+
+
+async def _log_tail(s: ssh.Session, systemd: bool) -> str:
+    argv = (
+        ["journalctl", "-u", layout.UNIT_NAME, "-n", str(LOG_LINES), "--no-pager"]
+        if systemd
+        else ["tail", "-n", str(LOG_LINES), "--", layout.LOG_FILE]
+    )
+    try:
+        res = await s.run(argv, sudo=True, timeout_s=SHORT_S)
+    except LlmgwError:
+        return ""
+    return res.stdout.rstrip() if res.exit_status == 0 else ""

@@ -1,0 +1,161 @@
+"""The `ship`, `doctor` and `fabrics` steps of `llmgw node add`: what the node gets to run, and
+what it has.
+
+Nothing here changes the node outside its stage: the release is staged in a private directory
+under /tmp (layout.STAGE_PREFIX), its sha256 checked on the node before anything runs it, and
+doctor run from the stage, its report deciding whether the run goes on. `fabrics` names the
+adapter groups doctor found, asking the operator (questions.py) for names not given.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from llmgw import config as cfg
+from llmgw.errors import MachineError, PeerError
+from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd.context import DOCTOR_S, FETCH_S, SHORT_S, Facts, Options, said, staged_llmgw
+from llmgw.nodeadd.questions import DoctorFailure, Questions
+from llmgw.nodeadd.steps import OK, WARN
+from llmgw.wire.agent_link import FabricGroup
+
+# -- ship ----------------------------------------------------------------------------------
+
+
+async def ship(s: ssh.Session, facts: Facts) -> None:
+    art = facts.artifact
+    assert art is not None
+    res = await s.run(["mktemp", "-d", f"{layout.STAGE_PREFIX}XXXXXXXX"], timeout_s=SHORT_S)
+    stage = res.stdout.strip()
+    if res.exit_status != 0 or not stage.startswith(layout.STAGE_PREFIX) or "/" in stage[len("/tmp/") :]:
+        raise PeerError(f"{s.target}: cannot make a staging directory under /tmp ({said(res)})")
+    facts.stage = stage
+    staged = f"{stage}/llmgw"
+    if art.path is not None:
+        await s.put(art.path, staged, mode=0o755, timeout_s=FETCH_S)
+    else:
+        await _fetch_on_node(s, art.url, staged)
+    actual = await _remote_sha256(s, staged)
+    if actual != art.sha256:
+        raise PeerError(
+            f"{s.target}: {art.name} arrived with sha256 {actual or 'unreadable'}, not {art.sha256}; "
+            "nothing ran it. The transfer was damaged or the file at the source changed: run again"
+        )
+    facts.installed_sha256 = await _remote_sha256(s, layout.BIN)
+    res = await s.run(["mkdir", "-m", "0700", f"{stage}/pyz"], sudo=True, timeout_s=SHORT_S)
+    if res.exit_status != 0:
+        raise PeerError(f"{s.target}: cannot make {stage}/pyz ({said(res)})")
+
+
+async def _fetch_on_node(s: ssh.Session, url: str, dest: str) -> None:
+    for argv in (
+        ["curl", "-fsSL", "--retry", "3", "-o", dest, url],
+        ["wget", "-q", "-O", dest, url],
+    ):
+        res = await s.run(argv, timeout_s=FETCH_S)
+        if res.exit_status == 0:
+            return
+        if res.exit_status != 127:  # 127: the tool is not there, try the next
+            raise PeerError(f"{s.target}: fetching {url} failed ({said(res)}); check that the node reaches it")
+    raise PeerError(
+        f"{s.target}: neither curl nor wget is installed there to fetch {url}; install one, "
+        "or give --release a directory here so the file is copied over SSH"
+    )
+
+
+async def _remote_sha256(s: ssh.Session, path: str) -> str:
+    res = await s.run(["sha256sum", "--", path], timeout_s=SHORT_S)
+    if res.exit_status != 0:
+        return ""
+    return res.stdout.split()[0] if res.stdout.split() else ""
+
+
+def ship_detail(facts: Facts) -> str:
+    art = facts.artifact
+    assert art is not None
+    how = "copied over SSH" if art.path else f"fetched by the node from {art.url}"
+    if not facts.installed_sha256:
+        was = f"new install at {layout.BIN}"
+    elif facts.installed_sha256 == art.sha256:
+        was = f"the same as {layout.BIN} there"
+    else:
+        was = f"will replace {layout.BIN} there (sha256 {facts.installed_sha256[:12]})"
+    return f"{art.name} {how}, sha256 {art.sha256[:12]} verified on the node; {was}"
+
+
+# -- doctor --------------------------------------------------------------------------------
+
+
+async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questions) -> tuple[str, str, dict[str, Any]]:
+    host = f"[{facts.address}]" if ":" in facts.address else facts.address
+    args = ["doctor", "--json", "--server", f"{host}:{facts.port}"]
+    if facts.existing is not None:
+        args += ["--config", layout.CONFIG]  # its paths (nvidia_smi, ib_root, ...) as the agent will use them
+    for decl in facts.given_fabrics(opts):
+        args += ["--fabric", f"{decl.name}:{','.join(decl.adapters)}" if decl.adapters else decl.name]
+    if opts.ignore_doctor:
+        args += ["--ignore", ",".join(sorted(opts.ignore_doctor))]
+    res = await s.run(staged_llmgw(facts, *args), sudo=True, timeout_s=DOCTOR_S)
+    try:
+        report = json.loads(res.stdout)
+        checks = report["checks"]
+    except (ValueError, KeyError, TypeError):
+        raise PeerError(
+            f"{s.target}: llmgw doctor did not run there ({said(res)}); nothing was changed on the node"
+        ) from None
+    failures = [
+        DoctorFailure(check=c["name"], detail=c["detail"], fix=c.get("fix", ""))
+        for c in checks
+        if c["status"] == "fail" and not c.get("ignored")
+    ]
+    warnings = [c for c in checks if c["status"] in ("warn", "unknown") and not c.get("ignored")]
+    ignored = [c["name"] for c in checks if c.get("ignored")]
+    tail = f"; ignored: {', '.join(ignored)}" if ignored else ""
+    if failures:
+        listed = "; ".join(f"{f.check}: {f.detail}" + (f" (fix: {f.fix})" if f.fix else "") for f in failures)
+        if not await questions.go_past_doctor(failures):
+            names = ",".join(f.check for f in failures)
+            raise MachineError(
+                f"doctor failed on {facts.node_id}: {listed}. Nothing was changed on the node. Fix this and run "
+                f"again, or go on past it with --ignore-doctor {names}"
+            )
+        return WARN, f"went on past failed checks: {listed}{tail}", report.get("inventory") or {}
+    if warnings:
+        listed = "; ".join(f"{c['name']}: {c['detail']}" for c in warnings)
+        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", report.get("inventory") or {}
+    return OK, f"{len(checks)} checks ok{tail}", report.get("inventory") or {}
+
+
+# -- fabrics -------------------------------------------------------------------------------
+
+
+async def fabrics(
+    opts: Options, facts: Facts, inventory: dict[str, Any], nodes: list[dict[str, Any]], questions: Questions
+) -> tuple[str, str]:
+    groups = [
+        FabricGroup(identity=g["identity"], kind=g["kind"], adapters=tuple(g["adapters"]), detail=g.get("detail", ""))
+        for g in inventory.get("fabric_groups") or ()
+    ]
+    existing = sorted({f["name"] for n in nodes for f in n.get("fabrics") or ()})
+    given = facts.given_fabrics(opts)
+    if not groups and not given:
+        return OK, "no active InfiniBand or RoCE adapter: the node is its own island"
+    answered = tuple(await questions.name_fabrics(groups, existing, given)) if groups else ()
+    # A declaration no group accounts for (doctor has checked it) is kept: the answer covers groups only.
+    grouped = {a for g in groups for a in g.adapters}
+    kept = tuple(d for d in given if d.name not in {a.name for a in answered} and not set(d.adapters) & grouped)
+    facts.fabrics = answered + kept
+    named = {a for d in facts.fabrics for a in d.adapters}
+    text = "; ".join(f"{d.name}: {','.join(d.adapters) or 'the next two adapters'}" for d in facts.fabrics)
+    unnamed = [g for g in groups if not set(g.adapters) & named and not _default_covers(facts.fabrics)]
+    if unnamed:
+        flags = " ".join(f"--fabric NAME:{','.join(g.adapters)}" for g in unnamed)
+        left = "; ".join(f"{','.join(g.adapters)} on {g.identity}" for g in unnamed)
+        return WARN, f"{text + '; ' if text else ''}not named, so unused for multi-node replicas: {left} ({flags})"
+    return OK, text
+
+
+def _default_covers(decls: Sequence[cfg.FabricDecl]) -> bool:
+    return any(not d.adapters for d in decls)
