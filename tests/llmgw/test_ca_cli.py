@@ -248,7 +248,7 @@ async def test_issue_while_the_control_plane_runs_records_through_it(
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
     listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane(ServerConfig(server=listen), state)
+    plane = ControlPlane.open(ServerConfig(server=listen), state)
     await nursery.start(plane.serve)
 
     def opened(*_: object) -> Store:
@@ -278,7 +278,7 @@ async def test_issue_while_the_control_plane_cannot_record_prints_no_certificate
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
     listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane(ServerConfig(server=listen), state)
+    plane = ControlPlane.open(ServerConfig(server=listen), state)
     await nursery.start(plane.serve)
     capsys.readouterr()
     other = sqlite3.connect(str(store_path(state)), isolation_level=None)
