@@ -34,13 +34,14 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import config as cfg
-from llmgw import pki
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import ConfigError, LlmgwError, MachineError, PeerError, UsageError, leaves, only
 from llmgw.nodeadd import identity, layout, ssh
 from llmgw.nodeadd.questions import DoctorFailure, Questions
 from llmgw.nodeadd.release import Artifact, find_artifact, release_arch
 from llmgw.nodeadd.steps import FAILED, OK, STARTED, WARN, Event
+from llmgw.pki.ca import CA, CertInfo, cert_info, check_node_id
+from llmgw.pki.files import ca_paths, load_ca, load_cert, node_paths
 from llmgw.wire.agent_link import FabricGroup
 
 Emit = Callable[[Event], None]
@@ -121,8 +122,8 @@ async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
 class _Authority:
     """What the control plane holds, read before the node is touched."""
 
-    ca: pki.CA
-    server_cert: pki.CertInfo
+    ca: CA
+    server_cert: CertInfo
     admin: AdminClient
     nodes: list[dict[str, Any]]
 
@@ -252,15 +253,15 @@ async def _on_node(
 # -- authority -----------------------------------------------------------------------------
 
 
-def _read_authority(state_dir: Path) -> tuple[pki.CA, pki.CertInfo]:
-    ca = pki.load_ca(state_dir)
-    paths = pki.ca_paths(state_dir)
+def _read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
+    ca = load_ca(state_dir)
+    paths = ca_paths(state_dir)
     if not paths.server_cert.exists():
         raise MachineError(
             f"{paths.server_cert} is missing: the control plane has no certificate for agents to check; "
             f"issue one with `llmgw ca server-cert --state-dir {state_dir} --san ADDRESS`"
         )
-    return ca, pki.cert_info(pki.load_cert(paths.server_cert))
+    return ca, cert_info(load_cert(paths.server_cert))
 
 
 # -- identify ------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ async def _probe(opts: Options, s: ssh.Session, facts: _Facts) -> None:
     found = layout.parse_probe(res.stdout)
     hostname = found.hostname
     try:
-        facts.node_id = pki.check_node_id(hostname)
+        facts.node_id = check_node_id(hostname)
     except UsageError:
         raise PeerError(
             f"{s.target}: its hostname {hostname!r} cannot be a node id (letters, digits, '-' and '.'); "
@@ -323,9 +324,9 @@ async def _probe(opts: Options, s: ssh.Session, facts: _Facts) -> None:
             ) from None
 
 
-async def _why_not_the_holder(s: ssh.Session, node_id: str, ca: pki.CA, state_dir: Path) -> str:
+async def _why_not_the_holder(s: ssh.Session, node_id: str, ca: CA, state_dir: Path) -> str:
     """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
-    node = pki.node_paths(Path(layout.STATE_DIR))
+    node = node_paths(Path(layout.STATE_DIR))
     res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
     pem = res.stdout.encode() if res.exit_status == 0 else None
     revoked = await trio.to_thread.run_sync(_revoked_serials, state_dir)
@@ -343,7 +344,7 @@ def _revoked_serials(state_dir: Path) -> set[str]:
 
 
 async def _has_identity(s: ssh.Session) -> bool:
-    key = pki.node_paths(Path(layout.STATE_DIR)).key
+    key = node_paths(Path(layout.STATE_DIR)).key
     return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=_SHORT_S)).exit_status == 0
 
 
@@ -365,7 +366,7 @@ def source_address(host: str, port: int = 22) -> str:
         return str(sock.getsockname()[0])
 
 
-def _agent_address(opts: Options, host: str, server_cert: pki.CertInfo) -> tuple[str, int]:
+def _agent_address(opts: Options, host: str, server_cert: CertInfo) -> tuple[str, int]:
     listen_host, _, port_text = opts.server_config.server.agent_listen.rpartition(":")
     listen_host = listen_host.strip("[]")
     port = int(port_text)
@@ -566,10 +567,10 @@ def _default_covers(decls: Sequence[cfg.FabricDecl]) -> bool:
 # -- identity ------------------------------------------------------------------------------
 
 
-async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) -> str:
+async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: CA) -> str:
     config_text = _agent_toml(opts, facts)
     await _put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
-    node = pki.node_paths(Path(layout.STATE_DIR))
+    node = node_paths(Path(layout.STATE_DIR))
     current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=_SHORT_S)
     had_key = await _has_identity(s)
     if opts.reissue:
@@ -594,7 +595,7 @@ async def _identity(opts: Options, s: ssh.Session, facts: _Facts, ca: pki.CA) ->
     old = _cert_or_none(current.stdout.encode()) if current.exit_status == 0 else None
     days = opts.server_config.ca.node_cert_validity_days
     facts.cert_pem = ca.sign_csr(csr_pem, facts.node_id, validity_days=days)
-    info = pki.cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
+    info = cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
     facts.cert_serial = f"{info.serial:x}"
     revoked = _record(opts.state_dir, facts.node_id, info, old, ca)
     also = ""
@@ -626,14 +627,14 @@ def _cert_or_none(pem: bytes) -> x509.Certificate | None:
         return None
 
 
-def _fitting_cert(pem: bytes, csr_pem: bytes, ca: pki.CA, node_id: str, state_dir: Path) -> pki.CertInfo | None:
+def _fitting_cert(pem: bytes, csr_pem: bytes, ca: CA, node_id: str, state_dir: Path) -> CertInfo | None:
     """The node's certificate, if it can stay: ours, for this node and its key, valid a while, not revoked."""
     from llmgw.server.store import Store
 
     cert = _cert_or_none(pem)
     if cert is None:
         return None
-    info = pki.cert_info(cert)
+    info = cert_info(cert)
     csr = x509.load_pem_x509_csr(csr_pem)
     try:
         cert.verify_directly_issued_by(ca.cert)
@@ -654,7 +655,7 @@ def _public_der(key: Any) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _record(state_dir: Path, node_id: str, info: pki.CertInfo, old: x509.Certificate | None, ca: pki.CA) -> list[str]:
+def _record(state_dir: Path, node_id: str, info: CertInfo, old: x509.Certificate | None, ca: CA) -> list[str]:
     """Remember the new serial (so `node remove` revokes it), and revoke every other certificate
     of the node id: the one it replaces on this machine, if ours, and those of a machine it
     replaces. Returns the serials revoked, in hex."""
@@ -675,8 +676,8 @@ def _record(state_dir: Path, node_id: str, info: pki.CertInfo, old: x509.Certifi
 # -- trust ---------------------------------------------------------------------------------
 
 
-async def _trust(s: ssh.Session, facts: _Facts, ca: pki.CA) -> tuple[str, str]:
-    node = pki.node_paths(Path(layout.STATE_DIR))
+async def _trust(s: ssh.Session, facts: _Facts, ca: CA) -> tuple[str, str]:
+    node = node_paths(Path(layout.STATE_DIR))
     await _put_text(s, facts.cert_pem.decode(), f"{facts.stage}/node.crt", mode=0o644)
     await _put_text(s, ca.cert_pem().decode(), f"{facts.stage}/ca.crt", mode=0o644)
     for name, dest in (("node.crt", node.cert), ("ca.crt", node.ca_cert)):

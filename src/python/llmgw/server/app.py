@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw import paths, pki
+from llmgw import paths
 from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.download import archive_cap, fetch
 from llmgw.engines.wants import engines_for
@@ -40,6 +40,8 @@ from llmgw.http.server import (
 )
 from llmgw.log import get_logger
 from llmgw.metrics import Registry as MetricsRegistry
+from llmgw.pki.files import load_ca
+from llmgw.pki.tls import server_ssl_context
 from llmgw.server import activation, enginekeys
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
@@ -75,8 +77,8 @@ class ControlPlane:
         self.config_path = config_path
         self.state_dir = state_dir
         paths.check_state_dir(state_dir)  # first: private files open to others are refused before use
-        self.ca = pki.load_ca(state_dir)  # then a missing authority is the first thing said
-        self.ssl_context = pki.server_ssl_context(state_dir)
+        self.ca = load_ca(state_dir)  # then a missing authority is the first thing said
+        self.ssl_context = server_ssl_context(state_dir)
         self.store = AsyncStore.open(state_dir)  # checked: a damaged database stops the start here
         self.engine_keys = enginekeys.load(state_dir, sealed_keys=sealed_keys(self.store.at_open.placements))
         self.admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
