@@ -15,9 +15,9 @@ import trio
 
 from agent.engines import wanted_from
 from agent.main import run_agent
-from llmgw import pki
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection, ServerConfig, ServerSection
 from llmgw.errors import LlmgwError
+from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state
@@ -77,8 +77,8 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
     plane = ControlPlane.open(config, state)
     bound = await nursery.start(plane.serve)
     node_dir = tmp_path / "node"
-    files = pki.node_paths(node_dir)
-    pki.issue_to_dir(ca, "node-a", files.dir, validity_days=3)
+    files = node_paths(node_dir)
+    issue_to_dir(ca, "node-a", files.dir, validity_days=3)
     agent_config = AgentConfig(
         server=f"wss://127.0.0.1:{bound.agent_address[1]}", node_id="node-a", state_dir=str(node_dir)
     )

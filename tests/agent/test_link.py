@@ -18,8 +18,10 @@ import trio
 import trio_websocket
 
 from agent.link import AgentLink, Backoff, Target
-from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
+from llmgw.pki.ca import CA, cert_info
+from llmgw.pki.files import NodePaths, ca_paths, init_ca, issue_to_dir, load_ca, load_cert
+from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.server.store import StoreBusy
 from llmgw.wire import agent_link as w
@@ -34,7 +36,7 @@ REFUSAL_DEADLINE_S = 5  # far below CONNECT_TIMEOUT_S: a refusal must not wait f
 @attrs.frozen
 class Plane:
     state: Path
-    ca: pki.CA
+    ca: CA
     host: str
     port: int
     plane: ControlPlane
@@ -80,8 +82,8 @@ async def plane(tmp_path: Path, nursery: trio.Nursery) -> Plane:
     return await start_plane(tmp_path / "cp", nursery, listen="127.0.0.1", sans=["127.0.0.1"])
 
 
-def node_files(plane: Plane, tmp_path: Path, node_id: str, **kw) -> pki.NodePaths:
-    return pki.issue_to_dir(
+def node_files(plane: Plane, tmp_path: Path, node_id: str, **kw) -> NodePaths:
+    return issue_to_dir(
         plane.ca,
         node_id,
         tmp_path / f"node-{node_id}-{len(list(tmp_path.iterdir()))}",
@@ -121,7 +123,7 @@ async def wait_for(predicate, what: str, timeout: float = 5) -> None:
 
 async def test_a_node_with_a_good_certificate_joins(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     registry = plane.plane.registry
     await wait_for(
@@ -140,7 +142,7 @@ async def test_the_links_local_address_is_the_nodes_address_as_the_control_plane
     link = AgentLink(
         target=Target(host=plane.host, port=plane.port),
         node_id="node-a",
-        ssl_context=pki.client_ssl_context(files.ca_cert, files.cert, files.key),
+        ssl_context=client_ssl_context(files.ca_cert, files.cert, files.key),
         make_hello=hello_for("node-a"),
         source_address="127.0.0.5",
     )
@@ -155,10 +157,10 @@ async def test_the_links_local_address_is_the_nodes_address_as_the_control_plane
 
 async def test_another_cas_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     other_state = tmp_path / "other"
-    pki.init_ca(other_state, validity_days=30)
-    files = pki.issue_to_dir(pki.load_ca(other_state), "node-a", tmp_path / "other-node", validity_days=30)
-    trusted = pki.ca_paths(plane.state).ca_cert  # the agent trusts the right CA; its own cert is foreign
-    reason = await session_failure(link_for(plane, "node-a", pki.client_ssl_context(trusted, files.cert, files.key)))
+    init_ca(other_state, validity_days=30)
+    files = issue_to_dir(load_ca(other_state), "node-a", tmp_path / "other-node", validity_days=30)
+    trusted = ca_paths(plane.state).ca_cert  # the agent trusts the right CA; its own cert is foreign
+    reason = await session_failure(link_for(plane, "node-a", client_ssl_context(trusted, files.cert, files.key)))
     assert "does not trust the CA that issued this node's certificate" in reason, reason
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "tls" and "not issued by this cluster's CA" in refused["reason"], refused
@@ -168,9 +170,7 @@ async def test_cn_not_equal_to_the_claimed_node_id(
     plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     files = node_files(plane, tmp_path, "node-b")
-    reason = await session_failure(
-        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
-    )
+    reason = await session_failure(link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key)))
     assert "HTTP 403" in reason and "node id 'node-a' does not match its certificate CN 'node-b'" in reason
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "identity" and "does not match its certificate CN 'node-b'" in refused["reason"]
@@ -179,16 +179,14 @@ async def test_cn_not_equal_to_the_claimed_node_id(
 async def test_an_expired_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     long_ago = datetime.now(timezone.utc) - timedelta(days=10)
     files = node_files(plane, tmp_path, "node-a", days=1, now=long_ago)
-    reason = await session_failure(
-        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
-    )
+    reason = await session_failure(link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key)))
     assert "expired" in reason, reason
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "tls" and "certificate has expired" in refused["reason"], refused
 
 
 async def test_no_client_certificate(plane: Plane, caplog: pytest.LogCaptureFixture) -> None:
-    ctx = ssl.create_default_context(cafile=str(pki.ca_paths(plane.state).ca_cert))
+    ctx = ssl.create_default_context(cafile=str(ca_paths(plane.state).ca_cert))
     reason = await session_failure(link_for(plane, "node-a", ctx))
     assert "requires a node certificate and this agent sent none" in reason, reason
     [refused] = server_refusals(caplog)
@@ -197,11 +195,9 @@ async def test_no_client_certificate(plane: Plane, caplog: pytest.LogCaptureFixt
 
 async def test_a_revoked_certificate(plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    serial = pki.cert_info(pki.load_cert(files.cert)).serial
+    serial = cert_info(load_cert(files.cert)).serial
     await plane.plane.store.revoke_serial(serial, "node-a")
-    reason = await session_failure(
-        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
-    )
+    reason = await session_failure(link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key)))
     assert "HTTP 403" in reason and "was revoked by `llmgw node remove`" in reason
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "identity" and f"serial {serial:x}" in refused["reason"]
@@ -233,7 +229,7 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
     store = RefusingStore(plane.plane.store, {"is_revoked", "saw_node"})
     plane.plane.endpoint.store = store
     files = node_files(plane, tmp_path, "node-a")
-    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    ctx = client_ssl_context(files.ca_cert, files.cert, files.key)
     reason = await session_failure(link_for(plane, "node-a", ctx))
     # Fails closed, at once, saying why; the agent retries by itself.
     assert "HTTP 503" in reason and "database is busy" in reason and "the agent retries" in reason, reason
@@ -264,9 +260,7 @@ async def test_server_certificate_not_covering_the_dialled_address(
     # The server listens on 127.0.0.2, its certificate names only 127.0.0.1.
     plane = await start_plane(tmp_path / "cp2", nursery, listen="127.0.0.2", sans=["127.0.0.1"])
     files = node_files(plane, tmp_path, "node-a")
-    reason = await session_failure(
-        link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
-    )
+    reason = await session_failure(link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key)))
     assert "127.0.0.2" in reason and "llmgw ca server-cert" in reason, reason
     await wait_for(lambda: server_refusals(caplog), "the server's log of it")
     [refused] = server_refusals(caplog)
@@ -275,7 +269,7 @@ async def test_server_certificate_not_covering_the_dialled_address(
 
 async def test_a_refused_agent_keeps_retrying_with_backoff(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
     files = node_files(plane, tmp_path, "node-b")
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     await wait_for(lambda: link.state.attempts >= 4, "retries")
     assert "does not match its certificate CN" in link.state.last_error
@@ -286,7 +280,7 @@ async def test_removing_a_node_closes_its_open_link(
     plane: Plane, tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     await wait_for(lambda: link.state.connected, "connect")
     result = await plane.plane.remove_node("node-a")
@@ -301,7 +295,7 @@ async def test_another_protocol_version_is_told_and_closed(
     plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     link.make_hello = lambda: attrs.evolve(hello_for("node-a")(), protocol_version=w.PROTOCOL_VERSION + 1)
     reason = await session_failure(link)
     assert f"the agent speaks protocol {w.PROTOCOL_VERSION + 1}" in reason and "run the same llmgw release" in reason
@@ -311,7 +305,7 @@ async def test_another_protocol_version_is_told_and_closed(
 
 async def test_an_unknown_message_gets_an_error_frame_then_close(plane: Plane, tmp_path: Path) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    ctx = client_ssl_context(files.ca_cert, files.cert, files.key)
     with trio.fail_after(REFUSAL_DEADLINE_S):
         tcp = await trio.open_tcp_stream(plane.host, plane.port)
         stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
@@ -336,7 +330,7 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
     plane: Plane, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     files = node_files(plane, tmp_path, "node-a")
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     delays: list[float] = []
     real = link.backoff
 
@@ -358,9 +352,9 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
 # -- the server closes what it refuses, what expires and what falls silent ----------------------------
 
 
-async def raw_upgrade(plane: Plane, files: pki.NodePaths, *, claim: str, path: str = "/v1/agent") -> trio.SSLStream:
+async def raw_upgrade(plane: Plane, files: NodePaths, *, claim: str, path: str = "/v1/agent") -> trio.SSLStream:
     """A TLS connection with `files`' certificate that asks to upgrade, claiming node `claim`."""
-    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    ctx = client_ssl_context(files.ca_cert, files.cert, files.key)
     tcp = await trio.open_tcp_stream(plane.host, plane.port)
     stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
     await stream.do_handshake()
@@ -378,7 +372,7 @@ async def test_a_refused_agent_connection_is_closed_by_the_server_at_once(
 ) -> None:
     files = node_files(plane, tmp_path, "node-b")
     if case == "revoked":
-        await plane.plane.store.revoke_serial(pki.cert_info(pki.load_cert(files.cert)).serial, "node-b")
+        await plane.plane.store.revoke_serial(cert_info(load_cert(files.cert)).serial, "node-b")
     stream = await raw_upgrade(
         plane,
         files,
@@ -400,7 +394,7 @@ async def test_a_link_is_closed_when_its_certificate_expires(
     expires_in_s = 2.0
     issued = datetime.now(timezone.utc) - timedelta(days=1) + timedelta(seconds=expires_in_s)
     files = node_files(plane, tmp_path, "node-a", days=1, now=issued)
-    link = link_for(plane, "node-a", pki.client_ssl_context(files.ca_cert, files.cert, files.key))
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     await wait_for(lambda: link.state.connected, "connect")
     await wait_for(
@@ -415,7 +409,7 @@ async def test_a_link_is_closed_when_its_certificate_expires(
 async def test_a_silent_link_is_closed_after_the_heartbeat_ttl(tmp_path: Path, nursery: trio.Nursery) -> None:
     plane = await start_plane(tmp_path / "cp", nursery, listen="127.0.0.1", sans=["127.0.0.1"], heartbeat_ttl_s=1)
     files = node_files(plane, tmp_path, "node-a")
-    ctx = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    ctx = client_ssl_context(files.ca_cert, files.cert, files.key)
     tcp = await trio.open_tcp_stream(plane.host, plane.port)
     stream = trio.SSLStream(tcp, ctx, server_hostname=plane.host, https_compatible=True)
     await stream.do_handshake()

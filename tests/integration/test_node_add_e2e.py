@@ -26,7 +26,7 @@ from cryptography import x509
 from llmgw_release import build, wheels
 
 import llmgw
-from llmgw import pki
+from llmgw.pki.ca import cert_info
 from testlib.cluster import Proc, free_port, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.llama import llama_server
@@ -216,7 +216,7 @@ def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     # What is on the node: the files the docs name, the certificate for its hostname.
     assert node.read("/etc/llmgw/agent.toml").decode().count("server = ") == 1
     first_cert = node.read("/var/lib/llmgw-agent/pki/node.crt")
-    assert pki.cert_info(x509.load_pem_x509_certificate(first_cert)).common_name == node.hostname
+    assert cert_info(x509.load_pem_x509_certificate(first_cert)).common_name == node.hostname
     assert node.read("/usr/local/share/ca-certificates/llmgw-ca.crt") == (cp.state / "ca" / "ca.crt").read_bytes()
     known = cp.known_hosts.read_text().splitlines()
     assert len(known) == 1 and known[0].startswith(node.node_addr)

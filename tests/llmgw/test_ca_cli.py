@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from llmgw import cli, pki
+from llmgw import cli
 from llmgw.commands import ca as ca_command
+from llmgw.pki.ca import CertInfo, cert_info
+from llmgw.pki.files import ca_paths, load_cert, write_node_key_and_csr
 from testlib.controlplane import make_state
 from testlib.proc import run_llmgw
 
@@ -33,7 +35,7 @@ def state(tmp_path: Path, capsys: Capsys) -> Path:
     return d
 
 
-def days_left(info: pki.CertInfo) -> float:
+def days_left(info: CertInfo) -> float:
     return (info.not_after - datetime.now(timezone.utc)) / timedelta(days=1)
 
 
@@ -41,9 +43,9 @@ def test_init_creates_the_ca_and_a_server_cert_for_localhost(tmp_path: Path, cap
     d = tmp_path / "state"
     assert cli.main(["ca", "init", "--state-dir", str(d)]) == 0
     out = capsys.readouterr().out
-    paths = pki.ca_paths(d)
-    ca_info = pki.cert_info(pki.load_cert(paths.ca_cert))
-    server_info = pki.cert_info(pki.load_cert(paths.server_cert))
+    paths = ca_paths(d)
+    ca_info = cert_info(load_cert(paths.ca_cert))
+    server_info = cert_info(load_cert(paths.server_cert))
     assert f"created the certificate authority in {paths.dir}" in out
     assert "subject:     CN=llmgw cluster CA" in out
     assert f"fingerprint: {ca_info.fingerprint_sha256}" in out
@@ -64,11 +66,11 @@ def test_init_takes_addresses_and_validity_from_the_config(tmp_path: Path, capsy
         "[ca]\nca_validity_days = 100\nserver_cert_validity_days = 10\n"
     )
     assert cli.main(["ca", "init", "--config", str(conf)]) == 0
-    paths = pki.ca_paths(d)
-    server_info = pki.cert_info(pki.load_cert(paths.server_cert))
+    paths = ca_paths(d)
+    server_info = cert_info(load_cert(paths.server_cert))
     assert server_info.sans == ("10.0.0.1", "llmgw.example.internal")
     assert 9 < days_left(server_info) <= 10
-    assert 99 < days_left(pki.cert_info(pki.load_cert(paths.ca_cert))) <= 100
+    assert 99 < days_left(cert_info(load_cert(paths.ca_cert))) <= 100
 
 
 def test_san_and_validity_flags_win_over_the_config(tmp_path: Path, capsys: Capsys) -> None:
@@ -77,21 +79,21 @@ def test_san_and_validity_flags_win_over_the_config(tmp_path: Path, capsys: Caps
     d = tmp_path / "s"
     argv = ["ca", "init", "--config", str(conf), "--state-dir", str(d), "--validity-days", "5"]
     assert cli.main([*argv, "--san", "fd00::1", "--san", "cp.internal"]) == 0
-    paths = pki.ca_paths(d)
-    assert pki.cert_info(pki.load_cert(paths.server_cert)).sans == ("fd00::1", "cp.internal")
-    assert 4 < days_left(pki.cert_info(pki.load_cert(paths.ca_cert))) <= 5
+    paths = ca_paths(d)
+    assert cert_info(load_cert(paths.server_cert)).sans == ("fd00::1", "cp.internal")
+    assert 4 < days_left(cert_info(load_cert(paths.ca_cert))) <= 5
 
 
 def test_state_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Capsys) -> None:
     monkeypatch.setenv("LLMGW_STATE_DIR", str(tmp_path / "env-state"))
     assert cli.main(["ca", "init"]) == 0
-    assert pki.ca_paths(tmp_path / "env-state").ca_cert.exists()
+    assert ca_paths(tmp_path / "env-state").ca_cert.exists()
 
 
 def test_init_twice_is_refused_with_the_reason(state: Path, capsys: Capsys) -> None:
     assert cli.main(["ca", "init", "--state-dir", str(state)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"llmgw ca: a certificate authority already exists: {pki.ca_paths(state).ca_key};")
+    assert err.startswith(f"llmgw ca: a certificate authority already exists: {ca_paths(state).ca_key};")
     assert "orphan every node certificate" in err
 
 
@@ -99,14 +101,14 @@ def test_init_with_a_bad_address_creates_nothing(tmp_path: Path, capsys: Capsys)
     d = tmp_path / "s"
     assert cli.main(["ca", "init", "--state-dir", str(d), "--san", "10.0.0.1:7443"]) == 2
     assert "server address '10.0.0.1:7443' is neither" in capsys.readouterr().err
-    assert not pki.ca_paths(d).ca_key.exists()
+    assert not ca_paths(d).ca_key.exists()
 
 
 def test_show_prints_the_ca_and_the_server_cert(state: Path, capsys: Capsys) -> None:
     assert cli.main(["ca", "show", "--state-dir", str(state)]) == 0
     out = capsys.readouterr().out
-    paths = pki.ca_paths(state)
-    ca_info = pki.cert_info(pki.load_cert(paths.ca_cert))
+    paths = ca_paths(state)
+    ca_info = cert_info(load_cert(paths.ca_cert))
     assert out.splitlines()[:4] == [
         f"CA certificate {paths.ca_cert}",
         "  subject:     CN=llmgw cluster CA",
@@ -122,7 +124,7 @@ def test_show_json(state: Path, capsys: Capsys) -> None:
     shown = json.loads(capsys.readouterr().out)
     assert shown["ca"]["subject"] == "CN=llmgw cluster CA" and shown["ca"]["is_ca"] is True
     assert shown["server"]["sans"] == ["localhost", "127.0.0.1"]
-    assert shown["server"]["path"] == str(pki.ca_paths(state).server_cert)
+    assert shown["server"]["path"] == str(ca_paths(state).server_cert)
     assert datetime.fromisoformat(shown["ca"]["not_after"]).tzinfo is not None
     assert int(shown["server"]["serial"]) > 0
 
@@ -137,7 +139,7 @@ def test_server_cert_reissues_for_new_addresses(state: Path, capsys: Capsys) -> 
     assert cli.main([*argv, "--validity-days", "3"]) == 0
     out = capsys.readouterr().out
     assert "addresses:   10.0.0.5, ::1" in out and "restart `llmgw server`" in out
-    info = pki.cert_info(pki.load_cert(pki.ca_paths(state).server_cert))
+    info = cert_info(load_cert(ca_paths(state).server_cert))
     assert info.sans == ("10.0.0.5", "::1") and 2 < days_left(info) <= 3
 
 
@@ -149,21 +151,21 @@ def test_server_cert_needs_an_address(state: Path, capsys: Capsys) -> None:
 
 
 def test_issue_signs_a_request_to_standard_output(state: Path, tmp_path: Path, capsys: Capsys) -> None:
-    node = pki.write_node_key_and_csr(tmp_path / "agent", "whatever-it-asked")
+    node = write_node_key_and_csr(tmp_path / "agent", "whatever-it-asked")
     assert cli.main(["ca", "issue", "node01", "--state-dir", str(state), "--csr", str(node.csr)]) == 0
     cert = x509.load_pem_x509_certificate(capsys.readouterr().out.encode())
-    info = pki.cert_info(cert)
+    info = cert_info(cert)
     assert info.common_name == "node01"
     assert 364 < days_left(info) <= 365
 
 
 def test_issue_writes_the_certificate_with_out(state: Path, tmp_path: Path, capsys: Capsys) -> None:
-    node = pki.write_node_key_and_csr(tmp_path / "agent", "node02")
+    node = write_node_key_and_csr(tmp_path / "agent", "node02")
     out = tmp_path / "node02.crt"
     argv = ["ca", "issue", "node02", "--state-dir", str(state), "--csr", str(node.csr), "--out", str(out)]
     assert cli.main([*argv, "--validity-days", "2"]) == 0
     assert f"node certificate {out}" in capsys.readouterr().out
-    info = pki.cert_info(pki.load_cert(out))
+    info = cert_info(load_cert(out))
     assert info.common_name == "node02" and 1 < days_left(info) <= 2
 
 
@@ -172,8 +174,8 @@ def test_issue_by_hand_writes_key_cert_and_ca_into_a_directory(state: Path, tmp_
     assert cli.main(["ca", "issue", "node03", "--state-dir", str(state), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["ca.crt", "node.crt", "node.csr", "node.key"]
     assert stat.S_IMODE((out / "node.key").stat().st_mode) == 0o600
-    assert (out / "ca.crt").read_bytes() == pki.ca_paths(state).ca_cert.read_bytes()
-    assert pki.cert_info(pki.load_cert(out / "node.crt")).common_name == "node03"
+    assert (out / "ca.crt").read_bytes() == ca_paths(state).ca_cert.read_bytes()
+    assert cert_info(load_cert(out / "node.crt")).common_name == "node03"
     assert "into the node's pki directory" in capsys.readouterr().out
 
 
@@ -226,7 +228,7 @@ def _issue(state: Path, tmp_path: Path, node_id: str) -> tuple[int, int]:
     import io
     from contextlib import redirect_stdout
 
-    node = pki.write_node_key_and_csr(tmp_path / node_id, node_id)
+    node = write_node_key_and_csr(tmp_path / node_id, node_id)
     out = io.StringIO()
     with redirect_stdout(out):
         status = cli.main(["ca", "issue", node_id, "--state-dir", str(state), "--csr", str(node.csr)])

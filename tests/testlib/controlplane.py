@@ -11,17 +11,19 @@ from pathlib import Path
 import attrs
 import trio
 
-from llmgw import paths, pki
+from llmgw import paths
 from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.pki.ca import CA
+from llmgw.pki.files import init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
 from llmgw.wire import agent_link as w
 from testlib.cluster import free_port
 
 
-def make_state(state: Path, *, sans: Sequence[str] = ("127.0.0.1",), days: int = 3) -> pki.CA:
+def make_state(state: Path, *, sans: Sequence[str] = ("127.0.0.1",), days: int = 3) -> CA:
     """What `llmgw ca init` leaves in a control plane's state directory; returns the CA."""
-    pki.init_ca(state, validity_days=days)
-    ca = pki.load_ca(state)
-    ca.issue_server_cert(state, list(sans), validity_days=days)
+    init_ca(state, validity_days=days)
+    ca = load_ca(state)
+    issue_server_cert(ca, state, list(sans), validity_days=days)
     paths.ensure_admin_token(state)
     return ca
 
@@ -52,14 +54,14 @@ class Local:
     """An in-process control plane's configuration and CA, and how agents join it."""
 
     state: Path
-    ca: pki.CA
+    ca: CA
     port: int  # the agent endpoint's fixed port, so a restarted control plane is found again
     config: ServerConfig
 
     def agent(self, root: Path, node_id: str, *, source_address: str = "") -> AgentConfig:
         """A node with its own certificate, dialling this control plane."""
         node_dir = root / node_id
-        pki.issue_to_dir(self.ca, node_id, pki.node_paths(node_dir).dir, validity_days=3)
+        issue_to_dir(self.ca, node_id, node_paths(node_dir).dir, validity_days=3)
         return AgentConfig(
             server=f"wss://127.0.0.1:{self.port}",
             node_id=node_id,

@@ -21,9 +21,10 @@ import trio
 import trio_websocket
 
 from agent.node_address import NodeAddress, local_host
-from llmgw import pki
 from llmgw.errors import UsageError, find, leaves, only
 from llmgw.log import get_logger
+from llmgw.pki.tls import send_tls_alert
+from llmgw.pki.tlsdiag import describe_tls_failure
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from llmgw.wire.errors import WireError
@@ -140,7 +141,7 @@ class AgentLink:
             body = (rejected.body or b"").decode("utf-8", "replace").strip()
             return f"the control plane refused this node (HTTP {rejected.status_code}): {body}"
         closed = find(exc, trio_websocket.ConnectionClosed)
-        if closed is not None and pki.describe_tls_failure(exc, side="client") is None:
+        if closed is not None and describe_tls_failure(exc, side="client") is None:
             return f"the link closed: {closed.reason}"
         if only(
             exc,
@@ -167,7 +168,7 @@ class AgentLink:
             try:
                 await stream.do_handshake()
             except trio.BrokenResourceError:
-                await pki.send_tls_alert(stream)  # tells the server why we hung up (e.g. its cert)
+                await send_tls_alert(stream)  # tells the server why we hung up (e.g. its cert)
                 raise
             except BaseException:
                 await trio.aclose_forcefully(stream)
@@ -298,7 +299,7 @@ class _WatchedStream(trio.abc.Stream):
 def describe_failure(exc: BaseException, target: Target) -> str:
     """One line for the operator: what failed and what to do."""
     where = f"{target.host}:{target.port}"
-    tls = pki.describe_tls_failure(exc, side="client")
+    tls = describe_tls_failure(exc, side="client")
     if tls:
         return tls
     root = _root_cause(exc)

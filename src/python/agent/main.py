@@ -25,10 +25,12 @@ from agent.link import AgentLink, Target
 from agent.node_address import NodeAddress
 from agent.replicas import Supervisor, serve_assignments
 from agent.weights import WeightsStore
-from llmgw import __version__, pki, private
+from llmgw import __version__, private
 from llmgw.config import AgentConfig, weights_dir_of
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
+from llmgw.pki.files import NODE_DIR_WHAT, node_paths
+from llmgw.pki.tls import client_ssl_context
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
@@ -61,7 +63,7 @@ def check_private(state_dir: Path) -> None:
     it) and run/ (the records that decide which processes the agent adopts and signals), and the
     state directory that holds them is writable by no one else."""
     found = private.check(state_dir, "the agent's state directory", is_dir=True, writable_only=True)
-    found += private.check(state_dir / "pki", pki.NODE_DIR_WHAT, is_dir=True)
+    found += private.check(state_dir / "pki", NODE_DIR_WHAT, is_dir=True)
     found += private.check(state_dir / "run", "the records of the engines this agent runs", is_dir=True)
     if found:
         raise private.NotPrivate(found)
@@ -69,10 +71,10 @@ def check_private(state_dir: Path) -> None:
 
 async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLink] = trio.TASK_STATUS_IGNORED) -> None:
     state_dir = Path(config.state_dir)
-    files = pki.node_paths(state_dir)
+    files = node_paths(state_dir)
     check_private(state_dir)
     identity = Identity(node_id=node_id_of(config), boot_id=boot_id(), started_at=time.time())
-    ssl_context = pki.client_ssl_context(files.ca_cert, files.cert, files.key)
+    ssl_context = client_ssl_context(files.ca_cert, files.cert, files.key)
     if config.fabrics:
         # Fabric identities come from sminfo (infiniband-diags): install it where it is missing.
         outcome = await trio.to_thread.run_sync(

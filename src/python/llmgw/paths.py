@@ -1,7 +1,7 @@
 """Where the control plane keeps things in its state directory, and how that directory is found.
 
     STATE_DIR/               0700: only the user the control plane runs as may look inside
-    STATE_DIR/ca/            0700: certificate authority and server certificate (llmgw.pki)
+    STATE_DIR/ca/            0700: certificate authority and server certificate (llmgw.pki.files)
     STATE_DIR/llmgw.db       0600, and its -wal and -shm: SQLite store: nodes, cordons, issued and
                              revoked certificates, placements (engine keys sealed), API key hashes
     STATE_DIR/engine-keys.secret  0600: what seals the engine keys in llmgw.db (server.enginekeys)
@@ -59,7 +59,7 @@ def up_api_key_path(state_dir: Path) -> Path:
 
 def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
     """Every private path of the control plane's state directory: (path, what it holds, is a directory)."""
-    ca = state_dir / "ca"  # as llmgw.pki.ca_paths says: named here so that `llmgw ctl` need not load cryptography
+    ca = state_dir / "ca"  # as llmgw.pki.files.ca_paths says: named here so that `llmgw ctl` need not load cryptography
     db, wal, shm = store_files(state_dir)
     return [
         (state_dir, "the control plane's state directory", True),

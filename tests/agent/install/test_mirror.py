@@ -11,9 +11,11 @@ import pytest
 import trio
 
 from agent.install.errors import DownloadError
-from llmgw import pki
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.download import archive_cap, fetch
+from llmgw.pki.ca import cert_info
+from llmgw.pki.files import issue_to_dir, load_cert
+from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.server.mirror import fill_mirror
 from testlib.controlplane import make_state
@@ -30,8 +32,8 @@ async def mirror(tmp_path: Path, nursery: trio.Nursery):
         state,
     )
     bound = await nursery.start(plane.serve)
-    node = pki.issue_to_dir(ca, "node-a", tmp_path / "node", validity_days=3)
-    ctx = pki.client_ssl_context(node.ca_cert, node.cert, node.key)
+    node = issue_to_dir(ca, "node-a", tmp_path / "node", validity_days=3)
+    ctx = client_ssl_context(node.ca_cert, node.cert, node.key)
     base = f"https://127.0.0.1:{bound.agent_address[1]}/v1/artifacts"
     return plane, state, ctx, base, node
 
@@ -62,7 +64,7 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
     digest = hashlib.sha256(data).hexdigest()
     (state / "artifacts").mkdir()
     (state / "artifacts" / digest).write_bytes(data)
-    await plane.store.revoke_serial(pki.cert_info(pki.load_cert(node.cert)).serial, "node-a")
+    await plane.store.revoke_serial(cert_info(load_cert(node.cert)).serial, "node-a")
     with pytest.raises(DownloadError):
         await fetch(f"{base}/{digest}", tmp_path / "x", sha256=digest, ssl_context=ctx, cap=archive_cap(0, 0))
     assert not (tmp_path / "x").exists()

@@ -10,20 +10,21 @@ import pytest
 import trio
 from cryptography import x509
 
-from llmgw import pki
 from llmgw.errors import UsageError
 from llmgw.nodeadd import identify, identity, install, ssh
 from llmgw.nodeadd.context import Authority, Facts, Options
+from llmgw.pki.ca import CA, cert_info, make_key_and_csr
+from llmgw.pki.files import init_ca, load_ca
 from llmgw.server.store import Store
 
 
-def _ca(directory: Path) -> pki.CA:
-    pki.init_ca(directory, validity_days=30)
-    return pki.load_ca(directory)
+def _ca(directory: Path) -> CA:
+    init_ca(directory, validity_days=30)
+    return load_ca(directory)
 
 
-def _cert(ca: pki.CA, node_id: str) -> bytes:
-    _, csr = pki.make_key_and_csr(node_id)
+def _cert(ca: CA, node_id: str) -> bytes:
+    _, csr = make_key_and_csr(node_id)
     return ca.sign_csr(csr, node_id, validity_days=30)
 
 
@@ -91,14 +92,14 @@ def test_a_certificate_issued_for_a_node_id_revokes_the_replaced_machines(tmp_pa
     store = Store.open(tmp_path)
     admin = _StoreAdmin(tmp_path)
     try:
-        info = pki.cert_info(x509.load_pem_x509_certificate(first))
+        info = cert_info(x509.load_pem_x509_certificate(first))
         store.record_issued(info.serial, "node-a", info.not_after.timestamp())
         elsewhere = _cert(ca, "node-b")
         store.record_issued(_serial(elsewhere), "node-b", info.not_after.timestamp())
 
         # The machine replacing it holds no certificate (old=None): the first machine's is revoked all the same.
         second = _cert(ca, "node-a")
-        revoked = install.record(admin, "node-a", pki.cert_info(x509.load_pem_x509_certificate(second)), None, ca)
+        revoked = install.record(admin, "node-a", cert_info(x509.load_pem_x509_certificate(second)), None, ca)
         assert revoked == [f"{_serial(first):x}"]
         assert store.is_revoked(_serial(first))
         assert not store.is_revoked(_serial(second))
@@ -107,12 +108,12 @@ def test_a_certificate_issued_for_a_node_id_revokes_the_replaced_machines(tmp_pa
         # The same machine renewing: the certificate it held goes too, and is named once.
         third = _cert(ca, "node-a")
         old = x509.load_pem_x509_certificate(second)
-        revoked = install.record(admin, "node-a", pki.cert_info(x509.load_pem_x509_certificate(third)), old, ca)
+        revoked = install.record(admin, "node-a", cert_info(x509.load_pem_x509_certificate(third)), old, ca)
         assert revoked == [f"{_serial(second):x}"]
 
         # A certificate of this CA the machine held, never recorded here, is revoked too.
         unrecorded = x509.load_pem_x509_certificate(_cert(ca, "node-a"))
-        fourth = pki.cert_info(x509.load_pem_x509_certificate(_cert(ca, "node-a")))
+        fourth = cert_info(x509.load_pem_x509_certificate(_cert(ca, "node-a")))
         assert install.record(admin, "node-a", fourth, unrecorded, ca) == sorted(
             [f"{_serial(third):x}", f"{unrecorded.serial_number:x}"], key=lambda h: int(h, 16)
         )
@@ -141,7 +142,7 @@ class _Node:
         return ssh.Result(exit_status=1, stdout="", stderr="No such file or directory")
 
 
-def _identify(tmp_path: Path, ca: pki.CA, cert: bytes | None, known: list[dict], *, reissue: bool = False) -> str:
+def _identify(tmp_path: Path, ca: CA, cert: bytes | None, known: list[dict], *, reissue: bool = False) -> str:
     opts = Options(
         target="root@10.0.0.99",
         server_config=None,  # type: ignore[arg-type]  # not read by identify

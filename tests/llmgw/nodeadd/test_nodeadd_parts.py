@@ -15,11 +15,12 @@ import trio
 from trio.testing import MockClock
 
 from llmgw import config as cfg
-from llmgw import pki
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
 from llmgw.nodeadd import identify, install, layout, release, ship, ssh
 from llmgw.nodeadd.context import Facts, Options
 from llmgw.nodeadd.questions import Unattended
+from llmgw.pki.ca import CertInfo
+from llmgw.pki.files import init_ca, issue_server_cert, load_ca
 from testlib.needs import program
 
 
@@ -138,9 +139,9 @@ def test_an_unknown_machine_is_said() -> None:
 # -- the address ---------------------------------------------------------------------------
 
 
-def _server_cert(tmp_path: Path, sans: list[str]) -> pki.CertInfo:
-    pki.init_ca(tmp_path, validity_days=30)
-    return pki.load_ca(tmp_path).issue_server_cert(tmp_path, sans, validity_days=30)
+def _server_cert(tmp_path: Path, sans: list[str]) -> CertInfo:
+    init_ca(tmp_path, validity_days=30)
+    return issue_server_cert(load_ca(tmp_path), tmp_path, sans, validity_days=30)
 
 
 def _opts(tmp_path: Path, *, agent_listen: str = "0.0.0.0:7443", server_address: str = "") -> Options:

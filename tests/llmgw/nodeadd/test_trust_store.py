@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw import pki
 from llmgw.errors import MachineError
 from llmgw.nodeadd import identify, install, layout, ssh
 from llmgw.nodeadd.context import Facts, Options
+from llmgw.pki.files import init_ca, load_ca
 
 DEBIAN_12 = """\
 hostname=vm
@@ -149,8 +149,8 @@ class _Node:
 
 
 def _identify_and_trust(tmp_path: Path, probe: str, *, system_trust: bool = True) -> _Node:
-    pki.init_ca(tmp_path, validity_days=30)
-    ca = pki.load_ca(tmp_path)
+    init_ca(tmp_path, validity_days=30)
+    ca = load_ca(tmp_path)
     opts = Options(
         target="root@10.0.0.21",
         server_config=None,  # type: ignore[arg-type]  # not read by these two steps

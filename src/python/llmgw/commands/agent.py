@@ -9,9 +9,9 @@ from pathlib import Path
 import attrs
 
 from llmgw import config as cfg
-from llmgw import pki
 from llmgw.cli import Parser, add_group, add_leaf
 from llmgw.commands._service import run_service
+from llmgw.pki.files import write_node_key_and_csr
 
 DEFAULT_CONFIG = "/etc/llmgw/agent.toml"
 # Kept equal to agent.supervise's (imported only when a command runs); a test checks they agree.
@@ -100,7 +100,7 @@ def run_csr(args: argparse.Namespace) -> int:
 
     config = cfg.load_agent_config(args.config)
     node_id = node_id_of(config)
-    files = pki.write_node_key_and_csr(Path(config.state_dir), node_id)
+    files = write_node_key_and_csr(Path(config.state_dir), node_id)
     print(f"key (stays on this node): {files.key}")
     print(f"certificate signing request for node {node_id!r}: {files.csr}")
     print(f"on the control plane: llmgw ca issue {node_id} --csr node.csr --out node.crt")

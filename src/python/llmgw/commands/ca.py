@@ -16,11 +16,13 @@ from pathlib import Path
 
 from cryptography import x509
 
-from llmgw import config, pki
+from llmgw import config
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
 from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
+from llmgw.pki.ca import CertInfo, cert_info, check_node_id, parse_sans
+from llmgw.pki.files import CAPaths, ca_paths, init_ca, issue_server_cert, issue_to_dir, load_ca, load_cert, write_cert
 from llmgw.server import enginekeys
 
 log = get_logger("llmgw.ca")
@@ -104,13 +106,13 @@ def _add_san_option(parser: argparse.ArgumentParser, *, required: bool) -> None:
 def run_init(args: argparse.Namespace) -> int:
     cfg, state_dir = resolve_server_paths(args)
     sans = args.san or list(cfg.server.advertise) or ["localhost", "127.0.0.1"]
-    pki.parse_sans(sans)  # a bad address must fail before the CA exists, not after
-    ca_info = pki.init_ca(state_dir, validity_days=_or(args.validity_days, cfg.ca.ca_validity_days))
-    ca = pki.load_ca(state_dir)
-    server_info = ca.issue_server_cert(state_dir, sans, validity_days=cfg.ca.server_cert_validity_days)
+    parse_sans(sans)  # a bad address must fail before the CA exists, not after
+    ca_info = init_ca(state_dir, validity_days=_or(args.validity_days, cfg.ca.ca_validity_days))
+    ca = load_ca(state_dir)
+    server_info = issue_server_cert(ca, state_dir, sans, validity_days=cfg.ca.server_cert_validity_days)
     token_path = ensure_admin_token(state_dir)
     enginekeys.generate(state_dir)  # made now, so that the files to copy once are all there from the start
-    paths = pki.ca_paths(state_dir)
+    paths = ca_paths(state_dir)
     log.info("ca_created", dir=str(paths.dir), fingerprint=ca_info.fingerprint_sha256, sans=list(server_info.sans))
     if args.json:
         _print_json(ca_info, server_info, paths)
@@ -128,11 +130,11 @@ def run_init(args: argparse.Namespace) -> int:
 
 def run_show(args: argparse.Namespace) -> int:
     _, state_dir = resolve_server_paths(args)
-    paths = pki.ca_paths(state_dir)
+    paths = ca_paths(state_dir)
     if not _exists(paths.ca_cert):
-        pki.load_ca(state_dir)  # raises the error that says how to create one
-    ca_info = pki.cert_info(pki.load_cert(paths.ca_cert))  # the certificate only: no need to read the key
-    server_info = pki.cert_info(pki.load_cert(paths.server_cert)) if _exists(paths.server_cert) else None
+        load_ca(state_dir)  # raises the error that says how to create one
+    ca_info = cert_info(load_cert(paths.ca_cert))  # the certificate only: no need to read the key
+    server_info = cert_info(load_cert(paths.server_cert)) if _exists(paths.server_cert) else None
     if args.json:
         _print_json(ca_info, server_info, paths)
         return 0
@@ -146,11 +148,11 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_server_cert(args: argparse.Namespace) -> int:
     cfg, state_dir = resolve_server_paths(args)
-    ca = pki.load_ca(state_dir)
-    info = ca.issue_server_cert(
-        state_dir, args.san, validity_days=_or(args.validity_days, cfg.ca.server_cert_validity_days)
+    ca = load_ca(state_dir)
+    info = issue_server_cert(
+        ca, state_dir, args.san, validity_days=_or(args.validity_days, cfg.ca.server_cert_validity_days)
     )
-    paths = pki.ca_paths(state_dir)
+    paths = ca_paths(state_dir)
     log.info("server_cert_issued", sans=list(info.sans), fingerprint=info.fingerprint_sha256)
     if args.json:
         _print_json(None, info, paths)
@@ -168,13 +170,13 @@ def run_issue(args: argparse.Namespace) -> int:
         )
     if args.csr is not None and args.out is not None and args.out.is_dir():
         raise UsageError(f"with --csr, --out names the certificate file to write, and {args.out} is a directory")
-    pki.check_node_id(args.node_id)
+    check_node_id(args.node_id)
     cfg, state_dir = resolve_server_paths(args)
-    ca = pki.load_ca(state_dir)
+    ca = load_ca(state_dir)
     days = _or(args.validity_days, cfg.ca.node_cert_validity_days)
     if args.csr is None:
-        paths = pki.issue_to_dir(ca, args.node_id, args.out, validity_days=days)
-        info = pki.cert_info(pki.load_cert(paths.cert))
+        paths = issue_to_dir(ca, args.node_id, args.out, validity_days=days)
+        info = cert_info(load_cert(paths.cert))
         _record(state_dir, args.node_id, info)
         log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=True)
         _print_cert("node", paths.cert, info)
@@ -187,18 +189,18 @@ def run_issue(args: argparse.Namespace) -> int:
             f"cannot read the request {args.csr}: {exc.strerror or exc}; pass the node's node.csr"
         ) from None
     cert_pem = ca.sign_csr(csr_pem, args.node_id, validity_days=days)
-    info = pki.cert_info(x509.load_pem_x509_certificate(cert_pem))
+    info = cert_info(x509.load_pem_x509_certificate(cert_pem))
     _record(state_dir, args.node_id, info)
     log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=False)
     if args.out is None:
         print(cert_pem.decode(), end="")
     else:
-        pki.write_cert(args.out, cert_pem)
+        write_cert(args.out, cert_pem)
         _print_cert("node", args.out, info)
     return 0
 
 
-def _record(state_dir: Path, node_id: str, info: pki.CertInfo) -> None:
+def _record(state_dir: Path, node_id: str, info: CertInfo) -> None:
     """Remember the serial, so `llmgw node remove` revokes this certificate even if it never connected.
 
     While a control plane runs, it alone opens its database: the serial goes through its admin
@@ -235,7 +237,7 @@ def _or(given: int | None, default: int) -> int:
     return default if given is None else given
 
 
-def _print_cert(role: str, path: Path, info: pki.CertInfo) -> None:
+def _print_cert(role: str, path: Path, info: CertInfo) -> None:
     print(f"{role} certificate {path}")
     print(f"  subject:     {info.subject}")
     print(f"  fingerprint: {info.fingerprint_sha256}")
@@ -244,7 +246,7 @@ def _print_cert(role: str, path: Path, info: pki.CertInfo) -> None:
         print(f"  addresses:   {', '.join(info.sans)}")
 
 
-def _print_json(ca: pki.CertInfo | None, server: pki.CertInfo | None, paths: pki.CAPaths) -> None:
+def _print_json(ca: CertInfo | None, server: CertInfo | None, paths: CAPaths) -> None:
     out: dict = {"dir": str(paths.dir)}
     if ca is not None:
         out["ca"] = {"path": str(paths.ca_cert), **_info_dict(ca)}
@@ -252,7 +254,7 @@ def _print_json(ca: pki.CertInfo | None, server: pki.CertInfo | None, paths: pki
     print(json.dumps(out, indent=2))
 
 
-def _info_dict(info: pki.CertInfo) -> dict:
+def _info_dict(info: CertInfo) -> dict:
     return {
         "subject": info.subject,
         "issuer": info.issuer,

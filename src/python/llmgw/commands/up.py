@@ -22,13 +22,15 @@ from typing import Any
 
 import trio
 
-from llmgw import paths, pki, private, simfabric
+from llmgw import paths, private, simfabric
 from llmgw.cli import Parser
 from llmgw.commands import _upconfig
 from llmgw.commands._service import run_service
 from llmgw.config import AgentConfig, FabricDecl, load_server_config, parse_toml, server_config_from_dict
 from llmgw.errors import LlmgwError, UsageError, leaves, only
 from llmgw.log import get_logger
+from llmgw.pki.ca import CA
+from llmgw.pki.files import ca_paths, init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
 
 log = get_logger("llmgw.up")
 
@@ -159,12 +161,12 @@ def _owned(record: Path, doc: dict[str, Any]) -> tuple[str, ...]:
         return _upconfig.legacy_owned(doc)
 
 
-def _node_config(state: Path, ca: pki.CA, i: int, agent_port: int, args: argparse.Namespace) -> AgentConfig:
+def _node_config(state: Path, ca: CA, i: int, agent_port: int, args: argparse.Namespace) -> AgentConfig:
     node_id = f"local-{i + 1}"
     node_dir = state / "nodes" / node_id
-    files = pki.node_paths(node_dir)
+    files = node_paths(node_dir)
     if not files.cert.exists():
-        pki.issue_to_dir(ca, node_id, files.dir, validity_days=365)
+        issue_to_dir(ca, node_id, files.dir, validity_days=365)
     extra: dict[str, Any] = {}
     if args.fabric:
         ib_root, sminfo = simfabric.write_node(node_dir / "sim-fabric", fabric=args.fabric, node=node_id, index=i)
@@ -191,11 +193,11 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     emit = Events(args.json)
     private.make_dir(state, "the state directory of `llmgw up`")  # 0700, and its missing parents
     emit("starting", f"llmgw up: state in {state}", state_dir=str(state), nodes=args.nodes)
-    if not pki.ca_paths(state).ca_key.exists():
-        pki.init_ca(state, validity_days=3650)
-        pki.load_ca(state).issue_server_cert(state, ["127.0.0.1"], validity_days=825)
+    if not ca_paths(state).ca_key.exists():
+        init_ca(state, validity_days=3650)
+        issue_server_cert(load_ca(state), state, ["127.0.0.1"], validity_days=825)
         emit("ca_created", state_dir=str(state))
-    ca = pki.load_ca(state)
+    ca = load_ca(state)
     paths.ensure_admin_token(state)
     config_path = _server_toml(state, args, emit)
     config = load_server_config(config_path)

@@ -15,11 +15,11 @@ from typing import Any
 import attrs
 
 from llmgw import config as cfg
-from llmgw import pki
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError
 from llmgw.nodeadd import layout, ssh
 from llmgw.nodeadd.release import Artifact
+from llmgw.pki.ca import CA, CertInfo
 
 SHORT_S = 60  # a command that only reads or writes a file
 DOCTOR_S = 180  # doctor runs nvidia-smi and sminfo, and unpacks the zipapp first
@@ -52,8 +52,8 @@ class Authority:
     """What the control plane holds, read before the node is touched. `admin` is the one way to
     its state: node add never opens the control plane's database."""
 
-    ca: pki.CA
-    server_cert: pki.CertInfo
+    ca: CA
+    server_cert: CertInfo
     admin: AdminClient
     nodes: list[dict[str, Any]]
 

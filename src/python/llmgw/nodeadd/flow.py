@@ -28,7 +28,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from llmgw import pki
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import LlmgwError, MachineError
 from llmgw.nodeadd import identify, install, layout, ship, ssh
@@ -36,6 +35,8 @@ from llmgw.nodeadd.context import SHORT_S, Authority, Facts, Options, view_of
 from llmgw.nodeadd.questions import Questions
 from llmgw.nodeadd.release import find_artifact
 from llmgw.nodeadd.steps import FAILED, OK, STARTED, WARN, Event
+from llmgw.pki.ca import CA, CertInfo, cert_info
+from llmgw.pki.files import ca_paths, load_ca, load_cert
 
 __all__ = ["Added", "Options", "add_node"]
 
@@ -173,15 +174,15 @@ async def _on_node(
     )
 
 
-def _read_authority(state_dir: Path) -> tuple[pki.CA, pki.CertInfo]:
-    ca = pki.load_ca(state_dir)
-    paths = pki.ca_paths(state_dir)
+def _read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
+    ca = load_ca(state_dir)
+    paths = ca_paths(state_dir)
     if not paths.server_cert.exists():
         raise MachineError(
             f"{paths.server_cert} is missing: the control plane has no certificate for agents to check; "
             f"issue one with `llmgw ca server-cert --state-dir {state_dir} --san ADDRESS`"
         )
-    return ca, pki.cert_info(pki.load_cert(paths.server_cert))
+    return ca, cert_info(load_cert(paths.server_cert))
 
 
 async def _remove_stage(s: ssh.Session, stage: str) -> None:

@@ -18,11 +18,12 @@ import trio
 from cryptography import x509
 
 from llmgw import config as cfg
-from llmgw import pki
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
 from llmgw.nodeadd import identity, layout, ssh
 from llmgw.nodeadd.context import SHORT_S, Authority, Facts, Options, said, view_of
 from llmgw.nodeadd.release import release_arch
+from llmgw.pki.ca import CertInfo, check_node_id
+from llmgw.pki.files import node_paths
 
 # -- identify ------------------------------------------------------------------------------
 
@@ -54,7 +55,7 @@ async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
     found = layout.parse_probe(res.stdout)
     hostname = found.hostname
     try:
-        facts.node_id = pki.check_node_id(hostname)
+        facts.node_id = check_node_id(hostname)
     except UsageError:
         raise PeerError(
             f"{s.target}: its hostname {hostname!r} cannot be a node id (letters, digits, '-' and '.'); "
@@ -86,7 +87,7 @@ async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
 
 async def _why_not_the_holder(s: ssh.Session, node_id: str, auth: Authority) -> str:
     """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
-    node = pki.node_paths(Path(layout.STATE_DIR))
+    node = node_paths(Path(layout.STATE_DIR))
     res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)
     pem = res.stdout.encode() if res.exit_status == 0 else None
     revoked = False
@@ -119,7 +120,7 @@ def source_address(host: str, port: int = 22) -> str:
         return str(sock.getsockname()[0])
 
 
-def agent_address(opts: Options, host: str, server_cert: pki.CertInfo) -> tuple[str, int]:
+def agent_address(opts: Options, host: str, server_cert: CertInfo) -> tuple[str, int]:
     listen_host, _, port_text = opts.server_config.server.agent_listen.rpartition(":")
     listen_host = listen_host.strip("[]")
     port = int(port_text)

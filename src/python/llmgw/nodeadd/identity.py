@@ -18,7 +18,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from llmgw import pki
+from llmgw.pki.ca import cert_info
 
 
 def why_not_the_holder(
@@ -36,7 +36,7 @@ def why_not_the_holder(
         cert.verify_directly_issued_by(ca_cert)
     except (ValueError, TypeError, InvalidSignature):
         return "holds a certificate from another CA"
-    info = pki.cert_info(cert)
+    info = cert_info(cert)
     if info.common_name != node_id:
         return f"holds the certificate of node {info.common_name!r}"
     if is_revoked(info.serial):

@@ -21,7 +21,6 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from llmgw import pki
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import LlmgwError, PeerError
 from llmgw.nodeadd import layout, ssh
@@ -37,6 +36,8 @@ from llmgw.nodeadd.context import (
     view_of,
 )
 from llmgw.nodeadd.steps import OK, WARN
+from llmgw.pki.ca import CA, CertInfo, cert_info
+from llmgw.pki.files import node_paths
 
 POLL_S = 1.0
 LOG_LINES = 15
@@ -48,7 +49,7 @@ KEEP_FOR_S = 7 * 86400  # a certificate with less left than this is renewed
 async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
     config_text = _agent_toml(opts, facts)
     await put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
-    node = pki.node_paths(Path(layout.STATE_DIR))
+    node = node_paths(Path(layout.STATE_DIR))
     current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)
     had_key = await _has_identity(s)
     if opts.reissue:
@@ -75,7 +76,7 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
     old = _cert_or_none(current.stdout.encode()) if current.exit_status == 0 else None
     days = opts.server_config.ca.node_cert_validity_days
     facts.cert_pem = auth.ca.sign_csr(csr_pem, facts.node_id, validity_days=days)
-    info = pki.cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
+    info = cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
     facts.cert_serial = f"{info.serial:x}"
     revoked = await trio.to_thread.run_sync(record, auth.admin, facts.node_id, info, old, auth.ca)
     also = ""
@@ -101,7 +102,7 @@ def _agent_toml(opts: Options, facts: Facts) -> str:
 
 
 async def _has_identity(s: ssh.Session) -> bool:
-    key = pki.node_paths(Path(layout.STATE_DIR)).key
+    key = node_paths(Path(layout.STATE_DIR)).key
     return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
 
 
@@ -112,13 +113,13 @@ def _cert_or_none(pem: bytes) -> x509.Certificate | None:
         return None
 
 
-def fitting_cert(pem: bytes, csr_pem: bytes, ca: pki.CA, node_id: str) -> pki.CertInfo | None:
+def fitting_cert(pem: bytes, csr_pem: bytes, ca: CA, node_id: str) -> CertInfo | None:
     """The node's certificate, if it can stay as far as it alone tells: ours, for this node and
     its key, valid a while. Whether it is revoked only the control plane knows."""
     cert = _cert_or_none(pem)
     if cert is None:
         return None
-    info = pki.cert_info(cert)
+    info = cert_info(cert)
     csr = x509.load_pem_x509_csr(csr_pem)
     try:
         cert.verify_directly_issued_by(ca.cert)
@@ -135,7 +136,7 @@ def _public_der(key: Any) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def record(admin: AdminClient, node_id: str, info: pki.CertInfo, old: x509.Certificate | None, ca: pki.CA) -> list[str]:
+def record(admin: AdminClient, node_id: str, info: CertInfo, old: x509.Certificate | None, ca: CA) -> list[str]:
     """Have the control plane remember the new serial (so `node remove` revokes it), and revoke
     every other certificate of the node id: the one it replaces on this machine, if ours, and
     those of a machine it replaces. Returns the serials revoked, in hex. Blocking: one request."""
@@ -149,8 +150,8 @@ def record(admin: AdminClient, node_id: str, info: pki.CertInfo, old: x509.Certi
 # -- trust ---------------------------------------------------------------------------------
 
 
-async def trust(s: ssh.Session, facts: Facts, ca: pki.CA) -> tuple[str, str]:
-    node = pki.node_paths(Path(layout.STATE_DIR))
+async def trust(s: ssh.Session, facts: Facts, ca: CA) -> tuple[str, str]:
+    node = node_paths(Path(layout.STATE_DIR))
     await put_text(s, facts.cert_pem.decode(), f"{facts.stage}/node.crt", mode=0o644)
     await put_text(s, ca.cert_pem().decode(), f"{facts.stage}/ca.crt", mode=0o644)
     for name, dest in (("node.crt", node.cert), ("ca.crt", node.ca_cert)):

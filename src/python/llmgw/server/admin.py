@@ -39,11 +39,11 @@ from urllib.parse import unquote
 
 import attrs
 
-from llmgw import pki
 from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.fabrics import FabricMap
 from llmgw.http.server import HTTPError, Request, Response
 from llmgw.log import get_logger
+from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
 from llmgw.server.errors import NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
@@ -260,7 +260,7 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
     if not isinstance(node_id, str):
         raise HTTPError(400, f"'node_id' must be the node id the certificate names, as a string; got {node_id!r}")
     try:
-        pki.check_node_id(node_id)
+        check_node_id(node_id)
     except UsageError as exc:
         raise HTTPError(400, f"'node_id': {exc}") from None
     not_after = body.get("not_after")

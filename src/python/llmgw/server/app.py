@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw import paths, pki
+from llmgw import paths
 from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError
@@ -37,6 +37,9 @@ from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
 from llmgw.log import get_logger
 from llmgw.metrics import Registry as MetricsRegistry
+from llmgw.pki.ca import CA
+from llmgw.pki.files import load_ca
+from llmgw.pki.tls import server_ssl_context
 from llmgw.server import activation, enginekeys, views
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
@@ -72,7 +75,7 @@ class ControlPlane:
         state_dir: Path,
         config_path: Path | None = None,
         *,
-        ca: pki.CA,
+        ca: CA,
         ssl_context: ssl.SSLContext,
         store: AsyncStore,
         engine_keys: EngineKeys,
@@ -130,8 +133,8 @@ class ControlPlane:
     def open(cls, config: ServerConfig, state_dir: Path, config_path: Path | None = None) -> ControlPlane:
         """Read what the control plane starts from, in the order the module docstring gives."""
         paths.check_state_dir(state_dir)
-        ca = pki.load_ca(state_dir)
-        ssl_context = pki.server_ssl_context(state_dir)
+        ca = load_ca(state_dir)
+        ssl_context = server_ssl_context(state_dir)
         store = AsyncStore.open(state_dir)
         engine_keys = enginekeys.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
         admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))

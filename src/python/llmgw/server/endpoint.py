@@ -26,11 +26,14 @@ import attrs
 import trio
 import trio_websocket
 
-from llmgw import __version__, pki
+from llmgw import __version__
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http import server as http
 from llmgw.log import get_logger
+from llmgw.pki.ca import CertInfo, cert_info_from_der
+from llmgw.pki.tls import send_tls_alert
+from llmgw.pki.tlsdiag import describe_tls_failure
 from llmgw.server import artifacts
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
@@ -138,21 +141,21 @@ class AgentEndpoint:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _handshake(self, stream: trio.SSLStream, address: str) -> pki.CertInfo | None:
+    async def _handshake(self, stream: trio.SSLStream, address: str) -> CertInfo | None:
         """The TLS handshake with a client certificate of the cluster CA, or None (refused,
         logged, the agent told why by the TLS alert)."""
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 await stream.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            reason = pki.describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+            reason = describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
             log.warning("agent_refused", address=address, stage="tls", reason=reason)
             self.stats.abort(LISTENER, "tls")
-            await pki.send_tls_alert(stream)  # so the agent learns why, at once
+            await send_tls_alert(stream)  # so the agent learns why, at once
             return None
-        return pki.cert_info_from_der(stream.getpeercert(binary_form=True))
+        return cert_info_from_der(stream.getpeercert(binary_form=True))
 
-    async def _serve_authenticated(self, stream: trio.SSLStream, cert: pki.CertInfo, address: str) -> None:
+    async def _serve_authenticated(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
         # The whole request head within the deadline, however it trickles in.
         with trio.fail_after(HELLO_TIMEOUT_S):
             head, conn, http_request = await artifacts.read_request_head(stream)
@@ -185,7 +188,7 @@ class AgentEndpoint:
             finally:
                 nursery.cancel_scope.cancel()
 
-    async def _revocation_refusal(self, cert: pki.CertInfo) -> tuple[int, str] | None:
+    async def _revocation_refusal(self, cert: CertInfo) -> tuple[int, str] | None:
         try:
             revoked = await self.store.is_revoked(cert.serial)
         except StoreError as exc:
@@ -201,7 +204,7 @@ class AgentEndpoint:
             )
         return None
 
-    async def _refusal(self, request: trio_websocket.WebSocketRequest, cert: pki.CertInfo) -> tuple[int, str] | None:
+    async def _refusal(self, request: trio_websocket.WebSocketRequest, cert: CertInfo) -> tuple[int, str] | None:
         if request.path != AGENT_PATH:
             return 404, f"no agent endpoint at {request.path!r}; agents connect to {AGENT_PATH}"
         revoked = await self._revocation_refusal(cert)
@@ -215,7 +218,7 @@ class AgentEndpoint:
             )
         return None
 
-    async def _run_link(self, ws: trio_websocket.WebSocketConnection, cert: pki.CertInfo, address: str) -> None:
+    async def _run_link(self, ws: trio_websocket.WebSocketConnection, cert: CertInfo, address: str) -> None:
         node_id = cert.common_name
         try:
             with trio.fail_after(HELLO_TIMEOUT_S):

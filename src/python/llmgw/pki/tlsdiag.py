@@ -2,8 +2,8 @@
 
 Pure: takes the exception, returns text; no I/O. Decides by the attributes OpenSSL gives
 (`verify_code` of a certificate the local end refused, `reason` naming an alert the other end
-sent), never by message text. `llmgw.pki` re-exports `describe_tls_failure`; the agent's
-side of the link and the control plane's call it where a handshake fails.
+sent), never by message text. The agent's side of the link and the control plane's call it
+where a handshake fails, next to `llmgw.pki.tls.send_tls_alert`.
 """
 
 from __future__ import annotations
