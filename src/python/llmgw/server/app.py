@@ -491,6 +491,7 @@ class ControlPlane:
                     cap = archive_cap(archive.size, self.config.downloads.max_archive_bytes)
                     await fetch(archive.url, directory / archive.sha256, sha256=archive.sha256, cap=cap)
                     log.info("mirror_fetched", url=archive.url, sha256=archive.sha256)
+                    await self.endpoint.artifacts.refresh()  # indexed before the nodes are told
                     for node_id in list(self.endpoint.links):
                         await self.endpoint.push_desired_state(node_id)  # now mirrored
                 except LlmgwError as exc:
