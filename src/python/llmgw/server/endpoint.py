@@ -116,7 +116,7 @@ class AgentEndpoint:
         The mirror's index is built (off the loop) before this reports started, so the first
         desired state of every node already knows what is mirrored."""
         if sockets:
-            bound = [trio.SSLListener(s, ssl_context, https_compatible=True) for s in sockets]
+            bound = [trio.SSLListener(sock, ssl_context, https_compatible=True) for sock in sockets]
         else:
             bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
         async with trio.open_nursery() as nursery:
