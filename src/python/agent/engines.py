@@ -168,7 +168,7 @@ async def _reconcile(
             plan = wanted_from(want, config, inv.arch, bool(inv.gpus))
             archive = pick_archive(want, inv.arch, bool(inv.gpus)) if want.archives else None
             mirror = (
-                f"https://{host.hostname}:{host.port}/v1/artifacts/{archive.sha256}"
+                f"https://{host.hostname}:{host.port}{w.ARTIFACTS_PREFIX}{archive.sha256}"
                 if archive and archive.mirrored
                 else None
             )

@@ -2,7 +2,8 @@
 
 One session: TCP, then the TLS handshake with the node certificate (done first and on its own,
 so a refused certificate is an immediate, clear error and not a WebSocket timeout), then the
-WebSocket upgrade naming our node id, `Hello`, and heartbeats until the link breaks.
+WebSocket upgrade naming our node id, `Hello`, and heartbeats until the link breaks. What may
+be sent and received when is `llmgw.wire.session.AgentSession`'s; this module moves its frames.
 
 Between sessions the agent waits with exponential backoff and full jitter, and keeps its work:
 nothing here stops replicas. Every failure is logged once per attempt with the reason in the
@@ -26,13 +27,11 @@ from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert
 from llmgw.pki.tlsdiag import describe_tls_failure
 from llmgw.wire import agent_link as w
-from llmgw.wire.convert import decode, encode
+from llmgw.wire import session as s
 from llmgw.wire.errors import WireError
 
 log = get_logger("llmgw.agent.link")
 
-AGENT_PATH = "/v1/agent"
-NODE_ID_HEADER = b"x-llmgw-node-id"
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -104,6 +103,7 @@ class AgentLink:
         self.state = LinkState()
         self._desired_changed = trio.Event()
         self._ws: trio_websocket.WebSocketConnection | None = None
+        self._session: s.AgentSession | None = None
         # Set by the agent: answers the control plane's request for a replica's log tail.
         self.answer_logs: Callable[[w.LogsRequest], w.LogsReply] = lambda req: w.LogsReply(
             request_id=req.request_id, replica_id=req.replica_id, error="this agent keeps no replica logs"
@@ -174,22 +174,20 @@ class AgentLink:
                 await trio.aclose_forcefully(stream)
                 raise
         watched = _WatchedStream(stream)
+        session = s.AgentSession(self.node_id, self.make_hello)
+        path, headers = session.upgrade_request()
         try:
             async with trio.open_nursery() as nursery:
                 with trio.fail_after(CONNECT_TIMEOUT_S), trio.CancelScope() as upgrade:
                     watched.on_failure = upgrade.cancel
                     ws = await trio_websocket.wrap_client_stream(
-                        nursery,
-                        watched,
-                        self.target.host,
-                        AGENT_PATH,
-                        extra_headers=[(NODE_ID_HEADER, self.node_id.encode())],
+                        nursery, watched, self.target.host, path, extra_headers=headers
                     )
                 if upgrade.cancelled_caught:
                     raise watched.failure
                 watched.on_failure = None
                 try:
-                    await self._converse(ws)
+                    await self._converse(ws, session)
                 finally:
                     with trio.move_on_after(1) as cleanup:
                         cleanup.shield = True
@@ -198,24 +196,24 @@ class AgentLink:
         finally:
             self.state.connected = False
 
-    async def _converse(self, ws: trio_websocket.WebSocketConnection) -> None:
-        await ws.send_message(encode(self.make_hello()))
-        welcome = await self._receive(ws)
-        if not isinstance(welcome, w.Welcome):
-            raise SessionRefused(f"expected a welcome from the control plane, got {type(welcome).__name__}")
+    async def _converse(self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession) -> None:
+        await ws.send_message(session.start())
+        welcomed = await self._receive(ws, session)
+        assert isinstance(welcomed, s.WelcomeReceived)  # the session refuses anything else first
         self.state.connected = True
         self.state.sessions += 1
-        self._ws = ws
+        self._ws, self._session = ws, session
         log.info("link_up", server=f"{self.target.host}:{self.target.port}", node=self.node_id)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, ws, welcome.heartbeat_interval_s)
+            nursery.start_soon(self._heartbeats, ws, session, welcomed.welcome.heartbeat_interval_s)
             while True:
-                message = await self._receive(ws)
-                if isinstance(message, w.LogsRequest):
-                    reply = self.answer_logs(message)
-                    await ws.send_message(encode(reply))
-                elif isinstance(message, w.DesiredState):
-                    self.state.desired = message
+                event = await self._receive(ws, session)
+                if isinstance(event, s.LogsRequested):
+                    reply = self.answer_logs(event.request)
+                    if session.can_send(w.LogsReply):
+                        await ws.send_message(session.send(reply))
+                elif isinstance(event, s.DesiredStateReceived):
+                    self.state.desired = event.desired
                     self._desired_changed.set()
                     self._desired_changed = trio.Event()
 
@@ -225,30 +223,36 @@ class AgentLink:
 
     async def send(self, message: w.AgentMessage) -> bool:
         """Send on the current session, if one is up; False if not (the next hello carries it)."""
-        ws = self._ws
-        if ws is None or not self.state.connected:
+        ws, session = self._ws, self._session
+        if ws is None or session is None or not self.state.connected or not session.can_send(type(message)):
             return False
         try:
-            await ws.send_message(encode(message))
+            await ws.send_message(session.send(message))
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
 
-    async def _receive(self, ws: trio_websocket.WebSocketConnection) -> w.ServerMessage:
+    async def _receive(self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession) -> s.Event:
+        """The next event; `SessionRefused` when the control plane closes the link or sends what
+        the session refuses (it is told why first)."""
         try:
-            message = decode(await ws.get_message(), w.ServerMessage)
+            received = session.receive(await ws.get_message())
         except WireError as exc:
-            await ws.send_message(encode(w.LinkError(code=exc.code, message=str(exc))))
+            goodbye = session.close(exc.code, str(exc))
+            if goodbye is not None:
+                await ws.send_message(goodbye)
             raise SessionRefused(f"the control plane sent something this agent does not understand: {exc}") from None
-        if isinstance(message, w.LinkError):
-            raise SessionRefused(f"the control plane closed the link: {message.message}")
-        return message
+        if isinstance(received.event, s.Closed):
+            raise SessionRefused(f"the control plane closed the link: {received.event.message}")
+        for frame in received.send:
+            await ws.send_message(frame)
+        return received.event
 
-    async def _heartbeats(self, ws: trio_websocket.WebSocketConnection, interval: float) -> None:
-        seq = 0
-        while True:
-            seq += 1
-            await ws.send_message(encode(w.Heartbeat(seq=seq)))
+    async def _heartbeats(
+        self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession, interval: float
+    ) -> None:
+        while session.can_send(w.Heartbeat):
+            await ws.send_message(session.heartbeat())
             await trio.sleep(interval)
 
 

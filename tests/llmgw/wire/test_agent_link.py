@@ -148,16 +148,6 @@ def test_malformed_frames_are_bad_messages() -> None:
     assert code_of('{"type": "heartbeat"}') == m.BAD_MESSAGE
 
 
-def test_protocol_version_is_checked_before_the_rest_of_hello() -> None:
-    future = json.loads(encode(HELLO))
-    future["protocol_version"] = m.PROTOCOL_VERSION + 1
-    future["a_field_from_the_future"] = {}
-    with pytest.raises(WireError) as info:
-        decode(json.dumps(future), m.AgentMessage)
-    assert info.value.code == m.PROTOCOL
-    assert f"speaks protocol {m.PROTOCOL_VERSION + 1!r}" in str(info.value)
-
-
 def test_an_engine_want_without_unpack_caps_gets_the_defaults() -> None:
     """An older control plane sends no caps: the agent applies server.toml's defaults."""
     old = '{"type":"desired_state","generation":1,"engines":[{"name":"llamacpp","version":"b1"}]}'

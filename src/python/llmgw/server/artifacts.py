@@ -1,27 +1,47 @@
-"""The control plane as a mirror: engine archives served to agents over the mTLS link's port.
+"""The control plane as a mirror: engine archives served to agents over the agent port.
 
 An archive is available when a file in `STATE_DIR/artifacts/` has its sha256 — whatever the
 file is called, so an operator can drop in a download by hand. Agents ask for
-`GET /v1/artifacts/SHA256` on the agent endpoint (the same TLS port and client certificate as
-the link) and may resume with `Range: bytes=N-`; anything else of HTTP is not offered here.
+`GET /v1/artifacts/SHA256` on the agent port (the same TLS port and client certificate as the
+link; `llmgw.server.agentport` routes the request here) and may resume with `Range: bytes=N-`;
+anything else of HTTP is not offered here.
+
+The index (which file holds which sha256) is disk work: a directory listing, a stat of each
+file, and the sha256 of a whole archive for any file not named by its hash. It is never built
+on the trio loop: `refresh` builds it in a thread, reusing the hash of every file whose size,
+mtime and inode are unchanged (and the listing while the directory's mtime is), and
+`serve_index` refreshes it every INDEX_INTERVAL_S and tells the endpoint when the set changed.
+`available` and `path_for` read only the index as last built; a request for a hash it does not
+hold refreshes it once first, so a file dropped in is served at once. Partial downloads
+(`*.part`) and dot files are not archives.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
+import attrs
 import h11
 import trio
 
 from llmgw.download import sha256_of
 from llmgw.log import get_logger
+from llmgw.wire.agent_link import ARTIFACTS_PREFIX
 
 log = get_logger("llmgw.artifacts")
 
-PREFIX = "/v1/artifacts/"
 CHUNK = 1 << 20
 SEND_TIMEOUT_S = 30.0
+INDEX_INTERVAL_S = 10.0  # how soon an archive dropped in by hand is offered to nodes that did not ask
+# A listing is reused only if it was taken this long after the directory's last change: a file
+# added within the same mtime tick as the listing would otherwise go unseen.
+_MTIME_SLACK_NS = 2_000_000_000
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -29,34 +49,118 @@ def artifacts_dir(state_dir: Path) -> Path:
     return state_dir / "artifacts"
 
 
+@attrs.frozen(kw_only=True)
+class _File:
+    key: tuple[int, int, int]  # size, mtime_ns, inode: a file whose key is unchanged keeps its hash
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class Index:
+    """One build of the index; never changed after (a new build replaces it)."""
+
+    directory_mtime_ns: int = -1
+    listed_at_ns: int = 0
+    names: tuple[str, ...] = ()
+    files: Mapping[str, _File] = attrs.field(factory=dict)  # name -> its key and hash
+    paths: Mapping[str, Path] = attrs.field(factory=dict)  # sha256 -> file
+
+
+def build_index(directory: Path, previous: Index) -> Index:
+    """The index of `directory`, from `previous` where nothing changed. Blocking: off the loop."""
+    try:
+        directory_mtime = directory.stat().st_mtime_ns
+    except FileNotFoundError:
+        return Index()
+    except OSError as exc:
+        log.warning("artifacts_unreadable", directory=str(directory), reason=str(exc))
+        return previous
+    if directory_mtime == previous.directory_mtime_ns and previous.listed_at_ns - directory_mtime > _MTIME_SLACK_NS:
+        names, listed_at = previous.names, previous.listed_at_ns
+    else:
+        listed_at = time.time_ns()
+        try:
+            names = tuple(sorted(n for n in os.listdir(directory) if not n.startswith(".") and not n.endswith(".part")))
+        except OSError as exc:
+            log.warning("artifacts_unreadable", directory=str(directory), reason=str(exc))
+            return previous
+    files: dict[str, _File] = {}
+    paths: dict[str, Path] = {}
+    for name in names:
+        path = directory / name
+        try:
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            key = (st.st_size, st.st_mtime_ns, st.st_ino)
+            known = previous.files.get(name)
+            if known is not None and known.key == key:
+                digest = known.sha256
+            else:
+                digest = name if _SHA.match(name) else sha256_of(path)
+        except OSError:
+            continue  # gone or unreadable since the listing: not offered
+        files[name] = _File(key=key, sha256=digest)
+        paths[digest] = path
+    return Index(directory_mtime_ns=directory_mtime, listed_at_ns=listed_at, names=names, files=files, paths=paths)
+
+
 class Artifacts:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._hashes: dict[tuple[str, int, int], str] = {}  # (name, size, mtime_ns) -> sha256
-
-    def _index(self) -> dict[str, Path]:
-        found: dict[str, Path] = {}
-        try:
-            entries = list(self.directory.iterdir())
-        except FileNotFoundError:
-            return found
-        for path in entries:
-            if not path.is_file() or path.name.startswith("."):
-                continue
-            st = path.stat()
-            key = (path.name, st.st_size, st.st_mtime_ns)
-            digest = self._hashes.get(key)
-            if digest is None:
-                digest = path.name if _SHA.match(path.name) else sha256_of(path)
-                self._hashes[key] = digest
-            found[digest] = path
-        return found
+        self._index = Index()  # empty until the first `refresh`
+        self._refreshing = trio.Lock()
 
     def available(self) -> set[str]:
-        return set(self._index())
+        """The sha256 of every archive in the index as last built (no disk access)."""
+        return set(self._index.paths)
 
     def path_for(self, sha256: str) -> Path | None:
-        return self._index().get(sha256)
+        return self._index.paths.get(sha256)
+
+    async def refresh(self) -> None:
+        """Rebuild the index off the loop (one build at a time)."""
+        async with self._refreshing:
+            self._index = await trio.to_thread.run_sync(
+                build_index, self.directory, self._index, abandon_on_cancel=True
+            )
+
+    async def find(self, sha256: str) -> Path | None:
+        """The file holding `sha256`; refreshes the index once if it holds none."""
+        path = self.path_for(sha256)
+        if path is None:
+            await self.refresh()
+            path = self.path_for(sha256)
+        return path
+
+    async def serve_index(
+        self,
+        *,
+        interval_s: float = INDEX_INTERVAL_S,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Build the index, then keep it fresh; `on_change` runs whenever the set of available
+        archives differs from the one it last ran for (or from the first build)."""
+        await self.refresh()
+        task_status.started()
+        announced = self.available()
+        while True:
+            await trio.sleep(interval_s)
+            await self.refresh()
+            now = self.available()
+            if now != announced:
+                announced = now
+                if on_change is not None:
+                    await on_change()
+
+
+def _open(path: Path) -> tuple[BinaryIO, int] | None:
+    try:
+        f = path.open("rb")
+    except OSError:
+        return None  # gone since the index was built
+    return f, os.fstat(f.fileno()).st_size
 
 
 async def serve(
@@ -72,19 +176,26 @@ async def serve(
     Every write must drain within `send_timeout_s` (`TooSlowError` otherwise): an agent that
     stops reading does not hold the connection and the file open."""
     target = request.target.decode("latin-1")
-    sha256 = target.removeprefix(PREFIX)
+    sha256 = target.removeprefix(ARTIFACTS_PREFIX)
     ok = _SHA.match(sha256) and request.method == b"GET"
-    # Listing the directory (and hashing a file dropped in by hand) is disk work: off the loop.
-    path = await trio.to_thread.run_sync(artifacts.path_for, sha256) if ok else None
+    path = await artifacts.find(sha256) if ok else None
+    opened = await trio.to_thread.run_sync(_open, path) if path is not None else None
 
     async def send(data: bytes) -> None:
         with trio.fail_after(send_timeout_s):
             await stream.send_all(data)
 
-    if path is None:
+    if opened is None:
         await _send(send, conn, 404, b"no such artifact on this control plane\n")
         return
-    size = path.stat().st_size
+    f, size = opened
+    with f:
+        await _send_file(send, conn, request, f, size, node, sha256)
+
+
+async def _send_file(
+    send, conn: h11.Connection, request: h11.Request, f: BinaryIO, size: int, node: str, sha256: str
+) -> None:
     start = 0
     headers = dict((k.lower(), v) for k, v in request.headers)
     wanted = headers.get(b"range", b"").decode("latin-1")
@@ -99,63 +210,15 @@ async def serve(
     log.info("artifact_served", node=node, sha256=sha256, offset=start, size=size)
     response = h11.Response(status_code=status, headers=[(b"content-length", str(size - start).encode()), *extra])
     await send(conn.send(response))
-    with path.open("rb") as f:
-        f.seek(start)
-        while True:
-            block = await trio.to_thread.run_sync(f.read, CHUNK)
-            if not block:
-                break
-            await send(conn.send(h11.Data(data=block)))
+    f.seek(start)
+    while True:
+        block = await trio.to_thread.run_sync(f.read, CHUNK)
+        if not block:
+            break
+        await send(conn.send(h11.Data(data=block)))
     await send(conn.send(h11.EndOfMessage()))
 
 
 async def _send(send, conn: h11.Connection, status: int, body: bytes, headers=()) -> None:
     data = conn.send(h11.Response(status_code=status, headers=[(b"content-length", str(len(body)).encode()), *headers]))
     await send(data + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))
-
-
-class ReplayStream(trio.abc.Stream):
-    """A stream whose first bytes were already read (to route the request): replays them."""
-
-    def __init__(self, inner: trio.abc.Stream, prefix: bytes) -> None:
-        self.inner = inner
-        self._prefix = prefix
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._prefix:
-            n = len(self._prefix) if max_bytes is None else max_bytes
-            data, self._prefix = self._prefix[:n], self._prefix[n:]
-            return data
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_all(self, data) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-async def read_request_head(
-    stream: trio.abc.Stream, max_bytes: int = 16384
-) -> tuple[bytes, h11.Connection, h11.Request | None]:
-    """Read until one HTTP request head has arrived; returns the raw bytes read, the h11
-    connection holding it, and the request (None if the peer closed or sent no HTTP)."""
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
-    raw = bytearray()
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError:
-            return bytes(raw), conn, None
-        if isinstance(event, h11.Request):
-            return bytes(raw), conn, event
-        if event is not h11.NEED_DATA:
-            return bytes(raw), conn, None
-        data = await stream.receive_some(65536)
-        if not data:
-            return bytes(raw), conn, None
-        raw += data
-        conn.receive_data(data)

@@ -5,14 +5,20 @@ agent in the clearest way the stage allows:
 
 1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's,
    an expired one, or none; the agent receives the TLS alert at once).
-2. The certificate's serial is not revoked (`llmgw node remove`) -> else HTTP 403 with the reason.
+2. One request head, read once; `agentport.route` sends the mirror's requests to
+   `llmgw.server.artifacts` and the rest to the link (no HTTP at all -> 400).
+3. The certificate's serial is not revoked (`llmgw node remove`) -> else HTTP 403 with the reason.
    When the store cannot answer, the check fails closed: HTTP 503 saying so, and the agent retries.
-3. The node id the agent claims (`x-llmgw-node-id`) equals the certificate's CN -> else 403.
-4. WebSocket upgrade; the first frame is a `Hello` of our protocol version with the same node id
-   -> else a `LinkError` frame and close.
+4. The link's upgrade is to AGENT_PATH (else 404) and the node id it claims (`NODE_ID_HEADER`)
+   equals the certificate's CN (else 403): `ServerSession.upgrade`.
+5. WebSocket upgrade; from here the link's protocol is `llmgw.wire.session.ServerSession`'s:
+   the first frame is a `Hello` of our protocol version with the same node id, else a
+   `LinkError` frame and close.
 
-Then the link carries heartbeats and inventory from the agent and desired state to it. A
-node's newer link replaces an older one; `close_node` ends a node's link (revocation).
+This module is the adapter around that session: it moves frames, keeps the deadlines (the
+hello's, each send's, the silence of a link past the heartbeat TTL, the certificate's expiry)
+and acts on the session's events (registry, desired state, logs). A node's newer link replaces
+an older one; `close_node` ends a node's link (revocation).
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import attrs
 import trio
 import trio_websocket
 
-from llmgw import __version__
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http import server as http
@@ -34,20 +40,19 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo, cert_info_from_der
 from llmgw.pki.tls import send_tls_alert
 from llmgw.pki.tlsdiag import describe_tls_failure
-from llmgw.server import artifacts
+from llmgw.server import agentport, artifacts
+from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
 from llmgw.server.store import StoreError
 from llmgw.wire import agent_link as w
-from llmgw.wire.convert import decode, encode
-from llmgw.wire.errors import WireError
+from llmgw.wire import session as s
+from llmgw.wire.errors import UpgradeRefused, WireError
 
 log = get_logger("llmgw.endpoint")
 
 _LINK_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio_websocket.ConnectionClosed)
 
-AGENT_PATH = "/v1/agent"
-NODE_ID_HEADER = "x-llmgw-node-id"
 LISTENER = "agent"  # the listener's name in /metrics
 HANDSHAKE_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
@@ -62,6 +67,7 @@ class Link:
     node_id: str
     conn_id: int
     ws: trio_websocket.WebSocketConnection
+    session: s.ServerSession
     cancel_scope: trio.CancelScope
 
 
@@ -108,14 +114,22 @@ class AgentEndpoint:
         sockets: list[trio.SocketListener] | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept agents on (host, port), or on `sockets` already listening (socket activation)."""
+        """Accept agents on (host, port), or on `sockets` already listening (socket activation).
+        The mirror's index is built (off the loop) before this reports started, so the first
+        desired state of every node already knows what is mirrored."""
         if sockets:
-            bound = [trio.SSLListener(s, ssl_context, https_compatible=True) for s in sockets]
+            bound = [trio.SSLListener(sock, ssl_context, https_compatible=True) for sock in sockets]
         else:
             bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
-        task_status.started(bound)
-        cap = self.max_connections or listeners.default_max_connections(LISTENER)
-        await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(self.artifacts.serve_index, on_change=self._mirror_changed))
+            task_status.started(bound)
+            cap = self.max_connections or listeners.default_max_connections(LISTENER)
+            await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
+
+    async def _mirror_changed(self) -> None:
+        for node_id in list(self.links):
+            await self.push_desired_state(node_id)  # an archive came or went: `mirrored` changed
 
     async def _handle(self, stream: trio.SSLStream) -> None:
         """One connection, contained: whatever the peer does ends this connection only (see
@@ -156,35 +170,45 @@ class AgentEndpoint:
         return cert_info_from_der(stream.getpeercert(binary_form=True))
 
     async def _serve_authenticated(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
-        # The whole request head within the deadline, however it trickles in.
-        with trio.fail_after(HELLO_TIMEOUT_S):
-            head, conn, http_request = await artifacts.read_request_head(stream)
-        if http_request is not None and http_request.target.startswith(artifacts.PREFIX.encode()):
+        try:
+            with trio.fail_after(HELLO_TIMEOUT_S):  # the whole request head, however it trickles in
+                head = await agentport.read_head(stream)
+        except trio.TooSlowError:
+            self.stats.abort(LISTENER, "head_timeout")
+            log.info("agent_link_closed", address=address, cn=cert.common_name, reason="head_timeout")
+            return
+        where = agentport.route(head.request)
+        if where is Route.NOT_HTTP:
+            self.stats.abort(LISTENER, "malformed")
+            await agentport.answer(stream, head, 400, "expected an HTTP request", timeout_s=REFUSAL_SEND_S)
+            return
+        assert head.request is not None
+        session = s.ServerSession(cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s)
+        try:
             refusal = await self._revocation_refusal(cert)
             if refusal is not None:
-                log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=refusal[1])
-                self.stats.abort(LISTENER, "refused")
-                return
+                raise UpgradeRefused(*refusal)
+            if where is Route.LINK:
+                session.upgrade(head.request.target.decode("latin-1"), head.request.headers)
+                protocol = agentport.link_protocol(head)
+        except UpgradeRefused as exc:
+            stage = "upgrade" if exc.status == 400 else "identity"
+            log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
+            self.stats.abort(LISTENER, "refused")
+            await agentport.answer(stream, head, exc.status, str(exc), timeout_s=REFUSAL_SEND_S)
+            return
+        if where is Route.MIRROR:
             await artifacts.serve(
-                stream, conn, http_request, self.artifacts, cert.common_name, send_timeout_s=self.send_timeout_s
+                stream, head.conn, head.request, self.artifacts, cert.common_name, send_timeout_s=self.send_timeout_s
             )
             return
         async with trio.open_nursery() as nursery:
             # trio-websocket reads the connection in a task of this nursery; it ends with the
-            # connection, whichever way (the cancel below, for a refusal: not at the peer's leisure).
+            # connection, whichever way.
             try:
                 with trio.fail_after(HELLO_TIMEOUT_S):
-                    request = await trio_websocket.wrap_server_stream(nursery, artifacts.ReplayStream(stream, head))
-                refusal = await self._refusal(request, cert)
-                if refusal is not None:
-                    status, reason = refusal
-                    log.warning("agent_refused", address=address, stage="identity", cn=cert.common_name, reason=reason)
-                    self.stats.abort(LISTENER, "refused")
-                    with trio.move_on_after(REFUSAL_SEND_S):
-                        await request.reject(status, body=reason.encode())
-                    return
-                ws = await request.accept()
-                await self._run_link(ws, cert, address)
+                    ws = await agentport.accept_link(nursery, stream, protocol)
+                await self._run_link(ws, session, cert, address)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -204,39 +228,25 @@ class AgentEndpoint:
             )
         return None
 
-    async def _refusal(self, request: trio_websocket.WebSocketRequest, cert: CertInfo) -> tuple[int, str] | None:
-        if request.path != AGENT_PATH:
-            return 404, f"no agent endpoint at {request.path!r}; agents connect to {AGENT_PATH}"
-        revoked = await self._revocation_refusal(cert)
-        if revoked is not None:
-            return revoked
-        claimed = dict(request.headers).get(NODE_ID_HEADER.encode(), b"").decode("utf-8", "replace")
-        if claimed != cert.common_name:
-            return 403, (
-                f"node id {claimed!r} does not match its certificate CN {cert.common_name!r}; set node_id in "
-                "agent.toml to the certificate's CN, or reissue the certificate with `llmgw node add USER@HOST --reissue`"
-            )
-        return None
-
-    async def _run_link(self, ws: trio_websocket.WebSocketConnection, cert: CertInfo, address: str) -> None:
+    async def _run_link(
+        self, ws: trio_websocket.WebSocketConnection, session: s.ServerSession, cert: CertInfo, address: str
+    ) -> None:
         node_id = cert.common_name
         try:
             with trio.fail_after(HELLO_TIMEOUT_S):
-                hello = decode(await ws.get_message(), w.AgentMessage)
+                received = session.receive(await ws.get_message())
         except trio.TooSlowError:
-            await _close_with(ws, w.LinkError(code=w.BAD_MESSAGE, message=f"no hello within {HELLO_TIMEOUT_S:g} s"))
+            await _close_with(ws, session, w.BAD_MESSAGE, f"no hello within {HELLO_TIMEOUT_S:g} s")
             return
         except WireError as exc:
             log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=str(exc))
-            await _close_with(ws, w.LinkError(code=exc.code, message=str(exc)))
+            await _close_with(ws, session, exc.code, str(exc))
             return
-        if not isinstance(hello, w.Hello) or hello.node_id != node_id:
-            what = f"hello for node {hello.node_id!r}" if isinstance(hello, w.Hello) else type(hello).__name__
-            message = f"expected a hello from node {node_id!r} (its certificate's CN), got {what}"
-            log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=message)
-            code = w.NODE_ID_MISMATCH if isinstance(hello, w.Hello) else w.UNEXPECTED
-            await _close_with(ws, w.LinkError(code=code, message=message))
+        if isinstance(received.event, s.Closed):
+            log.warning("agent_reported_error", node=node_id, code=received.event.code, reason=received.event.message)
             return
+        assert isinstance(received.event, s.Joined)
+        hello = received.event.hello
 
         known = self.registry.nodes.get(node_id)
         try:
@@ -261,7 +271,7 @@ class AgentEndpoint:
         )
         with trio.CancelScope() as scope:
             old = self.links.get(node_id)
-            link = Link(node_id=node_id, conn_id=conn_id, ws=ws, cancel_scope=scope)
+            link = Link(node_id=node_id, conn_id=conn_id, ws=ws, session=session, cancel_scope=scope)
             self.links[node_id] = link
             if old is not None:
                 old.cancel_scope.cancel()  # a node has one link; the newest wins
@@ -269,13 +279,10 @@ class AgentEndpoint:
             try:
                 # A certificate is good until its notAfter, not until the link happens to close.
                 with trio.move_on_at(trio.current_time() + (not_after - time.time())) as expiry:
-                    await _send(
-                        ws,
-                        w.Welcome(
-                            node_id=node_id, server_version=__version__, heartbeat_interval_s=self.heartbeat_interval_s
-                        ),
-                    )
-                    await _send(ws, self.desired_state(node_id))
+                    for frame in received.send:  # the Welcome
+                        await _send(ws, frame)
+                    if session.can_send(w.DesiredState):  # not if a push was first, or the link closed
+                        await _send(ws, session.send(self.desired_state(node_id)))
                     await self._receive_loop(link)
                 if expiry.cancelled_caught:
                     message = (
@@ -283,7 +290,7 @@ class AgentEndpoint:
                         f"{cert.not_after:%Y-%m-%d %H:%M:%S} UTC; renew it with `llmgw node add USER@HOST --reissue`"
                     )
                     log.warning("agent_certificate_expired", node=node_id, serial=f"{cert.serial:x}")
-                    await _close_with(ws, w.LinkError(code=w.CERT_EXPIRED, message=message))
+                    await _close_with(ws, session, w.CERT_EXPIRED, message)
             finally:
                 self.registry.disconnect(node_id, conn_id)
                 if self.links.get(node_id) is link:
@@ -292,56 +299,59 @@ class AgentEndpoint:
 
     async def _receive_loop(self, link: Link) -> None:
         while True:
+            with trio.move_on_after(self.silence_timeout_s or math.inf) as silence:
+                text = await link.ws.get_message()
+            if silence.cancelled_caught:
+                reason = f"nothing received for {self.silence_timeout_s:g} s (heartbeats stopped); closing the link"
+                log.warning("agent_link_silent", node=link.node_id, after_s=self.silence_timeout_s)
+                await _close_with(link.ws, link.session, w.SILENT, reason)
+                return
             try:
-                with trio.move_on_after(self.silence_timeout_s or math.inf) as silence:
-                    text = await link.ws.get_message()
-                if silence.cancelled_caught:
-                    reason = f"nothing received for {self.silence_timeout_s:g} s (heartbeats stopped); closing the link"
-                    log.warning("agent_link_silent", node=link.node_id, after_s=self.silence_timeout_s)
-                    await _close_with(link.ws, w.LinkError(code=w.SILENT, message=reason))
-                    return
-                message = decode(text, w.AgentMessage)
+                received = link.session.receive(text)
             except WireError as exc:
                 log.warning("agent_bad_message", node=link.node_id, code=exc.code, reason=str(exc))
-                await _close_with(link.ws, w.LinkError(code=exc.code, message=str(exc)))
+                await _close_with(link.ws, link.session, exc.code, str(exc))
                 return
-            if isinstance(message, w.Heartbeat):
-                self.registry.heartbeat(link.node_id, link.conn_id, trio.current_time())
-                self.on_change()
-            elif isinstance(message, w.InventoryChanged):
-                self.registry.inventory_changed(link.node_id, link.conn_id, message.inventory)
-                self.on_change()
-                await self.push_desired_state(link.node_id)  # e.g. a GPU appeared: vLLM is now wanted
-            elif isinstance(message, w.LogsReply):
-                waiter = self._log_waiters.get(message.request_id)
-                if waiter is not None:
-                    waiter.append(message)
-                    self._log_event.set()
-            elif isinstance(message, w.ReplicasChanged):
-                if self.registry.replicas_changed(link.node_id, link.conn_id, message.replicas):
-                    self.on_replicas(link.node_id, message.replicas)
-                    self.on_change()
-            elif isinstance(message, w.EnginesChanged):
-                self.registry.engines_changed(link.node_id, link.conn_id, message.engines)
-                log.info(
-                    "node_engines",
-                    node=link.node_id,
-                    engines=[f"{e.name}={e.version}" + ("" if e.ok else " (failed)") for e in message.engines],
-                )
-                self.on_change()
-            elif isinstance(message, w.LinkError):
-                log.warning("agent_reported_error", node=link.node_id, code=message.code, reason=message.message)
+            for frame in received.send:
+                await _send(link.ws, frame)
+            event = received.event
+            if isinstance(event, s.Closed):
+                log.warning("agent_reported_error", node=link.node_id, code=event.code, reason=event.message)
                 return
-            else:
-                reason = f"unexpected {type(message).__name__} after hello"
-                await _close_with(link.ws, w.LinkError(code=w.UNEXPECTED, message=reason))
-                return
+            await self._on_event(link, event)
+
+    async def _on_event(self, link: Link, event: s.Event) -> None:
+        """What the control plane does with what an agent reports."""
+        if isinstance(event, s.HeartbeatReceived):
+            self.registry.heartbeat(link.node_id, link.conn_id, trio.current_time())
+            self.on_change()
+        elif isinstance(event, s.InventoryReported):
+            self.registry.inventory_changed(link.node_id, link.conn_id, event.inventory)
+            self.on_change()
+            await self.push_desired_state(link.node_id)  # e.g. a GPU appeared: vLLM is now wanted
+        elif isinstance(event, s.LogsAnswered):
+            waiter = self._log_waiters.get(event.reply.request_id)
+            if waiter is not None:
+                waiter.append(event.reply)
+                self._log_event.set()
+        elif isinstance(event, s.ReplicasReported):
+            if self.registry.replicas_changed(link.node_id, link.conn_id, event.replicas):
+                self.on_replicas(link.node_id, event.replicas)
+                self.on_change()
+        elif isinstance(event, s.EnginesReported):
+            self.registry.engines_changed(link.node_id, link.conn_id, event.engines)
+            log.info(
+                "node_engines",
+                node=link.node_id,
+                engines=[f"{e.name}={e.version}" + ("" if e.ok else " (failed)") for e in event.engines],
+            )
+            self.on_change()
 
     async def push_desired_state(self, node_id: str) -> None:
         link = self.links.get(node_id)
-        if link is not None:
+        if link is not None and link.session.can_send(w.DesiredState):
             try:
-                await _send(link.ws, self.desired_state(node_id))
+                await _send(link.ws, link.session.send(self.desired_state(node_id)))
             except trio_websocket.ConnectionClosed:
                 pass
             except trio.TooSlowError:
@@ -354,13 +364,14 @@ class AgentEndpoint:
         self._next_request += 1
         rid = self._next_request
         link = self.links.get(node_id)
-        if link is None:
+        if link is None or not link.session.can_send(w.LogsRequest):
             return w.LogsReply(request_id=rid, replica_id=replica_id, error=f"node {node_id} is not connected")
         box: list[w.LogsReply] = []
         self._log_waiters[rid] = box
         try:
             with trio.move_on_after(timeout_s):
-                await _send(link.ws, w.LogsRequest(request_id=rid, replica_id=replica_id, lines=lines))
+                request = w.LogsRequest(request_id=rid, replica_id=replica_id, lines=lines)
+                await _send(link.ws, link.session.send(request))
                 while not box:
                     event = self._log_event
                     await event.wait()
@@ -384,23 +395,27 @@ class AgentEndpoint:
         if link is None:
             return False
         with trio.move_on_after(1):  # tell it why; a hung agent is not waited for
-            await _close_with(link.ws, w.LinkError(code=code, message=message))
+            await _close_with(link.ws, link.session, code, message)
         link.cancel_scope.cancel()
         return True
 
 
-async def _send(ws: trio_websocket.WebSocketConnection, message) -> None:
-    """One message to the agent; `TooSlowError` if it is not taken within SEND_TIMEOUT_S."""
+async def _send(ws: trio_websocket.WebSocketConnection, frame: str) -> None:
+    """One frame to the agent; `TooSlowError` if it is not taken within SEND_TIMEOUT_S."""
     with trio.fail_after(SEND_TIMEOUT_S):
-        await ws.send_message(encode(message))
+        await ws.send_message(frame)
 
 
-async def _close_with(ws: trio_websocket.WebSocketConnection, error: w.LinkError) -> None:
-    """Tell the agent why, then close; bounded, since the agent may be the reason."""
+async def _close_with(
+    ws: trio_websocket.WebSocketConnection, session: s.ServerSession, code: str, message: str
+) -> None:
+    """Tell the agent why (once), then close; bounded, since the agent may be the reason."""
+    frame = session.close(code, message)
     with trio.move_on_after(REFUSAL_SEND_S):
         try:
-            await ws.send_message(encode(error))
-            await ws.aclose(code=1008, reason=error.code)
+            if frame is not None:
+                await ws.send_message(frame)
+            await ws.aclose(code=1008, reason=code)
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 

@@ -43,6 +43,7 @@ async def fill_mirror(
                 cap = archive_cap(archive.size, current.downloads.max_archive_bytes)
                 await fetch(archive.url, artifacts.directory / archive.sha256, sha256=archive.sha256, cap=cap)
                 log.info("mirror_fetched", url=archive.url, sha256=archive.sha256)
+                await artifacts.refresh()  # indexed before the nodes are told
                 await push_all()  # now mirrored
             except LlmgwError as exc:
                 log.warning("mirror_fetch_failed", url=archive.url, reason=str(exc), retry_in_s=retry_s)

@@ -1,4 +1,5 @@
-"""Messages of the agent link (agent <-> control plane), one JSON text frame each.
+"""Messages of the agent link (agent <-> control plane), one JSON text frame each, and where
+the link is found.
 
 Plain frozen, keyword-only attrs classes; `llmgw.wire.convert` is the only code that turns
 them into JSON and back. The first frame from the agent is `Hello`; the control plane answers
@@ -7,7 +8,8 @@ Both sides are level-triggered: every connection resends everything, so either s
 restart without losing the other's work. `LinkError` is sent just before the sender closes.
 
 PROTOCOL_VERSION changes whenever a message changes incompatibly; a peer speaking another
-version gets a `LinkError(code="protocol_version")` and the link is closed.
+version gets a `LinkError(code="protocol_version")` and the link is closed. The order of the
+messages is `llmgw.wire.session`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 # 2: engine wants carry unpack caps and download sizes (EngineWant, EngineArchive), weights
 # their download cap (WeightsSource) — fields an agent of version 1 would refuse.
 PROTOCOL_VERSION = 2
+
+# The agent port (server.toml's agent_listen: one TLS port, node certificates required) serves
+# two things: the link, a WebSocket at AGENT_PATH whose upgrade request names the node in
+# NODE_ID_HEADER, and the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`.
+AGENT_PATH = "/v1/agent"
+NODE_ID_HEADER = "x-llmgw-node-id"
+ARTIFACTS_PREFIX = "/v1/artifacts/"
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------

@@ -20,7 +20,8 @@ from llmgw.wire.errors import WireError
 TAG = "type"
 
 
-def _tag(cls: type) -> str:
+def tag(cls: type) -> str:
+    """The "type" of a message class on the wire: `LogsReply` -> "logs_reply"."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
 
 
@@ -39,8 +40,8 @@ _ALL = (
     | agent_link.DesiredState
     | agent_link.LinkError
 )
-configure_tagged_union(_ALL, converter, tag_generator=_tag, tag_name=TAG)
-TYPES = {_tag(cls): cls for cls in get_args(_ALL)}
+configure_tagged_union(_ALL, converter, tag_generator=tag, tag_name=TAG)
+TYPES = {tag(cls): cls for cls in get_args(_ALL)}
 
 
 def encode(message: Any) -> str:
@@ -49,27 +50,30 @@ def encode(message: Any) -> str:
 
 def decode(text: str | bytes, expected: Any) -> Any:
     """Parse one frame; `expected` is the union the receiving side accepts."""
+    return structure(parse(text), expected)
+
+
+def parse(text: str | bytes) -> dict[str, Any]:
+    """A frame's JSON object, not yet a message: a session looks at it first (a hello's protocol
+    version is checked before the rest, since another version's hello may not parse as ours)."""
     try:
         data = json.loads(text)
     except ValueError as exc:
         raise WireError(agent_link.BAD_MESSAGE, f"frame is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise WireError(agent_link.BAD_MESSAGE, f"frame is a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def structure(data: dict[str, Any], expected: Any) -> Any:
+    """The message a parsed frame holds, if it is one of `expected`."""
     kind = data.get(TAG)
-    allowed = {_tag(c) for c in get_args(expected)}
+    allowed = {tag(c) for c in get_args(expected)}
     if kind not in allowed:
         raise WireError(
             agent_link.UNKNOWN_TYPE,
             f"unknown message type {kind!r} (this side accepts: {', '.join(sorted(allowed))}); "
             "the peer runs a different llmgw version",
-        )
-    if kind == "hello" and data.get("protocol_version") != agent_link.PROTOCOL_VERSION:
-        # Checked before the rest: another version's hello may not parse as ours at all.
-        raise WireError(
-            agent_link.PROTOCOL,
-            f"the agent speaks protocol {data.get('protocol_version')!r} and this control plane speaks "
-            f"{agent_link.PROTOCOL_VERSION}; run the same llmgw release on both (reinstall the node's llmgw "
-            "to upgrade the node)",
         )
     try:
         return converter.structure(data, _ALL)
