@@ -76,7 +76,7 @@ async def test_garbage_too_large_or_cut_heads_route_nowhere(data: bytes) -> None
 async def test_what_is_not_a_websocket_upgrade_is_refused_with_400(data: bytes, says: str) -> None:
     head = await head_of(data)
     with pytest.raises(UpgradeRefused) as info:
-        agentport.link_protocol(head)
+        agentport.check_upgrade(head)
     assert info.value.status == 400 and says in str(info.value), info.value
 
 
@@ -115,7 +115,7 @@ async def test_the_link_is_accepted_from_the_parsed_request_on_the_bare_stream()
         nursery.start_soon(run_agent)
         head = await agentport.read_head(server)
         assert dict(head.request.headers)[w.NODE_ID_HEADER.encode()] == b"node-a"
-        ws = await agentport.accept_link(nursery, server, agentport.link_protocol(head))
+        ws = await agentport.accept_link(nursery, server, head)
         assert await ws.get_message() == "hello"
         await ws.send_message("welcome")
         with trio.fail_after(5):
@@ -131,5 +131,5 @@ async def test_a_frame_sent_before_the_101_is_refused() -> None:
     await client.send_all(UPGRADE + b"\x81\x85\x01\x02\x03\x04early")
     head = await agentport.read_head(server)
     with pytest.raises(UpgradeRefused) as info:
-        agentport.link_protocol(head)
+        agentport.check_upgrade(head)
     assert info.value.status == 400 and "before the server's 101" in str(info.value)

@@ -4,9 +4,12 @@ The agent port (server.toml's agent_listen) is one TLS listener with node certif
 things: the agent link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET
 ARTIFACTS_PREFIX + SHA256` (`llmgw.server.artifacts`). The endpoint reads the request head once
 with h11 (`read_head`), `route` decides from the head alone, and each route then takes the
-connection as it is: the mirror answers on the same h11 connection; the link's WebSocket is
-accepted from the request already parsed (`link_protocol`, `accept_link`), so no byte is read
-twice or replayed. Refusals before the WebSocket (`answer`) are plain HTTP on that connection.
+connection as it is: the mirror answers on the same h11 connection; the link's request is
+checked to be a WebSocket upgrade (`check_upgrade`, RFC 6455 §4.2.1, before any WebSocket
+handling), then accepted by trio-websocket's public `wrap_server_stream` from the bytes already
+read (`accept_link` replays them: trio-websocket has no public way to start from a parsed
+request, and its internals are not ours to call). Refusals before the WebSocket (`answer`) are
+plain HTTP on that connection.
 
 Why one port and not a listener of its own for the mirror: `node add`, agent.toml and the
 firewall rules in docs/security.md name one control-plane port for everything a node needs,
@@ -22,8 +25,6 @@ import attrs
 import h11
 import trio
 import trio_websocket
-import wsproto
-import wsproto.utilities
 
 from llmgw.wire import agent_link as w
 from llmgw.wire.errors import UpgradeRefused
@@ -40,6 +41,7 @@ class Head:
     conn: h11.Connection
     request: h11.Request | None
     trailing: bytes = b""
+    raw: bytes = b""  # every byte read, the head's and any after it
 
 
 class Route(enum.Enum):
@@ -61,27 +63,28 @@ def route(request: h11.Request | None) -> Route:
 async def read_head(stream: trio.abc.Stream, max_bytes: int = MAX_HEAD_BYTES) -> Head:
     """Read until one HTTP request head has arrived (the caller bounds the time)."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
+    raw = bytearray()
     while True:
         try:
             event = conn.next_event()
         except h11.RemoteProtocolError:
-            return Head(conn, None)
+            return Head(conn, None, raw=bytes(raw))
         if isinstance(event, h11.Request):
-            return Head(conn, event, conn.trailing_data[0])
+            return Head(conn, event, conn.trailing_data[0], raw=bytes(raw))
         if event is not h11.NEED_DATA:
-            return Head(conn, None)
+            return Head(conn, None, raw=bytes(raw))
         data = await stream.receive_some(RECEIVE_SIZE)
         if not data:
-            return Head(conn, None)
+            return Head(conn, None, raw=bytes(raw))
+        raw += data
         conn.receive_data(data)
 
 
-def link_protocol(head: Head) -> wsproto.WSConnection:
-    """The server side of the link's WebSocket, given the upgrade request already parsed;
-    `UpgradeRefused(400)` if the request is not a WebSocket upgrade."""
+def check_upgrade(head: Head) -> None:
+    """`UpgradeRefused(400)` unless the request is a WebSocket upgrade trio-websocket will accept."""
     request = head.request
     assert request is not None  # routed: Route.LINK
-    # RFC 6455 §4.1: the opening handshake is an HTTP/1.1 GET. wsproto assumes both.
+    # RFC 6455 §4.1: the opening handshake is an HTTP/1.1 GET.
     if request.method != b"GET" or request.http_version != b"1.1":
         raise UpgradeRefused(
             400,
@@ -89,33 +92,55 @@ def link_protocol(head: Head) -> wsproto.WSConnection:
             f"HTTP/{request.http_version.decode('latin-1')}",
         )
     if head.trailing:
-        # RFC 6455 §4.1: a client waits for the server's handshake before it sends a frame (and
-        # wsproto's server would drop what came early).
+        # RFC 6455 §4.1: a client waits for the server's handshake before it sends a frame.
         raise UpgradeRefused(400, f"{len(head.trailing)} bytes after the upgrade request, before the server's 101")
-    protocol = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
-    try:
-        # wsproto's own door for a request read elsewhere: "used if the request has already
-        # been received and parsed".
-        protocol.initiate_upgrade_connection(request.headers, request.target)
-    except (wsproto.utilities.RemoteProtocolError, h11.ProtocolError) as exc:
-        raise UpgradeRefused(400, f"expected a WebSocket upgrade to {w.AGENT_PATH}: {exc}") from None
-    return protocol
+    # RFC 6455 §4.2.1: what makes a request an opening handshake.
+    fields: dict[bytes, list[bytes]] = {}
+    for name, value in request.headers:
+        fields.setdefault(name.lower(), []).append(value)
+    tokens = {t.strip().lower() for v in fields.get(b"connection", []) for t in v.split(b",")}
+    problems = []
+    if b"websocket" not in {v.strip().lower() for v in fields.get(b"upgrade", [])}:
+        problems.append("no 'Upgrade: websocket'")
+    if b"upgrade" not in tokens:
+        problems.append("no 'Connection: Upgrade'")
+    if len(fields.get(b"sec-websocket-key", [])) != 1:
+        problems.append("not one Sec-WebSocket-Key")
+    if fields.get(b"sec-websocket-version") != [b"13"]:
+        problems.append("Sec-WebSocket-Version is not 13")
+    if problems:
+        raise UpgradeRefused(400, f"expected a WebSocket upgrade to {w.AGENT_PATH}: {'; '.join(problems)}")
 
 
-async def accept_link(
-    nursery: trio.Nursery, stream: trio.abc.Stream, protocol: wsproto.WSConnection
-) -> trio_websocket.WebSocketConnection:
-    """Accept the link's WebSocket on `stream`; its reader runs in `nursery`.
-
-    trio-websocket has no public way to start from a parsed request, so this is its
-    `wrap_server_stream` (0.12) with our `protocol` in place of a fresh one: the one place that
-    knows trio-websocket's internals (`_reader_task`, `_get_request`). The link tests on real
-    sockets (tests/agent/test_link.py) fail if they move.
-    """
-    connection = trio_websocket.WebSocketConnection(stream, protocol)
-    nursery.start_soon(connection._reader_task)
-    request = await connection._get_request()
+async def accept_link(nursery: trio.Nursery, stream: trio.abc.Stream, head: Head) -> trio_websocket.WebSocketConnection:
+    """Accept the link's WebSocket on `stream` (its reader runs in `nursery`), the request
+    already checked by `check_upgrade`: trio-websocket reads it again from `head.raw`."""
+    request = await trio_websocket.wrap_server_stream(nursery, _Replay(stream, head.raw))
     return await request.accept()
+
+
+class _Replay(trio.abc.Stream):
+    """A stream whose first bytes were already read (to route the request): gives them again."""
+
+    def __init__(self, inner: trio.abc.Stream, prefix: bytes) -> None:
+        self.inner = inner
+        self._prefix = prefix
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._prefix:
+            n = len(self._prefix) if max_bytes is None else max_bytes
+            data, self._prefix = self._prefix[:n], self._prefix[n:]
+            return data
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_all(self, data) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 async def answer(stream: trio.abc.Stream, head: Head, status: int, body: str, *, timeout_s: float) -> None:

@@ -190,7 +190,7 @@ class AgentEndpoint:
                 raise UpgradeRefused(*refusal)
             if where is Route.LINK:
                 session.upgrade(head.request.target.decode("latin-1"), head.request.headers)
-                protocol = agentport.link_protocol(head)
+                agentport.check_upgrade(head)
         except UpgradeRefused as exc:
             stage = "upgrade" if exc.status == 400 else "identity"
             log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
@@ -207,7 +207,7 @@ class AgentEndpoint:
             # connection, whichever way.
             try:
                 with trio.fail_after(HELLO_TIMEOUT_S):
-                    ws = await agentport.accept_link(nursery, stream, protocol)
+                    ws = await agentport.accept_link(nursery, stream, head)
                 await self._run_link(ws, session, cert, address)
             finally:
                 nursery.cancel_scope.cancel()
