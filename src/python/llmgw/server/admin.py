@@ -16,6 +16,11 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/events                the cluster page's live feed (server/events.py)
+    POST   /admin/v1/page/login            a one-time login URL for the cluster page (server/page.py)
+
+The cluster page's session cookie stands in for the credential (server/page.py decides who
+calls, and checks CSRF and Origin on changes).
 
 A change the store cannot record (another process holds its lock, the disk fails) is answered
 503 with `Retry-After` and the store's message; nothing changed, and the same request may be
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from llmgw.errors import ConfigError
-from llmgw.http.server import HTTPError, Request, Response
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import key_view
@@ -71,8 +76,12 @@ class AdminAPI:
                 kind="authentication_error",
             )
 
-    async def handle(self, request: Request) -> Response:
-        self._authorize(request)
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        # [i17 page hook] Who calls (a page session, or the credential via `_authorize`), the
+        # page's own admin routes, and the audit line of every change: server/page.py.
+        return await self.plane.page.guard(request, self._authorize, self._handle_authorized)
+
+    async def _handle_authorized(self, request: Request) -> Response:
         try:
             return await self._route(request)
         except StoreError as exc:

@@ -49,6 +49,7 @@ from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.moves import DrainProgress, Moves
+from llmgw.server.page import Page  # [i17 page hook]
 from llmgw.server.registry import LOST, Node, Registry
 from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
 from llmgw.server.store import UnknownNode
@@ -114,6 +115,7 @@ class ControlPlane:
         self.admin = AdminAPI(self, self.admin_token)
         self._rotation_changed = trio.Event()
         self.gateway = Gateway(self, KeyRing(self.store), options=GatewayOptions.of(config.gateway))
+        self.page = Page(self)  # [i17 page hook] the cluster page: sessions, history, the admin API's gate
         self._generation = 0
 
     def _seal_engine_keys(self) -> None:
@@ -438,6 +440,7 @@ class ControlPlane:
                 await nursery.start(self.background.run, "liveness", self.serve_liveness)
                 await nursery.start(self.background.run, "spread", self.moves.serve_spread)
                 await nursery.start(self.background.run, "mirror", self.fill_mirror)
+                await nursery.start(self.background.run, "page", self.page.serve)  # [i17 page hook]
                 bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
                 url_file = paths.admin_url_path(self.state_dir)
                 paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
@@ -512,6 +515,8 @@ class ControlPlane:
             return response
         if request.path.startswith("/v1/") or request.path == "/health":
             return await self.gateway.handle(request)
+        if Page.serves(request.path):  # [i17 page hook] the cluster page's files and /login
+            return await self.page.handle(request)
         raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
 
 
