@@ -35,7 +35,11 @@ def configure_page(
         print(login["url"])
         print(
             f"Open it within {minutes} minutes; it works once. The session it starts is "
-            + ("allowed to cordon, drain and revoke." if args.actions else "read-only (--actions for one that may act).")
+            + (
+                "allowed to cordon, drain and revoke."
+                if args.actions
+                else "read-only (--actions for one that may act)."
+            )
         )
         return 0
 
@@ -46,7 +50,9 @@ def configure_page(
         run,
     )
     leaf.add_argument(
-        "--actions", action="store_true", help="the page may cordon, uncordon, drain and revoke keys (default: read-only)"
+        "--actions",
+        action="store_true",
+        help="the page may cordon, uncordon, drain and revoke keys (default: read-only)",
     )
     add_json_flag(leaf)
     add_admin_options(leaf)

@@ -105,6 +105,7 @@ const ctx = {
   },
   act: (verb, target) => confirmAndCall(verb, target),
   logs: (replica) => showLogs(replica),
+  unavailable: (why) => say(why),
 };
 
 const VIEWS = {
@@ -157,7 +158,8 @@ const ACTIONS = {
 function confirmAndCall(verb, target) {
   const action = ACTIONS[verb];
   const dialog = $("confirm");
-  const opener = document.activeElement;
+  // By id: a redraw while the dialog is open replaces the button that opened it.
+  const opener = document.activeElement ? document.activeElement.id : "";
   $("confirm-h").textContent = `${action.title} ${target}`;
   $("confirm-text").textContent = action.text(target);
   $("confirm-ok").textContent = `${action.title} ${target}`;
@@ -165,7 +167,7 @@ function confirmAndCall(verb, target) {
   dialog.addEventListener(
     "close",
     async () => {
-      if (opener && document.contains(opener)) opener.focus();
+      if (opener && $(opener)) $(opener).focus();
       if (dialog.returnValue !== "ok") return;
       const [method, path] = action.call(target);
       say(`${action.title} ${target}…`);

@@ -127,8 +127,14 @@ function fabricsOf(n) {
   return parts.length ? parts : h("span", { class: "muted" }, "none (an island)");
 }
 
-function actionButton(id, label, described, onclick, enabled = true) {
-  return h("button", { type: "button", id, "aria-label": described, onclick, disabled: !enabled }, label);
+// Not `disabled` when unavailable: a disabled button drops the keyboard's focus, and a redraw
+// while it is focused (a drain starting) would leave the operator nowhere. It says why instead.
+function actionButton(id, label, described, onclick, unavailable = "") {
+  return h(
+    "button",
+    { type: "button", id, "aria-label": described, "aria-disabled": unavailable ? "true" : null, title: unavailable || null, onclick: unavailable ? () => onclick.unavailable(unavailable) : onclick },
+    label,
+  );
 }
 
 export function renderNodes(cluster, ctx) {
@@ -150,7 +156,7 @@ export function renderNodes(cluster, ctx) {
       cert(n),
     ];
     if (ctx.actions) {
-      const act = (verb) => () => ctx.act(verb, n.id);
+      const act = (verb) => Object.assign(() => ctx.act(verb, n.id), { unavailable: ctx.unavailable });
       cells.push(
         h(
           "div",
@@ -158,7 +164,7 @@ export function renderNodes(cluster, ctx) {
           n.cordoned
             ? actionButton(`uncordon-${n.id}`, "Uncordon", `Uncordon node ${n.id}`, act("uncordon"))
             : actionButton(`cordon-${n.id}`, "Cordon", `Cordon node ${n.id}`, act("cordon")),
-          actionButton(`drain-${n.id}`, "Drain", `Drain node ${n.id}`, act("drain"), !n.draining),
+          actionButton(`drain-${n.id}`, "Drain", `Drain node ${n.id}`, act("drain"), n.draining ? `${n.id} is draining now` : ""),
         ),
       );
     }

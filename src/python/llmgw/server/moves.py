@@ -180,6 +180,10 @@ class Moves:
                 f"internal error while draining {progress.node}: {leaves(exc)[0]!r}; the log has the traceback; "
                 f"run `llmgw ctl drain {progress.node}` again"
             )
+        finally:
+            # [i17 page hook] Done or stopped: the node is no longer draining (the rotation's
+            # draining marks change), and open cluster pages show how the drain ended.
+            self.plane._rotation_touched()
 
     async def _drain(self, node_id: str, todo: list[str], force: bool, progress: DrainProgress) -> None:
         plane = self.plane

@@ -137,7 +137,9 @@ class Page:
             headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
             return Response(status=401, body=body, headers=headers)
         s = login.session
-        log.info("page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now))
+        log.info(
+            "page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now)
+        )
         return Response(
             status=303,
             headers=(
@@ -237,7 +239,11 @@ class Page:
             if caller.session is not None:
                 raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
             body = request.json() or {}
-            if not isinstance(body, dict) or set(body) - {"actions"} or not isinstance(body.get("actions", False), bool):
+            if (
+                not isinstance(body, dict)
+                or set(body) - {"actions"}
+                or not isinstance(body.get("actions", False), bool)
+            ):
                 raise HTTPError(400, 'the body must be {"actions": true|false} (or empty)')
             actions = body.get("actions", False)
             return Response.json(
@@ -280,4 +286,3 @@ class Page:
 def _allow(request: Request, method: str) -> None:
     if request.method != method:
         raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
-
