@@ -142,6 +142,7 @@ async def test_a_change_needs_a_session_that_may_act_its_csrf_token_and_this_ori
     _, read_session = await call(reader.json, "GET", "/admin/v1/page/session")
     _, act_session = await call(actor.json, "GET", "/admin/v1/page/session")
     cordon = "/admin/v1/nodes/n1/cordon"
+    caplog.set_level(logging.INFO, logger="llmgw.page")
 
     status, body = await call(actor.json, "POST", cordon, origin=actor.origin)
     assert status == 403 and "CSRF" in body["error"]["message"]
@@ -159,13 +160,13 @@ async def test_a_change_needs_a_session_that_may_act_its_csrf_token_and_this_ori
     assert status == 403 and "read-only" in body["error"]["message"] and "--actions" in body["error"]["message"]
     assert not plane.registry.nodes["n1"].cordoned
 
-    with caplog.at_level(logging.INFO, logger="llmgw.page"):
-        status, body = await call(
-            actor.json, "POST", cordon, origin=actor.origin, **{"x-llmgw-csrf": act_session["csrf"]}
-        )
+    status, body = await call(actor.json, "POST", cordon, origin=actor.origin, **{"x-llmgw-csrf": act_session["csrf"]})
     assert status == 200 and body["node"]["cordoned"] is True
-    [audit] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "admin_call"]
-    assert audit == {"method": "POST", "path": cordon, "status": 200, "by": act_session["id"]}
+    audit = [r.llmgw_fields for r in caplog.records if r.getMessage() == "admin_call"]
+    assert audit[-1] == {"method": "POST", "path": cordon, "status": 200, "by": act_session["id"]}
+    # The refusals before it were audited too, each with its session.
+    refused = [(a["by"], a["status"]) for a in audit[:-1]]
+    assert refused == [(act_session["id"], 403)] * 4 + [(read_session["id"], 403)]
     logged = repr([(r.getMessage(), getattr(r, "llmgw_fields", None)) for r in caplog.records])
     assert act_session["csrf"] not in logged and actor.cookie.split("=", 1)[1] not in logged
 

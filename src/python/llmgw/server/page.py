@@ -110,10 +110,11 @@ class Page:
         return path in ("/", "/index.html", "/login") or path.startswith("/page/")
 
     async def handle(self, request: Request) -> Response:
+        if request.path == "/login":
+            _allow(request, "GET")  # a HEAD must not spend the code
+            return self._login(request)
         if request.method not in SAFE_METHODS:
             raise HTTPError(405, f"{request.path} takes GET, not {request.method}", headers=(("allow", "GET"),))
-        if request.path == "/login":
-            return self._login(request)
         if self._assets is None:
             self._assets = await trio.to_thread.run_sync(load_assets)
         name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/page/")
@@ -160,10 +161,15 @@ class Page:
         self, request: Request, authorize: Callable[[Request], None], inner: Inner
     ) -> Response | StreamingResponse:
         caller = self._caller(request, authorize)
-        if request.method not in SAFE_METHODS and caller.session is not None:
-            self._check_change(request, caller.session)
-        own = await self._admin_route(request, caller)
-        response = own if own is not None else await inner(request)
+        try:
+            if request.method not in SAFE_METHODS and caller.session is not None:
+                self._check_change(request, caller.session)
+            own = await self._admin_route(request, caller)
+            response = own if own is not None else await inner(request)
+        except HTTPError as exc:
+            if request.method not in SAFE_METHODS:  # a refused change is audited too
+                log.info("admin_call", method=request.method, path=request.path, status=exc.status, by=caller.who)
+            raise
         if request.method not in SAFE_METHODS:
             log.info("admin_call", method=request.method, path=request.path, status=response.status, by=caller.who)
             if response.status < 400:
