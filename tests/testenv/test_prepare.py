@@ -220,7 +220,7 @@ def test_a_machine_without_chromium_gets_it_for_the_cluster_page_tests() -> None
     assert "chromium: the cluster page is tested in a real headless Chromium (chromium missing)" in fake.text
 
 
-def test_the_chromium_the_tests_drive_runs_headless_here() -> None:
+def test_the_chromium_the_tests_drive_is_installed_and_runs() -> None:
     from testlib.browser import chromium_binary
 
     done = subprocess.run([chromium_binary(), "--version"], capture_output=True, text=True, timeout=60)

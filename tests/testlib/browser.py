@@ -70,6 +70,7 @@ class Chromium:
         self.profile = root / "profile"
         self.profile.mkdir(parents=True, exist_ok=True)
         self.log = root / "chromium.log"
+        (self.profile / "DevToolsActivePort").unlink(missing_ok=True)  # a profile used before: not its port
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [chromium_binary(), *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],

@@ -24,6 +24,7 @@ export function plot({ title, unit, series, times, window: [t0, t1], format }) {
   });
   const described = `${title}: ${last.join(", ")}; highest ${format(max === 1 && !all.length ? 0 : max)}${unit}`;
   const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": described, class: "plot" });
+  svg.dataset.last = last.join(", "); // the figure's caption shows the latest values as text
   const t = svgEl("title", {});
   t.textContent = described;
   svg.append(t);

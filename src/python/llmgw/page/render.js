@@ -300,7 +300,7 @@ export function renderGateway(history, models) {
 }
 
 function figure(caption, svg) {
-  return h("figure", {}, svg, h("figcaption", {}, caption));
+  return h("figure", {}, svg, h("figcaption", {}, caption, h("span", { class: "last" }, ` — now ${svg.dataset.last}`)));
 }
 
 export function renderKeys(cluster, ctx) {
