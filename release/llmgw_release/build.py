@@ -33,6 +33,8 @@ ARCHES = ("amd64", "arm64")
 PACKAGES = ("llmgw", "agent")
 # Generated files a source tree may hold; the build writes its own _build_info.py.
 GENERATED = ("_build_info.py", "_scm_version.py")
+# Package data read at run time with importlib.resources: the cluster page's files (llmgw/page).
+DATA_SUFFIXES = (".html", ".css", ".js")
 VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+-]*")
 INIT_VERSION_RE = re.compile(r'^__version__ = "[^"\n]*"$', re.MULTILINE)
 
@@ -62,13 +64,16 @@ def build_date(epoch: int) -> str:
 
 
 def sources(src_root: Path, version: str) -> dict[str, bytes]:
-    """The .py files of llmgw and agent by path under site-packages; __init__ says `version`."""
+    """The .py files of llmgw and agent, and their package data (`DATA_SUFFIXES`), by path under
+    site-packages; __init__ says `version`."""
     out: dict[str, bytes] = {}
     for package in PACKAGES:
         if not (src_root / package / "__init__.py").is_file():
             raise BuildError(f"no package {package!r} in {src_root}")
-        for path in sorted((src_root / package).rglob("*.py")):
+        for path in sorted((src_root / package).rglob("*")):
             rel = path.relative_to(src_root).as_posix()
+            if not path.is_file() or not path.name.endswith((".py", *DATA_SUFFIXES)):
+                continue
             if "__pycache__" in path.parts or path.name in GENERATED:
                 continue
             out[rel] = path.read_bytes()

@@ -147,6 +147,12 @@ def elf_machine(data: bytes) -> int | None:
     return struct.unpack(f"{endian}H", data[18:20])[0]  # e_machine
 
 
+def test_the_cluster_page_is_package_data_in_the_artifact(release: Release) -> None:
+    names = set(members(release.artifact("amd64")))
+    page = {f"site-packages/llmgw/page/{n}" for n in ("index.html", "app.js", "render.js", "plots.js", "style.css")}
+    assert page <= names, sorted(page - names)
+
+
 @pytest.mark.parametrize("arch", ["amd64", "arm64"])
 def test_every_elf_object_is_for_the_target_machine(release: Release, arch: str) -> None:
     machines = {name: elf_machine(data) for name, data in members(release.artifact(arch)).items()}
@@ -313,6 +319,12 @@ SERVICES = {
     "server": Service(
         ("server", "--config", "{tmp}/server.toml"),
         "/health",
+        setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
+        url_file="{tmp}/state/admin.url",
+    ),
+    "cluster page": Service(  # the page's files are package data: served from inside the artifact
+        ("server", "--config", "{tmp}/server.toml"),
+        "/page/app.js",
         setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
         url_file="{tmp}/state/admin.url",
     ),

@@ -234,8 +234,17 @@ def test_sources_say_the_release_version_and_leave_out_generated_files(tmp_path:
     (tmp_path / "llmgw" / "_scm_version.py").write_text('version = "x"\n')
     (tmp_path / "llmgw" / "__pycache__" / "x.py").write_text("")
     (tmp_path / "agent" / "__init__.py").write_text("")
+    (tmp_path / "llmgw" / "page").mkdir()
+    for name in ("index.html", "app.js", "style.css", "notes.txt"):
+        (tmp_path / "llmgw" / "page" / name).write_text(name)
     src = build.sources(tmp_path, "1.2.0")
-    assert sorted(src) == ["agent/__init__.py", "llmgw/__init__.py"]
+    assert sorted(src) == [
+        "agent/__init__.py",
+        "llmgw/__init__.py",
+        "llmgw/page/app.js",  # the cluster page's files are package data the release carries
+        "llmgw/page/index.html",
+        "llmgw/page/style.css",
+    ]
     assert src["llmgw/__init__.py"] == b'"""doc"""\n\n__version__ = "1.2.0"\n'
 
 

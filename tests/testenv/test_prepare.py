@@ -210,7 +210,21 @@ def test_every_need_names_a_package_and_says_why() -> None:
     assert all(n.provides and n.why for n in NEEDS)
     # The paths the test helpers run by absolute path are the ones checked.
     provided = {item for n in NEEDS for item in n.provides}
-    assert {"/usr/sbin/sshd", "ip", "unshare", "nsenter", "sudo", "tmux", "systemd-analyze"} <= provided
+    assert {"/usr/sbin/sshd", "ip", "unshare", "nsenter", "sudo", "tmux", "systemd-analyze", "chromium"} <= provided
+
+
+def test_a_machine_without_chromium_gets_it_for_the_cluster_page_tests() -> None:
+    fake = Fake(without("chromium"), installs={"chromium": {"chromium"}})
+    assert run(fake) == 0
+    assert [argv for argv, _ in fake.ran][-1][-1] == "chromium"
+    assert "chromium: the cluster page is tested in a real headless Chromium (chromium missing)" in fake.text
+
+
+def test_the_chromium_the_tests_drive_is_installed_and_runs() -> None:
+    from testlib.browser import chromium_binary
+
+    done = subprocess.run([chromium_binary(), "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("Chromium "), done.stderr
 
 
 def test_the_build_script_caches_where_the_tests_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,6 +59,13 @@ NEEDS: tuple[Need, ...] = (
     Need("systemd", ("systemd-analyze",), "the systemd units node add writes and the docs show are verified"),
     Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
+    # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
+    Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
+    Need(
+        "fonts-dejavu-core",
+        ("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",),
+        "the cluster page's screenshots need a font to draw its text",
+    ),
 )
 
 

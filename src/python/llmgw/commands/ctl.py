@@ -17,6 +17,7 @@ import attrs
 from llmgw import config, engines
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.ctl.client import AdminClient
+from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.engines.check import MISSING, OK
 from llmgw.errors import UsageError
 
@@ -92,6 +93,7 @@ def configure(parser: Parser) -> None:
         add_admin_options(leaf)
     configure_engine_check(sub)
     configure_keys(sub)
+    configure_page(sub, add_admin_options, client_from)  # [i17 page hook] `llmgw ctl page`
 
 
 def run_nodes(args: argparse.Namespace) -> int:

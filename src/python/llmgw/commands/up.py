@@ -220,6 +220,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
         example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url
         operate = operate_commands(state)
+        page_url = gateway + plane.page.login_path()  # [i17 page hook] one-time, read-only
         emit(
             "ready",
             "\n".join(
@@ -232,6 +233,9 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                     f'-d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "hello"}}]}}\'',
                     "Operate it, from another terminal:",
                     *(f"  {c}" for c in operate),
+                    f"The cluster page (this URL works once; `{command_name()} ctl page --state-dir "  # [i17 page hook]
+                    f"{shlex.quote(str(state))}` makes another, --actions for one that may act):",
+                    f"  {page_url}",
                     "Ctrl-C stops everything.",
                 ]
             ),
@@ -240,6 +244,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
             api_key=api_key,
             state_dir=str(state),
             operate=operate,
+            page_url=page_url,  # [i17 page hook]
         )
 
 

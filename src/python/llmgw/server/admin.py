@@ -16,6 +16,8 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/events                the cluster page's live feed (server/events.py)
+    POST   /admin/v1/page/login            a one-time login URL for the cluster page (server/page.py)
     POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
                                            issue`): {serial, node_id, not_after, revoke_others, also_revoke}
     GET    /admin/v1/certificates/SERIAL   what the control plane holds of a serial: recorded, revoked
@@ -41,7 +43,7 @@ import attrs
 
 from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.fabrics import FabricMap
-from llmgw.http.server import HTTPError, Request, Response
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
@@ -52,6 +54,7 @@ from llmgw.server.store import StoreError
 
 if TYPE_CHECKING:
     from llmgw.server.asyncstore import AsyncStore
+    from llmgw.server.page import Page
 
 log = get_logger("llmgw.admin")
 
@@ -65,6 +68,7 @@ class Plane(Protocol):
     """What the admin API asks of the control plane."""
 
     store: AsyncStore
+    page: Page
 
     def node_views(self) -> list[dict[str, Any]]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
@@ -135,8 +139,12 @@ class AdminAPI:
                 kind="authentication_error",
             )
 
-    async def handle(self, request: Request) -> Response:
-        self._authorize(request)
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        # Who calls (a cluster-page session, or the credential through `_authorize`), the page's
+        # own admin routes, and the audit line of every change: server/page.py.
+        return await self.plane.page.guard(request, self._authorize, self._handle_authorized)
+
+    async def _handle_authorized(self, request: Request) -> Response:
         try:
             return await self._route(request)
         except LlmgwError as exc:

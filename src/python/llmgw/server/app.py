@@ -56,6 +56,7 @@ from llmgw.server.gateway.routing import Rotation
 from llmgw.server.liveness import serve_liveness
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
+from llmgw.server.page import Page
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.supervision import Background
@@ -123,6 +124,7 @@ class ControlPlane:
         self.drains = Drains(
             registry=self.registry, store=store, replicas=self.replicas, moves=self.moves, changes=self.changes
         )
+        self.page = Page(self)  # the cluster page: sessions, the gateway's history, the admin API's gate
         self.admin = AdminAPI(self, self.gateway.keys, admin_token)
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -187,6 +189,7 @@ class ControlPlane:
                 await nursery.start(run, "reload", serve_reload_on_sighup, self.reload)
             await nursery.start(run, "rotation", self.gateway.serve_rotation)
             await nursery.start(run, "probes", self.gateway.serve_probes)
+            await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
             try:
                 agent_listeners = await nursery.start(
                     partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context
@@ -223,6 +226,8 @@ class ControlPlane:
             return response
         if request.path.startswith("/v1/") or request.path == "/health":
             return await self.gateway.handle(request)
+        if Page.serves(request.path):  # the cluster page's files and /login
+            return await self.page.handle(request)
         raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
 
     # -- desired state ----------------------------------------------------------------------
@@ -268,6 +273,10 @@ class ControlPlane:
 
     def rotation_changed(self) -> trio.Event:
         return self.changes.rotation.next()
+
+    def cluster_changed(self) -> trio.Event:
+        """Set once the reconciler has looked at the next change of nodes or replicas."""
+        return self.changes.settled.next()
 
     # -- what the admin API calls (`admin.Plane`) -------------------------------------------
 

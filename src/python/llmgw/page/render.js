@@ -1,0 +1,340 @@
+// What each view shows, built as DOM from the admin API's views (the same JSON `llmgw ctl`
+// reads). Text goes in as text nodes only: nothing the cluster reports is parsed as HTML.
+
+import { plot } from "./plots.js";
+
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+const CERT_WARN_DAYS = 30;
+
+export function nodeState(n) {
+  if (n.draining) return "draining";
+  if (n.cordoned) return n.state === "joined" ? "cordoned" : `${n.state}, cordoned`;
+  return n.state;
+}
+
+function badge(state) {
+  const cls = state.split(/[ ,]/)[0];
+  return h("span", { class: `badge s-${cls}` }, state);
+}
+
+// A table that becomes one card per row on a narrow screen (each cell labelled by its column).
+function table(caption, columns, rows) {
+  return h(
+    "div",
+    { class: "scroll" },
+    h(
+      "table",
+      { class: "cards" },
+      h("caption", { class: "sr-only" }, caption),
+      h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col" }, c)))),
+      h(
+        "tbody",
+        {},
+        rows.map(([attrs, cells]) =>
+          h("tr", attrs, cells.map((cell, i) => h("td", { "data-label": columns[i] }, cell))),
+        ),
+      ),
+    ),
+  );
+}
+
+export function age(seconds) {
+  if (seconds === null || seconds === undefined) return "never";
+  if (seconds < 60) return `${seconds.toFixed(1)} s ago`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min ago`;
+  return `${(seconds / 3600).toFixed(1)} h ago`;
+}
+
+function bytes(n) {
+  if (!n) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024;
+    i += 1;
+  }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function gpus(n) {
+  if (!n.gpus.length) {
+    return ["not_found", "failed"].includes(n.gpu_status) ? h("span", { class: "bad" }, n.gpu_detail || n.gpu_status) : "none";
+  }
+  const byModel = new Map();
+  for (const g of n.gpus) {
+    const key = `${g.name}, ${(g.memory_total_mib / 1024).toFixed(0)} GiB`;
+    byModel.set(key, (byModel.get(key) || 0) + 1);
+  }
+  return [...byModel].map(([k, count]) => h("div", {}, `${count} × ${k}`));
+}
+
+function engines(n) {
+  const unusable = new Map(n.eligibility.filter((e) => e.status === "ineligible").map((e) => [e.engine, e]));
+  const rows = n.engines.map((e) =>
+    h(
+      "div",
+      { class: e.ok ? "" : "bad" },
+      `${e.name} ${e.version || ""}`.trim(),
+      e.ok ? "" : ` — unusable: ${e.detail || "did not run"}`,
+    ),
+  );
+  for (const [engine, e] of unusable) {
+    if (!n.engines.some((x) => x.name === engine)) {
+      rows.push(h("div", { class: "bad" }, `${engine}: cannot run here${e.reason ? ` (${e.reason})` : ""}`));
+    }
+  }
+  return rows.length ? rows : "none yet";
+}
+
+function cert(n) {
+  if (!n.cert_not_after) return "";
+  const days = n.cert_expires_in_days;
+  const soon = days !== null && days < CERT_WARN_DAYS;
+  return h(
+    "span",
+    { class: soon ? "bad" : "" },
+    `${n.cert_not_after.slice(0, 10)} (${days.toFixed(0)} days)`,
+    soon ? " — renew soon" : "",
+  );
+}
+
+function cpu(n) {
+  if (!n.cpu) return "";
+  return [
+    h("div", {}, `${n.cpu.model}, ${n.cpu.cores} cores`),
+    n.arch ? h("div", { class: "muted" }, `${n.arch}${n.memory_total_bytes ? `, ${bytes(n.memory_total_bytes)}` : ""}`) : "",
+    n.cpu_warning ? h("div", { class: "warn" }, `⚠ ${n.cpu_warning}`) : "",
+  ];
+}
+
+function fabricsOf(n) {
+  const parts = n.fabrics.map((f) => h("div", {}, `${f.name}: ${f.adapters.join(", ")}`));
+  for (const p of n.fabric_problems) parts.push(h("div", { class: "bad" }, `refused: ${p}`));
+  return parts.length ? parts : h("span", { class: "muted" }, "none (an island)");
+}
+
+// Not `disabled` when unavailable: a disabled button drops the keyboard's focus, and a redraw
+// while it is focused (a drain starting) would leave the operator nowhere. It says why instead.
+function actionButton(id, label, described, onclick, unavailable = "") {
+  return h(
+    "button",
+    { type: "button", id, "aria-label": described, "aria-disabled": unavailable ? "true" : null, title: unavailable || null, onclick: unavailable ? () => onclick.unavailable(unavailable) : onclick },
+    label,
+  );
+}
+
+export function renderNodes(cluster, ctx) {
+  if (!cluster.nodes.length) return h("p", {}, "No node has joined yet.");
+  const columns = ["Node", "State", "Heartbeat", "Agent", "CPU", "GPUs", "Engines", "Fabrics", "Certificate"];
+  if (ctx.actions) columns.push("Actions");
+  const rows = cluster.nodes.map((n) => {
+    const state = nodeState(n);
+    const drain = n.drain && n.draining ? ` ${n.drain.moved}/${n.drain.total} moved` : "";
+    const cells = [
+      [h("strong", {}, n.id), h("div", { class: "muted" }, n.address || "")],
+      [badge(state), drain],
+      h("span", { class: "age", "data-age": n.last_heartbeat_age_s ?? "" }, age(n.last_heartbeat_age_s)),
+      n.agent_version || "",
+      cpu(n),
+      gpus(n),
+      engines(n),
+      fabricsOf(n),
+      cert(n),
+    ];
+    if (ctx.actions) {
+      const act = (verb) => Object.assign(() => ctx.act(verb, n.id), { unavailable: ctx.unavailable });
+      cells.push(
+        h(
+          "div",
+          { class: "actions" },
+          n.cordoned
+            ? actionButton(`uncordon-${n.id}`, "Uncordon", `Uncordon node ${n.id}`, act("uncordon"))
+            : actionButton(`cordon-${n.id}`, "Cordon", `Cordon node ${n.id}`, act("cordon")),
+          actionButton(`drain-${n.id}`, "Drain", `Drain node ${n.id}`, act("drain"), n.draining ? `${n.id} is draining now` : ""),
+        ),
+      );
+    }
+    return [{ id: `node-${n.id}`, "data-node": n.id, "data-state": state }, cells];
+  });
+  return table("Nodes: state, heartbeat, hardware, engines, fabrics, certificate", columns, rows);
+}
+
+export function renderFabrics(cluster) {
+  const adapters = new Map(); // fabric key -> node -> adapters
+  const islands = [];
+  for (const n of cluster.nodes) {
+    if (!n.fabrics.length) islands.push(n.id);
+    for (const f of n.fabrics) {
+      const key = `${f.name}@${f.identity}`;
+      if (!adapters.has(key)) adapters.set(key, new Map());
+      adapters.get(key).set(n.id, f.adapters);
+    }
+  }
+  const parts = [];
+  for (const note of cluster.notes) parts.push(h("p", { class: "warn", "data-note": "" }, `⚠ ${note}`));
+  if (cluster.fabrics.length) {
+    parts.push(
+      table(
+        "Fabrics as placement sees them",
+        ["Fabric", "Identity", "Nodes and adapters"],
+        cluster.fabrics.map((f) => {
+          const members = adapters.get(`${f.name}@${f.identity}`) || new Map();
+          return [
+            { "data-fabric": f.name, "data-identity": f.identity },
+            [
+              h("strong", {}, f.name),
+              h("code", {}, f.identity),
+              f.nodes.map((id) => h("div", {}, `${id}: ${(members.get(id) || []).join(", ")}`)),
+            ],
+          ];
+        }),
+      ),
+    );
+  } else {
+    parts.push(h("p", {}, "No node reports a fabric."));
+  }
+  if (islands.length) {
+    parts.push(
+      h(
+        "p",
+        { "data-islands": "" },
+        h("strong", {}, "Islands"),
+        ` (no fabric: single-node replicas only): ${islands.join(", ")}`,
+      ),
+    );
+  }
+  return parts;
+}
+
+export function renderModels(cluster, ctx) {
+  const parts = [];
+  for (const m of cluster.models) {
+    const placed = cluster.replicas.filter((r) => r.model === m.model && r.replica);
+    const pending = cluster.replicas.filter((r) => r.model === m.model && !r.replica);
+    const ok = m.ready >= m.replicas;
+    parts.push(
+      h(
+        "h3",
+        { id: `model-${m.model}` },
+        m.model,
+        " ",
+        h("span", { class: `badge ${ok ? "s-joined" : "s-draining"}` }, `${m.ready} of ${m.replicas} ready`),
+        h("span", { class: "muted" }, ` ${m.engine}, ${m.nodes_per_replica} node(s) per replica`),
+      ),
+    );
+    const rows = placed.map((r) => [
+      { id: `replica-${r.replica}`, "data-replica": r.replica, "data-state": r.state },
+      [
+        h("code", {}, r.replica),
+        r.nodes.join(", "),
+        badge(r.state),
+        String(r.restarts),
+        r.port ? String(r.port) : "",
+        r.detail || "",
+        actionButton(`logs-${r.replica}`, "Log", `Show the engine log of replica ${r.replica}`, () => ctx.logs(r.replica)),
+      ],
+    ]);
+    for (const p of pending) {
+      rows.push([{ class: "pending", "data-pending": m.model }, [h("em", {}, "pending"), "", badge("pending"), "", "", p.detail, ""]]);
+    }
+    if (rows.length) {
+      parts.push(table(`Replicas of ${m.model}`, ["Replica", "Nodes", "State", "Restarts", "Port", "Detail", "Log"], rows));
+    }
+  }
+  return parts.length ? parts : h("p", {}, "The catalog holds no model.");
+}
+
+export function renderDrains(cluster) {
+  const drains = cluster.nodes.filter((n) => n.drain).map((n) => ({ ...n.drain, draining: n.draining }));
+  if (!drains.length) return h("p", {}, "No drain has run since the control plane started.");
+  return drains.map((d) => {
+    const state = d.error ? `stopped: ${d.error}` : d.done ? "done" : d.current ? `moving ${d.current}` : "starting";
+    return h(
+      "div",
+      { class: "drain", "data-drain": d.node },
+      h("label", { for: `drain-progress-${d.node}` }, `${d.node}: ${d.moved} of ${d.total} replicas moved, ${state}`),
+      h("progress", { id: `drain-progress-${d.node}`, max: Math.max(d.total, 1), value: d.done ? Math.max(d.total, 1) : d.moved }),
+    );
+  });
+}
+
+export function renderGateway(history, models) {
+  if (!history) return h("p", {}, "Waiting for the first sample…");
+  const now = Date.now() / 1000;
+  const window = [now - history.window_s, now];
+  const names = [...new Set([...models.map((m) => m.model), ...Object.keys(history.models)])];
+  const ms = (v) => `${(v * 1000).toFixed(0)} ms`;
+  return names.map((name) => {
+    const points = history.models[name] || [];
+    const times = points.map((p) => p.at);
+    const col = (k) => points.map((p) => p[k]);
+    const total = points.reduce((a, p) => a + p.requests, 0);
+    return h(
+      "div",
+      { class: "model-plots", "data-model": name },
+      h("h3", {}, name, h("span", { class: "muted" }, ` ${total} requests in the window`)),
+      h(
+        "div",
+        { class: "plots" },
+        figure("Requests per second", plot({ title: `${name} requests per second`, unit: "/s", series: [{ label: "rps", values: col("rps"), cls: "l1" }], times, window, format: (v) => v.toFixed(2) })),
+        figure("Error rate (5xx)", plot({ title: `${name} error rate`, unit: "", series: [{ label: "errors", values: col("error_rate").map((v) => (v === null ? null : v * 100)), cls: "l3" }], times, window, format: (v) => `${v.toFixed(1)}%` })),
+        figure("Latency p50 / p99", plot({ title: `${name} latency`, unit: "", series: [{ label: "p50", values: col("p50_s"), cls: "l1" }, { label: "p99", values: col("p99_s"), cls: "l2" }], times, window, format: ms })),
+        figure("Time to first byte p50 / p99", plot({ title: `${name} time to first byte`, unit: "", series: [{ label: "p50", values: col("ttfb_p50_s"), cls: "l1" }, { label: "p99", values: col("ttfb_p99_s"), cls: "l2" }], times, window, format: ms })),
+      ),
+    );
+  });
+}
+
+function figure(caption, svg) {
+  return h("figure", {}, svg, h("figcaption", {}, caption, h("span", { class: "last" }, ` — now ${svg.dataset.last}`)));
+}
+
+export function renderKeys(cluster, ctx) {
+  if (!cluster.keys.length) return h("p", {}, "No API key.");
+  const columns = ["Key", "Models", "Limits", "Created", "State"];
+  if (ctx.actions) columns.push("Actions");
+  const rows = cluster.keys.map((k) => {
+    const cells = [
+      h("strong", {}, k.name),
+      k.models.length ? k.models.join(", ") : "all",
+      `${k.rate_per_minute || "∞"}/min, ${k.max_concurrency || "∞"} at once`,
+      new Date(k.created_at * 1000).toISOString().slice(0, 16).replace("T", " "),
+      k.revoked_at ? h("span", { class: "bad" }, "revoked") : "active",
+    ];
+    if (ctx.actions) {
+      cells.push(
+        k.revoked_at ? "" : actionButton(`revoke-${k.name}`, "Revoke", `Revoke API key ${k.name}`, () => ctx.act("revoke", k.name)),
+      );
+    }
+    return [{ "data-key": k.name }, cells];
+  });
+  return table("API keys of the gateway (never their tokens)", columns, rows);
+}
+
+export function warnings(cluster) {
+  const out = [...cluster.notes];
+  for (const n of cluster.nodes) {
+    if (n.state === "lost") out.push(`node ${n.id} is lost: no heartbeat for ${age(n.last_heartbeat_age_s)}`);
+    if (n.cpu_warning) out.push(`node ${n.id}: ${n.cpu_warning}`);
+    if (n.cert_expires_in_days !== null && n.cert_expires_in_days < CERT_WARN_DAYS) {
+      out.push(`node ${n.id}: its certificate expires in ${n.cert_expires_in_days.toFixed(0)} days; reissue it with \`llmgw node add\``);
+    }
+    for (const p of n.fabric_problems) out.push(`node ${n.id}: fabric refused: ${p}`);
+  }
+  for (const m of cluster.models) for (const why of m.pending) out.push(`model ${m.model}: a replica cannot be placed: ${why}`);
+  return out;
+}

@@ -1,0 +1,302 @@
+"""The cluster page: its files, its login, and the gate every admin API call passes.
+
+Routes of its own, outside /admin/v1/ (no credential needed: they hold nothing):
+
+    GET  /                 the page (llmgw/page/index.html)
+    GET  /page/NAME        its scripts and style sheet (package data, read once)
+    GET  /login?code=C     consume a one-time login code: set the session cookie, 303 to /
+
+and under the admin API, through `guard`:
+
+    POST /admin/v1/page/login     the credential mints a login code: {"actions": bool} -> {path, expires_in_s}
+    GET  /admin/v1/page/session   a page session's id, CSRF token, whether it may act, expiry
+    POST /admin/v1/page/logout    end this session and clear its cookie
+    GET  /admin/v1/events         the live feed (server/events.py)
+
+`guard` decides who is calling, before any admin route runs: a live session cookie, or else
+the admin credential (the bearer check admin.py has always made). A page session may read
+everything the admin API serves; it may change something only if its login code allowed
+actions, only with its CSRF token in `x-llmgw-csrf`, and only from a page of this origin
+(`Origin`). Every call that changes something is logged (`admin_call`) with who made it — the
+session's public id or "admin-credential", never a secret.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.resources
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+import trio
+
+import llmgw.page
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
+from llmgw.log import get_logger
+from llmgw.server import events
+from llmgw.server.gateway.history import History
+from llmgw.server.sessions import (
+    CSRF_HEADER,
+    LoginRefused,
+    Session,
+    SessionBook,
+    clear_cookie,
+    cookie_value,
+    csrf_ok,
+    set_cookie,
+)
+
+if TYPE_CHECKING:
+    from llmgw.server.gateway.app import Gateway
+
+
+class Plane(events.Plane, Protocol):
+    """What the page reads of the control plane: the feed's views, and the gateway (its metrics
+    for the history, its keys for the keys view)."""
+
+    gateway: Gateway
+
+
+log = get_logger("llmgw.page")
+
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+# The page loads nothing from anywhere else and may not be framed (clickjacking of the actions).
+SECURITY_HEADERS = (
+    (
+        "content-security-policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+    ("referrer-policy", "no-referrer"),
+)
+SAFE_METHODS = ("GET", "HEAD")
+CREDENTIAL = "admin-credential"
+
+Inner = Callable[[Request], Awaitable[Response | StreamingResponse]]
+
+
+@attrs.frozen(kw_only=True)
+class Caller:
+    who: str  # "admin-credential" or a session's public id
+    session: Session | None = None
+
+
+def load_assets() -> dict[str, bytes]:
+    """The page's files by name, from the package (a directory, a pex or the release zipapp)."""
+    root = importlib.resources.files(llmgw.page)
+    return {
+        f.name: f.read_bytes()
+        for f in root.iterdir()
+        if f.is_file() and any(f.name.endswith(suffix) for suffix in CONTENT_TYPES)
+    }
+
+
+def _content_type(name: str) -> str:
+    return next(t for suffix, t in CONTENT_TYPES.items() if name.endswith(suffix))
+
+
+class Page:
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
+        self.sessions = SessionBook()
+        self.history = History(plane.gateway.metrics)
+        self._assets: dict[str, bytes] | None = None
+        self._touched = trio.Event()
+
+    # -- the page's own routes ------------------------------------------------------------
+
+    @staticmethod
+    def serves(path: str) -> bool:
+        return path in ("/", "/index.html", "/login") or path.startswith("/page/")
+
+    async def handle(self, request: Request) -> Response:
+        if request.path == "/login":
+            _allow(request, "GET")  # a HEAD must not spend the code
+            return self._login(request)
+        if request.method not in SAFE_METHODS:
+            raise HTTPError(405, f"{request.path} takes GET, not {request.method}", headers=(("allow", "GET"),))
+        if self._assets is None:
+            self._assets = await trio.to_thread.run_sync(load_assets)
+        name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/page/")
+        body = self._assets.get(name)
+        if body is None or name == "index.html" and request.path.startswith("/page/"):
+            raise HTTPError(404, f"the cluster page has no file {request.path!r}", kind="not_found_error")
+        headers = (("content-type", _content_type(name)), ("cache-control", "no-cache"), *SECURITY_HEADERS)
+        return Response(status=200, body=b"" if request.method == "HEAD" else body, headers=headers)
+
+    def _login(self, request: Request) -> Response:
+        code = request.query.get("code", [""])[0]
+        now = trio.current_time()
+        try:
+            login = self.sessions.redeem(code, now)
+        except LoginRefused as exc:
+            log.warning("page_login_refused", client=request.client)
+            body = (
+                "<!doctype html><html lang=en><meta charset=utf-8><title>llmgw: login refused</title>"
+                f"<p>{html.escape(str(exc))}</p></html>"
+            ).encode()
+            headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
+            return Response(status=401, body=body, headers=headers)
+        s = login.session
+        log.info(
+            "page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now)
+        )
+        return Response(
+            status=303,
+            headers=(
+                ("location", "/"),  # the code is not in the address bar after this
+                ("set-cookie", set_cookie(login.cookie, s.expires_at - now)),
+                ("cache-control", "no-store"),
+                *SECURITY_HEADERS,
+            ),
+        )
+
+    def login_path(self, *, actions: bool = False) -> str:
+        """A one-time login URL's path, for whoever holds the credential (`llmgw up` in-process)."""
+        return f"/login?code={self.sessions.mint_code(trio.current_time(), can_act=actions)}"
+
+    # -- the gate of the admin API --------------------------------------------------------
+
+    async def guard(
+        self, request: Request, authorize: Callable[[Request], None], inner: Inner
+    ) -> Response | StreamingResponse:
+        caller = self._caller(request, authorize)
+        try:
+            if request.method not in SAFE_METHODS and caller.session is not None:
+                self._check_change(request, caller.session)
+            own = await self._admin_route(request, caller)
+            response = own if own is not None else await inner(request)
+        except HTTPError as exc:
+            if request.method not in SAFE_METHODS:  # a refused change is audited too
+                log.info("admin_call", method=request.method, path=request.path, status=exc.status, by=caller.who)
+            raise
+        if request.method not in SAFE_METHODS:
+            log.info("admin_call", method=request.method, path=request.path, status=response.status, by=caller.who)
+            if response.status < 400:
+                self._touched.set()  # an operator's action: open pages show it now
+                self._touched = trio.Event()
+        return response
+
+    def _caller(self, request: Request, authorize: Callable[[Request], None]) -> Caller:
+        cookie = cookie_value(request.headers.get("cookie", ""))
+        if cookie:
+            session = self.sessions.lookup(cookie, trio.current_time())
+            if session is not None:
+                return Caller(who=session.id, session=session)
+            if "authorization" not in request.headers:
+                raise HTTPError(
+                    401,
+                    "this page's session expired or is unknown (sessions end after 12 hours, and when the control "
+                    "plane restarts); run `llmgw ctl page` for a new URL",
+                    kind="authentication_error",
+                )
+        authorize(request)  # the admin credential, as `llmgw ctl` sends it; raises 401 without it
+        return Caller(who=CREDENTIAL)
+
+    @staticmethod
+    def _check_change(request: Request, session: Session) -> None:
+        host = request.headers.get("host", "")
+        origin = request.headers.get("origin", "")
+        if origin not in (f"http://{host}", f"https://{host}"):
+            log.warning("page_call_refused", session=session.id, path=request.path, reason="origin", origin=origin)
+            raise HTTPError(
+                403,
+                f"a change through a page session must come from this control plane's own page (Origin {origin!r} "
+                f"is not http://{host})",
+                kind="permission_error",
+            )
+        if not csrf_ok(session, request.headers.get(CSRF_HEADER, "")):
+            log.warning("page_call_refused", session=session.id, path=request.path, reason="csrf")
+            raise HTTPError(
+                403,
+                f"a change through a page session needs the session's CSRF token in {CSRF_HEADER}; reload the page",
+                kind="permission_error",
+            )
+        if not session.can_act and request.path != "/admin/v1/page/logout":
+            raise HTTPError(
+                403,
+                "this page session is read-only; for one that may cordon, drain and revoke, run "
+                "`llmgw ctl page --actions`",
+                kind="permission_error",
+            )
+
+    async def _admin_route(self, request: Request, caller: Caller) -> Response | StreamingResponse | None:
+        path = request.path
+        if path == "/admin/v1/events":
+            _allow(request, "GET")
+            log.info("page_events_opened", by=caller.who, client=request.client)
+            return StreamingResponse(
+                status=200,
+                body=events.stream(
+                    self.plane,
+                    keys=self.plane.gateway.keys.rows,
+                    history=self.history,
+                    touched=lambda: self._touched,
+                    session_expires_at=caller.session.expires_at if caller.session else None,
+                ),
+                headers=(
+                    ("content-type", "text/event-stream; charset=utf-8"),
+                    ("cache-control", "no-cache"),
+                    ("x-accel-buffering", "no"),  # a proxy in front must not hold the events back
+                ),
+            )
+        if path == "/admin/v1/page/login":
+            _allow(request, "POST")
+            if caller.session is not None:
+                raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
+            body = request.json() or {}
+            if (
+                not isinstance(body, dict)
+                or set(body) - {"actions"}
+                or not isinstance(body.get("actions", False), bool)
+            ):
+                raise HTTPError(400, 'the body must be {"actions": true|false} (or empty)')
+            actions = body.get("actions", False)
+            return Response.json(
+                201,
+                {
+                    "path": self.login_path(actions=actions),
+                    "expires_in_s": self.sessions.code_ttl_s,
+                    "actions": actions,
+                },
+            )
+        if path == "/admin/v1/page/session":
+            _allow(request, "GET")
+            s = caller.session
+            if s is None:
+                raise HTTPError(400, "only a page session has a session; the admin credential needs none")
+            return Response.json(
+                200,
+                {
+                    "id": s.id,
+                    "csrf": s.csrf,
+                    "actions": s.can_act,
+                    "expires_in_s": round(s.expires_at - trio.current_time()),
+                },
+                headers=(("cache-control", "no-store"),),
+            )
+        if path == "/admin/v1/page/logout":
+            _allow(request, "POST")
+            if caller.session is not None:
+                self.sessions.end(cookie_value(request.headers.get("cookie", "")))
+            return Response.json(200, {"ended": caller.who}, headers=(("set-cookie", clear_cookie()),))
+        return None
+
+    # -- background -----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The gateway's history for the plots: sampled from the start, not from the first page."""
+        await self.history.serve(task_status=task_status)
+
+
+def _allow(request: Request, method: str) -> None:
+    if request.method != method:
+        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))

@@ -1,0 +1,341 @@
+"""The cluster page in a real headless Chromium, against a real `llmgw up --nodes 3 --fabric ib-a`.
+
+One `up` and one Chromium for the module; each test opens its own tab in its own browser
+context (its own cookies). In order, because each builds on what the one before left:
+
+1. the URL `up` printed logs in once, leaves no code in the address bar, sets an HttpOnly
+   SameSite=Strict cookie, and the page shows every node and replica; screenshots at 1280x800
+   and 390x844 go to the test report directory (printed), and basic accessibility holds;
+2. a session from `llmgw ctl page --actions` drains a node with the keyboard alone, and the
+   drain arrives in the open page without a reload; the log names the session, not a secret;
+3. a fourth node declaring `ib-a` but seeing another subnet manager makes the page say the
+   name covers two fabrics, while open (the live feed), and `ctl nodes` says it too.
+
+No test may leave an error in the browser's console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw import paths, pki
+from testlib.browser import Chromium, Tab, open_tab
+from testlib.cluster import MARKER_ENV, Proc, free_port, kill_groups, marked_pids, wait_until
+from testlib.hardware import ib_root, sminfo
+from testlib.proc import build_root, llmgw_env, run_llmgw
+
+pytestmark = pytest.mark.trio
+
+NODES = ("local-1", "local-2", "local-3")
+ODD = "odd-1"  # declares ib-a, sees the recorded one-fabric's subnet manager: another fabric
+ODD_IDENTITY = "ib-sm:0x0002c90300a1b2c3"
+LIVE_S = 30.0  # a change reaching the open page: placement, engines and the feed on a loaded machine
+
+
+def report_dir() -> Path:
+    """Where screenshots go: $LLMGW_TEST_REPORTS (pants.toml sets it to dist/test/reports in the
+    checkout, outside Pants' sandbox), else dist/test/reports under the build root."""
+    root = Path(os.environ.get("LLMGW_TEST_REPORTS") or build_root() / "dist" / "test" / "reports")
+    out = root / "cluster-page"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class Up:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.log = root / "up.log"
+        self.port = free_port()
+        with self.log.open("w") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llmgw", "--log-format", "json", "up", "--state-dir", str(self.state)]
+                + ["--port", str(self.port), "--nodes", "3", "--fabric", "ib-a", "--json"],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=llmgw_env(),
+            )
+        self.events: list[dict[str, Any]] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # bounded: `up` gives up after its own ready timeout
+            self.events.append(json.loads(line))
+            if self.events[-1]["event"] == "ready":
+                break
+        else:
+            raise AssertionError(f"up ended before ready: exit {self.proc.wait(10)}\n{self.log.read_text()[-3000:]}")
+        self.ready = self.events[-1]
+
+    def ctl(self, *args: str) -> Any:
+        result = run_llmgw("ctl", *args, "--json", "--state-dir", str(self.state), timeout=60)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        return [r for r in map(_json_or_none, self.log.read_text().splitlines()) if r and r.get("event") == event]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+def _json_or_none(line: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(line) if line.startswith("{") else None
+    except ValueError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    cluster = Up(tmp_path_factory.mktemp("up"))
+    extra: list[Proc] = []
+    cluster.extra = extra  # type: ignore[attr-defined]
+    try:
+        yield cluster
+    finally:
+        for proc in extra:
+            proc.stop(signal.SIGTERM)
+        kill_groups(marked_pids(ODD))  # its engines, which outlive an agent by design
+        assert cluster.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    browser = Chromium(tmp_path_factory.mktemp("chromium"))
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def no_console_errors(tab: Tab) -> None:
+    assert tab.errors == [], f"the browser's console: {tab.errors}"
+
+
+async def contrast_failures(tab: Tab) -> list[str]:
+    """Each visible text element whose text on its background is below 4.5:1 (WCAG 2 AA)."""
+    return await tab.evaluate(
+        """(() => {
+        const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+        const lum = ([r, g, b]) => {
+            const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+            return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+        };
+        const background = (el) => {
+            for (; el; el = el.parentElement) {
+                const c = rgb(getComputedStyle(el).backgroundColor);
+                if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) return c.slice(0, 3);
+            }
+            return [255, 255, 255];
+        };
+        const bad = [];
+        for (const el of document.querySelectorAll('body *')) {
+            const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+            if (!own || !el.getClientRects().length || el.closest('[hidden], dialog:not([open]), .sr-only')) continue;
+            const fg = rgb(getComputedStyle(el).color).slice(0, 3), bg = background(el);
+            const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x);
+            const ratio = (a + 0.05) / (b + 0.05);
+            if (ratio < 4.5) bad.push(`${el.tagName}.${el.className} "${el.textContent.trim().slice(0, 30)}" ${ratio.toFixed(2)}`);
+        }
+        return bad;
+    })()"""
+    )
+
+
+async def unlabelled_controls(tab: Tab) -> list[str]:
+    """Buttons, links and images without an accessible name; sections without a heading."""
+    return await tab.evaluate(
+        """(() => {
+        const bad = [];
+        for (const el of document.querySelectorAll('button, a[href], svg, progress, input, select, textarea')) {
+            const labelled = el.getAttribute('aria-label') || el.textContent.trim() ||
+                (el.id && document.querySelector(`label[for="${el.id}"]`));
+            if (!labelled) bad.push(el.outerHTML.slice(0, 80));
+            if (el.tagName === 'svg' && el.getAttribute('role') !== 'img') bad.push('svg without role=img');
+        }
+        for (const s of document.querySelectorAll('section')) {
+            if (!s.querySelector('h2')) bad.push(`section#${s.id} has no heading`);
+        }
+        if (!document.documentElement.lang) bad.push('no lang on <html>');
+        return bad;
+    })()"""
+    )
+
+
+async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_replica(up: Up, chromium: Chromium):
+    url = up.ready["page_url"]
+    assert url.startswith(f"http://127.0.0.1:{up.port}/login?code=")
+    token = paths.admin_token_path(up.state).read_text().strip()
+    assert token not in url
+    replicas = [r["replica"] for r in up.ctl("replicas") if r["replica"]]
+    assert len(replicas) == 3  # sim-small twice, sim-big across two nodes
+
+    async with open_tab(chromium) as tab:
+        await tab.goto(url)
+        assert await tab.evaluate("location.href") == f"http://127.0.0.1:{up.port}/"  # no code left to copy
+        await tab.wait_for(f"document.querySelectorAll('[data-node]').length === {len(NODES)}")
+        for node in NODES:
+            assert await tab.evaluate(f"document.getElementById('node-{node}').dataset.state") == "joined"
+        for replica in replicas:
+            await tab.wait_for(f"document.querySelector('[data-replica=\"{replica}\"][data-state=ready]')")
+        assert await tab.evaluate("document.querySelector('[data-fabric=\"ib-a\"]') !== null")
+        assert "read-only" in await tab.evaluate("document.getElementById('session').textContent")
+        assert await tab.evaluate("document.querySelectorAll('#nodes button').length") == 0  # read-only: no actions
+        # The session is in an HttpOnly, SameSite=Strict cookie; nothing of it, nor the
+        # credential, is where a script could read it.
+        [cookie] = (await tab.call("Network.getCookies"))["cookies"]
+        assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (
+            "llmgw_session",
+            True,
+            "Strict",
+            "/",
+        )
+        assert await tab.evaluate("document.cookie") == ""
+        assert await tab.evaluate("localStorage.length + sessionStorage.length") == 0
+        html = await tab.evaluate("document.documentElement.outerHTML")
+        assert token not in html and cookie["value"] not in html
+        # The gateway's plots, one set per model, each an image with a text alternative.
+        await tab.wait_for("document.querySelectorAll('#gateway svg.plot').length >= 8")
+
+        assert await unlabelled_controls(tab) == []
+        assert await contrast_failures(tab) == []
+        out = report_dir()
+        wide = await tab.screenshot(out / "cluster-page-1280x800.png", 1280, 800)
+        phone = await tab.screenshot(out / "cluster-page-390x844.png", 390, 844, mobile=True)
+        assert await tab.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than a phone
+        print(f"screenshots: {wide} {phone}")
+        assert wide.stat().st_size > 10_000 and phone.stat().st_size > 10_000
+        no_console_errors(tab)
+
+    async with open_tab(chromium) as again:  # the same URL a second time: used up
+        await again.goto(url)
+        text = await again.evaluate("document.body.innerText")
+        assert "used already" in text and "llmgw ctl page" in text
+        assert (await again.call("Network.getCookies"))["cookies"] == []
+
+
+async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a_reload(up: Up, chromium: Chromium):
+    login = up.ctl("page", "--actions")
+    assert login["actions"] is True
+    # The node holding the most replicas: the drain has something to move, one at a time.
+    held = [n for r in up.ctl("replicas") if r["replica"] for n in r["nodes"]]
+    node = max(NODES, key=held.count)
+    assert held.count(node) >= 1
+    async with open_tab(chromium) as tab:
+        await tab.goto(login["url"])
+        await tab.wait_for(f"document.getElementById('drain-{node}')")
+        session = await tab.evaluate("document.getElementById('session').textContent")
+        assert "may act" in session
+        session_id = session.split()[1].rstrip(",")
+        await tab.evaluate("window.notReloaded = true")
+        # Every state the node's row shows, as the feed redraws it.
+        await tab.evaluate(
+            f"""window.seen = [];
+            new MutationObserver(() => {{
+                const row = document.getElementById('node-{node}');
+                const s = row && row.dataset.state;
+                if (s && window.seen[window.seen.length - 1] !== s) window.seen.push(s);
+            }}).observe(document.getElementById('nodes-body'), {{subtree: true, childList: true, attributes: true}})"""
+        )
+
+        # Keyboard only: focus the button (as Tab would reach it), Enter opens the confirm, whose
+        # focus starts on Cancel; Tab to the confirm button, Enter.
+        await tab.evaluate(f"document.getElementById('drain-{node}').focus()")
+        await tab.key("Enter")
+        await tab.wait_for("document.getElementById('confirm').open")
+        assert await tab.evaluate("document.activeElement.id") == "confirm-cancel"
+        await tab.key("Tab")
+        assert await tab.evaluate("document.activeElement.id") == "confirm-ok"
+        await tab.key("Enter")
+
+        await tab.wait_for(
+            f"['draining', 'cordoned'].includes(document.getElementById('node-{node}').dataset.state)", LIVE_S
+        )
+        await tab.wait_for(f"document.querySelector('[data-drain=\"{node}\"] progress')", LIVE_S)
+        await tab.wait_for(f"document.getElementById('node-{node}').dataset.state === 'cordoned'", LIVE_S)
+        assert await tab.evaluate("window.notReloaded") is True  # the same document all along
+        seen = await tab.evaluate("window.seen")  # redraws before the drain began show it joined
+        assert [s for s in seen if s != "joined"] == ["draining", "cordoned"], seen
+        moved = held.count(node)
+        await tab.wait_for(
+            f"document.querySelector('[data-drain=\"{node}\"] label').textContent"
+            f".endsWith('{moved} of {moved} replicas moved, done')",
+            LIVE_S,
+        )
+        assert await tab.evaluate("document.activeElement.id") != ""  # the keyboard's place kept
+        no_console_errors(tab)
+
+    nodes = {n["id"]: n for n in up.ctl("nodes")}
+    assert nodes[node]["cordoned"] and nodes[node]["drain"]["done"]
+    assert not any(r["replica"] and node in r["nodes"] for r in up.ctl("replicas"))
+    # Audited with the session's public id; neither the cookie nor a code reaches the log.
+    calls = [e for e in up.log_events("admin_call") if e["path"] == f"/admin/v1/nodes/{node}/drain"]
+    assert [(c["by"], c["status"]) for c in calls] == [(session_id, 202)]
+    assert "code=" not in up.log.read_text()
+    up.ctl("uncordon", node)
+
+
+async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_page(up: Up, chromium: Chromium):
+    async with open_tab(chromium) as tab:
+        await tab.goto(up.ctl("page")["url"])
+        await tab.wait_for(f"document.querySelectorAll('[data-node]').length === {len(NODES)}")
+        assert await tab.evaluate("document.querySelector('[data-note]')") is None
+
+        up.extra.append(start_odd_node(up))  # type: ignore[attr-defined]
+        # Live: the node joins and the warning appears in the page already open.
+        await tab.wait_for("document.querySelectorAll('[data-fabric=\"ib-a\"]').length === 2", LIVE_S)
+        note = await tab.wait_for("document.querySelector('#fabrics [data-note]')?.textContent")
+        assert "'ib-a' covers 2 independent fabrics" in note and "placed as 2 fabrics" in note
+        assert "Give each fabric its own name" in note
+        assert ODD_IDENTITY in note
+        warnings = await tab.evaluate("document.getElementById('warnings-list').innerText")
+        assert "covers 2 independent fabrics" in warnings
+        # Its certificate was issued for 20 days: highlighted, and a warning.
+        cert = await tab.evaluate(
+            f"document.getElementById('node-{ODD}').querySelector('td[data-label=Certificate]').innerText"
+        )
+        assert "renew soon" in cert
+        assert f"node {ODD}: its certificate expires in" in warnings
+        out = report_dir()
+        await tab.evaluate("document.getElementById('fabrics').scrollIntoView()")
+        shot = await tab.screenshot(out / "cluster-page-two-fabrics-1280x800.png", 1280, 800)
+        print(f"screenshot: {shot}")
+        no_console_errors(tab)
+
+    result = run_llmgw("ctl", "nodes", "--state-dir", str(up.state), timeout=60)
+    assert "note: fabric name 'ib-a' covers 2 independent fabrics" in result.stdout
+
+
+def start_odd_node(up: Up) -> Proc:
+    node_dir = up.root / ODD
+    pki.issue_to_dir(pki.load_ca(up.state), ODD, pki.node_paths(node_dir).dir, validity_days=20)
+    agent_port = up.events[[e["event"] for e in up.events].index("control_plane")]["agents"].rsplit(":", 1)[1]
+    config = up.root / f"{ODD}.toml"
+    config.write_text(
+        f'server = "wss://127.0.0.1:{agent_port}"\nnode_id = "{ODD}"\nstate_dir = "{node_dir}"\n'
+        'source_address = "127.0.0.9"\n'
+        f'ib_root = "{ib_root("one-fabric")}"\nsminfo = "{sminfo("one-fabric")}"\n'
+        'fabrics = [{name = "ib-a", adapters = ["mlx5_0", "mlx5_1"]}]\n'
+    )
+    agent = Proc(
+        ODD,
+        ["--log-format", "json", "agent", "run", "--config", str(config)],
+        up.root / f"{ODD}.log",
+        {MARKER_ENV: ODD},
+    )
+    wait_until(f"{ODD} to join", lambda: agent.events("link_up"), alive=[agent])
+    return agent
