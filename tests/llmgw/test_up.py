@@ -227,7 +227,8 @@ def quickstart_commands() -> list[str]:
     text = (build_root() / "docs" / "quickstart.md").read_text()
     blocks = re.findall(r"^```\n(.*?)^```", text, flags=re.M | re.S)
     lines = [line for block in blocks for line in block.splitlines() if line.startswith("./llmgw ")]
-    inline = re.findall(r"`(\./llmgw [^`]+)`", text)
+    prose = re.sub(r"^```\n.*?^```", "", text, flags=re.M | re.S)  # inline code of the prose only
+    inline = re.findall(r"`(\./llmgw [^`]+)`", prose)
     return lines + [c for c in inline if c not in lines]
 
 

@@ -32,7 +32,7 @@ async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, 
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
     )
-    plane = ControlPlane(config, state)
+    plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)
     await plane.store.saw_node("n1", "127.0.0.5")
     plane.registry.know("n1", address="127.0.0.5")
