@@ -136,6 +136,21 @@ def marked_pids(marker: str) -> list[int]:
     return sorted(out)
 
 
+def marked_engines(marker: str) -> list[int]:
+    """The marked processes that are engines: those given a port to serve (`--port`). An agent's
+    short-lived tool runs carry the marker too (`nvidia-smi`, `llmgw engine sim --version` at
+    each start), and a poll that counted them would see an engine start that never happened."""
+    out = []
+    for pid in marked_pids(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if b"--port" in argv:
+            out.append(pid)
+    return out
+
+
 def kill_groups(pids: Iterable[int]) -> None:
     """SIGKILL the process group of each pid (an engine leads its own), and the pid itself. An
     agent and its short-lived tool runs share the test's own group: that one is left alone."""
@@ -395,7 +410,7 @@ class Cluster:
     def engine_pids(self, node_id: str) -> list[int]:
         """The live engine processes a node's agents started (this run's or an earlier one's)."""
         agents = {p.popen.pid for p in self.procs if p.name == node_id}
-        return [pid for pid in marked_pids(self._marker(node_id)) if pid not in agents]
+        return [pid for pid in marked_engines(self._marker(node_id)) if pid not in agents]
 
     def kill_node(self, node_id: str) -> list[int]:
         """The machine dies: SIGKILL its agent, then its engines' process groups; the engine pids."""

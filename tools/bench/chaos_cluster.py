@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from testlib import activation
-from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_pids, wait_until
+from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_engines, marked_pids, wait_until
 from testlib.netns import NetNS
 from testlib.proc import run_llmgw
 
@@ -140,10 +140,10 @@ class ChaosCluster:
         return f"{self.root}/{node}"
 
     def engine_pids(self, node: str | None = None) -> set[int]:
-        """Live engine processes (of every node, or one): marked processes that are no agent."""
+        """Live engine processes (of every node, or one): marked processes serving a port."""
         agents = {p.popen.pid for p in self.procs if p.name in self.node_ids}
         nodes = self.node_ids if node is None else (node,)
-        return {pid for n in nodes for pid in marked_pids(self.marker(n)) if pid not in agents}
+        return {pid for n in nodes for pid in marked_engines(self.marker(n)) if pid not in agents}
 
     def kill_agent(self, node: str) -> None:
         self.agents[node].popen.send_signal(signal.SIGKILL)
