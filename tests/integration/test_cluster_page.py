@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from llmgw import paths, pki
+from llmgw import paths
+from llmgw.pki.files import issue_to_dir, load_ca, node_paths
 from testlib.browser import Chromium, Tab, open_tab
 from testlib.cluster import MARKER_ENV, Proc, free_port, kill_groups, marked_pids, wait_until
 from testlib.hardware import ib_root, sminfo
@@ -322,7 +323,7 @@ async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_p
 
 def start_odd_node(up: Up) -> Proc:
     node_dir = up.root / ODD
-    pki.issue_to_dir(pki.load_ca(up.state), ODD, pki.node_paths(node_dir).dir, validity_days=20)
+    issue_to_dir(load_ca(up.state), ODD, node_paths(node_dir).dir, validity_days=20)
     agent_port = up.events[[e["event"] for e in up.events].index("control_plane")]["agents"].rsplit(":", 1)[1]
     config = up.root / f"{ODD}.toml"
     config.write_text(
