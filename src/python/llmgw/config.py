@@ -435,7 +435,10 @@ def _check_engines(engines: EnginesSection) -> list[str]:
                 f"index_url and extra_index_url are where pip finds {name}; they need a version installed with pip, "
                 f"not archives or the operator's install @ {at}"
             )
-        for key, urls in (("index_url", (source.index_url,) if source.index_url else ()), ("extra_index_url", source.extra_index_url)):
+        for key, urls in (
+            ("index_url", (source.index_url,) if source.index_url else ()),
+            ("extra_index_url", source.extra_index_url),
+        ):
             for url in urls:
                 if not url.startswith(("https://", "http://")):
                     problems.append(f"expected an http(s) URL of a package index, got {url!r} @ {at}.{key}")

@@ -225,7 +225,9 @@ class EngineStore:
                 await check_runs([source.python, "-m", "venv", str(version_dir)], timeout_s=VENV_TIMEOUT_S)
             except EngineCheckFailed as exc:
                 hint = "; install the python3-venv package" if "ensurepip" in exc.output else ""
-                raise EngineCheckFailed(f"cannot make a venv for {wanted.name} with {source.python}{hint}", exc.output) from None
+                raise EngineCheckFailed(
+                    f"cannot make a venv for {wanted.name} with {source.python}{hint}", exc.output
+                ) from None
             # pip reports no overall measure of an install of many packages: the phase alone.
             progress("install", None)
             python = str(version_dir / "bin" / "python")

@@ -56,9 +56,7 @@ def judge(rule: GpuRule, gpu_status: str, gpus: Sequence[w.Gpu], gpu_detail: str
     if not gpus:
         if gpu_status in (w.GPUS_NOT_FOUND, w.GPUS_FAILED):
             return say(w.UNKNOWN, f"the GPUs cannot be read ({gpu_status}: {gpu_detail or 'see nvidia-smi'})")
-        return say(
-            w.NOT_APPLICABLE, f"no NVIDIA GPU; {rule.title} runs on NVIDIA GPUs, llama.cpp serves this node"
-        )
+        return say(w.NOT_APPLICABLE, f"no NVIDIA GPU; {rule.title} runs on NVIDIA GPUs, llama.cpp serves this node")
     driver = gpus[0].driver_version
     if version_tuple(driver) < version_tuple(rule.min_driver):
         return say(
