@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from functools import partial
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
