@@ -10,7 +10,7 @@ import trio
 from trio.testing import MockClock
 
 from agent import engines as agent_engines
-from agent.engines import EngineUnavailable, Engines, installing
+from agent.engines import Engines, EngineUnavailable, installing
 from agent.install.installer import Installed
 from agent.progress import Latest, Throttle, serve_progress
 from llmgw.config import AgentConfig
@@ -59,7 +59,7 @@ def test_a_build_reporting_every_70_ms_is_sent_once_a_second() -> None:
     builds = [(t, pct) for t, p, pct in got if p == "build"]
     # The first build report goes out with the phase change, then at most one a second, the latest each time.
     assert builds[0] == (pytest.approx(0.07), 1)
-    assert all(b[0] - a[0] >= 1.0 - 1e-9 for a, b in zip(builds, builds[1:]))
+    assert all(b[0] - a[0] >= 1.0 - 1e-9 for a, b in zip(builds, builds[1:], strict=False))
     assert [pct for _, pct in builds] == [1, 15, 29, 43]
     assert len(got) == 1 + 4 + 1
 
