@@ -218,12 +218,12 @@ async def _install(engines: Engines, want: w.EngineWant, plan: Wanted, store: En
         await send(w.EnginesChanged(engines=engines.as_tuple()))
 
     latest = Latest()
-    failed: list[LlmgwError] = []
+    failed: list[Exception] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_progress, latest, report)
         try:
             installed = await store.ensure(plan, mirror_url=mirror, on_progress=latest.note)
-        except LlmgwError as exc:  # out of the nursery as itself, not in a group
+        except Exception as exc:  # noqa: BLE001 - re-raised below as itself, not in a nursery's group
             failed.append(exc)
         nursery.cancel_scope.cancel()  # no progress report after the outcome
     if failed:
