@@ -162,7 +162,7 @@ def test_vllm_ineligible_is_a_warning_with_a_reason(tmp_path: Path) -> None:
     c = check(tmp_path, "vllm", gpu="gtx1080ti")
     assert c.status == doctor.WARN
     assert c.detail == (
-        "not eligible: vLLM needs compute capability 7.0 or newer; NVIDIA GeForce GTX 1080 Ti (6.1) is older"
+        "not eligible: vLLM needs compute capability 7.5 or newer; NVIDIA GeForce GTX 1080 Ti (6.1) is older"
     )
     assert "llama.cpp" in c.fix
 

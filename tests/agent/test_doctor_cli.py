@@ -91,7 +91,12 @@ def test_exit_1_on_a_kvm64_vm(tmp_path: Path) -> None:
             "engine": "vllm",
             "status": "not_applicable",
             "reason": "no NVIDIA GPU; vLLM runs on NVIDIA GPUs, llama.cpp serves this node",
-        }
+        },
+        {
+            "engine": "sglang",
+            "status": "not_applicable",
+            "reason": "no NVIDIA GPU; SGLang runs on NVIDIA GPUs, llama.cpp serves this node",
+        },
     ]
 
 

@@ -34,7 +34,13 @@ def test_a_gpu_node_on_two_fabrics(tmp_path: Path) -> None:
         w.EngineEligibility(
             engine="vllm",
             status=w.ELIGIBLE,
-            reason="8 GPU(s) with compute capability 7.0 or newer, driver 550.54.15",
+            reason="8 GPU(s) with compute capability 7.5 or newer, driver 550.54.15",
+        ),
+        w.EngineEligibility(
+            engine="sglang",
+            status=w.INELIGIBLE,
+            reason="NVIDIA driver 550.54.15 is older than 580.65.06, the oldest SGLang's CUDA 13 runs on; "
+            "upgrade the driver",
         ),
     )
     assert [a.name for a in inv.ib_adapters] == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
@@ -63,8 +69,10 @@ def test_a_refused_declaration_is_not_sent_as_a_fabric_but_said(tmp_path: Path) 
 def test_a_cpu_node(tmp_path: Path) -> None:
     inv = inventory.collect(sources=sources(weights_dir=tmp_path))
     assert inv.gpu_status == w.GPUS_NONE and inv.gpus == ()
-    [vllm] = inv.engine_eligibility
-    assert vllm.status == w.NOT_APPLICABLE
+    assert [(e.engine, e.status) for e in inv.engine_eligibility] == [
+        ("vllm", w.NOT_APPLICABLE),
+        ("sglang", w.NOT_APPLICABLE),
+    ]
     assert inv.ib_adapters == () and inv.fabric_groups == () and inv.fabrics == ()
 
 

@@ -218,3 +218,32 @@ def test_engine_unpack_caps_default_and_must_be_positive() -> None:
     assert any(
         "$.engines.llamacpp.max_members" in p for p in problems_of({"engines": {"llamacpp": {"max_members": "9"}}})
     )
+
+
+def test_vllm_is_on_by_default_pinned_and_a_table_without_a_version_keeps_the_pin() -> None:
+    default = config.server_config_from_dict({}).engines.vllm
+    assert default.enabled and default.version == config.DEFAULT_VLLM_VERSION
+    assert config.pip_requirement("vllm", default) == f"vllm=={config.DEFAULT_VLLM_VERSION}"
+    mirrored = config.server_config_from_dict(
+        {"engines": {"vllm": {"index_url": "https://mirror.example/simple", "extra_index_url": ["https://t.example/"]}}}
+    ).engines.vllm
+    assert mirrored.version == config.DEFAULT_VLLM_VERSION and mirrored.index_url == "https://mirror.example/simple"
+    assert mirrored.extra_index_url == ("https://t.example/",)
+    assert not config.server_config_from_dict({"engines": {"vllm": {"enabled": False}}}).engines.vllm.enabled
+    operators = config.server_config_from_dict({"engines": {"vllm": {"version": ""}}}).engines.vllm
+    assert config.pip_requirement("vllm", operators) == ""  # the operator's own install (vllm_bin)
+    own = config.server_config_from_dict({"engines": {"vllm": {"version": "0.31.0", "pip": "vllm[audio]==0.31.0"}}})
+    assert config.pip_requirement("vllm", own.engines.vllm) == "vllm[audio]==0.31.0"
+    sglang = config.server_config_from_dict({"engines": {"sglang": {"version": "0.5.23"}}}).engines.sglang
+    assert config.pip_requirement("sglang", sglang) == "sglang==0.5.23"
+    assert config.server_config_from_dict({}).engines.sglang is None
+
+
+def test_an_index_must_be_a_url_and_belong_to_a_pip_install() -> None:
+    got = problems_of({"engines": {"vllm": {"index_url": "mirror.example/simple", "extra_index_url": ["ftp://x"]}}})
+    assert "expected an http(s) URL of a package index, got 'mirror.example/simple' @ $.engines.vllm.index_url" in got
+    assert "expected an http(s) URL of a package index, got 'ftp://x' @ $.engines.vllm.extra_index_url" in got
+    got = problems_of({"engines": {"vllm": {"version": "", "index_url": "https://m.example/simple"}}})
+    assert any(p.startswith("index_url and extra_index_url are where pip finds vllm") for p in got)
+    # SGLang's version alone is enough: pip installs sglang==VERSION.
+    assert config.server_config_from_dict({"engines": {"sglang": {"version": "0.5.23"}}}).engines.sglang.version

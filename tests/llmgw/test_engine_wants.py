@@ -1,9 +1,12 @@
-"""Which engines a node is told to have (pure)."""
+"""Which engines a node is told to have (pure), and by which engine's rule a GPU node may run it."""
 
 from __future__ import annotations
 
-from llmgw.config import EngineArchive, EngineSource, EnginesSection
-from llmgw.engines.wants import engines_for, pick_archive
+import pytest
+
+from llmgw.config import DEFAULT_VLLM_VERSION, EngineArchive, EngineSource, EnginesSection, VllmSource
+from llmgw.engines import eligibility
+from llmgw.engines.wants import engines_for, gpu_verdicts, pick_archive
 from llmgw.wire import agent_link as w
 
 CPU_ARCHIVE = EngineArchive(arch="x86_64", url="https://x/cpu.tgz", sha256="a" * 64, binary="bin/llama-server")
@@ -17,17 +20,21 @@ CONFIG = EnginesSection(
 )
 
 
-def node(*, vllm: str, arch: str = "x86_64", gpus: int = 0) -> w.Inventory:
-    gpu = w.Gpu(
+def gpu(name: str = "NVIDIA L4", cc: str = "8.9", driver: str = "550.54.15") -> w.Gpu:
+    return w.Gpu(
         index=0,
-        name="NVIDIA L4",
+        name=name,
         uuid="u",
         memory_total_mib=1,
         memory_free_mib=1,
-        driver_version="550",
-        compute_capability="8.9",
+        driver_version=driver,
+        compute_capability=cc,
         pci_bus_id="0",
     )
+
+
+def node(*, vllm: str = w.UNKNOWN, arch: str = "x86_64", gpus: int = 0, card: w.Gpu | None = None) -> w.Inventory:
+    """`vllm`: the agent's own verdict, which the control plane does not follow (it judges the GPUs)."""
     return w.Inventory(
         hostname="n",
         os="linux",
@@ -35,7 +42,8 @@ def node(*, vllm: str, arch: str = "x86_64", gpus: int = 0) -> w.Inventory:
         python="3.11",
         cpu_model="c",
         cpu_cores=1,
-        gpus=(gpu,) * gpus,
+        gpus=(card or gpu(),) * gpus,
+        gpu_status=w.GPUS_PRESENT if gpus else w.GPUS_NONE,
         engine_eligibility=(w.EngineEligibility(engine="vllm", status=vllm, reason="r"),),
     )
 
@@ -52,8 +60,10 @@ def test_a_gpu_node_that_can_run_vllm_gets_it_and_sglang_only_when_named() -> No
     names = [e.name for e in engines_for(CONFIG, node(vllm=w.ELIGIBLE, gpus=1))]
     assert names == ["llamacpp", "vllm"]
     named = EnginesSection(llamacpp=CONFIG.llamacpp, vllm=CONFIG.vllm, sglang=EngineSource(version=""))
-    assert [e.name for e in engines_for(named, node(vllm=w.ELIGIBLE, gpus=1))] == ["llamacpp", "vllm", "sglang"]
-    assert [e.name for e in engines_for(named, node(vllm=w.INELIGIBLE, gpus=1))] == ["llamacpp"]
+    new_driver = gpu(driver="580.82.07")
+    assert [e.name for e in engines_for(named, node(gpus=1, card=new_driver))] == ["llamacpp", "vllm", "sglang"]
+    pascal = gpu("NVIDIA GeForce GTX 1080 Ti", cc="6.1", driver="580.82.07")
+    assert [e.name for e in engines_for(named, node(vllm=w.ELIGIBLE, gpus=1, card=pascal))] == ["llamacpp"]
 
 
 def test_archives_the_control_plane_has_are_marked_mirrored() -> None:
@@ -74,6 +84,9 @@ def test_an_engine_turned_off_is_not_asked_of_any_node() -> None:
     off = EnginesSection(llamacpp=EngineSource(enabled=False), vllm=CONFIG.vllm)
     assert [e.name for e in engines_for(off, node(vllm=w.NOT_APPLICABLE))] == []
     assert [e.name for e in engines_for(off, node(vllm=w.ELIGIBLE, gpus=1))] == ["vllm"]
+    no_vllm = EnginesSection(llamacpp=CONFIG.llamacpp, vllm=VllmSource(enabled=False))
+    assert [e.name for e in engines_for(no_vllm, node(gpus=1))] == ["llamacpp"]
+    assert gpu_verdicts(no_vllm, node(gpus=1)) == ()
 
 
 def test_unpack_caps_reach_the_want() -> None:
@@ -89,3 +102,67 @@ def test_each_archive_carries_its_size_and_the_maximum_for_the_download() -> Non
     config = EnginesSection(llamacpp=EngineSource(version="b1", archives=(sized, CUDA_ARCHIVE)))
     [llama] = engines_for(config, node(vllm=w.NOT_APPLICABLE), max_archive_bytes=4 << 30)
     assert [(a.size, a.max_bytes) for a in llama.archives] == [(123456, 4 << 30), (0, 4 << 30)]
+
+
+def test_vllm_is_wanted_by_default_pinned_and_from_pip() -> None:
+    [_, vllm] = engines_for(EnginesSection(), node(gpus=1))
+    assert (vllm.name, vllm.version, vllm.pip) == ("vllm", DEFAULT_VLLM_VERSION, f"vllm=={DEFAULT_VLLM_VERSION}")
+    assert (vllm.index_url, vllm.extra_index_urls) == ("", ())
+
+
+def test_a_configured_index_reaches_the_want() -> None:
+    config = EnginesSection(
+        vllm=VllmSource(index_url="https://mirror.example/simple", extra_index_url=("https://torch.example/cu129",))
+    )
+    [_, vllm] = engines_for(config, node(gpus=1))
+    assert vllm.version == DEFAULT_VLLM_VERSION and vllm.index_url == "https://mirror.example/simple"
+    assert vllm.extra_index_urls == ("https://torch.example/cu129",)
+    sglang = EngineSource(version="0.5.23", index_url="https://mirror.example/simple")
+    [*_, want] = engines_for(EnginesSection(sglang=sglang), node(gpus=1, card=gpu(driver="580.82.07")))
+    assert (want.name, want.pip, want.index_url) == ("sglang", "sglang==0.5.23", "https://mirror.example/simple")
+
+
+@pytest.mark.parametrize(
+    ("card", "vllm", "sglang"),
+    [
+        (gpu("NVIDIA H100 80GB HBM3", "9.0", "580.82.07"), w.ELIGIBLE, w.ELIGIBLE),
+        # The driver: vLLM's CUDA 12 wheels run on 550, SGLang's CUDA 13 ones do not.
+        (gpu("NVIDIA L4", "8.9", "550.54.15"), w.ELIGIBLE, w.INELIGIBLE),
+        (gpu("Tesla T4", "7.5", "580.82.07"), w.ELIGIBLE, w.ELIGIBLE),
+        # Volta: below both engines' floor of 7.5.
+        (gpu("Tesla V100-SXM2-32GB", "7.0", "580.82.07"), w.INELIGIBLE, w.INELIGIBLE),
+        (gpu("NVIDIA GeForce GTX 1080 Ti", "6.1", "535.183.01"), w.INELIGIBLE, w.INELIGIBLE),
+        (gpu("Tesla T4", "7.5", "470.182.03"), w.INELIGIBLE, w.INELIGIBLE),
+    ],
+)
+def test_each_gpu_engine_is_judged_by_its_own_rule(card: w.Gpu, vllm: str, sglang: str) -> None:
+    config = EnginesSection(sglang=EngineSource(version="0.5.23"))
+    verdicts = {v.engine: v.status for v in gpu_verdicts(config, node(gpus=1, card=card))}
+    assert verdicts == {"vllm": vllm, "sglang": sglang}
+    wanted = [e.name for e in engines_for(config, node(gpus=1, card=card))]
+    assert wanted == ["llamacpp"] + [n for n, s in (("vllm", vllm), ("sglang", sglang)) if s == w.ELIGIBLE]
+
+
+def test_the_reasons_name_what_falls_short() -> None:
+    old_driver = eligibility.judge_inventory("vllm", node(gpus=1, card=gpu("Tesla T4", "7.5", "470.182.03")))
+    assert old_driver.reason.startswith("NVIDIA driver 470.182.03 is older than 525.60.13, the oldest vLLM's CUDA 12")
+    volta = eligibility.judge_inventory("sglang", node(gpus=1, card=gpu("Tesla V100-SXM2-32GB", "7.0", "580.82.07")))
+    assert volta.reason == "SGLang needs compute capability 7.5 or newer; Tesla V100-SXM2-32GB (7.0) is older"
+    cpu = eligibility.judge_inventory("vllm", node())
+    assert cpu.status == w.NOT_APPLICABLE and cpu.reason.startswith("no NVIDIA GPU")
+    unread = w.Inventory(
+        hostname="n", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1,
+        gpu_status=w.GPUS_FAILED, gpu_detail="nvidia-smi fails",
+    )  # fmt: skip
+    assert eligibility.judge_inventory("vllm", unread).status == w.UNKNOWN
+    assert eligibility.judge_inventory("vllm", None).status == w.UNKNOWN
+    assert [e.name for e in engines_for(EnginesSection(), unread)] == ["llamacpp"]
+
+
+def test_a_node_with_one_old_and_one_new_gpu_is_eligible_and_says_which_is_not_usable() -> None:
+    inv = w.Inventory(
+        hostname="n", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1,
+        gpus=(gpu("NVIDIA L4"), gpu("Tesla V100-SXM2-32GB", "7.0")), gpu_status=w.GPUS_PRESENT,
+    )  # fmt: skip
+    verdict = eligibility.judge_inventory("vllm", inv)
+    assert verdict.status == w.ELIGIBLE and verdict.reason.endswith("not usable by vLLM: Tesla V100-SXM2-32GB (7.0)")

@@ -236,7 +236,7 @@ def check_vllm(snap: Snapshot) -> Check:
         fix = (
             "upgrade the NVIDIA driver"
             if gpus.driver_too_old(snap.gpus)
-            else "nothing to fix for llama.cpp, which this node still serves; vLLM needs a Volta (V100) or newer GPU"
+            else "nothing to fix for llama.cpp, which this node still serves; vLLM needs a Turing (T4, RTX 20xx) or newer GPU"
         )
         return Check(name="vllm", status=WARN, detail=f"not eligible: {e.reason}", fix=fix)
     return Check(

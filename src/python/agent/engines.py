@@ -6,6 +6,10 @@ Each wanted engine is installed (or, at version "", the operator's install is ch
 node never offers an engine that cannot start. The sim engine ships inside llmgw and is
 always offered once `llmgw engine sim --version` runs. Failures are reported with the
 engine's own output and retried when the desired state changes or after `RETRY_S`.
+
+While an install runs, its progress goes out in EnginesChanged (state "installing", phase and
+percent), throttled by agent.progress; an engine already in use stays offered (ok) while its
+next version installs, and one that is not yet usable is reported pending, not failed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import trio
 
 from agent.install.errors import EngineCheckFailed
 from agent.install.installer import ArchiveSource, EngineStore, PipSource, Wanted, check_runs
+from agent.progress import Latest, serve_progress
 from agent.selfexec import llmgw_command
 from llmgw.config import AgentConfig
 from llmgw.engines.wants import pick_archive
@@ -30,6 +35,7 @@ from llmgw.wire import agent_link as w
 log = get_logger("llmgw.agent.engines")
 
 RETRY_S = 300.0
+FLAG_CHECKED = ("vllm", "sglang")  # pip-installed engines whose help is checked before they are offered
 SGLANG_CHECK = ("-c", "import sglang, sys; print(sglang.__version__)")
 
 
@@ -46,11 +52,20 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
         return Wanted(name=want.name, version="", binary=binary, check_args=check)
     if want.pip:
         executable = "bin/python" if want.name == "sglang" else f"bin/{want.name}"
+        # vLLM prints no help without a device to assume: the one it will run on here.
+        device = (("VLLM_TARGET_DEVICE", "cuda"),) if want.name == "vllm" and has_gpu else ()
         return Wanted(
             name=want.name,
             version=want.version,
-            source=PipSource(requirement=want.pip, executable=executable),
+            source=PipSource(
+                requirement=want.pip,
+                executable=executable,
+                index_url=want.index_url,
+                extra_index_urls=want.extra_index_urls,
+            ),
             check_args=check,
+            flags_of=want.name if want.name in FLAG_CHECKED else "",
+            help_environ=device,
         )
     archive = pick_archive(want, arch, has_gpu)
     if archive is None:
@@ -108,6 +123,8 @@ class Engines:
         sim runs this agent's own llmgw; the others run what `EngineStore` installed and checked
         (or the operator's binary, for version "")."""
         status = self.statuses.get(name)
+        if status is not None and not status.ok and status.state == w.ENGINE_INSTALLING:
+            raise EngineUnavailable(f"engine {name} is being installed on this node ({status.phase})", pending=True)
         if status is not None and not status.ok:
             raise EngineUnavailable(f"engine {name} does not run on this node: {status.detail}", pending=False)
         if name == "sim":
@@ -172,11 +189,13 @@ async def _reconcile(
                 if archive and archive.mirrored
                 else None
             )
-            installed = await store.ensure(plan, mirror_url=mirror)
+            installed = await _install(engines, want, plan, store, mirror, send)
             engines.executables[want.name] = installed.executable
-            status = w.EngineStatus(name=want.name, version=installed.version, ok=True)
+            status = w.EngineStatus(name=want.name, version=installed.version, ok=True, state=w.ENGINE_OK)
         except LlmgwError as exc:
-            status = w.EngineStatus(name=want.name, version=want.version, ok=False, detail=str(exc))
+            status = w.EngineStatus(
+                name=want.name, version=want.version, ok=False, detail=str(exc), state=w.ENGINE_FAILED
+            )
         if engines.statuses.get(want.name) != status:
             if not status.ok:  # once per change: a retry that fails the same way is no news
                 log.warning("engine_unavailable", engine=want.name, version=want.version, reason=status.detail)
@@ -186,6 +205,46 @@ async def _reconcile(
         del engines.statuses[name]  # no longer wanted here: no longer offered
         engines.executables.pop(name, None)
         await send(w.EnginesChanged(engines=engines.as_tuple()))
+
+
+async def _install(engines: Engines, want: w.EngineWant, plan: Wanted, store: EngineStore, mirror, send):
+    """`store.ensure(plan)`, its progress sent on the link while it runs (agent.progress)."""
+    before = engines.statuses.get(want.name)
+    # What the status says until the install ends: the version in use stays offered.
+    settled = before if before is not None and before.state != w.ENGINE_INSTALLING else None
+
+    async def report(phase: str, percent: int | None) -> None:
+        engines.statuses[want.name] = installing(want, settled, phase, percent)
+        await send(w.EnginesChanged(engines=engines.as_tuple()))
+
+    latest = Latest()
+    failed: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_progress, latest, report)
+        try:
+            installed = await store.ensure(plan, mirror_url=mirror, on_progress=latest.note)
+        except Exception as exc:  # noqa: BLE001 - re-raised below as itself, not in a nursery's group
+            failed.append(exc)
+        nursery.cancel_scope.cancel()  # no progress report after the outcome
+    if failed:
+        raise failed[0]
+    return installed
+
+
+def installing(want: w.EngineWant, settled: w.EngineStatus | None, phase: str, percent: int | None) -> w.EngineStatus:
+    """The status of `want.name` while `want.version` installs: still usable if a checked version is in use."""
+    detail = f"installing {want.version}" if want.version else "checking the operator's install"
+    if settled is not None and settled.ok:
+        return attrs.evolve(settled, state=w.ENGINE_INSTALLING, phase=phase, percent=percent, detail=detail)
+    return w.EngineStatus(
+        name=want.name,
+        version=want.version,
+        ok=False,
+        detail=detail,
+        state=w.ENGINE_INSTALLING,
+        phase=phase,
+        percent=percent,
+    )
 
 
 def engine_store(config: AgentConfig, ssl_context) -> EngineStore:

@@ -2,7 +2,7 @@
 
 `collect(config)` looks at the node (blocking: call it with `trio.to_thread.run_sync`) and
 `inventory_of(snapshot, declared)` is the pure mapping, so the control plane sees exactly what
-`llmgw doctor` saw: GPUs with nvidia-smi's status, vLLM's eligibility with its reason, the
+`llmgw doctor` saw: GPUs with nvidia-smi's status, vLLM's and SGLang's eligibility with their reasons, the
 InfiniBand / RoCE adapters, the fabric groups they form, and the declared fabrics that hold
 (those that do not are listed in `fabric_problems`, each with its fix, and are not sent as
 fabrics, so the node is an island for them rather than a member of the wrong fabric).
@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from agent.discovery import fabrics
-from agent.discovery.gpus import vllm_eligibility
+from agent.discovery.gpus import eligibility
 from agent.discovery.snapshot import Snapshot, Sources, discover, sources_from_config
 from llmgw.config import AgentConfig, FabricDecl
+from llmgw.engines.eligibility import RULES
 from llmgw.wire.agent_link import Inventory
 
 
@@ -38,7 +39,7 @@ def inventory_of(snap: Snapshot, declared: Sequence[FabricDecl] = ()) -> Invento
         disk_free_bytes=snap.disk.free_bytes if snap.disk else 0,
         gpu_status=snap.gpus.status,
         gpu_detail=snap.gpus.detail + (f"; fix: {snap.gpus.fix}" if snap.gpus.fix else ""),
-        engine_eligibility=(vllm_eligibility(snap.gpus),),
+        engine_eligibility=tuple(eligibility(snap.gpus, rule) for rule in RULES.values()),
         ib_adapters=snap.ib.adapters,
         fabric_groups=fabrics.group_adapters(snap.ib.adapters),
         fabric_problems=tuple(f"{p.message}; fix: {p.fix}" for p in check.problems),

@@ -39,6 +39,11 @@ DEFAULT_SMINFO = "/usr/sbin/sminfo"  # infiniband-diags, on Debian/Ubuntu and RH
 # An engine archive may unpack to at most this many bytes and members (docs/configuration.md).
 DEFAULT_MAX_UNPACKED_BYTES = 8 << 30
 DEFAULT_MAX_MEMBERS = 50_000
+# The vLLM every capable NVIDIA node gets unless server.toml says otherwise: the version whose
+# `vllm serve --help=all` llmgw's flags were checked against (llmgw.engines.vllm), from PyPI.
+DEFAULT_VLLM_VERSION = "0.32.0"
+# Engines installed with pip: without `pip` or `archives`, the requirement is NAME==VERSION.
+PIP_ENGINES = ("vllm", "sglang")
 
 
 @attrs.frozen(repr=False)
@@ -136,16 +141,33 @@ class EngineSource:
     version: str = ""
     archives: tuple[EngineArchive, ...] = ()
     pip: str = ""  # a pip requirement installed into a venv per version, e.g. "vllm==0.11.0"
+    index_url: str = ""  # pip's --index-url for it ("": pip's default, PyPI unless the node's pip.conf says)
+    extra_index_url: tuple[str, ...] = ()  # more indexes pip may take packages from
     enabled: bool = True
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES  # an archive unpacking to more is refused
     max_members: int = DEFAULT_MAX_MEMBERS  # likewise an archive with more members
 
 
 @attrs.frozen(kw_only=True)
+class VllmSource(EngineSource):
+    """[engines.vllm]: as EngineSource, but a table that names no version gets the pinned one,
+    so `[engines.vllm]` with only `index_url` still installs vLLM (version = "" for the operator's)."""
+
+    version: str = DEFAULT_VLLM_VERSION
+
+
+@attrs.frozen(kw_only=True)
 class EnginesSection:
     llamacpp: EngineSource = EngineSource()
-    vllm: EngineSource | None = None
-    sglang: EngineSource | None = None
+    vllm: VllmSource | None = VllmSource()  # on by default; `enabled = false` turns it off
+    sglang: EngineSource | None = None  # only where named
+
+
+def pip_requirement(name: str, source: EngineSource) -> str:
+    """What pip installs for a pip engine: `pip` if given, else NAME==VERSION; "" if not pip-installed."""
+    if source.pip or source.archives or not source.version or name not in PIP_ENGINES:
+        return source.pip
+    return f"{name}=={source.version}"
 
 
 @attrs.frozen(kw_only=True)
@@ -401,13 +423,25 @@ def _check_engines(engines: EnginesSection) -> list[str]:
         if source is None:
             continue
         at = f"$.engines.{name}"
-        if source.version and not (source.archives or source.pip):
+        if source.version and not (source.archives or source.pip) and name not in PIP_ENGINES:
             problems.append(
                 f'version {source.version!r} needs `archives` or `pip` to install it from, or version = "" to use '
                 f"the engine the operator installed on each node @ {at}"
             )
         if source.archives and source.pip:
             problems.append(f"give either archives or pip, not both @ {at}")
+        if (source.index_url or source.extra_index_url) and (source.archives or not source.version):
+            problems.append(
+                f"index_url and extra_index_url are where pip finds {name}; they need a version installed with pip, "
+                f"not archives or the operator's install @ {at}"
+            )
+        for key, urls in (
+            ("index_url", (source.index_url,) if source.index_url else ()),
+            ("extra_index_url", source.extra_index_url),
+        ):
+            for url in urls:
+                if not url.startswith(("https://", "http://")):
+                    problems.append(f"expected an http(s) URL of a package index, got {url!r} @ {at}.{key}")
         for key in ("max_unpacked_bytes", "max_members"):
             if getattr(source, key) < 1:
                 problems.append(f"must be at least 1, got {getattr(source, key)} @ {at}.{key}")

@@ -95,12 +95,12 @@ def test_pci_bus() -> None:
 @pytest.mark.parametrize(
     ("card", "status", "reason"),
     [
-        ("h100", w.ELIGIBLE, "8 GPU(s) with compute capability 7.0 or newer, driver 550.54.15"),
-        ("rtx4090", w.ELIGIBLE, "1 GPU(s) with compute capability 7.0 or newer, driver 550.67"),
+        ("h100", w.ELIGIBLE, "8 GPU(s) with compute capability 7.5 or newer, driver 550.54.15"),
+        ("rtx4090", w.ELIGIBLE, "1 GPU(s) with compute capability 7.5 or newer, driver 550.67"),
         (
             "gtx1080ti",
             w.INELIGIBLE,
-            "vLLM needs compute capability 7.0 or newer; NVIDIA GeForce GTX 1080 Ti (6.1) is older",
+            "vLLM needs compute capability 7.5 or newer; NVIDIA GeForce GTX 1080 Ti (6.1) is older",
         ),
         (None, w.NOT_APPLICABLE, "no NVIDIA GPU; vLLM runs on NVIDIA GPUs, llama.cpp serves this node"),
     ],

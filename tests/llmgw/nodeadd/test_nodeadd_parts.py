@@ -251,10 +251,81 @@ def test_the_join_timeout_says_what_is_missing_and_shows_the_log(tmp_path: Path)
     with pytest.raises(PeerError) as err:
         trio.run(wait, clock=MockClock(autojump_threshold=0))
     text = str(err.value)
-    assert text.startswith("node-a did not finish joining within 30 s: the agent is connected but has not sent")
+    assert text.startswith("node-a did not finish joining: nothing new for 30 s: the agent is connected but has not")
     assert "/var/log/llmgw-agent.log" in text and "agent_connect_failed reason=refused" in text
     assert session.ran == [["tail", "-n", "15", "--", "/var/log/llmgw-agent.log"]]
     assert admin.polls >= 1
+
+
+def _installing(percent: int | None, phase: str = "build") -> dict:
+    llama = {"name": "llamacpp", "version": "b4000", "ok": False, "detail": "installing b4000"}
+    return _node(engines=[{**llama, "state": "installing", "phase": phase, "percent": percent}])
+
+
+def test_an_install_under_way_is_waited_for_and_said() -> None:
+    state, why = install.join_progress(_installing(40), started_before=100.0)
+    assert (state, why) == (install.WAITING, "joined; installing llama.cpp 40% (build)")
+    state, why = install.join_progress(_installing(None, "check"), started_before=100.0)
+    assert (state, why) == (install.WAITING, "joined; installing llama.cpp (check)")
+
+
+def _polled(admin):
+    """The poll without a thread, so the fake clock moves only by the join's own sleeps."""
+
+    async def poll() -> list[dict]:
+        return admin.nodes()
+
+    return poll
+
+
+class _Building:
+    """The admin API while the node builds llama.cpp: 10% more every `step` polls, then joined."""
+
+    def __init__(self, step: int) -> None:
+        self.polls, self.step = 0, step
+
+    def nodes(self) -> list[dict]:
+        self.polls += 1
+        percent = (self.polls // self.step) * 10
+        return [_node() if percent > 100 else _installing(percent)]
+
+
+def test_the_join_waits_past_its_timeout_while_progress_keeps_coming_and_reports_each_step(tmp_path: Path) -> None:
+    # A 60 s timeout and a build that moves 10% every 40 s: 440 s in all, never 60 s without news.
+    opts = attrs.evolve(_opts(tmp_path), join_timeout_s=60.0)
+    admin, said = _Building(step=40), []
+
+    async def wait() -> tuple[str, float]:
+        done = await install.wait_for_join(
+            opts, _Session(), Facts(node_id="node-a"), admin, 100.0, progress=said.append, poll=_polled(admin)
+        )
+        return done, trio.current_time()
+
+    done, took = trio.run(wait, clock=MockClock(autojump_threshold=0))
+    assert done == "joined; llama.cpp installed and checked (b4000)"
+    assert took > 400
+    assert said == [f"joined; installing llama.cpp {p}% (build)" for p in range(0, 101, 10)]  # each once
+
+
+def test_the_join_gives_up_when_the_progress_stops(tmp_path: Path) -> None:
+    opts = attrs.evolve(_opts(tmp_path), join_timeout_s=60.0)
+
+    class Stuck(_Building):
+        def nodes(self) -> list[dict]:
+            self.polls += 1
+            return [_installing(min(self.polls // 10, 3) * 10)]  # 0, 10, 20, 30% and no further
+
+    admin, said = Stuck(step=10), []
+
+    async def wait() -> str:
+        return await install.wait_for_join(
+            opts, _Session(), Facts(node_id="node-a"), admin, 100.0, progress=said.append, poll=_polled(admin)
+        )
+
+    with pytest.raises(PeerError) as err:
+        trio.run(wait, clock=MockClock(autojump_threshold=0))
+    assert "nothing new for 60 s: joined; installing llama.cpp 30% (build)" in str(err.value)
+    assert said[-1] == "joined; installing llama.cpp 30% (build)" and len(said) == 4
 
 
 # -- fabrics -------------------------------------------------------------------------------

@@ -6,7 +6,19 @@ import json
 
 import pytest
 
-from llmgw.nodeadd.steps import FAILED, NAMES, OK, STARTED, WARN, Checklist, Event, json_line, plain_line
+from llmgw.nodeadd.steps import (
+    FAILED,
+    NAMES,
+    OK,
+    PROGRESS,
+    STARTED,
+    WARN,
+    Checklist,
+    Event,
+    json_line,
+    plain_line,
+    summary,
+)
 
 
 def run(checklist: Checklist, step: str, outcome: str, detail: str = "") -> None:
@@ -50,3 +62,26 @@ def test_renderings() -> None:
     assert plain_line(Event(step="connect", status=STARTED)) is None
     assert plain_line(event) == "ok     connect    connect over SSH and verify the host key: ubuntu@10.0.0.21"
     assert json.loads(json_line(event)) == {"step": "connect", "status": "ok", "detail": "ubuntu@10.0.0.21"}
+
+
+def test_a_running_step_reports_progress_in_every_rendering_and_keeps_its_status() -> None:
+    c = Checklist()
+    for name in NAMES[:-1]:
+        run(c, name, OK)
+    with pytest.raises(ValueError, match="progress while not running"):
+        c.apply(Event(step="join", status=PROGRESS, detail="too early"))
+    c.apply(Event(step="join", status=STARTED))
+    said = Event(step="join", status=PROGRESS, detail="joined; installing llama.cpp 40% (build)")
+    c.apply(said)
+    c.apply(said)
+    assert c.status["join"] == STARTED and not c.done and summary(c)[-1].startswith("started")
+    assert plain_line(said) == "..     join       joined; installing llama.cpp 40% (build)"
+    assert json.loads(json_line(said)) == {
+        "step": "join",
+        "status": "progress",
+        "detail": "joined; installing llama.cpp 40% (build)",
+    }
+    c.apply(Event(step="join", status=OK, detail="joined"))
+    assert c.done and c.failed is None
+    with pytest.raises(ValueError, match="progress while not running"):
+        c.apply(Event(step="join", status=PROGRESS, detail="after the end"))

@@ -7,7 +7,7 @@ node whose bus shows NVIDIA GPUs while nvidia-smi is missing is reported as such
 flag that fixes it. The bus also shows NVSwitches, which decide whether the fabric manager
 must run.
 
-Parsing (`parse_gpu_csv`) and judging (`vllm_eligibility`) are pure; `probe_gpus` and
+Parsing (`parse_gpu_csv`) and judging (`eligibility`, by llmgw.engines.eligibility's rules) are pure; `probe_gpus` and
 `read_nvidia_pci` do the I/O.
 """
 
@@ -21,6 +21,8 @@ from pathlib import Path
 import attrs
 
 from agent.discovery.tools import MISSING, ToolRun, run_tool
+from llmgw.engines import eligibility as rules
+from llmgw.engines.eligibility import VLLM, GpuRule, version_tuple
 from llmgw.wire import agent_link as w
 
 QUERY = ("index", "name", "uuid", "memory.total", "memory.free", "driver_version", "compute_cap", "pci.bus_id")
@@ -30,11 +32,6 @@ NVIDIA_VENDOR = "0x10de"
 # "bridge, other" (0x0680).
 _DISPLAY_CLASS = "0x03"
 _NVSWITCH_CLASS = "0x0680"
-
-# vLLM's CUDA kernels need compute capability 7.0 (Volta) or newer, and its CUDA 12 builds a
-# driver of at least 525.60.13 (CUDA 12.0's minimum on Linux).
-VLLM_MIN_COMPUTE = (7, 0)
-VLLM_MIN_DRIVER = (525, 60, 13)
 
 # GPUs of multi-node NVLink systems (GB200 / GB300 NVL72 compute trays), where memory is shared
 # across nodes through the IMEX daemon.
@@ -174,35 +171,17 @@ def probe_gpus(nvidia_smi: str, pci: NvidiaPci | None, *, timeout_s: float) -> G
     return judge(run_tool(nvidia_smi_argv(nvidia_smi), timeout_s=timeout_s), pci, nvidia_smi)
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text))
+def driver_too_old(report: GpuReport, rule: GpuRule = VLLM) -> bool:
+    return bool(report.gpus) and version_tuple(report.gpus[0].driver_version) < version_tuple(rule.min_driver)
 
 
-def driver_too_old(report: GpuReport) -> bool:
-    return bool(report.gpus) and _version(report.gpus[0].driver_version) < VLLM_MIN_DRIVER
+def eligibility(report: GpuReport, rule: GpuRule) -> w.EngineEligibility:
+    """`rule`'s engine on these GPUs (llmgw.engines.eligibility has the rules)."""
+    return rules.judge(rule, report.status, report.gpus, report.detail)
 
 
 def vllm_eligibility(report: GpuReport) -> w.EngineEligibility:
-    def say(status: str, reason: str) -> w.EngineEligibility:
-        return w.EngineEligibility(engine="vllm", status=status, reason=reason)
-
-    if report.status == w.GPUS_NONE:
-        return say(w.NOT_APPLICABLE, "no NVIDIA GPU; vLLM runs on NVIDIA GPUs, llama.cpp serves this node")
-    if report.status != w.GPUS_PRESENT:
-        return say(w.UNKNOWN, f"the GPUs cannot be read ({report.status}: {report.detail})")
-    driver = report.gpus[0].driver_version
-    if driver_too_old(report):
-        need = ".".join(map(str, VLLM_MIN_DRIVER))
-        return say(w.INELIGIBLE, f"NVIDIA driver {driver} is older than {need}, the oldest vLLM's CUDA 12 runs on")
-    usable = [g for g in report.gpus if _version(g.compute_capability) >= VLLM_MIN_COMPUTE]
-    too_old = sorted({f"{g.name} ({g.compute_capability or '?'})" for g in report.gpus if g not in usable})
-    need_cc = ".".join(map(str, VLLM_MIN_COMPUTE))
-    if not usable:
-        return say(w.INELIGIBLE, f"vLLM needs compute capability {need_cc} or newer; {', '.join(too_old)} is older")
-    reason = f"{len(usable)} GPU(s) with compute capability {need_cc} or newer, driver {driver}"
-    if too_old:
-        reason += f"; not usable by vLLM: {', '.join(too_old)}"
-    return say(w.ELIGIBLE, reason)
+    return eligibility(report, VLLM)
 
 
 def multi_node_nvlink(gpus: tuple[w.Gpu, ...]) -> bool:

@@ -36,3 +36,19 @@ class EngineCheckFailed(MachineError):
 
 class BadSource(UsageError):
     """The configured source cannot be used as it is (no source for this architecture, bad URL)."""
+
+
+class PipInstallFailed(MachineError):
+    """pip could not install an engine's requirement: the message has pip's own errors, the index
+    it asked and what to check."""
+
+    def __init__(self, engine: str, requirement: str, index_url: str, failed: EngineCheckFailed) -> None:
+        said = [line.strip() for line in failed.output.splitlines() if line.strip().startswith("ERROR")]
+        where = index_url or "pip's default index (PyPI, unless the node's pip.conf names another)"
+        fix = (
+            f"check that {where} has it and its dependencies for this node's Python and architecture; an "
+            f"air-gapped site sets index_url under [engines.{engine}] in server.toml to a mirror the node reaches"
+        )
+        text = "; ".join(said[-3:]) if said else failed.output.strip()[-600:]
+        self.output = failed.output
+        super().__init__(f"pip could not install {requirement} from {where}: {text or str(failed)}; {fix}")

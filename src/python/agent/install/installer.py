@@ -20,13 +20,15 @@ import secrets
 import shutil
 import ssl
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 import trio
 
 from agent.install.archive import Limits
-from agent.install.errors import BadSource, EngineCheckFailed
+from agent.install.errors import BadSource, EngineCheckFailed, PipInstallFailed
+from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.unpack import unpack
 from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, archive_cap, fetch
@@ -36,6 +38,13 @@ log = get_logger("llmgw.agent.install")
 
 CHECK_TIMEOUT_S = 60.0
 PIP_TIMEOUT_S = 3600.0
+VENV_TIMEOUT_S = 300.0
+
+# How an install reports where it is: (phase, percent), phase one of
+# llmgw.wire.agent_link.INSTALL_PHASES, percent 0..100 or None where the phase gives no measure.
+# Called synchronously from the installing task: it must not block (the agent keeps the latest
+# and sends it on the link from a task of its own).
+OnProgress = Callable[[str, "int | None"], None]
 
 
 @attrs.frozen(kw_only=True)
@@ -54,6 +63,19 @@ class PipSource:
     requirement: str  # e.g. "vllm==0.11.0"
     executable: str  # inside the venv, e.g. "bin/vllm"
     python: str = "python3"
+    index_url: str = ""  # pip's --index-url; "": pip's own (PyPI, or what the node's pip.conf says)
+    extra_index_urls: tuple[str, ...] = ()
+
+    def pip_args(self) -> list[str]:
+        """`pip install`'s arguments. The node's pip configuration (/etc/pip.conf, PIP_* in the
+        agent's environment) is honoured, so an operator's proxy and CA reach pip; only an index
+        server.toml names is passed, and it then replaces the configured one."""
+        args = ["install", "--disable-pip-version-check", "--no-input"]
+        if self.index_url:
+            args += ["--index-url", self.index_url]
+        for url in self.extra_index_urls:
+            args += ["--extra-index-url", url]
+        return [*args, self.requirement]
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +87,10 @@ class Wanted:
     source: ArchiveSource | PipSource | None = None
     binary: str = ""
     check_args: tuple[str, ...] = ("--version",)
+    # The engine whose flags llmgw gives (llmgw.engines.check) are looked up in the installed
+    # engine's help before it is offered; "": none. `help_environ` is added to the help's environment.
+    flags_of: str = ""
+    help_environ: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -109,8 +135,13 @@ class EngineStore:
             return None
         return Installed(name=name, version=data["version"], executable=data["executable"], ok=True)
 
-    async def ensure(self, wanted: Wanted, *, mirror_url: str | None = None) -> Installed:
-        """Make `wanted` the engine in use, checked; returns it, or raises with the reason."""
+    async def ensure(
+        self, wanted: Wanted, *, mirror_url: str | None = None, on_progress: OnProgress | None = None
+    ) -> Installed:
+        """Make `wanted` the engine in use, checked; returns it, or raises with the reason.
+
+        `on_progress` hears each phase of an install (none when `wanted` is in use already)."""
+        progress: OnProgress = on_progress or _no_progress
         if wanted.source is None:
             return await self._operator_installed(wanted)
         current = self.current(wanted.name)
@@ -121,7 +152,7 @@ class EngineStore:
         if isinstance(wanted.source, ArchiveSource):
             executable = await self._install_archive(wanted, wanted.source, version_dir, mirror_url)
         else:
-            executable = await self._install_pip(wanted, wanted.source, version_dir)
+            executable = await self._install_pip(wanted, wanted.source, version_dir, progress)
         installed = Installed(name=wanted.name, version=wanted.version, executable=str(executable), ok=True)
         (version_dir / ".llmgw-installed.json").write_text(
             json.dumps({"version": wanted.version, "executable": str(executable)})
@@ -182,27 +213,34 @@ class EngineStore:
                 shutil.rmtree(staging, ignore_errors=True)
         return version_dir / source.binary
 
-    async def _install_pip(self, wanted: Wanted, source: PipSource, version_dir: Path) -> Path:
+    async def _install_pip(self, wanted: Wanted, source: PipSource, version_dir: Path, progress: OnProgress) -> Path:
         # A venv hard-codes its own path, so it is built where it will live; `current` still
         # switches only after the check, so a half-built venv is never in use.
         if version_dir.exists():
             shutil.rmtree(version_dir)
         version_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            await check_runs([source.python, "-m", "venv", str(version_dir)], timeout_s=300)
-            await check_runs(
-                [
-                    str(version_dir / "bin" / "python"),
-                    "-m",
-                    "pip",
-                    "install",
-                    "--disable-pip-version-check",
-                    source.requirement,
-                ],
-                timeout_s=PIP_TIMEOUT_S,
-            )
+            progress("configure", None)
+            try:
+                await check_runs([source.python, "-m", "venv", str(version_dir)], timeout_s=VENV_TIMEOUT_S)
+            except EngineCheckFailed as exc:
+                hint = "; install the python3-venv package" if "ensurepip" in exc.output else ""
+                raise EngineCheckFailed(
+                    f"cannot make a venv for {wanted.name} with {source.python}{hint}", exc.output
+                ) from None
+            # pip reports no overall measure of an install of many packages: the phase alone.
+            progress("install", None)
+            python = str(version_dir / "bin" / "python")
+            try:
+                await check_runs([python, "-m", "pip", *source.pip_args()], timeout_s=PIP_TIMEOUT_S)
+            except EngineCheckFailed as exc:
+                raise PipInstallFailed(wanted.name, source.requirement, source.index_url, exc) from None
+            progress("check", None)
             executable = version_dir / source.executable
             await check_runs([str(executable), *wanted.check_args])
+            if wanted.flags_of:
+                argv, env = help_run(wanted.flags_of, str(executable), {**os.environ, **dict(wanted.help_environ)})
+                judge_help(wanted.flags_of, argv, await check_runs(argv, HELP_TIMEOUT_S, env=env))
         except BaseException:
             shutil.rmtree(version_dir, ignore_errors=True)
             raise
@@ -227,6 +265,10 @@ _OPERATOR_KEYS = {
     "vllm": ("vllm_bin", "--vllm-bin"),
     "sglang": ("sglang_python", "--sglang-python"),
 }
+
+
+def _no_progress(phase: str, percent: int | None) -> None:
+    pass
 
 
 def _version_line(output: str) -> str:

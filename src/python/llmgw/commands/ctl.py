@@ -16,6 +16,7 @@ import attrs
 
 from llmgw import config, engines
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.ctl import engines as engine_texts
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.engines.check import MISSING, OK
@@ -110,6 +111,8 @@ def run_nodes(args: argparse.Namespace) -> int:
                 print(f"{n['id']}: fabric refused: {problem}")
             if n.get("gpu_status") in ("not_found", "failed"):
                 print(f"{n['id']}: GPUs: {n.get('gpu_detail')}")
+            for line in engine_texts.notes(n):
+                print(f"{n['id']}: {line}")
     return 0
 
 
@@ -289,7 +292,7 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
                 f"{age:.0f}s ago" if age is not None else "never",
                 f"{cpu.get('cores', '?')} x {cpu.get('model', '?')}" if cpu else "-",
                 _gpus(n),
-                ",".join(e["name"] + ("" if e["ok"] else "(failed)") for e in n.get("engines") or []) or "-",
+                ",".join(e["name"] + engine_texts.mark(e) for e in n.get("engines") or []) or "-",
                 _vllm(n),
                 _fabrics(n),
                 f"{n['cert_not_after']} ({n['cert_expires_in_days']:.0f}d)" if n.get("cert_not_after") else "-",

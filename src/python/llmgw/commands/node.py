@@ -106,7 +106,8 @@ def configure(parser: Parser) -> None:
         type=float,
         default=600.0,
         metavar="S",
-        help="how long to wait for the agent to join and check llama.cpp (default 600)",
+        help="how long to wait for the agent to join and check llama.cpp without news from the node: the wait "
+        "goes on while the node reports install progress (default 600)",
     )
     engines = add.add_argument_group('engines you installed yourself (used when the engine\'s version is "")')
     engines.add_argument("--llamacpp-bin", default="", metavar="PATH", help="llama-server on the node")

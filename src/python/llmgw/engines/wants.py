@@ -1,13 +1,20 @@
 """Which engines the control plane wants on a node: a pure function of the config and the
 node's inventory (spec: llama.cpp everywhere unless turned off, vLLM where an NVIDIA GPU can
-run it, SGLang where a version is named, on nodes with an NVIDIA GPU)."""
+run it, SGLang where a version is named, on nodes whose GPUs SGLang supports).
+
+Whether a GPU engine can run is judged here, from the GPUs the inventory lists, by the engine's
+own rule (`llmgw.engines.eligibility`): a node that cannot run it is not asked to install it,
+and `gpu_verdicts` says why for the node's view."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from llmgw.config import EngineSource, EnginesSection
+from llmgw.config import EngineSource, EnginesSection, pip_requirement
+from llmgw.engines.eligibility import judge_inventory
 from llmgw.wire import agent_link as w
+
+GPU_ENGINES = ("vllm", "sglang")
 
 
 def _want(
@@ -32,19 +39,22 @@ def _want(
         name=name,
         version=source.version,
         archives=archives,
-        pip=source.pip,
+        pip=pip_requirement(name, source),
+        index_url=source.index_url,
+        extra_index_urls=source.extra_index_url,
         max_unpacked_bytes=source.max_unpacked_bytes,
         max_members=source.max_members,
     )
 
 
-def _gpu_eligible(inv: w.Inventory | None, engine: str) -> bool:
-    if inv is None:
-        return False
-    verdict = next((e for e in inv.engine_eligibility if e.engine == engine), None)
-    if verdict is not None:
-        return verdict.status == w.ELIGIBLE
-    return bool(inv.gpus)
+def gpu_engines(config: EnginesSection) -> tuple[str, ...]:
+    """The GPU engines server.toml asks for (vLLM unless turned off; SGLang where named)."""
+    return tuple(n for n in GPU_ENGINES if (src := getattr(config, n)) is not None and src.enabled)
+
+
+def gpu_verdicts(config: EnginesSection, inv: w.Inventory | None) -> tuple[w.EngineEligibility, ...]:
+    """Each GPU engine server.toml asks for, judged on this node by its own rule."""
+    return tuple(judge_inventory(name, inv) for name in gpu_engines(config))
 
 
 def engines_for(
@@ -54,11 +64,10 @@ def engines_for(
     wants = []
     if config.llamacpp.enabled:
         wants.append(_want("llamacpp", config.llamacpp, inv, mirrored, max_archive_bytes))
-    if config.vllm is not None and config.vllm.enabled and _gpu_eligible(inv, "vllm"):
-        wants.append(_want("vllm", config.vllm, inv, mirrored, max_archive_bytes))
-    # SGLang: the same hardware bar as vLLM, an NVIDIA GPU.
-    if config.sglang is not None and config.sglang.enabled and _gpu_eligible(inv, "vllm"):
-        wants.append(_want("sglang", config.sglang, inv, mirrored, max_archive_bytes))
+    for verdict in gpu_verdicts(config, inv):
+        if verdict.status == w.ELIGIBLE:
+            source = getattr(config, verdict.engine)
+            wants.append(_want(verdict.engine, source, inv, mirrored, max_archive_bytes))
     return tuple(wants)
 
 

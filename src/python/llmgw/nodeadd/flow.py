@@ -34,7 +34,7 @@ from llmgw.nodeadd import identify, install, layout, ship, ssh
 from llmgw.nodeadd.context import SHORT_S, Authority, Facts, Options, view_of
 from llmgw.nodeadd.questions import Questions
 from llmgw.nodeadd.release import find_artifact
-from llmgw.nodeadd.steps import FAILED, OK, STARTED, WARN, Event
+from llmgw.nodeadd.steps import FAILED, OK, PROGRESS, STARTED, WARN, Event
 from llmgw.pki.ca import CA, CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_ca, load_cert
 
@@ -55,8 +55,14 @@ class Added:
 
 @attrs.define
 class _Outcome:
+    step: str
+    emit: Emit
     status: str = OK
     detail: str = ""
+
+    def progress(self, detail: str) -> None:
+        """What the running step is doing now (a line in --plain and --json, the detail on screen)."""
+        self.emit(Event(step=self.step, status=PROGRESS, detail=detail))
 
     def ok(self, detail: str) -> None:
         self.status, self.detail = OK, detail
@@ -72,7 +78,7 @@ class _Outcome:
 @asynccontextmanager
 async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
     emit(Event(step=name, status=STARTED))
-    outcome = _Outcome()
+    outcome = _Outcome(step=name, emit=emit)
     try:
         yield outcome
     except LlmgwError as exc:
@@ -161,7 +167,7 @@ async def _on_node(
         st.ok(f"started ({how}); its log: {layout.log_hint(facts.systemd)}")
 
     async with _step(emit, "join") as st:
-        st.ok(await install.wait_for_join(opts, s, facts, auth.admin, started_at))
+        st.ok(await install.wait_for_join(opts, s, facts, auth.admin, started_at, progress=st.progress))
 
     assert facts.artifact is not None
     return Added(

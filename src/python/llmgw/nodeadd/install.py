@@ -12,7 +12,9 @@ for this node and key, more than a week left, not revoked) unless `--reissue`.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from llmgw.ctl.client import AdminClient
+from llmgw.ctl.engines import installing_text
 from llmgw.errors import LlmgwError, PeerError
 from llmgw.nodeadd import layout, ssh
 from llmgw.nodeadd.context import (
@@ -245,27 +248,45 @@ def join_progress(node: dict[str, Any] | None, started_before: float | None) -> 
     llama = next((e for e in node.get("engines") or () if e["name"] == "llamacpp"), None)
     if llama is None:
         return WAITING, "joined; llama.cpp is not installed yet"
+    if llama.get("state") == "installing" and not llama["ok"]:
+        return WAITING, f"joined; {installing_text(llama)}"
     if not llama["ok"]:
         return BROKEN, f"joined, but llama.cpp cannot be used: {llama['detail']}"
     return JOINED, f"joined; llama.cpp installed and checked ({llama['version']})"
 
 
 async def wait_for_join(
-    opts: Options, s: ssh.Session, facts: Facts, admin: AdminClient, started_before: float | None
+    opts: Options,
+    s: ssh.Session,
+    facts: Facts,
+    admin: AdminClient,
+    started_before: float | None,
+    *,
+    progress: Callable[[str], None] = lambda said: None,
+    poll: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
 ) -> str:
+    """Poll the control plane until the node has joined; each new thing it says goes to `progress`.
+
+    `join_timeout_s` counts from the last news, not from the start: a build that keeps reporting
+    (llama.cpp on a small node takes minutes) is waited for, a node that says nothing new for that
+    long is given up on. `poll` reads the nodes (default: the admin API, in a thread)."""
+    poll = poll or partial(trio.to_thread.run_sync, admin.nodes)
     state, said = WAITING, ""
-    with trio.move_on_after(opts.join_timeout_s):
+    with trio.CancelScope(deadline=trio.current_time() + opts.join_timeout_s) as quiet:
         while state == WAITING:
-            nodes = await trio.to_thread.run_sync(admin.nodes)
-            node = view_of(nodes, facts.node_id)
+            node = view_of(await poll(), facts.node_id)
+            before = said
             state, said = join_progress(node, started_before)
             if state == JOINED:
                 marks = " (cordoned: no new work until `llmgw ctl uncordon`)" if node and node.get("cordoned") else ""
                 return said + marks
             if state == WAITING:
+                if said != before:
+                    progress(said)
+                    quiet.deadline = trio.current_time() + opts.join_timeout_s
                 await trio.sleep(POLL_S)
     tail = await _log_tail(s, facts.systemd)
-    why = said if state == BROKEN else f"did not finish joining within {opts.join_timeout_s:g} s: {said}"
+    why = said if state == BROKEN else f"did not finish joining: nothing new for {opts.join_timeout_s:g} s: {said}"
     raise PeerError(
         f"{facts.node_id} {why}. The agent's log on the node ({layout.log_hint(facts.systemd)}) says more"
         + (f"; its last lines:\n{tail}" if tail else "")

@@ -161,7 +161,9 @@ class _Screen:
 
     def emit(self, event: steps.Event) -> None:
         self.checklist.apply(event)
-        self.rows[event.step].show(event.status, event.detail)
+        # Progress keeps the step's running mark and replaces the detail under it.
+        status = steps.STARTED if event.status == steps.PROGRESS else event.status
+        self.rows[event.step].show(status, event.detail)
         self.steps_list.focus_position = steps.NAMES.index(event.step)  # keep it in view
         self.redraw()
 

@@ -1,7 +1,8 @@
 """The steps of `llmgw node add`, in the order they run, and the events they emit.
 
 Each step emits `started`, then exactly one of `ok`, `warn` or `failed`, with a detail; the
-run stops at the first `failed`. The screens (a urwid checklist in a terminal, one line per
+run stops at the first `failed`. Between the two, a long step may emit `progress` events (the
+join, while the node installs llama.cpp), each with what it is doing now. The screens (a urwid checklist in a terminal, one line per
 step elsewhere, or one JSON object per event) only draw these events, so what the operator
 sees and what a script reads come from one place. Pure: no I/O here.
 """
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 STARTED, OK, WARN, FAILED = "started", "ok", "warn", "failed"
+PROGRESS = "progress"  # a started step says what it is doing now; its status stays `started`
 OUTCOMES = (OK, WARN, FAILED)
 
 # (name, what the operator reads), in order. The authority is read before the node is touched.
@@ -54,6 +56,11 @@ class Checklist:
         if self.failed is not None:
             raise ValueError(f"step {event.step!r} after {self.failed!r} failed")
         current = self.status.get(event.step)
+        if event.status == PROGRESS:
+            if current != STARTED:
+                raise ValueError(f"step {event.step!r} reported progress while not running")
+            self.events.append(event)
+            return
         if event.status == STARTED:
             if current is not None:
                 raise ValueError(f"step {event.step!r} started twice")
@@ -78,9 +85,12 @@ class Checklist:
 
 
 def plain_line(event: Event) -> str | None:
-    """One line per finished step (`started` prints nothing), e.g. `ok     connect  ubuntu@10.0.0.21`."""
+    """One line per finished step (`started` prints nothing), e.g. `ok     connect  ubuntu@10.0.0.21`,
+    and one per progress report, e.g. `..     join       installing llama.cpp 40% (build)`."""
     if event.status == STARTED:
         return None
+    if event.status == PROGRESS:
+        return f"{'..':<6} {event.step:<10} {event.detail}"
     text = f"{event.status:<6} {event.step:<10} {dict(STEPS)[event.step]}"
     return f"{text}: {event.detail}" if event.detail else text
 

@@ -84,14 +84,20 @@ function gpus(n) {
 
 function engines(n) {
   const unusable = new Map(n.eligibility.filter((e) => e.status === "ineligible").map((e) => [e.engine, e]));
-  const rows = n.engines.map((e) =>
-    h(
+  const rows = n.engines.map((e) => {
+    if (e.state === "installing") {
+      const percent = e.percent === null || e.percent === undefined ? "" : ` ${e.percent}%`;
+      const phase = e.phase ? ` (${e.phase})` : "";
+      const using = e.ok ? `${e.name} ${e.version || ""}`.trim() + "; " : "";
+      return h("div", { class: "muted" }, `${using}installing ${e.name}${percent}${phase}`);
+    }
+    return h(
       "div",
       { class: e.ok ? "" : "bad" },
       `${e.name} ${e.version || ""}`.trim(),
       e.ok ? "" : ` — unusable: ${e.detail || "did not run"}`,
-    ),
-  );
+    );
+  });
   for (const [engine, e] of unusable) {
     if (!n.engines.some((x) => x.name === engine)) {
       rows.push(h("div", { class: "bad" }, `${engine}: cannot run here${e.reason ? ` (${e.reason})` : ""}`));

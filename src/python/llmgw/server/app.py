@@ -339,11 +339,11 @@ class ControlPlane:
         return {"replica": replica_id, "members": members}
 
     def node_views(self) -> list[dict[str, Any]]:
-        return views.node_views(self.registry, self.drains, trio.current_time())
+        return views.node_views(self.registry, self.drains, trio.current_time(), self.config.engines)
 
     def node_view(self, node_id: str) -> dict[str, Any]:
         node, now = self.registry.nodes[node_id], trio.current_time()
-        return views.node_view(node, self.registry.liveness(node, now), now)
+        return views.node_view(node, self.registry.liveness(node, now), now, self.config.engines)
 
     def replica_views(self) -> list[dict[str, Any]]:
         return views.replica_views(self.registry, self.replicas)

@@ -339,12 +339,12 @@ class AgentEndpoint:
                 self.on_replicas(link.node_id, event.replicas)
                 self.on_change()
         elif isinstance(event, s.EnginesReported):
-            self.registry.engines_changed(link.node_id, link.conn_id, event.engines)
-            log.info(
-                "node_engines",
-                node=link.node_id,
-                engines=[f"{e.name}={e.version}" + ("" if e.ok else " (failed)") for e in event.engines],
-            )
+            if self.registry.engines_changed(link.node_id, link.conn_id, event.engines):
+                log.info(  # once per phase of an install, not once per progress report
+                    "node_engines",
+                    node=link.node_id,
+                    engines=[f"{e.name}={e.version}" + _engine_mark(e) for e in event.engines],
+                )
             self.on_change()
 
     async def push_desired_state(self, node_id: str) -> None:
@@ -425,3 +425,9 @@ def _peer_host(stream: trio.SSLStream) -> str:
         return stream.transport_stream.socket.getpeername()[0]
     except (OSError, AttributeError):
         return "?"
+
+
+def _engine_mark(e: w.EngineStatus) -> str:
+    if e.state == w.ENGINE_INSTALLING:
+        return f" (installing: {e.phase})"
+    return "" if e.ok else " (failed)"

@@ -116,9 +116,14 @@ class Registry:
         if self._session(node_id, conn_id) is not None:
             self.nodes[node_id].inventory = inventory
 
-    def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> None:
-        if self._session(node_id, conn_id) is not None:
-            self.nodes[node_id].engines = engines
+    def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> bool:
+        """Keep what the node reports; True if more than an install's progress changed (worth a log line)."""
+        if self._session(node_id, conn_id) is None:
+            return False
+        node = self.nodes[node_id]
+        before = [(e.name, e.version, e.ok, e.state, e.phase) for e in node.engines]
+        node.engines = engines
+        return before != [(e.name, e.version, e.ok, e.state, e.phase) for e in engines]
 
     def replicas_changed(self, node_id: str, conn_id: int, replicas: tuple[ReplicaStatus, ...]) -> bool:
         if self._session(node_id, conn_id) is None:

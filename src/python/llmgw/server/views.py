@@ -8,7 +8,8 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from llmgw.config import Model
+from llmgw.config import EnginesSection, Model
+from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.drains import DrainProgress
 from llmgw.server.gateway.routing import Endpoint, Rotation
@@ -22,15 +23,40 @@ def cluster_fabrics(registry: Registry) -> FabricMap:
     return fabric_map({n.node_id: n.inventory.fabrics for n in registry.nodes.values() if n.inventory})
 
 
-def node_views(registry: Registry, drains: Mapping[str, DrainProgress], now: float) -> list[dict[str, Any]]:
-    views = [node_view(n, registry.liveness(n, now), now) for _, n in sorted(registry.nodes.items())]
+def node_views(
+    registry: Registry, drains: Mapping[str, DrainProgress], now: float, engines: EnginesSection | None = None
+) -> list[dict[str, Any]]:
+    views = [node_view(n, registry.liveness(n, now), now, engines) for _, n in sorted(registry.nodes.items())]
     for v in views:
         drain = drains.get(v["id"])
         v["drain"] = drain.view() if drain else None
     return views
 
 
-def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
+def _eligibility(inv: w.Inventory | None, engines: EnginesSection | None) -> list[dict[str, Any]]:
+    """The control plane's verdicts for the GPU engines server.toml asks for (what decided whether
+    the node was asked to install them); without the config, what the agent judged itself."""
+    if inv is None:
+        return []
+    verdicts = gpu_verdicts(engines, inv) if engines is not None else inv.engine_eligibility
+    return [{"engine": e.engine, "status": e.status, "reason": e.reason} for e in verdicts]
+
+
+def engine_view(e: w.EngineStatus) -> dict[str, Any]:
+    """An engine as the node reports it; `state` is "ok", "failed" or "installing" (with phase and percent)."""
+    state = e.state or (w.ENGINE_OK if e.ok else w.ENGINE_FAILED)  # an agent older than `state`
+    return {
+        "name": e.name,
+        "version": e.version,
+        "ok": e.ok,
+        "detail": e.detail,
+        "state": state,
+        "phase": e.phase if state == w.ENGINE_INSTALLING else "",
+        "percent": e.percent if state == w.ENGINE_INSTALLING else None,
+    }
+
+
+def node_view(node: Node, state: str, now: float, engines: EnginesSection | None = None) -> dict[str, Any]:
     s = node.session
     inv = node.inventory
     hello = s.hello if s else None
@@ -52,15 +78,13 @@ def node_view(node: Node, state: str, now: float) -> dict[str, Any]:
         else [],
         "gpu_status": inv.gpu_status if inv else None,
         "gpu_detail": inv.gpu_detail if inv else "",
-        "eligibility": [{"engine": e.engine, "status": e.status, "reason": e.reason} for e in inv.engine_eligibility]
-        if inv
-        else [],
+        "eligibility": _eligibility(inv, engines),
         "fabric_problems": list(inv.fabric_problems) if inv else [],
         "disk_free_bytes": inv.disk_free_bytes if inv else None,
         "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
         if inv
         else [],
-        "engines": [{"name": e.name, "version": e.version, "ok": e.ok, "detail": e.detail} for e in node.engines],
+        "engines": [engine_view(e) for e in node.engines],
         "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,

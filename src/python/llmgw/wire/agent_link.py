@@ -149,14 +149,29 @@ class Inventory:
     fabric_problems: tuple[str, ...] = ()  # declared fabrics refused, each with its fix
 
 
+# Values of EngineStatus.state. "" comes from an agent that predates it: read `ok`.
+ENGINE_OK = "ok"
+ENGINE_INSTALLING = "installing"
+ENGINE_FAILED = "failed"
+# Values of EngineStatus.phase while installing, in the order an install goes through them.
+INSTALL_PHASES = ("fetch", "unpack", "configure", "build", "install", "check")
+
+
 @attrs.frozen(kw_only=True)
 class EngineStatus:
-    """An engine the agent has installed and checked (ok) or failed to (detail says why)."""
+    """An engine the agent has installed and checked (ok) or failed to (detail says why).
+
+    While a version is being installed, `state` is "installing" with its `phase` and `percent`
+    (None: the phase gives no measure). `ok` still says whether the engine can be used now: an
+    upgrade keeps the old version in use (ok, `version` the old one) until the new one is checked."""
 
     name: str
     version: str
     ok: bool
     detail: str = ""
+    state: str = ""  # ENGINE_OK, ENGINE_INSTALLING, ENGINE_FAILED
+    phase: str = ""  # one of INSTALL_PHASES while installing
+    percent: int | None = None  # 0..100 of the phase, while installing
 
 
 @attrs.frozen(kw_only=True)
@@ -264,7 +279,9 @@ class EngineWant:
     name: str
     version: str
     archives: tuple[EngineArchive, ...] = ()
-    pip: str = ""
+    pip: str = ""  # a pip requirement, installed into a venv of its own
+    index_url: str = ""  # pip's --index-url ("": pip's own, PyPI unless the node's pip.conf says otherwise)
+    extra_index_urls: tuple[str, ...] = ()  # pip's --extra-index-url, each
     # The caps on unpacking an archive (server.toml's [engines.NAME]); an older control plane
     # sends none and the defaults apply.
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES

@@ -1,0 +1,45 @@
+"""How a node's engines read to people, from the admin API's node view: what `llmgw ctl nodes`
+prints under its table and what `llmgw node add`'s join step says while the node installs.
+Pure: a node view (a dict, as the admin API sends it) in, text out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TITLES = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+
+
+def title(name: str) -> str:
+    return TITLES.get(name, name)
+
+
+def installing_text(e: dict[str, Any]) -> str:
+    """`installing llama.cpp 40% (build)`: what an engine's install is doing now."""
+    percent = f" {e['percent']}%" if e.get("percent") is not None else ""
+    phase = f" ({e['phase']})" if e.get("phase") else ""
+    return f"installing {title(e['name'])}{percent}{phase}"
+
+
+def mark(e: dict[str, Any]) -> str:
+    """The engine's state in a table cell: "", "(failed)", "(installing 40%)"."""
+    if e.get("state") == "installing":
+        return f"(installing {e['percent']}%)" if e.get("percent") is not None else "(installing)"
+    return "" if e["ok"] else "(failed)"
+
+
+def notes(n: dict[str, Any]) -> list[str]:
+    """Installs under way, engines that failed and why, and the GPU engines this node was not
+    asked to install, with why ("vllm: not applicable (no NVIDIA GPU; ...)")."""
+    lines = []
+    reported = set()
+    for e in n.get("engines") or []:
+        reported.add(e["name"])
+        if e.get("state") == "installing":
+            kept = f"; {title(e['name'])} {e['version']} stays in use until it is checked" if e["ok"] else ""
+            lines.append(installing_text(e) + kept)
+        elif not e["ok"]:
+            lines.append(f"{e['name']} failed: {e['detail']}")
+    for v in n.get("eligibility") or []:
+        if v["status"] != "eligible" and v["engine"] not in reported:
+            lines.append(f"{v['engine']}: {v['status'].replace('_', ' ')} ({v['reason']})")
+    return lines

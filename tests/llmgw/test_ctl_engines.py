@@ -1,0 +1,65 @@
+"""How `llmgw ctl nodes` shows a node's engines: an install under way with its percentage and
+phase, a failure with why, the GPU engines a node was not asked for with why (pure)."""
+
+from __future__ import annotations
+
+from llmgw.commands.ctl import format_nodes
+from llmgw.config import EngineSource, EnginesSection
+from llmgw.ctl import engines as texts
+from llmgw.server.registry import Node
+from llmgw.server.views import engine_view, node_view
+from llmgw.wire import agent_link as w
+
+
+def view(*statuses: w.EngineStatus, inv: w.Inventory | None = None, config: EnginesSection | None = None) -> dict:
+    node = Node(node_id="node-a")
+    node.engines = statuses
+    node.inventory = inv
+    return node_view(node, "joined", 0.0, config or EnginesSection())
+
+
+CPU = w.Inventory(
+    hostname="a", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=2, gpu_status=w.GPUS_NONE
+)
+
+
+def test_an_install_under_way_shows_its_percentage_and_phase() -> None:
+    building = w.EngineStatus(
+        name="llamacpp", version="b6000", ok=False, state=w.ENGINE_INSTALLING, phase="build", percent=40
+    )
+    v = view(building, w.EngineStatus(name="sim", version="1", ok=True, state=w.ENGINE_OK), inv=CPU)
+    assert v["engines"][0] == {
+        "name": "llamacpp",
+        "version": "b6000",
+        "ok": False,
+        "detail": "",
+        "state": "installing",
+        "phase": "build",
+        "percent": 40,
+    }
+    assert texts.notes(v)[0] == "installing llama.cpp 40% (build)"
+    row = format_nodes([v]).splitlines()[1]
+    assert "llamacpp(installing 40%),sim" in row and "failed" not in row
+
+
+def test_an_upgrade_keeps_the_version_in_use_and_says_so() -> None:
+    upgrading = w.EngineStatus(name="vllm", version="0.32.0", ok=True, state=w.ENGINE_INSTALLING, phase="install")
+    assert texts.notes(view(upgrading))[0] == "installing vLLM (install); vLLM 0.32.0 stays in use until it is checked"
+
+
+def test_a_failure_says_why_and_a_gpu_engine_not_asked_for_says_why() -> None:
+    failed = w.EngineStatus(name="vllm", version="0.32.1", ok=False, detail="pip could not install", state="failed")
+    assert texts.notes(view(failed)) == ["vllm failed: pip could not install"]
+    named = EnginesSection(sglang=EngineSource(version="0.5.23"))
+    notes = texts.notes(view(inv=CPU, config=named))
+    assert notes == [
+        "vllm: not applicable (no NVIDIA GPU; vLLM runs on NVIDIA GPUs, llama.cpp serves this node)",
+        "sglang: not applicable (no NVIDIA GPU; SGLang runs on NVIDIA GPUs, llama.cpp serves this node)",
+    ]
+    assert "not applicable" in format_nodes([view(inv=CPU)]).splitlines()[1]  # the VLLM column
+
+
+def test_an_agent_older_than_the_state_field_reads_by_ok() -> None:
+    assert engine_view(w.EngineStatus(name="sim", version="1", ok=True))["state"] == "ok"
+    old_failed = engine_view(w.EngineStatus(name="llamacpp", version="", ok=False, detail="x"))
+    assert (old_failed["state"], old_failed["phase"], old_failed["percent"]) == ("failed", "", None)
