@@ -36,3 +36,18 @@ class EngineCheckFailed(MachineError):
 
 class BadSource(UsageError):
     """The configured source cannot be used as it is (no source for this architecture, bad URL)."""
+
+
+class BuildToolsMissing(MachineError):
+    """This node lacks what building llama.cpp needs (a C/C++ compiler, cmake, make or ninja); the
+    message names the packages to install on this node's distribution."""
+
+
+class BuildOutOfMemory(MachineError):
+    """A llama.cpp build was killed for memory; the message says how many jobs ran and how to
+    run fewer."""
+
+
+class BuildFailed(MachineError):
+    """A llama.cpp build failed otherwise (or ran past its time); the message has the last lines
+    of its log and the log's path."""

@@ -1,6 +1,10 @@
 """Which engines the control plane wants on a node: a pure function of the config and the
 node's inventory (spec: llama.cpp everywhere unless turned off, vLLM where an NVIDIA GPU can
-run it, SGLang where a version is named, on nodes with an NVIDIA GPU)."""
+run it, SGLang where a version is named, on nodes with an NVIDIA GPU).
+
+llama.cpp's want carries its prebuilt archives for the node's architecture and, by default,
+the source to build it from where none fits (`pick_archive` decides on the node); each says
+whether the control plane's mirror has it."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ def _want(
         for a in source.archives
         if arch is None or a.arch == arch
     )
+    build = getattr(source, "build", None)  # llama.cpp's only
     return w.EngineWant(
         name=name,
         version=source.version,
@@ -35,6 +40,17 @@ def _want(
         pip=source.pip,
         max_unpacked_bytes=source.max_unpacked_bytes,
         max_members=source.max_members,
+        build=None
+        if build is None or not source.version
+        else w.EngineBuild(
+            url=build.url,
+            sha256=build.sha256,
+            mirrored=build.sha256 in mirrored,
+            size=build.size,
+            max_bytes=max_bytes,
+            jobs=build.jobs,
+            timeout_s=build.timeout_s,
+        ),
     )
 
 
