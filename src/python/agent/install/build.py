@@ -330,11 +330,13 @@ async def _step(req: BuildRequest, step: str, argv: list[str], out, on_line: Cal
                 on_line(line.strip())
         status = await proc.wait()
     finally:
-        if proc.returncode is None:
-            kill_group(proc.pid)
-            with trio.CancelScope(shield=True), trio.move_on_after(10):
-                await proc.wait()
-        await proc.aclose()
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                kill_group(proc.pid)
+                with trio.move_on_after(10):
+                    await proc.wait()
+            if proc.stdout is not None:
+                await proc.stdout.aclose()
         out.flush()
     if status != 0:
         raise classify(
