@@ -72,7 +72,7 @@ def find_toolchain(which: Callable[[str], str | None], os_release: str, path: st
         missing.append("make (or ninja)")
     if missing:
         raise BuildToolsMissing(
-            f"this node cannot build llama.cpp: no {', no '.join(missing)} on the agent's PATH ({path}); "
+            f"this node cannot build llama.cpp: missing on the agent's PATH ({path}): {', '.join(missing)}; "
             f"install them: {install_hint(os_release)}; then the agent builds it at its next try (or restart "
             "it). Or give [engines.llamacpp] a prebuilt archive for this node in server.toml, or name an "
             "installed llama-server with `llamacpp_bin` in agent.toml"
