@@ -268,6 +268,8 @@ class EngineStore:
         staging = directory / f".staging-{wanted.version}-{token}"
         work = directory / f".build-{wanted.version}-{token}"
         executable = staging / "bin" / b.TARGET
+        for leftover in directory.glob(".build-*"):  # of a build whose agent was killed: hundreds of MB
+            await trio.to_thread.run_sync(functools.partial(shutil.rmtree, leftover, ignore_errors=True))
         try:
             work.mkdir(parents=True)
             if cached is not None and cached.is_file():
