@@ -10,10 +10,12 @@ import platform
 import tarfile
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 from agent.engines import wanted_from
+from agent.install.installer import ArchiveSource, BuildSource
 from agent.main import run_agent
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection, ServerConfig, ServerSection
 from llmgw.errors import LlmgwError
@@ -110,9 +112,31 @@ def test_an_operator_install_and_a_missing_archive() -> None:
         version="b1",
         archives=(w.EngineArchive(arch="aarch64", backend="cpu", url="https://x", sha256="a" * 64, binary="b"),),
     )
+    # The node's own llama-server wins over what server.toml pins for every node.
+    assert wanted_from(want, config, "x86_64", False).binary == "/opt/llama/llama-server"
     with pytest.raises(LlmgwError) as info:
-        wanted_from(want, config, "x86_64", False)
+        wanted_from(want, AgentConfig(server="wss://x:1"), "x86_64", False)
     assert "offers llamacpp b1 for aarch64/cpu, not for this node (x86_64)" in str(info.value)
+
+
+def test_with_no_archive_for_the_node_the_build_source_is_the_plan_with_the_nodes_own_jobs() -> None:
+    build = w.EngineBuild(url="https://x/src.tgz", sha256="b" * 64, size=10, jobs=4, timeout_s=99.0, mirrored=True)
+    arm = w.EngineArchive(arch="aarch64", backend="cpu", url="https://x", sha256="a" * 64, binary="b")
+    want = w.EngineWant(name="llamacpp", version="b1", archives=(arm,), build=build, max_members=7)
+    config = AgentConfig(server="wss://x:1", build_cache="/var/cache/llama")
+    source = wanted_from(want, config, "x86_64", True).source
+    assert isinstance(source, BuildSource)
+    assert (source.url, source.sha256, source.size, source.jobs, source.timeout_s) == (
+        build.url,
+        build.sha256,
+        10,
+        4,
+        99.0,
+    )
+    assert source.gpu and source.cache_dir == "/var/cache/llama" and source.max_members == 7
+    assert wanted_from(want, attrs.evolve(config, build_jobs=1), "x86_64", False).source.jobs == 1
+    # An archive that fits the node wins over building.
+    assert isinstance(wanted_from(want, config, "aarch64", False).source, ArchiveSource)
 
 
 def test_an_archive_plan_carries_the_unpack_caps() -> None:

@@ -39,7 +39,12 @@ from testlib.terminal import Terminal, words
 ADD_TIMEOUT_S = 300
 IB_CASE = "one-fabric"  # tests/fixtures/ib: two active adapters behind one subnet manager
 IB_IDENTITY = "ib-sm:0x0002c90300a1b2c3"  # the subnet manager GUID the fixture's sminfo answers
+# llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the
+# control plane then has no source to fetch from PyPI.
 CATALOG = """
+[engines.llamacpp]
+version = ""
+
 [[models]]
 name = "sim-small"
 engine = "sim"

@@ -247,3 +247,58 @@ def test_an_index_must_be_a_url_and_belong_to_a_pip_install() -> None:
     assert any(p.startswith("index_url and extra_index_url are where pip finds vllm") for p in got)
     # SGLang's version alone is enough: pip installs sglang==VERSION.
     assert config.server_config_from_dict({"engines": {"sglang": {"version": "0.5.23"}}}).engines.sglang.version
+
+
+def test_llamacpp_by_default_is_the_pinned_release_built_from_its_source() -> None:
+    from llmgw import pins
+
+    llamacpp = config.server_config_from_dict({}).engines.llamacpp
+    assert llamacpp.enabled and llamacpp.version == pins.LLAMACPP_VERSION and not llamacpp.archives
+    assert llamacpp.build == config.EngineBuild(
+        url=pins.LLAMACPP_SDIST_URL, sha256=pins.LLAMACPP_SDIST_SHA256, size=pins.LLAMACPP_SDIST_SIZE
+    )
+    assert (llamacpp.build.jobs, llamacpp.build.timeout_s) == (0, 7200.0)
+    # A table that changes something else keeps the pinned build.
+    tuned = config.server_config_from_dict({"engines": {"llamacpp": {"max_members": 60000}}}).engines.llamacpp
+    assert tuned.version == pins.LLAMACPP_VERSION and tuned.build == llamacpp.build
+
+
+def test_the_three_ways_to_get_llamacpp_are_said_in_server_toml() -> None:
+    archive = {"arch": "x86_64", "url": "https://x/a.tgz", "sha256": "b" * 64, "binary": "bin/llama-server"}
+
+    def llamacpp(table: dict) -> config.LlamacppSource:
+        return config.server_config_from_dict({"engines": {"llamacpp": table}}).engines.llamacpp
+
+    # The operator's llama-server on each node: nothing to build.
+    assert llamacpp({"version": ""}).build is None
+    # Prebuilt archives of another release: the pinned source is not that release's, so no build.
+    other = llamacpp({"version": "b9000", "archives": [archive]})
+    assert other.build is None and len(other.archives) == 1
+    # The pinned release from archives where they fit, built elsewhere; or built nowhere.
+    assert llamacpp({"archives": [archive]}).build is not None
+    assert llamacpp({"archives": [archive], "build": False}).build is None
+    # Another release built from its own source.
+    own = llamacpp({"version": "b9000", "build": {"url": "https://x/src.tar.gz", "sha256": "c" * 64, "jobs": 3}})
+    assert own.build is not None and own.build.jobs == 3
+
+
+def test_a_build_is_checked_and_named_with_its_path() -> None:
+    assert problems_of({"engines": {"llamacpp": {"version": "b9000"}}}) == [
+        "version 'b9000' needs `archives` or `build` or `pip` to install it from, or version = \"\" to use the "
+        "engine the operator installed on each node @ $.engines.llamacpp"
+    ]
+    bad = {"version": "", "build": {"url": "ftp://x", "sha256": "C" * 64, "jobs": -1, "timeout_s": 0}}
+    problems = problems_of({"engines": {"llamacpp": bad}})
+    assert any("nothing to build" in p and p.endswith("@ $.engines.llamacpp.build") for p in problems)
+    for key in ("url", "sha256", "jobs", "timeout_s"):
+        assert any(p.endswith(f"@ $.engines.llamacpp.build.{key}") for p in problems), key
+    assert problems_of({"engines": {"llamacpp": {"build": "yes"}}}) == [
+        "expected a table (url, sha256, ...) or false, got str 'yes' @ $.engines.llamacpp.build"
+    ]
+    assert problems_of({"engines": {"vllm": {"version": "1", "pip": "vllm==1", "build": False}}})[0].startswith(
+        "unknown key 'build'"
+    )
+    assert problems_of({"server": "wss://x:1", "build_jobs": -1, "build_cache": "rel"}, kind="agent") == [
+        "must not be negative (0: automatic), got -1 @ $.build_jobs",
+        "build_cache must be an absolute path, got 'rel' @ $.build_cache",
+    ]

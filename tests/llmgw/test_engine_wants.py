@@ -166,3 +166,25 @@ def test_a_node_with_one_old_and_one_new_gpu_is_eligible_and_says_which_is_not_u
     )  # fmt: skip
     verdict = eligibility.judge_inventory("vllm", inv)
     assert verdict.status == w.ELIGIBLE and verdict.reason.endswith("not usable by vLLM: Tesla V100-SXM2-32GB (7.0)")
+
+
+def test_the_default_llamacpp_want_carries_the_source_to_build_and_whether_it_is_mirrored() -> None:
+    from llmgw import pins
+    from llmgw.config import LlamacppSource
+
+    default = EnginesSection()
+    [want] = engines_for(default, node(vllm=w.INELIGIBLE), max_archive_bytes=7 << 30)
+    assert want.name == "llamacpp" and want.version == pins.LLAMACPP_VERSION and want.archives == ()
+    assert want.build == w.EngineBuild(
+        url=pins.LLAMACPP_SDIST_URL,
+        sha256=pins.LLAMACPP_SDIST_SHA256,
+        size=pins.LLAMACPP_SDIST_SIZE,
+        max_bytes=7 << 30,
+        mirrored=False,
+    )
+    [mirrored] = engines_for(default, node(vllm=w.INELIGIBLE), {pins.LLAMACPP_SDIST_SHA256})
+    assert mirrored.build is not None and mirrored.build.mirrored
+    # The operator's own llama-server (version ""), or no build: nothing to build in the want.
+    for source in (LlamacppSource(version=""), LlamacppSource(archives=(CPU_ARCHIVE,), build=None)):
+        [want] = engines_for(EnginesSection(llamacpp=source), node(vllm=w.INELIGIBLE))
+        assert want.build is None

@@ -34,6 +34,8 @@ def test_flags_of_a_first_up_shape_the_catalog() -> None:
     config = server_config_from_dict(planned.doc)
     assert config.server.http_listen == "127.0.0.1:9000" and config.engines.llamacpp.enabled
     assert config.models[1].nodes_per_replica == 2 and config.models[2].source.path == str(GGUF)
+    # The named llama-server on the local nodes: the control plane fetches no source, nothing is built.
+    assert config.engines.llamacpp.version == "" and config.engines.llamacpp.build is None
 
 
 def test_fabric_flags_after_a_plain_up_add_sim_big_and_a_plain_up_takes_it_away_again() -> None:

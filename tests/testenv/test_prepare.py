@@ -276,3 +276,24 @@ def test_pants_prepares_for_the_test_goal_only(args: str, prepares: bool) -> Non
     function = script[script.index("wants_tests() {") : script.index("\n}\n", script.index("wants_tests() {")) + 3]
     done = subprocess.run(["bash", "-c", f"{function}\nwants_tests {args}"], capture_output=True, timeout=30)
     assert (done.returncode == 0) == prepares, done.stderr
+
+
+def test_the_build_script_builds_the_release_the_nodes_are_pinned_to(tmp_path: Path) -> None:
+    """One pin: llmgw's default for the nodes (llmgw.pins) is the source the tests' llama-server is
+    built from, and `--sdist` hands the tests that source from the cache (no fetch when it is there)."""
+    from llmgw import pins
+
+    script = build_root() / "tools" / "llama" / "build-llama-server"
+    values = dict(line.split("=", 1) for line in script.read_text().splitlines() if line[:1].isupper() and "=" in line)
+    assert pins.LLAMACPP_VERSION == f"b{values['VERSION'].split('.')[0]}"
+    assert values["SDIST_SHA256"] == pins.LLAMACPP_SDIST_SHA256
+    url = values["SDIST_URL"].strip('"').replace("$VERSION", values["VERSION"])
+    assert url == pins.LLAMACPP_SDIST_URL
+    assert llama.sdist_path().name == url.rsplit("/", 1)[1]
+    env = {**os.environ, "LLMGW_LLAMA_CACHE": str(tmp_path)}
+    kept = tmp_path / values["VERSION"] / "src" / llama.sdist_path().name
+    kept.parent.mkdir(parents=True)
+    kept.symlink_to(llama.sdist())  # the verified file, as a build leaves it
+    done = subprocess.run([str(script), "--sdist"], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"{kept}\n"), done.stderr
+    assert "fetching" not in done.stderr

@@ -244,6 +244,10 @@ class Cluster:
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
             # Agents come back on their own backoff after a server restart; give them that long.
             "reconnect_grace_s = 10.0\n"
+            # The operator's llama-server (agent.toml's llamacpp_bin), as before llama.cpp was
+            # built on each node by default: these clusters serve sim models, and a build per
+            # agent would cost minutes of CPU (tests/integration/test_llamacpp_build.py builds it).
+            '[engines.llamacpp]\nversion = ""\n'
         )
         self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}

@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from llmgw import paths
-from llmgw.config import AgentConfig, Model, ServerConfig, ServerSection
+from llmgw.config import AgentConfig, EnginesSection, LlamacppSource, Model, ServerConfig, ServerSection
 from llmgw.pki.ca import CA
 from llmgw.pki.files import init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
 from llmgw.wire import agent_link as w
@@ -81,6 +81,9 @@ def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
         server=ServerSection(
             state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
         ),
+        # llama.cpp as the operator's install (version ""), as before it was built on each node by
+        # default: these tests serve sim models, and a build costs minutes of CPU.
+        engines=EnginesSection(llamacpp=LlamacppSource(version="")),
         models=models,
     )
     return Local(state=state, ca=ca, port=port, config=config)

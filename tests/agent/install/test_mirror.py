@@ -11,8 +11,9 @@ import pytest
 import trio
 
 from agent.install.errors import DownloadError
-from llmgw.config import ServerConfig, ServerSection
+from llmgw.config import EngineBuild, EnginesSection, LlamacppSource, ServerConfig, ServerSection
 from llmgw.download import archive_cap, fetch
+from llmgw.engines.wants import engines_for
 from llmgw.pki.ca import cert_info
 from llmgw.pki.files import issue_to_dir, load_cert
 from llmgw.pki.tls import client_ssl_context
@@ -28,7 +29,10 @@ async def mirror(tmp_path: Path, nursery: trio.Nursery):
     state = tmp_path / "cp"
     ca = make_state(state, sans=["127.0.0.1"], days=3)
     plane = ControlPlane.open(
-        ServerConfig(server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")),
+        ServerConfig(
+            server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
+            engines=EnginesSection(llamacpp=LlamacppSource(version="")),  # no source to mirror but the test's
+        ),
         state,
     )
     bound = await nursery.start(plane.serve)
@@ -102,3 +106,44 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
     assert (state / "artifacts" / digest).read_bytes() == data
     assert hits == ["/llama.tgz"]
     assert digest in plane.endpoint.artifacts.available()
+
+
+async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says_so(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    from llmgw.http.server import Response, bound_address, serve_http
+
+    data = os.urandom(50_000)
+    digest = hashlib.sha256(data).hexdigest()
+    hits = []
+
+    async def origin(request):
+        hits.append(request.path)
+        return Response(status=200, body=data)
+
+    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
+    host, port = bound_address(listeners)
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    source = EngineBuild(url=f"http://{host}:{port}/llama-src.tar.gz", sha256=digest, size=len(data))
+    engines = EnginesSection(llamacpp=LlamacppSource(build=source))
+    plane = ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines), state)
+    [before] = engines_for(engines, None, plane.endpoint.artifacts.available())
+    assert before.build is not None and not before.build.mirrored
+    with trio.fail_after(10):
+        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
+        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
+    assert hits == ["/llama-src.tar.gz"]
+    [after] = engines_for(engines, None, plane.endpoint.artifacts.available())
+    assert after.build is not None and after.build.mirrored and after.build.sha256 == digest
+
+
+async def test_llamacpp_off_or_the_operators_own_has_no_source_to_mirror(tmp_path: Path) -> None:
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    for llamacpp in (LlamacppSource(enabled=False), LlamacppSource(version="")):
+        config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=EnginesSection(llamacpp=llamacpp))
+        plane = ControlPlane.open(config, state)
+        with trio.fail_after(5):  # nothing to fetch: returns at once, touching no network
+            await fill_mirror(lambda config=config: config, plane.endpoint.artifacts, plane.push_all)
+        assert not (state / "artifacts").exists()

@@ -155,3 +155,15 @@ def test_an_engine_want_without_unpack_caps_gets_the_defaults() -> None:
     assert (want.max_unpacked_bytes, want.max_members) == (8 << 30, 50_000)
     capped = m.DesiredState(generation=2, engines=(m.EngineWant(name="llamacpp", version="b1", max_members=7),))
     assert decode(encode(capped), m.ServerMessage).engines[0].max_members == 7
+
+
+def test_an_engine_want_carries_a_build_source_or_none() -> None:
+    """An older control plane sends no `build`: the want has none (the agent needs an archive)."""
+    old = '{"type":"desired_state","generation":1,"engines":[{"name":"llamacpp","version":"b1"}]}'
+    assert decode(old, m.ServerMessage).engines[0].build is None
+    build = m.EngineBuild(url="https://x/src.tar.gz", sha256="a" * 64, mirrored=True, size=5, jobs=2, timeout_s=60.0)
+    state = m.DesiredState(generation=2, engines=(m.EngineWant(name="llamacpp", version="b1", build=build),))
+    assert decode(encode(state), m.ServerMessage).engines[0].build == build
+    partial = json.loads(encode(state))
+    del partial["engines"][0]["build"]["timeout_s"]
+    assert decode(json.dumps(partial), m.ServerMessage).engines[0].build.timeout_s == 7200.0

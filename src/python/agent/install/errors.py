@@ -52,3 +52,18 @@ class PipInstallFailed(MachineError):
         text = "; ".join(said[-3:]) if said else failed.output.strip()[-600:]
         self.output = failed.output
         super().__init__(f"pip could not install {requirement} from {where}: {text or str(failed)}; {fix}")
+
+
+class BuildToolsMissing(MachineError):
+    """This node lacks what building llama.cpp needs (a C/C++ compiler, cmake, make or ninja); the
+    message names the packages to install on this node's distribution."""
+
+
+class BuildOutOfMemory(MachineError):
+    """A llama.cpp build was killed for memory; the message says how many jobs ran and how to
+    run fewer."""
+
+
+class BuildFailed(MachineError):
+    """A llama.cpp build failed otherwise (or ran past its time); the message has the last lines
+    of its log and the log's path."""

@@ -4,11 +4,18 @@
     STATE/engines/<name>/current         symlink to the version in use
     STATE/engines/.downloads/<sha256>    verified archives (kept: a reinstall needs no network)
 
+    STATE/engines/<name>/<version>.build.log   the last build's log (llama.cpp from source)
+
 A new version is made in its own directory and checked to run (`--version`, or the engine's
 own check, within a timeout) before `current` is switched to it with one rename, so the old
 version keeps serving until the new one is known to start. A version that fails its check is
 removed and reported with the engine's own output; `current` is left alone. Only the current
 and the previous version are kept.
+
+A version comes from a prebuilt archive, a pip requirement, or llama.cpp's source built here
+(agent.install.build); a build may be kept in a build cache and reused by an identical one.
+`ensure` reports its phases ("fetch", "unpack", "configure", "build", "install", "check") and
+percentages, when known, to `on_progress`, at each change (the caller throttles).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import secrets
 import shutil
 import ssl
@@ -26,11 +34,12 @@ from pathlib import Path
 import attrs
 import trio
 
+from agent.install import build as b
 from agent.install.archive import Limits
 from agent.install.errors import BadSource, EngineCheckFailed, PipInstallFailed
 from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.unpack import unpack
-from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
+from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, archive_cap, fetch
 from llmgw.log import get_logger
 
@@ -79,12 +88,28 @@ class PipSource:
 
 
 @attrs.frozen(kw_only=True)
+class BuildSource:
+    """llama.cpp's source, built here into `bin/llama-server` (agent.install.build)."""
+
+    url: str
+    sha256: str
+    size: int = 0
+    max_bytes: int = 0
+    jobs: int = 0  # 0: from this node's cores and memory
+    timeout_s: float = DEFAULT_BUILD_TIMEOUT_S
+    gpu: bool = False  # the node has an NVIDIA GPU: a CUDA build where nvcc is found
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
+    max_members: int = DEFAULT_MAX_MEMBERS
+    cache_dir: str = ""  # keep and reuse finished builds here ("" = none)
+
+
+@attrs.frozen(kw_only=True)
 class Wanted:
     """An engine the control plane wants here. No source: the operator installed it at `binary`."""
 
     name: str
     version: str
-    source: ArchiveSource | PipSource | None = None
+    source: ArchiveSource | PipSource | BuildSource | None = None
     binary: str = ""
     check_args: tuple[str, ...] = ("--version",)
     # The engine whose flags llmgw gives (llmgw.engines.check) are looked up in the installed
@@ -141,7 +166,7 @@ class EngineStore:
         """Make `wanted` the engine in use, checked; returns it, or raises with the reason.
 
         `on_progress` hears each phase of an install (none when `wanted` is in use already)."""
-        progress: OnProgress = on_progress or _no_progress
+        report = _Reporter(on_progress)
         if wanted.source is None:
             return await self._operator_installed(wanted)
         current = self.current(wanted.name)
@@ -150,9 +175,11 @@ class EngineStore:
             return current
         version_dir = self._dir(wanted.name) / wanted.version
         if isinstance(wanted.source, ArchiveSource):
-            executable = await self._install_archive(wanted, wanted.source, version_dir, mirror_url)
+            executable = await self._install_archive(wanted, wanted.source, version_dir, mirror_url, report)
+        elif isinstance(wanted.source, BuildSource):
+            executable = await self._install_build(wanted, wanted.source, version_dir, mirror_url, report)
         else:
-            executable = await self._install_pip(wanted, wanted.source, version_dir, progress)
+            executable = await self._install_pip(wanted, wanted.source, version_dir, report)
         installed = Installed(name=wanted.name, version=wanted.version, executable=str(executable), ok=True)
         (version_dir / ".llmgw-installed.json").write_text(
             json.dumps({"version": wanted.version, "executable": str(executable)})
@@ -173,29 +200,37 @@ class EngineStore:
         version = _version_line(output)
         return Installed(name=wanted.name, version=version, executable=wanted.binary, ok=True)
 
-    async def _install_archive(
-        self, wanted: Wanted, source: ArchiveSource, version_dir: Path, mirror_url: str | None
-    ) -> Path:
-        downloads = self.root / ".downloads"
-        url = mirror_url or source.url
+    async def _fetch(self, name: str, url: str, sha256: str, size: int, max_bytes: int, report: _Reporter) -> Path:
+        """The verified file (kept in .downloads: a reinstall needs no network)."""
+        report("fetch", 0 if size else None)
 
         def progress(p: Progress) -> None:
+            # Called from the download's thread: only the reporter's cheap bookkeeping runs there.
+            total = p.total_bytes or size
+            if total:
+                report.from_thread("fetch", min(100, p.done_bytes * 100 // total))
             if p.total_bytes and p.done_bytes % (16 << 20) < (1 << 20):
-                log.info(
-                    "engine_download", engine=wanted.name, done_mib=p.done_bytes >> 20, total_mib=p.total_bytes >> 20
-                )
+                log.info("engine_download", engine=name, done_mib=p.done_bytes >> 20, total_mib=p.total_bytes >> 20)
 
-        archive = await fetch(
+        return await fetch(
             url,
-            downloads / source.sha256,
-            sha256=source.sha256,
-            cap=archive_cap(source.size, source.max_bytes),
+            self.root / ".downloads" / sha256,
+            sha256=sha256,
+            cap=archive_cap(size, max_bytes),
             ssl_context=self.ssl_context,
             on_progress=progress,
+        )
+
+    async def _install_archive(
+        self, wanted: Wanted, source: ArchiveSource, version_dir: Path, mirror_url: str | None, report: _Reporter
+    ) -> Path:
+        archive = await self._fetch(
+            wanted.name, mirror_url or source.url, source.sha256, source.size, source.max_bytes, report
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
             limits = Limits(max_bytes=source.max_unpacked_bytes, max_members=source.max_members)
+            report("unpack", None)
             await trio.to_thread.run_sync(
                 functools.partial(unpack, archive, staging, limits=limits, label=source.url, engine=wanted.name)
             )
@@ -204,6 +239,7 @@ class EngineStore:
                 raise BadSource(
                     f"{source.url} has no {source.binary!r}; set `binary` to the engine's path inside the archive"
                 )
+            report("check", None)
             await check_runs([str(executable), *wanted.check_args])
             if version_dir.exists():
                 shutil.rmtree(version_dir)  # a leftover of an interrupted install: never the current one
@@ -213,14 +249,94 @@ class EngineStore:
                 shutil.rmtree(staging, ignore_errors=True)
         return version_dir / source.binary
 
-    async def _install_pip(self, wanted: Wanted, source: PipSource, version_dir: Path, progress: OnProgress) -> Path:
+    async def _install_build(
+        self, wanted: Wanted, source: BuildSource, version_dir: Path, mirror_url: str | None, report: _Reporter
+    ) -> Path:
+        """Build llama-server from source here (or reuse an identical build from the cache),
+        check it, and move it into `version_dir` as bin/llama-server."""
+        path = os.environ.get("PATH", os.defpath)
+        os_release = b.read_text("/etc/os-release")
+        toolchain = b.find_toolchain(b.which_on(path), os_release, path)  # before any download: fail fast
+        cuda = source.gpu and bool(toolchain.nvcc)
+        if source.gpu and not cuda:
+            log.warning(
+                "engine_build_cpu_only",
+                engine=wanted.name,
+                reason="this node has an NVIDIA GPU but no nvcc (the CUDA toolkit) on the agent's PATH or in "
+                "/usr/local/cuda/bin: building for the CPU; install the toolkit for GPU offload",
+            )
+        sdist = await self._fetch(
+            wanted.name, mirror_url or source.url, source.sha256, source.size, source.max_bytes, report
+        )
+        jobs = b.job_count(
+            os.cpu_count() or 1,
+            b.mem_available(b.read_text("/proc/meminfo")),
+            override=source.jobs,
+            per_job=2 * b.GIB if cuda else b.GIB,
+        )
+        args = b.configure_args(toolchain, cuda=cuda, version=wanted.version)
+        key = b.cache_key(
+            sha256=source.sha256,
+            arch=platform.machine(),
+            cuda=cuda,
+            args=args,
+            cpu_flags=b.cpu_flags(b.read_text("/proc/cpuinfo")),
+        )
+        cached = Path(source.cache_dir) / key / b.TARGET if source.cache_dir else None
+        directory = self._dir(wanted.name)
+        token = secrets.token_hex(4)
+        staging = directory / f".staging-{wanted.version}-{token}"
+        work = directory / f".build-{wanted.version}-{token}"
+        executable = staging / "bin" / b.TARGET
+        for leftover in directory.glob(".build-*"):  # of a build whose agent was killed: hundreds of MB
+            await trio.to_thread.run_sync(functools.partial(shutil.rmtree, leftover, ignore_errors=True))
+        try:
+            work.mkdir(parents=True)
+            if cached is not None and cached.is_file():
+                log.info("engine_build_reused", engine=wanted.name, version=wanted.version, cache=str(cached))
+                report("build", 100)
+                built = cached
+            else:
+                request = b.BuildRequest(
+                    sdist=sdist,
+                    label=source.url,
+                    version=wanted.version,
+                    work=work,
+                    log_path=directory / f"{wanted.version}.build.log",
+                    toolchain=toolchain,
+                    cuda=cuda,
+                    jobs=jobs,
+                    timeout_s=source.timeout_s,
+                    limits=Limits(max_bytes=source.max_unpacked_bytes, max_members=source.max_members),
+                    os_release=os_release,
+                )
+                built = await b.build_llama_server(request, report)
+            report("install", None)
+            executable.parent.mkdir(parents=True)
+            await trio.to_thread.run_sync(shutil.copy2, built, executable)
+            report("check", None)
+            await check_runs([str(executable), *wanted.check_args])
+            await check_flags(wanted.name, str(executable), dict(os.environ))
+            if cached is not None and built is not cached:
+                await trio.to_thread.run_sync(_keep, executable, cached)
+            if version_dir.exists():
+                shutil.rmtree(version_dir)  # a leftover of an interrupted install: never the current one
+            os.rename(staging, version_dir)
+        finally:
+            for leftover in (work, staging):
+                if leftover.exists():
+                    await trio.to_thread.run_sync(functools.partial(shutil.rmtree, leftover, ignore_errors=True))
+        log.info("engine_built", engine=wanted.name, version=wanted.version, jobs=jobs, cuda=cuda)
+        return version_dir / "bin" / b.TARGET
+
+    async def _install_pip(self, wanted: Wanted, source: PipSource, version_dir: Path, report: _Reporter) -> Path:
         # A venv hard-codes its own path, so it is built where it will live; `current` still
         # switches only after the check, so a half-built venv is never in use.
         if version_dir.exists():
             shutil.rmtree(version_dir)
         version_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            progress("configure", None)
+            report("configure", None)
             try:
                 await check_runs([source.python, "-m", "venv", str(version_dir)], timeout_s=VENV_TIMEOUT_S)
             except EngineCheckFailed as exc:
@@ -229,18 +345,18 @@ class EngineStore:
                     f"cannot make a venv for {wanted.name} with {source.python}{hint}", exc.output
                 ) from None
             # pip reports no overall measure of an install of many packages: the phase alone.
-            progress("install", None)
+            report("install", None)
             python = str(version_dir / "bin" / "python")
             try:
                 await check_runs([python, "-m", "pip", *source.pip_args()], timeout_s=PIP_TIMEOUT_S)
             except EngineCheckFailed as exc:
                 raise PipInstallFailed(wanted.name, source.requirement, source.index_url, exc) from None
-            progress("check", None)
+            report("check", None)
             executable = version_dir / source.executable
+            report("check", None)
             await check_runs([str(executable), *wanted.check_args])
             if wanted.flags_of:
-                argv, env = help_run(wanted.flags_of, str(executable), {**os.environ, **dict(wanted.help_environ)})
-                judge_help(wanted.flags_of, argv, await check_runs(argv, HELP_TIMEOUT_S, env=env))
+                await check_flags(wanted.flags_of, str(executable), {**os.environ, **dict(wanted.help_environ)})
         except BaseException:
             shutil.rmtree(version_dir, ignore_errors=True)
             raise
@@ -255,8 +371,49 @@ class EngineStore:
         os.replace(tmp, link)  # rename(2) over the old link: there is no moment without one
         keep = {version, previous, "current"}
         for child in directory.iterdir():
-            if child.name not in keep and not child.name.startswith("."):
+            # Versions are directories; a build's log (a file) stays for the operator to read.
+            if child.name not in keep and not child.name.startswith(".") and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
+
+
+class _Reporter:
+    """Passes (phase, percent) to `on_progress` when either changes; nothing without one."""
+
+    def __init__(self, on_progress: OnProgress | None) -> None:
+        self.on_progress = on_progress
+        self.last: tuple[str, int | None] | None = None
+        self.token = trio.lowlevel.current_trio_token() if on_progress else None
+
+    def __call__(self, phase: str, percent: int | None) -> None:
+        if self.on_progress is not None and (phase, percent) != self.last:
+            self.last = (phase, percent)
+            self.on_progress(phase, percent)
+
+    def from_thread(self, phase: str, percent: int | None) -> None:
+        """From a worker thread (the download's): run on the trio loop, without waiting for it."""
+        if self.token is not None and (phase, percent) != self.last:
+            try:
+                self.token.run_sync_soon(self, phase, percent)
+            except trio.RunFinishedError:
+                pass
+
+
+async def check_flags(engine: str, executable: str, environ: dict[str, str]) -> None:
+    """The engine's whole help documents every flag llmgw gives it (`llmgw ctl engine-check`'s
+    check, run on the installed engine); EngineCheckFailed names the missing ones."""
+    argv, env = help_run(engine, executable, environ)
+    judge_help(engine, argv, await check_runs(argv, HELP_TIMEOUT_S, env=env))
+
+
+def _keep(executable: Path, cached: Path) -> None:
+    """Put a checked build in the cache: copied beside, then renamed (a reader sees all or none)."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.parent / f".{cached.name}-{secrets.token_hex(4)}"
+        shutil.copy2(executable, tmp)
+        os.replace(tmp, cached)
+    except OSError as exc:
+        log.warning("engine_build_cache_unwritable", cache=str(cached.parent), reason=str(exc))
 
 
 # agent.toml's key and node add's flag for an operator-installed engine.
@@ -265,10 +422,6 @@ _OPERATOR_KEYS = {
     "vllm": ("vllm_bin", "--vllm-bin"),
     "sglang": ("sglang_python", "--sglang-python"),
 }
-
-
-def _no_progress(phase: str, percent: int | None) -> None:
-    pass
 
 
 def _version_line(output: str) -> str:

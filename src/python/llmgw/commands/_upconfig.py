@@ -9,7 +9,9 @@ changed (never silently keeping a file that contradicts the flags):
   nodes of the fabric; `up` removes the sim-big it added when a later run has no such fabric;
 - `--model FILE.gguf`: a llama.cpp model named after the file; `up` removes the one it added
   when a later run serves another file or none;
-- llama.cpp is wanted on the nodes (`[engines.llamacpp] enabled`) only while a model uses it.
+- llama.cpp is wanted on the nodes (`[engines.llamacpp] enabled`) only while a model uses it,
+  and then as the llama-server `--llama-server` names (`version = ""`): the local nodes run that
+  one, so the control plane has no source to fetch and nothing is built.
 
 Which models `up` added is kept next to the file (`up.json`), so a model the operator added is
 never removed. A catalog this `up` can never serve (a model needing more nodes than it starts,
@@ -139,7 +141,7 @@ def update(doc: dict[str, Any], owned: tuple[str, ...], shape: Shape, path: Path
             changes.append(f"model {name} now serves {shape.gguf} (was {existing.get('source', {}).get('path')})")
             existing["source"] = {"path": str(shape.gguf)}
 
-    changes.extend(_llamacpp_wanted(doc, any(m.get("engine") == "llamacpp" for m in models)))
+    changes.extend(_llamacpp_wanted(doc, any(m.get("engine") == "llamacpp" for m in models), shape.llama_server))
     _check_servable(models, shape, path)
     return Planned(doc=doc, owned=tuple(mine), changes=tuple(changes))
 
@@ -149,14 +151,17 @@ def _started(shape: Shape) -> str:
     return f"{nodes} on fabric {shape.fabric}" if shape.fabric else f"{nodes} without --fabric"
 
 
-def _llamacpp_wanted(doc: dict[str, Any], wanted: bool) -> list[str]:
-    """llama.cpp on the nodes only while a model needs it: a node without one would report it
-    failed, and warn, on a cluster that never asked for it."""
+def _llamacpp_wanted(doc: dict[str, Any], wanted: bool, named: bool) -> list[str]:
+    """llama.cpp on the nodes only while a model needs it: otherwise each node would build it
+    (minutes) for a cluster that never asked for it. `named`: a llama-server is named, which the
+    nodes use (version ""), so the pinned source is neither fetched nor built."""
     engines = doc.setdefault("engines", {})
     table = engines.setdefault("llamacpp", {})
     was = table.get("enabled", True)
     if wanted:
         table.pop("enabled", None)
+        if named:
+            table.setdefault("version", "")
     else:
         table["enabled"] = False
     if not table:

@@ -26,7 +26,7 @@ def configure(parser: Parser) -> None:
     )
     run.add_argument("--config", default=DEFAULT_CONFIG, type=Path, help=f"agent.toml (default {DEFAULT_CONFIG})")
     for flag, key, what in (
-        ("--llamacpp-bin", "llamacpp_bin", 'a llama-server you installed (used when llama.cpp\'s version is "")'),
+        ("--llamacpp-bin", "llamacpp_bin", "a llama-server you installed (used instead of the one server.toml pins)"),
         ("--vllm-bin", "vllm_bin", 'a vllm command you installed (used when vLLM\'s version is "")'),
         (
             "--sglang-python",

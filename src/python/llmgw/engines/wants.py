@@ -4,7 +4,11 @@ run it, SGLang where a version is named, on nodes whose GPUs SGLang supports).
 
 Whether a GPU engine can run is judged here, from the GPUs the inventory lists, by the engine's
 own rule (`llmgw.engines.eligibility`): a node that cannot run it is not asked to install it,
-and `gpu_verdicts` says why for the node's view."""
+and `gpu_verdicts` says why for the node's view.
+
+llama.cpp's want carries its prebuilt archives for the node's architecture and, by default,
+the source to build it from where none fits (`pick_archive` decides on the node); each says
+whether the control plane's mirror has it."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ def _want(
         for a in source.archives
         if arch is None or a.arch == arch
     )
+    build = getattr(source, "build", None)  # llama.cpp's only
     return w.EngineWant(
         name=name,
         version=source.version,
@@ -44,6 +49,17 @@ def _want(
         extra_index_urls=source.extra_index_url,
         max_unpacked_bytes=source.max_unpacked_bytes,
         max_members=source.max_members,
+        build=None
+        if build is None or not source.version
+        else w.EngineBuild(
+            url=build.url,
+            sha256=build.sha256,
+            mirrored=build.sha256 in mirrored,
+            size=build.size,
+            max_bytes=max_bytes,
+            jobs=build.jobs,
+            timeout_s=build.timeout_s,
+        ),
     )
 
 

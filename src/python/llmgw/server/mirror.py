@@ -1,5 +1,5 @@
-"""The mirror fill: every engine archive server.toml names is fetched once into the artifacts
-directory, so nodes without internet access install from the control plane (which serves them,
+"""The mirror fill: every engine archive server.toml names, and llama.cpp's source to build
+from, is fetched once into the artifacts directory, so nodes without internet access install from the control plane (which serves them,
 `llmgw.server.artifacts`). Agents are told as each one arrives; a fetch that failed is tried
 again every `retry_s` while any is missing, and the fill returns once all are there."""
 
@@ -34,6 +34,9 @@ async def fill_mirror(
     current = config()
     engines = current.engines
     archives = [a for source in (engines.llamacpp, engines.vllm, engines.sglang) if source for a in source.archives]
+    build = getattr(engines.llamacpp, "build", None) if engines.llamacpp.enabled and engines.llamacpp.version else None
+    if build is not None:
+        archives.append(build)  # the source the nodes build llama.cpp from: fetched the same way
     while True:
         missing = [a for a in archives if a.sha256 not in artifacts.available()]
         if not missing:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw.config import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
+from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 
 # 2: engine wants carry unpack caps and download sizes (EngineWant, EngineArchive), weights
 # their download cap (WeightsSource) — fields an agent of version 1 would refuse.
-PROTOCOL_VERSION = 2
+# 3: llama.cpp's source to build (EngineWant.build), pip's indexes (EngineWant.index_url,
+# extra_index_urls), an engine's install state and progress (EngineStatus.state, phase, percent).
+PROTOCOL_VERSION = 3
 
 # The agent port (server.toml's agent_listen: one TLS port, node certificates required) serves
 # two things: the link, a WebSocket at AGENT_PATH whose upgrade request names the node in
@@ -273,6 +275,19 @@ class EngineArchive:
 
 
 @attrs.frozen(kw_only=True)
+class EngineBuild:
+    """Source to build the engine from on a node that no archive fits (llama.cpp only)."""
+
+    url: str
+    sha256: str
+    mirrored: bool = False  # the control plane has it: fetch it over the link's port instead
+    size: int = 0  # server.toml's size of the source archive in bytes; 0: not given
+    max_bytes: int = 0  # without size or Content-Length, the most the download may bring; 0: the agent's default
+    jobs: int = 0  # parallel compile jobs; 0: the node decides from its cores and memory
+    timeout_s: float = DEFAULT_BUILD_TIMEOUT_S  # the build is stopped after this long
+
+
+@attrs.frozen(kw_only=True)
 class EngineWant:
     """An engine the control plane wants on the node. version "" = the operator's install."""
 
@@ -286,6 +301,7 @@ class EngineWant:
     # sends none and the defaults apply.
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
     max_members: int = DEFAULT_MAX_MEMBERS
+    build: EngineBuild | None = None  # no archive fits the node: build it from this source
 
 
 @attrs.frozen(kw_only=True)

