@@ -90,7 +90,8 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         node = plane.registry.nodes.get("node-a")
         return next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
 
-    await wait_for(lambda: llama() is not None)
+    # Its install's progress comes first ("installing", phase fetch...), then the outcome.
+    await wait_for(lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING)
     status = llama()
     if works:
         assert status.ok and status.version == "b4242"
