@@ -26,7 +26,7 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.store import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -63,13 +63,14 @@ async def start_plane(
 ) -> Plane:
     ca = make_state(state, sans=sans, days=30)
     config = ServerConfig(
+        engines=OFFLINE_ENGINES,
         server=ServerSection(
             state_dir=str(state),
             agent_listen=f"{listen}:0",
             http_listen="127.0.0.1:0",
             heartbeat_interval_s=0.05,
             heartbeat_ttl_s=heartbeat_ttl_s,
-        )
+        ),
     )
     control_plane = ControlPlane.open(config, state)
     bound = await nursery.start(control_plane.serve)

@@ -14,7 +14,7 @@ from llmgw import cli
 from llmgw.commands import ca as ca_command
 from llmgw.pki.ca import CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_cert, write_node_key_and_csr
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.proc import run_llmgw
 
 Capsys = pytest.CaptureFixture[str]
@@ -250,7 +250,7 @@ async def test_issue_while_the_control_plane_runs_records_through_it(
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
     listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane.open(ServerConfig(server=listen), state)
+    plane = ControlPlane.open(ServerConfig(engines=OFFLINE_ENGINES, server=listen), state)
     await nursery.start(plane.serve)
 
     def opened(*_: object) -> Store:
@@ -280,7 +280,7 @@ async def test_issue_while_the_control_plane_cannot_record_prints_no_certificate
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
     listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane.open(ServerConfig(server=listen), state)
+    plane = ControlPlane.open(ServerConfig(engines=OFFLINE_ENGINES, server=listen), state)
     await nursery.start(plane.serve)
     capsys.readouterr()
     other = sqlite3.connect(str(store_path(state)), isolation_level=None)

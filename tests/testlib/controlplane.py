@@ -18,6 +18,11 @@ from llmgw.pki.files import init_ca, issue_server_cert, issue_to_dir, load_ca, n
 from llmgw.wire import agent_link as w
 from testlib.cluster import free_port
 
+# The engines of an in-process control plane in a test: llama.cpp as the operator's install
+# (version ""), so nothing is fetched from the internet (the default's source to build, which
+# the mirror fetches at start) and nothing built (minutes of CPU); these tests serve sim models.
+OFFLINE_ENGINES = EnginesSection(llamacpp=LlamacppSource(version=""))
+
 
 def make_state(state: Path, *, sans: Sequence[str] = ("127.0.0.1",), days: int = 3) -> CA:
     """What `llmgw ca init` leaves in a control plane's state directory; returns the CA."""
@@ -81,9 +86,7 @@ def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
         server=ServerSection(
             state_dir=str(state), agent_listen=f"127.0.0.1:{port}", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
         ),
-        # llama.cpp as the operator's install (version ""), as before it was built on each node by
-        # default: these tests serve sim models, and a build costs minutes of CPU.
-        engines=EnginesSection(llamacpp=LlamacppSource(version="")),
+        engines=OFFLINE_ENGINES,
         models=models,
     )
     return Local(state=state, ca=ca, port=port, config=config)

@@ -57,7 +57,9 @@ ZERO_FAILURE_FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition
 
 
 def catalog(output_token_ms: int) -> str:
+    # Sim models only: no node is asked for llama.cpp (the default would have each build it).
     return (
+        "[engines.llamacpp]\nenabled = false\n\n"
         f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
         f'args = ["--output-token-ms", "{output_token_ms}"]\n'
     )

@@ -147,3 +147,36 @@ async def test_llamacpp_off_or_the_operators_own_has_no_source_to_mirror(tmp_pat
         with trio.fail_after(5):  # nothing to fetch: returns at once, touching no network
             await fill_mirror(lambda config=config: config, plane.endpoint.artifacts, plane.push_all)
         assert not (state / "artifacts").exists()
+
+
+async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """A control plane with no node yet downloads nothing for llama.cpp; the first node it knows
+    starts the fetch (the node then builds from the mirror)."""
+    from llmgw.http.server import Response, bound_address, serve_http
+
+    data = os.urandom(20_000)
+    hits = []
+
+    async def origin(request):
+        hits.append(request.path)
+        return Response(status=200, body=data)
+
+    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
+    host, port = bound_address(listeners)
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    source = EngineBuild(url=f"http://{host}:{port}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
+    config = ServerConfig(
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
+        engines=EnginesSection(llamacpp=LlamacppSource(build=source)),
+    )
+    plane = ControlPlane.open(config, state)
+    await nursery.start(plane.serve)
+    await trio.sleep(0.5)  # the plane runs, its mirror fill too: no node, no fetch
+    assert hits == [] and source.sha256 not in plane.endpoint.artifacts.available()
+    plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)
+    plane.changes.node_changed()
+    with trio.fail_after(10):
+        while source.sha256 not in plane.endpoint.artifacts.available():
+            await trio.sleep(0.05)
+    assert hits == ["/src.tar.gz"]

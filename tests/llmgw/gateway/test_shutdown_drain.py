@@ -14,7 +14,7 @@ from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.server.gateway.app import StaticEndpoints
 from testlib.cluster import free_port
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.gateway import chat, request
 
 pytestmark = pytest.mark.trio
@@ -27,6 +27,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     state = tmp_path / "cp"
     make_state(state)
     config = ServerConfig(
+        engines=OFFLINE_ENGINES,
         server=ServerSection(state_dir=str(state), agent_listen=f"127.0.0.1:{free_port()}", http_listen="127.0.0.1:0"),
     )
     plane = ControlPlane.open(config, state)

@@ -12,7 +12,7 @@ from llmgw.config import ServerConfig, ServerSection
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError, UsageError
 from llmgw.server.app import ControlPlane
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -22,7 +22,8 @@ async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, 
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
-        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+        engines=OFFLINE_ENGINES,
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
     )
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)
@@ -88,6 +89,7 @@ async def test_replicas_and_models_say_what_is_pending_and_why(tmp_path: Path, n
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
+        engines=OFFLINE_ENGINES,
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
         models=(Model(name="big", engine="sim", nodes_per_replica=2),),
     )

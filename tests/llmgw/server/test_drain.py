@@ -11,7 +11,7 @@ import trio
 from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -22,7 +22,9 @@ async def plane_with(tmp_path: Path, nursery: trio.Nursery, nodes: list[str], re
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
-        server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=replicas),)
+        engines=OFFLINE_ENGINES,
+        server=ServerSection(state_dir=str(state)),
+        models=(Model(name="chat", engine="sim", replicas=replicas),),
     )
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.drains.serve)

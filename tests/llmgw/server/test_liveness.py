@@ -13,7 +13,7 @@ from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.server.liveness import serve_liveness
 from llmgw.wire import agent_link as w
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -35,7 +35,9 @@ def hello(node_id: str) -> w.Hello:
 async def plane(tmp_path: Path) -> ControlPlane:
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
-    return ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+    return ControlPlane.open(
+        ServerConfig(engines=OFFLINE_ENGINES, server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state
+    )
 
 
 def reconciler(plane: ControlPlane):
@@ -81,7 +83,9 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_and_the_reco
     store.saw_node("old", "127.0.0.3")
     store.set_cordoned("old", True)
     store.close()
-    plane = ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state)
+    plane = ControlPlane.open(
+        ServerConfig(engines=OFFLINE_ENGINES, server=ServerSection(state_dir=str(state), heartbeat_ttl_s=TTL)), state
+    )
     assert plane.registry.nodes["old"].cordoned  # operator intent survives the restart
     async with trio.open_nursery() as nursery:
         await nursery.start(reconciler(plane))

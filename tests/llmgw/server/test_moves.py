@@ -14,7 +14,7 @@ from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.wire import agent_link as w
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -53,7 +53,9 @@ async def crowded_plane(tmp_path: Path, nursery: trio.Nursery) -> ControlPlane:
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
-        server=ServerSection(state_dir=str(state)), models=(Model(name="chat", engine="sim", replicas=2),)
+        engines=OFFLINE_ENGINES,
+        server=ServerSection(state_dir=str(state)),
+        models=(Model(name="chat", engine="sim", replicas=2),),
     )
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.drains.serve)

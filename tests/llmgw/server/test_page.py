@@ -20,7 +20,7 @@ from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
 from llmgw.server.app import ControlPlane
 from llmgw.server.sessions import SessionBook
-from testlib.controlplane import make_state
+from testlib.controlplane import OFFLINE_ENGINES, make_state
 
 pytestmark = pytest.mark.trio
 
@@ -30,7 +30,8 @@ async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, 
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
-        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+        engines=OFFLINE_ENGINES,
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
     )
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)

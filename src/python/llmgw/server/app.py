@@ -181,7 +181,7 @@ class ControlPlane:
             await nursery.start(run, "liveness", serve_liveness, self.registry, self.replicas, self.changes, self.push)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
-            mirror = partial(fill_mirror, retry_s=self.mirror_retry_s)
+            mirror = partial(fill_mirror, node_known=self._a_node_is_known, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.endpoint.artifacts, self.push_all)
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
@@ -212,6 +212,14 @@ class ControlPlane:
                 socket_activation=bool(agent_sockets or http_sockets),
             )
             task_status.started(bound)
+
+    async def _a_node_is_known(self) -> None:
+        """Returns once the registry knows a node (one recorded earlier, or one joining)."""
+        while True:
+            changed = self.changes.nodes.next()
+            if self.registry.nodes:
+                return
+            await changed.wait()
 
     async def handle_http(self, request: Request) -> Response | StreamingResponse:
         if is_admin_path(request.path):
