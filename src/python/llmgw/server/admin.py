@@ -80,6 +80,7 @@ class Plane(Protocol):
     async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress: ...
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None: ...
     async def remove_node(self, node_id: str) -> dict[str, Any]: ...
+    def certificate_recorded(self) -> None: ...
 
 
 @attrs.frozen
@@ -182,7 +183,10 @@ class AdminAPI:
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
-            return await certificates(self.plane.store, request)
+            response = await certificates(self.plane.store, request)
+            if request.method == "POST":
+                self.plane.certificate_recorded()  # a node is on its way: its engines' sources are fetched
+            return response
         m = _NODE_ACTION.match(request.path)
         if m is None:
             raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")

@@ -89,6 +89,7 @@ class ControlPlane:
         self.ssl_context = ssl_context  # the agent endpoint's: the server certificate, agents' CA
         self.store = store
         self.changes = Changes()
+        self._node_coming = False  # a node certificate was issued since start
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=trio.current_time(),
@@ -213,11 +214,17 @@ class ControlPlane:
             )
             task_status.started(bound)
 
+    def certificate_recorded(self) -> None:
+        """A node certificate was issued (`node add`, `ca issue`): a node will join."""
+        self._node_coming = True
+        self.changes.node_changed()
+
     async def _a_node_is_known(self) -> None:
-        """Returns once the registry knows a node (one recorded earlier, or one joining)."""
+        """Returns once the registry knows a node, or a node certificate was issued (`node add`
+        records it before it installs the agent: the mirror fetches meanwhile)."""
         while True:
             changed = self.changes.nodes.next()
-            if self.registry.nodes:
+            if self.registry.nodes or self._node_coming:
                 return
             await changed.wait()
 
