@@ -33,6 +33,7 @@ from llmgw.wire.errors import WireError
 log = get_logger("llmgw.agent.link")
 
 CONNECT_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 30.0  # one message written to the control plane; past it the link is as good as down
 
 
 @attrs.frozen(kw_only=True)
@@ -226,11 +227,16 @@ class AgentLink:
         ws, session = self._ws, self._session
         if ws is None or session is None or not self.state.connected or not session.can_send(type(message)):
             return False
-        try:
-            await ws.send_message(session.send(message))
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return True
+        frame = session.send(message)
+        # A write cancelled halfway would leave half a frame on the TLS stream and break the link
+        # for everyone (an install's progress reporter is cancelled when the install ends): the
+        # write is shielded from the caller's cancellation, and bounded by its own deadline.
+        with trio.CancelScope(shield=True), trio.move_on_after(SEND_TIMEOUT_S) as deadline:
+            try:
+                await ws.send_message(frame)
+            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+        return not deadline.cancelled_caught
 
     async def _receive(self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession) -> s.Event:
         """The next event; `SessionRefused` when the control plane closes the link or sends what
