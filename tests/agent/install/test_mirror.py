@@ -42,6 +42,20 @@ async def mirror(tmp_path: Path, nursery: trio.Nursery):
     return plane, state, ctx, base, node
 
 
+async def serve_origin(nursery: trio.Nursery, data: bytes) -> tuple[str, int, list[str]]:
+    """An upstream on loopback that answers every GET with `data`; the paths asked, in order."""
+    from llmgw.http.server import Response, bound_address, serve_http
+
+    hits: list[str] = []
+
+    async def origin(request):
+        hits.append(request.path)
+        return Response(status=200, body=data)
+
+    host, port = bound_address(await nursery.start(serve_http, origin, "127.0.0.1", 0))
+    return host, port, hits
+
+
 async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirror, tmp_path: Path) -> None:
     plane, state, ctx, base, _ = mirror
     data = os.urandom(2 << 20)
@@ -76,18 +90,10 @@ async def test_a_revoked_node_gets_nothing(mirror, tmp_path: Path) -> None:
 
 async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path, nursery: trio.Nursery) -> None:
     from llmgw.config import EngineArchive, EngineSource, EnginesSection
-    from llmgw.http.server import Response, bound_address, serve_http
 
     data = os.urandom(100_000)
     digest = hashlib.sha256(data).hexdigest()
-    hits = []
-
-    async def origin(request):
-        hits.append(request.path)
-        return Response(status=200, body=data)
-
-    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
-    host, port = bound_address(listeners)
+    host, port, hits = await serve_origin(nursery, data)
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     engines = EnginesSection(
@@ -111,18 +117,9 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
 async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says_so(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    from llmgw.http.server import Response, bound_address, serve_http
-
     data = os.urandom(50_000)
     digest = hashlib.sha256(data).hexdigest()
-    hits = []
-
-    async def origin(request):
-        hits.append(request.path)
-        return Response(status=200, body=data)
-
-    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
-    host, port = bound_address(listeners)
+    host, port, hits = await serve_origin(nursery, data)
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     source = EngineBuild(url=f"http://{host}:{port}/llama-src.tar.gz", sha256=digest, size=len(data))
@@ -152,17 +149,9 @@ async def test_llamacpp_off_or_the_operators_own_has_no_source_to_mirror(tmp_pat
 async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: Path, nursery: trio.Nursery) -> None:
     """A control plane with no node yet downloads nothing for llama.cpp; the first node it knows
     starts the fetch (the node then builds from the mirror)."""
-    from llmgw.http.server import Response, bound_address, serve_http
 
     data = os.urandom(20_000)
-    hits = []
-
-    async def origin(request):
-        hits.append(request.path)
-        return Response(status=200, body=data)
-
-    listeners = await nursery.start(serve_http, origin, "127.0.0.1", 0)
-    host, port = bound_address(listeners)
+    host, port, hits = await serve_origin(nursery, data)
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     source = EngineBuild(url=f"http://{host}:{port}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
