@@ -122,6 +122,12 @@ class AgentLink:
                 reason = "the control plane closed the link"
             except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
                 reason = self.reason_of(exc)
+            except BaseException as exc:
+                if find(exc, trio.Cancelled) is not None:
+                    # Cancelled while the session also failed (a refusal arriving as the agent
+                    # stops): being cancelled wins, not the failure beside it.
+                    await trio.lowlevel.checkpoint()
+                raise
             if self.state.sessions > sessions_before:
                 failures = 0  # the link was up: a control-plane restart gets a prompt reconnect
             self.state.connected = False

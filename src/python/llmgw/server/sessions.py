@@ -140,7 +140,7 @@ def set_cookie(value: str, max_age_s: float) -> str:
     # HttpOnly: the page's scripts never see it. SameSite=Strict: no other site's page makes the
     # browser send it. Path=/: the page and the admin API. No Secure: the admin URL is plain HTTP
     # on a trusted network (docs/security.md); a TLS-terminating proxy in front may add it.
-    return f"{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={int(max_age_s)}"
+    return f"{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max(0, round(max_age_s))}"
 
 
 def clear_cookie() -> str:
