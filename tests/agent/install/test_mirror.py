@@ -20,6 +20,7 @@ from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.server.mirror import fill_mirror
 from testlib.controlplane import make_state
+from testlib.fileserver import serve_files
 
 pytestmark = pytest.mark.trio
 
@@ -40,20 +41,6 @@ async def mirror(tmp_path: Path, nursery: trio.Nursery):
     ctx = client_ssl_context(node.ca_cert, node.cert, node.key)
     base = f"https://127.0.0.1:{bound.agent_address[1]}/v1/artifacts"
     return plane, state, ctx, base, node
-
-
-async def serve_origin(nursery: trio.Nursery, data: bytes) -> tuple[str, int, list[str]]:
-    """An upstream on loopback that answers every GET with `data`; the paths asked, in order."""
-    from llmgw.http.server import Response, bound_address, serve_http
-
-    hits: list[str] = []
-
-    async def origin(request):
-        hits.append(request.path)
-        return Response(status=200, body=data)
-
-    host, port = bound_address(await nursery.start(serve_http, origin, "127.0.0.1", 0))
-    return host, port, hits
 
 
 async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirror, tmp_path: Path) -> None:
@@ -93,15 +80,14 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
 
     data = os.urandom(100_000)
     digest = hashlib.sha256(data).hexdigest()
-    host, port, hits = await serve_origin(nursery, data)
+    files, origin = await serve_files(nursery)
+    files.content["/llama.tgz"] = data
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     engines = EnginesSection(
         llamacpp=EngineSource(
             version="b1",
-            archives=(
-                EngineArchive(arch="x86_64", url=f"http://{host}:{port}/llama.tgz", sha256=digest, binary="bin/x"),
-            ),
+            archives=(EngineArchive(arch="x86_64", url=f"{origin}/llama.tgz", sha256=digest, binary="bin/x"),),
         )
     )
     config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines)
@@ -110,7 +96,7 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
         await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
         await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
     assert (state / "artifacts" / digest).read_bytes() == data
-    assert hits == ["/llama.tgz"]
+    assert files.gets == ["/llama.tgz"]
     assert digest in plane.endpoint.artifacts.available()
 
 
@@ -119,10 +105,11 @@ async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says
 ) -> None:
     data = os.urandom(50_000)
     digest = hashlib.sha256(data).hexdigest()
-    host, port, hits = await serve_origin(nursery, data)
+    files, origin = await serve_files(nursery)
+    files.content["/llama-src.tar.gz"] = data
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
-    source = EngineBuild(url=f"http://{host}:{port}/llama-src.tar.gz", sha256=digest, size=len(data))
+    source = EngineBuild(url=f"{origin}/llama-src.tar.gz", sha256=digest, size=len(data))
     engines = EnginesSection(llamacpp=LlamacppSource(build=source))
     plane = ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines), state)
     [before] = engines_for(engines, None, plane.endpoint.artifacts.available())
@@ -130,7 +117,7 @@ async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says
     with trio.fail_after(10):
         await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
         await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
-    assert hits == ["/llama-src.tar.gz"]
+    assert files.gets == ["/llama-src.tar.gz"]
     [after] = engines_for(engines, None, plane.endpoint.artifacts.available())
     assert after.build is not None and after.build.mirrored and after.build.sha256 == digest
 
@@ -151,10 +138,11 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     starts the fetch (the node then builds from the mirror)."""
 
     data = os.urandom(20_000)
-    host, port, hits = await serve_origin(nursery, data)
+    files, origin = await serve_files(nursery)
+    files.content["/src.tar.gz"] = data
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
-    source = EngineBuild(url=f"http://{host}:{port}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
+    source = EngineBuild(url=f"{origin}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
     config = ServerConfig(
         server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
         engines=EnginesSection(llamacpp=LlamacppSource(build=source)),
@@ -162,10 +150,10 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.serve)
     await trio.sleep(0.5)  # the plane runs, its mirror fill too: no node, no fetch
-    assert hits == [] and source.sha256 not in plane.endpoint.artifacts.available()
+    assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
     plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)
     plane.changes.node_changed()
     with trio.fail_after(10):
         while source.sha256 not in plane.endpoint.artifacts.available():
             await trio.sleep(0.05)
-    assert hits == ["/src.tar.gz"]
+    assert files.gets == ["/src.tar.gz"]
