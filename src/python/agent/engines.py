@@ -88,6 +88,7 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
                 max_unpacked_bytes=want.max_unpacked_bytes,
                 max_members=want.max_members,
                 cache_dir=config.build_cache,
+                mirrored=build.mirrored,
             ),
             check_args=check,
         )
@@ -108,6 +109,7 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
             max_members=want.max_members,
             size=archive.size,
             max_bytes=archive.max_bytes,
+            mirrored=archive.mirrored,
         ),
         check_args=check,
     )
@@ -206,9 +208,7 @@ async def _reconcile(
     for want in state.engines:
         try:
             plan = wanted_from(want, config, inv.arch, bool(inv.gpus))
-            archive = pick_archive(want, inv.arch, bool(inv.gpus)) if want.archives else None
-            fetched = archive if isinstance(plan.source, ArchiveSource) else None
-            fetched = want.build if isinstance(plan.source, BuildSource) else fetched
+            fetched = plan.source if isinstance(plan.source, (ArchiveSource, BuildSource)) else None
             mirror = (
                 f"https://{host.hostname}:{host.port}{w.ARTIFACTS_PREFIX}{fetched.sha256}"
                 if fetched is not None and fetched.mirrored

@@ -65,6 +65,7 @@ class ArchiveSource:
     max_members: int = DEFAULT_MAX_MEMBERS
     size: int = 0  # server.toml's size of the archive; 0: not given
     max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
+    mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +102,7 @@ class BuildSource:
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
     max_members: int = DEFAULT_MAX_MEMBERS
     cache_dir: str = ""  # keep and reuse finished builds here ("" = none)
+    mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
 
 
 @attrs.frozen(kw_only=True)
