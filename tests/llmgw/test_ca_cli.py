@@ -14,7 +14,7 @@ from llmgw import cli
 from llmgw.commands import ca as ca_command
 from llmgw.pki.ca import CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_cert, write_node_key_and_csr
-from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.controlplane import make_state, serve_plane
 from testlib.proc import run_llmgw
 
 Capsys = pytest.CaptureFixture[str]
@@ -242,16 +242,12 @@ async def test_issue_while_the_control_plane_runs_records_through_it(
 ) -> None:
     import trio
 
-    from llmgw.config import ServerConfig, ServerSection
     from llmgw.ctl.client import AdminClient
-    from llmgw.server.app import ControlPlane
     from llmgw.server.store import Store
 
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
-    listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane.open(ServerConfig(engines=OFFLINE_ENGINES, server=listen), state)
-    await nursery.start(plane.serve)
+    plane, _ = await serve_plane(state, nursery)
 
     def opened(*_: object) -> Store:
         raise AssertionError("`ca issue` opened the database while the control plane runs")
@@ -273,15 +269,11 @@ async def test_issue_while_the_control_plane_cannot_record_prints_no_certificate
 
     import trio
 
-    from llmgw.config import ServerConfig, ServerSection
-    from llmgw.server.app import ControlPlane
     from llmgw.server.store import store_path
 
     state = tmp_path / "state"
     make_state(state)  # as `ca init` leaves it; not through the CLI, which would point logging at setup's stderr
-    listen = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane.open(ServerConfig(engines=OFFLINE_ENGINES, server=listen), state)
-    await nursery.start(plane.serve)
+    plane, _ = await serve_plane(state, nursery)
     capsys.readouterr()
     other = sqlite3.connect(str(store_path(state)), isolation_level=None)
     other.execute("BEGIN IMMEDIATE")  # a sqlite3 shell in a transaction

@@ -92,6 +92,16 @@ def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
     return Local(state=state, ca=ca, port=port, config=config)
 
 
+async def serve_plane(state: Path, nursery: trio.Nursery, *, engines: EnginesSection = OFFLINE_ENGINES):
+    """A control plane on `state` (made with `make_state`) serving in `nursery`, both listeners on
+    loopback ports of the system's choosing; the plane and its bound addresses."""
+    from llmgw.server.app import ControlPlane  # here: most users of this module need no control plane
+
+    server = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    plane = ControlPlane.open(ServerConfig(server=server, engines=engines), state)
+    return plane, await nursery.start(plane.serve)
+
+
 async def wait_for(predicate, what: str, timeout: float = 30):
     """Poll `predicate` until it gives something true, which is returned; bounded."""
     try:

@@ -19,7 +19,7 @@ from llmgw.pki.files import issue_to_dir, load_cert
 from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.server.mirror import fill_mirror
-from testlib.controlplane import make_state
+from testlib.controlplane import make_state, serve_plane
 from testlib.fileserver import serve_files
 
 pytestmark = pytest.mark.trio
@@ -29,14 +29,7 @@ pytestmark = pytest.mark.trio
 async def mirror(tmp_path: Path, nursery: trio.Nursery):
     state = tmp_path / "cp"
     ca = make_state(state, sans=["127.0.0.1"], days=3)
-    plane = ControlPlane.open(
-        ServerConfig(
-            server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
-            engines=EnginesSection(llamacpp=LlamacppSource(version="")),  # no source to mirror but the test's
-        ),
-        state,
-    )
-    bound = await nursery.start(plane.serve)
+    plane, bound = await serve_plane(state, nursery)  # llama.cpp the operator's: no source to mirror but the test's
     node = issue_to_dir(ca, "node-a", tmp_path / "node", validity_days=3)
     ctx = client_ssl_context(node.ca_cert, node.cert, node.key)
     base = f"https://127.0.0.1:{bound.agent_address[1]}/v1/artifacts"
@@ -143,12 +136,7 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     source = EngineBuild(url=f"{origin}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
-    config = ServerConfig(
-        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
-        engines=EnginesSection(llamacpp=LlamacppSource(build=source)),
-    )
-    plane = ControlPlane.open(config, state)
-    await nursery.start(plane.serve)
+    plane, _ = await serve_plane(state, nursery, engines=EnginesSection(llamacpp=LlamacppSource(build=source)))
     await trio.sleep(0.5)  # the plane runs, its mirror fill too: no node, no fetch
     assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
     plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)

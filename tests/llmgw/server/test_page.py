@@ -15,12 +15,11 @@ import pytest
 import trio
 
 from llmgw import paths
-from llmgw.config import ServerConfig, ServerSection
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
 from llmgw.server.app import ControlPlane
 from llmgw.server.sessions import SessionBook
-from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.controlplane import make_state, serve_plane
 
 pytestmark = pytest.mark.trio
 
@@ -29,12 +28,7 @@ pytestmark = pytest.mark.trio
 async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, Path]:
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
-    config = ServerConfig(
-        engines=OFFLINE_ENGINES,
-        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
-    )
-    plane = ControlPlane.open(config, state)
-    await nursery.start(plane.serve)
+    plane, _ = await serve_plane(state, nursery)
     await plane.store.saw_node("n1", "127.0.0.5")
     plane.registry.know("n1", address="127.0.0.5")
     return plane, state
