@@ -43,6 +43,8 @@ PACKAGES = (
     "curl",
     "ca-certificates",
     "cloud-init",
+    # The llama-server the tests build on this machine runs on the test machines too (OpenMP).
+    "libgomp1",
     # debootstrap resolves no virtual package: python3-cryptography (cloud-init's) needs the
     # python3-cffi-backend-api-* that only this one provides.
     "python3-cffi-backend",

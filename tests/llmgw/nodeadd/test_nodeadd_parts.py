@@ -22,6 +22,7 @@ from llmgw.nodeadd.questions import Unattended
 from llmgw.pki.ca import CertInfo
 from llmgw.pki.files import init_ca, issue_server_cert, load_ca
 from testlib.needs import program
+from testlib.proc import build_root
 
 
 def test_agent_toml_is_what_the_agent_loads(tmp_path: Path) -> None:
@@ -58,6 +59,20 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     broken.write_text(layout.systemd_unit(bin_path=sys.executable).replace("Restart=always", "Restart=sometimes"))
     out = subprocess.run(["systemd-analyze", "verify", str(broken)], capture_output=True, text=True, timeout=60)
     assert "sometimes" in out.stderr  # verify does read what is written
+
+
+def test_the_unit_sets_each_hardening_and_says_why_for_each_it_leaves_out() -> None:
+    lines = layout.systemd_unit().splitlines()
+    service = lines[lines.index("[Service]") : lines.index("[Install]")]
+    directives = dict(line.split("=", 1) for line in service if "=" in line and not line.startswith("#"))
+    for key, value in layout.HARDENING:
+        assert directives[key] == value
+    for key, why in layout.NOT_HARDENED:
+        assert key not in directives
+        assert f"#   {key}: {why}" in service
+    docs = (build_root() / "docs" / "node-onboarding.md").read_text()
+    for key, _ in (*layout.HARDENING, *layout.NOT_HARDENED):
+        assert f"`{key}" in docs, f"docs/node-onboarding.md does not name {key}"
 
 
 def test_probe_output_is_read_from_stdout_only() -> None:

@@ -213,7 +213,50 @@ def agent_toml(
 _KEPT = ("nvidia_smi", "ib_root", "sminfo", "weights_dir", "source_address")
 
 
+# The sandboxing the agent's unit sets, and each one it does not with the reason: the unit
+# carries both (as comments), docs/node-onboarding.md shows them, and a test keeps them agreeing.
+HARDENING = (
+    ("NoNewPrivileges", "yes"),
+    ("ProtectKernelTunables", "yes"),
+    ("ProtectKernelLogs", "yes"),
+    ("ProtectControlGroups", "yes"),
+    ("ProtectHostname", "yes"),
+    ("RestrictSUIDSGID", "yes"),
+    ("RestrictNamespaces", "yes"),
+    ("RestrictRealtime", "yes"),
+    ("LockPersonality", "yes"),
+    ("SystemCallArchitectures", "native"),
+    # System calls and capabilities no agent, engine, build or package install uses; a call that
+    # is refused fails with EPERM rather than killing the process.
+    ("SystemCallFilter", "~@clock @cpu-emulation @obsolete @reboot @swap"),
+    ("SystemCallErrorNumber", "EPERM"),
+    (
+        "CapabilityBoundingSet",
+        "~CAP_SYS_BOOT CAP_SYS_TIME CAP_WAKE_ALARM CAP_SYS_PACCT CAP_SYS_TTY_CONFIG CAP_LINUX_IMMUTABLE "
+        "CAP_BLOCK_SUSPEND CAP_MAC_ADMIN CAP_MAC_OVERRIDE CAP_AUDIT_CONTROL CAP_AUDIT_READ",
+    ),
+    ("UMask", "0077"),
+)
+NOT_HARDENED = (
+    ("ProtectSystem", "the agent installs infiniband-diags with apt-get or dnf where a fabric needs sminfo, "
+     "which writes /usr and /etc"),
+    ("ProtectHome", "pip, Hugging Face and the engines' compile caches live under root's home"),
+    ("PrivateTmp", "engines outlive an agent restart (KillMode=process) and a unit's private /tmp is deleted "
+     "when it stops, under the engines still using it"),
+    ("PrivateDevices", "engines need the GPUs (/dev/nvidia*) and InfiniBand (/dev/infiniband)"),
+    ("ProtectClock", "it implies a device allow-list, which would close /dev/nvidia* too"),
+    ("ProtectKernelModules", "nvidia-smi and CUDA load the nvidia modules through nvidia-modprobe where "
+     "nothing loaded them at boot"),
+    ("MemoryDenyWriteExecute", "Python's cffi, CUDA's PTX JIT, Triton and torch.compile write code at run time"),
+    ("RestrictAddressFamilies", "RDMA (rdma_cm, NCCL over InfiniBand) uses AF_IB and netlink families beyond "
+     "AF_INET/AF_UNIX"),
+    ("User", "the agent installs engines and system packages, and runs engines with the GPUs, as root"),
+)  # fmt: skip
+
+
 def systemd_unit(*, bin_path: str = BIN, config_path: str = CONFIG) -> str:
+    hardening = "\n".join(f"{key}={value}" for key, value in HARDENING)
+    not_set = "\n".join(f"#   {key}: {why}" for key, why in NOT_HARDENED)
     return f"""\
 # Written by `llmgw node add`; running it again rewrites this file.
 [Unit]
@@ -232,6 +275,11 @@ RestartSec=2
 # So only the agent's own process is signalled, not the rest of its control group.
 KillMode=process
 TimeoutStopSec=30
+
+# Sandboxing, as far as the agent allows (docs/node-onboarding.md, "The agent's unit").
+{hardening}
+# Not set, and why:
+{not_set}
 
 [Install]
 WantedBy=multi-user.target
