@@ -140,6 +140,8 @@ class Machine:
                     "--register=no",
                     "--keep-unit",
                     f"--network-namespace-path=/run/netns/{self.net.name}",
+                    # The namespace is the machine's own: it may configure it (ifupdown, cloud-init).
+                    "--capability=CAP_NET_ADMIN",
                     f"--machine={self.name}",
                     "--console=passive",
                     f"--directory={self.merged}",
