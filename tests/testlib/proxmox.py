@@ -184,7 +184,9 @@ def qm(state: Path, argv: list[str]) -> None:
         print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':>10} {'BOOTDISK(GB)':>12} {'PID':>10}")
         for path in sorted((state / "vms").glob("*.json"), key=lambda p: int(p.stem)):
             conf = json.loads(path.read_text())
-            print(f"{path.stem:>10} {conf.get('name', ''):<20} {conf['status']:<10} {conf.get('memory', 2048):>10} {0:>12.2f} {0:>10}")
+            print(
+                f"{path.stem:>10} {conf.get('name', ''):<20} {conf['status']:<10} {conf.get('memory', 2048):>10} {0:>12.2f} {0:>10}"
+            )
         return
     if cmd in ("status", "config", "start", "set", "create", "destroy"):
         vmid = rest[0]
@@ -260,7 +262,9 @@ def pvesm(state: Path, argv: list[str]) -> None:
         for name, store in sorted(stores.items()):
             if "content" in opts and opts["content"] not in store["content"]:
                 continue
-            print(f"{name:<16} {store['type']:<8} {store['status']:<10} {1 << 30:>15} {0:>15} {1 << 30:>15} {'0.00%':>8}")
+            print(
+                f"{name:<16} {store['type']:<8} {store['status']:<10} {1 << 30:>15} {0:>15} {1 << 30:>15} {'0.00%':>8}"
+            )
         return
     if cmd == "path":
         volid = rest[0]
