@@ -22,6 +22,7 @@ from testlib.proc import build_root
 
 EVERYTHING = {item for need in NEEDS for item in need.provides} | {prepare.APT_GET}
 BUILD = Path("/checkout/tools/llama/build-llama-server")
+DEBIAN = Path("/checkout/tools/testenv/debian_root.py")
 
 
 class Fake:
@@ -35,6 +36,7 @@ class Fake:
         apt_status: int = 0,
         installs: dict[str, set[str]] | None = None,
         llama: str = "cached",
+        debian: str = "cached",
         env: dict | None = None,
     ) -> None:
         self.present = set(present)
@@ -42,6 +44,7 @@ class Fake:
         self.apt_status = apt_status
         self.installs = installs or {}  # package -> what installing it provides
         self.llama = llama  # "cached", "missing", "fails"
+        self.debian = debian  # the same, for the Debian root
         self.ran: list[tuple[list[str], dict]] = []
         self.captured: list[list[str]] = []
         self.said: list[str] = []
@@ -64,6 +67,13 @@ class Fake:
 
     def _capture(self, argv: Sequence[str]) -> tuple[int, str]:
         self.captured.append(list(argv))
+        if argv[0] == str(DEBIAN):
+            if argv[1:] == ["--cached"]:
+                return (0, "/cache/root\n") if self.debian == "cached" else (prepare.NOT_BUILT, "")
+            if self.debian == "fails":
+                return 1, ""
+            self.debian = "cached"
+            return 0, "/cache/root\n"
         if argv[1:] == ["--cached"]:
             return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
         if self.llama == "fails":
@@ -85,7 +95,7 @@ def without(*items: str) -> set[str]:
 
 
 def run(fake: Fake) -> int:
-    return prepare.prepare(fake.machine, build=BUILD)
+    return prepare.prepare(fake.machine, build=BUILD, debian=DEBIAN)
 
 
 # -- packages ---------------------------------------------------------------------------------
@@ -96,7 +106,7 @@ def test_everything_there_as_root_says_nothing_and_runs_nothing_but_the_cache_ch
     assert run(fake) == 0
     assert fake.said == []
     assert fake.ran == []
-    assert fake.captured == [[str(BUILD), "--cached"]]
+    assert fake.captured == [[str(BUILD), "--cached"], [str(DEBIAN), "--cached"]]
 
 
 def test_as_root_only_the_missing_packages_are_installed_saying_what_and_why() -> None:
@@ -167,7 +177,7 @@ def test_one_package_with_several_programs_is_installed_once_naming_every_missin
 def test_an_unbuilt_llama_server_is_built_saying_why_and_how_long() -> None:
     fake = Fake(EVERYTHING, llama="missing", env={"LLAMA_BUILD_JOBS": "4"})
     assert run(fake) == 0
-    assert fake.captured == [[str(BUILD), "--cached"], [str(BUILD)]]
+    assert fake.captured == [[str(BUILD), "--cached"], [str(BUILD)], [str(DEBIAN), "--cached"]]
     [said] = fake.said
     assert said.startswith("llama-server is not built yet: the llama.cpp engine tests and node add's test node run")
     assert "with 4 jobs" in said and "about 5 minutes" in said
@@ -182,7 +192,7 @@ def test_a_failed_llama_build_stops_with_a_message() -> None:
 def test_llmgw_llama_server_overrides_the_build_when_it_runs() -> None:
     fake = Fake(EVERYTHING | {"/opt/llama-server"}, llama="missing", env={"LLMGW_LLAMA_SERVER": "/opt/llama-server"})
     assert run(fake) == 0
-    assert fake.captured == [["/opt/llama-server", "--version"]]
+    assert fake.captured == [["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
     assert fake.said == []
 
 
@@ -193,6 +203,32 @@ def test_an_llmgw_llama_server_that_does_not_run_stops_with_its_name() -> None:
         "LLMGW_LLAMA_SERVER=/nowhere/llama-server does not run (`/nowhere/llama-server --version` fails); "
         "fix it, or unset it to use the cached build"
     ]
+
+
+# -- the test machines' Debian root ----------------------------------------------------------
+
+
+def test_an_unbuilt_debian_root_is_made_saying_why_and_how_long() -> None:
+    fake = Fake(EVERYTHING, debian="missing")
+    assert run(fake) == 0
+    assert fake.captured[-2:] == [[str(DEBIAN), "--cached"], [str(DEBIAN)]]
+    [said] = fake.said
+    assert "Debian 12 root is not built yet" in said and "debootstrap" in said and "about a minute" in said
+
+
+def test_a_failed_debian_root_stops_with_a_message() -> None:
+    fake = Fake(EVERYTHING, debian="fails")
+    assert run(fake) == 1
+    assert (
+        fake.said[-1] == "building the test machines' Debian root failed (above); fix that and run ./pants test again"
+    )
+
+
+def test_not_root_never_runs_debootstrap() -> None:
+    fake = Fake(EVERYTHING, euid=1000, debian="missing")
+    assert run(fake) == 0
+    assert all(argv[0] != str(DEBIAN) for argv in fake.captured)
+    assert "boot test machines" in fake.text
 
 
 def test_not_root_with_everything_there_runs_and_says_which_tests_need_root() -> None:

@@ -76,14 +76,16 @@ def preflight() -> str:
 
 
 class NetNS:
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, *, address: bool = True) -> None:
         """`index` (1-250) picks the names and the /30 under 10.231.0.0/16 (default: one no
-        interface on this machine has)."""
+        interface on this machine has). `address=False` leaves the namespace's eth0 down and
+        without an address, for whatever runs inside to configure (cloud-init)."""
         index = free_index() if index is None else index
         self.name = f"llmgwc{os.getpid() % 10000}n{index}"
         self.veth = f"lgc{os.getpid() % 10000}n{index}"  # interface names: 15 characters at most
         self.host_addr = f"10.231.{index}.1"
         self.node_addr = f"10.231.{index}.2"
+        self.address = address
 
     def __enter__(self) -> NetNS:
         self.start()
@@ -98,11 +100,13 @@ class NetNS:
             _run("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.name)
             _run("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.veth)
             _run("ip", "link", "set", self.veth, "up")
-            for argv in (
-                ("ip", "link", "set", "lo", "up"),
-                ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),
-                ("ip", "link", "set", "eth0", "up"),
-            ):
+            inside = [("ip", "link", "set", "lo", "up")]
+            if self.address:
+                inside += [
+                    ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),
+                    ("ip", "link", "set", "eth0", "up"),
+                ]
+            for argv in inside:
                 self.run(*argv)
             mac = self.run("cat", "/sys/class/net/eth0/address").strip()
             _run("ip", "neigh", "replace", self.node_addr, "lladdr", mac, "dev", self.veth, "nud", "permanent")

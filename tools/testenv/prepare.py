@@ -9,6 +9,8 @@
    when running as root; otherwise it prints the one `apt-get install` command to run and exits 1.
 2. A built llama-server (tools/llama/build-llama-server, cached under ~/.cache/llmgw-llama), unless
    LLMGW_LLAMA_SERVER names one. The first build takes minutes and says so.
+3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
+   made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once.
 
 Everything there: it prints nothing and costs a few stat() calls and one
 `build-llama-server --cached` (a `--version` of the cached binary): 0.05-0.2 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
@@ -29,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_LLAMA = ROOT / "tools" / "llama" / "build-llama-server"
-NOT_BUILT = 3  # build-llama-server --cached: no binary in the cache
+DEBIAN_ROOT = ROOT / "tools" / "testenv" / "debian_root.py"
+NOT_BUILT = 3  # build-llama-server --cached / debian_root.py --cached: nothing in the cache
 # Where the programs are looked for, beyond PATH: sbin is not on a user's PATH on Debian.
 SYSTEM_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 APT_GET = "/usr/bin/apt-get"
@@ -57,6 +60,8 @@ NEEDS: tuple[Need, ...] = (
     Need("procps", ("ps",), "process tools on the test node"),
     Need("passwd", ("useradd",), "node add's sudo test makes a login on its node"),
     Need("systemd", ("systemd-analyze",), "the systemd units node add writes and the docs show are verified"),
+    Need("debootstrap", ("debootstrap",), "makes the Debian 12 root that the systemd test machines boot"),
+    Need("systemd-container", ("systemd-nspawn",), "boots the test machines with systemd as their init"),
     Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
     Need("cloud-init", ("cloud-init",), "llmgw-provision-node's user-data is checked by cloud-init's own schema"),
@@ -213,15 +218,39 @@ def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
     return True
 
 
-def prepare(m: Machine, build: Path = BUILD_LLAMA) -> int:
+def ensure_debian_root(m: Machine, script: Path = DEBIAN_ROOT) -> bool:
+    if m.euid() != 0:
+        return True  # debootstrap needs root; prepare() says which tests need it
+    status, _ = m.capture([str(script), "--cached"])
+    if status == 0:
+        return True
+    if status != NOT_BUILT:
+        m.say(f"{script} --cached failed with status {status}")
+        return False
+    m.say(
+        "the systemd test machines' Debian 12 root is not built yet: node add's systemd tests and the "
+        "provisioning tests boot it. Making it once with debootstrap from Debian's packages (about a minute): "
+        f"{script.relative_to(ROOT) if script.is_relative_to(ROOT) else script}"
+    )
+    status, _ = m.capture([str(script)])
+    if status != 0:
+        m.say("building the test machines' Debian root failed (above); fix that and run ./pants test again")
+        return False
+    return True
+
+
+def prepare(m: Machine, build: Path = BUILD_LLAMA, debian: Path = DEBIAN_ROOT) -> int:
     if not ensure_packages(m):
         return 1
     if not ensure_llama_server(m, build):
         return 1
+    if not ensure_debian_root(m, debian):
+        return 1
     if m.euid() != 0:
         m.say(
-            "not root: the tests that make network namespaces (node add end to end, the gateway's silent-peer "
-            "tests) need root and will fail saying so; run the suite as root to run all of it"
+            "not root: the tests that make network namespaces or boot test machines (node add end to end, "
+            "the gateway's silent-peer tests, the systemd node) need root and will fail saying so; run the "
+            "suite as root to run all of it"
         )
     return 0
 
