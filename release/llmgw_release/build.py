@@ -1,10 +1,13 @@
-"""`./pants run release:build -- --version X --out DIR`: the release zipapps and their SHA256SUMS.
+"""`./pants run release:build -- --version X --out DIR`: the release zipapps, llmgw-provision-node and SHA256SUMS.
 
-Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz` and `SHA256SUMS` into DIR. Each
+Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz`, `llmgw-provision-node` and
+`SHA256SUMS` into DIR. Each
 zipapp holds llmgw and agent from src/python, the runtime requirements pinned by default.lock
 with the wheels of every CPython 3.10-3.13 side by side, and `llmgw/_build_info.py` (version,
 commit, build date, target). The build date is the commit's time (or SOURCE_DATE_EPOCH), never
-the clock, so building one commit twice gives the same bytes.
+the clock, so building one commit twice gives the same bytes. `llmgw-provision-node` (run on a
+Proxmox host, tools/provision) is shipped as it is in the source, with the release's version written
+into its `__version__` line.
 
 `build_release` takes every input explicitly; `main` finds them in the checkout (git for the
 commit and its time), which is what a test in a sandbox without git cannot do.
@@ -37,6 +40,7 @@ GENERATED = ("_build_info.py", "_scm_version.py")
 DATA_SUFFIXES = (".html", ".css", ".js")
 VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+-]*")
 INIT_VERSION_RE = re.compile(r'^__version__ = "[^"\n]*"$', re.MULTILINE)
+PROVISION_TOOL = "llmgw-provision-node"
 
 
 class BuildError(Exception):
@@ -53,6 +57,8 @@ class Inputs:
     lockfile: Path
     wheel_cache: Path
     index_url: str = wheels.PYPI
+    # tools/provision/llmgw-provision-node, shipped beside the zipapps; None builds the zipapps alone.
+    provision_tool: Path | None = None
 
 
 def artifact_name(version: str, arch: str) -> str:
@@ -106,6 +112,21 @@ def main_py(arch: str) -> bytes:
     return text.encode()
 
 
+def write_provision_tool(source: Path, version: str, out_dir: Path) -> Path:
+    """The Proxmox host's tool, saying the release's version; mode 0755 whatever the checkout's."""
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise BuildError(f"cannot read {source}: {exc.strerror}") from None
+    text, count = INIT_VERSION_RE.subn(f'__version__ = "{version}"', text, count=1)
+    if count != 1:
+        raise BuildError(f'{source} must have a line `__version__ = "..."`')
+    path = out_dir / PROVISION_TOOL
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
 def build_release(inputs: Inputs, out_dir: Path, arches: Sequence[str] = ARCHES, progress=print) -> list[Path]:
     """Build the artifacts and SHA256SUMS into `out_dir`; their paths."""
     if not VERSION_RE.fullmatch(inputs.version):
@@ -151,6 +172,8 @@ def build_release(inputs: Inputs, out_dir: Path, arches: Sequence[str] = ARCHES,
                 artifacts.append(path)
         except wheels.WheelError as exc:
             raise BuildError(str(exc)) from None
+    if inputs.provision_tool is not None:
+        artifacts.append(write_provision_tool(inputs.provision_tool, inputs.version, out_dir))
     sums = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(artifacts))
     (out_dir / "SHA256SUMS").write_text(sums)
     return [*artifacts, out_dir / "SHA256SUMS"]
@@ -179,7 +202,9 @@ def _git(repo: Path, *args: str) -> str:
 def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str) -> tuple[Inputs, bool]:
     """Inputs from the checkout, and whether it has uncommitted changes to what is built."""
     commit = _git(repo, "rev-parse", "--short=12", "HEAD")
-    dirty = bool(_git(repo, "status", "--porcelain", "--", "src/python", "release", "3rdparty/python"))
+    dirty = bool(
+        _git(repo, "status", "--porcelain", "--", "src/python", "release", "3rdparty/python", "tools/provision")
+    )
     epoch = os.environ.get("SOURCE_DATE_EPOCH") or _git(repo, "log", "-1", "--format=%ct", "HEAD")
     inputs = Inputs(
         version=version,
@@ -190,6 +215,7 @@ def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str)
         lockfile=repo / "3rdparty" / "python" / "default.lock",
         wheel_cache=wheel_cache,
         index_url=index_url,
+        provision_tool=repo / "tools" / "provision" / PROVISION_TOOL,
     )
     return inputs, dirty
 
@@ -197,7 +223,7 @@ def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="release:build",
-        description="Build the llmgw release zipapps and SHA256SUMS from this checkout.",
+        description="Build the llmgw release zipapps, llmgw-provision-node and SHA256SUMS from this checkout.",
         allow_abbrev=False,
     )
     parser.add_argument("--version", required=True, help="the release version, e.g. 0.2.0")
@@ -217,7 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         repo = find_checkout(Path.cwd())
         inputs, dirty = checkout_inputs(repo, args.version, args.wheel_cache, args.index_url)
         if dirty:
-            progress(f"uncommitted changes under src/python, release or 3rdparty/python: commit is {inputs.commit}")
+            progress(
+                f"uncommitted changes under src/python, release, 3rdparty/python or tools/provision: commit is {inputs.commit}"
+            )
         paths = build_release(inputs, args.out.resolve(), tuple(dict.fromkeys(args.arch or ARCHES)), progress)
     except BuildError as exc:
         print(f"release: {exc}", file=sys.stderr)

@@ -76,6 +76,7 @@ def release_inputs() -> build.Inputs:
         requirements_txt=requirements,
         lockfile=lock,
         wheel_cache=wheels.default_cache(),
+        provision_tool=root / "tools" / "provision" / build.PROVISION_TOOL,
     )
 
 
@@ -107,14 +108,23 @@ def members(artifact: Path) -> dict[str, bytes]:
 
 def test_sha256sums_lists_both_artifacts_and_verifies(release: Release) -> None:
     lines = (release.out / "SHA256SUMS").read_text().splitlines()
-    expected = [
-        f"{hashlib.sha256(release.artifact(arch).read_bytes()).hexdigest()}  {release.artifact(arch).name}"
-        for arch in ("amd64", "arm64")
-    ]
+    files = [release.artifact("amd64"), release.artifact("arm64"), release.out / build.PROVISION_TOOL]
+    expected = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" for path in files]
     assert lines == expected
     # What docs/install.md tells the operator to run.
     done = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=release.out, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_proxmox_tool_ships_beside_the_zipapps_saying_the_release_version(release: Release) -> None:
+    shipped = release.out / build.PROVISION_TOOL
+    assert shipped.stat().st_mode & 0o777 == 0o755
+    source = (build_root() / "tools" / "provision" / build.PROVISION_TOOL).read_text()
+    assert shipped.read_text() == source.replace('__version__ = "dev"', f'__version__ = "{VERSION}"')
+    done = subprocess.run(
+        [str(shipped), "--version"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"llmgw-provision-node {VERSION}", done.stdout + done.stderr
 
 
 def test_two_builds_of_one_commit_are_byte_identical(release: Release) -> None:

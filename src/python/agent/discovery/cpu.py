@@ -39,7 +39,8 @@ MEASURED = (
 )
 FIX_PROXMOX = (
     "give the VM the host's CPU model: on Proxmox `qm set VMID --cpu host` then stop and start the VM "
-    "(llmgw-provision-node does this by default); elsewhere use your hypervisor's host-passthrough CPU mode"
+    "(a VM built by llmgw-provision-node has it: its `--cpu host` is the default); "
+    "elsewhere use your hypervisor's host-passthrough CPU mode"
 )
 
 # Arm's own cores (implementer 0x41) by part number, for a model name ARM kernels do not write.
