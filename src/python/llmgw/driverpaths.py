@@ -111,9 +111,9 @@ def test_argv(key: str, path: str) -> list[str]:
 def missing(key: str, path: str, where: str) -> UsageError:
     """The error for a flag whose path `where` (a host, "this machine") does not have."""
     p = by_key(key)
-    is_not = "a directory" if p.kind == "dir" else "an executable file"
+    kind = "directory" if p.kind == "dir" else "executable file"
     return UsageError(
-        f"{p.flag} {path}: {where} has no {is_not} at that path, so the agent would not find {p.what} there. "
+        f"{p.flag} {path}: {where} has no {kind} at that path, so the agent would not find {p.what} there. "
         f"Find where it is ({p.find}) and pass that, or leave {p.flag} out for the default {p.default}"
     )
 
