@@ -9,7 +9,9 @@ and removes its private file, so a login that works afterwards can only have use
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,15 +21,16 @@ START_TIMEOUT_S = 10.0
 
 
 class SshAgent:
-    def __init__(self, directory: Path, *, uid: int | None = None) -> None:
-        self.directory = directory
+    def __init__(self, *, uid: int | None = None) -> None:
+        """The socket is in a directory of its own under /tmp, as ssh-agent's /tmp/ssh-XXXXXX: a
+        test's tmp_path is root's alone, where another user could not make it."""
         self.uid = uid
-        self.socket = directory / "agent.sock"
+        self.directory = Path(tempfile.mkdtemp(prefix="llmgw-test-agent-"))
+        self.socket = self.directory / "agent.sock"
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> SshAgent:
         agent = program("ssh-agent", "openssh-client")
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         argv = [agent, "-D", "-a", str(self.socket)]
         if self.uid is not None:
             os.chown(self.directory, self.uid, self.uid)
@@ -80,3 +83,4 @@ class SshAgent:
             self._proc.kill()
             self._proc.wait(10)
             self._proc = None
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -211,7 +211,7 @@ async def test_with_no_key_named_the_agents_key_is_used(
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))  # no ~/.ssh keys to fall back on
     fingerprint = fingerprint_of(sshd.client_key.with_suffix(".pub"))
-    agent = SshAgent(tmp_path / "agent").start()
+    agent = SshAgent().start()
     try:
         agent.add(sshd.client_key)  # the private key now exists only in the agent
         monkeypatch.setenv("SSH_AUTH_SOCK", str(agent.socket))

@@ -116,7 +116,10 @@ async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questio
     ]
     warnings = [c for c in checks if c["status"] in ("warn", "unknown") and not c.get("ignored")]
     ignored = [c["name"] for c in checks if c.get("ignored")]
-    tail = f"; ignored: {', '.join(ignored)}" if ignored else ""
+    inventory = report.get("inventory") or {}
+    # The GPUs doctor found, said where the operator reads: a wrong --nvidia-smi looks like none.
+    gpus = f"; GPUs: {inventory.get('gpu_detail')}" if inventory.get("gpu_status") == "present" else ""
+    tail = gpus + (f"; ignored: {', '.join(ignored)}" if ignored else "")
     if failures:
         listed = "; ".join(f"{f.check}: {f.detail}" + (f" (fix: {f.fix})" if f.fix else "") for f in failures)
         if not await questions.go_past_doctor(failures):
@@ -125,11 +128,11 @@ async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questio
                 f"doctor failed on {facts.node_id}: {listed}. Nothing was changed on the node. Fix this and run "
                 f"again, or go on past it with --ignore-doctor {names}"
             )
-        return WARN, f"went on past failed checks: {listed}{tail}", report.get("inventory") or {}
+        return WARN, f"went on past failed checks: {listed}{tail}", inventory
     if warnings:
         listed = "; ".join(f"{c['name']}: {c['detail']}" for c in warnings)
-        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", report.get("inventory") or {}
-    return OK, f"{len(checks)} checks ok{tail}", report.get("inventory") or {}
+        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", inventory
+    return OK, f"{len(checks)} checks ok{tail}", inventory
 
 
 async def check_driver_paths(opts: Options, s: ssh.Session) -> None:
