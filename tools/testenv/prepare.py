@@ -51,13 +51,26 @@ NEEDS: tuple[Need, ...] = (
     Need("g++", ("g++",), "builds llama-server"),
     Need("python3", ("/usr/bin/python3",), "node add's test node runs the release on the system's python3"),
     Need("openssh-server", ("/usr/sbin/sshd",), "node add's tests log into a real sshd"),
-    Need("openssh-client", ("ssh-keygen", "ssh-keyscan"), "the SSH tests make keys and scan host keys"),
+    Need(
+        "openssh-client",
+        ("ssh-keygen", "ssh-keyscan", "ssh-agent", "ssh-add"),
+        "the SSH tests make keys, scan host keys and log in with a key held only by an ssh-agent",
+    ),
     Need("iproute2", ("ip",), "tests make network namespaces and veth pairs (ip netns)"),
-    Need("util-linux", ("unshare", "nsenter", "flock"), "the test node's own mounts; one llama build at a time"),
+    Need(
+        "util-linux",
+        ("unshare", "nsenter", "flock", "setpriv"),
+        "the test node's own mounts; one llama build at a time; an ssh-agent run as another user",
+    ),
     Need("procps", ("ps",), "process tools on the test node"),
     Need("passwd", ("useradd",), "node add's sudo test makes a login on its node"),
     Need("systemd", ("systemd-analyze",), "the systemd units node add writes and the docs show are verified"),
-    Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
+    Need(
+        "sudo",
+        ("sudo",),
+        "node add's test logs into its node as a user with passwordless sudo, and runs node add under "
+        "sudo --preserve-env=SSH_AUTH_SOCK",
+    ),
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
     # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
     Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
