@@ -65,12 +65,7 @@ NEEDS: tuple[Need, ...] = (
     Need("procps", ("ps",), "process tools on the test node"),
     Need("passwd", ("useradd",), "node add's sudo test makes a login on its node"),
     Need("systemd", ("systemd-analyze",), "the systemd units node add writes and the docs show are verified"),
-    Need(
-        "sudo",
-        ("sudo",),
-        "node add's test logs into its node as a user with passwordless sudo, and runs node add under "
-        "sudo --preserve-env=SSH_AUTH_SOCK",
-    ),
+    Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
     # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
     Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
