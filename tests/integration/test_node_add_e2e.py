@@ -18,51 +18,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from cryptography import x509
 
 from llmgw.pki.ca import cert_info
 from testlib.cluster import free_port, wait_until
 from testlib.hardware import ib_root, sminfo
-from testlib.llama import llama_server
 from testlib.needs import program
-from testlib.netnode import NetNode, preflight
+from testlib.netnode import NetNode
 from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane, build_release, events, outcomes
 from testlib.sshd import fingerprint_of
 from testlib.terminal import Terminal, words
 
 IB_CASE = "one-fabric"  # tests/fixtures/ib: two active adapters behind one subnet manager
 IB_IDENTITY = "ib-sm:0x0002c90300a1b2c3"  # the subnet manager GUID the fixture's sminfo answers
-
-
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-e2e")
-
-
-@pytest.fixture()
-def node(tmp_path: Path) -> Iterator[NetNode]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    n = NetNode(tmp_path / "node", binds={"/mnt": Path(llama_server()).parent})
-    n.start()
-    try:
-        yield n
-    finally:
-        n.stop()
-
-
-@pytest.fixture()
-def cp(tmp_path: Path, node: NetNode) -> Iterator[ControlPlane]:
-    c = ControlPlane(tmp_path, node)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def _chat(url: str, key: str) -> dict:

@@ -45,11 +45,19 @@ def preflight() -> str:
 
 class NetNode:
     def __init__(
-        self, root: Path, *, index: int | None = None, binds: dict[str, Path] | None = None, hostname: str = ""
+        self,
+        root: Path,
+        *,
+        index: int | None = None,
+        binds: dict[str, Path] | None = None,
+        hostname: str = "",
+        overlays: tuple[str, ...] = (),
     ) -> None:
         """`index` (1-250) picks the namespace's name and its /30 (default: one no other node on this
         machine uses, so two test runs side by side do not share addresses); `binds` mounts host paths
-        at node paths (e.g. a llama-server's directory at /mnt) that must already exist on the node's side."""
+        at node paths (e.g. a llama-server's directory at /mnt) that must already exist on the node's side;
+        `overlays` are directories overlaid besides OVERLAID (e.g. /opt, or /usr/bin for a program the
+        node's OS would have where this machine's has none)."""
         if index is None:
             index = free_index()
         self.root = root
@@ -60,6 +68,9 @@ class NetNode:
         self.node_addr = f"10.231.{index}.2"
         self.hostname = hostname or f"node{index}"
         self.binds = dict(binds or {})
+        # /tmp last: once it is overlaid, the uppers (under this test's directory in /tmp) are seen
+        # through that overlay, and an overlay cannot have its upper on another.
+        self.overlaid = tuple(overlays) + OVERLAID
         self.log = root / "sshd.log"
         self.client_key = keygen(root / "client_key", "llmgw-test-client")
         self.host_key = keygen(root / "host_key", "llmgw-test-node")
@@ -98,7 +109,7 @@ class NetNode:
     def _start_sshd(self) -> None:
         # Through /proc, not hostname(1): the kernel takes names the tool refuses, and tests need those.
         lines = ["set -e", f"printf %s {shlex.quote(self.hostname)} > /proc/sys/kernel/hostname"]
-        for path in OVERLAID:
+        for path in self.overlaid:
             upper, work = self.upper(path), self.root / "work" / path.strip("/").replace("/", "_")
             upper.mkdir(parents=True, exist_ok=True)
             work.mkdir(parents=True, exist_ok=True)
@@ -174,7 +185,7 @@ class NetNode:
     def written(self) -> list[str]:
         """Every file or directory written on the node under the overlaid trees, as node paths."""
         out = []
-        for path in OVERLAID:
+        for path in self.overlaid:
             upper = self.upper(path)
             for dirpath, dirnames, filenames in os.walk(upper):
                 for name in dirnames + filenames:
@@ -183,7 +194,7 @@ class NetNode:
 
     def read(self, node_path: str) -> bytes:
         """A file as the node sees it: its overlay's copy if written, else this machine's."""
-        for path in OVERLAID:
+        for path in self.overlaid:
             if node_path.startswith(path + "/"):
                 copy = self.upper(path) / node_path[len(path) + 1 :]
                 if copy.exists():
@@ -202,8 +213,10 @@ class NetNode:
         return out
 
     def write(self, node_path: str, text: str) -> None:
-        """Put a file on the node (through its overlays, as root there)."""
-        done = self.run("sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", node_path, input=text)
+        """Put a file on the node (through its overlays, as root there). A symlink there is replaced,
+        not followed: /etc/os-release points into /usr/lib, which is this machine's own."""
+        script = 'mkdir -p "$(dirname "$1")" && rm -f "$1" && cat > "$1"'
+        done = self.run("sh", "-c", script, "sh", node_path, input=text)
         if done.returncode != 0:
             raise RuntimeError(f"writing {node_path} on the node failed: {done.stderr}")
 

@@ -1,25 +1,31 @@
-"""What `llmgw node add`'s end-to-end tests share: a release built from this checkout, and a
-real `llmgw server` whose agent port faces a test node (testlib.netnode.NetNode, or the systemd
-machine testlib.machine.Machine: anything with `host_addr`, `node_addr` and `client_key`).
+"""What the `llmgw node add` integration tests share: a release built from this checkout, a
+control plane driven through the `llmgw` command, and pytest fixtures for both and the node.
 
-The node's llama.cpp is the operator's llama-server (`--llamacpp-bin`, default /mnt/llama-server
-where NetNode mounts the one `./pants test` builds), not the pinned build: the control plane then
-has no source to fetch from PyPI. The model served is a sim model.
+tests/integration/conftest.py gives every test there the fixtures `release_dir`, `node` and `cp`.
+The node (testlib.netnode) has the real llama-server `./pants test` builds mounted at /mnt, named
+to node add with --llamacpp-bin; the catalog's model is a sim model. A ControlPlane faces any
+node with `host_addr`, `node_addr` and `client_key`: the systemd machine (testlib.machine) too.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+import pytest
 from llmgw_release import build, wheels
 
 import llmgw
 from testlib.cluster import Proc, wait_until
+from testlib.llama import llama_server
+from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
 
 ADD_TIMEOUT_S = 300
+# llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the
+# control plane then has no source to fetch from PyPI.
 CATALOG = """
 [engines.llamacpp]
 version = ""
@@ -32,6 +38,7 @@ replicas = 1
 
 
 class Node(Protocol):
+    hostname: str
     host_addr: str
     node_addr: str
     client_key: Path
@@ -53,6 +60,29 @@ def build_release(out: Path, version: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-e2e")
+
+
+def new_node(root: Path, **kwargs) -> NetNode:
+    """A NetNode with the test llama-server at /mnt (a test failure, never a skip, where it cannot be made)."""
+    why = preflight()
+    if why:
+        pytest.fail(why)
+    return NetNode(root, binds={"/mnt": Path(llama_server()).parent}, **kwargs)
+
+
+@pytest.fixture()
+def node(tmp_path: Path) -> Iterator[NetNode]:
+    n = new_node(tmp_path / "node")
+    n.start()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
 def events(stdout: str) -> list[dict]:
     """node add --json's step events."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"step"')]
@@ -63,13 +93,15 @@ def outcomes(stdout: str) -> dict[str, str]:
 
 
 class ControlPlane:
-    def __init__(self, root: Path, node: Node, *, llamacpp_bin: str = "/mnt/llama-server") -> None:
+    def __init__(
+        self, root: Path, node: Node, *, catalog: str = CATALOG, llamacpp_bin: str = "/mnt/llama-server"
+    ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        self.llamacpp_bin = llamacpp_bin
         self.state = root / "state"
         self.config = root / "server.toml"
         self.known_hosts = root / "known_hosts"
-        self.llamacpp_bin = llamacpp_bin
         self.config.write_text(
             "[server]\n"
             f'state_dir = "{self.state}"\n'
@@ -77,7 +109,7 @@ class ControlPlane:
             'http_listen = "127.0.0.1:0"\n'
             f'advertise = ["{node.host_addr}"]\n'
             "heartbeat_interval_s = 0.5\n"
-            "heartbeat_ttl_s = 3.0\n" + CATALOG
+            "heartbeat_ttl_s = 3.0\n" + catalog
         )
         self.node = node
         self.server: Proc | None = None
@@ -118,13 +150,34 @@ class ControlPlane:
         assert rc == 0, out + err
         return out
 
-    def node_add(self, *extra: str, release: Path | str | None = None, login: str = "root") -> tuple[int, str, str]:
+    def node_add_argv(
+        self, *extra: str, release: Path | str | None = None, login: str = "root", key_file: bool = True
+    ) -> list[str]:
+        """`llmgw node add`'s arguments as node_add gives them, logging in with the node's test key
+        (`-i`), or with no key named (`key_file=False`: ~/.ssh and the SSH agent)."""
         args = [
             "node", "add", f"{login}@{self.node.node_addr}", "--config", str(self.config),
-            "-i", str(self.node.client_key), "--known-hosts", str(self.known_hosts),
-            "--llamacpp-bin", self.llamacpp_bin, "--join-timeout", "120",
+            "--known-hosts", str(self.known_hosts), "--llamacpp-bin", self.llamacpp_bin, "--join-timeout", "120",
         ]  # fmt: skip
+        if key_file:
+            args += ["-i", str(self.node.client_key)]
         if release is not None:
             args += ["--release", str(release)]
-        done = self.llmgw(*args, *extra, timeout=ADD_TIMEOUT_S)
+        return [*args, *extra]
+
+    def node_add(self, *extra: str, release: Path | str | None = None, login: str = "root") -> tuple[int, str, str]:
+        done = self.llmgw(*self.node_add_argv(*extra, release=release, login=login), timeout=ADD_TIMEOUT_S)
         return done.returncode, done.stdout, done.stderr
+
+    def node_view(self) -> dict:
+        """The admin API's view of the node (`llmgw ctl nodes --json`)."""
+        return {n["id"]: n for n in self.ctl("nodes")}[self.node.hostname]
+
+
+@pytest.fixture()
+def cp(tmp_path: Path, node: NetNode) -> Iterator[ControlPlane]:
+    c = ControlPlane(tmp_path, node)
+    try:
+        yield c
+    finally:
+        c.stop()

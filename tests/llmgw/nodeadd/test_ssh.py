@@ -19,7 +19,8 @@ import trio
 from llmgw.errors import MachineError, PeerError, UsageError
 from llmgw.nodeadd.errors import AuthFailed, ChangedHostKey, RemoteTimeout, UnknownHostKey
 from llmgw.nodeadd.ssh import open_session, parse_target
-from testlib.sshd import Sshd, keygen
+from testlib.sshagent import SshAgent
+from testlib.sshd import Sshd, fingerprint_of, keygen
 
 TIMEOUT_S = 20  # every test's bound: a hung connection fails rather than stalls
 
@@ -199,6 +200,47 @@ async def test_a_refused_key_names_the_user_and_the_key_file(sshd: Sshd, known_h
                 pass
     message = str(caught.value)
     assert all(part in message for part in (repr(sshd.user), str(stranger), "ssh-copy-id", "SSH_AUTH_SOCK"))
+    assert sshd.sessions_started() == 0
+
+
+@pytest.mark.trio
+async def test_with_no_key_named_the_agents_key_is_used(
+    sshd: Sshd, known_hosts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "empty-home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # no ~/.ssh keys to fall back on
+    fingerprint = fingerprint_of(sshd.client_key.with_suffix(".pub"))
+    agent = SshAgent().start()
+    try:
+        agent.add(sshd.client_key)  # the private key now exists only in the agent
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(agent.socket))
+        with trio.fail_after(TIMEOUT_S):
+            async with open_session(
+                sshd.target, known_hosts=known_hosts, accept_new_host_key=True, port=sshd.port, connect_timeout_s=10
+            ) as s:
+                assert (await s.run(["true"], timeout_s=10)).exit_status == 0
+    finally:
+        agent.stop()
+    assert not sshd.client_key.exists()
+    assert f"Accepted publickey for {sshd.user}" in sshd.log_text() and fingerprint in sshd.log_text()
+
+
+@pytest.mark.trio
+async def test_no_key_and_no_agent_names_both_fixes(
+    sshd: Sshd, known_hosts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "empty-home"))
+    with trio.fail_after(TIMEOUT_S):
+        with pytest.raises(AuthFailed) as caught:
+            async with open_session(
+                sshd.target, known_hosts=known_hosts, accept_new_host_key=True, port=sshd.port, connect_timeout_s=10
+            ):
+                pass
+    message = str(caught.value)
+    assert "tried no key files and no SSH agent (SSH_AUTH_SOCK is not set)" in message, message
+    assert f"ssh-copy-id -p {sshd.port} -i KEY.pub {sshd.target}" in message
+    assert "`ssh -A`" in message and "sudo --preserve-env=SSH_AUTH_SOCK llmgw node add" in message
     assert sshd.sessions_started() == 0
 
 

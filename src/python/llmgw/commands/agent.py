@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from llmgw import config as cfg
+from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_leaf
 from llmgw.commands._service import run_service
 from llmgw.pki.files import write_node_key_and_csr
@@ -35,6 +36,8 @@ def configure(parser: Parser) -> None:
         ),
     ):
         run.add_argument(flag, dest=key, metavar="PATH", help=f"{what}; overrides agent.toml")
+    where = run.add_argument_group("where the driver tools are (default: agent.toml's value, else the usual place)")
+    driverpaths.add_options(where, absolute=True, overrides="agent.toml")
     csr = add_leaf(
         sub,
         "csr",
@@ -92,7 +95,23 @@ def run_agent(args: argparse.Namespace) -> int:
 
     config = cfg.load_agent_config(args.config)
     overrides = {k: getattr(args, k) for k in ("llamacpp_bin", "vllm_bin", "sglang_python") if getattr(args, k)}
-    return run_service("agent", serve, attrs.evolve(config, **overrides))
+    return run_service("agent", serve, attrs.evolve(config, **overrides, **checked_driver_paths(args)))
+
+
+def checked_driver_paths(args: argparse.Namespace) -> dict[str, str]:
+    """--nvidia-smi, --ib-root and --sminfo as given, each checked to be there: a path given on the
+    command line that is wrong would otherwise look like a node without that hardware."""
+    paths = driverpaths.given(args)
+    for key, path in paths.items():
+        if not _present(key, Path(path)):
+            raise driverpaths.missing(key, path, "this machine")
+    return paths
+
+
+def _present(key: str, path: Path) -> bool:
+    if driverpaths.by_key(key).kind == "dir":
+        return path.is_dir()
+    return path.is_file() and os.access(path, os.X_OK)
 
 
 def run_csr(args: argparse.Namespace) -> int:

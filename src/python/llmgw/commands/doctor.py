@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from llmgw import config as cfg
+from llmgw import driverpaths
 from llmgw.cli import Parser, add_json_flag, fabric_arg
 
 
@@ -42,11 +43,7 @@ def configure(parser: Parser) -> None:
         help="run and show these checks but leave them out of the exit status (e.g. clock)",
     )
     where = parser.add_argument_group("where to look (default: agent.toml's value, else the usual place)")
-    where.add_argument("--nvidia-smi", metavar="PATH", help=f"nvidia-smi (default {cfg.DEFAULT_NVIDIA_SMI})")
-    where.add_argument(
-        "--ib-root", metavar="DIR", help=f"InfiniBand/RoCE adapters in sysfs (default {cfg.DEFAULT_IB_ROOT})"
-    )
-    where.add_argument("--sminfo", metavar="PATH", help=f"sminfo from infiniband-diags (default {cfg.DEFAULT_SMINFO})")
+    driverpaths.add_options(where, absolute=False, overrides="agent.toml")
     where.add_argument("--ip", metavar="PATH", help="the ip tool, for RoCE interfaces' networks (default /usr/sbin/ip)")
     where.add_argument(
         "--weights-dir",

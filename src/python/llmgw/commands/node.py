@@ -15,6 +15,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf, fabric_arg
 from llmgw.commands.ca import add_server_options, resolve_server_paths
 from llmgw.commands.ctl import add_admin_options, client_from
@@ -113,6 +114,11 @@ def configure(parser: Parser) -> None:
     engines.add_argument("--llamacpp-bin", default="", metavar="PATH", help="llama-server on the node")
     engines.add_argument("--vllm-bin", default="", metavar="PATH", help="the vllm command on the node")
     engines.add_argument("--sglang-python", default="", metavar="PATH", help="the Python of SGLang on the node")
+    where = add.add_argument_group(
+        "where the driver tools are on the node (written to its agent.toml and used by the doctor run there; "
+        "not given: the value of its agent.toml from an earlier add, else the usual place)"
+    )
+    driverpaths.add_options(where, absolute=True, overrides="the node's agent.toml")
     out = add.add_mutually_exclusive_group()
     out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
     out.add_argument("--json", action="store_true", help="one JSON object per event")
@@ -162,6 +168,7 @@ def run_add(args: argparse.Namespace) -> int:
         llamacpp_bin=args.llamacpp_bin,
         vllm_bin=args.vllm_bin,
         sglang_python=args.sglang_python,
+        driver_paths=driverpaths.given(args),
     )
     interactive = not (args.plain or args.json) and sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:

@@ -45,6 +45,8 @@ class Options:
     llamacpp_bin: str = ""
     vllm_bin: str = ""
     sglang_python: str = ""
+    # --nvidia-smi, --ib-root, --sminfo as given, by agent.toml key (llmgw.driverpaths); absolute paths
+    driver_paths: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

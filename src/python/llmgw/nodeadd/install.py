@@ -23,6 +23,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
+from llmgw import driverpaths
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.engines import installing_text
 from llmgw.errors import LlmgwError, PeerError
@@ -100,6 +101,7 @@ def _agent_toml(opts: Options, facts: Facts) -> str:
         llamacpp_bin=opts.llamacpp_bin or (before.llamacpp_bin if before else ""),
         vllm_bin=opts.vllm_bin or (before.vllm_bin if before else ""),
         sglang_python=opts.sglang_python or (before.sglang_python if before else ""),
+        driver_paths=opts.driver_paths,
         keep=before,
     )
 
@@ -192,6 +194,8 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, s
         what=f"writing {layout.CONFIG}",
     )
     written = f"{layout.BIN} ({facts.artifact.version}), {layout.CONFIG}"
+    if opts.driver_paths:
+        written += f" ({driverpaths.describe(opts.driver_paths)})"
     if facts.systemd:
         await put_text(s, layout.systemd_unit(), f"{facts.stage}/unit", mode=0o644)
         await must(

@@ -17,7 +17,8 @@ Pure: rendering and deciding only, no I/O.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 import tomli_w
@@ -185,19 +186,26 @@ def agent_toml(
     llamacpp_bin: str = "",
     vllm_bin: str = "",
     sglang_python: str = "",
+    driver_paths: Mapping[str, str] = MappingProxyType({}),
     keep: cfg.AgentConfig | None = None,
 ) -> str:
     """The node's agent.toml; checked by the same loader the agent uses before it is shipped.
 
-    `keep` is the node's agent.toml from before: the settings node add does not own (nvidia_smi,
-    ib_root, sminfo, weights_dir, source_address) stay as they were."""
+    `keep` is the node's agent.toml from before: the settings this add was not given (nvidia_smi,
+    ib_root, sminfo unless in `driver_paths`; weights_dir, source_address) stay as they were.
+    `driver_paths` (--nvidia-smi, --ib-root, --sminfo, by key) replace what was kept; a path equal
+    to the default is written as no key at all, which is how a node returns to the default."""
     data: dict = {"server": server, "node_id": node_id, "state_dir": STATE_DIR}
+    defaults = cfg.AgentConfig(server=server)
     if keep is not None:
-        defaults = cfg.AgentConfig(server=server)
         for key in _KEPT:
             value = getattr(keep, key)
             if value != getattr(defaults, key):
                 data[key] = value
+    for key, value in driver_paths.items():
+        data.pop(key, None)
+        if value != getattr(defaults, key):
+            data[key] = value
     for key, value in (("llamacpp_bin", llamacpp_bin), ("vllm_bin", vllm_bin), ("sglang_python", sglang_python)):
         if value:
             data[key] = value

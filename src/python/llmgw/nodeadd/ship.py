@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmgw import config as cfg
+from llmgw import driverpaths
 from llmgw.errors import MachineError, PeerError
 from llmgw.nodeadd import layout, ssh
 from llmgw.nodeadd.context import DOCTOR_S, FETCH_S, SHORT_S, Facts, Options, said, staged_llmgw
@@ -89,10 +90,13 @@ def ship_detail(facts: Facts) -> str:
 
 
 async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questions) -> tuple[str, str, dict[str, Any]]:
+    await check_driver_paths(opts, s)
     host = f"[{facts.address}]" if ":" in facts.address else facts.address
     args = ["doctor", "--json", "--server", f"{host}:{facts.port}"]
     if facts.existing is not None:
         args += ["--config", layout.CONFIG]  # its paths (nvidia_smi, ib_root, ...) as the agent will use them
+    for key, path in opts.driver_paths.items():  # the flags given win over that file, as in the agent.toml written
+        args += [driverpaths.by_key(key).flag, path]
     for decl in facts.given_fabrics(opts):
         args += ["--fabric", f"{decl.name}:{','.join(decl.adapters)}" if decl.adapters else decl.name]
     if opts.ignore_doctor:
@@ -112,7 +116,10 @@ async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questio
     ]
     warnings = [c for c in checks if c["status"] in ("warn", "unknown") and not c.get("ignored")]
     ignored = [c["name"] for c in checks if c.get("ignored")]
-    tail = f"; ignored: {', '.join(ignored)}" if ignored else ""
+    inventory = report.get("inventory") or {}
+    # The GPUs doctor found, said where the operator reads: a wrong --nvidia-smi looks like none.
+    gpus = f"; GPUs: {inventory.get('gpu_detail')}" if inventory.get("gpu_status") == "present" else ""
+    tail = gpus + (f"; ignored: {', '.join(ignored)}" if ignored else "")
     if failures:
         listed = "; ".join(f"{f.check}: {f.detail}" + (f" (fix: {f.fix})" if f.fix else "") for f in failures)
         if not await questions.go_past_doctor(failures):
@@ -121,11 +128,22 @@ async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questio
                 f"doctor failed on {facts.node_id}: {listed}. Nothing was changed on the node. Fix this and run "
                 f"again, or go on past it with --ignore-doctor {names}"
             )
-        return WARN, f"went on past failed checks: {listed}{tail}", report.get("inventory") or {}
+        return WARN, f"went on past failed checks: {listed}{tail}", inventory
     if warnings:
         listed = "; ".join(f"{c['name']}: {c['detail']}" for c in warnings)
-        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", report.get("inventory") or {}
-    return OK, f"{len(checks)} checks ok{tail}", report.get("inventory") or {}
+        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", inventory
+    return OK, f"{len(checks)} checks ok{tail}", inventory
+
+
+async def check_driver_paths(opts: Options, s: ssh.Session) -> None:
+    """Each --nvidia-smi, --ib-root, --sminfo given is there on the node (as root sees it), or a
+    UsageError naming the flag: doctor would otherwise report a node without GPUs or adapters."""
+    for key, path in opts.driver_paths.items():
+        res = await s.run(driverpaths.test_argv(key, path), sudo=True, timeout_s=SHORT_S)
+        if res.exit_status == 1:
+            raise driverpaths.missing(key, path, str(s.target))
+        if res.exit_status != 0:
+            raise PeerError(f"{s.target}: checking {path} failed ({said(res)})")
 
 
 # -- fabrics -------------------------------------------------------------------------------
