@@ -187,20 +187,22 @@ def from_plane(host: str, port: int, ca_pem: bytes, arch: str) -> tuple[Artifact
                 f"({exc.reason.verify_message}); check [server].advertise / --server-address, or copy the release "
                 "over SSH with --release-via ssh"
             ) from None
-        raise MachineError(
-            f"cannot read the control plane's release list at {base}{SUMS}: {exc.reason}; is `llmgw server` "
-            "listening on agent_listen? Or copy the release over SSH with --release-via ssh"
-        ) from None
-    except OSError as exc:
-        raise MachineError(
-            f"cannot read {base}{SUMS}: {exc}; or copy the release over SSH with --release-via ssh"
-        ) from None
+        raise _unreadable(base, exc.reason) from None
+    except OSError as exc:  # e.g. the TLS alert of a plane that wants a certificate, read with the answer
+        raise _unreadable(base, exc) from None
     label = f"the control plane's {base}{SUMS}"
     try:
         name, version, digest = pick(release_files(parse_sums(text, label)), arch, label)
     except UsageError as exc:
         return None, str(exc)
     return Artifact(name=name, version=version, sha256=digest, url=base + name, from_plane=True), ""
+
+
+def _unreadable(base: str, reason: object) -> MachineError:
+    return MachineError(
+        f"cannot read the control plane's release list at {base}{SUMS}: {reason}; is `llmgw server` listening on "
+        "agent_listen, with [release] serve = true (the default)? Or copy the release over SSH with --release-via ssh"
+    )
 
 
 def how_to_ship(*, release: str, via: str, plane_serves: bool) -> str:
