@@ -18,151 +18,25 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from cryptography import x509
-from llmgw_release import build, wheels
 
-import llmgw
 from llmgw.pki.ca import cert_info
-from testlib.cluster import Proc, free_port, wait_until
+from testlib import nodeadd_e2e
+from testlib.cluster import free_port, wait_until
 from testlib.hardware import ib_root, sminfo
-from testlib.llama import llama_server
 from testlib.needs import program
-from testlib.netnode import NetNode, preflight
-from testlib.proc import build_root, run_llmgw
+from testlib.netnode import NetNode
+from testlib.nodeadd_e2e import ADD_TIMEOUT_S, ControlPlane, build_release, events, outcomes
 from testlib.sshd import fingerprint_of
 from testlib.terminal import Terminal, words
 
-ADD_TIMEOUT_S = 300
 IB_CASE = "one-fabric"  # tests/fixtures/ib: two active adapters behind one subnet manager
 IB_IDENTITY = "ib-sm:0x0002c90300a1b2c3"  # the subnet manager GUID the fixture's sminfo answers
-# llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the
-# control plane then has no source to fetch from PyPI.
-CATALOG = """
-[engines.llamacpp]
-version = ""
 
-[[models]]
-name = "sim-small"
-engine = "sim"
-replicas = 1
-"""
-
-
-def _build(out: Path, version: str) -> Path:
-    root = build_root()
-    inputs = build.Inputs(
-        version=version,
-        commit="0123456789ab",
-        source_date_epoch=1795965623,
-        src_root=Path(llmgw.__file__).parent.parent,
-        requirements_txt=root / "3rdparty" / "python" / "requirements.txt",
-        lockfile=root / "3rdparty" / "python" / "default.lock",
-        wheel_cache=wheels.default_cache(),
-    )
-    build.build_release(inputs, out, arches=("amd64",), progress=lambda *a: None)
-    return out
-
-
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _build(tmp_path_factory.mktemp("release"), "0.0.0-e2e")
-
-
-@pytest.fixture()
-def node(tmp_path: Path) -> Iterator[NetNode]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    n = NetNode(tmp_path / "node", binds={"/mnt": Path(llama_server()).parent})
-    n.start()
-    try:
-        yield n
-    finally:
-        n.stop()
-
-
-class ControlPlane:
-    def __init__(self, root: Path, node: NetNode) -> None:
-        self.root = root
-        self.state = root / "state"
-        self.config = root / "server.toml"
-        self.known_hosts = root / "known_hosts"
-        self.config.write_text(
-            "[server]\n"
-            f'state_dir = "{self.state}"\n'
-            f'agent_listen = "{node.host_addr}:7443"\n'
-            'http_listen = "127.0.0.1:0"\n'
-            f'advertise = ["{node.host_addr}"]\n'
-            "heartbeat_interval_s = 0.5\n"
-            "heartbeat_ttl_s = 3.0\n" + CATALOG
-        )
-        self.node = node
-        self.server: Proc | None = None
-
-    def llmgw(self, *args: str, timeout: float = 60):
-        return run_llmgw(*args, timeout=timeout)
-
-    def init_ca(self) -> None:
-        done = self.llmgw("ca", "init", "--config", str(self.config))
-        assert done.returncode == 0, done.stderr
-
-    def run(self) -> None:
-        """A CA, then the server: the usual start of a test."""
-        self.init_ca()
-        self.start()
-
-    def start(self) -> None:
-        self.server = Proc(
-            "server", ["server", "--config", str(self.config), "--log-format", "json"], self.root / "server.log"
-        )
-        wait_until("the server to be ready", lambda: self.server.events("server_ready"), alive=[self.server])
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.kill()
-
-    def ctl(self, *args: str):
-        done = self.llmgw("ctl", *args, "--json", "--state-dir", str(self.state))
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    def added(self, release: Path) -> str:
-        """A first add that must succeed; its output."""
-        rc, out, err = self.node_add("--plain", "--accept-new-host-key", release=release)
-        assert rc == 0, out + err
-        return out
-
-    def node_add(self, *extra: str, release: Path | str | None = None, login: str = "root") -> tuple[int, str, str]:
-        args = [
-            "node", "add", f"{login}@{self.node.node_addr}", "--config", str(self.config),
-            "-i", str(self.node.client_key), "--known-hosts", str(self.known_hosts),
-            "--llamacpp-bin", "/mnt/llama-server", "--join-timeout", "120",
-        ]  # fmt: skip
-        if release is not None:
-            args += ["--release", str(release)]
-        done = self.llmgw(*args, *extra, timeout=ADD_TIMEOUT_S)
-        return done.returncode, done.stdout, done.stderr
-
-
-@pytest.fixture()
-def cp(tmp_path: Path, node: NetNode) -> Iterator[ControlPlane]:
-    c = ControlPlane(tmp_path, node)
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-def _events(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"step"')]
-
-
-def _outcomes(stdout: str) -> dict[str, str]:
-    return {e["step"]: e["status"] for e in _events(stdout) if e["status"] != "started"}
+# The fixtures, from testlib.nodeadd_e2e.
+release_dir, node, cp = nodeadd_e2e.release_dir, nodeadd_e2e.node, nodeadd_e2e.cp
 
 
 def _chat(url: str, key: str) -> dict:
@@ -232,9 +106,9 @@ def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     cp.ctl("cordon", node.hostname)
     rc, out, err = cp.node_add("--json", release=release_dir)
     assert rc == 0, out + err
-    outcomes = _outcomes(out)
-    assert outcomes["join"] == "ok" and outcomes["identity"] == "ok", out
-    said = {e["step"]: e["detail"] for e in _events(out) if e["status"] != "started"}
+    done = outcomes(out)
+    assert done["join"] == "ok" and done["identity"] == "ok", out
+    said = {e["step"]: e["detail"] for e in events(out) if e["status"] != "started"}
     assert "kept its certificate" in said["identity"]
     assert "the same as /usr/local/bin/llmgw" in said["ship"]
     assert "cordoned" in said["join"]
@@ -329,7 +203,7 @@ def test_a_sudo_login_a_release_fetched_by_the_node_and_a_reissue(
         # --reissue: a new key and certificate, and the old one revoked.
         rc, out, err = cp.node_add("--json", "--reissue", release=url, login="ubuntu")
         assert rc == 0, out + err
-        said = {e["step"]: e["detail"] for e in _events(out) if e["status"] != "started"}
+        said = {e["step"]: e["detail"] for e in events(out) if e["status"] != "started"}
         assert "issued CN=node" in said["identity"] and "a new key" in said["identity"], said
         assert "revoked the previous one" in said["identity"]
         assert node.read("/var/lib/llmgw-agent/pki/node.crt") != first_cert
@@ -483,7 +357,7 @@ def test_adding_again_with_a_new_release_upgrades_the_node(
 ) -> None:
     cp.run()
     cp.added(release_dir)
-    newer = _build(tmp_path / "newer", "0.0.1-e2e")
+    newer = build_release(tmp_path / "newer", "0.0.1-e2e")
     rc, out, err = cp.node_add("--plain", release=newer)
     assert rc == 0, out + err
     assert "will replace /usr/local/bin/llmgw there" in out and "kept its certificate" in out, out

@@ -39,7 +39,8 @@ def fingerprint_of(pub: Path) -> str:
 
 
 def sshd_config(*, listen: str, host_key: Path, pid_file: Path | str, authorized_keys: Path | str) -> str:
-    """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP."""
+    """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP
+    logging each file it opens (`open "PATH" flags WRITE,...`)."""
     return "\n".join(
         [
             f"ListenAddress {listen}",
@@ -54,7 +55,7 @@ def sshd_config(*, listen: str, host_key: Path, pid_file: Path | str, authorized
             "UsePAM no",
             "PrintMotd no",
             "LogLevel VERBOSE",
-            "Subsystem sftp internal-sftp",
+            "Subsystem sftp internal-sftp -l INFO",  # each file SFTP opens, logged: what was copied
             "",
         ]
     )
