@@ -3,7 +3,7 @@ end to end with real parts: `llmgw server` serving a release directory ([release
 agent port, a test node in its own network namespace (testlib.netnode) downloading from there
 with its python3, pinned to the cluster's CA root. Whether the file went over HTTPS or SSH is
 read from both ends: the control plane's `release_served` log events (peer and file), and the
-node's sshd log, where SFTP logs every file it opens for writing."""
+node's SFTP log (`NetNode.sftp_written`), every file SFTP opened there for writing."""
 
 from __future__ import annotations
 
@@ -43,13 +43,8 @@ def _serving(cp: ControlPlane, directory: Path) -> None:
     cp.run()
 
 
-def _sftp_written(node: NetNode) -> list[str]:
-    """Every file the node's SFTP server opened for writing, in order."""
-    return re.findall(r'open "([^"]+)" flags WRITE', node.log_text())
-
-
 def _pyz_copies(node: NetNode) -> list[str]:
-    return [p for p in _sftp_written(node) if re.fullmatch(r"/tmp/llmgw-node-add\.\w+/llmgw\.llmgw-part", p)]
+    return [p for p in node.sftp_written() if re.fullmatch(r"/tmp/llmgw-node-add\.\w+/llmgw\.llmgw-part", p)]
 
 
 def _served(cp: ControlPlane) -> list[tuple[str, str]]:
@@ -68,7 +63,7 @@ def test_the_node_fetches_its_release_from_the_plane_and_ssh_stays_the_fallback(
     # The plane sent the node (its address on the link) the amd64 file, once; nothing of it went over SFTP,
     # though SFTP did write the node's other files (so its log would show a copy).
     assert _served(cp) == [(node.node_addr, AMD)]
-    assert _pyz_copies(node) == [] and any(p.endswith("agent.toml.llmgw-part") for p in _sftp_written(node))
+    assert _pyz_copies(node) == [] and any(p.endswith("agent.toml.llmgw-part") for p in node.sftp_written())
     assert {n["id"]: n for n in cp.ctl("nodes")}[node.hostname]["state"] == "joined"
     assert node.read("/usr/local/bin/llmgw") == (release_dir / AMD).read_bytes()
 
