@@ -111,6 +111,8 @@ class NetNode:
             lines.append(f"mount --bind {host_path} {node_path}")
         lines += ["mount -t tmpfs -o mode=0700 tmpfs /root", "mount -t tmpfs -o mode=0755 tmpfs /run"]
         lines.append("mkdir -p /run/sshd")
+        # Every login's SFTP appends to it (sftp-server runs as the login): writable by all.
+        lines.append(f"touch {SFTP_LOG} && chmod 0666 {SFTP_LOG}")
         lines.append(f"exec {SSHD} -D -e -f {self._config()}")
         script = self.root / "node-init.sh"
         script.write_text("\n".join(lines) + "\n")
