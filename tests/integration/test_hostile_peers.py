@@ -1,7 +1,8 @@
 """Hostile peers against a real cluster: `llmgw server`, one `llmgw agent`, a real sim engine.
 
 Every listener llmgw runs — the HTTP listener (gateway and admin API), the agent endpoint (and
-its artifact mirror), the sim engine — is sent what a broken or malicious peer sends: a FIN or
+its artifact mirror, and the release files it serves to peers without a certificate), the sim
+engine — is sent what a broken or malicious peer sends: a FIN or
 an RST at many offsets of a request's head and body, in the middle of a streamed response and
 of the error answer itself, garbage, a head or body trickled a byte at a time, JSON nested
 100,000 deep, and two thousand idle connections. After each, `assert_serving` checks that
@@ -14,9 +15,11 @@ seconds; the sim engine keeps its defaults (it is not configured by server.toml)
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +48,7 @@ replicas = 1
 args = ["--output-token-ms", "20"]
 """
 MODEL = "sim-small"
+RELEASE_FILE = "llmgw-0.0.0-linux-amd64.pyz"
 IDLE_CONNECTIONS = 2000
 
 
@@ -66,7 +70,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     cluster = Cluster(tmp_path_factory.mktemp("hostile"))
     try:
         cluster.init_ca()
-        cluster.set_catalog(CATALOG)
+        release = cluster.root / "release"  # the release files the server serves, to any peer
+        release.mkdir()
+        with (release / RELEASE_FILE).open("wb") as f:
+            f.truncate(64 << 20)  # more than any socket buffer holds
+        digest = hashlib.sha256((release / RELEASE_FILE).read_bytes()).hexdigest()
+        (release / "SHA256SUMS").write_text(f"{digest}  {RELEASE_FILE}\n")
+        cluster.set_catalog(CATALOG + f'\n[release]\ndir = "{release}"\n')
         cluster.add_node("node-a")
         server = cluster.start_server()
         cluster.start_agent("node-a")
@@ -362,4 +372,63 @@ def test_a_mirror_download_that_stops_reading_is_cut(live: Live, tmp_path: Path)
     finally:
         sock.close()
         archive.unlink()
+    assert_serving(live)
+
+
+def _release_get(live: Live, target: str) -> ssl.SSLSocket:
+    """A peer with no certificate (a node fetching its release) asking the agent port for `target`."""
+    sock = hostile.tls_client("127.0.0.1", live.cluster.port, ca=str(live.cluster.state / "ca" / "ca.crt"))
+    sock.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+    return sock
+
+
+def test_release_downloads_by_peers_without_a_certificate_are_bounded(live: Live) -> None:
+    ca = str(live.cluster.state / "ca" / "ca.crt")
+    # Half a head, then gone; names that would leave the directory; what needs a certificate.
+    for how in ("fin", "rst"):
+        sock = hostile.tls_client("127.0.0.1", live.cluster.port, ca=ca)
+        sock.sendall(b"GET /v1/release/SHA2")
+        if how == "rst":
+            hostile.reset(sock)
+        else:
+            sock.close()
+    for target, status in (
+        ("/v1/release/../../../etc/passwd", 404),
+        ("/v1/release/%2e%2e%2fca%2fca.key", 404),
+        (f"/v1/release/{RELEASE_FILE}/../../ca/ca.key", 404),
+        ("/v1/artifacts/" + "0" * 64, 403),
+        ("/v1/agent", 403),
+        ("/v1/release/SHA256SUMS", 200),
+    ):
+        sock = _release_get(live, target)
+        try:
+            answer = sock.recv(4096)
+        finally:
+            sock.close()
+        assert hostile.status_of(answer) == status, (target, answer)
+        assert b"PRIVATE KEY" not in answer
+    # As many downloads as are sent at once, none of them reading: the next is told 503; each is cut
+    # at the send deadline, and a download then goes through again.
+    before = aborted(live, "agent", "send_timeout")
+    stalled = [_release_get(live, f"/v1/release/{RELEASE_FILE}") for _ in range(8)]  # releases.MAX_DOWNLOADS
+    try:
+        for sock in stalled:
+            assert hostile.status_of(sock.recv(4096)) == 200
+        sock = _release_get(live, f"/v1/release/{RELEASE_FILE}")
+        try:
+            assert hostile.status_of(sock.recv(4096)) == 503
+        finally:
+            sock.close()
+        deadline = time.monotonic() + SEND_TIMEOUT_S + 15
+        while aborted(live, "agent", "send_timeout") < before + len(stalled):
+            assert time.monotonic() < deadline, metrics(live)
+            time.sleep(0.2)
+    finally:
+        for sock in stalled:
+            sock.close()
+    sock = _release_get(live, f"/v1/release/{RELEASE_FILE}")
+    try:
+        assert hostile.status_of(sock.recv(4096)) == 200
+    finally:
+        sock.close()
     assert_serving(live)

@@ -12,7 +12,15 @@ import attrs
 import trio
 
 from llmgw import paths
-from llmgw.config import AgentConfig, EnginesSection, LlamacppSource, Model, ServerConfig, ServerSection
+from llmgw.config import (
+    AgentConfig,
+    EnginesSection,
+    LlamacppSource,
+    Model,
+    ReleaseSection,
+    ServerConfig,
+    ServerSection,
+)
 from llmgw.pki.ca import CA
 from llmgw.pki.files import init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
 from llmgw.wire import agent_link as w
@@ -92,13 +100,20 @@ def local(tmp_path: Path, monkeypatch, models: tuple[Model, ...]) -> Local:
     return Local(state=state, ca=ca, port=port, config=config)
 
 
-async def serve_plane(state: Path, nursery: trio.Nursery, *, engines: EnginesSection = OFFLINE_ENGINES):
+async def serve_plane(
+    state: Path,
+    nursery: trio.Nursery,
+    *,
+    engines: EnginesSection = OFFLINE_ENGINES,
+    release: ReleaseSection | None = None,
+):
     """A control plane on `state` (made with `make_state`) serving in `nursery`, both listeners on
     loopback ports of the system's choosing; the plane and its bound addresses."""
     from llmgw.server.app import ControlPlane  # here: most users of this module need no control plane
 
     server = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
-    plane = ControlPlane.open(ServerConfig(server=server, engines=engines), state)
+    config = ServerConfig(server=server, engines=engines, release=release or ReleaseSection())
+    plane = ControlPlane.open(config, state)
     return plane, await nursery.start(plane.serve)
 
 

@@ -12,6 +12,7 @@ network namespace before deleting it. Needs root (CI runs as root), iproute2 and
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -19,17 +20,19 @@ from pathlib import Path
 
 from testlib.needs import missing_message
 from testlib.netns import _run, free_index, kill_namespace, namespace_pids
-from testlib.sshd import SSHD, keygen, sshd_config
+from testlib.sshd import SFTP_SERVER, SSHD, keygen, sshd_config
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
 OVERLAID = ("/etc", "/usr/local", "/var", "/tmp")
+SFTP_LOG = "/run/sftp-test.log"  # on the node (its /run is its own): every file SFTP opened there
 # What a node is made with, and the Debian package of each.
 TOOLS = (
     ("/usr/sbin/ip", "iproute2"),
     ("/usr/bin/unshare", "util-linux"),
     ("/usr/bin/nsenter", "util-linux"),
     (str(SSHD), "openssh-server"),
+    (str(SFTP_SERVER), "openssh-sftp-server"),
 )
 
 
@@ -119,6 +122,8 @@ class NetNode:
             lines.append(f"mount --bind {host_path} {node_path}")
         lines += ["mount -t tmpfs -o mode=0700 tmpfs /root", "mount -t tmpfs -o mode=0755 tmpfs /run"]
         lines.append("mkdir -p /run/sshd")
+        # Every login's SFTP appends to it (sftp-server runs as the login): writable by all.
+        lines.append(f"touch {SFTP_LOG} && chmod 0666 {SFTP_LOG}")
         lines.append(f"exec {SSHD} -D -e -f {self._config()}")
         script = self.root / "node-init.sh"
         script.write_text("\n".join(lines) + "\n")
@@ -157,6 +162,7 @@ class NetNode:
                 host_key=self.host_key,
                 pid_file="/run/sshd-test.pid",  # inside the node
                 authorized_keys="/etc/ssh/test_authorized_keys",
+                sftp_log=SFTP_LOG,
             )
         )
         return config
@@ -177,6 +183,11 @@ class NetNode:
 
     def log_text(self) -> str:
         return self.log.read_bytes().decode("utf-8", "replace") if self.log.exists() else ""
+
+    def sftp_written(self) -> list[str]:
+        """Every file SFTP opened for writing on the node, in order (the node's paths)."""
+        done = self.run("cat", SFTP_LOG)
+        return re.findall(r'open "([^"]+)" flags WRITE', done.stdout) if done.returncode == 0 else []
 
     def connections(self) -> int:
         """How many SSH connections reached the node's sshd."""

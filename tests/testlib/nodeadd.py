@@ -44,7 +44,7 @@ class Node(Protocol):
     client_key: Path
 
 
-def build_release(out: Path, version: str) -> Path:
+def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",)) -> Path:
     """The release's files for this machine's architecture, built as `release:build` builds them."""
     root = build_root()
     inputs = build.Inputs(
@@ -56,7 +56,7 @@ def build_release(out: Path, version: str) -> Path:
         lockfile=root / "3rdparty" / "python" / "default.lock",
         wheel_cache=wheels.default_cache(),
     )
-    build.build_release(inputs, out, arches=("amd64",), progress=lambda *a: None)
+    build.build_release(inputs, out, arches=arches, progress=lambda *a: None)
     return out
 
 
@@ -113,6 +113,11 @@ class ControlPlane:
         )
         self.node = node
         self.server: Proc | None = None
+
+    def add_config(self, text: str) -> None:
+        """Append to server.toml (a table of its own, e.g. `[release]`), before `start`."""
+        with self.config.open("a") as f:
+            f.write("\n" + text)
 
     def llmgw(self, *args: str, timeout: float = 60):
         return run_llmgw(*args, timeout=timeout)

@@ -38,8 +38,15 @@ def fingerprint_of(pub: Path) -> str:
     return out.stdout.split()[1]
 
 
-def sshd_config(*, listen: str, host_key: Path, pid_file: Path | str, authorized_keys: Path | str) -> str:
-    """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP."""
+SFTP_SERVER = Path("/usr/lib/openssh/sftp-server")
+
+
+def sshd_config(
+    *, listen: str, host_key: Path, pid_file: Path | str, authorized_keys: Path | str, sftp_log: str = ""
+) -> str:
+    """Key logins only (root too), no PAM, VERBOSE logging (a session shows as "Starting session:"), SFTP.
+    `sftp_log`: a file where SFTP logs each file it opens (`open "PATH" flags WRITE,...`): what was copied."""
+    sftp = f"{SFTP_SERVER} -e -l INFO 2>>{sftp_log}" if sftp_log else "internal-sftp"
     return "\n".join(
         [
             f"ListenAddress {listen}",
@@ -54,7 +61,7 @@ def sshd_config(*, listen: str, host_key: Path, pid_file: Path | str, authorized
             "UsePAM no",
             "PrintMotd no",
             "LogLevel VERBOSE",
-            "Subsystem sftp internal-sftp",
+            f"Subsystem sftp {sftp}",  # a command is run by the login's shell: the redirection works
             "",
         ]
     )

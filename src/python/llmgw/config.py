@@ -243,6 +243,17 @@ class DownloadsSection:
 
 
 @attrs.frozen(kw_only=True)
+class ReleaseSection:
+    """The release files the control plane serves nodes on the agent port (docs/configuration.md):
+    `dir`, a release directory (both architectures' files and SHA256SUMS); "" for the release this
+    llmgw runs from. `serve = false` serves none, and the agent port then admits no peer without a
+    node certificate at all."""
+
+    serve: bool = True
+    dir: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     http: HttpSection = HttpSection()
@@ -250,6 +261,7 @@ class ServerConfig:
     engines: EnginesSection = EnginesSection()
     gateway: GatewaySection = GatewaySection()
     downloads: DownloadsSection = DownloadsSection()
+    release: ReleaseSection = ReleaseSection()
     models: tuple[Model, ...] = ()
 
 
@@ -435,6 +447,8 @@ def _check_server(cfg: ServerConfig) -> list[str]:
     for key in ("max_archive_gib", "max_weights_gib"):
         if getattr(cfg.downloads, key) < 1:
             problems.append(f"must be at least 1 @ $.downloads.{key}")
+    if cfg.release.dir and not Path(cfg.release.dir).is_absolute():
+        problems.append(f"expected an absolute path, got {cfg.release.dir!r} @ $.release.dir")
     seen: dict[str, int] = {}
     for i, m in enumerate(cfg.models):
         at = f"$.models[{i}]"

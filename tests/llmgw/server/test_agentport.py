@@ -30,6 +30,8 @@ def request(target: bytes, method: bytes = b"GET") -> h11.Request:
 async def test_the_route_is_decided_from_the_head_alone() -> None:
     assert agentport.route(None) is Route.NOT_HTTP
     assert agentport.route(request(w.ARTIFACTS_PREFIX.encode() + b"0" * 64)) is Route.MIRROR
+    assert agentport.route(request(w.RELEASE_PREFIX.encode() + b"SHA256SUMS")) is Route.RELEASE
+    assert agentport.route(request(b"/v1/releasex")) is Route.LINK  # only under the prefix
     assert agentport.route(request(w.AGENT_PATH.encode())) is Route.LINK
     assert agentport.route(request(b"/elsewhere")) is Route.LINK  # the link's session answers 404
 

@@ -67,8 +67,16 @@ def configure(parser: Parser) -> None:
         metavar="DIR|FILE|URL",
         default="",
         help="the release to install: a directory with llmgw-VERSION-linux-ARCH.pyz and SHA256SUMS, one .pyz, or "
-        "the URL of such a directory (fetched by the node); default: this llmgw, if it is a release for the "
-        "node's architecture",
+        "the URL of such a directory (fetched by the node); default: the control plane's release for the node's "
+        "architecture ([release] in server.toml)",
+    )
+    add.add_argument(
+        "--release-via",
+        choices=("ssh", "https"),
+        default="",
+        help="without --release, how the control plane's release reaches the node: https, the node downloads it "
+        "from the control plane's agent port; ssh, it is copied over SSH, for a node that cannot reach the "
+        "control plane that way (default: https when the control plane holds the node's file, else ssh)",
     )
     add.add_argument(
         "--fabric",
@@ -159,6 +167,7 @@ def run_add(args: argparse.Namespace) -> int:
         accept_new_host_key=args.accept_new_host_key,
         ssh_port=args.port,
         release=args.release,
+        release_via=args.release_via,
         server_address=args.server_address,
         fabrics=tuple(args.fabric),
         ignore_doctor=frozenset(n.strip() for item in args.ignore_doctor for n in item.split(",") if n.strip()),

@@ -36,6 +36,7 @@ class Options:
     accept_new_host_key: bool = False  # trust a host absent from known_hosts without asking
     ssh_port: int = 22
     release: str = ""
+    release_via: str = ""  # "ssh", "https", or "" (the control plane's when it holds the file, else SSH)
     server_address: str = ""
     fabrics: tuple[cfg.FabricDecl, ...] = ()
     ignore_doctor: frozenset[str] = frozenset()

@@ -33,7 +33,6 @@ from llmgw.errors import LlmgwError, MachineError
 from llmgw.nodeadd import identify, install, layout, ship, ssh
 from llmgw.nodeadd.context import SHORT_S, Authority, Facts, Options, view_of
 from llmgw.nodeadd.questions import Questions
-from llmgw.nodeadd.release import find_artifact
 from llmgw.nodeadd.steps import FAILED, OK, PROGRESS, STARTED, WARN, Event
 from llmgw.pki.ca import CA, CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_ca, load_cert
@@ -136,9 +135,14 @@ async def _on_node(
         st.ok(f"the agent will dial {facts.server}, covered by the server certificate")
 
     async with _step(emit, "ship") as st:
-        facts.artifact = await trio.to_thread.run_sync(find_artifact, opts.release, facts.arch)
-        await ship.ship(s, facts)
-        st.ok(ship.ship_detail(facts))
+        ca_pem = auth.ca.cert_pem()
+        fell_back = await ship.choose(opts, facts, ca_pem)
+        await ship.ship(s, facts, ca_pem)
+        detail = ship.ship_detail(facts)
+        if fell_back:
+            st.warn(f"{detail}; {fell_back}")
+        else:
+            st.ok(detail)
 
     async with _step(emit, "doctor") as st:
         status, text, inventory = await ship.doctor(opts, s, facts, questions)

@@ -2,15 +2,18 @@
 
 `--release` names a directory holding the release's files (`llmgw-VERSION-linux-ARCH.pyz` and
 `SHA256SUMS`, as downloaded), one .pyz file, or an http(s) URL of such a directory, whose
-SHA256SUMS is read here and whose .pyz the node fetches itself. Without `--release`, the running
-llmgw is shipped when it is itself a release for the node's architecture; a development build is
-never shipped, so the fleet does not end up running whatever was in somebody's working tree.
+SHA256SUMS is read here and whose .pyz the node fetches itself. Without `--release`, the node
+fetches the file for its architecture from the control plane (`from_plane`: its SHA256SUMS read
+here over HTTPS, the server checked against the cluster's CA root), or, over SSH
+(`--release-via ssh`, or when the control plane holds none for the node), `local_release` is
+copied: `[release] dir`, else the release directory this llmgw runs from, else this llmgw itself
+when it is a release for the node's architecture. A development build is never shipped, so the
+fleet does not end up running whatever was in somebody's working tree.
 """
 
 from __future__ import annotations
 
-import re
-import sys
+import ssl
 import urllib.error
 import urllib.request
 import zipfile
@@ -20,11 +23,16 @@ import attrs
 
 from llmgw import download
 from llmgw.errors import MachineError, PeerError, UsageError
+from llmgw.releasefiles import ARCHES, NAME, SUMS, parse_sums, pick, release_files, running_release
 from llmgw.version import version_info
+from llmgw.wire.agent_link import RELEASE_PREFIX
 
-ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
-_NAME = re.compile(r"llmgw-(?P<version>[^/\s]+)-linux-(?P<arch>amd64|arm64)\.pyz\Z")
+__all__ = ["ARCHES", "Artifact", "find_artifact", "from_plane", "local_release", "parse_sums", "release_arch"]
+
 _FETCH_TIMEOUT_S = 30
+# How node add has the node get its release (`--release-via`); AUTO: from the control plane when
+# it holds the node's file, else over SSH.
+AUTO, SSH, HTTPS = "", "ssh", "https"
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +42,7 @@ class Artifact:
     sha256: str
     path: Path | None = None  # a file here, shipped over SFTP
     url: str = ""  # or fetched by the node
+    from_plane: bool = False  # the url is the control plane's: the node checks it against the CA root
 
     @property
     def where(self) -> str:
@@ -57,32 +66,6 @@ def sha256_of(path: Path) -> str:
         raise MachineError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def parse_sums(text: str, label: str) -> dict[str, str]:
-    """`sha256sum` output: name → hex digest."""
-    sums: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
-            raise UsageError(f"{label} line {number} is not `SHA256  FILE`: {line!r}")
-        sums[parts[1].lstrip("*")] = parts[0]
-    return sums
-
-
-def _pick(sums: dict[str, str], arch: str, label: str) -> tuple[str, str, str]:
-    found = [(name, m["version"]) for name in sums if (m := _NAME.match(name)) and m["arch"] == arch]
-    if not found:
-        raise UsageError(
-            f"{label} lists no llmgw-VERSION-linux-{arch}.pyz; the node needs the {arch} release "
-            "(download both architectures' files and SHA256SUMS into one place)"
-        )
-    if len(found) > 1:
-        raise UsageError(f"{label} lists several {arch} releases ({', '.join(n for n, _ in found)}); keep one")
-    name, version = found[0]
-    return name, version, sums[name]
-
-
 def find_artifact(release: str, arch: str) -> Artifact:
     if not release:
         return _this_llmgw(arch)
@@ -97,19 +80,19 @@ def find_artifact(release: str, arch: str) -> Artifact:
 
 
 def _from_dir(directory: Path, arch: str) -> Artifact:
-    sums_file = directory / "SHA256SUMS"
+    sums_file = directory / SUMS
     try:
         sums = parse_sums(sums_file.read_text(), str(sums_file))
     except FileNotFoundError:
         raise UsageError(
             f"{directory} has no SHA256SUMS; download it with the release, or give the .pyz file itself"
         ) from None
-    name, version, digest = _pick(sums, arch, str(sums_file))
+    name, version, digest = pick(sums, arch, str(sums_file))
     return _checked(directory / name, version, digest, f"{sums_file}")
 
 
 def _from_file(path: Path, arch: str) -> Artifact:
-    m = _NAME.match(path.name)
+    m = NAME.match(path.name)
     if not m or not zipfile.is_zipfile(path):
         raise UsageError(f"--release {path} is not a release file (llmgw-VERSION-linux-ARCH.pyz)")
     if m["arch"] != arch:
@@ -142,21 +125,106 @@ def _from_url(url: str, arch: str) -> Artifact:
             text = r.read(1 << 20).decode("utf-8", "replace")
     except (urllib.error.URLError, OSError) as exc:
         raise PeerError(f"cannot read {sums_url}: {getattr(exc, 'reason', exc)}; check the release URL") from None
-    name, version, digest = _pick(parse_sums(text, sums_url), arch, sums_url)
+    name, version, digest = pick(parse_sums(text, sums_url), arch, sums_url)
     return Artifact(name=name, version=version, sha256=digest, url=base + name)
+
+
+def local_release(release_dir: str, arch: str) -> Artifact:
+    """What is copied over SSH without `--release`, in the control plane's order
+    (`llmgw.server.releases`): `[release] dir`; else the release directory this llmgw runs from,
+    when a SHA256SUMS beside its file lists it; else this llmgw itself. Checked here before use."""
+    if release_dir:
+        return _from_dir(Path(release_dir), arch)
+    me = running_release()
+    if me is not None:
+        beside = me.path.parent / SUMS
+        try:
+            listed = me.name in parse_sums(beside.read_text(), str(beside))
+        except (OSError, UsageError):
+            listed = False
+        if listed:
+            return _from_dir(me.path.parent, arch)
+    return _this_llmgw(arch)
 
 
 def _this_llmgw(arch: str) -> Artifact:
     info = version_info()
-    me = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    me = running_release()
     fix = (
-        f"pass --release DIR (holding llmgw-VERSION-linux-{arch}.pyz and SHA256SUMS, as downloaded), "
-        "--release FILE.pyz or --release URL"
+        f"set [release] dir in server.toml to a directory holding llmgw-VERSION-linux-{arch}.pyz and SHA256SUMS, "
+        f"or pass --release DIR (such a directory), --release FILE.pyz or --release URL"
     )
-    if info.build_target == "unknown" or me is None or not me.is_file() or not zipfile.is_zipfile(me):
+    if me is None:
         raise UsageError(f"this llmgw ({info.version}) is not a release build, so it is not shipped to nodes; {fix}")
-    if info.build_target != f"linux-{arch}":
-        raise UsageError(f"this llmgw is the {info.build_target} release and the node is linux-{arch}; {fix}")
-    return Artifact(
-        name=f"llmgw-{info.version}-linux-{arch}.pyz", version=info.version, sha256=sha256_of(me), path=me.resolve()
+    if me.arch != arch:
+        raise UsageError(f"this llmgw is the linux-{me.arch} release and the node is linux-{arch}; {fix}")
+    return Artifact(name=me.name, version=me.version, sha256=sha256_of(me.path), path=me.path)
+
+
+def plane_url(host: str, port: int) -> str:
+    """Where the control plane serves its release files: the agent port, at the address the agent dials."""
+    return f"https://{f'[{host}]' if ':' in host else host}:{port}{RELEASE_PREFIX}"
+
+
+def from_plane(host: str, port: int, ca_pem: bytes, arch: str) -> tuple[Artifact | None, str]:
+    """The control plane's file for `arch`, from its SHA256SUMS read over HTTPS (the server checked
+    against the cluster's CA root alone), or (None, why) when it holds none for `arch`. Blocking."""
+    base = plane_url(host, port)
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())  # the CA root only: no system store
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx))
+    try:
+        with opener.open(base + SUMS, timeout=_FETCH_TIMEOUT_S) as r:
+            text = r.read(1 << 20).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        said = exc.read(600).decode("utf-8", "replace").strip()
+        if exc.code == 404:
+            return None, said or f"{base}{SUMS}: 404"
+        raise PeerError(f"the control plane answered HTTP {exc.code} for {base}{SUMS}: {said}") from None
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ssl.SSLCertVerificationError):
+            raise MachineError(
+                f"what answers at {base} is not this control plane: its certificate is not from the cluster's CA "
+                f"({exc.reason.verify_message}); check [server].advertise / --server-address, or copy the release "
+                "over SSH with --release-via ssh"
+            ) from None
+        raise _unreadable(base, exc.reason) from None
+    except OSError as exc:  # e.g. the TLS alert of a plane that wants a certificate, read with the answer
+        raise _unreadable(base, exc) from None
+    label = f"the control plane's {base}{SUMS}"
+    try:
+        name, version, digest = pick(release_files(parse_sums(text, label)), arch, label)
+    except UsageError as exc:
+        return None, str(exc)
+    return Artifact(name=name, version=version, sha256=digest, url=base + name, from_plane=True), ""
+
+
+def _unreadable(base: str, reason: object) -> MachineError:
+    return MachineError(
+        f"cannot read the control plane's release list at {base}{SUMS}: {reason}; is `llmgw server` listening on "
+        "agent_listen, with [release] serve = true (the default)? Or copy the release over SSH with --release-via ssh"
     )
+
+
+def how_to_ship(*, release: str, via: str, plane_serves: bool) -> str:
+    """`--release-via` with `--release` and server.toml's `[release] serve`: where the file comes
+    from. "given": `--release` as before; SSH: `local_release` over SSH; HTTPS: the control plane,
+    falling back to SSH only under AUTO (`choose` does that)."""
+    if via not in (AUTO, SSH, HTTPS):
+        raise UsageError(f"--release-via {via}: expected ssh or https")
+    if release:
+        if via == HTTPS:
+            raise UsageError(
+                f"--release {release} and --release-via https: the node fetches over HTTPS only the control "
+                "plane's own release files ([release] dir in server.toml); drop one of the two"
+            )
+        return "given"
+    if via == SSH:
+        return SSH
+    if not plane_serves:
+        if via == HTTPS:
+            raise UsageError(
+                "--release-via https: this control plane serves no release ([release] serve = false in "
+                "server.toml); set it to true and restart `llmgw server`, or use --release-via ssh"
+            )
+        return SSH
+    return HTTPS

@@ -27,8 +27,11 @@ from llmgw.pki.files import ca_paths, fs_errors
 ALERT_TIMEOUT_S = 5.0  # a peer that does not read its alert must not hold a task
 
 
-def server_ssl_context(state_dir: Path) -> ssl.SSLContext:
-    """The agent endpoint's side: present server.crt, require a node certificate from our CA."""
+def server_ssl_context(state_dir: Path, *, certificate_optional: bool = False) -> ssl.SSLContext:
+    """The agent endpoint's side: present server.crt, require a node certificate from our CA.
+
+    `certificate_optional`: a peer may also come without any certificate (one it presents must
+    still be our CA's and valid); the endpoint then serves it the release files and nothing else."""
     paths = ca_paths(state_dir)
     _require(paths.ca_cert, f"create the certificate authority with `llmgw ca init --state-dir {state_dir}`")
     fix = f"issue it with `llmgw ca server-cert --state-dir {state_dir} --san ADDRESS`"
@@ -36,7 +39,7 @@ def server_ssl_context(state_dir: Path) -> ssl.SSLContext:
     _require(paths.server_key, fix)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_mode = ssl.CERT_OPTIONAL if certificate_optional else ssl.CERT_REQUIRED
     _load(ctx, paths.ca_cert, paths.server_cert, paths.server_key, fix)
     return ctx
 

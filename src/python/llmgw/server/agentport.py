@@ -1,10 +1,12 @@
 """What arrives on the agent port: one request head, read once, and where it goes.
 
-The agent port (server.toml's agent_listen) is one TLS listener with node certificates, for two
-things: the agent link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET
-ARTIFACTS_PREFIX + SHA256` (`llmgw.server.artifacts`). The endpoint reads the request head once
+The agent port (server.toml's agent_listen) is one TLS listener, for three things: the agent
+link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`
+(`llmgw.server.artifacts`), both for node certificates only; and the release files, `GET
+RELEASE_PREFIX + NAME` (`llmgw.server.releases`), for any peer (a node fetching its release has
+no certificate yet). The endpoint reads the request head once
 with h11 (`read_head`), `route` decides from the head alone, and each route then takes the
-connection as it is: the mirror answers on the same h11 connection; the link's request is
+connection as it is: the mirror and the releases answer on the same h11 connection; the link's request is
 checked to be a WebSocket upgrade (`check_upgrade`, RFC 6455 §4.2.1, before any WebSocket
 handling), then accepted by trio-websocket's public `wrap_server_stream` from the bytes already
 read (`accept_link` replays them: trio-websocket has no public way to start from a parsed
@@ -46,17 +48,20 @@ class Head:
 
 class Route(enum.Enum):
     MIRROR = "mirror"  # answered by llmgw.server.artifacts
+    RELEASE = "release"  # answered by llmgw.server.releases, to a peer without a certificate too
     LINK = "link"  # the agent link: ServerSession.upgrade checks its path and node id
     NOT_HTTP = "not_http"  # nothing to route: 400, close
 
 
 def route(request: h11.Request | None) -> Route:
-    """Where a request goes, from its head alone. Everything that is not the mirror's is the
-    link's to accept or refuse (404 for another path)."""
+    """Where a request goes, from its head alone. Everything that is not the mirror's or the
+    releases' is the link's to accept or refuse (404 for another path)."""
     if request is None:
         return Route.NOT_HTTP
     if request.target.startswith(w.ARTIFACTS_PREFIX.encode()):
         return Route.MIRROR
+    if request.target.startswith(w.RELEASE_PREFIX.encode()):
+        return Route.RELEASE
     return Route.LINK
 
 

@@ -40,6 +40,7 @@ from llmgw.metrics import Registry as MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
 from llmgw.pki.tls import server_ssl_context
+from llmgw.releasefiles import running_release
 from llmgw.server import activation, enginekeys, views
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
@@ -58,6 +59,7 @@ from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
 from llmgw.server.page import Page
 from llmgw.server.registry import Registry
+from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
@@ -106,6 +108,11 @@ class ControlPlane:
             on_change=self.changes.node_changed,
             on_replicas=self._replicas_reported,
             artifact_store=Artifacts(artifacts_dir(state_dir)),
+            release_files=Releases(
+                directory=Path(config.release.dir) if config.release.dir else None,
+                running=running_release(),
+                serve=config.release.serve,
+            ),
             silence_timeout_s=config.server.heartbeat_ttl_s,
             stats=self.connections,
             max_connections=config.http.max_agent_connections,
@@ -137,7 +144,7 @@ class ControlPlane:
         """Read what the control plane starts from, in the order the module docstring gives."""
         paths.check_state_dir(state_dir)
         ca = load_ca(state_dir)
-        ssl_context = server_ssl_context(state_dir)
+        ssl_context = server_ssl_context(state_dir, certificate_optional=config.release.serve)
         store = AsyncStore.open(state_dir)
         engine_keys = enginekeys.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
         admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
@@ -303,7 +310,7 @@ class ControlPlane:
         if self.config_path is None:
             raise NoConfigFile()
         new = load_server_config(self.config_path)
-        fixed = ("server", "http", "ca", "gateway")  # read once, at start
+        fixed = ("server", "http", "ca", "gateway", "release")  # read once, at start
         changed_fixed = [f"[{name}]" for name in fixed if getattr(new, name) != getattr(self.config, name)]
         if changed_fixed:
             log.warning("reload_ignores", sections=changed_fixed, fix="restart `llmgw server` for those")

@@ -3,10 +3,15 @@
 Order of checks on a new connection, each refusal logged here with its reason and told to the
 agent in the clearest way the stage allows:
 
-1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's,
-   an expired one, or none; the agent receives the TLS alert at once).
+1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's or
+   an expired one; the agent receives the TLS alert at once). No certificate at all is refused
+   there too, unless the control plane serves its release files (`[release] serve`, the
+   default): then a peer without one gets as far as its request head, for the one route that
+   needs none.
 2. One request head, read once; `agentport.route` sends the mirror's requests to
-   `llmgw.server.artifacts` and the rest to the link (no HTTP at all -> 400).
+   `llmgw.server.artifacts`, the release files' to `llmgw.server.releases` (any peer) and the
+   rest to the link (no HTTP at all -> 400). A peer without a certificate asking for anything
+   but a release file -> HTTP 403, logged as the TLS stage's refusal it stands for.
 3. The certificate's serial is not revoked (`llmgw node remove`) -> else HTTP 403 with the reason.
    When the store cannot answer, the check fails closed: HTTP 503 saying so, and the agent retries.
 4. The link's upgrade is to AGENT_PATH (else 404) and the node id it claims (`NODE_ID_HEADER`)
@@ -40,7 +45,7 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo, cert_info_from_der
 from llmgw.pki.tls import send_tls_alert
 from llmgw.pki.tlsdiag import describe_tls_failure
-from llmgw.server import agentport, artifacts
+from llmgw.server import agentport, artifacts, releases
 from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
@@ -60,6 +65,14 @@ REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connec
 # A message to an agent must be taken within this; an agent that stops reading is cut off
 # (its link is closed) instead of stalling whoever pushes desired state to it.
 SEND_TIMEOUT_S = 10.0
+NO_CERTIFICATE_SERVER = (
+    "a client connected without a certificate; only agents holding a node certificate may connect "
+    "(`llmgw node add USER@HOST --reissue` gives a node one); without one, only the release files are served"
+)
+NO_CERTIFICATE_CLIENT = (
+    "the control plane requires a node certificate and this agent sent none; check that node.crt and "
+    "node.key are in the agent's pki directory, or add the node with `llmgw node add USER@HOST --reissue`"
+)
 
 
 @attrs.define(kw_only=True)
@@ -86,6 +99,7 @@ class AgentEndpoint:
         stats: listeners.ConnectionStats | None = None,
         max_connections: int = 0,
         send_timeout_s: float = artifacts.SEND_TIMEOUT_S,
+        release_files: releases.Releases | None = None,
     ) -> None:
         self.send_timeout_s = send_timeout_s  # each write of a mirrored archive
         # A link silent this long (no heartbeat, no message) is closed: the agent is gone or cut
@@ -98,6 +112,7 @@ class AgentEndpoint:
         self._log_event = trio.Event()
         self._next_request = 0
         self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
+        self.releases = release_files or releases.Releases(directory=None, running=None, serve=False)
         self.registry = registry
         self.store = store
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -123,6 +138,7 @@ class AgentEndpoint:
             bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(self.artifacts.serve_index, on_change=self._mirror_changed))
+            await self.releases.announce()
             task_status.started(bound)
             cap = self.max_connections or listeners.default_max_connections(LISTENER)
             await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
@@ -137,11 +153,12 @@ class AgentEndpoint:
         address = _peer_host(stream)
         cn = "?"
         try:
-            cert = await self._handshake(stream, address)
-            if cert is None:
+            if not await self._handshake(stream, address):
                 return
-            cn = cert.common_name
-            await self._serve_authenticated(stream, cert, address)
+            der = stream.getpeercert(binary_form=True)
+            cert = cert_info_from_der(der) if der else None  # None: no certificate ([release] serve)
+            cn = cert.common_name if cert is not None else "-"
+            await self._serve(stream, cert, address)
         except Exception as exc:  # - one link's failure must never stop the endpoint
             reason = http.peer_reason(exc)
             if reason is None and only(exc, _LINK_BROKEN):
@@ -155,9 +172,9 @@ class AgentEndpoint:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _handshake(self, stream: trio.SSLStream, address: str) -> CertInfo | None:
-        """The TLS handshake with a client certificate of the cluster CA, or None (refused,
-        logged, the agent told why by the TLS alert)."""
+    async def _handshake(self, stream: trio.SSLStream, address: str) -> bool:
+        """The TLS handshake: a client certificate, if any, of the cluster CA; False if refused
+        (logged, the agent told why by the TLS alert)."""
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 await stream.do_handshake()
@@ -166,22 +183,41 @@ class AgentEndpoint:
             log.warning("agent_refused", address=address, stage="tls", reason=reason)
             self.stats.abort(LISTENER, "tls")
             await send_tls_alert(stream)  # so the agent learns why, at once
-            return None
-        return cert_info_from_der(stream.getpeercert(binary_form=True))
+            return False
+        return True
 
-    async def _serve_authenticated(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
+    async def _serve(self, stream: trio.SSLStream, cert: CertInfo | None, address: str) -> None:
+        cn = cert.common_name if cert is not None else "-"
         try:
             with trio.fail_after(HELLO_TIMEOUT_S):  # the whole request head, however it trickles in
                 head = await agentport.read_head(stream)
         except trio.TooSlowError:
             self.stats.abort(LISTENER, "head_timeout")
-            log.info("agent_link_closed", address=address, cn=cert.common_name, reason="head_timeout")
+            log.info("agent_link_closed", address=address, cn=cn, reason="head_timeout")
             return
         where = agentport.route(head.request)
         if where is Route.NOT_HTTP:
             self.stats.abort(LISTENER, "malformed")
             await agentport.answer(stream, head, 400, "expected an HTTP request", timeout_s=REFUSAL_SEND_S)
             return
+        assert head.request is not None
+        if where is Route.RELEASE:  # public files: no certificate needed, none checked
+            await releases.serve(
+                stream, head.conn, head.request, self.releases, address, send_timeout_s=self.send_timeout_s
+            )
+            return
+        if cert is None:
+            # What OpenSSL would have refused at the handshake had the release route not needed
+            # peers without a certificate: logged and worded as that refusal.
+            log.warning("agent_refused", address=address, stage="tls", reason=NO_CERTIFICATE_SERVER)
+            self.stats.abort(LISTENER, "tls")
+            await agentport.answer(stream, head, 403, NO_CERTIFICATE_CLIENT, timeout_s=REFUSAL_SEND_S)
+            return
+        await self._serve_authenticated(stream, head, where, cert, address)
+
+    async def _serve_authenticated(
+        self, stream: trio.SSLStream, head: agentport.Head, where: Route, cert: CertInfo, address: str
+    ) -> None:
         assert head.request is not None
         session = s.ServerSession(cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s)
         try:

@@ -24,12 +24,15 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # extra_index_urls), an engine's install state and progress (EngineStatus.state, phase, percent).
 PROTOCOL_VERSION = 3
 
-# The agent port (server.toml's agent_listen: one TLS port, node certificates required) serves
-# two things: the link, a WebSocket at AGENT_PATH whose upgrade request names the node in
-# NODE_ID_HEADER, and the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`.
+# The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
+# WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
+# artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`, both to node certificates only; and the
+# release files, `GET RELEASE_PREFIX + NAME` (a release file or SHA256SUMS), to any peer, since a
+# node fetches its release before it has a certificate (llmgw.server.releases).
 AGENT_PATH = "/v1/agent"
 NODE_ID_HEADER = "x-llmgw-node-id"
 ARTIFACTS_PREFIX = "/v1/artifacts/"
+RELEASE_PREFIX = "/v1/release/"
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------

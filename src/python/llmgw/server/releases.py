@@ -1,0 +1,223 @@
+"""The control plane's release files, served on the agent port so a node fetches its own release.
+
+`llmgw node add` has a node download `llmgw-VERSION-linux-ARCH.pyz` for its architecture from
+`GET RELEASE_PREFIX + NAME` on the agent port, and reads `GET RELEASE_PREFIX + SHA256SUMS` itself
+to know the digest the node must find. Which files (docs/install.md, "The release the control
+plane serves"):
+
+1. `[release] dir` in server.toml: the files its SHA256SUMS lists, with the digests it lists (so a
+   file damaged on disk is served as it is and refused by the node's sha256 check).
+2. Else the release this control plane runs from: when its file's directory (symlinks resolved)
+   holds a SHA256SUMS listing it, every release file that list names (both architectures, as
+   downloaded); else that one file, under its release name, its sha256 computed here.
+3. A development build serves none (404, saying what to set).
+
+The request names a file; it is looked up in that catalog by exact name and never joined to a
+path, so nothing outside the catalog can be named (no traversal). These are public files, served
+without a client certificate (a node has none yet when it fetches its release): the endpoint
+admits a peer without one to this route alone. At most MAX_DOWNLOADS are sent at once, each
+write within the send deadline; the catalog (a directory read, perhaps a whole-file hash) is
+built off the loop at each request, reusing the hash of a file whose size, mtime and inode are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+import attrs
+import h11
+import trio
+
+from llmgw.download import sha256_of
+from llmgw.errors import UsageError
+from llmgw.log import get_logger
+from llmgw.releasefiles import NAME, SUMS, Running, parse_sums, release_files
+from llmgw.wire.agent_link import RELEASE_PREFIX
+
+log = get_logger("llmgw.releases")
+
+CHUNK = 1 << 20
+MAX_DOWNLOADS = 8  # release files sent at once; a ninth peer is told 503 and retries
+MAX_SUMS_BYTES = 1 << 20
+
+_Key = tuple[str, int, int, int]  # path, size, mtime_ns, inode
+
+
+@attrs.frozen(kw_only=True)
+class Entry:
+    name: str
+    path: Path
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class Catalog:
+    """What is served, built once per request; never changed after."""
+
+    source: str  # where the files come from, for the log and the 404
+    files: Mapping[str, Entry] = attrs.field(factory=dict)
+    missing: str = ""  # when `files` is empty: why, and what to set
+
+    def sums(self) -> bytes:
+        return "".join(f"{e.sha256}  {e.name}\n" for e in sorted(self.files.values(), key=lambda e: e.name)).encode()
+
+
+def build_catalog(
+    directory: Path | None, running: Running | None, hashes: dict[_Key, str]
+) -> tuple[Catalog, dict[_Key, str]]:
+    """The catalog, and the hash cache to pass next time. Blocking: off the loop."""
+    if directory is not None:
+        return _from_dir(directory, f"[release] dir {directory}"), hashes
+    if running is None:
+        return Catalog(
+            source="none",
+            missing="this control plane is not a release build, so it has no release of its own to serve; set "
+            "[release] dir in server.toml to a directory holding the release files and SHA256SUMS",
+        ), hashes
+    beside = running.path.parent / SUMS
+    try:
+        listed = running.name in parse_sums(_read_sums(beside), str(beside))
+    except (OSError, UsageError):
+        listed = False
+    if listed:
+        return _from_dir(running.path.parent, f"the release directory it runs from, {running.path.parent}"), hashes
+    try:
+        st = running.path.stat()
+        key = (str(running.path), st.st_size, st.st_mtime_ns, st.st_ino)
+        digest = hashes.get(key) or sha256_of(running.path)
+    except OSError as exc:
+        return Catalog(source=str(running.path), missing=f"cannot read {running.path}: {exc}"), hashes
+    entry = Entry(name=running.name, path=running.path, sha256=digest)
+    return Catalog(source=f"the file it runs from, {running.path}", files={entry.name: entry}), {key: digest}
+
+
+def _read_sums(path: Path) -> str:
+    with path.open("rb") as f:
+        return f.read(MAX_SUMS_BYTES).decode("utf-8", "replace")
+
+
+def _from_dir(directory: Path, source: str) -> Catalog:
+    sums_file = directory / SUMS
+    try:
+        sums = release_files(parse_sums(_read_sums(sums_file), str(sums_file)))
+    except OSError as exc:
+        return Catalog(
+            source=source, missing=f"cannot read {sums_file} ({exc.strerror or exc}); download it with the release"
+        )
+    except UsageError as exc:
+        return Catalog(source=source, missing=str(exc))
+    files = {}
+    for name, digest in sums.items():
+        assert NAME.match(name)  # release_files: no '/', so the path stays in the directory
+        path = directory / name
+        if path.is_file():
+            files[name] = Entry(name=name, path=path, sha256=digest)
+    if not files:
+        return Catalog(source=source, missing=f"{sums_file} lists no release file that is beside it; download them")
+    return Catalog(source=source, files=files)
+
+
+class Releases:
+    """The release files of this control plane; `serve=False` serves none."""
+
+    def __init__(self, *, directory: Path | None, running: Running | None, serve: bool = True) -> None:
+        self.directory = directory
+        self.running = running
+        self.enabled = serve
+        self.slots = trio.Semaphore(MAX_DOWNLOADS)
+        self._hashes: dict[_Key, str] = {}
+        self._lock = trio.Lock()
+
+    async def catalog(self) -> Catalog:
+        if not self.enabled:
+            return Catalog(source="none", missing="this control plane serves no release ([release] serve = false)")
+        async with self._lock:  # one build at a time: a second hash of the same file would be waste
+            catalog, self._hashes = await trio.to_thread.run_sync(
+                build_catalog, self.directory, self.running, self._hashes, abandon_on_cancel=True
+            )
+        return catalog
+
+    async def announce(self) -> None:
+        """Log what is served (at start: an operator sees which release nodes get)."""
+        catalog = await self.catalog()
+        if catalog.files:
+            log.info("releases_served", source=catalog.source, files=sorted(catalog.files))
+        else:
+            log.info("releases_served", source=catalog.source, files=[], why=catalog.missing)
+
+
+def _open(path: Path) -> tuple[BinaryIO, int] | None:
+    try:
+        f = path.open("rb")
+    except OSError:
+        return None
+    return f, os.fstat(f.fileno()).st_size
+
+
+async def serve(
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    request: h11.Request,
+    releases: Releases,
+    peer: str,
+    *,
+    send_timeout_s: float,
+) -> None:
+    """Answer one request for a release file on an h11 connection whose head has been read.
+    Every write must drain within `send_timeout_s` (`TooSlowError` otherwise)."""
+
+    async def send(data: bytes) -> None:
+        with trio.fail_after(send_timeout_s):
+            await stream.send_all(data)
+
+    name = request.target.decode("latin-1").removeprefix(RELEASE_PREFIX)
+    if request.method != b"GET":
+        await _answer(send, conn, 405, f"only GET {RELEASE_PREFIX}NAME is served here\n", [(b"allow", b"GET")])
+        return
+    if name != SUMS and not NAME.match(name):
+        await _answer(send, conn, 404, f"not a release file: {RELEASE_PREFIX}{SUMS} lists those served\n")
+        return
+    catalog = await releases.catalog()
+    if not catalog.files:
+        await _answer(send, conn, 404, catalog.missing + "\n")
+        return
+    if name == SUMS:
+        await _answer(send, conn, 200, catalog.sums().decode())
+        return
+    entry = catalog.files.get(name)
+    if entry is None:
+        await _answer(send, conn, 404, f"this control plane does not hold {name}; {SUMS} lists what it holds\n")
+        return
+    try:
+        releases.slots.acquire_nowait()
+    except trio.WouldBlock:
+        await _answer(send, conn, 503, f"{MAX_DOWNLOADS} release downloads are in flight; try again shortly\n")
+        return
+    try:
+        opened = await trio.to_thread.run_sync(_open, entry.path)
+        if opened is None:
+            await _answer(send, conn, 404, f"{name} is gone from {catalog.source}\n")
+            return
+        f, size = opened
+        with f:
+            headers = [(b"content-length", str(size).encode()), (b"content-type", b"application/octet-stream")]
+            await send(conn.send(h11.Response(status_code=200, headers=headers)))
+            left = size  # what was announced, even if the file changes meanwhile (h11 refuses a short body)
+            while left and (block := await trio.to_thread.run_sync(f.read, min(CHUNK, left))):
+                left -= len(block)
+                await send(conn.send(h11.Data(data=block)))
+            await send(conn.send(h11.EndOfMessage()))
+        log.info("release_served", peer=peer, name=name, size=size, sha256=entry.sha256)
+    finally:
+        releases.slots.release()
+
+
+async def _answer(send, conn: h11.Connection, status: int, body: str, headers=()) -> None:
+    data = body.encode()
+    head = [(b"content-length", str(len(data)).encode()), (b"content-type", b"text/plain; charset=utf-8"), *headers]
+    await send(conn.send(h11.Response(status_code=status, headers=head)) + conn.send(h11.Data(data=data)))
+    await send(conn.send(h11.EndOfMessage()))

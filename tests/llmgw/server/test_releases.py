@@ -1,0 +1,172 @@
+"""The release files the control plane serves (llmgw.server.releases): which files are in the
+catalog for each source, and the route on memory streams: only catalog names are served, whatever
+the path says; other methods, names and a full house are refused with what to do."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from llmgw.releasefiles import Running, pick
+from llmgw.server import agentport, releases
+from llmgw.server.releases import Releases, build_catalog
+
+AMD = "llmgw-0.3.0-linux-amd64.pyz"
+ARM = "llmgw-0.3.0-linux-arm64.pyz"
+
+
+def _pyz(path: Path, text: str = "hi") -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("__main__.py", f"print({text!r})\n")
+    return path
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _release_dir(root: Path, *extra_lines: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    amd, arm = _pyz(root / AMD, "amd"), _pyz(root / ARM, "arm")
+    (root / "notes.txt").write_text("not a release file\n")
+    (root / "SHA256SUMS").write_text(
+        "".join(f"{_digest(p)}  {p.name}\n" for p in (amd, arm)) + "".join(line + "\n" for line in extra_lines)
+    )
+    return root
+
+
+# -- the catalog ---------------------------------------------------------------------------
+
+
+def test_a_release_directory_serves_what_its_sums_list_and_is_beside_it(tmp_path: Path) -> None:
+    d = _release_dir(
+        tmp_path / "rel",
+        f"{'1' * 64}  notes.txt",  # listed but not a release file
+        f"{'2' * 64}  ../../etc/passwd",  # a name that would leave the directory
+        f"{'3' * 64}  llmgw-0.2.0-linux-arm64.pyz",  # listed, not downloaded
+    )
+    catalog, _ = build_catalog(d, None, {})
+    assert sorted(catalog.files) == [AMD, ARM]
+    assert catalog.files[ARM].path == d / ARM and catalog.files[ARM].sha256 == _digest(d / ARM)
+    assert catalog.sums().decode().splitlines() == [f"{_digest(d / AMD)}  {AMD}", f"{_digest(d / ARM)}  {ARM}"]
+
+
+def test_a_file_damaged_on_disk_keeps_the_listed_digest(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    listed = _digest(d / AMD)
+    (d / AMD).write_bytes((d / AMD).read_bytes() + b"tampered")
+    catalog, _ = build_catalog(d, None, {})
+    assert catalog.files[AMD].sha256 == listed  # the node's check then refuses what it gets
+
+
+def test_the_running_release_serves_its_directory_when_its_sums_list_it(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    link = tmp_path / "bin" / "llmgw"
+    link.parent.mkdir()
+    link.symlink_to(d / AMD)
+    me = Running(path=link.resolve(), version="0.3.0", arch="amd64")
+    catalog, _ = build_catalog(None, me, {})
+    assert sorted(catalog.files) == [AMD, ARM]  # an amd64 plane holding both adds an arm64 node
+    assert str(d) in catalog.source
+
+
+def test_the_running_release_alone_is_served_under_its_release_name(tmp_path: Path) -> None:
+    installed = _pyz(tmp_path / "llmgw")  # installed by copy: no SHA256SUMS beside it
+    me = Running(path=installed, version="0.3.0", arch="arm64")
+    catalog, hashes = build_catalog(None, me, {})
+    assert list(catalog.files) == [ARM] and catalog.files[ARM].sha256 == _digest(installed)
+    assert list(hashes.values()) == [_digest(installed)]
+    again, _ = build_catalog(None, me, {k: "f" * 64 for k in hashes})  # unchanged file: the hash is reused
+    assert again.files[ARM].sha256 == "f" * 64
+
+
+def test_a_development_build_serves_none_and_says_what_to_set(tmp_path: Path) -> None:
+    catalog, _ = build_catalog(None, None, {})
+    assert catalog.files == {} and "[release] dir" in catalog.missing
+    catalog, _ = build_catalog(tmp_path, None, {})
+    assert catalog.files == {} and "SHA256SUMS" in catalog.missing
+
+
+def test_the_file_for_the_nodes_architecture_is_picked(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    catalog, _ = build_catalog(d, None, {})
+    sums = {e.name: e.sha256 for e in catalog.files.values()}
+    assert pick(sums, "arm64", "x")[0] == ARM and pick(sums, "amd64", "x")[0] == AMD
+
+
+# -- the route -----------------------------------------------------------------------------
+
+
+async def _get(rel: Releases, target: bytes, method: bytes = b"GET") -> tuple[int, dict[bytes, bytes], bytes]:
+    client, server = trio.testing.memory_stream_pair()
+    await client.send_all(method + b" " + target + b" HTTP/1.1\r\nhost: cp\r\n\r\n")
+    head = await agentport.read_head(server)
+    assert agentport.route(head.request) is agentport.Route.RELEASE
+    await releases.serve(server, head.conn, head.request, rel, "127.0.0.9", send_timeout_s=5)
+    await server.aclose()
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method=method, target=target, headers=[(b"host", b"cp")]))
+    status, headers, body = 0, {}, b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await client.receive_some())
+        elif isinstance(event, h11.Response):
+            status, headers = event.status_code, dict(event.headers)
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return status, headers, body
+
+
+@pytest.mark.trio
+async def test_the_files_are_served_by_exact_name_only(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    (tmp_path / "secret").write_text("private")
+    rel = Releases(directory=d, running=None)
+    status, _, body = await _get(rel, b"/v1/release/SHA256SUMS")
+    assert status == 200 and body.decode().splitlines()[1].endswith(ARM)
+    status, headers, body = await _get(rel, b"/v1/release/" + ARM.encode())
+    assert status == 200 and body == (d / ARM).read_bytes() and headers[b"content-length"] == str(len(body)).encode()
+    for target in (
+        b"/v1/release/../secret",
+        b"/v1/release/%2e%2e/secret",
+        b"/v1/release/notes.txt",
+        b"/v1/release/" + ARM.encode() + b"/../../secret",
+        b"/v1/release/" + ARM.encode() + b"?x=1",
+        b"/v1/release/llmgw-0.2.0-linux-arm64.pyz",  # a release name this plane does not hold
+        b"/v1/release/",
+    ):
+        status, _, body = await _get(rel, target)
+        assert status == 404 and b"private" not in body, (target, status, body)
+    status, headers, _ = await _get(rel, b"/v1/release/" + ARM.encode(), method=b"POST")
+    assert status == 405 and headers[b"allow"] == b"GET"
+
+
+@pytest.mark.trio
+async def test_serving_off_or_nothing_held_is_a_404_that_says_why(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    status, _, body = await _get(Releases(directory=d, running=None, serve=False), b"/v1/release/SHA256SUMS")
+    assert status == 404 and b"[release] serve = false" in body
+    status, _, body = await _get(Releases(directory=None, running=None), b"/v1/release/" + AMD.encode())
+    assert status == 404 and b"not a release build" in body
+
+
+@pytest.mark.trio
+async def test_downloads_at_once_are_bounded(tmp_path: Path) -> None:
+    rel = Releases(directory=_release_dir(tmp_path / "rel"), running=None)
+    for _ in range(releases.MAX_DOWNLOADS):
+        rel.slots.acquire_nowait()  # as many downloads in flight as allowed
+    status, _, body = await _get(rel, b"/v1/release/" + AMD.encode())
+    assert status == 503 and b"try again" in body
+    status, _, _ = await _get(rel, b"/v1/release/SHA256SUMS")  # the list is not a download
+    assert status == 200
+    rel.slots.release()
+    status, _, _ = await _get(rel, b"/v1/release/" + AMD.encode())
+    assert status == 200 and rel.slots.value == 1  # its slot given back
