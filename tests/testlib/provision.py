@@ -50,11 +50,13 @@ def qcow2(path: Path, virtual_bytes: int) -> Path:
     return path
 
 
-def release_file(directory: Path, body: bytes = b"print('llmgw')\n", version: str = "0.0.0") -> Path:
+def release_file(directory: Path, body: bytes = b"print('llmgw 0.0.0')\n", version: str = "0.0.0") -> Path:
     """A zipapp named like a release, for this machine's architecture."""
     path = directory / f"llmgw-{version}-linux-{ARCH}.pyz"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("__main__.py", body)
+    with open(path, "wb") as f:
+        f.write(b"#!/usr/bin/env python3\n")  # as the release's: it runs as a program
+        with zipfile.ZipFile(f, "w") as z:
+            z.writestr("__main__.py", body)
     return path
 
 
