@@ -63,10 +63,15 @@ class Machine:
         index: int | None = None,
         address: bool = True,
         cloud_init: bool = False,
+        mac: str | None = None,
+        devices: tuple[str, ...] = (),
     ) -> None:
+        """`mac` sets eth0's MAC address (what a cloud-init network-config matches); `devices`
+        are this machine's device nodes (e.g. a loop device: a VM's second disk) bound into it."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.net = NetNS(index, address=address)
+        self.net = NetNS(index, address=address, mac=mac)
+        self.devices = devices
         self.name = self.net.name  # the container's machine name too
         self.host_addr = self.net.host_addr
         self.node_addr = self.net.node_addr
@@ -109,14 +114,15 @@ class Machine:
             timeout=30,
         )
         self._mounted = True
+        if self.cloud_init:
+            return  # its hostname, logins and keys are cloud-init's to set
         self.path("/etc/hostname").write_text(self.hostname + "\n")
         ssh = self.path("/root/.ssh")
         ssh.mkdir(mode=0o700, exist_ok=True)
         keys = ssh / "authorized_keys"
         keys.write_text((self.root / "client_key.pub").read_text())
         keys.chmod(0o600)
-        if not self.cloud_init:
-            self.path("/etc/cloud/cloud-init.disabled").write_text("a test machine set up by hand\n")
+        self.path("/etc/cloud/cloud-init.disabled").write_text("a test machine set up by hand\n")
 
     def start(self) -> None:
         """Make the network and boot; returns once systemd says the boot is finished and sshd listens."""
@@ -134,16 +140,23 @@ class Machine:
             log.flush()
             self._nspawn = subprocess.Popen(
                 [
+                    # nspawn runs inside the namespace (nsenter execs it), not given it with
+                    # --network-namespace-path: only then is the machine's /sys its own namespace's,
+                    # so /sys/class/net lists its eth0 (cloud-init matches the MAC there), not
+                    # this machine's interfaces. (`ip netns exec` would also remount /sys, without
+                    # the cgroup hierarchy nspawn needs.)
+                    "nsenter",
+                    f"--net=/run/netns/{self.net.name}",
                     "systemd-nspawn",
                     "--quiet",
                     "--boot",
                     "--register=no",
                     "--keep-unit",
-                    f"--network-namespace-path=/run/netns/{self.net.name}",
                     # The namespace is the machine's own: it may configure it (ifupdown, cloud-init).
                     "--capability=CAP_NET_ADMIN",
                     f"--machine={self.name}",
                     "--console=passive",
+                    *(f"--bind={device}" for device in self.devices),
                     f"--directory={self.merged}",
                 ],
                 stdin=subprocess.DEVNULL,

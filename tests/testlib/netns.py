@@ -76,16 +76,18 @@ def preflight() -> str:
 
 
 class NetNS:
-    def __init__(self, index: int | None = None, *, address: bool = True) -> None:
+    def __init__(self, index: int | None = None, *, address: bool = True, mac: str | None = None) -> None:
         """`index` (1-250) picks the names and the /30 under 10.231.0.0/16 (default: one no
         interface on this machine has). `address=False` leaves the namespace's eth0 down and
-        without an address, for whatever runs inside to configure (cloud-init)."""
+        without an address, for whatever runs inside to configure (cloud-init); `mac` sets its
+        MAC address."""
         index = free_index() if index is None else index
         self.name = f"llmgwc{os.getpid() % 10000}n{index}"
         self.veth = f"lgc{os.getpid() % 10000}n{index}"  # interface names: 15 characters at most
         self.host_addr = f"10.231.{index}.1"
         self.node_addr = f"10.231.{index}.2"
         self.address = address
+        self.mac = mac
 
     def __enter__(self) -> NetNS:
         self.start()
@@ -101,6 +103,8 @@ class NetNS:
             _run("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.veth)
             _run("ip", "link", "set", self.veth, "up")
             inside = [("ip", "link", "set", "lo", "up")]
+            if self.mac:
+                inside.insert(0, ("ip", "link", "set", "eth0", "address", self.mac))
             if self.address:
                 inside += [
                     ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),

@@ -11,7 +11,9 @@ and the messages and exit codes of the failures a test provokes. For a VMID with
 exist" with exit status 2 (Perl's die keeps the errno of the failed open, ENOENT); `qm create` of
 an existing VMID says "unable to create VM 144 - VM 144 already exists on node 'pve'"; a storage
 that is not configured is "storage 'x' does not exist"; both exit 255 as Perl's die does.
-Nothing here runs a VM: `qm start` only records the state.
+Nothing here runs a VM: `qm start` only records the state. A disk imported with `import-from`
+is copied, as Proxmox copies it into the storage's volume, to `state/disks/VOLUME` (`disk()`):
+what the VM would see on it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -101,6 +104,13 @@ class FakeProxmox:
     def fail_on(self, argv_prefix: list[str], message: str) -> None:
         """Make the call starting with `argv_prefix` fail with `message` (exit 255), as a broken storage would."""
         (self.state / "fail_on.json").write_text(json.dumps({"prefix": argv_prefix, "message": message}))
+
+    def disk(self, vmid: int, key: str) -> Path:
+        """The contents of the VM's disk `key` (e.g. "scsi1") as the import left them."""
+        conf = self.vm(vmid)
+        assert conf is not None and key in conf, f"VM {vmid} has no {key}: {conf}"
+        volume = conf[key].split(",")[0].split(":", 1)[1]
+        return self.state / "disks" / volume
 
     def storage_path(self, name: str) -> Path:
         return Path(json.loads((self.state / "storages.json").read_text())[name]["path"])
@@ -240,6 +250,8 @@ def qm_set(state: Path, vmid: str, conf: dict, opts: dict[str, str]) -> None:
                 if "images" not in store["content"]:
                     raise Fail(f"storage '{store_name}' does not support content-type 'images'")
                 disks = sum(1 for v in conf.values() if f":vm-{vmid}-disk-" in str(v))
+                (state / "disks").mkdir(exist_ok=True)
+                shutil.copyfile(source, state / "disks" / f"vm-{vmid}-disk-{disks}")
                 value = f"{store_name}:vm-{vmid}-disk-{disks},imported-from={source},imported-bytes={os.path.getsize(source)}"
         elif key == "cicustom":
             for part in value.split(","):
