@@ -14,7 +14,7 @@ import pytest
 
 from llmgw.pki import ca
 from testlib import needs
-from testlib.provision import KEY, Host, release_file
+from testlib.provision import KEY, Host, python39, release_file
 
 CLOUD_PYTHON = "/usr/bin/python3"  # the Python Debian's cloud-init package runs on, with its modules
 
@@ -203,3 +203,22 @@ def test_a_damaged_release_is_not_installed_and_says_so(tool: ModuleType, host: 
     assert "exit=1" in lines, done.stdout + done.stderr
     assert [x for x in lines if x.startswith(("file=", "mode="))] == []  # nothing installed, nothing left
     assert "sha256 MISMATCH" in done.stderr and "/usr/local/bin/llmgw NOT installed" in done.stderr
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_first_boot_says_when_the_machines_python3_cannot_run_llmgw(
+    tool: ModuleType, tmp_path: Path, old: bool
+) -> None:
+    path = os.environ.get("PATH", "")
+    if old:  # a machine whose python3 is 3.9
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "python3").symlink_to(python39())
+        path = f"{tmp_path / 'bin'}{os.pathsep}{path}"
+    done = subprocess.run(
+        ["sh", "-c", tool.PYTHON_CHECK], env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=60
+    )
+    if old:
+        assert done.returncode == 1
+        assert "needs python3 3.10 to 3.13 on this machine and it has 'Python 3.9." in done.stderr
+    else:
+        assert done.returncode == 0 and done.stderr == ""
