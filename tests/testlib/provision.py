@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 
 from testlib.proc import build_root
 from testlib.proxmox import FakeProxmox
+from testlib.pythons import find_python39
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl root@pve"
 IMAGE_GIB = 2
@@ -118,16 +118,4 @@ def make_host(tmp: Path, storages: dict | None = None) -> Host:
 
 def python39() -> str:
     """A CPython 3.9, where ./pants finds the one it runs Pants with (so every test machine has one)."""
-    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
-    candidates = [os.environ.get("LLMGW_PANTS_PYTHON", ""), shutil.which("python3.9") or ""]
-    candidates += [str(p) for p in sorted(root.glob("versions/3.9.*/bin/python3.9"), reverse=True)]
-    for candidate in filter(None, candidates):
-        done = subprocess.run(
-            [candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 9))"],
-            capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
-        if done.stdout.strip() == "True":
-            return candidate
-    pytest.fail(
-        "no CPython 3.9 (on PATH, under pyenv or in LLMGW_PANTS_PYTHON); ./pants needs one too: `pyenv install 3.9`"
-    )
+    return str(find_python39())
