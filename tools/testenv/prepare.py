@@ -207,21 +207,29 @@ def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
             f"LLMGW_LLAMA_SERVER={given} does not run (`{given} --version` fails); fix it, or unset it to use the cached build"
         )
         return False
-    status, _ = m.capture([str(build), "--cached"])
+    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
+    return _ensure_built(
+        m,
+        build,
+        "llama-server is not built yet: the llama.cpp engine tests and node add's test node run the real one. "
+        f"Building it once from llama.cpp's source with {jobs} jobs (about 5 minutes on 2 cores; "
+        "LLAMA_BUILD_JOBS=N for more)",
+        "building llama-server",
+    )
+
+
+def _ensure_built(m: Machine, tool: Path, announce: str, doing: str) -> bool:
+    """`tool --cached` says whether it is built (status NOT_BUILT: not yet); if not, `tool` builds it."""
+    status, _ = m.capture([str(tool), "--cached"])
     if status == 0:
         return True
     if status != NOT_BUILT:
-        m.say(f"{build} --cached failed with status {status}")
+        m.say(f"{tool} --cached failed with status {status}")
         return False
-    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
-    m.say(
-        "llama-server is not built yet: the llama.cpp engine tests and node add's test node run the real one. "
-        f"Building it once from llama.cpp's source with {jobs} jobs (about 5 minutes on 2 cores; "
-        f"LLAMA_BUILD_JOBS=N for more): {build.relative_to(ROOT) if build.is_relative_to(ROOT) else build}"
-    )
-    status, _ = m.capture([str(build)])
+    m.say(f"{announce}: {tool.relative_to(ROOT) if tool.is_relative_to(ROOT) else tool}")
+    status, _ = m.capture([str(tool)])
     if status != 0:
-        m.say("building llama-server failed (above); fix that and run ./pants test again")
+        m.say(f"{doing} failed (above); fix that and run ./pants test again")
         return False
     return True
 
@@ -229,22 +237,13 @@ def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
 def ensure_debian_root(m: Machine, script: Path = DEBIAN_ROOT) -> bool:
     if m.euid() != 0:
         return True  # debootstrap needs root; prepare() says which tests need it
-    status, _ = m.capture([str(script), "--cached"])
-    if status == 0:
-        return True
-    if status != NOT_BUILT:
-        m.say(f"{script} --cached failed with status {status}")
-        return False
-    m.say(
+    return _ensure_built(
+        m,
+        script,
         "the systemd test machines' Debian 12 root is not built yet: node add's systemd tests and the "
-        "provisioning tests boot it. Making it once with debootstrap from Debian's packages (about a minute): "
-        f"{script.relative_to(ROOT) if script.is_relative_to(ROOT) else script}"
+        "provisioning tests boot it. Making it once with debootstrap from Debian's packages (about a minute)",
+        "building the test machines' Debian root",
     )
-    status, _ = m.capture([str(script)])
-    if status != 0:
-        m.say("building the test machines' Debian root failed (above); fix that and run ./pants test again")
-        return False
-    return True
 
 
 def prepare(m: Machine, build: Path = BUILD_LLAMA, debian: Path = DEBIAN_ROOT) -> int:
