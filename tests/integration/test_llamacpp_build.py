@@ -175,7 +175,9 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
     assert scope.cancelled_caught
     assert seen[:3] == [("unpack", None), ("configure", None), ("build", 0)]
     assert ("build", 25) in seen and ("build", 50) in seen
-    assert marked_pids(mark) == []  # the children of the build went with it
+    # The children of the build went with it. SIGKILL is delivered, not waited for: on a loaded
+    # machine a killed child can still be exiting when its leader has been reaped (CI saw one).
+    await wait_for(lambda: marked_pids(mark) == [], "the killed build's children to be gone", timeout=10)
     assert "[2/4] Building CXX object b.o" in request.log_path.read_text()
 
 
