@@ -5,12 +5,15 @@ and stopping it leaves nothing behind on this machine."""
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testlib.machine import Machine, preflight
+from testlib.proc import llmgw_env
 
 UNIT = """[Unit]
 Description=a test unit
@@ -93,3 +96,37 @@ def test_stopping_it_leaves_no_process_namespace_or_mount(tmp_path: Path) -> Non
     assert not Path(f"/proc/{leader}").exists()
     assert m.net.name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert str(m.merged) not in Path("/proc/self/mounts").read_text()
+
+
+ORPHAN = """
+import os, sys
+from pathlib import Path
+from testlib.machine import Machine
+m = Machine(Path(sys.argv[1]))
+m.start()
+print(m._nspawn.pid, m.net.name, flush=True)
+os._exit(0)  # as a test killed by a timeout: nothing stops the machine
+"""
+
+
+def test_a_machine_whose_test_dies_powers_off(tmp_path: Path) -> None:
+    why = preflight()
+    if why:
+        pytest.fail(why)
+    done = subprocess.run(
+        [sys.executable, "-c", ORPHAN, str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=llmgw_env(),  # this process's sys.path: testlib, under Pants too
+    )
+    assert done.returncode == 0, done.stderr
+    pid, netns = done.stdout.split()
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists(), "systemd-nspawn outlived the process that started it"
+    finally:
+        subprocess.run(["umount", "--lazy", str(tmp_path / "m" / "merged")], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)

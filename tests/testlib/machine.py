@@ -20,6 +20,7 @@ machine (`--register=no --keep-unit`). A boot takes about 2 s here.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -35,6 +36,15 @@ BOOT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 REBOOT_STATUS = 133  # systemd-nspawn's exit status when the container asked for a reboot
 TOOLS = (("systemd-nspawn", "systemd-container"), ("debootstrap", "debootstrap"), ("ip", "iproute2"))
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_the_test() -> None:
+    """In the child, before nspawn runs: SIGTERM (nspawn's clean power-off) when the test process
+    dies without stopping the machine (a Pants timeout kills it), so no machine outlives its test."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def preflight() -> str:
@@ -163,6 +173,7 @@ class Machine:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
+                preexec_fn=_stop_with_the_test,
             )
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         while True:
