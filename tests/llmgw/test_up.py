@@ -197,10 +197,14 @@ def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: P
             "--json",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=(tmp_path / "up.log").open("w"),  # read into a failure's message: the cause, once seen
         text=True,
         env=llmgw_env(),
     )
+
+    def log() -> str:
+        return "up's log ends:\n" + "\n".join((tmp_path / "up.log").read_text(errors="replace").splitlines()[-40:])
+
     try:
         assert proc.stdout is not None
         joined = set()
@@ -208,7 +212,7 @@ def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: P
             joined |= {event["node"]} if event["event"] == "node_joined" else set()
             if event["event"] == "ready":
                 break
-        assert joined == {"local-1", "local-2"}
+        assert joined == {"local-1", "local-2"}, log()
         nodes = json.loads(run_llmgw("ctl", "nodes", "--json", "--state-dir", str(state)).stdout)
         assert {n["address"] for n in nodes} == {"127.0.0.1", "127.0.0.2"}
         assert all(f["name"] == "ib-a" for n in nodes for f in n["fabrics"]) and all(n["fabrics"] for n in nodes)
@@ -217,9 +221,11 @@ def test_up_with_nodes_on_a_simulated_fabric_runs_a_two_node_replica(tmp_path: P
             big = [r for r in replicas if r["model"] == "sim-big"]
             if big and big[0]["state"] == "ready":
                 break
-        assert big and big[0]["state"] == "ready" and sorted(big[0]["nodes"]) == ["local-1", "local-2"], replicas
+        assert (
+            big and big[0]["state"] == "ready" and sorted(big[0]["nodes"]) == ["local-1", "local-2"]
+        ), f"{replicas}\n{log()}"
     finally:
-        assert stop(proc) == 0
+        assert stop(proc) == 0, log()
 
 
 def quickstart_commands() -> list[str]:
