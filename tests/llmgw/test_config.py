@@ -302,3 +302,13 @@ def test_a_build_is_checked_and_named_with_its_path() -> None:
         "must not be negative (0: automatic), got -1 @ $.build_jobs",
         "build_cache must be an absolute path, got 'rel' @ $.build_cache",
     ]
+
+
+def test_the_driver_paths_in_agent_toml_are_absolute() -> None:
+    # The agent runs from / under systemd: a relative nvidia_smi would be found nowhere, and the
+    # node would register with no GPUs.
+    given = {"server": "wss://x:1", "nvidia_smi": "bin/nvidia-smi", "ib_root": "sys/ib", "sminfo": "/usr/sbin/sminfo"}
+    assert problems_of(given, kind="agent") == [
+        "nvidia_smi must be an absolute path, got 'bin/nvidia-smi' @ $.nvidia_smi",
+        "ib_root must be an absolute path, got 'sys/ib' @ $.ib_root",
+    ]

@@ -599,6 +599,9 @@ def _check_agent(cfg: AgentConfig) -> list[str]:
         problems.append(f"build_cache must be an absolute path, got {cfg.build_cache!r} @ $.build_cache")
     if not cfg.server.startswith("wss://"):
         problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
+    for key in ("nvidia_smi", "ib_root", "sminfo"):  # the agent runs from / under systemd: relative means nothing
+        if not getattr(cfg, key).startswith("/"):
+            problems.append(f"{key} must be an absolute path, got {getattr(cfg, key)!r} @ $.{key}")
     if cfg.weights_dir and not cfg.weights_dir.startswith("/"):
         problems.append(f"weights_dir must be an absolute path, got {cfg.weights_dir!r} @ $.weights_dir")
     if cfg.node_id and not _NAME.match(cfg.node_id):
