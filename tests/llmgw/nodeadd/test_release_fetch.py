@@ -48,6 +48,9 @@ def test_how_the_release_reaches_the_node() -> None:
         how_to_ship(release="/r", via=HTTPS, plane_serves=True)
     with pytest.raises(UsageError, match=r"\[release\] serve = false"):
         how_to_ship(release="", via=HTTPS, plane_serves=False)
+    # A URL is downloaded by the node itself: not what a node that must be reached over SSH can do.
+    with pytest.raises(UsageError, match=r"--release DIR --release-via ssh"):
+        how_to_ship(release="https://example.net/llmgw/0.1.0/", via=SSH, plane_serves=True)
 
 
 def test_over_ssh_the_release_directory_gives_the_nodes_architecture(tmp_path: Path) -> None:

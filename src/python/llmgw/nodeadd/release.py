@@ -217,6 +217,12 @@ def how_to_ship(*, release: str, via: str, plane_serves: bool) -> str:
                 f"--release {release} and --release-via https: the node fetches over HTTPS only the control "
                 "plane's own release files ([release] dir in server.toml); drop one of the two"
             )
+        if via == SSH and release.startswith(("http://", "https://")):
+            raise UsageError(
+                f"--release {release} and --release-via ssh: with a URL the node downloads the file itself, "
+                "which --release-via ssh is for avoiding; download the release here and give its directory "
+                "(--release DIR --release-via ssh), or drop --release-via"
+            )
         return "given"
     if via == SSH:
         return SSH
