@@ -341,31 +341,15 @@ async def test_a_head_trickled_a_byte_a_second_is_cut_at_the_head_deadline(
 ) -> None:
     # A per-read timeout restarts on every byte; a deadline does not.
     stats = http.ConnectionStats()
-    client_stream, server_stream = trio.testing.memory_stream_pair()
     head = b"GET /x HTTP/1.1\r\nhost: t\r\nx-pad: " + b"y" * 100 + b"\r\n\r\n"
 
-    async def trickle() -> None:
+    async def trickle(stream) -> None:
         for i in range(len(head)):
             await trio.sleep(1)
-            try:
-                await client_stream.send_all(head[i : i + 1])
-            except trio.BrokenResourceError:
-                return
+            await stream.send_all(head[i : i + 1])
 
-    answer, answered_at = b"", []
-
-    async def read() -> None:
-        nonlocal answer
-        while chunk := await client_stream.receive_some(65536):
-            answered_at.append(trio.current_time())
-            answer += chunk
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trickle)
-        nursery.start_soon(read)
-        await serve(echo, http.Limits(head_timeout_s=10), server_stream, stats)
-        nursery.cancel_scope.cancel()
-    assert answered_at[0] == pytest.approx(10, abs=0.1)
+    answer, answered_at = await serve_and_answer(echo, http.Limits(head_timeout_s=10), trickle, stats)
+    assert answered_at == pytest.approx(10, abs=0.1)
     assert answer.startswith(b"HTTP/1.1 408 ") and b"request head not received within 10 s" in answer
     assert aborted(stats) == {"head_timeout": 1}
 
