@@ -17,12 +17,11 @@ import trio
 from agent.engines import wanted_from
 from agent.install.installer import ArchiveSource, BuildSource
 from agent.main import run_agent
-from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection, ServerConfig, ServerSection
+from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection
 from llmgw.errors import LlmgwError
 from llmgw.pki.files import issue_to_dir, node_paths
-from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.controlplane import make_state
+from testlib.controlplane import make_state, serve_plane
 
 
 def fake_engine(version: str, *, works: bool) -> bytes:
@@ -70,14 +69,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
             ),
         )
     )
-    config = ServerConfig(
-        server=ServerSection(
-            state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
-        ),
-        engines=engines,
-    )
-    plane = ControlPlane.open(config, state)
-    bound = await nursery.start(plane.serve)
+    plane, bound = await serve_plane(state, nursery, engines=engines, heartbeat_interval_s=0.2)
     node_dir = tmp_path / "node"
     files = node_paths(node_dir)
     issue_to_dir(ca, "node-a", files.dir, validity_days=3)

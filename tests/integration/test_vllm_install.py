@@ -26,15 +26,13 @@ from llmgw.config import (
     AgentConfig,
     EngineSource,
     EnginesSection,
-    ServerConfig,
-    ServerSection,
     VllmSource,
 )
 from llmgw.ctl import engines as engine_texts
 from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.controlplane import make_state
+from testlib.controlplane import make_state, serve_plane
 from testlib.hardware import FIXTURES, NO_TOOL, nvidia_smi
 from testlib.pyindex import serve_index, wheel
 
@@ -87,14 +85,7 @@ def no_pip_config(monkeypatch: pytest.MonkeyPatch) -> None:
 async def start_plane(tmp_path: Path, nursery: trio.Nursery, engines: EnginesSection):
     state = tmp_path / "cp"
     ca = make_state(state, sans=["127.0.0.1"], days=3)
-    config = ServerConfig(
-        server=ServerSection(
-            state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0", heartbeat_interval_s=0.2
-        ),
-        engines=engines,
-    )
-    plane = ControlPlane.open(config, state)
-    bound = await nursery.start(plane.serve)
+    plane, bound = await serve_plane(state, nursery, engines=engines, heartbeat_interval_s=0.2)
     return plane, bound, ca
 
 

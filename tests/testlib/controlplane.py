@@ -106,12 +106,18 @@ async def serve_plane(
     *,
     engines: EnginesSection = OFFLINE_ENGINES,
     release: ReleaseSection | None = None,
+    heartbeat_interval_s: float = ServerSection().heartbeat_interval_s,
 ):
     """A control plane on `state` (made with `make_state`) serving in `nursery`, both listeners on
     loopback ports of the system's choosing; the plane and its bound addresses."""
     from llmgw.server.app import ControlPlane  # here: most users of this module need no control plane
 
-    server = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    server = ServerSection(
+        state_dir=str(state),
+        agent_listen="127.0.0.1:0",
+        http_listen="127.0.0.1:0",
+        heartbeat_interval_s=heartbeat_interval_s,
+    )
     config = ServerConfig(server=server, engines=engines, release=release or ReleaseSection())
     plane = ControlPlane.open(config, state)
     return plane, await nursery.start(plane.serve)
