@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +30,7 @@ from llmgw import paths
 from llmgw.server import enginekeys
 from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
-from testlib.proc import build_root, llmgw_env, run_llmgw
+from testlib.proc import build_root, llmgw_env, run_llmgw, umask
 
 NOBODY = 65534
 CATALOG = """
@@ -43,16 +42,6 @@ replicas = 2
 READY_S = 30.0
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the owner checks give files to nobody: root only")
-
-
-@contextmanager
-def umask(value: int) -> Iterator[None]:
-    """The umask the processes started inside inherit."""
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 @pytest.fixture

@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from llmgw import paths, private
 from llmgw.errors import MachineError
+from testlib.proc import umask
 
 AS_ROOT = os.geteuid() == 0
 NOBODY = 65534
 PERMISSIVE = [0o000, 0o022]
-
-
-@contextmanager
-def umask(value: int) -> Iterator[None]:
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def mode(path: Path) -> int:

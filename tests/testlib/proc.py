@@ -2,6 +2,7 @@
 
 Under Pants a test runs inside a PEX, so a bare `python -m llmgw` would not see the
 third-party packages; the child gets this process's `sys.path` through PYTHONPATH.
+`umask(...)` sets the umask the processes started inside it inherit.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_MARKER = "pants.toml"
@@ -40,3 +43,13 @@ def build_root() -> Path:
         if (d / REPO_MARKER).exists() or (d / "docs").is_dir():
             return d
     return here
+
+
+@contextmanager
+def umask(value: int) -> Iterator[None]:
+    """This process's umask while inside, and so that of the processes started there."""
+    old = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(old)
