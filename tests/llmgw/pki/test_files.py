@@ -39,18 +39,6 @@ def load_pem(data: bytes) -> x509.Certificate:
     return x509.load_pem_x509_certificate(data)
 
 
-@pytest.fixture
-def state(tmp_path: Path) -> Path:
-    d = tmp_path / "state"
-    init_ca(d, validity_days=3650)
-    return d
-
-
-@pytest.fixture
-def ca(state: Path) -> CA:
-    return load_ca(state)
-
-
 # -- the authority -------------------------------------------------------------------------
 
 

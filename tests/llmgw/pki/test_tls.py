@@ -18,19 +18,6 @@ from llmgw.pki.files import NodePaths, ca_paths, init_ca, issue_server_cert, iss
 from llmgw.pki.tls import client_ssl_context, send_tls_alert, server_ssl_context
 from llmgw.pki.tlsdiag import describe_tls_failure
 
-
-@pytest.fixture
-def state(tmp_path: Path) -> Path:
-    d = tmp_path / "state"
-    init_ca(d, validity_days=3650)
-    return d
-
-
-@pytest.fixture
-def ca(state: Path) -> CA:
-    return load_ca(state)
-
-
 # -- TLS contexts --------------------------------------------------------------------------
 
 
