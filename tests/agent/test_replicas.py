@@ -27,7 +27,7 @@ from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
 from agent.replica_plan import RestartPolicy
 from agent.replicas import Supervisor
-from agent.selfexec import llmgw_command
+from llmgw.selfexec import llmgw_command
 from agent.weights import WeightsStore
 from llmgw.log import EventFormatter
 from llmgw.wire import agent_link as w

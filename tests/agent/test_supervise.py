@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent import doctor, supervise
-from agent.selfexec import llmgw_command
+from llmgw.selfexec import llmgw_command
 from llmgw import cli
 from llmgw.commands import agent as agent_cmd
 from llmgw.errors import MachineError

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from agent.replicas import Supervisor
-from agent.selfexec import llmgw_command
+from llmgw.selfexec import llmgw_command
 from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, file_name_of, target_of
 from llmgw.download import DownloadError
 from llmgw.log import EventFormatter

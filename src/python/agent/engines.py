@@ -25,7 +25,7 @@ import trio
 from agent.install.errors import EngineCheckFailed
 from agent.install.installer import ArchiveSource, BuildSource, EngineStore, PipSource, Wanted, check_runs
 from agent.progress import Latest, serve_progress
-from agent.selfexec import llmgw_command
+from llmgw.selfexec import llmgw_command
 from llmgw.config import AgentConfig
 from llmgw.engines.wants import pick_archive
 from llmgw.errors import LlmgwError

@@ -36,7 +36,7 @@ from typing import TextIO
 import attrs
 import trio
 
-from agent.selfexec import llmgw_command
+from llmgw.selfexec import llmgw_command
 from llmgw import log as llmgw_log
 from llmgw.errors import MachineError
 

@@ -68,6 +68,9 @@ COMMANDS: tuple[CommandSpec, ...] = (
 
 EXIT_USAGE = 2
 EXIT_BUG = 70
+# Not a command: how a serving process starts its JSON worker (llmgw.http.jsonbody), the same
+# code run again. Spelled so no user types it by accident; not in `llmgw --help`.
+INTERNAL_JSON_WORKER = "__json-worker"
 
 
 class Parser(argparse.ArgumentParser):
@@ -166,6 +169,10 @@ def build_parser(command: str) -> Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == [INTERNAL_JSON_WORKER]:
+        from llmgw.http.jsonbody import worker_main
+
+        return worker_main()
     top = _top_parser()
     at = _find_command(argv)
     if at is None:

@@ -90,6 +90,7 @@ class HttpSection:
     send_timeout_s: float = 30.0
     max_head_bytes: int = 16384
     max_body_bytes: int = 8 << 20
+    body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
     max_connections: int = 0  # 0 = sized from the open-file limit
     max_agent_connections: int = 0  # the agent listener's own budget; 0 = sized from the open-file limit
 
@@ -434,6 +435,11 @@ def _check_server(cfg: ServerConfig) -> list[str]:
     for key in ("max_head_bytes", "max_body_bytes"):
         if getattr(cfg.http, key) < 1024:
             problems.append(f"must be at least 1024 @ $.http.{key}")
+    if cfg.http.body_budget_bytes < cfg.http.max_body_bytes:
+        problems.append(
+            f"must be at least max_body_bytes ({cfg.http.max_body_bytes}), or a body of the largest size "
+            f"allowed could never be read; got {cfg.http.body_budget_bytes} @ $.http.body_budget_bytes"
+        )
     for key in ("body_min_bytes_per_s", "max_connections", "max_agent_connections"):
         if getattr(cfg.http, key) < 0:
             problems.append(

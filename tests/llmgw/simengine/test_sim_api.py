@@ -42,7 +42,13 @@ def test_fields_that_change_the_answer_are_read() -> None:
     assert (j.max_tokens, j.stop, j.stream, j.include_usage) == (3, ("x",), True, True)
     assert job(max_completion_tokens=4, max_tokens=9).max_tokens == 4
     c = job("completion", prompt=["one two three four"], max_tokens=2, ignore_eos=True)
-    assert (c.prompt_key, c.prompt_tokens, c.max_tokens, c.ignore_eos) == ("one two three four", 4, 2, True)
+    assert (c.prompt_key, c.prompt_tokens, c.max_tokens, c.ignore_eos) == (
+        api.prompt_digest("one two three four"),
+        4,
+        2,
+        True,
+    )
+    assert len(c.prompt_key) == 32  # fixed-size, however long the prompt
 
 
 @pytest.mark.parametrize(
@@ -55,8 +61,8 @@ def test_fields_that_change_the_answer_are_read() -> None:
         ("chat", {"model": "m", "messages": [{"content": "x"}]}, 400, "'messages[0].role' must be a string"),
         ("chat", {"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "'messages[0].content' must be a string or an array"),
         ("completion", {"model": "m", "prompt": ["a", "b"]}, 400, "'prompt' must be a string (or an array of exactly one string)"),
-        ("completion", {"model": "m", "prompt": "a", "max_tokens": 0}, 400, "'max_tokens' must be a positive integer, got 0"),
-        ("completion", {"model": "m", "prompt": "a", "max_tokens": "5"}, 400, "'max_tokens' must be a positive integer, got \"5\""),
+        ("completion", {"model": "m", "prompt": "a", "max_tokens": 0}, 400, "'max_tokens' must be a whole number from 1 to 4096 (the sim engine's limit), got 0"),
+        ("completion", {"model": "m", "prompt": "a", "max_tokens": "5"}, 400, "'max_tokens' must be a whole number from 1 to 4096 (the sim engine's limit), got \"5\""),
         ("completion", {"model": "m", "prompt": "a", "n": 2}, 400, "'n' must be 1"),
         ("completion", {"model": "m", "prompt": "a", "stream": "yes"}, 400, "'stream' must be true or false, got \"yes\""),
         ("completion", {"model": "m", "prompt": "a", "stop": [1]}, 400, "'stop' must be a string or an array of up to 4 strings"),

@@ -29,6 +29,20 @@ connection forever):
 - every write must drain within `send_timeout_s`: a client that stops reading a stream is cut.
 Sizes: a head larger than `max_head_bytes` is 431, a body larger than `max_body_bytes` 413.
 
+The body is read only when the handler asks for it (`Request.read`, `Request.json`), so a
+handler decides from the head alone — the API key, its limits, the route — before a byte of the
+body is buffered: a request refused from its head is answered and its connection closed with the
+body unread. What bodies are buffered at once, over all connections, is bounded by one
+`BodyBudget` (`body_budget_bytes`): a body is counted before it is read, and past the budget it
+waits briefly, then gets 503 with Retry-After. A chunked body may arrive in at most
+`MAX_BODY_CHUNKS` chunks (h11 spends microseconds on each; tiny chunks would turn a body into
+seconds of work), and is fed to h11 in small pieces so one read never holds the loop long.
+JSON bodies are parsed by `llmgw.http.jsonbody`, in time linear in their size.
+
+HEAD is answered as GET would be, with the body left out (RFC 9110 §9.3.2): handlers see the
+method as sent and `allow` lets a HEAD through where GET is allowed. A request with both
+Content-Length and Transfer-Encoding is 400 and its connection closed (RFC 9112 §6.1).
+
 Connections per listener are capped (`max_connections`): past the cap the server stops
 accepting, and new connections wait in the kernel's backlog until one ends, instead of
 exhausting the process's file descriptors.
@@ -38,7 +52,6 @@ from __future__ import annotations
 
 import errno
 import json
-import re
 from collections.abc import AsyncIterable, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -49,13 +62,20 @@ import h11
 import trio
 
 from llmgw.errors import leaves
+from llmgw.http import jsonbody
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.http")
 
 RECEIVE_SIZE = 65536
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = jsonbody.MAX_DEPTH
+# A chunked body is fed to h11 this much at a time, with a checkpoint between: h11 spends about
+# 10 µs on each chunk, so a read full of 6-byte chunks must not be handed over at once.
+CHUNKED_FEED_BYTES = 4096
+MAX_BODY_CHUNKS = 4096
+# A body waits this long for room in the body budget before it is answered 503.
+BODY_BUDGET_WAIT_S = 1.0
 # A body's first bytes may take a moment (a client waiting for 100-continue, a slow start):
 # the minimum rate is enforced on the average after this long.
 BODY_RATE_GRACE_S = 5.0
@@ -70,6 +90,7 @@ LINGER_BYTES = 256 * 1024
 class Limits:
     max_head_bytes: int = 16384
     max_body_bytes: int = 8 << 20
+    body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
     head_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     body_min_bytes_per_s: int = 1024  # bytes per second, averaged over the body so far; 0 = no minimum
@@ -81,18 +102,56 @@ class Limits:
 # -- requests and responses ------------------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True, eq=False)
 class Request:
+    """A request head, and its body for the asking: `read` and `json` read it (once), so a
+    handler can refuse a request from its head before a byte of the body is buffered."""
+
     method: str
     path: str
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
-    body: bytes
     client: str
+    _body: _BodySource
 
-    def json(self) -> Any:
-        """The body as JSON; raises `HTTPError(400)` naming what is wrong."""
-        return parse_json(self.body or b"null")
+    @classmethod
+    def of(
+        cls,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        query: dict[str, list[str]] | None = None,
+        client: str = "127.0.0.1:1",
+    ) -> Request:
+        """A request whose body is already in memory (tests, and requests made in-process)."""
+        return cls(
+            method=method, path=path, query=query or {}, headers=headers or {}, client=client, body=_Buffered(body)
+        )
+
+    @property
+    def head(self) -> bool:
+        return self.method == "HEAD"
+
+    async def read(self, *, limit: int | None = None) -> bytes:
+        """The whole body (read once, then the same bytes); `HTTPError(413)` past `limit` or the
+        server's own limit."""
+        return await self._body.read(limit)
+
+    async def json(self, *, limit: int = jsonbody.INLINE_MAX_BYTES, what: str = "request body") -> Any:
+        """The body as JSON, for the small bodies of the admin API and the page (at most `limit`
+        bytes, parsed on the loop: see `llmgw.http.jsonbody`); `HTTPError(400)` naming what is
+        wrong, 413 past `limit`."""
+        return parse_json(await self.read(limit=min(limit, jsonbody.INLINE_MAX_BYTES)), what=what)
+
+
+def allow(request: Request, method: str) -> None:
+    """405 unless `request` is `method`, or a HEAD where `method` is GET (RFC 9110 §9.3.2)."""
+    if request.method == method or (method == "GET" and request.method == "HEAD"):
+        return
+    allowed = "GET, HEAD" if method == "GET" else method
+    raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", allowed),))
 
 
 @attrs.frozen(kw_only=True)
@@ -135,6 +194,13 @@ class HTTPError(Exception):
         self.headers = tuple(headers)
         super().__init__(message)
 
+    def __reduce__(self):  # pickled by a JSON worker's projection (llmgw.http.jsonbody)
+        return (_http_error, (self.status, self.message, self.kind, self.headers))
+
+
+def _http_error(status: int, message: str, kind: str, headers: tuple) -> HTTPError:
+    return HTTPError(status, message, kind=kind, headers=headers)
+
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", headers=()) -> Response:
     # OpenAI's error shape, so clients of the gateway and of the admin API parse one format.
@@ -146,48 +212,200 @@ Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 # -- JSON bodies -------------------------------------------------------------------------------
 
-# A JSON string (escapes included, unrolled so it never backtracks) or one bracket.
-_JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-_OPEN = frozenset(b"[{")
-
-
-def json_depth_exceeds(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON text nests arrays and objects deeper than `limit`, decided before
-    parsing (a parser recursing 100,000 levels is a crash, not a bad request). Brackets inside
-    strings do not count."""
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return False  # cannot nest deeper than it has openings: the common case, in C
-    depth = 0
-    for m in _JSON_TOKENS.finditer(data):
-        c = m.group()[0]
-        if c in _OPEN:
-            depth += 1
-            if depth > limit:
-                return True
-        elif c != 0x22:  # a closing bracket ('"' opens a skipped string)
-            depth -= 1
-    return False
-
 
 def parse_json(data: bytes, *, what: str = "request body") -> Any:
     """`data` as JSON, or `HTTPError(400)` naming the problem: invalid, or nested deeper than
-    `MAX_JSON_DEPTH`."""
-    if json_depth_exceeds(data):
-        raise HTTPError(400, f"{what} nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
+    `MAX_JSON_DEPTH`. Parsed on the loop: for small bodies only (`jsonbody.INLINE_MAX_BYTES`);
+    a larger one goes through `jsonbody.JsonWorkers`."""
     try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise HTTPError(400, f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:  # a backstop: the depth check above should make this unreachable
-        raise HTTPError(400, f"{what} nests arrays or objects too deeply") from None
+        return jsonbody.loads(data, what=what)
+    except jsonbody.InvalidJson as exc:
+        raise HTTPError(400, exc.message) from None
+
+
+async def parse_body(
+    request: Request, workers: jsonbody.JsonWorkers, fn: Callable[..., Any], *args: Any, what: str = "request body"
+) -> Any:
+    """`fn(body as JSON, *args)` for a body of any size up to the limit, the loop never held
+    long (see `llmgw.http.jsonbody`): 400 for bad JSON, 503 when the parsers are all busy."""
+    body = await request.read()
+    try:
+        return await workers.parse(body, fn, *args, what=what)
+    except jsonbody.InvalidJson as exc:
+        raise HTTPError(400, exc.message) from None
+    except jsonbody.ParserBusy as exc:
+        raise HTTPError(
+            503, f"{exc}; try again in a moment", kind="unavailable_error", headers=(("retry-after", "1"),)
+        ) from None
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+
+class BodyBudget:
+    """Request body bytes buffered at once over every connection of a listener: a body takes
+    its size before it is read (a chunked one as it comes) and gives it back when its request
+    is over. A body that does not fit waits up to `wait_s` for room, then is answered 503."""
+
+    def __init__(self, max_bytes: int, *, wait_s: float = BODY_BUDGET_WAIT_S) -> None:
+        self.max_bytes = max_bytes
+        self.wait_s = wait_s
+        self.used = 0
+        self.refused = 0
+        self._room = trio.lowlevel.ParkingLot()
+
+    async def take(self, n: int) -> None:
+        if self.used + n <= self.max_bytes and not self._room:
+            self.used += n
+            return
+        with trio.move_on_after(self.wait_s):
+            while True:
+                await self._room.park()
+                if self.used + n <= self.max_bytes:
+                    self.used += n
+                    self._room.unpark()  # there may be room for the next one too
+                    return
+        self.refused += 1
+        raise _Abort(
+            "body_budget",
+            503,
+            f"the server is buffering {self.used} bytes of request bodies, its limit of {self.max_bytes}; "
+            "try again in a moment",
+            headers=(("retry-after", "1"),),
+        )
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._room.unpark()
+
+
+class _BodySource:
+    async def read(self, limit: int | None) -> bytes:
+        raise NotImplementedError
+
+
+class _Buffered(_BodySource):
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, limit: int | None) -> bytes:
+        if limit is not None and len(self.data) > limit:
+            raise _too_large(limit)
+        return self.data
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"request body is larger than the limit of {limit} bytes for this route")
+
+
+class _ConnectionBody(_BodySource):
+    """The body of the request a connection is on, read from it when first asked for.
+    `settled` is set once no more of it will be read: read whole, or abandoned (the handler
+    answered without it, or reading it failed) — then the connection closes after the answer."""
+
+    def __init__(
+        self, conn: h11.Connection, stream, limits: Limits, budget: BodyBudget, declared: int | None
+    ) -> None:
+        self.conn, self.stream, self.limits, self.budget, self.declared = conn, stream, limits, budget, declared
+        self.data: bytes | None = None
+        self.failed: BaseException | None = None
+        self.taken = 0
+        self.settled = trio.Event()
+
+    @property
+    def whole(self) -> bool:
+        return self.data is not None
+
+    async def read(self, limit: int | None) -> bytes:
+        if self.data is not None:
+            if limit is not None and len(self.data) > limit:
+                raise _too_large(limit)
+            return self.data
+        if self.failed is not None:
+            raise self.failed
+        try:
+            if limit is not None and self.declared is not None and self.declared > limit:
+                raise _too_large(limit)
+            self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
+            return self.data
+        except BaseException as exc:
+            self.failed = exc
+            raise
+        finally:
+            self.settled.set()
+
+    async def _read(self, limit: int) -> bytes:
+        conn, limits = self.conn, self.limits
+        chunked = self.declared is None
+        if not chunked:
+            await self.budget.take(self.declared)
+            self.taken += self.declared
+        start = trio.current_time()
+        total_deadline = start + limits.body_timeout_s
+        body = bytearray()
+        chunks = 0
+        unfed = b""  # of a chunked body: read, not yet given to h11 (see CHUNKED_FEED_BYTES)
+        while True:
+            part = _next_event(conn)
+            if isinstance(part, h11.Data):
+                if chunked:  # counted as it comes
+                    await self.budget.take(len(part.data))
+                    self.taken += len(part.data)
+                    chunks += part.chunk_start
+                    if chunks > MAX_BODY_CHUNKS:
+                        raise _Abort(
+                            "malformed",
+                            400,
+                            f"chunked request body in more than {MAX_BODY_CHUNKS} chunks; send it with "
+                            "Content-Length or in larger chunks",
+                        )
+                body += part.data
+                if len(body) > limit:
+                    if limit < limits.max_body_bytes:
+                        raise _too_large(limit)
+                    raise _Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
+            elif isinstance(part, h11.EndOfMessage):
+                return bytes(body)
+            elif part is h11.NEED_DATA and unfed:
+                await trio.lowlevel.checkpoint()
+                conn.receive_data(unfed[:CHUNKED_FEED_BYTES])
+                unfed = unfed[CHUNKED_FEED_BYTES:]
+            elif part is h11.NEED_DATA:
+                if conn.they_are_waiting_for_100_continue:
+                    await _send(self.stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])), limits)
+                deadline = total_deadline
+                if limits.body_min_bytes_per_s > 0:
+                    # The average so far must stay above the minimum: each byte buys 1/rate seconds.
+                    deadline = min(deadline, start + BODY_RATE_GRACE_S + len(body) / limits.body_min_bytes_per_s)
+                with trio.move_on_at(deadline):
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                    if chunked:
+                        data, unfed = data[:CHUNKED_FEED_BYTES], data[CHUNKED_FEED_BYTES:]
+                    conn.receive_data(data)
+                    continue
+                if deadline < total_deadline:
+                    raise _Abort(
+                        "body_too_slow",
+                        408,
+                        f"request body arrived slower than {limits.body_min_bytes_per_s} bytes per second "
+                        f"({len(body)} bytes in {trio.current_time() - start:.1f} s)",
+                    )
+                raise _Abort("body_timeout", 408, f"request body not received within {limits.body_timeout_s:g} s")
+            else:
+                raise _Abort("closed", message="connection closed in the middle of the request body")
+
+    def release(self) -> None:
+        if self.taken:
+            self.budget.give(self.taken)
+            self.taken = 0
 
 
 class _Abort(Exception):
     """The peer's fault or a deadline: this connection ends. `status` > 0: answer it first
     (when the response has not begun)."""
 
-    def __init__(self, reason: str, status: int = 0, message: str = "") -> None:
-        self.reason, self.status, self.message = reason, status, message
+    def __init__(self, reason: str, status: int = 0, message: str = "", headers=()) -> None:
+        self.reason, self.status, self.message, self.headers = reason, status, message, tuple(headers)
         super().__init__(f"{reason}: {message}" if message else reason)
 
 
@@ -235,9 +453,12 @@ async def serve_http(
     task_status.started(listeners)
     stats = stats or ConnectionStats()
     shutdown = shutdown or Shutdown()
+    budget = BodyBudget(limits.body_budget_bytes)
 
     async def one(stream: trio.abc.Stream) -> None:
-        await serve_connection(handler, stream, limits=limits, stats=stats, listener=listener, shutdown=shutdown)
+        await serve_connection(
+            handler, stream, limits=limits, stats=stats, listener=listener, shutdown=shutdown, budget=budget
+        )
 
     cap = limits.max_connections or default_max_connections(listener)
     await serve_capped(one, listeners, max_connections=cap, stats=stats, listener=listener, shutdown=shutdown)
@@ -271,13 +492,15 @@ async def serve_connection(
     stats: ConnectionStats | None = None,
     listener: str = "http",
     shutdown: Shutdown | None = None,
+    budget: BodyBudget | None = None,
 ) -> None:
     """Serve one connection until it closes. Never raises (but Cancelled): see the module's
     "Containment"."""
     client = peer_address(stream)
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+    budget = budget or BodyBudget(limits.body_budget_bytes)
     try:
-        await _serve_requests(handler, limits, conn, stream, client, shutdown or Shutdown())
+        await _serve_requests(handler, limits, conn, stream, client, shutdown or Shutdown(), budget)
     except Exception as exc:
         reason = peer_reason(exc)
         if reason is None:
@@ -292,7 +515,8 @@ async def serve_connection(
             if stats is not None:
                 stats.abort(listener, reason)
             if abort is not None and abort.status:
-                await _answer_and_close(conn, stream, limits, error_response(abort.status, abort.message))
+                error = error_response(abort.status, abort.message, headers=abort.headers)
+                await _answer_and_close(conn, stream, limits, error)
     finally:
         await trio.aclose_forcefully(stream)
 
@@ -326,22 +550,33 @@ async def _linger(stream) -> None:
 
 
 async def _serve_requests(
-    handler: Handler, limits: Limits, conn: h11.Connection, stream, client: str, shutdown: Shutdown
+    handler: Handler, limits: Limits, conn: h11.Connection, stream, client: str, shutdown: Shutdown, budget: BodyBudget
 ) -> None:
     first = True
     while True:
-        request = await _read_request(conn, stream, limits, client, first=first, shutdown=shutdown)
+        request = await _read_request(conn, stream, limits, client, first=first, shutdown=shutdown, budget=budget)
         first = False
         if request is None:
             return
-        response = await _call_handler(handler, request, conn, stream, limits)
-        if response is None:
-            raise _Abort("closed", message="the client closed the connection before the answer")
-        # Stopping: this answer is the connection's last, and it says so (RFC 9112 §9.6).
-        if isinstance(response, StreamingResponse):
-            await _send_streaming(conn, stream, response, limits, close=shutdown.begun)
-        else:
-            await _send_response(conn, stream, response, limits, close=shutdown.begun)
+        body = request._body
+        assert isinstance(body, _ConnectionBody)
+        try:
+            response = await _call_handler(handler, request, conn, stream, limits)
+            if response is None:
+                raise _Abort("closed", message="the client closed the connection before the answer")
+            # A body left unread (the request was refused from its head) or broken off cannot be
+            # skipped to the next request: this answer is the connection's last, and says so. So
+            # is an answer while stopping (RFC 9112 §9.6).
+            close = shutdown.begun or not body.whole
+            if isinstance(response, StreamingResponse):
+                await _send_streaming(conn, stream, response, limits, close=close, head=request.head)
+            else:
+                await _send_response(conn, stream, response, limits, close=close, head=request.head)
+        finally:
+            body.release()
+        if not body.whole:
+            await _linger(stream)
+            return
         if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
             return
         conn.start_next_cycle()
@@ -349,14 +584,19 @@ async def _serve_requests(
 
 async def _call_handler(handler: Handler, request: Request, conn: h11.Connection, stream, limits: Limits):
     """The handler's response; None if the client closed the connection first, in which case the
-    handler is cancelled (so a gateway request stops its upstream request too)."""
+    handler is cancelled (so a gateway request stops its upstream request too). The connection
+    is watched for that only once the body is settled: until then the handler may be reading it."""
     answer: list = []
+    body = request._body
+    assert isinstance(body, _ConnectionBody)
     async with trio.open_nursery() as nursery:
 
         async def run() -> None:
             try:
                 answer.append(await handler(request))
             except Exception as exc:  # - one bad request must not take the server down
+                if peer_reason(exc) is not None and any(isinstance(e, _Abort) for e in leaves(exc)):
+                    raise  # reading the body failed by the peer's fault: the connection's to handle
                 http_error = _only_http_error(exc)
                 if http_error is not None:
                     answer.append(
@@ -372,8 +612,10 @@ async def _call_handler(handler: Handler, request: Request, conn: h11.Connection
             nursery.cancel_scope.cancel()
 
         async def watch() -> None:
-            await _wait_for_disconnect(conn, stream, limits)
-            nursery.cancel_scope.cancel()
+            await body.settled.wait()
+            if body.whole:
+                await _wait_for_disconnect(conn, stream, limits)
+                nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)
         nursery.start_soon(watch)
@@ -406,7 +648,7 @@ def _next_event(conn: h11.Connection):
 
 
 async def _read_request(
-    conn: h11.Connection, stream, limits: Limits, client: str, *, first: bool, shutdown: Shutdown
+    conn: h11.Connection, stream, limits: Limits, client: str, *, first: bool, shutdown: Shutdown, budget: BodyBudget
 ) -> Request | None:
     now = trio.current_time()
     # A new connection must send its head within head_timeout_s; a kept-alive one may idle
@@ -446,55 +688,39 @@ async def _read_request(
             "too_large", 431, f"request head of {head_size} bytes is larger than the limit of {limits.max_head_bytes}"
         )
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+    if "transfer-encoding" in headers and "content-length" in headers:
+        # RFC 9112 §6.1: a message with both may be an attempt at request smuggling; answer
+        # and close rather than guess which framing the sender meant.
+        raise _Abort(
+            "malformed", 400, "request has both Content-Length and Transfer-Encoding; send one of them"
+        )
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _Abort(
             "too_large", 413, f"request body of {declared} bytes is larger than the limit of {limits.max_body_bytes}"
         )
-    body = await _read_body(conn, stream, limits)
+    chunked = "transfer-encoding" in headers
+    body = _ConnectionBody(conn, stream, limits, budget, None if chunked else int(declared or 0))
+    if not chunked and not int(declared or 0):
+        # No body: take h11's EndOfMessage now, so the request is whole before the handler runs.
+        body.data = _no_body(conn)
+        body.settled.set()
     target = urlsplit(event.target.decode("latin-1"))
     return Request(
         method=event.method.decode("ascii"),
         path=target.path,
         query=parse_qs(target.query),
         headers=headers,
-        body=body,
         client=client,
+        body=body,
     )
 
 
-async def _read_body(conn: h11.Connection, stream, limits: Limits) -> bytes:
-    start = trio.current_time()
-    total_deadline = start + limits.body_timeout_s
-    body = bytearray()
-    while True:
-        part = _next_event(conn)
-        if isinstance(part, h11.Data):
-            body += part.data
-            if len(body) > limits.max_body_bytes:
-                raise _Abort(
-                    "too_large", 413, f"request body is larger than the limit of {limits.max_body_bytes} bytes"
-                )
-        elif isinstance(part, h11.EndOfMessage):
-            return bytes(body)
-        elif part is h11.NEED_DATA:
-            if conn.they_are_waiting_for_100_continue:
-                await _send(stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])), limits)
-            deadline = total_deadline
-            if limits.body_min_bytes_per_s > 0:
-                # The average so far must stay above the minimum: each byte buys 1/rate seconds.
-                deadline = min(deadline, start + BODY_RATE_GRACE_S + len(body) / limits.body_min_bytes_per_s)
-            if not await _receive(conn, stream, deadline):
-                if deadline < total_deadline:
-                    raise _Abort(
-                        "body_too_slow",
-                        408,
-                        f"request body arrived slower than {limits.body_min_bytes_per_s} bytes per second "
-                        f"({len(body)} bytes in {trio.current_time() - start:.1f} s)",
-                    )
-                raise _Abort("body_timeout", 408, f"request body not received within {limits.body_timeout_s:g} s")
-        else:
-            raise _Abort("closed", message="connection closed in the middle of the request body")
+def _no_body(conn: h11.Connection) -> bytes:
+    event = _next_event(conn)
+    if not isinstance(event, h11.EndOfMessage):
+        raise _Abort("malformed", 400, f"expected the end of a request without a body, got {type(event).__name__}")
+    return b""
 
 
 async def _send(stream, data: bytes, limits: Limits) -> None:
@@ -503,13 +729,16 @@ async def _send(stream, data: bytes, limits: Limits) -> None:
         await stream.send_all(data)
 
 
-async def _send_response(conn: h11.Connection, stream, response: Response, limits: Limits, close: bool = False) -> None:
-    headers = [(k.encode(), v.encode()) for k, v in response.headers]
+async def _send_response(
+    conn: h11.Connection, stream, response: Response, limits: Limits, close: bool = False, head: bool = False
+) -> None:
+    """Send a whole response; to a HEAD, its head alone, with the length the body would have."""
+    headers = [(k.encode(), v.encode()) for k, v in response.headers if k.lower() != "content-length"]
     headers.append((b"content-length", str(len(response.body)).encode()))
     if close:
         headers.append((b"connection", b"close"))
     data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
-    if response.body:
+    if response.body and not head:
         data += conn.send(h11.Data(data=response.body))
     await _send(stream, data + conn.send(h11.EndOfMessage()), limits)
 
@@ -522,15 +751,20 @@ def _reason(status: int) -> bytes:
 
 
 async def _send_streaming(
-    conn: h11.Connection, stream, response: StreamingResponse, limits: Limits, close: bool = False
+    conn: h11.Connection, stream, response: StreamingResponse, limits: Limits, close: bool = False, head: bool = False
 ) -> None:
     """Send a streamed response. The client going away, or the producer failing, ends the
-    connection (`_Abort` or the stream's error)."""
+    connection (`_Abort` or the stream's error). To a HEAD: the head alone, the producer closed
+    unstarted."""
     headers = [(k.encode(), v.encode()) for k, v in response.headers if k.lower() != "content-length"]
     if close:
         headers.append((b"connection", b"close"))
     gone: list[bool] = []
     try:
+        if head:
+            start = h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status))
+            await _send(stream, conn.send(start) + conn.send(h11.EndOfMessage()), limits)
+            return
         # Inside the try: a client gone before the head still gets the producer closed.
         await _send(
             stream,
@@ -582,8 +816,9 @@ async def _send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes], l
 async def _wait_for_disconnect(conn: h11.Connection, stream, limits: Limits) -> None:
     """Read the connection while a response is made; return when the client has closed it.
     Bytes that arrive meanwhile (a pipelined request) go to h11's buffer for the next cycle;
-    past one request's worth of them this stops reading and lets TCP push back."""
-    while len(conn.trailing_data[0]) < limits.max_head_bytes + limits.max_body_bytes:
+    past one head's worth of them this stops reading and lets TCP push back (what is buffered
+    here is outside the body budget, so it stays small)."""
+    while len(conn.trailing_data[0]) < limits.max_head_bytes:
         try:
             data = await stream.receive_some(RECEIVE_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

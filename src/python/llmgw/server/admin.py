@@ -43,7 +43,7 @@ import attrs
 
 from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.fabrics import FabricMap
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
@@ -212,10 +212,10 @@ class AdminAPI:
             await ring.revoke(name)
             log.info("api_key_revoked", name=name)
             return Response.json(200, {"revoked": name})
-        if request.method == "GET":
+        if request.method in ("GET", "HEAD"):
             return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
         _allow(request, "POST")
-        body = request.json()
+        body = await request.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
         unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
@@ -261,7 +261,7 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
             },
         )
     _allow(request, "POST")
-    body = request.json()
+    body = await request.json()
     if not isinstance(body, dict):
         raise HTTPError(400, f"the body must be a JSON object: {{{', '.join(sorted(_RECORD_FIELDS))}}}")
     unknown = sorted(set(body) - _RECORD_FIELDS)
@@ -299,8 +299,7 @@ def _serial(given: object, where: str) -> int:
 
 
 def _allow(request: Request, method: str) -> None:
-    if request.method != method:
-        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+    allow(request, method)  # a HEAD where GET is allowed
 
 
 def is_admin_path(path: str) -> bool:

@@ -183,6 +183,7 @@ class ControlPlane:
         fd_limit = raise_fd_limit()
         run = self.background.run
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._close_json_workers)
             # The store's writer first: the reconciler offers it placements.
             await nursery.start(run, "placements", self.replicas.saver.serve)
             # The reconciler: liveness changes, placements, desired state pushed.
@@ -220,6 +221,12 @@ class ControlPlane:
                 socket_activation=bool(agent_sockets or http_sockets),
             )
             task_status.started(bound)
+
+    async def _close_json_workers(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            await self.gateway.json.aclose()  # the gateway's JSON worker, if a large body started one
 
     def certificate_recorded(self) -> None:
         """A node certificate was issued (`node add`, `ca issue`): a node will join."""

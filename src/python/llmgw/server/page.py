@@ -252,7 +252,7 @@ class Page:
             _allow(request, "POST")
             if caller.session is not None:
                 raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
-            body = request.json() or {}
+            body = await request.json() or {}
             if (
                 not isinstance(body, dict)
                 or set(body) - {"actions"}

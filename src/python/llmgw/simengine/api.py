@@ -8,6 +8,7 @@ would change the answer are checked, and a bad one is a 400 naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -19,6 +20,9 @@ from llmgw.simengine.text import Completion, count_tokens
 
 Kind = Literal["chat", "completion"]
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# The most tokens one answer may have, as a real engine's context bounds it: an answer is built
+# at once, so this bounds the time a request holds the loop (about 1 µs a token).
+MAX_TOKENS = 4096
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -27,7 +31,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 class Job:
     kind: Kind
     model: str
-    prompt_key: str  # what the answer is a function of, with the model and max_tokens
+    prompt_key: str  # a digest of the prompt: what the answer is a function of, with the model and max_tokens
     prompt_tokens: int
     max_tokens: int
     stop: tuple[str, ...] = ()
@@ -38,6 +42,17 @@ class Job:
 
 def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message, kind="invalid_request_error")
+
+
+def job_of(body: Any, kind: Kind, served_model: str, max_tokens_default: int) -> Job:
+    """`parse_job` as a JSON projection (llmgw.http.jsonbody): run where the body is parsed."""
+    return parse_job(kind, body, served_model=served_model, max_tokens_default=max_tokens_default)
+
+
+def prompt_digest(canonical: str) -> str:
+    """The prompt key of a canonical prompt: fixed-size, so what the answer costs does not grow
+    with the prompt."""
+    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: int) -> Job:
@@ -93,7 +108,7 @@ def _messages(value: Any) -> tuple[str, int]:
         content = _content(message.get("content"), f"messages[{i}].content")
         canonical.append([role, content])
         tokens += count_tokens(content)
-    return json.dumps(canonical, ensure_ascii=False, separators=(",", ":")), tokens
+    return prompt_digest(json.dumps(canonical, ensure_ascii=False, separators=(",", ":"))), tokens
 
 
 def _content(value: Any, where: str) -> str:
@@ -123,7 +138,7 @@ def _prompt(value: Any) -> tuple[str, int]:
             f"'prompt' must be a string (or an array of exactly one string), got {_show(value)}; "
             "send one request per prompt"
         )
-    return value, count_tokens(value)
+    return prompt_digest(value), count_tokens(value)
 
 
 def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -131,8 +146,10 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int) -> i
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad_request(f"'{name}' must be a positive integer, got {_show(value)}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
+            raise bad_request(
+                f"'{name}' must be a whole number from 1 to {MAX_TOKENS} (the sim engine's limit), got {_show(value)}"
+            )
         return value
     return default
 

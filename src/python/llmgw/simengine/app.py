@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
+from llmgw.http.jsonbody import JsonWorkers
+from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow, parse_body
 from llmgw.log import get_logger
 from llmgw.simengine import api
 from llmgw.simengine.options import SimOptions
@@ -41,13 +42,19 @@ class SimEngine:
         *,
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        json_workers: JsonWorkers | None = None,
     ) -> None:
         self.options = options
+        # Large bodies are parsed in a worker process (started at the first); `aclose` stops it.
+        self.json = json_workers or JsonWorkers()
         self.wall_clock = wall_clock
         self.new_id = new_id
         self.created = int(wall_clock())
         self.serving = False
         self._waiting_for: Callable[[], str] = lambda: "starting"
+
+    async def aclose(self) -> None:
+        await self.json.aclose()
 
     def set_waiting(self, describe: Callable[[], str]) -> None:
         """What the 503 answers say while not serving: asked at each request, so it is current."""
@@ -69,8 +76,7 @@ class SimEngine:
             raise HTTPError(
                 404, f"no route {request.path!r}; this server has {', '.join(ROUTES)}", kind="not_found_error"
             )
-        if request.method != method:
-            raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+        allow(request, method)
         if request.path.startswith("/v1/"):
             self._authorize(request)
         if not self.serving:
@@ -80,8 +86,8 @@ class SimEngine:
         if request.path == "/v1/models":
             return Response.json(200, api.models_body(self.options.model, self.created))
         kind: api.Kind = "chat" if request.path == "/v1/chat/completions" else "completion"
-        job = api.parse_job(
-            kind, request.json(), served_model=self.options.model, max_tokens_default=self.options.max_tokens_default
+        job = await parse_body(
+            request, self.json, api.job_of, kind, self.options.model, self.options.max_tokens_default
         )
         return await self.answer(job, fields)
 

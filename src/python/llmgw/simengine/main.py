@@ -49,6 +49,15 @@ async def _crash_after(seconds: float) -> None:
 async def _serve_rank0(options: SimOptions, *, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
     engine = SimEngine(options)
     rank0 = Rank0(nnodes=options.nnodes, model=options.model, address=options.dist_init_addr or ("", 0))
+    try:
+        await _serve_engine(engine, rank0, options, task_status=task_status)
+    finally:
+        await engine.aclose()  # its JSON worker, if a large body started one
+
+
+async def _serve_engine(
+    engine: SimEngine, rank0: Rank0, options: SimOptions, *, task_status: trio.TaskStatus[tuple[str, int]]
+) -> None:
     async with trio.open_nursery() as nursery:
         try:
             listeners = await nursery.start(serve_http, engine.handle, options.host, options.port)

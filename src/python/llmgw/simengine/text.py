@@ -46,12 +46,24 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-def _digest(*parts: str) -> int:
+def _hasher(*parts: str):
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
+    return h
+
+
+def _digest_from(base, *parts: str) -> int:
+    h = base.copy()
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
     return int.from_bytes(h.digest(), "big")
+
+
+def _digest(*parts: str) -> int:
+    return int.from_bytes(_hasher(*parts).digest(), "big")
 
 
 def natural_length(model: str, prompt_key: str) -> int:
@@ -68,7 +80,8 @@ def complete(
     """The answer to a prompt: at most `max_tokens` words, cut before the first stop sequence."""
     natural = natural_length(model, prompt_key)
     count = max_tokens if ignore_eos else min(max_tokens, natural)
-    pieces = [("" if i == 0 else " ") + word(model, prompt_key, i) for i in range(count)]
+    base = _hasher(model, prompt_key)  # hashed once, copied for each word
+    pieces = [("" if i == 0 else " ") + WORDS[_digest_from(base, str(i)) % len(WORDS)] for i in range(count)]
     if count == natural and not ignore_eos:
         pieces[-1] += "."
     reason = "length" if count < natural or ignore_eos else "stop"

@@ -5,9 +5,11 @@
     GET  /v1/models              the models this key may use
     POST /v1/chat/completions, /v1/completions, /v1/embeddings   forwarded to a replica
 
-A forwarded request: the API key is checked (401) and counted against its limits (429); the
-body is parsed only to read "model" and "stream" (400 naming what is wrong); an unknown model
-is a 404. A replica is picked by `Router`; with none free the request waits in a bounded queue
+A forwarded request is decided from its head first: the API key (401) and its limits (429)
+before a byte of the body is read (`llmgw.http.server`: a refused request's body is never
+buffered). Then the body is parsed only to read "model" and "stream" (400 naming what is wrong;
+`gateway/fields.py`, in a worker process for a large body), and the model is checked as soon as
+it is known: one the key may not use is a 403, an unknown one a 404. A replica is picked by `Router`; with none free the request waits in a bounded queue
 until one is, or 503 with Retry-After at the deadline. The request goes out with the replica's
 own engine key. An attempt that fails while nothing has gone to the client yet (no connection
 within the connect timeout, refused or reset, no response head within the first-byte timeout
@@ -25,7 +27,6 @@ before the request reached the replica that answered (parsing, auth, queueing, f
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import AsyncIterator, Callable
@@ -35,8 +36,10 @@ import attrs
 import trio
 
 from llmgw.config import GatewaySection
-from llmgw.http.server import BodyAborted, HTTPError, Request, Response, StreamingResponse, parse_json
+from llmgw.http.jsonbody import JsonWorkers
+from llmgw.http.server import BodyAborted, HTTPError, Request, Response, StreamingResponse, allow, parse_body
 from llmgw.log import get_logger
+from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.server.gateway.errors import (
     UpstreamBroken,
     UpstreamError,
@@ -136,8 +139,11 @@ class Gateway:
         pool: UpstreamPool | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
+        json_workers: JsonWorkers | None = None,
     ) -> None:
         self.provider = provider
+        # Large bodies are parsed in a worker process (started at the first); its owner closes it.
+        self.json = json_workers or JsonWorkers()
         self.keys = keys
         self.options = options = options or GatewayOptions()
         self.pool = pool or UpstreamPool(
@@ -256,26 +262,26 @@ class Gateway:
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         if request.path == "/health":
-            _allow(request, "GET")
+            allow(request, "GET")
             ready = {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
             if self.draining:
                 return Response.json(503, {"status": "draining", "ready": ready})
             return Response.json(200, {"status": "ok", "ready": ready})
         if request.path == "/metrics":
-            _allow(request, "GET")
+            allow(request, "GET")
             return Response(
                 status=200,
                 body=self.render_metrics().encode(),
                 headers=(("content-type", "text/plain; version=0.0.4; charset=utf-8"),),
             )
         if request.path == "/v1/models":
-            _allow(request, "GET")
+            allow(request, "GET")
             key = self._authenticate(request)
             allowed = sorted(m for m in self.router.models if not key.models or m in key.models)
             data = [{"id": m, "object": "model", "created": 0, "owned_by": "llmgw"} for m in allowed]
             return Response.json(200, {"object": "list", "data": data})
         if request.path in FORWARDED:
-            _allow(request, "POST")
+            allow(request, "POST")
             return await self._forward(request)
         raise HTTPError(
             404,
@@ -317,8 +323,37 @@ class Gateway:
         started = self.clock()
         if self.refusing:
             raise _counted(self, "-", self._unavailable("the gateway is shutting down"))
+        # From the head alone: who is asking, and may they ask now. The body is not read yet.
         key = self._authenticate(request)
-        model, prompt = self._read_model(request)
+        limited = self.keys.admit(key)
+        if limited is not None:
+            retry = str(max(1, math.ceil(limited.retry_after_s)))
+            raise _counted(
+                self, "-", HTTPError(429, limited.message, kind="rate_limit_error", headers=(("retry-after", retry),))
+            )
+        try:
+            fields = await self._read_fields(request)
+            self._check_model(key, fields.model)
+        except BaseException:
+            self.keys.leave(key)
+            raise
+        job = _Job(self, key, fields.model, started)
+        try:
+            response = await self._attempts(request, job, fields.prompt)
+        except BaseException:
+            job.finish(None)
+            raise
+        return response
+
+    async def _read_fields(self, request: Request) -> RequestFields:
+        try:
+            return await parse_body(request, self.json, request_fields, self.options.affinity_chars)
+        except HTTPError as exc:
+            raise _counted(self, "-", exc) from None
+
+    def _check_model(self, key: KeyRow, model: str) -> None:
+        """As soon as the model is known, before anything is queued: may this key use it, and
+        is it served."""
         if key.models and model not in key.models:
             raise _counted(
                 self,
@@ -329,35 +364,6 @@ class Gateway:
                     kind="permission_error",
                 ),
             )
-        limited = self.keys.admit(key)
-        if limited is not None:
-            retry = str(max(1, math.ceil(limited.retry_after_s)))
-            raise _counted(
-                self, model, HTTPError(429, limited.message, kind="rate_limit_error", headers=(("retry-after", retry),))
-            )
-        job = _Job(self, key, model, started)
-        try:
-            response = await self._attempts(request, job, prompt)
-        except BaseException:
-            job.finish(None)
-            raise
-        return response
-
-    def _read_model(self, request: Request) -> tuple[str, str | None]:
-        def bad(message: str) -> HTTPError:
-            return _counted(self, "-", HTTPError(400, message))
-
-        try:
-            body = parse_json(request.body)
-        except HTTPError as exc:
-            raise bad(exc.message) from None
-        if not isinstance(body, dict):
-            raise bad(f"request body must be a JSON object, got {type(body).__name__}")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad(f"'model' must be a non-empty string naming a model (GET /v1/models lists them), got {model!r}")
-        if not isinstance(body.get("stream", False), (bool, type(None))):
-            raise bad(f"'stream' must be true or false, got {body.get('stream')!r}")
         if model not in self.router.models:
             known = ", ".join(sorted(self.router.models)) or "none"
             raise _counted(
@@ -367,11 +373,6 @@ class Gateway:
                     404, f"the model {model!r} does not exist; this gateway serves: {known}", kind="not_found_error"
                 ),
             )
-        prompt = None
-        if self.options.affinity_chars:
-            prompt = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))[:4096]
-            prompt = prompt if isinstance(prompt, str) else None
-        return model, prompt
 
     def _unavailable(self, why: str) -> HTTPError:
         return HTTPError(
@@ -398,7 +399,7 @@ class Gateway:
             job.sent_at = self.clock()
             try:
                 upstream = await self.pool.send(
-                    ep.host, ep.port, request.method, request.path, _upstream_headers(request, ep), request.body
+                    ep.host, ep.port, request.method, request.path, _upstream_headers(request, ep), await request.read()
                 )
             except UpstreamUnavailable as exc:
                 last, last_reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
@@ -548,8 +549,3 @@ def _upstream_headers(request: Request, ep: Endpoint) -> list[tuple[str, str]]:
 def _counted(gw: Gateway, model: str, error: HTTPError) -> HTTPError:
     gw.metrics.requests.inc(model=model, status=str(error.status))
     return error
-
-
-def _allow(request: Request, method: str) -> None:
-    if request.method != method:
-        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))

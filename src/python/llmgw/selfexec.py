@@ -1,4 +1,4 @@
-"""How this agent runs llmgw itself (for the sim engine): the same Python and the same code.
+"""How llmgw runs itself again (the sim engine, the JSON worker): the same Python and the same code.
 
 Run as a zipapp, `sys.argv[0]` is the zip file (a .pyz, or installed as /usr/local/bin/llmgw
 by `llmgw node add`); run from a PEX, $PEX names the file; run as

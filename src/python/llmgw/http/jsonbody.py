@@ -1,0 +1,277 @@
+"""JSON request bodies, parsed in time linear in their size and never holding the event loop.
+
+CPython's `json` decoder is C and linear, and it refuses nesting deeper than the interpreter's
+recursion limit with `RecursionError` (a clean error, not a crash), so it is the only parser
+used: no pre-scan of our own (a regex pre-scan that restarted at each quote once took 42 s on
+96 KB). What remains is time. Measured here, its worst case is about 50 ns a byte (a body of
+empty arrays, every byte a new object) against 1 ns for text: an 8 MiB body can take 0.4 s,
+and a thread does not help, since the decoder holds the GIL throughout. So:
+
+- a body of at most `INLINE_MAX_BYTES` is parsed on the loop (at most a few milliseconds);
+- a larger one is parsed in a worker process (`JsonWorkers`, one per serving process, started
+  at the first such body) which runs the caller's *projection* on the parsed value and sends
+  back only its result — the few fields the caller reads — so nothing large crosses back.
+
+A projection is a module-level function `f(value, *args)`, named by reference so the worker
+can import it; it raises `InvalidJson` (or any picklable exception, such as the HTTP layer's
+`HTTPError`) to refuse the body. The same function runs inline for small bodies, so both paths
+give the same answers.
+
+Nesting deeper than `MAX_DEPTH` is refused on both paths, after parsing (the parser's own limit
+protects the parse; ours keeps what handlers walk shallow).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.http")
+
+INLINE_MAX_BYTES = 64 << 10
+MAX_DEPTH = 64
+# The worker's command word (`llmgw __json-worker`, llmgw.cli.INTERNAL_JSON_WORKER): internal,
+# not listed among the commands.
+WORKER_COMMAND = "__json-worker"
+# A worker that grew past this after a body exits once it has answered (the next body starts a
+# new one): one hostile body can make the decoder build hundreds of MB of small objects.
+WORKER_MAX_RSS_BYTES = 256 << 20
+
+_FRAME = struct.Struct(">Q")
+
+
+class InvalidJson(ValueError):
+    """The body is not JSON the caller accepts; `message` says what is wrong, for a 400."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class ParserBusy(Exception):
+    """No worker could take the body in time (too many large bodies at once): a 503."""
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def loads(data: bytes, *, what: str = "request body") -> Any:
+    """`data` as JSON, or `InvalidJson` naming the problem: invalid, invalid UTF-8, or nested
+    deeper than `MAX_DEPTH`. Linear in `len(data)`."""
+    try:
+        value = json.loads(data or b"null")
+    except RecursionError:
+        raise InvalidJson(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(f"{what} is not valid UTF-8 (byte {exc.start}): send JSON text in UTF-8") from None
+    except ValueError as exc:  # JSONDecodeError, and int() past its 4300-digit limit
+        raise InvalidJson(f"{what} is not valid JSON: {_short(str(exc))}") from None
+    # Cannot nest deeper than it has openings: the common case, counted in C.
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
+        raise InvalidJson(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether lists and dicts nest deeper than `limit` in `value`; iterative, one visit per
+    container."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, (list, dict)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def whole(value: Any) -> Any:
+    """The projection that keeps everything: for bodies whose value is small once parsed."""
+    return value
+
+
+def project(data: bytes, fn: Callable[..., Any], args: Sequence[Any] = ()) -> Any:
+    """Parse `data` and apply the projection: what both paths run."""
+    return fn(loads(data), *args)
+
+
+# -- the worker --------------------------------------------------------------------------------
+
+
+def _reference(fn: Callable[..., Any]) -> str:
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or "<" in name or "." in name:
+        raise TypeError(f"a JSON projection must be a module-level function, not {fn!r}")
+    return f"{module}:{name}"
+
+
+def _resolve(reference: str) -> Callable[..., Any]:
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def worker_main(stdin=None, stdout=None) -> int:
+    """The worker process: frames in (projection, args, body), frames out (result or error),
+    until its input closes. Each frame is an 8-byte length and a pickle; the parent is trusted
+    (it started us), the bodies are not (they are only ever handed to `json.loads`)."""
+    stdin = stdin or sys.stdin.buffer
+    stdout = stdout or sys.stdout.buffer
+    while True:
+        head = stdin.read(_FRAME.size)
+        if len(head) < _FRAME.size:
+            return 0
+        (size,) = _FRAME.unpack(head)
+        reference, args, body = pickle.loads(stdin.read(size))
+        try:
+            answer = ("ok", project(body, _resolve(reference), args))
+        except Exception as exc:  # - refusals are the projection's to make; a bug is reported as one
+            answer = ("error", exc)
+        del body
+        try:
+            out = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # - an unpicklable error of a projection: said as text
+            out = pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        stdout.write(_FRAME.pack(len(out)) + out)
+        stdout.flush()
+        if _rss_bytes() > WORKER_MAX_RSS_BYTES:
+            return 0  # a fresh process for the next body gives the memory back
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@attrs.frozen(kw_only=True)
+class WorkerOptions:
+    workers: int = 1  # processes parsing large bodies at once
+    max_waiting: int = 64  # bodies waiting for a worker; past it, ParserBusy at once
+    wait_s: float = 5.0  # how long a body may wait for a worker
+    parse_timeout_s: float = 10.0  # a body taking longer is refused, and its worker replaced
+
+
+class _Worker:
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = list(command)
+        self.process: trio.Process | None = None
+        self.lock = trio.Lock()
+        self._buffer = bytearray()
+
+    async def run(self, reference: str, args: Sequence[Any], body: bytes, timeout_s: float) -> tuple[str, Any]:
+        if self.process is None or self.process.returncode is not None:
+            await self.stop()
+            self.process = await trio.lowlevel.open_process(
+                [*self.command, WORKER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            self._buffer.clear()
+        process = self.process
+        assert process.stdin is not None and process.stdout is not None
+        frame = pickle.dumps((reference, tuple(args), body), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with trio.fail_after(timeout_s):
+                await process.stdin.send_all(_FRAME.pack(len(frame)))
+                await process.stdin.send_all(frame)
+                del frame
+                (size,) = _FRAME.unpack(await self._read(process.stdout, _FRAME.size))
+                return pickle.loads(await self._read(process.stdout, size))
+        except BaseException:
+            await self.stop()  # half a frame is no state to continue from
+            raise
+
+    async def _read(self, stream: trio.abc.ReceiveStream, n: int) -> bytes:
+        while len(self._buffer) < n:
+            data = await stream.receive_some(max(65536, n - len(self._buffer)))
+            if not data:
+                raise EOFError("the JSON worker exited")
+            self._buffer += data
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    async def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    await pipe.aclose()
+
+
+class JsonWorkers:
+    """Parses bodies: inline when small, in a worker process otherwise (see the module's
+    docstring). One per serving process; `aclose` stops the workers."""
+
+    def __init__(self, command: Sequence[str] | None = None, options: WorkerOptions = WorkerOptions()) -> None:
+        if command is None:
+            from llmgw.selfexec import llmgw_command
+
+            command = llmgw_command()
+        self.options = options
+        self._workers = [_Worker(command) for _ in range(max(1, options.workers))]
+        self._free = trio.Semaphore(len(self._workers))
+        self._waiting = 0
+        self.parsed_in_worker = 0  # bodies parsed by a worker, for /metrics and tests
+
+    async def parse(self, body: bytes, fn: Callable[..., Any], *args: Any, what: str = "request body") -> Any:
+        """`fn(json.loads(body), *args)`; raises what `fn` raises, `InvalidJson`, or
+        `ParserBusy`."""
+        if len(body) <= INLINE_MAX_BYTES:
+            return fn(loads(body, what=what), *args)
+        reference = _reference(fn)
+        if self._waiting >= self.options.max_waiting:
+            raise ParserBusy(f"{self._waiting} large request bodies are waiting to be parsed")
+        self._waiting += 1
+        try:
+            with trio.move_on_after(self.options.wait_s) as waited:
+                await self._free.acquire()
+        finally:
+            self._waiting -= 1
+        if waited.cancelled_caught:
+            raise ParserBusy(f"no JSON worker was free within {self.options.wait_s:g} s")
+        try:
+            worker = next(w for w in self._workers if not w.lock.locked())
+            async with worker.lock:
+                try:
+                    kind, value = await worker.run(reference, args, body, self.options.parse_timeout_s)
+                except trio.TooSlowError:
+                    raise InvalidJson(
+                        f"{what} took longer than {self.options.parse_timeout_s:g} s to parse; send simpler JSON"
+                    ) from None
+                except (EOFError, OSError, trio.BrokenResourceError) as exc:
+                    log.error("json_worker_failed", reason=str(exc) or type(exc).__name__)
+                    raise ParserBusy("the JSON worker failed; the server's log says why") from None
+        finally:
+            self._free.release()
+        self.parsed_in_worker += 1
+        if kind == "error":
+            raise value
+        return value
+
+    async def aclose(self) -> None:
+        for worker in self._workers:
+            await worker.stop()

@@ -1,0 +1,166 @@
+"""JSON bodies: linear parsing with a depth limit, and the worker process for large bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import trio
+
+from llmgw.http import jsonbody
+from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
+from llmgw.http.server import HTTPError
+from llmgw.server.gateway.fields import RequestFields, request_fields
+from llmgw.simengine import api
+
+
+def test_valid_json_is_parsed() -> None:
+    assert jsonbody.loads(b'{"a": [1, 2, {"b": null}]}') == {"a": [1, 2, {"b": None}]}
+    assert jsonbody.loads(b"") is None  # an empty body reads as null
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{", "is not valid JSON"),
+        (b'{"a": "\xff"}', "is not valid UTF-8"),
+        (b"[" + b"1" * 5000 + b"]", "is not valid JSON"),  # past int()'s digit limit
+        (b"[" * 65 + b"]" * 65, "deeper than 64 levels"),
+        (b'{"a":' * 65 + b"1" + b"}" * 65, "deeper than 64 levels"),
+        (b"[" * 100_000, "deeper than 64 levels"),  # the parser's own recursion limit
+    ],
+)
+def test_bad_json_is_refused_naming_why(body: bytes, says: str) -> None:
+    with pytest.raises(InvalidJson, match=says):
+        jsonbody.loads(body)
+
+
+def test_depth_counts_containers_not_brackets_in_strings() -> None:
+    assert jsonbody.loads(b"[" * 64 + b"]" * 64) is not None
+    assert jsonbody.loads(b'["' + b"[" * 1000 + b'"]') == ["[" * 1000]
+    assert jsonbody.loads(b'["\\"' + b"[" * 1000 + b'"]') == ['"' + "[" * 1000]  # an escaped quote stays inside
+    assert jsonbody.loads(b"[" + b"[]," * 10_000 + b"[]]")  # many, but shallow
+    assert not jsonbody.depth_exceeds({"a": [[1]], "b": {}}, 3)
+    assert jsonbody.depth_exceeds({"a": [[[]]]}, 3)
+
+
+# The pathological bodies of the no-stall issue: each is linear for the C decoder. The old
+# pre-scan took seconds on the first (a regex that restarted at each quote).
+ADVERSARIAL = {
+    "escaped-quotes-unterminated": b'{"model":"m","x":"' + b'\\"' * 30_000 + b"[" * 65,
+    "brackets-in-strings": b'{"model":"m","x":"' + b"[{" * 30_000 + b'"}',
+    "empty-arrays": b"[" + b"[]," * 20_000 + b"[]]",
+    "many-keys": b"{" + b",".join(b'"k%d":0' % i for i in range(5000)) + b"}",
+    "unicode-escapes": b'{"x":"' + b"\\ud83d\\ude00" * 5000 + b'"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_bodies_take_milliseconds(name: str) -> None:
+    body = ADVERSARIAL[name]
+    assert len(body) <= jsonbody.INLINE_MAX_BYTES
+    started = time.process_time()
+    try:
+        jsonbody.loads(body)
+    except InvalidJson:
+        pass
+    # Tens of milliseconds of CPU at most on a loaded machine; the old pre-scan took seconds.
+    assert time.process_time() - started < 0.25
+
+
+def test_the_gateway_reads_model_stream_and_the_prompts_start() -> None:
+    messages = [{"role": "user", "content": "x" * 3000}, {"role": "user", "content": "y" * 3000}, {"role": "z"}]
+    fields = request_fields({"model": "m", "stream": True, "messages": messages}, 64)
+    assert fields.model == "m" and fields.stream
+    assert fields.prompt == json.dumps(messages)[:4096]  # the same prefix as rendering them whole
+    assert request_fields({"model": "m", "prompt": "p"}, 0) == RequestFields(model="m", stream=False, prompt=None)
+    with pytest.raises(InvalidJson, match="'model' must be a non-empty string .* got an array of 100000 items"):
+        request_fields({"model": [0] * 100_000}, 0)
+    with pytest.raises(InvalidJson, match="'stream' must be true or false"):
+        request_fields({"model": "m", "stream": "yes"}, 0)
+
+
+@pytest.mark.trio
+async def test_small_bodies_are_parsed_inline_and_large_ones_in_the_worker() -> None:
+    workers = JsonWorkers()
+    try:
+        small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        assert (await workers.parse(small, request_fields, 0)).model == "m"
+        assert workers.parsed_in_worker == 0
+        large = json.dumps({"model": "big", "stream": True, "pad": "x" * (2 << 20)}).encode()
+        fields = await workers.parse(large, request_fields, 0)
+        assert fields == RequestFields(model="big", stream=True, prompt=None)
+        assert workers.parsed_in_worker == 1
+        # The worker stays for the next one, and refusals come back as they were raised.
+        with pytest.raises(InvalidJson, match="'stream' must be true or false"):
+            await workers.parse(large.replace(b'"stream": true', b'"stream": 1'), request_fields, 0)
+        with pytest.raises(InvalidJson, match="is not valid JSON"):
+            await workers.parse(large[:-1], request_fields, 0)
+        with pytest.raises(InvalidJson, match="deeper than 64"):
+            await workers.parse(b'{"a":' + b"[" * 100 + b"]" * 100 + b', "pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole)
+        # The sim engine's projection raises the HTTP layer's error: it crosses intact.
+        big_chat = {"model": "other", "messages": [{"role": "user", "content": "w " * 50_000}]}
+        with pytest.raises(HTTPError) as refused:
+            await workers.parse(json.dumps(big_chat).encode(), api.job_of, "chat", "m", 16)
+        assert refused.value.status == 404 and "does not exist" in refused.value.message
+        job = await workers.parse(json.dumps({**big_chat, "model": "m"}).encode(), api.job_of, "chat", "m", 16)
+        assert job.prompt_tokens == 50_000 and len(job.prompt_key) == 32
+    finally:
+        await workers.aclose()
+
+
+@pytest.mark.trio
+async def test_a_body_too_slow_to_parse_is_refused_and_its_worker_replaced() -> None:
+    workers = JsonWorkers(options=WorkerOptions(parse_timeout_s=0.001))
+    try:
+        slow = b"[" + b"[]," * (3 << 20) + b"[]]"  # about half a second for the decoder
+        with pytest.raises(InvalidJson, match="took longer than 0.001 s to parse"):
+            await workers.parse(slow, jsonbody.whole)
+        workers.options = WorkerOptions()
+        assert await workers.parse(b'{"pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole) == {"pad": "x" * 70_000}
+    finally:
+        await workers.aclose()
+
+
+@pytest.mark.trio
+async def test_past_the_waiting_limit_large_bodies_are_busy_at_once() -> None:
+    workers = JsonWorkers(options=WorkerOptions(max_waiting=0))
+    try:
+        with pytest.raises(jsonbody.ParserBusy, match="waiting to be parsed"):
+            await workers.parse(b'{"pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole)
+        assert await workers.parse(b'{"small": 1}', jsonbody.whole) == {"small": 1}  # inline: never waits
+    finally:
+        await workers.aclose()
+
+
+def test_a_projection_must_be_importable_by_the_worker() -> None:
+    with pytest.raises(TypeError, match="module-level function"):
+        jsonbody._reference(lambda value: value)
+    assert jsonbody._resolve(jsonbody._reference(request_fields)) is request_fields
+
+
+@pytest.mark.trio
+async def test_a_worker_that_dies_is_reported_busy_and_started_again() -> None:
+    workers = JsonWorkers()
+    try:
+        pad = b'{"pad": "' + b"x" * 70_000 + b'"}'
+        assert await workers.parse(pad, jsonbody.whole)
+        process = workers._workers[0].process
+        assert process is not None
+        process.kill()
+        await process.wait()
+        # The dead one is noticed before the next body is sent, and replaced.
+        assert await workers.parse(pad, jsonbody.whole) == {"pad": "x" * 70_000}
+    finally:
+        await workers.aclose()
+
+
+def test_closing_unused_workers_starts_nothing() -> None:
+    async def main() -> None:
+        workers = JsonWorkers()
+        await workers.parse(b"{}", jsonbody.whole)
+        assert all(w.process is None for w in workers._workers)
+        await workers.aclose()
+
+    trio.run(main)
