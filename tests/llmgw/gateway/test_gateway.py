@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,32 @@ async def test_a_client_gone_mid_stream_cancels_the_upstream_request(
     assert gw.gateway.in_flight == {"chat": 0} and gw.gateway.pool.idle_count("127.0.0.1", a.port) == 0
     metrics = parse_metrics(gw.gateway.render_metrics())
     assert metrics[("llmgw_gateway_requests_total", frozenset({("model", "chat"), ("status", "499")}))] == 1
+
+
+async def test_the_key_and_its_limits_are_decided_before_the_body(
+    tmp_path: Path, nursery: trio.Nursery, sims
+) -> None:
+    (a,) = sims(1)
+    gw = await start_gateway(nursery, tmp_path, (a.endpoint(),), models=frozenset({"chat", "other"}))
+    _, limited = await gw.gateway.keys.create("one-a-minute", models=["other"], rate_per_minute=1)
+
+    # One request a minute: the first is let in and refused for its model; every later one is
+    # 429 whatever its body says, even one that is not JSON at all.
+    status, _, body = await gw.call("POST", "/v1/chat/completions", chat(), token=limited)
+    assert status == 403 and b"may not use model 'chat'" in body
+    for body_sent in (chat(), b"not json", b'{"model": "other"'):
+        status, headers, body = await gw.call("POST", "/v1/chat/completions", body_sent, token=limited)
+        assert status == 429 and int(headers["retry-after"]) > 0, body
+    assert gw.gateway.keys._in_flight.get("one-a-minute", 0) == 0  # the refused ones are not held
+
+    # Without a key the body is never read: the answer comes while the body is still unsent.
+    def head_only() -> bytes:
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 8000000\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            return answer
+
+    answer = await trio.to_thread.run_sync(head_only)
+    assert answer.startswith(b"HTTP/1.1 401 ") and b"connection: close" in answer
