@@ -129,9 +129,10 @@ def _resolve(reference: str) -> Callable[..., Any]:
 
 
 def worker_main(stdin=None, stdout=None) -> int:
-    """The worker process: frames in (projection, args, body), frames out (result or error),
-    until its input closes. Each frame is an 8-byte length and a pickle; the parent is trusted
-    (it started us), the bodies are not (they are only ever handed to `json.loads`)."""
+    """The worker process: requests in (a frame naming the projection, its arguments and the
+    body's length, then the body), frames out (the result or the error), until its input
+    closes. A frame is an 8-byte length and a pickle; the parent is trusted (it started us), the
+    bodies are not (they are only ever handed to `json.loads`)."""
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     while True:
@@ -139,7 +140,8 @@ def worker_main(stdin=None, stdout=None) -> int:
         if len(head) < _FRAME.size:
             return 0
         (size,) = _FRAME.unpack(head)
-        reference, args, body = pickle.loads(stdin.read(size))
+        reference, args, body_size = pickle.loads(stdin.read(size))
+        body = stdin.read(body_size)
         try:
             answer = ("ok", project(body, _resolve(reference), args))
         except Exception as exc:  # - refusals are the projection's to make; a bug is reported as one
@@ -187,12 +189,12 @@ class _Worker:
             self._buffer.clear()
         process = self.process
         assert process.stdin is not None and process.stdout is not None
-        frame = pickle.dumps((reference, tuple(args), body), protocol=pickle.HIGHEST_PROTOCOL)
+        # The body follows its header as it is: not copied into a pickle.
+        header = pickle.dumps((reference, tuple(args), len(body)), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with trio.fail_after(timeout_s):
-                await process.stdin.send_all(_FRAME.pack(len(frame)))
-                await process.stdin.send_all(frame)
-                del frame
+                await process.stdin.send_all(_FRAME.pack(len(header)) + header)
+                await process.stdin.send_all(body)
                 (size,) = _FRAME.unpack(await self._read(process.stdout, _FRAME.size))
                 return pickle.loads(await self._read(process.stdout, size))
         except BaseException:

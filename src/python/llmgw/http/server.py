@@ -74,6 +74,9 @@ MAX_JSON_DEPTH = jsonbody.MAX_DEPTH
 # 10 µs on each chunk, so a read full of 6-byte chunks must not be handed over at once.
 CHUNKED_FEED_BYTES = 4096
 MAX_BODY_CHUNKS = 4096
+# A body up to this size is handed to the handler as bytes; a larger one as the bytearray it
+# was read into (bytes-like for every use: JSON, sending), to keep a copy of it off the budget.
+SMALL_BODY_BYTES = 64 << 10
 # A body waits this long for room in the body budget before it is answered 503.
 BODY_BUDGET_WAIT_S = 1.0
 # A body's first bytes may take a moment (a client waiting for 100-continue, a slow start):
@@ -135,8 +138,8 @@ class Request:
         return self.method == "HEAD"
 
     async def read(self, *, limit: int | None = None) -> bytes:
-        """The whole body (read once, then the same bytes); `HTTPError(413)` past `limit` or the
-        server's own limit."""
+        """The whole body (read once, then the same bytes; a large one as a bytearray);
+        `HTTPError(413)` past `limit` or the server's own limit."""
         return await self._body.read(limit)
 
     async def json(self, *, limit: int = jsonbody.INLINE_MAX_BYTES, what: str = "request body") -> Any:
@@ -342,7 +345,10 @@ class _ConnectionBody(_BodySource):
             self.taken += self.declared
         start = trio.current_time()
         total_deadline = start + limits.body_timeout_s
-        body = bytearray()
+        # A body of known length is read into its place, with no copy at the end: it is what
+        # the budget counted, once (a large one is handed out as this bytearray).
+        body = bytearray(self.declared) if not chunked else bytearray()
+        got = 0
         chunks = 0
         unfed = b""  # of a chunked body: read, not yet given to h11 (see CHUNKED_FEED_BYTES)
         while True:
@@ -359,13 +365,17 @@ class _ConnectionBody(_BodySource):
                             f"chunked request body in more than {MAX_BODY_CHUNKS} chunks; send it with "
                             "Content-Length or in larger chunks",
                         )
-                body += part.data
-                if len(body) > limit:
+                if chunked:
+                    body += part.data
+                else:  # h11 never gives more than the declared length
+                    body[got : got + len(part.data)] = part.data
+                got += len(part.data)
+                if got > limit:
                     if limit < limits.max_body_bytes:
                         raise _too_large(limit)
                     raise _Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
             elif isinstance(part, h11.EndOfMessage):
-                return bytes(body)
+                return bytes(body) if got <= SMALL_BODY_BYTES else body
             elif part is h11.NEED_DATA and unfed:
                 await trio.lowlevel.checkpoint()
                 conn.receive_data(unfed[:CHUNKED_FEED_BYTES])
@@ -376,7 +386,7 @@ class _ConnectionBody(_BodySource):
                 deadline = total_deadline
                 if limits.body_min_bytes_per_s > 0:
                     # The average so far must stay above the minimum: each byte buys 1/rate seconds.
-                    deadline = min(deadline, start + BODY_RATE_GRACE_S + len(body) / limits.body_min_bytes_per_s)
+                    deadline = min(deadline, start + BODY_RATE_GRACE_S + got / limits.body_min_bytes_per_s)
                 with trio.move_on_at(deadline):
                     data = await self.stream.receive_some(RECEIVE_SIZE)
                     if chunked:
@@ -388,7 +398,7 @@ class _ConnectionBody(_BodySource):
                         "body_too_slow",
                         408,
                         f"request body arrived slower than {limits.body_min_bytes_per_s} bytes per second "
-                        f"({len(body)} bytes in {trio.current_time() - start:.1f} s)",
+                        f"({got} bytes in {trio.current_time() - start:.1f} s)",
                     )
                 raise _Abort("body_timeout", 408, f"request body not received within {limits.body_timeout_s:g} s")
             else:

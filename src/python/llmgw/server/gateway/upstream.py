@@ -52,6 +52,7 @@ from llmgw.server.gateway.errors import (
 )
 
 RECEIVE_SIZE = 65536
+_JOIN_BODY_BYTES = 65536  # a request body up to this is written with its head in one buffer
 _STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 # What the kernel reports for a peer that stopped answering (TCP_USER_TIMEOUT, keepalive, a
 # connect's SYNs) or that no route reaches: a fresh connection would meet the same.
@@ -142,8 +143,14 @@ class UpstreamPool:
 
     async def _exchange(self, host: str, port: int, conn: _Conn, request: h11.Request, body: bytes) -> UpstreamResponse:
         try:
-            data = conn.h11.send(request) + (conn.h11.send(h11.Data(data=body)) if body else b"")
-            await conn.stream.send_all(data + conn.h11.send(h11.EndOfMessage()))
+            if len(body) <= _JOIN_BODY_BYTES:  # one write for the usual request
+                data = conn.h11.send(request) + (conn.h11.send(h11.Data(data=body)) if body else b"")
+                await conn.stream.send_all(data + conn.h11.send(h11.EndOfMessage()))
+            else:  # a large body goes out as it is, not copied into one buffer with the head
+                await conn.stream.send_all(conn.h11.send(request))
+                for piece in conn.h11.send_with_data_passthrough(h11.Data(data=body)):
+                    await conn.stream.send_all(piece)
+                await conn.stream.send_all(conn.h11.send(h11.EndOfMessage()))
             event = await self._head(host, port, conn)
         except UpstreamUnavailable:
             await self._discard(conn)

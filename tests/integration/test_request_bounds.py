@@ -1,0 +1,235 @@
+"""No request stalls the control plane, whatever its body: a real `llmgw server`, one agent and
+a sim engine, sent bodies built to be slow (at the body limit) and floods of large bodies, while
+`/health` is asked again and again on another connection.
+
+What each test holds:
+- every adversarial body at the limit is answered (a 4xx, or the engine's answer), never a 500,
+  and `/health` answers within a second throughout, and the node stays joined with its replica
+  never restarted (the control plane did not take its own stall for the node's silence);
+- 200 clients without a key, each sending 8 MiB, cost the control plane almost no memory (their
+  bodies are never read), and 50 with a key are held to the body budget, each answered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from testlib.cluster import Cluster
+
+MODEL = "sim-small"
+BODY_LIMIT = 8 << 20
+BUDGET = 64 << 20
+CATALOG = f"""
+[http]
+body_budget_bytes = {BUDGET}
+
+[[models]]
+name = "{MODEL}"
+engine = "sim"
+replicas = 1
+"""
+HEALTH_BOUND_S = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class Live:
+    cluster: Cluster
+    http_port: int
+    token: str
+
+    def server_rss(self) -> int:
+        pid = self.cluster.server.popen.pid
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    cluster = Cluster(tmp_path_factory.mktemp("bounds"))
+    try:
+        cluster.init_ca()
+        cluster.set_catalog(CATALOG)
+        cluster.add_node("node-a")
+        server = cluster.start_server()
+        cluster.start_agent("node-a")
+        cluster.wait_replicas("the sim replica to serve", lambda rs: any(r["state"] == "ready" for r in rs))
+        admin_url = server.events("server_ready")[0]["admin_url"]
+        token = cluster.ctl("keys", "create", "bounds")["token"]
+        yield Live(cluster=cluster, http_port=int(admin_url.rsplit(":", 1)[1]), token=token)
+    finally:
+        cluster.close()
+
+
+def post(port: int, body: bytes, token: str | None, timeout: float = 60.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+class HealthWatch:
+    """Asks `/health` on its own connection every 50 ms until stopped; the slowest answer."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.slowest = 0.0
+        self.asked = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            started = time.monotonic()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                conn.request("GET", "/health")
+                status = conn.getresponse().status
+                conn.close()
+            except OSError as exc:
+                self.failures.append(repr(exc))
+                continue
+            self.slowest = max(self.slowest, time.monotonic() - started)
+            self.asked += 1
+            if status != 200:
+                self.failures.append(f"/health answered {status}")
+
+
+def at_limit(prefix: bytes, unit: bytes, suffix: bytes = b"") -> bytes:
+    """`prefix + unit * n + suffix`, as long as the body limit allows."""
+    n = (BODY_LIMIT - len(prefix) - len(suffix) - 1024) // len(unit)
+    return prefix + unit * n + suffix
+
+
+CHAT = b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"hi"}],"max_tokens":4,'
+# Bodies a parser can be made slow by, each at the limit. The first took the old pre-scan more
+# than 40 s at 96 KB.
+ADVERSARIAL: dict[str, Callable[[], bytes]] = {
+    "escaped-quotes-unterminated": lambda: at_limit(CHAT + b'"x":"', b'\\"', b"[" * 65),
+    "brackets-in-a-string": lambda: at_limit(CHAT + b'"x":"', b"[{", b'"}'),
+    "nesting-just-under-the-limit": lambda: at_limit(CHAT + b'"x":[', b"[" * 62 + b"0" + b"]" * 62 + b",", b"0]}"),
+    "nesting-past-the-limit": lambda: at_limit(CHAT + b'"x":', b"[", b""),
+    "empty-arrays": lambda: at_limit(CHAT + b'"x":[', b"[],", b"[]]}"),
+    "a-long-string": lambda: at_limit(CHAT + b'"x":"', b"y", b'"}'),
+    "a-huge-integer": lambda: at_limit(CHAT + b'"x":', b"9", b"}"),
+    "a-long-float": lambda: at_limit(CHAT + b'"x":0.', b"1", b"e5}"),
+    "many-keys": lambda: CHAT + b",".join(b'"k%d":0' % i for i in range(700_000)) + b"}",
+    "unicode-escapes": lambda: at_limit(CHAT + b'"x":"', b"\\ud83d\\ude00", b'"}'),
+    "invalid-utf8-at-the-end": lambda: at_limit(CHAT + b'"x":"', b"y", b'\xff\xfe"}'),
+    "not-an-object": lambda: at_limit(b"[", b"0,", b"0]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_a_body_built_to_be_slow_never_stalls_the_control_plane(live: Live, name: str) -> None:
+    body = ADVERSARIAL[name]()
+    assert len(body) <= BODY_LIMIT
+    with HealthWatch(live.http_port) as watch:
+        status, answer = post(live.http_port, body, live.token)
+        time.sleep(0.2)  # a few more /health answers after it
+    assert status in (200, 400), (status, answer[:300])
+    if status == 400:
+        assert json.loads(answer)["error"]["message"], answer
+    assert not watch.failures, watch.failures
+    assert watch.asked >= 3 and watch.slowest < HEALTH_BOUND_S, (watch.asked, watch.slowest)
+    assert_healthy(live)
+
+
+def assert_healthy(live: Live) -> None:
+    cluster = live.cluster
+    assert cluster.server.returncode is None, cluster.server.tail()
+    nodes = cluster.nodes()
+    assert nodes is not None and nodes["node-a"]["state"] == "joined", cluster.last_nodes
+    replicas = cluster.replicas()
+    assert replicas and replicas[0]["restarts"] == 0, replicas  # never taken for lost
+    log = cluster.server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "node_lost" not in log, cluster.server.tail(80)
+
+
+def flood(port: int, count: int, body: bytes, token: str | None, rss: Callable[[], int]) -> tuple[list, int]:
+    """`count` clients at once, each sending `body`; their answers (status or the error) and the
+    control plane's highest RSS seen meanwhile."""
+    peak = [rss()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], rss())
+
+    def one() -> int | str:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        try:
+            auth = f"authorization: Bearer {token}\r\n".encode() if token else b""
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n" + auth
+            head += b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+            try:
+                sock.sendall(head + body)
+            except OSError:
+                pass  # answered and closed before the body was all sent: read what was said
+            answer = b""
+            try:
+                while b"\r\n" not in answer and (chunk := sock.recv(65536)):
+                    answer += chunk
+            except OSError as exc:
+                return repr(exc)
+            return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else repr(answer[:100])
+        finally:
+            sock.close()
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
+            answers = list(pool.map(lambda _: one(), range(count), timeout=240))
+    finally:
+        done.set()
+        sampler.join(5)
+    return answers, peak[0]
+
+
+def test_clients_without_a_key_cost_no_memory_for_their_bodies(live: Live) -> None:
+    body = b"x" * (BODY_LIMIT - 1)
+    before = live.server_rss()
+    answers, peak = flood(live.http_port, 200, body, None, live.server_rss)
+    assert answers == [401] * 200, sorted(set(map(str, answers)))
+    assert peak - before < 64 << 20, f"RSS grew by {(peak - before) >> 20} MiB"
+    assert_healthy(live)
+
+
+def test_clients_with_a_key_are_held_to_the_body_budget(live: Live) -> None:
+    pad = b'"pad":"' + b"y" * (BODY_LIMIT - 4096) + b'"}'
+    body = CHAT + pad
+    before = live.server_rss()
+    answers, peak = flood(live.http_port, 50, body, live.token, live.server_rss)
+    assert set(answers) <= {200, 503}, sorted(set(map(str, answers)))
+    assert 200 in answers
+    # What is buffered is the budget's; a little more for the copy each body makes on its way
+    # to the JSON worker and to the engine.
+    assert peak - before < BUDGET + (48 << 20), f"RSS grew by {(peak - before) >> 20} MiB"
+    assert_healthy(live)
