@@ -300,10 +300,18 @@ def test_json_nested_100000_deep_is_a_400_everywhere(live: Live) -> None:
         live.http_port,
         "POST",
         "/admin/v1/keys",
-        b"[" * 100_000 + b"]" * 100_000,
+        b"[" * 30_000 + b"]" * 30_000,
         [("authorization", f"Bearer {admin}")],
     )
     assert status == 400 and b"deeper than 64 levels" in body, body
+    status, body = request(  # the admin API's bodies are small: 64 KiB at most
+        live.http_port,
+        "POST",
+        "/admin/v1/keys",
+        b"[" * 100_000 + b"]" * 100_000,
+        [("authorization", f"Bearer {admin}")],
+    )
+    assert status == 413 and b"larger than the limit of 65536 bytes" in body, body
     status, body = request(
         live.engine_port, "POST", "/v1/chat/completions", deep, [("authorization", f"Bearer {live.engine_key}")]
     )
@@ -431,4 +439,67 @@ def test_release_downloads_by_peers_without_a_certificate_are_bounded(live: Live
         assert hostile.status_of(sock.recv(4096)) == 200
     finally:
         sock.close()
+    assert_serving(live)
+
+
+def _head(port: int, path: str, headers=()) -> tuple[int, dict[str, str], bytes]:
+    """HEAD twice on one connection: the status and headers of the first, and what came after
+    the second answer's head (nothing, if no body was sent)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("HEAD", path, headers=dict(headers))
+        first = conn.getresponse()
+        assert first.read() == b""
+        conn.request("HEAD", path, headers=dict(headers))  # the connection is still in step
+        second = conn.getresponse()
+        assert second.status == first.status and second.read() == b""
+        return first.status, {k.lower(): v for k, v in first.getheaders()}, b""
+    finally:
+        conn.close()
+
+
+def test_head_is_answered_on_every_route(live: Live) -> None:
+    admin = (live.cluster.state / "admin.token").read_text().strip()
+    engine = [("authorization", f"Bearer {live.engine_key}")]
+    cases = [
+        (live.http_port, "/health", (), 200),
+        (live.http_port, "/metrics", (), 200),
+        (live.http_port, "/v1/models", [live.auth], 200),
+        (live.http_port, "/v1/models", (), 401),
+        (live.http_port, "/v1/chat/completions", [live.auth], 405),
+        (live.http_port, "/admin/v1/nodes", [("authorization", f"Bearer {admin}")], 200),
+        (live.http_port, "/admin/v1/keys", [("authorization", f"Bearer {admin}")], 200),
+        (live.http_port, "/admin/v1/nodes", (), 401),
+        (live.http_port, "/", (), 200),  # the cluster page
+        (live.http_port, "/no/such/route", (), 404),
+        (live.engine_port, "/health", (), 200),
+        (live.engine_port, "/v1/models", engine, 200),
+        (live.engine_port, "/v1/completions", engine, 405),
+        (live.engine_port, "/nothing", (), 404),
+    ]
+    for port, path, headers, status in cases:
+        got, answer_headers, _ = _head(port, path, headers)
+        assert got == status, (port, path, got)
+        if status == 200:
+            assert int(answer_headers.get("content-length", "0")) > 0 or "transfer-encoding" in answer_headers
+    log = live.cluster.server.log_path.read_text(errors="replace")
+    assert "http_connection_failed" not in log and "http_handler_failed" not in log
+    assert_serving(live)
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(live: Live) -> None:
+    smuggle = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
+        + f"authorization: Bearer {live.token}\r\n".encode()
+        + b"content-length: 4\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\nGET /health HTTP/1.1\r\nhost: t\r\n\r\n"
+    )
+    for port in (live.http_port, live.engine_port):
+        sock = hostile.connect("127.0.0.1", port)
+        try:
+            sock.sendall(smuggle)
+            answer = hostile.read_all(sock)
+        finally:
+            sock.close()
+        assert hostile.status_of(answer) == 400 and b"both Content-Length and Transfer-Encoding" in answer
+        assert answer.count(b"HTTP/1.1 ") == 1 and b"connection: close" in answer  # nothing after it was read
     assert_serving(live)

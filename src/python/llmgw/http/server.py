@@ -329,7 +329,12 @@ class _ConnectionBody(_BodySource):
         try:
             if limit is not None and self.declared is not None and self.declared > limit:
                 raise _too_large(limit)
-            self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
+            try:
+                self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError) as exc:
+                # The peer broke the connection under the body: the connection's to end, not
+                # the handler's to answer (`_call_handler` lets an `_Abort` through).
+                raise _Abort(peer_reason(exc) or "closed", message=f"reading the request body: {exc}") from exc
             return self.data
         except BaseException as exc:
             self.failed = exc

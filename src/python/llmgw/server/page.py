@@ -130,7 +130,7 @@ class Page:
         if body is None or name == "index.html" and request.path.startswith("/page/"):
             raise HTTPError(404, f"the cluster page has no file {request.path!r}", kind="not_found_error")
         headers = (("content-type", _content_type(name)), ("cache-control", "no-cache"), *SECURITY_HEADERS)
-        return Response(status=200, body=b"" if request.method == "HEAD" else body, headers=headers)
+        return Response(status=200, body=body, headers=headers)  # to a HEAD the server sends no body
 
     def _login(self, request: Request) -> Response:
         code = request.query.get("code", [""])[0]
