@@ -300,7 +300,7 @@ def test_json_nested_100000_deep_is_a_400_everywhere(live: Live) -> None:
         live.http_port,
         "POST",
         "/admin/v1/keys",
-        b"[" * 30_000 + b"]" * 30_000,
+        b"[" * 1000 + b"]" * 1000,
         [("authorization", f"Bearer {admin}")],
     )
     assert status == 400 and b"deeper than 64 levels" in body, body

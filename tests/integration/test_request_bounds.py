@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from testlib import bodies
 from testlib.cluster import Cluster
 
 MODEL = "sim-small"
@@ -121,29 +122,8 @@ class HealthWatch:
                 self.failures.append(f"/health answered {status}")
 
 
-def at_limit(prefix: bytes, unit: bytes, suffix: bytes = b"") -> bytes:
-    """`prefix + unit * n + suffix`, as long as the body limit allows."""
-    n = (BODY_LIMIT - len(prefix) - len(suffix) - 1024) // len(unit)
-    return prefix + unit * n + suffix
-
-
 CHAT = b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"hi"}],"max_tokens":4,'
-# Bodies a parser can be made slow by, each at the limit. The first took the old pre-scan more
-# than 40 s at 96 KB.
-ADVERSARIAL: dict[str, Callable[[], bytes]] = {
-    "escaped-quotes-unterminated": lambda: at_limit(CHAT + b'"x":"', b'\\"', b"[" * 65),
-    "brackets-in-a-string": lambda: at_limit(CHAT + b'"x":"', b"[{", b'"}'),
-    "nesting-just-under-the-limit": lambda: at_limit(CHAT + b'"x":[', b"[" * 62 + b"0" + b"]" * 62 + b",", b"0]}"),
-    "nesting-past-the-limit": lambda: at_limit(CHAT + b'"x":', b"[", b""),
-    "empty-arrays": lambda: at_limit(CHAT + b'"x":[', b"[],", b"[]]}"),
-    "a-long-string": lambda: at_limit(CHAT + b'"x":"', b"y", b'"}'),
-    "a-huge-integer": lambda: at_limit(CHAT + b'"x":', b"9", b"}"),
-    "a-long-float": lambda: at_limit(CHAT + b'"x":0.', b"1", b"e5}"),
-    "many-keys": lambda: CHAT + b",".join(b'"k%d":0' % i for i in range(700_000)) + b"}",
-    "unicode-escapes": lambda: at_limit(CHAT + b'"x":"', b"\\ud83d\\ude00", b'"}'),
-    "invalid-utf8-at-the-end": lambda: at_limit(CHAT + b'"x":"', b"y", b'\xff\xfe"}'),
-    "not-an-object": lambda: at_limit(b"[", b"0,", b"0]"),
-}
+ADVERSARIAL = bodies.adversarial(MODEL, BODY_LIMIT)
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))

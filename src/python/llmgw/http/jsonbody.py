@@ -7,7 +7,8 @@ used: no pre-scan of our own (a regex pre-scan that restarted at each quote once
 empty arrays, every byte a new object) against 1 ns for text: an 8 MiB body can take 0.4 s,
 and a thread does not help, since the decoder holds the GIL throughout. So:
 
-- a body of at most `INLINE_MAX_BYTES` is parsed on the loop (at most a few milliseconds);
+- a body of at most `INLINE_MAX_BYTES` with at most `INLINE_MAX_VALUES` separators and
+  openings is parsed on the loop (a few milliseconds at most; `inline`);
 - a larger one is parsed in a worker process (`JsonWorkers`, one per serving process, started
   at the first such body) which runs the caller's *projection* on the parsed value and sends
   back only its result — the few fields the caller reads — so nothing large crosses back.
@@ -41,6 +42,7 @@ from llmgw.log import get_logger
 log = get_logger("llmgw.http")
 
 INLINE_MAX_BYTES = 64 << 10
+INLINE_MAX_VALUES = 4096  # commas and openings: a bound on the values the decoder makes
 MAX_DEPTH = 64
 # The worker's command word (`llmgw __json-worker`, llmgw.cli.INTERNAL_JSON_WORKER): internal,
 # not listed among the commands.
@@ -82,6 +84,15 @@ def loads(data: bytes, *, what: str = "request body") -> Any:
     if data.count(b"[") + data.count(b"{") > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
         raise InvalidJson(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels")
     return value
+
+
+def inline(data: bytes) -> bool:
+    """Whether `data` is cheap enough to parse on the loop: small, and with few values. The
+    decoder's cost is about 4 ns a byte plus up to 1 µs a value (an array of empty arrays is the
+    worst), so both are bounded; counting separators and openings is C, a few µs at this size."""
+    if len(data) > INLINE_MAX_BYTES:
+        return False
+    return data.count(b",") + data.count(b"[") + data.count(b"{") <= INLINE_MAX_VALUES
 
 
 def depth_exceeds(value: Any, limit: int) -> bool:
@@ -242,7 +253,7 @@ class JsonWorkers:
     async def parse(self, body: bytes, fn: Callable[..., Any], *args: Any, what: str = "request body") -> Any:
         """`fn(json.loads(body), *args)`; raises what `fn` raises, `InvalidJson`, or
         `ParserBusy`."""
-        if len(body) <= INLINE_MAX_BYTES:
+        if inline(body):
             return fn(loads(body, what=what), *args)
         reference = _reference(fn)
         if self._waiting >= self.options.max_waiting:

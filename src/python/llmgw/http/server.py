@@ -146,7 +146,12 @@ class Request:
         """The body as JSON, for the small bodies of the admin API and the page (at most `limit`
         bytes, parsed on the loop: see `llmgw.http.jsonbody`); `HTTPError(400)` naming what is
         wrong, 413 past `limit`."""
-        return parse_json(await self.read(limit=min(limit, jsonbody.INLINE_MAX_BYTES)), what=what)
+        data = await self.read(limit=min(limit, jsonbody.INLINE_MAX_BYTES))
+        if not jsonbody.inline(data):
+            raise HTTPError(
+                413, f"{what} has more than {jsonbody.INLINE_MAX_VALUES} values; this route takes small bodies"
+            )
+        return parse_json(data, what=what)
 
 
 def allow(request: Request, method: str) -> None:
