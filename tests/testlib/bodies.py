@@ -48,3 +48,30 @@ def adversarial(model: str, size: int) -> dict[str, Callable[[], bytes]]:
         "invalid-utf8-at-the-end": lambda: _fill(chat + b'"x":"', b"y", b'\xff\xfe"}', size),
         "not-an-object": lambda: _fill(b"[", b"0,", b"0]", size),
     }
+
+
+def strategy(model: str, max_size: int):
+    """A hypothesis strategy of such bodies: a chat request whose extra field is a generated
+    fragment of pathological JSON (escapes, brackets, nesting, numbers, unicode, stray bytes),
+    repeated to a generated size of up to `max_size`, closed properly or cut off anywhere."""
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(
+        [b'\\"', b"\\\\", b"[", b"]", b"{", b"}", b'"', b",", b":", b"0", b"9" * 40, b"1e999", b"-0.", b"\\u",
+         b"\\ud83d", b"\\ude00", b"\\u0000", b"true", b"null", b"\xff", b"\xc3", b" ", b"\n", b"[]", b"{}",
+         b'"k":', b"[[[[", b"]]]]", b'"a"', b"\\n"]  # fmt: skip
+    )
+    chat = b'{"model":"' + model.encode() + b'","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"x":'
+
+    @st.composite
+    def build(draw) -> bytes:
+        unit = b"".join(draw(st.lists(pieces, min_size=1, max_size=12)))
+        size = draw(st.integers(min_value=len(chat) + 2, max_value=max_size))
+        opener = draw(st.sampled_from([b'"', b"[", b"", b"{"]))
+        closer = draw(st.sampled_from([b'"}', b"]}", b"}", b"", b'"]}']))
+        body = _fill(chat + opener, unit, closer, size)[:max_size]
+        if draw(st.booleans()):
+            body = body[: draw(st.integers(min_value=1, max_value=len(body)))]  # cut off anywhere
+        return body
+
+    return build()

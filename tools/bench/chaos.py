@@ -20,6 +20,8 @@ and 20 streams in flight. Then, one at a time, each fault waiting for full capac
 - restart          SIGTERM the control plane and start it again on the same sockets
 - hostile          hostile clients (FIN/RST at every offset, garbage, slowloris, JSON 100,000
                    deep, 1,000 idle connections) against the gateway and the agent endpoint
+- adversarial_bodies  a key holder sends the bodies built to be slow to parse
+                   (`testlib.bodies`, at 8 MiB each) while `/health` is timed every 50 ms
 
 For each: the requests and streams started from the fault until capacity was full again (and a
 few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
@@ -45,15 +47,25 @@ import trio
 from bench.chaos_cluster import ChaosCluster, poll
 from bench.chaos_load import Load
 
-from testlib import hostile
+from testlib import bodies, hostile
 
 MODEL = "chat"
 REPLICAS = 2
 NODES = ("node-a", "node-b", "node-c")
-FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition", "drain", "restart", "hostile")
+FAULTS = (
+    "engine_kill",
+    "agent_kill",
+    "node_kill",
+    "node_partition",
+    "drain",
+    "restart",
+    "hostile",
+    "adversarial_bodies",
+)
 SETTLE_S = 3.0  # load measured this long after capacity is full again
 FULL_TIMEOUT_S = 180.0
-ZERO_FAILURE_FAULTS = ("engine_kill", "agent_kill", "node_kill", "node_partition", "drain", "restart", "hostile")
+ZERO_FAILURE_FAULTS = FAULTS
+BODY_SIZE = 8 << 20  # the adversarial bodies', at the default body limit
 
 
 def catalog(output_token_ms: int) -> str:
@@ -262,6 +274,44 @@ class Bench:
         done["connections"] += 1010
         return {"hostile_connections": done["connections"], "_lasting": True}
 
+    def adversarial_bodies(self) -> dict:
+        port = self.cluster.http_port
+        statuses: dict[str, int] = {}
+        slowest = [0.0]
+        stop = threading.Event()
+
+        def health() -> None:
+            while not stop.wait(0.05):
+                started = time.monotonic()
+                sock = hostile.connect("127.0.0.1", port)
+                try:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
+                    hostile.read_all(sock, 65536)
+                finally:
+                    sock.close()
+                slowest[0] = max(slowest[0], time.monotonic() - started)
+
+        watcher = threading.Thread(target=health)
+        watcher.start()
+        try:
+            for name, make in bodies.adversarial(MODEL, BODY_SIZE).items():
+                head, body = hostile.request_bytes(
+                    "POST",
+                    "/v1/chat/completions",
+                    body=make(),
+                    headers=[("authorization", f"Bearer {self.load.token}")],
+                )
+                sock = hostile.connect("127.0.0.1", port)
+                try:
+                    sock.sendall(head + body)
+                    statuses[name] = hostile.status_of(hostile.read_all(sock, 65536))
+                finally:
+                    sock.close()
+        finally:
+            stop.set()
+            watcher.join(30)
+        return {"bodies": statuses, "health_slowest_s": round(slowest[0], 3), "_lasting": True}
+
     def alive(self, info: dict) -> bool:
         return self.cluster.server.returncode is None and self.full()
 
@@ -274,6 +324,7 @@ class Bench:
             "drain": (self.drain, self.drained, self.uncordon),
             "restart": (self.restart, lambda i: self.full(), None),
             "hostile": (self.hostile, self.alive, None),
+            "adversarial_bodies": (self.adversarial_bodies, self.alive, None),
         }
         for name in faults:
             inject, recovered, after = plans[name]
@@ -301,6 +352,11 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
             met[f"{name}_recovery_within_ttl_plus_start"] = r["recovery_s"] <= ttl_s + interval_s + start_s + 5
         if r and "duplicate_engines_left" in r:
             met[f"{name}_no_duplicate_after_rejoin"] = r["duplicate_engines_left"] == 0
+    bodies_fault = results.get("adversarial_bodies")
+    if bodies_fault and "bodies" in bodies_fault:
+        met["adversarial_bodies_all_answered"] = all(s in (200, 400) for s in bodies_fault["bodies"].values())
+        met["adversarial_bodies_health_within_1s"] = bodies_fault["health_slowest_s"] < 1.0
+        met["adversarial_bodies_no_engine_restart"] = bodies_fault["engine_restarts"] == 0
     if "agent_kill" in results and "engine_restarts" in results["agent_kill"]:
         met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_restarts"] == 0
         met["agent_kill_nothing_moved"] = results["agent_kill"].get("replicas_moved") is False

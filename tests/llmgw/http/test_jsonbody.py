@@ -6,12 +6,14 @@ import json
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
 
 from llmgw.http import jsonbody
 from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
 from llmgw.http.server import HTTPError
 from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.simengine import api
+from testlib import bodies
 
 
 def test_valid_json_is_parsed() -> None:
@@ -168,3 +170,15 @@ def test_closing_unused_workers_starts_nothing() -> None:
         await workers.aclose()
 
     trio.run(main)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies.strategy("m", 64 << 10))
+def test_any_body_is_parsed_or_refused_with_a_message(body: bytes) -> None:
+    # Whatever the bytes: a value, or InvalidJson naming the problem; never another exception.
+    try:
+        fields = request_fields(jsonbody.loads(body), 64)
+    except InvalidJson as exc:
+        assert exc.message and len(exc.message) < 400
+    else:
+        assert fields.model == "m"
