@@ -301,7 +301,8 @@ class Bench:
                     body=make(),
                     headers=[("authorization", f"Bearer {self.load.token}")],
                 )
-                sock = hostile.connect("127.0.0.1", port)
+                # Parsed in the gateway's JSON worker, then again in the engine's: seconds, each.
+                sock = hostile.connect("127.0.0.1", port, timeout=120)
                 try:
                     sock.sendall(head + body)
                     statuses[name] = hostile.status_of(hostile.read_all(sock, 65536))
