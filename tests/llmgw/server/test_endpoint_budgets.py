@@ -156,9 +156,7 @@ async def test_a_flood_of_bare_connections_is_logged_in_a_handful_of_lines(
             await trio.sleep(0.05)
         while not [r for r in caplog.records if r.getMessage() == "connections_refused"]:
             await trio.sleep(0.05)
-    lines = [
-        r for r in caplog.records if r.levelno >= logging.INFO and r.name in ("llmgw.endpoint", "llmgw.listeners")
-    ]
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO and r.name in ("llmgw.endpoint", "llmgw.listeners")]
     assert len(lines) <= 15, [(r.getMessage(), r.llmgw_fields) for r in lines]
     summaries = [r.llmgw_fields for r in lines if r.getMessage() == "connections_refused"]
     assert sum(s["count"] for s in summaries) >= flood // 2  # the summaries account for the flood

@@ -248,7 +248,9 @@ class AgentEndpoint:
                 if isinstance(exc, trio.TooSlowError):
                     reason = f"no TLS handshake within {HANDSHAKE_TIMEOUT_S:g} s"
                 else:
-                    reason = describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+                    reason = (
+                        describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+                    )
                 self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=reason)
                 self.stats.abort(LISTENER, "tls")
                 await send_tls_alert(stream)  # so the agent learns why, at once
@@ -262,11 +264,18 @@ class AgentEndpoint:
             f"the control plane holds as many agent connections as it may ({self.agent_cap}, [http] "
             "max_agent_connections); this agent retries by itself"
         )
-        self._refusal("warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message)
+        self._refusal(
+            "warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message
+        )
         with trio.move_on_after(REFUSAL_SEND_S):
             head = await agentport.read_head(stream)
             await agentport.answer(
-                stream, head, 503, message, timeout_s=REFUSAL_SEND_S, headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),)
+                stream,
+                head,
+                503,
+                message,
+                timeout_s=REFUSAL_SEND_S,
+                headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),),
             )
 
     async def _serve(
