@@ -68,6 +68,16 @@ def test_counts_by_reason_and_network_busiest_first() -> None:
     assert summary.fields()["over_s"] == 10
 
 
+def test_refusals_never_logged_one_by_one_take_no_place_of_the_burst() -> None:
+    log = RefusalLog(interval_s=10, burst=2)
+    for _ in range(50):  # connections shed: logged at debug by their listener whatever happens
+        assert not log.refused(0.0, "unproven", "192.0.2.1", loud=False)
+    assert log.refused(1.0, "tls", "198.51.100.7")  # an agent's refusal right after is still seen
+    [summary] = log.due(10.0)
+    assert (summary.count, summary.logged) == (51, 1)
+    assert summary.reasons == {"unproven": 50, "tls": 1}
+
+
 def test_a_refusal_after_the_interval_closes_it_and_begins_the_next() -> None:
     log = RefusalLog(interval_s=10, burst=1)
     for t in (0.0, 1.0, 2.0):

@@ -286,7 +286,7 @@ async def serve_capped(
 
     def refused(reason: str, peer: str) -> None:
         stats.shed.inc(listener=listener, reason=reason)
-        refusals.refused(trio.current_time(), reason, peer)
+        refusals.refused(trio.current_time(), reason, peer, loud=False)
         log.debug("connection_shed", listener=listener, reason=reason, peer=peer)
 
     async def serve(stream: trio.abc.Stream) -> None:
@@ -312,7 +312,7 @@ async def serve_capped(
             while True:
                 if places.value == 0:
                     stats.at_capacity.inc(listener=listener)
-                    refusals.refused(trio.current_time(), "paused", "")
+                    refusals.refused(trio.current_time(), "paused", "", loud=False)
                     log.debug("connections_at_capacity", listener=listener, max_connections=max_connections)
                 await places.acquire()
                 try:

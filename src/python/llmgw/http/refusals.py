@@ -73,21 +73,24 @@ class Summary:
 class RefusalLog:
     """Counts one listener's refusals in intervals of `interval_s` (each begins at the first
     refusal after the last one ended); `refused` says whether to log a refusal one by one, and
-    `due` returns the summary of an ended interval that had more than `burst`."""
+    `due` returns the summary of an ended interval that had refusals not logged one by one."""
 
     def __init__(self, *, interval_s: float = INTERVAL_S, burst: int = BURST) -> None:
         self.interval_s = interval_s
         self.burst = burst
         self._began: float | None = None
         self._count = 0
+        self._logged = 0
         self._reasons: Counter[str] = Counter()
         self._networks: Counter[str] = Counter()
         self._ready: list[Summary] = []
 
-    def refused(self, now: float, reason: str, peer: str) -> bool:
-        """Count one refusal of `peer` (an address, see `peer_network`; "" for none) for `reason`; True if
-        the caller should log it on its own at its usual level (it is among the first `burst`
-        of its interval), False if debug is enough (the summary will count it)."""
+    def refused(self, now: float, reason: str, peer: str, *, loud: bool = True) -> bool:
+        """Count one refusal of `peer` (an address, see `peer_network`; "" for none) for
+        `reason`; True if the caller should log it on its own at its usual level (one of the
+        first `burst` of its interval), False if debug is enough (the summary counts it).
+        `loud=False`: one its caller logs at debug whatever this says (a connection shed);
+        counted, it takes no place of the burst."""
         self._close_ended(now)
         if self._began is None:
             self._began = now
@@ -98,15 +101,18 @@ class RefusalLog:
             if network not in self._networks and len(self._networks) >= MAX_NETWORKS:
                 network = OTHER  # bounded, whatever number of addresses a flood comes from
             self._networks[network] += 1
-        return self._count <= self.burst
+        if loud and self._logged < self.burst:
+            self._logged += 1
+            return True
+        return False
 
     def next_due(self) -> float | None:
         """When the open interval ends (its summary may be due then); None if none is open."""
         return None if self._began is None else self._began + self.interval_s
 
     def due(self, now: float) -> list[Summary]:
-        """The summaries of the intervals ended by `now` that had more refusals than `burst`,
-        each returned once."""
+        """The summaries of the intervals ended by `now` that had refusals not logged one by
+        one, each returned once."""
         self._close_ended(now)
         ready, self._ready = self._ready, []
         return ready
@@ -114,7 +120,7 @@ class RefusalLog:
     def _close_ended(self, now: float) -> None:
         if self._began is None or now < self._began + self.interval_s:
             return
-        if self._count > self.burst:
+        if self._count > self._logged:
             named = sorted(((k, n) for k, n in self._networks.items() if k != OTHER), key=lambda kn: -kn[1])
             networks = dict(named[:TOP_NETWORKS])
             rest = sum(self._networks.values()) - sum(networks.values())
@@ -125,12 +131,13 @@ class RefusalLog:
                     began=self._began,
                     span_s=self.interval_s,
                     count=self._count,
-                    logged=min(self._count, self.burst),
+                    logged=self._logged,
                     reasons=dict(self._reasons.most_common()),
                     networks=networks,
                 )
             )
         self._began = None
         self._count = 0
+        self._logged = 0
         self._reasons = Counter()
         self._networks = Counter()

@@ -227,7 +227,7 @@ class AgentEndpoint:
     def _shed(self, reason: str, peer: str) -> None:
         """Count and log (debug) a connection closed or turned away to make room."""
         self.stats.shed.inc(listener=LISTENER, reason=reason)
-        self.refusals.refused(trio.current_time(), reason, peer)
+        self.refusals.refused(trio.current_time(), reason, peer, loud=False)
         log.debug("connection_shed", listener=LISTENER, reason=reason, peer=peer)
 
     def _refusal(self, level: str, event: str, address: str, kind: str, **fields) -> None:
