@@ -1,5 +1,7 @@
-"""The connection cap and the accept loop: real sockets on loopback for the cap, a stand-in
-listener for the accept errors only a kernel out of descriptors would produce."""
+"""The connection budget and the accept loop: real sockets on loopback for what a client sees
+at the cap (the connection idle longest closed for it, or a 503 at once), stand-in listeners
+for what needs a fake clock (accepting paused past the overflow) or a kernel out of
+descriptors."""
 
 from __future__ import annotations
 
@@ -206,6 +208,26 @@ async def test_idle_connections_are_shed_oldest_first_and_a_stop_closes_only_the
     with idle.waiting(stoppable=True) as late:  # after a stop, a stoppable wait ends at once
         await trio.sleep_forever()
     assert late.cancelled_caught
+
+
+async def test_a_stop_closes_idle_keep_alive_connections_but_answers_a_new_connections_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    shutdown = listeners.Shutdown()
+    kept, kept_server = trio.testing.memory_stream_pair()
+    fresh, fresh_server = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        for stream in (kept_server, fresh_server):
+            nursery.start_soon(lambda s=stream: http.serve_connection(ok, s, shutdown=shutdown))
+        assert (await get(kept, "/one")).startswith(b"HTTP/1.1 200 ")  # then idle, kept alive
+        await trio.sleep(1)  # the new one: silent so far, its request perhaps on the way
+        shutdown.begin()
+        with trio.fail_after(1):
+            assert await kept.receive_some(65536) == b""  # closed at once, quietly
+        answer = await get(fresh, "/late")  # answered, and told it is the last
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close\r\n" in answer
+        with trio.fail_after(1):
+            assert await fresh.receive_some(65536) == b""
 
 
 async def test_a_budget_serves_to_its_size_then_sheds_then_is_full() -> None:

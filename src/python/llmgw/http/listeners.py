@@ -337,8 +337,11 @@ async def serve_capped(
                 nursery.start_soon(serve, stream)
 
     async def summarise() -> None:
+        # Wakes when the open interval ends, or an interval from now when none is open (one
+        # opened meanwhile is then summarised up to an interval late).
         while True:
-            await trio.sleep_until(refusals.next_due() or trio.current_time() + refusals.interval_s)
+            due = refusals.next_due()
+            await trio.sleep_until(trio.current_time() + refusals.interval_s if due is None else due)
             log_summaries(refusals, listener)
 
     async with trio.open_nursery() as connections:
