@@ -1,7 +1,13 @@
 """The agent endpoint: where agents connect, prove who they are, and keep a link open.
 
 Order of checks on a new connection, each refusal logged here with its reason and told to the
-agent in the clearest way the stage allows:
+agent in the clearest way the stage allows (a flood of them is summarised, `RefusalLog`):
+
+0. Until its TLS handshake shows a client certificate a connection is unproven: it counts in
+   a small budget of its own (`listeners.unproven_budget`), where at the ceiling the oldest is
+   closed for the newcomer, and must finish the handshake (without a certificate, send its
+   request head too) within HANDSHAKE_TIMEOUT_S. A certificate moves it to the agents' budget
+   (`max_agent_connections`; past it, 503 with Retry-After). See `_Place`.
 
 1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's or
    an expired one; the agent receives the TLS alert at once). No certificate at all is refused
@@ -132,7 +138,7 @@ class AgentEndpoint:
         # holds within one agent's handshake (a few round trips), not once per deadline. A
         # certificate moves a connection to the agents' budget, where no bare connection goes.
         self.unproven_idle = listeners.IdleConnections(reason="unproven")
-        self.unproven = listeners.Budget(listeners.unproven_budget(16), self.unproven_idle)
+        self.unproven = listeners.Budget(0, self.unproven_idle)  # sized in `serve`
         self.agent_cap = 0  # set in `serve`
         self.agents_open = 0
         self.refusals = RefusalLog()
