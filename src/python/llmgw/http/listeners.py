@@ -1,20 +1,36 @@
-"""Listening sockets shared by the control plane's servers: a connection cap per listener,
-the open-file budget it is sized from, and the per-listener connection counts /metrics shows.
+"""Listening sockets shared by the control plane's servers: a connection budget per listener,
+the open-file limit it is sized from, and the per-listener connection counts /metrics shows.
 
-`serve_capped` is `trio.serve_listeners` with a cap: each connection in its own task, at most
-`max_connections` at once; past that it stops accepting, and the kernel's backlog holds new
-connections until one ends, so a flood of clients cannot take the descriptors the process
-needs for its agents, its engines' connections and its database.
+`serve_capped` is `trio.serve_listeners` with a budget: each connection in its own task, at
+most `max_connections` served at once. At the cap the newest client still gets in: the
+connection that has waited longest on its peer (a keep-alive connection between requests, a
+new one that has sent nothing yet, an agent-port connection still in its TLS handshake) is
+closed to make room. RFC 9112 §9.6 lets a server close an idle connection whenever it likes,
+and clients reopen one on demand; nginx does the same with its "reusable" connections when
+`worker_connections` run out. When none is waiting, the newcomer is turned away at once
+(`refuse`: `503` with Retry-After for HTTP) instead of being left in the kernel's backlog for
+a place that may free in a minute. Turning away holds a descriptor for a moment, so it has a
+small budget of its own (`overflow`); only past that does the listener stop accepting and the
+backlog hold new connections. So a flood can neither take the descriptors the process needs
+for its agents, its engines' connections and its database, nor keep a new client waiting on
+connections that do nothing.
+
+Every connection shed or turned away is counted (`llmgw_connections_shed_total`) and logged at
+debug; `llmgw.http.refusals` turns a flood of them into one warning per interval.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import errno
 import resource
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
+from llmgw.http.refusals import RefusalLog
 from llmgw.log import get_logger
 from llmgw.metrics import Registry
 
@@ -24,6 +40,8 @@ log = get_logger("llmgw.listeners")
 # trio.serve_listeners does) rather than fail the listener.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_RETRY_S = 0.1
+# The longest a connection turned away is held; `refuse` keeps its own, shorter deadlines.
+REFUSE_S = 3.0
 
 
 def fd_limit() -> int:
@@ -63,9 +81,24 @@ def default_max_connections(kind: str, limit: int | None = None) -> int:
     return max(16, (budget - agents) // 2)
 
 
+def unproven_budget(max_agent_connections: int) -> int:
+    """Agent-port connections that have not yet shown a client certificate (TLS handshake under
+    way, or a peer without one fetching a release file) held at once: an eighth of the agents'
+    budget, between 8 and 64. Held apart from the agents', so bare connections never crowd out
+    a certified agent; small, since a real agent leaves it within a round trip or two."""
+    return max(8, min(64, max_agent_connections // 8))
+
+
+def default_overflow(max_connections: int) -> int:
+    """Connections a listener may hold past its cap only to turn them away: an eighth of the
+    cap, between 8 and 256 (a refusal takes a moment, so a few turn away many)."""
+    return max(8, min(256, max_connections // 8))
+
+
 class ConnectionStats:
-    """Per listener: connections open now, their cap, and those that ended by a peer's fault
-    or a deadline, by reason. Rendered as Prometheus text by `render`."""
+    """Per listener: connections open now, their cap, those that ended by a peer's fault or a
+    deadline (by reason), and those shed or turned away to make room (by reason). Rendered as
+    Prometheus text by `render`."""
 
     def __init__(self) -> None:
         r = self.registry = Registry()
@@ -80,7 +113,24 @@ class ConnectionStats:
         )
         self.at_capacity = r.counter(
             "llmgw_connections_at_capacity_total",
-            "Times a listener stopped accepting because it served its most connections.",
+            "Times a listener stopped accepting because every place, its overflow's too, was taken.",
+            ("listener",),
+        )
+        self.shed = r.counter(
+            "llmgw_connections_shed_total",
+            "Connections closed or turned away to make room, by reason: idle (waiting on its peer, closed for "
+            "a newer connection), unproven (agent port: no certificate shown yet, closed for a newer connection), "
+            "busy (no room: answered 503, or closed), agents_full (agent port: a certified agent answered 503).",
+            ("listener", "reason"),
+        )
+        self.unproven = r.gauge(
+            "llmgw_connections_unproven",
+            "Agent-port connections open now that have not shown a client certificate.",
+            ("listener",),
+        )
+        self.unproven_limit = r.gauge(
+            "llmgw_connections_unproven_limit",
+            "The most agent-port connections without a client certificate held at once.",
             ("listener",),
         )
 
@@ -91,37 +141,117 @@ class ConnectionStats:
         return self.registry.render()
 
 
+class IdleConnections:
+    """The connections of one budget that are waiting on their peer, oldest first: those a
+    listener at its cap closes to make room (`shed_oldest`) and, the stoppable ones, those a
+    stopping server closes (`stop`). A connection is here only while inside `waiting`."""
+
+    def __init__(self, reason: str = "idle") -> None:
+        self.reason = reason  # what a shed one counts as in llmgw_connections_shed_total
+        # Insertion order is the order the waits began; OrderedDict pops its oldest in O(1).
+        self._waiting: OrderedDict[trio.CancelScope, tuple[str, bool]] = OrderedDict()
+        self._stopped = False
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.contextmanager
+    def waiting(self, *, peer: str = "", stoppable: bool = True) -> Iterator[trio.CancelScope]:
+        """A scope around a wait on the peer, cancelled when this connection is shed or, if
+        `stoppable`, when the server stops; its `cancelled_caught` then tells the caller to
+        close the connection quietly. `peer` is the address the shedding is counted under."""
+        scope = trio.CancelScope()
+        if stoppable and self._stopped:
+            scope.cancel()
+        self._waiting[scope] = (peer, stoppable)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._waiting.pop(scope, None)
+
+    def shed_oldest(self) -> str | None:
+        """Cancel the wait that began first; its peer, or None if nothing waits."""
+        if not self._waiting:
+            return None
+        scope, (peer, _) = self._waiting.popitem(last=False)
+        scope.cancel()
+        return peer
+
+    def stop(self) -> None:
+        """Cancel every stoppable wait, now and from now on."""
+        self._stopped = True
+        for scope, (_, stoppable) in self._waiting.items():
+            if stoppable:
+                scope.cancel()
+
+
+class Admission(enum.Enum):
+    SERVE = "serve"  # a place was free
+    SHED = "shed"  # the connection that waited longest was closed to make room
+    FULL = "full"  # no place free and none waiting: turn the newcomer away
+
+
+class Budget:
+    """At most `size` connections at once; at the cap, a newcomer takes the place of the one
+    that has waited longest on its peer (`idle`). Decided synchronously (`admit`), the caller
+    does the I/O. A shed connection counts until it has closed, a moment later, so `used` may
+    pass `size` by the connections closing meanwhile; an outer bound (serve_capped's places)
+    keeps the descriptors bounded."""
+
+    def __init__(self, size: int, idle: IdleConnections) -> None:
+        self.size = size
+        self.idle = idle
+        self.used = 0
+
+    def admit(self) -> tuple[Admission, str]:
+        """Whether a newcomer is served; with SHED, the peer of the connection that made room."""
+        if self.used < self.size:
+            self.used += 1
+            return Admission.SERVE, ""
+        peer = self.idle.shed_oldest()
+        if peer is None:
+            return Admission.FULL, ""
+        self.used += 1
+        return Admission.SHED, peer
+
+    def leave(self) -> None:
+        self.used -= 1
+
+
 class Shutdown:
     """A graceful stop of one server, begun once: its listeners stop accepting (with socket
     activation the kernel's backlog then holds new connections for the next process), each
     connection ends after the request it is on (answered with `Connection: close`), and idle
     keep-alive connections close now. Requests in flight are not touched: their owner waits
-    for them (with a deadline) and then cancels what is left."""
+    for them (with a deadline) and then cancels what is left.
+
+    Its `idle` are the server's connections waiting on their peer, which a listener at its cap
+    also sheds; a new connection's wait for its first request is not stoppable (its request
+    may be on the way: it is answered, with `Connection: close`)."""
 
     def __init__(self) -> None:
         self.begun = False
         self._accepting = trio.CancelScope()
-        self._idle: set[trio.CancelScope] = set()
+        self.idle = IdleConnections()
 
     def begin(self) -> None:
         if self.begun:
             return
         self.begun = True
         self._accepting.cancel()
-        for scope in self._idle:
-            scope.cancel()
+        self.idle.stop()
 
-    def idle_scope(self, deadline: float) -> trio.CancelScope:
-        """A scope for a wait between requests: cancelled at `deadline` or when the stop
-        begins, whichever is first. Leave it with `leave_idle`."""
-        scope = trio.CancelScope(deadline=deadline)
-        if self.begun:
-            scope.cancel()
-        self._idle.add(scope)
-        return scope
 
-    def leave_idle(self, scope: trio.CancelScope) -> None:
-        self._idle.discard(scope)
+def peer_host(stream: trio.abc.Stream) -> str:
+    """The peer's IP address under any stream wrappers (TLS); "?" when it has none."""
+    inner = stream
+    while not hasattr(inner, "socket") and hasattr(inner, "transport_stream"):
+        inner = inner.transport_stream
+    try:
+        return str(inner.socket.getpeername()[0])  # type: ignore[attr-defined]
+    except (OSError, AttributeError, IndexError, TypeError):  # AttributeError: a memory stream in tests
+        return "?"
 
 
 async def serve_capped(
@@ -132,47 +262,97 @@ async def serve_capped(
     stats: ConnectionStats,
     listener: str,
     shutdown: Shutdown | None = None,
+    idle: IdleConnections | None = None,
+    refuse: Callable[[trio.abc.Stream], Awaitable[None]] | None = None,
+    overflow: int | None = None,
+    refusals: RefusalLog | None = None,
 ) -> None:
     """Accept on every listener, each connection in its own task, at most `max_connections`
-    at once (all listeners together); past that, accepting pauses and the kernel's backlog
-    holds new connections. `handle` must contain its connection's failures. After
-    `shutdown.begin()` nothing more is accepted, and this returns once every connection ended."""
-    slots = trio.Semaphore(max_connections)
+    served at once (all listeners together); at the cap, shed the connection of `idle` (by
+    default `shutdown.idle`) that has waited longest, or else turn the newcomer away with
+    `refuse` (closed at once when None) while at most `overflow` are being turned away; past
+    that, accepting pauses and the kernel's backlog holds new connections. `handle` and
+    `refuse` must contain their connection's failures. Refusals are counted in `refusals`
+    (whose summaries this logs). After `shutdown.begin()` nothing more is accepted, and this
+    returns once every connection ended."""
+    shutdown = shutdown or Shutdown()
+    budget = Budget(max_connections, idle or shutdown.idle)
+    spare = default_overflow(max_connections) if overflow is None else overflow
+    # Every descriptor this listener's connections hold, the ones being turned away too.
+    places = trio.Semaphore(max_connections + spare)
+    refusals = refusals or RefusalLog(burst=0)
     stats.limit.set(max_connections, listener=listener)
     stats.open.set(0, listener=listener)
-    shutdown = shutdown or Shutdown()
 
-    async def run(stream: trio.abc.Stream) -> None:
+    def refused(reason: str, peer: str) -> None:
+        stats.shed.inc(listener=listener, reason=reason)
+        refusals.refused(trio.current_time(), reason, peer, loud=False)
+        log.debug("connection_shed", listener=listener, reason=reason, peer=peer)
+
+    async def serve(stream: trio.abc.Stream) -> None:
         stats.open.inc(listener=listener)
         try:
             await handle(stream)
         finally:
             stats.open.inc(-1, listener=listener)
-            slots.release()
+            budget.leave()
+            places.release()
+
+    async def turn_away(stream: trio.abc.Stream) -> None:
+        try:
+            if refuse is not None:
+                with trio.move_on_after(REFUSE_S):
+                    await refuse(stream)
+        finally:
+            await trio.aclose_forcefully(stream)
+            places.release()
 
     async def accept_loop(sock_listener, nursery: trio.Nursery) -> None:
         async with sock_listener:
             while True:
-                if slots.value == 0:
+                if places.value == 0:
                     stats.at_capacity.inc(listener=listener)
-                    log.warning("connections_at_capacity", listener=listener, max_connections=max_connections)
-                await slots.acquire()
+                    refusals.refused(trio.current_time(), "paused", "", loud=False)
+                    log.debug("connections_at_capacity", listener=listener, max_connections=max_connections)
+                await places.acquire()
                 try:
                     stream = await sock_listener.accept()
                 except OSError as exc:
-                    slots.release()
+                    places.release()
                     if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                         raise
                     log.error("accept_failed", listener=listener, reason=exc.strerror or str(exc))
                     await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 except BaseException:
-                    slots.release()
+                    places.release()
                     raise
-                nursery.start_soon(run, stream)
+                admission, shed_peer = budget.admit()
+                if admission is Admission.FULL:
+                    refused("busy", peer_host(stream))
+                    nursery.start_soon(turn_away, stream)
+                    continue
+                if admission is Admission.SHED:
+                    refused(budget.idle.reason, shed_peer)
+                nursery.start_soon(serve, stream)
+
+    async def summarise() -> None:
+        # Wakes when the open interval ends, or an interval from now when none is open (one
+        # opened meanwhile is then summarised up to an interval late).
+        while True:
+            due = refusals.next_due()
+            await trio.sleep_until(trio.current_time() + refusals.interval_s if due is None else due)
+            log_summaries(refusals, listener)
 
     async with trio.open_nursery() as connections:
         with shutdown._accepting:
             async with trio.open_nursery() as accepting:
+                accepting.start_soon(summarise)
                 for sock_listener in listeners:
                     accepting.start_soon(accept_loop, sock_listener, connections)
+
+
+def log_summaries(refusals: RefusalLog, listener: str) -> None:
+    """Log the summaries `refusals` has ready: one warning per interval of many refusals."""
+    for summary in refusals.due(trio.current_time()):
+        log.warning("connections_refused", listener=listener, **summary.fields())

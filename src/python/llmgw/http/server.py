@@ -43,9 +43,10 @@ HEAD is answered as GET would be, with the body left out (RFC 9110 §9.3.2): han
 method as sent and `allow` lets a HEAD through where GET is allowed. A request with both
 Content-Length and Transfer-Encoding is 400 and its connection closed (RFC 9112 §6.1).
 
-Connections per listener are capped (`max_connections`): past the cap the server stops
-accepting, and new connections wait in the kernel's backlog until one ends, instead of
-exhausting the process's file descriptors.
+Connections per listener are capped (`max_connections`, see `llmgw.http.listeners`): at the
+cap the connection that has waited longest for a request (kept alive between requests, or new
+and silent) is closed to make room; with none waiting, the newcomer is answered `503` with
+Retry-After at once (`answer_busy`), so no client waits in the kernel's backlog on idle ones.
 """
 
 from __future__ import annotations
@@ -481,7 +482,49 @@ async def serve_http(
         )
 
     cap = limits.max_connections or default_max_connections(listener)
-    await serve_capped(one, listeners, max_connections=cap, stats=stats, listener=listener, shutdown=shutdown)
+    await serve_capped(
+        one, listeners, max_connections=cap, stats=stats, listener=listener, shutdown=shutdown, refuse=answer_busy
+    )
+
+
+BUSY_RETRY_AFTER_S = 1
+_BUSY_BODY = (
+    json.dumps(
+        {
+            "error": {
+                "message": "the server is serving as many connections as it may, none of them idle; "
+                f"retry in {BUSY_RETRY_AFTER_S} s",
+                "type": "server_error",
+                "code": 503,
+            }
+        },
+        separators=(",", ":"),
+    ).encode()
+    + b"\n"
+)
+# Sent before the request is read (h11 answers only a request it has parsed), so written out
+# here; a client reads it as the answer to the request it sends (RFC 9112 §9.6: the server
+# closes, and says so).
+BUSY_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    + f"retry-after: {BUSY_RETRY_AFTER_S}\r\ncontent-length: {len(_BUSY_BODY)}\r\n".encode()
+    + b"connection: close\r\n\r\n"
+    + _BUSY_BODY
+)
+BUSY_SEND_S = 1.0
+
+
+async def answer_busy(stream: trio.abc.Stream) -> None:
+    """Turn away a connection the listener has no room for: `503` with Retry-After, written
+    within BUSY_SEND_S, then a half-close and a short linger so the client reads it rather
+    than a reset. Never raises (but Cancelled); the caller closes the stream."""
+    try:
+        with trio.fail_after(BUSY_SEND_S):
+            await stream.send_all(BUSY_ANSWER)
+        await _linger(stream)
+    except Exception as exc:  # - a refusal's failure ends that connection only
+        if peer_reason(exc) is None:
+            log.exception("http_busy_answer_failed")
 
 
 def bound_address(listeners: list) -> tuple[str, int]:
@@ -680,20 +723,22 @@ async def _read_request(
             break
         if head_deadline is None and conn.trailing_data[0]:
             head_deadline = trio.current_time() + limits.head_timeout_s
-        if head_deadline is None:
-            # Between requests: idle until the keep-alive deadline, or the server stopping.
-            idle = shutdown.idle_scope(now + limits.keepalive_timeout_s)
-            try:
-                with idle:
-                    conn.receive_data(await stream.receive_some(RECEIVE_SIZE))
-            finally:
-                shutdown.leave_idle(idle)
+        if not conn.trailing_data[0]:
+            # Nothing of a request yet: idle between requests until the keep-alive deadline, or
+            # new and silent until the head deadline. Either way the listener may close this
+            # connection quietly to make room at its cap (`listeners.IdleConnections`), and a
+            # stopping server closes the idle ones (not a new one: its request may be on the way).
+            fresh = head_deadline is not None
+            with shutdown.idle.waiting(peer=client, stoppable=not fresh) as idle:
+                received = await _receive(conn, stream, head_deadline if fresh else now + limits.keepalive_timeout_s)
             if idle.cancelled_caught:
-                return None  # an idle keep-alive connection: closed quietly
-            continue
-        if not await _receive(conn, stream, head_deadline):
-            if first and not conn.trailing_data[0]:
+                return None
+            if received:
+                continue
+            if fresh:
                 raise _Abort("head_timeout", message=f"nothing sent within {limits.head_timeout_s:g} s")
+            return None  # the keep-alive deadline: closed quietly (RFC 9112 §9.6)
+        if not await _receive(conn, stream, head_deadline):
             raise _Abort(
                 "head_timeout", 408, f"request head not received within {limits.head_timeout_s:g} s; send it whole"
             )

@@ -148,9 +148,17 @@ class _Replay(trio.abc.Stream):
         await self.inner.aclose()
 
 
-async def answer(stream: trio.abc.Stream, head: Head, status: int, body: str, *, timeout_s: float) -> None:
-    """Answer `status` with `body` (for the operator: what is wrong and the fix) on the
-    connection of `head`, within `timeout_s`; the caller then closes it."""
+async def answer(
+    stream: trio.abc.Stream,
+    head: Head,
+    status: int,
+    body: str,
+    *,
+    timeout_s: float,
+    headers: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Answer `status` with `body` (for the operator: what is wrong and the fix) and `headers`
+    on the connection of `head`, within `timeout_s`; the caller then closes it."""
     data = body.encode() + b"\n"
     try:
         out = head.conn.send(
@@ -160,6 +168,7 @@ async def answer(stream: trio.abc.Stream, head: Head, status: int, body: str, *,
                     (b"content-type", b"text/plain; charset=utf-8"),
                     (b"content-length", str(len(data)).encode()),
                     (b"connection", b"close"),
+                    *((k.encode(), v.encode()) for k, v in headers),
                 ],
             )
         )

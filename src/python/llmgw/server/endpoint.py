@@ -1,7 +1,13 @@
 """The agent endpoint: where agents connect, prove who they are, and keep a link open.
 
 Order of checks on a new connection, each refusal logged here with its reason and told to the
-agent in the clearest way the stage allows:
+agent in the clearest way the stage allows (a flood of them is summarised, `RefusalLog`):
+
+0. Until its TLS handshake shows a client certificate a connection is unproven: it counts in
+   a small budget of its own (`listeners.unproven_budget`), where at the ceiling the oldest is
+   closed for the newcomer, and must finish the handshake (without a certificate, send its
+   request head too) within HANDSHAKE_TIMEOUT_S. A certificate moves it to the agents' budget
+   (`max_agent_connections`; past it, 503 with Retry-After). See `_Place`.
 
 1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's or
    an expired one; the agent receives the TLS alert at once). No certificate at all is refused
@@ -41,6 +47,7 @@ import trio_websocket
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http import server as http
+from llmgw.http.refusals import RefusalLog
 from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo, cert_info_from_der
 from llmgw.pki.tls import send_tls_alert
@@ -59,9 +66,14 @@ log = get_logger("llmgw.endpoint")
 _LINK_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio_websocket.ConnectionClosed)
 
 LISTENER = "agent"  # the listener's name in /metrics
-HANDSHAKE_TIMEOUT_S = 10.0
+# A connection is unproven until its TLS handshake shows a client certificate: the handshake,
+# and the request head of a peer without a certificate, must come within this of the accept. A
+# real agent's handshake takes a few round trips; three seconds covers a slow link many times
+# over, and an unproven connection holds a place of the small unproven budget meanwhile.
+HANDSHAKE_TIMEOUT_S = 3.0
 HELLO_TIMEOUT_S = 10.0
 REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
+AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
 # A message to an agent must be taken within this; an agent that stops reading is cut off
 # (its link is closed) instead of stalling whoever pushes desired state to it.
 SEND_TIMEOUT_S = 10.0
@@ -119,6 +131,17 @@ class AgentEndpoint:
         self.desired_state = desired_state
         self.on_change = on_change
         self.links: dict[str, Link] = {}
+        # Connections that have not shown a client certificate have a small budget of their own
+        # (sized in `serve`); at its ceiling the oldest still in its handshake is closed for the
+        # newcomer. Closing the oldest rather than refusing the newest is what keeps agents
+        # getting in: to lock them out a flood must then open more connections than the budget
+        # holds within one agent's handshake (a few round trips), not once per deadline. A
+        # certificate moves a connection to the agents' budget, where no bare connection goes.
+        self.unproven_idle = listeners.IdleConnections(reason="unproven")
+        self.unproven = listeners.Budget(0, self.unproven_idle)  # sized in `serve`
+        self.agent_cap = 0  # set in `serve`
+        self.agents_open = 0
+        self.refusals = RefusalLog()
 
     async def serve(
         self,
@@ -140,8 +163,21 @@ class AgentEndpoint:
             await nursery.start(partial(self.artifacts.serve_index, on_change=self._mirror_changed))
             await self.releases.announce()
             task_status.started(bound)
-            cap = self.max_connections or listeners.default_max_connections(LISTENER)
-            await listeners.serve_capped(self._handle, bound, max_connections=cap, stats=self.stats, listener=LISTENER)
+            self.agent_cap = self.max_connections or listeners.default_max_connections(LISTENER)
+            self.unproven.size = listeners.unproven_budget(self.agent_cap)
+            self.stats.unproven.set(0, listener=LISTENER)
+            self.stats.unproven_limit.set(self.unproven.size, listener=LISTENER)
+            # The listener's own bound covers the three: agents, unproven connections, and the
+            # release downloads (which have left the unproven budget, bounded by their own).
+            await listeners.serve_capped(
+                self._handle,
+                bound,
+                max_connections=self.agent_cap + self.unproven.size + releases.MAX_DOWNLOADS,
+                stats=self.stats,
+                listener=LISTENER,
+                idle=self.unproven_idle,
+                refusals=self.refusals,
+            )
 
     async def _mirror_changed(self) -> None:
         for node_id in list(self.links):
@@ -149,16 +185,33 @@ class AgentEndpoint:
 
     async def _handle(self, stream: trio.SSLStream) -> None:
         """One connection, contained: whatever the peer does ends this connection only (see
-        `llmgw.http.server`'s "Containment"); a bug of ours is logged with its traceback."""
+        `llmgw.http.server`'s "Containment"); a bug of ours is logged with its traceback. It
+        counts in the unproven budget until it shows a client certificate, then in the agents'."""
         address = _peer_host(stream)
+        deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+        admission, shed_peer = self.unproven.admit()
+        if admission is listeners.Admission.FULL:  # every unproven place busy, none of them waiting
+            self._shed("busy", address)
+            await trio.aclose_forcefully(stream)
+            return
+        if admission is listeners.Admission.SHED:
+            self._shed(self.unproven_idle.reason, shed_peer)
+        place = _Place(self)
+        cert: CertInfo | None = None
         cn = "?"
         try:
-            if not await self._handshake(stream, address):
+            if not await self._handshake(stream, address, deadline):
                 return
             der = stream.getpeercert(binary_form=True)
             cert = cert_info_from_der(der) if der else None  # None: no certificate ([release] serve)
             cn = cert.common_name if cert is not None else "-"
-            await self._serve(stream, cert, address)
+            if cert is not None:
+                # OpenSSL has checked it chains to the cluster CA (revocation is checked later).
+                place.leave_unproven()
+                if not place.enter_agents():
+                    await self._refuse_agents_full(stream, cert, address)
+                    return
+            await self._serve(stream, cert, address, place, deadline)
         except Exception as exc:  # - one link's failure must never stop the endpoint
             reason = http.peer_reason(exc)
             if reason is None and only(exc, _LINK_BROKEN):
@@ -168,33 +221,93 @@ class AgentEndpoint:
                 log.exception("agent_link_failed", address=address, cn=cn)
             else:
                 self.stats.abort(LISTENER, reason)
-                log.info("agent_link_closed", address=address, cn=cn, reason=reason, detail=repr(leaves(exc)[0]))
+                detail = repr(leaves(exc)[0])
+                if cert is None:  # not known to be an agent: one of a flood, maybe
+                    self._refusal("info", "agent_link_closed", address, reason, cn=cn, reason=reason, detail=detail)
+                else:
+                    log.info("agent_link_closed", address=address, cn=cn, reason=reason, detail=detail)
         finally:
+            place.leave()
             await trio.aclose_forcefully(stream)
 
-    async def _handshake(self, stream: trio.SSLStream, address: str) -> bool:
-        """The TLS handshake: a client certificate, if any, of the cluster CA; False if refused
-        (logged, the agent told why by the TLS alert)."""
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-                await stream.do_handshake()
-        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            reason = describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
-            log.warning("agent_refused", address=address, stage="tls", reason=reason)
-            self.stats.abort(LISTENER, "tls")
-            await send_tls_alert(stream)  # so the agent learns why, at once
-            return False
-        return True
+    def _shed(self, reason: str, peer: str) -> None:
+        """Count and log (debug) a connection closed or turned away to make room."""
+        self.stats.shed.inc(listener=LISTENER, reason=reason)
+        self.refusals.refused(trio.current_time(), reason, peer, loud=False)
+        log.debug("connection_shed", listener=LISTENER, reason=reason, peer=peer)
 
-    async def _serve(self, stream: trio.SSLStream, cert: CertInfo | None, address: str) -> None:
+    def _refusal(self, level: str, event: str, address: str, kind: str, **fields) -> None:
+        """Log the refusal of a peer not known to be an agent: at `level` while there are few,
+        at debug when many (the listener then logs one summary per interval, `RefusalLog`)."""
+        loud = self.refusals.refused(trio.current_time(), kind, address)
+        getattr(log, level if loud else "debug")(event, address=address, **fields)
+
+    async def _handshake(self, stream: trio.SSLStream, address: str, deadline: float) -> bool:
+        """The TLS handshake, by `deadline`: a client certificate, if any, of the cluster CA;
+        False if refused (logged, the agent told why by the TLS alert) or if this connection was
+        closed meanwhile to make room for a newer one (counted by whoever closed it)."""
+        with self.unproven_idle.waiting(peer=address) as shed:
+            try:
+                with trio.fail_at(deadline):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+                if isinstance(exc, trio.TooSlowError):
+                    reason = f"no TLS handshake within {HANDSHAKE_TIMEOUT_S:g} s"
+                else:
+                    reason = (
+                        describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+                    )
+                self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=reason)
+                self.stats.abort(LISTENER, "tls")
+                await send_tls_alert(stream)  # so the agent learns why, at once
+                return False
+        return not shed.cancelled_caught
+
+    async def _refuse_agents_full(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
+        """A certified agent past `max_agent_connections`: 503 with Retry-After, and it retries."""
+        self.stats.shed.inc(listener=LISTENER, reason="agents_full")
+        message = (
+            f"the control plane holds as many agent connections as it may ({self.agent_cap}, [http] "
+            "max_agent_connections); this agent retries by itself"
+        )
+        self._refusal(
+            "warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message
+        )
+        with trio.move_on_after(REFUSAL_SEND_S):
+            head = await agentport.read_head(stream)
+            await agentport.answer(
+                stream,
+                head,
+                503,
+                message,
+                timeout_s=REFUSAL_SEND_S,
+                headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),),
+            )
+
+    async def _serve(
+        self, stream: trio.SSLStream, cert: CertInfo | None, address: str, place: _Place, deadline: float
+    ) -> None:
         cn = cert.common_name if cert is not None else "-"
-        try:
-            with trio.fail_after(HELLO_TIMEOUT_S):  # the whole request head, however it trickles in
-                head = await agentport.read_head(stream)
-        except trio.TooSlowError:
-            self.stats.abort(LISTENER, "head_timeout")
-            log.info("agent_link_closed", address=address, cn=cn, reason="head_timeout")
-            return
+        if cert is None:
+            # Still unproven: its head by the handshake's deadline, and it may be closed for a
+            # newer connection while it waits.
+            with self.unproven_idle.waiting(peer=address) as shed:
+                with trio.move_on_at(deadline) as late:
+                    head = await agentport.read_head(stream)
+            if shed.cancelled_caught:
+                return
+            if late.cancelled_caught:
+                self.stats.abort(LISTENER, "head_timeout")
+                self._refusal("info", "agent_link_closed", address, "head_timeout", cn=cn, reason="head_timeout")
+                return
+        else:
+            try:
+                with trio.fail_after(HELLO_TIMEOUT_S):  # the whole request head, however it trickles in
+                    head = await agentport.read_head(stream)
+            except trio.TooSlowError:
+                self.stats.abort(LISTENER, "head_timeout")
+                log.info("agent_link_closed", address=address, cn=cn, reason="head_timeout")
+                return
         where = agentport.route(head.request)
         if where is Route.NOT_HTTP:
             self.stats.abort(LISTENER, "malformed")
@@ -202,6 +315,7 @@ class AgentEndpoint:
             return
         assert head.request is not None
         if where is Route.RELEASE:  # public files: no certificate needed, none checked
+            place.leave_unproven()  # bounded by releases.MAX_DOWNLOADS from here
             await releases.serve(
                 stream, head.conn, head.request, self.releases, address, send_timeout_s=self.send_timeout_s
             )
@@ -209,7 +323,7 @@ class AgentEndpoint:
         if cert is None:
             # What OpenSSL would have refused at the handshake had the release route not needed
             # peers without a certificate: logged and worded as that refusal.
-            log.warning("agent_refused", address=address, stage="tls", reason=NO_CERTIFICATE_SERVER)
+            self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
             self.stats.abort(LISTENER, "tls")
             await agentport.answer(stream, head, 403, NO_CERTIFICATE_CLIENT, timeout_s=REFUSAL_SEND_S)
             return
@@ -434,6 +548,38 @@ class AgentEndpoint:
             await _close_with(link.ws, link.session, code, message)
         link.cancel_scope.cancel()
         return True
+
+
+class _Place:
+    """Which of the endpoint's budgets one connection counts in: the unproven one from its
+    accept; the agents' once it has shown a client certificate; neither once it fetches a
+    release file (bounded by releases.MAX_DOWNLOADS)."""
+
+    def __init__(self, endpoint: AgentEndpoint) -> None:
+        self.endpoint = endpoint
+        self.unproven = True
+        self.agent = False
+        endpoint.stats.unproven.inc(listener=LISTENER)
+
+    def leave_unproven(self) -> None:
+        if self.unproven:
+            self.unproven = False
+            self.endpoint.unproven.leave()
+            self.endpoint.stats.unproven.inc(-1, listener=LISTENER)
+
+    def enter_agents(self) -> bool:
+        """Take a place in the agents' budget; False when all are taken."""
+        if self.endpoint.agents_open >= self.endpoint.agent_cap:
+            return False
+        self.endpoint.agents_open += 1
+        self.agent = True
+        return True
+
+    def leave(self) -> None:
+        self.leave_unproven()
+        if self.agent:
+            self.agent = False
+            self.endpoint.agents_open -= 1
 
 
 async def _send(ws: trio_websocket.WebSocketConnection, frame: str) -> None:
