@@ -232,6 +232,8 @@ class StallClock:
     def loop_time(self, at: float) -> float:
         """The loop time at which liveness time reaches `at` (from the last reading), unless a stall
         comes first: a deadline for `trio.move_on_at`; whoever wakes at it reads `now()` again."""
+        if math.isinf(at) or math.isinf(self._hold_until):  # no deadline, or never held
+            return at + self.stalled_s
         return max(at + self.stalled_s, self._hold_until + (at - self._floor))
 
     def render(self) -> str:
