@@ -26,9 +26,9 @@ with a wrong one, the answer is 401 with what to do. Routes:
 
 Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
 key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409, a diagnostic
-server.toml does not allow 403. A change the
-store cannot record (another process holds its lock, the disk fails) is answered 503 with
-`Retry-After` and the store's message; nothing changed, and the same request may be sent again.
+that server.toml does not allow 403. A change the store cannot record (another process holds its
+lock, the disk fails) is answered 503 with `Retry-After` and the store's message; nothing
+changed, and the same request may be sent again.
 
 The control plane is seen through `Plane`, the calls this module makes, so that the admin API
 does not import the module that builds it (`llmgw.server.app`).
