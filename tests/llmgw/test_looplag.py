@@ -36,6 +36,8 @@ def metric(text: str, name: str) -> float:
 
 def test_a_gap_says_whether_the_loop_computed_waited_for_a_cpu_or_neither() -> None:
     assert Gap(lag_s=2.0, cpu_s=2.03).cause == BUSY
+    # Computing on a full machine (measured: 6 s held, 2.9 s CPU, 3.1 s waiting for one): a task held it.
+    assert Gap(lag_s=6.0, cpu_s=2.9, wait_s=3.1).cause == BUSY
     assert Gap(lag_s=2.0, cpu_s=0.01, wait_s=1.9).cause == WAITING_FOR_CPU
     assert Gap(lag_s=2.0, cpu_s=0.01, wait_s=0.0).cause == BLOCKED_OR_PAUSED  # time.sleep, SIGSTOP
     assert Gap(lag_s=2.0, cpu_s=0.01).cause == BLOCKED_OR_PAUSED  # no schedstat: cannot tell the two apart

@@ -9,8 +9,8 @@ time and records how late it woke (the *lag*), and what this thread did in that 
 time it used (`time.thread_time()`) and, where Linux reports it, the time it waited for a CPU
 (`/proc/thread-self/schedstat`). So a warning says which it was:
 
-    busy               CPU time ~ the lag: a task held the loop computing
-    waiting_for_cpu    run-queue wait ~ the lag: the machine (or the cgroup) has no CPU for us
+    busy               CPU time a quarter of the lag or more: a task held the loop computing
+    waiting_for_cpu    else run-queue wait half of it or more: the machine (or cgroup) is full
     blocked_or_paused  neither: a blocking call on the loop, or the process was stopped
 
 `LagMonitor` (pure: a wake-up in, metrics and maybe a warning out) keeps the figures for
@@ -82,7 +82,10 @@ class Gap:
 
     @property
     def cause(self) -> str:
-        if self.cpu_s >= self.lag_s / 2:
+        # A loop with nothing to do uses next to no CPU, so a quarter of the lag spent computing
+        # means a task held it, even if the machine gave it a CPU only part of that time (the
+        # rest is then run-queue wait: both are in the warning).
+        if self.cpu_s >= self.lag_s / 4:
             return BUSY
         if self.wait_s is not None and self.wait_s >= self.lag_s / 2:
             return WAITING_FOR_CPU
