@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -428,3 +429,38 @@ async def test_a_silent_link_is_closed_after_the_heartbeat_ttl(tmp_path: Path, n
         assert 0.9 < trio.current_time() - started < 2.5
         assert isinstance(messages[-1], w.LinkError) and messages[-1].code == w.SILENT
         inner.cancel_scope.cancel()
+
+
+async def test_a_stalled_process_closes_no_link_and_loses_no_node(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A blocking call holds the loop for more than twice the TTL (here the agent's loop too: they
+    share this process). When it resumes, the link's silence timer and the reconciler fire at
+    deadlines long past, before any frame is read: they count the silence in liveness time, which
+    skipped the stall, so the link stays and the node stays joined."""
+    caplog.set_level(logging.INFO)
+    ttl = 1.0
+    plane = await start_plane(tmp_path / "cp", nursery, listen="127.0.0.1", sans=["127.0.0.1"], heartbeat_ttl_s=ttl)
+    files = node_files(plane, tmp_path, "node-a")
+    link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
+    nursery.start_soon(link.serve)
+    registry = plane.plane.registry
+
+    def joined() -> bool:
+        node = registry.nodes.get("node-a")
+        return node is not None and registry.liveness(node, registry.clock.now()) == "joined"
+
+    await wait_for(joined, "join")
+    await trio.sleep(0.5)  # the reconciler has seen the join
+
+    def logged(event: str) -> list[dict]:
+        return [r.llmgw_fields for r in caplog.records if r.getMessage() == event]
+
+    time.sleep(2.5 * ttl)  # the stall: a blocking call on the loop
+    await trio.sleep(2 * ttl)  # then more than a TTL of running
+    assert logged("agent_link_silent") == [] and logged("node_lost") == []
+    assert len(logged("agent_connected")) == 1  # the same link throughout
+    assert link.state.connected and joined()
+    lagged = logged("event_loop_lagged")
+    assert lagged and lagged[0]["lag_s"] >= 2.0 * ttl and lagged[0]["cause"] == "blocked_or_paused", lagged
+    assert registry.clock.stalls >= 1 and registry.clock.stalled_s >= 2.0 * ttl

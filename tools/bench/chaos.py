@@ -22,6 +22,9 @@ and 20 streams in flight. Then, one at a time, each fault waiting for full capac
                    deep, 1,000 idle connections) against the gateway and the agent endpoint
 - adversarial_bodies  a key holder sends the bodies built to be slow to parse
                    (`testlib.bodies`, at 8 MiB each) while `/health` is timed every 50 ms
+- connection_flood three times the HTTP listener's cap of idle connections and three times the
+                   agent port's unproven budget of bare ones, held for 10 s, while the spare
+                   node's agent is restarted: the load must not notice, the agent must rejoin
 
 For each: the requests and streams started from the fault until capacity was full again (and a
 few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
@@ -61,16 +64,22 @@ FAULTS = (
     "restart",
     "hostile",
     "adversarial_bodies",
+    "connection_flood",
 )
 SETTLE_S = 3.0  # load measured this long after capacity is full again
 FULL_TIMEOUT_S = 180.0
 ZERO_FAILURE_FAULTS = FAULTS
 BODY_SIZE = 8 << 20  # the adversarial bodies', at the default body limit
+# Caps low enough for the connection flood to reach (the load itself holds a few dozen).
+HTTP_CAP = 256
+AGENT_CAP = 64  # its unproven budget is an eighth: 8
+FLOOD_HOLD_S = 10.0
 
 
 def catalog(output_token_ms: int) -> str:
     # Sim models only: no node is asked for llama.cpp (the default would have each build it).
     return (
+        f"[http]\nmax_connections = {HTTP_CAP}\nmax_agent_connections = {AGENT_CAP}\n\n"
         "[engines.llamacpp]\nenabled = false\n\n"
         f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
         f'args = ["--output-token-ms", "{output_token_ms}"]\n'
@@ -313,6 +322,41 @@ class Bench:
             watcher.join(30)
         return {"bodies": statuses, "health_slowest_s": round(slowest[0], 3), "_lasting": True}
 
+    def connection_flood(self) -> dict:
+        port, agent_port = self.cluster.http_port, self.cluster.agent_port
+        spare = sorted(set(NODES) - {r["nodes"][0] for r in self.placed()})[0]
+        held = hostile.idle("127.0.0.1", port, 3 * HTTP_CAP) + hostile.idle("127.0.0.1", agent_port, 3 * 8)
+        try:
+            started = time.monotonic()
+            sock = hostile.connect("127.0.0.1", port, timeout=30)
+            try:
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
+                health_status = hostile.status_of(hostile.read_all(sock, 65536))
+            finally:
+                sock.close()
+            health_s = time.monotonic() - started
+            self._killed.add(self.cluster.agents[spare].popen.pid)
+            self.cluster.kill_agent(spare)
+            self.cluster.start_agent(spare)
+            restarted = time.monotonic()
+            rejoined = poll(
+                "rejoin during the flood",
+                lambda: any(n["id"] == spare and n["connected"] and n["state"] == "joined" for n in self.cluster.ctl("nodes")),
+                FULL_TIMEOUT_S,
+            )
+            rejoin_s = time.monotonic() - restarted if rejoined else None
+            time.sleep(max(0.0, FLOOD_HOLD_S - (time.monotonic() - started)))
+        finally:
+            for s in held:
+                s.close()
+        return {
+            "held_connections": len(held),
+            "fresh_health_status": health_status,
+            "fresh_health_s": round(health_s, 3),
+            "spare_agent_rejoin_s": round(rejoin_s, 2) if rejoin_s is not None else None,
+            "_lasting": True,
+        }
+
     def alive(self, info: dict) -> bool:
         return self.cluster.server.returncode is None and self.full()
 
@@ -326,6 +370,7 @@ class Bench:
             "restart": (self.restart, lambda i: self.full(), None),
             "hostile": (self.hostile, self.alive, None),
             "adversarial_bodies": (self.adversarial_bodies, self.alive, None),
+            "connection_flood": (self.connection_flood, self.alive, None),
         }
         for name in faults:
             inject, recovered, after = plans[name]
@@ -358,6 +403,12 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
         met["adversarial_bodies_all_answered"] = all(s in (200, 400) for s in bodies_fault["bodies"].values())
         met["adversarial_bodies_health_within_1s"] = bodies_fault["health_slowest_s"] < 1.0
         met["adversarial_bodies_no_engine_restart"] = bodies_fault["engine_restarts"] == 0
+    flood = results.get("connection_flood")
+    if flood and "fresh_health_s" in flood:
+        met["connection_flood_fresh_client_served_within_1s"] = (
+            flood["fresh_health_status"] == 200 and flood["fresh_health_s"] < 1.0
+        )
+        met["connection_flood_agent_rejoined"] = flood["spare_agent_rejoin_s"] is not None
     if "agent_kill" in results and "engine_restarts" in results["agent_kill"]:
         met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_restarts"] == 0
         met["agent_kill_nothing_moved"] = results["agent_kill"].get("replicas_moved") is False

@@ -5,6 +5,10 @@ loops (replicas, link, assignments, reports, inventory, engines) runs under
 `llmgw.supervision.Background`: a failure after start is logged with its traceback and that
 loop alone starts again with backoff, so the link and the replicas outlive a failing
 inventory or engine check; a failure at start ends the agent with its own message.
+
+The agent watches its own event loop (`llmgw.looplag`): a lag is logged (`event_loop_lagged`,
+once per 10 s at most, saying whether the loop was busy, short of CPU, or blocked or paused).
+It has no HTTP server, so the figures stay in the log.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from llmgw import __version__, private
 from llmgw.config import AgentConfig, weights_dir_of
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
+from llmgw.looplag import LagMonitor, serve_loop_lag
 from llmgw.pki.files import NODE_DIR_WHAT, node_paths
 from llmgw.pki.tls import client_ssl_context
 from llmgw.supervision import Background
@@ -69,7 +74,14 @@ def check_private(state_dir: Path) -> None:
         raise private.NotPrivate(found)
 
 
-async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLink] = trio.TASK_STATUS_IGNORED) -> None:
+async def run_agent(
+    config: AgentConfig,
+    *,
+    watch_loop: bool = True,
+    task_status: trio.TaskStatus[AgentLink] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """`watch_loop`: measure the event loop's lag; off where another service of the same process
+    already does (`llmgw up`: its control plane)."""
     state_dir = Path(config.state_dir)
     files = node_paths(state_dir)
     check_private(state_dir)
@@ -120,6 +132,8 @@ async def run_agent(config: AgentConfig, *, task_status: trio.TaskStatus[AgentLi
     log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
     background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process
     async with trio.open_nursery() as nursery:
+        if watch_loop:
+            await nursery.start(background.run, "loop_lag", partial(serve_loop_lag, LagMonitor()))
         link.answer_logs = partial(answer_logs, supervisor)
         await nursery.start(background.run, "replicas", supervisor.serve)
         engines.vouch(supervisor.adopted_engines())

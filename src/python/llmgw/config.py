@@ -255,6 +255,13 @@ class ReleaseSection:
 
 
 @attrs.frozen(kw_only=True)
+class DebugSection:
+    """Diagnostics that disturb the control plane on purpose, each off unless turned on here."""
+
+    allow_stall: bool = False  # POST /admin/v1/debug/stall: hold the event loop (docs/reliability.md)
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     http: HttpSection = HttpSection()
@@ -263,6 +270,7 @@ class ServerConfig:
     gateway: GatewaySection = GatewaySection()
     downloads: DownloadsSection = DownloadsSection()
     release: ReleaseSection = ReleaseSection()
+    debug: DebugSection = DebugSection()
     models: tuple[Model, ...] = ()
 
 

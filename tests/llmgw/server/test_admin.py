@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import http.client
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import attrs
 import pytest
 import trio
 
 from llmgw import paths
-from llmgw.config import ServerConfig, ServerSection
+from llmgw.config import DebugSection, ServerConfig, ServerSection
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError, UsageError
 from llmgw.server.app import ControlPlane
@@ -225,3 +228,68 @@ async def test_a_locked_database_is_503_with_the_stores_message_and_records_noth
     assert f"{store_path(state)} is locked by another process" in message and "try again" in message
     assert "HTTP 503" in message
     assert await plane.store.certificate(5) is None
+
+
+# -- the stall diagnostic --------------------------------------------------------------------
+
+STALL = "/admin/v1/debug/stall"
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmgw_event_loop")
+    }
+
+
+async def test_the_stall_diagnostic_is_refused_unless_server_toml_allows_it(running) -> None:
+    plane, state = running
+    assert plane.config.debug.allow_stall is False  # off by default
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    with pytest.raises(PeerError) as info:
+        await call(client.request, "POST", f"{STALL}?seconds=5")
+    assert "HTTP 403" in str(info.value) and "allow_stall = true" in str(info.value) and "[debug]" in str(info.value)
+    with pytest.raises(PeerError) as info:
+        await call(AdminClient(client.url, "not-the-token").request, "POST", f"{STALL}?seconds=5")
+    assert "HTTP 401" in str(info.value)
+
+
+async def test_the_stall_diagnostic_holds_the_loop_and_the_metrics_and_the_log_say_so(
+    running, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    plane, state = running
+    plane.config = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    for bad in ("0", "-1", "x", "601", "nan", "inf", ""):
+        with pytest.raises(PeerError) as info:
+            await call(client.request, "POST", f"{STALL}?seconds={bad}")
+        assert "HTTP 400" in str(info.value) and "seconds must be a number" in str(info.value)
+    before = await call(metrics_of, client.url)
+    result = await call(client.request, "POST", f"{STALL}?seconds=0.8")
+    assert result["stalled_s"] >= 0.8
+    await trio.sleep(0.2)  # the ticker has woken since
+    after = await call(metrics_of, client.url)
+    assert after["llmgw_event_loop_lag_max_seconds"] >= 0.7, after
+    # Computing on the loop: busy, as far as this machine gave the process a CPU meanwhile.
+    assert after["llmgw_event_loop_busy_max_seconds"] > 0.1
+    # (Histograms have no samples before the first tick, 50 ms after the start.)
+    assert after["llmgw_event_loop_lag_seconds_count"] > before.get("llmgw_event_loop_lag_seconds_count", 0)
+    assert after['llmgw_event_loop_lag_seconds_bucket{le="0.5"}'] < after["llmgw_event_loop_lag_seconds_count"]
+    # Credited to liveness time: the lag less the ticker's interval and MIN_STALL_S.
+    assert after["llmgw_event_loop_stalls_total"] >= before["llmgw_event_loop_stalls_total"] + 1
+    assert after["llmgw_event_loop_stalled_seconds_total"] - before["llmgw_event_loop_stalled_seconds_total"] >= 0.4
+    lagged = [r.llmgw_fields for r in caplog.records if r.getMessage() == "event_loop_lagged"]
+    assert any(w["lag_s"] >= 0.7 and w["cause"] in ("busy", "waiting_for_cpu") for w in lagged), lagged
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("debug_stall")] == [
+        "debug_stall",
+        "debug_stall_done",
+    ]

@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from llmgw.config import ServerConfig, ServerSection
+from llmgw.looplag import serve_loop_lag
 from llmgw.server.app import ControlPlane
 from llmgw.server.liveness import serve_liveness
 from llmgw.wire import agent_link as w
@@ -96,4 +97,51 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_and_the_reco
         assert events(caplog) == []
         await trio.sleep(2)
         assert events(caplog) == [("node_lost", "old")]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stalled_loop_loses_no_heartbeating_node_and_a_silent_one_after_its_ttl(
+    plane: ControlPlane, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The control plane's loop is held for longer than the TTL (a task computing, on MockClock a
+    jump of the clock while it runs); node a's heartbeat was waiting meanwhile, node b had gone
+    silent just before. The reconciler, the ticker and a's heartbeat wake in whatever order trio
+    picks: a is never lost, b is lost a TTL of liveness time after its last heartbeat."""
+    caplog.set_level("INFO")
+    clock = plane.registry.clock
+    interval = plane.config.server.heartbeat_interval_s
+    beating = {"a", "b"}
+    last: dict[str, float] = {}
+
+    async def heartbeats(node_id: str, conn: int) -> None:
+        while node_id in beating:  # what the endpoint does with each heartbeat it reads
+            plane.registry.heartbeat(node_id, conn, clock.now())
+            last[node_id] = trio.current_time()
+            plane.changes.node_changed()
+            await trio.sleep(interval)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_loop_lag, plane.loop_lag, clock=clock))
+        await nursery.start(reconciler(plane))
+        for n in ("a", "b"):
+            conn = plane.registry.connect(
+                hello(n), address="127.0.0.2", cert_serial=1, cert_not_after=2e9, now=clock.now()
+            )
+            plane.registry.heartbeat(n, conn, clock.now())  # joined before the reconciler looks
+            nursery.start_soon(heartbeats, n, conn)
+        await trio.sleep(3 * interval + 1)
+        beating.discard("b")
+        await trio.sleep(interval)  # b's last heartbeat is behind us
+        b_last = last["b"]
+        stall = TTL + 10
+        autojump_clock.jump(stall)  # this task holds the loop: nothing else runs meanwhile
+        await trio.sleep(TTL - (trio.current_time() - stall - b_last) - 1)  # short of b's moved deadline
+        assert events(caplog) == [("node_joined", "a"), ("node_joined", "b")]
+        assert [r.llmgw_fields["cause"] for r in caplog.records if r.getMessage() == "event_loop_lagged"] == [
+            "blocked_or_paused"
+        ]
+        await trio.sleep(interval + 3)  # past it (and past the hold of one interval)
+        assert events(caplog) == [("node_joined", "a"), ("node_joined", "b"), ("node_lost", "b")]
+        views = {v["id"]: v["state"] for v in plane.node_views()}
+        assert views == {"a": "joined", "b": "lost"}
         nursery.cancel_scope.cancel()

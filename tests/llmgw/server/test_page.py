@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import attrs
 import pytest
 import trio
 
 from llmgw import paths
+from llmgw.config import DebugSection
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
 from llmgw.server.app import ControlPlane
@@ -208,3 +210,16 @@ async def test_the_feed_sends_the_cluster_then_each_change(running) -> None:
         assert second["nodes"][0]["cordoned"] is True
     finally:
         conn.close()
+
+
+async def test_a_page_session_cannot_stall_the_loop_even_one_that_may_act(running) -> None:
+    """The stall diagnostic takes the admin credential itself: it is for an operator at a shell."""
+    plane, state = running
+    plane.config = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
+    actor = Browser(client_of(state).url)
+    await call(actor.login, plane.page.login_path(actions=True))
+    _, session = await call(actor.json, "GET", "/admin/v1/page/session")
+    status, body = await call(
+        actor.json, "POST", "/admin/v1/debug/stall?seconds=5", origin=actor.origin, **{"x-llmgw-csrf": session["csrf"]}
+    )
+    assert status == 401 and "needs the admin credential" in body["error"]["message"]

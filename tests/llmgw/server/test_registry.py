@@ -98,3 +98,51 @@ def test_forget_drops_the_node() -> None:
     reg.forget("n1")
     reg.heartbeat("n1", conn, 2)  # a heartbeat racing the removal is ignored
     assert "n1" not in reg.nodes
+
+
+# -- liveness time: a stall of the control plane is nobody's silence ---------------------------
+
+
+def test_a_stall_moves_every_deadline_by_its_length_and_a_silent_node_is_still_lost() -> None:
+    """On a fake clock: the ticker reads it every 50 ms; the control plane stalls for 40 s (over
+    the TTL); node a's heartbeats waited in its socket buffer meanwhile, node b had gone silent."""
+    from llmgw.looplag import INTERVAL_S, StallClock
+
+    interval = 5.0
+    clock = StallClock(hold_s=interval)
+    clock.watch(0.0)
+    reg = Registry(heartbeat_ttl_s=TTL, started_at=clock.observe(0.0), clock=clock)
+    a, b = connect(reg, now=clock.observe(0.0), node_id="a"), connect(reg, now=clock.observe(0.0), node_id="b")
+    t = 0.0
+    per_beat = round(interval / INTERVAL_S)
+
+    def run_until(end: float, beating: tuple[str, ...]) -> None:
+        """The loop running: the ticker every 50 ms, each beating node's heartbeat every interval."""
+        nonlocal t
+        start, ticks = t, round((end - t) / INTERVAL_S)
+        for k in range(1, ticks + 1):
+            t = start + k * INTERVAL_S
+            now = clock.observe(t)
+            if round(t / INTERVAL_S) % per_beat == 0:
+                for node_id, conn in (("a", a), ("b", b)):
+                    if node_id in beating:
+                        reg.heartbeat(node_id, conn, now)
+
+    run_until(20.0, ("a", "b"))
+    assert [(x.node_id, x.new) for x in reg.transitions(clock.observe(t))] == [("a", JOINED), ("b", JOINED)]
+    run_until(22.0, ("a",))  # b's last heartbeat was at 20
+    t += 40.0  # the stall: nothing ran, a's heartbeats waited in its socket buffer
+    now = clock.observe(t)  # whoever runs first after it (the reconciler, woken at a deadline long past)
+    assert reg.transitions(now) == []  # nobody lost: 40 s of silence over a 30 s TTL were the control plane's
+    reg.heartbeat("a", a, now)  # a's buffered heartbeat, read next
+    assert reg.liveness(reg.nodes["b"], now) == JOINED
+    # b is lost one TTL of liveness time after its last heartbeat: the loop's 40 s stall and the
+    # hold of one interval after it later than on the loop's clock.
+    expected_loss = 20.0 + TTL + 40.0 + interval
+    run_until(expected_loss - 0.2, ("a",))
+    assert reg.transitions(clock.observe(t)) == []
+    run_until(expected_loss + 0.2, ("a",))
+    assert [(x.node_id, x.new) for x in reg.transitions(clock.observe(t))] == [("b", LOST)]
+    assert reg.liveness(reg.nodes["a"], clock.observe(t)) == JOINED
+    # The reconciler's deadline for b, in trio's time, was where b was found lost.
+    assert clock.loop_time(reg.next_deadline(clock.observe(t))) > t

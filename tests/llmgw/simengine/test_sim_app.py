@@ -190,3 +190,25 @@ async def test_errors_are_openai_shaped(method: str, target: str, raw: bytes, st
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}
         assert body["error"]["code"] == status and says in body["error"]["message"]
         nursery.cancel_scope.cancel()
+
+
+async def test_metrics_answer_from_the_start_without_a_key_with_the_loops_lag(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from llmgw.looplag import LagMonitor, serve_loop_lag
+
+    monitor = LagMonitor()
+    e = SimEngine(SimOptions(model="m", api_key=KEY), loop_lag=monitor)
+    e.set_waiting(lambda: "loading the model")  # not serving yet: /metrics answers all the same
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_loop_lag, monitor)
+        c = await connect(nursery, e)
+        await trio.sleep(1)
+        status, headers, parts = await c.request("GET", "/metrics", key=None)
+        text = b"".join(data for _, data in parts).decode()
+        assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+        count = [line for line in text.splitlines() if line.startswith("llmgw_event_loop_lag_seconds_count ")]
+        assert count and float(count[0].split()[1]) >= 19  # a tick every 50 ms
+        assert "llmgw_event_loop_busy_max_seconds 0" in text
+        assert (await c.request("POST", "/metrics", key=None))[0] == 405
+        nursery.cancel_scope.cancel()

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,10 @@ async def up(args: argparse.Namespace, state: Path) -> None:
             ) from None
         emit("control_plane", admin_url=bound.admin_url, agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}")
         for i in range(args.nodes):
-            await nursery.start(run_agent, _node_config(state, ca, i, bound.agent_address[1], args))
+            # The control plane watches the loop they share (`llmgw.looplag`): one ticker per process.
+            await nursery.start(
+                partial(run_agent, watch_loop=False), _node_config(state, ca, i, bound.agent_address[1], args)
+            )
         await _wait_ready(plane, args.nodes, emit)
         api_key = await _api_key(plane, state)
         names = [m.name for m in plane.config.models]
@@ -254,7 +258,7 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
     joined: set[str] = set()
     with trio.move_on_after(READY_TIMEOUT_S) as scope:
         while True:
-            now = trio.current_time()
+            now = plane.registry.clock.now()
             for node_id, node in plane.registry.nodes.items():
                 if node_id not in joined and plane.registry.liveness(node, now) == "joined":
                     joined.add(node_id)

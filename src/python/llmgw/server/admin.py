@@ -21,11 +21,14 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
                                            issue`): {serial, node_id, not_after, revoke_others, also_revoke}
     GET    /admin/v1/certificates/SERIAL   what the control plane holds of a serial: recorded, revoked
+    POST   /admin/v1/debug/stall?seconds=S hold the event loop for S seconds (a diagnostic: `[debug]
+                                           allow_stall`, else 403; the credential itself, not a page session)
 
 Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
-key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409. A change the
-store cannot record (another process holds its lock, the disk fails) is answered 503 with
-`Retry-After` and the store's message; nothing changed, and the same request may be sent again.
+key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409, a diagnostic
+that server.toml does not allow 403. A change the store cannot record (another process holds its
+lock, the disk fails) is answered 503 with `Retry-After` and the store's message; nothing
+changed, and the same request may be sent again.
 
 The control plane is seen through `Plane`, the calls this module makes, so that the admin API
 does not import the module that builds it (`llmgw.server.app`).
@@ -47,7 +50,7 @@ from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, a
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
-from llmgw.server.errors import NoConfigFile, UnknownNode, UnknownReplica
+from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import KeyRing, key_view
 from llmgw.server.store import StoreError
@@ -81,6 +84,7 @@ class Plane(Protocol):
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None: ...
     async def remove_node(self, node_id: str) -> dict[str, Any]: ...
     def certificate_recorded(self) -> None: ...
+    def stall(self, seconds: float) -> dict[str, Any]: ...
 
 
 @attrs.frozen
@@ -102,6 +106,7 @@ ANSWERS: dict[type[LlmgwError], Answer] = {
     ApiKeyExists: Answer(409),
     ApiKeyError: Answer(400),
     NoConfigFile: Answer(409),
+    DiagnosticOff: Answer(403, "permission_error"),
     ConfigError: Answer(422, frame="server.toml has problems; nothing changed:\n{}"),
     StoreError: Answer(503, "unavailable_error"),
 }
@@ -180,6 +185,12 @@ class AdminAPI:
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
             return Response.json(200, {"models": self.plane.model_views()})
+        if request.path == STALL:
+            _allow(request, "POST")
+            # The credential itself, even under a page session's cookie: holding the control plane's
+            # loop is for the operator at its shell, never a button on a page.
+            self._authorize(request)
+            return Response.json(200, self.plane.stall(_stall_seconds(request)))
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
@@ -296,6 +307,21 @@ def _serial(given: object, where: str) -> int:
     if isinstance(given, str) and given.isascii() and given.isdigit() and int(given) > 0:
         return int(given)
     raise HTTPError(400, f"{where}: a serial is a positive whole number in decimal, as a string; got {given!r}")
+
+
+STALL = "/admin/v1/debug/stall"
+MAX_STALL_S = 600.0
+
+
+def _stall_seconds(request: Request) -> float:
+    given = request.query.get("seconds", [""])[0]
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_STALL_S:
+        raise HTTPError(400, f"seconds must be a number of seconds above 0 and at most {MAX_STALL_S:g}, got {given!r}")
+    return seconds
 
 
 def _allow(request: Request, method: str) -> None:

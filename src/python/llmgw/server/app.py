@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -36,6 +37,7 @@ from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
 from llmgw.log import get_logger
+from llmgw.looplag import LagMonitor, StallClock, serve_loop_lag
 from llmgw.metrics import Registry as MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
@@ -49,7 +51,7 @@ from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress, Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.enginekeys import EngineKeys
-from llmgw.server.errors import NoConfigFile, UnknownNode, UnknownReplica
+from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
@@ -92,10 +94,15 @@ class ControlPlane:
         self.store = store
         self.changes = Changes()
         self._node_coming = False  # a node certificate was issued since start
+        # Liveness is judged on the time the loop could read its links (`llmgw.looplag`): after a
+        # stall, every node's deadline moves by its length.
+        clock = StallClock(hold_s=config.server.heartbeat_interval_s)
+        self.loop_lag = LagMonitor()  # this process's event-loop lag, for /metrics and the log
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
-            started_at=trio.current_time(),
+            started_at=clock.now(),
             reconnect_grace_s=config.server.reconnect_grace_s,
+            clock=clock,
         )
         for row in store.at_open.nodes:  # operator intent survives a restart; agents rebuild the rest
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
@@ -184,7 +191,9 @@ class ControlPlane:
         run = self.background.run
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._close_json_workers)
-            # The store's writer first: the reconciler offers it placements.
+            # The loop's ticker first: from then on a stall is noticed, and not counted as silence.
+            await nursery.start(run, "loop_lag", partial(serve_loop_lag, self.loop_lag, clock=self.registry.clock))
+            # The store's writer next: the reconciler offers it placements.
             await nursery.start(run, "placements", self.replicas.saver.serve)
             # The reconciler: liveness changes, placements, desired state pushed.
             await nursery.start(run, "liveness", serve_liveness, self.registry, self.replicas, self.changes, self.push)
@@ -247,10 +256,15 @@ class ControlPlane:
             return await self.admin.handle(request)
         if request.path == "/metrics":
             # The gateway's families, then the process's own (its listeners' connections, the
-            # restarts of its background loops).
+            # restarts of its background loops, its event loop's lag and the stalls it skipped).
             response = await self.gateway.handle(request)
             if isinstance(response, Response) and response.status == 200:
-                own = self.connections.render() + _restarts_metric(self.background.restarts)
+                own = (
+                    self.connections.render()
+                    + _restarts_metric(self.background.restarts)
+                    + self.loop_lag.render(trio.current_time())
+                    + self.registry.clock.render()
+                )
                 response = attrs.evolve(response, body=response.body + own.encode())
             return response
         if request.path.startswith("/v1/") or request.path == "/health":
@@ -297,7 +311,7 @@ class ControlPlane:
     # -- the gateway's endpoints (`gateway.app.EndpointProvider`) ---------------------------
 
     def gateway_rotation(self) -> Rotation:
-        now = trio.current_time()
+        now = self.registry.clock.now()
         return views.gateway_rotation(self.registry, self.replicas, self.config.models, self.moves.retiring, now)
 
     def rotation_changed(self) -> trio.Event:
@@ -317,12 +331,12 @@ class ControlPlane:
         if self.config_path is None:
             raise NoConfigFile()
         new = load_server_config(self.config_path)
-        fixed = ("server", "http", "ca", "gateway", "release")  # read once, at start
+        fixed = ("server", "http", "ca", "gateway", "release", "debug")  # read once, at start
         changed_fixed = [f"[{name}]" for name in fixed if getattr(new, name) != getattr(self.config, name)]
         if changed_fixed:
             log.warning("reload_ignores", sections=changed_fixed, fix="restart `llmgw server` for those")
         self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
-        changed = self.replicas.reconcile(trio.current_time())
+        changed = self.replicas.reconcile(self.registry.clock.now())
         await self.push_all()  # engines may have changed for everyone
         log.info("config_reloaded", models=[m.name for m in new.models], nodes_changed=sorted(changed))
         return {"models": [m.name for m in new.models], "nodes_changed": sorted(changed)}
@@ -367,11 +381,25 @@ class ControlPlane:
             members.append({"node": node_id, "rank": rank, "text": reply.text, "error": reply.error})
         return {"replica": replica_id, "members": members}
 
+    def stall(self, seconds: float) -> dict[str, Any]:
+        """Hold the event loop computing for `seconds`, as a pathological request would: nothing
+        is read from any link meanwhile (`POST /admin/v1/debug/stall`, if `[debug] allow_stall`).
+        Liveness must come through it: no healthy node lost, no replica moved."""
+        if not self.config.debug.allow_stall:
+            raise DiagnosticOff("holding the control plane's event loop", "allow_stall")
+        log.warning("debug_stall", seconds=seconds, what="holding the event loop on purpose ([debug] allow_stall)")
+        began = time.monotonic()
+        while time.monotonic() - began < seconds:
+            pass  # deliberately on the loop, not in a thread: this is the stall
+        held = time.monotonic() - began
+        log.warning("debug_stall_done", held_s=round(held, 3))
+        return {"stalled_s": round(held, 3)}
+
     def node_views(self) -> list[dict[str, Any]]:
-        return views.node_views(self.registry, self.drains, trio.current_time(), self.config.engines)
+        return views.node_views(self.registry, self.drains, self.registry.clock.now(), self.config.engines)
 
     def node_view(self, node_id: str) -> dict[str, Any]:
-        node, now = self.registry.nodes[node_id], trio.current_time()
+        node, now = self.registry.nodes[node_id], self.registry.clock.now()
         return views.node_view(node, self.registry.liveness(node, now), now, self.config.engines)
 
     def replica_views(self) -> list[dict[str, Any]]:

@@ -144,7 +144,7 @@ class Drains(Mapping[str, DrainProgress]):
             progress.current = rid
             if rid not in self.replicas.placed:
                 continue  # gone meanwhile (lost, failed, catalog change)
-            replacement, reason = self.replicas.place_replacement(rid, trio.current_time())
+            replacement, reason = self.replicas.place_replacement(rid, self.registry.clock.now())
             if replacement is None and not request.force:
                 progress.error = (
                     f"cannot move {rid} off {node_id}: {reason}. The drain stopped and {rid} keeps running "

@@ -407,7 +407,7 @@ class AgentEndpoint:
             log.warning("node_not_recorded", node=node_id, address=address, reason=str(exc))
             cordoned, draining = (known.cordoned, known.draining) if known is not None else (False, False)
         self.registry.know(node_id, address=address, cordoned=cordoned, draining=draining)
-        now = trio.current_time()
+        now = self.registry.clock.now()
         not_after = cert.not_after.timestamp()
         conn_id = self.registry.connect(
             hello, address=address, cert_serial=cert.serial, cert_not_after=not_after, now=now
@@ -448,14 +448,23 @@ class AgentEndpoint:
                 self.on_change()
 
     async def _receive_loop(self, link: Link) -> None:
+        # Silence is counted in liveness time, as the registry counts it: the timer that fires
+        # when the loop resumes from a stall reads the clock, which credits the stall, and waits
+        # on (the agent's heartbeats are in the socket buffer, read next).
+        clock = self.registry.clock
+        timeout = self.silence_timeout_s or math.inf
+        heard = clock.now()
         while True:
-            with trio.move_on_after(self.silence_timeout_s or math.inf) as silence:
-                text = await link.ws.get_message()
+            with trio.move_on_at(clock.loop_time(heard + timeout)) as silence:
+                text = await link.ws.get_message()  # cancel-safe: a message not taken stays queued
+            if silence.cancelled_caught and clock.now() - heard < timeout:
+                continue  # a stall moved the deadline
             if silence.cancelled_caught:
                 reason = f"nothing received for {self.silence_timeout_s:g} s (heartbeats stopped); closing the link"
                 log.warning("agent_link_silent", node=link.node_id, after_s=self.silence_timeout_s)
                 await _close_with(link.ws, link.session, w.SILENT, reason)
                 return
+            heard = clock.now()
             try:
                 received = link.session.receive(text)
             except WireError as exc:
@@ -473,7 +482,7 @@ class AgentEndpoint:
     async def _on_event(self, link: Link, event: s.Event) -> None:
         """What the control plane does with what an agent reports."""
         if isinstance(event, s.HeartbeatReceived):
-            self.registry.heartbeat(link.node_id, link.conn_id, trio.current_time())
+            self.registry.heartbeat(link.node_id, link.conn_id, self.registry.clock.now())
             self.on_change()
         elif isinstance(event, s.InventoryReported):
             self.registry.inventory_changed(link.node_id, link.conn_id, event.inventory)

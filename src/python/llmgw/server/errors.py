@@ -40,3 +40,13 @@ class NoConfigFile(UsageError):
             "this control plane was started without --config; there is no file to reload. Start it with "
             "`llmgw server --config FILE` to change its catalog while it runs"
         )
+
+
+class DiagnosticOff(UsageError):
+    """A diagnostic that disturbs the control plane was asked for, and server.toml does not allow it."""
+
+    def __init__(self, what: str, key: str) -> None:
+        super().__init__(
+            f"{what} is a diagnostic that is off on this control plane; set `{key} = true` under [debug] in "
+            "server.toml and restart `llmgw server` to allow it (never on a cluster that serves users)"
+        )

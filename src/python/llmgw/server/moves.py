@@ -152,15 +152,15 @@ class Moves:
     async def spread_once(self) -> bool:
         """One spreading move, if one would help; whether a move was made."""
         replicas = self.replicas
-        now = trio.current_time()
+        now, live_now = trio.current_time(), self.registry.clock.now()  # retries; liveness
         if self._draining():
             return False  # a drain is moving things: let it finish first
-        for rid in crowded(replicas.node_views(now), [s.placement for s in replicas.placed.values()]):
+        for rid in crowded(replicas.node_views(live_now), [s.placement for s in replicas.placed.values()]):
             model = replicas.placed[rid].placement.model
             failed_at = self._spread_failed_at.get(model)
             if failed_at is not None and now < failed_at + self.spread_retry_s:
                 continue
-            proposal, _ = replicas.propose_replacement(rid, now)
+            proposal, _ = replicas.propose_replacement(rid, live_now)
             if proposal is None or not replicas.spreads(proposal):
                 continue  # no free node would take it: staying crowded is better than nothing
             async with self.lock:

@@ -1,7 +1,12 @@
 """The node registry: what the control plane knows of each node, and each node's state.
 
-Pure and synchronous: callers pass `now` (trio's clock, so tests run on MockClock) and the
-registry never does I/O. Durable intent (cordon, drain, known nodes) comes from the store at
+Pure and synchronous: callers pass `now` and the registry never does I/O. `now` is liveness
+time, `registry.clock.now()` (`llmgw.looplag.StallClock`): trio's clock (so tests run on
+MockClock) less the time the control plane's loop could not run, so a stall of the control plane
+(a task holding its loop, the process paused) moves every node's deadline by its length and a
+heartbeat that waited in a socket buffer meanwhile is not counted as the node's silence. Every
+time the registry keeps and every deadline it names is liveness time; `clock.loop_time` turns a
+deadline into one for trio. Durable intent (cordon, drain, known nodes) comes from the store at
 start and is mirrored here by the caller; observed state (inventory, engines) arrives with
 each agent session and is never persisted.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.looplag import StallClock
 from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
@@ -60,8 +66,16 @@ class Transition:
 
 
 class Registry:
-    def __init__(self, *, heartbeat_ttl_s: float, started_at: float, reconnect_grace_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        heartbeat_ttl_s: float,
+        started_at: float,
+        reconnect_grace_s: float = 0.0,
+        clock: StallClock | None = None,
+    ) -> None:
         self.ttl = heartbeat_ttl_s
+        self.clock = clock or StallClock()  # where callers take `now`; the registry never reads it
         self.started_at = started_at
         # After a control-plane restart, agents come back on their own backoff (up to 30 s apart):
         # a node known from before is not lost until they have had that long, so a restart moves nothing.

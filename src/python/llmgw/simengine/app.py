@@ -6,7 +6,9 @@ each token. A streamed answer sends each token as it is "generated"; a whole one
 after the same total time.
 
 Until `serving` is set (rank 0, after the rendezvous and the startup delay) every route
-answers 503 with what it is waiting for, as llama-server answers "Loading model".
+answers 503 with what it is waiting for, as llama-server answers "Loading model" — except
+`/metrics`, the process's own figures (its event loop's lag, `llmgw.looplag`), which answers
+from the start and needs no key, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import trio
 from llmgw.http.jsonbody import JsonWorkers
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow, parse_body
 from llmgw.log import get_logger
+from llmgw.looplag import LagMonitor
 from llmgw.simengine import api
 from llmgw.simengine.options import SimOptions
 from llmgw.simengine.text import complete
@@ -32,6 +35,7 @@ ROUTES = {
     "/v1/models": "GET",
     "/v1/chat/completions": "POST",
     "/v1/completions": "POST",
+    "/metrics": "GET",
 }
 
 
@@ -43,10 +47,12 @@ class SimEngine:
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
         json_workers: JsonWorkers | None = None,
+        loop_lag: LagMonitor | None = None,
     ) -> None:
         self.options = options
         # Large bodies are parsed in a worker process (started at the first); `aclose` stops it.
         self.json = json_workers or JsonWorkers()
+        self.loop_lag = loop_lag or LagMonitor()  # fed by `serve_loop_lag` where the process runs one
         self.wall_clock = wall_clock
         self.new_id = new_id
         self.created = int(wall_clock())
@@ -77,6 +83,12 @@ class SimEngine:
                 404, f"no route {request.path!r}; this server has {', '.join(ROUTES)}", kind="not_found_error"
             )
         allow(request, method)
+        if request.path == "/metrics":
+            return Response(
+                status=200,
+                body=self.loop_lag.render(trio.current_time()).encode(),
+                headers=(("content-type", "text/plain; version=0.0.4; charset=utf-8"),),
+            )
         if request.path.startswith("/v1/"):
             self._authorize(request)
         if not self.serving:

@@ -7,11 +7,14 @@ startup delay, and only then serves. A worker has no HTTP port: it joins and hol
 
 from __future__ import annotations
 
+from functools import partial
+
 import trio
 
 from llmgw.errors import MachineError
 from llmgw.http.server import bound_address, serve_http
 from llmgw.log import get_logger
+from llmgw.looplag import LagMonitor, serve_loop_lag
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.errors import RendezvousFailed, SimulatedCrash
 from llmgw.simengine.options import SimOptions, format_addr
@@ -23,7 +26,9 @@ log = get_logger("llmgw.sim")
 async def serve_sim(options: SimOptions, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled or until the replica fails (`ReplicaFailed`). `task_status` gets the
     HTTP address on rank 0 once it listens (not yet serving), None on a worker once joined."""
+    loop_lag = LagMonitor()  # rank 0 shows it at /metrics; a worker only logs its warnings
     async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_loop_lag, loop_lag))
         if options.fail_after_s is not None:
             nursery.start_soon(_crash_after, options.fail_after_s)
         if options.is_worker:
@@ -37,7 +42,7 @@ async def serve_sim(options: SimOptions, *, task_status: trio.TaskStatus = trio.
             await nursery.start(serve_worker, options)
             task_status.started(None)
         else:
-            task_status.started(await nursery.start(_serve_rank0, options))
+            task_status.started(await nursery.start(_serve_rank0, options, loop_lag))
 
 
 async def _crash_after(seconds: float) -> None:
@@ -46,8 +51,10 @@ async def _crash_after(seconds: float) -> None:
     raise SimulatedCrash(f"simulated crash after {seconds:g} s, as --fail-after-s asked")
 
 
-async def _serve_rank0(options: SimOptions, *, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
-    engine = SimEngine(options)
+async def _serve_rank0(
+    options: SimOptions, loop_lag: LagMonitor, *, task_status: trio.TaskStatus[tuple[str, int]]
+) -> None:
+    engine = SimEngine(options, loop_lag=loop_lag)
     rank0 = Rank0(nnodes=options.nnodes, model=options.model, address=options.dist_init_addr or ("", 0))
     try:
         await _serve_engine(engine, rank0, options, task_status=task_status)
