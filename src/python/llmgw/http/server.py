@@ -85,6 +85,8 @@ class Limits:
 class Request:
     method: str
     path: str
+    # Percent-decoded (UTF-8, undecodable bytes as U+FFFD); a parameter without a value is kept
+    # as "" (`?force` -> {"force": [""]}), so that strict readers (`llmgw.http.params`) see it.
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
     body: bytes
@@ -456,7 +458,7 @@ async def _read_request(
     return Request(
         method=event.method.decode("ascii"),
         path=target.path,
-        query=parse_qs(target.query),
+        query=parse_qs(target.query, keep_blank_values=True),
         headers=headers,
         body=body,
         client=client,

@@ -13,6 +13,9 @@ and under the admin API, through `guard`:
     POST /admin/v1/page/logout    end this session and clear its cookie
     GET  /admin/v1/events         the live feed (server/events.py)
 
+Query parameters are read as the admin API reads them (`llmgw.http.params`): `/login` takes
+`code`, once; every other route takes none, and a parameter it does not take is a 400 naming it.
+
 `guard` decides who is calling, before any admin route runs: a live session cookie, or else
 the admin credential (the bearer check admin.py has always made). A page session may read
 everything the admin API serves; it may change something only if its login code allowed
@@ -32,6 +35,7 @@ import attrs
 import trio
 
 import llmgw.page
+from llmgw.http import params
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server import events
@@ -78,6 +82,8 @@ SECURITY_HEADERS = (
     ("referrer-policy", "no-referrer"),
 )
 SAFE_METHODS = ("GET", "HEAD")
+LOGIN_CODE = "the one-time code of a login URL (`llmgw ctl page` prints one)"
+OWN_ROUTES = ("/admin/v1/events", "/admin/v1/page/login", "/admin/v1/page/session", "/admin/v1/page/logout")
 CREDENTIAL = "admin-credential"
 
 Inner = Callable[[Request], Awaitable[Response | StreamingResponse]]
@@ -123,6 +129,7 @@ class Page:
             return self._login(request)
         if request.method not in SAFE_METHODS:
             raise HTTPError(405, f"{request.path} takes GET, not {request.method}", headers=(("allow", "GET"),))
+        params.query(request, {})
         if self._assets is None:
             self._assets = await trio.to_thread.run_sync(load_assets)
         name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/page/")
@@ -133,18 +140,16 @@ class Page:
         return Response(status=200, body=b"" if request.method == "HEAD" else body, headers=headers)
 
     def _login(self, request: Request) -> Response:
-        code = request.query.get("code", [""])[0]
         now = trio.current_time()
+        try:
+            code = params.query(request, {"code": LOGIN_CODE}).get("code", "")
+        except HTTPError as exc:  # a person reads this one in a browser: a page, not JSON
+            return _refusal(exc.status, exc.message)
         try:
             login = self.sessions.redeem(code, now)
         except LoginRefused as exc:
             log.warning("page_login_refused", client=request.client)
-            body = (
-                "<!doctype html><html lang=en><meta charset=utf-8><title>llmgw: login refused</title>"
-                f"<p>{html.escape(str(exc))}</p></html>"
-            ).encode()
-            headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
-            return Response(status=401, body=body, headers=headers)
+            return _refusal(401, str(exc))
         s = login.session
         log.info(
             "page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now)
@@ -230,6 +235,8 @@ class Page:
 
     async def _admin_route(self, request: Request, caller: Caller) -> Response | StreamingResponse | None:
         path = request.path
+        if path in OWN_ROUTES:
+            params.query(request, {})
         if path == "/admin/v1/events":
             _allow(request, "GET")
             log.info("page_events_opened", by=caller.who, client=request.client)
@@ -252,7 +259,8 @@ class Page:
             _allow(request, "POST")
             if caller.session is not None:
                 raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
-            body = request.json() or {}
+            body = request.json()
+            body = {} if body is None else body  # no body: no actions
             if (
                 not isinstance(body, dict)
                 or set(body) - {"actions"}
@@ -295,6 +303,15 @@ class Page:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The gateway's history for the plots: sampled from the start, not from the first page."""
         await self.history.serve(task_status=task_status)
+
+
+def _refusal(status: int, message: str) -> Response:
+    body = (
+        "<!doctype html><html lang=en><meta charset=utf-8><title>llmgw: login refused</title>"
+        f"<p>{html.escape(message)}</p></html>"
+    ).encode()
+    headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
+    return Response(status=status, body=body, headers=headers)
 
 
 def _allow(request: Request, method: str) -> None:
