@@ -208,7 +208,11 @@ class AdminAPI:
             return response
         m = _NODE_ACTION.match(request.path)
         if m is None:
-            raise HTTPError(404, f"no admin route {request.method} {params.cut(request.path)}", kind="not_found_error")
+            raise HTTPError(
+                404,
+                f"no admin route {params.cut(request.method, 20)} {params.cut(request.path)}",
+                kind="not_found_error",
+            )
         raw_node, action = m.groups()
         node_id = _node_id(raw_node)
         if action == "drain":
@@ -360,7 +364,11 @@ def _path_id(raw: str, what: str, grammar: re.Pattern[str], rule: str) -> str:
 
 def _allow(request: Request, method: str) -> None:
     if request.method != method:
-        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+        raise HTTPError(
+            405,
+            f"{params.cut(request.path)} takes {method}, not {params.cut(request.method, 20)}",
+            headers=(("allow", method),),
+        )
 
 
 def is_admin_path(path: str) -> bool:

@@ -34,6 +34,7 @@ from llmgw.engines.wants import engines_for
 from llmgw.errors import LlmgwError
 from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
+from llmgw.http.params import cut
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
 from llmgw.log import get_logger
 from llmgw.metrics import Registry as MetricsRegistry
@@ -250,7 +251,7 @@ class ControlPlane:
             return await self.gateway.handle(request)
         if Page.serves(request.path):  # the cluster page's files and /login
             return await self.page.handle(request)
-        raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
+        raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")
 
     # -- desired state ----------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import attrs
 import trio
 
 import llmgw.page
+from llmgw.errors import shown
 from llmgw.http import params
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
@@ -128,14 +129,18 @@ class Page:
             _allow(request, "GET")  # a HEAD must not spend the code
             return self._login(request)
         if request.method not in SAFE_METHODS:
-            raise HTTPError(405, f"{request.path} takes GET, not {request.method}", headers=(("allow", "GET"),))
+            raise HTTPError(
+                405,
+                f"{params.cut(request.path)} takes GET, not {params.cut(request.method, 20)}",
+                headers=(("allow", "GET"),),
+            )
         params.query(request, {})
         if self._assets is None:
             self._assets = await trio.to_thread.run_sync(load_assets)
         name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/page/")
         body = self._assets.get(name)
         if body is None or name == "index.html" and request.path.startswith("/page/"):
-            raise HTTPError(404, f"the cluster page has no file {request.path!r}", kind="not_found_error")
+            raise HTTPError(404, f"the cluster page has no file {shown(request.path)}", kind="not_found_error")
         headers = (("content-type", _content_type(name)), ("cache-control", "no-cache"), *SECURITY_HEADERS)
         return Response(status=200, body=b"" if request.method == "HEAD" else body, headers=headers)
 
@@ -316,4 +321,8 @@ def _refusal(status: int, message: str) -> Response:
 
 def _allow(request: Request, method: str) -> None:
     if request.method != method:
-        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+        raise HTTPError(
+            405,
+            f"{params.cut(request.path)} takes {method}, not {params.cut(request.method, 20)}",
+            headers=(("allow", method),),
+        )
