@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from llmgw import paths
 from llmgw.http.server import serve_connection
 from llmgw.pki.ca import check_node_id
-MAX_LOG_LINES, MAX_NOT_AFTER = 10_000, 253402300799
+from llmgw.server.admin import MAX_LOG_LINES, MAX_NOT_AFTER
 from llmgw.server.app import ControlPlane
-MAX_LIMIT = 1_000_000_000
+from llmgw.server.gateway.keys import MAX_LIMIT
 from testlib.controlplane import make_state, serve_plane
 
 pytestmark = pytest.mark.trio
