@@ -5,7 +5,8 @@ its artifact mirror, and the release files it serves to peers without a certific
 engine — is sent what a broken or malicious peer sends: a FIN or
 an RST at many offsets of a request's head and body, in the middle of a streamed response and
 of the error answer itself, garbage, a head or body trickled a byte at a time, JSON nested
-100,000 deep, and two thousand idle connections. After each, `assert_serving` checks that
+100,000 deep, two thousand idle connections, and inputs once answered 500 (numbers past int64
+or CPython's 4300 digits, Unicode digits, a 5,000-digit Range). After each, `assert_serving` checks that
 nothing died and everything still answers: the server and agent processes run, the gateway
 and the engine answer, the node stays joined, no engine restarted and no traceback was logged.
 
