@@ -216,11 +216,17 @@ class Page:
         host = request.headers.get("host", "")
         origin = request.headers.get("origin", "")
         if origin not in (f"http://{host}", f"https://{host}"):
-            log.warning("page_call_refused", session=session.id, path=request.path, reason="origin", origin=origin)
+            log.warning(
+                "page_call_refused",
+                session=session.id,
+                path=params.cut(request.path),
+                reason="origin",
+                origin=params.cut(origin),
+            )
             raise HTTPError(
                 403,
-                f"a change through a page session must come from this control plane's own page (Origin {origin!r} "
-                f"is not http://{host})",
+                f"a change through a page session must come from this control plane's own page (Origin "
+                f"{shown(origin)} is not http://{params.cut(host)})",
                 kind="permission_error",
             )
         if not csrf_ok(session, request.headers.get(CSRF_HEADER, "")):
