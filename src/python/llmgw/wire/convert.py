@@ -44,9 +44,8 @@ class _NotTaken(ValueError):
 
 
 def _int(value: Any, _: type) -> int:
-    if (
-        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT
-    ):  # a bool is no number to JSON
+    # A bool is an int to Python, not a number to JSON.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
         raise _NotTaken(f"expected a whole number from 0 to 2**63 - 1, got {shown(value)}")
     return value
 
