@@ -42,7 +42,7 @@ class PeerError(LlmgwError):
     """The other end (control plane, agent, engine, SSH host) refused or failed."""
 
 
-SHOWN_CHARS = 64  # of a bad value in a message; the rest is counted, not shown
+SHOWN_CHARS = 100  # of a bad value in a message; the rest is counted, not shown
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
