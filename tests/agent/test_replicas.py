@@ -27,9 +27,9 @@ from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
 from agent.replica_plan import RestartPolicy
 from agent.replicas import Supervisor
-from llmgw.selfexec import llmgw_command
 from agent.weights import WeightsStore
 from llmgw.log import EventFormatter
+from llmgw.selfexec import llmgw_command
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.cluster import free_port

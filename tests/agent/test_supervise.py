@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from agent import doctor, supervise
-from llmgw.selfexec import llmgw_command
 from llmgw import cli
 from llmgw.commands import agent as agent_cmd
 from llmgw.errors import MachineError
+from llmgw.selfexec import llmgw_command
 from testlib.proc import llmgw_env, run_llmgw
 
 # -- the policy, on a fake clock ---------------------------------------------------------------

@@ -12,10 +12,10 @@ import pytest
 import trio
 
 from agent.replicas import Supervisor
-from llmgw.selfexec import llmgw_command
 from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, file_name_of, target_of
 from llmgw.download import DownloadError
 from llmgw.log import EventFormatter
+from llmgw.selfexec import llmgw_command
 from llmgw.wire import agent_link as w
 from testlib.fileserver import Files, serve_files
 from testlib.proc import llmgw_env

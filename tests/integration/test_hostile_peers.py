@@ -5,7 +5,8 @@ its artifact mirror, and the release files it serves to peers without a certific
 engine — is sent what a broken or malicious peer sends: a FIN or
 an RST at many offsets of a request's head and body, in the middle of a streamed response and
 of the error answer itself, garbage, a head or body trickled a byte at a time, JSON nested
-100,000 deep, and two thousand idle connections. After each, `assert_serving` checks that
+100,000 deep, two thousand idle connections, and inputs once answered 500 (numbers past int64
+or CPython's 4300 digits, Unicode digits, a 5,000-digit Range). After each, `assert_serving` checks that
 nothing died and everything still answers: the server and agent processes run, the gateway
 and the engine answer, the node stays joined, no engine restarted and no traceback was logged.
 
@@ -507,4 +508,66 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(live: Live)
             sock.close()
         assert hostile.status_of(answer) == 400 and b"both Content-Length and Transfer-Encoding" in answer
         assert answer.count(b"HTTP/1.1 ") == 1 and b"connection: close" in answer  # nothing after it was read
+
+
+def _mirror_get(live: Live, target: str, range_header: str) -> bytes:
+    """A node (its certificate) asking the mirror for `target` with `Range: range_header`."""
+    files = live.cluster.nodes_files["node-a"]
+    sock = hostile.tls_client(
+        "127.0.0.1",
+        live.cluster.port,
+        ca=str(files.pki / "ca.crt"),
+        cert=str(files.pki / "node.crt"),
+        key=str(files.pki / "node.key"),
+    )
+    try:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\nrange: {range_header}\r\n\r\n".encode())
+        return hostile.read_all(sock)
+    finally:
+        sock.close()
+
+
+def test_inputs_once_answered_500_are_refused_saying_what_is_accepted(live: Live) -> None:
+    """What a hostile tester found answering 500, or dropping the connection with a traceback:
+    an API key's limit past SQLite's integers, `lines` as '²' or 5,000 digits, a mirror `Range`
+    of 5,000 digits from a node. Each is refused now, saying what is accepted, and the server
+    logs no traceback (`assert_serving`)."""
+    admin = ("authorization", f"Bearer {(live.cluster.state / 'admin.token').read_text().strip()}")
+    body = json.dumps({"name": "x", "rate_per_minute": 18446744073709551616}).encode()
+    status, answer = request(
+        live.http_port, "POST", "/admin/v1/keys", body, [admin, ("content-type", "application/json")]
+    )
+    assert status == 400 and b"rate_per_minute must be a whole number from 0 (no limit) to 1000000000" in answer, answer
+    [replica] = [r["replica"] for r in live.cluster.replicas()]
+    for lines in ("%C2%B2", "9" * 5000, "0"):
+        status, answer = request(
+            live.http_port, "GET", f"/admin/v1/replicas/{replica}/logs?lines={lines}", headers=[admin]
+        )
+        assert status == 400 and b"lines must be a whole number from 1 to 10000" in answer and len(answer) < 400, answer
+    status, answer = request(live.http_port, "GET", f"/admin/v1/replicas/{replica}/logs?lines=5", headers=[admin])
+    assert status == 200 and json.loads(answer)["replica"] == replica, answer
+
+    archive = live.cluster.state / "artifacts" / "range.tar.gz"
+    archive.parent.mkdir(exist_ok=True)
+    data = bytes(range(256)) * 64
+    archive.write_bytes(data)
+    target = f"/v1/artifacts/{hashlib.sha256(data).hexdigest()}"
+    try:
+        answer = _mirror_get(live, target, "bytes=" + "9" * 5000 + "-")
+        assert hostile.status_of(answer) == 416 and f"content-range: bytes */{len(data)}".encode() in answer, answer
+        answer = _mirror_get(live, target, "bytes=16000-")
+        assert hostile.status_of(answer) == 206 and answer.endswith(data[16000:]), answer[:300]
+        answer = _mirror_get(live, target, "bytes=\xb2-")  # not a range of ours: ignored, the whole file
+        assert hostile.status_of(answer) == 200 and answer.endswith(data), answer[:300]
+    finally:
+        archive.unlink()
+    ca = str(live.cluster.state / "ca" / "ca.crt")
+    sock = hostile.tls_client("127.0.0.1", live.cluster.port, ca=ca)  # no certificate: the release route
+    try:
+        sock.sendall(
+            f"GET /v1/release/{RELEASE_FILE} HTTP/1.1\r\nhost: x\r\nrange: bytes={'9' * 5000}-\r\n\r\n".encode()
+        )
+        assert hostile.status_of(sock.recv(4096)) == 200  # Range is ignored there
+    finally:
+        sock.close()
     assert_serving(live)

@@ -143,7 +143,9 @@ def busy_over_bound(live: Live) -> int:
         if line.startswith("llmgw_event_loop_busy_seconds"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    return int(values["llmgw_event_loop_busy_seconds_count"] - values['llmgw_event_loop_busy_seconds_bucket{le="0.02"}'])
+    return int(
+        values["llmgw_event_loop_busy_seconds_count"] - values['llmgw_event_loop_busy_seconds_bucket{le="0.02"}']
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))

@@ -57,9 +57,38 @@ def strategy(model: str, max_size: int):
     from hypothesis import strategies as st
 
     pieces = st.sampled_from(
-        [b'\\"', b"\\\\", b"[", b"]", b"{", b"}", b'"', b",", b":", b"0", b"9" * 40, b"1e999", b"-0.", b"\\u",
-         b"\\ud83d", b"\\ude00", b"\\u0000", b"true", b"null", b"\xff", b"\xc3", b" ", b"\n", b"[]", b"{}",
-         b'"k":', b"[[[[", b"]]]]", b'"a"', b"\\n"]  # fmt: skip
+        [
+            b'\\"',
+            b"\\\\",
+            b"[",
+            b"]",
+            b"{",
+            b"}",
+            b'"',
+            b",",
+            b":",
+            b"0",
+            b"9" * 40,
+            b"1e999",
+            b"-0.",
+            b"\\u",
+            b"\\ud83d",
+            b"\\ude00",
+            b"\\u0000",
+            b"true",
+            b"null",
+            b"\xff",
+            b"\xc3",
+            b" ",
+            b"\n",
+            b"[]",
+            b"{}",
+            b'"k":',
+            b"[[[[",
+            b"]]]]",
+            b'"a"',
+            b"\\n",
+        ]  # fmt: skip
     )
     chat = b'{"model":"' + model.encode() + b'","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"x":'
 

@@ -152,7 +152,9 @@ def run(sizes: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=f"{64 << 10},{1 << 20},{8 << 20}", help="body sizes in bytes, comma-separated")
+    parser.add_argument(
+        "--sizes", default=f"{64 << 10},{1 << 20},{8 << 20}", help="body sizes in bytes, comma-separated"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON (the default)")
     args = parser.parse_args(argv)
     result = run([int(s) for s in args.sizes.split(",") if s])

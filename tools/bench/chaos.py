@@ -341,7 +341,9 @@ class Bench:
             restarted = time.monotonic()
             rejoined = poll(
                 "rejoin during the flood",
-                lambda: any(n["id"] == spare and n["connected"] and n["state"] == "joined" for n in self.cluster.ctl("nodes")),
+                lambda: any(
+                    n["id"] == spare and n["connected"] and n["state"] == "joined" for n in self.cluster.ctl("nodes")
+                ),
                 FULL_TIMEOUT_S,
             )
             rejoin_s = time.monotonic() - restarted if rejoined else None

@@ -25,11 +25,11 @@ import trio
 from agent.install.errors import EngineCheckFailed
 from agent.install.installer import ArchiveSource, BuildSource, EngineStore, PipSource, Wanted, check_runs
 from agent.progress import Latest, serve_progress
-from llmgw.selfexec import llmgw_command
 from llmgw.config import AgentConfig
 from llmgw.engines.wants import pick_archive
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
+from llmgw.selfexec import llmgw_command
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.engines")

@@ -36,9 +36,9 @@ from typing import TextIO
 import attrs
 import trio
 
-from llmgw.selfexec import llmgw_command
 from llmgw import log as llmgw_log
 from llmgw.errors import MachineError
+from llmgw.selfexec import llmgw_command
 
 log = llmgw_log.get_logger("llmgw.agent.supervise")
 

@@ -42,6 +42,29 @@ class PeerError(LlmgwError):
     """The other end (control plane, agent, engine, SSH host) refused or failed."""
 
 
+SHOWN_CHARS = 100  # of a bad value in a message; the rest is counted, not shown
+
+
+PATH_CHARS = 200  # of a request's path in a message
+
+
+def cut(text: str, limit: int = PATH_CHARS) -> str:
+    """`text` as it is when short, else its start and how long it was (a path, a method, a name
+    in a message: they come from the peer, and may be as long as a request head)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for a message, cut to about `limit` characters: a bad value may be a
+    request's whole body, and a message (or the log line it becomes) must not be."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) > limit:
+        return f"{text[:limit]}... ({type(value).__name__} of {len(text)} characters as text)"
+    return text
+
+
 def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, or [exc] itself.
 

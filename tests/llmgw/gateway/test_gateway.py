@@ -206,9 +206,7 @@ async def test_a_client_gone_mid_stream_cancels_the_upstream_request(
     assert metrics[("llmgw_gateway_requests_total", frozenset({("model", "chat"), ("status", "499")}))] == 1
 
 
-async def test_the_key_and_its_limits_are_decided_before_the_body(
-    tmp_path: Path, nursery: trio.Nursery, sims
-) -> None:
+async def test_the_key_and_its_limits_are_decided_before_the_body(tmp_path: Path, nursery: trio.Nursery, sims) -> None:
     (a,) = sims(1)
     gw = await start_gateway(nursery, tmp_path, (a.endpoint(),), models=frozenset({"chat", "other"}))
     _, limited = await gw.gateway.keys.create("one-a-minute", models=["other"], rate_per_minute=1)

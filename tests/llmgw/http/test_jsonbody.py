@@ -104,7 +104,9 @@ async def test_small_bodies_are_parsed_inline_and_large_ones_in_the_worker() -> 
         with pytest.raises(InvalidJson, match="is not valid JSON"):
             await workers.parse(large[:-1], request_fields, 0)
         with pytest.raises(InvalidJson, match="deeper than 64"):
-            await workers.parse(b'{"a":' + b"[" * 100 + b"]" * 100 + b', "pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole)
+            await workers.parse(
+                b'{"a":' + b"[" * 100 + b"]" * 100 + b', "pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole
+            )
         # The sim engine's projection raises the HTTP layer's error: it crosses intact.
         big_chat = {"model": "other", "messages": [{"role": "user", "content": "w " * 50_000}]}
         with pytest.raises(HTTPError) as refused:

@@ -20,7 +20,9 @@ async def echo(request: http.Request) -> http.Response:
         raise RuntimeError("handler bug")
     if request.path == "/refuse":
         raise http.HTTPError(409, "no, because")
-    return http.Response.json(200, {"method": request.method, "path": request.path, "body": (await request.read()).decode()})
+    return http.Response.json(
+        200, {"method": request.method, "path": request.path, "body": (await request.read()).decode()}
+    )
 
 
 class Client:
@@ -598,7 +600,9 @@ async def test_a_chunked_body_is_counted_against_the_budget_as_it_arrives(
     budget = http.BodyBudget(10_000, wait_s=1.0)
 
     async def chunked(stream) -> None:
-        await stream.send_all(b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n")
+        await stream.send_all(
+            b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         for _ in range(20):
             await stream.send_all(b"3e8\r\n" + b"z" * 1000 + b"\r\n")
 
@@ -618,7 +622,9 @@ async def test_a_chunked_body_of_too_many_chunks_is_refused(autojump_clock: trio
     stats = http.ConnectionStats()
 
     async def tiny_chunks(stream) -> None:
-        await stream.send_all(b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n")
+        await stream.send_all(
+            b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         await stream.send_all(b"1\r\nz\r\n" * (http.MAX_BODY_CHUNKS + 1) + b"0\r\n\r\n")
 
     answer, _ = await serve_and_answer(refuse_from_head, http.Limits(), tiny_chunks, stats)
@@ -632,7 +638,9 @@ async def test_a_chunked_body_in_few_chunks_is_read_whole() -> None:
         head = b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n"
         await client_stream.send_all(head + (b"2710\r\n" + b"z" * 10_000 + b"\r\n") * 10 + b"0\r\n\r\n")
         c = Client(client_stream)
-        c.conn.send(h11.Request(method="POST", target="/v1/x", headers=[("host", "t"), ("transfer-encoding", "chunked")]))
+        c.conn.send(
+            h11.Request(method="POST", target="/v1/x", headers=[("host", "t"), ("transfer-encoding", "chunked")])
+        )
         c.conn.send(h11.EndOfMessage())
         status, body, _ = await c.response()
         assert status == 200 and body == b'{"size":100000}\n'

@@ -103,9 +103,11 @@ def test_the_file_for_the_nodes_architecture_is_picked(tmp_path: Path) -> None:
 # -- the route -----------------------------------------------------------------------------
 
 
-async def _get(rel: Releases, target: bytes, method: bytes = b"GET") -> tuple[int, dict[bytes, bytes], bytes]:
+async def _get(
+    rel: Releases, target: bytes, method: bytes = b"GET", extra: bytes = b""
+) -> tuple[int, dict[bytes, bytes], bytes]:
     client, server = trio.testing.memory_stream_pair()
-    await client.send_all(method + b" " + target + b" HTTP/1.1\r\nhost: cp\r\n\r\n")
+    await client.send_all(method + b" " + target + b" HTTP/1.1\r\nhost: cp\r\n" + extra + b"\r\n")
     head = await agentport.read_head(server)
     assert agentport.route(head.request) is agentport.Route.RELEASE
     await releases.serve(server, head.conn, head.request, rel, "127.0.0.9", send_timeout_s=5)
@@ -170,3 +172,17 @@ async def test_downloads_at_once_are_bounded(tmp_path: Path) -> None:
     rel.slots.release()
     status, _, _ = await _get(rel, b"/v1/release/" + AMD.encode())
     assert status == 200 and rel.slots.value == 1  # its slot given back
+
+
+@pytest.mark.trio
+async def test_a_range_is_ignored_and_a_long_name_cut_short_in_the_refusal(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path / "rel")
+    rel = Releases(directory=d, running=None)
+    for range_header in (b"bytes=" + b"9" * 5000 + b"-", b"bytes=5-", b"bytes=\xb2-"):
+        status, headers, body = await _get(
+            rel, b"/v1/release/" + ARM.encode(), extra=b"range: " + range_header + b"\r\n"
+        )
+        assert status == 200 and body == (d / ARM).read_bytes() and b"content-range" not in headers
+    long_name = b"llmgw-" + b"9" * 10000 + b"-linux-arm64.pyz"  # a release name by its form, not held
+    status, _, body = await _get(rel, b"/v1/release/" + long_name)
+    assert status == 404 and b"(10022 characters)" in body and len(body) < 400

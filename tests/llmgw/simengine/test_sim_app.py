@@ -100,7 +100,9 @@ async def test_same_request_same_text_over_http(autojump_clock: trio.testing.Moc
         first = body_of((await c.request("POST", "/v1/chat/completions", CHAT))[2])
         again = body_of((await c.request("POST", "/v1/chat/completions", CHAT))[2])
         assert first == again
-        prompt = complete("m", api.prompt_digest(json.dumps([["user", "one two three four"]], separators=(",", ":"))), 5)
+        prompt = complete(
+            "m", api.prompt_digest(json.dumps([["user", "one two three four"]], separators=(",", ":"))), 5
+        )
         assert first["choices"][0]["message"]["content"] == prompt.text
         completion = {"model": "m", "prompt": "one two", "max_tokens": 3}
         text = body_of((await c.request("POST", "/v1/completions", completion))[2])["choices"][0]["text"]

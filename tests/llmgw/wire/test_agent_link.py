@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
+import attrs
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from llmgw.wire import agent_link as m
 from llmgw.wire.convert import TYPES, decode, encode
@@ -167,3 +171,116 @@ def test_an_engine_want_carries_a_build_source_or_none() -> None:
     partial = json.loads(encode(state))
     del partial["engines"][0]["build"]["timeout_s"]
     assert decode(json.dumps(partial), m.ServerMessage).engines[0].build.timeout_s == 7200.0
+
+
+HELLO = json.loads(
+    encode(
+        m.Hello(
+            protocol_version=m.PROTOCOL_VERSION,
+            node_id="n",
+            agent_version="v",
+            boot_id="b",
+            started_at=1.0,
+            inventory=INVENTORY,
+        )
+    )
+)
+
+
+def _with(path: str, value: object) -> str:
+    frame = json.loads(json.dumps(HELLO))
+    *parents, last = path.split(".")
+    place = frame
+    for key in parents:
+        place = place[int(key)] if isinstance(place, list) else place[key]
+    place[int(last) if isinstance(place, list) else last] = value
+    return json.dumps(frame)  # NaN and Infinity as Python's JSON writes (and reads) them
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        (
+            "inventory.cpu_cores",
+            1.5,
+            "expected a whole number from 0 to 2**63 - 1, got 1.5 @ hello.inventory.cpu_cores",
+        ),
+        ("inventory.cpu_cores", 1e300, "got 1e+300"),
+        ("inventory.cpu_cores", True, "got True"),
+        ("inventory.cpu_cores", "8", "got '8'"),
+        ("inventory.cpu_cores", -1, "got -1"),
+        ("inventory.memory_total_bytes", 2**63, "got 9223372036854775808"),
+        ("inventory.gpus.0.memory_total_mib", 10**400, "(int of 401 characters as text)"),
+        ("started_at", float("nan"), "expected a finite number, got nan @ hello.started_at"),
+        ("started_at", float("inf"), "got inf"),
+        ("started_at", 10**400, "expected a finite number"),
+        ("started_at", False, "got False"),
+        ("node_id", 5, "expected a string, got 5 @ hello.node_id"),
+        ("inventory.engine_eligibility.0.status", None, "expected a string, got None"),
+    ],
+)
+def test_scalars_are_taken_as_json_gives_them_and_bounded(path: str, value: object, says: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode(_with(path, value), m.AgentMessage)
+    assert info.value.code == m.BAD_MESSAGE and says in str(info.value), str(info.value)
+    assert len(str(info.value)) < 400
+
+
+def test_a_whole_number_is_a_float_fields_value_and_the_bounds_are_taken() -> None:
+    hello = decode(_with("started_at", 3), m.AgentMessage)
+    assert hello.started_at == 3.0 and isinstance(hello.started_at, float)
+    hello = decode(_with("inventory.memory_total_bytes", 2**63 - 1), m.AgentMessage)
+    assert hello.inventory.memory_total_bytes == 2**63 - 1
+    assert decode(_with("inventory.cpu_cores", 0), m.AgentMessage).inventory.cpu_cores == 0
+
+
+def _leaves(value: object):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _paths(value: object, prefix: str = ""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, f"{prefix}{k}.")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, f"{prefix}{i}.")
+    if prefix:
+        yield prefix[:-1]
+
+
+_json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([2**63 - 1, 2**63, 10**400]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+_json_values = st.recursive(
+    _json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(path=st.sampled_from(sorted(set(_paths(HELLO)) - {"type"})), value=_json_values)
+@example(path="inventory.cpu_cores", value=10**400)
+@example(path="started_at", value=float("inf"))
+def test_any_value_anywhere_in_a_hello_is_a_bad_message_or_in_range(path: str, value: object) -> None:
+    try:
+        hello = decode(_with(path, value), m.AgentMessage)
+    except WireError as exc:
+        assert exc.code == m.BAD_MESSAGE
+        return
+    for leaf in _leaves(attrs.asdict(hello)):
+        if isinstance(leaf, bool) or leaf is None or isinstance(leaf, str):
+            continue
+        assert isinstance(leaf, (int, float)), (path, leaf)
+        assert (0 <= leaf <= 2**63 - 1) if isinstance(leaf, int) else math.isfinite(leaf), (path, leaf)

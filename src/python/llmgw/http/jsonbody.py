@@ -155,12 +155,12 @@ def worker_main(stdin=None, stdout=None) -> int:
         body = stdin.read(body_size)
         try:
             answer = ("ok", project(body, _resolve(reference), args))
-        except Exception as exc:  # - refusals are the projection's to make; a bug is reported as one
+        except Exception as exc:  # noqa: BLE001 - refusals are the projection's to make; a bug is sent back as one
             answer = ("error", exc)
         del body
         try:
             out = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # - an unpicklable error of a projection: said as text
+        except Exception as exc:  # noqa: BLE001 - an unpicklable error of a projection: said as text
             out = pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
         stdout.write(_FRAME.pack(len(out)) + out)
         stdout.flush()

@@ -62,7 +62,7 @@ import attrs
 import h11
 import trio
 
-from llmgw.errors import leaves
+from llmgw.errors import cut, leaves
 from llmgw.http import jsonbody
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
 from llmgw.log import get_logger
@@ -113,6 +113,8 @@ class Request:
 
     method: str
     path: str
+    # Percent-decoded (UTF-8, undecodable bytes as U+FFFD); a parameter without a value is kept
+    # as "" (`?force` -> {"force": [""]}), so that strict readers (`llmgw.http.params`) see it.
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
     client: str
@@ -160,7 +162,9 @@ def allow(request: Request, method: str) -> None:
     if request.method == method or (method == "GET" and request.method == "HEAD"):
         return
     allowed = "GET, HEAD" if method == "GET" else method
-    raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", allowed),))
+    raise HTTPError(
+        405, f"{cut(request.path)} takes {method}, not {cut(request.method, 20)}", headers=(("allow", allowed),)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -312,9 +316,7 @@ class _ConnectionBody(_BodySource):
     `settled` is set once no more of it will be read: read whole, or abandoned (the handler
     answered without it, or reading it failed) — then the connection closes after the answer."""
 
-    def __init__(
-        self, conn: h11.Connection, stream, limits: Limits, budget: BodyBudget, declared: int | None
-    ) -> None:
+    def __init__(self, conn: h11.Connection, stream, limits: Limits, budget: BodyBudget, declared: int | None) -> None:
         self.conn, self.stream, self.limits, self.budget, self.declared = conn, stream, limits, budget, declared
         self.data: bytes | None = None
         self.failed: BaseException | None = None
@@ -756,9 +758,7 @@ async def _read_request(
     if "transfer-encoding" in headers and "content-length" in headers:
         # RFC 9112 §6.1: a message with both may be an attempt at request smuggling; answer
         # and close rather than guess which framing the sender meant.
-        raise _Abort(
-            "malformed", 400, "request has both Content-Length and Transfer-Encoding; send one of them"
-        )
+        raise _Abort("malformed", 400, "request has both Content-Length and Transfer-Encoding; send one of them")
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _Abort(
@@ -774,7 +774,7 @@ async def _read_request(
     return Request(
         method=event.method.decode("ascii"),
         path=target.path,
-        query=parse_qs(target.query),
+        query=parse_qs(target.query, keep_blank_values=True),
         headers=headers,
         client=client,
         body=body,

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.errors import UsageError
+from llmgw.errors import UsageError, shown
 
 # Certificates start this long before they are issued, so a node whose clock is a little behind
 # the control plane's still accepts a certificate made a moment ago.
@@ -127,7 +127,7 @@ def check_issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> None:
 def check_node_id(node_id: str) -> str:
     if not _NODE_ID.fullmatch(node_id):
         raise UsageError(
-            f"node id {node_id!r} may use only letters, digits, '.', '_' and '-', must start with a letter "
+            f"node id {shown(node_id)} may use only letters, digits, '.', '_' and '-', must start with a letter "
             "or digit and be at most 63 characters; use the machine's hostname (e.g. 'llmgw-node04')"
         )
     return node_id

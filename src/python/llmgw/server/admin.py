@@ -5,7 +5,7 @@ with a wrong one, the answer is 401 with what to do. Routes:
 
     GET    /admin/v1/nodes                 every node with its state and inventory
     GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
-    GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log
+    GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log (N: 1-10000, default 100)
     GET    /admin/v1/models                the catalog with ready replicas per model
     POST   /admin/v1/reload                read server.toml again (catalog, engines)
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
@@ -24,6 +24,15 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/debug/stall?seconds=S hold the event loop for S seconds (a diagnostic: `[debug]
                                            allow_stall`, else 403; the credential itself, not a page session)
 
+Inputs are read strictly (`llmgw.http.params`), each refusal a 400 naming the input, the value
+given (cut short when long) and what is accepted: ids in paths are percent-decoded and must match
+their grammar (node ids as `check_node_id`, `REPLICA`, key names as `keys.KEY_NAME`); a route
+takes only the query parameters listed above, each once (`lines` from 1 to `MAX_LOG_LINES`,
+`force` 1/0/true/false); JSON bodies take only their fields, of their types, within their
+ranges (a key's limits up to `keys.MAX_LIMIT`, serials positive and at most 20 octets per
+RFC 5280, `not_after` from 1970 to the end of 9999). docs/security.md, "The admin API", lists
+them.
+
 Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
 key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409, a diagnostic
 that server.toml does not allow 403. A change the store cannot record (another process holds its
@@ -40,19 +49,19 @@ import hmac
 import math
 import re
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import unquote
 
 import attrs
 
-from llmgw.errors import ConfigError, LlmgwError, UsageError
+from llmgw.errors import ConfigError, LlmgwError, UsageError, cut, shown
 from llmgw.fabrics import FabricMap
+from llmgw.http import params
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
 from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
-from llmgw.server.gateway.keys import KeyRing, key_view
+from llmgw.server.gateway.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
 from llmgw.server.store import StoreError
 
 if TYPE_CHECKING:
@@ -65,6 +74,12 @@ PREFIX = "/admin/v1/"
 _REPLICA_LOGS = re.compile(r"^/admin/v1/replicas/([^/]+)/logs$")
 _KEY = re.compile(r"^/admin/v1/keys/([^/]+)$")
 _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
+# A replica's id is its model's name (letters, digits, '.', '_', '-'; 63 at most) and its slot.
+REPLICA = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+REPLICA_RULE = "a replica id is its model's name, '-' and a number (see `llmgw ctl replicas`)"
+MAX_LOG_LINES = 10_000  # the agent reads at most 4 MiB of a log back for a tail anyway
+LINES = f"the lines of each member's log to show, 1 to {MAX_LOG_LINES} (default 100)"
+FORCE = "1 (or true) to stop replicas that cannot be moved, 0 (or false, the default) to stop the drain there"
 
 
 class Plane(Protocol):
@@ -164,6 +179,7 @@ class AdminAPI:
     async def _route(self, request: Request) -> Response:
         if request.path == "/admin/v1/nodes":
             _allow(request, "GET")
+            params.query(request, {})
             fabrics = self.plane.fabric_map()
             placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
             return Response.json(
@@ -171,19 +187,22 @@ class AdminAPI:
             )
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
+            params.query(request, {})
             return Response.json(200, await self.plane.reload())
         logs = _REPLICA_LOGS.match(request.path)
         if logs is not None:
             _allow(request, "GET")
-            lines = request.query.get("lines", ["100"])[0]
-            if not lines.isdigit():
-                raise HTTPError(400, f"lines must be a whole number, got {lines!r}")
-            return Response.json(200, await self.plane.replica_logs(logs.group(1), int(lines)))
+            replica_id = _path_id(logs.group(1), "replica id", REPLICA, REPLICA_RULE)
+            given = params.query(request, {"lines": LINES})
+            lines = params.whole_number(given.get("lines", "100"), "lines", 1, MAX_LOG_LINES)
+            return Response.json(200, await self.plane.replica_logs(replica_id, lines))
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
+            params.query(request, {})
             return Response.json(200, {"replicas": self.plane.replica_views()})
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
+            params.query(request, {})
             return Response.json(200, {"models": self.plane.model_views()})
         if request.path == STALL:
             _allow(request, "POST")
@@ -200,26 +219,34 @@ class AdminAPI:
             return response
         m = _NODE_ACTION.match(request.path)
         if m is None:
-            raise HTTPError(404, f"no admin route {request.method} {request.path}", kind="not_found_error")
-        node_id, action = m.groups()
+            raise HTTPError(
+                404,
+                f"no admin route {cut(request.method, 20)} {cut(request.path)}",
+                kind="not_found_error",
+            )
+        raw_node, action = m.groups()
+        node_id = _node_id(raw_node)
         if action == "drain":
             _allow(request, "POST")
-            force = request.query.get("force", ["0"])[0] in ("1", "true")
+            force = params.flag(params.query(request, {"force": FORCE}).get("force", "0"), "force")
             progress = await self.plane.start_drain(node_id, force=force)
             return Response.json(202, {"drain": progress.view()})
         if action in ("cordon", "uncordon"):
             _allow(request, "POST")
+            params.query(request, {})
             await self.plane.set_cordoned(node_id, action == "cordon")
             log.info(f"node_{action}ed", node=node_id)
             return Response.json(200, {"node": self.plane.node_view(node_id)})
         _allow(request, "DELETE")
+        params.query(request, {})
         return Response.json(200, await self.plane.remove_node(node_id))
 
     async def _keys(self, request: Request) -> Response:
         ring = self.keys
+        params.query(request, {})
         if request.path != "/admin/v1/keys":
             _allow(request, "DELETE")
-            name = unquote(_KEY.match(request.path).group(1))
+            name = _path_id(_KEY.match(request.path).group(1), "key name", KEY_NAME, KEY_NAME_RULE)
             await ring.revoke(name)
             log.info("api_key_revoked", name=name)
             return Response.json(200, {"revoked": name})
@@ -235,10 +262,10 @@ class AdminAPI:
                 400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
             )
         if not isinstance(body.get("name"), str):
-            raise HTTPError(400, f"'name' must be a string, got {body.get('name')!r}")
+            raise HTTPError(400, f"'name' must be a string, got {shown(body.get('name'))}")
         row, token = await ring.create(
             body["name"],
-            models=body.get("models") or (),
+            models=() if body.get("models") is None else body["models"],
             rate_per_minute=body.get("rate_per_minute", 0),
             max_concurrency=body.get("max_concurrency", 0),
         )
@@ -251,6 +278,9 @@ class AdminAPI:
 
 CERTIFICATES = "/admin/v1/certificates"
 _RECORD_FIELDS = {"serial", "node_id", "not_after", "revoke_others", "also_revoke"}
+MAX_SERIAL = (1 << 160) - 1  # RFC 5280 §4.1.2.2: a serial is positive and at most 20 octets
+MAX_NOT_AFTER = 253402300799  # 9999-12-31T23:59:59Z, the last instant X.509's GeneralizedTime says
+MAX_ALSO_REVOKE = 1000  # serials revoked by one record (node add revokes a node's few others)
 
 
 async def certificates(store: AsyncStore, request: Request) -> Response:
@@ -258,7 +288,8 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
     `llmgw node add`, so that no command but the control plane opens its database while it runs."""
     if request.path != CERTIFICATES:
         _allow(request, "GET")
-        serial = _serial(unquote(request.path[len(CERTIFICATES) + 1 :]), "the path")
+        params.query(request, {})
+        serial = _serial(params.path_segment(request.path[len(CERTIFICATES) + 1 :], "serial"), "the path")
         row = await store.certificate(serial)
         return Response.json(
             200,
@@ -272,6 +303,7 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
             },
         )
     _allow(request, "POST")
+    params.query(request, {})
     body = await request.json()
     if not isinstance(body, dict):
         raise HTTPError(400, f"the body must be a JSON object: {{{', '.join(sorted(_RECORD_FIELDS))}}}")
@@ -281,32 +313,64 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
     serial = _serial(body.get("serial"), "'serial'")
     node_id = body.get("node_id")
     if not isinstance(node_id, str):
-        raise HTTPError(400, f"'node_id' must be the node id the certificate names, as a string; got {node_id!r}")
+        raise HTTPError(400, f"'node_id' must be the node id the certificate names, as a string; got {shown(node_id)}")
     try:
         check_node_id(node_id)
     except UsageError as exc:
         raise HTTPError(400, f"'node_id': {exc}") from None
-    not_after = body.get("not_after")
-    if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or not math.isfinite(not_after):
-        raise HTTPError(400, f"'not_after' must be the certificate's expiry in seconds since 1970, got {not_after!r}")
+    not_after = _seconds(body.get("not_after"))
     revoke_others = body.get("revoke_others", False)
     if not isinstance(revoke_others, bool):
-        raise HTTPError(400, f"'revoke_others' must be true or false, got {revoke_others!r}")
+        raise HTTPError(400, f"'revoke_others' must be true or false, got {shown(revoke_others)}")
     also = body.get("also_revoke", [])
-    if not isinstance(also, list):
-        raise HTTPError(400, f"'also_revoke' must be a list of serials, got {also!r}")
+    if not isinstance(also, list) or len(also) > MAX_ALSO_REVOKE:
+        raise HTTPError(400, f"'also_revoke' must be a list of at most {MAX_ALSO_REVOKE} serials, got {shown(also)}")
     also_revoke = [_serial(s, "'also_revoke'") for s in also]
     revoked = await store.record_issued(
-        serial, node_id, float(not_after), revoke_others=revoke_others, also_revoke=also_revoke
+        serial, node_id, not_after, revoke_others=revoke_others, also_revoke=also_revoke
     )
     log.info("certificate_recorded", node=node_id, serial=str(serial), revoked_serials=revoked)
     return Response.json(201, {"recorded": str(serial), "revoked_serials": revoked})
 
 
 def _serial(given: object, where: str) -> int:
-    if isinstance(given, str) and given.isascii() and given.isdigit() and int(given) > 0:
-        return int(given)
-    raise HTTPError(400, f"{where}: a serial is a positive whole number in decimal, as a string; got {given!r}")
+    if isinstance(given, str):
+        try:
+            return params.whole_number(given, "serial", 1, MAX_SERIAL)
+        except HTTPError:
+            pass
+    raise HTTPError(
+        400,
+        f"{where}: a serial is a positive whole number in decimal, as a string, at most 2**160 - 1 (RFC 5280: "
+        f"20 octets); got {shown(given)}",
+    )
+
+
+def _seconds(given: object) -> float:
+    """A certificate's expiry as JSON gives it: a number of seconds since 1970 that X.509 can say."""
+    # Not `math.isfinite(given)` first: an int of 400 digits does not convert to a float.
+    if not isinstance(given, bool) and isinstance(given, (int, float)) and 0 <= given <= MAX_NOT_AFTER:
+        return float(given)
+    raise HTTPError(
+        400,
+        f"'not_after' must be the certificate's expiry in seconds since 1970, from 0 to {MAX_NOT_AFTER} "
+        f"(the end of 9999); got {shown(given)}",
+    )
+
+
+def _node_id(raw: str) -> str:
+    node_id = params.path_segment(raw, "node id")
+    try:
+        return check_node_id(node_id)
+    except UsageError as exc:
+        raise HTTPError(400, str(exc)) from None
+
+
+def _path_id(raw: str, what: str, grammar: re.Pattern[str], rule: str) -> str:
+    decoded = params.path_segment(raw, what)
+    if grammar.fullmatch(decoded) is None:
+        raise HTTPError(400, f"{what} {shown(decoded)} is not valid: {rule}")
+    return decoded
 
 
 STALL = "/admin/v1/debug/stall"
@@ -325,7 +389,7 @@ def _stall_seconds(request: Request) -> float:
 
 
 def _allow(request: Request, method: str) -> None:
-    allow(request, method)  # a HEAD where GET is allowed
+    allow(request, method)  # a HEAD where GET is allowed; the path cut short in a 405
 
 
 def is_admin_path(path: str) -> bool:

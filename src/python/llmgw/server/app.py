@@ -32,7 +32,7 @@ import trio
 from llmgw import paths
 from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.engines.wants import engines_for
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, cut
 from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
@@ -271,7 +271,7 @@ class ControlPlane:
             return await self.gateway.handle(request)
         if Page.serves(request.path):  # the cluster page's files and /login
             return await self.page.handle(request)
-        raise HTTPError(404, f"no route {request.method} {request.path}", kind="not_found_error")
+        raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")
 
     # -- desired state ----------------------------------------------------------------------
 

@@ -193,18 +193,40 @@ async def serve(
         await _send_file(send, conn, request, f, size, node, sha256)
 
 
+# The one range form agents send (`llmgw.download` resuming a partial file): "bytes=N-".
+# ASCII digits only: `\d` would also match other scripts' digits. The unit is case-insensitive
+# (RFC 9110 §14.1).
+_FROM = re.compile(r"bytes=([0-9]+)-", re.IGNORECASE)
+
+
+def range_start(header: str, size: int) -> int | None:
+    """Where to start sending a file of `size` bytes for a request's `Range` header ("" if none):
+    0 for the whole file, None when the range cannot be satisfied (416).
+
+    RFC 9110 §14.2 lets a server ignore Range, and this one ignores every form but "bytes=N-"
+    (other ranges, several ranges, other units, malformed ones): the whole file is sent with 200,
+    which a client that asked to resume takes as "start again". "bytes=N-" with N at or past the
+    end is unsatisfiable (§14.1.1: first-pos not below the length) and answered 416 with
+    `Content-Range: bytes */SIZE` (§15.5.17) — however many digits N has: it is compared by its
+    length before `int` would run on it (CPython refuses more than 4300 digits)."""
+    m = _FROM.fullmatch(header.strip())
+    if m is None:
+        return 0
+    digits = m.group(1).lstrip("0") or "0"
+    if len(digits) > len(str(size)):
+        return None  # more digits than the size has: past the end
+    start = int(digits)
+    return start if start < size else None
+
+
 async def _send_file(
     send, conn: h11.Connection, request: h11.Request, f: BinaryIO, size: int, node: str, sha256: str
 ) -> None:
-    start = 0
     headers = dict((k.lower(), v) for k, v in request.headers)
-    wanted = headers.get(b"range", b"").decode("latin-1")
-    m = re.fullmatch(r"bytes=(\d+)-", wanted)
-    if m:
-        start = int(m.group(1))
-        if start >= size:
-            await _send(send, conn, 416, b"", [(b"content-range", f"bytes */{size}".encode())])
-            return
+    start = range_start(headers.get(b"range", b"").decode("latin-1"), size)
+    if start is None:
+        await _send(send, conn, 416, b"", [(b"content-range", f"bytes */{size}".encode())])
+        return
     status = 206 if start else 200
     extra = [(b"content-range", f"bytes {start}-{size - 1}/{size}".encode())] if start else []
     log.info("artifact_served", node=node, sha256=sha256, offset=start, size=size)

@@ -13,6 +13,9 @@ and under the admin API, through `guard`:
     POST /admin/v1/page/logout    end this session and clear its cookie
     GET  /admin/v1/events         the live feed (server/events.py)
 
+Query parameters are read as the admin API reads them (`llmgw.http.params`): `/login` takes
+`code`, once; every other route takes none, and a parameter it does not take is a 400 naming it.
+
 `guard` decides who is calling, before any admin route runs: a live session cookie, or else
 the admin credential (the bearer check admin.py has always made). A page session may read
 everything the admin API serves; it may change something only if its login code allowed
@@ -32,6 +35,8 @@ import attrs
 import trio
 
 import llmgw.page
+from llmgw.errors import cut, shown
+from llmgw.http import params
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server import events
@@ -78,6 +83,8 @@ SECURITY_HEADERS = (
     ("referrer-policy", "no-referrer"),
 )
 SAFE_METHODS = ("GET", "HEAD")
+LOGIN_CODE = "the one-time code of a login URL (`llmgw ctl page` prints one)"
+OWN_ROUTES = ("/admin/v1/events", "/admin/v1/page/login", "/admin/v1/page/session", "/admin/v1/page/logout")
 CREDENTIAL = "admin-credential"
 
 Inner = Callable[[Request], Awaitable[Response | StreamingResponse]]
@@ -122,29 +129,32 @@ class Page:
             _allow(request, "GET")  # a HEAD must not spend the code
             return self._login(request)
         if request.method not in SAFE_METHODS:
-            raise HTTPError(405, f"{request.path} takes GET, not {request.method}", headers=(("allow", "GET"),))
+            raise HTTPError(
+                405,
+                f"{cut(request.path)} takes GET, not {cut(request.method, 20)}",
+                headers=(("allow", "GET"),),
+            )
+        params.query(request, {})
         if self._assets is None:
             self._assets = await trio.to_thread.run_sync(load_assets)
         name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/page/")
         body = self._assets.get(name)
         if body is None or name == "index.html" and request.path.startswith("/page/"):
-            raise HTTPError(404, f"the cluster page has no file {request.path!r}", kind="not_found_error")
+            raise HTTPError(404, f"the cluster page has no file {shown(request.path)}", kind="not_found_error")
         headers = (("content-type", _content_type(name)), ("cache-control", "no-cache"), *SECURITY_HEADERS)
         return Response(status=200, body=body, headers=headers)  # to a HEAD the server sends no body
 
     def _login(self, request: Request) -> Response:
-        code = request.query.get("code", [""])[0]
         now = trio.current_time()
+        try:
+            code = params.query(request, {"code": LOGIN_CODE}).get("code", "")
+        except HTTPError as exc:  # a person reads this one in a browser: a page, not JSON
+            return _refusal(exc.status, exc.message)
         try:
             login = self.sessions.redeem(code, now)
         except LoginRefused as exc:
             log.warning("page_login_refused", client=request.client)
-            body = (
-                "<!doctype html><html lang=en><meta charset=utf-8><title>llmgw: login refused</title>"
-                f"<p>{html.escape(str(exc))}</p></html>"
-            ).encode()
-            headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
-            return Response(status=401, body=body, headers=headers)
+            return _refusal(401, str(exc))
         s = login.session
         log.info(
             "page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now)
@@ -206,11 +216,17 @@ class Page:
         host = request.headers.get("host", "")
         origin = request.headers.get("origin", "")
         if origin not in (f"http://{host}", f"https://{host}"):
-            log.warning("page_call_refused", session=session.id, path=request.path, reason="origin", origin=origin)
+            log.warning(
+                "page_call_refused",
+                session=session.id,
+                path=cut(request.path),
+                reason="origin",
+                origin=cut(origin),
+            )
             raise HTTPError(
                 403,
-                f"a change through a page session must come from this control plane's own page (Origin {origin!r} "
-                f"is not http://{host})",
+                f"a change through a page session must come from this control plane's own page (Origin "
+                f"{shown(origin)} is not http://{cut(host)})",
                 kind="permission_error",
             )
         if not csrf_ok(session, request.headers.get(CSRF_HEADER, "")):
@@ -230,6 +246,8 @@ class Page:
 
     async def _admin_route(self, request: Request, caller: Caller) -> Response | StreamingResponse | None:
         path = request.path
+        if path in OWN_ROUTES:
+            params.query(request, {})
         if path == "/admin/v1/events":
             _allow(request, "GET")
             log.info("page_events_opened", by=caller.who, client=request.client)
@@ -252,7 +270,8 @@ class Page:
             _allow(request, "POST")
             if caller.session is not None:
                 raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
-            body = await request.json() or {}
+            body = await request.json()
+            body = {} if body is None else body  # no body: no actions
             if (
                 not isinstance(body, dict)
                 or set(body) - {"actions"}
@@ -297,6 +316,19 @@ class Page:
         await self.history.serve(task_status=task_status)
 
 
+def _refusal(status: int, message: str) -> Response:
+    body = (
+        "<!doctype html><html lang=en><meta charset=utf-8><title>llmgw: login refused</title>"
+        f"<p>{html.escape(message)}</p></html>"
+    ).encode()
+    headers = (("content-type", "text/html; charset=utf-8"), ("cache-control", "no-store"), *SECURITY_HEADERS)
+    return Response(status=status, body=body, headers=headers)
+
+
 def _allow(request: Request, method: str) -> None:
     if request.method != method:
-        raise HTTPError(405, f"{request.path} takes {method}, not {request.method}", headers=(("allow", method),))
+        raise HTTPError(
+            405,
+            f"{cut(request.path)} takes {method}, not {cut(request.method, 20)}",
+            headers=(("allow", method),),
+        )

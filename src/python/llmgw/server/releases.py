@@ -33,7 +33,7 @@ import h11
 import trio
 
 from llmgw.download import sha256_of
-from llmgw.errors import UsageError
+from llmgw.errors import UsageError, cut
 from llmgw.log import get_logger
 from llmgw.releasefiles import NAME, SUMS, Running, parse_sums, release_files
 from llmgw.wire.agent_link import RELEASE_PREFIX
@@ -190,7 +190,7 @@ async def serve(
         return
     entry = catalog.files.get(name)
     if entry is None:
-        await _answer(send, conn, 404, f"this control plane does not hold {name}; {SUMS} lists what it holds\n")
+        await _answer(send, conn, 404, f"this control plane does not hold {cut(name)}; {SUMS} lists what it holds\n")
         return
     try:
         releases.slots.acquire_nowait()
@@ -204,6 +204,8 @@ async def serve(
             return
         f, size = opened
         with f:
+            # A Range header is ignored, as RFC 9110 §14.2 allows: the whole file, 200. A node
+            # fetches its release whole; there is nothing here to resume, nor to parse.
             headers = [(b"content-length", str(size).encode()), (b"content-type", b"application/octet-stream")]
             await send(conn.send(h11.Response(status_code=200, headers=headers)))
             left = size  # what was announced, even if the file changes meanwhile (h11 refuses a short body)

@@ -3,17 +3,26 @@
 Every message is a JSON object whose "type" field names it (the class name in snake case).
 Unknown fields are errors, as are unknown types, so a peer speaking another dialect is told
 at once instead of being half-understood.
+
+Scalars are taken as JSON gives them, never converted: an `int` field takes a JSON whole number
+from 0 to 2**63 - 1 (every int of the link is a count, a size, a port or an id; SQLite and
+float arithmetic hold that range), not `true`, `1.5`, `"12"` or 10**400; a `float` field takes a
+finite number (`NaN` and `Infinity`, which Python's JSON reads, are refused: they would travel on
+into views as JSON no browser parses); a `str` field a string, a `bool` field `true` or `false`.
+cattrs' own hooks would call `int(...)`, `str(...)`, `bool(...)` on whatever came.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, get_args
 
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
+from llmgw.errors import shown
 from llmgw.wire import agent_link
 from llmgw.wire.errors import WireError
 
@@ -26,6 +35,43 @@ def tag(cls: type) -> str:
 
 
 converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+MAX_INT = (1 << 63) - 1
+
+
+class _NotTaken(ValueError):
+    """A scalar of the wrong kind or range; its message says which and what was expected."""
+
+
+def _int(value: Any, _: type) -> int:
+    # A bool is an int to Python, not a number to JSON.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+        raise _NotTaken(f"expected a whole number from 0 to 2**63 - 1, got {shown(value)}")
+    return value
+
+
+def _float(value: Any, _: type) -> float:
+    if isinstance(value, int) and not isinstance(value, bool) and -MAX_INT - 1 <= value <= MAX_INT:
+        return float(value)
+    if not isinstance(value, float) or not math.isfinite(value):
+        raise _NotTaken(f"expected a finite number, got {shown(value)}")
+    return value
+
+
+def _str(value: Any, _: type) -> str:
+    if not isinstance(value, str):
+        raise _NotTaken(f"expected a string, got {shown(value)}")
+    return value
+
+
+def _bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):
+        raise _NotTaken(f"expected true or false, got {shown(value)}")
+    return value
+
+
+for _type, _hook in ((int, _int), (float, _float), (str, _str), (bool, _bool)):
+    converter.register_structure_hook(_type, _hook)
 
 # One union of everything either side may send; AgentMessage and ServerMessage are its halves.
 _ALL = (
@@ -78,7 +124,11 @@ def structure(data: dict[str, Any], expected: Any) -> Any:
     try:
         return converter.structure(data, _ALL)
     except cattrs.BaseValidationError as exc:
-        problems = "; ".join(cattrs.transform_error(exc, path=kind))
+        problems = "; ".join(cattrs.transform_error(exc, path=kind, format_exception=_problem))
         raise WireError(agent_link.BAD_MESSAGE, f"malformed {kind}: {problems}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(agent_link.BAD_MESSAGE, f"malformed {kind}: {exc}") from None
+
+
+def _problem(exc: BaseException, expected: type | None) -> str:
+    return str(exc) if isinstance(exc, _NotTaken) else cattrs.v.format_exception(exc, expected)

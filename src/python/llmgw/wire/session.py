@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from llmgw import __version__
+from llmgw.errors import shown
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import TAG, encode, parse, structure, tag
 from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
@@ -258,12 +259,12 @@ class ServerSession(_Session):
             raise LocalProtocolError(f"upgrade checked twice ({self.state.value})")
         self.state = State.CLOSED  # until it passes
         if path != w.AGENT_PATH:
-            raise UpgradeRefused(404, f"no agent endpoint at {path!r}; agents connect to {w.AGENT_PATH}")
+            raise UpgradeRefused(404, f"no agent endpoint at {shown(path)}; agents connect to {w.AGENT_PATH}")
         claimed = _header(headers, w.NODE_ID_HEADER)
         if claimed != self.expected_node_id:
             raise UpgradeRefused(
                 403,
-                f"node id {claimed!r} does not match its certificate CN {self.expected_node_id!r}; set node_id in "
+                f"node id {shown(claimed)} does not match its certificate CN {self.expected_node_id!r}; set node_id in "
                 "agent.toml to the certificate's CN, or reissue the certificate with `llmgw node add USER@HOST --reissue`",
             )
         self.state = State.AWAIT_HELLO

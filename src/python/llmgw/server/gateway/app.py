@@ -39,7 +39,6 @@ from llmgw.config import GatewaySection
 from llmgw.http.jsonbody import JsonWorkers
 from llmgw.http.server import BodyAborted, HTTPError, Request, Response, StreamingResponse, allow, parse_body
 from llmgw.log import get_logger
-from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.server.gateway.errors import (
     UpstreamBroken,
     UpstreamError,
@@ -47,6 +46,7 @@ from llmgw.server.gateway.errors import (
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
+from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict

@@ -25,12 +25,20 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from llmgw.errors import shown
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.store import KeyRow
 
 TOKEN_PREFIX = "llmgw-"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # matched whole (`fullmatch`)
+KEY_NAME_RULE = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+# A key's models are catalog names (`llmgw.config`'s grammar for them), a key's own list bounded.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+MAX_MODELS = 256
+# rate_per_minute and max_concurrency: far above what one gateway serves, far inside the 64-bit
+# integers SQLite stores (a larger number would fail as the database's error, not the caller's).
+MAX_LIMIT = 1_000_000_000
 
 
 def token_hash(token: str) -> str:
@@ -80,16 +88,22 @@ class KeyRing:
         self, name: str, *, models: Sequence[str] = (), rate_per_minute: int = 0, max_concurrency: int = 0
     ) -> tuple[KeyRow, str]:
         """A new key and its token; the token is not kept anywhere and cannot be shown again."""
-        if not _NAME.match(name):
-            raise ApiKeyError(
-                f"key name {name!r} is not valid: use 1-64 letters, digits, '.', '_' or '-', starting with a "
-                "letter or digit"
-            )
+        if not isinstance(name, str) or not KEY_NAME.fullmatch(name):
+            raise ApiKeyError(f"key name {shown(name)} is not valid: {KEY_NAME_RULE}")
         for field, value in (("rate_per_minute", rate_per_minute), ("max_concurrency", max_concurrency)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ApiKeyError(f"{field} must be a whole number >= 0 (0 = no limit), got {value!r}")
-        if isinstance(models, str) or not all(isinstance(m, str) and m for m in models):
-            raise ApiKeyError(f"models must be a list of model names, got {models!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
+                raise ApiKeyError(
+                    f"{field} must be a whole number from 0 (no limit) to {MAX_LIMIT}, got {shown(value)}"
+                )
+        if (
+            not isinstance(models, (list, tuple))
+            or len(models) > MAX_MODELS
+            or not all(isinstance(m, str) and MODEL_NAME.fullmatch(m) for m in models)
+        ):
+            raise ApiKeyError(
+                f"models must be a list of at most {MAX_MODELS} model names (letters, digits, '.', '_' or '-', "
+                f"starting with a letter or digit, 63 at most), got {shown(models)}"
+            )
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         row = KeyRow(
             name=name,
