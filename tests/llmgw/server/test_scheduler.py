@@ -74,7 +74,8 @@ def test_multi_node_replicas_stay_on_one_fabric_and_say_why_not() -> None:
     one_gpu_each = [attrs.evolve(n, gpus=1) for n in nodes]
     p2 = plan(one_gpu_each, [model(nodes_per_replica=2, replicas=2, gpus_per_replica=1)], [])
     [pending] = p2.pending
-    assert pending.reason == "needs 2 nodes on one fabric, 1 available on ib-b"
+    # ... and why the others are not candidates: here, their GPUs are taken.
+    assert pending.reason == "needs 2 nodes on one fabric, 1 available on ib-b (a has 0 free GPUs; b has 0 free GPUs)"
     p3 = plan([node("x"), node("y")], [model(nodes_per_replica=2)], [])
     assert "none of the nodes that fit is on a fabric" in p3.pending[0].reason
 

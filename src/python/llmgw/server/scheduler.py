@@ -227,9 +227,10 @@ def _place(model: Model, replica_id: str, nodes: Sequence[NodeView], free: _Free
                 engine=model.engine,
                 fabric=fabric,
             ), ""
+    left_out = f" ({why})" if why != "no nodes" else ""  # why the other nodes are not candidates
     if best is None:
-        return None, f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric"
-    return None, f"needs {need} nodes on one fabric, {len(by_fabric[best])} available on {best.split('@')[0]}"
+        return None, f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric{left_out}"
+    return None, f"needs {need} nodes on one fabric, {len(by_fabric[best])} available on {best.split('@')[0]}{left_out}"
 
 
 def _needs(model: Model) -> str:
