@@ -261,7 +261,7 @@ def test_the_quickstarts_commands_work_as_printed_while_up_runs(tmp_path: Path) 
     proc = subprocess.Popen(
         [*as_run_here(up, home), "--port", str(port)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=(tmp_path / "up.log").open("w"),  # read into a failure's message: the cause, once seen
         text=True,
         env=env,
     )
@@ -279,7 +279,10 @@ def test_the_quickstarts_commands_work_as_printed_while_up_runs(tmp_path: Path) 
         ], printed
         for command in operate + ctl:
             done = subprocess.run(as_run_here(command, home), capture_output=True, text=True, env=env, timeout=120)
-            assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+            assert done.returncode == 0, (
+                f"`{command}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}\nup's log ends:\n"
+                + "\n".join((tmp_path / "up.log").read_text(errors="replace").splitlines()[-40:])
+            )
             assert done.stdout.strip(), command
         nodes = subprocess.run(as_run_here(operate[0], home), capture_output=True, text=True, env=env, timeout=60)
         assert "local-2" in nodes.stdout and "cordoned" in nodes.stdout  # the drain ran: cordoned and empty
