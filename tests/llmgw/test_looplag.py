@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from functools import partial
 
 import pytest
 import trio
 import trio.testing
 
+from llmgw import looplag
 from llmgw.looplag import (
     BLOCKED_OR_PAUSED,
     BUSY,
@@ -201,3 +203,22 @@ async def test_the_ticker_notices_a_stall_warns_once_and_credits_the_clock(
     stalled = clock.stalled_s
     clock.observe(trio.current_time() + 100)
     assert clock.stalled_s == stalled
+
+
+def test_the_step_timer_counts_each_steps_cpu_time() -> None:
+    timer = looplag.StepTimer()
+
+    async def main() -> None:
+        trio.lowlevel.add_instrument(timer)
+        await trio.lowlevel.checkpoint()
+        started = time.thread_time()
+        while time.thread_time() - started < 0.03:  # one step computing 30 ms
+            pass
+        await trio.lowlevel.checkpoint()
+        trio.lowlevel.remove_instrument(timer)
+
+    trio.run(main)
+    assert timer.longest >= 0.03 and timer.take_window() >= 0.03 and timer.take_window() == 0.0
+    text = timer.render()
+    assert 'llmgw_event_loop_long_steps_total{over="0.02"} 1' in text
+    assert 'llmgw_event_loop_long_steps_total{over="0.1"} 0' in text

@@ -30,33 +30,11 @@ import trio
 
 from llmgw.http.jsonbody import JsonWorkers
 from llmgw.http.server import HTTPError, Limits, Request, Response, bound_address, parse_body, serve_http
+from llmgw.looplag import StepTimer
 from llmgw.server.gateway.fields import request_fields
 from testlib import bodies
 
 TARGET_MAX_STEP_MS = 20.0
-
-
-class StepTimer(trio.abc.Instrument):
-    """The longest task step since the last `reset`, and the longest ever, in the loop thread's
-    CPU time: what the step itself cost, not the time the machine gave to other processes
-    meanwhile (on a loaded machine a step can be preempted for longer than it runs)."""
-
-    def __init__(self) -> None:
-        self.started = 0.0
-        self.longest = 0.0
-        self.window = 0.0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self.started = time.thread_time()
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        took = time.thread_time() - self.started
-        self.window = max(self.window, took)
-        self.longest = max(self.longest, took)
-
-    def reset(self) -> float:
-        window, self.window = self.window, 0.0
-        return window
 
 
 def _post(port: int, path: str, body: bytes) -> tuple[int, float]:
@@ -72,7 +50,7 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, float]:
 
 
 def run(sizes: list[int]) -> dict:
-    timer = StepTimer()
+    timer = StepTimer()  # CPU time per task step: a preempted step does not count as long
     ready: list[int] = []
     stop = trio.Event()
     token: list = []
@@ -123,7 +101,7 @@ def run(sizes: list[int]) -> dict:
         for size in sizes:
             for name, make in bodies.adversarial("m", size).items():
                 body = make()
-                timer.reset()
+                timer.take_window()
                 status, seconds = _post(port, "/v1/chat/completions", body)
                 results.append(
                     {
@@ -131,7 +109,7 @@ def run(sizes: list[int]) -> dict:
                         "bytes": len(body),
                         "status": status,
                         "seconds": round(seconds, 4),
-                        "max_step_ms": round(timer.reset() * 1000, 2),
+                        "max_step_ms": round(timer.take_window() * 1000, 2),
                     }
                 )
                 print(f"bodies: {json.dumps(results[-1])}", file=sys.stderr, flush=True)

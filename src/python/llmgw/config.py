@@ -259,6 +259,7 @@ class DebugSection:
     """Diagnostics that disturb the control plane on purpose, each off unless turned on here."""
 
     allow_stall: bool = False  # POST /admin/v1/debug/stall: hold the event loop (docs/reliability.md)
+    measure_steps: bool = False  # time every task step of the loop (llmgw.looplag.StepTimer): ~1 µs a step
 
 
 @attrs.frozen(kw_only=True)

@@ -31,6 +31,15 @@ notices the gap since the last reading and credits it, so a heartbeat that waite
 buffer during a stall is not counted as its node's silence.
 
 Cost: one timer, two clock reads and a `pread` per tick (20 a second), nothing per task.
+
+`StepTimer` is the exact measure, for diagnosis and for tests that must show no step held the
+loop longer than a bound: a trio instrument that reads the thread's CPU time before and after
+every task step (about a microsecond a step, so off unless asked for: server.toml's
+`[debug] measure_steps`). It counts steps by how long each computed, whatever else the machine
+did meanwhile:
+
+    llmgw_event_loop_step_max_seconds  gauge: the longest task step since the process started
+    llmgw_event_loop_long_steps_total  counter, by `over` (0.005, 0.02, 0.1 s): steps longer
 """
 
 from __future__ import annotations
@@ -310,6 +319,61 @@ async def serve_loop_lag(
         if clock is not None:
             clock.unwatch()
         wait.close()
+
+
+LONG_STEP_BOUNDS = (0.005, 0.02, 0.1)
+LONG_STEP_LOG_S = 0.02  # a step longer than this is logged with its task's name
+
+
+class StepTimer(trio.abc.Instrument):
+    """The CPU time of every task step of the loop it is added to (`trio.lowlevel.add_instrument`),
+    as the longest since start and counts over `LONG_STEP_BOUNDS`. A step's CPU time, not its
+    wall time: a step the machine preempted is not counted as long."""
+
+    def __init__(self) -> None:
+        self.metrics = Registry()
+        self._max = self.metrics.gauge(
+            "llmgw_event_loop_step_max_seconds", "The longest task step of the event loop since start (CPU time)."
+        )
+        self._long = self.metrics.counter(
+            "llmgw_event_loop_long_steps_total",
+            "Task steps of the event loop longer than `over` seconds (CPU time).",
+            ("over",),
+        )
+        self.longest = 0.0
+        self.window = 0.0  # the longest since `take_window` last read it
+        self._started: float | None = None  # None: added in the middle of a step, not timed
+        for bound in LONG_STEP_BOUNDS:
+            self._long.inc(0, over=f"{bound:g}")
+        self._max.set(0.0)
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._started = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._started is None:
+            return
+        took = time.thread_time() - self._started
+        self._started = None
+        if took > LONG_STEP_LOG_S:
+            log.info("event_loop_long_step", task=task.name, seconds=round(took, 4))
+        if took > self.window:
+            self.window = took
+        if took > LONG_STEP_BOUNDS[0]:
+            for bound in LONG_STEP_BOUNDS:
+                if took > bound:
+                    self._long.inc(over=f"{bound:g}")
+        if took > self.longest:
+            self.longest = took
+            self._max.set(took)
+
+    def take_window(self) -> float:
+        """The longest step since the last call (a benchmark's per-request figure)."""
+        window, self.window = self.window, 0.0
+        return window
+
+    def render(self) -> str:
+        return self.metrics.render()
 
 
 def warn(lagged: Lagged) -> None:

@@ -37,7 +37,7 @@ from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
 from llmgw.log import get_logger
-from llmgw.looplag import LagMonitor, StallClock, serve_loop_lag
+from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.metrics import Registry as MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
@@ -98,6 +98,8 @@ class ControlPlane:
         # stall, every node's deadline moves by its length.
         clock = StallClock(hold_s=config.server.heartbeat_interval_s)
         self.loop_lag = LagMonitor()  # this process's event-loop lag, for /metrics and the log
+        # Every task step timed, where server.toml's [debug] measure_steps asks (added in `serve`).
+        self.step_timer = StepTimer() if config.debug.measure_steps else None
         self.registry = Registry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=clock.now(),
@@ -193,6 +195,8 @@ class ControlPlane:
             nursery.start_soon(self._close_json_workers)
             # The loop's ticker first: from then on a stall is noticed, and not counted as silence.
             await nursery.start(run, "loop_lag", partial(serve_loop_lag, self.loop_lag, clock=self.registry.clock))
+            if self.step_timer is not None:
+                trio.lowlevel.add_instrument(self.step_timer)
             # The store's writer next: the reconciler offers it placements.
             await nursery.start(run, "placements", self.replicas.saver.serve)
             # The reconciler: liveness changes, placements, desired state pushed.
@@ -264,6 +268,7 @@ class ControlPlane:
                     + _restarts_metric(self.background.restarts)
                     + self.loop_lag.render(trio.current_time())
                     + self.registry.clock.render()
+                    + (self.step_timer.render() if self.step_timer is not None else "")
                 )
                 response = attrs.evolve(response, body=response.body + own.encode())
             return response
