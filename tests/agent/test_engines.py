@@ -22,20 +22,29 @@ from llmgw.errors import LlmgwError
 from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
+from testlib.proc import build_root
+
+HELP = build_root() / "tests" / "fixtures" / "help" / "llama-server.txt"
 
 
 def fake_engine(version: str, *, works: bool) -> bytes:
+    """A llama-server that prints its version and, for `--help`, llama.cpp's recorded help (which
+    the agent checks against llmgw's flags before it offers a llama.cpp archive)."""
     script = (
-        f"#!/bin/sh\necho 'version: {version}'\n"
+        f'#!/bin/sh\ncase "$1" in --help) cat "$(dirname "$0")/help.txt";; *) echo \'version: {version}\';; esac\n'
         if works
         else "#!/bin/sh\necho 'illegal instruction (needs AVX2)' >&2\nexit 132\n"
     )
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        info = tarfile.TarInfo("build/bin/llama-server")
-        info.mode = 0o755
-        info.size = len(script)
-        tar.addfile(info, io.BytesIO(script.encode()))
+        for name, data, mode in (
+            ("build/bin/llama-server", script.encode(), 0o755),
+            ("build/bin/help.txt", HELP.read_bytes(), 0o644),
+        ):
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 

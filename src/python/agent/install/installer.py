@@ -12,8 +12,10 @@ version keeps serving until the new one is known to start. A version that fails 
 removed and reported with the engine's own output; `current` is left alone. Only the current
 and the previous version are kept.
 
-A version comes from a prebuilt archive, a pip requirement, or llama.cpp's source built here
-(agent.install.build); a build may be kept in a build cache and reused by an identical one.
+A version comes from a prebuilt archive (one server.toml names, or the control plane's release),
+a pip requirement, or llama.cpp's source built here (agent.install.build); a build may be kept in
+a build cache and reused by an identical one. Where `Wanted.flags_of` names an engine, its whole
+help is checked against the flags llmgw gives it (engine-check's check) before it is offered.
 `ensure` reports its phases ("fetch", "unpack", "configure", "build", "install", "check") and
 percentages, when known, to `on_progress`, at each change (the caller throttles).
 """
@@ -41,6 +43,7 @@ from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.unpack import unpack
 from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, archive_cap, fetch
+from llmgw.engines import cpubackend
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")
@@ -243,6 +246,8 @@ class EngineStore:
                 )
             report("check", None)
             await check_runs([str(executable), *wanted.check_args])
+            if wanted.flags_of:
+                await check_flags(wanted.flags_of, str(executable), {**os.environ, **dict(wanted.help_environ)})
             if version_dir.exists():
                 shutil.rmtree(version_dir)  # a leftover of an interrupted install: never the current one
             os.rename(staging, version_dir)
@@ -398,6 +403,18 @@ class _Reporter:
                 self.token.run_sync_soon(self, phase, percent)
             except trio.RunFinishedError:
                 pass
+
+
+async def llama_cpu_backend(executable: str, timeout_s: float = CHECK_TIMEOUT_S) -> str:
+    """The CPU backend llama-server loads on this machine (llmgw.engines.cpubackend): what its
+    `--list-devices` logs as it loads every backend, or "" if that cannot be asked."""
+    loadable = any(Path(executable).parent.glob("libggml-cpu*.so"))
+    try:
+        output = await check_runs([executable, "--list-devices"], timeout_s)
+    except EngineCheckFailed as exc:
+        log.warning("engine_cpu_backend_unknown", executable=executable, reason=str(exc))
+        return ""
+    return cpubackend.parse(output, loadable=loadable)
 
 
 async def check_flags(engine: str, executable: str, environ: dict[str, str]) -> None:
