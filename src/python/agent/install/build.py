@@ -114,6 +114,11 @@ _DEBIAN = "apt-get install build-essential cmake"
 _RHEL = "dnf install gcc-c++ cmake make"
 
 
+def install_hint_for(os_family: str) -> str:
+    """The install command for doctor's OS family ("debian", "rhel", or "": both)."""
+    return {"debian": _DEBIAN, "rhel": _RHEL}.get(os_family) or f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
+
+
 def install_hint(os_release: str) -> str:
     """The install command for this distribution (from /etc/os-release's ID and ID_LIKE)."""
     fields = {}
