@@ -15,6 +15,8 @@ import pytest
 import trio
 
 from agent.engines import wanted_from
+from agent.install import build as b
+from agent.install.errors import NoSourceForNode
 from agent.install.installer import ArchiveSource, BuildSource
 from agent.main import run_agent
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection
@@ -152,3 +154,48 @@ def test_an_archive_plan_carries_the_unpack_caps() -> None:
     )
     source = wanted_from(want, config, "x86_64", False).source
     assert (source.max_unpacked_bytes, source.max_members) == (123, 45)
+
+
+RELEASED = w.EngineArchive(
+    arch="x86_64",
+    backend="cpu",
+    url="",
+    sha256="e" * 64,
+    binary="llama.cpp-b11434-linux-amd64/llama-server",
+    size=99,
+    release="llama.cpp-b11434-linux-amd64.tar.gz",
+)
+SOURCE = w.EngineBuild(url="https://x/src.tgz", sha256="b" * 64)
+ALL_TOOLS = b.BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
+BASE = "https://10.0.0.1:7443"
+
+
+def test_the_releases_archive_is_fetched_from_the_control_plane_and_help_checked() -> None:
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED,), build=SOURCE)
+    plan = wanted_from(want, AgentConfig(server="wss://x:1"), "x86_64", False, tools=ALL_TOOLS, release_base=BASE)
+    assert isinstance(plan.source, ArchiveSource)
+    assert plan.source.url == f"{BASE}/v1/release/llama.cpp-b11434-linux-amd64.tar.gz"
+    assert (plan.source.sha256, plan.source.binary, plan.source.size) == (RELEASED.sha256, RELEASED.binary, 99)
+    assert plan.flags_of == "llamacpp" and plan.check_args == ("--version",)
+    # Another architecture: nothing prebuilt, so the build, as before.
+    other = wanted_from(want, AgentConfig(server="wss://x:1"), "aarch64", False, tools=ALL_TOOLS, release_base=BASE)
+    assert isinstance(other.source, BuildSource)
+
+
+def test_a_gpu_node_builds_for_cuda_where_it_can_and_else_runs_the_releases_cpu_build() -> None:
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED,), build=SOURCE)
+    config = AgentConfig(server="wss://x:1")
+    cuda = wanted_from(want, config, "x86_64", True, tools=ALL_TOOLS, release_base=BASE).source
+    assert isinstance(cuda, BuildSource) and cuda.gpu
+    no_cmake = b.BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
+    cpu = wanted_from(want, config, "x86_64", True, tools=no_cmake, release_base=BASE).source
+    assert isinstance(cpu, ArchiveSource) and cpu.url.endswith(RELEASED.release)
+    no_nvcc = wanted_from(want, config, "x86_64", True, tools=b.BuildTools(), release_base=BASE).source
+    assert isinstance(no_nvcc, ArchiveSource)  # no CUDA build to make: the release's CPU build
+    # A configured archive that fits wins over both; without any source the node has none.
+    named = w.EngineArchive(arch="x86_64", backend="cpu", url="https://x/cpu.tgz", sha256="a" * 64, binary="b")
+    mine = attrs.evolve(want, archives=(named, RELEASED))
+    assert wanted_from(mine, config, "x86_64", True, tools=ALL_TOOLS).source.url == "https://x/cpu.tgz"
+    with pytest.raises(NoSourceForNode) as info:
+        wanted_from(attrs.evolve(want, build=None), config, "aarch64", False)
+    assert "offers llamacpp b11434 for x86_64/cpu, not for this node (aarch64)" in str(info.value)
