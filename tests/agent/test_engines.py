@@ -199,3 +199,46 @@ def test_a_gpu_node_builds_for_cuda_where_it_can_and_else_runs_the_releases_cpu_
     with pytest.raises(NoSourceForNode) as info:
         wanted_from(attrs.evolve(want, build=None), config, "aarch64", False)
     assert "offers llamacpp b11434 for x86_64/cpu, not for this node (aarch64)" in str(info.value)
+
+
+@pytest.mark.trio
+async def test_a_release_archive_damaged_on_the_control_plane_is_refused_before_it_is_unpacked(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The digest comes from the release's SHA256SUMS, through the control plane: an archive changed
+    on its disk after the release was made is fetched, refused by the node's sha256 check, and
+    nothing of it is unpacked or offered."""
+    from llmgw.config import ReleaseSection
+    from llmgw.releasefiles import ARCHES
+    from testlib.llamarelease import release_dir
+
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text("#!/bin/sh\necho 'version: b11434'\n")
+    stand_in.chmod(0o755)
+    release = release_dir(tmp_path / "release", (ARCHES[platform.machine()],), server=str(stand_in))
+    [archive] = release.glob("llama.cpp-*.tar.gz")
+    archive.write_bytes(archive.read_bytes() + b"tampered")
+    state = tmp_path / "cp"
+    ca = make_state(state, sans=["127.0.0.1"], days=3)
+    plane, bound = await serve_plane(
+        state, nursery, engines=EnginesSection(), release=ReleaseSection(dir=str(release)), heartbeat_interval_s=0.2
+    )
+    node_dir = tmp_path / "node"
+    issue_to_dir(ca, "node-a", node_paths(node_dir).dir, validity_days=3)
+    await nursery.start(
+        run_agent,
+        AgentConfig(server=f"wss://127.0.0.1:{bound.agent_address[1]}", node_id="node-a", state_dir=str(node_dir)),
+    )
+
+    def llama():
+        node = plane.registry.nodes.get("node-a")
+        status = next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
+        return status if status is not None and status.state != w.ENGINE_INSTALLING else None
+
+    await wait_for(llama)
+    status = llama()
+    assert not status.ok and status.state == w.ENGINE_FAILED
+    assert f"/v1/release/{archive.name} has sha256 " in status.detail
+    assert "but the control plane's release (its SHA256SUMS) says" in status.detail
+    assert not (node_dir / "engines" / "llamacpp" / "current").exists()
+    assert list((node_dir / "engines" / ".downloads").iterdir()) == []  # nor kept for a later try

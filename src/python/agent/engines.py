@@ -156,6 +156,7 @@ def wanted_from(
             size=archive.size,
             max_bytes=archive.max_bytes,
             mirrored=archive.mirrored,
+            sha256_from="the control plane's release (its SHA256SUMS)" if archive.release else "server.toml",
         ),
         check_args=check,
         # llama.cpp's help is checked as the build's is: a prebuilt one that renamed a flag is

@@ -69,6 +69,7 @@ class ArchiveSource:
     size: int = 0  # server.toml's size of the archive; 0: not given
     max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
     mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
+    sha256_from: str = "server.toml"  # where the digest was read, for a mismatch's message
 
 
 @attrs.frozen(kw_only=True)
@@ -205,7 +206,16 @@ class EngineStore:
         version = _version_line(output)
         return Installed(name=wanted.name, version=version, executable=wanted.binary, ok=True)
 
-    async def _fetch(self, name: str, url: str, sha256: str, size: int, max_bytes: int, report: _Reporter) -> Path:
+    async def _fetch(
+        self,
+        name: str,
+        url: str,
+        sha256: str,
+        size: int,
+        max_bytes: int,
+        report: _Reporter,
+        sha256_from: str = "server.toml",
+    ) -> Path:
         """The verified file (kept in .downloads: a reinstall needs no network)."""
         report("fetch", 0 if size else None)
 
@@ -224,13 +234,20 @@ class EngineStore:
             cap=archive_cap(size, max_bytes),
             ssl_context=self.ssl_context,
             on_progress=progress,
+            sha256_from=sha256_from,
         )
 
     async def _install_archive(
         self, wanted: Wanted, source: ArchiveSource, version_dir: Path, mirror_url: str | None, report: _Reporter
     ) -> Path:
         archive = await self._fetch(
-            wanted.name, mirror_url or source.url, source.sha256, source.size, source.max_bytes, report
+            wanted.name,
+            mirror_url or source.url,
+            source.sha256,
+            source.size,
+            source.max_bytes,
+            report,
+            sha256_from=source.sha256_from,
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
