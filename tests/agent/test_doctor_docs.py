@@ -102,9 +102,7 @@ def test_the_compute_capability_the_docs_state_is_the_engines_rule() -> None:
     assert len(floors) == 1
     [floor] = floors
     stated = [
-        (name, found)
-        for name in ENGINE_DOCS
-        for found in re.findall(r"compute\s+capability\s+(\d+\.\d+)", doc(name))
+        (name, found) for name in ENGINE_DOCS for found in re.findall(r"compute\s+capability\s+(\d+\.\d+)", doc(name))
     ]
     assert {name for name, _ in stated} >= {"node-onboarding.md", "engines.md", "configuration.md"}
     assert [(n, v) for n, v in stated if v != ".".join(map(str, floor))] == []

@@ -261,9 +261,7 @@ async def _reconcile(
         try:
             plan = wanted_from(want, config, inv.arch, bool(inv.gpus), tools=tools, release_base=base)
             fetched = plan.source if isinstance(plan.source, (ArchiveSource, BuildSource)) else None
-            mirror = (
-                f"{base}{w.ARTIFACTS_PREFIX}{fetched.sha256}" if fetched is not None and fetched.mirrored else None
-            )
+            mirror = f"{base}{w.ARTIFACTS_PREFIX}{fetched.sha256}" if fetched is not None and fetched.mirrored else None
             installed = await _install(engines, want, plan, store, mirror, send)
             engines.executables[want.name] = installed.executable
             backend = await llama_cpu_backend(installed.executable) if want.name == "llamacpp" else ""

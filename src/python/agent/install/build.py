@@ -106,7 +106,10 @@ def find_toolchain(which: Callable[[str], str | None], os_release: str, path: st
             "installed llama-server with `llamacpp_bin` in agent.toml"
         )
     return Toolchain(
-        cmake=str(cmake), generator="Ninja" if ninja else "Unix Makefiles", nvcc=find_nvcc(which), nice=which("nice") or ""
+        cmake=str(cmake),
+        generator="Ninja" if ninja else "Unix Makefiles",
+        nvcc=find_nvcc(which),
+        nice=which("nice") or "",
     )
 
 
@@ -116,7 +119,9 @@ _RHEL = "dnf install gcc-c++ cmake make"
 
 def install_hint_for(os_family: str) -> str:
     """The install command for doctor's OS family ("debian", "rhel", or "": both)."""
-    return {"debian": _DEBIAN, "rhel": _RHEL}.get(os_family) or f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
+    return {"debian": _DEBIAN, "rhel": _RHEL}.get(
+        os_family
+    ) or f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
 
 
 def install_hint(os_release: str) -> str:

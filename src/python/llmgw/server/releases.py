@@ -39,7 +39,16 @@ from llmgw.download import sha256_of
 from llmgw.engines.wants import ReleaseArchive
 from llmgw.errors import UsageError, cut
 from llmgw.log import get_logger
-from llmgw.releasefiles import LLAMA_NAME, SUMS, UNAME, Running, is_release_name, llama_binary, parse_sums, release_files
+from llmgw.releasefiles import (
+    LLAMA_NAME,
+    SUMS,
+    UNAME,
+    Running,
+    is_release_name,
+    llama_binary,
+    parse_sums,
+    release_files,
+)
 from llmgw.wire.agent_link import RELEASE_PREFIX
 
 log = get_logger("llmgw.releases")
@@ -162,7 +171,9 @@ class Releases:
 
     async def catalog(self) -> Catalog:
         if not self.enabled:
-            self.latest = Catalog(source="none", missing="this control plane serves no release ([release] serve = false)")
+            self.latest = Catalog(
+                source="none", missing="this control plane serves no release ([release] serve = false)"
+            )
             return self.latest
         async with self._lock:  # one build at a time: a second hash of the same file would be waste
             catalog, self._hashes = await trio.to_thread.run_sync(
