@@ -292,3 +292,43 @@ def test_json_carries_the_checks_and_the_inventory(tmp_path: Path) -> None:
         "ib-sm:0x98039b0300c0ffee",
     ]
     assert gpus.vllm_eligibility(discover(sources(weights_dir=tmp_path, gpu="l4")).gpus).status == w.ELIGIBLE
+
+
+NO_TOOLS = ("a C compiler (cc, gcc or clang)", "a C++ compiler (c++, g++ or clang++)", "cmake", "make (or ninja)")
+
+
+def test_a_node_without_a_compiler_is_fine_where_the_release_covers_it_and_is_told_the_packages(
+    tmp_path: Path,
+) -> None:
+    cpu_node = attrs.evolve(snap(tmp_path), build_missing=NO_TOOLS, arch="x86_64", os_family="debian")
+    c = by_name(doctor.run_checks(cpu_node))["llamacpp-build"]
+    assert c.status == doctor.OK and c.detail.startswith("not applicable: llama.cpp comes prebuilt from the release")
+    assert "cmake" in c.detail and "`sudo apt-get install build-essential cmake`" in c.detail
+    # Another architecture: the release has no llama.cpp for it, a build is needed: the packages, per OS family.
+    riscv = attrs.evolve(cpu_node, arch="riscv64", os_family="rhel")
+    c = by_name(doctor.run_checks(riscv))["llamacpp-build"]
+    assert c.status == doctor.WARN and "unavailable here (the node joins without it)" in c.detail
+    assert c.fix == "install them: `sudo dnf install gcc-c++ cmake make`"
+    # A GPU node with nvcc: a CUDA build is what the release's CPU archive does not cover.
+    gpu_node = attrs.evolve(
+        snap(tmp_path, proc="hgx-h100", pci="hgx-h100", gpu="h100"),
+        build_missing=("cmake",),
+        nvcc="/usr/local/cuda/bin/nvcc",
+        os_family="",
+    )
+    c = by_name(doctor.run_checks(gpu_node))["llamacpp-build"]
+    assert c.status == doctor.WARN and "without GPU offload" in c.detail
+    assert "apt-get install build-essential cmake" in c.fix and "dnf install gcc-c++ cmake make" in c.fix
+    # This machine has them all.
+    assert by_name(doctor.run_checks(snap(tmp_path)))["llamacpp-build"].status == doctor.OK
+
+
+def test_discovery_looks_for_the_build_tools_on_the_path_it_is_given(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("cc", "cmake"):
+        (bare / tool).write_text("#!/bin/sh\n")
+        (bare / tool).chmod(0o755)
+    found = discover(attrs.evolve(sources(weights_dir=tmp_path / "w"), path=str(bare)))
+    assert found.build_missing == ("a C++ compiler (c++, g++ or clang++)", "make (or ninja)")
+    assert found.nvcc == "" or found.nvcc.startswith("/usr/local/cuda")

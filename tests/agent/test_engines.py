@@ -15,6 +15,8 @@ import pytest
 import trio
 
 from agent.engines import wanted_from
+from agent.install import build as b
+from agent.install.errors import NoSourceForNode
 from agent.install.installer import ArchiveSource, BuildSource
 from agent.main import run_agent
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection
@@ -22,20 +24,29 @@ from llmgw.errors import LlmgwError
 from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
+from testlib.proc import build_root
+
+HELP = build_root() / "tests" / "fixtures" / "help" / "llama-server.txt"
 
 
 def fake_engine(version: str, *, works: bool) -> bytes:
+    """A llama-server that prints its version and, for `--help`, llama.cpp's recorded help (which
+    the agent checks against llmgw's flags before it offers a llama.cpp archive)."""
     script = (
-        f"#!/bin/sh\necho 'version: {version}'\n"
+        f'#!/bin/sh\ncase "$1" in --help) cat "$(dirname "$0")/help.txt";; *) echo \'version: {version}\';; esac\n'
         if works
         else "#!/bin/sh\necho 'illegal instruction (needs AVX2)' >&2\nexit 132\n"
     )
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        info = tarfile.TarInfo("build/bin/llama-server")
-        info.mode = 0o755
-        info.size = len(script)
-        tar.addfile(info, io.BytesIO(script.encode()))
+        for name, data, mode in (
+            ("build/bin/llama-server", script.encode(), 0o755),
+            ("build/bin/help.txt", HELP.read_bytes(), 0o644),
+        ):
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 
@@ -143,3 +154,91 @@ def test_an_archive_plan_carries_the_unpack_caps() -> None:
     )
     source = wanted_from(want, config, "x86_64", False).source
     assert (source.max_unpacked_bytes, source.max_members) == (123, 45)
+
+
+RELEASED = w.EngineArchive(
+    arch="x86_64",
+    backend="cpu",
+    url="",
+    sha256="e" * 64,
+    binary="llama.cpp-b11434-linux-amd64/llama-server",
+    size=99,
+    release="llama.cpp-b11434-linux-amd64.tar.gz",
+)
+SOURCE = w.EngineBuild(url="https://x/src.tgz", sha256="b" * 64)
+ALL_TOOLS = b.BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
+BASE = "https://10.0.0.1:7443"
+
+
+def test_the_releases_archive_is_fetched_from_the_control_plane_and_help_checked() -> None:
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED,), build=SOURCE)
+    plan = wanted_from(want, AgentConfig(server="wss://x:1"), "x86_64", False, tools=ALL_TOOLS, release_base=BASE)
+    assert isinstance(plan.source, ArchiveSource)
+    assert plan.source.url == f"{BASE}/v1/release/llama.cpp-b11434-linux-amd64.tar.gz"
+    assert (plan.source.sha256, plan.source.binary, plan.source.size) == (RELEASED.sha256, RELEASED.binary, 99)
+    assert plan.flags_of == "llamacpp" and plan.check_args == ("--version",)
+    # Another architecture: nothing prebuilt, so the build, as before.
+    other = wanted_from(want, AgentConfig(server="wss://x:1"), "aarch64", False, tools=ALL_TOOLS, release_base=BASE)
+    assert isinstance(other.source, BuildSource)
+
+
+def test_a_gpu_node_builds_for_cuda_where_it_can_and_else_runs_the_releases_cpu_build() -> None:
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED,), build=SOURCE)
+    config = AgentConfig(server="wss://x:1")
+    cuda = wanted_from(want, config, "x86_64", True, tools=ALL_TOOLS, release_base=BASE).source
+    assert isinstance(cuda, BuildSource) and cuda.gpu
+    no_cmake = b.BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
+    cpu = wanted_from(want, config, "x86_64", True, tools=no_cmake, release_base=BASE).source
+    assert isinstance(cpu, ArchiveSource) and cpu.url.endswith(RELEASED.release)
+    no_nvcc = wanted_from(want, config, "x86_64", True, tools=b.BuildTools(), release_base=BASE).source
+    assert isinstance(no_nvcc, ArchiveSource)  # no CUDA build to make: the release's CPU build
+    # A configured archive that fits wins over both; without any source the node has none.
+    named = w.EngineArchive(arch="x86_64", backend="cpu", url="https://x/cpu.tgz", sha256="a" * 64, binary="b")
+    mine = attrs.evolve(want, archives=(named, RELEASED))
+    assert wanted_from(mine, config, "x86_64", True, tools=ALL_TOOLS).source.url == "https://x/cpu.tgz"
+    with pytest.raises(NoSourceForNode) as info:
+        wanted_from(attrs.evolve(want, build=None), config, "aarch64", False)
+    assert "offers llamacpp b11434 for x86_64/cpu, not for this node (aarch64)" in str(info.value)
+
+
+@pytest.mark.trio
+async def test_a_release_archive_damaged_on_the_control_plane_is_refused_before_it_is_unpacked(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The digest comes from the release's SHA256SUMS, through the control plane: an archive changed
+    on its disk after the release was made is fetched, refused by the node's sha256 check, and
+    nothing of it is unpacked or offered."""
+    from llmgw.config import ReleaseSection
+    from llmgw.releasefiles import ARCHES
+    from testlib.llamarelease import release_dir
+
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text("#!/bin/sh\necho 'version: b11434'\n")
+    stand_in.chmod(0o755)
+    release = release_dir(tmp_path / "release", (ARCHES[platform.machine()],), server=str(stand_in))
+    [archive] = release.glob("llama.cpp-*.tar.gz")
+    archive.write_bytes(archive.read_bytes() + b"tampered")
+    state = tmp_path / "cp"
+    ca = make_state(state, sans=["127.0.0.1"], days=3)
+    plane, bound = await serve_plane(
+        state, nursery, engines=EnginesSection(), release=ReleaseSection(dir=str(release)), heartbeat_interval_s=0.2
+    )
+    node_dir = tmp_path / "node"
+    issue_to_dir(ca, "node-a", node_paths(node_dir).dir, validity_days=3)
+    await nursery.start(
+        run_agent,
+        AgentConfig(server=f"wss://127.0.0.1:{bound.agent_address[1]}", node_id="node-a", state_dir=str(node_dir)),
+    )
+
+    def llama():
+        node = plane.registry.nodes.get("node-a")
+        status = next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
+        return status if status is not None and status.state != w.ENGINE_INSTALLING else None
+
+    await wait_for(llama)
+    status = llama()
+    assert not status.ok and status.state == w.ENGINE_FAILED
+    assert f"/v1/release/{archive.name} has sha256 " in status.detail
+    assert "but the control plane's release (its SHA256SUMS) says" in status.detail
+    assert not (node_dir / "engines" / "llamacpp" / "current").exists()
+    assert list((node_dir / "engines" / ".downloads").iterdir()) == []  # nor kept for a later try

@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from llmgw import config
+from llmgw import config, pins
 from llmgw.errors import ConfigError
 from testlib.proc import build_root
 
@@ -280,6 +280,29 @@ def test_the_three_ways_to_get_llamacpp_are_said_in_server_toml() -> None:
     # Another release built from its own source.
     own = llamacpp({"version": "b9000", "build": {"url": "https://x/src.tar.gz", "sha256": "c" * 64, "jobs": 3}})
     assert own.build is not None and own.build.jobs == 3
+
+
+def test_the_releases_llamacpp_is_the_default_and_what_a_table_names_keeps_to_it() -> None:
+    archive = {"arch": "x86_64", "url": "https://x/a.tgz", "sha256": "b" * 64, "binary": "bin/llama-server"}
+
+    def llamacpp(table: dict) -> config.LlamacppSource:
+        return config.server_config_from_dict({"engines": {"llamacpp": table}}).engines.llamacpp
+
+    assert config.LlamacppSource().release and llamacpp({}).release
+    assert llamacpp({"version": pins.LLAMACPP_VERSION}).release
+    assert llamacpp({"build": False}).release  # build nowhere: the release's prebuilt one still serves
+    assert not llamacpp({"archives": [archive]}).release  # its own archives, as before
+    assert not llamacpp({"build": {"url": "https://x/src.tar.gz", "sha256": "c" * 64}}).release
+    assert llamacpp({"archives": [archive], "release": True}).release and not llamacpp({"release": False}).release
+    # The release carries the pinned version: with only the release to come from, that version is enough...
+    assert llamacpp({"build": False}).build is None
+    # ...and another needs a source of its own.
+    assert problems_of({"engines": {"llamacpp": {"version": "b9000", "build": False, "release": True}}})[0].startswith(
+        "version 'b9000' needs `archives` or `build`"
+    )
+    assert problems_of({"engines": {"llamacpp": {"build": False, "release": False}}})[0].startswith(
+        f"version '{pins.LLAMACPP_VERSION}' needs `archives` or `build`"
+    )
 
 
 def test_a_build_is_checked_and_named_with_its_path() -> None:

@@ -36,6 +36,8 @@ def test_an_install_under_way_shows_its_percentage_and_phase() -> None:
         "state": "installing",
         "phase": "build",
         "percent": 40,
+        "cpu_backend": "",
+        "cpu_note": "",
     }
     assert texts.notes(v)[0] == "installing llama.cpp 40% (build)"
     row = format_nodes([v]).splitlines()[1]
@@ -63,3 +65,53 @@ def test_an_agent_older_than_the_state_field_reads_by_ok() -> None:
     assert engine_view(w.EngineStatus(name="sim", version="1", ok=True))["state"] == "ok"
     old_failed = engine_view(w.EngineStatus(name="llamacpp", version="", ok=False, detail="x"))
     assert (old_failed["state"], old_failed["phase"], old_failed["percent"]) == ("failed", "", None)
+
+
+KVM64 = w.Inventory(
+    hostname="a",
+    os="linux",
+    arch="x86_64",
+    python="3.11",
+    cpu_model="Common KVM processor",
+    cpu_cores=2,
+    cpu_flags=("fpu", "lm", "sse2"),
+    gpu_status=w.GPUS_NONE,
+)
+
+
+def test_the_cpu_backend_llama_cpp_loaded_is_shown_and_the_baseline_in_a_vm_says_why_and_the_fix() -> None:
+    host = w.EngineStatus(name="llamacpp", version="b11434", ok=True, state=w.ENGINE_OK, cpu_backend="haswell")
+    sim = w.EngineStatus(name="sim", version="1", ok=True, state=w.ENGINE_OK)
+    v = view(host, sim, inv=CPU)
+    assert (v["engines"][0]["cpu_backend"], v["engines"][0]["cpu_note"]) == ("haswell", "")
+    assert "llamacpp[haswell],sim" in format_nodes([v]).splitlines()[1]
+    assert not [n for n in texts.notes(v) if n.startswith("llamacpp")]
+    baseline = w.EngineStatus(name="llamacpp", version="b11434", ok=True, state=w.ENGINE_OK, cpu_backend="x64")
+    v = view(baseline, sim, inv=KVM64)
+    assert "llamacpp[x64],sim" in format_nodes([v]).splitlines()[1]
+    [note] = [n for n in texts.notes(v) if n.startswith("llamacpp")]
+    assert note.startswith("llamacpp: llama.cpp loaded its x64 CPU backend, without AVX2: this CPU hides")
+    assert "generic virtual CPU model kvm64" in note and "`qm set VMID --cpu host`" in note
+    assert v["engines"][0]["cpu_note"] == note.removeprefix("llamacpp: ")
+
+
+def test_an_engine_unavailable_on_the_node_says_so_with_the_reason() -> None:
+    why = "this node cannot build llama.cpp: missing on the agent's PATH (/usr/bin): cmake; install them: apt-get ..."
+    gone = w.EngineStatus(name="llamacpp", version="b11434", ok=False, detail=why, state=w.ENGINE_UNAVAILABLE)
+    v = view(gone, w.EngineStatus(name="sim", version="1", ok=True, state=w.ENGINE_OK), inv=CPU)
+    assert v["engines"][0]["state"] == "unavailable"
+    assert "llamacpp(unavailable),sim" in format_nodes([v]).splitlines()[1]
+    assert texts.notes(v)[0] == f"llamacpp: unavailable: {why}"
+
+
+def test_the_table_counts_and_names_each_nodes_replicas() -> None:
+    def holding(*replicas: str) -> dict:
+        node = Node(node_id="node-a")
+        node.replicas = tuple(w.ReplicaStatus(replica_id=r, model="m", state=w.READY) for r in replicas)
+        return node_view(node, "joined", 0.0, EnginesSection())
+
+    lines = format_nodes([holding(), holding("chat-1", "chat-2"), holding(*(f"m-{i}" for i in range(5)))]).splitlines()
+    header = lines[0].split()
+    assert header[:3] == ["NODE", "STATE", "REPLICAS"]
+    assert [line.split()[2] for line in lines[1:]] == ["0", "2:", "5:"]
+    assert "2: chat-1,chat-2 " in lines[2] and "5: m-0,m-1,m-2,+2 " in lines[3]

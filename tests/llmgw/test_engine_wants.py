@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.config import DEFAULT_VLLM_VERSION, EngineArchive, EngineSource, EnginesSection, VllmSource
+from llmgw.config import (
+    DEFAULT_VLLM_VERSION,
+    EngineArchive,
+    EngineSource,
+    EnginesSection,
+    LlamacppSource,
+    VllmSource,
+)
 from llmgw.engines import eligibility
-from llmgw.engines.wants import engines_for, gpu_verdicts, pick_archive
+from llmgw.engines.wants import (
+    ReleaseArchive,
+    engines_for,
+    gpu_verdicts,
+    may_build,
+    pick_archive,
+    release_archive,
+)
 from llmgw.wire import agent_link as w
 
 CPU_ARCHIVE = EngineArchive(arch="x86_64", url="https://x/cpu.tgz", sha256="a" * 64, binary="bin/llama-server")
@@ -188,3 +202,73 @@ def test_the_default_llamacpp_want_carries_the_source_to_build_and_whether_it_is
     for source in (LlamacppSource(version=""), LlamacppSource(archives=(CPU_ARCHIVE,), build=None)):
         [want] = engines_for(EnginesSection(llamacpp=source), node(vllm=w.INELIGIBLE))
         assert want.build is None
+
+
+RELEASE = (
+    ReleaseArchive(
+        name="llama.cpp-b11434-linux-amd64.tar.gz",
+        version="b11434",
+        arch="x86_64",
+        sha256="e" * 64,
+        binary="llama.cpp-b11434-linux-amd64/llama-server",
+        size=1234,
+    ),
+    ReleaseArchive(
+        name="llama.cpp-b11434-linux-arm64.tar.gz",
+        version="b11434",
+        arch="aarch64",
+        sha256="f" * 64,
+        binary="llama.cpp-b11434-linux-arm64/llama-server",
+    ),
+)
+
+
+def test_the_default_llamacpp_takes_the_releases_archive_for_the_nodes_architecture() -> None:
+    [want] = engines_for(EnginesSection(), node(vllm=w.INELIGIBLE), max_archive_bytes=9, release=RELEASE)
+    [archive] = want.archives
+    assert archive == w.EngineArchive(
+        arch="x86_64",
+        backend="cpu",
+        url="",
+        sha256="e" * 64,
+        binary="llama.cpp-b11434-linux-amd64/llama-server",
+        size=1234,
+        max_bytes=9,
+        release="llama.cpp-b11434-linux-amd64.tar.gz",
+    )
+    assert want.build is not None  # the source stays, for what the archive does not cover (CUDA)
+    assert pick_archive(want, "x86_64", has_gpu=False) is None  # not a configured archive
+    assert release_archive(want, "x86_64") == archive and release_archive(want, "riscv64") is None
+    [arm] = engines_for(EnginesSection(), node(vllm=w.INELIGIBLE, arch="aarch64"), release=RELEASE)
+    assert [a.release for a in arm.archives] == ["llama.cpp-b11434-linux-arm64.tar.gz"]
+
+
+def test_explicit_archives_build_version_or_release_false_keep_to_what_they_name() -> None:
+    from llmgw import config
+
+    def want_for(table: dict) -> w.EngineWant:
+        cfg = config.server_config_from_dict({"engines": {"llamacpp": table}})
+        return engines_for(cfg.engines, node(vllm=w.INELIGIBLE), release=RELEASE)[0]
+
+    archive = {"arch": "x86_64", "url": "https://x/cpu.tgz", "sha256": "a" * 64, "binary": "bin/llama-server"}
+    assert [a.url for a in want_for({"archives": [archive]}).archives] == ["https://x/cpu.tgz"]
+    own_source = {"url": "https://mirror.example/llama.tar.gz", "sha256": "b" * 64}
+    assert want_for({"build": own_source}).archives == ()
+    assert want_for({"version": "b11500", "build": own_source}).archives == ()  # the release carries b11434
+    assert want_for({"release": False}).archives == ()
+    assert want_for({"version": ""}).archives == ()  # the operator's llama-server
+    # Asked for, the release fills in where the named archives do not reach.
+    both = want_for({"archives": [archive], "release": True})
+    assert [a.release for a in both.archives] == ["", "llama.cpp-b11434-linux-amd64.tar.gz"]
+    assert pick_archive(both, "x86_64", has_gpu=False).url == "https://x/cpu.tgz"  # the named one wins
+
+
+def test_a_node_may_build_where_nothing_prebuilt_covers_it_or_for_cuda() -> None:
+    default = EnginesSection()
+    assert not may_build(default, node(), RELEASE)
+    assert may_build(default, node(), ())  # no release archive: the build, as before
+    assert may_build(default, node(arch="riscv64"), RELEASE)
+    assert may_build(default, node(gpus=1), RELEASE)  # a CUDA build, where it has nvcc
+    cuda = EnginesSection(llamacpp=LlamacppSource(archives=(CUDA_ARCHIVE,)))
+    assert not may_build(cuda, node(gpus=1), ())
+    assert not may_build(EnginesSection(llamacpp=LlamacppSource(version="")), node(arch="riscv64"), ())

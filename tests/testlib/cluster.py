@@ -207,6 +207,12 @@ class NodeFiles:
         return self.state_dir / "pki"
 
 
+# The operator's llama-server (agent.toml's llamacpp_bin), as before llama.cpp came with each node
+# by default: most clusters serve sim models, and a build per agent would cost minutes of CPU
+# (tests/integration/test_llamacpp_build.py builds it; test_llamacpp_release.py takes the release's).
+OPERATORS_LLAMACPP = '[engines.llamacpp]\nversion = ""\n'
+
+
 class Cluster:
     """A control plane in `root/state` with its agent endpoint on a fixed loopback port (so a
     restarted server listens where its agents dial), and the agents' state under `root`."""
@@ -218,10 +224,12 @@ class Cluster:
         heartbeat_interval_s: float = 0.2,
         heartbeat_ttl_s: float = 1.5,
         socket_activation: bool = False,
+        engines_toml: str = OPERATORS_LLAMACPP,
     ) -> None:
         """`socket_activation`: the cluster owns the server's listening sockets and passes them
         to each `llmgw server` it starts, as a systemd .socket unit does; connections made
-        while the server restarts wait in their backlog."""
+        while the server restarts wait in their backlog. `engines_toml`: server.toml's tables
+        after [server] ([engines.*], [release]; TOML text)."""
         self.root = root
         self.state = root / "state"
         self.sockets: list[socket.socket] = []
@@ -243,11 +251,7 @@ class Cluster:
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
             # Agents come back on their own backoff after a server restart; give them that long.
-            "reconnect_grace_s = 10.0\n"
-            # The operator's llama-server (agent.toml's llamacpp_bin), as before llama.cpp was
-            # built on each node by default: these clusters serve sim models, and a build per
-            # agent would cost minutes of CPU (tests/integration/test_llamacpp_build.py builds it).
-            '[engines.llamacpp]\nversion = ""\n'
+            "reconnect_grace_s = 10.0\n" + engines_toml
         )
         self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}
@@ -354,13 +358,14 @@ class Cluster:
         wait_until("the server to be ready", lambda: server.events("server_ready"), alive=[server])
         return server
 
-    def start_agent(self, node_id: str) -> Proc:
-        """Start `llmgw agent run` for a node added with `add_node`; does not wait for its link."""
+    def start_agent(self, node_id: str, env: dict[str, str] | None = None) -> Proc:
+        """Start `llmgw agent run` for a node added with `add_node`; does not wait for its link.
+        `env`: variables to set in its environment (PATH, say)."""
         files = self.nodes_files[node_id]
         agent = self._spawn(
             node_id,
             ["agent", "run", "--config", str(files.config), "--log-format", "json"],
-            {MARKER_ENV: self._marker(node_id)},
+            {**(env or {}), MARKER_ENV: self._marker(node_id)},
         )
         self.agents[node_id] = agent
         return agent

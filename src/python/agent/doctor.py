@@ -24,6 +24,7 @@ import attrs
 from agent.discovery import cpu as cpumod
 from agent.discovery import fabrics, gpus, infiniband
 from agent.discovery.snapshot import DEFAULT_SYSTEMD_DIR, Snapshot, Sources, discover
+from agent.install import build
 from agent.inventory import inventory_of
 from llmgw.config import FabricDecl
 from llmgw.errors import UsageError
@@ -123,6 +124,45 @@ def check_cpu(snap: Snapshot) -> Check:
     listed = " ".join(n for n, present in have.items() if present)
     note = "" if have.get("avx512") else " (no avx512; not needed)"
     return Check(name=name, status=OK, detail=f"{head}: {listed}{note}")
+
+
+def check_llamacpp_build(snap: Snapshot) -> Check:
+    """Can this node build llama.cpp where it would have to? The release's llama.cpp runs on x86_64
+    and aarch64 with no compiler; a build is needed for a CUDA build (an NVIDIA GPU and nvcc) and
+    on other architectures (and where server.toml asks for one: the agent says so then)."""
+    name = "llamacpp-build"
+    if not snap.build_missing:
+        return Check(
+            name=name,
+            status=OK,
+            detail="a C and C++ compiler, cmake and make or ninja are here: this node can build llama.cpp from "
+            "source where it needs to (a CUDA build, an architecture the release does not cover)",
+        )
+    missing = ", ".join(snap.build_missing)
+    fix = f"`sudo {build.install_hint_for(snap.os_family)}`" if snap.os_family else build.install_hint_for("")
+    if snap.arch not in ("x86_64", "aarch64"):
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"the release's llama.cpp is built for x86_64 and aarch64, not {snap.arch}: this node builds it from "
+            f"source and lacks {missing}; until then llama.cpp is unavailable here (the node joins without it)",
+            fix=f"install them: {fix}",
+        )
+    if snap.gpus.gpus and snap.nvcc:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"nvcc ({snap.nvcc}) is here for a CUDA build of llama.cpp, but not {missing}: the node runs the "
+            "release's CPU build instead, without GPU offload",
+            fix=f"install them for a CUDA build: {fix}",
+        )
+    return Check(
+        name=name,
+        status=OK,
+        detail=f"{NOT_APPLICABLE}: llama.cpp comes prebuilt from the release for {snap.arch}; a build from source "
+        f"(server.toml's [engines.llamacpp] release = false, or a version the release does not carry) would need "
+        f"{missing}: {fix}",
+    )
 
 
 def check_memory(snap: Snapshot) -> Check:
@@ -409,6 +449,7 @@ CHECKS: tuple[tuple[str, Callable[..., Check]], ...] = (
     ("disk", check_disk),
     ("clock", check_clock),
     ("service-manager", check_service_manager),
+    ("llamacpp-build", check_llamacpp_build),
     ("nvidia-smi", check_nvidia),
     ("vllm", check_vllm),
     ("fabric-manager", check_fabric_manager),

@@ -5,7 +5,15 @@ Each wanted engine is installed (or, at version "", the operator's install is ch
 `EngineStore.ensure`; an engine is reported ok only after it ran its self-check here, so the
 node never offers an engine that cannot start. The sim engine ships inside llmgw and is
 always offered once `llmgw engine sim --version` runs. Failures are reported with the
-engine's own output and retried when the desired state changes or after `RETRY_S`.
+engine's own output and retried when the desired state changes or after `RETRY_S`; where this
+node lacks what the engine's source needs (a compiler for a build) or no source fits it, the
+engine is reported unavailable rather than failed, and retried the same way.
+
+llama.cpp's source on this node (`wanted_from`), in order: agent.toml's llamacpp_bin; version ""
+(the operator's); an archive server.toml names that fits (cuda where there is a GPU); a CUDA build
+where the node has a GPU, nvcc and the rest of the toolchain; the control plane's release archive
+for this architecture, fetched from its agent port; a build from source. Once checked, the CPU
+backend it loads here is asked (`--list-devices`) and reported with it.
 
 While an install runs, its progress goes out in EnginesChanged (state "installing", phase and
 percent), throttled by agent.progress; an engine already in use stays offered (ok) while its
@@ -22,11 +30,20 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from agent.install.errors import EngineCheckFailed
-from agent.install.installer import ArchiveSource, BuildSource, EngineStore, PipSource, Wanted, check_runs
+from agent.install import build as b
+from agent.install.errors import BuildToolsMissing, EngineCheckFailed, NoSourceForNode
+from agent.install.installer import (
+    ArchiveSource,
+    BuildSource,
+    EngineStore,
+    PipSource,
+    Wanted,
+    check_runs,
+    llama_cpu_backend,
+)
 from agent.progress import Latest, serve_progress
 from llmgw.config import AgentConfig
-from llmgw.engines.wants import pick_archive
+from llmgw.engines.wants import pick_archive, release_archive
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
 from llmgw.selfexec import llmgw_command
@@ -37,10 +54,25 @@ log = get_logger("llmgw.agent.engines")
 RETRY_S = 300.0
 FLAG_CHECKED = ("vllm", "sglang")  # pip-installed engines whose help is checked before they are offered
 SGLANG_CHECK = ("-c", "import sglang, sys; print(sglang.__version__)")
+NO_TOOLS = b.BuildTools(missing=("(not looked for)",))
+# Not a fault of the install: this node lacks what the engine's source needs here, or no source
+# fits it. Reported as unavailable (the node serves what else it has) and tried again.
+UNAVAILABLE = (BuildToolsMissing, NoSourceForNode)
 
 
-def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: bool) -> Wanted:
-    """The install plan for one wanted engine on this node; LlmgwError if there is none."""
+def wanted_from(
+    want: w.EngineWant,
+    config: AgentConfig,
+    arch: str,
+    has_gpu: bool,
+    *,
+    tools: b.BuildTools = NO_TOOLS,
+    release_base: str = "",
+) -> Wanted:
+    """The install plan for one wanted engine on this node; LlmgwError if there is none.
+
+    `tools`: what this node has for a build (a CUDA build is chosen only where it can run);
+    `release_base`: https://HOST:PORT of the control plane, where its release archives are."""
     if want.name == "sglang":
         check = SGLANG_CHECK
     else:
@@ -72,6 +104,20 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
             help_environ=device,
         )
     archive = pick_archive(want, arch, has_gpu)
+    released = release_archive(want, arch)
+    # A CUDA build where the node has a GPU and nvcc: what no CPU archive covers. Without the
+    # rest of the toolchain, the release's CPU build serves the node rather than nothing.
+    cuda_build = archive is None and has_gpu and want.build is not None and bool(tools.nvcc)
+    if cuda_build and released is not None and not tools.complete:
+        log.warning(
+            "engine_cuda_build_skipped",
+            engine=want.name,
+            reason=f"this node has an NVIDIA GPU and nvcc but lacks {', '.join(tools.missing)} to build llama.cpp "
+            "for it: using the release's CPU build; install them for GPU offload",
+        )
+        cuda_build = False
+    if archive is None and released is not None and not cuda_build:
+        archive = attrs.evolve(released, url=f"{release_base}{w.RELEASE_PREFIX}{released.release}")
     if archive is None and want.build is not None:
         build = want.build
         return Wanted(
@@ -94,7 +140,7 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
         )
     if archive is None:
         offered = ", ".join(f"{a.arch}/{a.backend}" for a in want.archives) or "none"
-        raise LlmgwError(
+        raise NoSourceForNode(
             f"server.toml offers {want.name} {want.version} for {offered}, not for this node ({arch}"
             f"{', with an NVIDIA GPU' if has_gpu else ''}); add an archive for it under [engines.{want.name}]"
         )
@@ -110,8 +156,12 @@ def wanted_from(want: w.EngineWant, config: AgentConfig, arch: str, has_gpu: boo
             size=archive.size,
             max_bytes=archive.max_bytes,
             mirrored=archive.mirrored,
+            sha256_from="the control plane's release (its SHA256SUMS)" if archive.release else "server.toml",
         ),
         check_args=check,
+        # llama.cpp's help is checked as the build's is: a prebuilt one that renamed a flag is
+        # refused here, not minutes into a model load.
+        flags_of=want.name if want.name == "llamacpp" else "",
     )
 
 
@@ -205,21 +255,28 @@ async def _reconcile(
     config, engines: Engines, state: w.DesiredState, send, inv: w.Inventory, store: EngineStore, server_url: str
 ) -> None:
     host = urlsplit(server_url)
+    base = f"https://{host.hostname}:{host.port}"  # the control plane's agent port: mirror and release
+    tools = b.probe_tools(b.which_on(os.environ.get("PATH", os.defpath)))
     for want in state.engines:
         try:
-            plan = wanted_from(want, config, inv.arch, bool(inv.gpus))
+            plan = wanted_from(want, config, inv.arch, bool(inv.gpus), tools=tools, release_base=base)
             fetched = plan.source if isinstance(plan.source, (ArchiveSource, BuildSource)) else None
-            mirror = (
-                f"https://{host.hostname}:{host.port}{w.ARTIFACTS_PREFIX}{fetched.sha256}"
-                if fetched is not None and fetched.mirrored
-                else None
-            )
+            mirror = f"{base}{w.ARTIFACTS_PREFIX}{fetched.sha256}" if fetched is not None and fetched.mirrored else None
             installed = await _install(engines, want, plan, store, mirror, send)
             engines.executables[want.name] = installed.executable
-            status = w.EngineStatus(name=want.name, version=installed.version, ok=True, state=w.ENGINE_OK)
+            backend = await llama_cpu_backend(installed.executable) if want.name == "llamacpp" else ""
+            status = w.EngineStatus(
+                name=want.name, version=installed.version, ok=True, state=w.ENGINE_OK, cpu_backend=backend
+            )
+            if backend:
+                log.info("engine_cpu_backend", engine=want.name, cpu_backend=backend)
         except LlmgwError as exc:
             status = w.EngineStatus(
-                name=want.name, version=want.version, ok=False, detail=str(exc), state=w.ENGINE_FAILED
+                name=want.name,
+                version=want.version,
+                ok=False,
+                detail=str(exc),
+                state=w.ENGINE_UNAVAILABLE if isinstance(exc, UNAVAILABLE) else w.ENGINE_FAILED,
             )
         if engines.statuses.get(want.name) != status:
             if not status.ok:  # once per change: a retry that fails the same way is no news

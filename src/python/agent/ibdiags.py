@@ -2,14 +2,15 @@
 
 A declared fabric is checked against the subnet manager its adapters see, and only sminfo
 (package infiniband-diags, the same name on Debian/Ubuntu and RHEL) can say which one that is.
-So the agent installs the package itself, with apt-get or dnf, before it discovers the
-hardware; anywhere else it says what to install. The decision is pure (`plan`); `ensure`
-runs the package manager, bounded in time like every tool.
+So the agent installs the package itself, with apt-get or dnf (the first on its PATH, else
+/usr/bin's), before it discovers the hardware; anywhere else it says what to install. The
+decision is pure (`plan`); `ensure` runs the package manager, bounded in time like every tool.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import attrs
 
@@ -58,15 +59,18 @@ def ensure(
     os_family: str,
     *,
     needed: bool,
-    apt_get: str = APT_GET,
-    dnf: str = DNF,
+    apt_get: str | None = None,
+    dnf: str | None = None,
     timeout_s: float = INSTALL_TIMEOUT_S,
 ) -> Outcome:
-    """Install infiniband-diags if sminfo is missing and a fabric is declared (`needed`)."""
+    """Install infiniband-diags if sminfo is missing and a fabric is declared (`needed`).
+    `apt_get`, `dnf`: the package managers (default: found on PATH, else in /usr/bin)."""
     if os.access(sminfo, os.X_OK):
         return Outcome(status=PRESENT, detail=f"sminfo at {sminfo}")
     if not needed:
         return Outcome(status=NOT_NEEDED, detail="no fabric is declared")
+    apt_get = apt_get or shutil.which("apt-get") or APT_GET
+    dnf = dnf or shutil.which("dnf") or DNF
     p = plan(os_family, apt_get=apt_get, dnf=dnf)
     if not p.commands:
         return Outcome(status=FAILED, detail=f"sminfo not found at {sminfo} and no apt-get or dnf here: {p.manual}")

@@ -184,14 +184,25 @@ def _pinned_build(source: LlamacppSource) -> EngineBuild | None:
     return PINNED_LLAMACPP_BUILD if source.version == pins.LLAMACPP_VERSION else None
 
 
+def _release_by_default(source: LlamacppSource) -> bool:
+    # The release's archives are the default source; a table that names its own archives, or a
+    # source to build other than the pinned one, keeps to what it names (as before the release
+    # carried llama.cpp) unless it also says `release = true`.
+    return not source.archives and source.build in (None, PINNED_LLAMACPP_BUILD)
+
+
 @attrs.frozen(kw_only=True)
 class LlamacppSource(EngineSource):
-    """[engines.llamacpp]: by default the pinned release, built on each node from its source.
-    Prebuilt `archives` win on the nodes they fit; `build = false` builds nowhere; version ""
-    is the operator's own llama-server on each node (agent.toml's llamacpp_bin)."""
+    """[engines.llamacpp]: by default the pinned release, from the control plane's release
+    archives (`llama.cpp-VERSION-linux-ARCH.tar.gz`, every CPU variant) on the architectures they
+    cover, else built on each node from its source. On a node, in order (agent.engines): agent.toml's
+    llamacpp_bin; version "" (the operator's llama-server); an `archives` entry that fits (cuda where
+    there is a GPU); a CUDA build where the node has a GPU and nvcc; the release's archive; a build.
+    `release = false` takes nothing from the release; `build = false` builds nowhere."""
 
     version: str = pins.LLAMACPP_VERSION
     build: EngineBuild | None = attrs.field(default=attrs.Factory(_pinned_build, takes_self=True))
+    release: bool = attrs.field(default=attrs.Factory(_release_by_default, takes_self=True))
 
 
 @attrs.frozen(kw_only=True)
@@ -503,7 +514,9 @@ def _check_engines(engines: EnginesSection) -> list[str]:
             continue
         at = f"$.engines.{name}"
         build = getattr(source, "build", None)
-        if source.version and not (source.archives or source.pip or build) and name not in PIP_ENGINES:
+        # The release carries the pinned llama.cpp only: another version needs a source of its own.
+        released = getattr(source, "release", False) and source.version == pins.LLAMACPP_VERSION
+        if source.version and not (source.archives or source.pip or build or released) and name not in PIP_ENGINES:
             more = " or `build`" if name == "llamacpp" else ""
             problems.append(
                 f'version {source.version!r} needs `archives`{more} or `pip` to install it from, or version = "" to '

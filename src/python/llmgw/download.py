@@ -136,8 +136,10 @@ async def fetch(
     ssl_context: ssl.SSLContext | None = None,
     headers: dict[str, str] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    sha256_from: str = "server.toml",
 ) -> Path:
-    """Make `dest` the verified content of `url`; reuses a complete `dest`, resumes a `.part`."""
+    """Make `dest` the verified content of `url`; reuses a complete `dest`, resumes a `.part`.
+    `sha256_from`: where the expected digest was read, for the message when it does not match."""
     stop = threading.Event()
     try:
         return await trio.to_thread.run_sync(
@@ -150,6 +152,7 @@ async def fetch(
             dict(headers or {}),
             on_progress,
             stop,
+            sha256_from,
             abandon_on_cancel=True,
         )
     finally:
@@ -157,7 +160,7 @@ async def fetch(
 
 
 def _fetch_blocking(
-    url, dest: Path, sha256: str, cap: Cap, ctx, headers: dict, on_progress, stop: threading.Event
+    url, dest: Path, sha256: str, cap: Cap, ctx, headers: dict, on_progress, stop: threading.Event, sha256_from: str
 ) -> Path:
     if dest.exists() and sha256_of(dest) == sha256:  # hashing a large file: here, off the event loop
         return dest
@@ -179,7 +182,7 @@ def _fetch_blocking(
         response = urllib.request.urlopen(request, timeout=TIMEOUT_S, context=ctx)
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and offset:  # nothing after what we have: the part may be complete
-            return _finish(part, dest, sha256, url)
+            return _finish(part, dest, sha256, url, sha256_from)
         raise DownloadError(f"{url} answered HTTP {exc.code} {exc.reason}; check the URL in server.toml") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -223,15 +226,15 @@ def _fetch_blocking(
             raise DownloadError(cap.exceeded(url, limit, total))
         if total is not None and done != total:
             raise DownloadError(f"{url} ended after {done} of {total} bytes; it resumes next time")
-    return _finish(part, dest, sha256, url)
+    return _finish(part, dest, sha256, url, sha256_from)
 
 
-def _finish(part: Path, dest: Path, sha256: str, url: str) -> Path:
+def _finish(part: Path, dest: Path, sha256: str, url: str, sha256_from: str) -> Path:
     got = sha256_of(part)
     if got != sha256:
         part.unlink(missing_ok=True)  # a corrupt part would poison every resume
         raise DownloadError(
-            f"{url} has sha256 {got}, but server.toml says {sha256}; the file changed or the checksum is wrong "
+            f"{url} has sha256 {got}, but {sha256_from} says {sha256}; the file changed or the checksum is wrong "
             "(nothing was installed)"
         )
     os.replace(part, dest)

@@ -1,12 +1,13 @@
 """What a release's files are called, how their SHA256SUMS reads, and whether this llmgw is one.
 
-A release is `llmgw-VERSION-linux-ARCH.pyz` for each architecture and a `SHA256SUMS` listing
-them (docs/install.md). Both sides use this: `llmgw node add` picks the file for a node's
-architecture, and the control plane serves the files it holds (`llmgw.server.releases`).
+A release is `llmgw-VERSION-linux-ARCH.pyz` and `llama.cpp-bBUILD-linux-ARCH.tar.gz` for each
+architecture and a `SHA256SUMS` listing them (docs/install.md). Both sides use this: `llmgw node
+add` picks the zipapp for a node's architecture, and the control plane serves the files it holds
+(`llmgw.server.releases`), the llama.cpp archives as its nodes' default llama.cpp.
 
 Invariant: a file name is only ever taken from a SHA256SUMS line or built here, and only when it
-matches `NAME` (no `/`, no whitespace), so a name read from a list can never leave the directory
-it is joined to.
+matches `NAME` or `LLAMA_NAME` (no `/`, no whitespace), so a name read from a list can never leave
+the directory it is joined to.
 """
 
 from __future__ import annotations
@@ -22,12 +23,33 @@ from llmgw.errors import UsageError
 from llmgw.version import version_info
 
 ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+UNAME = {"amd64": "x86_64", "arm64": "aarch64"}  # a release's architecture as `uname -m` prints it
 NAME = re.compile(r"llmgw-(?P<version>[^/\s]+)-linux-(?P<arch>amd64|arm64)\.pyz\Z")
+# llama.cpp built for every CPU of an architecture (release/): one top directory of the same
+# name, holding llama-server and its libraries (the CPU backends chosen at run time) flat.
+LLAMA_NAME = re.compile(r"(?P<stem>llama\.cpp-(?P<version>b\d+)-linux-(?P<arch>amd64|arm64))\.tar\.gz\Z")
+LLAMA_BINARY = "llama-server"
 SUMS = "SHA256SUMS"
 
 
 def file_name(version: str, arch: str) -> str:
     return f"llmgw-{version}-linux-{arch}.pyz"
+
+
+def llama_file_name(version: str, arch: str) -> str:
+    """The release's llama.cpp archive of `version` (b11434) for `arch` (amd64, arm64)."""
+    return f"llama.cpp-{version}-linux-{arch}.tar.gz"
+
+
+def llama_binary(name: str) -> str:
+    """llama-server's path inside the release's llama.cpp archive `name`."""
+    m = LLAMA_NAME.match(name)
+    assert m is not None, name
+    return f"{m['stem']}/{LLAMA_BINARY}"
+
+
+def is_release_name(name: str) -> bool:
+    return bool(NAME.match(name) or LLAMA_NAME.match(name))
 
 
 def parse_sums(text: str, label: str) -> dict[str, str]:
@@ -44,8 +66,9 @@ def parse_sums(text: str, label: str) -> dict[str, str]:
 
 
 def release_files(sums: dict[str, str]) -> dict[str, str]:
-    """The entries of a SHA256SUMS that are release files (name → digest); others are ignored."""
-    return {name: digest for name, digest in sums.items() if NAME.match(name)}
+    """The entries of a SHA256SUMS that are release files, zipapps and llama.cpp archives
+    (name → digest); others are ignored."""
+    return {name: digest for name, digest in sums.items() if is_release_name(name)}
 
 
 def pick(sums: dict[str, str], arch: str, label: str) -> tuple[str, str, str]:

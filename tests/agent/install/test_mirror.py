@@ -7,6 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -19,10 +20,22 @@ from llmgw.pki.files import issue_to_dir, load_cert
 from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.server.mirror import fill_mirror
+from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.fileserver import serve_files
 
 pytestmark = pytest.mark.trio
+
+GPU = w.Gpu(
+    index=0,
+    name="NVIDIA L4",
+    uuid="u",
+    memory_total_mib=1,
+    memory_free_mib=1,
+    driver_version="550.54.15",
+    compute_capability="8.9",
+    pci_bus_id="0",
+)
 
 
 @pytest.fixture
@@ -140,6 +153,41 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     await trio.sleep(0.5)  # the plane runs, its mirror fill too: no node, no fetch
     assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
     plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)
+    plane.changes.node_changed()
+    with trio.fail_after(10):
+        while source.sha256 not in plane.endpoint.artifacts.available():
+            await trio.sleep(0.05)
+    assert files.gets == ["/src.tar.gz"]
+
+
+async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_needs_it(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A control plane whose release holds llama.cpp for x86_64 fetches no source for a CPU node of
+    that architecture (an air-gapped site sees no failed download); a GPU node, which may build
+    for CUDA, starts the fetch."""
+    from llmgw.config import ReleaseSection
+    from testlib.controlplane import hello
+    from testlib.llamarelease import release_dir
+
+    data = os.urandom(20_000)
+    files, origin = await serve_files(nursery)
+    files.content["/src.tar.gz"] = data
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text("#!/bin/sh\n")
+    release = release_dir(tmp_path / "release", ("amd64",), server=str(stand_in))
+    source = EngineBuild(url=f"{origin}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
+    engines = EnginesSection(llamacpp=LlamacppSource(build=source, release=True))
+    plane, _ = await serve_plane(state, nursery, engines=engines, release=ReleaseSection(dir=str(release)))
+    cpu = plane.registry.know("node-cpu", address="127.0.0.2")
+    cpu.inventory = hello("node-cpu").inventory  # x86_64, no GPU
+    plane.certificate_recorded()
+    await trio.sleep(0.5)
+    assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
+    gpu = plane.registry.know("node-gpu", address="127.0.0.3")
+    gpu.inventory = attrs.evolve(cpu.inventory, gpus=(GPU,), gpu_status="present")
     plane.changes.node_changed()
     with trio.fail_after(10):
         while source.sha256 not in plane.endpoint.artifacts.available():

@@ -233,6 +233,26 @@ def test_a_llama_cpp_the_agent_cannot_use_ends_the_wait() -> None:
     assert state == install.BROKEN and "no llama-server at /x" in why
 
 
+def test_a_node_without_what_a_build_needs_joins_and_the_step_warns(tmp_path: Path) -> None:
+    """The join is not held back by llama.cpp being unavailable on the node (no compiler for the
+    build it would need): the node has joined, the step warns with the reason and the run goes on."""
+    missing = "this node cannot build llama.cpp: missing on the agent's PATH (/usr/bin): cmake; install them: ..."
+    unavailable = [{"name": "llamacpp", "version": "b11434", "ok": False, "state": "unavailable", "detail": missing}]
+    state, why = install.join_progress(_node(engines=unavailable), started_before=100.0)
+    assert state == install.UNAVAILABLE
+    assert why.startswith(f"joined without llama.cpp: unavailable: {missing}")
+
+    admin = type("Admin", (), {"nodes": lambda self: [_node(engines=unavailable)]})()
+
+    async def wait() -> install.Joined:
+        return await install.wait_for_join(
+            _opts(tmp_path), _Session(), Facts(node_id="node-a"), admin, 100.0, poll=_polled(admin)
+        )
+
+    joined = trio.run(wait, clock=MockClock(autojump_threshold=0))
+    assert joined.warn and joined.detail == why
+
+
 class _Admin:
     """The admin API as node add polls it: a node that connected but never heartbeats."""
 
@@ -260,7 +280,7 @@ def test_the_join_timeout_says_what_is_missing_and_shows_the_log(tmp_path: Path)
     facts = Facts(node_id="node-a", systemd=False)
     admin, session = _Admin(), _Session()
 
-    async def wait() -> str:
+    async def wait() -> install.Joined:
         return await install.wait_for_join(opts, session, facts, admin, started_before=200.0)
 
     with pytest.raises(PeerError) as err:
@@ -310,14 +330,14 @@ def test_the_join_waits_past_its_timeout_while_progress_keeps_coming_and_reports
     opts = attrs.evolve(_opts(tmp_path), join_timeout_s=60.0)
     admin, said = _Building(step=40), []
 
-    async def wait() -> tuple[str, float]:
+    async def wait() -> tuple[install.Joined, float]:
         done = await install.wait_for_join(
             opts, _Session(), Facts(node_id="node-a"), admin, 100.0, progress=said.append, poll=_polled(admin)
         )
         return done, trio.current_time()
 
     done, took = trio.run(wait, clock=MockClock(autojump_threshold=0))
-    assert done == "joined; llama.cpp installed and checked (b4000)"
+    assert done == install.Joined(detail="joined; llama.cpp installed and checked (b4000)")
     assert took > 400
     assert said == [f"joined; installing llama.cpp {p}% (build)" for p in range(0, 101, 10)]  # each once
 
@@ -332,7 +352,7 @@ def test_the_join_gives_up_when_the_progress_stops(tmp_path: Path) -> None:
 
     admin, said = Stuck(step=10), []
 
-    async def wait() -> str:
+    async def wait() -> install.Joined:
         return await install.wait_for_join(
             opts, _Session(), Facts(node_id="node-a"), admin, 100.0, progress=said.append, poll=_polled(admin)
         )

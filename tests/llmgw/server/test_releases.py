@@ -100,6 +100,48 @@ def test_the_file_for_the_nodes_architecture_is_picked(tmp_path: Path) -> None:
     assert pick(sums, "arm64", "x")[0] == ARM and pick(sums, "amd64", "x")[0] == AMD
 
 
+LLAMA_AMD = "llama.cpp-b11434-linux-amd64.tar.gz"
+LLAMA_ARM = "llama.cpp-b11434-linux-arm64.tar.gz"
+
+
+def test_the_releases_llama_cpp_archives_are_served_and_named_for_the_nodes(tmp_path: Path) -> None:
+    d = tmp_path / "rel"
+    d.mkdir()
+    for name in (LLAMA_AMD, LLAMA_ARM, "llama.cpp-b11434-linux-riscv64.tar.gz", "llama.cpp-latest-linux-amd64.tar.gz"):
+        (d / name).write_bytes(name.encode())
+    _release_dir(d, *(f"{_digest(d / n)}  {n}" for n in sorted(p.name for p in d.glob("llama*"))))
+    catalog, _ = build_catalog(d, None, {})
+    # Only the release's own names: an architecture it does not build, a version not b<number>, are not its.
+    assert sorted(catalog.files) == sorted([AMD, ARM, LLAMA_AMD, LLAMA_ARM])
+    amd, arm = catalog.llama_archives()
+    assert (amd.name, amd.version, amd.arch, amd.sha256, amd.size) == (
+        LLAMA_AMD,
+        "b11434",
+        "x86_64",
+        _digest(d / LLAMA_AMD),
+        len(LLAMA_AMD),
+    )
+    assert amd.binary == "llama.cpp-b11434-linux-amd64/llama-server" and arm.arch == "aarch64"
+    # node add still picks the zipapp among them.
+    assert pick({e.name: e.sha256 for e in catalog.files.values()}, "amd64", "x")[0] == AMD
+
+
+@pytest.mark.trio
+async def test_the_latest_catalog_is_what_the_nodes_are_told_and_a_llama_archive_is_served(tmp_path: Path) -> None:
+    d = tmp_path / "rel"
+    d.mkdir()
+    (d / LLAMA_AMD).write_bytes(b"llama" * 1000)
+    _release_dir(d, f"{_digest(d / LLAMA_AMD)}  {LLAMA_AMD}")
+    rel = Releases(directory=d, running=None)
+    assert rel.llama_archives() == ()  # nothing read yet
+    status, _, body = await _get(rel, b"/v1/release/" + LLAMA_AMD.encode())
+    assert status == 200 and body == b"llama" * 1000
+    assert [a.name for a in rel.llama_archives()] == [LLAMA_AMD]
+    off = Releases(directory=d, running=None, serve=False)
+    await off.catalog()
+    assert off.llama_archives() == ()  # a control plane that serves no release offers none
+
+
 # -- the route -----------------------------------------------------------------------------
 
 

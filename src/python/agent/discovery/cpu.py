@@ -13,35 +13,18 @@ means the same thing everywhere.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import attrs
 
-# (name shown to people, the kernel's flag). AVX-512 is reported but not required: many good
-# hosts (AMD Zen 2/3, most desktop Intel parts) lack it, and llama.cpp is fast without it.
-FEATURES = (("sse4.2", "sse4_2"), ("avx", "avx"), ("avx2", "avx2"), ("fma", "fma"), ("avx512", "avx512f"))
-REQUIRED = ("sse4.2", "avx", "avx2", "fma")
+from llmgw.engines import cpubackend
 
-# The model names QEMU gives its generic CPU models, and the models' own names.
-_VIRTUAL_MODELS = (
-    (re.compile(r"Common KVM processor", re.I), "kvm64"),
-    (re.compile(r"Common 32-bit KVM processor", re.I), "kvm32"),
-    (re.compile(r"QEMU Virtual CPU", re.I), "qemu64"),
-    (re.compile(r"\b(kvm64|kvm32|qemu64|qemu32)\b", re.I), ""),
-)
-
-# Measured on the original system (node05: an 8-core VM on a Xeon E5-2680 v4, same weights and
-# threads, only the CPU model changed). Quoted by doctor so the cost is a number, not a hunch.
-MEASURED = (
-    "measured: Qwen2.5-Coder 7B q4_K_M generates 1.33 tok/s under kvm64 against 9.88 with the host CPU, "
-    "and prompt processing is 19x slower (7.6 against 143.8 tok/s)"
-)
-FIX_PROXMOX = (
-    "give the VM the host's CPU model: on Proxmox `qm set VMID --cpu host` then stop and start the VM "
-    "(a VM built by llmgw-provision-node has it: its `--cpu host` is the default); "
-    "elsewhere use your hypervisor's host-passthrough CPU mode"
-)
+# What the features mean for llama.cpp, the generic virtual models and doctor's wording are shared
+# with the control plane's note on the CPU backend a node loaded: llmgw.engines.cpubackend.
+FEATURES = cpubackend.FEATURES
+REQUIRED = cpubackend.REQUIRED
+MEASURED = cpubackend.MEASURED
+FIX_PROXMOX = cpubackend.FIX_PROXMOX
 
 # Arm's own cores (implementer 0x41) by part number, for a model name ARM kernels do not write.
 _ARM_PARTS = {
@@ -114,8 +97,4 @@ def missing_required(cpu: CpuInfo) -> tuple[str, ...]:
 
 def virtual_model(cpu: CpuInfo) -> str:
     """The generic virtual CPU model this is ("kvm64", "qemu64"), or "" for a real model name."""
-    for pattern, name in _VIRTUAL_MODELS:
-        m = pattern.search(cpu.model)
-        if m:
-            return name or m.group(1).lower()
-    return ""
+    return cpubackend.virtual_model(cpu.model)

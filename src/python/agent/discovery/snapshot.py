@@ -11,6 +11,7 @@ inventory are both pure functions of it.
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import sys
@@ -20,6 +21,7 @@ import attrs
 
 from agent.discovery import cpu, gpus, infiniband, system
 from agent.discovery.tools import DEFAULT_TIMEOUT_S
+from agent.install import build
 from llmgw import config
 
 DEFAULT_PROC_ROOT = "/proc"
@@ -42,6 +44,7 @@ class Sources:
     ip: str = DEFAULT_IP
     weights_dir: Path = Path(config.DEFAULT_AGENT_STATE_DIR) / "weights"
     tool_timeout_s: float = DEFAULT_TIMEOUT_S
+    path: str | None = None  # where to look for build tools; None: this process's PATH
 
 
 def sources_from_config(cfg: config.AgentConfig, **overrides: object) -> Sources:
@@ -73,10 +76,14 @@ class Snapshot:
     ib: infiniband.IbReport
     modules: frozenset[str] | None  # None: /proc/modules unreadable
     commands: frozenset[str] | None  # running processes' names; None: /proc unreadable
+    # What a build of llama.cpp would need and is not on PATH (empty: all there), and nvcc.
+    build_missing: tuple[str, ...] = ()
+    nvcc: str = ""
 
 
 def discover(src: Sources) -> Snapshot:
     pci = gpus.read_nvidia_pci(src.pci_root)
+    tools = build.probe_tools(build.which_on(src.path if src.path is not None else os.environ.get("PATH", os.defpath)))
     return Snapshot(
         hostname=socket.gethostname(),
         os=system.os_name(src.os_release),
@@ -94,4 +101,6 @@ def discover(src: Sources) -> Snapshot:
         ib=infiniband.probe_infiniband(src.ib_root, sminfo=src.sminfo, ip=src.ip, timeout_s=src.tool_timeout_s),
         modules=system.loaded_modules(src.proc_root),
         commands=system.running_commands(src.proc_root),
+        build_missing=tools.missing,
+        nvcc=tools.nvcc,
     )

@@ -57,34 +57,71 @@ class Toolchain:
     nice: str = ""  # "" when this node has none: the build then runs at the agent's priority
 
 
-def find_toolchain(which: Callable[[str], str | None], os_release: str, path: str) -> Toolchain:
-    """The tools a build needs, found with `which`; BuildToolsMissing names what to install."""
+@attrs.frozen(kw_only=True)
+class BuildTools:
+    """What this node has for a build, before one is chosen: the agent picks a CUDA build only
+    where it can run (agent.engines)."""
+
+    missing: tuple[str, ...] = ()  # what find_toolchain would name
+    nvcc: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+def missing_tools(which: Callable[[str], str | None]) -> list[str]:
+    """What a build needs and `which` does not find, as people name it."""
     missing = []
     if not any(which(c) for c in ("cc", "gcc", "clang")):
         missing.append("a C compiler (cc, gcc or clang)")
     if not any(which(c) for c in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler (c++, g++ or clang++)")
-    cmake = which("cmake")
-    if not cmake:
+    if not which("cmake"):
         missing.append("cmake")
-    ninja, make = which("ninja") or which("ninja-build"), which("make")
-    if not (ninja or make):
+    if not (which("ninja") or which("ninja-build") or which("make")):
         missing.append("make (or ninja)")
+    return missing
+
+
+def find_nvcc(which: Callable[[str], str | None]) -> str:
+    return which("nvcc") or next((p for p in NVCC_PLACES if os.access(p, os.X_OK)), "")
+
+
+def probe_tools(which: Callable[[str], str | None]) -> BuildTools:
+    return BuildTools(missing=tuple(missing_tools(which)), nvcc=find_nvcc(which))
+
+
+def find_toolchain(which: Callable[[str], str | None], os_release: str, path: str) -> Toolchain:
+    """The tools a build needs, found with `which`; BuildToolsMissing names what to install."""
+    missing = missing_tools(which)
+    cmake = which("cmake")
+    ninja = which("ninja") or which("ninja-build")
     if missing:
         raise BuildToolsMissing(
             f"this node cannot build llama.cpp: missing on the agent's PATH ({path}): {', '.join(missing)}; "
             f"install them: {install_hint(os_release)}; then the agent builds it at its next try (or restart "
-            "it). Or give [engines.llamacpp] a prebuilt archive for this node in server.toml, or name an "
+            "it). Or give the control plane the release's llama.cpp archive for this architecture (in its "
+            "[release] dir), or [engines.llamacpp] a prebuilt archive for this node in server.toml, or name an "
             "installed llama-server with `llamacpp_bin` in agent.toml"
         )
-    nvcc = which("nvcc") or next((p for p in NVCC_PLACES if os.access(p, os.X_OK)), "")
     return Toolchain(
-        cmake=str(cmake), generator="Ninja" if ninja else "Unix Makefiles", nvcc=nvcc or "", nice=which("nice") or ""
+        cmake=str(cmake),
+        generator="Ninja" if ninja else "Unix Makefiles",
+        nvcc=find_nvcc(which),
+        nice=which("nice") or "",
     )
 
 
 _DEBIAN = "apt-get install build-essential cmake"
 _RHEL = "dnf install gcc-c++ cmake make"
+
+
+def install_hint_for(os_family: str) -> str:
+    """The install command for doctor's OS family ("debian", "rhel", or "": both)."""
+    return {"debian": _DEBIAN, "rhel": _RHEL}.get(
+        os_family
+    ) or f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
 
 
 def install_hint(os_release: str) -> str:

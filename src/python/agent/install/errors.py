@@ -38,6 +38,10 @@ class BadSource(UsageError):
     """The configured source cannot be used as it is (no source for this architecture, bad URL)."""
 
 
+class NoSourceForNode(BadSource):
+    """server.toml offers this engine no archive, release archive or build that fits this node."""
+
+
 class PipInstallFailed(MachineError):
     """pip could not install an engine's requirement: the message has pip's own errors, the index
     it asked and what to check."""

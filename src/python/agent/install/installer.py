@@ -12,8 +12,10 @@ version keeps serving until the new one is known to start. A version that fails 
 removed and reported with the engine's own output; `current` is left alone. Only the current
 and the previous version are kept.
 
-A version comes from a prebuilt archive, a pip requirement, or llama.cpp's source built here
-(agent.install.build); a build may be kept in a build cache and reused by an identical one.
+A version comes from a prebuilt archive (one server.toml names, or the control plane's release),
+a pip requirement, or llama.cpp's source built here (agent.install.build); a build may be kept in
+a build cache and reused by an identical one. Where `Wanted.flags_of` names an engine, its whole
+help is checked against the flags llmgw gives it (engine-check's check) before it is offered.
 `ensure` reports its phases ("fetch", "unpack", "configure", "build", "install", "check") and
 percentages, when known, to `on_progress`, at each change (the caller throttles).
 """
@@ -41,6 +43,7 @@ from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.unpack import unpack
 from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, archive_cap, fetch
+from llmgw.engines import cpubackend
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")
@@ -66,6 +69,7 @@ class ArchiveSource:
     size: int = 0  # server.toml's size of the archive; 0: not given
     max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
     mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
+    sha256_from: str = "server.toml"  # where the digest was read, for a mismatch's message
 
 
 @attrs.frozen(kw_only=True)
@@ -202,7 +206,16 @@ class EngineStore:
         version = _version_line(output)
         return Installed(name=wanted.name, version=version, executable=wanted.binary, ok=True)
 
-    async def _fetch(self, name: str, url: str, sha256: str, size: int, max_bytes: int, report: _Reporter) -> Path:
+    async def _fetch(
+        self,
+        name: str,
+        url: str,
+        sha256: str,
+        size: int,
+        max_bytes: int,
+        report: _Reporter,
+        sha256_from: str = "server.toml",
+    ) -> Path:
         """The verified file (kept in .downloads: a reinstall needs no network)."""
         report("fetch", 0 if size else None)
 
@@ -221,13 +234,20 @@ class EngineStore:
             cap=archive_cap(size, max_bytes),
             ssl_context=self.ssl_context,
             on_progress=progress,
+            sha256_from=sha256_from,
         )
 
     async def _install_archive(
         self, wanted: Wanted, source: ArchiveSource, version_dir: Path, mirror_url: str | None, report: _Reporter
     ) -> Path:
         archive = await self._fetch(
-            wanted.name, mirror_url or source.url, source.sha256, source.size, source.max_bytes, report
+            wanted.name,
+            mirror_url or source.url,
+            source.sha256,
+            source.size,
+            source.max_bytes,
+            report,
+            sha256_from=source.sha256_from,
         )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
@@ -243,6 +263,8 @@ class EngineStore:
                 )
             report("check", None)
             await check_runs([str(executable), *wanted.check_args])
+            if wanted.flags_of:
+                await check_flags(wanted.flags_of, str(executable), {**os.environ, **dict(wanted.help_environ)})
             if version_dir.exists():
                 shutil.rmtree(version_dir)  # a leftover of an interrupted install: never the current one
             os.rename(staging, version_dir)
@@ -398,6 +420,18 @@ class _Reporter:
                 self.token.run_sync_soon(self, phase, percent)
             except trio.RunFinishedError:
                 pass
+
+
+async def llama_cpu_backend(executable: str, timeout_s: float = CHECK_TIMEOUT_S) -> str:
+    """The CPU backend llama-server loads on this machine (llmgw.engines.cpubackend): what its
+    `--list-devices` logs as it loads every backend, or "" if that cannot be asked."""
+    loadable = any(Path(executable).parent.glob("libggml-cpu*.so"))
+    try:
+        output = await check_runs([executable, "--list-devices"], timeout_s)
+    except EngineCheckFailed as exc:
+        log.warning("engine_cpu_backend_unknown", executable=executable, reason=str(exc))
+        return ""
+    return cpubackend.parse(output, loadable=loadable)
 
 
 async def check_flags(engine: str, executable: str, environ: dict[str, str]) -> None:

@@ -43,7 +43,7 @@ def configure(parser: Parser) -> None:
     nodes = add_leaf(
         sub,
         "nodes",
-        "list the nodes: state, address, agent, heartbeat, hardware, engines, fabrics, certificate",
+        "list the nodes: state, replicas, address, agent, heartbeat, hardware, engines, fabrics, certificate",
         run_nodes,
     )
     add_json_flag(nodes)
@@ -263,12 +263,26 @@ def _fabrics(n: dict[str, Any]) -> str:
     return ",".join(shown) or "-"
 
 
+SHOWN_REPLICAS = 3  # named in the REPLICAS cell; more are counted
+
+
+def _replicas(n: dict[str, Any]) -> str:
+    """The replicas the node holds (members it reports, whatever their state): "0", or the count
+    and their ids, "2: chat-1,chat-2" (a drain is done when it reads 0)."""
+    ids = sorted({r["replica"] for r in n.get("replicas") or []})
+    if not ids:
+        return "0"
+    more = f",+{len(ids) - SHOWN_REPLICAS}" if len(ids) > SHOWN_REPLICAS else ""
+    return f"{len(ids)}: {','.join(ids[:SHOWN_REPLICAS])}{more}"
+
+
 def format_nodes(nodes: list[dict[str, Any]]) -> str:
     if not nodes:
         return "no nodes yet: add one with `sudo llmgw node add USER@HOST` (docs/node-onboarding.md)"
     header = (
         "NODE",
         "STATE",
+        "REPLICAS",
         "ADDRESS",
         "AGENT",
         "HEARTBEAT",
@@ -287,6 +301,7 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
             (
                 n["id"],
                 state_text(n),
+                _replicas(n),
                 n.get("address") or "-",
                 n.get("agent_version") or "-",
                 f"{age:.0f}s ago" if age is not None else "never",

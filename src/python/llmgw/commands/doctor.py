@@ -19,8 +19,9 @@ from llmgw.cli import Parser, add_json_flag, fabric_arg
 
 def configure(parser: Parser) -> None:
     parser.description = (
-        "check that this node can do its job: CPU features, Python, disk, clock, GPUs and driver, vLLM, "
-        "fabric manager, IMEX, GPUDirect RDMA, subnet managers, declared fabrics, the control plane. "
+        "check that this node can do its job: CPU features, Python, disk, clock, what a llama.cpp build needs, "
+        "GPUs and driver, vLLM, fabric manager, IMEX, GPUDirect RDMA, subnet managers, declared fabrics, the "
+        "control plane. "
         "Exit status: 0 all ok, 1 warnings (or something could not be checked), 2 a failure."
     )
     add_json_flag(parser)

@@ -21,15 +21,21 @@ def installing_text(e: dict[str, Any]) -> str:
 
 
 def mark(e: dict[str, Any]) -> str:
-    """The engine's state in a table cell: "", "(failed)", "(installing 40%)"."""
+    """The engine's state in a table cell: "", "[haswell]" (llama.cpp's CPU backend), "(failed)",
+    "(unavailable)", "(installing 40%)"."""
     if e.get("state") == "installing":
         return f"(installing {e['percent']}%)" if e.get("percent") is not None else "(installing)"
-    return "" if e["ok"] else "(failed)"
+    if e.get("state") == "unavailable":
+        return "(unavailable)"
+    if not e["ok"]:
+        return "(failed)"
+    return f"[{e['cpu_backend']}]" if e.get("cpu_backend") else ""
 
 
 def notes(n: dict[str, Any]) -> list[str]:
-    """Installs under way, engines that failed and why, and the GPU engines this node was not
-    asked to install, with why ("vllm: not applicable (no NVIDIA GPU; ...)")."""
+    """Installs under way, engines that failed or are unavailable and why, a CPU backend that costs
+    speed (with the cause and the fix), and the GPU engines this node was not asked to install,
+    with why ("vllm: not applicable (no NVIDIA GPU; ...)")."""
     lines = []
     reported = set()
     for e in n.get("engines") or []:
@@ -37,8 +43,12 @@ def notes(n: dict[str, Any]) -> list[str]:
         if e.get("state") == "installing":
             kept = f"; {title(e['name'])} {e['version']} stays in use until it is checked" if e["ok"] else ""
             lines.append(installing_text(e) + kept)
+        elif e.get("state") == "unavailable":
+            lines.append(f"{e['name']}: unavailable: {e['detail']}")
         elif not e["ok"]:
             lines.append(f"{e['name']} failed: {e['detail']}")
+        if e.get("cpu_note"):
+            lines.append(f"{e['name']}: {e['cpu_note']}")
     for v in n.get("eligibility") or []:
         if v["status"] != "eligible" and v["engine"] not in reported:
             lines.append(f"{v['engine']}: {v['status'].replace('_', ' ')} ({v['reason']})")

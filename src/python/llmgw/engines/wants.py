@@ -6,13 +6,17 @@ Whether a GPU engine can run is judged here, from the GPUs the inventory lists, 
 own rule (`llmgw.engines.eligibility`): a node that cannot run it is not asked to install it,
 and `gpu_verdicts` says why for the node's view.
 
-llama.cpp's want carries its prebuilt archives for the node's architecture and, by default,
-the source to build it from where none fits (`pick_archive` decides on the node); each says
-whether the control plane's mirror has it."""
+llama.cpp's want carries its prebuilt archives for the node's architecture, then the control
+plane's own release archive of its version for that architecture (`release`, where
+[engines.llamacpp] release is on), and by default the source to build it from; the node picks
+(`pick_archive` for configured archives, `release_archive`, agent.engines for the order). Each
+says whether the control plane's mirror has it."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+
+import attrs
 
 from llmgw.config import EngineSource, EnginesSection, pip_requirement
 from llmgw.engines.eligibility import judge_inventory
@@ -21,10 +25,48 @@ from llmgw.wire import agent_link as w
 GPU_ENGINES = ("vllm", "sglang")
 
 
+@attrs.frozen(kw_only=True)
+class ReleaseArchive:
+    """A llama.cpp archive of the control plane's release (llmgw.server.releases)."""
+
+    name: str  # its file name, as RELEASE_PREFIX + name serves it
+    version: str  # llama.cpp's, e.g. "b11434"
+    arch: str  # as `uname -m` prints it
+    sha256: str
+    binary: str  # llama-server's path inside it
+    size: int = 0
+
+
+def release_for(source: EngineSource, release: Sequence[ReleaseArchive]) -> tuple[ReleaseArchive, ...]:
+    """The release archives llama.cpp's `source` takes: its version's, where `release` is on."""
+    if not getattr(source, "release", False) or not source.version:
+        return ()
+    return tuple(r for r in release if r.version == source.version)
+
+
 def _want(
-    name: str, source: EngineSource, inv: w.Inventory | None, mirrored: Collection[str], max_bytes: int
+    name: str,
+    source: EngineSource,
+    inv: w.Inventory | None,
+    mirrored: Collection[str],
+    max_bytes: int,
+    release: Sequence[ReleaseArchive] = (),
 ) -> w.EngineWant:
     arch = inv.arch if inv else None
+    released = tuple(
+        w.EngineArchive(
+            arch=r.arch,
+            backend="cpu",
+            url="",
+            sha256=r.sha256,
+            binary=r.binary,
+            size=r.size,
+            max_bytes=max_bytes,
+            release=r.name,
+        )
+        for r in release_for(source, release)
+        if arch is None or r.arch == arch
+    )
     archives = tuple(
         w.EngineArchive(
             arch=a.arch,
@@ -43,7 +85,7 @@ def _want(
     return w.EngineWant(
         name=name,
         version=source.version,
-        archives=archives,
+        archives=archives + released,
         pip=pip_requirement(name, source),
         index_url=source.index_url,
         extra_index_urls=source.extra_index_url,
@@ -74,12 +116,18 @@ def gpu_verdicts(config: EnginesSection, inv: w.Inventory | None) -> tuple[w.Eng
 
 
 def engines_for(
-    config: EnginesSection, inv: w.Inventory | None, mirrored: Collection[str] = (), *, max_archive_bytes: int = 0
+    config: EnginesSection,
+    inv: w.Inventory | None,
+    mirrored: Collection[str] = (),
+    *,
+    max_archive_bytes: int = 0,
+    release: Sequence[ReleaseArchive] = (),
 ) -> tuple[w.EngineWant, ...]:
-    """`max_archive_bytes`: [downloads].max_archive_gib in bytes (0: the agent's default)."""
+    """`max_archive_bytes`: [downloads].max_archive_gib in bytes (0: the agent's default);
+    `release`: the llama.cpp archives the control plane's release holds."""
     wants = []
     if config.llamacpp.enabled:
-        wants.append(_want("llamacpp", config.llamacpp, inv, mirrored, max_archive_bytes))
+        wants.append(_want("llamacpp", config.llamacpp, inv, mirrored, max_archive_bytes, release))
     for verdict in gpu_verdicts(config, inv):
         if verdict.status == w.ELIGIBLE:
             source = getattr(config, verdict.engine)
@@ -88,11 +136,29 @@ def engines_for(
 
 
 def pick_archive(want: w.EngineWant, arch: str, has_gpu: bool) -> w.EngineArchive | None:
-    """The archive for this node: CUDA where there is an NVIDIA GPU and a CUDA build, else CPU."""
-    mine = [a for a in want.archives if a.arch == arch]
+    """The configured archive for this node: CUDA where there is an NVIDIA GPU and a CUDA build,
+    else CPU. The release's archives are not among them (`release_archive`)."""
+    mine = [a for a in want.archives if a.arch == arch and not a.release]
     if has_gpu:
         cuda = [a for a in mine if a.backend == "cuda"]
         if cuda:
             return cuda[0]
     cpu = [a for a in mine if a.backend == "cpu"]
     return cpu[0] if cpu else None
+
+
+def release_archive(want: w.EngineWant, arch: str) -> w.EngineArchive | None:
+    """The control plane's release archive of the wanted version for this architecture."""
+    return next((a for a in want.archives if a.release and a.arch == arch), None)
+
+
+def may_build(config: EnginesSection, inv: w.Inventory, release: Sequence[ReleaseArchive]) -> bool:
+    """Whether this node may build llama.cpp from [engines.llamacpp]'s source: no configured or
+    release archive fits it, or it has an NVIDIA GPU (a CUDA build where it has nvcc)."""
+    source = config.llamacpp
+    if not source.enabled or not source.version or getattr(source, "build", None) is None:
+        return False
+    if inv.gpus:
+        return not any(a.arch == inv.arch and a.backend == "cuda" for a in source.archives)
+    covered = {a.arch for a in source.archives if a.backend == "cpu"} | {r.arch for r in release_for(source, release)}
+    return inv.arch not in covered

@@ -171,7 +171,8 @@ async def _on_node(
         st.ok(f"started ({how}); its log: {layout.log_hint(facts.systemd)}")
 
     async with _step(emit, "join") as st:
-        st.ok(await install.wait_for_join(opts, s, facts, auth.admin, started_at, progress=st.progress))
+        joined = await install.wait_for_join(opts, s, facts, auth.admin, started_at, progress=st.progress)
+        st.say(WARN if joined.warn else OK, joined.detail)
 
     assert facts.artifact is not None
     return Added(

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -235,12 +236,23 @@ def stop_supervisor_argv() -> list[str]:
 # -- join ----------------------------------------------------------------------------------
 
 
-JOINED, WAITING, BROKEN = "joined", "waiting", "broken"
+JOINED, WAITING, BROKEN, UNAVAILABLE = "joined", "waiting", "broken", "unavailable"
+
+
+@attrs.frozen(kw_only=True)
+class Joined:
+    """How the join ended: `detail` for the step's line; `warn` when the node joined without
+    llama.cpp (unavailable there: the step warns, and the run goes on)."""
+
+    detail: str
+    warn: bool = False
 
 
 def join_progress(node: dict[str, Any] | None, started_before: float | None) -> tuple[str, str]:
     """JOINED (the restarted agent heartbeated and llama.cpp is checked), WAITING (and for what),
-    or BROKEN (the agent said llama.cpp cannot be used: waiting longer would not change it)."""
+    BROKEN (the agent said llama.cpp cannot be used: waiting longer would not change it), or
+    UNAVAILABLE (joined, and this node lacks what llama.cpp's source needs, e.g. a compiler for a
+    build: the node is not held back, it serves its other engines and the agent tries again)."""
     if node is None:
         return WAITING, "the control plane has not heard from the agent"
     if not node.get("connected"):
@@ -254,6 +266,11 @@ def join_progress(node: dict[str, Any] | None, started_before: float | None) -> 
         return WAITING, "joined; llama.cpp is not installed yet"
     if llama.get("state") == "installing" and not llama["ok"]:
         return WAITING, f"joined; {installing_text(llama)}"
+    if llama.get("state") == "unavailable":
+        return UNAVAILABLE, (
+            f"joined without llama.cpp: unavailable: {llama['detail']} (the agent tries again every few minutes; "
+            "`llmgw ctl nodes` shows it)"
+        )
     if not llama["ok"]:
         return BROKEN, f"joined, but llama.cpp cannot be used: {llama['detail']}"
     return JOINED, f"joined; llama.cpp installed and checked ({llama['version']})"
@@ -268,7 +285,7 @@ async def wait_for_join(
     *,
     progress: Callable[[str], None] = lambda said: None,
     poll: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
-) -> str:
+) -> Joined:
     """Poll the control plane until the node has joined; each new thing it says goes to `progress`.
 
     `join_timeout_s` counts from the last news, not from the start: a build that keeps reporting
@@ -281,9 +298,9 @@ async def wait_for_join(
             node = view_of(await poll(), facts.node_id)
             before = said
             state, said = join_progress(node, started_before)
-            if state == JOINED:
+            if state in (JOINED, UNAVAILABLE):
                 marks = " (cordoned: no new work until `llmgw ctl uncordon`)" if node and node.get("cordoned") else ""
-                return said + marks
+                return Joined(detail=said + marks, warn=state == UNAVAILABLE)
             if state == WAITING:
                 if said != before:
                     progress(said)

@@ -91,11 +91,15 @@ function engines(n) {
       const using = e.ok ? `${e.name} ${e.version || ""}`.trim() + "; " : "";
       return h("div", { class: "muted" }, `${using}installing ${e.name}${percent}${phase}`);
     }
+    const why = e.state === "unavailable" ? "unavailable here" : "unusable";
     return h(
       "div",
-      { class: e.ok ? "" : "bad" },
+      { class: e.ok ? "" : "bad", "data-engine": e.name },
       `${e.name} ${e.version || ""}`.trim(),
-      e.ok ? "" : ` — unusable: ${e.detail || "did not run"}`,
+      // llama.cpp's CPU backend: the instruction set it runs with on this node.
+      e.cpu_backend ? h("span", { class: "muted", "data-cpu-backend": e.cpu_backend }, ` (CPU backend: ${e.cpu_backend})`) : "",
+      e.ok ? "" : ` — ${why}: ${e.detail || "did not run"}`,
+      e.cpu_note ? h("div", { class: "warn" }, `⚠ ${e.cpu_note}`) : "",
     );
   });
   for (const [engine, e] of unusable) {
@@ -336,6 +340,7 @@ export function warnings(cluster) {
   for (const n of cluster.nodes) {
     if (n.state === "lost") out.push(`node ${n.id} is lost: no heartbeat for ${age(n.last_heartbeat_age_s)}`);
     if (n.cpu_warning) out.push(`node ${n.id}: ${n.cpu_warning}`);
+    for (const e of n.engines) if (e.cpu_note) out.push(`node ${n.id}: ${e.cpu_note}`);
     if (n.cert_expires_in_days !== null && n.cert_expires_in_days < CERT_WARN_DAYS) {
       out.push(`node ${n.id}: its certificate expires in ${n.cert_expires_in_days.toFixed(0)} days; reissue it with \`llmgw node add\``);
     }

@@ -31,7 +31,7 @@ import trio
 
 from llmgw import paths
 from llmgw.config import Model, ServerConfig, load_server_config
-from llmgw.engines.wants import engines_for
+from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
 from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
@@ -203,7 +203,7 @@ class ControlPlane:
             await nursery.start(run, "liveness", serve_liveness, self.registry, self.replicas, self.changes, self.push)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
-            mirror = partial(fill_mirror, node_known=self._a_node_is_known, retry_s=self.mirror_retry_s)
+            mirror = partial(fill_mirror, node_known=self._a_node_may_build, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.endpoint.artifacts, self.push_all)
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
@@ -246,12 +246,20 @@ class ControlPlane:
         self._node_coming = True
         self.changes.node_changed()
 
-    async def _a_node_is_known(self) -> None:
-        """Returns once the registry knows a node, or a node certificate was issued (`node add`
-        records it before it installs the agent: the mirror fetches meanwhile)."""
+    async def _a_node_may_build(self) -> None:
+        """Returns once a node may build llama.cpp from its source, so the mirror fetches the
+        source then and not before. Without release archives of llama.cpp: once the registry
+        knows a node, or a node certificate was issued (`node add` records it before it installs
+        the agent: the mirror fetches meanwhile). With them, only a node they do not cover (another
+        architecture, or an NVIDIA GPU for a CUDA build) needs the source."""
+        release = (await self.endpoint.releases.catalog()).llama_archives()
         while True:
             changed = self.changes.nodes.next()
-            if self.registry.nodes or self._node_coming:
+            engines = self.config.engines
+            if not release_for(engines.llamacpp, release):
+                if self.registry.nodes or self._node_coming:
+                    return
+            elif any(n.inventory and may_build(engines, n.inventory, release) for n in self.registry.nodes.values()):
                 return
             await changed.wait()
 
@@ -288,6 +296,7 @@ class ControlPlane:
             node.inventory if node else None,
             self.endpoint.artifacts.available(),
             max_archive_bytes=self.config.downloads.max_archive_bytes,
+            release=self.endpoint.releases.llama_archives(),
         )
         return w.DesiredState(
             generation=self._generation,
@@ -341,6 +350,7 @@ class ControlPlane:
         if changed_fixed:
             log.warning("reload_ignores", sections=changed_fixed, fix="restart `llmgw server` for those")
         self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
+        await self.endpoint.releases.catalog()  # the release's llama.cpp archives, as they are now
         changed = self.replicas.reconcile(self.registry.clock.now())
         await self.push_all()  # engines may have changed for everyone
         log.info("config_reloaded", models=[m.name for m in new.models], nodes_changed=sorted(changed))

@@ -20,12 +20,11 @@ from typing import Any, Protocol
 
 import trio
 
+from llmgw.engines import cpubackend
 from llmgw.server.gateway.keys import key_view
 
 HEARTBEAT_S = 15.0
 MIN_INTERVAL_S = 0.25  # a burst of changes (a drain, a node joining) is one snapshot, not fifty
-# What llama.cpp's fast backends need (agent.discovery.cpu.REQUIRED): (name shown, kernel flag).
-REQUIRED_X86 = (("sse4.2", "sse4_2"), ("avx", "avx"), ("avx2", "avx2"), ("fma", "fma"))
 
 
 class Plane(Protocol):
@@ -40,17 +39,14 @@ class Plane(Protocol):
 
 
 def cpu_warning(cpu: dict[str, Any] | None) -> str:
-    """What `llmgw doctor` says of a generic virtual CPU (agent.discovery.cpu), from what the node
-    reported: its model name, or x86 flags without AVX2/FMA."""
+    """What `llmgw doctor` says of a generic virtual CPU (its rules, llmgw.engines.cpubackend), from
+    what the node reported: its model name, or x86 flags without AVX2/FMA."""
     if not cpu:
         return ""
     model, flags = cpu.get("model") or "", set(cpu.get("flags") or ())
-    lowered = model.lower()
-    generic = any(
-        s in lowered for s in ("common kvm processor", "qemu virtual cpu", "kvm64", "kvm32", "qemu64", "qemu32")
-    )
+    generic = bool(cpubackend.virtual_model(model))
     x86 = bool(flags & {"sse2", "lm", "fpu"})
-    lacking = [name for name, flag in REQUIRED_X86 if flag not in flags]
+    lacking = cpubackend.missing_x86(flags)
     if generic or (x86 and lacking):
         missing = f" (no {', '.join(lacking)})" if x86 and lacking else ""
         return (

@@ -6,7 +6,8 @@ to know the digest the node must find. Which files (docs/install.md, "The releas
 plane serves"):
 
 1. `[release] dir` in server.toml: the files its SHA256SUMS lists, with the digests it lists (so a
-   file damaged on disk is served as it is and refused by the node's sha256 check).
+   file damaged on disk is served as it is and refused by the node's sha256 check): the zipapps
+   and the llama.cpp archives, which are also its nodes' default llama.cpp (`llama_archives`).
 2. Else the release this control plane runs from: when its file's directory (symlinks resolved)
    holds a SHA256SUMS listing it, every release file that list names (both architectures, as
    downloaded); else that one file, under its release name, its sha256 computed here.
@@ -18,12 +19,14 @@ without a client certificate (a node has none yet when it fetches its release): 
 admits a peer without one to this route alone. At most MAX_DOWNLOADS are sent at once, each
 write within the send deadline; the catalog (a directory read, perhaps a whole-file hash) is
 built off the loop at each request, reusing the hash of a file whose size, mtime and inode are
-unchanged.
+unchanged. The last catalog built is kept (`latest`): what the nodes are told to install is read
+from it synchronously, and it is built at start, at each request and at each reload.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
@@ -33,9 +36,19 @@ import h11
 import trio
 
 from llmgw.download import sha256_of
+from llmgw.engines.wants import ReleaseArchive
 from llmgw.errors import UsageError, cut
 from llmgw.log import get_logger
-from llmgw.releasefiles import NAME, SUMS, Running, parse_sums, release_files
+from llmgw.releasefiles import (
+    LLAMA_NAME,
+    SUMS,
+    UNAME,
+    Running,
+    is_release_name,
+    llama_binary,
+    parse_sums,
+    release_files,
+)
 from llmgw.wire.agent_link import RELEASE_PREFIX
 
 log = get_logger("llmgw.releases")
@@ -52,6 +65,7 @@ class Entry:
     name: str
     path: Path
     sha256: str
+    size: int = 0  # as the directory was read; 0: not known
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +78,24 @@ class Catalog:
 
     def sums(self) -> bytes:
         return "".join(f"{e.sha256}  {e.name}\n" for e in sorted(self.files.values(), key=lambda e: e.name)).encode()
+
+    def llama_archives(self) -> tuple[ReleaseArchive, ...]:
+        """The llama.cpp archives held, as the nodes' engine wants name them."""
+        found = []
+        for e in sorted(self.files.values(), key=lambda e: e.name):
+            m = LLAMA_NAME.match(e.name)
+            if m:
+                found.append(
+                    ReleaseArchive(
+                        name=e.name,
+                        version=m["version"],
+                        arch=UNAME[m["arch"]],
+                        sha256=e.sha256,
+                        binary=llama_binary(e.name),
+                        size=e.size,
+                    )
+                )
+        return tuple(found)
 
 
 def build_catalog(
@@ -112,10 +144,14 @@ def _from_dir(directory: Path, source: str) -> Catalog:
         return Catalog(source=source, missing=str(exc))
     files = {}
     for name, digest in sums.items():
-        assert NAME.match(name)  # release_files: no '/', so the path stays in the directory
+        assert is_release_name(name)  # release_files: no '/', so the path stays in the directory
         path = directory / name
-        if path.is_file():
-            files[name] = Entry(name=name, path=path, sha256=digest)
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # listed, not downloaded
+        if stat.S_ISREG(st.st_mode):
+            files[name] = Entry(name=name, path=path, sha256=digest, size=st.st_size)
     if not files:
         return Catalog(source=source, missing=f"{sums_file} lists no release file that is beside it; download them")
     return Catalog(source=source, files=files)
@@ -131,15 +167,24 @@ class Releases:
         self.slots = trio.Semaphore(MAX_DOWNLOADS)
         self._hashes: dict[_Key, str] = {}
         self._lock = trio.Lock()
+        self.latest: Catalog | None = None  # the last catalog built; None before the first
 
     async def catalog(self) -> Catalog:
         if not self.enabled:
-            return Catalog(source="none", missing="this control plane serves no release ([release] serve = false)")
+            self.latest = Catalog(
+                source="none", missing="this control plane serves no release ([release] serve = false)"
+            )
+            return self.latest
         async with self._lock:  # one build at a time: a second hash of the same file would be waste
             catalog, self._hashes = await trio.to_thread.run_sync(
                 build_catalog, self.directory, self.running, self._hashes, abandon_on_cancel=True
             )
+        self.latest = catalog
         return catalog
+
+    def llama_archives(self) -> tuple[ReleaseArchive, ...]:
+        """The llama.cpp archives of the last catalog built (none before the first)."""
+        return self.latest.llama_archives() if self.latest is not None else ()
 
     async def announce(self) -> None:
         """Log what is served (at start: an operator sees which release nodes get)."""
@@ -178,7 +223,7 @@ async def serve(
     if request.method != b"GET":
         await _answer(send, conn, 405, f"only GET {RELEASE_PREFIX}NAME is served here\n", [(b"allow", b"GET")])
         return
-    if name != SUMS and not NAME.match(name):
+    if name != SUMS and not is_release_name(name):
         await _answer(send, conn, 404, f"not a release file: {RELEASE_PREFIX}{SUMS} lists those served\n")
         return
     catalog = await releases.catalog()

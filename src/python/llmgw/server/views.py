@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from llmgw.config import EnginesSection, Model
+from llmgw.engines import cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.drains import DrainProgress
@@ -42,9 +43,16 @@ def _eligibility(inv: w.Inventory | None, engines: EnginesSection | None) -> lis
     return [{"engine": e.engine, "status": e.status, "reason": e.reason} for e in verdicts]
 
 
-def engine_view(e: w.EngineStatus) -> dict[str, Any]:
-    """An engine as the node reports it; `state` is "ok", "failed" or "installing" (with phase and percent)."""
+def engine_view(e: w.EngineStatus, inv: w.Inventory | None = None) -> dict[str, Any]:
+    """An engine as the node reports it; `state` is "ok", "failed", "unavailable" or "installing"
+    (with phase and percent). llama.cpp's `cpu_backend` is the one it loads on the node, and
+    `cpu_note` what that costs there and the fix ("" when it is a good one)."""
     state = e.state or (w.ENGINE_OK if e.ok else w.ENGINE_FAILED)  # an agent older than `state`
+    note = (
+        cpubackend.note(e.cpu_backend, arch=inv.arch, cpu_model=inv.cpu_model, cpu_flags=inv.cpu_flags)
+        if inv is not None and e.cpu_backend
+        else ""
+    )
     return {
         "name": e.name,
         "version": e.version,
@@ -53,6 +61,8 @@ def engine_view(e: w.EngineStatus) -> dict[str, Any]:
         "state": state,
         "phase": e.phase if state == w.ENGINE_INSTALLING else "",
         "percent": e.percent if state == w.ENGINE_INSTALLING else None,
+        "cpu_backend": e.cpu_backend,
+        "cpu_note": note,
     }
 
 
@@ -84,7 +94,7 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
         if inv
         else [],
-        "engines": [engine_view(e) for e in node.engines],
+        "engines": [engine_view(e, inv) for e in node.engines],
         "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,

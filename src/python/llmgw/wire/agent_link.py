@@ -22,7 +22,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # their download cap (WeightsSource) — fields an agent of version 1 would refuse.
 # 3: llama.cpp's source to build (EngineWant.build), pip's indexes (EngineWant.index_url,
 # extra_index_urls), an engine's install state and progress (EngineStatus.state, phase, percent).
-PROTOCOL_VERSION = 3
+# 4: the control plane's own release archives (EngineArchive.release), the CPU backend llama.cpp
+# loaded (EngineStatus.cpu_backend), an engine this node lacks what it needs for (ENGINE_UNAVAILABLE).
+PROTOCOL_VERSION = 4
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -157,7 +159,10 @@ class Inventory:
 # Values of EngineStatus.state. "" comes from an agent that predates it: read `ok`.
 ENGINE_OK = "ok"
 ENGINE_INSTALLING = "installing"
-ENGINE_FAILED = "failed"
+ENGINE_FAILED = "failed"  # an install or check went wrong (a bad archive, a binary that does not run)
+# Nothing went wrong, but this node lacks what the engine's source needs here (a compiler for a
+# build) or no source fits it: the node serves what else it has, and the agent tries again.
+ENGINE_UNAVAILABLE = "unavailable"
 # Values of EngineStatus.phase while installing, in the order an install goes through them.
 INSTALL_PHASES = ("fetch", "unpack", "configure", "build", "install", "check")
 
@@ -174,9 +179,13 @@ class EngineStatus:
     version: str
     ok: bool
     detail: str = ""
-    state: str = ""  # ENGINE_OK, ENGINE_INSTALLING, ENGINE_FAILED
+    state: str = ""  # ENGINE_OK, ENGINE_INSTALLING, ENGINE_FAILED, ENGINE_UNAVAILABLE
     phase: str = ""  # one of INSTALL_PHASES while installing
     percent: int | None = None  # 0..100 of the phase, while installing
+    # llama.cpp: the CPU backend it loads on this node, as its library is named (`haswell` for
+    # libggml-cpu-haswell.so, the baseline `x64`), CPU_BUILT_IN for a build that links its one
+    # backend in, "" when not known (another engine, or not checked yet). llmgw.engines.cpubackend.
+    cpu_backend: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -269,12 +278,15 @@ class Welcome:
 class EngineArchive:
     arch: str
     backend: str
-    url: str
+    url: str  # "" for a release archive
     sha256: str
     binary: str
     mirrored: bool = False  # the control plane has it: fetch it over the link's port instead
     size: int = 0  # server.toml's size of the archive in bytes; 0: not given
     max_bytes: int = 0  # without size or Content-Length, the most the download may bring; 0: the agent's default
+    # A file of the control plane's release (llmgw.releasefiles.LLAMA_NAME): fetched from
+    # RELEASE_PREFIX + release on the link's port. Taken only where no configured archive fits.
+    release: str = ""
 
 
 @attrs.frozen(kw_only=True)
