@@ -141,6 +141,10 @@ class AgentLink:
         return reason_of(exc, f"{self.target.host}:{self.target.port}", connect_timeout_s=CONNECT_TIMEOUT_S)
 
     async def run_session(self) -> None:
+        """One session: dial the control plane (TCP, TLS), then `run_on` that stream."""
+        await self.run_on(await self._dial())
+
+    async def _dial(self) -> trio.SSLStream:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             tcp = await trio.open_tcp_stream(
                 self.target.host, self.target.port, local_address=self.source_address or None
@@ -155,7 +159,12 @@ class AgentLink:
             except BaseException:
                 await trio.aclose_forcefully(tls)
                 raise
-        stream = LinkStream(tls, eof="the control plane closed the connection during the upgrade")
+        return tls
+
+    async def run_on(self, connected: trio.abc.Stream) -> None:
+        """One session on a stream connected to the control plane (`run_session`'s TLS stream;
+        a memory stream in tests): the upgrade, the hello, then frames until the link ends."""
+        stream = LinkStream(connected, eof="the control plane closed the connection during the upgrade")
         session = s.AgentSession(self.node_id, self.make_hello)
         path, headers = session.upgrade_request()
         try:
@@ -178,6 +187,7 @@ class AgentLink:
         finally:
             self.state.connected = False
             self._writer = None
+            await trio.aclose_forcefully(connected)  # not left to the garbage collector
 
     async def _converse(self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession) -> None:
         writer = Writer(session, send_timeout_s=SEND_TIMEOUT_S)
