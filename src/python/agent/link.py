@@ -86,7 +86,7 @@ class AgentLink:
         node_id: str,
         ssl_context: ssl.SSLContext,
         make_hello: Callable[[], w.Hello],
-        backoff: Backoff = Backoff(),
+        backoff: Backoff | None = None,
         rng: random.Random | None = None,
         source_address: str = "",
         address: NodeAddress | None = None,
@@ -98,7 +98,7 @@ class AgentLink:
         self.node_id = node_id
         self.ssl_context = ssl_context
         self.make_hello = make_hello
-        self.backoff = backoff
+        self.backoff = backoff or Backoff()
         self.rng = rng or random.Random()
         self.state = LinkState()
         self._desired_changed = trio.Event()
