@@ -119,15 +119,13 @@ class AgentEndpoint(AgentListener):
         try:
             with trio.fail_after(HELLO_TIMEOUT_S):
                 event = session.receive(await ws.get_message())
-        except (trio.TooSlowError, WireError) as exc:
-            if isinstance(exc, WireError):
-                log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=str(exc))
-            code, why = (
-                (exc.code, str(exc))
-                if isinstance(exc, WireError)
-                else (w.BAD_MESSAGE, f"no hello within {HELLO_TIMEOUT_S:g} s")
-            )
-            await writer.close(code, why, timeout_s=REFUSAL_SEND_S, ws=ws)
+        except trio.TooSlowError:
+            why = f"no hello within {HELLO_TIMEOUT_S:g} s"
+            await writer.close(w.BAD_MESSAGE, why, timeout_s=REFUSAL_SEND_S, ws=ws)  # not started yet: `ws`
+            return
+        except WireError as exc:
+            log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=str(exc))
+            await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
             return
         if isinstance(event, s.Closed):
             log.warning("agent_reported_error", node=node_id, code=event.code, reason=event.message)
