@@ -1,6 +1,7 @@
 """The agent port's routing, on memory streams: the head is read once, routed from the head
-alone, and the link's WebSocket is accepted from the parsed request on the bare stream (nothing
-replayed); what is not a WebSocket upgrade is answered in plain HTTP."""
+alone, handed to the link's session as it was read (`upgrade_request`: the session judges it,
+tests/llmgw/wire/test_session.py has every rule), and the link's WebSocket is accepted from the
+bytes already read; what is refused is answered in plain HTTP."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trio_websocket
 from llmgw.server import agentport
 from llmgw.server.agentport import Route
 from llmgw.wire import agent_link as w
+from llmgw.wire import session as s
 from llmgw.wire.errors import UpgradeRefused
 
 pytestmark = pytest.mark.trio
@@ -34,6 +36,12 @@ async def test_the_route_is_decided_from_the_head_alone() -> None:
     assert agentport.route(request(b"/v1/releasex")) is Route.LINK  # only under the prefix
     assert agentport.route(request(w.AGENT_PATH.encode())) is Route.LINK
     assert agentport.route(request(b"/elsewhere")) is Route.LINK  # the link's session answers 404
+
+
+def check(head: agentport.Head) -> None:
+    """The link's session judges the upgrade request the port read."""
+    session = s.ServerSession("node-a", heartbeat_interval_s=5.0, desired_state=lambda: w.DesiredState(generation=1))
+    session.upgrade(agentport.upgrade_request(head), s.Standing(serial=1))
 
 
 async def head_of(data: bytes, *, close: bool = False) -> agentport.Head:
@@ -70,16 +78,32 @@ async def test_garbage_too_large_or_cut_heads_route_nowhere(data: bytes) -> None
     ("data", "says"),
     [
         (UPGRADE.replace(b"GET", b"POST", 1), "expected a WebSocket upgrade (GET, HTTP/1.1)"),
-        (b"GET /v1/agent HTTP/1.1\r\nhost: cp\r\n\r\n", "expected a WebSocket upgrade to /v1/agent"),
+        (UPGRADE.replace(b"node-a", b"node-b"), "node id 'node-b' does not match its certificate CN 'node-a'"),
+        (b"GET /v1/agent HTTP/1.1\r\nhost: cp\r\nx-llmgw-node-id: node-a\r\n\r\n", "expected a WebSocket upgrade to"),
         (UPGRADE.replace(b"sec-websocket-version: 13", b"sec-websocket-version: 8"), "expected a WebSocket upgrade"),
-        (b"GET /v1/agent HTTP/1.0\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\r\n", "HTTP/1.0"),
+        (
+            b"GET /v1/agent HTTP/1.0\r\nupgrade: websocket\r\nconnection: Upgrade\r\nx-llmgw-node-id: node-a\r\n\r\n",
+            "HTTP/1.0",
+        ),
     ],
 )
-async def test_what_is_not_a_websocket_upgrade_is_refused_with_400(data: bytes, says: str) -> None:
+async def test_what_is_not_a_websocket_upgrade_for_this_node_is_refused(data: bytes, says: str) -> None:
     head = await head_of(data)
     with pytest.raises(UpgradeRefused) as info:
-        agentport.check_upgrade(head)
-    assert info.value.status == 400 and says in str(info.value), info.value
+        check(head)
+    assert info.value.status in (400, 403) and says in str(info.value), info.value
+
+
+async def test_the_upgrade_request_is_handed_over_as_read() -> None:
+    head = await head_of(UPGRADE + b"early")
+    assert agentport.upgrade_request(head) == s.UpgradeRequest(
+        method=b"GET",
+        target=b"/v1/agent",
+        http_version=b"1.1",
+        headers=tuple(head.request.headers),
+        early=5,
+    )
+    assert (b"x-llmgw-node-id", b"node-a") in head.request.headers
 
 
 async def test_a_refusal_is_plain_http_that_says_why() -> None:
@@ -133,5 +157,5 @@ async def test_a_frame_sent_before_the_101_is_refused() -> None:
     await client.send_all(UPGRADE + b"\x81\x85\x01\x02\x03\x04early")
     head = await agentport.read_head(server)
     with pytest.raises(UpgradeRefused) as info:
-        agentport.check_upgrade(head)
+        check(head)
     assert info.value.status == 400 and "before the server's 101" in str(info.value)

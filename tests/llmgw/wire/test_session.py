@@ -1,7 +1,8 @@
 """The agent link's protocol without sockets: an agent session wired to a control-plane session
 in memory (like h11's ConnectionPair), every frame passed as the text the WebSocket would carry.
-Every sequence, refusal and version mismatch is here; tests/agent/test_link.py keeps what needs
-TLS and the real endpoint."""
+Every sequence, refusal and version mismatch is here, and what waits for a slow reader;
+tests/agent/test_link.py keeps what needs TLS and the real endpoint, tests/llmgw/test_linkio.py
+the writer that drains a session's outbox."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused,
 
 INVENTORY = w.Inventory(hostname="node-a", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1)
 STATUS = w.ReplicaStatus(replica_id="r1", model="m", state=w.READY, port=8000)
+GOOD = s.Standing(serial=0xABC)  # the store knows the certificate, not revoked
+WEBSOCKET = (
+    (b"host", b"cp"),
+    (b"upgrade", b"websocket"),
+    (b"connection", b"Upgrade"),
+    (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+    (b"sec-websocket-version", b"13"),
+)
 
 
 def hello(node_id: str = "node-a", **changes) -> w.Hello:
@@ -29,6 +38,34 @@ def hello(node_id: str = "node-a", **changes) -> w.Hello:
         inventory=INVENTORY,
     )
     return attrs.evolve(made, **changes)
+
+
+def upgrade(path: str = w.AGENT_PATH, headers=(), **changes) -> s.UpgradeRequest:
+    """An opening handshake as trio-websocket's client sends it, with `headers` added."""
+    request = s.UpgradeRequest(
+        method=b"GET",
+        target=path.encode(),
+        http_version=b"1.1",
+        headers=WEBSOCKET + tuple((k.encode() if isinstance(k, str) else k, v) for k, v in headers),
+    )
+    return attrs.evolve(request, **changes)
+
+
+def upgrade_of(agent: s.AgentSession) -> s.UpgradeRequest:
+    path, headers = agent.upgrade_request()
+    return upgrade(path, headers)
+
+
+def server(node_id: str = "node-a", **kw) -> s.ServerSession:
+    kw.setdefault("desired_state", lambda: w.DesiredState(generation=1))
+    return s.ServerSession(node_id, heartbeat_interval_s=5.0, server_version="test", **kw)
+
+
+def drain(side: s._Session) -> list[str]:
+    frames = []
+    while (frame := side.next_frame()) is not None:
+        frames.append(frame)
+    return frames
 
 
 # One of every message, by the side that sends it.
@@ -50,34 +87,50 @@ SERVER_SENDS = {
 
 
 class Pair:
-    """Both ends of one link; `deliver` hands a frame to one side and whatever that side answers
-    to the other, recording each side's events."""
+    """Both ends of one link: `flush` hands every frame a side queued to the other, and whatever
+    that one queues in answer back, recording each side's events. The control plane's desired
+    state is made when its frame is taken, generation 1, 2, ... (`made`)."""
 
     def __init__(self, *, node_id: str = "node-a", cert_cn: str | None = None, make_hello=None) -> None:
         self.agent = s.AgentSession(node_id, make_hello or (lambda: hello(node_id)))
-        self.server = s.ServerSession(cert_cn or node_id, heartbeat_interval_s=5.0, server_version="test")
+        self.made = 0
+        self.server = server(cert_cn or node_id, desired_state=self.desired)
         self.events: dict[str, list[s.Event]] = {s.AGENT: [], s.SERVER: []}
+
+    def desired(self) -> w.DesiredState:
+        self.made += 1
+        return w.DesiredState(generation=self.made)
 
     def peer(self, side: s._Session) -> s._Session:
         return self.server if side is self.agent else self.agent
 
     def deliver(self, frame: str, to: s._Session) -> s.Event:
-        received = to.receive(frame)
-        self.events[to.role].append(received.event)
-        for answer in received.send:
-            self.deliver(answer, self.peer(to))
-        return received.event
+        event = to.receive(frame)
+        self.events[to.role].append(event)
+        return event
+
+    def flush(self) -> None:
+        """Until both are quiet: every frame queued, delivered."""
+        while True:
+            moved = False
+            for side in (self.agent, self.server):
+                for frame in drain(side):
+                    self.deliver(frame, self.peer(side))
+                    moved = True
+            if not moved:
+                return
 
     def connect(self) -> s.Event:
-        """Upgrade and hello: the control plane's event for the hello."""
-        path, headers = self.agent.upgrade_request()
-        self.server.upgrade(path, headers)
-        return self.deliver(self.agent.start(), self.server)
+        """Upgrade and hello: the control plane's event for the hello (its answer still queued)."""
+        self.server.upgrade(upgrade_of(self.agent), GOOD)
+        self.agent.start()
+        [frame] = drain(self.agent)
+        return self.deliver(frame, self.server)
 
     def join(self) -> None:
         """Upgrade, hello, welcome and the first desired state: both ends open."""
         self.connect()
-        self.deliver(self.server.send(w.DesiredState(generation=1)), self.agent)
+        self.flush()
         assert self.agent.state is self.server.state is s.State.OPEN
 
     def refused(self, frame: str, to: s._Session) -> WireError:
@@ -85,69 +138,87 @@ class Pair:
         with pytest.raises(WireError) as info:
             to.receive(frame)
         assert to.state is s.State.CLOSED
-        goodbye = to.close(info.value.code, str(info.value))
-        assert goodbye is not None
+        assert to.close(info.value.code, str(info.value))
+        [goodbye] = drain(to)
+        assert to.done
         assert self.deliver(goodbye, self.peer(to)) == s.Closed(code=info.value.code, message=str(info.value))
         assert self.peer(to).state is s.State.CLOSED
         return info.value
 
 
+def desired_generations(events: list[s.Event]) -> list[int]:
+    return [e.desired.generation for e in events if isinstance(e, s.DesiredStateReceived)]
+
+
 # -- the sequence --------------------------------------------------------------------------
 
 
-def test_a_hello_is_welcomed_then_sent_the_desired_state() -> None:
+def test_a_hello_is_answered_with_the_welcome_then_the_desired_state_made_when_written() -> None:
     pair = Pair()
     assert pair.connect() == s.Joined(hello=hello())
-    [welcomed] = pair.events[s.AGENT]
-    assert welcomed == s.WelcomeReceived(
-        welcome=w.Welcome(node_id="node-a", server_version="test", heartbeat_interval_s=5.0)
+    assert pair.server.joined and pair.made == 0  # queued, not yet made: the node is recorded first
+    welcome, desired = drain(pair.server)
+    assert decode(welcome, w.ServerMessage) == w.Welcome(
+        node_id="node-a", server_version="test", heartbeat_interval_s=5
     )
-    # Welcome, then DesiredState: nothing else may come between.
-    assert not pair.server.can_send(w.LogsRequest)
-    with pytest.raises(LocalProtocolError):
-        pair.server.send(w.LogsRequest(request_id=1, replica_id="r1"))
-    event = pair.deliver(pair.server.send(w.DesiredState(generation=1, cordoned=True)), pair.agent)
-    assert event == s.DesiredStateReceived(desired=w.DesiredState(generation=1, cordoned=True))
-    assert pair.agent.open and pair.server.joined
+    assert decode(desired, w.ServerMessage) == w.DesiredState(generation=1) and pair.made == 1
+    assert pair.deliver(welcome, pair.agent) == s.WelcomeReceived(welcome=decode(welcome, w.ServerMessage))
+    assert pair.deliver(desired, pair.agent) == s.DesiredStateReceived(desired=w.DesiredState(generation=1))
+    assert pair.agent.open
+
+
+def test_nothing_comes_between_the_welcome_and_the_first_desired_state() -> None:
+    pair = Pair()
+    pair.connect()
+    rid = pair.server.request_logs("r1", 5)  # asked at once: it waits behind the session's answer
+    pair.server.push()  # a change before the first desired state is written: that one is the newest
+    kinds = [type(decode(f, w.ServerMessage)) for f in drain(pair.server)]
+    assert kinds == [w.Welcome, w.DesiredState, w.LogsRequest] and rid == 1 and pair.made == 1
 
 
 def test_every_report_of_the_agent_is_an_event_of_the_control_plane() -> None:
     pair = Pair()
     pair.join()
-    assert pair.deliver(pair.agent.heartbeat(), pair.server) == s.HeartbeatReceived(seq=1)
-    assert pair.deliver(pair.agent.heartbeat(), pair.server) == s.HeartbeatReceived(seq=2)
-    sent = pair.agent.send(w.InventoryChanged(inventory=INVENTORY))
-    assert pair.deliver(sent, pair.server) == s.InventoryReported(inventory=INVENTORY)
+    pair.agent.heartbeat()
+    pair.flush()
+    pair.agent.heartbeat()
+    pair.agent.send(w.InventoryChanged(inventory=INVENTORY))
     engines = (w.EngineStatus(name="sim", version="1", ok=False, detail="no"),)
-    assert pair.deliver(pair.agent.send(w.EnginesChanged(engines=engines)), pair.server) == s.EnginesReported(
-        engines=engines
-    )
-    assert pair.deliver(pair.agent.send(w.ReplicasChanged(replicas=(STATUS,))), pair.server) == s.ReplicasReported(
-        replicas=(STATUS,)
-    )
+    pair.agent.send(w.EnginesChanged(engines=engines))
+    pair.agent.send(w.ReplicasChanged(replicas=(STATUS,)))
+    pair.flush()
+    assert pair.events[s.SERVER][1:] == [
+        s.HeartbeatReceived(seq=1),
+        s.HeartbeatReceived(seq=2),
+        s.InventoryReported(inventory=INVENTORY),
+        s.EnginesReported(engines=engines),
+        s.ReplicasReported(replicas=(STATUS,)),
+    ]
     assert pair.server.state is s.State.OPEN
 
 
 def test_a_logs_request_is_answered() -> None:
     pair = Pair()
     pair.join()
-    request = w.LogsRequest(request_id=7, replica_id="r1", lines=3)
-    assert pair.deliver(pair.server.send(request), pair.agent) == s.LogsRequested(request=request)
-    reply = w.LogsReply(request_id=7, replica_id="r1", text="a\nb\nc\n")
-    assert pair.deliver(pair.agent.send(reply), pair.server) == s.LogsAnswered(reply=reply)
+    assert pair.server.request_logs("r1", 3) == 1
+    [frame] = drain(pair.server)
+    request = w.LogsRequest(request_id=1, replica_id="r1", lines=3)
+    assert pair.deliver(frame, pair.agent) == s.LogsRequested(request=request)
+    reply = w.LogsReply(request_id=1, replica_id="r1", text="a\nb\nc\n")
+    pair.agent.send(reply)
+    [frame] = drain(pair.agent)
+    assert pair.deliver(frame, pair.server) == s.LogsAnswered(reply=reply)
+    assert pair.server.logs_unanswered == 0
+    assert pair.server.request_logs("r1", 3) == 2  # ids are the session's, one per request
 
 
 def test_desired_state_goes_out_whenever_it_changes() -> None:
     pair = Pair()
     pair.join()
-    for generation in (2, 3, 4):
-        pair.deliver(pair.server.send(w.DesiredState(generation=generation)), pair.agent)
-    assert [e.desired.generation for e in pair.events[s.AGENT] if isinstance(e, s.DesiredStateReceived)] == [
-        1,
-        2,
-        3,
-        4,
-    ]
+    for _ in range(3):
+        pair.server.push()
+        pair.flush()
+    assert desired_generations(pair.events[s.AGENT]) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("closer", ["agent", "control plane"])
@@ -155,27 +226,130 @@ def test_a_link_error_either_way_closes_both_ends(closer: str) -> None:
     pair = Pair()
     pair.join()
     side = pair.agent if closer == "agent" else pair.server
-    goodbye = side.close("test", "going away")
-    assert side.close("test", "again") is None  # said once
+    assert side.close("test", "going away")
+    assert not side.close("test", "again")  # said once
+    [goodbye] = drain(side)
+    assert side.done
     assert pair.deliver(goodbye, pair.peer(side)) == s.Closed(code="test", message="going away")
     assert pair.agent.state is pair.server.state is s.State.CLOSED
     assert not pair.agent.can_send(w.Heartbeat) and not pair.server.can_send(w.DesiredState)
+    assert pair.peer(side).done and pair.peer(side).next_frame() is None  # it answers nothing
 
 
 def test_messages_decoded_elsewhere_are_taken_as_their_frames_would_be() -> None:
     pair = Pair()
-    pair.server.upgrade(*pair.agent.upgrade_request())
-    received = pair.server.receive(hello())
-    assert received.event == s.Joined(hello=hello()) and len(received.send) == 1
+    pair.server.upgrade(upgrade_of(pair.agent), GOOD)
+    assert pair.server.receive(hello()) == s.Joined(hello=hello())
+    assert len(pair.server.outbox) == 2
     with pytest.raises(ProtocolError):
         pair.server.receive(hello())
+
+
+# -- a slow reader: what is coalesced, what is bounded, what is dropped ----------------------
+
+
+def test_unsent_desired_states_are_one_the_newest_made_once() -> None:
+    pair = Pair()
+    pair.join()
+    for _ in range(1000):  # the agent reads nothing meanwhile
+        pair.server.push()
+    assert len(pair.server.outbox) == 1
+    pair.flush()
+    assert desired_generations(pair.events[s.AGENT]) == [1, 2] and pair.made == 2
+    # A DesiredState given whole replaces an unsent one too, in its place.
+    pair.server.send(w.DesiredState(generation=10))
+    pair.server.request_logs("r1", 1)
+    pair.server.send(w.DesiredState(generation=11))
+    assert [decode(f, w.ServerMessage) for f in drain(pair.server)] == [
+        w.DesiredState(generation=11),
+        w.LogsRequest(request_id=1, replica_id="r1", lines=1),
+    ]
+
+
+def test_unsent_reports_of_the_agent_are_one_of_each_kind_the_newest() -> None:
+    pair = Pair()
+    pair.join()
+    for i in range(100):
+        pair.agent.heartbeat()
+        status = attrs.evolve(STATUS, restarts=i)
+        pair.agent.send(w.ReplicasChanged(replicas=(status,)))
+        pair.agent.send(w.EnginesChanged(engines=(w.EngineStatus(name="sim", version=str(i), ok=True),)))
+        pair.agent.send(w.InventoryChanged(inventory=attrs.evolve(INVENTORY, cpu_cores=i + 1)))
+    assert len(pair.agent.outbox) == 4
+    assert [decode(f, w.AgentMessage) for f in drain(pair.agent)] == [
+        w.Heartbeat(seq=100),
+        w.ReplicasChanged(replicas=(attrs.evolve(STATUS, restarts=99),)),
+        w.EnginesChanged(engines=(w.EngineStatus(name="sim", version="99", ok=True),)),
+        w.InventoryChanged(inventory=attrs.evolve(INVENTORY, cpu_cores=100)),
+    ]
+
+
+def test_log_requests_are_bounded_per_link() -> None:
+    pair = Pair()
+    pair.join()
+    asked = [pair.server.request_logs(f"r{i}", 1) for i in range(s.MAX_LOGS_ASKED)]
+    assert asked == list(range(1, s.MAX_LOGS_ASKED + 1))
+    assert pair.server.request_logs("r-more", 1) is None  # the caller answers for the node
+    assert not pair.server.can_send(w.LogsRequest)
+    pair.flush()  # the agent has them all; it answers one
+    pair.agent.send(w.LogsReply(request_id=3, replica_id="r2", text="x"))
+    pair.flush()
+    assert pair.server.logs_unanswered == s.MAX_LOGS_ASKED - 1
+    assert pair.server.request_logs("r-more", 1) == s.MAX_LOGS_ASKED + 1
+
+
+def test_unsent_log_replies_are_bounded_and_the_agent_asks_for_room() -> None:
+    agent = agent_in("open")
+    for i in range(1, s.MAX_LOGS_ASKED + 2):
+        agent.receive(encode(w.LogsRequest(request_id=i, replica_id="r1")))
+    for i in range(1, s.MAX_LOGS_ASKED + 1):
+        assert agent.can_send(w.LogsReply)
+        agent.send(w.LogsReply(request_id=i, replica_id="r1"))
+    assert not agent.can_send(w.LogsReply)  # its adapter waits for the writer to make room
+    with pytest.raises(LocalProtocolError):
+        agent.send(w.LogsReply(request_id=s.MAX_LOGS_ASKED + 1, replica_id="r1"))
+    assert agent.next_frame() is not None and agent.can_send(w.LogsReply)
+    agent.send(w.LogsReply(request_id=s.MAX_LOGS_ASKED + 1, replica_id="r1"))
+
+
+@pytest.mark.parametrize("closer", ["agent", "control plane"])
+def test_closing_drops_what_is_unsent_and_writes_the_link_error_last(closer: str) -> None:
+    pair = Pair()
+    pair.join()
+    pair.server.push()
+    pair.server.request_logs("r1", 1)
+    pair.agent.heartbeat()
+    pair.agent.send(w.ReplicasChanged(replicas=(STATUS,)))
+    side = pair.agent if closer == "agent" else pair.server
+    side.close("test", "going away")
+    assert drain(side) == [encode(w.LinkError(code="test", message="going away"))]
+    assert side.done and side.can_send(w.Heartbeat) is side.can_send(w.DesiredState) is False
+
+
+def test_nothing_is_written_after_the_peer_closed() -> None:
+    pair = Pair()
+    pair.join()
+    pair.server.push()
+    assert pair.deliver(encode(w.LinkError(code="test", message="bye")), pair.server) == s.Closed(
+        code="test", message="bye"
+    )
+    assert pair.server.next_frame() is None and pair.server.done
+    pair.server.push()  # a push racing the close changes nothing
+    assert pair.server.next_frame() is None
+
+
+def test_no_desired_state_before_the_hello() -> None:
+    session = server()
+    session.push()
+    session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
+    session.push()
+    assert len(session.outbox) == 0 and session.request_logs("r1", 1) is None
 
 
 # -- what each side accepts in each state: the protocol's table, spelled out -----------------
 
 SERVER_ACCEPTS = {
     "await_hello": {"hello", "link_error"},
-    "welcomed": {"heartbeat", "inventory_changed", "engines_changed", "replicas_changed", "logs_reply", "link_error"},
     "open": {"heartbeat", "inventory_changed", "engines_changed", "replicas_changed", "logs_reply", "link_error"},
     "closed": set(),
 }
@@ -189,11 +363,10 @@ AGENT_ACCEPTS = {
 def server_in(state: str) -> s.ServerSession:
     pair = Pair()
     if state != "closed":
-        pair.server.upgrade(*pair.agent.upgrade_request())
-    if state in ("welcomed", "open"):
-        pair.server.receive(encode(hello()))
+        pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     if state == "open":
-        pair.server.send(w.DesiredState(generation=1))
+        pair.server.receive(encode(hello()))
+        pair.server.request_logs("r1", 10)  # so that the LogsReply of AGENT_SENDS answers something
     if state == "closed":
         pair.server.close("test", "closed")
     assert pair.server.state.value == state
@@ -203,6 +376,7 @@ def server_in(state: str) -> s.ServerSession:
 def agent_in(state: str) -> s.AgentSession:
     agent = s.AgentSession("node-a", hello)
     agent.start()
+    drain(agent)  # the hello, written
     if state == "open":
         agent.receive(encode(SERVER_SENDS[w.Welcome]))
     if state == "closed":
@@ -247,7 +421,7 @@ def test_what_the_agent_accepts_in_each_state(state: str, kind: type) -> None:
 
 def test_a_message_before_the_hello_is_refused() -> None:
     pair = Pair()
-    pair.server.upgrade(*pair.agent.upgrade_request())
+    pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     pair.agent.start()  # a hello this agent does not send first: a heartbeat instead
     refusal = pair.refused(encode(w.Heartbeat(seq=1)), pair.server)
     assert isinstance(refusal, ProtocolError) and refusal.code == w.UNEXPECTED
@@ -263,10 +437,11 @@ def test_a_second_hello_is_refused() -> None:
 
 def test_a_hello_for_another_node_is_refused() -> None:
     # The upgrade named the certificate's node; the hello names another.
-    pair = Pair(node_id="node-a", make_hello=lambda: hello("node-a"))
-    pair.server = s.ServerSession("node-b", heartbeat_interval_s=5.0)
-    pair.server.upgrade(w.AGENT_PATH, [(w.NODE_ID_HEADER.encode(), b"node-b")])
-    refusal = pair.refused(pair.agent.start(), pair.server)
+    pair = Pair(node_id="node-a", cert_cn="node-b")
+    pair.server.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-b")]), GOOD)
+    pair.agent.start()
+    [frame] = drain(pair.agent)
+    refusal = pair.refused(frame, pair.server)
     assert refusal.code == w.NODE_ID_MISMATCH
     assert "expected a hello from node 'node-b' (its certificate's CN), got hello for node 'node-a'" in str(refusal)
     # The agent hears why, in the words it logs.
@@ -280,7 +455,7 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
     future["protocol_version"] = version
     future["a_field_from_the_future"] = {}  # would be a bad message, were the version not checked first
     pair = Pair()
-    pair.server.upgrade(*pair.agent.upgrade_request())
+    pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     pair.agent.start()
     refusal = pair.refused(json.dumps(future), pair.server)
     assert isinstance(refusal, ProtocolError) and refusal.code == w.PROTOCOL
@@ -289,17 +464,17 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
 
 
 def test_a_decoded_hello_of_another_version_is_refused_too() -> None:
-    server = s.ServerSession("node-a", heartbeat_interval_s=5.0)
-    server.upgrade(w.AGENT_PATH, [(w.NODE_ID_HEADER, "node-a")])
+    session = server()
+    session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
     with pytest.raises(ProtocolError) as info:
-        server.receive(hello(protocol_version=w.PROTOCOL_VERSION + 1))
+        session.receive(hello(protocol_version=w.PROTOCOL_VERSION + 1))
     assert info.value.code == w.PROTOCOL
 
 
 def test_the_agent_refuses_anything_but_a_welcome_first_and_a_second_welcome() -> None:
     pair = Pair()
-    pair.server.upgrade(*pair.agent.upgrade_request())
-    pair.server.receive(pair.agent.start())  # its Welcome is lost; a desired state comes first
+    pair.connect()
+    drain(pair.server)  # its Welcome is lost; a desired state comes first
     refusal = pair.refused(encode(w.DesiredState(generation=1)), pair.agent)
     assert refusal.code == w.UNEXPECTED and "expected a welcome from the control plane, got DesiredState" in str(
         refusal
@@ -308,6 +483,78 @@ def test_the_agent_refuses_anything_but_a_welcome_first_and_a_second_welcome() -
     with pytest.raises(ProtocolError) as info:
         again.receive(encode(SERVER_SENDS[w.Welcome]))
     assert "a second welcome" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "says"),
+    [
+        (
+            {"node_id": "node-b"},
+            w.NODE_ID_MISMATCH,
+            "the control plane welcomed node 'node-b' on the link of node 'node-a'",
+        ),
+        ({"server_version": ""}, w.BAD_MESSAGE, "names no server version this agent can read ('')"),
+        ({"server_version": "1.0 beta"}, w.BAD_MESSAGE, "names no server version this agent can read ('1.0 beta')"),
+        ({"server_version": "9" * 65}, w.BAD_MESSAGE, "names no server version this agent can read"),
+        ({"heartbeat_interval_s": 0.0}, w.BAD_MESSAGE, "asks for a heartbeat every 0 s"),
+        ({"heartbeat_interval_s": 0.001}, w.BAD_MESSAGE, "at most every 0.01 s"),
+    ],
+)
+def test_the_agent_refuses_a_welcome_for_another_node_or_without_a_version_or_heartbeat_it_can_keep(
+    change: dict, code: str, says: str
+) -> None:
+    pair = Pair()
+    pair.connect()
+    welcome, _ = drain(pair.server)
+    refusal = pair.refused(encode(attrs.evolve(decode(welcome, w.ServerMessage), **change)), pair.agent)
+    assert refusal.code == code and says in str(refusal), refusal
+    assert pair.events[s.SERVER][-1] == s.Closed(code=code, message=str(refusal))  # the control plane hears why
+
+
+@pytest.mark.parametrize("version", ["0.1.0.dev0", "0.0.1-e2e", "1.2.3+local.7", "test"])
+def test_the_agent_takes_any_release_version_of_its_protocol(version: str) -> None:
+    # The protocol version is checked by the control plane on the hello; releases may differ.
+    agent = s.AgentSession("node-a", hello)
+    agent.start()
+    welcome = attrs.evolve(SERVER_SENDS[w.Welcome], server_version=version)
+    assert agent.receive(encode(welcome)) == s.WelcomeReceived(welcome=welcome)
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        (w.LogsReply(request_id=9, replica_id="r1"), "a logs reply for request 9 (replica 'r1'), which this control"),
+        (w.LogsReply(request_id=1, replica_id="r2"), "a logs reply for request 1 (replica 'r2')"),
+    ],
+)
+def test_a_logs_reply_to_no_request_of_this_link_is_refused(reply: w.LogsReply, says: str) -> None:
+    pair = Pair()
+    pair.join()
+    pair.server.request_logs("r1", 1)
+    pair.flush()
+    refusal = pair.refused(encode(reply), pair.server)
+    assert refusal.code == w.UNEXPECTED and says in str(refusal), refusal
+    assert "unanswered: [1]" in str(refusal)
+
+
+def test_a_logs_reply_is_taken_once() -> None:
+    pair = Pair()
+    pair.join()
+    pair.server.request_logs("r1", 1)
+    pair.flush()
+    reply = encode(w.LogsReply(request_id=1, replica_id="r1", text="x"))
+    pair.deliver(reply, pair.server)
+    refusal = pair.refused(reply, pair.server)
+    assert "was answered already (unanswered: [])" in str(refusal)
+
+
+def test_the_agent_refuses_a_logs_request_asked_twice_before_its_answer() -> None:
+    agent = agent_in("open")
+    request = encode(w.LogsRequest(request_id=4, replica_id="r1"))
+    agent.receive(request)
+    with pytest.raises(ProtocolError) as info:
+        agent.receive(request)
+    assert info.value.code == w.UNEXPECTED and "logs request 4 asked again" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -332,8 +579,9 @@ def test_after_a_refusal_everything_is_refused() -> None:
     pair.join()
     with pytest.raises(WireError):
         pair.server.receive("not json")
+    pair.agent.heartbeat()
     with pytest.raises(ProtocolError):
-        pair.server.receive(pair.agent.heartbeat())
+        pair.server.receive(pair.agent.next_frame())
     assert not pair.server.can_send(w.DesiredState)
     with pytest.raises(LocalProtocolError):
         pair.server.send(w.DesiredState(generation=2))
@@ -346,26 +594,79 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
     agent = s.AgentSession("node-a", hello)
     path, headers = agent.upgrade_request()
     assert (path, headers) == ("/v1/agent", [(b"x-llmgw-node-id", b"node-a")])
-    server = s.ServerSession("node-a", heartbeat_interval_s=5.0)
-    server.upgrade(path, [(b"X-LLMGW-Node-Id", b"node-a")])  # header names are case-insensitive
-    assert server.state is s.State.AWAIT_HELLO
+    session = server()
+    session.upgrade(upgrade(path, [(b"X-LLMGW-Node-Id", b"node-a")]), GOOD)  # header names are case-insensitive
+    assert session.state is s.State.AWAIT_HELLO
 
 
 @pytest.mark.parametrize(
-    ("path", "headers", "status", "says"),
+    ("request_", "standing", "status", "says"),
     [
-        ("/elsewhere", [(b"x-llmgw-node-id", b"node-a")], 404, "no agent endpoint at '/elsewhere'"),
-        ("/v1/agent", [(b"x-llmgw-node-id", b"node-b")], 403, "node id 'node-b' does not match its certificate CN"),
-        ("/v1/agent", [], 403, "node id '' does not match its certificate CN 'node-a'"),
+        # The certificate first: a revoked node learns that, whatever else it asked.
+        (upgrade("/elsewhere"), s.Standing(serial=0xABC, revoked=True), 403, "(serial abc) was revoked"),
+        (upgrade("/elsewhere"), s.Standing(serial=0xABC, unknown="locked"), 503, "database is busy or failing"),
+        (upgrade("/elsewhere", [(w.NODE_ID_HEADER, b"node-a")]), GOOD, 404, "no agent endpoint at '/elsewhere'"),
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-b")]),
+            GOOD,
+            403,
+            "node id 'node-b' does not match its certificate",
+        ),
+        (upgrade(), GOOD, 403, "node id '' does not match its certificate CN 'node-a'"),
+        # Then RFC 6455's opening handshake (§4.1, §4.2.1), so trio-websocket refuses nothing.
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")], method=b"POST"),
+            GOOD,
+            400,
+            "expected a WebSocket upgrade (GET, HTTP/1.1) to /v1/agent, got POST HTTP/1.1",
+        ),
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")], http_version=b"1.0"),
+            GOOD,
+            400,
+            "got GET HTTP/1.0",
+        ),
+        (
+            s.UpgradeRequest(
+                method=b"GET",
+                target=b"/v1/agent",
+                http_version=b"1.1",
+                headers=((w.NODE_ID_HEADER.encode(), b"node-a"),),
+            ),
+            GOOD,
+            400,
+            "no 'Upgrade: websocket'; no 'Connection: Upgrade'; not one Sec-WebSocket-Key; Sec-WebSocket-Version is not 13",
+        ),
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-a"), (b"sec-websocket-key", b"again")]),
+            GOOD,
+            400,
+            "not one Sec-WebSocket-Key",
+        ),
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")], early=13),
+            GOOD,
+            400,
+            "13 bytes after the upgrade request, before the server's 101",
+        ),
     ],
 )
-def test_an_upgrade_for_another_path_or_node_is_refused(path, headers, status: int, says: str) -> None:
-    server = s.ServerSession("node-a", heartbeat_interval_s=5.0)
+def test_an_upgrade_is_refused_for_its_certificate_path_node_or_handshake(
+    request_: s.UpgradeRequest, standing: s.Standing, status: int, says: str
+) -> None:
+    session = server()
     with pytest.raises(UpgradeRefused) as info:
-        server.upgrade(path, headers)
-    assert info.value.status == status and says in str(info.value)
+        session.upgrade(request_, standing)
+    assert info.value.status == status and says in str(info.value), info.value
     with pytest.raises(ProtocolError):
-        server.receive(encode(hello()))  # and no hello gets in after
+        session.receive(encode(hello()))  # and no hello gets in after
+
+
+def test_the_mirror_asks_the_certificate_what_the_link_asks() -> None:
+    s.check_standing("node-a", GOOD)
+    with pytest.raises(UpgradeRefused) as info:
+        s.check_standing("node-a", s.Standing(serial=0xABC, revoked=True))
+    assert info.value.status == 403 and "`llmgw node add USER@HOST --reissue`" in str(info.value)
 
 
 # -- what our own code may not do ----------------------------------------------------------
@@ -390,23 +691,39 @@ def test_a_hello_for_another_node_is_not_sent() -> None:
         agent.start()
 
 
+def test_the_agent_replies_only_to_what_it_was_asked() -> None:
+    agent = agent_in("open")
+    with pytest.raises(LocalProtocolError):
+        agent.send(w.LogsReply(request_id=1, replica_id="r1"))
+    agent.receive(encode(w.LogsRequest(request_id=1, replica_id="r1")))
+    with pytest.raises(LocalProtocolError):
+        agent.send(w.LogsReply(request_id=1, replica_id="r2"))
+    agent.send(w.LogsReply(request_id=1, replica_id="r1"))
+    with pytest.raises(LocalProtocolError):
+        agent.send(w.LogsReply(request_id=1, replica_id="r1"))  # answered once
+
+
 def test_the_control_plane_sends_nothing_before_the_hello_and_welcomes_once() -> None:
-    server = s.ServerSession("node-a", heartbeat_interval_s=5.0)
+    session = server()
     with pytest.raises(LocalProtocolError):
-        server.receive(encode(hello()))  # the upgrade comes first
-    server.upgrade(w.AGENT_PATH, [(w.NODE_ID_HEADER, "node-a")])
-    assert not server.can_send(w.DesiredState)
-    server.receive(encode(hello()))
+        session.receive(encode(hello()))  # the upgrade comes first
+    session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
+    assert not session.can_send(w.DesiredState) and session.next_frame() is None
+    session.receive(encode(hello()))
     with pytest.raises(LocalProtocolError):
-        server.send(SERVER_SENDS[w.Welcome])
+        session.send(SERVER_SENDS[w.Welcome])
+    with pytest.raises(LocalProtocolError):
+        session.upgrade(upgrade(), GOOD)
 
 
 def test_frames_are_the_wire_encoding() -> None:
     pair = Pair()
-    pair.server.upgrade(*pair.agent.upgrade_request())
-    frame = pair.agent.start()
+    pair.server.upgrade(upgrade_of(pair.agent), GOOD)
+    pair.agent.start()
+    [frame] = drain(pair.agent)
     assert decode(frame, w.AgentMessage) == hello()
-    [welcome] = pair.server.receive(frame).send
+    pair.server.receive(frame)
+    welcome, _ = drain(pair.server)
     assert decode(welcome, w.ServerMessage) == w.Welcome(
         node_id="node-a", server_version="test", heartbeat_interval_s=5.0
     )

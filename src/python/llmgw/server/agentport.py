@@ -6,12 +6,12 @@ link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET ARTIFACTS_PREFIX 
 RELEASE_PREFIX + NAME` (`llmgw.server.releases`), for any peer (a node fetching its release has
 no certificate yet). The endpoint reads the request head once
 with h11 (`read_head`), `route` decides from the head alone, and each route then takes the
-connection as it is: the mirror and the releases answer on the same h11 connection; the link's request is
-checked to be a WebSocket upgrade (`check_upgrade`, RFC 6455 §4.2.1, before any WebSocket
-handling), then accepted by trio-websocket's public `wrap_server_stream` from the bytes already
-read (`accept_link` replays them: trio-websocket has no public way to start from a parsed
-request, and its internals are not ours to call). Refusals before the WebSocket (`answer`) are
-plain HTTP on that connection.
+connection as it is: the mirror and the releases answer on the same h11 connection; the link's
+request is checked by `llmgw.wire.session.ServerSession.upgrade` (`upgrade_request` hands it
+over: the path, the node id, RFC 6455's opening handshake, all before any WebSocket handling),
+then accepted by trio-websocket's public `wrap_server_stream` from the bytes already read
+(`accept_link`, which gives them again through `llmgw.linkio.LinkStream`). Refusals before the
+WebSocket (`answer`) are plain HTTP on that connection.
 
 Why one port and not a listener of its own for the mirror: `node add`, agent.toml and the
 firewall rules in docs/security.md name one control-plane port for everything a node needs,
@@ -28,8 +28,9 @@ import h11
 import trio
 import trio_websocket
 
+from llmgw.linkio import LinkStream
 from llmgw.wire import agent_link as w
-from llmgw.wire.errors import UpgradeRefused
+from llmgw.wire.session import UpgradeRequest
 
 MAX_HEAD_BYTES = 16384
 RECEIVE_SIZE = 65536
@@ -85,67 +86,25 @@ async def read_head(stream: trio.abc.Stream, max_bytes: int = MAX_HEAD_BYTES) ->
         conn.receive_data(data)
 
 
-def check_upgrade(head: Head) -> None:
-    """`UpgradeRefused(400)` unless the request is a WebSocket upgrade trio-websocket will accept."""
+def upgrade_request(head: Head) -> UpgradeRequest:
+    """The link's upgrade request as `ServerSession.upgrade` checks it (RFC 6455's rules are the
+    session's): the head h11 read, and how many bytes came after it."""
     request = head.request
     assert request is not None  # routed: Route.LINK
-    # RFC 6455 §4.1: the opening handshake is an HTTP/1.1 GET.
-    if request.method != b"GET" or request.http_version != b"1.1":
-        raise UpgradeRefused(
-            400,
-            f"expected a WebSocket upgrade (GET, HTTP/1.1) to {w.AGENT_PATH}, got {request.method.decode('latin-1')} "
-            f"HTTP/{request.http_version.decode('latin-1')}",
-        )
-    if head.trailing:
-        # RFC 6455 §4.1: a client waits for the server's handshake before it sends a frame.
-        raise UpgradeRefused(400, f"{len(head.trailing)} bytes after the upgrade request, before the server's 101")
-    # RFC 6455 §4.2.1: what makes a request an opening handshake.
-    fields: dict[bytes, list[bytes]] = {}
-    for name, value in request.headers:
-        fields.setdefault(name.lower(), []).append(value)
-    tokens = {t.strip().lower() for v in fields.get(b"connection", []) for t in v.split(b",")}
-    problems = []
-    if b"websocket" not in {v.strip().lower() for v in fields.get(b"upgrade", [])}:
-        problems.append("no 'Upgrade: websocket'")
-    if b"upgrade" not in tokens:
-        problems.append("no 'Connection: Upgrade'")
-    if len(fields.get(b"sec-websocket-key", [])) != 1:
-        problems.append("not one Sec-WebSocket-Key")
-    if fields.get(b"sec-websocket-version") != [b"13"]:
-        problems.append("Sec-WebSocket-Version is not 13")
-    if problems:
-        raise UpgradeRefused(400, f"expected a WebSocket upgrade to {w.AGENT_PATH}: {'; '.join(problems)}")
+    return UpgradeRequest(
+        method=request.method,
+        target=request.target,
+        http_version=request.http_version,
+        headers=tuple((name, value) for name, value in request.headers),
+        early=len(head.trailing),
+    )
 
 
 async def accept_link(nursery: trio.Nursery, stream: trio.abc.Stream, head: Head) -> trio_websocket.WebSocketConnection:
     """Accept the link's WebSocket on `stream` (its reader runs in `nursery`), the request
-    already checked by `check_upgrade`: trio-websocket reads it again from `head.raw`."""
-    request = await trio_websocket.wrap_server_stream(nursery, _Replay(stream, head.raw))
+    already checked by `ServerSession.upgrade`: trio-websocket reads it again from `head.raw`."""
+    request = await trio_websocket.wrap_server_stream(nursery, LinkStream(stream, prefix=head.raw))
     return await request.accept()
-
-
-class _Replay(trio.abc.Stream):
-    """A stream whose first bytes were already read (to route the request): gives them again."""
-
-    def __init__(self, inner: trio.abc.Stream, prefix: bytes) -> None:
-        self.inner = inner
-        self._prefix = prefix
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._prefix:
-            n = len(self._prefix) if max_bytes is None else max_bytes
-            data, self._prefix = self._prefix[:n], self._prefix[n:]
-            return data
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_all(self, data) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def answer(

@@ -1,0 +1,80 @@
+"""Why a session of the agent link ended, in the operator's words and with the fix: the
+control plane's refusal as it said it, else what failed on the way (TLS, TCP, a deadline)."""
+
+from __future__ import annotations
+
+import trio
+import trio_websocket
+
+from llmgw.errors import find, leaves, only
+from llmgw.log import get_logger
+from llmgw.pki.tlsdiag import describe_tls_failure
+
+log = get_logger("llmgw.agent.link")
+
+
+class SessionRefused(Exception):
+    """The control plane (or TLS) refused this agent, or the session broke in a way it can
+    name; `reason` says why and what to do."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+def reason_of(exc: BaseException, where: str, *, connect_timeout_s: float) -> str:
+    """One line for `exc`, which ended a session with the control plane at `where`."""
+    refused = find(exc, SessionRefused)
+    if refused is not None:
+        return refused.reason
+    rejected = find(exc, trio_websocket.ConnectionRejected)
+    if rejected is not None:
+        body = (rejected.body or b"").decode("utf-8", "replace").strip()
+        return f"the control plane refused this node (HTTP {rejected.status_code}): {body}"
+    closed = find(exc, trio_websocket.ConnectionClosed)
+    if closed is not None and describe_tls_failure(exc, side="client") is None:
+        return f"the link closed: {closed.reason}"
+    if only(
+        exc,
+        (
+            OSError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            trio.TooSlowError,
+            trio_websocket.HandshakeError,
+            trio_websocket.ConnectionClosed,
+        ),
+    ):
+        return describe_failure(exc, where, connect_timeout_s)
+    log.exception("link_failed_unexpectedly", server=where)
+    return f"unexpected failure: {leaves(exc)[0]!r} (a bug in llmgw; the log above has the traceback)"
+
+
+def describe_failure(exc: BaseException, where: str, connect_timeout_s: float) -> str:
+    """One line for the operator: what failed (dialling `where`) and what to do."""
+    tls = describe_tls_failure(exc, side="client")
+    if tls:
+        return tls
+    root = _root_cause(exc)
+    if isinstance(root, ConnectionRefusedError):
+        return f"nothing listens at {where}: is `llmgw server` running there, and agent_listen set to this port?"
+    if isinstance(root, trio.TooSlowError):
+        return f"no answer from {where} within {connect_timeout_s:g} s: check the address, routes and firewalls"
+    if isinstance(root, OSError):
+        return f"cannot reach {where}: {root.strerror or root}"
+    return f"the link to {where} failed: {root!r}"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        group = getattr(exc, "exceptions", None)  # an exception group (3.10 has only the backport)
+        if group:
+            exc = group[0]  # trio's happy eyeballs: every address failed, the first says how
+            continue
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None:
+            break
+        exc = nxt
+    return exc

@@ -1,0 +1,356 @@
+"""The agent port's listener: each connection from its accept to its route.
+
+Order of checks on a new connection, each refusal logged here with its reason and told to the
+agent in the clearest way the stage allows (a flood of them is summarised, `RefusalLog`):
+
+0. Until its TLS handshake shows a client certificate a connection is unproven: it counts in
+   a small budget of its own (`listeners.unproven_budget`), where at the ceiling the oldest is
+   closed for the newcomer, and must finish the handshake (without a certificate, send its
+   request head too) within HANDSHAKE_TIMEOUT_S. A certificate moves it to the agents' budget
+   (`max_agent_connections`; past it, 503 with Retry-After). See `_Place`.
+1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's or
+   an expired one; the agent receives the TLS alert at once). No certificate at all is refused
+   there too, unless the control plane serves its release files (`[release] serve`, the
+   default): then a peer without one gets as far as its request head, for the one route that
+   needs none.
+2. One request head, read once; `agentport.route` sends the mirror's requests to
+   `llmgw.server.artifacts`, the release files' to `llmgw.server.releases` (any peer) and the
+   rest to the link (no HTTP at all -> 400). A peer without a certificate asking for anything
+   but a release file -> HTTP 403, logged as the TLS stage's refusal it stands for.
+3. The mirror: the certificate not revoked (`llmgw.wire.session.check_standing`, the link's
+   rule too). The link: `llmgw.server.endpoint`, whose session checks the rest of the upgrade.
+
+`AgentEndpoint` (`llmgw.server.endpoint`) is this listener with the links it runs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import trio
+import trio_websocket
+
+from llmgw.errors import leaves, only
+from llmgw.http import listeners
+from llmgw.http import server as http
+from llmgw.http.refusals import RefusalLog
+from llmgw.log import get_logger
+from llmgw.pki.ca import CertInfo, cert_info_from_der
+from llmgw.pki.tls import send_tls_alert
+from llmgw.pki.tlsdiag import describe_tls_failure
+from llmgw.server import agentport, artifacts, releases
+from llmgw.server.agentport import Route
+from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.store import StoreError
+from llmgw.wire import session as s
+from llmgw.wire.errors import UpgradeRefused
+
+log = get_logger("llmgw.endpoint")
+
+_LINK_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio_websocket.ConnectionClosed)
+
+LISTENER = "agent"  # the listener's name in /metrics
+# A connection is unproven until its TLS handshake shows a client certificate: the handshake,
+# and the request head of a peer without a certificate, must come within this of the accept. A
+# real agent's handshake takes a few round trips; three seconds covers a slow link many times
+# over, and an unproven connection holds a place of the small unproven budget meanwhile.
+HANDSHAKE_TIMEOUT_S = 3.0
+HEAD_TIMEOUT_S = 10.0  # a certified peer's whole request head, however it trickles in
+REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
+AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
+NO_CERTIFICATE_SERVER = (
+    "a client connected without a certificate; only agents holding a node certificate may connect "
+    "(`llmgw node add USER@HOST --reissue` gives a node one); without one, only the release files are served"
+)
+NO_CERTIFICATE_CLIENT = (
+    "the control plane requires a node certificate and this agent sent none; check that node.crt and "
+    "node.key are in the agent's pki directory, or add the node with `llmgw node add USER@HOST --reissue`"
+)
+
+
+class AgentListener:
+    """Accepts connections on the agent port and routes each; `serve_link` runs a link."""
+
+    def __init__(
+        self,
+        *,
+        store: AsyncStore,
+        artifact_store: artifacts.Artifacts | None = None,
+        stats: listeners.ConnectionStats | None = None,
+        max_connections: int = 0,
+        send_timeout_s: float = artifacts.SEND_TIMEOUT_S,
+        release_files: releases.Releases | None = None,
+    ) -> None:
+        self.store = store
+        self.send_timeout_s = send_timeout_s  # each write of a mirrored archive
+        self.stats = stats or listeners.ConnectionStats()
+        self.max_connections = max_connections  # 0 = sized from the fd limit
+        self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
+        self.releases = release_files or releases.Releases(directory=None, running=None, serve=False)
+        # Connections that have not shown a client certificate have a small budget of their own
+        # (sized in `serve`); at its ceiling the oldest still in its handshake is closed for the
+        # newcomer. Closing the oldest rather than refusing the newest is what keeps agents
+        # getting in: to lock them out a flood must then open more connections than the budget
+        # holds within one agent's handshake (a few round trips), not once per deadline. A
+        # certificate moves a connection to the agents' budget, where no bare connection goes.
+        self.unproven_idle = listeners.IdleConnections(reason="unproven")
+        self.unproven = listeners.Budget(0, self.unproven_idle)  # sized in `serve`
+        self.agent_cap = 0  # set in `serve`
+        self.agents_open = 0
+        self.refusals = RefusalLog()
+
+    async def serve_link(
+        self, stream: trio.SSLStream, head: agentport.Head, cert: CertInfo, address: str
+    ) -> None:  # pragma: no cover - AgentEndpoint's
+        raise NotImplementedError
+
+    async def mirror_changed(self) -> None:
+        """The mirror's index changed (an archive came or went)."""
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        ssl_context,
+        *,
+        sockets: list[trio.SocketListener] | None = None,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept agents on (host, port), or on `sockets` already listening (socket activation).
+        The mirror's index is built (off the loop) before this reports started, so the first
+        desired state of every node already knows what is mirrored."""
+        if sockets:
+            bound = [trio.SSLListener(sock, ssl_context, https_compatible=True) for sock in sockets]
+        else:
+            bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(self.artifacts.serve_index, on_change=self.mirror_changed))
+            await self.releases.announce()
+            task_status.started(bound)
+            self.agent_cap = self.max_connections or listeners.default_max_connections(LISTENER)
+            self.unproven.size = listeners.unproven_budget(self.agent_cap)
+            self.stats.unproven.set(0, listener=LISTENER)
+            self.stats.unproven_limit.set(self.unproven.size, listener=LISTENER)
+            # The listener's own bound covers the three: agents, unproven connections, and the
+            # release downloads (which have left the unproven budget, bounded by their own).
+            await listeners.serve_capped(
+                self._handle,
+                bound,
+                max_connections=self.agent_cap + self.unproven.size + releases.MAX_DOWNLOADS,
+                stats=self.stats,
+                listener=LISTENER,
+                idle=self.unproven_idle,
+                refusals=self.refusals,
+            )
+
+    async def standing(self, cert: CertInfo) -> s.Standing:
+        """What the store says of `cert` (the session judges it)."""
+        try:
+            return s.Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial))
+        except StoreError as exc:
+            return s.Standing(serial=cert.serial, unknown=str(exc))
+
+    async def _handle(self, stream: trio.SSLStream) -> None:
+        """One connection, contained: whatever the peer does ends this connection only (see
+        `llmgw.http.server`'s "Containment"); a bug of ours is logged with its traceback. It
+        counts in the unproven budget until it shows a client certificate, then in the agents'."""
+        address = _peer_host(stream)
+        deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+        admission, shed_peer = self.unproven.admit()
+        if admission is listeners.Admission.FULL:  # every unproven place busy, none of them waiting
+            self._shed("busy", address)
+            await trio.aclose_forcefully(stream)
+            return
+        if admission is listeners.Admission.SHED:
+            self._shed(self.unproven_idle.reason, shed_peer)
+        place = _Place(self)
+        cert: CertInfo | None = None
+        cn = "?"
+        try:
+            if not await self._handshake(stream, address, deadline):
+                return
+            der = stream.getpeercert(binary_form=True)
+            cert = cert_info_from_der(der) if der else None  # None: no certificate ([release] serve)
+            cn = cert.common_name if cert is not None else "-"
+            if cert is not None:
+                # OpenSSL has checked it chains to the cluster CA (revocation is checked later).
+                place.leave_unproven()
+                if not place.enter_agents():
+                    await self._refuse_agents_full(stream, cert, address)
+                    return
+            await self._serve(stream, cert, address, place, deadline)
+        except Exception as exc:  # - one link's failure must never stop the endpoint
+            reason = http.peer_reason(exc)
+            if reason is None and only(exc, _LINK_BROKEN):
+                reason = "closed"
+            if reason is None:
+                self.stats.abort(LISTENER, "internal")
+                log.exception("agent_link_failed", address=address, cn=cn)
+            else:
+                self.stats.abort(LISTENER, reason)
+                detail = repr(leaves(exc)[0])
+                if cert is None:  # not known to be an agent: one of a flood, maybe
+                    self._refusal("info", "agent_link_closed", address, reason, cn=cn, reason=reason, detail=detail)
+                else:
+                    log.info("agent_link_closed", address=address, cn=cn, reason=reason, detail=detail)
+        finally:
+            place.leave()
+            await trio.aclose_forcefully(stream)
+
+    def _shed(self, reason: str, peer: str) -> None:
+        """Count and log (debug) a connection closed or turned away to make room."""
+        self.stats.shed.inc(listener=LISTENER, reason=reason)
+        self.refusals.refused(trio.current_time(), reason, peer, loud=False)
+        log.debug("connection_shed", listener=LISTENER, reason=reason, peer=peer)
+
+    def _refusal(self, level: str, event: str, address: str, kind: str, **fields) -> None:
+        """Log the refusal of a peer not known to be an agent: at `level` while there are few,
+        at debug when many (the listener then logs one summary per interval, `RefusalLog`)."""
+        loud = self.refusals.refused(trio.current_time(), kind, address)
+        getattr(log, level if loud else "debug")(event, address=address, **fields)
+
+    async def _handshake(self, stream: trio.SSLStream, address: str, deadline: float) -> bool:
+        """The TLS handshake, by `deadline`: a client certificate, if any, of the cluster CA;
+        False if refused (logged, the agent told why by the TLS alert) or if this connection was
+        closed meanwhile to make room for a newer one (counted by whoever closed it)."""
+        with self.unproven_idle.waiting(peer=address) as shed:
+            try:
+                with trio.fail_at(deadline):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+                if isinstance(exc, trio.TooSlowError):
+                    reason = f"no TLS handshake within {HANDSHAKE_TIMEOUT_S:g} s"
+                else:
+                    reason = (
+                        describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
+                    )
+                self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=reason)
+                self.stats.abort(LISTENER, "tls")
+                await send_tls_alert(stream)  # so the agent learns why, at once
+                return False
+        return not shed.cancelled_caught
+
+    async def _refuse_agents_full(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
+        """A certified agent past `max_agent_connections`: 503 with Retry-After, and it retries."""
+        self.stats.shed.inc(listener=LISTENER, reason="agents_full")
+        message = (
+            f"the control plane holds as many agent connections as it may ({self.agent_cap}, [http] "
+            "max_agent_connections); this agent retries by itself"
+        )
+        self._refusal(
+            "warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message
+        )
+        with trio.move_on_after(REFUSAL_SEND_S):
+            head = await agentport.read_head(stream)
+            await agentport.answer(
+                stream,
+                head,
+                503,
+                message,
+                timeout_s=REFUSAL_SEND_S,
+                headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),),
+            )
+
+    async def _serve(
+        self, stream: trio.SSLStream, cert: CertInfo | None, address: str, place: _Place, deadline: float
+    ) -> None:
+        cn = cert.common_name if cert is not None else "-"
+        if cert is None:
+            # Still unproven: its head by the handshake's deadline, and it may be closed for a
+            # newer connection while it waits.
+            with self.unproven_idle.waiting(peer=address) as shed:
+                with trio.move_on_at(deadline) as late:
+                    head = await agentport.read_head(stream)
+            if shed.cancelled_caught:
+                return
+            if late.cancelled_caught:
+                self.stats.abort(LISTENER, "head_timeout")
+                self._refusal("info", "agent_link_closed", address, "head_timeout", cn=cn, reason="head_timeout")
+                return
+        else:
+            try:
+                with trio.fail_after(HEAD_TIMEOUT_S):
+                    head = await agentport.read_head(stream)
+            except trio.TooSlowError:
+                self.stats.abort(LISTENER, "head_timeout")
+                log.info("agent_link_closed", address=address, cn=cn, reason="head_timeout")
+                return
+        where = agentport.route(head.request)
+        if where is Route.NOT_HTTP:
+            self.stats.abort(LISTENER, "malformed")
+            await agentport.answer(stream, head, 400, "expected an HTTP request", timeout_s=REFUSAL_SEND_S)
+            return
+        assert head.request is not None
+        if where is Route.RELEASE:  # public files: no certificate needed, none checked
+            place.leave_unproven()  # bounded by releases.MAX_DOWNLOADS from here
+            await releases.serve(
+                stream, head.conn, head.request, self.releases, address, send_timeout_s=self.send_timeout_s
+            )
+            return
+        if cert is None:
+            # What OpenSSL would have refused at the handshake had the release route not needed
+            # peers without a certificate: logged and worded as that refusal.
+            self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
+            self.stats.abort(LISTENER, "tls")
+            await agentport.answer(stream, head, 403, NO_CERTIFICATE_CLIENT, timeout_s=REFUSAL_SEND_S)
+            return
+        if where is Route.LINK:
+            await self.serve_link(stream, head, cert, address)
+            return
+        try:
+            s.check_standing(cert.common_name, await self.standing(cert))
+        except UpgradeRefused as exc:
+            await self.refuse(stream, head, cert, address, exc)
+            return
+        await artifacts.serve(
+            stream, head.conn, head.request, self.artifacts, cert.common_name, send_timeout_s=self.send_timeout_s
+        )
+
+    async def refuse(
+        self, stream: trio.SSLStream, head: agentport.Head, cert: CertInfo, address: str, exc: UpgradeRefused
+    ) -> None:
+        """Answer a certified peer's refused request in plain HTTP, saying why."""
+        stage = "upgrade" if exc.status == 400 else "identity"
+        log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
+        self.stats.abort(LISTENER, "refused")
+        await agentport.answer(stream, head, exc.status, str(exc), timeout_s=REFUSAL_SEND_S)
+
+
+class _Place:
+    """Which of the listener's budgets one connection counts in: the unproven one from its
+    accept; the agents' once it has shown a client certificate; neither once it fetches a
+    release file (bounded by releases.MAX_DOWNLOADS)."""
+
+    def __init__(self, listener: AgentListener) -> None:
+        self.listener = listener
+        self.unproven = True
+        self.agent = False
+        listener.stats.unproven.inc(listener=LISTENER)
+
+    def leave_unproven(self) -> None:
+        if self.unproven:
+            self.unproven = False
+            self.listener.unproven.leave()
+            self.listener.stats.unproven.inc(-1, listener=LISTENER)
+
+    def enter_agents(self) -> bool:
+        """Take a place in the agents' budget; False when all are taken."""
+        if self.listener.agents_open >= self.listener.agent_cap:
+            return False
+        self.listener.agents_open += 1
+        self.agent = True
+        return True
+
+    def leave(self) -> None:
+        self.leave_unproven()
+        if self.agent:
+            self.agent = False
+            self.listener.agents_open -= 1
+
+
+def _peer_host(stream: trio.SSLStream) -> str:
+    try:
+        return stream.transport_stream.socket.getpeername()[0]
+    except (OSError, AttributeError):
+        return "?"

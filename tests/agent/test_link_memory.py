@@ -1,0 +1,182 @@
+"""The agent's link adapter (`agent.link`) against a scripted control plane, over memory streams
+on MockClock: it checks the Welcome before anything else; while the control plane reads slowly
+or not at all, what the agent's tasks send waits coalesced (the newest of each kind) and never
+holds them, log replies wait for room with nothing read meanwhile, and a control plane that
+takes nothing ends the session at the agent's send deadline. The real control plane on real
+sockets is tests/agent/test_link.py's; both adapters together, tests/llmgw/server/test_endpoint_link.py."""
+
+from __future__ import annotations
+
+import ssl
+
+import attrs
+import pytest
+import trio
+import trio.testing
+import trio_websocket
+
+from agent import link as agentlink
+from agent.link import AgentLink, Target
+from llmgw.wire import agent_link as w
+from llmgw.wire import session as s
+from llmgw.wire.convert import decode, encode
+from testlib.memlink import Gate, gated_pair
+
+pytestmark = pytest.mark.trio
+
+INVENTORY = w.Inventory(hostname="a", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1)
+WELCOME = w.Welcome(node_id="node-a", server_version="0.1.0", heartbeat_interval_s=5.0)
+
+
+def hello() -> w.Hello:
+    return w.Hello(
+        protocol_version=w.PROTOCOL_VERSION,
+        node_id="node-a",
+        agent_version="test",
+        boot_id="b",
+        started_at=1.0,
+        inventory=INVENTORY,
+    )
+
+
+@attrs.define
+class Agent:
+    link: AgentLink
+    control_plane: trio_websocket.WebSocketConnection  # the scripted end
+    to_server: Gate
+    to_agent: Gate
+    answered: list[int] = attrs.field(factory=list)  # log requests answered, by id
+    ended: list[str] = attrs.field(factory=list)
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+    async def receive(self) -> w.AgentMessage:
+        return decode(await self.control_plane.get_message(), w.AgentMessage)
+
+    async def welcome(self, welcome: w.Welcome = WELCOME) -> None:
+        assert isinstance(await self.receive(), w.Hello)
+        await self.control_plane.send_message(encode(welcome))
+        await self.control_plane.send_message(encode(w.DesiredState(generation=1)))
+        await self.link.desired_changed()
+
+
+async def start(nursery: trio.Nursery) -> Agent:
+    a, b, to_server, to_agent = gated_pair()
+    link = AgentLink(
+        target=Target(host="cp", port=1), node_id="node-a", ssl_context=ssl.create_default_context(), make_hello=hello
+    )
+
+    async def run() -> None:
+        try:
+            await link.run_on(a)
+            agent.ended.append("ended")
+        except Exception as exc:  # noqa: BLE001 - what the agent would log
+            agent.ended.append(link.reason_of(exc))
+        agent.done.set()
+
+    nursery.start_soon(run)
+    request = await trio_websocket.wrap_server_stream(nursery, b)
+    agent = Agent(link=link, control_plane=await request.accept(), to_server=to_server, to_agent=to_agent)
+
+    def answer(req: w.LogsRequest) -> w.LogsReply:
+        agent.answered.append(req.request_id)
+        return w.LogsReply(request_id=req.request_id, replica_id=req.replica_id, text="x" * 1000)
+
+    link.answer_logs = answer
+    return agent
+
+
+@pytest.mark.parametrize(
+    ("welcome", "says"),
+    [
+        (
+            attrs.evolve(WELCOME, node_id="node-b"),
+            "the control plane welcomed node 'node-b' on the link of node 'node-a'",
+        ),
+        (attrs.evolve(WELCOME, server_version=""), "names no server version this agent can read"),
+        (attrs.evolve(WELCOME, heartbeat_interval_s=0.0), "asks for a heartbeat every 0 s"),
+    ],
+)
+async def test_a_welcome_the_agent_refuses_is_answered_with_its_link_error_and_ends_the_session(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, welcome: w.Welcome, says: str
+) -> None:
+    agent = await start(nursery)
+    assert isinstance(await agent.receive(), w.Hello)
+    await agent.control_plane.send_message(encode(welcome))
+    error = await agent.receive()
+    assert isinstance(error, w.LinkError) and says in error.message, error
+    with pytest.raises(trio_websocket.ConnectionClosed):
+        await agent.receive()
+    await agent.done.wait()
+    [reason] = agent.ended
+    assert reason.startswith("the control plane sent something this agent does not understand") and says in reason
+    assert agent.link.state.sessions == 0 and not agent.link.state.connected
+
+
+async def test_what_the_agent_sends_waits_coalesced_while_the_control_plane_reads_nothing(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    agent = await start(nursery)
+    await agent.welcome()
+    assert agent.link.state.server_version == "0.1.0"
+    assert isinstance(await agent.receive(), w.Heartbeat)  # the first, at once
+    agent.to_server.close()
+    started = trio.current_time()
+    for i in range(100):  # the replica supervisor and the engine installer report
+        status = w.ReplicaStatus(replica_id="r1", model="m", state=w.STARTING, restarts=i)
+        assert await agent.link.send(w.ReplicasChanged(replicas=(status,)))
+        assert await agent.link.send(w.EnginesChanged(engines=(w.EngineStatus(name="sim", version=str(i), ok=True),)))
+        assert trio.current_time() == started  # queued: no sender waits on the control plane
+    await trio.sleep(17)  # three heartbeats come due meanwhile
+    agent.to_server.open()
+    received = []
+
+    def newest(kind: type) -> list:
+        return [m for m in received if isinstance(m, kind)]
+
+    while not (newest(w.Heartbeat) and len(newest(w.ReplicasChanged)) > 1 and newest(w.EnginesChanged)):
+        received.append(await agent.receive())
+    # The one written when the gate closed, then the newest of each kind, in the order first queued.
+    assert [type(m) for m in received] == [w.ReplicasChanged, w.EnginesChanged, w.ReplicasChanged, w.Heartbeat]
+    assert [m.replicas[0].restarts for m in newest(w.ReplicasChanged)] == [0, 99]
+    assert [m.engines[0].version for m in newest(w.EnginesChanged)] == ["99"]
+    assert [m.seq for m in newest(w.Heartbeat)] == [4]
+
+
+async def test_log_replies_wait_for_room_and_the_agent_reads_nothing_meanwhile(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    agent = await start(nursery)
+    await agent.welcome()
+    assert isinstance(await agent.receive(), w.Heartbeat)  # the first, at once; the next in 5 s
+    agent.to_server.close()
+    asked = s.MAX_LOGS_ASKED + 4  # more than a control plane of this release asks at once
+    for i in range(1, asked + 1):
+        await agent.control_plane.send_message(encode(w.LogsRequest(request_id=i, replica_id="r1")))
+    await trio.sleep(1)  # on MockClock this returns once every task is blocked: the agent did all it could
+    # One reply held in the write, MAX_LOGS_ASKED waiting; no further request taken.
+    assert agent.answered == list(range(1, s.MAX_LOGS_ASKED + 2))
+    agent.to_server.open()
+    replies = []
+    while len(replies) < asked:
+        message = await agent.receive()
+        if isinstance(message, w.LogsReply):
+            replies.append(message.request_id)
+    assert replies == list(range(1, asked + 1)) and agent.answered == replies
+
+
+async def test_a_control_plane_that_takes_nothing_ends_the_session_at_the_send_deadline(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    agent = await start(nursery)
+    await agent.welcome()
+    assert isinstance(await agent.receive(), w.Heartbeat)
+    agent.to_server.close()
+    started = trio.current_time()
+    assert await agent.link.send(w.ReplicasChanged(replicas=()))
+    await agent.done.wait()
+    # Its deadline, then at most a second for the WebSocket's close, which nobody reads either.
+    assert agentlink.SEND_TIMEOUT_S <= trio.current_time() - started <= agentlink.SEND_TIMEOUT_S + 1
+    assert agent.ended == [
+        f"the control plane took no message for {agentlink.SEND_TIMEOUT_S:g} s: the link is as good as down"
+    ]
+    assert not await agent.link.send(w.ReplicasChanged(replicas=()))  # no session: the next hello carries it

@@ -1,0 +1,260 @@
+"""The control plane's link adapter (`llmgw.server.endpoint`) against the agent's
+(`agent.link`), over memory streams on MockClock: the Welcome before the link is published, the
+first desired state made once the node is recorded, and what a slow or stopped agent does to
+the pushers (nothing), to the desired states (the newest, one at a time), to log requests (a
+bound, answered at once past it) and to the link (cut at the send deadline). The real sockets,
+TLS and every refusal are tests/agent/test_link.py's."""
+
+from __future__ import annotations
+
+import ssl
+from datetime import datetime, timedelta, timezone
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from agent.link import AgentLink, Target
+from llmgw.pki.ca import CertInfo
+from llmgw.server import agentport, endpoint
+from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server.registry import Registry
+from llmgw.server.store import NodeRow
+from llmgw.wire import agent_link as w
+from llmgw.wire import session as s
+from testlib.memlink import Gate, gated_pair
+
+pytestmark = pytest.mark.trio
+
+NOW = datetime.now(timezone.utc)
+CERT = CertInfo(
+    subject="CN=node-a",
+    issuer="CN=llmgw",
+    common_name="node-a",
+    serial=0xA1,
+    fingerprint_sha256="",
+    not_before=NOW - timedelta(days=1),
+    not_after=NOW + timedelta(days=30),
+)
+
+
+def hello() -> w.Hello:
+    inventory = w.Inventory(hostname="a", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1)
+    return w.Hello(
+        protocol_version=w.PROTOCOL_VERSION,
+        node_id="node-a",
+        agent_version="test",
+        boot_id="b",
+        started_at=1.0,
+        inventory=inventory,
+    )
+
+
+class Store:
+    """The two calls of the store a link makes; `on_saw` runs as the node is recorded."""
+
+    def __init__(self) -> None:
+        self.on_saw = lambda: None
+
+    async def is_revoked(self, serial: int) -> bool:
+        await trio.lowlevel.checkpoint()
+        return False
+
+    async def saw_node(self, node_id: str, address: str) -> NodeRow:
+        await trio.lowlevel.checkpoint()
+        self.on_saw()
+        return NodeRow(node_id=node_id, first_seen=0, last_seen=0, address=address, cordoned=False, draining=False)
+
+
+@attrs.define
+class Link:
+    """One agent's link: its adapter, the streams' gates, how its session ended."""
+
+    agent: AgentLink
+    to_server: Gate
+    to_agent: Gate
+    ended: list[str] = attrs.field(factory=list)
+    done: trio.Event = attrs.field(factory=trio.Event)  # its session ended
+
+
+class Plane:
+    """An endpoint whose desired state counts what it made; `until` waits on its changes."""
+
+    def __init__(self) -> None:
+        self.registry = Registry(heartbeat_ttl_s=30.0, started_at=0.0)
+        self.store = Store()
+        self.made: list[float] = []  # when each desired state was made
+        self._changed = trio.lowlevel.ParkingLot()
+        self.endpoint = AgentEndpoint(
+            registry=self.registry,
+            store=self.store,
+            heartbeat_interval_s=5.0,
+            desired_state=self.desired,
+            on_change=self._changed.unpark_all,
+            silence_timeout_s=30.0,
+        )
+
+    def desired(self, node_id: str) -> w.DesiredState:
+        node = self.registry.nodes[node_id]
+        assert node.session is not None and node.session.connected  # recorded first
+        self.made.append(trio.current_time())
+        return w.DesiredState(generation=len(self.made))
+
+    async def until(self, predicate) -> None:
+        while not predicate():
+            await self._changed.park()
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        try:
+            head = await agentport.read_head(stream)
+            await self.endpoint.serve_link(stream, head, CERT, "10.0.0.1")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def connect(self, nursery: trio.Nursery) -> Link:
+        a, b, to_server, to_agent = gated_pair()
+        agent = AgentLink(
+            target=Target(host="cp", port=1),
+            node_id="node-a",
+            ssl_context=ssl.create_default_context(),
+            make_hello=hello,
+        )
+        agent.answer_logs = lambda req: w.LogsReply(
+            request_id=req.request_id, replica_id=req.replica_id, text=f"tail of {req.replica_id}"
+        )
+        link = Link(agent=agent, to_server=to_server, to_agent=to_agent)
+
+        async def run_agent() -> None:
+            try:
+                await agent.run_on(a)
+                link.ended.append("ended")
+            except Exception as exc:  # noqa: BLE001 - what the agent would log
+                link.ended.append(agent.reason_of(exc))
+            link.done.set()
+
+        nursery.start_soon(self._serve, b)
+        nursery.start_soon(run_agent)
+        return link
+
+    async def join(self, nursery: trio.Nursery) -> Link:
+        link = self.connect(nursery)
+        await link.agent.desired_changed()
+        await self.until(lambda: "node-a" in self.endpoint.links)
+        return link
+
+
+@pytest.fixture
+def plane() -> Plane:
+    return Plane()
+
+
+async def test_the_link_is_published_once_its_welcome_is_written_the_desired_state_made_after_the_node_is_recorded(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = plane.connect(nursery)
+    plane.store.on_saw = link.to_agent.close  # the agent stops reading as its node is recorded
+    await link.to_agent.held.wait()  # the Welcome waits in a buffer the agent does not read
+    node = plane.registry.nodes["node-a"]
+    assert node.session is not None and node.session.connected  # recorded, connected
+    assert "node-a" not in plane.endpoint.links and plane.made == []  # not published, nothing made
+    link.to_agent.open()
+    await link.agent.desired_changed()
+    assert link.agent.state.desired == w.DesiredState(generation=1) and link.agent.state.server_version
+    assert "node-a" in plane.endpoint.links and len(plane.made) == 1
+
+
+async def test_pushers_never_wait_on_a_slow_agent_which_gets_the_newest_desired_state_at_its_pace(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    link.to_agent.delay_s = 1.0  # the agent takes one frame a second
+    for _ in range(100):  # a change every 50 ms for 5 s: the reconciler, the mirror, the admin API
+        before = trio.current_time()
+        await plane.endpoint.push_desired_state("node-a")
+        assert trio.current_time() == before  # it only queued
+        await trio.sleep(0.05)
+    last_push = trio.current_time()
+    with trio.fail_after(5):
+        while link.agent.state.desired.generation != len(plane.made) or plane.made[-1] < last_push:
+            await link.agent.desired_changed()
+    assert 4 <= len(plane.made) <= 8, plane.made  # one a second, not one per change
+
+
+async def test_an_agent_that_takes_nothing_is_cut_at_the_send_deadline(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    plane: Plane,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    link = await plane.join(nursery)
+    link.to_agent.close()
+    started = trio.current_time()
+    for _ in range(50):
+        await plane.endpoint.push_desired_state("node-a")
+    assert trio.current_time() == started
+    await plane.until(lambda: "node-a" not in plane.endpoint.links)
+    assert trio.current_time() - started == pytest.approx(endpoint.SEND_TIMEOUT_S)
+    assert not plane.registry.nodes["node-a"].session.connected
+    assert len(plane.made) == 2  # the first, and the one stuck: the other pushes made nothing
+    [cut] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_link_not_reading"]
+    assert cut == {"node": "node-a", "after_s": endpoint.SEND_TIMEOUT_S}
+
+
+async def test_log_requests_past_the_bound_are_answered_at_once_and_the_rest_when_the_agent_reads(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    link.to_agent.close()
+    replies: dict[str, w.LogsReply] = {}
+
+    async def ask(replica: str) -> None:
+        replies[replica] = await plane.endpoint.request_logs("node-a", replica, 10)
+
+    async with trio.open_nursery() as callers:
+        for i in range(s.MAX_LOGS_ASKED):
+            callers.start_soon(ask, f"r{i}")
+        await link.to_agent.held.wait()
+        started = trio.current_time()
+        late = await plane.endpoint.request_logs("node-a", "r-late", 10)
+        assert trio.current_time() == started
+        assert late.error == "node node-a has too many log requests unanswered; ask again later"
+        link.to_agent.open()
+    assert {r: (reply.text, reply.error) for r, reply in replies.items()} == {
+        f"r{i}": (f"tail of r{i}", "") for i in range(s.MAX_LOGS_ASKED)
+    }
+
+
+async def test_a_logs_request_is_answered_when_the_link_ends_not_at_its_deadline(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    link.to_agent.close()
+    started = trio.current_time()
+    reply = await plane.endpoint.request_logs("node-a", "r1", 10, timeout_s=60)
+    assert reply.error == "node node-a's link closed before it answered"
+    assert trio.current_time() - started == pytest.approx(endpoint.SEND_TIMEOUT_S)  # cut, not timed out
+    reply = await plane.endpoint.request_logs("node-a", "r1", 10)
+    assert reply.error == "node node-a is not connected; ask again later"
+
+
+async def test_closing_a_node_tells_its_agent_why_and_ends_the_link(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    assert await plane.endpoint.close_node("node-a", w.REVOKED, "this node was removed")
+    await plane.until(lambda: not plane.registry.nodes["node-a"].session.connected)
+    await link.done.wait()
+    assert link.ended == ["the control plane closed the link: this node was removed"]
+    assert not await plane.endpoint.close_node("node-a", w.REVOKED, "again")
+
+
+async def test_an_agents_reports_and_heartbeats_reach_the_registry(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    status = w.ReplicaStatus(replica_id="r1", model="m", state=w.READY, port=8000)
+    assert await link.agent.send(w.ReplicasChanged(replicas=(status,)))
+    await plane.until(lambda: plane.registry.nodes["node-a"].replicas == (status,))
+    await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
+    assert link.agent.state.connected and link.agent.state.server_version
