@@ -92,7 +92,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         assert not status.ok
         assert "illegal instruction (needs AVX2)" in status.detail  # the engine's own message
         assert not (node_dir / "engines/llamacpp/current").exists()  # never offered, never current
-    view = plane.node_view("node-a")
+    view = plane.views.node_view("node-a")
     assert {e["name"]: e["ok"] for e in view["engines"]}["llamacpp"] is works
 
 

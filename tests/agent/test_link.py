@@ -252,7 +252,7 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
     assert not_recorded["node"] == "node-a" and "is locked by another process" in not_recorded["reason"]
     # Known without a row in the store: a cordon still finds it, and records it.
     store.refused = set()
-    await plane.plane.set_cordoned("node-a", True)
+    await plane.plane.operations.set_cordoned("node-a", True)
     assert [(n.node_id, n.cordoned) for n in await store.nodes()] == [("node-a", True)]
 
 
@@ -285,7 +285,7 @@ async def test_removing_a_node_closes_its_open_link(
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     await wait_for(lambda: link.state.connected, "connect")
-    result = await plane.plane.remove_node("node-a")
+    result = await plane.plane.operations.remove_node("node-a")
     assert result["link_closed"] is True
     await wait_for(lambda: "revoked by `llmgw node remove`" in link.state.last_error, "refusal after removal")
     assert "node-a" not in plane.plane.registry.nodes

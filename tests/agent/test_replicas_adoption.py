@@ -64,11 +64,11 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     assert reported(plane) == again
     os.kill(ready.pid, 0)
     # `llmgw ctl logs`: the control plane asks the agent for the engine log's tail over the link.
-    logs = await plane.replica_logs(again.replica_id, 50)
+    logs = await plane.operations.replica_logs(again.replica_id, 50)
     [member] = logs["members"]
     assert member["node"] == "node-a" and member["error"] == ""
     assert "sim" in member["text"] and len(member["text"].splitlines()) <= 50
     with pytest.raises(UnknownReplica) as info:  # the admin API answers it 404
-        await plane.replica_logs("nope-0", 10)
+        await plane.operations.replica_logs("nope-0", 10)
     assert "'nope-0'" in str(info.value) and again.replica_id in str(info.value)
     scope.cancel()

@@ -49,7 +49,7 @@ async def test_draining_a_node_under_load_fails_no_request(
         for _ in range(4):
             load.start_soon(client)
         await wait_for(lambda: len(results) >= 20, "load running")
-        progress = await plane.start_drain(victim, force=False)
+        progress = await plane.operations.start_drain(victim, force=False)
         await wait_for(lambda: progress.done or progress.error, "the drain", timeout=DRAIN_TIMEOUT_S)
         before = len(results)
         await wait_for(lambda: len(results) >= before + 20, "load after the drain")

@@ -75,7 +75,7 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     link = await nursery.start(run_agent, node)
     await wait_for(lambda: len(failed(caplog, "mirror")) >= 2, "the mirror fill failing twice")
     [view] = await wait_for(
-        lambda: [v for v in plane.replica_views() if v["state"] == w.READY], "the replica ready", timeout=60
+        lambda: [v for v in plane.views.replica_views() if v["state"] == w.READY], "the replica ready", timeout=60
     )
     seen = len(failed(caplog, "engines"))
     await wait_for(lambda: len(failed(caplog, "engines")) > max(seen, 1), "the engine loop failing again", timeout=60)
@@ -91,7 +91,7 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     assert link.state.connected and link.state.sessions == 1
     session = plane.registry.nodes["node-a"].session
     assert session is not None and session.connected
-    [again] = [v for v in plane.replica_views() if v["replica"] == view["replica"]]
+    [again] = [v for v in plane.views.replica_views() if v["replica"] == view["replica"]]
     assert again["state"] == w.READY and again["pids"] == view["pids"]
 
     # The faults removed, the loops run again and finish their work.
@@ -117,7 +117,7 @@ async def test_a_drain_hit_by_a_bug_reports_it_and_can_be_run_again(
     bound = await nursery.start(plane.serve)
     port = bound.http_address[1]
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
-    await wait_for(lambda: any(v["state"] == w.READY for v in plane.replica_views()), "the replica ready", timeout=60)
+    await wait_for(lambda: any(v["state"] == w.READY for v in plane.views.replica_views()), "the replica ready", timeout=60)
     client = AdminClient.locate(server=None, credential=None, state_dir=str(cluster.state))
 
     def place_replacement(replica_id: str, now: float):

@@ -64,7 +64,7 @@ async def test_each_replacement_is_ready_before_its_original_stops(
     plane = await plane_with(tmp_path, nursery, ["a", "b", "c"], replicas=3)
     on_a = sorted(k for k, v in plane.replicas.placed.items() if "a" in v.placement.nodes)
     assert len(on_a) == 1
-    progress = await plane.start_drain("a", force=False)
+    progress = await plane.operations.start_drain("a", force=False)
     await trio.sleep(0.1)
     assert progress.moved == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
     [replacement] = sorted(plane.replicas.surge)
@@ -87,13 +87,13 @@ async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(tmp_path: Pa
     plane = await plane_with(tmp_path, nursery, ["only"], replicas=1)
     [original] = plane.replicas.placed
     plane.registry.nodes["only"].draining = False
-    progress = await plane.start_drain("only", force=False)
+    progress = await plane.operations.start_drain("only", force=False)
     with trio.fail_after(5):
         while not progress.error:
             await trio.sleep(0.01)
     assert f"cannot move {original} off only" in progress.error and "--force" in progress.error
     assert original in plane.replicas.placed  # no outage
-    forced = await plane.start_drain("only", force=True)
+    forced = await plane.operations.start_drain("only", force=True)
     with trio.fail_after(5):
         while not forced.done:
             await trio.sleep(0.01)

@@ -229,6 +229,11 @@ class Store:
     def set_draining(self, node_id: str, draining: bool) -> None:
         self._update_known(node_id, "UPDATE nodes SET draining = ? WHERE node_id = ?", (int(draining), node_id))
 
+    @_at_the_edge
+    def set_drained(self, node_id: str) -> None:
+        """A drain's end: cordoned and no longer draining, in one statement."""
+        self._update_known(node_id, "UPDATE nodes SET cordoned = 1, draining = 0 WHERE node_id = ?", (node_id,))
+
     def _update_known(self, node_id: str, sql: str, args: tuple) -> None:
         if self._db.execute(sql, args).rowcount == 0:
             raise UnknownNode(node_id, [n.node_id for n in self.nodes()])
