@@ -50,7 +50,7 @@ from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
-from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
+from llmgw.server.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.server.store import KeyRow
 from llmgw.wakeup import Wakeup
 
@@ -140,7 +140,10 @@ class Gateway:
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
         json_workers: JsonWorkers | None = None,
+        connect: Connect | None = None,
     ) -> None:
+        """`connect`: how the pool opens a connection to an engine (`upstream.open_tcp` by
+        default; tests reach engines' handlers over memory streams)."""
         self.provider = provider
         # Large bodies are parsed in a worker process (started at the first); its owner closes it.
         self.json = json_workers or JsonWorkers()
@@ -152,6 +155,7 @@ class Gateway:
             first_byte_timeout_s=options.first_byte_timeout_s,
             read_timeout_s=options.read_timeout_s,
             probe_timeout_s=options.probe_timeout_s,
+            connect=connect,
         )
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
