@@ -22,6 +22,7 @@ from llmgw.errors import LlmgwError
 from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
+from testlib.waiting import wait_until
 
 
 def fake_engine(version: str, *, works: bool) -> bytes:
@@ -37,12 +38,6 @@ def fake_engine(version: str, *, works: bool) -> bytes:
         info.size = len(script)
         tar.addfile(info, io.BytesIO(script.encode()))
     return buf.getvalue()
-
-
-async def wait_for(predicate, timeout: float = 20) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 @pytest.mark.trio
@@ -83,7 +78,8 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         return next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
 
     # Its install's progress comes first ("installing", phase fetch...), then the outcome.
-    await wait_for(lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING)
+    installed = lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING  # noqa: E731
+    await wait_until(installed, "the install's outcome reported", changed=plane.changes.nodes.next)
     status = llama()
     if works:
         assert status.ok and status.version == "b4242"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from agent.main import run_agent
 from llmgw.config import Model
@@ -61,7 +62,9 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     # The new control plane's desired state has arrived, with the same assignment, and changed nothing.
     await wait_until(lambda: link.state.desired is not first_desired, "a new desired state")
     assert link.state.desired.replicas == first_desired.replicas
-    await trio.sleep(0.5)  # a window for a wrong restart to show (SIGTERM, a new pid)
+    # A wrong restart would be decided as the agent takes the desired state, and reported over
+    # the link at once: both in this process, so once every task here waits, it would be in.
+    await trio.testing.wait_all_tasks_blocked()
     assert reported(plane) == again
     os.kill(ready.pid, 0)
     # `llmgw ctl logs`: the control plane asks the agent for the engine log's tail over the link.

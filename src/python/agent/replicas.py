@@ -123,6 +123,7 @@ class _Member:
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
     host: str = ""  # where rank 0's engine listens (while it runs)
     exits: list[float] = attrs.Factory(list)
+    answered: int = 0  # liveness probes its engine answered (200) since it was ready, all starts together
 
     @property
     def key(self) -> Key:
@@ -182,6 +183,7 @@ class Supervisor:
         self._version = 0
         self.changed = Wakeup()  # `statuses()` changed: reports go out, tests look again
         self.released = Wakeup()  # a member gave its GPUs back
+        self.probed = Wakeup()  # a ready engine's liveness was probed (`answered_probes`)
 
     # -- what the rest of the agent calls
 
@@ -251,6 +253,12 @@ class Supervisor:
                 continue
             sent = self._version
             await send(w.ReplicasChanged(replicas=self.statuses()))
+
+    def answered_probes(self, replica_id: str, rank: int = 0) -> int:
+        """The liveness probes a member's engine answered since it was ready (0 for none such);
+        `probed` fires after each probe, answered or not."""
+        m = self._members.get((replica_id, rank))
+        return m.answered if m is not None else 0
 
     def tail(self, replica_id: str, lines: int = 100) -> str:
         """The last `lines` lines of the engine logs of `replica_id` on this node ("" if none)."""
@@ -672,6 +680,8 @@ class Supervisor:
             await trio.sleep(self.liveness_interval_s)
             status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
             failures = 0 if status == 200 else failures + 1
+            m.answered += status == 200
+            self.probed.fire()
         replica, rank = m.key
         last = "no answer" if status is None else f"status {status}"
         said = (

@@ -62,6 +62,8 @@ WAKEUPS: dict[str, str] = {
     "agent.replicas.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
     "tests wait on it (`Supervisor.changed`)",
     "agent.replicas.Supervisor.released": "a member gave its GPUs back -> members waiting for GPUs look again",
+    "agent.replicas.Supervisor.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
+    "(`Supervisor.answered_probes`)",
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",
     "agent.progress.Latest.noted": "the installer reported progress -> `serve_progress` sends the latest, throttled",
