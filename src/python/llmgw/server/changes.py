@@ -5,7 +5,9 @@ Whoever changes what a node's desired state is made of says so here: `intent_cha
 cordon, a drain: the node's own desired state changes, its assignments need not) or
 `catalog_changed()` (a reload: the engines and models, so every connected node's). The
 reconciler takes them at the start of its next pass (`take_pushes`) and pushes them with the
-nodes whose assignments that pass changed: one place pushes desired state after a change.
+nodes whose assignments that pass changed: after a change of nodes, intent or catalog, the
+reconciler alone pushes. (A move pushes the nodes of its own steps, and the mirror everyone's
+once an archive arrives.)
 """
 
 from __future__ import annotations
