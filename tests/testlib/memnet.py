@@ -177,26 +177,40 @@ class MemGateway:
     async def call(
         self, method: str, path: str, body: Any = None, *, token: str | None = "", headers: dict | None = None
     ) -> tuple[int, dict[str, str], bytes]:
-        """(status, headers, body) of one request on a fresh connection."""
-        token = self.token if token == "" else token
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        hdrs = [(k.lower(), v) for k, v in (headers or {}).items()]
-        if token:
-            hdrs.append(("authorization", f"Bearer {token}"))
-        if data is not None:
-            hdrs.append(("content-type", "application/json"))
-        hdrs.append(("content-length", str(len(data or b""))))
+        """(status, headers, body) of one request on a fresh connection; `token` "" is the
+        gateway's own key, None none."""
         client = await self.open()
-        try:
-            await client.send_head(method, path, hdrs)
-            await client.send_body(data or b"")
-            status, got = await client.head()
-            answer = bytearray()
-            while (piece := await client.chunk()) is not None:
-                answer += piece
-            return status, got, bytes(answer)
-        finally:
-            await client.stream.aclose()
+        return await request(client.stream, method, path, body, token=self.token if token == "" else token, headers=headers)
+
+
+async def request(
+    stream: trio.abc.Stream,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    token: str | None = None,
+    headers: dict | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one request on `stream` (then closed): JSON unless `body` is bytes."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    hdrs = [(k.lower(), v) for k, v in (headers or {}).items()]
+    if token:
+        hdrs.append(("authorization", f"Bearer {token}"))
+    if data is not None:
+        hdrs.append(("content-type", "application/json"))
+    hdrs.append(("content-length", str(len(data or b""))))
+    client = Client(stream)
+    try:
+        await client.send_head(method, path, hdrs)
+        await client.send_body(data or b"")
+        status, got = await client.head()
+        answer = bytearray()
+        while (piece := await client.chunk()) is not None:
+            answer += piece
+        return status, got, bytes(answer)
+    finally:
+        await stream.aclose()
 
 
 async def start_gateway(

@@ -39,8 +39,8 @@ async def test_answers_streamed_and_whole_pass_through_with_the_gateways_headers
     # apart from the id and timestamp each answer gets.
     status, headers, streamed = await gw.call("POST", "/v1/chat/completions", chat(stream=True))
     assert status == 200 and headers["content-type"] == "text/event-stream"
-    direct = memnet.MemGateway(gateway=a.engine, provider=None, token=a.key, net=net, limits=Limits())
-    _, _, straight = await direct.call("POST", "/v1/chat/completions", chat(stream=True))
+    direct = await net.connect(*a.address)
+    _, _, straight = await memnet.request(direct, "POST", "/v1/chat/completions", chat(stream=True), token=a.key)
     assert streamed.endswith(b"data: [DONE]\n\n")
     strip = [
         [{k: v for k, v in json.loads(e[6:]).items() if k not in ("id", "created")} for e in s.split(b"\n\n")[:-2]]
@@ -55,7 +55,7 @@ async def test_answers_streamed_and_whole_pass_through_with_the_gateways_headers
     # Keep-alive to the engines: later requests reuse connections.
     for _ in range(6):
         assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
-    assert gw.gateway.pool.stats.reused >= 4 and len(net.connects) == gw.gateway.pool.stats.opened <= 3
+    assert gw.gateway.pool.stats.reused >= 4 and gw.gateway.pool.stats.opened <= 3
     assert gw.gateway.router.outstanding == {}
 
 
@@ -166,9 +166,12 @@ async def test_a_replica_gone_with_pooled_connections_costs_no_request_and_is_tr
     net = memnet.MemoryNet(nursery)
     a, b = memnet.start_sims(net, 2)
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(), b.endpoint()))
-    for _ in range(4):  # warm both: idle keep-alive connections to each
+    pool = gw.gateway.pool
+    for _ in range(50):  # warm both: idle keep-alive connections to each (ties are picked at random)
         assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
-    assert gw.gateway.pool.idle_count(*a.address) >= 1
+        if pool.idle_count(*a.address) and pool.idle_count(*b.address):
+            break
+    assert pool.idle_count(*a.address) >= 1
     warm = net.connects.count(a.address)
     net.kill(a.address)  # its connections end under the pool; a new one is refused
     served = [(await gw.call("POST", "/v1/chat/completions", chat(f"q{i}")))[1]["x-llmgw-replica"] for i in range(50)]
