@@ -7,7 +7,7 @@ event that fired for a change it has already looked at. No module swaps a `trio.
 
 An event that is set once and never replaced (a milestone: a body settled, every worker joined,
 a drain finished) stays a `trio.Event`; those are listed too (`ONE_SHOT`), with why each is one.
-tests/llmgw/test_wakeups.py reads the sources and holds them to both lists: a `Wakeup` made
+tests/llmgw/test_owners.py reads the sources and holds them to both lists: a `Wakeup` made
 anywhere is named in `WAKEUPS`, and a `trio.Event()` is made only where `ONE_SHOT` says, once.
 """
 

@@ -196,16 +196,3 @@ def test_a_backup_of_a_damaged_database_is_refused_and_leaves_nothing(tmp_path: 
         backup(state, tmp_path / "b.db")
     assert list(tmp_path.iterdir()) == [state]
 
-
-def test_the_store_is_the_one_module_that_opens_sqlite() -> None:
-    """The store owns SQLite: the backup goes through it (`copy_database`), the server through
-    `asyncstore`, and no other module imports sqlite3."""
-    import llmgw
-
-    src = Path(llmgw.__file__).resolve().parent.parent
-    importers = sorted(
-        str(p.relative_to(src))
-        for p in src.rglob("*.py")
-        if any(line.split()[:2] in (["import", "sqlite3"], ["from", "sqlite3"]) for line in p.read_text().splitlines())
-    )
-    assert importers == ["llmgw/server/store.py"]

@@ -1,5 +1,6 @@
-"""Every wake-up is a `Wakeup` listed in llmgw.wakeup, and no event is swapped by hand: the
-sources are read (ast) for each `Wakeup` and `trio.Event` made, and where it is kept."""
+"""One owner per piece of state, read from the sources (their syntax trees): every wake-up is a
+`Wakeup` listed in llmgw.wakeup and no event is swapped by hand; SQLite is the store's alone.
+(tests/llmgw/BUILD brings every source file into the sandbox under Pants.)"""
 
 from __future__ import annotations
 
@@ -36,11 +37,19 @@ def _is(expr: ast.AST, name: str) -> bool:
     return trio_attr and expr.attr == name
 
 
+def sources() -> list[Path]:
+    files = sorted(SRC.rglob("*.py"))
+    seen = {str(f.relative_to(SRC)) for f in files}
+    # All of them, not only what this test imports: a scan of a few files would pass for nothing.
+    assert {"llmgw/server/app.py", "llmgw/http/server.py", "agent/replicas.py", "agent/link.py"} <= seen
+    return files
+
+
 def made(kind: str) -> list[str]:
     """Where each `kind` ("Wakeup", "Event") is made in src/python: module.Class.attribute for an
     attribute, module.[Class.]function.name for a local; one entry per assignment."""
     found: list[str] = []
-    for path in sorted(SRC.rglob("*.py")):
+    for path in sources():
         if path.name == "wakeup.py" and path.parent.name == "llmgw":
             continue  # the implementation itself
         module = ".".join(path.relative_to(SRC).with_suffix("").parts)
@@ -103,3 +112,14 @@ async def test_a_fire_while_the_waiter_looks_is_not_lost_and_an_old_fire_is_not_
         assert woken == []
         wakeup.fire()
     assert woken == [5.0]
+
+
+def test_the_store_is_the_one_module_that_opens_sqlite() -> None:
+    """The store owns SQLite: the backup goes through it (`copy_database`), the server through
+    `asyncstore`, and no other module imports sqlite3."""
+    importers = sorted(
+        str(p.relative_to(SRC))
+        for p in sources()
+        if any(line.split()[:2] in (["import", "sqlite3"], ["from", "sqlite3"]) for line in p.read_text().splitlines())
+    )
+    assert importers == ["llmgw/server/store.py"]
