@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from agent.adoption import (
     RECORD_VERSION,
@@ -34,6 +35,7 @@ from agent.replica_plan import RestartPolicy
 from agent.replicas import Supervisor
 from agent.weights import WeightsStore
 from llmgw.wire import agent_link as w
+from testlib.waiting import wait_until
 
 BOOT = "3f1c-boot"
 DEADLINE_S = 20.0
@@ -189,7 +191,7 @@ async def test_an_adopted_process_exit_is_seen_by_every_waiter(sleeper: subproce
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waiter, 1)
             nursery.start_soon(waiter, 2)
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # both waiting: neither returned for a live engine
             assert woke == [] and not engine.exited
             os.kill(sleeper.pid, signal.SIGKILL)  # a zombie of ours until reaped: exited all the same
     assert sorted(woke) == [1, 2] and engine.exited and engine.returncode is None
@@ -220,12 +222,10 @@ def supervisor(state_dir: Path, **kw) -> Supervisor:
     )
 
 
-async def wait_for(sup: Supervisor, predicate, what: str):
-    with trio.fail_after(DEADLINE_S):
-        while not (value := predicate(sup)):
-            with trio.move_on_after(0.2):
-                await sup.wait_changed()
-        return value
+async def sup_reaches(sup: Supervisor, predicate, what: str, *, poll_s: float | None = None):
+    """Until `predicate(sup)`: looked at whenever the supervisor's statuses change (and every
+    `poll_s` where what is awaited is a log line, which announces nothing)."""
+    return await wait_until(lambda: predicate(sup), what, changed=sup.changed.next, timeout=DEADLINE_S, poll_s=poll_s)
 
 
 @pytest.mark.trio
@@ -243,8 +243,10 @@ async def test_records_of_gone_or_other_processes_are_dropped_and_nobody_is_sign
     await nursery.start(sup.serve)
     assert sup.statuses() == ()
     assert records.read() == ([], [])
+    changed = sup.changed.next()
     sup.assign(())  # a desired state with nothing: there is nothing to stop either
-    await trio.sleep(0.2)
+    await trio.testing.wait_all_tasks_blocked()  # whatever the supervisor does about it, done
+    assert not changed.is_set() and sup.statuses() == ()  # no member was stopped
     assert sleeper.poll() is None  # not signalled
     stale = {
         r.llmgw_fields["replica"]: r.llmgw_fields["reason"]
@@ -267,14 +269,15 @@ async def test_an_adopted_member_runs_on_until_a_desired_state_then_is_kept_or_s
     [st] = sup.statuses()
     assert (st.replica_id, st.node_rank, st.state, st.pid, st.restarts) == ("m-1", 1, w.READY, sleeper.pid, 0)
     # The same assignment arrives: kept, nothing signalled, the record stays.
+    changed = sup.changed.next()
     sup.assign((a,))
-    await trio.sleep(0.2)
-    assert sup.statuses() == (st,) and sleeper.poll() is None
+    await trio.testing.wait_all_tasks_blocked()  # whatever the supervisor does about it, done
+    assert not changed.is_set() and sup.statuses() == (st,) and sleeper.poll() is None
     assert [r.pid for r in RunRecords(tmp_path / "run").read()[0]] == [sleeper.pid]
     assert f"adopted pid {sleeper.pid} (port 41234)" in sup.tail("m-1")
     # No longer assigned: stopped as any member is (SIGTERM to its group), its record removed.
     sup.assign(())
-    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    await sup_reaches(sup, lambda s: s.statuses() == (), "stopped")
     assert sleeper.wait(DEADLINE_S) == -signal.SIGTERM
     assert RunRecords(tmp_path / "run").read() == ([], [])
     assert f"stopped: the engine (pid {sleeper.pid}, adopted) exited; its exit status went to its parent" in sup.tail(
@@ -294,7 +297,7 @@ async def test_an_adopted_member_assigned_differently_is_stopped_before_its_succ
     sup.assign((changed,))
     # The successor waits for the adopted engine to be gone (its port, its GPU, its log), then
     # starts the ordinary way (here an engine that does not exist: it fails to start).
-    successor = await wait_for(
+    successor = await sup_reaches(
         sup, lambda s: (x := s.statuses()) and x[0].state in (w.RESTARTING, w.FAILED) and x[0], "successor started"
     )
     assert sleeper.poll() == -signal.SIGTERM
@@ -307,13 +310,18 @@ async def test_an_adopted_worker_that_exits_before_any_desired_state_waits_for_i
 ) -> None:
     a = assignment()
     RunRecords(tmp_path / "run").write(record_of(sleeper, fingerprint=fingerprint(a)))
-    sup = supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.05))
+    sup = supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0))  # the delay at once: waited for below
     await nursery.start(sup.serve)
     os.kill(sleeper.pid, signal.SIGKILL)
-    restarting = await wait_for(sup, lambda s: (x := s.statuses()) and x[0].state == w.RESTARTING and x[0], "exit seen")
+    restarting = await sup_reaches(
+        sup, lambda s: (x := s.statuses()) and x[0].state == w.RESTARTING and x[0], "exit seen"
+    )
     assert restarting.restarts == 1 and restarting.pid == 0
     assert restarting.detail.startswith(f"the engine (pid {sleeper.pid}, adopted) exited; its exit status went to")
-    await trio.sleep(0.3)  # past the restart delay: nothing starts without the assignment
+    changed = sup.changed.next()
+    await trio.testing.wait_all_tasks_blocked()  # past the restart delay, every task waiting again
+    assert not changed.is_set()  # nothing started without the assignment
     assert sup.statuses()[0].state == w.RESTARTING and "starting sim" not in sup.tail("m-1")
     sup.assign((a,))
-    await wait_for(sup, lambda s: "cannot run /nonexistent/engine" in s.tail("m-1"), "a fresh start, the ordinary way")
+    started = lambda s: "cannot run /nonexistent/engine" in s.tail("m-1")  # noqa: E731
+    await sup_reaches(sup, started, "a fresh start, the ordinary way", poll_s=0.05)

@@ -25,6 +25,7 @@ from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.proc import build_root
+from testlib.waiting import wait_until
 
 HELP = build_root() / "tests" / "fixtures" / "help" / "llama-server.txt"
 
@@ -48,12 +49,6 @@ def fake_engine(version: str, *, works: bool) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
-
-
-async def wait_for(predicate, timeout: float = 20) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 @pytest.mark.trio
@@ -94,7 +89,8 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         return next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
 
     # Its install's progress comes first ("installing", phase fetch...), then the outcome.
-    await wait_for(lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING)
+    installed = lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING  # noqa: E731
+    await wait_until(installed, "the install's outcome reported", changed=plane.changes.nodes.next)
     status = llama()
     if works:
         assert status.ok and status.version == "b4242"
@@ -103,7 +99,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
         assert not status.ok
         assert "illegal instruction (needs AVX2)" in status.detail  # the engine's own message
         assert not (node_dir / "engines/llamacpp/current").exists()  # never offered, never current
-    view = plane.node_view("node-a")
+    view = plane.views.node_view("node-a")
     assert {e["name"]: e["ok"] for e in view["engines"]}["llamacpp"] is works
 
 
@@ -235,7 +231,7 @@ async def test_a_release_archive_damaged_on_the_control_plane_is_refused_before_
         status = next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
         return status if status is not None and status.state != w.ENGINE_INSTALLING else None
 
-    await wait_for(llama)
+    await wait_until(llama, "the release archive refused", changed=plane.changes.nodes.next)
     status = llama()
     assert not status.ok and status.state == w.ENGINE_FAILED
     assert f"/v1/release/{archive.name} has sha256 " in status.detail

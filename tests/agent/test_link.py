@@ -28,6 +28,7 @@ from llmgw.server.store import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.waiting import wait_until as wait_for  # the one wait helper, under this file's old name
 
 pytestmark = pytest.mark.trio
 
@@ -115,12 +116,6 @@ async def session_failure(link: AgentLink) -> str:
 
 def server_refusals(caplog: pytest.LogCaptureFixture) -> list[dict]:
     return [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_refused"]
-
-
-async def wait_for(predicate, what: str, timeout: float = 5) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 async def test_a_node_with_a_good_certificate_joins(plane: Plane, tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -252,7 +247,7 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
     assert not_recorded["node"] == "node-a" and "is locked by another process" in not_recorded["reason"]
     # Known without a row in the store: a cordon still finds it, and records it.
     store.refused = set()
-    await plane.plane.set_cordoned("node-a", True)
+    await plane.plane.operations.set_cordoned("node-a", True)
     assert [(n.node_id, n.cordoned) for n in await store.nodes()] == [("node-a", True)]
 
 
@@ -285,7 +280,7 @@ async def test_removing_a_node_closes_its_open_link(
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     await wait_for(lambda: link.state.connected, "connect")
-    result = await plane.plane.remove_node("node-a")
+    result = await plane.plane.operations.remove_node("node-a")
     assert result["link_closed"] is True
     await wait_for(lambda: "revoked by `llmgw node remove`" in link.state.last_error, "refusal after removal")
     assert "node-a" not in plane.plane.registry.nodes
@@ -450,14 +445,23 @@ async def test_a_stalled_process_closes_no_link_and_loses_no_node(
         node = registry.nodes.get("node-a")
         return node is not None and registry.liveness(node, registry.clock.now()) == "joined"
 
-    await wait_for(joined, "join")
-    await trio.sleep(0.5)  # the reconciler has seen the join
-
     def logged(event: str) -> list[dict]:
         return [r.llmgw_fields for r in caplog.records if r.getMessage() == event]
 
+    changes = plane.plane.changes
+    await wait_for(joined, "join")
+    await wait_for(lambda: logged("node_joined"), "the reconciler has seen the join", changed=changes.settled.next)
+    session = registry.nodes["node-a"].session
+    settled, beat = changes.settled.next(), session.last_heartbeat_at
     time.sleep(2.5 * ttl)  # the stall: a blocking call on the loop
-    await trio.sleep(2 * ttl)  # then more than a TTL of running
+    # What the stall could set off fires as the loop resumes, at deadlines long past: the
+    # reconciler's pass and the link's silence timer. Wait for that pass, then for two more
+    # heartbeats read on the same link.
+    with trio.fail_after(10):
+        await settled.wait()
+    for _ in range(2):
+        await wait_for(lambda b=beat: session.last_heartbeat_at != b, "a heartbeat", changed=changes.nodes.next)
+        beat = session.last_heartbeat_at
     assert logged("agent_link_silent") == [] and logged("node_lost") == []
     assert len(logged("agent_connected")) == 1  # the same link throughout
     assert link.state.connected and joined()

@@ -35,6 +35,7 @@ from llmgw.wire.convert import decode, encode
 from testlib.cluster import free_port
 from testlib.exposure import cmdlines_holding, listening
 from testlib.proc import llmgw_env
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -62,20 +63,22 @@ def status(sup: Supervisor, rid: str = "m-1") -> w.ReplicaStatus | None:
     return next((s for s in sup.statuses() if s.replica_id == rid), None)
 
 
-async def wait_for(sup: Supervisor, predicate, what: str, *others: Supervisor):
-    """Wait (bounded) until `predicate(sup)` is truthy; returns its value."""
-    try:
-        with trio.fail_after(DEADLINE_S):
-            while not (value := predicate(sup)):
-                with trio.move_on_after(0.5):  # other supervisors change too; look again now and then
-                    await sup.wait_changed()
-            return value
-    except trio.TooSlowError:
-        report = [f"{what}: not within {DEADLINE_S:g} s"]
+async def sup_reaches(sup: Supervisor, predicate, what: str, *others: Supervisor, poll_s: float | None = None):
+    """Until `predicate(sup)` is truthy, which is returned: looked at whenever the statuses of `sup`
+    or `others` change (and every `poll_s` where it reads the kernel, which announces nothing).
+    A failed wait shows each one's statuses and engine log tails."""
+
+    def report() -> str:
+        lines = []
         for s in (sup, *others):
-            report.append(repr(s.statuses()))
-            report.extend(s.tail(st.replica_id, 30) for st in s.statuses())
-        raise AssertionError("\n".join(report)) from None
+            lines.append(repr(s.statuses()))
+            lines.extend(s.tail(st.replica_id, 30) for st in s.statuses())
+        return "\n".join(lines)
+
+    changed = [s.changed.next for s in (sup, *others)]
+    return await wait_until(
+        lambda: predicate(sup), what, changed=changed, timeout=DEADLINE_S, poll_s=poll_s, report=report
+    )
 
 
 def in_state(state: str, rid: str = "m-1"):
@@ -122,7 +125,7 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     await nursery.start(sup.serve)
     await nursery.start(sup.serve_reports, record)
     sup.assign((sim(),))
-    ready = await wait_for(sup, in_state(w.READY), "ready")
+    ready = await sup_reaches(sup, in_state(w.READY), "ready")
     assert ready.port > 0 and ready.pid > 0 and ready.restarts == 0
 
     body = {"model": "m", "prompt": "hello", "max_tokens": 4}
@@ -137,7 +140,7 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     assert status(sup) == ready
 
     os.kill(ready.pid, signal.SIGKILL)
-    again = await wait_for(
+    again = await sup_reaches(
         sup, lambda s: (st := status(s)) and st.state == w.READY and st.restarts == 1 and st, "ready again"
     )
     assert again.pid != ready.pid and gone(ready.pid)
@@ -147,7 +150,7 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     assert restarting.pid == 0 and restarting.restarts == 1
 
     sup.assign(())
-    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    await sup_reaches(sup, lambda s: s.statuses() == (), "stopped")
     assert gone(again.pid)
     assert any(s.state == w.STOPPING for s in seen)
     log = sup.tail("m-1", 10)
@@ -177,7 +180,7 @@ async def test_the_engine_listens_on_the_nodes_address_only_and_its_key_is_in_a_
     sup = make_supervisor(tmp_path, listen_host=NodeAddress("127.0.0.9"))
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    ready = await wait_for(sup, in_state(w.READY), "ready")
+    ready = await sup_reaches(sup, in_state(w.READY), "ready")
     assert listening(ready.pid) == [("127.0.0.9", ready.port)]
     body = {"model": "m", "prompt": "hello", "max_tokens": 2}
     assert (await trio.to_thread.run_sync(post, ready.port, "/v1/completions", body, API_KEY, "127.0.0.9"))[0] == 200
@@ -196,7 +199,7 @@ async def test_the_engine_listens_on_the_nodes_address_only_and_its_key_is_in_a_
     assert (record["host"], record["port"]) == ("127.0.0.9", ready.port)  # what an adopting agent probes
 
     sup.assign(())
-    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    await sup_reaches(sup, lambda s: s.statuses() == (), "stopped")
     assert not key_file.parent.exists() and gone(ready.pid)
 
 
@@ -210,7 +213,7 @@ async def test_an_engine_is_started_again_on_the_links_new_address_only_once_its
     )
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    ready = await wait_for(sup, in_state(w.READY), "ready")
+    ready = await sup_reaches(sup, in_state(w.READY), "ready")
 
     # The link comes back from another address while the engine's is still here: it is left alone.
     address.set("127.0.0.10")
@@ -220,7 +223,7 @@ async def test_an_engine_is_started_again_on_the_links_new_address_only_once_its
     # Its address leaves the machine: it is stopped and started again where the link now comes from.
     present["127.0.0.9"] = False
     address.set("127.0.0.11")
-    again = await wait_for(
+    again = await sup_reaches(
         sup, lambda s: (st := status(s)) and st.state == w.READY and st.restarts == 1 and st, "ready again"
     )
     assert listening(again.pid) == [("127.0.0.11", again.port)] and gone(ready.pid)
@@ -235,12 +238,13 @@ async def test_an_engine_that_stops_answering_after_ready_is_restarted(
     # A real hang: the engine process is stopped (SIGSTOP), so it holds its port and answers nothing.
     caplog.set_level(logging.INFO)
     sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2), liveness=(0.2, 0.3, 3))
+    sup.stop_timeout_s = 1.0  # deaf to SIGTERM while stopped: killed after this
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    ready = await wait_for(sup, in_state(w.READY), "ready")
+    ready = await sup_reaches(sup, in_state(w.READY), "ready")
     os.kill(ready.pid, signal.SIGSTOP)
     try:
-        again = await wait_for(
+        again = await sup_reaches(
             sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != ready.pid and st, "ready again"
         )
     finally:
@@ -260,11 +264,13 @@ async def test_a_slow_answer_now_and_then_is_not_a_hang(tmp_path: Path, nursery:
     sup = make_supervisor(tmp_path, liveness=(0.2, 0.3, 4))
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    ready = await wait_for(sup, in_state(w.READY), "ready")
+    ready = await sup_reaches(sup, in_state(w.READY), "ready")
     os.kill(ready.pid, signal.SIGSTOP)
-    await trio.sleep(0.5)
+    await trio.sleep(0.5)  # the pause itself: a real process, stopped for real time
     os.kill(ready.pid, signal.SIGCONT)
-    await trio.sleep(1.5)  # several healthy probes later
+    answered = sup.answered_probes("m-1")
+    # Three probes answered after it (what a restart would have cut short), then nothing was restarted.
+    await wait_until(lambda: sup.answered_probes("m-1") >= answered + 3, "3 probes answered", changed=sup.probed.next)
     st = status(sup)
     assert st.state == w.READY and st.pid == ready.pid and st.restarts == 0
 
@@ -273,10 +279,10 @@ async def test_a_changed_assignment_restarts_its_engine(tmp_path: Path, nursery:
     sup = make_supervisor(tmp_path)
     await nursery.start(sup.serve)
     sup.assign((sim(), sim("other-1")))
-    first = await wait_for(sup, in_state(w.READY), "ready")
-    other = await wait_for(sup, in_state(w.READY, "other-1"), "other ready")
+    first = await sup_reaches(sup, in_state(w.READY), "ready")
+    other = await sup_reaches(sup, in_state(w.READY, "other-1"), "other ready")
     sup.assign((sim(api_key="sk-rotated"), sim("other-1")))
-    second = await wait_for(
+    second = await sup_reaches(
         sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != first.pid and st, "new"
     )
     assert gone(first.pid)
@@ -296,26 +302,26 @@ async def test_a_two_node_replica_is_ready_only_with_its_worker_and_fails_as_a_w
     base = sim(nodes=("n1", "n2"), rank0_addr="127.0.0.1", dist_init_port=free_port())
     node1.assign((base,))
     # Rank 0 listens (its health says 503 while it waits) but is not ready without its worker.
-    waiting = await wait_for(node1, lambda s: (st := status(s)) and st.port and st, "rank 0 listening", node2)
+    waiting = await sup_reaches(node1, lambda s: (st := status(s)) and st.port and st, "rank 0 listening", node2)
     assert waiting.state == w.STARTING
     node2.assign((attrs.evolve(base, node_rank=1),))
-    rank0 = await wait_for(node1, in_state(w.READY), "rank 0 ready", node2)
-    worker = await wait_for(node2, in_state(w.READY), "worker running", node1)
+    rank0 = await sup_reaches(node1, in_state(w.READY), "rank 0 ready", node2)
+    worker = await sup_reaches(node2, in_state(w.READY), "worker running", node1)
     assert worker.port == 0 and worker.node_rank == 1
 
     os.kill(worker.pid, signal.SIGKILL)
     # Rank 0 loses its member and exits 3; the sim says why in its log, the status carries it.
-    lost = await wait_for(
+    lost = await sup_reaches(
         node1, lambda s: (st := status(s)) and st.restarts >= 1 and st, "rank 0 restarting after the worker died", node2
     )
     assert lost.pid != rank0.pid
     log = node1.tail("m-1", 200)
     assert "worker_lost" in log and "the engine exited with status 3" in log
     # Both come back: the restarted worker joins the restarted rank 0.
-    back = await wait_for(
+    back = await sup_reaches(
         node1, lambda s: (st := status(s)) and st.state == w.READY and st.restarts >= 1 and st, "back", node2
     )
-    assert (await wait_for(node2, in_state(w.READY), "worker back", node1)).restarts == 1
+    assert (await sup_reaches(node2, in_state(w.READY), "worker back", node1)).restarts == 1
     assert back.port > 0
 
 
@@ -344,12 +350,14 @@ async def test_an_engine_deaf_to_sigterm_is_killed_after_the_deadline_with_its_c
     )
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    starting = await wait_for(sup, lambda s: (st := status(s)) and st.pid and pid_in(child) and st, "started")
+    started = lambda s: (st := status(s)) and st.pid and pid_in(child) and st  # noqa: E731
+    starting = await sup_reaches(sup, started, "started", poll_s=0.05)  # the child's file: nothing announces it
     sleeper = pid_in(child)
     sup.assign(())
-    await wait_for(sup, lambda s: s.statuses() == (), "stopped")
+    await sup_reaches(sup, lambda s: s.statuses() == (), "stopped")
     assert gone(starting.pid)
-    await wait_for(sup, lambda s: gone(sleeper), "the engine's child killed too")  # the whole process group
+    # The whole process group (the kernel's to say: looked at every 50 ms).
+    await sup_reaches(sup, lambda s: gone(sleeper), "the engine's child killed too", poll_s=0.05)
     log = sup.tail("m-1", 5)
     assert "still running 0.5 s after SIGTERM: sending SIGKILL" in log
     assert "stopped: the engine was killed by SIGKILL" in log
@@ -364,10 +372,10 @@ async def test_what_an_exited_engine_left_behind_is_killed(tmp_path: Path, nurse
     )
     await nursery.start(sup.serve)
     sup.assign((sim(),))
-    failed = await wait_for(sup, in_state(w.FAILED), "failed")
+    failed = await sup_reaches(sup, in_state(w.FAILED), "failed")
     assert "the engine exited with status 7, 1 times within 600 s" in failed.detail
     assert "CUDA out of memory" in failed.detail
-    await wait_for(sup, lambda s: pid_in(child) and gone(pid_in(child)), "the engine's child killed")
+    await sup_reaches(sup, lambda s: pid_in(child) and gone(pid_in(child)), "the engine's child killed", poll_s=0.05)
 
 
 async def test_cancelling_the_supervisor_stops_every_engine(tmp_path: Path) -> None:
@@ -376,8 +384,8 @@ async def test_cancelling_the_supervisor_stops_every_engine(tmp_path: Path) -> N
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.serve)
             sup.assign((sim("a-1"), sim("b-1")))
-            a = await wait_for(sup, in_state(w.READY, "a-1"), "a ready")
-            b = await wait_for(sup, in_state(w.READY, "b-1"), "b ready")
+            a = await sup_reaches(sup, in_state(w.READY, "a-1"), "a ready")
+            b = await sup_reaches(sup, in_state(w.READY, "b-1"), "b ready")
             nursery.cancel_scope.cancel()  # the agent stops
     assert gone(a.pid) and gone(b.pid)
     assert "sim_stopping signal=SIGTERM" in sup.tail("a-1") and "sim_stopping signal=SIGTERM" in sup.tail("b-1")
@@ -455,7 +463,7 @@ async def test_an_adopted_engine_is_ready_in_the_first_report_probed_and_restart
         # Liveness holds for it too: stopped (SIGSTOP), it is killed and a fresh engine is started
         # the ordinary way, a child of this supervisor, on the same port.
         os.kill(orphan.pid, signal.SIGSTOP)
-        again = await wait_for(
+        again = await sup_reaches(
             sup, lambda s: (st := status(s)) and st.state == w.READY and st.pid != orphan.pid and st, "a new engine"
         )
         assert orphan.wait(10) == -signal.SIGKILL  # deaf to SIGTERM while stopped

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from agent.main import run_agent
 from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.server.errors import UnknownReplica
 from llmgw.wire import agent_link as w
-from testlib.controlplane import local, wait_for
+from testlib.controlplane import local
+from testlib.waiting import wait_until
 
 
 def reported(plane: ControlPlane) -> w.ReplicaStatus | None:
@@ -39,18 +41,18 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     plane, scope = await nursery.start(control_plane)
     agent_config = cluster.agent(tmp_path, "node-a")
     link = await nursery.start(run_agent, agent_config)
-    ready = await wait_for(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
+    ready = await wait_until(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
     assert ready.pid and ready.port and ready.restarts == 0
 
     first_desired = link.state.desired
     scope.cancel()  # the control plane goes away
-    await wait_for(lambda: not link.state.connected, "link down")
+    await wait_until(lambda: not link.state.connected, "link down")
     os.kill(ready.pid, 0)  # the engine still runs
 
     plane, scope = await nursery.start(control_plane)
     sessions = link.state.sessions
-    await wait_for(lambda: link.state.sessions > sessions, "agent back")
-    again = await wait_for(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica reported again")
+    await wait_until(lambda: link.state.sessions > sessions, "agent back")
+    again = await wait_until(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica reported again")
     assert (again.replica_id, again.pid, again.port, again.restarts) == (
         ready.replica_id,
         ready.pid,
@@ -58,17 +60,19 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
         0,
     )
     # The new control plane's desired state has arrived, with the same assignment, and changed nothing.
-    await wait_for(lambda: link.state.desired is not first_desired, "a new desired state")
+    await wait_until(lambda: link.state.desired is not first_desired, "a new desired state")
     assert link.state.desired.replicas == first_desired.replicas
-    await trio.sleep(0.5)  # a window for a wrong restart to show (SIGTERM, a new pid)
+    # A wrong restart would be decided as the agent takes the desired state, and reported over
+    # the link at once: both in this process, so once every task here waits, it would be in.
+    await trio.testing.wait_all_tasks_blocked()
     assert reported(plane) == again
     os.kill(ready.pid, 0)
     # `llmgw ctl logs`: the control plane asks the agent for the engine log's tail over the link.
-    logs = await plane.replica_logs(again.replica_id, 50)
+    logs = await plane.operations.replica_logs(again.replica_id, 50)
     [member] = logs["members"]
     assert member["node"] == "node-a" and member["error"] == ""
     assert "sim" in member["text"] and len(member["text"].splitlines()) <= 50
     with pytest.raises(UnknownReplica) as info:  # the admin API answers it 404
-        await plane.replica_logs("nope-0", 10)
+        await plane.operations.replica_logs("nope-0", 10)
     assert "'nope-0'" in str(info.value) and again.replica_id in str(info.value)
     scope.cancel()

@@ -23,8 +23,10 @@ from agent.replica_plan import TRANSITIONS, Plan, RestartPolicy, describe_exit, 
 from agent.replicas import Supervisor
 from agent.weights import WeightsStore
 from llmgw.errors import UsageError
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
+from testlib.waiting import wait_until
 
 
 def assignment(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
@@ -240,9 +242,11 @@ async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
         policy=RestartPolicy(first_delay_s=0.01, max_failures=4, window_s=600),
     )
     seen: list[w.ReplicaStatus] = []
+    reported = Wakeup()
 
     async def record(message: w.ReplicasChanged) -> bool:
         seen.extend(message.replicas)
+        reported.fire()
         return True
 
     await nursery.start(sup.serve)
@@ -252,7 +256,7 @@ async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
     assert "could not be started, 4 times within 600 s" in failed.detail
     assert "cannot run /nonexistent/engine" in failed.detail  # the agent's own line in the engine log
     assert failed.restarts == 3
-    await wait_reported(seen, failed)
+    await wait_until(lambda: failed in seen, "the failure reported", changed=reported.next, timeout=10)
     assert [s.restarts for s in seen if s.state == w.RESTARTING] == [1, 2, 3]
     assert [s.detail.split(".")[0] for s in seen if s.state == w.RESTARTING] == [
         "the engine could not be started; restarting in 0",
@@ -264,12 +268,6 @@ async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
     assert sup.statuses()[0].state == w.FAILED
     sup.assign((assignment(args=("--x",)),))
     assert sup.statuses()[0].state == w.FETCHING and sup.statuses()[0].restarts == 0
-
-
-async def wait_reported(seen: list[w.ReplicaStatus], status: w.ReplicaStatus) -> None:
-    with trio.fail_after(10):
-        while status not in seen:
-            await trio.sleep(0.1)
 
 
 @pytest.mark.trio

@@ -31,8 +31,9 @@ from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib import llama
 from testlib.cluster import MARKER_ENV, marked_pids
-from testlib.controlplane import local, wait_for
+from testlib.controlplane import local
 from testlib.fileserver import serve_files
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -71,14 +72,14 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     sha = pins.LLAMACPP_SDIST_SHA256
     await trio.sleep(0.5)
     assert files.gets == []  # no node yet: nothing fetched
-    plane.certificate_recorded()  # what `node add` recording node-a's certificate does
-    await wait_for(lambda: sha in plane.endpoint.artifacts.available(), "the source mirrored", timeout=120)
+    plane.operations.certificate_recorded()  # what `node add` recording node-a's certificate does
+    await wait_until(lambda: sha in plane.endpoint.artifacts.available(), "the source mirrored", timeout=120)
     assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
 
     cache = llama.agent_build_cache()
     node = attrs.evolve(cluster.agent(tmp_path, "node-a"), build_cache=str(cache))
     await nursery.start(run_agent, node)
-    status = await wait_for(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp", timeout=FIRST_BUILD_S)
+    status = await wait_until(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp", timeout=FIRST_BUILD_S)
     assert status.ok, status.detail
     assert status.version == pins.LLAMACPP_VERSION
 
@@ -116,7 +117,7 @@ async def test_a_node_without_a_compiler_says_which_packages_to_install(
         os.symlink(f"/usr/bin/{tool}" if Path(f"/usr/bin/{tool}").exists() else f"/bin/{tool}", bare / tool)
     monkeypatch.setenv("PATH", str(bare))
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
-    status = await wait_for(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp")
+    status = await wait_until(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp")
     assert not status.ok
     assert "cannot build llama.cpp" in status.detail and "a C++ compiler" in status.detail
     assert "cmake" in status.detail and str(bare) in status.detail
@@ -166,7 +167,9 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
     with trio.move_on_after(60) as scope:
 
         async def cancel_when_stuck() -> None:
-            await wait_for(lambda: len(marked_pids(mark)) == 2 and ("build", 50) in seen, "the stuck build", timeout=30)
+            await wait_until(
+                lambda: len(marked_pids(mark)) == 2 and ("build", 50) in seen, "the stuck build", timeout=30
+            )
             scope.cancel()
 
         async with trio.open_nursery() as n:
@@ -177,7 +180,7 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
     assert ("build", 25) in seen and ("build", 50) in seen
     # The children of the build went with it. SIGKILL is delivered, not waited for: on a loaded
     # machine a killed child can still be exiting when its leader has been reaped (CI saw one).
-    await wait_for(lambda: marked_pids(mark) == [], "the killed build's children to be gone", timeout=10)
+    await wait_until(lambda: marked_pids(mark) == [], "the killed build's children to be gone", timeout=10)
     assert "[2/4] Building CXX object b.o" in request.log_path.read_text()
 
 

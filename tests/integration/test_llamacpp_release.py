@@ -86,18 +86,21 @@ def wait_llama(cluster: Cluster, node_id: str) -> dict[str, Any]:
 
 
 def table_row(cluster: Cluster, node_id: str) -> str:
-    out = cluster.llmgw("ctl", "nodes", "--state-dir", str(cluster.state)).stdout
-    [row] = [line for line in out.splitlines() if line.split()[:1] == [node_id]]
-    return row
+    done = cluster.llmgw("ctl", "nodes", "--state-dir", str(cluster.state))
+    rows = [line for line in done.stdout.splitlines() if line.split()[:1] == [node_id]]
+    assert len(rows) == 1, f"`ctl nodes` printed no one row for {node_id}:\n{done.stdout}\n{done.stderr}"
+    return rows[0]
 
 
 def replicas_cell(cluster: Cluster, node_id: str) -> str:
     """The REPLICAS cell of the node's row in `ctl nodes`, as an operator reads it."""
-    out = cluster.llmgw("ctl", "nodes", "--state-dir", str(cluster.state)).stdout.splitlines()
+    done = cluster.llmgw("ctl", "nodes", "--state-dir", str(cluster.state))
+    out = done.stdout.splitlines()
     start = out[0].index("REPLICAS")
     end = out[0].index("ADDRESS")
-    [row] = [line for line in out[1:] if line.split()[:1] == [node_id]]
-    return row[start:end].strip()
+    rows = [line for line in out[1:] if line.split()[:1] == [node_id]]
+    assert len(rows) == 1, f"`ctl nodes` printed no one row for {node_id}:\n{done.stdout}\n{done.stderr}"
+    return rows[0][start:end].strip()
 
 
 def chat(node_address: str, port: int, key: str) -> dict[str, Any]:

@@ -148,7 +148,7 @@ async def test_vllm_is_installed_by_default_on_a_capable_node_and_not_asked_else
 
     # The others were never asked: nothing installed, and the view says why.
     await trio.sleep(1.0)  # their engines are reported (sim) by now; vLLM would be installing
-    views = {v["id"]: v for v in plane.node_views()}
+    views = {v["id"]: v for v in plane.views.node_views()}
     for node in ("node-pascal", "node-cpu"):
         assert engine(plane, node, "vllm") is None
         assert not (tmp_path / node / "engines" / "vllm").exists()
@@ -205,5 +205,5 @@ async def test_a_failing_install_says_why_and_is_not_offered(
     # Never offered, never current, and no half-made venv left behind.
     assert not (node_dir / "engines" / "vllm" / "current").exists()
     assert not (node_dir / "engines" / "vllm" / version).exists()
-    [note] = [line for line in engine_texts.notes(plane.node_view("node-a")) if line.startswith("vllm")]
+    [note] = [line for line in engine_texts.notes(plane.views.node_view("node-a")) if line.startswith("vllm")]
     assert note == f"vllm failed: {status.detail}"

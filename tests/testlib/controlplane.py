@@ -121,14 +121,3 @@ async def serve_plane(
     config = ServerConfig(server=server, engines=engines, release=release or ReleaseSection())
     plane = ControlPlane.open(config, state)
     return plane, await nursery.start(plane.serve)
-
-
-async def wait_for(predicate, what: str, timeout: float = 30):
-    """Poll `predicate` until it gives something true, which is returned; bounded."""
-    try:
-        with trio.fail_after(timeout):
-            while not (value := predicate()):
-                await trio.sleep(0.05)
-            return value
-    except trio.TooSlowError:
-        raise AssertionError(f"{what}: not within {timeout:g} s") from None

@@ -31,6 +31,7 @@ from llmgw.errors import UsageError, find
 from llmgw.linkio import LinkStream, Writer
 from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
 from llmgw.wire.errors import WireError
@@ -101,7 +102,7 @@ class AgentLink:
         self.backoff = backoff or Backoff()
         self.rng = rng or random.Random()
         self.state = LinkState()
-        self._desired_changed = trio.Event()
+        self._desired_changed = Wakeup()
         self._writer: Writer | None = None  # the current session's, once welcomed
         # Set by the agent: answers the control plane's request for a replica's log tail.
         self.answer_logs: Callable[[w.LogsRequest], w.LogsReply] = lambda req: w.LogsReply(
@@ -217,12 +218,11 @@ class AgentLink:
                     writer.send(self.answer_logs(event.request))
                 elif isinstance(event, s.DesiredStateReceived):
                     self.state.desired = event.desired
-                    self._desired_changed.set()
-                    self._desired_changed = trio.Event()
+                    self._desired_changed.fire()
 
     async def desired_changed(self) -> None:
         """Return when the next desired state arrives."""
-        await self._desired_changed.wait()
+        await self._desired_changed.wait()  # a Wakeup: until the next one arrives
 
     async def send(self, message: w.AgentMessage) -> bool:
         """Queue `message` on the current session, if one is up; False if not (the next hello

@@ -20,6 +20,8 @@ import socket
 
 import trio
 
+from llmgw.wakeup import Wakeup
+
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
@@ -29,8 +31,8 @@ class NodeAddress:
     def __init__(self, fixed: str = "") -> None:
         """`fixed`: an address known from the start (tests, a supervisor without a link)."""
         self._value = fixed
-        self._known = trio.Event()
-        self._changed = trio.Event()
+        self._known = trio.Event()  # set once, at the first address
+        self.changed = Wakeup()
         if fixed:
             self._known.set()
 
@@ -43,15 +45,15 @@ class NodeAddress:
             return
         self._value = address
         self._known.set()
-        self._changed.set()
-        self._changed = trio.Event()
+        self.changed.fire()
 
     async def wait_known(self) -> str:
         await self._known.wait()
         return self._value
 
     async def wait_changed(self) -> None:
-        await self._changed.wait()
+        """Until the next change (the caller looks at `current` after it)."""
+        await self.changed.wait()
 
 
 def local_host(sock: socket.socket) -> str:

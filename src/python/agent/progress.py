@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from llmgw.wakeup import Wakeup
+
 INTERVAL_S = 1.0
 
 
@@ -39,15 +41,24 @@ class Latest:
 
     def __init__(self) -> None:
         self.value: tuple[str, int | None] | None = None
-        self._changed = trio.Event()
+        self.noted = Wakeup()
+        self._notes = 0  # reports so far
+        self._taken = 0  # reports `changed` has returned (the latest of them)
 
     def note(self, phase: str, percent: int | None) -> None:
         self.value = (phase, percent)
-        self._changed.set()
+        self._notes += 1
+        self.noted.fire()
 
     async def changed(self) -> tuple[str, int | None]:
-        await self._changed.wait()
-        self._changed = trio.Event()
+        """The latest report, once there is one this has not returned yet (reports made while
+        nobody waited are not lost: the latest of them is returned at once)."""
+        while True:
+            noted = self.noted.next()
+            if self._taken < self._notes:
+                break
+            await noted.wait()
+        self._taken = self._notes
         assert self.value is not None
         return self.value
 

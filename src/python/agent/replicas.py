@@ -84,6 +84,7 @@ from llmgw.config import Secret
 from llmgw.engines import Command, ReplicaLaunch, build_command
 from llmgw.errors import LlmgwError, leaves, only
 from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.replicas")
@@ -122,6 +123,7 @@ class _Member:
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
     host: str = ""  # where rank 0's engine listens (while it runs)
     exits: list[float] = attrs.Factory(list)
+    answered: int = 0  # liveness probes its engine answered (200) since it was ready, all starts together
 
     @property
     def key(self) -> Key:
@@ -179,8 +181,9 @@ class Supervisor:
         self._retiring: list[_Member] = []  # cancelled, not yet finished
         self._nursery: trio.Nursery | None = None
         self._version = 0
-        self._changed_event = trio.Event()
-        self._released = trio.Event()  # GPUs were given back
+        self.changed = Wakeup()  # `statuses()` changed: reports go out, tests look again
+        self.released = Wakeup()  # a member gave its GPUs back
+        self.probed = Wakeup()  # a ready engine's liveness was probed (`answered_probes`)
 
     # -- what the rest of the agent calls
 
@@ -228,8 +231,8 @@ class Supervisor:
         return tuple(shown[k].status for k in sorted(shown))
 
     async def wait_changed(self) -> None:
-        """Return at the next change of `statuses()`."""
-        await self._changed_event.wait()
+        """Return at the next change of `statuses()` (`changed.next()` for a waiter that looks first)."""
+        await self.changed.wait()
 
     async def serve_reports(
         self,
@@ -244,11 +247,18 @@ class Supervisor:
         task_status.started()
         sent = None
         while True:
+            changed = self.changed.next()
             if sent == self._version:
-                await self.wait_changed()
+                await changed.wait()
                 continue
             sent = self._version
             await send(w.ReplicasChanged(replicas=self.statuses()))
+
+    def answered_probes(self, replica_id: str, rank: int = 0) -> int:
+        """The liveness probes a member's engine answered since it was ready (0 for none such);
+        `probed` fires after each probe, answered or not."""
+        m = self._members.get((replica_id, rank))
+        return m.answered if m is not None else 0
 
     def tail(self, replica_id: str, lines: int = 100) -> str:
         """The last `lines` lines of the engine logs of `replica_id` on this node ("" if none)."""
@@ -314,8 +324,7 @@ class Supervisor:
 
     def _changed(self) -> None:
         self._version += 1
-        self._changed_event.set()
-        self._changed_event = trio.Event()
+        self.changed.fire()
 
     def _set(self, m: _Member, state: str, *, detail: str | None = None, **fields: object) -> None:
         old = m.status
@@ -382,8 +391,7 @@ class Supervisor:
             m.observed.set()
             if m.gpus:
                 m.gpus = ()
-                self._released.set()
-                self._released = trio.Event()
+                self.released.fire()
             if m in self._retiring:
                 self._retiring.remove(m)
                 # Directly, not through the table: a member that failed on its way out is stopped too.
@@ -460,6 +468,7 @@ class Supervisor:
     async def _take_gpus(self, m: _Member, a: w.ReplicaAssignment) -> None:
         wanted = a.gpus
         while True:
+            released = self.released.next()
             held = {g for x in (*self._members.values(), *self._retiring) if x is not m for g in x.gpus}
             mine = list(self.gpus())
             free = [g for g in mine if g not in held]
@@ -471,7 +480,7 @@ class Supervisor:
                 self._set(m, w.FETCHING, detail=detail + ", waiting for stopping replicas to release theirs")
             else:
                 self._fail(m, detail)
-            await self._released.wait()
+            await released.wait()
 
     async def _keep_running(
         self, m: _Member, a: w.ReplicaAssignment, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog
@@ -671,6 +680,8 @@ class Supervisor:
             await trio.sleep(self.liveness_interval_s)
             status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
             failures = 0 if status == 200 else failures + 1
+            m.answered += status == 200
+            self.probed.fire()
         replica, rank = m.key
         last = "no answer" if status is None else f"status {status}"
         said = (

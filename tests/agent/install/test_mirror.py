@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from agent.install.errors import DownloadError
 from llmgw.config import EngineBuild, EnginesSection, LlamacppSource, ServerConfig, ServerSection
@@ -150,7 +151,10 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     make_state(state, sans=["127.0.0.1"], days=3)
     source = EngineBuild(url=f"{origin}/src.tar.gz", sha256=hashlib.sha256(data).hexdigest())
     plane, _ = await serve_plane(state, nursery, engines=EnginesSection(llamacpp=LlamacppSource(build=source)))
-    await trio.sleep(0.5)  # the plane runs, its mirror fill too: no node, no fetch
+    # The plane runs, its mirror fill too: with no node, the fill waits for one (it and the
+    # reconciler are who wait on `changes.nodes`) and fetched nothing.
+    await trio.testing.wait_all_tasks_blocked()
+    assert plane.changes.nodes.next().statistics().tasks_waiting == 2
     assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
     plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)
     plane.changes.node_changed()
@@ -183,7 +187,7 @@ async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_need
     plane, _ = await serve_plane(state, nursery, engines=engines, release=ReleaseSection(dir=str(release)))
     cpu = plane.registry.know("node-cpu", address="127.0.0.2")
     cpu.inventory = hello("node-cpu").inventory  # x86_64, no GPU
-    plane.certificate_recorded()
+    plane.operations.certificate_recorded()
     await trio.sleep(0.5)
     assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
     gpu = plane.registry.know("node-gpu", address="127.0.0.3")

@@ -14,8 +14,10 @@ import trio
 from agent.main import run_agent
 from llmgw.config import Model
 from llmgw.server.app import ControlPlane
-from testlib.controlplane import local, wait_for
+from llmgw.wakeup import Wakeup
+from testlib.controlplane import local
 from testlib.gateway import chat, request
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -32,10 +34,14 @@ async def test_draining_a_node_under_load_fails_no_request(
     _, token = await plane.gateway.keys.create("load")
     for i, node_id in enumerate(("node-a", "node-b")):
         await nursery.start(run_agent, cluster.agent(tmp_path, node_id, source_address=f"127.0.0.{i + 1}"))
-    await wait_for(lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2, "two replicas in rotation")
+    in_rotation = lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2  # noqa: E731
+    await wait_until(
+        in_rotation, "two replicas in rotation", changed=plane.gateway.freed.next
+    )  # fired as it applies one
     victim = plane.replicas.placed["chat-0"].placement.nodes[0]
 
     results: list[int] = []
+    answered = Wakeup()
     stop = trio.Event()
 
     async def client() -> None:
@@ -44,15 +50,17 @@ async def test_draining_a_node_under_load_fails_no_request(
                 lambda: request(bound.http_address[1], "POST", "/v1/chat/completions", chat(), token=token)
             )
             results.append(status)
+            answered.fire()
 
     async with trio.open_nursery() as load:
         for _ in range(4):
             load.start_soon(client)
-        await wait_for(lambda: len(results) >= 20, "load running")
-        progress = await plane.start_drain(victim, force=False)
-        await wait_for(lambda: progress.done or progress.error, "the drain", timeout=DRAIN_TIMEOUT_S)
+        await wait_until(lambda: len(results) >= 20, "load running", changed=answered.next)
+        progress = await plane.operations.start_drain(victim, force=False)
+        with trio.fail_after(DRAIN_TIMEOUT_S):
+            await progress.finished.wait()
         before = len(results)
-        await wait_for(lambda: len(results) >= before + 20, "load after the drain")
+        await wait_until(lambda: len(results) >= before + 20, "load after the drain", changed=answered.next)
         stop.set()
 
     assert progress.error is None and progress.moved == progress.total >= 1

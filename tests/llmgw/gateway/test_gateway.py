@@ -1,27 +1,32 @@
-"""The gateway in front of real sim engine processes on loopback (a static endpoint provider)."""
+"""The gateway in front of sim engines (a static endpoint provider): their handlers in memory on
+MockClock (`testlib.memnet`) for what is the gateway's own logic — relaying, errors, the queue,
+keys, retries, a client gone — and real engine processes on loopback where real sockets are the
+point (a killed engine's connections reset under the pool)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from llmgw.http.server import Limits
-from testlib.gateway import chat, parse_metrics, request, start_gateway
+from testlib import memnet
+from testlib.gateway import chat, parse_metrics, start_gateway
 
 pytestmark = pytest.mark.trio
 
 
 async def test_answers_streamed_and_whole_pass_through_with_the_gateways_headers(
-    tmp_path: Path, nursery: trio.Nursery, sims
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    a, b = sims(2)
-    gw = await start_gateway(nursery, tmp_path, (a.endpoint(), b.endpoint()))
+    net = memnet.MemoryNet(nursery)
+    a, b = memnet.start_sims(net, 2)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(), b.endpoint()))
     status, headers, body = await gw.call("POST", "/v1/chat/completions", chat())
     assert status == 200, body
     answer = json.loads(body)
@@ -34,13 +39,12 @@ async def test_answers_streamed_and_whole_pass_through_with_the_gateways_headers
     # apart from the id and timestamp each answer gets.
     status, headers, streamed = await gw.call("POST", "/v1/chat/completions", chat(stream=True))
     assert status == 200 and headers["content-type"] == "text/event-stream"
-    direct = await trio.to_thread.run_sync(
-        lambda: request(a.port, "POST", "/v1/chat/completions", chat(stream=True), token=a.key)
-    )
+    direct = await net.connect(*a.address)
+    _, _, straight = await memnet.request(direct, "POST", "/v1/chat/completions", chat(stream=True), token=a.key)
     assert streamed.endswith(b"data: [DONE]\n\n")
     strip = [
         [{k: v for k, v in json.loads(e[6:]).items() if k not in ("id", "created")} for e in s.split(b"\n\n")[:-2]]
-        for s in (streamed, direct[2])
+        for s in (streamed, straight)
     ]
     assert strip[0] == strip[1] and len(strip[0]) > 3
 
@@ -51,15 +55,19 @@ async def test_answers_streamed_and_whole_pass_through_with_the_gateways_headers
     # Keep-alive to the engines: later requests reuse connections.
     for _ in range(6):
         assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
-    assert gw.gateway.pool.stats.reused >= 4
+    assert gw.gateway.pool.stats.reused >= 4 and gw.gateway.pool.stats.opened <= 3
     assert gw.gateway.router.outstanding == {}
 
 
-async def test_errors_in_openais_format_with_the_right_status(tmp_path: Path, nursery: trio.Nursery, sims) -> None:
-    (a,) = sims(1)
-    gw = await start_gateway(
+async def test_errors_in_openais_format_with_the_right_status(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1)
+    gw = await memnet.start_gateway(
         nursery,
         tmp_path,
+        net,
         (a.endpoint(),),
         models=frozenset({"chat", "cold"}),
         limits=Limits(max_body_bytes=4096),
@@ -84,8 +92,10 @@ async def test_errors_in_openais_format_with_the_right_status(tmp_path: Path, nu
     assert "'nope'" in message and "chat, cold" in message
     message, _ = await error(413, "POST", "/v1/chat/completions", chat("x" * 5000))
     assert "4096" in message
+    started = trio.current_time()
     message, headers = await error(503, "POST", "/v1/chat/completions", {**chat(), "model": "cold"})
     assert "no ready replica of 'cold'" in message and headers["retry-after"] == "5"
+    assert trio.current_time() - started == pytest.approx(0.3)  # the queue's timeout, not a moment more
     # The engine's own refusals are relayed as they are.
     message, headers = await error(400, "POST", "/v1/chat/completions", {**chat(), "n": 3})
     assert "'n'" in message and headers["x-llmgw-replica"] == a.name
@@ -106,10 +116,11 @@ async def test_errors_in_openais_format_with_the_right_status(tmp_path: Path, nu
 
 
 async def test_a_request_waits_in_the_queue_for_a_replica_to_become_ready(
-    tmp_path: Path, nursery: trio.Nursery, sims
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    (a,) = sims(1)
-    gw = await start_gateway(nursery, tmp_path, (), models=frozenset({"chat"}), queue_timeout_s=20)
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (), models=frozenset({"chat"}), queue_timeout_s=20)
     results = []
 
     async def ask() -> None:
@@ -118,20 +129,23 @@ async def test_a_request_waits_in_the_queue_for_a_replica_to_become_ready(
     async with trio.open_nursery() as inner:
         inner.start_soon(ask)
         inner.start_soon(ask)
-        with trio.fail_after(10):
-            while sum(gw.gateway.queued.values()) < 2:
-                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()  # both read, parsed and queued
         depth = parse_metrics(gw.gateway.render_metrics())
         assert depth[("llmgw_gateway_queue_depth", frozenset({("model", "chat")}))] == 2
+        await trio.sleep(10)  # waiting half the queue's timeout
+        assert results == []
+        ready_at = trio.current_time()
         gw.provider.set((a.endpoint(),))  # cold start over
     assert [r[0] for r in results] == [200, 200]
+    assert trio.current_time() - ready_at < 0.1  # answered as soon as the replica was there
 
 
 async def test_a_revoked_key_is_refused_at_once_while_another_keeps_working(
-    tmp_path: Path, nursery: trio.Nursery, sims
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    (a,) = sims(1)
-    gw = await start_gateway(nursery, tmp_path, (a.endpoint(),))
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),))
     _, other = await gw.gateway.keys.create("other")
     _, limited = await gw.gateway.keys.create("limited", rate_per_minute=1)
     _, narrow = await gw.gateway.keys.create("narrow", models=["embed"])
@@ -146,7 +160,35 @@ async def test_a_revoked_key_is_refused_at_once_while_another_keeps_working(
     assert status == 403 and b"may not use model 'chat'" in body
 
 
-async def test_a_killed_replica_costs_no_request(tmp_path: Path, nursery: trio.Nursery, sims) -> None:
+async def test_a_replica_gone_with_pooled_connections_costs_no_request_and_is_tried_once(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    a, b = memnet.start_sims(net, 2)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(), b.endpoint()))
+    pool = gw.gateway.pool
+    for _ in range(50):  # warm both: idle keep-alive connections to each (ties are picked at random)
+        assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
+        if pool.idle_count(*a.address) and pool.idle_count(*b.address):
+            break
+    assert pool.idle_count(*a.address) >= 1
+    warm = net.connects.count(a.address)
+    net.kill(a.address)  # its connections end under the pool; a new one is refused
+    served = [(await gw.call("POST", "/v1/chat/completions", chat(f"q{i}")))[1]["x-llmgw-replica"] for i in range(50)]
+    assert set(served) == {b.name}
+    assert net.connects.count(a.address) - warm == 1  # its pooled connection failed, one fresh connect was refused
+    await trio.sleep(2.5)  # fake time: a probe each second, each refused
+    metrics = parse_metrics(gw.gateway.render_metrics())
+    retries = sum(v for (name, _), v in metrics.items() if name == "llmgw_gateway_retries_total")
+    assert retries == 1  # the dead replica was tried once: out of rotation while probes find nothing there
+    assert metrics[("llmgw_gateway_probes_total", frozenset({("result", "failed")}))] == 2
+    assert net.connects.count(a.address) - warm == 3  # then only the probes went there
+    state = frozenset({("model", "chat"), ("replica", a.name), ("state", "down")})
+    assert metrics[("llmgw_gateway_replica_state", state)] == 1
+
+
+async def test_a_killed_engine_process_costs_no_request(tmp_path: Path, nursery: trio.Nursery, sims) -> None:
+    """Real processes and sockets: the kernel resets a killed engine's pooled connections."""
     a, b = sims(2)
     gw = await start_gateway(nursery, tmp_path, (a.endpoint(), b.endpoint()))
     for _ in range(4):  # warm both: idle keep-alive connections to each
@@ -169,46 +211,39 @@ async def test_a_killed_replica_costs_no_request(tmp_path: Path, nursery: trio.N
     assert metrics[("llmgw_gateway_requests_total", ok)] == 54
 
 
-def _established_to(port: int) -> int:
-    """TCP connections in ESTABLISHED state to or from a local port (Linux's /proc/net/tcp)."""
-    count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote, state = fields[1], fields[2], fields[3]
-        if state == "01" and port in (int(local.split(":")[1], 16), int(remote.split(":")[1], 16)):
-            count += 1
-    return count
-
-
 async def test_a_client_gone_mid_stream_cancels_the_upstream_request(
-    tmp_path: Path, nursery: trio.Nursery, sims
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    (a,) = sims(1, "--output-token-ms", "100")
-    gw = await start_gateway(nursery, tmp_path, (a.endpoint(),))
-    client = await trio.open_tcp_stream("127.0.0.1", gw.port)
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1, output_token_ms=100)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),))
+    client = await gw.open()
     body = json.dumps(chat(stream=True, max_tokens=200)).encode()  # 20 s of tokens
-    await client.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-        + f"authorization: Bearer {gw.token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    headers = [("content-type", "application/json"), ("authorization", f"Bearer {gw.token}")]
+    await client.send_head("POST", "/v1/chat/completions", [*headers, ("content-length", str(len(body)))])
+    await client.send_body(body)
+    assert (await client.head())[0] == 200
     got = b""
-    with trio.fail_after(10):
-        while got.count(b"data: ") < 3:
-            got += await client.receive_some(65536)
-    assert b" 200 " in got.split(b"\r\n")[0] and _established_to(a.port) == 2
-    await client.aclose()
-    with trio.fail_after(5):
-        while _established_to(a.port) or gw.gateway.router.outstanding:
-            await trio.sleep(0.02)
-    assert gw.gateway.in_flight == {"chat": 0} and gw.gateway.pool.idle_count("127.0.0.1", a.port) == 0
+    while got.count(b"data: ") < 3:
+        got += await client.chunk()
+    assert net.connections(a.address) == 1 and gw.gateway.router.outstanding == {a.name: 1}
+    gone_at = trio.current_time()
+    await client.stream.aclose()
+    await trio.testing.wait_all_tasks_blocked()
+    # At once, not at the next token: the engine's connection is closed and nothing is left over.
+    assert trio.current_time() == gone_at
+    assert net.connections(a.address) == 0 and gw.gateway.router.outstanding == {}
+    assert gw.gateway.in_flight == {"chat": 0} and gw.gateway.pool.idle_count(*a.address) == 0
     metrics = parse_metrics(gw.gateway.render_metrics())
     assert metrics[("llmgw_gateway_requests_total", frozenset({("model", "chat"), ("status", "499")}))] == 1
 
 
-async def test_the_key_and_its_limits_are_decided_before_the_body(tmp_path: Path, nursery: trio.Nursery, sims) -> None:
-    (a,) = sims(1)
-    gw = await start_gateway(nursery, tmp_path, (a.endpoint(),), models=frozenset({"chat", "other"}))
+async def test_the_key_and_its_limits_are_decided_before_the_body(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), models=frozenset({"chat", "other"}))
     _, limited = await gw.gateway.keys.create("one-a-minute", models=["other"], rate_per_minute=1)
 
     # One request a minute: the first is let in and refused for its model; every later one is
@@ -221,13 +256,10 @@ async def test_the_key_and_its_limits_are_decided_before_the_body(tmp_path: Path
     assert gw.gateway.keys._in_flight.get("one-a-minute", 0) == 0  # the refused ones are not held
 
     # Without a key the body is never read: the answer comes while the body is still unsent.
-    def head_only() -> bytes:
-        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 8000000\r\n\r\n")
-            answer = b""
-            while chunk := s.recv(65536):
-                answer += chunk
-            return answer
-
-    answer = await trio.to_thread.run_sync(head_only)
-    assert answer.startswith(b"HTTP/1.1 401 ") and b"connection: close" in answer
+    client = await gw.open()
+    await client.send_head("POST", "/v1/chat/completions", [("content-length", "8000000")])
+    status, headers = await client.head()
+    assert status == 401 and headers["connection"] == "close"
+    while await client.chunk() is not None:
+        pass
+    assert await client.stream.receive_some(65536) == b""  # closed after the answer, the body unread

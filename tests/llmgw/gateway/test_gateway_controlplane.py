@@ -15,9 +15,10 @@ from agent.main import run_agent
 from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
-from testlib.controlplane import local, wait_for
+from testlib.controlplane import local
 from testlib.gateway import chat, request
 from testlib.proc import run_llmgw
+from testlib.waiting import wait_until
 
 
 async def ctl(*args: str) -> str:
@@ -46,12 +47,13 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
     token = created["token"]
     status, headers, body = await call(chat(), token)
     assert status == 503 and headers["retry-after"]  # nothing placed yet: queued, then refused
-    assert plane.gateway_rotation().models == {"chat"}
+    assert plane.endpoints.gateway_rotation().models == {"chat"}
 
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
-    await wait_for(lambda: plane.gateway.router.endpoints.get("chat"), "the replica in the gateway's rotation")
+    in_rotation = lambda: plane.gateway.router.endpoints.get("chat")  # noqa: E731
+    await wait_until(in_rotation, "the replica in the gateway's rotation", changed=plane.gateway.freed.next)
     [ep] = plane.gateway.router.endpoints["chat"]
-    [view] = plane.replica_views()
+    [view] = plane.views.replica_views()
     assert (ep.replica_id, ep.host, ep.port, ep.draining) == (view["replica"], "127.0.0.1", view["port"], False)
     assert view["state"] == w.READY
 
@@ -69,5 +71,6 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
     assert (await call(chat(), token))[0] == 401
 
     # A drain marks the replica draining at once (it stays the fallback while it is the only one).
-    await plane.start_drain("node-a", force=False)
-    await wait_for(lambda: plane.gateway.router.endpoints["chat"][0].draining, "draining in rotation")
+    await plane.operations.start_drain("node-a", force=False)
+    draining = lambda: plane.gateway.router.endpoints["chat"][0].draining  # noqa: E731
+    await wait_until(draining, "draining in rotation", changed=plane.gateway.freed.next)

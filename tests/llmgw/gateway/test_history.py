@@ -49,7 +49,7 @@ async def test_serve_samples_every_step_and_says_so(autojump_clock: trio.testing
     async with trio.open_nursery() as nursery:
         await nursery.start(history.serve)
         metrics.requests.inc(model="m", status="200")
-        changed = history.changed
+        changed = history.sampled.next()
         await changed.wait()
         assert [p["requests"] for p in history.view()["models"]["m"]] == [1, 1]
         nursery.cancel_scope.cancel()

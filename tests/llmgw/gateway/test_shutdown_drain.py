@@ -1,6 +1,7 @@
 """A control plane that is stopped (cancelled, as SIGTERM does through `run_service`) drains its
 gateway first: a stream in flight runs to its end, a new request meanwhile gets 503 with
-Retry-After, and only then does the HTTP listener close."""
+Retry-After, and only then does the HTTP listener close. The control plane's listener is real
+(its closing is the point); the engine is a sim's handler in memory (`testlib.memnet`)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,21 @@ import trio
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.server.gateway.app import StaticEndpoints
+from llmgw.server.gateway.upstream import UpstreamPool
+from testlib import memnet
 from testlib.cluster import free_port
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.gateway import chat, request
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
 
 async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requests(
-    tmp_path: Path, nursery: trio.Nursery, sims
+    tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    (sim,) = sims(1, "--output-token-ms", "100")
+    net = memnet.MemoryNet(nursery)
+    (sim,) = memnet.start_sims(net, 1, output_token_ms=100)
     state = tmp_path / "cp"
     make_state(state)
     config = ServerConfig(
@@ -32,6 +37,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     )
     plane = ControlPlane.open(config, state)
     plane.gateway.provider = StaticEndpoints((sim.endpoint(),))  # the replica without an agent
+    plane.gateway.pool = UpstreamPool(connect=net.connect)
     plane.shutdown_drain_s = 20
     _, token = await plane.gateway.keys.create("tests")
     stopped = trio.Event()
@@ -58,9 +64,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
             got += await client.receive_some(65536)
 
     plane_scope.cancel()  # what SIGTERM does to `llmgw server`
-    with trio.fail_after(5):
-        while not plane.gateway.draining:
-            await trio.sleep(0.01)
+    await wait_until(lambda: plane.gateway.draining, "the gateway draining", timeout=5)
     status, headers, refused = await trio.to_thread.run_sync(
         lambda: request(port, "POST", "/v1/chat/completions", chat(), token=token, timeout=5)
     )

@@ -21,6 +21,7 @@ from llmgw.server.gateway.errors import UpstreamSilent
 from llmgw.server.gateway.upstream import UpstreamPool
 from testlib.gateway import GW, Sim, chat, parse_metrics, start_gateway
 from testlib.netns import NetNS, preflight
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -155,9 +156,8 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
     assert during_cut[("llmgw_gateway_probes_total", frozenset({("result", "failed")}))] >= 1
 
     # Restored: a probe puts it back within about an interval, and it serves again.
-    with trio.fail_after(5):
-        while gw.gateway.router.state_of(remote.endpoint()) != "ready":
-            await trio.sleep(0.05)
+    back = lambda: gw.gateway.router.state_of(remote.endpoint()) == "ready"  # noqa: E731
+    await wait_until(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
     assert trio.current_time() - marks["restored"] < 3.0
     served = {(await call(gw, 1000 + i))[2] for i in range(20)}
     assert served == {local.name, remote.name}
@@ -194,14 +194,17 @@ async def test_an_engine_that_takes_requests_and_never_answers_leaves_rotation_a
         assert gw.gateway.router.down[stopped.name].reason == "first_byte"
         assert metric(gw, "llmgw_gateway_replica_down_total", model="chat", reason="first_byte") == 1
         # Its kernel still completes TCP connects: only the probe's HTTP answer tells it is not back.
-        await trio.sleep(3.0)
+        # Two more probes (what would bring it back, were connects enough) find it still down.
+        failed = metric(gw, "llmgw_gateway_probes_total", result="failed")
+        await wait_until(
+            lambda: metric(gw, "llmgw_gateway_probes_total", result="failed") >= failed + 2, "two more probes"
+        )
         assert gw.gateway.router.state_of(stopped.endpoint()) == "down"
-        assert metric(gw, "llmgw_gateway_probes_total", result="failed") >= 2
+        assert metric(gw, "llmgw_gateway_probes_total", result="reached") == 0
     finally:
         os.kill(stopped.proc.pid, signal.SIGCONT)
-    with trio.fail_after(5):
-        while gw.gateway.router.state_of(stopped.endpoint()) != "ready":
-            await trio.sleep(0.05)
+    back = lambda: gw.gateway.router.state_of(stopped.endpoint()) == "ready"  # noqa: E731
+    await wait_until(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
     assert stopped.name in {(await call(gw, 1000 + i))[2] for i in range(20)}
 
 

@@ -267,7 +267,7 @@ async def test_the_stall_diagnostic_holds_the_loop_and_the_metrics_and_the_log_s
 ) -> None:
     caplog.set_level("INFO")
     plane, state = running
-    plane.config = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
+    plane.settings.current = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
     client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
     for bad in ("0", "-1", "x", "601", "nan", "inf", ""):
         with pytest.raises(PeerError) as info:

@@ -18,7 +18,7 @@ import trio
 
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.store import Store, StoreBusy, StoreCorrupt, store_path
-from testlib.controlplane import wait_for
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -99,11 +99,11 @@ async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
         await nursery.start(writer.serve)
         with write_lock(tmp_path):
             writer.offer({"r-0": {"v": 1}})
-            await wait_for(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
+            await wait_until(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
             writer.offer({"r-0": {"v": 2}, "r-1": {"v": 2}})  # the loop goes on changing placements
-            await wait_for(lambda: len(writes) >= 4, "a few more attempts", timeout=10)
+            await wait_until(lambda: len(writes) >= 4, "a few more attempts", timeout=10)
             assert writer.pending
-        await wait_for(lambda: not writer.pending, "the write once the lock is gone", timeout=5)
+        await wait_until(lambda: not writer.pending, "the write once the lock is gone", timeout=5)
         nursery.cancel_scope.cancel()
     assert await store.placements() == {"r-0": {"v": 2}, "r-1": {"v": 2}}  # the latest, not each version
     [failing] = events(caplog, "store_write_failing")

@@ -1,5 +1,6 @@
-"""Rolling drain on the control plane: each replacement ready before its original stops; no room
-elsewhere stops the drain instead of causing an outage; --force proceeds anyway."""
+"""Rolling drain on the control plane, on MockClock: each replacement ready before its original
+stops; no room elsewhere stops the drain instead of causing an outage; --force proceeds anyway.
+Each test waits on the drain's own event (`DrainProgress.finished`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -58,21 +61,22 @@ def events(caplog) -> list[str]:
 
 
 async def test_each_replacement_is_ready_before_its_original_stops(
-    tmp_path: Path, nursery: trio.Nursery, caplog
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog
 ) -> None:
     caplog.set_level("INFO")
     plane = await plane_with(tmp_path, nursery, ["a", "b", "c"], replicas=3)
     on_a = sorted(k for k, v in plane.replicas.placed.items() if "a" in v.placement.nodes)
     assert len(on_a) == 1
-    progress = await plane.start_drain("a", force=False)
-    await trio.sleep(0.1)
+    progress = await plane.operations.start_drain("a", force=False)
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=plane.replicas.saver.to_write.next)
+    await trio.sleep(10)  # fake time, within the nodes' heartbeat TTL: the drain waits for readiness, not a timer
     assert progress.moved == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
     [replacement] = sorted(plane.replicas.surge)
     assert "a" not in plane.replicas.placed[replacement].placement.nodes
     ready(plane, replacement)
-    with trio.fail_after(5):
-        while not progress.done:
-            await trio.sleep(0.01)
+    readied_at = trio.current_time()
+    await progress.finished.wait()
+    assert progress.done and trio.current_time() - readied_at < 1  # at once, not at a poll
     assert on_a[0] not in plane.replicas.placed and replacement in plane.replicas.placed
     assert events(caplog) == ["drain_started", "move_replacement_ready", "move_original_stopped", "drain_done"]
     node = plane.registry.nodes["a"]
@@ -83,18 +87,17 @@ async def test_each_replacement_is_ready_before_its_original_stops(
     assert plane.replicas.reconcile(trio.current_time()) == set()  # the replacement counts as one of three
 
 
-async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(tmp_path: Path, nursery: trio.Nursery) -> None:
+async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
     plane = await plane_with(tmp_path, nursery, ["only"], replicas=1)
     [original] = plane.replicas.placed
     plane.registry.nodes["only"].draining = False
-    progress = await plane.start_drain("only", force=False)
-    with trio.fail_after(5):
-        while not progress.error:
-            await trio.sleep(0.01)
+    progress = await plane.operations.start_drain("only", force=False)
+    await progress.finished.wait()
     assert f"cannot move {original} off only" in progress.error and "--force" in progress.error
     assert original in plane.replicas.placed  # no outage
-    forced = await plane.start_drain("only", force=True)
-    with trio.fail_after(5):
-        while not forced.done:
-            await trio.sleep(0.01)
+    forced = await plane.operations.start_drain("only", force=True)
+    await forced.finished.wait()
+    assert forced.done and forced.error is None
     assert original not in plane.replicas.placed

@@ -12,7 +12,6 @@ import trio.testing
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.looplag import serve_loop_lag
 from llmgw.server.app import ControlPlane
-from llmgw.server.liveness import serve_liveness
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 
@@ -42,7 +41,7 @@ async def plane(tmp_path: Path) -> ControlPlane:
 
 
 def reconciler(plane: ControlPlane):
-    return partial(serve_liveness, plane.registry, plane.replicas, plane.changes, plane.push)
+    return plane.reconciler.serve
 
 
 def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
@@ -93,7 +92,7 @@ async def test_nodes_known_from_the_store_are_lost_only_after_a_ttl_and_the_reco
         grace = plane.config.server.reconnect_grace_s
         assert grace >= 30  # agents retry at most 30 s apart: a restart must not look like a loss
         await trio.sleep(TTL + grace - 1)
-        assert [v["state"] for v in plane.node_views()] == ["unknown"]
+        assert [v["state"] for v in plane.views.node_views()] == ["unknown"]
         assert events(caplog) == []
         await trio.sleep(2)
         assert events(caplog) == [("node_lost", "old")]
@@ -142,6 +141,6 @@ async def test_a_stalled_loop_loses_no_heartbeating_node_and_a_silent_one_after_
         ]
         await trio.sleep(interval + 3)  # past it (and past the hold of one interval)
         assert events(caplog) == [("node_joined", "a"), ("node_joined", "b"), ("node_lost", "b")]
-        views = {v["id"]: v["state"] for v in plane.node_views()}
+        views = {v["id"]: v["state"] for v in plane.views.node_views()}
         assert views == {"a": "joined", "b": "lost"}
         nursery.cancel_scope.cancel()

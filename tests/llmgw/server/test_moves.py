@@ -15,10 +15,12 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
 SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
+HANG_S = 1000  # fake time: only a hang would take this long
 
 
 async def join(plane: ControlPlane, node: str) -> None:
@@ -66,10 +68,14 @@ async def crowded_plane(tmp_path: Path, nursery: trio.Nursery) -> ControlPlane:
     return plane
 
 
-async def wait_for(predicate, what: str) -> None:
-    with trio.fail_after(1000):  # fake time: only a hang would take this long
-        while not predicate():
-            await trio.sleep(0.05)
+def placements_change(plane: ControlPlane):
+    """What fires when the placements change (each change is offered to the store's writer)."""
+    return plane.replicas.saver.to_write.next
+
+
+def rotation_changes(plane: ControlPlane):
+    """What fires when a replica leaves rotation or comes back (a move's retiring)."""
+    return plane.changes.rotation.next
 
 
 async def test_a_replica_placed_with_another_of_its_model_moves_to_a_free_node(
@@ -78,17 +84,19 @@ async def test_a_replica_placed_with_another_of_its_model_moves_to_a_free_node(
     caplog.set_level("INFO")
     plane = await crowded_plane(tmp_path, nursery)
     moved: list[bool] = []
+    spread_done = trio.Event()
 
     async def spread() -> None:
         moved.append(await plane.moves.spread_once())
+        spread_done.set()
 
     nursery.start_soon(spread)
-    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     [replacement] = plane.replicas.surge
     assert plane.replicas.placed[replacement].placement.nodes == ("b",)
     assert where(plane)["chat-1"] == ("a",)  # the original runs until its replacement is ready
     ready(plane, replacement)
-    await wait_for(lambda: moved, "the move to finish")
+    await spread_done.wait()
     assert moved == [True] and sorted(where(plane).values()) == [("a",), ("b",)]
     assert not plane.replicas.surge  # the replacement now counts as one of the catalog's
     names = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
@@ -103,15 +111,22 @@ async def test_the_original_stops_only_once_its_requests_have_finished(
     original = Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1)
     plane.gateway.router.acquire(original)  # a stream in flight on it
     nursery.start_soon(plane.moves.spread_once)
-    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     ready(plane, next(iter(plane.replicas.surge)))
-    await wait_for(lambda: "chat-1" in plane.moves.retiring, "the original to leave rotation")
+    await wait_until(
+        lambda: "chat-1" in plane.moves.retiring, "out of rotation", changed=rotation_changes(plane), timeout=HANG_S
+    )
     await trio.sleep(plane.moves.retire_grace_s / 2)
     assert "chat-1" in plane.replicas.placed  # still serving what it has
     started = trio.current_time()
     plane.gateway.router.release(original)
     plane.gateway._wake()  # what a finished request does
-    await wait_for(lambda: "chat-1" not in plane.replicas.placed, "the original to go")
+    await wait_until(
+        lambda: "chat-1" not in plane.replicas.placed,
+        "the original gone",
+        changed=placements_change(plane),
+        timeout=HANG_S,
+    )
     assert trio.current_time() - started < 1
 
 
@@ -121,11 +136,18 @@ async def test_requests_that_outlast_the_grace_do_not_hold_the_move_forever(
     plane = await crowded_plane(tmp_path, nursery)
     plane.gateway.router.acquire(Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1))
     nursery.start_soon(plane.moves.spread_once)
-    await wait_for(lambda: plane.replicas.surge, "the replacement to be placed")
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     ready(plane, next(iter(plane.replicas.surge)))
-    await wait_for(lambda: "chat-1" in plane.moves.retiring, "the original to leave rotation")
+    await wait_until(
+        lambda: "chat-1" in plane.moves.retiring, "out of rotation", changed=rotation_changes(plane), timeout=HANG_S
+    )
     left_rotation = trio.current_time()
-    await wait_for(lambda: "chat-1" not in plane.replicas.placed, "the original to go")
+    await wait_until(
+        lambda: "chat-1" not in plane.replicas.placed,
+        "the original gone",
+        changed=placements_change(plane),
+        timeout=HANG_S,
+    )
     assert trio.current_time() - left_rotation == pytest.approx(plane.moves.retire_grace_s, abs=0.1)
     assert any(r.getMessage() == "move_retire_grace_over" for r in caplog.records)
 
@@ -143,4 +165,4 @@ async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_late
     for node in ("a", "b"):  # the nodes kept their heartbeats all along
         plane.registry.heartbeat(node, plane.registry.nodes[node].session.conn_id, trio.current_time())
     nursery.start_soon(plane.moves.spread_once)
-    await wait_for(lambda: plane.replicas.surge, "a second attempt")
+    await wait_until(lambda: plane.replicas.surge, "a second attempt", changed=placements_change(plane), timeout=HANG_S)

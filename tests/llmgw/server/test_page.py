@@ -215,7 +215,7 @@ async def test_the_feed_sends_the_cluster_then_each_change(running) -> None:
 async def test_a_page_session_cannot_stall_the_loop_even_one_that_may_act(running) -> None:
     """The stall diagnostic takes the admin credential itself: it is for an operator at a shell."""
     plane, state = running
-    plane.config = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
+    plane.settings.current = attrs.evolve(plane.config, debug=DebugSection(allow_stall=True))
     actor = Browser(client_of(state).url)
     await call(actor.login, plane.page.login_path(actions=True))
     _, session = await call(actor.json, "GET", "/admin/v1/page/session")

@@ -266,7 +266,7 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
             # Ready when every simulated model serves (those start in seconds); a llama.cpp model
             # may still be loading, and the gateway queues its requests meanwhile. A catalog the
             # operator edited to hold no sim model is ready when anything serves.
-            ready = {v["model"] for v in plane.replica_views() if v["state"] == w.READY}
+            ready = {v["model"] for v in plane.views.replica_views() if v["state"] == w.READY}
             sims = {m.name for m in plane.config.models if m.engine == "sim"}
             if len(joined) >= nodes and ((sims and sims <= ready) or (not sims and ready)):
                 return

@@ -39,8 +39,9 @@ that server.toml does not allow 403. A change the store cannot record (another p
 lock, the disk fails) is answered 503 with `Retry-After` and the store's message; nothing
 changed, and the same request may be sent again.
 
-The control plane is seen through `Plane`, the calls this module makes, so that the admin API
-does not import the module that builds it (`llmgw.server.app`).
+The control plane is seen through two protocols, the calls this module makes, so that the admin
+API does not import what builds them: `Views` (what it shows: `llmgw.server.views.ClusterViews`)
+and `Operations` (what it changes: `llmgw.server.operations.Operations`).
 """
 
 from __future__ import annotations
@@ -82,17 +83,19 @@ LINES = f"the lines of each member's log to show, 1 to {MAX_LOG_LINES} (default 
 FORCE = "1 (or true) to stop replicas that cannot be moved, 0 (or false, the default) to stop the drain there"
 
 
-class Plane(Protocol):
-    """What the admin API asks of the control plane."""
-
-    store: AsyncStore
-    page: Page
+class Views(Protocol):
+    """What the admin API shows of the control plane."""
 
     def node_views(self) -> list[dict[str, Any]]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
     def replica_views(self) -> list[dict[str, Any]]: ...
     def model_views(self) -> list[dict[str, Any]]: ...
     def fabric_map(self) -> FabricMap: ...
+
+
+class Operations(Protocol):
+    """What the admin API asks the control plane to do."""
+
     async def reload(self) -> dict[str, Any]: ...
     async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]: ...
     async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress: ...
@@ -137,8 +140,15 @@ def answer(exc: LlmgwError) -> HTTPError | None:
 
 
 class AdminAPI:
-    def __init__(self, plane: Plane, keys: KeyRing, token: str) -> None:
-        self.plane = plane
+    def __init__(
+        self, *, views: Views, operations: Operations, page: Page, store: AsyncStore, keys: KeyRing, token: str
+    ) -> None:
+        """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
+        certificate serials are recorded and read."""
+        self.views = views
+        self.operations = operations
+        self.page = page
+        self.store = store
         self.keys = keys
         self._token = token.encode()
 
@@ -163,7 +173,7 @@ class AdminAPI:
     async def handle(self, request: Request) -> Response | StreamingResponse:
         # Who calls (a cluster-page session, or the credential through `_authorize`), the page's
         # own admin routes, and the audit line of every change: server/page.py.
-        return await self.plane.page.guard(request, self._authorize, self._handle_authorized)
+        return await self.page.guard(request, self._authorize, self._handle_authorized)
 
     async def _handle_authorized(self, request: Request) -> Response:
         try:
@@ -180,42 +190,42 @@ class AdminAPI:
         if request.path == "/admin/v1/nodes":
             _allow(request, "GET")
             params.query(request, {})
-            fabrics = self.plane.fabric_map()
+            fabrics = self.views.fabric_map()
             placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
             return Response.json(
-                200, {"nodes": self.plane.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
+                200, {"nodes": self.views.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
             )
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
             params.query(request, {})
-            return Response.json(200, await self.plane.reload())
+            return Response.json(200, await self.operations.reload())
         logs = _REPLICA_LOGS.match(request.path)
         if logs is not None:
             _allow(request, "GET")
             replica_id = _path_id(logs.group(1), "replica id", REPLICA, REPLICA_RULE)
             given = params.query(request, {"lines": LINES})
             lines = params.whole_number(given.get("lines", "100"), "lines", 1, MAX_LOG_LINES)
-            return Response.json(200, await self.plane.replica_logs(replica_id, lines))
+            return Response.json(200, await self.operations.replica_logs(replica_id, lines))
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"replicas": self.plane.replica_views()})
+            return Response.json(200, {"replicas": self.views.replica_views()})
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"models": self.plane.model_views()})
+            return Response.json(200, {"models": self.views.model_views()})
         if request.path == STALL:
             _allow(request, "POST")
             # The credential itself, even under a page session's cookie: holding the control plane's
             # loop is for the operator at its shell, never a button on a page.
             self._authorize(request)
-            return Response.json(200, self.plane.stall(_stall_seconds(request)))
+            return Response.json(200, self.operations.stall(_stall_seconds(request)))
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
-            response = await certificates(self.plane.store, request)
+            response = await certificates(self.store, request)
             if request.method == "POST":
-                self.plane.certificate_recorded()  # a node is on its way: its engines' sources are fetched
+                self.operations.certificate_recorded()  # a node is on its way: its engines' sources are fetched
             return response
         m = _NODE_ACTION.match(request.path)
         if m is None:
@@ -229,17 +239,17 @@ class AdminAPI:
         if action == "drain":
             _allow(request, "POST")
             force = params.flag(params.query(request, {"force": FORCE}).get("force", "0"), "force")
-            progress = await self.plane.start_drain(node_id, force=force)
+            progress = await self.operations.start_drain(node_id, force=force)
             return Response.json(202, {"drain": progress.view()})
         if action in ("cordon", "uncordon"):
             _allow(request, "POST")
             params.query(request, {})
-            await self.plane.set_cordoned(node_id, action == "cordon")
+            await self.operations.set_cordoned(node_id, action == "cordon")
             log.info(f"node_{action}ed", node=node_id)
-            return Response.json(200, {"node": self.plane.node_view(node_id)})
+            return Response.json(200, {"node": self.views.node_view(node_id)})
         _allow(request, "DELETE")
         params.query(request, {})
-        return Response.json(200, await self.plane.remove_node(node_id))
+        return Response.json(200, await self.operations.remove_node(node_id))
 
     async def _keys(self, request: Request) -> Response:
         ring = self.keys

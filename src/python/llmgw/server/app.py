@@ -4,8 +4,10 @@ read in order (`ControlPlane.open`), and its services started in order (`Control
 `open` does all the reading, synchronously and before anything runs: the state directory's
 permissions first (private files open to others are refused before use), then the certificate
 authority (a missing CA is the first thing said), the agents' TLS context, the store (checked:
-a damaged database stops the start there), the engine-key secret and the admin credential.
-The constructor takes what was opened and does no I/O.
+a damaged database stops the start there), the engine-key secret, the admin credential and
+this llmgw's own release file (`running_release`: what agents may fetch from the mirror). The
+constructor takes what was opened and does no I/O; it wires the parts and builds the control
+plane's four roles as small objects (`ControlPlane`'s docstring names them).
 
 `serve` is the root: each service is a `serve_x(..., *, task_status)` started with
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import signal
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -30,10 +31,9 @@ import attrs
 import trio
 
 from llmgw import paths
-from llmgw.config import Model, ServerConfig, load_server_config
+from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
-from llmgw.fabrics import FabricMap
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
 from llmgw.log import get_logger
@@ -42,27 +42,29 @@ from llmgw.metrics import Registry as MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
 from llmgw.pki.tls import server_ssl_context
-from llmgw.releasefiles import running_release
+from llmgw.releasefiles import Running, running_release
 from llmgw.server import activation, enginekeys, views
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
-from llmgw.server.drains import DrainProgress, Drains
+from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.enginekeys import EngineKeys
-from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gateway.app import Gateway, GatewayOptions
 from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.routing import Rotation
-from llmgw.server.liveness import serve_liveness
+from llmgw.server.intent import NodeIntent
+from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
+from llmgw.server.operations import Operations
 from llmgw.server.page import Page
 from llmgw.server.registry import Registry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
+from llmgw.server.settings import Settings
+from llmgw.server.views import GatewayEndpoints
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
@@ -70,9 +72,13 @@ log = get_logger("llmgw.server")
 
 
 class ControlPlane:
-    """The control plane's parts, each given what it needs: the registry (nodes as agents report
-    them), the agent endpoint, the placements (`Replicas`), the gateway, moves and drains, the
-    admin API. The gateway sees it as its `EndpointProvider`, the admin API as its `Plane`."""
+    """The control plane's parts, each given what it needs, and its four roles as small objects:
+    `views` (what the admin API and the cluster page show), `operations` (what the admin API
+    changes), `page` (the cluster page and the gate of the admin API) and `endpoints` (the
+    gateway's rotation). Each piece of state has one owner: the configuration `settings`, the
+    nodes as agents report them `registry`, the operator's intent for them `intent`, the
+    placements `replicas`, the reconciler `reconciler` (the one that pushes desired state after a
+    change), moves and drains."""
 
     def __init__(
         self,
@@ -85,15 +91,16 @@ class ControlPlane:
         store: AsyncStore,
         engine_keys: EngineKeys,
         admin_token: str,
+        running: Running | None,
     ) -> None:
-        self.config = config  # replaced by a reload: read it through `self`, never keep a copy
-        self.config_path = config_path
+        """Takes what `open` read (`running`: this llmgw's own release file, None for a
+        development build); does no I/O."""
+        self.settings = Settings(config, config_path)  # replaced by a reload: read `config` at each use
         self.state_dir = state_dir
         self.ca = ca
         self.ssl_context = ssl_context  # the agent endpoint's: the server certificate, agents' CA
         self.store = store
         self.changes = Changes()
-        self._node_coming = False  # a node certificate was issued since start
         # Liveness is judged on the time the loop could read its links (`llmgw.looplag`): after a
         # stall, every node's deadline moves by its length.
         clock = StallClock(hold_s=config.server.heartbeat_interval_s)
@@ -108,6 +115,7 @@ class ControlPlane:
         )
         for row in store.at_open.nodes:  # operator intent survives a restart; agents rebuild the rest
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
+        self.intent = NodeIntent(store=store, registry=self.registry, changes=self.changes)
         self.connections = ConnectionStats()
         self.endpoint = AgentEndpoint(
             registry=self.registry,
@@ -119,7 +127,7 @@ class ControlPlane:
             artifact_store=Artifacts(artifacts_dir(state_dir)),
             release_files=Releases(
                 directory=Path(config.release.dir) if config.release.dir else None,
-                running=running_release(),
+                running=running,
                 serve=config.release.serve,
             ),
             silence_timeout_s=config.server.heartbeat_ttl_s,
@@ -127,8 +135,18 @@ class ControlPlane:
             max_connections=config.http.max_agent_connections,
             send_timeout_s=config.http.send_timeout_s,
         )
-        self.replicas = Replicas(store, self.registry, lambda: self.config.models, self.fabric_map, engine_keys)
-        self.gateway = Gateway(self, KeyRing(store), options=GatewayOptions.of(config.gateway))
+        models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
+        self.replicas = Replicas(
+            store, self.registry, models, partial(views.cluster_fabrics, self.registry), engine_keys
+        )
+        self.reconciler = Reconciler(
+            self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.endpoint.links)
+        )
+        retiring: set[str] = set()  # written by moves, read by the gateway's endpoints
+        self.endpoints = GatewayEndpoints(
+            registry=self.registry, replicas=self.replicas, models=models, retiring=retiring, changes=self.changes
+        )
+        self.gateway = Gateway(self.endpoints, KeyRing(store), options=GatewayOptions.of(config.gateway))
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
@@ -137,16 +155,45 @@ class ControlPlane:
             changes=self.changes,
             push=self.endpoint.push_desired_state,
             draining=lambda: self.drains.running(),
+            retiring=retiring,
         )
-        self.drains = Drains(
-            registry=self.registry, store=store, replicas=self.replicas, moves=self.moves, changes=self.changes
+        self.drains = Drains(registry=self.registry, intent=self.intent, replicas=self.replicas, moves=self.moves)
+        self.views = views.ClusterViews(
+            registry=self.registry,
+            replicas=self.replicas,
+            drains=self.drains,
+            config=lambda: self.config,
+            changes=self.changes,
         )
-        self.page = Page(self)  # the cluster page: sessions, the gateway's history, the admin API's gate
-        self.admin = AdminAPI(self, self.gateway.keys, admin_token)
+        self.operations = Operations(
+            settings=self.settings,
+            store=store,
+            registry=self.registry,
+            replicas=self.replicas,
+            intent=self.intent,
+            drains=self.drains,
+            reconciler=self.reconciler,
+            endpoint=self.endpoint,
+            changes=self.changes,
+        )
+        self.page = Page(self.views, self.gateway)  # the cluster page: sessions, the gateway's history, the gate
+        self.admin = AdminAPI(
+            views=self.views,
+            operations=self.operations,
+            page=self.page,
+            store=store,
+            keys=self.gateway.keys,
+            token=admin_token,
+        )
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self.mirror_retry_s = RETRY_S  # a mirror fetch that failed is tried again after this long
         self._generation = 0
+
+    @property
+    def config(self) -> ServerConfig:
+        """The configuration running now (`settings.current`)."""
+        return self.settings.current
 
     @classmethod
     def open(cls, config: ServerConfig, state_dir: Path, config_path: Path | None = None) -> ControlPlane:
@@ -166,6 +213,7 @@ class ControlPlane:
             store=store,
             engine_keys=engine_keys,
             admin_token=admin_token,
+            running=running_release(),  # this llmgw's own release file, which agents may fetch
         )
         seal_at_start(store, plane.replicas, paths.engine_keys_secret_path(state_dir))
         return plane
@@ -200,7 +248,7 @@ class ControlPlane:
             # The store's writer next: the reconciler offers it placements.
             await nursery.start(run, "placements", self.replicas.saver.serve)
             # The reconciler: liveness changes, placements, desired state pushed.
-            await nursery.start(run, "liveness", serve_liveness, self.registry, self.replicas, self.changes, self.push)
+            await nursery.start(run, "liveness", self.reconciler.serve)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
             mirror = partial(fill_mirror, node_known=self._a_node_may_build, retry_s=self.mirror_retry_s)
@@ -208,7 +256,7 @@ class ControlPlane:
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
                 # the process (its default action).
-                await nursery.start(run, "reload", serve_reload_on_sighup, self.reload)
+                await nursery.start(run, "reload", serve_reload_on_sighup, self.operations.reload)
             await nursery.start(run, "rotation", self.gateway.serve_rotation)
             await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
@@ -241,11 +289,6 @@ class ControlPlane:
         finally:
             await self.gateway.json.aclose()  # the gateway's JSON worker, if a large body started one
 
-    def certificate_recorded(self) -> None:
-        """A node certificate was issued (`node add`, `ca issue`): a node will join."""
-        self._node_coming = True
-        self.changes.node_changed()
-
     async def _a_node_may_build(self) -> None:
         """Returns once a node may build llama.cpp from its source, so the mirror fetches the
         source then and not before. Without release archives of llama.cpp: once the registry
@@ -257,7 +300,7 @@ class ControlPlane:
             changed = self.changes.nodes.next()
             engines = self.config.engines
             if not release_for(engines.llamacpp, release):
-                if self.registry.nodes or self._node_coming:
+                if self.registry.nodes or self.operations.node_coming:
                     return
             elif any(n.inventory and may_build(engines, n.inventory, release) for n in self.registry.nodes.values()):
                 return
@@ -321,110 +364,6 @@ class ControlPlane:
         self.replicas.note_statuses(node_id, statuses)
         self.moves.replicas_changed()
         self.changes.rotation.fire()
-
-    # -- the gateway's endpoints (`gateway.app.EndpointProvider`) ---------------------------
-
-    def gateway_rotation(self) -> Rotation:
-        now = self.registry.clock.now()
-        return views.gateway_rotation(self.registry, self.replicas, self.config.models, self.moves.retiring, now)
-
-    def rotation_changed(self) -> trio.Event:
-        return self.changes.rotation.next()
-
-    def cluster_changed(self) -> trio.Event:
-        """Set once the reconciler has looked at the next change of nodes or replicas."""
-        return self.changes.settled.next()
-
-    # -- what the admin API calls (`admin.Plane`) -------------------------------------------
-
-    async def reload(self) -> dict[str, Any]:
-        """Read server.toml again; the catalog and engines change, nothing unchanged restarts.
-
-        A bad file changes nothing: its problems are raised (`ConfigError`) and the running
-        configuration stays."""
-        if self.config_path is None:
-            raise NoConfigFile()
-        new = load_server_config(self.config_path)
-        fixed = ("server", "http", "ca", "gateway", "release", "debug")  # read once, at start
-        changed_fixed = [f"[{name}]" for name in fixed if getattr(new, name) != getattr(self.config, name)]
-        if changed_fixed:
-            log.warning("reload_ignores", sections=changed_fixed, fix="restart `llmgw server` for those")
-        self.config = attrs.evolve(self.config, engines=new.engines, models=new.models)
-        await self.endpoint.releases.catalog()  # the release's llama.cpp archives, as they are now
-        changed = self.replicas.reconcile(self.registry.clock.now())
-        await self.push_all()  # engines may have changed for everyone
-        log.info("config_reloaded", models=[m.name for m in new.models], nodes_changed=sorted(changed))
-        return {"models": [m.name for m in new.models], "nodes_changed": sorted(changed)}
-
-    async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress:
-        return await self.drains.start(node_id, force=force)
-
-    async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
-        known = self.registry.nodes.get(node_id)
-        # The store first: a refusal changes nothing.
-        await self.store.set_cordoned(node_id, cordoned, known_at=known.address if known else None)
-        node = known or self.registry.know(node_id)
-        node.cordoned = cordoned
-        await self.push(node_id)
-
-    async def remove_node(self, node_id: str) -> dict[str, Any]:
-        node = self.registry.nodes.get(node_id)
-        # The certificate it connected with is revoked too, even if this control plane did not issue it.
-        connected = node.session.cert_serial if node is not None and node.session is not None else None
-        try:
-            revoked = await self.store.remove_node(node_id, also_revoke=connected)
-        except UnknownNode:
-            if node is None:
-                raise
-            revoked = []
-        revoked = sorted({f"{int(serial):x}" for serial in revoked})  # hex, as openssl and the refusals print it
-        closed = await self.endpoint.close_node(
-            node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
-        )
-        self.registry.forget(node_id)
-        log.info("node_removed", node=node_id, revoked_serials=revoked, link_closed=closed)
-        self.changes.node_changed()
-        return {"removed": node_id, "revoked_serials": revoked, "link_closed": closed}
-
-    async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]:
-        stored = self.replicas.placed.get(replica_id)
-        if stored is None:
-            raise UnknownReplica(replica_id, sorted(self.replicas.placed))
-        members = []
-        for rank, node_id in enumerate(stored.placement.nodes):
-            reply = await self.endpoint.request_logs(node_id, replica_id, lines)
-            members.append({"node": node_id, "rank": rank, "text": reply.text, "error": reply.error})
-        return {"replica": replica_id, "members": members}
-
-    def stall(self, seconds: float) -> dict[str, Any]:
-        """Hold the event loop computing for `seconds`, as a pathological request would: nothing
-        is read from any link meanwhile (`POST /admin/v1/debug/stall`, if `[debug] allow_stall`).
-        Liveness must come through it: no healthy node lost, no replica moved."""
-        if not self.config.debug.allow_stall:
-            raise DiagnosticOff("holding the control plane's event loop", "allow_stall")
-        log.warning("debug_stall", seconds=seconds, what="holding the event loop on purpose ([debug] allow_stall)")
-        began = time.monotonic()
-        while time.monotonic() - began < seconds:
-            pass  # deliberately on the loop, not in a thread: this is the stall
-        held = time.monotonic() - began
-        log.warning("debug_stall_done", held_s=round(held, 3))
-        return {"stalled_s": round(held, 3)}
-
-    def node_views(self) -> list[dict[str, Any]]:
-        return views.node_views(self.registry, self.drains, self.registry.clock.now(), self.config.engines)
-
-    def node_view(self, node_id: str) -> dict[str, Any]:
-        node, now = self.registry.nodes[node_id], self.registry.clock.now()
-        return views.node_view(node, self.registry.liveness(node, now), now, self.config.engines)
-
-    def replica_views(self) -> list[dict[str, Any]]:
-        return views.replica_views(self.registry, self.replicas)
-
-    def model_views(self) -> list[dict[str, Any]]:
-        return views.model_views(self.config.models, self.replica_views())
-
-    def fabric_map(self) -> FabricMap:
-        return views.cluster_fabrics(self.registry)
 
 
 async def serve_control_plane(

@@ -31,6 +31,7 @@ import trio
 
 from llmgw.log import get_logger
 from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, StoreError, store_path
+from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
 
@@ -98,6 +99,16 @@ class AsyncStore:
 
     async def set_draining(self, node_id: str, draining: bool, *, known_at: str | None = None) -> None:
         await self._run(self._set_mark, self._store.set_draining, node_id, draining, known_at)
+
+    async def set_drained(self, node_id: str, *, known_at: str | None = None) -> None:
+        """A drain's end: cordoned and no longer draining, in one write."""
+
+        def drained() -> None:
+            if known_at is not None:
+                self._store.know_node(node_id, known_at)
+            self._store.set_drained(node_id)
+
+        await self._run(drained)
 
     def _set_mark(self, set_mark: Callable[[str, bool], None], node_id: str, on: bool, known_at: str | None) -> None:
         if known_at is not None:
@@ -182,7 +193,7 @@ class LatestWriter(Generic[T]):
         self._latest: T | None = None
         self._offered = 0  # versions offered so far
         self._written = 0  # the last version written
-        self._wake = trio.Event()
+        self.to_write = Wakeup()  # a new version was offered
         self._failing_since: float | None = None
         self._failures = 0
 
@@ -194,16 +205,16 @@ class LatestWriter(Generic[T]):
     def offer(self, value: T) -> None:
         self._latest = value
         self._offered += 1
-        self._wake.set()
+        self.to_write.fire()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
             delay = self.first_retry_s
             while True:
+                offered = self.to_write.next()
                 if not self.pending:
-                    self._wake = trio.Event()
-                    await self._wake.wait()
+                    await offered.wait()
                     continue
                 if await self._write_latest():
                     delay = self.first_retry_s

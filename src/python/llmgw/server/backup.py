@@ -7,19 +7,20 @@ waits for the writer nor holds it up). The copy is made in a temporary file next
 keys, sealed: they open only with the state directory's engine-keys.secret, which is not in it), switched to a rollback journal so it is one self-contained file, checked with
 `PRAGMA quick_check`, synced, and only then renamed to FILE: a FILE that exists is a whole,
 checked backup. An existing FILE is kept unless `force`.
+
+SQLite itself is the store's (`llmgw.server.store.copy_database` makes the copy and checks it):
+this module owns the files around it — the private temporary file, the sync, the rename.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sqlite3
 from pathlib import Path
 
 import attrs
 
 from llmgw.errors import MachineError, UsageError
-from llmgw.server.store import CLI_BUSY_TIMEOUT_S, StoreCorrupt, StoreError, store_error, store_path
+from llmgw.server.store import copy_database, store_path
 
 
 @attrs.frozen(kw_only=True)
@@ -63,44 +64,13 @@ def backup(state_dir: Path, dest: Path, *, force: bool = False) -> BackupInfo:
     finally:
         os.close(fd)
     try:
-        counts = _copy(source, tmp)
+        counts = copy_database(source, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         _publish(tmp, dest, force=force)
     finally:
         tmp.unlink(missing_ok=True)
     return BackupInfo(source=source, path=dest, size_bytes=dest.stat().st_size, **counts)
-
-
-def _copy(source: Path, tmp: Path) -> dict[str, int]:
-    """Copy `source` into the empty file `tmp`; the row counts of the copy."""
-    uri = f"{source.resolve().as_uri()}?mode=rw"  # rw, not create: a missing database is not made empty
-    at = source
-    try:
-        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=CLI_BUSY_TIMEOUT_S)) as src:
-            with contextlib.closing(sqlite3.connect(str(tmp), isolation_level=None)) as dst:
-                src.backup(dst)
-                at = tmp
-                dst.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal beside it
-                found = [r[0] for r in dst.execute("PRAGMA quick_check").fetchall()]
-                if found != ["ok"]:
-                    raise StoreCorrupt(source, "; ".join(found[:3]))
-                return {
-                    "nodes": _count(dst, "SELECT COUNT(*) FROM nodes"),
-                    "api_keys": _count(dst, "SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL"),
-                    "placements": _count(dst, "SELECT COUNT(*) FROM placements"),
-                    "revoked_certificates": _count(
-                        dst, "SELECT COUNT(*) FROM certificates WHERE revoked_at IS NOT NULL"
-                    ),
-                }
-    except StoreError:
-        raise
-    except sqlite3.Error as exc:
-        raise store_error(at, exc, CLI_BUSY_TIMEOUT_S) from exc
-
-
-def _count(db: sqlite3.Connection, sql: str) -> int:
-    return int(db.execute(sql).fetchone()[0])
 
 
 def _publish(tmp: Path, dest: Path, *, force: bool) -> None:

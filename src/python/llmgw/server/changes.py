@@ -1,41 +1,48 @@
-"""Who wakes whom inside the control plane: each edge is a `Wakeup`.
+"""The control plane's edges: what changed, for whom. Each edge is a `Wakeup` (llmgw.wakeup lists
+them all), and the desired states a change asks the reconciler to push ride along with it.
 
-A waiter takes `wakeup.next()` *before* it looks at the state, then waits on it; whoever changes
-that state calls `wakeup.fire()`, which sets the event and replaces it. So a change made while
-the waiter is still looking is never lost (its event is already set), and a waiter never sees an
-event that fired for a change it has already looked at.
+Whoever changes what a node's desired state is made of says so here: `intent_changed(node)` (a
+cordon, a drain: the node's own desired state changes, its assignments need not) or
+`catalog_changed()` (a reload: the engines and models, so every connected node's). The
+reconciler takes them at the start of its next pass (`take_pushes`) and pushes them with the
+nodes whose assignments that pass changed: after a change of nodes, intent or catalog, the
+reconciler alone pushes. (A move pushes the nodes of its own steps, and the mirror everyone's
+once an archive arrives.)
 """
 
 from __future__ import annotations
 
-import attrs
-import trio
+from llmgw.wakeup import Wakeup
 
 
-class Wakeup:
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def next(self) -> trio.Event:
-        """Set at the next `fire()`."""
-        return self._event
-
-    def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
-
-
-@attrs.frozen
 class Changes:
-    """The control plane's three edges."""
-
-    # A node connected, left, reported or was removed: the reconciler (`liveness`) looks again.
-    nodes: Wakeup = attrs.field(factory=Wakeup)
-    # What `gateway_rotation()` returns may have changed: the gateway's rotation follows.
-    rotation: Wakeup = attrs.field(factory=Wakeup)
-    # The reconciler has looked at a change and pushed its result: the spreader looks after it.
-    settled: Wakeup = attrs.field(factory=Wakeup)
+    def __init__(self) -> None:
+        # A node connected, left, reported or was removed, or its intent or the catalog changed:
+        # the reconciler (`liveness`) looks again.
+        self.nodes = Wakeup()
+        # What `gateway_rotation()` returns may have changed: the gateway's rotation follows.
+        self.rotation = Wakeup()
+        # The reconciler has looked at a change and pushed its result: the spreader looks after it.
+        self.settled = Wakeup()
+        self._push: set[str] = set()
+        self._push_everyone = False
 
     def node_changed(self) -> None:
         self.nodes.fire()
         self.rotation.fire()
+
+    def intent_changed(self, node_id: str) -> None:
+        """`node_id`'s desired state changed (cordon, drain): the reconciler's next pass pushes it."""
+        self._push.add(node_id)
+        self.node_changed()
+
+    def catalog_changed(self) -> None:
+        """The engines or models changed (a reload): the next pass pushes every connected node's."""
+        self._push_everyone = True
+        self.node_changed()
+
+    def take_pushes(self) -> tuple[set[str], bool]:
+        """What to push besides the nodes whose assignments change: (nodes, everyone). Taken once."""
+        pushes, everyone = self._push, self._push_everyone
+        self._push, self._push_everyone = set(), False
+        return pushes, everyone

@@ -1,7 +1,8 @@
 """Drains: `llmgw ctl drain NODE` moves every replica off a node, one at a time, then cordons it.
 
-`Drains.start` (the admin API's call) checks the node, marks it draining (in the store first:
-a refusal changes nothing), makes its `DrainProgress` and sends the drain on a channel;
+`Drains.start` (the admin API's call) checks the node, marks it draining (through the node
+intent's owner, `llmgw.server.intent`: the store first, so a refusal changes nothing), makes its
+`DrainProgress` and sends the drain on a channel;
 `Drains.serve` receives each and runs it as a job in its own nursery, until it is done, stops
 (no room for a replacement, one that never got ready) or the control plane stops. A node has at
 most one drain running: asking again returns the running one's progress.
@@ -9,7 +10,9 @@ most one drain running: asking again returns the running one's progress.
 A drain is a job, not a loop: a bug in one ends that drain with an error saying so (the admin
 API shows it), never the control plane, and the operator runs it again. Each move is
 `llmgw.server.moves`' (replacement ready before the original stops), one at a time with the
-spreader (`Moves.lock`). `Drains` is also the read-only mapping node -> its last drain's progress.
+spreader (`Moves.lock`); at its end the node is cordoned, again through the intent's owner.
+`Drains` is also the read-only mapping node -> its last drain's progress, and each progress has
+an event to wait on (`DrainProgress.finished`: set once, when the drain is done or stopped).
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ import trio
 
 from llmgw.errors import leaves
 from llmgw.log import get_logger
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.changes import Changes
 from llmgw.server.errors import UnknownNode
+from llmgw.server.intent import NodeIntent
 from llmgw.server.moves import MoveFailed, Moves
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import Replicas
@@ -43,13 +45,22 @@ class DrainProgress:
     current: str | None = None
     done: bool = False
     error: str | None = None
+    finished: trio.Event = attrs.field(factory=trio.Event, repr=False)  # set once: done, or stopped with an error
 
     @property
     def running(self) -> bool:
         return not self.done and self.error is None
 
+    def stop(self, error: str) -> None:
+        self.error = error
+        self.finished.set()
+
+    def complete(self) -> None:
+        self.current, self.done = None, True
+        self.finished.set()
+
     def view(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return attrs.asdict(self, filter=lambda a, _: a.name != "finished")
 
 
 @attrs.frozen(kw_only=True)
@@ -62,12 +73,9 @@ class DrainRequest:
 
 
 class Drains(Mapping[str, DrainProgress]):
-    def __init__(
-        self, *, registry: Registry, store: AsyncStore, replicas: Replicas, moves: Moves, changes: Changes
-    ) -> None:
+    def __init__(self, *, registry: Registry, intent: NodeIntent, replicas: Replicas, moves: Moves) -> None:
         self.registry = registry
-        self.changes = changes
-        self.store = store
+        self.intent = intent
         self.replicas = replicas
         self.moves = moves
         self._progress: dict[str, DrainProgress] = {}
@@ -101,9 +109,7 @@ class Drains(Mapping[str, DrainProgress]):
         current = self._progress.get(node_id)
         if current is not None and current.running:
             return current
-        await self.store.set_draining(node_id, True, known_at=node.address)
-        node.draining = True
-        self.changes.rotation.fire()
+        await self.intent.start_draining(node)
         todo = tuple(sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes))
         progress = self._progress[node_id] = DrainProgress(node=node_id, total=len(todo))
         log.info("drain_started", node=node_id, replicas=list(todo), force=force)
@@ -132,7 +138,7 @@ class Drains(Mapping[str, DrainProgress]):
                 await self._drain(request)
         except Exception as exc:
             log.exception("drain_failed", node=progress.node, replica=progress.current)
-            progress.error = (
+            progress.stop(
                 f"internal error while draining {progress.node}: {leaves(exc)[0]!r}; the log has the traceback; "
                 f"run `llmgw ctl drain {progress.node}` again"
             )
@@ -146,7 +152,7 @@ class Drains(Mapping[str, DrainProgress]):
                 continue  # gone meanwhile (lost, failed, catalog change)
             replacement, reason = self.replicas.place_replacement(rid, self.registry.clock.now())
             if replacement is None and not request.force:
-                progress.error = (
+                progress.stop(
                     f"cannot move {rid} off {node_id}: {reason}. The drain stopped and {rid} keeps running "
                     f"there; free capacity elsewhere, or run `llmgw ctl drain {node_id} --force` to stop it "
                     "without a replacement"
@@ -159,18 +165,14 @@ class Drains(Mapping[str, DrainProgress]):
                 else:
                     await self.moves.retire(rid, None)
             except MoveFailed as exc:
-                progress.error = f"{exc}; the drain stopped"
+                progress.stop(f"{exc}; the drain stopped")
                 log.warning("drain_stopped", node=node_id, replica=rid, reason=str(exc))
                 return
             progress.moved += 1
-        node = self.registry.nodes.get(node_id)
-        if node is not None:
-            node.cordoned, node.draining = True, False
         try:
-            await self.store.set_cordoned(node_id, True, known_at=node.address if node else None)
-            await self.store.set_draining(node_id, False)
+            await self.intent.drained(node_id)
         except (StoreError, UnknownNode) as exc:
             # Drained and cordoned all the same; only a restart would find the old marks.
             log.warning("drain_marks_not_saved", node=node_id, reason=str(exc), fix=f"`llmgw ctl cordon {node_id}`")
-        progress.current, progress.done = None, True
+        progress.complete()
         log.info("drain_done", node=node_id, moved=progress.moved)

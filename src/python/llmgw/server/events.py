@@ -27,8 +27,8 @@ HEARTBEAT_S = 15.0
 MIN_INTERVAL_S = 0.25  # a burst of changes (a drain, a node joining) is one snapshot, not fifty
 
 
-class Plane(Protocol):
-    """What the feed reads of the control plane."""
+class Views(Protocol):
+    """What the feed reads of the control plane (`llmgw.server.views.ClusterViews`)."""
 
     def fabric_map(self) -> Any: ...
     def node_views(self) -> list[dict[str, Any]]: ...
@@ -56,7 +56,7 @@ def cpu_warning(cpu: dict[str, Any] | None) -> str:
     return ""
 
 
-async def snapshot(plane: Plane, keys: Callable[[], Any] | None = None) -> dict[str, Any]:
+async def snapshot(plane: Views, keys: Callable[[], Any] | None = None) -> dict[str, Any]:
     fabrics = plane.fabric_map()
     nodes = plane.node_views()
     for n in nodes:
@@ -97,7 +97,7 @@ async def wait_any(events: Sequence[trio.Event], timeout_s: float) -> bool:
 
 
 async def stream(
-    plane: Plane,
+    plane: Views,
     *,
     keys: Callable[[], Any] | None = None,
     history: Any = None,
@@ -113,7 +113,7 @@ async def stream(
         changes = [plane.rotation_changed(), plane.cluster_changed()]
         if touched is not None:
             changes.append(touched())
-        history_changed = history.changed if history is not None else None
+        history_changed = history.sampled.next() if history is not None else None
         await trio.sleep_until(last_sent + MIN_INTERVAL_S)
         last_sent = trio.current_time()
         yield frame("cluster", await snapshot(plane, keys))
@@ -127,9 +127,10 @@ async def stream(
             if await wait_any(watched, timeout):
                 if any(e.is_set() for e in changes):
                     break
-                # Only the history moved: send it alone.
+                # Only the history moved: send it alone (the next sample taken first: one taken
+                # while this frame waits to be sent is not lost).
+                history_changed = history.sampled.next()
                 yield frame("history", history.view())
-                history_changed = history.changed
                 continue
             if session_expires_at is not None and trio.current_time() >= session_expires_at:
                 yield frame("expired", {"detail": "this page's session expired; run `llmgw ctl page` for a new URL"})

@@ -31,6 +31,7 @@ from llmgw.server.gateway.app import Gateway
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.moves")
@@ -57,7 +58,10 @@ class Moves:
         changes: Changes,
         push: Callable[[str], Awaitable[None]],
         draining: Callable[[], bool],
+        retiring: set[str] | None = None,
     ) -> None:
+        """`retiring`: the set this keeps of the originals out of rotation (the gateway's
+        endpoints read the same set)."""
         self.replicas = replicas
         self.registry = registry
         self.gateway = gateway
@@ -67,15 +71,14 @@ class Moves:
         self.ready_timeout_s = READY_TIMEOUT_S
         self.retire_grace_s = RETIRE_GRACE_S
         self.spread_retry_s = SPREAD_RETRY_S
-        self.retiring: set[str] = set()
+        self.retiring: set[str] = retiring if retiring is not None else set()
         self.lock = trio.Lock()  # one move at a time, drains and spreading together
-        self._replicas_changed = trio.Event()
+        self.reported = Wakeup()  # an agent reported its replicas: a replacement may be ready
         self._spread_failed_at: dict[str, float] = {}  # model -> when its last spreading move failed
 
     def replicas_changed(self) -> None:
         """Called when an agent reports replica states: a replacement may have become ready."""
-        self._replicas_changed.set()
-        self._replicas_changed = trio.Event()
+        self.reported.fire()
 
     # -- one move ---------------------------------------------------------------------------
 
@@ -90,9 +93,11 @@ class Moves:
 
     async def _wait_ready(self, replica_id: str, rank0: str) -> bool:
         with trio.move_on_after(self.ready_timeout_s):
-            while self._member_state(replica_id, rank0) != w.READY:
-                await self._replicas_changed.wait()
-            return True
+            while True:
+                reported = self.reported.next()
+                if self._member_state(replica_id, rank0) == w.READY:
+                    return True
+                await reported.wait()
         return False
 
     async def replace(self, replica_id: str, replacement: Stored) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import html
 import importlib.resources
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -51,16 +51,10 @@ from llmgw.server.sessions import (
     csrf_ok,
     set_cookie,
 )
+from llmgw.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.app import Gateway
-
-
-class Plane(events.Plane, Protocol):
-    """What the page reads of the control plane: the feed's views, and the gateway (its metrics
-    for the history, its keys for the keys view)."""
-
-    gateway: Gateway
 
 
 log = get_logger("llmgw.page")
@@ -111,12 +105,15 @@ def _content_type(name: str) -> str:
 
 
 class Page:
-    def __init__(self, plane: Plane) -> None:
-        self.plane = plane
+    def __init__(self, views: events.Views, gateway: Gateway) -> None:
+        """`views`: what the feed shows of the cluster; `gateway`: its metrics for the history,
+        its keys for the keys view."""
+        self.views = views
+        self.gateway = gateway
         self.sessions = SessionBook()
-        self.history = History(plane.gateway.metrics)
+        self.history = History(gateway.metrics)
         self._assets: dict[str, bytes] | None = None
-        self._touched = trio.Event()
+        self.touched = Wakeup()  # an operator's change succeeded: open pages show it now
 
     # -- the page's own routes ------------------------------------------------------------
 
@@ -191,8 +188,7 @@ class Page:
         if request.method not in SAFE_METHODS:
             log.info("admin_call", method=request.method, path=request.path, status=response.status, by=caller.who)
             if response.status < 400:
-                self._touched.set()  # an operator's action: open pages show it now
-                self._touched = trio.Event()
+                self.touched.fire()
         return response
 
     def _caller(self, request: Request, authorize: Callable[[Request], None]) -> Caller:
@@ -254,10 +250,10 @@ class Page:
             return StreamingResponse(
                 status=200,
                 body=events.stream(
-                    self.plane,
-                    keys=self.plane.gateway.keys.rows,
+                    self.views,
+                    keys=self.gateway.keys.rows,
                     history=self.history,
-                    touched=lambda: self._touched,
+                    touched=self.touched.next,
                     session_expires_at=caller.session.expires_at if caller.session else None,
                 ),
                 headers=(

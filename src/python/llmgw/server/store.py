@@ -11,7 +11,8 @@ and runs its calls in a worker thread, never on the event loop); `llmgw node add
 `llmgw ca issue` record a serial and read revocations through its admin API. Only while no
 control plane runs does `llmgw ca issue` open the database itself, and records with the same
 method the admin API calls (`record_issued`). The database is in WAL mode, so readers never
-wait for a writer (a backup, `llmgw server backup`, reads while the server runs).
+wait for a writer: a backup (`llmgw server backup`, `copy_database` here) reads while the
+server runs. No other module imports sqlite3.
 
 sqlite3's exceptions never leave this module: each public method translates them once, into
 `StoreBusy` (another process holds the lock past the busy timeout), `StoreCorrupt` (the file
@@ -21,6 +22,7 @@ changed nothing: each is one transaction.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sqlite3
@@ -229,6 +231,11 @@ class Store:
     def set_draining(self, node_id: str, draining: bool) -> None:
         self._update_known(node_id, "UPDATE nodes SET draining = ? WHERE node_id = ?", (int(draining), node_id))
 
+    @_at_the_edge
+    def set_drained(self, node_id: str) -> None:
+        """A drain's end: cordoned and no longer draining, in one statement."""
+        self._update_known(node_id, "UPDATE nodes SET cordoned = 1, draining = 0 WHERE node_id = ?", (node_id,))
+
     def _update_known(self, node_id: str, sql: str, args: tuple) -> None:
         if self._db.execute(sql, args).rowcount == 0:
             raise UnknownNode(node_id, [n.node_id for n in self.nodes()])
@@ -422,6 +429,46 @@ class Store:
     @_at_the_edge
     def revoked_serials(self) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")]
+
+
+# -- backups -------------------------------------------------------------------------------
+
+
+def copy_database(source: Path, tmp: Path) -> dict[str, int]:
+    """An online backup (`llmgw server backup`): SQLite's backup API copies the database at
+    `source` into the empty file `tmp` page by page inside one read transaction, so the copy is
+    the database as of one moment even while the server writes. The copy is switched to a
+    rollback journal (one self-contained file) and checked (`PRAGMA quick_check`: `StoreCorrupt`
+    otherwise); the row counts of the copy. `source` is opened read-write but never created: a
+    missing database is an error, not an empty backup. sqlite3's errors are translated here, as
+    everywhere in this module."""
+    uri = f"{source.resolve().as_uri()}?mode=rw"  # rw, not create: a missing database is not made empty
+    at = source
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=CLI_BUSY_TIMEOUT_S)) as src:
+            with contextlib.closing(sqlite3.connect(str(tmp), isolation_level=None)) as dst:
+                src.backup(dst)
+                at = tmp
+                dst.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal beside it
+                found = [r[0] for r in dst.execute("PRAGMA quick_check").fetchall()]
+                if found != ["ok"]:
+                    raise StoreCorrupt(source, "; ".join(found[:3]))
+                return {
+                    "nodes": _count(dst, "SELECT COUNT(*) FROM nodes"),
+                    "api_keys": _count(dst, "SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL"),
+                    "placements": _count(dst, "SELECT COUNT(*) FROM placements"),
+                    "revoked_certificates": _count(
+                        dst, "SELECT COUNT(*) FROM certificates WHERE revoked_at IS NOT NULL"
+                    ),
+                }
+    except StoreError:
+        raise
+    except sqlite3.Error as exc:
+        raise store_error(at, exc, CLI_BUSY_TIMEOUT_S) from exc
+
+
+def _count(db: sqlite3.Connection, sql: str) -> int:
+    return int(db.execute(sql).fetchone()[0])
 
 
 # -- errors, by blame ---------------------------------------------------------------------

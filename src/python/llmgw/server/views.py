@@ -1,17 +1,26 @@
 """What the control plane shows: the admin API's views of nodes, replicas and models, and the
 gateway's rotation. Pure functions of the registry, the placements and the catalog; `now` is
-the trio clock's, given by the caller."""
+the trio clock's, given by the caller.
+
+Two of the control plane's roles are the small objects at the end, each reading what it shows
+at each call: `ClusterViews`, what the admin API and the cluster page's feed show
+(`llmgw.server.events.Views`), and `GatewayEndpoints`, the gateway's rotation
+(`llmgw.server.gateway.app.EndpointProvider`).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from llmgw.config import EnginesSection, Model
+import trio
+
+from llmgw.config import EnginesSection, Model, ServerConfig
 from llmgw.engines import cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
+from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
 from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.registry import LOST, Node, Registry
@@ -175,3 +184,76 @@ def gateway_rotation(
             )
         )
     return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints))
+
+
+# -- the roles ------------------------------------------------------------------------------
+
+
+class ClusterViews:
+    """What the admin API and the cluster page show of the cluster, and when it may have changed."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        replicas: Replicas,
+        drains: Mapping[str, DrainProgress],
+        config: Callable[[], ServerConfig],
+        changes: Changes,
+    ) -> None:
+        """`config()`: the running configuration (a reload replaces it)."""
+        self.registry = registry
+        self.replicas = replicas
+        self.drains = drains
+        self.config = config
+        self.changes = changes
+
+    def node_views(self) -> list[dict[str, Any]]:
+        return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
+
+    def node_view(self, node_id: str) -> dict[str, Any]:
+        node, now = self.registry.nodes[node_id], self.registry.clock.now()
+        return node_view(node, self.registry.liveness(node, now), now, self.config().engines)
+
+    def replica_views(self) -> list[dict[str, Any]]:
+        return replica_views(self.registry, self.replicas)
+
+    def model_views(self) -> list[dict[str, Any]]:
+        return model_views(self.config().models, self.replica_views())
+
+    def fabric_map(self) -> FabricMap:
+        return cluster_fabrics(self.registry)
+
+    def rotation_changed(self) -> trio.Event:
+        return self.changes.rotation.next()
+
+    def cluster_changed(self) -> trio.Event:
+        """Set once the reconciler has looked at the next change of nodes or replicas."""
+        return self.changes.settled.next()
+
+
+class GatewayEndpoints:
+    """The gateway's endpoints: the catalog's models and the placed replicas ready to serve."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        replicas: Replicas,
+        models: Callable[[], Sequence[Model]],
+        retiring: Collection[str],
+        changes: Changes,
+    ) -> None:
+        """`retiring`: the replicas a move is taking out of rotation (`Moves.retiring`, read live)."""
+        self.registry = registry
+        self.replicas = replicas
+        self.models = models
+        self.retiring = retiring
+        self.changes = changes
+
+    def gateway_rotation(self) -> Rotation:
+        now = self.registry.clock.now()
+        return gateway_rotation(self.registry, self.replicas, self.models(), self.retiring, now)
+
+    def rotation_changed(self) -> trio.Event:
+        return self.changes.rotation.next()

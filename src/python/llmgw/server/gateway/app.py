@@ -50,8 +50,9 @@ from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
-from llmgw.server.gateway.upstream import UpstreamPool, UpstreamResponse
+from llmgw.server.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.server.store import KeyRow
+from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.gateway")
 
@@ -112,21 +113,20 @@ class StaticEndpoints:
     """An endpoint provider without a control plane: a fixed set, replaced with `set`."""
 
     def __init__(self, endpoints: tuple[Endpoint, ...] = (), models: frozenset[str] | None = None) -> None:
-        self._changed = trio.Event()
+        self.changed = Wakeup()
         self._rotation = Rotation(models=frozenset(), endpoints=())
         self.set(endpoints, models)
 
     def set(self, endpoints: tuple[Endpoint, ...], models: frozenset[str] | None = None) -> None:
         models = frozenset(ep.model for ep in endpoints) if models is None else models
         self._rotation = Rotation(models=models, endpoints=tuple(endpoints))
-        self._changed.set()
-        self._changed = trio.Event()
+        self.changed.fire()
 
     def gateway_rotation(self) -> Rotation:
         return self._rotation
 
     def rotation_changed(self) -> trio.Event:
-        return self._changed
+        return self.changed.next()
 
 
 class Gateway:
@@ -140,7 +140,10 @@ class Gateway:
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
         json_workers: JsonWorkers | None = None,
+        connect: Connect | None = None,
     ) -> None:
+        """`connect`: how the pool opens a connection to an engine (`upstream.open_tcp` by
+        default; tests reach engines' handlers over memory streams)."""
         self.provider = provider
         # Large bodies are parsed in a worker process (started at the first); its owner closes it.
         self.json = json_workers or JsonWorkers()
@@ -152,6 +155,7 @@ class Gateway:
             first_byte_timeout_s=options.first_byte_timeout_s,
             read_timeout_s=options.read_timeout_s,
             probe_timeout_s=options.probe_timeout_s,
+            connect=connect,
         )
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
@@ -165,9 +169,9 @@ class Gateway:
         self.in_flight: dict[str, int] = {}
         self.draining = False
         self.refusing = False
-        self._wakeup = trio.Event()  # set when a replica may have become free (`_wake`)
-        self._went_down = trio.Event()  # set when a replica leaves rotation: the prober looks again
-        self._all_finished = trio.Event()  # set when the last request in flight finishes
+        self.freed = Wakeup()  # a replica may have become free (`_wake`)
+        self.went_down = Wakeup()  # a replica left rotation: the prober looks again
+        self.finished = Wakeup()  # the last request in flight finished
 
     # -- rotation -------------------------------------------------------------------------
 
@@ -191,8 +195,7 @@ class Gateway:
         self._wake()
 
     def _wake(self) -> None:
-        self._wakeup.set()
-        self._wakeup = trio.Event()
+        self.freed.fire()
 
     # -- down replicas --------------------------------------------------------------------
 
@@ -202,8 +205,7 @@ class Gateway:
             log.warning("gateway_replica_down", replica=ep.replica_id, model=ep.model, reason=reason)
             self.metrics.replica_down.inc(model=ep.model, reason=reason)
             self.pool.close_idle(ep.host, ep.port)  # after silence they are likely dead too
-            self._went_down.set()
-            self._went_down = trio.Event()
+            self.went_down.fire()
         return verdict
 
     async def serve_probes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -211,13 +213,13 @@ class Gateway:
         The probes of one round run together, each bounded by the connect and probe timeouts."""
         task_status.started()
         while True:
+            went_down = self.went_down.next()
             due = self.router.due_probes(self.clock())
             if due:
                 async with trio.open_nursery() as nursery:
                     for ep in due:
                         nursery.start_soon(self._probe, ep)
                 continue
-            went_down = self._went_down
             next_at = self.router.next_probe_at()
             with trio.move_on_at(math.inf if next_at is None else next_at):
                 await went_down.wait()
@@ -244,18 +246,22 @@ class Gateway:
         self.draining = True
         self.refusing = refuse_new
         with trio.move_on_after(timeout_s):
-            while any(self.in_flight.values()):
-                await self._all_finished.wait()
-            return True
+            while True:
+                finished = self.finished.next()
+                if not any(self.in_flight.values()):
+                    return True
+                await finished.wait()
         return False
 
     async def quiesce(self, replica_id: str, timeout_s: float) -> bool:
         """Wait until no request is outstanding on `replica_id` (which the caller has taken out
         of rotation first), for at most `timeout_s`; whether it got there."""
         with trio.move_on_after(timeout_s):
-            while self.router.outstanding.get(replica_id, 0) > 0:
-                await self._wakeup.wait()  # set whenever a request lets go of its replica
-            return True
+            while True:
+                freed = self.freed.next()  # fired whenever a request lets go of its replica
+                if self.router.outstanding.get(replica_id, 0) == 0:
+                    return True
+                await freed.wait()
         return False
 
     # -- requests -------------------------------------------------------------------------
@@ -434,10 +440,11 @@ class Gateway:
                 while True:
                     # Every change that can free a replica wakes us: a rotation update, a request
                     # finished, a probe that reached a down replica.
-                    await self._wakeup.wait()
+                    freed = self.freed.next()
                     ep = self.router.pick(model, exclude=tried, prompt=prompt)
                     if ep is not None:
                         return ep
+                    await freed.wait()
         finally:
             self.queued[model] -= 1
         return None
@@ -504,8 +511,7 @@ class _Job:
         gw = self.gw
         gw.in_flight[self.model] -= 1
         if not any(gw.in_flight.values()):
-            gw._all_finished.set()
-            gw._all_finished = trio.Event()
+            gw.finished.fire()
         gw.keys.leave(self.key)
         if self.endpoint is not None:
             gw.router.release(self.endpoint)

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from llmgw.server.gateway.metrics import GatewayMetrics
+from llmgw.wakeup import Wakeup
 
 STEP_S = 10.0
 WINDOW_S = 15 * 60.0
@@ -83,7 +84,7 @@ class History:
         self.series: dict[str, deque[Point]] = {}
         self._seen: dict[str, _Seen] = {}
         self._last_at: float | None = None
-        self.changed = trio.Event()  # set after each sample, then replaced
+        self.sampled = Wakeup()  # after each sample
 
     def _totals(self) -> dict[str, _Seen]:
         m = self.metrics
@@ -123,8 +124,7 @@ class History:
             )
             self.series.setdefault(model, deque(maxlen=self.points)).append(point)
         self._seen = totals
-        self.changed.set()
-        self.changed = trio.Event()
+        self.sampled.fire()
 
     def view(self) -> dict[str, Any]:
         return {

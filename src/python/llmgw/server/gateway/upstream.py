@@ -28,6 +28,11 @@ is probed (`probe`: GET /health on a fresh connection); one that answers keeps t
 (a long non-streamed answer sends its head at the end), one that does not makes it
 `UpstreamNoFirstByte`. `read_timeout_s` bounds silence in all.
 
+Connections are opened by the pool's connect factory (as httpcore takes a network backend):
+`open_tcp` by default, which also sets the socket options above; any `(host, port) -> stream`
+will do, so tests reach an engine's handler over `trio.testing.memory_stream_pair` on a fake
+clock. The pool bounds the connect with `connect_timeout_s` and translates its `OSError`.
+
 Foreign exceptions (OSError, trio's stream errors, h11's protocol errors) are translated here,
 once.
 """
@@ -37,7 +42,8 @@ from __future__ import annotations
 import errno
 import math
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 
 import attrs
 import h11
@@ -59,9 +65,20 @@ _STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h
 _SILENT_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
 
 
+# Opens a connection to an engine: the stream, or OSError (refused, unreachable, ...).
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
+
+
+async def open_tcp(host: str, port: int, *, silence_s: float) -> trio.SocketStream:
+    """The default connect factory: TCP, with a peer's silence bounded (`_bound_silence`)."""
+    stream = await trio.open_tcp_stream(host, port)
+    _bound_silence(stream, silence_s)
+    return stream
+
+
 @attrs.define(eq=False)
 class _Conn:
-    stream: trio.SocketStream
+    stream: trio.abc.Stream
     h11: h11.Connection
     reused: bool = False
 
@@ -82,7 +99,10 @@ class UpstreamPool:
         first_byte_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
         probe_timeout_s: float = 2.0,
+        connect: Connect | None = None,
     ) -> None:
+        """`connect`: the connect factory (default `open_tcp`, silence bounded by the connect timeout)."""
+        self.connect = connect or partial(open_tcp, silence_s=connect_timeout_s)
         self.max_idle_per_endpoint = max_idle_per_endpoint
         self.connect_timeout_s = connect_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s  # silence before the engine is probed
@@ -123,17 +143,15 @@ class UpstreamPool:
         self.stats.reused += 1
         return conn
 
-    async def _open(self, host: str, port: int) -> trio.SocketStream:
+    async def _open(self, host: str, port: int) -> trio.abc.Stream:
         try:
             with trio.fail_after(self.connect_timeout_s):
-                stream = await trio.open_tcp_stream(host, port)
+                return await self.connect(host, port)
         except trio.TooSlowError:
             raise UpstreamSilent(f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s") from None
         except OSError as exc:
             kind = UpstreamSilent if _errno(exc) in _SILENT_ERRNOS else UpstreamUnavailable
             raise kind(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
-        _bound_silence(stream, self.connect_timeout_s)
-        return stream
 
     async def _connect(self, host: str, port: int) -> _Conn:
         stream = await self._open(host, port)
@@ -247,7 +265,7 @@ class UpstreamPool:
         for conn in conns:
             self.stats.discarded += 1
             self.open_connections -= 1
-            conn.stream.socket.close()
+            _close_now(conn.stream)
         return len(conns)
 
     async def aclose(self) -> None:
@@ -332,6 +350,19 @@ async def _head_event(conn: _Conn):
             conn.h11.receive_data(await conn.stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
         elif not isinstance(event, h11.InformationalResponse):
             return event
+
+
+def _close_now(stream: trio.abc.Stream) -> None:
+    """Close an idle stream without waiting (it has nothing to flush): a socket's file
+    descriptor, or each half of a stream that has `close` (trio's memory streams, in tests)."""
+    sock = getattr(stream, "socket", None)
+    if sock is not None:
+        sock.close()
+        return
+    for half in (getattr(stream, "send_stream", None), getattr(stream, "receive_stream", None)):
+        close = getattr(half, "close", None)
+        if close is not None:
+            close()
 
 
 def _bound_silence(stream: trio.SocketStream, timeout_s: float) -> None:

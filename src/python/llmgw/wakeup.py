@@ -1,0 +1,86 @@
+"""Who wakes whom: every wake-up in llmgw is a `Wakeup`, and every one is listed here (`WAKEUPS`).
+
+A waiter takes `wakeup.next()` *before* it looks at the state, then waits on it; whoever changes
+that state calls `wakeup.fire()`, which sets the event and replaces it. So a change made while
+the waiter is still looking is never lost (its event is already set), and a waiter never sees an
+event that fired for a change it has already looked at. No module swaps a `trio.Event` by hand.
+
+An event that is set once and never replaced (a milestone: a body settled, every worker joined,
+a drain finished) stays a `trio.Event`; those are listed too (`ONE_SHOT`), with why each is one.
+tests/llmgw/test_owners.py reads the sources and holds them to both lists: a `Wakeup` made
+anywhere is named in `WAKEUPS`, and a `trio.Event()` is made only where `ONE_SHOT` says, once.
+"""
+
+from __future__ import annotations
+
+import trio
+
+
+class Wakeup:
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def next(self) -> trio.Event:
+        """Set at the next `fire()`."""
+        return self._event
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        """Until the next `fire()`: for a waiter that has nothing to look at first."""
+        await self._event.wait()
+
+
+# Each wake-up by where it lives (module.Class.attribute): what fires it, and who waits on it.
+WAKEUPS: dict[str, str] = {
+    # The control plane (llmgw.server).
+    "llmgw.server.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
+    "(`server/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/liveness.py`) looks again",
+    "llmgw.server.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
+    "gateway's rotation follows (`Gateway.serve_rotation`); open cluster pages send a snapshot",
+    "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); open "
+    "cluster pages send a snapshot; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
+    "llmgw.server.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
+    "replacement to be ready looks again",
+    "llmgw.server.page.Page.touched": "an operator's change through the admin API succeeded -> open cluster "
+    "pages send a snapshot",
+    "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
+    # The gateway (llmgw.server.gateway).
+    "llmgw.server.gateway.app.StaticEndpoints.changed": "the fixed rotation of a gateway without a control plane "
+    "(tests, the bench) was replaced -> the gateway's rotation follows",
+    "llmgw.server.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
+    "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
+    "original's requests (`quiesce`) looks again",
+    "llmgw.server.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
+    "llmgw.server.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
+    "shutdown (`drain`) returns",
+    "llmgw.server.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
+    "pages send the history",
+    # The agent.
+    "agent.replicas.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
+    "tests wait on it (`Supervisor.changed`)",
+    "agent.replicas.Supervisor.released": "a member gave its GPUs back -> members waiting for GPUs look again",
+    "agent.replicas.Supervisor.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
+    "(`Supervisor.answered_probes`)",
+    "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
+    "address that left the machine are started again",
+    "agent.progress.Latest.noted": "the installer reported progress -> `serve_progress` sends the latest, throttled",
+    "agent.link.AgentLink._desired_changed": "a DesiredState arrived -> the agent's replicas follow it "
+    "(`AgentLink.desired_changed`)",
+}
+
+# Events set once and never replaced, by where they live: why each is one.
+ONE_SHOT: dict[str, str] = {
+    "llmgw.http.server._ConnectionBody.settled": "one request body: read whole or abandoned, once",
+    "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
+    "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
+    "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
+    "agent.replicas._Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
+    "agent.replicas._Member.observed": "one member: its engine was probed once, or it ended",
+    "agent.replicas._Member.done": "one member: its task ended",
+    "agent.node_address.NodeAddress._known": "the first address the link reported",
+    "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
+    "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",
+}
