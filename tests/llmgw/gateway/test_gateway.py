@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.http.server import Limits
+from llmgw.http.limits import Limits
 from testlib.gateway import chat, parse_metrics, request, start_gateway
 
 pytestmark = pytest.mark.trio

@@ -34,8 +34,10 @@ from llmgw.config import Model, ServerConfig, load_server_config
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
 from llmgw.fabrics import FabricMap
+from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
+from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.metrics import Registry as MetricsRegistry
@@ -53,7 +55,7 @@ from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.enginekeys import EngineKeys
 from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
-from llmgw.server.gateway.app import Gateway, GatewayOptions
+from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Rotation
 from llmgw.server.liveness import serve_liveness
@@ -124,11 +126,11 @@ class ControlPlane:
             ),
             silence_timeout_s=config.server.heartbeat_ttl_s,
             stats=self.connections,
+            limits=config.http,
             max_connections=config.http.max_agent_connections,
-            send_timeout_s=config.http.send_timeout_s,
         )
         self.replicas = Replicas(store, self.registry, lambda: self.config.models, self.fabric_map, engine_keys)
-        self.gateway = Gateway(self, KeyRing(store), options=GatewayOptions.of(config.gateway))
+        self.gateway = Gateway(self, KeyRing(store), options=config.gateway)
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
