@@ -4,6 +4,9 @@ parsed by an h11 client. For handlers tested without sockets (the agent port's r
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from functools import partial
+
 import attrs
 import h11
 import trio
@@ -25,6 +28,13 @@ async def exchange(handler: Handler, request: bytes, *, eof: bool = False, **ser
     """Send `request` (one request's bytes; then the end of the stream with `eof`), read until
     the server closes, and parse the answer (status 0: there was none); returns once
     `serve_connection` (one request per connection, and `serve`'s options) has."""
+    return await converse(partial(serve_connection, handler, keep_alive=False, **serve), request, eof=eof)
+
+
+async def converse(
+    serve: Callable[[trio.abc.Stream], Awaitable[object]], request: bytes, *, eof: bool = False
+) -> Answered:
+    """`exchange` with any server of one connection: `serve(stream)`."""
     client, server = trio.testing.memory_stream_pair()
     raw = bytearray()
 
@@ -37,7 +47,7 @@ async def exchange(handler: Handler, request: bytes, *, eof: bool = False, **ser
         await client.send_all(request)
         if eof:
             await client.send_eof()
-        await serve_connection(handler, server, keep_alive=False, **serve)
+        await serve(server)
     conn = h11.Connection(h11.CLIENT)
     method = b"HEAD" if request.startswith(b"HEAD ") else b"GET"  # how to read the answer: with a body or not
     conn.send(h11.Request(method=method, target=b"/", headers=[(b"host", b"test")]))

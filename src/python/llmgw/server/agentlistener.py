@@ -28,6 +28,7 @@ agent in the clearest way the stage allows (a flood of them is summarised, `Refu
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from llmgw.http import listeners
 from llmgw.http.body import BodyBudget
 from llmgw.http.errors import HTTPError, peer_reason
 from llmgw.http.limits import Limits
-from llmgw.http.messages import Answer, Handler, Request
+from llmgw.http.messages import Answer, Handler, Request, Upgrade
 from llmgw.http.refusals import RefusalLog
 from llmgw.http.server import serve_connection
 from llmgw.log import get_logger
@@ -217,6 +218,7 @@ class AgentListener:
                 return
             if deadline is None:
                 deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+            reason = None
             with self.unproven_idle.waiting(peer=address) as shed:
                 handler = partial(self._route, cert=None, address=address, place=place, shed=shed)
                 head_s = max(0.0, deadline - trio.current_time())
@@ -277,17 +279,26 @@ class AgentListener:
         self.stats.abort(LISTENER, "refused")
         return HTTPError(exc.status, str(exc))
 
-    def link_ended(self, exc: Exception, cert: CertInfo, address: str) -> None:
-        """Count and log how a link's connection failed: the peer's doing, or a bug of ours."""
-        reason = peer_reason(exc)
-        if reason is None and only(exc, _LINK_BROKEN):
-            reason = "closed"
-        if reason is None:
-            self.stats.abort(LISTENER, "internal")
-            log.exception("agent_link_failed", address=address, cn=cert.common_name)
-            return
-        self.stats.abort(LISTENER, reason)
-        log.info("agent_link_closed", address=address, cn=cert.common_name, reason=reason, detail=repr(leaves(exc)[0]))
+    def upgrade(self, run: Callable[[trio.abc.Stream, bytes], Awaitable[None]], cert: CertInfo, address: str) -> Upgrade:
+        """The connection handed to `run` (the link), which may end it any way: what the peer
+        did is counted and logged at info, a bug of ours with its traceback."""
+
+        async def contained(stream: trio.abc.Stream, prefix: bytes) -> None:
+            try:
+                await run(stream, prefix)
+            except Exception as exc:  # - counted and logged here, a bug with its traceback
+                reason = peer_reason(exc)
+                if reason is None and only(exc, _LINK_BROKEN):
+                    reason = "closed"
+                if reason is None:
+                    self.stats.abort(LISTENER, "internal")
+                    log.exception("agent_link_failed", address=address, cn=cert.common_name)
+                    return
+                self.stats.abort(LISTENER, reason)
+                detail = repr(leaves(exc)[0])
+                log.info("agent_link_closed", address=address, cn=cert.common_name, reason=reason, detail=detail)
+
+        return Upgrade(contained)
 
     def _shed(self, reason: str, peer: str) -> None:
         """Count and log (debug) a connection closed or turned away to make room."""
