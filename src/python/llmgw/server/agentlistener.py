@@ -279,7 +279,9 @@ class AgentListener:
         self.stats.abort(LISTENER, "refused")
         return HTTPError(exc.status, str(exc))
 
-    def upgrade(self, run: Callable[[trio.abc.Stream, bytes], Awaitable[None]], cert: CertInfo, address: str) -> Upgrade:
+    def upgrade(
+        self, run: Callable[[trio.abc.Stream, bytes], Awaitable[None]], cert: CertInfo, address: str
+    ) -> Upgrade:
         """The connection handed to `run` (the link), which may end it any way: what the peer
         did is counted and logged at info, a bug of ours with its traceback."""
 
