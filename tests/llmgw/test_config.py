@@ -11,6 +11,7 @@ import pytest
 
 from llmgw import config, pins
 from llmgw.errors import ConfigError
+from llmgw.http.limits import Limits
 from testlib.proc import build_root
 
 
@@ -25,6 +26,25 @@ def test_empty_server_file_is_valid_with_defaults() -> None:
     cfg = config.server_config_from_dict({})
     assert cfg.server.state_dir == "/var/lib/llmgw"
     assert cfg.models == ()
+
+
+def test_the_http_section_is_the_http_servers_limits_with_the_agent_ports_budget() -> None:
+    values = {
+        "head_timeout_s": 2.5,
+        "body_timeout_s": 7.0,
+        "body_min_bytes_per_s": 10,
+        "keepalive_timeout_s": 3.0,
+        "send_timeout_s": 4.0,
+        "max_head_bytes": 4096,
+        "max_body_bytes": 4096,
+        "body_budget_bytes": 8192,
+        "max_connections": 9,
+    }
+    assert set(values) == {f.name for f in attrs.fields(Limits)}  # every limit of the server is a key
+    cfg = config.server_config_from_dict({"http": {**values, "max_agent_connections": 3}})
+    assert isinstance(cfg.http, Limits)  # what the listeners take as it is
+    assert attrs.asdict(cfg.http) == {**values, "max_agent_connections": 3}
+    assert "unknown key 'max_conections'" in " ".join(problems_of({"http": {"max_conections": 1}}))
 
 
 def test_wrong_type_names_its_path() -> None:

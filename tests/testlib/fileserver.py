@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 import attrs
 import trio
 
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address, serve_http
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.server import bound_address, serve_http
 
 
 class Files:

@@ -14,9 +14,12 @@ from pathlib import Path
 import attrs
 import trio
 
-from llmgw.http.server import Limits, bound_address, serve_http
+from llmgw.config import GatewaySection
+from llmgw.http.limits import Limits
+from llmgw.http.openai import error_body
+from llmgw.http.server import bound_address, serve_http
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
+from llmgw.server.gateway.app import Gateway, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from testlib.cluster import free_port
@@ -102,11 +105,13 @@ async def start_gateway(
     keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
-    gateway = Gateway(provider, keys, options=GatewayOptions(**options))
+    gateway = Gateway(provider, keys, options=GatewaySection(**options))
     await nursery.start(gateway.serve_rotation)
     await nursery.start(gateway.serve_probes)
     listeners = await nursery.start(
-        lambda task_status: serve_http(gateway.handle, "127.0.0.1", 0, limits=limits, task_status=task_status)
+        lambda task_status: serve_http(
+            gateway.handle, "127.0.0.1", 0, limits=limits, errors=error_body, task_status=task_status
+        )
     )
     host, port = bound_address(listeners)
     return GW(url_host=host, port=port, gateway=gateway, provider=provider, token=token)

@@ -22,9 +22,13 @@ import h11
 import trio
 import trio.testing
 
-from llmgw.http.server import Limits, Request, Response, StreamingResponse, serve_connection
+from llmgw.config import GatewaySection
+from llmgw.http.limits import Limits
+from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.openai import error_body
+from llmgw.http.server import serve_connection
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
+from llmgw.server.gateway.app import Gateway, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.simengine.app import SimEngine
@@ -80,7 +84,7 @@ class MemoryNet:
         host.serving.add(scope)
         try:
             with scope:
-                await serve_connection(host.handler, stream, limits=self.limits)
+                await serve_connection(host.handler, stream, limits=self.limits, errors=error_body)
         finally:
             host.serving.discard(scope)
             await trio.aclose_forcefully(stream)  # killed: the client reads the end, as after a reset
@@ -170,7 +174,7 @@ class MemGateway:
     async def open(self) -> Client:
         """A new connection to the gateway."""
         client, server = trio.testing.memory_stream_pair()
-        self.net.nursery.start_soon(partial(serve_connection, self.gateway.handle, server, limits=self.limits))
+        self.net.nursery.start_soon(partial(serve_connection, self.gateway.handle, server, limits=self.limits, errors=error_body))
         await trio.lowlevel.checkpoint()
         return Client(client)
 
@@ -230,7 +234,7 @@ async def start_gateway(
     keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
-    gateway = Gateway(provider, keys, options=GatewayOptions(**options), connect=net.connect)
+    gateway = Gateway(provider, keys, options=GatewaySection(**options), connect=net.connect)
     await nursery.start(gateway.serve_rotation)
     await nursery.start(gateway.serve_probes)
     return MemGateway(gateway=gateway, provider=provider, token=token, net=net, limits=limits)

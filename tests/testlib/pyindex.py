@@ -12,7 +12,9 @@ import zipfile
 import attrs
 import trio
 
-from llmgw.http.server import HTTPError, Request, Response, bound_address, serve_http
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request, Response
+from llmgw.http.server import bound_address, serve_http
 
 
 def _record_hash(data: bytes) -> str:

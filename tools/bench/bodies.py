@@ -28,8 +28,11 @@ import time
 
 import trio
 
-from llmgw.http.jsonbody import JsonWorkers
-from llmgw.http.server import HTTPError, Limits, Request, Response, bound_address, parse_body, serve_http
+from llmgw.http.errors import HTTPError
+from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.limits import Limits
+from llmgw.http.messages import Request, Response
+from llmgw.http.server import bound_address, serve_http
 from llmgw.looplag import StepTimer
 from llmgw.server.gateway.fields import request_fields
 from testlib import bodies

@@ -15,11 +15,13 @@ import json
 import os
 import resource
 import sys
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from llmgw.commands._service import run_service
+from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
 from llmgw.server.gateway.app import Gateway, StaticEndpoints
 from llmgw.server.gateway.keys import KeyRing
@@ -35,7 +37,7 @@ async def serve(spec: dict) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.serve_rotation)
         await nursery.start(gateway.serve_probes)
-        listeners = await nursery.start(serve_http, gateway.handle, "127.0.0.1", 0)
+        listeners = await nursery.start(partial(serve_http, errors=error_body), gateway.handle, "127.0.0.1", 0)
         _, port = bound_address(listeners)
         print(json.dumps({"port": port, "token": token, "pid": os.getpid()}), flush=True)
 

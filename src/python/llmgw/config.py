@@ -25,6 +25,7 @@ from cattrs.gen import make_dict_structure_fn
 
 from llmgw import pins
 from llmgw.errors import ConfigError
+from llmgw.http.limits import Limits
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,18 +81,11 @@ class ServerSection:
 
 
 @attrs.frozen(kw_only=True)
-class HttpSection:
-    """The HTTP listener's deadlines and limits (gateway and admin API); see docs/configuration.md."""
+class HttpSection(Limits):
+    """`[http]`: the HTTP listeners' deadlines and limits, declared once in `Limits` (the shared
+    HTTP server's, which serves the gateway and admin API, and the agent port with the same
+    deadlines and head limit), and the agent port's own budget; see docs/configuration.md."""
 
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    body_min_bytes_per_s: int = 1024
-    keepalive_timeout_s: float = 60.0
-    send_timeout_s: float = 30.0
-    max_head_bytes: int = 16384
-    max_body_bytes: int = 8 << 20
-    body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
-    max_connections: int = 0  # 0 = sized from the open-file limit
     max_agent_connections: int = 0  # the agent listener's own budget; 0 = sized from the open-file limit
 
 
@@ -221,8 +215,8 @@ def pip_requirement(name: str, source: EngineSource) -> str:
 
 @attrs.frozen(kw_only=True)
 class GatewaySection:
-    """How the gateway waits for replicas and gives up on them (docs/configuration.md says why
-    each default). The names are `GatewayOptions`' own."""
+    """`[gateway]`: how the gateway waits for replicas and gives up on them (docs/configuration.md
+    says why each default). The gateway takes this class as its options (`Gateway(options=...)`)."""
 
     connect_timeout_s: float = 1.0
     first_byte_timeout_s: float = 5.0

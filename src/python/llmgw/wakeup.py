@@ -73,7 +73,7 @@ WAKEUPS: dict[str, str] = {
 
 # Events set once and never replaced, by where they live: why each is one.
 ONE_SHOT: dict[str, str] = {
-    "llmgw.http.server._ConnectionBody.settled": "one request body: read whole or abandoned, once",
+    "llmgw.http.body.ConnectionBody.settled": "one request body: read whole or abandoned, once",
     "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
     "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
     "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",

@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.http.server import Limits
+from llmgw.http.limits import Limits
 from testlib import memnet
 from testlib.gateway import chat, parse_metrics, start_gateway
 

@@ -1,18 +1,17 @@
-"""server.toml's `[gateway]`: its defaults are the gateway's own, every key reaches the gateway,
-and a bad value is refused with its path."""
+"""server.toml's `[gateway]`: the section is the gateway's options (declared once), every key
+reaches the gateway, and a bad value is refused with its path."""
 
 from __future__ import annotations
 
-import attrs
 import pytest
 
 from llmgw import config
 from llmgw.errors import ConfigError
-from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints
+from llmgw.server.gateway.app import Gateway, StaticEndpoints
 
 
-def test_the_sections_defaults_are_the_gateways_and_each_key_reaches_it() -> None:
-    assert GatewayOptions.of(config.ServerConfig().gateway) == GatewayOptions()
+def test_the_section_is_the_gateways_options_and_each_key_reaches_it() -> None:
+    assert Gateway(StaticEndpoints(), keys=None).options == config.ServerConfig().gateway
     cfg = config.server_config_from_dict(
         {
             "gateway": {
@@ -30,11 +29,8 @@ def test_the_sections_defaults_are_the_gateways_and_each_key_reaches_it() -> Non
             }
         }
     )
-    options = GatewayOptions.of(cfg.gateway)
-    assert attrs.asdict(cfg.gateway) == {
-        k: v for k, v in attrs.asdict(options).items() if k in attrs.asdict(cfg.gateway)
-    }
-    gw = Gateway(StaticEndpoints(), keys=None, options=options)
+    gw = Gateway(StaticEndpoints(), keys=None, options=cfg.gateway)
+    assert gw.options is cfg.gateway
     pool, router = gw.pool, gw.router
     assert (pool.connect_timeout_s, pool.first_byte_timeout_s, pool.read_timeout_s, pool.probe_timeout_s) == (
         0.5,

@@ -9,7 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server.gateway.app import Gateway, GatewayOptions, StaticEndpoints, _Job
+from llmgw.config import GatewaySection
+from llmgw.server.gateway.app import Gateway, StaticEndpoints, _Job
 from llmgw.server.gateway.routing import Endpoint
 from testlib.gateway import parse_metrics
 
@@ -46,7 +47,7 @@ def endpoint(name: str, port: int) -> Endpoint:
 async def gateway(nursery: trio.Nursery, *eps: Endpoint) -> tuple[Gateway, ScriptedPool, StaticEndpoints]:
     pool = ScriptedPool()
     provider = StaticEndpoints(tuple(eps))
-    gw = Gateway(provider, NoKeys(), options=GatewayOptions(probe_interval_s=1.0), pool=pool)
+    gw = Gateway(provider, NoKeys(), options=GatewaySection(probe_interval_s=1.0), pool=pool)
     await nursery.start(gw.serve_rotation)
     await nursery.start(gw.serve_probes)
     return gw, pool, provider

@@ -9,8 +9,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 
 from llmgw.http import jsonbody
+from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
-from llmgw.http.server import HTTPError
 from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.simengine import api
 from testlib import bodies

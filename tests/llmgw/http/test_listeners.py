@@ -13,13 +13,15 @@ import trio.testing
 
 from llmgw.errors import find
 from llmgw.http import listeners
-from llmgw.http import server as http
+from llmgw.http.limits import Limits
+from llmgw.http.messages import Request, Response
+from llmgw.http.server import bound_address, serve_connection, serve_http
 
 pytestmark = pytest.mark.trio
 
 
-async def ok(request: http.Request) -> http.Response:
-    return http.Response.json(200, {"path": request.path})
+async def ok(request: Request) -> Response:
+    return Response.json(200, {"path": request.path})
 
 
 async def get(stream: trio.abc.Stream, path: str) -> bytes:
@@ -38,11 +40,11 @@ async def closed_by_server(stream: trio.abc.Stream, within_s: float) -> bool:
 async def test_at_the_cap_the_connection_idle_longest_is_closed_for_the_newcomer(nursery: trio.Nursery) -> None:
     stats = listeners.ConnectionStats()
     bound = await nursery.start(
-        lambda task_status: http.serve_http(
-            ok, "127.0.0.1", 0, limits=http.Limits(max_connections=3), stats=stats, task_status=task_status
+        lambda task_status: serve_http(
+            ok, "127.0.0.1", 0, limits=Limits(max_connections=3), stats=stats, task_status=task_status
         )
     )
-    host, port = http.bound_address(bound)
+    host, port = bound_address(bound)
     kept = []
     for i in range(3):  # three keep-alive clients, idle after one request each
         stream = await trio.open_tcp_stream(host, port)
@@ -67,11 +69,11 @@ async def test_at_the_cap_the_connection_idle_longest_is_closed_for_the_newcomer
 async def test_a_new_connection_that_sends_nothing_is_closed_for_the_newcomer_too(nursery: trio.Nursery) -> None:
     stats = listeners.ConnectionStats()
     bound = await nursery.start(
-        lambda task_status: http.serve_http(
-            ok, "127.0.0.1", 0, limits=http.Limits(max_connections=2), stats=stats, task_status=task_status
+        lambda task_status: serve_http(
+            ok, "127.0.0.1", 0, limits=Limits(max_connections=2), stats=stats, task_status=task_status
         )
     )
-    host, port = http.bound_address(bound)
+    host, port = bound_address(bound)
     silent = [await trio.open_tcp_stream(host, port) for _ in range(2)]
     while stats.open.get(listener="http") < 2:  # both accepted (the loopback handshake is the kernel's)
         await trio.sleep(0.01)
@@ -88,17 +90,17 @@ async def test_a_new_connection_that_sends_nothing_is_closed_for_the_newcomer_to
 async def test_with_none_idle_the_newcomer_is_answered_503_at_once_and_closed(nursery: trio.Nursery) -> None:
     release = trio.Event()
 
-    async def slow(request: http.Request) -> http.Response:
+    async def slow(request: Request) -> Response:
         await release.wait()
-        return http.Response.json(200, {"path": request.path})
+        return Response.json(200, {"path": request.path})
 
     stats = listeners.ConnectionStats()
     bound = await nursery.start(
-        lambda task_status: http.serve_http(
-            slow, "127.0.0.1", 0, limits=http.Limits(max_connections=2), stats=stats, task_status=task_status
+        lambda task_status: serve_http(
+            slow, "127.0.0.1", 0, limits=Limits(max_connections=2), stats=stats, task_status=task_status
         )
     )
-    host, port = http.bound_address(bound)
+    host, port = bound_address(bound)
     busy = []
     for _ in range(2):  # both places serving a request: none idle
         stream = await trio.open_tcp_stream(host, port)
@@ -218,7 +220,7 @@ async def test_a_stop_closes_idle_keep_alive_connections_but_answers_a_new_conne
     fresh, fresh_server = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
         for stream in (kept_server, fresh_server):
-            nursery.start_soon(lambda s=stream: http.serve_connection(ok, s, shutdown=shutdown))
+            nursery.start_soon(lambda s=stream: serve_connection(ok, s, shutdown=shutdown))
         assert (await get(kept, "/one")).startswith(b"HTTP/1.1 200 ")  # then idle, kept alive
         await trio.sleep(1)  # the new one: silent so far, its request perhaps on the way
         shutdown.begin()

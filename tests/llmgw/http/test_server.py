@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from functools import partial
 
@@ -10,19 +11,24 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.http import server as http
+from llmgw.http.body import MAX_BODY_CHUNKS, BodyBudget
+from llmgw.http.errors import BodyAborted, HTTPError, peer_reason
+from llmgw.http.jsonbody import read_json
+from llmgw.http.limits import Limits
+from llmgw.http.listeners import ConnectionStats
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.openai import error_body
+from llmgw.http.server import serve_connection
 
 pytestmark = pytest.mark.trio
 
 
-async def echo(request: http.Request) -> http.Response:
+async def echo(request: Request) -> Response:
     if request.path == "/boom":
         raise RuntimeError("handler bug")
     if request.path == "/refuse":
-        raise http.HTTPError(409, "no, because")
-    return http.Response.json(
-        200, {"method": request.method, "path": request.path, "body": (await request.read()).decode()}
-    )
+        raise HTTPError(409, "no, because")
+    return Response.json(200, {"method": request.method, "path": request.path, "body": (await request.read()).decode()})
 
 
 class Client:
@@ -56,11 +62,11 @@ class Client:
                 raise EOFError
 
 
-async def serve(handler, limits: http.Limits, stream, stats: http.ConnectionStats | None = None) -> None:
-    await http.serve_connection(handler, stream, limits=limits, stats=stats)
+async def serve(handler, limits: Limits, stream, stats: ConnectionStats | None = None) -> None:
+    await serve_connection(handler, stream, limits=limits, stats=stats)
 
 
-async def start(nursery: trio.Nursery, limits: http.Limits = http.Limits()) -> Client:
+async def start(nursery: trio.Nursery, limits: Limits = Limits()) -> Client:
     client_stream, server_stream = trio.testing.memory_stream_pair()
     nursery.start_soon(serve, echo, limits, server_stream)
     return Client(client_stream)
@@ -91,23 +97,39 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_errors_are_json_with_their_status() -> None:
+async def test_errors_are_plain_text_with_their_status_and_a_bug_is_a_500() -> None:
     async with trio.open_nursery() as nursery:
         c = await start(nursery)
         await c.send("GET", "/refuse")
-        status, body, _ = await c.response()
-        assert status == 409 and b'"message":"no, because"' in body
+        status, body, headers = await c.response()
+        assert status == 409 and body == b"no, because\n" and headers["content-type"].startswith("text/plain")
         await c.send("GET", "/boom")
         status, body, _ = await c.response()
-        assert status == 500 and b"server_error" in body
+        assert status == 500 and b"the server's log has the traceback" in body
         await c.send("GET", "/after-a-bug")  # the connection survives a handler's bug
         assert (await c.response())[0] == 200
         nursery.cancel_scope.cancel()
 
 
+async def test_a_listener_words_its_errors_in_its_own_shape() -> None:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(serve_connection, echo, server_stream, errors=error_body))
+        c = Client(client_stream)
+        await c.send("GET", "/refuse")
+        status, body, _ = await c.response()
+        assert status == 409 and json.loads(body) == {
+            "error": {"message": "no, because", "type": "invalid_request_error", "code": 409}
+        }
+        await c.send("GET", "/boom")
+        status, body, _ = await c.response()
+        assert status == 500 and json.loads(body)["error"]["type"] == "server_error"
+        nursery.cancel_scope.cancel()
+
+
 async def test_body_over_the_limit_is_413_before_it_is_read() -> None:
     async with trio.open_nursery() as nursery:
-        c = await start(nursery, http.Limits(max_body_bytes=10))
+        c = await start(nursery, Limits(max_body_bytes=10))
         await c.send("POST", "/x", body=b"x" * 11)
         status, body, headers = await c.response()
         assert status == 413 and b"larger than the limit of 10" in body
@@ -117,7 +139,7 @@ async def test_body_over_the_limit_is_413_before_it_is_read() -> None:
 
 async def test_oversized_head_is_refused() -> None:
     async with trio.open_nursery() as nursery:
-        c = await start(nursery, http.Limits(max_head_bytes=200))
+        c = await start(nursery, Limits(max_head_bytes=200))
         await c.send("GET", "/x", headers=[("x-big", "y" * 400)])
         status, _, _ = await c.response()
         assert status == 431
@@ -136,7 +158,7 @@ async def test_malformed_request_is_400() -> None:
 
 async def test_stalled_body_times_out_with_408(autojump_clock: trio.testing.MockClock) -> None:
     async with trio.open_nursery() as nursery:
-        c = await start(nursery, http.Limits(body_timeout_s=5))
+        c = await start(nursery, Limits(body_timeout_s=5))
         await c.stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\n\r\nonly-some")
         c.conn.send(h11.Request(method="POST", target="/x", headers=[("host", "t"), ("content-length", "100")]))
         before = trio.current_time()
@@ -148,7 +170,7 @@ async def test_stalled_body_times_out_with_408(autojump_clock: trio.testing.Mock
 async def test_idle_connection_is_closed_after_the_head_timeout(autojump_clock: trio.testing.MockClock) -> None:
     client_stream, server_stream = trio.testing.memory_stream_pair()
     with trio.fail_after(100):
-        await serve(echo, http.Limits(head_timeout_s=30), server_stream)
+        await serve(echo, Limits(head_timeout_s=30), server_stream)
     assert trio.current_time() == pytest.approx(30, abs=0.1)
     assert await client_stream.receive_some(10) == b""
 
@@ -182,15 +204,13 @@ class Producer:
 
 
 async def start_streaming(nursery: trio.Nursery, producer: Producer) -> Client:
-    async def handler(request: http.Request) -> http.Response | http.StreamingResponse:
+    async def handler(request: Request) -> Response | StreamingResponse:
         if request.path == "/stream":
-            return http.StreamingResponse(
-                status=200, body=producer.body(), headers=(("content-type", "text/event-stream"),)
-            )
+            return StreamingResponse(status=200, body=producer.body(), headers=(("content-type", "text/event-stream"),))
         return await echo(request)
 
     client_stream, server_stream = trio.testing.memory_stream_pair()
-    nursery.start_soon(serve, handler, http.Limits(), server_stream)
+    nursery.start_soon(serve, handler, Limits(), server_stream)
     return Client(client_stream)
 
 
@@ -288,7 +308,7 @@ async def test_request_pipelined_during_a_stream_is_answered_after_it(
 async def test_a_client_that_leaves_cancels_a_working_handler() -> None:
     cancelled = trio.Event()
 
-    async def slow(request: http.Request) -> http.Response:
+    async def slow(request: Request) -> Response:
         await request.read()  # the connection is watched once its body is settled
         try:
             await trio.sleep_forever()
@@ -298,7 +318,7 @@ async def test_a_client_that_leaves_cancels_a_working_handler() -> None:
 
     client_stream, server_stream = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, slow, http.Limits(), server_stream)
+        nursery.start_soon(serve, slow, Limits(), server_stream)
         c = Client(client_stream)
         await c.send("POST", "/v1/completions", body=b"{}")
         await trio.testing.wait_all_tasks_blocked()
@@ -336,7 +356,7 @@ async def serve_and_answer(handler, limits, feed, stats) -> tuple[bytes, float]:
     return answer, (answered_at or [math.inf])[0]
 
 
-def aborted(stats: http.ConnectionStats) -> dict[str, float]:
+def aborted(stats: ConnectionStats) -> dict[str, float]:
     return {key[1]: value for key, value in stats.aborted.values.items()}
 
 
@@ -344,7 +364,7 @@ async def test_a_head_trickled_a_byte_a_second_is_cut_at_the_head_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A per-read timeout restarts on every byte; a deadline does not.
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     head = b"GET /x HTTP/1.1\r\nhost: t\r\nx-pad: " + b"y" * 100 + b"\r\n\r\n"
 
     async def trickle(stream) -> None:
@@ -352,14 +372,14 @@ async def test_a_head_trickled_a_byte_a_second_is_cut_at_the_head_deadline(
             await trio.sleep(1)
             await stream.send_all(head[i : i + 1])
 
-    answer, answered_at = await serve_and_answer(echo, http.Limits(head_timeout_s=10), trickle, stats)
+    answer, answered_at = await serve_and_answer(echo, Limits(head_timeout_s=10), trickle, stats)
     assert answered_at == pytest.approx(10, abs=0.1)
     assert answer.startswith(b"HTTP/1.1 408 ") and b"request head not received within 10 s" in answer
     assert aborted(stats) == {"head_timeout": 1}
 
 
 async def test_a_body_below_the_minimum_rate_is_408(autojump_clock: trio.testing.MockClock) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
 
     async def send_slowly(stream) -> None:
         await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\n")
@@ -367,7 +387,7 @@ async def test_a_body_below_the_minimum_rate_is_408(autojump_clock: trio.testing
             await trio.sleep(1)
             await stream.send_all(b"z" * 100)  # 100 bytes a second
 
-    limits = http.Limits(body_min_bytes_per_s=1024, body_timeout_s=60)
+    limits = Limits(body_min_bytes_per_s=1024, body_timeout_s=60)
     answer, at = await serve_and_answer(echo, limits, send_slowly, stats)
     # 5 s of grace plus what the bytes received bought (1/1024 s each): far below 60 s.
     assert 5 < at < 6
@@ -378,7 +398,7 @@ async def test_a_body_below_the_minimum_rate_is_408(autojump_clock: trio.testing
 async def test_a_body_at_the_minimum_rate_is_taken_until_the_body_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
 
     async def send(stream) -> None:
         await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 30720\r\n\r\n")
@@ -386,7 +406,7 @@ async def test_a_body_at_the_minimum_rate_is_taken_until_the_body_deadline(
             await trio.sleep(1)
             await stream.send_all(b"z" * 1024)
 
-    limits = http.Limits(body_min_bytes_per_s=1024, body_timeout_s=20, max_body_bytes=1 << 20)
+    limits = Limits(body_min_bytes_per_s=1024, body_timeout_s=20, max_body_bytes=1 << 20)
     answer, at = await serve_and_answer(echo, limits, send, stats)
     assert at == pytest.approx(20, abs=0.1)  # fast enough, but not whole by the body deadline
     assert b"request body not received within 20 s" in answer
@@ -396,10 +416,10 @@ async def test_a_body_at_the_minimum_rate_is_taken_until_the_body_deadline(
 async def test_an_idle_keep_alive_connection_closes_quietly_after_the_keepalive_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     client_stream, server_stream = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, echo, http.Limits(head_timeout_s=5, keepalive_timeout_s=40), server_stream, stats)
+        nursery.start_soon(serve, echo, Limits(head_timeout_s=5, keepalive_timeout_s=40), server_stream, stats)
         c = Client(client_stream)
         await c.send("GET", "/one")
         assert (await c.response())[0] == 200
@@ -412,7 +432,7 @@ async def test_an_idle_keep_alive_connection_closes_quietly_after_the_keepalive_
 async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     ended: list[float] = []
 
     async def endless():
@@ -423,8 +443,8 @@ async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
         finally:
             ended.append(trio.current_time())
 
-    async def handler(request: http.Request) -> http.StreamingResponse:
-        return http.StreamingResponse(status=200, body=endless())
+    async def handler(request: Request) -> StreamingResponse:
+        return StreamingResponse(status=200, body=endless())
 
     # lockstep: a write completes only when the other side has read all of it.
     client_stream, server_stream = trio.testing.lockstep_stream_pair()
@@ -436,7 +456,7 @@ async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client)
         with trio.fail_after(100):
-            await serve(handler, http.Limits(send_timeout_s=7), server_stream, stats)
+            await serve(handler, Limits(send_timeout_s=7), server_stream, stats)
         nursery.cancel_scope.cancel()
     assert trio.current_time() == pytest.approx(7, abs=1)
     assert aborted(stats) == {"send_timeout": 1}
@@ -444,24 +464,24 @@ async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
 
 @pytest.mark.parametrize("cut", [1, 10, 30])
 async def test_a_head_cut_short_by_the_client_ends_that_connection_only(cut: int) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     client_stream, server_stream = trio.testing.memory_stream_pair()
     await client_stream.send_all(b"GET /health HTTP/1.1\r\nhost: t\r\nx-more: stuff\r\n\r\n"[:cut])
     await client_stream.aclose()  # FIN in the middle of the head
     with trio.fail_after(5):
-        await serve(echo, http.Limits(), server_stream, stats)  # returns: raises nothing
+        await serve(echo, Limits(), server_stream, stats)  # returns: raises nothing
     assert aborted(stats) == {"closed": 1}
 
 
 async def test_an_error_answer_the_client_cannot_receive_ends_that_connection_only() -> None:
     # The first crash seen: garbage, then the peer gone before the 400 could be written.
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     client_stream, server_stream = trio.testing.memory_stream_pair()
     await client_stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
     client_stream.send_stream.close()  # fully closed: the server's write of its 400 fails
     client_stream.receive_stream.close()
     with trio.fail_after(5):
-        await serve(echo, http.Limits(), server_stream, stats)
+        await serve(echo, Limits(), server_stream, stats)
     assert aborted(stats) == {"malformed": 1}
 
 
@@ -471,12 +491,12 @@ async def test_an_error_answer_the_client_cannot_receive_ends_that_connection_on
     ids=["array-2000", "object-65", "unclosed-4000"],
 )
 async def test_json_nested_too_deep_is_a_400_naming_the_limit(body: bytes) -> None:
-    async def handler(request: http.Request) -> http.Response:
-        return http.Response.json(200, await request.json())
+    async def handler(request: Request) -> Response:
+        return Response.json(200, await read_json(request))
 
     async with trio.open_nursery() as nursery:
         client_stream, server_stream = trio.testing.memory_stream_pair()
-        nursery.start_soon(serve, handler, http.Limits(), server_stream)
+        nursery.start_soon(serve, handler, Limits(), server_stream)
         c = Client(client_stream)
         await c.send("POST", "/x", body=body)
         status, answer, _ = await c.response()
@@ -489,32 +509,32 @@ async def test_json_nested_too_deep_is_a_400_naming_the_limit(body: bytes) -> No
 async def test_peer_failures_are_told_from_bugs() -> None:
     reset = trio.BrokenResourceError()
     reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")
-    assert http.peer_reason(reset) == "reset"
-    assert http.peer_reason(trio.BrokenResourceError()) == "closed"
-    assert http.peer_reason(trio.TooSlowError()) == "send_timeout"
+    assert peer_reason(reset) == "reset"
+    assert peer_reason(trio.BrokenResourceError()) == "closed"
+    assert peer_reason(trio.TooSlowError()) == "send_timeout"
     group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [reset])])
-    assert http.peer_reason(group) == "reset"
-    assert http.peer_reason(ExceptionGroup("mixed", [reset, KeyError("bug")])) is None
-    assert http.peer_reason(RuntimeError("bug")) is None
+    assert peer_reason(group) == "reset"
+    assert peer_reason(ExceptionGroup("mixed", [reset, KeyError("bug")])) is None
+    assert peer_reason(RuntimeError("bug")) is None
 
 
 async def test_a_producer_that_aborts_on_purpose_truncates_without_a_traceback(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
 
     async def upstream_breaks():
         yield b"data: part\n\n"
         await trio.sleep(1)
-        raise http.BodyAborted("the replica's connection broke")
+        raise BodyAborted("the replica's connection broke")
 
-    async def handler(request: http.Request) -> http.StreamingResponse:
-        return http.StreamingResponse(status=200, body=upstream_breaks())
+    async def handler(request: Request) -> StreamingResponse:
+        return StreamingResponse(status=200, body=upstream_breaks())
 
     async def ask(stream) -> None:
         await Client(stream).send("GET", "/stream")
 
-    answer, _ = await serve_and_answer(handler, http.Limits(), ask, stats)
+    answer, _ = await serve_and_answer(handler, Limits(), ask, stats)
     assert answer.startswith(b"HTTP/1.1 200 ") and b"data: part" in answer
     assert not answer.endswith(b"0\r\n\r\n")  # no last chunk: the client can tell it was cut
     assert aborted(stats) == {"body_aborted": 1}
@@ -524,17 +544,17 @@ async def test_a_producer_that_aborts_on_purpose_truncates_without_a_traceback(
 # -- the head before the body, the body budget, HEAD, framing -------------------------------------
 
 
-async def refuse_from_head(request: http.Request) -> http.Response:
+async def refuse_from_head(request: Request) -> Response:
     """A handler like the gateway's: no credential, no body read."""
     if request.headers.get("authorization") != "Bearer k":
-        raise http.HTTPError(401, "no key")
-    return http.Response.json(200, {"size": len(await request.read())})
+        raise HTTPError(401, "no key")
+    return Response.json(200, {"size": len(await request.read())})
 
 
 async def test_a_request_refused_from_its_head_is_answered_before_its_body_is_sent(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
     sent: list[int] = []
 
     async def head_only(stream) -> None:
@@ -542,7 +562,7 @@ async def test_a_request_refused_from_its_head_is_answered_before_its_body_is_se
         sent.append(0)
         await trio.sleep(3600)  # the body never comes: the answer must not wait for it
 
-    answer, at = await serve_and_answer(refuse_from_head, http.Limits(), head_only, stats)
+    answer, at = await serve_and_answer(refuse_from_head, Limits(), head_only, stats)
     assert at < 1 and answer.startswith(b"HTTP/1.1 401 ") and b"no key" in answer
     assert b"connection: close" in answer  # the unread body cannot be skipped: the connection ends
 
@@ -550,7 +570,7 @@ async def test_a_request_refused_from_its_head_is_answered_before_its_body_is_se
 async def test_an_authorised_request_reads_its_body_and_keeps_the_connection() -> None:
     async with trio.open_nursery() as nursery:
         client_stream, server_stream = trio.testing.memory_stream_pair()
-        nursery.start_soon(serve, refuse_from_head, http.Limits(), server_stream)
+        nursery.start_soon(serve, refuse_from_head, Limits(), server_stream)
         c = Client(client_stream)
         for _ in range(2):
             await c.send("POST", "/v1/x", body=b"z" * 1000, headers=[("authorization", "Bearer k")])
@@ -561,18 +581,18 @@ async def test_an_authorised_request_reads_its_body_and_keeps_the_connection() -
 
 async def test_bodies_wait_for_room_in_the_budget_then_get_503(autojump_clock: trio.testing.MockClock) -> None:
     release = trio.Event()
-    budget = http.BodyBudget(1000, wait_s=2.0)
+    budget = BodyBudget(1000, wait_s=2.0)
 
-    async def hold(request: http.Request) -> http.Response:
+    async def hold(request: Request) -> Response:
         body = await request.read()
         if request.path == "/hold":
             await release.wait()
-        return http.Response.json(200, {"size": len(body)})
+        return Response.json(200, {"size": len(body)})
 
     async def client(path: str, size: int, out: list) -> None:
         client_stream, server_stream = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(http.serve_connection, hold, server_stream, budget=budget))
+            nursery.start_soon(partial(serve_connection, hold, server_stream, budget=budget))
             c = Client(client_stream)
             await c.send("POST", path, body=b"z" * size)
             out.append((path, *(await c.response())[:2], trio.current_time()))
@@ -597,7 +617,7 @@ async def test_bodies_wait_for_room_in_the_budget_then_get_503(autojump_clock: t
 async def test_a_chunked_body_is_counted_against_the_budget_as_it_arrives(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    budget = http.BodyBudget(10_000, wait_s=1.0)
+    budget = BodyBudget(10_000, wait_s=1.0)
 
     async def chunked(stream) -> None:
         await stream.send_all(
@@ -610,7 +630,7 @@ async def test_a_chunked_body_is_counted_against_the_budget_as_it_arrives(
     answer = b""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(chunked, client_stream)
-        await http.serve_connection(refuse_from_head, server_stream, budget=budget)
+        await serve_connection(refuse_from_head, server_stream, budget=budget)
         while chunk := await client_stream.receive_some(65536):
             answer += chunk
         nursery.cancel_scope.cancel()
@@ -619,22 +639,22 @@ async def test_a_chunked_body_is_counted_against_the_budget_as_it_arrives(
 
 
 async def test_a_chunked_body_of_too_many_chunks_is_refused(autojump_clock: trio.testing.MockClock) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
 
     async def tiny_chunks(stream) -> None:
         await stream.send_all(
             b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n"
         )
-        await stream.send_all(b"1\r\nz\r\n" * (http.MAX_BODY_CHUNKS + 1) + b"0\r\n\r\n")
+        await stream.send_all(b"1\r\nz\r\n" * (MAX_BODY_CHUNKS + 1) + b"0\r\n\r\n")
 
-    answer, _ = await serve_and_answer(refuse_from_head, http.Limits(), tiny_chunks, stats)
-    assert answer.startswith(b"HTTP/1.1 400 ") and f"more than {http.MAX_BODY_CHUNKS} chunks".encode() in answer
+    answer, _ = await serve_and_answer(refuse_from_head, Limits(), tiny_chunks, stats)
+    assert answer.startswith(b"HTTP/1.1 400 ") and f"more than {MAX_BODY_CHUNKS} chunks".encode() in answer
 
 
 async def test_a_chunked_body_in_few_chunks_is_read_whole() -> None:
     async with trio.open_nursery() as nursery:
         client_stream, server_stream = trio.testing.memory_stream_pair()
-        nursery.start_soon(serve, refuse_from_head, http.Limits(), server_stream)
+        nursery.start_soon(serve, refuse_from_head, Limits(), server_stream)
         head = b"POST /v1/x HTTP/1.1\r\nhost: t\r\nauthorization: Bearer k\r\ntransfer-encoding: chunked\r\n\r\n"
         await client_stream.send_all(head + (b"2710\r\n" + b"z" * 10_000 + b"\r\n") * 10 + b"0\r\n\r\n")
         c = Client(client_stream)
@@ -648,7 +668,7 @@ async def test_a_chunked_body_in_few_chunks_is_read_whole() -> None:
 
 
 async def test_content_length_with_transfer_encoding_is_400_and_closed(autojump_clock: trio.testing.MockClock) -> None:
-    stats = http.ConnectionStats()
+    stats = ConnectionStats()
 
     async def both(stream) -> None:
         await stream.send_all(
@@ -656,7 +676,7 @@ async def test_content_length_with_transfer_encoding_is_400_and_closed(autojump_
             b"GET /smuggled HTTP/1.1\r\nhost: t\r\n\r\n"
         )
 
-    answer, _ = await serve_and_answer(echo, http.Limits(), both, stats)
+    answer, _ = await serve_and_answer(echo, Limits(), both, stats)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"both Content-Length and Transfer-Encoding" in answer
     assert b"connection: close" in answer and b"/smuggled" not in answer
     assert answer.count(b"HTTP/1.1 ") == 1
@@ -664,19 +684,19 @@ async def test_content_length_with_transfer_encoding_is_400_and_closed(autojump_
 
 
 async def test_head_is_answered_as_get_without_the_body() -> None:
-    async def routes(request: http.Request):
-        http.allow(request, "GET")
+    async def routes(request: Request):
+        allow(request, "GET")
         if request.path == "/stream":
 
             async def chunks():
                 yield b"never sent"
 
-            return http.StreamingResponse(status=200, body=chunks(), headers=(("content-type", "text/plain"),))
-        return http.Response.json(200, {"hello": "world"})
+            return StreamingResponse(status=200, body=chunks(), headers=(("content-type", "text/plain"),))
+        return Response.json(200, {"hello": "world"})
 
     async with trio.open_nursery() as nursery:
         client_stream, server_stream = trio.testing.memory_stream_pair()
-        nursery.start_soon(serve, routes, http.Limits(), server_stream)
+        nursery.start_soon(serve, routes, Limits(), server_stream)
         c = Client(client_stream)
         await c.send("HEAD", "/x")
         status, body, headers = await c.response()
@@ -695,12 +715,12 @@ async def test_head_is_answered_as_get_without_the_body() -> None:
 async def test_a_route_with_a_smaller_limit_is_413_before_its_body_is_read(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async def small(request: http.Request) -> http.Response:
-        return http.Response.json(200, await request.json(limit=100))
+    async def small(request: Request) -> Response:
+        return Response.json(200, await read_json(request, limit=100))
 
     async def head_only(stream) -> None:
         await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 101\r\n\r\n")
         await trio.sleep(3600)
 
-    answer, at = await serve_and_answer(small, http.Limits(), head_only, http.ConnectionStats())
+    answer, at = await serve_and_answer(small, Limits(), head_only, ConnectionStats())
     assert at < 1 and answer.startswith(b"HTTP/1.1 413 ") and b"larger than the limit of 100 bytes" in answer

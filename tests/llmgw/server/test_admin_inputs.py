@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmgw import paths
+from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
 from llmgw.pki.ca import check_node_id
 from llmgw.server.admin import MAX_LOG_LINES, MAX_NOT_AFTER
@@ -64,7 +65,7 @@ async def exchange(
         sent.append(("authorization", f"Bearer {token}"))
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(serve_connection, plane.handle_http, server_stream))
+            nursery.start_soon(partial(serve_connection, plane.handle_http, server_stream, errors=error_body))
             data = conn.send(h11.Request(method=method, target=target, headers=sent))
             data += conn.send(h11.Data(data=body)) if body else b""
             await client_stream.send_all(data + conn.send(h11.EndOfMessage()))

@@ -1,18 +1,18 @@
-"""The mirror's route on memory streams: an archive sent whole or from an offset, and whatever a
-peer puts in `Range` answered per RFC 9110 — never a dropped connection or a traceback."""
+"""The mirror's route on the shared HTTP server over memory streams: an archive sent whole or
+from an offset, and whatever a peer puts in `Range` answered per RFC 9110 — never a dropped
+connection or a traceback; HEAD answered as GET without the body."""
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
-import h11
 import pytest
-import trio
-import trio.testing
 
-from llmgw.server import agentport, artifacts
+from llmgw.server import artifacts
 from llmgw.server.artifacts import Artifacts, range_start
+from testlib.httpexchange import exchange
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
 SIZE = len(DATA)
@@ -50,26 +50,11 @@ def test_an_empty_file_satisfies_no_range() -> None:
 
 
 async def _get(mirror: Artifacts, target: bytes, range_header: bytes | None) -> tuple[int, dict[bytes, bytes], bytes]:
-    client, server = trio.testing.memory_stream_pair()
-    headers = [(b"host", b"cp")] + ([(b"range", range_header)] if range_header is not None else [])
-    request = h11.Request(method=b"GET", target=target, headers=headers)
-    conn = h11.Connection(h11.CLIENT)
-    await client.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-    head = await agentport.read_head(server)
-    assert agentport.route(head.request) is agentport.Route.MIRROR
-    await artifacts.serve(server, head.conn, head.request, mirror, "node-a", send_timeout_s=5)
-    await server.aclose()
-    status, got, body = 0, {}, b""
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await client.receive_some())
-        elif isinstance(event, h11.Response):
-            status, got = event.status_code, dict(event.headers)
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            return status, got, body
+    """GET `target` of the mirror's handler on the shared HTTP server, over memory streams."""
+    request = b"GET " + target + b" HTTP/1.1\r\nhost: cp\r\n"
+    request += (b"range: " + range_header + b"\r\n" if range_header is not None else b"") + b"\r\n"
+    answered = await exchange(partial(artifacts.handle, artifacts=mirror, node="node-a"), request)
+    return answered.status, answered.headers, answered.body
 
 
 @pytest.mark.trio
@@ -91,3 +76,18 @@ async def test_the_route_answers_every_range_with_the_file_its_end_or_416(tmp_pa
     for ignored in (b"bytes=5-9", b"bytes=\xb2-", b"bytes=1-,5-"):
         status, headers, body = await _get(mirror, target, ignored)
         assert status == 200 and body == DATA and b"content-range" not in headers
+
+
+@pytest.mark.trio
+async def test_head_and_a_hash_not_held_and_other_methods(tmp_path: Path) -> None:
+    (tmp_path / "archive.tar.gz").write_bytes(DATA)
+    mirror = Artifacts(tmp_path)
+    target = b"/v1/artifacts/" + hashlib.sha256(DATA).hexdigest().encode()
+    handler = partial(artifacts.handle, artifacts=mirror, node="node-a")
+    head = await exchange(handler, b"HEAD " + target + b" HTTP/1.1\r\nhost: cp\r\n\r\n")
+    assert head.status == 200 and head.headers[b"content-length"] == str(SIZE).encode()
+    assert head.raw.endswith(b"\r\n\r\n")  # the head alone
+    status, _, body = await _get(mirror, b"/v1/artifacts/" + b"0" * 64, None)
+    assert status == 404 and body == b"no such artifact on this control plane\n"
+    post = await exchange(handler, b"POST " + target + b" HTTP/1.1\r\nhost: cp\r\ncontent-length: 0\r\n\r\n")
+    assert post.status == 405 and post.headers[b"allow"] == b"GET, HEAD"

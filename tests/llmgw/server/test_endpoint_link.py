@@ -17,7 +17,7 @@ import trio.testing
 
 from agent.link import AgentLink, Target
 from llmgw.pki.ca import CertInfo
-from llmgw.server import agentport, endpoint
+from llmgw.server import endpoint
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.registry import Registry
 from llmgw.server.store import NodeRow
@@ -93,6 +93,7 @@ class Plane:
             desired_state=self.desired,
             on_change=self._changed.unpark_all,
             silence_timeout_s=30.0,
+            max_connections=8,
         )
 
     def desired(self, node_id: str) -> w.DesiredState:
@@ -106,11 +107,8 @@ class Plane:
             await self._changed.park()
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
-        try:
-            head = await agentport.read_head(stream)
-            await self.endpoint.serve_link(stream, head, CERT, "10.0.0.1")
-        finally:
-            await trio.aclose_forcefully(stream)
+        # The connection as the agent port serves it once TLS has shown CERT.
+        await self.endpoint.serve_peer(stream, CERT, "10.0.0.1")
 
     def connect(self, nursery: trio.Nursery) -> Link:
         a, b, to_server, to_agent = gated_pair()

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
+from functools import partial
 from pathlib import Path
 
-import h11
 import pytest
-import trio
-import trio.testing
 
 from llmgw.releasefiles import Running, pick
-from llmgw.server import agentport, releases
+from llmgw.server import releases
 from llmgw.server.releases import Releases, build_catalog
+from testlib.httpexchange import exchange
 
 AMD = "llmgw-0.3.0-linux-amd64.pyz"
 ARM = "llmgw-0.3.0-linux-arm64.pyz"
@@ -148,25 +147,10 @@ async def test_the_latest_catalog_is_what_the_nodes_are_told_and_a_llama_archive
 async def _get(
     rel: Releases, target: bytes, method: bytes = b"GET", extra: bytes = b""
 ) -> tuple[int, dict[bytes, bytes], bytes]:
-    client, server = trio.testing.memory_stream_pair()
-    await client.send_all(method + b" " + target + b" HTTP/1.1\r\nhost: cp\r\n" + extra + b"\r\n")
-    head = await agentport.read_head(server)
-    assert agentport.route(head.request) is agentport.Route.RELEASE
-    await releases.serve(server, head.conn, head.request, rel, "127.0.0.9", send_timeout_s=5)
-    await server.aclose()
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method=method, target=target, headers=[(b"host", b"cp")]))
-    status, headers, body = 0, {}, b""
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await client.receive_some())
-        elif isinstance(event, h11.Response):
-            status, headers = event.status_code, dict(event.headers)
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            return status, headers, body
+    """`method target` of the releases' handler on the shared HTTP server, over memory streams."""
+    request = method + b" " + target + b" HTTP/1.1\r\nhost: cp\r\n" + extra + b"\r\n"
+    answered = await exchange(partial(releases.handle, releases=rel, peer="127.0.0.9"), request)
+    return answered.status, answered.headers, answered.body
 
 
 @pytest.mark.trio
@@ -190,7 +174,10 @@ async def test_the_files_are_served_by_exact_name_only(tmp_path: Path) -> None:
         status, _, body = await _get(rel, target)
         assert status == 404 and b"private" not in body, (target, status, body)
     status, headers, _ = await _get(rel, b"/v1/release/" + ARM.encode(), method=b"POST")
-    assert status == 405 and headers[b"allow"] == b"GET"
+    assert status == 405 and headers[b"allow"] == b"GET, HEAD"
+    status, headers, body = await _get(rel, b"/v1/release/" + ARM.encode(), method=b"HEAD")
+    assert status == 200 and body == b"" and headers[b"content-length"] == str((d / ARM).stat().st_size).encode()
+    assert rel.slots.value == releases.MAX_DOWNLOADS  # a HEAD's slot given back too
 
 
 @pytest.mark.trio

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.http.server import HTTPError
+from llmgw.http.errors import HTTPError
 from llmgw.simengine import api
 from llmgw.simengine.text import Completion, complete
 

@@ -12,7 +12,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.http import server as http
+from llmgw.http.openai import error_body
+from llmgw.http.server import serve_connection
 from llmgw.simengine import api
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.options import SimOptions
@@ -73,7 +74,7 @@ def engine(**options: Any) -> SimEngine:
 
 async def connect(nursery: trio.Nursery, e: SimEngine) -> Client:
     client_stream, server_stream = trio.testing.memory_stream_pair()
-    nursery.start_soon(partial(http.serve_connection, e.handle, server_stream))
+    nursery.start_soon(partial(serve_connection, e.handle, server_stream, errors=error_body))
     return Client(client_stream)
 
 

@@ -20,6 +20,10 @@ give the same answers.
 
 Nesting deeper than `MAX_DEPTH` is refused on both paths, after parsing (the parser's own limit
 protects the parse; ours keeps what handlers walk shallow).
+
+For handlers (the gateway, the admin API, the page, the sim engine): `read_json` reads a small
+body and parses it on the loop, `parse_body` a body of any size through `JsonWorkers`; both
+refuse with `HTTPError` (400 naming what is wrong, 413, 503 when the parsers are all busy).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import Any
 import attrs
 import trio
 
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.http")
@@ -288,3 +294,41 @@ class JsonWorkers:
     async def aclose(self) -> None:
         for worker in self._workers:
             await worker.stop()
+
+
+# -- in a handler ------------------------------------------------------------------------------
+
+
+def parse_json(data: bytes, *, what: str = "request body") -> Any:
+    """`data` as JSON, or `HTTPError(400)` naming the problem: invalid, or nested deeper than
+    `MAX_DEPTH`. Parsed on the loop: for small bodies only (`INLINE_MAX_BYTES`); a larger one
+    goes through `parse_body`."""
+    try:
+        return loads(data, what=what)
+    except InvalidJson as exc:
+        raise HTTPError(400, exc.message) from None
+
+
+async def read_json(request: Request, *, limit: int = INLINE_MAX_BYTES, what: str = "request body") -> Any:
+    """The body as JSON, for the small bodies of the admin API and the page (at most `limit`
+    bytes, parsed on the loop); `HTTPError(400)` naming what is wrong, 413 past `limit`."""
+    data = await request.read(limit=min(limit, INLINE_MAX_BYTES))
+    if not inline(data):
+        raise HTTPError(413, f"{what} has more than {INLINE_MAX_VALUES} values; this route takes small bodies")
+    return parse_json(data, what=what)
+
+
+async def parse_body(
+    request: Request, workers: JsonWorkers, fn: Callable[..., Any], *args: Any, what: str = "request body"
+) -> Any:
+    """`fn(body as JSON, *args)` for a body of any size up to the limit, the loop never held
+    long: 400 for bad JSON, 503 when the parsers are all busy."""
+    body = await request.read()
+    try:
+        return await workers.parse(body, fn, *args, what=what)
+    except InvalidJson as exc:
+        raise HTTPError(400, exc.message) from None
+    except ParserBusy as exc:
+        raise HTTPError(
+            503, f"{exc}; try again in a moment", kind="unavailable_error", headers=(("retry-after", "1"),)
+        ) from None

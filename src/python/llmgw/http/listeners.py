@@ -170,6 +170,11 @@ class IdleConnections:
         finally:
             self._waiting.pop(scope, None)
 
+    def settle(self, scope: trio.CancelScope) -> None:
+        """The connection waiting in `scope` (inside `waiting`) waits no more: it is neither shed
+        nor stopped from now on, though its `waiting` block goes on (a request being answered)."""
+        self._waiting.pop(scope, None)
+
     def shed_oldest(self) -> str | None:
         """Cancel the wait that began first; its peer, or None if nothing waits."""
         if not self._waiting:

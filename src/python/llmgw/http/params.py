@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from urllib.parse import unquote
 
 from llmgw.errors import cut, shown
-from llmgw.http.server import HTTPError, Request
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request
 
 
 def query(request: Request, takes: Mapping[str, str]) -> dict[str, str]:

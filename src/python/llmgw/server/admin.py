@@ -56,7 +56,9 @@ import attrs
 from llmgw.errors import ConfigError, LlmgwError, UsageError, cut, shown
 from llmgw.fabrics import FabricMap
 from llmgw.http import params
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow
+from llmgw.http.errors import HTTPError
+from llmgw.http.jsonbody import read_json
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
@@ -263,7 +265,7 @@ class AdminAPI:
         if request.method in ("GET", "HEAD"):
             return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
         _allow(request, "POST")
-        body = await request.json()
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
         unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
@@ -314,7 +316,7 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
         )
     _allow(request, "POST")
     params.query(request, {})
-    body = await request.json()
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise HTTPError(400, f"the body must be a JSON object: {{{', '.join(sorted(_RECORD_FIELDS))}}}")
     unknown = sorted(set(body) - _RECORD_FIELDS)

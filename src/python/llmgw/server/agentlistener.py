@@ -7,34 +7,43 @@ agent in the clearest way the stage allows (a flood of them is summarised, `Refu
    a small budget of its own (`listeners.unproven_budget`), where at the ceiling the oldest is
    closed for the newcomer, and must finish the handshake (without a certificate, send its
    request head too) within HANDSHAKE_TIMEOUT_S. A certificate moves it to the agents' budget
-   (`max_agent_connections`; past it, 503 with Retry-After). See `_Place`.
+   (`max_agent_connections`; past it, 503 with Retry-After). See `Place`.
 1. TLS handshake with a client certificate from the cluster CA (OpenSSL refuses another CA's or
    an expired one; the agent receives the TLS alert at once). No certificate at all is refused
    there too, unless the control plane serves its release files (`[release] serve`, the
    default): then a peer without one gets as far as its request head, for the one route that
    needs none.
-2. One request head, read once; `agentport.route` sends the mirror's requests to
-   `llmgw.server.artifacts`, the release files' to `llmgw.server.releases` (any peer) and the
-   rest to the link (no HTTP at all -> 400). A peer without a certificate asking for anything
-   but a release file -> HTTP 403, logged as the TLS stage's refusal it stands for.
+2. HTTP, on the shared server (`llmgw.http.server.serve_connection`: `[http]`'s head deadline,
+   head size, send deadline and linger; one request per connection): `_route` sends the
+   mirror's requests to `llmgw.server.artifacts`, the release files' to
+   `llmgw.server.releases` (any peer) and the rest to the link. A peer without a certificate
+   asking for anything but a release file -> HTTP 403, logged as the TLS stage's refusal it
+   stands for.
 3. The mirror: the certificate not revoked (`llmgw.wire.session.check_standing`, the link's
-   rule too). The link: `llmgw.server.endpoint`, whose session checks the rest of the upgrade.
+   rule too). The link: `AgentEndpoint.link` (`llmgw.server.endpoint`), whose session checks
+   the rest of the upgrade; its `Upgrade` answer hands the connection to the WebSocket.
 
-`AgentEndpoint` (`llmgw.server.endpoint`) is this listener with the links it runs.
+`AgentEndpoint` is this listener with the links it runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
+import attrs
 import trio
 import trio_websocket
 
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
-from llmgw.http import server as http
+from llmgw.http.body import BodyBudget
+from llmgw.http.errors import HTTPError, peer_reason
+from llmgw.http.limits import Limits
+from llmgw.http.messages import Answer, Handler, Request, Upgrade
 from llmgw.http.refusals import RefusalLog
+from llmgw.http.server import serve_connection
 from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo, cert_info_from_der
 from llmgw.pki.tls import send_tls_alert
@@ -56,7 +65,6 @@ LISTENER = "agent"  # the listener's name in /metrics
 # real agent's handshake takes a few round trips; three seconds covers a slow link many times
 # over, and an unproven connection holds a place of the small unproven budget meanwhile.
 HANDSHAKE_TIMEOUT_S = 3.0
-HEAD_TIMEOUT_S = 10.0  # a certified peer's whole request head, however it trickles in
 REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
 AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
 NO_CERTIFICATE_SERVER = (
@@ -70,7 +78,7 @@ NO_CERTIFICATE_CLIENT = (
 
 
 class AgentListener:
-    """Accepts connections on the agent port and routes each; `serve_link` runs a link."""
+    """Accepts connections on the agent port and routes each request; `link` answers the link's."""
 
     def __init__(
         self,
@@ -78,16 +86,17 @@ class AgentListener:
         store: AsyncStore,
         artifact_store: artifacts.Artifacts | None = None,
         stats: listeners.ConnectionStats | None = None,
+        limits: Limits = Limits(),
         max_connections: int = 0,
-        send_timeout_s: float = artifacts.SEND_TIMEOUT_S,
         release_files: releases.Releases | None = None,
     ) -> None:
         self.store = store
-        self.send_timeout_s = send_timeout_s  # each write of a mirrored archive
+        self.limits = limits  # [http]'s: the head's deadline and size, each write's deadline
         self.stats = stats or listeners.ConnectionStats()
         self.max_connections = max_connections  # 0 = sized from the fd limit
         self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
         self.releases = release_files or releases.Releases(directory=None, running=None, serve=False)
+        self.budget = BodyBudget(limits.body_budget_bytes)  # no route reads a body: closed unread
         # Connections that have not shown a client certificate have a small budget of their own
         # (sized in `serve`); at its ceiling the oldest still in its handshake is closed for the
         # newcomer. Closing the oldest rather than refusing the newest is what keeps agents
@@ -96,13 +105,12 @@ class AgentListener:
         # certificate moves a connection to the agents' budget, where no bare connection goes.
         self.unproven_idle = listeners.IdleConnections(reason="unproven")
         self.unproven = listeners.Budget(0, self.unproven_idle)  # sized in `serve`
-        self.agent_cap = 0  # set in `serve`
+        self.agent_cap = max_connections  # 0 until `serve` sizes it from the fd limit
         self.agents_open = 0
         self.refusals = RefusalLog()
 
-    async def serve_link(
-        self, stream: trio.SSLStream, head: agentport.Head, cert: CertInfo, address: str
-    ) -> None:  # pragma: no cover - AgentEndpoint's
+    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer:  # pragma: no cover
+        """Answer the link's request (`AgentEndpoint`'s): a refusal, or the WebSocket's `Upgrade`."""
         raise NotImplementedError
 
     async def mirror_changed(self) -> None:
@@ -164,39 +172,135 @@ class AgentListener:
             return
         if admission is listeners.Admission.SHED:
             self._shed(self.unproven_idle.reason, shed_peer)
-        place = _Place(self)
-        cert: CertInfo | None = None
+        place = Place(self, unproven=True)
         cn = "?"
         try:
             if not await self._handshake(stream, address, deadline):
                 return
             der = stream.getpeercert(binary_form=True)
-            cert = cert_info_from_der(der) if der else None  # None: no certificate ([release] serve)
+            # None: no certificate ([release] serve); OpenSSL has checked that one chains to the
+            # cluster CA (revocation is checked per route).
+            cert = cert_info_from_der(der) if der else None
             cn = cert.common_name if cert is not None else "-"
+            await self.serve_peer(stream, cert, address, place=place, deadline=deadline)
+        except Exception:  # - one connection's failure must never stop the endpoint
+            self.stats.abort(LISTENER, "internal")
+            log.exception("agent_link_failed", address=address, cn=cn)
+        finally:
+            place.leave()
+            await trio.aclose_forcefully(stream)
+
+    async def serve_peer(
+        self,
+        stream: trio.abc.Stream,
+        cert: CertInfo | None,
+        address: str,
+        *,
+        place: Place | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """Serve a connection whose TLS handshake is done, `cert` the client certificate it showed
+        (None: none). Without one it stays unproven until routed: its head by `deadline` (the
+        handshake's), and it may be closed for a newer connection meanwhile. `place`: the budgets
+        it counts in since its accept; None for one accepted elsewhere (tests over memory
+        streams), then counted in the agents' budget alone."""
+        own = place is None
+        place = place or Place(self, unproven=False)
+        try:
             if cert is not None:
-                # OpenSSL has checked it chains to the cluster CA (revocation is checked later).
                 place.leave_unproven()
                 if not place.enter_agents():
                     await self._refuse_agents_full(stream, cert, address)
                     return
-            await self._serve(stream, cert, address, place, deadline)
-        except Exception as exc:  # - one link's failure must never stop the endpoint
-            reason = http.peer_reason(exc)
-            if reason is None and only(exc, _LINK_BROKEN):
-                reason = "closed"
-            if reason is None:
-                self.stats.abort(LISTENER, "internal")
-                log.exception("agent_link_failed", address=address, cn=cn)
-            else:
+                reason = await self._serve_http(stream, partial(self._route, cert=cert, address=address, place=place))
+                if reason is not None:
+                    log.info("agent_link_closed", address=address, cn=cert.common_name, reason=reason)
+                return
+            if deadline is None:
+                deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+            reason = None
+            with self.unproven_idle.waiting(peer=address) as shed:
+                handler = partial(self._route, cert=None, address=address, place=place, shed=shed)
+                head_s = max(0.0, deadline - trio.current_time())
+                reason = await self._serve_http(stream, handler, attrs.evolve(self.limits, head_timeout_s=head_s))
+            if reason is not None and not shed.cancelled_caught:
+                self._refusal("info", "agent_link_closed", address, reason, cn="-", reason=reason)
+        finally:
+            if own:
+                place.leave()
+
+    async def _serve_http(self, stream: trio.abc.Stream, handler: Handler, limits: Limits | None = None) -> str | None:
+        """One request on the shared HTTP server, by the agent port's rules; why the peer ended
+        it, if it did (counted in /metrics already)."""
+        return await serve_connection(
+            handler,
+            stream,
+            limits=limits or self.limits,
+            stats=self.stats,
+            listener=LISTENER,
+            budget=self.budget,
+            keep_alive=False,
+            upgrades=True,
+        )
+
+    async def _route(
+        self,
+        request: Request,
+        *,
+        cert: CertInfo | None,
+        address: str,
+        place: Place,
+        shed: trio.CancelScope | None = None,
+    ) -> Answer:
+        if shed is not None:
+            self.unproven_idle.settle(shed)  # routed: no longer one to close for a newcomer
+        where = agentport.route(request)
+        if where is Route.RELEASE:  # public files: no certificate needed, none checked
+            place.leave_unproven()  # bounded by releases.MAX_DOWNLOADS from here
+            return await releases.handle(request, self.releases, address)
+        if cert is None:
+            # What OpenSSL would have refused at the handshake had the release route not needed
+            # peers without a certificate: logged and worded as that refusal.
+            self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
+            self.stats.abort(LISTENER, "tls")
+            raise HTTPError(403, NO_CERTIFICATE_CLIENT)
+        if where is Route.LINK:
+            return await self.link(request, cert, address)
+        try:
+            s.check_standing(cert.common_name, await self.standing(cert))
+        except UpgradeRefused as exc:
+            raise self.refuse(cert, address, exc) from None
+        return await artifacts.handle(request, self.artifacts, cert.common_name)
+
+    def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:
+        """A certified peer's refused request, logged; the answer saying why, to raise."""
+        stage = "upgrade" if exc.status == 400 else "identity"
+        log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
+        self.stats.abort(LISTENER, "refused")
+        return HTTPError(exc.status, str(exc))
+
+    def upgrade(
+        self, run: Callable[[trio.abc.Stream, bytes], Awaitable[None]], cert: CertInfo, address: str
+    ) -> Upgrade:
+        """The connection handed to `run` (the link), which may end it any way: what the peer
+        did is counted and logged at info, a bug of ours with its traceback."""
+
+        async def contained(stream: trio.abc.Stream, prefix: bytes) -> None:
+            try:
+                await run(stream, prefix)
+            except Exception as exc:  # - counted and logged here, a bug with its traceback
+                reason = peer_reason(exc)
+                if reason is None and only(exc, _LINK_BROKEN):
+                    reason = "closed"
+                if reason is None:
+                    self.stats.abort(LISTENER, "internal")
+                    log.exception("agent_link_failed", address=address, cn=cert.common_name)
+                    return
                 self.stats.abort(LISTENER, reason)
                 detail = repr(leaves(exc)[0])
-                if cert is None:  # not known to be an agent: one of a flood, maybe
-                    self._refusal("info", "agent_link_closed", address, reason, cn=cn, reason=reason, detail=detail)
-                else:
-                    log.info("agent_link_closed", address=address, cn=cn, reason=reason, detail=detail)
-        finally:
-            place.leave()
-            await trio.aclose_forcefully(stream)
+                log.info("agent_link_closed", address=address, cn=cert.common_name, reason=reason, detail=detail)
+
+        return Upgrade(contained)
 
     def _shed(self, reason: str, peer: str) -> None:
         """Count and log (debug) a connection closed or turned away to make room."""
@@ -231,7 +335,7 @@ class AgentListener:
                 return False
         return not shed.cancelled_caught
 
-    async def _refuse_agents_full(self, stream: trio.SSLStream, cert: CertInfo, address: str) -> None:
+    async def _refuse_agents_full(self, stream: trio.abc.Stream, cert: CertInfo, address: str) -> None:
         """A certified agent past `max_agent_connections`: 503 with Retry-After, and it retries."""
         self.stats.shed.inc(listener=LISTENER, reason="agents_full")
         message = (
@@ -241,92 +345,26 @@ class AgentListener:
         self._refusal(
             "warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message
         )
+
+        async def full(request: Request) -> Answer:
+            raise HTTPError(503, message, headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),))
+
         with trio.move_on_after(REFUSAL_SEND_S):
-            head = await agentport.read_head(stream)
-            await agentport.answer(
-                stream,
-                head,
-                503,
-                message,
-                timeout_s=REFUSAL_SEND_S,
-                headers=(("retry-after", str(AGENTS_FULL_RETRY_S)),),
-            )
-
-    async def _serve(
-        self, stream: trio.SSLStream, cert: CertInfo | None, address: str, place: _Place, deadline: float
-    ) -> None:
-        cn = cert.common_name if cert is not None else "-"
-        if cert is None:
-            # Still unproven: its head by the handshake's deadline, and it may be closed for a
-            # newer connection while it waits.
-            with self.unproven_idle.waiting(peer=address) as shed:
-                with trio.move_on_at(deadline) as late:
-                    head = await agentport.read_head(stream)
-            if shed.cancelled_caught:
-                return
-            if late.cancelled_caught:
-                self.stats.abort(LISTENER, "head_timeout")
-                self._refusal("info", "agent_link_closed", address, "head_timeout", cn=cn, reason="head_timeout")
-                return
-        else:
-            try:
-                with trio.fail_after(HEAD_TIMEOUT_S):
-                    head = await agentport.read_head(stream)
-            except trio.TooSlowError:
-                self.stats.abort(LISTENER, "head_timeout")
-                log.info("agent_link_closed", address=address, cn=cn, reason="head_timeout")
-                return
-        where = agentport.route(head.request)
-        if where is Route.NOT_HTTP:
-            self.stats.abort(LISTENER, "malformed")
-            await agentport.answer(stream, head, 400, "expected an HTTP request", timeout_s=REFUSAL_SEND_S)
-            return
-        assert head.request is not None
-        if where is Route.RELEASE:  # public files: no certificate needed, none checked
-            place.leave_unproven()  # bounded by releases.MAX_DOWNLOADS from here
-            await releases.serve(
-                stream, head.conn, head.request, self.releases, address, send_timeout_s=self.send_timeout_s
-            )
-            return
-        if cert is None:
-            # What OpenSSL would have refused at the handshake had the release route not needed
-            # peers without a certificate: logged and worded as that refusal.
-            self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
-            self.stats.abort(LISTENER, "tls")
-            await agentport.answer(stream, head, 403, NO_CERTIFICATE_CLIENT, timeout_s=REFUSAL_SEND_S)
-            return
-        if where is Route.LINK:
-            await self.serve_link(stream, head, cert, address)
-            return
-        try:
-            s.check_standing(cert.common_name, await self.standing(cert))
-        except UpgradeRefused as exc:
-            await self.refuse(stream, head, cert, address, exc)
-            return
-        await artifacts.serve(
-            stream, head.conn, head.request, self.artifacts, cert.common_name, send_timeout_s=self.send_timeout_s
-        )
-
-    async def refuse(
-        self, stream: trio.SSLStream, head: agentport.Head, cert: CertInfo, address: str, exc: UpgradeRefused
-    ) -> None:
-        """Answer a certified peer's refused request in plain HTTP, saying why."""
-        stage = "upgrade" if exc.status == 400 else "identity"
-        log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
-        self.stats.abort(LISTENER, "refused")
-        await agentport.answer(stream, head, exc.status, str(exc), timeout_s=REFUSAL_SEND_S)
+            await self._serve_http(stream, full)
 
 
-class _Place:
+class Place:
     """Which of the listener's budgets one connection counts in: the unproven one from its
     accept; the agents' once it has shown a client certificate; neither once it fetches a
     release file (bounded by releases.MAX_DOWNLOADS)."""
 
-    def __init__(self, listener: AgentListener) -> None:
+    def __init__(self, listener: AgentListener, *, unproven: bool) -> None:
+        """`unproven`: admitted to the unproven budget (`listener.unproven.admit`)."""
         self.listener = listener
-        self.unproven = True
+        self.unproven = unproven
         self.agent = False
-        listener.stats.unproven.inc(listener=LISTENER)
+        if unproven:
+            listener.stats.unproven.inc(listener=LISTENER)
 
     def leave_unproven(self) -> None:
         if self.unproven:

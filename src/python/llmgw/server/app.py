@@ -34,8 +34,10 @@ from llmgw import paths
 from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
+from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, bound_address
+from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.metrics import Registry as MetricsRegistry
@@ -52,7 +54,7 @@ from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.enginekeys import EngineKeys
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
-from llmgw.server.gateway.app import Gateway, GatewayOptions
+from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.intent import NodeIntent
 from llmgw.server.liveness import Reconciler
@@ -132,8 +134,8 @@ class ControlPlane:
             ),
             silence_timeout_s=config.server.heartbeat_ttl_s,
             stats=self.connections,
+            limits=config.http,
             max_connections=config.http.max_agent_connections,
-            send_timeout_s=config.http.send_timeout_s,
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(
@@ -146,7 +148,7 @@ class ControlPlane:
         self.endpoints = GatewayEndpoints(
             registry=self.registry, replicas=self.replicas, models=models, retiring=retiring, changes=self.changes
         )
-        self.gateway = Gateway(self.endpoints, KeyRing(store), options=GatewayOptions.of(config.gateway))
+        self.gateway = Gateway(self.endpoints, KeyRing(store), options=config.gateway)
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,

@@ -3,8 +3,8 @@
 An archive is available when a file in `STATE_DIR/artifacts/` has its sha256 — whatever the
 file is called, so an operator can drop in a download by hand. Agents ask for
 `GET /v1/artifacts/SHA256` on the agent port (the same TLS port and client certificate as the
-link; `llmgw.server.agentport` routes the request here) and may resume with `Range: bytes=N-`;
-anything else of HTTP is not offered here.
+link; `llmgw.server.agentport` routes the request here, `handle` answers it) and may resume with
+`Range: bytes=N-`; anything else of HTTP is not offered here.
 
 The index (which file holds which sha256) is disk work: a directory listing, a stat of each
 file, and the sha256 of a whole archive for any file not named by its hash. It is never built
@@ -24,20 +24,19 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import BinaryIO
 
 import attrs
-import h11
 import trio
 
 from llmgw.download import sha256_of
+from llmgw.http.errors import HTTPError
+from llmgw.http.files import FileBody, open_file
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wire.agent_link import ARTIFACTS_PREFIX
 
 log = get_logger("llmgw.artifacts")
 
-CHUNK = 1 << 20
-SEND_TIMEOUT_S = 30.0
 INDEX_INTERVAL_S = 10.0  # how soon an archive dropped in by hand is offered to nodes that did not ask
 # A listing is reused only if it was taken this long after the directory's last change: a file
 # added within the same mtime tick as the listing would otherwise go unseen.
@@ -155,42 +154,29 @@ class Artifacts:
                     await on_change()
 
 
-def _open(path: Path) -> tuple[BinaryIO, int] | None:
-    try:
-        f = path.open("rb")
-    except OSError:
-        return None  # gone since the index was built
-    return f, os.fstat(f.fileno()).st_size
-
-
-async def serve(
-    stream: trio.abc.Stream,
-    conn: h11.Connection,
-    request: h11.Request,
-    artifacts: Artifacts,
-    node: str,
-    *,
-    send_timeout_s: float = SEND_TIMEOUT_S,
-) -> None:
-    """Answer one artifact request on an h11 connection whose request head has been read.
-    Every write must drain within `send_timeout_s` (`TooSlowError` otherwise): an agent that
-    stops reading does not hold the connection and the file open."""
-    target = request.target.decode("latin-1")
-    sha256 = target.removeprefix(ARTIFACTS_PREFIX)
-    ok = _SHA.match(sha256) and request.method == b"GET"
-    path = await artifacts.find(sha256) if ok else None
-    opened = await trio.to_thread.run_sync(_open, path) if path is not None else None
-
-    async def send(data: bytes) -> None:
-        with trio.fail_after(send_timeout_s):
-            await stream.send_all(data)
-
+async def handle(request: Request, artifacts: Artifacts, node: str) -> Response | StreamingResponse:
+    """Answer one artifact request (`node`'s, its certificate checked): the archive whole, or
+    from the offset `Range: bytes=N-` asks (206), or 416; 404 for a hash not held. Sent by the
+    shared server: each write within the send deadline, so an agent that stops reading does not
+    hold the connection and the file open."""
+    allow(request, "GET")
+    sha256 = request.target.decode("latin-1").removeprefix(ARTIFACTS_PREFIX)
+    path = await artifacts.find(sha256) if _SHA.match(sha256) else None
+    opened = await open_file(path) if path is not None else None
     if opened is None:
-        await _send(send, conn, 404, b"no such artifact on this control plane\n")
-        return
+        raise HTTPError(404, "no such artifact on this control plane")
     f, size = opened
-    with f:
-        await _send_file(send, conn, request, f, size, node, sha256)
+    start = range_start(request.headers.get("range", ""), size)
+    if start is None:
+        f.close()
+        return Response(status=416, headers=(("content-range", f"bytes */{size}"),))
+    log.info("artifact_served", node=node, sha256=sha256, offset=start, size=size)
+    return StreamingResponse(
+        status=206 if start else 200,
+        body=FileBody(f, size - start, start=start),
+        headers=(("content-range", f"bytes {start}-{size - 1}/{size}"),) if start else (),
+        length=size - start,
+    )
 
 
 # The one range form agents send (`llmgw.download` resuming a partial file): "bytes=N-".
@@ -217,30 +203,3 @@ def range_start(header: str, size: int) -> int | None:
         return None  # more digits than the size has: past the end
     start = int(digits)
     return start if start < size else None
-
-
-async def _send_file(
-    send, conn: h11.Connection, request: h11.Request, f: BinaryIO, size: int, node: str, sha256: str
-) -> None:
-    headers = dict((k.lower(), v) for k, v in request.headers)
-    start = range_start(headers.get(b"range", b"").decode("latin-1"), size)
-    if start is None:
-        await _send(send, conn, 416, b"", [(b"content-range", f"bytes */{size}".encode())])
-        return
-    status = 206 if start else 200
-    extra = [(b"content-range", f"bytes {start}-{size - 1}/{size}".encode())] if start else []
-    log.info("artifact_served", node=node, sha256=sha256, offset=start, size=size)
-    response = h11.Response(status_code=status, headers=[(b"content-length", str(size - start).encode()), *extra])
-    await send(conn.send(response))
-    f.seek(start)
-    while True:
-        block = await trio.to_thread.run_sync(f.read, CHUNK)
-        if not block:
-            break
-        await send(conn.send(h11.Data(data=block)))
-    await send(conn.send(h11.EndOfMessage()))
-
-
-async def _send(send, conn: h11.Connection, status: int, body: bytes, headers=()) -> None:
-    data = conn.send(h11.Response(status_code=status, headers=[(b"content-length", str(len(body)).encode()), *headers]))
-    await send(data + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))

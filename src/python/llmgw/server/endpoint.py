@@ -2,8 +2,8 @@
 `llmgw.wire.session.ServerSession`, keeps the link's deadlines and acts on the session's events.
 Every rule of the link is the session's; around them, this module does the I/O:
 
-1. `serve_link`: the store's word on the certificate (`standing`) and the upgrade request go to
-   `ServerSession.upgrade`; a refusal is answered in plain HTTP, saying why.
+1. `link`: `ServerSession.upgrade` judges the request and the store's word on the certificate;
+   refused, it is answered in plain HTTP saying why, accepted, with an `Upgrade` (`_serve_link`).
 2. The WebSocket is accepted, its first frame given to the session within HELLO_TIMEOUT_S. A
    `Joined` records the node (store, registry); then the link's one writer (`linkio.Writer`)
    writes the Welcome and first DesiredState the session queued, and once the Welcome is out
@@ -13,8 +13,7 @@ Every rule of the link is the session's; around them, this module does the I/O:
    and one whose agent takes no frame within SEND_TIMEOUT_S are closed.
 
 Only the writer writes: `push_desired_state`, `request_logs`, `close_node` and the receive loop
-queue. A node's newer link replaces an older one. The connections themselves (budgets, TLS, the
-request head and its route) are `AgentListener`'s: `AgentEndpoint` is that listener with links.
+queue. The connections (budgets, TLS, HTTP, routes) are `AgentListener`'s, which this extends.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import trio
 import trio_websocket
 
 from llmgw import linkio
+from llmgw.http.messages import Request, Upgrade
 from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
@@ -91,25 +91,28 @@ class AgentEndpoint(AgentListener):
         for link in list(self.links.values()):
             link.push()  # an archive came or went: `mirrored` changed
 
-    async def serve_link(self, stream: trio.SSLStream, head: agentport.Head, cert: CertInfo, address: str) -> None:
+    async def link(self, request: Request, cert: CertInfo, address: str) -> Upgrade:
+        """The link's request: the session judges it with the store's word on the certificate
+        (a refusal is answered in plain HTTP, saying why); accepted, the connection is handed
+        to the WebSocket (`_serve_link`)."""
         node_id = cert.common_name
         session = s.ServerSession(
             node_id, heartbeat_interval_s=self.heartbeat_interval_s, desired_state=partial(self.desired_state, node_id)
         )
         try:
-            session.upgrade(agentport.upgrade_request(head), await self.standing(cert))
+            session.upgrade(agentport.upgrade_request(request), await self.standing(cert))
         except UpgradeRefused as exc:
-            await self.refuse(stream, head, cert, address, exc)
-            return
-        async with trio.open_nursery() as nursery:
-            # trio-websocket reads the connection in a task of this nursery; it ends with the
-            # connection, whichever way.
-            try:
-                with trio.fail_after(HELLO_TIMEOUT_S):
-                    ws = await agentport.accept_link(nursery, stream, head)
-                await self._run_link(ws, session, cert, address)
-            finally:
-                nursery.cancel_scope.cancel()
+            raise self.refuse(cert, address, exc) from None
+        return self.upgrade(partial(self._serve_link, session, cert, address), cert, address)
+
+    async def _serve_link(
+        self, session: s.ServerSession, cert: CertInfo, address: str, stream: trio.abc.Stream, prefix: bytes
+    ) -> None:
+        async with trio.open_nursery() as nursery:  # trio-websocket's reader, which ends with the link
+            with trio.fail_after(HELLO_TIMEOUT_S):
+                ws = await agentport.accept_link(nursery, stream, prefix)
+            await self._run_link(ws, session, cert, address)
+            nursery.cancel_scope.cancel()
 
     async def _run_link(
         self, ws: trio_websocket.WebSocketConnection, session: s.ServerSession, cert: CertInfo, address: str
@@ -292,6 +295,5 @@ class AgentEndpoint(AgentListener):
 
 
 def _engine_mark(e: w.EngineStatus) -> str:
-    if e.state == w.ENGINE_INSTALLING:
-        return f" (installing: {e.phase})"
-    return "" if e.ok else " (failed)"
+    installing = e.state == w.ENGINE_INSTALLING
+    return f" (installing: {e.phase})" if installing else "" if e.ok else " (failed)"

@@ -16,7 +16,9 @@ import trio
 from llmgw.config import ServerConfig
 from llmgw.errors import MachineError
 from llmgw.http.listeners import ConnectionStats, Shutdown
-from llmgw.http.server import Handler, Limits, serve_http
+from llmgw.http.messages import Handler
+from llmgw.http.openai import error_body
+from llmgw.http.server import serve_http
 from llmgw.log import get_logger
 from llmgw.server.gateway.app import Gateway
 
@@ -58,7 +60,8 @@ async def serve_front(
                 handler,
                 host,
                 port,
-                limits=http_limits(config),
+                limits=config.http,
+                errors=error_body,
                 stats=stats,
                 shutdown=shutdown,
                 sockets=sockets,
@@ -85,11 +88,6 @@ async def serve_front(
                 if not finished:
                     log.warning("server_drain_timed_out", in_flight=sum(gateway.in_flight.values()), after_s=drain_s)
             http_scope.cancel()
-
-
-def http_limits(config: ServerConfig) -> Limits:
-    """The HTTP listener's limits from `[http]` (same names; the agents' budget is the endpoint's)."""
-    return Limits(**{f.name: getattr(config.http, f.name) for f in attrs.fields(Limits)})
 
 
 def cannot_listen(key: str, value: str, exc: OSError) -> MachineError:

@@ -37,7 +37,9 @@ import trio
 import llmgw.page
 from llmgw.errors import cut, shown
 from llmgw.http import params
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse
+from llmgw.http.errors import HTTPError
+from llmgw.http.jsonbody import read_json
+from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server import events
 from llmgw.server.gateway.history import History
@@ -266,7 +268,7 @@ class Page:
             _allow(request, "POST")
             if caller.session is not None:
                 raise HTTPError(403, "a page session cannot make logins; use the admin credential (`llmgw ctl page`)")
-            body = await request.json()
+            body = await read_json(request)
             body = {} if body is None else body  # no body: no actions
             if (
                 not isinstance(body, dict)

@@ -16,8 +16,8 @@ plane serves"):
 The request names a file; it is looked up in that catalog by exact name and never joined to a
 path, so nothing outside the catalog can be named (no traversal). These are public files, served
 without a client certificate (a node has none yet when it fetches its release): the endpoint
-admits a peer without one to this route alone. At most MAX_DOWNLOADS are sent at once, each
-write within the send deadline; the catalog (a directory read, perhaps a whole-file hash) is
+admits a peer without one to this route alone (`handle` answers it). At most MAX_DOWNLOADS are
+sent at once, each write within the send deadline; the catalog (a directory read, perhaps a whole-file hash) is
 built off the loop at each request, reusing the hash of a file whose size, mtime and inode are
 unchanged. The last catalog built is kept (`latest`): what the nodes are told to install is read
 from it synchronously, and it is built at start, at each request and at each reload.
@@ -25,19 +25,19 @@ from it synchronously, and it is built at start, at each request and at each rel
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO
 
 import attrs
-import h11
 import trio
 
 from llmgw.download import sha256_of
 from llmgw.engines.wants import ReleaseArchive
 from llmgw.errors import UsageError, cut
+from llmgw.http.errors import HTTPError
+from llmgw.http.files import FileBody, open_file
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.releasefiles import (
     LLAMA_NAME,
@@ -53,7 +53,6 @@ from llmgw.wire.agent_link import RELEASE_PREFIX
 
 log = get_logger("llmgw.releases")
 
-CHUNK = 1 << 20
 MAX_DOWNLOADS = 8  # release files sent at once; a ninth peer is told 503 and retries
 MAX_SUMS_BYTES = 1 << 20
 
@@ -195,76 +194,42 @@ class Releases:
             log.info("releases_served", source=catalog.source, files=[], why=catalog.missing)
 
 
-def _open(path: Path) -> tuple[BinaryIO, int] | None:
-    try:
-        f = path.open("rb")
-    except OSError:
-        return None
-    return f, os.fstat(f.fileno()).st_size
-
-
-async def serve(
-    stream: trio.abc.Stream,
-    conn: h11.Connection,
-    request: h11.Request,
-    releases: Releases,
-    peer: str,
-    *,
-    send_timeout_s: float,
-) -> None:
-    """Answer one request for a release file on an h11 connection whose head has been read.
-    Every write must drain within `send_timeout_s` (`TooSlowError` otherwise)."""
-
-    async def send(data: bytes) -> None:
-        with trio.fail_after(send_timeout_s):
-            await stream.send_all(data)
-
+async def handle(request: Request, releases: Releases, peer: str) -> Response | StreamingResponse:
+    """Answer one request for a release file, by exact name from the catalog (never a path).
+    Sent by the shared server: each write within the send deadline; a download holds one of
+    MAX_DOWNLOADS slots until its response ends, however it ends."""
+    allow(request, "GET")
     name = request.target.decode("latin-1").removeprefix(RELEASE_PREFIX)
-    if request.method != b"GET":
-        await _answer(send, conn, 405, f"only GET {RELEASE_PREFIX}NAME is served here\n", [(b"allow", b"GET")])
-        return
     if name != SUMS and not is_release_name(name):
-        await _answer(send, conn, 404, f"not a release file: {RELEASE_PREFIX}{SUMS} lists those served\n")
-        return
+        raise HTTPError(404, f"not a release file: {RELEASE_PREFIX}{SUMS} lists those served")
     catalog = await releases.catalog()
     if not catalog.files:
-        await _answer(send, conn, 404, catalog.missing + "\n")
-        return
+        raise HTTPError(404, catalog.missing)
     if name == SUMS:
-        await _answer(send, conn, 200, catalog.sums().decode())
-        return
+        return Response(status=200, body=catalog.sums(), headers=(("content-type", "text/plain; charset=utf-8"),))
     entry = catalog.files.get(name)
     if entry is None:
-        await _answer(send, conn, 404, f"this control plane does not hold {cut(name)}; {SUMS} lists what it holds\n")
-        return
+        raise HTTPError(404, f"this control plane does not hold {cut(name)}; {SUMS} lists what it holds")
     try:
         releases.slots.acquire_nowait()
     except trio.WouldBlock:
-        await _answer(send, conn, 503, f"{MAX_DOWNLOADS} release downloads are in flight; try again shortly\n")
-        return
+        raise HTTPError(503, f"{MAX_DOWNLOADS} release downloads are in flight; try again shortly") from None
     try:
-        opened = await trio.to_thread.run_sync(_open, entry.path)
-        if opened is None:
-            await _answer(send, conn, 404, f"{name} is gone from {catalog.source}\n")
-            return
-        f, size = opened
-        with f:
-            # A Range header is ignored, as RFC 9110 §14.2 allows: the whole file, 200. A node
-            # fetches its release whole; there is nothing here to resume, nor to parse.
-            headers = [(b"content-length", str(size).encode()), (b"content-type", b"application/octet-stream")]
-            await send(conn.send(h11.Response(status_code=200, headers=headers)))
-            left = size  # what was announced, even if the file changes meanwhile (h11 refuses a short body)
-            while left and (block := await trio.to_thread.run_sync(f.read, min(CHUNK, left))):
-                left -= len(block)
-                await send(conn.send(h11.Data(data=block)))
-            await send(conn.send(h11.EndOfMessage()))
-        log.info("release_served", peer=peer, name=name, size=size, sha256=entry.sha256)
-    finally:
+        opened = await open_file(entry.path)
+    except BaseException:
         releases.slots.release()
-
-
-async def _answer(send, conn: h11.Connection, status: int, body: str, headers=()) -> None:
-    data = body.encode()
-    head = [(b"content-length", str(len(data)).encode()), (b"content-type", b"text/plain; charset=utf-8"), *headers]
-    await send(conn.send(h11.Response(status_code=status, headers=head)) + conn.send(h11.Data(data=data)))
-    await send(conn.send(h11.EndOfMessage()))
+        raise
+    if opened is None:
+        releases.slots.release()
+        raise HTTPError(404, f"{name} is gone from {catalog.source}")
+    f, size = opened
+    log.info("release_served", peer=peer, name=name, size=size, sha256=entry.sha256)
+    # A Range header is ignored, as RFC 9110 §14.2 allows: the whole file, 200. A node fetches
+    # its release whole; there is nothing here to resume, nor to parse. What is announced is
+    # what is sent, even if the file changes meanwhile (`FileBody` ends short rather than long).
+    return StreamingResponse(
+        status=200,
+        body=FileBody(f, size, on_close=releases.slots.release),
+        headers=(("content-type", "application/octet-stream"),),
+        length=size,
+    )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import attrs
 
-from llmgw.http.server import HTTPError
+from llmgw.http.errors import HTTPError
 from llmgw.simengine.text import Completion, count_tokens
 
 Kind = Literal["chat", "completion"]

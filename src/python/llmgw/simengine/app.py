@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from llmgw.http.jsonbody import JsonWorkers
-from llmgw.http.server import HTTPError, Request, Response, StreamingResponse, allow, parse_body
+from llmgw.http.errors import HTTPError
+from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor
 from llmgw.simengine import api

@@ -12,6 +12,7 @@ from functools import partial
 import trio
 
 from llmgw.errors import MachineError
+from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, serve_loop_lag
@@ -67,7 +68,9 @@ async def _serve_engine(
 ) -> None:
     async with trio.open_nursery() as nursery:
         try:
-            listeners = await nursery.start(serve_http, engine.handle, options.host, options.port)
+            listeners = await nursery.start(
+                partial(serve_http, errors=error_body), engine.handle, options.host, options.port
+            )
         except OSError as exc:
             raise MachineError(
                 f"cannot listen for HTTP on {format_addr((options.host, options.port))}: {exc.strerror or exc}; "

@@ -32,12 +32,12 @@ import random
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-import attrs
 import trio
 
 from llmgw.config import GatewaySection
-from llmgw.http.jsonbody import JsonWorkers
-from llmgw.http.server import BodyAborted, HTTPError, Request, Response, StreamingResponse, allow, parse_body
+from llmgw.http.errors import BodyAborted, HTTPError
+from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.server.gateway.errors import (
     UpstreamBroken,
@@ -72,33 +72,12 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
 _NOT_RELAYED = _HOP_BY_HOP | {"content-length", "date", "server"}
 _RETRY_STATUSES = (502, 503)
-
-
-@attrs.frozen(kw_only=True)
-class GatewayOptions:
-    """The gateway's knobs. Those server.toml's `[gateway]` sets have the same names there, and
-    the defaults and their reasons are in docs/configuration.md."""
-
-    queue_timeout_s: float = 30.0
-    max_queue: int = 1024  # requests waiting, all models together; past it, 503 at once
-    max_attempts: int = 3  # replicas tried per request
-    max_outstanding_per_replica: int = 0  # 0 = no cap
-    affinity_chars: int = 0  # 0 = no prefix affinity
-    connect_timeout_s: float = 1.0
-    first_byte_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 2.0
-    max_idle_per_replica: int = 64
-    max_buffered_body: int = 64 << 20
-    retry_after_s: int = 5
-
-    @classmethod
-    def of(cls, section: GatewaySection) -> GatewayOptions:
-        """The options server.toml's `[gateway]` sets, the rest at their defaults."""
-        return cls(**{f.name: getattr(section, f.name) for f in attrs.fields(GatewaySection)})
+# What the gateway's knobs do not set (server.toml's `[gateway]`, `GatewaySection`, sets the rest):
+RETRY_AFTER_S = 5  # Retry-After of a 503 for no replica, in seconds
+MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, up to this
 
 
 class EndpointProvider(Protocol):
@@ -135,7 +114,7 @@ class Gateway:
         provider: EndpointProvider,
         keys: KeyRing,
         *,
-        options: GatewayOptions | None = None,
+        options: GatewaySection | None = None,
         pool: UpstreamPool | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
@@ -148,7 +127,7 @@ class Gateway:
         # Large bodies are parsed in a worker process (started at the first); its owner closes it.
         self.json = json_workers or JsonWorkers()
         self.keys = keys
-        self.options = options = options or GatewayOptions()
+        self.options = options = options or GatewaySection()
         self.pool = pool or UpstreamPool(
             max_idle_per_endpoint=options.max_idle_per_replica,
             connect_timeout_s=options.connect_timeout_s,
@@ -381,9 +360,7 @@ class Gateway:
             )
 
     def _unavailable(self, why: str) -> HTTPError:
-        return HTTPError(
-            503, why, kind="unavailable_error", headers=(("retry-after", str(self.options.retry_after_s)),)
-        )
+        return HTTPError(503, why, kind="unavailable_error", headers=(("retry-after", str(RETRY_AFTER_S)),))
 
     async def _attempts(self, request: Request, job: _Job, prompt: str | None) -> Response | StreamingResponse:
         deadline = job.started + self.options.queue_timeout_s
@@ -459,7 +436,7 @@ class Gateway:
         )
         if upstream.header("content-length") is not None:
             try:
-                body = await upstream.read(self.options.max_buffered_body)  # UpstreamBroken: the caller retries
+                body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
             except UpstreamTooLarge as exc:
                 raise _counted(self, job.model, HTTPError(502, str(exc), kind="upstream_error")) from None
             finally:
@@ -539,16 +516,19 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
         job.finish(status)
 
 
-def _upstream_headers(request: Request, ep: Endpoint) -> list[tuple[str, str]]:
-    named = {h.strip() for h in request.headers.get("connection", "").lower().split(",") if h.strip()}
-    headers = [(k, v) for k, v in request.headers.items() if k not in _NOT_FORWARDED and k not in named]
-    if ep.api_key:
-        headers.append(("authorization", f"Bearer {ep.api_key}"))
+def _upstream_headers(request: Request, ep: Endpoint) -> list[tuple[bytes, bytes]]:
+    """The client's header fields as they came (byte pairs, repeats kept, in order) but for the
+    hop-by-hop ones, those `Connection` names, and what the gateway sets itself: the replica's key
+    and `X-Forwarded-For` (the client's list, then the client)."""
+    named = {t.strip().lower() for k, v in request.raw_headers if k == b"connection" for t in v.split(b",")}
     client_host = request.client.rpartition(":")[0]
+    dropped = _NOT_FORWARDED_BYTES | named | ({b"x-forwarded-for"} if client_host else set())
+    headers = [(k, v) for k, v in request.raw_headers if k not in dropped]
+    if ep.api_key:
+        headers.append((b"authorization", f"Bearer {ep.api_key}".encode()))
     if client_host:
-        prior = request.headers.get("x-forwarded-for")
-        headers = [(k, v) for k, v in headers if k != "x-forwarded-for"]
-        headers.append(("x-forwarded-for", f"{prior}, {client_host}" if prior else client_host))
+        chain = [v for k, v in request.raw_headers if k == b"x-forwarded-for"] + [client_host.encode()]
+        headers.append((b"x-forwarded-for", b", ".join(chain)))
     return headers
 
 

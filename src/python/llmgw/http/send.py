@@ -1,0 +1,203 @@
+"""Writing responses on an h11 connection, each write within `send_timeout_s` (a client that
+stops reading is cut: `trio.TooSlowError`).
+
+A whole `Response` goes out with its Content-Length; to a HEAD, its head alone (RFC 9110
+§9.3.2). A `StreamingResponse` goes out chunk by chunk as it is produced, with
+`transfer-encoding: chunked` unless it gives its `length` (h11 chooses, RFC 9112 §6.3; an
+HTTP/1.0 client gets a body delimited by closing the connection), while the connection is read
+(`wait_for_disconnect`), so a client that goes away cancels the producer at once rather than at
+its next chunk.
+
+After an error answer that closes the connection, what the client still sends is read and
+dropped for a moment (`linger`), so that closing does not reset the connection before the
+client has read the answer (RFC 9112 §9.6, "tear-down"). A connection the listener has no room
+for gets `busy_answer`, written before its request is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from http import HTTPStatus
+
+import h11
+import trio
+
+from llmgw.http.errors import Abort, BodyAborted, peer_reason
+from llmgw.http.limits import Limits
+from llmgw.http.messages import Headers, Response, StreamingResponse
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.http")
+
+RECEIVE_SIZE = 65536
+LINGER_S = 1.0
+LINGER_BYTES = 256 * 1024
+BUSY_SEND_S = 1.0
+
+
+async def send(stream, data: bytes, limits: Limits) -> None:
+    """Write, or `TooSlowError` when the peer has not taken it within `send_timeout_s`."""
+    with trio.fail_after(limits.send_timeout_s):
+        await stream.send_all(data)
+
+
+async def send_response(
+    conn: h11.Connection, stream, response: Response, limits: Limits, close: bool = False, head: bool = False
+) -> None:
+    """Send a whole response; to a HEAD, its head alone, with the length the body would have."""
+    headers = _fields(response.headers, len(response.body), close)
+    data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+    if response.body and not head:
+        data += conn.send(h11.Data(data=response.body))
+    await send(stream, data + conn.send(h11.EndOfMessage()), limits)
+
+
+def _fields(headers: Headers, length: int | None, close: bool) -> list[tuple[bytes, bytes]]:
+    """The response's header fields as bytes, with our Content-Length (none: chunked) and, when
+    closing, `Connection: close`."""
+    fields = [(_bytes(k), _bytes(v)) for k, v in headers]
+    fields = [(k, v) for k, v in fields if k.lower() != b"content-length"]
+    if length is not None:
+        fields.append((b"content-length", str(length).encode()))
+    if close:
+        fields.append((b"connection", b"close"))
+    return fields
+
+
+def _bytes(field: str | bytes) -> bytes:
+    return field if isinstance(field, bytes) else field.encode()
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+async def send_streaming(
+    conn: h11.Connection, stream, response: StreamingResponse, limits: Limits, close: bool = False, head: bool = False
+) -> None:
+    """Send a streamed response. The client going away, or the producer failing, ends the
+    connection (`Abort` or the stream's error). To a HEAD: the head alone, the producer closed
+    unstarted."""
+    headers = _fields(response.headers, response.length, close)
+    gone: list[bool] = []
+    try:
+        if head:
+            start = h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status))
+            await send(stream, conn.send(start) + conn.send(h11.EndOfMessage()), limits)
+            return
+        # Inside the try: a client gone before the head still gets the producer closed.
+        await send(
+            stream,
+            conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status))),
+            limits,
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await wait_for_disconnect(conn, stream, limits)
+                gone.append(True)
+                nursery.cancel_scope.cancel()  # the client is gone: stop the producer now
+
+            nursery.start_soon(watch)
+            try:
+                await send_body(conn, stream, response.body, limits)
+            finally:
+                nursery.cancel_scope.cancel()
+        if gone:
+            raise Abort("closed", message="the client closed the connection during a streamed response")
+    finally:
+        aclose = getattr(response.body, "aclose", None)
+        if aclose is not None:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await aclose()
+
+
+async def send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes], limits: Limits) -> None:
+    # The producer's failures and the client's are told apart: only the first is a bug to log,
+    # and neither is answered (the head is out): the connection closes without the last chunk.
+    chunks = aiter(body)
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except BodyAborted as exc:
+            raise Abort("body_aborted", message=str(exc)) from None  # said where it was raised
+        except Exception:
+            log.exception("http_stream_failed")
+            raise Abort("producer_failed", message="the streamed body's producer failed") from None
+        if not chunk:
+            continue  # an empty chunk would end a chunked body (RFC 9112 §7.1)
+        await send(stream, conn.send(h11.Data(data=chunk)), limits)
+    await send(stream, conn.send(h11.EndOfMessage()), limits)
+
+
+async def wait_for_disconnect(conn: h11.Connection, stream, limits: Limits) -> None:
+    """Read the connection while a response is made; return when the client has closed it.
+    Bytes that arrive meanwhile (a pipelined request) go to h11's buffer for the next cycle;
+    past one head's worth of them this stops reading and lets TCP push back (what is buffered
+    here is outside the body budget, so it stays small)."""
+    while len(conn.trailing_data[0]) < limits.max_head_bytes:
+        try:
+            data = await stream.receive_some(RECEIVE_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if not data:
+            return
+        conn.receive_data(data)
+    await trio.sleep_forever()
+
+
+async def answer_and_close(conn: h11.Connection, stream, limits: Limits, response: Response) -> None:
+    """Answer an error on a connection about to close, if no response has begun; whatever
+    the peer does meanwhile is ignored (it ends the connection either way)."""
+    if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return  # the response has begun: cutting the connection is the only signal left
+    try:
+        await send_response(conn, stream, response, limits, close=True)
+        await linger(stream)
+    except Exception as exc:  # - the connection ends either way; nothing may escape it
+        if peer_reason(exc) is None:
+            log.exception("http_error_answer_failed", status=response.status)
+
+
+async def linger(stream) -> None:
+    """Half-close and read what is still coming for a moment, so the answer just sent is not
+    destroyed by a reset when we close with unread data."""
+    send_eof = getattr(stream, "send_eof", None)
+    if send_eof is not None:
+        await send_eof()
+    read = 0
+    with trio.move_on_after(LINGER_S):
+        while read < LINGER_BYTES:
+            data = await stream.receive_some(RECEIVE_SIZE)
+            if not data:
+                return
+            read += len(data)
+
+
+def busy_answer(response: Response) -> bytes:
+    """`response` as the bytes of a whole answer that closes its connection, for a connection
+    turned away before its request is read (h11 answers only a request it has parsed; a client
+    reads this as the answer to the request it sends, RFC 9112 §9.6)."""
+    head = b"HTTP/1.1 %d %s\r\n" % (response.status, _reason(response.status))
+    for name, value in _fields(response.headers, len(response.body), close=True):
+        head += name + b": " + value + b"\r\n"
+    return head + b"\r\n" + response.body
+
+
+async def answer_busy(answer: bytes, stream: trio.abc.Stream) -> None:
+    """Turn away a connection the listener has no room for: `answer` (`busy_answer`), written
+    within BUSY_SEND_S, then a half-close and a short linger so the client reads it rather than
+    a reset. Never raises (but Cancelled); the caller closes the stream."""
+    try:
+        with trio.fail_after(BUSY_SEND_S):
+            await stream.send_all(answer)
+        await linger(stream)
+    except Exception as exc:  # - a refusal's failure ends that connection only
+        if peer_reason(exc) is None:
+            log.exception("http_busy_answer_failed")
