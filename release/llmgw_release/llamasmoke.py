@@ -94,10 +94,10 @@ def smoke(
         except subprocess.TimeoutExpired:
             raise SmokeError(f"{archive.name}: llama-server --version did not finish in {timeout:.0f} s") from None
         text = done.stdout + done.stderr
-        expected = f"version: {source.build_number} "
+        expected = f"(build {source.build_number}, commit {source.version})"  # LLAMA_BUILD_NUMBER, _COMMIT
         if done.returncode != 0 or expected not in text:
             raise SmokeError(
-                f"{archive.name}: `llama-server --version` exited {done.returncode} without {expected.strip()!r}:\n"
+                f"{archive.name}: `llama-server --version` exited {done.returncode} without {expected!r}:\n"
                 + text[-2000:]
             )
         version = next(line for line in text.splitlines() if line.startswith("version:"))
@@ -115,6 +115,7 @@ def _complete(
     port = _free_port()
     log = cwd / "server.log"
     args = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1", "-t", "2"]
+    args += ["-lv", "4"]  # the verbosity at which it says which CPU backend it loaded
     with log.open("wb") as out:
         proc = subprocess.Popen([*server, *args, "--no-webui"], stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     try:
