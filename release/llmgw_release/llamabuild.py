@@ -275,7 +275,8 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
         what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
         say(
             f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
-            f"(measured on 2 cores: amd64 about 20 minutes, arm64 about 25; LLAMA_BUILD_JOBS sets the jobs)"
+            "(measured on 2 cores that other work shared: amd64 19 to 25 minutes, arm64 20; "
+            "LLAMA_BUILD_JOBS sets the jobs)"
         )
         _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
         _run_logged(
