@@ -1,13 +1,17 @@
-"""`./pants run release:build -- --version X --out DIR`: the release zipapps, llmgw-provision-node and SHA256SUMS.
+"""`./pants run release:build -- --version X --out DIR`: the release zipapps, llama.cpp, llmgw-provision-node and SHA256SUMS.
 
-Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz`, `llmgw-provision-node` and
-`SHA256SUMS` into DIR. Each
+Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz`, `llmgw-provision-node`,
+`llama.cpp-bN-linux-amd64.tar.gz`, `llama.cpp-bN-linux-arm64.tar.gz` and `SHA256SUMS` into
+DIR. Each
 zipapp holds llmgw and agent from src/python, the runtime requirements pinned by default.lock
 with the wheels of every CPython 3.10-3.13 side by side, and `llmgw/_build_info.py` (version,
 commit, build date, target). The build date is the commit's time (or SOURCE_DATE_EPOCH), never
 the clock, so building one commit twice gives the same bytes. `llmgw-provision-node` (run on a
 Proxmox host, tools/provision) is shipped as it is in the source, with the release's version written
-into its `__version__` line.
+into its `__version__` line. The llama.cpp archives (llamacpp.py, llamabuild.py) come from
+their cache, built there first if this machine has not built that recipe yet (minutes: see
+docs/development.md), and each runs once before it is shipped (llamasmoke.py: `--version` and
+one completion on a tiny model; the foreign architecture under qemu-user).
 
 `build_release` takes every input explicitly; `main` finds them in the checkout (git for the
 commit and its time), which is what a test in a sandbox without git cannot do.
@@ -20,6 +24,7 @@ import hashlib
 import importlib.resources
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,8 +34,9 @@ from pathlib import Path
 
 import attrs
 
+from llmgw_release import llamabuild, llamacli, llamacpp, llamasmoke, wheels, zipapp
 from llmgw_release import lock as lockfile
-from llmgw_release import wheels, zipapp
+from testlib.tinygguf import write_tiny_llama
 
 ARCHES = ("amd64", "arm64")
 PACKAGES = ("llmgw", "agent")
@@ -59,6 +65,12 @@ class Inputs:
     index_url: str = wheels.PYPI
     # tools/provision/llmgw-provision-node, shipped beside the zipapps; None builds the zipapps alone.
     provision_tool: Path | None = None
+    # llama.cpp's archives are built into (or taken from) this cache (llamabuild); None ships none.
+    llama_cache: Path | None = None
+    llama_arches: tuple[str, ...] | None = None  # which of them; None: the release's architectures
+    llama_jobs: int = llamabuild.DEFAULT_JOBS
+    # Each archive answers one completion on this GGUF model before it ships; None: `--version` only.
+    llama_smoke_model: Path | None = None
 
 
 def artifact_name(version: str, arch: str) -> str:
@@ -174,9 +186,39 @@ def build_release(inputs: Inputs, out_dir: Path, arches: Sequence[str] = ARCHES,
             raise BuildError(str(exc)) from None
     if inputs.provision_tool is not None:
         artifacts.append(write_provision_tool(inputs.provision_tool, inputs.version, out_dir))
+    if inputs.llama_cache is not None:
+        artifacts += ship_llama(inputs, inputs.llama_cache, out_dir, inputs.llama_arches or tuple(arches), progress)
     sums = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(artifacts))
     (out_dir / "SHA256SUMS").write_text(sums)
     return [*artifacts, out_dir / "SHA256SUMS"]
+
+
+def ship_llama(inputs: Inputs, cache: Path, out_dir: Path, arches: Sequence[str], progress) -> list[Path]:
+    """Each architecture's llama.cpp archive from `cache` (built there if need be), run, then copied out."""
+    unknown = [a for a in arches if a not in llamacpp.ARCHES]
+    if unknown or not arches:
+        raise BuildError(f"llama.cpp architectures {list(arches)}: each must be one of {', '.join(llamacpp.ARCHES)}")
+    source = llamabuild.pinned_source()
+    shipped = []
+    for arch in arches:
+        try:
+            recipe = llamabuild.make_recipe(source, arch)
+            cached = llamabuild.archive_path(cache, recipe).is_file()
+            archive = llamabuild.ensure_archive(recipe, cache, jobs=inputs.llama_jobs, say=progress)
+            smoked = llamasmoke.smoke(archive, source, arch, model=inputs.llama_smoke_model)
+        except (llamabuild.LlamaBuildError, llamacpp.RecipeError) as exc:
+            raise BuildError(str(exc)) from None
+        path = out_dir / archive.name
+        shutil.copyfile(archive, path)
+        ran = f"{smoked.version}, {'qemu-user' if recipe.toolchain.cross else 'natively'}"
+        if smoked.backend:
+            ran += f", CPU backend {smoked.backend}, {llamasmoke.SMOKE_TOKENS} tokens"
+        progress(
+            f"{path}: {path.stat().st_size / 1e6:.1f} MB, {'from the cache' if cached else 'built'} "
+            f"({archive.parent}); ran: {ran}"
+        )
+        shipped.append(path)
+    return shipped
 
 
 # -- the command line: inputs from the checkout ---------------------------------------------
@@ -199,7 +241,16 @@ def _git(repo: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
-def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str) -> tuple[Inputs, bool]:
+def checkout_inputs(
+    repo: Path,
+    version: str,
+    wheel_cache: Path,
+    index_url: str,
+    *,
+    llama_cache: Path | None = None,
+    llama_jobs: int = llamabuild.DEFAULT_JOBS,
+    llama_smoke_model: Path | None = None,
+) -> tuple[Inputs, bool]:
     """Inputs from the checkout, and whether it has uncommitted changes to what is built."""
     commit = _git(repo, "rev-parse", "--short=12", "HEAD")
     dirty = bool(
@@ -216,6 +267,9 @@ def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str)
         wheel_cache=wheel_cache,
         index_url=index_url,
         provision_tool=repo / "tools" / "provision" / PROVISION_TOOL,
+        llama_cache=llama_cache,
+        llama_jobs=llama_jobs,
+        llama_smoke_model=llama_smoke_model,
     )
     return inputs, dirty
 
@@ -223,7 +277,10 @@ def checkout_inputs(repo: Path, version: str, wheel_cache: Path, index_url: str)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="release:build",
-        description="Build the llmgw release zipapps, llmgw-provision-node and SHA256SUMS from this checkout.",
+        description=(
+            "Build the llmgw release from this checkout: the zipapps, llama.cpp for each architecture, "
+            "llmgw-provision-node and SHA256SUMS."
+        ),
         allow_abbrev=False,
     )
     parser.add_argument("--version", required=True, help="the release version, e.g. 0.2.0")
@@ -233,6 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--wheel-cache", type=Path, default=wheels.default_cache(), help="default: %(default)s")
     parser.add_argument("--index-url", default=wheels.PYPI, help="where missing wheels come from (default: PyPI)")
+    parser.add_argument(
+        "--llama-cache",
+        type=Path,
+        default=llamabuild.cache_root(),
+        help="where llama.cpp's archives are built once and kept, shared with ./pants test (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--llama-jobs", type=int, default=None, help="compile jobs for llama.cpp (default: $LLAMA_BUILD_JOBS or 2)"
+    )
     args = parser.parse_args(argv)
 
     def progress(message: str) -> None:
@@ -240,14 +306,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     try:
+        jobs = args.llama_jobs if args.llama_jobs is not None else llamacli.build_jobs()
+        if jobs < 1:
+            raise BuildError(f"--llama-jobs {jobs}: must be 1 or more")
         repo = find_checkout(Path.cwd())
-        inputs, dirty = checkout_inputs(repo, args.version, args.wheel_cache, args.index_url)
-        if dirty:
-            progress(
-                f"uncommitted changes under src/python, release, 3rdparty/python or tools/provision: commit is {inputs.commit}"
+        with tempfile.TemporaryDirectory(prefix="llmgw-release-model-") as models:
+            inputs, dirty = checkout_inputs(
+                repo,
+                args.version,
+                args.wheel_cache,
+                args.index_url,
+                llama_cache=args.llama_cache.resolve(),
+                llama_jobs=jobs,
+                llama_smoke_model=write_tiny_llama(Path(models) / "tiny.gguf"),
             )
-        paths = build_release(inputs, args.out.resolve(), tuple(dict.fromkeys(args.arch or ARCHES)), progress)
-    except BuildError as exc:
+            if dirty:
+                progress(
+                    f"uncommitted changes under src/python, release, 3rdparty/python or tools/provision: commit is {inputs.commit}"
+                )
+            paths = build_release(inputs, args.out.resolve(), tuple(dict.fromkeys(args.arch or ARCHES)), progress)
+    except (BuildError, llamabuild.LlamaBuildError) as exc:
         print(f"release: {exc}", file=sys.stderr)
         return 1
     progress(f"built {inputs.commit} ({build_date(inputs.source_date_epoch)}) in {time.monotonic() - started:.1f}s")

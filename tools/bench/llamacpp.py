@@ -6,7 +6,8 @@ llama.cpp spec.
 
 Without --model it makes the tests' tiny model (tests/testlib/tinygguf.py: 2 layers, 64 wide,
 seeded), which measures llama-server's own overhead per token rather than arithmetic. Without
---server it uses $LLMGW_LLAMA_SERVER or tools/llama/build-llama-server's cache.
+--server it uses $LLMGW_LLAMA_SERVER, or the llama-server tools/llama/build-llama-server keeps
+in its cache (the release's portable build, as `./pants test` made it).
 
 Runs one warm-up request, then a single stream (requests one after another) and then
 `--concurrency` clients sharing `--requests` requests, every request generating exactly
@@ -36,17 +37,20 @@ from pathlib import Path
 from llmgw.config import Secret
 from llmgw.engines import ReplicaLaunch, build_command
 
-LLAMA_VERSION = "11434.0.0"
+BUILD_LLAMA = Path(__file__).resolve().parents[2] / "tools" / "llama" / "build-llama-server"
 MAX_REQUESTS = 10_000
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
 
 
 def default_server() -> str:
+    """$LLMGW_LLAMA_SERVER, else the cached build's path ("" when there is none)."""
     if os.environ.get("LLMGW_LLAMA_SERVER"):
         return os.environ["LLMGW_LLAMA_SERVER"]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(cache / "llmgw-llama" / LLAMA_VERSION / "bin" / "llama-server")
+    done = subprocess.run(
+        [sys.executable, "-I", str(BUILD_LLAMA), "--cached"], capture_output=True, text=True, timeout=60, check=False
+    )
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def free_port() -> int:
@@ -131,7 +135,7 @@ def main() -> None:
     if not 1 <= args.requests <= MAX_REQUESTS or args.concurrency < 1:
         parser.error(f"--requests must be 1..{MAX_REQUESTS} and --concurrency at least 1")
     if not os.access(args.server, os.X_OK):
-        parser.error(f"no llama-server at {args.server}; run tools/llama/build-llama-server or pass --server")
+        parser.error(f"no llama-server at {args.server!r}; run tools/llama/build-llama-server or pass --server")
 
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         model = args.model

@@ -44,8 +44,6 @@ PACKAGES = (
     "ca-certificates",
     "cloud-init",
     "locales",  # cloud-init's locale module sets LANG with it, as on Debian's cloud images
-    # The llama-server the tests build on this machine runs on the test machines too (OpenMP).
-    "libgomp1",
     # debootstrap resolves no virtual package: python3-cryptography (cloud-init's) needs the
     # python3-cffi-backend-api-* that only this one provides.
     "python3-cffi-backend",

@@ -2,18 +2,22 @@
 """What `./pants test` needs of this machine, provided before Pants starts.
 
 `./pants` runs this (with the Python 3.9 it runs Pants with) whenever its arguments name the
-`test` goal; `tools/testenv/prepare.py` runs it alone. It makes sure of two things, in order:
+`test` goal; `tools/testenv/prepare.py` runs it alone. It makes sure of these, in order:
 
 1. The Debian packages whose programs the tests run (NEEDS says which and why). It checks for
    the programs themselves, not for package records: a missing one is installed with apt-get
    when running as root; otherwise it prints the one `apt-get install` command to run and exits 1.
-2. A built llama-server (tools/llama/build-llama-server, cached under ~/.cache/llmgw-llama), unless
-   LLMGW_LLAMA_SERVER names one. The first build takes minutes and says so.
+2. llama.cpp, built the way the release ships it (tools/llama/build-llama-server: the portable
+   archive for this machine's architecture, every CPU variant, cached under ~/.cache/llmgw-llama
+   and unpacked there). The release test ships that archive; the engine tests and node add's
+   test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another. The first build
+   takes about 20 minutes on 2 cores and says so; `./pants run release:build` reuses it.
 3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
    made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once.
 
 Everything there: it prints nothing and costs a few stat() calls and one
-`build-llama-server --cached` (a `--version` of the cached binary): 0.05-0.2 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
+`build-llama-server --cached` (the compilers' `--version`, which key the cache, and the cached
+server's): 0.1-0.3 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
 need it cannot meet stops `./pants test` with a message naming it and the fix.
 
 Runs on CPython 3.9 (Pants' own interpreter) and later; the standard library only.
@@ -49,9 +53,10 @@ NEEDS: tuple[Need, ...] = (
     Need("ca-certificates", ("/etc/ssl/certs/ca-certificates.crt",), "Pants and pip reach PyPI over HTTPS"),
     Need("git", ("git",), "llmgw version and the release build read the commit"),
     Need("curl", ("curl",), "fetches llama.cpp's source; node add's node fetches the release with it"),
-    Need("cmake", ("cmake",), "builds llama-server"),
-    Need("ninja-build", ("ninja",), "builds llama-server"),
-    Need("g++", ("g++",), "builds llama-server"),
+    Need("cmake", ("cmake",), "builds llama.cpp"),
+    Need("ninja-build", ("ninja",), "builds llama.cpp"),
+    Need("g++", ("gcc", "g++"), "builds llama.cpp"),
+    Need("binutils", ("readelf",), "checks what each built llama.cpp library needs (readelf -d)"),
     Need("python3", ("/usr/bin/python3",), "node add's test node runs the release on the system's python3"),
     Need("openssh-server", ("/usr/sbin/sshd",), "node add's tests log into a real sshd"),
     Need(
@@ -199,35 +204,37 @@ def ensure_packages(m: Machine, needs: Sequence[Need] = NEEDS) -> bool:
 
 
 def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
+    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
+    if not _ensure_built(
+        m,
+        [sys.executable, "-I", str(build)],
+        "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests and node "
+        "add's test nodes run its llama-server. Building it once, as the release ships it (every CPU "
+        f"variant), from llama.cpp's source with {jobs} jobs (about 20 minutes on 2 cores; "
+        "LLAMA_BUILD_JOBS=N for more)",
+        "building llama.cpp",
+    ):
+        return False
     given = m.env.get("LLMGW_LLAMA_SERVER", "")
-    if given:
-        if m.quiet([given, "--version"]) == 0:
-            return True
+    if given and m.quiet([given, "--version"]) != 0:
         m.say(
             f"LLMGW_LLAMA_SERVER={given} does not run (`{given} --version` fails); fix it, or unset it to use the cached build"
         )
         return False
-    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
-    return _ensure_built(
-        m,
-        build,
-        "llama-server is not built yet: the llama.cpp engine tests and node add's test node run the real one. "
-        f"Building it once from llama.cpp's source with {jobs} jobs (about 5 minutes on 2 cores; "
-        "LLAMA_BUILD_JOBS=N for more)",
-        "building llama-server",
-    )
+    return True
 
 
-def _ensure_built(m: Machine, tool: Path, announce: str, doing: str) -> bool:
+def _ensure_built(m: Machine, tool: Sequence[str], announce: str, doing: str) -> bool:
     """`tool --cached` says whether it is built (status NOT_BUILT: not yet); if not, `tool` builds it."""
-    status, _ = m.capture([str(tool), "--cached"])
+    status, _ = m.capture([*tool, "--cached"])
     if status == 0:
         return True
     if status != NOT_BUILT:
-        m.say(f"{tool} --cached failed with status {status}")
+        m.say(f"{' '.join(tool)} --cached failed with status {status}")
         return False
-    m.say(f"{announce}: {tool.relative_to(ROOT) if tool.is_relative_to(ROOT) else tool}")
-    status, _ = m.capture([str(tool)])
+    script = Path(tool[-1])
+    m.say(f"{announce}: {script.relative_to(ROOT) if script.is_relative_to(ROOT) else script}")
+    status, _ = m.capture(list(tool))
     if status != 0:
         m.say(f"{doing} failed (above); fix that and run ./pants test again")
         return False
@@ -239,7 +246,7 @@ def ensure_debian_root(m: Machine, script: Path = DEBIAN_ROOT) -> bool:
         return True  # debootstrap needs root; prepare() says which tests need it
     return _ensure_built(
         m,
-        script,
+        [str(script)],
         "the systemd test machines' Debian 12 root is not built yet: node add's systemd tests and the "
         "provisioning tests boot it. Making it once with debootstrap from Debian's packages (about a minute)",
         "building the test machines' Debian root",

