@@ -1,9 +1,8 @@
 """llama.cpp from the control plane's release, on a real cluster on loopback: `llmgw server` with
 `[release] dir` and no `[engines.llamacpp]` at all, and `llmgw agent run` with no llamacpp_bin.
 
-The release directory holds the release's llama.cpp archive for this machine's architecture, made
-from the llama-server this machine has (testlib.llamarelease: the release's layout, a static
-binary as its llama-server). The agent fetches it from the control plane's agent port, checks its
+The release directory holds the release's own llama.cpp archive for this machine's architecture
+(the portable build `./pants test` made: every CPU variant as a library; testlib.llamarelease). The agent fetches it from the control plane's agent port, checks its
 sha256, unpacks it, checks `--version` and the help, reports the CPU backend it loads, and serves
 a GGUF model with it; `ctl nodes` counts the node's replicas down to 0 through a drain, as the docs
 tell an operator to follow it; the cluster page shows the backend. The control plane fetches no
@@ -28,11 +27,13 @@ from typing import Any
 import pytest
 import trio
 
+from agent.install.installer import llama_cpu_backend
 from llmgw import pins
 from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.browser import Chromium, open_tab
 from testlib.cluster import Cluster, wait_until
 from testlib.hardware import ib_root, sminfo
+from testlib.llama import llama_server
 from testlib.llamarelease import release_dir
 from testlib.tinygguf import write_tiny_llama
 
@@ -145,8 +146,11 @@ def test_the_default_llamacpp_is_the_releases_archive_fetched_checked_and_servin
     llama = wait_llama(cluster, "node-a")
     assert llama["ok"], llama["detail"]
     assert (llama["version"], llama["state"]) == (pins.LLAMACPP_VERSION, "ok")
-    # The stand-in links its CPU backend in; an all-variants build names the variant (test_cpubackend).
-    assert (llama["cpu_backend"], llama["cpu_note"]) == ("built-in", "")
+    # The release's build carries every CPU variant; the node names the one llama.cpp picks here,
+    # as llama.cpp itself would (each backend's score), and it is no baseline on this machine.
+    backend = trio.run(llama_cpu_backend, llama_server())
+    assert backend not in ("", "built-in", "none", "x64"), backend
+    assert (llama["cpu_backend"], llama["cpu_note"]) == (backend, "")
 
     # Fetched from the control plane's release, over the agent port, once.
     served = [e for e in cluster.server.events("release_served") if e["name"] == ARCHIVE]
@@ -156,15 +160,16 @@ def test_the_default_llamacpp_is_the_releases_archive_fetched_checked_and_servin
     current = node_dir / "engines" / "llamacpp" / "current"
     assert current.resolve().name == pins.LLAMACPP_VERSION
     top = ARCHIVE.removesuffix(".tar.gz")
-    assert sorted(p.name for p in (current / top).iterdir()) == ["LICENSE", "llama-server"]
+    shipped = {p.name for p in (current / top).iterdir()}
+    assert {"LICENSE", "llama-server", f"libggml-cpu-{backend}.so", "libggml-cpu-x64.so"} <= shipped
     agent = cluster.agents["node-a"]
     assert agent.events("engine_build_started") == [] and agent.events("engine_cpu_backend")[0]["cpu_backend"] == (
-        "built-in"
+        backend
     )
     # No node needs llama.cpp's source: the control plane fetched none (this test uses no network).
     assert cluster.server.events("mirror_fetched") == cluster.server.events("mirror_fetch_failed") == []
     row = table_row(cluster, "node-a")
-    assert "llamacpp[built-in],sim" in row and replicas_cell(cluster, "node-a") == "0"  # none yet
+    assert f"llamacpp[{backend}],sim" in row and replicas_cell(cluster, "node-a") == "0"  # none yet
 
     # llama.cpp from the release serves a GGUF model.
     model = write_tiny_llama(tmp_path / "tiny.gguf")
@@ -180,8 +185,8 @@ def test_the_default_llamacpp_is_the_releases_archive_fetched_checked_and_servin
     assert replicas_cell(cluster, "node-a") == f"1: {replica['replica']}"
 
     # The page shows the backend under the node's engines.
-    text = trio.run(page_shows_the_backend, cluster, "node-a", "built-in")
-    assert f"llamacpp {pins.LLAMACPP_VERSION} (CPU backend: built-in)" in text
+    text = trio.run(page_shows_the_backend, cluster, "node-a", backend)
+    assert f"llamacpp {pins.LLAMACPP_VERSION} (CPU backend: {backend})" in text
 
     # The drain as docs/node-onboarding.md tells it: drain, then `ctl nodes` until it holds none.
     # One node: nowhere to move the replica, so --force stops it.

@@ -174,7 +174,9 @@ class MemGateway:
     async def open(self) -> Client:
         """A new connection to the gateway."""
         client, server = trio.testing.memory_stream_pair()
-        self.net.nursery.start_soon(partial(serve_connection, self.gateway.handle, server, limits=self.limits, errors=error_body))
+        self.net.nursery.start_soon(
+            partial(serve_connection, self.gateway.handle, server, limits=self.limits, errors=error_body)
+        )
         await trio.lowlevel.checkpoint()
         return Client(client)
 

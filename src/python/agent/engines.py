@@ -13,7 +13,8 @@ llama.cpp's source on this node (`wanted_from`), in order: agent.toml's llamacpp
 (the operator's); an archive server.toml names that fits (cuda where there is a GPU); a CUDA build
 where the node has a GPU, nvcc and the rest of the toolchain; the control plane's release archive
 for this architecture, fetched from its agent port; a build from source. Once checked, the CPU
-backend it loads here is asked (`--list-devices`) and reported with it.
+backend it loads here is asked (`installer.llama_cpu_backend`: each backend's own score, as
+llama.cpp picks) and reported with it.
 
 While an install runs, its progress goes out in EnginesChanged (state "installing", phase and
 percent), throttled by agent.progress; an engine already in use stays offered (ok) while its

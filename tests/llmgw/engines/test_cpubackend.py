@@ -76,3 +76,21 @@ def test_doctor_and_the_note_share_their_wording() -> None:
 
     assert cpu.FIX_PROXMOX is cpubackend.FIX_PROXMOX and cpu.MEASURED is cpubackend.MEASURED
     assert cpu.virtual_model(cpu.CpuInfo(model="QEMU Virtual CPU version 2.5+", cores=1)) == "qemu64"
+
+
+def test_the_backend_is_the_best_scored_as_llama_cpp_picks_it() -> None:
+    # Scores of an all-variants amd64 build on an AMD EPYC (Zen 4), recorded here.
+    lines = "\n".join(
+        [
+            "libggml-cpu-alderlake.so 0",
+            "libggml-cpu-haswell.so 64",
+            "libggml-cpu-icelake.so 1472",
+            "libggml-cpu-sapphirerapids.so 0",
+            "libggml-cpu-x64.so 1",
+            "libggml-cpu-zen4.so 1984",
+        ]
+    )
+    assert cpubackend.best(lines) == "zen4"
+    assert cpubackend.best("libggml-cpu-x64.so 1\nlibggml-cpu-haswell.so 0") == "x64"
+    assert cpubackend.best("libggml-cpu-haswell.so 0\nlibggml-cpu-x64.so -1 cannot open") == cpubackend.NONE_LOADED
+    assert cpubackend.best("garbage\n\nlibggml-cpu-a.so notanumber") == cpubackend.NONE_LOADED

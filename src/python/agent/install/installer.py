@@ -30,6 +30,7 @@ import secrets
 import shutil
 import ssl
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -423,15 +424,19 @@ class _Reporter:
 
 
 async def llama_cpu_backend(executable: str, timeout_s: float = CHECK_TIMEOUT_S) -> str:
-    """The CPU backend llama-server loads on this machine (llmgw.engines.cpubackend): what its
-    `--list-devices` logs as it loads every backend, or "" if that cannot be asked."""
-    loadable = any(Path(executable).parent.glob("libggml-cpu*.so"))
+    """The CPU backend llama-server loads on this machine (llmgw.engines.cpubackend): BUILT_IN for
+    a build without loadable backends; else the one llama.cpp's own rule picks, asked of the
+    backends beside it (`cpubackend.SCORE_SCRIPT`, in a process of its own); "" if that cannot be
+    asked. (llama-server names the backend it loaded only at its most verbose, serving a model.)"""
+    directory = Path(executable).parent
+    if not any(directory.glob("libggml-cpu*.so")):
+        return cpubackend.BUILT_IN
     try:
-        output = await check_runs([executable, "--list-devices"], timeout_s)
+        output = await check_runs([sys.executable, "-I", "-c", cpubackend.SCORE_SCRIPT, str(directory)], timeout_s)
     except EngineCheckFailed as exc:
         log.warning("engine_cpu_backend_unknown", executable=executable, reason=str(exc))
         return ""
-    return cpubackend.parse(output, loadable=loadable)
+    return cpubackend.best(output)
 
 
 async def check_flags(engine: str, executable: str, environ: dict[str, str]) -> None:

@@ -8,10 +8,15 @@ error as ggml-backend-reg.cpp prints it:
 
     load_backend: loaded CPU backend from /opt/llama.cpp-b11434-linux-amd64/libggml-cpu-haswell.so
 
-`llama-server --list-devices` loads them all (b11434: `common_print_available_devices`) and exits,
-so the agent runs it once the engine is checked, and `parse` reads the variant from its output.
-A build that links its one CPU backend in (`BUILD_SHARED_LIBS=OFF`, no `GGML_BACKEND_DL`: the
-build on a node, the tests' stand-in) loads none and prints no such line: `BUILT_IN`.
+b11434 prints that line only at its most verbose (`-lv 4`) while it serves a model, so the agent
+does not wait for one: it asks the backends themselves, as llama.cpp does at start
+(ggml_backend_load_best): each library exports `ggml_backend_score`, 0 where it cannot run here,
+and the highest score wins. `SCORE_SCRIPT` asks them in a process of its own and `best` picks,
+once the engine is checked (measured on this machine's AMD EPYC: zen4 1984, icelake 1472, haswell
+64, x64 1, sapphirerapids 0 — the backend llama-server logs loading). `parse` reads the log line
+where a log has it (an engine's own log at -lv 4). A build that links its one CPU backend in
+(`BUILD_SHARED_LIBS=OFF`, no `GGML_BACKEND_DL`: the build on a node) has no library to ask:
+`BUILT_IN`.
 
 On x86 a variant below `haswell` means no AVX2 (`x64` is the scalar baseline): the same slow code
 doctor's cpu-features check warns about, usually because a VM was given a generic CPU model. The
@@ -72,6 +77,40 @@ def parse(output: str, *, loadable: bool) -> str:
             return library  # a library of another name: say it as it is
         return m["variant"] or "ggml-cpu"  # libggml-cpu.so: a build of one loadable CPU backend
     return NONE_LOADED if loadable else BUILT_IN
+
+
+# Asks each CPU backend beside llama-server how well it fits this CPU, as llama.cpp itself does at
+# start (ggml_backend_load_best: every libggml-cpu-*.so exports `ggml_backend_score`, 0 where it
+# cannot run; the highest wins). Run in a process of its own (argv: the directory), so the
+# libraries are never loaded into the agent; prints "VARIANT SCORE" lines.
+SCORE_SCRIPT = """
+import ctypes, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("libggml-cpu*.so")):
+    try:
+        score = ctypes.CDLL(str(path)).ggml_backend_score
+        score.restype = ctypes.c_int
+        print(path.name, score())
+    except (OSError, AttributeError) as exc:
+        print(path.name, -1, exc)
+"""
+
+
+def best(score_lines: str) -> str:
+    """The CPU backend llama.cpp loads, from `SCORE_SCRIPT`'s lines: the variant with the highest
+    score above 0 (the first of equals, by name), or NONE_LOADED when none can run here."""
+    chosen, top = NONE_LOADED, 0
+    for line in score_lines.splitlines():
+        parts = line.split()
+        if len(parts) < 2:
+            continue
+        try:
+            score = int(parts[1])
+        except ValueError:
+            continue
+        m = _LIBRARY.fullmatch(parts[0])
+        if m is not None and score > top:
+            chosen, top = m["variant"] or "ggml-cpu", score
+    return chosen
 
 
 def virtual_model(model: str) -> str:
