@@ -17,8 +17,9 @@ import os
 import tarfile
 from pathlib import Path
 
-from llmgw import pins
 from llmgw_release import llamabuild
+
+from llmgw import pins
 from llmgw.releasefiles import SUMS, llama_file_name
 from testlib import llama
 
