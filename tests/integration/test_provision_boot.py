@@ -8,6 +8,12 @@ the VM: the user-data snippet the tool wrote into the snippets storage (Proxmox 
 is), the network-config and meta-data Proxmox renders from --ipconfig0 and net0 (the tool's
 `--seed-dir` writes the same), as a NoCloud seed, net0's MAC address on eth0, and the release's
 disk (scsi1, the file the stand-in imported) as a block device (a loop device).
+
+From there the whole path goes on to a first token: the image has no llama.cpp and no compiler;
+node add is given no engine flag, so the node installs the release's llama.cpp (the control plane
+serves it from `[release] dir`), downloads the catalog's GGUF model (testlib.firsttoken) and
+answers a chat completion through the gateway. "provision to first token" is measured, from the
+first `qm` call to the answer's first token (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from testlib.llama import llama_server_dir
-from testlib.machine import Machine, copy_dir_in, preflight
+from llmgw import pins
+from testlib.cluster import wait_until
+from testlib.firsttoken import ModelFiles, first_token
+from testlib.machine import BUILD_TOOLS, Machine, preflight
 from testlib.needs import program
 from testlib.nodeadd import ControlPlane, build_release
 from testlib.provision import Host, load_tool, make_host
@@ -32,15 +40,14 @@ from testlib.sshd import keygen
 VMID = 144
 NAME = "llmgw-node04"
 LOGIN = "ubuntu"
-LLAMA_DIR = "/opt/llama"
-LLAMA = f"{LLAMA_DIR}/llama-server"
 SEED = "/var/lib/cloud/seed/nocloud"
 CLOUD_INIT_TIMEOUT_S = 180
+READY_TIMEOUT_S = 120  # the model's download, llama-server's start and the model's load, on a loaded machine
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_release(tmp_path_factory.mktemp("release"), "0.0.0-provision")
+    directory = build_release(tmp_path_factory.mktemp("release"), "0.0.0-provision", with_llama=True)
     return next(directory.glob("llmgw-0.0.0-provision-linux-*.pyz"))
 
 
@@ -110,7 +117,7 @@ def _ssh(machine: Machine, key: Path, command: str) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
-def test_provisioned_booted_and_added_a_node_takes_a_minute(tmp_path: Path, release: Path, cleanup: list) -> None:
+def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, release: Path, cleanup: list) -> None:
     host, key = _hypervisor(tmp_path)
     machine = _machine(tmp_path)
     cleanup.append(machine)
@@ -136,7 +143,6 @@ def test_provisioned_booted_and_added_a_node_takes_a_minute(tmp_path: Path, rele
     disk = Loop(host.fake.disk(VMID, "scsi1"))
     cleanup.append(disk)
     machine.devices = (disk.device,)
-    copy_dir_in(machine, llama_server_dir(), LLAMA_DIR)  # the operator's llama.cpp, on the image
 
     # First boot: cloud-init does the rest.
     machine.start()
@@ -152,19 +158,44 @@ def test_provisioned_booted_and_added_a_node_takes_a_minute(tmp_path: Path, rele
     log = machine.run("cat", "/var/log/cloud-init-output.log").stdout
     assert f"installed {release.name} as /usr/local/bin/llmgw" in log and "checked" in log
 
-    # The identity half, on the control plane: node add with the hypervisor's key, the same release.
+    # The image is a stock one: no compiler, no llama.cpp.
+    assert machine.on_path(*BUILD_TOOLS) == [] and machine.on_path("python3") == ["/usr/bin/python3"]
+
+    # The identity half, on the control plane: node add with the hypervisor's key, the same release,
+    # no engine flag; the catalog names a GGUF model the node downloads from the host's side of its link.
+    model = ModelFiles(tmp_path / "models", machine.host_addr)
+    cleanup.append(model)
     node = SimpleNamespace(hostname=NAME, host_addr=machine.host_addr, node_addr=machine.node_addr, client_key=key)
-    cp = ControlPlane(tmp_path / "plane", node, llamacpp_bin=LLAMA)
+    cp = ControlPlane(tmp_path / "plane", node, catalog=model.catalog(), llamacpp_bin=None)
+    cp.add_config(f'[release]\ndir = "{release.parent}"\n')
     cleanup.append(cp)
     cp.run()
+    gateway = cp.server.events("server_ready")[-1]["admin_url"]
+    key_token = cp.ctl("keys", "create", "first-token")["token"]
     rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release.parent, login=LOGIN)
     assert rc == 0, out + err
     assert "the same as /usr/local/bin/llmgw" in out  # the file cloud-init installed is the release node add ships
+    assert f"joined; llama.cpp installed and checked ({pins.LLAMACPP_VERSION})" in out, out
     me = cp.nodes()[NAME]
     assert me["state"] == "joined" and me["address"] == machine.node_addr
-    took_s = time.monotonic() - started
-    print(f"provisioned and booted in {booted_s:.1f} s, joined in {took_s:.1f} s")
+    joined_s = time.monotonic() - started
     assert machine.systemctl("is-enabled", "llmgw-agent.service") == "enabled"
+
+    # The first token: the model placed on the node, a chat answered through the gateway by it.
+    replica = wait_until(
+        "the llama.cpp replica on the VM to be ready",
+        lambda: next((r for r in cp.ctl("replicas") if r["state"] == "ready" and r["nodes"] == [NAME]), None),
+        alive=[cp.server],
+        timeout=READY_TIMEOUT_S,
+        last_seen=lambda: cp.ctl("replicas"),
+    )
+    answer = first_token(gateway, key_token)
+    assert answer.replica == replica["replica"] and answer.finish_reason == "length", answer
+    first_token_s = answer.first_token_at - started
+    print(
+        f"provision to first token: {first_token_s:.1f} s (cloud-init done at {booted_s:.1f} s, "
+        f"joined at {joined_s:.1f} s)"
+    )
 
 
 def test_a_damaged_release_stops_first_boots_install_with_a_message(

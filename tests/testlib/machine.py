@@ -37,6 +37,9 @@ from testlib.sshd import keygen
 BOOT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 REBOOT_STATUS = 133  # systemd-nspawn's exit status when the container asked for a reboot
+# What building llama.cpp from source needs (agent/install/build.py), which a stock image lacks.
+BUILD_TOOLS = ("cc", "c++", "cmake", "make")
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's: its services'
 TOOLS = (("systemd-nspawn", "systemd-container"), ("debootstrap", "debootstrap"), ("ip", "iproute2"))
 
 
@@ -228,6 +231,16 @@ class Machine:
         if check and out.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} on the machine: exit {out.returncode}\n{out.stdout}{out.stderr}")
         return out
+
+    def on_path(self, *tools: str) -> list[str]:
+        """Where each of `tools` the machine has is, as its services (the agent) find them on
+        systemd's PATH; those it lacks are left out."""
+        found = []
+        for tool in tools:
+            done = self.run("env", f"PATH={SYSTEM_PATH}", "sh", "-c", 'command -v "$0"', tool, check=False)
+            if done.returncode == 0:
+                found.append(done.stdout.strip())
+        return found
 
     def systemctl(self, *argv: str) -> str:
         return self.run("systemctl", "--no-pager", *argv, check=False).stdout.strip()

@@ -5,6 +5,9 @@ tests/integration/conftest.py gives every test there the fixtures `release_dir`,
 The node (testlib.netnode) has the real llama-server `./pants test` builds mounted at /mnt, named
 to node add with --llamacpp-bin; the catalog's model is a sim model. A ControlPlane faces any
 node with `host_addr`, `node_addr` and `client_key`: the systemd machine (testlib.machine) too.
+`ControlPlane(..., llamacpp_bin=None)` with a catalog naming no `[engines.llamacpp]` and a
+release built `with_llama` is the operator's default instead: no engine flag, and llama.cpp the
+release's archive, which the control plane serves from `[release] dir`.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from pathlib import Path
 from typing import Protocol
 
 import pytest
-from llmgw_release import build, wheels
+from llmgw_release import build, llamabuild, wheels
 
 import llmgw
 from testlib.cluster import Proc, wait_until
-from testlib.llama import llama_server
+from testlib.llama import cache_root, llama_server
 from testlib.netnode import NetNode, preflight
 from testlib.proc import build_root, run_llmgw
 
@@ -44,8 +47,10 @@ class Node(Protocol):
     client_key: Path
 
 
-def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",)) -> Path:
-    """The release's files for this machine's architecture, built as `release:build` builds them."""
+def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",), *, with_llama: bool = False) -> Path:
+    """The release's files for this machine's architecture, built as `release:build` builds them;
+    `with_llama`: with llama.cpp's archive for this machine's architecture too, the portable build
+    `./pants test` keeps in its cache (taken from there, so nothing is compiled here)."""
     root = build_root()
     inputs = build.Inputs(
         version=version,
@@ -55,6 +60,8 @@ def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",))
         requirements_txt=root / "3rdparty" / "python" / "requirements.txt",
         lockfile=root / "3rdparty" / "python" / "default.lock",
         wheel_cache=wheels.default_cache(),
+        llama_cache=cache_root() if with_llama else None,
+        llama_arches=(llamabuild.this_host(),) if with_llama else None,
     )
     build.build_release(inputs, out, arches=arches, progress=lambda *a: None)
     return out
@@ -94,8 +101,9 @@ def outcomes(stdout: str) -> dict[str, str]:
 
 class ControlPlane:
     def __init__(
-        self, root: Path, node: Node, *, catalog: str = CATALOG, llamacpp_bin: str = "/mnt/llama-server"
+        self, root: Path, node: Node, *, catalog: str = CATALOG, llamacpp_bin: str | None = "/mnt/llama-server"
     ) -> None:
+        """`llamacpp_bin` is given to every node add as --llamacpp-bin; None gives no such flag."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.llamacpp_bin = llamacpp_bin
@@ -162,8 +170,10 @@ class ControlPlane:
         (`-i`), or with no key named (`key_file=False`: ~/.ssh and the SSH agent)."""
         args = [
             "node", "add", f"{login}@{self.node.node_addr}", "--config", str(self.config),
-            "--known-hosts", str(self.known_hosts), "--llamacpp-bin", self.llamacpp_bin, "--join-timeout", "120",
+            "--known-hosts", str(self.known_hosts), "--join-timeout", "120",
         ]  # fmt: skip
+        if self.llamacpp_bin is not None:
+            args += ["--llamacpp-bin", self.llamacpp_bin]
         if key_file:
             args += ["-i", str(self.node.client_key)]
         if release is not None:
