@@ -94,7 +94,7 @@ def _rejoined(cp: ControlPlane, before: float) -> bool:
 
 
 def _engines(machine: Machine) -> list[str]:
-    out = machine.run("ps", "-eo", "args", check=False).stdout
+    out = machine.run("ps", "-ww", "-eo", "args", check=False).stdout  # -ww: whole lines, not 80 columns
     return [line for line in out.splitlines() if "engine sim" in line or "llama-server --" in line]
 
 
@@ -201,7 +201,7 @@ def test_a_stock_machine_joins_with_the_releases_llamacpp_and_answers_then_survi
     # Adding again restarts the unit (a new agent process), still enabled.
     pid = machine.systemctl("show", "-p", "MainPID", "--value", UNIT)
     before = _me(cp)["agent_started_at"]
-    rc, out, err = cp.node_add("--plain", release=release_dir)
+    rc, out, err = cp.node_add("--plain")  # the release from the plane again
     assert rc == 0, out + err
     assert machine.systemctl("show", "-p", "MainPID", "--value", UNIT) not in (pid, "0")
     assert machine.systemctl("is-enabled", UNIT) == "enabled"

@@ -172,6 +172,7 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     cp.run()
     gateway = cp.server.events("server_ready")[-1]["admin_url"]
     key_token = cp.ctl("keys", "create", "first-token")["token"]
+    add_started = time.monotonic()
     rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release.parent, login=LOGIN)
     assert rc == 0, out + err
     assert "the same as /usr/local/bin/llmgw" in out  # the file cloud-init installed is the release node add ships
@@ -193,8 +194,9 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     assert answer.replica == replica["replica"] and answer.finish_reason == "length", answer
     first_token_s = answer.first_token_at - started
     print(
-        f"provision to first token: {first_token_s:.1f} s (cloud-init done at {booted_s:.1f} s, "
-        f"joined at {joined_s:.1f} s)"
+        f"provision to first token: {first_token_s:.1f} s (cloud-init done at {booted_s:.1f} s, node add started "
+        f"at {add_started - started:.1f} s, joined at {joined_s:.1f} s, first token {answer.first_token_at - add_started:.1f} s "
+        "after node add started)"
     )
 
 
