@@ -32,7 +32,7 @@ from llmgw import pins
 from llmgw.nodeadd import layout
 from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.cluster import wait_until
-from testlib.firsttoken import ModelFiles, first_token
+from testlib.firsttoken import ModelFiles, first_token, report
 from testlib.llama import llama_server
 from testlib.machine import BUILD_TOOLS, Machine, preflight
 from testlib.nodeadd import ControlPlane, build_release
@@ -96,14 +96,6 @@ def _rejoined(cp: ControlPlane, before: float) -> bool:
 def _engines(machine: Machine) -> list[str]:
     out = machine.run("ps", "-ww", "-eo", "args", check=False).stdout  # -ww: whole lines, not 80 columns
     return [line for line in out.splitlines() if "engine sim" in line or "llama-server --" in line]
-
-
-def _report(name: str, text: str) -> None:
-    """Left beside the JUnit reports (outside the sandbox), for docs/node-onboarding.md's numbers."""
-    where = os.environ.get("LLMGW_TEST_REPORTS")
-    if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-        (Path(where) / name).write_text(text)
 
 
 def _ready_replica(cp: ControlPlane) -> dict | None:
@@ -179,7 +171,7 @@ def test_a_stock_machine_joins_with_the_releases_llamacpp_and_answers_then_survi
     level = re.search(r"Overall exposure level for \S+: ([0-9.]+) (\w+)", security)
     assert level is not None, security
     assert float(level.group(1)) <= 8.0, security  # 9.6 for the same unit with no sandboxing
-    _report("systemd-analyze-security.txt", security)
+    report("systemd-analyze-security.txt", security)
 
     # A reboot: nothing but systemd starts the agent, which rejoins with the same identity.
     before = _me(cp)["agent_started_at"]
@@ -194,7 +186,7 @@ def test_a_stock_machine_joins_with_the_releases_llamacpp_and_answers_then_survi
         "reboot_to_rejoined_s": rejoin_s,
         "exposure": float(level[1]),
     }
-    _report("systemd-node.json", json.dumps({**{k: round(v, 1) for k, v in measured.items()}, "rating": level[2]}))
+    report("systemd-node.json", json.dumps({**{k: round(v, 1) for k, v in measured.items()}, "rating": level[2]}))
     assert machine.systemctl("is-active", UNIT) == "active"
     assert machine.systemctl("show", "-p", "NRestarts", "--value", UNIT) == "0"  # started at boot, not restarted
 

@@ -19,6 +19,7 @@ first `qm` call to the answer's first token (docs/performance.md).
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import time
@@ -29,12 +30,13 @@ from types import SimpleNamespace
 import pytest
 
 from llmgw import pins
+from llmgw.releasefiles import llama_file_name
 from testlib.cluster import wait_until
-from testlib.firsttoken import ModelFiles, first_token
+from testlib.firsttoken import ModelFiles, first_token, report
 from testlib.machine import BUILD_TOOLS, Machine, preflight
 from testlib.needs import program
 from testlib.nodeadd import ControlPlane, build_release
-from testlib.provision import Host, load_tool, make_host
+from testlib.provision import ARCH, Host, load_tool, make_host
 from testlib.sshd import keygen
 
 VMID = 144
@@ -180,6 +182,10 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     me = cp.nodes()[NAME]
     assert me["state"] == "joined" and me["address"] == machine.node_addr
     joined_s = time.monotonic() - started
+    [llama] = [e for e in me["engines"] if e["name"] == "llamacpp"]
+    assert llama["ok"] and llama["version"] == pins.LLAMACPP_VERSION and llama["cpu_backend"], llama
+    archive = llama_file_name(pins.LLAMACPP_VERSION, ARCH)
+    assert (machine.node_addr, archive) in [(e["peer"], e["name"]) for e in cp.server.events("release_served")]
     assert machine.systemctl("is-enabled", "llmgw-agent.service") == "enabled"
 
     # The first token: the model placed on the node, a chat answered through the gateway by it.
@@ -193,10 +199,18 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     answer = first_token(gateway, key_token)
     assert answer.replica == replica["replica"] and answer.finish_reason == "length", answer
     first_token_s = answer.first_token_at - started
+    measured = {
+        "cloud_init_done_s": booted_s,
+        "node_add_started_s": add_started - started,
+        "joined_s": joined_s,
+        "provision_to_first_token_s": first_token_s,
+        "node_add_to_first_token_s": answer.first_token_at - add_started,
+    }
+    report("provision-node.json", json.dumps({k: round(v, 1) for k, v in measured.items()}))
     print(
         f"provision to first token: {first_token_s:.1f} s (cloud-init done at {booted_s:.1f} s, node add started "
-        f"at {add_started - started:.1f} s, joined at {joined_s:.1f} s, first token {answer.first_token_at - add_started:.1f} s "
-        "after node add started)"
+        f"at {add_started - started:.1f} s, joined at {joined_s:.1f} s; node add to first token "
+        f"{measured['node_add_to_first_token_s']:.1f} s)"
     )
 
 

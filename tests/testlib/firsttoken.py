@@ -7,7 +7,8 @@ would serve it: the catalog names its URL with its sha256 and size (`catalog`), 
 agent downloads it, verifies it and starts llama.cpp on it. `first_token` sends one streamed chat
 completion to the control plane's HTTP port with an API key and returns when the first piece of
 the answer's text arrives, with the replica that answered (`x-llmgw-replica`); the rest of the
-stream is read too, so the answer is checked whole.
+stream is read too, so the answer is checked whole. `report` leaves the figures measured beside
+the JUnit reports, for the docs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
 import subprocess
 import sys
 import time
@@ -135,3 +137,11 @@ def first_token(base_url: str, key: str, *, model: str = MODEL, timeout: float =
         )
     finally:
         conn.close()
+
+
+def report(name: str, text: str) -> None:
+    """`text` as $LLMGW_TEST_REPORTS/`name` (pants.toml: dist/test/reports, outside the sandbox)."""
+    where = os.environ.get("LLMGW_TEST_REPORTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / name).write_text(text)
