@@ -38,7 +38,7 @@ from another is stopped and started again there. Adopted engines keep the addres
 names. Workers serve nothing and get a loopback port.
 
 Secrets never reach argv or a log: the API key goes in a private file the engine reads
-(`agent.engine_keys`, written before each start and removed when the engine stops) or, for
+(`agent.key_files`, written before each start and removed when the engine stops) or, for
 engines that read no file, in its environment; commands are logged with `Command.for_log()`.
 """
 
@@ -56,7 +56,7 @@ import attrs
 import trio
 
 from agent.adoption import Adopted, Record, RunRecords, adopt_all, fingerprint, read_boot_id
-from agent.engine_keys import EngineKeys
+from agent.key_files import KeyFiles
 from agent.engine_proc import (
     HEALTH_TIMEOUT_S,
     Child,
@@ -160,7 +160,7 @@ class Supervisor:
         adopted engines through /proc as on kernels without pidfds."""
         self.logs_dir = state_dir / "logs"
         self.records = RunRecords(state_dir / "run")
-        self.keys = EngineKeys(state_dir / "keys")
+        self.keys = KeyFiles(state_dir / "keys")
         self.weights = weights
         self.engine_command = engine_command
         self.gpus = gpus

@@ -10,7 +10,7 @@ import trio
 
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import Replicas, sealed_keys
@@ -46,7 +46,7 @@ def joined(reg: Registry, node_id: str, now: float) -> int:
 
 def replicas(tmp_path: Path, reg: Registry, catalog=CATALOG) -> Replicas:
     store = AsyncStore.open(tmp_path)
-    keys = enginekeys.load(tmp_path, sealed_keys=sealed_keys(store.at_open.placements))
+    keys = keyseal.load(tmp_path, sealed_keys=sealed_keys(store.at_open.placements))
     return Replicas(store, reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()), keys)
 
 

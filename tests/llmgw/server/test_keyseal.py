@@ -17,7 +17,7 @@ from llmgw import paths, private
 from llmgw.config import Model
 from llmgw.errors import MachineError
 from llmgw.fabrics import FabricMap
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import Registry
 from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
@@ -44,7 +44,7 @@ def joined(reg: Registry, node_id: str, now: float) -> None:
 def open_replicas(state: Path, reg: Registry) -> tuple[AsyncStore, Replicas]:
     """What the control plane does at start: the store, the secret, the placements."""
     store = AsyncStore.open(state)
-    keys = enginekeys.load(state, sealed_keys=sealed_keys(store.at_open.placements))
+    keys = keyseal.load(state, sealed_keys=sealed_keys(store.at_open.placements))
     return store, Replicas(store, reg, lambda: CATALOG, lambda: FabricMap(fabrics=(), notes=()), keys)
 
 
@@ -73,12 +73,12 @@ async def placed_and_saved(state: Path) -> dict[str, str]:
 
 
 def test_a_key_opens_only_for_its_replica_and_under_its_secret() -> None:
-    keys = enginekeys.EngineKeys(os.urandom(32))
+    keys = keyseal.KeySeal(os.urandom(32))
     sealed = keys.seal("chat-0", "k-secret")
     assert keys.open("chat-0", sealed) == "k-secret"
     assert "k-secret" not in sealed and keys.seal("chat-0", "k-secret") != sealed  # a fresh nonce each time
     assert keys.open("chat-1", sealed) is None  # copied into another replica's row: it does not open
-    assert enginekeys.EngineKeys(os.urandom(32)).open("chat-0", sealed) is None
+    assert keyseal.KeySeal(os.urandom(32)).open("chat-0", sealed) is None
     assert keys.open("chat-0", sealed[:-4] + "AAAA") is None and keys.open("chat-0", "garbage") is None
     assert "redacted" in repr(keys)
 
@@ -142,7 +142,7 @@ async def test_a_lost_secret_stops_the_start_and_an_empty_file_says_start_over_w
     given = await placed_and_saved(tmp_path)
     secret = paths.engine_keys_secret_path(tmp_path)
     secret.unlink()
-    with pytest.raises(enginekeys.SecretMissing) as info:
+    with pytest.raises(keyseal.SecretMissing) as info:
         open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
     assert f"`install -m 600 /dev/null {secret}`" in str(info.value) and "3 replica(s)" in str(info.value)
     assert not secret.exists()  # nothing made behind the operator's back
@@ -159,11 +159,11 @@ def test_a_secret_that_is_not_one_or_is_open_to_others_is_refused(tmp_path: Path
     secret = paths.engine_keys_secret_path(tmp_path)
     paths.write_private(secret, b"not hex\n")
     with pytest.raises(MachineError, match="is not an engine-key secret"):
-        enginekeys.load(tmp_path, sealed_keys=0)
+        keyseal.load(tmp_path, sealed_keys=0)
     paths.write_private(secret, os.urandom(32).hex().encode())
     secret.chmod(0o644)
     with pytest.raises(private.NotPrivate, match=f"`chmod 600 {secret}`"):
-        enginekeys.load(tmp_path, sealed_keys=0)
+        keyseal.load(tmp_path, sealed_keys=0)
 
 
 def test_a_scrub_says_when_a_reader_of_another_process_keeps_the_log(tmp_path: Path) -> None:
