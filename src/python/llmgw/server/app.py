@@ -40,7 +40,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
-from llmgw.metrics import Registry as MetricsRegistry
+from llmgw.metrics import MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
 from llmgw.pki.tls import server_ssl_context
@@ -52,17 +52,17 @@ from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.keyseal import KeySeal
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.intent import NodeIntent
+from llmgw.server.keyseal import KeySeal
 from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
 from llmgw.server.operations import Operations
 from llmgw.server.page import Page
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.server.settings import Settings
@@ -109,7 +109,7 @@ class ControlPlane:
         self.loop_lag = LagMonitor()  # this process's event-loop lag, for /metrics and the log
         # Every task step timed, where server.toml's [debug] measure_steps asks (added in `serve`).
         self.step_timer = StepTimer() if config.debug.measure_steps else None
-        self.registry = Registry(
+        self.registry = NodeRegistry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=clock.now(),
             reconnect_grace_s=config.server.reconnect_grace_s,

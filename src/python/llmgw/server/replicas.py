@@ -35,7 +35,7 @@ from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.keyseal import KeySeal
-from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, Registry
+from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.scheduler import NodeView, Pending, Placement, plan
 from llmgw.wire import agent_link as w
 
@@ -105,7 +105,7 @@ class Replicas:
     def __init__(
         self,
         store: AsyncStore,
-        registry: Registry,
+        registry: NodeRegistry,
         models: Callable[[], Sequence[Model]],
         fabrics: Callable[[], FabricMap],
         keys: KeySeal,

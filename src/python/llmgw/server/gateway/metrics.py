@@ -6,14 +6,14 @@ just before rendering, so a scrape sees the state as it is, not as it was at the
 
 from __future__ import annotations
 
-from llmgw.metrics import Registry
+from llmgw.metrics import MetricsRegistry
 
 
 class GatewayMetrics:
     """The gateway's families, by name, so callers cannot misspell one."""
 
     def __init__(self) -> None:
-        r = self.registry = Registry()
+        r = self.registry = MetricsRegistry()
         self.requests = r.counter(
             "llmgw_gateway_requests_total", "Requests answered, by model and status.", ("model", "status")
         )
