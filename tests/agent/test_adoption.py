@@ -32,7 +32,7 @@ from agent.adoption import (
     read_boot_id,
 )
 from agent.replica_plan import RestartPolicy
-from agent.replicas import Supervisor
+from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.wire import agent_link as w
 from testlib.waiting import wait_until

@@ -20,7 +20,7 @@ from agent.adoption import fingerprint
 from agent.engines import Engines, EngineUnavailable
 from agent.replica_logs import EngineLog, tail_files, tail_replica
 from agent.replica_plan import TRANSITIONS, Plan, RestartPolicy, describe_exit, key_of, plan
-from agent.replicas import Supervisor
+from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.errors import UsageError
 from llmgw.wakeup import Wakeup

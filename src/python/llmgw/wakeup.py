@@ -59,10 +59,10 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.
-    "agent.replicas.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
+    "agent.replica_supervisor.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
     "tests wait on it (`Supervisor.changed`)",
-    "agent.replicas.Supervisor.released": "a member gave its GPUs back -> members waiting for GPUs look again",
-    "agent.replicas.Supervisor.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
+    "agent.replica_member.Life.released": "a member gave its GPUs back -> members waiting for GPUs look again",
+    "agent.replica_member.Life.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
     "(`Supervisor.answered_probes`)",
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",
@@ -77,9 +77,9 @@ ONE_SHOT: dict[str, str] = {
     "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
     "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
     "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
-    "agent.replicas._Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
-    "agent.replicas._Member.observed": "one member: its engine was probed once, or it ended",
-    "agent.replicas._Member.done": "one member: its task ended",
+    "agent.replica_member.Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
+    "agent.replica_member.Member.observed": "one member: its engine was probed once, or it ended",
+    "agent.replica_member.Member.done": "one member: its task ended",
     "agent.node_address.NodeAddress._known": "the first address the link reported",
     "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
     "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",
