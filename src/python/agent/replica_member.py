@@ -5,7 +5,7 @@ members there are, and when one starts or is cancelled, is `agent.replica_superv
 
 A member lives through `fetching -> starting -> ready`, `restarting` after an engine exit (with
 the engine's last log lines in `detail`), `failed` when it cannot start or failed too often
-(`RestartPolicy`), and `stopping -> stopped` when cancelled; `Member.set` holds every move to
+(`agent.replica_plan.RESTART_BACKOFF`), and `stopping -> stopped` when cancelled; `Member.set` holds every move to
 `TRANSITIONS` (agent.replica_plan). An adopted member starts at `starting`; when its engine exits
 it goes through the same restart policy and its successor starts the ordinary way. Cancelling
 the task is the stop: SIGTERM to the engine's process group, a deadline, then SIGKILL, in
@@ -49,8 +49,9 @@ from agent.engines import EngineUnavailable
 from agent.key_files import KeyFiles
 from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
-from agent.replica_plan import TRANSITIONS, Key, RestartPolicy, describe_end, describe_exit
+from agent.replica_plan import TRANSITIONS, Key, describe_end, describe_exit
 from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
+from llmgw.backoff import Backoff, Failures
 from llmgw.config import Secret
 from llmgw.engines import Command, ReplicaLaunch, build_command
 from llmgw.errors import LlmgwError, leaves, only
@@ -95,7 +96,7 @@ class Member:
     gpus: tuple[int, ...] = ()
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
     host: str = ""  # where rank 0's engine listens (while it runs)
-    exits: list[float] = attrs.Factory(list)
+    exits: Failures  # its engine's exits that count for the restart policy
     answered: int = 0  # liveness probes its engine answered (200) since it was ready, all starts together
 
     @property
@@ -141,7 +142,7 @@ class Life:
         env: Mapping[str, str] | None,
         address: NodeAddress,
         address_present: Callable[[str], bool],
-        policy: RestartPolicy,
+        backoff: Backoff,
         stop_timeout_s: float,
         health_interval_s: float,
         liveness: tuple[float, float, int],
@@ -162,7 +163,7 @@ class Life:
         self.env = env
         self.address = address
         self.address_present = address_present
-        self.policy = policy
+        self.backoff = backoff
         self.stop_timeout_s = stop_timeout_s
         self.health_interval_s = health_interval_s
         self.liveness_interval_s, self.liveness_timeout_s, self.liveness_failures = liveness
@@ -304,16 +305,16 @@ class Life:
     async def _back_off(self, m: Member, code: int | None, what: str, engine_log: EngineLog) -> bool:
         """After an engine exit: wait as the restart policy says (True), or fail the member (False)."""
         replica, rank = m.key
-        now = trio.current_time()
-        m.exits = [*self.policy.recent(m.exits, now), now]
-        delay = self.policy.next_delay(m.exits, now)
-        if delay is None:
-            engine_log.note(f"{what}; {len(m.exits)} exits within {self.policy.window_s:g} s: not restarting")
+        m.exits.failed(trio.current_time())
+        if m.exits.exhausted:
+            n, window = m.exits.count, self.backoff.window_s
+            engine_log.note(f"{what}; {n} exits within {window:g} s: not restarting")
             m.fail(
-                f"{what}, {len(m.exits)} times within {self.policy.window_s:g} s; not restarted until the "
-                f"assignment changes. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+                f"{what}, {n} times within {window:g} s; not restarted until the assignment changes. Last "
+                f"lines of its log:\n{engine_log.tail(TAIL_LINES)}"
             )
             return False
+        delay = m.exits.delay()
         engine_log.note(f"{what}; restarting in {delay:g} s")
         log.warning("replica_exited", replica=replica, rank=rank, exit_status=code, restart_in_s=delay)
         m.set(

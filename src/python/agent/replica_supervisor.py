@@ -41,8 +41,9 @@ from agent.replica_member import (
     Life,
     Member,
 )
-from agent.replica_plan import DEFAULT_POLICY, Key, RestartPolicy, key_of, plan
+from agent.replica_plan import RESTART_BACKOFF, Key, key_of, plan
 from agent.weights import WeightsStore
+from llmgw.backoff import Backoff, Failures
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
@@ -66,7 +67,7 @@ class Supervisor:
         gpus: Callable[[], Sequence[int]] = lambda: (),
         env: Mapping[str, str] | None = None,
         listen_host: str | NodeAddress,
-        policy: RestartPolicy = DEFAULT_POLICY,
+        backoff: Backoff = RESTART_BACKOFF,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         health_interval_s: float = HEALTH_INTERVAL_S,
         liveness: tuple[float, float, int] = (LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, LIVENESS_FAILURES),
@@ -98,7 +99,7 @@ class Supervisor:
             env=env,
             address=self.address,
             address_present=address_present,
-            policy=policy,
+            backoff=backoff,
             stop_timeout_s=stop_timeout_s,
             health_interval_s=health_interval_s,
             liveness=liveness,
@@ -202,6 +203,7 @@ class Supervisor:
             engine=r.engine,
             assignment=None,
             on_change=self._changed,
+            exits=Failures(self.life.backoff),
             gpus=r.gpus,
             port=r.port,
             host=r.host or "0.0.0.0",  # recorded before engines had their own address: all of them
@@ -232,6 +234,7 @@ class Supervisor:
                 engine=a.engine,
                 assignment=a,
                 on_change=self._changed,
+                exits=Failures(self.life.backoff),
             )
             m.assigned.set()
             self._members[k] = m
