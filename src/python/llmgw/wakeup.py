@@ -48,8 +48,6 @@ WAKEUPS: dict[str, str] = {
     "pages send a snapshot",
     "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
     # The gateway (llmgw.server.gateway).
-    "llmgw.server.gateway.app.StaticEndpoints.changed": "the fixed rotation of a gateway without a control plane "
-    "(tests, the bench) was replaced -> the gateway's rotation follows",
     "llmgw.server.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
     "original's requests (`quiesce`) looks again",
