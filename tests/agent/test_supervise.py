@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import doctor, supervise
+from agent import doctor_checks, supervise
 from llmgw import cli
 from llmgw.backoff import Backoff, Failures
 from llmgw.commands import agent as agent_cmd
@@ -88,7 +88,7 @@ def test_the_child_is_this_same_llmgw_running_the_agent_with_absolute_paths(monk
 
 def test_doctors_advice_is_a_valid_command_with_the_defaults() -> None:
     assert (agent_cmd.DEFAULT_PID_FILE, agent_cmd.DEFAULT_LOG) == (supervise.DEFAULT_PID_FILE, supervise.DEFAULT_LOG)
-    [command] = re.findall(r"llmgw (agent supervise .*)$", doctor.SERVICE_MANAGER_FIX)
+    [command] = re.findall(r"llmgw (agent supervise .*)$", doctor_checks.SERVICE_MANAGER_FIX)
     args = cli.build_parser("agent").parse_args(command.split()[1:])
     assert args.run is agent_cmd.run_supervise and args.daemon
     assert (str(args.config), str(args.pid_file), str(args.log)) == (
