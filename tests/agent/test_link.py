@@ -26,7 +26,7 @@ from llmgw.pki.ca import CA, cert_info
 from llmgw.pki.files import NodePaths, ca_paths, init_ca, issue_to_dir, load_ca, load_cert
 from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
-from llmgw.server.store import StoreBusy
+from llmgw.server.errors import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.controlplane import OFFLINE_ENGINES, make_state

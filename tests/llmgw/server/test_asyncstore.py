@@ -18,7 +18,8 @@ import trio
 
 from llmgw.backoff import Backoff
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
-from llmgw.server.store import Store, StoreBusy, StoreCorrupt, store_path
+from llmgw.server.errors import StoreBusy, StoreCorrupt
+from llmgw.server.store import Store, store_path
 from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio

@@ -31,7 +31,8 @@ import trio
 
 from llmgw.backoff import Backoff, Failures
 from llmgw.log import get_logger
-from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, StoreError, store_path
+from llmgw.server.errors import StoreError
+from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, store_path
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
