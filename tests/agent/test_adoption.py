@@ -31,8 +31,8 @@ from agent.adoption import (
     proc_stat,
     read_boot_id,
 )
-from agent.replica_plan import RestartPolicy
-from agent.replicas import Supervisor
+from agent.replica_plan import RESTART_BACKOFF
+from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.wire import agent_link as w
 from testlib.waiting import wait_until
@@ -310,7 +310,7 @@ async def test_an_adopted_worker_that_exits_before_any_desired_state_waits_for_i
 ) -> None:
     a = assignment()
     RunRecords(tmp_path / "run").write(record_of(sleeper, fingerprint=fingerprint(a)))
-    sup = supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0))  # the delay at once: waited for below
+    sup = supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0))  # the delay at once: waited for below
     await nursery.start(sup.serve)
     os.kill(sleeper.pid, signal.SIGKILL)
     restarting = await sup_reaches(

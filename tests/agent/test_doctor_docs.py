@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from agent import doctor
+from agent import doctor_checks
 from llmgw import cli, pins
 from llmgw.config import DEFAULT_VLLM_VERSION, PINNED_LLAMACPP_BUILD, LlamacppSource
 from llmgw.engines import eligibility
@@ -38,7 +38,7 @@ def test_the_docs_show_doctor_commands() -> None:
 @pytest.mark.parametrize(("doc", "args"), commands())
 def test_each_command_is_accepted(doc: str, args: list[str]) -> None:
     parsed = cli.build_parser("doctor").parse_args(args)
-    assert {n for item in parsed.ignore for n in item.split(",")} <= set(doctor.NAMES)
+    assert {n for item in parsed.ignore for n in item.split(",")} <= set(doctor_checks.NAMES)
 
 
 @pytest.mark.parametrize(("doc", "args"), [(d, a) for d, a in commands() if any("tests/fixtures" in x for x in a)])
@@ -49,7 +49,7 @@ def test_commands_on_fixtures_run_from_a_checkout(doc: str, args: list[str]) -> 
         assert done.stdout.startswith("{")
     else:
         lines = [line for line in done.stdout.splitlines() if not line.lstrip().startswith("fix:")]
-        assert [line.split()[1] for line in lines] == [n for n in doctor.NAMES if n != "control-plane"]
+        assert [line.split()[1] for line in lines] == [n for n in doctor_checks.NAMES if n != "control-plane"]
         # Only this machine's own clock, disk and service manager may be other than ok on the
         # recorded hardware.
         assert {line.split()[1] for line in lines if not line.startswith("ok ")} <= {"clock", "disk", "service-manager"}
@@ -64,7 +64,7 @@ def doc(name: str) -> str:
 
 def test_every_check_is_in_the_docs_table() -> None:
     table = doc("node-onboarding.md").split("### The checks", 1)[1]
-    assert [n for n in doctor.NAMES if f"| `{n}` |" not in table] == []
+    assert [n for n in doctor_checks.NAMES if f"| `{n}` |" not in table] == []
 
 
 def test_the_docs_state_llamacpps_default_version_and_source_as_the_code_has_them() -> None:

@@ -8,6 +8,7 @@ says what is wrong and how to fix it.
 from __future__ import annotations
 
 import logging
+import random
 import ssl
 import time
 from datetime import datetime, timedelta, timezone
@@ -18,13 +19,14 @@ import pytest
 import trio
 import trio_websocket
 
-from agent.link import AgentLink, Backoff, Target
+from agent.link import AgentLink, Target
+from llmgw.backoff import Backoff
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.pki.ca import CA, cert_info
 from llmgw.pki.files import NodePaths, ca_paths, init_ca, issue_to_dir, load_ca, load_cert
 from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
-from llmgw.server.store import StoreBusy
+from llmgw.server.errors import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.controlplane import OFFLINE_ENGINES, make_state
@@ -101,7 +103,7 @@ def link_for(plane: Plane, node_id: str, ctx: ssl.SSLContext, *, host: str | Non
         node_id=node_id,
         ssl_context=ctx,
         make_hello=hello_for(node_id),
-        backoff=Backoff(initial_s=0.01, max_s=0.05),
+        backoff=Backoff(first_s=0.01, max_s=0.05, jitter=True),
     )
 
 
@@ -328,22 +330,22 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
 ) -> None:
     files = node_files(plane, tmp_path, "node-a")
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
-    delays: list[float] = []
-    real = link.backoff
+    ceilings: list[float] = []  # what each wait was drawn below: the backoff's step
 
-    class Recording:
-        def delay(self, attempt, rng):
-            delays.append(attempt)
-            return real.delay(attempt, rng)
+    class Recording(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            ceilings.append(b)
+            return super().uniform(a, b)
 
-    link.backoff = Recording()
+    link.rng = Recording(0)
     nursery.start_soon(link.serve)
     for round_ in range(3):
         await wait_for(lambda r=round_: link.state.sessions == r + 1 and link.state.connected, "connect")
         with trio.fail_after(5):  # the control plane drops the link
             assert await plane.plane.endpoint.close_node("node-a", "test", "dropped by the test")
-        await wait_for(lambda r=round_: len(delays) == r + 1, "reconnect")
-    assert delays == [0, 0, 0]  # each reconnect after a working session is the first attempt again
+        await wait_for(lambda r=round_: len(ceilings) == r + 1, "reconnect")
+    # Each reconnect after a working session is the first attempt again.
+    assert ceilings == [link.backoff.first_s] * 3
 
 
 # -- the server closes what it refuses, what expires and what falls silent ----------------------------

@@ -25,8 +25,8 @@ import trio.testing
 from agent.adoption import Record, RunRecords, fingerprint, proc_stat, read_boot_id
 from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
-from agent.replica_plan import RestartPolicy
-from agent.replicas import Supervisor
+from agent.replica_plan import RESTART_BACKOFF
+from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.log import EventFormatter
 from llmgw.selfexec import llmgw_command
@@ -115,7 +115,7 @@ async def test_a_replica_starts_serves_with_its_key_restarts_after_a_kill_and_st
     tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2))
+    sup = make_supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.2))
     seen: list[w.ReplicaStatus] = []
 
     async def record(message: w.ReplicasChanged) -> bool:
@@ -237,8 +237,8 @@ async def test_an_engine_that_stops_answering_after_ready_is_restarted(
 ) -> None:
     # A real hang: the engine process is stopped (SIGSTOP), so it holds its port and answers nothing.
     caplog.set_level(logging.INFO)
-    sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2), liveness=(0.2, 0.3, 3))
-    sup.stop_timeout_s = 1.0  # deaf to SIGTERM while stopped: killed after this
+    sup = make_supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.2), liveness=(0.2, 0.3, 3))
+    sup.life.stop_timeout_s = 1.0  # deaf to SIGTERM while stopped: killed after this
     await nursery.start(sup.serve)
     sup.assign((sim(),))
     ready = await sup_reaches(sup, in_state(w.READY), "ready")
@@ -294,9 +294,9 @@ async def test_a_changed_assignment_restarts_its_engine(tmp_path: Path, nursery:
 async def test_a_two_node_replica_is_ready_only_with_its_worker_and_fails_as_a_whole(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    policy = RestartPolicy(first_delay_s=0.2)
-    node1 = make_supervisor(tmp_path / "n1", policy=policy)
-    node2 = make_supervisor(tmp_path / "n2", policy=policy)
+    backoff = attrs.evolve(RESTART_BACKOFF, first_s=0.2)
+    node1 = make_supervisor(tmp_path / "n1", backoff=backoff)
+    node2 = make_supervisor(tmp_path / "n2", backoff=backoff)
     await nursery.start(node1.serve)
     await nursery.start(node2.serve)
     base = sim(nodes=("n1", "n2"), rank0_addr="127.0.0.1", dist_init_port=free_port())
@@ -368,7 +368,7 @@ async def test_what_an_exited_engine_left_behind_is_killed(tmp_path: Path, nurse
     sup = make_supervisor(
         tmp_path,
         engine_command=shell_engine(f"sleep 600 & echo $! > {child}; echo 'CUDA out of memory'; exit 7"),
-        policy=RestartPolicy(max_failures=1),
+        backoff=attrs.evolve(RESTART_BACKOFF, give_up_after=1),
     )
     await nursery.start(sup.serve)
     sup.assign((sim(),))
@@ -450,8 +450,8 @@ async def test_an_adopted_engine_is_ready_in_the_first_report_probed_and_restart
         with trio.fail_after(30):
             while not await trio.to_thread.run_sync(serves, port):
                 await trio.sleep(0.05)
-        sup = make_supervisor(tmp_path, policy=RestartPolicy(first_delay_s=0.2), liveness=(0.2, 0.3, 3))
-        sup.stop_timeout_s = 1.0
+        sup = make_supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.2), liveness=(0.2, 0.3, 3))
+        sup.life.stop_timeout_s = 1.0
         await nursery.start(sup.serve)
         # Started, the supervisor has probed it: the hello would say ready, with its pid and port.
         [first] = sup.statuses()

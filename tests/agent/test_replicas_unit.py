@@ -19,9 +19,10 @@ import trio.testing
 from agent.adoption import fingerprint
 from agent.engines import Engines, EngineUnavailable
 from agent.replica_logs import EngineLog, tail_files, tail_replica
-from agent.replica_plan import TRANSITIONS, Plan, RestartPolicy, describe_exit, key_of, plan
-from agent.replicas import Supervisor
+from agent.replica_plan import RESTART_BACKOFF, TRANSITIONS, Plan, describe_exit, key_of, plan
+from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
+from llmgw.backoff import Backoff, Failures
 from llmgw.errors import UsageError
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
@@ -37,19 +38,26 @@ def assignment(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
 # -- restart policy --------------------------------------------------------------------------
 
 
+def exits_at(times: list[float], policy: Backoff = RESTART_BACKOFF) -> Failures:
+    exits = Failures(policy)
+    for t in times:
+        exits.failed(t)
+    return exits
+
+
 def test_backoff_doubles_with_recent_exits_up_to_the_cap() -> None:
-    policy = RestartPolicy(first_delay_s=1, max_delay_s=60, window_s=600, max_failures=10)
-    delays = [policy.next_delay([float(i) for i in range(n)], float(n)) for n in range(1, 10)]
+    policy = attrs.evolve(RESTART_BACKOFF, give_up_after=10)
+    delays = [exits_at([float(i) for i in range(n)], policy).delay() for n in range(1, 10)]
     assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
 
 
 def test_too_many_quick_exits_give_up_and_old_ones_are_forgotten() -> None:
-    policy = RestartPolicy(window_s=600, max_failures=5)
     quick = [0.0, 10.0, 20.0, 30.0, 40.0]
-    assert policy.next_delay(quick, 50.0) is None
-    assert policy.next_delay(quick[:4], 50.0) == 8
+    assert exits_at(quick).exhausted  # 5 within 10 min: the member fails
+    assert not exits_at(quick[:4]).exhausted and exits_at(quick[:4]).delay() == 8
     # The same five exits spread over hours: each one is a first failure again.
-    assert policy.next_delay([0.0, 3600.0, 7200.0, 10800.0, 14400.0], 14401.0) == policy.first_delay_s
+    spread = exits_at([0.0, 3600.0, 7200.0, 10800.0, 14400.0])
+    assert not spread.exhausted and spread.count == 1 and spread.delay() == RESTART_BACKOFF.first_s
 
 
 def test_exit_descriptions() -> None:
@@ -239,7 +247,7 @@ async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
     sup = supervisor(
         tmp_path,
         lambda name: ("/nonexistent/engine",),
-        policy=RestartPolicy(first_delay_s=0.01, max_failures=4, window_s=600),
+        backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.01, give_up_after=4, window_s=600),
     )
     seen: list[w.ReplicaStatus] = []
     reported = Wakeup()

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import doctor, supervise
+from agent import doctor_checks, supervise
 from llmgw import cli
+from llmgw.backoff import Backoff, Failures
 from llmgw.commands import agent as agent_cmd
 from llmgw.errors import MachineError
 from llmgw.selfexec import llmgw_command
@@ -38,28 +39,30 @@ class FakeClock:
         self.now += seconds
 
 
-def restarts(policy: supervise.RestartPolicy, uptimes: list[float]) -> list[float]:
+def restarts(policy: Backoff, uptimes: list[float]) -> list[float]:
     """The waits the supervisor would make for children that each ran `uptime` seconds."""
     clock = FakeClock()
-    delay: float | None = None
+    failures = Failures(policy)
     waits = []
     for uptime in uptimes:
         began = clock.now
         clock.advance(uptime)
-        delay = policy.next_delay(delay, clock.now - began)
+        failures.failed(clock.now, ran_s=clock.now - began)
+        delay = failures.delay()
         waits.append(delay)
         clock.advance(delay)
     return waits
 
 
 def test_the_wait_doubles_from_1_s_up_to_30_s() -> None:
-    assert restarts(supervise.RestartPolicy(), [0.25] * 8) == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert restarts(supervise.CHILD_BACKOFF, [0.25] * 8) == [1, 2, 4, 8, 16, 30, 30, 30]
 
 
 def test_a_child_that_stayed_up_60_s_starts_the_backoff_again() -> None:
-    policy = supervise.RestartPolicy()
+    policy = supervise.CHILD_BACKOFF
     assert restarts(policy, [0.25, 0.25, 0.25, 60.0, 0.25, 59.75]) == [1, 2, 4, 1, 2, 4]
-    assert policy.next_delay(30.0, 59.9) == 30 and policy.next_delay(30.0, 60.0) == 1
+    assert restarts(policy, [0.25] * 6 + [59.9]) == [1, 2, 4, 8, 16, 30, 30]
+    assert restarts(policy, [0.25] * 6 + [60.0]) == [1, 2, 4, 8, 16, 30, 1]
 
 
 # -- the child's command and the defaults ------------------------------------------------------
@@ -85,7 +88,7 @@ def test_the_child_is_this_same_llmgw_running_the_agent_with_absolute_paths(monk
 
 def test_doctors_advice_is_a_valid_command_with_the_defaults() -> None:
     assert (agent_cmd.DEFAULT_PID_FILE, agent_cmd.DEFAULT_LOG) == (supervise.DEFAULT_PID_FILE, supervise.DEFAULT_LOG)
-    [command] = re.findall(r"llmgw (agent supervise .*)$", doctor.SERVICE_MANAGER_FIX)
+    [command] = re.findall(r"llmgw (agent supervise .*)$", doctor_checks.SERVICE_MANAGER_FIX)
     args = cli.build_parser("agent").parse_args(command.split()[1:])
     assert args.run is agent_cmd.run_supervise and args.daemon
     assert (str(args.config), str(args.pid_file), str(args.log)) == (
@@ -115,12 +118,13 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 from agent import supervise
+from llmgw.backoff import Backoff
 a = json.loads(sys.argv[1])
 spec = supervise.Spec(
     argv=tuple(a["argv"]),
     pid_file=Path(a["pid_file"]),
     log_file=Path(a["log"]),
-    policy=supervise.RestartPolicy(initial_s=0.05, cap_s=0.2, reset_after_s=60.0),
+    backoff=Backoff(first_s=0.05, max_s=0.2, healthy_s=60.0),
     stop_timeout_s=a["stop_timeout_s"],
 )
 sys.exit(supervise.run(spec))

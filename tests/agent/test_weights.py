@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.replicas import Supervisor
+from agent.replica_supervisor import Supervisor
 from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, file_name_of, target_of
 from llmgw.download import DownloadError
 from llmgw.log import EventFormatter

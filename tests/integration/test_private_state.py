@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from llmgw import paths
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
 from testlib.proc import build_root, llmgw_env, run_llmgw, umask
@@ -267,7 +267,7 @@ def to_the_earlier_format(state: Path) -> list[str]:
     """What a control plane before sealed keys left: each placement with its key in plain text
     (`{"placement", "api_key", "dist_init_port"}`), no secret file, and the modes its `ca init`
     and SQLite gave (a 0755 state directory, a 0644 database). The plain keys."""
-    keys = enginekeys.load(state, sealed_keys=1)
+    keys = keyseal.load(state, sealed_keys=1)
     plain = []
     with sqlite3.connect(str(store_path(state))) as db:
         for rid, body in db.execute("SELECT replica_id, body FROM placements").fetchall():

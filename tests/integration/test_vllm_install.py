@@ -20,7 +20,6 @@ import pytest
 import trio
 
 from agent.main import run_agent
-from llmgw.commands.ctl import format_nodes
 from llmgw.config import (
     DEFAULT_VLLM_VERSION,
     AgentConfig,
@@ -29,6 +28,7 @@ from llmgw.config import (
     VllmSource,
 )
 from llmgw.ctl import engines as engine_texts
+from llmgw.ctl.tables import format_nodes
 from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w

@@ -3,9 +3,9 @@ phase, a failure with why, the GPU engines a node was not asked for with why (pu
 
 from __future__ import annotations
 
-from llmgw.commands.ctl import format_nodes
 from llmgw.config import EngineSource, EnginesSection
 from llmgw.ctl import engines as texts
+from llmgw.ctl.tables import format_nodes
 from llmgw.server.registry import Node
 from llmgw.server.views import engine_view, node_view
 from llmgw.wire import agent_link as w

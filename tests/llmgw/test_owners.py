@@ -43,7 +43,7 @@ def sources() -> list[Path]:
     files = sorted(SRC.rglob("*.py"))
     seen = {str(f.relative_to(SRC)) for f in files}
     # All of them, not only what this test imports: a scan of a few files would pass for nothing.
-    assert {"llmgw/server/app.py", "llmgw/http/server.py", "agent/replicas.py", "agent/link.py"} <= seen
+    assert {"llmgw/server/app.py", "llmgw/http/server.py", "agent/replica_supervisor.py", "agent/link.py"} <= seen
     return files
 
 

@@ -11,8 +11,9 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw.backoff import Backoff
 from llmgw.errors import MachineError, find
-from llmgw.supervision import Background, Backoff
+from llmgw.supervision import Background
 
 pytestmark = pytest.mark.trio
 
@@ -115,7 +116,7 @@ async def test_what_the_loop_reports_started_is_returned_and_a_restart_failing_a
             raise Boom("fails after start")
         await trio.sleep_forever()
 
-    background = Background(backoff=Backoff(first_s=1, max_s=60))
+    background = Background(backoff=Backoff(first_s=1, max_s=60, healthy_s=60))
     async with trio.open_nursery() as nursery:
         assert await nursery.start(background.run, "loop", serve, "ready") == "ready"
         with trio.fail_after(100):

@@ -311,12 +311,12 @@ class Cluster:
     def engine_key(self, replica_id: str) -> str:
         """The replica's engine key as the control plane holds it: its row of llmgw.db, where it
         is sealed, opened with the state directory's engine-keys.secret."""
-        from llmgw.server import enginekeys
+        from llmgw.server import keyseal
         from llmgw.server.store import store_path
 
         with contextlib.closing(sqlite3.connect(f"file:{store_path(self.state)}?mode=ro", uri=True)) as db:
             [(body,)] = db.execute("SELECT body FROM placements WHERE replica_id = ?", (replica_id,)).fetchall()
-        key = enginekeys.load(self.state, sealed_keys=1).open(replica_id, json.loads(body)["sealed_key"])
+        key = keyseal.load(self.state, sealed_keys=1).open(replica_id, json.loads(body)["sealed_key"])
         assert key is not None, f"the sealed key of {replica_id} does not open with {self.state}'s secret"
         return key
 

@@ -19,10 +19,11 @@ from llmgw.http.limits import Limits
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway, StaticEndpoints
+from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from testlib.cluster import free_port
+from testlib.endpoints import StaticEndpoints
 from testlib.netns import NetNS
 from testlib.proc import llmgw_env
 

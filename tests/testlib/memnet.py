@@ -28,11 +28,12 @@ from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway, StaticEndpoints
+from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.options import SimOptions
+from testlib.endpoints import StaticEndpoints
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 Address = tuple[str, int]

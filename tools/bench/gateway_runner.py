@@ -23,10 +23,11 @@ import trio
 from llmgw.commands._service import run_service
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
-from llmgw.server.gateway.app import Gateway, StaticEndpoints
+from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.store import Store
+from testlib.endpoints import StaticEndpoints
 
 
 async def serve(spec: dict) -> None:

@@ -27,6 +27,7 @@ import trio_websocket
 
 from agent.linkfailure import SessionRefused, reason_of
 from agent.node_address import NodeAddress, local_host
+from llmgw.backoff import Backoff, Failures
 from llmgw.errors import UsageError, find
 from llmgw.linkio import LinkStream, Writer
 from llmgw.log import get_logger
@@ -43,15 +44,9 @@ SEND_TIMEOUT_S = 30.0  # one frame written to the control plane; past it the lin
 GOODBYE_S = 1.0  # our LinkError to a control plane we refuse, before we hang up
 
 
-@attrs.frozen(kw_only=True)
-class Backoff:
-    initial_s: float = 0.5
-    max_s: float = 30.0
-    factor: float = 2.0
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        # Full jitter: many agents refused together (a control-plane restart) do not return together.
-        return rng.uniform(0, min(self.max_s, self.initial_s * self.factor**attempt))
+# Between sessions: 0.5 s doubling to 30 s, with full jitter, so that many agents refused together
+# (a control-plane restart) do not return together; a session that was up starts it again.
+LINK_BACKOFF = Backoff(first_s=0.5, max_s=30.0, jitter=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -99,7 +94,7 @@ class AgentLink:
         self.node_id = node_id
         self.ssl_context = ssl_context
         self.make_hello = make_hello
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or LINK_BACKOFF
         self.rng = rng or random.Random()
         self.state = LinkState()
         self._desired_changed = Wakeup()
@@ -112,7 +107,7 @@ class AgentLink:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a session open forever, reconnecting with backoff; never returns."""
         task_status.started()
-        failures = 0
+        failures = Failures(self.backoff)
         while True:
             self.state.attempts += 1
             sessions_before = self.state.sessions
@@ -128,11 +123,11 @@ class AgentLink:
                     await trio.lowlevel.checkpoint()
                 raise
             if self.state.sessions > sessions_before:
-                failures = 0  # the link was up: a control-plane restart gets a prompt reconnect
+                failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
             self.state.connected = False
             self.state.last_error = reason
-            delay = self.backoff.delay(failures, self.rng)
-            failures += 1
+            failures.failed(trio.current_time())
+            delay = failures.delay(self.rng)
             log.warning(
                 "link_down", server=f"{self.target.host}:{self.target.port}", reason=reason, retry_in_s=round(delay, 2)
             )

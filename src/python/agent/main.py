@@ -27,7 +27,7 @@ from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink, Target
 from agent.node_address import NodeAddress
-from agent.replicas import Supervisor, serve_assignments
+from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.weights import WeightsStore
 from llmgw import __version__, private
 from llmgw.config import AgentConfig, weights_dir_of

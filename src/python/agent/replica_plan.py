@@ -1,17 +1,18 @@
 """The replica supervisor's decisions, pure: the member state table, the restart policy, the plan
 that turns a desired set of assignments into starts, stops and keeps, and how an engine's end
-is told. `agent.replicas` performs them.
+is told. `agent.replica_supervisor` and `agent.replica_member` perform them.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import attrs
 
 from agent.adoption import fingerprint
 from agent.engine_proc import EngineProcess
+from llmgw.backoff import Backoff
 from llmgw.wire import agent_link as w
 
 Key = tuple[str, int]  # (replica_id, node_rank)
@@ -30,33 +31,11 @@ TRANSITIONS: Mapping[str, frozenset[str]] = {
 }
 
 
-@attrs.frozen(kw_only=True)
-class RestartPolicy:
-    """When to start an engine again after it exited, and when to stop trying.
-
-    Exits within `window_s` count; `max_failures` of them and the member is failed (the control
-    plane places it elsewhere). Otherwise the delay doubles with each recent exit, so an engine
-    that ran for hours and crashed once is back after `first_delay_s`.
-    """
-
-    first_delay_s: float = 1.0
-    max_delay_s: float = 60.0
-    factor: float = 2.0
-    window_s: float = 600.0
-    max_failures: int = 5
-
-    def recent(self, exits: Iterable[float], now: float) -> list[float]:
-        return [t for t in exits if now - t <= self.window_s]
-
-    def next_delay(self, exits: Sequence[float], now: float) -> float | None:
-        """Seconds to wait before the next start, given the times of the exits so far; None: give up."""
-        n = len(self.recent(exits, now))
-        if n >= self.max_failures:
-            return None
-        return min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, n - 1))
-
-
-DEFAULT_POLICY = RestartPolicy()
+# When to start an engine again after it exited, and when to stop trying: exits within 10 min
+# count, and 5 of them fail the member (the control plane places it elsewhere). Otherwise the
+# wait doubles with each recent exit from 1 s up to 60 s, so an engine that ran for hours and
+# crashed once is back after 1 s.
+RESTART_BACKOFF = Backoff(first_s=1.0, max_s=60.0, window_s=600.0, give_up_after=5)
 
 
 @attrs.frozen(kw_only=True)

@@ -2,7 +2,7 @@
 where systemd is not the init (containers, some VMs).
 
 It runs one child (`llmgw agent run --config ...`) with stdin from /dev/null and stdout and
-stderr appended to the log file, starts it again after it exits (`RestartPolicy`, pure), and
+stderr appended to the log file, starts it again after it exits (`CHILD_BACKOFF`), and
 on SIGTERM or SIGINT stops it (SIGTERM, then SIGKILL to its process group after 10 s) and exits 0.
 
 Invariants:
@@ -37,6 +37,7 @@ import attrs
 import trio
 
 from llmgw import log as llmgw_log
+from llmgw.backoff import Backoff, Failures
 from llmgw.errors import MachineError
 from llmgw.selfexec import llmgw_command
 
@@ -51,22 +52,9 @@ DEFAULT_STOP_WAIT_S = 20.0  # `stop`: more than the child's SIGTERM-to-SIGKILL t
 POLL_S = 0.05
 
 
-@attrs.frozen(kw_only=True)
-class RestartPolicy:
-    """How long to wait before starting the child again. Pure: the caller measures the uptime.
-
-    The first restart waits `initial_s`, each quick one after it twice as long up to `cap_s`;
-    a child that stayed up `reset_after_s` counts as healthy and the next wait is `initial_s`.
-    """
-
-    initial_s: float = 1.0
-    cap_s: float = 30.0
-    reset_after_s: float = 60.0
-
-    def next_delay(self, previous_s: float | None, uptime_s: float) -> float:
-        if previous_s is None or uptime_s >= self.reset_after_s:
-            return self.initial_s
-        return min(previous_s * 2, self.cap_s)
+# The first restart waits 1 s, each quick one after it twice as long up to 30 s; a child that
+# stayed up 60 s was healthy, and the next wait is 1 s again.
+CHILD_BACKOFF = Backoff(first_s=1.0, max_s=30.0, healthy_s=60.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,7 +65,7 @@ class Spec:
     pid_file: Path
     log_file: Path
     env: Mapping[str, str] | None = None  # None: this process's environment
-    policy: RestartPolicy = RestartPolicy()
+    backoff: Backoff = CHILD_BACKOFF
     stop_timeout_s: float = STOP_TIMEOUT_S
 
 
@@ -245,7 +233,7 @@ async def _stop_child(proc: trio.Process, timeout_s: float) -> None:
 
 async def serve_child(spec: Spec, log_fd: int, *, task_status: trio.TaskStatus[int | None]) -> None:
     """Run the child, and again after each exit, until cancelled; cancelling stops the child."""
-    delay: float | None = None
+    failures = Failures(spec.backoff)
     started = False
     while True:
         try:
@@ -271,8 +259,10 @@ async def serve_child(spec: Spec, log_fd: int, *, task_status: trio.TaskStatus[i
             finally:
                 if proc.returncode is None:
                     await _stop_child(proc, spec.stop_timeout_s)
-        uptime = trio.current_time() - began
-        delay = spec.policy.next_delay(delay, uptime)
+        now = trio.current_time()
+        uptime = now - began
+        failures.failed(now, ran_s=uptime)
+        delay = failures.delay()
         log.warning(
             "agent_exited",
             pid=proc.pid if proc else 0,

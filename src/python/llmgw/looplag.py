@@ -53,7 +53,7 @@ import attrs
 import trio
 
 from llmgw.log import get_logger
-from llmgw.metrics import Registry
+from llmgw.metrics import MetricsRegistry
 
 log = get_logger("llmgw.loop")
 
@@ -137,7 +137,7 @@ class LagMonitor:
 
     def __init__(self, *, warn_s: float = WARN_S, warn_every_s: float = WARN_EVERY_S, window_s: float = WINDOW_S):
         self.warn_s, self.warn_every_s = warn_s, warn_every_s
-        self.metrics = Registry()
+        self.metrics = MetricsRegistry()
         self._lag = self.metrics.histogram(
             "llmgw_event_loop_lag_seconds",
             f"How late the event loop's {INTERVAL_S * 1000:g} ms timer woke: how long every task due then waited.",
@@ -249,7 +249,7 @@ class StallClock:
         return max(at + self.stalled_s, self._hold_until + (at - self._floor))
 
     def render(self) -> str:
-        registry = Registry()
+        registry = MetricsRegistry()
         registry.counter(
             "llmgw_event_loop_stalled_seconds_total",
             "Time the event loop could not run that liveness does not count as any node's silence.",
@@ -331,7 +331,7 @@ class StepTimer(trio.abc.Instrument):
     wall time: a step the machine preempted is not counted as long."""
 
     def __init__(self) -> None:
-        self.metrics = Registry()
+        self.metrics = MetricsRegistry()
         self._max = self.metrics.gauge(
             "llmgw_event_loop_step_max_seconds", "The longest task step of the event loop since start (CPU time)."
         )

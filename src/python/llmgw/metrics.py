@@ -1,7 +1,7 @@
 """Metrics kept in memory and their Prometheus text exposition (format 0.0.4).
 
-Counters, gauges and histograms keyed by label values; a `Registry` renders its families in
-registration order, each with its HELP and TYPE lines. Shared by the gateway, the listeners'
+Counters, gauges and histograms keyed by label values; a `MetricsRegistry` renders its families
+in registration order, each with its HELP and TYPE lines. Shared by the gateway, the listeners'
 connection counts and the control plane's own families.
 """
 
@@ -90,7 +90,7 @@ class Histogram(_Family):
         return out
 
 
-class Registry:
+class MetricsRegistry:
     def __init__(self) -> None:
         self.families: list[_Family] = []
 

@@ -4,7 +4,7 @@
     STATE_DIR/ca/            0700: certificate authority and server certificate (llmgw.pki.files)
     STATE_DIR/llmgw.db       0600, and its -wal and -shm: SQLite store: nodes, cordons, issued and
                              revoked certificates, placements (engine keys sealed), API key hashes
-    STATE_DIR/engine-keys.secret  0600: what seals the engine keys in llmgw.db (server.enginekeys)
+    STATE_DIR/engine-keys.secret  0600: what seals the engine keys in llmgw.db (server.keyseal)
     STATE_DIR/admin.token    0600: the admin credential: whoever can read it administers the cluster
     STATE_DIR/admin.url      0644: the admin API's URL, written by a running server, read by `llmgw ctl`
     STATE_DIR/up-api-key     0600: the gateway key `llmgw up` made for you (only with `up`)

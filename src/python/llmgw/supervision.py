@@ -25,26 +25,15 @@ from typing import Any
 import attrs
 import trio
 
+from llmgw.backoff import Backoff, Failures
 from llmgw.errors import only
 from llmgw.log import Logger, get_logger
 
 log = get_logger("llmgw.supervision")
 
 
-@attrs.frozen(kw_only=True)
-class Backoff:
-    """How long to wait before starting a failed loop again."""
-
-    first_s: float = 1.0
-    max_s: float = 60.0
-    healthy_s: float = 60.0  # a run at least this long was healthy: the next failure waits first_s again
-
-    def delay(self, failures: int) -> float:
-        """The wait after the `failures`-th failure in a row (1 for the first)."""
-        return min(self.max_s, self.first_s * 2.0 ** min(max(failures - 1, 0), 60))
-
-
-BACKOFF = Backoff()
+# 1 s, doubling up to 60 s; a run of 60 s was healthy, and the next failure waits 1 s again.
+BACKOFF = Backoff(first_s=1.0, max_s=60.0, healthy_s=60.0)
 
 
 @attrs.define
@@ -71,6 +60,8 @@ class Background:
     several agents and a control plane in one process)."""
 
     def __init__(self, logger: Logger | None = None, *, backoff: Backoff = BACKOFF, **fields: Any) -> None:
+        if backoff.give_up_after:
+            raise ValueError("a background loop is started again however often it fails: give_up_after must be 0")
         self.log = logger or log
         self.backoff = backoff
         self.fields = fields
@@ -87,7 +78,7 @@ class Background:
         task_status=...)`, return what it reports started, and keep it running (module docstring)."""
         self.restarts.setdefault(name, 0)
         caller: Any = task_status
-        failures = 0  # in a row, since the last healthy run
+        failures = Failures(self.backoff)
         while True:
             status = _Status(caller)
             began = trio.current_time()
@@ -96,9 +87,10 @@ class Background:
             except Exception:
                 if status.caller is not None:
                     raise  # it never started: a start failure is the caller's
-                ran = trio.current_time() - (status.at if status.at is not None else began)
-                failures = 1 if ran >= self.backoff.healthy_s else failures + 1
-                delay = self.backoff.delay(failures)
+                now = trio.current_time()
+                ran = now - (status.at if status.at is not None else began)
+                failures.failed(now, ran_s=ran)
+                delay = failures.delay()
                 self.log.exception(
                     "background_task_failed",
                     task=name,

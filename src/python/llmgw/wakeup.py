@@ -48,8 +48,6 @@ WAKEUPS: dict[str, str] = {
     "pages send a snapshot",
     "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
     # The gateway (llmgw.server.gateway).
-    "llmgw.server.gateway.app.StaticEndpoints.changed": "the fixed rotation of a gateway without a control plane "
-    "(tests, the bench) was replaced -> the gateway's rotation follows",
     "llmgw.server.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
     "original's requests (`quiesce`) looks again",
@@ -59,10 +57,10 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.
-    "agent.replicas.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
+    "agent.replica_supervisor.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
     "tests wait on it (`Supervisor.changed`)",
-    "agent.replicas.Supervisor.released": "a member gave its GPUs back -> members waiting for GPUs look again",
-    "agent.replicas.Supervisor.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
+    "agent.replica_member.Life.released": "a member gave its GPUs back -> members waiting for GPUs look again",
+    "agent.replica_member.Life.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
     "(`Supervisor.answered_probes`)",
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",
@@ -77,9 +75,9 @@ ONE_SHOT: dict[str, str] = {
     "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
     "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
     "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
-    "agent.replicas._Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
-    "agent.replicas._Member.observed": "one member: its engine was probed once, or it ended",
-    "agent.replicas._Member.done": "one member: its task ended",
+    "agent.replica_member.Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
+    "agent.replica_member.Member.observed": "one member: its engine was probed once, or it ended",
+    "agent.replica_member.Member.done": "one member: its task ended",
     "agent.node_address.NodeAddress._known": "the first address the link reported",
     "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
     "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",

@@ -94,7 +94,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         private_dir=str(private),
     )
     cmd = build_command(launch, binary)
-    for f in cmd.files:  # as the agent writes them (agent.engine_keys)
+    for f in cmd.files:  # as the agent writes them (agent.key_files)
         fd = os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(f.content.reveal())

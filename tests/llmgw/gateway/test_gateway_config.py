@@ -7,7 +7,8 @@ import pytest
 
 from llmgw import config
 from llmgw.errors import ConfigError
-from llmgw.server.gateway.app import Gateway, StaticEndpoints
+from llmgw.server.gateway.app import Gateway
+from testlib.endpoints import StaticEndpoints
 
 
 def test_the_section_is_the_gateways_options_and_each_key_reaches_it() -> None:

@@ -13,11 +13,11 @@ import trio
 
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
-from llmgw.server.gateway.app import StaticEndpoints
 from llmgw.server.gateway.upstream import UpstreamPool
 from testlib import memnet
 from testlib.cluster import free_port
 from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.endpoints import StaticEndpoints
 from testlib.gateway import chat, request
 from testlib.waiting import wait_until
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from llmgw.backoff import Backoff
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
-from llmgw.server.store import Store, StoreBusy, StoreCorrupt, store_path
+from llmgw.server.errors import StoreBusy, StoreCorrupt
+from llmgw.server.store import Store, store_path
 from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
@@ -94,7 +96,7 @@ async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
         writes.append(value)
         await store.set_placements(value)
 
-    writer = LatestWriter("placements", write, first_retry_s=0.01, max_retry_s=0.05)
+    writer = LatestWriter("placements", write, backoff=Backoff(first_s=0.01, max_s=0.05))
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.serve)
         with write_lock(tmp_path):
@@ -116,7 +118,7 @@ async def test_a_stop_writes_the_latest_version_once_and_bounded(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
-    writer = LatestWriter("placements", store.set_placements, first_retry_s=10.0, flush_timeout_s=2.0)
+    writer = LatestWriter("placements", store.set_placements, backoff=Backoff(first_s=10.0, max_s=30.0), flush_timeout_s=2.0)
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.serve)
         writer.offer({"r-0": {"v": 1}})

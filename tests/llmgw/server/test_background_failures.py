@@ -18,10 +18,10 @@ import pytest
 import trio
 
 from agent.main import run_agent
+from llmgw.backoff import Backoff
 from llmgw.config import EngineArchive, EngineSource, EnginesSection, Model
 from llmgw.ctl.client import AdminClient
 from llmgw.server.app import ControlPlane, serve_control_plane
-from llmgw.supervision import Backoff
 from llmgw.wire import agent_link as w
 from testlib.controlplane import local
 from testlib.fileserver import serve_files

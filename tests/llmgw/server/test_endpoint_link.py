@@ -19,7 +19,7 @@ from agent.link import AgentLink, Target
 from llmgw.pki.ca import CertInfo
 from llmgw.server import endpoint
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.store import NodeRow
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
@@ -82,7 +82,7 @@ class Plane:
     """An endpoint whose desired state counts what it made; `until` waits on its changes."""
 
     def __init__(self) -> None:
-        self.registry = Registry(heartbeat_ttl_s=30.0, started_at=0.0)
+        self.registry = NodeRegistry(heartbeat_ttl_s=30.0, started_at=0.0)
         self.store = Store()
         self.made: list[float] = []  # when each desired state was made
         self._changed = trio.lowlevel.ParkingLot()

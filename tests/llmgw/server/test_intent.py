@@ -12,8 +12,7 @@ import trio.testing
 
 from llmgw.config import ServerConfig, ServerSection, load_server_config
 from llmgw.server.app import ControlPlane
-from llmgw.server.errors import UnknownNode
-from llmgw.server.store import StoreBusy
+from llmgw.server.errors import StoreBusy, UnknownNode
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, hello, make_state
 

@@ -20,7 +20,7 @@ from llmgw.config import DebugSection
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
 from llmgw.server.app import ControlPlane
-from llmgw.server.sessions import SessionBook
+from llmgw.server.logins import SessionBook
 from testlib.controlplane import make_state, serve_plane
 
 pytestmark = pytest.mark.trio

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Registry
+from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, NodeRegistry
 from llmgw.wire import agent_link as w
 
 TTL = 30.0
@@ -19,12 +19,12 @@ def hello(node_id: str = "n1", started_at: float = 1000.0, boot_id: str = "boot-
     )
 
 
-def connect(reg: Registry, now: float, **kw) -> int:
+def connect(reg: NodeRegistry, now: float, **kw) -> int:
     return reg.connect(hello(**kw), address="127.0.0.2", cert_serial=1, cert_not_after=2e9, now=now)
 
 
 def test_connected_is_joining_until_the_first_heartbeat() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     conn = connect(reg, now=1)
     assert reg.liveness(reg.nodes["n1"], 2) == JOINING
     reg.heartbeat("n1", conn, 3)
@@ -35,7 +35,7 @@ def test_connected_is_joining_until_the_first_heartbeat() -> None:
 
 def test_a_node_known_from_before_is_not_joined() -> None:
     # The spec's bug: a cordoned node re-added was known, so it "counted" without its new agent.
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=100)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=100)
     reg.know("n1", cordoned=True)
     assert reg.liveness(reg.nodes["n1"], 101) == UNKNOWN
     assert reg.liveness(reg.nodes["n1"], 100 + TTL + 1) == LOST
@@ -47,7 +47,7 @@ def test_a_node_known_from_before_is_not_joined() -> None:
 
 
 def test_a_restarted_agent_must_heartbeat_again() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     old = connect(reg, now=1, started_at=1000.0)
     reg.heartbeat("n1", old, 2)
     new = connect(reg, now=5, started_at=2000.0)  # a new agent process
@@ -59,7 +59,7 @@ def test_a_restarted_agent_must_heartbeat_again() -> None:
 
 
 def test_a_reconnect_of_the_same_process_stays_joined() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     first = connect(reg, now=1)
     reg.heartbeat("n1", first, 2)
     reg.disconnect("n1", first)
@@ -69,13 +69,13 @@ def test_a_reconnect_of_the_same_process_stays_joined() -> None:
 
 
 def test_a_connection_that_never_heartbeats_becomes_lost() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     connect(reg, now=1)
     assert reg.liveness(reg.nodes["n1"], 1 + TTL + 1) == LOST
 
 
 def test_transitions_report_each_change_once() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     conn = connect(reg, now=1)
     reg.heartbeat("n1", conn, 1)
     assert [(t.old, t.new) for t in reg.transitions(1)] == [(UNKNOWN, JOINED)]
@@ -84,7 +84,7 @@ def test_transitions_report_each_change_once() -> None:
 
 
 def test_next_deadline_is_when_the_oldest_heartbeat_expires() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=-100)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=-100)
     a = connect(reg, now=1, node_id="a")
     b = connect(reg, now=1, node_id="b")
     reg.heartbeat("a", a, 10)
@@ -93,7 +93,7 @@ def test_next_deadline_is_when_the_oldest_heartbeat_expires() -> None:
 
 
 def test_forget_drops_the_node() -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     conn = connect(reg, now=1)
     reg.forget("n1")
     reg.heartbeat("n1", conn, 2)  # a heartbeat racing the removal is ignored
@@ -111,7 +111,7 @@ def test_a_stall_moves_every_deadline_by_its_length_and_a_silent_node_is_still_l
     interval = 5.0
     clock = StallClock(hold_s=interval)
     clock.watch(0.0)
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=clock.observe(0.0), clock=clock)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=clock.observe(0.0), clock=clock)
     a, b = connect(reg, now=clock.observe(0.0), node_id="a"), connect(reg, now=clock.observe(0.0), node_id="b")
     t = 0.0
     per_beat = round(interval / INTERVAL_S)

@@ -10,9 +10,9 @@ import trio
 
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, sealed_keys
 from llmgw.wire import agent_link as w
 
@@ -21,7 +21,7 @@ SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
 CATALOG = [Model(name="chat", engine="sim", replicas=2)]
 
 
-def joined(reg: Registry, node_id: str, now: float) -> int:
+def joined(reg: NodeRegistry, node_id: str, now: float) -> int:
     hello = w.Hello(
         protocol_version=w.PROTOCOL_VERSION,
         node_id=node_id,
@@ -44,14 +44,14 @@ def joined(reg: Registry, node_id: str, now: float) -> int:
     return conn
 
 
-def replicas(tmp_path: Path, reg: Registry, catalog=CATALOG) -> Replicas:
+def replicas(tmp_path: Path, reg: NodeRegistry, catalog=CATALOG) -> Replicas:
     store = AsyncStore.open(tmp_path)
-    keys = enginekeys.load(tmp_path, sealed_keys=sealed_keys(store.at_open.placements))
+    keys = keyseal.load(tmp_path, sealed_keys=sealed_keys(store.at_open.placements))
     return Replicas(store, reg, lambda: catalog, lambda: FabricMap(fabrics=(), notes=()), keys)
 
 
 def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b"):
         joined(reg, n, 1)
     r = replicas(tmp_path, reg)
@@ -69,7 +69,7 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
 
 @pytest.mark.trio
 async def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path: Path) -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b"):
         joined(reg, n, 1)
     first = replicas(tmp_path, reg)
@@ -80,7 +80,7 @@ async def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path
     assert not first.saver.pending
     keys = {k: v.api_key for k, v in first.placed.items()}
     # A new control plane: nodes known from the store, not reconnected yet.
-    reg2 = Registry(heartbeat_ttl_s=TTL, started_at=100)
+    reg2 = NodeRegistry(heartbeat_ttl_s=TTL, started_at=100)
     for n in ("a", "b"):
         reg2.know(n)
     second = replicas(tmp_path, reg2)
@@ -92,7 +92,7 @@ async def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path
 
 
 def test_a_lost_nodes_replica_moves_and_is_fenced_there(tmp_path: Path) -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b", "c"):
         joined(reg, n, 1)
     r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=1)])
@@ -109,7 +109,7 @@ def test_a_lost_nodes_replica_moves_and_is_fenced_there(tmp_path: Path) -> None:
 
 
 def test_a_failed_replica_is_rebuilt_on_another_node(tmp_path: Path) -> None:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b"):
         joined(reg, n, 1)
     r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=1)])
@@ -130,7 +130,7 @@ def test_a_pending_replica_is_logged_once_and_a_forming_cluster_is_no_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO")
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=5)
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=5)
     r = replicas(tmp_path, reg, [Model(name="chat", engine="sim", replicas=2), Model(name="gpu", engine="vllm")])
     r.reconcile(1)  # just started, no node yet
     conn = reg.connect(

@@ -23,7 +23,7 @@ from llmgw.log import get_logger
 from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
 from llmgw.pki.ca import CertInfo, cert_info, check_node_id, parse_sans
 from llmgw.pki.files import CAPaths, ca_paths, init_ca, issue_server_cert, issue_to_dir, load_ca, load_cert, write_cert
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 
 log = get_logger("llmgw.ca")
 
@@ -111,7 +111,7 @@ def run_init(args: argparse.Namespace) -> int:
     ca = load_ca(state_dir)
     server_info = issue_server_cert(ca, state_dir, sans, validity_days=cfg.ca.server_cert_validity_days)
     token_path = ensure_admin_token(state_dir)
-    enginekeys.generate(state_dir)  # made now, so that the files to copy once are all there from the start
+    keyseal.generate(state_dir)  # made now, so that the files to copy once are all there from the start
     paths = ca_paths(state_dir)
     log.info("ca_created", dir=str(paths.dir), fingerprint=ca_info.fingerprint_sha256, sans=list(server_info.sans))
     if args.json:

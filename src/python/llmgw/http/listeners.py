@@ -32,7 +32,7 @@ import trio
 
 from llmgw.http.refusals import RefusalLog
 from llmgw.log import get_logger
-from llmgw.metrics import Registry
+from llmgw.metrics import MetricsRegistry
 
 log = get_logger("llmgw.listeners")
 
@@ -101,7 +101,7 @@ class ConnectionStats:
     Prometheus text by `render`."""
 
     def __init__(self) -> None:
-        r = self.registry = Registry()
+        r = self.registry = MetricsRegistry()
         self.open = r.gauge("llmgw_connections_open", "Connections open now, per listener.", ("listener",))
         self.limit = r.gauge(
             "llmgw_connections_limit", "The most connections a listener serves at once.", ("listener",)

@@ -62,10 +62,9 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
-from llmgw.server.errors import DiagnosticOff, NoConfigFile, UnknownNode, UnknownReplica
+from llmgw.server.errors import DiagnosticOff, NoConfigFile, StoreError, UnknownNode, UnknownReplica
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.gateway.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
-from llmgw.server.store import StoreError
 
 if TYPE_CHECKING:
     from llmgw.server.asyncstore import AsyncStore

@@ -51,7 +51,7 @@ from llmgw.pki.tlsdiag import describe_tls_failure
 from llmgw.server import agentport, artifacts, releases
 from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.store import StoreError
+from llmgw.server.errors import StoreError
 from llmgw.wire import session as s
 from llmgw.wire.errors import UpgradeRefused
 

@@ -40,29 +40,29 @@ from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
-from llmgw.metrics import Registry as MetricsRegistry
+from llmgw.metrics import MetricsRegistry
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
 from llmgw.pki.tls import server_ssl_context
 from llmgw.releasefiles import Running, running_release
-from llmgw.server import activation, enginekeys, views
+from llmgw.server import activation, keyseal, views
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
-from llmgw.server.enginekeys import EngineKeys
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.intent import NodeIntent
+from llmgw.server.keyseal import KeySeal
 from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
 from llmgw.server.operations import Operations
 from llmgw.server.page import Page
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.server.settings import Settings
@@ -91,7 +91,7 @@ class ControlPlane:
         ca: CA,
         ssl_context: ssl.SSLContext,
         store: AsyncStore,
-        engine_keys: EngineKeys,
+        key_seal: KeySeal,
         admin_token: str,
         running: Running | None,
     ) -> None:
@@ -109,7 +109,7 @@ class ControlPlane:
         self.loop_lag = LagMonitor()  # this process's event-loop lag, for /metrics and the log
         # Every task step timed, where server.toml's [debug] measure_steps asks (added in `serve`).
         self.step_timer = StepTimer() if config.debug.measure_steps else None
-        self.registry = Registry(
+        self.registry = NodeRegistry(
             heartbeat_ttl_s=config.server.heartbeat_ttl_s,
             started_at=clock.now(),
             reconnect_grace_s=config.server.reconnect_grace_s,
@@ -139,7 +139,7 @@ class ControlPlane:
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(
-            store, self.registry, models, partial(views.cluster_fabrics, self.registry), engine_keys
+            store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal
         )
         self.reconciler = Reconciler(
             self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.endpoint.links)
@@ -204,7 +204,7 @@ class ControlPlane:
         ca = load_ca(state_dir)
         ssl_context = server_ssl_context(state_dir, certificate_optional=config.release.serve)
         store = AsyncStore.open(state_dir)
-        engine_keys = enginekeys.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
+        key_seal = keyseal.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
         admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
         plane = cls(
             config,
@@ -213,7 +213,7 @@ class ControlPlane:
             ca=ca,
             ssl_context=ssl_context,
             store=store,
-            engine_keys=engine_keys,
+            key_seal=key_seal,
             admin_token=admin_token,
             running=running_release(),  # this llmgw's own release file, which agents may fetch
         )

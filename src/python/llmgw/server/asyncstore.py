@@ -29,8 +29,10 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from llmgw.backoff import Backoff, Failures
 from llmgw.log import get_logger
-from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, StoreError, store_path
+from llmgw.server.errors import StoreError
+from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, store_path
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
@@ -167,12 +169,15 @@ class AsyncStore:
         return await self._run(self._store.revoke_api_key, name)
 
 
+WRITE_BACKOFF = Backoff(first_s=0.5, max_s=30.0)  # a write the database refused, tried again
+
+
 class LatestWriter(Generic[T]):
     """Writes the latest offered version of one thing with `write`, in the background.
 
     `offer` never waits and never fails; `serve` writes what was offered last, skipping versions
-    superseded meanwhile. While writes fail (`StoreError`) it retries with backoff, from
-    `first_retry_s` doubling to `max_retry_s`, and logs once when writing starts failing and
+    superseded meanwhile. While writes fail (`StoreError`) it retries by `backoff` (from 0.5 s
+    doubling to 30 s, `WRITE_BACKOFF`), and logs once when writing starts failing and
     once when it works again. On cancellation it makes one last attempt, shielded and bounded
     by `flush_timeout_s`, and logs if the latest version stayed unwritten."""
 
@@ -181,14 +186,12 @@ class LatestWriter(Generic[T]):
         what: str,
         write: Callable[[T], Awaitable[None]],
         *,
-        first_retry_s: float = 0.5,
-        max_retry_s: float = 30.0,
+        backoff: Backoff = WRITE_BACKOFF,
         flush_timeout_s: float = BUSY_TIMEOUT_S + 1.0,
     ) -> None:
         self.what = what
         self._write = write
-        self.first_retry_s = first_retry_s
-        self.max_retry_s = max_retry_s
+        self.backoff = backoff
         self.flush_timeout_s = flush_timeout_s
         self._latest: T | None = None
         self._offered = 0  # versions offered so far
@@ -210,17 +213,17 @@ class LatestWriter(Generic[T]):
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            delay = self.first_retry_s
+            failures = Failures(self.backoff)
             while True:
                 offered = self.to_write.next()
                 if not self.pending:
                     await offered.wait()
                     continue
                 if await self._write_latest():
-                    delay = self.first_retry_s
+                    failures.reset()
                 else:
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, self.max_retry_s)
+                    failures.failed(trio.current_time())
+                    await trio.sleep(failures.delay())
         finally:
             with trio.move_on_after(self.flush_timeout_s) as flush:
                 flush.shield = True

@@ -25,12 +25,11 @@ import trio
 
 from llmgw.errors import leaves
 from llmgw.log import get_logger
-from llmgw.server.errors import UnknownNode
+from llmgw.server.errors import StoreError, UnknownNode
 from llmgw.server.intent import NodeIntent
 from llmgw.server.moves import MoveFailed, Moves
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas
-from llmgw.server.store import StoreError
 
 log = get_logger("llmgw.moves")  # drains were moves' until they had a module of their own
 
@@ -73,7 +72,7 @@ class DrainRequest:
 
 
 class Drains(Mapping[str, DrainProgress]):
-    def __init__(self, *, registry: Registry, intent: NodeIntent, replicas: Replicas, moves: Moves) -> None:
+    def __init__(self, *, registry: NodeRegistry, intent: NodeIntent, replicas: Replicas, moves: Moves) -> None:
         self.registry = registry
         self.intent = intent
         self.replicas = replicas

@@ -34,8 +34,8 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
 from llmgw.server.agentlistener import REFUSAL_SEND_S, AgentListener
-from llmgw.server.registry import Registry
-from llmgw.server.store import StoreError
+from llmgw.server.errors import StoreError
+from llmgw.server.registry import NodeRegistry
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
 from llmgw.wire.errors import UpgradeRefused, WireError
@@ -67,7 +67,7 @@ class AgentEndpoint(AgentListener):
     def __init__(
         self,
         *,
-        registry: Registry,
+        registry: NodeRegistry,
         heartbeat_interval_s: float,
         desired_state: Callable[[str], w.DesiredState],
         on_change: Callable[[], None] = lambda: None,

@@ -1,15 +1,16 @@
 """Errors of the control plane's domain, by blame. Domain code raises them; the admin API alone
 turns each into an HTTP status (`llmgw.server.admin.ANSWERS`), and the SIGHUP reload logs them.
 
-The store's own errors (`StoreBusy`, `StoreFailed`, `StoreCorrupt`: the database or the disk
-refused) stay in `llmgw.server.store`, which translates sqlite3's exceptions into them.
+The store's errors (`StoreBusy`, `StoreFailed`, `StoreCorrupt`: the database or the disk
+refused) are the machine's; `llmgw.server.store` alone makes them, from sqlite3's exceptions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
-from llmgw.errors import UsageError
+from llmgw.errors import MachineError, UsageError
 
 
 class UnknownNode(UsageError):
@@ -49,4 +50,60 @@ class DiagnosticOff(UsageError):
         super().__init__(
             f"{what} is a diagnostic that is off on this control plane; set `{key} = true` under [debug] in "
             "server.toml and restart `llmgw server` to allow it (never on a cluster that serves users)"
+        )
+
+
+# -- the store's: the database or the disk under it refused --------------------------------
+
+
+class StoreError(MachineError):
+    """The database could not do what was asked; nothing changed. `retry_after_s`: when trying
+    again may work."""
+
+    retry_after_s = 5.0
+
+    def __init__(self, path: Path, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class StoreBusy(StoreError):
+    """Another process held the database's write lock for longer than the busy timeout."""
+
+    retry_after_s = 2.0
+
+    def __init__(self, path: Path, waited_s: float) -> None:
+        super().__init__(
+            path,
+            f"{path} is locked by another process (a sqlite3 shell in a transaction, a backup, another "
+            f"llmgw command) and stayed locked for {waited_s:g} s; nothing changed; try again",
+        )
+
+
+class StoreFailed(StoreError):
+    """The database or the disk under it refused: full, read-only, an I/O error."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(
+            path,
+            f"the control plane's database {path} failed: {detail}; nothing changed. Check the disk under it "
+            "(free space, permissions, I/O errors in the kernel log)",
+        )
+
+
+class StoreCorrupt(StoreFailed):
+    """The file is damaged: only a backup, or starting empty, brings it back."""
+
+    retry_after_s = 60.0
+
+    def __init__(self, path: Path, detail: str) -> None:
+        StoreError.__init__(
+            self,
+            path,
+            f"the control plane's database {path} is damaged ({detail}). Stop the server and restore the latest "
+            f'backup (made by `llmgw server backup`; docs/operations.md, "Backing up and restoring the control '
+            f"plane's state\", has the commands), or move {path.name} and its -wal and -shm files aside to start "
+            "with an empty one, which loses the cordon and drain marks, the replica placements (replicas are placed "
+            "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
+            "`llmgw node remove` again for nodes removed before)",
         )

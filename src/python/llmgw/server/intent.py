@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
-from llmgw.server.registry import Node, Registry
+from llmgw.server.registry import Node, NodeRegistry
 
 
 class NodeIntent:
-    def __init__(self, *, store: AsyncStore, registry: Registry, changes: Changes) -> None:
+    def __init__(self, *, store: AsyncStore, registry: NodeRegistry, changes: Changes) -> None:
         self.store = store
         self.registry = registry
         self.changes = changes

@@ -23,7 +23,7 @@ import trio
 
 from llmgw.log import get_logger
 from llmgw.server.changes import Changes
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas
 
 log = get_logger("llmgw.server")
@@ -32,7 +32,7 @@ log = get_logger("llmgw.server")
 class Reconciler:
     def __init__(
         self,
-        registry: Registry,
+        registry: NodeRegistry,
         replicas: Replicas,
         changes: Changes,
         push: Callable[[str], Awaitable[None]],

@@ -28,7 +28,7 @@ import trio
 from llmgw.log import get_logger
 from llmgw.server.changes import Changes
 from llmgw.server.gateway.app import Gateway
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded
 from llmgw.wakeup import Wakeup
@@ -53,7 +53,7 @@ class Moves:
         self,
         *,
         replicas: Replicas,
-        registry: Registry,
+        registry: NodeRegistry,
         gateway: Gateway,
         changes: Changes,
         push: Callable[[str], Awaitable[None]],

@@ -24,7 +24,7 @@ from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.errors import DiagnosticOff, UnknownNode, UnknownReplica
 from llmgw.server.intent import NodeIntent
 from llmgw.server.liveness import Reconciler
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas
 from llmgw.server.settings import Settings
 from llmgw.wire import agent_link as w
@@ -38,7 +38,7 @@ class Operations:
         *,
         settings: Settings,
         store: AsyncStore,
-        registry: Registry,
+        registry: NodeRegistry,
         replicas: Replicas,
         intent: NodeIntent,
         drains: Drains,

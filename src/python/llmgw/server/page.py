@@ -43,7 +43,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server import events
 from llmgw.server.gateway.history import History
-from llmgw.server.sessions import (
+from llmgw.server.logins import (
     CSRF_HEADER,
     LoginRefused,
     Session,

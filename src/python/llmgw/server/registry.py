@@ -65,7 +65,7 @@ class Transition:
     new: str
 
 
-class Registry:
+class NodeRegistry:
     def __init__(
         self,
         *,

@@ -16,7 +16,7 @@ that make it safe:
 - A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model.
 
 Each replica's engine key is in memory in plain text and in the store only sealed
-(`llmgw.server.enginekeys`). A row of an earlier version holds its key in plain text: it is read
+(`llmgw.server.keyseal`). A row of an earlier version holds its key in plain text: it is read
 as it is (its engines keep running with it) and `at_open[PLAIN]` names it; `seal_at_start`,
 called by the control plane as it opens, rewrites the store sealed before anything runs.
 """
@@ -34,8 +34,8 @@ from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
-from llmgw.server.enginekeys import EngineKeys
-from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, Registry
+from llmgw.server.keyseal import KeySeal
+from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.scheduler import NodeView, Pending, Placement, plan
 from llmgw.wire import agent_link as w
 
@@ -73,7 +73,7 @@ def _to_row(s: Stored) -> dict:
     return {"placement": attrs.asdict(s.placement), "sealed_key": s.sealed_key, "dist_init_port": s.dist_init_port}
 
 
-def _from_row(replica_id: str, row: dict, keys: EngineKeys) -> tuple[Stored, str]:
+def _from_row(replica_id: str, row: dict, keys: KeySeal) -> tuple[Stored, str]:
     p = dict(row["placement"])
     p["nodes"] = tuple(p["nodes"])
     placement = Placement(**p)
@@ -105,10 +105,10 @@ class Replicas:
     def __init__(
         self,
         store: AsyncStore,
-        registry: Registry,
+        registry: NodeRegistry,
         models: Callable[[], Sequence[Model]],
         fabrics: Callable[[], FabricMap],
-        keys: EngineKeys,
+        keys: KeySeal,
     ) -> None:
         self.registry = registry
         self.models = models

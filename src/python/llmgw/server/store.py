@@ -14,9 +14,10 @@ method the admin API calls (`record_issued`). The database is in WAL mode, so re
 wait for a writer: a backup (`llmgw server backup`, `copy_database` here) reads while the
 server runs. No other module imports sqlite3.
 
-sqlite3's exceptions never leave this module: each public method translates them once, into
-`StoreBusy` (another process holds the lock past the busy timeout), `StoreCorrupt` (the file
-is damaged) or `StoreFailed` (anything else the database or the disk refused). A failed call
+sqlite3's exceptions never leave this module: each public method translates them once
+(`store_error`), into `StoreBusy` (another process holds the lock past the busy timeout),
+`StoreCorrupt` (the file is damaged) or `StoreFailed` (anything else the database or the disk
+refused), which `llmgw.server.errors` holds with the package's other errors. A failed call
 changed nothing: each is one transaction.
 """
 
@@ -35,7 +36,7 @@ import attrs
 
 from llmgw import private
 from llmgw.errors import MachineError
-from llmgw.server.errors import UnknownNode
+from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError, StoreFailed, UnknownNode
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -471,60 +472,7 @@ def _count(db: sqlite3.Connection, sql: str) -> int:
     return int(db.execute(sql).fetchone()[0])
 
 
-# -- errors, by blame ---------------------------------------------------------------------
-
-
-class StoreError(MachineError):
-    """The database could not do what was asked; nothing changed. `retry_after_s`: when trying
-    again may work."""
-
-    retry_after_s = 5.0
-
-    def __init__(self, path: Path, message: str) -> None:
-        self.path = path
-        super().__init__(message)
-
-
-class StoreBusy(StoreError):
-    """Another process held the database's write lock for longer than the busy timeout."""
-
-    retry_after_s = 2.0
-
-    def __init__(self, path: Path, waited_s: float) -> None:
-        super().__init__(
-            path,
-            f"{path} is locked by another process (a sqlite3 shell in a transaction, a backup, another "
-            f"llmgw command) and stayed locked for {waited_s:g} s; nothing changed; try again",
-        )
-
-
-class StoreFailed(StoreError):
-    """The database or the disk under it refused: full, read-only, an I/O error."""
-
-    def __init__(self, path: Path, detail: str) -> None:
-        super().__init__(
-            path,
-            f"the control plane's database {path} failed: {detail}; nothing changed. Check the disk under it "
-            "(free space, permissions, I/O errors in the kernel log)",
-        )
-
-
-class StoreCorrupt(StoreFailed):
-    """The file is damaged: only a backup, or starting empty, brings it back."""
-
-    retry_after_s = 60.0
-
-    def __init__(self, path: Path, detail: str) -> None:
-        StoreError.__init__(
-            self,
-            path,
-            f"the control plane's database {path} is damaged ({detail}). Stop the server and restore the latest "
-            f'backup (made by `llmgw server backup`; docs/operations.md, "Backing up and restoring the control '
-            f"plane's state\", has the commands), or move {path.name} and its -wal and -shm files aside to start "
-            "with an empty one, which loses the cordon and drain marks, the replica placements (replicas are placed "
-            "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
-            "`llmgw node remove` again for nodes removed before)",
-        )
+# -- sqlite3's exceptions, translated once --------------------------------------------------
 
 
 # SQLite's primary result codes (https://www.sqlite.org/rescode.html).

@@ -23,18 +23,18 @@ from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
 from llmgw.server.gateway.routing import Endpoint, Rotation
-from llmgw.server.registry import LOST, Node, Registry
+from llmgw.server.registry import LOST, Node, NodeRegistry
 from llmgw.server.replicas import Replicas
 from llmgw.wire import agent_link as w
 
 
-def cluster_fabrics(registry: Registry) -> FabricMap:
+def cluster_fabrics(registry: NodeRegistry) -> FabricMap:
     """The cluster's fabrics as placement sees them: by name and identity, with notes."""
     return fabric_map({n.node_id: n.inventory.fabrics for n in registry.nodes.values() if n.inventory})
 
 
 def node_views(
-    registry: Registry, drains: Mapping[str, DrainProgress], now: float, engines: EnginesSection | None = None
+    registry: NodeRegistry, drains: Mapping[str, DrainProgress], now: float, engines: EnginesSection | None = None
 ) -> list[dict[str, Any]]:
     views = [node_view(n, registry.liveness(n, now), now, engines) for _, n in sorted(registry.nodes.items())]
     for v in views:
@@ -111,7 +111,7 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
     }
 
 
-def replica_views(registry: Registry, replicas: Replicas) -> list[dict[str, Any]]:
+def replica_views(registry: NodeRegistry, replicas: Replicas) -> list[dict[str, Any]]:
     """Each placed replica with what its members report, then what could not be placed."""
     reported = {(s.replica_id, node.node_id): s for node in registry.nodes.values() for s in node.replicas}
     out = []
@@ -157,7 +157,7 @@ def model_views(models: Sequence[Model], replica_views: Sequence[dict[str, Any]]
 
 
 def gateway_rotation(
-    registry: Registry, replicas: Replicas, models: Sequence[Model], retiring: Collection[str], now: float
+    registry: NodeRegistry, replicas: Replicas, models: Sequence[Model], retiring: Collection[str], now: float
 ) -> Rotation:
     """The catalog's models and, for each placed replica whose rank 0 reports ready with a
     port on a node not lost, where the gateway reaches it and with which key. A replica on
@@ -195,7 +195,7 @@ class ClusterViews:
     def __init__(
         self,
         *,
-        registry: Registry,
+        registry: NodeRegistry,
         replicas: Replicas,
         drains: Mapping[str, DrainProgress],
         config: Callable[[], ServerConfig],
@@ -238,7 +238,7 @@ class GatewayEndpoints:
     def __init__(
         self,
         *,
-        registry: Registry,
+        registry: NodeRegistry,
         replicas: Replicas,
         models: Callable[[], Sequence[Model]],
         retiring: Collection[str],

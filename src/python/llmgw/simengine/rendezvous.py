@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from llmgw.backoff import Backoff, Failures
 from llmgw.errors import MachineError, find
 from llmgw.log import get_logger
 from llmgw.simengine import protocol
@@ -24,8 +25,7 @@ from llmgw.simengine.options import SimOptions, format_addr
 
 log = get_logger("llmgw.sim")
 
-FIRST_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 2.0
+JOIN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a worker dialling rank 0, until its deadline
 _CONNECTION_FAILURES = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, protocol.ProtocolError)
 
 
@@ -194,27 +194,27 @@ Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 async def connect_with_backoff(addr: tuple[str, int], timeout_s: float, connect: Connect = trio.open_tcp_stream):
     """A stream to rank 0, retrying refused or failed connections with exponential backoff
-    (FIRST_BACKOFF_S doubling to MAX_BACKOFF_S) until `timeout_s` has passed, as torch.distributed's
+    (`JOIN_BACKOFF`: 0.1 s doubling to 2 s) until `timeout_s` has passed, as torch.distributed's
     store clients do: rank 0 may simply not be up yet."""
     deadline = trio.current_time() + timeout_s
-    delay, attempts, last = FIRST_BACKOFF_S, 0, "no attempt"
+    failures, last = Failures(JOIN_BACKOFF), "no attempt"
     log.info("rendezvous_connecting", addr=format_addr(addr), timeout_s=timeout_s)
     while True:
-        attempts += 1
         with trio.move_on_after(max(0.0, deadline - trio.current_time())):
             try:
                 return await connect(*addr)
             except OSError as exc:
                 last = exc.strerror or str(exc)
+        failures.failed(trio.current_time())
+        delay = failures.delay()
         if trio.current_time() + delay >= deadline:
             raise RendezvousFailed(
                 f"rank 0 at {format_addr(addr)} was not reachable within {timeout_s:g} s "
-                f"({attempts} attempts; last: {last}); start rank 0 with --dist-init-addr {format_addr(addr)} "
+                f"({failures.count} attempts; last: {last}); start rank 0 with --dist-init-addr {format_addr(addr)} "
                 "and check that this node can reach that address"
             )
-        log.debug("rendezvous_retry", addr=format_addr(addr), attempt=attempts, reason=last, retry_in_s=delay)
+        log.debug("rendezvous_retry", addr=format_addr(addr), attempt=failures.count, reason=last, retry_in_s=delay)
         await trio.sleep(delay)
-        delay = min(delay * 2, MAX_BACKOFF_S)
 
 
 async def serve_worker(

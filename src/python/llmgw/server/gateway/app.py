@@ -47,6 +47,7 @@ from llmgw.server.gateway.errors import (
     UpstreamUnavailable,
 )
 from llmgw.server.gateway.fields import RequestFields, request_fields
+from llmgw.server.gateway.headers import relayed_headers, upstream_headers
 from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gateway.metrics import GatewayMetrics
 from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
@@ -57,23 +58,6 @@ from llmgw.wakeup import Wakeup
 log = get_logger("llmgw.gateway")
 
 FORWARDED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-# RFC 9110 §7.6.1: connection-specific headers are not forwarded; host, length and the key are ours.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
-_NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
-_NOT_RELAYED = _HOP_BY_HOP | {"content-length", "date", "server"}
 _RETRY_STATUSES = (502, 503)
 # What the gateway's knobs do not set (server.toml's `[gateway]`, `GatewaySection`, sets the rest):
 RETRY_AFTER_S = 5  # Retry-After of a 503 for no replica, in seconds
@@ -81,31 +65,14 @@ MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, 
 
 
 class EndpointProvider(Protocol):
+    """Where the gateway's rotation comes from: the control plane (`server.views.GatewayEndpoints`),
+    or a fixed set in the tests and the bench (`testlib.endpoints.StaticEndpoints`)."""
+
     def gateway_rotation(self) -> Rotation: ...
 
     def rotation_changed(self) -> trio.Event:
         """An event set at the next change of `gateway_rotation()`."""
         ...
-
-
-class StaticEndpoints:
-    """An endpoint provider without a control plane: a fixed set, replaced with `set`."""
-
-    def __init__(self, endpoints: tuple[Endpoint, ...] = (), models: frozenset[str] | None = None) -> None:
-        self.changed = Wakeup()
-        self._rotation = Rotation(models=frozenset(), endpoints=())
-        self.set(endpoints, models)
-
-    def set(self, endpoints: tuple[Endpoint, ...], models: frozenset[str] | None = None) -> None:
-        models = frozenset(ep.model for ep in endpoints) if models is None else models
-        self._rotation = Rotation(models=models, endpoints=tuple(endpoints))
-        self.changed.fire()
-
-    def gateway_rotation(self) -> Rotation:
-        return self._rotation
-
-    def rotation_changed(self) -> trio.Event:
-        return self.changed.next()
 
 
 class Gateway:
@@ -382,7 +349,7 @@ class Gateway:
             job.sent_at = self.clock()
             try:
                 upstream = await self.pool.send(
-                    ep.host, ep.port, request.method, request.path, _upstream_headers(request, ep), await request.read()
+                    ep.host, ep.port, request.method, request.path, upstream_headers(request, ep), await request.read()
                 )
             except UpstreamUnavailable as exc:
                 last, last_reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
@@ -429,11 +396,7 @@ class Gateway:
     async def _relay(self, upstream: UpstreamResponse, job: _Job) -> Response | StreamingResponse:
         ep = job.endpoint
         assert ep is not None
-        headers = (
-            *((k, v) for k, v in upstream.headers if k not in _NOT_RELAYED),
-            ("x-llmgw-replica", ep.replica_id),
-            ("x-llmgw-overhead-ms", f"{(job.sent_at - job.started) * 1000:.2f}"),
-        )
+        headers = relayed_headers(upstream.headers, replica_id=ep.replica_id, overhead_s=job.sent_at - job.started)
         if upstream.header("content-length") is not None:
             try:
                 body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
@@ -448,19 +411,8 @@ class Gateway:
         return StreamingResponse(status=upstream.status, body=_stream(upstream, job), headers=headers)
 
     def render_metrics(self) -> str:
-        m = self.metrics
-        m.replica_state.clear()
-        m.replica_outstanding.clear()
-        for model, eps in sorted(self.router.endpoints.items()):
-            for ep in eps:
-                m.replica_state.set(1, model=model, replica=ep.replica_id, state=self.router.state_of(ep))
-                m.replica_outstanding.set(
-                    self.router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id
-                )
-        for model in sorted(self.router.models | set(self.queued) | set(self.in_flight)):
-            m.queue_depth.set(self.queued.get(model, 0), model=model)
-            m.in_flight.set(self.in_flight.get(model, 0), model=model)
-        return m.render()
+        self.metrics.mirror(self.router, self.queued, self.in_flight)
+        return self.metrics.render()
 
 
 class _Job:
@@ -514,22 +466,6 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
         with trio.CancelScope(shield=True):
             await upstream.aclose()  # not read to its end: closed, which stops the engine's work
         job.finish(status)
-
-
-def _upstream_headers(request: Request, ep: Endpoint) -> list[tuple[bytes, bytes]]:
-    """The client's header fields as they came (byte pairs, repeats kept, in order) but for the
-    hop-by-hop ones, those `Connection` names, and what the gateway sets itself: the replica's key
-    and `X-Forwarded-For` (the client's list, then the client)."""
-    named = {t.strip().lower() for k, v in request.raw_headers if k == b"connection" for t in v.split(b",")}
-    client_host = request.client.rpartition(":")[0]
-    dropped = _NOT_FORWARDED_BYTES | named | ({b"x-forwarded-for"} if client_host else set())
-    headers = [(k, v) for k, v in request.raw_headers if k not in dropped]
-    if ep.api_key:
-        headers.append((b"authorization", f"Bearer {ep.api_key}".encode()))
-    if client_host:
-        chain = [v for k, v in request.raw_headers if k == b"x-forwarded-for"] + [client_host.encode()]
-        headers.append((b"x-forwarded-for", b", ".join(chain)))
-    return headers
 
 
 def _counted(gw: Gateway, model: str, error: HTTPError) -> HTTPError:

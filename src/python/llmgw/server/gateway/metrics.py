@@ -1,19 +1,23 @@
 """The gateway's metric families (llmgw.metrics renders them).
 
-Gauges that mirror state kept elsewhere (replica states, queue depth) are set by the gateway
-just before rendering, so a scrape sees the state as it is, not as it was at the last event.
+Gauges that mirror state kept elsewhere (replica states, queue depth) are set from that state
+just before rendering (`mirror`), so a scrape sees the state as it is, not as it was at the last
+event.
 """
 
 from __future__ import annotations
 
-from llmgw.metrics import Registry
+from collections.abc import Mapping
+
+from llmgw.metrics import MetricsRegistry
+from llmgw.server.gateway.routing import Router
 
 
 class GatewayMetrics:
     """The gateway's families, by name, so callers cannot misspell one."""
 
     def __init__(self) -> None:
-        r = self.registry = Registry()
+        r = self.registry = MetricsRegistry()
         self.requests = r.counter(
             "llmgw_gateway_requests_total", "Requests answered, by model and status.", ("model", "status")
         )
@@ -48,6 +52,19 @@ class GatewayMetrics:
             "Probes of replicas out of rotation, by result (reached, failed).",
             ("result",),
         )
+
+    def mirror(self, router: Router, queued: Mapping[str, int], in_flight: Mapping[str, int]) -> None:
+        """Set the gauges that mirror the gateway's state: each replica's state and outstanding
+        requests (`router`), and each model's queued and in-flight requests."""
+        self.replica_state.clear()
+        self.replica_outstanding.clear()
+        for model, eps in sorted(router.endpoints.items()):
+            for ep in eps:
+                self.replica_state.set(1, model=model, replica=ep.replica_id, state=router.state_of(ep))
+                self.replica_outstanding.set(router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id)
+        for model in sorted(router.models | set(queued) | set(in_flight)):
+            self.queue_depth.set(queued.get(model, 0), model=model)
+            self.in_flight.set(in_flight.get(model, 0), model=model)
 
     def render(self) -> str:
         return self.registry.render()

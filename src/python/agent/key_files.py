@@ -34,7 +34,7 @@ class UnsafeKeyDir(OSError):
     """The keys directory is not one only this user can read: nothing is written there."""
 
 
-class EngineKeys:
+class KeyFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
 

@@ -45,7 +45,7 @@ _AAD = b"llmgw engine key\0"  # then the replica id: a key sealed for one replic
 WHAT = "the secret that seals the engine keys"
 
 
-class EngineKeys:
+class KeySeal:
     """Seals and opens engine keys under one secret. Holds the secret; never logs or prints it."""
 
     def __init__(self, secret: bytes) -> None:
@@ -54,7 +54,7 @@ class EngineKeys:
         self._aead = AESGCM(secret)
 
     def __repr__(self) -> str:
-        return "EngineKeys(<redacted>)"
+        return "KeySeal(<redacted>)"
 
     def seal(self, replica_id: str, key: str) -> str:
         nonce = secrets.token_bytes(NONCE_BYTES)
@@ -84,7 +84,7 @@ def generate(state_dir: Path) -> bool:
     return False
 
 
-def load(state_dir: Path, *, sealed_keys: int) -> EngineKeys:
+def load(state_dir: Path, *, sealed_keys: int) -> KeySeal:
     """The secret of this state directory, made if there is none and no key (`sealed_keys` of
     them in the database) needs it, or if the file is empty."""
     path = paths.engine_keys_secret_path(state_dir)
@@ -109,7 +109,7 @@ def load(state_dir: Path, *, sealed_keys: int) -> EngineKeys:
             f"{path} is not an engine-key secret ({SECRET_BYTES * 2} hexadecimal digits); restore it from your copy "
             'of the state directory (docs/operations.md, "Backing up and restoring the control plane\'s state")'
         )
-    return EngineKeys(secret)
+    return KeySeal(secret)
 
 
 def _new_secret_text() -> bytes:

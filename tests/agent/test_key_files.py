@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engine_keys import EngineKeys, UnsafeKeyDir
+from agent.key_files import KeyFiles, UnsafeKeyDir
 from llmgw.config import Secret
 from llmgw.engines import Command
 from llmgw.engines.launch import PrivateFile
@@ -17,7 +17,7 @@ from llmgw.engines.launch import PrivateFile
 KEY = "k-0123456789abcdef"
 
 
-def command(keys: EngineKeys, replica: str = "m-1", rank: int = 0, name: str = "api-key") -> Command:
+def command(keys: KeyFiles, replica: str = "m-1", rank: int = 0, name: str = "api-key") -> Command:
     path = keys.dir_for(replica, rank) / name
     return Command(
         argv=("engine", "--api-key-file", str(path)), files=(PrivateFile(path=str(path), content=Secret(KEY + "\n")),)
@@ -38,7 +38,7 @@ def open_umask() -> Iterator[None]:
 
 
 def test_files_are_private_whatever_the_umask(tmp_path: Path, open_umask: None) -> None:
-    keys = EngineKeys(tmp_path / "state" / "keys")
+    keys = KeyFiles(tmp_path / "state" / "keys")
     keys.write("m-1", 0, command(keys))
     key_file = keys.dir_for("m-1", 0) / "api-key"
     assert key_file.read_text() == KEY + "\n"
@@ -50,7 +50,7 @@ def test_files_are_private_whatever_the_umask(tmp_path: Path, open_umask: None) 
 
 
 def test_a_loose_keys_directory_of_ours_is_tightened(tmp_path: Path) -> None:
-    keys = EngineKeys(tmp_path / "keys")
+    keys = KeyFiles(tmp_path / "keys")
     keys.root.mkdir(mode=0o755)
     os.chmod(keys.root, 0o755)
     keys.write("m-1", 0, command(keys))
@@ -60,7 +60,7 @@ def test_a_loose_keys_directory_of_ours_is_tightened(tmp_path: Path) -> None:
 def test_a_keys_directory_that_is_a_link_or_someone_elses_is_refused(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    keys = EngineKeys(tmp_path / "keys")
+    keys = KeyFiles(tmp_path / "keys")
     keys.root.symlink_to(elsewhere)
     with pytest.raises(UnsafeKeyDir, match="is not a directory"):
         keys.write("m-1", 0, command(keys))
@@ -75,7 +75,7 @@ def test_a_keys_directory_that_is_a_link_or_someone_elses_is_refused(tmp_path: P
 
 
 def test_a_link_planted_where_a_members_directory_goes_is_removed_not_followed(tmp_path: Path) -> None:
-    keys = EngineKeys(tmp_path / "keys")
+    keys = KeyFiles(tmp_path / "keys")
     keys.write("other", 0, command(keys, "other"))  # makes the keys directory
     target = tmp_path / "target"
     target.mkdir()
@@ -86,7 +86,7 @@ def test_a_link_planted_where_a_members_directory_goes_is_removed_not_followed(t
 
 
 def test_a_file_outside_its_members_directory_is_refused(tmp_path: Path) -> None:
-    keys = EngineKeys(tmp_path / "keys")
+    keys = KeyFiles(tmp_path / "keys")
     stray = Command(argv=("x",), files=(PrivateFile(path=str(tmp_path / "api-key"), content=Secret(KEY)),))
     with pytest.raises(UnsafeKeyDir, match="is not in its member's directory"):
         keys.write("m-1", 0, stray)
@@ -94,7 +94,7 @@ def test_a_file_outside_its_members_directory_is_refused(tmp_path: Path) -> None
 
 
 def test_remove_and_sweep(tmp_path: Path) -> None:
-    keys = EngineKeys(tmp_path / "keys")
+    keys = KeyFiles(tmp_path / "keys")
     for replica in ("a-1", "b-1", "c-1"):
         keys.write(replica, 0, command(keys, replica))
     keys.remove("a-1", 0)
@@ -102,4 +102,4 @@ def test_remove_and_sweep(tmp_path: Path) -> None:
     assert not keys.dir_for("a-1", 0).exists()
     keys.sweep([("c-1", 0)])  # the engines still running (adopted) keep theirs
     assert sorted(p.name for p in keys.root.iterdir()) == ["c-1-r0"]
-    EngineKeys(tmp_path / "none").sweep([])  # no directory yet: nothing to do
+    KeyFiles(tmp_path / "none").sweep([])  # no directory yet: nothing to do

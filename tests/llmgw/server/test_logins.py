@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.server.sessions import (
+from llmgw.server.logins import (
     MAX_CODES,
     LoginRefused,
     SessionBook,

@@ -17,9 +17,9 @@ from llmgw import paths, private
 from llmgw.config import Model
 from llmgw.errors import MachineError
 from llmgw.fabrics import FabricMap
-from llmgw.server import enginekeys
+from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.registry import Registry
+from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
 from llmgw.server.store import Store
 from llmgw.wire import agent_link as w
@@ -29,7 +29,7 @@ CATALOG = [Model(name="chat", engine="sim", replicas=3)]
 TTL = 10.0
 
 
-def joined(reg: Registry, node_id: str, now: float) -> None:
+def joined(reg: NodeRegistry, node_id: str, now: float) -> None:
     sim = (w.EngineStatus(name="sim", version="1", ok=True),)
     conn = reg.connect(
         hello(node_id, engines=sim, memory_total_bytes=8 << 30),
@@ -41,10 +41,10 @@ def joined(reg: Registry, node_id: str, now: float) -> None:
     reg.heartbeat(node_id, conn, now)
 
 
-def open_replicas(state: Path, reg: Registry) -> tuple[AsyncStore, Replicas]:
+def open_replicas(state: Path, reg: NodeRegistry) -> tuple[AsyncStore, Replicas]:
     """What the control plane does at start: the store, the secret, the placements."""
     store = AsyncStore.open(state)
-    keys = enginekeys.load(state, sealed_keys=sealed_keys(store.at_open.placements))
+    keys = keyseal.load(state, sealed_keys=sealed_keys(store.at_open.placements))
     return store, Replicas(store, reg, lambda: CATALOG, lambda: FabricMap(fabrics=(), notes=()), keys)
 
 
@@ -53,8 +53,8 @@ def database_bytes(state: Path) -> bytes:
     return b"".join(p.read_bytes() for p in paths.store_files(state) if p.exists())
 
 
-def three_nodes(now: float) -> Registry:
-    reg = Registry(heartbeat_ttl_s=TTL, started_at=0)
+def three_nodes(now: float) -> NodeRegistry:
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
     for n in ("a", "b", "c"):
         joined(reg, n, now)
     return reg
@@ -73,12 +73,12 @@ async def placed_and_saved(state: Path) -> dict[str, str]:
 
 
 def test_a_key_opens_only_for_its_replica_and_under_its_secret() -> None:
-    keys = enginekeys.EngineKeys(os.urandom(32))
+    keys = keyseal.KeySeal(os.urandom(32))
     sealed = keys.seal("chat-0", "k-secret")
     assert keys.open("chat-0", sealed) == "k-secret"
     assert "k-secret" not in sealed and keys.seal("chat-0", "k-secret") != sealed  # a fresh nonce each time
     assert keys.open("chat-1", sealed) is None  # copied into another replica's row: it does not open
-    assert enginekeys.EngineKeys(os.urandom(32)).open("chat-0", sealed) is None
+    assert keyseal.KeySeal(os.urandom(32)).open("chat-0", sealed) is None
     assert keys.open("chat-0", sealed[:-4] + "AAAA") is None and keys.open("chat-0", "garbage") is None
     assert "redacted" in repr(keys)
 
@@ -95,7 +95,7 @@ async def test_the_database_files_alone_reveal_no_engine_key(tmp_path: Path) -> 
     secret = paths.engine_keys_secret_path(tmp_path)
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_text().strip()) == 64
     # A new control plane on the same files opens the same keys: the running engines keep theirs.
-    _, again = open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=100))
+    _, again = open_replicas(tmp_path, NodeRegistry(heartbeat_ttl_s=TTL, started_at=100))
     assert {k: s.api_key for k, s in again.placed.items()} == given
     assert again.at_open[PLAIN] == again.at_open[REPLACED] == []
 
@@ -123,7 +123,7 @@ def test_plain_keys_of_an_earlier_version_are_sealed_in_place_with_the_same_keys
     before = database_bytes(tmp_path)
     assert len([k for k in ever if k.encode() in before]) > 3, "the test needs old rows left in the files"
 
-    astore, r = open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
+    astore, r = open_replicas(tmp_path, NodeRegistry(heartbeat_ttl_s=TTL, started_at=0))
     assert sorted(r.at_open[PLAIN]) == ["chat-0", "chat-1", "chat-2"] and r.at_open[REPLACED] == []
     assert {k: s.api_key for k, s in r.placed.items()} == {k: v["api_key"] for k, v in legacy.items()}
     assert astore.scrub_placements_at_start(r.rows())  # what the control plane does next, before anything runs
@@ -131,7 +131,7 @@ def test_plain_keys_of_an_earlier_version_are_sealed_in_place_with_the_same_keys
     assert [k for k in ever if k.encode() in raw] == []  # none left anywhere, not even old ones
     assert b"plain-key-" not in raw
     # And the next start reads them sealed, with the same keys.
-    _, again = open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
+    _, again = open_replicas(tmp_path, NodeRegistry(heartbeat_ttl_s=TTL, started_at=0))
     assert again.at_open[PLAIN] == [] and {k: s.api_key for k, s in again.placed.items()} == {
         k: v["api_key"] for k, v in legacy.items()
     }
@@ -142,13 +142,13 @@ async def test_a_lost_secret_stops_the_start_and_an_empty_file_says_start_over_w
     given = await placed_and_saved(tmp_path)
     secret = paths.engine_keys_secret_path(tmp_path)
     secret.unlink()
-    with pytest.raises(enginekeys.SecretMissing) as info:
-        open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
+    with pytest.raises(keyseal.SecretMissing) as info:
+        open_replicas(tmp_path, NodeRegistry(heartbeat_ttl_s=TTL, started_at=0))
     assert f"`install -m 600 /dev/null {secret}`" in str(info.value) and "3 replica(s)" in str(info.value)
     assert not secret.exists()  # nothing made behind the operator's back
     secret.touch(mode=0o600)
     secret.chmod(0o600)
-    _, r = open_replicas(tmp_path, Registry(heartbeat_ttl_s=TTL, started_at=0))
+    _, r = open_replicas(tmp_path, NodeRegistry(heartbeat_ttl_s=TTL, started_at=0))
     assert sorted(r.at_open[REPLACED]) == sorted(given)
     assert all(r.placed[k].api_key != key for k, key in given.items())  # new keys: those engines restart
     assert sorted(r.placed) == sorted(given)  # in the same places
@@ -159,11 +159,11 @@ def test_a_secret_that_is_not_one_or_is_open_to_others_is_refused(tmp_path: Path
     secret = paths.engine_keys_secret_path(tmp_path)
     paths.write_private(secret, b"not hex\n")
     with pytest.raises(MachineError, match="is not an engine-key secret"):
-        enginekeys.load(tmp_path, sealed_keys=0)
+        keyseal.load(tmp_path, sealed_keys=0)
     paths.write_private(secret, os.urandom(32).hex().encode())
     secret.chmod(0o644)
     with pytest.raises(private.NotPrivate, match=f"`chmod 600 {secret}`"):
-        enginekeys.load(tmp_path, sealed_keys=0)
+        keyseal.load(tmp_path, sealed_keys=0)
 
 
 def test_a_scrub_says_when_a_reader_of_another_process_keeps_the_log(tmp_path: Path) -> None:

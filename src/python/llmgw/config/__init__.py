@@ -1,0 +1,105 @@
+"""The two configuration files, `server.toml` and `agent.toml`: their types and how they load.
+
+    schema    one frozen, keyword-only attrs class per table, with its defaults; `Secret`
+    convert   the one cattrs converter: refuses unknown keys, takes nothing loosely
+    checks    the rules that span fields (unique model names, a known engine, agreeing timeouts)
+    load      TOML in, a checked config out, or one `ConfigError` with every problem at once
+
+Loading reports every problem of a file together, each with its path (`expected int @
+$.models[0].replicas`): type errors come from the converter, rule problems from the checks,
+which return problems instead of raising. Everything is imported from here (`llmgw.config`); the
+modules are the rooms it is kept in.
+"""
+
+from llmgw.config.convert import converter, to_dict
+from llmgw.config.load import (
+    agent_config_from_dict,
+    load_agent_config,
+    load_server_config,
+    parse_toml,
+    server_config_from_dict,
+)
+from llmgw.config.schema import (
+    ADAPTER,
+    DEFAULT_AGENT_STATE_DIR,
+    DEFAULT_BUILD_TIMEOUT_S,
+    DEFAULT_IB_ROOT,
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_UNPACKED_BYTES,
+    DEFAULT_NVIDIA_SMI,
+    DEFAULT_SERVER_STATE_DIR,
+    DEFAULT_SMINFO,
+    DEFAULT_VLLM_VERSION,
+    ENGINES,
+    NAME,
+    PINNED_LLAMACPP_BUILD,
+    PIP_ENGINES,
+    AgentConfig,
+    CASection,
+    DebugSection,
+    DownloadsSection,
+    EngineArchive,
+    EngineBuild,
+    EngineSource,
+    EnginesSection,
+    FabricDecl,
+    GatewaySection,
+    HttpSection,
+    LlamacppSource,
+    Model,
+    ModelSource,
+    ReleaseSection,
+    Secret,
+    ServerConfig,
+    ServerSection,
+    VllmSource,
+    parse_fabric_flag,
+    pip_requirement,
+    weights_dir_of,
+)
+
+__all__ = [
+    "ADAPTER",
+    "AgentConfig",
+    "CASection",
+    "DEFAULT_AGENT_STATE_DIR",
+    "DEFAULT_BUILD_TIMEOUT_S",
+    "DEFAULT_IB_ROOT",
+    "DEFAULT_MAX_MEMBERS",
+    "DEFAULT_MAX_UNPACKED_BYTES",
+    "DEFAULT_NVIDIA_SMI",
+    "DEFAULT_SERVER_STATE_DIR",
+    "DEFAULT_SMINFO",
+    "DEFAULT_VLLM_VERSION",
+    "DebugSection",
+    "DownloadsSection",
+    "ENGINES",
+    "EngineArchive",
+    "EngineBuild",
+    "EngineSource",
+    "EnginesSection",
+    "FabricDecl",
+    "GatewaySection",
+    "HttpSection",
+    "LlamacppSource",
+    "Model",
+    "ModelSource",
+    "NAME",
+    "PINNED_LLAMACPP_BUILD",
+    "PIP_ENGINES",
+    "ReleaseSection",
+    "Secret",
+    "ServerConfig",
+    "ServerSection",
+    "VllmSource",
+    "agent_config_from_dict",
+    "converter",
+    "load_agent_config",
+    "load_server_config",
+    "parse_fabric_flag",
+    "parse_toml",
+    "pip_requirement",
+    "server_config_from_dict",
+    "to_dict",
+    "weights_dir_of",
+]

@@ -1,0 +1,239 @@
+"""The rules of the configuration files that span fields or need more than a type: unique model
+names, a known engine, a URL with its sha256, timeouts that agree, absolute paths on the nodes.
+
+Each check returns its problems, each ending with its path (`... @ $.models[1].name`), instead of
+raising, so that a file's type errors and rule problems are reported together.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from llmgw import pins
+from llmgw.config.schema import (
+    ENGINES,
+    NAME,
+    PIP_ENGINES,
+    AgentConfig,
+    EngineBuild,
+    EnginesSection,
+    GatewaySection,
+    ModelSource,
+    ServerConfig,
+)
+
+_HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+
+def check_server(cfg: ServerConfig) -> list[str]:
+    problems = []
+    if cfg.server.heartbeat_ttl_s <= cfg.server.heartbeat_interval_s:
+        problems.append(
+            f"heartbeat_ttl_s ({cfg.server.heartbeat_ttl_s}) must be longer than heartbeat_interval_s "
+            f"({cfg.server.heartbeat_interval_s}) @ $.server.heartbeat_ttl_s"
+        )
+    for key in ("agent_listen", "http_listen"):
+        value = getattr(cfg.server, key)
+        if not _HOSTPORT.match(value):
+            problems.append(f"expected HOST:PORT, got {value!r} @ $.server.{key}")
+    for key in ("head_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s"):
+        if getattr(cfg.http, key) <= 0:
+            problems.append(f"must be more than 0 seconds @ $.http.{key}")
+    for key in ("max_head_bytes", "max_body_bytes"):
+        if getattr(cfg.http, key) < 1024:
+            problems.append(f"must be at least 1024 @ $.http.{key}")
+    if cfg.http.body_budget_bytes < cfg.http.max_body_bytes:
+        problems.append(
+            f"must be at least max_body_bytes ({cfg.http.max_body_bytes}), or a body of the largest size "
+            f"allowed could never be read; got {cfg.http.body_budget_bytes} @ $.http.body_budget_bytes"
+        )
+    for key in ("body_min_bytes_per_s", "max_connections", "max_agent_connections"):
+        if getattr(cfg.http, key) < 0:
+            problems.append(
+                f"must not be negative (0 means {'no minimum' if key.startswith('body') else 'sized from the open-file limit'}) @ $.http.{key}"
+            )
+    for key in ("ca_validity_days", "server_cert_validity_days", "node_cert_validity_days"):
+        if getattr(cfg.ca, key) < 1:
+            problems.append(f"must be at least 1 @ $.ca.{key}")
+    problems.extend(_check_engines(cfg.engines))
+    problems.extend(_check_gateway(cfg.gateway))
+    for key in ("max_archive_gib", "max_weights_gib"):
+        if getattr(cfg.downloads, key) < 1:
+            problems.append(f"must be at least 1 @ $.downloads.{key}")
+    if cfg.release.dir and not Path(cfg.release.dir).is_absolute():
+        problems.append(f"expected an absolute path, got {cfg.release.dir!r} @ $.release.dir")
+    seen: dict[str, int] = {}
+    for i, m in enumerate(cfg.models):
+        at = f"$.models[{i}]"
+        if not NAME.match(m.name):
+            problems.append(
+                f"model name {m.name!r} may use only letters, digits, '.', '_' and '-' "
+                f"and start with a letter or digit @ {at}.name"
+            )
+        if m.name in seen:
+            problems.append(f"model name {m.name!r} is already used by $.models[{seen[m.name]}] @ {at}.name")
+        seen.setdefault(m.name, i)
+        if m.engine not in ENGINES:
+            problems.append(f"unknown engine {m.engine!r} (one of: {', '.join(ENGINES)}) @ {at}.engine")
+        for key in ("replicas", "nodes_per_replica"):
+            if getattr(m, key) < 1:
+                problems.append(f"must be at least 1 @ {at}.{key}")
+        if m.gpus_per_replica < 0 or m.memory_gb < 0:
+            bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
+            problems.append(f"must not be negative @ {at}.{bad}")
+        source = getattr(cfg.engines, m.engine, None)
+        if source is not None and not source.enabled:
+            problems.append(
+                f"model {m.name!r} uses {m.engine}, which [engines.{m.engine}] turns off (enabled = false); "
+                f"remove that line or this model @ {at}.engine"
+            )
+        if m.engine == "llamacpp" and m.nodes_per_replica > 1:
+            problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
+        problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
+    return problems
+
+
+def _check_engines(engines: EnginesSection) -> list[str]:
+    problems = []
+    for name in ("llamacpp", "vllm", "sglang"):
+        source = getattr(engines, name)
+        if source is None:
+            continue
+        at = f"$.engines.{name}"
+        build = getattr(source, "build", None)
+        # The release carries the pinned llama.cpp only: another version needs a source of its own.
+        released = getattr(source, "release", False) and source.version == pins.LLAMACPP_VERSION
+        if source.version and not (source.archives or source.pip or build or released) and name not in PIP_ENGINES:
+            more = " or `build`" if name == "llamacpp" else ""
+            problems.append(
+                f'version {source.version!r} needs `archives`{more} or `pip` to install it from, or version = "" to '
+                f"use the engine the operator installed on each node @ {at}"
+            )
+        if build is not None:
+            problems.extend(_check_build(source.version, build, f"{at}.build"))
+        if source.archives and source.pip:
+            problems.append(f"give either archives or pip, not both @ {at}")
+        if (source.index_url or source.extra_index_url) and (source.archives or not source.version):
+            problems.append(
+                f"index_url and extra_index_url are where pip finds {name}; they need a version installed with pip, "
+                f"not archives or the operator's install @ {at}"
+            )
+        for key, urls in (
+            ("index_url", (source.index_url,) if source.index_url else ()),
+            ("extra_index_url", source.extra_index_url),
+        ):
+            for url in urls:
+                if not url.startswith(("https://", "http://")):
+                    problems.append(f"expected an http(s) URL of a package index, got {url!r} @ {at}.{key}")
+        for key in ("max_unpacked_bytes", "max_members"):
+            if getattr(source, key) < 1:
+                problems.append(f"must be at least 1, got {getattr(source, key)} @ {at}.{key}")
+        seen = set()
+        for j, a in enumerate(source.archives):
+            where = f"{at}.archives[{j}]"
+            if a.backend not in ("cpu", "cuda"):
+                problems.append(f'backend must be "cpu" or "cuda", got {a.backend!r} @ {where}.backend')
+            if (a.arch, a.backend) in seen:
+                problems.append(f"a second archive for {a.arch}/{a.backend} @ {where}")
+            seen.add((a.arch, a.backend))
+            if not a.url.startswith(("https://", "http://")):
+                problems.append(f"expected an http(s) URL, got {a.url!r} @ {where}.url")
+            if not re.fullmatch(r"[0-9a-f]{64}", a.sha256):
+                problems.append(f"sha256 must be 64 lowercase hex digits @ {where}.sha256")
+            if a.size < 0:
+                problems.append(f"must not be negative (0: not given), got {a.size} @ {where}.size")
+            if not a.binary or a.binary.startswith("/") or ".." in a.binary.split("/"):
+                problems.append(f"binary must be a relative path inside the archive, got {a.binary!r} @ {where}.binary")
+    return problems
+
+
+def _check_build(version: str, build: EngineBuild, at: str) -> list[str]:
+    problems = []
+    if not version:
+        problems.append(
+            f'version "" means the operator\'s llama-server on each node, so there is nothing to build: give the '
+            f"version this source is, or remove `build` @ {at}"
+        )
+    if not build.url.startswith(("https://", "http://")):
+        problems.append(f"expected an http(s) URL, got {build.url!r} @ {at}.url")
+    if not re.fullmatch(r"[0-9a-f]{64}", build.sha256):
+        problems.append(f"sha256 must be 64 lowercase hex digits @ {at}.sha256")
+    for key in ("size", "jobs"):
+        if getattr(build, key) < 0:
+            problems.append(f"must not be negative (0: {'not given' if key == 'size' else 'automatic'}) @ {at}.{key}")
+    if build.timeout_s <= 0:
+        problems.append(f"must be more than 0 seconds, got {build.timeout_s} @ {at}.timeout_s")
+    return problems
+
+
+def _check_gateway(gw: GatewaySection) -> list[str]:
+    problems = []
+    for key in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "probe_interval_s", "probe_timeout_s"):
+        if getattr(gw, key) <= 0:
+            problems.append(f"must be more than 0 seconds, got {getattr(gw, key)} @ $.gateway.{key}")
+    if gw.queue_timeout_s < 0:
+        problems.append(f"must not be negative, got {gw.queue_timeout_s} @ $.gateway.queue_timeout_s")
+    if gw.read_timeout_s < gw.first_byte_timeout_s:
+        problems.append(
+            f"read_timeout_s ({gw.read_timeout_s}) must be at least first_byte_timeout_s "
+            f"({gw.first_byte_timeout_s}) @ $.gateway.read_timeout_s"
+        )
+    if gw.max_attempts < 1:
+        problems.append(f"must be at least 1, got {gw.max_attempts} @ $.gateway.max_attempts")
+    for key in ("max_queue", "max_outstanding_per_replica", "affinity_chars", "max_idle_per_replica"):
+        if getattr(gw, key) < 0:
+            problems.append(f"must not be negative, got {getattr(gw, key)} @ $.gateway.{key}")
+    return problems
+
+
+def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
+    if src.url and src.path:
+        return [f"give either url or path, not both @ {at}"]
+    if src.size < 0:
+        return [f"must not be negative (0: not given), got {src.size} @ {at}.size"]
+    if src.size and not src.url:
+        return [f"size is the size of the file at url; give it with url, not path @ {at}.size"]
+    if src.url:
+        if not src.url.startswith(("https://", "http://")):
+            return [f"expected an http(s) URL, got {src.url!r} @ {at}.url"]
+        if not re.fullmatch(r"[0-9a-f]{64}", src.sha256):
+            return [f"a url source needs sha256 = 64 lowercase hex digits @ {at}.sha256"]
+    elif src.path:
+        if not src.path.startswith("/"):
+            return [f"path must be absolute on the nodes, got {src.path!r} @ {at}.path"]
+    elif needed:
+        return [f"needs url (with sha256) or path @ {at}"]
+    return []
+
+
+def check_agent(cfg: AgentConfig) -> list[str]:
+    problems = []
+    if cfg.build_jobs < 0:
+        problems.append(f"must not be negative (0: automatic), got {cfg.build_jobs} @ $.build_jobs")
+    if cfg.build_cache and not cfg.build_cache.startswith("/"):
+        problems.append(f"build_cache must be an absolute path, got {cfg.build_cache!r} @ $.build_cache")
+    if not cfg.server.startswith("wss://"):
+        problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
+    for key in ("nvidia_smi", "ib_root", "sminfo"):  # the agent runs from / under systemd: relative means nothing
+        if not getattr(cfg, key).startswith("/"):
+            problems.append(f"{key} must be an absolute path, got {getattr(cfg, key)!r} @ $.{key}")
+    if cfg.weights_dir and not cfg.weights_dir.startswith("/"):
+        problems.append(f"weights_dir must be an absolute path, got {cfg.weights_dir!r} @ $.weights_dir")
+    if cfg.node_id and not NAME.match(cfg.node_id):
+        problems.append(f"node id {cfg.node_id!r} may use only letters, digits, '.', '_' and '-' @ $.node_id")
+    owner: dict[str, str] = {}
+    for i, f in enumerate(cfg.fabrics):
+        if not NAME.match(f.name):
+            problems.append(
+                f"fabric name {f.name!r} may use only letters, digits, '.', '_' and '-' @ $.fabrics[{i}].name"
+            )
+        for a in f.adapters:
+            if a in owner and owner[a] != f.name:
+                problems.append(
+                    f"adapter {a!r} is under fabrics {owner[a]!r} and {f.name!r}; an adapter belongs to one "
+                    f"fabric (a replica given adapters on two fabrics hangs on its first all-reduce) "
+                    f"@ $.fabrics[{i}].adapters"
+                )
+            owner.setdefault(a, f.name)
+    return problems

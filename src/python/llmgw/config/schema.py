@@ -1,0 +1,323 @@
+"""The two configuration files' schema, `server.toml` and `agent.toml`: one frozen, keyword-only
+attrs class per table, with the defaults (docs/configuration.md says why each), and the few
+rules that belong to a value itself (`pip_requirement`, `parse_fabric_flag`).
+
+Classes stay plain: reading them from TOML is `llmgw.config.convert`'s, the rules that span
+fields are `llmgw.config.checks`'. Secrets (tokens in config) are held in `Secret`, whose repr
+and str never show the value, so a config object can be logged whole without leaking them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+
+from llmgw import pins
+from llmgw.http.limits import Limits
+
+ENGINES = ("llamacpp", "vllm", "sglang", "sim")
+DEFAULT_SERVER_STATE_DIR = "/var/lib/llmgw"
+DEFAULT_AGENT_STATE_DIR = "/var/lib/llmgw-agent"
+DEFAULT_NVIDIA_SMI = "/usr/bin/nvidia-smi"
+DEFAULT_IB_ROOT = "/sys/class/infiniband"
+DEFAULT_SMINFO = "/usr/sbin/sminfo"  # infiniband-diags, on Debian/Ubuntu and RHEL alike
+# An engine archive may unpack to at most this many bytes and members (docs/configuration.md).
+DEFAULT_MAX_UNPACKED_BYTES = 8 << 30
+DEFAULT_MAX_MEMBERS = 50_000
+# The vLLM every capable NVIDIA node gets unless server.toml says otherwise: the version whose
+# `vllm serve --help=all` llmgw's flags were checked against (llmgw.engines.vllm), from PyPI.
+DEFAULT_VLLM_VERSION = "0.32.0"
+# Engines installed with pip: without `pip` or `archives`, the requirement is NAME==VERSION.
+PIP_ENGINES = ("vllm", "sglang")
+# A llama.cpp build on a node is stopped after this long (docs/engines.md: 5-8 min on 2 cores for
+# the CPU build; a CUDA build for one GPU architecture takes several times that).
+DEFAULT_BUILD_TIMEOUT_S = 7200.0
+
+
+@attrs.frozen(repr=False)
+class Secret:
+    """A value that must never be printed. `reveal()` is the one way to read it."""
+
+    _value: str
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('<redacted>')"
+
+    __str__ = __repr__
+
+
+# -- server.toml ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ServerSection:
+    state_dir: str = DEFAULT_SERVER_STATE_DIR
+    agent_listen: str = "0.0.0.0:7443"
+    http_listen: str = "127.0.0.1:8080"
+    advertise: tuple[str, ...] = ()
+    heartbeat_interval_s: float = 5.0
+    heartbeat_ttl_s: float = 30.0
+    reconnect_grace_s: float = 35.0
+
+
+@attrs.frozen(kw_only=True)
+class HttpSection(Limits):
+    """`[http]`: the HTTP listeners' deadlines and limits, declared once in `Limits` (the shared
+    HTTP server's, which serves the gateway and admin API, and the agent port with the same
+    deadlines and head limit), and the agent port's own budget; see docs/configuration.md."""
+
+    max_agent_connections: int = 0  # the agent listener's own budget; 0 = sized from the open-file limit
+
+
+@attrs.frozen(kw_only=True)
+class CASection:
+    ca_validity_days: int = 3650
+    server_cert_validity_days: int = 825
+    node_cert_validity_days: int = 365
+
+
+@attrs.frozen(kw_only=True)
+class ModelSource:
+    url: str = ""
+    sha256: str = ""
+    size: int = 0  # the file's size in bytes, if given: the download may bring no more (and no other)
+    path: str = ""
+    token: Secret | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Model:
+    name: str
+    engine: str
+    source: ModelSource = ModelSource()
+    replicas: int = 1
+    gpus_per_replica: int = 0
+    nodes_per_replica: int = 1
+    memory_gb: float = 0.0
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class EngineArchive:
+    """A prebuilt engine for one architecture and backend: a .tar.gz/.tgz/.tar.xz/.zip file."""
+
+    arch: str  # as `uname -m` prints it: x86_64, aarch64
+    backend: str = "cpu"  # "cpu" or "cuda": cuda archives go to nodes with an NVIDIA GPU
+    url: str
+    sha256: str
+    binary: str  # the executable's path inside the archive
+    size: int = 0  # the archive's size in bytes, if given: the download may bring no more (and no other)
+
+
+@attrs.frozen(kw_only=True)
+class EngineSource:
+    """Which version of an engine the nodes should have, and where it comes from.
+
+    version "" means: use the engine the operator installed on each node (agent.toml's
+    `llamacpp_bin`, `vllm_bin`, `sglang_python`). enabled = false: the nodes are not asked for
+    it at all (llama.cpp on a cluster that serves no GGUF model, like `llmgw up` without --model)."""
+
+    version: str = ""
+    archives: tuple[EngineArchive, ...] = ()
+    pip: str = ""  # a pip requirement installed into a venv per version, e.g. "vllm==0.11.0"
+    index_url: str = ""  # pip's --index-url for it ("": pip's default, PyPI unless the node's pip.conf says)
+    extra_index_url: tuple[str, ...] = ()  # more indexes pip may take packages from
+    enabled: bool = True
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES  # an archive unpacking to more is refused
+    max_members: int = DEFAULT_MAX_MEMBERS  # likewise an archive with more members
+
+
+@attrs.frozen(kw_only=True)
+class VllmSource(EngineSource):
+    """[engines.vllm]: as EngineSource, but a table that names no version gets the pinned one,
+    so `[engines.vllm]` with only `index_url` still installs vLLM (version = "" for the operator's)."""
+
+    version: str = DEFAULT_VLLM_VERSION
+
+
+@attrs.frozen(kw_only=True)
+class EngineBuild:
+    """llama.cpp's source, built into llama-server on each node that no archive fits: a .tar.gz
+    holding llama.cpp's tree (at its top or in a `llama.cpp/` directory)."""
+
+    url: str
+    sha256: str
+    size: int = 0  # the file's size in bytes, if given: the download may bring no more (and no other)
+    jobs: int = 0  # parallel compile jobs; 0: from the node's cores and free memory (about 1 GiB a job)
+    timeout_s: float = DEFAULT_BUILD_TIMEOUT_S  # the whole build (configure, compile) is stopped after this
+
+
+PINNED_LLAMACPP_BUILD = EngineBuild(
+    url=pins.LLAMACPP_SDIST_URL, sha256=pins.LLAMACPP_SDIST_SHA256, size=pins.LLAMACPP_SDIST_SIZE
+)
+
+
+def _pinned_build(source: LlamacppSource) -> EngineBuild | None:
+    # The pinned source is that of the pinned version only: a table naming another version builds
+    # nothing unless it names that version's source too.
+    return PINNED_LLAMACPP_BUILD if source.version == pins.LLAMACPP_VERSION else None
+
+
+def _release_by_default(source: LlamacppSource) -> bool:
+    # The release's archives are the default source; a table that names its own archives, or a
+    # source to build other than the pinned one, keeps to what it names (as before the release
+    # carried llama.cpp) unless it also says `release = true`.
+    return not source.archives and source.build in (None, PINNED_LLAMACPP_BUILD)
+
+
+@attrs.frozen(kw_only=True)
+class LlamacppSource(EngineSource):
+    """[engines.llamacpp]: by default the pinned release, from the control plane's release
+    archives (`llama.cpp-VERSION-linux-ARCH.tar.gz`, every CPU variant) on the architectures they
+    cover, else built on each node from its source. On a node, in order (agent.engines): agent.toml's
+    llamacpp_bin; version "" (the operator's llama-server); an `archives` entry that fits (cuda where
+    there is a GPU); a CUDA build where the node has a GPU and nvcc; the release's archive; a build.
+    `release = false` takes nothing from the release; `build = false` builds nowhere."""
+
+    version: str = pins.LLAMACPP_VERSION
+    build: EngineBuild | None = attrs.field(default=attrs.Factory(_pinned_build, takes_self=True))
+    release: bool = attrs.field(default=attrs.Factory(_release_by_default, takes_self=True))
+
+
+@attrs.frozen(kw_only=True)
+class EnginesSection:
+    llamacpp: LlamacppSource = LlamacppSource()
+    vllm: VllmSource | None = VllmSource()  # on by default; `enabled = false` turns it off
+    sglang: EngineSource | None = None  # only where named
+
+
+def pip_requirement(name: str, source: EngineSource) -> str:
+    """What pip installs for a pip engine: `pip` if given, else NAME==VERSION; "" if not pip-installed."""
+    if source.pip or source.archives or not source.version or name not in PIP_ENGINES:
+        return source.pip
+    return f"{name}=={source.version}"
+
+
+@attrs.frozen(kw_only=True)
+class GatewaySection:
+    """`[gateway]`: how the gateway waits for replicas and gives up on them (docs/configuration.md
+    says why each default). The gateway takes this class as its options (`Gateway(options=...)`)."""
+
+    connect_timeout_s: float = 1.0
+    first_byte_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    queue_timeout_s: float = 30.0
+    max_queue: int = 1024
+    max_attempts: int = 3
+    max_outstanding_per_replica: int = 0
+    affinity_chars: int = 0
+    max_idle_per_replica: int = 64
+
+
+@attrs.frozen(kw_only=True)
+class DownloadsSection:
+    """The most a download whose size is not known may bring (docs/configuration.md says why).
+    A source with `size` is capped at that, one whose server sends Content-Length at that."""
+
+    max_archive_gib: int = 4
+    max_weights_gib: int = 64
+
+    @property
+    def max_archive_bytes(self) -> int:
+        return self.max_archive_gib << 30
+
+    @property
+    def max_weights_bytes(self) -> int:
+        return self.max_weights_gib << 30
+
+
+@attrs.frozen(kw_only=True)
+class ReleaseSection:
+    """The release files the control plane serves nodes on the agent port (docs/configuration.md):
+    `dir`, a release directory (both architectures' files and SHA256SUMS); "" for the release this
+    llmgw runs from. `serve = false` serves none, and the agent port then admits no peer without a
+    node certificate at all."""
+
+    serve: bool = True
+    dir: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class DebugSection:
+    """Diagnostics that disturb the control plane on purpose, each off unless turned on here."""
+
+    allow_stall: bool = False  # POST /admin/v1/debug/stall: hold the event loop (docs/reliability.md)
+    measure_steps: bool = False  # time every task step of the loop (llmgw.looplag.StepTimer): ~1 µs a step
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    server: ServerSection = ServerSection()
+    http: HttpSection = HttpSection()
+    ca: CASection = CASection()
+    engines: EnginesSection = EnginesSection()
+    gateway: GatewaySection = GatewaySection()
+    downloads: DownloadsSection = DownloadsSection()
+    release: ReleaseSection = ReleaseSection()
+    debug: DebugSection = DebugSection()
+    models: tuple[Model, ...] = ()
+
+
+# -- agent.toml ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class FabricDecl:
+    name: str
+    adapters: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    server: str
+    node_id: str = ""
+    state_dir: str = DEFAULT_AGENT_STATE_DIR
+    nvidia_smi: str = DEFAULT_NVIDIA_SMI
+    ib_root: str = DEFAULT_IB_ROOT
+    sminfo: str = DEFAULT_SMINFO
+    weights_dir: str = ""  # "" means <state_dir>/weights
+    fabrics: tuple[FabricDecl, ...] = ()
+    llamacpp_bin: str = ""  # an operator-installed llama-server: used on this node whatever server.toml pins
+    vllm_bin: str = ""  # an operator-installed `vllm` executable
+    sglang_python: str = ""  # the Python whose environment has SGLang installed
+    source_address: str = ""  # the local address to dial the control plane from ("" = the system's choice)
+    build_jobs: int = 0  # parallel jobs of a llama.cpp build here; 0: server.toml's, else from cores and memory
+    build_cache: str = ""  # a directory keeping built llama-servers to reuse (by source, CPU and flags); "": none
+
+
+def weights_dir_of(cfg: AgentConfig) -> str:
+    return cfg.weights_dir or str(Path(cfg.state_dir) / "weights")
+
+
+def parse_fabric_flag(text: str) -> FabricDecl:
+    """`--fabric NAME[:ADAPTER,ADAPTER]` as a declaration; ValueError says what is wrong.
+
+    Whether the adapters exist and agree is not decided here: that needs the hardware
+    (`agent.discovery.fabrics`).
+    """
+    name, sep, rest = text.partition(":")
+    if not NAME.match(name):
+        raise ValueError(
+            f"fabric name {name!r} may use only letters, digits, '.', '_' and '-' (e.g. --fabric ib-a:mlx5_0,mlx5_1)"
+        )
+    adapters = tuple(a.strip() for a in rest.split(",")) if sep else ()
+    if sep and (not adapters or any(not ADAPTER.match(a) for a in adapters)):
+        raise ValueError(
+            f"adapters of fabric {name!r} must be a comma-separated list of names like mlx5_0, got {rest!r} "
+            f"(e.g. --fabric {name}:mlx5_0,mlx5_1, or --fabric {name} for the default two)"
+        )
+    if len(set(adapters)) != len(adapters):
+        raise ValueError(f"fabric {name!r} names an adapter twice: {rest!r}")
+    return FabricDecl(name=name, adapters=adapters)
+
+
+# The grammar of names in config and on the command line (models, nodes, fabrics; adapters).
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+ADAPTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

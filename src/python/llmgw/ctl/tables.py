@@ -1,0 +1,96 @@
+"""How the admin API's answers read in a terminal: `llmgw ctl`'s tables and the node's state
+in words. Pure: the views as the admin API sends them (dicts) in, text out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.ctl import engines as engine_texts
+
+
+def table(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def state_text(node: dict[str, Any]) -> str:
+    marks = [m for m in ("cordoned", "draining") if node.get(m)]
+    drain = node.get("drain")
+    if drain and node.get("draining"):
+        marks[-1] = f"draining {drain['moved']}/{drain['total']}"
+    return node["state"] + (f" ({', '.join(marks)})" if marks else "")
+
+
+def _gpus(n: dict[str, Any]) -> str:
+    gpus = n.get("gpus") or []
+    if gpus:
+        return f"{len(gpus)} x {gpus[0]['name']}"
+    # A node whose nvidia-smi is missing or failing must not look like a CPU node.
+    return {"not_found": "nvidia-smi missing!", "failed": "nvidia-smi failed!"}.get(n.get("gpu_status") or "", "none")
+
+
+def _vllm(n: dict[str, Any]) -> str:
+    e = next((e for e in n.get("eligibility") or [] if e["engine"] == "vllm"), None)
+    if e is None:
+        return "-"
+    return {"not_applicable": "not applicable", "eligible": "eligible"}.get(e["status"], e["status"].replace("_", " "))
+
+
+def _fabrics(n: dict[str, Any]) -> str:
+    shown = [f"{f['name']}@{f['identity']}" for f in n.get("fabrics") or []]
+    if n.get("fabric_problems"):
+        shown.append("refused")
+    return ",".join(shown) or "-"
+
+
+SHOWN_REPLICAS = 3  # named in the REPLICAS cell; more are counted
+
+
+def _replicas(n: dict[str, Any]) -> str:
+    """The replicas the node holds (members it reports, whatever their state): "0", or the count
+    and their ids, "2: chat-1,chat-2" (a drain is done when it reads 0)."""
+    ids = sorted({r["replica"] for r in n.get("replicas") or []})
+    if not ids:
+        return "0"
+    more = f",+{len(ids) - SHOWN_REPLICAS}" if len(ids) > SHOWN_REPLICAS else ""
+    return f"{len(ids)}: {','.join(ids[:SHOWN_REPLICAS])}{more}"
+
+
+def format_nodes(nodes: list[dict[str, Any]]) -> str:
+    if not nodes:
+        return "no nodes yet: add one with `sudo llmgw node add USER@HOST` (docs/node-onboarding.md)"
+    header = (
+        "NODE",
+        "STATE",
+        "REPLICAS",
+        "ADDRESS",
+        "AGENT",
+        "HEARTBEAT",
+        "CPU",
+        "GPUS",
+        "ENGINES",
+        "VLLM",
+        "FABRICS",
+        "CERT EXPIRES",
+    )
+    rows = [header]
+    for n in nodes:
+        age = n.get("last_heartbeat_age_s")
+        cpu = n.get("cpu") or {}
+        rows.append(
+            (
+                n["id"],
+                state_text(n),
+                _replicas(n),
+                n.get("address") or "-",
+                n.get("agent_version") or "-",
+                f"{age:.0f}s ago" if age is not None else "never",
+                f"{cpu.get('cores', '?')} x {cpu.get('model', '?')}" if cpu else "-",
+                _gpus(n),
+                ",".join(e["name"] + engine_texts.mark(e) for e in n.get("engines") or []) or "-",
+                _vllm(n),
+                _fabrics(n),
+                f"{n['cert_not_after']} ({n['cert_expires_in_days']:.0f}d)" if n.get("cert_not_after") else "-",
+            )
+        )
+    return table(rows)

@@ -1,0 +1,60 @@
+"""Which header fields cross the gateway, each way. Pure: fields in, fields out.
+
+To the replica (`upstream_headers`): the client's fields as they came (byte pairs, repeats kept,
+in order) but for the hop-by-hop ones and those `Connection` names (RFC 9110 §7.6.1), and what
+the gateway sets itself: the host and length of its own request, the replica's key instead of
+the client's, and `X-Forwarded-For` (the client's list, then the client).
+
+To the client (`relayed_headers`): the replica's fields but for the hop-by-hop ones and those
+the gateway's own server writes (length, date, server), then which replica answered and the
+gateway's own time before it reached that replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmgw.http.messages import Request
+from llmgw.server.gateway.routing import Endpoint
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
+_NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server"}
+
+
+def upstream_headers(request: Request, ep: Endpoint) -> list[tuple[bytes, bytes]]:
+    """The fields of the request to the replica `ep`, from the client's `request`."""
+    named = {t.strip().lower() for k, v in request.raw_headers if k == b"connection" for t in v.split(b",")}
+    client_host = request.client.rpartition(":")[0]
+    dropped = _NOT_FORWARDED_BYTES | named | ({b"x-forwarded-for"} if client_host else set())
+    headers = [(k, v) for k, v in request.raw_headers if k not in dropped]
+    if ep.api_key:
+        headers.append((b"authorization", f"Bearer {ep.api_key}".encode()))
+    if client_host:
+        chain = [v for k, v in request.raw_headers if k == b"x-forwarded-for"] + [client_host.encode()]
+        headers.append((b"x-forwarded-for", b", ".join(chain)))
+    return headers
+
+
+def relayed_headers(
+    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float
+) -> tuple[tuple[str, str], ...]:
+    """The fields of the answer to the client, from the replica's (`upstream`, names in lower case)."""
+    return (
+        *((k, v) for k, v in upstream if k not in _NOT_RELAYED),
+        ("x-llmgw-replica", replica_id),
+        ("x-llmgw-overhead-ms", f"{overhead_s * 1000:.2f}"),
+    )

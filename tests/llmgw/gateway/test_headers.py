@@ -1,0 +1,60 @@
+"""Which header fields cross the gateway, each way (gateway/headers.py), without sockets;
+tests/llmgw/gateway/test_forwarded_headers.py checks the same end to end."""
+
+from __future__ import annotations
+
+from llmgw.http.messages import Request
+from llmgw.server.gateway.headers import relayed_headers, upstream_headers
+from llmgw.server.gateway.routing import Endpoint
+
+EP = Endpoint(replica_id="chat-0", model="chat", host="10.0.0.5", port=9000, api_key="engine-key")
+
+
+def test_to_the_replica_repeats_stay_in_order_and_the_gateway_sets_key_and_forwarded_for() -> None:
+    request = Request.of(
+        "POST",
+        "/v1/chat/completions",
+        raw_headers=(
+            (b"host", b"gw"),
+            (b"authorization", b"Bearer client-key"),
+            (b"x-tag", b"one"),
+            (b"connection", b"keep-alive, x-secret-hop"),
+            (b"x-secret-hop", b"dropped"),
+            (b"transfer-encoding", b"chunked"),
+            (b"x-tag", b"two"),
+            (b"x-forwarded-for", b"192.0.2.1"),
+            (b"content-length", b"12"),
+            (b"expect", b"100-continue"),
+        ),
+        client="198.51.100.7:5555",
+    )
+    assert upstream_headers(request, EP) == [
+        (b"x-tag", b"one"),
+        (b"x-tag", b"two"),
+        (b"authorization", b"Bearer engine-key"),  # the replica's key, never the client's
+        (b"x-forwarded-for", b"192.0.2.1, 198.51.100.7"),
+    ]
+
+
+def test_to_the_replica_without_a_key_or_a_client_address_nothing_is_added() -> None:
+    request = Request.of("POST", "/v1/completions", raw_headers=((b"x-forwarded-for", b"192.0.2.1"),), client="")
+    assert upstream_headers(request, Endpoint(replica_id="r", model="m", host="h", port=1)) == [
+        (b"x-forwarded-for", b"192.0.2.1")
+    ]
+
+
+def test_to_the_client_the_gateway_writes_its_own_framing_and_says_who_answered() -> None:
+    upstream = (
+        ("content-type", "application/json"),
+        ("content-length", "10"),
+        ("date", "then"),
+        ("server", "llama"),
+        ("transfer-encoding", "chunked"),
+        ("x-request-id", "abc"),
+    )
+    assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125) == (
+        ("content-type", "application/json"),
+        ("x-request-id", "abc"),
+        ("x-llmgw-replica", "chat-0"),
+        ("x-llmgw-overhead-ms", "1.25"),
+    )
