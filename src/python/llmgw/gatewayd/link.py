@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -127,7 +127,10 @@ class GatewayLink:
         started_at: float | None = None,
         backoff: Backoff = LINK_BACKOFF,
         rng: random.Random | None = None,
+        dial: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
     ) -> None:
+        """`dial`: how a session's stream is opened (default: TCP and TLS to `target`; memory
+        streams in tests)."""
         self.target = target
         self.tls = tls
         self.name = name
@@ -137,6 +140,7 @@ class GatewayLink:
         self.started_at = time.time() if started_at is None else started_at
         self.backoff = backoff
         self.rng = rng or random.Random()
+        self.dial = dial or self._dial
         self.state = LinkState()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -180,7 +184,7 @@ class GatewayLink:
 
     async def run_session(self) -> None:
         """One session: dial the control plane (TCP, TLS), then `run_on` that stream."""
-        await self.run_on(await self._dial())
+        await self.run_on(await self.dial())
 
     async def _dial(self) -> trio.SSLStream:
         with trio.fail_after(CONNECT_TIMEOUT_S):
