@@ -17,9 +17,9 @@ from llmgw.http.server import serve_connection
 from llmgw.server import agentport
 from llmgw.server.agentport import Route
 from llmgw.wire import agent_link as w
-from llmgw.wire.gateway_link import GATEWAY_PATH
 from llmgw.wire import session as s
 from llmgw.wire.errors import UpgradeRefused
+from llmgw.wire.gateway_link import GATEWAY_PATH
 from testlib.httpexchange import Answered, exchange
 
 pytestmark = pytest.mark.trio

@@ -60,9 +60,9 @@ from llmgw import __version__
 from llmgw.errors import cut, shown
 from llmgw.pki.ca import ROLE_NODE
 from llmgw.wire import agent_link as w
-from llmgw.wire.gateway_link import GATEWAY_PATH
 from llmgw.wire.convert import TAG, encode, parse, structure, tag
 from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.gateway_link import GATEWAY_PATH
 from llmgw.wire.outbox import Outbox
 
 
