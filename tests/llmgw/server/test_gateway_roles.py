@@ -77,6 +77,10 @@ class Sink:
     def link_state(self, connected: bool, detail: str) -> None:
         self.calls.append(("link", (connected, detail)))
 
+    def downs(self) -> list[str]:
+        """Why the link went down, each time it did."""
+        return [what[1] for kind, what in self.calls if kind == "link" and not what[0]]
+
 
 def gateway_files(plane: Plane, tmp_path: Path, name: str = "gw1") -> GatewayPaths:
     return issue_gateway_to_dir(plane.ca, name, tmp_path / f"gw-{name}", validity_days=30)
@@ -181,6 +185,29 @@ async def test_a_revoked_gateway_certificate_is_refused(plane: Plane, tmp_path: 
     assert f"(serial {serial:x}) was revoked; issue a new one with `llmgw ca issue --gateway gw1`" in said
 
 
+async def test_revoking_a_connected_gateways_certificate_closes_its_link_saying_why(
+    plane: Plane, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    files = gateway_files(plane, tmp_path)
+    info = cert_info(load_cert(files.cert))
+    # Recorded under its name, as `llmgw ca issue --gateway gw1` records it.
+    await plane.plane.store.record_issued(
+        info.serial, "gw1", info.not_after.timestamp(), revoke_others=False, also_revoke=()
+    )
+    sink = Sink()
+    link = gateway_link(plane, "gw1", gateway_ssl_context(files.dir), sink)
+    nursery.start_soon(link.serve)
+    await wait_until(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
+    removed = await trio.to_thread.run_sync(admin_call, plane, "DELETE", "/admin/v1/nodes/gw1")
+    assert removed["revoked_serials"] == [f"{info.serial:x}"] and removed["link_closed"] is True
+    closed = f"the control plane closed the link: the certificate of gateway 'gw1' (serial {info.serial:x}) was revoked"
+    await wait_until(lambda: any(why.startswith(closed) for why in sink.downs()), "the link closed")
+    assert plane.plane.gateway_feed.links == {}
+    # And it is refused when it dials again.
+    refused = "the control plane refused this gateway (HTTP 403): the certificate of gateway 'gw1'"
+    await wait_until(lambda: link.state.last_error.startswith(refused), "refused", timeout=10)
+
+
 async def test_a_gateway_named_other_than_its_certificate_is_refused(plane: Plane, tmp_path: Path) -> None:
     files = gateway_files(plane, tmp_path)
     said = await failure(gateway_link(plane, "gw2", gateway_ssl_context(files.dir)))
@@ -202,10 +229,14 @@ async def test_a_gateway_certificate_of_another_cluster_is_refused_at_the_handsh
 
 
 def admin_get(plane: Plane, path: str) -> dict:
+    return admin_call(plane, "GET", path)
+
+
+def admin_call(plane: Plane, method: str, path: str) -> dict:
     token = read_admin_token(admin_token_path(plane.state))
     conn = http.client.HTTPConnection("127.0.0.1", plane.http_port, timeout=10)
     try:
-        conn.request("GET", path, headers={"authorization": f"Bearer {token}"})
+        conn.request(method, path, headers={"authorization": f"Bearer {token}"})
         response = conn.getresponse()
         assert response.status == 200, response.read()
         return json.loads(response.read())

@@ -373,6 +373,10 @@ class GatewayLinks(Protocol):
 
     async def link(self, request: Request, cert: CertInfo, address: str) -> Answer: ...
 
+    async def close_revoked(self, serials: set[int]) -> int:
+        """Close the links of gateways whose certificate is one of `serials`; how many."""
+        ...
+
 
 class Place:
     """Which of the listener's budgets one connection counts in: the unproven one from its

@@ -348,6 +348,20 @@ class GatewayFeed:
                 link.in_flight = event.heartbeat.in_flight
                 link.requests_total = event.heartbeat.requests_total
 
+    async def close_revoked(self, serials: set[int]) -> int:
+        """Close the links of the instances whose certificate is one of `serials` (just revoked),
+        telling each why; how many were closed."""
+        closing = [link for link in self.links.values() if link.cert_serial in serials]
+        for link in closing:
+            message = (
+                f"the certificate of gateway {link.name!r} (serial {link.cert_serial:x}) was revoked; issue a new one "
+                f"with `llmgw ca issue --gateway {link.name}` and install it on the gateway"
+            )
+            await link.writer.close(w.REVOKED, message, timeout_s=REFUSAL_SEND_S)  # a hung gateway is not waited for
+            link.cancel_scope.cancel()
+            log.warning("gateway_revoked", gateway=link.name, instance=link.instance, serial=f"{link.cert_serial:x}")
+        return len(closing)
+
     # -- what the admin API shows ---------------------------------------------------------------
 
     def views(self) -> list[dict[str, Any]]:
