@@ -6,8 +6,10 @@ WebSocket upgrade naming the gateway and this process (`GATEWAY_NAME_HEADER`,
 `GATEWAY_INSTANCE_HEADER`), `GatewayHello`, and heartbeats until the link breaks. Every rule of
 the link is `llmgw.wire.gateway_session.GatewaySession`'s; this module moves its frames and hands
 what the control plane says to a `TableSink` (`llmgw.wire.gateway_link`): each part of the table
-as it arrives, `heard` on every frame, `link_state` as the link comes up and goes down. The sink
-keeps the table while the link is down; nothing here forgets it.
+as it arrives, `heard` on every frame taken, `link_state(True, "")` once welcomed and
+`link_state(False, why)` after every session or attempt that ended (so while the control plane
+is away it is said again at each attempt, with the latest reason). The sink keeps the table
+while the link is down; nothing here forgets it.
 
 Between sessions the link waits with exponential backoff and full jitter (LINK_BACKOFF), short
 enough that a gateway is back within a few seconds of its control plane's return (a revocation

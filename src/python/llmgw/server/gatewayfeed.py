@@ -210,10 +210,11 @@ class GatewayFeed:
         """The gateway link's request: the session judges it with the certificate's role and the
         store's word on it (a refusal is answered in plain HTTP, saying why); accepted, the
         connection is handed to the WebSocket (`_serve_link`)."""
-        session = gs.GatewayServerSession(
-            cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s, table=lambda kind: None
-        )
-        session.table = partial(self._part, session)
+
+        def table(kind: type) -> Any:
+            return self._part(session, kind)
+
+        session = gs.GatewayServerSession(cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s, table=table)
         try:
             session.upgrade(agentport.upgrade_request(request), await self.listener.standing(cert))
         except UpgradeRefused as exc:
