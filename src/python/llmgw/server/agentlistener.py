@@ -162,7 +162,7 @@ class AgentListener:
             )
 
     async def standing(self, cert: CertInfo) -> s.Standing:
-        """What the store says of `cert` (the session judges it)."""
+        """What the store says of `cert`, with its role (the session judges both)."""
         try:
             return s.Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial), role=cert.role)
         except StoreError as exc:
