@@ -55,6 +55,7 @@ from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gateway.app import Gateway
 from llmgw.server.gateway.keys import KeyRing
+from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keyseal import KeySeal
 from llmgw.server.liveness import Reconciler
@@ -80,7 +81,7 @@ class ControlPlane:
     gateway's rotation). Each piece of state has one owner: the configuration `settings`, the
     nodes as agents report them `registry`, the operator's intent for them `intent`, the
     placements `replicas`, the reconciler `reconciler` (the one that pushes desired state after a
-    change), moves and drains."""
+    change), moves and drains, the gateway instances connected and their table `gateway_feed`."""
 
     def __init__(
         self,
@@ -149,6 +150,16 @@ class ControlPlane:
             registry=self.registry, replicas=self.replicas, models=models, retiring=retiring, changes=self.changes
         )
         self.gateway = Gateway(self.endpoints, KeyRing(store), options=config.gateway)
+        # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
+        self.gateway_feed = GatewayFeed(
+            listener=self.endpoint,
+            endpoints=self.endpoints,
+            keys=self.gateway.keys,
+            clock=self.registry.clock,
+            heartbeat_interval_s=config.server.heartbeat_interval_s,
+            silence_timeout_s=config.server.heartbeat_ttl_s,
+        )
+        self.endpoint.gateways = self.gateway_feed
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
@@ -186,6 +197,7 @@ class ControlPlane:
             store=store,
             keys=self.gateway.keys,
             token=admin_token,
+            gateways=self.gateway_feed.views,
         )
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -262,6 +274,7 @@ class ControlPlane:
             await nursery.start(run, "rotation", self.gateway.serve_rotation)
             await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
+            await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             try:
                 agent_listeners = await nursery.start(
                     partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context

@@ -7,7 +7,8 @@ comparison never runs over the secret itself, and the stored hash is checked aga
 `hmac.compare_digest`. Every change goes through the ring, so a revocation takes effect on the
 very next request. A change is written to the store first and made in memory only once written:
 when the store refuses (`StoreError`, e.g. locked by another process) nothing changed, and
-requests keep being authenticated from memory meanwhile.
+requests keep being authenticated from memory meanwhile. Every change made fires `changed`, so
+the gateways' table follows (`llmgw.server.gatewayfeed` sends `valid()` to each).
 
 Limits are per key: a token bucket of `rate_per_minute` requests (a burst of up to one minute's
 worth) and a count of requests in flight against `max_concurrency`. `TokenBucket` is pure and
@@ -29,6 +30,7 @@ from llmgw.errors import shown
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.store import KeyRow
+from llmgw.wakeup import Wakeup
 
 TOKEN_PREFIX = "llmgw-"
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # matched whole (`fullmatch`)
@@ -81,6 +83,7 @@ class KeyRing:
         self._by_hash: dict[str, KeyRow] = {r.token_sha256: r for r in store.at_open.api_keys if r.revoked_at is None}
         self._buckets: dict[str, TokenBucket] = {}
         self._in_flight: dict[str, int] = {}
+        self.changed = Wakeup()  # a key was made or revoked (in memory: written first)
 
     # -- administration -------------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class KeyRing:
                 f"a key named {name!r} exists already (revoked keys keep their names); choose another name"
             )
         self._by_hash[row.token_sha256] = row
+        self.changed.fire()
         return row, token
 
     async def revoke(self, name: str) -> None:
@@ -127,6 +131,11 @@ class KeyRing:
             raise UnknownApiKey(f"no API key named {name!r} (keys: {known}); see `llmgw ctl keys list`")
         self._by_hash = {h: r for h, r in self._by_hash.items() if r.name != name}
         self._buckets.pop(name, None)
+        self.changed.fire()
+
+    def valid(self) -> list[KeyRow]:
+        """The valid keys, as requests are checked against them now."""
+        return list(self._by_hash.values())
 
     async def rows(self) -> list[KeyRow]:
         return await self.store.api_keys()

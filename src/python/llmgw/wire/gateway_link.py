@@ -1,0 +1,173 @@
+"""Messages of the gateway link (gateway <-> control plane), one JSON text frame each.
+
+A gateway (`llmgw gateway`, or one of the control plane's own gateway workers) holds a
+certificate of the gateway role (`llmgw ca issue --gateway NAME`; `llmgw.pki.ca.ROLE_GATEWAY`)
+and opens a WebSocket at GATEWAY_PATH on the agent port, its upgrade request naming the
+gateway in GATEWAY_NAME_HEADER (the certificate's CN) and the process in GATEWAY_INSTANCE_HEADER.
+A node certificate is refused there, and a gateway certificate at the agent's AGENT_PATH.
+
+    gateway                                        control plane
+    GatewayHello  -------------------------------> first; of GATEWAY_PROTOCOL_VERSION
+                  <------------------------------- GatewayWelcome, then RotationChanged,
+                                                   KeysChanged and ShareChanged: the whole table
+                  <------------------------------- each again, whole, whenever it changes (within a
+                                                   second); TableHeartbeat every heartbeat_interval_s
+    GatewayHeartbeat  ---------------------------> every heartbeat_interval_s
+    LinkError, either way: the sender's last frame before it closes.
+
+Level-triggered like the agent link: each message says the whole of what it reports (the
+rotation, the keys, this instance's share), a newer one replacing an unsent older one of its
+kind, and a reconnect resends everything. A gateway keeps its last table while the link is
+down and serves from it; its staleness is the time since the last frame from the control plane.
+
+Limits across gateways (the stated rule, docs/gateway.md): every gateway instance connected
+(each worker process counts as one) enforces its share of a key's limits, `ShareChanged(index,
+count)`: with `count` instances, a key limited to R requests a minute refills at R / count a
+minute with a burst of max(1, R / count), and one limited to C in flight allows
+max(1, C // count + (1 if index < C % count else 0)). The control plane renumbers the
+instances as they come and go. An instance cut off from it keeps its last share.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+from llmgw.wire.agent_link import LinkError
+
+# 1: the first gateway link.
+GATEWAY_PROTOCOL_VERSION = 1
+
+GATEWAY_PATH = "/v1/gateway"
+GATEWAY_NAME_HEADER = "x-llmgw-gateway"
+GATEWAY_INSTANCE_HEADER = "x-llmgw-gateway-instance"
+
+
+# -- gateway -> control plane --------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class GatewayHello:
+    protocol_version: int
+    name: str  # the certificate's CN
+    instance: str  # unique per process (a random token): one gateway runs several workers
+    gateway_version: str
+    started_at: float  # unix time the process started
+
+
+@attrs.frozen(kw_only=True)
+class GatewayHeartbeat:
+    seq: int
+    in_flight: int = 0  # requests this instance is serving now
+    requests_total: int = 0  # requests it answered since it started
+
+
+# -- control plane -> gateway --------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class GatewayWelcome:
+    name: str
+    instance: str
+    server_version: str
+    heartbeat_interval_s: float
+
+
+@attrs.frozen(kw_only=True)
+class RouteEndpoint:
+    """A replica in the rotation, as `llmgw.server.gateway.routing.Endpoint` holds it."""
+
+    replica_id: str
+    model: str
+    host: str
+    port: int
+    api_key: str = attrs.field(default="", repr=False)  # the replica's engine key
+    draining: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class RotationChanged:
+    """The catalog's models (a known model with nothing ready queues; an unknown one is a 404)
+    and the replicas ready now."""
+
+    models: tuple[str, ...]
+    endpoints: tuple[RouteEndpoint, ...]
+
+
+@attrs.frozen(kw_only=True)
+class GatewayKey:
+    """A valid API key: the sha256 of its token (never the token), its models and its limits
+    (0 = none), as the store's `KeyRow` holds them. A revoked key is not sent."""
+
+    name: str
+    token_sha256: str
+    models: tuple[str, ...] = ()
+    rate_per_minute: int = 0
+    max_concurrency: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class KeysChanged:
+    keys: tuple[GatewayKey, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ShareChanged:
+    """This instance's share of every key's limits: it is `index` of `count` instances."""
+
+    index: int
+    count: int
+
+
+@attrs.frozen(kw_only=True)
+class TableHeartbeat:
+    """The control plane is there: the gateway's staleness restarts from zero."""
+
+    seq: int
+
+
+GatewayMessage = GatewayHello | GatewayHeartbeat | LinkError
+ControlMessage = GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | LinkError
+
+# Error codes of LinkError on this link: the agent link's (`llmgw.wire.agent_link`: bad_message,
+# unknown_type, protocol_version, unexpected_message, revoked, certificate_expired, silent), and:
+NAME_MISMATCH = "gateway_name_mismatch"  # a hello or welcome for another gateway or instance
+
+
+def share_of_rate(rate_per_minute: int, share: ShareChanged) -> tuple[float, float]:
+    """A key's rate limit on one instance: (tokens a minute, burst). 0 = no limit."""
+    if rate_per_minute <= 0:
+        return 0.0, 0.0
+    count = max(1, share.count)
+    per_minute = rate_per_minute / count
+    return per_minute, max(1.0, per_minute)
+
+
+def share_of_concurrency(max_concurrency: int, share: ShareChanged) -> int:
+    """A key's in-flight limit on one instance. 0 = no limit."""
+    if max_concurrency <= 0:
+        return 0
+    count = max(1, share.count)
+    part = max_concurrency // count + (1 if share.index < max_concurrency % count else 0)
+    return max(1, part)
+
+
+class TableSink(Protocol):
+    """Where a gateway's link client (`llmgw.gatewayd.link`) puts what the control plane says;
+    the gateway's table (`llmgw.gatewayd.table.GatewayTable`) is one. Called on the gateway's
+    loop, in the order the frames came; none of them blocks."""
+
+    def rotation_changed(self, message: RotationChanged) -> None: ...
+
+    def keys_changed(self, message: KeysChanged) -> None: ...
+
+    def share_changed(self, message: ShareChanged) -> None: ...
+
+    def heard(self, now: float) -> None:
+        """A frame came from the control plane at `now` (trio's clock): staleness restarts."""
+        ...
+
+    def link_state(self, connected: bool, detail: str) -> None:
+        """The link came up (detail "") or went down (detail: why, as the log says it)."""
+        ...
