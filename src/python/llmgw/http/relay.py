@@ -103,6 +103,7 @@ class _Upstream:
 
     stream: trio.abc.Stream
     conn: h11.Connection
+    answering: bool = False  # the answer's head has come
 
     async def send(self, *events: h11.Request | h11.Data | h11.EndOfMessage) -> None:
         try:
@@ -117,8 +118,9 @@ class _Upstream:
             try:
                 event = self.conn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise _Failed(502, f"it sent what is not an HTTP answer ({exc})") from None
+                raise _Failed(502, self._protocol_error(exc)) from None
             if event is not h11.NEED_DATA:
+                self.answering = self.answering or isinstance(event, h11.Response)
                 return event
             with trio.move_on_after(timeout_s) as waited:
                 try:
@@ -128,6 +130,14 @@ class _Upstream:
             if waited.cancelled_caught:
                 raise _Failed(504, silent)
             self.conn.receive_data(data)  # b"": the peer closed, which h11 reports next
+
+    def _protocol_error(self, exc: h11.RemoteProtocolError) -> str:
+        _, closed = self.conn.trailing_data
+        if not closed:
+            return f"it sent what is not an HTTP answer ({exc})"
+        if self.answering:
+            return "it closed the connection in the middle of an answer"
+        return "it closed the connection before answering"
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
@@ -180,7 +190,7 @@ class Relay:
             with trio.fail_after(timeout):
                 stream = await connect_unix(self.path)
         except trio.TooSlowError:
-            raise _Failed(503, f"no connection within {timeout:g} s (it is too busy to accept one)") from None
+            raise _Failed(503, f"no connection within {timeout:g} s (its backlog is full: it accepts none)") from None
         except FileNotFoundError:
             raise _Failed(503, "there is no socket (the control plane is not running, or not yet)") from None
         except ConnectionRefusedError:
@@ -228,7 +238,7 @@ class Relay:
             elif isinstance(event, h11.EndOfMessage):
                 return bytes(out)
             else:
-                raise _Failed(502, f"it closed the connection {len(out)} bytes into an answer")
+                raise _Failed(502, "it closed the connection in the middle of an answer")
 
 
 class RelayedBody:

@@ -168,12 +168,28 @@ async def serve_http_unix(
 async def connect_unix(path: Path) -> trio.SocketStream:
     """A connection to the Unix socket at `path` (any length, see the module docstring);
     OSError as connect(2) gives it (FileNotFoundError: no socket; ConnectionRefusedError: none
-    listens)."""
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listens). While the listener's backlog is full this waits for room: bound it with a deadline."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
     try:
         with _address(path) as address:
-            await sock.connect(address)
+            await _connect(sock, address)
     except BaseException:
         sock.close()
         raise
-    return trio.SocketStream(sock)
+    return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+
+
+async def _connect(sock: socket.socket, address: str) -> None:
+    # A Unix connect is done at once or refused; EAGAIN means the listener's backlog is full
+    # (unix(7)), with nothing in progress — trio's connect takes it for a TCP connect under way
+    # and reports a connection that is none. No event says when room frees, so: try again,
+    # backing off to 50 ms, until the caller's deadline.
+    wait = 0.001
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            await trio.sleep(wait)
+            wait = min(wait * 2, 0.05)
