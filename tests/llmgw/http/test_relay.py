@@ -347,7 +347,7 @@ async def test_a_socket_path_longer_than_a_socket_address_is_served_and_reached(
     path = deep / "cp.sock"
     assert len(os.fsencode(path)) > MAX_PATH_BYTES
     await nursery.start(serve_http_unix, echo, path)
-    assert path.exists() and stat.S_ISSOCK(os.lstat(path).st_mode)
+    assert stat.S_ISSOCK(os.lstat(path).st_mode) and stat.S_IMODE(os.lstat(path).st_mode) == 0o600
     relay = await start_relay(nursery, path)
     status, _, body = await call(relay, "GET", "/admin/v1/nodes")
     assert status == 201 and json.loads(body)["target"] == "/admin/v1/nodes"
