@@ -8,6 +8,9 @@
     STATE_DIR/admin.token    0600: the admin credential: whoever can read it administers the cluster
     STATE_DIR/admin.url      0644: the admin API's URL, written by a running server, read by `llmgw ctl`
     STATE_DIR/up-api-key     0600: the gateway key `llmgw up` made for you (only with `up`)
+    STATE_DIR/run/           0700: a running control plane's sockets
+    STATE_DIR/run/admin.sock 0600: its private socket: its own routes (admin API, page, /metrics)
+                             for its gateway workers to relay to (server.adminsocket)
 
 Each private one is made with that mode whatever the umask, and refused at start when found
 open to others or owned by another user (`check_state_dir`, `llmgw.private`). The state
@@ -57,6 +60,14 @@ def up_api_key_path(state_dir: Path) -> Path:
     return state_dir / "up-api-key"
 
 
+def run_dir(state_dir: Path) -> Path:
+    return state_dir / "run"
+
+
+def admin_socket_path(state_dir: Path) -> Path:
+    return run_dir(state_dir) / "admin.sock"
+
+
 def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
     """Every private path of the control plane's state directory: (path, what it holds, is a directory)."""
     ca = state_dir / "ca"  # as llmgw.pki.files.ca_paths says: named here so that `llmgw ctl` need not load cryptography
@@ -72,6 +83,8 @@ def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
         (engine_keys_secret_path(state_dir), "the secret that seals the engine keys", False),
         (admin_token_path(state_dir), "the admin credential", False),
         (up_api_key_path(state_dir), "a gateway API key", False),
+        # Not the socket in it: the directory keeps others out; a stale socket is replaced at start.
+        (run_dir(state_dir), "the directory of the control plane's private socket", True),
     ]
 
 

@@ -7,6 +7,8 @@
   having logged why: the client sees a truncated body, and no traceback is logged.
 - `Abort`: the peer's fault, or a deadline it missed: the connection ends, answered first with
   `status` when one is given and nothing of the response is out yet.
+- `SocketInUse`: a private Unix socket another live server answers on (`llmgw.http.unixsocket`):
+  the operator stops that one first.
 
 `peer_reason` tells a failure the peer caused (however deeply a nursery wrapped it) from a bug
 of ours: the one rule every connection's containment uses (`llmgw.http.server`, and the agent
@@ -16,11 +18,12 @@ port's link).
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import h11
 import trio
 
-from llmgw.errors import leaves
+from llmgw.errors import MachineError, leaves
 
 
 class HTTPError(Exception):
@@ -59,6 +62,17 @@ class Abort(Exception):
     def __init__(self, reason: str, status: int = 0, message: str = "", headers=()) -> None:
         self.reason, self.status, self.message, self.headers = reason, status, message, tuple(headers)
         super().__init__(f"{reason}: {message}" if message else reason)
+
+
+class SocketInUse(MachineError):
+    """A server already answers on the Unix socket this one would listen on."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(
+            f"another server answers on {path} (a live process listens there, probably another llmgw "
+            "server with this state directory); stop it first, or give this one its own state directory"
+        )
 
 
 def peer_reason(exc: BaseException) -> str | None:

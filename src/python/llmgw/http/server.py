@@ -149,6 +149,8 @@ def peer_address(stream: trio.abc.Stream) -> str:
         peer = inner.socket.getpeername()  # type: ignore[attr-defined]
     except (OSError, AttributeError):  # AttributeError: an in-memory stream in tests
         return "?"
+    if not isinstance(peer, tuple):  # a Unix socket's peer: a path, empty for a client that bound none
+        return "unix"
     return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
 
 

@@ -47,6 +47,7 @@ from llmgw.pki.tls import server_ssl_context
 from llmgw.releasefiles import Running, running_release
 from llmgw.server import activation, keyseal, views
 from llmgw.server.admin import AdminAPI, is_admin_path
+from llmgw.server.adminsocket import gateway_route, serve_admin_socket
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
@@ -235,11 +236,17 @@ class ControlPlane:
     # -- the services -----------------------------------------------------------------------
 
     async def serve(
-        self, *, reload_on_sighup: bool = False, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
+        self,
+        *,
+        reload_on_sighup: bool = False,
+        private_socket: bool = False,
+        task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run until cancelled. Requests in flight then finish, for at most `shutdown_drain_s`
         (`llmgw.server.front`). `reload_on_sighup`: a SIGHUP reads server.toml again (`llmgw
-        server`; tests running several control planes in one process leave it off)."""
+        server`; tests running several control planes in one process leave it off).
+        `private_socket`: serve `handle_own` on STATE_DIR/run/admin.sock as well, for gateway
+        workers to relay to (`llmgw.server.adminsocket`)."""
         agent_host, agent_port = split_hostport(self.config.server.agent_listen)
         http_host, http_port = split_hostport(self.config.server.http_listen)
         passed = activation.take()  # sockets systemd (or whoever started us) listens on for us
@@ -281,6 +288,9 @@ class ControlPlane:
                 )
             except OSError as exc:
                 raise cannot_listen("agent_listen", self.config.server.agent_listen, exc) from None
+            if private_socket:  # before the front: a gateway worker may relay to it at once
+                own = partial(serve_admin_socket, limits=self.config.http, stats=self.connections)
+                await nursery.start(own, self.handle_own, self.state_dir)
             front = partial(serve_front, stats=self.connections, sockets=http_sockets, drain_s=self.shutdown_drain_s)
             http_listeners = await nursery.start(front, self.handle_http, self.gateway, self.config)
             bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
@@ -322,6 +332,14 @@ class ControlPlane:
             await changed.wait()
 
     async def handle_http(self, request: Request) -> Response | StreamingResponse:
+        """`http_listen`: the gateway's routes to the gateway, the rest to `handle_own`."""
+        if gateway_route(request.path):
+            return await self.gateway.handle(request)
+        return await self.handle_own(request)
+
+    async def handle_own(self, request: Request) -> Response | StreamingResponse:
+        """The control plane's own routes, on `http_listen` and on its private socket: the admin
+        API, /metrics, the cluster page and /login."""
         if is_admin_path(request.path):
             return await self.admin.handle(request)
         if request.path == "/metrics":
@@ -338,8 +356,6 @@ class ControlPlane:
                 )
                 response = attrs.evolve(response, body=response.body + own.encode())
             return response
-        if request.path.startswith("/v1/") or request.path == "/health":
-            return await self.gateway.handle(request)
         if Page.serves(request.path):  # the cluster page's files and /login
             return await self.page.handle(request)
         raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")
