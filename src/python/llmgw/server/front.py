@@ -15,12 +15,12 @@ import trio
 
 from llmgw.config import ServerConfig
 from llmgw.errors import MachineError
+from llmgw.gateway.app import Gateway
 from llmgw.http.listeners import ConnectionStats, Shutdown
 from llmgw.http.messages import Handler
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_http
 from llmgw.log import get_logger
-from llmgw.server.gateway.app import Gateway
 
 log = get_logger("llmgw.server")
 

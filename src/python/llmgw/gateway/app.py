@@ -35,25 +35,25 @@ from typing import Protocol
 import trio
 
 from llmgw.config import GatewaySection
-from llmgw.http.errors import BodyAborted, HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
-from llmgw.http.messages import Request, Response, StreamingResponse, allow
-from llmgw.log import get_logger
-from llmgw.server.gateway.errors import (
+from llmgw.gateway.errors import (
     UpstreamBroken,
     UpstreamError,
     UpstreamNoFirstByte,
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from llmgw.server.gateway.fields import RequestFields, request_fields
-from llmgw.server.gateway.headers import relayed_headers, upstream_headers
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.metrics import GatewayMetrics
-from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
-from llmgw.server.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
-from llmgw.server.store import KeyRow
+from llmgw.gateway.fields import RequestFields, request_fields
+from llmgw.gateway.headers import relayed_headers, upstream_headers
+from llmgw.gateway.keys import KeyTable
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.routing import Endpoint, Rotation, Router, Verdict
+from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
+from llmgw.http.errors import BodyAborted, HTTPError
+from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
+from llmgw.wire.gateway_link import GatewayKey
 
 log = get_logger("llmgw.gateway")
 
@@ -79,7 +79,7 @@ class Gateway:
     def __init__(
         self,
         provider: EndpointProvider,
-        keys: KeyRing,
+        keys: KeyTable,
         *,
         options: GatewaySection | None = None,
         pool: UpstreamPool | None = None,
@@ -243,7 +243,7 @@ class Gateway:
             kind="not_found_error",
         )
 
-    def _authenticate(self, request: Request) -> KeyRow:
+    def _authenticate(self, request: Request) -> GatewayKey:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _counted(
@@ -303,7 +303,7 @@ class Gateway:
         except HTTPError as exc:
             raise _counted(self, "-", exc) from None
 
-    def _check_model(self, key: KeyRow, model: str) -> None:
+    def _check_model(self, key: GatewayKey, model: str) -> None:
         """As soon as the model is known, before anything is queued: may this key use it, and
         is it served."""
         if key.models and model not in key.models:
@@ -418,7 +418,7 @@ class Gateway:
 class _Job:
     """One forwarded request's accounting; `finish` runs once, however the request ends."""
 
-    def __init__(self, gw: Gateway, key: KeyRow, model: str, started: float) -> None:
+    def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float) -> None:
         self.gw, self.key, self.model, self.started = gw, key, model, started
         self.endpoint: Endpoint | None = None
         self.sent_at = started
