@@ -54,6 +54,8 @@ WAKEUPS: dict[str, str] = {
     "llmgw.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
     "llmgw.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
     "shutdown (`drain`) returns",
+    "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
+    "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.

@@ -66,7 +66,8 @@ MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, 
 
 class EndpointProvider(Protocol):
     """Where the gateway's rotation comes from: the control plane (`server.views.GatewayEndpoints`),
-    or a fixed set in the tests and the bench (`testlib.endpoints.StaticEndpoints`)."""
+    the table a gateway process holds (`gatewayd.table.TableEndpoints`), or a fixed set in the
+    tests and the bench (`testlib.endpoints.StaticEndpoints`)."""
 
     def gateway_rotation(self) -> Rotation: ...
 
@@ -199,6 +200,11 @@ class Gateway:
                 await finished.wait()
         return False
 
+    def ready(self) -> dict[str, int]:
+        """Replicas that may take a request now, per model, as the router sees them (its own
+        failures taken out)."""
+        return {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
+
     async def quiesce(self, replica_id: str, timeout_s: float) -> bool:
         """Wait until no request is outstanding on `replica_id` (which the caller has taken out
         of rotation first), for at most `timeout_s`; whether it got there."""
@@ -215,7 +221,7 @@ class Gateway:
     async def handle(self, request: Request) -> Response | StreamingResponse:
         if request.path == "/health":
             allow(request, "GET")
-            ready = {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
+            ready = self.ready()
             if self.draining:
                 return Response.json(503, {"status": "draining", "ready": ready})
             return Response.json(200, {"status": "ok", "ready": ready})
