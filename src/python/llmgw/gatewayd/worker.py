@@ -6,6 +6,7 @@ its own (`GatewayTable`), which its own link to the control plane fills (or a ta
                    Always: `ready` (replicas per model), `link_up`, `link_detail`, `staleness_s`
                    (seconds since the control plane was last heard), `keys` (how many it holds)
                    and `instance` (this worker's name on the link)
+    /v1/...        503 with Retry-After until the first whole table came (no key is known yet)
     GET /metrics   the gateway's families, then `llmgw_gateway_table_staleness_seconds`,
                    `llmgw_gateway_link_up`, `llmgw_gateway_table_received` and the listener's
                    connection counts
@@ -28,10 +29,11 @@ import trio
 
 from llmgw.config import GatewaySection
 from llmgw.errors import MachineError
-from llmgw.gateway.app import Gateway
+from llmgw.gateway.app import RETRY_AFTER_S, Gateway
 from llmgw.gateway.front import serve_draining
 from llmgw.gateway.upstream import Connect
 from llmgw.gatewayd.table import GatewayTable
+from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
@@ -85,6 +87,13 @@ class GatewayWorker:
         if request.path == "/metrics":
             allow(request, "GET")
             return Response(status=200, body=self.render_metrics().encode(), headers=(("content-type", METRICS_TYPE),))
+        if not self.table.received and request.path.startswith("/v1/"):
+            raise HTTPError(
+                503,
+                f"this gateway has no table from the control plane yet ({self.table.link_detail}); try again shortly",
+                kind="unavailable_error",
+                headers=(("retry-after", str(RETRY_AFTER_S)),),
+            )
         return await self.gateway.handle(request)
 
     def render_metrics(self) -> str:
