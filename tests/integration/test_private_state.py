@@ -30,6 +30,7 @@ from llmgw import paths
 from llmgw.server import keyseal
 from llmgw.server.store import store_path
 from testlib.cluster import Cluster, wait_until
+from testlib.ports import free_port
 from testlib.proc import build_root, llmgw_env, run_llmgw, umask
 
 NOBODY = 65534
@@ -190,14 +191,6 @@ def test_llmgw_up_creates_every_private_path_private_whatever_the_umask(tmp_path
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- refused at start ----------------------------------------------------------------------

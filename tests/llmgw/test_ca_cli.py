@@ -12,7 +12,7 @@ from cryptography import x509
 
 from llmgw import cli
 from llmgw.commands import ca as ca_command
-from llmgw.pki.ca import CertInfo, cert_info
+from llmgw.pki.ca import ROLE_GATEWAY, CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_cert, write_node_key_and_csr
 from testlib.controlplane import make_state, serve_plane
 from testlib.proc import run_llmgw
@@ -177,6 +177,47 @@ def test_issue_by_hand_writes_key_cert_and_ca_into_a_directory(state: Path, tmp_
     assert (out / "ca.crt").read_bytes() == ca_paths(state).ca_cert.read_bytes()
     assert cert_info(load_cert(out / "node.crt")).common_name == "node03"
     assert "into the node's pki directory" in capsys.readouterr().out
+
+
+def test_issue_gateway_writes_its_key_and_certificate_of_the_gateway_role(
+    state: Path, tmp_path: Path, capsys: Capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "gw"
+    assert cli.main(["ca", "issue", "--gateway", "gw1", "--state-dir", str(state), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ca.crt", "gateway.crt", "gateway.key"]
+    assert stat.S_IMODE((out / "gateway.key").stat().st_mode) == 0o600
+    info = cert_info(load_cert(out / "gateway.crt"))
+    assert (info.common_name, info.role) == ("gw1", ROLE_GATEWAY)
+    assert 364 < days_left(info) <= 365  # a node certificate's validity
+    printed = capsys.readouterr().out
+    assert f"gateway certificate {out / 'gateway.crt'}" in printed and "into the gateway's pki directory" in printed
+    # The store knows its serial, under its name, as it knows a node's.
+    from llmgw.server.store import Store
+
+    store = Store.open(state)
+    try:
+        row = store.certificate(info.serial)
+    finally:
+        store.close()
+    assert row is not None and row.node_id == "gw1" and row.revoked_at is None
+    # Without --out: ./gateway-NAME.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["ca", "issue", "--gateway", "gw2", "--state-dir", str(state), "--validity-days", "3"]) == 0
+    assert 2 < days_left(cert_info(load_cert(tmp_path / "gateway-gw2" / "gateway.crt"))) <= 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--gateway", "gw 1"], "gateway name 'gw 1' may use only letters"),
+        (["node01", "--gateway", "gw1"], "--gateway NAME makes a gateway's key and certificate by itself"),
+        (["--gateway", "gw1", "--csr", "x.csr"], "give no NODE_ID and no --csr"),
+        ([], "name the node: `llmgw ca issue NODE_ID --csr FILE`"),
+    ],
+)
+def test_issue_gateway_usage_errors(state: Path, capsys: Capsys, argv: list[str], says: str) -> None:
+    assert cli.main(["ca", "issue", *argv, "--state-dir", str(state)]) == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ import json
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,15 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from testlib import hostile
+from testlib.ports import free_port
 from testlib.proc import build_root, llmgw_env, run_llmgw
 
 READY_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(state: Path, port: int, *flags: str, stderr: Any = subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:

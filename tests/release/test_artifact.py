@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import tarfile
@@ -41,6 +40,7 @@ from llmgw_release import build, llamabuild, llamacpp, llamasmoke, wheels
 
 import llmgw
 from testlib import llama
+from testlib.ports import free_port
 from testlib.proc import build_root
 from testlib.pythons import find_python, find_python39
 from testlib.tinygguf import write_tiny_llama
@@ -387,12 +387,6 @@ SERVICES = {
 
 def fill(template: str, tmp: Path, port: int) -> str:
     return template.replace("{tmp}", str(tmp)).replace("{port}", str(port))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import attrs
 
 from testlib import activation
+from testlib.ports import free_port
 from testlib.proc import llmgw_env, run_llmgw
 
 T = TypeVar("T")
@@ -41,14 +42,6 @@ CLI_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 TAIL_LINES = 40
 MARKER_ENV = "LLMGW_TESTLIB_NODE"  # read by this module only; the product never looks at it
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now. Another process may take it before we do; on loopback in
-    a test run that is rare enough, and a server that cannot listen says so in its log."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -185,7 +185,12 @@ class Machine:
             if self._nspawn.poll() is not None:
                 raise RuntimeError(f"systemd-nspawn exited with {self._nspawn.returncode}:\n{self.console()}")
             if self.leader() is not None:
-                state = self.run("systemctl", "is-system-running", check=False, timeout=5).stdout.strip()
+                # While systemd starts, systemctl may wait on it for longer than a poll: that
+                # is "not yet" (the boot's own deadline below decides), not a failed boot.
+                try:
+                    state = self.run("systemctl", "is-system-running", check=False, timeout=5).stdout.strip()
+                except subprocess.TimeoutExpired:
+                    state = "starting"
                 if state in ("running", "degraded"):
                     break
             if time.monotonic() > deadline:

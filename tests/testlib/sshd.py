@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import pwd
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from testlib.needs import missing_message
+from testlib.ports import free_port
 
 SSHD = Path("/usr/sbin/sshd")
 START_TIMEOUT_S = 10.0
@@ -65,12 +65,6 @@ def sshd_config(
             "",
         ]
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sshd:

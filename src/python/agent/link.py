@@ -11,7 +11,7 @@ control plane); the receive loop gives every frame to the session and acts on it
 
 Between sessions the agent waits with exponential backoff and full jitter, and keeps its work:
 nothing here stops replicas. Every failure is logged once per attempt with the reason in the
-operator's terms and the fix (`agent.linkfailure`).
+operator's terms and the fix (`llmgw.linkfailure`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import attrs
 import trio
 import trio_websocket
 
-from agent.linkfailure import SessionRefused, reason_of
 from agent.node_address import NodeAddress, local_host
 from llmgw.backoff import Backoff, Failures
 from llmgw.errors import UsageError, find
+from llmgw.linkfailure import SessionRefused, reason_of
 from llmgw.linkio import LinkStream, Writer
 from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert

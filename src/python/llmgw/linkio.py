@@ -1,5 +1,6 @@
-"""The trio half of the agent link that both ends share: a link's one writer, and the stream
-under its WebSocket. The protocol is `llmgw.wire.session`'s; this module only moves its frames.
+"""The trio half of the links that both ends share (the agent link and the gateway link): a
+link's one writer, and the stream under its WebSocket. The protocols are `llmgw.wire.session`'s
+and `llmgw.wire.gateway_session`'s; this module only moves their frames.
 
 `Writer` is the only task that writes a link's frames. Every sender queues its message in the
 session (which coalesces and bounds what waits, `llmgw.wire.outbox`) and rings `wake`; `serve`
@@ -40,7 +41,7 @@ POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1: the close code after a LinkError
 class Writer:
     """The one writer of a link: senders queue in `session` and `wake` it."""
 
-    def __init__(self, session: s.ServerSession | s.AgentSession, *, send_timeout_s: float) -> None:
+    def __init__(self, session: s.Session, *, send_timeout_s: float) -> None:
         self.session = session
         self.send_timeout_s = send_timeout_s
         self.finished = trio.Event()  # `serve` returned

@@ -39,7 +39,8 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
     "(`server/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/liveness.py`) looks again",
     "llmgw.server.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
-    "gateway's rotation follows (`Gateway.serve_rotation`); open cluster pages send a snapshot",
+    "gateway's rotation follows (`Gateway.serve_rotation`), and the gateways' table (`GatewayFeed`); open "
+    "cluster pages send a snapshot",
     "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); open "
     "cluster pages send a snapshot; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
     "llmgw.server.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
@@ -56,6 +57,8 @@ WAKEUPS: dict[str, str] = {
     "shutdown (`drain`) returns",
     "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
     "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
+    "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
+    "the valid keys again (`GatewayFeed`)",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.

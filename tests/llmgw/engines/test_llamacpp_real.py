@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,18 +25,13 @@ from llmgw.config import Secret
 from llmgw.engines import ReplicaLaunch, build_command
 from llmgw.engines.helptext import documented_flags
 from testlib.llama import llama_server
+from testlib.ports import free_port
 from testlib.proc import build_root
 from testlib.tinygguf import write_tiny_llama
 
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
 STRAY_KEY = "stray-key-in-the-agents-environment"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -13,7 +13,7 @@ from llmgw.errors import ConfigError, MachineError, UsageError
 from llmgw.gatewayd import identity, main
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.gatewayd.tablefile import feed, load_table, parse_table
-from llmgw.pki.files import init_ca, issue_to_dir, load_ca
+from llmgw.pki.files import init_ca, issue_gateway_to_dir, load_ca
 from llmgw.wire.gateway_link import ShareChanged
 from testlib.gatewaytable import key, token_of, write_table_file
 
@@ -58,37 +58,28 @@ def test_a_bad_table_file_is_refused_with_where(text: str, problem: str) -> None
     assert problem in str(info.value) and str(info.value).startswith("table.json")
 
 
-def _gateway_pki(tmp_path: Path, cn: str) -> Path:
-    """A certificate for `cn` and its key and CA, named as a gateway's (the role is the CA's business)."""
+def _gateway_pki(tmp_path: Path, name: str) -> Path:
+    """A gateway certificate for `name`, its key and the CA, as `llmgw ca issue --gateway` writes them."""
     state = tmp_path / "cp"
     init_ca(state, validity_days=30)
-    issued = issue_to_dir(load_ca(state), cn, tmp_path / "issued", validity_days=30)
-    pki = tmp_path / "pki"
-    pki.mkdir(mode=0o700)
-    files = identity.gateway_files(pki)
-    for source, target in ((issued.key, files.key), (issued.cert, files.cert), (issued.ca_cert, files.ca_cert)):
-        target.write_bytes(source.read_bytes())
-    files.key.chmod(0o600)
-    return pki
+    return issue_gateway_to_dir(load_ca(state), name, tmp_path / "pki", validity_days=30).dir
 
 
 def test_the_name_is_the_certificates_and_a_different_one_is_refused(tmp_path: Path) -> None:
     pki = _gateway_pki(tmp_path, "gw-east")
-    files = identity.gateway_files(pki)
-    assert identity.gateway_name(files, None) == "gw-east"
-    assert identity.gateway_name(files, "gw-east") == "gw-east"
-    with pytest.raises(UsageError, match="--name 'gw-west' is not the name in .*'gw-east'"):
-        identity.gateway_name(files, "gw-west")
+    assert identity.credentials(pki, None).name == "gw-east"
+    assert identity.credentials(pki, "gw-east").name == "gw-east"
+    with pytest.raises(UsageError, match="--name 'gw-west' is not the name in the certificate of .*'gw-east'"):
+        identity.credentials(pki, "gw-west")
     plan = main.plan(listen="127.0.0.1:9000", server_url="wss://cp:7443", table_file=None, pki_dir=pki, name=None)
     assert (plan.name, plan.host, plan.port) == ("gw-east", "127.0.0.1", 9000)
-    assert identity.tls_context(files).verify_mode.name == "CERT_REQUIRED"
 
 
 def test_missing_certificate_files_are_named_with_how_to_get_them(tmp_path: Path) -> None:
     with pytest.raises(MachineError) as info:
         main.plan(listen="0.0.0.0:8080", server_url="wss://cp:7443", table_file=None, pki_dir=tmp_path, name=None)
     message = str(info.value)
-    assert f"no gateway.key, gateway.crt, ca.crt in {tmp_path} (--pki-dir)" in message
+    assert f"{tmp_path / 'gateway.crt'} does not exist" in message
     assert "llmgw ca issue --gateway NAME" in message
 
 

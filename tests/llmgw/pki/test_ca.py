@@ -16,13 +16,15 @@ from datetime import datetime, timedelta, timezone
 import attrs
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.errors import UsageError
 from llmgw.pki.ca import (
     CA,
+    ROLE_GATEWAY,
+    ROLE_NODE,
     WrongKey,
     cert_info,
     cert_info_from_der,
@@ -253,3 +255,44 @@ def test_cert_info_from_der_matches_cert_info(ca: CA) -> None:
     cert = load_pem(cert_pem)
     assert cert_info_from_der(cert.public_bytes(serialization.Encoding.DER)) == cert_info(cert)
     assert attrs.asdict(cert_info(cert))["sans"] == ("127.0.0.1", "::1")
+
+
+# -- roles ---------------------------------------------------------------------------------
+
+
+def test_a_gateway_certificate_carries_the_gateway_role_and_a_node_one_none(ca: CA) -> None:
+    key_pem, cert_pem = ca.gateway_cert("gw1", validity_days=30, now=NOW)
+    cert = load_pem(cert_pem)
+    info = cert_info(cert)
+    assert info.common_name == "gw1" and info.role == ROLE_GATEWAY
+    assert info.not_after == NOW + timedelta(days=30)
+    assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
+        [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    check_key_of(cert, serialization.load_pem_private_key(key_pem, password=None))
+    check_issued_by(cert, ca.cert)
+    # A node certificate, as issued before roles existed and still: no OU, the node role.
+    _, csr = make_key_and_csr("gw1")
+    node = cert_info(load_pem(ca.sign_csr(csr, "gw1", validity_days=1)))
+    assert node.subject == "CN=gw1" and node.role == ROLE_NODE
+
+
+def test_a_node_request_asking_for_the_gateway_role_gets_a_node_certificate(ca: CA) -> None:
+    # The CA writes the subject itself: whatever a request says, `sign_csr` makes a node's.
+    key = serialization.load_pem_private_key(make_key_and_csr("n")[0], password=None)
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, "gw1"),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ROLE_GATEWAY),
+        ]
+    )
+    csr = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, hashes.SHA256())
+    cert = load_pem(ca.sign_csr(csr.public_bytes(serialization.Encoding.PEM), "gw1", validity_days=1))
+    assert cert_info(cert).role == ROLE_NODE
+
+
+@pytest.mark.parametrize("name", ["", "-gw", "gw 1", "gw/1", "a" * 64])
+def test_a_gateway_name_follows_the_node_id_grammar(ca: CA, name: str) -> None:
+    with pytest.raises(UsageError) as info:
+        ca.gateway_cert(name, validity_days=1)
+    assert str(info.value).startswith(f"gateway name {name!r} may use only letters, digits")

@@ -13,11 +13,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw.errors import MachineError, UsageError
-from llmgw.pki.ca import CA, cert_info, make_key_and_csr
+from llmgw.pki.ca import CA, ROLE_GATEWAY, cert_info, make_key_and_csr
 from llmgw.pki.files import (
     ca_paths,
     init_ca,
     install_node_cert,
+    issue_gateway_to_dir,
     issue_server_cert,
     issue_to_dir,
     load_ca,
@@ -223,3 +224,18 @@ def test_issue_to_dir_writes_key_cert_and_ca_flat(tmp_path: Path, ca: CA) -> Non
 def test_write_cert_is_public(tmp_path: Path, ca: CA) -> None:
     write_cert(tmp_path / "node.crt", ca.cert_pem())
     assert mode(tmp_path / "node.crt") == 0o644 and (tmp_path / "node.crt").read_bytes() == ca.cert_pem()
+
+
+def test_issue_gateway_to_dir_writes_its_key_cert_and_ca_and_never_replaces_the_key(tmp_path: Path, ca: CA) -> None:
+    out = tmp_path / "gw"
+    paths = issue_gateway_to_dir(ca, "gw1", out, validity_days=7)
+    assert (paths.key, paths.cert, paths.ca_cert) == (out / "gateway.key", out / "gateway.crt", out / "ca.crt")
+    assert mode(out) == 0o700 and mode(paths.key) == 0o600 and mode(paths.cert) == 0o644
+    cert = load_cert(paths.cert)
+    assert (cert_info(cert).common_name, cert_info(cert).role) == ("gw1", ROLE_GATEWAY)
+    assert paths.ca_cert.read_bytes() == ca.cert_pem()
+    key = serialization.load_pem_private_key(paths.key.read_bytes(), password=None)
+    assert cert.public_key() == key.public_key()
+    with pytest.raises(UsageError, match="gateway.key already exists"):
+        issue_gateway_to_dir(ca, "gw1", out, validity_days=7)
+    assert serialization.load_pem_private_key(paths.key.read_bytes(), password=None).public_key() == key.public_key()

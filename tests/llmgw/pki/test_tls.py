@@ -14,8 +14,18 @@ import trio
 
 from llmgw.errors import MachineError
 from llmgw.pki.ca import CA, cert_info_from_der
-from llmgw.pki.files import NodePaths, ca_paths, init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
-from llmgw.pki.tls import client_ssl_context, send_tls_alert, server_ssl_context
+from llmgw.pki.files import (
+    NodePaths,
+    ca_paths,
+    gateway_paths,
+    init_ca,
+    issue_gateway_to_dir,
+    issue_server_cert,
+    issue_to_dir,
+    load_ca,
+    node_paths,
+)
+from llmgw.pki.tls import client_ssl_context, gateway_ssl_context, send_tls_alert, server_ssl_context
 from llmgw.pki.tlsdiag import describe_tls_failure
 
 # -- TLS contexts --------------------------------------------------------------------------
@@ -57,6 +67,27 @@ def test_a_context_refuses_a_key_others_can_read(state: Path, ca: CA, tmp_path: 
     ca_paths(state).server_key.chmod(0o640)
     with pytest.raises(MachineError, match="server.key has mode 0640"):
         server_ssl_context(state)
+
+
+def test_a_gateway_context_takes_a_gateway_certificate_and_names_the_fix_for_anything_else(
+    ca: CA, tmp_path: Path
+) -> None:
+    paths = issue_gateway_to_dir(ca, "gw1", tmp_path / "gw", validity_days=1)
+    context = gateway_ssl_context(paths.dir)
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "llmgw cluster CA"),),)]
+    with pytest.raises(MachineError) as info:
+        gateway_ssl_context(tmp_path / "empty")
+    assert str(info.value).startswith(f"{gateway_paths(tmp_path / 'empty').cert} does not exist;")
+    assert "`llmgw ca issue --gateway NAME --out DIR`" in str(info.value)
+    # A node's certificate and key where the gateway's go: said before any connection.
+    node = issue_to_dir(ca, "node01", tmp_path / "n", validity_days=1)
+    node.cert.rename(paths.cert)
+    node.key.rename(paths.key)
+    with pytest.raises(MachineError) as info:
+        gateway_ssl_context(paths.dir)
+    assert "(CN=node01) is not a gateway certificate (its role: llmgw-node)" in str(info.value)
+    assert "llmgw ca issue --gateway NAME" in str(info.value)
 
 
 def test_a_certificate_that_is_not_one_is_named_with_the_fix(state: Path, ca: CA, tmp_path: Path) -> None:

@@ -12,13 +12,21 @@ import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from llmgw.http.send import LINGER_S
-from llmgw.pki.ca import CertInfo
-from llmgw.server.agentlistener import HANDSHAKE_TIMEOUT_S, LISTENER, NO_CERTIFICATE_CLIENT, AgentListener, Place
+from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
+from llmgw.server.agentlistener import (
+    HANDSHAKE_TIMEOUT_S,
+    LISTENER,
+    NO_CERTIFICATE_CLIENT,
+    NO_GATEWAY_LINK,
+    AgentListener,
+    Place,
+)
 from llmgw.server.artifacts import Artifacts
 from llmgw.server.releases import Releases
 from testlib.httpexchange import converse
@@ -93,6 +101,17 @@ async def test_a_node_gets_the_mirror_until_its_certificate_is_revoked(port: Age
     answered = await converse(lambda s: port.serve_peer(s, CERT, "10.0.0.1"), get(target))
     assert answered.status == 403 and b"was revoked" in answered.body
     assert port.agents_open == 0  # each connection's place given back
+
+
+async def test_a_gateway_certificate_gets_no_mirror_and_a_port_without_a_gateway_link_says_so(
+    port: AgentListener,
+) -> None:
+    gateway = attrs.evolve(CERT, common_name="gw1", role=ROLE_GATEWAY)
+    target = "/v1/artifacts/" + hashlib.sha256(ARCHIVE).hexdigest()
+    answered = await converse(lambda s: port.serve_peer(s, gateway, "10.0.0.1"), get(target))
+    assert answered.status == 403 and b"is not a node certificate (its role: llmgw-gateway)" in answered.body
+    answered = await converse(lambda s: port.serve_peer(s, gateway, "10.0.0.1"), get("/v1/gateway"))
+    assert answered.status == 404 and answered.body == NO_GATEWAY_LINK.encode() + b"\n"
 
 
 async def test_a_whole_head_past_the_limit_is_431_as_on_every_port(port: AgentListener) -> None:

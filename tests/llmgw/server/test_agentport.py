@@ -19,6 +19,7 @@ from llmgw.server.agentport import Route
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
 from llmgw.wire.errors import UpgradeRefused
+from llmgw.wire.gateway_link import GATEWAY_PATH
 from testlib.httpexchange import Answered, exchange
 
 pytestmark = pytest.mark.trio
@@ -38,6 +39,8 @@ async def test_the_route_is_decided_from_the_head_alone() -> None:
     assert at("/v1/releasex") is Route.LINK  # only under the prefix
     assert at(w.AGENT_PATH) is Route.LINK
     assert at("/elsewhere") is Route.LINK  # the link's session answers 404
+    assert at(GATEWAY_PATH) is Route.GATEWAY
+    assert at(GATEWAY_PATH + "?x=1") is Route.GATEWAY  # the gateway link's session answers 404
 
 
 def check(request: Request) -> None:

@@ -11,6 +11,7 @@ import json
 import attrs
 import pytest
 
+from llmgw.pki.ca import ROLE_GATEWAY
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
 from llmgw.wire.convert import decode, encode, tag
@@ -61,7 +62,7 @@ def server(node_id: str = "node-a", **kw) -> s.ServerSession:
     return s.ServerSession(node_id, heartbeat_interval_s=5.0, server_version="test", **kw)
 
 
-def drain(side: s._Session) -> list[str]:
+def drain(side: s.Session) -> list[str]:
     frames = []
     while (frame := side.next_frame()) is not None:
         frames.append(frame)
@@ -101,10 +102,10 @@ class Pair:
         self.made += 1
         return w.DesiredState(generation=self.made)
 
-    def peer(self, side: s._Session) -> s._Session:
+    def peer(self, side: s.Session) -> s.Session:
         return self.server if side is self.agent else self.agent
 
-    def deliver(self, frame: str, to: s._Session) -> s.Event:
+    def deliver(self, frame: str, to: s.Session) -> s.Event:
         event = to.receive(frame)
         self.events[to.role].append(event)
         return event
@@ -133,7 +134,7 @@ class Pair:
         self.flush()
         assert self.agent.state is self.server.state is s.State.OPEN
 
-    def refused(self, frame: str, to: s._Session) -> WireError:
+    def refused(self, frame: str, to: s.Session) -> WireError:
         """`frame` refused by `to`, whose LinkError reaches the peer as a `Closed` event."""
         with pytest.raises(WireError) as info:
             to.receive(frame)
@@ -605,6 +606,14 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
         # The certificate first: a revoked node learns that, whatever else it asked.
         (upgrade("/elsewhere"), s.Standing(serial=0xABC, revoked=True), 403, "(serial abc) was revoked"),
         (upgrade("/elsewhere"), s.Standing(serial=0xABC, unknown="locked"), 503, "database is busy or failing"),
+        # Then its role: a gateway's certificate cannot act as a node.
+        (
+            upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]),
+            s.Standing(serial=0xABC, role=ROLE_GATEWAY),
+            403,
+            "(serial abc) is not a node certificate (its role: llmgw-gateway), and only a node's may act as a node "
+            "here; a gateway connects at /v1/gateway",
+        ),
         (upgrade("/elsewhere", [(w.NODE_ID_HEADER, b"node-a")]), GOOD, 404, "no agent endpoint at '/elsewhere'"),
         (
             upgrade(headers=[(w.NODE_ID_HEADER, b"node-b")]),
@@ -664,8 +673,12 @@ def test_an_upgrade_is_refused_for_its_certificate_path_node_or_handshake(
 
 def test_the_mirror_asks_the_certificate_what_the_link_asks() -> None:
     s.check_standing("node-a", GOOD)
+    s.check_node_role("node-a", GOOD)
     with pytest.raises(UpgradeRefused) as info:
         s.check_standing("node-a", s.Standing(serial=0xABC, revoked=True))
+    assert info.value.status == 403 and "`llmgw node add USER@HOST --reissue`" in str(info.value)
+    with pytest.raises(UpgradeRefused) as info:
+        s.check_node_role("gw1", s.Standing(serial=0xABC, role=ROLE_GATEWAY))
     assert info.value.status == 403 and "`llmgw node add USER@HOST --reissue`" in str(info.value)
 
 

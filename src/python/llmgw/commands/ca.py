@@ -1,5 +1,5 @@
 """`llmgw ca`: create the cluster's certificate authority, show it, reissue the server certificate,
-issue node certificates by hand.
+issue node certificates by hand, and gateway certificates (`issue --gateway NAME`).
 
 Runs on the control plane, which is the only machine that holds the CA key. Also owns how a
 control-plane command finds its files (`add_server_options`, `resolve_server_paths`), which
@@ -21,8 +21,18 @@ from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
 from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
-from llmgw.pki.ca import CertInfo, cert_info, check_node_id, parse_sans
-from llmgw.pki.files import CAPaths, ca_paths, init_ca, issue_server_cert, issue_to_dir, load_ca, load_cert, write_cert
+from llmgw.pki.ca import CertInfo, cert_info, check_gateway_name, check_node_id, parse_sans
+from llmgw.pki.files import (
+    CAPaths,
+    ca_paths,
+    init_ca,
+    issue_gateway_to_dir,
+    issue_server_cert,
+    issue_to_dir,
+    load_ca,
+    load_cert,
+    write_cert,
+)
 from llmgw.server import keyseal
 
 log = get_logger("llmgw.ca")
@@ -78,18 +88,31 @@ def configure(parser: Parser) -> None:
     server.add_argument("--validity-days", type=int, metavar="N", help="default: [ca].server_cert_validity_days")
     add_json_flag(server)
 
-    issue = add_leaf(sub, "issue", "sign a node's request, or make a node key and certificate by hand", run_issue)
+    issue = add_leaf(
+        sub,
+        "issue",
+        "sign a node's request, make a node key and certificate by hand, or a gateway's (--gateway NAME)",
+        run_issue,
+    )
     add_server_options(issue)
-    issue.add_argument("node_id", metavar="NODE_ID", help="the node's hostname; becomes the certificate's CN")
+    issue.add_argument("node_id", metavar="NODE_ID", nargs="?", help="the node's hostname; becomes the certificate's CN")
+    issue.add_argument(
+        "--gateway",
+        metavar="NAME",
+        help="make a gateway's key and certificate (the gateway role, CN=NAME) instead of a node's: "
+        "gateway.key, gateway.crt and ca.crt, into --out DIR (default: ./gateway-NAME)",
+    )
     issue.add_argument("--csr", type=Path, metavar="FILE", help="the node's request (node.csr) to sign")
     issue.add_argument(
         "--out",
         type=Path,
         metavar="PATH",
         help="with --csr: the certificate file to write (default: standard output); "
-        "without: a directory to write node.key, node.crt and ca.crt into",
+        "without: a directory to write node.key, node.crt and ca.crt into (gateway.key, gateway.crt with --gateway)",
     )
-    issue.add_argument("--validity-days", type=int, metavar="N", help="default: [ca].node_cert_validity_days")
+    issue.add_argument(
+        "--validity-days", type=int, metavar="N", help="default: [ca].node_cert_validity_days, for gateways too"
+    )
 
 
 def _add_san_option(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -163,6 +186,13 @@ def run_server_cert(args: argparse.Namespace) -> int:
 
 
 def run_issue(args: argparse.Namespace) -> int:
+    if args.gateway is not None:
+        return _issue_gateway(args)
+    if args.node_id is None:
+        raise UsageError(
+            "name the node: `llmgw ca issue NODE_ID --csr FILE` or `--out DIR`; for a gateway, "
+            "`llmgw ca issue --gateway NAME`"
+        )
     if args.csr is None and args.out is None:
         raise UsageError(
             "give --csr FILE to sign a node's request (the node keeps its key), "
@@ -197,6 +227,32 @@ def run_issue(args: argparse.Namespace) -> int:
     else:
         write_cert(args.out, cert_pem)
         _print_cert("node", args.out, info)
+    return 0
+
+
+def _issue_gateway(args: argparse.Namespace) -> int:
+    """A gateway's key and certificate by hand, into a directory: the gateway makes no request
+    of its own (its key is made here and copied over, as a node's is by hand)."""
+    name = check_gateway_name(args.gateway)
+    if args.node_id is not None or args.csr is not None:
+        raise UsageError(
+            "--gateway NAME makes a gateway's key and certificate by itself: give no NODE_ID and no --csr "
+            f"(`llmgw ca issue --gateway {name} --out DIR`)"
+        )
+    cfg, state_dir = resolve_server_paths(args)
+    ca = load_ca(state_dir)
+    out = args.out if args.out is not None else Path(f"gateway-{name}")
+    paths = issue_gateway_to_dir(ca, name, out, validity_days=_or(args.validity_days, cfg.ca.node_cert_validity_days))
+    info = cert_info(load_cert(paths.cert))
+    # Recorded under its name like a node's, so that the store knows the serial, and revoking
+    # every certificate of that name (`llmgw node remove NAME`) revokes it.
+    _record(state_dir, name, info)
+    log.info("gateway_cert_issued", gateway=name, serial=info.serial)
+    _print_cert("gateway", paths.cert, info)
+    print(
+        f"copy {paths.key}, {paths.cert} and {paths.ca_cert} into the gateway's pki directory on its machine "
+        "(docs/gateway.md); delete them here"
+    )
     return 0
 
 
@@ -265,4 +321,5 @@ def _info_dict(info: CertInfo) -> dict:
         "not_after": info.not_after.isoformat(),
         "sans": list(info.sans),
         "is_ca": info.is_ca,
+        "role": info.role,
     }

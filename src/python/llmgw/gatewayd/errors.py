@@ -14,6 +14,3 @@ class WorkerFailed(MachineError):
         how = "could not be started" if returncode is None else f"exited with status {returncode}"
         super().__init__(f"gateway worker {index} {how} before it was ready to serve; its error is above")
 
-
-class NoLinkClient(MachineError):
-    """This llmgw has no gateway link client (`llmgw.gatewayd.link`) to reach a control plane with."""

@@ -9,7 +9,6 @@ processes) and takes an instance name of its own for its link.
 
 from __future__ import annotations
 
-import secrets
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import trio
 
 from llmgw.config import GatewaySection
 from llmgw.errors import UsageError
-from llmgw.gatewayd.identity import gateway_files, gateway_name, tls_context
+from llmgw.gatewayd.identity import credentials
 from llmgw.gatewayd.processes import WorkerCommand, parent_link, serve_workers
 from llmgw.gatewayd.sources import link_source, serve_table_file
 from llmgw.gatewayd.table import GatewayTable
@@ -26,6 +25,7 @@ from llmgw.gatewayd.tablefile import TableFile, load_table
 from llmgw.gatewayd.worker import DRAIN_S, GatewayWorker, Source
 from llmgw.http.limits import Limits
 from llmgw.log import get_logger
+from llmgw.wire.gateway_session import new_instance
 
 log = get_logger("llmgw.gatewayd")
 
@@ -56,15 +56,9 @@ def plan(
     if server_url is not None:
         if not server_url.startswith("wss://"):
             raise UsageError(f"--server {server_url!r} must be the control plane's agent endpoint, wss://HOST:PORT")
-        files = gateway_files(pki_dir)
-        tls_context(files)  # its files are there and make a context: told now, not by each worker
+        creds = credentials(pki_dir, name)  # its files are there and a gateway's: told now, not by each worker
         return GatewayPlan(
-            host=host,
-            port=port,
-            server_url=server_url,
-            table_file=None,
-            pki_dir=pki_dir,
-            name=gateway_name(files, name),
+            host=host, port=port, server_url=server_url, table_file=None, pki_dir=pki_dir, name=creds.name
         )
     assert table_file is not None
     return GatewayPlan(
@@ -117,19 +111,19 @@ async def serve_gateway(plan: GatewayPlan, workers: int, command: tuple[str, ...
 # -- a worker -------------------------------------------------------------------------------
 
 
-def source_of(plan: GatewayPlan, instance: str) -> Source:
+def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source:
     if plan.server_url is not None:
-        tls = tls_context(gateway_files(plan.pki_dir))
-        return link_source(plan.server_url, tls, name=plan.name, instance=instance)
+        creds = credentials(plan.pki_dir, plan.name)
+        return link_source(plan.server_url, creds.ssl_context, name=creds.name, instance=instance, load=worker.load)
     assert plan.table is not None and plan.table_file is not None
     return partial(serve_table_file, plan.table, plan.table_file)
 
 
 async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | None) -> None:
     """One worker: serve on the shared port until cancelled or the parent is gone, then drain."""
-    instance = f"{plan.name}-{index}-{secrets.token_hex(4)}"
-    source = source_of(plan, instance)
+    instance = f"w{index}-{new_instance()}"  # the link's instance: one per process, a restart a new one
     worker = GatewayWorker(GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway)
+    source = source_of(plan, instance, worker)
     parent = parent_link(parent_fd)
     async with trio.open_nursery() as nursery:
         serve = partial(worker.serve, limits=plan.http, drain_s=plan.drain_s, reuse_port=True)

@@ -96,6 +96,11 @@ class GatewayWorker:
             )
         return await self.gateway.handle(request)
 
+    def load(self) -> tuple[int, int]:
+        """(requests in flight, requests answered since it started): what its link's heartbeats say."""
+        answered = sum(self.gateway.metrics.requests.values.values())
+        return sum(self.gateway.in_flight.values()), int(answered)
+
     def render_metrics(self) -> str:
         self.staleness.set(round(self.table.staleness(self.gateway.clock()), 3))
         self.link_up.set(1 if self.table.link_up else 0)

@@ -8,6 +8,11 @@ the results are stored is `llmgw.pki.files`' business.
 Invariants:
 - A node certificate names the node id the control plane chose, whatever the request asked
   for, because that CN is the node's identity on the agent link.
+- A certificate's role is its Subject's OU, which only the CA writes: ROLE_GATEWAY on a gateway
+  certificate (`CA.gateway_cert`); none on a node certificate, so one issued before roles
+  existed is a node's as it always was (`CertInfo.role`). A node certificate cannot act as a
+  gateway, nor a gateway certificate as a node: the agent port checks the role of each route
+  (`llmgw.wire.session`, `llmgw.wire.gateway_session`).
 - Every certificate starts `CLOCK_SKEW` before it is made and carries a random 159-bit serial,
   so two never share one.
 - A failure the operator must fix raises `UsageError` naming the bad value and the fix. A key or
@@ -42,6 +47,12 @@ _DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _DNS_NAME = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 _MAX_CN = 64  # RFC 5280 ub-common-name
 
+# The roles a client certificate of the cluster CA gives (`CertInfo.role`): a node's, on the
+# agent link and the artifact mirror, or a gateway's, on the gateway link. A node certificate
+# carries no OU (those issued before roles existed neither); a gateway's carries ROLE_GATEWAY.
+ROLE_NODE = "llmgw-node"
+ROLE_GATEWAY = "llmgw-gateway"
+
 
 class WrongKey(Exception):
     """A private key that is not the one a certificate is for (or not of a kind the CA uses)."""
@@ -63,6 +74,7 @@ class CertInfo:
     not_after: datetime
     sans: tuple[str, ...] = ()
     is_ca: bool = False
+    role: str = ROLE_NODE  # the Subject's OU; ROLE_NODE where there is none
 
     def valid_at(self, when: datetime) -> bool:
         return self.not_before <= when <= self.not_after
@@ -70,6 +82,7 @@ class CertInfo:
 
 def cert_info(cert: x509.Certificate) -> CertInfo:
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         sans = tuple(str(n.value) for n in san if isinstance(n, (x509.DNSName, x509.IPAddress)))
@@ -89,6 +102,8 @@ def cert_info(cert: x509.Certificate) -> CertInfo:
         not_after=cert.not_valid_after_utc,
         sans=sans,
         is_ca=is_ca,
+        # Several OUs is not something this CA writes: "," joins them, which is no role.
+        role=",".join(str(ou.value) for ou in ous) if ous else ROLE_NODE,
     )
 
 
@@ -131,6 +146,15 @@ def check_node_id(node_id: str) -> str:
             "or digit and be at most 63 characters; use the machine's hostname (e.g. 'llmgw-node04')"
         )
     return node_id
+
+
+def check_gateway_name(name: str) -> str:
+    if not _NODE_ID.fullmatch(name):
+        raise UsageError(
+            f"gateway name {shown(name)} may use only letters, digits, '.', '_' and '-', must start with a letter "
+            "or digit and be at most 63 characters; use the machine's hostname (e.g. 'gw1')"
+        )
+    return name
 
 
 def parse_san(address: str) -> x509.GeneralName:
@@ -234,6 +258,24 @@ class CA:
             .sign(self.key, hashes.SHA256())
         )
         return cert.public_bytes(serialization.Encoding.PEM)
+
+    def gateway_cert(self, name: str, *, validity_days: int, now: datetime | None = None) -> tuple[bytes, bytes]:
+        """A new key and a gateway certificate for it (both PEM): CN=`name`, OU=ROLE_GATEWAY, a
+        client certificate for the gateway link and for nothing a node does."""
+        check_gateway_name(name)
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, name),
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ROLE_GATEWAY),
+            ]
+        )
+        cert = (
+            self._leaf(subject, key.public_key(), now=now, validity_days=validity_days)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
 
     def _leaf(
         self, subject: x509.Name, public_key, *, now: datetime | None, validity_days: int

@@ -1,8 +1,8 @@
 """Where the cluster's keys and certificates live, and reading and writing them.
 
 Owns the layout of `<server state_dir>/ca/` (the CA and the certificate the agent endpoint
-presents) and of `<agent state_dir>/pki/` (a node's key, request and certificate), and every
-read and write of those files; what goes into them is made by `llmgw.pki.ca`. File system
+presents), of `<agent state_dir>/pki/` (a node's key, request and certificate) and of a
+gateway's pki directory (gateway.key, gateway.crt, ca.crt), and every read and write of those files; what goes into them is made by `llmgw.pki.ca`. File system
 errors become `MachineError`s that name the path and what to do (`fs_errors`).
 
 Invariants:
@@ -76,6 +76,22 @@ class NodePaths:
     csr: Path
     cert: Path
     ca_cert: Path
+
+
+@attrs.frozen(kw_only=True)
+class GatewayPaths:
+    """A gateway's files (`llmgw ca issue --gateway NAME --out DIR` writes them): its key, its
+    certificate of the gateway role, and the cluster CA it trusts."""
+
+    dir: Path
+    key: Path
+    cert: Path
+    ca_cert: Path
+
+
+def gateway_paths(pki_dir: Path) -> GatewayPaths:
+    d = Path(pki_dir)
+    return GatewayPaths(dir=d, key=d / "gateway.key", cert=d / "gateway.crt", ca_cert=d / "ca.crt")
 
 
 def ca_paths(state_dir: Path) -> CAPaths:
@@ -177,6 +193,29 @@ def issue_to_dir(ca: CA, node_id: str, out_dir: Path, *, validity_days: int, now
             "choose an empty directory with --out"
         ) from None
     _write_file(paths.csr, csr_pem, mode=0o644)
+    _write_file(paths.cert, cert_pem, mode=0o644)
+    _write_file(paths.ca_cert, ca.cert_pem(), mode=0o644)
+    return paths
+
+
+def issue_gateway_to_dir(
+    ca: CA, name: str, out_dir: Path, *, validity_days: int, now: datetime | None = None
+) -> GatewayPaths:
+    """A gateway's key, its certificate (of the gateway role) and the CA certificate in
+    `out_dir`, its pki directory or a directory to copy from. An existing key is never replaced."""
+    key_pem, cert_pem = ca.gateway_cert(name, validity_days=validity_days, now=now)
+    paths = gateway_paths(out_dir)
+    if paths.dir.exists() and not paths.dir.is_dir():
+        raise UsageError(f"{paths.dir} is a file; gateway.key, gateway.crt and ca.crt go into a directory: name one")
+    with fs_errors("create", paths.dir):
+        private.make_dir(paths.dir, check_existing=False)  # the operator's choice: a new one is 0700
+    try:
+        _write_file(paths.key, key_pem, mode=0o600, exclusive=True)
+    except FileExistsError:
+        raise UsageError(
+            f"{paths.key} already exists; it may be a gateway's identity, so `llmgw ca issue` will not replace it: "
+            "choose an empty directory with --out"
+        ) from None
     _write_file(paths.cert, cert_pem, mode=0o644)
     _write_file(paths.ca_cert, ca.cert_pem(), mode=0o644)
     return paths

@@ -1,4 +1,5 @@
-"""The TLS of the agent link: the `ssl.SSLContext` of each end, and the alert after a refusal.
+"""The TLS of the agent port's links: the `ssl.SSLContext` of each end (the control plane's, an
+agent's, a gateway's), and the alert after a refusal.
 
 Owns how each end is configured (TLS 1.2 or newer, a certificate required of both ends) and
 `send_tls_alert`, the one piece of trio I/O: telling the other end why its handshake failed.
@@ -22,7 +23,8 @@ import trio
 
 from llmgw import private
 from llmgw.errors import MachineError
-from llmgw.pki.files import ca_paths, fs_errors
+from llmgw.pki.ca import ROLE_GATEWAY, cert_info
+from llmgw.pki.files import ca_paths, fs_errors, gateway_paths, load_cert
 
 ALERT_TIMEOUT_S = 5.0  # a peer that does not read its alert must not hold a task
 
@@ -44,10 +46,13 @@ def server_ssl_context(state_dir: Path, *, certificate_optional: bool = False) -
     return ctx
 
 
-def client_ssl_context(ca_cert: Path, cert: Path, key: Path) -> ssl.SSLContext:
-    """The agent's side: present the node certificate; believe only the cluster CA, and check
-    that the control plane's certificate covers the address dialled."""
-    fix = "add this node from the control plane with `llmgw node add USER@HOST`, which installs its certificate (by hand: `llmgw ca issue`, docs/operations.md)"
+NODE_FIX = "add this node from the control plane with `llmgw node add USER@HOST`, which installs its certificate (by hand: `llmgw ca issue`, docs/operations.md)"
+
+
+def client_ssl_context(ca_cert: Path, cert: Path, key: Path, *, fix: str = NODE_FIX) -> ssl.SSLContext:
+    """The agent's side (and a gateway's): present the client certificate; believe only the
+    cluster CA, and check that the control plane's certificate covers the address dialled.
+    `fix`: what to do when a file is missing or wrong."""
     for path in (ca_cert, cert, key):
         _require(Path(path), fix)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no load_default_certs(): the system store is not trusted here
@@ -56,6 +61,25 @@ def client_ssl_context(ca_cert: Path, cert: Path, key: Path) -> ssl.SSLContext:
     ctx.check_hostname = True
     _load(ctx, Path(ca_cert), Path(cert), Path(key), fix)
     return ctx
+
+
+def gateway_ssl_context(pki_dir: Path) -> ssl.SSLContext:
+    """A gateway's side of the gateway link, from its pki directory (`llmgw.pki.files.gateway_paths`:
+    gateway.key, gateway.crt, ca.crt): its certificate must be of the gateway role, which the
+    control plane requires there (a node's is refused before any frame), so that is said here."""
+    paths = gateway_paths(pki_dir)
+    fix = (
+        "issue this gateway's certificate on the control plane with `llmgw ca issue --gateway NAME --out DIR` "
+        f"and copy gateway.key, gateway.crt and ca.crt from DIR into {paths.dir}"
+    )
+    _require(paths.cert, fix)
+    info = cert_info(load_cert(paths.cert))
+    if info.role != ROLE_GATEWAY:
+        raise MachineError(
+            f"{paths.cert} (CN={info.common_name}) is not a gateway certificate (its role: {info.role}), and the "
+            f"control plane takes only a gateway's on the gateway link; {fix}"
+        )
+    return client_ssl_context(paths.ca_cert, paths.cert, paths.key, fix=fix)
 
 
 async def send_tls_alert(stream: trio.SSLStream) -> None:

@@ -1,9 +1,10 @@
-"""Why a TLS handshake of the agent link failed, as one line that tells the operator what to do.
+"""Why a TLS handshake on the agent port failed (the agent link's, the gateway link's), as one
+line that tells the operator what to do.
 
 Pure: takes the exception, returns text; no I/O. Decides by the attributes OpenSSL gives
 (`verify_code` of a certificate the local end refused, `reason` naming an alert the other end
-sent), never by message text. The agent's side of the link and the control plane's call it
-where a handshake fails, next to `llmgw.pki.tls.send_tls_alert`.
+sent), never by message text. The agent's side of the link, a gateway's and the control plane's
+call it where a handshake fails, next to `llmgw.pki.tls.send_tls_alert`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import ssl
 from collections.abc import Iterator
 from typing import Literal
 
-Side = Literal["client", "server"]
+Side = Literal["client", "server", "gateway"]  # "client": an agent; "gateway": a gateway, also a client
 
 # OpenSSL's X509_V_ERR_* codes (x509_vfy.h), as SSLCertVerificationError.verify_code carries them.
 _V_UNTRUSTED = {
@@ -43,15 +44,18 @@ _NO_PEER_CERT = "PEER_DID_NOT_RETURN_A_CERTIFICATE"
 
 _THEIRS = {
     "client": "the control plane's certificate",
+    "gateway": "the control plane's certificate",
     "server": "the connecting node's certificate",
     None: "the other end's certificate",
 }
 _OURS = {
     "client": "this node's certificate",
+    "gateway": "this gateway's certificate",
     "server": "this control plane's certificate",
     None: "this end's certificate",
 }
-_THEY = {"client": "the control plane", "server": "the connecting node", None: "the other end"}
+_THEY = {"client": "the control plane", "gateway": "the control plane", "server": "the connecting node", None: "the other end"}
+_REISSUE_GATEWAY = "issue this gateway a new certificate on the control plane with `llmgw ca issue --gateway NAME`"
 
 
 def describe_tls_failure(exc: BaseException, *, side: Side | None = None) -> str | None:
@@ -90,7 +94,7 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
     theirs = _THEIRS[side]
     if code in _V_MISMATCH:  # only a client checks the name, so this is always the server's certificate
         return (
-            f"the control plane's certificate does not cover the address this node dialled ({message}); on the "
+            f"the control plane's certificate does not cover the address this {_dialler(side)} dialled ({message}); on the "
             "control plane add it with `llmgw ca server-cert --san ADDRESS ...` (every address agents dial) and "
             "restart `llmgw server`, or dial an address `llmgw ca show` lists"
         )
@@ -98,6 +102,8 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
         fix = {
             "client": "this node's ca.crt is another cluster's, or the control plane's CA was recreated: "
             "add the node again with `llmgw node add USER@HOST --reissue`",
+            "gateway": "this gateway's ca.crt is another cluster's, or the control plane's CA was recreated: "
+            + _REISSUE_GATEWAY,
             "server": "it was issued by another cluster's CA: add the node again with `llmgw node add USER@HOST --reissue`",
             None: "both ends must hold certificates from one CA: add the node again with `llmgw node add USER@HOST --reissue`",
         }[side]
@@ -105,6 +111,8 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
     if code == _V_EXPIRED:
         fix = {
             "client": "on the control plane, `llmgw ca show` says which certificate; reissue the server's with "
+            "`llmgw ca server-cert` and restart `llmgw server`",
+            "gateway": "on the control plane, `llmgw ca show` says which certificate; reissue the server's with "
             "`llmgw ca server-cert` and restart `llmgw server`",
             "server": "renew it with `llmgw node add USER@HOST --reissue`",
             None: "renew it: `llmgw ca server-cert` for the control plane's, `llmgw node add USER@HOST --reissue` for a node's",
@@ -125,6 +133,11 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
 
 def _describe_alert(reason: str | None, side: Side | None) -> str | None:
     they, ours = _THEY[side], _OURS[side]
+    if side == "gateway" and reason in (_A_CERT_REQUIRED, _A_HANDSHAKE_FAILURE):
+        return (
+            "the control plane requires a certificate and this gateway sent none (or, over TLS 1.2, ended the "
+            "handshake): check that gateway.crt and gateway.key are in its pki directory, or " + _REISSUE_GATEWAY
+        )
     if reason == _A_CERT_REQUIRED:  # sent by a server, so received by a client
         return (
             "the control plane requires a node certificate and this agent sent none; check that node.crt and "
@@ -143,21 +156,28 @@ def _describe_alert(reason: str | None, side: Side | None) -> str | None:
         )
     fix = {
         "client": "renew it from the control plane with `llmgw node add USER@HOST --reissue`",
+        "gateway": _REISSUE_GATEWAY,
         "server": "reissue it with `llmgw ca server-cert` (`llmgw ca show` shows its dates and addresses)",
         None: "renew it: `llmgw node add USER@HOST --reissue` for a node, `llmgw ca server-cert` for the control plane",
     }[side]
     if reason == _A_EXPIRED:
         return f"{they} refused {ours} as expired; {fix}"
     if reason == _A_UNKNOWN_CA:
+        again = _REISSUE_GATEWAY if side == "gateway" else "add the node again with `llmgw node add USER@HOST --reissue`"
         return (
             f"{they} does not trust the CA that issued {ours}: the two hold different clusters' CAs "
-            "(or the CA was recreated); add the node again with `llmgw node add USER@HOST --reissue`"
+            f"(or the CA was recreated); {again}"
         )
     if reason in _A_REFUSED:
         hint = {
             "client": "reissue it with `llmgw node add USER@HOST --reissue`",
+            "gateway": _REISSUE_GATEWAY,
             "server": "it may not cover the address the node dials: compare `llmgw ca show` with the node's server URL",
             None: "check both ends' certificates with `llmgw ca show`",
         }[side]
         return f"{they} refused {ours} ({_A_REFUSED[reason]}); {hint}"
     return None
+
+
+def _dialler(side: Side | None) -> str:
+    return "gateway" if side == "gateway" else "node"

@@ -16,6 +16,8 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/gateways              the gateway instances connected (server/gatewayfeed.py): name,
+                                           instance, since when, last heard, requests in flight, share
     GET    /admin/v1/events                the cluster page's live feed (server/events.py)
     POST   /admin/v1/page/login            a one-time login URL for the cluster page (server/page.py)
     POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
@@ -49,6 +51,7 @@ from __future__ import annotations
 import hmac
 import math
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -150,10 +153,20 @@ def answer(exc: LlmgwError) -> HTTPError | None:
 
 class AdminAPI:
     def __init__(
-        self, *, views: Views, operations: Operations, page: Page, store: AsyncStore, keys: KeyRing, token: str
+        self,
+        *,
+        views: Views,
+        operations: Operations,
+        page: Page,
+        store: AsyncStore,
+        keys: KeyRing,
+        token: str,
+        gateways: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
-        certificate serials are recorded and read."""
+        certificate serials are recorded and read; `gateways()`: the gateway instances connected
+        (`GatewayFeed.views`)."""
+        self.gateways = gateways
         self.views = views
         self.operations = operations
         self.page = page
@@ -223,6 +236,10 @@ class AdminAPI:
             _allow(request, "GET")
             params.query(request, {})
             return Response.json(200, {"models": self.views.model_views()})
+        if request.path == "/admin/v1/gateways":
+            _allow(request, "GET")
+            params.query(request, {})
+            return Response.json(200, {"gateways": self.gateways()})
         if request.path == STALL:
             _allow(request, "POST")
             # The credential itself, even under a page session's cookie: holding the control plane's

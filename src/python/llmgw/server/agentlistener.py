@@ -16,12 +16,15 @@ agent in the clearest way the stage allows (a flood of them is summarised, `Refu
 2. HTTP, on the shared server (`llmgw.http.server.serve_connection`: `[http]`'s head deadline,
    head size, send deadline and linger; one request per connection): `_route` sends the
    mirror's requests to `llmgw.server.artifacts`, the release files' to
-   `llmgw.server.releases` (any peer) and the rest to the link. A peer without a certificate
-   asking for anything but a release file -> HTTP 403, logged as the TLS stage's refusal it
-   stands for.
-3. The mirror: the certificate not revoked (`llmgw.wire.session.check_standing`, the link's
-   rule too). The link: `AgentEndpoint.link` (`llmgw.server.endpoint`), whose session checks
-   the rest of the upgrade; its `Upgrade` answer hands the connection to the WebSocket.
+   `llmgw.server.releases` (any peer), the gateway link's to `gateways` and the rest to the
+   agent link. A peer without a certificate asking for anything but a release file -> HTTP 403,
+   logged as the TLS stage's refusal it stands for.
+3. The mirror: the certificate a node's and not revoked (`llmgw.wire.session.check_standing`
+   and `check_node_role`, the agent link's rules too). The agent link: `AgentEndpoint.link`
+   (`llmgw.server.endpoint`), whose session checks the rest of the upgrade (a gateway's
+   certificate is refused there); the gateway link: `GatewayFeed.link`
+   (`llmgw.server.gatewayfeed`), whose session refuses a node's certificate. Each `Upgrade`
+   answer hands the connection to the WebSocket.
 
 `AgentEndpoint` is this listener with the links it runs.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import trio
@@ -71,6 +75,10 @@ NO_CERTIFICATE_SERVER = (
     "a client connected without a certificate; only agents holding a node certificate may connect "
     "(`llmgw node add USER@HOST --reissue` gives a node one); without one, only the release files are served"
 )
+NO_GATEWAY_LINK = (
+    "this control plane serves no gateway link; gateways connect to a control plane started by `llmgw server` "
+    "or `llmgw up`"
+)
 NO_CERTIFICATE_CLIENT = (
     "the control plane requires a node certificate and this agent sent none; check that node.crt and "
     "node.key are in the agent's pki directory, or add the node with `llmgw node add USER@HOST --reissue`"
@@ -108,6 +116,7 @@ class AgentListener:
         self.agent_cap = max_connections  # 0 until `serve` sizes it from the fd limit
         self.agents_open = 0
         self.refusals = RefusalLog()
+        self.gateways: GatewayLinks | None = None  # the gateway link's end (`GatewayFeed`), once wired
 
     async def link(self, request: Request, cert: CertInfo, address: str) -> Answer:  # pragma: no cover
         """Answer the link's request (`AgentEndpoint`'s): a refusal, or the WebSocket's `Upgrade`."""
@@ -153,11 +162,11 @@ class AgentListener:
             )
 
     async def standing(self, cert: CertInfo) -> s.Standing:
-        """What the store says of `cert` (the session judges it)."""
+        """What the store says of `cert`, with its role (the session judges both)."""
         try:
-            return s.Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial))
+            return s.Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial), role=cert.role)
         except StoreError as exc:
-            return s.Standing(serial=cert.serial, unknown=str(exc))
+            return s.Standing(serial=cert.serial, unknown=str(exc), role=cert.role)
 
     async def _handle(self, stream: trio.SSLStream) -> None:
         """One connection, contained: whatever the peer does ends this connection only (see
@@ -266,8 +275,14 @@ class AgentListener:
             raise HTTPError(403, NO_CERTIFICATE_CLIENT)
         if where is Route.LINK:
             return await self.link(request, cert, address)
+        if where is Route.GATEWAY:
+            if self.gateways is None:
+                raise HTTPError(404, NO_GATEWAY_LINK)
+            return await self.gateways.link(request, cert, address)
         try:
-            s.check_standing(cert.common_name, await self.standing(cert))
+            standing = await self.standing(cert)
+            s.check_standing(cert.common_name, standing)
+            s.check_node_role(cert.common_name, standing)
         except UpgradeRefused as exc:
             raise self.refuse(cert, address, exc) from None
         return await artifacts.handle(request, self.artifacts, cert.common_name)
@@ -351,6 +366,16 @@ class AgentListener:
 
         with trio.move_on_after(REFUSAL_SEND_S):
             await self._serve_http(stream, full)
+
+
+class GatewayLinks(Protocol):
+    """The gateway link's end on this port (`llmgw.server.gatewayfeed.GatewayFeed`)."""
+
+    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer: ...
+
+    async def close_revoked(self, serials: set[int]) -> int:
+        """Close the links of gateways whose certificate is one of `serials`; how many."""
+        ...
 
 
 class Place:

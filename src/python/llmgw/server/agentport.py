@@ -1,10 +1,11 @@
 """What arrives on the agent port and where it goes, from the request head alone.
 
-The agent port (server.toml's agent_listen) is one TLS listener, for three things: the agent
+The agent port (server.toml's agent_listen) is one TLS listener, for four things: the agent
 link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`
-(`llmgw.server.artifacts`), both for node certificates only; and the release files, `GET
-RELEASE_PREFIX + NAME` (`llmgw.server.releases`), for any peer (a node fetching its release has
-no certificate yet). Its HTTP is the shared server's (`llmgw.http.server`, one request per
+(`llmgw.server.artifacts`), both for node certificates only; the gateway link, a WebSocket at
+GATEWAY_PATH (`llmgw.server.gatewayfeed`), for gateway certificates only; and the release files,
+`GET RELEASE_PREFIX + NAME` (`llmgw.server.releases`), for any peer (a node fetching its release
+has no certificate yet). Its HTTP is the shared server's (`llmgw.http.server`, one request per
 connection): `AgentListener` routes each request by `route`; the mirror and the release files
 answer as ordinary handlers; the link's request is checked by
 `llmgw.wire.session.ServerSession.upgrade` (`upgrade_request` hands it over: the path, the node
@@ -29,6 +30,7 @@ import trio_websocket
 from llmgw.http.messages import Request
 from llmgw.linkio import LinkStream
 from llmgw.wire import agent_link as w
+from llmgw.wire.gateway_link import GATEWAY_PATH
 from llmgw.wire.session import UpgradeRequest
 
 
@@ -36,15 +38,18 @@ class Route(enum.Enum):
     MIRROR = "mirror"  # answered by llmgw.server.artifacts
     RELEASE = "release"  # answered by llmgw.server.releases, to a peer without a certificate too
     LINK = "link"  # the agent link: ServerSession.upgrade checks its path and node id
+    GATEWAY = "gateway"  # the gateway link: GatewayServerSession.upgrade checks its path and name
 
 
 def route(request: Request) -> Route:
-    """Where a request goes, from its target as sent. Everything that is not the mirror's or the
-    releases' is the link's to accept or refuse (404 for another path)."""
+    """Where a request goes, from its target as sent. Everything that is not the mirror's, the
+    releases' or the gateway link's is the agent link's to accept or refuse (404 for another path)."""
     if request.target.startswith(w.ARTIFACTS_PREFIX.encode()):
         return Route.MIRROR
     if request.target.startswith(w.RELEASE_PREFIX.encode()):
         return Route.RELEASE
+    if request.target.startswith(GATEWAY_PATH.encode()):
+        return Route.GATEWAY
     return Route.LINK
 
 

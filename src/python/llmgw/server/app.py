@@ -54,6 +54,7 @@ from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
+from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
@@ -80,7 +81,7 @@ class ControlPlane:
     gateway's rotation). Each piece of state has one owner: the configuration `settings`, the
     nodes as agents report them `registry`, the operator's intent for them `intent`, the
     placements `replicas`, the reconciler `reconciler` (the one that pushes desired state after a
-    change), moves and drains."""
+    change), moves and drains, the gateway instances connected and their table `gateway_feed`."""
 
     def __init__(
         self,
@@ -150,6 +151,16 @@ class ControlPlane:
         )
         self.keys = KeyRing(store)  # the API keys' one writer; the gateway reads its table
         self.gateway = Gateway(self.endpoints, self.keys.table, options=config.gateway)
+        # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
+        self.gateway_feed = GatewayFeed(
+            listener=self.endpoint,
+            endpoints=self.endpoints,
+            keys=self.keys,
+            clock=self.registry.clock,
+            heartbeat_interval_s=config.server.heartbeat_interval_s,
+            silence_timeout_s=config.server.heartbeat_ttl_s,
+        )
+        self.endpoint.gateways = self.gateway_feed
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
@@ -187,6 +198,7 @@ class ControlPlane:
             store=store,
             keys=self.keys,
             token=admin_token,
+            gateways=self.gateway_feed.views,
         )
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -263,6 +275,7 @@ class ControlPlane:
             await nursery.start(run, "rotation", self.gateway.serve_rotation)
             await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
+            await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             try:
                 agent_listeners = await nursery.start(
                     partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context

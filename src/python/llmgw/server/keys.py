@@ -6,8 +6,9 @@ writer of those rows, and keeps `table` (a `llmgw.gateway.keys.KeyTable`, which 
 plane's own gateway authenticates with) equal to the valid ones: a change is written to the
 store first and made in the table only once written, so a revocation takes effect on the very
 next request, and when the store refuses (`StoreError`, e.g. locked by another process)
-nothing changed and requests keep being authenticated from the table meanwhile.
-`gateway_keys()` is the same set as the gateway link sends it (`KeysChanged`).
+nothing changed and requests keep being authenticated from the table meanwhile. Every change
+made fires `changed`, so the gateways' table follows (`llmgw.server.gatewayfeed` sends `valid()`
+to each, as `gateway_keys()` says them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
 from llmgw.server.store import KeyRow
+from llmgw.wakeup import Wakeup
 from llmgw.wire.gateway_link import GatewayKey
 
 TOKEN_PREFIX = "llmgw-"
@@ -41,6 +43,7 @@ class KeyRing:
         self.store = store
         self._valid: dict[str, KeyRow] = {r.name: r for r in store.at_open.api_keys if r.revoked_at is None}
         self.table = KeyTable(self.gateway_keys(), clock=clock)
+        self.changed = Wakeup()  # a key was made or revoked (in memory: written first)
 
     # -- administration -------------------------------------------------------------------
 
@@ -80,6 +83,7 @@ class KeyRing:
             )
         self._valid[row.name] = row
         self.table.replace(self.gateway_keys())
+        self.changed.fire()
         return row, token
 
     async def revoke(self, name: str) -> None:
@@ -88,6 +92,11 @@ class KeyRing:
             raise UnknownApiKey(f"no API key named {name!r} (keys: {known}); see `llmgw ctl keys list`")
         self._valid.pop(name, None)
         self.table.replace(self.gateway_keys())
+        self.changed.fire()
+
+    def valid(self) -> list[KeyRow]:
+        """The valid keys, as requests are checked against them now."""
+        return list(self._valid.values())
 
     async def rows(self) -> list[KeyRow]:
         return await self.store.api_keys()

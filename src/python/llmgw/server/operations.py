@@ -83,10 +83,16 @@ class Operations:
             if node is None:
                 raise
             revoked = []
-        revoked = sorted({f"{int(serial):x}" for serial in revoked})  # hex, as openssl and the refusals print it
+        serials = {int(serial) for serial in revoked}
+        revoked = sorted(f"{serial:x}" for serial in serials)  # hex, as openssl and the refusals print it
         closed = await self.endpoint.close_node(
             node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
         )
+        # A gateway's certificates are recorded under its name (`llmgw ca issue --gateway`): its
+        # links close too, and its next connection is refused as revoked.
+        gateways = self.endpoint.gateways
+        if gateways is not None:
+            closed = await gateways.close_revoked(serials) > 0 or closed
         self.registry.forget(node_id)
         log.info("node_removed", node=node_id, revoked_serials=revoked, link_closed=closed)
         self.changes.node_changed()

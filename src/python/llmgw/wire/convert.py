@@ -1,4 +1,6 @@
-"""The one converter of the wire types: JSON text <-> message objects.
+"""The one converter of the wire types: JSON text <-> message objects, for both links (the agent
+link's messages, `llmgw.wire.agent_link`, and the gateway link's, `llmgw.wire.gateway_link`: a
+tagged union each, LinkError in both).
 
 Every message is a JSON object whose "type" field names it (the class name in snake case).
 Unknown fields are errors, as are unknown types, so a peer speaking another dialect is told
@@ -23,7 +25,7 @@ import cattrs
 from cattrs.strategies import configure_tagged_union
 
 from llmgw.errors import shown
-from llmgw.wire import agent_link
+from llmgw.wire import agent_link, gateway_link
 from llmgw.wire.errors import WireError
 
 TAG = "type"
@@ -87,11 +89,27 @@ _ALL = (
     | agent_link.LinkError
 )
 configure_tagged_union(_ALL, converter, tag_generator=tag, tag_name=TAG)
+# The gateway link's: GatewayMessage and ControlMessage are its halves.
+_GATEWAY = (
+    gateway_link.GatewayHello
+    | gateway_link.GatewayHeartbeat
+    | gateway_link.GatewayWelcome
+    | gateway_link.RotationChanged
+    | gateway_link.KeysChanged
+    | gateway_link.ShareChanged
+    | gateway_link.TableHeartbeat
+    | agent_link.LinkError
+)
+configure_tagged_union(_GATEWAY, converter, tag_generator=tag, tag_name=TAG)
 TYPES = {tag(cls): cls for cls in get_args(_ALL)}
+GATEWAY_TYPES = {tag(cls): cls for cls in get_args(_GATEWAY)}
+# The union each message class is encoded with (a LinkError is the same JSON in either).
+_UNION_OF = {**{cls: _GATEWAY for cls in get_args(_GATEWAY)}, **{cls: _ALL for cls in get_args(_ALL)}}
 
 
 def encode(message: Any) -> str:
-    return json.dumps(converter.unstructure(message, _ALL), separators=(",", ":"))
+    union = _UNION_OF.get(type(message), _ALL)  # another type: cattrs' own error names it
+    return json.dumps(converter.unstructure(message, union), separators=(",", ":"))
 
 
 def decode(text: str | bytes, expected: Any) -> Any:
@@ -121,8 +139,9 @@ def structure(data: dict[str, Any], expected: Any) -> Any:
             f"unknown message type {kind!r} (this side accepts: {', '.join(sorted(allowed))}); "
             "the peer runs a different llmgw version",
         )
+    union = _ALL if set(get_args(expected)) <= set(get_args(_ALL)) else _GATEWAY
     try:
-        return converter.structure(data, _ALL)
+        return converter.structure(data, union)
     except cattrs.BaseValidationError as exc:
         problems = "; ".join(cattrs.transform_error(exc, path=kind, format_exception=_problem))
         raise WireError(agent_link.BAD_MESSAGE, f"malformed {kind}: {problems}") from None

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import attrs
 
+from llmgw.wire.agent_link import LinkError
+
 # 1: the first gateway link.
 GATEWAY_PROTOCOL_VERSION = 1
 
@@ -123,6 +125,14 @@ class TableHeartbeat:
     """The control plane is there: the gateway's staleness restarts from zero."""
 
     seq: int
+
+
+GatewayMessage = GatewayHello | GatewayHeartbeat | LinkError
+ControlMessage = GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | LinkError
+
+# Error codes of LinkError on this link: the agent link's (`llmgw.wire.agent_link`: bad_message,
+# unknown_type, protocol_version, unexpected_message, revoked, certificate_expired, silent), and:
+NAME_MISMATCH = "gateway_name_mismatch"  # a hello or welcome for another gateway or instance
 
 
 def share_of_rate(rate_per_minute: int, share: ShareChanged) -> tuple[float, float]:

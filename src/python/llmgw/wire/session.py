@@ -11,10 +11,11 @@ wired together in memory are the protocol's tests (tests/llmgw/wire/test_session
 
     agent                                          control plane
     GET AGENT_PATH, NODE_ID_HEADER: node id  --->  `ServerSession.upgrade`: the certificate not
-      (the WebSocket upgrade)                      revoked (the store's answer, `Standing`), the
+      (the WebSocket upgrade)                      revoked (the store's answer, `Standing`) and a
+                                                   node's (not a gateway's: `check_node_role`), the
                                                    path, the claimed node id its CN, an opening
                                                    handshake (RFC 6455 §4.1, §4.2.1); else HTTP
-                                                   403 or 503, 404, 403, 400
+                                                   403 or 503, 403, 404, 403, 400
     Hello  --------------------------------->  first; of PROTOCOL_VERSION, for that node id
            <---------------------------------  Welcome, then DesiredState: the hello's answer
     the Welcome is for our node id, names a server version and a heartbeat we can keep
@@ -57,9 +58,11 @@ import attrs
 
 from llmgw import __version__
 from llmgw.errors import cut, shown
+from llmgw.pki.ca import ROLE_NODE
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import TAG, encode, parse, structure, tag
 from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.gateway_link import GATEWAY_PATH
 from llmgw.wire.outbox import Outbox
 
 
@@ -127,11 +130,14 @@ class UpgradeRequest:
 
 @attrs.frozen(kw_only=True)
 class Standing:
-    """What the store says of the certificate a peer connected with (the lookup is the adapter's I/O)."""
+    """What the control plane knows of the certificate a peer connected with: its role (the
+    certificate's own, `llmgw.pki.ca.CertInfo.role`) and what the store says of its serial (the
+    lookup is the adapter's I/O)."""
 
     serial: int
     revoked: bool = False
     unknown: str = ""  # the store could not answer: why
+    role: str = ROLE_NODE
 
 
 def check_standing(node_id: str, standing: Standing) -> None:
@@ -148,6 +154,19 @@ def check_standing(node_id: str, standing: Standing) -> None:
             403,
             f"the certificate of node {node_id!r} (serial {standing.serial:x}) was revoked by `llmgw node remove`; "
             "add the node again with `llmgw node add USER@HOST --reissue` to issue a new one",
+        )
+
+
+def check_node_role(node_id: str, standing: Standing) -> None:
+    """`UpgradeRefused(403)` unless the certificate is a node's: a gateway's may not act as a
+    node, on the agent link or at the artifact mirror."""
+    if standing.role != ROLE_NODE:
+        raise UpgradeRefused(
+            403,
+            f"the certificate of {node_id!r} (serial {standing.serial:x}) is not a node certificate (its role: "
+            f"{cut(standing.role, 40)}), and only a node's may act as a node here; a gateway connects at "
+            f"{GATEWAY_PATH} (run `llmgw gateway` with its certificate), and a node gets its own certificate with "
+            "`llmgw node add USER@HOST --reissue`",
         )
 
 
@@ -238,26 +257,34 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
 }
 
 
-class _Session:
+class Session:
+    """One end of a link: the rules are the subclass's tables (`receives`, `sends`, `outbox_kinds`
+    and `events`: this module's for the agent link, `llmgw.wire.gateway_session`'s for the gateway
+    link); the sequencing, the outbox and the closing are the same for every link."""
+
     role: str
     accepts: Any  # the union of message types this side receives
+    receives: dict[State, dict[type, State]]  # RECEIVES[role]
+    sends: dict[State, dict[type, State]]  # SENDS[role]
+    outbox_kinds: tuple[frozenset[type], dict[type, int]]  # OUTBOX[role]
+    events: dict[type, Callable[[Any], Any]]  # message type received -> its event
 
     def __init__(self, state: State) -> None:
         self.state = state
         self.goodbye: w.LinkError | None = None  # the LinkError this side queued, once
-        latest, limits = OUTBOX[self.role]
+        latest, limits = self.outbox_kinds
         self.outbox = Outbox(latest=latest, limits=limits)
         # request id -> replica: LogsRequests asked (control plane) or received (agent), unanswered
         self._logs: dict[int, str] = {}
 
     def can_send(self, kind: type) -> bool:
         """Whether a message of `kind` may be queued now (a task that pushes asks first)."""
-        return kind in SENDS[self.role].get(self.state, {}) and self.outbox.room(kind)
+        return kind in self.sends.get(self.state, {}) and self.outbox.room(kind)
 
     def send(self, message: Any) -> None:
         """Queue `message` for the writer; `LocalProtocolError` if this side may not send it now."""
         kind = type(message)
-        after = SENDS[self.role].get(self.state, {}).get(kind)
+        after = self.sends.get(self.state, {}).get(kind)
         if after is None:
             raise LocalProtocolError(f"the {self.role} may not send {kind.__name__} in state {self.state.value}")
         if not self.outbox.room(kind):
@@ -302,7 +329,7 @@ class _Session:
             raise LocalProtocolError(f"the {self.role} received a frame before its side began ({self.state.value})")
         try:
             message = self._decode(frame if isinstance(frame, (str, bytes)) else encode(frame))
-            after = RECEIVES[self.role].get(self.state, {}).get(type(message))
+            after = self.receives.get(self.state, {}).get(type(message))
             if after is None:
                 raise ProtocolError(w.UNEXPECTED, self._unexpected(message))
             self._check(message)
@@ -311,7 +338,7 @@ class _Session:
             raise
         self.state = after
         self._answer(message)
-        return _EVENTS[type(message)](message)
+        return self.events[type(message)](message)
 
     def _decode(self, text: str | bytes) -> Any:
         return structure(parse(text), self.accepts)
@@ -332,12 +359,13 @@ class _Session:
         """Queue what the protocol answers to `message`."""
 
 
-class ServerSession(_Session):
+class ServerSession(Session):
     """The control plane's end of one agent's link; `expected_node_id` is the CN of the
     certificate the agent connected with, `desired_state` makes that node's DesiredState."""
 
     role = SERVER
     accepts = w.AgentMessage
+    receives, sends, outbox_kinds, events = RECEIVES[SERVER], SENDS[SERVER], OUTBOX[SERVER], _EVENTS
 
     def __init__(
         self,
@@ -366,17 +394,18 @@ class ServerSession(_Session):
             raise LocalProtocolError(f"upgrade checked twice ({self.state.value})")
         self.state = State.CLOSED  # until it passes
         check_standing(self.expected_node_id, standing)
+        check_node_role(self.expected_node_id, standing)
         path = request.target.decode("latin-1")
         if path != w.AGENT_PATH:
             raise UpgradeRefused(404, f"no agent endpoint at {shown(path)}; agents connect to {w.AGENT_PATH}")
-        claimed = _header(request.headers, w.NODE_ID_HEADER)
+        claimed = header(request.headers, w.NODE_ID_HEADER)
         if claimed != self.expected_node_id:
             raise UpgradeRefused(
                 403,
                 f"node id {shown(claimed)} does not match its certificate CN {self.expected_node_id!r}; set node_id in "
                 "agent.toml to the certificate's CN, or reissue the certificate with `llmgw node add USER@HOST --reissue`",
             )
-        _check_opening_handshake(request)
+        check_opening_handshake(request, w.AGENT_PATH)
         self.state = State.AWAIT_HELLO
 
     def push(self) -> None:
@@ -460,11 +489,12 @@ class ServerSession(_Session):
             self.outbox.put(w.DesiredState, None)  # made when written: after the node is recorded
 
 
-class AgentSession(_Session):
+class AgentSession(Session):
     """The agent's end of one connection; `make_hello` is called once, by `start`."""
 
     role = AGENT
     accepts = w.ServerMessage
+    receives, sends, outbox_kinds, events = RECEIVES[AGENT], SENDS[AGENT], OUTBOX[AGENT], _EVENTS
 
     def __init__(self, node_id: str, make_hello: Callable[[], w.Hello]) -> None:
         super().__init__(State.START)
@@ -538,14 +568,15 @@ class AgentSession(_Session):
         return f"unexpected {kind} from the control plane ({self.state.value})"
 
 
-def _check_opening_handshake(request: UpgradeRequest) -> None:
-    """`UpgradeRefused(400)` unless the request is a WebSocket opening handshake trio-websocket
-    will accept: then nothing the WebSocket library might refuse is left to it."""
+def check_opening_handshake(request: UpgradeRequest, path: str) -> None:
+    """`UpgradeRefused(400)` unless the request is a WebSocket opening handshake (to `path`, as
+    the refusal says it) trio-websocket will accept: then nothing the WebSocket library might
+    refuse is left to it."""
     # RFC 6455 §4.1: the opening handshake is an HTTP/1.1 GET.
     if request.method != b"GET" or request.http_version != b"1.1":
         raise UpgradeRefused(
             400,
-            f"expected a WebSocket upgrade (GET, HTTP/1.1) to {w.AGENT_PATH}, got "
+            f"expected a WebSocket upgrade (GET, HTTP/1.1) to {path}, got "
             f"{cut(request.method.decode('latin-1'), 20)} HTTP/{cut(request.http_version.decode('latin-1'), 10)}",
         )
     if request.early:
@@ -566,10 +597,10 @@ def _check_opening_handshake(request: UpgradeRequest) -> None:
     if fields.get(b"sec-websocket-version") != [b"13"]:
         problems.append("Sec-WebSocket-Version is not 13")
     if problems:
-        raise UpgradeRefused(400, f"expected a WebSocket upgrade to {w.AGENT_PATH}: {'; '.join(problems)}")
+        raise UpgradeRefused(400, f"expected a WebSocket upgrade to {path}: {'; '.join(problems)}")
 
 
-def _header(headers: Iterable[tuple[bytes | str, bytes | str]], name: str) -> str:
+def header(headers: Iterable[tuple[bytes | str, bytes | str]], name: str) -> str:
     for key, value in headers:
         key = key.decode("latin-1") if isinstance(key, bytes) else key
         if key.lower() == name:

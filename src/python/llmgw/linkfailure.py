@@ -1,5 +1,6 @@
-"""Why a session of the agent link ended, in the operator's words and with the fix: the
-control plane's refusal as it said it, else what failed on the way (TLS, TCP, a deadline)."""
+"""Why a session of a link to the control plane ended (an agent's, a gateway's), in the
+operator's words and with the fix: the control plane's refusal as it said it, else what failed
+on the way (TLS, TCP, a deadline). Shared by both clients: `agent.link`, `llmgw.gatewayd.link`."""
 
 from __future__ import annotations
 
@@ -8,31 +9,33 @@ import trio_websocket
 
 from llmgw.errors import find, leaves, only
 from llmgw.log import get_logger
-from llmgw.pki.tlsdiag import describe_tls_failure
+from llmgw.pki.tlsdiag import Side, describe_tls_failure
 
-log = get_logger("llmgw.agent.link")
+log = get_logger("llmgw.link")
 
 
 class SessionRefused(Exception):
-    """The control plane (or TLS) refused this agent, or the session broke in a way it can
-    name; `reason` says why and what to do."""
+    """The control plane (or TLS) refused this agent or gateway, or the session broke in a way
+    it can name; `reason` says why and what to do."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
 
 
-def reason_of(exc: BaseException, where: str, *, connect_timeout_s: float) -> str:
-    """One line for `exc`, which ended a session with the control plane at `where`."""
+def reason_of(exc: BaseException, where: str, *, connect_timeout_s: float, side: Side = "client") -> str:
+    """One line for `exc`, which ended a session with the control plane at `where`; `side`:
+    "client" for an agent, "gateway" for a gateway (`llmgw.pki.tlsdiag`)."""
     refused = find(exc, SessionRefused)
     if refused is not None:
         return refused.reason
     rejected = find(exc, trio_websocket.ConnectionRejected)
     if rejected is not None:
         body = (rejected.body or b"").decode("utf-8", "replace").strip()
-        return f"the control plane refused this node (HTTP {rejected.status_code}): {body}"
+        who = "gateway" if side == "gateway" else "node"
+        return f"the control plane refused this {who} (HTTP {rejected.status_code}): {body}"
     closed = find(exc, trio_websocket.ConnectionClosed)
-    if closed is not None and describe_tls_failure(exc, side="client") is None:
+    if closed is not None and describe_tls_failure(exc, side=side) is None:
         return f"the link closed: {closed.reason}"
     if only(
         exc,
@@ -45,14 +48,14 @@ def reason_of(exc: BaseException, where: str, *, connect_timeout_s: float) -> st
             trio_websocket.ConnectionClosed,
         ),
     ):
-        return describe_failure(exc, where, connect_timeout_s)
+        return describe_failure(exc, where, connect_timeout_s, side)
     log.exception("link_failed_unexpectedly", server=where)
     return f"unexpected failure: {leaves(exc)[0]!r} (a bug in llmgw; the log above has the traceback)"
 
 
-def describe_failure(exc: BaseException, where: str, connect_timeout_s: float) -> str:
+def describe_failure(exc: BaseException, where: str, connect_timeout_s: float, side: Side = "client") -> str:
     """One line for the operator: what failed (dialling `where`) and what to do."""
-    tls = describe_tls_failure(exc, side="client")
+    tls = describe_tls_failure(exc, side=side)
     if tls:
         return tls
     root = _root_cause(exc)

@@ -1,0 +1,346 @@
+"""A gateway's side of the gateway link: dial the control plane, prove who we are, keep the table.
+
+One session: TCP, then the TLS handshake with the gateway's certificate (done first and on its
+own, so a refused certificate is an immediate, clear error and not a WebSocket timeout), then the
+WebSocket upgrade naming the gateway and this process (`GATEWAY_NAME_HEADER`,
+`GATEWAY_INSTANCE_HEADER`), `GatewayHello`, and heartbeats until the link breaks. Every rule of
+the link is `llmgw.wire.gateway_session.GatewaySession`'s; this module moves its frames and hands
+what the control plane says to a `TableSink` (`llmgw.wire.gateway_link`): each part of the table
+as it arrives, `heard` on every frame taken, `link_state(True, "")` once welcomed and
+`link_state(False, why)` after every session or attempt that ended (so while the control plane
+is away it is said again at each attempt, with the latest reason). The sink keeps the table
+while the link is down; nothing here forgets it.
+
+Between sessions the link waits with exponential backoff and full jitter (LINK_BACKOFF), short
+enough that a gateway is back within a few seconds of its control plane's return (a revocation
+made meanwhile then applies at once: the whole table comes with every Welcome). A link on which
+the control plane says nothing for SILENT_HEARTBEATS of its heartbeat intervals is as good as
+down (a half-open connection, a control plane that stopped) and is dialled again. Every failure
+is logged with the reason in the operator's terms and the fix (`llmgw.linkfailure`), loudly when
+the reason changes, quietly while it stays the same.
+
+The certificate is read from a pki directory (`Credentials.load`: gateway.key, gateway.crt and
+ca.crt, as `llmgw ca issue --gateway NAME --out DIR` writes them); its CN is the gateway's name.
+"""
+
+from __future__ import annotations
+
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+import trio
+import trio_websocket
+
+from llmgw import __version__
+from llmgw.backoff import Backoff, Failures
+from llmgw.errors import UsageError, find
+from llmgw.linkfailure import SessionRefused, reason_of
+from llmgw.linkio import LinkStream, Writer
+from llmgw.log import get_logger
+from llmgw.pki.ca import cert_info
+from llmgw.pki.files import gateway_paths, load_cert
+from llmgw.pki.tls import gateway_ssl_context, send_tls_alert
+from llmgw.wire import gateway_link as g
+from llmgw.wire import gateway_session as gs
+from llmgw.wire.errors import WireError
+
+log = get_logger("llmgw.gatewayd.link")
+
+CONNECT_TIMEOUT_S = 10.0  # TCP, TLS, the upgrade and the Welcome, each
+SEND_TIMEOUT_S = 30.0  # one frame written to the control plane; past it the link is as good as down
+GOODBYE_S = 1.0  # our LinkError to a control plane we refuse, before we hang up
+SILENT_HEARTBEATS = 5  # the control plane's heartbeats missed in a row before the link is dialled again
+MIN_SILENCE_S = 5.0  # ... and never less than this
+# The largest frame taken from the control plane: the table is sent whole (every replica, every
+# valid key: ~150 bytes each), so it may pass trio-websocket's default of 1 MiB on a big cluster.
+MAX_TABLE_BYTES = 64 << 20
+
+# Between sessions: 0.25 s doubling to 3 s, with full jitter, so that many gateways refused
+# together (a control-plane restart) do not return together, and each is back within a few
+# seconds of its return; a session that was up starts it again.
+LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
+
+# (requests in flight now, requests answered since the process started): what each heartbeat says.
+Load = Callable[[], tuple[int, int]]
+
+
+@attrs.frozen(kw_only=True)
+class Credentials:
+    """What a gateway proves itself with: its name (its certificate's CN) and the TLS context
+    that presents its certificate and trusts only the cluster's CA."""
+
+    name: str
+    ssl_context: ssl.SSLContext = attrs.field(repr=False)
+    cert_serial: int
+
+    @classmethod
+    def load(cls, pki_dir: Path) -> Credentials:
+        """From `pki_dir` (gateway.key, gateway.crt, ca.crt); a `MachineError` naming the file and
+        the fix if one is missing, unreadable, open to others or not a gateway's certificate."""
+        context = gateway_ssl_context(pki_dir)  # checks the files and the certificate's role first
+        info = cert_info(load_cert(gateway_paths(pki_dir).cert))
+        return cls(name=info.common_name, ssl_context=context, cert_serial=info.serial)
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme != "wss" or not parts.hostname:
+            raise UsageError(f"control plane URL {url!r} must look like wss://HOST:PORT (its agent_listen)")
+        return cls(host=parts.hostname, port=parts.port or 443)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@attrs.define(kw_only=True)
+class LinkState:
+    """What the rest of the gateway can read about the link."""
+
+    connected: bool = False
+    attempts: int = 0
+    sessions: int = 0  # sessions that were welcomed
+    last_error: str = ""
+    server_version: str = ""  # the control plane's llmgw, as its last Welcome said
+
+
+class GatewayLink:
+    """One gateway process's link to the control plane, kept up forever (`serve`)."""
+
+    def __init__(
+        self,
+        *,
+        target: Target,
+        tls: ssl.SSLContext,
+        name: str,
+        instance: str,
+        sink: g.TableSink,
+        load: Load = lambda: (0, 0),
+        started_at: float | None = None,
+        backoff: Backoff = LINK_BACKOFF,
+        rng: random.Random | None = None,
+        dial: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
+    ) -> None:
+        """`dial`: how a session's stream is opened (default: TCP and TLS to `target`; memory
+        streams in tests)."""
+        self.target = target
+        self.tls = tls
+        self.name = name
+        self.instance = instance
+        self.sink = sink
+        self.load = load
+        self.started_at = time.time() if started_at is None else started_at
+        self.backoff = backoff
+        self.rng = rng or random.Random()
+        self.dial = dial or self._dial
+        self.state = LinkState()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a session open forever, dialling again with backoff; never returns. Started at
+        once: the gateway serves from its sink's table (none yet, or its last) meanwhile."""
+        task_status.started()
+        failures = Failures(self.backoff)
+        while True:
+            self.state.attempts += 1
+            sessions_before = self.state.sessions
+            reason = await self._session_ended()
+            was_up = self.state.sessions > sessions_before
+            if was_up:
+                failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
+            failures.failed(trio.current_time())
+            delay = failures.delay(self.rng)
+            loud = was_up or reason != self.state.last_error
+            self.state.connected = False
+            self.state.last_error = reason
+            self.sink.link_state(False, reason)
+            (log.warning if loud else log.debug)(
+                "gateway_link_down", server=str(self.target), reason=reason, retry_in_s=round(delay, 2)
+            )
+            await trio.sleep(delay)
+
+    async def _session_ended(self) -> str:
+        """Run one session; why it ended."""
+        try:
+            await self.run_session()
+        except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
+            return self.reason_of(exc)
+        except BaseException as exc:
+            if find(exc, trio.Cancelled) is not None:
+                # Cancelled while the session also failed: being cancelled wins.
+                await trio.lowlevel.checkpoint()
+            raise
+        return "the control plane closed the link"
+
+    def reason_of(self, exc: BaseException) -> str:
+        return reason_of(exc, str(self.target), connect_timeout_s=CONNECT_TIMEOUT_S, side="gateway")
+
+    async def run_session(self) -> None:
+        """One session: dial the control plane (TCP, TLS), then `run_on` that stream."""
+        await self.run_on(await self.dial())
+
+    async def _dial(self) -> trio.SSLStream:
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            tcp = await trio.open_tcp_stream(self.target.host, self.target.port)
+            tls = trio.SSLStream(tcp, self.tls, server_hostname=self.target.host, https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError:
+                await send_tls_alert(tls)  # tells the control plane why we hung up (e.g. its certificate)
+                raise
+            except BaseException:
+                await trio.aclose_forcefully(tls)
+                raise
+        return tls
+
+    async def run_on(self, connected: trio.abc.Stream) -> None:
+        """One session on a stream connected to the control plane (`run_session`'s TLS stream; a
+        memory stream in tests): the upgrade, the hello, then frames until the link ends."""
+        stream = LinkStream(connected, eof="the control plane closed the connection during the upgrade")
+        session = gs.GatewaySession(self.name, self.instance, self._hello)
+        path, headers = session.upgrade_request()
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(CONNECT_TIMEOUT_S), trio.CancelScope() as upgrade:
+                    # A refusal read by trio-websocket's reader would not wake the upgrade (linkio).
+                    stream.on_failure = upgrade.cancel
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        stream,
+                        self.target.host,
+                        path,
+                        extra_headers=headers,
+                        max_message_size=MAX_TABLE_BYTES,
+                    )
+                if upgrade.cancelled_caught:
+                    raise stream.failure
+                stream.on_failure = None
+                try:
+                    await self._converse(ws, session)
+                finally:
+                    with trio.move_on_after(1) as cleanup:
+                        cleanup.shield = True
+                        await ws.aclose()
+                nursery.cancel_scope.cancel()
+        finally:
+            await trio.aclose_forcefully(connected)  # not left to the garbage collector
+
+    def _hello(self) -> g.GatewayHello:
+        return g.GatewayHello(
+            protocol_version=g.GATEWAY_PROTOCOL_VERSION,
+            name=self.name,
+            instance=self.instance,
+            gateway_version=__version__,
+            started_at=self.started_at,
+        )
+
+    async def _converse(self, ws: trio_websocket.WebSocketConnection, session: gs.GatewaySession) -> None:
+        writer = Writer(session, send_timeout_s=SEND_TIMEOUT_S)
+        async with trio.open_nursery() as nursery:
+            session.start()
+            await nursery.start(self._write, writer, ws)  # the hello is written
+            welcomed = await self._receive(ws, writer, CONNECT_TIMEOUT_S)
+            assert isinstance(welcomed, gs.Welcomed)  # the session refuses anything else first
+            welcome = welcomed.welcome
+            self._up(welcome)
+            nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
+            silence_s = max(SILENT_HEARTBEATS * welcome.heartbeat_interval_s, MIN_SILENCE_S)
+            while True:
+                event = await self._receive(ws, writer, silence_s)
+                if isinstance(event, gs.TableChanged):
+                    self._apply(event.message)
+
+    def _up(self, welcome: g.GatewayWelcome) -> None:
+        self.state.connected = True
+        self.state.sessions += 1
+        self.state.server_version = welcome.server_version
+        self.sink.link_state(True, "")
+        log.info(
+            "gateway_link_up",
+            server=str(self.target),
+            gateway=self.name,
+            instance=self.instance,
+            server_version=welcome.server_version,
+        )
+
+    def _apply(self, message: g.RotationChanged | g.KeysChanged | g.ShareChanged) -> None:
+        if isinstance(message, g.RotationChanged):
+            self.sink.rotation_changed(message)
+        elif isinstance(message, g.KeysChanged):
+            self.sink.keys_changed(message)
+        else:
+            self.sink.share_changed(message)
+
+    async def _write(self, writer: Writer, ws: trio_websocket.WebSocketConnection, *, task_status) -> None:
+        try:
+            await writer.serve(ws, task_status=task_status)
+        except trio.TooSlowError:
+            raise SessionRefused(
+                f"the control plane took no message for {SEND_TIMEOUT_S:g} s: the link is as good as down"
+            ) from None
+
+    async def _receive(self, ws: trio_websocket.WebSocketConnection, writer: Writer, silence_s: float) -> gs.Event:
+        """The next event; `SessionRefused` when the control plane closes the link, sends what
+        the session refuses (it is told why first) or says nothing for `silence_s`."""
+        with trio.move_on_after(silence_s) as silent:
+            text = await ws.get_message()
+        if silent.cancelled_caught:
+            raise SessionRefused(
+                f"nothing from the control plane for {silence_s:g} s (its heartbeats stopped); dialling again"
+            )
+        try:
+            event = writer.session.receive(text)
+        except WireError as exc:
+            await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
+            raise SessionRefused(f"the control plane sent something this gateway does not understand: {exc}") from None
+        if isinstance(event, gs.Closed):
+            raise SessionRefused(f"the control plane closed the link: {event.message}")
+        self.sink.heard(trio.current_time())
+        return event
+
+    async def _heartbeats(self, writer: Writer, interval: float) -> None:
+        session = writer.session
+        assert isinstance(session, gs.GatewaySession)
+        while session.open:
+            in_flight, total = self.load()
+            session.heartbeat(in_flight=max(0, in_flight), requests_total=max(0, total))  # a newer replaces one unsent
+            writer.wake()
+            await trio.sleep(interval)
+
+
+async def serve_gateway_link(
+    server_url: str,
+    tls: ssl.SSLContext,
+    *,
+    name: str,
+    instance: str,
+    sink: g.TableSink,
+    load: Load = lambda: (0, 0),
+    started_at: float | None = None,
+    task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep this gateway process (`instance`, e.g. `llmgw.wire.gateway_session.new_instance()`)
+    linked to the control plane at `server_url` (wss://HOST:PORT, its agent_listen) as the gateway
+    `name` (its certificate's CN; `Credentials.load` gives both it and `tls`), feeding `sink`
+    forever; `load()` says what each heartbeat reports. Started at once, with the link (its
+    `state` says whether it is up); never returns."""
+    link = GatewayLink(
+        target=Target.parse(server_url),
+        tls=tls,
+        name=name,
+        instance=instance,
+        sink=sink,
+        load=load,
+        started_at=started_at,
+    )
+    task_status.started(link)
+    await link.serve()

@@ -1,0 +1,378 @@
+"""The gateway link's protocol, both ends, as state machines with no I/O (after h11).
+
+The agent link's `llmgw.wire.session.Session` runs it: its sequencing, outbox and closing are
+the same for both links, and the tables below are the whole of this one's sequence. A session is
+told each frame its side receives (`receive`) and answers with what it meant (one event); what
+its side sends waits in its outbox for the link's one writer (`next_frame`). It never touches a
+socket, a clock or trio: `llmgw.server.gatewayfeed` and `llmgw.gatewayd.link` are the adapters.
+Two sessions wired together in memory are the protocol's tests
+(tests/llmgw/wire/test_gateway_session.py).
+
+    gateway                                        control plane
+    GET GATEWAY_PATH, GATEWAY_NAME_HEADER: the --> `GatewayServerSession.upgrade`: the certificate
+      name, GATEWAY_INSTANCE_HEADER: the process   a gateway's and not revoked (`Standing`), the
+      (the WebSocket upgrade)                      path, the claimed name its CN, an instance
+                                                   token, an opening handshake (RFC 6455); else
+                                                   HTTP 403, 503 or 403, 404, 403, 400, 400
+    GatewayHello  -------------------------------> first; of GATEWAY_PROTOCOL_VERSION, for that
+                                                   name and instance
+                  <------------------------------- GatewayWelcome, then the whole table:
+                                                   RotationChanged, KeysChanged, ShareChanged
+    the Welcome is for our name and instance, names a server version and a heartbeat we can keep
+    GatewayHeartbeat  ---------------------------> (`GatewaySession.heartbeat`)
+                  <------------------------------- a part of the table again, whole, when it
+                                                   changes (`push`); TableHeartbeat (`heartbeat`)
+    LinkError, either way: the sender's last frame before it closes (`close`).
+
+What waits for a slow reader: every kind the control plane sends after its Welcome is coalesced,
+a newer replacing an unsent older one in its place (each says the whole of what it reports; a
+part of the table is made by the session's `table` when the writer takes it, so it is the newest
+then), and so is the gateway's heartbeat. A link holds at most its first frame, one message of
+each kind and its LinkError, whatever its peer does; a peer that takes nothing is cut by the
+adapter's send deadline, not by memory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from llmgw import __version__
+from llmgw.errors import cut, shown
+from llmgw.pki.ca import ROLE_GATEWAY
+from llmgw.wire import agent_link as w
+from llmgw.wire import gateway_link as g
+from llmgw.wire.convert import TAG, parse, structure, tag
+from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.session import (
+    MIN_HEARTBEAT_INTERVAL_S,
+    Closed,
+    Session,
+    Standing,
+    State,
+    UpgradeRequest,
+    check_opening_handshake,
+    header,
+)
+
+GATEWAY, SERVER = "gateway", "control plane"
+TABLE = (g.RotationChanged, g.KeysChanged, g.ShareChanged)  # the parts of the table, in the order first sent
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a token per process: `new_instance`
+INSTANCE_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")  # as the agent link's
+
+# role -> state -> {message type that side may receive: the state after it}
+RECEIVES: dict[str, dict[State, dict[type, State]]] = {
+    SERVER: {
+        State.AWAIT_HELLO: {g.GatewayHello: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {g.GatewayHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
+    },
+    GATEWAY: {
+        State.AWAIT_WELCOME: {g.GatewayWelcome: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
+    },
+}
+# role -> state -> {message type that side may send: the state after it}. The control plane's
+# Welcome and first table are its answer to the hello, queued by `receive`; a LinkError may be
+# sent once in any state (`close`).
+SENDS: dict[str, dict[State, dict[type, State]]] = {
+    SERVER: {State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN}},
+    GATEWAY: {
+        State.START: {g.GatewayHello: State.AWAIT_WELCOME},
+        State.OPEN: {g.GatewayHeartbeat: State.OPEN},
+    },
+}
+# role -> (kinds of which only the newest unsent is kept, {kind: most unsent at once})
+OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
+    SERVER: (frozenset({*TABLE, g.TableHeartbeat}), {}),
+    GATEWAY: (frozenset({g.GatewayHeartbeat}), {}),
+}
+
+
+def check_gateway_standing(name: str, standing: Standing) -> None:
+    """`UpgradeRefused` unless the certificate is a gateway's (a node's cannot act as one) and
+    known not to be revoked. A store that cannot answer fails closed: 503, and the gateway retries."""
+    if standing.role != ROLE_GATEWAY:
+        raise UpgradeRefused(
+            403,
+            f"the certificate of {name!r} (serial {standing.serial:x}) is not a gateway certificate (its role: "
+            f"{cut(standing.role, 40)}), and only a gateway's may open the gateway link; issue this gateway its own "
+            "on the control plane with `llmgw ca issue --gateway NAME`",
+        )
+    if standing.unknown:
+        raise UpgradeRefused(
+            503,
+            f"the control plane's database is busy or failing, so the revocation of certificate {standing.serial:x} "
+            f"cannot be checked; this connection is refused and the gateway retries by itself ({standing.unknown})",
+        )
+    if standing.revoked:
+        raise UpgradeRefused(
+            403,
+            f"the certificate of gateway {name!r} (serial {standing.serial:x}) was revoked; issue a new one with "
+            f"`llmgw ca issue --gateway {name}` and install it on the gateway",
+        )
+
+
+# -- events: what a received frame meant ---------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class GatewayJoined:
+    """The gateway said hello; the Welcome and the whole table are queued."""
+
+    hello: g.GatewayHello
+
+
+@attrs.frozen(kw_only=True)
+class GatewayHeartbeatReceived:
+    heartbeat: g.GatewayHeartbeat
+
+
+@attrs.frozen(kw_only=True)
+class Welcomed:
+    welcome: g.GatewayWelcome
+
+
+@attrs.frozen(kw_only=True)
+class TableChanged:
+    """A part of the table, whole: it replaces the gateway's part of its kind."""
+
+    message: g.RotationChanged | g.KeysChanged | g.ShareChanged
+
+
+@attrs.frozen(kw_only=True)
+class TableHeartbeatReceived:
+    seq: int
+
+
+Event = GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Closed
+
+_EVENTS: dict[type, Callable[[Any], Event]] = {
+    g.GatewayHello: lambda m: GatewayJoined(hello=m),
+    g.GatewayHeartbeat: lambda m: GatewayHeartbeatReceived(heartbeat=m),
+    g.GatewayWelcome: lambda m: Welcomed(welcome=m),
+    **{t: (lambda m: TableChanged(message=m)) for t in TABLE},
+    g.TableHeartbeat: lambda m: TableHeartbeatReceived(seq=m.seq),
+    w.LinkError: lambda m: Closed(code=m.code, message=m.message),
+}
+
+
+class GatewayServerSession(Session):
+    """The control plane's end of one gateway instance's link; `expected_name` is the CN of the
+    certificate the gateway connected with, `table(kind)` makes the part of the table of `kind`
+    (one of TABLE) as it is when the writer takes it."""
+
+    role = SERVER
+    accepts = g.GatewayMessage
+    receives, sends, outbox_kinds, events = RECEIVES[SERVER], SENDS[SERVER], OUTBOX[SERVER], _EVENTS
+
+    def __init__(
+        self,
+        expected_name: str,
+        *,
+        heartbeat_interval_s: float,
+        table: Callable[[type], Any],
+        server_version: str = __version__,
+    ) -> None:
+        super().__init__(State.UPGRADE)
+        self.expected_name = expected_name
+        self.instance = ""  # the upgrade's GATEWAY_INSTANCE_HEADER, once checked
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.table = table
+        self.server_version = server_version
+        self._seq = 0
+
+    @property
+    def joined(self) -> bool:
+        """The gateway's hello was taken."""
+        return self.state is State.OPEN
+
+    def upgrade(self, request: UpgradeRequest, standing: Standing) -> None:
+        """Check the WebSocket upgrade request and the certificate (its role, and its standing in
+        the store); `UpgradeRefused` with the HTTP status to answer if refused."""
+        if self.state is not State.UPGRADE:
+            raise LocalProtocolError(f"upgrade checked twice ({self.state.value})")
+        self.state = State.CLOSED  # until it passes
+        check_gateway_standing(self.expected_name, standing)
+        path = request.target.decode("latin-1")
+        if path != g.GATEWAY_PATH:
+            raise UpgradeRefused(404, f"no gateway endpoint at {shown(path)}; gateways connect to {g.GATEWAY_PATH}")
+        claimed = header(request.headers, g.GATEWAY_NAME_HEADER)
+        if claimed != self.expected_name:
+            raise UpgradeRefused(
+                403,
+                f"gateway name {shown(claimed)} does not match its certificate CN {self.expected_name!r}; run the "
+                "gateway with the name its certificate has, or issue one for its name with `llmgw ca issue --gateway NAME`",
+            )
+        instance = header(request.headers, g.GATEWAY_INSTANCE_HEADER)
+        if not _INSTANCE.fullmatch(instance):
+            raise UpgradeRefused(
+                400,
+                f"the gateway's instance {shown(instance)} ({g.GATEWAY_INSTANCE_HEADER}) must be {INSTANCE_RULE}; "
+                "run the same llmgw release on the gateway and the control plane",
+            )
+        check_opening_handshake(request, g.GATEWAY_PATH)
+        self.instance = instance
+        self.state = State.AWAIT_HELLO
+
+    def push(self, kind: type) -> None:
+        """A part of the table changed: a fresh one of `kind` goes next (made when written, in the
+        place of one still unsent). Nothing before the hello: its answer carries the whole table."""
+        if kind not in TABLE:
+            raise LocalProtocolError(f"{kind.__name__} is no part of the table")
+        if self.state is State.OPEN:
+            self.outbox.put(kind, None)
+
+    def heartbeat(self) -> None:
+        """Queue a TableHeartbeat, if the link is open (an unsent one is replaced)."""
+        if self.can_send(g.TableHeartbeat):
+            self._seq += 1
+            self.send(g.TableHeartbeat(seq=self._seq))
+
+    def _made(self, kind: type, item: Any) -> Any:
+        return self.table(kind) if item is None else item
+
+    def _decode(self, text: str | bytes) -> Any:
+        data = parse(text)
+        if data.get(TAG) == tag(g.GatewayHello):
+            # Before the rest: another version's hello may not parse as ours at all.
+            self._check_version(data.get("protocol_version"))
+        return structure(data, self.accepts)
+
+    def _check_version(self, version: object) -> None:
+        if version != g.GATEWAY_PROTOCOL_VERSION:
+            raise ProtocolError(
+                w.PROTOCOL,
+                f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks "
+                f"{g.GATEWAY_PROTOCOL_VERSION}; run the same llmgw release on both",
+            )
+
+    def _check(self, message: Any) -> None:
+        if isinstance(message, g.GatewayHello):
+            self._check_version(message.protocol_version)
+            if message.name != self.expected_name or message.instance != self.instance:
+                raise ProtocolError(
+                    g.NAME_MISMATCH,
+                    f"expected a hello from gateway {self.expected_name!r} (its certificate's CN), instance "
+                    f"{self.instance!r} (its upgrade's), got hello for gateway {shown(message.name)}, instance "
+                    f"{shown(message.instance)}",
+                )
+
+    def _unexpected(self, message: Any) -> str:
+        kind = type(message).__name__
+        if self.state is State.AWAIT_HELLO:
+            return f"expected a hello from gateway {self.expected_name!r}, got {kind}"
+        if isinstance(message, g.GatewayHello):
+            return f"a second hello on one link from gateway {self.expected_name!r}; a gateway says hello once per connection"
+        return f"unexpected {kind} ({self.state.value})"
+
+    def _answer(self, message: Any) -> None:
+        if isinstance(message, g.GatewayHello):
+            welcome = g.GatewayWelcome(
+                name=self.expected_name,
+                instance=self.instance,
+                server_version=self.server_version,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+            )
+            self.outbox.put(g.GatewayWelcome, welcome)
+            for kind in TABLE:
+                self.outbox.put(kind, None)  # made when written: the newest then
+
+
+class GatewaySession(Session):
+    """The gateway's end of one connection, for the gateway `name` (its certificate's CN) and
+    this process, `instance`; `make_hello` is called once, by `start`."""
+
+    role = GATEWAY
+    accepts = g.ControlMessage
+    receives, sends, outbox_kinds, events = RECEIVES[GATEWAY], SENDS[GATEWAY], OUTBOX[GATEWAY], _EVENTS
+
+    def __init__(self, name: str, instance: str, make_hello: Callable[[], g.GatewayHello]) -> None:
+        super().__init__(State.START)
+        self.name = name
+        self.instance = instance
+        self.make_hello = make_hello
+        self._seq = 0
+
+    @property
+    def open(self) -> bool:
+        """Welcomed and not closed: heartbeats may be sent."""
+        return self.state is State.OPEN
+
+    def upgrade_request(self) -> tuple[str, list[tuple[bytes, bytes]]]:
+        """The path and extra headers of the WebSocket upgrade."""
+        return g.GATEWAY_PATH, [
+            (g.GATEWAY_NAME_HEADER.encode(), self.name.encode()),
+            (g.GATEWAY_INSTANCE_HEADER.encode(), self.instance.encode()),
+        ]
+
+    def start(self) -> None:
+        """Queue the hello, the first frame this side sends."""
+        hello = self.make_hello()
+        if (hello.name, hello.instance) != (self.name, self.instance):
+            raise LocalProtocolError(
+                f"hello for gateway {hello.name!r} ({hello.instance!r}) on the link of {self.name!r} ({self.instance!r})"
+            )
+        self.send(hello)
+
+    def heartbeat(self, *, in_flight: int = 0, requests_total: int = 0) -> None:
+        """Queue a GatewayHeartbeat, if the link is open (an unsent one is replaced)."""
+        if self.can_send(g.GatewayHeartbeat):
+            self._seq += 1
+            self.send(g.GatewayHeartbeat(seq=self._seq, in_flight=in_flight, requests_total=requests_total))
+
+    def _check(self, message: Any) -> None:
+        if isinstance(message, g.GatewayWelcome):
+            self._check_welcome(message)
+        elif isinstance(message, g.ShareChanged):
+            if not message.index < message.count:
+                raise WireError(
+                    w.BAD_MESSAGE,
+                    f"the control plane gave this instance share {message.index} of {message.count}, which is none; "
+                    "run the same llmgw release on the gateway and the control plane",
+                )
+        elif isinstance(message, g.RotationChanged):
+            bad = next((e for e in message.endpoints if not 0 < e.port < 65536), None)
+            if bad is not None:
+                raise WireError(
+                    w.BAD_MESSAGE, f"replica {shown(bad.replica_id)} in the rotation has port {bad.port}, which is none"
+                )
+
+    def _check_welcome(self, welcome: g.GatewayWelcome) -> None:
+        if (welcome.name, welcome.instance) != (self.name, self.instance):
+            raise ProtocolError(
+                g.NAME_MISMATCH,
+                f"the control plane welcomed gateway {shown(welcome.name)}, instance {shown(welcome.instance)}, on the "
+                f"link of {self.name!r}, instance {self.instance!r}; check that --server names this cluster's control plane",
+            )
+        if not _VERSION.fullmatch(welcome.server_version):
+            raise WireError(
+                w.BAD_MESSAGE,
+                f"the control plane's welcome names no server version this gateway can read "
+                f"({shown(welcome.server_version)}); run an llmgw release on the control plane",
+            )
+        interval = welcome.heartbeat_interval_s
+        if not (math.isfinite(interval) and interval >= MIN_HEARTBEAT_INTERVAL_S):
+            raise WireError(
+                w.BAD_MESSAGE,
+                f"the control plane asks for a heartbeat every {interval:g} s, and this gateway sends one at most "
+                f"every {MIN_HEARTBEAT_INTERVAL_S:g} s; set heartbeat_interval_s in server.toml to a few seconds",
+            )
+
+    def _unexpected(self, message: Any) -> str:
+        kind = type(message).__name__
+        if self.state is State.AWAIT_WELCOME:
+            return f"expected a welcome from the control plane, got {kind}"
+        if isinstance(message, g.GatewayWelcome):
+            return "a second welcome on one link from the control plane"
+        return f"unexpected {kind} from the control plane ({self.state.value})"
+
+
+def new_instance() -> str:
+    """A token naming one gateway process among its gateway's (a worker, a restart)."""
+    return secrets.token_hex(8)

@@ -1,0 +1,365 @@
+"""The gateway link's two adapters against each other over memory streams on MockClock: the
+control plane's (`llmgw.server.gatewayfeed`, behind the agent port's routes) and a gateway's
+(`llmgw.gatewayd.link`) feeding a recording sink. The whole table on connect, each part again
+when it changes and only then, the shares renumbered as instances come and go, heartbeats both
+ways, a silent peer cut by either side, and a gateway that dials again with backoff and gets the
+whole table anew. The real sockets, TLS and the role checks are test_gateway_roles.py's."""
+
+from __future__ import annotations
+
+import random
+import ssl
+from datetime import datetime, timedelta, timezone
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from llmgw.backoff import Backoff
+from llmgw.gateway.routing import Endpoint, Rotation
+from llmgw.gatewayd import link as gl
+from llmgw.looplag import StallClock
+from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
+from llmgw.server.agentlistener import AgentListener
+from llmgw.server.gatewayfeed import GatewayFeed, keys_message, rotation_message
+from llmgw.server.store import KeyRow
+from llmgw.wakeup import Wakeup
+from llmgw.wire import gateway_link as g
+from testlib.memlink import Gate, gated_pair
+
+pytestmark = pytest.mark.trio
+
+NOW = datetime.now(timezone.utc)
+CERT = CertInfo(
+    subject="OU=llmgw-gateway,CN=gw1",
+    issuer="CN=llmgw",
+    common_name="gw1",
+    serial=0xB1,
+    fingerprint_sha256="",
+    not_before=NOW - timedelta(days=1),
+    not_after=NOW + timedelta(days=30),
+    role=ROLE_GATEWAY,
+)
+EP = Endpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k1")
+ALICE = KeyRow(
+    name="alice",
+    token_sha256="a" * 64,
+    models=("chat",),
+    rate_per_minute=60,
+    max_concurrency=4,
+    created_at=0.0,
+    revoked_at=None,
+)
+HEARTBEAT_S = 1.0
+TTL_S = 3.0
+
+
+class Store:
+    async def is_revoked(self, serial: int) -> bool:
+        await trio.lowlevel.checkpoint()
+        return False
+
+
+class Endpoints:
+    """The rotation the feed reads (`GatewayEndpoints`' two calls)."""
+
+    def __init__(self) -> None:
+        self.rotation = Rotation(models=frozenset({"chat"}), endpoints=(EP,))
+        self.changed = Wakeup()
+
+    def gateway_rotation(self) -> Rotation:
+        return self.rotation
+
+    def rotation_changed(self) -> trio.Event:
+        return self.changed.next()
+
+    def set(self, rotation: Rotation) -> None:
+        self.rotation = rotation
+        self.changed.fire()
+
+
+class Keys:
+    """The key ring's two calls the feed makes."""
+
+    def __init__(self) -> None:
+        self.rows = [ALICE]
+        self.changed = Wakeup()
+
+    def valid(self) -> list[KeyRow]:
+        return list(self.rows)
+
+
+class Sink:
+    """A `TableSink` that records every call, with trio's time; `until` waits on them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.heard_at: list[float] = []
+        self._called = trio.lowlevel.ParkingLot()
+
+    def _record(self, kind: str, what: object) -> None:
+        self.calls.append((kind, what))
+        self._called.unpark_all()
+
+    def rotation_changed(self, message: g.RotationChanged) -> None:
+        self._record("rotation", message)
+
+    def keys_changed(self, message: g.KeysChanged) -> None:
+        self._record("keys", message)
+
+    def share_changed(self, message: g.ShareChanged) -> None:
+        self._record("share", message)
+
+    def heard(self, now: float) -> None:
+        self.heard_at.append(now)
+        self._called.unpark_all()
+
+    def link_state(self, connected: bool, detail: str) -> None:
+        self._record("link", (connected, detail))
+
+    def last(self, kind: str):
+        return next((what for k, what in reversed(self.calls) if k == kind), None)
+
+    def of(self, kind: str) -> list:
+        return [what for k, what in self.calls if k == kind]
+
+    async def until(self, predicate) -> None:
+        while not predicate():
+            await self._called.park()
+
+
+@attrs.define
+class Gateway:
+    link: gl.GatewayLink
+    sink: Sink
+    to_server: Gate | None = None
+    to_gateway: Gate | None = None
+    ended: list[str] = attrs.field(factory=list)
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
+class Plane:
+    def __init__(self) -> None:
+        self.endpoints = Endpoints()
+        self.keys = Keys()
+        self.listener = AgentListener(store=Store(), max_connections=8)
+        self.feed = GatewayFeed(
+            listener=self.listener,
+            endpoints=self.endpoints,
+            keys=self.keys,
+            clock=StallClock(),
+            heartbeat_interval_s=HEARTBEAT_S,
+            silence_timeout_s=TTL_S,
+        )
+        self.listener.gateways = self.feed
+
+    def gateway(self, instance: str, **kw) -> Gateway:
+        sink = Sink()
+        link = gl.GatewayLink(
+            target=gl.Target(host="cp", port=1),
+            tls=ssl.create_default_context(),
+            name="gw1",
+            instance=instance,
+            sink=sink,
+            rng=random.Random(7),
+            **kw,
+        )
+        return Gateway(link=link, sink=sink)
+
+    def connect(self, nursery: trio.Nursery, instance: str) -> Gateway:
+        """One session of a gateway over gated memory streams."""
+        a, b, to_server, to_gateway = gated_pair()
+        gateway = self.gateway(instance)
+        gateway.to_server, gateway.to_gateway = to_server, to_gateway
+
+        async def run() -> None:
+            try:
+                await gateway.link.run_on(a)
+                gateway.ended.append("ended")
+            except Exception as exc:  # noqa: BLE001 - what the gateway would log
+                gateway.ended.append(gateway.link.reason_of(exc))
+            gateway.done.set()
+
+        nursery.start_soon(self.listener.serve_peer, b, CERT, "10.0.0.5")
+        nursery.start_soon(run)
+        return gateway
+
+    async def join(self, nursery: trio.Nursery, instance: str) -> Gateway:
+        gateway = self.connect(nursery, instance)
+        await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+        return gateway
+
+
+@pytest.fixture
+async def plane(nursery: trio.Nursery) -> Plane:
+    made = Plane()
+    await nursery.start(made.feed.serve)
+    return made
+
+
+async def test_a_gateway_gets_the_whole_table_once_welcomed(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    gateway = await plane.join(nursery, "i1")
+    assert [kind for kind, _ in gateway.sink.calls] == ["link", "rotation", "keys", "share"]
+    assert gateway.sink.calls[0] == ("link", (True, ""))
+    assert gateway.sink.last("rotation") == g.RotationChanged(
+        models=("chat",),
+        endpoints=(g.RouteEndpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k1"),),
+    )
+    assert gateway.sink.last("keys") == g.KeysChanged(
+        keys=(g.GatewayKey(name="alice", token_sha256="a" * 64, models=("chat",), rate_per_minute=60, max_concurrency=4),)
+    )
+    assert gateway.sink.last("share") == g.ShareChanged(index=0, count=1)
+    assert len(gateway.sink.heard_at) == 4  # the Welcome and the three parts
+    assert gateway.link.state.connected and gateway.link.state.server_version
+    [view] = plane.feed.views()
+    assert (view["name"], view["instance"], view["address"], view["share"]) == (
+        "gw1",
+        "i1",
+        "10.0.0.5",
+        {"index": 0, "count": 1},
+    )
+
+
+async def test_each_part_is_sent_again_when_it_changes_and_only_then(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    gateway = await plane.join(nursery, "i1")
+    sink = gateway.sink
+    plane.endpoints.changed.fire()  # an agent's heartbeat: the rotation did not change
+    plane.keys.changed.fire()
+    await trio.sleep(0.5)
+    assert len(sink.of("rotation")) == len(sink.of("keys")) == 1
+    left = Rotation(models=frozenset({"chat"}), endpoints=())  # the replica left rotation
+    changed_at = trio.current_time()
+    plane.endpoints.set(left)
+    await sink.until(lambda: len(sink.of("rotation")) == 2)
+    assert sink.last("rotation") == rotation_message(left) and trio.current_time() == changed_at
+    plane.keys.rows = []  # alice revoked
+    plane.keys.changed.fire()
+    await sink.until(lambda: len(sink.of("keys")) == 2)
+    assert sink.last("keys") == g.KeysChanged(keys=()) and trio.current_time() == changed_at
+    drained = Rotation(models=frozenset({"chat"}), endpoints=(attrs.evolve(EP, draining=True),))
+    plane.endpoints.set(drained)
+    await sink.until(lambda: len(sink.of("rotation")) == 3)
+    assert sink.last("rotation").endpoints[0].draining
+
+
+async def test_shares_are_renumbered_as_instances_come_and_go(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    gateways = [await plane.join(nursery, f"i{n}") for n in range(3)]
+    for gateway in gateways:
+        await gateway.sink.until(lambda gw=gateway: gw.sink.last("share").count == 3)
+    assert [gw.sink.last("share") for gw in gateways] == [g.ShareChanged(index=i, count=3) for i in range(3)]
+    assert [v["share"] for v in plane.feed.views()] == [{"index": i, "count": 3} for i in range(3)]
+    # The second leaves: the others are 0 and 1 of 2.
+    gateways[1].to_server.close()
+    gateways[1].to_gateway.close()
+    plane.feed.links["gw1", "i1"].cancel_scope.cancel()
+    for gateway in (gateways[0], gateways[2]):
+        await gateway.sink.until(lambda gw=gateway: gw.sink.last("share").count == 2)
+    assert [gateways[0].sink.last("share"), gateways[2].sink.last("share")] == [
+        g.ShareChanged(index=0, count=2),
+        g.ShareChanged(index=1, count=2),
+    ]
+    assert sorted(plane.feed.links) == [("gw1", "i0"), ("gw1", "i2")]
+
+
+async def test_heartbeats_go_both_ways_and_say_the_gateways_load(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    gateway = plane.gateway("i1", load=lambda: (3, 42))
+    a, b = trio.testing.memory_stream_pair()
+    nursery.start_soon(plane.listener.serve_peer, b, CERT, "10.0.0.5")
+    nursery.start_soon(gateway.link.run_on, a)
+    await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+    heard = len(gateway.sink.heard_at)
+    await trio.sleep(10 * HEARTBEAT_S + 0.5)
+    assert len(gateway.sink.heard_at) - heard == 10  # a TableHeartbeat a second, and nothing else
+    assert len(gateway.sink.calls) == 4
+    [view] = plane.feed.views()
+    assert (view["in_flight"], view["requests_total"]) == (3, 42)
+
+
+async def test_a_silent_gateway_is_cut_at_the_ttl_and_told_why(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = await plane.join(nursery, "i1")
+    gateway.to_server.close()  # its heartbeats stop reaching the control plane
+    stopped = trio.current_time()
+    await gateway.done.wait()
+    assert TTL_S <= trio.current_time() - stopped <= TTL_S + HEARTBEAT_S
+    assert gateway.ended == ["the control plane closed the link: nothing received for 3 s (heartbeats stopped); closing the link"]
+    assert plane.feed.links == {}
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway_link_silent")]
+
+
+async def test_a_gateway_whose_control_plane_falls_silent_ends_the_session(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    gateway = await plane.join(nursery, "i1")
+    gateway.to_gateway.close()  # the control plane's frames stop reaching the gateway
+    stopped = trio.current_time()
+    await gateway.done.wait()
+    silence = max(gl.SILENT_HEARTBEATS * HEARTBEAT_S, gl.MIN_SILENCE_S)
+    assert trio.current_time() - stopped == pytest.approx(silence, abs=HEARTBEAT_S)
+    assert gateway.ended == [f"nothing from the control plane for {silence:g} s (its heartbeats stopped); dialling again"]
+
+
+async def test_a_newer_link_of_the_same_instance_replaces_the_older(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    first = await plane.join(nursery, "i1")
+    second = await plane.join(nursery, "i1")
+    await first.done.wait()
+    assert list(plane.feed.links) == [("gw1", "i1")] and plane.feed.links["gw1", "i1"].session is not None
+    assert second.sink.last("share") == g.ShareChanged(index=0, count=1)
+
+
+async def test_a_gateway_dials_again_with_backoff_and_gets_the_whole_table_anew(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    sessions: list[trio.testing.StapledStream] = []
+    refuse = [True]
+
+    async def dial() -> trio.abc.Stream:
+        await trio.lowlevel.checkpoint()
+        if refuse[0]:
+            raise ConnectionRefusedError(111, "Connection refused")
+        a, b = trio.testing.memory_stream_pair()
+        sessions.append(b)
+        nursery.start_soon(plane.listener.serve_peer, b, CERT, "10.0.0.5")
+        return a
+
+    gateway = plane.gateway("i1", dial=dial, backoff=Backoff(first_s=0.25, max_s=3.0, jitter=True))
+    await nursery.start(gateway.link.serve)
+    sink = gateway.sink
+    await sink.until(lambda: len(sink.of("link")) >= 3)
+    refused = sink.of("link")
+    assert refused[0] == (False, "nothing listens at cp:1: is `llmgw server` running there, and agent_listen set to this port?")
+    assert len(set(refused)) == 1 and gateway.link.state.attempts >= 3
+    # The control plane comes back: the gateway is back within the backoff's ceiling, table and all.
+    plane.keys.rows = []  # a key revoked while it was away
+    plane.keys.changed.fire()
+    refuse[0] = False
+    back = trio.current_time()
+    await sink.until(lambda: sink.last("link") == (True, ""))
+    assert trio.current_time() - back <= gl.LINK_BACKOFF.max_s
+    await sink.until(lambda: sink.last("share") is not None)
+    assert sink.last("keys") == g.KeysChanged(keys=())
+    # The link drops: down with why, then up again with the whole table.
+    plane.feed.links["gw1", "i1"].cancel_scope.cancel()
+    await sink.until(lambda: sink.last("link") == (True, "") and len(sink.of("share")) == 2)
+    downs = [state for state in sink.of("link") if not state[0]]
+    assert downs[-1] == (False, "the link closed: CloseReason<code=1006, name=ABNORMAL_CLOSURE, reason=None>")
+    assert len(sink.of("rotation")) == len(sink.of("keys")) == 2
+
+
+async def test_what_the_table_says_of_the_keys_is_their_hashes_by_name() -> None:
+    bob = attrs.evolve(ALICE, name="bob", token_sha256="b" * 64, models=(), rate_per_minute=0)
+    said = keys_message([bob, ALICE])
+    assert [k.name for k in said.keys] == ["alice", "bob"]
+    assert said.keys[1] == g.GatewayKey(name="bob", token_sha256="b" * 64, max_concurrency=4)
