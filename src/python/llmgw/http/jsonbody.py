@@ -245,7 +245,8 @@ class JsonWorkers:
     """Parses bodies: inline when small, in a worker process otherwise (see the module's
     docstring). One per serving process; `aclose` stops the workers."""
 
-    def __init__(self, command: Sequence[str] | None = None, options: WorkerOptions = WorkerOptions()) -> None:
+    def __init__(self, command: Sequence[str] | None = None, options: WorkerOptions | None = None) -> None:
+        options = options or WorkerOptions()
         if command is None:
             from llmgw.selfexec import llmgw_command
 
