@@ -91,8 +91,17 @@ class EventFormatter(logging.Formatter):
         return " ".join(f"{k}={_kv_value(v)}" for k, v in {**head, **fields}.items())
 
 
+_settings = {"level": "info", "format": "kv"}
+
+
+def settings() -> tuple[str, str]:
+    """The level and format `setup` was last given: what llmgw tells a process of its own it starts."""
+    return _settings["level"], _settings["format"]
+
+
 def setup(level: str = "info", fmt: str = "kv", stream: TextIO | None = None) -> None:
     """Route every logger (ours and libraries') through one handler; idempotent."""
+    _settings.update(level=level, format=fmt)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "llmgw", False):

@@ -77,6 +77,15 @@ class Histogram(_Family):
         counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sums[key] = self.sums.get(key, 0.0) + value
 
+    def set(self, counts: list[int], total: float, **labels: str) -> None:
+        """Take observations counted elsewhere: `counts` per bucket (not cumulative, the last
+        above every bound) and their sum."""
+        if len(counts) != len(self.buckets) + 1:
+            raise ValueError(f"{self.name} has {len(self.buckets) + 1} buckets, got {len(counts)} counts")
+        key = self._key(labels)
+        self.counts[key] = list(counts)
+        self.sums[key] = total
+
     def lines(self) -> list[str]:
         out = []
         for key, counts in sorted(self.counts.items()):

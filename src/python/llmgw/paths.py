@@ -11,6 +11,8 @@
     STATE_DIR/run/           0700: a running control plane's sockets
     STATE_DIR/run/admin.sock 0600: its private socket: its own routes (admin API, page, /metrics)
                              for its gateway workers to relay to (server.adminsocket)
+    STATE_DIR/run/gateway/   0700: its gateway workers' certificate (gateway.key 0600, gateway.crt,
+                             ca.crt), issued anew at each start (server.workers)
 
 Each private one is made with that mode whatever the umask, and refused at start when found
 open to others or owned by another user (`check_state_dir`, `llmgw.private`). The state
@@ -68,6 +70,10 @@ def admin_socket_path(state_dir: Path) -> Path:
     return run_dir(state_dir) / "admin.sock"
 
 
+def workers_pki_dir(state_dir: Path) -> Path:
+    return run_dir(state_dir) / "gateway"
+
+
 def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
     """Every private path of the control plane's state directory: (path, what it holds, is a directory)."""
     ca = state_dir / "ca"  # as llmgw.pki.files.ca_paths says: named here so that `llmgw ctl` need not load cryptography
@@ -85,6 +91,8 @@ def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
         (up_api_key_path(state_dir), "a gateway API key", False),
         # Not the socket in it: the directory keeps others out; a stale socket is replaced at start.
         (run_dir(state_dir), "the directory of the control plane's private socket", True),
+        (workers_pki_dir(state_dir), "the directory of the gateway workers' certificate", True),
+        (workers_pki_dir(state_dir) / "gateway.key", "the gateway workers' key", False),
     ]
 
 

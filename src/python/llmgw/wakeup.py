@@ -52,11 +52,17 @@ WAKEUPS: dict[str, str] = {
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
     "original's requests (`quiesce`) looks again",
+    "llmgw.gateway.app.Gateway.applied": "the gateway routes by a new rotation -> a gateway process's link "
+    "sends a heartbeat at once, saying the rotation's version (`gatewayd/link.py`), so that a move waiting for "
+    "the gateways (`GatewayFeed.quiesce`) learns it without waiting for the next interval",
     "llmgw.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
     "llmgw.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
     "shutdown (`drain`) returns",
     "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
     "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
+    "llmgw.server.gatewayfeed.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left or the "
+    "rotation sent to gateways changed -> a move waiting for the gateways' requests on a replica "
+    "(`GatewayFeed.quiesce`) looks again",
     "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
     "the valid keys again (`GatewayFeed`)",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "

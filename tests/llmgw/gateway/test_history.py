@@ -1,4 +1,5 @@
-"""The gateway's 15-minute history per model, sampled from its metric families."""
+"""The gateway's 15-minute history per model, sampled from its metric families or from the
+figures gateway instances send in their heartbeats, each source counted since the step before."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.gateway.history import History, quantile
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.history import History, quantile, totals_of_figures
+from llmgw.gateway.metrics import GatewayMetrics, model_figures
 
 
 def test_quantiles_interpolate_within_the_bucket_like_histogram_quantile() -> None:
@@ -21,7 +22,7 @@ def test_quantiles_interpolate_within_the_bucket_like_histogram_quantile() -> No
 
 def test_each_sample_is_what_happened_since_the_one_before() -> None:
     metrics = GatewayMetrics()
-    history = History(metrics, step_s=10, window_s=30, wall=lambda: 1000.0)
+    history = History.of(metrics, step_s=10, window_s=30, wall=lambda: 1000.0)
     history.sample(0.0)
     assert history.view()["models"] == {}
     for status, seconds in (("200", 0.2), ("200", 0.2), ("200", 0.2), ("503", 0.001)):
@@ -44,12 +45,47 @@ def test_each_sample_is_what_happened_since_the_one_before() -> None:
 @pytest.mark.trio
 async def test_serve_samples_every_step_and_says_so(autojump_clock: trio.testing.MockClock) -> None:
     metrics = GatewayMetrics()
-    history = History(metrics, step_s=10, window_s=60)
+    history = History.of(metrics, step_s=10, window_s=60)
     metrics.requests.inc(model="m", status="200")
     async with trio.open_nursery() as nursery:
         await nursery.start(history.serve)
         metrics.requests.inc(model="m", status="200")
         changed = history.sampled.next()
         await changed.wait()
-        assert [p["requests"] for p in history.view()["models"]["m"]] == [1, 1]
+        # The first sample is the source's baseline: what it counted before is not a step's.
+        assert [p["requests"] for p in history.view()["models"]["m"]] == [0, 1]
         nursery.cancel_scope.cancel()
+
+
+def gateway(requests: int, errors: int = 0, seconds: float = 0.2) -> GatewayMetrics:
+    metrics = GatewayMetrics()
+    for _ in range(requests):
+        metrics.requests.inc(model="m", status="200")
+        metrics.latency.observe(seconds, model="m")
+    for _ in range(errors):
+        metrics.requests.inc(model="m", status="502")
+    return metrics
+
+
+def test_instances_add_up_each_from_its_own_baseline_and_one_that_returns_goes_on() -> None:
+    """What gateway instances say in heartbeats: totals since each started. A step adds what each
+    counted since the step before; a new one is a baseline, not a burst of all it ever did."""
+    said: dict[str, GatewayMetrics] = {"a": gateway(5)}
+    history = History(
+        lambda: {name: totals_of_figures(model_figures(m, {})) for name, m in said.items()}, step_s=10, window_s=60
+    )
+    history.sample(0.0)
+    said = {"a": gateway(8), "b": gateway(100, errors=10)}  # b: a gateway back after the control plane restarted
+    history.sample(10.0)
+    assert history.view()["models"]["m"][-1]["requests"] == 3
+    said = {"a": gateway(9), "b": gateway(104, errors=12)}
+    history.sample(20.0)
+    point = history.view()["models"]["m"][-1]
+    assert point["requests"] == 1 + 6 and point["error_rate"] == pytest.approx(2 / 7, abs=1e-4)
+    assert 0.1 < point["p50_s"] <= 0.25
+    said = {"b": gateway(104, errors=12)}  # a's link is down for a step
+    history.sample(30.0)
+    assert history.view()["models"]["m"][-1]["requests"] == 0
+    said = {"a": gateway(12), "b": gateway(104, errors=12)}  # a is back: it goes on from 9
+    history.sample(40.0)
+    assert history.view()["models"]["m"][-1]["requests"] == 3

@@ -207,6 +207,7 @@ async def test_a_gateway_gets_the_whole_table_once_welcomed(
     assert gateway.sink.last("rotation") == g.RotationChanged(
         models=("chat",),
         endpoints=(g.RouteEndpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k1"),),
+        version=1,
     )
     assert gateway.sink.last("keys") == g.KeysChanged(
         keys=(g.GatewayKey(name="alice", token_sha256="a" * 64, models=("chat",), rate_per_minute=60, max_concurrency=4),)
@@ -236,7 +237,8 @@ async def test_each_part_is_sent_again_when_it_changes_and_only_then(
     changed_at = trio.current_time()
     plane.endpoints.set(left)
     await sink.until(lambda: len(sink.of("rotation")) == 2)
-    assert sink.last("rotation") == rotation_message(left) and trio.current_time() == changed_at
+    # A new version of the rotation: what a gateway's heartbeats say it routes by.
+    assert sink.last("rotation") == rotation_message(left, version=2) and trio.current_time() == changed_at
     plane.keys.rows = []  # alice revoked
     plane.keys.changed.fire()
     await sink.until(lambda: len(sink.of("keys")) == 2)
@@ -271,7 +273,7 @@ async def test_shares_are_renumbered_as_instances_come_and_go(
 async def test_heartbeats_go_both_ways_and_say_the_gateways_load(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
-    gateway = plane.gateway("i1", load=lambda: (3, 42))
+    gateway = plane.gateway("i1", load=lambda: g.GatewayHeartbeat(seq=0, in_flight=3, requests_total=42))
     a, b = trio.testing.memory_stream_pair()
     nursery.start_soon(plane.listener.serve_peer, b, CERT, "10.0.0.5")
     nursery.start_soon(gateway.link.run_on, a)

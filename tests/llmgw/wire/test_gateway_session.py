@@ -172,14 +172,14 @@ def test_a_change_pushes_the_newest_part_and_heartbeats_go_both_ways() -> None:
     pair.table.rotation = g.RotationChanged(models=("chat",), endpoints=())  # the replica left rotation
     pair.server.push(g.RotationChanged)
     pair.server.heartbeat()
-    pair.gateway.heartbeat(in_flight=3, requests_total=10)
+    pair.gateway.heartbeat(g.GatewayHeartbeat(seq=0, in_flight=3, requests_total=10, rotation_version=4))
     pair.flush()
     assert pair.events[gs.GATEWAY][-2:] == [
         gs.TableChanged(message=g.RotationChanged(models=("chat",), endpoints=())),
         gs.TableHeartbeatReceived(seq=1),
     ]
     assert pair.events[gs.SERVER][-1] == gs.GatewayHeartbeatReceived(
-        heartbeat=g.GatewayHeartbeat(seq=1, in_flight=3, requests_total=10)
+        heartbeat=g.GatewayHeartbeat(seq=1, in_flight=3, requests_total=10, rotation_version=4)
     )
 
 
@@ -192,7 +192,7 @@ def test_a_slow_reader_holds_one_of_each_kind_the_newest() -> None:
         pair.server.push(g.ShareChanged)
         pair.server.push(g.RotationChanged)
         pair.server.heartbeat()
-        pair.gateway.heartbeat(requests_total=i)
+        pair.gateway.heartbeat(g.GatewayHeartbeat(seq=0, requests_total=i))
     assert len(pair.server.outbox) == 4 and len(pair.gateway.outbox) == 1
     pair.table.made.clear()
     pair.flush()
@@ -377,7 +377,7 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
     pair.gateway.start()
     refusal = pair.refused(json.dumps(future), pair.server)
     assert refusal.code == w.PROTOCOL
-    assert f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks 1" in str(refusal)
+    assert f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks 2" in str(refusal)
     assert "run the same llmgw release on both" in str(refusal)
 
 
@@ -390,6 +390,12 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
         ('{"type": "gateway_heartbeat"}', w.BAD_MESSAGE, "malformed gateway_heartbeat"),
         ('{"type": "gateway_heartbeat", "seq": -1}', w.BAD_MESSAGE, "expected a whole number from 0"),
         ('{"type": "gateway_heartbeat", "seq": 1, "extra": 2}', w.BAD_MESSAGE, "extra"),
+        (
+            '{"type": "gateway_heartbeat", "seq": 1, "models": [{"model": "chat", "duration": '
+            '{"counts": [1, 2], "sum_s": 0.5}}]}',
+            w.BAD_MESSAGE,
+            "the duration histogram of model 'chat' has 2 buckets, expected 15",
+        ),
     ],
 )
 def test_a_malformed_frame_from_the_gateway_is_refused(frame: str, code: str, says: str) -> None:

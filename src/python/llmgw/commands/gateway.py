@@ -73,6 +73,10 @@ def configure(parser: Parser) -> None:
     )
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
+    # What the control plane tells the workers of its own gateway (`llmgw.server.workers`).
+    parser.add_argument("--server-name", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=int, action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--relay-socket", type=Path, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         table_file=args.table_file,
         pki_dir=args.pki_dir,
         name=args.name,
+        tls_name=args.server_name,
+        listen_fds=tuple(args.listen_fd),
+        relay_socket=args.relay_socket,
     )
     if args.worker_index is not None:
         return run_service("gateway_worker", main.serve_gateway_worker, plan, args.worker_index, args.parent_fd)

@@ -84,6 +84,14 @@ def _build_or_false(value: Any, _: type) -> EngineBuild | None:
     return converter.structure(value, EngineBuild)
 
 
+def _workers(value: Any, _: type) -> int | str:
+    # `[server] gateway_workers`: a whole number of processes (0: none, the gateway in-process) or "auto".
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise TypeError(f"expected a whole number of worker processes (0 or more) or \"auto\", got {value!r}")
+
+
+converter.register_structure_hook(int | str | None, _workers)
 converter.register_structure_hook(EngineBuild | None, _build_or_false)
 converter.register_unstructure_hook(EngineBuild | None, lambda b: False if b is None else converter.unstructure(b))
 converter.register_structure_hook_factory(_is_list_type, _list_hook)

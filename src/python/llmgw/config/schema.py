@@ -63,6 +63,10 @@ class ServerSection:
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
     reconnect_grace_s: float = 35.0
+    # Gateway worker processes serving http_listen: a number, "auto" (one per CPU), or unset: the
+    # command's default, "auto" for `llmgw server` and 1 for `llmgw up`. 0 runs the gateway on
+    # the control plane's own loop, for tests and embedding only (docs/configuration.md).
+    gateway_workers: int | str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -112,6 +112,7 @@ class Gateway:
             probe_interval_s=options.probe_interval_s,
         )
         self.metrics = GatewayMetrics()
+        self.rotation_version = 0  # of the rotation routed by now (`Rotation.version`)
         self.queued: dict[str, int] = {}
         self.in_flight: dict[str, int] = {}
         self.draining = False
@@ -119,6 +120,7 @@ class Gateway:
         self.freed = Wakeup()  # a replica may have become free (`_wake`)
         self.went_down = Wakeup()  # a replica left rotation: the prober looks again
         self.finished = Wakeup()  # the last request in flight finished
+        self.applied = Wakeup()  # a new rotation is routed by (`rotation_version`)
 
     # -- rotation -------------------------------------------------------------------------
 
@@ -136,6 +138,8 @@ class Gateway:
     def apply(self, rotation: Rotation) -> None:
         before = {(ep.host, ep.port) for eps in self.router.endpoints.values() for ep in eps}
         self.router.update(rotation.models, rotation.endpoints)
+        self.rotation_version = rotation.version
+        self.applied.fire()
         after = {(ep.host, ep.port) for ep in rotation.endpoints}
         for host, port in before - after:
             self.pool.close_idle(host, port)

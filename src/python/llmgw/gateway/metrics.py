@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.gateway.routing import Router
-from llmgw.metrics import MetricsRegistry
+from llmgw.metrics import Histogram, MetricsRegistry
+from llmgw.wire import gateway_link as g
 
 
 class GatewayMetrics:
@@ -68,3 +69,32 @@ class GatewayMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+
+def model_figures(metrics: GatewayMetrics, in_flight: Mapping[str, int]) -> tuple[g.ModelFigures, ...]:
+    """What a gateway process counted, per model, as its heartbeats carry it (by model)."""
+    models = (
+        {model for model, _ in metrics.requests.values}
+        | {model for (model,) in metrics.latency.counts}
+        | {model for (model,) in metrics.ttfb.counts}
+        | {model for model, n in in_flight.items() if n}
+    )
+    return tuple(
+        g.ModelFigures(
+            model=model,
+            requests=tuple(
+                g.StatusCount(status=status, count=int(count))
+                for (m, status), count in sorted(metrics.requests.values.items())
+                if m == model
+            ),
+            duration=_histogram(metrics.latency, model),
+            ttfb=_histogram(metrics.ttfb, model),
+            in_flight=in_flight.get(model, 0),
+        )
+        for model in sorted(models)
+    )
+
+
+def _histogram(family: Histogram, model: str) -> g.Histogram | None:
+    counts = family.counts.get((model,))
+    return None if counts is None else g.Histogram(counts=tuple(counts), sum_s=family.sums[(model,)])

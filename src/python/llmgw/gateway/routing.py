@@ -182,7 +182,9 @@ def _affinity(prefix: str, replica_id: str) -> int:
 @attrs.frozen(kw_only=True)
 class Rotation:
     """What an endpoint provider tells the gateway: the models it serves (a known model with
-    nothing ready queues; an unknown one is a 404) and the endpoints ready now."""
+    nothing ready queues; an unknown one is a 404) and the endpoints ready now. `version`: the
+    control plane's number for it, where it has one (the gateway link's `RotationChanged`)."""
 
     models: frozenset[str]
     endpoints: tuple[Endpoint, ...]
+    version: int = 0

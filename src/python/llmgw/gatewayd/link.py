@@ -65,8 +65,12 @@ MAX_TABLE_BYTES = 64 << 20
 # seconds of its return; a session that was up starts it again.
 LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
 
-# (requests in flight now, requests answered since the process started): what each heartbeat says.
-Load = Callable[[], tuple[int, int]]
+# What each heartbeat says (its `seq` is the session's): the worker's load and figures.
+Load = Callable[[], g.GatewayHeartbeat]
+
+
+def no_load() -> g.GatewayHeartbeat:
+    return g.GatewayHeartbeat(seq=0)
 
 
 @attrs.frozen(kw_only=True)
@@ -125,16 +129,23 @@ class GatewayLink:
         name: str,
         instance: str,
         sink: g.TableSink,
-        load: Load = lambda: (0, 0),
+        load: Load = no_load,
+        applied: Callable[[], trio.Event] | None = None,
+        tls_name: str = "",
         started_at: float | None = None,
         backoff: Backoff = LINK_BACKOFF,
         rng: random.Random | None = None,
         dial: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
     ) -> None:
         """`dial`: how a session's stream is opened (default: TCP and TLS to `target`; memory
-        streams in tests)."""
+        streams in tests). `tls_name`: the name the control plane's certificate must cover, if
+        not the host dialled (the control plane's own workers dial it on loopback). `applied()`:
+        an event set when the gateway next routes by a new rotation, which sends a heartbeat
+        at once (what `load()` says has changed: the rotation's version)."""
         self.target = target
+        self.applied = applied
         self.tls = tls
+        self.tls_name = tls_name or target.host
         self.name = name
         self.instance = instance
         self.sink = sink
@@ -191,7 +202,7 @@ class GatewayLink:
     async def _dial(self) -> trio.SSLStream:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             tcp = await trio.open_tcp_stream(self.target.host, self.target.port)
-            tls = trio.SSLStream(tcp, self.tls, server_hostname=self.target.host, https_compatible=True)
+            tls = trio.SSLStream(tcp, self.tls, server_hostname=self.tls_name, https_compatible=True)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError:
@@ -311,10 +322,11 @@ class GatewayLink:
         session = writer.session
         assert isinstance(session, gs.GatewaySession)
         while session.open:
-            in_flight, total = self.load()
-            session.heartbeat(in_flight=max(0, in_flight), requests_total=max(0, total))  # a newer replaces one unsent
+            applied = self.applied() if self.applied is not None else None  # taken before the load is read
+            session.heartbeat(self.load())  # a newer replaces one unsent
             writer.wake()
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await (applied.wait() if applied is not None else trio.sleep_forever())
 
 
 async def serve_gateway_link(
@@ -324,14 +336,18 @@ async def serve_gateway_link(
     name: str,
     instance: str,
     sink: g.TableSink,
-    load: Load = lambda: (0, 0),
+    load: Load = no_load,
+    applied: Callable[[], trio.Event] | None = None,
+    tls_name: str = "",
     started_at: float | None = None,
     task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this gateway process (`instance`, e.g. `llmgw.wire.gateway_session.new_instance()`)
     linked to the control plane at `server_url` (wss://HOST:PORT, its agent_listen) as the gateway
     `name` (its certificate's CN; `Credentials.load` gives both it and `tls`), feeding `sink`
-    forever; `load()` says what each heartbeat reports. Started at once, with the link (its
+    forever; `load()` says what each heartbeat reports, and one goes at once when `applied()` is
+    set (`GatewayLink`); `tls_name`: the name the control plane's certificate must cover, if not
+    the host of `server_url`. Started at once, with the link (its
     `state` says whether it is up); never returns."""
     link = GatewayLink(
         target=Target.parse(server_url),
@@ -340,6 +356,8 @@ async def serve_gateway_link(
         instance=instance,
         sink=sink,
         load=load,
+        applied=applied,
+        tls_name=tls_name,
         started_at=started_at,
     )
     task_status.started(link)

@@ -1,5 +1,8 @@
 """`llmgw gateway` as a whole: what it was asked (`GatewayPlan`, checked before anything starts),
 the parent that keeps the workers running (`serve_gateway`) and one worker (`serve_gateway_worker`).
+The control plane runs its own gateway's workers with this plan too (`llmgw.server.workers`):
+listening sockets it hands them (`listen_fds`), the name its certificate covers when they dial
+it on loopback (`tls_name`), and its private socket to relay its own routes to (`relay_socket`).
 
 Everything a worker needs is checked in the parent first, so a mistake is told once, before any
 worker starts: the table file parses, the certificate files are there and name the gateway.
@@ -9,8 +12,10 @@ processes) and takes an instance name of its own for its link.
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -24,6 +29,7 @@ from llmgw.gatewayd.table import GatewayTable
 from llmgw.gatewayd.tablefile import TableFile, load_table
 from llmgw.gatewayd.worker import DRAIN_S, GatewayWorker, Source
 from llmgw.http.limits import Limits
+from llmgw.http.relay import Relay
 from llmgw.log import get_logger
 from llmgw.wire.gateway_session import new_instance
 
@@ -42,6 +48,9 @@ class GatewayPlan:
     gateway: GatewaySection = GatewaySection()
     http: Limits = Limits()
     drain_s: float = DRAIN_S
+    tls_name: str = ""  # the name the control plane's certificate must cover, if not the host of server_url
+    listen_fds: tuple[int, ...] = ()  # listening sockets passed to the workers, in place of binding `listen`
+    relay_socket: Path | None = None  # where what is not the gateway's goes (`llmgw.http.relay`)
 
     @property
     def listen(self) -> str:
@@ -49,16 +58,23 @@ class GatewayPlan:
 
 
 def plan(
-    *, listen: str, server_url: str | None, table_file: Path | None, pki_dir: Path, name: str | None
+    *,
+    listen: str,
+    server_url: str | None,
+    table_file: Path | None,
+    pki_dir: Path,
+    name: str | None,
+    **inner: Any,
 ) -> GatewayPlan:
-    """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not."""
+    """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
+    `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`)."""
     host, port = split_listen(listen)
     if server_url is not None:
         if not server_url.startswith("wss://"):
             raise UsageError(f"--server {server_url!r} must be the control plane's agent endpoint, wss://HOST:PORT")
         creds = credentials(pki_dir, name)  # its files are there and a gateway's: told now, not by each worker
         return GatewayPlan(
-            host=host, port=port, server_url=server_url, table_file=None, pki_dir=pki_dir, name=creds.name
+            host=host, port=port, server_url=server_url, table_file=None, pki_dir=pki_dir, name=creds.name, **inner
         )
     assert table_file is not None
     return GatewayPlan(
@@ -69,6 +85,7 @@ def plan(
         table=load_table(table_file),
         pki_dir=pki_dir,
         name=name or "gateway",
+        **inner,
     )
 
 
@@ -87,6 +104,12 @@ def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[
     else:
         assert plan.table_file is not None
         args += ["--table-file", str(plan.table_file.absolute()), "--name", plan.name]
+    if plan.tls_name:
+        args += ["--server-name", plan.tls_name]
+    for fd in plan.listen_fds:
+        args += ["--listen-fd", str(fd)]
+    if plan.relay_socket is not None:
+        args += ["--relay-socket", str(plan.relay_socket.absolute())]
     return tuple(args)
 
 
@@ -114,7 +137,15 @@ async def serve_gateway(plan: GatewayPlan, workers: int, command: tuple[str, ...
 def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source:
     if plan.server_url is not None:
         creds = credentials(plan.pki_dir, plan.name)
-        return link_source(plan.server_url, creds.ssl_context, name=creds.name, instance=instance, load=worker.load)
+        return link_source(
+            plan.server_url,
+            creds.ssl_context,
+            name=creds.name,
+            instance=instance,
+            load=worker.load,
+            applied=worker.gateway.applied.next,
+            tls_name=plan.tls_name,
+        )
     assert plan.table is not None and plan.table_file is not None
     return partial(serve_table_file, plan.table, plan.table_file)
 
@@ -122,13 +153,22 @@ def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source
 async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | None) -> None:
     """One worker: serve on the shared port until cancelled or the parent is gone, then drain."""
     instance = f"w{index}-{new_instance()}"  # the link's instance: one per process, a restart a new one
-    worker = GatewayWorker(GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway)
+    relay = Relay(plan.relay_socket) if plan.relay_socket is not None else None
+    worker = GatewayWorker(GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway, relay=relay)
     source = source_of(plan, instance, worker)
     parent = parent_link(parent_fd)
+    sockets = inherited_listeners(plan.listen_fds)
     async with trio.open_nursery() as nursery:
-        serve = partial(worker.serve, limits=plan.http, drain_s=plan.drain_s, reuse_port=True)
+        serve = partial(worker.serve, limits=plan.http, drain_s=plan.drain_s, reuse_port=True, sockets=sockets)
         await nursery.start(serve, source, plan.host, plan.port)
         log.info("gateway_worker_serving", worker=index, instance=instance, listen=plan.listen)
         if parent is not None:
             await parent.ready()
             nursery.start_soon(parent.watch, nursery.cancel_scope)
+
+
+def inherited_listeners(fds: tuple[int, ...]) -> list[trio.SocketListener] | None:
+    """The listening sockets passed to this worker as file descriptors, if any."""
+    if not fds:
+        return None
+    return [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in fds]

@@ -47,6 +47,7 @@ class WorkerCommand:
     argv: tuple[str, ...]  # a worker's command, without --worker-index and --parent-fd
     drain_s: float
     env: Mapping[str, str] | None = None  # None: this process's
+    pass_fds: tuple[int, ...] = ()  # open in each worker under the same numbers (listening sockets)
 
 
 def worker_argv(command: WorkerCommand, index: int, parent_fd: int) -> list[str]:
@@ -103,7 +104,7 @@ async def run_worker(command: WorkerCommand, index: int, ready: Callable[[int], 
                 proc = await trio.lowlevel.open_process(
                     argv,
                     env=None if command.env is None else dict(command.env),
-                    pass_fds=(theirs.fileno(),),
+                    pass_fds=(theirs.fileno(), *command.pass_fds),
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )

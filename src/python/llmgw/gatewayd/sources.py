@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from llmgw.gatewayd.link import serve_gateway_link
+from llmgw.gatewayd.link import Load, serve_gateway_link
 from llmgw.gatewayd.tablefile import TableFile, feed
 from llmgw.gatewayd.worker import Source
 from llmgw.wire.gateway_link import TableSink
@@ -27,9 +27,28 @@ async def serve_table_file(
 
 
 def link_source(
-    server_url: str, tls: ssl.SSLContext, *, name: str, instance: str, load: Callable[[], tuple[int, int]]
+    server_url: str,
+    tls: ssl.SSLContext,
+    *,
+    name: str,
+    instance: str,
+    load: Load,
+    applied: Callable[[], trio.Event] | None = None,
+    tls_name: str = "",
 ) -> Source:
     """The gateway link to `server_url`, which hands each part of the table to the sink and dials
     again with backoff while the worker serves on from its last table; `load()` is what its
-    heartbeats report (requests in flight, requests answered)."""
-    return partial(serve_gateway_link, server_url, tls, name=name, instance=instance, load=load, started_at=time.time())
+    heartbeats report (`GatewayWorker.load`), one sent at once when `applied()` is set (the
+    gateway routes by a new rotation); `tls_name`: the name the control plane's
+    certificate must cover, if not the host of `server_url`."""
+    return partial(
+        serve_gateway_link,
+        server_url,
+        tls,
+        name=name,
+        instance=instance,
+        load=load,
+        applied=applied,
+        tls_name=tls_name,
+        started_at=time.time(),
+    )

@@ -32,7 +32,11 @@ def endpoint(ep: RouteEndpoint) -> Endpoint:
 
 
 def rotation(message: RotationChanged) -> Rotation:
-    return Rotation(models=frozenset(message.models), endpoints=tuple(endpoint(ep) for ep in message.endpoints))
+    return Rotation(
+        models=frozenset(message.models),
+        endpoints=tuple(endpoint(ep) for ep in message.endpoints),
+        version=message.version,
+    )
 
 
 class GatewayTable:

@@ -12,6 +12,11 @@ its own (`GatewayTable`), which its own link to the control plane fills (or a ta
                    connection counts
     anything else  the gateway's (`Gateway.handle`)
 
+A worker of the control plane's own gateway (`llmgw.server.workers`) has a `relay`: every path
+that is not the gateway's (`relay.gateway_route`: /v1/... and /health) goes to the control
+plane's private socket instead — the admin API, the cluster page, /login and /metrics, which
+is then the control plane's (its families and its workers' figures, docs/gateway.md).
+
 `serve` starts the gateway's rotation and prober, then its listener (`gateway.front`: SO_REUSEPORT
 when workers share the port; a drain on cancellation), then the table's source, which it does not
 wait for: a worker serves at once, 503 until its first table, so a control plane that is away at
@@ -31,15 +36,18 @@ from llmgw.config import GatewaySection
 from llmgw.errors import MachineError
 from llmgw.gateway.app import RETRY_AFTER_S, Gateway
 from llmgw.gateway.front import serve_draining
+from llmgw.gateway.metrics import model_figures
 from llmgw.gateway.upstream import Connect
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.relay import Relay, gateway_route
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.supervision import Background
+from llmgw.wire import gateway_link as g
 
 log = get_logger("llmgw.gatewayd")
 
@@ -60,11 +68,13 @@ class GatewayWorker:
         instance: str = "",
         options: GatewaySection | None = None,
         connect: Connect | None = None,
+        relay: Relay | None = None,
     ) -> None:
         """`instance`: this worker's name on the link; `connect`: how the upstream pool reaches
-        engines (tests: memory streams)."""
+        engines (tests: memory streams); `relay`: where the paths that are not the gateway's go."""
         self.table = table
         self.instance = instance
+        self.relay = relay
         self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect)
         self.connections = ConnectionStats()
         self.background = Background(log)
@@ -80,6 +90,8 @@ class GatewayWorker:
         )
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
+        if self.relay is not None and not gateway_route(request.path):
+            return await self.relay.handle(request)
         if request.path == "/health":
             allow(request, "GET")
             status, body = self.table.health(self.gateway.clock(), self.gateway.ready(), draining=self.gateway.draining)
@@ -96,10 +108,19 @@ class GatewayWorker:
             )
         return await self.gateway.handle(request)
 
-    def load(self) -> tuple[int, int]:
-        """(requests in flight, requests answered since it started): what its link's heartbeats say."""
-        answered = sum(self.gateway.metrics.requests.values.values())
-        return sum(self.gateway.in_flight.values()), int(answered)
+    def load(self) -> g.GatewayHeartbeat:
+        """What its link's heartbeats say: requests in flight and answered since it started, the
+        rotation it routes by, its requests on each replica and its figures per model."""
+        gateway = self.gateway
+        outstanding = sorted((r, n) for r, n in gateway.router.outstanding.items() if n > 0)
+        return g.GatewayHeartbeat(
+            seq=0,
+            in_flight=sum(gateway.in_flight.values()),
+            requests_total=int(sum(gateway.metrics.requests.values.values())),
+            rotation_version=gateway.rotation_version,
+            outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in outstanding),
+            models=model_figures(gateway.metrics, gateway.in_flight),
+        )
 
     def render_metrics(self) -> str:
         self.staleness.set(round(self.table.staleness(self.gateway.clock()), 3))
@@ -116,9 +137,11 @@ class GatewayWorker:
         limits: Limits = Limits(),
         drain_s: float = DRAIN_S,
         reuse_port: bool = False,
+        sockets: list[trio.SocketListener] | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled, then drain (`gateway.front`); reports its listeners once it listens."""
+        """Serve until cancelled, then drain (`gateway.front`); reports its listeners once it
+        listens. `sockets`: listening already (passed to this process), in place of binding."""
         serve_http = partial(
             serve_draining,
             self.handle,
@@ -129,6 +152,7 @@ class GatewayWorker:
             stats=self.connections,
             drain_s=drain_s,
             reuse_port=reuse_port,
+            sockets=sockets,
             cannot_listen=partial(cannot_listen, host, port),
         )
         try:

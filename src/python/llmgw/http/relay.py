@@ -79,6 +79,13 @@ STILL_SERVING = "the gateway keeps serving /v1/"
 _STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
+def gateway_route(path: str) -> bool:
+    """Whether `path` is the gateway's on `http_listen` (wherever the gateway runs); everything
+    else there is the control plane's own (`llmgw.server.adminsocket`), and a gateway worker of
+    the control plane relays it."""
+    return path.startswith("/v1/") or path == "/health"
+
+
 @attrs.frozen(kw_only=True)
 class RelayLimits:
     connect_timeout_s: float = 2.0

@@ -25,16 +25,11 @@ from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Handler, Request, Response, StreamingResponse
 from llmgw.http.openai import error_body
-from llmgw.http.relay import CLIENT_HEADER
+from llmgw.http.relay import CLIENT_HEADER, gateway_route
 from llmgw.http.unixsocket import serve_http_unix
 
 LISTENER = "admin_socket"  # its connections' label in /metrics
 MAX_CLIENT_CHARS = 64  # the longest "[IPv6 address]:port" is 47
-
-
-def gateway_route(path: str) -> bool:
-    """Whether `path` is the gateway's (`http_listen` sends it to the gateway, wherever it runs)."""
-    return path.startswith("/v1/") or path == "/health"
 
 
 def believing_the_relay(handler: Handler) -> Handler:

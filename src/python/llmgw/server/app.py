@@ -27,7 +27,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 from llmgw import paths
@@ -35,9 +34,10 @@ from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.history import Totals, totals_of
 from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
-from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
@@ -56,6 +56,7 @@ from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gatewayfeed import GatewayFeed
+from llmgw.server.gatewayfigures import history_totals, render_workers
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
@@ -69,10 +70,13 @@ from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.server.settings import Settings
 from llmgw.server.views import GatewayEndpoints
+from llmgw.server.workers import OwnGateway, worker_count
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
+
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ControlPlane:
@@ -96,10 +100,14 @@ class ControlPlane:
         key_seal: KeySeal,
         admin_token: str,
         running: Running | None,
+        gateway_workers: int | str = 0,
     ) -> None:
         """Takes what `open` read (`running`: this llmgw's own release file, None for a
-        development build); does no I/O."""
-        self.settings = Settings(config, config_path)  # replaced by a reload: read `config` at each use
+        development build); does no I/O. `gateway_workers`: how many gateway worker processes
+        serve http_listen when server.toml does not say (`llmgw server`: "auto", `llmgw up`: 1;
+        0, the gateway on this loop, is for tests and embedding)."""
+        self.settings = Settings(config, config_path)
+        self.workers = worker_count(config.server.gateway_workers, gateway_workers)  # read at start only  # replaced by a reload: read `config` at each use
         self.state_dir = state_dir
         self.ca = ca
         self.ssl_context = ssl_context  # the agent endpoint's: the server certificate, agents' CA
@@ -166,7 +174,8 @@ class ControlPlane:
         self.moves = Moves(
             replicas=self.replicas,
             registry=self.registry,
-            gateway=self.gateway,
+            quiesce=self._quiesce,
+            outstanding=self._outstanding,
             changes=self.changes,
             push=self.endpoint.push_desired_state,
             draining=lambda: self.drains.running(),
@@ -191,7 +200,8 @@ class ControlPlane:
             endpoint=self.endpoint,
             changes=self.changes,
         )
-        self.page = Page(self.views, self.gateway, self.keys)  # the cluster page: sessions, the gateway's history, the gate
+        # The cluster page: sessions, the gateways' history, the gate.
+        self.page = Page(self.views, self._history_totals, self.keys)
         self.admin = AdminAPI(
             views=self.views,
             operations=self.operations,
@@ -212,7 +222,9 @@ class ControlPlane:
         return self.settings.current
 
     @classmethod
-    def open(cls, config: ServerConfig, state_dir: Path, config_path: Path | None = None) -> ControlPlane:
+    def open(
+        cls, config: ServerConfig, state_dir: Path, config_path: Path | None = None, *, gateway_workers: int | str = 0
+    ) -> ControlPlane:
         """Read what the control plane starts from, in the order the module docstring gives."""
         paths.check_state_dir(state_dir)
         ca = load_ca(state_dir)
@@ -230,6 +242,7 @@ class ControlPlane:
             key_seal=key_seal,
             admin_token=admin_token,
             running=running_release(),  # this llmgw's own release file, which agents may fetch
+            gateway_workers=gateway_workers,
         )
         seal_at_start(store, plane.replicas, paths.engine_keys_secret_path(state_dir))
         return plane
@@ -243,11 +256,26 @@ class ControlPlane:
         private_socket: bool = False,
         task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run until cancelled. Requests in flight then finish, for at most `shutdown_drain_s`
-        (`llmgw.server.front`). `reload_on_sighup`: a SIGHUP reads server.toml again (`llmgw
+        """Run until cancelled. `reload_on_sighup`: a SIGHUP reads server.toml again (`llmgw
         server`; tests running several control planes in one process leave it off).
         `private_socket`: serve `handle_own` on STATE_DIR/run/admin.sock as well, for gateway
-        workers to relay to (`llmgw.server.adminsocket`)."""
+        workers to relay to (`llmgw.server.adminsocket`); always, with workers of its own.
+
+        What serves `http_listen` (the front) is `gateway_workers` processes
+        (`llmgw.server.workers`), or with 0 the gateway on this loop (`llmgw.server.front`). It
+        stops first: the requests in flight finish, for at most the drain, while the rest still
+        runs — the workers' links, the private socket they relay to, the cluster's view — and
+        the rest stops once it has."""
+        front = trio.CancelScope()
+        async with trio.open_nursery() as guard:
+            guard.start_soon(_cancel_at_stop, front)
+            with trio.CancelScope(shield=True):  # ended by `_serve` itself, once the front has stopped
+                await self._serve(front, reload_on_sighup, private_socket or self.workers > 0, task_status)
+            guard.cancel_scope.cancel()
+
+    async def _serve(
+        self, front: trio.CancelScope, reload_on_sighup: bool, private_socket: bool, task_status: trio.TaskStatus[Bound]
+    ) -> None:
         agent_host, agent_port = split_hostport(self.config.server.agent_listen)
         http_host, http_port = split_hostport(self.config.server.http_listen)
         passed = activation.take()  # sockets systemd (or whoever started us) listens on for us
@@ -279,8 +307,9 @@ class ControlPlane:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
                 # the process (its default action).
                 await nursery.start(run, "reload", serve_reload_on_sighup, self.operations.reload)
-            await nursery.start(run, "rotation", self.gateway.serve_rotation)
-            await nursery.start(run, "probes", self.gateway.serve_probes)
+            if not self.workers:  # the gateway on this loop: its rotation and its probes
+                await nursery.start(run, "rotation", self.gateway.serve_rotation)
+                await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             try:
@@ -292,22 +321,47 @@ class ControlPlane:
             if private_socket:  # before the front: a gateway worker may relay to it at once
                 own = partial(serve_admin_socket, limits=self.config.http, stats=self.connections)
                 await nursery.start(own, self.handle_own, self.state_dir)
-            front = partial(serve_front, stats=self.connections, sockets=http_sockets, drain_s=self.shutdown_drain_s)
-            http_listeners = await nursery.start(front, self.handle_http, self.gateway, self.config)
-            bound = Bound(agent_address=bound_address(agent_listeners), http_address=bound_address(http_listeners))
-            url_file = paths.admin_url_path(self.state_dir)
-            paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
-            await nursery.start(_remove_on_exit, url_file)
-            log.info(
-                "server_ready",
-                agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
-                admin_url=bound.admin_url,
-                state_dir=str(self.state_dir),
-                nodes_known=len(self.registry.nodes),
-                open_file_limit=fd_limit,
-                socket_activation=bool(agent_sockets or http_sockets),
+            agent_address = bound_address(agent_listeners)
+            with front:
+                async with trio.open_nursery() as serving:
+                    http_address = await serving.start(self._serve_front, agent_address, http_sockets)
+                    bound = Bound(agent_address=agent_address, http_address=http_address)
+                    url_file = paths.admin_url_path(self.state_dir)
+                    paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
+                    await nursery.start(_remove_on_exit, url_file)
+                    log.info(
+                        "server_ready",
+                        agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
+                        admin_url=bound.admin_url,
+                        state_dir=str(self.state_dir),
+                        nodes_known=len(self.registry.nodes),
+                        open_file_limit=fd_limit,
+                        socket_activation=bool(agent_sockets or http_sockets),
+                        gateway_workers=self.workers,
+                    )
+                    task_status.started(bound)
+            nursery.cancel_scope.cancel()  # the front has stopped: now the rest
+
+    async def _serve_front(
+        self,
+        agent_address: tuple[str, int],
+        sockets: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[tuple[str, int]],
+    ) -> None:
+        """`http_listen`, served by the gateway's workers, or by this process with none; started
+        with the address it is bound to. Cancelled, it drains."""
+        if self.workers:
+            own = OwnGateway(
+                count=self.workers, config=self.config, state_dir=self.state_dir, ca=self.ca, feed=self.gateway_feed
             )
-            task_status.started(bound)
+            own.drain_s = self.shutdown_drain_s
+            await own.serve(agent_address, sockets, task_status=task_status)
+            return
+        front = partial(serve_front, stats=self.connections, sockets=sockets, drain_s=self.shutdown_drain_s)
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(front, self.handle_http, self.gateway, self.config)
+            task_status.started(bound_address(listeners))
 
     async def _close_json_workers(self) -> None:
         try:
@@ -344,19 +398,19 @@ class ControlPlane:
         if is_admin_path(request.path):
             return await self.admin.handle(request)
         if request.path == "/metrics":
-            # The gateway's families, then the process's own (its listeners' connections, the
-            # restarts of its background loops, its event loop's lag and the stalls it skipped).
-            response = await self.gateway.handle(request)
-            if isinstance(response, Response) and response.status == 200:
-                own = (
-                    self.connections.render()
-                    + _restarts_metric(self.background.restarts)
-                    + self.loop_lag.render(trio.current_time())
-                    + self.registry.clock.render()
-                    + (self.step_timer.render() if self.step_timer is not None else "")
-                )
-                response = attrs.evolve(response, body=response.body + own.encode())
-            return response
+            allow(request, "GET")
+            # The gateway's families (its workers' as they last said them, or its own on this
+            # loop), then the process's own: its listeners' connections, the restarts of its
+            # background loops, its event loop's lag and the stalls it skipped.
+            gateway = render_workers(self.gateway_feed.links.values()) if self.workers else self.gateway.render_metrics()
+            own = (
+                self.connections.render()
+                + _restarts_metric(self.background.restarts)
+                + self.loop_lag.render(trio.current_time())
+                + self.registry.clock.render()
+                + (self.step_timer.render() if self.step_timer is not None else "")
+            )
+            return Response(status=200, body=(gateway + own).encode(), headers=(("content-type", METRICS_TYPE),))
         if Page.serves(request.path):  # the cluster page's files and /login
             return await self.page.handle(request)
         raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")
@@ -392,6 +446,24 @@ class ControlPlane:
         for node_id in list(self.endpoint.links):
             await self.endpoint.push_desired_state(node_id)
 
+    # -- the gateways' part in a move and on the page ----------------------------------------
+
+    async def _quiesce(self, replica_id: str, timeout_s: float) -> bool:
+        """Until no gateway has a request on `replica_id` (taken out of rotation): the one on
+        this loop, if any, then every instance connected over the link (this plane's workers
+        among them); bounded by `timeout_s` in all."""
+        deadline = trio.current_time() + timeout_s
+        if not await self.gateway.quiesce(replica_id, timeout_s):
+            return False
+        return await self.gateway_feed.quiesce(replica_id, max(0.0, deadline - trio.current_time()))
+
+    def _outstanding(self, replica_id: str) -> int:
+        return self.gateway.router.outstanding.get(replica_id, 0) + self.gateway_feed.outstanding(replica_id)
+
+    def _history_totals(self) -> dict[str, Totals]:
+        """The page history's sources: the gateway on this loop, and every instance connected."""
+        return {"": totals_of(self.gateway.metrics), **history_totals(self.gateway_feed.links.values())}
+
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)
         self.moves.replicas_changed()
@@ -405,8 +477,9 @@ async def serve_control_plane(
     *,
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """`llmgw server`: the control plane opened from `state_dir`, served with the SIGHUP reload."""
-    plane = ControlPlane.open(config, state_dir, config_path)
+    """`llmgw server`: the control plane opened from `state_dir`, served with the SIGHUP reload,
+    its gateway one worker process per CPU unless server.toml says how many."""
+    plane = ControlPlane.open(config, state_dir, config_path, gateway_workers="auto")
     await plane.serve(reload_on_sighup=True, task_status=task_status)
 
 
@@ -436,6 +509,14 @@ def _restarts_metric(restarts: dict[str, int]) -> str:
     for task, count in sorted(restarts.items()):
         family.inc(count, task=task)
     return registry.render()
+
+
+async def _cancel_at_stop(front: trio.CancelScope) -> None:
+    """When the control plane is cancelled, cancel its front first (`ControlPlane.serve`)."""
+    try:
+        await trio.sleep_forever()
+    finally:
+        front.cancel()
 
 
 async def _remove_on_exit(path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -17,6 +17,10 @@ module moves its frames and decides what the table holds.
 4. A TableHeartbeat every heartbeat interval; a link silent past the heartbeat TTL (in the
    registry's stall-aware clock, as agents' links are judged), one whose certificate expires
    and one whose gateway takes no frame within SEND_TIMEOUT_S are closed.
+5. Each instance's heartbeats say how it is doing; the last is kept on its link (`GatewayLink.last`):
+   its figures, which the cluster page's history and /metrics show (`llmgw.server.gatewayfigures`),
+   the rotation version it routes by and its requests on each replica, which `quiesce` waits on
+   when a move takes a replica out of rotation.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from llmgw.server.endpoint import HELLO_TIMEOUT_S, SEND_TIMEOUT_S
 from llmgw.server.keys import KeyRing, gateway_key
 from llmgw.server.store import KeyRow
 from llmgw.server.views import GatewayEndpoints
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 from llmgw.wire import gateway_session as gs
@@ -51,10 +56,11 @@ from llmgw.wire.errors import UpgradeRefused, WireError
 log = get_logger("llmgw.gatewayfeed")
 
 
-def rotation_message(rotation: Rotation) -> g.RotationChanged:
+def rotation_message(rotation: Rotation, version: int = 0) -> g.RotationChanged:
     """The rotation as the gateway link says it: the catalog's models, sorted, and the replicas
     ready now, in the order `gateway_rotation` gives them (by replica id)."""
     return g.RotationChanged(
+        version=version,
         models=tuple(sorted(rotation.models)),
         endpoints=tuple(
             g.RouteEndpoint(
@@ -89,8 +95,7 @@ class GatewayLink:
     connected_at: float  # unix time
     heard_at: float  # unix time of its last frame
     cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    in_flight: int = 0  # as its last heartbeat said
-    requests_total: int = 0
+    last: g.GatewayHeartbeat = g.GatewayHeartbeat(seq=0)  # its last heartbeat
 
     @property
     def key(self) -> tuple[str, str]:
@@ -124,8 +129,9 @@ class GatewayFeed:
         self.silence_timeout_s = silence_timeout_s  # 0 = never (tests of other things)
         self.links: dict[tuple[str, str], GatewayLink] = {}  # (name, instance) -> link, in the order published
         self._index: dict[tuple[str, str], int] = {}  # each published link's share index
-        self._rotation = rotation_message(endpoints.gateway_rotation())
+        self._rotation = rotation_message(endpoints.gateway_rotation(), version=1)
         self._keys = keys_message(keys.valid())
+        self.heard = Wakeup()  # a heartbeat came, an instance left or the rotation changed: `quiesce` looks again
 
     # -- the table ----------------------------------------------------------------------------
 
@@ -164,10 +170,11 @@ class GatewayFeed:
         started = False
         while True:
             changed = self.endpoints.rotation_changed()
-            rotation = rotation_message(self.endpoints.gateway_rotation())
+            rotation = rotation_message(self.endpoints.gateway_rotation(), version=self._rotation.version)
             if rotation != self._rotation:
-                self._rotation = rotation
+                self._rotation = attrs.evolve(rotation, version=rotation.version + 1)
                 self._push_all(g.RotationChanged)
+                self.heard.fire()
             if not started:
                 started = True
                 task_status.started()
@@ -301,6 +308,7 @@ class GatewayFeed:
         if self.links.get(link.key) is link:
             del self.links[link.key]
             self._renumber()
+            self.heard.fire()
             log.info("gateway_left", gateway=link.name, instance=link.instance, gateways=len(self.links))
 
     async def _receive_loop(self, link: GatewayLink, ws: trio_websocket.WebSocketConnection) -> None:
@@ -335,8 +343,8 @@ class GatewayFeed:
                 log.warning("gateway_reported_error", gateway=link.name, code=event.code, reason=event.message)
                 return
             if isinstance(event, gs.GatewayHeartbeatReceived):
-                link.in_flight = event.heartbeat.in_flight
-                link.requests_total = event.heartbeat.requests_total
+                link.last = event.heartbeat
+                self.heard.fire()
 
     async def close_revoked(self, serials: set[int]) -> int:
         """Close the links of the instances whose certificate is one of `serials` (just revoked),
@@ -352,6 +360,32 @@ class GatewayFeed:
             log.warning("gateway_revoked", gateway=link.name, instance=link.instance, serial=f"{link.cert_serial:x}")
         return len(closing)
 
+    # -- moves --------------------------------------------------------------------------------
+
+    async def quiesce(self, replica_id: str, timeout_s: float) -> bool:
+        """Wait until no gateway instance connected has a request on `replica_id`, which the
+        caller takes out of rotation first, for at most `timeout_s`; whether it got there. An
+        instance is quiet on it once a heartbeat says it routes by a rotation without it (or
+        with it draining) and has no request on it; one that leaves is not waited for."""
+        out_since: int | None = None  # the first version of the rotation sent without it
+        with trio.move_on_after(timeout_s):
+            while True:
+                heard = self.heard.next()
+                if out_since is None and not self._routes_to(replica_id):
+                    out_since = self._rotation.version
+                links = list(self.links.values())
+                if not links or (out_since is not None and all(_quiet(k.last, replica_id, out_since) for k in links)):
+                    return True
+                await heard.wait()
+        return False
+
+    def _routes_to(self, replica_id: str) -> bool:
+        return any(e.replica_id == replica_id and not e.draining for e in self._rotation.endpoints)
+
+    def outstanding(self, replica_id: str) -> int:
+        """Requests on `replica_id` as the instances' last heartbeats said, all together."""
+        return sum(o.outstanding for link in self.links.values() for o in link.last.outstanding if o.replica_id == replica_id)
+
     # -- what the admin API shows ---------------------------------------------------------------
 
     def views(self) -> list[dict[str, Any]]:
@@ -365,10 +399,14 @@ class GatewayFeed:
                 "gateway_version": link.gateway_version,
                 "connected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(link.connected_at)),
                 "last_heard_age_s": round(max(0.0, now - link.heard_at), 3),
-                "in_flight": link.in_flight,
-                "requests_total": link.requests_total,
+                "in_flight": link.last.in_flight,
+                "requests_total": link.last.requests_total,
                 "share": {"index": self._index.get(link.key, 0), "count": len(self.links)},
                 "cert_serial": f"{link.cert_serial:x}",
             }
             for link in self.links.values()
         ]
+
+
+def _quiet(heartbeat: g.GatewayHeartbeat, replica_id: str, out_since: int) -> bool:
+    return heartbeat.rotation_version >= out_since and not any(o.replica_id == replica_id for o in heartbeat.outstanding)

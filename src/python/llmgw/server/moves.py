@@ -5,7 +5,9 @@ A move is always the same four steps, one replica at a time:
 1. a replacement is placed where the scheduler allows, on top of the catalog's count;
 2. it becomes ready (or the move stops, the replacement is withdrawn, the original stays);
 3. the original leaves the gateway's rotation (marked draining) and the requests already on
-   it finish, for at most `retire_grace_s` — a stream in flight is not cut by a move;
+   it finish, for at most `retire_grace_s` — a stream in flight is not cut by a move: the
+   control plane waits for every gateway, its own workers and the standalone ones, to say so
+   (`GatewayFeed.quiesce`);
 4. the original stops, and the replacement counts as one of the catalog's.
 
 `llmgw ctl drain NODE` moves everything off a node, then cordons it. Spreading is automatic:
@@ -25,7 +27,6 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from llmgw.gateway.app import Gateway
 from llmgw.log import get_logger
 from llmgw.server.changes import Changes
 from llmgw.server.registry import NodeRegistry
@@ -54,17 +55,20 @@ class Moves:
         *,
         replicas: Replicas,
         registry: NodeRegistry,
-        gateway: Gateway,
+        quiesce: Callable[[str, float], Awaitable[bool]],
+        outstanding: Callable[[str], int],
         changes: Changes,
         push: Callable[[str], Awaitable[None]],
         draining: Callable[[], bool],
         retiring: set[str] | None = None,
     ) -> None:
         """`retiring`: the set this keeps of the originals out of rotation (the gateway's
-        endpoints read the same set)."""
+        endpoints read the same set). `quiesce(replica, timeout_s)`: until no gateway has a
+        request on the replica, whether it got there; `outstanding(replica)`: how many they have."""
         self.replicas = replicas
         self.registry = registry
-        self.gateway = gateway
+        self.quiesce = quiesce
+        self.outstanding = outstanding
         self.changes = changes
         self._push_one = push  # a node's desired state to its agent
         self._draining = draining  # whether a drain is running: the spreader waits for it
@@ -122,13 +126,13 @@ class Moves:
         self.retiring.add(replica_id)
         self.changes.rotation.fire()
         try:
-            finished = await self.gateway.quiesce(replica_id, self.retire_grace_s)
+            finished = await self.quiesce(replica_id, self.retire_grace_s)
             if not finished:
                 log.warning(
                     "move_retire_grace_over",
                     replica=replica_id,
                     after_s=self.retire_grace_s,
-                    outstanding=self.gateway.router.outstanding.get(replica_id, 0),
+                    outstanding=self.outstanding(replica_id),
                 )
             self.replicas.retire(replica_id, replacement_id)
         finally:

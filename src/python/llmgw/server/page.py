@@ -36,7 +36,7 @@ import trio
 
 import llmgw.page
 from llmgw.errors import cut, shown
-from llmgw.gateway.history import History
+from llmgw.gateway.history import History, Sources
 from llmgw.http import params
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import read_json
@@ -56,7 +56,6 @@ from llmgw.server.logins import (
 from llmgw.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from llmgw.gateway.app import Gateway
     from llmgw.server.keys import KeyRing
 
 
@@ -108,14 +107,13 @@ def _content_type(name: str) -> str:
 
 
 class Page:
-    def __init__(self, views: events.Views, gateway: Gateway, keys: KeyRing) -> None:
-        """`views`: what the feed shows of the cluster; `gateway`: its metrics for the history;
-        `keys`: the API keys for the keys view."""
+    def __init__(self, views: events.Views, history: Sources, keys: KeyRing) -> None:
+        """`views`: what the feed shows of the cluster; `history`: the gateways' figures for
+        the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view."""
         self.views = views
-        self.gateway = gateway
         self.keys = keys
         self.sessions = SessionBook()
-        self.history = History(gateway.metrics)
+        self.history = History(history)
         self._assets: dict[str, bytes] | None = None
         self.touched = Wakeup()  # an operator's change succeeded: open pages show it now
 

@@ -36,8 +36,9 @@ import attrs
 
 from llmgw.wire.agent_link import LinkError
 
-# 1: the first gateway link.
-GATEWAY_PROTOCOL_VERSION = 1
+# 1: the first gateway link. 2: heartbeats carry the gateway's figures (`ModelFigures`), the
+# requests on each replica (`ReplicaLoad`) and the rotation it routes by (`RotationChanged.version`).
+GATEWAY_PROTOCOL_VERSION = 2
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -57,10 +58,49 @@ class GatewayHello:
 
 
 @attrs.frozen(kw_only=True)
+class StatusCount:
+    status: str  # the HTTP status answered, as the gateway's metrics label it
+    count: int
+
+
+@attrs.frozen(kw_only=True)
+class Histogram:
+    """Observations per bucket of `llmgw.metrics.LATENCY_BUCKETS` (not cumulative), the last one
+    above every bound, and their sum in seconds."""
+
+    counts: tuple[int, ...]
+    sum_s: float
+
+
+@attrs.frozen(kw_only=True)
+class ModelFigures:
+    """What one instance counted for one model since it started: what the control plane's
+    /metrics and the cluster page's history show of the gateway (docs/gateway.md)."""
+
+    model: str
+    requests: tuple[StatusCount, ...] = ()  # answered, by status
+    duration: Histogram | None = None  # from request to the end of the response
+    ttfb: Histogram | None = None  # from request to the first byte of the body
+    in_flight: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaLoad:
+    replica_id: str
+    outstanding: int  # requests this instance has on the replica now
+
+
+@attrs.frozen(kw_only=True)
 class GatewayHeartbeat:
+    """How the instance is doing. Its figures are totals since it started (a restarted process
+    is a new instance and starts from zero), so a heartbeat lost or replaced loses nothing."""
+
     seq: int
     in_flight: int = 0  # requests this instance is serving now
     requests_total: int = 0  # requests it answered since it started
+    rotation_version: int = 0  # the version of the rotation it routes by now (0: none yet)
+    outstanding: tuple[ReplicaLoad, ...] = ()  # the replicas it has requests on, by replica id
+    models: tuple[ModelFigures, ...] = ()  # by model
 
 
 # -- control plane -> gateway --------------------------------------------------------------
@@ -89,10 +129,14 @@ class RouteEndpoint:
 @attrs.frozen(kw_only=True)
 class RotationChanged:
     """The catalog's models (a known model with nothing ready queues; an unknown one is a 404)
-    and the replicas ready now."""
+    and the replicas ready now. `version` rises with every change the control plane makes to
+    the rotation; a gateway's heartbeats say which one it routes by, so that the control plane
+    knows when a replica it took out of rotation gets no more requests from it (a move waits for
+    that, `llmgw.server.gatewayfeed.GatewayFeed.quiesce`)."""
 
     models: tuple[str, ...]
     endpoints: tuple[RouteEndpoint, ...]
+    version: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -44,6 +44,7 @@ import attrs
 
 from llmgw import __version__
 from llmgw.errors import cut, shown
+from llmgw.metrics import LATENCY_BUCKETS
 from llmgw.pki.ca import ROLE_GATEWAY
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
@@ -253,6 +254,8 @@ class GatewayServerSession(Session):
             )
 
     def _check(self, message: Any) -> None:
+        if isinstance(message, g.GatewayHeartbeat):
+            check_figures(message)
         if isinstance(message, g.GatewayHello):
             self._check_version(message.protocol_version)
             if message.name != self.expected_name or message.instance != self.instance:
@@ -320,11 +323,12 @@ class GatewaySession(Session):
             )
         self.send(hello)
 
-    def heartbeat(self, *, in_flight: int = 0, requests_total: int = 0) -> None:
-        """Queue a GatewayHeartbeat, if the link is open (an unsent one is replaced)."""
+    def heartbeat(self, load: g.GatewayHeartbeat | None = None) -> None:
+        """Queue a GatewayHeartbeat saying `load` (its `seq` is the session's), if the link is
+        open (an unsent one is replaced)."""
         if self.can_send(g.GatewayHeartbeat):
             self._seq += 1
-            self.send(g.GatewayHeartbeat(seq=self._seq, in_flight=in_flight, requests_total=requests_total))
+            self.send(attrs.evolve(load or g.GatewayHeartbeat(seq=0), seq=self._seq))
 
     def _check(self, message: Any) -> None:
         if isinstance(message, g.GatewayWelcome):
@@ -371,6 +375,20 @@ class GatewaySession(Session):
         if isinstance(message, g.GatewayWelcome):
             return "a second welcome on one link from the control plane"
         return f"unexpected {kind} from the control plane ({self.state.value})"
+
+
+def check_figures(heartbeat: g.GatewayHeartbeat) -> None:
+    """`WireError` unless every histogram of the heartbeat has a count per bucket of
+    `LATENCY_BUCKETS` and one above them (the control plane adds them up bucket by bucket)."""
+    want = len(LATENCY_BUCKETS) + 1
+    for figures in heartbeat.models:
+        for name, histogram in (("duration", figures.duration), ("ttfb", figures.ttfb)):
+            if histogram is not None and len(histogram.counts) != want:
+                raise WireError(
+                    w.BAD_MESSAGE,
+                    f"the {name} histogram of model {shown(figures.model)} has {len(histogram.counts)} buckets, "
+                    f"expected {want}; run the same llmgw release on the gateway and the control plane",
+                )
 
 
 def new_instance() -> str:
