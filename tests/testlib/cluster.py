@@ -218,11 +218,13 @@ class Cluster:
         heartbeat_ttl_s: float = 1.5,
         socket_activation: bool = False,
         engines_toml: str = OPERATORS_LLAMACPP,
+        server_toml: str = "",
     ) -> None:
         """`socket_activation`: the cluster owns the server's listening sockets and passes them
         to each `llmgw server` it starts, as a systemd .socket unit does; connections made
         while the server restarts wait in their backlog. `engines_toml`: server.toml's tables
-        after [server] ([engines.*], [release]; TOML text)."""
+        after [server] ([engines.*], [release]; TOML text). `server_toml`: more keys of [server]
+        (`gateway_workers = 2`; TOML text)."""
         self.root = root
         self.state = root / "state"
         self.sockets: list[socket.socket] = []
@@ -244,7 +246,7 @@ class Cluster:
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
             # Agents come back on their own backoff after a server restart; give them that long.
-            "reconnect_grace_s = 10.0\n" + engines_toml
+            "reconnect_grace_s = 10.0\n" + server_toml + engines_toml
         )
         self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}

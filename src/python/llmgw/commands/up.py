@@ -3,7 +3,8 @@
 One process tree: the control plane (CA and state in --state-dir), N local agents with their
 own node ids, certificates and loopback addresses (127.0.0.1, 127.0.0.2, ...), a sim model with
 two replicas (and, with --fabric and two or more nodes, a sim model spanning two nodes of a
-simulated fabric), the gateway on localhost. It prints the gateway URL, an API key, a curl
+simulated fabric), the gateway on localhost (one worker process, unless server.toml's
+`[server] gateway_workers` says more). It prints the gateway URL, an API key, a curl
 command and the `ctl` commands that operate the cluster, each working as printed (`./llmgw ...`
 when run by the checkout's script, `llmgw ...` otherwise); `--json` prints one JSON object per
 event instead. Ctrl-C (or SIGTERM) stops everything and exits 0; a second one during the stop
@@ -36,6 +37,7 @@ from llmgw.pki.files import ca_paths, init_ca, issue_server_cert, issue_to_dir, 
 log = get_logger("llmgw.up")
 
 READY_TIMEOUT_S = 120.0
+UP_GATEWAY_WORKERS = 1  # `[server] gateway_workers` when server.toml leaves it out
 INVOKED_AS_ENV = "LLMGW_INVOKED_AS"  # set by the checkout's ./llmgw script: how to run this llmgw again
 
 
@@ -202,7 +204,8 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     paths.ensure_admin_token(state)
     config_path = _server_toml(state, args, emit)
     config = load_server_config(config_path)
-    plane = ControlPlane.open(config, state, config_path)
+    # One gateway worker unless server.toml says otherwise: a laptop's quickstart stays light.
+    plane = ControlPlane.open(config, state, config_path, gateway_workers=UP_GATEWAY_WORKERS)
     async with trio.open_nursery() as nursery:
         try:
             bound = await nursery.start(plane.serve)
