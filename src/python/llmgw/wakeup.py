@@ -90,6 +90,8 @@ ONE_SHOT: dict[str, str] = {
     "agent.replica_member.Member.observed": "one member: its engine was probed once, or it ended",
     "agent.replica_member.Member.done": "one member: its task ended",
     "agent.node_address.NodeAddress._known": "the first address the link reported",
+    "llmgw.gatewayd.table.GatewayTable.whole": "one gateway process: its first whole table came, once (the "
+    "control plane's workers listen only then)",
     "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
     "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",
 }

@@ -77,6 +77,7 @@ def configure(parser: Parser) -> None:
     parser.add_argument("--server-name", default="", help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--relay-socket", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--table-first", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         tls_name=args.server_name,
         listen_fds=tuple(args.listen_fd),
         relay_socket=args.relay_socket,
+        table_first=args.table_first,
     )
     if args.worker_index is not None:
         return run_service("gateway_worker", main.serve_gateway_worker, plan, args.worker_index, args.parent_fd)

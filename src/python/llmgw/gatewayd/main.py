@@ -2,7 +2,8 @@
 the parent that keeps the workers running (`serve_gateway`) and one worker (`serve_gateway_worker`).
 The control plane runs its own gateway's workers with this plan too (`llmgw.server.workers`):
 listening sockets it hands them (`listen_fds`), the name its certificate covers when they dial
-it on loopback (`tls_name`), and its private socket to relay its own routes to (`relay_socket`).
+it on loopback (`tls_name`), its private socket to relay its own routes to (`relay_socket`), and
+to listen only once the first table came (`table_first`).
 
 Everything a worker needs is checked in the parent first, so a mistake is told once, before any
 worker starts: the table file parses, the certificate files are there and name the gateway.
@@ -51,6 +52,7 @@ class GatewayPlan:
     tls_name: str = ""  # the name the control plane's certificate must cover, if not the host of server_url
     listen_fds: tuple[int, ...] = ()  # listening sockets passed to the workers, in place of binding `listen`
     relay_socket: Path | None = None  # where what is not the gateway's goes (`llmgw.http.relay`)
+    table_first: bool = False  # listen only once the first whole table came (`GatewayWorker.serve`)
 
     @property
     def listen(self) -> str:
@@ -67,7 +69,8 @@ def plan(
     **inner: Any,
 ) -> GatewayPlan:
     """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
-    `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`)."""
+    `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`,
+    `table_first`)."""
     host, port = split_listen(listen)
     if server_url is not None:
         if not server_url.startswith("wss://"):
@@ -110,6 +113,8 @@ def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[
         args += ["--listen-fd", str(fd)]
     if plan.relay_socket is not None:
         args += ["--relay-socket", str(plan.relay_socket.absolute())]
+    if plan.table_first:
+        args += ["--table-first"]
     return tuple(args)
 
 
@@ -159,7 +164,14 @@ async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | N
     parent = parent_link(parent_fd)
     sockets = inherited_listeners(plan.listen_fds)
     async with trio.open_nursery() as nursery:
-        serve = partial(worker.serve, limits=plan.http, drain_s=plan.drain_s, reuse_port=True, sockets=sockets)
+        serve = partial(
+            worker.serve,
+            limits=plan.http,
+            drain_s=plan.drain_s,
+            reuse_port=True,
+            sockets=sockets,
+            table_first=plan.table_first,
+        )
         await nursery.start(serve, source, plan.host, plan.port)
         log.info("gateway_worker_serving", worker=index, instance=instance, listen=plan.listen)
         if parent is not None:

@@ -46,6 +46,7 @@ class GatewayTable:
     def __init__(self, keys: KeyTable | None = None, *, now: float = 0.0) -> None:
         self.keys = keys if keys is not None else KeyTable(clock=trio.current_time)
         self.changed = Wakeup()  # the rotation was replaced: the gateway's rotation follows
+        self.whole = trio.Event()  # the first whole table came (`received`)
         self._rotation = Rotation(models=frozenset(), endpoints=())
         self.has_rotation = False
         self.has_keys = False
@@ -61,10 +62,16 @@ class GatewayTable:
         self._rotation = rotation(message)
         self.has_rotation = True
         self.changed.fire()
+        self._check_whole()
 
     def keys_changed(self, message: KeysChanged) -> None:
         self.keys.replace(message.keys)
         self.has_keys = True
+        self._check_whole()
+
+    def _check_whole(self) -> None:
+        if self.received:
+            self.whole.set()
 
     def share_changed(self, message: ShareChanged) -> None:
         self.keys.set_share(message)

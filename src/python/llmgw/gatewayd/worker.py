@@ -20,7 +20,9 @@ is then the control plane's (its families and its workers' figures, docs/gateway
 `serve` starts the gateway's rotation and prober, then its listener (`gateway.front`: SO_REUSEPORT
 when workers share the port; a drain on cancellation), then the table's source, which it does not
 wait for: a worker serves at once, 503 until its first table, so a control plane that is away at
-start delays only the table. The source runs under `llmgw.supervision.Background`: it is started
+start delays only the table. The control plane's own workers listen only once their first table
+came (`table_first`): their control plane is there, and a connection is better left to a sibling
+or to the backlog than answered 503. The source runs under `llmgw.supervision.Background`: it is started
 again after a failure while the gateway serves on from the table it had.
 """
 
@@ -138,10 +140,14 @@ class GatewayWorker:
         drain_s: float = DRAIN_S,
         reuse_port: bool = False,
         sockets: list[trio.SocketListener] | None = None,
+        table_first: bool = False,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until cancelled, then drain (`gateway.front`); reports its listeners once it
-        listens. `sockets`: listening already (passed to this process), in place of binding."""
+        listens. `sockets`: listening already (passed to this process), in place of binding.
+        `table_first`: take no connection before the first whole table came (the control
+        plane's workers: meanwhile the kernel gives connections to the other workers, or they
+        wait in the backlog of a socket passed to us), rather than answer 503 until then."""
         serve_http = partial(
             serve_draining,
             self.handle,
@@ -159,8 +165,12 @@ class GatewayWorker:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gateway.serve_rotation)
                 await nursery.start(self.gateway.serve_probes)
+                if table_first:
+                    nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
+                    await self.table.whole.wait()
                 listeners = await nursery.start(serve_http)
-                nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
+                if not table_first:
+                    nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
                 task_status.started(listeners)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(JSON_CLOSE_S):

@@ -21,8 +21,9 @@ the control plane over the gateway link like any gateway:
 - The routes: what is not the gateway's (`relay.gateway_route`) each worker relays to the
   control plane's private socket (`llmgw.server.adminsocket`): the admin API, the cluster page,
   /login and /metrics keep their URL.
-- Ready: once every worker serves and routes by the control plane's rotation (a heartbeat said
-  so), so the first request finds a table; `OwnGateway.serve` reports the address then.
+- Ready: a worker listens only once it holds its first whole table (`table_first`), so no
+  request finds it without one; the control plane is ready once every worker serves and routes
+  by its rotation (a heartbeat said so), and `OwnGateway.serve` reports the address then.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class OwnGateway:
             tls_name=tls_name(self.state_dir, _WILDCARDS.get(agent_address[0], agent_address[0])),
             listen_fds=fds,
             relay_socket=paths.admin_socket_path(self.state_dir),
+            table_first=True,
         )
         level, fmt = logs.settings()
         argv = (*llmgw_command(), *gatewayd.worker_args(plan, log_level=level, log_format=fmt))
