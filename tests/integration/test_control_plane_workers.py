@@ -22,7 +22,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -140,7 +139,9 @@ def stall(live: Live, seconds: float) -> dict[str, Any]:
     credential = (live.cluster.state / "admin.token").read_text().strip()
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=seconds + 30)
     try:
-        conn.request("POST", f"/admin/v1/debug/stall?seconds={seconds}", headers={"authorization": f"Bearer {credential}"})
+        conn.request(
+            "POST", f"/admin/v1/debug/stall?seconds={seconds}", headers={"authorization": f"Bearer {credential}"}
+        )
         response = conn.getresponse()
         body = json.loads(response.read())
     finally:
@@ -249,7 +250,11 @@ def test_a_killed_worker_is_started_again_and_serves(live: Live) -> None:
     assert exited["worker"] == 0 and exited["signal"] == "SIGKILL", exited
 
     def restarted() -> dict[str, Any] | None:
-        later = [e for e in server.events("gateway_worker_serving") if e["worker"] == 0 and e["instance"] != first["instance"]]
+        later = [
+            e
+            for e in server.events("gateway_worker_serving")
+            if e["worker"] == 0 and e["instance"] != first["instance"]
+        ]
         return later[-1] if later else None
 
     again = wait_until("worker 0 to serve again", restarted, procs=[server])

@@ -60,9 +60,10 @@ WAKEUPS: dict[str, str] = {
     "shutdown (`drain`) returns",
     "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
     "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
-    "llmgw.server.gatewayfeed.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left or the "
-    "rotation sent to gateways changed -> a move waiting for the gateways' requests on a replica "
-    "(`GatewayFeed.quiesce`) looks again",
+    "llmgw.server.gatewayfeed.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left, or the "
+    "rotation or the keys sent to gateways changed -> a move waiting for the gateways' requests on a replica "
+    "(`GatewayFeed.quiesce`), a key's change waiting for the control plane's workers (`keys_reached`) and its "
+    "start waiting for them (`OwnGateway`) look again",
     "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
     "the valid keys again (`GatewayFeed`)",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "

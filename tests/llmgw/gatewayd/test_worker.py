@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
@@ -16,9 +17,12 @@ from llmgw.gateway.keys import ALONE
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.gatewayd.worker import GatewayWorker
 from llmgw.http.limits import Limits
+from llmgw.http.messages import Request, Response
 from llmgw.http.openai import error_body
+from llmgw.http.relay import Relay
 from llmgw.http.server import serve_connection
-from llmgw.wire.gateway_link import KeysChanged, RotationChanged, ShareChanged
+from llmgw.http.unixsocket import serve_http_unix
+from llmgw.wire.gateway_link import KeysChanged, ReplicaLoad, RotationChanged, ShareChanged
 from testlib import memnet
 from testlib.gateway import chat, parse_metrics
 from testlib.gatewaytable import TOKEN, key, route, token_of
@@ -42,11 +46,12 @@ class Worker:
         await self.nursery.start(self.worker.gateway.serve_probes)
         return self
 
-    def feed(self, sims: list[memnet.MemSim], keys=KEYS, share=ALONE) -> None:
+    def feed(self, sims: list[memnet.MemSim], keys=KEYS, share=ALONE, version: int = 0) -> None:
         """The whole table, as the link sends it after its Welcome."""
         self.table.link_state(True, "")
-        self.table.rotation_changed(RotationChanged(models=("chat",), endpoints=tuple(route(s) for s in sims)))
-        self.table.keys_changed(KeysChanged(keys=tuple(keys)))
+        rotation = RotationChanged(models=("chat",), endpoints=tuple(route(s) for s in sims), version=version)
+        self.table.rotation_changed(rotation)
+        self.table.keys_changed(KeysChanged(keys=tuple(keys), version=version))
         self.table.share_changed(share)
         self.table.heard(trio.current_time())
 
@@ -177,3 +182,66 @@ async def test_cut_off_it_takes_a_dead_replica_out_and_probes_it_back(
     net.serve(sims[0].address, sims[0].engine.handle)  # the engine is back
     await trio.sleep(2 * w.worker.gateway.options.probe_interval_s)
     assert (await w.health())[1]["ready"] == {"chat": 2}
+
+
+async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_replica_and_its_figures(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    _, sims, w = await started(nursery, 1, output_token_ms=1000)
+    assert (w.worker.load().rotation_version, w.worker.load().keys_version) == (0, 0)  # nothing yet
+    applied = w.worker.gateway.applied.next()
+    w.feed(sims, version=3)
+    await applied.wait()  # the gateway routes by it: what sends a heartbeat at once
+    beat = w.worker.load()
+    assert (beat.rotation_version, beat.keys_version, beat.outstanding, beat.models) == (3, 3, (), ())
+    async with trio.open_nursery() as calls:
+        calls.start_soon(w.call, "POST", "/v1/chat/completions", chat(max_tokens=3))
+        await trio.sleep(1.5)  # its tokens come a second apart
+        assert w.worker.load().outstanding == (ReplicaLoad(replica_id="chat-0", outstanding=1),)
+        assert w.worker.load().in_flight == 1
+    beat = w.worker.load()
+    [figures] = beat.models
+    assert beat.outstanding == () and beat.requests_total == 1
+    assert figures.model == "chat" and [(c.status, c.count) for c in figures.requests] == [("200", 1)]
+    assert figures.duration is not None and sum(figures.duration.counts) == 1 and figures.duration.sum_s >= 3
+
+
+async def test_a_worker_of_the_control_plane_relays_its_routes_and_listens_once_its_table_came(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """`relay` and `table_first`, as `llmgw.server.workers` runs its workers: what is not the
+    gateway's goes to the control plane's socket; no connection is taken before the table."""
+    net = memnet.MemoryNet(nursery)
+    sims = memnet.start_sims(net, 1)
+
+    async def control_plane(request: Request) -> Response:
+        return Response.json(200, {"path": request.path, "client": request.client})
+
+    socket_path = tmp_path / "admin.sock"
+    await nursery.start(partial(serve_http_unix, control_plane, socket_path, limits=Limits(), errors=error_body))
+    w = Worker(nursery, net)
+    w.worker.relay = Relay(socket_path)
+    fed = trio.Event()
+
+    async def source(*, sink, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await fed.wait()
+        w.feed(sims)
+
+    listening: list = []
+
+    async def serve() -> None:
+        listening.append(await nursery.start(partial(w.worker.serve, source, "127.0.0.1", 0, table_first=True)))
+
+    nursery.start_soon(serve)
+    await trio.testing.wait_all_tasks_blocked()
+    assert listening == []  # no table yet: not listening
+    fed.set()
+    while not listening:
+        await trio.sleep(0.01)
+    status, _, body = await w.call("GET", "/admin/v1/nodes", token=None)
+    assert status == 200 and json.loads(body)["path"] == "/admin/v1/nodes"  # relayed
+    status, _, body = await w.call("GET", "/metrics", token=None)
+    assert status == 200 and json.loads(body)["path"] == "/metrics"  # the control plane's, relayed too
+    status, health = await w.health()
+    assert status == 200 and health["instance"] == "gw-0-test"  # the gateway's own

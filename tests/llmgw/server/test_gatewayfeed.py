@@ -167,10 +167,10 @@ class Plane:
         )
         return Gateway(link=link, sink=sink)
 
-    def connect(self, nursery: trio.Nursery, instance: str) -> Gateway:
+    def connect(self, nursery: trio.Nursery, instance: str, **kw) -> Gateway:
         """One session of a gateway over gated memory streams."""
         a, b, to_server, to_gateway = gated_pair()
-        gateway = self.gateway(instance)
+        gateway = self.gateway(instance, **kw)
         gateway.to_server, gateway.to_gateway = to_server, to_gateway
 
         async def run() -> None:
@@ -185,8 +185,8 @@ class Plane:
         nursery.start_soon(run)
         return gateway
 
-    async def join(self, nursery: trio.Nursery, instance: str) -> Gateway:
-        gateway = self.connect(nursery, instance)
+    async def join(self, nursery: trio.Nursery, instance: str, **kw) -> Gateway:
+        gateway = self.connect(nursery, instance, **kw)
         await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
         return gateway
 
@@ -210,7 +210,10 @@ async def test_a_gateway_gets_the_whole_table_once_welcomed(
         version=1,
     )
     assert gateway.sink.last("keys") == g.KeysChanged(
-        keys=(g.GatewayKey(name="alice", token_sha256="a" * 64, models=("chat",), rate_per_minute=60, max_concurrency=4),)
+        keys=(
+            g.GatewayKey(name="alice", token_sha256="a" * 64, models=("chat",), rate_per_minute=60, max_concurrency=4),
+        ),
+        version=1,
     )
     assert gateway.sink.last("share") == g.ShareChanged(index=0, count=1)
     assert len(gateway.sink.heard_at) == 4  # the Welcome and the three parts
@@ -242,7 +245,7 @@ async def test_each_part_is_sent_again_when_it_changes_and_only_then(
     plane.keys.rows = []  # alice revoked
     plane.keys.changed.fire()
     await sink.until(lambda: len(sink.of("keys")) == 2)
-    assert sink.last("keys") == g.KeysChanged(keys=()) and trio.current_time() == changed_at
+    assert sink.last("keys") == g.KeysChanged(keys=(), version=2) and trio.current_time() == changed_at
     drained = Rotation(models=frozenset({"chat"}), endpoints=(attrs.evolve(EP, draining=True),))
     plane.endpoints.set(drained)
     await sink.until(lambda: len(sink.of("rotation")) == 3)
@@ -351,7 +354,7 @@ async def test_a_gateway_dials_again_with_backoff_and_gets_the_whole_table_anew(
     await sink.until(lambda: sink.last("link") == (True, ""))
     assert trio.current_time() - back <= gl.LINK_BACKOFF.max_s
     await sink.until(lambda: sink.last("share") is not None)
-    assert sink.last("keys") == g.KeysChanged(keys=())
+    assert sink.last("keys") == g.KeysChanged(keys=(), version=2)
     # The link drops: down with why, then up again with the whole table.
     plane.feed.links["gw1", "i1"].cancel_scope.cancel()
     await sink.until(lambda: sink.last("link") == (True, "") and len(sink.of("share")) == 2)
@@ -365,3 +368,91 @@ async def test_what_the_table_says_of_the_keys_is_their_hashes_by_name() -> None
     said = keys_message([bob, ALICE])
     assert [k.name for k in said.keys] == ["alice", "bob"]
     assert said.keys[1] == g.GatewayKey(name="bob", token_sha256="b" * 64, max_concurrency=4)
+
+
+@attrs.define
+class Held:
+    """What a gateway's heartbeats say, as the test sets it: the versions it holds (None: those
+    its sink last took) and its requests on each replica."""
+
+    sink: Sink | None = None
+    rotation_version: int | None = None
+    keys_version: int | None = None
+    outstanding: dict[str, int] = attrs.field(factory=dict)
+
+    def load(self) -> g.GatewayHeartbeat:
+        assert self.sink is not None
+        rotation, keys = self.sink.last("rotation"), self.sink.last("keys")
+        held = sorted((r, n) for r, n in self.outstanding.items() if n)
+        return g.GatewayHeartbeat(
+            seq=0,
+            rotation_version=_or(self.rotation_version, rotation.version if rotation else 0),
+            keys_version=_or(self.keys_version, keys.version if keys else 0),
+            outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in held),
+        )
+
+
+def _or(given: int | None, taken: int) -> int:
+    return taken if given is None else given
+
+
+async def joined(plane: Plane, nursery: trio.Nursery, instance: str, held: Held) -> Gateway:
+    gateway = plane.connect(nursery, instance, load=held.load)
+    held.sink = gateway.sink
+    await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+    return gateway
+
+
+async def test_a_move_waits_until_every_gateway_routes_without_the_replica_and_has_no_request_on_it(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    busy, behind = Held(outstanding={"r1": 1}), Held(rotation_version=1)  # a stream on r1; a gateway a rotation behind
+    await joined(plane, nursery, "i1", busy)
+    await joined(plane, nursery, "i2", behind)
+    plane.endpoints.set(Rotation(models=frozenset({"chat"}), endpoints=(attrs.evolve(EP, draining=True),)))
+    said: list[bool] = []
+
+    async def quiesce() -> None:
+        said.append(await plane.feed.quiesce("r1", 60.0))
+
+    nursery.start_soon(quiesce)
+    await trio.sleep(5 * HEARTBEAT_S)  # heartbeats came from both meanwhile
+    assert said == [] and plane.feed.outstanding("r1") == 1
+    busy.outstanding["r1"] = 0  # the stream finished
+    await trio.sleep(5 * HEARTBEAT_S)
+    assert said == []  # i2 says no request on r1, but from a rotation that still routes to it
+    behind.rotation_version = None  # i2 takes the new rotation
+    caught_up = trio.current_time()
+    while not said:
+        await trio.sleep(0.1)
+    assert said == [True] and trio.current_time() - caught_up <= HEARTBEAT_S + 0.1
+    assert await plane.feed.quiesce("r2", 0.0)  # a replica no gateway routes to: at once
+
+
+async def test_a_move_stops_waiting_at_its_grace_and_for_no_gateway_at_all(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    assert await plane.feed.quiesce("r1", 0.0)  # no gateway connected: nothing to wait for
+    await joined(plane, nursery, "i1", Held(outstanding={"r1": 2}))
+    plane.endpoints.set(Rotation(models=frozenset({"chat"}), endpoints=()))
+    started = trio.current_time()
+    assert not await plane.feed.quiesce("r1", 30.0)
+    assert trio.current_time() - started == pytest.approx(30.0)
+
+
+async def test_a_key_change_reaches_the_gateway_at_once_and_a_stuck_one_is_waited_for_no_longer_than_asked(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    await joined(plane, nursery, "i1", Held())
+    plane.keys.rows = []  # alice revoked
+    plane.keys.changed.fire()
+    started = trio.current_time()
+    assert await plane.feed.keys_reached("gw1", 5.0)
+    assert trio.current_time() - started < HEARTBEAT_S  # the gateway said so at once, not at its next beat
+    assert await plane.feed.keys_reached("gw-other", 0.0)  # no instance of that gateway: nothing to wait for
+    await joined(plane, nursery, "i2", Held(keys_version=1))  # never takes a newer version
+    plane.keys.rows = [ALICE]
+    plane.keys.changed.fire()
+    started = trio.current_time()
+    assert not await plane.feed.keys_reached("gw1", 2.0)
+    assert trio.current_time() - started == pytest.approx(2.0)

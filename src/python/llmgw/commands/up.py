@@ -206,6 +206,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
     config = load_server_config(config_path)
     # One gateway worker unless server.toml says otherwise: a laptop's quickstart stays light.
     plane = ControlPlane.open(config, state, config_path, gateway_workers=UP_GATEWAY_WORKERS)
+    api_key = await _api_key(plane, state)  # before the gateway starts: in its first table
     async with trio.open_nursery() as nursery:
         try:
             bound = await nursery.start(plane.serve)
@@ -222,7 +223,6 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                 partial(run_agent, watch_loop=False), _node_config(state, ca, i, bound.agent_address[1], args)
             )
         await _wait_ready(plane, args.nodes, emit)
-        api_key = await _api_key(plane, state)
         names = [m.name for m in plane.config.models]
         example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url

@@ -269,6 +269,8 @@ class GatewayLink:
                 event = await self._receive(ws, writer, silence_s)
                 if isinstance(event, gs.TableChanged):
                     self._apply(event.message)
+                    if isinstance(event.message, g.KeysChanged):
+                        self._beat(writer)  # the sink holds them now: say so at once
 
     def _up(self, welcome: g.GatewayWelcome) -> None:
         self.state.connected = True
@@ -318,13 +320,19 @@ class GatewayLink:
         self.sink.heard(trio.current_time())
         return event
 
-    async def _heartbeats(self, writer: Writer, interval: float) -> None:
+    def _beat(self, writer: Writer) -> None:
         session = writer.session
         assert isinstance(session, gs.GatewaySession)
-        while session.open:
+        session.heartbeat(self.load())  # a newer replaces one unsent
+        writer.wake()
+
+    async def _heartbeats(self, writer: Writer, interval: float) -> None:
+        """A heartbeat every `interval`, and one at once when the gateway routes by a new
+        rotation (`applied`) or holds new keys (`_converse`): a move and a key's change wait for
+        what they say (`llmgw.server.gatewayfeed`)."""
+        while writer.session.open:
             applied = self.applied() if self.applied is not None else None  # taken before the load is read
-            session.heartbeat(self.load())  # a newer replaces one unsent
-            writer.wake()
+            self._beat(writer)
             with trio.move_on_after(interval):
                 await (applied.wait() if applied is not None else trio.sleep_forever())
 

@@ -50,6 +50,7 @@ class GatewayTable:
         self._rotation = Rotation(models=frozenset(), endpoints=())
         self.has_rotation = False
         self.has_keys = False
+        self.keys_version = 0  # of the keys held (`KeysChanged.version`)
         self.made_at = now
         self.last_heard: float | None = None
         self.link_up = False
@@ -67,6 +68,7 @@ class GatewayTable:
     def keys_changed(self, message: KeysChanged) -> None:
         self.keys.replace(message.keys)
         self.has_keys = True
+        self.keys_version = message.version
         self._check_whole()
 
     def _check_whole(self) -> None:

@@ -112,7 +112,8 @@ class GatewayWorker:
 
     def load(self) -> g.GatewayHeartbeat:
         """What its link's heartbeats say: requests in flight and answered since it started, the
-        rotation it routes by, its requests on each replica and its figures per model."""
+        rotation it routes by and the keys it holds, its requests on each replica and its
+        figures per model."""
         gateway = self.gateway
         outstanding = sorted((r, n) for r, n in gateway.router.outstanding.items() if n > 0)
         return g.GatewayHeartbeat(
@@ -120,6 +121,7 @@ class GatewayWorker:
             in_flight=sum(gateway.in_flight.values()),
             requests_total=int(sum(gateway.metrics.requests.values.values())),
             rotation_version=gateway.rotation_version,
+            keys_version=self.table.keys_version,
             outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in outstanding),
             models=model_figures(gateway.metrics, gateway.in_flight),
         )

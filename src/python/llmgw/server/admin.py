@@ -51,7 +51,7 @@ from __future__ import annotations
 import hmac
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -162,11 +162,15 @@ class AdminAPI:
         keys: KeyRing,
         token: str,
         gateways: Callable[[], list[dict[str, Any]]] = list,
+        keys_reached: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
         certificate serials are recorded and read; `gateways()`: the gateway instances connected
-        (`GatewayFeed.views`)."""
+        (`GatewayFeed.views`); `keys_reached()`: returns once the control plane's own gateway
+        holds the keys as they are now (bounded), so a key made or revoked is known on
+        http_listen when the answer comes."""
         self.gateways = gateways
+        self.keys_reached = keys_reached
         self.views = views
         self.operations = operations
         self.page = page
@@ -277,6 +281,10 @@ class AdminAPI:
         params.query(request, {})
         return Response.json(200, await self.operations.remove_node(node_id))
 
+    async def _keys_reached(self) -> None:
+        if self.keys_reached is not None:
+            await self.keys_reached()
+
     async def _keys(self, request: Request) -> Response:
         ring = self.keys
         params.query(request, {})
@@ -284,6 +292,7 @@ class AdminAPI:
             _allow(request, "DELETE")
             name = _path_id(_KEY.match(request.path).group(1), "key name", KEY_NAME, KEY_NAME_RULE)
             await ring.revoke(name)
+            await self._keys_reached()
             log.info("api_key_revoked", name=name)
             return Response.json(200, {"revoked": name})
         if request.method in ("GET", "HEAD"):
@@ -305,6 +314,7 @@ class AdminAPI:
             rate_per_minute=body.get("rate_per_minute", 0),
             max_concurrency=body.get("max_concurrency", 0),
         )
+        await self._keys_reached()
         log.info("api_key_created", name=row.name, models=list(row.models))
         return Response.json(201, {"key": key_view(row), "token": token})
 

@@ -56,7 +56,7 @@ from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gatewayfeed import GatewayFeed
-from llmgw.server.gatewayfigures import history_totals, render_workers
+from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_workers
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
@@ -77,6 +77,7 @@ from llmgw.wire import agent_link as w
 log = get_logger("llmgw.server")
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+KEYS_REACH_S = 2.0  # a key made or revoked: the admin API answers once the workers hold it, or after this
 
 
 class ControlPlane:
@@ -106,8 +107,8 @@ class ControlPlane:
         development build); does no I/O. `gateway_workers`: how many gateway worker processes
         serve http_listen when server.toml does not say (`llmgw server`: "auto", `llmgw up`: 1;
         0, the gateway on this loop, is for tests and embedding)."""
-        self.settings = Settings(config, config_path)
-        self.workers = worker_count(config.server.gateway_workers, gateway_workers)  # read at start only  # replaced by a reload: read `config` at each use
+        self.settings = Settings(config, config_path)  # replaced by a reload: read `config` at each use
+        self.workers = worker_count(config.server.gateway_workers, gateway_workers)  # read at start only
         self.state_dir = state_dir
         self.ca = ca
         self.ssl_context = ssl_context  # the agent endpoint's: the server certificate, agents' CA
@@ -210,6 +211,7 @@ class ControlPlane:
             keys=self.keys,
             token=admin_token,
             gateways=self.gateway_feed.views,
+            keys_reached=self._keys_reached,
         )
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -402,7 +404,8 @@ class ControlPlane:
             # The gateway's families (its workers' as they last said them, or its own on this
             # loop), then the process's own: its listeners' connections, the restarts of its
             # background loops, its event loop's lag and the stalls it skipped.
-            gateway = render_workers(self.gateway_feed.links.values()) if self.workers else self.gateway.render_metrics()
+            links = self.gateway_feed.links.values()
+            gateway = render_workers(links) if self.workers else self.gateway.render_metrics()
             own = (
                 self.connections.render()
                 + _restarts_metric(self.background.restarts)
@@ -456,6 +459,12 @@ class ControlPlane:
         if not await self.gateway.quiesce(replica_id, timeout_s):
             return False
         return await self.gateway_feed.quiesce(replica_id, max(0.0, deadline - trio.current_time()))
+
+    async def _keys_reached(self) -> None:
+        """Until this plane's workers hold the keys as they are now, for at most KEYS_REACH_S (then
+        the answer goes anyway: a worker that is restarting gets the keys with its table)."""
+        if self.workers and not await self.gateway_feed.keys_reached(WORKER_NAME, KEYS_REACH_S):
+            log.warning("gateway_workers_keys_late", after_s=KEYS_REACH_S)
 
     def _outstanding(self, replica_id: str) -> int:
         return self.gateway.router.outstanding.get(replica_id, 0) + self.gateway_feed.outstanding(replica_id)

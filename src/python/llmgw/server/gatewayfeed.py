@@ -20,7 +20,8 @@ module moves its frames and decides what the table holds.
 5. Each instance's heartbeats say how it is doing; the last is kept on its link (`GatewayLink.last`):
    its figures, which the cluster page's history and /metrics show (`llmgw.server.gatewayfigures`),
    the rotation version it routes by and its requests on each replica, which `quiesce` waits on
-   when a move takes a replica out of rotation.
+   when a move takes a replica out of rotation, and the keys version it holds, which
+   `keys_reached` waits on when the admin API makes or revokes a key.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def rotation_message(rotation: Rotation, version: int = 0) -> g.RotationChanged:
     )
 
 
-def keys_message(rows: Iterable[KeyRow]) -> g.KeysChanged:
+def keys_message(rows: Iterable[KeyRow], version: int = 0) -> g.KeysChanged:
     """The valid keys as the gateway link says them (the hash of each token, never the token), by name."""
-    return g.KeysChanged(keys=tuple(gateway_key(r) for r in sorted(rows, key=lambda r: r.name)))
+    return g.KeysChanged(keys=tuple(gateway_key(r) for r in sorted(rows, key=lambda r: r.name)), version=version)
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -130,7 +131,7 @@ class GatewayFeed:
         self.links: dict[tuple[str, str], GatewayLink] = {}  # (name, instance) -> link, in the order published
         self._index: dict[tuple[str, str], int] = {}  # each published link's share index
         self._rotation = rotation_message(endpoints.gateway_rotation(), version=1)
-        self._keys = keys_message(keys.valid())
+        self._keys = keys_message(keys.valid(), version=1)
         self.heard = Wakeup()  # a heartbeat came, an instance left or the rotation changed: `quiesce` looks again
 
     # -- the table ----------------------------------------------------------------------------
@@ -184,10 +185,11 @@ class GatewayFeed:
         started = False
         while True:
             changed = self.keys.changed.next()
-            keys = keys_message(self.keys.valid())
+            keys = keys_message(self.keys.valid(), version=self._keys.version)
             if keys != self._keys:
-                self._keys = keys
+                self._keys = attrs.evolve(keys, version=keys.version + 1)
                 self._push_all(g.KeysChanged)
+                self.heard.fire()
             if not started:
                 started = True
                 task_status.started()
@@ -379,12 +381,28 @@ class GatewayFeed:
                 await heard.wait()
         return False
 
+    async def keys_reached(self, name: str, timeout_s: float) -> bool:
+        """Wait until every instance of the gateway `name` connected holds the valid keys as they
+        are now (a key just made or revoked among them), as its heartbeat says, for at most
+        `timeout_s`; whether they got there. The admin API waits so for the control plane's own
+        workers: once it answers, http_listen knows the change."""
+        now = keys_message(self.keys.valid())
+        target = self._keys.version + (self._keys.keys != now.keys)  # not sent yet: the next version has it
+        with trio.move_on_after(timeout_s):
+            while True:
+                heard = self.heard.next()
+                if all(k.last.keys_version >= target for k in self.links.values() if k.name == name):
+                    return True
+                await heard.wait()
+        return False
+
     def _routes_to(self, replica_id: str) -> bool:
         return any(e.replica_id == replica_id and not e.draining for e in self._rotation.endpoints)
 
     def outstanding(self, replica_id: str) -> int:
         """Requests on `replica_id` as the instances' last heartbeats said, all together."""
-        return sum(o.outstanding for link in self.links.values() for o in link.last.outstanding if o.replica_id == replica_id)
+        loads = (o for link in self.links.values() for o in link.last.outstanding)
+        return sum(o.outstanding for o in loads if o.replica_id == replica_id)
 
     # -- what the admin API shows ---------------------------------------------------------------
 
@@ -409,4 +427,5 @@ class GatewayFeed:
 
 
 def _quiet(heartbeat: g.GatewayHeartbeat, replica_id: str, out_since: int) -> bool:
-    return heartbeat.rotation_version >= out_since and not any(o.replica_id == replica_id for o in heartbeat.outstanding)
+    busy = any(o.replica_id == replica_id for o in heartbeat.outstanding)
+    return heartbeat.rotation_version >= out_since and not busy

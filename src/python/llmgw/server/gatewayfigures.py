@@ -55,7 +55,9 @@ def render_workers(links: Iterable[GatewayLink], now: float | None = None) -> st
         "Time from request to the first byte of the response body, by worker and model.",
         ("worker", "model"),
     )
-    in_flight = r.gauge("llmgw_gateway_in_flight", "Requests being answered now, by worker and model.", ("worker", "model"))
+    in_flight = r.gauge(
+        "llmgw_gateway_in_flight", "Requests being answered now, by worker and model.", ("worker", "model")
+    )
     outstanding = r.gauge(
         "llmgw_gateway_replica_outstanding", "Requests outstanding on each replica, by worker.", ("worker", "replica")
     )

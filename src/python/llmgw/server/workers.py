@@ -142,7 +142,9 @@ class OwnGateway:
             async with trio.open_nursery() as nursery:
                 pids = await nursery.start(serve_workers, command, self.count)
                 await self._linked()
-                log.info("gateway_workers_ready", workers=self.count, pids=",".join(map(str, pids)), listen=str(address))
+                log.info(
+                    "gateway_workers_ready", workers=self.count, pids=",".join(map(str, pids)), listen=str(address)
+                )
                 task_status.started(address)
         finally:
             for sock in held:

@@ -37,7 +37,8 @@ import attrs
 from llmgw.wire.agent_link import LinkError
 
 # 1: the first gateway link. 2: heartbeats carry the gateway's figures (`ModelFigures`), the
-# requests on each replica (`ReplicaLoad`) and the rotation it routes by (`RotationChanged.version`).
+# requests on each replica (`ReplicaLoad`), the rotation it routes by and the keys it holds (the
+# `version` of each).
 GATEWAY_PROTOCOL_VERSION = 2
 
 GATEWAY_PATH = "/v1/gateway"
@@ -99,6 +100,7 @@ class GatewayHeartbeat:
     in_flight: int = 0  # requests this instance is serving now
     requests_total: int = 0  # requests it answered since it started
     rotation_version: int = 0  # the version of the rotation it routes by now (0: none yet)
+    keys_version: int = 0  # the version of the keys it holds now (0: none yet)
     outstanding: tuple[ReplicaLoad, ...] = ()  # the replicas it has requests on, by replica id
     models: tuple[ModelFigures, ...] = ()  # by model
 
@@ -153,7 +155,12 @@ class GatewayKey:
 
 @attrs.frozen(kw_only=True)
 class KeysChanged:
+    """The valid keys. `version` rises with every change; a gateway's heartbeats say which one
+    it holds, so that the control plane knows when its own workers refuse a revoked key (its
+    admin API answers then)."""
+
     keys: tuple[GatewayKey, ...]
+    version: int = 0
 
 
 @attrs.frozen(kw_only=True)
