@@ -125,6 +125,23 @@ class MetricsRegistry:
         return "\n".join(out) + "\n"
 
 
+def merge(*texts: str) -> str:
+    """Several expositions as one, as Prometheus takes them: a family more than one has appears
+    once (its HELP and TYPE from the first), with the series of each, in order."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name -> (its HELP and TYPE lines, its series)
+    name = ""
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("# "):
+                word, name = line.split(" ", 3)[1:3]  # "HELP" or "TYPE", the family's name
+                head, _ = families.setdefault(name, ([], []))
+                if not any(h.split(" ", 2)[1] == word for h in head):
+                    head.append(line)
+            elif line:
+                families.setdefault(name, ([], []))[1].append(line)
+    return "".join(line + "\n" for head, series in families.values() for line in (*head, *series))
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 

@@ -7,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.gateway.history import History, quantile, totals_of_figures
-from llmgw.gateway.metrics import GatewayMetrics, model_figures
+from llmgw.gateway.history import History, quantile, totals_of_families
+from llmgw.gateway.metrics import GatewayMetrics, families_of
 
 
 def test_quantiles_interpolate_within_the_bucket_like_histogram_quantile() -> None:
@@ -72,7 +72,7 @@ def test_instances_add_up_each_from_its_own_baseline_and_one_that_returns_goes_o
     counted since the step before; a new one is a baseline, not a burst of all it ever did."""
     said: dict[str, GatewayMetrics] = {"a": gateway(5)}
     history = History(
-        lambda: {name: totals_of_figures(model_figures(m, {})) for name, m in said.items()}, step_s=10, window_s=60
+        lambda: {name: totals_of_families(families_of(m.registry)) for name, m in said.items()}, step_s=10, window_s=60
     )
     history.sample(0.0)
     said = {"a": gateway(8), "b": gateway(100, errors=10)}  # b: a gateway back after the control plane restarted

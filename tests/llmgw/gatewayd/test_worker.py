@@ -184,7 +184,7 @@ async def test_cut_off_it_takes_a_dead_replica_out_and_probes_it_back(
     assert (await w.health())[1]["ready"] == {"chat": 2}
 
 
-async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_replica_and_its_figures(
+async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_replica_and_its_metrics(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     _, sims, w = await started(nursery, 1, output_token_ms=1000)
@@ -193,17 +193,24 @@ async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_rep
     w.feed(sims, version=3)
     await applied.wait()  # the gateway routes by it: what sends a heartbeat at once
     beat = w.worker.load()
-    assert (beat.rotation_version, beat.keys_version, beat.outstanding, beat.models) == (3, 3, (), ())
+    assert (beat.rotation_version, beat.keys_version, beat.outstanding) == (3, 3, ())
     async with trio.open_nursery() as calls:
         calls.start_soon(w.call, "POST", "/v1/chat/completions", chat(max_tokens=3))
         await trio.sleep(1.5)  # its tokens come a second apart
         assert w.worker.load().outstanding == (ReplicaLoad(replica_id="chat-0", outstanding=1),)
         assert w.worker.load().in_flight == 1
     beat = w.worker.load()
-    [figures] = beat.models
     assert beat.outstanding == () and beat.requests_total == 1
-    assert figures.model == "chat" and [(c.status, c.count) for c in figures.requests] == [("200", 1)]
-    assert figures.duration is not None and sum(figures.duration.counts) == 1 and figures.duration.sum_s >= 3
+    families = {f.name: f for f in beat.metrics}
+    # Everything its own /metrics has, family by family.
+    assert [f.name for f in beat.metrics] == [
+        line.split()[2] for line in w.worker.render_metrics().splitlines() if line.startswith("# TYPE")
+    ]
+    [requests] = families["llmgw_gateway_requests_total"].samples
+    assert (requests.labels, requests.value) == (("chat", "200"), 1)
+    [duration] = families["llmgw_gateway_request_duration_seconds"].samples
+    assert sum(duration.counts) == 1 and duration.sum >= 3
+    assert families["llmgw_gateway_link_up"].samples[0].value == 1
 
 
 async def test_a_worker_of_the_control_plane_relays_its_routes_and_listens_once_its_table_came(

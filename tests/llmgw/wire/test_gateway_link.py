@@ -20,13 +20,21 @@ MESSAGES = [
         requests_total=9,
         rotation_version=7,
         outstanding=(g.ReplicaLoad(replica_id="r1", outstanding=1),),
-        models=(
-            g.ModelFigures(
-                model="chat",
-                requests=(g.StatusCount(status="200", count=8), g.StatusCount(status="503", count=1)),
-                duration=g.Histogram(counts=(1,) * 15, sum_s=0.5),
-                ttfb=None,
-                in_flight=1,
+        metrics=(
+            g.MetricFamily(
+                name="llmgw_gateway_requests_total",
+                help="Requests answered, by model and status.",
+                kind="counter",
+                labels=("model", "status"),
+                samples=(g.Sample(labels=("chat", "200"), value=8), g.Sample(labels=("chat", "503"), value=1)),
+            ),
+            g.MetricFamily(
+                name="llmgw_gateway_request_duration_seconds",
+                help="Time from request to the end of the response.",
+                kind="histogram",
+                labels=("model",),
+                buckets=(0.1, 1.0),
+                samples=(g.Sample(labels=("chat",), counts=(1, 2, 0), sum=1.5),),
             ),
         ),
     ),

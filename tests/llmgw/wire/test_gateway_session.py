@@ -391,10 +391,27 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
         ('{"type": "gateway_heartbeat", "seq": -1}', w.BAD_MESSAGE, "expected a whole number from 0"),
         ('{"type": "gateway_heartbeat", "seq": 1, "extra": 2}', w.BAD_MESSAGE, "extra"),
         (
-            '{"type": "gateway_heartbeat", "seq": 1, "models": [{"model": "chat", "duration": '
-            '{"counts": [1, 2], "sum_s": 0.5}}]}',
+            '{"type": "gateway_heartbeat", "seq": 1, "metrics": [{"name": "x", "help": "h", "kind": "histogram", '
+            '"labels": ["model"], "buckets": [0.1, 1.0], "samples": [{"labels": ["chat"], "counts": [1, 2]}]}]}',
             w.BAD_MESSAGE,
-            "the duration histogram of model 'chat' has 2 buckets, expected 15",
+            "has a series with 2 counts for 2 buckets and the one above them",
+        ),
+        (
+            '{"type": "gateway_heartbeat", "seq": 1, "metrics": [{"name": "x 1\\ny 2", "help": "h", "kind": "gauge"}]}',
+            w.BAD_MESSAGE,
+            "has a name that is not a Prometheus name",
+        ),
+        (
+            '{"type": "gateway_heartbeat", "seq": 1, "metrics": [{"name": "x", "help": "h\\n# TYPE y gauge", '
+            '"kind": "gauge"}]}',
+            w.BAD_MESSAGE,
+            "help on more than one line",
+        ),
+        (
+            '{"type": "gateway_heartbeat", "seq": 1, "metrics": [{"name": "x", "help": "h", "kind": "gauge", '
+            '"labels": ["a"], "samples": [{"labels": []}]}]}',
+            w.BAD_MESSAGE,
+            "a series with 0 label values for 1 labels",
         ),
     ],
 )

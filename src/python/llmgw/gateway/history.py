@@ -8,7 +8,8 @@ changes: the gateway counts as it did.
 
 The figures come from sources, each counting since it started: the control plane's own
 gateway when it runs in its process (`totals_of`, its metric families), and every gateway
-instance connected over the gateway link (`totals_of_figures`, its last heartbeat). A step
+instance connected over the gateway link (`totals_of_families`, the families of its last
+heartbeat). A step
 adds up what each source counted since the step before. A source seen for the first time is
 a baseline (a gateway that reconnects after the control plane restarted does not put all it
 counted since its own start into one step); one that goes away and comes back within the
@@ -28,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import DURATION, REQUESTS, TTFB, GatewayMetrics
 from llmgw.metrics import LATENCY_BUCKETS
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
@@ -95,15 +96,17 @@ def totals_of(metrics: GatewayMetrics) -> dict[str, ModelTotals]:
     return out
 
 
-def totals_of_figures(figures: Sequence[g.ModelFigures]) -> dict[str, ModelTotals]:
-    """A gateway instance's totals, from its last heartbeat."""
+def totals_of_families(families: Sequence[g.MetricFamily]) -> dict[str, ModelTotals]:
+    """A gateway instance's totals, from the metric families of its last heartbeat (a histogram
+    of other buckets than ours is left out: it cannot be added up with ours)."""
     out: dict[str, ModelTotals] = {}
-    for f in figures:
-        totals = out.setdefault(f.model, ModelTotals())
-        for status in f.requests:
-            _count(totals, status.status, status.count)
-        totals.latency = list(f.duration.counts) if f.duration else []
-        totals.ttfb = list(f.ttfb.counts) if f.ttfb else []
+    for f in families:
+        if f.name == REQUESTS and f.labels == ("model", "status"):
+            for s in f.samples:
+                _count(out.setdefault(s.labels[0], ModelTotals()), s.labels[1], s.value)
+        elif f.name in (DURATION, TTFB) and f.labels == ("model",) and f.buckets == LATENCY_BUCKETS:
+            for s in f.samples:
+                setattr(out.setdefault(s.labels[0], ModelTotals()), "latency" if f.name == DURATION else "ttfb", list(s.counts))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The gateway's metric families (llmgw.metrics renders them).
+"""The gateway's metric families (llmgw.metrics renders them), and any registry's families as a
+gateway process's heartbeats carry them (`families_of`).
 
 Gauges that mirror state kept elsewhere (replica states, queue depth) are set from that state
 just before rendering (`mirror`), so a scrape sees the state as it is, not as it was at the last
@@ -10,8 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.gateway.routing import Router
-from llmgw.metrics import Histogram, MetricsRegistry
+from llmgw.metrics import Counter, Histogram, MetricsRegistry
 from llmgw.wire import gateway_link as g
+
+
+REQUESTS = "llmgw_gateway_requests_total"
+DURATION = "llmgw_gateway_request_duration_seconds"
+TTFB = "llmgw_gateway_time_to_first_byte_seconds"
 
 
 class GatewayMetrics:
@@ -19,17 +25,9 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = MetricsRegistry()
-        self.requests = r.counter(
-            "llmgw_gateway_requests_total", "Requests answered, by model and status.", ("model", "status")
-        )
-        self.latency = r.histogram(
-            "llmgw_gateway_request_duration_seconds", "Time from request to the end of the response.", ("model",)
-        )
-        self.ttfb = r.histogram(
-            "llmgw_gateway_time_to_first_byte_seconds",
-            "Time from request to the first byte of the response body.",
-            ("model",),
-        )
+        self.requests = r.counter(REQUESTS, "Requests answered, by model and status.", ("model", "status"))
+        self.latency = r.histogram(DURATION, "Time from request to the end of the response.", ("model",))
+        self.ttfb = r.histogram(TTFB, "Time from request to the first byte of the response body.", ("model",))
         self.in_flight = r.gauge("llmgw_gateway_in_flight", "Requests being answered now.", ("model",))
         self.queue_depth = r.gauge("llmgw_gateway_queue_depth", "Requests waiting for a ready replica.", ("model",))
         self.retries = r.counter(
@@ -71,30 +69,16 @@ class GatewayMetrics:
         return self.registry.render()
 
 
-def model_figures(metrics: GatewayMetrics, in_flight: Mapping[str, int]) -> tuple[g.ModelFigures, ...]:
-    """What a gateway process counted, per model, as its heartbeats carry it (by model)."""
-    models = (
-        {model for model, _ in metrics.requests.values}
-        | {model for (model,) in metrics.latency.counts}
-        | {model for (model,) in metrics.ttfb.counts}
-        | {model for model, n in in_flight.items() if n}
-    )
-    return tuple(
-        g.ModelFigures(
-            model=model,
-            requests=tuple(
-                g.StatusCount(status=status, count=int(count))
-                for (m, status), count in sorted(metrics.requests.values.items())
-                if m == model
-            ),
-            duration=_histogram(metrics.latency, model),
-            ttfb=_histogram(metrics.ttfb, model),
-            in_flight=in_flight.get(model, 0),
+def families_of(*registries: MetricsRegistry) -> tuple[g.MetricFamily, ...]:
+    """Every family of `registries`, as a gateway process's heartbeats carry its /metrics."""
+    return tuple(_family(f) for r in registries for f in r.families)
+
+
+def _family(f: Counter | Histogram) -> g.MetricFamily:
+    if isinstance(f, Histogram):
+        samples = tuple(
+            g.Sample(labels=key, counts=tuple(counts), sum=f.sums[key]) for key, counts in sorted(f.counts.items())
         )
-        for model in sorted(models)
-    )
-
-
-def _histogram(family: Histogram, model: str) -> g.Histogram | None:
-    counts = family.counts.get((model,))
-    return None if counts is None else g.Histogram(counts=tuple(counts), sum_s=family.sums[(model,)])
+        return g.MetricFamily(name=f.name, help=f.help, kind=f.kind, labels=f.labels, buckets=f.buckets, samples=samples)
+    samples = tuple(g.Sample(labels=key, value=value) for key, value in sorted(f.values.items()))
+    return g.MetricFamily(name=f.name, help=f.help, kind=f.kind, labels=f.labels, samples=samples)

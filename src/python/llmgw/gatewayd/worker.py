@@ -38,7 +38,7 @@ from llmgw.config import GatewaySection
 from llmgw.errors import MachineError
 from llmgw.gateway.app import RETRY_AFTER_S, Gateway
 from llmgw.gateway.front import serve_draining
-from llmgw.gateway.metrics import model_figures
+from llmgw.gateway.metrics import families_of
 from llmgw.gateway.upstream import Connect
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.http.errors import HTTPError
@@ -113,7 +113,7 @@ class GatewayWorker:
     def load(self) -> g.GatewayHeartbeat:
         """What its link's heartbeats say: requests in flight and answered since it started, the
         rotation it routes by and the keys it holds, its requests on each replica and its
-        figures per model."""
+        /metrics."""
         gateway = self.gateway
         outstanding = sorted((r, n) for r, n in gateway.router.outstanding.items() if n > 0)
         return g.GatewayHeartbeat(
@@ -123,14 +123,22 @@ class GatewayWorker:
             rotation_version=gateway.rotation_version,
             keys_version=self.table.keys_version,
             outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in outstanding),
-            models=model_figures(gateway.metrics, gateway.in_flight),
+            metrics=self.metric_families(),
         )
 
-    def render_metrics(self) -> str:
+    def _registries(self) -> tuple[MetricsRegistry, ...]:
+        """Its /metrics, family by family, each gauge set from the state it mirrors."""
+        self.gateway.metrics.mirror(self.gateway.router, self.gateway.queued, self.gateway.in_flight)
         self.staleness.set(round(self.table.staleness(self.gateway.clock()), 3))
         self.link_up.set(1 if self.table.link_up else 0)
         self.received.set(1 if self.table.received else 0)
-        return self.gateway.render_metrics() + self.registry.render() + self.connections.render()
+        return self.gateway.metrics.registry, self.registry, self.connections.registry
+
+    def render_metrics(self) -> str:
+        return "".join(r.render() for r in self._registries())
+
+    def metric_families(self) -> tuple[g.MetricFamily, ...]:
+        return families_of(*self._registries())
 
     async def serve(
         self,

@@ -41,7 +41,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
-from llmgw.metrics import MetricsRegistry
+from llmgw.metrics import MetricsRegistry, merge
 from llmgw.pki.ca import CA
 from llmgw.pki.files import load_ca
 from llmgw.pki.tls import server_ssl_context
@@ -413,7 +413,8 @@ class ControlPlane:
                 + self.registry.clock.render()
                 + (self.step_timer.render() if self.step_timer is not None else "")
             )
-            return Response(status=200, body=(gateway + own).encode(), headers=(("content-type", METRICS_TYPE),))
+            # One exposition: a family both have (the listeners' connections) appears once.
+            return Response(status=200, body=merge(gateway, own).encode(), headers=(("content-type", METRICS_TYPE),))
         if Page.serves(request.path):  # the cluster page's files and /login
             return await self.page.handle(request)
         raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")

@@ -36,7 +36,7 @@ import attrs
 
 from llmgw.wire.agent_link import LinkError
 
-# 1: the first gateway link. 2: heartbeats carry the gateway's figures (`ModelFigures`), the
+# 1: the first gateway link. 2: heartbeats carry the gateway's metrics (`MetricFamily`), its
 # requests on each replica (`ReplicaLoad`), the rotation it routes by and the keys it holds (the
 # `version` of each).
 GATEWAY_PROTOCOL_VERSION = 2
@@ -59,30 +59,29 @@ class GatewayHello:
 
 
 @attrs.frozen(kw_only=True)
-class StatusCount:
-    status: str  # the HTTP status answered, as the gateway's metrics label it
-    count: int
+class Sample:
+    """One series of a family: its label values, in the family's order, and its value (a counter
+    or a gauge), or a histogram's observations per bucket (not cumulative, the last one above
+    every bound) and their sum."""
+
+    labels: tuple[str, ...] = ()
+    value: float = 0.0
+    counts: tuple[int, ...] = ()
+    sum: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
-class Histogram:
-    """Observations per bucket of `llmgw.metrics.LATENCY_BUCKETS` (not cumulative), the last one
-    above every bound, and their sum in seconds."""
+class MetricFamily:
+    """A metric family as the instance's own /metrics holds it (`llmgw.metrics`): what the
+    control plane's /metrics shows of its own workers and the cluster page's history reads of
+    every gateway (docs/gateway.md). Counters count since the instance started."""
 
-    counts: tuple[int, ...]
-    sum_s: float
-
-
-@attrs.frozen(kw_only=True)
-class ModelFigures:
-    """What one instance counted for one model since it started: what the control plane's
-    /metrics and the cluster page's history show of the gateway (docs/gateway.md)."""
-
-    model: str
-    requests: tuple[StatusCount, ...] = ()  # answered, by status
-    duration: Histogram | None = None  # from request to the end of the response
-    ttfb: Histogram | None = None  # from request to the first byte of the body
-    in_flight: int = 0
+    name: str
+    help: str
+    kind: str  # counter, gauge or histogram
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds
+    samples: tuple[Sample, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -93,7 +92,7 @@ class ReplicaLoad:
 
 @attrs.frozen(kw_only=True)
 class GatewayHeartbeat:
-    """How the instance is doing. Its figures are totals since it started (a restarted process
+    """How the instance is doing. Its counters are totals since it started (a restarted process
     is a new instance and starts from zero), so a heartbeat lost or replaced loses nothing."""
 
     seq: int
@@ -102,7 +101,7 @@ class GatewayHeartbeat:
     rotation_version: int = 0  # the version of the rotation it routes by now (0: none yet)
     keys_version: int = 0  # the version of the keys it holds now (0: none yet)
     outstanding: tuple[ReplicaLoad, ...] = ()  # the replicas it has requests on, by replica id
-    models: tuple[ModelFigures, ...] = ()  # by model
+    metrics: tuple[MetricFamily, ...] = ()  # its /metrics, family by family
 
 
 # -- control plane -> gateway --------------------------------------------------------------

@@ -44,7 +44,6 @@ import attrs
 
 from llmgw import __version__
 from llmgw.errors import cut, shown
-from llmgw.metrics import LATENCY_BUCKETS
 from llmgw.pki.ca import ROLE_GATEWAY
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
@@ -255,7 +254,7 @@ class GatewayServerSession(Session):
 
     def _check(self, message: Any) -> None:
         if isinstance(message, g.GatewayHeartbeat):
-            check_figures(message)
+            check_metrics(message.metrics)
         if isinstance(message, g.GatewayHello):
             self._check_version(message.protocol_version)
             if message.name != self.expected_name or message.instance != self.instance:
@@ -377,18 +376,41 @@ class GatewaySession(Session):
         return f"unexpected {kind} from the control plane ({self.state.value})"
 
 
-def check_figures(heartbeat: g.GatewayHeartbeat) -> None:
-    """`WireError` unless every histogram of the heartbeat has a count per bucket of
-    `LATENCY_BUCKETS` and one above them (the control plane adds them up bucket by bucket)."""
-    want = len(LATENCY_BUCKETS) + 1
-    for figures in heartbeat.models:
-        for name, histogram in (("duration", figures.duration), ("ttfb", figures.ttfb)):
-            if histogram is not None and len(histogram.counts) != want:
-                raise WireError(
-                    w.BAD_MESSAGE,
-                    f"the {name} histogram of model {shown(figures.model)} has {len(histogram.counts)} buckets, "
-                    f"expected {want}; run the same llmgw release on the gateway and the control plane",
-                )
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,199}")  # Prometheus' names, bounded
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,99}")
+KINDS = ("counter", "gauge", "histogram")
+
+
+def check_metrics(families: tuple[g.MetricFamily, ...]) -> None:
+    """`WireError` unless every family of a heartbeat can be shown as Prometheus text as it is:
+    names of metric and labels as Prometheus has them, help on one line, a known kind, each
+    series with a value per label, each histogram's with a count per bucket and one above."""
+    for f in families:
+        bad = _bad_family(f) or next((why for s in f.samples if (why := _bad_sample(f, s))), None)
+        if bad:
+            raise WireError(
+                w.BAD_MESSAGE,
+                f"metric family {shown(f.name)} of the heartbeat {bad}; run the same llmgw release on the gateway "
+                "and the control plane",
+            )
+
+
+def _bad_family(f: g.MetricFamily) -> str | None:
+    if not _METRIC_NAME.fullmatch(f.name) or not all(_LABEL_NAME.fullmatch(label) for label in f.labels):
+        return "has a name that is not a Prometheus name, or a label that is not"
+    if "\n" in f.help or f.kind not in KINDS:
+        return f"has help on more than one line, or a kind not one of {', '.join(KINDS)}"
+    if f.kind != "histogram" and f.buckets:
+        return "has buckets and is no histogram"
+    return None
+
+
+def _bad_sample(f: g.MetricFamily, s: g.Sample) -> str | None:
+    if len(s.labels) != len(f.labels):
+        return f"has a series with {len(s.labels)} label values for {len(f.labels)} labels"
+    if f.kind == "histogram" and len(s.counts) != len(f.buckets) + 1:
+        return f"has a series with {len(s.counts)} counts for {len(f.buckets)} buckets and the one above them"
+    return None
 
 
 def new_instance() -> str:
