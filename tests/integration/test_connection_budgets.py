@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import ssl
 import time
@@ -26,7 +25,7 @@ import pytest
 
 from llmgw.wire import agent_link as w
 from testlib import hostile
-from testlib.cluster import Cluster, NodeFiles, wait_until
+from testlib.cluster import Cluster, NodeFiles, connection_metrics, wait_until
 
 HTTP_CAP = 40
 AGENT_CAP = 16  # so the unproven budget is 8 (listeners.unproven_budget)
@@ -78,19 +77,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 def metrics(live: Live) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", live.http_port, timeout=5)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("llmgw_connections_"):
-            name, value = line.rsplit(" ", 1)
-            name = re.sub(r'worker="[^"]*",?', "", name)  # the one worker's, as the control plane's own
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
+    return connection_metrics(live.http_port)
 
 
 def chat(live: Live) -> float:

@@ -30,7 +30,7 @@ import attrs
 import pytest
 
 from testlib import hostile
-from testlib.cluster import Cluster
+from testlib.cluster import Cluster, connection_metrics, wait_until
 
 HEAD_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
@@ -106,13 +106,9 @@ def request(port: int, method: str, path: str, body: bytes = b"", headers=(), ti
 
 
 def metrics(live: Live) -> dict[str, float]:
-    _, text = request(live.http_port, "GET", "/metrics")
-    out = {}
-    for line in text.decode().splitlines():
-        if line.startswith("llmgw_connections_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    """The connection figures: the control plane's own, and its gateway workers' added up (as
+    their heartbeats said them, at most a heartbeat interval old)."""
+    return connection_metrics(live.http_port)
 
 
 def aborted(live: Live, listener: str, reason: str) -> float:
@@ -170,9 +166,13 @@ def test_a_fin_or_rst_at_any_byte_of_a_request_ends_that_connection_only(live: L
         for how in ("fin", "rst"):
             hostile.cut_at("127.0.0.1", port, head + body, offset, how=how)
     if listener == "gateway":
-        after = aborted(live, "http", "closed") + aborted(live, "http", "reset")
-        # A FIN after the whole request is a client gone before the answer, counted too.
-        assert after - before >= len(cuts), metrics(live)
+        # A FIN after the whole request is a client gone before the answer, counted too; the
+        # workers' counts come with their next heartbeats.
+        wait_until(
+            "the workers to count every cut",
+            lambda: aborted(live, "http", "closed") + aborted(live, "http", "reset") - before >= len(cuts),
+            last_seen=lambda: metrics(live),
+        )
     assert_serving(live)
 
 
@@ -267,7 +267,11 @@ def test_a_head_or_body_trickled_in_is_cut_at_its_deadline(live: Live) -> None:
     answer, took = results["engine"]
     assert hostile.status_of(answer) == 408, answer
     assert 9 < took < 13, took
-    assert aborted(live, "http", "head_timeout") >= 1 and aborted(live, "http", "body_timeout") >= 1
+    wait_until(
+        "the workers to count both timeouts",
+        lambda: aborted(live, "http", "head_timeout") >= 1 and aborted(live, "http", "body_timeout") >= 1,
+        last_seen=lambda: metrics(live),
+    )
     assert_serving(live)
 
 

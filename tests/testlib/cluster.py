@@ -15,8 +15,10 @@ would (agent and engines), and how `close` leaves no engine behind.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -158,6 +160,25 @@ def kill_groups(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def connection_metrics(port: int) -> dict[str, float]:
+    """The `llmgw_connections_*` series of the control plane's /metrics on `port`, by name and
+    labels: the gateway workers' (labelled `worker`, as their last heartbeats said them) added up
+    per listener and reason, as one process's figures were before the gateway had workers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llmgw_connections_"):
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r'worker="[^"]*",?', "", name)
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def tails(procs: Iterable[Proc]) -> str:

@@ -12,7 +12,7 @@
     STATE_DIR/run/admin.sock 0600: its private socket: its own routes (admin API, page, /metrics)
                              for its gateway workers to relay to (server.adminsocket)
     STATE_DIR/run/gateway/   0700: its gateway workers' certificate (gateway.key 0600, gateway.crt,
-                             ca.crt), issued anew at each start (server.workers)
+                             ca.crt), issued anew at each start, and their settings.json (server.workers)
 
 Each private one is made with that mode whatever the umask, and refused at start when found
 open to others or owned by another user (`check_state_dir`, `llmgw.private`). The state

@@ -78,6 +78,7 @@ def configure(parser: Parser) -> None:
     parser.add_argument("--listen-fd", type=int, action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--relay-socket", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--table-first", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         listen_fds=tuple(args.listen_fd),
         relay_socket=args.relay_socket,
         table_first=args.table_first,
+        settings=args.settings,
     )
     if args.worker_index is not None:
         return run_service("gateway_worker", main.serve_gateway_worker, plan, args.worker_index, args.parent_fd)

@@ -14,7 +14,6 @@ from llmgw.gateway.routing import Router
 from llmgw.metrics import Counter, Histogram, MetricsRegistry
 from llmgw.wire import gateway_link as g
 
-
 REQUESTS = "llmgw_gateway_requests_total"
 DURATION = "llmgw_gateway_request_duration_seconds"
 TTFB = "llmgw_gateway_time_to_first_byte_seconds"

@@ -13,6 +13,7 @@ processes) and takes an instance name of its own for its link.
 
 from __future__ import annotations
 
+import json
 import socket
 from functools import partial
 from pathlib import Path
@@ -21,8 +22,10 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw.config import GatewaySection
-from llmgw.errors import UsageError
+from llmgw import paths
+from llmgw.config import GatewaySection, to_dict
+from llmgw.config.convert import structure
+from llmgw.errors import ConfigError, UsageError
 from llmgw.gatewayd.identity import credentials
 from llmgw.gatewayd.processes import WorkerCommand, parent_link, serve_workers
 from llmgw.gatewayd.sources import link_source, serve_table_file
@@ -53,6 +56,7 @@ class GatewayPlan:
     listen_fds: tuple[int, ...] = ()  # listening sockets passed to the workers, in place of binding `listen`
     relay_socket: Path | None = None  # where what is not the gateway's goes (`llmgw.http.relay`)
     table_first: bool = False  # listen only once the first whole table came (`GatewayWorker.serve`)
+    settings: Path | None = None  # `[gateway]` and `[http]` as the control plane runs them (`write_settings`)
 
     @property
     def listen(self) -> str:
@@ -70,8 +74,10 @@ def plan(
 ) -> GatewayPlan:
     """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
     `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`,
-    `table_first`)."""
+    `table_first`, `settings`)."""
     host, port = split_listen(listen)
+    if inner.get("settings") is not None:
+        inner["gateway"], inner["http"] = read_settings(inner["settings"])
     if server_url is not None:
         if not server_url.startswith("wss://"):
             raise UsageError(f"--server {server_url!r} must be the control plane's agent endpoint, wss://HOST:PORT")
@@ -90,6 +96,25 @@ def plan(
         name=name or "gateway",
         **inner,
     )
+
+
+def write_settings(path: Path, gateway: GatewaySection, http: Limits) -> None:
+    """The control plane's `[gateway]` and `[http]` for its own workers (a 0600 file: nothing in
+    them is secret, but the directory is the workers' private one)."""
+    limits = {f.name: getattr(http, f.name) for f in attrs.fields(Limits)}  # the listener's part of [http]
+    paths.write_private(path, json.dumps({"gateway": to_dict(gateway), "http": limits}).encode())
+
+
+def read_settings(path: Path) -> tuple[GatewaySection, Limits]:
+    """What `write_settings` wrote; a `ConfigError` naming the file if it cannot be read as that."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(path), [f"cannot be read: {exc.__class__.__name__}: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), ["expected a JSON object with gateway and http"])
+    gateway = structure(data.get("gateway", {}), GatewaySection, str(path))
+    return gateway, structure(data.get("http", {}), Limits, str(path))
 
 
 def split_listen(value: str) -> tuple[str, int]:
@@ -115,6 +140,8 @@ def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[
         args += ["--relay-socket", str(plan.relay_socket.absolute())]
     if plan.table_first:
         args += ["--table-first"]
+    if plan.settings is not None:
+        args += ["--settings", str(plan.settings.absolute())]
     return tuple(args)
 
 

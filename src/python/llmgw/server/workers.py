@@ -18,6 +18,9 @@ the control plane over the gateway link like any gateway:
   activation the sockets passed for http_listen are handed to every worker instead (the same
   file descriptors), and the control plane keeps them open: connections wait in their backlog
   while a worker restarts.
+- Its settings: server.toml's `[gateway]` and `[http]` as the control plane read them at start,
+  in `STATE_DIR/run/gateway/settings.json` (`[http] max_connections` and `body_budget_bytes` are
+  then each worker's).
 - The routes: what is not the gateway's (`relay.gateway_route`) each worker relays to the
   control plane's private socket (`llmgw.server.adminsocket`): the admin API, the cluster page,
   /login and /metrics keep their URL.
@@ -50,6 +53,7 @@ from llmgw.server.gatewayfigures import WORKER_NAME, own_workers
 
 log = get_logger("llmgw.server")
 
+SETTINGS_FILE = "settings.json"  # beside the certificate: the control plane's [gateway] and [http]
 LINK_TIMEOUT_S = 60.0  # at start, for every worker to route by the control plane's rotation
 _WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -159,6 +163,8 @@ class OwnGateway:
 
     def _command(self, agent_address: tuple[str, int], listen: tuple[str, int], fds: tuple[int, ...]) -> WorkerCommand:
         pki = issue_identity(self.ca, self.state_dir, validity_days=self.config.ca.server_cert_validity_days)
+        settings = pki / SETTINGS_FILE
+        gatewayd.write_settings(settings, self.config.gateway, self.config.http)
         url = link_url(agent_address)
         plan = gatewayd.plan(
             listen=_listen(listen),
@@ -170,6 +176,7 @@ class OwnGateway:
             listen_fds=fds,
             relay_socket=paths.admin_socket_path(self.state_dir),
             table_first=True,
+            settings=settings,
         )
         level, fmt = logs.settings()
         argv = (*llmgw_command(), *gatewayd.worker_args(plan, log_level=level, log_format=fmt))
