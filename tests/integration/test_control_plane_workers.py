@@ -11,6 +11,8 @@ A real cluster on loopback (`llmgw server`, one `llmgw agent`, two sim replicas)
 2. `llmgw ctl nodes`, the cluster page's one-time login and its session, and /metrics work at
    http_listen through a worker; /metrics is the control plane's, with each worker's figures.
 3. A worker SIGKILLed is started again and serves; the control plane runs on.
+4. A key made through the admin API is taken by every worker, and one revoked refused by every
+   worker, as soon as `llmgw ctl` returns.
 """
 
 from __future__ import annotations
@@ -281,3 +283,30 @@ def test_a_killed_worker_is_started_again_and_serves(live: Live) -> None:
     )
     status, _, body = request(live.port, "GET", "/health")
     assert status == 200, body
+
+
+def chats(live: Live, token: str, count: int) -> list[int]:
+    """`count` chats, each on a fresh connection (the kernel picks a worker for each): their statuses."""
+    statuses = []
+    for _ in range(count):
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+        try:
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                body=chat_body("chat"),
+                headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+            )
+            response = conn.getresponse()
+            response.read()
+            statuses.append(response.status)
+        finally:
+            conn.close()
+    return statuses
+
+
+def test_a_key_made_or_revoked_is_known_to_every_worker_once_the_admin_api_answers(live: Live) -> None:
+    token = live.cluster.ctl("keys", "create", "brief")["token"]
+    assert chats(live, token, 20) == [200] * 20  # whichever worker took the connection
+    live.cluster.ctl("keys", "revoke", "brief")
+    assert chats(live, token, 20) == [401] * 20

@@ -39,7 +39,10 @@ READY_S = 60.0  # placement, engine start (a Python process each), health checks
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
+    # The control plane's own gateway on its loop (`gateway_workers = 0`): its worker processes
+    # would be instances of their own among those sharing the keys' limits, and the instances
+    # counted here are the test's two alone.
+    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0, server_toml="gateway_workers = 0\n")
     try:
         yield c
     finally:
