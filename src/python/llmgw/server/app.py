@@ -11,11 +11,14 @@ plane's four roles as small objects (`ControlPlane`'s docstring names them).
 
 `serve` is the root: each service is a `serve_x(..., *, task_status)` started with
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
-addresses once both listeners accept connections. Every background loop runs under
-`llmgw.supervision.Background`: a failure after start is logged with its traceback and the loop
-started again with backoff; only a failure at start ends the process. Drains are jobs of their
-own service (`llmgw.server.drains`). Shutdown is cancellation; the HTTP listener alone outlives
-it, bounded, so that requests in flight finish.
+addresses once both ports accept connections. The last is the front on `http_listen`: the
+gateway's worker processes (`llmgw.server.workers`; none of the gateway's requests runs on this
+loop), or with `gateway_workers = 0` the gateway on this loop (`llmgw.server.front`). Every
+background loop runs under `llmgw.supervision.Background`: a failure after start is logged with
+its traceback and the loop started again with backoff; only a failure at start ends the process.
+Drains are jobs of their own service (`llmgw.server.drains`). Shutdown is cancellation, of the
+front first: its requests in flight finish (bounded) while the rest still runs, then the rest
+stops.
 """
 
 from __future__ import annotations
