@@ -210,6 +210,7 @@ def test_issue_gateway_writes_its_key_and_certificate_of_the_gateway_role(
     ("argv", "says"),
     [
         (["--gateway", "gw 1"], "gateway name 'gw 1' may use only letters"),
+        (["--gateway", "control-plane"], "is the control plane's own gateway workers'"),  # it issues that itself
         (["node01", "--gateway", "gw1"], "--gateway NAME makes a gateway's key and certificate by itself"),
         (["--gateway", "gw1", "--csr", "x.csr"], "give no NODE_ID and no --csr"),
         ([], "name the node: `llmgw ca issue NODE_ID --csr FILE`"),

@@ -21,7 +21,7 @@ from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
 from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
-from llmgw.pki.ca import CertInfo, cert_info, check_gateway_name, check_node_id, parse_sans
+from llmgw.pki.ca import CONTROL_PLANE_GATEWAY, CertInfo, cert_info, check_gateway_name, check_node_id, parse_sans
 from llmgw.pki.files import (
     CAPaths,
     ca_paths,
@@ -234,6 +234,11 @@ def _issue_gateway(args: argparse.Namespace) -> int:
     """A gateway's key and certificate by hand, into a directory: the gateway makes no request
     of its own (its key is made here and copied over, as a node's is by hand)."""
     name = check_gateway_name(args.gateway)
+    if name == CONTROL_PLANE_GATEWAY:
+        raise UsageError(
+            f"gateway name {name!r} is the control plane's own gateway workers', whose certificate it issues itself; "
+            "name this gateway otherwise (its machine's hostname, e.g. 'gw1')"
+        )
     if args.node_id is not None or args.csr is not None:
         raise UsageError(
             "--gateway NAME makes a gateway's key and certificate by itself: give no NODE_ID and no --csr "

@@ -22,10 +22,11 @@ from collections.abc import Iterable
 
 from llmgw.gateway.history import Totals, totals_of_families
 from llmgw.metrics import MetricsRegistry
+from llmgw.pki.ca import CONTROL_PLANE_GATEWAY
 from llmgw.server.gatewayfeed import GatewayLink
 from llmgw.wire import gateway_link as g
 
-WORKER_NAME = "control-plane"  # the gateway name of the control plane's own workers (their certificate's CN)
+WORKER_NAME = CONTROL_PLANE_GATEWAY  # the gateway name of the control plane's own workers (their certificate's CN)
 
 
 def history_totals(links: Iterable[GatewayLink]) -> dict[str, Totals]:
