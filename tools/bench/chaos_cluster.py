@@ -13,6 +13,7 @@ nodes are loopback addresses (127.0.0.2, ...) and the partition fault is skipped
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -182,12 +183,16 @@ class ChaosCluster:
                     data += chunk
         except OSError:
             return -1
-        want = f'llmgw_gateway_replica_state{{model="{model}",'.encode()
-        return sum(
-            1
-            for line in data.splitlines()
-            if line.startswith(want) and b'state="ready"' in line and line.endswith(b" 1")
-        )
+        # One count per gateway worker (its series carry `worker`, docs/gateway.md): the replicas
+        # the gateway routes to are those every worker routes to.
+        model_label = f'model="{model}"'.encode()
+        ready: dict[bytes, int] = {}
+        for line in data.splitlines():
+            if line.startswith(b"llmgw_gateway_replica_state{") and model_label in line:
+                worker = re.search(rb'worker="([^"]*)"', line)
+                key = worker.group(1) if worker else b""
+                ready[key] = ready.get(key, 0) + (b'state="ready"' in line and line.endswith(b" 1"))
+        return min(ready.values(), default=0)
 
     def close(self) -> None:
         for proc in self.procs:
