@@ -118,6 +118,8 @@ def test_no_parser_in_the_command_tree_takes_an_abbreviated_option() -> None:
         # Nothing else is required here, so an option argparse does not know ends up in the extras.
         for action in parser._actions:
             action.required = False
+        for group in parser._mutually_exclusive_groups:
+            group.required = False
 
         def error(message: str) -> NoReturn:
             raise _Refused(message)

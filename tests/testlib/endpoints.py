@@ -2,14 +2,14 @@
 (tools/bench/gateway_runner.py): a fixed rotation, replaced with `set`.
 
 The control plane's provider is `llmgw.server.views.GatewayEndpoints`; both meet
-`llmgw.server.gateway.app.EndpointProvider`.
+`llmgw.gateway.app.EndpointProvider`.
 """
 
 from __future__ import annotations
 
 import trio
 
-from llmgw.server.gateway.routing import Endpoint, Rotation
+from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.wakeup import Wakeup
 
 

@@ -15,13 +15,13 @@ import attrs
 import trio
 
 from llmgw.config import GatewaySection
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.limits import Limits
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.routing import Endpoint
+from llmgw.server.keys import KeyRing
 from testlib.cluster import free_port
 from testlib.endpoints import StaticEndpoints
 from testlib.netns import NetNS
@@ -69,6 +69,7 @@ class GW:
     gateway: Gateway
     provider: StaticEndpoints
     token: str
+    keys: KeyRing  # the keys' admin side: the gateway authenticates with its table
 
     async def call(self, method: str, path: str, body=None, *, token: str | None = "", headers=None, timeout=15.0):
         """(status, headers, body) of one request on a fresh connection."""
@@ -106,7 +107,7 @@ async def start_gateway(
     keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
-    gateway = Gateway(provider, keys, options=GatewaySection(**options))
+    gateway = Gateway(provider, keys.table, options=GatewaySection(**options))
     await nursery.start(gateway.serve_rotation)
     await nursery.start(gateway.serve_probes)
     listeners = await nursery.start(
@@ -115,7 +116,7 @@ async def start_gateway(
         )
     )
     host, port = bound_address(listeners)
-    return GW(url_host=host, port=port, gateway=gateway, provider=provider, token=token)
+    return GW(url_host=host, port=port, gateway=gateway, provider=provider, token=token, keys=keys)
 
 
 def chat(content: str = "hello", **extra) -> dict:

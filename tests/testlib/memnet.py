@@ -23,14 +23,14 @@ import trio
 import trio.testing
 
 from llmgw.config import GatewaySection
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.app import Gateway
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.routing import Endpoint
+from llmgw.server.keys import KeyRing
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.options import SimOptions
 from testlib.endpoints import StaticEndpoints
@@ -171,6 +171,7 @@ class MemGateway:
     token: str
     net: MemoryNet
     limits: Limits
+    keys: KeyRing  # the keys' admin side: the gateway authenticates with its table
 
     async def open(self) -> Client:
         """A new connection to the gateway."""
@@ -237,7 +238,7 @@ async def start_gateway(
     keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
-    gateway = Gateway(provider, keys, options=GatewaySection(**options), connect=net.connect)
+    gateway = Gateway(provider, keys.table, options=GatewaySection(**options), connect=net.connect)
     await nursery.start(gateway.serve_rotation)
     await nursery.start(gateway.serve_probes)
-    return MemGateway(gateway=gateway, provider=provider, token=token, net=net, limits=limits)
+    return MemGateway(gateway=gateway, provider=provider, token=token, net=net, limits=limits, keys=keys)

@@ -76,7 +76,7 @@ class Sim:
 class GatewayProc:
     def __init__(self, tmp: Path, name: str, sims: list[Sim]) -> None:
         spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"state_dir": str(tmp / name), "endpoints": [s.endpoint() for s in sims]}))
+        spec.write_text(json.dumps({"endpoints": [s.endpoint() for s in sims]}))
         self.proc = subprocess.Popen(
             [sys.executable, str(RUNNER), str(spec)],
             env=child_env(),

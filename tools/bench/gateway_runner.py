@@ -2,9 +2,9 @@
 
     PYTHONPATH=src/python python3 tools/bench/gateway_runner.py SPEC.json
 
-SPEC is `{"state_dir": DIR, "endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`.
-It serves a `Gateway` with those `StaticEndpoints` on 127.0.0.1 (a free port), creates one API
-key in a fresh store under DIR, prints `{"port": P, "token": T, "pid": PID}` on one line once it
+SPEC is `{"endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`.
+It serves a `Gateway` with those `StaticEndpoints` on 127.0.0.1 (a free port), makes one API
+key (its table holds that key alone: no store), prints `{"port": P, "token": T, "pid": PID}` on one line once it
 listens, and runs until SIGTERM or SIGINT. The open-file limit is raised to its hard limit so
 thousands of streams fit.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import sys
 from functools import partial
 from pathlib import Path
@@ -21,18 +22,18 @@ from pathlib import Path
 import trio
 
 from llmgw.commands._service import run_service
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.keys import KeyTable, token_hash
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
-from llmgw.server.gateway.app import Gateway
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.routing import Endpoint
-from llmgw.server.store import Store
+from llmgw.wire.gateway_link import GatewayKey
 from testlib.endpoints import StaticEndpoints
 
 
 async def serve(spec: dict) -> None:
-    keys = KeyRing(Store.open(Path(spec["state_dir"])))
-    _, token = keys.create("bench")
+    token = "llmgw-" + secrets.token_urlsafe(32)
+    keys = KeyTable([GatewayKey(name="bench", token_sha256=token_hash(token))])
     endpoints = tuple(Endpoint(**ep) for ep in spec["endpoints"])
     gateway = Gateway(StaticEndpoints(endpoints), keys)
     async with trio.open_nursery() as nursery:

@@ -53,6 +53,11 @@ COMMANDS: tuple[CommandSpec, ...] = (
     ),
     CommandSpec("engine", "llmgw.commands.engine", "run an inference engine that ships with llmgw (sim)"),
     CommandSpec(
+        "gateway",
+        "llmgw.commands.gateway",
+        "run the OpenAI-compatible gateway alone, on any machine: workers on one port, fed by the control plane",
+    ),
+    CommandSpec(
         "node", "llmgw.commands.node", "add a machine as a node over SSH; remove a node and revoke its certificate"
     ),
     CommandSpec(

@@ -48,16 +48,18 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.page.Page.touched": "an operator's change through the admin API succeeded -> open cluster "
     "pages send a snapshot",
     "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
-    # The gateway (llmgw.server.gateway).
-    "llmgw.server.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
+    # The gateway (llmgw.gateway).
+    "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
     "original's requests (`quiesce`) looks again",
-    "llmgw.server.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
-    "llmgw.server.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
+    "llmgw.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
+    "llmgw.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
     "shutdown (`drain`) returns",
-    "llmgw.server.gateway.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
+    "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
+    "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
+    "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
     "the valid keys again (`GatewayFeed`)",
-    "llmgw.server.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
+    "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.
     "agent.replica_supervisor.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "

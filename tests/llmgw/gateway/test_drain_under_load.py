@@ -31,7 +31,7 @@ async def test_draining_a_node_under_load_fails_no_request(
     cluster = local(tmp_path, monkeypatch, (Model(name="chat", engine="sim", replicas=2),))
     plane = ControlPlane.open(cluster.config, cluster.state)
     bound = await nursery.start(plane.serve)
-    _, token = await plane.gateway.keys.create("load")
+    _, token = await plane.keys.create("load")
     for i, node_id in enumerate(("node-a", "node-b")):
         await nursery.start(run_agent, cluster.agent(tmp_path, node_id, source_address=f"127.0.0.{i + 1}"))
     in_rotation = lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2  # noqa: E731

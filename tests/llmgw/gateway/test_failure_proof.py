@@ -103,7 +103,7 @@ async def test_a_key_revoked_under_load_is_refused_at_its_next_request(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     _, _, gw = await loaded_gateway(tmp_path, nursery)
-    _, other = await gw.gateway.keys.create("other")
+    _, other = await gw.keys.create("other")
     revoked, kept = Load(gw), Load(gw, other)
     async with trio.open_nursery() as clients:
         for n in range(CLIENTS // 2):
@@ -111,7 +111,7 @@ async def test_a_key_revoked_under_load_is_refused_at_its_next_request(
             clients.start_soon(kept.client, n)
         await revoked.done(20)
         revoking_at = trio.current_time()
-        await gw.gateway.keys.revoke("tests")  # the store first (a thread), then the ring in memory
+        await gw.keys.revoke("tests")  # the store first (a thread), then the table in memory
         revoked_at = trio.current_time()
     assert len(kept.answers) == CLIENTS // 2 * PER_CLIENT and kept.failed() == []
     assert all(status == 200 for sent, status, _, _ in revoked.answers if sent < revoking_at)

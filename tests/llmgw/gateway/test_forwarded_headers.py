@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import bound_address, serve_http
-from llmgw.server.gateway.routing import Endpoint
 from testlib.gateway import start_gateway
 
 pytestmark = pytest.mark.trio

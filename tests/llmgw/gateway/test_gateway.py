@@ -146,11 +146,11 @@ async def test_a_revoked_key_is_refused_at_once_while_another_keeps_working(
     net = memnet.MemoryNet(nursery)
     (a,) = memnet.start_sims(net, 1)
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),))
-    _, other = await gw.gateway.keys.create("other")
-    _, limited = await gw.gateway.keys.create("limited", rate_per_minute=1)
-    _, narrow = await gw.gateway.keys.create("narrow", models=["embed"])
+    _, other = await gw.keys.create("other")
+    _, limited = await gw.keys.create("limited", rate_per_minute=1)
+    _, narrow = await gw.keys.create("narrow", models=["embed"])
     assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 200
-    await gw.gateway.keys.revoke("tests")
+    await gw.keys.revoke("tests")
     assert (await gw.call("POST", "/v1/chat/completions", chat()))[0] == 401
     assert (await gw.call("POST", "/v1/chat/completions", chat(), token=other))[0] == 200
     assert (await gw.call("POST", "/v1/chat/completions", chat(), token=limited))[0] == 200
@@ -244,7 +244,7 @@ async def test_the_key_and_its_limits_are_decided_before_the_body(
     net = memnet.MemoryNet(nursery)
     (a,) = memnet.start_sims(net, 1)
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), models=frozenset({"chat", "other"}))
-    _, limited = await gw.gateway.keys.create("one-a-minute", models=["other"], rate_per_minute=1)
+    _, limited = await gw.keys.create("one-a-minute", models=["other"], rate_per_minute=1)
 
     # One request a minute: the first is let in and refused for its model; every later one is
     # 429 whatever its body says, even one that is not JSON at all.
@@ -253,7 +253,7 @@ async def test_the_key_and_its_limits_are_decided_before_the_body(
     for body_sent in (chat(), b"not json", b'{"model": "other"'):
         status, headers, body = await gw.call("POST", "/v1/chat/completions", body_sent, token=limited)
         assert status == 429 and int(headers["retry-after"]) > 0, body
-    assert gw.gateway.keys._in_flight.get("one-a-minute", 0) == 0  # the refused ones are not held
+    assert gw.gateway.keys.in_flight("one-a-minute") == 0  # the refused ones are not held
 
     # Without a key the body is never read: the answer comes while the body is still unsent.
     client = await gw.open()

@@ -7,7 +7,7 @@ import pytest
 
 from llmgw import config
 from llmgw.errors import ConfigError
-from llmgw.server.gateway.app import Gateway
+from llmgw.gateway.app import Gateway
 from testlib.endpoints import StaticEndpoints
 
 

@@ -3,9 +3,9 @@ tests/llmgw/gateway/test_forwarded_headers.py checks the same end to end."""
 
 from __future__ import annotations
 
+from llmgw.gateway.headers import relayed_headers, upstream_headers
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request
-from llmgw.server.gateway.headers import relayed_headers, upstream_headers
-from llmgw.server.gateway.routing import Endpoint
 
 EP = Endpoint(replica_id="chat-0", model="chat", host="10.0.0.5", port=9000, api_key="engine-key")
 

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server.gateway.history import History, quantile
-from llmgw.server.gateway.metrics import GatewayMetrics
+from llmgw.gateway.history import History, quantile
+from llmgw.gateway.metrics import GatewayMetrics
 
 
 def test_quantiles_interpolate_within_the_bucket_like_histogram_quantile() -> None:

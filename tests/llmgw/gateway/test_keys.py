@@ -1,4 +1,5 @@
-"""API keys: hashed storage, revocation at once, and the per-key limits on a fake clock."""
+"""API keys: hashed storage, revocation at once (the control plane's `KeyRing` and the table it
+keeps), and the per-key limits of a gateway's `KeyTable` on a fake clock."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.gateway.keys import TokenBucket, token_hash
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gateway.errors import ApiKeyError
-from llmgw.server.gateway.keys import KeyRing, TokenBucket, token_hash
+from llmgw.server.errors import ApiKeyError
+from llmgw.server.keys import KeyRing
 from llmgw.server.store import store_path
 
 
@@ -36,13 +38,13 @@ async def test_keys_are_stored_hashed_and_revocation_takes_effect_at_once(tmp_pa
     _, other = await ring.create("team-b")
     assert token.startswith("llmgw-") and row.token_sha256 == token_hash(token)
     assert token.encode() not in store_path(tmp_path).read_bytes()
-    assert ring.authenticate(token).name == "team-a"
-    assert ring.authenticate(token + "x") is None
+    assert ring.table.authenticate(token).name == "team-a"
+    assert ring.table.authenticate(token + "x") is None
     # A second ring on the same store (a restarted control plane) knows the keys.
-    assert KeyRing(AsyncStore.open(tmp_path)).authenticate(token).models == ("chat",)
+    assert KeyRing(AsyncStore.open(tmp_path)).table.authenticate(token).models == ("chat",)
     await ring.revoke("team-a")
-    assert ring.authenticate(token) is None and ring.authenticate(other).name == "team-b"
-    assert KeyRing(AsyncStore.open(tmp_path)).authenticate(token) is None
+    assert ring.table.authenticate(token) is None and ring.table.authenticate(other).name == "team-b"
+    assert KeyRing(AsyncStore.open(tmp_path)).table.authenticate(token) is None
     assert [r.revoked_at is not None for r in await ring.rows()] == [True, False]
     with pytest.raises(ApiKeyError, match="exists already"):
         await ring.create("team-a")
@@ -58,17 +60,20 @@ async def test_keys_are_stored_hashed_and_revocation_takes_effect_at_once(tmp_pa
 async def test_rate_and_concurrency_limits_per_key(tmp_path: Path) -> None:
     clock = FakeClock()
     ring = KeyRing(AsyncStore.open(tmp_path), clock=clock)
-    rated, _ = await ring.create("rated", rate_per_minute=2)
-    assert ring.admit(rated) is None and ring.admit(rated) is None
-    limited = ring.admit(rated)
+    table = ring.table
+    await ring.create("rated", rate_per_minute=2)
+    [rated] = table.keys()
+    assert table.admit(rated) is None and table.admit(rated) is None
+    limited = table.admit(rated)
     assert limited is not None and "2 requests per minute" in limited.message
     assert limited.retry_after_s == pytest.approx(30.0)
     clock.now += 30.0
-    assert ring.admit(rated) is None
+    assert table.admit(rated) is None
 
-    narrow, _ = await ring.create("narrow", max_concurrency=1)
-    assert ring.admit(narrow) is None
-    refused = ring.admit(narrow)
+    await ring.create("narrow", max_concurrency=1)
+    narrow = next(k for k in table.keys() if k.name == "narrow")
+    assert table.admit(narrow) is None
+    refused = table.admit(narrow)
     assert refused is not None and "1 requests in flight" in refused.message
-    ring.leave(narrow)
-    assert ring.admit(narrow) is None
+    table.leave(narrow)
+    assert table.admit(narrow) is None

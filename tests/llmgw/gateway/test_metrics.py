@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.server.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics
 from testlib.gateway import parse_metrics
 
 

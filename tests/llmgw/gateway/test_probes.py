@@ -10,8 +10,8 @@ import trio
 import trio.testing
 
 from llmgw.config import GatewaySection
-from llmgw.server.gateway.app import Gateway, _Job
-from llmgw.server.gateway.routing import Endpoint
+from llmgw.gateway.app import Gateway, _Job
+from llmgw.gateway.routing import Endpoint
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import parse_metrics
 

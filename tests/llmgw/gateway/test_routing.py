@@ -8,7 +8,7 @@ from collections import Counter
 
 import attrs
 
-from llmgw.server.gateway.routing import Endpoint, Router, Verdict
+from llmgw.gateway.routing import Endpoint, Router, Verdict
 
 
 def eps(*names: str, model: str = "m", draining: frozenset = frozenset()) -> list[Endpoint]:

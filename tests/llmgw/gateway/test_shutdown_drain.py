@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from llmgw.config import ServerConfig, ServerSection
+from llmgw.gateway.upstream import UpstreamPool
 from llmgw.server.app import ControlPlane
-from llmgw.server.gateway.upstream import UpstreamPool
 from testlib import memnet
 from testlib.cluster import free_port
 from testlib.controlplane import OFFLINE_ENGINES, make_state
@@ -39,7 +39,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     plane.gateway.provider = StaticEndpoints((sim.endpoint(),))  # the replica without an agent
     plane.gateway.pool = UpstreamPool(connect=net.connect)
     plane.shutdown_drain_s = 20
-    _, token = await plane.gateway.keys.create("tests")
+    _, token = await plane.keys.create("tests")
     stopped = trio.Event()
     plane_scope = trio.CancelScope()
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.server.gateway.errors import UpstreamSilent
-from llmgw.server.gateway.upstream import UpstreamPool
+from llmgw.gateway.errors import UpstreamSilent
+from llmgw.gateway.upstream import UpstreamPool
 from testlib.gateway import GW, Sim, chat, parse_metrics, start_gateway
 from testlib.netns import NetNS, preflight
 from testlib.waiting import wait_until

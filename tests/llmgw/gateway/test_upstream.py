@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server.gateway.errors import UpstreamSilent, UpstreamUnavailable
-from llmgw.server.gateway.upstream import UpstreamPool
+from llmgw.gateway.errors import UpstreamSilent, UpstreamUnavailable
+from llmgw.gateway.upstream import UpstreamPool
 from testlib import memnet
 
 pytestmark = pytest.mark.trio

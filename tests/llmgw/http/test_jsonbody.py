@@ -8,10 +8,10 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 
+from llmgw.gateway.fields import RequestFields, request_fields
 from llmgw.http import jsonbody
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
-from llmgw.server.gateway.fields import RequestFields, request_fields
 from llmgw.simengine import api
 from testlib import bodies
 

@@ -141,8 +141,7 @@ async def test_domain_errors_are_answered_with_their_status_and_message(running)
 async def test_the_answers_table_picks_the_most_specific_class() -> None:
     from llmgw.errors import ConfigError, MachineError
     from llmgw.server.admin import answer
-    from llmgw.server.errors import StoreBusy
-    from llmgw.server.gateway.errors import ApiKeyExists
+    from llmgw.server.errors import ApiKeyExists, StoreBusy
 
     busy = answer(StoreBusy(Path("/s/llmgw.db"), 1.0))
     assert busy.status == 503 and busy.kind == "unavailable_error" and busy.headers == (("retry-after", "2"),)

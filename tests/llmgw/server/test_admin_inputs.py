@@ -31,7 +31,7 @@ from llmgw.http.server import serve_connection
 from llmgw.pki.ca import check_node_id
 from llmgw.server.admin import MAX_LOG_LINES, MAX_NOT_AFTER
 from llmgw.server.app import ControlPlane
-from llmgw.server.gateway.keys import MAX_LIMIT
+from llmgw.server.keys import MAX_LIMIT
 from testlib.controlplane import make_state, serve_plane
 
 pytestmark = pytest.mark.trio
@@ -49,7 +49,7 @@ async def plane(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, st
     plane, _ = await serve_plane(state, nursery)
     await plane.store.saw_node(NODE, "127.0.0.5")
     plane.registry.know(NODE, address="127.0.0.5")
-    await plane.gateway.keys.create(KEY)
+    await plane.keys.create(KEY)
     return plane, paths.read_admin_token(paths.admin_token_path(state))
 
 
@@ -125,7 +125,7 @@ async def test_a_keys_limits_are_whole_numbers_up_to_the_maximum(plane, field, v
     status, answer = await admin(plane, "POST", "/admin/v1/keys", {"name": "k", field: value})
     message = refusal(status, answer)
     assert status == 400 and field in message and shown in message and f"to {MAX_LIMIT}" in message, message
-    assert [r.name for r in await plane[0].gateway.keys.rows()] == [KEY]  # nothing recorded
+    assert [r.name for r in await plane[0].keys.rows()] == [KEY]  # nothing recorded
 
 
 async def test_the_limits_themselves_are_accepted(plane) -> None:
@@ -402,6 +402,6 @@ async def test_generated_requests_are_never_a_server_error(plane, caplog: pytest
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [(r.getMessage(), getattr(r, "llmgw_fields", {})) for r in errors[:5]]
     # What was made meanwhile is within its bounds (the store took every key it was given).
-    for row in await cp.gateway.keys.rows():
+    for row in await cp.keys.rows():
         assert 0 <= row.rate_per_minute <= MAX_LIMIT and 0 <= row.max_concurrency <= MAX_LIMIT
     assert all(check_node_id(node) for node in cp.registry.nodes)  # no node made of a bad id

@@ -17,11 +17,11 @@ import trio
 import trio.testing
 
 from llmgw.backoff import Backoff
+from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.gatewayd import link as gl
 from llmgw.looplag import StallClock
 from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
 from llmgw.server.agentlistener import AgentListener
-from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.gatewayfeed import GatewayFeed, keys_message, rotation_message
 from llmgw.server.store import KeyRow
 from llmgw.wakeup import Wakeup

@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 from llmgw.config import Model, ServerConfig, ServerSection
+from llmgw.gateway.routing import Endpoint
 from llmgw.server.app import ControlPlane
-from llmgw.server.gateway.routing import Endpoint
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.waiting import wait_until

@@ -281,16 +281,16 @@ async def _wait_ready(plane, nodes: int, emit: Events) -> None:
 async def _api_key(plane, state: Path) -> str:
     """The key `up` made for you: made once and kept (0600), so a second `up` prints it again.
     A key revoked since (or a lost file) gets a new one."""
-    from llmgw.server.gateway.keys import ApiKeyExists
+    from llmgw.server.errors import ApiKeyExists
 
     path = paths.up_api_key_path(state)
     if path.exists():
         token = private.read(path, "a gateway API key").decode().strip()
-        if plane.gateway.keys.authenticate(token) is not None:
+        if plane.keys.table.authenticate(token) is not None:
             return token
     for n in range(1, 1000):
         try:
-            _, token = await plane.gateway.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
+            _, token = await plane.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
             break
         except ApiKeyExists:
             continue

@@ -1,6 +1,10 @@
 """Listening sockets shared by the control plane's servers: a connection budget per listener,
 the open-file limit it is sized from, and the per-listener connection counts /metrics shows.
 
+`open_listeners` opens them, with SO_REUSEPORT where several processes serve one port (a
+gateway's workers, `llmgw.gatewayd`): each binds the port itself and the kernel spreads new
+connections among the listening sockets, so no process hands connections to another.
+
 `serve_capped` is `trio.serve_listeners` with a budget: each connection in its own task, at
 most `max_connections` served at once. At the cap the newest client still gets in: the
 connection that has waited longest on its peer (a keep-alive connection between requests, a
@@ -25,6 +29,7 @@ import contextlib
 import enum
 import errno
 import resource
+import socket
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -36,12 +41,43 @@ from llmgw.metrics import MetricsRegistry
 
 log = get_logger("llmgw.listeners")
 
+# The kernel caps a listen backlog at net.core.somaxconn; asking for the most lets it decide (as trio does).
+BACKLOG = 0xFFFF
 # Accept errors that mean "out of descriptors or memory for now": wait and accept again (as
 # trio.serve_listeners does) rather than fail the listener.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_RETRY_S = 0.1
 # The longest a connection turned away is held; `refuse` keeps its own, shorter deadlines.
 REFUSE_S = 3.0
+
+
+async def open_listeners(port: int, *, host: str | None, reuse_port: bool = False) -> list[trio.SocketListener]:
+    """`trio.open_tcp_listeners`, or with `reuse_port` the same sockets bound with SO_REUSEPORT as
+    well, one per address `host` resolves to. Sockets bound so by processes of one user share
+    the port (a fixed one: with port 0 each would get its own)."""
+    if not reuse_port:
+        return await trio.open_tcp_listeners(port, host=host)
+    addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[trio.SocketListener] = []
+    try:
+        for family, type_, proto, _, sockaddr in addresses:
+            sock = trio.socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind(sockaddr)
+                sock.listen(BACKLOG)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(trio.SocketListener(sock))
+    except BaseException:
+        for listener in listeners:
+            listener.socket.close()
+        raise
+    return listeners
 
 
 def fd_limit() -> int:

@@ -57,7 +57,7 @@ from llmgw.errors import leaves
 from llmgw.http.body import BodyBudget, ConnectionBody, next_event
 from llmgw.http.errors import Abort, HTTPError, peer_reason
 from llmgw.http.limits import Limits
-from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, serve_capped
+from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
 from llmgw.http.messages import Answer, ErrorBody, Handler, Request, StreamingResponse, Upgrade, plain_error
 from llmgw.http.send import (
     RECEIVE_SIZE,
@@ -88,11 +88,13 @@ async def serve_http(
     listener: str = "http",
     shutdown: Shutdown | None = None,
     sockets: list[trio.SocketListener] | None = None,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve HTTP on (host, port), or on `sockets` already listening (socket activation).
+    """Serve HTTP on (host, port), or on `sockets` already listening (socket activation); with
+    `reuse_port`, sharing the port with other processes (`listeners.open_listeners`).
     `shutdown.begin()` stops it gracefully (see `Shutdown`); cancellation stops it at once."""
-    listeners = sockets or await trio.open_tcp_listeners(port, host=host)
+    listeners = sockets or await open_listeners(port, host=host, reuse_port=reuse_port)
     task_status.started(listeners)
     stats = stats or ConnectionStats()
     shutdown = shutdown or Shutdown()

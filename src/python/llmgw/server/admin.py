@@ -65,9 +65,17 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
-from llmgw.server.errors import DiagnosticOff, NoConfigFile, StoreError, UnknownNode, UnknownReplica
-from llmgw.server.gateway.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
-from llmgw.server.gateway.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
+from llmgw.server.errors import (
+    ApiKeyError,
+    ApiKeyExists,
+    DiagnosticOff,
+    NoConfigFile,
+    StoreError,
+    UnknownApiKey,
+    UnknownNode,
+    UnknownReplica,
+)
+from llmgw.server.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
 
 if TYPE_CHECKING:
     from llmgw.server.asyncstore import AsyncStore

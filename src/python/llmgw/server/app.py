@@ -34,6 +34,7 @@ from llmgw import paths
 from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
+from llmgw.gateway.app import Gateway
 from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.messages import Request, Response, StreamingResponse
@@ -53,10 +54,9 @@ from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
-from llmgw.server.gateway.app import Gateway
-from llmgw.server.gateway.keys import KeyRing
 from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.intent import NodeIntent
+from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
 from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
@@ -149,12 +149,13 @@ class ControlPlane:
         self.endpoints = GatewayEndpoints(
             registry=self.registry, replicas=self.replicas, models=models, retiring=retiring, changes=self.changes
         )
-        self.gateway = Gateway(self.endpoints, KeyRing(store), options=config.gateway)
+        self.keys = KeyRing(store)  # the API keys' one writer; the gateway reads its table
+        self.gateway = Gateway(self.endpoints, self.keys.table, options=config.gateway)
         # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
         self.gateway_feed = GatewayFeed(
             listener=self.endpoint,
             endpoints=self.endpoints,
-            keys=self.gateway.keys,
+            keys=self.keys,
             clock=self.registry.clock,
             heartbeat_interval_s=config.server.heartbeat_interval_s,
             silence_timeout_s=config.server.heartbeat_ttl_s,
@@ -189,13 +190,13 @@ class ControlPlane:
             endpoint=self.endpoint,
             changes=self.changes,
         )
-        self.page = Page(self.views, self.gateway)  # the cluster page: sessions, the gateway's history, the gate
+        self.page = Page(self.views, self.gateway, self.keys)  # the cluster page: sessions, the gateway's history, the gate
         self.admin = AdminAPI(
             views=self.views,
             operations=self.operations,
             page=self.page,
             store=store,
-            keys=self.gateway.keys,
+            keys=self.keys,
             token=admin_token,
             gateways=self.gateway_feed.views,
         )

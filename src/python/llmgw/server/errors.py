@@ -107,3 +107,15 @@ class StoreCorrupt(StoreFailed):
             "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
             "`llmgw node remove` again for nodes removed before)",
         )
+
+
+class ApiKeyError(UsageError):
+    """An API key operation the operator asked for cannot be done (duplicate name, unknown key)."""
+
+
+class ApiKeyExists(ApiKeyError):
+    """The name is taken."""
+
+
+class UnknownApiKey(ApiKeyError):
+    """No key has that name."""

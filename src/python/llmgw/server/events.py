@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import trio
 
 from llmgw.engines import cpubackend
-from llmgw.server.gateway.keys import key_view
+from llmgw.server.keys import key_view
 
 HEARTBEAT_S = 15.0
 MIN_INTERVAL_S = 0.25  # a burst of changes (a drain, a node joining) is one snapshot, not fifty

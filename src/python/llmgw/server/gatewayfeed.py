@@ -32,6 +32,7 @@ import trio
 import trio_websocket
 
 from llmgw import linkio
+from llmgw.gateway.routing import Rotation
 from llmgw.http.messages import Request, Upgrade
 from llmgw.log import get_logger
 from llmgw.looplag import StallClock
@@ -39,8 +40,7 @@ from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
 from llmgw.server.agentlistener import REFUSAL_SEND_S, AgentListener
 from llmgw.server.endpoint import HELLO_TIMEOUT_S, SEND_TIMEOUT_S
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.routing import Rotation
+from llmgw.server.keys import KeyRing, gateway_key
 from llmgw.server.store import KeyRow
 from llmgw.server.views import GatewayEndpoints
 from llmgw.wire import agent_link as w
@@ -72,18 +72,7 @@ def rotation_message(rotation: Rotation) -> g.RotationChanged:
 
 def keys_message(rows: Iterable[KeyRow]) -> g.KeysChanged:
     """The valid keys as the gateway link says them (the hash of each token, never the token), by name."""
-    return g.KeysChanged(
-        keys=tuple(
-            g.GatewayKey(
-                name=r.name,
-                token_sha256=r.token_sha256,
-                models=tuple(r.models),
-                rate_per_minute=r.rate_per_minute,
-                max_concurrency=r.max_concurrency,
-            )
-            for r in sorted(rows, key=lambda r: r.name)
-        )
-    )
+    return g.KeysChanged(keys=tuple(gateway_key(r) for r in sorted(rows, key=lambda r: r.name)))
 
 
 @attrs.define(kw_only=True, eq=False)

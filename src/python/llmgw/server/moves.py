@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
+from llmgw.gateway.app import Gateway
 from llmgw.log import get_logger
 from llmgw.server.changes import Changes
-from llmgw.server.gateway.app import Gateway
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded

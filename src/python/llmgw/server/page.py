@@ -36,13 +36,13 @@ import trio
 
 import llmgw.page
 from llmgw.errors import cut, shown
+from llmgw.gateway.history import History
 from llmgw.http import params
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.log import get_logger
 from llmgw.server import events
-from llmgw.server.gateway.history import History
 from llmgw.server.logins import (
     CSRF_HEADER,
     LoginRefused,
@@ -56,7 +56,8 @@ from llmgw.server.logins import (
 from llmgw.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from llmgw.server.gateway.app import Gateway
+    from llmgw.gateway.app import Gateway
+    from llmgw.server.keys import KeyRing
 
 
 log = get_logger("llmgw.page")
@@ -107,11 +108,12 @@ def _content_type(name: str) -> str:
 
 
 class Page:
-    def __init__(self, views: events.Views, gateway: Gateway) -> None:
-        """`views`: what the feed shows of the cluster; `gateway`: its metrics for the history,
-        its keys for the keys view."""
+    def __init__(self, views: events.Views, gateway: Gateway, keys: KeyRing) -> None:
+        """`views`: what the feed shows of the cluster; `gateway`: its metrics for the history;
+        `keys`: the API keys for the keys view."""
         self.views = views
         self.gateway = gateway
+        self.keys = keys
         self.sessions = SessionBook()
         self.history = History(gateway.metrics)
         self._assets: dict[str, bytes] | None = None
@@ -253,7 +255,7 @@ class Page:
                 status=200,
                 body=events.stream(
                     self.views,
-                    keys=self.gateway.keys.rows,
+                    keys=self.keys.rows,
                     history=self.history,
                     touched=self.touched.next,
                     session_expires_at=caller.session.expires_at if caller.session else None,

@@ -5,7 +5,7 @@ the trio clock's, given by the caller.
 Two of the control plane's roles are the small objects at the end, each reading what it shows
 at each call: `ClusterViews`, what the admin API and the cluster page's feed show
 (`llmgw.server.events.Views`), and `GatewayEndpoints`, the gateway's rotation
-(`llmgw.server.gateway.app.EndpointProvider`).
+(`llmgw.gateway.app.EndpointProvider`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from llmgw.config import EnginesSection, Model, ServerConfig
 from llmgw.engines import cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
+from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
-from llmgw.server.gateway.routing import Endpoint, Rotation
 from llmgw.server.registry import LOST, Node, NodeRegistry
 from llmgw.server.replicas import Replicas
 from llmgw.wire import agent_link as w

@@ -76,7 +76,7 @@ class GatewayWelcome:
 
 @attrs.frozen(kw_only=True)
 class RouteEndpoint:
-    """A replica in the rotation, as `llmgw.server.gateway.routing.Endpoint` holds it."""
+    """A replica in the rotation, as `llmgw.gateway.routing.Endpoint` holds it."""
 
     replica_id: str
     model: str

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request
-from llmgw.server.gateway.routing import Endpoint
 
 HOP_BY_HOP = frozenset(
     {

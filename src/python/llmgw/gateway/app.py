@@ -35,25 +35,25 @@ from typing import Protocol
 import trio
 
 from llmgw.config import GatewaySection
-from llmgw.http.errors import BodyAborted, HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
-from llmgw.http.messages import Request, Response, StreamingResponse, allow
-from llmgw.log import get_logger
-from llmgw.server.gateway.errors import (
+from llmgw.gateway.errors import (
     UpstreamBroken,
     UpstreamError,
     UpstreamNoFirstByte,
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from llmgw.server.gateway.fields import RequestFields, request_fields
-from llmgw.server.gateway.headers import relayed_headers, upstream_headers
-from llmgw.server.gateway.keys import KeyRing
-from llmgw.server.gateway.metrics import GatewayMetrics
-from llmgw.server.gateway.routing import Endpoint, Rotation, Router, Verdict
-from llmgw.server.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
-from llmgw.server.store import KeyRow
+from llmgw.gateway.fields import RequestFields, request_fields
+from llmgw.gateway.headers import relayed_headers, upstream_headers
+from llmgw.gateway.keys import KeyTable
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.routing import Endpoint, Rotation, Router, Verdict
+from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
+from llmgw.http.errors import BodyAborted, HTTPError
+from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
+from llmgw.wire.gateway_link import GatewayKey
 
 log = get_logger("llmgw.gateway")
 
@@ -66,7 +66,8 @@ MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, 
 
 class EndpointProvider(Protocol):
     """Where the gateway's rotation comes from: the control plane (`server.views.GatewayEndpoints`),
-    or a fixed set in the tests and the bench (`testlib.endpoints.StaticEndpoints`)."""
+    the table a gateway process holds (`gatewayd.table.TableEndpoints`), or a fixed set in the
+    tests and the bench (`testlib.endpoints.StaticEndpoints`)."""
 
     def gateway_rotation(self) -> Rotation: ...
 
@@ -79,7 +80,7 @@ class Gateway:
     def __init__(
         self,
         provider: EndpointProvider,
-        keys: KeyRing,
+        keys: KeyTable,
         *,
         options: GatewaySection | None = None,
         pool: UpstreamPool | None = None,
@@ -199,6 +200,11 @@ class Gateway:
                 await finished.wait()
         return False
 
+    def ready(self) -> dict[str, int]:
+        """Replicas that may take a request now, per model, as the router sees them (its own
+        failures taken out)."""
+        return {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
+
     async def quiesce(self, replica_id: str, timeout_s: float) -> bool:
         """Wait until no request is outstanding on `replica_id` (which the caller has taken out
         of rotation first), for at most `timeout_s`; whether it got there."""
@@ -215,7 +221,7 @@ class Gateway:
     async def handle(self, request: Request) -> Response | StreamingResponse:
         if request.path == "/health":
             allow(request, "GET")
-            ready = {m: len(self.router.in_rotation(m)) for m in sorted(self.router.models)}
+            ready = self.ready()
             if self.draining:
                 return Response.json(503, {"status": "draining", "ready": ready})
             return Response.json(200, {"status": "ok", "ready": ready})
@@ -243,7 +249,7 @@ class Gateway:
             kind="not_found_error",
         )
 
-    def _authenticate(self, request: Request) -> KeyRow:
+    def _authenticate(self, request: Request) -> GatewayKey:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _counted(
@@ -303,7 +309,7 @@ class Gateway:
         except HTTPError as exc:
             raise _counted(self, "-", exc) from None
 
-    def _check_model(self, key: KeyRow, model: str) -> None:
+    def _check_model(self, key: GatewayKey, model: str) -> None:
         """As soon as the model is known, before anything is queued: may this key use it, and
         is it served."""
         if key.models and model not in key.models:
@@ -418,7 +424,7 @@ class Gateway:
 class _Job:
     """One forwarded request's accounting; `finish` runs once, however the request ends."""
 
-    def __init__(self, gw: Gateway, key: KeyRow, model: str, started: float) -> None:
+    def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float) -> None:
         self.gw, self.key, self.model, self.started = gw, key, model, started
         self.endpoint: Endpoint | None = None
         self.sent_at = started

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.errors import PeerError, UsageError
+from llmgw.errors import PeerError
 
 
 class UpstreamError(PeerError):
@@ -32,15 +32,3 @@ class UpstreamBroken(UpstreamError):
 class UpstreamTooLarge(UpstreamError):
     """An answer larger than the gateway buffers: 502, not retried (another replica would
     answer the same) and no fault of the replica's health."""
-
-
-class ApiKeyError(UsageError):
-    """An API key operation the operator asked for cannot be done (duplicate name, unknown key)."""
-
-
-class ApiKeyExists(ApiKeyError):
-    """The name is taken."""
-
-
-class UnknownApiKey(ApiKeyError):
-    """No key has that name."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from llmgw.gateway.routing import Router
 from llmgw.metrics import MetricsRegistry
-from llmgw.server.gateway.routing import Router
 
 
 class GatewayMetrics:

@@ -49,7 +49,7 @@ import attrs
 import h11
 import trio
 
-from llmgw.server.gateway.errors import (
+from llmgw.gateway.errors import (
     UpstreamBroken,
     UpstreamNoFirstByte,
     UpstreamSilent,

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw.server.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.wakeup import Wakeup
 
 STEP_S = 10.0

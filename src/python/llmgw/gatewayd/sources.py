@@ -1,0 +1,35 @@
+"""Where a worker's table comes from (`worker.Source`): the control plane over the gateway link
+(`llmgw.gatewayd.link`), or a table file read at start. Either is called as
+`source(sink=table, task_status=...)`."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from llmgw.gatewayd.link import serve_gateway_link
+from llmgw.gatewayd.tablefile import TableFile, feed
+from llmgw.gatewayd.worker import Source
+from llmgw.wire.gateway_link import TableSink
+
+
+async def serve_table_file(
+    table: TableFile, path: Path, *, sink: TableSink, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Give `sink` the table read from `path`, once; nothing more comes."""
+    feed(sink, table, now=trio.current_time(), path=path)
+    task_status.started()
+
+
+def link_source(
+    server_url: str, tls: ssl.SSLContext, *, name: str, instance: str, load: Callable[[], tuple[int, int]]
+) -> Source:
+    """The gateway link to `server_url`, which hands each part of the table to the sink and dials
+    again with backoff while the worker serves on from its last table; `load()` is what its
+    heartbeats report (requests in flight, requests answered)."""
+    return partial(serve_gateway_link, server_url, tls, name=name, instance=instance, load=load, started_at=time.time())

@@ -1,0 +1,150 @@
+"""One gateway worker: the OpenAI routes served by the gateway (`llmgw.gateway`) from a table of
+its own (`GatewayTable`), which its own link to the control plane fills (or a table file).
+
+    GET /health    200 while the worker holds a table with a replica ready to serve; 503 with a
+                   `reason` before its first table, with no replica ready, or while draining.
+                   Always: `ready` (replicas per model), `link_up`, `link_detail`, `staleness_s`
+                   (seconds since the control plane was last heard), `keys` (how many it holds)
+                   and `instance` (this worker's name on the link)
+    /v1/...        503 with Retry-After until the first whole table came (no key is known yet)
+    GET /metrics   the gateway's families, then `llmgw_gateway_table_staleness_seconds`,
+                   `llmgw_gateway_link_up`, `llmgw_gateway_table_received` and the listener's
+                   connection counts
+    anything else  the gateway's (`Gateway.handle`)
+
+`serve` starts the gateway's rotation and prober, then its listener (`gateway.front`: SO_REUSEPORT
+when workers share the port; a drain on cancellation), then the table's source, which it does not
+wait for: a worker serves at once, 503 until its first table, so a control plane that is away at
+start delays only the table. The source runs under `llmgw.supervision.Background`: it is started
+again after a failure while the gateway serves on from the table it had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+
+from llmgw.config import GatewaySection
+from llmgw.errors import MachineError
+from llmgw.gateway.app import RETRY_AFTER_S, Gateway
+from llmgw.gateway.front import serve_draining
+from llmgw.gateway.upstream import Connect
+from llmgw.gatewayd.table import GatewayTable
+from llmgw.http.errors import HTTPError
+from llmgw.http.limits import Limits
+from llmgw.http.listeners import ConnectionStats
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.log import get_logger
+from llmgw.metrics import MetricsRegistry
+from llmgw.supervision import Background
+
+log = get_logger("llmgw.gatewayd")
+
+# What fills a worker's table: called as `source(sink=table, task_status=...)` (the link client,
+# `serve_gateway_link` with its server and identity bound, or a table file's `serve_table_file`).
+Source = Callable[..., Awaitable[Any]]
+
+DRAIN_S = 30.0  # on stop: how long requests in flight may take to finish (the control plane's too)
+JSON_CLOSE_S = 5.0  # on stop: for the JSON worker process, if a large body started one
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayWorker:
+    def __init__(
+        self,
+        table: GatewayTable,
+        *,
+        instance: str = "",
+        options: GatewaySection | None = None,
+        connect: Connect | None = None,
+    ) -> None:
+        """`instance`: this worker's name on the link; `connect`: how the upstream pool reaches
+        engines (tests: memory streams)."""
+        self.table = table
+        self.instance = instance
+        self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect)
+        self.connections = ConnectionStats()
+        self.background = Background(log)
+        r = self.registry = MetricsRegistry()
+        self.staleness = r.gauge(
+            "llmgw_gateway_table_staleness_seconds",
+            "Seconds since the control plane was last heard on this worker's link (since the worker started, "
+            "if it never was).",
+        )
+        self.link_up = r.gauge("llmgw_gateway_link_up", "1 while this worker's link to the control plane is up.")
+        self.received = r.gauge(
+            "llmgw_gateway_table_received", "1 once this worker holds a whole table (its rotation and its keys)."
+        )
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        if request.path == "/health":
+            allow(request, "GET")
+            status, body = self.table.health(self.gateway.clock(), self.gateway.ready(), draining=self.gateway.draining)
+            return Response.json(status, {**body, "instance": self.instance})
+        if request.path == "/metrics":
+            allow(request, "GET")
+            return Response(status=200, body=self.render_metrics().encode(), headers=(("content-type", METRICS_TYPE),))
+        if not self.table.received and request.path.startswith("/v1/"):
+            raise HTTPError(
+                503,
+                f"this gateway has no table from the control plane yet ({self.table.link_detail}); try again shortly",
+                kind="unavailable_error",
+                headers=(("retry-after", str(RETRY_AFTER_S)),),
+            )
+        return await self.gateway.handle(request)
+
+    def load(self) -> tuple[int, int]:
+        """(requests in flight, requests answered since it started): what its link's heartbeats say."""
+        answered = sum(self.gateway.metrics.requests.values.values())
+        return sum(self.gateway.in_flight.values()), int(answered)
+
+    def render_metrics(self) -> str:
+        self.staleness.set(round(self.table.staleness(self.gateway.clock()), 3))
+        self.link_up.set(1 if self.table.link_up else 0)
+        self.received.set(1 if self.table.received else 0)
+        return self.gateway.render_metrics() + self.registry.render() + self.connections.render()
+
+    async def serve(
+        self,
+        source: Source,
+        host: str,
+        port: int,
+        *,
+        limits: Limits = Limits(),
+        drain_s: float = DRAIN_S,
+        reuse_port: bool = False,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until cancelled, then drain (`gateway.front`); reports its listeners once it listens."""
+        serve_http = partial(
+            serve_draining,
+            self.handle,
+            self.gateway,
+            host,
+            port,
+            limits=limits,
+            stats=self.connections,
+            drain_s=drain_s,
+            reuse_port=reuse_port,
+            cannot_listen=partial(cannot_listen, host, port),
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.gateway.serve_rotation)
+                await nursery.start(self.gateway.serve_probes)
+                listeners = await nursery.start(serve_http)
+                nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
+                task_status.started(listeners)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(JSON_CLOSE_S):
+                await self.gateway.json.aclose()
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> MachineError:
+    return MachineError(
+        f"cannot listen on {host}:{port} (--listen): {exc.strerror or exc}; is another program on that port "
+        "(a gateway started without SO_REUSEPORT, another server)? Stop it, or pass another --listen"
+    )

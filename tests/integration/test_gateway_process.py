@@ -1,0 +1,149 @@
+"""`llmgw gateway` itself: a real process with two workers on one port (SO_REUSEPORT), in front
+of real sim engines, its table from a file (no control plane: `--table-file`). Both workers
+serve; a worker killed is started again and the other serves meanwhile; SIGTERM or Ctrl-C stops
+it with status 0, its workers drained; a parent killed outright takes its workers with it; a
+port already taken is said at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testlib.cluster import Proc, free_port, wait_until
+from testlib.gateway import Sim, chat, request
+from testlib.gatewaytable import TOKEN, write_table_file
+
+STOP_S = 30.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Sim]]:
+    sims = [Sim(f"chat-{i}") for i in range(2)]
+    try:
+        for s in sims:
+            s.wait_serving()
+        yield sims
+    finally:
+        for s in sims:
+            s.stop()
+
+
+def start_gateway(tmp_path: Path, engines: list[Sim], port: int, *flags: str) -> Proc:
+    table = write_table_file(tmp_path / "table.json", engines)
+    args = ["--log-format", "json", "gateway", "--table-file", str(table), "--listen", f"127.0.0.1:{port}", *flags]
+    return Proc("gateway", args, tmp_path / "gateway.log")
+
+
+def ready_pids(gw: Proc) -> list[int]:
+    [ready] = wait_until("gateway ready", lambda: gw.events("gateway_ready"), alive=[gw], timeout=60)
+    return [int(p) for p in ready["pids"].split(",")]
+
+
+def instances(port: int, connections: int = 40) -> set[str]:
+    """The workers that answered /health on `connections` fresh connections (each 200)."""
+    seen = set()
+    for _ in range(connections):
+        status, _, body = request(port, "GET", "/health")
+        assert status == 200, body
+        seen.add(json.loads(body)["instance"])
+    return seen
+
+
+def chats(port: int, n: int) -> list[int]:
+    return [request(port, "POST", "/v1/chat/completions", chat(f"q{i}"), token=TOKEN)[0] for i in range(n)]
+
+
+def test_two_workers_share_the_port_and_a_killed_one_is_started_again(tmp_path: Path, engines: list[Sim]) -> None:
+    port = free_port()
+    gw = start_gateway(tmp_path, engines, port, "--workers", "2")
+    try:
+        pids = ready_pids(gw)
+        assert len(pids) == 2
+        first = instances(port)
+        assert len(first) == 2, gw.tail()
+        assert chats(port, 10) == [200] * 10
+
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until("the parent saw the worker die", lambda: gw.events("gateway_worker_exited"), alive=[gw], timeout=10)
+        [exited] = gw.events("gateway_worker_exited")
+        assert exited["worker"] == 0 and exited["signal"] == "SIGKILL" and exited["restart_in_s"] == 1.0
+        assert chats(port, 10) == [200] * 10  # the other worker serves meanwhile
+        wait_until(
+            "worker 0 started again", lambda: len(gw.events("gateway_worker_ready")) == 3, alive=[gw], timeout=30
+        )
+        again = instances(port)
+        assert len(again) == 2 and len(again - first) == 1, (first, again)
+
+        assert gw.stop(signal.SIGTERM, timeout=STOP_S) == 0, gw.tail()
+        assert len(gw.events("gateway_worker_stopped")) == 2, gw.tail()
+        assert gw.events("gateway_stopped"), gw.tail()
+        assert not any(alive(int(e["pid"])) for e in gw.events("gateway_worker_ready"))
+    finally:
+        gw.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_stops_the_gateway_and_its_workers_with_status_0(
+    tmp_path: Path, engines: list[Sim], sig: signal.Signals
+) -> None:
+    port = free_port()
+    gw = start_gateway(tmp_path, engines, port, "--workers", "2")
+    try:
+        pids = ready_pids(gw)
+        assert gw.stop(sig, timeout=STOP_S) == 0, gw.tail()
+        assert [e["signal"] for e in gw.events("gateway_stopping")] == [sig.name], gw.tail()
+        # Each worker got SIGTERM once from its parent, not the terminal's signal too.
+        assert [e["signal"] for e in gw.events("gateway_worker_stopping")] == ["SIGTERM", "SIGTERM"], gw.tail()
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        gw.kill()
+
+
+def test_workers_stop_when_their_parent_is_killed(tmp_path: Path, engines: list[Sim]) -> None:
+    port = free_port()
+    gw = start_gateway(tmp_path, engines, port, "--workers", "2")
+    try:
+        pids = ready_pids(gw)
+        gw.popen.kill()
+        gw.popen.wait(10)
+        wait_until(
+            "the orphaned workers stopped", lambda: not any(alive(pid) for pid in pids), procs=[gw], timeout=STOP_S
+        )
+        assert len(gw.events("gateway_parent_gone")) == 2, gw.tail()
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        gw.kill()
+
+
+def test_a_port_taken_by_another_program_ends_the_gateway_saying_so(tmp_path: Path, engines: list[Sim]) -> None:
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        gw = start_gateway(tmp_path, engines, port, "--workers", "2")
+        started = time.monotonic()
+        try:
+            assert gw.popen.wait(60) == 1, gw.tail()
+        finally:
+            gw.kill()
+    text = (tmp_path / "gateway.log").read_text()
+    assert f"cannot listen on 127.0.0.1:{port} (--listen): Address already in use" in text
+    assert "before it was ready to serve; its error is above" in text
+    assert time.monotonic() - started < 30  # no restarts: the cause would stay
