@@ -25,7 +25,8 @@ from llmgw.nodeadd.gateway import layout
 
 def add_verbs(parser: Parser) -> None:
     """`add`, `remove` and `csr` under `parser` (`llmgw gateway`); naming none runs the gateway itself."""
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)
+    # `prog`: the verbs' usage starts "llmgw gateway add", not with the gateway's own usage lines.
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser, prog=parser.prog)
     _configure_add(
         add_leaf(
             sub,
