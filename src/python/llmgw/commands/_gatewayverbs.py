@@ -16,9 +16,14 @@ import json
 from pathlib import Path
 
 from llmgw.cli import Parser, add_json_flag, add_leaf
-from llmgw.commands.ca import add_server_options, resolve_server_paths
-from llmgw.commands.ctl import add_admin_options, client_from
-from llmgw.commands.node import add_ssh_options, default_known_hosts, run_checklist
+from llmgw.commands._options import (
+    add_admin_options,
+    add_server_options,
+    add_ssh_options,
+    client_from,
+    default_known_hosts,
+    resolve_server_paths,
+)
 from llmgw.errors import LlmgwError, PeerError, UsageError
 from llmgw.nodeadd.gateway import layout
 
@@ -118,6 +123,7 @@ def _configure_add(add: argparse.ArgumentParser) -> None:
 
 
 def run_add(args: argparse.Namespace) -> int:
+    from llmgw.commands.node import run_checklist
     from llmgw.nodeadd import context, ssh
     from llmgw.nodeadd.gateway import flow, steps
     from llmgw.pki.ca import check_gateway_name

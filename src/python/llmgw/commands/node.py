@@ -13,48 +13,25 @@ import json
 import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
-from pathlib import Path
 from typing import TypeVar
 
 import trio
 
 from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf, fabric_arg
-from llmgw.commands.ca import add_server_options, resolve_server_paths
-from llmgw.commands.ctl import add_admin_options, client_from
+from llmgw.commands._options import (
+    add_admin_options,
+    add_server_options,
+    add_ssh_options,
+    client_from,
+    default_known_hosts,
+    resolve_server_paths,
+)
 from llmgw.errors import LlmgwError, UsageError
 from llmgw.nodeadd import steps
 from llmgw.nodeadd.questions import Questions, Unattended
 
 T = TypeVar("T")
-
-
-def default_known_hosts() -> Path:
-    return Path.home() / ".ssh" / "known_hosts"
-
-
-def add_ssh_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("SSH")
-    group.add_argument("--port", type=int, default=22, help="the node's SSH port (default 22)")
-    group.add_argument(
-        "-i",
-        "--identity",
-        action="append",
-        type=Path,
-        metavar="KEY",
-        help="a private key to log in with (repeatable; default: ssh's usual files in ~/.ssh, and the SSH agent)",
-    )
-    group.add_argument(
-        "--known-hosts",
-        type=Path,
-        metavar="FILE",
-        help="known_hosts to verify the node's host key against (default: ~/.ssh/known_hosts)",
-    )
-    group.add_argument(
-        "--accept-new-host-key",
-        action="store_true",
-        help="trust a host not yet in known_hosts and add it there (in a terminal you are asked instead)",
-    )
 
 
 def configure(parser: Parser) -> None:
