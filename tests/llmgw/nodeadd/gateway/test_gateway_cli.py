@@ -4,6 +4,8 @@ usage error before anything is read, the authority is read before the machine is
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from llmgw import cli
 from llmgw.pki.ca import ROLE_GATEWAY, cert_info, parse_cert
 from llmgw.pki.files import init_ca, load_ca
+from testlib.proc import llmgw_env
 
 UNREACHABLE = "root@192.0.2.1"  # TEST-NET-1: nothing answers there; a run that dialled it would hang
 
@@ -77,3 +80,15 @@ def test_csr_makes_the_gateways_key_once_and_a_request_the_ca_signs_as_a_gateway
 def test_remove_takes_a_gateways_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["gateway", "remove", "gw 1"]) == 2
     assert "gateway name 'gw 1' may use only" in capsys.readouterr().err
+
+
+def test_llmgw_gateway_loads_neither_the_control_plane_nor_the_admin_client() -> None:
+    # Every gateway process (each worker too) builds `llmgw gateway`'s parser, verbs and all: they
+    # must not bring the control plane's modules onto a gateway's machine, nor slow each start.
+    code = (
+        "import sys; import llmgw.commands.gateway; "
+        "print(' '.join(m for m in sys.modules if m.startswith(('llmgw.server', 'llmgw.ctl', 'agent'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=llmgw_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
