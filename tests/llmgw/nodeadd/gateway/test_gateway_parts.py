@@ -19,7 +19,8 @@ from llmgw.gatewayd import identity as gatewayd_identity
 from llmgw.nodeadd import context, ssh
 from llmgw.nodeadd.gateway import install, layout
 from llmgw.nodeadd.gateway.steps import NAMES, STEPS
-from llmgw.nodeadd.steps import OK, STARTED, Checklist, Event, plain_line
+from llmgw.nodeadd.screen import _Screen, summary_lines
+from llmgw.nodeadd.steps import FAILED, OK, STARTED, Checklist, Event, plain_line
 from testlib.needs import program
 from testlib.proc import build_root
 
@@ -45,6 +46,24 @@ def test_node_adds_checklist_and_lines_run_the_gateways_steps() -> None:
     line = plain_line(Event(step="join", status=OK, detail="linked"), STEPS)
     assert line == "ok     join       wait for the control plane to list the gateway connected: linked"
     assert all(len(name) <= 10 for name in NAMES)  # the lines' column
+
+
+def test_node_adds_screen_draws_the_gateways_steps() -> None:
+    c = Checklist(steps=STEPS)
+    c.apply(Event(step="authority", status=STARTED))
+    c.apply(Event(step="authority", status=OK, detail="CA 'llmgw cluster CA'"))
+    c.apply(Event(step="connect", status=STARTED))
+    c.apply(Event(step="connect", status=FAILED, detail="root@10.0.0.31: host key changed\nsee known_hosts"))
+    lines = summary_lines("llmgw gateway add root@10.0.0.31", c)
+    assert lines[:5] == [
+        "llmgw gateway add root@10.0.0.31",
+        "ok      read the certificate authority and the gateways connected",
+        "failed  connect over SSH and verify the host key",
+        "        root@10.0.0.31: host key changed",
+        "        see known_hosts",
+    ]
+    assert lines[-1] == "pending wait for the control plane to list the gateway connected"
+    assert list(_Screen("llmgw gateway add", STEPS).rows) == list(NAMES)
 
 
 # -- the unit ------------------------------------------------------------------------------
