@@ -67,7 +67,7 @@ def default_known_hosts() -> Path:
 
 def add_ssh_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("SSH")
-    group.add_argument("--port", type=int, default=22, help="the node's SSH port (default 22)")
+    group.add_argument("--port", type=int, default=22, help="the machine's SSH port (default 22)")
     group.add_argument(
         "-i",
         "--identity",
@@ -80,7 +80,7 @@ def add_ssh_options(parser: argparse.ArgumentParser) -> None:
         "--known-hosts",
         type=Path,
         metavar="FILE",
-        help="known_hosts to verify the node's host key against (default: ~/.ssh/known_hosts)",
+        help="known_hosts to verify the machine's host key against (default: ~/.ssh/known_hosts)",
     )
     group.add_argument(
         "--accept-new-host-key",
