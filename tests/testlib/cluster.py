@@ -307,8 +307,7 @@ class Cluster:
         `agent_toml` is added to its agent.toml (top-level keys, then tables)."""
         files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
         files.config.write_text(
-            f'server = "{self.agent_url}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n'
-            + agent_toml
+            f'server = "{self.agent_url}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n' + agent_toml
         )
         self.llmgw("agent", "csr", "--config", str(files.config))
         self.llmgw(

@@ -192,9 +192,7 @@ def gateway_rotation(
                 draining=draining,
             )
         )
-    return Rotation(
-        models=frozenset(m.name for m in models), endpoints=tuple(endpoints), unknown=frozenset(unknown)
-    )
+    return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints), unknown=frozenset(unknown))
 
 
 # -- the roles ------------------------------------------------------------------------------
