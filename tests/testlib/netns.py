@@ -35,6 +35,10 @@ import attrs
 from testlib.needs import missing_message
 
 STOP_TIMEOUT_S = 10.0
+# When Linux sends an unanswered SYN again, in seconds after the first (initial RTO 1 s, doubling):
+# a connect into a cut link is tried at these moments, and a link restored between two of them
+# is found at the next.
+SYN_RESENDS_S = (1.0, 3.0, 7.0, 15.0, 31.0)
 
 
 def _run(*argv: str) -> str:
@@ -71,6 +75,12 @@ def kill_namespace(name: str, timeout_s: float) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
+
+
+def syn_sent(dst: str) -> set[str]:
+    """The local ends (ADDR:PORT) of this machine's connects to `dst` waiting for an answer."""
+    out = _run("ss", "-Htn", "state", "syn-sent", "dst", dst)
+    return {line.split()[2] for line in out.splitlines() if line.strip()}
 
 
 def preflight() -> str:
