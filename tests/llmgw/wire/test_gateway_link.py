@@ -16,6 +16,7 @@ MESSAGES = [
     g.GatewayHeartbeat(seq=2, in_flight=3, requests_total=4),
     g.GatewayWelcome(name="gw1", instance="i1", server_version="0.3", heartbeat_interval_s=2.0),
     g.RotationChanged(models=("chat", "code"), endpoints=(ENDPOINT,)),
+    g.RotationChanged(models=("chat",), endpoints=(), unknown=("r1", "r2")),
     g.KeysChanged(keys=(g.GatewayKey(name="a", token_sha256="0" * 64, models=("chat",), max_concurrency=2),)),
     g.ShareChanged(index=1, count=3),
     g.TableHeartbeat(seq=9),

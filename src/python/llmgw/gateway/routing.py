@@ -182,7 +182,11 @@ def _affinity(prefix: str, replica_id: str) -> int:
 @attrs.frozen(kw_only=True)
 class Rotation:
     """What an endpoint provider tells the gateway: the models it serves (a known model with
-    nothing ready queues; an unknown one is a 404) and the endpoints ready now."""
+    nothing ready queues; an unknown one is a 404) and the endpoints ready now. `unknown`: the
+    replicas whose state the provider does not know yet (a control plane just started, their
+    node not back yet): not in `endpoints`, but not gone either; a gateway that had them keeps
+    them (`llmgw.gatewayd.table`)."""
 
     models: frozenset[str]
     endpoints: tuple[Endpoint, ...]
+    unknown: frozenset[str] = frozenset()

@@ -89,10 +89,13 @@ class RouteEndpoint:
 @attrs.frozen(kw_only=True)
 class RotationChanged:
     """The catalog's models (a known model with nothing ready queues; an unknown one is a 404)
-    and the replicas ready now."""
+    and the replicas ready now. `unknown`: the replica ids whose state the control plane does
+    not know yet (it has just started and their node is not back): a gateway keeps those it
+    had in its last rotation until a later message says which they are."""
 
     models: tuple[str, ...]
     endpoints: tuple[RouteEndpoint, ...]
+    unknown: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
