@@ -70,7 +70,9 @@ def test_a_gateway_killed_under_load_fails_no_request_and_comes_back_into_rotati
         def every_server(up: bool) -> bool:
             return all(s.up == up for s in proxy.servers().values())
 
-        wait_until("HAProxy to see both gateways UP", lambda: every_server(True), timeout=DETECT_S, last_seen=proxy.servers)
+        wait_until(
+            "HAProxy to see both gateways UP", lambda: every_server(True), timeout=DETECT_S, last_seen=proxy.servers
+        )
 
         loads = [Load(port=proxy.port, token=TOKEN).start() for _ in range(CLIENTS)]
 
@@ -92,7 +94,10 @@ def test_a_gateway_killed_under_load_fails_no_request_and_comes_back_into_rotati
         gateways["gw-a"].kill()
         killed_at = answered()
         wait_until(
-            "HAProxy to take gw-a out", lambda: not proxy.servers()["gw-a"].up, timeout=DETECT_S, last_seen=proxy.servers
+            "HAProxy to take gw-a out",
+            lambda: not proxy.servers()["gw-a"].up,
+            timeout=DETECT_S,
+            last_seen=proxy.servers,
         )
         wait_until("requests to go on through gw-b alone", lambda: answered() >= killed_at + 4 * CLIENTS)
         assert failures() == [], f"{failures()}\n{report()}"
@@ -102,7 +107,10 @@ def test_a_gateway_killed_under_load_fails_no_request_and_comes_back_into_rotati
         # Started again on its port: HAProxy's checks see it and it takes requests again.
         start("gw-a", ports[0])
         wait_until(
-            "HAProxy to put gw-a back in rotation", lambda: every_server(True), timeout=DETECT_S, last_seen=proxy.servers
+            "HAProxy to put gw-a back in rotation",
+            lambda: every_server(True),
+            timeout=DETECT_S,
+            last_seen=proxy.servers,
         )
         picked = proxy.servers()["gw-a"].picked
         wait_until(

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-
 from bench import gateway_runner
+
 from llmgw.server.gateway.routing import Endpoint
 from testlib.gateway import parse_metrics
 from testlib.proc import llmgw_env
@@ -120,4 +120,3 @@ def start_gateway(
     ready = json.loads(out.read_text())
     assert ready["port"] == port, ready
     return gateway
-

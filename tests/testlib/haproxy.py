@@ -112,7 +112,9 @@ class HAProxy:
 
     def __init__(self, directory: Path, gateway_ports: tuple[int, int]) -> None:
         self.port, self.stats_port = free_port(), free_port()
-        self.config = write_config(directory, listen_port=self.port, gateway_ports=gateway_ports, stats_port=self.stats_port)
+        self.config = write_config(
+            directory, listen_port=self.port, gateway_ports=gateway_ports, stats_port=self.stats_port
+        )
         self.log_path = directory / "haproxy.log"
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
