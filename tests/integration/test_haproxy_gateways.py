@@ -12,14 +12,17 @@ sees of each gateway; each gateway's /metrics says what it answered and has in f
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testlib.cluster import free_port, wait_until
-from testlib.gateway import Sim
+from testlib.gateway import Sim, chat
 from testlib.gatewayproc import GatewayProcess, start_gateway
 from testlib.haproxy import CONFIG, HAProxy
 from testlib.load import Load
@@ -41,6 +44,28 @@ def sims() -> Iterator[list[Sim]]:
     finally:
         for sim in started:
             sim.stop()
+
+
+def stream_through(port: int) -> tuple[float, float, bytes]:
+    """A streamed chat request: when its first event came and when its end came (seconds from
+    the request), and the whole body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        started = time.monotonic()
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(chat(stream=True)).encode(),
+            headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+        )
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("content-type", "").startswith("text/event-stream")
+        body = response.readline()
+        first_s = time.monotonic() - started
+        body += response.read()
+        return first_s, time.monotonic() - started, body
+    finally:
+        conn.close()
 
 
 def test_a_gateway_killed_under_load_fails_no_request_and_comes_back_into_rotation(
@@ -73,6 +98,12 @@ def test_a_gateway_killed_under_load_fails_no_request_and_comes_back_into_rotati
         wait_until(
             "HAProxy to see both gateways UP", lambda: every_server(True), timeout=DETECT_S, last_seen=proxy.servers
         )
+
+        # A stream passes through as it comes (HAProxy holds no answer back): its first event
+        # arrives while the sim is still pacing out the other tokens, 20 ms apart.
+        first_s, last_s, body = stream_through(proxy.port)
+        assert body.endswith(b"data: [DONE]\n\n") and body.count(b'"finish_reason":"length"') == 1, body
+        assert last_s - first_s >= 0.1, (first_s, last_s)
 
         loads = [Load(port=proxy.port, token=TOKEN).start() for _ in range(CLIENTS)]
 

@@ -39,6 +39,8 @@ defaults
     mode http
     log global
     option httplog
+    option forwardfor
+    option http-no-delay
     timeout connect 2s
     timeout client 10m
     timeout server 10m
