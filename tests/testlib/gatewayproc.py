@@ -9,8 +9,10 @@ test takes. A gateway started again on the port of one that died takes that port
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,9 +46,10 @@ class GatewayProcess:
         return self.popen.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL, as a crashed machine or an OOM kill would: no request is finished."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
+        """SIGKILL to its whole process group, as a crashed machine would: no request is finished,
+        and no worker process of it lives on."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(STOP_TIMEOUT_S)
 
     def stop(self) -> None:
@@ -109,6 +112,7 @@ def start_gateway(
             stdout=stdout,
             stderr=stderr,
             env=llmgw_env(),
+            start_new_session=True,  # its own process group: `kill` takes all of it
         )
     gateway = GatewayProcess(name=name, port=port, token=token, popen=popen, log_path=log_path)
     deadline = time.monotonic() + timeout
