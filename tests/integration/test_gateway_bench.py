@@ -14,7 +14,8 @@ from bench import gateway
 
 def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
     code = gateway.main(
-        ["--requests", "10", "--sse-requests", "2", "--streams", "20", "--workers", "2", "--workers-seconds", "0.5"]
+        ["--requests", "10", "--sse-requests", "2", "--streams", "20"]
+        + ["--workers", "2", "--workers-seconds", "0.5", "--workers-rounds", "1"]
     )
     result = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -37,9 +38,10 @@ def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[st
 
 
 def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gateway.main(["--workers-only", "--workers", "3", "--workers-seconds", "0.3"]) == 0
+    assert gateway.main(["--workers-only", "--workers", "3", "--workers-seconds", "0.3", "--workers-rounds", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert "added_latency_p50_ms" not in result  # phases 1-4 skipped
     assert result["workers"] == 3 and len(result["workers_3_worker_cpu_s"]) == 3
+    assert len(result["workers_1_rps_rounds"]) == len(result["workers_3_rps_rounds"]) == 2
     assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
     assert set(result["ok"]) == {"workers_scaling", "workers_cpu_per_request"}

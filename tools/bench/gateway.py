@@ -1,7 +1,7 @@
 """What the gateway costs: the same load straight to a sim engine and through the gateway, in one run.
 
     PYTHONPATH=src/python:tests:tools python3 tools/bench/gateway.py [--requests N] [--streams S]
-        [--workers N] [--workers-seconds S] [--workers-only]
+        [--workers N] [--workers-seconds S] [--workers-rounds R] [--workers-only]
 
 Loopback only. The gateway runs in its own process (`tools/bench/gateway_runner.py`), so its CPU
 time and memory are its own (read from /proc/PID/stat and /proc/PID/status); the engines are
@@ -19,8 +19,9 @@ connections). Phases, each with a fixed number of requests (or seconds) and a de
    gateway runner started with `--reuse-port`), in front of a canned-response upstream, loaded
    by generator processes (`tools/bench/rawhttp.py`: raw-socket epoll loops, so the gateway is
    what is measured and not the engine or the client) on 64 keep-alive connections for S
-   seconds: the throughput with N workers over 1 (`workers_scaling`) and the workers' CPU per
-   request (user + system, all workers, over the measured window) with 1 and with N.
+   seconds, R times each in turn: the throughput with N workers over 1 (`workers_scaling`) and
+   the workers' CPU per request (user + system, all workers, over the measured window) with 1
+   and with N, each the median of its R runs.
 
 Prints one JSON object: the settings, the figures and whether each meets its target.
 """
@@ -35,6 +36,7 @@ import resource
 import secrets
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,17 +121,20 @@ class GatewayProc:
             )
         )
         flags = ["--port", str(port)] + (["--reuse-port"] if reuse_port else [])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", gateway_runner.__name__, str(spec), *flags],
-            env=child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        log = tmp / f"{name}.log"
+        with log.open("wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", gateway_runner.__name__, str(spec), *flags],
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # bounded: the runner prints once it listens, or exits
         if not line:
-            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening")
+            tail = log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening:\n{tail}")
         info = json.loads(line)
         self.port, self.token, self.pid = info["port"], info["token"], self.proc.pid
 
@@ -426,10 +431,10 @@ def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: 
     gateways: list[GatewayProc] = []
     try:
         for i in range(workers):
-            name = f"workers-{workers}-{i}"
+            name = f"workers-{port}-{i}"  # a fresh store for each run
             gateways.append(GatewayProc(tmp, name, [upstream], port=port, reuse_port=True, token=token))
         # Every worker's code paths warm and its upstream connections open before the window.
-        generate(port, token, connections=connections, seconds=WARMUP_S, processes=LOAD_PROCESSES)
+        generate(port, token, connections=connections, seconds=min(WARMUP_S, seconds), processes=LOAD_PROCESSES)
         before = [g.cpu_s() for g in gateways]
         upstream_before = upstream.cpu_s()
         load = generate(port, token, connections=connections, seconds=seconds, processes=LOAD_PROCESSES)
@@ -450,19 +455,31 @@ def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: 
     }
 
 
-def workers_phase(tmp: Path, workers: int, seconds: float) -> dict:
-    """Phase 5: 1 worker, then `workers`, against one canned upstream."""
+def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
+    """Phase 5: 1 worker, then `workers`, `rounds` times in turn (so a change in the machine's
+    other load falls on both), against one canned upstream. Each figure is the median of its
+    rounds; the per-round figures are kept beside it."""
     upstream = CannedUpstream()
+    runs: dict[int, list[dict]] = {1: [], workers: []}
     try:
-        one = measure_workers(tmp, upstream, 1, seconds, WORKERS_CONNECTIONS)
-        many = measure_workers(tmp, upstream, workers, seconds, WORKERS_CONNECTIONS)
+        for _ in range(rounds):
+            for n in runs:
+                runs[n].append(measure_workers(tmp, upstream, n, seconds, WORKERS_CONNECTIONS))
     finally:
         stop(upstream.proc)
-    out = {"workers": workers, "workers_seconds": seconds, "workers_connections": WORKERS_CONNECTIONS}
-    for n, figures in ((1, one), (workers, many)):
-        out.update({f"workers_{n}_{k}": v for k, v in figures.items()})
-    out["workers_scaling"] = round(many["rps"] / one["rps"], 3)
-    out["workers_cpu_per_request_ratio"] = round(many["cpu_per_request_ms"] / one["cpu_per_request_ms"], 3)
+    out: dict = {"workers": workers, "workers_seconds": seconds, "workers_rounds": rounds}
+    out["workers_connections"] = WORKERS_CONNECTIONS
+    for n, figures in runs.items():
+        for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share"):
+            out[f"workers_{n}_{k}"] = statistics.median(f[k] for f in figures)
+        out[f"workers_{n}_requests"] = sum(f["requests"] for f in figures)
+        out[f"workers_{n}_rps_rounds"] = [f["rps"] for f in figures]
+        out[f"workers_{n}_cpu_per_request_ms_rounds"] = [f["cpu_per_request_ms"] for f in figures]
+        out[f"workers_{n}_worker_cpu_s"] = figures[-1]["worker_cpu_s"]  # the last round's spread
+    one, many = out["workers_1_rps"], out[f"workers_{workers}_rps"]
+    out["workers_scaling"] = round(many / one, 3)
+    cpu_one, cpu_many = out["workers_1_cpu_per_request_ms"], out[f"workers_{workers}_cpu_per_request_ms"]
+    out["workers_cpu_per_request_ratio"] = round(cpu_many / cpu_one, 3)
     return out
 
 
@@ -473,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=5000, help="streams held open in phase 4; 0 skips it")
     parser.add_argument("--workers", type=int, default=2, help="phase 5: 1 worker, then this many; 0 skips it")
     parser.add_argument("--workers-seconds", type=float, default=10.0, help="phase 5's window per run (default: 10)")
+    parser.add_argument("--workers-rounds", type=int, default=3, help="phase 5's runs of each, in turn (default: 3)")
     parser.add_argument("--workers-only", action="store_true", help="run phase 5 alone")
     args = parser.parse_args(argv)
     if not 10 <= args.requests <= MAX_REQUESTS or not 1 <= args.sse_requests <= MAX_REQUESTS:
@@ -483,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workers must be 2..{MAX_WORKERS} (measured against 1), or 0 to skip phase 5")
     if not 0.1 <= args.workers_seconds <= 120:
         parser.error("--workers-seconds must be 0.1..120")
+    if not 1 <= args.workers_rounds <= 20:
+        parser.error("--workers-rounds must be 1..20")
     if args.workers_only and not args.workers:
         parser.error("--workers-only runs phase 5, which --workers 0 skips")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -512,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.streams:
                 ok["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
         if args.workers:
-            workers = workers_phase(Path(tmp), args.workers, args.workers_seconds)
+            workers = workers_phase(Path(tmp), args.workers, args.workers_seconds, args.workers_rounds)
             result |= workers
             ok["workers_scaling"] = workers["workers_scaling"] >= TARGETS["workers_scaling"]
             ok["workers_cpu_per_request"] = (
