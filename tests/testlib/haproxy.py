@@ -106,7 +106,13 @@ class ServerState:
 
     @property
     def up(self) -> bool:
+        """In rotation, every recent check passed."""
         return self.status == "UP"
+
+    @property
+    def down(self) -> bool:
+        """Out of rotation ("DOWN 1/2": out, its checks passing again but not yet enough)."""
+        return self.status.startswith("DOWN")
 
 
 class HAProxy:
