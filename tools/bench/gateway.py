@@ -395,6 +395,12 @@ class CannedUpstream:
         return sum(cpu_s(pid) for pid in self.pids)
 
 
+def machine_busy_s() -> float:
+    """CPU time every core of this machine has spent on anything but idling, so far."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def generate(port: int, token: str, *, connections: int, seconds: float, processes: int) -> dict:
     """`rawhttp load` from `processes` processes at once, `connections` in all: their figures summed."""
     share = [connections // processes + (i < connections % processes) for i in range(processes)]
@@ -436,10 +442,11 @@ def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: 
         # Every worker's code paths warm and its upstream connections open before the window.
         generate(port, token, connections=connections, seconds=min(WARMUP_S, seconds), processes=LOAD_PROCESSES)
         before = [g.cpu_s() for g in gateways]
-        upstream_before = upstream.cpu_s()
+        upstream_before, machine_before, wall_before = upstream.cpu_s(), machine_busy_s(), time.monotonic()
         load = generate(port, token, connections=connections, seconds=seconds, processes=LOAD_PROCESSES)
-        spent = [g.cpu_s() - b for g, b in zip(gateways, before, strict=False)]
+        spent = [g.cpu_s() - b for g, b in zip(gateways, before, strict=True)]
         upstream_spent = upstream.cpu_s() - upstream_before
+        machine_spent, wall = machine_busy_s() - machine_before, time.monotonic() - wall_before
     finally:
         for g in gateways:
             stop(g.proc)
@@ -452,6 +459,9 @@ def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: 
         "worker_cpu_s": [round(c, 2) for c in spent],  # how evenly the kernel spread the connections
         "load_cpu_share": round(load["cpu_s"] / load["seconds"], 3),  # cores the generator took
         "upstream_cpu_share": round(upstream_spent / load["seconds"], 3),
+        # Cores busy with anything else meanwhile (other processes, the kernel's own work): a
+        # run where this is large measured a shared machine, not the gateway.
+        "others_cpu_share": round(max(0.0, machine_spent - sum(spent) - upstream_spent - load["cpu_s"]) / wall, 3),
     }
 
 
@@ -470,11 +480,12 @@ def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
     out: dict = {"workers": workers, "workers_seconds": seconds, "workers_rounds": rounds}
     out["workers_connections"] = WORKERS_CONNECTIONS
     for n, figures in runs.items():
-        for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share"):
+        for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share", "others_cpu_share"):
             out[f"workers_{n}_{k}"] = statistics.median(f[k] for f in figures)
         out[f"workers_{n}_requests"] = sum(f["requests"] for f in figures)
         out[f"workers_{n}_rps_rounds"] = [f["rps"] for f in figures]
         out[f"workers_{n}_cpu_per_request_ms_rounds"] = [f["cpu_per_request_ms"] for f in figures]
+        out[f"workers_{n}_others_cpu_share_rounds"] = [f["others_cpu_share"] for f in figures]
         out[f"workers_{n}_worker_cpu_s"] = figures[-1]["worker_cpu_s"]  # the last round's spread
     one, many = out["workers_1_rps"], out[f"workers_{workers}_rps"]
     out["workers_scaling"] = round(many / one, 3)
