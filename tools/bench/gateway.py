@@ -18,10 +18,10 @@ connections). Phases, each with a fixed number of requests (or seconds) and a de
 5. workers: the gateway as 1 and then N worker processes sharing one port (SO_REUSEPORT; each a
    gateway runner started with `--reuse-port`), in front of a canned-response upstream, loaded
    by generator processes (`tools/bench/rawhttp.py`: raw-socket epoll loops, so the gateway is
-   what is measured and not the engine or the client) on 64 keep-alive connections for S
-   seconds, R times each in turn: the throughput with N workers over 1 (`workers_scaling`) and
-   the workers' CPU per request (user + system, all workers, over the measured window) with 1
-   and with N, each the median of its R runs.
+   what is measured and not the engine or the client) on 32 keep-alive connections per worker
+   for S seconds, R times each in turn: the throughput with N workers over 1
+   (`workers_scaling`) and the workers' CPU per request (user + system, all workers, over the
+   measured window) with 1 and with N, each the median of its R runs.
 
 Prints one JSON object: the settings, the figures and whether each meets its target.
 """
@@ -61,7 +61,9 @@ TARGETS = {
     "workers_cpu_per_request_ratio": 1.10,  # CPU per request with 2 workers over 1: no shared bottleneck
 }
 MAX_WORKERS = 8
-WORKERS_CONNECTIONS = 64  # closed loop: enough for every worker to always have requests waiting
+# Closed loop, the same load on each worker with 1 as with N (so what differs is only how many
+# there are): enough connections for a worker always to have requests waiting.
+CONNECTIONS_PER_WORKER = 32
 LOAD_PROCESSES = 2  # the generator's processes (it is cheap, but one core's loop must never be the limit)
 WARMUP_S = 1.0
 
@@ -474,11 +476,11 @@ def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
     try:
         for _ in range(rounds):
             for n in runs:
-                runs[n].append(measure_workers(tmp, upstream, n, seconds, WORKERS_CONNECTIONS))
+                runs[n].append(measure_workers(tmp, upstream, n, seconds, CONNECTIONS_PER_WORKER * n))
     finally:
         stop(upstream.proc)
     out: dict = {"workers": workers, "workers_seconds": seconds, "workers_rounds": rounds}
-    out["workers_connections"] = WORKERS_CONNECTIONS
+    out["workers_connections_per_worker"] = CONNECTIONS_PER_WORKER
     for n, figures in runs.items():
         for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share", "others_cpu_share"):
             out[f"workers_{n}_{k}"] = statistics.median(f[k] for f in figures)
