@@ -12,7 +12,6 @@ the figures measured are printed (run with `-- -s` to see them).
 
 from __future__ import annotations
 
-import http.client
 import json
 from collections.abc import Iterator
 from functools import partial
@@ -22,10 +21,10 @@ from typing import Any
 import pytest
 import trio
 
-from llmgw import paths
 from llmgw.gatewayd.link import Credentials, GatewayLink, Target, serve_gateway_link
 from llmgw.wire import gateway_link as g
 from testlib.cluster import Cluster, kill_groups
+from testlib.gatewayd import admin
 
 CATALOG = """
 [[models]]
@@ -83,22 +82,6 @@ class Sink:
                     await self._arrived.park()
         except trio.TooSlowError:
             raise AssertionError(f"{what}: not within {timeout:g} s; parts: {self.parts[-6:]}") from None
-
-
-def admin(cluster: Cluster, method: str, path: str) -> dict[str, Any]:
-    """One admin API call, with the credential the control plane's state directory holds."""
-    url = paths.admin_url_path(cluster.state).read_text().strip()
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    token = paths.read_admin_token(paths.admin_token_path(cluster.state))
-    conn = http.client.HTTPConnection(host, int(port.strip("/")), timeout=10)
-    try:
-        conn.request(method, path, headers={"authorization": f"Bearer {token}"})
-        response = conn.getresponse()
-        body = response.read()
-        assert response.status < 300, (response.status, body)
-        return json.loads(body)
-    finally:
-        conn.close()
 
 
 def rotation_of(sink: Sink) -> tuple[g.RouteEndpoint, ...]:

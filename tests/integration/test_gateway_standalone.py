@@ -1,22 +1,32 @@
 """`llmgw gateway --server` in front of a real cluster on loopback (`llmgw server`, an agent, a sim
 engine), its two workers linked to the control plane with a certificate from `llmgw ca issue
---gateway`: it serves what the control plane says; with the control plane stopped it keeps
-serving under load from its last table, its staleness rising in /health and /metrics; once the
-control plane is back each worker links again and a key revoked then is refused within 5 s."""
+--gateway`, through a control-plane outage of 60 s, as issue 27 states it: four clients keep
+asking (non-streamed, each at most 20 requests a second, bounded in count and time) and not one
+request fails; meanwhile /health and /metrics show the link down and the staleness rising.
+
+Started again, the control plane is relinked by every worker within seconds (staleness back near
+0), a key created after its return is accepted within 1 s and one revoked after it is refused
+within 5 s — all while its agent is not back yet (after a minute away an agent dials up to 30 s
+apart; held here, so that this is what the test sees every time): the control plane calls the
+node's replica unknown, and the gateway keeps serving it. The agent back, nothing was restarted.
+
+The figures are printed (run with `-- -s` to see them); docs/gateway.md quotes them. A revocation
+made while the gateway is cut off is test_gateway_cutoff.py's.
+"""
 
 from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from testlib.cluster import Cluster, Proc, free_port, wait_until
-from testlib.gateway import chat, parse_metrics, request
+from testlib import gatewayd
+from testlib.cluster import Cluster, wait_until
+from testlib.load import Load
 
 CATALOG = """
 [[models]]
@@ -25,127 +35,138 @@ engine = "sim"
 replicas = 1
 """
 READY_S = 60.0
-OUTAGE_S = 8.0  # the control plane away while clients keep asking
-REVOKED_WITHIN_S = 5.0  # the issue's promise after the control plane's return
+OUTAGE_S = 60.0  # the control plane away while clients keep asking (the issue's figure)
+SAMPLE_EVERY_S = 10.0  # /health and /metrics looked at during the outage
+CLIENTS = 4
+CLIENT_INTERVAL_S = 0.05  # each client: at most 20 requests a second
+RELINKED_WITHIN_S = 10.0  # every worker linked again after the control plane is ready (backoff: 3 s at most)
+NEW_KEY_WITHIN_S = 1.0  # a change after the return reaches every worker (the issue's promise for changes)
+REVOKED_WITHIN_S = 5.0  # the issue's promise for a revocation after the return
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
+    # After a minute away, the agent dials up to 30 s apart: the restarted control plane waits for
+    # it as long as it would by default (35 s), and moves nothing meanwhile.
+    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0, reconnect_grace_s=35.0)
     try:
         yield c
     finally:
         c.close()
 
 
-class Clients:
-    """Two clients asking the gateway with one key without pause, on fresh connections; every
-    answer kept as (sent at, status, seconds it took)."""
-
-    def __init__(self, port: int, token: str) -> None:
-        self.port, self.token = port, token
-        self.answers: list[tuple[float, int, float]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(2)]
-
-    def __enter__(self) -> Clients:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-    def _run(self, n: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            sent = time.monotonic()
-            try:
-                status = request(self.port, "POST", "/v1/chat/completions", chat(f"c{n} q{i}"), token=self.token)[0]
-            except OSError:
-                status = 0
-            self.answers.append((sent, status, time.monotonic() - sent))
-            i += 1
-
-    def between(self, start: float, end: float) -> list[tuple[float, int, float]]:
-        return [a for a in self.answers if start <= a[0] < end]
+def between(loads: list[Load], start: float, end: float) -> list[tuple[float, int, float]]:
+    return [a for load in loads for a in load.answers if start <= a[0] < end]
 
 
-def health(port: int) -> dict:
-    status, _, body = request(port, "GET", "/health")
-    answer = json.loads(body)
-    answer["http_status"] = status
-    return answer
-
-
-def every_worker(port: int, check, samples: int = 20) -> bool:
-    """Whether `check(health)` holds on `samples` fresh connections (the kernel spreads them over
-    the workers: with two, 20 in a row all reach one worker once in half a million)."""
-    return all(check(health(port)) for _ in range(samples))
-
-
-def test_a_standalone_gateway_serves_on_while_the_control_plane_is_away(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_resyncs(cluster: Cluster) -> None:
     cluster.init_ca()
     cluster.set_catalog(CATALOG)
     cluster.add_node("node-a")
-    pki = tmp_path / "gw-pki"
-    cluster.llmgw("ca", "issue", "--gateway", "gw1", "--config", str(cluster.server_config), "--out", str(pki))
+    pki = gatewayd.issue_certificate(cluster, "gw1")
     cluster.start_server()
     cluster.start_agent("node-a")
     cluster.wait_replicas("the replica ready", lambda rs: [r["state"] for r in rs] == ["ready"], timeout=READY_S)
     alice = cluster.ctl("keys", "create", "alice")["token"]
     bob = cluster.ctl("keys", "create", "bob")["token"]
+    [engine_pids] = [r["pids"] for r in cluster.replicas() or []]
+    agent = cluster.agents["node-a"]
+    gw = gatewayd.start(cluster, "gw1", pki, workers=2)
+    gw.wait_serving()
+    assert gw.ask(bob)[0] == 200
+    measured: dict[str, object] = {"outage_s": OUTAGE_S, "clients": CLIENTS}
 
-    port = free_port()
-    args = ["--log-format", "json", "gateway", "--server", f"wss://127.0.0.1:{cluster.port}", "--pki-dir", str(pki)]
-    gw = Proc("gateway", [*args, "--listen", f"127.0.0.1:{port}", "--workers", "2"], tmp_path / "gateway.log")
-    cluster.procs.append(gw)
-    wait_until("the gateway ready", lambda: gw.events("gateway_ready"), alive=[gw], timeout=READY_S)
-    wait_until(
-        "both workers serving the cluster's table",
-        lambda: every_worker(port, lambda h: h["http_status"] == 200 and h["link_up"] and h["ready"] == {"chat": 1}),
-        alive=[gw],
-        timeout=READY_S,
-    )
-    assert request(port, "POST", "/v1/chat/completions", chat(), token=bob)[0] == 200
-
-    with Clients(port, alice) as clients:
-        time.sleep(1.0)
+    bound = dict(interval_s=CLIENT_INTERVAL_S, max_s=OUTAGE_S + 90, max_requests=int((OUTAGE_S + 90) / 0.05))
+    loads = [Load(gw.port, alice, **bound).start() for _ in range(CLIENTS)]
+    try:
+        time.sleep(2.0)  # the clients under way before the control plane goes
         stopped_at = time.monotonic()
         assert cluster.server is not None and cluster.server.stop(signal.SIGTERM) == 0, cluster.server.tail()
-        wait_until("the workers see the link down", lambda: every_worker(port, lambda h: not h["link_up"]), procs=[gw])
-        first = health(port)
-        time.sleep(OUTAGE_S)
-        later = health(port)
+        wait_until(
+            "every worker sees the link down", lambda: gw.every_worker(lambda h: not h["link_up"]), procs=[gw.proc]
+        )
+        samples = []
+        while (at := time.monotonic()) < stopped_at + OUTAGE_S:
+            health, metrics = gw.health(), gw.metrics()
+            samples.append((at - stopped_at, health, metrics))
+            time.sleep(min(SAMPLE_EVERY_S, max(0.0, stopped_at + OUTAGE_S - time.monotonic())))
+        # After a minute away its agent dials up to 30 s apart, so it may well return after the
+        # gateway: held here until then, for that to be what this test sees every time.
+        agent.popen.send_signal(signal.SIGSTOP)
         back_at = time.monotonic()
         cluster.start_server()
+        ready_at = time.monotonic()
         wait_until(
-            "both workers linked again", lambda: every_worker(port, lambda h: h["link_up"]), alive=[gw], timeout=30
+            "every worker linked again, its staleness back near 0",
+            lambda: gw.every_worker(lambda h: h["link_up"] and h["staleness_s"] < 1.0),
+            alive=[gw.proc],
+            timeout=RELINKED_WITHIN_S,
+            last_seen=gw.health,
         )
         relinked_at = time.monotonic()
-        time.sleep(1.0)
+        measured["relinked_after_start_s"] = round(relinked_at - back_at, 2)
+        measured["relinked_after_ready_s"] = round(relinked_at - ready_at, 2)
+        # The node not back yet: the control plane calls its replica unknown, which the gateway keeps.
+        assert (cluster.nodes() or {})["node-a"]["state"] == "unknown", cluster.last_nodes
+        assert gw.every_worker(lambda h: h["http_status"] == 200 and h["ready"] == {"chat": 1})
 
-    outage = clients.between(stopped_at, back_at)
-    assert len(outage) > 20 and [s for _, s, _ in outage if s != 200] == [], outage[-5:]
-    assert max(took for *_, took in outage) < 1.0  # served from the table: nothing waits on the control plane
-    assert later["http_status"] == 200 and later["ready"] == {"chat": 1}
-    assert later["staleness_s"] >= first["staleness_s"] + OUTAGE_S - 1, (first, later)
-    metrics = parse_metrics(request(port, "GET", "/metrics")[2].decode())
+        carol = cluster.ctl("keys", "create", "carol")["token"]
+        created_at = time.monotonic()
+        wait_until(
+            "carol accepted by every worker",
+            lambda: gw.accepts(carol, 200),
+            procs=[gw.proc],
+            timeout=NEW_KEY_WITHIN_S,
+            last_seen=lambda: gw.ask(carol)[:2],
+        )
+        measured["new_key_accepted_s"] = round(time.monotonic() - created_at, 2)
+
+        cluster.ctl("keys", "revoke", "bob")
+        revoked_at = time.monotonic()
+        wait_until("bob refused by every worker", lambda: gw.accepts(bob, 401), timeout=REVOKED_WITHIN_S)
+        measured["revoked_refused_s"] = round(time.monotonic() - revoked_at, 2)
+        time.sleep(2.0)  # the clients on, the node still away
+        agent.popen.send_signal(signal.SIGCONT)
+        agent_back = time.monotonic()
+        cluster.wait_nodes("node-a back", lambda nodes: nodes["node-a"]["state"] == "joined")
+        measured["agent_back_after_return_s"] = round(time.monotonic() - back_at, 2)
+        measured["agent_back_after_resumed_s"] = round(time.monotonic() - agent_back, 2)
+        time.sleep(2.0)  # the clients on, the cluster whole again
+    finally:
+        agent.popen.send_signal(signal.SIGCONT)
+        for load in loads:
+            load.finish()
+    ended_at = time.monotonic()
+
+    failures = [f for load in loads for f in load.failures]
+    outage = between(loads, stopped_at, back_at)
+    after = between(loads, back_at, ended_at)
+    measured |= {
+        "requests_during_outage": len(outage),
+        "requests_after_return": len(after),
+        "failed": len(failures),
+        "slowest_during_outage_s": round(max(took for *_, took in outage), 3),
+        "slowest_after_return_s": round(max(took for *_, took in after), 3),
+        "staleness_s": [
+            (round(at), h["staleness_s"], m[("llmgw_gateway_link_up", frozenset())]) for at, h, m in samples
+        ],
+    }
+    print(f"\nstandalone gateway through a {OUTAGE_S:g} s control-plane outage: {json.dumps(measured)}")
+
+    assert failures == [], failures[:5]
+    assert len(outage) > OUTAGE_S * CLIENTS, measured  # served all along: at least 1 a second per client
+    assert measured["slowest_during_outage_s"] < 1.0  # served from the table: nothing waits on the control plane
+    assert measured["slowest_after_return_s"] < 1.0  # the return takes nothing from the table the gateway had
+    for at, health, metrics in samples:
+        assert health["http_status"] == 200 and health["ready"] == {"chat": 1} and not health["link_up"], health
+        assert metrics[("llmgw_gateway_link_up", frozenset())] == 0
+        staleness = metrics[("llmgw_gateway_table_staleness_seconds", frozenset())]
+        # Heard last between the stop's signal and the control plane's exit: staleness ~ time since the stop.
+        assert at - 3.0 <= health["staleness_s"] <= at + 1.0 and at - 3.0 <= staleness <= at + 1.0, (at, health)
+    assert len(samples) >= OUTAGE_S / SAMPLE_EVERY_S
+    metrics = gw.metrics()
     assert metrics[("llmgw_gateway_link_up", frozenset())] == 1
-    assert metrics[("llmgw_gateway_table_staleness_seconds", frozenset())] < 2.0
-    after = clients.between(back_at, relinked_at + 1.0)
-    print(f"\noutage: {len(outage)} requests, all 200; after the return: {sorted({s for _, s, _ in after})}")
-
-    revoked_at = time.monotonic()
-    cluster.ctl("keys", "revoke", "bob")
-    wait_until(
-        "bob refused by every worker",
-        lambda: all(request(port, "POST", "/v1/chat/completions", chat(), token=bob)[0] == 401 for _ in range(20)),
-        procs=[gw],
-        timeout=REVOKED_WITHIN_S,
-    )
-    print(f"bob refused everywhere {time.monotonic() - revoked_at:.2f} s after its revocation")
-    assert request(port, "POST", "/v1/chat/completions", chat(), token=alice)[0] == 200
-    assert gw.stop(signal.SIGTERM, timeout=60) == 0, gw.tail()
+    assert metrics[("llmgw_gateway_table_staleness_seconds", frozenset())] < 1.0
+    assert gw.ask(alice)[0] == gw.ask(carol)[0] == 200
+    assert [(r["state"], r["pids"]) for r in cluster.replicas() or []] == [("ready", engine_pids)]  # never restarted
+    assert gw.proc.stop(signal.SIGTERM, timeout=60) == 0, gw.proc.tail()

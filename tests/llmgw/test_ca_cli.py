@@ -11,7 +11,7 @@ import pytest
 from cryptography import x509
 
 from llmgw import cli
-from llmgw.commands import ca as ca_command
+from llmgw.commands import _options as options
 from llmgw.pki.ca import ROLE_GATEWAY, CertInfo, cert_info
 from llmgw.pki.files import ca_paths, load_cert, write_node_key_and_csr
 from testlib.controlplane import make_state, serve_plane
@@ -24,7 +24,7 @@ Capsys = pytest.CaptureFixture[str]
 def no_machine_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The tests' own state dirs and configs only, whatever this machine has in /etc or the environment."""
     monkeypatch.delenv("LLMGW_STATE_DIR", raising=False)
-    monkeypatch.setattr(ca_command, "DEFAULT_SERVER_CONFIG", tmp_path / "absent/server.toml")
+    monkeypatch.setattr(options, "DEFAULT_SERVER_CONFIG", tmp_path / "absent/server.toml")
 
 
 @pytest.fixture

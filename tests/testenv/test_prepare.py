@@ -251,6 +251,7 @@ def test_every_need_names_a_package_and_says_why() -> None:
     # The paths the test helpers run by absolute path are the ones checked.
     provided = {item for n in NEEDS for item in n.provides}
     assert {"/usr/sbin/sshd", "ip", "unshare", "nsenter", "sudo", "tmux", "systemd-analyze", "chromium"} <= provided
+    assert "haproxy" in provided  # tests/testlib/haproxy.py runs it
 
 
 def test_a_machine_without_chromium_gets_it_for_the_cluster_page_tests() -> None:
@@ -265,6 +266,22 @@ def test_the_chromium_the_tests_drive_is_installed_and_runs() -> None:
 
     done = subprocess.run([chromium_binary(), "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("Chromium "), done.stderr
+
+
+def test_a_machine_without_haproxy_gets_it_for_the_load_balancer_test() -> None:
+    fake = Fake(without("haproxy"), installs={"haproxy": {"haproxy"}})
+    assert run(fake) == 0
+    assert [argv for argv, _ in fake.ran][-1][-1] == "haproxy"
+    assert "haproxy: standalone gateways are tested behind a real HAProxy" in fake.text
+
+
+def test_the_haproxy_the_tests_run_is_installed_and_checks_their_configuration(tmp_path: Path) -> None:
+    from testlib.haproxy import haproxy_binary, write_config
+
+    config = write_config(tmp_path, listen_port=1, gateway_ports=(2, 3), stats_port=4)
+    done = subprocess.run([haproxy_binary(), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING" not in done.stdout + done.stderr  # nothing this HAProxy deprecates or ignores
 
 
 def test_the_build_script_caches_where_the_tests_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -227,9 +227,22 @@ class NodeFiles:
 OPERATORS_LLAMACPP = '[engines.llamacpp]\nversion = ""\n'
 
 
+@attrs.frozen(kw_only=True)
+class ServerNet:
+    """Where `llmgw server` runs and how the others reach it: on this machine's loopback by
+    default, or inside a network namespace (`prefix`: `ip netns exec NAME`) with its agent port on
+    `agent_host` ("0.0.0.0": every address of the namespace), its HTTP port on `dial_host`, which
+    its agents dial, and its certificate naming `advertise`."""
+
+    prefix: tuple[str, ...] = ()
+    agent_host: str = "127.0.0.1"
+    dial_host: str = "127.0.0.1"
+    advertise: tuple[str, ...] = ("127.0.0.1",)
+
+
 class Cluster:
-    """A control plane in `root/state` with its agent endpoint on a fixed loopback port (so a
-    restarted server listens where its agents dial), and the agents' state under `root`."""
+    """A control plane in `root/state` with its agent endpoint on a fixed port (so a restarted
+    server listens where its agents dial), and the agents' state under `root`."""
 
     def __init__(
         self,
@@ -239,14 +252,21 @@ class Cluster:
         heartbeat_ttl_s: float = 1.5,
         socket_activation: bool = False,
         engines_toml: str = OPERATORS_LLAMACPP,
+        net: ServerNet | None = None,
+        reconnect_grace_s: float = 10.0,
         server_toml: str = "",
     ) -> None:
         """`socket_activation`: the cluster owns the server's listening sockets and passes them
         to each `llmgw server` it starts, as a systemd .socket unit does; connections made
         while the server restarts wait in their backlog. `engines_toml`: server.toml's tables
-        after [server] ([engines.*], [release]; TOML text). `server_toml`: more keys of [server]
-        (`gateway_workers = 2`; TOML text)."""
+        after [server] ([engines.*], [release]; TOML text). `net`: where the server runs.
+        `reconnect_grace_s`: how long a restarted server waits for the agents it knew; their
+        backoff reaches 30 s after a long outage (the product's default, 35 s, covers it).
+        `server_toml`: more keys of [server] (`gateway_workers = 2`; TOML text)."""
+        net = net or ServerNet()
+        assert not (socket_activation and net.prefix), "socket activation passes this machine's sockets"
         self.root = root
+        self.net = net
         self.state = root / "state"
         self.sockets: list[socket.socket] = []
         if socket_activation:
@@ -261,13 +281,13 @@ class Cluster:
         self._server_section = (
             "[server]\n"
             f'state_dir = "{self.state}"\n'
-            f'agent_listen = "127.0.0.1:{self.port}"\n'
-            f'http_listen = "127.0.0.1:{self.http_port}"\n'
-            'advertise = ["127.0.0.1"]\n'
+            f'agent_listen = "{net.agent_host}:{self.port}"\n'
+            f'http_listen = "{net.dial_host}:{self.http_port}"\n'
+            f"advertise = {json.dumps(list(net.advertise))}\n"
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
             # Agents come back on their own backoff after a server restart; give them that long.
-            "reconnect_grace_s = 10.0\n" + server_toml + engines_toml
+            f"reconnect_grace_s = {reconnect_grace_s}\n" + server_toml + engines_toml
         )
         self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}
@@ -277,6 +297,11 @@ class Cluster:
         self.last_nodes: Any = None  # the last `ctl nodes` answer, for failure messages
         self.last_replicas: Any = None  # the last `ctl replicas` answer, likewise
         self._runs: dict[str, int] = {}
+
+    @property
+    def agent_url(self) -> str:
+        """The control plane's agent endpoint, as its agents dial it."""
+        return f"wss://{self.net.dial_host}:{self.port}"
 
     # -- one-shot commands ----------------------------------------------------------------
 
@@ -305,8 +330,7 @@ class Cluster:
         `agent_toml` is added to its agent.toml (top-level keys, then tables)."""
         files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
         files.config.write_text(
-            f'server = "wss://127.0.0.1:{self.port}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n'
-            + agent_toml
+            f'server = "{self.agent_url}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n' + agent_toml
         )
         self.llmgw("agent", "csr", "--config", str(files.config))
         self.llmgw(
@@ -358,10 +382,15 @@ class Cluster:
     # -- long-running processes -----------------------------------------------------------
 
     def _spawn(
-        self, name: str, args: list[str], env: dict[str, str] | None = None, sockets: list[socket.socket] | None = None
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        sockets: list[socket.socket] | None = None,
+        prefix: list[str] | None = None,
     ) -> Proc:
         run = self._runs[name] = self._runs.get(name, 0) + 1
-        proc = Proc(name, args, self.root / f"{name}-{run}.log", env, sockets=sockets)
+        proc = Proc(name, args, self.root / f"{name}-{run}.log", env, sockets=sockets, prefix=prefix)
         self.procs.append(proc)
         return proc
 
@@ -369,7 +398,10 @@ class Cluster:
         """Start `llmgw server` and wait for this run's `server_ready` (both listeners accept)."""
         assert self.server is None or self.server.returncode is not None, "the server is already running"
         server = self.server = self._spawn(
-            "server", ["server", "--config", str(self.server_config), "--log-format", "json"], sockets=self.sockets
+            "server",
+            ["server", "--config", str(self.server_config), "--log-format", "json"],
+            sockets=self.sockets,
+            prefix=list(self.net.prefix),
         )
         wait_until("the server to be ready", lambda: server.events("server_ready"), alive=[server])
         return server

@@ -79,8 +79,10 @@ class GW:
         )
 
 
-def request(port: int, method: str, path: str, body=None, *, token=None, headers=None, timeout=15.0):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def request(
+    port: int, method: str, path: str, body=None, *, token=None, headers=None, timeout=15.0, host: str = "127.0.0.1"
+):
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         hdrs = dict(headers or {})
         if token:

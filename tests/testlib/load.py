@@ -1,7 +1,9 @@
 """A steady trickle of non-streamed requests through the gateway, in a thread, for tests that
 break something underneath and then check that no request failed.
 
-Bounded in count and in time. With `keep_alive`, the client reuses its connection and follows
+Bounded in count and in time (`max_requests`, `max_s`), one request each `interval_s` at most;
+every answer is kept in `answers` as (sent at, status, seconds it took), status 0 for a request
+that failed without one, so a test can say what happened in each phase. With `keep_alive`, the client reuses its connection and follows
 the one rule every HTTP client follows: a request on a *reused* connection that fails before
 any byte of an answer is sent once more on a fresh one (the server may close an idle
 connection at any moment, RFC 9112 §9.3.1). Nothing else is retried.
@@ -34,8 +36,13 @@ class Load:
     token: str
     model: str = "chat"
     keep_alive: bool = False
+    host: str = "127.0.0.1"
+    interval_s: float = INTERVAL_S
+    max_requests: int = MAX_REQUESTS
+    max_s: float = MAX_S
     ok: int = 0
     failures: list[str] = attrs.Factory(list)
+    answers: list[tuple[float, int, float]] = attrs.Factory(list)
     slowest_s: float = 0.0
     stop: threading.Event = attrs.Factory(threading.Event)
     _conn: http.client.HTTPConnection | None = None
@@ -52,11 +59,12 @@ class Load:
             self._thread.join(CLIENT_TIMEOUT_S + 5)
 
     def run(self) -> None:
-        deadline = time.monotonic() + MAX_S
-        for _ in range(MAX_REQUESTS):
+        deadline = time.monotonic() + self.max_s
+        for _ in range(self.max_requests):
             if self.stop.is_set() or time.monotonic() > deadline:
                 break
             started = time.monotonic()
+            status = 0
             try:
                 status, body = self._once()
             except (OSError, http.client.HTTPException) as exc:
@@ -66,15 +74,17 @@ class Load:
                     self.ok += 1
                 else:
                     self.failures.append(f"HTTP {status}: {body[:200]!r}")
-            self.slowest_s = max(self.slowest_s, time.monotonic() - started)
-            time.sleep(INTERVAL_S)
+            took = time.monotonic() - started
+            self.answers.append((started, status, took))
+            self.slowest_s = max(self.slowest_s, took)
+            self.stop.wait(self.interval_s)
         if self._conn is not None:
             self._conn.close()
 
     def _once(self) -> tuple[int, bytes]:
         reused = self._conn is not None
         if self._conn is None:
-            self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=CLIENT_TIMEOUT_S)
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=CLIENT_TIMEOUT_S)
         try:
             self._conn.request(
                 "POST",

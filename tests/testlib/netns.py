@@ -13,6 +13,11 @@ staying up) does: connects time out, a request written onto an open connection i
 keepalive probes go unanswered. Taking this machine's side down instead is not a cut: the route
 goes with it, so connects fail at once or, on a machine with a default route, leave for the real
 network (where something accepted them). Needs root and iproute2.
+
+`add_link()` joins the namespace to this machine by one more veth pair, with a /30 of its own
+(`Link`: eth1 inside, then eth2...), so that one path can be cut while another stays: a control
+plane whose agents reach it on one link and a gateway on another, say. `cut(link)` and
+`restore(link)` take one down and up (the first, by default).
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import attrs
+
 from testlib.needs import missing_message
 
 STOP_TIMEOUT_S = 10.0
+# When Linux sends an unanswered SYN again, in seconds after the first (initial RTO 1 s, doubling):
+# a connect into a cut link is tried at these moments, and a link restored between two of them
+# is found at the next.
+SYN_RESENDS_S = (1.0, 3.0, 7.0, 15.0, 31.0)
 
 
 def _run(*argv: str) -> str:
@@ -66,6 +77,12 @@ def kill_namespace(name: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def syn_sent(dst: str) -> set[str]:
+    """The local ends (ADDR:PORT) of this machine's connects to `dst` waiting for an answer."""
+    out = _run("ss", "-Htn", "state", "syn-sent", "dst", dst)
+    return {line.split()[2] for line in out.splitlines() if line.strip()}
+
+
 def preflight() -> str:
     """Why this machine cannot make a NetNS, or "" when it can (a test fails with it: never a skip)."""
     if os.geteuid() != 0:
@@ -73,6 +90,26 @@ def preflight() -> str:
     if not Path("/usr/sbin/ip").exists():
         return missing_message("/usr/sbin/ip", "iproute2")
     return ""
+
+
+@attrs.frozen(kw_only=True)
+class Link:
+    """One veth pair: this machine's end `veth` with `host_addr`, the namespace's `inside` with
+    `node_addr`."""
+
+    veth: str
+    inside: str
+    host_addr: str
+    node_addr: str
+
+    @classmethod
+    def numbered(cls, index: int, inside: str) -> Link:
+        return cls(
+            veth=f"lgc{os.getpid() % 10000}n{index}",  # interface names: 15 characters at most
+            inside=inside,
+            host_addr=f"10.231.{index}.1",
+            node_addr=f"10.231.{index}.2",
+        )
 
 
 class NetNS:
@@ -83,9 +120,9 @@ class NetNS:
         MAC address."""
         index = free_index() if index is None else index
         self.name = f"llmgwc{os.getpid() % 10000}n{index}"
-        self.veth = f"lgc{os.getpid() % 10000}n{index}"  # interface names: 15 characters at most
-        self.host_addr = f"10.231.{index}.1"
-        self.node_addr = f"10.231.{index}.2"
+        self.link = Link.numbered(index, "eth0")
+        self.links = [self.link]
+        self.veth, self.host_addr, self.node_addr = self.link.veth, self.link.host_addr, self.link.node_addr
         self.address = address
         self.mac = mac
 
@@ -99,24 +136,35 @@ class NetNS:
     def start(self) -> None:
         _run("ip", "netns", "add", self.name)
         try:
-            _run("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.name)
-            _run("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.veth)
-            _run("ip", "link", "set", self.veth, "up")
-            inside = [("ip", "link", "set", "lo", "up")]
-            if self.mac:
-                inside.insert(0, ("ip", "link", "set", "eth0", "address", self.mac))
-            if self.address:
-                inside += [
-                    ("ip", "addr", "add", f"{self.node_addr}/30", "dev", "eth0"),
-                    ("ip", "link", "set", "eth0", "up"),
-                ]
-            for argv in inside:
-                self.run(*argv)
-            mac = self.run("cat", "/sys/class/net/eth0/address").strip()
-            _run("ip", "neigh", "replace", self.node_addr, "lladdr", mac, "dev", self.veth, "nud", "permanent")
+            self.run("ip", "link", "set", "lo", "up")
+            self._join(self.link, address=self.address, mac=self.mac)
         except BaseException:
             self.stop()
             raise
+
+    def add_link(self) -> Link:
+        """One more veth pair to this machine, up, with a /30 of its own (after `start`)."""
+        link = Link.numbered(free_index(), f"eth{len(self.links)}")
+        self.links.append(link)
+        self._join(link, address=True, mac=None)
+        return link
+
+    def _join(self, link: Link, *, address: bool, mac: str | None) -> None:
+        _run("ip", "link", "add", link.veth, "type", "veth", "peer", "name", link.inside, "netns", self.name)
+        _run("ip", "addr", "add", f"{link.host_addr}/30", "dev", link.veth)
+        _run("ip", "link", "set", link.veth, "up")
+        inside = []
+        if mac:
+            inside.append(("ip", "link", "set", link.inside, "address", mac))
+        if address:
+            inside += [
+                ("ip", "addr", "add", f"{link.node_addr}/30", "dev", link.inside),
+                ("ip", "link", "set", link.inside, "up"),
+            ]
+        for argv in inside:
+            self.run(*argv)
+        inside_mac = self.run("cat", f"/sys/class/net/{link.inside}/address").strip()
+        _run("ip", "neigh", "replace", link.node_addr, "lladdr", inside_mac, "dev", link.veth, "nud", "permanent")
 
     def run(self, *argv: str) -> str:
         """A short command inside the namespace; its output."""
@@ -126,11 +174,11 @@ class NetNS:
         """A process inside the namespace (`ip netns exec` execs it: the pid is the process's own)."""
         return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], **kw)
 
-    def cut(self) -> None:
-        self.run("ip", "link", "set", "eth0", "down")
+    def cut(self, link: Link | None = None) -> None:
+        self.run("ip", "link", "set", (link or self.link).inside, "down")
 
-    def restore(self) -> None:
-        self.run("ip", "link", "set", "eth0", "up")
+    def restore(self, link: Link | None = None) -> None:
+        self.run("ip", "link", "set", (link or self.link).inside, "up")
 
     def pids(self) -> list[int]:
         return namespace_pids(self.name)
@@ -138,4 +186,5 @@ class NetNS:
     def stop(self) -> None:
         kill_namespace(self.name, STOP_TIMEOUT_S)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link.veth], capture_output=True, timeout=30)

@@ -1,11 +1,12 @@
 """What the gateway costs: the same load straight to a sim engine and through the gateway, in one run.
 
-    PYTHONPATH=src/python python3 tools/bench/gateway.py [--requests N] [--streams S] [--skip-streams]
+    PYTHONPATH=src/python:tests:tools python3 tools/bench/gateway.py [--requests N] [--streams S]
+        [--workers N] [--workers-seconds S] [--workers-rounds R] [--workers-only]
 
 Loopback only. The gateway runs in its own process (`tools/bench/gateway_runner.py`), so its CPU
 time and memory are its own (read from /proc/PID/stat and /proc/PID/status); the engines are
 `llmgw engine sim` processes; the load comes from this process (trio + h11, keep-alive
-connections). Phases, each with a fixed number of requests and a deadline:
+connections). Phases, each with a fixed number of requests (or seconds) and a deadline:
 
 1. latency at concurrency 1: N non-streamed requests one after another, direct and through the
    gateway in alternating blocks; the added latency is the difference of the percentiles;
@@ -14,6 +15,13 @@ connections). Phases, each with a fixed number of requests and a deadline:
    gateway's CPU time (user + system);
 4. open streams: S streams held open at once through a fresh gateway to an engine with a slow
    `--output-token-ms`; the gateway's RSS before and with all of them open.
+5. workers: the gateway as 1 and then N worker processes sharing one port (SO_REUSEPORT; each a
+   gateway runner started with `--reuse-port`), in front of a canned-response upstream, loaded
+   by generator processes (`tools/bench/rawhttp.py`: raw-socket epoll loops, so the gateway is
+   what is measured and not the engine or the client) on 32 keep-alive connections per worker
+   for S seconds, R times each in turn: the throughput with N workers over 1
+   (`workers_scaling`) and the workers' CPU per request (user + system, all workers, over the
+   measured window) with 1 and with N, each the median of its R runs.
 
 Prints one JSON object: the settings, the figures and whether each meets its target.
 """
@@ -25,8 +33,10 @@ import json
 import os
 import platform
 import resource
+import secrets
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,14 +45,27 @@ from pathlib import Path
 
 import h11
 import trio
+from bench import gateway_runner, rawhttp
 
 MAX_REQUESTS = 20_000
 MAX_STREAMS = 8_000
 READY_TIMEOUT_S = 30.0
 PHASE_TIMEOUT_S = 180.0
-RUNNER = Path(__file__).with_name("gateway_runner.py")
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
-TARGETS = {"added_latency_p50_ms": 1.0, "throughput_ratio": 0.5, "sse_chunks_per_cpu_second": 50_000, "rss_mib": 1024}
+TARGETS = {
+    "added_latency_p50_ms": 1.0,
+    "throughput_ratio": 0.5,
+    "sse_chunks_per_cpu_second": 50_000,
+    "rss_mib": 1024,
+    "workers_scaling": 1.3,  # throughput with 2 workers over 1
+    "workers_cpu_per_request_ratio": 1.10,  # CPU per request with 2 workers over 1: no shared bottleneck
+}
+MAX_WORKERS = 8
+# Closed loop, the same load on each worker with 1 as with N (so what differs is only how many
+# there are): enough connections for a worker always to have requests waiting.
+CONNECTIONS_PER_WORKER = 32
+LOAD_PROCESSES = 2  # the generator's processes (it is cheap, but one core's loop must never be the limit)
+WARMUP_S = 1.0
 
 
 def free_port() -> int:
@@ -73,27 +96,52 @@ class Sim:
         return {"replica_id": self.name, "model": "chat", "host": "127.0.0.1", "port": self.port, "api_key": self.key}
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class GatewayProc:
-    def __init__(self, tmp: Path, name: str, sims: list[Sim]) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        upstreams: list,
+        *,
+        port: int = 0,
+        reuse_port: bool = False,
+        token: str | None = None,
+    ) -> None:
+        """A gateway runner in front of `upstreams` (each with `endpoint()`); with `reuse_port`, one
+        of the workers sharing `port`, all taking `token`."""
         spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"endpoints": [s.endpoint() for s in sims]}))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(RUNNER), str(spec)],
-            env=child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+        spec.write_text(
+            json.dumps(
+                {"endpoints": [u.endpoint() for u in upstreams]}
+                | ({"token": token} if token else {})
+            )
         )
+        flags = ["--port", str(port)] + (["--reuse-port"] if reuse_port else [])
+        log = tmp / f"{name}.log"
+        with log.open("wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", gateway_runner.__name__, str(spec), *flags],
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # bounded: the runner prints once it listens, or exits
         if not line:
-            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening")
+            tail = log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening:\n{tail}")
         info = json.loads(line)
         self.port, self.token, self.pid = info["port"], info["token"], self.proc.pid
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return cpu_s(self.pid)
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -323,43 +371,188 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict:
             stop(s.proc)
 
 
+class CannedUpstream:
+    """`rawhttp upstream`: every request answered at once with one fixed chat completion."""
+
+    def __init__(self, processes: int = 1) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", rawhttp.__name__, "upstream", "--port", str(self.port)]
+            + ["--processes", str(processes)],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # bounded: it prints once every process listens, or exits
+        if not line:
+            raise SystemExit(f"the canned upstream exited with {self.proc.wait(10)} before listening")
+        self.pids = json.loads(line)["pids"]
+
+    def endpoint(self) -> dict:
+        return {"replica_id": "canned", "model": "chat", "host": "127.0.0.1", "port": self.port, "api_key": "canned"}
+
+    def cpu_s(self) -> float:
+        return sum(cpu_s(pid) for pid in self.pids)
+
+
+def machine_busy_s() -> float:
+    """CPU time every core of this machine has spent on anything but idling, so far."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def generate(port: int, token: str, *, connections: int, seconds: float, processes: int) -> dict:
+    """`rawhttp load` from `processes` processes at once, `connections` in all: their figures summed."""
+    share = [connections // processes + (i < connections % processes) for i in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", rawhttp.__name__, "load", "--port", str(port), "--token", token]
+            + ["--connections", str(n), "--seconds", str(seconds)],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in share
+        if n
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=seconds + rawhttp.DRAIN_S + READY_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise SystemExit(f"the load generator failed ({proc.returncode}): {err[-2000:]}")
+        results.append(json.loads(out))
+    return {
+        "requests": sum(r["requests"] for r in results),
+        "failed": sum(r["failed"] for r in results),
+        "seconds": max(r["seconds"] for r in results),
+        "cpu_s": sum(r["cpu_s"] for r in results),
+    }
+
+
+def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: float, connections: int) -> dict:
+    """Throughput and CPU per request of `workers` gateway runners sharing one port."""
+    port, token = free_port(), f"llmgw-bench-{secrets.token_urlsafe(16)}"
+    gateways: list[GatewayProc] = []
+    try:
+        for i in range(workers):
+            name = f"workers-{port}-{i}"  # a fresh store for each run
+            gateways.append(GatewayProc(tmp, name, [upstream], port=port, reuse_port=True, token=token))
+        # Every worker's code paths warm and its upstream connections open before the window.
+        generate(port, token, connections=connections, seconds=min(WARMUP_S, seconds), processes=LOAD_PROCESSES)
+        before = [g.cpu_s() for g in gateways]
+        upstream_before, machine_before, wall_before = upstream.cpu_s(), machine_busy_s(), time.monotonic()
+        load = generate(port, token, connections=connections, seconds=seconds, processes=LOAD_PROCESSES)
+        spent = [g.cpu_s() - b for g, b in zip(gateways, before, strict=True)]
+        upstream_spent = upstream.cpu_s() - upstream_before
+        machine_spent, wall = machine_busy_s() - machine_before, time.monotonic() - wall_before
+    finally:
+        for g in gateways:
+            stop(g.proc)
+    if load["failed"] or not load["requests"]:
+        raise SystemExit(f"{workers} worker(s): {load['failed']} failed requests, {load['requests']} answered")
+    return {
+        "rps": round(load["requests"] / load["seconds"]),
+        "requests": load["requests"],
+        "cpu_per_request_ms": round(sum(spent) / load["requests"] * 1000, 4),
+        "worker_cpu_s": [round(c, 2) for c in spent],  # how evenly the kernel spread the connections
+        "load_cpu_share": round(load["cpu_s"] / load["seconds"], 3),  # cores the generator took
+        "upstream_cpu_share": round(upstream_spent / load["seconds"], 3),
+        # Cores busy with anything else meanwhile (other processes, the kernel's own work): a
+        # run where this is large measured a shared machine, not the gateway.
+        "others_cpu_share": round(max(0.0, machine_spent - sum(spent) - upstream_spent - load["cpu_s"]) / wall, 3),
+    }
+
+
+def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
+    """Phase 5: 1 worker, then `workers`, `rounds` times in turn (so a change in the machine's
+    other load falls on both), against one canned upstream. Each figure is the median of its
+    rounds; the per-round figures are kept beside it."""
+    upstream = CannedUpstream()
+    runs: dict[int, list[dict]] = {1: [], workers: []}
+    try:
+        for _ in range(rounds):
+            for n in runs:
+                runs[n].append(measure_workers(tmp, upstream, n, seconds, CONNECTIONS_PER_WORKER * n))
+    finally:
+        stop(upstream.proc)
+    out: dict = {"workers": workers, "workers_seconds": seconds, "workers_rounds": rounds}
+    out["workers_connections_per_worker"] = CONNECTIONS_PER_WORKER
+    for n, figures in runs.items():
+        for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share", "others_cpu_share"):
+            out[f"workers_{n}_{k}"] = statistics.median(f[k] for f in figures)
+        out[f"workers_{n}_requests"] = sum(f["requests"] for f in figures)
+        out[f"workers_{n}_rps_rounds"] = [f["rps"] for f in figures]
+        out[f"workers_{n}_cpu_per_request_ms_rounds"] = [f["cpu_per_request_ms"] for f in figures]
+        out[f"workers_{n}_others_cpu_share_rounds"] = [f["others_cpu_share"] for f in figures]
+        out[f"workers_{n}_worker_cpu_s"] = figures[-1]["worker_cpu_s"]  # the last round's spread
+    one, many = out["workers_1_rps"], out[f"workers_{workers}_rps"]
+    out["workers_scaling"] = round(many / one, 3)
+    cpu_one, cpu_many = out["workers_1_cpu_per_request_ms"], out[f"workers_{workers}_cpu_per_request_ms"]
+    out["workers_cpu_per_request_ratio"] = round(cpu_many / cpu_one, 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=4000, help="requests per phase 1 and 2 (default: 4000)")
     parser.add_argument("--sse-requests", type=int, default=400, help="streamed requests in phase 3 (default: 400)")
     parser.add_argument("--streams", type=int, default=5000, help="streams held open in phase 4; 0 skips it")
+    parser.add_argument("--workers", type=int, default=2, help="phase 5: 1 worker, then this many; 0 skips it")
+    parser.add_argument("--workers-seconds", type=float, default=10.0, help="phase 5's window per run (default: 10)")
+    parser.add_argument("--workers-rounds", type=int, default=3, help="phase 5's runs of each, in turn (default: 3)")
+    parser.add_argument("--workers-only", action="store_true", help="run phase 5 alone")
     args = parser.parse_args(argv)
     if not 10 <= args.requests <= MAX_REQUESTS or not 1 <= args.sse_requests <= MAX_REQUESTS:
         parser.error(f"--requests must be 10..{MAX_REQUESTS}, --sse-requests 1..{MAX_REQUESTS}")
     if not 0 <= args.streams <= MAX_STREAMS:
         parser.error(f"--streams must be 0..{MAX_STREAMS}")
+    if args.workers != 0 and not 2 <= args.workers <= MAX_WORKERS:
+        parser.error(f"--workers must be 2..{MAX_WORKERS} (measured against 1), or 0 to skip phase 5")
+    if not 0.1 <= args.workers_seconds <= 120:
+        parser.error("--workers-seconds must be 0.1..120")
+    if not 1 <= args.workers_rounds <= 20:
+        parser.error("--workers-rounds must be 1..20")
+    if args.workers_only and not args.workers:
+        parser.error("--workers-only runs phase 5, which --workers 0 skips")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 2 * args.streams + 1024  # the gateway holds two sockets per stream; children inherit this
     if hard < needed:
         parser.error(f"--streams {args.streams} needs {needed} open files; the hard limit is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    result: dict = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    ok: dict = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
-        figures = trio.run(bench, args, Path(tmp))
-    result = {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "requests": args.requests,
-        "sse_requests": args.sse_requests,
-        "sse_max_tokens": 256,
-        "streams": args.streams,
-        "sim_flags": "zero delays; --output-token-ms 2000 for the open streams",
-        **figures,
-    }
+        if not args.workers_only:
+            figures = trio.run(bench, args, Path(tmp))
+            result |= {
+                "requests": args.requests,
+                "sse_requests": args.sse_requests,
+                "sse_max_tokens": 256,
+                "streams": args.streams,
+                "sim_flags": "zero delays; --output-token-ms 2000 for the open streams",
+                **figures,
+            }
+            ok |= {
+                "added_latency_p50": figures["added_latency_p50_ms"] <= TARGETS["added_latency_p50_ms"],
+                "throughput_ratio": figures["throughput_ratio"] >= TARGETS["throughput_ratio"],
+                "sse_chunks_per_cpu_second": (figures["sse_chunks_per_cpu_second"] or 0)
+                >= TARGETS["sse_chunks_per_cpu_second"],
+            }
+            if args.streams:
+                ok["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
+        if args.workers:
+            workers = workers_phase(Path(tmp), args.workers, args.workers_seconds, args.workers_rounds)
+            result |= workers
+            ok["workers_scaling"] = workers["workers_scaling"] >= TARGETS["workers_scaling"]
+            ok["workers_cpu_per_request"] = (
+                workers["workers_cpu_per_request_ratio"] <= TARGETS["workers_cpu_per_request_ratio"]
+            )
     result["targets"] = TARGETS
-    result["ok"] = {
-        "added_latency_p50": figures["added_latency_p50_ms"] <= TARGETS["added_latency_p50_ms"],
-        "throughput_ratio": figures["throughput_ratio"] >= TARGETS["throughput_ratio"],
-        "sse_chunks_per_cpu_second": (figures["sse_chunks_per_cpu_second"] or 0)
-        >= TARGETS["sse_chunks_per_cpu_second"],
-    }
-    if args.streams:
-        result["ok"]["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
+    result["ok"] = ok
     print(json.dumps(result), flush=True)
     return 0
 

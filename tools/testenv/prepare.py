@@ -78,6 +78,7 @@ NEEDS: tuple[Need, ...] = (
     Need("sudo", ("sudo",), "node add's test logs into its node as a user with passwordless sudo"),
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
     Need("cloud-init", ("cloud-init",), "llmgw-provision-node's user-data is checked by cloud-init's own schema"),
+    Need("haproxy", ("haproxy",), "standalone gateways are tested behind a real HAProxy (docs/gateway.md)"),
     # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
     Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
     Need(

@@ -133,6 +133,12 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
                     await trio.to_thread.run_sync(remote.netns.cut)
                     marks["cut"] = trio.current_time()
                 if i == restore_at_n:
+                    # A probe fails at the 1 s connect timeout, begun a second after the replica
+                    # went down: on a loaded machine that can come after the 60th request.
+                    failed_probe = ("llmgw_gateway_probes_total", frozenset({("result", "failed")}))
+                    with trio.move_on_after(10):
+                        while failed_probe not in parse_metrics(gw.gateway.render_metrics()):
+                            await trio.sleep(0.1)
                     during_cut.update(parse_metrics(gw.gateway.render_metrics()))
                     marks["down"] = gw.gateway.router.state_of(remote.endpoint()) == "down"
                     await trio.to_thread.run_sync(remote.netns.restore)

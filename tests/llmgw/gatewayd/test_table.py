@@ -52,6 +52,21 @@ def test_a_new_rotation_wakes_the_gateway_and_replaces_the_old_whole() -> None:
     assert not table.endpoints.rotation_changed().is_set()  # a fresh event for the next change
 
 
+def test_replicas_a_rotation_calls_unknown_are_kept_from_the_last_until_a_rotation_says_which_they_are() -> None:
+    other = RouteEndpoint(replica_id="chat-1", model="chat", host="10.0.0.2", port=8001)
+    table = GatewayTable()
+    table.rotation_changed(RotationChanged(models=("chat",), endpoints=(ROUTE, other)))
+    # A control plane just started: chat-0's node is back, chat-1's not yet, chat-2 it never had.
+    moved = RouteEndpoint(replica_id="chat-0", model="chat", host="10.0.0.1", port=9000)
+    table.rotation_changed(RotationChanged(models=("chat",), endpoints=(moved,), unknown=("chat-1", "chat-2")))
+    assert [(e.replica_id, e.port) for e in table.rotation.endpoints] == [("chat-0", 9000), ("chat-1", 8001)]
+    table.rotation_changed(RotationChanged(models=("chat",), endpoints=(moved,)))  # chat-1's node lost
+    assert [e.replica_id for e in table.rotation.endpoints] == ["chat-0"]
+    fresh = GatewayTable()  # a gateway with no rotation before keeps nothing
+    fresh.rotation_changed(RotationChanged(models=("chat",), endpoints=(), unknown=("chat-0",)))
+    assert fresh.rotation.endpoints == () and fresh.received is False
+
+
 def test_staleness_counts_from_the_last_frame_and_from_the_start_before_any() -> None:
     table = GatewayTable(now=10.0)
     assert table.staleness(12.5) == 2.5  # never heard: since the table was made
@@ -77,6 +92,7 @@ def test_the_table_is_kept_while_the_link_is_down() -> None:
         "link_detail": "control plane closed the connection",
         "staleness_s": 100.0,
         "keys": 1,
+        "share": {"index": 1, "count": 2},
     }
 
 

@@ -296,3 +296,27 @@ def test_a_gateway_name_follows_the_node_id_grammar(ca: CA, name: str) -> None:
     with pytest.raises(UsageError) as info:
         ca.gateway_cert(name, validity_days=1)
     assert str(info.value).startswith(f"gateway name {name!r} may use only letters, digits")
+
+
+def test_a_gateway_request_gets_the_gateway_role_and_the_given_name_for_its_own_key(ca: CA) -> None:
+    # `llmgw gateway add`: the key is made on the gateway's machine; only its request comes here.
+    key_pem, csr = make_key_and_csr("whatever-it-asks")
+    cert = load_pem(ca.sign_gateway_csr(csr, "gw1", validity_days=30, now=NOW))
+    info = cert_info(cert)
+    assert (info.subject, info.role) == (f"OU={ROLE_GATEWAY},CN=gw1", ROLE_GATEWAY)
+    assert info.not_after == NOW + timedelta(days=30)
+    check_key_of(cert, serialization.load_pem_private_key(key_pem, password=None))
+    check_issued_by(cert, ca.cert)
+    assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
+        [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    with pytest.raises(UsageError, match="not a PEM certificate signing request.*`llmgw gateway csr`"):
+        ca.sign_gateway_csr(b"junk", "gw1", validity_days=1)
+    with pytest.raises(UsageError, match="gateway name 'gw 1' may use only"):
+        ca.sign_gateway_csr(csr, "gw 1", validity_days=1)
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    small = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(weak, hashes.SHA256())
+    with pytest.raises(
+        UsageError, match="request for gateway 'gw1' holds a RSAPublicKey key.*on the gateway's machine"
+    ):
+        ca.sign_gateway_csr(small.public_bytes(serialization.Encoding.PEM), "gw1", validity_days=1)

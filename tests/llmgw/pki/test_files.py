@@ -25,6 +25,7 @@ from llmgw.pki.files import (
     load_cert,
     node_paths,
     write_cert,
+    write_gateway_key_and_csr,
     write_node_key_and_csr,
 )
 
@@ -239,3 +240,22 @@ def test_issue_gateway_to_dir_writes_its_key_cert_and_ca_and_never_replaces_the_
     with pytest.raises(UsageError, match="gateway.key already exists"):
         issue_gateway_to_dir(ca, "gw1", out, validity_days=7)
     assert serialization.load_pem_private_key(paths.key.read_bytes(), password=None).public_key() == key.public_key()
+
+
+def test_a_gateway_makes_its_key_once_and_asks_for_a_certificate_for_it(tmp_path: Path, ca: CA) -> None:
+    # What `llmgw gateway csr` does on the gateway's machine for `llmgw gateway add`.
+    first = write_gateway_key_and_csr(tmp_path / "pki", "gw1")
+    assert (first.key, first.csr) == (tmp_path / "pki/gateway.key", tmp_path / "pki/gateway.csr")
+    assert mode(first.dir) == 0o700 and mode(first.key) == 0o600 and mode(first.csr) == 0o644
+    key = first.key.read_bytes()
+    again = write_gateway_key_and_csr(tmp_path / "pki", "gw1")
+    assert again.key.read_bytes() == key  # kept: the gateway's identity changes only when someone deletes it
+    cert = load_pem(ca.sign_gateway_csr(again.csr.read_bytes(), "gw1", validity_days=1))
+    assert cert.public_key() == serialization.load_pem_private_key(key, password=None).public_key()
+    assert cert_info(cert).role == ROLE_GATEWAY
+    first.key.write_bytes(b"junk")
+    with pytest.raises(MachineError, match="gateway.key is not a PEM private key .*delete it to make a new one"):
+        write_gateway_key_and_csr(tmp_path / "pki", "gw1")
+    with pytest.raises(UsageError, match="gateway name 'gw/1'"):
+        write_gateway_key_and_csr(tmp_path / "other", "gw/1")
+    assert not (tmp_path / "other").exists()

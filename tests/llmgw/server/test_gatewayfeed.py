@@ -363,6 +363,12 @@ async def test_a_gateway_dials_again_with_backoff_and_gets_the_whole_table_anew(
     assert len(sink.of("rotation")) == len(sink.of("keys")) == 2
 
 
+async def test_the_rotation_says_which_replicas_are_not_known_yet() -> None:
+    rotation = Rotation(models=frozenset({"chat"}), endpoints=(EP,), unknown=frozenset({"r3", "r2"}))
+    message = rotation_message(rotation)
+    assert [e.replica_id for e in message.endpoints] == ["r1"] and message.unknown == ("r2", "r3")
+
+
 async def test_what_the_table_says_of_the_keys_is_their_hashes_by_name() -> None:
     bob = attrs.evolve(ALICE, name="bob", token_sha256="b" * 64, models=(), rate_per_minute=0)
     said = keys_message([bob, ALICE])

@@ -14,6 +14,7 @@ from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, sealed_keys
+from llmgw.server.views import gateway_rotation
 from llmgw.wire import agent_link as w
 
 TTL = 10.0
@@ -89,6 +90,38 @@ async def test_after_a_control_plane_restart_the_same_replicas_are_kept(tmp_path
     for n in ("a", "b"):
         joined(reg2, n, 102)  # the agents come back
     assert second.reconcile(102) == set()  # adopted: none restarted
+
+
+@pytest.mark.trio
+async def test_after_a_restart_a_replica_whose_node_is_not_back_is_unknown_to_gateways_until_it_returns_or_is_lost(
+    tmp_path: Path,
+) -> None:
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
+    for n in ("a", "b"):
+        joined(reg, n, 1)
+    first = replicas(tmp_path, reg)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.saver.serve)
+        first.reconcile(1)
+        nursery.cancel_scope.cancel()
+    home = {stored.placement.nodes[0]: rid for rid, stored in first.placed.items()}
+    reg2 = NodeRegistry(heartbeat_ttl_s=TTL, started_at=100, reconnect_grace_s=5)
+    for n in ("a", "b"):
+        reg2.know(n)
+    second = replicas(tmp_path, reg2)
+    second.reconcile(101)
+    rotation = gateway_rotation(reg2, second, CATALOG, (), 101)
+    assert rotation.endpoints == () and rotation.unknown == {"chat-0", "chat-1"}  # not gone: not known yet
+
+    conn = joined(reg2, "a", 102)  # a's agent is back, its engine serving on
+    reg2.replicas_changed("a", conn, (w.ReplicaStatus(replica_id=home["a"], model="chat", state=w.READY, port=8000),))
+    rotation = gateway_rotation(reg2, second, CATALOG, (), 102)
+    assert [(e.replica_id, e.port) for e in rotation.endpoints] == [(home["a"], 8000)]
+    assert rotation.unknown == {home["b"]}
+
+    reg2.heartbeat("a", conn, 100 + TTL + 5)
+    rotation = gateway_rotation(reg2, second, CATALOG, (), 100 + TTL + 5 + 1)  # b lost: its grace is over
+    assert [e.replica_id for e in rotation.endpoints] == [home["a"]] and rotation.unknown == frozenset()
 
 
 def test_a_lost_nodes_replica_moves_and_is_fenced_there(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ MESSAGES = [
     ),
     g.GatewayWelcome(name="gw1", instance="i1", server_version="0.3", heartbeat_interval_s=2.0),
     g.RotationChanged(models=("chat", "code"), endpoints=(ENDPOINT,), version=3),
+    g.RotationChanged(models=("chat",), endpoints=(), unknown=("r1", "r2")),
     g.KeysChanged(keys=(g.GatewayKey(name="a", token_sha256="0" * 64, models=("chat",), max_concurrency=2),)),
     g.ShareChanged(index=1, count=3),
     g.TableHeartbeat(seq=9),

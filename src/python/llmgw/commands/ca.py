@@ -16,11 +16,11 @@ from pathlib import Path
 
 from cryptography import x509
 
-from llmgw import config
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.commands._options import add_server_options, resolve_server_paths
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
-from llmgw.paths import STATE_DIR_ENV, engine_keys_secret_path, ensure_admin_token, state_dir_from
+from llmgw.paths import engine_keys_secret_path, ensure_admin_token
 from llmgw.pki.ca import CONTROL_PLANE_GATEWAY, CertInfo, cert_info, check_gateway_name, check_node_id, parse_sans
 from llmgw.pki.files import (
     CAPaths,
@@ -36,33 +36,6 @@ from llmgw.pki.files import (
 from llmgw.server import keyseal
 
 log = get_logger("llmgw.ca")
-
-DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.toml")
-
-
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("control plane")
-    group.add_argument(
-        "--state-dir",
-        type=Path,
-        metavar="DIR",
-        help=f"where the control plane keeps its state (default: ${STATE_DIR_ENV}, else [server].state_dir of the config)",
-    )
-    group.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help=f"server.toml (default: {DEFAULT_SERVER_CONFIG} if it exists, else built-in defaults)",
-    )
-
-
-def resolve_server_paths(args: argparse.Namespace) -> tuple[config.ServerConfig, Path]:
-    """The server config and state directory a control-plane command works on."""
-    path = getattr(args, "config", None)
-    if path is None and DEFAULT_SERVER_CONFIG.exists():
-        path = DEFAULT_SERVER_CONFIG
-    cfg = config.load_server_config(path) if path is not None else config.ServerConfig()
-    return cfg, state_dir_from(getattr(args, "state_dir", None), cfg.server.state_dir)
 
 
 def configure(parser: Parser) -> None:
@@ -95,7 +68,9 @@ def configure(parser: Parser) -> None:
         run_issue,
     )
     add_server_options(issue)
-    issue.add_argument("node_id", metavar="NODE_ID", nargs="?", help="the node's hostname; becomes the certificate's CN")
+    issue.add_argument(
+        "node_id", metavar="NODE_ID", nargs="?", help="the node's hostname; becomes the certificate's CN"
+    )
     issue.add_argument(
         "--gateway",
         metavar="NAME",

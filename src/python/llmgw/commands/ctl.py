@@ -12,27 +12,12 @@ import time
 from urllib.parse import quote
 
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
+from llmgw.commands._options import add_admin_options, client_from
 from llmgw.ctl import engines as engine_texts
-from llmgw.ctl.client import AdminClient
 from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.ctl.tables import format_nodes, state_text, table
-
-
-def add_admin_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("control plane")
-    group.add_argument(
-        "--state-dir", help="a local control plane's state directory (default: $LLMGW_STATE_DIR or /var/lib/llmgw)"
-    )
-    group.add_argument("--server", help="admin URL of a control plane elsewhere, e.g. http://10.0.0.1:8080")
-    group.add_argument(
-        "--credential", help="file holding the admin credential (a copy of the control plane's admin.token)"
-    )
-
-
-def client_from(args: argparse.Namespace) -> AdminClient:
-    return AdminClient.locate(server=args.server, credential=args.credential, state_dir=args.state_dir)
 
 
 def configure(parser: Parser) -> None:
@@ -223,6 +208,3 @@ def run_cordon(args: argparse.Namespace) -> int:
     else:
         print(f"{node['id']}: {state_text(node)}")
     return 0
-
-
-

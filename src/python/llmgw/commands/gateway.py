@@ -1,7 +1,8 @@
 """`llmgw gateway`: the gateway alone, on any machine, as many as wanted behind a load balancer
 (docs/gateway.md, "Running gateways of their own"). The process started is the parent: it runs
 the workers (this command again, with the hidden `--worker-index` and `--parent-fd`) and keeps
-them running (`llmgw.gatewayd`)."""
+them running (`llmgw.gatewayd`). Its verbs install, remove and identify a gateway on a machine:
+`llmgw gateway add USER@HOST`, `remove NAME`, `csr` (llmgw.commands._gatewayverbs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import os
 from pathlib import Path
 
 from llmgw.cli import Parser
+from llmgw.commands._gatewayverbs import add_verbs
 from llmgw.commands._service import run_service
+from llmgw.errors import UsageError
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_PKI_DIR = "/var/lib/llmgw-gateway/pki"  # kept equal to llmgw.gatewayd.identity's (a test checks)
@@ -28,14 +31,17 @@ def workers_arg(value: str) -> int:
 def configure(parser: Parser) -> None:
     parser.usage = (
         "%(prog)s --server wss://HOST:PORT [--listen ADDR:PORT] [--workers N|auto] [--pki-dir DIR] [--name NAME]\n"
-        "       %(prog)s --table-file FILE [--listen ADDR:PORT] [--workers N|auto] [--name NAME]"
+        "       %(prog)s --table-file FILE [--listen ADDR:PORT] [--workers N|auto] [--name NAME]\n"
+        "       %(prog)s add USER@HOST [--name NAME] [--listen ADDR:PORT] [--workers N|auto] [--reissue] ...\n"
+        "       %(prog)s remove NAME [--ssh USER@HOST]\n"
+        "       %(prog)s csr --name NAME [--pki-dir DIR]"
     )
     parser.description = (
         "Run the OpenAI-compatible gateway alone until SIGTERM or Ctrl-C: worker processes sharing one port, each "
         "with its own link to the control plane, serving from the last table it received while the control plane "
         "is away."
     )
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()  # one of them without a verb: `run` says so
     source.add_argument(
         "--server",
         metavar="wss://HOST:PORT",
@@ -79,12 +85,18 @@ def configure(parser: Parser) -> None:
     parser.add_argument("--relay-socket", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--table-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
+    add_verbs(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from llmgw.gatewayd import main
     from llmgw.selfexec import llmgw_command
 
+    if args.server is None and args.table_file is None:
+        raise UsageError(
+            "give --server wss://HOST:PORT (the control plane's agent endpoint) or --table-file FILE to run the "
+            "gateway, or a verb: add USER@HOST, remove NAME, csr (`llmgw gateway --help`)"
+        )
     plan = main.plan(
         listen=args.listen,
         server_url=args.server,

@@ -11,45 +11,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TypeVar
 
 import trio
 
 from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf, fabric_arg
-from llmgw.commands.ca import add_server_options, resolve_server_paths
-from llmgw.commands.ctl import add_admin_options, client_from
+from llmgw.commands._options import (
+    add_admin_options,
+    add_server_options,
+    add_ssh_options,
+    client_from,
+    default_known_hosts,
+    resolve_server_paths,
+)
 from llmgw.errors import LlmgwError, UsageError
 from llmgw.nodeadd import steps
-from llmgw.nodeadd.questions import Unattended
+from llmgw.nodeadd.questions import Questions, Unattended
 
-
-def _default_known_hosts() -> Path:
-    return Path.home() / ".ssh" / "known_hosts"
-
-
-def _add_ssh_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("SSH")
-    group.add_argument("--port", type=int, default=22, help="the node's SSH port (default 22)")
-    group.add_argument(
-        "-i",
-        "--identity",
-        action="append",
-        type=Path,
-        metavar="KEY",
-        help="a private key to log in with (repeatable; default: ssh's usual files in ~/.ssh, and the SSH agent)",
-    )
-    group.add_argument(
-        "--known-hosts",
-        type=Path,
-        metavar="FILE",
-        help="known_hosts to verify the node's host key against (default: ~/.ssh/known_hosts)",
-    )
-    group.add_argument(
-        "--accept-new-host-key",
-        action="store_true",
-        help="trust a host not yet in known_hosts and add it there (in a terminal you are asked instead)",
-    )
+T = TypeVar("T")
 
 
 def configure(parser: Parser) -> None:
@@ -130,7 +112,7 @@ def configure(parser: Parser) -> None:
     out = add.add_mutually_exclusive_group()
     out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
     out.add_argument("--json", action="store_true", help="one JSON object per event")
-    _add_ssh_options(add)
+    add_ssh_options(add)
     add_server_options(add)
 
     remove = add_leaf(
@@ -143,7 +125,7 @@ def configure(parser: Parser) -> None:
     remove.add_argument(
         "--ssh", metavar="USER@HOST", help="also log in there and stop and disable the agent (its files stay)"
     )
-    _add_ssh_options(remove)
+    add_ssh_options(remove)
     add_json_flag(remove)
     add_admin_options(remove)
 
@@ -162,7 +144,7 @@ def run_add(args: argparse.Namespace) -> int:
         target=args.target,
         server_config=server_config,
         state_dir=state_dir,
-        known_hosts=args.known_hosts or _default_known_hosts(),
+        known_hosts=args.known_hosts or default_known_hosts(),
         identity_files=tuple(args.identity) if args.identity else None,
         accept_new_host_key=args.accept_new_host_key,
         ssh_port=args.port,
@@ -179,38 +161,51 @@ def run_add(args: argparse.Namespace) -> int:
         sglang_python=args.sglang_python,
         driver_paths=driverpaths.given(args),
     )
-    interactive = not (args.plain or args.json) and sys.stdin.isatty() and sys.stdout.isatty()
-    if interactive:
-        from llmgw.nodeadd.screen import run_with_screen
-
-        async def body(emit, questions):
-            return await flow.add_node(opts, emit=emit, questions=questions)
-
-        try:
-            added = trio.run(run_with_screen, f"llmgw node add {args.target}", body)
-        except LlmgwError as exc:
-            return exc.exit_status  # the screen has printed the checklist and the failure
-        print(_added_text(added))
-        return 0
-
-    render = steps.json_line if args.json else steps.plain_line
-
-    def emit(event: steps.Event) -> None:
-        line = render(event)
-        if line is not None:
-            print(line, flush=True)
-
-    questions = Unattended()
-    try:
-        added = trio.run(lambda: flow.add_node(opts, emit=emit, questions=questions))
-    except LlmgwError as exc:
-        return exc.exit_status  # its step's `failed` line said what and why
+    added = run_checklist(
+        f"llmgw node add {args.target}",
+        lambda emit, questions: flow.add_node(opts, emit=emit, questions=questions),
+        plain=args.plain,
+        as_json=args.json,
+    )
+    if isinstance(added, LlmgwError):
+        return added.exit_status  # its step's `failed` line (or the screen) said what and why
     if args.json:
         print(json.dumps({"added": added.node_id, "server": added.server, "version": added.version,
                           "service": added.service, "cert_serial": added.cert_serial, "log": added.log}))  # fmt: skip
     else:
         print(_added_text(added))
     return 0
+
+
+def run_checklist(
+    title: str,
+    body: Callable[[Callable[[steps.Event], None], Questions], Awaitable[T]],
+    *,
+    checklist: steps.Steps = steps.STEPS,
+    plain: bool,
+    as_json: bool,
+) -> T | LlmgwError:
+    """Run `body(emit, questions)` (a flow of `checklist`'s steps) under the checklist screen in a
+    terminal, else printing one line per step (`plain`) or one JSON object per event (`as_json`),
+    with unattended answers. A failure comes back, not raised: its step has shown it already."""
+    if not (plain or as_json) and sys.stdin.isatty() and sys.stdout.isatty():
+        from llmgw.nodeadd.screen import run_with_screen
+
+        try:
+            return trio.run(run_with_screen, title, body, checklist)
+        except LlmgwError as exc:
+            return exc  # the screen has printed the checklist and the failure
+    render = steps.json_line if as_json else partial(steps.plain_line, steps=checklist)
+
+    def emit(event: steps.Event) -> None:
+        line = render(event)
+        if line is not None:
+            print(line, flush=True)
+
+    try:
+        return trio.run(body, emit, Unattended())
+    except LlmgwError as exc:
+        return exc
 
 
 def _added_text(added) -> str:
@@ -255,7 +250,7 @@ async def _stop_remote(args: argparse.Namespace) -> str:
 
     async with ssh.open_session(
         args.ssh,
-        known_hosts=args.known_hosts or _default_known_hosts(),
+        known_hosts=args.known_hosts or default_known_hosts(),
         accept_new_host_key=args.accept_new_host_key,
         client_keys=tuple(args.identity) if args.identity else None,
         port=args.port,

@@ -11,8 +11,8 @@ import argparse
 import json
 
 from llmgw.cli import Parser, add_json_flag, add_leaf
+from llmgw.commands._options import DEFAULT_SERVER_CONFIG, add_server_options, resolve_server_paths
 from llmgw.commands._service import run_service
-from llmgw.commands.ca import DEFAULT_SERVER_CONFIG, add_server_options, resolve_server_paths
 
 
 def configure(parser: Parser) -> None:

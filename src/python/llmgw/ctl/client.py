@@ -85,6 +85,10 @@ class AdminClient:
     def nodes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/admin/v1/nodes")["nodes"]
 
+    def gateways(self) -> list[dict[str, Any]]:
+        """The gateway instances connected now (name, instance, address, cert_serial in hex, ...)."""
+        return self.request("GET", "/admin/v1/gateways")["gateways"]
+
     def cluster(self) -> dict[str, Any]:
         """Nodes, the fabrics placement sees, and notes for the operator."""
         return self.request("GET", "/admin/v1/nodes")

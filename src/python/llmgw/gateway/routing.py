@@ -182,9 +182,13 @@ def _affinity(prefix: str, replica_id: str) -> int:
 @attrs.frozen(kw_only=True)
 class Rotation:
     """What an endpoint provider tells the gateway: the models it serves (a known model with
-    nothing ready queues; an unknown one is a 404) and the endpoints ready now. `version`: the
-    control plane's number for it, where it has one (the gateway link's `RotationChanged`)."""
+    nothing ready queues; an unknown one is a 404) and the endpoints ready now. `unknown`: the
+    replicas whose state the provider does not know yet (a control plane just started, their
+    node not back yet): not in `endpoints`, but not gone either; a gateway that had them keeps
+    them (`llmgw.gatewayd.table`). `version`: the control plane's number for it, where it has
+    one (the gateway link's `RotationChanged`)."""
 
     models: frozenset[str]
     endpoints: tuple[Endpoint, ...]
+    unknown: frozenset[str] = frozenset()
     version: int = 0

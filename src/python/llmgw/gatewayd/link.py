@@ -13,7 +13,9 @@ while the link is down; nothing here forgets it.
 
 Between sessions the link waits with exponential backoff and full jitter (LINK_BACKOFF), short
 enough that a gateway is back within a few seconds of its control plane's return (a revocation
-made meanwhile then applies at once: the whole table comes with every Welcome). A link on which
+made meanwhile then applies at once: the whole table comes with every Welcome); a TCP connect
+unanswered for TCP_CONNECT_TIMEOUT_S is given up and made again, so that a path that returns
+while a dial waits on the kernel's next SYN resend is found within seconds too. A link on which
 the control plane says nothing for SILENT_HEARTBEATS of its heartbeat intervals is as good as
 down (a half-open connection, a control plane that stopped) and is dialled again. Every failure
 is logged with the reason in the operator's terms and the fix (`llmgw.linkfailure`), loudly when
@@ -51,7 +53,13 @@ from llmgw.wire.errors import WireError
 
 log = get_logger("llmgw.gatewayd.link")
 
-CONNECT_TIMEOUT_S = 10.0  # TCP, TLS, the upgrade and the Welcome, each
+CONNECT_TIMEOUT_S = 10.0  # TCP and TLS together, the upgrade and the Welcome, each
+# The TCP connect alone. The kernel sends an unanswered SYN again 1 s and 3 s after the first, then
+# at 7 s: a path that returns after the 3 s resend is found sooner by a new dial (after at most
+# LINK_BACKOFF's 3 s) than by the kernel's 7 s one. So a gateway cut off from its control plane
+# sends a SYN at least every 3.5 s and is back within about that of the path's return, whatever
+# the phase of its dial then (docs/gateway.md: a revocation made meanwhile applies within 5 s).
+TCP_CONNECT_TIMEOUT_S = 3.5
 SEND_TIMEOUT_S = 30.0  # one frame written to the control plane; past it the link is as good as down
 GOODBYE_S = 1.0  # our LinkError to a control plane we refuse, before we hang up
 SILENT_HEARTBEATS = 5  # the control plane's heartbeats missed in a row before the link is dialled again
@@ -67,6 +75,7 @@ LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
 
 # What each heartbeat says (its `seq` is the session's): the worker's load and figures.
 Load = Callable[[], g.GatewayHeartbeat]
+ConnectTCP = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
 def no_load() -> g.GatewayHeartbeat:
@@ -136,12 +145,14 @@ class GatewayLink:
         backoff: Backoff = LINK_BACKOFF,
         rng: random.Random | None = None,
         dial: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
+        connect_tcp: ConnectTCP = trio.open_tcp_stream,
     ) -> None:
         """`dial`: how a session's stream is opened (default: TCP and TLS to `target`; memory
-        streams in tests). `tls_name`: the name the control plane's certificate must cover, if
-        not the host dialled (the control plane's own workers dial it on loopback). `applied()`:
-        an event set when the gateway next routes by a new rotation, which sends a heartbeat
-        at once (what `load()` says has changed: the rotation's version)."""
+        streams in tests); `connect_tcp`: how the default dial opens TCP (tests: one that hangs).
+        `tls_name`: the name the control plane's certificate must cover, if not the host dialled
+        (the control plane's own workers dial it on loopback). `applied()`: an event set when
+        the gateway next routes by a new rotation, which sends a heartbeat at once (what
+        `load()` says has changed: the rotation's version)."""
         self.target = target
         self.applied = applied
         self.tls = tls
@@ -154,6 +165,7 @@ class GatewayLink:
         self.backoff = backoff
         self.rng = rng or random.Random()
         self.dial = dial or self._dial
+        self.connect_tcp = connect_tcp
         self.state = LinkState()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -201,7 +213,13 @@ class GatewayLink:
 
     async def _dial(self) -> trio.SSLStream:
         with trio.fail_after(CONNECT_TIMEOUT_S):
-            tcp = await trio.open_tcp_stream(self.target.host, self.target.port)
+            with trio.move_on_after(TCP_CONNECT_TIMEOUT_S) as connecting:
+                tcp = await self.connect_tcp(self.target.host, self.target.port)
+            if connecting.cancelled_caught:
+                raise SessionRefused(
+                    f"no answer from {self.target} within {TCP_CONNECT_TIMEOUT_S:g} s: check the address, routes "
+                    "and firewalls; dialling again"
+                )
             tls = trio.SSLStream(tcp, self.tls, server_hostname=self.tls_name, https_compatible=True)
             try:
                 await tls.do_handshake()

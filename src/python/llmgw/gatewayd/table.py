@@ -3,11 +3,14 @@ keys, this instance's share of their limits — and how fresh it is.
 
 `GatewayTable` is the link client's sink (`llmgw.wire.gateway_link.TableSink`), and its
 `endpoints` the gateway's endpoint provider (`llmgw.gateway.app.EndpointProvider`: a view of its
-own, since both protocols name a method `rotation_changed`). Each message replaces its part whole (the link is level-triggered). While the link is down nothing is forgotten: the
-gateway routes from the last rotation (its `Router` still takes replicas out on its own failed
-connections and probes them back), accepts the keys it knew and keeps its last share. Its
-staleness is the time since the control plane was last heard (trio's clock, `heard`), or since
-the table was made when it never was.
+own, since both protocols name a method `rotation_changed`). Each message replaces its part whole
+(the link is level-triggered), but for the replicas a rotation calls unknown: those the last
+rotation had are kept (a control plane that has just started does not know them yet; dropping
+them would leave the gateway nothing to serve while its nodes come back, up to 30 s). While the
+link is down nothing is forgotten: the gateway routes from the last rotation (its `Router` still
+takes replicas out on its own failed connections and probes them back), accepts the keys it
+knew and keeps its last share. Its staleness is the time since the control plane was last heard
+(trio's clock, `heard`), or since the table was made when it never was.
 
 Synchronous and without I/O: the sink's methods are called on the gateway's loop, none blocks.
 `health` is the answer of /health as data; the worker (`llmgw.gatewayd.worker`) sends it.
@@ -31,12 +34,15 @@ def endpoint(ep: RouteEndpoint) -> Endpoint:
     )
 
 
-def rotation(message: RotationChanged) -> Rotation:
-    return Rotation(
-        models=frozenset(message.models),
-        endpoints=tuple(endpoint(ep) for ep in message.endpoints),
-        version=message.version,
-    )
+def rotation(message: RotationChanged, last: Rotation) -> Rotation:
+    """The rotation `message` says, with the endpoints of `last` whose replicas it calls unknown
+    (a control plane just started, their node not back yet: they most likely serve on)."""
+    endpoints = tuple(endpoint(ep) for ep in message.endpoints)
+    if message.unknown:
+        unknown = set(message.unknown) - {ep.replica_id for ep in endpoints}
+        kept = tuple(ep for ep in last.endpoints if ep.replica_id in unknown)
+        endpoints = tuple(sorted(endpoints + kept, key=lambda ep: ep.replica_id))
+    return Rotation(models=frozenset(message.models), endpoints=endpoints, version=message.version)
 
 
 class GatewayTable:
@@ -60,7 +66,7 @@ class GatewayTable:
     # -- TableSink ------------------------------------------------------------------------
 
     def rotation_changed(self, message: RotationChanged) -> None:
-        self._rotation = rotation(message)
+        self._rotation = rotation(message, self._rotation)
         self.has_rotation = True
         self.changed.fire()
         self._check_whole()
@@ -111,6 +117,7 @@ class GatewayTable:
             "link_detail": self.link_detail,
             "staleness_s": round(self.staleness(now), 3),
             "keys": len(self.keys),
+            "share": {"index": self.keys.share.index, "count": self.keys.share.count},
         }
         reason = self._not_serving(ready, draining=draining)
         if reason is None:

@@ -4,7 +4,8 @@ its own (`GatewayTable`), which its own link to the control plane fills (or a ta
     GET /health    200 while the worker holds a table with a replica ready to serve; 503 with a
                    `reason` before its first table, with no replica ready, or while draining.
                    Always: `ready` (replicas per model), `link_up`, `link_detail`, `staleness_s`
-                   (seconds since the control plane was last heard), `keys` (how many it holds)
+                   (seconds since the control plane was last heard), `keys` (how many it holds),
+                   `share` (this worker's share of the keys' limits: `index` of `count` instances)
                    and `instance` (this worker's name on the link)
     /v1/...        503 with Retry-After until the first whole table came (no key is known yet)
     GET /metrics   the gateway's families, then `llmgw_gateway_table_staleness_seconds`,

@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -53,7 +53,7 @@ class Added:
 
 
 @attrs.define
-class _Outcome:
+class Outcome:
     step: str
     emit: Emit
     status: str = OK
@@ -75,9 +75,9 @@ class _Outcome:
 
 
 @asynccontextmanager
-async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
+async def run_step(emit: Emit, name: str) -> AsyncIterator[Outcome]:
     emit(Event(step=name, status=STARTED))
-    outcome = _Outcome(step=name, emit=emit)
+    outcome = Outcome(step=name, emit=emit)
     try:
         yield outcome
     except LlmgwError as exc:
@@ -93,8 +93,8 @@ async def _step(emit: Emit, name: str) -> AsyncIterator[_Outcome]:
 
 
 async def add_node(opts: Options, *, emit: Emit, questions: Questions) -> Added:
-    async with _step(emit, "authority") as st:
-        ca, server_cert = _read_authority(opts.state_dir)
+    async with run_step(emit, "authority") as st:
+        ca, server_cert = read_authority(opts.state_dir)
         admin = AdminClient.locate(server=None, credential=None, state_dir=str(opts.state_dir))
         nodes = await trio.to_thread.run_sync(admin.nodes)
         info = ca.info()
@@ -105,36 +105,39 @@ async def add_node(opts: Options, *, emit: Emit, questions: Questions) -> Added:
     auth = Authority(ca=ca, server_cert=server_cert, admin=admin, nodes=nodes)
     facts = Facts()
     async with AsyncExitStack() as stack:
-        async with _step(emit, "connect") as st:
-            session = await stack.enter_async_context(
-                ssh.open_session(
-                    opts.target,
-                    known_hosts=opts.known_hosts,
-                    accept_new_host_key=opts.accept_new_host_key
-                    or (lambda fp: questions.accept_host_key(opts.target, fp)),
-                    client_keys=opts.identity_files,
-                    port=opts.ssh_port,
-                )
-            )
+        async with run_step(emit, "connect") as st:
+            session = await stack.enter_async_context(open_session(opts, questions))
             st.ok(f"{session.target} port {opts.ssh_port}, host key verified against {opts.known_hosts}")
         try:
             return await _on_node(opts, session, facts, emit, questions, auth)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(SHORT_S):
-                await _remove_stage(session, facts.stage)
+                await remove_stage(session, facts.stage)
+
+
+def open_session(opts: Options, questions: Questions) -> AbstractAsyncContextManager[ssh.Session]:
+    """The SSH session to `opts.target`; a host absent from known_hosts is accepted by the flag or
+    by the operator's answer (questions.py)."""
+    return ssh.open_session(
+        opts.target,
+        known_hosts=opts.known_hosts,
+        accept_new_host_key=opts.accept_new_host_key or (lambda fp: questions.accept_host_key(opts.target, fp)),
+        client_keys=opts.identity_files,
+        port=opts.ssh_port,
+    )
 
 
 async def _on_node(
     opts: Options, s: ssh.Session, facts: Facts, emit: Emit, questions: Questions, auth: Authority
 ) -> Added:
-    async with _step(emit, "identify") as st:
+    async with run_step(emit, "identify") as st:
         st.ok(await identify.identify(opts, s, facts, auth))
 
-    async with _step(emit, "address") as st:
+    async with run_step(emit, "address") as st:
         facts.address, facts.port = identify.agent_address(opts, s.target.host, auth.server_cert)
         st.ok(f"the agent will dial {facts.server}, covered by the server certificate")
 
-    async with _step(emit, "ship") as st:
+    async with run_step(emit, "ship") as st:
         ca_pem = auth.ca.cert_pem()
         fell_back = await ship.choose(opts, facts, ca_pem)
         await ship.ship(s, facts, ca_pem)
@@ -144,33 +147,33 @@ async def _on_node(
         else:
             st.ok(detail)
 
-    async with _step(emit, "doctor") as st:
+    async with run_step(emit, "doctor") as st:
         status, text, inventory = await ship.doctor(opts, s, facts, questions)
         st.say(status, text)
 
-    async with _step(emit, "fabrics") as st:
+    async with run_step(emit, "fabrics") as st:
         status, text = await ship.fabrics(opts, facts, inventory, auth.nodes, questions)
         st.say(status, text)
 
-    async with _step(emit, "identity") as st:
+    async with run_step(emit, "identity") as st:
         st.ok(await install.identity(opts, s, facts, auth))
 
-    async with _step(emit, "trust") as st:
+    async with run_step(emit, "trust") as st:
         status, text = await install.trust(s, facts, auth.ca)
         st.say(status, text)
 
-    async with _step(emit, "configure") as st:
+    async with run_step(emit, "configure") as st:
         status, text = await install.configure(opts, s, facts)
         st.say(status, text)
 
-    async with _step(emit, "start") as st:
+    async with run_step(emit, "start") as st:
         before = view_of(await trio.to_thread.run_sync(auth.admin.nodes), facts.node_id)
         started_at = before.get("agent_started_at") if before else None
         await install.start(s, facts)
         how = f"systemctl restart {layout.UNIT_NAME}" if facts.systemd else "llmgw agent supervise --daemon"
         st.ok(f"started ({how}); its log: {layout.log_hint(facts.systemd)}")
 
-    async with _step(emit, "join") as st:
+    async with run_step(emit, "join") as st:
         joined = await install.wait_for_join(opts, s, facts, auth.admin, started_at, progress=st.progress)
         st.say(WARN if joined.warn else OK, joined.detail)
 
@@ -185,7 +188,7 @@ async def _on_node(
     )
 
 
-def _read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
+def read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
     ca = load_ca(state_dir)
     paths = ca_paths(state_dir)
     if not paths.server_cert.exists():
@@ -196,7 +199,7 @@ def _read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
     return ca, cert_info(load_cert(paths.server_cert))
 
 
-async def _remove_stage(s: ssh.Session, stage: str) -> None:
+async def remove_stage(s: ssh.Session, stage: str) -> None:
     if not stage.startswith(layout.STAGE_PREFIX):
         return
     try:

@@ -66,14 +66,7 @@ async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
     facts.systemd = found.systemd
     if opts.system_trust:
         facts.trust_store = layout.trust_store(found, str(s.target))
-    if s.user != "root":
-        res = await s.run(["sudo", "-n", "true"], timeout_s=SHORT_S)
-        if res.exit_status != 0:
-            raise PeerError(
-                f"{s.target}: {s.user} cannot use sudo without a password there ({said(res)}); "
-                f"log in as root, or allow it: `echo '{s.user} ALL=(ALL) NOPASSWD: ALL' | "
-                f"sudo tee /etc/sudoers.d/llmgw-{s.user}` on the node"
-            )
+    await check_sudo(s)
     current = await s.run(["cat", "--", layout.CONFIG], sudo=True, timeout_s=SHORT_S)
     if current.exit_status == 0:
         try:
@@ -83,6 +76,19 @@ async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
                 f"{s.target}: its {layout.CONFIG} (from an earlier add, or written by hand) does not load: {exc}. "
                 f"Fix it, or remove it to have it written afresh"
             ) from None
+
+
+async def check_sudo(s: ssh.Session) -> None:
+    """The login is root, or may use sudo without a password (a prompt would hang the run)."""
+    if s.user == "root":
+        return
+    res = await s.run(["sudo", "-n", "true"], timeout_s=SHORT_S)
+    if res.exit_status != 0:
+        raise PeerError(
+            f"{s.target}: {s.user} cannot use sudo without a password there ({said(res)}); "
+            f"log in as root, or allow it: `echo '{s.user} ALL=(ALL) NOPASSWD: ALL' | "
+            f"sudo tee /etc/sudoers.d/llmgw-{s.user}` on the machine"
+        )
 
 
 async def _why_not_the_holder(s: ssh.Session, node_id: str, auth: Authority) -> str:
@@ -120,7 +126,9 @@ def source_address(host: str, port: int = 22) -> str:
         return str(sock.getsockname()[0])
 
 
-def agent_address(opts: Options, host: str, server_cert: CertInfo) -> tuple[str, int]:
+def agent_address(opts: Options, host: str, server_cert: CertInfo, *, who: str = "agent") -> tuple[str, int]:
+    """The control plane's agent endpoint as the machine at `host` will dial it: an address the
+    server certificate covers, and a fixed port; `who` dials it (the agent, or a gateway)."""
     listen_host, _, port_text = opts.server_config.server.agent_listen.rpartition(":")
     listen_host = listen_host.strip("[]")
     port = int(port_text)
@@ -140,7 +148,7 @@ def agent_address(opts: Options, host: str, server_cert: CertInfo) -> tuple[str,
             "server certificate",
             [
                 f"{address} ({how}) is not among its addresses ({', '.join(server_cert.sans) or 'none'}), so the "
-                f"agent would refuse the control plane. Add it: `llmgw ca server-cert --state-dir {opts.state_dir} "
+                f"{who} would refuse the control plane. Add it: `llmgw ca server-cert --state-dir {opts.state_dir} "
                 f"--san {' --san '.join([*server_cert.sans, address])}`, add it to [server].advertise and restart "
                 "`llmgw server`; or pass --server-address NAME for an address the certificate covers"
             ],
@@ -149,7 +157,7 @@ def agent_address(opts: Options, host: str, server_cert: CertInfo) -> tuple[str,
         raise ConfigError(
             "server.toml",
             [
-                f"[server].agent_listen is {opts.server_config.server.agent_listen}, so the node cannot reach "
+                f"[server].agent_listen is {opts.server_config.server.agent_listen}, so the {who} cannot reach "
                 f"it at {address}; listen on 0.0.0.0 (or on {address}) and restart `llmgw server`"
             ],
         )

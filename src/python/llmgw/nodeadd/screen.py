@@ -58,13 +58,15 @@ IDLE_HINT = "q or Ctrl-C: stop"
 DETAIL_INDENT = len(MARKS[None]) + 1
 
 
-async def run_with_screen(title: str, body: Callable[[Emit, Questions], Awaitable[T]]) -> T:
+async def run_with_screen(
+    title: str, body: Callable[[Emit, Questions], Awaitable[T]], checklist: steps.Steps = steps.STEPS
+) -> T:
     """Run `body(emit, questions)` under the checklist screen; return what it returns, raise what it raises.
 
-    Call from inside `trio.run`. q (when no question is open) or Ctrl-C cancels the body and
+    `checklist` is the steps shown (node add's unless given). Call from inside `trio.run`. q (when no question is open) or Ctrl-C cancels the body and
     raises UsageError; the body's own exception comes out as itself, not in an exception group.
     """
-    ui = _Screen(title)
+    ui = _Screen(title, checklist)
     returned: list[T] = []
     raised: list[Exception] = []
     try:
@@ -96,7 +98,7 @@ def summary_lines(title: str, checklist: steps.Checklist) -> list[str]:
     """What stays in the scrollback: every step's status, and the detail of a warning or failure."""
     latest = {e.step: e for e in checklist.events}
     lines = [title]
-    for name, line in zip(steps.NAMES, steps.summary(checklist), strict=True):
+    for name, line in zip(checklist.names, steps.summary(checklist), strict=True):
         lines.append(line)
         event = latest.get(name)
         if event is not None and event.status in (steps.WARN, steps.FAILED) and event.detail:
@@ -148,9 +150,9 @@ class _StepRow:
 class _Screen:
     """The widgets and what the keys do; synchronous, drawn by the urwid loop while it runs."""
 
-    def __init__(self, title: str) -> None:
-        self.checklist = steps.Checklist()
-        self.rows = {name: _StepRow(text) for name, text in steps.STEPS}
+    def __init__(self, title: str, checklist: steps.Steps = steps.STEPS) -> None:
+        self.checklist = steps.Checklist(steps=checklist)
+        self.rows = {name: _StepRow(text) for name, text in checklist}
         self.steps_list = urwid.ListBox(urwid.SimpleFocusListWalker([r.widget for r in self.rows.values()]))
         self.panel = urwid.WidgetPlaceholder(urwid.Text(("hint", IDLE_HINT)))
         header = urwid.Pile([urwid.Text(("title", title)), urwid.Divider("-")])
@@ -164,7 +166,7 @@ class _Screen:
         # Progress keeps the step's running mark and replaces the detail under it.
         status = steps.STARTED if event.status == steps.PROGRESS else event.status
         self.rows[event.step].show(status, event.detail)
-        self.steps_list.focus_position = steps.NAMES.index(event.step)  # keep it in view
+        self.steps_list.focus_position = self.checklist.names.index(event.step)  # keep it in view
         self.redraw()
 
     def redraw(self) -> None:

@@ -179,22 +179,23 @@ async def _remote_sha256(s: ssh.Session, path: str) -> str:
     return res.stdout.split()[0] if res.stdout.split() else ""
 
 
-def ship_detail(facts: Facts) -> str:
+def ship_detail(facts: Facts, machine: str = "node") -> str:
+    """What `ship` did, in words; `machine` is what the target is called (a node, a gateway's machine)."""
     art = facts.artifact
     assert art is not None
     if art.path:
         how = "copied over SSH"
     elif art.from_plane:
-        how = f"fetched by the node from the control plane ({art.url}, checked against the CA root)"
+        how = f"fetched by the {machine} from the control plane ({art.url}, checked against the CA root)"
     else:
-        how = f"fetched by the node from {art.url}"
+        how = f"fetched by the {machine} from {art.url}"
     if not facts.installed_sha256:
         was = f"new install at {layout.BIN}"
     elif facts.installed_sha256 == art.sha256:
         was = f"the same as {layout.BIN} there"
     else:
         was = f"will replace {layout.BIN} there (sha256 {facts.installed_sha256[:12]})"
-    return f"{art.name} {how}, sha256 {art.sha256[:12]} verified on the node; {was}"
+    return f"{art.name} {how}, sha256 {art.sha256[:12]} verified on the {machine}; {was}"
 
 
 # -- doctor --------------------------------------------------------------------------------

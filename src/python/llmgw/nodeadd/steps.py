@@ -4,7 +4,8 @@ Each step emits `started`, then exactly one of `ok`, `warn` or `failed`, with a 
 run stops at the first `failed`. Between the two, a long step may emit `progress` events (the
 join, while the node installs llama.cpp), each with what it is doing now. The screens (a urwid checklist in a terminal, one line per
 step elsewhere, or one JSON object per event) only draw these events, so what the operator
-sees and what a script reads come from one place. Pure: no I/O here.
+sees and what a script reads come from one place. `llmgw gateway add` runs its own list of steps
+(llmgw.nodeadd.gateway.steps) through the same checklist and screens. Pure: no I/O here.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ STEPS: tuple[tuple[str, str], ...] = (
 )
 NAMES = tuple(name for name, _ in STEPS)
 
+Steps = tuple[tuple[str, str], ...]  # (name, what the operator reads), in order
+
 
 @attrs.frozen(kw_only=True)
 class Event:
@@ -49,9 +52,15 @@ class Checklist:
 
     events: list[Event] = attrs.Factory(list)
     status: dict[str, str] = attrs.Factory(dict)
+    steps: Steps = STEPS
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.steps)
 
     def apply(self, event: Event) -> None:
-        if event.step not in NAMES:
+        names = self.names
+        if event.step not in names:
             raise ValueError(f"unknown step {event.step!r}")  # a bug in the caller
         if self.failed is not None:
             raise ValueError(f"step {event.step!r} after {self.failed!r} failed")
@@ -64,7 +73,7 @@ class Checklist:
         if event.status == STARTED:
             if current is not None:
                 raise ValueError(f"step {event.step!r} started twice")
-            done = [n for n in NAMES[: NAMES.index(event.step)] if self.status.get(n) not in OUTCOMES]
+            done = [n for n in names[: names.index(event.step)] if self.status.get(n) not in OUTCOMES]
             if done:
                 raise ValueError(f"step {event.step!r} started before {done[0]!r} finished")
         elif event.status in OUTCOMES:
@@ -77,21 +86,21 @@ class Checklist:
 
     @property
     def failed(self) -> str | None:
-        return next((n for n in NAMES if self.status.get(n) == FAILED), None)
+        return next((n for n in self.names if self.status.get(n) == FAILED), None)
 
     @property
     def done(self) -> bool:
-        return self.failed is not None or all(self.status.get(n) in OUTCOMES for n in NAMES)
+        return self.failed is not None or all(self.status.get(n) in OUTCOMES for n in self.names)
 
 
-def plain_line(event: Event) -> str | None:
+def plain_line(event: Event, steps: Steps = STEPS) -> str | None:
     """One line per finished step (`started` prints nothing), e.g. `ok     connect  ubuntu@10.0.0.21`,
     and one per progress report, e.g. `..     join       installing llama.cpp 40% (build)`."""
     if event.status == STARTED:
         return None
     if event.status == PROGRESS:
         return f"{'..':<6} {event.step:<10} {event.detail}"
-    text = f"{event.status:<6} {event.step:<10} {dict(STEPS)[event.step]}"
+    text = f"{event.status:<6} {event.step:<10} {dict(steps)[event.step]}"
     return f"{text}: {event.detail}" if event.detail else text
 
 
@@ -100,4 +109,4 @@ def json_line(event: Event) -> str:
 
 
 def summary(checklist: Checklist) -> Sequence[str]:
-    return [f"{checklist.status.get(n, 'pending'):<7} {text}" for n, text in STEPS]
+    return [f"{checklist.status.get(n, 'pending'):<7} {text}" for n, text in checklist.steps]

@@ -237,24 +237,7 @@ class CA:
     def sign_csr(self, csr_pem: bytes, node_id: str, *, validity_days: int, now: datetime | None = None) -> bytes:
         """A node certificate (PEM) for the key in `csr_pem`, whose CN is `node_id` whatever the request says."""
         check_node_id(node_id)
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem)
-        except ValueError as exc:
-            raise UsageError(f"not a PEM certificate signing request ({exc}); pass the node's node.csr") from None
-        if not csr.is_signature_valid:
-            raise UsageError(
-                f"the certificate signing request for {node_id!r} has a bad signature: it was altered after the "
-                "node made it; make a new one on the node"
-            )
-        public_key = csr.public_key()
-        ok = (
-            isinstance(public_key, ec.EllipticCurvePublicKey) and public_key.curve.name in ("secp256r1", "secp384r1")
-        ) or (isinstance(public_key, rsa.RSAPublicKey) and public_key.key_size >= 2048)
-        if not ok:
-            raise UsageError(
-                f"the request for {node_id!r} holds a {type(public_key).__name__} key; llmgw signs ECDSA P-256/P-384 "
-                "or RSA of 2048 bits or more: make the request on the node with `llmgw agent csr`"
-            )
+        public_key = _requested_key(csr_pem, f"{node_id!r}", "the node", "`llmgw agent csr`")
         cert = (
             self._leaf(_cn(node_id), public_key, now=now, validity_days=validity_days)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -262,11 +245,22 @@ class CA:
         )
         return cert.public_bytes(serialization.Encoding.PEM)
 
+    def sign_gateway_csr(self, csr_pem: bytes, name: str, *, validity_days: int, now: datetime | None = None) -> bytes:
+        """A gateway certificate (PEM) for the key in `csr_pem` (made on the gateway's machine by
+        `llmgw gateway csr`): CN=`name` and OU=ROLE_GATEWAY whatever the request says, as
+        `gateway_cert` makes them."""
+        check_gateway_name(name)
+        public_key = _requested_key(csr_pem, f"gateway {name!r}", "the gateway's machine", "`llmgw gateway csr`")
+        return self._gateway_leaf(name, public_key, now=now, validity_days=validity_days)
+
     def gateway_cert(self, name: str, *, validity_days: int, now: datetime | None = None) -> tuple[bytes, bytes]:
         """A new key and a gateway certificate for it (both PEM): CN=`name`, OU=ROLE_GATEWAY, a
         client certificate for the gateway link and for nothing a node does."""
         check_gateway_name(name)
         key = ec.generate_private_key(ec.SECP256R1())
+        return _key_pem(key), self._gateway_leaf(name, key.public_key(), now=now, validity_days=validity_days)
+
+    def _gateway_leaf(self, name: str, public_key, *, now: datetime | None, validity_days: int) -> bytes:
         subject = x509.Name(
             [
                 x509.NameAttribute(NameOID.COMMON_NAME, name),
@@ -274,11 +268,11 @@ class CA:
             ]
         )
         cert = (
-            self._leaf(subject, key.public_key(), now=now, validity_days=validity_days)
+            self._leaf(subject, public_key, now=now, validity_days=validity_days)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(self.key, hashes.SHA256())
         )
-        return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
+        return cert.public_bytes(serialization.Encoding.PEM)
 
     def _leaf(
         self, subject: x509.Name, public_key, *, now: datetime | None, validity_days: int
@@ -371,6 +365,30 @@ def _key_usage(*, cert_sign: bool = False, digital_signature: bool = False) -> x
         encipher_only=False,
         decipher_only=False,
     )
+
+
+def _requested_key(csr_pem: bytes, whose: str, where: str, how: str):
+    """The public key of a certificate signing request, checked: PEM, signed by that key (so not
+    altered on the way), and of a kind llmgw signs; a `UsageError` saying which and the fix."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise UsageError(f"not a PEM certificate signing request ({exc}); pass the request {how} wrote") from None
+    if not csr.is_signature_valid:
+        raise UsageError(
+            f"the certificate signing request for {whose} has a bad signature: it was altered after "
+            f"{where} made it; make a new one there"
+        )
+    public_key = csr.public_key()
+    ok = (
+        isinstance(public_key, ec.EllipticCurvePublicKey) and public_key.curve.name in ("secp256r1", "secp384r1")
+    ) or (isinstance(public_key, rsa.RSAPublicKey) and public_key.key_size >= 2048)
+    if not ok:
+        raise UsageError(
+            f"the request for {whose} holds a {type(public_key).__name__} key; llmgw signs ECDSA P-256/P-384 "
+            f"or RSA of 2048 bits or more: make the request on {where} with {how}"
+        )
+    return public_key
 
 
 def _same_key(a, b) -> bool:

@@ -33,6 +33,7 @@ from llmgw.pki.ca import (
     CertInfo,
     WrongKey,
     cert_info,
+    check_gateway_name,
     check_issued_by,
     check_key_of,
     check_node_id,
@@ -80,18 +81,22 @@ class NodePaths:
 
 @attrs.frozen(kw_only=True)
 class GatewayPaths:
-    """A gateway's files (`llmgw ca issue --gateway NAME --out DIR` writes them): its key, its
-    certificate of the gateway role, and the cluster CA it trusts."""
+    """A gateway's files (`llmgw ca issue --gateway NAME --out DIR` writes them, or `llmgw gateway
+    add` on its machine): its key, its certificate of the gateway role, and the cluster CA it
+    trusts; `csr`, the request for its key that `llmgw gateway csr` writes."""
 
     dir: Path
     key: Path
     cert: Path
     ca_cert: Path
+    csr: Path
 
 
 def gateway_paths(pki_dir: Path) -> GatewayPaths:
     d = Path(pki_dir)
-    return GatewayPaths(dir=d, key=d / "gateway.key", cert=d / "gateway.crt", ca_cert=d / "ca.crt")
+    return GatewayPaths(
+        dir=d, key=d / "gateway.key", cert=d / "gateway.crt", ca_cert=d / "ca.crt", csr=d / "gateway.csr"
+    )
 
 
 def ca_paths(state_dir: Path) -> CAPaths:
@@ -218,6 +223,24 @@ def issue_gateway_to_dir(
         ) from None
     _write_file(paths.cert, cert_pem, mode=0o644)
     _write_file(paths.ca_cert, ca.cert_pem(), mode=0o644)
+    return paths
+
+
+def write_gateway_key_and_csr(pki_dir: Path, name: str) -> GatewayPaths:
+    """Make (or keep) a gateway's key in its pki directory and write a request for it, as a node's
+    (`write_node_key_and_csr`): the key never leaves the machine, and an existing one is kept."""
+    check_gateway_name(name)
+    paths = gateway_paths(pki_dir)
+    _make_private_dir(paths.dir, "a gateway's pki directory")
+    if not paths.key.exists():
+        with contextlib.suppress(FileExistsError):  # another run made it first: keep that one
+            _write_file(paths.key, new_key_pem(), mode=0o600, exclusive=True)
+    key_pem = _read_private(paths.key, "the gateway key")
+    try:
+        csr = make_csr(key_pem, name)
+    except (ValueError, TypeError) as exc:
+        raise MachineError(f"{paths.key} is not a PEM private key ({exc}); delete it to make a new one") from None
+    _write_file(paths.csr, csr, mode=0o644)
     return paths
 
 

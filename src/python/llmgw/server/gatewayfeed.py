@@ -58,11 +58,13 @@ log = get_logger("llmgw.gatewayfeed")
 
 
 def rotation_message(rotation: Rotation, version: int = 0) -> g.RotationChanged:
-    """The rotation as the gateway link says it: the catalog's models, sorted, and the replicas
-    ready now, in the order `gateway_rotation` gives them (by replica id)."""
+    """The rotation as the gateway link says it: the catalog's models, sorted, the replicas
+    ready now, in the order `gateway_rotation` gives them (by replica id), and those whose state
+    is not known yet, sorted."""
     return g.RotationChanged(
         version=version,
         models=tuple(sorted(rotation.models)),
+        unknown=tuple(sorted(rotation.unknown)),
         endpoints=tuple(
             g.RouteEndpoint(
                 replica_id=e.replica_id,

@@ -23,7 +23,7 @@ from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
-from llmgw.server.registry import LOST, Node, NodeRegistry
+from llmgw.server.registry import LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.replicas import Replicas
 from llmgw.wire import agent_link as w
 
@@ -162,11 +162,20 @@ def gateway_rotation(
     """The catalog's models and, for each placed replica whose rank 0 reports ready with a
     port on a node not lost, where the gateway reaches it and with which key. A replica on
     a draining node, or being retired by a move, is marked draining: no new requests while
-    another replica can take them."""
+    another replica can take them.
+
+    A replica whose rank 0 is on a node known from before this control plane started and not
+    back yet (`UNKNOWN`: agents return on their own backoff, up to 30 s apart) is `unknown`:
+    the control plane cannot say where it listens, but its engine most likely runs on, so a
+    gateway that served it keeps it until its node returns or is lost."""
     endpoints = []
+    unknown = set()
     for rid, stored in sorted(replicas.placed.items()):
         p = stored.placement
         rank0 = registry.nodes.get(p.nodes[0])
+        if rank0 is not None and registry.liveness(rank0, now) == UNKNOWN:
+            unknown.add(rid)
+            continue
         if rank0 is None or not rank0.address or registry.liveness(rank0, now) == LOST:
             continue
         status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None)
@@ -183,7 +192,7 @@ def gateway_rotation(
                 draining=draining,
             )
         )
-    return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints))
+    return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints), unknown=frozenset(unknown))
 
 
 # -- the roles ------------------------------------------------------------------------------

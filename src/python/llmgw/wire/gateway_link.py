@@ -130,13 +130,16 @@ class RouteEndpoint:
 @attrs.frozen(kw_only=True)
 class RotationChanged:
     """The catalog's models (a known model with nothing ready queues; an unknown one is a 404)
-    and the replicas ready now. `version` rises with every change the control plane makes to
-    the rotation; a gateway's heartbeats say which one it routes by, so that the control plane
-    knows when a replica it took out of rotation gets no more requests from it (a move waits for
-    that, `llmgw.server.gatewayfeed.GatewayFeed.quiesce`)."""
+    and the replicas ready now. `unknown`: the replica ids whose state the control plane does
+    not know yet (it has just started and their node is not back): a gateway keeps those it
+    had in its last rotation until a later message says which they are. `version` rises with
+    every change the control plane makes to the rotation; a gateway's heartbeats say which one
+    it routes by, so that the control plane knows when a replica it took out of rotation gets
+    no more requests from it (a move waits for that, `llmgw.server.gatewayfeed.GatewayFeed.quiesce`)."""
 
     models: tuple[str, ...]
     endpoints: tuple[RouteEndpoint, ...]
+    unknown: tuple[str, ...] = ()
     version: int = 0
 
 

@@ -1,0 +1,227 @@
+"""The verbs of `llmgw gateway` (llmgw.commands.gateway, which without a verb runs the gateway):
+
+- `add USER@HOST` makes a machine a gateway over SSH (llmgw.nodeadd.gateway.flow), drawing its
+  steps as node add draws its own (a checklist in a terminal, `--plain`, `--json`);
+- `remove NAME` revokes every certificate of the gateway's name and closes its links (the control
+  plane records a gateway's certificates under its name as a node's under its id, so this is
+  `llmgw node remove NAME`); with `--ssh USER@HOST` it also stops and disables the unit there;
+- `csr` makes (or keeps) a gateway's key and writes a request for it, on the gateway's machine:
+  what `add` runs there, as the gateway's user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from llmgw.cli import Parser, add_json_flag, add_leaf
+from llmgw.commands._options import (
+    add_admin_options,
+    add_server_options,
+    add_ssh_options,
+    client_from,
+    default_known_hosts,
+    resolve_server_paths,
+)
+from llmgw.errors import LlmgwError, PeerError, UsageError
+from llmgw.nodeadd.gateway import layout
+
+
+def add_verbs(parser: Parser) -> None:
+    """`add`, `remove` and `csr` under `parser` (`llmgw gateway`); naming none runs the gateway itself."""
+    # `prog`: the verbs' usage starts "llmgw gateway add", not with the gateway's own usage lines.
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser, prog=parser.prog)
+    _configure_add(
+        add_leaf(
+            sub,
+            "add",
+            "make a machine a gateway over SSH: ship llmgw, make its key there and sign its certificate here, start "
+            f"{layout.UNIT_NAME}, wait until the control plane lists it linked",
+            run_add,
+        )
+    )
+    remove = add_leaf(
+        sub,
+        "remove",
+        "revoke a gateway's certificates (of every machine serving under its name) and close its links; they "
+        "cannot link again",
+        run_remove,
+    )
+    remove.add_argument("name", metavar="NAME", help="the gateway's name (its certificate's CN)")
+    remove.add_argument(
+        "--ssh", metavar="USER@HOST", help=f"also log in there and stop and disable {layout.UNIT_NAME} (its files stay)"
+    )
+    add_ssh_options(remove)
+    add_json_flag(remove)
+    add_admin_options(remove)
+    csr = add_leaf(
+        sub,
+        "csr",
+        "make this gateway's key (kept if there) and write a request for it, gateway.csr, in --pki-dir "
+        "(what `llmgw gateway add` runs on the machine)",
+        run_csr,
+    )
+    csr.add_argument(
+        "--pki-dir", type=Path, default=Path(layout.PKI_DIR), metavar="DIR", help=f"default {layout.PKI_DIR}"
+    )
+    csr.add_argument("--name", required=True, help="the gateway's name, the CN it asks for")
+
+
+def _configure_add(add: argparse.ArgumentParser) -> None:
+    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.31")
+    add.add_argument(
+        "--name", default="", help="the gateway's name, its certificate's CN (default: the machine's hostname)"
+    )
+    add.add_argument(
+        "--listen",
+        default=layout.DEFAULT_LISTEN,
+        metavar="ADDR:PORT",
+        help=f"where clients and load balancers reach the gateway (default {layout.DEFAULT_LISTEN})",
+    )
+    add.add_argument(
+        "--workers",
+        default="1",
+        metavar="N|auto",
+        help="worker processes sharing the port, each about one core's worth; auto: one per CPU (default 1)",
+    )
+    add.add_argument(
+        "--release",
+        metavar="DIR|FILE|URL",
+        default="",
+        help="the release to install, as `llmgw node add --release` takes it (default: the control plane's "
+        "release for the machine's architecture)",
+    )
+    add.add_argument(
+        "--release-via",
+        choices=("ssh", "https"),
+        default="",
+        help="without --release, how the control plane's release reaches the machine, as for node add",
+    )
+    add.add_argument(
+        "--server-address",
+        metavar="ADDR",
+        default="",
+        help="the address the gateway dials (default: this machine's address on the route to it); the server "
+        "certificate must cover it",
+    )
+    add.add_argument(
+        "--reissue", action="store_true", help="make the gateway a new key and certificate even if it has valid ones"
+    )
+    add.add_argument(
+        "--join-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long to wait for the control plane to list the gateway's workers linked (default 120)",
+    )
+    out = add.add_mutually_exclusive_group()
+    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
+    out.add_argument("--json", action="store_true", help="one JSON object per event")
+    add_ssh_options(add)
+    add_server_options(add)
+
+
+def run_add(args: argparse.Namespace) -> int:
+    from llmgw.commands.node import run_checklist
+    from llmgw.nodeadd import context, ssh
+    from llmgw.nodeadd.gateway import flow, steps
+    from llmgw.pki.ca import check_gateway_name
+
+    ssh.parse_target(args.target)  # a bad argument is a usage error before anything is read
+    layout.check_listen(args.listen)
+    layout.check_workers(args.workers)
+    if args.name:
+        check_gateway_name(args.name)
+    if args.join_timeout <= 0:
+        raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
+    server_config, state_dir = resolve_server_paths(args)
+    base = context.Options(
+        target=args.target,
+        server_config=server_config,
+        state_dir=state_dir,
+        known_hosts=args.known_hosts or default_known_hosts(),
+        identity_files=tuple(args.identity) if args.identity else None,
+        accept_new_host_key=args.accept_new_host_key,
+        ssh_port=args.port,
+        release=args.release,
+        release_via=args.release_via,
+        server_address=args.server_address,
+        reissue=args.reissue,
+        join_timeout_s=args.join_timeout,
+    )
+    opts = flow.Options(base=base, name=args.name, listen=args.listen, workers=args.workers)
+    added = run_checklist(
+        f"llmgw gateway add {args.target}",
+        lambda emit, questions: flow.add_gateway(opts, emit=emit, questions=questions),
+        checklist=steps.STEPS,
+        plain=args.plain,
+        as_json=args.json,
+    )
+    if isinstance(added, LlmgwError):
+        return added.exit_status  # its step's `failed` line (or the screen) said what and why
+    if args.json:
+        print(json.dumps({"added": added.name, "server": added.server, "listen": added.listen,
+                          "workers": added.workers, "version": added.version, "cert_serial": added.cert_serial,
+                          "log": added.log}))  # fmt: skip
+        return 0
+    print(
+        f"gateway {added.name} serves {added.listen} ({added.workers} worker(s)), running llmgw {added.version} "
+        f"under systemd, {added.linked.removeprefix('linked: ')}; its log: {added.log}. Remove it with "
+        f"`llmgw gateway remove {added.name} --ssh {args.target}`."
+    )
+    return 0
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    import trio
+
+    from llmgw.nodeadd import ssh
+    from llmgw.pki.ca import check_gateway_name
+
+    check_gateway_name(args.name)
+    if args.ssh:
+        ssh.parse_target(args.ssh)
+    result = client_from(args).remove_node(args.name)
+    stopped = trio.run(_stop_remote, args) if args.ssh else ""
+    if args.json:
+        print(json.dumps({"removed": args.name, "revoked_serials": result["revoked_serials"],
+                          "link_closed": result["link_closed"], "gateway_stopped": stopped}, indent=2))  # fmt: skip
+        return 0
+    serials = ", ".join(result["revoked_serials"]) or "none recorded"
+    print(f"gateway {args.name}: revoked certificate serials: {serials}")
+    if result["link_closed"]:
+        print("its open links were closed")
+    print(
+        stopped
+        or f"stop it on its machine too: `sudo systemctl disable --now {layout.UNIT_NAME}`, or pass --ssh USER@HOST"
+    )
+    return 0
+
+
+async def _stop_remote(args: argparse.Namespace) -> str:
+    from llmgw.nodeadd import ssh
+
+    async with ssh.open_session(
+        args.ssh,
+        known_hosts=args.known_hosts or default_known_hosts(),
+        accept_new_host_key=args.accept_new_host_key,
+        client_keys=tuple(args.identity) if args.identity else None,
+        port=args.port,
+    ) as s:
+        res = await s.run(["systemctl", "disable", "--now", layout.UNIT_NAME], sudo=True, timeout_s=layout.STOP_S + 30)
+    if res.exit_status != 0:
+        raise PeerError(
+            f"the gateway's certificates were revoked, but stopping it on {args.ssh} failed (systemctl disable --now "
+            f"{layout.UNIT_NAME}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); stop it "
+            "there by hand"
+        )
+    return f"stopped and disabled {layout.UNIT_NAME} on {args.ssh}; its files are left in place"
+
+
+def run_csr(args: argparse.Namespace) -> int:
+    from llmgw.pki.files import write_gateway_key_and_csr
+
+    paths = write_gateway_key_and_csr(args.pki_dir, args.name)
+    print(f"certificate signing request for gateway {args.name!r}: {paths.csr} (its key: {paths.key})")
+    return 0

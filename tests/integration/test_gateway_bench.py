@@ -1,0 +1,47 @@
+"""The gateway benchmark (tools/bench/gateway.py) still runs and prints its JSON, in a short form:
+every phase at tiny sizes, the workers phase (1, then 2 gateway workers sharing one port) for
+half a second each. Its figures come from full runs on a quiet machine (docs/performance.md);
+this only keeps the benchmark from rotting, and checks what does not depend on the machine's
+load: every request answered, and both workers served (the kernel spread the connections)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench import gateway
+
+
+def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    code = gateway.main(
+        ["--requests", "10", "--sse-requests", "2", "--streams", "20"]
+        + ["--workers", "2", "--workers-seconds", "0.5", "--workers-rounds", "1"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for figure in ("added_latency_p50_ms", "throughput_ratio", "sse_chunks_per_cpu_second", "streams_20_rss_mib"):
+        assert isinstance(result[figure], (int, float)), (figure, result)
+    assert result["streams_open"] == 20 and result["streams_failed"] == 0
+    for n in (1, 2):
+        assert result[f"workers_{n}_requests"] > 0 and result[f"workers_{n}_rps"] > 0, result
+        assert result[f"workers_{n}_cpu_per_request_ms"] > 0, result
+    assert len(result["workers_2_worker_cpu_s"]) == 2 and all(c > 0 for c in result["workers_2_worker_cpu_s"]), result
+    assert result["workers_scaling"] > 0 and result["workers_cpu_per_request_ratio"] > 0
+    assert set(result["ok"]) == {
+        "added_latency_p50",
+        "throughput_ratio",
+        "sse_chunks_per_cpu_second",
+        "streams_rss",
+        "workers_scaling",
+        "workers_cpu_per_request",
+    }
+
+
+def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gateway.main(["--workers-only", "--workers", "3", "--workers-seconds", "0.3", "--workers-rounds", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "added_latency_p50_ms" not in result  # phases 1-4 skipped
+    assert result["workers"] == 3 and len(result["workers_3_worker_cpu_s"]) == 3
+    assert len(result["workers_1_rps_rounds"]) == len(result["workers_3_rps_rounds"]) == 2
+    assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
+    assert set(result["ok"]) == {"workers_scaling", "workers_cpu_per_request"}
