@@ -47,7 +47,10 @@ SHARE_WITHIN_S = 3.0  # the survivor's share is the whole, after the other stopp
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
+    # The control plane's own gateway on its loop (`gateway_workers = 0`): its worker processes
+    # would be instances of their own among those sharing the key's limits, and the instances
+    # counted here are the two gateways alone.
+    c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0, server_toml="gateway_workers = 0\n")
     try:
         yield c
     finally:
