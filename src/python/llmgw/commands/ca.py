@@ -21,7 +21,7 @@ from llmgw.commands._options import add_server_options, resolve_server_paths
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
 from llmgw.paths import engine_keys_secret_path, ensure_admin_token
-from llmgw.pki.ca import CONTROL_PLANE_GATEWAY, CertInfo, cert_info, check_gateway_name, check_node_id, parse_sans
+from llmgw.pki.ca import CertInfo, cert_info, check_node_id, check_own_gateway_name, parse_sans
 from llmgw.pki.files import (
     CAPaths,
     ca_paths,
@@ -208,12 +208,7 @@ def run_issue(args: argparse.Namespace) -> int:
 def _issue_gateway(args: argparse.Namespace) -> int:
     """A gateway's key and certificate by hand, into a directory: the gateway makes no request
     of its own (its key is made here and copied over, as a node's is by hand)."""
-    name = check_gateway_name(args.gateway)
-    if name == CONTROL_PLANE_GATEWAY:
-        raise UsageError(
-            f"gateway name {name!r} is the control plane's own gateway workers', whose certificate it issues itself; "
-            "name this gateway otherwise (its machine's hostname, e.g. 'gw1')"
-        )
+    name = check_own_gateway_name(args.gateway)
     if args.node_id is not None or args.csr is not None:
         raise UsageError(
             "--gateway NAME makes a gateway's key and certificate by itself: give no NODE_ID and no --csr "

@@ -160,6 +160,19 @@ def check_gateway_name(name: str) -> str:
     return name
 
 
+def check_own_gateway_name(name: str) -> str:
+    """A name for a gateway of its own (`llmgw ca issue --gateway`, `llmgw gateway add`): a gateway
+    name, and not the control plane's own workers' (CONTROL_PLANE_GATEWAY), whose certificate the
+    control plane issues itself."""
+    check_gateway_name(name)
+    if name == CONTROL_PLANE_GATEWAY:
+        raise UsageError(
+            f"gateway name {name!r} is the control plane's own gateway workers', whose certificate it issues "
+            "itself; name this gateway otherwise (its machine's hostname, e.g. 'gw1')"
+        )
+    return name
+
+
 def parse_san(address: str) -> x509.GeneralName:
     """An address agents dial: an IP address becomes an IP SAN, anything else must be a DNS name."""
     try:

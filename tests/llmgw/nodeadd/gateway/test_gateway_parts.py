@@ -146,6 +146,8 @@ def test_the_name_is_the_flag_or_the_hostname_and_never_a_nodes() -> None:
     assert install.gateway_name("edge1", "gw-a", "root@10.0.0.31") == ("edge1", "--name")
     with pytest.raises(UsageError, match="its hostname 'host_with space' cannot be a gateway's name.*--name NAME"):
         install.gateway_name("", "host_with space", "root@10.0.0.31")
+    with pytest.raises(UsageError, match="is the control plane's own gateway workers'"):
+        install.gateway_name("control-plane", "gw-a", "root@10.0.0.31")  # the control plane issues that one itself
     install.refuse_a_node_name("gw-a", [{"id": "node-a"}])
     with pytest.raises(UsageError) as err:
         install.refuse_a_node_name("node-a", [{"id": "node-a"}])

@@ -39,7 +39,7 @@ from llmgw.nodeadd.gateway import layout
 from llmgw.nodeadd.identify import check_sudo
 from llmgw.nodeadd.release import release_arch
 from llmgw.nodeadd.steps import OK, WARN
-from llmgw.pki.ca import CA, ROLE_GATEWAY, CertInfo, cert_info, check_gateway_name
+from llmgw.pki.ca import CA, ROLE_GATEWAY, CertInfo, cert_info, check_own_gateway_name
 from llmgw.pki.files import gateway_paths
 
 POLL_S = 1.0
@@ -98,9 +98,9 @@ async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
 
 def gateway_name(given: str, hostname: str, target: str) -> tuple[str, str]:
     if given:
-        return check_gateway_name(given), "--name"
+        return check_own_gateway_name(given), "--name"
     try:
-        return check_gateway_name(hostname), "its hostname"
+        return check_own_gateway_name(hostname), "its hostname"
     except UsageError:
         raise UsageError(
             f"{target}: its hostname {hostname!r} cannot be a gateway's name (letters, digits, '.', '_' and '-', "
