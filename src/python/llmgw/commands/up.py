@@ -191,7 +191,7 @@ def _node_config(state: Path, ca: CA, i: int, agent_port: int, args: argparse.Na
 
 async def up(args: argparse.Namespace, state: Path) -> None:
     from agent.main import run_agent
-    from llmgw.server.app import ControlPlane
+    from llmgw.server.app import ControlPlane, freeze_start_objects
 
     emit = Events(args.json)
     private.make_dir(state, "the state directory of `llmgw up`")  # 0700, and its missing parents
@@ -223,6 +223,7 @@ async def up(args: argparse.Namespace, state: Path) -> None:
                 partial(run_agent, watch_loop=False), _node_config(state, ca, i, bound.agent_address[1], args)
             )
         await _wait_ready(plane, args.nodes, emit)
+        freeze_start_objects()
         names = [m.name for m in plane.config.models]
         example = "sim-small" if "sim-small" in names else (names[0] if names else "sim-small")
         gateway = bound.admin_url
