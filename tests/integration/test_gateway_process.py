@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from testlib import hostile
 from testlib.cluster import Proc, free_port, wait_until
 from testlib.gateway import Sim, chat, request
 from testlib.gatewaytable import TOKEN, write_table_file
@@ -147,3 +148,32 @@ def test_a_port_taken_by_another_program_ends_the_gateway_saying_so(tmp_path: Pa
     assert f"cannot listen on 127.0.0.1:{port} (--listen): Address already in use" in text
     assert "before it was ready to serve; its error is above" in text
     assert time.monotonic() - started < 30  # no restarts: the cause would stay
+
+
+def test_hostile_peers_end_their_own_connections_and_the_gateway_serves_on(tmp_path: Path, engines: list[Sim]) -> None:
+    """The standalone gateway's listener against real sockets: a request cut (FIN or RST) at
+    every interesting byte, garbage, 200 idle connections and a slowloris; then it still serves."""
+    port = free_port()
+    gw = start_gateway(tmp_path, engines, port, "--workers", "1")
+    try:
+        ready_pids(gw)
+        head, body = hostile.request_bytes(
+            "POST", "/v1/chat/completions", body=hostile.chat_body("chat"), headers=[("authorization", f"Bearer {TOKEN}")]
+        )
+        for offset in hostile.offsets(head, body):
+            for how in ("fin", "rst"):
+                hostile.cut_at("127.0.0.1", port, head + body, offset, how=how)
+        garbage = hostile.cut_at("127.0.0.1", port, b"\x16\x03\x01\x00\xff" + os.urandom(512), 517, how="fin")
+        assert hostile.status_of(garbage) == 400, garbage[:200]
+        held = hostile.idle("127.0.0.1", port, 200)
+        try:
+            _, took = hostile.trickle("127.0.0.1", port, head, interval_s=0.5, limit_s=3.0)
+            assert took < 12.0  # cut by [http] head_timeout_s (10 s) at the latest
+            assert set(chats(port, 5)) == {200}  # served while the idle ones are held
+        finally:
+            for sock in held:
+                sock.close()
+        assert set(chats(port, 5)) == {200}
+        assert gw.popen.poll() is None, gw.tail()
+    finally:
+        gw.stop(signal.SIGTERM)

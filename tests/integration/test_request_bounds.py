@@ -176,11 +176,19 @@ def long_steps(live: Live) -> int:
 def test_a_body_built_to_be_slow_never_stalls_the_control_plane(live: Live, name: str) -> None:
     body = ADVERSARIAL[name]()
     assert len(body) <= BODY_LIMIT
-    steps_before = long_steps(live)
-    with HealthWatch(live.http_port) as watch:
-        status, answer = post(live.http_port, body, live.token)
-        time.sleep(0.2)  # a few more /health answers after it
-    assert long_steps(live) == steps_before, "a step held the control plane's loop for more than 20 ms"
+    # The counter is the whole loop's: over the seconds a large body takes to parse in the worker
+    # on a loaded machine, an unrelated step (a full garbage collection, the reconciler) may pass
+    # 20 ms of CPU once. The body is sent a second time then: a step it causes comes again, noise
+    # does not (seen twice in loaded CI runs, on the slowest body, never twice in a row).
+    for _ in range(2):
+        steps_before = long_steps(live)
+        with HealthWatch(live.http_port) as watch:
+            status, answer = post(live.http_port, body, live.token)
+            time.sleep(0.2)  # a few more /health answers after it
+        if long_steps(live) == steps_before:
+            break
+    else:
+        raise AssertionError("a step held the control plane's loop for more than 20 ms, twice in a row")
     assert status in (200, 400), (status, answer[:300])
     if status == 400:
         assert json.loads(answer)["error"]["message"], answer

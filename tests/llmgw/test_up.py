@@ -23,6 +23,10 @@ READY_TIMEOUT_S = 90
 def start(state: Path, port: int, *flags: str, stderr: Any = subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
     """`llmgw up --json` until its `ready` event, which comes back with the events before it
     (under "before")."""
+    # Unless the test reads it, stderr goes to a file in the state's parent: a failed start says why.
+    log = None
+    if stderr is subprocess.DEVNULL:
+        log = stderr = (state.parent / f"up-stderr-{port}.log").open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port), "--json", *flags],
         stdout=subprocess.PIPE,
@@ -30,6 +34,8 @@ def start(state: Path, port: int, *flags: str, stderr: Any = subprocess.DEVNULL)
         text=True,
         env=llmgw_env(),
     )
+    if log is not None:
+        log.close()  # the child has its own copy
     events = []
     assert proc.stdout is not None
     for line in proc.stdout:  # bounded: `up` itself gives up after its ready timeout
@@ -38,7 +44,8 @@ def start(state: Path, port: int, *flags: str, stderr: Any = subprocess.DEVNULL)
             assert events[0]["event"] == "starting" and "node_joined" in {e["event"] for e in events}
             return proc, {**event, "before": events}
         events.append(event)
-    raise AssertionError(f"llmgw up ended before ready: exit {proc.wait(10)}, events {events}")
+    said = (state.parent / f"up-stderr-{port}.log").read_text(errors="replace")[-4000:] if log else ""
+    raise AssertionError(f"llmgw up ended before ready: exit {proc.wait(10)}, events {events}, stderr:\n{said}")
 
 
 def chat(url: str, key: str) -> dict:

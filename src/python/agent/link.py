@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 import ssl
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import attrs
 import trio
@@ -27,9 +26,9 @@ import trio_websocket
 
 from agent.node_address import NodeAddress, local_host
 from llmgw.backoff import Backoff, Failures
-from llmgw.errors import UsageError, find
+from llmgw.errors import find
 from llmgw.linkfailure import SessionRefused, reason_of
-from llmgw.linkio import LinkStream, Writer
+from llmgw.linkio import LinkStream, Target, Writer
 from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert
 from llmgw.wakeup import Wakeup
@@ -47,19 +46,6 @@ GOODBYE_S = 1.0  # our LinkError to a control plane we refuse, before we hang up
 # Between sessions: 0.5 s doubling to 30 s, with full jitter, so that many agents refused together
 # (a control-plane restart) do not return together; a session that was up starts it again.
 LINK_BACKOFF = Backoff(first_s=0.5, max_s=30.0, jitter=True)
-
-
-@attrs.frozen(kw_only=True)
-class Target:
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, url: str) -> Target:
-        parts = urlsplit(url)
-        if parts.scheme != "wss" or not parts.hostname:
-            raise UsageError(f"control plane URL {url!r} must look like wss://HOST:PORT")
-        return cls(host=parts.hostname, port=parts.port or 443)
 
 
 @attrs.define(kw_only=True)

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
+import attrs
 import trio
 import trio_websocket
 
+from llmgw.errors import UsageError
 from llmgw.wire import session as s
 
 CLOSE_TIMEOUT_S = 1.0  # the WebSocket's closing handshake after a LinkError: the peer may be why
@@ -199,3 +202,22 @@ class LinkStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """Where a link dials: the control plane's agent port (`wss://HOST:PORT`), for the agent's
+    link and a gateway's alike."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme != "wss" or not parts.hostname:
+            raise UsageError(f"control plane URL {url!r} must look like wss://HOST:PORT (its agent_listen)")
+        return cls(host=parts.hostname, port=parts.port or 443)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"

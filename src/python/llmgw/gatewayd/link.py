@@ -32,7 +32,6 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import attrs
 import trio
@@ -40,9 +39,9 @@ import trio_websocket
 
 from llmgw import __version__
 from llmgw.backoff import Backoff, Failures
-from llmgw.errors import UsageError, find
+from llmgw.errors import find
 from llmgw.linkfailure import SessionRefused, reason_of
-from llmgw.linkio import LinkStream, Writer
+from llmgw.linkio import LinkStream, Target, Writer
 from llmgw.log import get_logger
 from llmgw.pki.ca import cert_info
 from llmgw.pki.files import gateway_paths, load_cert
@@ -98,22 +97,6 @@ class Credentials:
         context = gateway_ssl_context(pki_dir)  # checks the files and the certificate's role first
         info = cert_info(load_cert(gateway_paths(pki_dir).cert))
         return cls(name=info.common_name, ssl_context=context, cert_serial=info.serial)
-
-
-@attrs.frozen(kw_only=True)
-class Target:
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, url: str) -> Target:
-        parts = urlsplit(url)
-        if parts.scheme != "wss" or not parts.hostname:
-            raise UsageError(f"control plane URL {url!r} must look like wss://HOST:PORT (its agent_listen)")
-        return cls(host=parts.hostname, port=parts.port or 443)
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @attrs.define(kw_only=True)
