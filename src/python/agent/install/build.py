@@ -322,7 +322,7 @@ async def portable_recipe(
     """The portable recipe for this node's compilers: their `--version`, and CMake's, are asked
     (as the release's build asks its own), so the same compilers give the release's key."""
     tc = portable_toolchain(toolchain, arch)
-    tools = {}
+    tools: dict[str, str] = {}
     for name, argv in llamarecipe.tool_commands(tc, cmake=toolchain.cmake).items():
         tools[name] = llamarecipe.first_line(await _ask(argv))
     probe = llamarecipe.sme_probe(tc)
@@ -432,7 +432,8 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> list[P
             f"building llama.cpp {req.version} made no CPU backend (libggml-cpu-<variant>.so) in {binary.parent}: "
             f"GGML_CPU_ALL_VARIANTS did not apply to this source; the build's log: {req.log_path}"
         )
-    return [binary.parent / n for n in llamarecipe.shipped(names)] + [src / llamarecipe.LICENSE]
+    license_file = src / llamarecipe.LICENSE  # llama.cpp's (MIT): shipped with it, as the release does
+    return [binary.parent / n for n in llamarecipe.shipped(names)] + ([license_file] if license_file.is_file() else [])
 
 
 def _drop_variants(src: Path, variants: Sequence[str]) -> None:
