@@ -8,7 +8,7 @@ with the wheels of every CPython 3.10-3.13 side by side, and `llmgw/_build_info.
 commit, build date, target). The build date is the commit's time (or SOURCE_DATE_EPOCH), never
 the clock, so building one commit twice gives the same bytes. `llmgw-provision-node` (run on a
 Proxmox host, tools/provision) is shipped as it is in the source, with the release's version written
-into its `__version__` line. The llama.cpp archives (llamacpp.py, llamabuild.py) come from
+into its `__version__` line. The llama.cpp archives (llmgw.llamarecipe, llamacpp.py, llamabuild.py) come from
 their cache, built there first if this machine has not built that recipe yet (minutes: see
 docs/development.md), and each runs once before it is shipped (llamasmoke.py: `--version` and
 one completion on a tiny model; the foreign architecture under qemu-user).
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import attrs
 
-from llmgw_release import llamabuild, llamacli, llamacpp, llamasmoke, wheels, zipapp
+from llmgw import llamarecipe
+from llmgw_release import llamabuild, llamacli, llamasmoke, wheels, zipapp
 from llmgw_release import lock as lockfile
 from testlib.tinygguf import write_tiny_llama
 
@@ -195,9 +196,9 @@ def build_release(inputs: Inputs, out_dir: Path, arches: Sequence[str] = ARCHES,
 
 def ship_llama(inputs: Inputs, cache: Path, out_dir: Path, arches: Sequence[str], progress) -> list[Path]:
     """Each architecture's llama.cpp archive from `cache` (built there if need be), run, then copied out."""
-    unknown = [a for a in arches if a not in llamacpp.ARCHES]
+    unknown = [a for a in arches if a not in llamarecipe.ARCHES]
     if unknown or not arches:
-        raise BuildError(f"llama.cpp architectures {list(arches)}: each must be one of {', '.join(llamacpp.ARCHES)}")
+        raise BuildError(f"llama.cpp architectures {list(arches)}: each must be one of {', '.join(llamarecipe.ARCHES)}")
     source = llamabuild.pinned_source()
     shipped = []
     for arch in arches:
@@ -206,7 +207,7 @@ def ship_llama(inputs: Inputs, cache: Path, out_dir: Path, arches: Sequence[str]
             cached = llamabuild.archive_path(cache, recipe).is_file()
             archive = llamabuild.ensure_archive(recipe, cache, jobs=inputs.llama_jobs, say=progress)
             smoked = llamasmoke.smoke(archive, source, arch, model=inputs.llama_smoke_model)
-        except (llamabuild.LlamaBuildError, llamacpp.RecipeError) as exc:
+        except (llamabuild.LlamaBuildError, llamarecipe.RecipeError) as exc:
             raise BuildError(str(exc)) from None
         path = out_dir / archive.name
         shutil.copyfile(archive, path)

@@ -1,4 +1,4 @@
-"""Building the portable llama.cpp archives (llamacpp.py's recipe), once per recipe, into a cache.
+"""Building the portable llama.cpp archives (llmgw.llamarecipe's recipe), once per recipe, into a cache.
 
 Both the release (`./pants run release:build`) and the tests' llama-server (`./pants test` runs
 tools/llama/build-llama-server through tools/testenv/prepare.py) come from here, and from one
@@ -13,7 +13,8 @@ cache, so a machine compiles llama.cpp once per architecture and source:
 
 The recipe's key covers the source's sha256, the architecture, the CMake arguments, the
 toolchain file and the compilers' and CMake's versions: a new compiler builds anew, a second
-request is a lookup. One build per key at a time (a lock file); a second one waits, then finds
+request is a lookup. A node's own CPU build (agent.install.build) follows the same recipe, and
+keys its build cache the same way (`<top>-<key>`, llamarecipe.entry_name). One build per key at a time (a lock file); a second one waits, then finds
 the archive. An archive is written only whole (renamed into place) and only after its files
 passed llamacpp.check_objects.
 
@@ -26,7 +27,7 @@ newest file), not the clock or the llmgw commit: the archive belongs to the sour
 LD_LIBRARY_PATH, then one completion on a GGUF model, under qemu-user (Debian's
 qemu-user-static, the target's libraries from libc6-<arch>-cross) for a foreign architecture.
 
-Standard library only, CPython 3.9+ (see llamacpp.py).
+Standard library only, CPython 3.9+ (see llmgw.llamarecipe).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from llmgw import llamarecipe
+from llmgw.llamarecipe import Recipe, RecipeError, Source, Toolchain
 from llmgw_release import llamacpp
-from llmgw_release.llamacpp import Recipe, RecipeError, Source, Toolchain
 
 Say = Callable[[str], None]
 DEFAULT_JOBS = 2
@@ -146,16 +148,17 @@ def _first_line(argv: Sequence[str]) -> str:
         raise LlamaBuildError(f"cannot run `{' '.join(argv)}`: {exc}") from None
     if done.returncode != 0:
         raise LlamaBuildError(f"`{' '.join(argv)}` failed: {done.stderr.strip()[-500:]}")
-    return (done.stdout.strip().splitlines() or [""])[0]
+    return llamarecipe.first_line(done.stdout)
 
 
 def _compiles_sme(tc: Toolchain) -> bool:
-    if tc.arch != "arm64":
+    probe = llamarecipe.sme_probe(tc)
+    if probe is None:
         return False
     try:
         done = subprocess.run(
-            [tc.cc, "-march=armv9.2-a+sme", "-x", "c", "-c", "-o", os.devnull, "-"],
-            input="int x;\n",
+            probe,
+            input=llamarecipe.SME_PROBE_INPUT,
             capture_output=True,
             text=True,
             timeout=TOOL_TIMEOUT_S,
@@ -192,25 +195,24 @@ def _present(tool: str) -> bool:
 
 def this_host() -> str:
     try:
-        return llamacpp.host_arch(platform.machine())
+        return llamarecipe.host_arch(platform.machine())
     except RecipeError as exc:
         raise LlamaBuildError(str(exc)) from None
 
 
 def make_recipe(source: Source, arch: str, host: str | None = None) -> Recipe:
     """The recipe for `arch` with this machine's compilers (their versions are in it)."""
-    tc = llamacpp.toolchain(arch, host or this_host())
+    try:
+        tc = llamarecipe.toolchain(arch, host or this_host())
+    except RecipeError as exc:
+        raise LlamaBuildError(str(exc)) from None
     check_tools(needed_tools(tc), f"building llama.cpp for {arch}")
-    tools = {
-        "cc": _first_line([tc.cc, "--version"]),
-        "c++": _first_line([tc.cxx, "--version"]),
-        "cmake": _first_line(["cmake", "--version"]),
-    }
-    return llamacpp.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc))
+    tools = {name: _first_line(argv) for name, argv in llamarecipe.tool_commands(tc).items()}
+    return llamarecipe.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc))
 
 
 def entry_dir(root: Path, recipe: Recipe) -> Path:
-    return root / "portable" / f"{llamacpp.top_dir(recipe.source, recipe.toolchain.arch)}-{recipe.key}"
+    return root / "portable" / llamarecipe.entry_name(recipe)
 
 
 def _lock_path(root: Path, recipe: Recipe) -> Path:
@@ -265,13 +267,13 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
         src = _unpack_source(sdist, source, work)
         if recipe.dropped:
             cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
-            cmakelists.write_text(llamacpp.drop_variants(cmakelists.read_text(), recipe.dropped))
+            cmakelists.write_text(llamarecipe.drop_variants(cmakelists.read_text(), recipe.dropped))
         toolchain = work / "toolchain.cmake"
         if recipe.toolchain_file:
             toolchain.write_text(recipe.toolchain_file)
         build = work / "build"
-        args = llamacpp.fill(recipe.args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain))
-        env = _build_env(epoch, work)
+        args = llamarecipe.fill(recipe.args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain))
+        env = llamarecipe.build_environ(os.environ, epoch, str(work))
         what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
         say(
             f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
@@ -280,17 +282,17 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
         )
         _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
         _run_logged(
-            ["cmake", "--build", str(build), "--target", llamacpp.SERVER, "-j", str(jobs)],
+            ["cmake", "--build", str(build), "--target", llamarecipe.SERVER, "-j", str(jobs)],
             env,
             work / "build.log",
             "compiling",
             None,
             say,
         )
-        members = _collect(build / "bin", src / llamacpp.LICENSE)
+        members = _collect(build / "bin", src / llamarecipe.LICENSE)
         llamacpp.check_members(members)
         llamacpp.check_objects(tc.arch, members, {m.name: _dynamic(build / "bin" / m.name) for m in _elves(members)})
-        data = llamacpp.assemble(llamacpp.top_dir(source, tc.arch), members, epoch)
+        data = llamacpp.assemble(llamarecipe.top_dir(source, tc.arch), members, epoch)
     except RecipeError as exc:
         raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
     entry = entry_dir(root, recipe)
@@ -301,7 +303,7 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     part.write_bytes(data)
     os.replace(part, path)
     shutil.rmtree(work, ignore_errors=True)
-    variants = llamacpp.cpu_variants(m.name for m in members)
+    variants = llamarecipe.cpu_variants(m.name for m in members)
     say(
         f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, "
         f"{len(variants)} CPU variants ({', '.join(variants)})"
@@ -326,18 +328,6 @@ def _unpack_source(sdist: Path, source: Source, work: Path) -> Path:
     if not (src / "CMakeLists.txt").is_file():
         raise LlamaBuildError(f"{sdist} has no {top}/llama.cpp/CMakeLists.txt: not llama.cpp's source")
     return src
-
-
-def _build_env(epoch: int, work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("CFLAGS", "CXXFLAGS", "LDFLAGS", "CC", "CXX")}
-    env.update(
-        SOURCE_DATE_EPOCH=str(epoch),  # __DATE__ and __TIME__, where used
-        LC_ALL="C",
-        TZ="UTC",
-        # llama.cpp's build info asks git for a commit: never let it find a repository around the cache.
-        GIT_CEILING_DIRECTORIES=str(work),
-    )
-    return env
 
 
 _NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
@@ -387,13 +377,13 @@ def _collect(bin_dir: Path, license_file: Path) -> list[llamacpp.Member]:
     if not bin_dir.is_dir():
         raise LlamaBuildError(f"the build made no {bin_dir}")
     members = []
-    for name in llamacpp.shipped(p.name for p in bin_dir.iterdir()):
+    for name in llamarecipe.shipped(p.name for p in bin_dir.iterdir()):
         path = bin_dir / name
         if path.is_symlink():
             members.append(llamacpp.Member(name=name, link=os.readlink(path)))
         elif path.is_file():
-            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name == llamacpp.SERVER))
-    members.append(llamacpp.Member(name=llamacpp.LICENSE, data=license_file.read_bytes()))
+            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name == llamarecipe.SERVER))
+    members.append(llamacpp.Member(name=llamarecipe.LICENSE, data=license_file.read_bytes()))
     return members
 
 
@@ -439,7 +429,7 @@ def unpack(archive: Path, top: str, dest: Path) -> Path:
 
 
 def server_dir(root: Path, recipe: Recipe) -> Path:
-    return entry_dir(root, recipe) / llamacpp.top_dir(recipe.source, recipe.toolchain.arch)
+    return entry_dir(root, recipe) / llamarecipe.top_dir(recipe.source, recipe.toolchain.arch)
 
 
 def runs(server: Path) -> bool:
@@ -454,7 +444,7 @@ def runs(server: Path) -> bool:
 
 def cached_server(source: Source, root: Path) -> Path | None:
     """This machine's llama-server from the cache, unpacked and running, or None."""
-    server = server_dir(root, make_recipe(source, this_host())) / llamacpp.SERVER
+    server = server_dir(root, make_recipe(source, this_host())) / llamarecipe.SERVER
     return server if runs(server) else None
 
 
@@ -463,7 +453,7 @@ def ensure_server(source: Source, root: Path, *, jobs: int = DEFAULT_JOBS, say: 
     arch = this_host()
     recipe = make_recipe(source, arch)
     archive = ensure_archive(recipe, root, jobs=jobs, say=say)
-    server = server_dir(root, recipe) / llamacpp.SERVER
+    server = server_dir(root, recipe) / llamarecipe.SERVER
     if runs(server):
         return server
     with _locked(_lock_path(root, recipe), say, f"unpacking {archive.name}"):
@@ -471,7 +461,7 @@ def ensure_server(source: Source, root: Path, *, jobs: int = DEFAULT_JOBS, say: 
             unpacked = entry_dir(root, recipe) / "unpacked"
             shutil.rmtree(unpacked, ignore_errors=True)
             shutil.rmtree(server.parent, ignore_errors=True)
-            top = unpack(archive, llamacpp.top_dir(source, arch), unpacked)
+            top = unpack(archive, llamarecipe.top_dir(source, arch), unpacked)
             os.replace(top, server.parent)
             shutil.rmtree(unpacked, ignore_errors=True)
     if not runs(server):

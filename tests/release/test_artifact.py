@@ -39,6 +39,7 @@ import pytest
 from llmgw_release import build, llamabuild, llamacpp, llamasmoke, wheels
 
 import llmgw
+from llmgw import llamarecipe
 from testlib import llama
 from testlib.ports import free_port
 from testlib.proc import build_root
@@ -91,7 +92,7 @@ def release_inputs(model: Path) -> build.Inputs:
     )
 
 
-HOST = llamacpp.host_arch(platform.machine())
+HOST = llamarecipe.host_arch(platform.machine())
 
 
 @attrs.frozen
@@ -207,7 +208,7 @@ def test_llama_cpp_is_the_cached_archive_not_a_new_build(release: Release) -> No
 
 
 def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_variant(release: Release) -> None:
-    top = llamacpp.top_dir(llamabuild.pinned_source(), HOST)
+    top = llamarecipe.top_dir(llamabuild.pinned_source(), HOST)
     with tarfile.open(release.llama) as tar:
         infos = tar.getmembers()
     assert infos[0].name == top and infos[0].isdir()
@@ -215,7 +216,7 @@ def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_va
     assert all(i.name.startswith(f"{top}/") and (i.isfile() or i.issym()) for i in infos[1:])
     assert all("/" not in n for n in names) and names == sorted(names)
     assert {"llama-server", "LICENSE", "libllama.so", "libggml-base.so", "libggml.so"} <= set(names), names
-    variants = set(llamacpp.cpu_variants(names))
+    variants = set(llamarecipe.cpu_variants(names))
     expected = {
         "amd64": {"x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell", "skylakex", "cannonlake",
                   "cascadelake", "icelake", "cooperlake", "zen4", "alderlake", "sapphirerapids"},
@@ -228,7 +229,7 @@ def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_va
 def test_every_llama_cpp_object_finds_its_libraries_beside_it_and_needs_only_the_c_runtime(
     release: Release, tmp_path: Path
 ) -> None:
-    directory = llamabuild.unpack(release.llama, llamacpp.top_dir(llamabuild.pinned_source(), HOST), tmp_path / "x")
+    directory = llamabuild.unpack(release.llama, llamarecipe.top_dir(llamabuild.pinned_source(), HOST), tmp_path / "x")
     elves = [p for p in sorted(directory.iterdir()) if not p.is_symlink() and p.name != "LICENSE"]
     assert len(elves) >= 10
     for path in elves:
@@ -248,7 +249,7 @@ def test_llama_server_runs_from_anywhere_and_answers_with_a_cpu_backend_it_ships
         and f"(build {source.build_number}, commit {source.version})" in smoked.version
     )
     with tarfile.open(release.llama) as tar:
-        assert smoked.backend in llamacpp.cpu_variants(Path(n).name for n in tar.getnames())
+        assert smoked.backend in llamarecipe.cpu_variants(Path(n).name for n in tar.getnames())
 
 
 # -- running it under every Python -----------------------------------------------------------

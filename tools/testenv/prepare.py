@@ -10,7 +10,9 @@
 2. llama.cpp, built the way the release ships it (tools/llama/build-llama-server: the portable
    archive for this machine's architecture, every CPU variant, cached under ~/.cache/llmgw-llama
    and unpacked there). The release test ships that archive; the engine tests and node add's
-   test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another. The first build
+   test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another; the agent's
+   build-from-source test finds it in its build cache as the agent's own build of the same
+   recipe (testlib.llama.agent_build_cache), so nothing compiles llama.cpp again. The first build
    takes about 20 minutes on 2 cores and says so; `./pants run release:build` reuses it.
 3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
    made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once.
@@ -209,10 +211,10 @@ def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
     if not _ensure_built(
         m,
         [sys.executable, "-I", str(build)],
-        "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests and node "
-        "add's test nodes run its llama-server. Building it once, as the release ships it (every CPU "
-        f"variant), from llama.cpp's source with {jobs} jobs (about 20 minutes on 2 cores; "
-        "LLAMA_BUILD_JOBS=N for more)",
+        "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests, node "
+        "add's test nodes and the agent's source-build test run its llama-server. Building it once, as "
+        f"the release ships it (every CPU variant), from llama.cpp's source with {jobs} jobs (about 20 "
+        "minutes on 2 cores; LLAMA_BUILD_JOBS=N for more)",
         "building llama.cpp",
     ):
         return False

@@ -1,16 +1,19 @@
 """agent.install.build's decisions, alone: progress from ninja's and make's status lines, the job
-count from cores and memory, the tools a build needs and the packages that bring them, CMake's
-options, the cache key, and the blame of a failed build from the text its log ends with
+count from cores and memory, the tools a build needs and the packages that bring them, which
+recipe (the release's portable one, or the node's own), CMake's options, the cache key, and the blame of a failed build from the text its log ends with
 (recorded from real runs: CMake on a PATH without compilers, g++ killed for memory)."""
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from agent.install import build as b
+from agent.install.archive import Member
 from agent.install.errors import BadSource, BuildFailed, BuildOutOfMemory, BuildToolsMissing
+from llmgw import llamarecipe
 
 GIB = 1 << 30
 DEBIAN = 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nNAME="Debian GNU/Linux"\nID=debian\n'
@@ -136,11 +139,39 @@ def test_ninja_is_preferred_make_is_enough_and_nvcc_is_found() -> None:
     assert (full.generator, full.nvcc, full.nice) == ("Ninja", "/usr/bin/nvcc", "/usr/bin/nice")
     bare = b.find_toolchain(tools("gcc", "g++", "cmake", "make"), DEBIAN, "/usr/bin")
     assert bare.generator == "Unix Makefiles" and bare.nice == ""
+
+
+def test_the_compilers_are_named_as_the_release_names_them_where_the_node_has_them() -> None:
+    debian = b.find_toolchain(tools("gcc", "g++", "cc", "c++", "cmake", "ninja"), DEBIAN, "/usr/bin")
+    assert (debian.cc, debian.cxx) == ("gcc", "g++")  # names, not paths: they go into the recipe's key
+    assert b.portable_toolchain(debian, "amd64") == llamarecipe.toolchain("amd64", "amd64")
+    clang = b.find_toolchain(tools("clang", "clang++", "cmake", "make"), DEBIAN, "/usr/bin")
+    assert (clang.cc, clang.cxx) == ("clang", "clang++")
+
+
+@pytest.mark.parametrize(
+    ("machine", "cuda", "arch"),
+    [("x86_64", False, "amd64"), ("aarch64", False, "arm64"), ("x86_64", True, ""), ("riscv64", False, "")],
+)
+def test_a_cpu_build_on_amd64_or_arm64_is_the_portable_recipe_cuda_and_others_are_the_nodes_own(
+    machine: str, cuda: bool, arch: str
+) -> None:
+    assert b.portable_arch(machine, cuda=cuda) == arch
+
+
+def test_a_portable_build_is_dated_by_its_sources_newest_member() -> None:
+    def member(mtime: int) -> Member:
+        info = tarfile.TarInfo("x")
+        info.mtime = mtime
+        return Member(name="x", parts=("x",), kind="FILE", source=info)
+
+    assert b.source_epoch([member(5), member(1_700_000_000), member(7)]) == 1_700_000_000
+    assert b.source_epoch([]) == 0
     with pytest.raises(BuildToolsMissing, match=r"make \(or ninja\)"):
         b.find_toolchain(tools("cc", "c++", "cmake"), DEBIAN, "/usr/bin")
 
 
-def test_cmake_is_told_native_static_server_only_and_cuda_only_when_asked() -> None:
+def test_a_nodes_own_build_is_native_static_server_only_and_cuda_only_when_asked() -> None:
     toolchain = b.Toolchain(cmake="/usr/bin/cmake", generator="Ninja", nvcc="/usr/local/cuda/bin/nvcc")
     cpu = b.configure_args(toolchain, cuda=False, version="b11434")
     assert cpu[:2] == ["-G", "Ninja"]

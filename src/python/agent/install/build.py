@@ -1,17 +1,26 @@
 """Building llama-server on this node from llama.cpp's source ([engines.llamacpp] build).
 
-The source archive is unpacked with the installer's safe unpack (its caps apply), configured
-with CMake for this node's own CPU (GGML_NATIVE) and, where the node has an NVIDIA GPU and
-`nvcc`, for CUDA; then only the `llama-server` target is built, with ninja if present, else
-make. Both steps run `nice`d in a process group of their own, under one deadline: a timeout or
-a cancellation kills the whole group (compilers included) before this returns. Their output
-goes to a log the caller keeps; compile progress ("[12/345]" from ninja, "[ 40%]" from make)
-is reported as a percentage.
+Two recipes. A CPU build on amd64 or arm64 follows the release's portable recipe
+(llmgw.llamarecipe: shared libraries, every CPU variant as a loadable backend, `$ORIGIN` library
+paths), so a node's own build is what the release's archive would be for that source and
+compiler, and is keyed the same way (`llamarecipe.entry_name`: the source's sha256, the CMake
+arguments and the compilers' and CMake's versions, asked by `portable_recipe`). A CUDA build
+(the node has an NVIDIA GPU and `nvcc`), or a CPU build on an architecture the recipe does not
+cover, is this node's alone: static, tuned for its CPU (GGML_NATIVE) and GPU (`configure_args`),
+keyed also by the CPU's flags (`cache_key`).
+
+The source archive is unpacked with the installer's safe unpack (its caps apply), configured,
+and only the `llama-server` target is built, with ninja if present, else make. Both steps run
+`nice`d in a process group of their own, under one deadline: a timeout or a cancellation kills
+the whole group (compilers included) before this returns. Their output goes to a log the caller
+keeps; compile progress ("[12/345]" from ninja, "[ 40%]" from make) is reported as a percentage.
+The build gives the files to install, flat: llama-server, and for the portable recipe its shared
+libraries (with their soname links) and llama.cpp's LICENSE.
 
 The decisions are pure and tested alone: which tools are missing and which packages bring
 them (`find_toolchain`, `install_hint`), how many jobs (`job_count`: the cores, and about 1 GiB
-of available memory a job, 2 for nvcc), what CMake is told (`configure_args`), how a failure
-is blamed (`classify`), and the key a finished build is cached under (`cache_key`).
+of available memory a job, 2 for nvcc), which recipe (`portable_arch`), what CMake is told, how
+a failure is blamed (`classify`), and the key a finished build is cached under.
 """
 
 from __future__ import annotations
@@ -24,23 +33,26 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Sequence
+import tarfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
-from agent.install.archive import Limits
+from agent.install.archive import Limits, Member
 from agent.install.errors import BadSource, BuildFailed, BuildOutOfMemory, BuildToolsMissing
 from agent.install.unpack import unpack
+from llmgw import llamarecipe
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.install")
 
 GIB = 1 << 30
-TARGET = "llama-server"
+TARGET = llamarecipe.SERVER
 TAIL_LINES = 20
+TOOL_TIMEOUT_S = 60.0
 NVCC_PLACES = ("/usr/local/cuda/bin/nvcc",)  # where the CUDA toolkit installs it, often off PATH
 
 Progress = Callable[[str, "int | None"], None]  # (phase, percent or None)
@@ -55,6 +67,10 @@ class Toolchain:
     generator: str  # "Ninja" or "Unix Makefiles"
     nvcc: str = ""  # "" when this node has none
     nice: str = ""  # "" when this node has none: the build then runs at the agent's priority
+    # The compilers' names (looked up on PATH, as the portable recipe names them): the release's
+    # gcc and g++ where the node has them.
+    cc: str = "gcc"
+    cxx: str = "g++"
 
 
 @attrs.frozen(kw_only=True)
@@ -70,12 +86,16 @@ class BuildTools:
         return not self.missing
 
 
+C_COMPILERS = ("gcc", "cc", "clang")  # preferred first: gcc is the release's
+CXX_COMPILERS = ("g++", "c++", "clang++")
+
+
 def missing_tools(which: Callable[[str], str | None]) -> list[str]:
     """What a build needs and `which` does not find, as people name it."""
     missing = []
-    if not any(which(c) for c in ("cc", "gcc", "clang")):
+    if not any(which(c) for c in C_COMPILERS):
         missing.append("a C compiler (cc, gcc or clang)")
-    if not any(which(c) for c in ("c++", "g++", "clang++")):
+    if not any(which(c) for c in CXX_COMPILERS):
         missing.append("a C++ compiler (c++, g++ or clang++)")
     if not which("cmake"):
         missing.append("cmake")
@@ -110,6 +130,8 @@ def find_toolchain(which: Callable[[str], str | None], os_release: str, path: st
         generator="Ninja" if ninja else "Unix Makefiles",
         nvcc=find_nvcc(which),
         nice=which("nice") or "",
+        cc=next(c for c in C_COMPILERS if which(c)),
+        cxx=next(c for c in CXX_COMPILERS if which(c)),
     )
 
 
@@ -160,14 +182,24 @@ def mem_available(meminfo: str) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def build_number(version: str) -> str:
-    """llama.cpp's build number for a version named like its tags (b11434 -> 11434), else ""."""
-    m = re.fullmatch(r"b(\d+)", version)
-    return m.group(1) if m else ""
+def portable_arch(machine: str, *, cuda: bool) -> str:
+    """The portable recipe's architecture for this node's build (`platform.machine()`), or ""
+    where the build is this node's alone: CUDA, or an architecture the recipe does not cover."""
+    if cuda:
+        return ""
+    try:
+        return llamarecipe.host_arch(machine)
+    except llamarecipe.RecipeError:
+        return ""
+
+
+def portable_toolchain(toolchain: Toolchain, arch: str) -> llamarecipe.Toolchain:
+    return llamarecipe.Toolchain(arch=arch, cross=False, cc=toolchain.cc, cxx=toolchain.cxx)
 
 
 def configure_args(toolchain: Toolchain, *, cuda: bool, version: str) -> list[str]:
-    """CMake's options (without -S/-B): a static llama-server for this node's CPU (and GPU)."""
+    """CMake's options (without -S/-B) for a build of this node's alone: a static llama-server
+    for its CPU (and GPU). A CPU build on amd64 or arm64 takes the portable recipe instead."""
     args = [
         "-G",
         toolchain.generator,
@@ -181,7 +213,7 @@ def configure_args(toolchain: Toolchain, *, cuda: bool, version: str) -> list[st
         "-DLLAMA_BUILD_SERVER=ON",
         "-DLLAMA_USE_PREBUILT_UI=OFF",  # its download fails offline
     ]
-    number = build_number(version)
+    number = llamarecipe.tag_number(version)
     if number:
         args.append(f"-DLLAMA_BUILD_NUMBER={number}")  # so --version says which release (no git here)
     if cuda:
@@ -248,7 +280,8 @@ def classify(
 
 
 def cache_key(*, sha256: str, arch: str, cuda: bool, args: Sequence[str], cpu_flags: str) -> str:
-    """A finished build's key: the same source, CPU, backend and options give the same binary."""
+    """A finished build's key, for a build of this node's alone (a portable one's is its recipe's
+    entry_name): the same source, CPU, backend and options give the same binary."""
     what = {"source": sha256, "arch": arch, "cuda": cuda, "args": list(args), "cpu": cpu_flags}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -274,7 +307,55 @@ def source_root(unpacked: Path) -> Path:
     )
 
 
+def source_epoch(members: Iterable[Member]) -> int:
+    """The source's date, which a portable build is dated by: its newest member's mtime (as the
+    release's build dates it)."""
+    return max((int(m.source.mtime) for m in members if isinstance(m.source, tarfile.TarInfo)), default=0)
+
+
 # -- running ---------------------------------------------------------------------------------
+
+
+async def portable_recipe(
+    toolchain: Toolchain, arch: str, *, version: str, url: str, sha256: str
+) -> llamarecipe.Recipe:
+    """The portable recipe for this node's compilers: their `--version`, and CMake's, are asked
+    (as the release's build asks its own), so the same compilers give the release's key."""
+    tc = portable_toolchain(toolchain, arch)
+    tools: dict[str, str] = {}
+    for name, argv in llamarecipe.tool_commands(tc, cmake=toolchain.cmake).items():
+        tools[name] = llamarecipe.first_line(await _ask(argv))
+    probe = llamarecipe.sme_probe(tc)
+    compiles_sme = probe is not None and await _compiles(probe, llamarecipe.SME_PROBE_INPUT)
+    source = llamarecipe.Source(version=version, url=url, sha256=sha256, size=0)
+    return llamarecipe.recipe(source, tc, tools, compiles_sme=compiles_sme, generator=toolchain.generator)
+
+
+async def _ask(argv: list[str]) -> str:
+    try:
+        with trio.fail_after(TOOL_TIMEOUT_S):
+            done = await trio.run_process(
+                argv, capture_stdout=True, capture_stderr=True, check=False, stdin=subprocess.DEVNULL
+            )
+    except (OSError, trio.TooSlowError) as exc:
+        raise BuildToolsMissing(f"cannot build llama.cpp: `{' '.join(argv)}` does not run ({exc})") from None
+    if done.returncode != 0:
+        said = done.stderr.decode("utf-8", "replace").strip()[-300:]
+        raise BuildToolsMissing(
+            f"cannot build llama.cpp: `{' '.join(argv)}` exited with status {done.returncode}: {said}"
+        )
+    return done.stdout.decode("utf-8", "replace")
+
+
+async def _compiles(argv: list[str], source: str) -> bool:
+    try:
+        with trio.fail_after(TOOL_TIMEOUT_S):
+            done = await trio.run_process(
+                argv, stdin=source.encode(), capture_stdout=True, capture_stderr=True, check=False
+            )
+    except (OSError, trio.TooSlowError):
+        return False
+    return done.returncode == 0
 
 
 @attrs.frozen(kw_only=True)
@@ -285,25 +366,36 @@ class BuildRequest:
     work: Path  # a fresh directory for the unpacked source and the build tree (the caller removes it)
     log_path: Path
     toolchain: Toolchain
-    cuda: bool
     jobs: int
     timeout_s: float
     limits: Limits
     os_release: str = ""
+    # The portable recipe (portable_recipe); None: a build of this node's alone (configure_args).
+    recipe: llamarecipe.Recipe | None = None
+    cuda: bool = False  # with recipe None: for this node's NVIDIA GPU too
 
 
-async def build_llama_server(req: BuildRequest, on_progress: Progress) -> Path:
-    """Unpack, configure and build; the built llama-server's path (under `req.work`)."""
+async def build_llama_server(req: BuildRequest, on_progress: Progress) -> list[Path]:
+    """Unpack, configure and build; the files to install, flat (under `req.work`): llama-server,
+    and for the portable recipe its shared libraries and soname links and llama.cpp's LICENSE."""
     on_progress("unpack", None)
     src_parent = req.work / "src"
-    await trio.to_thread.run_sync(
+    members = await trio.to_thread.run_sync(
         functools.partial(unpack, req.sdist, src_parent, limits=req.limits, label=req.label, engine="llamacpp")
     )
     src = await trio.to_thread.run_sync(source_root, src_parent)
     build = req.work / "build"
     nice = [req.toolchain.nice, "-n", "10"] if req.toolchain.nice else []
-    configure = [*nice, req.toolchain.cmake, "-S", str(src), "-B", str(build)]
-    configure += configure_args(req.toolchain, cuda=req.cuda, version=req.version)
+    if req.recipe is not None:
+        if req.recipe.dropped:
+            await trio.to_thread.run_sync(_drop_variants, src, req.recipe.dropped)
+        configure = [*nice, req.toolchain.cmake]
+        configure += llamarecipe.fill(req.recipe.args, work=str(req.work), src=str(src), build=str(build))
+        env = llamarecipe.build_environ(os.environ, source_epoch(members), str(req.work))
+    else:
+        configure = [*nice, req.toolchain.cmake, "-S", str(src), "-B", str(build)]
+        configure += configure_args(req.toolchain, cuda=req.cuda, version=req.version)
+        env = {**os.environ, "LC_ALL": "C"}  # English messages: classify reads them
     compile_ = [*nice, req.toolchain.cmake, "--build", str(build), "--target", TARGET, "-j", str(req.jobs)]
     req.log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info(
@@ -311,6 +403,7 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> Path:
         engine="llamacpp",
         version=req.version,
         jobs=req.jobs,
+        recipe=llamarecipe.entry_name(req.recipe) if req.recipe is not None else "this node's",
         cuda=req.cuda,
         generator=req.toolchain.generator,
         log=str(req.log_path),
@@ -319,9 +412,9 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> Path:
         try:
             with trio.fail_after(req.timeout_s):
                 on_progress("configure", None)
-                await _step(req, "cmake (configure)", configure, out, lambda _: None)
+                await _step(req, "cmake (configure)", configure, env, out, lambda _: None)
                 on_progress("build", 0)
-                await _step(req, "cmake --build", compile_, out, _percent(on_progress))
+                await _step(req, "cmake --build", compile_, env, out, _percent(on_progress))
         except trio.TooSlowError:
             raise BuildFailed(
                 f"building llama.cpp {req.version} did not finish within {req.timeout_s:g} s with {req.jobs} jobs "
@@ -331,7 +424,24 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> Path:
     binary = build / "bin" / TARGET
     if not binary.is_file():
         raise BuildFailed(f"building llama.cpp {req.version} made no {binary}; the build's log: {req.log_path}")
-    return binary
+    if req.recipe is None:
+        return [binary]
+    names = [p.name for p in binary.parent.iterdir()]
+    if not llamarecipe.cpu_variants(names):
+        raise BuildFailed(
+            f"building llama.cpp {req.version} made no CPU backend (libggml-cpu-<variant>.so) in {binary.parent}: "
+            f"GGML_CPU_ALL_VARIANTS did not apply to this source; the build's log: {req.log_path}"
+        )
+    license_file = src / llamarecipe.LICENSE  # llama.cpp's (MIT): shipped with it, as the release does
+    return [binary.parent / n for n in llamarecipe.shipped(names)] + ([license_file] if license_file.is_file() else [])
+
+
+def _drop_variants(src: Path, variants: Sequence[str]) -> None:
+    cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
+    try:
+        cmakelists.write_text(llamarecipe.drop_variants(cmakelists.read_text(), variants))
+    except llamarecipe.RecipeError as exc:
+        raise BadSource(f"{exc} (the source under [engines.llamacpp.build] in server.toml)") from None
 
 
 def _percent(on_progress: Progress) -> Callable[[bytes], None]:
@@ -343,7 +453,9 @@ def _percent(on_progress: Progress) -> Callable[[bytes], None]:
     return on_line
 
 
-async def _step(req: BuildRequest, step: str, argv: list[str], out, on_line: Callable[[bytes], None]) -> None:
+async def _step(
+    req: BuildRequest, step: str, argv: list[str], env: dict[str, str], out, on_line: Callable[[bytes], None]
+) -> None:
     out.write(f"$ {' '.join(argv)}\n".encode())
     out.flush()
     tail = bytearray()
@@ -354,7 +466,7 @@ async def _step(req: BuildRequest, step: str, argv: list[str], out, on_line: Cal
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "LC_ALL": "C"},  # English messages: classify reads them
+        env=env,
     )
     try:
         assert proc.stdout is not None

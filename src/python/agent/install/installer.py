@@ -42,6 +42,7 @@ from agent.install.archive import Limits
 from agent.install.errors import BadSource, EngineCheckFailed, PipInstallFailed
 from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.unpack import unpack
+from llmgw import llamarecipe
 from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
 from llmgw.download import Progress, archive_cap, fetch
 from llmgw.engines import cpubackend
@@ -278,7 +279,7 @@ class EngineStore:
         self, wanted: Wanted, source: BuildSource, version_dir: Path, mirror_url: str | None, report: _Reporter
     ) -> Path:
         """Build llama-server from source here (or reuse an identical build from the cache),
-        check it, and move it into `version_dir` as bin/llama-server."""
+        check it, and move it into `version_dir`'s bin/ (with its libraries, for the portable recipe)."""
         path = os.environ.get("PATH", os.defpath)
         os_release = b.read_text("/etc/os-release")
         toolchain = b.find_toolchain(b.which_on(path), os_release, path)  # before any download: fail fast
@@ -290,6 +291,12 @@ class EngineStore:
                 reason="this node has an NVIDIA GPU but no nvcc (the CUDA toolkit) on the agent's PATH or in "
                 "/usr/local/cuda/bin: building for the CPU; install the toolkit for GPU offload",
             )
+        arch = b.portable_arch(platform.machine(), cuda=cuda)
+        recipe = None
+        if arch:
+            recipe = await b.portable_recipe(
+                toolchain, arch, version=wanted.version, url=source.url, sha256=source.sha256
+            )
         sdist = await self._fetch(
             wanted.name, mirror_url or source.url, source.sha256, source.size, source.max_bytes, report
         )
@@ -299,28 +306,32 @@ class EngineStore:
             override=source.jobs,
             per_job=2 * b.GIB if cuda else b.GIB,
         )
-        args = b.configure_args(toolchain, cuda=cuda, version=wanted.version)
-        key = b.cache_key(
-            sha256=source.sha256,
-            arch=platform.machine(),
-            cuda=cuda,
-            args=args,
-            cpu_flags=b.cpu_flags(b.read_text("/proc/cpuinfo")),
-        )
-        cached = Path(source.cache_dir) / key / b.TARGET if source.cache_dir else None
+        if recipe is not None:
+            entry = llamarecipe.entry_name(recipe)
+        else:
+            entry = b.cache_key(
+                sha256=source.sha256,
+                arch=platform.machine(),
+                cuda=cuda,
+                args=b.configure_args(toolchain, cuda=cuda, version=wanted.version),
+                cpu_flags=b.cpu_flags(b.read_text("/proc/cpuinfo")),
+            )
+        cached = Path(source.cache_dir) / entry if source.cache_dir else None
         directory = self._dir(wanted.name)
         token = secrets.token_hex(4)
         staging = directory / f".staging-{wanted.version}-{token}"
         work = directory / f".build-{wanted.version}-{token}"
-        executable = staging / "bin" / b.TARGET
+        bin_dir = staging / "bin"
         for leftover in directory.glob(".build-*"):  # of a build whose agent was killed: hundreds of MB
             await trio.to_thread.run_sync(functools.partial(shutil.rmtree, leftover, ignore_errors=True))
         try:
             work.mkdir(parents=True)
-            if cached is not None and cached.is_file():
+            reused = cached is not None and (cached / b.TARGET).is_file()
+            if reused:
+                assert cached is not None
                 log.info("engine_build_reused", engine=wanted.name, version=wanted.version, cache=str(cached))
                 report("build", 100)
-                built = cached
+                files = sorted(cached.iterdir())
             else:
                 request = b.BuildRequest(
                     sdist=sdist,
@@ -329,21 +340,22 @@ class EngineStore:
                     work=work,
                     log_path=directory / f"{wanted.version}.build.log",
                     toolchain=toolchain,
-                    cuda=cuda,
                     jobs=jobs,
                     timeout_s=source.timeout_s,
                     limits=Limits(max_bytes=source.max_unpacked_bytes, max_members=source.max_members),
                     os_release=os_release,
+                    recipe=recipe,
+                    cuda=cuda,
                 )
-                built = await b.build_llama_server(request, report)
+                files = await b.build_llama_server(request, report)
             report("install", None)
-            executable.parent.mkdir(parents=True)
-            await trio.to_thread.run_sync(shutil.copy2, built, executable)
+            await trio.to_thread.run_sync(_copy_flat, files, bin_dir)
             report("check", None)
-            await check_runs([str(executable), *wanted.check_args])
-            await check_flags(wanted.name, str(executable), dict(os.environ))
-            if cached is not None and built is not cached:
-                await trio.to_thread.run_sync(_keep, executable, cached)
+            # From its own directory with no LD_LIBRARY_PATH: a portable build finds its libraries by $ORIGIN.
+            await check_runs([str(bin_dir / b.TARGET), *wanted.check_args])
+            await check_flags(wanted.name, str(bin_dir / b.TARGET), dict(os.environ))
+            if cached is not None and not reused:
+                await trio.to_thread.run_sync(_keep, bin_dir, cached)
             if version_dir.exists():
                 shutil.rmtree(version_dir)  # a leftover of an interrupted install: never the current one
             os.rename(staging, version_dir)
@@ -351,7 +363,15 @@ class EngineStore:
             for leftover in (work, staging):
                 if leftover.exists():
                     await trio.to_thread.run_sync(functools.partial(shutil.rmtree, leftover, ignore_errors=True))
-        log.info("engine_built", engine=wanted.name, version=wanted.version, jobs=jobs, cuda=cuda)
+        log.info(
+            "engine_built",
+            engine=wanted.name,
+            version=wanted.version,
+            jobs=jobs,
+            cuda=cuda,
+            recipe=entry if recipe is not None else "this node's",
+            reused=reused,
+        )
         return version_dir / "bin" / b.TARGET
 
     async def _install_pip(self, wanted: Wanted, source: PipSource, version_dir: Path, report: _Reporter) -> Path:
@@ -446,15 +466,27 @@ async def check_flags(engine: str, executable: str, environ: dict[str, str]) -> 
     judge_help(engine, argv, await check_runs(argv, HELP_TIMEOUT_S, env=env))
 
 
-def _keep(executable: Path, cached: Path) -> None:
-    """Put a checked build in the cache: copied beside, then renamed (a reader sees all or none)."""
+def _copy_flat(files: list[Path], dest: Path) -> None:
+    """Copy `files` into `dest` (made here) by name; a symbolic link (a library's soname link)
+    stays a link."""
+    dest.mkdir(parents=True)
+    for f in files:
+        shutil.copy2(f, dest / f.name, follow_symlinks=False)
+
+
+def _keep(built: Path, cached: Path) -> None:
+    """Put a checked build's directory in the cache: copied beside, then renamed (a reader sees
+    all or none; of two agents keeping the same build, the first stays)."""
+    tmp = cached.parent / f".{cached.name}-{secrets.token_hex(4)}"
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.parent / f".{cached.name}-{secrets.token_hex(4)}"
-        shutil.copy2(executable, tmp)
-        os.replace(tmp, cached)
+        shutil.copytree(built, tmp, symlinks=True)
+        if not cached.exists():
+            os.rename(tmp, cached)
     except OSError as exc:
         log.warning("engine_build_cache_unwritable", cache=str(cached.parent), reason=str(exc))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # agent.toml's key and node add's flag for an operator-installed engine.
