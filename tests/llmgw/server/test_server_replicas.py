@@ -205,3 +205,14 @@ def test_a_pending_replica_is_logged_once_and_a_forming_cluster_is_no_warning(
         ("WARNING", "needs 1 node with working vllm, none available (a has no working vllm)")
     ]
     assert [v.replicas for v in r.pending] == [1]
+
+
+def test_rendezvous_ports_are_drawn_below_the_ephemeral_range() -> None:
+    """A rendezvous port among the ephemeral ones may be the local end of any outgoing connection on
+    the rank-0 node; the draw stays below Linux's default range (and this machine's)."""
+    from llmgw.server.replicas import DIST_INIT_PORTS, _free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert DIST_INIT_PORTS.stop <= min(low, 32768)
+    used = set(DIST_INIT_PORTS[:-1])
+    assert _free_port(used) == DIST_INIT_PORTS[-1]  # never one already used

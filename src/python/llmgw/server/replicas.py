@@ -43,8 +43,11 @@ log = get_logger("llmgw.replicas")
 
 # Rendezvous ports are drawn at random from a range away from the usual defaults (29500 is
 # torch.distributed's): a port taken on the rank-0 node fails that replica, which is then rebuilt
-# with another draw instead of hitting the same port again.
-DIST_INIT_PORTS = range(41000, 49000)
+# with another draw instead of hitting the same port again. The range lies below Linux's
+# ephemeral ports (32768-60999 by default): a port there may be the local end of any outgoing
+# connection on the node (a busy `llmgw up`, where every node is 127.0.0.1, failed a drain's
+# replacement five times on one that was).
+DIST_INIT_PORTS = range(12000, 20000)
 _rng = random.SystemRandom()
 
 
