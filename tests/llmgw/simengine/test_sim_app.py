@@ -140,7 +140,7 @@ async def test_key_is_required_on_v1_and_not_on_health() -> None:
             status, headers, parts = await c.request("GET", "/v1/models", key=key)
             assert status == 401 and headers["www-authenticate"] == "Bearer"
             error = body_of(parts)["error"]
-            assert error["type"] == "authentication_error" and error["code"] == 401 and says in error["message"]
+            assert error["type"] == "authentication_error" and error["code"] in (None, "invalid_api_key") and says in error["message"]
             assert KEY not in error["message"]
         status, _, parts = await c.request("GET", "/health", key=None)
         assert (status, body_of(parts)) == (200, {"status": "ok"})
@@ -190,8 +190,9 @@ async def test_errors_are_openai_shaped(method: str, target: str, raw: bytes, st
         got, headers, parts = await c.request(method, target, raw=raw)
         body = body_of(parts)
         assert got == status and headers["content-type"] == "application/json"
-        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}
-        assert body["error"]["code"] == status and says in body["error"]["message"]
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str)
+        assert says in body["error"]["message"]
         nursery.cancel_scope.cancel()
 
 
