@@ -363,9 +363,9 @@ class Service:
 
 
 SERVICES = {
-    "server": Service(
+    "server": Service(  # /metrics: the gateway workers' families and, through the relay, the control plane's
         ("server", "--config", "{tmp}/server.toml"),
-        "/health",
+        "/metrics",
         setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
         url_file="{tmp}/state/admin.url",
     ),

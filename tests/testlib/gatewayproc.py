@@ -47,10 +47,15 @@ class GatewayProcess:
         return self.popen.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL to its whole process group, as a crashed machine would: no request is finished,
-        and no worker process of it lives on."""
+        """SIGKILL to its whole process group and to each of its workers (which lead sessions of
+        their own), as a crashed machine would: no request is finished, and no worker process of
+        it lives on to drain."""
+        workers = _children(self.popen.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         self.popen.wait(STOP_TIMEOUT_S)
 
     def stop(self) -> None:
@@ -134,6 +139,15 @@ def start_gateway(
             raise AssertionError(f"gateway {name} did not serve on port {port} within {timeout:g} s\n{gateway.tail()}")
         time.sleep(POLL_S)
     return gateway
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of `pid`'s children (a gateway's workers), as the kernel lists them."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 def _healthy(port: int) -> bool:

@@ -82,3 +82,74 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
         await stopped.wait()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_a_stopped_worker_on_a_shared_port_stops_accepting_and_finishes_what_it_has(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A gateway's worker whose port others serve too (SO_REUSEPORT: `llmgw gateway`'s workers,
+    several gateways behind a balancer): stopped, it leaves the port at once — a new connection
+    goes to the others, here none, so it is refused, which a balancer retries elsewhere — and
+    its stream in flight runs to its end; nothing it is sent is answered 503."""
+    from llmgw.gateway.app import Gateway
+    from llmgw.gateway.front import serve_draining
+    from llmgw.gateway.keys import KeyTable, token_hash
+    from llmgw.http.limits import Limits
+    from llmgw.http.listeners import ConnectionStats
+    from llmgw.wire.gateway_link import GatewayKey
+
+    net = memnet.MemoryNet(nursery)
+    (sim,) = memnet.start_sims(net, 1, output_token_ms=100)
+    token = "llmgw-shared-port-test"
+    gateway = Gateway(
+        StaticEndpoints((sim.endpoint(),)),
+        KeyTable([GatewayKey(name="t", token_sha256=token_hash(token))]),
+        pool=UpstreamPool(connect=net.connect),
+    )
+    await nursery.start(gateway.serve_rotation)
+    port = free_port()
+    scope = trio.CancelScope()
+    stopped = trio.Event()
+
+    async def run(*, task_status: trio.TaskStatus) -> None:
+        with scope:
+            await serve_draining(
+                gateway.handle,
+                gateway,
+                "127.0.0.1",
+                port,
+                limits=Limits(),
+                stats=ConnectionStats(),
+                drain_s=20,
+                reuse_port=True,
+                task_status=task_status,
+            )
+        stopped.set()
+
+    await nursery.start(run)
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    body = json.dumps(chat(stream=True, max_tokens=20, ignore_eos=True)).encode()  # ~2 s of tokens
+    await client.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    got = b""
+    with trio.fail_after(10):
+        while got.count(b"data: ") < 3:
+            got += await client.receive_some(65536)
+
+    scope.cancel()
+    await wait_until(lambda: gateway.draining, "the gateway draining", timeout=5)
+    with pytest.raises(OSError):  # left the port: refused, not a 503
+        await trio.open_tcp_stream("127.0.0.1", port)
+    with trio.fail_after(15):
+        while not got.endswith(b"0\r\n\r\n"):
+            data = await client.receive_some(65536)
+            assert data, f"the stream was cut during the drain: {got[-200:]!r}"
+            got += data
+    assert b"data: [DONE]" in got and got.count(b'"content":') >= 20
+    with trio.fail_after(5):
+        assert await client.receive_some(65536) == b""  # and then its connection closes
+    with trio.fail_after(5):
+        await stopped.wait()

@@ -2,10 +2,16 @@
 plane's front (`llmgw.server.front`) and a gateway worker (`llmgw.gatewayd.worker`).
 
 On cancellation the requests in flight finish, for at most `drain_s`, then whatever is left is
-cut. Meanwhile new requests get 503 with Retry-After (and /health says "draining", so a load
-balancer stops sending) — unless the listening sockets were passed to us (socket activation):
-then we stop accepting, new connections wait in the kernel's backlog for the next process, and
-each open connection gets the answer to the request it is on and then closes.
+cut. Meanwhile, for a listener of its own and alone on its port, new requests get 503 with
+Retry-After (and /health says "draining", so a load balancer stops sending). Where other
+processes serve the port too — the listening sockets were passed to us (socket activation, the
+control plane's workers), or each worker binds it with SO_REUSEPORT (`llmgw gateway`) — we stop
+accepting instead: our socket leaves the port (a passed one stays open in its owner, its backlog
+held for the next process; one of our own closes, and the kernel sends new connections to the
+others, or refuses them, which a load balancer retries elsewhere), idle keep-alive connections
+close, and each open connection gets the answer to the request it is on, with `Connection:
+close`. A 503 there would fail the requests a balancer had already sent on its open
+connections.
 """
 
 from __future__ import annotations
@@ -76,11 +82,12 @@ async def serve_draining(
             with trio.move_on_after(drain_s + 1) as cleanup:
                 cleanup.shield = True
                 log.info("server_draining", in_flight=sum(gateway.in_flight.values()))
-                if sockets:
-                    # The sockets outlive us: new connections wait in the backlog for the next
-                    # process instead of being answered 503 here.
+                shared = bool(sockets) or reuse_port
+                if shared:
+                    # Others serve the port: new connections go to them (or wait for the next
+                    # process in a passed socket's backlog) instead of being answered 503 here.
                     shutdown.begin()
-                finished = await gateway.drain(drain_s, refuse_new=not sockets)
+                finished = await gateway.drain(drain_s, refuse_new=not shared)
                 if not finished:
                     log.warning("server_drain_timed_out", in_flight=sum(gateway.in_flight.values()), after_s=drain_s)
             http_scope.cancel()
