@@ -16,6 +16,7 @@ from typing import Any, Literal
 import attrs
 
 from llmgw.http.errors import HTTPError
+from llmgw.simengine.fields import bad_request, boolean, json_type, show
 from llmgw.simengine.text import Completion, count_tokens
 
 Kind = Literal["chat", "completion"]
@@ -40,10 +41,6 @@ class Job:
     ignore_eos: bool = False
 
 
-def bad_request(message: str) -> HTTPError:
-    return HTTPError(400, message, kind="invalid_request_error")
-
-
 def job_of(body: Any, kind: Kind, served_model: str, max_tokens_default: int) -> Job:
     """`parse_job` as a JSON projection (llmgw.http.jsonbody): run where the body is parsed."""
     return parse_job(kind, body, served_model=served_model, max_tokens_default=max_tokens_default)
@@ -58,11 +55,11 @@ def prompt_digest(canonical: str) -> str:
 def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: int) -> Job:
     """The job a request body asks for; `HTTPError` (400, or 404 for another model) otherwise."""
     if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
+        raise bad_request(f"request body must be a JSON object, got {json_type(body)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(
-            f"'model' must be a non-empty string, got {_show(model)}; this server serves {served_model!r}"
+            f"'model' must be a non-empty string, got {show(model)}; this server serves {served_model!r}"
         )
     if model != served_model:
         raise HTTPError(
@@ -76,12 +73,12 @@ def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: i
         max_tokens = _max_tokens(body, ("max_tokens",), max_tokens_default)
     n = body.get("n", 1)
     if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 (the sim engine makes one choice per request), got {_show(n)}")
-    stream = _bool(body, "stream")
+        raise bad_request(f"'n' must be 1 (the sim engine makes one choice per request), got {show(n)}")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise bad_request(f"'stream_options' must be an object, got {_json_type(options)}")
-    include_usage = _bool(options or {}, "include_usage", "stream_options.include_usage")
+        raise bad_request(f"'stream_options' must be an object, got {json_type(options)}")
+    include_usage = boolean(options or {}, "include_usage", "stream_options.include_usage")
     return Job(
         kind=kind,
         model=model,
@@ -91,20 +88,20 @@ def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: i
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=include_usage,
-        ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
+        ignore_eos=boolean(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
     )
 
 
 def _messages(value: Any) -> tuple[str, int]:
     if not isinstance(value, list) or not value:
-        raise bad_request(f"'messages' must be a non-empty array of messages, got {_show(value)}")
+        raise bad_request(f"'messages' must be a non-empty array of messages, got {show(value)}")
     canonical, tokens = [], 0
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise bad_request(f"'messages[{i}]' must be an object, got {_json_type(message)}")
+            raise bad_request(f"'messages[{i}]' must be an object, got {json_type(message)}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise bad_request(f"'messages[{i}].role' must be a string such as \"user\", got {_show(role)}")
+            raise bad_request(f"'messages[{i}].role' must be a string such as \"user\", got {show(role)}")
         content = _content(message.get("content"), f"messages[{i}].content")
         canonical.append([role, content])
         tokens += count_tokens(content)
@@ -121,13 +118,13 @@ def _content(value: Any, where: str) -> str:
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"'{where}[{i}]' must be an object with a 'type', got {_show(part)}")
+                raise bad_request(f"'{where}[{i}]' must be an object with a 'type', got {show(part)}")
             if part["type"] == "text":
                 if not isinstance(part.get("text"), str):
-                    raise bad_request(f"'{where}[{i}].text' must be a string, got {_show(part.get('text'))}")
+                    raise bad_request(f"'{where}[{i}].text' must be a string, got {show(part.get('text'))}")
                 texts.append(part["text"])
         return "\n".join(texts)
-    raise bad_request(f"'{where}' must be a string or an array of content parts, got {_json_type(value)}")
+    raise bad_request(f"'{where}' must be a string or an array of content parts, got {json_type(value)}")
 
 
 def _prompt(value: Any) -> tuple[str, int]:
@@ -135,7 +132,7 @@ def _prompt(value: Any) -> tuple[str, int]:
         value = value[0]
     if not isinstance(value, str):
         raise bad_request(
-            f"'prompt' must be a string (or an array of exactly one string), got {_show(value)}; "
+            f"'prompt' must be a string (or an array of exactly one string), got {show(value)}; "
             "send one request per prompt"
         )
     return prompt_digest(value), count_tokens(value)
@@ -148,7 +145,7 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int) -> i
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
             raise bad_request(
-                f"'{name}' must be a whole number from 1 to {MAX_TOKENS} (the sim engine's limit), got {_show(value)}"
+                f"'{name}' must be a whole number from 1 to {MAX_TOKENS} (the sim engine's limit), got {show(value)}"
             )
         return value
     return default
@@ -161,30 +158,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list) and len(value) <= MAX_STOP and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise bad_request(f"'stop' must be a string or an array of up to {MAX_STOP} strings, got {_show(value)}")
-
-
-def _bool(body: dict[str, Any], name: str, where: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(f"'{where or name}' must be true or false, got {_show(value)}")
-    return value
-
-
-def _json_type(value: Any) -> str:
-    for kind, name in ((bool, "a boolean"), (dict, "an object"), (list, "an array"), (str, "a string")):
-        if isinstance(value, kind):
-            return name
-    if value is None:
-        return "null"
-    return "a number" if isinstance(value, (int, float)) else type(value).__name__
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:57] + "..."
+    raise bad_request(f"'stop' must be a string or an array of up to {MAX_STOP} strings, got {show(value)}")
 
 
 # -- answers ------------------------------------------------------------------------------------
