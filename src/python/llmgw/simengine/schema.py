@@ -12,15 +12,16 @@ so the same schema and seed give the same text on every run and every machine.
 Where a schema leaves a choice:
 - objects: every property, required or not (an optional one it cannot make is left out); an
   object with only `additionalProperties` (a `dict[str, X]`) gets one entry;
-- arrays: 1 to 3 items, within minItems/maxItems; uniqueItems' items are kept distinct;
+- arrays: 1 to 3 items, within minItems/maxItems; uniqueItems' items are kept distinct (an
+  item that repeats is made again, up to 2 × items + 32 tries);
 - `anyOf`/`oneOf` and a list of types: the first branch it can make;
 - strings: one to three words, stretched or cut to minLength/maxLength, or an example of a
   `format` from `FORMATS`;
 - numbers: within minimum/maximum (exclusive or not) and multipleOf; 0..100 when unbounded.
 Past `SOFT_DEPTH` nested schemas (a recursive model), or once half the pieces the caller allows
 are out, it makes the smallest value instead — required properties only, minItems items, a null
-or scalar branch first — so a tree that may end does end, and a large schema's value still
-ends within the limit where it can.
+or scalar branch first — and lists and objects under way take no more optional items, so a tree
+that may end does end, and a large schema's value still ends within the limit where it can.
 
 Bounds, so that a request's cost is linear in its body and its max_tokens: at most `limit`
 pieces (the request's max_tokens: the text is cut there, as an engine's is, and the caller
@@ -573,7 +574,8 @@ class _Generator:
                 continue
             # An optional property: always, unless the value is the smallest one (then only to
             # reach minProperties) or maxProperties leaves no room; left out if it cannot be made.
-            if optional_room <= 0 or (minimal and plan.required + optional >= plan.min_properties):
+            smallest = minimal or len(self.out) >= self.half  # half the pieces out: finish
+            if optional_room <= 0 or (smallest and plan.required + optional >= plan.min_properties):
                 continue
             mark = self.mark()
             try:
@@ -660,7 +662,11 @@ class _Generator:
         self.pending += "["
         seen: set[str] = set()
         made = attempts = 0
-        while made < n and attempts < n + (8 if plan.unique else 0):
+        # Items that repeat are made again, with other choices: a few dozen tries find every
+        # member of a small enum (the steps' budget bounds what they cost).
+        while made < n and attempts < (2 * n + 32 if plan.unique else n):
+            if made >= plan.min_items and len(self.out) >= self.half:
+                break  # half the pieces out: finish
             attempts += 1
             if made < len(plan.prefix):
                 sub, sub_at = plan.prefix[made], f"{plan.prefix_at}/{made}"
