@@ -130,7 +130,7 @@ def test_keywords_are_honoured(s: Any) -> None:
         assert schemacheck.problems(v, s) == [], v
 
 
-def test_an_optional_property_or_branch_it_cannot_make_is_left_out() -> None:
+def test_an_optional_property_branch_or_item_it_cannot_make_is_left_out() -> None:
     s = {
         "type": "object",
         "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}, "n": {"type": "integer"}},
@@ -138,6 +138,8 @@ def test_an_optional_property_or_branch_it_cannot_make_is_left_out() -> None:
     }
     assert set(value(s)) == {"n"}
     assert isinstance(value({"anyOf": [{"not": {}}, {"type": "boolean"}]}), bool)
+    assert value({"type": "array", "items": {"pattern": "x"}}) == []  # nor an item past minItems
+    assert "'pattern' is not supported" in refusal({"type": "array", "items": {"pattern": "x"}, "minItems": 1})
 
 
 @pytest.mark.parametrize(

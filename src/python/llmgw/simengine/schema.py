@@ -12,8 +12,9 @@ so the same schema and seed give the same text on every run and every machine.
 Where a schema leaves a choice:
 - objects: every property, required or not (an optional one it cannot make is left out); an
   object with only `additionalProperties` (a `dict[str, X]`) gets one entry;
-- arrays: 1 to 3 items, within minItems/maxItems; uniqueItems' items are kept distinct (an
-  item that repeats is made again, up to 2 × items + 32 tries);
+- arrays: 1 to 3 items, within minItems/maxItems (fewer when it cannot make an item past
+  minItems); uniqueItems' items are kept distinct (an item that repeats is made again, up to
+  2 × items + 32 tries);
 - `anyOf`/`oneOf` and a list of types: the first branch it can make;
 - strings: one to three words, stretched or cut to minLength/maxLength, or an example of a
   `format` from `FORMATS`;
@@ -672,10 +673,17 @@ class _Generator:
                 sub, sub_at = plan.prefix[made], f"{plan.prefix_at}/{made}"
             else:
                 sub, sub_at = plan.rest, plan.rest_at
-            mark = self.mark() if plan.unique else (0, "", 0)
+            optional = made >= plan.min_items
+            mark = self.mark() if plan.unique or optional else (0, "", 0)
             if made:
                 self.pending += ", "
-            self.value(sub, sub_at, depth + 1, minimal)
+            try:
+                self.value(sub, sub_at, depth + 1, minimal)
+            except SchemaRefused:
+                if not optional:
+                    raise
+                self.rollback(mark)  # an item past minItems it cannot make ends the list
+                break
             if plan.unique:
                 item = "".join(self.out[mark[0] :])[len(mark[1]) + (2 if made else 0) :]
                 if item in seen:
