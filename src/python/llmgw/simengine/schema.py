@@ -48,6 +48,7 @@ import attrs
 
 from llmgw.errors import cut
 from llmgw.simengine.errors import SchemaRefused
+from llmgw.simengine.fields import show
 from llmgw.simengine.text import WORDS, digest_from
 
 MAX_DEPTH = 128
@@ -205,10 +206,6 @@ def refused(at: str, message: str, *, lasting: bool = True) -> SchemaRefused:
     return SchemaRefused(f"{message} (at {cut(at)})", lasting=lasting)
 
 
-def _show(value: Any) -> str:
-    return cut(json.dumps(value, ensure_ascii=False), 60)
-
-
 def _pointer_token(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
@@ -295,7 +292,7 @@ class _Generator:
         elif schema is False:
             raise refused(at, "the schema `false` admits no value, and a value is needed here")
         elif not isinstance(schema, dict):
-            raise refused(at, f"a schema must be an object or a boolean, got {_show(schema)}")
+            raise refused(at, f"a schema must be an object or a boolean, got {show(schema)}")
         kind = self.kinds.get(id(schema)) or self.kind(schema, at)
         if isinstance(kind, SchemaRefused):  # it was refused before, and would be again
             raise SchemaRefused(kind.message)
@@ -425,7 +422,7 @@ class _Generator:
                 continue
             branches = schema[key]
             if not isinstance(branches, list) or not branches:
-                raise refused(f"{at}/{key}", f"'{key}' must be a non-empty array of schemas, got {_show(branches)}")
+                raise refused(f"{at}/{key}", f"'{key}' must be a non-empty array of schemas, got {show(branches)}")
             if key == "allOf" and len(branches) != 1:
                 raise refused(
                     f"{at}/allOf",
@@ -433,19 +430,19 @@ class _Generator:
                     "merge them into one schema",
                 )
         if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
-            raise refused(f"{at}/enum", f"'enum' must be a non-empty array, got {_show(schema['enum'])}")
+            raise refused(f"{at}/enum", f"'enum' must be a non-empty array, got {show(schema['enum'])}")
 
     def resolve(self, ref: Any, at: str) -> tuple[Any, str]:
         """The schema a local `$ref` (a JSON pointer such as `#/$defs/Item`) points at."""
         if not isinstance(ref, str):
-            raise refused(f"{at}/$ref", f"'$ref' must be a string, got {_show(ref)}")
+            raise refused(f"{at}/$ref", f"'$ref' must be a string, got {show(ref)}")
         found = self.refs.get(ref)
         if found is not None:
             return found
         if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
             raise refused(
                 f"{at}/$ref",
-                f"'$ref' {_show(ref)} is not supported: the sim engine follows references inside the "
+                f"'$ref' {show(ref)} is not supported: the sim engine follows references inside the "
                 "schema only, as JSON pointers (#/$defs/NAME, #/definitions/NAME)",
             )
         node = self.root
@@ -456,7 +453,7 @@ class _Generator:
             elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
                 node = node[int(token)]
             else:
-                raise refused(f"{at}/$ref", f"'$ref' {_show(ref)} points at nothing in the schema")
+                raise refused(f"{at}/$ref", f"'$ref' {show(ref)} points at nothing in the schema")
         self.refs[ref] = (node, ref)
         return node, ref
 
@@ -504,7 +501,7 @@ class _Generator:
         elif isinstance(t, list) and t and all(isinstance(x, str) and x in TYPES for x in t):
             found = tuple(t)
         else:
-            raise refused(f"{at}/type", f"'type' must be one of {', '.join(TYPES)} or an array of them, got {_show(t)}")
+            raise refused(f"{at}/type", f"'type' must be one of {', '.join(TYPES)} or an array of them, got {show(t)}")
         return found
 
     # -- objects -----------------------------------------------------------------------------
@@ -515,14 +512,14 @@ class _Generator:
             return plan
         properties = schema.get("properties", {})
         if not isinstance(properties, dict):
-            raise refused(f"{at}/properties", f"'properties' must be an object of schemas, got {_show(properties)}")
+            raise refused(f"{at}/properties", f"'properties' must be an object of schemas, got {show(properties)}")
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise refused(f"{at}/required", f"'required' must be an array of property names, got {_show(required)}")
+            raise refused(f"{at}/required", f"'required' must be an array of property names, got {show(required)}")
         extra_key = "additionalProperties" if "additionalProperties" in schema else "unevaluatedProperties"
         extra = schema.get(extra_key, True)
         if not isinstance(extra, (bool, dict)):
-            raise refused(f"{at}/{extra_key}", f"'{extra_key}' must be a schema, got {_show(extra)}")
+            raise refused(f"{at}/{extra_key}", f"'{extra_key}' must be a schema, got {show(extra)}")
         must = dict.fromkeys(required)
         entries = [
             _Entry(
@@ -629,9 +626,9 @@ class _Generator:
             prefix, prefix_at = schema.get("prefixItems", []), f"{at}/prefixItems"
             rest, rest_at = items, f"{at}/items"
         if not isinstance(prefix, list):
-            raise refused(prefix_at, f"'prefixItems' must be an array of schemas, got {_show(prefix)}")
+            raise refused(prefix_at, f"'prefixItems' must be an array of schemas, got {show(prefix)}")
         if not isinstance(rest, (bool, dict)):
-            raise refused(rest_at, f"'items' must be a schema, got {_show(rest)}")
+            raise refused(rest_at, f"'items' must be a schema, got {show(rest)}")
         min_i = _count(schema, "minItems", at, 0)
         max_i = _count(schema, "maxItems", at, None)
         if rest is False:
@@ -642,7 +639,7 @@ class _Generator:
             )  # fmt: skip
         unique = schema.get("uniqueItems", False)
         if not isinstance(unique, bool):
-            raise refused(f"{at}/uniqueItems", f"'uniqueItems' must be true or false, got {_show(unique)}")
+            raise refused(f"{at}/uniqueItems", f"'uniqueItems' must be true or false, got {show(unique)}")
         plan = _ArrayPlan(
             prefix=tuple(prefix),
             prefix_at=prefix_at,
@@ -708,7 +705,7 @@ class _Generator:
             if fmt is not None and fmt not in FORMATS:
                 raise refused(
                     f"{at}/format",
-                    f"'format' {_show(fmt)} is not supported: the sim engine makes {', '.join(FORMATS)}",
+                    f"'format' {show(fmt)} is not supported: the sim engine makes {', '.join(FORMATS)}",
                 )
             low, high = _count(schema, "minLength", at, 0), _count(schema, "maxLength", at, None)
             if high is not None and high < low:
@@ -771,7 +768,7 @@ def _count(schema: dict[str, Any], key: str, at: str, default: int | None) -> An
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise refused(f"{at}/{key}", f"'{key}' must be a whole number, 0 or more, got {_show(value)}")
+        raise refused(f"{at}/{key}", f"'{key}' must be a whole number, 0 or more, got {show(value)}")
     return value
 
 
@@ -785,7 +782,7 @@ def _number_plan(schema: dict[str, Any], at: str, integer: bool) -> tuple[Any, .
         if value is None or (allow_bool and isinstance(value, bool)):
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise refused(f"{at}/{key}", f"'{key}' must be a finite number, got {_show(value)}")
+            raise refused(f"{at}/{key}", f"'{key}' must be a finite number, got {show(value)}")
         return value
 
     low, high = number("minimum"), number("maximum")
@@ -808,7 +805,7 @@ def _number_plan(schema: dict[str, Any], at: str, integer: bool) -> tuple[Any, .
     step = number("multipleOf")
     if step is not None:
         if step <= 0:
-            raise refused(f"{at}/multipleOf", f"'multipleOf' must be more than 0, got {_show(step)}")
+            raise refused(f"{at}/multipleOf", f"'multipleOf' must be more than 0, got {show(step)}")
         if integer and not float(step).is_integer():
             raise refused(
                 f"{at}/multipleOf",
