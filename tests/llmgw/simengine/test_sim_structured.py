@@ -5,6 +5,7 @@ turn, JSON content, max_tokens and stop, and a 400 naming the field for what it 
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -208,3 +209,12 @@ def test_json_schema_is_cut_by_max_tokens_and_by_stop() -> None:
 )  # fmt: skip
 def test_what_it_cannot_do_is_a_400_naming_the_field(kind: api.Kind, body: dict[str, Any], says: str) -> None:
     assert says in refused(kind, **body)
+
+
+def test_a_decided_job_crosses_back_from_a_json_worker() -> None:
+    # A large body is parsed in a worker process (llmgw.http.jsonbody), which pickles the job back:
+    # the answer travels with it, the tools and schemas stay behind.
+    decided = job(tools=TOOLS, messages=user("multiply GetWeather"), logprobs=True)
+    again = pickle.loads(pickle.dumps(decided))
+    assert again == decided and again.answer is not None and len(again.answer.tool_calls) == 2
+    assert len(pickle.dumps(job(tools=[{"type": "function", "function": {"name": "f", "description": "d" * 100_000}}]))) < 2000
