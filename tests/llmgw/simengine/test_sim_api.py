@@ -219,9 +219,9 @@ def test_whole_body_is_the_response_body_built_in_slices(kind: api.Kind) -> None
     j = job(kind, max_tokens=400, ignore_eos=True, **fields)
     c = api.answer_of(j)
     parts = list(api.whole_body(j, c, id="x", created=1))
-    # 400 tokens × 21 values in slices of 2,048 values (97 tokens): a pause after each of the 5
-    # slices and after joining them, then the encoded body.
-    assert parts[:-1] == [None] * 6 and isinstance(parts[-1], bytes) and parts[-1].endswith(b"\n")
+    # 400 tokens × 21 values in slices of 1,024 values (48 tokens): a pause after each of the 9
+    # slices, then the body.
+    assert parts[:-1] == [None] * 9 and isinstance(parts[-1], bytes) and parts[-1].endswith(b"\n")
     assert json.loads(parts[-1]) == api.response_body(j, c, id="x", created=1)
     plain = job(kind)
     assert list(api.whole_body(plain, api.answer_of(plain), id="x", created=1)) == [

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -224,7 +225,7 @@ class _Generator:
         self.ordinal = 0
         # Caches by the identity of schema objects (all alive as long as `root`).
         self.kinds: dict[int, Any] = {}  # `kind`
-        self.chosen: dict[tuple[int, bool], int] = {}  # `first_of`
+        self.chosen: dict[tuple[int, bool], Any] = {}  # `first_of`
         self.plans: dict[tuple[int, str], Any] = {}  # by (identity, which plan)
         self.json_of: dict[int, str] = {}
         self.refs: dict[str, tuple[Any, str]] = {}
@@ -297,55 +298,51 @@ class _Generator:
         if isinstance(kind, SchemaRefused):  # it was refused before, and would be again
             raise SchemaRefused(kind.message)
         try:
-            self.make(kind, schema, at, depth, minimal)
+            if not minimal and (depth >= SOFT_DEPTH or len(self.out) >= self.half):
+                minimal = True
+            if kind == "object":
+                return self.object(schema, at, depth, minimal)
+            if kind == "string":
+                return self.string(schema, at, minimal)
+            if kind == "integer" or kind == "number":
+                return self.emit(self.number(schema, at, kind == "integer"))
+            if kind == "$ref":
+                target, target_at = self.resolve(schema["$ref"], at)
+                return self.value(target, target_at, depth + 1, minimal)
+            if kind == "array":
+                return self.array(schema, at, depth, minimal)
+            if kind == "anyOf" or kind == "oneOf":
+                branches = schema[kind]
+                order: Any = range(len(branches))
+                if minimal:  # the branches most likely to end first; stable otherwise
+                    order = self.plans.get((id(schema), "cheap"))
+                    if order is None:
+                        order = sorted(range(len(branches)), key=lambda i: not self.cheap(branches[i]))
+                        self.plans[(id(schema), "cheap")] = order
+                return self.first_of(
+                    (id(schema), minimal),
+                    order,
+                    lambda i: self.value(branches[i], f"{at}/{kind}/{i}", depth + 1, minimal),
+                )
+            if kind == "enum":
+                members = schema["enum"]
+                return self.emit_json(members[self.digest() % len(members)])
+            if kind == "const":
+                return self.emit_json(schema["const"])
+            if kind == "boolean":
+                return self.emit("true" if self.digest() & 1 else "false")
+            if kind == "null":
+                return self.emit("null")
+            if kind == "allOf":
+                return self.value(schema["allOf"][0], f"{at}/allOf/0", depth + 1, minimal)
+            types = kind  # several: the first that makes a value, null first for the smallest
+            if minimal and "null" in types:
+                types = ("null", *(t for t in types if t != "null"))
+            return self.first_of((id(schema), minimal), types, lambda t: self.typed(t, schema, at, depth, minimal))
         except SchemaRefused as exc:
-            if exc.lasting:
+            if exc.lasting:  # the next visit of this schema is refused at once
                 self.kinds[id(schema)] = exc
             raise
-
-    def make(self, kind: Any, schema: dict[str, Any], at: str, depth: int, minimal: bool) -> None:
-        if not minimal and (depth >= SOFT_DEPTH or len(self.out) >= self.half):
-            minimal = True
-        if kind == "object":
-            return self.object(schema, at, depth, minimal)
-        if kind == "string":
-            return self.string(schema, at, minimal)
-        if kind == "integer" or kind == "number":
-            return self.emit(self.number(schema, at, kind == "integer"))
-        if kind == "$ref":
-            target, target_at = self.resolve(schema["$ref"], at)
-            return self.value(target, target_at, depth + 1, minimal)
-        if kind == "array":
-            return self.array(schema, at, depth, minimal)
-        if kind == "anyOf" or kind == "oneOf":
-            branches = schema[kind]
-            order: Any = range(len(branches))
-            if minimal:  # the branches most likely to end first; stable otherwise
-                order = self.plans.get((id(schema), "cheap"))
-                if order is None:
-                    order = sorted(range(len(branches)), key=lambda i: not self.cheap(branches[i]))
-                    self.plans[(id(schema), "cheap")] = order
-            return self.first_of(
-                (id(schema), minimal),
-                [lambda i=i: self.value(branches[i], f"{at}/{kind}/{i}", depth + 1, minimal) for i in order],
-            )
-        if kind == "enum":
-            members = schema["enum"]
-            return self.emit_json(members[self.digest() % len(members)])
-        if kind == "const":
-            return self.emit_json(schema["const"])
-        if kind == "boolean":
-            return self.emit("true" if self.digest() & 1 else "false")
-        if kind == "null":
-            return self.emit("null")
-        if kind == "allOf":
-            return self.value(schema["allOf"][0], f"{at}/allOf/0", depth + 1, minimal)
-        types = kind  # several: the first that makes a value, null first for the smallest
-        if minimal and "null" in types:
-            types = ("null", *(t for t in types if t != "null"))
-        return self.first_of(
-            (id(schema), minimal), [lambda t=t: self.typed(t, schema, at, depth, minimal) for t in types]
-        )
 
     def typed(self, t: str, schema: dict[str, Any], at: str, depth: int, minimal: bool) -> None:
         if t == "object":
@@ -360,19 +357,20 @@ class _Generator:
             return self.emit("true" if self.digest() & 1 else "false")
         return self.emit("null")
 
-    def first_of(self, key: tuple[int, bool], tries: list[Any]) -> None:
-        """The first of `tries` that makes a value; the first refusal when none does. The one
-        that made a value is tried first at the next visit of the same `key` (a schema, and
-        whether the value is the smallest), so a list of a thousand items does not fail a
-        thousand times on a branch the sim cannot make."""
+    def first_of(self, key: tuple[int, bool], choices: Sequence[Any], attempt: Callable[[Any], None]) -> None:
+        """`attempt` of the first of `choices` that makes a value; the first refusal when none
+        does. The one that made a value is tried first at the next visit of the same `key` (a
+        schema, and whether the value is the smallest), so a list of a thousand items does not
+        fail a thousand times on a branch the sim cannot make."""
         known = self.chosen.get(key)
-        order = range(len(tries)) if known is None else (known, *(i for i in range(len(tries)) if i != known))
         first: SchemaRefused | None = None
         lasting = True
-        for i in order:
+        for i in choices if known is None else (known, *choices):
+            if first is not None and i == known:
+                continue  # tried first, and refused
             mark = self.mark()
             try:
-                tries[i]()
+                attempt(i)
             except SchemaRefused as exc:
                 self.rollback(mark)
                 first = first or exc
