@@ -22,9 +22,6 @@ from typing import Any
 from llmgw.simengine.text import WORDS, digest_from, hasher
 
 MAX_TOP = 20  # OpenAI's limit on top_logprobs, and vLLM's default max_logprobs
-# Values one whole (not streamed) answer may carry, tokens × (alternatives + 1): the body is built
-# and encoded at once on the event loop, about 0.6 µs a value.
-MAX_VALUES = 32768
 
 _LN2 = math.log(2)
 
