@@ -11,19 +11,24 @@ import trio
 
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.wakeup import Wakeup
+from llmgw.wire.gateway_link import ModelInfo
 
 
 class StaticEndpoints:
     """An endpoint provider without a control plane: a fixed set, replaced with `set`."""
 
-    def __init__(self, endpoints: tuple[Endpoint, ...] = (), models: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, endpoints: tuple[Endpoint, ...] = (), models: frozenset[str] | None = None, details: tuple = ()
+    ) -> None:
         self.changed = Wakeup()  # the rotation was replaced: the gateway's rotation follows
         self._rotation = Rotation(models=frozenset(), endpoints=())
-        self.set(endpoints, models)
+        self.set(endpoints, models, details)
 
-    def set(self, endpoints: tuple[Endpoint, ...], models: frozenset[str] | None = None) -> None:
+    def set(
+        self, endpoints: tuple[Endpoint, ...], models: frozenset[str] | None = None, details: tuple[ModelInfo, ...] = ()
+    ) -> None:
         models = frozenset(ep.model for ep in endpoints) if models is None else models
-        self._rotation = Rotation(models=models, endpoints=tuple(endpoints))
+        self._rotation = Rotation(models=models, endpoints=tuple(endpoints), details=details)
         self.changed.fire()
 
     def gateway_rotation(self) -> Rotation:

@@ -231,13 +231,14 @@ async def start_gateway(
     *,
     models: frozenset[str] | None = None,
     limits: Limits = Limits(),
+    details: tuple = (),
     **options: Any,
 ) -> MemGateway:
     """A gateway in front of `endpoints` on `net`, its rotation and prober running in `nursery`,
     with one API key ("tests") whose token is `MemGateway.token`."""
     keys = KeyRing(AsyncStore.open(tmp_path / "cp"))
     _, token = await keys.create("tests")
-    provider = StaticEndpoints(endpoints, models)
+    provider = StaticEndpoints(endpoints, models, details)
     gateway = Gateway(provider, keys.table, options=GatewaySection(**options), connect=net.connect)
     await nursery.start(gateway.serve_rotation)
     await nursery.start(gateway.serve_probes)

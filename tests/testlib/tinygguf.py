@@ -94,6 +94,11 @@ def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    # No space before the text, as the BPE vocabularies of today's models: llama.cpp (b11434)
+    # primes a JSON-schema grammar with the chat template's generation prompt, tokenized; with a
+    # space prefix "assistant" comes back as " assistant", the grammar refuses it, and every
+    # chat request with response_format fails ("Failed to initialize samplers").
+    writer.add_add_space_prefix(False)
     writer.add_chat_template(CHATML)
 
     # numpy shapes are ggml's reversed: token_embd is (n_vocab, n_embd).

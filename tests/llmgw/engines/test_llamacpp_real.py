@@ -182,3 +182,85 @@ def test_the_recorded_help_is_this_binarys() -> None:
     done = subprocess.run([llama_server(), "--help"], capture_output=True, text=True, timeout=30, check=True)
     recorded = (build_root() / "tests" / "fixtures" / "help" / "llama-server.txt").read_text()
     assert documented_flags(done.stdout, "column0") == documented_flags(recorded, "column0")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.trio
+async def test_a_json_schema_through_the_gateway_is_honoured_by_grammar_streamed_and_not(
+    server: Server, tmp_path: Path, nursery
+) -> None:
+    """`response_format` json_schema through the gateway to the real llama-server: llama.cpp
+    constrains the tokens by a grammar made from the schema, so even this tiny random model answers
+    JSON valid for it — whole and as a stream. And an engine error in the gateway's shape."""
+    import trio
+
+    from llmgw.engines import SPECS
+    from llmgw.gateway.routing import Endpoint
+    from llmgw.wire import gateway_link as g
+    from testlib.gateway import request, start_gateway
+    from testlib.schemacheck import problems
+
+    launch = server.launch
+    endpoint = Endpoint(
+        replica_id="tiny-0", model="tiny", host=launch.host, port=launch.port, api_key=launch.api_key.reveal()
+    )
+    gw = await start_gateway(nursery, tmp_path, (endpoint,))
+    # What the control plane would say of the model: its engine's routes, from the spec.
+    gw.provider.set(
+        (endpoint,), None, (g.ModelInfo(name="tiny", engine="llamacpp", routes=SPECS["llamacpp"].routes(())),)
+    )
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a color, and whether it is ok"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    }
+
+    def ask(extra: dict) -> tuple[int, dict, bytes]:
+        return request(gw.port, "POST", "/v1/chat/completions", {**body, **extra}, token=gw.token, timeout=60)
+
+    status, headers, raw = await trio.to_thread.run_sync(ask, {})
+    assert status == 200, raw
+    assert headers["x-llmgw-replica"] == "tiny-0" and headers["x-request-id"]
+    answer = json.loads(raw)["choices"][0]
+    assert answer["finish_reason"] == "stop", answer
+    value = json.loads(answer["message"]["content"])
+    assert problems(value, SCHEMA) == [], value
+
+    status, _, raw = await trio.to_thread.run_sync(ask, {"stream": True})
+    assert status == 200, raw
+    events = [line[len(b"data: ") :] for line in raw.splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    text = "".join(
+        (c["choices"][0]["delta"].get("content") or "") for c in map(json.loads, events[:-1]) if c["choices"]
+    )
+    assert problems(json.loads(text), SCHEMA) == [], text
+
+    # The embeddings route: llama-server without --embeddings does not serve it, and the
+    # gateway says so itself, naming the engine.
+    status, _, raw = await trio.to_thread.run_sync(
+        lambda: request(gw.port, "POST", "/v1/embeddings", {"model": "tiny", "input": "x"}, token=gw.token)
+    )
+    error = json.loads(raw)["error"]
+    assert status == 404 and error["code"] == "unsupported_route" and "engine llamacpp" in error["message"]
+    # A prompt past the context (2048 here): llama.cpp's own words, OpenAI's code.
+    status, _, raw = await trio.to_thread.run_sync(
+        lambda: request(
+            gw.port,
+            "POST",
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hello " * 3000, "max_tokens": 4},
+            token=gw.token,
+            timeout=60,
+        )
+    )
+    error = json.loads(raw)["error"]
+    assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error

@@ -74,32 +74,41 @@ async def test_errors_in_openais_format_with_the_right_status(
         queue_timeout_s=0.3,
     )
 
-    async def error(status: int, *args, **kw) -> tuple[str, dict]:
+    async def error(status: int, code, *args, param=None, kind=None, **kw) -> tuple[str, dict]:
+        """The error's message and headers, once its shape is checked against docs/gateway.md's table."""
         got, headers, body = await gw.call(*args, **kw)
         assert got == status, body
         err = json.loads(body)["error"]
-        assert err["code"] == status and err["message"]
+        default = "server_error" if status >= 500 else "invalid_request_error"
+        assert (err["type"], err["code"], err["param"]) == (kind or default, code, param), err
+        assert err["message"] and headers["x-request-id"].startswith("req_")
         return err["message"], headers
 
-    message, _ = await error(400, "POST", "/v1/chat/completions", b'{"model": "chat",')
+    message, _ = await error(400, "invalid_json", "POST", "/v1/chat/completions", b'{"model": "chat",')
     assert "not valid JSON" in message and "line 1" in message
-    message, _ = await error(400, "POST", "/v1/chat/completions", {"messages": []})
+    message, _ = await error(
+        400, "missing_required_parameter", "POST", "/v1/chat/completions", {"messages": []}, param="model"
+    )
     assert "'model'" in message
-    message, headers = await error(401, "POST", "/v1/chat/completions", chat(), token=None)
+    message, _ = await error(400, "invalid_type", "POST", "/v1/chat/completions", {"model": 7}, param="model")
+    message, headers = await error(401, "invalid_api_key", "POST", "/v1/chat/completions", chat(), token=None)
     assert "llmgw ctl keys create" in message and headers["www-authenticate"] == "Bearer"
-    await error(401, "POST", "/v1/chat/completions", chat(), token="llmgw-wrong")
-    message, _ = await error(404, "POST", "/v1/chat/completions", {**chat(), "model": "nope"})
+    await error(401, "invalid_api_key", "POST", "/v1/chat/completions", chat(), token="llmgw-wrong")
+    message, _ = await error(
+        404, "model_not_found", "POST", "/v1/chat/completions", {**chat(), "model": "nope"}, param="model"
+    )
     assert "'nope'" in message and "chat, cold" in message
-    message, _ = await error(413, "POST", "/v1/chat/completions", chat("x" * 5000))
+    message, _ = await error(413, "request_too_large", "POST", "/v1/chat/completions", chat("x" * 5000))
     assert "4096" in message
     started = trio.current_time()
-    message, headers = await error(503, "POST", "/v1/chat/completions", {**chat(), "model": "cold"})
+    message, headers = await error(503, "model_not_ready", "POST", "/v1/chat/completions", {**chat(), "model": "cold"})
     assert "no ready replica of 'cold'" in message and headers["retry-after"] == "5"
     assert trio.current_time() - started == pytest.approx(0.3)  # the queue's timeout, not a moment more
-    # The engine's own refusals are relayed as they are.
-    message, headers = await error(400, "POST", "/v1/chat/completions", {**chat(), "n": 3})
+    # The engine's own refusals are relayed, in the same shape.
+    message, headers = await error(400, None, "POST", "/v1/chat/completions", {**chat(), "n": 3})
     assert "'n'" in message and headers["x-llmgw-replica"] == a.name
-    await error(404, "GET", "/v2/nothing")
+    await error(404, "unknown_url", "GET", "/v2/nothing")
+    await error(405, "method_not_allowed", "GET", "/v1/chat/completions")
 
     metrics = parse_metrics((await gw.call("GET", "/metrics"))[2].decode())
 
@@ -107,7 +116,7 @@ async def test_errors_in_openais_format_with_the_right_status(
         return metrics.get(("llmgw_gateway_requests_total", frozenset({("model", model), ("status", str(status))})), 0)
 
     assert (count("-", 400), count("-", 401), count("-", 404), count("cold", 503), count("chat", 400)) == (
-        2,
+        3,
         2,
         1,
         1,

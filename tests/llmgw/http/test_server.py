@@ -119,7 +119,7 @@ async def test_a_listener_words_its_errors_in_its_own_shape() -> None:
         await c.send("GET", "/refuse")
         status, body, _ = await c.response()
         assert status == 409 and json.loads(body) == {
-            "error": {"message": "no, because", "type": "invalid_request_error", "code": 409}
+            "error": {"message": "no, because", "type": "invalid_request_error", "param": None, "code": None}
         }
         await c.send("GET", "/boom")
         status, body, _ = await c.response()

@@ -216,3 +216,51 @@ def test_rendezvous_ports_are_drawn_below_the_ephemeral_range() -> None:
     assert DIST_INIT_PORTS.stop <= min(low, 32768)
     used = set(DIST_INIT_PORTS[:-1])
     assert _free_port(used) == DIST_INIT_PORTS[-1]  # never one already used
+
+
+def test_each_models_details_say_its_routes_its_created_and_why_none_can_become_ready(tmp_path: Path) -> None:
+    """What the gateways learn of each model (`ModelInfo`): a model with a replica on its way is
+    not unservable (its requests wait); one with nowhere to go, or only lost nodes, is, with the
+    reason; while the cluster is still forming, nothing is."""
+    from llmgw.wire import gateway_link as g
+
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=0)
+    catalog = [
+        Model(name="chat", engine="sim", replicas=1),
+        Model(name="huge", engine="sim", replicas=1, memory_gb=1000),
+        Model(name="embed", engine="vllm", args=("--runner", "pooling")),
+    ]
+    now = TTL + 5  # past the forming window
+    joined(reg, "a", now)
+    r = replicas(tmp_path, reg, catalog)
+    r.reconcile(now)
+
+    def details(at: float) -> dict[str, g.ModelInfo]:
+        rotation = gateway_rotation(reg, r, catalog, (), at, {"chat": 1234.0})
+        return {d.name: d for d in rotation.details}
+
+    got = details(now)
+    assert got["chat"] == g.ModelInfo(name="chat", engine="sim", routes=(g.CHAT, g.COMPLETIONS), created=1234)
+    assert got["huge"].unservable.startswith("no replica can be placed: ") and got["huge"].retry_after_s == 30
+    assert got["embed"].routes == (g.EMBEDDINGS, g.SCORE, g.RERANK, g.TOKENIZE, g.DETOKENIZE)
+    assert got["embed"].unservable  # no node has vLLM
+    # Starting, then failed there with nowhere else to go.
+    [(rid, stored)] = [(k, s) for k, s in r.placed.items() if s.placement.model == "chat"]
+    reg.nodes["a"].replicas = (w.ReplicaStatus(replica_id=rid, model="chat", state=w.STARTING),)
+    assert details(now)["chat"].unservable == ""
+    assert r.note_statuses("a", (w.ReplicaStatus(replica_id=rid, model="chat", state=w.FAILED, detail="exit 3"),))
+    r.reconcile(now)
+    assert details(now)["chat"].unservable.startswith("no replica can be placed: ")
+    # Its only node lost: the reason names it.
+    r2 = replicas(tmp_path / "two", reg, catalog[:1])
+    joined(reg, "b", now)
+    r2.reconcile(now)
+    home = next(iter(r2.placed.values())).placement.nodes[0]
+    later = now + TTL + 1  # nobody heard since `now`
+    rotation = gateway_rotation(reg, r2, catalog[:1], (), later, {})
+    assert rotation.details[0].unservable == f"the nodes of its replicas are lost: {home}"
+    # While the cluster forms (just after a start), nothing is unservable: nodes may be on their way.
+    early = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
+    r3 = replicas(tmp_path / "three", early, catalog)
+    r3.reconcile(1)
+    assert all(d.unservable == "" for d in gateway_rotation(early, r3, catalog, (), 1, {}).details)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -150,3 +151,144 @@ def test_models_lists_the_one_model() -> None:
         "object": "list",
         "data": [{"id": "m", "object": "model", "created": 5, "owned_by": "llmgw-sim"}],
     }
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_one_entry_per_token_with_falling_alternatives() -> None:
+    j = job(logprobs=True, top_logprobs=5, max_tokens=30)
+    c = api.answer_of(j)
+    lp = api.response_body(j, c, id="x", created=1)["choices"][0]["logprobs"]
+    assert set(lp) == {"content", "refusal"} and lp["refusal"] is None
+    assert [e["token"] for e in lp["content"]] == list(c.pieces)
+    for e in lp["content"]:
+        assert e["bytes"] == list(e["token"].encode()) and -0.7 < e["logprob"] < 0
+        top = e["top_logprobs"]
+        assert len(top) == 5 and top[0] == {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+        values = [t["logprob"] for t in top]
+        assert values == sorted(values, reverse=True) and len({t["token"] for t in top}) == 5
+        assert sum(math.exp(v) for v in values) < 1
+        assert all(t["token"].startswith(" ") == e["token"].startswith(" ") for t in top)
+    assert lp == api.response_body(j, api.answer_of(job(logprobs=True, top_logprobs=5, max_tokens=30)), id="y", created=2)["choices"][0]["logprobs"]  # fmt: skip
+    plain = api.response_body(job(logprobs=True), c, id="x", created=1)["choices"][0]["logprobs"]
+    assert all(e["top_logprobs"] == [] for e in plain["content"])  # top_logprobs 0
+    assert api.response_body(job(), c, id="x", created=1)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_in_the_legacy_shape() -> None:
+    j = job("completion", logprobs=3, max_tokens=12)
+    c = api.answer_of(j)
+    lp = api.response_body(j, c, id="x", created=1)["choices"][0]["logprobs"]
+    assert lp["tokens"] == list(c.pieces) and len(lp["token_logprobs"]) == len(c.pieces)
+    assert lp["text_offset"] == [len("".join(c.pieces[:i])) for i in range(len(c.pieces))]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][-1] == len(c.text) - len(c.pieces[-1])
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == 3 and top[token] == value and max(top.values()) == value
+
+
+def test_structured_content_has_logprobs_and_tool_calls_none() -> None:
+    shaped = job(logprobs=True, response_format={"type": "json_object"})
+    c = api.answer_of(shaped)
+    entries = api.response_body(shaped, c, id="x", created=1)["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == c.text
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    calling = job(logprobs=True, tools=tools)
+    body = api.response_body(calling, api.answer_of(calling), id="x", created=1)
+    assert body["choices"][0]["logprobs"] == {"content": None, "refusal": None}
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "says"),
+    [
+        ("chat", {"top_logprobs": 21, "logprobs": True}, "'top_logprobs' must be a whole number from 0 to 20 (alternatives per token), got 21"),
+        ("chat", {"top_logprobs": 2}, "'top_logprobs' 2 needs 'logprobs': true"),
+        ("chat", {"logprobs": 3}, "'logprobs' must be true or false, got 3"),
+        ("completion", {"logprobs": True}, "'logprobs' must be a whole number from 0 to 20 (alternatives per token), got true"),
+        ("completion", {"logprobs": 21}, "'logprobs' must be a whole number from 0 to 20"),
+    ],
+)  # fmt: skip
+def test_bad_logprobs_are_refused(kind: api.Kind, body: dict[str, Any], says: str) -> None:
+    base = {"model": "m", **({"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"})}
+    assert says in refused(kind, {**base, **body}).message
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_whole_body_is_the_response_body_built_in_slices(kind: api.Kind) -> None:
+    fields = {"logprobs": True, "top_logprobs": 20} if kind == "chat" else {"logprobs": 20}
+    j = job(kind, max_tokens=400, ignore_eos=True, **fields)
+    c = api.answer_of(j)
+    parts = list(api.whole_body(j, c, id="x", created=1))
+    # 400 tokens × 21 values in slices of 1,024 values (48 tokens): a pause after each of the 9
+    # slices, then the body.
+    assert parts[:-1] == [None] * 9 and isinstance(parts[-1], bytes) and parts[-1].endswith(b"\n")
+    assert json.loads(parts[-1]) == api.response_body(j, c, id="x", created=1)
+    plain = job(kind)
+    assert list(api.whole_body(plain, api.answer_of(plain), id="x", created=1)) == [
+        json.dumps(api.response_body(plain, api.answer_of(plain), id="x", created=1), separators=(",", ":")).encode() + b"\n"
+    ]
+
+
+def test_whole_body_keeps_a_clients_text_that_looks_like_the_logprobs_key() -> None:
+    # The body's logprobs go where choices[0]'s "logprobs":null is; a string holding that text
+    # (here the answer's content, a const of the client's schema) cannot be taken for it.
+    j = job(logprobs=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": '"logprobs":null'}}})  # fmt: skip
+    c = api.answer_of(j)
+    (*_, data) = api.whole_body(j, c, id="x", created=1)
+    assert json.loads(data) == api.response_body(j, c, id="x", created=1)
+    assert json.loads(json.loads(data)["choices"][0]["message"]["content"]) == '"logprobs":null'
+
+
+def test_streamed_tokens_carry_their_logprobs() -> None:
+    for kind, fields in (("chat", {"logprobs": True, "top_logprobs": 2}), ("completion", {"logprobs": 2})):
+        j = job(kind, stream=True, max_tokens=6, **fields)
+        c = api.answer_of(j)
+        whole = api.response_body(j, c, id="x", created=1)["choices"][0]["logprobs"]
+        chunks = [ch for ch in parse_sse([e for t, e in api.stream_events(j, c, id="x", created=1) if t])]
+        got = [ch["choices"][0]["logprobs"] for ch in chunks]
+        if kind == "chat":
+            assert [g["content"][0] for g in got] == whole["content"]
+        else:
+            assert [g["tokens"][0] for g in got] == whole["tokens"]
+            assert [g["text_offset"][0] for g in got] == whole["text_offset"]
+            assert [g["top_logprobs"][0] for g in got] == whole["top_logprobs"]
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+
+def test_whole_tool_call_answer_shape() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]  # fmt: skip
+    j = job(tools=tools)
+    c = api.answer_of(j)
+    [call] = c.tool_calls
+    body = api.response_body(j, c, id="chatcmpl-1", created=1)
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.arguments_text}}],  # fmt: skip
+            },
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        }
+    ]
+    assert body["usage"]["completion_tokens"] == len(call.arguments) == 3  # '{"a": ', the number, '}'
+
+
+def test_streamed_tool_calls_in_openais_delta_shape() -> None:
+    tools = [{"type": "function", "function": {"name": n}} for n in ("one", "two")]
+    j = job(tools=tools, stream=True, messages=[{"role": "user", "content": "one two"}])
+    c = api.answer_of(j)
+    events = list(api.stream_events(j, c, id="chatcmpl-1", created=5))
+    chunks = parse_sse([e for _, e in events])
+    deltas = [ch["choices"][0]["delta"] if ch != "[DONE]" and ch["choices"] else ch for ch in chunks]
+    first, second = c.tool_calls
+    assert deltas[0] == {"role": "assistant", "content": None, "tool_calls": [{"index": 0, "id": first.id, "type": "function", "function": {"name": "one", "arguments": ""}}]}  # fmt: skip
+    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+    assert deltas[2] == {"tool_calls": [{"index": 1, "id": second.id, "type": "function", "function": {"name": "two", "arguments": ""}}]}  # fmt: skip
+    assert deltas[3] == {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}
+    assert deltas[4] == {} and chunks[4]["choices"][0]["finish_reason"] == "tool_calls" and deltas[5] == "[DONE]"
+    assert [is_token for is_token, _ in events] == [False, True, False, True, False, False]

@@ -34,7 +34,11 @@ KEY = g.GatewayKey(name="alice", token_sha256="ab" * 32, models=("chat",), rate_
 
 def hello(name: str = "gw1", instance: str = "i1", **changes) -> g.GatewayHello:
     made = g.GatewayHello(
-        protocol_version=g.GATEWAY_PROTOCOL_VERSION, name=name, instance=instance, gateway_version="test", started_at=1.0
+        protocol_version=g.GATEWAY_PROTOCOL_VERSION,
+        name=name,
+        instance=instance,
+        gateway_version="test",
+        started_at=1.0,
     )
     return attrs.evolve(made, **changes)
 
@@ -67,9 +71,7 @@ class Table:
 
 
 def server(table=None, name: str = "gw1") -> gs.GatewayServerSession:
-    return gs.GatewayServerSession(
-        name, heartbeat_interval_s=5.0, table=table or Table(), server_version="test"
-    )
+    return gs.GatewayServerSession(name, heartbeat_interval_s=5.0, table=table or Table(), server_version="test")
 
 
 def drain(side: s.Session) -> list[str]:
@@ -377,7 +379,10 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
     pair.gateway.start()
     refusal = pair.refused(json.dumps(future), pair.server)
     assert refusal.code == w.PROTOCOL
-    assert f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks 2" in str(refusal)
+    assert (
+        f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks {g.GATEWAY_PROTOCOL_VERSION}"
+        in str(refusal)
+    )
     assert "run the same llmgw release on both" in str(refusal)
 
 
@@ -502,14 +507,24 @@ NODE = s.Standing(serial=0xABC)  # a node's certificate: no role in it, the node
             403,
             "gateway name 'gw2' does not match its certificate CN 'gw1'",
         ),
-        (upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1")]), GOOD, 400, "the gateway's instance '' (x-llmgw-gateway-instance)"),
+        (
+            upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1")]),
+            GOOD,
+            400,
+            "the gateway's instance '' (x-llmgw-gateway-instance)",
+        ),
         (
             upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1"), (g.GATEWAY_INSTANCE_HEADER, b"a b")]),
             GOOD,
             400,
             "must be 1 to 64 letters",
         ),
-        (upgrade(headers=NAMED, method=b"POST"), GOOD, 400, "expected a WebSocket upgrade (GET, HTTP/1.1) to /v1/gateway"),
+        (
+            upgrade(headers=NAMED, method=b"POST"),
+            GOOD,
+            400,
+            "expected a WebSocket upgrade (GET, HTTP/1.1) to /v1/gateway",
+        ),
         (upgrade(headers=NAMED, early=3), GOOD, 400, "3 bytes after the upgrade request"),
     ],
 )
@@ -568,4 +583,6 @@ def test_instances_are_distinct_tokens_the_upgrade_accepts() -> None:
     made = {gs.new_instance() for _ in range(50)}
     assert len(made) == 50
     for instance in made:
-        server().upgrade(upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1"), (g.GATEWAY_INSTANCE_HEADER, instance.encode())]), GOOD)
+        server().upgrade(
+            upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1"), (g.GATEWAY_INSTANCE_HEADER, instance.encode())]), GOOD
+        )

@@ -9,9 +9,12 @@ removed from the environment the engine inherits, so that the file's key is the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llmgw.config import Secret
 from llmgw.engines.launch import PrivateFile, ReplicaLaunch, gpu_env, key_file
-from llmgw.engines.spec import Arg, EngineSpec
+from llmgw.engines.spec import Arg, EngineSpec, has_flag
+from llmgw.wire import gateway_link as g
 
 # Every layer on the GPUs. A number rather than "all", which builds before 2025 do not accept.
 ALL_LAYERS = "999"
@@ -38,6 +41,17 @@ def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
     return [PrivateFile(path=key_file(launch, KEY_FILE), content=Secret(launch.api_key.reveal() + "\n"))]
 
 
+def _routes(args: Sequence[str]) -> tuple[str, ...]:
+    """llama-server answers every route; embeddings with `--embeddings`, rerank with `--reranking`
+    (without them it refuses those: 501)."""
+    routes = [g.CHAT, g.COMPLETIONS, g.RESPONSES, g.TOKENIZE, g.DETOKENIZE]
+    if has_flag(args, "--embedding", "--embeddings", "--rerank", "--reranking"):
+        routes.append(g.EMBEDDINGS)
+    if has_flag(args, "--rerank", "--reranking"):
+        routes.append(g.RERANK)
+    return tuple(routes)
+
+
 SPEC = EngineSpec(
     name="llamacpp",
     title="llama.cpp",
@@ -53,4 +67,5 @@ SPEC = EngineSpec(
     help_style="column0",
     # Not set, but removed: a rename would let a stray variable of the new name add a key.
     documented_env=(API_KEY_ENV,),
+    routes=_routes,
 )

@@ -16,10 +16,12 @@ can go in the model's `args`). Ranks above 0 serve no HTTP and are not given it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from llmgw.config import Secret
 from llmgw.engines.launch import PrivateFile, ReplicaLaunch, fabric_env, gpu_env, key_file
-from llmgw.engines.spec import Arg, EngineSpec
+from llmgw.engines.spec import Arg, EngineSpec, has_flag
+from llmgw.wire import gateway_link as g
 
 KEY_FILE = "api-key.yaml"
 
@@ -50,6 +52,13 @@ def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
     return [PrivateFile(path=key_file(launch, KEY_FILE), content=Secret(text))]
 
 
+def _routes(args: Sequence[str]) -> tuple[str, ...]:
+    """An embedding model (`--is-embedding`) serves embeddings and rerank, any other the text routes."""
+    if has_flag(args, "--is-embedding"):
+        return (g.EMBEDDINGS, g.RERANK)
+    return (g.CHAT, g.COMPLETIONS, g.RESPONSES)
+
+
 SPEC = EngineSpec(
     name="sglang",
     title="SGLang",
@@ -67,4 +76,5 @@ SPEC = EngineSpec(
     files=_files,
     flags_in_files=("--api-key",),
     help_style="argparse",
+    routes=_routes,
 )

@@ -17,6 +17,7 @@ import attrs
 from llmgw.config import Secret
 from llmgw.engines.errors import LaunchError
 from llmgw.engines.launch import Command, PrivateFile, ReplicaLaunch, check_launch, managed_conflicts
+from llmgw.wire import gateway_link as g
 
 Arg = str | Secret
 
@@ -54,6 +55,9 @@ class EngineSpec:
     # Text that appears only in a help that is not the whole list, and what to do instead.
     partial_help_marker: str = ""
     partial_help_fix: str = ""
+    # The OpenAI routes it serves at `flags_for`, given a model's args (an embedding model's flag
+    # changes them): the gateway forwards those alone to its replicas (`wire.gateway_link.ModelInfo`).
+    routes: Callable[[Sequence[str]], tuple[str, ...]] = lambda args: (g.CHAT, g.COMPLETIONS)
 
     def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
         """The command for `launch`: the engine's arguments, then the operator's `extra_args`.
@@ -107,6 +111,21 @@ class EngineSpec:
         """The command that prints the engine's whole help, run with `environ` updated by `env`."""
         prefix = self.default_executable if executable is None else _as_argv(executable)
         return Command(argv=(*prefix, *self.subcommand, *self.help_args), env=dict(self.help_env(environ or {})))
+
+
+def has_flag(args: Sequence[str], *names: str) -> bool:
+    """Whether `args` set one of the flags `names` (alone, or as --flag=value)."""
+    return any(a in names or a.split("=", 1)[0] in names for a in args)
+
+
+def flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value given to the last of the flags `names` in `args` (--flag V or --flag=V)."""
+    found = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in names:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
 
 
 def _as_argv(executable: str | Sequence[str]) -> tuple[str, ...]:

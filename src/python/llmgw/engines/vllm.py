@@ -17,10 +17,11 @@ engine port must not be reachable by anyone but the gateway.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from llmgw.engines.launch import ReplicaLaunch, fabric_env, gpu_env
-from llmgw.engines.spec import Arg, EngineSpec
+from llmgw.engines.spec import Arg, EngineSpec, flag_value
+from llmgw.wire import gateway_link as g
 
 
 def _args(launch: ReplicaLaunch) -> list[Arg]:
@@ -53,6 +54,22 @@ def _help_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {} if environ.get("VLLM_TARGET_DEVICE") else {"VLLM_TARGET_DEVICE": "cpu"}
 
 
+_POOLING_TASKS = frozenset({"embed", "embedding", "classify", "score", "reward"})
+
+
+def _routes(args: Sequence[str]) -> tuple[str, ...]:
+    """A generative model serves the text routes, a pooling one (`--runner pooling`, or a
+    pooling `--task`/`--convert`) embeddings, score and rerank; both tokenize."""
+    pooling = (
+        flag_value(args, "--runner") == "pooling"
+        or flag_value(args, "--task") in _POOLING_TASKS
+        or flag_value(args, "--convert") in _POOLING_TASKS
+    )
+    if pooling:
+        return (g.EMBEDDINGS, g.SCORE, g.RERANK, g.TOKENIZE, g.DETOKENIZE)
+    return (g.CHAT, g.COMPLETIONS, g.RESPONSES, g.TOKENIZE, g.DETOKENIZE)
+
+
 SPEC = EngineSpec(
     name="vllm",
     title="vLLM",
@@ -73,4 +90,5 @@ SPEC = EngineSpec(
     help_style="argparse",
     partial_help_marker="Config Groups:",
     partial_help_fix="this is vLLM's summary help; give the output of `vllm serve --help=all`",
+    routes=_routes,
 )

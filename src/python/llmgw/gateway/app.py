@@ -3,14 +3,20 @@
     GET  /health                 200 while serving (ready replicas per model); 503 while draining
     GET  /metrics                Prometheus text
     GET  /v1/models              the models this key may use
-    POST /v1/chat/completions, /v1/completions, /v1/embeddings   forwarded to a replica
+    GET  /v1/models/{id}         one of them
+    POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
+         /v1/score, /tokenize, /detokenize   forwarded to a replica whose engine serves the route
 
 A forwarded request is decided from its head first: the API key (401) and its limits (429)
 before a byte of the body is read (`llmgw.http.server`: a refused request's body is never
 buffered). Then the body is parsed only to read "model" and "stream" (400 naming what is wrong;
 `gateway/fields.py`, in a worker process for a large body), and the model is checked as soon as
-it is known: one the key may not use is a 403, an unknown one a 404. A replica is picked by `Router`; with none free the request waits in a bounded queue
-until one is, or 503 with Retry-After at the deadline. The request goes out with the replica's
+it is known: one the key may not use is a 403, an unknown one a 404, one whose engine does not
+serve the route a 404 naming the model, its engine and the routes it serves. A replica is picked
+by `Router`; with none free the request waits in a bounded queue until one is, or 503 with
+Retry-After at the deadline — but only while one can come: a model the control plane says no
+replica of can become ready now (`ModelInfo.unservable`: none placed, every one failed, their
+nodes lost) is a 503 at once, with `x-should-retry: false` so that OpenAI's SDK does not retry it. The request goes out with the replica's
 own engine key. An attempt that fails while nothing has gone to the client yet (no connection
 within the connect timeout, refused or reset, no response head within the first-byte timeout
 and no answer to a probe, a 502/503, a body read whole that broke off) takes the replica out
@@ -21,20 +27,29 @@ it. The answer is relayed as it comes: a body with a length is read whole (bound
 else (SSE) is passed on chunk by chunk without being parsed; a client that goes away closes the
 upstream connection, which cancels the work on the engine.
 
-Each response carries `x-llmgw-replica` and `x-llmgw-overhead-ms`: the time the gateway spent
-before the request reached the replica that answered (parsing, auth, queueing, failed attempts).
+Each response carries `x-request-id` (the caller's own when it sent a usable one; passed to the
+engine and logged with the request's warnings), and a forwarded one `x-llmgw-replica` and
+`x-llmgw-overhead-ms`: the time the gateway spent before the request reached the replica that
+answered (parsing, auth, queueing, failed attempts). Errors are in OpenAI's shape with the codes
+of docs/gateway.md's error table; an engine's own error is rewritten to that shape
+(`gateway/engineerrors.py`: a prompt past the context is `context_length_exceeded` whichever
+engine says it).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import attrs
 import trio
 
 from llmgw.config import GatewaySection
+from llmgw.errors import cut
+from llmgw.gateway.engineerrors import normalized
 from llmgw.gateway.errors import (
     UpstreamBroken,
     UpstreamError,
@@ -43,7 +58,7 @@ from llmgw.gateway.errors import (
     UpstreamUnavailable,
 )
 from llmgw.gateway.fields import RequestFields, request_fields
-from llmgw.gateway.headers import relayed_headers, upstream_headers
+from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstream_headers
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routing import Endpoint, Rotation, Router, Verdict
@@ -53,11 +68,12 @@ from llmgw.http.jsonbody import JsonWorkers, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
-from llmgw.wire.gateway_link import GatewayKey
+from llmgw.wire.gateway_link import OPENAI_ROUTES, GatewayKey, ModelInfo
 
 log = get_logger("llmgw.gateway")
 
-FORWARDED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+FORWARDED = frozenset(OPENAI_ROUTES)
+MODELS_PREFIX = "/v1/models/"
 _RETRY_STATUSES = (502, 503)
 # What the gateway's knobs do not set (server.toml's `[gateway]`, `GatewaySection`, sets the rest):
 RETRY_AFTER_S = 5  # Retry-After of a 503 for no replica, in seconds
@@ -113,6 +129,7 @@ class Gateway:
         )
         self.metrics = GatewayMetrics()
         self.rotation_version = 0  # of the rotation routed by now (`Rotation.version`)
+        self.details: dict[str, ModelInfo] = {}  # of the models in rotation, as the provider says them
         self.queued: dict[str, int] = {}
         self.in_flight: dict[str, int] = {}
         self.draining = False
@@ -139,6 +156,7 @@ class Gateway:
         before = {(ep.host, ep.port) for eps in self.router.endpoints.values() for ep in eps}
         self.router.update(rotation.models, rotation.endpoints)
         self.rotation_version = rotation.version
+        self.details = {d.name: d for d in rotation.details}
         self.applied.fire()
         after = {(ep.host, ep.port) for ep in rotation.endpoints}
         for host, port in before - after:
@@ -223,6 +241,16 @@ class Gateway:
     # -- requests -------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
+        """Every answer, errors too, carries the request's id."""
+        rid = request_id(request.headers.get(REQUEST_ID))
+        try:
+            response = await self._handle(request, rid)
+        except HTTPError as exc:
+            exc.headers = (*exc.headers, (REQUEST_ID, rid))
+            raise
+        return attrs.evolve(response, headers=(*response.headers, (REQUEST_ID, rid)))
+
+    async def _handle(self, request: Request, rid: str) -> Response | StreamingResponse:
         if request.path == "/health":
             allow(request, "GET")
             ready = self.ready()
@@ -240,18 +268,29 @@ class Gateway:
             allow(request, "GET")
             key = self._authenticate(request)
             allowed = sorted(m for m in self.router.models if not key.models or m in key.models)
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "llmgw"} for m in allowed]
-            return Response.json(200, {"object": "list", "data": data})
+            return Response.json(200, {"object": "list", "data": [self._model_object(m) for m in allowed]})
+        if request.path.startswith(MODELS_PREFIX):
+            allow(request, "GET")
+            key = self._authenticate(request)
+            model = urllib.parse.unquote(request.path[len(MODELS_PREFIX) :])
+            if model not in self.router.models or (key.models and model not in key.models):
+                raise _model_not_found(model, self.router.models if not key.models else key.models)
+            return Response.json(200, self._model_object(model))
         if request.path in FORWARDED:
             allow(request, "POST")
-            return await self._forward(request)
+            return await self._forward(request, rid)
         raise HTTPError(
             404,
-            f"no route {request.method} {request.path}; the gateway serves /v1/models, "
-            + ", ".join(FORWARDED)
+            f"no route {cut(request.method, 20)} {cut(request.path)}; the gateway serves /v1/models, "
+            + ", ".join(OPENAI_ROUTES)
             + ", /health and /metrics",
-            kind="not_found_error",
+            code="unknown_url",
         )
+
+    def _model_object(self, model: str) -> dict:
+        info = self.details.get(model)
+        created = info.created if info is not None else 0
+        return {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
 
     def _authenticate(self, request: Request) -> GatewayKey:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -263,7 +302,7 @@ class Gateway:
                     401,
                     "no API key: send 'Authorization: Bearer KEY'; an operator creates keys with "
                     "`llmgw ctl keys create NAME`",
-                    kind="authentication_error",
+                    code="invalid_api_key",
                     headers=(("www-authenticate", "Bearer"),),
                 ),
             )
@@ -275,31 +314,36 @@ class Gateway:
                 HTTPError(
                     401,
                     "invalid API key: it is unknown or revoked (`llmgw ctl keys list`)",
-                    kind="authentication_error",
+                    code="invalid_api_key",
                     headers=(("www-authenticate", "Bearer"),),
                 ),
             )
         return row
 
-    async def _forward(self, request: Request) -> Response | StreamingResponse:
+    async def _forward(self, request: Request, rid: str = "") -> Response | StreamingResponse:
         started = self.clock()
         if self.refusing:
-            raise _counted(self, "-", self._unavailable("the gateway is shutting down"))
+            raise _counted(self, "-", self._unavailable("the gateway is shutting down", "shutting_down"))
         # From the head alone: who is asking, and may they ask now. The body is not read yet.
         key = self._authenticate(request)
         limited = self.keys.admit(key)
         if limited is not None:
             retry = str(max(1, math.ceil(limited.retry_after_s)))
             raise _counted(
-                self, "-", HTTPError(429, limited.message, kind="rate_limit_error", headers=(("retry-after", retry),))
+                self,
+                "-",
+                HTTPError(
+                    429, limited.message, kind="requests", code="rate_limit_exceeded", headers=(("retry-after", retry),)
+                ),
             )
         try:
             fields = await self._read_fields(request)
             self._check_model(key, fields.model)
+            self._check_route(fields.model, request.path)
         except BaseException:
             self.keys.leave(key)
             raise
-        job = _Job(self, key, fields.model, started)
+        job = _Job(self, key, fields.model, started, rid)
         try:
             response = await self._attempts(request, job, fields.prompt)
         except BaseException:
@@ -323,35 +367,69 @@ class Gateway:
                 HTTPError(
                     403,
                     f"API key {key.name!r} may not use model {model!r}; it may use {', '.join(key.models)}",
-                    kind="permission_error",
+                    code="model_not_allowed",
+                    param="model",
                 ),
             )
         if model not in self.router.models:
-            known = ", ".join(sorted(self.router.models)) or "none"
-            raise _counted(
-                self,
-                "-",
-                HTTPError(
-                    404, f"the model {model!r} does not exist; this gateway serves: {known}", kind="not_found_error"
-                ),
-            )
+            raise _counted(self, "-", _model_not_found(model, self.router.models))
 
-    def _unavailable(self, why: str) -> HTTPError:
-        return HTTPError(503, why, kind="unavailable_error", headers=(("retry-after", str(RETRY_AFTER_S)),))
+    def _check_route(self, model: str, path: str) -> None:
+        """A model whose engine does not serve `path` gets the gateway's own 404 (not the
+        engine's, whatever that would say): the model, its engine and what it serves."""
+        info = self.details.get(model)
+        if info is None or not info.routes or path in info.routes:
+            return
+        raise _counted(
+            self,
+            model,
+            HTTPError(
+                404,
+                f"the model {model!r} (engine {info.engine or 'unknown'}) does not serve POST {path}; "
+                f"it serves {', '.join(info.routes)}",
+                code="unsupported_route",
+                param="model",
+            ),
+        )
+
+    def _unavailable(self, why: str, code: str, retry_after_s: int = RETRY_AFTER_S) -> HTTPError:
+        return HTTPError(
+            503, why, kind="server_error", code=code, headers=(("retry-after", str(max(1, retry_after_s))),)
+        )
+
+    def _unservable(self, model: str) -> HTTPError | None:
+        """503 at once for a model none of whose replicas can become ready (the provider says
+        why) and that has none in this gateway's rotation either; None while one may come."""
+        info = self.details.get(model)
+        if info is None or not info.unservable or self.router.endpoints.get(model):
+            return None
+        error = self._unavailable(
+            f"no replica of {model!r} can serve now: {info.unservable}", "model_unavailable", info.retry_after_s
+        )
+        error.headers = (*error.headers, ("x-should-retry", "false"))
+        return error
 
     async def _attempts(self, request: Request, job: _Job, prompt: str | None) -> Response | StreamingResponse:
         deadline = job.started + self.options.queue_timeout_s
         tried: set[str] = set()
         last = last_reason = ""
         for attempt in range(self.options.max_attempts):
+            if not attempt and (unservable := self._unservable(job.model)) is not None:
+                raise _counted(self, job.model, unservable)
             ep = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
             if ep is None:
-                why = (
-                    f"no ready replica of {job.model!r} within {self.options.queue_timeout_s:g} s"
-                    if not last
-                    else f"no replica of {job.model!r} could answer: {last}"
-                )
-                raise _counted(self, job.model, self._unavailable(why + "; try again later"))
+                if not last and (unservable := self._unservable(job.model)) is not None:
+                    raise _counted(self, job.model, unservable)  # became so while it waited
+                if last:
+                    why, code = f"no replica of {job.model!r} could answer: {last}", "overloaded"
+                elif sum(self.queued.values()) >= self.options.max_queue:
+                    why, code = f"the queue is full ({self.options.max_queue} requests)", "overloaded"
+                else:
+                    why, code = (
+                        f"no ready replica of {job.model!r} within {self.options.queue_timeout_s:g} s",
+                        "model_not_ready",
+                    )
+                raise _counted(self, job.model, self._unavailable(why + "; try again later", code))
             if attempt:
                 self.metrics.retries.inc(model=job.model, reason=last_reason)
             self.router.acquire(ep)
@@ -359,7 +437,12 @@ class Gateway:
             job.sent_at = self.clock()
             try:
                 upstream = await self.pool.send(
-                    ep.host, ep.port, request.method, request.path, upstream_headers(request, ep), await request.read()
+                    ep.host,
+                    ep.port,
+                    request.method,
+                    request.path,
+                    upstream_headers(request, ep, job.rid),
+                    await request.read(),
                 )
             except UpstreamUnavailable as exc:
                 last, last_reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
@@ -372,14 +455,18 @@ class Gateway:
                         return await self._relay(upstream, job)
                     except UpstreamBroken as exc:  # a body read whole: none of it went to the client
                         last, last_reason = str(exc), "broken"
-            log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last)
+            log.warning(
+                "gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last, request_id=job.rid
+            )
             self.router.release(ep)
             job.endpoint = None
             self._failed(ep, last_reason, client_saw_bytes=False)  # a retry, by the rule
             tried.add(ep.replica_id)
             self._wake()
         raise _counted(
-            self, job.model, self._unavailable(f"{self.options.max_attempts} replicas failed; the last: {last}")
+            self,
+            job.model,
+            self._unavailable(f"{self.options.max_attempts} replicas failed; the last: {last}", "overloaded"),
         )
 
     async def _wait_for_endpoint(self, model: str, tried: set[str], prompt: str | None, deadline: float):
@@ -411,11 +498,14 @@ class Gateway:
             try:
                 body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
             except UpstreamTooLarge as exc:
-                raise _counted(self, job.model, HTTPError(502, str(exc), kind="upstream_error")) from None
+                raise _counted(self, job.model, HTTPError(502, str(exc), code="upstream_error")) from None
             finally:
                 await upstream.aclose()
             job.first_byte()
             job.finish(upstream.status)
+            if upstream.status >= 400 and (rewritten := normalized(upstream.status, body)) is not None:
+                body = rewritten
+                headers = (*(h for h in headers if h[0] != "content-type"), ("content-type", "application/json"))
             return Response(status=upstream.status, body=body, headers=headers)
         job.first_byte()
         return StreamingResponse(status=upstream.status, body=_stream(upstream, job), headers=headers)
@@ -428,8 +518,8 @@ class Gateway:
 class _Job:
     """One forwarded request's accounting; `finish` runs once, however the request ends."""
 
-    def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float) -> None:
-        self.gw, self.key, self.model, self.started = gw, key, model, started
+    def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float, rid: str = "") -> None:
+        self.gw, self.key, self.model, self.started, self.rid = gw, key, model, started, rid
         self.endpoint: Endpoint | None = None
         self.sent_at = started
         self._first_byte_seen = False
@@ -467,7 +557,7 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
             yield chunk
         status = upstream.status
     except UpstreamError as exc:
-        log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc))
+        log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc), request_id=job.rid)
         status = 502
         if job.endpoint is not None:  # out of rotation until probed; the client has part of an answer: no retry
             job.gw._failed(job.endpoint, "broken", client_saw_bytes=True)
@@ -476,6 +566,16 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
         with trio.CancelScope(shield=True):
             await upstream.aclose()  # not read to its end: closed, which stops the engine's work
         job.finish(status)
+
+
+def _model_not_found(model: str, known) -> HTTPError:
+    listed = ", ".join(sorted(known)) or "none"
+    return HTTPError(
+        404,
+        f"the model {cut(model)!r} does not exist; this gateway serves: {listed}",
+        code="model_not_found",
+        param="model",
+    )
 
 
 def _counted(gw: Gateway, model: str, error: HTTPError) -> HTTPError:

@@ -28,13 +28,21 @@ def request_fields(body: Any, affinity_chars: int) -> RequestFields:
     if not isinstance(body, dict):
         raise InvalidJson(f"request body must be a JSON object, got {_json_type(body)}")
     model = body.get("model")
+    if "model" not in body:
+        raise InvalidJson(
+            "'model' is missing: name a model (GET /v1/models lists them)",
+            code="missing_required_parameter",
+            param="model",
+        )
     if not isinstance(model, str) or not model:
         raise InvalidJson(
-            f"'model' must be a non-empty string naming a model (GET /v1/models lists them), got {_show(model)}"
+            f"'model' must be a non-empty string naming a model (GET /v1/models lists them), got {_show(model)}",
+            code="invalid_type",
+            param="model",
         )
     stream = body.get("stream", False)
     if not isinstance(stream, (bool, type(None))):
-        raise InvalidJson(f"'stream' must be true or false, got {_show(stream)}")
+        raise InvalidJson(f"'stream' must be true or false, got {_show(stream)}", code="invalid_type", param="stream")
     prompt = None
     if affinity_chars:
         if "prompt" in body:

@@ -3,19 +3,23 @@
 To the replica (`upstream_headers`): the client's fields as they came (byte pairs, repeats kept,
 in order) but for the hop-by-hop ones and those `Connection` names (RFC 9110 §7.6.1), and what
 the gateway sets itself: the host and length of its own request, the replica's key instead of
-the client's, and `X-Forwarded-For` (the client's list, then the client).
+the client's, `X-Forwarded-For` (the client's list, then the client) and the request's id
+(`X-Request-Id`: the client's own when it sent a usable one, `request_id`).
 
 To the client (`relayed_headers`): the replica's fields but for the hop-by-hop ones and those
-the gateway's own server writes (length, date, server), then which replica answered and the
-gateway's own time before it reached that replica.
+the gateway's own server writes (length, date, server) and the replica's own request id, then which
+replica answered and the gateway's own time before it reached that replica (the request id is
+added to every response of the gateway, errors too, by its handler).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request
+from llmgw.http.openai import REQUEST_ID, new_request_id
 
 HOP_BY_HOP = frozenset(
     {
@@ -30,13 +34,22 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", REQUEST_ID}
 _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
-_NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server"}
+_NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server", REQUEST_ID}
+# A caller's own request id is kept when it is one a log line and a header can carry as it is.
+_USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
-def upstream_headers(request: Request, ep: Endpoint) -> list[tuple[bytes, bytes]]:
-    """The fields of the request to the replica `ep`, from the client's `request`."""
+def request_id(given: str | None) -> str:
+    """The request's id: the caller's `X-Request-Id` when usable, else a new one."""
+    if given is not None and _USABLE_ID.fullmatch(given):
+        return given
+    return new_request_id()
+
+
+def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tuple[bytes, bytes]]:
+    """The fields of the request to the replica `ep`, from the client's `request`; `rid`: its id."""
     named = {t.strip().lower() for k, v in request.raw_headers if k == b"connection" for t in v.split(b",")}
     client_host = request.client.rpartition(":")[0]
     dropped = _NOT_FORWARDED_BYTES | named | ({b"x-forwarded-for"} if client_host else set())
@@ -46,6 +59,8 @@ def upstream_headers(request: Request, ep: Endpoint) -> list[tuple[bytes, bytes]
     if client_host:
         chain = [v for k, v in request.raw_headers if k == b"x-forwarded-for"] + [client_host.encode()]
         headers.append((b"x-forwarded-for", b", ".join(chain)))
+    if rid:
+        headers.append((REQUEST_ID.encode(), rid.encode()))
     return headers
 
 

@@ -32,6 +32,8 @@ from collections.abc import Collection, Iterable
 
 import attrs
 
+from llmgw.wire.gateway_link import ModelInfo
+
 
 @attrs.frozen(kw_only=True)
 class Endpoint:
@@ -192,3 +194,4 @@ class Rotation:
     endpoints: tuple[Endpoint, ...]
     unknown: frozenset[str] = frozenset()
     version: int = 0
+    details: tuple[ModelInfo, ...] = ()  # what else the gateway knows of each model (`ModelInfo`)

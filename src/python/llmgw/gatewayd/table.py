@@ -42,7 +42,9 @@ def rotation(message: RotationChanged, last: Rotation) -> Rotation:
         unknown = set(message.unknown) - {ep.replica_id for ep in endpoints}
         kept = tuple(ep for ep in last.endpoints if ep.replica_id in unknown)
         endpoints = tuple(sorted(endpoints + kept, key=lambda ep: ep.replica_id))
-    return Rotation(models=frozenset(message.models), endpoints=endpoints, version=message.version)
+    return Rotation(
+        models=frozenset(message.models), endpoints=endpoints, version=message.version, details=message.details
+    )
 
 
 class GatewayTable:

@@ -106,7 +106,8 @@ class GatewayWorker:
             raise HTTPError(
                 503,
                 f"this gateway has no table from the control plane yet ({self.table.link_detail}); try again shortly",
-                kind="unavailable_error",
+                kind="server_error",
+                code="model_not_ready",
                 headers=(("retry-after", str(RETRY_AFTER_S)),),
             )
         return await self.gateway.handle(request)

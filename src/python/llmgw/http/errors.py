@@ -28,25 +28,42 @@ from llmgw.errors import MachineError, leaves
 
 class HTTPError(Exception):
     """Raised by handlers to answer with an error status and an explanation. `kind` classes the
-    error for an error body that names one (OpenAI's `type`); "" leaves it to that body."""
+    error for an error body that names one (OpenAI's `type`); "" leaves it to that body. `code`
+    (a string a client can test, such as "model_not_found") and `param` (the request field at
+    fault) are for such a body too; None where nothing more precise applies."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "", headers=()) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "",
+        code: str | None = None,
+        param: str | None = None,
+        headers=(),
+    ) -> None:
         self.status = status
         self.message = message
         self.kind = kind
+        self.code = code
+        self.param = param
         self.headers = tuple(headers)
         super().__init__(message)
 
     def __reduce__(self):  # pickled by a JSON worker's projection (llmgw.http.jsonbody)
-        return (_http_error, (self.status, self.message, self.kind, self.headers))
+        return (_http_error, (self.status, self.message, self.kind, self.headers, self.code, self.param))
 
 
-def _http_error(status: int, message: str, kind: str, headers: tuple) -> HTTPError:
-    return HTTPError(status, message, kind=kind, headers=headers)
+def _http_error(
+    status: int, message: str, kind: str, headers: tuple, code: str | None = None, param: str | None = None
+) -> HTTPError:
+    return HTTPError(status, message, kind=kind, code=code, param=param, headers=headers)
 
 
 def too_large(limit: int) -> HTTPError:
-    return HTTPError(413, f"request body is larger than the limit of {limit} bytes for this route")
+    return HTTPError(
+        413, f"request body is larger than the limit of {limit} bytes for this route", code="request_too_large"
+    )
 
 
 class BodyAborted(Exception):

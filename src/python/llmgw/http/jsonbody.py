@@ -61,11 +61,25 @@ _FRAME = struct.Struct(">Q")
 
 
 class InvalidJson(ValueError):
-    """The body is not JSON the caller accepts; `message` says what is wrong, for a 400."""
+    """The body is not JSON the caller accepts; `message` says what is wrong, for a 400. `code`
+    and `param` as an OpenAI error names them: "invalid_json" for a body that is not JSON at all,
+    the caller's own (with the field) for a field that is wrong."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, code: str = "invalid_json", param: str | None = None) -> None:
         self.message = message
+        self.code = code
+        self.param = param
         super().__init__(message)
+
+    def __reduce__(self):  # raised in a JSON worker, pickled back to the parent
+        return (_invalid_json, (self.message, self.code, self.param))
+
+    def http_error(self) -> HTTPError:
+        return HTTPError(400, self.message, code=self.code, param=self.param)
+
+
+def _invalid_json(message: str, code: str, param: str | None) -> InvalidJson:
+    return InvalidJson(message, code=code, param=param)
 
 
 class ParserBusy(Exception):
@@ -307,7 +321,7 @@ def parse_json(data: bytes, *, what: str = "request body") -> Any:
     try:
         return loads(data, what=what)
     except InvalidJson as exc:
-        raise HTTPError(400, exc.message) from None
+        raise exc.http_error() from None
 
 
 async def read_json(request: Request, *, limit: int = INLINE_MAX_BYTES, what: str = "request body") -> Any:
@@ -315,7 +329,11 @@ async def read_json(request: Request, *, limit: int = INLINE_MAX_BYTES, what: st
     bytes, parsed on the loop); `HTTPError(400)` naming what is wrong, 413 past `limit`."""
     data = await request.read(limit=min(limit, INLINE_MAX_BYTES))
     if not inline(data):
-        raise HTTPError(413, f"{what} has more than {INLINE_MAX_VALUES} values; this route takes small bodies")
+        raise HTTPError(
+            413,
+            f"{what} has more than {INLINE_MAX_VALUES} values; this route takes small bodies",
+            code="request_too_large",
+        )
     return parse_json(data, what=what)
 
 
@@ -328,8 +346,12 @@ async def parse_body(
     try:
         return await workers.parse(body, fn, *args, what=what)
     except InvalidJson as exc:
-        raise HTTPError(400, exc.message) from None
+        raise exc.http_error() from None
     except ParserBusy as exc:
         raise HTTPError(
-            503, f"{exc}; try again in a moment", kind="unavailable_error", headers=(("retry-after", "1"),)
+            503,
+            f"{exc}; try again in a moment",
+            kind="server_error",
+            code="overloaded",
+            headers=(("retry-after", "1"),),
         ) from None

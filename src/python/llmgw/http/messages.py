@@ -115,7 +115,10 @@ def allow(request: Request, method: str) -> None:
         return
     allowed = "GET, HEAD" if method == "GET" else method
     raise HTTPError(
-        405, f"{cut(request.path)} takes {method}, not {cut(request.method, 20)}", headers=(("allow", allowed),)
+        405,
+        f"{cut(request.path)} takes {method}, not {cut(request.method, 20)}",
+        code="method_not_allowed",
+        headers=(("allow", allowed),),
     )
 
 

@@ -74,6 +74,13 @@ from llmgw.log import get_logger
 log = get_logger("llmgw.http")
 
 BUSY_RETRY_AFTER_S = 1
+# An aborted request's answer names a code, for the error bodies that carry one (OpenAI's).
+_ABORT_CODES = {
+    400: "malformed_request",
+    408: "request_timeout",
+    413: "request_too_large",
+    431: "request_too_large",
+}
 INTERNAL_ERROR = "internal error in llmgw; the server's log has the traceback"
 
 
@@ -105,6 +112,7 @@ async def serve_http(
                 503,
                 "the server is serving as many connections as it may, none of them idle; "
                 f"retry in {BUSY_RETRY_AFTER_S} s",
+                code="overloaded",
                 headers=(("retry-after", str(BUSY_RETRY_AFTER_S)),),
             )
         )
@@ -215,7 +223,8 @@ async def serve_connection(
                 if stats is not None:
                     stats.abort(listener, reason)
                 if abort is not None and abort.status:
-                    error = errors(HTTPError(abort.status, abort.message, headers=abort.headers))
+                    code = _ABORT_CODES.get(abort.status)
+                    error = errors(HTTPError(abort.status, abort.message, code=code, headers=abort.headers))
                     await answer_and_close(c.conn, stream, limits, error)
             return reason
         if handover is not None:

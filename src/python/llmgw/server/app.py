@@ -55,6 +55,7 @@ from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.adminsocket import gateway_route, serve_admin_socket
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
 from llmgw.server.endpoint import AgentEndpoint
@@ -153,15 +154,21 @@ class ControlPlane:
             max_connections=config.http.max_agent_connections,
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
-        self.replicas = Replicas(
-            store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal
-        )
+        self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
         self.reconciler = Reconciler(
             self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.endpoint.links)
         )
         retiring: set[str] = set()  # written by moves, read by the gateway's endpoints
+        # When each model entered the catalog: the store's, and the models new since noted.
+        self.catalog_times = CatalogTimes(store.at_open.catalog, store.record_catalog)
+        self.catalog_times.note(m.name for m in config.models)
         self.endpoints = GatewayEndpoints(
-            registry=self.registry, replicas=self.replicas, models=models, retiring=retiring, changes=self.changes
+            registry=self.registry,
+            replicas=self.replicas,
+            models=models,
+            retiring=retiring,
+            changes=self.changes,
+            created=self.catalog_times.created,
         )
         self.keys = KeyRing(store)  # the API keys' one writer; the gateway reads its table
         self.gateway = Gateway(self.endpoints, self.keys.table, options=config.gateway)
@@ -204,6 +211,7 @@ class ControlPlane:
             reconciler=self.reconciler,
             endpoint=self.endpoint,
             changes=self.changes,
+            catalog_times=self.catalog_times,
         )
         # The cluster page: sessions, the gateways' history, the gate.
         self.page = Page(self.views, self._history_totals, self.keys)
@@ -303,6 +311,7 @@ class ControlPlane:
                 trio.lowlevel.add_instrument(self.step_timer)
             # The store's writer next: the reconciler offers it placements.
             await nursery.start(run, "placements", self.replicas.saver.serve)
+            await nursery.start(run, "catalog", self.catalog_times.writer.serve)
             # The reconciler: liveness changes, placements, desired state pushed.
             await nursery.start(run, "liveness", self.reconciler.serve)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API

@@ -49,6 +49,7 @@ class Snapshot:
     nodes: tuple[NodeRow, ...]
     placements: dict[str, dict]
     api_keys: tuple[KeyRow, ...]
+    catalog: dict[str, float] = attrs.field(factory=dict)  # when each model entered the catalog
 
 
 class AsyncStore:
@@ -68,12 +69,18 @@ class AsyncStore:
         try:
             store.check()
             at_open = Snapshot(
-                nodes=tuple(store.nodes()), placements=store.placements(), api_keys=tuple(store.api_keys())
+                nodes=tuple(store.nodes()),
+                placements=store.placements(),
+                api_keys=tuple(store.api_keys()),
+                catalog=store.catalog_models(),
             )
         except BaseException:
             store.close()
             raise
         return cls(store, at_open)
+
+    async def record_catalog(self, created: dict[str, float]) -> None:
+        await self._run(self._store.record_catalog, created)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)

@@ -65,6 +65,7 @@ def rotation_message(rotation: Rotation, version: int = 0) -> g.RotationChanged:
         version=version,
         models=tuple(sorted(rotation.models)),
         unknown=tuple(sorted(rotation.unknown)),
+        details=tuple(sorted(rotation.details, key=lambda d: d.name)),
         endpoints=tuple(
             g.RouteEndpoint(
                 replica_id=e.replica_id,

@@ -18,6 +18,7 @@ from typing import Any
 
 from llmgw.log import get_logger
 from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress, Drains
 from llmgw.server.endpoint import AgentEndpoint
@@ -45,7 +46,10 @@ class Operations:
         reconciler: Reconciler,
         endpoint: AgentEndpoint,
         changes: Changes,
+        catalog_times: CatalogTimes | None = None,
     ) -> None:
+        """`catalog_times`: when each model entered the catalog, noted at each reload."""
+        self.catalog_times = catalog_times
         self.settings = settings
         self.store = store
         self.registry = registry
@@ -63,6 +67,8 @@ class Operations:
         await self.endpoint.releases.catalog()  # the release's llama.cpp archives, as they are now
         self.changes.catalog_changed()  # engines may have changed for everyone: every node is pushed
         changed = await self.reconciler.next_pass()
+        if self.catalog_times is not None and self.catalog_times.note(m.name for m in new.models):
+            self.changes.rotation.fire()  # the gateways learn the new models' `created`
         log.info("config_reloaded", models=[m.name for m in new.models], nodes_changed=sorted(changed))
         return {"models": [m.name for m in new.models], "nodes_changed": sorted(changed)}
 

@@ -189,7 +189,7 @@ class Replicas:
             log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
         for p in result.stop:
             log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
-        self._report_pending(result.pending, self._forming(now))
+        self._report_pending(result.pending, self.forming(now))
         self.pending = result.pending
         changed = set()
         for rid in set(before) | set(placed):
@@ -202,7 +202,7 @@ class Replicas:
             self._save()
         return changed
 
-    def _forming(self, now: float) -> bool:
+    def forming(self, now: float) -> bool:
         """The cluster is still assembling by itself: just after the control plane started (nodes
         known from before may come back), with no node at all yet, or with a node that has
         connected but not yet joined and reported its engines."""

@@ -2,7 +2,7 @@
 
 What lives here survives a control-plane restart: the nodes it knows (and when it last saw
 each), cordon and drain marks, the certificates it issued and the serials it revoked, the
-replica placements and the gateway's API keys. What does not: anything an agent reports
+replica placements, the gateway's API keys, and when each model entered the catalog. What does not: anything an agent reports
 (inventory, engines, replicas), which is rebuilt when the agents reconnect.
 
 `Store` is synchronous: one small transaction per call, on one connection. While the control
@@ -75,6 +75,10 @@ CREATE TABLE IF NOT EXISTS api_keys (
     max_concurrency INTEGER NOT NULL,      -- 0 = no limit
     created_at      REAL NOT NULL,
     revoked_at      REAL                   -- NULL while valid
+);
+CREATE TABLE IF NOT EXISTS catalog_models (
+    name        TEXT PRIMARY KEY,
+    created     REAL NOT NULL              -- when the catalog first named it (`created` in GET /v1/models)
 );
 """
 
@@ -353,6 +357,22 @@ class Store:
         now = time.time() if now is None else now
         cur = self._db.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?", (now, name))
         return cur.rowcount > 0
+
+    # -- the catalog ----------------------------------------------------------------------
+
+    @_at_the_edge
+    def catalog_models(self) -> dict[str, float]:
+        """When each model the catalog ever named first entered it (unix time), by name."""
+        return dict(self._db.execute("SELECT name, created FROM catalog_models").fetchall())
+
+    @_at_the_edge
+    def record_catalog(self, created: dict[str, float]) -> None:
+        """Record the names of `created` not recorded yet, with their time; a name recorded keeps
+        its first time (a model removed and added again)."""
+        with self._db:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO catalog_models (name, created) VALUES (?, ?)", sorted(created.items())
+            )
 
     # -- certificates ---------------------------------------------------------------------
 

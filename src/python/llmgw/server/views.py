@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from llmgw.config import EnginesSection, Model, ServerConfig
-from llmgw.engines import cpubackend
+from llmgw.engines import SPECS, cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.gateway.routing import Endpoint, Rotation
@@ -26,6 +26,7 @@ from llmgw.server.drains import DrainProgress
 from llmgw.server.registry import LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.replicas import Replicas
 from llmgw.wire import agent_link as w
+from llmgw.wire import gateway_link as g
 
 
 def cluster_fabrics(registry: NodeRegistry) -> FabricMap:
@@ -157,7 +158,12 @@ def model_views(models: Sequence[Model], replica_views: Sequence[dict[str, Any]]
 
 
 def gateway_rotation(
-    registry: NodeRegistry, replicas: Replicas, models: Sequence[Model], retiring: Collection[str], now: float
+    registry: NodeRegistry,
+    replicas: Replicas,
+    models: Sequence[Model],
+    retiring: Collection[str],
+    now: float,
+    created: Mapping[str, float] | None = None,
 ) -> Rotation:
     """The catalog's models and, for each placed replica whose rank 0 reports ready with a
     port on a node not lost, where the gateway reaches it and with which key. A replica on
@@ -192,7 +198,79 @@ def gateway_rotation(
                 draining=draining,
             )
         )
-    return Rotation(models=frozenset(m.name for m in models), endpoints=tuple(endpoints), unknown=frozenset(unknown))
+    details = model_details(registry, replicas, models, endpoints, unknown, now, created or {})
+    return Rotation(
+        models=frozenset(m.name for m in models),
+        endpoints=tuple(endpoints),
+        unknown=frozenset(unknown),
+        details=details,
+    )
+
+
+# Retry-After of a model none of whose replicas can become ready: nothing says when one will
+# (a node to join, an operator to act), so the client is asked to come back in a while.
+UNSERVABLE_RETRY_AFTER_S = 30
+_ON_THE_WAY = frozenset({w.FETCHING, w.STARTING, w.RESTARTING, w.READY})
+
+
+def model_details(
+    registry: NodeRegistry,
+    replicas: Replicas,
+    models: Sequence[Model],
+    endpoints: Sequence[Endpoint],
+    unknown: Collection[str],
+    now: float,
+    created: Mapping[str, float],
+) -> tuple[g.ModelInfo, ...]:
+    """Each catalog model's `ModelInfo`: its engine's routes for its args, when it entered the
+    catalog, and why no replica of it can become ready, if none can. One can while one is ready,
+    or placed on a node not lost and not failed there (assigned, fetching, starting, restarting),
+    or its state is not known yet, or the cluster is still forming (nodes on their way); else the
+    reason is the scheduler's (nothing fits), or its nodes being lost."""
+    ready = {e.model for e in endpoints}
+    coming: set[str] = set()
+    lost: dict[str, set[str]] = {}
+    for rid, stored in replicas.placed.items():
+        p = stored.placement
+        if rid in unknown:
+            coming.add(p.model)
+            continue
+        rank0 = registry.nodes.get(p.nodes[0])
+        gone = [n for n in p.nodes if (node := registry.nodes.get(n)) is None or registry.liveness(node, now) == LOST]
+        if gone:
+            lost.setdefault(p.model, set()).update(gone)
+            continue
+        status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None) if rank0 else None
+        if status is None or status.state in _ON_THE_WAY:
+            coming.add(p.model)
+    forming = replicas.forming(now)
+    pending: dict[str, str] = {}
+    for pend in replicas.pending:
+        pending.setdefault(pend.model, pend.reason)
+    out = []
+    for m in models:
+        why = ""
+        if m.name not in ready and m.name not in coming and not forming:
+            if m.name in pending:
+                why = f"no replica can be placed: {pending[m.name]}"
+            elif m.name in lost:
+                why = f"the nodes of its replicas are lost: {', '.join(sorted(lost[m.name]))}"
+            elif m.replicas == 0:
+                why = "the catalog asks for no replica of it (replicas = 0)"
+            else:
+                why = "none of its replicas runs"
+        spec = SPECS.get(m.engine)
+        out.append(
+            g.ModelInfo(
+                name=m.name,
+                engine=m.engine,
+                routes=spec.routes(m.args) if spec is not None else (),
+                created=int(created.get(m.name, 0)),
+                unservable=why,
+                retry_after_s=UNSERVABLE_RETRY_AFTER_S if why else 0,
+            )
+        )
+    return tuple(out)
 
 
 # -- the roles ------------------------------------------------------------------------------
@@ -252,8 +330,11 @@ class GatewayEndpoints:
         models: Callable[[], Sequence[Model]],
         retiring: Collection[str],
         changes: Changes,
+        created: Mapping[str, float] | None = None,
     ) -> None:
-        """`retiring`: the replicas a move is taking out of rotation (`Moves.retiring`, read live)."""
+        """`retiring`: the replicas a move is taking out of rotation (`Moves.retiring`, read live);
+        `created`: when each model entered the catalog (read live)."""
+        self.created = created if created is not None else {}
         self.registry = registry
         self.replicas = replicas
         self.models = models
@@ -262,7 +343,7 @@ class GatewayEndpoints:
 
     def gateway_rotation(self) -> Rotation:
         now = self.registry.clock.now()
-        return gateway_rotation(self.registry, self.replicas, self.models(), self.retiring, now)
+        return gateway_rotation(self.registry, self.replicas, self.models(), self.retiring, now, self.created)
 
     def rotation_changed(self) -> trio.Event:
         return self.changes.rotation.next()

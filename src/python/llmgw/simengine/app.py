@@ -27,7 +27,6 @@ from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor
 from llmgw.simengine import api
 from llmgw.simengine.options import SimOptions
-from llmgw.simengine.text import complete
 
 log = get_logger("llmgw.sim")
 
@@ -116,7 +115,7 @@ class SimEngine:
 
     async def answer(self, job: api.Job, fields: dict[str, object] | None = None) -> Response | StreamingResponse:
         """The answer to a checked request, after the time it takes (a stream: as it goes)."""
-        completion = complete(job.model, job.prompt_key, job.max_tokens, job.stop, job.ignore_eos)
+        completion = api.answer_of(job)
         if fields is not None:
             fields.update(prompt_tokens=job.prompt_tokens, completion_tokens=completion.tokens, stream=job.stream)
         prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
@@ -125,7 +124,13 @@ class SimEngine:
         token_s = self.options.output_token_ms / 1000
         if not job.stream:
             await trio.sleep(prompt_s + completion.tokens * token_s)
-            return Response.json(200, api.response_body(job, completion, id=ident, created=created))
+            body = b""
+            for part in api.whole_body(job, completion, id=ident, created=created):
+                if part is None:
+                    await trio.lowlevel.checkpoint()  # a slice of logprobs built: let others run
+                else:
+                    body = part
+            return Response(status=200, body=body, headers=(("content-type", "application/json"),))
 
         async def events() -> AsyncIterator[bytes]:
             await trio.sleep(prompt_s)

@@ -6,6 +6,9 @@ same answer on every run, every machine and every CPython, and a larger `max_tok
 the same text rather than starting another. Each prompt also has a natural length of
 `MIN_WORDS`..`MAX_WORDS` words, after which the answer ends by itself (finish_reason "stop")
 unless `ignore_eos` asks for exactly `max_tokens`.
+
+An answer may instead be tool calls (`ToolCall`, decided by `structured`): their arguments are
+pieces too, and count as output tokens as the words of a text answer do.
 """
 
 from __future__ import annotations
@@ -29,9 +32,22 @@ WORDS = (
 
 
 @attrs.frozen(kw_only=True)
+class ToolCall:
+    id: str  # "call_" and 24 hex digits, a function of the request
+    name: str
+    arguments: tuple[str, ...]  # the arguments' JSON text, one piece per output token
+
+    @property
+    def arguments_text(self) -> str:
+        return "".join(self.arguments)
+
+
+@attrs.frozen(kw_only=True)
 class Completion:
     pieces: tuple[str, ...]  # one per output token, each with its leading space
-    finish_reason: str  # "stop" (natural end or a stop sequence) or "length" (max_tokens)
+    # "stop" (natural end or a stop sequence), "length" (max_tokens) or "tool_calls"
+    finish_reason: str
+    tool_calls: tuple[ToolCall, ...] = ()  # when there are any, `pieces` is empty
 
     @property
     def text(self) -> str:
@@ -39,14 +55,15 @@ class Completion:
 
     @property
     def tokens(self) -> int:
-        return len(self.pieces)
+        return len(self.pieces) + sum(len(call.arguments) for call in self.tool_calls)
 
 
 def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-def _hasher(*parts: str):
+def hasher(*parts: str):
+    """A hash of `parts` to extend with `digest_from`: what every deterministic choice derives from."""
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
         h.update(part.encode("utf-8", "surrogatepass"))
@@ -54,7 +71,7 @@ def _hasher(*parts: str):
     return h
 
 
-def _digest_from(base, *parts: str) -> int:
+def digest_from(base, *parts: str) -> int:
     h = base.copy()
     for part in parts:
         h.update(part.encode("utf-8", "surrogatepass"))
@@ -63,7 +80,7 @@ def _digest_from(base, *parts: str) -> int:
 
 
 def _digest(*parts: str) -> int:
-    return int.from_bytes(_hasher(*parts).digest(), "big")
+    return int.from_bytes(hasher(*parts).digest(), "big")
 
 
 def natural_length(model: str, prompt_key: str) -> int:
@@ -80,18 +97,18 @@ def complete(
     """The answer to a prompt: at most `max_tokens` words, cut before the first stop sequence."""
     natural = natural_length(model, prompt_key)
     count = max_tokens if ignore_eos else min(max_tokens, natural)
-    base = _hasher(model, prompt_key)  # hashed once, copied for each word
-    pieces = [("" if i == 0 else " ") + WORDS[_digest_from(base, str(i)) % len(WORDS)] for i in range(count)]
+    base = hasher(model, prompt_key)  # hashed once, copied for each word
+    pieces = [("" if i == 0 else " ") + WORDS[digest_from(base, str(i)) % len(WORDS)] for i in range(count)]
     if count == natural and not ignore_eos:
         pieces[-1] += "."
     reason = "length" if count < natural or ignore_eos else "stop"
-    cut = _first_stop(pieces, stop)
+    cut = cut_at_stop(pieces, stop)
     if cut is not None:
         return Completion(pieces=cut, finish_reason="stop")
     return Completion(pieces=tuple(pieces), finish_reason=reason)
 
 
-def _first_stop(pieces: Sequence[str], stop: Sequence[str]) -> tuple[str, ...] | None:
+def cut_at_stop(pieces: Sequence[str], stop: Sequence[str]) -> tuple[str, ...] | None:
     """The pieces before the earliest stop sequence (which is not included), or None."""
     text = "".join(pieces)
     found = [i for i in (text.find(s) for s in stop if s) if i >= 0]

@@ -38,8 +38,10 @@ from llmgw.wire.agent_link import LinkError
 
 # 1: the first gateway link. 2: heartbeats carry the gateway's metrics (`MetricFamily`), its
 # requests on each replica (`ReplicaLoad`), the rotation it routes by and the keys it holds (the
-# `version` of each).
-GATEWAY_PROTOCOL_VERSION = 2
+# `version` of each). 3: the rotation says what the gateway needs of each model besides its
+# replicas (`ModelInfo`: its engine's routes, when it entered the catalog, why none can become
+# ready), and which replicas' state is not known yet (`unknown`).
+GATEWAY_PROTOCOL_VERSION = 3
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -127,6 +129,38 @@ class RouteEndpoint:
     draining: bool = False
 
 
+# The OpenAI-compatible routes a gateway forwards by model, each to the replicas whose engine
+# serves it (`ModelInfo.routes`; the engines' specs say which: `llmgw.engines`).
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+RERANK = "/v1/rerank"
+SCORE = "/v1/score"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+OPENAI_ROUTES = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, RERANK, SCORE, TOKENIZE, DETOKENIZE)
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """What a gateway needs of a catalog model besides its replicas.
+
+    `routes`: the OpenAI routes its engine serves with the model's arguments (`llmgw.engines`'
+    specs); () where the sender does not say (any route is forwarded). `created`: unix time the
+    model entered the catalog. `unservable`: why no replica of it can become ready now (none
+    placed, every one failed, their nodes lost), "" while one is ready or on its way; a request
+    for it then gets 503 at once instead of waiting in the queue, with Retry-After
+    `retry_after_s`."""
+
+    name: str
+    engine: str = ""
+    routes: tuple[str, ...] = ()
+    created: int = 0
+    unservable: str = ""
+    retry_after_s: int = 0
+
+
 @attrs.frozen(kw_only=True)
 class RotationChanged:
     """The catalog's models (a known model with nothing ready queues; an unknown one is a 404)
@@ -141,6 +175,7 @@ class RotationChanged:
     endpoints: tuple[RouteEndpoint, ...]
     unknown: tuple[str, ...] = ()
     version: int = 0
+    details: tuple[ModelInfo, ...] = ()  # of the models in `models`; one missing has the defaults
 
 
 @attrs.frozen(kw_only=True)
