@@ -171,6 +171,8 @@ def test_every_minor_has_its_compiled_modules_and_conditional_dependencies(relea
     # The runtime only: no test or build tools.
     tops = {n.split("/")[1] for n in names if n.startswith("site-packages/")}
     assert not tops & {"pytest", "_pytest", "ruff", "shiv", "pip", "click", "setuptools"}
+    clients = {"openai", "langchain_openai", "langchain_core", "litellm", "pydantic", "httpx2"}  # tests' only
+    assert not tops & clients
 
 
 def elf_machine(data: bytes) -> int | None:

@@ -103,6 +103,19 @@ def test_lock_hashes_are_by_file_name() -> None:
     assert lock.parse_lock(LOCK).hashes["typing_extensions-4.16.0-py3-none-any.whl"] == "ab" * 32
 
 
+# What the tests' clients bring (tests/integration/test_openai_clients.py): locked, never shipped.
+TEST_ONLY = {"openai", "langchain-openai", "langchain-core", "litellm", "pydantic", "httpx2", "boto3", "tokenizers"}
+
+
+def test_the_real_lock_pins_the_test_only_clients_and_the_release_takes_none_of_them() -> None:
+    # The checkout's files (the sandbox root under Pants: 3rdparty/python:release-inputs).
+    requirements, lockfile = Path("3rdparty/python/requirements.txt"), Path("3rdparty/python/default.lock")
+    pins, parsed = lock.read_pins(requirements, lockfile)
+    assert TEST_ONLY <= set(parsed.projects), sorted(TEST_ONLY - set(parsed.projects))
+    assert not TEST_ONLY & set(pins), sorted(TEST_ONLY & set(pins))
+    assert "trio" in pins and "cryptography" in pins
+
+
 # -- choosing and merging wheels -------------------------------------------------------------
 
 
