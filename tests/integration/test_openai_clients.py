@@ -11,10 +11,6 @@ an audit hook sees every connection and name lookup this process makes through P
 sockets, and each test fails on one to anywhere else (litellm looks up its price map's host at
 import unless LITELLM_LOCAL_MODEL_COST_MAP is set).
 
-Tests marked `xfail(strict=True)` need work of issue 29 on other branches: the gateway's error
-contract (i29-gw: codes as strings, `param`, `x-request-id`, a fast 503 `model_unavailable` with
-`x-should-retry: false` for a model nothing can serve) and the sim engine's tools,
-`response_format` and `logprobs` (i29-sim). They fail now; the marks go when those are merged.
 """
 
 from __future__ import annotations
@@ -46,19 +42,6 @@ MAX_TOKENS = 16
 # Each call is bounded: a request the sim answers in milliseconds gets 30 s before the client gives up.
 TIMEOUT_S = 30.0
 UNSERVABLE = "sim-unservable"  # in the catalog, needing more memory than any node has: never placed
-
-# `raises`: how each fails for want of that work today; any other exception is a bug of the test.
-NEEDS_GW = pytest.mark.xfail(
-    reason="needs branch i29-gw (the gateway's error contract)",
-    strict=True,
-    raises=(AssertionError, openai.APITimeoutError),
-)
-NEEDS_SIM = pytest.mark.xfail(
-    reason="needs branch i29-sim (tools, response_format, logprobs)",
-    strict=True,
-    raises=(AssertionError, pydantic.ValidationError, json.JSONDecodeError),
-)
-
 
 # -- nothing leaves loopback ---------------------------------------------------------------------
 
@@ -468,7 +451,6 @@ def test_litellm_maps_each_error_to_its_exception(
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
-@NEEDS_GW
 def test_openai_errors_carry_openais_codes_and_a_request_id(
     gateway: Gateway, case: Callable[..., Any], error: type[openai.APIStatusError], code: str, param: str | None
 ) -> None:
@@ -479,7 +461,6 @@ def test_openai_errors_carry_openais_codes_and_a_request_id(
     assert raised.value.request_id
 
 
-@NEEDS_GW
 def test_openai_rate_limit_error_carries_openais_code(gateway: Gateway) -> None:
     key = gateway.new_key("one-a-minute", "--rate-per-minute", "1")
     ask(sdk(gateway, key))
@@ -489,7 +470,6 @@ def test_openai_rate_limit_error_carries_openais_code(gateway: Gateway) -> None:
     assert raised.value.request_id
 
 
-@NEEDS_GW
 def test_every_answer_carries_a_request_id_and_the_callers_own_comes_back(gateway: Gateway) -> None:
     response = sdk(gateway).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS
@@ -519,7 +499,6 @@ def unservable(gateway: Gateway) -> str:
     return UNSERVABLE
 
 
-@NEEDS_GW
 def test_an_unservable_model_fails_at_once_with_the_sdks_default_retries(gateway: Gateway, unservable: str) -> None:
     attempts = Attempts()
     # Default retries (2). The timeout only bounds this test while the gateway still queues such a
@@ -536,7 +515,6 @@ def test_an_unservable_model_fails_at_once_with_the_sdks_default_retries(gateway
     assert unservable in raised.value.message
 
 
-@NEEDS_GW
 def test_litellm_gets_an_unservable_model_as_service_unavailable_at_once(
     gateway: Gateway, litellm: Any, unservable: str
 ) -> None:
@@ -571,7 +549,6 @@ WEATHER_TOOL = {
 }
 
 
-@NEEDS_SIM
 def test_openai_parse_returns_the_pydantic_model(gateway: Gateway) -> None:
     completion = sdk(gateway).chat.completions.parse(
         model=MODEL,
@@ -582,13 +559,11 @@ def test_openai_parse_returns_the_pydantic_model(gateway: Gateway) -> None:
     assert isinstance(completion.choices[0].message.parsed, City)
 
 
-@NEEDS_SIM
 def test_openai_json_object_response_format_answers_a_json_object(gateway: Gateway) -> None:
     completion = ask(sdk(gateway), response_format={"type": "json_object"}, max_tokens=256)
     assert isinstance(json.loads(completion.choices[0].message.content or ""), dict)
 
 
-@NEEDS_SIM
 def test_openai_tool_call_then_the_tool_result_turn(gateway: Gateway) -> None:
     client = sdk(gateway)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -609,7 +584,6 @@ def test_openai_tool_call_then_the_tool_result_turn(gateway: Gateway) -> None:
     assert second.choices[0].finish_reason in ("stop", "length") and second.choices[0].message.content
 
 
-@NEEDS_SIM
 def test_openai_streamed_tool_call_is_assembled_by_the_sdk(gateway: Gateway) -> None:
     with sdk(gateway).chat.completions.stream(
         model=MODEL,
@@ -624,7 +598,6 @@ def test_openai_streamed_tool_call_is_assembled_by_the_sdk(gateway: Gateway) -> 
     assert call.function.name == "record_city" and isinstance(call.function.parsed_arguments, City)
 
 
-@NEEDS_SIM
 def test_openai_logprobs_come_with_each_token(gateway: Gateway) -> None:
     completion = ask(sdk(gateway), logprobs=True, top_logprobs=2)
     assert completion.choices[0].logprobs is not None, completion
@@ -633,7 +606,6 @@ def test_openai_logprobs_come_with_each_token(gateway: Gateway) -> None:
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
-@NEEDS_SIM
 def test_langchain_bind_tools_gets_a_tool_call(gateway: Gateway) -> None:
     message = (
         chat_model(gateway, max_tokens=256)
@@ -645,8 +617,17 @@ def test_langchain_bind_tools_gets_a_tool_call(gateway: Gateway) -> None:
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
 
 
-@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
-@NEEDS_SIM
+def test_langchain_json_mode_gets_a_json_object(gateway: Gateway) -> None:
+    """json_mode sends `response_format: json_object`, which promises a JSON object and no shape (a
+    real model follows the prompt's description of one; the sim reads no instructions): the reply
+    parses as an object."""
+    structured = chat_model(gateway, max_tokens=256).with_structured_output(None, method="json_mode", include_raw=True)
+    result = structured.invoke("A city, as JSON with its name and population.")
+    assert result["parsing_error"] is None and isinstance(result["parsed"], dict), result
+    assert json.loads(result["raw"].content) == result["parsed"]
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output_returns_the_pydantic_model(gateway: Gateway, method: str) -> None:
     structured = chat_model(gateway, max_tokens=256).with_structured_output(City, method=method, include_raw=True)
     # include_raw: a reply that does not parse comes back with the reason instead of raising.

@@ -264,3 +264,11 @@ def test_each_models_details_say_its_routes_its_created_and_why_none_can_become_
     r3 = replicas(tmp_path / "three", early, catalog)
     r3.reconcile(1)
     assert all(d.unservable == "" for d in gateway_rotation(early, r3, catalog, (), 1, {}).details)
+    # Just after a start with every node here, nothing is on its way: what cannot be placed is
+    # unservable at once (not only past the window in which absent nodes may come back).
+    fresh = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=30)
+    joined(fresh, "a", 1)
+    r4 = replicas(tmp_path / "four", fresh, catalog[:2])
+    r4.reconcile(2)
+    got = {d.name: d for d in gateway_rotation(fresh, r4, catalog[:2], (), 2, {}).details}
+    assert got["chat"].unservable == "" and got["huge"].unservable.startswith("no replica can be placed: ")

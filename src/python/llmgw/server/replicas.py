@@ -210,6 +210,15 @@ class Replicas:
             return True
         return any(_arriving(self.registry.liveness(node, now), node) for node in self.registry.nodes.values())
 
+    def nodes_on_their_way(self, now: float) -> bool:
+        """A node that may yet take work is on its way: one connected or expected back but not
+        ready (`_arriving`), or, with no node known at all, the first moments after the start.
+        Unlike `forming`, a cluster whose every node is here is not waiting for anything, however
+        recently the control plane started."""
+        if not self.registry.nodes:
+            return self.registry.forming(now)
+        return any(_arriving(self.registry.liveness(node, now), node) for node in self.registry.nodes.values())
+
     def _report_pending(self, pending: Sequence[Pending], forming: bool) -> None:
         """Log each pending reason once: at info while the cluster is still forming (a replica
         waiting for nodes that are on their way is no problem), as a warning once it is formed

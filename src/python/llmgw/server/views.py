@@ -225,8 +225,9 @@ def model_details(
     """Each catalog model's `ModelInfo`: its engine's routes for its args, when it entered the
     catalog, and why no replica of it can become ready, if none can. One can while one is ready,
     or placed on a node not lost and not failed there (assigned, fetching, starting, restarting),
-    or its state is not known yet, or the cluster is still forming (nodes on their way); else the
-    reason is the scheduler's (nothing fits), or its nodes being lost."""
+    or its state is not known yet, or a node is on its way (connected or expected back, not ready
+    yet: it may take the model); else the reason is the scheduler's (nothing fits), or its nodes
+    being lost."""
     ready = {e.model for e in endpoints}
     coming: set[str] = set()
     lost: dict[str, set[str]] = {}
@@ -243,7 +244,7 @@ def model_details(
         status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None) if rank0 else None
         if status is None or status.state in _ON_THE_WAY:
             coming.add(p.model)
-    forming = replicas.forming(now)
+    forming = replicas.nodes_on_their_way(now)
     pending: dict[str, str] = {}
     for pend in replicas.pending:
         pending.setdefault(pend.model, pend.reason)
