@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -91,9 +92,12 @@ def test_up_serves_a_gguf_file_with_the_real_llama_server(tmp_path: Path) -> Non
         )
         # The llama.cpp replica may still be loading when `ready` (which waits for the sim) comes:
         # the gateway queues the request until it is ready.
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.headers["x-llmgw-replica"].startswith("tiny-")
-            answer = json.loads(response.read())
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.headers["x-llmgw-replica"].startswith("tiny-")
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # the gateway's reason, not urllib's
+            raise AssertionError(f"{exc.code}: {exc.read()[:2000]!r}") from None
         assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] > 0
     finally:
         assert stop(proc) == 0

@@ -272,3 +272,11 @@ def test_each_models_details_say_its_routes_its_created_and_why_none_can_become_
     r4.reconcile(2)
     got = {d.name: d for d in gateway_rotation(fresh, r4, catalog[:2], (), 2, {}).details}
     assert got["chat"].unservable == "" and got["huge"].unservable.startswith("no replica can be placed: ")
+    # A node installing the engine a model needs: its replica is on its way, not unservable.
+    reg5 = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0, reconnect_grace_s=0)
+    joined(reg5, "a", now)
+    r5 = replicas(tmp_path / "five", reg5, catalog[2:])
+    r5.reconcile(now)
+    assert gateway_rotation(reg5, r5, catalog[2:], (), now, {}).details[0].unservable  # no vllm at all
+    reg5.nodes["a"].engines = (*SIM, w.EngineStatus(name="vllm", version="", ok=False, state=w.ENGINE_INSTALLING))
+    assert gateway_rotation(reg5, r5, catalog[2:], (), now, {}).details[0].unservable == ""

@@ -226,7 +226,7 @@ def model_details(
     catalog, and why no replica of it can become ready, if none can. One can while one is ready,
     or placed on a node not lost and not failed there (assigned, fetching, starting, restarting),
     or its state is not known yet, or a node is on its way (connected or expected back, not ready
-    yet: it may take the model); else the reason is the scheduler's (nothing fits), or its nodes
+    yet: it may take the model), or a node is installing its engine; else the reason is the scheduler's (nothing fits), or its nodes
     being lost."""
     ready = {e.model for e in endpoints}
     coming: set[str] = set()
@@ -245,13 +245,21 @@ def model_details(
         if status is None or status.state in _ON_THE_WAY:
             coming.add(p.model)
     forming = replicas.nodes_on_their_way(now)
+    # An engine a node is installing now may take a model nothing else can: it is on its way.
+    installing = {
+        e.name
+        for n in registry.nodes.values()
+        if registry.liveness(n, now) != LOST
+        for e in n.engines
+        if e.state == w.ENGINE_INSTALLING
+    }
     pending: dict[str, str] = {}
     for pend in replicas.pending:
         pending.setdefault(pend.model, pend.reason)
     out = []
     for m in models:
         why = ""
-        if m.name not in ready and m.name not in coming and not forming:
+        if m.name not in ready and m.name not in coming and not forming and m.engine not in installing:
             if m.name in pending:
                 why = f"no replica can be placed: {pending[m.name]}"
             elif m.name in lost:
