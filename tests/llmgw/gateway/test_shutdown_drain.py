@@ -24,6 +24,32 @@ from testlib.waiting import wait_until
 pytestmark = pytest.mark.trio
 
 
+async def start_stream(port: int, token: str) -> tuple[trio.SocketStream, bytes]:
+    """A streamed chat of about 2 s on a connection of its own, once its first events came."""
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    body = json.dumps(chat(stream=True, max_tokens=20, ignore_eos=True)).encode()  # ~2 s of tokens
+    await client.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    got = b""
+    with trio.fail_after(10):
+        while got.count(b"data: ") < 3:
+            got += await client.receive_some(65536)
+    return client, got
+
+
+async def finish_stream(client: trio.SocketStream, got: bytes) -> None:
+    """The rest of the stream `start_stream` began, to its end: none of it cut."""
+    with trio.fail_after(15):
+        while not got.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            data = await client.receive_some(65536)
+            assert data, f"the stream was cut during the drain: {got[-200:]!r}"
+            got += data
+    assert b"data: [DONE]" in got and got.count(b'"content":') >= 20
+
+
 async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requests(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
@@ -51,17 +77,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
 
     port = (await nursery.start(run_plane)).http_address[1]
 
-    client = await trio.open_tcp_stream("127.0.0.1", port)
-    body = json.dumps(chat(stream=True, max_tokens=20, ignore_eos=True)).encode()  # ~2 s of tokens
-    await client.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-        + f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    got = b""
-    with trio.fail_after(10):
-        while got.count(b"data: ") < 3:
-            got += await client.receive_some(65536)
+    client, got = await start_stream(port, token)
 
     plane_scope.cancel()  # what SIGTERM does to `llmgw server`
     await wait_until(lambda: plane.gateway.draining, "the gateway draining", timeout=5)
@@ -71,12 +87,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     assert status == 503 and headers["retry-after"] and b"shutting down" in refused
     assert not stopped.is_set()
 
-    with trio.fail_after(15):
-        while not got.endswith(b"0\r\n\r\n"):  # the chunked body's end
-            data = await client.receive_some(65536)
-            assert data, f"the stream was cut during the drain: {got[-200:]!r}"
-            got += data
-    assert b"data: [DONE]" in got and got.count(b'"content":') >= 20
+    await finish_stream(client, got)
     await client.aclose()
     with trio.fail_after(5):
         await stopped.wait()
@@ -127,28 +138,13 @@ async def test_a_stopped_worker_on_a_shared_port_stops_accepting_and_finishes_wh
         stopped.set()
 
     await nursery.start(run)
-    client = await trio.open_tcp_stream("127.0.0.1", port)
-    body = json.dumps(chat(stream=True, max_tokens=20, ignore_eos=True)).encode()  # ~2 s of tokens
-    await client.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-        + f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    got = b""
-    with trio.fail_after(10):
-        while got.count(b"data: ") < 3:
-            got += await client.receive_some(65536)
+    client, got = await start_stream(port, token)
 
     scope.cancel()
     await wait_until(lambda: gateway.draining, "the gateway draining", timeout=5)
     with pytest.raises(OSError):  # left the port: refused, not a 503
         await trio.open_tcp_stream("127.0.0.1", port)
-    with trio.fail_after(15):
-        while not got.endswith(b"0\r\n\r\n"):
-            data = await client.receive_some(65536)
-            assert data, f"the stream was cut during the drain: {got[-200:]!r}"
-            got += data
-    assert b"data: [DONE]" in got and got.count(b'"content":') >= 20
+    await finish_stream(client, got)
     with trio.fail_after(5):
         assert await client.receive_some(65536) == b""  # and then its connection closes
     with trio.fail_after(5):
