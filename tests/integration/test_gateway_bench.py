@@ -35,6 +35,7 @@ def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[st
         "throughput_ratio",
         "sse_chunks_per_cpu_second",
         "streams_rss",
+        "streams_all_open",
         "workers_scaling",
         "workers_cpu_per_request",
     }
@@ -49,3 +50,13 @@ def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> Non
     assert len(result["workers_1_rps_rounds"]) == len(result["workers_3_rps_rounds"]) == 2
     assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
     assert set(result["ok"]) == {"workers_scaling", "workers_cpu_per_request"}
+
+
+def test_an_open_stream_is_told_from_a_refusal_without_waiting_for_an_event() -> None:
+    # A 503 keeps its connection open: the open-streams phase once waited on it for an event
+    # until its deadline, and the whole benchmark ended in TooSlowError.
+    refused = b'HTTP/1.1 503 Service Unavailable\r\ncontent-length: 9\r\n\r\n{"e": 1}\n'
+    assert gateway.stream_answer(refused) is False
+    assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream") is None
+    assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n") is None
+    assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\n\r\ne6\r\ndata: {}") is True

@@ -15,7 +15,8 @@ connections). Phases, each with a fixed number of requests (or seconds) and a de
 3. SSE relay: streamed requests of 256 tokens at concurrency 16; events relayed per second of the
    gateway's CPU time (user + system);
 4. open streams: S streams held open at once through a fresh gateway to an engine with a slow
-   `--output-token-ms`; the gateway's RSS before and with all of them open.
+   `--output-token-ms`; the gateway's RSS before and with all of them open; a stream refused
+   is counted (`streams_failed`, the first such answer in `streams_first_failure`), not waited on;
 5. workers: the product's own gateway, `llmgw gateway --table-file TABLE --workers 1` and then
    `--workers N` (a parent and its worker processes sharing one port with SO_REUSEPORT), in
    front of a canned-response upstream, loaded by generator processes (`tools/bench/rawhttp.py`:
@@ -235,8 +236,22 @@ async def concurrent(port: int, token: str, count: int, concurrency: int, body: 
     return time.perf_counter() - started, events[0]
 
 
+def stream_answer(got: bytes) -> bool | None:
+    """Whether the answer begun in `got` is an open stream: True once a 200 head and its first
+    event are in, False once another head is (a 503, say, whose connection stays open: waiting
+    for an event there would wait forever), None while it cannot tell yet."""
+    head, sep, rest = got.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        return False
+    return True if b"data: " in rest else None
+
+
 async def hold_streams(gw: GatewayProc, count: int) -> dict:
-    """Open `count` streams through the gateway, measure its RSS with all open, then close them."""
+    """Open `count` streams through the gateway, measure its RSS with all open (or refused: a
+    failure is counted, with the first one's answer, and does not hold the phase), then close
+    them."""
     body = json.dumps({**CHAT, "stream": True, "max_tokens": 64}).encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -244,25 +259,31 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
         + body
     )
     opened, failed = [0], []
-    all_open = trio.Event()
+    all_answered = trio.Event()
     connecting = trio.Semaphore(200)  # below the listen backlog
+
+    def answered() -> None:
+        if opened[0] + len(failed) == count:
+            all_answered.set()
 
     async def one() -> None:
         async with connecting:
             stream = await trio.open_tcp_stream("127.0.0.1", gw.port)
             await stream.send_all(request)
-            got = b""
-            while b"data: " not in got:
+            got, state = b"", None
+            while state is None:
                 data = await stream.receive_some(65536)
                 if not data:
-                    failed.append(got[:200])
-                    return
+                    break
                 got += data
-        if b" 200 " not in got.split(b"\r\n", 1)[0]:
-            failed.append(got[:200])
+                state = stream_answer(got)
+        if not state:
+            failed.append(got[:300].decode(errors="replace"))
+            stream.socket.close()
+            answered()
+            return
         opened[0] += 1
-        if opened[0] == count:
-            all_open.set()
+        answered()
         try:
             await trio.sleep_forever()
         finally:
@@ -273,7 +294,7 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
     async with trio.open_nursery() as nursery:
         for _ in range(count):
             nursery.start_soon(one)
-        await all_open.wait()
+        await all_answered.wait()
         open_s = time.perf_counter() - started
         await trio.sleep(1.0)  # let the last streams' buffers settle before reading RSS
         rss = gw.rss_mib()
@@ -281,6 +302,7 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
     return {
         "streams_open": opened[0],
         "streams_failed": len(failed),
+        **({"streams_first_failure": failed[0]} if failed else {}),
         "streams_open_s": round(open_s, 1),
         "rss_idle_mib": round(rss_before, 1),
         "rss_mib": round(rss, 1),
@@ -639,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.streams:
                 ok["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
+                ok["streams_all_open"] = figures["streams_failed"] == 0
         if args.workers:
             workers = workers_phase(Path(tmp), args.workers, args.workers_seconds, args.workers_rounds)
             result |= workers
