@@ -77,10 +77,7 @@ WARMUP_S = 1.0
 
 
 def child_env() -> dict[str, str]:
-    """The children's environment: this process's code on their path. Without $PEX, which a
-    `./pants run` of this file sets to its own PEX: llmgw would take it for itself and start its
-    workers as this benchmark (`llmgw.selfexec`)."""
-    env = {k: v for k, v in os.environ.items() if k != "PEX"}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
 
