@@ -1,5 +1,5 @@
 """A gateway's endpoint provider without a control plane, for the tests and the bench
-(tools/bench/gateway_runner.py): a fixed rotation, replaced with `set`.
+(tools/bench/gateway_runner.py, phases 1-4): a fixed rotation, replaced with `set`.
 
 The control plane's provider is `llmgw.server.views.GatewayEndpoints`; both meet
 `llmgw.gateway.app.EndpointProvider`.

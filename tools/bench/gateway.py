@@ -3,9 +3,10 @@
     PYTHONPATH=src/python:tests:tools python3 tools/bench/gateway.py [--requests N] [--streams S]
         [--workers N] [--workers-seconds S] [--workers-rounds R] [--workers-only]
 
-Loopback only. The gateway runs in its own process (`tools/bench/gateway_runner.py`), so its CPU
-time and memory are its own (read from /proc/PID/stat and /proc/PID/status); the engines are
-`llmgw engine sim` processes; the load comes from this process (trio + h11, keep-alive
+Loopback only. In phases 1-4 the gateway runs in a process of its own
+(`tools/bench/gateway_runner.py`: one process, where `llmgw gateway` has a parent and a worker),
+so its CPU time and memory are its own (read from /proc/PID/stat and /proc/PID/status); the
+engines are `llmgw engine sim` processes; the load comes from this process (trio + h11, keep-alive
 connections). Phases, each with a fixed number of requests (or seconds) and a deadline:
 
 1. latency at concurrency 1: N non-streamed requests one after another, direct and through the
@@ -14,14 +15,16 @@ connections). Phases, each with a fixed number of requests (or seconds) and a de
 3. SSE relay: streamed requests of 256 tokens at concurrency 16; events relayed per second of the
    gateway's CPU time (user + system);
 4. open streams: S streams held open at once through a fresh gateway to an engine with a slow
-   `--output-token-ms`; the gateway's RSS before and with all of them open.
-5. workers: the gateway as 1 and then N worker processes sharing one port (SO_REUSEPORT; each a
-   gateway runner started with `--reuse-port`), in front of a canned-response upstream, loaded
-   by generator processes (`tools/bench/rawhttp.py`: raw-socket epoll loops, so the gateway is
-   what is measured and not the engine or the client) on 32 keep-alive connections per worker
-   for S seconds, R times each in turn: the throughput with N workers over 1
-   (`workers_scaling`) and the workers' CPU per request (user + system, all workers, over the
-   measured window) with 1 and with N, each the median of its R runs.
+   `--output-token-ms`; the gateway's RSS before and with all of them open; a stream refused
+   is counted (`streams_failed`, the first such answer in `streams_first_failure`), not waited on;
+5. workers: the product's own gateway, `llmgw gateway --table-file TABLE --workers 1` and then
+   `--workers N` (a parent and its worker processes sharing one port with SO_REUSEPORT), in
+   front of a canned-response upstream, loaded by generator processes (`tools/bench/rawhttp.py`:
+   raw-socket epoll loops, so the gateway is what is measured and not the engine or the client)
+   on 32 keep-alive connections per worker for S seconds, R times each in turn: the throughput
+   with N workers over 1 (`workers_scaling`) and the CPU per request (user + system of the
+   parent and every process under it, over the measured window) with 1 and with N, each the
+   median of its R runs.
 
 Prints one JSON object: the settings, the figures and whether each meets its target.
 """
@@ -35,7 +38,6 @@ import platform
 import resource
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,9 +49,15 @@ import h11
 import trio
 from bench import gateway_runner, rawhttp
 
+from llmgw.gateway.keys import token_hash
+from llmgw.wire.gateway_link import GatewayKey
+from testlib.gatewaytable import write_table_file
+from testlib.ports import free_port  # not from the ephemeral range, which the load's connections use
+
 MAX_REQUESTS = 20_000
 MAX_STREAMS = 8_000
 READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 40.0  # `llmgw gateway`'s stop: its workers' drain (nothing in flight by then) and exit
 PHASE_TIMEOUT_S = 180.0
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 TARGETS = {
@@ -66,12 +74,6 @@ MAX_WORKERS = 8
 CONNECTIONS_PER_WORKER = 32
 LOAD_PROCESSES = 2  # the generator's processes (it is cheap, but one core's loop must never be the limit)
 WARMUP_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:
@@ -103,30 +105,14 @@ def cpu_s(pid: int) -> float:
 
 
 class GatewayProc:
-    def __init__(
-        self,
-        tmp: Path,
-        name: str,
-        upstreams: list,
-        *,
-        port: int = 0,
-        reuse_port: bool = False,
-        token: str | None = None,
-    ) -> None:
-        """A gateway runner in front of `upstreams` (each with `endpoint()`); with `reuse_port`, one
-        of the workers sharing `port`, all taking `token`."""
+    def __init__(self, tmp: Path, name: str, upstreams: list) -> None:
+        """A gateway runner in front of `upstreams` (each with `endpoint()`), on a free port."""
         spec = tmp / f"{name}.json"
-        spec.write_text(
-            json.dumps(
-                {"endpoints": [u.endpoint() for u in upstreams]}
-                | ({"token": token} if token else {})
-            )
-        )
-        flags = ["--port", str(port)] + (["--reuse-port"] if reuse_port else [])
+        spec.write_text(json.dumps({"endpoints": [u.endpoint() for u in upstreams]}))
         log = tmp / f"{name}.log"
         with log.open("wb") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", gateway_runner.__name__, str(spec), *flags],
+                [sys.executable, "-m", gateway_runner.__name__, str(spec)],
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -247,8 +233,22 @@ async def concurrent(port: int, token: str, count: int, concurrency: int, body: 
     return time.perf_counter() - started, events[0]
 
 
+def stream_answer(got: bytes) -> bool | None:
+    """Whether the answer begun in `got` is an open stream: True once a 200 head and its first
+    event are in, False once another head is (a 503, say, whose connection stays open: waiting
+    for an event there would wait forever), None while it cannot tell yet."""
+    head, sep, rest = got.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        return False
+    return True if b"data: " in rest else None
+
+
 async def hold_streams(gw: GatewayProc, count: int) -> dict:
-    """Open `count` streams through the gateway, measure its RSS with all open, then close them."""
+    """Open `count` streams through the gateway, measure its RSS with all open (or refused: a
+    failure is counted, with the first one's answer, and does not hold the phase), then close
+    them."""
     body = json.dumps({**CHAT, "stream": True, "max_tokens": 64}).encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -256,25 +256,31 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
         + body
     )
     opened, failed = [0], []
-    all_open = trio.Event()
+    all_answered = trio.Event()
     connecting = trio.Semaphore(200)  # below the listen backlog
+
+    def answered() -> None:
+        if opened[0] + len(failed) == count:
+            all_answered.set()
 
     async def one() -> None:
         async with connecting:
             stream = await trio.open_tcp_stream("127.0.0.1", gw.port)
             await stream.send_all(request)
-            got = b""
-            while b"data: " not in got:
+            got, state = b"", None
+            while state is None:
                 data = await stream.receive_some(65536)
                 if not data:
-                    failed.append(got[:200])
-                    return
+                    break
                 got += data
-        if b" 200 " not in got.split(b"\r\n", 1)[0]:
-            failed.append(got[:200])
+                state = stream_answer(got)
+        if not state:
+            failed.append(got[:300].decode(errors="replace"))
+            stream.socket.close()
+            answered()
+            return
         opened[0] += 1
-        if opened[0] == count:
-            all_open.set()
+        answered()
         try:
             await trio.sleep_forever()
         finally:
@@ -285,7 +291,7 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
     async with trio.open_nursery() as nursery:
         for _ in range(count):
             nursery.start_soon(one)
-        await all_open.wait()
+        await all_answered.wait()
         open_s = time.perf_counter() - started
         await trio.sleep(1.0)  # let the last streams' buffers settle before reading RSS
         rss = gw.rss_mib()
@@ -293,6 +299,7 @@ async def hold_streams(gw: GatewayProc, count: int) -> dict:
     return {
         "streams_open": opened[0],
         "streams_failed": len(failed),
+        **({"streams_first_failure": failed[0]} if failed else {}),
         "streams_open_s": round(open_s, 1),
         "rss_idle_mib": round(rss_before, 1),
         "rss_mib": round(rss, 1),
@@ -390,11 +397,110 @@ class CannedUpstream:
             raise SystemExit(f"the canned upstream exited with {self.proc.wait(10)} before listening")
         self.pids = json.loads(line)["pids"]
 
-    def endpoint(self) -> dict:
-        return {"replica_id": "canned", "model": "chat", "host": "127.0.0.1", "port": self.port, "api_key": "canned"}
+    # What the gateway's table names it by (`testlib.gatewaytable.route`).
+    name, model, host, key = "canned", "chat", "127.0.0.1", "canned"
 
     def cpu_s(self) -> float:
         return sum(cpu_s(pid) for pid in self.pids)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` now (its children, theirs, ...), from /proc/PID/task/TID/children."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue  # the thread (or the process) ended meanwhile
+            found += children
+            todo += children
+    return found
+
+
+class ProductGateway:
+    """`llmgw gateway --table-file TABLE --workers N` on 127.0.0.1:`port` in front of `upstream`,
+    taking the API key `token`: the product's parent process, which starts its workers (the same
+    llmgw again, `llmgw.selfexec`) and says their pids in its `gateway_ready` event once every
+    one serves. Its log (JSON lines, the workers' too) is `name`.log in `tmp`."""
+
+    def __init__(self, tmp: Path, name: str, upstream: CannedUpstream, *, workers: int, port: int, token: str) -> None:
+        table = write_table_file(
+            tmp / f"{name}.json", [upstream], keys=(GatewayKey(name="bench", token_sha256=token_hash(token)),)
+        )
+        self.log = tmp / f"{name}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llmgw", "--log-format", "json", "gateway", "--table-file", str(table)]
+                + ["--listen", f"127.0.0.1:{port}", "--workers", str(workers), "--name", name],
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,  # a terminal's Ctrl-C goes to the bench, which stops it
+            )
+        self.pid = self.proc.pid
+        try:
+            self.worker_pids = self._ready(workers)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _ready(self, workers: int) -> list[int]:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            for event in self.events("gateway_ready"):
+                pids = [int(p) for p in event["pids"].split(",")]
+                children = set(descendants(self.pid))
+                if len(pids) != workers or not children.issuperset(pids):
+                    raise SystemExit(f"gateway_ready names workers {pids}, its processes are {sorted(children)}")
+                return pids
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llmgw gateway exited {self.proc.returncode} before it served:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"llmgw gateway did not serve within {READY_TIMEOUT_S:g} s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def events(self, event: str) -> list[dict]:
+        """Its JSON log lines of `event` so far."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line still being written
+                if record.get("event") == event:
+                    out.append(record)
+        return out
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def cpu_s(self) -> dict[int, float]:
+        """User + system CPU time so far of the parent and every process under it, by pid."""
+        return {pid: cpu_s(pid) for pid in [self.pid, *descendants(self.pid)]}
+
+    def stop(self) -> None:
+        """SIGTERM: the parent stops its workers (each drains what is in flight, nothing once the
+        load has ended) and exits once they have; SIGKILL to all if it takes too long."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the parent and every process under it (workers lead sessions of their own,
+        so its process group alone would miss them)."""
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(STOP_TIMEOUT_S)
 
 
 def machine_busy_s() -> float:
@@ -434,36 +540,42 @@ def generate(port: int, token: str, *, connections: int, seconds: float, process
 
 
 def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: float, connections: int) -> dict:
-    """Throughput and CPU per request of `workers` gateway runners sharing one port."""
+    """Throughput and CPU per request of `llmgw gateway --workers {workers}`."""
     port, token = free_port(), f"llmgw-bench-{secrets.token_urlsafe(16)}"
-    gateways: list[GatewayProc] = []
+    gateway = ProductGateway(tmp, f"workers-{workers}-{port}", upstream, workers=workers, port=port, token=token)
     try:
-        for i in range(workers):
-            name = f"workers-{port}-{i}"  # a fresh store for each run
-            gateways.append(GatewayProc(tmp, name, [upstream], port=port, reuse_port=True, token=token))
         # Every worker's code paths warm and its upstream connections open before the window.
         generate(port, token, connections=connections, seconds=min(WARMUP_S, seconds), processes=LOAD_PROCESSES)
-        before = [g.cpu_s() for g in gateways]
+        before = gateway.cpu_s()
         upstream_before, machine_before, wall_before = upstream.cpu_s(), machine_busy_s(), time.monotonic()
         load = generate(port, token, connections=connections, seconds=seconds, processes=LOAD_PROCESSES)
-        spent = [g.cpu_s() - b for g, b in zip(gateways, before, strict=True)]
+        after = gateway.cpu_s()
         upstream_spent = upstream.cpu_s() - upstream_before
         machine_spent, wall = machine_busy_s() - machine_before, time.monotonic() - wall_before
     finally:
-        for g in gateways:
-            stop(g.proc)
+        gateway.stop()
+    if after.keys() != before.keys():
+        # A process that ended in the window took its CPU time with it: the figure would be low.
+        raise SystemExit(
+            f"{workers} worker(s): the gateway's processes changed during the window ({sorted(before)} -> "
+            f"{sorted(after)}; a worker restarted?):\n{gateway.tail()}"
+        )
     if load["failed"] or not load["requests"]:
         raise SystemExit(f"{workers} worker(s): {load['failed']} failed requests, {load['requests']} answered")
+    spent = {pid: after[pid] - before[pid] for pid in before}
+    gateway_spent = sum(spent.values())
     return {
         "rps": round(load["requests"] / load["seconds"]),
         "requests": load["requests"],
-        "cpu_per_request_ms": round(sum(spent) / load["requests"] * 1000, 4),
-        "worker_cpu_s": [round(c, 2) for c in spent],  # how evenly the kernel spread the connections
+        "cpu_per_request_ms": round(gateway_spent / load["requests"] * 1000, 4),
+        "worker_cpu_s": [round(spent[pid], 2) for pid in gateway.worker_pids],  # how evenly the kernel spread them
+        "parent_cpu_s": round(spent[gateway.pid], 3),
+        "processes": len(spent),  # the parent, its workers and anything they started
         "load_cpu_share": round(load["cpu_s"] / load["seconds"], 3),  # cores the generator took
         "upstream_cpu_share": round(upstream_spent / load["seconds"], 3),
         # Cores busy with anything else meanwhile (other processes, the kernel's own work): a
         # run where this is large measured a shared machine, not the gateway.
-        "others_cpu_share": round(max(0.0, machine_spent - sum(spent) - upstream_spent - load["cpu_s"]) / wall, 3),
+        "others_cpu_share": round(max(0.0, machine_spent - gateway_spent - upstream_spent - load["cpu_s"]) / wall, 3),
     }
 
 
@@ -489,6 +601,8 @@ def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
         out[f"workers_{n}_cpu_per_request_ms_rounds"] = [f["cpu_per_request_ms"] for f in figures]
         out[f"workers_{n}_others_cpu_share_rounds"] = [f["others_cpu_share"] for f in figures]
         out[f"workers_{n}_worker_cpu_s"] = figures[-1]["worker_cpu_s"]  # the last round's spread
+        out[f"workers_{n}_parent_cpu_s"] = figures[-1]["parent_cpu_s"]
+        out[f"workers_{n}_processes"] = figures[-1]["processes"]
     one, many = out["workers_1_rps"], out[f"workers_{workers}_rps"]
     out["workers_scaling"] = round(many / one, 3)
     cpu_one, cpu_many = out["workers_1_cpu_per_request_ms"], out[f"workers_{workers}_cpu_per_request_ms"]
@@ -544,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.streams:
                 ok["streams_rss"] = figures[f"streams_{args.streams}_rss_mib"] < TARGETS["rss_mib"]
+                ok["streams_all_open"] = figures["streams_failed"] == 0
         if args.workers:
             workers = workers_phase(Path(tmp), args.workers, args.workers_seconds, args.workers_rounds)
             result |= workers

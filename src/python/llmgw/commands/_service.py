@@ -7,7 +7,8 @@ deadline), and the process exits 0. A second signal while that stop is under way
 every process this one started (engines and whatever they started) gets SIGKILL and the process
 exits 130 at once, the status of a command interrupted by Ctrl-C. Whatever `serve` raises (a
 failure at start: its background loops contain their own later failures) reaches the CLI, which
-prints an `LlmgwError`'s message and exits with its status.
+prints an `LlmgwError`'s message and exits with its status. While it runs, the garbage
+collector runs as a serving process needs (`llmgw.gcpolicy`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import trio
 
+from llmgw import gcpolicy
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.service")
@@ -50,7 +52,8 @@ def run_service(name: str, serve: Callable[..., Awaitable[Any]], *args: Any) -> 
                     await serve(*args)
                 nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    with gcpolicy.serving():
+        trio.run(main)
     log.info(f"{name}_stopped")
     return 0
 
