@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import signal
 import subprocess
@@ -24,9 +23,9 @@ import attrs
 
 from llmgw.gateway.keys import token_hash
 from llmgw.gateway.routing import Endpoint
-from llmgw.wire.convert import converter
-from llmgw.wire.gateway_link import GatewayKey, RotationChanged, RouteEndpoint
+from llmgw.wire.gateway_link import GatewayKey, RouteEndpoint
 from testlib.gateway import parse_metrics
+from testlib.gatewaytable import write_table
 from testlib.proc import llmgw_env
 
 READY_TIMEOUT_S = 30.0
@@ -102,23 +101,14 @@ def start_gateway(
     restart is another call)."""
     state = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
     table = state / "table.json"
-    table.write_text(
-        json.dumps(
-            {
-                "rotation": converter.unstructure(
-                    RotationChanged(
-                        models=tuple(sorted({ep.model for ep in endpoints})),
-                        endpoints=tuple(
-                            RouteEndpoint(
-                                replica_id=ep.replica_id, model=ep.model, host=ep.host, port=ep.port, api_key=ep.api_key
-                            )
-                            for ep in endpoints
-                        ),
-                    )
-                ),
-                "keys": [converter.unstructure(GatewayKey(name="tests", token_sha256=token_hash(token)))],
-            }
-        )
+    write_table(
+        table,
+        tuple(
+            RouteEndpoint(replica_id=ep.replica_id, model=ep.model, host=ep.host, port=ep.port, api_key=ep.api_key)
+            for ep in endpoints
+        ),
+        models=tuple(sorted({ep.model for ep in endpoints})),
+        keys=(GatewayKey(name="tests", token_sha256=token_hash(token)),),
     )
     log_path = state / "gateway.log"
     with log_path.open("wb") as stderr:

@@ -39,8 +39,20 @@ def write_table_file(
     keys: tuple[GatewayKey, ...] = (key("tests"),),
     share: ShareChanged | None = None,
 ) -> Path:
+    return write_table(path, tuple(route(s) for s in sims), models=models, keys=keys, share=share)
+
+
+def write_table(
+    path: Path,
+    endpoints: tuple[RouteEndpoint, ...],
+    *,
+    models: tuple[str, ...],
+    keys: tuple[GatewayKey, ...],
+    share: ShareChanged | None = None,
+) -> Path:
+    """The table `llmgw gateway --table-file` reads: that rotation, those keys, that share."""
     table: dict[str, Any] = {
-        "rotation": converter.unstructure(RotationChanged(models=models, endpoints=tuple(route(s) for s in sims))),
+        "rotation": converter.unstructure(RotationChanged(models=models, endpoints=endpoints)),
         "keys": [converter.unstructure(k) for k in keys],
     }
     if share is not None:
