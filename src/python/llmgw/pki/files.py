@@ -232,16 +232,22 @@ def write_gateway_key_and_csr(pki_dir: Path, name: str) -> GatewayPaths:
     check_gateway_name(name)
     paths = gateway_paths(pki_dir)
     _make_private_dir(paths.dir, "a gateway's pki directory")
-    if not paths.key.exists():
-        with contextlib.suppress(FileExistsError):  # another run made it first: keep that one
-            _write_file(paths.key, new_key_pem(), mode=0o600, exclusive=True)
-    key_pem = _read_private(paths.key, "the gateway key")
-    try:
-        csr = make_csr(key_pem, name)
-    except (ValueError, TypeError) as exc:
-        raise MachineError(f"{paths.key} is not a PEM private key ({exc}); delete it to make a new one") from None
-    _write_file(paths.csr, csr, mode=0o644)
+    _key_and_csr(paths.key, paths.csr, name, "the gateway key")
     return paths
+
+
+def _key_and_csr(key: Path, csr: Path, name: str, what: str) -> None:
+    """Make the private key at `key` unless there is one (kept: it is the identity), then write a
+    request for `name` with it at `csr`."""
+    if not key.exists():
+        with contextlib.suppress(FileExistsError):  # another run made it first: keep that one
+            _write_file(key, new_key_pem(), mode=0o600, exclusive=True)
+    key_pem = _read_private(key, what)
+    try:
+        request = make_csr(key_pem, name)
+    except (ValueError, TypeError) as exc:
+        raise MachineError(f"{key} is not a PEM private key ({exc}); delete it to make a new one") from None
+    _write_file(csr, request, mode=0o644)
 
 
 # -- a node's files ------------------------------------------------------------------------
@@ -253,15 +259,7 @@ def write_node_key_and_csr(state_dir: Path, node_id: str) -> NodePaths:
     check_node_id(node_id)
     paths = node_paths(state_dir)
     _make_private_dir(paths.dir, NODE_DIR_WHAT)
-    if not paths.key.exists():
-        with contextlib.suppress(FileExistsError):  # another run made it first: keep that one
-            _write_file(paths.key, new_key_pem(), mode=0o600, exclusive=True)
-    key_pem = _read_private(paths.key, "the node key")
-    try:
-        csr = make_csr(key_pem, node_id)
-    except (ValueError, TypeError) as exc:
-        raise MachineError(f"{paths.key} is not a PEM private key ({exc}); delete it to make a new one") from None
-    _write_file(paths.csr, csr, mode=0o644)
+    _key_and_csr(paths.key, paths.csr, node_id, "the node key")
     return paths
 
 
