@@ -168,27 +168,31 @@ def redact(url: str) -> str:
     return f"postgresql://{','.join(parts)}/{info.get('dbname')}"
 
 
-def problems(url: str, password_file: str, at: str = "$.store") -> list[str]:
-    """What is wrong with `[store]`'s url and password_file, each with its path."""
+def problems(
+    url: str, password_file: str, *, url_key: str = "$.store.url", password_key: str = "$.store.password_file"
+) -> list[str]:
+    """What is wrong with a store's url and password file, each ending with where it was given
+    (`@ $.store.url` in server.toml; a command's flags name themselves)."""
     if not is_postgresql(url):
         if password_file:
             return [
-                f'password_file is for a PostgreSQL url; url is "{SQLITE}" (the state directory\'s llmgw.db), '
-                f"which needs none: remove password_file, or set url @ {at}.password_file"
+                f'a password file is for a PostgreSQL url; the url is "{SQLITE}" (the state directory\'s llmgw.db), '
+                f"which needs none: remove the password file, or give a PostgreSQL url @ {password_key}"
             ]
         return []
     try:
         info = parse(url)
     except BadUrl as exc:
-        return [f"{exc} @ {at}.url"]
+        return [f"{exc} @ {url_key}"]
     found = []
     secrets = [k for k in SECRET_KEYS if k in info.params]
     if secrets:
         found.append(
-            f"the url holds a {' and an '.join(secrets)} ({redact(url)}, shown without it); server.toml is no place "
-            "for a secret: remove it, and put the password in a file named by password_file (mode 0600), or in "
-            f"~/.pgpass or the file PGPASSFILE names (libpq's own password files) @ {at}.url"
+            f"the url holds a {' and an '.join(secrets)} ({redact(url)}, shown without it); a url is no place for a "
+            "secret (server.toml is read by more than the server, a command line by every user of the machine): "
+            "remove it, and put the password in a file named by password_file (mode 0600), or in ~/.pgpass or the "
+            f"file PGPASSFILE names (libpq's own password files) @ {url_key}"
         )
     if password_file and not password_file.startswith("/"):
-        found.append(f"expected an absolute path, got {password_file!r} @ {at}.password_file")
+        found.append(f"expected an absolute path, got {password_file!r} @ {password_key}")
     return found

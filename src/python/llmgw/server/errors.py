@@ -152,6 +152,38 @@ class StoreCorrupt(StoreFailed):
         )
 
 
+class StoreNotEmpty(UsageError):
+    """`migrate-store` copies into an empty store only, and the target holds rows."""
+
+    def __init__(self, path: Path | str, holds: dict[str, int], fix: str) -> None:
+        listing = ", ".join(f"{what}: {n}" for what, n in holds.items() if n)
+        super().__init__(
+            f"the target store {path} is not empty: it holds {listing}. migrate-store copies into an empty store "
+            f"only, so that nothing is merged by accident; {fix}"
+        )
+
+
+class StoreInUse(UsageError):
+    """A control plane is using a store that `migrate-store` was asked to copy from or into."""
+
+    def __init__(self, path: Path | str, how: str) -> None:
+        super().__init__(
+            f"a control plane is using {path} ({how}): what it writes during the copy would be lost, or mixed "
+            "into it. Stop every `llmgw server` using it (systemctl stop llmgw-server), then run migrate-store again"
+        )
+
+
+class CopyMismatch(MachineError):
+    """The rows written by `migrate-store` do not read back as the rows read: the copy was rolled
+    back, and the target is as empty as it was."""
+
+    def __init__(self, path: Path | str, table: str, detail: str) -> None:
+        super().__init__(
+            f"the copy into {path} does not read back as its source in table {table} ({detail}); it was rolled "
+            "back, and the target is still empty. Report this with both stores' versions"
+        )
+
+
 class ApiKeyError(UsageError):
     """An API key operation the operator asked for cannot be done (duplicate name, unknown key)."""
 

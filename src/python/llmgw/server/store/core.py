@@ -103,6 +103,10 @@ class Backend(Protocol):
         """Run `replace()` (a write replacing rows that held a secret) and leave no trace of
         the rows it replaced, as far as the backend can; False if it could not finish."""
 
+    def claim(self) -> bool:
+        """Hold, until closed, what tells running control planes' starts that this session copies
+        the store; False if a running control plane holds it (`migrate-store`)."""
+
     def close(self) -> None: ...
 
 

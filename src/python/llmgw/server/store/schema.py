@@ -3,8 +3,8 @@
 One SQL text serves both backends wherever they agree, which is nearly everywhere: the store's
 statements are written with `?` placeholders and `ON CONFLICT` upserts (SQLite 3.24 and later
 reads them as PostgreSQL does). What must differ is said once, in a `Dialect`: the placeholder
-(`?` or psycopg's `%s`) and the floating-point type (SQLite's REAL is 8 bytes, PostgreSQL's is 4:
-a unix time needs `double precision` there).
+(`?` or psycopg's `%s`) and the numeric types (SQLite's REAL and INTEGER are 8 bytes,
+PostgreSQL's are 4: a unix time needs `double precision` there, and a copy from SQLite `bigint`).
 
 `MIGRATIONS` is the schema's history, in order, never edited once released: a change of schema
 is a new entry at the end. The database records each one applied in `schema_version`; a backend
@@ -29,6 +29,7 @@ import attrs
 class Dialect:
     name: str  # "sqlite" or "postgresql"
     real: str  # an 8-byte float column
+    integer: str  # an 8-byte integer column (SQLite's INTEGER is; PostgreSQL's is 4 bytes)
     placeholder: str  # what a `?` of the store's SQL becomes
 
     def sql(self, text: str) -> str:
@@ -44,8 +45,8 @@ def _translate(text: str, placeholder: str) -> str:
     return text.replace("?", placeholder)
 
 
-SQLITE = Dialect(name="sqlite", real="REAL", placeholder="?")
-POSTGRESQL = Dialect(name="postgresql", real="DOUBLE PRECISION", placeholder="%s")
+SQLITE = Dialect(name="sqlite", real="REAL", integer="INTEGER", placeholder="?")
+POSTGRESQL = Dialect(name="postgresql", real="DOUBLE PRECISION", integer="BIGINT", placeholder="%s")
 
 
 # The state's tables and their columns, in the order a copy fills them.
@@ -81,8 +82,8 @@ def _v1(d: Dialect) -> tuple[str, ...]:
             first_seen  {d.real} NOT NULL,
             last_seen   {d.real} NOT NULL,
             address     TEXT NOT NULL DEFAULT '',
-            cordoned    INTEGER NOT NULL DEFAULT 0,
-            draining    INTEGER NOT NULL DEFAULT 0
+            cordoned    {d.integer} NOT NULL DEFAULT 0,
+            draining    {d.integer} NOT NULL DEFAULT 0
         )""",
         f"""CREATE TABLE IF NOT EXISTS certificates (
             serial      TEXT PRIMARY KEY,          -- decimal, as x509 serials exceed 64 bits
@@ -100,8 +101,8 @@ def _v1(d: Dialect) -> tuple[str, ...]:
             name            TEXT PRIMARY KEY,
             token_sha256    TEXT NOT NULL UNIQUE,  -- hex; the token itself is shown once and never stored
             models          TEXT NOT NULL,         -- JSON array; empty = every model
-            rate_per_minute INTEGER NOT NULL,      -- 0 = no limit
-            max_concurrency INTEGER NOT NULL,      -- 0 = no limit
+            rate_per_minute {d.integer} NOT NULL,  -- 0 = no limit
+            max_concurrency {d.integer} NOT NULL,  -- 0 = no limit
             created_at      {d.real} NOT NULL,
             revoked_at      {d.real}               -- NULL while valid
         )""",

@@ -135,6 +135,11 @@ class SqliteBackend:
                 self._db.execute("PRAGMA secure_delete = OFF")
         return not busy
 
+    def claim(self) -> bool:
+        """Whether no control plane uses the file, as far as SQLite can tell: it cannot (a running
+        control plane holds no lock between its calls); `migrate-store` asks its admin.url."""
+        return True
+
     def close(self) -> None:
         self._db.close()
 
