@@ -262,3 +262,55 @@ def test_a_backup_of_a_damaged_database_is_refused_and_leaves_nothing(tmp_path: 
     with pytest.raises(StoreCorrupt, match="is damaged"):
         backup(state, tmp_path / "b.db")
     assert list(tmp_path.iterdir()) == [state]
+
+
+def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_rows(tmp_path: Path) -> None:
+    """A state directory of an earlier llmgw: its tables made by the schema of the time (as it
+    was, without schema_version), with rows. Migration 1 finds them made and records version 1."""
+    from llmgw.server.store import schema
+    from llmgw.server.store.core import current_version
+
+    with sqlite3.connect(str(store_path(tmp_path))) as old:
+        old.executescript(OLD_SCHEMA)
+        old.execute("INSERT INTO nodes (node_id, first_seen, last_seen, address, cordoned) VALUES ('a', 1, 2, 'x', 1)")
+        old.execute("INSERT INTO certificates (serial, node_id, not_after, issued_at, revoked_at) VALUES ('7', 'a', 0, 1, 3)")
+    store_path(tmp_path).chmod(0o600)
+    store = Store.open(tmp_path)
+    assert current_version(store._db) == schema.LATEST == 1
+    assert [(n.node_id, n.cordoned) for n in store.nodes()] == [("a", True)] and store.is_revoked(7)
+    store.check()
+
+
+# The schema of llmgw.db before versions were recorded, as store.py had it.
+OLD_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (node_id TEXT PRIMARY KEY, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+    address TEXT NOT NULL DEFAULT '', cordoned INTEGER NOT NULL DEFAULT 0, draining INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS certificates (serial TEXT PRIMARY KEY, node_id TEXT NOT NULL, not_after REAL NOT NULL,
+    issued_at REAL NOT NULL, revoked_at REAL);
+CREATE INDEX IF NOT EXISTS certificates_node ON certificates (node_id);
+CREATE TABLE IF NOT EXISTS placements (replica_id TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (name TEXT PRIMARY KEY, token_sha256 TEXT NOT NULL UNIQUE, models TEXT NOT NULL,
+    rate_per_minute INTEGER NOT NULL, max_concurrency INTEGER NOT NULL, created_at REAL NOT NULL, revoked_at REAL);
+CREATE TABLE IF NOT EXISTS catalog_models (name TEXT PRIMARY KEY, created REAL NOT NULL);
+"""
+
+
+def test_a_sqlite_store_never_imports_psycopg(tmp_path: Path) -> None:
+    """SQLite users pay nothing for PostgreSQL: the control plane's start opens its store without
+    loading the driver (a fresh interpreter: this one may have loaded it for other tests)."""
+    import subprocess
+    import sys
+
+    from testlib.proc import llmgw_env
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from llmgw.server.asyncstore import AsyncStore\n"
+        f"AsyncStore.open(Path({str(tmp_path)!r})).close()\n"
+        "assert 'psycopg' not in sys.modules, sorted(m for m in sys.modules if m.startswith('psycopg'))\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=llmgw_env(), timeout=60)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+    assert store_path(tmp_path).exists()  # it did open the store
