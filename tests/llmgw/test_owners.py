@@ -132,8 +132,12 @@ def test_the_store_is_the_one_package_that_opens_a_database() -> None:
     through it, `copy_database`; the server through `asyncstore`), psycopg its PostgreSQL
     backend's alone, imported lazily there (in a function): a SQLite user never loads it."""
     trees = {str(p.relative_to(SRC)): ast.parse(p.read_text(), str(p)) for p in sources()}
-    assert sorted(name for name, tree in trees.items() if "sqlite3" in _imports(tree)) == ["llmgw/server/store/sqlite.py"]
-    assert sorted(name for name, tree in trees.items() if "psycopg" in _imports(tree)) == ["llmgw/server/store/postgres.py"]
+    assert sorted(name for name, tree in trees.items() if "sqlite3" in _imports(tree)) == [
+        "llmgw/server/store/sqlite.py"
+    ]
+    assert sorted(name for name, tree in trees.items() if "psycopg" in _imports(tree)) == [
+        "llmgw/server/store/postgres.py"
+    ]
     top = ast.Module(body=trees["llmgw/server/store/postgres.py"].body, type_ignores=[])
     top.body = [n for n in top.body if not isinstance(n, ast.If)]  # `if TYPE_CHECKING:` imports nothing at run time
     assert "psycopg" not in {

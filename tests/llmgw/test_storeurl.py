@@ -30,7 +30,13 @@ from llmgw.server.store import schema
         ("postgresql://", {}),
         (
             "host=db1,db2 port=5432 dbname='my db' user=llmgw target_session_attrs=read-write",
-            {"host": "db1,db2", "port": "5432", "dbname": "my db", "user": "llmgw", "target_session_attrs": "read-write"},
+            {
+                "host": "db1,db2",
+                "port": "5432",
+                "dbname": "my db",
+                "user": "llmgw",
+                "target_session_attrs": "read-write",
+            },
         ),
         ("host = a  dbname=it\\'s", {"host": "a", "dbname": "it's"}),
         ("dbname='a \\' b'", {"dbname": "a ' b"}),
@@ -44,7 +50,10 @@ def test_connection_strings_are_read_by_libpqs_rules(url: str, params: dict[str,
     ("url", "printed"),
     [
         ("sqlite", "sqlite"),
-        ("postgresql://u:secret@db1:5432,db2:5433/state?target_session_attrs=read-write", "postgresql://db1:5432,db2:5433/state"),
+        (
+            "postgresql://u:secret@db1:5432,db2:5433/state?target_session_attrs=read-write",
+            "postgresql://db1:5432,db2:5433/state",
+        ),
         ("host=db1,db2 port=5432 dbname=x user=u password=secret", "postgresql://db1:5432,db2:5432/x"),
         ("postgresql://[::1]:5/d", "postgresql://[::1]:5/d"),
         ("host=/run/pg dbname=d", "postgresql://%2Frun%2Fpg/d"),
@@ -72,13 +81,19 @@ def test_the_default_store_is_the_state_directorys_sqlite_file() -> None:
             {"url": "postgresql://llmgw:hunter2@db:5432/llmgw"},
             "the url holds a password (postgresql://db:5432/llmgw, shown without it)",
         ),
-        ({"url": "host=db dbname=llmgw password=hunter2"}, "password_file (mode 0600), or in ~/.pgpass or the file PGPASSFILE"),
+        (
+            {"url": "host=db dbname=llmgw password=hunter2"},
+            "password_file (mode 0600), or in ~/.pgpass or the file PGPASSFILE",
+        ),
         ({"url": "postgresql://db/llmgw?sslpassword=hunter2"}, "the url holds a sslpassword"),
         ({"url": "mysql://db/llmgw"}, 'expected "sqlite" (the state directory\'s llmgw.db) or a PostgreSQL connection'),
-        ({"url": "host=db dbname"}, 'missing "=" after \'dbname\''),
+        ({"url": "host=db dbname"}, "missing \"=\" after 'dbname'"),
         ({"url": "host='db"}, "the quoted value of 'host' is not closed"),
         ({"password_file": "/etc/llmgw/store.password"}, "a password file is for a PostgreSQL url"),
-        ({"url": "postgresql://db/x", "password_file": "store.password"}, "expected an absolute path, got 'store.password'"),
+        (
+            {"url": "postgresql://db/x", "password_file": "store.password"},
+            "expected an absolute path, got 'store.password'",
+        ),
     ],
 )
 def test_a_bad_store_is_refused_at_load_naming_the_key_and_the_fix_and_never_the_password(

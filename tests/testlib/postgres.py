@@ -153,7 +153,18 @@ class PostgresServer:
                 "-c max_connections=40",
             ]
         )
-        self._run("pg_ctl", "start", "-w", f"--timeout={START_TIMEOUT_S}", "-D", str(self.data), "-l", str(self.log), "-o", options)
+        self._run(
+            "pg_ctl",
+            "start",
+            "-w",
+            f"--timeout={START_TIMEOUT_S}",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),
+            "-o",
+            options,
+        )
         self.running = True
 
     def stop(self, mode: str = "fast") -> None:

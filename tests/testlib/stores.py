@@ -33,7 +33,9 @@ class StoreUnderTest:
     @property
     def where(self) -> str:
         """How errors name the store: its file, or the database's redacted url."""
-        return str(store_path(self.state)) if self.db is None else f"postgresql://127.0.0.1:{self.pg.port}/{self.db.name}"
+        return (
+            str(store_path(self.state)) if self.db is None else f"postgresql://127.0.0.1:{self.pg.port}/{self.db.name}"
+        )
 
     @property
     def holders(self) -> str:

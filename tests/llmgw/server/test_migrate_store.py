@@ -33,14 +33,32 @@ def fill(store: Store) -> None:
     store.record_issued(BIG, "node-a", not_after=2.5e9, revoke_others=True, now=95)
     store.revoke_serial(222, "gone", now=99)
     store.add_api_key(
-        KeyRow(name="k1", token_sha256="ab" * 32, models=("chat",), rate_per_minute=60, max_concurrency=4, created_at=5.5, revoked_at=None)
+        KeyRow(
+            name="k1",
+            token_sha256="ab" * 32,
+            models=("chat",),
+            rate_per_minute=60,
+            max_concurrency=4,
+            created_at=5.5,
+            revoked_at=None,
+        )
     )
     store.add_api_key(
-        KeyRow(name="k2", token_sha256="cd" * 32, models=(), rate_per_minute=0, max_concurrency=0, created_at=6.0, revoked_at=None)
+        KeyRow(
+            name="k2",
+            token_sha256="cd" * 32,
+            models=(),
+            rate_per_minute=0,
+            max_concurrency=0,
+            created_at=6.0,
+            revoked_at=None,
+        )
     )
     store.revoke_api_key("k2", now=7.0)
     store.record_catalog({"chat": 1.5, "gone-model": 2.0})
-    store.set_placements({"chat-0": {"node": "node-a", "key": "sealed:xyz", "port": 41000}, "chat-1": {"node": "node-b"}})
+    store.set_placements(
+        {"chat-0": {"node": "node-a", "key": "sealed:xyz", "port": 41000}, "chat-1": {"node": "node-b"}}
+    )
 
 
 def contents(store: Store) -> dict[str, list[tuple]]:
@@ -48,7 +66,10 @@ def contents(store: Store) -> dict[str, list[tuple]]:
     out = {}
     for table, cols in schema.TABLES.items():
         rows = store._db.rows(f"SELECT {', '.join(cols)} FROM {table}")
-        out[table] = sorted((tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in r) for r in rows), key=lambda r: str(r[0]))
+        out[table] = sorted(
+            (tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in r) for r in rows),
+            key=lambda r: str(r[0]),
+        )
     return out
 
 
@@ -62,8 +83,15 @@ def test_sqlite_to_postgresql_and_back_through_the_command(
     store.close()
 
     done = run_llmgw(
-        "server", "migrate-store", "--state-dir", str(first), "--to", postgres_db.url,
-        "--to-password-file", str(postgres_db.password_file), "--json",
+        "server",
+        "migrate-store",
+        "--state-dir",
+        str(first),
+        "--to",
+        postgres_db.url,
+        "--to-password-file",
+        str(postgres_db.password_file),
+        "--json",
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -76,13 +104,24 @@ def test_sqlite_to_postgresql_and_back_through_the_command(
     pg = Store.open(tmp_path, postgres_db.settings)
     assert contents(pg) == before
     assert pg.is_revoked(111) and not pg.is_revoked(BIG) and pg.is_revoked(222)
-    assert [(n.node_id, n.cordoned, n.draining) for n in pg.nodes()] == [("node-a", True, False), ("node-b", False, True)]
+    assert [(n.node_id, n.cordoned, n.draining) for n in pg.nodes()] == [
+        ("node-a", True, False),
+        ("node-b", False, True),
+    ]
     pg.close()
 
     # And back, to one control plane on SQLite: from PostgreSQL into a state directory's new llmgw.db.
     done = run_llmgw(
-        "server", "migrate-store", "--state-dir", str(back), "--from", postgres_db.url,
-        "--from-password-file", str(postgres_db.password_file), "--to", "sqlite",
+        "server",
+        "migrate-store",
+        "--state-dir",
+        str(back),
+        "--from",
+        postgres_db.url,
+        "--from-password-file",
+        str(postgres_db.password_file),
+        "--to",
+        "sqlite",
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

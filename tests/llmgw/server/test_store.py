@@ -80,7 +80,9 @@ def test_a_node_only_issued_a_certificate_can_be_removed(store_backend: StoreUnd
         store.remove_node("never-connected")
 
 
-def test_a_certificate_issued_revokes_the_node_ids_others_and_what_the_machine_held(store_backend: StoreUnderTest) -> None:
+def test_a_certificate_issued_revokes_the_node_ids_others_and_what_the_machine_held(
+    store_backend: StoreUnderTest,
+) -> None:
     store = store_backend.open()
     assert store.record_issued(111, "a", not_after=2e9) == []
     assert store.record_issued(333, "b", not_after=2e9) == []
@@ -142,7 +144,15 @@ def test_an_api_key_name_or_token_taken_is_refused_without_an_error(store_backen
     from llmgw.server.store import KeyRow
 
     store = store_backend.open()
-    row = KeyRow(name="k", token_sha256="aa", models=("m",), rate_per_minute=1, max_concurrency=2, created_at=5.0, revoked_at=None)
+    row = KeyRow(
+        name="k",
+        token_sha256="aa",
+        models=("m",),
+        rate_per_minute=1,
+        max_concurrency=2,
+        created_at=5.0,
+        revoked_at=None,
+    )
     assert store.add_api_key(row)
     assert not store.add_api_key(row)  # the name
     assert not store.add_api_key(attrs.evolve(row, name="other"))  # the token
@@ -203,8 +213,6 @@ def test_a_store_that_cannot_be_opened_says_where(tmp_path: Path) -> None:
     assert "llmgw.db" in str(info.value)
 
 
-
-
 def test_sqlite_errors_are_translated_by_blame_with_or_without_a_code(tmp_path: Path) -> None:
     path = tmp_path / "llmgw.db"
     for exc, kind in (
@@ -219,8 +227,6 @@ def test_sqlite_errors_are_translated_by_blame_with_or_without_a_code(tmp_path: 
     coded.sqlite_errorcode = 5 | (3 << 8)  # SQLITE_BUSY_TIMEOUT: an extended code of SQLITE_BUSY
     assert isinstance(store_error(path, coded, 1.0), StoreBusy)
     assert isinstance(store_error(path, coded, 1.0), MachineError)  # the CLI says it and exits 1
-
-
 
 
 def test_a_backup_is_whole_private_checked_and_never_overwrites_unasked(tmp_path: Path) -> None:
@@ -247,8 +253,6 @@ def test_a_backup_is_whole_private_checked_and_never_overwrites_unasked(tmp_path
     assert not (tmp_path / "elsewhere" / "llmgw.db").exists()  # not created empty by looking
 
 
-
-
 def test_a_backup_of_a_damaged_database_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = Store.open(state)
@@ -273,7 +277,9 @@ def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_r
     with sqlite3.connect(str(store_path(tmp_path))) as old:
         old.executescript(OLD_SCHEMA)
         old.execute("INSERT INTO nodes (node_id, first_seen, last_seen, address, cordoned) VALUES ('a', 1, 2, 'x', 1)")
-        old.execute("INSERT INTO certificates (serial, node_id, not_after, issued_at, revoked_at) VALUES ('7', 'a', 0, 1, 3)")
+        old.execute(
+            "INSERT INTO certificates (serial, node_id, not_after, issued_at, revoked_at) VALUES ('7', 'a', 0, 1, 3)"
+        )
     store_path(tmp_path).chmod(0o600)
     store = Store.open(tmp_path)
     assert current_version(store._db) == schema.LATEST == 1

@@ -106,7 +106,7 @@ def test_two_control_planes_starting_at_once_migrate_once(
     def start() -> None:
         try:
             opened.append(open_backend(tmp_path, postgres_db.settings, busy_timeout_s=1.0, server=True))
-        except BaseException as exc:  # reported by the assertion below
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             failed.append(exc)
 
     with postgres_server.connect(postgres_db) as holder:

@@ -237,11 +237,12 @@ def _record(state_dir: Path, store_settings: StoreSection, node_id: str, info: C
 
     While a control plane runs, it alone opens its database: the serial goes through its admin
     API. With none running (no admin.url, or nothing answers there) the store server.toml's
-    `[store]` names is written here, with the method the admin API uses. The store's own errors (locked, failed, damaged)
-    say what to do either way: the admin API passes them on with a 503."""
+    `[store]` names is written here, with the method the admin API uses. The store's own errors
+    (locked, failed, damaged, unreachable) say what to do either way: the admin API passes them
+    on with a 503."""
+    from llmgw.config import storeurl
     from llmgw.ctl.client import AdminClient
     from llmgw.ctl.errors import NoControlPlane, NotAnswering
-    from llmgw.config import storeurl
     from llmgw.server.store import Store, store_path
 
     try:
@@ -249,7 +250,9 @@ def _record(state_dir: Path, store_settings: StoreSection, node_id: str, info: C
         admin.record_certificate(info.serial, node_id, info.not_after.timestamp())
         return
     except (NoControlPlane, NotAnswering):
-        where = storeurl.redact(store_settings.url) if storeurl.is_postgresql(store_settings.url) else store_path(state_dir)
+        where = (
+            storeurl.redact(store_settings.url) if storeurl.is_postgresql(store_settings.url) else store_path(state_dir)
+        )
         log.info("no_control_plane_runs", recorded_in=str(where))
     store = Store.open(state_dir, store_settings)
     try:

@@ -60,7 +60,7 @@ def configure(parser: Parser) -> None:
         "--to",
         required=True,
         metavar="URL",
-        help='the target: a PostgreSQL connection string (postgresql://USER@HOST:PORT/DBNAME, no password in it), or '
+        help="the target: a PostgreSQL connection string (postgresql://USER@HOST:PORT/DBNAME, no password in it), or "
         '"sqlite" for the state directory\'s llmgw.db; it must be empty',
     )
     migrate.add_argument(

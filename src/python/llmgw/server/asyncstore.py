@@ -73,9 +73,7 @@ class AsyncStore:
         damaged file is `StoreCorrupt`, said at start rather than at the first write that touches
         a bad page; PostgreSQL: it answers) and read what the control plane starts from.
         Synchronous: it runs before anything else does."""
-        store = Store.open(
-            state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=False, server=True
-        )
+        store = Store.open(state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=False, server=True)
         try:
             store.check()
             at_open = Snapshot(

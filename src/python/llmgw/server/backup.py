@@ -45,7 +45,7 @@ def backup(state_dir: Path, dest: Path, *, force: bool = False, settings: StoreS
         raise UsageError(
             f"this control plane's store is PostgreSQL ({storeurl.redact(settings.url)}), which `llmgw server backup` "
             "does not copy: back it up the PostgreSQL way, e.g. `pg_dump --format=custom --file=llmgw.dump "
-            "postgresql://USER@HOST:PORT/DBNAME` (docs/operations.md, \"The PostgreSQL store\"), or turn it into a "
+            'postgresql://USER@HOST:PORT/DBNAME` (docs/operations.md, "The PostgreSQL store"), or turn it into a '
             "SQLite file with `llmgw server migrate-store --to sqlite --state-dir EMPTY_DIR`"
         )
     source = store_path(state_dir)

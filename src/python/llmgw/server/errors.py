@@ -128,8 +128,9 @@ class StoreSchemaNewer(StoreFailed):
         StoreError.__init__(
             self,
             path,
-            f"the control plane's database {path} has schema version {found}, made by a newer llmgw; this one knows "
-            f"versions up to {known} and leaves it alone. Run the newer llmgw, or restore a backup made by this version",
+            f"the control plane's database {path} has schema version {found}, made by a newer llmgw; this one "
+            f"knows versions up to {known} and leaves it alone. Run the newer llmgw, or restore a backup made by "
+            "this version",
         )
 
 

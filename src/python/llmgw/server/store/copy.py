@@ -44,7 +44,9 @@ def copy_store(source: Store, target: Store, *, target_fix: str) -> Copied:
         if any(held.values()):
             raise StoreNotEmpty(target.path, {TABLE_ROWS[t]: n for t, n in held.items()}, target_fix)
         with source._db.snapshot() as snap:
-            read = {table: _sorted(snap.rows(f"SELECT {', '.join(cols)} FROM {table}")) for table, cols in TABLES.items()}
+            read = {
+                table: _sorted(snap.rows(f"SELECT {', '.join(cols)} FROM {table}")) for table, cols in TABLES.items()
+            }
         for table, cols in TABLES.items():
             marks = ", ".join("?" for _ in cols)
             tx.executemany(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})", read[table])

@@ -236,8 +236,9 @@ class Store:
         found = current_version(self._db)
         if found != schema.LATEST:
             raise StoreFailed(
-                self.path, f"its schema is at version {found}, this llmgw needs {schema.LATEST}; open it once with "
-                "migrations allowed (`llmgw server` does at start)"
+                self.path,
+                f"its schema is at version {found}, this llmgw needs {schema.LATEST}; open it once with "
+                "migrations allowed (`llmgw server` does at start)",
             )
 
     @contextlib.contextmanager
@@ -390,7 +391,9 @@ class Store:
         """Mark a key revoked; False if no key has that name."""
         now = time.time() if now is None else now
         with self._write() as tx:
-            return tx.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?", (now, name)) > 0
+            return (
+                tx.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?", (now, name)) > 0
+            )
 
     # -- the catalog ----------------------------------------------------------------------
 
