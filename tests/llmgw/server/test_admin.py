@@ -141,10 +141,12 @@ async def test_domain_errors_are_answered_with_their_status_and_message(running)
 async def test_the_answers_table_picks_the_most_specific_class() -> None:
     from llmgw.errors import ConfigError, MachineError
     from llmgw.server.admin import answer
-    from llmgw.server.errors import ApiKeyExists, StoreBusy
+    from llmgw.server.errors import ApiKeyExists, StoreBusy, StoreUnavailable
 
     busy = answer(StoreBusy(Path("/s/llmgw.db"), 1.0))
     assert busy.status == 503 and busy.kind == "unavailable_error" and busy.headers == (("retry-after", "2"),)
+    away = answer(StoreUnavailable("postgresql://db:5432/llmgw", "connection refused"))
+    assert away.status == 503 and away.kind == "unavailable_error" and away.headers == (("retry-after", "5"),)
     assert answer(ApiKeyExists("key 'a' exists")).status == 409  # not 400, its base class's answer
     bad = answer(ConfigError("server.toml", ["expected int @ $.models[0].replicas"]))
     assert bad.status == 422 and bad.message.startswith("server.toml has problems; nothing changed:\nserver.toml: ")
