@@ -8,10 +8,12 @@ reconnect.
 
 The SQL is written once, here, for both backends (`llmgw.server.store.schema` says where the
 dialects differ); a backend (`sqlite.SqliteBackend`, `postgres.PostgresBackend`) owns the
-connection, the write lock and the driver's exceptions. Every write goes through `_write`: one
-transaction holding the store's write lock, the one door where a check that applies to every
-write belongs (the leader's fencing epoch, when several control planes share a PostgreSQL
-store). Reads run on their own (`_rows`).
+connection, the write lock and the driver's exceptions. Every write of a call goes through
+`_write`: one transaction holding the store's write lock, the one door where a check that
+applies to every write belongs (the leader's fencing epoch, when several control planes share a
+PostgreSQL store). Two writers take the backend's write lock directly, on purpose, since they run
+outside a control plane's calls: `migrate` at open, and `migrate-store`'s copy (`copy.py`).
+Reads run on their own (`_rows`).
 
 A failed call raises a `StoreError` (the backend translated the driver's exception) and changed
 nothing: each call is one transaction. The one exception is a PostgreSQL connection lost while
