@@ -80,6 +80,11 @@ _BUSY = {"55P03", "40001", "40P01", "57014"}  # lock_not_available, serializatio
 _GONE = {"57P01", "57P02", "57P03", "25006"}
 
 
+def _ms(seconds: float) -> int:
+    # PostgreSQL reads a lock_timeout of 0 as "wait forever": never round a short wait down to it.
+    return max(1, round(seconds * 1000))
+
+
 def _psycopg() -> Any:
     import psycopg  # here, not at the top: only a PostgreSQL store pays for the import
 
@@ -165,7 +170,7 @@ class PostgresBackend:
         try:
             # A wait for a lock (the write lock, a table another session locked) is bounded:
             # past it the call fails with StoreBusy instead of holding the worker thread.
-            conn.execute(f"SET lock_timeout = {int(self.busy_timeout_s * 1000)}")
+            conn.execute(f"SET lock_timeout = {_ms(self.busy_timeout_s)}")
             if self.serving:
                 conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", SERVING_LOCK)
         except BaseException:
@@ -215,7 +220,7 @@ class PostgresBackend:
             conn, _ = self._first(lambda c: c.execute("BEGIN"))
             try:
                 if wait_s is not None:
-                    conn.execute(f"SET LOCAL lock_timeout = {int(wait_s * 1000)}")
+                    conn.execute(f"SET LOCAL lock_timeout = {_ms(wait_s)}")
                 conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WRITE_LOCK)
                 yield _Tx(conn)
             except BaseException:
