@@ -116,12 +116,30 @@ async def test_a_fire_while_the_waiter_looks_is_not_lost_and_an_old_fire_is_not_
     assert woken == [5.0]
 
 
-def test_the_store_is_the_one_module_that_opens_sqlite() -> None:
-    """The store owns SQLite: the backup goes through it (`copy_database`), the server through
-    `asyncstore`, and no other module imports sqlite3."""
-    importers = sorted(
-        str(p.relative_to(SRC))
-        for p in sources()
-        if any(line.split()[:2] in (["import", "sqlite3"], ["from", "sqlite3"]) for line in p.read_text().splitlines())
-    )
-    assert importers == ["llmgw/server/store.py"]
+def _imports(tree: ast.AST) -> set[str]:
+    """The top-level packages a module imports, anywhere in it (a function's lazy import too)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_store_is_the_one_package_that_opens_a_database() -> None:
+    """The store owns its databases: sqlite3 is its SQLite backend's alone (the backup goes
+    through it, `copy_database`; the server through `asyncstore`), psycopg its PostgreSQL
+    backend's alone, imported lazily there (in a function): a SQLite user never loads it."""
+    trees = {str(p.relative_to(SRC)): ast.parse(p.read_text(), str(p)) for p in sources()}
+    assert sorted(name for name, tree in trees.items() if "sqlite3" in _imports(tree)) == [
+        "llmgw/server/store/sqlite.py"
+    ]
+    assert sorted(name for name, tree in trees.items() if "psycopg" in _imports(tree)) == [
+        "llmgw/server/store/postgres.py"
+    ]
+    top = ast.Module(body=trees["llmgw/server/store/postgres.py"].body, type_ignores=[])
+    top.body = [n for n in top.body if not isinstance(n, ast.If)]  # `if TYPE_CHECKING:` imports nothing at run time
+    assert "psycopg" not in {
+        alias.name.split(".")[0] for n in top.body if isinstance(n, ast.Import) for alias in n.names
+    } | {n.module.split(".")[0] for n in top.body if isinstance(n, ast.ImportFrom) and n.module}

@@ -305,6 +305,8 @@ def expect_json(done: subprocess.CompletedProcess, minor: int) -> None:
 
 IMPORT_COMPILED = (
     "import sys, _cffi_backend, greenlet, cryptography.hazmat.bindings._rust, wcwidth, trio_asyncio, asyncssh, urwid\n"
+    "import psycopg\n"  # the PostgreSQL store's driver, with the libpq psycopg-binary carries
+    "assert psycopg.pq.__impl__ == 'binary' and psycopg.pq.version() >= 140000, psycopg.pq.__impl__\n"
     "from cryptography.hazmat.primitives.asymmetric import ec\n"
     "ec.generate_private_key(ec.SECP256R1())\n"
     "if sys.version_info < (3, 11):\n"

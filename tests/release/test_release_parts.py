@@ -116,6 +116,13 @@ def test_the_real_lock_pins_the_test_only_clients_and_the_release_takes_none_of_
     assert "trio" in pins and "cryptography" in pins
 
 
+def test_the_release_ships_psycopg_with_its_own_libpq_of_the_same_version() -> None:
+    """psycopg[binary], written as two requirements (the release resolves no extras): psycopg
+    imports psycopg_binary without checking its version, so the lock must pin one version for both."""
+    pins, _ = lock.read_pins(Path("3rdparty/python/requirements.txt"), Path("3rdparty/python/default.lock"))
+    assert pins["psycopg"] == pins["psycopg-binary"], pins
+
+
 # -- choosing and merging wheels -------------------------------------------------------------
 
 

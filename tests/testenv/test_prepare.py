@@ -261,6 +261,26 @@ def test_a_machine_without_chromium_gets_it_for_the_cluster_page_tests() -> None
     assert "chromium: the cluster page is tested in a real headless Chromium (chromium missing)" in fake.text
 
 
+def test_a_machine_without_postgresql_gets_it_for_the_store_tests() -> None:
+    fake = Fake(
+        without("/usr/lib/postgresql/*/bin/initdb", "/usr/lib/postgresql/*/bin/pg_ctl"),
+        installs={"postgresql": {"/usr/lib/postgresql/*/bin/initdb", "/usr/lib/postgresql/*/bin/pg_ctl"}},
+    )
+    assert run(fake) == 0
+    assert [argv for argv, _ in fake.ran][-1][-1] == "postgresql"
+    assert "postgresql: the store's tests run against a real PostgreSQL cluster" in fake.text
+
+
+def test_a_versioned_directory_is_found_by_its_pattern_on_this_machine() -> None:
+    """Debian installs PostgreSQL's server programs under /usr/lib/postgresql/VERSION/bin, off PATH:
+    the check globs, and finds what testlib.postgres runs."""
+    from testlib.postgres import bindir
+
+    assert prepare._has("/usr/lib/postgresql/*/bin/initdb")
+    assert not prepare._has("/usr/lib/postgresql/*/bin/no-such-program")
+    assert (bindir() / "initdb").exists() and (bindir() / "pg_ctl").exists()
+
+
 def test_the_chromium_the_tests_drive_is_installed_and_runs() -> None:
     from testlib.browser import chromium_binary
 

@@ -20,6 +20,7 @@ from llmgw.config import (
     ReleaseSection,
     ServerConfig,
     ServerSection,
+    StoreSection,
 )
 from llmgw.pki.ca import CA
 from llmgw.pki.files import init_ca, issue_server_cert, issue_to_dir, load_ca, node_paths
@@ -107,9 +108,11 @@ async def serve_plane(
     engines: EnginesSection = OFFLINE_ENGINES,
     release: ReleaseSection | None = None,
     heartbeat_interval_s: float = ServerSection().heartbeat_interval_s,
+    store: StoreSection | None = None,
 ):
     """A control plane on `state` (made with `make_state`) serving in `nursery`, both listeners on
-    loopback ports of the system's choosing; the plane and its bound addresses."""
+    loopback ports of the system's choosing; the plane and its bound addresses. `store`: server.toml's
+    `[store]` (default: the state directory's SQLite file)."""
     from llmgw.server.app import ControlPlane  # here: most users of this module need no control plane
 
     server = ServerSection(
@@ -118,6 +121,8 @@ async def serve_plane(
         http_listen="127.0.0.1:0",
         heartbeat_interval_s=heartbeat_interval_s,
     )
-    config = ServerConfig(server=server, engines=engines, release=release or ReleaseSection())
+    config = ServerConfig(
+        server=server, engines=engines, release=release or ReleaseSection(), store=store or StoreSection()
+    )
     plane = ControlPlane.open(config, state)
     return plane, await nursery.start(plane.serve)

@@ -27,6 +27,7 @@ Runs on CPython 3.9 (Pants' own interpreter) and later; the standard library onl
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -47,7 +48,9 @@ APT_GET = "/usr/bin/apt-get"
 @dataclass(frozen=True)
 class Need:
     package: str  # the Debian package that provides it
-    provides: tuple[str, ...]  # programs (looked up like commands) or absolute paths, all required
+    # Programs (looked up like commands) or absolute paths, all required; an absolute path may be a
+    # glob pattern, for what Debian installs under a versioned directory (PostgreSQL's 15, 16, ...).
+    provides: tuple[str, ...]
     why: str
 
 
@@ -84,6 +87,11 @@ NEEDS: tuple[Need, ...] = (
     # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
     Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
     Need(
+        "postgresql",
+        ("/usr/lib/postgresql/*/bin/initdb", "/usr/lib/postgresql/*/bin/pg_ctl"),
+        "the store's tests run against a real PostgreSQL cluster they make with initdb (tests/testlib/postgres.py)",
+    ),
+    Need(
         "fonts-dejavu-core",
         ("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",),
         "the cluster page's screenshots need a font to draw its text",
@@ -106,7 +114,7 @@ class Machine:
 
 def _has(item: str) -> bool:
     if item.startswith("/"):
-        return os.path.exists(item)
+        return any(os.path.exists(p) for p in glob.glob(item)) if glob.has_magic(item) else os.path.exists(item)
     path = os.pathsep.join([os.environ.get("PATH", ""), *SYSTEM_DIRS])
     return shutil.which(item, path=path) is not None
 

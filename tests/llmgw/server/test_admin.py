@@ -141,10 +141,12 @@ async def test_domain_errors_are_answered_with_their_status_and_message(running)
 async def test_the_answers_table_picks_the_most_specific_class() -> None:
     from llmgw.errors import ConfigError, MachineError
     from llmgw.server.admin import answer
-    from llmgw.server.errors import ApiKeyExists, StoreBusy
+    from llmgw.server.errors import ApiKeyExists, StoreBusy, StoreUnavailable
 
     busy = answer(StoreBusy(Path("/s/llmgw.db"), 1.0))
     assert busy.status == 503 and busy.kind == "unavailable_error" and busy.headers == (("retry-after", "2"),)
+    away = answer(StoreUnavailable("postgresql://db:5432/llmgw", "connection refused"))
+    assert away.status == 503 and away.kind == "unavailable_error" and away.headers == (("retry-after", "5"),)
     assert answer(ApiKeyExists("key 'a' exists")).status == 409  # not 400, its base class's answer
     bad = answer(ConfigError("server.toml", ["expected int @ $.models[0].replicas"]))
     assert bad.status == 422 and bad.message.startswith("server.toml has problems; nothing changed:\nserver.toml: ")
@@ -227,6 +229,47 @@ async def test_a_locked_database_is_503_with_the_stores_message_and_records_noth
     assert f"{store_path(state)} is locked by another process" in message and "try again" in message
     assert "HTTP 503" in message
     assert await plane.store.certificate(5) is None
+
+
+async def test_a_postgresql_store_that_goes_away_is_503_with_retry_after_until_it_is_back(
+    tmp_path: Path, nursery: trio.Nursery, postgres_server, postgres_db
+) -> None:
+    """PostgreSQL stopped under a running control plane: an admin write is answered 503 with
+    Retry-After and the store's message (which names the database by its hosts, ports and name
+    only), the server stays up, and the first write after PostgreSQL is back is recorded."""
+    state = tmp_path / "cp"
+    make_state(state, sans=["127.0.0.1"], days=3)
+    plane, _ = await serve_plane(state, nursery, store=postgres_db.settings)
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    await call(lambda: client.record_certificate(5, "node-a", 2e9))
+    await call(postgres_server.stop)
+    try:
+        status, headers, body = await call(_post_certificate, state, 6)
+    finally:
+        await call(postgres_server.start)
+    assert status == 503 and int(headers["retry-after"]) >= 1, (status, headers)
+    message = body["error"]["message"]
+    assert f"postgresql://127.0.0.1:{postgres_server.port}/{postgres_db.name} cannot be reached" in message
+    assert "nothing changed" in message and postgres_server.password not in message
+    await call(lambda: client.record_certificate(7, "node-a", 2e9))
+    assert await plane.store.certificate(5) is not None and await plane.store.certificate(7) is not None
+    assert await plane.store.certificate(6) is None
+
+
+def _post_certificate(state: Path, serial: int) -> tuple[int, dict[str, str], dict]:
+    """POST a certificate to the admin API, raw: the status, the headers and the body as they are."""
+    import json
+
+    url = urlsplit(paths.admin_url_path(state).read_text().strip())
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        body = json.dumps({"serial": str(serial), "node_id": "node-a", "not_after": 2e9})
+        token = paths.read_admin_token(paths.admin_token_path(state))
+        conn.request("POST", "/admin/v1/certificates", body=body, headers={"authorization": f"Bearer {token}"})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(response.read())
+    finally:
+        conn.close()
 
 
 # -- the stall diagnostic --------------------------------------------------------------------

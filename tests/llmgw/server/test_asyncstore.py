@@ -1,16 +1,16 @@
-"""The running control plane's store against a real SQLite file that another connection locks.
+"""The running control plane's store against a real database that another session locks: the
+state directory's SQLite file and a real PostgreSQL database (`store_backend`), then SQLite's
+damaged files.
 
-These run on trio's real clock, on purpose: what is under test is a real SQLite lock and a real
-worker thread, and "the loop is not blocked" can only be shown by a task that keeps running in
-real time while SQLite waits. The busy timeout is made short (0.3 s) to keep them quick.
+These run on trio's real clock, on purpose: what is under test is a real lock and a real worker
+thread, and "the loop is not blocked" can only be shown by a task that keeps running in real
+time while the database waits. The busy timeout is made short (0.3 s) to keep them quick.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from llmgw.backoff import Backoff
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.errors import StoreBusy, StoreCorrupt
 from llmgw.server.store import Store, store_path
+from testlib.stores import StoreUnderTest
 from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
@@ -27,30 +28,17 @@ pytestmark = pytest.mark.trio
 BUSY_S = 0.3
 
 
-@contextmanager
-def write_lock(state: Path) -> Iterator[sqlite3.Connection]:
-    """Another connection holding the database's write lock, as a `sqlite3` shell in a
-    transaction does, until the block ends."""
-    other = sqlite3.connect(str(store_path(state)), isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
-    try:
-        yield other
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
-
-
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
     return [r.llmgw_fields for r in caplog.records if r.getMessage() == name]
 
 
 async def test_a_locked_database_fails_the_one_call_within_the_busy_timeout_while_the_loop_runs_on(
-    tmp_path: Path,
+    store_backend: StoreUnderTest,
 ) -> None:
-    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    store = store_backend.open_async(busy_timeout_s=BUSY_S)
     await store.saw_node("a", "127.0.0.2")
     ticks = 0
-    with write_lock(tmp_path):
+    with store_backend.write_lock():
         async with trio.open_nursery() as nursery:
 
             async def tick() -> None:
@@ -64,21 +52,21 @@ async def test_a_locked_database_fails_the_one_call_within_the_busy_timeout_whil
             with pytest.raises(StoreBusy) as info:
                 await store.set_cordoned("a", True)
             waited = trio.current_time() - started
-            assert await store.is_revoked(5) is False  # reads go on: in WAL mode nobody waits for a writer
+            assert await store.is_revoked(5) is False  # reads go on: nobody waits for a writer
             nursery.cancel_scope.cancel()
     assert BUSY_S * 0.9 <= waited < BUSY_S + 1.0, waited
     # A blocked loop would not have ticked at all; a free one ticks every 10 ms or so.
     assert ticks >= 10, ticks
     message = str(info.value)
-    assert f"{store_path(tmp_path)} is locked by another process" in message
-    assert "a sqlite3 shell" in message and "nothing changed; try again" in message
+    assert f"{store_backend.where} is locked by another process ({store_backend.holders}" in message
+    assert "nothing changed; try again" in message
     assert [n.cordoned for n in await store.nodes()] == [False]  # nothing changed
     await store.set_cordoned("a", True)  # the lock is gone: the same call works
     assert [n.cordoned for n in await store.nodes()] == [True]
 
 
-async def test_calls_take_turns_on_the_one_connection(tmp_path: Path) -> None:
-    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+async def test_calls_take_turns_on_the_one_connection(store_backend: StoreUnderTest) -> None:
+    store = store_backend.open_async(busy_timeout_s=BUSY_S)
     async with trio.open_nursery() as nursery:
         for i in range(50):
             nursery.start_soon(store.saw_node, f"n{i:02d}", f"127.0.0.{i + 2}")
@@ -86,10 +74,10 @@ async def test_calls_take_turns_on_the_one_connection(tmp_path: Path) -> None:
 
 
 async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    store_backend: StoreUnderTest, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    store = store_backend.open_async(busy_timeout_s=BUSY_S)
     writes: list[dict] = []
 
     async def write(value: dict[str, dict]) -> None:
@@ -99,7 +87,7 @@ async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
     writer = LatestWriter("placements", write, backoff=Backoff(first_s=0.01, max_s=0.05))
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.serve)
-        with write_lock(tmp_path):
+        with store_backend.write_lock():
             writer.offer({"r-0": {"v": 1}})
             await wait_until(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
             writer.offer({"r-0": {"v": 2}, "r-1": {"v": 2}})  # the loop goes on changing placements
@@ -115,9 +103,9 @@ async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
 
 
 async def test_a_stop_writes_the_latest_version_once_and_bounded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    store_backend: StoreUnderTest, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AsyncStore.open(tmp_path, busy_timeout_s=BUSY_S)
+    store = store_backend.open_async(busy_timeout_s=BUSY_S)
     writer = LatestWriter("placements", store.set_placements, backoff=Backoff(first_s=10.0, max_s=30.0), flush_timeout_s=2.0)
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.serve)
@@ -126,7 +114,7 @@ async def test_a_stop_writes_the_latest_version_once_and_bounded(
     assert await store.placements() == {"r-0": {"v": 1}}
 
     # The lock held across the stop: the flush tries once, within its bound, and says what was lost.
-    with write_lock(tmp_path):
+    with store_backend.write_lock():
         async with trio.open_nursery() as nursery:
             await nursery.start(writer.serve)
             writer.offer({"r-0": {"v": 2}})
@@ -137,6 +125,30 @@ async def test_a_stop_writes_the_latest_version_once_and_bounded(
     [lost] = events(caplog, "store_write_lost")
     assert lost["what"] == "placements"
     assert await store.placements() == {"r-0": {"v": 1}}
+
+
+async def test_when_each_model_entered_the_catalog_is_kept_across_restarts(store_backend: StoreUnderTest) -> None:
+    """`created` of GET /v1/models: noted in memory at once, written in the background, read back
+    at the next start; a model removed and added again keeps its first time."""
+    from llmgw.server.catalogtimes import CatalogTimes
+
+    clock = iter([100.0, 200.0, 300.0]).__next__
+    store = store_backend.open_async()
+    times = CatalogTimes(store.at_open.catalog, store.record_catalog, clock=clock)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(times.writer.serve)
+        assert times.note(["a", "b"]) and times.created == {"a": 100.0, "b": 100.0}
+        assert not times.note(["a"])  # nothing new: nothing written
+        assert times.note(["a", "c"]) and times.created["c"] == 200.0
+        nursery.cancel_scope.cancel()  # the writer flushes what is pending as it stops
+    store.close()
+    again = store_backend.open_async()
+    assert again.at_open.catalog == {"a": 100.0, "b": 100.0, "c": 200.0}
+    times = CatalogTimes(again.at_open.catalog, again.record_catalog, clock=clock)
+    assert not times.note(["b"]) and times.created["b"] == 100.0  # removed meanwhile, back: its first time
+
+
+# -- SQLite's own: a damaged file -----------------------------------------------------------
 
 
 def damage(path: Path, *, first_page: int, pages: int) -> None:
@@ -181,25 +193,3 @@ async def test_a_file_that_is_not_a_database_is_damaged_too(tmp_path: Path) -> N
     with pytest.raises(StoreCorrupt) as info:
         AsyncStore.open(tmp_path)
     assert str(path) in str(info.value)
-
-
-async def test_when_each_model_entered_the_catalog_is_kept_across_restarts(tmp_path: Path) -> None:
-    """`created` of GET /v1/models: noted in memory at once, written in the background, read back
-    at the next start; a model removed and added again keeps its first time."""
-    from llmgw.server.catalogtimes import CatalogTimes
-
-    clock = iter([100.0, 200.0, 300.0]).__next__
-    store = AsyncStore.open(tmp_path)
-    times = CatalogTimes(store.at_open.catalog, store.record_catalog, clock=clock)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(times.writer.serve)
-        assert times.note(["a", "b"]) and times.created == {"a": 100.0, "b": 100.0}
-        assert not times.note(["a"])  # nothing new: nothing written
-        assert times.note(["a", "c"]) and times.created["c"] == 200.0
-        nursery.cancel_scope.cancel()  # the writer flushes what is pending as it stops
-    del store
-    again = AsyncStore.open(tmp_path)
-    assert again.at_open.catalog == {"a": 100.0, "b": 100.0, "c": 200.0}
-    times = CatalogTimes(again.at_open.catalog, again.record_catalog, clock=clock)
-    assert not times.note(["b"]) and times.created["b"] == 100.0  # removed meanwhile, back: its first time
-

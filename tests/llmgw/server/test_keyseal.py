@@ -118,7 +118,7 @@ def test_plain_keys_of_an_earlier_version_are_sealed_in_place_with_the_same_keys
         ever += [row["api_key"] for row in legacy.values()]
         store.set_placements(legacy)
         if round_ % 7 == 0:
-            store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # as SQLite's autocheckpoint would, now and then
+            store._db.rows("PRAGMA wal_checkpoint(PASSIVE)")  # as SQLite's autocheckpoint would, now and then
     # Left open, as by a control plane that was killed: the write-ahead log keeps its frames.
     before = database_bytes(tmp_path)
     assert len([k for k in ever if k.encode() in before]) > 3, "the test needs old rows left in the files"

@@ -18,6 +18,7 @@ from cryptography import x509
 
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.commands._options import add_server_options, resolve_server_paths
+from llmgw.config import StoreSection
 from llmgw.errors import MachineError, UsageError
 from llmgw.log import get_logger
 from llmgw.paths import engine_keys_secret_path, ensure_admin_token
@@ -182,7 +183,7 @@ def run_issue(args: argparse.Namespace) -> int:
     if args.csr is None:
         paths = issue_to_dir(ca, args.node_id, args.out, validity_days=days)
         info = cert_info(load_cert(paths.cert))
-        _record(state_dir, args.node_id, info)
+        _record(state_dir, cfg.store, args.node_id, info)
         log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=True)
         _print_cert("node", paths.cert, info)
         print(f"copy {paths.key}, {paths.cert} and {paths.ca_cert} into the node's pki directory; delete them here")
@@ -195,7 +196,7 @@ def run_issue(args: argparse.Namespace) -> int:
         ) from None
     cert_pem = ca.sign_csr(csr_pem, args.node_id, validity_days=days)
     info = cert_info(x509.load_pem_x509_certificate(cert_pem))
-    _record(state_dir, args.node_id, info)
+    _record(state_dir, cfg.store, args.node_id, info)
     log.info("node_cert_issued", node=args.node_id, serial=info.serial, manual=False)
     if args.out is None:
         print(cert_pem.decode(), end="")
@@ -221,7 +222,7 @@ def _issue_gateway(args: argparse.Namespace) -> int:
     info = cert_info(load_cert(paths.cert))
     # Recorded under its name like a node's, so that the store knows the serial, and revoking
     # every certificate of that name (`llmgw node remove NAME`) revokes it.
-    _record(state_dir, name, info)
+    _record(state_dir, cfg.store, name, info)
     log.info("gateway_cert_issued", gateway=name, serial=info.serial)
     _print_cert("gateway", paths.cert, info)
     print(
@@ -231,13 +232,15 @@ def _issue_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _record(state_dir: Path, node_id: str, info: CertInfo) -> None:
+def _record(state_dir: Path, store_settings: StoreSection, node_id: str, info: CertInfo) -> None:
     """Remember the serial, so `llmgw node remove` revokes this certificate even if it never connected.
 
     While a control plane runs, it alone opens its database: the serial goes through its admin
-    API. With none running (no admin.url, or nothing answers there) the database is written
-    here, with the method the admin API uses. The store's own errors (locked, failed, damaged)
-    say what to do either way: the admin API passes them on with a 503."""
+    API. With none running (no admin.url, or nothing answers there) the store server.toml's
+    `[store]` names is written here, with the method the admin API uses. The store's own errors
+    (locked, failed, damaged, unreachable) say what to do either way: the admin API passes them
+    on with a 503."""
+    from llmgw.config import storeurl
     from llmgw.ctl.client import AdminClient
     from llmgw.ctl.errors import NoControlPlane, NotAnswering
     from llmgw.server.store import Store, store_path
@@ -247,8 +250,11 @@ def _record(state_dir: Path, node_id: str, info: CertInfo) -> None:
         admin.record_certificate(info.serial, node_id, info.not_after.timestamp())
         return
     except (NoControlPlane, NotAnswering):
-        log.info("no_control_plane_runs", recorded_in=str(store_path(state_dir)))
-    store = Store.open(state_dir)
+        where = (
+            storeurl.redact(store_settings.url) if storeurl.is_postgresql(store_settings.url) else store_path(state_dir)
+        )
+        log.info("no_control_plane_runs", recorded_in=str(where))
+    store = Store.open(state_dir, store_settings)
     try:
         store.record_issued(info.serial, node_id, info.not_after.timestamp())
     finally:

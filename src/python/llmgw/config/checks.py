@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from llmgw import pins
+from llmgw.config import storeurl
 from llmgw.config.schema import (
     ENGINES,
     NAME,
@@ -56,6 +57,7 @@ def check_server(cfg: ServerConfig) -> list[str]:
     for key in ("ca_validity_days", "server_cert_validity_days", "node_cert_validity_days"):
         if getattr(cfg.ca, key) < 1:
             problems.append(f"must be at least 1 @ $.ca.{key}")
+    problems.extend(storeurl.problems(cfg.store.url, cfg.store.password_file))
     problems.extend(_check_engines(cfg.engines))
     problems.extend(_check_gateway(cfg.gateway))
     for key in ("max_archive_gib", "max_weights_gib"):

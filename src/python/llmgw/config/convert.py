@@ -16,7 +16,8 @@ from cattrs.cols import homogenous_tuple_structure_factory
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 
-from llmgw.config.schema import EngineBuild, Secret
+from llmgw.config import storeurl
+from llmgw.config.schema import EngineBuild, Secret, StoreSection
 from llmgw.errors import ConfigError
 
 converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
@@ -91,7 +92,13 @@ def _workers(value: Any, _: type) -> int | str:
     raise TypeError(f"expected a whole number of worker processes (0 or more) or \"auto\", got {value!r}")
 
 
+def _store_printed(store: StoreSection) -> dict:
+    # Printed and logged with its hosts, ports and database name only (`storeurl.redact`).
+    return {"url": storeurl.redact(store.url), "password_file": store.password_file}
+
+
 converter.register_structure_hook(int | str | None, _workers)
+converter.register_unstructure_hook(StoreSection, _store_printed)
 converter.register_structure_hook(EngineBuild | None, _build_or_false)
 converter.register_unstructure_hook(EngineBuild | None, lambda b: False if b is None else converter.unstructure(b))
 converter.register_structure_hook_factory(_is_list_type, _list_hook)

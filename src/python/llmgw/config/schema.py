@@ -257,8 +257,20 @@ class DebugSection:
 
 
 @attrs.frozen(kw_only=True)
+class StoreSection:
+    """`[store]`: where the control plane keeps its state. `url` is "sqlite" (the state
+    directory's llmgw.db) or a libpq connection string (`llmgw.config.storeurl` reads it, and
+    prints it redacted); a PostgreSQL password comes from `password_file` (mode 0600) or from
+    libpq's own ~/.pgpass / PGPASSFILE, never from the url."""
+
+    url: str = "sqlite"
+    password_file: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
+    store: StoreSection = StoreSection()
     http: HttpSection = HttpSection()
     ca: CASection = CASection()
     engines: EnginesSection = EnginesSection()

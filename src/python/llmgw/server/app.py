@@ -243,7 +243,7 @@ class ControlPlane:
         paths.check_state_dir(state_dir)
         ca = load_ca(state_dir)
         ssl_context = server_ssl_context(state_dir, certificate_optional=config.release.serve)
-        store = AsyncStore.open(state_dir)
+        store = AsyncStore.open(state_dir, config.store)
         key_seal = keyseal.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
         admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
         plane = cls(

@@ -1,18 +1,21 @@
 """The running control plane's store: the synchronous `Store`, used off the event loop.
 
-`AsyncStore` owns one `Store` (one SQLite connection) and runs each call in a worker thread
-through a `CapacityLimiter(1)`: one call at a time, so the connection has one user at any
-moment, and the trio loop never waits on SQLite — neither on a disk nor on another process's
-lock. A caller cancelled while its call runs returns at once; the thread finishes that one call
-(bounded by the busy timeout) and only then lets the next one have the connection.
+`AsyncStore` owns one `Store` (one connection, to SQLite or PostgreSQL) and runs each call in a
+worker thread through a `CapacityLimiter(1)`: one call at a time, so the connection has one user
+at any moment, and the trio loop never waits on the database — neither on a disk, nor on another
+process's lock, nor on the network. A caller cancelled while its call runs returns at once; the
+thread finishes that one call (bounded by the busy timeout, and for PostgreSQL by libpq's
+connect and TCP timeouts) and only then lets the next one have the connection.
 
 The busy timeout is short (`BUSY_TIMEOUT_S`): while the control plane runs no other llmgw
 process writes to its database (`llmgw ca issue` and `llmgw node add` go through the admin
 API), and a write of another program that holds the lock for milliseconds is ridden out, as is
-a slow fsync, while a lock held for longer (a `sqlite3` shell in a transaction) fails the one call
-with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10. Reads do
-not wait for such a lock (in WAL mode readers never wait for a writer), though one may wait,
-up to that second, behind a write of ours that does.
+a slow fsync, while a lock held for longer (a `sqlite3` or `psql` shell in a transaction) fails
+the one call with `StoreBusy` after 1 s instead of stalling every call queued behind it for 10.
+Reads do not wait for such a lock (SQLite in WAL mode and PostgreSQL alike: readers never wait
+for a writer), though one may wait, up to that second, behind a write of ours that does. A
+PostgreSQL store that cannot be reached fails each call with `StoreUnavailable` (the admin API
+answers 503 with Retry-After); the next call connects again.
 
 `LatestWriter` is for state the loop keeps in memory and persists as a whole (the replica
 placements): the loop offers each new version and goes on; `serve` writes the latest one in
@@ -30,9 +33,10 @@ import attrs
 import trio
 
 from llmgw.backoff import Backoff, Failures
+from llmgw.config import StoreSection
 from llmgw.log import get_logger
 from llmgw.server.errors import StoreError
-from llmgw.server.store import CertRow, KeyRow, NodeRow, Store, store_path
+from llmgw.server.store import CertRow, KeyRow, NodeRow, Store
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
@@ -61,11 +65,15 @@ class AsyncStore:
         self.at_open = at_open
 
     @classmethod
-    def open(cls, state_dir: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> AsyncStore:
-        """Open the database, check it (`PRAGMA quick_check`: a damaged file is `StoreCorrupt`,
-        said at start rather than at the first write that touches a bad page) and read what the
-        control plane starts from. Synchronous: it runs before anything else does."""
-        store = Store(store_path(state_dir), busy_timeout_s=busy_timeout_s, check_same_thread=False)
+    def open(
+        cls, state_dir: Path, settings: StoreSection | None = None, *, busy_timeout_s: float = BUSY_TIMEOUT_S
+    ) -> AsyncStore:
+        """Open the store `settings` (server.toml's `[store]`; None: the state directory's SQLite
+        file) names, migrated to this llmgw's schema, check it (SQLite: `PRAGMA quick_check`, a
+        damaged file is `StoreCorrupt`, said at start rather than at the first write that touches
+        a bad page; PostgreSQL: it answers) and read what the control plane starts from.
+        Synchronous: it runs before anything else does."""
+        store = Store.open(state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=False, server=True)
         try:
             store.check()
             at_open = Snapshot(
@@ -78,6 +86,11 @@ class AsyncStore:
             store.close()
             raise
         return cls(store, at_open)
+
+    def close(self) -> None:
+        """Close the connection (a test's, or a start that failed after opening: a running
+        control plane's closes with its process)."""
+        self._store.close()
 
     async def record_catalog(self, created: dict[str, float]) -> None:
         await self._run(self._store.record_catalog, created)

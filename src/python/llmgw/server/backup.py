@@ -8,6 +8,9 @@ keys, sealed: they open only with the state directory's engine-keys.secret, whic
 `PRAGMA quick_check`, synced, and only then renamed to FILE: a FILE that exists is a whole,
 checked backup. An existing FILE is kept unless `force`.
 
+A PostgreSQL store (`[store] url`) is backed up with PostgreSQL's own tools (pg_dump, base
+backups); `backup` says so instead of copying an unused SQLite file.
+
 SQLite itself is the store's (`llmgw.server.store.copy_database` makes the copy and checks it):
 this module owns the files around it — the private temporary file, the sync, the rename.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import attrs
 
+from llmgw.config import StoreSection, storeurl
 from llmgw.errors import MachineError, UsageError
 from llmgw.server.store import copy_database, store_path
 
@@ -34,7 +38,16 @@ class BackupInfo:
     revoked_certificates: int
 
 
-def backup(state_dir: Path, dest: Path, *, force: bool = False) -> BackupInfo:
+def backup(state_dir: Path, dest: Path, *, force: bool = False, settings: StoreSection | None = None) -> BackupInfo:
+    """Back up the state directory's SQLite store to `dest`. `settings`: server.toml's `[store]`;
+    a PostgreSQL store is refused, saying how it is backed up instead (pg_dump)."""
+    if settings is not None and storeurl.is_postgresql(settings.url):
+        raise UsageError(
+            f"this control plane's store is PostgreSQL ({storeurl.redact(settings.url)}), which `llmgw server backup` "
+            "does not copy: back it up the PostgreSQL way, e.g. `pg_dump --format=custom --file=llmgw.dump "
+            'postgresql://USER@HOST:PORT/DBNAME` (docs/operations.md, "The PostgreSQL store"), or turn it into a '
+            "SQLite file with `llmgw server migrate-store --to sqlite --state-dir EMPTY_DIR`"
+        )
     source = store_path(state_dir)
     try:
         found = source.is_file()

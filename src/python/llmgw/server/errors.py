@@ -1,8 +1,10 @@
 """Errors of the control plane's domain, by blame. Domain code raises them; the admin API alone
 turns each into an HTTP status (`llmgw.server.admin.ANSWERS`), and the SIGHUP reload logs them.
 
-The store's errors (`StoreBusy`, `StoreFailed`, `StoreCorrupt`: the database or the disk
-refused) are the machine's; `llmgw.server.store` alone makes them, from sqlite3's exceptions.
+The store's errors (`StoreBusy`, `StoreUnavailable`, `StoreFailed`, `StoreCorrupt`,
+`StoreSchemaNewer`: the database, the disk or the network refused) are the machine's;
+`llmgw.server.store` alone makes them, from sqlite3's and psycopg's exceptions. Each names where
+the store is: its file, or a PostgreSQL database by its redacted url (hosts, ports, name).
 """
 
 from __future__ import annotations
@@ -55,14 +57,20 @@ class DiagnosticOff(UsageError):
 
 # -- the store's: the database or the disk under it refused --------------------------------
 
+# Who may hold a store's write lock, by backend, for `StoreBusy`'s message.
+SQLITE_HOLDERS = "a sqlite3 shell in a transaction, a backup, another llmgw command"
+POSTGRES_HOLDERS = "a psql session in a transaction, `llmgw server migrate-store`, another llmgw command"
+SQLITE_FIX = "Check the disk under it (free space, permissions, I/O errors in the kernel log)"
+POSTGRES_FIX = "PostgreSQL's log on its server says more"
+
 
 class StoreError(MachineError):
     """The database could not do what was asked; nothing changed. `retry_after_s`: when trying
-    again may work."""
+    again may work. `path`: the store's file, or a PostgreSQL database's redacted url."""
 
     retry_after_s = 5.0
 
-    def __init__(self, path: Path, message: str) -> None:
+    def __init__(self, path: Path | str, message: str) -> None:
         self.path = path
         super().__init__(message)
 
@@ -72,22 +80,57 @@ class StoreBusy(StoreError):
 
     retry_after_s = 2.0
 
-    def __init__(self, path: Path, waited_s: float) -> None:
+    def __init__(self, path: Path | str, waited_s: float, *, holders: str = SQLITE_HOLDERS) -> None:
         super().__init__(
             path,
-            f"{path} is locked by another process (a sqlite3 shell in a transaction, a backup, another "
-            f"llmgw command) and stayed locked for {waited_s:g} s; nothing changed; try again",
+            f"{path} is locked by another process ({holders}) and stayed locked for {waited_s:g} s; nothing "
+            "changed; try again",
+        )
+
+
+class StoreUnavailable(StoreError):
+    """A PostgreSQL store cannot be reached: refused, lost (a restart, a failover), or the login
+    failed. The next call connects again. `outcome_unknown`: the connection broke while a
+    change was being committed, so whether it was made cannot be known from here."""
+
+    retry_after_s = 5.0
+
+    def __init__(self, path: Path | str, detail: str, *, outcome_unknown: bool = False) -> None:
+        self.outcome_unknown = outcome_unknown
+        changed = (
+            "the connection broke while the change was being committed: whether it was made is unknown, look "
+            "before trying again"
+            if outcome_unknown
+            else "nothing changed"
+        )
+        super().__init__(
+            path,
+            f"the control plane's database {path} cannot be reached: {detail.strip()}; {changed}. The next call "
+            "connects again; check that PostgreSQL runs, that this machine reaches it, and the login ([store] url's "
+            "user, and password_file or ~/.pgpass)",
         )
 
 
 class StoreFailed(StoreError):
     """The database or the disk under it refused: full, read-only, an I/O error."""
 
-    def __init__(self, path: Path, detail: str) -> None:
-        super().__init__(
+    def __init__(self, path: Path | str, detail: str, *, fix: str = SQLITE_FIX) -> None:
+        super().__init__(path, f"the control plane's database {path} failed: {detail}; nothing changed. {fix}")
+
+
+class StoreSchemaNewer(StoreFailed):
+    """The database was migrated by a newer llmgw than this one: its tables may mean what this
+    version does not know."""
+
+    retry_after_s = 60.0
+
+    def __init__(self, path: Path | str, found: int, known: int) -> None:
+        StoreError.__init__(
+            self,
             path,
-            f"the control plane's database {path} failed: {detail}; nothing changed. Check the disk under it "
-            "(free space, permissions, I/O errors in the kernel log)",
+            f"the control plane's database {path} has schema version {found}, made by a newer llmgw; this one "
+            f"knows versions up to {known} and leaves it alone. Run the newer llmgw, or restore a backup made by "
+            "this version",
         )
 
 
@@ -96,16 +139,49 @@ class StoreCorrupt(StoreFailed):
 
     retry_after_s = 60.0
 
-    def __init__(self, path: Path, detail: str) -> None:
+    def __init__(self, path: Path | str, detail: str) -> None:
+        name = path.name if isinstance(path, Path) else str(path)
         StoreError.__init__(
             self,
             path,
             f"the control plane's database {path} is damaged ({detail}). Stop the server and restore the latest "
             f'backup (made by `llmgw server backup`; docs/operations.md, "Backing up and restoring the control '
-            f"plane's state\", has the commands), or move {path.name} and its -wal and -shm files aside to start "
+            f"plane's state\", has the commands), or move {name} and its -wal and -shm files aside to start "
             "with an empty one, which loses the cordon and drain marks, the replica placements (replicas are placed "
             "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
             "`llmgw node remove` again for nodes removed before)",
+        )
+
+
+class StoreNotEmpty(UsageError):
+    """`migrate-store` copies into an empty store only, and the target holds rows."""
+
+    def __init__(self, path: Path | str, holds: dict[str, int], fix: str) -> None:
+        listing = ", ".join(f"{what}: {n}" for what, n in holds.items() if n)
+        super().__init__(
+            f"the target store {path} is not empty: it holds {listing}. migrate-store copies into an empty store "
+            f"only, so that nothing is merged by accident; {fix}"
+        )
+
+
+class StoreInUse(UsageError):
+    """A control plane is using a store that `migrate-store` was asked to copy from or into."""
+
+    def __init__(self, path: Path | str, how: str) -> None:
+        super().__init__(
+            f"a control plane is using {path} ({how}): what it writes during the copy would be lost, or mixed "
+            "into it. Stop every `llmgw server` using it (systemctl stop llmgw-server), then run migrate-store again"
+        )
+
+
+class CopyMismatch(MachineError):
+    """The rows written by `migrate-store` do not read back as the rows read: the copy was rolled
+    back, and the target is as empty as it was."""
+
+    def __init__(self, path: Path | str, table: str, detail: str) -> None:
+        super().__init__(
+            f"the copy into {path} does not read back as its source in table {table} ({detail}); it was rolled "
+            "back, and the target is still empty. Report this with both stores' versions"
         )
 
 

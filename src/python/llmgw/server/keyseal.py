@@ -124,7 +124,8 @@ class SecretMissing(MachineError):
         self.path = path
         self.sealed_keys = sealed_keys
         super().__init__(
-            f"{path} ({WHAT}) is missing, and {path.parent / 'llmgw.db'} holds the engine keys of {sealed_keys} "
+            f"{path} ({WHAT}) is missing, and the control plane's store ({path.parent / 'llmgw.db'}, or the "
+            f"PostgreSQL database of [store] url) holds the engine keys of {sealed_keys} "
             "replica(s) sealed with it. Restore it, mode 0600, from your copy of the state directory "
             "(docs/operations.md, \"Backing up and restoring the control plane's state\"), and start again. If it "
             f"is lost, start with a new one: `install -m 600 /dev/null {path}`; those replicas then get new keys "

@@ -18,7 +18,7 @@ from llmgw.server.errors import NoConfigFile
 
 log = get_logger("llmgw.server")
 
-FIXED = ("server", "http", "ca", "gateway", "release", "debug")  # read once, at start
+FIXED = ("server", "store", "http", "ca", "gateway", "release", "debug")  # read once, at start
 
 
 class Settings:

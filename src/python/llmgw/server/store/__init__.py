@@ -1,0 +1,39 @@
+"""The control plane's durable state (`Store`), in SQLite by default or in PostgreSQL.
+
+    core      `Store`: every call's SQL, written once for both backends; `open_backend`, `migrate`
+    schema    the tables, their versioned migrations, and the two dialects
+    sqlite    the state directory's llmgw.db; `copy_database` for `llmgw server backup`
+    postgres  a PostgreSQL database (`[store] url`), through psycopg, imported only then
+    copy      `llmgw server migrate-store`: every table from one store into an empty other
+
+While the control plane runs, it alone opens its store, through `llmgw.server.asyncstore`
+(which owns a `Store` and runs its calls in a worker thread, never on the event loop); `llmgw
+node add` and `llmgw ca issue` record a serial and read revocations through its admin API. Only
+while no control plane runs does `llmgw ca issue` open the store itself, and records with the
+same method the admin API calls (`record_issued`). No module outside this package imports
+sqlite3 or psycopg: the drivers' exceptions are translated here, once, into the store's errors
+(`llmgw.server.errors`).
+"""
+
+from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError, StoreFailed, StoreUnavailable, UnknownNode
+from llmgw.server.store.core import CertRow, KeyRow, NodeRow, Store, migrate, open_backend
+from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, copy_database, store_error, store_path
+
+__all__ = [
+    "CLI_BUSY_TIMEOUT_S",
+    "CertRow",
+    "KeyRow",
+    "NodeRow",
+    "Store",
+    "StoreBusy",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreFailed",
+    "StoreUnavailable",
+    "UnknownNode",
+    "copy_database",
+    "migrate",
+    "open_backend",
+    "store_error",
+    "store_path",
+]

@@ -1,0 +1,492 @@
+"""`Store`: the control plane's durable state, one small transaction per call, over a backend.
+
+What lives here survives a control-plane restart: the nodes it knows (and when it last saw
+each), cordon and drain marks, the certificates it issued and the serials it revoked, the
+replica placements, the gateway's API keys, and when each model entered the catalog. What does
+not: anything an agent reports (inventory, engines, replicas), which is rebuilt when the agents
+reconnect.
+
+The SQL is written once, here, for both backends (`llmgw.server.store.schema` says where the
+dialects differ); a backend (`sqlite.SqliteBackend`, `postgres.PostgresBackend`) owns the
+connection, the write lock and the driver's exceptions. Every write of a call goes through
+`_write`: one transaction holding the store's write lock, the one door where a check that
+applies to every write belongs (the leader's fencing epoch, when several control planes share a
+PostgreSQL store). Two writers take the backend's write lock directly, on purpose, since they run
+outside a control plane's calls: `migrate` at open, and `migrate-store`'s copy (`copy.py`).
+Reads run on their own (`_rows`).
+
+A failed call raises a `StoreError` (the backend translated the driver's exception) and changed
+nothing: each call is one transaction. The one exception is a PostgreSQL connection lost while
+its COMMIT was in flight, which `StoreUnavailable.outcome_unknown` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from llmgw import private
+from llmgw.config import StoreSection, storeurl
+from llmgw.errors import MachineError
+from llmgw.server.errors import StoreFailed, StoreSchemaNewer, UnknownNode
+from llmgw.server.store import schema
+from llmgw.server.store.schema import Dialect
+from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend, store_path
+
+
+@attrs.frozen(kw_only=True)
+class KeyRow:
+    name: str
+    token_sha256: str = attrs.field(repr=False)
+    models: tuple[str, ...]
+    rate_per_minute: int
+    max_concurrency: int
+    created_at: float
+    revoked_at: float | None
+
+
+@attrs.frozen(kw_only=True)
+class NodeRow:
+    node_id: str
+    first_seen: float
+    last_seen: float
+    address: str
+    cordoned: bool
+    draining: bool
+
+
+@attrs.frozen(kw_only=True)
+class CertRow:
+    serial: int
+    node_id: str
+    not_after: float  # 0 for a serial revoked without having been recorded
+    issued_at: float
+    revoked_at: float | None
+
+
+class Tx(Protocol):
+    """One transaction of a backend; SQL with `?` placeholders."""
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """Run one statement; the rows it changed."""
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]: ...
+
+
+class Backend(Protocol):
+    path: Path | str  # the file, or a PostgreSQL database's redacted url: what errors name
+    busy_timeout_s: float
+    dialect: Dialect
+
+    def write(self, *, wait_s: float | None = None) -> contextlib.AbstractContextManager[Tx]:
+        """One transaction holding the store's write lock (waited for `wait_s`, by default the
+        busy timeout); committed when the block ends, rolled back if it raises."""
+
+    def snapshot(self) -> contextlib.AbstractContextManager[Tx]:
+        """One read-only transaction: every read in it sees the store as of one moment."""
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        """One read, its own transaction."""
+
+    def has_table(self, name: str) -> bool: ...
+
+    def check(self) -> None:
+        """The backend's own health check (beyond the schema version, which `Store.check` reads)."""
+
+    def scrub(self, replace: Callable[[], None]) -> bool:
+        """Run `replace()` (a write replacing rows that held a secret) and leave no trace of
+        the rows it replaced, as far as the backend can; False if it could not finish."""
+
+    def claim(self) -> bool:
+        """Hold, until closed, what tells running control planes' starts that this session copies
+        the store; False if a running control plane holds it (`migrate-store`)."""
+
+    def close(self) -> None: ...
+
+
+# How long an open waits for another process's write lock while it migrates: a second control
+# plane starting at once waits for the first one's migration, which may take longer than a call.
+MIGRATION_WAIT_S = 30.0
+
+
+def migrate(db: Backend) -> int:
+    """Apply the migrations the database lacks, in one transaction under the write lock; the
+    version it is at. A database of a newer llmgw is refused (`StoreSchemaNewer`), unchanged."""
+    found = current_version(db)
+    if found == schema.LATEST:
+        return found  # the usual case: no lock taken
+    with db.write(wait_s=max(db.busy_timeout_s, MIGRATION_WAIT_S)) as tx:
+        tx.execute(schema.version_table(db.dialect))
+        found = tx.rows(schema.CURRENT_VERSION)[0][0]  # again, under the lock: another may have migrated
+        if found > schema.LATEST:
+            raise StoreSchemaNewer(db.path, found, schema.LATEST)
+        for version, statements in schema.pending(found):
+            for statement in statements(db.dialect):
+                tx.execute(statement)
+            tx.execute(schema.RECORD_VERSION, (version, time.time()))
+    return schema.LATEST
+
+
+def current_version(db: Backend) -> int:
+    if not db.has_table("schema_version"):
+        return 0
+    found = int(db.rows(schema.CURRENT_VERSION)[0][0])
+    if found > schema.LATEST:
+        raise StoreSchemaNewer(db.path, found, schema.LATEST)
+    return found
+
+
+def open_backend(
+    state_dir: Path,
+    settings: StoreSection | None = None,
+    *,
+    busy_timeout_s: float | None = None,
+    check_same_thread: bool = True,
+    server: bool = False,
+) -> Backend:
+    """The backend `settings` (`[store]`; None: the default) names, open and migrated: the
+    state directory's SQLite file, or a PostgreSQL database. `busy_timeout_s`: how long a call
+    waits for another's write lock (None: the CLI's, `CLI_BUSY_TIMEOUT_S`). `server`: a running
+    control plane's, which `migrate-store` can tell is in use (PostgreSQL: `SERVING_LOCK`)."""
+    settings = StoreSection() if settings is None else settings
+    timeout = CLI_BUSY_TIMEOUT_S if busy_timeout_s is None else busy_timeout_s
+    db: Backend
+    if storeurl.is_postgresql(settings.url):
+        from llmgw.server.store.postgres import PostgresBackend, read_password
+
+        password = read_password(settings.password_file) if settings.password_file else None
+        db = PostgresBackend(
+            settings.url,
+            password=password,
+            busy_timeout_s=timeout,
+            application_name="llmgw-server" if server else "llmgw",
+            serving=server,
+        )
+    else:
+        try:
+            private.make_dir(state_dir, "the control plane's state directory")
+        except OSError as exc:
+            raise MachineError(f"cannot open the state directory {state_dir}: {exc.strerror or exc}") from None
+        db = SqliteBackend(store_path(state_dir), busy_timeout_s=timeout, check_same_thread=check_same_thread)
+    try:
+        migrate(db)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+class Store:
+    """The store's calls, the same over either backend. `Store(path)` opens a SQLite file (a
+    state directory's, or a backup); `Store.open` opens what server.toml's `[store]` names."""
+
+    def __init__(
+        self, path: Path | Backend, *, busy_timeout_s: float | None = None, check_same_thread: bool = True
+    ) -> None:
+        """`path`: a SQLite file (opened, created if need be, migrated), or a backend already
+        open and migrated (`open_backend`). `check_same_thread=False` is for an owner that
+        hands the connection from thread to thread, one at a time (asyncstore)."""
+        if isinstance(path, Path):
+            timeout = CLI_BUSY_TIMEOUT_S if busy_timeout_s is None else busy_timeout_s
+            db: Backend = SqliteBackend(path, busy_timeout_s=timeout, check_same_thread=check_same_thread)
+            try:
+                migrate(db)
+            except BaseException:
+                db.close()
+                raise
+        else:
+            db = path
+        self._db = db
+        self.path = db.path
+        self.busy_timeout_s = db.busy_timeout_s
+        self.backend = db.dialect.name  # "sqlite" or "postgresql"
+
+    @classmethod
+    def open(
+        cls,
+        state_dir: Path,
+        settings: StoreSection | None = None,
+        *,
+        busy_timeout_s: float | None = None,
+        check_same_thread: bool = True,
+        server: bool = False,
+    ) -> Store:
+        """The store `settings` (server.toml's `[store]`, a `StoreSection`; None: the default)
+        names: the state directory's SQLite file, which must be private too, or a PostgreSQL
+        database (`server`: this is a running control plane's, which others can tell)."""
+        return cls(
+            open_backend(
+                state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=check_same_thread, server=server
+            )
+        )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def check(self) -> None:
+        """The backend's check (SQLite: `PRAGMA quick_check`, `StoreCorrupt` with what it found;
+        PostgreSQL: it answers), then the schema version: this llmgw's latest, or an error."""
+        self._db.check()
+        found = current_version(self._db)
+        if found != schema.LATEST:
+            raise StoreFailed(
+                self.path,
+                f"its schema is at version {found}, this llmgw needs {schema.LATEST}; open it once with "
+                "migrations allowed (`llmgw server` does at start)",
+            )
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Tx]:
+        """The one door of every write: a transaction holding the write lock. A condition every
+        write must meet (a leader's fencing epoch still current) is checked here, inside it."""
+        with self._db.write() as tx:
+            yield tx
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        return self._db.rows(sql, args)
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeRow]:
+        rows = self._rows(
+            "SELECT node_id, first_seen, last_seen, address, cordoned, draining FROM nodes ORDER BY node_id"
+        )
+        return [
+            NodeRow(
+                node_id=r[0], first_seen=r[1], last_seen=r[2], address=r[3], cordoned=bool(r[4]), draining=bool(r[5])
+            )
+            for r in rows
+        ]
+
+    def node(self, node_id: str) -> NodeRow | None:
+        return next((n for n in self.nodes() if n.node_id == node_id), None)
+
+    def saw_node(self, node_id: str, address: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO nodes (node_id, first_seen, last_seen, address) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (node_id) DO UPDATE SET last_seen = excluded.last_seen, address = excluded.address",
+                (node_id, now, now, address),
+            )
+
+    def know_node(self, node_id: str, address: str, now: float | None = None) -> None:
+        """Make sure the node has a row (a new one says it was seen now); an existing one is kept."""
+        now = time.time() if now is None else now
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO nodes (node_id, first_seen, last_seen, address) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                (node_id, now, now, address),
+            )
+
+    def set_cordoned(self, node_id: str, cordoned: bool) -> None:
+        self._update_known(node_id, "UPDATE nodes SET cordoned = ? WHERE node_id = ?", (int(cordoned), node_id))
+
+    def set_draining(self, node_id: str, draining: bool) -> None:
+        self._update_known(node_id, "UPDATE nodes SET draining = ? WHERE node_id = ?", (int(draining), node_id))
+
+    def set_drained(self, node_id: str) -> None:
+        """A drain's end: cordoned and no longer draining, in one statement."""
+        self._update_known(node_id, "UPDATE nodes SET cordoned = 1, draining = 0 WHERE node_id = ?", (node_id,))
+
+    def _update_known(self, node_id: str, sql: str, args: tuple) -> None:
+        with self._write() as tx:
+            if tx.execute(sql, args) == 0:
+                raise UnknownNode(node_id, _node_ids(tx))
+
+    def remove_node(self, node_id: str, now: float | None = None, *, also_revoke: int | None = None) -> list[str]:
+        """Forget a node and revoke every certificate issued to it, and `also_revoke` (the one it
+        is connected with, which this control plane may not have issued), in one transaction;
+        returns the revoked serials. `UnknownNode` if there is nothing to forget or revoke."""
+        now = time.time() if now is None else now
+        with self._write() as tx:  # the lock first: no read that a writer could outdate
+            known = tx.rows("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,))
+            issued = [
+                r[0]
+                for r in tx.rows("SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL", (node_id,))
+            ]
+            if not known and not issued and also_revoke is None:
+                raise UnknownNode(node_id, _node_ids(tx))
+            tx.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+            tx.execute(
+                "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL", (now, node_id)
+            )
+            if also_revoke is not None:
+                _revoke(tx, also_revoke, node_id, now)
+                issued.append(str(also_revoke))
+        return issued
+
+    # -- placements -----------------------------------------------------------------------
+
+    def placements(self) -> dict[str, dict]:
+        rows = self._rows("SELECT replica_id, body FROM placements ORDER BY replica_id")
+        return {r[0]: json.loads(r[1]) for r in rows}
+
+    def set_placements(self, placements: dict[str, dict]) -> None:
+        """Replace the stored placements with these (one transaction)."""
+        with self._write() as tx:
+            tx.execute("DELETE FROM placements")
+            tx.executemany(
+                "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
+                [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
+            )
+
+    def scrub_placements(self, placements: dict[str, dict]) -> bool:
+        """Replace the placements (one transaction, as in `set_placements`), then leave as
+        little trace of the rows they replace as the backend can, for rows that held a secret.
+        SQLite: deleted content is overwritten with zeros (secure_delete), the file rebuilt
+        from what is live (VACUUM) and the write-ahead log emptied; False if a reader of
+        another process kept the log from being emptied within the busy timeout (its old
+        frames are overwritten as the log is reused). PostgreSQL: the table is rewritten
+        (VACUUM FULL, cheap at this size) so its files hold no dead row; PostgreSQL's
+        write-ahead log, its archive, replicas and base backups keep the old rows until they
+        are recycled, which no client can hasten."""
+        return self._db.scrub(lambda: self.set_placements(placements))
+
+    # -- gateway API keys -----------------------------------------------------------------
+
+    def api_keys(self) -> list[KeyRow]:
+        rows = self._rows(
+            "SELECT name, token_sha256, models, rate_per_minute, max_concurrency, created_at, revoked_at "
+            "FROM api_keys ORDER BY name"
+        )
+        return [
+            KeyRow(
+                name=r[0],
+                token_sha256=r[1],
+                models=tuple(json.loads(r[2])),
+                rate_per_minute=r[3],
+                max_concurrency=r[4],
+                created_at=r[5],
+                revoked_at=r[6],
+            )
+            for r in rows
+        ]
+
+    def add_api_key(self, row: KeyRow) -> bool:
+        """Record a new key; False if the name is taken (a revoked key keeps its name)."""
+        with self._write() as tx:
+            added = tx.execute(
+                "INSERT INTO api_keys (name, token_sha256, models, rate_per_minute, max_concurrency, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (
+                    row.name,
+                    row.token_sha256,
+                    json.dumps(list(row.models)),
+                    row.rate_per_minute,
+                    row.max_concurrency,
+                    row.created_at,
+                ),
+            )
+        return added > 0
+
+    def revoke_api_key(self, name: str, now: float | None = None) -> bool:
+        """Mark a key revoked; False if no key has that name."""
+        now = time.time() if now is None else now
+        with self._write() as tx:
+            return (
+                tx.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?", (now, name)) > 0
+            )
+
+    # -- the catalog ----------------------------------------------------------------------
+
+    def catalog_models(self) -> dict[str, float]:
+        """When each model the catalog ever named first entered it (unix time), by name."""
+        return {r[0]: r[1] for r in self._rows("SELECT name, created FROM catalog_models")}
+
+    def record_catalog(self, created: dict[str, float]) -> None:
+        """Record the names of `created` not recorded yet, with their time; a name recorded keeps
+        its first time (a model removed and added again)."""
+        with self._write() as tx:
+            tx.executemany(
+                "INSERT INTO catalog_models (name, created) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                sorted(created.items()),
+            )
+
+    # -- certificates ---------------------------------------------------------------------
+
+    def record_issued(
+        self,
+        serial: int,
+        node_id: str,
+        not_after: float,
+        *,
+        revoke_others: bool = False,
+        also_revoke: Sequence[int] = (),
+        now: float | None = None,
+    ) -> list[str]:
+        """Record a certificate just issued to `node_id`, so that `llmgw node remove` revokes it
+        even if it never connects. With `revoke_others`, revoke every other certificate issued to
+        the node id (a node id has one live certificate: the machine it replaces loses its own);
+        and revoke `also_revoke` (what the machine held before, which this CA issued but may not
+        have recorded). One transaction, the one way a serial is recorded (`llmgw ca issue`,
+        `llmgw node add` through the admin API); returns the serials it revoked, decimal, in
+        numeric order. Recording a serial again changes nothing."""
+        now = time.time() if now is None else now
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO certificates (serial, node_id, not_after, issued_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                (str(serial), node_id, not_after, now),
+            )
+            revoked: list[str] = []
+            if revoke_others:
+                revoked = [
+                    r[0]
+                    for r in tx.rows(
+                        "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                        (node_id, str(serial)),
+                    )
+                ]
+                tx.execute(
+                    "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL AND serial != ?",
+                    (now, node_id, str(serial)),
+                )
+            for other in also_revoke:
+                if other != serial and str(other) not in revoked:
+                    _revoke(tx, other, node_id, now)
+                    revoked.append(str(other))
+        return sorted(revoked, key=int)
+
+    def revoke_serial(self, serial: int, node_id: str, now: float | None = None) -> None:
+        with self._write() as tx:
+            _revoke(tx, serial, node_id, time.time() if now is None else now)
+
+    def is_revoked(self, serial: int) -> bool:
+        rows = self._rows("SELECT revoked_at FROM certificates WHERE serial = ?", (str(serial),))
+        return bool(rows) and rows[0][0] is not None
+
+    def certificate(self, serial: int) -> CertRow | None:
+        """What the store holds of one serial; None if it was never recorded or revoked."""
+        rows = self._rows(
+            "SELECT serial, node_id, not_after, issued_at, revoked_at FROM certificates WHERE serial = ?",
+            (str(serial),),
+        )
+        if not rows:
+            return None
+        (row,) = rows
+        return CertRow(serial=int(row[0]), node_id=row[1], not_after=row[2], issued_at=row[3], revoked_at=row[4])
+
+    def revoked_serials(self) -> list[str]:
+        return [r[0] for r in self._rows("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")]
+
+
+def _node_ids(tx: Tx) -> list[str]:
+    return [r[0] for r in tx.rows("SELECT node_id FROM nodes ORDER BY node_id")]
+
+
+def _revoke(tx: Tx, serial: int, node_id: str, now: float) -> None:
+    tx.execute(
+        "INSERT INTO certificates (serial, node_id, not_after, issued_at, revoked_at) VALUES (?, ?, 0, ?, ?) "
+        "ON CONFLICT (serial) DO UPDATE SET revoked_at = COALESCE(certificates.revoked_at, excluded.revoked_at)",
+        (str(serial), node_id, now, now),
+    )

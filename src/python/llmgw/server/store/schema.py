@@ -1,0 +1,131 @@
+"""The store's tables, their versioned migrations, and what differs between SQLite and PostgreSQL.
+
+One SQL text serves both backends wherever they agree, which is nearly everywhere: the store's
+statements are written with `?` placeholders and `ON CONFLICT` upserts (SQLite 3.24 and later
+reads them as PostgreSQL does). What must differ is said once, in a `Dialect`: the placeholder
+(`?` or psycopg's `%s`) and the numeric types (SQLite's REAL and INTEGER are 8 bytes,
+PostgreSQL's are 4: a unix time needs `double precision` there, and a copy from SQLite `bigint`).
+
+`MIGRATIONS` is the schema's history, in order, never edited once released: a change of schema
+is a new entry at the end. The database records each one applied in `schema_version`; a backend
+applies the missing ones at open, in one transaction under its write lock, so two control planes
+starting at once take turns (the second finds them applied). Migration 1 is the schema as it was
+before versions were recorded, all `IF NOT EXISTS`, so a database of that time takes it as a
+no-op and is recorded at version 1.
+
+`TABLES` lists every table of the state with its columns, in the order a copy fills them
+(`llmgw server migrate-store`); `schema_version` is the database's own and never copied.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class Dialect:
+    name: str  # "sqlite" or "postgresql"
+    real: str  # an 8-byte float column
+    integer: str  # an 8-byte integer column (SQLite's INTEGER is; PostgreSQL's is 4 bytes)
+    placeholder: str  # what a `?` of the store's SQL becomes
+
+    def sql(self, text: str) -> str:
+        return _translate(text, self.placeholder)
+
+
+@functools.lru_cache(maxsize=256)
+def _translate(text: str, placeholder: str) -> str:
+    if placeholder == "?":
+        return text
+    # The store's SQL has no string literal holding a `?` or a `%`: placeholders are the only ones.
+    assert "%" not in text and "'?" not in text, text
+    return text.replace("?", placeholder)
+
+
+SQLITE = Dialect(name="sqlite", real="REAL", integer="INTEGER", placeholder="?")
+POSTGRESQL = Dialect(name="postgresql", real="DOUBLE PRECISION", integer="BIGINT", placeholder="%s")
+
+
+# The state's tables and their columns, in the order a copy fills them.
+TABLES: dict[str, tuple[str, ...]] = {
+    "nodes": ("node_id", "first_seen", "last_seen", "address", "cordoned", "draining"),
+    "certificates": ("serial", "node_id", "not_after", "issued_at", "revoked_at"),
+    "placements": ("replica_id", "body"),
+    "api_keys": (
+        "name",
+        "token_sha256",
+        "models",
+        "rate_per_minute",
+        "max_concurrency",
+        "created_at",
+        "revoked_at",
+    ),
+    "catalog_models": ("name", "created"),
+}
+# What the copy's summary calls each table's rows.
+TABLE_ROWS = {
+    "nodes": "nodes",
+    "certificates": "certificates (issued and revoked)",
+    "placements": "replica placements",
+    "api_keys": "API keys",
+    "catalog_models": "catalog models",
+}
+
+
+def _v1(d: Dialect) -> tuple[str, ...]:
+    return (
+        f"""CREATE TABLE IF NOT EXISTS nodes (
+            node_id     TEXT PRIMARY KEY,
+            first_seen  {d.real} NOT NULL,
+            last_seen   {d.real} NOT NULL,
+            address     TEXT NOT NULL DEFAULT '',
+            cordoned    {d.integer} NOT NULL DEFAULT 0,
+            draining    {d.integer} NOT NULL DEFAULT 0
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS certificates (
+            serial      TEXT PRIMARY KEY,          -- decimal, as x509 serials exceed 64 bits
+            node_id     TEXT NOT NULL,
+            not_after   {d.real} NOT NULL,
+            issued_at   {d.real} NOT NULL,
+            revoked_at  {d.real}                   -- NULL while valid
+        )""",
+        "CREATE INDEX IF NOT EXISTS certificates_node ON certificates (node_id)",
+        """CREATE TABLE IF NOT EXISTS placements (
+            replica_id  TEXT PRIMARY KEY,
+            body        TEXT NOT NULL              -- JSON of the placement, its sealed secret and rendezvous port
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS api_keys (
+            name            TEXT PRIMARY KEY,
+            token_sha256    TEXT NOT NULL UNIQUE,  -- hex; the token itself is shown once and never stored
+            models          TEXT NOT NULL,         -- JSON array; empty = every model
+            rate_per_minute {d.integer} NOT NULL,  -- 0 = no limit
+            max_concurrency {d.integer} NOT NULL,  -- 0 = no limit
+            created_at      {d.real} NOT NULL,
+            revoked_at      {d.real}               -- NULL while valid
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS catalog_models (
+            name        TEXT PRIMARY KEY,
+            created     {d.real} NOT NULL          -- when the catalog first named it (`created` in GET /v1/models)
+        )""",
+    )
+
+
+# The schema's history: (version, its statements in a dialect). Append; never edit a released one.
+MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1),)
+LATEST = MIGRATIONS[-1][0]
+
+
+def version_table(d: Dialect) -> str:
+    return f"CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at {d.real} NOT NULL)"
+
+
+CURRENT_VERSION = "SELECT COALESCE(MAX(version), 0) FROM schema_version"
+RECORD_VERSION = "INSERT INTO schema_version (version, applied_at) VALUES (?, ?)"
+
+
+def pending(found: int) -> list[tuple[int, Callable[[Dialect], tuple[str, ...]]]]:
+    """The migrations a database at version `found` lacks, in order."""
+    return [(v, statements) for v, statements in MIGRATIONS if v > found]
