@@ -153,7 +153,7 @@ BUILD_NICENESS = 10
 
 def _spawn(argv: Sequence[str], env: dict, log: Path) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
+    with log.open("ab") as out:  # a second build started while one runs waits for its lock and adds to its log
         child = subprocess.Popen(
             list(argv),
             env={**os.environ, **env},
