@@ -28,6 +28,9 @@ from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_pids, wait_unt
 from testlib.machine import Machine, preflight
 from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane, build_release
 
+# The node add tests' fixtures: release_dir, node and cp.
+pytest_plugins = ("testlib.nodeadd",)
+
 HOSTNAME = "gw1"
 UNIT = layout.UNIT_NAME
 PORT = 8080

@@ -31,6 +31,9 @@ from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane, build_release, events, 
 from testlib.sshd import fingerprint_of
 from testlib.terminal import Terminal, words
 
+# The node add tests' fixtures: release_dir, node and cp.
+pytest_plugins = ("testlib.nodeadd",)
+
 IB_CASE = "one-fabric"  # tests/fixtures/ib: two active adapters behind one subnet manager
 IB_IDENTITY = "ib-sm:0x0002c90300a1b2c3"  # the subnet manager GUID the fixture's sminfo answers
 

@@ -17,6 +17,9 @@ from testlib.netnode import NetNode
 from testlib.nodeadd import ControlPlane
 from testlib.proc import run_llmgw
 
+# The node add tests' fixtures: release_dir, node and cp.
+pytest_plugins = ("testlib.nodeadd",)
+
 VERSION = "0.0.0-e2e"
 AMD = f"llmgw-{VERSION}-linux-amd64.pyz"
 ARM = f"llmgw-{VERSION}-linux-arm64.pyz"

@@ -37,6 +37,9 @@ from testlib.llama import llama_server
 from testlib.machine import BUILD_TOOLS, Machine, preflight
 from testlib.nodeadd import ControlPlane, build_release
 
+# The node add tests' fixtures: release_dir, node and cp.
+pytest_plugins = ("testlib.nodeadd",)
+
 HOSTNAME = "sysnode1"
 ARCH = ARCHES[platform.machine()]
 UNIT = layout.UNIT_NAME

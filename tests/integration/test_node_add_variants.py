@@ -24,6 +24,9 @@ from testlib.proc import llmgw_env
 from testlib.sshagent import SshAgent
 from testlib.sshd import fingerprint_of
 
+# The node add tests' fixtures: release_dir, node and cp.
+pytest_plugins = ("testlib.nodeadd",)
+
 SMI = "/opt/nvidia/bin/nvidia-smi"
 # A GPU node would be asked to install vLLM from PyPI: not here.
 NO_VLLM = CATALOG + "\n[engines.vllm]\nenabled = false\n"

@@ -44,11 +44,13 @@ class Fake:
         self._euid = euid
         self.apt_status = apt_status
         self.installs = installs or {}  # package -> what installing it provides
-        self.llama = llama  # "cached", "missing", "fails"
+        self.llama = llama  # "cached", "missing", "broken" (its --cached check fails)
         self.debian = debian  # the same, for the Debian root
         self.ran: list[tuple[list[str], dict]] = []
         self.captured: list[list[str]] = []
         self.said: list[str] = []
+        self.spawned: list[tuple[list[str], dict, Path]] = []
+        self.exported: list[tuple[str, str]] = []
         self.machine = Machine(
             has=self.present.__contains__,
             euid=lambda: self._euid,
@@ -57,7 +59,14 @@ class Fake:
             quiet=self._quiet,
             env=dict(env or {}),
             say=self.said.append,
+            spawn=self._spawn,
+            export=lambda name, value: self.exported.append((name, value)),
+            cores=lambda: 2,
         )
+
+    def _spawn(self, argv: Sequence[str], env: dict, log: Path) -> int:
+        self.spawned.append((list(argv), dict(env), log))
+        return 4242
 
     def _run(self, argv: Sequence[str], env: dict) -> int:
         self.ran.append((list(argv), dict(env)))
@@ -75,13 +84,10 @@ class Fake:
                 return 1, ""
             self.debian = "cached"
             return 0, "/cache/root\n"
-        assert argv[:3] == LLAMA, argv
-        if argv[3:] == ["--cached"]:
-            return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
-        if self.llama == "fails":
-            return 1, ""
-        self.llama = "cached"
-        return 0, "/cache/llama-server\n"
+        assert argv[:3] == LLAMA and argv[3:] == ["--cached"], argv  # prepare builds only in the background
+        if self.llama == "broken":
+            return 2, ""
+        return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
 
     def _quiet(self, argv: Sequence[str]) -> int:
         self.captured.append(list(argv))
@@ -176,27 +182,51 @@ def test_one_package_with_several_programs_is_installed_once_naming_every_missin
 # -- llama-server ---------------------------------------------------------------------------
 
 
-def test_an_unbuilt_llama_cpp_is_built_saying_why_and_how_long() -> None:
-    fake = Fake(EVERYTHING, llama="missing", env={"LLAMA_BUILD_JOBS": "4"})
+def test_an_unbuilt_llama_cpp_is_built_in_the_background_saying_why_where_and_how_long() -> None:
+    """The build does not hold the suite back: it starts in the background (its log under dist/),
+    the Debian root is made meanwhile, and Pants is told to wait for it (LLMGW_LLAMA_BUILD_STATE, in
+    //tools/llama:built's environment) and to run one more process than it has cores."""
+    fake = Fake(EVERYTHING, llama="missing", debian="missing", env={"LLAMA_BUILD_JOBS": "4"})
     assert run(fake) == 0
-    assert fake.captured == [[*LLAMA, "--cached"], LLAMA, [str(DEBIAN), "--cached"]]
-    [said] = fake.said
+    assert fake.spawned == [(LLAMA, {"LLAMA_BUILD_JOBS": "4"}, prepare.BUILD_LOG)]
+    assert fake.captured == [[*LLAMA, "--cached"], [str(DEBIAN), "--cached"], [str(DEBIAN)]]  # the root meanwhile
+    assert fake.exported == [
+        ("LLMGW_LLAMA_BUILD_STATE", "building:4242"),
+        ("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", "3"),
+    ]
+    said = fake.said[0]
     assert said.startswith("llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests")
     assert "as the release ships it (every CPU variant)" in said
-    assert "with 4 jobs" in said and "about 20 minutes on 2 cores" in said
-    assert said.endswith(f": {BUILD}")
+    assert "in the background with 4 jobs (pid 4242, about 15 minutes on 2 cores" in said
+    assert "its output goes to dist/testenv/llama-build.log" in said
+    assert said.endswith("the others wait for it (//tools/llama:built), and fail with the build's error if it fails")
 
 
-def test_a_failed_llama_build_stops_with_a_message() -> None:
-    fake = Fake(EVERYTHING, llama="fails")
+def test_the_background_build_takes_one_job_more_than_the_cores_unless_told() -> None:
+    fake = Fake(EVERYTHING, llama="missing")
+    assert run(fake) == 0
+    [(_, env, _)] = fake.spawned
+    assert env == {"LLAMA_BUILD_JOBS": "3"}
+
+
+def test_a_built_llama_cpp_is_said_to_pants_as_built_and_nothing_is_started() -> None:
+    fake = Fake(EVERYTHING)
+    assert run(fake) == 0
+    assert fake.spawned == [] and fake.exported == [("LLMGW_LLAMA_BUILD_STATE", "built")]
+
+
+def test_a_cache_check_that_fails_otherwise_stops_with_its_status() -> None:
+    fake = Fake(EVERYTHING, llama="broken")
     assert run(fake) == 1
-    assert fake.said[-1] == "building llama.cpp failed (above); fix that and run ./pants test again"
+    assert fake.spawned == []
+    assert fake.said[-1] == f"{' '.join(LLAMA)} --cached failed with status 2"
 
 
 def test_llmgw_llama_server_names_the_tests_server_but_the_release_build_is_still_made() -> None:
     fake = Fake(EVERYTHING | {"/opt/llama-server"}, llama="missing", env={"LLMGW_LLAMA_SERVER": "/opt/llama-server"})
     assert run(fake) == 0
-    assert fake.captured == [[*LLAMA, "--cached"], LLAMA, ["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
+    assert [argv for argv, _, _ in fake.spawned] == [LLAMA]
+    assert fake.captured == [[*LLAMA, "--cached"], ["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
     assert fake.said[0].startswith("llama.cpp is not built yet")
 
 

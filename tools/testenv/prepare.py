@@ -13,11 +13,22 @@
    test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another; the agent's
    build-from-source test finds it in its build cache as the agent's own build of the same
    recipe (testlib.llama.agent_build_cache), so nothing compiles llama.cpp again. The first build
-   takes about 20 minutes on 2 cores and says so; `./pants run release:build` reuses it.
+   takes about 14 minutes of two idle cores, so it does not hold the suite back: it starts in the
+   background (niced, its output in dist/testenv/llama-build.log) and Pants runs the tests that
+   need no llama-server meanwhile. The tests that do depend on `//tools/llama:built`, a
+   shell_command that waits for the build (the build's lock) and so runs them after it; the
+   run-state of the build (LLMGW_LLAMA_BUILD_STATE) is in that command's environment, so a build
+   started now is waited for even where Pants remembers an earlier wait. While it builds, Pants
+   runs one more process than it has cores (PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM): that
+   wait holds a slot and does no work. `./pants run release:build` reuses the build.
 3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
-   made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once.
+   made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once, while
+   llama.cpp builds.
 
-Everything there: it prints nothing and costs a few stat() calls and one
+What it hands to `./pants` (variables for Pants' environment) it prints on stdout as
+NAME=VALUE lines; everything it says goes to stderr.
+
+Everything there: it says nothing and costs a few stat() calls and one
 `build-llama-server --cached` (the compilers' `--version`, which key the cache, and the cached
 server's): 0.1-0.3 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
 need it cannot meet stops `./pants test` with a message naming it and the fix.
@@ -37,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+BUILD_LOG = ROOT / "dist" / "testenv" / "llama-build.log"
 BUILD_LLAMA = ROOT / "tools" / "llama" / "build-llama-server"
 DEBIAN_ROOT = ROOT / "tools" / "testenv" / "debian_root.py"
 NOT_BUILT = 3  # build-llama-server --cached / debian_root.py --cached: nothing in the cache
@@ -110,6 +122,10 @@ class Machine:
     quiet: Callable[[Sequence[str]], int]  # argv -> exit status, all output discarded
     env: dict
     say: Callable[[str], None]
+    # argv, extra environment, log -> pid: started in its own session, niced, output to the log
+    spawn: Callable[[Sequence[str], dict, Path], int]
+    export: Callable[[str, str], None]  # a variable for Pants' environment (./pants reads stdout)
+    cores: Callable[[], int]
 
 
 def _has(item: str) -> bool:
@@ -138,6 +154,30 @@ def _quiet(argv: Sequence[str]) -> int:
         return 127
 
 
+# The background build's niceness: the tests that run meanwhile come first, the build takes
+# what they leave (about a third of two cores while the suite runs, measured).
+BUILD_NICENESS = 10
+
+
+def _spawn(argv: Sequence[str], env: dict, log: Path) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:  # a second build started while one runs waits for its lock and adds to its log
+        child = subprocess.Popen(
+            list(argv),
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C on ./pants does not lose a half-done build
+            preexec_fn=lambda: os.nice(BUILD_NICENESS),
+        )
+    return child.pid
+
+
+def _export(name: str, value: str) -> None:
+    print(f"{name}={value}", flush=True)
+
+
 def real_machine() -> Machine:
     return Machine(
         has=_has,
@@ -147,6 +187,9 @@ def real_machine() -> Machine:
         quiet=_quiet,
         env=dict(os.environ),
         say=lambda line: print(f"testenv: {line}", file=sys.stderr, flush=True),
+        spawn=_spawn,
+        export=_export,
+        cores=lambda: os.cpu_count() or 1,
     )
 
 
@@ -214,18 +257,32 @@ def ensure_packages(m: Machine, needs: Sequence[Need] = NEEDS) -> bool:
     return True
 
 
-def ensure_llama_server(m: Machine, build: Path = BUILD_LLAMA) -> bool:
-    jobs = m.env.get("LLAMA_BUILD_JOBS", "2")
-    if not _ensure_built(
-        m,
-        [sys.executable, "-I", str(build)],
+def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_LOG) -> bool | None:
+    """True if llama.cpp is built, None if a build was started in the background now (the tests
+    that need it wait for it: //tools/llama:built), False if it cannot be told."""
+    tool = [sys.executable, "-I", str(build)]
+    status, _ = m.capture([*tool, "--cached"])
+    if status == 0:
+        return True
+    if status != NOT_BUILT:
+        m.say(f"{' '.join(tool)} --cached failed with status {status}")
+        return False
+    jobs = m.env.get("LLAMA_BUILD_JOBS") or str(m.cores() + 1)  # niced: the extra job fills the idle moments
+    pid = m.spawn(tool, {"LLAMA_BUILD_JOBS": jobs}, log)
+    m.say(
         "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests, node "
         "add's test nodes and the agent's source-build test run its llama-server. Building it once, as "
-        f"the release ships it (every CPU variant), from llama.cpp's source with {jobs} jobs (about 20 "
-        "minutes on 2 cores; LLAMA_BUILD_JOBS=N for more)",
-        "building llama.cpp",
-    ):
-        return False
+        f"the release ships it (every CPU variant), from llama.cpp's source, in the background with {jobs} "
+        f"jobs (pid {pid}, about 15 minutes on 2 cores; LLAMA_BUILD_JOBS=N sets the jobs): its output goes "
+        f"to {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log}. The tests that need no llama-server "
+        "run meanwhile; the others wait for it (//tools/llama:built), and fail with the build's error if it fails"
+    )
+    m.export("LLMGW_LLAMA_BUILD_STATE", f"building:{pid}")
+    m.export("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", str(m.cores() + 1))
+    return None
+
+
+def check_llama_server_variable(m: Machine) -> bool:
     given = m.env.get("LLMGW_LLAMA_SERVER", "")
     if given and m.quiet([given, "--version"]) != 0:
         m.say(
@@ -267,9 +324,14 @@ def ensure_debian_root(m: Machine, script: Path = DEBIAN_ROOT) -> bool:
 def prepare(m: Machine, build: Path = BUILD_LLAMA, debian: Path = DEBIAN_ROOT) -> int:
     if not ensure_packages(m):
         return 1
-    if not ensure_llama_server(m, build):
+    built = start_llama_build(m, build)
+    if built is False:
         return 1
-    if not ensure_debian_root(m, debian):
+    if built:
+        m.export("LLMGW_LLAMA_BUILD_STATE", "built")
+    if not check_llama_server_variable(m):
+        return 1
+    if not ensure_debian_root(m, debian):  # while llama.cpp builds, if it does
         return 1
     if m.euid() != 0:
         m.say(
