@@ -180,3 +180,41 @@ async def test_a_control_plane_that_takes_nothing_ends_the_session_at_the_send_d
         f"the control plane took no message for {agentlink.SEND_TIMEOUT_S:g} s: the link is as good as down"
     ]
     assert not await agent.link.send(w.ReplicasChanged(replicas=()))  # no session: the next hello carries it
+
+
+async def test_a_report_refused_between_the_hello_and_the_welcome_follows_the_welcome(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The sim engine's check ends while the hello waits for its welcome: `send` refuses the
+    report (no session yet), and the hello said no engines. Without the catch-up the control
+    plane held "no engines" until the next change, and placed nothing there (seen in CI)."""
+    engines: list[w.EngineStatus] = []
+    a, b, _, _ = gated_pair()
+    link = AgentLink(
+        target=Target(host="cp", port=1),
+        node_id="node-a",
+        ssl_context=ssl.create_default_context(),
+        make_hello=lambda: attrs.evolve(hello(), engines=tuple(engines)),
+    )
+    nursery.start_soon(link.run_on, a)
+    control_plane = await (await trio_websocket.wrap_server_stream(nursery, b)).accept()
+    said = decode(await control_plane.get_message(), w.AgentMessage)
+    assert isinstance(said, w.Hello) and said.engines == ()
+
+    engines.append(w.EngineStatus(name="sim", version="1", ok=True))
+    assert not await link.send(w.EnginesChanged(engines=tuple(engines)))  # refused: not welcomed yet
+
+    await control_plane.send_message(encode(WELCOME))
+    caught_up = decode(await control_plane.get_message(), w.AgentMessage)
+    assert caught_up == w.EnginesChanged(engines=(w.EngineStatus(name="sim", version="1", ok=True),))
+
+
+async def test_the_catch_up_names_each_kind_that_changed_and_nothing_else() -> None:
+    said = hello()
+    assert agentlink.catch_up(said, said) == []
+    replica = w.ReplicaStatus(replica_id="r-0", model="m", state=w.READY)
+    now = attrs.evolve(said, inventory=attrs.evolve(INVENTORY, hostname="b"), replicas=(replica,))
+    assert agentlink.catch_up(said, now) == [
+        w.InventoryChanged(inventory=now.inventory),
+        w.ReplicasChanged(replicas=(replica,)),
+    ]

@@ -207,9 +207,13 @@ def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_
     assert status == 200 and body["node"]["cordoned"] is True, body
     assert cluster.nodes()["node-a"]["cordoned"] is True
     wait_until("the placement written", lambda: stored_placements(db) == ["chat-0"], procs=[server])
-    [failing] = server.events("store_write_failing")
-    [recovered] = server.events("store_write_recovered")
-    assert failing["what"] == recovered["what"] == "placements" and recovered["attempts"] >= 2, (failing, recovered)
+    # The reload also names a new model, whose catalog time is written in the background too: that
+    # write may fail and recover alongside (seen under load), each writer saying so once.
+    failing = {e["what"]: e for e in server.events("store_write_failing")}
+    recovered = {e["what"]: e for e in server.events("store_write_recovered")}
+    assert set(failing) == set(recovered) and "placements" in failing and set(failing) <= {"placements", "catalog"}
+    assert len(server.events("store_write_failing")) == len(failing), server.events("store_write_failing")
+    assert recovered["placements"]["attempts"] >= 2, recovered
     [refused, *_] = server.events("admin_store_unavailable")
     assert "locked" in refused["reason"], refused
     assert "Traceback" not in server.log_path.read_text(), server.tail()

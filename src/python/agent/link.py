@@ -147,7 +147,13 @@ class AgentLink:
         """One session on a stream connected to the control plane (`run_session`'s TLS stream;
         a memory stream in tests): the upgrade, the hello, then frames until the link ends."""
         stream = LinkStream(connected, eof="the control plane closed the connection during the upgrade")
-        session = s.AgentSession(self.node_id, self.make_hello)
+        said: list[w.Hello] = []
+
+        def hello() -> w.Hello:
+            said.append(self.make_hello())
+            return said[-1]
+
+        session = s.AgentSession(self.node_id, hello)
         path, headers = session.upgrade_request()
         try:
             async with trio.open_nursery() as nursery:
@@ -160,7 +166,7 @@ class AgentLink:
                     raise stream.failure
                 stream.on_failure = None
                 try:
-                    await self._converse(ws, session)
+                    await self._converse(ws, session, said)
                 finally:
                     with trio.move_on_after(1) as cleanup:
                         cleanup.shield = True
@@ -171,7 +177,9 @@ class AgentLink:
             self._writer = None
             await trio.aclose_forcefully(connected)  # not left to the garbage collector
 
-    async def _converse(self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession) -> None:
+    async def _converse(
+        self, ws: trio_websocket.WebSocketConnection, session: s.AgentSession, said: list[w.Hello]
+    ) -> None:
         writer = Writer(session, send_timeout_s=SEND_TIMEOUT_S)
         async with trio.open_nursery() as nursery:
             session.start()
@@ -183,6 +191,10 @@ class AgentLink:
             self.state.sessions += 1
             self.state.server_version = welcome.server_version
             self._writer = writer
+            # What changed between the hello and the welcome, `send` refused (no session yet):
+            # the control plane would hold the hello's view until the next change.
+            for message in catch_up(said[-1], self.make_hello()):
+                writer.send(message)
             log.info(
                 "link_up",
                 server=f"{self.target.host}:{self.target.port}",
@@ -207,7 +219,7 @@ class AgentLink:
 
     async def send(self, message: w.AgentMessage) -> bool:
         """Queue `message` on the current session, if one is up; False if not (the next hello
-        carries it). Never waits on the control plane: an unsent report of the same kind is
+        carries it, or, between a hello and its welcome, the catch-up after the welcome). Never waits on the control plane: an unsent report of the same kind is
         replaced by this one (`llmgw.wire.session`), and the writer's deadline ends a link the
         control plane does not read."""
         await trio.lowlevel.checkpoint()
@@ -241,3 +253,16 @@ class AgentLink:
             session.heartbeat()  # one waits at most: a newer replaces it
             writer.wake()
             await trio.sleep(interval)
+
+
+def catch_up(said: w.Hello, now: w.Hello) -> list[w.AgentMessage]:
+    """The reports that bring a control plane from the hello `said` to the state of `now`: each
+    kind that changed, whole (level-triggered, as every report is)."""
+    out: list[w.AgentMessage] = []
+    if now.inventory != said.inventory:
+        out.append(w.InventoryChanged(inventory=now.inventory))
+    if now.engines != said.engines:
+        out.append(w.EnginesChanged(engines=now.engines))
+    if now.replicas != said.replicas:
+        out.append(w.ReplicasChanged(replicas=now.replicas))
+    return out
