@@ -193,10 +193,10 @@ async def secrets(s: ssh.Session, facts: Facts, held: Held) -> str:
             facts.changed.append(copied.what)
         else:
             kept.append(copied.what)
-    said_placed = f"placed {', '.join(placed)}" if placed else ""
-    said_kept = f"{'the same as ' if not placed else 'already there: '}{', '.join(kept)}" if kept else ""
-    where = f"in {layout.STATE_DIR} (0600, {layout.USER}'s; the CA certificate 0644)"
-    return "; ".join(p for p in (said_placed, said_kept) if p) + f" {where}"
+    where = f"in {layout.STATE_DIR} (0600 and {layout.USER}'s; the CA certificate 0644)"
+    if not placed:
+        return f"the same as there: {', '.join(kept)} {where}"
+    return f"placed {', '.join(placed)} {where}" + (f"; the same as there: {', '.join(kept)}" if kept else "")
 
 
 # -- configure -----------------------------------------------------------------------------
