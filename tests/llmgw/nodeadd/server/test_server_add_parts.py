@@ -388,3 +388,12 @@ def test_a_bad_argument_is_refused_before_anything_is_read(
     assert cli.main(["server", "add", UNREACHABLE, "--plain", "--state-dir", str(missing), *args]) == 2
     assert said in capsys.readouterr().err
     assert not missing.exists()
+
+
+def test_the_docs_say_why_for_each_setting_the_unit_leaves_out() -> None:
+    from testlib.proc import build_root
+
+    text = (build_root() / "docs" / "high-availability.md").read_text()
+    for key, _ in layout.NOT_HARDENED:
+        assert f"`{key}`" in text, key
+    assert layout.UNIT_NAME in text and layout.PASSWORD_FILE in text
