@@ -29,11 +29,12 @@ import attrs
 import trio
 
 from llmgw import private
-from llmgw.errors import MachineError
-from llmgw.nodeadd import flow, ship, ssh
+from llmgw.errors import LlmgwError, MachineError
+from llmgw.nodeadd import flow, identify, ship, ssh
 from llmgw.nodeadd.context import SHORT_S
-from llmgw.nodeadd.flow import Emit, remove_stage, run_step
+from llmgw.nodeadd.flow import Emit, read_authority, remove_stage, run_step
 from llmgw.nodeadd.questions import Questions
+from llmgw.nodeadd.release import HTTPS, SSH
 from llmgw.nodeadd.server import install, layout
 from llmgw.nodeadd.server.install import Facts, Held, Options
 from llmgw.nodeadd.steps import OK, WARN
@@ -80,7 +81,7 @@ async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, h
         st.ok(await install.identify(opts, s, facts, held, _machine_id()))
 
     async with run_step(emit, "ship") as st:
-        fell_back = await ship.choose(opts.base, facts, held.ca.cert_pem())
+        fell_back = await choose_release(opts, s, facts, held)
         await ship.ship(s, facts, held.ca.cert_pem())
         ran = await ship.tried(s, facts)
         detail = f"{ship.ship_detail(facts, machine='machine')}; it runs there: {ran}"
@@ -114,6 +115,26 @@ async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, h
         changed=tuple(c for c in facts.changed if not c.endswith(" restarted")),
         log=layout.log_hint(),
     )
+
+
+async def choose_release(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> str:
+    """`ship.choose` as node add's, the control plane's release fetched by the machine from its
+    agent port when it serves one; where that cannot be (no server certificate for an address the
+    machine reaches, the control plane not answering) the file goes over SSH unless
+    `--release-via https` was asked for. Returns why it went over SSH when it fell back, else ""."""
+    base = opts.base
+    if base.release or base.release_via == SSH:
+        return await ship.choose(base, facts, held.ca.cert_pem())
+    try:
+        _, server_cert = await trio.to_thread.run_sync(read_authority, base.state_dir)
+        facts.address, facts.port = identify.agent_address(base, s.target.host, server_cert, who="machine")
+        return await ship.choose(base, facts, held.ca.cert_pem())
+    except LlmgwError as exc:
+        if base.release_via == HTTPS:
+            raise
+        why = str(exc)
+    await ship.choose(attrs.evolve(base, release_via=SSH), facts, held.ca.cert_pem())
+    return f"the control plane's release could not be fetched from its agent port ({why}), so it went over SSH"
 
 
 def read_held(opts: Options) -> Held:
