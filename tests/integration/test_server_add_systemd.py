@@ -74,7 +74,9 @@ def machine(tmp_path: Path) -> Iterator[Machine]:
 @pytest.fixture()
 def pg(machine: Machine) -> Iterator[PostgresServer]:
     """Reached from here on loopback and on this side of the machine's link, and from the machine."""
-    with running_server(listen=("127.0.0.1", machine.host_addr), clients=(machine.node_addr,)) as server:
+    with running_server(
+        listen=("127.0.0.1", machine.host_addr), clients=(machine.host_addr, machine.node_addr)
+    ) as server:
         yield server
 
 
