@@ -173,6 +173,7 @@ class _Machine:
         self.ran: list[list[str]] = []
         self.units: dict[str, str] = {}
         self.restarts = [0]
+        self.probe = "hostname=cp2\narch=x86_64\nsystemd=yes\nos_id=debian\n"
 
     def path(self, remote: str) -> Path:
         return self.root / remote.lstrip("/")
@@ -180,6 +181,8 @@ class _Machine:
     async def run(self, argv, *, sudo=False, timeout_s):
         argv = list(argv)
         self.ran.append(argv)
+        if argv[:2] == ["sh", "-c"]:
+            return self._ok(self.probe)
         p = self.path(argv[-1])
         if argv[:3] == ["stat", "-c", "%a %U %G"]:
             return self._ok(" ".join(self.meta[argv[-1]]) + "\n") if p.exists() else self._fail("No such file")
@@ -319,6 +322,27 @@ def test_an_empty_store_is_refused_here(tmp_path: Path) -> None:
     empty = attrs.evolve(SEEN, version=0, identity="")
     with pytest.raises(MachineError, match="holds no llmgw state: this control plane has never run on it"):
         flow.read_held(attrs.evolve(plane.opts, look_store=lambda: empty))
+
+
+def test_identify_refuses_this_machine_one_without_systemd_and_one_of_another_cluster(tmp_path: Path) -> None:
+    plane = _plane(tmp_path)
+    machine = _Machine(tmp_path / "machine", plane.held.ca)
+    machine.path("/etc/machine-id").parent.mkdir(parents=True)
+    machine.path("/etc/machine-id").write_text("0123abcd\n")
+    said = trio.run(install.identify, plane.opts, machine, _facts(), plane.held, "feedface")
+    assert said == "cp2, x86_64, systemd; no CA there yet"
+    with pytest.raises(UsageError, match="is this machine"):
+        trio.run(install.identify, plane.opts, machine, _facts(), plane.held, "0123abcd")
+    machine.path(layout.CA_CERT).parent.mkdir(parents=True)
+    machine.path(layout.CA_CERT).write_bytes(plane.held.ca.cert_pem())
+    said = trio.run(install.identify, plane.opts, machine, _facts(), plane.held, "feedface")
+    assert said.startswith("cp2, x86_64, systemd; it holds this cluster's CA already")
+    machine.path(layout.CA_CERT).write_bytes(new_ca(validity_days=30, common_name="theirs").cert_pem())
+    with pytest.raises(UsageError, match="holds another CA"):
+        trio.run(install.identify, plane.opts, machine, _facts(), plane.held, "feedface")
+    machine.probe = machine.probe.replace("systemd=yes", "systemd=no")
+    with pytest.raises(MachineError, match="does not run systemd"):
+        trio.run(install.identify, plane.opts, machine, _facts(), plane.held, "feedface")
 
 
 # -- verify --------------------------------------------------------------------------------
