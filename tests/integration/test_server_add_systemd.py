@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +93,7 @@ class Plane:
         self.state = root / "state"
         self.config = root / "server.toml"
         self.known_hosts = root / "known_hosts"
+        root.mkdir(parents=True)
         self.write_config(host="127.0.0.1")
         done = run_llmgw("ca", "init", "--config", str(self.config))
         assert done.returncode == 0, done.stderr
@@ -195,8 +197,10 @@ def test_a_machine_becomes_a_second_control_plane_refusing_what_it_must_and_conv
 
     # Named by the address the machine reaches it at, it is the same store: the control plane starts.
     plane.write_config(host=machine.host_addr)
+    started = time.monotonic()
     with ArgvWatch(secrets) as watch2:
         rc, out, err = plane.add("--release", str(release_dir))
+    print(f"server add: {time.monotonic() - started:.1f} s")
     outputs.append(out + err)
     assert rc == 0, out + err
     lines = _lines(out)
@@ -273,3 +277,4 @@ def test_a_machine_becomes_a_second_control_plane_refusing_what_it_must_and_conv
         assert secret not in journal, what
         assert secret not in store, what
     assert watch.found == [] and watch2.found == []
+    print("\n\n".join(outputs))
