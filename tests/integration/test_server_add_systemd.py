@@ -234,6 +234,11 @@ def test_a_machine_becomes_a_second_control_plane_refusing_what_it_must_and_conv
     assert machine.systemctl("is-enabled", UNIT) == "enabled" and machine.systemctl("is-active", UNIT) == "active"
     pid = machine.systemctl("show", "-p", "MainPID", "--value", UNIT)
     assert machine.run("ps", "-o", "user=", "-p", pid).stdout.strip() == layout.USER
+    security = machine.run("systemd-analyze", "security", "--no-pager", UNIT, check=False).stdout
+    level = re.search(r"Overall exposure level for \S+: ([0-9.]+) (\w+)", security)
+    assert level is not None, security
+    assert float(level.group(1)) <= 3.0, security
+    print(f"systemd-analyze security {UNIT}: {level.group(1)} {level.group(2)}")
     ctl = machine.run(layout.BIN, "ctl", "models", "--json", "--state-dir", layout.STATE_DIR, check=False)
     assert ctl.returncode == 0 and "sim-small" in ctl.stdout, ctl.stdout + ctl.stderr
     served = x509.load_pem_x509_certificate(machine.path(layout.SERVER_CERT).read_bytes())

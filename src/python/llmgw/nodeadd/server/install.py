@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,6 +33,7 @@ import trio
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
+from llmgw.config import storeurl
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import LlmgwError, MachineError, PeerError, UsageError
 from llmgw.nodeadd import context, service, ssh
@@ -52,7 +54,7 @@ class Options:
     # SSH, the control plane's state directory and server.toml, the release and the timeout, as
     # node add takes them (its node-only fields are left at their defaults).
     base: context.Options
-    config_path: Any = None  # Path: this control plane's server.toml, whose catalog the new one gets
+    config_path: Path | None = None  # this control plane's server.toml, whose catalog the new one gets
     source: dict[str, Any] = attrs.field(factory=dict)  # that file, parsed
     store_url: str = ""  # --store: the url the machine reaches the store at ("": this control plane's)
     advertise: tuple[str, ...] = ()
@@ -81,7 +83,7 @@ class Facts(context.Facts):
 
 # -- identify ------------------------------------------------------------------------------
 
-PROBE_EXTRA = ["cat", "--", "/etc/machine-id"]
+MACHINE_ID_ARGV = ["cat", "--", "/etc/machine-id"]  # tells this machine from another
 
 
 async def identify(opts: Options, s: ssh.Session, facts: Facts, held: Held, here_machine_id: str) -> str:
@@ -97,7 +99,7 @@ async def identify(opts: Options, s: ssh.Session, facts: Facts, held: Held, here
             f"{s.target} does not run systemd, and `llmgw server add` installs the control plane as a systemd "
             'service; set it up by hand there (docs/high-availability.md, "Adding a second control plane")'
         )
-    mid = await s.run(PROBE_EXTRA, timeout_s=SHORT_S)
+    mid = await s.run(MACHINE_ID_ARGV, timeout_s=SHORT_S)
     facts.machine_id = mid.stdout.strip() if mid.exit_status == 0 else ""
     if facts.machine_id and facts.machine_id == here_machine_id:
         raise UsageError(
@@ -235,8 +237,6 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> 
 
 
 def redacted(url: str) -> str:
-    from llmgw.config import storeurl
-
     return storeurl.redact(url)
 
 
