@@ -17,15 +17,19 @@ from llmgw.nodeadd.layout import BIN
 LOG_LINES = 15
 
 
-async def ensure_user(s: ssh.Session, user: str, argv: list[str]) -> str:
-    """The system user `user`, made with `argv` (`layout.system_user_argv`) if the machine has none; what was
-    done, in words."""
+async def ensure_user(s: ssh.Session, user: str, argv: list[str]) -> bool:
+    """The system user `user`, made with `argv` (`layout.system_user_argv`) if the machine has
+    none; True if it was made now."""
     found = await s.run(["getent", "passwd", user], timeout_s=SHORT_S)
     if found.exit_status == 2:  # getent: no such key
         await must(s, argv, sudo=True, what=f"making the system user {user}")
     elif found.exit_status != 0:
         raise PeerError(f"{s.target}: looking up the user {user} failed ({said(found)})")
-    return f"user {user} ({'there already' if found.exit_status == 0 else 'made'})"
+    return found.exit_status != 0
+
+
+def user_text(user: str, made: bool) -> str:
+    return f"user {user} ({'made' if made else 'there already'})"
 
 
 async def install_bin(s: ssh.Session, facts: Facts) -> bool:

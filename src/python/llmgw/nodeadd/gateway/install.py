@@ -144,7 +144,7 @@ def _serial_of(pem: bytes | None) -> int | None:
 async def install(s: ssh.Session, facts: Facts) -> str:
     art = facts.artifact
     assert art is not None
-    user = await service.ensure_user(s, layout.USER, layout.user_argv())
+    user = service.user_text(layout.USER, await service.ensure_user(s, layout.USER, layout.user_argv()))
     await must(s, layout.dirs_argv(), sudo=True, what=f"making {layout.PKI_DIR}")
     await service.install_bin(s, facts)
     return f"{layout.BIN} ({art.version}), {user}, {layout.PKI_DIR} (0700, its own)"

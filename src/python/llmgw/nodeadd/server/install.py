@@ -143,9 +143,10 @@ def refuse_another_ca(pem: bytes, ca: CA, target: str) -> None:
 async def install(s: ssh.Session, facts: Facts) -> str:
     art = facts.artifact
     assert art is not None
-    user = await service.ensure_user(s, layout.USER, layout.user_argv())
-    if user.endswith("(made)"):
+    made = await service.ensure_user(s, layout.USER, layout.user_argv())
+    if made:
         facts.changed.append(f"user {layout.USER}")
+    user = service.user_text(layout.USER, made)
     for argv in layout.dirs_argv():
         await must(s, argv, sudo=True, what=f"making {argv[-1]}")
     if await service.install_bin(s, facts):
