@@ -84,7 +84,12 @@ class Database:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    def __init__(self, *, listen: tuple[str, ...] = ("127.0.0.1",), clients: tuple[str, ...] = ()) -> None:
+        """`listen`: its addresses (loopback unless a test's machine in a network namespace must
+        reach it: then also this machine's side of that machine's link); `clients`: addresses
+        besides loopback that the test role may log in from, with its password."""
+        self.listen = listen
+        self.clients = clients
         self.bin = bindir()
         self.as_user = _runs_as()
         self.dir = Path(tempfile.mkdtemp(prefix="llmgw-test-pg-"))
@@ -138,12 +143,16 @@ class PostgresServer:
             "--no-sync",
         )
         pwfile.unlink()
+        if self.clients:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                for client in self.clients:
+                    hba.write(f"host all {ROLE} {client}/32 scram-sha-256\n")
         return self
 
     def start(self) -> None:
         options = " ".join(
             [
-                "-c listen_addresses=127.0.0.1",
+                f"-c listen_addresses={','.join(self.listen)}",
                 f"-c port={self.port}",
                 f"-c unix_socket_directories={self.sockets}",
                 "-c fsync=off",
@@ -202,8 +211,8 @@ class PostgresServer:
                 sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(ROLE), sql.Literal(self.password))
             )
 
-    def url(self, dbname: str) -> str:
-        return f"postgresql://{ROLE}@127.0.0.1:{self.port}/{dbname}"
+    def url(self, dbname: str, host: str = "127.0.0.1") -> str:
+        return f"postgresql://{ROLE}@{host}:{self.port}/{dbname}"
 
     def create_database(self) -> Database:
         """A fresh, empty database owned by the test role."""
@@ -222,8 +231,9 @@ class PostgresServer:
 
 
 @contextlib.contextmanager
-def running_server() -> Iterator[PostgresServer]:
-    server = PostgresServer()
+def running_server(**kwargs) -> Iterator[PostgresServer]:
+    """A cluster made, started and its test role made; `kwargs` are PostgresServer's."""
+    server = PostgresServer(**kwargs)
     try:
         server.init()
         server.start()

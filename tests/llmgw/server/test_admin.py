@@ -14,6 +14,7 @@ from llmgw import paths
 from llmgw.config import DebugSection, ServerConfig, ServerSection
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError, UsageError
+from llmgw.pki.files import load_ca
 from llmgw.server.app import ControlPlane
 from testlib.controlplane import OFFLINE_ENGINES, make_state, serve_plane
 
@@ -42,6 +43,18 @@ async def test_the_client_finds_a_local_control_plane_by_its_state_dir(running) 
     assert (await call(client.cordon, "n1", True))["cordoned"] is True
     assert [r.cordoned for r in await plane.store.nodes()] == [True]
     assert (await call(client.cordon, "n1", False))["cordoned"] is False
+
+
+async def test_the_authority_is_the_ca_the_control_plane_signs_with(running) -> None:
+    plane, state = running
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    ca = await call(client.authority)
+    info = load_ca(state).info()
+    assert ca["fingerprint_sha256"] == info.fingerprint_sha256 and ca["common_name"] == info.common_name
+    assert set(ca) == {"common_name", "fingerprint_sha256", "not_after"}  # the certificate's, never its key
+    with pytest.raises(UsageError) as refused:
+        await call(client.request, "POST", "/admin/v1/authority")
+    assert "takes GET, not POST" in str(refused.value)
 
 
 async def test_a_missing_or_wrong_credential_is_401_with_what_to_do(running, tmp_path: Path) -> None:

@@ -3,8 +3,11 @@ SIGHUP (or `llmgw ctl reload`) reads server.toml again.
 
 `llmgw server backup FILE` copies the control plane's SQLite database while the server runs;
 `llmgw server migrate-store --to URL` copies its store into another, empty, one (SQLite to
-PostgreSQL or back) while no server runs. The options that find the state directory
-(--state-dir, --config) may come before or after the subcommand.
+PostgreSQL or back) while no server runs; `llmgw server check-store` says whether this machine
+reaches the store server.toml names, and which it is; `llmgw server add USER@HOST` makes another
+machine a second control plane on the same PostgreSQL store, over SSH (llmgw.nodeadd.server).
+The options that find the state directory (--state-dir, --config) may come before or after the
+subcommand.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ def configure(parser: Parser) -> None:
     parser.usage = (
         "%(prog)s [--state-dir DIR] [--config FILE] [--log-level LEVEL] [--log-format FORMAT]\n"
         "       %(prog)s backup [--state-dir DIR] [--config FILE] [--force] [--json] FILE\n"
-        "       %(prog)s migrate-store [--state-dir DIR] [--config FILE] [--from URL] --to URL [--json]"
+        "       %(prog)s migrate-store [--state-dir DIR] [--config FILE] [--from URL] --to URL [--json]\n"
+        "       %(prog)s check-store [--state-dir DIR] [--config FILE] [--json]\n"
+        "       %(prog)s add USER@HOST [--store URL] [--advertise ADDR] [--release DIR|FILE|URL] [--plain|--json] ..."
     )
     parser.description = (
         "With no COMMAND: run the control plane (the agent endpoint, the gateway and the admin API) until "
@@ -82,13 +87,89 @@ def configure(parser: Parser) -> None:
         help="the source's, with --from (default: ~/.pgpass or PGPASSFILE)",
     )
     add_json_flag(migrate)
+    check = add_leaf(
+        sub,
+        "check-store",
+        "say whether this machine reaches the store server.toml names ([store] url, with its password_file), and "
+        "which store it is; changes nothing (what `llmgw server add` runs on the new machine before starting it)",
+        run_check_store,
+    )
+    _own_server_options(check)
+    add_json_flag(check)
+    _configure_add(
+        add_leaf(
+            sub,
+            "add",
+            "make another machine a control plane sharing this one's PostgreSQL store, over SSH: ship llmgw, copy the "
+            "CA, the engine-key secret, the admin credential and the store's password, write its server.toml and "
+            "unit, check it reaches the store, start it, and wait for its admin API to answer with the same CA",
+            run_add,
+        )
+    )
+
+
+def _own_server_options(parser: argparse.ArgumentParser) -> None:
+    add_server_options(parser)
+    for action in parser._actions:
+        if action.dest in ("state_dir", "config"):
+            action.default = argparse.SUPPRESS  # given before the verb, the value stays
+
+
+def _configure_add(add: argparse.ArgumentParser) -> None:
+    from llmgw.commands._options import add_ssh_options
+
+    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.12")
+    add.add_argument(
+        "--store",
+        default="",
+        metavar="URL",
+        help="the PostgreSQL url the machine reaches this control plane's store at, written to its server.toml "
+        "(default: [store] url of this one's); no password in it: [store] password_file is copied",
+    )
+    add.add_argument(
+        "--advertise",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="an address agents and gateways dial the new control plane at, which its agent endpoint's certificate "
+        "covers (repeatable; default: the HOST of USER@HOST)",
+    )
+    add.add_argument(
+        "--release",
+        metavar="DIR|FILE|URL",
+        default="",
+        help="the release to install, as `llmgw node add --release` takes it (default: the control plane's "
+        "release for the machine's architecture)",
+    )
+    add.add_argument(
+        "--release-via",
+        choices=("ssh", "https"),
+        default="",
+        help="without --release, how the control plane's release reaches the machine, as for node add",
+    )
+    add.add_argument(
+        "--start-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long to wait for the new control plane's admin API to answer (default 120)",
+    )
+    out = add.add_mutually_exclusive_group()
+    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
+    out.add_argument("--json", action="store_true", help="one JSON object per event")
+    add_ssh_options(add)
+    _own_server_options(add)
+
+
+def _config_path(args: argparse.Namespace):
+    return getattr(args, "config", None) or (DEFAULT_SERVER_CONFIG if DEFAULT_SERVER_CONFIG.exists() else None)
 
 
 def run(args: argparse.Namespace) -> int:
     from llmgw.server.app import serve_control_plane
 
     config, state_dir = resolve_server_paths(args)
-    path = args.config or (DEFAULT_SERVER_CONFIG if DEFAULT_SERVER_CONFIG.exists() else None)
+    path = _config_path(args)
     return run_service("server", serve_control_plane, config, state_dir, path)
 
 
@@ -150,4 +231,71 @@ def run_migrate_store(args: argparse.Namespace) -> int:
         )
     else:
         print('next: remove [store] url from server.toml (or set it to "sqlite"), then start `llmgw server`')
+    return 0
+
+
+def run_check_store(args: argparse.Namespace) -> int:
+    from llmgw.server.storecheck import look
+
+    config, state_dir = resolve_server_paths(args)
+    seen = look(state_dir, config.store)
+    print(json.dumps(seen.as_json()) if args.json else seen.text())
+    return 0
+
+
+def run_add(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from llmgw.commands._options import default_known_hosts
+    from llmgw.commands.node import run_checklist
+    from llmgw.config import parse_toml
+    from llmgw.errors import LlmgwError, UsageError
+    from llmgw.nodeadd import context, ssh
+    from llmgw.nodeadd.server import flow, layout, steps
+    from llmgw.server.storecheck import look
+
+    ssh.parse_target(args.target)  # a bad argument is a usage error before anything is read
+    if args.start_timeout <= 0:
+        raise UsageError(f"--start-timeout must be positive, not {args.start_timeout:g}")
+    store_url = layout.check_store_url(args.store) if args.store else ""
+    config, state_dir = resolve_server_paths(args)
+    path = _config_path(args)
+    source = parse_toml(path.read_text(encoding="utf-8"), str(path)) if path is not None else {}
+    base = context.Options(
+        target=args.target,
+        server_config=config,
+        state_dir=state_dir,
+        known_hosts=args.known_hosts or default_known_hosts(),
+        identity_files=tuple(args.identity) if args.identity else None,
+        accept_new_host_key=args.accept_new_host_key,
+        ssh_port=args.port,
+        release=args.release,
+        release_via=args.release_via,
+    )
+    opts = flow.Options(
+        base=base,
+        config_path=path,
+        source=source,
+        store_url=store_url or config.store.url,
+        advertise=tuple(args.advertise),
+        look_store=partial(look, state_dir, config.store),
+    )
+    added = run_checklist(
+        f"llmgw server add {args.target}",
+        lambda emit, questions: flow.add_server(opts, emit=emit, questions=questions, timeout_s=args.start_timeout),
+        checklist=steps.STEPS,
+        plain=args.plain,
+        as_json=args.json,
+    )
+    if isinstance(added, LlmgwError):
+        return added.exit_status  # its step's `failed` line (or the screen) said what and why
+    if args.json:
+        print(json.dumps({"added": added.host, "version": added.version, "ca_fingerprint": added.fingerprint,
+                          "store": added.store, "changed": list(added.changed), "log": added.log}))  # fmt: skip
+        return 0
+    runs = (
+        f"the control plane on {added.host} runs llmgw {added.version} under systemd ({layout.UNIT_NAME}), with this "
+        f"cluster's CA (sha256 {added.fingerprint[:23]}...) and the store {added.store}; its log: {added.log}"
+    )
+    print(f"{runs}." if added.changed else f"nothing changed: {runs}.")
     return 0

@@ -89,6 +89,10 @@ class AdminClient:
         """The gateway instances connected now (name, instance, address, cert_serial in hex, ...)."""
         return self.request("GET", "/admin/v1/gateways")["gateways"]
 
+    def authority(self) -> dict[str, Any]:
+        """The CA the control plane signs with: common_name, fingerprint_sha256, not_after."""
+        return self.request("GET", "/admin/v1/authority")["ca"]
+
     def cluster(self) -> dict[str, Any]:
         """Nodes, the fabrics placement sees, and notes for the operator."""
         return self.request("GET", "/admin/v1/nodes")

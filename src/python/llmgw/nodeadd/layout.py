@@ -294,5 +294,15 @@ WantedBy=multi-user.target
 """
 
 
+def system_user_argv(user: str, *, home: str, comment: str) -> list[str]:
+    """Run as root where `getent passwd USER` finds no such user: a system user of its own
+    group, `home` its home (not made here: the caller makes it with its mode), no login shell.
+    The user a service of llmgw's runs as (`llmgw gateway add`, `llmgw server add`)."""
+    return [
+        "useradd", "--system", "--user-group", "--home-dir", home, "--no-create-home",
+        "--shell", "/usr/sbin/nologin", "--comment", comment, user,
+    ]  # fmt: skip
+
+
 def log_hint(systemd: bool) -> str:
     return f"journalctl -u {UNIT_NAME}" if systemd else LOG_FILE

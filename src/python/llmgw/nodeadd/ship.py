@@ -7,7 +7,8 @@ against the CA root node add puts in the stage for that one download, never the 
 trust), else it is copied over SSH. Nothing here changes the node outside its stage: the
 release is staged in a private directory
 under /tmp (layout.STAGE_PREFIX), its sha256 checked on the node before anything runs it, and
-doctor run from the stage, its report deciding whether the run goes on. `fabrics` names the
+doctor run from the stage, its report deciding whether the run goes on (`tried`: the release runs
+there, for a machine that gets no doctor). `fabrics` names the
 adapter groups doctor found, asking the operator (questions.py) for names not given.
 """
 
@@ -177,6 +178,18 @@ async def _remote_sha256(s: ssh.Session, path: str) -> str:
     if res.exit_status != 0:
         return ""
     return res.stdout.split()[0] if res.stdout.split() else ""
+
+
+async def tried(s: ssh.Session, facts: Facts) -> str:
+    """Run the staged release (`llmgw version`) before anything outside the stage changes: a
+    python3 that cannot run it is said now, with nothing installed."""
+    res = await s.run(staged_llmgw(facts, "version"), sudo=True, timeout_s=DOCTOR_S)
+    if res.exit_status != 0:
+        raise PeerError(
+            f"{s.target}: the release does not run there ({said(res)}); llmgw runs on python3 3.10 to 3.13: install "
+            "one as python3. Nothing was changed on the machine"
+        )
+    return res.stdout.strip().splitlines()[0] if res.stdout.strip() else ""
 
 
 def ship_detail(facts: Facts, machine: str = "node") -> str:

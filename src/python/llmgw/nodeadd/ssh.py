@@ -154,6 +154,21 @@ class Session:
             return
         raise RemoteTimeout(f"{self.target}: copying {local} to {remote} took longer than {timeout_s:g} s")
 
+    @asynccontextmanager
+    async def forward(self, host: str, port: int) -> AsyncIterator[int]:
+        """For the block, a port on 127.0.0.1 here that reaches `host:port` as the node sees it
+        (`ssh -L`): a service the node keeps on its loopback, reached without opening it wider."""
+        try:
+            listener = await aio_as_trio(self._conn.forward_local_port)("127.0.0.1", 0, host, port)
+        except (asyncssh.Error, OSError) as exc:
+            raise PeerError(f"{self.target}: forwarding a port to {host}:{port} there failed: {_reason(exc)}") from exc
+        try:
+            yield listener.get_port()
+        finally:
+            listener.close()
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+                await aio_as_trio(listener.wait_closed)()
+
     async def close(self) -> None:
         if self._closed:
             return

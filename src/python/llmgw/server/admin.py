@@ -163,13 +163,16 @@ class AdminAPI:
         token: str,
         gateways: Callable[[], list[dict[str, Any]]] = list,
         keys_reached: Callable[[], Awaitable[Any]] | None = None,
+        authority: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
         certificate serials are recorded and read; `gateways()`: the gateway instances connected
         (`GatewayFeed.views`); `keys_reached()`: returns once the control plane's own gateway
         holds the keys as they are now (bounded), so a key made or revoked is known on
-        http_listen when the answer comes."""
+        http_listen when the answer comes; `authority()`: the CA this control plane signs with
+        (its CN and fingerprint: `llmgw server add` checks a new control plane's against its own)."""
         self.gateways = gateways
+        self.authority = authority
         self.keys_reached = keys_reached
         self.views = views
         self.operations = operations
@@ -244,6 +247,10 @@ class AdminAPI:
             _allow(request, "GET")
             params.query(request, {})
             return Response.json(200, {"gateways": self.gateways()})
+        if request.path == AUTHORITY:
+            _allow(request, "GET")
+            params.query(request, {})
+            return Response.json(200, {"ca": self.authority()})
         if request.path == STALL:
             _allow(request, "POST")
             # The credential itself, even under a page session's cookie: holding the control plane's
@@ -420,6 +427,7 @@ def _path_id(raw: str, what: str, grammar: re.Pattern[str], rule: str) -> str:
 
 
 STALL = "/admin/v1/debug/stall"
+AUTHORITY = "/admin/v1/authority"
 MAX_STALL_S = 600.0
 
 

@@ -224,6 +224,7 @@ class ControlPlane:
             token=admin_token,
             gateways=self.gateway_feed.views,
             keys_reached=self._keys_reached,
+            authority=self._authority,
         )
         self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
@@ -473,6 +474,14 @@ class ControlPlane:
         if not await self.gateway.quiesce(replica_id, timeout_s):
             return False
         return await self.gateway_feed.quiesce(replica_id, max(0.0, deadline - trio.current_time()))
+
+    def _authority(self) -> dict[str, Any]:
+        info = self.ca.info()
+        return {
+            "common_name": info.common_name,
+            "fingerprint_sha256": info.fingerprint_sha256,
+            "not_after": info.not_after.isoformat(),
+        }
 
     async def _keys_reached(self) -> None:
         """Until this plane's workers hold the keys as they are now, for at most KEYS_REACH_S (then

@@ -8,7 +8,7 @@ way, the same checklist, events and screens. Its invariants hold here too:
   is read before the machine is touched, and the control plane's state is read and written
   through its admin API only.
 - Nothing is changed on the machine outside the stage until the release has run there
-  (`install.tried`). The stage is removed at the end whatever happens.
+  (`ship.tried`). The stage is removed at the end whatever happens.
 - Every remote command is argv (llmgw.nodeadd.remote quotes it).
 - Running it again converges: the same files are rewritten, the zipapp replaced only when its
   sha256 differs, the key and certificate kept unless `--reissue`, and the unit restarted;
@@ -87,7 +87,7 @@ async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, a
         ca_pem = auth.ca.cert_pem()
         fell_back = await ship.choose(opts.base, facts, ca_pem)
         await ship.ship(s, facts, ca_pem)
-        ran = await install.tried(s, facts)
+        ran = await ship.tried(s, facts)
         detail = f"{ship.ship_detail(facts, machine='machine')}; it runs there: {ran}"
         st.say(WARN if fell_back else OK, f"{detail}; {fell_back}" if fell_back else detail)
 

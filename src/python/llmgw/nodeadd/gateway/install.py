@@ -1,7 +1,7 @@
 """The steps of `llmgw gateway add` that are a gateway's own: what the machine is and what the
-gateway is called (`identify`), trying the shipped release (`tried`), `install`, `identity`,
-`configure`, `start` and `join`. Connecting, the address and shipping are node add's
-(llmgw.nodeadd: ssh, identify.agent_address, ship).
+gateway is called (`identify`), `install`, `identity`, `configure`, `start` and `join`.
+Connecting, the address, shipping and trying the shipped release are node add's (llmgw.nodeadd:
+ssh, identify.agent_address, ship).
 
 A gateway's name is `--name` or the machine's hostname, and never a node's id: the control plane
 records a gateway's certificates under its name as a node's under its id (so `llmgw node remove
@@ -30,11 +30,11 @@ from cryptography import x509
 
 from llmgw import config as cfg
 from llmgw.ctl.client import AdminClient
-from llmgw.errors import LlmgwError, MachineError, PeerError, UsageError
-from llmgw.nodeadd import context, ssh
+from llmgw.errors import MachineError, PeerError, UsageError
+from llmgw.nodeadd import context, service, ssh
 from llmgw.nodeadd import install as node_install
 from llmgw.nodeadd import layout as node_layout
-from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, must, put_text, said, staged_llmgw
+from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, must, put_text, said
 from llmgw.nodeadd.gateway import layout
 from llmgw.nodeadd.identify import check_sudo
 from llmgw.nodeadd.release import release_arch
@@ -43,7 +43,6 @@ from llmgw.pki.ca import CA, ROLE_GATEWAY, CertInfo, cert_info, check_own_gatewa
 from llmgw.pki.files import gateway_paths
 
 POLL_S = 1.0
-LOG_LINES = 15
 GIVE_UP_RESTARTS = 3  # systemd restarted the gateway this often since the start: it will not come up
 
 
@@ -139,41 +138,15 @@ def _serial_of(pem: bytes | None) -> int | None:
         return None
 
 
-# -- ship: the release runs there ----------------------------------------------------------
-
-
-async def tried(s: ssh.Session, facts: Facts) -> str:
-    """Run the staged release (`llmgw version`) before anything outside the stage changes: a
-    python3 that cannot run it is said now, with nothing installed."""
-    res = await s.run(staged_llmgw(facts, "version"), sudo=True, timeout_s=DOCTOR_S)
-    if res.exit_status != 0:
-        raise PeerError(
-            f"{s.target}: the release does not run there ({said(res)}); llmgw runs on python3 3.10 to 3.13: install "
-            "one as python3. Nothing was changed on the machine"
-        )
-    return res.stdout.strip().splitlines()[0] if res.stdout.strip() else ""
-
-
 # -- install -------------------------------------------------------------------------------
 
 
 async def install(s: ssh.Session, facts: Facts) -> str:
     art = facts.artifact
     assert art is not None
-    found = await s.run(["getent", "passwd", layout.USER], timeout_s=SHORT_S)
-    if found.exit_status == 2:  # getent: no such key
-        await must(s, layout.user_argv(), sudo=True, what=f"making the system user {layout.USER}")
-    elif found.exit_status != 0:
-        raise PeerError(f"{s.target}: looking up the user {layout.USER} failed ({said(found)})")
-    user = f"user {layout.USER} ({'there already' if found.exit_status == 0 else 'made'})"
+    user = service.user_text(layout.USER, await service.ensure_user(s, layout.USER, layout.user_argv()))
     await must(s, layout.dirs_argv(), sudo=True, what=f"making {layout.PKI_DIR}")
-    if facts.installed_sha256 != art.sha256:
-        await must(
-            s,
-            ["install", "-D", "-m", "0755", f"{facts.stage}/llmgw", layout.BIN],
-            sudo=True,
-            what=f"installing {layout.BIN}",
-        )
+    await service.install_bin(s, facts)
     return f"{layout.BIN} ({art.version}), {user}, {layout.PKI_DIR} (0700, its own)"
 
 
@@ -307,7 +280,7 @@ async def wait_for_link(
     """Poll the control plane until the restarted gateway is linked; each new thing seen goes to
     `progress`. A unit systemd keeps restarting ends the wait early, with its log."""
     poll = poll or partial(trio.to_thread.run_sync, admin.gateways)
-    restarts = restarts or partial(unit_restarts, s)
+    restarts = restarts or partial(service.unit_restarts, s, layout.UNIT_NAME)
     expected = int(opts.workers) if opts.workers.isdigit() else 1  # auto: as many as CPUs there; one says it runs
     seen = ""
     with trio.move_on_after(opts.base.join_timeout_s):
@@ -325,27 +298,10 @@ async def wait_for_link(
                 raise PeerError(
                     f"the gateway on {s.target} keeps exiting: systemd started it again {restarted} times. What it "
                     f"said ({layout.log_hint()}) names the cause, e.g. --listen's port taken by another program"
-                    + await _with_log(s)
+                    + await service.journal_tail(s, layout.UNIT_NAME)
                 )
             await trio.sleep(POLL_S)
     raise PeerError(
         f"gateway {facts.name!r} did not link to the control plane within {opts.base.join_timeout_s:g} s: {seen}. Its "
-        f"log on the machine ({layout.log_hint()}) says why" + await _with_log(s)
+        f"log on the machine ({layout.log_hint()}) says why" + await service.journal_tail(s, layout.UNIT_NAME)
     )
-
-
-async def unit_restarts(s: ssh.Session) -> int:
-    """How often systemd restarted the unit since it was last started by hand (NRestarts)."""
-    res = await s.run(["systemctl", "show", "-p", "NRestarts", "--value", layout.UNIT_NAME], timeout_s=SHORT_S)
-    text = res.stdout.strip()
-    return int(text) if res.exit_status == 0 and text.isdigit() else 0
-
-
-async def _with_log(s: ssh.Session) -> str:
-    argv = ["journalctl", "-u", layout.UNIT_NAME, "-n", str(LOG_LINES), "--no-pager"]
-    try:
-        res = await s.run(argv, sudo=True, timeout_s=SHORT_S)
-    except LlmgwError:
-        return ""
-    tail = res.stdout.rstrip() if res.exit_status == 0 else ""
-    return f"; its last lines:\n{tail}" if tail else ""

@@ -112,10 +112,7 @@ def csr_argv(name: str) -> list[str]:
 
 def user_argv() -> list[str]:
     """Run as root where `getent passwd USER` finds no such user: the gateway's system user."""
-    return [
-        "useradd", "--system", "--user-group", "--home-dir", STATE_DIR, "--no-create-home",
-        "--shell", "/usr/sbin/nologin", "--comment", "llmgw gateway", USER,
-    ]  # fmt: skip
+    return node_layout.system_user_argv(USER, home=STATE_DIR, comment="llmgw gateway")
 
 
 def dirs_argv() -> list[str]:

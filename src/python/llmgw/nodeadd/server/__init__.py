@@ -1,0 +1,1 @@
+"""`llmgw server add`: node add's machinery (SSH, the release, the checklist) installing a second control plane."""
