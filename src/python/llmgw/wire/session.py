@@ -17,7 +17,9 @@ wired together in memory are the protocol's tests (tests/llmgw/wire/test_session
                                                    handshake (RFC 6455 §4.1, §4.2.1); else HTTP
                                                    403 or 503, 403, 404, 403, 400
     Hello  --------------------------------->  first; of PROTOCOL_VERSION, for that node id
-           <---------------------------------  Welcome, then DesiredState: the hello's answer
+           <---------------------------------  Welcome, then DesiredState: the hello's answer;
+                                               or, from a control plane that does not lead,
+                                               Redirect (where the leader is), LinkError, closed
     the Welcome is for our node id, names a server version and a heartbeat we can keep
     Heartbeat, InventoryChanged,
     EnginesChanged, ReplicasChanged  ------->
@@ -88,7 +90,7 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
         State.OPEN: {**{t: State.OPEN for t in _REPORTS}, w.LinkError: State.CLOSED},
     },
     AGENT: {
-        State.AWAIT_WELCOME: {w.Welcome: State.OPEN, w.LinkError: State.CLOSED},
+        State.AWAIT_WELCOME: {w.Welcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
         State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN, w.LinkError: State.CLOSED},
     },
 }
@@ -230,6 +232,15 @@ class Closed:
     message: str
 
 
+@attrs.frozen(kw_only=True)
+class Redirected:
+    """The control plane does not lead: `leader` is where the leader is ("" when none is known
+    now), and the link closes (either link: the gateway link's sessions give this event too)."""
+
+    leader: str
+    message: str
+
+
 Event = (
     Joined
     | HeartbeatReceived
@@ -240,6 +251,7 @@ Event = (
     | WelcomeReceived
     | DesiredStateReceived
     | LogsRequested
+    | Redirected
     | Closed
 )
 
@@ -253,6 +265,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Welcome: lambda m: WelcomeReceived(welcome=m),
     w.DesiredState: lambda m: DesiredStateReceived(desired=m),
     w.LogsRequest: lambda m: LogsRequested(request=m),
+    w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
     w.LinkError: lambda m: Closed(code=m.code, message=m.message),
 }
 
@@ -306,9 +319,18 @@ class Session:
         self.outbox.put(w.LinkError, self.goodbye)
         return True
 
+    def redirect(self, redirect: w.Redirect) -> None:
+        """A control plane that does not lead answers the hello with where the leader is, then
+        ends the link: drops what is unsent, queues `redirect` and the LinkError (NOT_LEADER)
+        that closes it."""
+        self.close(w.NOT_LEADER, redirect.message)
+        self.outbox.clear()
+        self.outbox.put(w.Redirect, redirect)
+        self.outbox.put(w.LinkError, self.goodbye)
+
     def next_frame(self) -> str | None:
         """The next frame for the writer, in the order queued; None if nothing waits. Once the
-        link is closed, only this side's LinkError is still written."""
+        link is closed, only this side's last frames (a Redirect, its LinkError) are still written."""
         if self.state is State.CLOSED and self.goodbye is None:
             return None
         taken = self.outbox.take()
@@ -361,7 +383,9 @@ class Session:
 
 class ServerSession(Session):
     """The control plane's end of one agent's link; `expected_node_id` is the CN of the
-    certificate the agent connected with, `desired_state` makes that node's DesiredState."""
+    certificate the agent connected with, `desired_state` makes that node's DesiredState.
+    `standby`: this control plane does not lead, and answers the hello with the `Redirect` it
+    makes (after the same checks of the upgrade and the hello a leader makes)."""
 
     role = SERVER
     accepts = w.AgentMessage
@@ -374,8 +398,10 @@ class ServerSession(Session):
         heartbeat_interval_s: float,
         desired_state: Callable[[], w.DesiredState],
         server_version: str = __version__,
+        standby: Callable[[], w.Redirect] | None = None,
     ) -> None:
         super().__init__(State.UPGRADE)
+        self.standby = standby
         self.expected_node_id = expected_node_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self.desired_state = desired_state
@@ -479,7 +505,9 @@ class ServerSession(Session):
         return f"unexpected {kind} ({self.state.value})"
 
     def _answer(self, message: Any) -> None:
-        if isinstance(message, w.Hello):
+        if isinstance(message, w.Hello) and self.standby is not None:
+            self.redirect(self.standby())
+        elif isinstance(message, w.Hello):
             welcome = w.Welcome(
                 node_id=self.expected_node_id,
                 server_version=self.server_version,
