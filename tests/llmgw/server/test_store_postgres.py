@@ -127,7 +127,7 @@ def test_two_control_planes_starting_at_once_migrate_once(
         versions = [r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")]
         tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     assert versions == [v for v, _ in schema.MIGRATIONS]
-    assert tables == {"schema_version", *schema.TABLES}
+    assert tables == {"schema_version", "leader_lease", *schema.TABLES}
     for db in opened:
         db.close()
 

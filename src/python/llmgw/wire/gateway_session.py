@@ -153,7 +153,9 @@ class TableHeartbeatReceived:
     seq: int
 
 
-Event = GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Redirected | Closed
+Event = (
+    GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Redirected | Closed
+)
 
 _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.GatewayHello: lambda m: GatewayJoined(hello=m),
