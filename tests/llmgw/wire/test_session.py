@@ -83,6 +83,7 @@ SERVER_SENDS = {
     w.Welcome: w.Welcome(node_id="node-a", server_version="test", heartbeat_interval_s=5.0),
     w.DesiredState: w.DesiredState(generation=1),
     w.LogsRequest: w.LogsRequest(request_id=1, replica_id="r1", lines=10),
+    w.ServerHeartbeat: w.ServerHeartbeat(seq=1),
     w.Redirect: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
@@ -340,6 +341,18 @@ def test_nothing_is_written_after_the_peer_closed() -> None:
     assert pair.server.next_frame() is None
 
 
+def test_the_control_plane_heartbeats_an_open_link_the_newest_unsent_alone() -> None:
+    pair = Pair()
+    pair.server.heartbeat()  # before the hello: nothing
+    pair.join()
+    pair.server.heartbeat()
+    pair.server.heartbeat()  # the agent reads slowly: one waits, the newest
+    assert [decode(f, w.ServerMessage) for f in drain(pair.server)] == [w.ServerHeartbeat(seq=2)]
+    pair.server.heartbeat()
+    pair.flush()
+    assert pair.events[s.AGENT][-1] == s.ServerHeartbeatReceived(seq=3)
+
+
 def test_a_standby_answers_the_hello_with_where_the_leader_is_and_closes() -> None:
     pair = Pair()
     leader = w.Redirect(leader="wss://cp-b:7443", message="this control plane is a standby; the leader is cp-b")
@@ -395,7 +408,7 @@ SERVER_ACCEPTS = {
 }
 AGENT_ACCEPTS = {
     "await_welcome": {"welcome", "redirect", "link_error"},
-    "open": {"desired_state", "logs_request", "link_error"},
+    "open": {"desired_state", "logs_request", "server_heartbeat", "link_error"},
     "closed": set(),
 }
 

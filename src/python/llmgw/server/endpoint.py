@@ -8,12 +8,15 @@ Every rule of the link is the session's; around them, this module does the I/O:
    `Joined` records the node (store, registry); then the link's one writer (`linkio.Writer`)
    writes the Welcome and first DesiredState the session queued, and once the Welcome is out
    the link is published in `links`.
-3. `_receive_loop` gives every later frame to the session and acts on its events. A link silent
-   past the heartbeat TTL (in the registry's stall-aware clock), one whose certificate expires
-   and one whose agent takes no frame within SEND_TIMEOUT_S are closed.
+3. `_receive_loop` gives every later frame to the session and acts on its events; a
+   ServerHeartbeat goes every heartbeat interval (`_heartbeats`). A link silent past the
+   heartbeat TTL (in the registry's stall-aware clock), one whose certificate expires and one
+   whose agent takes no frame within SEND_TIMEOUT_S are closed.
+4. While this control plane does not lead (`leading()`: its term is over), it pushes nothing
+   and a new link is answered with where the leader is (`AgentListener.answer_standby`).
 
-Only the writer writes: `push_desired_state`, `request_logs`, `close_node` and the receive loop
-queue. The connections (budgets, TLS, HTTP, routes) are `AgentListener`'s, which this extends.
+Only the writer writes: `push_desired_state`, `request_logs`, `close_node`, the heartbeats and
+the receive loop queue. The connections (budgets, TLS, HTTP, routes) are `AgentListener`'s, which this extends.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ class AgentEndpoint(AgentListener):
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self._write, link, ws)  # the Welcome is written: published
+                    nursery.start_soon(self._heartbeats, link)
                     # A certificate is good until its notAfter, not until the link happens to close.
                     with trio.move_on_at(trio.current_time() + (cert.not_after.timestamp() - time.time())) as expiry:
                         await self._receive_loop(link, ws)
@@ -205,6 +209,14 @@ class AgentEndpoint(AgentListener):
             # It does not read what we send: a link in name only. Its agent reconnects.
             log.warning("agent_link_not_reading", node=link.node_id, after_s=SEND_TIMEOUT_S)
             raise
+
+    async def _heartbeats(self, link: Link) -> None:
+        """A ServerHeartbeat every heartbeat interval, so that the agent notices a control plane
+        that stopped (its kernel would still take the agent's frames) and dials the next."""
+        while True:
+            await trio.sleep(self.heartbeat_interval_s)
+            link.session.heartbeat()
+            link.writer.wake()
 
     def _publish(self, link: Link) -> None:
         old = self.links.get(link.node_id)

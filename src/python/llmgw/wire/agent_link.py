@@ -26,7 +26,8 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # extra_index_urls), an engine's install state and progress (EngineStatus.state, phase, percent).
 # 4: the control plane's own release archives (EngineArchive.release), the CPU backend llama.cpp
 # loaded (EngineStatus.cpu_backend), an engine this node lacks what it needs for (ENGINE_UNAVAILABLE).
-# 5: a standby control plane answers a hello with where the leader is (`Redirect`).
+# 5: a standby control plane answers a hello with where the leader is (`Redirect`); the control plane
+# sends a heartbeat of its own (`ServerHeartbeat`), so that an agent notices one that stopped.
 PROTOCOL_VERSION = 5
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
@@ -278,6 +279,14 @@ class Welcome:
 
 
 @attrs.frozen(kw_only=True)
+class ServerHeartbeat:
+    """The control plane is there: sent every heartbeat interval, so that an agent notices one
+    that stopped (paused, or cut off while its kernel still answers) and dials the next."""
+
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
 class EngineArchive:
     arch: str
     backend: str
@@ -388,7 +397,7 @@ class LinkError:
 
 
 AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LogsReply | LinkError
-ServerMessage = Welcome | DesiredState | LogsRequest | Redirect | LinkError
+ServerMessage = Welcome | DesiredState | LogsRequest | ServerHeartbeat | Redirect | LinkError
 
 # Error codes of LinkError.
 BAD_MESSAGE = "bad_message"

@@ -86,6 +86,7 @@ _ALL = (
     | agent_link.LogsRequest
     | agent_link.Welcome
     | agent_link.DesiredState
+    | agent_link.ServerHeartbeat
     | agent_link.Redirect
     | agent_link.LinkError
 )

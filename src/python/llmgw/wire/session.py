@@ -23,7 +23,8 @@ wired together in memory are the protocol's tests (tests/llmgw/wire/test_session
     the Welcome is for our node id, names a server version and a heartbeat we can keep
     Heartbeat, InventoryChanged,
     EnginesChanged, ReplicasChanged  ------->
-           <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`)
+           <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`),
+                                               ServerHeartbeat every heartbeat interval (`heartbeat`)
     LogsReply  ----------------------------->  to a request asked and not yet answered
     LinkError, either way: the sender's last frame before it closes (`close`).
 
@@ -34,8 +35,8 @@ LinkError to answer with; the session is then closed, and `close` queues that Li
 Sending is queueing (`llmgw.wire.outbox`), and a link's memory stays bounded whatever its peer
 does. When the peer reads slowly or not at all:
 
-- coalesced, a newer replacing an unsent older one in its place: DesiredState, Heartbeat,
-  InventoryChanged, EnginesChanged, ReplicasChanged (each says the whole of what it reports; a
+- coalesced, a newer replacing an unsent older one in its place: DesiredState, ServerHeartbeat,
+  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged (each says the whole of what it reports; a
   DesiredState is made by `desired_state` when the writer takes it, so it is the newest then);
 - bounded: at most MAX_LOGS_ASKED LogsRequests asked and unanswered per link (past it
   `request_logs` gives None and the caller answers for the node), and as many LogsReplies unsent
@@ -91,7 +92,12 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
     },
     AGENT: {
         State.AWAIT_WELCOME: {w.Welcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
-        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {
+            w.DesiredState: State.OPEN,
+            w.LogsRequest: State.OPEN,
+            w.ServerHeartbeat: State.OPEN,
+            w.LinkError: State.CLOSED,
+        },
     },
 }
 # role -> state -> {message type that side may send: the state after it}. The control plane's
@@ -99,7 +105,7 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
 # may be sent once in any state (`close`).
 SENDS: dict[str, dict[State, dict[type, State]]] = {
     SERVER: {
-        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN},
+        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN, w.ServerHeartbeat: State.OPEN},
     },
     AGENT: {
         State.START: {w.Hello: State.AWAIT_WELCOME},
@@ -108,7 +114,7 @@ SENDS: dict[str, dict[State, dict[type, State]]] = {
 }
 # role -> (kinds of which only the newest unsent is kept, {kind: most unsent at once})
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
-    SERVER: (frozenset({w.DesiredState}), {w.LogsRequest: MAX_LOGS_ASKED}),
+    SERVER: (frozenset({w.DesiredState, w.ServerHeartbeat}), {w.LogsRequest: MAX_LOGS_ASKED}),
     AGENT: (
         frozenset({w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged}),
         {w.LogsReply: MAX_LOGS_ASKED},
@@ -220,6 +226,11 @@ class DesiredStateReceived:
 
 
 @attrs.frozen(kw_only=True)
+class ServerHeartbeatReceived:
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
 class LogsRequested:
     request: w.LogsRequest
 
@@ -251,6 +262,7 @@ Event = (
     | WelcomeReceived
     | DesiredStateReceived
     | LogsRequested
+    | ServerHeartbeatReceived
     | Redirected
     | Closed
 )
@@ -265,6 +277,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Welcome: lambda m: WelcomeReceived(welcome=m),
     w.DesiredState: lambda m: DesiredStateReceived(desired=m),
     w.LogsRequest: lambda m: LogsRequested(request=m),
+    w.ServerHeartbeat: lambda m: ServerHeartbeatReceived(seq=m.seq),
     w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
     w.LinkError: lambda m: Closed(code=m.code, message=m.message),
 }
@@ -407,6 +420,7 @@ class ServerSession(Session):
         self.desired_state = desired_state
         self.server_version = server_version
         self._next_request = 0
+        self._seq = 0
 
     @property
     def joined(self) -> bool:
@@ -439,6 +453,12 @@ class ServerSession(Session):
         place of one still unsent). Nothing before the hello: its answer carries the first."""
         if self.state is State.OPEN:
             self.outbox.put(w.DesiredState, None)
+
+    def heartbeat(self) -> None:
+        """Queue a ServerHeartbeat, if the link is open (an unsent one is replaced)."""
+        if self.can_send(w.ServerHeartbeat):
+            self._seq += 1
+            self.send(w.ServerHeartbeat(seq=self._seq))
 
     def request_logs(self, replica_id: str, lines: int) -> int | None:
         """Queue a LogsRequest; its request id, or None if the link is not open or
