@@ -453,7 +453,7 @@ class ControlPlane:
             gateway = render_workers(links) if self.workers else self.gateway.render_metrics()
             own = (
                 self.connections.render()
-                + _restarts_metric(self.background.restarts)
+                + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
                 + self.loop_lag.render(trio.current_time())
                 + self.registry.clock.render()
                 + (self.step_timer.render() if self.step_timer is not None else "")
@@ -586,7 +586,7 @@ async def serve_reload_on_sighup(
                 log.exception("reload_failed", kept="the running configuration")
 
 
-def _restarts_metric(restarts: dict[str, int]) -> str:
+def _restarts_metric(restarts: dict[str, int], leading: bool) -> str:
     registry = MetricsRegistry()
     family = registry.counter(
         "llmgw_background_restarts_total",
@@ -595,6 +595,9 @@ def _restarts_metric(restarts: dict[str, int]) -> str:
     )
     for task, count in sorted(restarts.items()):
         family.inc(count, task=task)
+    registry.gauge("llmgw_control_plane_leading", "Whether this control plane leads (1) or stands by (0).").set(
+        int(leading)
+    )
     return registry.render()
 
 
