@@ -69,11 +69,21 @@ def replicas_by_id(planes: Planes, plane: Plane) -> dict[str, dict[str, Any]]:
 
 
 def two_ready(planes: Planes, plane: Plane) -> dict[str, dict[str, Any]]:
+    """Two replicas ready, one on each node (placed, and spread if both went to one first)."""
+
     def ready() -> dict[str, dict[str, Any]] | None:
         found = replicas_by_id(planes, plane)
-        return found if len(found) == 2 and all(r["state"] == "ready" for r in found.values()) else None
+        spread = sorted(n for r in found.values() for n in r["nodes"]) == ["node-a", "node-b"]
+        return found if spread and all(r["state"] == "ready" for r in found.values()) else None
 
-    return wait_until("two replicas ready", ready, procs=planes.procs(), timeout=READY_S)
+    return wait_until("two replicas ready, one on each node", ready, procs=planes.procs(), timeout=READY_S)
+
+
+def gateways(plane: Plane) -> list[dict[str, Any]]:
+    """The gateway instances linked to `plane` (its admin API; a standby's answer followed)."""
+    from llmgw.ctl.client import AdminClient
+
+    return AdminClient.locate(server=None, credential=None, state_dir=str(plane.state)).gateways()
 
 
 def start_cluster(planes: Planes) -> tuple[Plane, Plane]:
@@ -127,7 +137,7 @@ def test_the_leader_killed_the_standby_leads_within_10_s_and_nothing_restarts(pl
     assert {rid: r["nodes"] for rid, r in after.items()} == {rid: r["nodes"] for rid, r in before.items()}
     assert planes.nodes(b)["node-b"]["cordoned"] is True  # written before the kill, read by the new leader
     # The gateway follows too: linked to the new leader, serving with the key made before.
-    wait_until("the gateway linked to the new leader", lambda: planes.ctl(b, "gateways"), procs=planes.procs())
+    wait_until("the gateway linked to the new leader", lambda: gateways(b), procs=planes.procs())
     assert gw.ask(token)[0] == 200
 
 
@@ -150,19 +160,28 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
             procs=planes.procs(),
             timeout=60,
         )
-        # An operator's write reaches the old leader while it is stopped: it waits in its socket.
+        # An operator's write reaches the old leader while it is stopped: it waits in its backlog.
         answer: list[tuple[int, dict[str, Any]]] = []
-        writer = threading.Thread(target=lambda: answer.append(post(a, "/admin/v1/nodes/node-a/cordon", admin_token)))
+
+        def cordon() -> None:
+            try:
+                answer.append(post(a, "/admin/v1/nodes/node-a/cordon", admin_token))
+            except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+                answer.append((0, {"closed": repr(exc)}))
+
+        writer = threading.Thread(target=cordon)
         writer.start()
-        time.sleep(1.0)  # the request is in the stopped process's socket buffer (nothing here can tell)
+        time.sleep(1.0)  # the request is in the stopped process's backlog (nothing here can tell)
     finally:
         a.proc.popen.send_signal(signal.SIGCONT)
     writer.join(60)
     [(status, body)] = answer
-    # Refused: by the fence (the old term's write), or by the standby the old leader has become.
-    assert status == 503, body
-    message = body["error"]["message"]
-    assert "has passed to epoch" in message or body["error"]["code"] == "not_leader", body
+    print(f"\nthe write sent to the paused leader: {status} {json.dumps(body)[:300]}")
+    # Refused by the fence (the old term's write), or by the standby the old leader has become, or
+    # its connection closed with the listener when the old leader stepped down before reading it.
+    assert status in (0, 503), body
+    if status == 503:
+        assert "has passed to epoch" in body["error"]["message"] or body["error"]["code"] == "not_leader", body
 
     wait_until("the old leader to step down", lambda: a.events("leadership_lost"), procs=planes.procs())
     wait_until("the old leader to stand by", lambda: len(a.events("server_standby")) >= 2, procs=planes.procs())

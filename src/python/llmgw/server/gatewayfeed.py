@@ -342,6 +342,12 @@ class GatewayFeed:
                 if link.session.goodbye is not None:
                     return  # we closed it, and the gateway answered
                 raise
+            if link.session.goodbye is not None:
+                # We are closing it (a node removed, a leader stepping down): what came meanwhile
+                # is moot, and our LinkError goes out before the link ends.
+                with trio.move_on_after(REFUSAL_SEND_S):
+                    await link.writer.finished.wait()
+                return
             if silence.cancelled_caught and self.clock.now() - heard < timeout:
                 continue  # a stall moved the deadline
             if silence.cancelled_caught:
