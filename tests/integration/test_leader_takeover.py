@@ -197,3 +197,47 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
     status, body = post(a, "/admin/v1/nodes/node-a/cordon", admin_token)
     assert status == 503 and body["error"]["leader"]["admin_url"] == b.admin_url
     assert planes.nodes(b)["node-a"]["cordoned"] is False
+
+
+def test_while_postgresql_is_away_both_control_planes_stay_up_and_one_leads_again_after(
+    tmp_path: Path,
+    postgres_server: PostgresServer,  # noqa: F811 - the fixture
+    postgres_db: Database,  # noqa: F811 - the fixture
+) -> None:
+    """No control plane can renew or take the lease while the store is away: the leader steps
+    down, both stand by and answer 503 with Retry-After, the engines go on; back, one leads,
+    reads the state afresh, and the agents return to it with their engines adopted."""
+    # After a while with no leader the agents dial up to 30 s apart: the product's grace covers it.
+    planes = Planes(tmp_path / "away", postgres_db, reconnect_grace_s=35.0)
+    try:
+        a, b = start_cluster(planes)
+        engines = {rid: r["pids"] for rid, r in two_ready(planes, a).items()}
+        admin_token = (a.state / "admin.token").read_text().strip()
+        postgres_server.stop()
+        try:
+            wait_until("the leader to step down", lambda: a.events("leadership_lost"), alive=[a.proc, b.proc])
+            for plane in (a, b):
+                wait_until(f"{plane.name} standing by", lambda p=plane: len(p.events("server_standby")) >= 1 + (p is a))
+                status, body = post(plane, "/admin/v1/nodes/node-a/cordon", admin_token)
+                assert status == 503 and body["error"]["code"] == "not_leader" and body["error"]["leader"] is None
+            time.sleep(LEASE_TTL_S)  # away a while longer: both stay up
+            assert a.proc.returncode is None and b.proc.returncode is None
+        finally:
+            postgres_server.start()
+        wait_until(
+            "a control plane to lead again",
+            lambda: len(a.events("leadership_taken")) + len(b.events("leadership_taken")) >= 2,
+            alive=[a.proc, b.proc],
+            procs=planes.procs(),
+            timeout=30,
+        )
+        leader = a if len(a.events("leadership_taken")) == 2 else b
+        wait_until(
+            "both agents back with the leader",
+            lambda: {n: v["state"] for n, v in planes.nodes(leader).items()} == {"node-a": "joined", "node-b": "joined"},
+            procs=planes.procs(),
+            timeout=60,
+        )
+        assert {rid: r["pids"] for rid, r in two_ready(planes, leader).items()} == engines  # nothing restarted
+    finally:
+        planes.close()

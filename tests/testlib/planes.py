@@ -57,6 +57,7 @@ class Planes:
         lease_renew_s: float = LEASE_RENEW_S,
         reconnect_grace_s: float = 15.0,
     ) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         store = (
             f'[store]\nurl = "{db.url}"\npassword_file = "{db.password_file}"\n'
             f"lease_ttl_s = {lease_ttl_s}\nlease_renew_s = {lease_renew_s}\n"

@@ -49,10 +49,11 @@ from llmgw.http.listeners import ConnectionStats
 from llmgw.log import get_logger
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import BUSY_TIMEOUT_S, AsyncStore
+from llmgw.server.errors import StoreError
 from llmgw.server.front import Bound, split_hostport
 from llmgw.server.leadership import LeaseKeeper, Term, new_holder_id
 from llmgw.server.releases import Releases
-from llmgw.server.standby import Leader, StandbyFront, StandbyListener, serve_standby
+from llmgw.server.standby import Leader, StandbyFront, StandbyListener, StandbyStore, serve_standby
 from llmgw.server.store import open_backend
 from llmgw.server.store.lease import STANDBY, Holder
 from llmgw.server.warm import Warm, read_warm
@@ -154,9 +155,13 @@ class Seat:
 
     async def _stand_by(self, task_status: trio.TaskStatus[Bound]) -> Term:
         """Serve as a standby until the lease is taken; the term it begins."""
-        store = AsyncStore.open(self.state_dir, self.config.store, busy_timeout_s=BUSY_TIMEOUT_S, fence=STANDBY)
+        config = self.config
+        store = StandbyStore(
+            partial(AsyncStore.open, self.state_dir, config.store, busy_timeout_s=BUSY_TIMEOUT_S, fence=STANDBY),
+            retry_s=config.store.lease_renew_s,
+        )
+        await store.open()
         try:
-            config = self.config
             listener = StandbyListener(
                 leader=self.leader,
                 heartbeat_interval_s=config.server.heartbeat_interval_s,
@@ -186,21 +191,28 @@ class Seat:
                     agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
                     admin_url=bound.admin_url,
                     state_dir=str(self.state_dir),
-                    store=str(store.path),
                     lease_ttl_s=config.store.lease_ttl_s,
                 )
                 task_status.started(bound)
                 term = await self.keeper.acquire()
                 nursery.cancel_scope.cancel()
         finally:
-            await store.aclose()
+            with trio.move_on_after(CLOSE_TIMEOUT_S) as closing:
+                closing.shield = True
+                await store.aclose()
         return term
 
     async def _lead(self, term: Term) -> None:
         """Lead for `term`, until it is lost (then step down) or the process stops (then release it)."""
         self.terms += 1
         log.info("leadership_taken", epoch=term.epoch, holder=self.keeper.holder.id, terms=self.terms)
-        plane = self.open_plane(self.config, self.warm, term, self.redirect)
+        try:
+            plane = self.open_plane(self.config, self.warm, term, self.redirect)
+        except StoreError as exc:
+            # PostgreSQL went away between the taking and the reading: not this process's fault.
+            term.lose(f"the store failed as this control plane opened it: {exc}")
+            log.warning("leadership_lost", epoch=term.epoch, reason=term.lost_reason, now="a standby")
+            return
         self.plane, self.term = plane, term
         stopped = False
         try:

@@ -2,7 +2,8 @@
 
 A standby holds what a leader starts from ready (`llmgw.server.app.Warm`: the CA, the agents'
 TLS context, the admin credential, this llmgw's release file; the catalog is server.toml, read
-and checked) and its store open (`lease.STANDBY`: every write refused, reads allowed), and
+and checked) and its store open when it can be (`StandbyStore`; `lease.STANDBY`: every write
+refused, reads allowed: a standby comes up and stays up while PostgreSQL is away), and
 answers whoever comes with where the leader is, as the lease names it (`Leader`, from the
 seat's last look at the lease):
 
@@ -21,6 +22,7 @@ seat's last look at the lease):
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import math
 from collections.abc import Callable
@@ -42,6 +44,8 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo
 from llmgw.server.admin import is_admin_path
 from llmgw.server.agentlistener import AgentListener
+from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.errors import StoreError
 from llmgw.server.front import Bound, cannot_listen, split_hostport
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_session as gs
@@ -76,6 +80,48 @@ class Leader:
         if not self.agent_url:
             return None
         return {"agent_url": self.agent_url, "admin_url": self.admin_url, "epoch": self.epoch}
+
+
+class StandbyStore:
+    """A standby's store, opened when first needed and again after it failed (at most every
+    `retry_s`): a standby comes up, and stays up, while PostgreSQL is away. It is read for one
+    thing, the revocation of a certificate that asks for a link; while it cannot be read that
+    check fails closed (`StoreError`: the link is refused with 503 and its agent retries)."""
+
+    def __init__(self, open_store: Callable[[], AsyncStore], *, retry_s: float) -> None:
+        self._open_store = open_store
+        self.retry_s = retry_s
+        self.store: AsyncStore | None = None
+        self._failed: StoreError | None = None
+        self._next_try = -math.inf
+
+    async def open(self) -> None:
+        """Open it now if it is not (its failure, if any, kept for the calls that need it)."""
+        with contextlib.suppress(StoreError):
+            await self._opened()
+
+    async def _opened(self) -> AsyncStore:
+        if self.store is not None:
+            return self.store
+        now = trio.current_time()
+        if now < self._next_try and self._failed is not None:
+            raise self._failed
+        try:
+            self.store = await trio.to_thread.run_sync(self._open_store)
+        except StoreError as exc:
+            self._failed, self._next_try = exc, now + self.retry_s
+            log.warning("standby_store_unavailable", reason=str(exc), retry_in_s=self.retry_s)
+            raise
+        self._failed = None
+        return self.store
+
+    async def is_revoked(self, serial: int) -> bool:
+        return await (await self._opened()).is_revoked(serial)
+
+    async def aclose(self) -> None:
+        if self.store is not None:
+            await self.store.aclose()
+            self.store = None
 
 
 class StandbyListener(AgentListener):
