@@ -289,17 +289,30 @@ async def test_a_standby_sends_the_agent_to_the_leader_at_once(
     assert link.state.connected and link.target == Target(host="cp-b", port=7443)
 
 
-async def test_a_standby_that_knows_no_leader_is_a_failure_and_the_agent_goes_round_the_others(
+async def test_one_round_passes_a_standby_that_knows_no_leader_and_one_down_without_waiting(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
+    """During a takeover the next control plane may lead already: the backoff is between rounds
+    of every control plane, not between dials."""
     none = w.Redirect(leader="", message="no control plane leads at the moment")
     planes = ControlPlanes(nursery, standbys={"cp-a": none}, down={"cp-b"})
     link = several(planes, "cp-a", "cp-b", "cp-c")
     nursery.start_soon(link.serve)
     await link.desired_changed()
-    assert [host for host, _ in planes.dialled] == ["cp-a", "cp-b", "cp-c"]
-    assert planes.dialled[1][1] > 0 and planes.dialled[2][1] > planes.dialled[1][1]  # each after its backoff
+    assert planes.dialled == [("cp-a", 0.0), ("cp-b", 0.0), ("cp-c", 0.0)]
     assert link.target.host == "cp-c"
+
+
+async def test_when_every_control_plane_fails_the_backoff_applies_between_rounds(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    planes = ControlPlanes(nursery, standbys={}, down={"cp-a", "cp-b"})
+    link = several(planes, "cp-a", "cp-b")
+    with trio.move_on_after(120):
+        await link.serve()
+    rounds = [planes.dialled[i : i + 2] for i in range(0, len(planes.dialled) - 1, 2)]
+    assert all([h for h, _ in r] == ["cp-a", "cp-b"] and r[0][1] == r[1][1] for r in rounds)  # a round: no wait
+    assert 5 <= len(rounds) <= 40  # between rounds: 0.5 s doubling to 30 s, with jitter
 
 
 async def test_two_standbys_that_name_each_other_do_not_spin(
@@ -318,8 +331,9 @@ async def test_two_standbys_that_name_each_other_do_not_spin(
     with trio.move_on_after(60):
         await link.serve()
     at_once = [t for _, t in planes.dialled if t == 0.0]
-    assert len(at_once) == agentlink.MAX_REDIRECTS + 1
-    assert len(planes.dialled) < 60  # the backoff grows towards its 30 s between the runs
+    # A round of both, each followed MAX_REDIRECTS times at most, then the backoff.
+    assert len(at_once) <= len(("cp-a", "cp-b")) * (agentlink.MAX_REDIRECTS + 1)
+    assert len(planes.dialled) < 150  # the backoff grows towards its 30 s between the rounds
 
 
 async def test_after_the_leader_goes_the_agent_dials_the_next_control_plane(

@@ -16,7 +16,8 @@ operator's terms and the fix (`llmgw.linkfailure`).
 Several control planes (agent.toml's `server` a list, when they share a PostgreSQL store): each
 attempt dials the next in turn (`linkio.Targets`). A standby answers the hello with where the
 leader is (`Redirect`), which is dialled next at once; a standby that knows no leader (a
-takeover under way) counts as a failure, and the backoff applies. A control plane that says
+takeover under way) counts as a failure. The backoff applies between rounds of every control
+plane, not between dials: during a takeover the next one may lead already. A control plane that says
 nothing for SILENT_HEARTBEATS of its heartbeat intervals (stopped, paused, cut off while its
 kernel still takes our frames) is as good as gone: the agent dials the next one.
 """
@@ -113,6 +114,7 @@ class AgentLink:
         task_status.started()
         failures = Failures(self.backoff)
         redirects = 0  # followed in a row, at once
+        tried = 0  # control planes tried in this round without a session
         while True:
             self.target = self.targets.next()
             self.state.attempts += 1
@@ -130,9 +132,10 @@ class AgentLink:
                     # stops): being cancelled wins, not the failure beside it.
                     await trio.lowlevel.checkpoint()
                 raise
-            if self.state.sessions > sessions_before:
+            was_up = self.state.sessions > sessions_before
+            if was_up:
                 failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
-                redirects = 0
+                redirects = tried = 0
             self.state.connected = False
             self.state.last_error = reason
             if moved is not None and moved.leader and redirects < MAX_REDIRECTS and self.targets.lead_to(moved.leader):
@@ -140,6 +143,13 @@ class AgentLink:
                 log.info("link_redirected", server=str(self.target), leader=moved.leader)
                 continue  # the leader, now
             redirects = 0
+            tried += 1
+            if not was_up and tried < len(self.targets.configured):
+                # The backoff grows by rounds of every control plane, not by dials: during a
+                # takeover the next in turn may be the new leader already.
+                log.warning("link_down", server=str(self.target), reason=reason, next=str(self.targets.peek()))
+                continue
+            tried = 0
             failures.failed(trio.current_time())
             delay = failures.delay(self.rng)
             log.warning("link_down", server=str(self.target), reason=reason, retry_in_s=round(delay, 2))

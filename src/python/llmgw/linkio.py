@@ -255,6 +255,10 @@ class Targets:
             self._turn += 1
         return self.current
 
+    def peek(self) -> Target:
+        """The one `next` will give."""
+        return self._leader or self.configured[self._turn % len(self.configured)]
+
     def lead_to(self, url: str) -> bool:
         """A standby said the leader is at `url`: dial it next. False if `url` is no control
         plane's address (a wss:// URL), and then nothing changes."""

@@ -111,15 +111,28 @@ async def test_a_standby_sends_the_gateway_to_the_leader_at_once(
     assert sink.states[0] == (False, "cp-b leads")  # what the gateway said of the standby's answer
 
 
-async def test_a_standby_that_knows_no_leader_sends_the_gateway_round_the_others_after_its_backoff(
+async def test_a_standby_that_knows_no_leader_sends_the_gateway_to_the_next_in_the_round_at_once(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
+    """During a takeover the next may lead already: the backoff is between rounds, not dials."""
     none = w.Redirect(leader="", message="no control plane leads at the moment (a takeover is under way)")
     planes = ControlPlanes(nursery, {"cp-a": none})
     sink = Sink()
     link = link_to(planes, sink, "cp-a", "cp-b")
     await nursery.start(link.serve)
     await sink.got.wait()
-    assert [h for h, _ in planes.dialled] == ["cp-a", "cp-b"]
-    assert 0 < planes.dialled[1][1] <= gl.LINK_BACKOFF.first_s
+    assert planes.dialled == [("cp-a", 0.0), ("cp-b", 0.0)]
     assert sink.states[0] == (False, none.message)
+
+
+async def test_with_every_control_plane_a_standby_knowing_no_leader_the_gateway_backs_off_by_rounds(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    none = w.Redirect(leader="", message="no control plane leads at the moment")
+    planes = ControlPlanes(nursery, {"cp-a": none, "cp-b": none})
+    link = link_to(planes, Sink(), "cp-a", "cp-b")
+    with trio.move_on_after(30):
+        await link.serve()
+    times = [t for _, t in planes.dialled]
+    assert times[0] == times[1] == 0.0 and times[2] > 0  # a round, then its backoff
+    assert all(times[i] == times[i + 1] for i in range(0, len(times) - 1, 2))

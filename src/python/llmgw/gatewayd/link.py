@@ -14,7 +14,8 @@ while the link is down; nothing here forgets it.
 Several control planes (`--server` given more than once, when they share a PostgreSQL store):
 each attempt dials the next in turn (`linkio.Targets`); a standby answers the hello with where
 the leader is (`Redirect`), which is dialled next at once (at most MAX_REDIRECTS in a row; a
-standby that knows no leader counts as a failure).
+standby that knows no leader counts as a failure); the backoff applies between rounds of every
+control plane, not between dials.
 
 Between sessions the link waits with exponential backoff and full jitter (LINK_BACKOFF), short
 enough that a gateway is back within a few seconds of its control plane's return (a revocation
@@ -165,6 +166,7 @@ class GatewayLink:
         task_status.started()
         failures = Failures(self.backoff)
         redirects = 0  # followed in a row, at once
+        tried = 0  # control planes tried in this round without a session
         while True:
             self.target = self.targets.next()
             self.state.attempts += 1
@@ -173,7 +175,7 @@ class GatewayLink:
             was_up = self.state.sessions > sessions_before
             if was_up:
                 failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
-                redirects = 0
+                redirects = tried = 0
             loud = was_up or reason != self.state.last_error
             self.state.connected = False
             self.state.last_error = reason
@@ -183,6 +185,10 @@ class GatewayLink:
                 log.info("gateway_link_redirected", server=str(self.target), leader=moved.leader)
                 continue  # the leader, now
             redirects = 0
+            tried += 1
+            if not was_up and tried < len(self.targets.configured):
+                continue  # the backoff is between rounds of every control plane, as the agent's link
+            tried = 0
             failures.failed(trio.current_time())
             delay = failures.delay(self.rng)
             (log.warning if loud else log.debug)(
