@@ -60,10 +60,15 @@ class Agent:
         await self.link.desired_changed()
 
 
-async def start(nursery: trio.Nursery) -> Agent:
+async def start(nursery: trio.Nursery, *others: str) -> Agent:
+    """An agent on a memory link to the scripted control plane "cp" (`others`: more control
+    planes in its agent.toml, never dialled here)."""
     a, b, to_server, to_agent = gated_pair()
     link = AgentLink(
-        target=Target(host="cp", port=1), node_id="node-a", ssl_context=ssl.create_default_context(), make_hello=hello
+        target=Targets([Target(host=h, port=1) for h in ("cp", *others)]),
+        node_id="node-a",
+        ssl_context=ssl.create_default_context(),
+        make_hello=hello,
     )
 
     async def run() -> None:
@@ -195,8 +200,9 @@ async def test_a_control_plane_that_says_nothing_for_five_heartbeats_is_left(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     """Stopped (SIGSTOP, a frozen VM) or cut off while its kernel still takes our frames: it
-    reads nothing and says nothing, and the agent dials again after five of its heartbeats."""
-    agent = await start(nursery)
+    reads nothing and says nothing, and the agent, which has another to go to, leaves it after
+    five of its heartbeats."""
+    agent = await start(nursery, "cp-b")
     await agent.welcome()
     started = trio.current_time()
     await agent.done.wait()
@@ -207,10 +213,21 @@ async def test_a_control_plane_that_says_nothing_for_five_heartbeats_is_left(
     ]
 
 
+async def test_the_one_control_plane_there_is_is_waited_for_on_its_link_however_long_it_says_nothing(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Stalled or paused: leaving it would gain nothing (there is no other), and it finds the link
+    open when it resumes (tests/integration/test_control_plane_stall.py)."""
+    agent = await start(nursery)
+    await agent.welcome()
+    await trio.sleep(100 * WELCOME.heartbeat_interval_s)
+    assert agent.ended == [] and agent.link.state.connected
+
+
 async def test_heartbeats_of_the_control_plane_keep_the_link_up(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    agent = await start(nursery)
+    agent = await start(nursery, "cp-b")
     await agent.welcome()
     nursery.start_soon(heartbeats, agent)
     await trio.sleep(10 * 5 * WELCOME.heartbeat_interval_s)

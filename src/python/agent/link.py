@@ -19,11 +19,13 @@ leader is (`Redirect`), which is dialled next at once; a standby that knows no l
 takeover under way) counts as a failure. The backoff applies between rounds of every control
 plane, not between dials: during a takeover the next one may lead already. A control plane that says
 nothing for SILENT_HEARTBEATS of its heartbeat intervals (stopped, paused, cut off while its
-kernel still takes our frames) is as good as gone: the agent dials the next one.
+kernel still takes our frames) is as good as gone: the agent dials the next one (with one
+control plane there is no next: it waits on the link, as before there were several).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import ssl
 from collections.abc import Awaitable, Callable
@@ -221,7 +223,7 @@ class AgentLink:
             self._writer = writer
             log.info("link_up", server=str(self.target), node=self.node_id, server_version=welcome.server_version)
             nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
-            silence_s = max(SILENT_HEARTBEATS * welcome.heartbeat_interval_s, MIN_SILENCE_S)
+            silence_s = self._silence_s(welcome.heartbeat_interval_s)
             while True:
                 event = await self._receive(ws, writer, silence_s)
                 if isinstance(event, s.LogsRequested):
@@ -232,6 +234,16 @@ class AgentLink:
                 elif isinstance(event, s.DesiredStateReceived):
                     self.state.desired = event.desired
                     self._desired_changed.fire()
+
+    def _silence_s(self, interval_s: float) -> float:
+        """How long a control plane may say nothing before the agent leaves it: five of its
+        heartbeats (at least 5 s) when there are others to go to. The one control plane there
+        is, stopped or stalled, is waited for on its open link (its kernel still takes our
+        frames; a path that is cut ends the link at the send deadline): leaving it would gain
+        nothing, and cost it the link it finds again when it resumes."""
+        if len(self.targets.configured) == 1:
+            return math.inf
+        return max(SILENT_HEARTBEATS * interval_s, MIN_SILENCE_S)
 
     async def desired_changed(self) -> None:
         """Return when the next desired state arrives."""
