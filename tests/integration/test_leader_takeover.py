@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import pytest
 
 from testlib import gatewayd
 from testlib.cluster import wait_until
-from testlib.planes import LEASE_TTL_S, Plane, Planes
+from testlib.planes import LEASE_RENEW_S, LEASE_TTL_S, Plane, Planes
 from testlib.postgres import Database, PostgresServer, postgres_db, postgres_server  # noqa: F401 - fixtures
 
 CATALOG = """
@@ -62,6 +63,11 @@ def post(plane: Plane, path: str, token: str, timeout: float = 30) -> tuple[int,
         return response.status, json.loads(response.read() or b"null")
     finally:
         conn.close()
+
+
+def at(event: dict[str, Any]) -> float:
+    """A log line's time, in seconds since the epoch."""
+    return datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
 
 
 def replicas_by_id(planes: Planes, plane: Plane) -> dict[str, dict[str, Any]]:
@@ -198,6 +204,16 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
     status, body = post(a, "/admin/v1/nodes/node-a/cordon", admin_token)
     assert status == 503 and body["error"]["leader"]["admin_url"] == b.admin_url
     assert planes.nodes(b)["node-a"]["cordoned"] is False
+
+    # The new leader stopped (SIGTERM, an upgrade): it releases its lease, and the old one, a
+    # standby now, leads at its next try rather than a lease later.
+    assert b.proc.stop(signal.SIGTERM) == 0
+    planes.wait_leads(a, terms=2, timeout=30)
+    [released] = b.events("lease_released")
+    taken = a.events("leadership_taken")[-1]
+    took = at(taken) - at(released)
+    print(f"the leader stopped with SIGTERM released its lease; the standby took it {took:.2f} s later")
+    assert 0 <= took < LEASE_RENEW_S + 1.0  # its next try, not a lease's length later
 
 
 def test_while_postgresql_is_away_both_control_planes_stay_up_and_one_leads_again_after(
