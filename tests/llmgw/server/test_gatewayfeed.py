@@ -469,3 +469,28 @@ async def test_a_key_change_reaches_the_gateway_at_once_and_a_stuck_one_is_waite
     started = trio.current_time()
     assert not await plane.feed.keys_reached("gw1", 2.0)
     assert trio.current_time() - started == pytest.approx(2.0)
+
+
+async def test_once_the_term_is_over_the_table_is_news_no_more_and_a_new_link_is_sent_to_the_leader(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    """A leader whose lease has passed on (several control planes on one store) stops sending
+    the table and answers a gateway's hello with where the leader is; `close_all` sends the
+    gateways linked to it away (`llmgw.server.seat`'s step-down)."""
+    from llmgw.wire import agent_link as w
+
+    leading = [True]
+    plane.feed.leading = lambda: leading[0]
+    plane.feed.redirect = lambda: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b")
+    first = await plane.join(nursery, "i1")
+    leading[0] = False
+    plane.endpoints.set(Rotation(models=frozenset({"chat"}), endpoints=()))  # a change: not sent
+    await trio.sleep(HEARTBEAT_S / 2)
+    assert len(first.sink.of("rotation")) == 1
+    second = plane.connect(nursery, "i2")
+    await second.done.wait()
+    assert second.ended == ["the leader is cp-b"] and second.sink.of("rotation") == []
+    assert [v["instance"] for v in plane.feed.views()] == ["i1"]
+    assert await plane.feed.close_all(w.NOT_LEADER, "this control plane leads no more") == 1
+    await first.done.wait()
+    assert first.ended == ["the control plane closed the link: this control plane leads no more"]

@@ -110,7 +110,7 @@ class Plane(Protocol):
 
 
 # (config, warm, term, redirect) -> a control plane opened for that term, not yet serving
-OpenPlane = Callable[[ServerConfig, Warm, "Term", Callable[[], w.Redirect]], Plane]
+OpenPlane = Callable[[ServerConfig, Warm, Term, Callable[[], w.Redirect]], Plane]
 
 
 @attrs.define(kw_only=True, eq=False)
