@@ -302,7 +302,9 @@ def test_a_node_without_a_compiler_is_fine_where_the_release_covers_it_and_is_to
 ) -> None:
     cpu_node = attrs.evolve(snap(tmp_path), build_missing=NO_TOOLS, arch="x86_64", os_family="debian")
     c = by_name(doctor_checks.run_checks(cpu_node))["llamacpp-build"]
-    assert c.status == doctor_checks.OK and c.detail.startswith("not applicable: llama.cpp comes prebuilt from the release")
+    assert c.status == doctor_checks.OK and c.detail.startswith(
+        "not applicable: llama.cpp comes prebuilt from the release"
+    )
     assert "cmake" in c.detail and "`sudo apt-get install build-essential cmake`" in c.detail
     # Another architecture: the release has no llama.cpp for it, a build is needed: the packages, per OS family.
     riscv = attrs.evolve(cpu_node, arch="riscv64", os_family="rhel")

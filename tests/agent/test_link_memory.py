@@ -17,6 +17,7 @@ import trio_websocket
 
 from agent import link as agentlink
 from agent.link import AgentLink, Target
+from llmgw.linkio import Targets
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
 from llmgw.wire.convert import decode, encode
@@ -59,10 +60,15 @@ class Agent:
         await self.link.desired_changed()
 
 
-async def start(nursery: trio.Nursery) -> Agent:
+async def start(nursery: trio.Nursery, *others: str) -> Agent:
+    """An agent on a memory link to the scripted control plane "cp" (`others`: more control
+    planes in its agent.toml, never dialled here)."""
     a, b, to_server, to_agent = gated_pair()
     link = AgentLink(
-        target=Target(host="cp", port=1), node_id="node-a", ssl_context=ssl.create_default_context(), make_hello=hello
+        target=Targets([Target(host=h, port=1) for h in ("cp", *others)]),
+        node_id="node-a",
+        ssl_context=ssl.create_default_context(),
+        make_hello=hello,
     )
 
     async def run() -> None:
@@ -164,12 +170,20 @@ async def test_log_replies_wait_for_room_and_the_agent_reads_nothing_meanwhile(
     assert replies == list(range(1, asked + 1)) and agent.answered == replies
 
 
+async def heartbeats(agent: Agent, interval_s: float = WELCOME.heartbeat_interval_s) -> None:
+    """The scripted control plane says it is there, as a real one does."""
+    for seq in range(1, 1000):
+        await agent.control_plane.send_message(encode(w.ServerHeartbeat(seq=seq)))
+        await trio.sleep(interval_s)
+
+
 async def test_a_control_plane_that_takes_nothing_ends_the_session_at_the_send_deadline(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     agent = await start(nursery)
     await agent.welcome()
     assert isinstance(await agent.receive(), w.Heartbeat)
+    nursery.start_soon(heartbeats, agent)  # it speaks, and takes nothing
     agent.to_server.close()
     started = trio.current_time()
     assert await agent.link.send(w.ReplicasChanged(replicas=()))
@@ -180,6 +194,178 @@ async def test_a_control_plane_that_takes_nothing_ends_the_session_at_the_send_d
         f"the control plane took no message for {agentlink.SEND_TIMEOUT_S:g} s: the link is as good as down"
     ]
     assert not await agent.link.send(w.ReplicasChanged(replicas=()))  # no session: the next hello carries it
+
+
+async def test_a_control_plane_that_says_nothing_for_five_heartbeats_is_left(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Stopped (SIGSTOP, a frozen VM) or cut off while its kernel still takes our frames: it
+    reads nothing and says nothing, and the agent, which has another to go to, leaves it after
+    five of its heartbeats."""
+    agent = await start(nursery, "cp-b")
+    await agent.welcome()
+    started = trio.current_time()
+    await agent.done.wait()
+    # Five heartbeats' time, then at most a second for the WebSocket's close, which nobody answers.
+    assert 25 <= trio.current_time() - started <= 26
+    assert agent.ended == [
+        "nothing from the control plane for 25 s (its heartbeats stopped: paused, or cut off); dialling again"
+    ]
+
+
+async def test_the_one_control_plane_there_is_is_waited_for_on_its_link_however_long_it_says_nothing(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Stalled or paused: leaving it would gain nothing (there is no other), and it finds the link
+    open when it resumes (tests/integration/test_control_plane_stall.py)."""
+    agent = await start(nursery)
+    await agent.welcome()
+    await trio.sleep(100 * WELCOME.heartbeat_interval_s)
+    assert agent.ended == [] and agent.link.state.connected
+
+
+async def test_heartbeats_of_the_control_plane_keep_the_link_up(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    agent = await start(nursery, "cp-b")
+    await agent.welcome()
+    nursery.start_soon(heartbeats, agent)
+    await trio.sleep(10 * 5 * WELCOME.heartbeat_interval_s)
+    assert agent.ended == [] and agent.link.state.connected
+
+
+# -- several control planes -------------------------------------------------------------------
+
+
+class ControlPlanes:
+    """Scripted control planes by host, dialled over memory streams: a standby answers the hello
+    with `redirect`, a leader welcomes and heartbeats; `dialled` says in which order."""
+
+    def __init__(self, nursery: trio.Nursery, *, standbys: dict[str, w.Redirect], down: set[str] = frozenset()) -> None:
+        self.nursery = nursery
+        self.standbys = standbys
+        self.down = set(down)
+        self.dialled: list[tuple[str, float]] = []
+        self.sessions: dict[str, tuple[trio.CancelScope, trio.abc.Stream]] = {}
+
+    async def kill(self, host: str) -> None:
+        """The control plane at `host` dies: its connection is closed, and it answers no more."""
+        self.down.add(host)
+        scope, stream = self.sessions.pop(host)
+        scope.cancel()
+        await trio.aclose_forcefully(stream)
+
+    async def dial(self, target: Target) -> trio.abc.Stream:
+        self.dialled.append((target.host, trio.current_time()))
+        if target.host in self.down:
+            raise ConnectionRefusedError(111, "Connection refused")
+        a, b = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self._serve, target.host, b)
+        return a
+
+    async def _serve(self, host: str, stream: trio.abc.Stream) -> None:
+        with trio.CancelScope() as scope:
+            self.sessions[host] = (scope, stream)
+            await self._converse(host, stream)
+
+    async def _converse(self, host: str, stream: trio.abc.Stream) -> None:
+        request = await trio_websocket.wrap_server_stream(self.nursery, stream)
+        ws = await request.accept()
+        assert isinstance(decode(await ws.get_message(), w.AgentMessage), w.Hello)
+        redirect = self.standbys.get(host)
+        if redirect is not None:
+            await ws.send_message(encode(redirect))
+            await ws.send_message(encode(w.LinkError(code=w.NOT_LEADER, message=redirect.message)))
+            await ws.aclose()
+            return
+        await ws.send_message(encode(WELCOME))
+        await ws.send_message(encode(w.DesiredState(generation=1)))
+        for seq in range(1, 1000):
+            await ws.send_message(encode(w.ServerHeartbeat(seq=seq)))
+            await trio.sleep(WELCOME.heartbeat_interval_s)
+
+
+def several(planes: ControlPlanes, *hosts: str) -> AgentLink:
+    return AgentLink(
+        target=Targets([Target(host=h, port=7443) for h in hosts]),
+        node_id="node-a",
+        ssl_context=ssl.create_default_context(),
+        make_hello=hello,
+        dial=planes.dial,
+    )
+
+
+async def test_a_standby_sends_the_agent_to_the_leader_at_once(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    planes = ControlPlanes(nursery, standbys={"cp-a": w.Redirect(leader="wss://cp-b:7443", message="cp-b leads")})
+    link = several(planes, "cp-a", "cp-b", "cp-c")
+    nursery.start_soon(link.serve)
+    await link.desired_changed()
+    assert planes.dialled == [("cp-a", 0.0), ("cp-b", 0.0)]  # no backoff before the leader
+    assert link.state.connected and link.target == Target(host="cp-b", port=7443)
+
+
+async def test_one_round_passes_a_standby_that_knows_no_leader_and_one_down_without_waiting(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """During a takeover the next control plane may lead already: the backoff is between rounds
+    of every control plane, not between dials."""
+    none = w.Redirect(leader="", message="no control plane leads at the moment")
+    planes = ControlPlanes(nursery, standbys={"cp-a": none}, down={"cp-b"})
+    link = several(planes, "cp-a", "cp-b", "cp-c")
+    nursery.start_soon(link.serve)
+    await link.desired_changed()
+    assert planes.dialled == [("cp-a", 0.0), ("cp-b", 0.0), ("cp-c", 0.0)]
+    assert link.target.host == "cp-c"
+
+
+async def test_when_every_control_plane_fails_the_backoff_applies_between_rounds(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    planes = ControlPlanes(nursery, standbys={}, down={"cp-a", "cp-b"})
+    link = several(planes, "cp-a", "cp-b")
+    with trio.move_on_after(120):
+        await link.serve()
+    rounds = [planes.dialled[i : i + 2] for i in range(0, len(planes.dialled) - 1, 2)]
+    assert all([h for h, _ in r] == ["cp-a", "cp-b"] and r[0][1] == r[1][1] for r in rounds)  # a round: no wait
+    assert 5 <= len(rounds) <= 40  # between rounds: 0.5 s doubling to 30 s, with jitter
+
+
+async def test_two_standbys_that_name_each_other_do_not_spin(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Each read a lease the other held (stale): redirects are followed at once a few times in a
+    row, then the backoff applies, so a wrong answer costs time, not a loop."""
+    planes = ControlPlanes(
+        nursery,
+        standbys={
+            "cp-a": w.Redirect(leader="wss://cp-b:7443", message="cp-b leads"),
+            "cp-b": w.Redirect(leader="wss://cp-a:7443", message="cp-a leads"),
+        },
+    )
+    link = several(planes, "cp-a", "cp-b")
+    with trio.move_on_after(60):
+        await link.serve()
+    at_once = [t for _, t in planes.dialled if t == 0.0]
+    # A round of both, each followed MAX_REDIRECTS times at most, then the backoff.
+    assert len(at_once) <= len(("cp-a", "cp-b")) * (agentlink.MAX_REDIRECTS + 1)
+    assert len(planes.dialled) < 150  # the backoff grows towards its 30 s between the rounds
+
+
+async def test_after_the_leader_goes_the_agent_dials_the_next_control_plane(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    planes = ControlPlanes(nursery, standbys={})
+    link = several(planes, "cp-a", "cp-b")
+    nursery.start_soon(link.serve)
+    await link.desired_changed()
+    assert link.target.host == "cp-a"
+    killed_at = trio.current_time()
+    await planes.kill("cp-a")
+    await link.desired_changed()  # a new session's first desired state
+    assert link.target.host == "cp-b" and link.state.sessions == 2
+    assert planes.dialled[-1] == ("cp-b", pytest.approx(killed_at, abs=agentlink.LINK_BACKOFF.first_s + 1))
 
 
 async def test_a_report_refused_between_the_hello_and_the_welcome_follows_the_welcome(

@@ -105,7 +105,9 @@ def test_a_success_starts_the_count_again_and_without_give_up_it_never_ends() ->
 
 
 @pytest.mark.parametrize(
-    "kw", [{"first_s": -1}, {"first_s": 10, "max_s": 5}, {"factor": 0.5}], ids=["negative", "cap-below-first", "shrinks"]
+    "kw",
+    [{"first_s": -1}, {"first_s": 10, "max_s": 5}, {"factor": 0.5}],
+    ids=["negative", "cap-below-first", "shrinks"],
 )
 def test_a_policy_that_cannot_back_off_is_refused(kw: dict) -> None:
     with pytest.raises(ValueError, match="0 <= first_s <= max_s and factor >= 1"):

@@ -54,7 +54,7 @@ def test_wrong_type_names_its_path() -> None:
 
 def test_unknown_key_is_named_with_the_allowed_ones() -> None:
     [problem] = problems_of({"server": {"stat_dir": "/x"}})
-    assert problem.startswith("unknown key 'stat_dir' (allowed here: advertise, agent_listen,")
+    assert problem.startswith("unknown key 'stat_dir' (allowed here: admin_url, advertise, agent_listen, agent_url,")
     assert problem.endswith("@ $.server")
 
 

@@ -108,7 +108,12 @@ def test_a_bad_store_is_refused_at_load_naming_the_key_and_the_fix_and_never_the
 
 def test_the_url_is_printed_redacted_where_the_config_is_printed() -> None:
     cfg = load({"url": "postgresql://llmgw@db1:5432/llmgw?application_name=x", "password_file": "/p"})
-    assert config.to_dict(cfg)["store"] == {"url": "postgresql://db1:5432/llmgw", "password_file": "/p"}
+    assert config.to_dict(cfg)["store"] == {
+        "url": "postgresql://db1:5432/llmgw",
+        "password_file": "/p",
+        "lease_ttl_s": 5.0,
+        "lease_renew_s": 1.0,
+    }
 
 
 def test_the_dialects_differ_in_placeholders_and_numeric_types_only() -> None:

@@ -255,6 +255,7 @@ class Cluster:
         net: ServerNet | None = None,
         reconnect_grace_s: float = 10.0,
         server_toml: str = "",
+        fixed_http_port: bool = False,
     ) -> None:
         """`socket_activation`: the cluster owns the server's listening sockets and passes them
         to each `llmgw server` it starts, as a systemd .socket unit does; connections made
@@ -262,7 +263,9 @@ class Cluster:
         after [server] ([engines.*], [release]; TOML text). `net`: where the server runs.
         `reconnect_grace_s`: how long a restarted server waits for the agents it knew; their
         backoff reaches 30 s after a long outage (the product's default, 35 s, covers it).
-        `server_toml`: more keys of [server] (`gateway_workers = 2`; TOML text)."""
+        `server_toml`: more keys of [server] (`gateway_workers = 2`; TOML text). `fixed_http_port`:
+        http_listen on a port chosen here, not by the system at each start (the same after a
+        restart, or a standby becoming the leader)."""
         net = net or ServerNet()
         assert not (socket_activation and net.prefix), "socket activation passes this machine's sockets"
         self.root = root
@@ -275,7 +278,7 @@ class Cluster:
             self.http_port = self.sockets[1].getsockname()[1]
         else:
             self.port = free_port()
-            self.http_port = 0
+            self.http_port = free_port() if fixed_http_port else 0
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.server_config = root / "server.toml"
         self._server_section = (
@@ -325,12 +328,14 @@ class Cluster:
         """server.toml's `[[models]]` (TOML text); a running server reads it on `ctl reload`."""
         self.server_config.write_text(self._server_section + models_toml)
 
-    def add_node(self, node_id: str, agent_toml: str = "") -> NodeFiles:
+    def add_node(self, node_id: str, agent_toml: str = "", servers: list[str] | None = None) -> NodeFiles:
         """The node's own key and CSR, a certificate the CA signs for it, and the CA certificate.
-        `agent_toml` is added to its agent.toml (top-level keys, then tables)."""
+        `agent_toml` is added to its agent.toml (top-level keys, then tables). `servers`: every
+        control plane's agent endpoint, when several share a store (default: this one's)."""
         files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
+        server = json.dumps(servers) if servers else f'"{self.agent_url}"'
         files.config.write_text(
-            f'server = "{self.agent_url}"\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n' + agent_toml
+            f'server = {server}\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n' + agent_toml
         )
         self.llmgw("agent", "csr", "--config", str(files.config))
         self.llmgw(

@@ -92,13 +92,22 @@ def start(
     pki: Path,
     *,
     workers: int = 1,
-    server: str | None = None,
+    server: str | list[str] | None = None,
     host: str = "127.0.0.1",
 ) -> Standalone:
-    """`llmgw gateway --server` (the cluster's agent endpoint, or `server`) on a port of its own,
-    owned by the cluster (which kills it in `close`); does not wait for it."""
+    """`llmgw gateway --server` (the cluster's agent endpoint, or `server`: one, or every control
+    plane's) on a port of its own, owned by the cluster (which kills it in `close`); does not
+    wait for it."""
     port = free_port(host)
-    args = ["--log-format", "json", "gateway", "--server", server or cluster.agent_url, "--pki-dir", str(pki)]
+    servers = [server] if isinstance(server, str) else server or [cluster.agent_url]
+    args = [
+        "--log-format",
+        "json",
+        "gateway",
+        *(a for url in servers for a in ("--server", url)),
+        "--pki-dir",
+        str(pki),
+    ]
     args += ["--listen", f"{host}:{port}", "--workers", str(workers)]
     proc = Proc(name, args, cluster.root / f"{name}.log")
     cluster.procs.append(proc)

@@ -58,7 +58,6 @@ class Reach:
     fix: str = ""
 
 
-
 def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 

@@ -232,10 +232,12 @@ async def serve_engines(
     inventory: Callable[[], w.Inventory],
     *,
     store: EngineStore,
-    server_url: str,
+    server_url: str | Callable[[], str],
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Reconcile installed engines with the desired state, forever."""
+    """Reconcile installed engines with the desired state, forever. `server_url`: the control
+    plane whose mirror and release files the engines are fetched from (wss://HOST:PORT), or
+    how to know it at each pass (the one the link reached last: with several, the leader)."""
     task_status.started()
     engines.statuses["sim"] = await check_sim()
     await send(w.EnginesChanged(engines=engines.as_tuple()))
@@ -243,7 +245,8 @@ async def serve_engines(
     while True:
         state = desired()
         if state is not None and state.generation != done_generation:
-            await _reconcile(config, engines, state, send, inventory(), store, server_url)
+            url = server_url() if callable(server_url) else server_url
+            await _reconcile(config, engines, state, send, inventory(), store, url)
             done_generation = state.generation
         with trio.move_on_after(RETRY_S):
             await changed()

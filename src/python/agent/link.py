@@ -12,13 +12,23 @@ control plane); the receive loop gives every frame to the session and acts on it
 Between sessions the agent waits with exponential backoff and full jitter, and keeps its work:
 nothing here stops replicas. Every failure is logged once per attempt with the reason in the
 operator's terms and the fix (`llmgw.linkfailure`).
+
+Several control planes (agent.toml's `server` a list, when they share a PostgreSQL store): each
+attempt dials the next in turn (`linkio.Targets`). A standby answers the hello with where the
+leader is (`Redirect`), which is dialled next at once; a standby that knows no leader (a
+takeover under way) counts as a failure. The backoff applies between rounds of every control
+plane, not between dials: during a takeover the next one may lead already. A control plane that says
+nothing for SILENT_HEARTBEATS of its heartbeat intervals (stopped, paused, cut off while its
+kernel still takes our frames) is as good as gone: the agent dials the next one (with one
+control plane there is no next: it waits on the link, as before there were several).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -27,8 +37,8 @@ import trio_websocket
 from agent.node_address import NodeAddress, local_host
 from llmgw.backoff import Backoff, Failures
 from llmgw.errors import find
-from llmgw.linkfailure import SessionRefused, reason_of
-from llmgw.linkio import LinkStream, Target, Writer
+from llmgw.linkfailure import Redirected, SessionRefused, reason_of
+from llmgw.linkio import LinkStream, Target, Targets, Writer
 from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert
 from llmgw.wakeup import Wakeup
@@ -41,6 +51,11 @@ log = get_logger("llmgw.agent.link")
 CONNECT_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0  # one frame written to the control plane; past it the link is as good as down
 GOODBYE_S = 1.0  # our LinkError to a control plane we refuse, before we hang up
+SILENT_HEARTBEATS = 5  # the control plane's heartbeats missed in a row before the link is dialled again
+MIN_SILENCE_S = 5.0  # ... and never less than this
+# Redirects followed in a row at once; past it a redirect counts as a failure and waits its backoff
+# (two standbys that each name the other, while the lease they read is stale).
+MAX_REDIRECTS = 3
 
 
 # Between sessions: 0.5 s doubling to 30 s, with full jitter, so that many agents refused together
@@ -64,7 +79,7 @@ class AgentLink:
     def __init__(
         self,
         *,
-        target: Target,
+        target: Target | Targets,
         node_id: str,
         ssl_context: ssl.SSLContext,
         make_hello: Callable[[], w.Hello],
@@ -72,9 +87,15 @@ class AgentLink:
         rng: random.Random | None = None,
         source_address: str = "",
         address: NodeAddress | None = None,
+        dial: Callable[[Target], Awaitable[trio.abc.Stream]] | None = None,
     ) -> None:
-        """`address` gets the local address of each connection: where this node's engines listen."""
-        self.target = target
+        """`target`: the control plane, or every one (`Targets`) when several share a store.
+        `address` gets the local address of each connection: where this node's engines listen.
+        `dial(target)`: how a session's stream is opened (default: TCP and TLS; memory streams in
+        tests)."""
+        self.dial = dial or (lambda target: self._dial())
+        self.targets = target if isinstance(target, Targets) else Targets([target])
+        self.target = self.targets.current  # the one dialled last
         self.source_address = source_address
         self.address = address if address is not None else NodeAddress()
         self.node_id = node_id
@@ -94,37 +115,54 @@ class AgentLink:
         """Keep a session open forever, reconnecting with backoff; never returns."""
         task_status.started()
         failures = Failures(self.backoff)
+        redirects = 0  # followed in a row, at once
+        tried = 0  # control planes tried in this round without a session
         while True:
+            self.target = self.targets.next()
             self.state.attempts += 1
             sessions_before = self.state.sessions
+            moved: Redirected | None = None
             try:
                 await self.run_session()
                 reason = "the control plane closed the link"
             except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
                 reason = self.reason_of(exc)
+                moved = find(exc, Redirected)
             except BaseException as exc:
                 if find(exc, trio.Cancelled) is not None:
                     # Cancelled while the session also failed (a refusal arriving as the agent
                     # stops): being cancelled wins, not the failure beside it.
                     await trio.lowlevel.checkpoint()
                 raise
-            if self.state.sessions > sessions_before:
+            was_up = self.state.sessions > sessions_before
+            if was_up:
                 failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
+                redirects = tried = 0
             self.state.connected = False
             self.state.last_error = reason
+            if moved is not None and moved.leader and redirects < MAX_REDIRECTS and self.targets.lead_to(moved.leader):
+                redirects += 1
+                log.info("link_redirected", server=str(self.target), leader=moved.leader)
+                continue  # the leader, now
+            redirects = 0
+            tried += 1
+            if not was_up and tried < len(self.targets.configured):
+                # The backoff grows by rounds of every control plane, not by dials: during a
+                # takeover the next in turn may be the new leader already.
+                log.warning("link_down", server=str(self.target), reason=reason, next=str(self.targets.peek()))
+                continue
+            tried = 0
             failures.failed(trio.current_time())
             delay = failures.delay(self.rng)
-            log.warning(
-                "link_down", server=f"{self.target.host}:{self.target.port}", reason=reason, retry_in_s=round(delay, 2)
-            )
+            log.warning("link_down", server=str(self.target), reason=reason, retry_in_s=round(delay, 2))
             await trio.sleep(delay)
 
     def reason_of(self, exc: BaseException) -> str:
-        return reason_of(exc, f"{self.target.host}:{self.target.port}", connect_timeout_s=CONNECT_TIMEOUT_S)
+        return reason_of(exc, str(self.target), connect_timeout_s=CONNECT_TIMEOUT_S)
 
     async def run_session(self) -> None:
         """One session: dial the control plane (TCP, TLS), then `run_on` that stream."""
-        await self.run_on(await self._dial())
+        await self.run_on(await self.dial(self.target))
 
     async def _dial(self) -> trio.SSLStream:
         with trio.fail_after(CONNECT_TIMEOUT_S):
@@ -184,7 +222,7 @@ class AgentLink:
         async with trio.open_nursery() as nursery:
             session.start()
             await nursery.start(self._write, writer, ws)  # the hello is written
-            welcomed = await self._receive(ws, writer)
+            welcomed = await self._receive(ws, writer, CONNECT_TIMEOUT_S)
             assert isinstance(welcomed, s.WelcomeReceived)  # the session refuses anything else first
             welcome = welcomed.welcome
             self.state.connected = True
@@ -195,15 +233,11 @@ class AgentLink:
             # the control plane would hold the hello's view until the next change.
             for message in catch_up(said[-1], self.make_hello()):
                 writer.send(message)
-            log.info(
-                "link_up",
-                server=f"{self.target.host}:{self.target.port}",
-                node=self.node_id,
-                server_version=welcome.server_version,
-            )
+            log.info("link_up", server=str(self.target), node=self.node_id, server_version=welcome.server_version)
             nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
+            silence_s = self._silence_s(welcome.heartbeat_interval_s)
             while True:
-                event = await self._receive(ws, writer)
+                event = await self._receive(ws, writer, silence_s)
                 if isinstance(event, s.LogsRequested):
                     # Replies are bounded (the session's rule): past it, read nothing until one
                     # is written, which holds the control plane back too.
@@ -212,6 +246,16 @@ class AgentLink:
                 elif isinstance(event, s.DesiredStateReceived):
                     self.state.desired = event.desired
                     self._desired_changed.fire()
+
+    def _silence_s(self, interval_s: float) -> float:
+        """How long a control plane may say nothing before the agent leaves it: five of its
+        heartbeats (at least 5 s) when there are others to go to. The one control plane there
+        is, stopped or stalled, is waited for on its open link (its kernel still takes our
+        frames; a path that is cut ends the link at the send deadline): leaving it would gain
+        nothing, and cost it the link it finds again when it resumes."""
+        if len(self.targets.configured) == 1:
+            return math.inf
+        return max(SILENT_HEARTBEATS * interval_s, MIN_SILENCE_S)
 
     async def desired_changed(self) -> None:
         """Return when the next desired state arrives."""
@@ -234,14 +278,24 @@ class AgentLink:
                 f"the control plane took no message for {SEND_TIMEOUT_S:g} s: the link is as good as down"
             ) from None
 
-    async def _receive(self, ws: trio_websocket.WebSocketConnection, writer: Writer) -> s.Event:
-        """The next event; `SessionRefused` when the control plane closes the link or sends what
-        the session refuses (it is told why first)."""
+    async def _receive(self, ws: trio_websocket.WebSocketConnection, writer: Writer, silence_s: float) -> s.Event:
+        """The next event; `SessionRefused` when the control plane closes the link, sends what
+        the session refuses (it is told why first) or says nothing for `silence_s`; `Redirected`
+        when it does not lead."""
+        with trio.move_on_after(silence_s) as silent:
+            text = await ws.get_message()
+        if silent.cancelled_caught:
+            raise SessionRefused(
+                f"nothing from the control plane for {silence_s:g} s (its heartbeats stopped: paused, or cut off); "
+                "dialling again"
+            )
         try:
-            event = writer.session.receive(await ws.get_message())
+            event = writer.session.receive(text)
         except WireError as exc:
             await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
             raise SessionRefused(f"the control plane sent something this agent does not understand: {exc}") from None
+        if isinstance(event, s.Redirected):
+            raise Redirected(event.leader, event.message)
         if isinstance(event, s.Closed):
             raise SessionRefused(f"the control plane closed the link: {event.message}")
         return event

@@ -25,13 +25,14 @@ import trio
 from agent import ibdiags, inventory
 from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
-from agent.link import AgentLink, Target
+from agent.link import AgentLink
 from agent.node_address import NodeAddress
 from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.weights import WeightsStore
 from llmgw import __version__, private
-from llmgw.config import AgentConfig, weights_dir_of
+from llmgw.config import AgentConfig, control_planes, weights_dir_of
 from llmgw.errors import LlmgwError
+from llmgw.linkio import Targets
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, serve_loop_lag
 from llmgw.pki.files import NODE_DIR_WHAT, node_paths
@@ -122,14 +123,15 @@ async def run_agent(
         )
 
     link = AgentLink(
-        target=Target.parse(config.server),
+        target=Targets.parse(control_planes(config)),
         node_id=identity.node_id,
         ssl_context=ssl_context,
         make_hello=make_hello,
         source_address=config.source_address,
         address=address,
     )
-    log.info("agent_starting", node=identity.node_id, server=config.server, state_dir=str(state_dir))
+    servers = ", ".join(control_planes(config))
+    log.info("agent_starting", node=identity.node_id, server=servers, state_dir=str(state_dir))
     background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process
     async with trio.open_nursery() as nursery:
         if watch_loop:
@@ -160,7 +162,7 @@ async def run_agent(
                 link.send,
                 lambda: current.inventory,
                 store=engine_store(config, ssl_context),
-                server_url=config.server,
+                server_url=lambda: link.target.url,  # the control plane linked to last: the leader
             ),
         )
         task_status.started(link)

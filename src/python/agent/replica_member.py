@@ -361,9 +361,7 @@ class Life:
             private_dir=str(self.keys.dir_for(replica, rank)),
         )
 
-    async def _run_once(
-        self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog
-    ) -> int | None:
+    async def _run_once(self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog) -> int | None:
         """Run the engine once, until it exits (its status) or the member is cancelled (then stop it)."""
         shown = command.for_log()
         m.set(w.STARTING, pid=0, port=0)

@@ -23,6 +23,15 @@ class SessionRefused(Exception):
         super().__init__(reason)
 
 
+class Redirected(SessionRefused):
+    """A control plane that does not lead answered with where the leader is: `leader`, a wss://
+    URL, or "" when it knows of none now."""
+
+    def __init__(self, leader: str, message: str) -> None:
+        self.leader = leader
+        super().__init__(message)
+
+
 def reason_of(exc: BaseException, where: str, *, connect_timeout_s: float, side: Side = "client") -> str:
     """One line for `exc`, which ended a session with the control plane at `where`; `side`:
     "client" for an agent, "gateway" for a gateway (`llmgw.pki.tlsdiag`)."""

@@ -13,6 +13,9 @@ accident of scheduling.
 `Replies` holds the callers waiting for the replies to their requests (the control plane's
 LogsRequests), until the reply comes, their deadline passes or the link ends.
 
+`Target` is where a link dials, and `Targets` every control plane it may dial, in turn, when
+several share one store: a standby answers with where the leader is, which is dialled next.
+
 `LinkStream` is the TLS stream as each side hands it to trio-websocket:
 - the control plane has read the upgrade request's head already (to route and check it), and
   trio-websocket reads it again from `prefix`: it has no public way to start from a parsed
@@ -26,7 +29,7 @@ LogsRequests), until the reply comes, their deadline passes or the link ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -221,3 +224,49 @@ class Target:
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"wss://{self}"
+
+
+class Targets:
+    """The control planes a link dials (agent.toml's `server`, a gateway's `--server`s): each
+    attempt takes the next in turn, round and round; the leader a standby named (`lead_to`) is
+    dialled next, out of turn, once. `current` is the one dialled last."""
+
+    def __init__(self, targets: Sequence[Target]) -> None:
+        if not targets:
+            raise UsageError("a link needs the address of at least one control plane")
+        self.configured = tuple(targets)
+        self.current = self.configured[0]
+        self._turn = 0
+        self._leader: Target | None = None
+
+    @classmethod
+    def parse(cls, urls: str | Sequence[str]) -> Targets:
+        return cls([Target.parse(u) for u in ([urls] if isinstance(urls, str) else urls)])
+
+    def next(self) -> Target:
+        if self._leader is not None:
+            self.current, self._leader = self._leader, None
+        else:
+            self.current = self.configured[self._turn % len(self.configured)]
+            self._turn += 1
+        return self.current
+
+    def peek(self) -> Target:
+        """The one `next` will give."""
+        return self._leader or self.configured[self._turn % len(self.configured)]
+
+    def lead_to(self, url: str) -> bool:
+        """A standby said the leader is at `url`: dial it next. False if `url` is no control
+        plane's address (a wss:// URL), and then nothing changes."""
+        try:
+            self._leader = Target.parse(url)
+        except UsageError:
+            return False
+        return True
+
+    def __str__(self) -> str:
+        return ", ".join(str(t) for t in self.configured)

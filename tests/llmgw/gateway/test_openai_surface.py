@@ -84,7 +84,7 @@ async def test_a_request_id_on_every_answer_the_callers_own_when_usable(
     assert len(ids) == 6
     _, headers, _ = await gw.call("POST", "/v1/chat/completions", chat(), headers={"x-request-id": "trace-42/abc"})
     assert headers["x-request-id"] == "trace-42/abc"
-    for unusable in ("x" * 129, "has space", "quote\"d"):
+    for unusable in ("x" * 129, "has space", 'quote"d'):
         _, headers, _ = await gw.call("POST", "/v1/chat/completions", chat(), headers={"x-request-id": unusable})
         assert headers["x-request-id"].startswith("req_")
 

@@ -129,3 +129,19 @@ def test_the_workers_command_line_carries_the_plan(tmp_path: Path) -> None:
 
 def test_the_commands_default_pki_dir_is_the_gateways() -> None:
     assert Path(command.DEFAULT_PKI_DIR) == identity.DEFAULT_PKI_DIR
+
+
+def test_every_control_plane_given_goes_to_each_worker_in_its_order(tmp_path: Path) -> None:
+    """`--server` once per control plane (several sharing a store): each worker's link tries them."""
+    pki = _gateway_pki(tmp_path, "gw-east")
+    servers = ["wss://cp-a:7443", "wss://cp-b:7443"]
+    plan = main.plan(listen="127.0.0.1:9000", server_url=servers, table_file=None, pki_dir=pki, name=None)
+    assert plan.servers == tuple(servers) and plan.server_url == "wss://cp-a:7443"
+    args = main.worker_args(plan, log_level="info", log_format="kv")
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--server"] == servers
+    with pytest.raises(UsageError, match="names one control plane twice"):
+        main.plan(listen="127.0.0.1:9000", server_url=[*servers, servers[0]], table_file=None, pki_dir=pki, name=None)
+    with pytest.raises(UsageError, match="'https://cp-c:7443' must be a control plane's agent endpoint"):
+        main.plan(
+            listen="127.0.0.1:9000", server_url=[*servers, "https://cp-c:7443"], table_file=None, pki_dir=pki, name=None
+        )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import tomllib
 import trio
 from trio.testing import MockClock
 
@@ -40,6 +41,34 @@ def test_agent_toml_is_what_the_agent_loads(tmp_path: Path) -> None:
     assert loaded.fabrics == (cfg.FabricDecl(name="ib-a", adapters=("mlx5_0", "mlx5_1")),)
     assert loaded.llamacpp_bin == "/opt/llama/llama-server"
     assert "vllm_bin" not in text  # defaults are left out
+
+
+def test_agent_toml_names_every_control_plane_given_this_one_first(tmp_path: Path) -> None:
+    """`node add --control-plane`: several control planes share a store; the agent tries each."""
+    text = layout.agent_toml(server=("wss://10.0.0.1:7443", "wss://10.0.0.2:7443"), node_id="node-a")
+    assert 'server = [\n    "wss://10.0.0.1:7443",\n    "wss://10.0.0.2:7443",\n]' in text
+    (tmp_path / "agent.toml").write_text(text)
+    loaded = cfg.load_agent_config(tmp_path / "agent.toml")
+    assert cfg.control_planes(loaded) == ("wss://10.0.0.1:7443", "wss://10.0.0.2:7443")
+
+
+def test_the_other_control_planes_follow_this_ones_in_agent_toml_once_each() -> None:
+    from llmgw.nodeadd.install import _agent_toml
+
+    opts = Options(
+        target="root@node-a",
+        server_config=cfg.ServerConfig(),
+        state_dir=Path("/nonexistent"),
+        known_hosts=Path("/nonexistent"),
+        control_planes=("wss://10.0.0.2:7443", "wss://10.0.0.1:7443"),  # this one named again: once
+    )
+    facts = Facts(node_id="node-a", address="10.0.0.1", port=7443)
+    loaded = cfg.agent_config_from_dict(tomllib.loads(_agent_toml(opts, facts)), "agent.toml")
+    assert loaded.server == ("wss://10.0.0.1:7443", "wss://10.0.0.2:7443")
+    alone = attrs.evolve(opts, control_planes=())
+    assert cfg.agent_config_from_dict(tomllib.loads(_agent_toml(alone, facts)), "agent.toml").server == (
+        "wss://10.0.0.1:7443"
+    )  # one control plane: the single form, as before
 
 
 def test_agent_toml_refuses_a_bad_server() -> None:

@@ -106,7 +106,9 @@ async def test_a_stop_writes_the_latest_version_once_and_bounded(
     store_backend: StoreUnderTest, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = store_backend.open_async(busy_timeout_s=BUSY_S)
-    writer = LatestWriter("placements", store.set_placements, backoff=Backoff(first_s=10.0, max_s=30.0), flush_timeout_s=2.0)
+    writer = LatestWriter(
+        "placements", store.set_placements, backoff=Backoff(first_s=10.0, max_s=30.0), flush_timeout_s=2.0
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.serve)
         writer.offer({"r-0": {"v": 1}})

@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from agent.link import AgentLink, Target
+from llmgw.linkio import Targets
 from llmgw.pki.ca import CertInfo
 from llmgw.server import endpoint
 from llmgw.server.endpoint import AgentEndpoint
@@ -110,10 +111,12 @@ class Plane:
         # The connection as the agent port serves it once TLS has shown CERT.
         await self.endpoint.serve_peer(stream, CERT, "10.0.0.1")
 
-    def connect(self, nursery: trio.Nursery) -> Link:
+    def connect(self, nursery: trio.Nursery, *others: str) -> Link:
+        """An agent linked over memory streams (`others`: more control planes its agent.toml
+        names, never dialled here: with them it leaves a control plane that falls silent)."""
         a, b, to_server, to_agent = gated_pair()
         agent = AgentLink(
-            target=Target(host="cp", port=1),
+            target=Targets([Target(host=h, port=1) for h in ("cp", *others)]),
             node_id="node-a",
             ssl_context=ssl.create_default_context(),
             make_hello=hello,
@@ -135,8 +138,8 @@ class Plane:
         nursery.start_soon(run_agent)
         return link
 
-    async def join(self, nursery: trio.Nursery) -> Link:
-        link = self.connect(nursery)
+    async def join(self, nursery: trio.Nursery, *others: str) -> Link:
+        link = self.connect(nursery, *others)
         await link.agent.desired_changed()
         await self.until(lambda: "node-a" in self.endpoint.links)
         return link
@@ -256,3 +259,42 @@ async def test_an_agents_reports_and_heartbeats_reach_the_registry(
     await plane.until(lambda: plane.registry.nodes["node-a"].replicas == (status,))
     await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
     assert link.agent.state.connected and link.agent.state.server_version
+
+
+# -- a control plane that does not lead --------------------------------------------------------
+
+
+async def test_a_control_plane_that_does_not_lead_redirects_a_new_link_and_records_nothing(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    plane.endpoint.leading = lambda: False
+    plane.endpoint.redirect = lambda: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b")
+    link = plane.connect(nursery)
+    await link.done.wait()
+    assert link.ended == ["the leader is cp-b"]
+    assert "node-a" not in plane.registry.nodes and plane.made == [] and plane.endpoint.links == {}
+
+
+async def test_once_the_term_is_over_nothing_is_pushed_and_close_all_sends_the_agents_away(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    leading = [True]
+    plane.endpoint.leading = lambda: leading[0]
+    link = await plane.join(nursery)
+    assert len(plane.made) == 1
+    leading[0] = False
+    await plane.endpoint.push_desired_state("node-a")
+    await plane.endpoint.mirror_changed()
+    await trio.sleep(1)
+    assert len(plane.made) == 1  # no desired state made for it
+    assert await plane.endpoint.close_all(w.NOT_LEADER, "this control plane leads no more") == 1
+    await link.done.wait()
+    assert link.ended == ["the control plane closed the link: this control plane leads no more"]
+
+
+async def test_the_control_plane_heartbeats_so_a_quiet_link_stays_up(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery, "cp-b")  # an agent that would leave a silent one
+    await trio.sleep(20 * plane.endpoint.heartbeat_interval_s)  # no push, no logs: only heartbeats
+    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links

@@ -297,7 +297,9 @@ async def test_a_silent_gateway_is_cut_at_the_ttl_and_told_why(
     stopped = trio.current_time()
     await gateway.done.wait()
     assert TTL_S <= trio.current_time() - stopped <= TTL_S + HEARTBEAT_S
-    assert gateway.ended == ["the control plane closed the link: nothing received for 3 s (heartbeats stopped); closing the link"]
+    assert gateway.ended == [
+        "the control plane closed the link: nothing received for 3 s (heartbeats stopped); closing the link"
+    ]
     assert plane.feed.links == {}
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway_link_silent")]
 
@@ -311,7 +313,9 @@ async def test_a_gateway_whose_control_plane_falls_silent_ends_the_session(
     await gateway.done.wait()
     silence = max(gl.SILENT_HEARTBEATS * HEARTBEAT_S, gl.MIN_SILENCE_S)
     assert trio.current_time() - stopped == pytest.approx(silence, abs=HEARTBEAT_S)
-    assert gateway.ended == [f"nothing from the control plane for {silence:g} s (its heartbeats stopped); dialling again"]
+    assert gateway.ended == [
+        f"nothing from the control plane for {silence:g} s (its heartbeats stopped); dialling again"
+    ]
 
 
 async def test_a_newer_link_of_the_same_instance_replaces_the_older(
@@ -344,7 +348,10 @@ async def test_a_gateway_dials_again_with_backoff_and_gets_the_whole_table_anew(
     sink = gateway.sink
     await sink.until(lambda: len(sink.of("link")) >= 3)
     refused = sink.of("link")
-    assert refused[0] == (False, "nothing listens at cp:1: is `llmgw server` running there, and agent_listen set to this port?")
+    assert refused[0] == (
+        False,
+        "nothing listens at cp:1: is `llmgw server` running there, and agent_listen set to this port?",
+    )
     assert len(set(refused)) == 1 and gateway.link.state.attempts >= 3
     # The control plane comes back: the gateway is back within the backoff's ceiling, table and all.
     plane.keys.rows = []  # a key revoked while it was away
@@ -462,3 +469,28 @@ async def test_a_key_change_reaches_the_gateway_at_once_and_a_stuck_one_is_waite
     started = trio.current_time()
     assert not await plane.feed.keys_reached("gw1", 2.0)
     assert trio.current_time() - started == pytest.approx(2.0)
+
+
+async def test_once_the_term_is_over_the_table_is_news_no_more_and_a_new_link_is_sent_to_the_leader(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    """A leader whose lease has passed on (several control planes on one store) stops sending
+    the table and answers a gateway's hello with where the leader is; `close_all` sends the
+    gateways linked to it away (`llmgw.server.seat`'s step-down)."""
+    from llmgw.wire import agent_link as w
+
+    leading = [True]
+    plane.feed.leading = lambda: leading[0]
+    plane.feed.redirect = lambda: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b")
+    first = await plane.join(nursery, "i1")
+    leading[0] = False
+    plane.endpoints.set(Rotation(models=frozenset({"chat"}), endpoints=()))  # a change: not sent
+    await trio.sleep(HEARTBEAT_S / 2)
+    assert len(first.sink.of("rotation")) == 1
+    second = plane.connect(nursery, "i2")
+    await second.done.wait()
+    assert second.ended == ["the leader is cp-b"] and second.sink.of("rotation") == []
+    assert [v["instance"] for v in plane.feed.views()] == ["i1"]
+    assert await plane.feed.close_all(w.NOT_LEADER, "this control plane leads no more") == 1
+    await first.done.wait()
+    assert first.ended == ["the control plane closed the link: this control plane leads no more"]

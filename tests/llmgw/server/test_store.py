@@ -270,7 +270,8 @@ def test_a_backup_of_a_damaged_database_is_refused_and_leaves_nothing(tmp_path: 
 
 def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_rows(tmp_path: Path) -> None:
     """A state directory of an earlier llmgw: its tables made by the schema of the time (as it
-    was, without schema_version), with rows. Migration 1 finds them made and records version 1."""
+    was, without schema_version), with rows. Migration 1 finds them made and records version 1;
+    the later ones are applied after it."""
     from llmgw.server.store import schema
     from llmgw.server.store.core import current_version
 
@@ -282,7 +283,7 @@ def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_r
         )
     store_path(tmp_path).chmod(0o600)
     store = Store.open(tmp_path)
-    assert current_version(store._db) == schema.LATEST == 1
+    assert current_version(store._db) == schema.LATEST == 2
     assert [(n.node_id, n.cordoned) for n in store.nodes()] == [("a", True)] and store.is_revoked(7)
     store.check()
 

@@ -225,7 +225,8 @@ def test_whole_body_is_the_response_body_built_in_slices(kind: api.Kind) -> None
     assert json.loads(parts[-1]) == api.response_body(j, c, id="x", created=1)
     plain = job(kind)
     assert list(api.whole_body(plain, api.answer_of(plain), id="x", created=1)) == [
-        json.dumps(api.response_body(plain, api.answer_of(plain), id="x", created=1), separators=(",", ":")).encode() + b"\n"
+        json.dumps(api.response_body(plain, api.answer_of(plain), id="x", created=1), separators=(",", ":")).encode()
+        + b"\n"
     ]
 
 
@@ -269,7 +270,9 @@ def test_whole_tool_call_answer_shape() -> None:
             "message": {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.arguments_text}}],  # fmt: skip
+                "tool_calls": [
+                    {"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.arguments_text}}
+                ],  # fmt: skip
             },
             "logprobs": None,
             "finish_reason": "tool_calls",

@@ -141,7 +141,11 @@ async def test_key_is_required_on_v1_and_not_on_health() -> None:
             status, headers, parts = await c.request("GET", "/v1/models", key=key)
             assert status == 401 and headers["www-authenticate"] == "Bearer"
             error = body_of(parts)["error"]
-            assert error["type"] == "authentication_error" and error["code"] in (None, "invalid_api_key") and says in error["message"]
+            assert (
+                error["type"] == "authentication_error"
+                and error["code"] in (None, "invalid_api_key")
+                and says in error["message"]
+            )
             assert KEY not in error["message"]
         status, _, parts = await c.request("GET", "/health", key=None)
         assert (status, body_of(parts)) == (200, {"status": "ok"})
@@ -298,7 +302,10 @@ async def test_structured_output_streamed_and_whole_validates(autojump_clock: tr
     ask = {
         "model": "m",
         "messages": [{"role": "user", "content": "solve 8x + 7 = -23"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "Math", "schema": clientschemas.MATH_STRICT, "strict": True}},  # fmt: skip
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "Math", "schema": clientschemas.MATH_STRICT, "strict": True},
+        },  # fmt: skip
     }
     async with trio.open_nursery() as nursery:
         c = await connect(nursery, engine())

@@ -86,7 +86,9 @@ def tool_result_turn(result: str = "18 degrees") -> list[dict[str, Any]]:
     assistant = {
         "role": "assistant",
         "content": None,
-        "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_text}}],  # fmt: skip
+        "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_text}}
+        ],  # fmt: skip
     }
     return [*user("weather?"), assistant, {"role": "tool", "tool_call_id": call.id, "content": result}]
 
@@ -217,4 +219,7 @@ def test_a_decided_job_crosses_back_from_a_json_worker() -> None:
     decided = job(tools=TOOLS, messages=user("multiply GetWeather"), logprobs=True)
     again = pickle.loads(pickle.dumps(decided))
     assert again == decided and again.answer is not None and len(again.answer.tool_calls) == 2
-    assert len(pickle.dumps(job(tools=[{"type": "function", "function": {"name": "f", "description": "d" * 100_000}}]))) < 2000
+    assert (
+        len(pickle.dumps(job(tools=[{"type": "function", "function": {"name": "f", "description": "d" * 100_000}}])))
+        < 2000
+    )

@@ -120,6 +120,8 @@ HELLO = m.Hello(
         ),
         (m.LinkError(code=m.REVOKED, message="x"), m.ServerMessage),
         (m.LinkError(code=m.REVOKED, message="x"), m.AgentMessage),
+        (m.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"), m.ServerMessage),
+        (m.Redirect(leader="", message="no control plane leads now"), m.ServerMessage),
     ],
 )
 def test_round_trip(message: object, side: object) -> None:

@@ -44,6 +44,7 @@ MESSAGES = [
     g.KeysChanged(keys=(g.GatewayKey(name="a", token_sha256="0" * 64, models=("chat",), max_concurrency=2),)),
     g.ShareChanged(index=1, count=3),
     g.TableHeartbeat(seq=9),
+    w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
     w.LinkError(code="x", message="y"),
 ]
 
@@ -54,8 +55,8 @@ def test_every_gateway_message_survives_the_round_trip(message) -> None:
     assert decode(encode(message), union) == message
 
 
-def test_the_two_links_share_the_converter_and_link_error_alone() -> None:
-    assert set(GATEWAY_TYPES) & set(TYPES) == {"link_error"}
+def test_the_two_links_share_the_converter_and_link_error_and_redirect_alone() -> None:
+    assert set(GATEWAY_TYPES) & set(TYPES) == {"link_error", "redirect"}
     assert GATEWAY_TYPES["rotation_changed"] is g.RotationChanged
     with pytest.raises(WireError) as info:  # a gateway message is no agent link's
         decode(encode(MESSAGES[0]), w.AgentMessage)

@@ -235,6 +235,41 @@ def test_closing_drops_what_is_unsent_and_writes_the_link_error_last(closer: str
     assert side.done
 
 
+def test_a_standby_answers_the_hello_with_where_the_leader_is_and_closes() -> None:
+    pair = Pair()
+    leader = w.Redirect(leader="wss://cp-b:7443", message="this control plane is a standby; the leader is cp-b")
+    pair.server = gs.GatewayServerSession(
+        "gw1", heartbeat_interval_s=5.0, table=pair.table, server_version="test", standby=lambda: leader
+    )
+    assert pair.connect() == gs.GatewayJoined(hello=hello())  # the same checks as a leader's first
+    frames = drain(pair.server)
+    assert [decode(f, g.ControlMessage) for f in frames] == [
+        leader,
+        w.LinkError(code=w.NOT_LEADER, message=leader.message),
+    ]
+    assert pair.server.done and pair.table.made == []  # no welcome and nothing of the table
+    assert pair.deliver(frames[0], pair.gateway) == s.Redirected(leader="wss://cp-b:7443", message=leader.message)
+    assert pair.gateway.state is s.State.CLOSED and not pair.gateway.open
+
+
+def test_a_standby_refuses_an_older_gateway_by_its_version_before_any_redirect() -> None:
+    """A gateway of the protocol before the redirect existed would not understand one: it is told
+    the versions differ, as every control plane tells it, and nothing of a redirect is sent."""
+    older = json.loads(encode(hello()))
+    older["protocol_version"] = g.GATEWAY_PROTOCOL_VERSION - 1
+    session = gs.GatewayServerSession(
+        "gw1", heartbeat_interval_s=5.0, table=Table(), standby=lambda: w.Redirect(leader="wss://b:1", message="m")
+    )
+    session.upgrade(upgrade(headers=NAMED), GOOD)
+    with pytest.raises(ProtocolError) as info:
+        session.receive(json.dumps(older))
+    assert info.value.code == w.PROTOCOL
+    assert f"the gateway speaks gateway protocol {g.GATEWAY_PROTOCOL_VERSION - 1} and this control plane" in str(
+        info.value
+    )
+    assert drain(session) == []
+
+
 # -- what each side accepts in each state ----------------------------------------------------
 
 GATEWAY_SENDS = {
@@ -248,6 +283,7 @@ SERVER_SENDS = {
     g.KeysChanged: g.KeysChanged(keys=(KEY,)),
     g.ShareChanged: g.ShareChanged(index=1, count=2),
     g.TableHeartbeat: g.TableHeartbeat(seq=1),
+    w.Redirect: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
 SERVER_ACCEPTS = {
@@ -256,7 +292,7 @@ SERVER_ACCEPTS = {
     "closed": set(),
 }
 GATEWAY_ACCEPTS = {
-    "await_welcome": {"gateway_welcome", "link_error"},
+    "await_welcome": {"gateway_welcome", "redirect", "link_error"},
     "open": {"rotation_changed", "keys_changed", "share_changed", "table_heartbeat", "link_error"},
     "closed": set(),
 }

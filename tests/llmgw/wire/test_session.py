@@ -83,6 +83,8 @@ SERVER_SENDS = {
     w.Welcome: w.Welcome(node_id="node-a", server_version="test", heartbeat_interval_s=5.0),
     w.DesiredState: w.DesiredState(generation=1),
     w.LogsRequest: w.LogsRequest(request_id=1, replica_id="r1", lines=10),
+    w.ServerHeartbeat: w.ServerHeartbeat(seq=1),
+    w.Redirect: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
 
@@ -339,6 +341,56 @@ def test_nothing_is_written_after_the_peer_closed() -> None:
     assert pair.server.next_frame() is None
 
 
+def test_the_control_plane_heartbeats_an_open_link_the_newest_unsent_alone() -> None:
+    pair = Pair()
+    pair.server.heartbeat()  # before the hello: nothing
+    pair.join()
+    pair.server.heartbeat()
+    pair.server.heartbeat()  # the agent reads slowly: one waits, the newest
+    assert [decode(f, w.ServerMessage) for f in drain(pair.server)] == [w.ServerHeartbeat(seq=2)]
+    pair.server.heartbeat()
+    pair.flush()
+    assert pair.events[s.AGENT][-1] == s.ServerHeartbeatReceived(seq=3)
+
+
+def test_a_standby_answers_the_hello_with_where_the_leader_is_and_closes() -> None:
+    pair = Pair()
+    leader = w.Redirect(leader="wss://cp-b:7443", message="this control plane is a standby; the leader is cp-b")
+    pair.server = server(desired_state=pair.desired, standby=lambda: leader)
+    assert pair.connect() == s.Joined(hello=hello())  # the upgrade and the hello checked as a leader does
+    frames = drain(pair.server)
+    assert [decode(f, w.ServerMessage) for f in frames] == [
+        leader,
+        w.LinkError(code=w.NOT_LEADER, message=leader.message),
+    ]
+    assert pair.server.done and pair.made == 0  # no welcome, no desired state made
+    assert pair.deliver(frames[0], pair.agent) == s.Redirected(leader="wss://cp-b:7443", message=leader.message)
+    assert pair.agent.state is s.State.CLOSED and not pair.agent.open
+
+
+def test_a_standby_that_knows_no_leader_says_so() -> None:
+    pair = Pair()
+    none = w.Redirect(leader="", message="no control plane leads at the moment")
+    pair.server = server(desired_state=pair.desired, standby=lambda: none)
+    pair.connect()
+    first = drain(pair.server)[0]
+    assert pair.deliver(first, pair.agent) == s.Redirected(leader="", message=none.message)
+
+
+def test_a_standby_refuses_an_older_agent_by_its_version_before_any_redirect() -> None:
+    """An agent of the protocol before the redirect existed would not understand one: it hears
+    that the versions differ, as from any control plane, and no redirect is sent."""
+    older = json.loads(encode(hello()))
+    older["protocol_version"] = w.PROTOCOL_VERSION - 1
+    session = server(standby=lambda: w.Redirect(leader="wss://cp-b:7443", message="m"))
+    session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
+    with pytest.raises(ProtocolError) as info:
+        session.receive(json.dumps(older))
+    assert info.value.code == w.PROTOCOL
+    assert f"the agent speaks protocol {w.PROTOCOL_VERSION - 1} and this control plane speaks" in str(info.value)
+    assert drain(session) == []
+
+
 def test_no_desired_state_before_the_hello() -> None:
     session = server()
     session.push()
@@ -355,8 +407,8 @@ SERVER_ACCEPTS = {
     "closed": set(),
 }
 AGENT_ACCEPTS = {
-    "await_welcome": {"welcome", "link_error"},
-    "open": {"desired_state", "logs_request", "link_error"},
+    "await_welcome": {"welcome", "redirect", "link_error"},
+    "open": {"desired_state", "logs_request", "server_heartbeat", "link_error"},
     "closed": set(),
 }
 

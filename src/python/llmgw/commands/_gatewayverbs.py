@@ -106,6 +106,14 @@ def _configure_add(add: argparse.ArgumentParser) -> None:
         "certificate must cover it",
     )
     add.add_argument(
+        "--control-plane",
+        action="append",
+        default=[],
+        metavar="wss://HOST:PORT",
+        help="another control plane's agent endpoint, when several share a PostgreSQL store: the gateway's unit "
+        "passes it as one more --server after this one's (repeatable; docs/high-availability.md)",
+    )
+    add.add_argument(
         "--reissue", action="store_true", help="make the gateway a new key and certificate even if it has valid ones"
     )
     add.add_argument(
@@ -135,6 +143,9 @@ def run_add(args: argparse.Namespace) -> int:
         check_gateway_name(args.name)
     if args.join_timeout <= 0:
         raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
+    for url in args.control_plane:
+        if not url.startswith("wss://"):
+            raise UsageError(f"--control-plane {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
     server_config, state_dir = resolve_server_paths(args)
     base = context.Options(
         target=args.target,
@@ -147,6 +158,7 @@ def run_add(args: argparse.Namespace) -> int:
         release=args.release,
         release_via=args.release_via,
         server_address=args.server_address,
+        control_planes=tuple(dict.fromkeys(args.control_plane)),
         reissue=args.reissue,
         join_timeout_s=args.join_timeout,
     )

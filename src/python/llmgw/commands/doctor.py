@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         sources = Sources(**{k: v for k, v in paths.items() if v is not None})
     fabrics = tuple(args.fabric) if args.fabric else (agent_cfg.fabrics if agent_cfg else ())
-    server = args.server or (_server_of(agent_cfg.server) if agent_cfg else "")
+    # With several control planes, the first agent.toml names (the others are the agent's to try).
+    server = args.server or (_server_of(cfg.control_planes(agent_cfg)[0]) if agent_cfg else "")
     ignore = frozenset(name.strip() for item in args.ignore for name in item.split(",") if name.strip())
     rep = doctor.run(doctor.Request(sources=sources, fabrics=fabrics, server=server, ignore=ignore))
     if args.json:

@@ -30,7 +30,8 @@ def workers_arg(value: str) -> int:
 
 def configure(parser: Parser) -> None:
     parser.usage = (
-        "%(prog)s --server wss://HOST:PORT [--listen ADDR:PORT] [--workers N|auto] [--pki-dir DIR] [--name NAME]\n"
+        "%(prog)s --server wss://HOST:PORT [--server ...] [--listen ADDR:PORT] [--workers N|auto] [--pki-dir DIR] "
+        "[--name NAME]\n"
         "       %(prog)s --table-file FILE [--listen ADDR:PORT] [--workers N|auto] [--name NAME]\n"
         "       %(prog)s add USER@HOST [--name NAME] [--listen ADDR:PORT] [--workers N|auto] [--reissue] ...\n"
         "       %(prog)s remove NAME [--ssh USER@HOST]\n"
@@ -44,8 +45,11 @@ def configure(parser: Parser) -> None:
     source = parser.add_mutually_exclusive_group()  # one of them without a verb: `run` says so
     source.add_argument(
         "--server",
+        action="append",
         metavar="wss://HOST:PORT",
-        help="the control plane's agent endpoint ([server] agent_listen), reached with this gateway's certificate",
+        help="the control plane's agent endpoint ([server] agent_listen), reached with this gateway's certificate; "
+        "give it once per control plane when several share a store: the gateway dials them in turn and follows a "
+        "standby to the leader",
     )
     source.add_argument(
         "--table-file",

@@ -93,6 +93,14 @@ def configure(parser: Parser) -> None:
         "server certificate must cover it",
     )
     add.add_argument(
+        "--control-plane",
+        action="append",
+        default=[],
+        metavar="wss://HOST:PORT",
+        help="another control plane's agent endpoint, when several share a PostgreSQL store: the node's agent.toml "
+        "names it after this one's, and the agent tries each in turn (repeatable; docs/high-availability.md)",
+    )
+    add.add_argument(
         "--join-timeout",
         type=float,
         default=600.0,
@@ -139,6 +147,9 @@ def run_add(args: argparse.Namespace) -> int:
     ssh.parse_target(args.target)  # a bad target is a usage error before anything is read
     if args.join_timeout <= 0:
         raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
+    for url in args.control_plane:
+        if not url.startswith("wss://"):
+            raise UsageError(f"--control-plane {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
     server_config, state_dir = resolve_server_paths(args)
     opts = flow.Options(
         target=args.target,
@@ -151,6 +162,7 @@ def run_add(args: argparse.Namespace) -> int:
         release=args.release,
         release_via=args.release_via,
         server_address=args.server_address,
+        control_planes=tuple(dict.fromkeys(args.control_plane)),
         fabrics=tuple(args.fabric),
         ignore_doctor=frozenset(n.strip() for item in args.ignore_doctor for n in item.split(",") if n.strip()),
         reissue=args.reissue,

@@ -58,6 +58,7 @@ def check_server(cfg: ServerConfig) -> list[str]:
         if getattr(cfg.ca, key) < 1:
             problems.append(f"must be at least 1 @ $.ca.{key}")
     problems.extend(storeurl.problems(cfg.store.url, cfg.store.password_file))
+    problems.extend(_check_lease(cfg))
     problems.extend(_check_engines(cfg.engines))
     problems.extend(_check_gateway(cfg.gateway))
     for key in ("max_archive_gib", "max_weights_gib"):
@@ -209,13 +210,50 @@ def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
     return []
 
 
+def _check_lease(cfg: ServerConfig) -> list[str]:
+    problems = []
+    store, server = cfg.store, cfg.server
+    if not 0 < store.lease_renew_s <= 60:
+        problems.append(
+            f"must be more than 0 and at most 60 seconds, got {store.lease_renew_s} @ $.store.lease_renew_s"
+        )
+    elif not 2 * store.lease_renew_s <= store.lease_ttl_s <= 600:
+        problems.append(
+            f"must be at least twice lease_renew_s ({store.lease_renew_s}), so that one renewal may fail without "
+            f"losing the lease, and at most 600 seconds; got {store.lease_ttl_s} @ $.store.lease_ttl_s"
+        )
+    if server.agent_url and not _WSS.match(server.agent_url):
+        problems.append(
+            f"expected wss://HOST:PORT (this control plane's agent_listen, as others reach it), got "
+            f"{server.agent_url!r} @ $.server.agent_url"
+        )
+    if server.admin_url and not _HTTP.match(server.admin_url):
+        problems.append(
+            f"expected http://HOST:PORT or https://HOST:PORT (its admin API, as others reach it), got "
+            f"{server.admin_url!r} @ $.server.admin_url"
+        )
+    return problems
+
+
+_WSS = re.compile(r"^wss://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+_HTTP = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+
 def check_agent(cfg: AgentConfig) -> list[str]:
     problems = []
     if cfg.build_jobs < 0:
         problems.append(f"must not be negative (0: automatic), got {cfg.build_jobs} @ $.build_jobs")
     if cfg.build_cache and not cfg.build_cache.startswith("/"):
         problems.append(f"build_cache must be an absolute path, got {cfg.build_cache!r} @ $.build_cache")
-    if not cfg.server.startswith("wss://"):
+    if isinstance(cfg.server, tuple):
+        if not cfg.server:
+            problems.append("expected a wss:// URL of the control plane, or a list of every control plane's @ $.server")
+        for i, url in enumerate(cfg.server):
+            if not url.startswith("wss://"):
+                problems.append(f"expected a wss:// URL of a control plane, got {url!r} @ $.server[{i}]")
+            elif url in cfg.server[:i]:
+                problems.append(f"{url!r} is named twice @ $.server[{i}]")
+    elif not cfg.server.startswith("wss://"):
         problems.append(f"expected a wss:// URL of the control plane, got {cfg.server!r} @ $.server")
     for key in ("nvidia_smi", "ib_root", "sminfo"):  # the agent runs from / under systemd: relative means nothing
         if not getattr(cfg, key).startswith("/"):

@@ -89,15 +89,30 @@ def _workers(value: Any, _: type) -> int | str:
     # `[server] gateway_workers`: a whole number of processes (0: none, the gateway in-process) or "auto".
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
-    raise TypeError(f"expected a whole number of worker processes (0 or more) or \"auto\", got {value!r}")
+    raise TypeError(f'expected a whole number of worker processes (0 or more) or "auto", got {value!r}')
+
+
+def _one_or_several(value: Any, _: type) -> str | tuple[str, ...]:
+    # agent.toml's `server`: one control plane's URL, or a list of every one's.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"expected a string or a list of strings, got {type(value).__name__} {value!r}")
 
 
 def _store_printed(store: StoreSection) -> dict:
     # Printed and logged with its hosts, ports and database name only (`storeurl.redact`).
-    return {"url": storeurl.redact(store.url), "password_file": store.password_file}
+    return {
+        "url": storeurl.redact(store.url),
+        "password_file": store.password_file,
+        "lease_ttl_s": store.lease_ttl_s,
+        "lease_renew_s": store.lease_renew_s,
+    }
 
 
 converter.register_structure_hook(int | str | None, _workers)
+converter.register_structure_hook(str | tuple[str, ...], _one_or_several)
 converter.register_unstructure_hook(StoreSection, _store_printed)
 converter.register_structure_hook(EngineBuild | None, _build_or_false)
 converter.register_unstructure_hook(EngineBuild | None, lambda b: False if b is None else converter.unstructure(b))

@@ -60,6 +60,10 @@ class ServerSection:
     agent_listen: str = "0.0.0.0:7443"
     http_listen: str = "127.0.0.1:8080"
     advertise: tuple[str, ...] = ()
+    # Where others reach this control plane, named in the lease when it leads so that a standby
+    # can say where the leader is ("": from advertise and the listeners; docs/configuration.md).
+    agent_url: str = ""
+    admin_url: str = ""
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
     reconnect_grace_s: float = 35.0
@@ -261,10 +265,14 @@ class StoreSection:
     """`[store]`: where the control plane keeps its state. `url` is "sqlite" (the state
     directory's llmgw.db) or a libpq connection string (`llmgw.config.storeurl` reads it, and
     prints it redacted); a PostgreSQL password comes from `password_file` (mode 0600) or from
-    libpq's own ~/.pgpass / PGPASSFILE, never from the url."""
+    libpq's own ~/.pgpass / PGPASSFILE, never from the url. With PostgreSQL, several control
+    planes may share the store: one leads, by a lease of `lease_ttl_s` renewed every
+    `lease_renew_s` (docs/high-availability.md); SQLite has no lease (its one control plane leads)."""
 
     url: str = "sqlite"
     password_file: str = ""
+    lease_ttl_s: float = 5.0
+    lease_renew_s: float = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -292,7 +300,9 @@ class FabricDecl:
 
 @attrs.frozen(kw_only=True)
 class AgentConfig:
-    server: str
+    # The control plane's agent endpoint (wss://HOST:PORT), or every control plane's when several
+    # share a PostgreSQL store: the agent tries them in turn and follows a standby to the leader.
+    server: str | tuple[str, ...]
     node_id: str = ""
     state_dir: str = DEFAULT_AGENT_STATE_DIR
     nvidia_smi: str = DEFAULT_NVIDIA_SMI
@@ -306,6 +316,11 @@ class AgentConfig:
     source_address: str = ""  # the local address to dial the control plane from ("" = the system's choice)
     build_jobs: int = 0  # parallel jobs of a llama.cpp build here; 0: server.toml's, else from cores and memory
     build_cache: str = ""  # a directory keeping built llama-servers to reuse (by source, CPU and flags); "": none
+
+
+def control_planes(cfg: AgentConfig) -> tuple[str, ...]:
+    """agent.toml's `server`, one or several, as a tuple in its order."""
+    return cfg.server if isinstance(cfg.server, tuple) else (cfg.server,)
 
 
 def weights_dir_of(cfg: AgentConfig) -> str:

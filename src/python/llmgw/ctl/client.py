@@ -4,6 +4,12 @@ Finds the control plane in one of two ways: `--server URL` with `--credential FI
 local control plane's state directory (`--state-dir`, $LLMGW_STATE_DIR, or the default), whose
 `admin.url` a running server wrote and whose `admin.token` is the credential. Synchronous:
 one request per command, stdlib `http.client`.
+
+Where several control planes share a store, a standby answers every admin call with 503 and
+`{"error": {"code": "not_leader", "leader": {"admin_url": ...}}}`: the request is sent again, once,
+to the leader's admin URL it names, with the same credential (every control plane of a cluster
+holds the same one). A standby that knows no leader (a takeover under way) is answered as any
+503: the message says so and to try again.
 """
 
 from __future__ import annotations
@@ -52,7 +58,19 @@ class AdminClient:
             raise MachineError(f"cannot read {url_file}; run the command with sudo") from None
         return cls(url, paths.read_admin_token(token_file))
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None, *, follow: bool = True) -> Any:
+        """One call; a standby's answer is followed to the leader it names (`follow`, once)."""
+        status, data, raw = self._exchange(method, path, body)
+        leader = _leader_of(status, data)
+        if follow and leader and leader.rstrip("/") != self.url:
+            return AdminClient(leader, self._token).request(method, path, body, follow=False)
+        if status >= 400:
+            message = (data or {}).get("error", {}).get("message", raw.decode("utf-8", "replace"))
+            error = UsageError if status in (404, 405) else PeerError
+            raise error(f"{message} (HTTP {status} from {self.url})")
+        return data
+
+    def _exchange(self, method: str, path: str, body: Any) -> tuple[int, Any, bytes]:
         conn_cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(self._parts.hostname, self._parts.port, timeout=TIMEOUT_S)
         headers = {"authorization": f"Bearer {self._token}", "accept": "application/json"}
@@ -76,11 +94,7 @@ class AdminClient:
             raise PeerError(
                 f"the admin API at {self.url} answered {response.status} with a body that is not JSON"
             ) from None
-        if response.status >= 400:
-            message = (data or {}).get("error", {}).get("message", body.decode("utf-8", "replace"))
-            error = UsageError if response.status in (404, 405) else PeerError
-            raise error(f"{message} (HTTP {response.status} from {self.url})")
-        return data
+        return response.status, data, body
 
     def nodes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/admin/v1/nodes")["nodes"]
@@ -126,3 +140,15 @@ class AdminClient:
 
     def is_revoked(self, serial: int) -> bool:
         return bool(self.request("GET", f"/admin/v1/certificates/{serial}")["revoked"])
+
+
+def _leader_of(status: int, data: Any) -> str:
+    """The leader's admin URL a standby's answer names; "" for any other answer."""
+    if status != 503 or not isinstance(data, dict):
+        return ""
+    error = data.get("error")
+    if not isinstance(error, dict) or error.get("code") != "not_leader":
+        return ""
+    leader = error.get("leader")
+    url = leader.get("admin_url") if isinstance(leader, dict) else None
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else ""

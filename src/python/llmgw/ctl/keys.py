@@ -96,5 +96,3 @@ def run_keys_revoke(client_from: ClientFrom, args: argparse.Namespace) -> int:
     result = client_from(args).request("DELETE", f"/admin/v1/keys/{quote(args.name, safe='')}")
     print(json.dumps(result, indent=2) if args.json else f"revoked API key {result['revoked']!r}")
     return 0
-
-

@@ -106,7 +106,11 @@ def totals_of_families(families: Sequence[g.MetricFamily]) -> dict[str, ModelTot
                 _count(out.setdefault(s.labels[0], ModelTotals()), s.labels[1], s.value)
         elif f.name in (DURATION, TTFB) and f.labels == ("model",) and f.buckets == LATENCY_BUCKETS:
             for s in f.samples:
-                setattr(out.setdefault(s.labels[0], ModelTotals()), "latency" if f.name == DURATION else "ttfb", list(s.counts))
+                setattr(
+                    out.setdefault(s.labels[0], ModelTotals()),
+                    "latency" if f.name == DURATION else "ttfb",
+                    list(s.counts),
+                )
     return out
 
 

@@ -59,7 +59,9 @@ class GatewayMetrics:
         for model, eps in sorted(router.endpoints.items()):
             for ep in eps:
                 self.replica_state.set(1, model=model, replica=ep.replica_id, state=router.state_of(ep))
-                self.replica_outstanding.set(router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id)
+                self.replica_outstanding.set(
+                    router.outstanding.get(ep.replica_id, 0), model=model, replica=ep.replica_id
+                )
         for model in sorted(router.models | set(queued) | set(in_flight)):
             self.queue_depth.set(queued.get(model, 0), model=model)
             self.in_flight.set(in_flight.get(model, 0), model=model)
@@ -78,6 +80,8 @@ def _family(f: Counter | Histogram) -> g.MetricFamily:
         samples = tuple(
             g.Sample(labels=key, counts=tuple(counts), sum=f.sums[key]) for key, counts in sorted(f.counts.items())
         )
-        return g.MetricFamily(name=f.name, help=f.help, kind=f.kind, labels=f.labels, buckets=f.buckets, samples=samples)
+        return g.MetricFamily(
+            name=f.name, help=f.help, kind=f.kind, labels=f.labels, buckets=f.buckets, samples=samples
+        )
     samples = tuple(g.Sample(labels=key, value=value) for key, value in sorted(f.values.items()))
     return g.MetricFamily(name=f.name, help=f.help, kind=f.kind, labels=f.labels, samples=samples)

@@ -13,4 +13,3 @@ class WorkerFailed(MachineError):
         self.index, self.returncode = index, returncode
         how = "could not be started" if returncode is None else f"exited with status {returncode}"
         super().__init__(f"gateway worker {index} {how} before it was ready to serve; its error is above")
-

@@ -11,6 +11,12 @@ as it arrives, `heard` on every frame taken, `link_state(True, "")` once welcome
 is away it is said again at each attempt, with the latest reason). The sink keeps the table
 while the link is down; nothing here forgets it.
 
+Several control planes (`--server` given more than once, when they share a PostgreSQL store):
+each attempt dials the next in turn (`linkio.Targets`); a standby answers the hello with where
+the leader is (`Redirect`), which is dialled next at once (at most MAX_REDIRECTS in a row; a
+standby that knows no leader counts as a failure); the backoff applies between rounds of every
+control plane, not between dials.
+
 Between sessions the link waits with exponential backoff and full jitter (LINK_BACKOFF), short
 enough that a gateway is back within a few seconds of its control plane's return (a revocation
 made meanwhile then applies at once: the whole table comes with every Welcome); a TCP connect
@@ -30,7 +36,7 @@ from __future__ import annotations
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -40,8 +46,8 @@ import trio_websocket
 from llmgw import __version__
 from llmgw.backoff import Backoff, Failures
 from llmgw.errors import find
-from llmgw.linkfailure import SessionRefused, reason_of
-from llmgw.linkio import LinkStream, Target, Writer
+from llmgw.linkfailure import Redirected, SessionRefused, reason_of
+from llmgw.linkio import LinkStream, Target, Targets, Writer
 from llmgw.log import get_logger
 from llmgw.pki.ca import cert_info
 from llmgw.pki.files import gateway_paths, load_cert
@@ -66,6 +72,7 @@ MIN_SILENCE_S = 5.0  # ... and never less than this
 # The largest frame taken from the control plane: the table is sent whole (every replica, every
 # valid key: ~150 bytes each), so it may pass trio-websocket's default of 1 MiB on a big cluster.
 MAX_TABLE_BYTES = 64 << 20
+MAX_REDIRECTS = 3  # followed at once in a row; past it a redirect waits its backoff (as the agent's link)
 
 # Between sessions: 0.25 s doubling to 3 s, with full jitter, so that many gateways refused
 # together (a control-plane restart) do not return together, and each is back within a few
@@ -116,7 +123,7 @@ class GatewayLink:
     def __init__(
         self,
         *,
-        target: Target,
+        target: Target | Targets,
         tls: ssl.SSLContext,
         name: str,
         instance: str,
@@ -135,11 +142,13 @@ class GatewayLink:
         `tls_name`: the name the control plane's certificate must cover, if not the host dialled
         (the control plane's own workers dial it on loopback). `applied()`: an event set when
         the gateway next routes by a new rotation, which sends a heartbeat at once (what
-        `load()` says has changed: the rotation's version)."""
-        self.target = target
+        `load()` says has changed: the rotation's version). `target`: the control plane, or every
+        one (`Targets`)."""
+        self.targets = target if isinstance(target, Targets) else Targets([target])
+        self.target = self.targets.current  # the one dialled last
         self.applied = applied
         self.tls = tls
-        self.tls_name = tls_name or target.host
+        self.tls_name = tls_name
         self.name = name
         self.instance = instance
         self.sink = sink
@@ -156,36 +165,49 @@ class GatewayLink:
         once: the gateway serves from its sink's table (none yet, or its last) meanwhile."""
         task_status.started()
         failures = Failures(self.backoff)
+        redirects = 0  # followed in a row, at once
+        tried = 0  # control planes tried in this round without a session
         while True:
+            self.target = self.targets.next()
             self.state.attempts += 1
             sessions_before = self.state.sessions
-            reason = await self._session_ended()
+            reason, moved = await self._session_ended()
             was_up = self.state.sessions > sessions_before
             if was_up:
                 failures.reset()  # the link was up: a control-plane restart gets a prompt reconnect
-            failures.failed(trio.current_time())
-            delay = failures.delay(self.rng)
+                redirects = tried = 0
             loud = was_up or reason != self.state.last_error
             self.state.connected = False
             self.state.last_error = reason
             self.sink.link_state(False, reason)
+            if moved is not None and moved.leader and redirects < MAX_REDIRECTS and self.targets.lead_to(moved.leader):
+                redirects += 1
+                log.info("gateway_link_redirected", server=str(self.target), leader=moved.leader)
+                continue  # the leader, now
+            redirects = 0
+            tried += 1
+            if not was_up and tried < len(self.targets.configured):
+                continue  # the backoff is between rounds of every control plane, as the agent's link
+            tried = 0
+            failures.failed(trio.current_time())
+            delay = failures.delay(self.rng)
             (log.warning if loud else log.debug)(
                 "gateway_link_down", server=str(self.target), reason=reason, retry_in_s=round(delay, 2)
             )
             await trio.sleep(delay)
 
-    async def _session_ended(self) -> str:
-        """Run one session; why it ended."""
+    async def _session_ended(self) -> tuple[str, Redirected | None]:
+        """Run one session; why it ended, and where the leader is if a standby said so."""
         try:
             await self.run_session()
         except Exception as exc:  # noqa: BLE001 - the link must outlive any one failure
-            return self.reason_of(exc)
+            return self.reason_of(exc), find(exc, Redirected)
         except BaseException as exc:
             if find(exc, trio.Cancelled) is not None:
                 # Cancelled while the session also failed: being cancelled wins.
                 await trio.lowlevel.checkpoint()
             raise
-        return "the control plane closed the link"
+        return "the control plane closed the link", None
 
     def reason_of(self, exc: BaseException) -> str:
         return reason_of(exc, str(self.target), connect_timeout_s=CONNECT_TIMEOUT_S, side="gateway")
@@ -203,7 +225,11 @@ class GatewayLink:
                     f"no answer from {self.target} within {TCP_CONNECT_TIMEOUT_S:g} s: check the address, routes "
                     "and firewalls; dialling again"
                 )
-            tls = trio.SSLStream(tcp, self.tls, server_hostname=self.tls_name, https_compatible=True)
+            # `tls_name` is for the configured address (the control plane's workers dial it on
+            # loopback); a leader a standby named is checked by the host it is dialled at.
+            configured = self.tls_name and self.target in self.targets.configured
+            name = self.tls_name if configured else self.target.host
+            tls = trio.SSLStream(tcp, self.tls, server_hostname=name, https_compatible=True)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError:
@@ -316,6 +342,8 @@ class GatewayLink:
         except WireError as exc:
             await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
             raise SessionRefused(f"the control plane sent something this gateway does not understand: {exc}") from None
+        if isinstance(event, gs.Redirected):
+            raise Redirected(event.leader, event.message)
         if isinstance(event, gs.Closed):
             raise SessionRefused(f"the control plane closed the link: {event.message}")
         self.sink.heard(trio.current_time())
@@ -339,7 +367,7 @@ class GatewayLink:
 
 
 async def serve_gateway_link(
-    server_url: str,
+    server_url: str | Sequence[str],
     tls: ssl.SSLContext,
     *,
     name: str,
@@ -352,14 +380,15 @@ async def serve_gateway_link(
     task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this gateway process (`instance`, e.g. `llmgw.wire.gateway_session.new_instance()`)
-    linked to the control plane at `server_url` (wss://HOST:PORT, its agent_listen) as the gateway
+    linked to the control plane at `server_url` (wss://HOST:PORT, its agent_listen; or every control
+    plane's, when several share a store, dialled in turn and followed to the leader) as the gateway
     `name` (its certificate's CN; `Credentials.load` gives both it and `tls`), feeding `sink`
     forever; `load()` says what each heartbeat reports, and one goes at once when `applied()` is
     set (`GatewayLink`); `tls_name`: the name the control plane's certificate must cover, if not
     the host of `server_url`. Started at once, with the link (its
     `state` says whether it is up); never returns."""
     link = GatewayLink(
-        target=Target.parse(server_url),
+        target=Targets.parse(server_url),
         tls=tls,
         name=name,
         instance=instance,

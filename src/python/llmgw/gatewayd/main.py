@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import socket
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ log = get_logger("llmgw.gatewayd")
 class GatewayPlan:
     host: str
     port: int
-    server_url: str | None  # the control plane's link, or
+    servers: tuple[str, ...]  # every control plane's link (the first dialled first), or none and
     table_file: Path | None  # a table read from a file (then `table` holds it)
     table: TableFile | None = None
     pki_dir: Path
@@ -60,6 +61,11 @@ class GatewayPlan:
     settings: Path | None = None  # `[gateway]` and `[http]` as the control plane runs them (`write_settings`)
 
     @property
+    def server_url(self) -> str | None:
+        """The first control plane's link, None with a table file."""
+        return self.servers[0] if self.servers else None
+
+    @property
     def listen(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
@@ -67,7 +73,7 @@ class GatewayPlan:
 def plan(
     *,
     listen: str,
-    server_url: str | None,
+    server_url: str | Sequence[str] | None,
     table_file: Path | None,
     pki_dir: Path,
     name: str | None,
@@ -75,22 +81,27 @@ def plan(
 ) -> GatewayPlan:
     """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
     `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`,
-    `table_first`, `settings`)."""
+    `table_first`, `settings`). `server_url`: the control plane's agent endpoint, or every one's
+    when several share a store (`--server` given more than once)."""
     host, port = split_listen(listen)
     if inner.get("settings") is not None:
         inner["gateway"], inner["http"] = read_settings(inner["settings"])
-    if server_url is not None:
-        if not server_url.startswith("wss://"):
-            raise UsageError(f"--server {server_url!r} must be the control plane's agent endpoint, wss://HOST:PORT")
+    servers = (server_url,) if isinstance(server_url, str) else tuple(server_url or ())
+    if servers:
+        for url in servers:
+            if not url.startswith("wss://"):
+                raise UsageError(f"--server {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
+        if len(set(servers)) != len(servers):
+            raise UsageError(f"--server names one control plane twice ({', '.join(servers)}); name each once")
         creds = credentials(pki_dir, name)  # its files are there and a gateway's: told now, not by each worker
         return GatewayPlan(
-            host=host, port=port, server_url=server_url, table_file=None, pki_dir=pki_dir, name=creds.name, **inner
+            host=host, port=port, servers=servers, table_file=None, pki_dir=pki_dir, name=creds.name, **inner
         )
     assert table_file is not None
     return GatewayPlan(
         host=host,
         port=port,
-        server_url=None,
+        servers=(),
         table_file=table_file,
         table=load_table(table_file),
         pki_dir=pki_dir,
@@ -128,8 +139,10 @@ def split_listen(value: str) -> tuple[str, int]:
 def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[str, ...]:
     """The command line of this gateway's workers, after llmgw's own command."""
     args = ["--log-level", log_level, "--log-format", log_format, "gateway", "--listen", plan.listen]
-    if plan.server_url is not None:
-        args += ["--server", plan.server_url, "--pki-dir", str(plan.pki_dir.absolute()), "--name", plan.name]
+    if plan.servers:
+        for url in plan.servers:
+            args += ["--server", url]
+        args += ["--pki-dir", str(plan.pki_dir.absolute()), "--name", plan.name]
     else:
         assert plan.table_file is not None
         args += ["--table-file", str(plan.table_file.absolute()), "--name", plan.name]
@@ -160,7 +173,7 @@ async def serve_gateway(plan: GatewayPlan, workers: int, command: tuple[str, ...
             listen=plan.listen,
             workers=workers,
             pids=",".join(map(str, pids)),
-            table=plan.server_url or str(plan.table_file),
+            table=", ".join(plan.servers) or str(plan.table_file),
         )
 
 
@@ -168,10 +181,10 @@ async def serve_gateway(plan: GatewayPlan, workers: int, command: tuple[str, ...
 
 
 def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source:
-    if plan.server_url is not None:
+    if plan.servers:
         creds = credentials(plan.pki_dir, plan.name)
         return link_source(
-            plan.server_url,
+            plan.servers,
             creds.ssl_context,
             name=creds.name,
             instance=instance,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -27,7 +27,7 @@ async def serve_table_file(
 
 
 def link_source(
-    server_url: str,
+    server_url: str | Sequence[str],
     tls: ssl.SSLContext,
     *,
     name: str,
@@ -36,7 +36,7 @@ def link_source(
     applied: Callable[[], trio.Event] | None = None,
     tls_name: str = "",
 ) -> Source:
-    """The gateway link to `server_url`, which hands each part of the table to the sink and dials
+    """The gateway link to `server_url` (or to every control plane's, in turn), which hands each part of the table to the sink and dials
     again with backoff while the worker serves on from its last table; `load()` is what its
     heartbeats report (`GatewayWorker.load`), one sent at once when `applied()` is set (the
     gateway routes by a new rotation); `tls_name`: the name the control plane's

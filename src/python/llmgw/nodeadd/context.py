@@ -38,6 +38,9 @@ class Options:
     release: str = ""
     release_via: str = ""  # "ssh", "https", or "" (the control plane's when it holds the file, else SSH)
     server_address: str = ""
+    # The other control planes' agent endpoints (wss://HOST:PORT), when several share a store:
+    # the node's agent.toml names them after this one's (`--control-plane`).
+    control_planes: tuple[str, ...] = ()
     fabrics: tuple[cfg.FabricDecl, ...] = ()
     ignore_doctor: frozenset[str] = frozenset()
     reissue: bool = False

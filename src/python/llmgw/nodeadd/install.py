@@ -95,8 +95,9 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
 
 def _agent_toml(opts: Options, facts: Facts) -> str:
     before = facts.existing
+    others = tuple(u for u in opts.control_planes if u != facts.server)
     return layout.agent_toml(
-        server=facts.server,
+        server=(facts.server, *others) if others else facts.server,
         node_id=facts.node_id,
         fabrics=facts.fabrics,
         llamacpp_bin=opts.llamacpp_bin or (before.llamacpp_bin if before else ""),

@@ -180,7 +180,7 @@ def trust_commands(store: TrustStore, staged_ca: str) -> list[list[str]]:
 
 def agent_toml(
     *,
-    server: str,
+    server: str | tuple[str, ...],
     node_id: str,
     fabrics: Sequence[cfg.FabricDecl] = (),
     llamacpp_bin: str = "",
@@ -190,12 +190,14 @@ def agent_toml(
     keep: cfg.AgentConfig | None = None,
 ) -> str:
     """The node's agent.toml; checked by the same loader the agent uses before it is shipped.
+    `server`: this control plane's agent endpoint, or every control plane's (this one first).
 
     `keep` is the node's agent.toml from before: the settings this add was not given (nvidia_smi,
     ib_root, sminfo unless in `driver_paths`; weights_dir, source_address) stay as they were.
     `driver_paths` (--nvidia-smi, --ib-root, --sminfo, by key) replace what was kept; a path equal
     to the default is written as no key at all, which is how a node returns to the default."""
-    data: dict = {"server": server, "node_id": node_id, "state_dir": STATE_DIR}
+    data: dict = {"server": list(server) if isinstance(server, tuple) else server, "node_id": node_id}
+    data["state_dir"] = STATE_DIR
     defaults = cfg.AgentConfig(server=server)
     if keep is not None:
         for key in _KEPT:

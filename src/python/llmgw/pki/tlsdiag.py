@@ -54,7 +54,12 @@ _OURS = {
     "server": "this control plane's certificate",
     None: "this end's certificate",
 }
-_THEY = {"client": "the control plane", "gateway": "the control plane", "server": "the connecting node", None: "the other end"}
+_THEY = {
+    "client": "the control plane",
+    "gateway": "the control plane",
+    "server": "the connecting node",
+    None: "the other end",
+}
 _REISSUE_GATEWAY = "issue this gateway a new certificate on the control plane with `llmgw ca issue --gateway NAME`"
 
 
@@ -163,7 +168,9 @@ def _describe_alert(reason: str | None, side: Side | None) -> str | None:
     if reason == _A_EXPIRED:
         return f"{they} refused {ours} as expired; {fix}"
     if reason == _A_UNKNOWN_CA:
-        again = _REISSUE_GATEWAY if side == "gateway" else "add the node again with `llmgw node add USER@HOST --reissue`"
+        again = (
+            _REISSUE_GATEWAY if side == "gateway" else "add the node again with `llmgw node add USER@HOST --reissue`"
+        )
         return (
             f"{they} does not trust the CA that issued {ours}: the two hold different clusters' CAs "
             f"(or the CA was recreated); {again}"

@@ -25,6 +25,9 @@ agent in the clearest way the stage allows (a flood of them is summarised, `Refu
    certificate is refused there); the gateway link: `GatewayFeed.link`
    (`llmgw.server.gatewayfeed`), whose session refuses a node's certificate. Each `Upgrade`
    answer hands the connection to the WebSocket.
+4. A control plane that does not lead (a standby, `llmgw.server.standby`; a leader whose term
+   has ended) judges either link's upgrade and hello as a leader would, then answers the hello
+   with where the leader is (`answer_standby`: the session's Redirect) and closes.
 
 `AgentEndpoint` is this listener with the links it runs.
 """
@@ -40,6 +43,7 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw import linkio
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http.body import BodyBudget
@@ -56,8 +60,9 @@ from llmgw.server import agentport, artifacts, releases
 from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import StoreError
+from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
-from llmgw.wire.errors import UpgradeRefused
+from llmgw.wire.errors import UpgradeRefused, WireError
 
 log = get_logger("llmgw.endpoint")
 
@@ -70,6 +75,7 @@ LISTENER = "agent"  # the listener's name in /metrics
 # over, and an unproven connection holds a place of the small unproven budget meanwhile.
 HANDSHAKE_TIMEOUT_S = 3.0
 REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
+HELLO_TIMEOUT_S = 10.0  # a link's first frame, the hello, must come within this of its upgrade
 AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
 NO_CERTIFICATE_SERVER = (
     "a client connected without a certificate; only agents holding a node certificate may connect "
@@ -286,6 +292,43 @@ class AgentListener:
         except UpgradeRefused as exc:
             raise self.refuse(cert, address, exc) from None
         return await artifacts.handle(request, self.artifacts, cert.common_name)
+
+    async def answer_standby(self, session: s.Session, request: Request, cert: CertInfo, address: str) -> Answer:
+        """A link's request to a control plane that does not lead: `session` (made with its
+        `standby`) judges the upgrade with the store's word on the certificate, then the hello,
+        which it answers with the Redirect; nothing is recorded and nothing else is sent."""
+        try:
+            session.upgrade(agentport.upgrade_request(request), await self.standing(cert))  # type: ignore[attr-defined]
+        except UpgradeRefused as exc:
+            raise self.refuse(cert, address, exc) from None
+        return self.upgrade(partial(self._redirect, session, cert, address), cert, address)
+
+    async def _redirect(
+        self, session: s.Session, cert: CertInfo, address: str, stream: trio.abc.Stream, prefix: bytes
+    ) -> None:
+        async with trio.open_nursery() as nursery:  # trio-websocket's reader, which ends with the link
+            with trio.fail_after(HELLO_TIMEOUT_S):
+                ws = await agentport.accept_link(nursery, stream, prefix)
+            writer = linkio.Writer(session, send_timeout_s=REFUSAL_SEND_S)
+            try:
+                with trio.fail_after(HELLO_TIMEOUT_S):
+                    event = session.receive(await ws.get_message())
+            except trio.TooSlowError:
+                await writer.close(
+                    w.BAD_MESSAGE, f"no hello within {HELLO_TIMEOUT_S:g} s", timeout_s=REFUSAL_SEND_S, ws=ws
+                )
+            except WireError as exc:
+                log.warning("agent_refused", address=address, stage="hello", cn=cert.common_name, reason=str(exc))
+                await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
+            else:
+                if not isinstance(event, s.Closed):
+                    redirect = session.goodbye
+                    log.info(
+                        "link_redirected", address=address, cn=cert.common_name, reason=redirect and redirect.message
+                    )
+                    with trio.move_on_after(REFUSAL_SEND_S):
+                        await writer.serve(ws)  # the Redirect, its LinkError, the close
+            nursery.cancel_scope.cancel()
 
     def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:
         """A certified peer's refused request, logged; the answer saying why, to raise."""

@@ -3,11 +3,13 @@ read in order (`ControlPlane.open`), and its services started in order (`Control
 
 `open` does all the reading, synchronously and before anything runs: the state directory's
 permissions first (private files open to others are refused before use), then the certificate
-authority (a missing CA is the first thing said), the agents' TLS context, the store (checked:
-a damaged database stops the start there), the engine-key secret, the admin credential and
-this llmgw's own release file (`running_release`: what agents may fetch from the mirror). The
-constructor takes what was opened and does no I/O; it wires the parts and builds the control
-plane's four roles as small objects (`ControlPlane`'s docstring names them).
+authority (a missing CA is the first thing said), the agents' TLS context, the admin credential
+and this llmgw's own release file (`running_release`: what agents may fetch from the mirror) --
+together `Warm`, which a standby holds ready -- then the store (checked: a damaged database
+stops the start there) and the engine-key secret. The constructor takes what was opened and
+does no I/O; it wires the parts and builds the control plane's four roles as small objects
+(`ControlPlane`'s docstring names them). Where several control planes share a PostgreSQL store,
+`llmgw.server.seat` opens one only once it holds the lease, with the term it leads by.
 
 `serve` is the root: each service is a `serve_x(..., *, task_status)` started with
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
@@ -34,7 +36,7 @@ from typing import Any
 import trio
 
 from llmgw import paths
-from llmgw.config import Model, ServerConfig
+from llmgw.config import Model, ServerConfig, storeurl
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
 from llmgw.gateway.app import Gateway
@@ -47,9 +49,7 @@ from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.metrics import MetricsRegistry, merge
 from llmgw.pki.ca import CA
-from llmgw.pki.files import load_ca
-from llmgw.pki.tls import server_ssl_context
-from llmgw.releasefiles import Running, running_release
+from llmgw.releasefiles import Running
 from llmgw.server import activation, keyseal, views
 from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.adminsocket import gateway_route, serve_admin_socket
@@ -65,6 +65,7 @@ from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_work
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
+from llmgw.server.leadership import Term
 from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
@@ -73,8 +74,11 @@ from llmgw.server.page import Page
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
+from llmgw.server.seat import serve_seat
 from llmgw.server.settings import Settings
+from llmgw.server.store.lease import Fence
 from llmgw.server.views import GatewayEndpoints
+from llmgw.server.warm import Warm, read_warm
 from llmgw.server.workers import OwnGateway, worker_count
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
@@ -107,11 +111,18 @@ class ControlPlane:
         admin_token: str,
         running: Running | None,
         gateway_workers: int | str = 0,
+        term: Term | None = None,
+        redirect: Callable[[], w.Redirect] | None = None,
     ) -> None:
         """Takes what `open` read (`running`: this llmgw's own release file, None for a
         development build); does no I/O. `gateway_workers`: how many gateway worker processes
         serve http_listen when server.toml does not say (`llmgw server`: "auto", `llmgw up`: 1;
-        0, the gateway on this loop, is for tests and embedding)."""
+        0, the gateway on this loop, is for tests and embedding). `term`: the lease this control
+        plane leads by, when several share a PostgreSQL store (`llmgw.server.seat`; None: it
+        leads alone); once the term is over it pushes nothing more and answers new links with
+        `redirect()`, where the leader is."""
+        self.term = term
+        leading = term.leading if term is not None else _always
         self.settings = Settings(config, config_path)  # replaced by a reload: read `config` at each use
         self.workers = worker_count(config.server.gateway_workers, gateway_workers)  # read at start only
         self.state_dir = state_dir
@@ -152,6 +163,8 @@ class ControlPlane:
             stats=self.connections,
             limits=config.http,
             max_connections=config.http.max_agent_connections,
+            leading=leading,
+            redirect=redirect,
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
@@ -180,6 +193,8 @@ class ControlPlane:
             clock=self.registry.clock,
             heartbeat_interval_s=config.server.heartbeat_interval_s,
             silence_timeout_s=config.server.heartbeat_ttl_s,
+            leading=leading,
+            redirect=redirect,
         )
         self.endpoint.gateways = self.gateway_feed
         # Drains and spreading: replicas moved without an outage, one move at a time.
@@ -238,28 +253,45 @@ class ControlPlane:
 
     @classmethod
     def open(
-        cls, config: ServerConfig, state_dir: Path, config_path: Path | None = None, *, gateway_workers: int | str = 0
+        cls,
+        config: ServerConfig,
+        state_dir: Path,
+        config_path: Path | None = None,
+        *,
+        gateway_workers: int | str = 0,
+        warm: Warm | None = None,
+        term: Term | None = None,
+        redirect: Callable[[], w.Redirect] | None = None,
     ) -> ControlPlane:
-        """Read what the control plane starts from, in the order the module docstring gives."""
-        paths.check_state_dir(state_dir)
-        ca = load_ca(state_dir)
-        ssl_context = server_ssl_context(state_dir, certificate_optional=config.release.serve)
-        store = AsyncStore.open(state_dir, config.store)
-        key_seal = keyseal.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
-        admin_token = paths.read_admin_token(paths.ensure_admin_token(state_dir))
-        plane = cls(
-            config,
-            state_dir,
-            config_path,
-            ca=ca,
-            ssl_context=ssl_context,
-            store=store,
-            key_seal=key_seal,
-            admin_token=admin_token,
-            running=running_release(),  # this llmgw's own release file, which agents may fetch
-            gateway_workers=gateway_workers,
-        )
-        seal_at_start(store, plane.replicas, paths.engine_keys_secret_path(state_dir))
+        """Read what the control plane starts from, in the order the module docstring gives.
+        `warm`: what a standby read already (`read_warm`); the store is read here whatever it is.
+        `term`: the lease it leads by (`ControlPlane`): every write of its store checks the
+        term's epoch (`llmgw.server.store.lease.Fence`), and one refused ends the term."""
+        warm = warm or read_warm(config, state_dir)
+        fence = Fence(epoch=term.epoch) if term is not None else None
+        store = AsyncStore.open(state_dir, config.store, fence=fence)
+        if term is not None:
+            store.on_not_leader = lambda exc: term.lose(f"a write was refused: {exc}")
+        try:
+            key_seal = keyseal.load(state_dir, sealed_keys=sealed_keys(store.at_open.placements))
+            plane = cls(
+                config,
+                state_dir,
+                config_path,
+                ca=warm.ca,
+                ssl_context=warm.ssl_context,
+                store=store,
+                key_seal=key_seal,
+                admin_token=warm.admin_token,
+                running=warm.running,
+                gateway_workers=gateway_workers,
+                term=term,
+                redirect=redirect,
+            )
+            seal_at_start(store, plane.replicas, paths.engine_keys_secret_path(state_dir))
+        except BaseException:
+            store.close()
+            raise
         return plane
 
     # -- the services -----------------------------------------------------------------------
@@ -422,7 +454,7 @@ class ControlPlane:
             gateway = render_workers(links) if self.workers else self.gateway.render_metrics()
             own = (
                 self.connections.render()
-                + _restarts_metric(self.background.restarts)
+                + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
                 + self.loop_lag.render(trio.current_time())
                 + self.registry.clock.render()
                 + (self.step_timer.render() if self.step_timer is not None else "")
@@ -502,6 +534,10 @@ class ControlPlane:
         self.changes.rotation.fire()
 
 
+def _always() -> bool:
+    return True
+
+
 async def serve_control_plane(
     config: ServerConfig,
     state_dir: Path,
@@ -510,7 +546,23 @@ async def serve_control_plane(
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """`llmgw server`: the control plane opened from `state_dir`, served with the SIGHUP reload,
-    its gateway one worker process per CPU unless server.toml says how many."""
+    its gateway one worker process per CPU unless server.toml says how many. On a PostgreSQL
+    store, which several control planes may share, it leads only while it holds the lease and
+    stands by otherwise (`llmgw.server.seat`); on SQLite it is the one control plane and leads."""
+    if storeurl.is_postgresql(config.store.url):
+
+        def open_plane(
+            config: ServerConfig, warm: Warm, term: Term, redirect: Callable[[], w.Redirect]
+        ) -> ControlPlane:
+            return ControlPlane.open(
+                config, state_dir, config_path, gateway_workers="auto", warm=warm, term=term, redirect=redirect
+            )
+
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(partial(serve_seat, config, state_dir, config_path, open_plane=open_plane))
+            freeze_start_objects()
+            task_status.started(bound)
+        return
     plane = ControlPlane.open(config, state_dir, config_path, gateway_workers="auto")
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(partial(plane.serve, reload_on_sighup=True))
@@ -543,7 +595,7 @@ async def serve_reload_on_sighup(
                 log.exception("reload_failed", kept="the running configuration")
 
 
-def _restarts_metric(restarts: dict[str, int]) -> str:
+def _restarts_metric(restarts: dict[str, int], leading: bool) -> str:
     registry = MetricsRegistry()
     family = registry.counter(
         "llmgw_background_restarts_total",
@@ -552,6 +604,9 @@ def _restarts_metric(restarts: dict[str, int]) -> str:
     )
     for task, count in sorted(restarts.items()):
         family.inc(count, task=task)
+    registry.gauge("llmgw_control_plane_leading", "Whether this control plane leads (1) or stands by (0).").set(
+        int(leading)
+    )
     return registry.render()
 
 

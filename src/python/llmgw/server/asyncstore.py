@@ -15,7 +15,9 @@ the one call with `StoreBusy` after 1 s instead of stalling every call queued be
 Reads do not wait for such a lock (SQLite in WAL mode and PostgreSQL alike: readers never wait
 for a writer), though one may wait, up to that second, behind a write of ours that does. A
 PostgreSQL store that cannot be reached fails each call with `StoreUnavailable` (the admin API
-answers 503 with Retry-After); the next call connects again.
+answers 503 with Retry-After); the next call connects again. A write the leader's fence refused
+(`NotLeader`: its lease passed to another control plane) is told to `on_not_leader`, on the loop,
+before the caller hears of it: the control plane steps down (`llmgw.server.seat`).
 
 `LatestWriter` is for state the loop keeps in memory and persists as a whole (the replica
 placements): the loop offers each new version and goes on; `serve` writes the latest one in
@@ -35,8 +37,9 @@ import trio
 from llmgw.backoff import Backoff, Failures
 from llmgw.config import StoreSection
 from llmgw.log import get_logger
-from llmgw.server.errors import StoreError
+from llmgw.server.errors import NotLeader, StoreError
 from llmgw.server.store import CertRow, KeyRow, NodeRow, Store
+from llmgw.server.store.lease import Fence
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
@@ -63,17 +66,27 @@ class AsyncStore:
         self.path = store.path
         self.busy_timeout_s = store.busy_timeout_s
         self.at_open = at_open
+        # Told of a write the fence refused (the lease passed to another): the leader steps down.
+        self.on_not_leader: Callable[[NotLeader], None] = lambda exc: None
 
     @classmethod
     def open(
-        cls, state_dir: Path, settings: StoreSection | None = None, *, busy_timeout_s: float = BUSY_TIMEOUT_S
+        cls,
+        state_dir: Path,
+        settings: StoreSection | None = None,
+        *,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        fence: Fence | None = None,
     ) -> AsyncStore:
         """Open the store `settings` (server.toml's `[store]`; None: the state directory's SQLite
         file) names, migrated to this llmgw's schema, check it (SQLite: `PRAGMA quick_check`, a
         damaged file is `StoreCorrupt`, said at start rather than at the first write that touches
         a bad page; PostgreSQL: it answers) and read what the control plane starts from.
-        Synchronous: it runs before anything else does."""
-        store = Store.open(state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=False, server=True)
+        Synchronous: it runs before anything else does. `fence`: the lease every write checks
+        (a leader's term when several control planes share the store; `Store`)."""
+        store = Store.open(
+            state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=False, server=True, fence=fence
+        )
         try:
             store.check()
             at_open = Snapshot(
@@ -92,11 +105,20 @@ class AsyncStore:
         control plane's closes with its process)."""
         self._store.close()
 
+    async def aclose(self) -> None:
+        """Close the connection once the call in flight, if any, has finished with it (a leader
+        that steps down and goes on as a standby)."""
+        await trio.to_thread.run_sync(self._store.close, limiter=self._limiter)
+
     async def record_catalog(self, created: dict[str, float]) -> None:
         await self._run(self._store.record_catalog, created)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+        except NotLeader as exc:
+            self.on_not_leader(exc)
+            raise
 
     # -- nodes ----------------------------------------------------------------------------
 

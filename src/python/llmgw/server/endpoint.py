@@ -8,12 +8,15 @@ Every rule of the link is the session's; around them, this module does the I/O:
    `Joined` records the node (store, registry); then the link's one writer (`linkio.Writer`)
    writes the Welcome and first DesiredState the session queued, and once the Welcome is out
    the link is published in `links`.
-3. `_receive_loop` gives every later frame to the session and acts on its events. A link silent
-   past the heartbeat TTL (in the registry's stall-aware clock), one whose certificate expires
-   and one whose agent takes no frame within SEND_TIMEOUT_S are closed.
+3. `_receive_loop` gives every later frame to the session and acts on its events; a
+   ServerHeartbeat goes every heartbeat interval (`_heartbeats`). A link silent past the
+   heartbeat TTL (in the registry's stall-aware clock), one whose certificate expires and one
+   whose agent takes no frame within SEND_TIMEOUT_S are closed.
+4. While this control plane does not lead (`leading()`: its term is over), it pushes nothing
+   and a new link is answered with where the leader is (`AgentListener.answer_standby`).
 
-Only the writer writes: `push_desired_state`, `request_logs`, `close_node` and the receive loop
-queue. The connections (budgets, TLS, HTTP, routes) are `AgentListener`'s, which this extends.
+Only the writer writes: `push_desired_state`, `request_logs`, `close_node`, the heartbeats and
+the receive loop queue. The connections (budgets, TLS, HTTP, routes) are `AgentListener`'s, which this extends.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from llmgw.http.messages import Request, Upgrade
 from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
-from llmgw.server.agentlistener import REFUSAL_SEND_S, AgentListener
+from llmgw.server.agentlistener import HELLO_TIMEOUT_S, REFUSAL_SEND_S, AgentListener
 from llmgw.server.errors import StoreError
 from llmgw.server.registry import NodeRegistry
 from llmgw.wire import agent_link as w
@@ -42,7 +45,8 @@ from llmgw.wire.errors import UpgradeRefused, WireError
 
 log = get_logger("llmgw.endpoint")
 
-HELLO_TIMEOUT_S = 10.0
+__all__ = ["HELLO_TIMEOUT_S", "SEND_TIMEOUT_S", "AgentEndpoint", "Link"]
+
 # A frame to an agent must be taken within this; an agent that stops reading is cut off (its
 # link is closed), and until then what waits for it is bounded by its session's outbox.
 SEND_TIMEOUT_S = 10.0
@@ -73,10 +77,16 @@ class AgentEndpoint(AgentListener):
         on_change: Callable[[], None] = lambda: None,
         on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
         silence_timeout_s: float = 0.0,
+        leading: Callable[[], bool] = lambda: True,
+        redirect: Callable[[], w.Redirect] | None = None,
         **listener: Any,
     ) -> None:
-        """`listener`: the connections' (`AgentListener`: store, artifact_store, release_files, stats, ...)."""
+        """`listener`: the connections' (`AgentListener`: store, artifact_store, release_files, stats, ...).
+        `leading()`: whether this control plane leads now (its term's); while it does not, no
+        desired state is pushed and a new link is answered with `redirect()` (where the leader is)."""
         super().__init__(**listener)
+        self.leading = leading
+        self.redirect = redirect or (lambda: w.Redirect(leader="", message="this control plane does not lead"))
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.desired_state = desired_state
@@ -88,6 +98,8 @@ class AgentEndpoint(AgentListener):
         self.links: dict[str, Link] = {}  # node id -> its link, once the Welcome is written
 
     async def mirror_changed(self) -> None:
+        if not self.leading():
+            return
         for link in list(self.links.values()):
             link.push()  # an archive came or went: `mirrored` changed
 
@@ -96,6 +108,11 @@ class AgentEndpoint(AgentListener):
         (a refusal is answered in plain HTTP, saying why); accepted, the connection is handed
         to the WebSocket (`_serve_link`)."""
         node_id = cert.common_name
+        if not self.leading():
+            standby = s.ServerSession(
+                node_id, heartbeat_interval_s=self.heartbeat_interval_s, desired_state=_none, standby=self.redirect
+            )
+            return await self.answer_standby(standby, request, cert, address)
         session = s.ServerSession(
             node_id, heartbeat_interval_s=self.heartbeat_interval_s, desired_state=partial(self.desired_state, node_id)
         )
@@ -140,6 +157,7 @@ class AgentEndpoint(AgentListener):
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self._write, link, ws)  # the Welcome is written: published
+                    nursery.start_soon(self._heartbeats, link)
                     # A certificate is good until its notAfter, not until the link happens to close.
                     with trio.move_on_at(trio.current_time() + (cert.not_after.timestamp() - time.time())) as expiry:
                         await self._receive_loop(link, ws)
@@ -192,6 +210,14 @@ class AgentEndpoint(AgentListener):
             log.warning("agent_link_not_reading", node=link.node_id, after_s=SEND_TIMEOUT_S)
             raise
 
+    async def _heartbeats(self, link: Link) -> None:
+        """A ServerHeartbeat every heartbeat interval, so that the agent notices a control plane
+        that stopped (its kernel would still take the agent's frames) and dials the next."""
+        while True:
+            await trio.sleep(self.heartbeat_interval_s)
+            link.session.heartbeat()
+            link.writer.wake()
+
     def _publish(self, link: Link) -> None:
         old = self.links.get(link.node_id)
         self.links[link.node_id] = link
@@ -214,6 +240,12 @@ class AgentEndpoint(AgentListener):
                 if link.session.goodbye is not None:
                     return  # we closed it (`close_node`), and the agent answered
                 raise
+            if link.session.goodbye is not None:
+                # We are closing it (a node removed, a leader stepping down): what came meanwhile
+                # is moot, and our LinkError goes out before the link ends.
+                with trio.move_on_after(REFUSAL_SEND_S):
+                    await link.writer.finished.wait()
+                return
             if silence.cancelled_caught and clock.now() - heard < timeout:
                 continue  # a stall moved the deadline
             if silence.cancelled_caught:
@@ -258,9 +290,10 @@ class AgentEndpoint(AgentListener):
             self.on_change()
 
     async def push_desired_state(self, node_id: str) -> None:
-        """The node's desired state changed: its link writes a fresh one next. Never waits."""
+        """The node's desired state changed: its link writes a fresh one next (while this control
+        plane leads: one whose term has ended tells its agents nothing more). Never waits."""
         link = self.links.get(node_id)
-        if link is not None:
+        if link is not None and self.leading():
             link.push()
         await trio.lowlevel.checkpoint()
 
@@ -284,6 +317,14 @@ class AgentEndpoint(AgentListener):
             reply = w.LogsReply(request_id=rid, replica_id=replica_id, error=f"node {node_id}{why}")
         return reply
 
+    async def close_all(self, code: str, message: str) -> int:
+        """End every open link, telling each agent why (a leader stepping down); how many."""
+        closing = list(self.links)
+        async with trio.open_nursery() as nursery:  # each bounded by REFUSAL_SEND_S, all at once
+            for node_id in closing:
+                nursery.start_soon(self.close_node, node_id, code, message)
+        return len(closing)
+
     async def close_node(self, node_id: str, code: str, message: str) -> bool:
         """End a node's open link, telling the agent why; False if it had none."""
         link = self.links.pop(node_id, None)
@@ -292,6 +333,10 @@ class AgentEndpoint(AgentListener):
         await link.writer.close(code, message, timeout_s=REFUSAL_SEND_S)  # a hung agent is not waited for
         link.cancel_scope.cancel()
         return True
+
+
+def _none() -> w.DesiredState:
+    raise AssertionError("a standby's session makes no desired state")
 
 
 def _engine_mark(e: w.EngineStatus) -> str:

@@ -111,6 +111,25 @@ class StoreUnavailable(StoreError):
         )
 
 
+class NotLeader(StoreError):
+    """A write of a control plane that no longer leads: the lease of its term (`epoch`) has
+    passed to another (`found`), or this is a standby's store. Refused before anything changed;
+    the leader (`leader_admin_url`, "" when none is known) takes the request."""
+
+    retry_after_s = 1.0
+
+    def __init__(self, path: Path | str, *, epoch: int, found: int | None, leader_admin_url: str = "") -> None:
+        self.epoch = epoch
+        self.found = found
+        self.leader_admin_url = leader_admin_url
+        if epoch < 0:
+            why = "this control plane is a standby, and only the leader writes"
+        else:
+            why = f"this control plane's lease (epoch {epoch}) has passed to epoch {found}, so it leads no more"
+        where = f"; the leader's admin API is at {leader_admin_url}" if leader_admin_url else ""
+        super().__init__(path, f"{why}: the write to {path} was refused and nothing changed{where}; send it there")
+
+
 class StoreFailed(StoreError):
     """The database or the disk under it refused: full, read-only, an I/O error."""
 

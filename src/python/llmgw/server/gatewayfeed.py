@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -122,10 +122,16 @@ class GatewayFeed:
         clock: StallClock,
         heartbeat_interval_s: float,
         silence_timeout_s: float = 0.0,
+        leading: Callable[[], bool] = lambda: True,
+        redirect: Callable[[], w.Redirect] | None = None,
     ) -> None:
         """`listener`: the agent port's (its budgets, refusals and containment serve this link
-        too); `clock`: the registry's, whose time a stall of the loop does not count as silence."""
+        too); `clock`: the registry's, whose time a stall of the loop does not count as silence.
+        `leading()`: whether this control plane leads now; while it does not, the table is sent
+        no more and a new link is answered with `redirect()` (where the leader is)."""
         self.listener = listener
+        self.leading = leading
+        self.redirect = redirect or (lambda: w.Redirect(leader="", message="this control plane does not lead"))
         self.endpoints = endpoints
         self.keys = keys
         self.clock = clock
@@ -153,6 +159,8 @@ class GatewayFeed:
         return self.share((session.expected_name, session.instance))
 
     def _push_all(self, kind: type) -> None:
+        if not self.leading():
+            return  # what a control plane that leads no more knows is not news
         for link in self.links.values():
             link.push(kind)
 
@@ -215,6 +223,11 @@ class GatewayFeed:
         def table(kind: type) -> Any:
             return self._part(session, kind)
 
+        if not self.leading():
+            standby = gs.GatewayServerSession(
+                cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s, table=table, standby=self.redirect
+            )
+            return await self.listener.answer_standby(standby, request, cert, address)
         session = gs.GatewayServerSession(cert.common_name, heartbeat_interval_s=self.heartbeat_interval_s, table=table)
         try:
             session.upgrade(agentport.upgrade_request(request), await self.listener.standing(cert))
@@ -329,6 +342,12 @@ class GatewayFeed:
                 if link.session.goodbye is not None:
                     return  # we closed it, and the gateway answered
                 raise
+            if link.session.goodbye is not None:
+                # We are closing it (a node removed, a leader stepping down): what came meanwhile
+                # is moot, and our LinkError goes out before the link ends.
+                with trio.move_on_after(REFUSAL_SEND_S):
+                    await link.writer.finished.wait()
+                return
             if silence.cancelled_caught and self.clock.now() - heard < timeout:
                 continue  # a stall moved the deadline
             if silence.cancelled_caught:
@@ -350,6 +369,18 @@ class GatewayFeed:
             if isinstance(event, gs.GatewayHeartbeatReceived):
                 link.last = event.heartbeat
                 self.heard.fire()
+
+    async def close_all(self, code: str, message: str) -> int:
+        """End every instance's link, telling each why (a leader stepping down); how many."""
+        closing = list(self.links.values())
+        async with trio.open_nursery() as nursery:  # each bounded by REFUSAL_SEND_S, all at once
+            for link in closing:
+                nursery.start_soon(self._close, link, code, message)
+        return len(closing)
+
+    async def _close(self, link: GatewayLink, code: str, message: str) -> None:
+        await link.writer.close(code, message, timeout_s=REFUSAL_SEND_S)
+        link.cancel_scope.cancel()
 
     async def close_revoked(self, serials: set[int]) -> int:
         """Close the links of the instances whose certificate is one of `serials` (just revoked),

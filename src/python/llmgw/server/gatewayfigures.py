@@ -54,7 +54,9 @@ def render_workers(links: Iterable[GatewayLink], now: float | None = None) -> st
     for f, samples in merged.values():
         _add_family(r, f, samples)
     heard = r.gauge(
-        "llmgw_gateway_worker_heard_seconds", "Seconds since the worker's last heartbeat, whose figures these are.", ("worker",)
+        "llmgw_gateway_worker_heard_seconds",
+        "Seconds since the worker's last heartbeat, whose figures these are.",
+        ("worker",),
     )
     for link in workers:
         heard.set(round(max(0.0, now - link.heard_at), 3), worker=link.instance)

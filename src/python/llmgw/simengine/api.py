@@ -66,9 +66,7 @@ def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: i
         raise bad_request(f"request body must be a JSON object, got {json_type(body)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad_request(
-            f"'model' must be a non-empty string, got {show(model)}; this server serves {served_model!r}"
-        )
+        raise bad_request(f"'model' must be a non-empty string, got {show(model)}; this server serves {served_model!r}")
     if model != served_model:
         raise HTTPError(
             404, f"the model {model!r} does not exist; this server serves {served_model!r}", kind="not_found_error"
@@ -325,6 +323,7 @@ def whole_body(job: Job, completion: Completion, *, id: str, created: int) -> It
         out += [b"," if i else b"", b'"', key.encode(), b'":[', b",".join(fragments[key]), b"]"]
     out += [b',"refusal":null}' if job.kind == "chat" else b"}", body[at + len(b'"logprobs":null') :], b"\n"]
     yield b"".join(out)  # the megabytes copied once
+
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))  # as `Response.json` writes it

@@ -451,9 +451,7 @@ class _Generator:
         if fmt is not None:
             text = FORMATS[fmt](d, WORDS[d % len(WORDS)])
             if len(text) < low or (high is not None and len(text) > high):
-                raise refused(
-                    at, f"a '{fmt}' string such as {text!r} does not fit minLength {low} / maxLength {high}"
-                )
+                raise refused(at, f"a '{fmt}' string such as {text!r} does not fit minLength {low} / maxLength {high}")
             return self.emit_text(_quoted(text))
         words = [WORDS[(d >> (7 * i)) % len(WORDS)] for i in range(1 if minimal else 1 + d % 3)]
         length = sum(map(len, words)) + len(words) - 1

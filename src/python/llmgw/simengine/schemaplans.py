@@ -348,7 +348,9 @@ def number_plan(schema: dict[str, Any], at: str, integer: bool) -> tuple[Any, ..
     return "range", low, high, low_open, high_open
 
 
-def multiples(low: Any, high: Any, low_open: bool, high_open: bool, step: Any, integer: bool, at: str) -> tuple[Any, ...]:
+def multiples(
+    low: Any, high: Any, low_open: bool, high_open: bool, step: Any, integer: bool, at: str
+) -> tuple[Any, ...]:
     """The multiples of `step` within the bounds (for an integer, whole ones)."""
     if isinstance(low, int) and isinstance(high, int) and isinstance(step, int):  # exact, however large
         first, last = -(-low // step), high // step

@@ -168,7 +168,7 @@ def _tool_choice(value: Any, tools: Sequence[Tool]) -> str | Tool:
             f"({'they are: ' + names if tools else 'none are given'})"
         )
     raise bad_request(
-        "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+        '\'tool_choice\' must be "none", "auto", "required" or '
         f'{{"type": "function", "function": {{"name": NAME}}}}, got {show(value)}'
     )
 
@@ -186,7 +186,7 @@ def _response_format(value: Any) -> Any:
         return True
     if kind != "json_schema":
         raise bad_request(
-            "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\" "
+            '\'response_format.type\' must be "text", "json_object" or "json_schema" '
             f"(what the sim engine makes), got {show(kind)}"
         )
     spec = value.get("json_schema")

@@ -3,7 +3,9 @@ the link is found.
 
 Plain frozen, keyword-only attrs classes; `llmgw.wire.convert` is the only code that turns
 them into JSON and back. The first frame from the agent is `Hello`; the control plane answers
-`Welcome` then `DesiredState`, and later a new `DesiredState` whenever what it wants changes.
+`Welcome` then `DesiredState`, and later a new `DesiredState` whenever what it wants changes. A
+control plane that does not lead (a standby, when several share one store) answers the hello with
+`Redirect` instead, naming the leader, and closes.
 Both sides are level-triggered: every connection resends everything, so either side can
 restart without losing the other's work. `LinkError` is sent just before the sender closes.
 
@@ -24,7 +26,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # extra_index_urls), an engine's install state and progress (EngineStatus.state, phase, percent).
 # 4: the control plane's own release archives (EngineArchive.release), the CPU backend llama.cpp
 # loaded (EngineStatus.cpu_backend), an engine this node lacks what it needs for (ENGINE_UNAVAILABLE).
-PROTOCOL_VERSION = 4
+# 5: a standby control plane answers a hello with where the leader is (`Redirect`); the control plane
+# sends a heartbeat of its own (`ServerHeartbeat`), so that an agent notices one that stopped.
+PROTOCOL_VERSION = 5
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -275,6 +279,14 @@ class Welcome:
 
 
 @attrs.frozen(kw_only=True)
+class ServerHeartbeat:
+    """The control plane is there: sent every heartbeat interval, so that an agent notices one
+    that stopped (paused, or cut off while its kernel still answers) and dials the next."""
+
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
 class EngineArchive:
     arch: str
     backend: str
@@ -366,6 +378,17 @@ class LogsRequest:
 
 
 @attrs.frozen(kw_only=True)
+class Redirect:
+    """A control plane that does not lead answers a hello with this, on the agent link and the
+    gateway link alike, then closes (a LinkError NOT_LEADER follows it): `leader` is the leader's
+    agent endpoint (wss://HOST:PORT, as the lease names it), "" while no control plane leads (a
+    takeover under way); `message` says so for the operator."""
+
+    leader: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
 class LinkError:
     """Sent before closing: `code` is for programs, `message` for the operator (with the fix)."""
 
@@ -374,7 +397,7 @@ class LinkError:
 
 
 AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LogsReply | LinkError
-ServerMessage = Welcome | DesiredState | LogsRequest | LinkError
+ServerMessage = Welcome | DesiredState | LogsRequest | ServerHeartbeat | Redirect | LinkError
 
 # Error codes of LinkError.
 BAD_MESSAGE = "bad_message"
@@ -385,3 +408,4 @@ REVOKED = "revoked"
 UNEXPECTED = "unexpected_message"
 CERT_EXPIRED = "certificate_expired"
 SILENT = "silent"  # the control plane heard nothing for longer than the heartbeat TTL
+NOT_LEADER = "not_leader"  # this control plane does not lead (after a Redirect, or when it stepped down)

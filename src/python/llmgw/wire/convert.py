@@ -1,6 +1,6 @@
 """The one converter of the wire types: JSON text <-> message objects, for both links (the agent
 link's messages, `llmgw.wire.agent_link`, and the gateway link's, `llmgw.wire.gateway_link`: a
-tagged union each, LinkError in both).
+tagged union each, LinkError and Redirect in both).
 
 Every message is a JSON object whose "type" field names it (the class name in snake case).
 Unknown fields are errors, as are unknown types, so a peer speaking another dialect is told
@@ -86,6 +86,8 @@ _ALL = (
     | agent_link.LogsRequest
     | agent_link.Welcome
     | agent_link.DesiredState
+    | agent_link.ServerHeartbeat
+    | agent_link.Redirect
     | agent_link.LinkError
 )
 configure_tagged_union(_ALL, converter, tag_generator=tag, tag_name=TAG)
@@ -98,12 +100,13 @@ _GATEWAY = (
     | gateway_link.KeysChanged
     | gateway_link.ShareChanged
     | gateway_link.TableHeartbeat
+    | agent_link.Redirect
     | agent_link.LinkError
 )
 configure_tagged_union(_GATEWAY, converter, tag_generator=tag, tag_name=TAG)
 TYPES = {tag(cls): cls for cls in get_args(_ALL)}
 GATEWAY_TYPES = {tag(cls): cls for cls in get_args(_GATEWAY)}
-# The union each message class is encoded with (a LinkError is the same JSON in either).
+# The union each message class is encoded with (a LinkError or a Redirect is the same JSON in either).
 _UNION_OF = {**{cls: _GATEWAY for cls in get_args(_GATEWAY)}, **{cls: _ALL for cls in get_args(_ALL)}}
 
 

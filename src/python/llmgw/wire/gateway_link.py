@@ -34,14 +34,15 @@ from typing import Protocol
 
 import attrs
 
-from llmgw.wire.agent_link import LinkError
+from llmgw.wire.agent_link import LinkError, Redirect
 
 # 1: the first gateway link. 2: heartbeats carry the gateway's metrics (`MetricFamily`), its
 # requests on each replica (`ReplicaLoad`), the rotation it routes by and the keys it holds (the
 # `version` of each). 3: the rotation says what the gateway needs of each model besides its
 # replicas (`ModelInfo`: its engine's routes, when it entered the catalog, why none can become
-# ready), and which replicas' state is not known yet (`unknown`).
-GATEWAY_PROTOCOL_VERSION = 3
+# ready), and which replicas' state is not known yet (`unknown`). 4: a standby control plane answers a
+# hello with where the leader is (the agent link's `Redirect`).
+GATEWAY_PROTOCOL_VERSION = 4
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -216,7 +217,7 @@ class TableHeartbeat:
 
 
 GatewayMessage = GatewayHello | GatewayHeartbeat | LinkError
-ControlMessage = GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | LinkError
+ControlMessage = GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | Redirect | LinkError
 
 # Error codes of LinkError on this link: the agent link's (`llmgw.wire.agent_link`: bad_message,
 # unknown_type, protocol_version, unexpected_message, revoked, certificate_expired, silent), and:

@@ -17,7 +17,9 @@ Two sessions wired together in memory are the protocol's tests
     GatewayHello  -------------------------------> first; of GATEWAY_PROTOCOL_VERSION, for that
                                                    name and instance
                   <------------------------------- GatewayWelcome, then the whole table:
-                                                   RotationChanged, KeysChanged, ShareChanged
+                                                   RotationChanged, KeysChanged, ShareChanged;
+                                                   or, from a control plane that does not lead,
+                                                   Redirect (where the leader is), LinkError, closed
     the Welcome is for our name and instance, names a server version and a heartbeat we can keep
     GatewayHeartbeat  ---------------------------> (`GatewaySession.heartbeat`)
                   <------------------------------- a part of the table again, whole, when it
@@ -52,6 +54,7 @@ from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused,
 from llmgw.wire.session import (
     MIN_HEARTBEAT_INTERVAL_S,
     Closed,
+    Redirected,
     Session,
     Standing,
     State,
@@ -73,7 +76,7 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
         State.OPEN: {g.GatewayHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
     },
     GATEWAY: {
-        State.AWAIT_WELCOME: {g.GatewayWelcome: State.OPEN, w.LinkError: State.CLOSED},
+        State.AWAIT_WELCOME: {g.GatewayWelcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
         State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
     },
 }
@@ -150,7 +153,9 @@ class TableHeartbeatReceived:
     seq: int
 
 
-Event = GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Closed
+Event = (
+    GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Redirected | Closed
+)
 
 _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.GatewayHello: lambda m: GatewayJoined(hello=m),
@@ -158,6 +163,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.GatewayWelcome: lambda m: Welcomed(welcome=m),
     **{t: (lambda m: TableChanged(message=m)) for t in TABLE},
     g.TableHeartbeat: lambda m: TableHeartbeatReceived(seq=m.seq),
+    w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
     w.LinkError: lambda m: Closed(code=m.code, message=m.message),
 }
 
@@ -165,7 +171,8 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
 class GatewayServerSession(Session):
     """The control plane's end of one gateway instance's link; `expected_name` is the CN of the
     certificate the gateway connected with, `table(kind)` makes the part of the table of `kind`
-    (one of TABLE) as it is when the writer takes it."""
+    (one of TABLE) as it is when the writer takes it. `standby`: this control plane does not
+    lead, and answers the hello with the `Redirect` it makes (after the same checks)."""
 
     role = SERVER
     accepts = g.GatewayMessage
@@ -178,8 +185,10 @@ class GatewayServerSession(Session):
         heartbeat_interval_s: float,
         table: Callable[[type], Any],
         server_version: str = __version__,
+        standby: Callable[[], w.Redirect] | None = None,
     ) -> None:
         super().__init__(State.UPGRADE)
+        self.standby = standby
         self.expected_name = expected_name
         self.instance = ""  # the upgrade's GATEWAY_INSTANCE_HEADER, once checked
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -274,7 +283,9 @@ class GatewayServerSession(Session):
         return f"unexpected {kind} ({self.state.value})"
 
     def _answer(self, message: Any) -> None:
-        if isinstance(message, g.GatewayHello):
+        if isinstance(message, g.GatewayHello) and self.standby is not None:
+            self.redirect(self.standby())
+        elif isinstance(message, g.GatewayHello):
             welcome = g.GatewayWelcome(
                 name=self.expected_name,
                 instance=self.instance,

@@ -17,11 +17,14 @@ wired together in memory are the protocol's tests (tests/llmgw/wire/test_session
                                                    handshake (RFC 6455 §4.1, §4.2.1); else HTTP
                                                    403 or 503, 403, 404, 403, 400
     Hello  --------------------------------->  first; of PROTOCOL_VERSION, for that node id
-           <---------------------------------  Welcome, then DesiredState: the hello's answer
+           <---------------------------------  Welcome, then DesiredState: the hello's answer;
+                                               or, from a control plane that does not lead,
+                                               Redirect (where the leader is), LinkError, closed
     the Welcome is for our node id, names a server version and a heartbeat we can keep
     Heartbeat, InventoryChanged,
     EnginesChanged, ReplicasChanged  ------->
-           <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`)
+           <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`),
+                                               ServerHeartbeat every heartbeat interval (`heartbeat`)
     LogsReply  ----------------------------->  to a request asked and not yet answered
     LinkError, either way: the sender's last frame before it closes (`close`).
 
@@ -32,8 +35,8 @@ LinkError to answer with; the session is then closed, and `close` queues that Li
 Sending is queueing (`llmgw.wire.outbox`), and a link's memory stays bounded whatever its peer
 does. When the peer reads slowly or not at all:
 
-- coalesced, a newer replacing an unsent older one in its place: DesiredState, Heartbeat,
-  InventoryChanged, EnginesChanged, ReplicasChanged (each says the whole of what it reports; a
+- coalesced, a newer replacing an unsent older one in its place: DesiredState, ServerHeartbeat,
+  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged (each says the whole of what it reports; a
   DesiredState is made by `desired_state` when the writer takes it, so it is the newest then);
 - bounded: at most MAX_LOGS_ASKED LogsRequests asked and unanswered per link (past it
   `request_logs` gives None and the caller answers for the node), and as many LogsReplies unsent
@@ -88,8 +91,13 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
         State.OPEN: {**{t: State.OPEN for t in _REPORTS}, w.LinkError: State.CLOSED},
     },
     AGENT: {
-        State.AWAIT_WELCOME: {w.Welcome: State.OPEN, w.LinkError: State.CLOSED},
-        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN, w.LinkError: State.CLOSED},
+        State.AWAIT_WELCOME: {w.Welcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
+        State.OPEN: {
+            w.DesiredState: State.OPEN,
+            w.LogsRequest: State.OPEN,
+            w.ServerHeartbeat: State.OPEN,
+            w.LinkError: State.CLOSED,
+        },
     },
 }
 # role -> state -> {message type that side may send: the state after it}. The control plane's
@@ -97,7 +105,7 @@ RECEIVES: dict[str, dict[State, dict[type, State]]] = {
 # may be sent once in any state (`close`).
 SENDS: dict[str, dict[State, dict[type, State]]] = {
     SERVER: {
-        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN},
+        State.OPEN: {w.DesiredState: State.OPEN, w.LogsRequest: State.OPEN, w.ServerHeartbeat: State.OPEN},
     },
     AGENT: {
         State.START: {w.Hello: State.AWAIT_WELCOME},
@@ -106,7 +114,7 @@ SENDS: dict[str, dict[State, dict[type, State]]] = {
 }
 # role -> (kinds of which only the newest unsent is kept, {kind: most unsent at once})
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
-    SERVER: (frozenset({w.DesiredState}), {w.LogsRequest: MAX_LOGS_ASKED}),
+    SERVER: (frozenset({w.DesiredState, w.ServerHeartbeat}), {w.LogsRequest: MAX_LOGS_ASKED}),
     AGENT: (
         frozenset({w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged}),
         {w.LogsReply: MAX_LOGS_ASKED},
@@ -218,6 +226,11 @@ class DesiredStateReceived:
 
 
 @attrs.frozen(kw_only=True)
+class ServerHeartbeatReceived:
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
 class LogsRequested:
     request: w.LogsRequest
 
@@ -227,6 +240,15 @@ class Closed:
     """The peer sent its LinkError: it closes the link, and says why."""
 
     code: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class Redirected:
+    """The control plane does not lead: `leader` is where the leader is ("" when none is known
+    now), and the link closes (either link: the gateway link's sessions give this event too)."""
+
+    leader: str
     message: str
 
 
@@ -240,6 +262,8 @@ Event = (
     | WelcomeReceived
     | DesiredStateReceived
     | LogsRequested
+    | ServerHeartbeatReceived
+    | Redirected
     | Closed
 )
 
@@ -253,6 +277,8 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Welcome: lambda m: WelcomeReceived(welcome=m),
     w.DesiredState: lambda m: DesiredStateReceived(desired=m),
     w.LogsRequest: lambda m: LogsRequested(request=m),
+    w.ServerHeartbeat: lambda m: ServerHeartbeatReceived(seq=m.seq),
+    w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
     w.LinkError: lambda m: Closed(code=m.code, message=m.message),
 }
 
@@ -306,9 +332,18 @@ class Session:
         self.outbox.put(w.LinkError, self.goodbye)
         return True
 
+    def redirect(self, redirect: w.Redirect) -> None:
+        """A control plane that does not lead answers the hello with where the leader is, then
+        ends the link: drops what is unsent, queues `redirect` and the LinkError (NOT_LEADER)
+        that closes it."""
+        self.close(w.NOT_LEADER, redirect.message)
+        self.outbox.clear()
+        self.outbox.put(w.Redirect, redirect)
+        self.outbox.put(w.LinkError, self.goodbye)
+
     def next_frame(self) -> str | None:
         """The next frame for the writer, in the order queued; None if nothing waits. Once the
-        link is closed, only this side's LinkError is still written."""
+        link is closed, only this side's last frames (a Redirect, its LinkError) are still written."""
         if self.state is State.CLOSED and self.goodbye is None:
             return None
         taken = self.outbox.take()
@@ -361,7 +396,9 @@ class Session:
 
 class ServerSession(Session):
     """The control plane's end of one agent's link; `expected_node_id` is the CN of the
-    certificate the agent connected with, `desired_state` makes that node's DesiredState."""
+    certificate the agent connected with, `desired_state` makes that node's DesiredState.
+    `standby`: this control plane does not lead, and answers the hello with the `Redirect` it
+    makes (after the same checks of the upgrade and the hello a leader makes)."""
 
     role = SERVER
     accepts = w.AgentMessage
@@ -374,13 +411,16 @@ class ServerSession(Session):
         heartbeat_interval_s: float,
         desired_state: Callable[[], w.DesiredState],
         server_version: str = __version__,
+        standby: Callable[[], w.Redirect] | None = None,
     ) -> None:
         super().__init__(State.UPGRADE)
+        self.standby = standby
         self.expected_node_id = expected_node_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self.desired_state = desired_state
         self.server_version = server_version
         self._next_request = 0
+        self._seq = 0
 
     @property
     def joined(self) -> bool:
@@ -413,6 +453,12 @@ class ServerSession(Session):
         place of one still unsent). Nothing before the hello: its answer carries the first."""
         if self.state is State.OPEN:
             self.outbox.put(w.DesiredState, None)
+
+    def heartbeat(self) -> None:
+        """Queue a ServerHeartbeat, if the link is open (an unsent one is replaced)."""
+        if self.can_send(w.ServerHeartbeat):
+            self._seq += 1
+            self.send(w.ServerHeartbeat(seq=self._seq))
 
     def request_logs(self, replica_id: str, lines: int) -> int | None:
         """Queue a LogsRequest; its request id, or None if the link is not open or
@@ -479,7 +525,9 @@ class ServerSession(Session):
         return f"unexpected {kind} ({self.state.value})"
 
     def _answer(self, message: Any) -> None:
-        if isinstance(message, w.Hello):
+        if isinstance(message, w.Hello) and self.standby is not None:
+            self.redirect(self.standby())
+        elif isinstance(message, w.Hello):
             welcome = w.Welcome(
                 node_id=self.expected_node_id,
                 server_version=self.server_version,

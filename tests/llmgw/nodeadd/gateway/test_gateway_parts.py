@@ -81,6 +81,17 @@ def test_the_unit_runs_the_gateway_as_its_user_with_the_given_flags() -> None:
     assert service["WantedBy"] == "multi-user.target"
 
 
+def test_with_several_control_planes_the_unit_passes_each_as_a_server_this_one_first() -> None:
+    """`gateway add --control-plane`: several control planes share a store; the gateway tries each."""
+    servers = ("wss://10.0.0.1:7443", "wss://10.0.0.2:7443")
+    unit = layout.systemd_unit(**{**UNIT_ARGS, "server": servers})
+    service = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert service["ExecStart"].startswith(
+        "/usr/local/bin/llmgw gateway --server wss://10.0.0.1:7443 --server wss://10.0.0.2:7443 --listen "
+    )
+    assert "fed by the control plane at wss://10.0.0.1:7443 and wss://10.0.0.2:7443" in service["Description"]
+
+
 def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     program("systemd-analyze", "systemd")
     # ExecStart must name an executable that exists for verify to pass: this Python stands in for llmgw.

@@ -228,7 +228,9 @@ async def _install_certs(s: ssh.Session, facts: Facts, ca: CA) -> None:
 
 
 async def configure(opts: Options, s: ssh.Session, facts: Facts) -> str:
-    unit = layout.systemd_unit(server=facts.server, listen=opts.listen, workers=opts.workers, name=facts.name)
+    others = tuple(u for u in opts.base.control_planes if u != facts.server)
+    servers = (facts.server, *others) if others else facts.server
+    unit = layout.systemd_unit(server=servers, listen=opts.listen, workers=opts.workers, name=facts.name)
     await put_text(s, unit, f"{facts.stage}/unit", mode=0o644)
     await must(
         s, ["install", "-m", "0644", f"{facts.stage}/unit", layout.UNIT], sudo=True, what=f"writing {layout.UNIT}"

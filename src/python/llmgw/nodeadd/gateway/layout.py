@@ -89,11 +89,15 @@ def check_workers(value: str) -> str:
     raise UsageError(f"--workers {value!r} must be a whole number of workers, 1 or more, or auto (one per CPU)")
 
 
-def gateway_argv(*, server: str, listen: str, workers: str, name: str, bin_path: str = BIN) -> list[str]:
-    """The gateway's command, as the unit runs it; each word one that systemd takes literally."""
+def gateway_argv(
+    *, server: str | tuple[str, ...], listen: str, workers: str, name: str, bin_path: str = BIN
+) -> list[str]:
+    """The gateway's command, as the unit runs it; each word one that systemd takes literally.
+    `server`: the control plane's agent endpoint, or every one's (this one first)."""
+    servers = [server] if isinstance(server, str) else list(server)
     argv = [
-        bin_path, "gateway", "--server", server, "--listen", listen, "--workers", workers,
-        "--pki-dir", PKI_DIR, "--name", name,
+        bin_path, "gateway", *(w for url in servers for w in ("--server", url)), "--listen", listen,
+        "--workers", workers, "--pki-dir", PKI_DIR, "--name", name,
     ]  # fmt: skip
     odd = [word for word in argv if _UNIT_WORD.fullmatch(word) is None]
     if odd:
@@ -120,8 +124,9 @@ def dirs_argv() -> list[str]:
     return ["install", "-d", "-m", "0700", "-o", USER, "-g", USER, STATE_DIR, PKI_DIR]
 
 
-def systemd_unit(*, server: str, listen: str, workers: str, name: str, bin_path: str = BIN) -> str:
+def systemd_unit(*, server: str | tuple[str, ...], listen: str, workers: str, name: str, bin_path: str = BIN) -> str:
     exec_start = " ".join(gateway_argv(server=server, listen=listen, workers=workers, name=name, bin_path=bin_path))
+    server = server if isinstance(server, str) else " and ".join(server)
     hardening = "\n".join(f"{key}={value}" for key, value in HARDENING)
     not_set = "\n".join(f"#   {key}: {why}" for key, why in NOT_HARDENED)
     return f"""\

@@ -11,7 +11,7 @@ dialects differ); a backend (`sqlite.SqliteBackend`, `postgres.PostgresBackend`)
 connection, the write lock and the driver's exceptions. Every write of a call goes through
 `_write`: one transaction holding the store's write lock, the one door where a check that
 applies to every write belongs (the leader's fencing epoch, when several control planes share a
-PostgreSQL store). Two writers take the backend's write lock directly, on purpose, since they run
+PostgreSQL store: `lease.Fence`). Two writers take the backend's write lock directly, on purpose, since they run
 outside a control plane's calls: `migrate` at open, and `migrate-store`'s copy (`copy.py`).
 Reads run on their own (`_rows`).
 
@@ -36,6 +36,7 @@ from llmgw.config import StoreSection, storeurl
 from llmgw.errors import MachineError
 from llmgw.server.errors import StoreFailed, StoreSchemaNewer, UnknownNode
 from llmgw.server.store import schema
+from llmgw.server.store.lease import Fence
 from llmgw.server.store.schema import Dialect
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend, store_path
 
@@ -169,6 +170,7 @@ def open_backend(
             busy_timeout_s=timeout,
             application_name="llmgw-server" if server else "llmgw",
             serving=server,
+            idle_timeout_s=settings.lease_ttl_s / 2 if server else 0.0,
         )
     else:
         try:
@@ -189,11 +191,18 @@ class Store:
     state directory's, or a backup); `Store.open` opens what server.toml's `[store]` names."""
 
     def __init__(
-        self, path: Path | Backend, *, busy_timeout_s: float | None = None, check_same_thread: bool = True
+        self,
+        path: Path | Backend,
+        *,
+        busy_timeout_s: float | None = None,
+        check_same_thread: bool = True,
+        fence: Fence | None = None,
     ) -> None:
         """`path`: a SQLite file (opened, created if need be, migrated), or a backend already
         open and migrated (`open_backend`). `check_same_thread=False` is for an owner that
-        hands the connection from thread to thread, one at a time (asyncstore)."""
+        hands the connection from thread to thread, one at a time (asyncstore). `fence`: the
+        lease every write checks first (a PostgreSQL store shared by several control planes:
+        the leader's term, or `lease.STANDBY`); None, none (SQLite, the commands)."""
         if isinstance(path, Path):
             timeout = CLI_BUSY_TIMEOUT_S if busy_timeout_s is None else busy_timeout_s
             db: Backend = SqliteBackend(path, busy_timeout_s=timeout, check_same_thread=check_same_thread)
@@ -205,6 +214,7 @@ class Store:
         else:
             db = path
         self._db = db
+        self.fence = fence
         self.path = db.path
         self.busy_timeout_s = db.busy_timeout_s
         self.backend = db.dialect.name  # "sqlite" or "postgresql"
@@ -218,14 +228,17 @@ class Store:
         busy_timeout_s: float | None = None,
         check_same_thread: bool = True,
         server: bool = False,
+        fence: Fence | None = None,
     ) -> Store:
         """The store `settings` (server.toml's `[store]`, a `StoreSection`; None: the default)
         names: the state directory's SQLite file, which must be private too, or a PostgreSQL
-        database (`server`: this is a running control plane's, which others can tell)."""
+        database (`server`: this is a running control plane's, which others can tell).
+        `fence`: the lease its writes check (`Store`)."""
         return cls(
             open_backend(
                 state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=check_same_thread, server=server
-            )
+            ),
+            fence=fence,
         )
 
     def close(self) -> None:
@@ -245,9 +258,12 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Tx]:
-        """The one door of every write: a transaction holding the write lock. A condition every
-        write must meet (a leader's fencing epoch still current) is checked here, inside it."""
+        """The one door of every write: a transaction holding the write lock, in which the
+        leader's fencing epoch is checked first when there is one (`lease.Fence`: `NotLeader`
+        once the lease has passed to another, and nothing is written)."""
         with self._db.write() as tx:
+            if self.fence is not None:
+                self.fence.check(tx, self.path)
             yield tx
 
     def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:

@@ -12,6 +12,11 @@ serialization failures to retry. The wait is bounded by `lock_timeout` (the busy
 which the call fails with `StoreBusy`. Migrations at open take the same lock, so two control
 planes starting at once take turns: the second finds them applied.
 
+A running control plane's session is ended by PostgreSQL if it stays inside a transaction for
+half a lease (`idle_in_transaction_session_timeout`): a control plane paused in the middle of a
+write cannot hold the write lock, or the lease row, while another takes over
+(`llmgw.server.store.lease`).
+
 A running control plane also holds a session-level shared advisory lock (`SERVING_LOCK`) for
 as long as it is connected: `llmgw server migrate-store` takes it exclusively, so it refuses to
 copy from or into a database a control plane is using, wherever that control plane runs.
@@ -137,13 +142,17 @@ class PostgresBackend:
         busy_timeout_s: float,
         application_name: str = "llmgw",
         serving: bool = False,
+        idle_timeout_s: float = 0.0,
     ) -> None:
         """Connect to the database `url` names (a libpq connection string, with no password:
         `password` comes from password_file, or None for libpq's own files). `serving`: this
-        is a running control plane's store, which holds `SERVING_LOCK` shared."""
+        is a running control plane's store, which holds `SERVING_LOCK` shared. `idle_timeout_s`:
+        PostgreSQL ends this session if it sits that long inside a transaction (0: never), so a
+        paused process frees the locks its write held (`llmgw.server.store.lease`)."""
         self.path = storeurl.redact(url)
         self.busy_timeout_s = busy_timeout_s
         self.serving = serving
+        self.idle_timeout_s = idle_timeout_s
         self._conn: psycopg.Connection | None = None
         psycopg = _psycopg()
         with _Call(self):
@@ -171,6 +180,8 @@ class PostgresBackend:
             # A wait for a lock (the write lock, a table another session locked) is bounded:
             # past it the call fails with StoreBusy instead of holding the worker thread.
             conn.execute(f"SET lock_timeout = {_ms(self.busy_timeout_s)}")
+            if self.idle_timeout_s:
+                conn.execute(f"SET idle_in_transaction_session_timeout = {_ms(self.idle_timeout_s)}")
             if self.serving:
                 conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", SERVING_LOCK)
         except BaseException:

@@ -14,7 +14,8 @@ before versions were recorded, all `IF NOT EXISTS`, so a database of that time t
 no-op and is recorded at version 1.
 
 `TABLES` lists every table of the state with its columns, in the order a copy fills them
-(`llmgw server migrate-store`); `schema_version` is the database's own and never copied.
+(`llmgw server migrate-store`); `schema_version` is the database's own and never copied, and so
+is `leader_lease` (who leads a store now is no state to carry into another).
 """
 
 from __future__ import annotations
@@ -113,8 +114,25 @@ def _v1(d: Dialect) -> tuple[str, ...]:
     )
 
 
+def _v2(d: Dialect) -> tuple[str, ...]:
+    # The leader's lease (`llmgw.server.store.lease`): one row, made here, so that taking the
+    # lease is always an UPDATE of it. Used only where several control planes share PostgreSQL;
+    # a SQLite store has the row and never reads it.
+    return (
+        f"""CREATE TABLE IF NOT EXISTS leader_lease (
+            id          {d.integer} PRIMARY KEY CHECK (id = 1),
+            holder      TEXT NOT NULL DEFAULT '',      -- the holding process's token; '' before the first
+            agent_url   TEXT NOT NULL DEFAULT '',      -- where agents and gateways reach the holder (wss://)
+            admin_url   TEXT NOT NULL DEFAULT '',      -- where `llmgw ctl` reaches its admin API (http://)
+            epoch       {d.integer} NOT NULL DEFAULT 0,  -- one more at every taking: every leader write checks it
+            expires_at  {d.real} NOT NULL DEFAULT 0    -- unix seconds, in the database's own clock
+        )""",
+        "INSERT INTO leader_lease (id) VALUES (1) ON CONFLICT DO NOTHING",
+    )
+
+
 # The schema's history: (version, its statements in a dialect). Append; never edit a released one.
-MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1),)
+MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2))
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,159 @@
+"""Several `llmgw server` processes sharing one PostgreSQL store (testlib.postgres) on loopback,
+one leading and the others standing by (docs/high-availability.md).
+
+The first control plane is a `testlib.cluster.Cluster`'s own (its CA, its agents, their engines,
+its `close`); every other has a state directory of its own holding the same secrets, copied from
+the first as `llmgw server add` does (the CA and the server certificate, the engine-key secret,
+the admin credential), its own ports and its own server.toml, the same but for those. Agents
+are given every control plane's address (`add_node`); the gateway link's `--server` likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import string
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from testlib.cluster import OPERATORS_LLAMACPP, Cluster, NodeFiles, Proc, free_port, wait_until
+from testlib.postgres import Database
+
+LEASE_TTL_S = 3.0  # short, so that a takeover in a test takes seconds; renewed every LEASE_RENEW_S
+LEASE_RENEW_S = 0.5
+
+
+@attrs.define
+class Plane:
+    name: str
+    state: Path
+    config: Path
+    agent_port: int
+    http_port: int
+    proc: Proc | None = None
+
+    @property
+    def agent_url(self) -> str:
+        return f"wss://127.0.0.1:{self.agent_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return self.proc.events(event) if self.proc is not None else []
+
+
+class Planes:
+    def __init__(
+        self,
+        root: Path,
+        db: Database,
+        *,
+        count: int = 2,
+        lease_ttl_s: float = LEASE_TTL_S,
+        lease_renew_s: float = LEASE_RENEW_S,
+        reconnect_grace_s: float = 15.0,
+    ) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        store = (
+            f'[store]\nurl = "{db.url}"\npassword_file = "{db.password_file}"\n'
+            f"lease_ttl_s = {lease_ttl_s}\nlease_renew_s = {lease_renew_s}\n"
+        )
+        self.cluster = Cluster(
+            root,
+            heartbeat_interval_s=0.2,
+            heartbeat_ttl_s=3.0,
+            reconnect_grace_s=reconnect_grace_s,
+            engines_toml=OPERATORS_LLAMACPP + store,
+            server_toml="gateway_workers = 0\n",  # the gateway on each plane's loop: fewer processes
+            fixed_http_port=True,
+        )
+        c = self.cluster
+        self.planes = [Plane("cp-a", c.state, c.server_config, c.port, c.http_port)]
+        for letter in string.ascii_lowercase[1:count]:
+            self.planes.append(
+                Plane(
+                    f"cp-{letter}", root / f"state-{letter}", root / f"server-{letter}.toml", free_port(), free_port()
+                )
+            )
+        self.catalog = ""
+
+    def __getitem__(self, i: int) -> Plane:
+        return self.planes[i]
+
+    @property
+    def agent_urls(self) -> list[str]:
+        return [p.agent_url for p in self.planes]
+
+    def init(self, catalog_toml: str = "") -> None:
+        """The CA (in the first state directory), the catalog, and every other control plane's
+        state directory and server.toml."""
+        self.cluster.init_ca()
+        self.set_catalog(catalog_toml)
+        first = self.planes[0]
+        for plane in self.planes[1:]:
+            # What `llmgw server add` copies, and nothing a running server writes for itself.
+            shutil.copytree(
+                first.state,
+                plane.state,
+                ignore=shutil.ignore_patterns("admin.url", "run", "artifacts", "llmgw.db*"),
+            )
+
+    def set_catalog(self, catalog_toml: str) -> None:
+        self.catalog = catalog_toml
+        self.cluster.set_catalog(catalog_toml)
+        first = self.planes[0]
+        text = first.config.read_text()
+        for plane in self.planes[1:]:
+            plane.config.write_text(
+                text.replace(f'state_dir = "{first.state}"', f'state_dir = "{plane.state}"')
+                .replace(f"127.0.0.1:{first.agent_port}", f"127.0.0.1:{plane.agent_port}")
+                .replace(f"127.0.0.1:{first.http_port}", f"127.0.0.1:{plane.http_port}")
+            )
+
+    def add_node(self, node_id: str) -> NodeFiles:
+        return self.cluster.add_node(node_id, servers=self.agent_urls)
+
+    def start(self, plane: Plane, *, leads: bool) -> Proc:
+        """`llmgw server` for `plane`; waits until it leads (`server_ready`) or stands by."""
+        assert plane.proc is None or plane.proc.returncode is not None, f"{plane.name} runs already"
+        proc = plane.proc = self.cluster._spawn(
+            plane.name, ["server", "--config", str(plane.config), "--log-format", "json"]
+        )
+        if plane is self.planes[0]:
+            self.cluster.server = proc
+        event = "server_ready" if leads else "server_standby"
+        wait_until(f"{plane.name} {event}", lambda: proc.events(event), alive=[proc], procs=self.procs(), timeout=60)
+        return proc
+
+    def procs(self) -> list[Proc]:
+        return [p.proc for p in self.planes if p.proc is not None] + list(self.cluster.agents.values())
+
+    def ctl(self, plane: Plane, *args: str, ok: bool = True) -> Any:
+        """`llmgw ctl ARGS --json` with `plane`'s state directory (a standby's answer is followed)."""
+        done = self.cluster.llmgw("ctl", *args, "--json", "--state-dir", str(plane.state), ok=ok)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def nodes(self, plane: Plane) -> dict[str, dict[str, Any]]:
+        found = self.ctl(plane, "nodes", ok=False)
+        return {n["id"]: n for n in found} if found is not None else {}
+
+    def wait_leads(self, plane: Plane, terms: int = 1, timeout: float = 60) -> float:
+        """Until `plane` has taken the lease `terms` times and serves as the leader; the seconds waited."""
+        import time
+
+        started = time.monotonic()
+        wait_until(
+            f"{plane.name} to lead ({terms} terms)",
+            lambda: len(plane.events("leadership_taken")) >= terms and len(plane.events("server_ready")) >= terms,
+            alive=[plane.proc],
+            procs=self.procs(),
+            timeout=timeout,
+        )
+        return time.monotonic() - started
+
+    def close(self) -> None:
+        self.cluster.close()
