@@ -19,16 +19,14 @@ Leases are short (`testlib.planes.LEASE_TTL_S`); the 30 s is the issue's. The be
 
 from __future__ import annotations
 
-import http.client
 import signal
-import threading
 import time
 from pathlib import Path
 
 from testlib import gatewayd
 from testlib.cluster import wait_until
 from testlib.load import Load
-from testlib.planes import Plane, Planes, at
+from testlib.planes import KeyWrites, Plane, Planes, at
 from testlib.postgres import Database, PostgresServer, postgres_db, postgres_server  # noqa: F401 - fixtures
 
 TAKEOVER_S = 10.0  # the issue's bound: the standby leads within this of the leader's death
@@ -36,43 +34,6 @@ AWAY_S = 30.0  # the issue's: PostgreSQL stopped this long
 WRITE_GAP_S = 0.05  # between two key creations of the operator's stream
 LOAD_MAX_S = 240.0  # each phase's load stops by then at the latest (the phase ends it sooner)
 LOAD_MAX_REQUESTS = 6000
-
-
-class Writes:
-    """An operator creating API keys on one control plane, one after another, in a thread: the
-    names whose creation was acknowledged (201) and their tokens; it stops at the first call
-    that gets no acknowledgement (the control plane is gone) or when told."""
-
-    def __init__(self, planes: Planes, plane: Plane) -> None:
-        self.planes, self.plane = planes, plane
-        self.acked: dict[str, str] = {}
-        self.ended = ""
-        self.stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> Writes:
-        self._thread.start()
-        return self
-
-    def finish(self) -> None:
-        self.stop.set()
-        self._thread.join(60)
-
-    def _run(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            name = f"w-{n}"
-            try:
-                status, _, body = self.planes.admin(self.plane, "POST", "/admin/v1/keys", {"name": name})
-            except (OSError, http.client.HTTPException) as exc:
-                self.ended = f"{name}: {exc!r}"
-                return
-            if status != 201:
-                self.ended = f"{name}: HTTP {status} {body}"
-                return
-            self.acked[name] = body["token"]
-            self.stop.wait(WRITE_GAP_S)
 
 
 def phase(load: Load, since: float) -> dict[str, object]:
@@ -107,7 +68,7 @@ def test_the_leader_killed_then_postgresql_stopped_under_load(
 
         # -- 1. the leader killed ----------------------------------------------------------
         load = Load(gw.port, token, keep_alive=True, max_s=LOAD_MAX_S, max_requests=LOAD_MAX_REQUESTS).start()
-        writes = Writes(planes, a).start()
+        writes = KeyWrites(planes, a, gap_s=WRITE_GAP_S).start()
         wait_until("a few admin writes acknowledged", lambda: len(writes.acked) >= 5, procs=planes.procs())
         wait_until("the load under way", lambda: load.ok >= 20, procs=planes.procs(), last_seen=lambda: load.failures)
         killed_wall, killed = time.time(), time.monotonic()
@@ -139,12 +100,12 @@ def test_the_leader_killed_then_postgresql_stopped_under_load(
         assert load.failures == [], load.failures[:10]
         assert seen["requests"] > 0
         assert {rid: r["pids"] for rid, r in after.items()} == engines  # the same engine processes: adopted
-        _, _, listed = planes.admin(b, "GET", "/admin/v1/keys")
-        missing = sorted(set(acked) - {k["name"] for k in listed["keys"]})
+        missing = writes.missing(b)
         assert not missing, f"acknowledged before the kill, missing after: {missing}"
-        last = max(acked, key=lambda name: int(name.split("-")[1]))
         wait_until(
-            "the last key acknowledged before the kill served at the gateway", lambda: gw.ask(acked[last])[0] == 200
+            "the last key acknowledged before the kill served at the gateway",
+            lambda: gw.ask(writes.last())[0] == 200,
+            procs=planes.procs(),
         )
 
         # The old leader, started again, stands by and follows the new one.

@@ -14,6 +14,7 @@ import http.client
 import json
 import shutil
 import string
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -71,16 +72,19 @@ class Planes:
         lease_ttl_s: float = LEASE_TTL_S,
         lease_renew_s: float = LEASE_RENEW_S,
         reconnect_grace_s: float = 15.0,
+        heartbeat_interval_s: float = 0.2,
+        heartbeat_ttl_s: float = 3.0,
     ) -> None:
+        """`db`: the store (its `password_file` may be None: libpq's own files then)."""
         root.mkdir(parents=True, exist_ok=True)
+        password = f'password_file = "{db.password_file}"\n' if db.password_file is not None else ""
         store = (
-            f'[store]\nurl = "{db.url}"\npassword_file = "{db.password_file}"\n'
-            f"lease_ttl_s = {lease_ttl_s}\nlease_renew_s = {lease_renew_s}\n"
+            f'[store]\nurl = "{db.url}"\n{password}' f"lease_ttl_s = {lease_ttl_s}\nlease_renew_s = {lease_renew_s}\n"
         )
         self.cluster = Cluster(
             root,
-            heartbeat_interval_s=0.2,
-            heartbeat_ttl_s=3.0,
+            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_ttl_s=heartbeat_ttl_s,
             reconnect_grace_s=reconnect_grace_s,
             engines_toml=OPERATORS_LLAMACPP + store,
             server_toml="gateway_workers = 0\n",  # the gateway on each plane's loop: fewer processes
@@ -190,6 +194,18 @@ class Planes:
         finally:
             conn.close()
 
+    def leader(self) -> Plane | None:
+        """The control plane that answers the admin API as the leader now, if one does."""
+        for plane in self.planes:
+            if plane.proc is None or plane.proc.returncode is not None:
+                continue
+            try:
+                if self.admin(plane, "GET", "/admin/v1/nodes", timeout=5)[0] == 200:
+                    return plane
+            except (OSError, http.client.HTTPException):
+                continue
+        return None
+
     def gateways(self, plane: Plane) -> list[dict[str, Any]]:
         """The gateway instances linked to the leader (`plane`'s admin API; a standby's answer followed)."""
         from llmgw.ctl.client import AdminClient
@@ -222,3 +238,51 @@ class Planes:
 
     def close(self) -> None:
         self.cluster.close()
+
+
+class KeyWrites:
+    """An operator creating API keys (`w-1`, `w-2`, ...) on one control plane, one after another,
+    in a thread: the names whose creation was acknowledged (201) with their tokens. It stops at
+    the first call that is not acknowledged (the control plane is gone: `ended` says how), or
+    when told (`finish`)."""
+
+    def __init__(self, planes: Planes, plane: Plane, gap_s: float = 0.05) -> None:
+        self.planes, self.plane, self.gap_s = planes, plane, gap_s
+        self.acked: dict[str, str] = {}
+        self.ended = ""
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> KeyWrites:
+        self._thread.start()
+        return self
+
+    def finish(self) -> None:
+        self.stop.set()
+        self._thread.join(60)
+
+    def last(self) -> str:
+        """The token of the last key acknowledged."""
+        return self.acked[max(self.acked, key=lambda name: int(name.split("-")[1]))]
+
+    def _run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            name = f"w-{n}"
+            try:
+                status, _, body = self.planes.admin(self.plane, "POST", "/admin/v1/keys", {"name": name})
+            except (OSError, http.client.HTTPException) as exc:
+                self.ended = f"{name}: {exc!r}"
+                return
+            if status != 201:
+                self.ended = f"{name}: HTTP {status} {body}"
+                return
+            self.acked[name] = body["token"]
+            self.stop.wait(self.gap_s)
+
+    def missing(self, plane: Plane) -> list[str]:
+        """The keys acknowledged that `plane` (leading) does not list."""
+        status, _, listed = self.planes.admin(plane, "GET", "/admin/v1/keys")
+        assert status == 200, (status, listed)
+        return sorted(set(self.acked) - {k["name"] for k in listed["keys"]})
