@@ -110,9 +110,14 @@ def test_the_leader_killed_then_postgresql_stopped_under_load(
 
         # The old leader, started again, stands by and follows the new one.
         planes.start(a, leads=False)
-        status, headers, body = planes.admin(a, "POST", "/admin/v1/keys", {"name": "to-the-old-leader"})
-        assert status == 503 and body["error"]["code"] == "not_leader", body
-        assert body["error"]["leader"]["admin_url"] == b.admin_url and "retry-after" in headers
+
+        def names_the_leader() -> bool:
+            # It knows the leader from its first look at the lease, made after `server_standby`.
+            status, headers, body = planes.admin(a, "POST", "/admin/v1/keys", {"name": "to-the-old-leader"})
+            assert status == 503 and body["error"]["code"] == "not_leader" and "retry-after" in headers, body
+            return (body["error"]["leader"] or {}).get("admin_url") == b.admin_url
+
+        wait_until("the old leader naming the new one", names_the_leader, procs=planes.procs(), timeout=10)
         assert planes.ctl(a, "keys", "create", "through-the-old-leader")["key"]["name"] == "through-the-old-leader"
         assert a.events("leadership_taken") == []  # this run of it never led
 

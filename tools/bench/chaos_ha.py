@@ -144,12 +144,17 @@ class HABench:
             self.planes.start(old, leads=False)
         except AssertionError as exc:  # it led, or exited, or never said it stands by
             return {"takeover_s": round(takeover_s, 2), "error": f"the old leader started again: {exc}"[:2000]}
-        status, headers, body = self.planes.admin(old, "POST", "/admin/v1/keys", {"name": "to-the-old-leader"})
-        follows = (
-            status == 503
-            and "retry-after" in headers
-            and ((body or {}).get("error", {}).get("leader") or {}).get("admin_url") == new.admin_url
-        )
+        answer: list = []
+
+        def names_the_leader() -> bool:
+            # A standby knows the leader from its first look at the lease, made after it says it
+            # stands by: until then it answers that it cannot tell.
+            status, headers, body = self.planes.admin(old, "POST", "/admin/v1/keys", {"name": "to-the-old-leader"})
+            answer[:] = [status, headers.get("retry-after"), (body or {}).get("error")]
+            leader = ((body or {}).get("error", {}).get("leader") or {}).get("admin_url")
+            return status == 503 and "retry-after" in headers and leader == new.admin_url
+
+        follows = bool(poll("the old leader naming the new one", names_the_leader, 30))
         return {
             "takeover_s": round(takeover_s, 2),
             "recovery_s": round(recovery_s, 2) if recovery_s is not None else None,
@@ -158,6 +163,7 @@ class HABench:
             "acked_writes_missing": len(missing),
             "old_leader_standby_s": round(time.monotonic() - restarted, 2),
             "old_leader_follows": follows,
+            **({} if follows else {"old_leader_answer": answer}),
         }
 
     def store_away(self, away_s: float) -> dict:
