@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,9 @@ import pytest
 
 from testlib import gatewayd
 from testlib.cluster import wait_until
-from testlib.planes import LEASE_RENEW_S, LEASE_TTL_S, Plane, Planes
+from testlib.planes import LEASE_RENEW_S, LEASE_TTL_S, Plane, Planes, at
 from testlib.postgres import Database, PostgresServer, postgres_db, postgres_server  # noqa: F401 - fixtures
 
-CATALOG = """
-[[models]]
-name = "chat"
-engine = "sim"
-replicas = 2
-"""
-READY_S = 90.0
 TAKEOVER_S = 10.0  # the issue's bound: the standby leads within this of the leader's death
 
 
@@ -65,49 +57,10 @@ def post(plane: Plane, path: str, token: str, timeout: float = 30) -> tuple[int,
         conn.close()
 
 
-def at(event: dict[str, Any]) -> float:
-    """A log line's time, in seconds since the epoch."""
-    return datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
-
-
-def replicas_by_id(planes: Planes, plane: Plane) -> dict[str, dict[str, Any]]:
-    return {r["replica"]: r for r in planes.ctl(plane, "replicas") or [] if r.get("replica")}
-
-
-def two_ready(planes: Planes, plane: Plane) -> dict[str, dict[str, Any]]:
-    """Two replicas ready, one on each node (placed, and spread if both went to one first)."""
-
-    def ready() -> dict[str, dict[str, Any]] | None:
-        found = replicas_by_id(planes, plane)
-        spread = sorted(n for r in found.values() for n in r["nodes"]) == ["node-a", "node-b"]
-        return found if spread and all(r["state"] == "ready" for r in found.values()) else None
-
-    return wait_until("two replicas ready, one on each node", ready, procs=planes.procs(), timeout=READY_S)
-
-
-def gateways(plane: Plane) -> list[dict[str, Any]]:
-    """The gateway instances linked to `plane` (its admin API; a standby's answer followed)."""
-    from llmgw.ctl.client import AdminClient
-
-    return AdminClient.locate(server=None, credential=None, state_dir=str(plane.state)).gateways()
-
-
-def start_cluster(planes: Planes) -> tuple[Plane, Plane]:
-    a, b = planes[0], planes[1]
-    planes.init(CATALOG)
-    for node in ("node-a", "node-b"):
-        planes.add_node(node)
-    planes.start(a, leads=True)
-    planes.start(b, leads=False)
-    for node in ("node-a", "node-b"):
-        planes.cluster.start_agent(node)
-    return a, b
-
-
 def test_the_leader_killed_the_standby_leads_within_10_s_and_nothing_restarts(planes: Planes) -> None:
-    a, b = start_cluster(planes)
+    a, b = planes.start_two_nodes()
     pki = gatewayd.issue_certificate(planes.cluster, "gw1")
-    before = two_ready(planes, a)
+    before = planes.two_ready(a)
     engines = {rid: r["pids"] for rid, r in before.items()}
     token = planes.ctl(a, "keys", "create", "alice")["token"]
     gw = gatewayd.start(planes.cluster, "gw1", pki, server=planes.agent_urls)
@@ -139,12 +92,12 @@ def test_the_leader_killed_the_standby_leads_within_10_s_and_nothing_restarts(pl
         timeout=60,
     )
     print(f"both agents linked to the new leader {time.monotonic() - killed:.2f} s after the kill")
-    after = two_ready(planes, b)
+    after = planes.two_ready(b)
     assert {rid: r["pids"] for rid, r in after.items()} == engines  # the same engine processes
     assert {rid: r["nodes"] for rid, r in after.items()} == {rid: r["nodes"] for rid, r in before.items()}
     assert planes.nodes(b)["node-b"]["cordoned"] is True  # written before the kill, read by the new leader
     # The gateway follows too: linked to the new leader, serving with the key made before.
-    wait_until("the gateway linked to the new leader", lambda: gateways(b), procs=planes.procs())
+    wait_until("the gateway linked to the new leader", lambda: planes.gateways(b), procs=planes.procs())
     assert gw.ask(token)[0] == 200
 
 
@@ -153,8 +106,8 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
     postgres_server: PostgresServer,  # noqa: F811 - the fixture
     postgres_db: Database,  # noqa: F811 - the fixture
 ) -> None:
-    a, b = start_cluster(planes)
-    two_ready(planes, a)
+    a, b = planes.start_two_nodes()
+    planes.two_ready(a)
     admin_token = (a.state / "admin.token").read_text().strip()
 
     a.proc.popen.send_signal(signal.SIGSTOP)
@@ -227,8 +180,8 @@ def test_while_postgresql_is_away_both_control_planes_stay_up_and_one_leads_agai
     # After a while with no leader the agents dial up to 30 s apart: the product's grace covers it.
     planes = Planes(tmp_path / "away", postgres_db, reconnect_grace_s=35.0)
     try:
-        a, b = start_cluster(planes)
-        engines = {rid: r["pids"] for rid, r in two_ready(planes, a).items()}
+        a, b = planes.start_two_nodes()
+        engines = {rid: r["pids"] for rid, r in planes.two_ready(a).items()}
         admin_token = (a.state / "admin.token").read_text().strip()
         postgres_server.stop()
         try:
@@ -256,6 +209,6 @@ def test_while_postgresql_is_away_both_control_planes_stay_up_and_one_leads_agai
             procs=planes.procs(),
             timeout=60,
         )
-        assert {rid: r["pids"] for rid, r in two_ready(planes, leader).items()} == engines  # nothing restarted
+        assert {rid: r["pids"] for rid, r in planes.two_ready(leader).items()} == engines  # nothing restarted
     finally:
         planes.close()

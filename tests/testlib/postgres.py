@@ -71,16 +71,17 @@ def _runs_as() -> tuple[int, int] | None:
 @attrs.frozen(kw_only=True)
 class Database:
     """A database of the test cluster, owned by the test role: its url (no password in it) and
-    the password file that lets the role in."""
+    the password file that lets the role in (None: libpq's own files, for a database given by
+    its url, as the chaos bench takes one)."""
 
     name: str
     url: str
-    password_file: Path
+    password_file: Path | None
 
     @property
     def settings(self) -> StoreSection:
         """server.toml's `[store]` for it."""
-        return StoreSection(url=self.url, password_file=str(self.password_file))
+        return StoreSection(url=self.url, password_file=str(self.password_file) if self.password_file else "")
 
 
 class PostgresServer:

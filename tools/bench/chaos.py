@@ -26,6 +26,12 @@ and 20 streams in flight. Then, one at a time, each fault waiting for full capac
                    agent port's unproven budget of bare ones, held for 10 s, while the spare
                    node's agent is restarted: the load must not notice, the agent must rejoin
 
+With `--store postgresql` (a PostgreSQL cluster the bench makes and starts itself) or `--store
+postgresql://USER@HOST:PORT/DB` (an empty database of yours), it runs the high-availability
+topology instead — two control planes on that store, one standalone gateway, two nodes — and
+its faults (`tools/bench/chaos_ha.py`): `leader_kill` (SIGKILL the leading control plane) and
+`store_away` (PostgreSQL stopped 30 s; only a cluster the bench started).
+
 For each: the requests and streams started from the fault until capacity was full again (and a
 few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
 replicas in the gateway's rotation), `engine_restarts` (engine processes started meanwhile: restarts and replacements), and
@@ -47,6 +53,7 @@ import time
 from pathlib import Path
 
 import trio
+from bench import chaos_ha
 from bench.chaos_cluster import ChaosCluster, poll
 from bench.chaos_load import Load
 
@@ -419,7 +426,7 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
 
 async def main_async(args: argparse.Namespace, root: Path) -> dict:
     netns = os.geteuid() == 0 and not args.no_netns
-    faults = tuple(f for f in args.faults.split(",") if f)
+    faults = tuple(f for f in (args.faults or ",".join(FAULTS)).split(",") if f)
     unknown = set(faults) - set(FAULTS)
     if unknown:
         raise SystemExit(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
@@ -477,7 +484,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     parser.add_argument(
-        "--faults", default=",".join(FAULTS), help=f"comma-separated, in order (default: {','.join(FAULTS)})"
+        "--faults",
+        help=f"comma-separated, in order (default: {','.join(FAULTS)}; with --store: {','.join(chaos_ha.FAULTS)})",
     )
     parser.add_argument("--rate", type=float, default=50.0, help="non-streamed requests a second (default 50)")
     parser.add_argument("--streams", type=int, default=20, help="streams in flight (default 20)")
@@ -486,10 +494,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--heartbeat-ttl-s", type=float, default=30.0, help="server.toml's (default 30)")
     parser.add_argument("--no-netns", action="store_true", help="nodes on loopback addresses even as root")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs) afterwards")
+    ha = parser.add_argument_group("high availability (--store)")
+    ha.add_argument(
+        "--store",
+        metavar="postgresql[://…]",
+        help="run two control planes on this store, a standalone gateway and two nodes, with the faults "
+        "leader_kill and store_away: 'postgresql' makes and starts a PostgreSQL cluster of its own "
+        "(initdb in a temporary directory, on loopback; store_away stops it); a libpq url names an "
+        "empty database of yours (no store_away)",
+    )
+    ha.add_argument(
+        "--store-password-file", default="", help="the password of the --store url's role (default: libpq's files)"
+    )
+    ha.add_argument("--store-away-s", type=float, default=30.0, help="how long store_away stops PostgreSQL (30)")
+    ha.add_argument("--lease-ttl-s", type=float, default=5.0, help="[store] lease_ttl_s (default 5, the product's)")
+    ha.add_argument("--lease-renew-s", type=float, default=1.0, help="[store] lease_renew_s (default 1)")
     args = parser.parse_args(argv)
+    if args.store is not None and args.store != "postgresql" and not args.store.startswith("postgresql://"):
+        parser.error(f"--store {args.store!r}: give 'postgresql' or a postgresql:// url")
     root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-"))
     try:
-        result = trio.run(main_async, args, root)
+        run = chaos_ha.main_async if args.store is not None else main_async
+        result = trio.run(run, args, root)
     finally:
         if not args.keep:
             import shutil

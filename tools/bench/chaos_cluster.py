@@ -173,26 +173,7 @@ class ChaosCluster:
         return self.ctl("replicas")
 
     def ready_in_gateway(self, model: str) -> int:
-        """Replicas of `model` the gateway routes to now (its /metrics), -1 while none answers."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.http_port), timeout=2) as s:
-                s.sendall(b"GET /metrics HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
-                s.settimeout(2)
-                data = b""
-                while chunk := s.recv(65536):
-                    data += chunk
-        except OSError:
-            return -1
-        # One count per gateway worker (its series carry `worker`, docs/gateway.md): the replicas
-        # the gateway routes to are those every worker routes to.
-        model_label = f'model="{model}"'.encode()
-        ready: dict[bytes, int] = {}
-        for line in data.splitlines():
-            if line.startswith(b"llmgw_gateway_replica_state{") and model_label in line:
-                worker = re.search(rb'worker="([^"]*)"', line)
-                key = worker.group(1) if worker else b""
-                ready[key] = ready.get(key, 0) + (b'state="ready"' in line and line.endswith(b" 1"))
-        return min(ready.values(), default=0)
+        return ready_in_gateway(self.http_port, model)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -214,3 +195,26 @@ def poll(what: str, check, timeout: float, interval: float = 0.2):
             return value
         time.sleep(interval)
     return None
+
+
+def ready_in_gateway(port: int, model: str) -> int:
+    """Replicas of `model` the gateway on `port` routes to now (its /metrics), -1 while none answers."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
+            s.settimeout(2)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError:
+        return -1
+    # One count per gateway worker (its series carry `worker`, docs/gateway.md): the replicas
+    # the gateway routes to are those every worker routes to.
+    model_label = f'model="{model}"'.encode()
+    ready: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line.startswith(b"llmgw_gateway_replica_state{") and model_label in line:
+            worker = re.search(rb'worker="([^"]*)"', line)
+            key = worker.group(1) if worker else b""
+            ready[key] = ready.get(key, 0) + (b'state="ready"' in line and line.endswith(b" 1"))
+    return min(ready.values(), default=0)
