@@ -308,3 +308,35 @@ def system_user_argv(user: str, *, home: str, comment: str) -> list[str]:
 
 def log_hint(systemd: bool) -> str:
     return f"journalctl -u {UNIT_NAME}" if systemd else LOG_FILE
+
+
+def service_hardening(state_dir: str) -> tuple[tuple[str, str], ...]:
+    """The systemd sandbox a service node add's kin install runs in (gateway add, server add):
+    the whole system read-only but its state directory `state_dir`."""
+    return (
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ReadWritePaths", state_dir),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("PrivateDevices", "yes"),
+        ("ProtectClock", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("ProtectControlGroups", "yes"),
+        ("ProtectHostname", "yes"),
+        ("ProtectProc", "invisible"),
+        ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX AF_NETLINK"),
+        ("RestrictNamespaces", "yes"),
+        ("RestrictRealtime", "yes"),
+        ("RestrictSUIDSGID", "yes"),
+        ("LockPersonality", "yes"),
+        ("RemoveIPC", "yes"),
+        ("SystemCallArchitectures", "native"),
+        ("SystemCallFilter", "@system-service"),
+        ("SystemCallErrorNumber", "EPERM"),
+        ("AmbientCapabilities", "CAP_NET_BIND_SERVICE"),
+        ("CapabilityBoundingSet", "CAP_NET_BIND_SERVICE"),
+        ("UMask", "0077"),
+    )

@@ -38,33 +38,7 @@ STOP_S = 45  # the gateway drains for up to 30 s on SIGTERM (llmgw.gatewayd's DR
 
 # The sandboxing the unit sets, and each one it does not with the reason: the unit carries both
 # (as comments), docs/gateway.md shows them, and a test keeps them agreeing.
-HARDENING = (
-    ("NoNewPrivileges", "yes"),
-    ("ProtectSystem", "strict"),
-    ("ReadWritePaths", STATE_DIR),
-    ("ProtectHome", "yes"),
-    ("PrivateTmp", "yes"),
-    ("PrivateDevices", "yes"),
-    ("ProtectClock", "yes"),
-    ("ProtectKernelTunables", "yes"),
-    ("ProtectKernelModules", "yes"),
-    ("ProtectKernelLogs", "yes"),
-    ("ProtectControlGroups", "yes"),
-    ("ProtectHostname", "yes"),
-    ("ProtectProc", "invisible"),
-    ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX AF_NETLINK"),
-    ("RestrictNamespaces", "yes"),
-    ("RestrictRealtime", "yes"),
-    ("RestrictSUIDSGID", "yes"),
-    ("LockPersonality", "yes"),
-    ("RemoveIPC", "yes"),
-    ("SystemCallArchitectures", "native"),
-    ("SystemCallFilter", "@system-service"),
-    ("SystemCallErrorNumber", "EPERM"),
-    ("AmbientCapabilities", "CAP_NET_BIND_SERVICE"),
-    ("CapabilityBoundingSet", "CAP_NET_BIND_SERVICE"),
-    ("UMask", "0077"),
-)
+HARDENING = node_layout.service_hardening(STATE_DIR)
 NOT_HARDENED = (
     ("MemoryDenyWriteExecute", "Python's ctypes and cffi callbacks may need memory both written and run, "
      "and a refusal there would kill a worker rather than fail one call"),

@@ -210,33 +210,7 @@ def dirs_argv() -> list[list[str]]:
 
 # The sandboxing the unit sets, and each one it does not with the reason: the unit carries both
 # (as comments), docs/high-availability.md shows them.
-HARDENING = (
-    ("NoNewPrivileges", "yes"),
-    ("ProtectSystem", "strict"),
-    ("ReadWritePaths", STATE_DIR),
-    ("ProtectHome", "yes"),
-    ("PrivateTmp", "yes"),
-    ("PrivateDevices", "yes"),
-    ("ProtectClock", "yes"),
-    ("ProtectKernelTunables", "yes"),
-    ("ProtectKernelModules", "yes"),
-    ("ProtectKernelLogs", "yes"),
-    ("ProtectControlGroups", "yes"),
-    ("ProtectHostname", "yes"),
-    ("ProtectProc", "invisible"),
-    ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX AF_NETLINK"),
-    ("RestrictNamespaces", "yes"),
-    ("RestrictRealtime", "yes"),
-    ("RestrictSUIDSGID", "yes"),
-    ("LockPersonality", "yes"),
-    ("RemoveIPC", "yes"),
-    ("SystemCallArchitectures", "native"),
-    ("SystemCallFilter", "@system-service"),
-    ("SystemCallErrorNumber", "EPERM"),
-    ("AmbientCapabilities", "CAP_NET_BIND_SERVICE"),
-    ("CapabilityBoundingSet", "CAP_NET_BIND_SERVICE"),
-    ("UMask", "0077"),
-)
+HARDENING = node_layout.service_hardening(STATE_DIR)
 NOT_HARDENED = (
     ("MemoryDenyWriteExecute", "Python's ctypes and cffi callbacks may need memory both written and run"),
     ("PrivateNetwork", "agents, gateways, the admin API and PostgreSQL all reach it, or it them, over the network"),
