@@ -136,12 +136,15 @@ class Planes:
     def add_node(self, node_id: str) -> NodeFiles:
         return self.cluster.add_node(node_id, servers=self.agent_urls)
 
-    def start(self, plane: Plane, *, leads: bool) -> Proc:
-        """`llmgw server` for `plane`; waits until it leads (`server_ready`) or stands by."""
+    def start(self, plane: Plane, *, leads: bool | None, prefix: list[str] | None = None) -> Proc:
+        """`llmgw server` for `plane`; waits until it leads (`server_ready`) or stands by (None:
+        does not wait). `prefix`: a command that runs it (`testlib.newer_llmgw.PREFIX`)."""
         assert plane.proc is None or plane.proc.returncode is not None, f"{plane.name} runs already"
         proc = plane.proc = self.cluster._spawn(
-            plane.name, ["server", "--config", str(plane.config), "--log-format", "json"]
+            plane.name, ["server", "--config", str(plane.config), "--log-format", "json"], prefix=prefix
         )
+        if leads is None:
+            return proc
         if plane is self.planes[0]:
             self.cluster.server = proc
         event = "server_ready" if leads else "server_standby"

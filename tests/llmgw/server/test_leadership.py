@@ -80,6 +80,7 @@ class MemoryLease:
     epoch: int = 0
     expires_at: float = 0.0
     down: bool = False
+    schema: int = 2  # the store's schema version
     statements: list[str] = attrs.field(factory=list)
 
     def now(self) -> float:
@@ -97,13 +98,16 @@ class MemoryLease:
             return [self.row()]
         if sql == lease.ACQUIRE:
             self.statements.append("acquire")
-            holder, agent_url, admin_url, ttl = args
-            if self.expires_at > now:
+            holder, agent_url, admin_url, ttl, knows = args
+            if self.expires_at > now or self.schema > knows:
                 return []
             self.holder, self.agent_url, self.admin_url = holder, agent_url, admin_url
             self.epoch += 1
             self.expires_at = now + ttl
             return [self.row()]
+        if sql == lease.SCHEMA:
+            self.statements.append("schema")
+            return [(self.schema,)]
         if sql == lease.RENEW:
             self.statements.append("renew")
             agent_url, admin_url, ttl, epoch, holder = args
@@ -127,8 +131,8 @@ async def on_the_loop(fn, *args):
     return fn(*args)
 
 
-def keeper(db: MemoryLease, holder: Holder = A, run=on_the_loop) -> LeaseKeeper:
-    return LeaseKeeper(db, holder, ttl_s=TTL, renew_s=RENEW, run=run)
+def keeper(db: MemoryLease, holder: Holder = A, run=on_the_loop, knows: int = 2) -> LeaseKeeper:
+    return LeaseKeeper(db, holder, ttl_s=TTL, renew_s=RENEW, run=run, knows=knows)
 
 
 @pytest.mark.trio
@@ -301,3 +305,20 @@ async def test_a_standby_that_cannot_read_the_lease_knows_no_leader_and_keeps_tr
     db.down = False
     term = await k.acquire()
     assert term.epoch == 1 and k.seen is not None and k.seen.holder == "a"
+
+
+@pytest.mark.trio
+async def test_a_store_a_newer_llmgw_migrated_is_never_led_and_it_says_so_once(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = MemoryLease(schema=3)
+    old = keeper(db, A, knows=2)
+    with trio.move_on_after(10 * RENEW):
+        await old.acquire()
+        raise AssertionError("an llmgw that knows schema 2 took the lease of a store at 3")
+    assert db.epoch == 0 and db.holder == "" and old.newer_schema == 3
+    assert db.statements.count("acquire") >= 9 and db.statements.count("schema") >= 9  # it kept looking
+    refused = [r.llmgw_fields for r in caplog.records if r.getMessage() == "lease_refused"]
+    assert len(refused) == 1 and "schema is at version 3, newer than this llmgw's 2" in refused[0]["reason"]
+    newer = await keeper(db, B, knows=3).acquire()  # one that knows it leads at once
+    assert newer.epoch == 1 and db.holder == "b"

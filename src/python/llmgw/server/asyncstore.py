@@ -39,7 +39,7 @@ from llmgw.config import StoreSection
 from llmgw.log import get_logger
 from llmgw.server.errors import NotLeader, StoreError
 from llmgw.server.store import CertRow, KeyRow, NodeRow, Store
-from llmgw.server.store.lease import Fence
+from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.store")
@@ -99,6 +99,26 @@ class AsyncStore:
             store.close()
             raise
         return cls(store, at_open)
+
+    @classmethod
+    def open_standby(
+        cls, state_dir: Path, settings: StoreSection, *, busy_timeout_s: float = BUSY_TIMEOUT_S
+    ) -> AsyncStore:
+        """A standby's store: every write refused (`lease.STANDBY`), opened as it is — neither
+        migrated (its leader does that) nor held to this llmgw's schema (a standby of a newer
+        llmgw waits for the lease before migrating it, one of an older llmgw may outlive a
+        migration; what a standby reads, the certificates' revocations, every version has) —
+        and nothing read at open."""
+        store = Store.open(
+            state_dir,
+            settings,
+            busy_timeout_s=busy_timeout_s,
+            check_same_thread=False,
+            server=True,
+            fence=STANDBY,
+            migrations=False,
+        )
+        return cls(store, Snapshot(nodes=(), placements={}, api_keys=()))
 
     def close(self) -> None:
         """Close the connection (a test's, or a start that failed after opening: a running

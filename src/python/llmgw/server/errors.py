@@ -2,7 +2,7 @@
 turns each into an HTTP status (`llmgw.server.admin.ANSWERS`), and the SIGHUP reload logs them.
 
 The store's errors (`StoreBusy`, `StoreUnavailable`, `StoreFailed`, `StoreCorrupt`,
-`StoreSchemaNewer`: the database, the disk or the network refused) are the machine's;
+`StoreSchemaNewer`, `StoreSchemaBehind`: the database, the disk or the network refused) are the machine's;
 `llmgw.server.store` alone makes them, from sqlite3's and psycopg's exceptions. Each names where
 the store is: its file, or a PostgreSQL database by its redacted url (hosts, ports, name).
 """
@@ -150,6 +150,24 @@ class StoreSchemaNewer(StoreFailed):
             f"the control plane's database {path} has schema version {found}, made by a newer llmgw; this one "
             f"knows versions up to {known} and leaves it alone. Run the newer llmgw, or restore a backup made by "
             "this version",
+        )
+
+
+class StoreSchemaBehind(StoreFailed):
+    """A PostgreSQL store that control planes share, at an older schema than this llmgw's: only
+    its leader migrates it (a standby of a newer llmgw waits for the lease), never a command or
+    a standby, so that a control plane of the older llmgw still leading it is not migrated under."""
+
+    retry_after_s = 60.0
+
+    def __init__(self, path: Path | str, found: int, known: int) -> None:
+        StoreError.__init__(
+            self,
+            path,
+            f"the control plane's database {path} has schema version {found}, and this llmgw needs {known}; a "
+            "PostgreSQL store that control planes share is migrated by its leader only, and nothing changed. Start "
+            "`llmgw server` of this llmgw on it (it stands by while an older one leads, and migrates the store once "
+            'it takes the lease: docs/high-availability.md, "Upgrading"), or run the llmgw the control planes run',
         )
 
 

@@ -20,7 +20,8 @@ would.
 `LeaseKeeper` does the I/O: its own connection to the store (not the store's: a renewal never
 waits behind the control plane's calls), in a worker thread, one statement at a time.
 `acquire` tries every `renew_s` until the lease is taken, keeping what it last read (`seen`:
-who leads, for a standby's answers); `keep` renews every `renew_s` until the term is lost;
+who leads, for a standby's answers), and never takes it of a store whose schema a newer llmgw
+has migrated (`newer_schema`, said once); `keep` renews every `renew_s` until the term is lost;
 `release` ends the lease at once when the process stops, so that a standby takes over at its
 next try.
 """
@@ -36,7 +37,7 @@ import trio
 
 from llmgw.log import get_logger
 from llmgw.server.errors import StoreError
-from llmgw.server.store import lease
+from llmgw.server.store import lease, schema
 from llmgw.server.store.lease import Holder, LeaseRow, Statements
 
 log = get_logger("llmgw.leadership")
@@ -109,15 +110,20 @@ class LeaseKeeper:
         renew_s: float,
         clock: Callable[[], float] = trio.current_time,
         run: Callable[..., Awaitable[Any]] | None = None,
+        knows: int | None = None,
     ) -> None:
         """`run(fn, *args)`: how a statement is run (default: in a worker thread, one at a time;
-        tests run them on the loop, whose fake clock would otherwise jump while a thread works)."""
+        tests run them on the loop, whose fake clock would otherwise jump while a thread works).
+        `knows`: the newest schema this llmgw knows (default `schema.LATEST`); it takes no lease
+        of a store migrated past it."""
         self.db = db
         self.holder = holder
         self.ttl_s = ttl_s
         self.renew_s = renew_s
         self.clock = clock
+        self.knows = schema.LATEST if knows is None else knows
         self.seen: LeaseRow | None = None  # the lease as last read; None: not read, or unreadable
+        self.newer_schema = 0  # the store's schema, while it is newer than this llmgw's (it cannot lead)
         self._limiter = trio.CapacityLimiter(1)
         self._run = run or self._in_thread
         self._failing = ""  # the reason the lease's statements fail, while they do
@@ -147,16 +153,32 @@ class LeaseKeeper:
         while True:
             sent = self.clock()
             try:
-                taken = await self._run(lease.acquire, self.db, self.holder, self.ttl_s)
+                taken = await self._run(lease.acquire, self.db, self.holder, self.ttl_s, self.knows)
                 self.seen = taken if taken is not None else await self._run(lease.read, self.db)
+                if taken is None and not self.seen.held:
+                    self._schema_is(await self._run(lease.schema_version, self.db))
             except StoreError as exc:
                 self._failed("taking the lease", exc)
                 self.seen = None
             else:
                 self._works()
                 if taken is not None:
+                    self._schema_is(0)
                     return Term.taken(taken.epoch, self.ttl_s, sent, self.clock)
             await trio.sleep(self.renew_s)
+
+    def _schema_is(self, version: int) -> None:
+        """The store's schema as a free lease was refused at: said once while it is newer than
+        this llmgw knows, which then never leads this store (a newer llmgw has migrated it)."""
+        newer = version if version > self.knows else 0
+        if newer and newer != self.newer_schema:
+            log.error(
+                "lease_refused",
+                reason=f"the store's schema is at version {newer}, newer than this llmgw's {self.knows}: a newer "
+                "llmgw has migrated it, and this control plane stands by without ever leading",
+                fix="upgrade llmgw on this machine and restart `llmgw server`",
+            )
+        self.newer_schema = newer
 
     async def keep(self, term: Term, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew `term`'s lease every `renew_s` until it is lost: refused (another took it), or

@@ -28,7 +28,7 @@ from llmgw import paths
 from llmgw.config import StoreSection, storeurl
 from llmgw.errors import MachineError, UsageError
 from llmgw.server.errors import StoreInUse
-from llmgw.server.store import Store, open_backend, store_path
+from llmgw.server.store import Store, migrate, open_backend, store_path
 from llmgw.server.store.copy import Copied, copy_store
 
 PROBE_TIMEOUT_S = 2.0
@@ -99,10 +99,11 @@ def _refuse_if_serving_here(state_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _opened(state_dir: Path, settings: StoreSection) -> Iterator[Store]:
-    db = open_backend(state_dir, settings)
+    db = open_backend(state_dir, settings, migrations=False)
     try:
         if not db.claim():
             raise StoreInUse(db.path, "a running `llmgw server` is connected to it and holds llmgw's serving lock")
+        migrate(db, alone=True)  # claimed: no control plane runs on it, so none leads it
         yield Store(db)
     finally:
         db.close()

@@ -23,6 +23,12 @@ holds the lease, the leader while it does, a standby again once it has lost it.
   finish, bounded) and every piece of its state goes with it. The standby that follows is
   built afresh, and so is the next term's plane: nothing of the old term's memory survives
   into the next.
+- The store's schema is migrated by the leader only (`llmgw.server.store.core.migrate`): a
+  control plane of a newer llmgw started while one of an older llmgw leads stands by without
+  migrating (`schema_at_start`), and migrates the store in its plane's open once it holds the
+  lease, under its term's fence; one of an older llmgw never takes the lease of a store a newer
+  one has migrated (`LeaseKeeper.newer_schema`), and refuses to start on one. An upgrade is
+  thus: the standbys first, then the leader stopped (docs/high-availability.md, "Upgrading").
 - Stopped (SIGTERM) while leading, it releases the lease, so a standby takes over at its next
   try rather than a TTL later.
 
@@ -54,8 +60,9 @@ from llmgw.server.front import Bound, split_hostport
 from llmgw.server.leadership import LeaseKeeper, Term, new_holder_id
 from llmgw.server.releases import Releases
 from llmgw.server.standby import Leader, StandbyFront, StandbyListener, StandbyStore, serve_standby
-from llmgw.server.store import open_backend
-from llmgw.server.store.lease import STANDBY, Holder
+from llmgw.server.store import open_backend, schema
+from llmgw.server.store.core import Backend, current_version, migrate
+from llmgw.server.store.lease import Holder
 from llmgw.server.warm import Warm, read_warm
 from llmgw.wire import agent_link as w
 
@@ -135,6 +142,12 @@ class Seat:
         ttl = self.config.store.lease_ttl_s
         if row is None:
             return Leader(why_none="cannot read the lease now (the store does not answer)", retry_after_s=ttl)
+        if not row.held and self.keeper.newer_schema:
+            why = (
+                f"no control plane leads: the store's schema (version {self.keeper.newer_schema}) is newer than this "
+                "control plane's llmgw, which cannot lead it; one of the newer llmgw takes the lease when it runs"
+            )
+            return Leader(why_none=why, retry_after_s=ttl)
         if not row.held or row.holder == self.keeper.holder.id:
             return Leader(why_none="no control plane leads at the moment (a takeover is under way)", retry_after_s=ttl)
         return Leader(agent_url=row.agent_url, admin_url=row.admin_url, epoch=row.epoch)
@@ -157,7 +170,7 @@ class Seat:
         """Serve as a standby until the lease is taken; the term it begins."""
         config = self.config
         store = StandbyStore(
-            partial(AsyncStore.open, self.state_dir, config.store, busy_timeout_s=BUSY_TIMEOUT_S, fence=STANDBY),
+            partial(AsyncStore.open_standby, self.state_dir, config.store, busy_timeout_s=BUSY_TIMEOUT_S),
             retry_s=config.store.lease_renew_s,
         )
         await store.open()
@@ -304,8 +317,11 @@ async def serve_seat(
     standby (it may lead a moment later). `open_plane` opens the control plane of a term."""
     warm = read_warm(config, state_dir)
     agent_url, admin_url = advertised(config)
-    lease_db = open_backend(state_dir, config.store, busy_timeout_s=config.store.lease_renew_s, server=True)
+    lease_db = open_backend(
+        state_dir, config.store, busy_timeout_s=config.store.lease_renew_s, server=True, migrations=False
+    )
     try:
+        schema_at_start(lease_db)
         keeper = LeaseKeeper(
             lease_db,
             Holder(id=new_holder_id(), agent_url=agent_url, admin_url=admin_url),
@@ -318,3 +334,23 @@ async def serve_seat(
         await seat.serve(task_status=task_status)
     finally:
         lease_db.close()
+
+
+def schema_at_start(db: Backend) -> None:
+    """The store's schema as this control plane starts on it: a newer llmgw's is refused
+    (`StoreSchemaNewer`: this process cannot lead it, nor check the certificates of what it
+    would serve); one without the lease yet (a new database) is migrated now, as no control
+    plane can be leading it; one behind this llmgw's is left alone, said once: it is migrated
+    by this process when it takes the lease (`ControlPlane.open` under its term's fence), not
+    under a leader of the older llmgw that may be running."""
+    found = current_version(db)
+    if found < schema.LEASED:
+        migrate(db)
+    elif found < schema.LATEST:
+        log.warning(
+            "store_schema_behind",
+            store=str(db.path),
+            found=found,
+            latest=schema.LATEST,
+            then="a control plane of an older llmgw may lead it: this one migrates it when it takes the lease",
+        )

@@ -41,7 +41,11 @@ class Seen:
         if self.version == 0:
             return f"{self.store} answers; it holds no llmgw store yet"
         behind = ""
-        if self.version < self.latest:
+        if self.version < self.latest and self.backend == "postgresql" and self.version >= schema.LEASED:
+            behind = (
+                f" (this llmgw's is {self.latest}: a control plane of this llmgw migrates it when it takes the lease)"
+            )
+        elif self.version < self.latest:
             behind = f" (this llmgw's is {self.latest}: the next `llmgw server` start migrates it)"
         return f"{self.store} answers; schema version {self.version}{behind}; identity {self.identity[:16]}"
 

@@ -34,11 +34,14 @@ import attrs
 from llmgw import private
 from llmgw.config import StoreSection, storeurl
 from llmgw.errors import MachineError
-from llmgw.server.errors import StoreFailed, StoreSchemaNewer, UnknownNode
+from llmgw.log import get_logger
+from llmgw.server.errors import StoreFailed, StoreSchemaBehind, StoreSchemaNewer, UnknownNode
 from llmgw.server.store import schema
-from llmgw.server.store.lease import Fence
+from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.server.store.schema import Dialect
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend, store_path
+
+log = get_logger("llmgw.store")
 
 
 @attrs.frozen(kw_only=True)
@@ -118,9 +121,17 @@ class Backend(Protocol):
 MIGRATION_WAIT_S = 30.0
 
 
-def migrate(db: Backend) -> int:
+def migrate(db: Backend, *, fence: Fence | None = None, alone: bool = False) -> int:
     """Apply the migrations the database lacks, in one transaction under the write lock; the
-    version it is at. A database of a newer llmgw is refused (`StoreSchemaNewer`), unchanged."""
+    version it is at. A database of a newer llmgw is refused (`StoreSchemaNewer`), unchanged.
+
+    A PostgreSQL store that has the lease (`schema.LEASED` on) is migrated by its leader only:
+    `fence` is the leader's term, checked in the migration's transaction first (`NotLeader` once
+    the lease has passed on, and nothing applied), or `alone`: no control plane can run on it
+    (`migrate-store`, holding the serving lock exclusively). Anyone else is refused
+    (`StoreSchemaBehind`, unchanged): a control plane of the older llmgw may be leading it. A
+    store without the lease (new, or older than the lease) has no leader to defer to, and is
+    migrated by whoever opens it first. Logged when a leader applies any (`store_migrated`)."""
     found = current_version(db)
     if found == schema.LATEST:
         return found  # the usual case: no lock taken
@@ -129,11 +140,23 @@ def migrate(db: Backend) -> int:
         found = tx.rows(schema.CURRENT_VERSION)[0][0]  # again, under the lock: another may have migrated
         if found > schema.LATEST:
             raise StoreSchemaNewer(db.path, found, schema.LATEST)
+        if found < schema.LATEST and led(db, found) and not alone:
+            if fence is None:
+                raise StoreSchemaBehind(db.path, found, schema.LATEST)
+            fence.check(tx, db.path)
         for version, statements in schema.pending(found):
             for statement in statements(db.dialect):
                 tx.execute(statement)
             tx.execute(schema.RECORD_VERSION, (version, time.time()))
+    if fence is not None and found < schema.LATEST:
+        log.info("store_migrated", store=str(db.path), from_version=found, to_version=schema.LATEST, epoch=fence.epoch)
     return schema.LATEST
+
+
+def led(db: Backend, version: int) -> bool:
+    """Whether a database at `version` is one that only a leader migrates: a PostgreSQL store
+    (control planes share it) that has the lease."""
+    return db.dialect.name == schema.POSTGRESQL.name and version >= schema.LEASED
 
 
 def current_version(db: Backend) -> int:
@@ -152,11 +175,15 @@ def open_backend(
     busy_timeout_s: float | None = None,
     check_same_thread: bool = True,
     server: bool = False,
+    migrations: bool = True,
+    fence: Fence | None = None,
 ) -> Backend:
     """The backend `settings` (`[store]`; None: the default) names, open and migrated: the
     state directory's SQLite file, or a PostgreSQL database. `busy_timeout_s`: how long a call
     waits for another's write lock (None: the CLI's, `CLI_BUSY_TIMEOUT_S`). `server`: a running
-    control plane's, which `migrate-store` can tell is in use (PostgreSQL: `SERVING_LOCK`)."""
+    control plane's, which `migrate-store` can tell is in use (PostgreSQL: `SERVING_LOCK`).
+    `migrations` False: opened as it is, its schema unchecked (the caller looks); `fence`: the
+    leader's term, which alone migrates a shared PostgreSQL store (`migrate`)."""
     settings = StoreSection() if settings is None else settings
     timeout = CLI_BUSY_TIMEOUT_S if busy_timeout_s is None else busy_timeout_s
     db: Backend
@@ -178,11 +205,12 @@ def open_backend(
         except OSError as exc:
             raise MachineError(f"cannot open the state directory {state_dir}: {exc.strerror or exc}") from None
         db = SqliteBackend(store_path(state_dir), busy_timeout_s=timeout, check_same_thread=check_same_thread)
-    try:
-        migrate(db)
-    except BaseException:
-        db.close()
-        raise
+    if migrations:
+        try:
+            migrate(db, fence=fence)
+        except BaseException:
+            db.close()
+            raise
     return db
 
 
@@ -229,14 +257,22 @@ class Store:
         check_same_thread: bool = True,
         server: bool = False,
         fence: Fence | None = None,
+        migrations: bool = True,
     ) -> Store:
         """The store `settings` (server.toml's `[store]`, a `StoreSection`; None: the default)
         names: the state directory's SQLite file, which must be private too, or a PostgreSQL
         database (`server`: this is a running control plane's, which others can tell).
-        `fence`: the lease its writes check (`Store`)."""
+        `fence`: the lease its writes check (`Store`), and a leader's term migrates a shared
+        store; `migrations` False: opened as it is (`open_backend`)."""
         return cls(
             open_backend(
-                state_dir, settings, busy_timeout_s=busy_timeout_s, check_same_thread=check_same_thread, server=server
+                state_dir,
+                settings,
+                busy_timeout_s=busy_timeout_s,
+                check_same_thread=check_same_thread,
+                server=server,
+                migrations=migrations,
+                fence=None if fence == STANDBY else fence,  # a standby's refuses: StoreSchemaBehind
             ),
             fence=fence,
         )

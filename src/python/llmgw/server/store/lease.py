@@ -7,8 +7,9 @@ when the lease expires, in unix seconds of the DATABASE's clock (`clock_timestam
 planes' own clocks decide nothing, so a machine whose clock is wrong cannot take a lease early or
 keep one late.
 
-- `acquire`: one UPDATE that succeeds only if the lease has expired (or was never taken), and
-  adds one to the epoch: every taking begins a new term, even by the process that held it last.
+- `acquire`: one UPDATE that succeeds only if the lease has expired (or was never taken) and
+  the store's schema is not newer than the taker knows, and adds one to the epoch: every taking
+  begins a new term, even by the process that held it last.
 - `renew`: one UPDATE that succeeds only while the lease is still this term's (its epoch) and
   has not expired. Once it has lapsed it is gone, even if no one took it yet: the holder steps
   down, and may take it again, as a new term, reading the state afresh.
@@ -36,15 +37,17 @@ from typing import Any, Protocol
 import attrs
 
 from llmgw.server.errors import NotLeader
+from llmgw.server.store import schema
 
 # The database's clock as unix seconds: clock_timestamp() is the time of the statement's
 # execution (now() would be its transaction's start).
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
 
 READ = f"SELECT holder, agent_url, admin_url, epoch, expires_at - {NOW} FROM leader_lease WHERE id = 1"
+SCHEMA = "SELECT COALESCE(MAX(version), 0) FROM schema_version"
 ACQUIRE = (
     f"UPDATE leader_lease SET holder = ?, agent_url = ?, admin_url = ?, epoch = epoch + 1, expires_at = {NOW} + ? "
-    f"WHERE id = 1 AND expires_at <= {NOW} "
+    f"WHERE id = 1 AND expires_at <= {NOW} AND ({SCHEMA}) <= ? "
     f"RETURNING holder, agent_url, admin_url, epoch, expires_at - {NOW}"
 )
 RENEW = (
@@ -102,11 +105,18 @@ def read(db: Statements) -> LeaseRow:
     return _row(db.rows(READ)[0])
 
 
-def acquire(db: Statements, holder: Holder, ttl_s: float) -> LeaseRow | None:
-    """Take the lease if it has expired: the new term's row (its epoch one more), or None while
-    another holds it."""
-    found = db.rows(ACQUIRE, (holder.id, holder.agent_url, holder.admin_url, ttl_s))
+def acquire(db: Statements, holder: Holder, ttl_s: float, knows: int | None = None) -> LeaseRow | None:
+    """Take the lease if it has expired and the store's schema is one this llmgw knows (at most
+    version `knows`, by default `schema.LATEST`): the new term's row (its epoch one more), or
+    None while another holds it or the schema is newer (`schema_version` says which: a control
+    plane of an older llmgw never leads a store a newer one has migrated)."""
+    knows = schema.LATEST if knows is None else knows
+    found = db.rows(ACQUIRE, (holder.id, holder.agent_url, holder.admin_url, ttl_s, knows))
     return _row(found[0]) if found else None
+
+
+def schema_version(db: Statements) -> int:
+    return int(db.rows(SCHEMA)[0][0])
 
 
 def renew(db: Statements, holder: Holder, epoch: int, ttl_s: float) -> bool:

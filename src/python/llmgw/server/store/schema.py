@@ -7,9 +7,13 @@ reads them as PostgreSQL does). What must differ is said once, in a `Dialect`: t
 PostgreSQL's are 4: a unix time needs `double precision` there, and a copy from SQLite `bigint`).
 
 `MIGRATIONS` is the schema's history, in order, never edited once released: a change of schema
-is a new entry at the end. The database records each one applied in `schema_version`; a backend
-applies the missing ones at open, in one transaction under its write lock, so two control planes
-starting at once take turns (the second finds them applied). Migration 1 is the schema as it was
+is a new entry at the end. The database records each one applied in `schema_version`; the
+missing ones are applied in one transaction under the store's write lock, so two processes
+migrating at once take turns (the second finds them applied). Who applies them: whoever opens a
+SQLite file (its one control plane, or a command while none runs); a PostgreSQL store from
+`LEASED` on, its leader only (`core.migrate`), since control planes of two llmgw versions may
+share it during an upgrade. A migration must therefore leave the schema readable by the llmgw
+before it (add tables and columns, never rename or drop), and finish within a lease's TTL. Migration 1 is the schema as it was
 before versions were recorded, all `IF NOT EXISTS`, so a database of that time takes it as a
 no-op and is recorded at version 1.
 
@@ -134,6 +138,9 @@ def _v2(d: Dialect) -> tuple[str, ...]:
 # The schema's history: (version, its statements in a dialect). Append; never edit a released one.
 MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2))
 LATEST = MIGRATIONS[-1][0]
+# From this version on a database has the lease (`_v2`): a shared PostgreSQL store there is
+# migrated by its leader only (`llmgw.server.store.core.migrate`).
+LEASED = 2
 
 
 def version_table(d: Dialect) -> str:
