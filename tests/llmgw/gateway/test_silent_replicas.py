@@ -59,7 +59,7 @@ async def test_a_request_on_a_pooled_connection_to_a_cut_node_fails_within_about
     remote: Sim,
 ) -> None:
     pool = UpstreamPool(connect_timeout_s=1.0, first_byte_timeout_s=30.0)  # the kernel must catch it, not a timer
-    headers = [("authorization", f"Bearer {remote.key}"), ("content-type", "application/json")]
+    headers = [(b"authorization", f"Bearer {remote.key}".encode()), (b"content-type", b"application/json")]
     body = b'{"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
 
     async def send():

@@ -49,7 +49,7 @@ async def test_an_idle_connection_is_reused_then_closed_on_both_sides(
     net = memnet.MemoryNet(nursery)
     (sim,) = memnet.start_sims(net, 1)
     pool = UpstreamPool(connect=net.connect)
-    headers = [("authorization", f"Bearer {sim.key}"), ("content-type", "application/json")]
+    headers = [(b"authorization", f"Bearer {sim.key}".encode()), (b"content-type", b"application/json")]
     for _ in range(3):
         response = await pool.send(sim.host, sim.port, "POST", "/v1/chat/completions", headers, CHAT)
         assert response.status == 200 and b'"chat.completion"' in await response.read(1 << 20)

@@ -1,13 +1,13 @@
-"""HTTP/1.1 client connections to replicas' engines: h11 on trio, pooled per endpoint.
+"""HTTP/1.1 client connections to replicas' engines: `llmgw.gateway.wire` on trio, pooled per endpoint.
 
 `UpstreamPool.send` writes one request and returns as soon as the response head arrives, with
-an `UpstreamResponse` whose `body()` yields the body's chunks as they arrive (as h11 delivers
-them, never re-parsed) and whose `aclose()` gives the connection back. The decisions are made
-synchronously from h11's state, then the I/O is done (as httpcore's pool does):
+an `UpstreamResponse` whose `body()` yields the body's pieces as they arrive (de-chunked, never
+re-parsed) and whose `aclose()` gives the connection back. The decisions are made
+synchronously from the parser's state, then the I/O is done (as httpcore's pool does):
 
-- A connection goes back to its endpoint's idle list only when h11 says both sides finished
-  the exchange cleanly and the server did not ask to close; anything else (an error, a body
-  not read to its end, a cancellation) closes it. The idle list is bounded; the newest is
+- A connection goes back to its endpoint's idle list only when the parser says the response
+  ended cleanly and the engine did not ask to close; anything else (an error, a body not read
+  to its end, a cancellation) closes it. The idle list is bounded; the newest is
   reused first, so idle ones age out on the engine's side rather than ours.
 - A failure before any response byte is `UpstreamUnavailable` (the engine produced nothing, so
   the caller may try another replica). On a reused connection that failure may only mean the
@@ -33,8 +33,8 @@ Connections are opened by the pool's connect factory (as httpcore takes a networ
 will do, so tests reach an engine's handler over `trio.testing.memory_stream_pair` on a fake
 clock. The pool bounds the connect with `connect_timeout_s` and translates its `OSError`.
 
-Foreign exceptions (OSError, trio's stream errors, h11's protocol errors) are translated here,
-once.
+Foreign exceptions (OSError, trio's stream errors, the parser's protocol errors) are translated
+here, once.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 
 import attrs
-import h11
 import trio
 
 from llmgw.gateway.errors import (
@@ -56,10 +55,11 @@ from llmgw.gateway.errors import (
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
+from llmgw.gateway.wire import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
 
 RECEIVE_SIZE = 65536
 _JOIN_BODY_BYTES = 65536  # a request body up to this is written with its head in one buffer
-_STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
+_STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError)
 # What the kernel reports for a peer that stopped answering (TCP_USER_TIMEOUT, keepalive, a
 # connect's SYNs) or that no route reaches: a fresh connection would meet the same.
 _SILENT_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
@@ -79,7 +79,7 @@ async def open_tcp(host: str, port: int, *, silence_s: float) -> trio.SocketStre
 @attrs.define(eq=False)
 class _Conn:
     stream: trio.abc.Stream
-    h11: h11.Connection
+    parser: ResponseParser = attrs.field(factory=ResponseParser)  # the current exchange's
     reused: bool = False
 
 
@@ -116,13 +116,9 @@ class UpstreamPool:
         return len(self._idle.get((host, port), ()))
 
     async def send(
-        self, host: str, port: int, method: str, target: str, headers: Sequence[tuple[str, str]], body: bytes
+        self, host: str, port: int, method: str, target: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
-        request = h11.Request(
-            method=method,
-            target=target,
-            headers=[("host", f"{host}:{port}"), ("content-length", str(len(body))), *headers],
-        )
+        request = request_bytes(method, target, f"{host}:{port}", headers, body)
         conn = self._take_idle(host, port)
         if conn is not None:
             try:
@@ -157,19 +153,17 @@ class UpstreamPool:
         stream = await self._open(host, port)
         self.stats.opened += 1
         self.open_connections += 1
-        return _Conn(stream=stream, h11=h11.Connection(h11.CLIENT))
+        return _Conn(stream=stream)
 
-    async def _exchange(self, host: str, port: int, conn: _Conn, request: h11.Request, body: bytes) -> UpstreamResponse:
+    async def _exchange(self, host: str, port: int, conn: _Conn, request: bytes, body: bytes) -> UpstreamResponse:
+        conn.parser = ResponseParser()
         try:
             if len(body) <= _JOIN_BODY_BYTES:  # one write for the usual request
-                data = conn.h11.send(request) + (conn.h11.send(h11.Data(data=body)) if body else b"")
-                await conn.stream.send_all(data + conn.h11.send(h11.EndOfMessage()))
+                await conn.stream.send_all(request + body)
             else:  # a large body goes out as it is, not copied into one buffer with the head
-                await conn.stream.send_all(conn.h11.send(request))
-                for piece in conn.h11.send_with_data_passthrough(h11.Data(data=body)):
-                    await conn.stream.send_all(piece)
-                await conn.stream.send_all(conn.h11.send(h11.EndOfMessage()))
-            event = await self._head(host, port, conn)
+                await conn.stream.send_all(request)
+                await conn.stream.send_all(body)
+            head = await self._head(host, port, conn)
         except UpstreamUnavailable:
             await self._discard(conn)
             raise
@@ -180,10 +174,9 @@ class UpstreamPool:
         except BaseException:
             await self._discard(conn)
             raise
-        headers = tuple((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in event.headers)
-        return UpstreamResponse(pool=self, key=(host, port), conn=conn, status=event.status_code, headers=headers)
+        return UpstreamResponse(pool=self, key=(host, port), conn=conn, status=head.status, headers=head.headers)
 
-    async def _head(self, host: str, port: int, conn: _Conn) -> h11.Response:
+    async def _head(self, host: str, port: int, conn: _Conn) -> Head:
         """The response head. Each `first_byte_timeout_s` without it the engine is probed; the
         wait goes on while it answers probes, up to `read_timeout_s` in all. (A head that comes
         during a probe that fails is lost with the connection: the engine answered a request
@@ -192,10 +185,10 @@ class UpstreamPool:
         while True:
             window = min(self.first_byte_timeout_s, self.read_timeout_s - waited)
             with trio.move_on_after(window):
-                event = await _head_event(conn)
-                if isinstance(event, h11.Response):
-                    return event
-                raise UpstreamUnavailable(f"{host}:{port} closed the connection before answering")
+                try:
+                    return await _head_event(conn)
+                except ClosedBeforeResponse:
+                    raise UpstreamUnavailable(f"{host}:{port} closed the connection before answering") from None
             waited += window
             if waited >= self.read_timeout_s:
                 raise UpstreamNoFirstByte(f"{host}:{port} sent no answer for {self.read_timeout_s:g} s")
@@ -214,37 +207,30 @@ class UpstreamPool:
             stream = await self._open(host, port)
         except UpstreamUnavailable as exc:
             return f"does not answer a probe: {exc}"
-        client = h11.Connection(h11.CLIENT)
-        request = h11.Request(
-            method="GET", target="/health", headers=[("host", f"{host}:{port}"), ("connection", "close")]
-        )
+        probe = _Conn(stream=stream, parser=ResponseParser(request_method="GET"))
         try:
             with trio.fail_after(self.probe_timeout_s):
-                await stream.send_all(client.send(request) + client.send(h11.EndOfMessage()))
-                while True:
-                    event = client.next_event()
-                    if event is h11.NEED_DATA:
-                        client.receive_data(await stream.receive_some(RECEIVE_SIZE))
-                    elif not isinstance(event, h11.InformationalResponse):
-                        break
+                await stream.send_all(
+                    request_bytes("GET", "/health", f"{host}:{port}", ((b"connection", b"close"),), b"")
+                )
+                head = await _head_event(probe)
         except trio.TooSlowError:
             return f"does not answer GET /health within {self.probe_timeout_s:g} s"
+        except ClosedBeforeResponse:
+            return "closed a probe's connection without answering"
         except _STREAM_ERRORS as exc:
             return f"failed a probe: {_describe(exc)}"
         finally:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
-        if not isinstance(event, h11.Response):
-            return "closed a probe's connection without answering"
-        if event.status_code >= 500:
-            return f"answered GET /health with {event.status_code}"
+        if head.status >= 500:
+            return f"answered GET /health with {head.status}"
         return None
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> bool:
-        """Keep the connection for reuse if h11 says it can be; whether it was kept."""
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
+        """Keep the connection for reuse if the parser says it can be; whether it was kept."""
+        if conn.parser.reusable:
             idle = self._idle.setdefault(key, [])
             if len(idle) < self.max_idle_per_endpoint:
                 idle.append(conn)
@@ -288,42 +274,26 @@ class UpstreamResponse:
         return next((v for k, v in self.headers if k == name), None)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The body's chunks as they arrive; ends at the end of the message. What h11 already
-        holds when a chunk is taken goes out with it: when the engine writes faster than the
-        client reads (many small SSE events), one write relays several, not one each."""
+        """The body's pieces as they arrive; ends at the end of the message. What has arrived
+        when a piece is taken goes out with it (`wire.ResponseParser`): when the engine writes
+        faster than the client reads (many small SSE events), one write relays several.
+        Silence is bounded by `read_timeout_s` at each read."""
         host, port = self.key
-        held = None  # an event read ahead of its turn
+        parser, stream = self.conn.parser, self.conn.stream
+        timeout = self.pool.read_timeout_s
         while True:
-            if held is not None:
-                event, held = held, None
-            else:
-                try:
-                    event = await _next_event(self.conn, self.pool.read_timeout_s)
-                except trio.TooSlowError:
-                    raise UpstreamBroken(
-                        f"{host}:{port} sent nothing for {self.pool.read_timeout_s:g} s in the middle of a response"
-                    ) from None
-                except _STREAM_ERRORS as exc:
-                    raise UpstreamBroken(
-                        f"{host}:{port} failed in the middle of a response: {_describe(exc)}"
-                    ) from None
-            if isinstance(event, h11.Data):
-                data = bytes(event.data)
-                while True:
-                    try:
-                        more = self.conn.h11.next_event()
-                    except h11.ProtocolError:
-                        break  # h11 raises it again at the next read, where it is translated
-                    if isinstance(more, h11.Data):
-                        data += more.data
-                    else:
-                        held = None if more is h11.NEED_DATA else more
-                        break
-                yield data
-            elif isinstance(event, h11.EndOfMessage):
+            try:
+                event = parser.next_event()
+                if event is NEED_DATA:
+                    with trio.move_on_after(timeout):
+                        parser.feed(await stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
+                        continue
+                    raise UpstreamBroken(f"{host}:{port} sent nothing for {timeout:g} s in the middle of a response")
+            except _STREAM_ERRORS as exc:
+                raise UpstreamBroken(f"{host}:{port} failed in the middle of a response: {_describe(exc)}") from None
+            if event is END:
                 return
-            else:
-                raise UpstreamBroken(f"{host}:{port} closed the connection in the middle of a response")
+            yield event  # type: ignore[misc] - bytes: the head came once, before the body
 
     async def read(self, limit: int) -> bytes:
         out = bytearray()
@@ -342,13 +312,15 @@ class UpstreamResponse:
             await self.pool._discard(self.conn)
 
 
-async def _head_event(conn: _Conn):
-    """The next event that is not a 1xx; cancellable at any point without losing a byte."""
+async def _head_event(conn: _Conn) -> Head:
+    """The response head (1xx ones skipped); cancellable at any point without losing a byte."""
+    parser = conn.parser
     while True:
-        event = conn.h11.next_event()
-        if event is h11.NEED_DATA:
-            conn.h11.receive_data(await conn.stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
-        elif not isinstance(event, h11.InformationalResponse):
+        event = parser.next_event()
+        if event is NEED_DATA:
+            parser.feed(await conn.stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
+        else:
+            assert isinstance(event, Head), event
             return event
 
 
@@ -388,16 +360,6 @@ def _errno(exc: BaseException) -> int | None:
     """The OS error number behind `exc` (trio wraps socket errors in BrokenResourceError)."""
     cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else exc
     return cause.errno if isinstance(cause, OSError) else None
-
-
-async def _next_event(conn: _Conn, timeout: float):
-    while True:
-        event = conn.h11.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        with trio.fail_after(timeout):
-            data = await conn.stream.receive_some(RECEIVE_SIZE)
-        conn.h11.receive_data(data)  # b"" tells h11 the peer closed
 
 
 def _describe(exc: BaseException) -> str:

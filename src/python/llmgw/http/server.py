@@ -46,6 +46,7 @@ Retry-After at once (`send.answer_busy`), so no client waits in the kernel's bac
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from urllib.parse import parse_qs, urlsplit
 
@@ -177,6 +178,71 @@ class _Connection:
     budget: BodyBudget
     keep_alive: bool
     upgrades: bool
+    departure: _Departure = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.departure = _Departure(self)
+
+
+# A handler that has not answered within this long has its client watched for departure (see
+# `_Departure`); one that answers sooner costs no read of the connection at all.
+DEPARTURE_WATCH_AFTER_S = 0.05
+
+
+class _Departure:
+    """Whether the client leaves while a handler runs: one task per connection (`run`), which
+    cancels the handler's scope when the client closes the connection, so that a gateway
+    request stops its upstream request too.
+
+    Reading the connection while the handler runs costs a read, a registration with epoll and
+    a task switch each way; most answers are ready sooner than a client's departure matters. So
+    a request only sets the deadline of the task's timer (`arm`: no task switch, no system
+    call), and only a handler still running `DEPARTURE_WATCH_AFTER_S` later has the connection
+    read (`llmgw.http.send.wait_for_disconnect`), once its body is settled (until then the
+    handler may be reading it). `disarm` waits for that reading to stop, if it began, before the
+    connection is read for the next request: one reader at a time."""
+
+    def __init__(self, c: _Connection) -> None:
+        self.c = c
+        self._timer = trio.CancelScope()
+        self._request: tuple[trio.CancelScope, ConnectionBody] | None = None
+        self._reading: trio.CancelScope | None = None
+        self._stopped: trio.Event | None = None
+
+    def arm(self, scope: trio.CancelScope, body: ConnectionBody) -> None:
+        """Watch for the client while `scope` (the handler's) runs: `scope` is cancelled if it leaves."""
+        self._request = (scope, body)
+        self._timer.deadline = trio.current_time() + DEPARTURE_WATCH_AFTER_S
+
+    async def disarm(self) -> None:
+        """The handler is done: stop watching, and wait until the connection is no longer read."""
+        self._request = None
+        self._timer.deadline = math.inf
+        if self._reading is not None and self._stopped is not None:
+            self._reading.cancel()
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+    async def run(self) -> None:
+        while True:
+            with trio.CancelScope(deadline=self._timer.deadline) as self._timer:
+                await trio.sleep_forever()
+            if self._request is None:
+                continue  # disarmed as the timer went off
+            scope, body = self._request
+            self._stopped = trio.Event()
+            try:
+                with trio.CancelScope() as self._reading:
+                    await body.settled.wait()
+                    if body.whole:
+                        await wait_for_disconnect(self.c.conn, self.c.stream, self.c.limits)
+                        scope.cancel()
+                        await trio.sleep_forever()  # until disarmed
+                    else:
+                        await trio.sleep_forever()  # the body broke off: the connection ends after the answer
+            finally:
+                self._reading = None
+                self._stopped.set()
 
 
 async def serve_connection(
@@ -209,7 +275,10 @@ async def serve_connection(
     )
     try:
         try:
-            handover = await _serve_requests(handler, c)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(c.departure.run)
+                handover = await _serve_requests(handler, c)
+                nursery.cancel_scope.cancel()
         except Exception as exc:
             reason = peer_reason(exc)
             if reason is None:
@@ -284,35 +353,25 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
 
 async def _call_handler(handler: Handler, request: Request, c: _Connection) -> Answer | None:
     """The handler's answer; None if the client closed the connection first, in which case the
-    handler is cancelled (so a gateway request stops its upstream request too). The connection
-    is watched for that only once the body is settled: until then the handler may be reading it."""
-    answer: list[Answer] = []
+    handler is cancelled (`_Departure`: a gateway request stops its upstream request too). The
+    handler runs in the connection's own task: no task, nursery or read per request."""
     body = request._body
     assert isinstance(body, ConnectionBody)
-    async with trio.open_nursery() as nursery:
-
-        async def run() -> None:
-            try:
-                answer.append(await handler(request))
-            except Exception as exc:  # - one bad request must not take the server down
-                if peer_reason(exc) is not None and any(isinstance(e, Abort) for e in leaves(exc)):
-                    raise  # reading the body failed by the peer's fault: the connection's to handle
-                http_error = _only_http_error(exc)
-                if http_error is None:
-                    log.exception("http_handler_failed", method=request.method, path=request.path)
-                    http_error = HTTPError(500, INTERNAL_ERROR)
-                answer.append(c.errors(http_error))
-            nursery.cancel_scope.cancel()
-
-        async def watch() -> None:
-            await body.settled.wait()
-            if body.whole:
-                await wait_for_disconnect(c.conn, c.stream, c.limits)
-                nursery.cancel_scope.cancel()
-
-        nursery.start_soon(run)
-        nursery.start_soon(watch)
-    return answer[0] if answer else None
+    with trio.CancelScope() as scope:
+        c.departure.arm(scope, body)
+        try:
+            return await handler(request)
+        except Exception as exc:  # - one bad request must not take the server down
+            if peer_reason(exc) is not None and any(isinstance(e, Abort) for e in leaves(exc)):
+                raise  # reading the body failed by the peer's fault: the connection's to handle
+            http_error = _only_http_error(exc)
+            if http_error is None:
+                log.exception("http_handler_failed", method=request.method, path=request.path)
+                http_error = HTTPError(500, INTERNAL_ERROR)
+            return c.errors(http_error)
+        finally:
+            await c.departure.disarm()
+    return None
 
 
 def _only_http_error(exc: BaseException) -> HTTPError | None:

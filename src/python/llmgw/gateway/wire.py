@@ -1,0 +1,283 @@
+"""HTTP/1.1 as the gateway speaks it to engines, without I/O: a request written as bytes in one
+piece, a response parsed into its head and its body's pieces (RFC 9112).
+
+Why not h11, which the listeners keep: on this side the gateway talks only to engines it
+started, always sends whole requests with a Content-Length, and never pipelines, so a client
+needs a small part of HTTP/1.1; h11's general state machine, its validation of every header
+the gateway itself wrote and its event objects cost about as much CPU as the rest of a relayed
+request's handling (issue 30's profile; docs/performance.md). What an engine sends is still
+checked as strictly: the status line, every header line (a token for a name; no control
+characters, CR or LF in a value; no obs-fold), one Content-Length or `chunked` framing, chunk
+sizes and their CRLFs, a head at most `MAX_HEAD_BYTES` and a chunk-size line at most
+`MAX_LINE_BYTES`. Anything else is `ProtocolError`, which the pool makes the engine's failure.
+
+`ResponseParser`: `feed` bytes (b"" at the peer's end), then `next_event` until `NEED_DATA`:
+a `Head` (1xx heads are skipped), then `bytes` — every body byte decodable from what was fed, in
+one piece (a chunked body's chunks are joined: several SSE events the engine wrote at once go
+out to the client in one write) — then `END`. `reusable` says whether the connection may carry
+another exchange once the response ended: HTTP/1.1, no `Connection: close`, framed by length or
+chunks, nothing sent after it. Time is linear in the bytes fed: the buffer is consumed from an
+offset and compacted, never re-scanned from its start.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import attrs
+
+MAX_HEAD_BYTES = 64 << 10
+MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer line
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
+
+
+class ProtocolError(Exception):
+    """What an engine sent is not HTTP/1.1 this client accepts (the message says what)."""
+
+
+class ClosedBeforeResponse(ProtocolError):
+    """The engine closed the connection before a byte of a response (after a request on an
+    idle connection: it may have closed it while idle, RFC 9112 §9.3.1)."""
+
+
+class _Need:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+NEED_DATA = _Need()
+END = _End()
+
+
+@attrs.frozen
+class Head:
+    status: int
+    headers: tuple[tuple[str, str], ...]  # names lower-case, in the order sent, repeats kept
+
+
+def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """The request's head as bytes, with Host and Content-Length first. `headers` are the
+    gateway's own or a client's as its listener parsed them (h11 refuses CR, LF and NUL in
+    them); a field holding one anyway would split the request, so it is refused here too."""
+    parts = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n".encode("latin-1")]
+    for name, value in headers:
+        if b"\r" in value or b"\n" in value or b"\x00" in value or _TOKEN.fullmatch(name) is None:
+            raise ValueError(f"the header field {name[:40]!r} holds CR, LF or NUL, or its name is no token: not sent")
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+_HEAD, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class ResponseParser:
+    def __init__(self, *, request_method: str = "POST") -> None:
+        self._buf = bytearray()
+        self._pos = 0  # what of `_buf` is consumed
+        self._scanned = 0  # where the search for the end of a head or line goes on from
+        self._eof = False
+        self._state = _HEAD
+        self._left = 0  # of a Content-Length body, or of the current chunk
+        self._head_request = request_method == "HEAD"
+        self.keep_alive = True
+
+    @property
+    def reusable(self) -> bool:
+        return self._state == _DONE and self.keep_alive and self._pos == len(self._buf) and not self._eof
+
+    @property
+    def started(self) -> bool:
+        """Whether any byte of a response has come (a reused connection that fails before one
+        may just have been closed by the engine while idle)."""
+        return self._state != _HEAD or self._pos < len(self._buf)
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            self._eof = True
+            return
+        if self._pos and self._pos >= len(self._buf) // 2:
+            del self._buf[: self._pos]
+            self._scanned = max(0, self._scanned - self._pos)
+            self._pos = 0
+        self._buf += data
+
+    def next_event(self) -> Head | bytes | _Need | _End:
+        state = self._state
+        if state == _HEAD:
+            return self._head()
+        if state == _DONE:
+            return END
+        if state == _LENGTH or state == _UNTIL_CLOSE:
+            available = len(self._buf) - self._pos
+            if state == _LENGTH:
+                take = min(available, self._left)
+            else:
+                take = available
+            if take:
+                data = bytes(self._buf[self._pos : self._pos + take])
+                self._pos += take
+                if state == _LENGTH:
+                    self._left -= take
+                    if not self._left:
+                        self._state = _DONE
+                return data
+            if state == _LENGTH and not self._left:
+                self._state = _DONE
+                return END
+            if self._eof:
+                if state == _UNTIL_CLOSE:
+                    self._state = _DONE
+                    return END
+                raise ProtocolError(f"the connection closed {self._left} bytes before the end of the body")
+            return NEED_DATA
+        return self._chunked()
+
+    # -- the head ---------------------------------------------------------------------------
+
+    def _head(self) -> Head | _Need:
+        while True:
+            buf = self._buf
+            end = buf.find(b"\r\n\r\n", max(self._pos, self._scanned))
+            if end < 0:
+                self._scanned = max(self._pos, len(buf) - 3)  # what is searched is not searched again
+                if len(buf) - self._pos > MAX_HEAD_BYTES:
+                    raise ProtocolError(f"a response head larger than {MAX_HEAD_BYTES} bytes")
+                if self._eof:
+                    if self._pos == len(buf):
+                        raise ClosedBeforeResponse("the connection closed before a response")
+                    raise ProtocolError("the connection closed in the middle of a response head")
+                return NEED_DATA
+            if end - self._pos > MAX_HEAD_BYTES:
+                raise ProtocolError(f"a response head larger than {MAX_HEAD_BYTES} bytes")
+            lines = bytes(buf[self._pos : end]).split(b"\r\n")
+            self._pos = end + 4
+            head, version = self._parse_head(lines)
+            if 100 <= head.status < 200:
+                continue  # 100 Continue, 103 Early Hints: the final answer follows
+            self._frame(head, version)
+            return head
+
+    def _parse_head(self, lines: list[bytes]) -> tuple[Head, int]:
+        status_line = _STATUS_LINE.fullmatch(lines[0])
+        if status_line is None:
+            raise ProtocolError(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+        headers = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or _TOKEN.fullmatch(name) is None:
+                raise ProtocolError(f"not a header field line: {line[:80]!r}")
+            value = value.strip(b" \t")
+            if _BAD_VALUE.search(value) is not None:
+                raise ProtocolError(f"a control character in the value of {name[:40]!r}")
+            headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
+        return Head(status=int(status_line.group(2)), headers=tuple(headers)), int(status_line.group(1))
+
+    def _frame(self, head: Head, minor: int) -> None:
+        lengths = set()
+        chunked = False
+        close = minor == 0
+        for name, value in head.headers:
+            if name == "content-length":
+                for one in value.split(","):
+                    one = one.strip()
+                    if not one.isdigit() or len(one) > 18:
+                        raise ProtocolError(f"a Content-Length that is not a length: {value[:40]!r}")
+                    lengths.add(int(one))
+            elif name == "transfer-encoding":
+                if value.strip().lower() != "chunked" or chunked:
+                    raise ProtocolError(f"a Transfer-Encoding other than chunked: {value[:40]!r}")
+                chunked = True
+            elif name == "connection":
+                tokens = {t.strip().lower() for t in value.split(",")}
+                if "close" in tokens:
+                    close = True
+                elif minor == 0 and "keep-alive" in tokens:
+                    close = False
+        if len(lengths) > 1:
+            raise ProtocolError(f"Content-Length given differently: {sorted(lengths)}")
+        self.keep_alive = not close
+        if self._head_request or head.status in (204, 304):
+            self._state = _DONE
+        elif chunked:
+            if lengths:
+                self.keep_alive = False  # both framings: chunked wins (RFC 9112 §6.3), and it is not reused
+            self._state = _CHUNK_SIZE_LINE
+        elif lengths:
+            self._left = lengths.pop()
+            self._state = _LENGTH if self._left else _DONE
+        else:
+            self.keep_alive = False
+            self._state = _UNTIL_CLOSE
+
+    # -- a chunked body ---------------------------------------------------------------------
+
+    def _chunked(self) -> bytes | _Need | _End:
+        out: list[bytes] = []
+        while True:
+            got = self._chunk_step(out)
+            if got is not None:
+                return b"".join(out) if out else got  # the data first; the end, if it came, next
+
+    def _chunk_step(self, out: list[bytes]) -> _Need | _End | None:
+        """One step of the chunked framing; None to go on, else what to return (after `out`)."""
+        buf, state = self._buf, self._state
+        if state == _CHUNK_SIZE_LINE or state == _TRAILERS:
+            end = buf.find(b"\r\n", max(self._pos, self._scanned))
+            if end < 0:
+                self._scanned = max(self._pos, len(buf) - 1)
+                if len(buf) - self._pos > MAX_LINE_BYTES:
+                    raise ProtocolError(f"a chunk-size or trailer line longer than {MAX_LINE_BYTES} bytes")
+                return self._more()
+            line = bytes(buf[self._pos : end])
+            if len(line) > MAX_LINE_BYTES:
+                raise ProtocolError(f"a chunk-size or trailer line longer than {MAX_LINE_BYTES} bytes")
+            self._pos = end + 2
+            if state == _TRAILERS:
+                if not line:
+                    self._state = _DONE
+                    return END
+                name, colon, value = line.partition(b":")
+                if not colon or _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value.strip(b" \t")):
+                    raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
+                return None
+            size = _CHUNK_SIZE.fullmatch(line)
+            if size is None:
+                raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
+            self._left = int(size.group(1), 16)
+            self._state = _CHUNK_DATA if self._left else _TRAILERS
+            return None
+        if state == _CHUNK_DATA:
+            available = len(buf) - self._pos
+            if not available:
+                return self._more()
+            take = min(available, self._left)
+            out.append(bytes(buf[self._pos : self._pos + take]))
+            self._pos += take
+            self._left -= take
+            if not self._left:
+                self._state = _CHUNK_CRLF
+            return None
+        if state == _CHUNK_CRLF:
+            if len(buf) - self._pos < 2:
+                return self._more()
+            if buf[self._pos : self._pos + 2] != b"\r\n":
+                raise ProtocolError("a chunk not followed by CRLF")
+            self._pos += 2
+            self._state = _CHUNK_SIZE_LINE
+            return None
+        return END  # _DONE
+
+    def _more(self) -> _Need:
+        if self._eof:
+            raise ProtocolError("the connection closed in the middle of a chunked body")
+        return NEED_DATA

@@ -1,0 +1,214 @@
+"""The gateway's HTTP/1.1 client codec (`llmgw.gateway.wire`) without I/O: requests written, and
+responses parsed the same whichever way their bytes are split, with everything an engine might
+send wrong refused by name, in time linear in what was fed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.gateway.wire import (
+    END,
+    MAX_HEAD_BYTES,
+    NEED_DATA,
+    ClosedBeforeResponse,
+    Head,
+    ProtocolError,
+    ResponseParser,
+    request_bytes,
+)
+
+
+def events(data: bytes, pieces: list[int] | None = None, *, eof: bool = False, method: str = "POST") -> list:
+    """Everything the parser makes of `data` fed in pieces of the given sizes (default: whole),
+    body pieces joined into one bytes; then the end of the connection if `eof`."""
+    parser = ResponseParser(request_method=method)
+    out: list = []
+    body = bytearray()
+    offsets = [0]
+    for size in pieces or [len(data)]:
+        offsets.append(min(len(data), offsets[-1] + size))
+    offsets.append(len(data))
+    chunks = [data[a:b] for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
+    for chunk in [*chunks, *([b""] if eof else [])]:
+        parser.feed(chunk)
+        while True:
+            event = parser.next_event()
+            if event is NEED_DATA:
+                break
+            if isinstance(event, bytes):
+                assert event, "an empty body piece"
+                body += event
+                continue
+            out.append(event)
+            if event is END:
+                break
+        if out and out[-1] is END:
+            break
+    return [*out[:1], bytes(body), *out[1:]] if out else out
+
+
+def test_a_request_is_its_head_with_host_and_length_first_then_the_body() -> None:
+    head = request_bytes("POST", "/v1/chat/completions", "10.0.0.2:8000", [(b"x-a", b"1"), (b"x-a", b"2")], b"{}")
+    assert head == (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.2:8000\r\ncontent-length: 2\r\n"
+        b"x-a: 1\r\nx-a: 2\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize("field", [(b"x-a", b"1\r\nx-b: 2"), (b"x-a", b"1\n"), (b"x-a", b"\x00"), (b"x a", b"1")])
+def test_a_field_that_would_split_the_request_is_refused(field: tuple[bytes, bytes]) -> None:
+    with pytest.raises(ValueError, match="not sent"):
+        request_bytes("POST", "/", "h:1", [field], b"")
+
+
+LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\nhello"
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"6\r\ndata: \r\n5;ext=1\r\nhello\r\n2\r\n\n\n\r\n0\r\nx-trailer: t\r\n\r\n"
+)
+
+
+def test_a_response_with_a_length_is_its_head_then_its_body_and_the_connection_is_reusable() -> None:
+    parser = ResponseParser()
+    parser.feed(LENGTH)
+    head = parser.next_event()
+    assert head == Head(status=200, headers=(("content-type", "application/json"), ("content-length", "5")))
+    assert parser.next_event() == b"hello" and parser.next_event() is END and parser.reusable
+
+
+def test_a_chunked_body_is_de_chunked_and_what_has_arrived_goes_out_in_one_piece() -> None:
+    parser = ResponseParser()
+    parser.feed(CHUNKED)
+    assert isinstance(parser.next_event(), Head)
+    assert parser.next_event() == b"data: hello\n\n"  # three chunks, one piece
+    assert parser.next_event() is END and parser.reusable
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([LENGTH, CHUNKED]), st.lists(st.integers(min_value=1, max_value=9), max_size=60))
+def test_any_split_of_the_bytes_gives_the_same_response(data: bytes, pieces: list[int]) -> None:
+    assert events(data, pieces) == events(data)
+
+
+def test_informational_heads_are_skipped_and_heads_without_a_body_end_at_once() -> None:
+    assert events(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: x\r\n\r\n" + LENGTH)[1] == b"hello"
+    for status in (204, 304):
+        assert events(b"HTTP/1.1 %d X\r\n\r\n" % status)[1:] == [b"", END]
+    assert events(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", method="HEAD")[1:] == [b"", END]
+
+
+def test_a_body_until_close_ends_with_the_connection_and_is_not_reused() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\n\r\nsome")
+    assert isinstance(parser.next_event(), Head) and parser.next_event() == b"some"
+    assert parser.next_event() is NEED_DATA
+    parser.feed(b"")
+    assert parser.next_event() is END and not parser.reusable
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK\r\n",  # bytes after the response
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+    ],
+)
+def test_a_connection_the_engine_closes_or_that_carried_more_is_not_reused(data: bytes) -> None:
+    parser = ResponseParser()
+    parser.feed(data)
+    while parser.next_event() is not END:
+        pass
+    assert not parser.reusable
+
+
+def test_an_http_1_0_engine_that_asks_for_keep_alive_is_reused() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n")
+    assert isinstance(parser.next_event(), Head) and parser.next_event() is END and parser.reusable
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        (b"HTTP/2 200 OK\r\n\r\n", "not an HTTP/1.1 status line"),
+        (b"HTTP/1.1 20 OK\r\n\r\n", "not an HTTP/1.1 status line"),
+        (b"HTTP/1.1 200 O\x01K\r\n\r\n", "not an HTTP/1.1 status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "not a header field line"),
+        (b"HTTP/1.1 200 OK\r\nbad name: 1\r\n\r\n", "not a header field line"),
+        (b"HTTP/1.1 200 OK\r\nx: 1\r\n folded\r\n\r\n", "not a header field line"),
+        (b"HTTP/1.1 200 OK\r\nx: a\x00b\r\n\r\n", "control character"),
+        (b"HTTP/1.1 200 OK\r\nx: a\nb: c\r\n\r\n", "control character"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n", "given differently"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n", "not a length"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 0x5\r\n\r\n", "not a length"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n", "other than chunked"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "not a chunk-size line"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabXY", "not followed by CRLF"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nbad trailer\r\n\r\n", "not a trailer"),
+    ],
+)
+def test_what_is_not_http_is_refused_by_name(data: bytes, says: str) -> None:
+    parser = ResponseParser()
+    parser.feed(data)
+    with pytest.raises(ProtocolError, match=says):
+        while parser.next_event() not in (END, NEED_DATA):
+            pass
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        (b"", "closed before a response"),
+        (b"HTTP/1.1 200 OK\r\n", "in the middle of a response head"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", "6 bytes before the end"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab", "in the middle of a chunked body"),
+    ],
+)
+def test_an_end_of_connection_before_the_end_of_the_response_is_refused(data: bytes, says: str) -> None:
+    parser = ResponseParser()
+    parser.feed(data)
+    parser.feed(b"")
+    with pytest.raises(ProtocolError, match=says) as info:
+        while parser.next_event() is not END:
+            pass
+    assert isinstance(info.value, ClosedBeforeResponse) == (data == b"")
+    assert parser.started == (data != b"")
+
+
+def test_a_head_or_a_line_past_its_bound_is_refused_even_before_its_end() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nx: " + b"a" * MAX_HEAD_BYTES)
+    with pytest.raises(ProtocolError, match="response head larger than"):
+        parser.next_event()
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 5000)
+    assert isinstance(parser.next_event(), Head)
+    with pytest.raises(ProtocolError, match="chunk-size or trailer line longer"):
+        parser.next_event()
+
+
+def fed_a_byte_at_a_time(size: int) -> float:
+    """CPU seconds to parse a head of about `size` bytes of short fields fed one byte at a time."""
+    fields = b"x: a\r\n" * ((size - 40) // 6)
+    data = b"HTTP/1.1 200 OK\r\n" + fields + b"content-length: 0\r\n\r\n"
+    parser = ResponseParser()
+    started = time.process_time()
+    for i in range(len(data)):
+        parser.feed(data[i : i + 1])
+        event = parser.next_event()
+    took = time.process_time() - started
+    assert isinstance(event, Head) and event.headers[-1] == ("content-length", "0")
+    return took
+
+
+def test_a_head_fed_a_byte_at_a_time_is_parsed_in_linear_time() -> None:
+    """Each byte does not search the head again from its start: eight times the bytes take
+    about eight times as long (a search from the start each time: about sixty times)."""
+    small, large = fed_a_byte_at_a_time(MAX_HEAD_BYTES // 8), fed_a_byte_at_a_time(MAX_HEAD_BYTES - 100)
+    assert large < 20 * small, f"{small:.3f} s, then {large:.3f} s for eight times the bytes"
