@@ -66,6 +66,8 @@ WAKEUPS: dict[str, str] = {
     "start waiting for them (`OwnGateway`) look again",
     "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
     "the valid keys again (`GatewayFeed`)",
+    "llmgw.http.server._Departure.stopped": "a connection is no longer read for its client's departure -> "
+    "the request that ended waits for it before the connection is read for the next",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
     "pages send the history",
     # The agent.

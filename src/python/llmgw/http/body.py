@@ -8,23 +8,23 @@ connection closes. Larger than `max_body_bytes` (or the route's own limit) is 41
 What bodies are buffered at once, over all connections of a listener, is bounded by one
 `BodyBudget` (`body_budget_bytes`): a body is counted before it is read (a chunked one as it
 comes), and past the budget it waits briefly, then gets 503 with Retry-After. A chunked body
-may arrive in at most `MAX_BODY_CHUNKS` chunks (h11 spends microseconds on each; tiny chunks
-would turn a body into seconds of work), and is fed to h11 in small pieces so one read never
-holds the loop long.
+may arrive in at most `MAX_BODY_CHUNKS` chunks (the parser spends microseconds on each; tiny
+chunks would turn a body into seconds of work), and is fed to it in small pieces so one read
+never holds the loop long.
 """
 
 from __future__ import annotations
 
-import h11
 import trio
 
 from llmgw.http.errors import Abort, peer_reason, too_large
+from llmgw.http.h1 import END, NEED_DATA, Data, ProtocolError, ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.messages import BodySource
 from llmgw.http.send import RECEIVE_SIZE, send
 
-# A chunked body is fed to h11 this much at a time, with a checkpoint between: h11 spends about
-# 10 µs on each chunk, so a read full of 6-byte chunks must not be handed over at once.
+# A chunked body is fed to the parser this much at a time, with a checkpoint between: it spends
+# microseconds on each chunk, so a read full of 6-byte chunks must not be handed over at once.
 CHUNKED_FEED_BYTES = 4096
 MAX_BODY_CHUNKS = 4096
 # A body up to this size is handed to the handler as bytes; a larger one as the bytearray it
@@ -79,7 +79,9 @@ class ConnectionBody(BodySource):
     `settled` is set once no more of it will be read: read whole, or abandoned (the handler
     answered without it, or reading it failed) — then the connection closes after the answer."""
 
-    def __init__(self, conn: h11.Connection, stream, limits: Limits, budget: BodyBudget, declared: int | None) -> None:
+    def __init__(
+        self, conn: ServerConnection, stream, limits: Limits, budget: BodyBudget, declared: int | None
+    ) -> None:
         self.conn, self.stream, self.limits, self.budget, self.declared = conn, stream, limits, budget, declared
         self.data: bytes | None = None
         self.failed: BaseException | None = None
@@ -102,7 +104,7 @@ class ConnectionBody(BodySource):
                 raise too_large(limit)
             try:
                 self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError) as exc:
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
                 # The peer broke the connection under the body: the connection's to end, not
                 # the handler's to answer (`server._call_handler` lets an `Abort` through).
                 raise Abort(peer_reason(exc) or "closed", message=f"reading the request body: {exc}") from exc
@@ -126,14 +128,14 @@ class ConnectionBody(BodySource):
         body = bytearray(self.declared) if not chunked else bytearray()
         got = 0
         chunks = 0
-        unfed = b""  # of a chunked body: read, not yet given to h11 (see CHUNKED_FEED_BYTES)
+        unfed = b""  # of a chunked body: read, not yet given to the parser (see CHUNKED_FEED_BYTES)
         while True:
             part = next_event(conn)
-            if isinstance(part, h11.Data):
+            if isinstance(part, Data):
                 if chunked:  # counted as it comes
                     await self.budget.take(len(part.data))
                     self.taken += len(part.data)
-                    chunks += part.chunk_start
+                    chunks += part.chunks
                     if chunks > MAX_BODY_CHUNKS:
                         raise Abort(
                             "malformed",
@@ -143,22 +145,22 @@ class ConnectionBody(BodySource):
                         )
                 if chunked:
                     body += part.data
-                else:  # h11 never gives more than the declared length
+                else:  # the parser never gives more than the declared length
                     body[got : got + len(part.data)] = part.data
                 got += len(part.data)
                 if got > limit:
                     if limit < limits.max_body_bytes:
                         raise too_large(limit)
                     raise Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
-            elif isinstance(part, h11.EndOfMessage):
+            elif part is END:
                 return bytes(body) if got <= SMALL_BODY_BYTES else body
-            elif part is h11.NEED_DATA and unfed:
+            elif part is NEED_DATA and unfed:
                 await trio.lowlevel.checkpoint()
                 conn.receive_data(unfed[:CHUNKED_FEED_BYTES])
                 unfed = unfed[CHUNKED_FEED_BYTES:]
-            elif part is h11.NEED_DATA:
-                if conn.they_are_waiting_for_100_continue:
-                    await send(self.stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])), limits)
+            elif part is NEED_DATA:
+                if conn.expecting_continue:
+                    await send(self.stream, conn.send_continue(), limits)
                 deadline = total_deadline
                 if limits.body_min_bytes_per_s > 0:
                     # The average so far must stay above the minimum: each byte buys 1/rate seconds.
@@ -186,14 +188,14 @@ class ConnectionBody(BodySource):
             self.taken = 0
 
 
-def next_event(conn: h11.Connection):
-    """h11's next event; what it cannot parse is the peer's fault (`Abort`, with the status
-    h11 suggests: 400, or 431 for a head too large)."""
+def next_event(conn: ServerConnection):
+    """The parser's next event; what it cannot parse is the peer's fault (`Abort`, with the
+    status the parser gives: 400, 431 for a head too large, 501, 505)."""
     try:
         return conn.next_event()
-    except h11.RemoteProtocolError as exc:
-        if conn.trailing_data[1]:  # the peer closed in the middle of a message
+    except ProtocolError as exc:
+        if conn.eof:  # the peer closed in the middle of a message
             raise Abort("closed", message=str(exc)) from None
-        status = exc.error_status_hint
-        reason = "too_large" if status == 431 else "malformed"
-        raise Abort(reason, status, f"malformed HTTP request: {exc}") from None
+        if exc.status == 431:
+            raise Abort("too_large", 431, str(exc)) from None
+        raise Abort("malformed", exc.status, f"malformed HTTP request: {exc}") from None

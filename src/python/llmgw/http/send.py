@@ -1,10 +1,10 @@
-"""Writing responses on an h11 connection, each write within `send_timeout_s` (a client that
-stops reading is cut: `trio.TooSlowError`).
+"""Writing responses on a connection (`llmgw.http.h1`), each write within `send_timeout_s` (a
+client that stops reading is cut: `trio.TooSlowError`).
 
 A whole `Response` goes out with its Content-Length; to a HEAD, its head alone (RFC 9110
 §9.3.2). A `StreamingResponse` goes out chunk by chunk as it is produced, with
-`transfer-encoding: chunked` unless it gives its `length` (h11 chooses, RFC 9112 §6.3; an
-HTTP/1.0 client gets a body delimited by closing the connection), while the connection is read
+`transfer-encoding: chunked` unless it gives its `length` (RFC 9112 §6.3; an HTTP/1.0 client
+gets a body delimited by closing the connection), while the connection is read
 (`wait_for_disconnect`), so a client that goes away cancels the producer at once rather than at
 its next chunk.
 
@@ -17,14 +17,13 @@ for gets `busy_answer`, written before its request is read.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable
-from http import HTTPStatus
 
-import h11
 import trio
 
 from llmgw.http.errors import Abort, BodyAborted, peer_reason
+from llmgw.http.h1 import ServerConnection
 from llmgw.http.limits import Limits
-from llmgw.http.messages import Headers, Response, StreamingResponse
+from llmgw.http.messages import Response, StreamingResponse
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.http")
@@ -42,58 +41,34 @@ async def send(stream, data: bytes, limits: Limits) -> None:
 
 
 async def send_response(
-    conn: h11.Connection, stream, response: Response, limits: Limits, close: bool = False, head: bool = False
+    conn: ServerConnection, stream, response: Response, limits: Limits, close: bool = False, head: bool = False
 ) -> None:
     """Send a whole response; to a HEAD, its head alone, with the length the body would have."""
-    headers = _fields(response.headers, len(response.body), close)
-    data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+    data = conn.send_head(response.status, response.headers, length=len(response.body), close=close, head_only=head)
     if response.body and not head:
-        data += conn.send(h11.Data(data=response.body))
-    await send(stream, data + conn.send(h11.EndOfMessage()), limits)
-
-
-def _fields(headers: Headers, length: int | None, close: bool) -> list[tuple[bytes, bytes]]:
-    """The response's header fields as bytes, with our Content-Length (none: chunked) and, when
-    closing, `Connection: close`."""
-    fields = [(_bytes(k), _bytes(v)) for k, v in headers]
-    fields = [(k, v) for k, v in fields if k.lower() != b"content-length"]
-    if length is not None:
-        fields.append((b"content-length", str(length).encode()))
-    if close:
-        fields.append((b"connection", b"close"))
-    return fields
-
-
-def _bytes(field: str | bytes) -> bytes:
-    return field if isinstance(field, bytes) else field.encode()
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""
+        data += conn.send_data(response.body)
+    await send(stream, data + conn.send_end(), limits)
 
 
 async def send_streaming(
-    conn: h11.Connection, stream, response: StreamingResponse, limits: Limits, close: bool = False, head: bool = False
+    conn: ServerConnection,
+    stream,
+    response: StreamingResponse,
+    limits: Limits,
+    close: bool = False,
+    head: bool = False,
 ) -> None:
     """Send a streamed response. The client going away, or the producer failing, ends the
     connection (`Abort` or the stream's error). To a HEAD: the head alone, the producer closed
     unstarted."""
-    headers = _fields(response.headers, response.length, close)
     gone: list[bool] = []
     try:
+        start = conn.send_head(response.status, response.headers, length=response.length, close=close, head_only=head)
         if head:
-            start = h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status))
-            await send(stream, conn.send(start) + conn.send(h11.EndOfMessage()), limits)
+            await send(stream, start + conn.send_end(), limits)
             return
         # Inside the try: a client gone before the head still gets the producer closed.
-        await send(
-            stream,
-            conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status))),
-            limits,
-        )
+        await send(stream, start, limits)
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -116,7 +91,7 @@ async def send_streaming(
                 await aclose()
 
 
-async def send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes], limits: Limits) -> None:
+async def send_body(conn: ServerConnection, stream, body: AsyncIterable[bytes], limits: Limits) -> None:
     # The producer's failures and the client's are told apart: only the first is a bug to log,
     # and neither is answered (the head is out): the connection closes without the last chunk.
     chunks = aiter(body)
@@ -132,16 +107,16 @@ async def send_body(conn: h11.Connection, stream, body: AsyncIterable[bytes], li
             raise Abort("producer_failed", message="the streamed body's producer failed") from None
         if not chunk:
             continue  # an empty chunk would end a chunked body (RFC 9112 §7.1)
-        await send(stream, conn.send(h11.Data(data=chunk)), limits)
-    await send(stream, conn.send(h11.EndOfMessage()), limits)
+        await send(stream, conn.send_data(chunk), limits)
+    await send(stream, conn.send_end(), limits)
 
 
-async def wait_for_disconnect(conn: h11.Connection, stream, limits: Limits) -> None:
+async def wait_for_disconnect(conn: ServerConnection, stream, limits: Limits) -> None:
     """Read the connection while a response is made; return when the client has closed it.
-    Bytes that arrive meanwhile (a pipelined request) go to h11's buffer for the next cycle;
-    past one head's worth of them this stops reading and lets TCP push back (what is buffered
-    here is outside the body budget, so it stays small)."""
-    while len(conn.trailing_data[0]) < limits.max_head_bytes:
+    Bytes that arrive meanwhile (a pipelined request) go to the parser's buffer for the next
+    cycle; past one head's worth of them this stops reading and lets TCP push back (what is
+    buffered here is outside the body budget, so it stays small)."""
+    while conn.buffered < limits.max_head_bytes:
         try:
             data = await stream.receive_some(RECEIVE_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -152,10 +127,10 @@ async def wait_for_disconnect(conn: h11.Connection, stream, limits: Limits) -> N
     await trio.sleep_forever()
 
 
-async def answer_and_close(conn: h11.Connection, stream, limits: Limits, response: Response) -> None:
+async def answer_and_close(conn: ServerConnection, stream, limits: Limits, response: Response) -> None:
     """Answer an error on a connection about to close, if no response has begun; whatever
     the peer does meanwhile is ignored (it ends the connection either way)."""
-    if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+    if conn.answer_begun:
         return  # the response has begun: cutting the connection is the only signal left
     try:
         await send_response(conn, stream, response, limits, close=True)
@@ -182,12 +157,10 @@ async def linger(stream) -> None:
 
 def busy_answer(response: Response) -> bytes:
     """`response` as the bytes of a whole answer that closes its connection, for a connection
-    turned away before its request is read (h11 answers only a request it has parsed; a client
-    reads this as the answer to the request it sends, RFC 9112 §9.6)."""
-    head = b"HTTP/1.1 %d %s\r\n" % (response.status, _reason(response.status))
-    for name, value in _fields(response.headers, len(response.body), close=True):
-        head += name + b": " + value + b"\r\n"
-    return head + b"\r\n" + response.body
+    turned away before its request is read (a client reads this as the answer to the request
+    it sends, RFC 9112 §9.6)."""
+    conn = ServerConnection(max_head_bytes=0)
+    return conn.send_head(response.status, response.headers, length=len(response.body), close=True) + response.body
 
 
 async def answer_busy(answer: bytes, stream: trio.abc.Stream) -> None:

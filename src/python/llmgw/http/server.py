@@ -1,8 +1,8 @@
-"""A small HTTP/1.1 server on h11 and trio: the one HTTP stack of every llmgw port (the gateway
-and admin API, the agent port, the sim engine).
+"""A small HTTP/1.1 server on trio: the one HTTP stack of every llmgw port (the gateway and admin
+API, the agent port, the sim engine).
 
-h11 is the protocol state machine; this module is the trio loop around it: read bytes, feed
-h11, hand a `Request` (`llmgw.http.messages`) to the handler, write its answer
+`llmgw.http.h1` is the protocol, without I/O; this module is the trio loop around it: read
+bytes, feed the parser, hand a `Request` (`llmgw.http.messages`) to the handler, write its answer
 (`llmgw.http.send`). Keep-alive and pipelined requests are handled in order, one at a time per
 connection (RFC 9112 §9.3.2); a listener may serve one request per connection instead
 (`keep_alive=False`, the agent port). A handler may also answer `Upgrade`, on a listener that
@@ -51,12 +51,12 @@ from functools import partial
 from urllib.parse import parse_qs, urlsplit
 
 import attrs
-import h11
 import trio
 
 from llmgw.errors import leaves
 from llmgw.http.body import BodyBudget, ConnectionBody, next_event
 from llmgw.http.errors import Abort, HTTPError, peer_reason
+from llmgw.http.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
 from llmgw.http.messages import Answer, ErrorBody, Handler, Request, StreamingResponse, Upgrade, plain_error
@@ -71,6 +71,7 @@ from llmgw.http.send import (
     wait_for_disconnect,
 )
 from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.http")
 
@@ -167,9 +168,9 @@ def peer_address(stream: trio.abc.Stream) -> str:
 
 @attrs.define(kw_only=True, eq=False)
 class _Connection:
-    """One connection as served: its h11 state, its stream and the listener's rules for it."""
+    """One connection as served: its protocol state, its stream and the listener's rules for it."""
 
-    conn: h11.Connection
+    conn: ServerConnection
     stream: trio.abc.Stream
     client: str
     limits: Limits
@@ -207,7 +208,7 @@ class _Departure:
         self._timer = trio.CancelScope()
         self._request: tuple[trio.CancelScope, ConnectionBody] | None = None
         self._reading: trio.CancelScope | None = None
-        self._stopped: trio.Event | None = None
+        self.stopped = Wakeup()  # the reading has stopped
 
     def arm(self, scope: trio.CancelScope, body: ConnectionBody) -> None:
         """Watch for the client while `scope` (the handler's) runs: `scope` is cancelled if it leaves."""
@@ -218,10 +219,11 @@ class _Departure:
         """The handler is done: stop watching, and wait until the connection is no longer read."""
         self._request = None
         self._timer.deadline = math.inf
-        if self._reading is not None and self._stopped is not None:
+        if self._reading is not None:
+            stopped = self.stopped.next()
             self._reading.cancel()
             with trio.CancelScope(shield=True):
-                await self._stopped.wait()
+                await stopped.wait()
 
     async def run(self) -> None:
         while True:
@@ -230,7 +232,6 @@ class _Departure:
             if self._request is None:
                 continue  # disarmed as the timer went off
             scope, body = self._request
-            self._stopped = trio.Event()
             try:
                 with trio.CancelScope() as self._reading:
                     await body.settled.wait()
@@ -242,7 +243,7 @@ class _Departure:
                         await trio.sleep_forever()  # the body broke off: the connection ends after the answer
             finally:
                 self._reading = None
-                self._stopped.set()
+                self.stopped.fire()
 
 
 async def serve_connection(
@@ -263,7 +264,7 @@ async def serve_connection(
     Returns why the connection ended when the peer ended it or missed a deadline (the reason
     /metrics counts), else None."""
     c = _Connection(
-        conn=h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes),
+        conn=ServerConnection(max_head_bytes=limits.max_head_bytes),
         stream=stream,
         client=peer_address(stream),
         limits=limits,
@@ -330,8 +331,8 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
                     raise RuntimeError(f"an Upgrade answer to {request.path} on a listener that takes none")
                 if not body.whole:
                     raise Abort("malformed", 400, "an upgrade request has no body; send it without one")
-                # Every byte read from the head on: h11 holds what came after the head.
-                return response, request._head_bytes + c.conn.trailing_data[0]
+                # Every byte read from the head on: the parser holds what came after the head.
+                return response, request._head_bytes + c.conn.trailing()
             # A body left unread (the request was refused from its head) or broken off cannot be
             # skipped to the next request: this answer is the connection's last, and says so. So
             # is an answer while stopping (RFC 9112 §9.6), and every answer of a listener that
@@ -346,7 +347,7 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
         if not body.whole:
             await linger(c.stream)
             return None
-        if c.conn.our_state is h11.MUST_CLOSE or c.conn.their_state is h11.MUST_CLOSE:
+        if not c.conn.reusable:
             return None
         c.conn.start_next_cycle()
 
@@ -380,8 +381,8 @@ def _only_http_error(exc: BaseException) -> HTTPError | None:
 
 
 async def _receive(c: _Connection, deadline: float, raw: bytearray | None) -> bool:
-    """Read once into h11 (and into `raw`, when the head's bytes are kept), unless `deadline`
-    passes first (then False)."""
+    """Read once into the parser (and into `raw`, when the head's bytes are kept), unless
+    `deadline` passes first (then False)."""
     with trio.move_on_at(deadline):
         data = await c.stream.receive_some(RECEIVE_SIZE)
         c.conn.receive_data(data)
@@ -396,16 +397,16 @@ async def _read_request(c: _Connection, *, first: bool) -> Request | None:
     now = trio.current_time()
     # A new connection must send its head within head_timeout_s; a kept-alive one may idle
     # for keepalive_timeout_s before the next head starts, then has head_timeout_s for it.
-    head_deadline = now + limits.head_timeout_s if first or conn.trailing_data[0] else None
+    head_deadline = now + limits.head_timeout_s if first or conn.buffered else None
     # The head's bytes as read, for a listener that may hand the connection over (`Upgrade`).
-    raw = bytearray(conn.trailing_data[0]) if c.upgrades else None
+    raw = bytearray(conn.trailing()) if c.upgrades else None
     while True:
         event = next_event(conn)
-        if event is not h11.NEED_DATA:
+        if event is not NEED_DATA:
             break
-        if head_deadline is None and conn.trailing_data[0]:
+        if head_deadline is None and conn.buffered:
             head_deadline = trio.current_time() + limits.head_timeout_s
-        if not conn.trailing_data[0]:
+        if not conn.buffered:
             # Nothing of a request yet: idle between requests until the keep-alive deadline, or
             # new and silent until the head deadline. Either way the listener may close this
             # connection quietly to make room at its cap (`listeners.IdleConnections`), and a
@@ -424,17 +425,12 @@ async def _read_request(c: _Connection, *, first: bool) -> Request | None:
             raise Abort(
                 "head_timeout", 408, f"request head not received within {limits.head_timeout_s:g} s; send it whole"
             )
-    if isinstance(event, h11.ConnectionClosed):
+    if event is CLOSED:
         return None
-    if not isinstance(event, h11.Request):
-        raise Abort("malformed", 400, f"expected a request, got {type(event).__name__}")
-    # h11 bounds a head that arrives in pieces; one that arrives whole is measured here.
-    head_size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
-    if head_size > limits.max_head_bytes:
-        raise Abort(
-            "too_large", 431, f"request head of {head_size} bytes is larger than the limit of {limits.max_head_bytes}"
-        )
-    raw_headers = tuple(event.headers)  # h11 gives the names lower-case
+    if not isinstance(event, RequestHead):
+        raise Abort("malformed", 400, f"expected a request, got {event!r}")
+    # The parser measured the head whole, however it arrived (431 past `max_head_bytes`).
+    raw_headers = tuple(event.headers)  # names lower-case
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
     if "transfer-encoding" in headers and "content-length" in headers:
         # RFC 9112 §6.1: a message with both may be an attempt at request smuggling; answer
@@ -445,15 +441,15 @@ async def _read_request(c: _Connection, *, first: bool) -> Request | None:
         raise Abort(
             "too_large", 413, f"request body of {declared} bytes is larger than the limit of {limits.max_body_bytes}"
         )
-    head = bytes(raw[: len(raw) - len(conn.trailing_data[0])]) if raw is not None else b""
+    head = bytes(raw[: len(raw) - conn.buffered]) if raw is not None else b""
     chunked = "transfer-encoding" in headers
     body = ConnectionBody(conn, c.stream, limits, c.budget, None if chunked else int(declared or 0))
     pipelined = 0
     if not chunked and not int(declared or 0):
-        # No body: take h11's EndOfMessage now, so the request is whole before the handler runs.
+        # No body: take the parser's end of the message now, so the request is whole before the handler runs.
         body.data = _no_body(conn)
         body.settled.set()
-        pipelined = len(conn.trailing_data[0])
+        pipelined = conn.buffered
     target = urlsplit(event.target.decode("latin-1"))
     return Request(
         method=event.method.decode("ascii"),
@@ -470,8 +466,8 @@ async def _read_request(c: _Connection, *, first: bool) -> Request | None:
     )
 
 
-def _no_body(conn: h11.Connection) -> bytes:
+def _no_body(conn: ServerConnection) -> bytes:
     event = next_event(conn)
-    if not isinstance(event, h11.EndOfMessage):
-        raise Abort("malformed", 400, f"expected the end of a request without a body, got {type(event).__name__}")
+    if event is not END:
+        raise Abort("malformed", 400, f"expected the end of a request without a body, got {event!r}")
     return b""

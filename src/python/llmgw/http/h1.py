@@ -1,0 +1,414 @@
+"""HTTP/1.1 as llmgw's listeners speak it, without I/O (RFC 9112): requests parsed from what a
+client sends, answers written as bytes, and the connection's state between them.
+
+It took h11's place on the listeners for a measured reason (issue 30, docs/performance.md): on
+the gateway's request path h11's general state machine, event objects and its validation of
+every header the server itself writes cost about a fifth of the gateway's CPU per request; this
+does what the listeners need in a few byte operations per message. The rules a client is held
+to are h11's, and RFC 9112's:
+
+- A request head is at most `max_head_bytes`, measured whole however it arrives (431 past it,
+  before its end has come); a request line `METHOD SP TARGET SP HTTP/1.x` (a method is a token,
+  a target visible ASCII; another HTTP version is 505); header lines `name: value` (a name a
+  token, a value without control characters, CR, LF or NUL; obs-fold refused); an HTTP/1.1
+  request has one Host. Empty lines before a request line are skipped (RFC 9112 §2.2).
+- A body framed by one Content-Length (repeats must agree) or `Transfer-Encoding: chunked` alone
+  (another coding is 501); a chunk-size line is hex with optional extensions, at most
+  `MAX_LINE_BYTES` with them, as is each trailer line; a chunk is followed by CRLF.
+- Keep-alive: HTTP/1.1 unless `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`.
+  `Expect: 100-continue` is noted (`expecting_continue`) until the body is read or answered.
+- Answers: a status line and the handler's fields, then the framing this writes itself (a
+  Content-Length, or `chunked` to an HTTP/1.1 client, or the end of the connection to an
+  HTTP/1.0 one) and `Connection: close` when either side closes after it; a HEAD, 204 or 304
+  answer has no body. A field with CR, LF or NUL, or a name that is no token, is refused
+  (`LocalProtocolError`, before anything is written): it would split the answer. Writing more
+  or fewer bytes than a Content-Length declared is refused too.
+
+Parsing is linear in the bytes fed: the buffer is read from an offset, compacted as it is
+consumed, and a head's or line's end is searched for from where the last search stopped.
+
+`ServerConnection`: `receive_data` (b"" at the peer's end), `next_event` until `NEED_DATA` —
+a `RequestHead`, then `Data` pieces, then `END` — then `send_head`, `send_data`, `send_end`;
+`start_next_cycle` for the next request when `reusable`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from http import HTTPStatus
+
+MAX_LINE_BYTES = 4096
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_NOT_IN_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # all but TAB, CR and LF
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+
+
+class ProtocolError(Exception):
+    """What the client sent is not HTTP/1.1 this server takes: `status` is the answer it
+    deserves (400, 431 for a head too large, 501, 505)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LocalProtocolError(Exception):
+    """The server itself tried to write something that is not HTTP: a bug of the handler."""
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")
+END = _Sentinel("END")  # the request's body has ended
+CLOSED = _Sentinel("CLOSED")  # the client closed the connection between requests
+PAUSED = _Sentinel("PAUSED")  # the request is whole: nothing more until `start_next_cycle`
+
+
+class RequestHead:
+    __slots__ = ("method", "target", "headers", "http_version", "size")
+
+    def __init__(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], http_version: bytes, size: int
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers  # names lower-case, in the order sent, repeats kept
+        self.http_version = http_version  # b"1.1" or b"1.0"
+        self.size = size  # the head's bytes, CRLFs included
+
+
+class Data:
+    __slots__ = ("data", "chunks")
+
+    def __init__(self, data: bytes, chunks: int = 0) -> None:
+        self.data = data
+        self.chunks = chunks  # of a chunked body: how many chunks began in this piece
+
+
+# their side (the client's): _DONE_PENDING: the request's end is due (`END` at the next
+# `next_event`); and ours (the answer)
+_IDLE, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _DONE_PENDING, _DONE = range(8)
+_ANSWER_IDLE, _ANSWER_LENGTH, _ANSWER_CHUNKED, _ANSWER_UNTIL_CLOSE, _ANSWER_NONE, _ANSWER_DONE = range(6)
+
+
+class ServerConnection:
+    def __init__(self, *, max_head_bytes: int) -> None:
+        self.max_head_bytes = max_head_bytes
+        self._buf = bytearray()
+        self._pos = 0
+        self._scanned = 0  # where the search for a head's or line's end goes on from
+        self.eof = False
+        self._state = _IDLE
+        self._left = 0  # of a Content-Length body, or of the current chunk
+        self._answer = _ANSWER_IDLE
+        self._answer_left = 0
+        self.keep_alive = True  # the client's wish for this request
+        self.closing = False  # this side closes after the answer
+        self.http_version = b"1.1"
+        self.expecting_continue = False
+
+    # -- reading --------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        if not data:
+            self.eof = True
+            return
+        if self._pos and self._pos >= len(self._buf) // 2:
+            del self._buf[: self._pos]
+            self._scanned = max(0, self._scanned - self._pos)
+            self._pos = 0
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet parsed (of the next request, while one is answered)."""
+        return len(self._buf) - self._pos
+
+    def trailing(self) -> bytes:
+        """Those bytes themselves (what follows a request whose connection an upgrade takes)."""
+        return bytes(self._buf[self._pos :])
+
+    @property
+    def request_whole(self) -> bool:
+        return self._state == _DONE
+
+    def next_event(self) -> RequestHead | Data | _Sentinel:
+        state = self._state
+        if state == _IDLE:
+            return self._head()
+        if state == _DONE:
+            return PAUSED
+        if state == _LENGTH:
+            available = len(self._buf) - self._pos
+            if not available:
+                if not self._left:
+                    return self._ended()
+                if self.eof:
+                    raise ProtocolError(f"the connection closed {self._left} bytes before the end of the request body")
+                return NEED_DATA
+            take = min(available, self._left)
+            data = bytes(self._buf[self._pos : self._pos + take])
+            self._pos += take
+            self._left -= take
+            self.expecting_continue = False
+            if not self._left:
+                self._state = _DONE_PENDING
+            return Data(data)
+        if state == _DONE_PENDING:
+            return self._ended()
+        return self._chunked()
+
+    def _ended(self) -> _Sentinel:
+        self._state = _DONE
+        self.expecting_continue = False
+        return END
+
+    def _head(self) -> RequestHead | _Sentinel:
+        buf = self._buf
+        while buf.startswith(b"\r\n", self._pos):  # empty lines before a request line
+            self._pos += 2
+        end = buf.find(b"\r\n\r\n", max(self._pos, self._scanned))
+        if end < 0:
+            # A byte no head may hold is refused at once, not once the head is whole (nothing
+            # that is HTTP at all, say), searched for in what came since the last search.
+            if _NOT_IN_HEAD.search(buf, max(self._pos, self._scanned)) is not None:
+                raise ProtocolError("a control character in the request head: this is not HTTP/1.1")
+            self._scanned = max(self._pos, len(buf) - 3)
+            if len(buf) - self._pos > self.max_head_bytes:
+                raise ProtocolError(f"request head larger than the limit of {self.max_head_bytes} bytes", 431)
+            if self.eof:
+                if self._pos == len(buf):
+                    return CLOSED
+                raise ProtocolError("the connection closed in the middle of a request head")
+            return NEED_DATA
+        size = end + 4 - self._pos
+        if size > self.max_head_bytes:
+            raise ProtocolError(f"request head of {size} bytes is larger than the limit of {self.max_head_bytes}", 431)
+        lines = bytes(buf[self._pos : end]).split(b"\r\n")
+        self._pos = end + 4
+        line = _REQUEST_LINE.fullmatch(lines[0])
+        if line is None:
+            raise ProtocolError(f"not a request line: {lines[0][:80]!r}")
+        method, target, major, minor = line.groups()
+        if major != b"1" or minor not in (b"0", b"1"):
+            raise ProtocolError(f"HTTP/{major.decode()}.{minor.decode()} is not supported; send HTTP/1.1", 505)
+        headers: list[tuple[bytes, bytes]] = []
+        length: int | None = None
+        chunked = False
+        hosts = 0
+        connection: list[bytes] = []
+        expect = False
+        for field in lines[1:]:
+            name, colon, value = field.partition(b":")
+            if not colon or _TOKEN.fullmatch(name) is None:
+                raise ProtocolError(f"not a header field line: {field[:80]!r}")
+            value = value.strip(b" \t")
+            if _BAD_VALUE.search(value) is not None:
+                raise ProtocolError(f"a control character in the value of the header field {name[:40]!r}")
+            name = name.lower()
+            headers.append((name, value))
+            if name == b"content-length":
+                for one in value.split(b","):
+                    one = one.strip(b" \t")
+                    if not one.isdigit() or len(one) > 18:
+                        raise ProtocolError(f"Content-Length is not a length: {value[:40]!r}")
+                    if length is not None and int(one) != length:
+                        raise ProtocolError("Content-Length given twice, differently")
+                    length = int(one)
+            elif name == b"transfer-encoding":
+                if chunked or value.lower() != b"chunked":
+                    raise ProtocolError(
+                        f"Transfer-Encoding {value[:40]!r} is not supported; send the body with Content-Length "
+                        "or Transfer-Encoding: chunked",
+                        501,
+                    )
+                chunked = True
+            elif name == b"host":
+                hosts += 1
+            elif name == b"connection":
+                connection.extend(t.strip(b" \t").lower() for t in value.split(b","))
+            elif name == b"expect":
+                expect = value.lower() == b"100-continue"
+        version = b"1." + minor
+        if version == b"1.1" and hosts != 1:
+            raise ProtocolError("a request has no Host header field" if not hosts else "Host given more than once")
+        self.http_version = version
+        self.keep_alive = b"close" not in connection if version == b"1.1" else b"keep-alive" in connection
+        if chunked:
+            self._state = _CHUNK_SIZE_LINE
+        elif length:
+            self._state, self._left = _LENGTH, length
+        else:
+            self._state = _DONE_PENDING
+        self.expecting_continue = expect and version == b"1.1" and self._state != _DONE_PENDING
+        return RequestHead(method, target, headers, version, size)
+
+    def _chunked(self) -> Data | _Sentinel:
+        out: list[bytes] = []
+        chunks = 0
+        while True:
+            buf, state = self._buf, self._state
+            if state == _CHUNK_SIZE_LINE or state == _TRAILERS:
+                end = buf.find(b"\r\n", max(self._pos, self._scanned))
+                if end < 0:
+                    self._scanned = max(self._pos, len(buf) - 1)
+                    if len(buf) - self._pos > MAX_LINE_BYTES:
+                        raise ProtocolError(f"a chunk-size or trailer line longer than {MAX_LINE_BYTES} bytes")
+                    break
+                line = bytes(buf[self._pos : end])
+                if len(line) > MAX_LINE_BYTES:
+                    raise ProtocolError(f"a chunk-size or trailer line longer than {MAX_LINE_BYTES} bytes")
+                self._pos = end + 2
+                if state == _TRAILERS:
+                    if not line:
+                        self._state = _DONE_PENDING
+                        break
+                    name, colon, value = line.partition(b":")
+                    if not colon or _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value.strip(b" \t")):
+                        raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
+                    continue
+                size = _CHUNK_SIZE.fullmatch(line)
+                if size is None:
+                    raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
+                self._left = int(size.group(1), 16)
+                self._state = _CHUNK_DATA if self._left else _TRAILERS
+                chunks += 1 if self._left else 0
+            elif state == _CHUNK_DATA:
+                available = len(buf) - self._pos
+                if not available:
+                    break
+                take = min(available, self._left)
+                out.append(bytes(buf[self._pos : self._pos + take]))
+                self._pos += take
+                self._left -= take
+                if not self._left:
+                    self._state = _CHUNK_CRLF
+            elif state == _CHUNK_CRLF:
+                if len(buf) - self._pos < 2:
+                    break
+                if buf[self._pos : self._pos + 2] != b"\r\n":
+                    raise ProtocolError("a chunk not followed by CRLF")
+                self._pos += 2
+                self._state = _CHUNK_SIZE_LINE
+            else:
+                break  # _DONE_PENDING: the end, after the data
+        if out or chunks:
+            self.expecting_continue = False
+            return Data(b"".join(out), chunks)
+        if self._state == _DONE_PENDING:
+            return self._ended()
+        if self.eof:
+            raise ProtocolError("the connection closed in the middle of a chunked request body")
+        return NEED_DATA
+
+    # -- writing --------------------------------------------------------------------------
+
+    @property
+    def answer_begun(self) -> bool:
+        return self._answer != _ANSWER_IDLE
+
+    def send_continue(self) -> bytes:
+        self.expecting_continue = False
+        return b"HTTP/1.1 100 Continue\r\n\r\n"
+
+    def send_head(
+        self,
+        status: int,
+        headers: Iterable[tuple[bytes | str, bytes | str]],
+        *,
+        length: int | None,
+        close: bool = False,
+        head_only: bool = False,
+    ) -> bytes:
+        """The answer's head: `headers` (a Content-Length, Transfer-Encoding or Connection
+        among them is replaced by this one's framing), `length` the body's (None: not known,
+        streamed), `close` to end the connection after it; `head_only` for a HEAD request."""
+        if self._answer != _ANSWER_IDLE:
+            raise LocalProtocolError("an answer has begun already")
+        line = _STATUS_LINES.get(status)
+        if line is None:
+            if not 200 <= status <= 999:
+                raise LocalProtocolError(f"status {status} is not a final answer's")
+            line = b"HTTP/1.1 %d \r\n" % status
+        parts = [line]
+        for name, value in headers:
+            name = name if isinstance(name, bytes) else name.encode("latin-1")
+            value = value if isinstance(value, bytes) else value.encode("latin-1")
+            if _TOKEN.fullmatch(name) is None or b"\r" in value or b"\n" in value or b"\x00" in value:
+                raise LocalProtocolError(f"the header field {name[:40]!r} cannot be written: CR, LF or NUL in it")
+            low = name.lower()
+            if low == b"content-length" or low == b"transfer-encoding":
+                continue
+            if low == b"connection":
+                close = close or b"close" in value.lower()
+                continue
+            parts += (name, b": ", value, b"\r\n")
+        close = close or not self.keep_alive
+        if head_only or status in (204, 304):
+            if head_only and length is not None:
+                parts.append(b"content-length: %d\r\n" % length)
+            self._answer = _ANSWER_NONE
+        elif length is not None:
+            parts.append(b"content-length: %d\r\n" % length)
+            self._answer, self._answer_left = _ANSWER_LENGTH, length
+        elif self.http_version == b"1.1":
+            parts.append(b"transfer-encoding: chunked\r\n")
+            self._answer = _ANSWER_CHUNKED
+        else:  # an HTTP/1.0 client: the body ends with the connection
+            close = True
+            self._answer = _ANSWER_UNTIL_CLOSE
+        if close:
+            parts.append(b"connection: close\r\n")
+        self.closing = close
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    def send_data(self, data: bytes) -> bytes:
+        answer = self._answer
+        if answer == _ANSWER_CHUNKED:
+            return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+        if answer == _ANSWER_LENGTH:
+            if len(data) > self._answer_left:
+                raise LocalProtocolError(f"{len(data)} bytes where {self._answer_left} were left of the Content-Length")
+            self._answer_left -= len(data)
+            return data
+        if answer == _ANSWER_UNTIL_CLOSE:
+            return data
+        if answer == _ANSWER_NONE:
+            return b""
+        raise LocalProtocolError("no answer head was written before its body")
+
+    def send_end(self) -> bytes:
+        answer = self._answer
+        if answer == _ANSWER_LENGTH and self._answer_left:
+            raise LocalProtocolError(f"the body ended {self._answer_left} bytes short of its Content-Length")
+        if answer == _ANSWER_IDLE or answer == _ANSWER_DONE:
+            raise LocalProtocolError("no answer to end")
+        self._answer = _ANSWER_DONE
+        return b"0\r\n\r\n" if answer == _ANSWER_CHUNKED else b""
+
+    # -- between requests -----------------------------------------------------------------
+
+    @property
+    def reusable(self) -> bool:
+        """Whether another request may follow on this connection: the request read whole, its
+        answer written whole, and neither side closing."""
+        return self._state == _DONE and self._answer == _ANSWER_DONE and not self.closing and not self.eof
+
+    def start_next_cycle(self) -> None:
+        if not self.reusable:
+            raise LocalProtocolError("the connection cannot carry another request")
+        self._state = _IDLE
+        self._answer = _ANSWER_IDLE
+        self.keep_alive = True
+        self.expecting_continue = False
