@@ -56,6 +56,7 @@ from llmgw.gateway.errors import (
     UpstreamUnavailable,
 )
 from llmgw.gateway.wire import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
+from llmgw.http import fastio
 
 RECEIVE_SIZE = 65536
 _JOIN_BODY_BYTES = 65536  # a request body up to this is written with its head in one buffer
@@ -159,10 +160,10 @@ class UpstreamPool:
         conn.parser = ResponseParser()
         try:
             if len(body) <= _JOIN_BODY_BYTES:  # one write for the usual request
-                await conn.stream.send_all(request + body)
+                await fastio.send_all(conn.stream, request + body)
             else:  # a large body goes out as it is, not copied into one buffer with the head
-                await conn.stream.send_all(request)
-                await conn.stream.send_all(body)
+                await fastio.send_all(conn.stream, request)
+                await fastio.send_all(conn.stream, body)
             head = await self._head(host, port, conn)
         except UpstreamUnavailable:
             await self._discard(conn)
@@ -286,7 +287,7 @@ class UpstreamResponse:
                 event = parser.next_event()
                 if event is NEED_DATA:
                     with trio.move_on_after(timeout):
-                        parser.feed(await stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
+                        parser.feed(await fastio.receive(stream, RECEIVE_SIZE))  # b"": the peer closed
                         continue
                     raise UpstreamBroken(f"{host}:{port} sent nothing for {timeout:g} s in the middle of a response")
             except _STREAM_ERRORS as exc:
@@ -318,7 +319,8 @@ async def _head_event(conn: _Conn) -> Head:
     while True:
         event = parser.next_event()
         if event is NEED_DATA:
-            parser.feed(await conn.stream.receive_some(RECEIVE_SIZE))  # b"": the peer closed
+            # Nothing can have come before the request was written: wait first, read once.
+            parser.feed(await fastio.receive(conn.stream, RECEIVE_SIZE, waits=True))  # b"": the peer closed
         else:
             assert isinstance(event, Head), event
             return event

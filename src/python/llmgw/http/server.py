@@ -54,6 +54,7 @@ import attrs
 import trio
 
 from llmgw.errors import leaves
+from llmgw.http import fastio
 from llmgw.http.body import BodyBudget, ConnectionBody, next_event
 from llmgw.http.errors import Abort, HTTPError, peer_reason
 from llmgw.http.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
@@ -180,6 +181,7 @@ class _Connection:
     keep_alive: bool
     upgrades: bool
     departure: _Departure = attrs.field(init=False)
+    waited: bool = False  # whether reading this request's head went through the scheduler
 
     def __attrs_post_init__(self) -> None:
         self.departure = _Departure(self)
@@ -383,16 +385,32 @@ def _only_http_error(exc: BaseException) -> HTTPError | None:
 async def _receive(c: _Connection, deadline: float, raw: bytearray | None) -> bool:
     """Read once into the parser (and into `raw`, when the head's bytes are kept), unless
     `deadline` passes first (then False)."""
-    with trio.move_on_at(deadline):
-        data = await c.stream.receive_some(RECEIVE_SIZE)
-        c.conn.receive_data(data)
-        if raw is not None:
-            raw += data
-        return True
-    return False
+    data = fastio.receive_now(c.stream, RECEIVE_SIZE)
+    if data is None:
+        c.waited = True
+        with trio.move_on_at(deadline):
+            data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=fastio.plain(c.stream))
+        if data is None:
+            return False
+    c.conn.receive_data(data)
+    if raw is not None:
+        raw += data
+    return True
 
 
 async def _read_request(c: _Connection, *, first: bool) -> Request | None:
+    """The next request, its head read (its body is read when the handler asks)."""
+    c.waited = False
+    request = await _read_head(c, first=first)
+    if request is not None and not c.waited:
+        # Its bytes were there already (pipelined, or a fast client): nothing went through the
+        # scheduler, and a client that always has the next request ready must not keep this
+        # task from ever yielding (`fastio`). One checkpoint per request.
+        await trio.lowlevel.checkpoint()
+    return request
+
+
+async def _read_head(c: _Connection, *, first: bool) -> Request | None:
     conn, limits = c.conn, c.limits
     now = trio.current_time()
     # A new connection must send its head within head_timeout_s; a kept-alive one may idle
