@@ -179,6 +179,9 @@ def throughput_phase(gen: loadgen.Wrk | loadgen.RawHttp, up: CannedUpstream, gw:
 
 
 def sse_phase(gw: GatewayProc, streams: int, events: int, gap_ms: float) -> dict:
+    """`streams` streams through the gateway, every one to its end: the rawhttp generator, which
+    stops at a count (wrk stops at a time and cuts off the streams in flight, whose events the
+    gateway's CPU time would include uncounted)."""
     stream_s = events * gap_ms / 1000
     connections = min(SSE_CONNECTIONS, streams)
     before, started = gw.cpu_s(), time.monotonic()
