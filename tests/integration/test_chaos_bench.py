@@ -1,6 +1,8 @@
-"""The chaos benchmark (tools/bench/chaos.py) still runs and meets its targets, in a short form:
-three faults on loopback nodes with fast heartbeats. The published figures come from the full
-run (docs/reliability.md); this only keeps the benchmark from rotting."""
+"""The chaos benchmark (tools/bench/chaos.py) still runs, prints its JSON (every key of it) and
+meets its targets, in a short form: three faults on loopback nodes with fast heartbeats, then the
+high-availability run's two. The published figures come from the full run
+(docs/reliability.md); this only keeps the benchmark from rotting. Its parts (chaos_cluster.py,
+chaos_load.py, chaos_ha.py) are modules of chaos.py, run by these two runs."""
 
 from __future__ import annotations
 
@@ -9,6 +11,98 @@ import json
 import pytest
 from bench import chaos
 
+from testlib.benchjson import NONE, NUMBER, MapOf, Maybe, assert_shape
+
+# What the load saw during a fault (chaos_load.Load.between): a reason list only with failures.
+LOAD = {
+    "requests": int,
+    "failed_requests": int,
+    "requests_failures": Maybe([str]),
+    "requests_slowest_s": (int, float, NONE),
+    "streams": int,
+    "failed_streams": int,
+    "streams_failures": Maybe([str]),
+    "streams_slowest_s": (int, float, NONE),
+}
+FAULT = {**LOAD, "recovery_s": (int, float, NONE), "engine_restarts": int}
+SETTINGS = {
+    "nodes": int,
+    "network_namespaces": bool,
+    "replicas": int,
+    "rate_per_s": NUMBER,
+    "streams": int,
+    "output_token_ms": int,
+    "heartbeat_interval_s": NUMBER,
+    "heartbeat_ttl_s": NUMBER,
+    "machine": str,
+}
+SHAPE = {
+    "settings": SETTINGS,
+    "faults": {
+        "engine_kill": {**FAULT, "node": str, "replica": str},
+        "agent_kill": {**FAULT, "node": str, "replicas_moved": bool},
+        "restart": {**FAULT, "old_server_exit": (int, NONE)},
+    },
+    "unexpected_process_exits": [str],
+    "targets_met": {
+        "engine_kill_no_failed_requests": bool,
+        "agent_kill_no_failed_requests": bool,
+        "restart_no_failed_requests": bool,
+        "agent_kill_adopted_engines": bool,
+        "agent_kill_nothing_moved": bool,
+        "no_process_exits": bool,
+    },
+}
+HA_FAULTS = ("leader_kill", "store_away")
+HA_SHAPE = {
+    "settings": {
+        **{k: v for k, v in SETTINGS.items() if k != "network_namespaces"},
+        "store": str,
+        "control_planes": int,
+        "gateways": str,
+        "lease_ttl_s": NUMBER,
+        "lease_renew_s": NUMBER,
+        "store_away_s": NUMBER,
+    },
+    "faults": {
+        "leader_kill": {
+            **LOAD,
+            "takeover_s": NUMBER,
+            "recovery_s": (int, float, NONE),
+            "new_leader": str,
+            "acked_writes": int,
+            "acked_writes_missing": int,
+            "old_leader_standby_s": NUMBER,
+            "old_leader_follows": bool,
+            "old_leader_answer": Maybe(list),
+            "engine_restarts": int,
+        },
+        "store_away": {
+            **LOAD,
+            "away_s": NUMBER,
+            "control_planes_up": bool,
+            "admin_write_while_away": MapOf([(int, str, NONE)]),  # [status, retry-after, error code]
+            "leads_again_s": (int, float, NONE),
+            "admin_write_after": (int, NONE),
+            "recovery_s": (int, float, NONE),
+            "engine_restarts": int,
+        },
+    },
+    "unexpected_process_exits": [str],
+    "targets_met": {
+        **{
+            f"{f}_{what}": bool for f in HA_FAULTS for what in ("no_failed_requests", "no_engine_restarts", "recovered")
+        },
+        "leader_kill_takeover_within_10s": bool,
+        "leader_kill_acked_writes_kept": bool,
+        "leader_kill_old_leader_follows": bool,
+        "store_away_control_planes_up": bool,
+        "store_away_admin_503_with_retry_after": bool,
+        "store_away_admin_write_after": bool,
+        "no_process_exits": bool,
+    },
+}
+
 
 def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFixture[str]) -> None:
     code = chaos.main(
@@ -16,9 +110,10 @@ def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFi
         + ["--heartbeat-interval-s", "1", "--heartbeat-ttl-s", "20"]  # well above an agent restart under load
     )
     result = json.loads(capsys.readouterr().out)
-    assert set(result["faults"]) == {"engine_kill", "agent_kill", "restart"}, result
     for name, fault in result["faults"].items():
         assert "error" not in fault, (name, fault, result)  # e.g. never back at full capacity before it
+    assert_shape(result, SHAPE)
+    for name, fault in result["faults"].items():
         assert fault["requests"] > 0 and fault["failed_requests"] == 0, (name, fault)
     assert result["faults"]["agent_kill"]["engine_restarts"] == 0  # adopted, not started again
     assert result["unexpected_process_exits"] == []
@@ -33,9 +128,10 @@ def test_the_high_availability_run_meets_its_targets(capsys: pytest.CaptureFixtu
         + ["--lease-ttl-s", "3", "--lease-renew-s", "0.5", "--heartbeat-interval-s", "1", "--heartbeat-ttl-s", "20"]
     )
     result = json.loads(capsys.readouterr().out)
-    assert set(result["faults"]) == {"leader_kill", "store_away"}, result
     for name, fault in result["faults"].items():
         assert "error" not in fault, (name, fault, result)
+    assert_shape(result, HA_SHAPE)
+    for name, fault in result["faults"].items():
         assert fault["requests"] > 0 and fault["failed_requests"] == 0, (name, fault)
     kill = result["faults"]["leader_kill"]
     assert kill["takeover_s"] < 10 and kill["acked_writes"] > 0 and kill["acked_writes_missing"] == 0, kill

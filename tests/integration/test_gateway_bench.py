@@ -1,28 +1,129 @@
-"""The gateway benchmark (tools/bench/gateway.py) still runs and prints its JSON, in a short form:
-every phase at tiny sizes, the workers phase (`llmgw gateway --workers 1`, then `--workers 2`)
-for half a second each. Its figures come from full runs on a quiet machine (docs/performance.md);
-this only keeps the benchmark from rotting, and checks what does not depend on the machine's
-load: every request answered, both workers served (the kernel spread the connections), and the
-CPU counted is the gateway's parent and its workers, no more and no fewer processes."""
+"""The gateway benchmark (tools/bench/gateway.py) still runs and prints its JSON, every key of
+it, in a short form: every phase at tiny sizes, the workers phase (`llmgw gateway --workers 1`,
+then `--workers 2`) for half a second each. Its figures come from full runs on a quiet machine
+(docs/performance.md); this only keeps the benchmark from rotting, and checks what does not
+depend on the machine's load: every request answered, every event of every stream relayed,
+both workers served (the kernel spread the connections), and the CPU counted is the gateway's
+parent and its workers, no more and no fewer processes.
+
+These runs cover the benchmark's parts too: `gateway_runner.py` (the gateway of phases 1-4),
+`rawhttp.py` (the canned upstream, streamed and not, and the Python load generator: phase 3's,
+phase 5's, and phases 1-2's with `--generator rawhttp`), `loadgen.py` (wrk, which
+tools/testenv/prepare.py installs, and the fallback), `gateway_workers.py` and `procs.py`."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from bench import gateway
+from bench import gateway, rawhttp
+
+from testlib.benchjson import NONE, NUMBER, Maybe, assert_shape
+
+SETTINGS = {"python": str, "machine": str, "cpus": int, "targets": {name: NUMBER for name in gateway.TARGETS}}
+PHASES_1_3 = {
+    "latency_seconds": int,
+    "throughput_seconds": int,
+    "throughput_connections": int,
+    "sse_streams": int,
+    "sse_events_per_stream": int,
+    "sse_gap_ms": float,
+    "streams": int,
+    "generator": str,
+    "generator_version": str,
+    # 1: concurrency 1
+    "latency_direct_requests": int,
+    "latency_gateway_requests": int,
+    "direct_p50_ms": NUMBER,
+    "direct_p99_ms": NUMBER,
+    "gateway_p50_ms": NUMBER,
+    "gateway_p99_ms": NUMBER,
+    "added_p50_ms": NUMBER,
+    "added_p99_ms": NUMBER,
+    # 2: concurrency 64
+    "direct_rps": int,
+    "throughput_rps": int,
+    "throughput_requests": int,
+    "throughput_gateway_cpu_s": NUMBER,
+    "cpu_ms_per_request": NUMBER,
+    "throughput_load_cpu_share": NUMBER,
+    "throughput_upstream_cpu_share": NUMBER,
+    "throughput_others_cpu_share": NUMBER,
+    # 3: SSE relay
+    "sse_generator": str,
+    "sse_connections": int,
+    "sse_events": int,
+    "sse_gateway_cpu_s": NUMBER,
+    "sse_wall_s": NUMBER,
+    "sse_events_per_cpu_second": (int, NONE),
+    "cpu_ms_per_stream": NUMBER,
+}
+OK_1_3 = {name: bool for name in ("cpu_ms_per_request", "added_p50_ms", "added_p99_ms", "sse_events_per_cpu_second")}
+
+
+def streams_shape(count: int) -> dict:
+    return {
+        "streams_open": int,
+        "streams_failed": int,
+        "streams_first_failure": Maybe(str),
+        "streams_open_s": NUMBER,
+        "streams_rss_idle_mib": NUMBER,
+        f"streams_{count}_rss_mib": NUMBER,
+    }
+
+
+def workers_shape(workers: int) -> dict:
+    shape: dict = {
+        "workers": int,
+        "workers_seconds": NUMBER,
+        "workers_rounds": int,
+        "workers_connections_per_worker": int,
+        "workers_scaling": NUMBER,
+        "workers_cpu_per_request_ratio": NUMBER,
+    }
+    for n in (1, workers):
+        for k in ("rps", "cpu_per_request_ms", "load_cpu_share", "upstream_cpu_share", "others_cpu_share"):
+            shape[f"workers_{n}_{k}"] = NUMBER  # medians
+        shape[f"workers_{n}_requests"] = int
+        shape[f"workers_{n}_rps_rounds"] = [int]
+        shape[f"workers_{n}_cpu_per_request_ms_rounds"] = [NUMBER]
+        shape[f"workers_{n}_others_cpu_share_rounds"] = [NUMBER]
+        shape[f"workers_{n}_worker_cpu_s"] = [NUMBER]
+        shape[f"workers_{n}_parent_cpu_s"] = NUMBER
+        shape[f"workers_{n}_processes"] = int
+    return shape
+
+
+OK_WORKERS = {"workers_scaling": bool, "workers_cpu_per_request_ratio": bool}
+
+
+def check_phases_1_3(result: dict) -> None:
+    assert result["latency_direct_requests"] > 0 and result["latency_gateway_requests"] > 0, result
+    assert 0 < result["direct_p50_ms"] <= result["direct_p99_ms"], result
+    assert 0 < result["gateway_p50_ms"] <= result["gateway_p99_ms"], result
+    assert result["direct_rps"] > 0 and result["throughput_rps"] > 0 and result["throughput_requests"] > 0, result
+    assert result["cpu_ms_per_request"] > 0, result  # the runner's own CPU, counted
+    # Every stream answered with all its events, and the gateway's CPU counted for them.
+    assert result["sse_events"] == result["sse_streams"] * result["sse_events_per_stream"], result
+    assert result["sse_events_per_cpu_second"] > 0 and result["cpu_ms_per_stream"] > 0, result
+    # The upstream paced each stream's events (the first at once).
+    assert result["sse_wall_s"] >= (result["sse_events_per_stream"] - 1) * result["sse_gap_ms"] / 1000, result
 
 
 def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
     code = gateway.main(
-        ["--requests", "10", "--sse-requests", "2", "--streams", "20"]
-        + ["--workers", "2", "--workers-seconds", "0.5", "--workers-rounds", "1"]
+        ["--latency-seconds", "1", "--seconds", "1", "--sse-streams", "16", "--sse-events", "64", "--sse-gap-ms", "1"]
+        + ["--streams", "20", "--workers", "2", "--workers-seconds", "0.5", "--workers-rounds", "1"]
     )
     result = json.loads(capsys.readouterr().out)
     assert code == 0
-    for figure in ("added_latency_p50_ms", "throughput_ratio", "sse_chunks_per_cpu_second", "streams_20_rss_mib"):
-        assert isinstance(result[figure], (int, float)), (figure, result)
-    assert result["streams_open"] == 20 and result["streams_failed"] == 0
+    ok = {**OK_1_3, "streams_rss_mib": bool, "streams_all_open": bool, **OK_WORKERS}
+    assert_shape(result, {**SETTINGS, **PHASES_1_3, **streams_shape(20), **workers_shape(2), "ok": ok})
+    # tools/testenv/prepare.py installs wrk for `./pants test`; the fallback is the next test's.
+    assert result["generator"] == ("wrk" if shutil.which("wrk") else "rawhttp"), result
+    check_phases_1_3(result)
+    assert result["streams_open"] == 20 and result["streams_failed"] == 0, result
     for n in (1, 2):
         assert result[f"workers_{n}_requests"] > 0 and result[f"workers_{n}_rps"] > 0, result
         assert result[f"workers_{n}_cpu_per_request_ms"] > 0, result
@@ -30,26 +131,28 @@ def test_the_gateway_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[st
     # The CPU counted is the parent's and each worker's.
     assert result["workers_1_processes"] == 2 and result["workers_2_processes"] == 3, result
     assert result["workers_scaling"] > 0 and result["workers_cpu_per_request_ratio"] > 0
-    assert set(result["ok"]) == {
-        "added_latency_p50",
-        "throughput_ratio",
-        "sse_chunks_per_cpu_second",
-        "streams_rss",
-        "streams_all_open",
-        "workers_scaling",
-        "workers_cpu_per_request",
-    }
+
+
+def test_without_wrk_the_python_generator_loads_the_gateway(capsys: pytest.CaptureFixture[str]) -> None:
+    code = gateway.main(
+        ["--generator", "rawhttp", "--latency-seconds", "1", "--seconds", "1"]
+        + ["--sse-streams", "32", "--sse-events", "64", "--sse-gap-ms", "0", "--streams", "0", "--workers", "0"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert_shape(result, {**SETTINGS, **PHASES_1_3, "ok": OK_1_3})
+    assert result["generator"] == "rawhttp", result
+    check_phases_1_3(result)
 
 
 def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
     assert gateway.main(["--workers-only", "--workers", "3", "--workers-seconds", "0.3", "--workers-rounds", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert "added_latency_p50_ms" not in result  # phases 1-4 skipped
+    assert_shape(result, {**SETTINGS, **workers_shape(3), "ok": OK_WORKERS})  # phases 1-4 skipped
     assert result["workers"] == 3 and len(result["workers_3_worker_cpu_s"]) == 3
     assert result["workers_3_processes"] == 4, result
     assert len(result["workers_1_rps_rounds"]) == len(result["workers_3_rps_rounds"]) == 2
     assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
-    assert set(result["ok"]) == {"workers_scaling", "workers_cpu_per_request"}
 
 
 def test_an_open_stream_is_told_from_a_refusal_without_waiting_for_an_event() -> None:
@@ -60,3 +163,30 @@ def test_an_open_stream_is_told_from_a_refusal_without_waiting_for_an_event() ->
     assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream") is None
     assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n") is None
     assert gateway.stream_answer(b"HTTP/1.1 200 OK\r\n\r\ne6\r\ndata: {}") is True
+
+
+def test_the_python_generator_parses_answers_split_anywhere() -> None:
+    stream = rawhttp.STREAM_HEAD + b"".join(rawhttp.stream_chunks(3))
+    wire = rawhttp.ANSWER + stream + rawhttp.ANSWER
+    expected = [(b"200", 0), (b"200", 3), (b"200", 0)]
+    for cut in range(1, len(wire)):
+        answers = rawhttp.Answers()
+        got = answers.feed(wire[:cut]) + answers.feed(wire[cut:])
+        assert [(head.split()[1], events) for head, events in got] == expected, cut
+
+
+def test_an_event_split_between_chunks_is_counted_once() -> None:
+    body = rawhttp.chunk(b"data: a\n") + rawhttp.chunk(b"\ndata: b\n\n") + b"0\r\n\r\n"
+    got = rawhttp.Answers().feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
+    assert [events for _, events in got] == [2]
+
+
+def test_an_answer_without_a_length_or_chunks_is_refused() -> None:
+    with pytest.raises(rawhttp.BadMessage, match="neither a length nor chunks"):
+        rawhttp.Answers().feed(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello")
+
+
+def test_the_upstream_streams_whatever_the_spacing_of_stream_true() -> None:
+    for body in (b'{"stream": true}', b'{"stream":true}', b'{"model": "chat", "stream" :  true}'):
+        assert rawhttp.STREAMED.search(body), body
+    assert not rawhttp.STREAMED.search(b'{"stream": false}')

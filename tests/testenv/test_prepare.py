@@ -282,6 +282,7 @@ def test_every_need_names_a_package_and_says_why() -> None:
     provided = {item for n in NEEDS for item in n.provides}
     assert {"/usr/sbin/sshd", "ip", "unshare", "nsenter", "sudo", "tmux", "systemd-analyze", "chromium"} <= provided
     assert "haproxy" in provided  # tests/testlib/haproxy.py runs it
+    assert "wrk" in provided  # tests/integration/test_gateway_bench.py's benchmark loads the gateway with it
 
 
 def test_a_machine_without_chromium_gets_it_for_the_cluster_page_tests() -> None:

@@ -119,11 +119,11 @@ def phase(port: int, key: str, body: dict, requests: int, concurrency: int) -> d
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--server", default=default_server(), help="llama-server binary")
+    parser.add_argument("--server", help="llama-server binary (default: $LLMGW_LLAMA_SERVER, else the cached build)")
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the tests' tiny model, made now)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -131,7 +131,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--parallel", type=int, default=4, help="llama-server slots (-np)")
     parser.add_argument("--ctx-size", type=int, default=4096)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.server is None:
+        args.server = default_server()  # asked only when not given: it runs build-llama-server --cached
     if not 1 <= args.requests <= MAX_REQUESTS or args.concurrency < 1:
         parser.error(f"--requests must be 1..{MAX_REQUESTS} and --concurrency at least 1")
     if not os.access(args.server, os.X_OK):
@@ -203,6 +205,7 @@ def main() -> None:
             indent=2,
         )
     )
+    return 0
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ NEEDS: tuple[Need, ...] = (
     Need("tmux", ("tmux",), "node add's terminal screens are tested in a real tmux pane"),
     Need("cloud-init", ("cloud-init",), "llmgw-provision-node's user-data is checked by cloud-init's own schema"),
     Need("haproxy", ("haproxy",), "standalone gateways are tested behind a real HAProxy (docs/gateway.md)"),
+    Need("wrk", ("wrk",), "the gateway benchmark's load generator (tools/bench/gateway.py), run by its smoke test"),
     # Driven over the DevTools protocol (tests/testlib/browser.py): no chromedriver needed.
     Need("chromium", ("chromium",), "the cluster page is tested in a real headless Chromium"),
     Need(
