@@ -468,12 +468,12 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
         body.data = _no_body(conn)
         body.settled.set()
         pipelined = conn.buffered
-    target = urlsplit(event.target.decode("latin-1"))
+    path, query = _split_target(event.target)
     return Request(
         method=event.method.decode("ascii"),
         target=event.target,
-        path=target.path,
-        query=parse_qs(target.query, keep_blank_values=True),
+        path=path,
+        query=query,
         raw_headers=raw_headers,
         headers=headers,
         client=c.client,
@@ -482,6 +482,14 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
         body=body,
         head_bytes=head,
     )
+
+
+def _split_target(target: bytes) -> tuple[str, dict[str, list[str]]]:
+    """The request target's path and query; the usual origin-form path alone is not parsed."""
+    if target.startswith(b"/") and b"?" not in target and b"#" not in target:
+        return target.decode("latin-1"), {}
+    parts = urlsplit(target.decode("latin-1"))
+    return parts.path, parse_qs(parts.query, keep_blank_values=True)
 
 
 def _no_body(conn: ServerConnection) -> bytes:
