@@ -55,11 +55,12 @@ def test_to_the_client_the_gateway_writes_its_own_framing_and_says_who_answered(
         ("transfer-encoding", "chunked"),
         ("x-request-id", "abc"),
     )
-    # The engine's own request id is not the request's: the gateway's handler adds that one.
-    assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125) == (
+    # The engine's own request id is not the request's: the gateway's is.
+    assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125, request_id="req_1") == (
         ("content-type", "application/json"),
         ("x-llmgw-replica", "chat-0"),
         ("x-llmgw-overhead-ms", "1.25"),
+        ("x-request-id", "req_1"),
     )
 
 

@@ -8,8 +8,8 @@ the client's, `X-Forwarded-For` (the client's list, then the client) and the req
 
 To the client (`relayed_headers`): the replica's fields but for the hop-by-hop ones and those
 the gateway's own server writes (length, date, server) and the replica's own request id, then which
-replica answered and the gateway's own time before it reached that replica (the request id is
-added to every response of the gateway, errors too, by its handler).
+replica answered, the gateway's own time before it reached that replica, and the request's id
+(which the gateway's handler adds to every other answer of its own, errors too).
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tupl
 
 
 def relayed_headers(
-    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float
+    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float, request_id: str
 ) -> tuple[tuple[str, str], ...]:
     """The fields of the answer to the client, from the replica's (`upstream`, names in lower case)."""
     return (
-        *((k, v) for k, v in upstream if k not in _NOT_RELAYED),
+        *[(k, v) for k, v in upstream if k not in _NOT_RELAYED],
         ("x-llmgw-replica", replica_id),
         ("x-llmgw-overhead-ms", f"{overhead_s * 1000:.2f}"),
+        (REQUEST_ID, request_id),
     )
