@@ -309,7 +309,7 @@ class Gateway:
                     headers=(("www-authenticate", "Bearer"),),
                 ),
             )
-        row = self.keys.authenticate(token.strip())
+        row = self.keys.authenticate(token.strip(), request.per_connection)
         if row is None:
             raise _counted(
                 self,
