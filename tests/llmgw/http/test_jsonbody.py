@@ -7,6 +7,7 @@ import json
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.gateway.fields import RequestFields, request_fields
 from llmgw.http import jsonbody
@@ -44,6 +45,44 @@ def test_depth_counts_containers_not_brackets_in_strings() -> None:
     assert jsonbody.loads(b"[" + b"[]," * 10_000 + b"[]]")  # many, but shallow
     assert not jsonbody.depth_exceeds({"a": [[1]], "b": {}}, 3)
     assert jsonbody.depth_exceeds({"a": [[[]]]}, 3)
+
+
+def _containers(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=2), children, max_size=4)
+
+
+def _deeper_than(value: object, limit: int, depth: int = 1) -> bool:
+    """`depth_exceeds` as its definition says it, recursively: what the fast one must agree with."""
+    if not isinstance(value, (dict, list)):
+        return False
+    if depth > limit:
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return any(_deeper_than(child, limit, depth + 1) for child in children)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.none() | st.integers() | st.text(max_size=3), _containers, max_leaves=60))
+def test_the_depth_is_that_of_the_deepest_container(value: object) -> None:
+    for limit in (1, 2, 3, 5):
+        assert jsonbody.depth_exceeds(value, limit) == _deeper_than(value, limit)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"a": ["\u00e9", 1]}'.encode("utf-16"),  # with a BOM
+        '{"a": ["\u00e9", 1]}'.encode("utf-16-le"),
+        '{"a": ["\u00e9", 1]}'.encode("utf-32"),
+        '{"a": ["é", 1]}'.encode("utf-8-sig"),
+        '{"a": ["é", 1]}'.encode(),
+        b'{"a": ["\xed\xa0\x80", 1]}',  # a lone surrogate in UTF-8: json.loads lets it through
+        b'  {"a": 1}',
+        b"[1]",
+    ],
+)
+def test_bodies_decode_as_json_loads_decodes_them(body: bytes) -> None:
+    assert jsonbody.loads(body) == json.loads(body)
 
 
 # The pathological bodies of the no-stall issue: each is linear for the C decoder. The old
