@@ -6,7 +6,7 @@ import json
 
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmgw.gateway.fields import RequestFields, request_fields
@@ -118,12 +118,36 @@ def test_the_gateway_reads_model_stream_and_the_prompts_start() -> None:
     messages = [{"role": "user", "content": "x" * 3000}, {"role": "user", "content": "y" * 3000}, {"role": "z"}]
     fields = request_fields({"model": "m", "stream": True, "messages": messages}, 64)
     assert fields.model == "m" and fields.stream
-    assert fields.prompt == json.dumps(messages)[:4096]  # the same prefix as rendering them whole
+    assert fields.prompt == json.dumps(messages)[:64]  # the same prefix as rendering them whole
+    fields = request_fields({"model": "m", "stream": True, "messages": messages}, 5000)
+    assert fields.prompt == json.dumps(messages)[:4096]  # at most AFFINITY_SOURCE_CHARS
     assert request_fields({"model": "m", "prompt": "p"}, 0) == RequestFields(model="m", stream=False, prompt=None)
     with pytest.raises(InvalidJson, match="'model' must be a non-empty string .* got an array of 100000 items"):
         request_fields({"model": [0] * 100_000}, 0)
     with pytest.raises(InvalidJson, match="'stream' must be true or false"):
         request_fields({"model": "m", "stream": "yes"}, 0)
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)  # escapes, non-ASCII, surrogates' kin
+_message_values = st.recursive(
+    st.none() | st.integers() | _text,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(_text, inner, max_size=6),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(st.dictionaries(_text, _message_values, max_size=5) | _message_values, max_size=6),
+    chars=st.integers(1, 80),
+)
+@example(messages=[1, 2, 3], chars=4)  # stopped one part short, it would be "[1"
+@example(messages=[{"content": "é" * 30}, {"role": "user"}], chars=20)
+def test_the_prompts_start_is_that_of_the_messages_rendered_whole(messages: list, chars: int) -> None:
+    # Long strings and containers are cut before rendering: the first `chars` characters must
+    # be those of the whole rendering (without its closing bracket), or routing would change.
+    prompt = request_fields({"model": "m", "messages": messages}, chars).prompt
+    assert prompt == json.dumps(messages)[:-1][:chars]
 
 
 @pytest.mark.trio
