@@ -3,6 +3,11 @@
 Counters, gauges and histograms keyed by label values; a `MetricsRegistry` renders its families
 in registration order, each with its HELP and TYPE lines. Shared by the gateway, the listeners'
 connection counts and the control plane's own families.
+
+A series is named by label keywords (`inc(model="chat")`), checked against the family's labels
+each time; a caller on a hot path (the gateway, per request) takes the series' key once
+(`key(model="chat")`, the label values in the family's order) and counts by it (`add`,
+`observe_at`), which checks nothing and allocates nothing for a series already seen.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ class _Family:
     def __init__(self, name: str, help: str, labels: tuple[str, ...]) -> None:
         self.name, self.help, self.labels = name, help, labels
 
-    def _key(self, values: dict[str, str]) -> tuple[str, ...]:
-        if set(values) != set(self.labels):
-            raise ValueError(f"{self.name} takes labels {self.labels}, got {tuple(values)}")
-        return tuple(str(values[k]) for k in self.labels)
+    def key(self, **labels: str) -> tuple[str, ...]:
+        """The series' key: its label values in the family's order (`add`, `observe_at`)."""
+        if len(labels) == len(self.labels):
+            try:
+                return tuple([str(labels[k]) for k in self.labels])
+            except KeyError:
+                pass
+        raise ValueError(f"{self.name} takes labels {self.labels}, got {tuple(labels)}")
 
     def _labels(self, key: tuple[str, ...], extra: tuple[tuple[str, str], ...] = ()) -> str:
         pairs = [*zip(self.labels, key, strict=True), *extra]
@@ -42,11 +51,14 @@ class Counter(_Family):
         self.values: dict[tuple[str, ...], float] = {}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
+        self.add(self.key(**labels), amount)
+
+    def add(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        """`inc` of the series `key` (from `key`)."""
         self.values[key] = self.values.get(key, 0.0) + amount
 
     def get(self, **labels: str) -> float:
-        return self.values.get(self._key(labels), 0.0)
+        return self.values.get(self.key(**labels), 0.0)
 
     def lines(self) -> list[str]:
         return [f"{self.name}{self._labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
@@ -56,7 +68,7 @@ class Gauge(Counter):
     kind = "gauge"
 
     def set(self, value: float, **labels: str) -> None:
-        self.values[self._key(labels)] = value
+        self.values[self.key(**labels)] = value
 
     def clear(self) -> None:
         self.values.clear()
@@ -72,8 +84,13 @@ class Histogram(_Family):
         self.sums: dict[tuple[str, ...], float] = {}
 
     def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        counts = self.counts.setdefault(key, [0] * (len(self.buckets) + 1))
+        self.observe_at(self.key(**labels), value)
+
+    def observe_at(self, key: tuple[str, ...], value: float) -> None:
+        """`observe` in the series `key` (from `key`)."""
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [0] * (len(self.buckets) + 1)
         counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sums[key] = self.sums.get(key, 0.0) + value
 
@@ -82,7 +99,7 @@ class Histogram(_Family):
         above every bound) and their sum."""
         if len(counts) != len(self.buckets) + 1:
             raise ValueError(f"{self.name} has {len(self.buckets) + 1} buckets, got {len(counts)} counts")
-        key = self._key(labels)
+        key = self.key(**labels)
         self.counts[key] = list(counts)
         self.sums[key] = total
 

@@ -3,7 +3,10 @@ tests/llmgw/gateway/test_forwarded_headers.py checks the same end to end."""
 
 from __future__ import annotations
 
-from llmgw.gateway.headers import relayed_headers, upstream_headers
+import os
+import re
+
+from llmgw.gateway.headers import relayed_headers, request_id, upstream_headers
 from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request
 
@@ -52,9 +55,29 @@ def test_to_the_client_the_gateway_writes_its_own_framing_and_says_who_answered(
         ("transfer-encoding", "chunked"),
         ("x-request-id", "abc"),
     )
-    # The engine's own request id is not the request's: the gateway's handler adds that one.
-    assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125) == (
+    # The engine's own request id is not the request's: the gateway's is.
+    assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125, request_id="req_1") == (
         ("content-type", "application/json"),
         ("x-llmgw-replica", "chat-0"),
         ("x-llmgw-overhead-ms", "1.25"),
+        ("x-request-id", "req_1"),
     )
+
+
+def test_a_request_id_is_the_callers_when_usable_else_a_new_one_unique_in_and_across_processes() -> None:
+    assert request_id("trace-1/a@b") == "trace-1/a@b"
+    made = [request_id(None) for _ in range(10_000)] + [request_id("bad id"), request_id("x" * 129)]
+    assert all(re.fullmatch(r"req_[0-9a-f]{24}", rid) for rid in made)
+    assert len(set(made)) == len(made)
+    # A forked child (a gateway's worker) does not repeat its parent's ids.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then out without running the parent's cleanup
+        os.write(write, " ".join(request_id(None) for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        child = f.read().decode().split()
+    parent = [request_id(None) for _ in range(100)]
+    assert len(child) == 100 and not set(child) & set(parent)

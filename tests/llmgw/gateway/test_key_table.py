@@ -3,8 +3,12 @@ over, and this instance's share of every key's limits (the rule of `llmgw.wire.g
 
 from __future__ import annotations
 
+import hashlib
+import types
+
 import pytest
 
+from llmgw.gateway import keys
 from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.wire.gateway_link import GatewayKey, ShareChanged
 
@@ -29,6 +33,31 @@ def test_a_key_missing_from_a_new_table_is_refused_and_the_others_stay() -> None
     assert table.authenticate("token-a") is None
     assert table.authenticate("token-b") == key("b") and table.authenticate("token-c") == key("c")
     assert len(table) == 2
+
+
+def test_a_connection_sending_its_key_again_is_not_hashed_again_and_sees_every_new_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = key("a"), key("b")
+    table = KeyTable([a, b])
+    hashed: list[bytes] = []
+    counting = types.SimpleNamespace(sha256=lambda data: hashed.append(data) or hashlib.sha256(data))
+    monkeypatch.setattr(keys, "hashlib", counting)
+    connection: dict = {}
+    assert [table.authenticate("token-a", connection) for _ in range(3)] == [a] * 3
+    assert hashed == [b"token-a"]
+    # Another token on the same connection is hashed, and then is the one kept.
+    assert table.authenticate("token-b", connection) == b
+    assert table.authenticate("token-a ", connection) is None and table.authenticate("token-", connection) is None
+    assert hashed == [b"token-a", b"token-b", b"token-a ", b"token-"]
+    assert table.authenticate("token-a", connection) == a
+    # What is kept is the token's hash, not its key: a key revoked is refused at the next request.
+    table.replace([b])
+    assert table.authenticate("token-a", connection) is None
+    assert len(hashed) == 5
+    # Another connection keeps its own.
+    assert table.authenticate("token-b", {}) == b
+    assert len(hashed) == 6 and hashed[-1] == b"token-b"
 
 
 def test_requests_in_flight_survive_a_new_table() -> None:

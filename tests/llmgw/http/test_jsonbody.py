@@ -6,7 +6,8 @@ import json
 
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from llmgw.gateway.fields import RequestFields, request_fields
 from llmgw.http import jsonbody
@@ -46,6 +47,44 @@ def test_depth_counts_containers_not_brackets_in_strings() -> None:
     assert jsonbody.depth_exceeds({"a": [[[]]]}, 3)
 
 
+def _containers(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=2), children, max_size=4)
+
+
+def _deeper_than(value: object, limit: int, depth: int = 1) -> bool:
+    """`depth_exceeds` as its definition says it, recursively: what the fast one must agree with."""
+    if not isinstance(value, (dict, list)):
+        return False
+    if depth > limit:
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return any(_deeper_than(child, limit, depth + 1) for child in children)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.none() | st.integers() | st.text(max_size=3), _containers, max_leaves=60))
+def test_the_depth_is_that_of_the_deepest_container(value: object) -> None:
+    for limit in (1, 2, 3, 5):
+        assert jsonbody.depth_exceeds(value, limit) == _deeper_than(value, limit)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"a": ["\u00e9", 1]}'.encode("utf-16"),  # with a BOM
+        '{"a": ["\u00e9", 1]}'.encode("utf-16-le"),
+        '{"a": ["\u00e9", 1]}'.encode("utf-32"),
+        '{"a": ["é", 1]}'.encode("utf-8-sig"),
+        '{"a": ["é", 1]}'.encode(),
+        b'{"a": ["\xed\xa0\x80", 1]}',  # a lone surrogate in UTF-8: json.loads lets it through
+        b'  {"a": 1}',
+        b"[1]",
+    ],
+)
+def test_bodies_decode_as_json_loads_decodes_them(body: bytes) -> None:
+    assert jsonbody.loads(body) == json.loads(body)
+
+
 # The pathological bodies of the no-stall issue: each is linear for the C decoder. The old
 # pre-scan took seconds on the first (a regex that restarted at each quote).
 ADVERSARIAL = {
@@ -79,12 +118,36 @@ def test_the_gateway_reads_model_stream_and_the_prompts_start() -> None:
     messages = [{"role": "user", "content": "x" * 3000}, {"role": "user", "content": "y" * 3000}, {"role": "z"}]
     fields = request_fields({"model": "m", "stream": True, "messages": messages}, 64)
     assert fields.model == "m" and fields.stream
-    assert fields.prompt == json.dumps(messages)[:4096]  # the same prefix as rendering them whole
+    assert fields.prompt == json.dumps(messages)[:64]  # the same prefix as rendering them whole
+    fields = request_fields({"model": "m", "stream": True, "messages": messages}, 5000)
+    assert fields.prompt == json.dumps(messages)[:4096]  # at most AFFINITY_SOURCE_CHARS
     assert request_fields({"model": "m", "prompt": "p"}, 0) == RequestFields(model="m", stream=False, prompt=None)
     with pytest.raises(InvalidJson, match="'model' must be a non-empty string .* got an array of 100000 items"):
         request_fields({"model": [0] * 100_000}, 0)
     with pytest.raises(InvalidJson, match="'stream' must be true or false"):
         request_fields({"model": "m", "stream": "yes"}, 0)
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)  # escapes, non-ASCII, surrogates' kin
+_message_values = st.recursive(
+    st.none() | st.integers() | _text,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(_text, inner, max_size=6),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(st.dictionaries(_text, _message_values, max_size=5) | _message_values, max_size=6),
+    chars=st.integers(1, 80),
+)
+@example(messages=[1, 2, 3], chars=4)  # stopped one part short, it would be "[1"
+@example(messages=[{"content": "é" * 30}, {"role": "user"}], chars=20)
+def test_the_prompts_start_is_that_of_the_messages_rendered_whole(messages: list, chars: int) -> None:
+    # Long strings and containers are cut before rendering: the first `chars` characters must
+    # be those of the whole rendering (without its closing bracket), or routing would change.
+    prompt = request_fields({"model": "m", "messages": messages}, chars).prompt
+    assert prompt == json.dumps(messages)[:-1][:chars]
 
 
 @pytest.mark.trio

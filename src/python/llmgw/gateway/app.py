@@ -132,6 +132,7 @@ class Gateway:
         self.details: dict[str, ModelInfo] = {}  # of the models in rotation, as the provider says them
         self.queued: dict[str, int] = {}
         self.in_flight: dict[str, int] = {}
+        self.in_flight_total = 0  # the sum of `in_flight`, kept so that a request's end need not add it up
         self.draining = False
         self.refusing = False
         self.freed = Wakeup()  # a replica may have become free (`_wake`)
@@ -217,7 +218,7 @@ class Gateway:
         with trio.move_on_after(timeout_s):
             while True:
                 finished = self.finished.next()
-                if not any(self.in_flight.values()):
+                if not self.in_flight_total:
                     return True
                 await finished.wait()
         return False
@@ -241,16 +242,21 @@ class Gateway:
     # -- requests -------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
-        """Every answer, errors too, carries the request's id."""
+        """Every answer, errors too, carries the request's id: a forwarded one's from the start
+        (`_relay`), the others' added here."""
         rid = request_id(request.headers.get(REQUEST_ID))
         try:
-            response = await self._handle(request, rid)
+            if request.path in FORWARDED:
+                allow(request, "POST")
+                return await self._forward(request, rid)
+            response = self._local(request)
         except HTTPError as exc:
             exc.headers = (*exc.headers, (REQUEST_ID, rid))
             raise
         return attrs.evolve(response, headers=(*response.headers, (REQUEST_ID, rid)))
 
-    async def _handle(self, request: Request, rid: str) -> Response | StreamingResponse:
+    def _local(self, request: Request) -> Response:
+        """The routes the gateway answers itself."""
         if request.path == "/health":
             allow(request, "GET")
             ready = self.ready()
@@ -276,9 +282,6 @@ class Gateway:
             if model not in self.router.models or (key.models and model not in key.models):
                 raise _model_not_found(model, self.router.models if not key.models else key.models)
             return Response.json(200, self._model_object(model))
-        if request.path in FORWARDED:
-            allow(request, "POST")
-            return await self._forward(request, rid)
         raise HTTPError(
             404,
             f"no route {cut(request.method, 20)} {cut(request.path)}; the gateway serves /v1/models, "
@@ -306,7 +309,7 @@ class Gateway:
                     headers=(("www-authenticate", "Bearer"),),
                 ),
             )
-        row = self.keys.authenticate(token.strip())
+        row = self.keys.authenticate(token.strip(), request.per_connection)
         if row is None:
             raise _counted(
                 self,
@@ -320,7 +323,7 @@ class Gateway:
             )
         return row
 
-    async def _forward(self, request: Request, rid: str = "") -> Response | StreamingResponse:
+    async def _forward(self, request: Request, rid: str) -> Response | StreamingResponse:
         started = self.clock()
         if self.refusing:
             raise _counted(self, "-", self._unavailable("the gateway is shutting down", "shutting_down"))
@@ -493,7 +496,9 @@ class Gateway:
     async def _relay(self, upstream: UpstreamResponse, job: _Job) -> Response | StreamingResponse:
         ep = job.endpoint
         assert ep is not None
-        headers = relayed_headers(upstream.headers, replica_id=ep.replica_id, overhead_s=job.sent_at - job.started)
+        headers = relayed_headers(
+            upstream.headers, replica_id=ep.replica_id, overhead_s=job.sent_at - job.started, request_id=job.rid
+        )
         if upstream.header("content-length") is not None:
             try:
                 body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
@@ -501,13 +506,14 @@ class Gateway:
                 raise _counted(self, job.model, HTTPError(502, str(exc), code="upstream_error")) from None
             finally:
                 await upstream.aclose()
-            job.first_byte()
-            job.finish(upstream.status)
+            now = self.clock()
+            job.first_byte(now)
+            job.finish(upstream.status, now)
             if upstream.status >= 400 and (rewritten := normalized(upstream.status, body)) is not None:
                 body = rewritten
                 headers = (*(h for h in headers if h[0] != "content-type"), ("content-type", "application/json"))
             return Response(status=upstream.status, body=body, headers=headers)
-        job.first_byte()
+        job.first_byte(self.clock())
         return StreamingResponse(status=upstream.status, body=_stream(upstream, job), headers=headers)
 
     def render_metrics(self) -> str:
@@ -518,6 +524,8 @@ class Gateway:
 class _Job:
     """One forwarded request's accounting; `finish` runs once, however the request ends."""
 
+    __slots__ = ("gw", "key", "model", "started", "rid", "endpoint", "sent_at", "_first_byte_seen", "_done")
+
     def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float, rid: str = "") -> None:
         self.gw, self.key, self.model, self.started, self.rid = gw, key, model, started, rid
         self.endpoint: Endpoint | None = None
@@ -525,29 +533,32 @@ class _Job:
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
+        gw.in_flight_total += 1
 
-    def first_byte(self) -> None:
+    def first_byte(self, now: float) -> None:
         if not self._first_byte_seen:
             self._first_byte_seen = True
-            self.gw.metrics.ttfb.observe(self.gw.clock() - self.started, model=self.model)
+            self.gw.metrics.first_byte(self.model, now - self.started)
 
-    def finish(self, status: int | None) -> None:
+    def finish(self, status: int | None, now: float | None = None) -> None:
         """`status` None: the request ended without an answer of ours (counted where raised,
-        or the client went away: 499, as nginx logs it)."""
+        or the client went away: 499, as nginx logs it). `now`: the clock's time, when the
+        caller has just read it."""
         if self._done:
             return
         self._done = True
         gw = self.gw
         gw.in_flight[self.model] -= 1
-        if not any(gw.in_flight.values()):
+        gw.in_flight_total -= 1
+        if not gw.in_flight_total:
             gw.finished.fire()
         gw.keys.leave(self.key)
         if self.endpoint is not None:
             gw.router.release(self.endpoint)
             gw._wake()
         if status is not None:
-            gw.metrics.requests.inc(model=self.model, status=str(status))
-            gw.metrics.latency.observe(gw.clock() - self.started, model=self.model)
+            gw.metrics.answered(self.model, status)
+            gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
 
 
 async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]:
@@ -579,5 +590,5 @@ def _model_not_found(model: str, known) -> HTTPError:
 
 
 def _counted(gw: Gateway, model: str, error: HTTPError) -> HTTPError:
-    gw.metrics.requests.inc(model=model, status=str(error.status))
+    gw.metrics.answered(model, error.status)
     return error

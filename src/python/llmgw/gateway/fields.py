@@ -6,6 +6,7 @@ The body itself is forwarded as it came.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -20,7 +21,9 @@ AFFINITY_SOURCE_CHARS = 4096  # of the rendered messages, at most: the prefix is
 class RequestFields:
     model: str
     stream: bool
-    prompt: str | None  # the prompt's start, for prefix affinity; None when affinity is off
+    # The prompt's first `affinity_chars` characters (at most AFFINITY_SOURCE_CHARS), for prefix
+    # affinity; None when affinity is off.
+    prompt: str | None
 
 
 def request_fields(body: Any, affinity_chars: int) -> RequestFields:
@@ -45,28 +48,50 @@ def request_fields(body: Any, affinity_chars: int) -> RequestFields:
         raise InvalidJson(f"'stream' must be true or false, got {_show(stream)}", code="invalid_type", param="stream")
     prompt = None
     if affinity_chars:
+        chars = min(affinity_chars, AFFINITY_SOURCE_CHARS)
         if "prompt" in body:
             prompt = body["prompt"] if isinstance(body["prompt"], str) else None
         else:
-            prompt = _rendered(body.get("messages"))
+            prompt = _rendered(body.get("messages"), chars)
         if prompt is not None:
-            prompt = prompt[:AFFINITY_SOURCE_CHARS]
+            prompt = prompt[:chars]
     return RequestFields(model=model, stream=bool(stream), prompt=prompt)
 
 
-def _rendered(messages: Any) -> str | None:
-    """The messages as text, in order, far enough for an affinity prefix: rendered one by one
-    and stopped once long enough, so a long conversation is not serialised whole."""
+def _rendered(messages: Any, chars: int) -> str | None:
+    """The messages as JSON text, `json.dumps(messages)` without its closing bracket (so that a
+    conversation's text starts as its next turn's does), exact in its first `chars` characters
+    at least: rendered one by one and stopped once long enough, each message cut first (`_cut`)
+    so that a long system prompt is not serialised whole."""
     if not isinstance(messages, list):
         return None
-    parts, size = [], 0
+    parts: list[str] = []
+    size = 1  # the rendering's length: "[", the parts, ", " between them
     for message in messages:
-        part = json.dumps(message)
+        part = json.dumps(_cut(message, chars))
+        size += len(part) + (2 if parts else 0)
         parts.append(part)
-        size += len(part)
-        if size >= AFFINITY_SOURCE_CHARS:
+        if size >= chars:
             break
     return "[" + ", ".join(parts)
+
+
+def _cut(value: Any, chars: int, levels: int = 3) -> Any:
+    """`value` with its strings longer than `chars` cut to `chars` and its lists and objects
+    longer than `chars` items cut to `chars` items, `levels` deep (a message, its fields, the
+    parts of its content): rendered, it is what `json.dumps(value)` renders up to its first cut,
+    and at least `chars` characters follow the start of a cut in either (JSON escapes only
+    lengthen a string; an item renders as one character at least), so the first `chars`
+    characters of the two agree, and of the messages' rendering too."""
+    if isinstance(value, str):
+        return value[:chars] if len(value) > chars else value
+    if not levels:
+        return value
+    if isinstance(value, dict):
+        return {k: _cut(v, chars, levels - 1) for k, v in itertools.islice(value.items(), chars)}
+    if isinstance(value, list):
+        return [_cut(v, chars, levels - 1) for v in value[:chars]]
+    return value
 
 
 def _json_type(value: Any) -> str:

@@ -8,8 +8,8 @@ the client's, `X-Forwarded-For` (the client's list, then the client) and the req
 
 To the client (`relayed_headers`): the replica's fields but for the hop-by-hop ones and those
 the gateway's own server writes (length, date, server) and the replica's own request id, then which
-replica answered and the gateway's own time before it reached that replica (the request id is
-added to every response of the gateway, errors too, by its handler).
+replica answered, the gateway's own time before it reached that replica, and the request's id
+(which the gateway's handler adds to every other answer of its own, errors too).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ HOP_BY_HOP = frozenset(
 )
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", REQUEST_ID}
 _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
+_NOT_FORWARDED_BYTES_XFF = _NOT_FORWARDED_BYTES | {b"x-forwarded-for"}  # which the gateway writes anew
 _NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server", REQUEST_ID}
 # A caller's own request id is kept when it is one a log line and a header can carry as it is.
 _USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
@@ -50,14 +51,20 @@ def request_id(given: str | None) -> str:
 
 def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tuple[bytes, bytes]]:
     """The fields of the request to the replica `ep`, from the client's `request`; `rid`: its id."""
-    named = {t.strip().lower() for k, v in request.raw_headers if k == b"connection" for t in v.split(b",")}
+    raw = request.raw_headers
     client_host = request.client.rpartition(":")[0]
-    dropped = _NOT_FORWARDED_BYTES | named | ({b"x-forwarded-for"} if client_host else set())
-    headers = [(k, v) for k, v in request.raw_headers if k not in dropped]
+    dropped = _NOT_FORWARDED_BYTES_XFF if client_host else _NOT_FORWARDED_BYTES
+    for k, v in raw:
+        if k == b"connection":  # what it names is hop-by-hop too ("keep-alive" already is)
+            named = {t.strip().lower() for t in v.split(b",")}
+            if not named <= dropped:
+                dropped = dropped | named
+    headers = [(k, v) for k, v in raw if k not in dropped]
     if ep.api_key:
         headers.append((b"authorization", f"Bearer {ep.api_key}".encode()))
     if client_host:
-        chain = [v for k, v in request.raw_headers if k == b"x-forwarded-for"] + [client_host.encode()]
+        chain = [v for k, v in raw if k == b"x-forwarded-for"]
+        chain.append(client_host.encode())
         headers.append((b"x-forwarded-for", b", ".join(chain)))
     if rid:
         headers.append((REQUEST_ID.encode(), rid.encode()))
@@ -65,11 +72,12 @@ def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tupl
 
 
 def relayed_headers(
-    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float
+    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float, request_id: str
 ) -> tuple[tuple[str, str], ...]:
     """The fields of the answer to the client, from the replica's (`upstream`, names in lower case)."""
     return (
-        *((k, v) for k, v in upstream if k not in _NOT_RELAYED),
+        *[(k, v) for k, v in upstream if k not in _NOT_RELAYED],
         ("x-llmgw-replica", replica_id),
         ("x-llmgw-overhead-ms", f"{overhead_s * 1000:.2f}"),
+        (REQUEST_ID, request_id),
     )

@@ -4,7 +4,10 @@ A gateway never holds a token: a key is the sha256 of its token, the models it m
 limits (`llmgw.wire.gateway_link.GatewayKey`), as the control plane sends them (`KeysChanged`)
 or, for the control plane's own gateway, as its `KeyRing` (`llmgw.server.keys`) hands them over.
 A request's token is hashed and looked up, so no comparison runs over the secret itself, and
-the hash found is checked again with `hmac.compare_digest`.
+the hash found is checked again with `hmac.compare_digest`. A connection nearly always sends one
+key: the token it sent last and its hash are kept with the connection (`Request.per_connection`,
+never in a table of the process's own, so a token lives no longer than the connection that sent
+it), and a token equal to it (`hmac.compare_digest`, in constant time) is not hashed again.
 
 `KeyTable.replace` takes the whole set of valid keys each time: a key missing from it is refused
 at its next request. What the table counts carries over from one set to the next: the requests
@@ -30,6 +33,7 @@ import attrs
 from llmgw.wire.gateway_link import GatewayKey, ShareChanged, share_of_concurrency, share_of_rate
 
 ALONE = ShareChanged(index=0, count=1)  # the whole of every limit: the only instance
+_LAST_TOKEN = "llmgw.gateway.keys.last_token"  # in a connection's dict: (the token it sent last, its hash)
 
 
 def token_hash(token: str) -> str:
@@ -110,8 +114,17 @@ class KeyTable:
 
     # -- requests -------------------------------------------------------------------------
 
-    def authenticate(self, token: str) -> GatewayKey | None:
-        digest = token_hash(token)
+    def authenticate(self, token: str, per_connection: dict | None = None) -> GatewayKey | None:
+        """The valid key whose token is `token`, or None. `per_connection`: the connection's own
+        dict, where the token it sent last is kept with its hash (the module's docstring)."""
+        raw = token.encode()
+        last = per_connection.get(_LAST_TOKEN) if per_connection is not None else None
+        if last is not None and hmac.compare_digest(last[0], raw):
+            digest = last[1]
+        else:
+            digest = hashlib.sha256(raw).hexdigest()
+            if per_connection is not None:
+                per_connection[_LAST_TOKEN] = (raw, digest)
         key = self._by_hash.get(digest)
         if key is None or not hmac.compare_digest(key.token_sha256, digest):
             return None

@@ -51,6 +51,21 @@ class GatewayMetrics:
             ("result",),
         )
 
+    # The per-request counts, by the series' keys (label values in the order declared above):
+    # a request costs no label checking and, for a series already seen, no allocation.
+
+    def answered(self, model: str, status: int | str) -> None:
+        """A request answered with `status` (one of the gateway's own errors too)."""
+        self.requests.add((model, str(status)))
+
+    def timed(self, model: str, seconds: float) -> None:
+        """A forwarded request's time from its arrival to the end of its response."""
+        self.latency.observe_at((model,), seconds)
+
+    def first_byte(self, model: str, seconds: float) -> None:
+        """A forwarded request's time from its arrival to the first byte of its response body."""
+        self.ttfb.observe_at((model,), seconds)
+
     def mirror(self, router: Router, queued: Mapping[str, int], in_flight: Mapping[str, int]) -> None:
         """Set the gauges that mirror the gateway's state: each replica's state and outstanding
         requests (`router`), and each model's queued and in-flight requests."""

@@ -140,25 +140,28 @@ class Router:
         """The endpoints that may take a new request. A draining one does only while no other
         of its model can: a drain of a model's only replica must not be an outage while its
         replacement starts (the control plane retires it once the replacement is ready)."""
-        up = [ep for ep in self.endpoints.get(model, ()) if ep.replica_id not in self.down]
+        eps = self.endpoints.get(model, ())
+        up = [ep for ep in eps if ep.replica_id not in self.down] if self.down else list(eps)
         return [ep for ep in up if not ep.draining] or up
 
     def pick(self, model: str, *, exclude: Collection[str] = (), prompt: str | None = None) -> Endpoint | None:
-        candidates = [
-            ep
-            for ep in self.in_rotation(model)
-            if ep.replica_id not in exclude
-            and (self.max_outstanding <= 0 or self.outstanding.get(ep.replica_id, 0) < self.max_outstanding)
-        ]
-        if not candidates:
-            return None
-        load = {ep.replica_id: self.outstanding.get(ep.replica_id, 0) for ep in candidates}
-        least = min(load.values())
+        outstanding, cap = self.outstanding, self.max_outstanding
+        candidates: list[Endpoint] = []
+        loads: list[int] = []
+        for ep in self.in_rotation(model):
+            load = outstanding.get(ep.replica_id, 0)
+            if ep.replica_id not in exclude and (cap <= 0 or load < cap):
+                candidates.append(ep)
+                loads.append(load)
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        least = min(loads)
         if self.affinity_chars > 0 and prompt:
-            preferred = max(candidates, key=lambda ep: _affinity(prompt[: self.affinity_chars], ep.replica_id))
-            if load[preferred.replica_id] <= least + 1:
-                return preferred
-        return self.rng.choice([ep for ep in candidates if load[ep.replica_id] == least])
+            prefix = prompt[: self.affinity_chars]
+            preferred = max(range(len(candidates)), key=lambda i: _affinity(prefix, candidates[i].replica_id))
+            if loads[preferred] <= least + 1:
+                return candidates[preferred]
+        return self.rng.choice([ep for ep, load in zip(candidates, loads, strict=True) if load == least])
 
     def acquire(self, ep: Endpoint) -> None:
         self.outstanding[ep.replica_id] = self.outstanding.get(ep.replica_id, 0) + 1

@@ -19,7 +19,10 @@ can import it; it raises `InvalidJson` (or any picklable exception, such as the 
 give the same answers.
 
 Nesting deeper than `MAX_DEPTH` is refused on both paths, after parsing (the parser's own limit
-protects the parse; ours keeps what handlers walk shallow).
+protects the parse; ours keeps what handlers walk shallow). A body with at most `MAX_DEPTH`
+brackets cannot nest deeper, so only one with more is walked (`depth_exceeds`), level by level
+with the containers of each level picked out in C: brackets inside strings would make a count of
+the bytes wrong, and a scan that skips strings in Python costs more than the walk.
 
 For handlers (the gateway, the admin API, the page, the sim engine): `read_json` reads a small
 body and parses it on the loop, `parse_body` a body of any size through `JsonWorkers`; both
@@ -36,6 +39,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any
 
 import attrs
@@ -89,11 +93,21 @@ class ParserBusy(Exception):
 # -- parsing -----------------------------------------------------------------------------------
 
 
-def loads(data: bytes, *, what: str = "request body") -> Any:
+_decode = json.JSONDecoder().decode  # what json.loads decodes text with, given no options
+_CONTAINERS = frozenset((dict, list))
+
+
+def loads(data: bytes, *, what: str = "request body", brackets: int | None = None) -> Any:
     """`data` as JSON, or `InvalidJson` naming the problem: invalid, invalid UTF-8, or nested
-    deeper than `MAX_DEPTH`. Linear in `len(data)`."""
+    deeper than `MAX_DEPTH`. Linear in `len(data)`. `brackets`: the count of `[` and `{` in
+    `data`, when the caller has it."""
     try:
-        value = json.loads(data or b"null")
+        if data[:1] == b"{" and data[1:2] != b"\x00":
+            # What json.loads does with such bytes (json.detect_encoding: no BOM, not UTF-16 or
+            # 32, so UTF-8), without the detour.
+            value = _decode(data.decode("utf-8", "surrogatepass"))
+        else:
+            value = json.loads(data or b"null")
     except RecursionError:
         raise InvalidJson(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError as exc:
@@ -101,7 +115,9 @@ def loads(data: bytes, *, what: str = "request body") -> Any:
     except ValueError as exc:  # JSONDecodeError, and int() past its 4300-digit limit
         raise InvalidJson(f"{what} is not valid JSON: {_short(str(exc))}") from None
     # Cannot nest deeper than it has openings: the common case, counted in C.
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
+    if brackets is None:
+        brackets = data.count(b"[") + data.count(b"{")
+    if brackets > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
         raise InvalidJson(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels")
     return value
 
@@ -116,17 +132,20 @@ def inline(data: bytes) -> bool:
 
 
 def depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether lists and dicts nest deeper than `limit` in `value`; iterative, one visit per
-    container."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        for child in children:
-            if isinstance(child, (list, dict)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
+    """Whether lists and dicts nest deeper than `limit` in `value` (as `json.loads` makes them:
+    dicts and lists, no subclasses). Iterative, level by level: one Python step per container,
+    and the values of a level sorted into containers and the rest in C (`compress`), so that a
+    body's many strings and numbers cost no Python step each."""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 1
+    while level:
+        children: list[Any] = []
+        for node in level:
+            children += node.values() if isinstance(node, dict) else node
+        level = list(compress(children, map(_CONTAINERS.__contains__, map(type, children))))
+        depth += 1
+        if level and depth > limit:
+            return True
     return False
 
 
@@ -274,8 +293,10 @@ class JsonWorkers:
     async def parse(self, body: bytes, fn: Callable[..., Any], *args: Any, what: str = "request body") -> Any:
         """`fn(json.loads(body), *args)`; raises what `fn` raises, `InvalidJson`, or
         `ParserBusy`."""
-        if inline(body):
-            return fn(loads(body, what=what), *args)
+        if len(body) <= INLINE_MAX_BYTES:  # `inline`, its count of brackets kept for `loads`
+            brackets = body.count(b"[") + body.count(b"{")
+            if brackets + body.count(b",") <= INLINE_MAX_VALUES:
+                return fn(loads(body, what=what, brackets=brackets), *args)
         reference = _reference(fn)
         if self._waiting >= self.options.max_waiting:
             raise ParserBusy(f"{self._waiting} large request bodies are waiting to be parsed")

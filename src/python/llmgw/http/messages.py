@@ -4,7 +4,9 @@ A `Request` is its head, and its body for the asking (`read`, once): a handler d
 head alone before a byte of the body is buffered. Its headers are kept as the byte pairs h11
 parsed (`raw_headers`: names lower-case, every repeat in order), so what a proxy forwards is
 what came; `headers` is the convenience view (decoded, a repeated header's last value) and
-`header_values` every value of one.
+`header_values` every value of one. `per_connection` is a dict the server gives every request of
+one connection alike, for what a handler keeps from one to the next (the gateway: the digest of
+the API key last sent on it); None from a server that keeps nothing.
 
 A handler answers with a `Response` (a body in memory), a `StreamingResponse` (a body produced
 while it is sent) or an `Upgrade` (the connection handed to another protocol: the agent port's
@@ -68,6 +70,8 @@ class Request:
     pipelined: int = 0
     _body: BodySource
     _head_bytes: bytes = b""  # the head as read, kept for an `Upgrade` only
+    # The same dict for every request of the connection, for handlers (the module's docstring).
+    per_connection: dict[str, Any] | None = None
 
     @classmethod
     def of(
@@ -80,6 +84,7 @@ class Request:
         raw_headers: tuple[tuple[bytes, bytes], ...] = (),
         query: dict[str, list[str]] | None = None,
         client: str = "127.0.0.1:1",
+        per_connection: dict[str, Any] | None = None,
     ) -> Request:
         """A request whose body is already in memory (tests, and requests made in-process)."""
         pairs = raw_headers + tuple((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())
@@ -92,6 +97,7 @@ class Request:
             headers={k.decode("latin-1"): v.decode("latin-1") for k, v in pairs},
             client=client,
             body=Buffered(body),
+            per_connection=per_connection,
         )
 
     @property
