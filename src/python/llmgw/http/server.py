@@ -182,6 +182,8 @@ class _Connection:
     upgrades: bool
     departure: _Departure = attrs.field(init=False)
     waited: bool = False  # whether reading this request's head went through the scheduler
+    # What a handler keeps for the requests of this connection alone (`Request.per_connection`).
+    per_connection: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.departure = _Departure(self)
@@ -481,6 +483,7 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
         pipelined=pipelined,
         body=body,
         head_bytes=head,
+        per_connection=c.per_connection,
     )
 
 
