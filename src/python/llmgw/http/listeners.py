@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import math
 import resource
 import socket
 from collections import OrderedDict
@@ -192,11 +193,15 @@ class IdleConnections:
         return len(self._waiting)
 
     @contextlib.contextmanager
-    def waiting(self, *, peer: str = "", stoppable: bool = True) -> Iterator[trio.CancelScope]:
+    def waiting(
+        self, *, peer: str = "", stoppable: bool = True, deadline: float = math.inf
+    ) -> Iterator[trio.CancelScope]:
         """A scope around a wait on the peer, cancelled when this connection is shed or, if
         `stoppable`, when the server stops; its `cancelled_caught` then tells the caller to
-        close the connection quietly. `peer` is the address the shedding is counted under."""
-        scope = trio.CancelScope()
+        close the connection quietly. `peer` is the address the shedding is counted under.
+        `deadline`: the wait's own (one scope for both: a cancellation before it is a shedding
+        or a stop)."""
+        scope = trio.CancelScope(deadline=deadline)
         if stoppable and self._stopped:
             scope.cancel()
         self._waiting[scope] = (peer, stoppable)

@@ -210,13 +210,15 @@ class _Departure:
     def __init__(self, c: _Connection) -> None:
         self.c = c
         self._timer = trio.CancelScope()
-        self._request: tuple[trio.CancelScope, ConnectionBody] | None = None
+        self._request: ConnectionBody | None = None
+        self.departed = False  # the client left while a handler ran: the connection was cancelled
         self._reading: trio.CancelScope | None = None
         self.stopped = Wakeup()  # the reading has stopped
 
-    def arm(self, scope: trio.CancelScope, body: ConnectionBody) -> None:
-        """Watch for the client while `scope` (the handler's) runs: `scope` is cancelled if it leaves."""
-        self._request = (scope, body)
+    def arm(self, body: ConnectionBody) -> None:
+        """Watch for the client while a handler runs: if it leaves, the connection is cancelled
+        (`run`'s scope), the handler with it, and `departed` says why."""
+        self._request = body
         self._timer.deadline = trio.current_time() + DEPARTURE_WATCH_AFTER_S
 
     async def disarm(self) -> None:
@@ -229,19 +231,21 @@ class _Departure:
             with trio.CancelScope(shield=True):
                 await stopped.wait()
 
-    async def run(self) -> None:
+    async def run(self, connection: trio.CancelScope) -> None:
+        """Until cancelled; `connection`: the scope cancelled when the client leaves."""
         while True:
             with trio.CancelScope(deadline=self._timer.deadline) as self._timer:
                 await trio.sleep_forever()
             if self._request is None:
                 continue  # disarmed as the timer went off
-            scope, body = self._request
+            body = self._request
             try:
                 with trio.CancelScope() as self._reading:
                     await body.settled.wait()
                     if body.whole:
                         await wait_for_disconnect(self.c.conn, self.c.stream, self.c.limits)
-                        scope.cancel()
+                        self.departed = True
+                        connection.cancel()
                         await trio.sleep_forever()  # until disarmed
                     else:
                         await trio.sleep_forever()  # the body broke off: the connection ends after the answer
@@ -280,10 +284,13 @@ async def serve_connection(
     )
     try:
         try:
+            handover = None
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(c.departure.run)
+                nursery.start_soon(c.departure.run, nursery.cancel_scope)
                 handover = await _serve_requests(handler, c)
                 nursery.cancel_scope.cancel()
+            if c.departure.departed:
+                raise Abort("closed", message="the client closed the connection before the answer")
         except Exception as exc:
             reason = peer_reason(exc)
             if reason is None:
@@ -328,8 +335,6 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
         assert isinstance(body, ConnectionBody)
         try:
             response = await _call_handler(handler, request, c)
-            if response is None:
-                raise Abort("closed", message="the client closed the connection before the answer")
             if isinstance(response, Upgrade):
                 if not c.upgrades:
                     raise RuntimeError(f"an Upgrade answer to {request.path} on a listener that takes none")
@@ -356,27 +361,25 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
         c.conn.start_next_cycle()
 
 
-async def _call_handler(handler: Handler, request: Request, c: _Connection) -> Answer | None:
-    """The handler's answer; None if the client closed the connection first, in which case the
-    handler is cancelled (`_Departure`: a gateway request stops its upstream request too). The
-    handler runs in the connection's own task: no task, nursery or read per request."""
+async def _call_handler(handler: Handler, request: Request, c: _Connection) -> Answer:
+    """The handler's answer. It runs in the connection's own task: no task, nursery or scope
+    per request. A client that leaves meanwhile cancels the whole connection (`_Departure`: a
+    gateway request stops its upstream request too)."""
     body = request._body
     assert isinstance(body, ConnectionBody)
-    with trio.CancelScope() as scope:
-        c.departure.arm(scope, body)
-        try:
-            return await handler(request)
-        except Exception as exc:  # - one bad request must not take the server down
-            if peer_reason(exc) is not None and any(isinstance(e, Abort) for e in leaves(exc)):
-                raise  # reading the body failed by the peer's fault: the connection's to handle
-            http_error = _only_http_error(exc)
-            if http_error is None:
-                log.exception("http_handler_failed", method=request.method, path=request.path)
-                http_error = HTTPError(500, INTERNAL_ERROR)
-            return c.errors(http_error)
-        finally:
-            await c.departure.disarm()
-    return None
+    c.departure.arm(body)
+    try:
+        return await handler(request)
+    except Exception as exc:  # - one bad request must not take the server down
+        if peer_reason(exc) is not None and any(isinstance(e, Abort) for e in leaves(exc)):
+            raise  # reading the body failed by the peer's fault: the connection's to handle
+        http_error = _only_http_error(exc)
+        if http_error is None:
+            log.exception("http_handler_failed", method=request.method, path=request.path)
+            http_error = HTTPError(500, INTERNAL_ERROR)
+        return c.errors(http_error)
+    finally:
+        await c.departure.disarm()
 
 
 def _only_http_error(exc: BaseException) -> HTTPError | None:
@@ -384,16 +387,20 @@ def _only_http_error(exc: BaseException) -> HTTPError | None:
     return found[0] if len(found) == 1 and isinstance(found[0], HTTPError) else None
 
 
-async def _receive(c: _Connection, deadline: float, raw: bytearray | None) -> bool:
+async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None) -> bool:
     """Read once into the parser (and into `raw`, when the head's bytes are kept), unless
-    `deadline` passes first (then False)."""
+    `deadline` passes first (then False; None: the caller's scope bounds the wait)."""
     data = fastio.receive_now(c.stream, RECEIVE_SIZE)
     if data is None:
         c.waited = True
-        with trio.move_on_at(deadline):
-            data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=fastio.plain(c.stream))
-        if data is None:
-            return False
+        waits = fastio.plain(c.stream)
+        if deadline is None:
+            data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
+        else:
+            with trio.move_on_at(deadline):
+                data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
+            if data is None:
+                return False
     c.conn.receive_data(data)
     if raw is not None:
         raw += data
@@ -432,12 +439,13 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
             # connection quietly to make room at its cap (`listeners.IdleConnections`), and a
             # stopping server closes the idle ones (not a new one: its request may be on the way).
             fresh = head_deadline is not None
-            with c.shutdown.idle.waiting(peer=c.client, stoppable=not fresh) as idle:
-                received = await _receive(c, head_deadline if fresh else now + limits.keepalive_timeout_s, raw)
-            if idle.cancelled_caught:
-                return None
-            if received:
+            until = head_deadline if fresh else now + limits.keepalive_timeout_s
+            with c.shutdown.idle.waiting(peer=c.client, stoppable=not fresh, deadline=until) as idle:
+                await _receive(c, None, raw)  # the wait's deadline is the idle scope's own
+            if not idle.cancelled_caught:
                 continue
+            if trio.current_time() < until:
+                return None  # shed to make room, or the server stops
             if fresh:
                 raise Abort("head_timeout", message=f"nothing sent within {limits.head_timeout_s:g} s")
             return None  # the keep-alive deadline: closed quietly (RFC 9112 §9.6)
