@@ -282,18 +282,23 @@ class UpstreamResponse:
         host, port = self.key
         parser, stream = self.conn.parser, self.conn.stream
         timeout = self.pool.read_timeout_s
+        read = True  # whether this piece's bytes came with a read (a checkpoint) since the last
         while True:
             try:
                 event = parser.next_event()
                 if event is NEED_DATA:
                     with trio.move_on_after(timeout):
                         parser.feed(await fastio.receive(stream, RECEIVE_SIZE))  # b"": the peer closed
+                        read = True
                         continue
                     raise UpstreamBroken(f"{host}:{port} sent nothing for {timeout:g} s in the middle of a response")
             except _STREAM_ERRORS as exc:
                 raise UpstreamBroken(f"{host}:{port} failed in the middle of a response: {_describe(exc)}") from None
             if event is END:
                 return
+            if not read:  # another piece of the same read (many tiny chunks): yield between them
+                await trio.lowlevel.checkpoint()
+            read = False
             yield event  # type: ignore[misc] - bytes: the head came once, before the body
 
     async def read(self, limit: int) -> bytes:

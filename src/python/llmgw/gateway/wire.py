@@ -14,7 +14,7 @@ sizes and their CRLFs, a head at most `MAX_HEAD_BYTES` and a chunk-size line at 
 `ResponseParser`: `feed` bytes (b"" at the peer's end), then `next_event` until `NEED_DATA`:
 a `Head` (1xx heads are skipped), then `bytes` — every body byte decodable from what was fed, in
 one piece (a chunked body's chunks are joined: several SSE events the engine wrote at once go
-out to the client in one write) — then `END`. `reusable` says whether the connection may carry
+out to the client in one write; at most `MAX_STEPS` framing steps a piece) — then `END`. `reusable` says whether the connection may carry
 another exchange once the response ended: HTTP/1.1, no `Connection: close`, framed by length or
 chunks, nothing sent after it. Time is linear in the bytes fed: the buffer is consumed from an
 offset and compacted, never re-scanned from its start.
@@ -29,6 +29,9 @@ import attrs
 
 MAX_HEAD_BYTES = 64 << 10
 MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer line
+# Framing steps (about a microsecond each) at most per `next_event`: 64 KiB of one-byte chunks
+# come out in several pieces, the caller yielding between them, not in one long step.
+MAX_STEPS = 1024
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
 _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -223,10 +226,11 @@ class ResponseParser:
 
     def _chunked(self) -> bytes | _Need | _End:
         out: list[bytes] = []
-        while True:
+        for _ in range(MAX_STEPS):
             got = self._chunk_step(out)
             if got is not None:
                 return b"".join(out) if out else got  # the data first; the end, if it came, next
+        return b"".join(out)  # a piece of many tiny chunks; the rest at the next call
 
     def _chunk_step(self, out: list[bytes]) -> _Need | _End | None:
         """One step of the chunked framing; None to go on, else what to return (after `out`)."""

@@ -69,10 +69,14 @@ def receive_now(stream: object, max_bytes: int) -> bytes | None:
 
 async def receive(stream: trio.abc.ReceiveStream, max_bytes: int, *, waits: bool = False) -> bytes:
     """`receive_some`, trying the socket at once first, unless the caller knows nothing can be
-    there yet (`waits`: a request just written, its answer not yet come)."""
+    there yet (`waits`: a request just written, its answer not yet come). A checkpoint either
+    way, as `receive_some` is: a peer that always has data ready (an engine streaming fast)
+    must not keep the reading task from ever yielding."""
     if type(stream) is not trio.SocketStream:
         return await stream.receive_some(max_bytes)
     data = None if waits else receive_now(stream, max_bytes)
+    if data is not None:
+        await trio.lowlevel.checkpoint()
     while data is None:
         await trio.lowlevel.wait_readable(stream.socket)
         data = receive_now(stream, max_bytes)

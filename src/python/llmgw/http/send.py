@@ -33,6 +33,7 @@ RECEIVE_SIZE = 65536
 LINGER_S = 1.0
 LINGER_BYTES = 256 * 1024
 BUSY_SEND_S = 1.0
+CHECKPOINT_CHUNKS = 16  # a streamed body yields to the loop at least once in this many chunks
 
 
 async def send(stream, data: bytes, limits: Limits) -> None:
@@ -101,7 +102,13 @@ async def send_body(conn: ServerConnection, stream, body: AsyncIterable[bytes], 
     # The producer's failures and the client's are told apart: only the first is a bug to log,
     # and neither is answered (the head is out): the connection closes without the last chunk.
     chunks = aiter(body)
+    sent = 0
     while True:
+        if sent % CHECKPOINT_CHUNKS == CHECKPOINT_CHUNKS - 1:
+            # A write the socket takes at once does not yield (`send`): a producer that never
+            # waits either (an engine answering as fast as it can) must not hold the loop.
+            await trio.lowlevel.checkpoint()
+        sent += 1
         try:
             chunk = await anext(chunks)
         except StopAsyncIteration:
