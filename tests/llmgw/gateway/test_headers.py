@@ -48,16 +48,16 @@ def test_to_the_replica_without_a_key_or_a_client_address_nothing_is_added() -> 
 
 def test_to_the_client_the_gateway_writes_its_own_framing_and_says_who_answered() -> None:
     upstream = (
-        ("content-type", "application/json"),
-        ("content-length", "10"),
-        ("date", "then"),
-        ("server", "llama"),
-        ("transfer-encoding", "chunked"),
-        ("x-request-id", "abc"),
+        (b"content-type", b"application/json"),
+        (b"content-length", b"10"),
+        (b"date", b"then"),
+        (b"server", b"llama"),
+        (b"transfer-encoding", b"chunked"),
+        (b"x-request-id", b"abc"),
     )
     # The engine's own request id is not the request's: the gateway's is.
     assert relayed_headers(upstream, replica_id="chat-0", overhead_s=0.00125, request_id="req_1") == (
-        ("content-type", "application/json"),
+        (b"content-type", b"application/json"),
         ("x-llmgw-replica", "chat-0"),
         ("x-llmgw-overhead-ms", "1.25"),
         ("x-request-id", "req_1"),

@@ -77,7 +77,7 @@ def test_a_response_with_a_length_is_its_head_then_its_body_and_the_connection_i
     parser = ResponseParser()
     parser.feed(LENGTH)
     head = parser.next_event()
-    assert head == Head(status=200, headers=(("content-type", "application/json"), ("content-length", "5")))
+    assert head == Head(status=200, headers=((b"content-type", b"application/json"), (b"content-length", b"5")))
     assert parser.next_event() == b"hello" and parser.next_event() is END and parser.reusable
 
 
@@ -209,7 +209,7 @@ def fed_a_byte_at_a_time(size: int) -> float:
                 parser.feed(data[i : i + 1])
                 event = parser.next_event()
             tries.append(time.process_time() - started)
-            assert isinstance(event, Head) and event.headers[-1] == ("content-length", "0")
+            assert isinstance(event, Head) and event.headers[-1] == (b"content-length", b"0")
     finally:
         gc.enable()
     return min(tries)

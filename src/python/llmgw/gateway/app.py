@@ -499,7 +499,7 @@ class Gateway:
         headers = relayed_headers(
             upstream.headers, replica_id=ep.replica_id, overhead_s=job.sent_at - job.started, request_id=job.rid
         )
-        if upstream.header("content-length") is not None:
+        if upstream.header(b"content-length") is not None:
             try:
                 body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
             except UpstreamTooLarge as exc:
@@ -511,7 +511,7 @@ class Gateway:
             job.finish(upstream.status, now)
             if upstream.status >= 400 and (rewritten := normalized(upstream.status, body)) is not None:
                 body = rewritten
-                headers = (*(h for h in headers if h[0] != "content-type"), ("content-type", "application/json"))
+                headers = (*(h for h in headers if h[0] != b"content-type"), (b"content-type", b"application/json"))
             return Response(status=upstream.status, body=body, headers=headers)
         job.first_byte(self.clock())
         return StreamingResponse(status=upstream.status, body=_stream(upstream, job), headers=headers)

@@ -37,7 +37,7 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", REQUEST_ID}
 _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in _NOT_FORWARDED)
 _NOT_FORWARDED_BYTES_XFF = _NOT_FORWARDED_BYTES | {b"x-forwarded-for"}  # which the gateway writes anew
-_NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server", REQUEST_ID}
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | {"content-length", "date", "server", REQUEST_ID})
 # A caller's own request id is kept when it is one a log line and a header can carry as it is.
 _USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
@@ -72,9 +72,10 @@ def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tupl
 
 
 def relayed_headers(
-    upstream: Iterable[tuple[str, str]], *, replica_id: str, overhead_s: float, request_id: str
-) -> tuple[tuple[str, str], ...]:
-    """The fields of the answer to the client, from the replica's (`upstream`, names in lower case)."""
+    upstream: Iterable[tuple[bytes, bytes]], *, replica_id: str, overhead_s: float, request_id: str
+) -> tuple[tuple[bytes | str, bytes | str], ...]:
+    """The fields of the answer to the client, from the replica's (`upstream`, as byte pairs
+    with names in lower case: they go out as they came)."""
     return (
         *[(k, v) for k, v in upstream if k not in _NOT_RELAYED],
         ("x-llmgw-replica", replica_id),

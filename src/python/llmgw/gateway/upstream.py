@@ -268,10 +268,10 @@ class UpstreamResponse:
     key: tuple[str, int]
     conn: _Conn
     status: int
-    headers: tuple[tuple[str, str], ...]
+    headers: tuple[tuple[bytes, bytes], ...]  # names lower-case
     _closed: bool = False
 
-    def header(self, name: str) -> str | None:
+    def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.headers if k == name), None)
 
     async def body(self) -> AsyncIterator[bytes]:

@@ -27,15 +27,14 @@ from collections.abc import Sequence
 
 import attrs
 
+from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, parse_fields, writable
+
 MAX_HEAD_BYTES = 64 << 10
 MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer line
 # Framing steps (about a microsecond each) at most per `next_event`: 64 KiB of one-byte chunks
 # come out in several pieces, the caller yielding between them, not in one long step.
 MAX_STEPS = 1024
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 
 
 class ProtocolError(Exception):
@@ -64,7 +63,7 @@ END = _End()
 @attrs.frozen
 class Head:
     status: int
-    headers: tuple[tuple[str, str], ...]  # names lower-case, in the order sent, repeats kept
+    headers: tuple[tuple[bytes, bytes], ...]  # names lower-case, in the order sent, repeats kept
 
 
 def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -73,7 +72,7 @@ def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[b
     them); a field holding one anyway would split the request, so it is refused here too."""
     parts = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n".encode("latin-1")]
     for name, value in headers:
-        if b"\r" in value or b"\n" in value or b"\x00" in value or _TOKEN.fullmatch(name) is None:
+        if not writable(name, value):
             raise ValueError(f"the header field {name[:40]!r} holds CR, LF or NUL, or its name is no token: not sent")
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"\r\n")
@@ -162,27 +161,23 @@ class ResponseParser:
                 return NEED_DATA
             if end - self._pos > MAX_HEAD_BYTES:
                 raise ProtocolError(f"a response head larger than {MAX_HEAD_BYTES} bytes")
-            lines = bytes(buf[self._pos : end]).split(b"\r\n")
+            whole = bytes(buf[self._pos : end + 2])  # the last field line's CRLF with it
             self._pos = end + 4
-            head, version = self._parse_head(lines)
+            head, version = self._parse_head(whole)
             if 100 <= head.status < 200:
                 continue  # 100 Continue, 103 Early Hints: the final answer follows
             self._frame(head, version)
             return head
 
-    def _parse_head(self, lines: list[bytes]) -> tuple[Head, int]:
-        status_line = _STATUS_LINE.fullmatch(lines[0])
+    def _parse_head(self, whole: bytes) -> tuple[Head, int]:
+        first = whole.find(b"\r\n")
+        status_line = _STATUS_LINE.fullmatch(whole, 0, first)
         if status_line is None:
-            raise ProtocolError(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
-        headers = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or _TOKEN.fullmatch(name) is None:
-                raise ProtocolError(f"not a header field line: {line[:80]!r}")
-            value = value.strip(b" \t")
-            if _BAD_VALUE.search(value) is not None:
-                raise ProtocolError(f"a control character in the value of {name[:40]!r}")
-            headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
+            raise ProtocolError(f"not an HTTP/1.1 status line: {whole[: min(first, 80)]!r}")
+        try:
+            headers = parse_fields(whole[first + 2 :])
+        except FieldError as exc:
+            raise ProtocolError(str(exc)) from None
         return Head(status=int(status_line.group(2)), headers=tuple(headers)), int(status_line.group(1))
 
     def _frame(self, head: Head, minor: int) -> None:
@@ -190,21 +185,21 @@ class ResponseParser:
         chunked = False
         close = minor == 0
         for name, value in head.headers:
-            if name == "content-length":
-                for one in value.split(","):
-                    one = one.strip()
+            if name == b"content-length":
+                for one in value.split(b","):
+                    one = one.strip(b" \t")
                     if not one.isdigit() or len(one) > 18:
                         raise ProtocolError(f"a Content-Length that is not a length: {value[:40]!r}")
                     lengths.add(int(one))
-            elif name == "transfer-encoding":
-                if value.strip().lower() != "chunked" or chunked:
+            elif name == b"transfer-encoding":
+                if value.lower() != b"chunked" or chunked:
                     raise ProtocolError(f"a Transfer-Encoding other than chunked: {value[:40]!r}")
                 chunked = True
-            elif name == "connection":
-                tokens = {t.strip().lower() for t in value.split(",")}
-                if "close" in tokens:
+            elif name == b"connection":
+                tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
+                if b"close" in tokens:
                     close = True
-                elif minor == 0 and "keep-alive" in tokens:
+                elif minor == 0 and b"keep-alive" in tokens:
                     close = False
         if len(lengths) > 1:
             raise ProtocolError(f"Content-Length given differently: {sorted(lengths)}")
@@ -251,10 +246,10 @@ class ResponseParser:
                     self._state = _DONE
                     return END
                 name, colon, value = line.partition(b":")
-                if not colon or _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value.strip(b" \t")):
+                if not colon or TOKEN.fullmatch(name) is None or BAD_VALUE.search(value.strip(b" \t")):
                     raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
                 return None
-            size = _CHUNK_SIZE.fullmatch(line)
+            size = CHUNK_SIZE.fullmatch(line)
             if size is None:
                 raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
             self._left = int(size.group(1), 16)

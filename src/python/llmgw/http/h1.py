@@ -38,12 +38,13 @@ import re
 from collections.abc import Iterable
 from http import HTTPStatus
 
+from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, parse_fields, writable
+
 MAX_LINE_BYTES = 4096
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _NOT_IN_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # all but TAB, CR and LF
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
+# The fields that decide how a request is framed and what its connection does.
+_FRAMING = frozenset((b"content-length", b"transfer-encoding", b"host", b"connection", b"expect"))
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 
 
@@ -194,29 +195,27 @@ class ServerConnection:
         size = end + 4 - self._pos
         if size > self.max_head_bytes:
             raise ProtocolError(f"request head of {size} bytes is larger than the limit of {self.max_head_bytes}", 431)
-        lines = bytes(buf[self._pos : end]).split(b"\r\n")
+        head = bytes(buf[self._pos : end + 2])  # the last field line's CRLF with it
         self._pos = end + 4
-        line = _REQUEST_LINE.fullmatch(lines[0])
+        first = head.find(b"\r\n")
+        line = _REQUEST_LINE.fullmatch(head, 0, first)
         if line is None:
-            raise ProtocolError(f"not a request line: {lines[0][:80]!r}")
+            raise ProtocolError(f"not a request line: {head[: min(first, 80)]!r}")
         method, target, major, minor = line.groups()
         if major != b"1" or minor not in (b"0", b"1"):
             raise ProtocolError(f"HTTP/{major.decode()}.{minor.decode()} is not supported; send HTTP/1.1", 505)
-        headers: list[tuple[bytes, bytes]] = []
+        try:
+            headers = parse_fields(head[first + 2 :])
+        except FieldError as exc:
+            raise ProtocolError(str(exc)) from None
         length: int | None = None
         chunked = False
         hosts = 0
         connection: list[bytes] = []
         expect = False
-        for field in lines[1:]:
-            name, colon, value = field.partition(b":")
-            if not colon or _TOKEN.fullmatch(name) is None:
-                raise ProtocolError(f"not a header field line: {field[:80]!r}")
-            value = value.strip(b" \t")
-            if _BAD_VALUE.search(value) is not None:
-                raise ProtocolError(f"a control character in the value of the header field {name[:40]!r}")
-            name = name.lower()
-            headers.append((name, value))
+        for name, value in headers:
+            if name not in _FRAMING:
+                continue
             if name == b"content-length":
                 for one in value.split(b","):
                     one = one.strip(b" \t")
@@ -274,10 +273,10 @@ class ServerConnection:
                         self._state = _DONE_PENDING
                         break
                     name, colon, value = line.partition(b":")
-                    if not colon or _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value.strip(b" \t")):
+                    if not colon or TOKEN.fullmatch(name) is None or BAD_VALUE.search(value.strip(b" \t")):
                         raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
                     continue
-                size = _CHUNK_SIZE.fullmatch(line)
+                size = CHUNK_SIZE.fullmatch(line)
                 if size is None:
                     raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
                 self._left = int(size.group(1), 16)
@@ -344,7 +343,7 @@ class ServerConnection:
         for name, value in headers:
             name = name if isinstance(name, bytes) else name.encode("latin-1")
             value = value if isinstance(value, bytes) else value.encode("latin-1")
-            if _TOKEN.fullmatch(name) is None or b"\r" in value or b"\n" in value or b"\x00" in value:
+            if not writable(name, value):
                 raise LocalProtocolError(f"the header field {name[:40]!r} cannot be written: CR, LF or NUL in it")
             low = name.lower()
             if low == b"content-length" or low == b"transfer-encoding":

@@ -201,15 +201,22 @@ class IdleConnections:
         close the connection quietly. `peer` is the address the shedding is counted under.
         `deadline`: the wait's own (one scope for both: a cancellation before it is a shedding
         or a stop)."""
-        scope = trio.CancelScope(deadline=deadline)
-        if stoppable and self._stopped:
-            scope.cancel()
-        self._waiting[scope] = (peer, stoppable)
+        scope = self.scope(peer=peer, stoppable=stoppable, deadline=deadline)
         try:
             with scope:
                 yield scope
         finally:
             self._waiting.pop(scope, None)
+
+    def scope(self, *, peer: str = "", stoppable: bool = True, deadline: float = math.inf) -> trio.CancelScope:
+        """`waiting` without a generator, for the request path: the scope to wait in, counted
+        as waiting until `settle` is called with it (which the caller must do, however the wait
+        ends)."""
+        scope = trio.CancelScope(deadline=deadline)
+        if stoppable and self._stopped:
+            scope.cancel()
+        self._waiting[scope] = (peer, stoppable)
+        return scope
 
     def settle(self, scope: trio.CancelScope) -> None:
         """The connection waiting in `scope` (inside `waiting`) waits no more: it is neither shed

@@ -167,6 +167,10 @@ def peer_address(stream: trio.abc.Stream) -> str:
     return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
 
 
+# Heads waited for at once (see `_read_head`) after a look that found nothing, before looking again.
+LOOK_AGAIN_AFTER = 8
+
+
 @attrs.define(kw_only=True, eq=False)
 class _Connection:
     """One connection as served: its protocol state, its stream and the listener's rules for it."""
@@ -181,7 +185,11 @@ class _Connection:
     keep_alive: bool
     upgrades: bool
     departure: _Departure = attrs.field(init=False)
-    waited: bool = False  # whether reading this request's head went through the scheduler
+    # The task's count of trips through the scheduler when it last made sure of one (see
+    # `_read_request`); -1: none counted yet.
+    yielded_at: int = -1
+    # Heads waited for without a look first since a look found nothing (`_read_head`).
+    looks_skipped: int = LOOK_AGAIN_AFTER
     # What a handler keeps for the requests of this connection alone (`Request.per_connection`).
     per_connection: dict = attrs.field(factory=dict)
 
@@ -387,12 +395,12 @@ def _only_http_error(exc: BaseException) -> HTTPError | None:
     return found[0] if len(found) == 1 and isinstance(found[0], HTTPError) else None
 
 
-async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None) -> bool:
+async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None, *, tried: bool = False) -> bool:
     """Read once into the parser (and into `raw`, when the head's bytes are kept), unless
-    `deadline` passes first (then False; None: the caller's scope bounds the wait)."""
-    data = fastio.receive_now(c.stream, RECEIVE_SIZE)
+    `deadline` passes first (then False; None: the caller's scope bounds the wait). `tried`:
+    the caller found nothing to read a moment ago, so this waits at once."""
+    data = None if tried else fastio.receive_now(c.stream, RECEIVE_SIZE)
     if data is None:
-        c.waited = True
         waits = fastio.plain(c.stream)
         if deadline is None:
             data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
@@ -409,14 +417,25 @@ async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None
 
 async def _read_request(c: _Connection, *, first: bool) -> Request | None:
     """The next request, its head read (its body is read when the handler asks)."""
-    c.waited = False
     request = await _read_head(c, first=first)
-    if request is not None and not c.waited:
-        # Its bytes were there already (pipelined, or a fast client): nothing went through the
-        # scheduler, and a client that always has the next request ready must not keep this
-        # task from ever yielding (`fastio`). One checkpoint per request.
-        await trio.lowlevel.checkpoint()
+    if request is not None:
+        # A client that always has the next request ready (pipelined, or fast) and a handler
+        # that answers without waiting (a local route) would keep this task from ever yielding:
+        # reads that find data do not (`fastio`). So once per request, unless the task went
+        # through the scheduler since the last time (a wait for the head, or the handler's own
+        # wait for its upstream): then it yielded already, and a checkpoint would only cost.
+        points = _schedule_points()
+        if points < 0 or points == c.yielded_at:
+            await trio.lowlevel.checkpoint()
+            points = _schedule_points()
+        c.yielded_at = points
     return request
+
+
+def _schedule_points() -> int:
+    """How many times the current task has gone through the scheduler (trio counts them for
+    `trio.testing.assert_checkpoints`); -1 where this trio does not say."""
+    return getattr(trio.lowlevel.current_task(), "_schedule_points", -1)
 
 
 async def _read_head(c: _Connection, *, first: bool) -> Request | None:
@@ -438,10 +457,28 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
             # new and silent until the head deadline. Either way the listener may close this
             # connection quietly to make room at its cap (`listeners.IdleConnections`), and a
             # stopping server closes the idle ones (not a new one: its request may be on the way).
+            # What came meanwhile (the next request of a fast client) needs no wait. Whether to
+            # look before waiting is learnt: a read that finds nothing costs about as much as
+            # one that finds a request, so a connection whose look found nothing waits at once
+            # for its next few heads (a wait finds a request already there just as well).
+            if c.looks_skipped >= LOOK_AGAIN_AFTER:
+                data = fastio.receive_now(c.stream, RECEIVE_SIZE)
+                if data is not None:
+                    conn.receive_data(data)
+                    if raw is not None:
+                        raw += data
+                    continue
+                c.looks_skipped = 0
+            else:
+                c.looks_skipped += 1
             fresh = head_deadline is not None
             until = head_deadline if fresh else now + limits.keepalive_timeout_s
-            with c.shutdown.idle.waiting(peer=c.client, stoppable=not fresh, deadline=until) as idle:
-                await _receive(c, None, raw)  # the wait's deadline is the idle scope's own
+            idle = c.shutdown.idle.scope(peer=c.client, stoppable=not fresh, deadline=until)
+            try:
+                with idle:
+                    await _receive(c, None, raw, tried=True)  # the wait's deadline is the idle scope's own
+            finally:
+                c.shutdown.idle.settle(idle)
             if not idle.cancelled_caught:
                 continue
             if trio.current_time() < until:

@@ -1,0 +1,62 @@
+"""Header field lines as both of llmgw's HTTP/1.1 codecs read and write them (RFC 9112 §5,
+RFC 9110 §5.5): the listeners' server side (`llmgw.http.h1`) and the gateway's client side to
+engines (`llmgw.gateway.wire`).
+
+Read: a block of field lines is checked whole by one linear expression (a name a token, then
+`:`, then a value without control characters, CR, LF or NUL; no obs-fold), and only a block
+that fails is gone through line by line, to say which line is wrong. Written: a name is a
+token and a value holds no CR, LF or NUL (either would split the message); the names already
+found good are remembered (a bounded set), so the usual ones cost a lookup.
+"""
+
+from __future__ import annotations
+
+import re
+
+TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # TAB is allowed; CR, LF and the rest are not
+CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
+# Field lines, each ended by CRLF. A value holds no CR, so there is one way to match: linear.
+_FIELD_LINES = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+_KNOWN_NAMES_MAX = 512
+_good_names: set[bytes] = set()
+
+
+class FieldError(ValueError):
+    """A field line that is not one (the message names it)."""
+
+
+def parse_fields(block: bytes) -> list[tuple[bytes, bytes]]:
+    """The fields of `block` (the field lines of a head, each ended by CRLF: what follows the
+    start line, up to and with the CRLF before the empty line): (name in lower case, value
+    without the whitespace around it), in order, repeats kept."""
+    if _FIELD_LINES.fullmatch(block) is None:
+        _which_line(block)
+    fields = []
+    for line in block.split(b"\r\n")[:-1]:
+        name, _, value = line.partition(b":")
+        fields.append((name.lower(), value.strip(b" \t")))
+    return fields
+
+
+def _which_line(block: bytes) -> None:
+    for line in block.split(b"\r\n")[:-1]:
+        name, colon, value = line.partition(b":")
+        if not colon or TOKEN.fullmatch(name) is None:
+            raise FieldError(f"not a header field line: {line[:80]!r}")
+        if BAD_VALUE.search(value) is not None:
+            raise FieldError(f"a control character in the value of the header field {name[:40]!r}")
+    raise FieldError("the header field lines do not end with CRLF")  # the callers pass whole lines
+
+
+def writable(name: bytes, value: bytes) -> bool:
+    """Whether a field can be written as it is: nothing in it would split the message."""
+    if b"\r" in value or b"\n" in value or b"\x00" in value:
+        return False
+    if name in _good_names:
+        return True
+    if TOKEN.fullmatch(name) is None:
+        return False
+    if len(_good_names) < _KNOWN_NAMES_MAX:
+        _good_names.add(name)
+    return True
