@@ -64,6 +64,13 @@ def test_a_request_is_its_head_with_host_and_length_first_then_the_body() -> Non
 def test_a_field_that_would_split_the_request_is_refused(field: tuple[bytes, bytes]) -> None:
     with pytest.raises(ValueError, match="not sent"):
         request_bytes("POST", "/", "h:1", [field], b"")
+    with pytest.raises(ValueError, match=f"{field[0]!r}.* not sent"):  # found among others, in one pass
+        request_bytes("POST", "/", "h:1", [(b"x-0", b"0"), field, (b"x-9", b"9")], b"")
+
+
+def test_a_target_that_would_split_the_request_is_refused() -> None:
+    with pytest.raises(ValueError, match="the request line or host holds CR, LF or NUL: not sent"):
+        request_bytes("POST", "/a\r\nx-b: 1", "h:1", [(b"x-a", b"1")], b"")
 
 
 LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\nhello"

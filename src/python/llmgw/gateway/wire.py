@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, parse_fields, writable
+from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, good_name, parse_fields, whole_lines, writable
 
 MAX_HEAD_BYTES = 64 << 10
 MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer line
@@ -72,11 +72,17 @@ def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[b
     them); a field holding one anyway would split the request, so it is refused here too."""
     parts = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n".encode("latin-1")]
     for name, value in headers:
-        if not writable(name, value):
-            raise ValueError(f"the header field {name[:40]!r} holds CR, LF or NUL, or its name is no token: not sent")
+        if not good_name(name):
+            raise ValueError(f"the header field name {name[:40]!r} is no token: not sent")
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"\r\n")
-    return b"".join(parts)
+    head = b"".join(parts)
+    # Three lines before the fields, one per field, the empty line: nothing else may end one.
+    if not whole_lines(head, 4 + len(headers)):
+        bad = next((name for name, value in headers if not writable(name, value)), None)
+        what = f"the header field {bad[:40]!r}" if bad is not None else "the request line or host"
+        raise ValueError(f"{what} holds CR, LF or NUL: not sent")
+    return head
 
 
 _HEAD, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)

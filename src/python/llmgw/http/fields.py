@@ -18,6 +18,8 @@ BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # TAB is allowed; CR, LF a
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 # Field lines, each ended by CRLF. A value holds no CR, so there is one way to match: linear.
 _FIELD_LINES = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+_SPLITTER = re.compile(rb"[\r\n\x00]")
+_STRAY = re.compile(rb"\x00|\r(?!\n)|(?<!\r)\n")  # NUL, or CR and LF but as a pair
 _KNOWN_NAMES_MAX = 512
 _good_names: set[bytes] = set()
 
@@ -51,8 +53,11 @@ def _which_line(block: bytes) -> None:
 
 def writable(name: bytes, value: bytes) -> bool:
     """Whether a field can be written as it is: nothing in it would split the message."""
-    if b"\r" in value or b"\n" in value or b"\x00" in value:
-        return False
+    return good_name(name) and _SPLITTER.search(value) is None
+
+
+def good_name(name: bytes) -> bool:
+    """Whether `name` is a token (remembered once found so, for the usual names)."""
     if name in _good_names:
         return True
     if TOKEN.fullmatch(name) is None:
@@ -60,3 +65,10 @@ def writable(name: bytes, value: bytes) -> bool:
     if len(_good_names) < _KNOWN_NAMES_MAX:
         _good_names.add(name)
     return True
+
+
+def whole_lines(head: bytes, lines: int) -> bool:
+    """Whether `head`, written as `lines` lines each ended by CRLF, is just that: no CR, LF or
+    NUL in it but those line ends (a field that holds one would split the message). One pass
+    over the head, however many fields it has."""
+    return head.count(b"\r\n") == lines and _STRAY.search(head) is None

@@ -38,11 +38,13 @@ import re
 from collections.abc import Iterable
 from http import HTTPStatus
 
-from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, parse_fields, writable
+from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, good_name, parse_fields, whole_lines, writable
 
 MAX_LINE_BYTES = 4096
 _REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
 _NOT_IN_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # all but TAB, CR and LF
+# The fields an answer's framing writes itself (what a handler gives is dropped).
+_FRAMING_OUT = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 # The fields that decide how a request is framed and what its connection does.
 _FRAMING = frozenset((b"content-length", b"transfer-encoding", b"host", b"connection", b"expect"))
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
@@ -341,36 +343,42 @@ class ServerConnection:
             line = b"HTTP/1.1 %d \r\n" % status
         parts = [line]
         for name, value in headers:
-            name = name if isinstance(name, bytes) else name.encode("latin-1")
-            value = value if isinstance(value, bytes) else value.encode("latin-1")
-            if not writable(name, value):
-                raise LocalProtocolError(f"the header field {name[:40]!r} cannot be written: CR, LF or NUL in it")
+            name = name if name.__class__ is bytes else name.encode("latin-1")
+            value = value if value.__class__ is bytes else value.encode("latin-1")
+            if not good_name(name):
+                raise LocalProtocolError(f"the header field name {name[:40]!r} cannot be written: it is no token")
             low = name.lower()
-            if low == b"content-length" or low == b"transfer-encoding":
-                continue
-            if low == b"connection":
-                close = close or b"close" in value.lower()
-                continue
+            if low in _FRAMING_OUT:
+                if low == b"connection":
+                    close = close or b"close" in value.lower()
+                continue  # this writes its own framing
             parts += (name, b": ", value, b"\r\n")
+        fields_end = len(parts)
         close = close or not self.keep_alive
+        answer_left = 0
         if head_only or status in (204, 304):
             if head_only and length is not None:
                 parts.append(b"content-length: %d\r\n" % length)
-            self._answer = _ANSWER_NONE
+            answer = _ANSWER_NONE
         elif length is not None:
             parts.append(b"content-length: %d\r\n" % length)
-            self._answer, self._answer_left = _ANSWER_LENGTH, length
+            answer, answer_left = _ANSWER_LENGTH, length
         elif self.http_version == b"1.1":
             parts.append(b"transfer-encoding: chunked\r\n")
-            self._answer = _ANSWER_CHUNKED
+            answer = _ANSWER_CHUNKED
         else:  # an HTTP/1.0 client: the body ends with the connection
             close = True
-            self._answer = _ANSWER_UNTIL_CLOSE
+            answer = _ANSWER_UNTIL_CLOSE
         if close:
             parts.append(b"connection: close\r\n")
-        self.closing = close
         parts.append(b"\r\n")
-        return b"".join(parts)
+        head = b"".join(parts)
+        # Each field is 4 parts and one line; the status line and what follows the fields, a line each.
+        if not whole_lines(head, 1 + (fields_end - 1) // 4 + len(parts) - fields_end):
+            name = next((parts[i] for i in range(1, fields_end, 4) if not writable(parts[i], parts[i + 2])), b"")
+            raise LocalProtocolError(f"the header field {name[:40]!r} cannot be written: CR, LF or NUL in it")
+        self._answer, self._answer_left, self.closing = answer, answer_left, close
+        return head
 
     def send_data(self, data: bytes) -> bytes:
         answer = self._answer
