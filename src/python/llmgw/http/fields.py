@@ -2,11 +2,12 @@
 RFC 9110 §5.5): the listeners' server side (`llmgw.http.h1`) and the gateway's client side to
 engines (`llmgw.gateway.wire`).
 
-Read: a block of field lines is checked whole by one linear expression (a name a token, then
-`:`, then a value without control characters, CR, LF or NUL; no obs-fold), and only a block
-that fails is gone through line by line, to say which line is wrong. Written: a name is a
-token and a value holds no CR, LF or NUL (either would split the message); the names already
-found good are remembered (a bounded set), so the usual ones cost a lookup.
+Read: a block of field lines is checked for control characters in one pass (none but the CRLF
+that ends each line; TAB allowed in a value), then each line is a name that is a token, `:` and
+a value (no obs-fold); only a block that fails is gone through again, to say which line is
+wrong. Written: a name is a token and a value holds no CR, LF or NUL (either would split the
+message), the whole head checked in one pass. The names found tokens are remembered (a bounded
+set), so the usual ones cost a lookup.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import re
 TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # TAB is allowed; CR, LF and the rest are not
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
-# Field lines, each ended by CRLF. A value holds no CR, so there is one way to match: linear.
-_FIELD_LINES = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+# What no field line holds but for the CRLF that ends it: control characters but TAB, and DEL.
+_NOT_IN_FIELDS = bytes(range(0x09)) + bytes(range(0x0A, 0x20)) + b"\x7f"
 _SPLITTER = re.compile(rb"[\r\n\x00]")
-_STRAY = re.compile(rb"\x00|\r(?!\n)|(?<!\r)\n")  # NUL, or CR and LF but as a pair
 _KNOWN_NAMES_MAX = 512
 _good_names: set[bytes] = set()
 
@@ -32,11 +32,15 @@ def parse_fields(block: bytes) -> list[tuple[bytes, bytes]]:
     """The fields of `block` (the field lines of a head, each ended by CRLF: what follows the
     start line, up to and with the CRLF before the empty line): (name in lower case, value
     without the whitespace around it), in order, repeats kept."""
-    if _FIELD_LINES.fullmatch(block) is None:
+    lines = block.split(b"\r\n")
+    # Each line's CRLF and nothing else of what no field holds (one pass over the block).
+    if lines.pop() or len(block) - len(block.translate(None, _NOT_IN_FIELDS)) != 2 * len(lines):
         _which_line(block)
     fields = []
-    for line in block.split(b"\r\n")[:-1]:
-        name, _, value = line.partition(b":")
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or (name not in _good_names and not good_name(name)):
+            _which_line(block)
         fields.append((name.lower(), value.strip(b" \t")))
     return fields
 
@@ -71,4 +75,4 @@ def whole_lines(head: bytes, lines: int) -> bool:
     """Whether `head`, written as `lines` lines each ended by CRLF, is just that: no CR, LF or
     NUL in it but those line ends (a field that holds one would split the message). One pass
     over the head, however many fields it has."""
-    return head.count(b"\r\n") == lines and _STRAY.search(head) is None
+    return head.count(b"\r\n") == lines and len(head) - len(head.translate(None, b"\r\n\x00")) == 2 * lines
