@@ -198,8 +198,10 @@ class _Connection:
 
 
 # A handler that has not answered within this long has its client watched for departure (see
-# `_Departure`); one that answers sooner costs no read of the connection at all.
+# `_Departure`); one that answers sooner costs no read of the connection at all. The timer is
+# moved only when it would go off sooner than the first bound: watching begins between the two.
 DEPARTURE_WATCH_AFTER_S = 0.05
+DEPARTURE_WATCH_AFTER_MIN_S = 0.025
 
 
 class _Departure:
@@ -209,10 +211,13 @@ class _Departure:
 
     Reading the connection while the handler runs costs a read, a registration with epoll and
     a task switch each way; most answers are ready sooner than a client's departure matters. So
-    a request only sets the deadline of the task's timer (`arm`: no task switch, no system
-    call), and only a handler still running `DEPARTURE_WATCH_AFTER_S` later has the connection
-    read (`llmgw.http.send.wait_for_disconnect`), once its body is settled (until then the
-    handler may be reading it). `disarm` waits for that reading to stop, if it began, before the
+    a request at most moves the deadline of the task's timer (`arm`: no task switch, no system
+    call; not even that when the timer already goes off late enough, as it does for requests
+    one after another), and only a handler still running when it goes off, from
+    `DEPARTURE_WATCH_AFTER_MIN_S` to `DEPARTURE_WATCH_AFTER_S` later, has the connection read
+    (`llmgw.http.send.wait_for_disconnect`), once its body is settled (until then the handler
+    may be reading it). `disarm` leaves the timer be (one that goes off with no handler running
+    just stops until the next `arm`) and waits for the reading to stop, if it began, before the
     connection is read for the next request: one reader at a time."""
 
     def __init__(self, c: _Connection) -> None:
@@ -227,12 +232,13 @@ class _Departure:
         """Watch for the client while a handler runs: if it leaves, the connection is cancelled
         (`run`'s scope), the handler with it, and `departed` says why."""
         self._request = body
-        self._timer.deadline = trio.current_time() + DEPARTURE_WATCH_AFTER_S
+        now = trio.current_time()
+        if not now + DEPARTURE_WATCH_AFTER_MIN_S <= self._timer.deadline < math.inf:
+            self._timer.deadline = now + DEPARTURE_WATCH_AFTER_S
 
     async def disarm(self) -> None:
         """The handler is done: stop watching, and wait until the connection is no longer read."""
         self._request = None
-        self._timer.deadline = math.inf
         if self._reading is not None:
             stopped = self.stopped.next()
             self._reading.cancel()
@@ -245,7 +251,8 @@ class _Departure:
             with trio.CancelScope(deadline=self._timer.deadline) as self._timer:
                 await trio.sleep_forever()
             if self._request is None:
-                continue  # disarmed as the timer went off
+                self._timer = trio.CancelScope()  # no handler runs: no deadline until the next `arm`
+                continue
             body = self._request
             try:
                 with trio.CancelScope() as self._reading:
