@@ -14,14 +14,27 @@ tools/testenv/prepare.py installs, and the fallback), `gateway_workers.py` and `
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
+import subprocess
+import sys
+import sysconfig
 
 import pytest
-from bench import gateway, rawhttp
+from bench import gateway, procs, rawhttp
 
 from testlib.benchjson import NONE, NUMBER, Maybe, assert_shape
 
-SETTINGS = {"python": str, "machine": str, "cpus": int, "targets": {name: NUMBER for name in gateway.TARGETS}}
+RUN = {"capture_output": True, "text": True, "timeout": 30, "check": True}
+SETTINGS = {
+    "python": str,
+    "gateway_python": str,
+    "gateway_python_version": str,
+    "machine": str,
+    "cpus": int,
+    "targets": {name: NUMBER for name in gateway.TARGETS},
+}
 PHASES_1_3 = {
     "latency_seconds": int,
     "throughput_seconds": int,
@@ -50,6 +63,7 @@ PHASES_1_3 = {
     "throughput_load_cpu_share": NUMBER,
     "throughput_upstream_cpu_share": NUMBER,
     "throughput_others_cpu_share": NUMBER,
+    "throughput_steal_share": NUMBER,
     # 3: SSE relay
     "sse_generator": str,
     "sse_connections": int,
@@ -153,6 +167,35 @@ def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> Non
     assert result["workers_3_processes"] == 4, result
     assert len(result["workers_1_rps_rounds"]) == len(result["workers_3_rps_rounds"]) == 2
     assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
+
+
+def test_the_gateways_run_under_the_python3_a_node_runs_the_zipapp_with_when_it_is_this_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    on_path = shutil.which("python3")
+    mine = f"{sys.version_info.major}.{sys.version_info.minor}"
+    expected = sys.executable
+    if on_path is not None:
+        version = subprocess.run([on_path, "-c", "import sys; print(*sys.version_info[:2], sep='.')"], **RUN)
+        expected = on_path if version.stdout.strip() == mine else sys.executable
+    assert procs.gateway_python("auto")[0] == expected
+    assert procs.gateway_python("current") == (sys.executable, platform.python_version())
+    with pytest.raises(
+        SystemExit, match=f"--python /bin/false: found nothing that runs; the gateway needs Python {mine}"
+    ):
+        procs.gateway_python("/bin/false")
+    # A gateway run by another interpreter imports this one's packages and code, not its standard library.
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert stdlib in procs.child_env()["PYTHONPATH"].split(os.pathsep)
+    assert stdlib not in procs.child_env("/usr/bin/other-python")["PYTHONPATH"].split(os.pathsep)
+    # The gateway the figures come from is the one named: its own interpreter says so.
+    code = gateway.main(
+        ["--python", "current", "--latency-seconds", "1", "--seconds", "1", "--sse-streams", "8"]
+        + ["--sse-events", "16", "--streams", "0", "--workers", "0"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["gateway_python"] == sys.executable, result
+    assert result["gateway_python_version"] == platform.python_version()
 
 
 def test_an_open_stream_is_told_from_a_refusal_without_waiting_for_an_event() -> None:

@@ -4,13 +4,18 @@ gateway, in one run.
     PYTHONPATH=src/python:tests:tools python3 tools/bench/gateway.py [--generator auto|wrk|rawhttp]
         [--latency-seconds L] [--seconds S] [--sse-streams M] [--sse-events E] [--sse-gap-ms G]
         [--streams N] [--workers W] [--workers-seconds S] [--workers-rounds R] [--workers-only]
+        [--python auto|current|PATH]
 
 Loopback only. The upstream is `tools/bench/rawhttp.py upstream`, a plain epoll loop that answers
 at once (a fixed chat completion; for `"stream": true`, E server-sent events), so the engine is
 not what is measured. In phases 1-4 the gateway runs in a process of its own
 (`tools/bench/gateway_runner.py`: the product's `Gateway` over `StaticEndpoints` in one process,
 where `llmgw gateway` has a parent and a worker), so its CPU time and memory are its own (from
-/proc/PID/stat and /proc/PID/status). The load of phases 1-2 comes from wrk where it is
+/proc/PID/stat and /proc/PID/status). The gateways run under `--python`: by default the
+`python3` on PATH when it is this interpreter's version, as the zipapp's `#!/usr/bin/env python3`
+runs a node's gateway (a distribution's build, compiled with profile-guided optimisation, runs
+the same code in about a fifth less CPU time than an unoptimised build such as pyenv's
+default; `gateway_python` says which ran). The load of phases 1-2 comes from wrk where it is
 installed (`generator` says which; `tools/bench/loadgen.py`), else from `rawhttp load` processes.
 Each phase is bounded in time (whole seconds, or a count of streams, and a deadline):
 
@@ -20,7 +25,9 @@ Each phase is bounded in time (whole seconds, or a count of streams, and a deadl
    gateway's minus the direct one's;
 2. throughput at concurrency 64: non-streamed requests on 64 connections for S s direct, then
    S s through the gateway: `throughput_rps` (through it), and `cpu_ms_per_request`, the
-   gateway's CPU time (user + system) over the requests it answered in that window;
+   gateway's CPU time (user + system) over the requests it answered in that window (with
+   `throughput_steal_share`, the cores' time the hypervisor gave to others meanwhile: a figure
+   taken while that is large is a busy host's);
 3. SSE relay: M streamed requests (`rawhttp load --stream`, 64 at a time), each answered with
    E events: `sse_events_per_cpu_second`, events relayed over the gateway's CPU seconds, and
    `cpu_ms_per_stream`. With G = 0 (the default) the upstream writes a stream's events at once,
@@ -49,7 +56,6 @@ import os
 import platform
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,7 +63,7 @@ from pathlib import Path
 import trio
 from bench import gateway_runner, gateway_workers, loadgen, rawhttp
 from bench.loadgen import percentile_ms
-from bench.procs import CannedUpstream, child_env, cpu_s, machine_busy_s, rss_mib, stop
+from bench.procs import CannedUpstream, child_env, cpu_s, gateway_python, machine_busy_s, machine_steal_s, rss_mib, stop
 
 READY_TIMEOUT_S = 30.0
 PHASE_TIMEOUT_S = 180.0
@@ -82,15 +88,15 @@ TARGETS = {
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, name: str, upstreams: list[CannedUpstream]) -> None:
-        """A gateway runner in front of `upstreams`, on a free port."""
+    def __init__(self, tmp: Path, name: str, upstreams: list[CannedUpstream], python: str) -> None:
+        """A gateway runner in front of `upstreams`, on a free port, run by `python`."""
         spec = tmp / f"{name}.json"
         spec.write_text(json.dumps({"endpoints": [u.endpoint() for u in upstreams]}))
         log = tmp / f"{name}.log"
         with log.open("wb") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", gateway_runner.__name__, str(spec)],
-                env=child_env(),
+                [python, "-m", gateway_runner.__name__, str(spec)],
+                env=child_env(python),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -160,9 +166,10 @@ def latency_phase(gen: loadgen.Wrk | loadgen.RawHttp, up: CannedUpstream, gw: Ga
 def throughput_phase(gen: loadgen.Wrk | loadgen.RawHttp, up: CannedUpstream, gw: GatewayProc, seconds: int) -> dict:
     c = THROUGHPUT_CONNECTIONS
     direct = checked(gen.run(up.port, up.key, connections=c, seconds=seconds), "direct, concurrency 64")
-    gw_before, up_before, machine_before = gw.cpu_s(), up.cpu_s(), machine_busy_s()
+    gw_before, up_before, machine_before, steal_before = gw.cpu_s(), up.cpu_s(), machine_busy_s(), machine_steal_s()
     run = checked(gen.run(gw.port, gw.token, connections=c, seconds=seconds), "through the gateway, concurrency 64")
     spent, up_spent, machine_spent = gw.cpu_s() - gw_before, up.cpu_s() - up_before, machine_busy_s() - machine_before
+    steal = machine_steal_s() - steal_before
     wall = run["seconds"]
     return {
         "direct_rps": round(direct["requests"] / direct["seconds"]),
@@ -175,6 +182,9 @@ def throughput_phase(gen: loadgen.Wrk | loadgen.RawHttp, up: CannedUpstream, gw:
         "throughput_load_cpu_share": round(run["cpu_s"] / wall, 3),
         "throughput_upstream_cpu_share": round(up_spent / wall, 3),
         "throughput_others_cpu_share": round(max(0.0, machine_spent - spent - up_spent - run["cpu_s"]) / wall, 3),
+        # Of the machine's cores meanwhile, the share the hypervisor gave to others (0 on bare
+        # metal): CPU time per request rises with it (caches and the cores' clocks shared).
+        "throughput_steal_share": round(steal / (wall * (os.cpu_count() or 1)), 3),
     }
 
 
@@ -288,7 +298,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
     try:
         up = CannedUpstream(events=args.sse_events, gap_ms=args.sse_gap_ms)
         procs.append(up.proc)
-        gw = GatewayProc(tmp, "gw", [up])
+        gw = GatewayProc(tmp, "gw", [up], args.python)
         procs.insert(0, gw.proc)
         wait_answers(gw.port, gw.token)
         out |= latency_phase(gen, up, gw, args.latency_seconds)
@@ -297,7 +307,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
         if args.streams:
             slow = CannedUpstream(events=HELD_EVENTS, gap_ms=HELD_GAP_MS)
             procs.append(slow.proc)
-            gw2 = GatewayProc(tmp, "gw-streams", [slow])
+            gw2 = GatewayProc(tmp, "gw-streams", [slow], args.python)
             procs.insert(0, gw2.proc)
             wait_answers(gw2.port, gw2.token)
             out |= trio.run(hold_streams, gw2, args.streams)
@@ -339,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers-seconds", type=float, default=10.0, help="phase 5's window per run (default: 10)")
     parser.add_argument("--workers-rounds", type=int, default=3, help="phase 5's runs of each, in turn (default: 3)")
     parser.add_argument("--workers-only", action="store_true", help="run phase 5 alone")
+    parser.add_argument(
+        "--python",
+        default="auto",
+        help="the interpreter the gateways run under: auto (python3 on PATH, as the zipapp's shebang picks on a "
+        "node, if it is this one's version; else this one), current (this one), or a path (default: auto)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.latency_seconds <= MAX_SECONDS or not 1 <= args.seconds <= MAX_SECONDS:
         parser.error(f"--latency-seconds and --seconds must be 1..{MAX_SECONDS} (whole seconds: wrk's unit)")
@@ -367,7 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     if hard < needed:
         parser.error(f"--streams {args.streams} needs {needed} open files; the hard limit is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    result: dict = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    args.python, gateway_version = gateway_python(args.python)
+    result: dict = {
+        "python": platform.python_version(),
+        "gateway_python": args.python,
+        "gateway_python_version": gateway_version,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         if not args.workers_only:
             result |= {
@@ -381,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                 **bench(args, Path(tmp)),
             }
         if args.workers:
-            result |= gateway_workers.workers_phase(Path(tmp), args.workers, args.workers_seconds, args.workers_rounds)
+            result |= gateway_workers.workers_phase(
+                Path(tmp), args.workers, args.workers_seconds, args.workers_rounds, python=args.python
+            )
     result["targets"] = TARGETS
     result["ok"] = targets_met(result, args.streams)
     print(json.dumps(result), flush=True)

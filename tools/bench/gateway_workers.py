@@ -59,16 +59,26 @@ class ProductGateway:
     llmgw again, `llmgw.selfexec`) and says their pids in its `gateway_ready` event once every
     one serves. Its log (JSON lines, the workers' too) is `name`.log in `tmp`."""
 
-    def __init__(self, tmp: Path, name: str, upstream: CannedUpstream, *, workers: int, port: int, token: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        upstream: CannedUpstream,
+        *,
+        workers: int,
+        port: int,
+        token: str,
+        python: str = sys.executable,
+    ) -> None:
         table = write_table_file(
             tmp / f"{name}.json", [upstream], keys=(GatewayKey(name="bench", token_sha256=token_hash(token)),)
         )
         self.log = tmp / f"{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llmgw", "--log-format", "json", "gateway", "--table-file", str(table)]
+                [python, "-m", "llmgw", "--log-format", "json", "gateway", "--table-file", str(table)]
                 + ["--listen", f"127.0.0.1:{port}", "--workers", str(workers), "--name", name],
-                env=child_env(),
+                env=child_env(python),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -137,10 +147,14 @@ class ProductGateway:
         self.proc.wait(STOP_TIMEOUT_S)
 
 
-def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: float, connections: int) -> dict:
-    """Throughput and CPU per request of `llmgw gateway --workers {workers}`."""
+def measure_workers(
+    tmp: Path, upstream: CannedUpstream, workers: int, seconds: float, connections: int, python: str = sys.executable
+) -> dict:
+    """Throughput and CPU per request of `llmgw gateway --workers {workers}`, run by `python`."""
     port, token = free_port(), f"llmgw-bench-{secrets.token_urlsafe(16)}"
-    gateway = ProductGateway(tmp, f"workers-{workers}-{port}", upstream, workers=workers, port=port, token=token)
+    gateway = ProductGateway(
+        tmp, f"workers-{workers}-{port}", upstream, workers=workers, port=port, token=token, python=python
+    )
     try:
         # Every worker's code paths warm and its upstream connections open before the window.
         generate(port, token, connections=connections, seconds=min(WARMUP_S, seconds), processes=LOAD_PROCESSES)
@@ -177,7 +191,7 @@ def measure_workers(tmp: Path, upstream: CannedUpstream, workers: int, seconds: 
     }
 
 
-def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
+def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int, python: str = sys.executable) -> dict:
     """Phase 5: 1 worker, then `workers`, `rounds` times in turn (so a change in the machine's
     other load falls on both), against one canned upstream. Each figure is the median of its
     rounds; the per-round figures are kept beside it."""
@@ -186,7 +200,7 @@ def workers_phase(tmp: Path, workers: int, seconds: float, rounds: int) -> dict:
     try:
         for _ in range(rounds):
             for n in runs:
-                runs[n].append(measure_workers(tmp, upstream, n, seconds, CONNECTIONS_PER_WORKER * n))
+                runs[n].append(measure_workers(tmp, upstream, n, seconds, CONNECTIONS_PER_WORKER * n, python))
     finally:
         stop(upstream.proc)
     out: dict = {"workers": workers, "workers_seconds": seconds, "workers_rounds": rounds}

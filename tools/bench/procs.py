@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from bench import rawhttp
@@ -21,11 +24,50 @@ from testlib.ports import free_port  # not from the ephemeral range, which the l
 STOP_S = 10.0
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment with its sys.path as PYTHONPATH, so a child imports the same code."""
+def child_env(python: str | None = None) -> dict[str, str]:
+    """This process's environment with its sys.path as PYTHONPATH, so a child imports the same
+    code; for a child run by another interpreter (`python`, of this one's version) that path
+    without this interpreter's standard library, which the other has its own of."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    paths = [p for p in sys.path if p]
+    if python is not None and python != sys.executable:
+        stdlib = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+        paths = [p for p in paths if p not in stdlib and not p.endswith((".zip", "lib-dynload"))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def gateway_python(choice: str) -> tuple[str, str]:
+    """The interpreter the gateway processes run under, and its version. `auto`: the `python3`
+    on PATH (what the zipapp's `#!/usr/bin/env python3` runs on a node, so the figures are the
+    shipped gateway's) when it is this interpreter's major.minor, whose packages it then shares;
+    else this interpreter. `current`: this interpreter. Else a path or a name on PATH, which
+    must be this interpreter's major.minor."""
+    mine = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if choice == "current":
+        return sys.executable, platform.python_version()
+    path = shutil.which("python3" if choice == "auto" else choice)
+    version = _version_of(path) if path else None
+    if version is not None and version.rpartition(".")[0] == mine:
+        return path, version
+    if choice == "auto":
+        return sys.executable, platform.python_version()
+    found = f"Python {version}" if version else "nothing that runs"
+    raise SystemExit(f"--python {choice}: found {found}; the gateway needs Python {mine}, as this bench runs on")
+
+
+def _version_of(path: str) -> str | None:
+    try:
+        done = subprocess.run(
+            [path, "-c", "import platform; print(platform.python_version())"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def cpu_s(pid: int) -> float:
@@ -80,6 +122,12 @@ class CannedUpstream:
 
     def cpu_s(self) -> float:
         return sum(cpu_s(pid) for pid in self.pids)
+
+
+def machine_steal_s() -> float:
+    """CPU time the hypervisor has given this machine's cores to others while they had work,
+    so far, over every core (0 on bare metal): a run with much of it measured a busy host."""
+    return int(Path("/proc/stat").read_text().split()[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_s() -> float:
