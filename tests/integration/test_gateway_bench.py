@@ -169,10 +169,10 @@ def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> Non
     assert result["workers_1_requests"] > 0 and result["workers_3_requests"] > 0
 
 
-def test_the_gateways_run_under_the_python3_a_node_runs_the_zipapp_with_when_it_is_this_version(
+def test_the_gateways_run_under_the_python3_a_nodes_service_runs_the_zipapp_with_when_it_is_this_version(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    on_path = shutil.which("python3")
+    on_path = shutil.which("python3", path=procs.SERVICE_PATH)
     mine = f"{sys.version_info.major}.{sys.version_info.minor}"
     expected = sys.executable
     if on_path is not None:

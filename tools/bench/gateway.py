@@ -12,8 +12,8 @@ not what is measured. In phases 1-4 the gateway runs in a process of its own
 (`tools/bench/gateway_runner.py`: the product's `Gateway` over `StaticEndpoints` in one process,
 where `llmgw gateway` has a parent and a worker), so its CPU time and memory are its own (from
 /proc/PID/stat and /proc/PID/status). The gateways run under `--python`: by default the
-`python3` on PATH when it is this interpreter's version, as the zipapp's `#!/usr/bin/env python3`
-runs a node's gateway (a distribution's build, compiled with profile-guided optimisation, runs
+`python3` a node's service finds (systemd's default search path, not this shell's) when it is
+this interpreter's version, as the zipapp's `#!/usr/bin/env python3` runs a node's gateway (a distribution's build, compiled with profile-guided optimisation, runs
 the same code in about a fifth less CPU time than an unoptimised build such as pyenv's
 default; `gateway_python` says which ran). The load of phases 1-2 comes from wrk where it is
 installed (`generator` says which; `tools/bench/loadgen.py`), else from `rawhttp load` processes.
@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python",
         default="auto",
-        help="the interpreter the gateways run under: auto (python3 on PATH, as the zipapp's shebang picks on a "
-        "node, if it is this one's version; else this one), current (this one), or a path (default: auto)",
+        help="the interpreter the gateways run under: auto (the python3 a node's service runs the zipapp with, on "
+        "systemd's default search path, if it is this one's version; else this one), current (this one), or a "
+        "path (default: auto)",
     )
     args = parser.parse_args(argv)
     if not 1 <= args.latency_seconds <= MAX_SECONDS or not 1 <= args.seconds <= MAX_SECONDS:

@@ -37,16 +37,22 @@ def child_env(python: str | None = None) -> dict[str, str]:
     return env
 
 
+# The search path of a systemd unit's processes (systemd's default): where the zipapp's
+# `#!/usr/bin/env python3` finds its interpreter when a node's service runs it.
+SERVICE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def gateway_python(choice: str) -> tuple[str, str]:
     """The interpreter the gateway processes run under, and its version. `auto`: the `python3`
-    on PATH (what the zipapp's `#!/usr/bin/env python3` runs on a node, so the figures are the
-    shipped gateway's) when it is this interpreter's major.minor, whose packages it then shares;
-    else this interpreter. `current`: this interpreter. Else a path or a name on PATH, which
-    must be this interpreter's major.minor."""
+    a node's service runs the zipapp with (on `SERVICE_PATH`, not this shell's PATH, which may
+    hold pyenv's shims or a virtualenv), so the figures are the shipped gateway's, when it is
+    this interpreter's major.minor, whose packages it then shares; else this interpreter.
+    `current`: this interpreter. Else a path or a name on PATH, which must be this
+    interpreter's major.minor."""
     mine = f"{sys.version_info.major}.{sys.version_info.minor}"
     if choice == "current":
         return sys.executable, platform.python_version()
-    path = shutil.which("python3" if choice == "auto" else choice)
+    path = shutil.which("python3", path=SERVICE_PATH) if choice == "auto" else shutil.which(choice)
     version = _version_of(path) if path else None
     if version is not None and version.rpartition(".")[0] == mine:
         return path, version
