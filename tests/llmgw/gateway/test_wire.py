@@ -21,6 +21,7 @@ from llmgw.gateway.wire import (
     ResponseParser,
     request_bytes,
 )
+from testlib.pieces import cut
 
 
 def events(data: bytes, pieces: list[int] | None = None, *, eof: bool = False, method: str = "POST") -> list:
@@ -29,12 +30,7 @@ def events(data: bytes, pieces: list[int] | None = None, *, eof: bool = False, m
     parser = ResponseParser(request_method=method)
     out: list = []
     body = bytearray()
-    offsets = [0]
-    for size in pieces or [len(data)]:
-        offsets.append(min(len(data), offsets[-1] + size))
-    offsets.append(len(data))
-    chunks = [data[a:b] for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
-    for chunk in [*chunks, *([b""] if eof else [])]:
+    for chunk in [*cut(data, pieces), *([b""] if eof else [])]:
         parser.feed(chunk)
         while True:
             event = parser.next_event()

@@ -24,6 +24,7 @@ from llmgw.http.h1 import (
     RequestHead,
     ServerConnection,
 )
+from testlib.pieces import cut
 
 MAX_HEAD = 16384
 
@@ -34,12 +35,7 @@ def parsed(data: bytes, pieces: list[int] | None = None, *, eof: bool = False) -
     conn = ServerConnection(max_head_bytes=MAX_HEAD)
     out: list = []
     body = bytearray()
-    offsets = [0]
-    for size in pieces or [len(data)]:
-        offsets.append(min(len(data), offsets[-1] + size))
-    offsets.append(len(data))
-    chunks = [data[a:b] for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
-    for chunk in [*chunks, *([b""] if eof else [])]:
+    for chunk in [*cut(data, pieces), *([b""] if eof else [])]:
         conn.receive_data(chunk)
         while (event := conn.next_event()) not in (NEED_DATA, PAUSED):
             if isinstance(event, RequestHead):

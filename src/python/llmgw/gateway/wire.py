@@ -27,7 +27,17 @@ from collections.abc import Sequence
 
 import attrs
 
-from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, good_name, parse_fields, whole_lines, writable
+from llmgw.http.fields import (
+    BAD_VALUE,
+    CHUNK_SIZE,
+    TOKEN,
+    FieldError,
+    ReadBuffer,
+    good_name,
+    parse_fields,
+    whole_lines,
+    writable,
+)
 
 MAX_HEAD_BYTES = 64 << 10
 MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer line
@@ -88,11 +98,9 @@ def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[b
 _HEAD, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
-class ResponseParser:
+class ResponseParser(ReadBuffer):
     def __init__(self, *, request_method: str = "POST") -> None:
-        self._buf = bytearray()
-        self._pos = 0  # what of `_buf` is consumed
-        self._scanned = 0  # where the search for the end of a head or line goes on from
+        super().__init__()
         self._eof = False
         self._state = _HEAD
         self._left = 0  # of a Content-Length body, or of the current chunk
@@ -113,11 +121,7 @@ class ResponseParser:
         if not data:
             self._eof = True
             return
-        if self._pos and self._pos >= len(self._buf) // 2:
-            del self._buf[: self._pos]
-            self._scanned = max(0, self._scanned - self._pos)
-            self._pos = 0
-        self._buf += data
+        self._append(data)
 
     def next_event(self) -> Head | bytes | _Need | _End:
         state = self._state

@@ -38,7 +38,17 @@ import re
 from collections.abc import Iterable
 from http import HTTPStatus
 
-from llmgw.http.fields import BAD_VALUE, CHUNK_SIZE, TOKEN, FieldError, good_name, parse_fields, whole_lines, writable
+from llmgw.http.fields import (
+    BAD_VALUE,
+    CHUNK_SIZE,
+    TOKEN,
+    FieldError,
+    ReadBuffer,
+    good_name,
+    parse_fields,
+    whole_lines,
+    writable,
+)
 
 MAX_LINE_BYTES = 4096
 _REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
@@ -104,12 +114,10 @@ _IDLE, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _DONE_PEN
 _ANSWER_IDLE, _ANSWER_LENGTH, _ANSWER_CHUNKED, _ANSWER_UNTIL_CLOSE, _ANSWER_NONE, _ANSWER_DONE = range(6)
 
 
-class ServerConnection:
+class ServerConnection(ReadBuffer):
     def __init__(self, *, max_head_bytes: int) -> None:
+        super().__init__()
         self.max_head_bytes = max_head_bytes
-        self._buf = bytearray()
-        self._pos = 0
-        self._scanned = 0  # where the search for a head's or line's end goes on from
         self.eof = False
         self._state = _IDLE
         self._left = 0  # of a Content-Length body, or of the current chunk
@@ -126,11 +134,7 @@ class ServerConnection:
         if not data:
             self.eof = True
             return
-        if self._pos and self._pos >= len(self._buf) // 2:
-            del self._buf[: self._pos]
-            self._scanned = max(0, self._scanned - self._pos)
-            self._pos = 0
-        self._buf += data
+        self._append(data)
 
     @property
     def buffered(self) -> int:
