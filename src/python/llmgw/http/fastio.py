@@ -36,17 +36,12 @@ def send_now(stream: object, data: bytes | bytearray | memoryview) -> int:
     plain socket: the caller writes it all the usual way)."""
     if type(stream) is not trio.SocketStream:
         return 0
-    fd = stream.socket.fileno()
-    if fd < 0:
-        raise trio.ClosedResourceError("the stream is closed")
     try:
-        return os.write(fd, data)
+        return os.write(_fd(stream), data)
     except _WOULD_BLOCK:
         return 0
     except OSError as exc:
-        if exc.errno == errno.EBADF:
-            raise trio.ClosedResourceError("the stream is closed") from None
-        raise trio.BrokenResourceError(f"socket connection broken: {exc.strerror or exc}") from exc
+        raise _translated(exc) from exc
 
 
 def receive_now(stream: object, max_bytes: int) -> bytes | None:
@@ -54,17 +49,26 @@ def receive_now(stream: object, max_bytes: int) -> bytes | None:
     nothing is there yet (or it is not a plain socket): then wait the usual way."""
     if type(stream) is not trio.SocketStream:
         return None
-    fd = stream.socket.fileno()
-    if fd < 0:
-        raise trio.ClosedResourceError("the stream is closed")
     try:
-        return os.read(fd, max_bytes)
+        return os.read(_fd(stream), max_bytes)
     except _WOULD_BLOCK:
         return None
     except OSError as exc:
-        if exc.errno == errno.EBADF:
-            raise trio.ClosedResourceError("the stream is closed") from None
-        raise trio.BrokenResourceError(f"socket connection broken: {exc.strerror or exc}") from exc
+        raise _translated(exc) from exc
+
+
+def _fd(stream: trio.SocketStream) -> int:
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the stream is closed")
+    return fd
+
+
+def _translated(exc: OSError) -> trio.ClosedResourceError | trio.BrokenResourceError:
+    """A system call's failure as trio's own calls say it."""
+    if exc.errno == errno.EBADF:
+        return trio.ClosedResourceError("the stream is closed")
+    return trio.BrokenResourceError(f"socket connection broken: {exc.strerror or exc}")
 
 
 async def receive(stream: trio.abc.ReceiveStream, max_bytes: int, *, waits: bool = False) -> bytes:
