@@ -231,6 +231,12 @@ class PostgresServer:
         return psycopg.connect(host=str(self.sockets), port=self.port, user="postgres", dbname=db.name, autocommit=True)
 
 
+def expire_lease(pg: PostgresServer, db: Database) -> None:
+    """The leader lease's time runs out, as the database's clock would have it after a TTL."""
+    with pg.connect(db) as conn:
+        conn.execute("UPDATE leader_lease SET expires_at = 0")
+
+
 @contextlib.contextmanager
 def running_server(**kwargs) -> Iterator[PostgresServer]:
     """A cluster made, started and its test role made; `kwargs` are PostgresServer's."""

@@ -16,16 +16,10 @@ from llmgw.config import StoreSection
 from llmgw.server.errors import NotLeader, StoreUnavailable
 from llmgw.server.store import Store, lease, open_backend
 from llmgw.server.store.lease import STANDBY, Fence, Holder
-from testlib.postgres import Database, PostgresServer
+from testlib.postgres import Database, PostgresServer, expire_lease
 
 A = Holder(id="a", agent_url="wss://cp-a:7443", admin_url="http://cp-a:8080")
 B = Holder(id="b", agent_url="wss://cp-b:7443", admin_url="http://cp-b:8080")
-
-
-def expire(pg: PostgresServer, db: Database) -> None:
-    """The lease's time runs out, as the database's clock would have it after a TTL."""
-    with pg.connect(db) as conn:
-        conn.execute("UPDATE leader_lease SET expires_at = 0")
 
 
 def test_the_lease_is_taken_once_and_judged_by_the_databases_clock(
@@ -58,7 +52,7 @@ def test_a_renewal_extends_only_the_current_unexpired_term(
         assert lease.renew(db, A, 1, ttl_s=30.0) and lease.read(db).remaining_s > 29.0
         assert not lease.renew(db, A, 2, ttl_s=30.0)  # another term's epoch
         assert not lease.renew(db, B, 1, ttl_s=30.0)  # another holder
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         assert not lease.renew(db, A, 1, ttl_s=30.0)  # lapsed is lapsed, even with nobody taking it
         again = lease.acquire(db, A, ttl_s=30.0)
         assert again is not None and again.epoch == 2  # taken again only as a new term
@@ -72,7 +66,7 @@ def test_after_expiry_the_next_taking_bumps_the_epoch_and_the_old_term_cannot_re
     db = open_backend(tmp_path, postgres_db.settings)
     try:
         lease.acquire(db, A, ttl_s=30.0)
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         taken = lease.acquire(db, B, ttl_s=30.0)
         assert taken is not None and (taken.holder, taken.epoch, taken.agent_url) == ("b", 2, "wss://cp-b:7443")
         assert not lease.renew(db, A, 1, ttl_s=30.0)
@@ -93,7 +87,7 @@ def test_every_write_of_a_term_is_refused_once_the_lease_passed_and_nothing_land
         lease.acquire(db, A, ttl_s=30.0)
         old = Store.open(tmp_path, postgres_db.settings, fence=Fence(epoch=1))
         old.saw_node("node-a", "10.0.0.2", now=1)  # its term's writes land
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         lease.acquire(db, B, ttl_s=30.0)
         new = Store.open(tmp_path, postgres_db.settings, fence=Fence(epoch=2))
         new.set_placements({"chat-0": {"nodes": ["node-a"]}})
@@ -141,7 +135,7 @@ def test_a_write_that_checked_the_fence_commits_before_a_takeover_can_happen(
     store = Store.open(tmp_path, postgres_db.settings, fence=Fence(epoch=1))
     try:
         lease.acquire(db, A, ttl_s=30.0)
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         taken: list[object] = []
         with store._write() as tx:  # the fence checked: the row is held FOR SHARE
             tx.execute("INSERT INTO nodes (node_id, first_seen, last_seen) VALUES ('node-a', 1, 1)")
@@ -171,7 +165,7 @@ def test_a_session_stopped_inside_a_write_is_ended_so_it_holds_no_lock(
     paused = Store.open(tmp_path, settings, fence=Fence(epoch=1), server=True)  # idle timeout: 0.5 s
     try:
         lease.acquire(db, A, ttl_s=30.0)
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             with paused._write() as tx:

@@ -20,7 +20,7 @@ from llmgw.server.errors import NotLeader, StoreSchemaBehind, StoreSchemaNewer
 from llmgw.server.store import Store, lease, migrate, open_backend, schema
 from llmgw.server.store.lease import Fence, Holder
 from testlib import newer_llmgw
-from testlib.postgres import Database, PostgresServer
+from testlib.postgres import Database, PostgresServer, expire_lease
 
 A = Holder(id="a", agent_url="wss://cp-a:7443", admin_url="http://cp-a:8080")
 B = Holder(id="b", agent_url="wss://cp-b:7443", admin_url="http://cp-b:8080")
@@ -43,11 +43,6 @@ def version(pg: PostgresServer, db: Database) -> int:
 def has_table(pg: PostgresServer, db: Database, name: str) -> bool:
     with pg.connect(db) as conn:
         return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchall()[0][0]
-
-
-def expire(pg: PostgresServer, db: Database) -> None:
-    with pg.connect(db) as conn:
-        conn.execute("UPDATE leader_lease SET expires_at = 0")
 
 
 def test_a_led_store_behind_is_migrated_by_no_command_and_no_standby(
@@ -79,7 +74,7 @@ def test_the_leader_migrates_under_its_terms_fence_and_a_passed_term_changes_not
     lease_db = open_backend(tmp_path, postgres_db.settings)
     try:
         assert lease.acquire(lease_db, A, ttl_s=30.0).epoch == 1
-        expire(postgres_server, postgres_db)
+        expire_lease(postgres_server, postgres_db)
         assert lease.acquire(lease_db, B, ttl_s=30.0, knows=NEXT).epoch == 2
         with newer_llmgw.installed():
             with pytest.raises(NotLeader, match=r"lease \(epoch 1\) has passed to epoch 2"):
@@ -103,7 +98,7 @@ def test_the_leader_migrates_under_its_terms_fence_and_a_passed_term_changes_not
     # This llmgw, older now, opens it no more, and takes no lease of it, lapsed or not.
     with pytest.raises(StoreSchemaNewer, match=f"has schema version {NEXT}, made by a newer llmgw"):
         Store.open(tmp_path, postgres_db.settings)
-    expire(postgres_server, postgres_db)
+    expire_lease(postgres_server, postgres_db)
     lease_db = open_backend(tmp_path, postgres_db.settings, migrations=False)
     try:
         assert lease.acquire(lease_db, A, ttl_s=30.0) is None
