@@ -76,6 +76,21 @@ def test_every_problem_is_reported_in_one_run() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("rate", "says"),
+    [
+        (-1, "must be a number of heartbeats a second, 0 or more"),
+        (float("nan"), "must be a number of heartbeats a second, 0 or more"),
+        (0.1, "heartbeat_max_rate (0.1) takes fewer than one agent at heartbeat_interval_s (5.0)"),
+    ],
+)
+def test_a_heartbeat_rate_that_holds_no_agent_is_refused(rate: float, says: str) -> None:
+    got = problems_of({"server": {"heartbeat_max_rate": rate}})
+    assert any(says in p and p.endswith("@ $.server.heartbeat_max_rate") for p in got), got
+    assert config.server_config_from_dict({"server": {"heartbeat_max_rate": 0}}).server.heartbeat_max_rate == 0
+    assert config.server_config_from_dict({}).server.heartbeat_max_rate == 50.0
+
+
 def test_rules_across_fields_are_checked_after_types() -> None:
     data = {
         "server": {"heartbeat_interval_s": 10, "heartbeat_ttl_s": 5, "http_listen": "8080"},

@@ -73,6 +73,7 @@ class LinkState:
     desired: w.DesiredState | None = None
     sessions: int = 0
     server_version: str = ""  # the control plane's llmgw, as its last Welcome said
+    heartbeat_interval_s: float = 0.0  # what the control plane last told this link to heartbeat at
 
 
 class AgentLink:
@@ -234,11 +235,21 @@ class AgentLink:
             for message in catch_up(said[-1], self.make_hello()):
                 writer.send(message)
             log.info("link_up", server=str(self.target), node=self.node_id, server_version=welcome.server_version)
-            nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
-            silence_s = self._silence_s(welcome.heartbeat_interval_s)
+            beat = _Beat(welcome.heartbeat_interval_s)
+            self.state.heartbeat_interval_s = beat.interval
+            nursery.start_soon(self._heartbeats, writer, beat)
+            silence_s = self._silence_s(beat.interval)
             while True:
                 event = await self._receive(ws, writer, silence_s)
-                if isinstance(event, s.LogsRequested):
+                if isinstance(event, s.ServerHeartbeatReceived):
+                    told = event.heartbeat_interval_s
+                    if told and told != beat.interval:
+                        # The cluster grew or shrank: the control plane spreads its agents' heartbeats.
+                        log.info("heartbeat_interval_changed", node=self.node_id, was_s=beat.interval, now_s=told)
+                        beat.change(told)
+                        self.state.heartbeat_interval_s = told
+                        silence_s = self._silence_s(told)
+                elif isinstance(event, s.LogsRequested):
                     # Replies are bounded (the session's rule): past it, read nothing until one
                     # is written, which holds the control plane back too.
                     await writer.wait_room(w.LogsReply)
@@ -300,13 +311,32 @@ class AgentLink:
             raise SessionRefused(f"the control plane closed the link: {event.message}")
         return event
 
-    async def _heartbeats(self, writer: Writer, interval: float) -> None:
+    async def _heartbeats(self, writer: Writer, beat: _Beat) -> None:
         session = writer.session
         assert isinstance(session, s.AgentSession)
         while session.can_send(w.Heartbeat):
             session.heartbeat()  # one waits at most: a newer replaces it
             writer.wake()
-            await trio.sleep(interval)
+            sent = trio.current_time()
+            # Until the interval has passed since this one: a change of it (`_Beat.change`) is
+            # counted from this heartbeat, so a shorter one told may make the next due at once.
+            while trio.current_time() < sent + beat.interval:
+                with trio.CancelScope(deadline=sent + beat.interval) as beat.waiting:
+                    await trio.sleep_forever()
+
+
+class _Beat:
+    """The heartbeat interval of one link: the Welcome's, then what the control plane's
+    heartbeats tell; `change` wakes the heartbeat loop to wait by the new one."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.waiting: trio.CancelScope | None = None
+
+    def change(self, interval: float) -> None:
+        self.interval = interval
+        if self.waiting is not None:
+            self.waiting.cancel()
 
 
 def catch_up(said: w.Hello, now: w.Hello) -> list[w.AgentMessage]:

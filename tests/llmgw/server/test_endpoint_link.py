@@ -20,6 +20,7 @@ from llmgw.linkio import Targets
 from llmgw.pki.ca import CertInfo
 from llmgw.server import endpoint
 from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server.heartbeats import HeartbeatRule
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.store import NodeRow
 from llmgw.wire import agent_link as w
@@ -297,4 +298,42 @@ async def test_the_control_plane_heartbeats_so_a_quiet_link_stays_up(
 ) -> None:
     link = await plane.join(nursery, "cp-b")  # an agent that would leave a silent one
     await trio.sleep(20 * plane.endpoint.heartbeat_interval_s)  # no push, no logs: only heartbeats
+    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links
+
+
+async def beats(plane: Plane, seconds: float) -> list[float]:
+    """When node-a's heartbeats reached the registry over the next `seconds`."""
+    seen: list[float] = []
+    end = trio.current_time() + seconds
+    while trio.current_time() < end:
+        at = plane.registry.nodes["node-a"].session.last_heartbeat_at
+        if at is not None and (not seen or at != seen[-1]):
+            seen.append(at)
+        await trio.sleep(0.25)
+    return seen
+
+
+async def test_the_agent_heartbeats_at_the_interval_it_is_told_and_follows_a_stretched_one(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    # One agent at most 0.1 heartbeats a second: told 10 s in its Welcome (at most 250 at the
+    # defaults would be told 5 s; the rule's own numbers are tests/llmgw/server/test_heartbeats.py's).
+    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.1)
+    link = await plane.join(nursery, "cp-b")  # an agent that would leave a control plane silent too long
+    conn = plane.endpoint.links["node-a"].conn_id
+    assert link.agent.state.heartbeat_interval_s == 10.0 and plane.registry.ttl_of("node-a", conn) == 60.0
+    seen = await beats(plane, 45.0)
+    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    assert len(gaps) >= 3 and all(g == pytest.approx(10.0, abs=0.5) for g in gaps), seen
+    # The cluster "grows": the next heartbeat of the control plane tells 20 s.
+    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.05)
+    with trio.fail_after(11):
+        while link.agent.state.heartbeat_interval_s != 20.0:
+            await trio.sleep(0.25)
+    assert plane.registry.ttl_of("node-a", conn) == 120.0  # longer: at once
+    await trio.sleep(20.0)  # the first heartbeat after the change may still be on the old interval
+    seen = await beats(plane, 85.0)
+    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    assert len(gaps) >= 3 and all(g == pytest.approx(20.0, abs=0.5) for g in gaps), seen
+    # Neither side took the longer silences for a dead peer (the agent's limit and the link's follow).
     assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links

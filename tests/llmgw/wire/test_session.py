@@ -550,7 +550,8 @@ def test_the_agent_refuses_anything_but_a_welcome_first_and_a_second_welcome() -
         ({"server_version": "1.0 beta"}, w.BAD_MESSAGE, "names no server version this agent can read ('1.0 beta')"),
         ({"server_version": "9" * 65}, w.BAD_MESSAGE, "names no server version this agent can read"),
         ({"heartbeat_interval_s": 0.0}, w.BAD_MESSAGE, "asks for a heartbeat every 0 s"),
-        ({"heartbeat_interval_s": 0.001}, w.BAD_MESSAGE, "at most every 0.01 s"),
+        ({"heartbeat_interval_s": 0.001}, w.BAD_MESSAGE, "sends one every 0.01 to 3600 s"),
+        ({"heartbeat_interval_s": 3601.0}, w.BAD_MESSAGE, "asks for a heartbeat every 3601 s"),
     ],
 )
 def test_the_agent_refuses_a_welcome_for_another_node_or_without_a_version_or_heartbeat_it_can_keep(

@@ -7,6 +7,7 @@ raising, so that a file's type errors and rule problems are reported together.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -33,6 +34,17 @@ def check_server(cfg: ServerConfig) -> list[str]:
         problems.append(
             f"heartbeat_ttl_s ({cfg.server.heartbeat_ttl_s}) must be longer than heartbeat_interval_s "
             f"({cfg.server.heartbeat_interval_s}) @ $.server.heartbeat_ttl_s"
+        )
+    rate = cfg.server.heartbeat_max_rate
+    if not (math.isfinite(rate) and rate >= 0):
+        problems.append(
+            f"must be a number of heartbeats a second, 0 or more (0: every agent heartbeats every "
+            f"heartbeat_interval_s however many there are), got {rate} @ $.server.heartbeat_max_rate"
+        )
+    elif rate and cfg.server.heartbeat_interval_s * rate < 1:
+        problems.append(
+            f"heartbeat_max_rate ({rate}) takes fewer than one agent at heartbeat_interval_s "
+            f"({cfg.server.heartbeat_interval_s}); raise it, or 0 to turn stretching off @ $.server.heartbeat_max_rate"
         )
     for key in ("agent_listen", "http_listen"):
         value = getattr(cfg.server, key)

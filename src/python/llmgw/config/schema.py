@@ -66,6 +66,9 @@ class ServerSection:
     admin_url: str = ""
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
+    # Heartbeats a second the control plane takes from all agents together: past
+    # heartbeat_interval_s × this many agents, each is told a longer interval (0: never).
+    heartbeat_max_rate: float = 50.0
     reconnect_grace_s: float = 35.0
     # Gateway worker processes serving http_listen: a number, "auto" (one per CPU), or unset: the
     # command's default, "auto" for `llmgw server` and 1 for `llmgw up`. 0 runs the gateway on

@@ -160,6 +160,7 @@ class ControlPlane:
                 serve=config.release.serve,
             ),
             silence_timeout_s=config.server.heartbeat_ttl_s,
+            heartbeat_max_rate=config.server.heartbeat_max_rate,
             stats=self.connections,
             limits=config.http,
             max_connections=config.http.max_agent_connections,

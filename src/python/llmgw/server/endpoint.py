@@ -38,6 +38,7 @@ from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
 from llmgw.server.agentlistener import HELLO_TIMEOUT_S, REFUSAL_SEND_S, AgentListener
 from llmgw.server.errors import StoreError
+from llmgw.server.heartbeats import HeartbeatRule
 from llmgw.server.registry import NodeRegistry
 from llmgw.wire import agent_link as w
 from llmgw.wire import session as s
@@ -60,6 +61,7 @@ class Link:
     session: s.ServerSession
     writer: linkio.Writer
     cancel_scope: trio.CancelScope
+    interval_s: float  # the heartbeat interval its agent was told last (`llmgw.server.heartbeats`)
     logs: linkio.Replies = attrs.field(factory=linkio.Replies)  # LogsRequests' callers
 
     def push(self) -> None:
@@ -77,6 +79,7 @@ class AgentEndpoint(AgentListener):
         on_change: Callable[[], None] = lambda: None,
         on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
         silence_timeout_s: float = 0.0,
+        heartbeat_max_rate: float = 0.0,
         leading: Callable[[], bool] = lambda: True,
         redirect: Callable[[], w.Redirect] | None = None,
         **listener: Any,
@@ -89,6 +92,10 @@ class AgentEndpoint(AgentListener):
         self.redirect = redirect or (lambda: w.Redirect(leader="", message="this control plane does not lead"))
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
+        # The interval each agent is told, stretched as agents link (0: no stretching).
+        self.heartbeats = HeartbeatRule(
+            interval_s=heartbeat_interval_s, ttl_s=registry.ttl, max_rate=heartbeat_max_rate
+        )
         self.desired_state = desired_state
         self.on_change = on_change
         self.on_replicas = on_replicas
@@ -114,7 +121,9 @@ class AgentEndpoint(AgentListener):
             )
             return await self.answer_standby(standby, request, cert, address)
         session = s.ServerSession(
-            node_id, heartbeat_interval_s=self.heartbeat_interval_s, desired_state=partial(self.desired_state, node_id)
+            node_id,
+            heartbeat_interval_s=self.heartbeats.interval(len(self.links) + 1),  # this one's too
+            desired_state=partial(self.desired_state, node_id),
         )
         try:
             session.upgrade(agentport.upgrade_request(request), await self.standing(cert))
@@ -152,8 +161,12 @@ class AgentEndpoint(AgentListener):
             return
         assert isinstance(event, s.Joined)
         conn_id = await self._record(event.hello, cert, address)
+        told = session.heartbeat_interval_s
+        self.registry.told(node_id, conn_id, self.heartbeats.ttl(told))
         with trio.CancelScope() as scope:
-            link = Link(node_id=node_id, conn_id=conn_id, session=session, writer=writer, cancel_scope=scope)
+            link = Link(
+                node_id=node_id, conn_id=conn_id, session=session, writer=writer, cancel_scope=scope, interval_s=told
+            )
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self._write, link, ws)  # the Welcome is written: published
@@ -212,10 +225,15 @@ class AgentEndpoint(AgentListener):
 
     async def _heartbeats(self, link: Link) -> None:
         """A ServerHeartbeat every heartbeat interval, so that the agent notices a control plane
-        that stopped (its kernel would still take the agent's frames) and dials the next."""
+        that stopped (its kernel would still take the agent's frames) and dials the next; each
+        tells the agent the interval to keep, stretched by how many agents are linked now."""
         while True:
-            await trio.sleep(self.heartbeat_interval_s)
-            link.session.heartbeat()
+            await trio.sleep(link.interval_s)
+            interval = self.heartbeats.interval(len(self.links))
+            if interval != link.interval_s:
+                link.interval_s = interval
+                self.registry.told(link.node_id, link.conn_id, self.heartbeats.ttl(interval))
+            link.session.heartbeat(interval)
             link.writer.wake()
 
     def _publish(self, link: Link) -> None:
@@ -230,9 +248,12 @@ class AgentEndpoint(AgentListener):
         # when the loop resumes from a stall reads the clock, which credits the stall, and waits
         # on (the agent's heartbeats are in the socket buffer, read next).
         clock = self.registry.clock
-        timeout = self.silence_timeout_s or math.inf
         heard = clock.now()
         while True:
+            # As long as its node may be silent before it is lost: longer when its agent was
+            # told a stretched interval (the configured silence at the configured interval).
+            timeout = self.silence_timeout_s or math.inf
+            timeout *= self.registry.ttl_of(link.node_id, link.conn_id) / self.registry.ttl
             try:
                 with trio.move_on_at(clock.loop_time(heard + timeout)) as silence:
                     text = await ws.get_message()  # cancel-safe: a message not taken stays queued
@@ -249,8 +270,8 @@ class AgentEndpoint(AgentListener):
             if silence.cancelled_caught and clock.now() - heard < timeout:
                 continue  # a stall moved the deadline
             if silence.cancelled_caught:
-                reason = f"nothing received for {self.silence_timeout_s:g} s (heartbeats stopped); closing the link"
-                log.warning("agent_link_silent", node=link.node_id, after_s=self.silence_timeout_s)
+                reason = f"nothing received for {timeout:g} s (heartbeats stopped); closing the link"
+                log.warning("agent_link_silent", node=link.node_id, after_s=timeout)
                 await link.writer.close(w.SILENT, reason, timeout_s=REFUSAL_SEND_S)
                 return
             heard = clock.now()

@@ -44,6 +44,11 @@ class Session:
     connected_at: float
     connected: bool = True
     last_heartbeat_at: float | None = None
+    # How long it may be silent before it is lost, by the heartbeat interval it was told
+    # (`llmgw.server.heartbeats`); None: the registry's own `ttl`. A longer one told counts at
+    # once, a shorter one from the next heartbeat (`told_ttl_s` until then).
+    ttl_s: float | None = None
+    told_ttl_s: float | None = None
 
 
 @attrs.define(kw_only=True)
@@ -119,12 +124,26 @@ class NodeRegistry:
         # the node did not stop being joined because a TCP connection was replaced.
         if old is not None and (old.hello.started_at, old.hello.boot_id) == (hello.started_at, hello.boot_id):
             node.session.last_heartbeat_at = old.last_heartbeat_at
+            node.session.ttl_s, node.session.told_ttl_s = old.ttl_s, old.told_ttl_s
         return self._next_conn
 
     def heartbeat(self, node_id: str, conn_id: int, now: float) -> None:
         session = self._session(node_id, conn_id)
         if session is not None:
             session.last_heartbeat_at = now
+            if session.told_ttl_s is not None:
+                session.ttl_s = session.told_ttl_s  # the agent heartbeats at what it was told from here on
+
+    def told(self, node_id: str, conn_id: int, ttl_s: float) -> None:
+        """The node's agent was told a heartbeat interval whose time to be lost is `ttl_s`: a
+        longer one counts at once, a shorter one from its next heartbeat (the agent may be
+        asleep on the interval it had)."""
+        session = self._session(node_id, conn_id)
+        if session is None:
+            return
+        session.told_ttl_s = ttl_s
+        if ttl_s > self._ttl(session):
+            session.ttl_s = ttl_s
 
     def inventory_changed(self, node_id: str, conn_id: int, inventory: Inventory) -> None:
         if self._session(node_id, conn_id) is not None:
@@ -158,13 +177,21 @@ class NodeRegistry:
 
     # -- state ----------------------------------------------------------------------------
 
+    def _ttl(self, session: Session) -> float:
+        return self.ttl if session.ttl_s is None else session.ttl_s
+
+    def ttl_of(self, node_id: str, conn_id: int) -> float:
+        """How long the node of this link may be silent before it is lost (`told`)."""
+        session = self._session(node_id, conn_id)
+        return self.ttl if session is None else self._ttl(session)
+
     def liveness(self, node: Node, now: float) -> str:
         s = node.session
         if s is None:
             return LOST if now - self.started_at > self.ttl + self.reconnect_grace else UNKNOWN
         if s.last_heartbeat_at is None:
-            return JOINING if s.connected and now - s.connected_at <= self.ttl else LOST
-        return JOINED if now - s.last_heartbeat_at <= self.ttl else LOST
+            return JOINING if s.connected and now - s.connected_at <= self._ttl(s) else LOST
+        return JOINED if now - s.last_heartbeat_at <= self._ttl(s) else LOST
 
     def forming(self, now: float) -> bool:
         """Whether the cluster may still be assembling by itself: within the first TTL plus the
@@ -189,6 +216,7 @@ class NodeRegistry:
         for node in self.nodes.values():
             s = node.session
             if s is not None:
-                times.append((s.last_heartbeat_at if s.last_heartbeat_at is not None else s.connected_at) + self.ttl)
+                heard = s.last_heartbeat_at if s.last_heartbeat_at is not None else s.connected_at
+                times.append(heard + self._ttl(s))
         future = [t for t in times if t >= now]
         return min(future) + 1e-3 if future else now + self.ttl

@@ -28,7 +28,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # loaded (EngineStatus.cpu_backend), an engine this node lacks what it needs for (ENGINE_UNAVAILABLE).
 # 5: a standby control plane answers a hello with where the leader is (`Redirect`); the control plane
 # sends a heartbeat of its own (`ServerHeartbeat`), so that an agent notices one that stopped.
-PROTOCOL_VERSION = 5
+# 6: the control plane's heartbeat carries the heartbeat interval the agent is to keep from now on
+# (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.heartbeats).
+PROTOCOL_VERSION = 6
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -281,9 +283,12 @@ class Welcome:
 @attrs.frozen(kw_only=True)
 class ServerHeartbeat:
     """The control plane is there: sent every heartbeat interval, so that an agent notices one
-    that stopped (paused, or cut off while its kernel still answers) and dials the next."""
+    that stopped (paused, or cut off while its kernel still answers) and dials the next. It
+    carries the interval the agent is to heartbeat at from now on (the Welcome's at first; the
+    control plane stretches it as the cluster grows, `llmgw.server.heartbeats`); 0: as it was."""
 
     seq: int
+    heartbeat_interval_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -82,6 +82,8 @@ AGENT, SERVER = "agent", "control plane"
 _REPORTS = (w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.LogsReply)
 MAX_LOGS_ASKED = 8  # LogsRequests asked and unanswered on one link; LogsReplies unsent
 MIN_HEARTBEAT_INTERVAL_S = 0.01  # a Welcome asking for heartbeats more often is refused
+# ... or less often: an hour is 180,000 agents at 50 heartbeats a second (llmgw.server.heartbeats)
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")  # PEP 440 and semantic versions, "dev", "test"
 
 # role -> state -> {message type that side may receive: the state after it}
@@ -228,6 +230,7 @@ class DesiredStateReceived:
 @attrs.frozen(kw_only=True)
 class ServerHeartbeatReceived:
     seq: int
+    heartbeat_interval_s: float = 0.0  # the interval to keep from now on; 0: as it was
 
 
 @attrs.frozen(kw_only=True)
@@ -277,7 +280,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Welcome: lambda m: WelcomeReceived(welcome=m),
     w.DesiredState: lambda m: DesiredStateReceived(desired=m),
     w.LogsRequest: lambda m: LogsRequested(request=m),
-    w.ServerHeartbeat: lambda m: ServerHeartbeatReceived(seq=m.seq),
+    w.ServerHeartbeat: lambda m: ServerHeartbeatReceived(seq=m.seq, heartbeat_interval_s=m.heartbeat_interval_s),
     w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
     w.LinkError: lambda m: Closed(code=m.code, message=m.message),
 }
@@ -454,11 +457,12 @@ class ServerSession(Session):
         if self.state is State.OPEN:
             self.outbox.put(w.DesiredState, None)
 
-    def heartbeat(self) -> None:
-        """Queue a ServerHeartbeat, if the link is open (an unsent one is replaced)."""
+    def heartbeat(self, interval_s: float = 0.0) -> None:
+        """Queue a ServerHeartbeat, if the link is open (an unsent one is replaced), telling the
+        agent the heartbeat interval to keep (`interval_s`; 0: as it was)."""
         if self.can_send(w.ServerHeartbeat):
             self._seq += 1
-            self.send(w.ServerHeartbeat(seq=self._seq))
+            self.send(w.ServerHeartbeat(seq=self._seq, heartbeat_interval_s=interval_s))
 
     def request_logs(self, replica_id: str, lines: int) -> int | None:
         """Queue a LogsRequest; its request id, or None if the link is not open or
@@ -593,13 +597,10 @@ class AgentSession(Session):
                     f"the control plane's welcome names no server version this agent can read "
                     f"({shown(message.server_version)}); run an llmgw release on the control plane",
                 )
-            interval = message.heartbeat_interval_s
-            if not (math.isfinite(interval) and interval >= MIN_HEARTBEAT_INTERVAL_S):
-                raise WireError(
-                    w.BAD_MESSAGE,
-                    f"the control plane asks for a heartbeat every {interval:g} s, and this agent sends one at most "
-                    f"every {MIN_HEARTBEAT_INTERVAL_S:g} s; set heartbeat_interval_s in server.toml to a few seconds",
-                )
+            _check_interval(message.heartbeat_interval_s)
+        elif isinstance(message, w.ServerHeartbeat):
+            if message.heartbeat_interval_s != 0:
+                _check_interval(message.heartbeat_interval_s)
         elif isinstance(message, w.LogsRequest):
             if message.request_id in self._logs:
                 raise ProtocolError(
@@ -654,3 +655,14 @@ def header(headers: Iterable[tuple[bytes | str, bytes | str]], name: str) -> str
         if key.lower() == name:
             return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     return ""
+
+
+def _check_interval(interval: float) -> None:
+    """A heartbeat interval the control plane asks for (its Welcome's, or its heartbeat's)."""
+    if not (math.isfinite(interval) and MIN_HEARTBEAT_INTERVAL_S <= interval <= MAX_HEARTBEAT_INTERVAL_S):
+        raise WireError(
+            w.BAD_MESSAGE,
+            f"the control plane asks for a heartbeat every {interval:g} s, and this agent sends one every "
+            f"{MIN_HEARTBEAT_INTERVAL_S:g} to {MAX_HEARTBEAT_INTERVAL_S:g} s; set heartbeat_interval_s and "
+            "heartbeat_max_rate in server.toml to what fits (docs/configuration.md)",
+        )
