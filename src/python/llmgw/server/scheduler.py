@@ -23,6 +23,7 @@ reconciler performs what it returns. Rules, in the order they are applied:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import attrs
@@ -114,11 +115,18 @@ def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[P
         )
         (keep if valid else stop).append(p)
     # Too many replicas of a model (its count went down): stop the newest.
+    kept: dict[str, list[Placement]] = {}
+    for p in keep:
+        kept.setdefault(p.model, []).append(p)
+    extra: set[str] = set()
     for name, model in models.items():
-        mine = [p for p in keep if p.model == name]
-        for extra in sorted(mine, key=_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
-            keep.remove(extra)
-            stop.append(extra)
+        mine = kept.get(name, [])
+        for p in sorted(mine, key=_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
+            extra.add(p.replica_id)
+            stop.append(p)
+    if extra:
+        keep = [p for p in keep if p.replica_id not in extra]
+        kept = {name: [p for p in mine if p.replica_id not in extra] for name, mine in kept.items()}
     free = _Free(
         gpus={n.node_id: n.gpus for n in nodes},
         memory={n.node_id: n.memory_bytes for n in nodes},
@@ -129,21 +137,100 @@ def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[P
     start: list[Placement] = []
     pending: list[Pending] = []
     for model in catalog:
-        have = [p for p in keep if p.model == model.name]
+        have = kept.get(model.name, [])
         used_slots = {_slot(p) for p in have}
-        for _ in range(model.replicas - len(have)):
-            slot = next(i for i in range(len(used_slots) + 1) if i not in used_slots)
-            placement, reason = _place(model, f"{model.name}-{slot}", nodes, free)
+        missing = model.replicas - len(have)
+        if missing <= 0:
+            continue
+        pool = _Pool(model, nodes, free)
+        slot = 0
+        for placed_now in range(missing):
+            while slot in used_slots:
+                slot += 1
+            placement = pool.place(f"{model.name}-{slot}")
             if placement is None:
-                if pending and (pending[-1].model, pending[-1].reason) == (model.name, reason):
-                    pending[-1] = attrs.evolve(pending[-1], replicas=pending[-1].replicas + 1)
-                else:
-                    pending.append(Pending(model=model.name, reason=reason))
-                continue
+                # Nothing changed since: the rest of this model's replicas fail alike, as one entry.
+                pending.append(
+                    Pending(model=model.name, reason=_why_not(model, nodes, free), replicas=missing - placed_now)
+                )
+                break
             used_slots.add(slot)
             free.take(placement)
             start.append(placement)
     return Plan(keep=tuple(keep), start=tuple(start), stop=tuple(stop), pending=tuple(pending))
+
+
+class _Pool:
+    """Where the replicas of one model go, one after another, each as `_candidates` would rank
+    them (spread first: fewest replicas of the model on the node, then most free GPUs, then the
+    name) without a pass over every node per replica. The nodes that may run the model at all
+    (schedulable, its engine, not failed with it) are found once. A single-node replica takes
+    the least node of a heap whose keys are lower bounds of the real ones (a node's count of
+    replicas only grows and its free GPUs only shrink within a plan): a node popped with a stale
+    key goes back with its real one, a node that no longer fits leaves for good. A replica over
+    several nodes counts, per fabric, the nodes that fit now, and takes the least of the
+    fullest fabric."""
+
+    def __init__(self, model: Model, nodes: Sequence[NodeView], free: _Free) -> None:
+        self.model, self.free = model, free
+        self.memory = int(model.memory_gb * GIB)
+        self.eligible = [n for n in nodes if n.schedulable and model.engine in n.engines and model.name not in n.avoid]
+        self.heap: list[tuple[int, int, str]] = []
+        if model.nodes_per_replica == 1:
+            self.heap = [self._key(n.node_id) for n in self.eligible]
+            heapq.heapify(self.heap)
+
+    def _key(self, node_id: str) -> tuple[int, int, str]:
+        free = self.free
+        return (free.per_model.get((self.model.name, node_id), 0), -free.gpus[node_id], node_id)
+
+    def _fits(self, node_id: str) -> bool:
+        return self.free.gpus[node_id] >= self.model.gpus_per_replica and self.free.memory[node_id] >= self.memory
+
+    def place(self, replica_id: str) -> Placement | None:
+        model = self.model
+        if model.nodes_per_replica == 1:
+            heap = self.heap
+            while heap:
+                key = heap[0]
+                node_id = key[2]
+                if not self._fits(node_id):
+                    heapq.heappop(heap)  # resources only shrink: it will not fit this model again
+                    continue
+                real = self._key(node_id)
+                if real != key:
+                    heapq.heapreplace(heap, real)
+                    continue
+                return Placement(
+                    replica_id=replica_id,
+                    model=model.name,
+                    nodes=(node_id,),
+                    gpus_per_node=model.gpus_per_replica,
+                    memory_bytes=self.memory,
+                    engine=model.engine,
+                )
+            return None
+        by_fabric: dict[str, list[str]] = {}
+        for n in self.eligible:
+            if self._fits(n.node_id):
+                for f in n.fabrics:
+                    by_fabric.setdefault(f, []).append(n.node_id)
+        need = model.nodes_per_replica
+        for fabric in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
+            members = by_fabric[fabric]
+            if len(members) >= need:
+                chosen = heapq.nsmallest(need, members, key=self._key)
+                return Placement(
+                    replica_id=replica_id,
+                    model=model.name,
+                    nodes=tuple(chosen),
+                    gpus_per_node=model.gpus_per_replica,
+                    memory_bytes=self.memory,
+                    engine=model.engine,
+                    fabric=fabric,
+                )
+            break  # the fullest is too small: so is every other
+        return None
 
 
 def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]:
@@ -194,43 +281,22 @@ def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[l
     return ok, "; ".join(reasons) or "no nodes"
 
 
-def _place(model: Model, replica_id: str, nodes: Sequence[NodeView], free: _Free) -> tuple[Placement | None, str]:
-    memory = int(model.memory_gb * GIB)
+def _why_not(model: Model, nodes: Sequence[NodeView], free: _Free) -> str:
+    """Why no further replica of `model` can be placed (`_Pool.place` found nowhere): the
+    nodes that are no candidates and why, or for several nodes the fabrics' shortfall."""
     candidates, why = _candidates(model, nodes, free)
     if model.nodes_per_replica == 1:
-        if not candidates:
-            return None, f"needs 1 node with {_needs(model)}, none available ({why})"
-        return Placement(
-            replica_id=replica_id,
-            model=model.name,
-            nodes=(candidates[0].node_id,),
-            gpus_per_node=model.gpus_per_replica,
-            memory_bytes=memory,
-            engine=model.engine,
-        ), ""
-    by_fabric: dict[str, list[NodeView]] = {}
+        return f"needs 1 node with {_needs(model)}, none available ({why})"
+    by_fabric: dict[str, int] = {}
     for n in candidates:
         for f in n.fabrics:
-            by_fabric.setdefault(f, []).append(n)
+            by_fabric[f] = by_fabric.get(f, 0) + 1
     need = model.nodes_per_replica
-    best = max(sorted(by_fabric), key=lambda f: len(by_fabric[f]), default=None)
-    for fabric in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
-        members = by_fabric[fabric]
-        if len(members) >= need:
-            chosen = tuple(n.node_id for n in members[:need])
-            return Placement(
-                replica_id=replica_id,
-                model=model.name,
-                nodes=chosen,
-                gpus_per_node=model.gpus_per_replica,
-                memory_bytes=memory,
-                engine=model.engine,
-                fabric=fabric,
-            ), ""
+    best = max(sorted(by_fabric), key=lambda f: by_fabric[f], default=None)
     left_out = f" ({why})" if why != "no nodes" else ""  # why the other nodes are not candidates
     if best is None:
-        return None, f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric{left_out}"
-    return None, f"needs {need} nodes on one fabric, {len(by_fabric[best])} available on {best.split('@')[0]}{left_out}"
+        return f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric{left_out}"
+    return f"needs {need} nodes on one fabric, {by_fabric[best]} available on {best.split('@')[0]}{left_out}"
 
 
 def _needs(model: Model) -> str:
