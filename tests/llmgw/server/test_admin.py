@@ -348,3 +348,27 @@ async def test_the_stall_diagnostic_holds_the_loop_and_the_metrics_and_the_log_s
         "debug_stall",
         "debug_stall_done",
     ]
+
+
+async def test_thousands_of_nodes_are_listed_a_page_at_a_time_by_id_and_by_state(running) -> None:
+    plane, state = running
+    for i in range(1200):
+        plane.registry.know(f"n{i:05d}", address="127.0.0.5", cordoned=i % 3 == 0)
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    everyone = await call(client.nodes)  # every page, followed
+    assert [n["id"] for n in everyone] == [f"n{i:05d}" for i in range(1200)]
+    page = await call(lambda: client.cluster(limit=500, after="n00099"))
+    assert [n["id"] for n in page["nodes"]] == [f"n{i:05d}" for i in range(100, 600)]
+    assert page["next"] == "n00599"
+    last = await call(lambda: client.cluster(limit=500, after="n00999"))
+    assert len(last["nodes"]) == 200 and last["next"] is None
+    # None has reconnected since the control plane started: all unknown, none joined.
+    assert len(await call(lambda: client.nodes(state="unknown"))) == 1200
+    assert await call(lambda: client.nodes(state="joined")) == []
+    for query, says in (
+        ("limit=0", "limit must be a whole number from 1 to 10000, got '0'"),
+        ("state=up", "state must be one of joined, joining, lost, unknown, got 'up'"),
+        ("page=2", "has no query parameter 'page'"),
+    ):
+        status, body, _ = await call(client._exchange, "GET", f"/admin/v1/nodes?{query}", None)
+        assert status == 400 and says in body["error"]["message"], body

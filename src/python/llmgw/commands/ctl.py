@@ -18,6 +18,7 @@ from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.ctl.tables import format_nodes, state_text, table
+from llmgw.errors import UsageError
 
 
 def configure(parser: Parser) -> None:
@@ -28,6 +29,11 @@ def configure(parser: Parser) -> None:
         "list the nodes: state, replicas, address, agent, heartbeat, hardware, engines, fabrics, certificate",
         run_nodes,
     )
+    nodes.add_argument("--state", choices=("joined", "joining", "lost", "unknown"), help="only the nodes in this state")
+    nodes.add_argument(
+        "--limit", type=int, metavar="N", help="at most N nodes (one page; --json then says where the next starts)"
+    )
+    nodes.add_argument("--after", default="", metavar="NODE", help="the nodes after this node id (by id)")
     add_json_flag(nodes)
     add_admin_options(nodes)
     for verb, text, fn in (
@@ -80,14 +86,20 @@ def configure(parser: Parser) -> None:
 
 
 def run_nodes(args: argparse.Namespace) -> int:
-    cluster = client_from(args).cluster()
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be 1 or more, got {args.limit}")
+    cluster = client_from(args).cluster(state=args.state or "", limit=args.limit, after=args.after)
     nodes = cluster["nodes"]
-    if args.json:
+    if args.json and args.limit is not None:
+        print(json.dumps({"nodes": nodes, "next": cluster.get("next")}, indent=2))  # a page: where the next starts
+    elif args.json:
         print(json.dumps(nodes, indent=2))
     else:
         print(format_nodes(nodes))
         for note in cluster.get("notes", []):
             print(f"note: {note}")
+        if cluster.get("next"):
+            print(f"more: llmgw ctl nodes --limit {args.limit} --after {cluster['next']}")
         for n in nodes:
             for problem in n.get("fabric_problems") or []:
                 print(f"{n['id']}: fabric refused: {problem}")

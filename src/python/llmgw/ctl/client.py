@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from llmgw import paths
 from llmgw.config import DEFAULT_SERVER_STATE_DIR
@@ -27,6 +27,7 @@ from llmgw.ctl.errors import NoControlPlane, NotAnswering
 from llmgw.errors import MachineError, PeerError, UsageError
 
 TIMEOUT_S = 30.0
+NODES_PAGE = 1000  # nodes a request asks for when listing all of them
 
 
 class AdminClient:
@@ -96,8 +97,8 @@ class AdminClient:
             ) from None
         return response.status, data, body
 
-    def nodes(self) -> list[dict[str, Any]]:
-        return self.request("GET", "/admin/v1/nodes")["nodes"]
+    def nodes(self, *, state: str = "") -> list[dict[str, Any]]:
+        return self.cluster(state=state)["nodes"]
 
     def gateways(self) -> list[dict[str, Any]]:
         """The gateway instances connected now (name, instance, address, cert_serial in hex, ...)."""
@@ -107,9 +108,21 @@ class AdminClient:
         """The CA the control plane signs with: common_name, fingerprint_sha256, not_after."""
         return self.request("GET", "/admin/v1/authority")["ca"]
 
-    def cluster(self) -> dict[str, Any]:
-        """Nodes, the fabrics placement sees, and notes for the operator."""
-        return self.request("GET", "/admin/v1/nodes")
+    def cluster(self, *, state: str = "", limit: int | None = None, after: str = "") -> dict[str, Any]:
+        """Nodes (in `state`, if given), the fabrics placement sees, and notes for the operator.
+        `limit`: one page of at most that many nodes after `after`, its `next` saying where the
+        next one starts (null on the last); None: every node, fetched a page of `NODES_PAGE` at
+        a time."""
+        query = {"state": state} if state else {}
+        if limit is not None:
+            return self.request("GET", "/admin/v1/nodes?" + urlencode({**query, "limit": limit, "after": after}))
+        nodes: list[dict[str, Any]] = []
+        while True:
+            page = self.request("GET", "/admin/v1/nodes?" + urlencode({**query, "limit": NODES_PAGE, "after": after}))
+            nodes += page["nodes"]
+            after = page.get("next") or ""
+            if not after:
+                return {**page, "nodes": nodes, "next": None}
 
     def cordon(self, node_id: str, cordoned: bool) -> dict[str, Any]:
         action = "cordon" if cordoned else "uncordon"

@@ -3,7 +3,8 @@
 Every request carries the admin credential as `Authorization: Bearer TOKEN`; without it, or
 with a wrong one, the answer is 401 with what to do. Routes:
 
-    GET    /admin/v1/nodes                 every node with its state and inventory
+    GET    /admin/v1/nodes[?limit=N&after=NODE&state=S]  the nodes with their state and inventory, by id
+                                           (a page of N after NODE, and the next page's `after`)
     GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
     GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log (N: 1-10000, default 100)
     GET    /admin/v1/models                the catalog with ready replicas per model
@@ -55,6 +56,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+import trio
 
 from llmgw.errors import ConfigError, LlmgwError, UsageError, cut, shown
 from llmgw.fabrics import FabricMap
@@ -87,6 +89,16 @@ PREFIX = "/admin/v1/"
 _REPLICA_LOGS = re.compile(r"^/admin/v1/replicas/([^/]+)/logs$")
 _KEY = re.compile(r"^/admin/v1/keys/([^/]+)$")
 _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
+# GET /admin/v1/nodes, a page at a time for thousands of nodes: `next` names the id to give as
+# `after` for the page after (null on the last); `state` keeps the nodes in that state.
+MAX_NODES_PAGE = 10_000
+NODE_STATES = ("joined", "joining", "lost", "unknown")  # llmgw.server.registry's
+ENCODE_OFF_LOOP = 200  # a listing of more nodes than this is encoded in a thread
+NODE_QUERY = {
+    "limit": f"how many nodes at most, 1 to {MAX_NODES_PAGE} (default: all)",
+    "after": "the node id this page starts after (the previous page's next)",
+    "state": ", ".join(NODE_STATES),
+}
 # A replica's id is its model's name (letters, digits, '.', '_', '-'; 63 at most) and its slot.
 REPLICA = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 REPLICA_RULE = "a replica id is its model's name, '-' and a number (see `llmgw ctl replicas`)"
@@ -99,6 +111,9 @@ class Views(Protocol):
     """What the admin API shows of the control plane."""
 
     def node_views(self) -> list[dict[str, Any]]: ...
+    async def node_page(
+        self, *, limit: int | None = None, after: str = "", state: str = ""
+    ) -> tuple[list[dict[str, Any]], str | None]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
     def replica_views(self) -> list[dict[str, Any]]: ...
     def model_views(self) -> list[dict[str, Any]]: ...
@@ -218,12 +233,19 @@ class AdminAPI:
     async def _route(self, request: Request) -> Response:
         if request.path == "/admin/v1/nodes":
             _allow(request, "GET")
-            params.query(request, {})
+            q = params.query(request, NODE_QUERY)
+            limit = params.whole_number(q["limit"], "limit", 1, MAX_NODES_PAGE) if "limit" in q else None
+            state = q.get("state", "")
+            if state and state not in NODE_STATES:
+                raise HTTPError(400, f"state must be one of {', '.join(NODE_STATES)}, got {shown(state)}")
+            nodes, after = await self.views.node_page(limit=limit, after=q.get("after", ""), state=state)
             fabrics = self.views.fabric_map()
             placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
-            return Response.json(
-                200, {"nodes": self.views.node_views(), "fabrics": placed, "notes": list(fabrics.notes)}
-            )
+            body = {"nodes": nodes, "next": after, "fabrics": placed, "notes": list(fabrics.notes)}
+            # Thousands of nodes make a body of megabytes: encoded off the loop.
+            if len(nodes) <= ENCODE_OFF_LOOP:
+                return Response.json(200, body)
+            return await trio.to_thread.run_sync(Response.json, 200, body)
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
             params.query(request, {})

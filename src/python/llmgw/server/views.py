@@ -28,6 +28,8 @@ from llmgw.server.replicas import Replicas
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 
+VIEW_BATCH = 200  # node views made between yields to the loop (`Views.node_page`)
+
 
 def cluster_fabrics(registry: NodeRegistry) -> FabricMap:
     """The cluster's fabrics as placement sees them: by name and identity, with notes."""
@@ -306,6 +308,37 @@ class ClusterViews:
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
+
+    async def node_page(
+        self, *, limit: int | None = None, after: str = "", state: str = ""
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """The nodes by id after `after`, in `state` if given, at most `limit` of them (None:
+        all), and the id the next page starts after (None: this is the last). Made a batch at a
+        time, yielding between batches: thousands of nodes do not hold the loop."""
+        now = self.registry.clock.now()
+        chosen: list[Node] = []
+        more = False
+        for node_id in sorted(self.registry.nodes):
+            if node_id <= after:
+                continue
+            node = self.registry.nodes[node_id]
+            if state and self.registry.liveness(node, now) != state:
+                continue
+            if limit is not None and len(chosen) == limit:
+                more = True
+                break
+            chosen.append(node)
+        engines = self.config().engines
+        views: list[dict[str, Any]] = []
+        for start in range(0, len(chosen), VIEW_BATCH):
+            if start:
+                await trio.lowlevel.checkpoint()
+            for node in chosen[start : start + VIEW_BATCH]:
+                view = node_view(node, self.registry.liveness(node, now), now, engines)
+                drain = self.drains.get(node.node_id)
+                view["drain"] = drain.view() if drain else None
+                views.append(view)
+        return views, (chosen[-1].node_id if more and chosen else None)
 
     def node_view(self, node_id: str) -> dict[str, Any]:
         node, now = self.registry.nodes[node_id], self.registry.clock.now()
