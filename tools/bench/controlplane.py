@@ -15,7 +15,8 @@ need no agents, placement and reconciling, measured in this process.
    temporary directory) over M joined nodes (default 1,000) and a catalog of Q replicas
    (default 2,000) of the same mix: `reconcile_first_ms` the pass that places them all,
    `reconcile_ms` a pass that finds nothing to change (the reconciler's steady state), best of
-   K.
+   K; and `list_nodes_ms`, what `GET /admin/v1/nodes` makes of all M nodes (their views and
+   the JSON answer, `list_nodes_bytes` long; the HTTP around it aside), best of K.
 
 Prints one JSON object: the settings, the figures, TARGETS (placement under 1 s) and `ok`.
 """
@@ -29,20 +30,27 @@ import platform
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import attrs
+import trio
 
-from llmgw.config import Model
+from llmgw.config import Model, ServerConfig
 from llmgw.fabrics import fabric_map
+from llmgw.http.messages import Response
 from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.changes import Changes
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, sealed_keys
 from llmgw.server.scheduler import GIB, NodeView, plan
+from llmgw.server.views import ClusterViews
 from llmgw.wire import agent_link as w
 
-TARGETS = {"placement_ms_10k": 1000.0}  # at most (issue 31: 10,000 replicas over 1,000 nodes)
+# At most (issue 31): placing 10,000 replicas over 1,000 nodes; listing 1,000 nodes (here without
+# the HTTP around it, which the admin API's own tests time apart).
+TARGETS = {"placement_ms_10k": 1000.0, "list_nodes_ms": 200.0}
 GPUS, MEMORY = 8, 512 * GIB
 ENGINE = "vllm"
 MAX_NODES, MAX_REPLICAS = 20_000, 200_000
@@ -170,7 +178,12 @@ def reconcile_phase(nodes: int, replicas: int, rounds: int, tmp: Path) -> dict:
     first = (time.perf_counter() - started) * 1000
     steady, again = best_ms(lambda: r.reconcile(1.0), rounds)
     assert not again, "a pass with nothing new changed something"
+    # What GET /admin/v1/nodes makes of them, all in one answer (the HTTP around it aside).
+    views = ClusterViews(registry=registry, replicas=r, drains={}, config=ServerConfig, changes=Changes())
+    listed, body = best_ms(lambda: Response.json(200, {"nodes": trio.run(partial(views.node_page))[0]}).body, rounds)
     return {
+        "list_nodes_ms": round(listed, 1),
+        "list_nodes_bytes": len(body),
         "reconcile_nodes": nodes,
         "reconcile_replicas": replicas,
         "reconcile_placed": len(r.placed),
@@ -208,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-cp-") as tmp:
         result |= reconcile_phase(args.reconcile_nodes, args.reconcile_replicas, args.rounds, Path(tmp))
     result["targets"] = TARGETS
-    result["ok"] = {k: result[k] <= v for k, v in TARGETS.items() if k in result}
+    # Each target is for its size: 10,000 replicas (in the key's name), 1,000 nodes listed or more.
+    sized = {k: v for k, v in TARGETS.items() if k != "list_nodes_ms" or args.reconcile_nodes >= 1000}
+    result["ok"] = {k: result[k] <= v for k, v in sized.items() if k in result}
     print(json.dumps(result), flush=True)
     return 0
 
