@@ -6,6 +6,7 @@ and the next one nothing. Its figures come from full runs (docs/performance.md).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench import controlplane
@@ -40,7 +41,19 @@ def test_the_control_plane_benchmark_runs(capsys: pytest.CaptureFixture[str]) ->
             "reconcile_ms": NUMBER,
             "list_nodes_ms": NUMBER,
             "list_nodes_bytes": int,
-            "targets": {"placement_ms_10k": NUMBER, "list_nodes_ms": NUMBER},
+            "targets": {
+                "placement_ms_10k": NUMBER,
+                "list_nodes_ms": NUMBER,
+                **{
+                    f"agents_{n}": {
+                        "join_s": NUMBER,
+                        "cpu_pct_steady": NUMBER,
+                        "rss_mib": NUMBER,
+                        "reconnect_storm_s": NUMBER,
+                    }
+                    for n in (1000, 5000)
+                },
+            },
             "ok": {},  # the targets are for the full sizes only
         },
     )
@@ -56,3 +69,23 @@ def test_the_catalog_is_the_mix_it_says_and_fits_the_nodes() -> None:
     assert gpus <= 1000 * controlplane.GPUS  # 1,000 nodes hold it: nothing pending by lack of room
     assert sum(m.replicas for m in models if m.nodes_per_replica == 2) == 1000
     assert sum(m.replicas for m in models if m.gpus_per_replica == 0) == 5000
+
+
+def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cuts_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["--nodes", "10", "--replicas", "20", "--reconcile-nodes", "5", "--reconcile-replicas", "10"]
+    args += ["--rounds", "1", "--agents", "12", "--agent-processes", "2", "--steady-seconds", "1"]
+    assert controlplane.main([*args, "--cache-dir", str(tmp_path / "cache")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key, kind in (("agents", int), ("agent_processes", int), ("join_s", NUMBER), ("steady_seconds", NUMBER)):
+        assert isinstance(result[key], kind), (key, result)
+    for key in ("cpu_pct_steady", "rss_mib", "reconnect_storm_s"):
+        assert isinstance(result[key], NUMBER) and result[key] > 0, (key, result)
+    assert result["agents"] == 12 and result["agent_processes"] == 2
+    assert result["rss_mib"] > 20  # the control plane's own process, not this one's
+    # The certificates are kept: a second run issues none (its CA is the same).
+    certs = sorted(p.name for p in (tmp_path / "cache" / "certs").iterdir())
+    assert certs == ["ca.crt", *(f"node-{i:05d}" for i in range(12))]
+    keys = [(tmp_path / "cache" / "certs" / f"node-{i:05d}" / "node.key").stat().st_mode & 0o777 for i in range(12)]
+    assert set(keys) == {0o600}

@@ -18,7 +18,19 @@ need no agents, placement and reconciling, measured in this process.
    K; and `list_nodes_ms`, what `GET /admin/v1/nodes` makes of all M nodes (their views and
    the JSON answer, `list_nodes_bytes` long; the HTTP around it aside), best of K.
 
-Prints one JSON object: the settings, the figures, TARGETS (placement under 1 s) and `ok`.
+3. agents (`--agents N`, default 0: skipped): a real `llmgw server` in a process of its own (CPU
+   time and RSS from /proc) and N simulated agents in `--agent-processes` processes
+   (`tools/bench/agents_load.py`: the product's agent link each, with a certificate of its
+   own, issued once and cached under $XDG_CACHE_HOME/llmgw-bench/controlplane with the CA that
+   signed them; a real hello, 8 GPUs and 2 fabrics; heartbeats at the interval the control
+   plane tells). `join_s`: from cold (a new store) until all N links are up, then checked on
+   the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
+   control plane's CPU over `--steady-seconds` once all have joined, and its RSS then;
+   `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
+   backoff) and all joined. Not measured yet: the time from a heartbeat's send to the
+   registry's update, and gateways subscribed beside the agents.
+
+Prints one JSON object: the settings, the figures, TARGETS and `ok`.
 """
 
 from __future__ import annotations
@@ -27,18 +39,27 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
 
 import attrs
 import trio
+from bench import agents_load
+from bench.procs import child_env, cpu_s, rss_mib, stop
 
 from llmgw.config import Model, ServerConfig
+from llmgw.ctl.client import AdminClient
 from llmgw.fabrics import fabric_map
 from llmgw.http.messages import Response
+from llmgw.pki.ca import make_key_and_csr
+from llmgw.pki.files import load_ca
 from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.changes import Changes
@@ -47,10 +68,22 @@ from llmgw.server.replicas import Replicas, sealed_keys
 from llmgw.server.scheduler import GIB, NodeView, plan
 from llmgw.server.views import ClusterViews
 from llmgw.wire import agent_link as w
+from testlib.controlplane import make_state
+from testlib.ports import free_port
 
 # At most (issue 31): placing 10,000 replicas over 1,000 nodes; listing 1,000 nodes (here without
 # the HTTP around it, which the admin API's own tests time apart).
 TARGETS = {"placement_ms_10k": 1000.0, "list_nodes_ms": 200.0}
+# At most, by the count of agents they are for (issue 31): joined from cold, steady CPU, RSS,
+# a reconnect storm settled.
+AGENT_TARGETS = {
+    1000: {"join_s": 60.0, "cpu_pct_steady": 10.0, "rss_mib": 500.0, "reconnect_storm_s": 60.0},
+    5000: {"join_s": 300.0, "cpu_pct_steady": 25.0, "rss_mib": 1536.0, "reconnect_storm_s": 300.0},
+}
+AGENTS_TIMEOUT_S = 900.0  # joining, or settling after the cut, at the most
+READY_TIMEOUT_S = 60.0
+MAX_AGENTS = 10_000
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-bench" / "controlplane"
 GPUS, MEMORY = 8, 512 * GIB
 ENGINE = "vllm"
 MAX_NODES, MAX_REPLICAS = 20_000, 200_000
@@ -193,6 +226,150 @@ def reconcile_phase(nodes: int, replicas: int, rounds: int, tmp: Path) -> dict:
     }
 
 
+def certificates(cache: Path, count: int) -> tuple[Path, Path]:
+    """A control plane's state (its CA, its server certificate) and `count` node certificates
+    it signed, made once and kept in `cache`: the state to copy, the certificates' directory."""
+    template, certs = cache / "state", cache / "certs"
+    if not (cache / "state.done").exists():
+        shutil.rmtree(cache, ignore_errors=True)
+        make_state(template, sans=["127.0.0.1"], days=3650)
+        (cache / "state.done").write_text("")
+    ca = load_ca(template)
+    certs.mkdir(parents=True, exist_ok=True)
+    (certs / "ca.crt").write_bytes(ca.cert_pem())
+    for i in range(count):
+        d = certs / agents_load.node_id(i)
+        if (d / "node.crt").exists():
+            continue
+        key, csr = make_key_and_csr(agents_load.node_id(i))
+        d.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(
+            d / "node.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+        )  # the agent refuses a key others read
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        (d / "node.crt").write_bytes(ca.sign_csr(csr, agents_load.node_id(i), validity_days=3650))
+    return template, certs
+
+
+class Load:
+    """The agents' processes, and what each last said (`agents_load`'s JSON lines)."""
+
+    def __init__(self, port: int, certs: Path, agents: int, processes: int, logs: Path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.latest: list[dict] = []
+        self.logs = logs
+        per = -(-agents // processes)
+        for k, first in enumerate(range(0, agents, per)):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", agents_load.__name__, "--port", str(port), "--certs", str(certs)]
+                + ["--first", str(first), "--count", str(min(per, agents - first))],
+                env=child_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=(logs / f"load-{k}.log").open("wb"),
+                text=True,
+            )
+            self.procs.append(proc)
+            self.latest.append({"connected": 0, "sessions": 0})
+            threading.Thread(target=self._read, args=(k, proc), daemon=True).start()
+
+    def _read(self, k: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.latest[k] = json.loads(line)
+
+    def connected(self) -> int:
+        """Links up now, over every process; SystemExit if a process ended (its log's tail)."""
+        for k, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                tail = (self.logs / f"load-{k}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"agents process {k} exited {proc.returncode}:\n{tail}")
+        return sum(r["connected"] for r in self.latest)
+
+    def cut(self) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write("cut\n")
+            proc.stdin.flush()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop(proc)
+
+
+def wait_for(what: str, predicate, timeout_s: float) -> float:
+    """Seconds until `predicate()` holds, polled; SystemExit naming `what` past `timeout_s`."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def joined_count(state: Path) -> int:
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+    return len(client.nodes(state="joined"))
+
+
+def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache: Path) -> dict:
+    template, certs = certificates(cache, agents)
+    state = tmp / "state"
+    shutil.copytree(template, state)
+    port, http_port = free_port(), free_port()
+    config = tmp / "server.toml"
+    config.write_text(
+        f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:{port}"\n'
+        f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = 0\n[engines.llamacpp]\nversion = ""\n'
+    )
+    log = (tmp / "server.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "server", "--config", str(config)],
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+    )
+    load = None
+    try:
+        wait_for("the control plane listening", lambda: listening(port) or server.poll() is not None, READY_TIMEOUT_S)
+        if server.poll() is not None:
+            raise SystemExit(f"llmgw server exited {server.returncode}:\n{(tmp / 'server.log').read_text()[-2000:]}")
+        load = Load(port, certs, agents, processes, tmp)
+        join_s = wait_for(f"{agents} agents linked", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
+        wait_for(f"{agents} nodes joined", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
+        join_s = max(join_s, 0.0)
+        time.sleep(min(5.0, steady_s))  # what joining started settles
+        before = cpu_s(server.pid)
+        time.sleep(steady_s)
+        cpu_pct = 100 * (cpu_s(server.pid) - before) / steady_s
+        rss = rss_mib(server.pid)
+        load.cut()
+        wait_for("the links cut", lambda: load.connected() < agents, 30.0)
+        storm_s = wait_for(f"{agents} agents linked again", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
+        storm_s += wait_for(f"{agents} nodes joined again", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
+    finally:
+        if load is not None:
+            load.stop()
+        stop(server)
+        log.close()
+    return {
+        "agents": agents,
+        "agent_processes": len(load.procs),
+        "join_s": round(join_s, 2),
+        "steady_seconds": steady_s,
+        "cpu_pct_steady": round(cpu_pct, 2),
+        "rss_mib": round(rss, 1),
+        "reconnect_storm_s": round(storm_s, 2),
+    }
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--nodes", type=int, default=1000, help="phase 1's nodes (default: 1000)")
@@ -200,7 +377,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reconcile-nodes", type=int, default=1000, help="phase 2's nodes (default: 1000)")
     parser.add_argument("--reconcile-replicas", type=int, default=2000, help="phase 2's replicas (default: 2000)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each, the best kept (default: 3)")
+    parser.add_argument("--agents", type=int, default=0, help="phase 3's simulated agents (default: 0, skipped)")
+    parser.add_argument("--agent-processes", type=int, default=0, help="their processes (default: one per 500)")
+    parser.add_argument("--steady-seconds", type=float, default=30.0, help="phase 3's steady window (default: 30)")
+    parser.add_argument("--json", action="store_true", help="print JSON (always; for the issue's command line)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=CACHE,
+        help=f"where the CA and the agents' certificates are kept (default: {CACHE})",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.agents <= MAX_AGENTS:
+        parser.error(f"--agents must be 0..{MAX_AGENTS}")
+    if not 0 <= args.agent_processes <= 64 or not 0.5 <= args.steady_seconds <= 600:
+        parser.error("--agent-processes must be 0..64 and --steady-seconds 0.5..600")
     for name in ("nodes", "reconcile_nodes"):
         if not 1 <= getattr(args, name) <= MAX_NODES:
             parser.error(f"--{name.replace('_', '-')} must be 1..{MAX_NODES}")
@@ -220,9 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     result |= placement_phase(args.nodes, args.replicas, args.rounds)
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-cp-") as tmp:
         result |= reconcile_phase(args.reconcile_nodes, args.reconcile_replicas, args.rounds, Path(tmp))
-    result["targets"] = TARGETS
+    if args.agents:
+        processes = args.agent_processes or max(1, min(8, -(-args.agents // 500)))
+        with tempfile.TemporaryDirectory(prefix="llmgw-bench-agents-") as tmp:
+            result |= agents_phase(args.agents, processes, args.steady_seconds, Path(tmp), args.cache_dir)
     # Each target is for its size: 10,000 replicas (in the key's name), 1,000 nodes listed or more.
     sized = {k: v for k, v in TARGETS.items() if k != "list_nodes_ms" or args.reconcile_nodes >= 1000}
+    for count, targets in AGENT_TARGETS.items():
+        if args.agents >= count:  # the largest count reached names the targets
+            sized |= targets
+    result["targets"] = TARGETS | {f"agents_{count}": targets for count, targets in AGENT_TARGETS.items()}
     result["ok"] = {k: result[k] <= v for k, v in sized.items() if k in result}
     print(json.dumps(result), flush=True)
     return 0
