@@ -75,14 +75,15 @@ def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cut
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     args = ["--nodes", "10", "--replicas", "20", "--reconcile-nodes", "5", "--reconcile-replicas", "10"]
-    args += ["--rounds", "1", "--agents", "12", "--agent-processes", "2", "--steady-seconds", "1"]
+    args += ["--rounds", "1", "--agents", "12", "--agent-processes", "2", "--steady-seconds", "1", "--gateways", "1"]
     assert controlplane.main([*args, "--cache-dir", str(tmp_path / "cache")]) == 0
     result = json.loads(capsys.readouterr().out)
     for key, kind in (("agents", int), ("agent_processes", int), ("join_s", NUMBER), ("steady_seconds", NUMBER)):
         assert isinstance(result[key], kind), (key, result)
-    for key in ("cpu_pct_steady", "rss_mib", "reconnect_storm_s"):
-        assert isinstance(result[key], NUMBER) and result[key] > 0, (key, result)
-    assert result["agents"] == 12 and result["agent_processes"] == 2
+    for key in ("cpu_pct_steady", "rss_mib", "reconnect_storm_s"):  # 12 agents for 1 s: may be 0 ticks of CPU
+        assert isinstance(result[key], NUMBER) and result[key] >= 0, (key, result)
+    assert result["reconnect_storm_s"] > 0
+    assert result["agents"] == 12 and result["agent_processes"] == 2 and result["gateways"] == 1
     assert result["rss_mib"] > 20  # the control plane's own process, not this one's
     # The certificates are kept: a second run issues none (its CA is the same).
     certs = sorted(p.name for p in (tmp_path / "cache" / "certs").iterdir())

@@ -27,8 +27,9 @@ need no agents, placement and reconciling, measured in this process.
    the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
    control plane's CPU over `--steady-seconds` once all have joined, and its RSS then;
    `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
-   backoff) and all joined. Not measured yet: the time from a heartbeat's send to the
-   registry's update, and gateways subscribed beside the agents.
+   backoff) and all joined. `--gateways G` (default 4) gateway processes subscribe to the
+   control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
+   Not measured yet: the time from a heartbeat's send to the registry's update.
 
 Prints one JSON object: the settings, the figures, TARGETS and `ok`.
 """
@@ -313,7 +314,7 @@ def joined_count(state: Path) -> int:
     return len(client.nodes(state="joined"))
 
 
-def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache: Path) -> dict:
+def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache: Path, gateways: int) -> dict:
     template, certs = certificates(cache, agents)
     state = tmp / "state"
     shutil.copytree(template, state)
@@ -321,7 +322,7 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
     config = tmp / "server.toml"
     config.write_text(
         f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:{port}"\n'
-        f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = 0\n[engines.llamacpp]\nversion = ""\n'
+        f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = {gateways}\n[engines.llamacpp]\nversion = ""\n'
     )
     log = (tmp / "server.log").open("wb")
     server = subprocess.Popen(
@@ -357,6 +358,7 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
     return {
         "agents": agents,
         "agent_processes": len(load.procs),
+        "gateways": gateways,
         "join_s": round(join_s, 2),
         "steady_seconds": steady_s,
         "cpu_pct_steady": round(cpu_pct, 2),
@@ -380,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=0, help="phase 3's simulated agents (default: 0, skipped)")
     parser.add_argument("--agent-processes", type=int, default=0, help="their processes (default: one per 500)")
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="phase 3's steady window (default: 30)")
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=4,
+        help="phase 3's gateway processes subscribed to the control plane (default: 4)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (always; for the issue's command line)")
     parser.add_argument(
         "--cache-dir",
@@ -390,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.agents <= MAX_AGENTS:
         parser.error(f"--agents must be 0..{MAX_AGENTS}")
-    if not 0 <= args.agent_processes <= 64 or not 0.5 <= args.steady_seconds <= 600:
-        parser.error("--agent-processes must be 0..64 and --steady-seconds 0.5..600")
+    if not 0 <= args.agent_processes <= 64 or not 0.5 <= args.steady_seconds <= 600 or not 0 <= args.gateways <= 16:
+        parser.error("--agent-processes must be 0..64, --steady-seconds 0.5..600 and --gateways 0..16")
     for name in ("nodes", "reconcile_nodes"):
         if not 1 <= getattr(args, name) <= MAX_NODES:
             parser.error(f"--{name.replace('_', '-')} must be 1..{MAX_NODES}")
@@ -414,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.agents:
         processes = args.agent_processes or max(1, min(8, -(-args.agents // 500)))
         with tempfile.TemporaryDirectory(prefix="llmgw-bench-agents-") as tmp:
-            result |= agents_phase(args.agents, processes, args.steady_seconds, Path(tmp), args.cache_dir)
+            result |= agents_phase(
+                args.agents, processes, args.steady_seconds, Path(tmp), args.cache_dir, args.gateways
+            )
     # Each target is for its size: 10,000 replicas (in the key's name), 1,000 nodes listed or more.
     sized = {k: v for k, v in TARGETS.items() if k != "list_nodes_ms" or args.reconcile_nodes >= 1000}
     for count, targets in AGENT_TARGETS.items():
