@@ -26,10 +26,13 @@ need no agents, placement and reconciling, measured in this process.
    plane tells). `join_s`: from cold (a new store) until all N links are up, then checked on
    the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
    control plane's CPU over `--steady-seconds` once all have joined, and its RSS then;
+   `loop_lag_p99_ms`: the 99th percentile of its event loop's lag meanwhile (the bound of the
+   histogram's bucket, `/metrics`), which bounds how long a heartbeat that arrived waited to
+   be read, as the time from a heartbeat's send to the registry's update is not measured yet;
    `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
    backoff) and all joined. `--gateways G` (default 4) gateway processes subscribe to the
    control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
-   Not measured yet: the time from a heartbeat's send to the registry's update.
+
 
 Prints one JSON object: the settings, the figures, TARGETS and `ok`.
 """
@@ -37,7 +40,9 @@ Prints one JSON object: the settings, the figures, TARGETS and `ok`.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import math
 import os
 import platform
 import shutil
@@ -342,9 +347,10 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         wait_for(f"{agents} nodes joined", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
         join_s = max(join_s, 0.0)
         time.sleep(min(5.0, steady_s))  # what joining started settles
-        before = cpu_s(server.pid)
+        before, lags_before = cpu_s(server.pid), lag_buckets(http_port)
         time.sleep(steady_s)
         cpu_pct = 100 * (cpu_s(server.pid) - before) / steady_s
+        lag_p99 = p99_of(lags_before, lag_buckets(http_port))
         rss = rss_mib(server.pid)
         load.cut()
         wait_for("the links cut", lambda: load.connected() < agents, 30.0)
@@ -363,8 +369,37 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         "steady_seconds": steady_s,
         "cpu_pct_steady": round(cpu_pct, 2),
         "rss_mib": round(rss, 1),
+        "loop_lag_p99_ms": None if lag_p99 is None else round(lag_p99 * 1000, 1),
         "reconnect_storm_s": round(storm_s, 2),
     }
+
+
+def lag_buckets(http_port: int) -> dict[float, float]:
+    """The control plane's event-loop lag histogram (/metrics): cumulative count by bound."""
+    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("llmgw_event_loop_lag_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def p99_of(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The bound of the bucket holding the 99th percentile of what was counted in between."""
+    bounds = sorted(after)
+    total = after.get(math.inf, 0) - before.get(math.inf, 0)
+    if not total:
+        return None
+    for bound in bounds:
+        if after[bound] - before.get(bound, 0) >= 0.99 * total:
+            return bound
+    return None
 
 
 def listening(port: int) -> bool:
