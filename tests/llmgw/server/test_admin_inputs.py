@@ -184,7 +184,7 @@ async def test_a_good_lines_reaches_the_replica_lookup(plane) -> None:
     [
         ("GET", "/admin/v1/replicas/sim-0/logs?lines=5&lines=500", "query parameter lines is given 2 times"),
         ("GET", "/admin/v1/replicas/sim-0/logs?line=5", "has no query parameter 'line'; it takes lines: "),
-        ("GET", "/admin/v1/nodes?verbose=1", "/admin/v1/nodes has no query parameter 'verbose'; it takes no query"),
+        ("GET", "/admin/v1/nodes?verbose=1", "/admin/v1/nodes has no query parameter 'verbose'; it takes limit: "),
         ("POST", f"/admin/v1/nodes/{NODE}/drain?force=yes", "force must be 1 or 0 (or true or false), got 'yes'"),
         ("POST", f"/admin/v1/nodes/{NODE}/drain?forse=1", "has no query parameter 'forse'"),
         ("POST", f"/admin/v1/nodes/{NODE}/drain?force=1&force=0", "force is given 2 times"),
