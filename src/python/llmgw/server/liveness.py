@@ -28,6 +28,8 @@ from llmgw.server.replicas import Replicas
 
 log = get_logger("llmgw.server")
 
+DEADLINE_GAP_S = 1.0
+
 
 class Reconciler:
     def __init__(
@@ -52,12 +54,20 @@ class Reconciler:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         clock = self.registry.clock
         task_status.started()
+        # Woken at a deadline, the pass runs only if a node's liveness changed: with thousands of
+        # nodes a deadline passes every moment (each heartbeat moves one), and a node that
+        # heartbeated meanwhile changes nothing. The deadlines are looked at no more often than
+        # this (a lost node is noticed that much after its TTL at most).
+        gap = min(DEADLINE_GAP_S, self.registry.ttl / 10)
+        woken = True  # by a change (and the first time)
         while True:
             changed = self.changes.nodes.next()  # before looking: a change during this pass is not lost
             now = clock.now()
-            await self._pass(now)
-            with trio.move_on_at(clock.loop_time(self.registry.next_deadline(now))):
+            if woken or self.registry.any_transition(now):
+                await self._pass(now)
+            with trio.move_on_at(clock.loop_time(max(self.registry.next_deadline(now), now + gap))) as deadline:
                 await changed.wait()
+            woken = not deadline.cancelled_caught
 
     async def _pass(self, now: float) -> None:
         self._begun += 1

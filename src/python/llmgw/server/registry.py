@@ -127,12 +127,20 @@ class NodeRegistry:
             node.session.ttl_s, node.session.told_ttl_s = old.ttl_s, old.told_ttl_s
         return self._next_conn
 
-    def heartbeat(self, node_id: str, conn_id: int, now: float) -> None:
+    def heartbeat(self, node_id: str, conn_id: int, now: float) -> bool:
+        """A heartbeat of the node's current link; True if it changed the node's liveness (its
+        first since the agent started, or one after the node was lost): only then is there
+        anything for the reconciler to look at. A joined node's heartbeats only move its
+        deadline."""
         session = self._session(node_id, conn_id)
-        if session is not None:
-            session.last_heartbeat_at = now
-            if session.told_ttl_s is not None:
-                session.ttl_s = session.told_ttl_s  # the agent heartbeats at what it was told from here on
+        if session is None:
+            return False
+        node = self.nodes[node_id]
+        was = self.liveness(node, now)
+        session.last_heartbeat_at = now
+        if session.told_ttl_s is not None:
+            session.ttl_s = session.told_ttl_s  # the agent heartbeats at what it was told from here on
+        return was != JOINED
 
     def told(self, node_id: str, conn_id: int, ttl_s: float) -> None:
         """The node's agent was told a heartbeat interval whose time to be lost is `ttl_s`: a
@@ -209,6 +217,11 @@ class NodeRegistry:
                 out.append(Transition(node_id=node_id, old=old, new=new))
                 self._last_states[node_id] = new
         return out
+
+    def any_transition(self, now: float) -> bool:
+        """Whether `transitions(now)` would name a change (without taking it)."""
+        last = self._last_states
+        return any(self.liveness(node, now) != last.get(node_id, UNKNOWN) for node_id, node in self.nodes.items())
 
     def next_deadline(self, now: float) -> float:
         """The earliest time a node's liveness can change without a message arriving."""
