@@ -17,6 +17,7 @@ nobody's deadline passed yet and waits again for the moved one (`clock.loop_time
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import trio
@@ -29,6 +30,7 @@ from llmgw.server.replicas import Replicas
 log = get_logger("llmgw.server")
 
 DEADLINE_GAP_S = 1.0
+MAX_REST_S = 1.0  # the longest wait between passes when changes keep coming
 
 
 class Reconciler:
@@ -63,11 +65,20 @@ class Reconciler:
         while True:
             changed = self.changes.nodes.next()  # before looking: a change during this pass is not lost
             now = clock.now()
+            took = 0.0
             if woken or self.registry.any_transition(now):
+                started = time.perf_counter()
                 await self._pass(now)
+                took = time.perf_counter() - started
             with trio.move_on_at(clock.loop_time(max(self.registry.next_deadline(now), now + gap))) as deadline:
                 await changed.wait()
             woken = not deadline.cancelled_caught
+            if woken and took and not self._awaited:  # someone waiting for a pass (a reload) gets it at once
+                # As long again before the next pass, so that the changes meanwhile are taken in
+                # one: a thousand nodes joining at once make a thousand changes, and a pass over
+                # a thousand nodes per change would hold the loop for minutes. Passes take at
+                # most half the loop's time.
+                await trio.sleep(min(took, MAX_REST_S))
 
     async def _pass(self, now: float) -> None:
         self._begun += 1
