@@ -34,6 +34,11 @@ def node_id(i: int) -> str:
     return f"node-{i:05d}"
 
 
+def fabrics_of(i: int) -> tuple[tuple[str, str, str], ...]:
+    """Agent i's fabrics as (name, identity, kind): one of four InfiniBand ones, one of two RoCE."""
+    return ((f"ib-{i % 4}", f"fe80::{i % 4:x}", "infiniband"), (f"roce-{i % 2}", f"roce-subnet-{i % 2}", "roce"))
+
+
 def inventory(i: int) -> w.Inventory:
     gpu = w.Gpu(
         index=0,
@@ -56,9 +61,9 @@ def inventory(i: int) -> w.Inventory:
         gpus=tuple(
             attrs.evolve(gpu, index=k, uuid=f"GPU-{i:05d}-{k}", pci_bus_id=f"0000:{k:02x}:00.0") for k in range(GPUS)
         ),
-        fabrics=(
-            w.Fabric(name=f"ib-{i % 4}", identity=f"fe80::{i % 4:x}", adapters=("mlx5_0",), kind="infiniband"),
-            w.Fabric(name=f"roce-{i % 2}", identity=f"roce-{i % 2}", adapters=("mlx5_1",), kind="roce"),
+        fabrics=tuple(
+            w.Fabric(name=name, identity=identity, adapters=(f"mlx5_{k}",), kind=kind)
+            for k, (name, identity, kind) in enumerate(fabrics_of(i))
         ),
         gpu_status=w.GPUS_PRESENT,
     )

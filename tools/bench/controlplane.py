@@ -55,7 +55,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import attrs
 import trio
 from bench import agents_load
 from bench.procs import child_env, cpu_s, rss_mib, stop
@@ -73,7 +72,6 @@ from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, sealed_keys
 from llmgw.server.scheduler import GIB, NodeView, plan
 from llmgw.server.views import ClusterViews
-from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state
 from testlib.ports import free_port
 
@@ -90,14 +88,9 @@ AGENTS_TIMEOUT_S = 900.0  # joining, or settling after the cut, at the most
 READY_TIMEOUT_S = 60.0
 MAX_AGENTS = 10_000
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw-bench" / "controlplane"
-GPUS, MEMORY = 8, 512 * GIB
+GPUS, MEMORY = agents_load.GPUS, 512 * GIB
 ENGINE = "vllm"
 MAX_NODES, MAX_REPLICAS = 20_000, 200_000
-
-
-def fabrics_of(i: int) -> tuple[tuple[str, str], ...]:
-    """Node i's fabrics as (name, identity): one of four InfiniBand ones and one of two RoCE."""
-    return ((f"ib-{i % 4}", f"fe80::{i % 4:x}"), (f"roce-{i % 2}", f"roce-subnet-{i % 2}"))
 
 
 def catalog(replicas: int) -> list[Model]:
@@ -136,7 +129,7 @@ def node_views(count: int) -> list[NodeView]:
             engines=frozenset({ENGINE}),
             gpus=GPUS,
             memory_bytes=MEMORY,
-            fabrics=tuple(f"{name}@{identity}" for name, identity in fabrics_of(i)),
+            fabrics=tuple(f"{name}@{identity}" for name, identity, _ in agents_load.fabrics_of(i)),
         )
         for i in range(count)
     ]
@@ -168,42 +161,9 @@ def count_name(n: int) -> str:
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
 
-def hello(node_id: str, i: int) -> w.Hello:
-    gpu = w.Gpu(
-        index=0,
-        name="NVIDIA H100",
-        uuid="",
-        memory_total_mib=81559,
-        memory_free_mib=81000,
-        driver_version="580.65.06",
-        compute_capability="9.0",
-        pci_bus_id="",
-    )
-    inventory = w.Inventory(
-        hostname=node_id,
-        os="linux",
-        arch="x86_64",
-        python="3.11",
-        cpu_model="c",
-        cpu_cores=64,
-        memory_total_bytes=MEMORY,
-        gpus=tuple(attrs.evolve(gpu, index=k, uuid=f"GPU-{k}", pci_bus_id=f"0000:{k:02x}:00.0") for k in range(GPUS)),
-        fabrics=tuple(w.Fabric(name=name, identity=identity, kind="infiniband") for name, identity in fabrics_of(i)),
-    )
-    return w.Hello(
-        protocol_version=w.PROTOCOL_VERSION,
-        node_id=node_id,
-        agent_version="bench",
-        boot_id="b",
-        started_at=1.0,
-        inventory=inventory,
-        engines=(w.EngineStatus(name=ENGINE, version="0", ok=True),),
-    )
-
-
 def reconcile_phase(nodes: int, replicas: int, rounds: int, tmp: Path) -> dict:
     registry = NodeRegistry(heartbeat_ttl_s=30.0, started_at=-100.0, reconnect_grace_s=0.0)
-    hellos = [hello(f"node-{i:05d}", i) for i in range(nodes)]
+    hellos = [agents_load.hello(i) for i in range(nodes)]  # what the agents of phase 3 say
     for h in hellos:
         conn = registry.connect(h, address="10.0.0.1", cert_serial=1, cert_not_after=2e9, now=0.0)
         registry.heartbeat(h.node_id, conn, 0.0)
