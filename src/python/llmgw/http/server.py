@@ -416,10 +416,15 @@ async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None
                 data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
             if data is None:
                 return False
+    _take(c, data, raw)
+    return True
+
+
+def _take(c: _Connection, data: bytes, raw: bytearray | None) -> None:
+    """Bytes read: to the parser, and to `raw` when the head's bytes are kept."""
     c.conn.receive_data(data)
     if raw is not None:
         raw += data
-    return True
 
 
 async def _read_request(c: _Connection, *, first: bool) -> Request | None:
@@ -471,9 +476,7 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
             if c.looks_skipped >= LOOK_AGAIN_AFTER:
                 data = fastio.receive_now(c.stream, RECEIVE_SIZE)
                 if data is not None:
-                    conn.receive_data(data)
-                    if raw is not None:
-                        raw += data
+                    _take(c, data, raw)
                     continue
                 c.looks_skipped = 0
             else:

@@ -39,11 +39,17 @@ def cluster_fabrics(registry: NodeRegistry) -> FabricMap:
 def node_views(
     registry: NodeRegistry, drains: Mapping[str, DrainProgress], now: float, engines: EnginesSection | None = None
 ) -> list[dict[str, Any]]:
-    views = [node_view(n, registry.liveness(n, now), now, engines) for _, n in sorted(registry.nodes.items())]
-    for v in views:
-        drain = drains.get(v["id"])
-        v["drain"] = drain.view() if drain else None
-    return views
+    return [listed_view(n, registry, drains, now, engines) for _, n in sorted(registry.nodes.items())]
+
+
+def listed_view(
+    node: Node, registry: NodeRegistry, drains: Mapping[str, DrainProgress], now: float, engines: EnginesSection | None
+) -> dict[str, Any]:
+    """A node as the admin API lists it: its view and its drain, if one is under way."""
+    view = node_view(node, registry.liveness(node, now), now, engines)
+    drain = drains.get(node.node_id)
+    view["drain"] = drain.view() if drain else None
+    return view
 
 
 def _eligibility(inv: w.Inventory | None, engines: EnginesSection | None) -> list[dict[str, Any]]:
@@ -333,11 +339,9 @@ class ClusterViews:
         for start in range(0, len(chosen), VIEW_BATCH):
             if start:
                 await trio.lowlevel.checkpoint()
-            for node in chosen[start : start + VIEW_BATCH]:
-                view = node_view(node, self.registry.liveness(node, now), now, engines)
-                drain = self.drains.get(node.node_id)
-                view["drain"] = drain.view() if drain else None
-                views.append(view)
+            views += (
+                listed_view(n, self.registry, self.drains, now, engines) for n in chosen[start : start + VIEW_BATCH]
+            )
         return views, (chosen[-1].node_id if more and chosen else None)
 
     def node_view(self, node_id: str) -> dict[str, Any]:
