@@ -166,7 +166,11 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
     taken = a.events("leadership_taken")[-1]
     took = at(taken) - at(released)
     print(f"the leader stopped with SIGTERM released its lease; the standby took it {took:.2f} s later")
-    assert 0 <= took < LEASE_RENEW_S + 1.0  # its next try, not a lease's length later
+    # Its next try (every LEASE_RENEW_S), not once the lease it had left would have run out: the
+    # bound is that, by the database's clock, as the release said it, not a guess of this host's
+    # speed (on a busy 2-core host a try and its thread can take a second).
+    assert 0 < released["cut_short_s"] <= LEASE_TTL_S
+    assert 0 <= took < released["cut_short_s"]
 
 
 def test_while_postgresql_is_away_both_control_planes_stay_up_and_one_leads_again_after(

@@ -120,8 +120,8 @@ class MemoryLease:
             epoch, holder = args
             if (epoch, holder) != (self.epoch, self.holder):
                 return []
-            self.expires_at = now
-            return [(epoch,)]
+            was, self.expires_at = self.expires_at, now
+            return [(epoch, was - now)]
         raise AssertionError(sql)
 
 

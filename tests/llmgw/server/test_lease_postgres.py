@@ -70,9 +70,10 @@ def test_after_expiry_the_next_taking_bumps_the_epoch_and_the_old_term_cannot_re
         taken = lease.acquire(db, B, ttl_s=30.0)
         assert taken is not None and (taken.holder, taken.epoch, taken.agent_url) == ("b", 2, "wss://cp-b:7443")
         assert not lease.renew(db, A, 1, ttl_s=30.0)
-        assert not lease.release(db, A, 1)  # nor end its successor's lease
+        assert lease.release(db, A, 1) is None  # nor end its successor's lease
         assert lease.read(db).held
-        assert lease.release(db, B, 2) and not lease.read(db).held  # its own, at once
+        left = lease.release(db, B, 2)  # its own, at once: what it had left said
+        assert left is not None and 29.0 < left <= 30.0 and not lease.read(db).held
         assert lease.acquire(db, A, ttl_s=30.0).epoch == 3
     finally:
         db.close()

@@ -54,7 +54,11 @@ RENEW = (
     f"UPDATE leader_lease SET agent_url = ?, admin_url = ?, expires_at = {NOW} + ? "
     f"WHERE id = 1 AND epoch = ? AND holder = ? AND expires_at > {NOW} RETURNING epoch"
 )
-RELEASE = f"UPDATE leader_lease SET expires_at = {NOW} WHERE id = 1 AND epoch = ? AND holder = ? RETURNING epoch"
+RELEASE = (
+    f"UPDATE leader_lease AS l SET expires_at = {NOW} "
+    "FROM (SELECT expires_at AS was FROM leader_lease WHERE id = 1) AS old "
+    f"WHERE l.id = 1 AND l.epoch = ? AND l.holder = ? RETURNING l.epoch, old.was - {NOW}"
+)
 FENCE = "SELECT epoch, holder, admin_url FROM leader_lease WHERE id = 1 FOR SHARE"
 
 
@@ -126,9 +130,12 @@ def renew(db: Statements, holder: Holder, epoch: int, ttl_s: float) -> bool:
     return bool(db.rows(RENEW, (holder.agent_url, holder.admin_url, ttl_s, epoch, holder.id)))
 
 
-def release(db: Statements, holder: Holder, epoch: int) -> bool:
-    """End term `epoch`'s lease now (a holder that stops); False if it was no longer its."""
-    return bool(db.rows(RELEASE, (epoch, holder.id)))
+def release(db: Statements, holder: Holder, epoch: int) -> float | None:
+    """End term `epoch`'s lease now (a holder that stops): the seconds it had left (by the
+    database's clock; what a standby would otherwise have waited), or None if it was no longer
+    this term's."""
+    found = db.rows(RELEASE, (epoch, holder.id))
+    return max(0.0, float(found[0][1])) if found else None
 
 
 @attrs.frozen(kw_only=True)
