@@ -84,6 +84,10 @@ def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cut
         assert isinstance(result[key], NUMBER) and result[key] >= 0, (key, result)
     assert result["reconnect_storm_s"] > 0
     assert result["loop_lag_p99_ms"] is None or result["loop_lag_p99_ms"] > 0  # a histogram's bound
+    # 12 agents for 1 s at a 5 s interval: a few heartbeats or none; counted ones have a p99.
+    assert isinstance(result["heartbeats_steady"], int) and result["heartbeats_steady"] >= 0
+    assert (result["heartbeat_p99_ms"] is None) == (result["heartbeats_steady"] == 0), result
+    assert result["heartbeat_p99_ms"] is None or result["heartbeat_p99_ms"] > 0
     assert result["agents"] == 12 and result["agent_processes"] == 2 and result["gateways"] == 1
     assert result["rss_mib"] > 20  # the control plane's own process, not this one's
     # The certificates are kept: a second run issues none (its CA is the same).

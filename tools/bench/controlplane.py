@@ -26,9 +26,10 @@ need no agents, placement and reconciling, measured in this process.
    plane tells). `join_s`: from cold (a new store) until all N links are up, then checked on
    the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
    control plane's CPU over `--steady-seconds` once all have joined, and its RSS then;
-   `loop_lag_p99_ms`: the 99th percentile of its event loop's lag meanwhile (the bound of the
-   histogram's bucket, `/metrics`), which bounds how long a heartbeat that arrived waited to
-   be read, as the time from a heartbeat's send to the registry's update is not measured yet;
+   `heartbeat_p99_ms`: the 99th percentile of the time from an agent's sending a heartbeat to
+   the registry's counting it, over the `heartbeats_steady` heartbeats of that window (the
+   control plane's `llmgw_agent_heartbeat_delay_seconds`: the bound of the bucket it falls in,
+   so "at most"), and `loop_lag_p99_ms`, its event loop's lag meanwhile, likewise;
    `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
    backoff) and all joined. `--gateways G` (default 4) gateway processes subscribe to the
    control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
@@ -307,10 +308,13 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         wait_for(f"{agents} nodes joined", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
         join_s = max(join_s, 0.0)
         time.sleep(min(5.0, steady_s))  # what joining started settles
-        before, lags_before = cpu_s(server.pid), lag_buckets(http_port)
+        before, counted = cpu_s(server.pid), histograms(http_port, LAG, HEARTBEAT_DELAY)
         time.sleep(steady_s)
         cpu_pct = 100 * (cpu_s(server.pid) - before) / steady_s
-        lag_p99 = p99_of(lags_before, lag_buckets(http_port))
+        now = histograms(http_port, LAG, HEARTBEAT_DELAY)
+        lag_p99 = p99_of(counted[LAG], now[LAG])
+        heartbeat_p99 = p99_of(counted[HEARTBEAT_DELAY], now[HEARTBEAT_DELAY])
+        heartbeats = now[HEARTBEAT_DELAY].get(math.inf, 0) - counted[HEARTBEAT_DELAY].get(math.inf, 0)
         rss = rss_mib(server.pid)
         load.cut()
         wait_for("the links cut", lambda: load.connected() < agents, 30.0)
@@ -329,24 +333,30 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         "steady_seconds": steady_s,
         "cpu_pct_steady": round(cpu_pct, 2),
         "rss_mib": round(rss, 1),
+        "heartbeat_p99_ms": None if heartbeat_p99 is None else round(heartbeat_p99 * 1000, 1),
+        "heartbeats_steady": int(heartbeats),
         "loop_lag_p99_ms": None if lag_p99 is None else round(lag_p99 * 1000, 1),
         "reconnect_storm_s": round(storm_s, 2),
     }
 
 
-def lag_buckets(http_port: int) -> dict[float, float]:
-    """The control plane's event-loop lag histogram (/metrics): cumulative count by bound."""
+LAG, HEARTBEAT_DELAY = "llmgw_event_loop_lag_seconds", "llmgw_agent_heartbeat_delay_seconds"
+
+
+def histograms(http_port: int, *families: str) -> dict[str, dict[float, float]]:
+    """The control plane's histograms `families` (/metrics): each one's cumulative count by bound."""
     conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    out = {}
+    out: dict[str, dict[float, float]] = {family: {} for family in families}
     for line in text.splitlines():
-        if line.startswith("llmgw_event_loop_lag_seconds_bucket{"):
+        family = line.split("_bucket{", 1)[0] if "_bucket{" in line else ""
+        if family in out:
             bound = line.split('le="', 1)[1].split('"', 1)[0]
-            out[math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+            out[family][math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
     return out
 
 

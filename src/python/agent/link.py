@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -315,7 +316,7 @@ class AgentLink:
         session = writer.session
         assert isinstance(session, s.AgentSession)
         while session.can_send(w.Heartbeat):
-            session.heartbeat()  # one waits at most: a newer replaces it
+            session.heartbeat(time.time())  # one waits at most: a newer replaces it
             writer.wake()
             sent = trio.current_time()
             # Until the interval has passed since this one: a change of it (`_Beat.change`) is

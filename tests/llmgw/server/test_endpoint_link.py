@@ -8,6 +8,7 @@ TLS and every refusal are tests/agent/test_link.py's."""
 from __future__ import annotations
 
 import ssl
+import time
 from datetime import datetime, timedelta, timezone
 
 import attrs
@@ -260,6 +261,42 @@ async def test_an_agents_reports_and_heartbeats_reach_the_registry(
     await plane.until(lambda: plane.registry.nodes["node-a"].replicas == (status,))
     await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
     assert link.agent.state.connected and link.agent.state.server_version
+
+
+def metric(text: str, name: str) -> float:
+    [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeats_took_to_count(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
+    plane.registry.know("node-b")  # known from before, never linked: unknown while the cluster forms
+    text = plane.endpoint.render_metrics()
+    assert metric(text, 'llmgw_nodes{state="joined"}') == 1 and metric(text, 'llmgw_nodes{state="unknown"}') == 1
+    assert metric(text, 'llmgw_nodes{state="lost"}') == 0 and metric(text, "llmgw_agent_links") == 1
+    assert metric(text, "llmgw_agent_heartbeat_interval_seconds") == 5.0
+    counted = metric(text, "llmgw_agent_heartbeat_delay_seconds_count")
+    assert counted >= 1 and metric(text, 'llmgw_agent_heartbeat_delay_seconds_bucket{le="0.5"}') == counted
+    # A heartbeat the agent sent 3 s ago by its clock (a swamped control plane, or a clock ahead)
+    # lands above 2.5 s; one from a clock behind ours counts as no delay, not a negative one.
+    name = "llmgw_agent_heartbeat_delay_seconds"
+
+    async def counted_as(count: float) -> None:
+        with trio.fail_after(5):  # a joined node's heartbeat wakes nothing (`until`): looked at
+            while metric(plane.endpoint.render_metrics(), f"{name}_count") < count:
+                await trio.sleep(0.1)
+
+    # (One at a time: a heartbeat not yet written is replaced by a newer one.)
+    assert await link.agent.send(w.Heartbeat(seq=100, sent_at=time.time() - 3.0))
+    await counted_as(counted + 1)
+    assert await link.agent.send(w.Heartbeat(seq=101, sent_at=time.time() + 60.0))
+    await counted_as(counted + 2)
+    text = plane.endpoint.render_metrics()
+    assert metric(text, f'{name}_bucket{{le="2.5"}}') == counted + 1
+    assert metric(text, f'{name}_bucket{{le="5"}}') == counted + 2
 
 
 # -- a control plane that does not lead --------------------------------------------------------

@@ -78,6 +78,7 @@ from llmgw.server.errors import (
     UnknownReplica,
 )
 from llmgw.server.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
+from llmgw.server.registry import STATES
 
 if TYPE_CHECKING:
     from llmgw.server.asyncstore import AsyncStore
@@ -92,7 +93,7 @@ _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))
 # GET /admin/v1/nodes, a page at a time for thousands of nodes: `next` names the id to give as
 # `after` for the page after (null on the last); `state` keeps the nodes in that state.
 MAX_NODES_PAGE = 10_000
-NODE_STATES = ("joined", "joining", "lost", "unknown")  # llmgw.server.registry's
+NODE_STATES = STATES  # llmgw.server.registry's
 ENCODE_OFF_LOOP = 200  # a listing of more nodes than this is encoded in a thread
 NODE_QUERY = {
     "limit": f"how many nodes at most, 1 to {MAX_NODES_PAGE} (default: all)",

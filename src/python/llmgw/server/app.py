@@ -458,6 +458,7 @@ class ControlPlane:
                 + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
                 + self.loop_lag.render(trio.current_time())
                 + self.registry.clock.render()
+                + self.endpoint.render_metrics()
                 + (self.step_timer.render() if self.step_timer is not None else "")
             )
             # One exposition: a family both have (the listeners' connections) appears once.

@@ -34,6 +34,7 @@ import trio_websocket
 from llmgw import linkio
 from llmgw.http.messages import Request, Upgrade
 from llmgw.log import get_logger
+from llmgw.metrics import MetricsRegistry
 from llmgw.pki.ca import CertInfo
 from llmgw.server import agentport
 from llmgw.server.agentlistener import HELLO_TIMEOUT_S, REFUSAL_SEND_S, AgentListener
@@ -52,6 +53,8 @@ __all__ = ["HELLO_TIMEOUT_S", "SEND_TIMEOUT_S", "AgentEndpoint", "Link"]
 # link is closed), and until then what waits for it is bounded by its session's outbox.
 SEND_TIMEOUT_S = 10.0
 LOGS_TIMEOUT_S = 10.0
+# From a millisecond (a quiet control plane on one machine) to the 20 s a swamped one would take.
+HEARTBEAT_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -103,6 +106,29 @@ class AgentEndpoint(AgentListener):
         # off, and its connection's resources go back. 0 = never (tests of other things).
         self.silence_timeout_s = silence_timeout_s
         self.links: dict[str, Link] = {}  # node id -> its link, once the Welcome is written
+        self.metrics = MetricsRegistry()
+        self._delays = self.metrics.histogram(
+            "llmgw_agent_heartbeat_delay_seconds",
+            "From an agent's sending a heartbeat (its clock) to the registry's counting it (this "
+            "control plane's): network, queues, and this process's loop; across machines, also the "
+            "difference of their clocks.",
+            buckets=HEARTBEAT_DELAY_BUCKETS,
+        )
+        self._interval = self.metrics.gauge(
+            "llmgw_agent_heartbeat_interval_seconds",
+            "The heartbeat interval agents are told now, stretched as the cluster grows.",
+        )
+        self._linked = self.metrics.gauge("llmgw_agent_links", "Agents linked to this control plane now.")
+        self._nodes = self.metrics.gauge("llmgw_nodes", "The nodes this control plane knows, by state.", ("state",))
+
+    def render_metrics(self) -> str:
+        """The link's families for /metrics: heartbeat delays, the interval told, links up, nodes
+        by state (a standby knows none)."""
+        self._interval.set(self.heartbeats.interval(len(self.links)))
+        self._linked.set(len(self.links))
+        for state, count in self.registry.counts(self.registry.clock.now()).items():
+            self._nodes.set(count, state=state)
+        return self.metrics.render()
 
     async def mirror_changed(self) -> None:
         if not self.leading():
@@ -293,6 +319,8 @@ class AgentEndpoint(AgentListener):
             # nodes, a reconcile pass per heartbeat was most of the control plane's CPU.
             if self.registry.heartbeat(link.node_id, link.conn_id, self.registry.clock.now()):
                 self.on_change()
+            if event.sent_at > 0:  # an agent of this release: it says when it sent it
+                self._delays.observe_at((), max(0.0, time.time() - event.sent_at))
         elif isinstance(event, s.InventoryReported):
             self.registry.inventory_changed(link.node_id, link.conn_id, event.inventory)
             self.on_change()

@@ -30,6 +30,7 @@ from llmgw.looplag import StallClock
 from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
+STATES = (JOINED, JOINING, LOST, UNKNOWN)
 
 
 @attrs.define(kw_only=True)
@@ -200,6 +201,13 @@ class NodeRegistry:
         if s.last_heartbeat_at is None:
             return JOINING if s.connected and now - s.connected_at <= self._ttl(s) else LOST
         return JOINED if now - s.last_heartbeat_at <= self._ttl(s) else LOST
+
+    def counts(self, now: float) -> dict[str, int]:
+        """How many nodes are in each state now (every state named, 0 included)."""
+        out = dict.fromkeys(STATES, 0)
+        for node in self.nodes.values():
+            out[self.liveness(node, now)] += 1
+        return out
 
     def forming(self, now: float) -> bool:
         """Whether the cluster may still be assembling by itself: within the first TTL plus the

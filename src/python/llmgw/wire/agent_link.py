@@ -30,7 +30,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # sends a heartbeat of its own (`ServerHeartbeat`), so that an agent notices one that stopped.
 # 6: the control plane's heartbeat carries the heartbeat interval the agent is to keep from now on
 # (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.heartbeats).
-PROTOCOL_VERSION = 6
+# 7: an agent's heartbeat says when it was sent (`Heartbeat.sent_at`), for the control plane's
+# figure of how long heartbeats take to count.
+PROTOCOL_VERSION = 7
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -239,6 +241,9 @@ class Hello:
 @attrs.frozen(kw_only=True)
 class Heartbeat:
     seq: int
+    # When the agent sent it, by its own clock (unix seconds; 0: not said): the control plane
+    # counts the time from here to its registry's update (`llmgw_agent_heartbeat_delay_seconds`).
+    sent_at: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -193,6 +193,7 @@ class Joined:
 @attrs.frozen(kw_only=True)
 class HeartbeatReceived:
     seq: int
+    sent_at: float = 0.0  # by the agent's clock; 0: not said
 
 
 @attrs.frozen(kw_only=True)
@@ -272,7 +273,7 @@ Event = (
 
 _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Hello: lambda m: Joined(hello=m),
-    w.Heartbeat: lambda m: HeartbeatReceived(seq=m.seq),
+    w.Heartbeat: lambda m: HeartbeatReceived(seq=m.seq, sent_at=m.sent_at),
     w.InventoryChanged: lambda m: InventoryReported(inventory=m.inventory),
     w.EnginesChanged: lambda m: EnginesReported(engines=m.engines),
     w.ReplicasChanged: lambda m: ReplicasReported(replicas=m.replicas),
@@ -570,9 +571,10 @@ class AgentSession(Session):
             raise LocalProtocolError(f"hello for node {hello.node_id!r} on the link of node {self.node_id!r}")
         self.send(hello)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, sent_at: float = 0.0) -> None:
+        """Queue a heartbeat; `sent_at`: now by the agent's clock (unix seconds), said in it."""
         self._seq += 1
-        self.send(w.Heartbeat(seq=self._seq))
+        self.send(w.Heartbeat(seq=self._seq, sent_at=sent_at))
 
     def _check_send(self, message: Any) -> None:
         if isinstance(message, w.LogsReply):
