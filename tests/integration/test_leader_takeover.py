@@ -31,7 +31,7 @@ import pytest
 
 from testlib import gatewayd
 from testlib.cluster import wait_until
-from testlib.planes import LEASE_RENEW_S, LEASE_TTL_S, Plane, Planes, at
+from testlib.planes import LEASE_TTL_S, Plane, Planes, at
 from testlib.postgres import Database, PostgresServer, postgres_db, postgres_server  # noqa: F401 - fixtures
 
 TAKEOVER_S = 10.0  # the bound: the standby leads within this of the leader's death
