@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from llmgw.server.workers import LINK_TIMEOUT_S
 from testlib import activation
 from testlib.ports import free_port
 from testlib.proc import llmgw_env, run_llmgw
@@ -408,7 +409,15 @@ class Cluster:
             sockets=self.sockets,
             prefix=list(self.net.prefix),
         )
-        wait_until("the server to be ready", lambda: server.events("server_ready"), alive=[server])
+        # The server bounds its own start (its gateway workers must link within LINK_TIMEOUT_S, or
+        # it exits saying why, which `alive` notices): on a host busy with other tests a worker
+        # process's start has taken more than the usual deadline, so the server's is waited.
+        wait_until(
+            "the server to be ready",
+            lambda: server.events("server_ready"),
+            alive=[server],
+            timeout=max(DEADLINE_S, LINK_TIMEOUT_S + 10.0),
+        )
         return server
 
     def start_agent(self, node_id: str, env: dict[str, str] | None = None) -> Proc:
