@@ -6,7 +6,8 @@ its own client certificate, the WebSocket upgrade, a real hello with an inventor
     PYTHONPATH=src/python:tests:tools python3 -m bench.agents_load --port P --certs DIR --first A --count N
 
 Each agent's files are DIR/node-NNNNN/{node.key,node.crt} and DIR/ca.crt. Every half second it
-prints one JSON line, `{"connected": C, "sessions": S}` (links up now, sessions ever). A line
+prints one JSON line, `{"connected": C, "sessions": S, "attempts": A}` (links up now, sessions
+ever, dials ever: a dial that brought no session was refused or failed). A line
 `cut` on its standard input closes every link at once (the agents dial again on their own
 backoff, as after a network cut); end of input or SIGTERM ends it.
 """
@@ -23,6 +24,7 @@ import attrs
 import trio
 
 from agent.link import AgentLink, Target
+from llmgw import log
 from llmgw.pki.tls import client_ssl_context
 from llmgw.wire import agent_link as w
 
@@ -106,7 +108,8 @@ async def run(port: int, certs: Path, first: int, count: int) -> None:
         while True:
             connected = sum(1 for link in links if link.state.connected)
             sessions = sum(link.state.sessions for link in links)
-            print(json.dumps({"connected": connected, "sessions": sessions}), flush=True)
+            attempts = sum(link.state.attempts for link in links)
+            print(json.dumps({"connected": connected, "sessions": sessions, "attempts": attempts}), flush=True)
             await trio.sleep(REPORT_S)
 
     async def commands(nursery: trio.Nursery) -> None:
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, required=True, help="the first agent's number")
     parser.add_argument("--count", type=int, required=True, help="how many agents")
     args = parser.parse_args(argv)
+    log.setup("info")  # the agents' lines (why a link went down), on stderr: the bench keeps them
     trio.run(run, args.port, args.certs, args.first, args.count)
     return 0
 

@@ -25,7 +25,10 @@ need no agents, placement and reconciling, measured in this process.
    signed them; a real hello, 8 GPUs and 2 fabrics; heartbeats at the interval the control
    plane tells). `join_s`: from cold (a new store) until all N links are up, then checked on
    the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
-   control plane's CPU over `--steady-seconds` once all have joined, and its RSS then;
+   control plane's CPU over `--steady-seconds` (at least two of the heartbeat intervals the
+   agents are told, `heartbeat_interval_s`, and begun one interval after the last joined: the
+   heartbeats spread by then) once all have joined, and its RSS then; past the default agents'
+   budget (`max_agent_connections`, an eighth of the open-file limit) the bench sets it;
    `heartbeat_p99_ms`: the 99th percentile of the time from an agent's sending a heartbeat to
    the registry's counting it, over the `heartbeats_steady` heartbeats of that window (the
    control plane's `llmgw_agent_heartbeat_delay_seconds`: the bound of the bucket it falls in,
@@ -63,6 +66,7 @@ from bench.procs import child_env, cpu_s, rss_mib, stop
 from llmgw.config import Model, ServerConfig
 from llmgw.ctl.client import AdminClient
 from llmgw.fabrics import fabric_map
+from llmgw.http.listeners import default_max_connections
 from llmgw.http.messages import Response
 from llmgw.pki.ca import make_key_and_csr
 from llmgw.pki.files import load_ca
@@ -238,7 +242,7 @@ class Load:
                 text=True,
             )
             self.procs.append(proc)
-            self.latest.append({"connected": 0, "sessions": 0})
+            self.latest.append({"connected": 0, "sessions": 0, "attempts": 0})
             threading.Thread(target=self._read, args=(k, proc), daemon=True).start()
 
     def _read(self, k: int, proc: subprocess.Popen) -> None:
@@ -253,6 +257,10 @@ class Load:
                 tail = (self.logs / f"load-{k}.log").read_text(errors="replace")[-2000:]
                 raise SystemExit(f"agents process {k} exited {proc.returncode}:\n{tail}")
         return sum(r["connected"] for r in self.latest)
+
+    def attempts(self) -> int:
+        """Dials ever, over every process."""
+        return sum(r["attempts"] for r in self.latest)
 
     def cut(self) -> None:
         for proc in self.procs:
@@ -286,9 +294,14 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
     shutil.copytree(template, state)
     port, http_port = free_port(), free_port()
     config = tmp / "server.toml"
+    # The agents' budget by default is an eighth of the open-file limit (2,484 at this machine's
+    # 20,000): more agents than that need it set, as an operator would (docs/operations.md).
+    cap = default_max_connections("agent")
+    cap = cap if agents <= cap else agents + agents // 10
     config.write_text(
         f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:{port}"\n'
-        f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = {gateways}\n[engines.llamacpp]\nversion = ""\n'
+        f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = {gateways}\n'
+        f'[http]\nmax_agent_connections = {cap}\n[engines.llamacpp]\nversion = ""\n'
     )
     log = (tmp / "server.log").open("wb")
     server = subprocess.Popen(
@@ -307,7 +320,12 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         join_s = wait_for(f"{agents} agents linked", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
         wait_for(f"{agents} nodes joined", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
         join_s = max(join_s, 0.0)
-        time.sleep(min(5.0, steady_s))  # what joining started settles
+        # What joining started settles, and the heartbeats spread over an interval (every agent
+        # joined within the last seconds beat together at first); the window is at least two
+        # intervals, so that it holds as many heartbeats as the rate says, no more, no fewer.
+        interval = gauge(http_port, "llmgw_agent_heartbeat_interval_seconds")
+        time.sleep(max(min(5.0, steady_s), interval))
+        steady_s = max(steady_s, 2 * interval)
         before, counted = cpu_s(server.pid), histograms(http_port, LAG, HEARTBEAT_DELAY)
         time.sleep(steady_s)
         cpu_pct = 100 * (cpu_s(server.pid) - before) / steady_s
@@ -316,10 +334,18 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         heartbeat_p99 = p99_of(counted[HEARTBEAT_DELAY], now[HEARTBEAT_DELAY])
         heartbeats = now[HEARTBEAT_DELAY].get(math.inf, 0) - counted[HEARTBEAT_DELAY].get(math.inf, 0)
         rss = rss_mib(server.pid)
+        dials, turned_away = load.attempts(), counters(http_port, TURNED_AWAY)
         load.cut()
         wait_for("the links cut", lambda: load.connected() < agents, 30.0)
         storm_s = wait_for(f"{agents} agents linked again", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
         storm_s += wait_for(f"{agents} nodes joined again", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
+        time.sleep(2 * agents_load.REPORT_S)  # the agents' last counts
+        storm_dials = load.attempts() - dials
+        storm_turned_away = {
+            k: v - turned_away.get(k, 0)
+            for k, v in counters(http_port, TURNED_AWAY).items()
+            if v > turned_away.get(k, 0)
+        }
     finally:
         if load is not None:
             load.stop()
@@ -331,13 +357,35 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         "gateways": gateways,
         "join_s": round(join_s, 2),
         "steady_seconds": steady_s,
+        "heartbeat_interval_s": interval,
+        "max_agent_connections": cap,
         "cpu_pct_steady": round(cpu_pct, 2),
         "rss_mib": round(rss, 1),
         "heartbeat_p99_ms": None if heartbeat_p99 is None else round(heartbeat_p99 * 1000, 1),
         "heartbeats_steady": int(heartbeats),
         "loop_lag_p99_ms": None if lag_p99 is None else round(lag_p99 * 1000, 1),
         "reconnect_storm_s": round(storm_s, 2),
+        # Dials past one per agent: each was refused or failed and waited its backoff.
+        "storm_dials_failed": storm_dials - agents,
+        "storm_turned_away": storm_turned_away,  # the agent port's connections shed or refused, by reason
     }
+
+
+def metrics_text(http_port: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def gauge(http_port: int, name: str) -> float:
+    """A gauge of the control plane's without labels (/metrics)."""
+    for line in metrics_text(http_port).splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise SystemExit(f"the control plane's /metrics has no {name}")
 
 
 LAG, HEARTBEAT_DELAY = "llmgw_event_loop_lag_seconds", "llmgw_agent_heartbeat_delay_seconds"
@@ -345,18 +393,30 @@ LAG, HEARTBEAT_DELAY = "llmgw_event_loop_lag_seconds", "llmgw_agent_heartbeat_de
 
 def histograms(http_port: int, *families: str) -> dict[str, dict[float, float]]:
     """The control plane's histograms `families` (/metrics): each one's cumulative count by bound."""
-    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = metrics_text(http_port)
     out: dict[str, dict[float, float]] = {family: {} for family in families}
     for line in text.splitlines():
         family = line.split("_bucket{", 1)[0] if "_bucket{" in line else ""
         if family in out:
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             out[family][math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+TURNED_AWAY = ("llmgw_connections_shed_total", "llmgw_connections_aborted_total", "llmgw_connections_at_capacity_total")
+
+
+def counters(http_port: int, families: tuple[str, ...]) -> dict[str, float]:
+    """The agent port's counters `families` (/metrics), by family and reason."""
+    text = metrics_text(http_port)
+    out = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in families and 'listener="agent"' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in line else ""
+            out[f"{name.removeprefix('llmgw_connections_').removesuffix('_total')}:{reason}".rstrip(":")] = float(
+                line.rsplit(" ", 1)[1]
+            )
     return out
 
 

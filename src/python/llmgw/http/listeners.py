@@ -108,11 +108,12 @@ FD_RESERVE = 128
 def default_max_connections(kind: str, limit: int | None = None) -> int:
     """A listener's connection cap when the configuration leaves it to us.
 
-    Agents get their own budget (an eighth of the descriptors, at most 4096 nodes) so a flood
+    Agents get their own budget (an eighth of the descriptors, at most 16,384 nodes: 8,176 under
+    the systemd unit's LimitNOFILE=65536, room for a 5,000-node cluster) so a flood
     of HTTP clients can never lock a node out; HTTP connections share the rest by half, since
     a gateway request holds a second descriptor for its upstream connection."""
     budget = max(64, (fd_limit() if limit is None else limit) - FD_RESERVE)
-    agents = max(16, min(4096, budget // 8))
+    agents = max(16, min(16_384, budget // 8))
     if kind == "agent":
         return agents
     return max(16, (budget - agents) // 2)
@@ -122,8 +123,10 @@ def unproven_budget(max_agent_connections: int) -> int:
     """Agent-port connections that have not yet shown a client certificate (TLS handshake under
     way, or a peer without one fetching a release file) held at once: an eighth of the agents'
     budget, between 8 and 64. Held apart from the agents', so bare connections never crowd out
-    a certified agent; small, since a real agent leaves it within a round trip or two."""
-    return max(8, min(64, max_agent_connections // 8))
+    a certified agent; small, since a real agent leaves it within a round trip or two. At most 256:
+    after a cut, a thousand agents redial within the same second, and each one whose handshake
+    is closed for a newcomer waits its backoff (64 turned away one in fourteen of them here)."""
+    return max(8, min(256, max_agent_connections // 8))
 
 
 def default_overflow(max_connections: int) -> int:

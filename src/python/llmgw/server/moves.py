@@ -23,12 +23,14 @@ time with the spreader (`lock`).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
 from llmgw.log import get_logger
 from llmgw.server.changes import Changes
+from llmgw.server.liveness import MAX_REST_S, REST_FACTOR
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded
@@ -148,8 +150,12 @@ class Moves:
         task_status.started()
         while True:
             changed = self.changes.settled.next()
+            started = time.perf_counter()
             moved = await self.spread_once()
             if not moved:
+                # Rested like the reconciler whose passes wake it (`liveness.REST_FACTOR`): a
+                # look over thousands of nodes after each pass would double what passes cost.
+                await trio.sleep(min(REST_FACTOR * (time.perf_counter() - started), MAX_REST_S))
                 with trio.move_on_after(self._next_retry()):
                     await changed.wait()
 
@@ -164,6 +170,8 @@ class Moves:
         now, live_now = trio.current_time(), self.registry.clock.now()  # retries; liveness
         if self._draining():
             return False  # a drain is moving things: let it finish first
+        if not replicas.placed:
+            return False  # nothing to spread (and no node's view to build: a cluster still joining)
         for rid in crowded(replicas.node_views(live_now), [s.placement for s in replicas.placed.values()]):
             model = replicas.placed[rid].placement.model
             failed_at = self._spread_failed_at.get(model)

@@ -214,6 +214,15 @@ def open_backend(
     return db
 
 
+NODE_COLUMNS = "node_id, first_seen, last_seen, address, cordoned, draining"
+
+
+def _node_row(r: tuple) -> NodeRow:
+    return NodeRow(
+        node_id=r[0], first_seen=r[1], last_seen=r[2], address=r[3], cordoned=bool(r[4]), draining=bool(r[5])
+    )
+
+
 class Store:
     """The store's calls, the same over either backend. `Store(path)` opens a SQLite file (a
     state directory's, or a backup); `Store.open` opens what server.toml's `[store]` names."""
@@ -308,18 +317,12 @@ class Store:
     # -- nodes ----------------------------------------------------------------------------
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._rows(
-            "SELECT node_id, first_seen, last_seen, address, cordoned, draining FROM nodes ORDER BY node_id"
-        )
-        return [
-            NodeRow(
-                node_id=r[0], first_seen=r[1], last_seen=r[2], address=r[3], cordoned=bool(r[4]), draining=bool(r[5])
-            )
-            for r in rows
-        ]
+        return [_node_row(r) for r in self._rows(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY node_id")]
 
     def node(self, node_id: str) -> NodeRow | None:
-        return next((n for n in self.nodes() if n.node_id == node_id), None)
+        """One node's row, read by its key: a node's joining costs the same with 5,000 nodes as with 5."""
+        found = self._rows(f"SELECT {NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,))
+        return _node_row(found[0]) if found else None
 
     def saw_node(self, node_id: str, address: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
