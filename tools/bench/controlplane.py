@@ -403,7 +403,8 @@ def histograms(http_port: int, *families: str) -> dict[str, dict[float, float]]:
     return out
 
 
-TURNED_AWAY = ("llmgw_connections_shed_total", "llmgw_connections_aborted_total", "llmgw_connections_at_capacity_total")
+# The agent port's own turning away (not a peer's closing: the cut itself closes every link).
+TURNED_AWAY = ("llmgw_connections_shed_total", "llmgw_connections_at_capacity_total")
 
 
 def counters(http_port: int, families: tuple[str, ...]) -> dict[str, float]:
