@@ -8,11 +8,28 @@ reconciler takes them at the start of its next pass (`take_pushes`) and pushes t
 nodes whose assignments that pass changed: after a change of nodes, intent or catalog, the
 reconciler alone pushes. (A move pushes the nodes of its own steps, and the mirror everyone's
 once an archive arrives.)
+
+Whoever looks over the whole cluster at each change (the reconciler's pass, the spreader, the
+gateways' rotation) `rest`s after a look while changes keep coming: five thousand nodes joining
+make five thousand changes, and a look over five thousand nodes at each would hold the loop for
+minutes; with the rest, the changes meanwhile are taken in one look, and the looks take at most
+a quarter of the loop (the rest is the agents': their handshakes and hellos).
 """
 
 from __future__ import annotations
 
+import trio
+
 from llmgw.wakeup import Wakeup
+
+# A look that took T is followed by REST_FACTOR × T of rest, at most MAX_REST_S.
+REST_FACTOR = 3.0
+MAX_REST_S = 1.0
+
+
+async def rest(took_s: float) -> None:
+    """The rest after a look over the cluster that took `took_s` (wall time, perf_counter)."""
+    await trio.sleep(min(REST_FACTOR * took_s, MAX_REST_S))
 
 
 class Changes:

@@ -23,18 +23,13 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from llmgw.log import get_logger
-from llmgw.server.changes import Changes
+from llmgw.server.changes import Changes, rest
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas
 
 log = get_logger("llmgw.server")
 
 DEADLINE_GAP_S = 1.0
-MAX_REST_S = 1.0  # the longest wait between passes when changes keep coming
-# While changes keep coming, a pass that took T is followed by REST_FACTOR × T of rest (at most
-# MAX_REST_S): passes then take at most a quarter of the loop, and the rest is the agents'
-# (a thousand joining at once: their handshakes and hellos were waiting behind the passes).
-REST_FACTOR = 3.0
 
 
 class Reconciler:
@@ -78,10 +73,7 @@ class Reconciler:
                 await changed.wait()
             woken = not deadline.cancelled_caught
             if woken and took and not self._awaited:  # someone waiting for a pass (a reload) gets it at once
-                # A rest before the next pass, so that the changes meanwhile are taken in one: a
-                # thousand nodes joining at once make a thousand changes, and a pass over a
-                # thousand nodes per change would hold the loop for minutes (REST_FACTOR).
-                await trio.sleep(min(REST_FACTOR * took, MAX_REST_S))
+                await rest(took)  # the changes meanwhile taken in one pass (`changes.rest`)
 
     async def _pass(self, now: float) -> None:
         self._begun += 1

@@ -29,8 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from llmgw.log import get_logger
-from llmgw.server.changes import Changes
-from llmgw.server.liveness import MAX_REST_S, REST_FACTOR
+from llmgw.server.changes import Changes, rest
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded
@@ -153,9 +152,9 @@ class Moves:
             started = time.perf_counter()
             moved = await self.spread_once()
             if not moved:
-                # Rested like the reconciler whose passes wake it (`liveness.REST_FACTOR`): a
-                # look over thousands of nodes after each pass would double what passes cost.
-                await trio.sleep(min(REST_FACTOR * (time.perf_counter() - started), MAX_REST_S))
+                # Rested like the reconciler whose passes wake it (`changes.rest`): a look over
+                # thousands of nodes after each pass would double what passes cost.
+                await rest(time.perf_counter() - started)
                 with trio.move_on_after(self._next_retry()):
                     await changed.wait()
 
