@@ -34,7 +34,9 @@ need no agents, placement and reconciling, measured in this process.
    control plane's `llmgw_agent_heartbeat_delay_seconds`: the bound of the bucket it falls in,
    so "at most"), and `loop_lag_p99_ms`, its event loop's lag meanwhile, likewise;
    `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
-   backoff) and all joined. `--gateways G` (default 4) gateway processes subscribe to the
+   backoff) and all joined; `storm_dials_failed`, the dials past one per agent meanwhile (each
+   refused or failed, then waited its backoff), and `storm_turned_away`, the agent port's own
+   sheddings and stops at its cap, by reason. `--gateways G` (default 4) gateway processes subscribe to the
    control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
 
 
