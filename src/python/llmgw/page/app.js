@@ -15,7 +15,22 @@ import {
   h,
 } from "./render.js";
 
-const state = { session: null, cluster: null, history: null, receivedAt: 0, feed: null };
+// The cluster as the feed sent it: nodes and placed replicas by id (a `changes` event replaces the
+// ones it names), the rest whole. `now` is the control plane's clock when it was sent (the clock of
+// the nodes' `heard_at`), `receivedAt` this page's then.
+const state = {
+  session: null,
+  cluster: null,
+  history: null,
+  feed: null,
+  version: 0,
+  nodes: new Map(),
+  replicas: new Map(),
+  pending: [],
+  whole: {},
+  now: 0,
+  receivedAt: 0,
+};
 const $ = (id) => document.getElementById(id);
 
 function say(text, isError = false) {
@@ -65,7 +80,7 @@ async function start() {
     $("session").title = "Run `llmgw ctl page --actions` for a session that may cordon, drain and revoke.";
   }
   connect();
-  setInterval(tickAges, 1000); // redraws heartbeat ages from the last snapshot: no request
+  setInterval(tickAges, 1000); // counts lost nodes' silence up between updates: no request
   setInterval(() => state.history && draw("gateway"), 10000); // the plots' time axis moves on
 }
 
@@ -74,10 +89,28 @@ function connect() {
   state.feed = feed;
   feed.addEventListener("open", () => status("Live"));
   feed.addEventListener("cluster", (e) => {
-    state.cluster = JSON.parse(e.data);
-    state.receivedAt = performance.now();
-    status(`Live, updated ${new Date(state.cluster.at * 1000).toLocaleTimeString()}`);
-    render();
+    const data = JSON.parse(e.data);
+    state.nodes = new Map(data.nodes.map((n) => [n.id, n]));
+    state.replicas = new Map(data.replicas.filter((r) => r.replica).map((r) => [r.replica, r]));
+    state.pending = data.replicas.filter((r) => !r.replica);
+    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys };
+    took(data);
+  });
+  feed.addEventListener("changes", (e) => {
+    const data = JSON.parse(e.data);
+    if (data.base !== state.version) {
+      // A version missed (never on one stream): a new stream starts with the whole cluster.
+      feed.close();
+      connect();
+      return;
+    }
+    for (const n of data.nodes) state.nodes.set(n.id, n);
+    for (const id of data.gone_nodes) state.nodes.delete(id);
+    for (const r of data.replicas) state.replicas.set(r.replica, r);
+    for (const id of data.gone_replicas) state.replicas.delete(id);
+    if (data.pending) state.pending = data.pending;
+    for (const k of ["fabrics", "notes", "models", "keys"]) if (k in data) state.whole[k] = data[k];
+    took(data);
   });
   feed.addEventListener("history", (e) => {
     state.history = JSON.parse(e.data);
@@ -99,6 +132,25 @@ function connect() {
   });
 }
 
+function took(data) {
+  state.version = data.version;
+  state.now = data.now;
+  state.receivedAt = performance.now();
+  const byId = (a, b) => (a < b ? -1 : a > b ? 1 : 0);
+  state.cluster = {
+    ...state.whole,
+    nodes: [...state.nodes.keys()].sort(byId).map((id) => state.nodes.get(id)),
+    replicas: [...[...state.replicas.keys()].sort(byId).map((id) => state.replicas.get(id)), ...state.pending],
+  };
+  status(`Live, updated ${new Date(data.at * 1000).toLocaleTimeString()}`);
+  render();
+}
+
+// Seconds since a node's last heartbeat (its `heard_at`), on the control plane's clock.
+function sinceHeard(heardAt) {
+  return state.now - heardAt + (performance.now() - state.receivedAt) / 1000;
+}
+
 const ctx = {
   get actions() {
     return Boolean(state.session && state.session.actions);
@@ -106,6 +158,7 @@ const ctx = {
   act: (verb, target) => confirmAndCall(verb, target),
   logs: (replica) => showLogs(replica),
   unavailable: (why) => say(why),
+  sinceHeard: (heardAt) => sinceHeard(heardAt),
 };
 
 const VIEWS = {
@@ -130,7 +183,7 @@ let scrolledToHash = false;
 
 function render() {
   for (const view of Object.keys(VIEWS)) draw(view);
-  const list = warnings(state.cluster);
+  const list = warnings(state.cluster, ctx);
   $("warnings").hidden = !list.length;
   $("warnings-list").replaceChildren(...list.map((w) => h("li", {}, w)));
   if (!scrolledToHash && location.hash.length > 1) {
@@ -142,10 +195,7 @@ function render() {
 }
 
 function tickAges() {
-  const elapsed = (performance.now() - state.receivedAt) / 1000;
-  for (const el of document.querySelectorAll(".age[data-age]")) {
-    if (el.dataset.age !== "") el.textContent = age(Number(el.dataset.age) + elapsed);
-  }
+  for (const el of document.querySelectorAll(".age[data-heard]")) el.textContent = age(sinceHeard(Number(el.dataset.heard)));
 }
 
 const ACTIONS = {

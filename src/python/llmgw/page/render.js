@@ -59,6 +59,14 @@ export function age(seconds) {
   return `${(seconds / 3600).toFixed(1)} h ago`;
 }
 
+// A joined node's heartbeats come on time (its age would change at every one: the feed does not
+// send it); a node not joined says since when it is silent, counted up in the page.
+export function heartbeat(n, ctx) {
+  if (n.state === "joined") return h("span", { title: "a heartbeat within the node's time to be lost" }, "on time");
+  if (n.heard_at === null || n.heard_at === undefined) return n.state === "joining" ? "none yet" : "never";
+  return h("span", { class: "age", "data-heard": n.heard_at }, age(ctx.sinceHeard(n.heard_at)));
+}
+
 function bytes(n) {
   if (!n) return "";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -157,7 +165,7 @@ export function renderNodes(cluster, ctx) {
     const cells = [
       [h("strong", {}, n.id), h("div", { class: "muted" }, n.address || "")],
       [badge(state), drain],
-      h("span", { class: "age", "data-age": n.last_heartbeat_age_s ?? "" }, age(n.last_heartbeat_age_s)),
+      heartbeat(n, ctx),
       n.agent_version || "",
       cpu(n),
       gpus(n),
@@ -335,10 +343,12 @@ export function renderKeys(cluster, ctx) {
   return table("API keys of the gateway (never their tokens)", columns, rows);
 }
 
-export function warnings(cluster) {
+export function warnings(cluster, ctx) {
   const out = [...cluster.notes];
   for (const n of cluster.nodes) {
-    if (n.state === "lost") out.push(`node ${n.id} is lost: no heartbeat for ${age(n.last_heartbeat_age_s)}`);
+    if (n.state === "lost") {
+      out.push(`node ${n.id} is lost: ${n.heard_at === null ? "never heard from" : `its last heartbeat ${age(ctx.sinceHeard(n.heard_at))}`}`);
+    }
     if (n.cpu_warning) out.push(`node ${n.id}: ${n.cpu_warning}`);
     for (const e of n.engines) if (e.cpu_note) out.push(`node ${n.id}: ${e.cpu_note}`);
     if (n.cert_expires_in_days !== null && n.cert_expires_in_days < CERT_WARN_DAYS) {
