@@ -14,9 +14,10 @@ Invariants:
   nothing it is made of, so heartbeats alone never put a node in a frame.
 - Version n's `changes` takes a page from version n-1 to n; a stream further behind, or new,
   gets version n's `cluster`, whole. A look that finds nothing changed publishes nothing.
-- Looks are at least `MIN_INTERVAL_S` apart, and after a look that took the loop t seconds of
-  CPU, at least t / `BUSY_SHARE`: with thousands of nodes the feed takes at most that share of
-  the loop, and the page's updates come further apart instead.
+- Looks are at least `MIN_INTERVAL_S` apart, and the feed spends at most `BUSY_SHARE` of the
+  loop's time looking (the looks' CPU time), after a burst of at most `BURST_S` (a first look,
+  which makes every view): with thousands of nodes the page's updates come further apart
+  instead (a credit earned at `BUSY_SHARE` a second, spent by each look, waited for when spent).
 - While no page is open nothing is looked at and nothing is kept; the next page to open waits
   for a fresh look.
 
@@ -47,6 +48,7 @@ log = get_logger("llmgw.page")
 
 MIN_INTERVAL_S = 0.25  # a burst of changes (a drain, a node joining) is one frame, not fifty
 BUSY_SHARE = 0.1  # of the loop's time, at most, spent looking (measured as the looks' CPU time)
+BURST_S = 1.0  # of CPU time the feed may spend at once before BUSY_SHARE holds it back
 # Items looked at between checkpoints: at most SLICE, and no more once SLICE_S has passed. An item
 # whose view is kept costs 2-5 µs, one made afresh 30-100 µs (a node of 8 GPUs, encoded, on a
 # busy 2-core machine): a step stays well under the 20 ms no step of the loop may take.
@@ -230,7 +232,8 @@ class Feed:
         self._timer = timer
         self.latest: Published | None = None
         self.published = Wakeup()
-        self.interval_s = MIN_INTERVAL_S
+        self.credit_s = BURST_S  # CPU time the feed may spend looking now; below 0, a debt
+        self._credit_at = 0.0
         self.looks = 0
         self.last_slices = 0
         self._version = 0
@@ -270,6 +273,7 @@ class Feed:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Started again after a failure: from nothing, so every open page gets the whole cluster.
         self._forget()
+        self._credit_at = trio.current_time()
         task_status.started()
         looked_at = -math.inf
         changes: list[trio.Event] = []
@@ -280,7 +284,7 @@ class Feed:
                 await moved.wait()
                 continue
             if self.latest is None or any(e.is_set() for e in changes):
-                await trio.sleep_until(looked_at + self.interval_s)
+                await trio.sleep_until(max(looked_at + MIN_INTERVAL_S, self._in_credit_at()))
                 looked_at = trio.current_time()
                 # Taken before the look: a change made during it wakes the next wait.
                 changes = [self.views.rotation_changed(), self.views.cluster_changed()]
@@ -289,6 +293,17 @@ class Feed:
                 await self._look()
                 continue
             await wait_any([*changes, moved], math.inf)
+
+    def _earn(self) -> float:
+        now = trio.current_time()
+        self.credit_s = min(BURST_S, self.credit_s + (now - self._credit_at) * BUSY_SHARE)
+        self._credit_at = now
+        return now
+
+    def _in_credit_at(self) -> float:
+        """When the feed may look again: once its credit is no longer spent."""
+        now = self._earn()
+        return now if self.credit_s >= 0 else now - self.credit_s / BUSY_SHARE
 
     def _forget(self) -> None:
         self.latest = None
@@ -329,7 +344,8 @@ class Feed:
         busy = slices.done()
         self.looks += 1
         self.last_slices = slices.slices
-        self.interval_s = max(MIN_INTERVAL_S, busy / BUSY_SHARE)
+        self._earn()
+        self.credit_s -= busy
         changed = len(nodes.changed) + len(nodes.gone) + len(replicas.changed) + len(replicas.gone)
         # Kept only now: a look that fails before this point leaves the feed as the pages have it.
         self._nodes.items, self._replicas.items, self._whole = nodes.items, replicas.items, whole
