@@ -82,7 +82,8 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy(running) -
     status, headers, body = await call(browser.request, "GET", "/")
     assert status == 200 and headers["content-type"].startswith("text/html") and b"/page/app.js" in body
     assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
-    for name, kind in (("app.js", "text/javascript"), ("render.js", "text/javascript"), ("style.css", "text/css")):
+    scripts = [(name, "text/javascript") for name in ("app.js", "render.js", "nodelist.js", "plots.js")]
+    for name, kind in (*scripts, ("style.css", "text/css")):
         status, headers, _ = await call(browser.request, "GET", f"/page/{name}")
         assert status == 200 and headers["content-type"].startswith(kind)
     assert (await call(browser.request, "GET", "/page/nothing.js"))[0] == 404
