@@ -43,6 +43,9 @@ class FakeLook:
     def pending(self) -> list[dict[str, Any]]:
         return [dict(p) for p in self.plane.pending]
 
+    def fabrics(self) -> FabricMap:
+        return FabricMap(fabrics=(), notes=self.plane.notes)
+
 
 class FakePlane:
     """`nodes` and `replicas` by id (each a view: flat dicts of plain values), `pending` rows;
@@ -72,9 +75,6 @@ class FakePlane:
     def model_views(self, replica_views: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         rows = replica_views or []
         return [{"model": "m", "ready": sum(1 for r in rows if r["state"] == "ready")}]
-
-    def fabric_map(self) -> FabricMap:
-        return FabricMap(fabrics=(), notes=self.notes)
 
     def rotation_changed(self):
         return self._rotation.next()

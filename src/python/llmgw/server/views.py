@@ -400,8 +400,12 @@ class PageLook:
         replicas: Replicas,
         drains: Mapping[str, DrainProgress],
         engines: EnginesSection | None,
+        fabrics_of: Callable[[dict[str, tuple[w.Fabric, ...]]], FabricMap] = fabric_map,
     ) -> None:
+        """`fabrics_of`: the fabric map of the nodes' reports (`ClusterViews` keeps the last)."""
         self._registry, self._replicas, self._drains, self._engines = registry, replicas, drains, engines
+        self._fabrics_of = fabrics_of
+        self._fabric_reports: dict[str, tuple[w.Fabric, ...]] = {}  # as the nodes are looked at, in order
         self.now = registry.clock.now()
         self._wall = time.time()
         self.node_ids = sorted(registry.nodes)
@@ -415,6 +419,8 @@ class PageLook:
         if node is None:
             return None
         state, drain, engines = self._registry.liveness(node, self.now), self._drains.get(node_id), self._engines
+        if node.inventory is not None:
+            self._fabric_reports[node_id] = node.inventory.fabrics
         inputs = page_node_inputs(node, state, self._wall, engines, drain)
         return inputs, lambda: page_node_view(node, state, self.now, engines, drain)
 
@@ -434,6 +440,10 @@ class PageLook:
 
     def pending(self) -> list[dict[str, Any]]:
         return pending_views(self._replicas)
+
+    def fabrics(self) -> FabricMap:
+        """The fabrics of the nodes looked at (`cluster_fabrics`, once every node was)."""
+        return self._fabrics_of(self._fabric_reports)
 
 
 # -- the roles ------------------------------------------------------------------------------
@@ -457,6 +467,7 @@ class ClusterViews:
         self.drains = drains
         self.config = config
         self.changes = changes
+        self._last_fabrics: tuple[dict[str, tuple[w.Fabric, ...]], FabricMap] | None = None
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
@@ -502,7 +513,15 @@ class ClusterViews:
         return model_views(self.config().models, self.replica_views() if replica_views is None else replica_views)
 
     def page_look(self) -> PageLook:
-        return PageLook(self.registry, self.replicas, self.drains, self.config().engines)
+        return PageLook(self.registry, self.replicas, self.drains, self.config().engines, self._fabrics_of)
+
+    def _fabrics_of(self, reports: dict[str, tuple[w.Fabric, ...]]) -> FabricMap:
+        """The fabric map of these reports: the last one again while they are the same (with
+        thousands of nodes a map takes 5-15 ms, and nodes' fabrics seldom change)."""
+        last = self._last_fabrics
+        if last is None or last[0] != reports:
+            last = self._last_fabrics = (reports, fabric_map(reports))
+        return last[1]
 
     def fabric_map(self) -> FabricMap:
         return cluster_fabrics(self.registry)
