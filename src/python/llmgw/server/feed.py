@@ -55,7 +55,9 @@ BURST_S = 1.0  # of CPU time the feed may spend at once before BUSY_SHARE holds 
 SLICE = 200
 SLICE_S = 0.004
 
-Item = tuple[tuple[Any, ...], Callable[[], dict[str, Any]]]
+Item = tuple[tuple[Any, ...], Callable[[], dict[str, Any]]]  # what a view is made of, and how to make it
+Entry = tuple[tuple[Any, ...], bytes, Any]  # a view kept: what it was made of, encoded, its `row`
+Piece = bytes | tuple[bytes, ...]  # a tuple: items of a JSON array, joined by commas when sent
 
 
 class Look(Protocol):
@@ -89,9 +91,6 @@ class Published:
     # joined only when a stream sends them: most looks are never sent whole.
     cluster: tuple[Piece, ...]
     changes: tuple[bytes, ...] | None  # the `changes` event from version - 1; None: nothing to go from
-    nodes: int
-    replicas: int
-    changed: int  # nodes and replicas in `changes`, and those gone
 
 
 def encode(obj: Any) -> bytes:
@@ -138,18 +137,11 @@ class _Slices:
         return self.busy
 
 
-class _Kept:
-    """Each item's view encoded, by id, with what it was made of (and its `row`)."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, tuple[tuple[Any, ...], bytes, Any]] = {}
-
-
 @attrs.frozen(kw_only=True)
 class _Seen:
     """What a look found of one kind of item."""
 
-    items: dict[str, tuple[tuple[Any, ...], bytes, Any]]  # kept once the look is published
+    items: dict[str, Entry]  # kept once the look is published
     pieces: list[tuple[bytes, ...]]  # every item's view, a slice's in each piece (joined when sent)
     changed: list[bytes]  # the views that changed
     gone: list[str]
@@ -157,13 +149,13 @@ class _Seen:
 
 
 async def _look_at(
-    kept: _Kept,
+    kept: dict[str, Entry],
     ids: Sequence[str],
     item: Callable[[str], Item | None],
     slices: _Slices,
     row: Callable[[dict[str, Any]], Any] | None = None,
 ) -> _Seen:
-    old_items, items = kept.items, {}
+    items: dict[str, Entry] = {}
     pieces: list[tuple[bytes, ...]] = []
     changed: list[bytes] = []
     rows: list[Any] = []
@@ -180,7 +172,7 @@ async def _look_at(
             if found is None:
                 continue  # gone since the look began
             inputs, make = found
-            old = old_items.get(item_id)
+            old = kept.get(item_id)
             if old is not None and old[0] == inputs:
                 entry = old
             else:
@@ -195,11 +187,8 @@ async def _look_at(
                 break  # views made afresh cost 30-100 µs each: the slice ends early
         if these:
             pieces.append(tuple(these))
-    gone = [item_id for item_id in old_items if item_id not in items]
+    gone = [item_id for item_id in kept if item_id not in items]
     return _Seen(items=items, pieces=pieces, changed=changed, gone=gone, rows=rows)
-
-
-Piece = bytes | tuple[bytes, ...]  # a tuple: items of a JSON array, joined by commas when sent
 
 
 def _list(pieces: Sequence[Piece]) -> list[Piece]:
@@ -234,14 +223,13 @@ class Feed:
         self.published = Wakeup()
         self.credit_s = BURST_S  # CPU time the feed may spend looking now; below 0, a debt
         self._credit_at = 0.0
-        self.looks = 0
         self.last_busy_s = 0.0  # the last look's CPU time
         self.last_slices = 0
         self._version = 0
         self._watchers = 0
         self._watchers_moved = Wakeup()
-        self._nodes = _Kept()
-        self._replicas = _Kept()
+        self._nodes: dict[str, Entry] = {}  # each node's view kept, by id
+        self._replicas: dict[str, Entry] = {}
         self._whole: dict[str, bytes] = {}
         self._fabrics: tuple[FabricMap, bytes, bytes] | None = None  # the last map, encoded
 
@@ -309,7 +297,7 @@ class Feed:
 
     def _forget(self) -> None:
         self.latest = None
-        self._nodes, self._replicas, self._whole, self._fabrics = _Kept(), _Kept(), {}, None
+        self._nodes, self._replicas, self._whole, self._fabrics = {}, {}, {}, None
 
     async def _read_keys(self) -> bytes:
         if self._keys is None:
@@ -347,13 +335,12 @@ class Feed:
         }
         whole_changed = [name for name in WHOLE if self._whole.get(name) != whole[name]]
         busy = slices.done()
-        self.looks += 1
         self.last_busy_s, self.last_slices = busy, slices.slices
         self._earn()
         self.credit_s -= busy
         changed = len(nodes.changed) + len(nodes.gone) + len(replicas.changed) + len(replicas.gone)
         # Kept only now: a look that fails before this point leaves the feed as the pages have it.
-        self._nodes.items, self._replicas.items, self._whole = nodes.items, replicas.items, whole
+        self._nodes, self._replicas, self._whole = nodes.items, replicas.items, whole
         if self.latest is not None and not changed and not whole_changed:
             return  # nothing a page shows changed: no frame
         self._version += 1
@@ -387,8 +374,5 @@ class Feed:
             looked_at=looked_at,
             cluster=cluster,
             changes=delta,
-            nodes=len(nodes.items),
-            replicas=len(replicas.items),
-            changed=changed,
         )
         self.published.fire()
