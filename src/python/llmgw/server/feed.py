@@ -42,6 +42,7 @@ from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.errors import StoreError
 from llmgw.server.keys import key_view
+from llmgw.server.views import Item
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.page")
@@ -55,7 +56,6 @@ BURST_S = 1.0  # of CPU time the feed may spend at once before BUSY_SHARE holds 
 SLICE = 200
 SLICE_S = 0.004
 
-Item = tuple[tuple[Any, ...], Callable[[], dict[str, Any]]]  # what a view is made of, and how to make it
 Entry = tuple[tuple[Any, ...], bytes, Any]  # a view kept: what it was made of, encoded, its `row`
 Piece = bytes | tuple[bytes, ...]  # a tuple: items of a JSON array, joined by commas when sent
 
