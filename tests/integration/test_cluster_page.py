@@ -17,7 +17,6 @@ No test may leave an error in the browser's console.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,10 +28,10 @@ import pytest
 
 from llmgw import paths
 from llmgw.pki.files import issue_to_dir, load_ca, node_paths
-from testlib.browser import Chromium, Tab, open_tab
+from testlib.browser import Chromium, contrast_failures, no_console_errors, open_tab, report_dir, unlabelled_controls
 from testlib.cluster import MARKER_ENV, Proc, free_port, kill_groups, marked_pids, wait_until
 from testlib.hardware import ib_root, sminfo
-from testlib.proc import build_root, llmgw_env, run_llmgw
+from testlib.proc import llmgw_env, run_llmgw
 
 pytestmark = pytest.mark.trio
 
@@ -40,15 +39,6 @@ NODES = ("local-1", "local-2", "local-3")
 ODD = "odd-1"  # declares ib-a, sees the recorded one-fabric's subnet manager: another fabric
 ODD_IDENTITY = "ib-sm:0x0002c90300a1b2c3"
 LIVE_S = 30.0  # a change reaching the open page: placement, engines and the feed on a loaded machine
-
-
-def report_dir() -> Path:
-    """Where screenshots go: $LLMGW_TEST_REPORTS (pants.toml sets it to dist/test/reports in the
-    checkout, outside Pants' sandbox), else dist/test/reports under the build root."""
-    root = Path(os.environ.get("LLMGW_TEST_REPORTS") or build_root() / "dist" / "test" / "reports")
-    out = root / "cluster-page"
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 class Up:
@@ -121,60 +111,6 @@ def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
         yield browser
     finally:
         browser.close()
-
-
-def no_console_errors(tab: Tab) -> None:
-    assert tab.errors == [], f"the browser's console: {tab.errors}"
-
-
-async def contrast_failures(tab: Tab) -> list[str]:
-    """Each visible text element whose text on its background is below 4.5:1 (WCAG 2 AA)."""
-    return await tab.evaluate(
-        """(() => {
-        const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
-        const lum = ([r, g, b]) => {
-            const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
-            return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
-        };
-        const background = (el) => {
-            for (; el; el = el.parentElement) {
-                const c = rgb(getComputedStyle(el).backgroundColor);
-                if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) return c.slice(0, 3);
-            }
-            return [255, 255, 255];
-        };
-        const bad = [];
-        for (const el of document.querySelectorAll('body *')) {
-            const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
-            if (!own || !el.getClientRects().length || el.closest('[hidden], dialog:not([open]), .sr-only')) continue;
-            const fg = rgb(getComputedStyle(el).color).slice(0, 3), bg = background(el);
-            const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x);
-            const ratio = (a + 0.05) / (b + 0.05);
-            if (ratio < 4.5) bad.push(`${el.tagName}.${el.className} "${el.textContent.trim().slice(0, 30)}" ${ratio.toFixed(2)}`);
-        }
-        return bad;
-    })()"""
-    )
-
-
-async def unlabelled_controls(tab: Tab) -> list[str]:
-    """Buttons, links and images without an accessible name; sections without a heading."""
-    return await tab.evaluate(
-        """(() => {
-        const bad = [];
-        for (const el of document.querySelectorAll('button, a[href], svg, progress, input, select, textarea')) {
-            const labelled = el.getAttribute('aria-label') || el.textContent.trim() ||
-                (el.id && document.querySelector(`label[for="${el.id}"]`));
-            if (!labelled) bad.push(el.outerHTML.slice(0, 80));
-            if (el.tagName === 'svg' && el.getAttribute('role') !== 'img') bad.push('svg without role=img');
-        }
-        for (const s of document.querySelectorAll('section')) {
-            if (!s.querySelector('h2')) bad.push(`section#${s.id} has no heading`);
-        }
-        if (!document.documentElement.lang) bad.push('no lang on <html>');
-        return bad;
-    })()"""
-    )
 
 
 async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_replica(up: Up, chromium: Chromium):

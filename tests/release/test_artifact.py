@@ -184,7 +184,8 @@ def elf_machine(data: bytes) -> int | None:
 
 def test_the_cluster_page_is_package_data_in_the_artifact(release: Release) -> None:
     names = set(members(release.artifact("amd64")))
-    page = {f"site-packages/llmgw/page/{n}" for n in ("index.html", "app.js", "render.js", "plots.js", "style.css")}
+    files = ("index.html", "app.js", "render.js", "nodelist.js", "plots.js", "style.css")
+    page = {f"site-packages/llmgw/page/{n}" for n in files}
     assert page <= names, sorted(page - names)
 
 

@@ -8,7 +8,9 @@ with trio-websocket, already a dependency. No WebDriver client, nothing download
 `Chromium` is the process (one per test module); `open_tab` gives a `Tab`, its own page with
 its own cookies' view, attached in "flatten" mode so one WebSocket carries the browser's and
 the page's messages. Each tab records what the page printed to its console and every script
-error and failed load, for the tests to assert there were none.
+error and failed load, for the tests to assert there were none. At the end, what every test of
+the cluster page checks (no console error, contrast, labelled controls) and where its
+screenshots go.
 
 The flags: as root Chromium needs --no-sandbox; this machine's network is closed, so Chromium's
 own background traffic (component updates, sync, safe browsing) is turned off rather than left
@@ -21,6 +23,7 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -30,6 +33,8 @@ from typing import Any
 
 import trio
 from trio_websocket import open_websocket_url
+
+from testlib.proc import build_root
 
 START_TIMEOUT_S = 30.0
 COMMAND_TIMEOUT_S = 30.0
@@ -277,3 +282,69 @@ async def open_tab(browser: Chromium, width: int = 1280, height: int = 800) -> A
                     cleanup.shield = True
                     await tab._send("Target.disposeBrowserContext", {"browserContextId": context}, None)
                 nursery.cancel_scope.cancel()
+
+
+# -- what every test of the cluster page checks ---------------------------------------------
+
+
+def report_dir() -> Path:
+    """Where screenshots go: $LLMGW_TEST_REPORTS (pants.toml sets it to dist/test/reports in the
+    checkout, outside Pants' sandbox), else dist/test/reports under the build root."""
+    root = Path(os.environ.get("LLMGW_TEST_REPORTS") or build_root() / "dist" / "test" / "reports")
+    out = root / "cluster-page"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def no_console_errors(tab: Tab) -> None:
+    assert tab.errors == [], f"the browser's console: {tab.errors}"
+
+
+async def contrast_failures(tab: Tab) -> list[str]:
+    """Each visible text element whose text on its background is below 4.5:1 (WCAG 2 AA)."""
+    return await tab.evaluate(
+        """(() => {
+        const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+        const lum = ([r, g, b]) => {
+            const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+            return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+        };
+        const background = (el) => {
+            for (; el; el = el.parentElement) {
+                const c = rgb(getComputedStyle(el).backgroundColor);
+                if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) return c.slice(0, 3);
+            }
+            return [255, 255, 255];
+        };
+        const bad = [];
+        for (const el of document.querySelectorAll('body *')) {
+            const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+            if (!own || !el.getClientRects().length || el.closest('[hidden], dialog:not([open]), .sr-only')) continue;
+            const fg = rgb(getComputedStyle(el).color).slice(0, 3), bg = background(el);
+            const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x);
+            const ratio = (a + 0.05) / (b + 0.05);
+            if (ratio < 4.5) bad.push(`${el.tagName}.${el.className} "${el.textContent.trim().slice(0, 30)}" ${ratio.toFixed(2)}`);
+        }
+        return bad;
+    })()"""
+    )
+
+
+async def unlabelled_controls(tab: Tab) -> list[str]:
+    """Buttons, links and images without an accessible name; sections without a heading."""
+    return await tab.evaluate(
+        """(() => {
+        const bad = [];
+        for (const el of document.querySelectorAll('button, a[href], svg, progress, input, select, textarea')) {
+            const labelled = el.getAttribute('aria-label') || el.textContent.trim() ||
+                (el.id && document.querySelector(`label[for="${el.id}"]`));
+            if (!labelled) bad.push(el.outerHTML.slice(0, 80));
+            if (el.tagName === 'svg' && el.getAttribute('role') !== 'img') bad.push('svg without role=img');
+        }
+        for (const s of document.querySelectorAll('section')) {
+            if (!s.querySelector('h2')) bad.push(`section#${s.id} has no heading`);
+        }
+        if (!document.documentElement.lang) bad.push('no lang on <html>');
+        return bad;
+    })()"""
+    )

@@ -39,14 +39,18 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
     "(`server/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/liveness.py`) looks again",
     "llmgw.server.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
-    "gateway's rotation follows (`Gateway.serve_rotation`), and the gateways' table (`GatewayFeed`); open "
-    "cluster pages send a snapshot",
-    "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); open "
-    "cluster pages send a snapshot; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
+    "gateway's rotation follows (`Gateway.serve_rotation`), and the gateways' table (`GatewayFeed`); the "
+    "cluster page's feed looks again (`Feed.serve`)",
+    "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
+    "cluster page's feed looks again; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
     "llmgw.server.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
     "replacement to be ready looks again",
-    "llmgw.server.page.Page.touched": "an operator's change through the admin API succeeded -> open cluster "
-    "pages send a snapshot",
+    "llmgw.server.page.Page.touched": "an operator's change through the admin API succeeded -> the cluster "
+    "page's feed looks again",
+    "llmgw.server.feed.Feed.published": "the cluster page's feed published a version -> each open page's "
+    "stream sends it (`events.stream`)",
+    "llmgw.server.feed.Feed._watchers_moved": "a page's stream opened or closed -> the feed looks at the "
+    "cluster for the first (a fresh look), or forgets it after the last",
     "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
     # The gateway (llmgw.gateway).
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "

@@ -82,7 +82,8 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy(running) -
     status, headers, body = await call(browser.request, "GET", "/")
     assert status == 200 and headers["content-type"].startswith("text/html") and b"/page/app.js" in body
     assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
-    for name, kind in (("app.js", "text/javascript"), ("render.js", "text/javascript"), ("style.css", "text/css")):
+    scripts = [(name, "text/javascript") for name in ("app.js", "render.js", "nodelist.js", "plots.js")]
+    for name, kind in (*scripts, ("style.css", "text/css")):
         status, headers, _ = await call(browser.request, "GET", f"/page/{name}")
         assert status == 200 and headers["content-type"].startswith(kind)
     assert (await call(browser.request, "GET", "/page/nothing.js"))[0] == 404
@@ -190,24 +191,26 @@ async def test_the_feed_sends_the_cluster_then_each_change(running) -> None:
         conn.request("GET", "/admin/v1/events", headers={"cookie": browser.cookie})
         return conn.getresponse()
 
-    def next_cluster(response: http.client.HTTPResponse) -> dict[str, Any]:
+    def next_event(response: http.client.HTTPResponse) -> tuple[str, dict[str, Any]]:
         event = None
         while True:  # bounded by the socket's timeout
             line = response.readline().decode()
             if line.startswith("event: "):
                 event = line[7:].strip()
-            elif line.startswith("data: ") and event == "cluster":
-                return json.loads(line[6:])
+            elif line.startswith("data: ") and event in ("cluster", "changes"):
+                return event, json.loads(line[6:])
 
     response = await call(open_feed)
     try:
         assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
-        first = await call(next_cluster, response)
-        assert [n["id"] for n in first["nodes"]] == ["n1"] and not first["nodes"][0]["cordoned"]
+        kind, first = await call(next_event, response)
+        assert kind == "cluster" and [n["id"] for n in first["nodes"]] == ["n1"] and not first["nodes"][0]["cordoned"]
         assert {"fabrics", "notes", "replicas", "models", "keys"} <= set(first)
         await call(client_of(state).cordon, "n1", True)  # `llmgw ctl cordon`, with the credential
-        second = await call(next_cluster, response)
-        assert second["nodes"][0]["cordoned"] is True
+        # What changed, by id, from the version the page has.
+        kind, second = await call(next_event, response)
+        assert kind == "changes" and second["base"] == first["version"]
+        assert [n["id"] for n in second["nodes"]] == ["n1"] and second["nodes"][0]["cordoned"] is True
     finally:
         conn.close()
 

@@ -13,6 +13,7 @@ names the versions) decides what a node is asked to install. Pure: no I/O.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -39,8 +40,14 @@ SGLANG = GpuRule(engine="sglang", title="SGLang", min_compute=(7, 5), min_driver
 RULES = {r.engine: r for r in (VLLM, SGLANG)}
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+# A cluster has a handful of driver versions and compute capabilities, and the control plane judges
+# every node's GPUs each time it shows the node (the admin API, the cluster page's feed): parsed once.
+@functools.lru_cache(maxsize=256)
 def version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text))
+    return tuple(int(p) for p in _NUMBER.findall(text))
 
 
 def _dotted(version: tuple[int, ...]) -> str:
@@ -65,8 +72,9 @@ def judge(rule: GpuRule, gpu_status: str, gpus: Sequence[w.Gpu], gpu_detail: str
             f"{rule.cuda} runs on; upgrade the driver",
         )
     need = _dotted(rule.min_compute)
-    usable = [g for g in gpus if version_tuple(g.compute_capability)[:2] >= rule.min_compute]
-    too_old = sorted({f"{g.name} ({g.compute_capability or '?'})" for g in gpus if g not in usable})
+    fits = [version_tuple(g.compute_capability)[:2] >= rule.min_compute for g in gpus]
+    usable = [g for g, ok in zip(gpus, fits, strict=True) if ok]
+    too_old = sorted({f"{g.name} ({g.compute_capability or '?'})" for g, ok in zip(gpus, fits, strict=True) if not ok})
     if not usable:
         return say(
             w.INELIGIBLE, f"{rule.title} needs compute capability {need} or newer; {', '.join(too_old)} is older"

@@ -1,21 +1,43 @@
 // The cluster page: asks the admin API who it is (the session cookie, set by the one-time login
 // URL, is sent by the browser; the scripts never see it), then renders what the live feed
-// (/admin/v1/events, server-sent events) sends. Actions are behind a confirm dialog and send the
-// session's CSRF token, which lives in this module's memory only: nothing is kept in storage.
+// (/admin/v1/events, server-sent events) sends: the whole cluster once, then what changed, by id.
+// Each event is merged as it arrives; the views it touched are drawn again at the next animation
+// frame, once however many events came (and not at all while the tab is hidden). Actions are
+// behind a confirm dialog and send the session's CSRF token, which lives in this module's memory
+// only: nothing is kept in storage.
 
 import {
   age,
+  nodeDetails,
   renderDrains,
   renderFabrics,
   renderGateway,
   renderKeys,
   renderModels,
-  renderNodes,
   warnings,
   h,
 } from "./render.js";
+import { NodeList } from "./nodelist.js";
 
-const state = { session: null, cluster: null, history: null, receivedAt: 0, feed: null };
+const state = {
+  session: null,
+  cluster: null,
+  history: null,
+  feed: null,
+  version: 0,
+  nodes: new Map(),
+  replicas: new Map(),
+  pending: [],
+  nodeOrder: [], // ids, sorted: sorted again only when one comes or goes
+  replicaOrder: [],
+  whole: {},
+  now: 0,
+  receivedAt: 0,
+  dirty: new Set(), // views to draw at the next frame
+  frame: 0,
+  detailsOf: "", // the node whose details are open
+  firstDrawn: false,
+};
 const $ = (id) => document.getElementById(id);
 
 function say(text, isError = false) {
@@ -65,8 +87,18 @@ async function start() {
     $("session").title = "Run `llmgw ctl page --actions` for a session that may cordon, drain and revoke.";
   }
   connect();
-  setInterval(tickAges, 1000); // redraws heartbeat ages from the last snapshot: no request
+  setInterval(tickAges, 1000); // counts lost nodes' silence up between updates: no request
   setInterval(() => state.history && draw("gateway"), 10000); // the plots' time axis moves on
+  $("node-details").addEventListener("close", detailsClosed);
+  // A node's link opens its details (the address bar says which, for a link to share).
+  $("nodes-body").addEventListener("click", (e) => {
+    const link = e.target.closest("a.node-link");
+    if (!link) return;
+    e.preventDefault();
+    history.replaceState(null, "", link.getAttribute("href"));
+    showDetails(link.id.slice("details-".length), true);
+  });
+  window.addEventListener("hashchange", () => state.firstDrawn && followHash());
 }
 
 function connect() {
@@ -74,14 +106,51 @@ function connect() {
   state.feed = feed;
   feed.addEventListener("open", () => status("Live"));
   feed.addEventListener("cluster", (e) => {
-    state.cluster = JSON.parse(e.data);
-    state.receivedAt = performance.now();
-    status(`Live, updated ${new Date(state.cluster.at * 1000).toLocaleTimeString()}`);
-    render();
+    const data = JSON.parse(e.data);
+    state.nodes = new Map(data.nodes.map((n) => [n.id, n]));
+    state.nodeOrder = data.nodes.map((n) => n.id); // sorted by the control plane
+    state.replicas = new Map();
+    state.replicaOrder = [];
+    state.pending = [];
+    for (const r of data.replicas) {
+      if (r.replica) {
+        state.replicas.set(r.replica, r);
+        state.replicaOrder.push(r.replica);
+      } else {
+        state.pending.push(r);
+      }
+    }
+    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys };
+    took(data, Object.keys(VIEWS));
+  });
+  feed.addEventListener("changes", (e) => {
+    const data = JSON.parse(e.data);
+    if (data.base !== state.version) {
+      // A version missed (never on one stream): a new stream starts with the whole cluster.
+      feed.close();
+      connect();
+      return;
+    }
+    const touched = [];
+    if (data.nodes.length || data.gone_nodes.length) {
+      state.nodeOrder = merged(state.nodes, data.nodes.map((n) => [n.id, n]), data.gone_nodes) || state.nodeOrder;
+      touched.push("nodes", "fabrics", "drains", "warnings");
+    }
+    if (data.replicas.length || data.gone_replicas.length || data.pending) {
+      state.replicaOrder = merged(state.replicas, data.replicas.map((r) => [r.replica, r]), data.gone_replicas) || state.replicaOrder;
+      if (data.pending) state.pending = data.pending;
+      touched.push("models");
+    }
+    if (data.fabrics || data.notes) touched.push("fabrics", "warnings");
+    if (data.models) touched.push("models", "gateway", "warnings");
+    if (data.keys) touched.push("keys");
+    for (const k of ["fabrics", "notes", "models", "keys"]) if (k in data) state.whole[k] = data[k];
+    took(data, touched);
   });
   feed.addEventListener("history", (e) => {
     state.history = JSON.parse(e.data);
-    draw("gateway");
+    state.dirty.add("gateway");
+    if (!state.frame) state.frame = requestAnimationFrame(flush);
   });
   feed.addEventListener("expired", (e) => {
     feed.close();
@@ -99,6 +168,32 @@ function connect() {
   });
 }
 
+// Puts `items` ([id, view]) in `map` and takes `gone` out; the ids sorted again if one came or
+// went, else null (the order stands).
+function merged(map, items, gone) {
+  let moved = gone.length > 0;
+  for (const [id, v] of items) {
+    if (!map.has(id)) moved = true;
+    map.set(id, v);
+  }
+  for (const id of gone) map.delete(id);
+  return moved ? [...map.keys()].sort((a, b) => (a < b ? -1 : a > b ? 1 : 0)) : null;
+}
+
+function took(data, views) {
+  state.version = data.version;
+  state.now = data.now;
+  state.receivedAt = performance.now();
+  status(`Live, updated ${new Date(data.at * 1000).toLocaleTimeString()}`);
+  for (const v of views) state.dirty.add(v);
+  if (!state.frame) state.frame = requestAnimationFrame(flush);
+}
+
+// Seconds since a node's last heartbeat (its `heard_at`), on the control plane's clock.
+function sinceHeard(heardAt) {
+  return state.now - heardAt + (performance.now() - state.receivedAt) / 1000;
+}
+
 const ctx = {
   get actions() {
     return Boolean(state.session && state.session.actions);
@@ -106,19 +201,32 @@ const ctx = {
   act: (verb, target) => confirmAndCall(verb, target),
   logs: (replica) => showLogs(replica),
   unavailable: (why) => say(why),
+  sinceHeard: (heardAt) => sinceHeard(heardAt),
 };
 
+let nodeList = null;
+
 const VIEWS = {
-  nodes: () => renderNodes(state.cluster, ctx),
+  nodes: () => nodeList.update(state.cluster.nodes),
   fabrics: () => renderFabrics(state.cluster),
   models: () => renderModels(state.cluster, ctx),
   drains: () => renderDrains(state.cluster),
   gateway: () => renderGateway(state.history, state.cluster ? state.cluster.models : []),
   keys: () => renderKeys(state.cluster, ctx),
+  warnings: () => {
+    const list = warnings(state.cluster, ctx);
+    $("warnings").hidden = !list.length;
+    $("warnings-list").replaceChildren(...list.map((w) => h("li", {}, w)));
+  },
 };
+const OWN_DRAWING = new Set(["nodes", "warnings"]); // not a body replaced whole
 
 function draw(view) {
   if (!state.cluster && view !== "gateway") return;
+  if (OWN_DRAWING.has(view)) {
+    VIEWS[view]();
+    return;
+  }
   const body = $(`${view}-body`);
   // A redraw must not take the keyboard's place away: focus goes back to the same control.
   const focused = document.activeElement && body.contains(document.activeElement) ? document.activeElement.id : "";
@@ -126,26 +234,67 @@ function draw(view) {
   if (focused && $(focused)) $(focused).focus();
 }
 
-let scrolledToHash = false;
-
-function render() {
-  for (const view of Object.keys(VIEWS)) draw(view);
-  const list = warnings(state.cluster);
-  $("warnings").hidden = !list.length;
-  $("warnings-list").replaceChildren(...list.map((w) => h("li", {}, w)));
-  if (!scrolledToHash && location.hash.length > 1) {
-    // A link to a node or replica (#node-ID, #replica-ID) exists only once the data is drawn.
-    scrolledToHash = true;
-    const target = document.getElementById(decodeURIComponent(location.hash.slice(1)));
-    if (target) target.scrollIntoView();
+// The views the events since the last frame touched, drawn once.
+function flush() {
+  state.frame = 0;
+  const dirty = state.dirty;
+  state.dirty = new Set();
+  if (state.version) {
+    state.cluster = {
+      ...state.whole,
+      nodes: state.nodeOrder.map((id) => state.nodes.get(id)),
+      replicas: [...state.replicaOrder.map((id) => state.replicas.get(id)), ...state.pending],
+    };
+    if (!nodeList) nodeList = new NodeList($("nodes-body"), ctx);
+  }
+  for (const view of Object.keys(VIEWS)) if (dirty.has(view)) draw(view);
+  if (!state.cluster) return;
+  if (dirty.has("nodes") && state.detailsOf) showDetails(state.detailsOf, false);
+  if (!state.firstDrawn) {
+    state.firstDrawn = true;
+    performance.mark("llmgw-first-render"); // what the browser test reports as the time to first render
+    followHash(); // a link to a node or replica (#node-ID, #replica-ID) is drawn only now
   }
 }
 
-function tickAges() {
-  const elapsed = (performance.now() - state.receivedAt) / 1000;
-  for (const el of document.querySelectorAll(".age[data-age]")) {
-    if (el.dataset.age !== "") el.textContent = age(Number(el.dataset.age) + elapsed);
+// #node-ID: that node's row in view and its details open; #replica-ID: that replica's row.
+function followHash() {
+  const target = decodeURIComponent(location.hash.slice(1));
+  if (target.startsWith("node-") && state.nodes.has(target.slice(5))) {
+    showDetails(target.slice(5), true);
+  } else if (target && $(target)) {
+    $(target).scrollIntoView();
   }
+}
+
+function showDetails(id, open) {
+  const dialog = $("node-details");
+  const n = state.nodes.get(id);
+  if (!n) {
+    if (dialog.open) $("node-details-body").replaceChildren(h("p", { class: "bad" }, `Node ${id} is no longer known to the control plane.`));
+    return;
+  }
+  if (open) nodeList.reveal(id);
+  state.detailsOf = id;
+  $("node-details-h").textContent = `Node ${id}`;
+  const body = $("node-details-body");
+  const focused = document.activeElement && body.contains(document.activeElement) ? document.activeElement.id : "";
+  body.replaceChildren(...nodeDetails(n, ctx));
+  if (focused && $(focused)) $(focused).focus();
+  if (open && !dialog.open) dialog.showModal();
+}
+
+function detailsClosed() {
+  const id = state.detailsOf;
+  state.detailsOf = "";
+  // Back to the node's link if its row is still drawn, else to the list.
+  const link = $(`details-${id}`);
+  if (link) link.focus();
+  else if ($("node-list")) $("node-list").focus();
+}
+
+function tickAges() {
+  for (const el of document.querySelectorAll(".age[data-heard]")) el.textContent = age(sinceHeard(Number(el.dataset.heard)));
 }
 
 const ACTIONS = {

@@ -59,6 +59,14 @@ export function age(seconds) {
   return `${(seconds / 3600).toFixed(1)} h ago`;
 }
 
+// A joined node's heartbeats come on time (its age would change at every one: the feed does not
+// send it); a node not joined says since when it is silent, counted up in the page.
+export function heartbeat(n, ctx) {
+  if (n.state === "joined") return h("span", { title: "a heartbeat within the node's time to be lost" }, "on time");
+  if (n.heard_at === null || n.heard_at === undefined) return n.state === "joining" ? "none yet" : "never";
+  return h("span", { class: "age", "data-heard": n.heard_at }, age(ctx.sinceHeard(n.heard_at)));
+}
+
 function bytes(n) {
   if (!n) return "";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -124,10 +132,11 @@ function cert(n) {
 
 function cpu(n) {
   if (!n.cpu) return "";
+  // The warning before the architecture: in a row, only the first two lines show.
   return [
     h("div", {}, `${n.cpu.model}, ${n.cpu.cores} cores`),
-    n.arch ? h("div", { class: "muted" }, `${n.arch}${n.memory_total_bytes ? `, ${bytes(n.memory_total_bytes)}` : ""}`) : "",
     n.cpu_warning ? h("div", { class: "warn" }, `⚠ ${n.cpu_warning}`) : "",
+    n.arch ? h("div", { class: "muted" }, `${n.arch}${n.memory_total_bytes ? `, ${bytes(n.memory_total_bytes)}` : ""}`) : "",
   ];
 }
 
@@ -147,41 +156,79 @@ function actionButton(id, label, described, onclick, unavailable = "") {
   );
 }
 
-export function renderNodes(cluster, ctx) {
-  if (!cluster.nodes.length) return h("p", {}, "No node has joined yet.");
-  const columns = ["Node", "State", "Heartbeat", "Agent", "CPU", "GPUs", "Engines", "Fabrics", "Certificate"];
-  if (ctx.actions) columns.push("Actions");
-  const rows = cluster.nodes.map((n) => {
-    const state = nodeState(n);
-    const drain = n.drain && n.draining ? ` ${n.drain.moved}/${n.drain.total} moved` : "";
-    const cells = [
-      [h("strong", {}, n.id), h("div", { class: "muted" }, n.address || "")],
-      [badge(state), drain],
-      h("span", { class: "age", "data-age": n.last_heartbeat_age_s ?? "" }, age(n.last_heartbeat_age_s)),
-      n.agent_version || "",
-      cpu(n),
-      gpus(n),
-      engines(n),
-      fabricsOf(n),
-      cert(n),
-    ];
-    if (ctx.actions) {
-      const act = (verb) => Object.assign(() => ctx.act(verb, n.id), { unavailable: ctx.unavailable });
-      cells.push(
-        h(
-          "div",
-          { class: "actions" },
-          n.cordoned
-            ? actionButton(`uncordon-${n.id}`, "Uncordon", `Uncordon node ${n.id}`, act("uncordon"))
-            : actionButton(`cordon-${n.id}`, "Cordon", `Cordon node ${n.id}`, act("cordon")),
-          actionButton(`drain-${n.id}`, "Drain", `Drain node ${n.id}`, act("drain"), n.draining ? `${n.id} is draining now` : ""),
-        ),
-      );
-    }
-    return [{ id: `node-${n.id}`, "data-node": n.id, "data-state": state }, cells];
-  });
-  return table("Nodes: state, heartbeat, hardware, engines, fabrics, certificate", columns, rows);
+export const NODE_COLUMNS = ["Node", "State", "Heartbeat", "Agent", "CPU", "GPUs", "Engines", "Fabrics", "Certificate"];
+
+// The node's link: its details (llmgw/page/app.js opens them for #node-ID), and the row's name.
+function nodeLink(n) {
+  return h("a", { href: `#node-${n.id}`, id: `details-${n.id}`, class: "node-link", "aria-label": `Node ${n.id}: details` }, n.id);
 }
+
+function nodeCells(n, ctx) {
+  const state = nodeState(n);
+  const drain = n.drain && n.draining ? ` ${n.drain.moved}/${n.drain.total} moved` : "";
+  return [
+    [badge(state), drain],
+    heartbeat(n, ctx),
+    n.agent_version || "",
+    cpu(n),
+    gpus(n),
+    engines(n),
+    fabricsOf(n),
+    cert(n),
+  ];
+}
+
+// `prefix`: the details dialog's buttons are other elements than the row's, with ids of their own.
+function nodeActions(n, ctx, prefix = "") {
+  const act = (verb) => Object.assign(() => ctx.act(verb, n.id), { unavailable: ctx.unavailable });
+  return h(
+    "div",
+    { class: "actions" },
+    n.cordoned
+      ? actionButton(`${prefix}uncordon-${n.id}`, "Uncordon", `Uncordon node ${n.id}`, act("uncordon"))
+      : actionButton(`${prefix}cordon-${n.id}`, "Cordon", `Cordon node ${n.id}`, act("cordon")),
+    actionButton(`${prefix}drain-${n.id}`, "Drain", `Drain node ${n.id}`, act("drain"), n.draining ? `${n.id} is draining now` : ""),
+  );
+}
+
+// One row of the nodes' list (llmgw/page/nodelist.js): every row of one height, each cell cut
+// to what fits (its whole text in its title; all of it in the node's details).
+export function nodeRow(n, ctx, rowIndex) {
+  const cells = [[nodeLink(n), h("div", { class: "muted" }, n.address || "")], ...nodeCells(n, ctx)];
+  if (ctx.actions) cells.push(nodeActions(n, ctx));
+  const columns = ctx.actions ? [...NODE_COLUMNS, "Actions"] : NODE_COLUMNS;
+  return h(
+    "tr",
+    { id: `node-${n.id}`, class: "node", "data-node": n.id, "data-state": nodeState(n), "aria-rowindex": rowIndex },
+    cells.map((cell, i) => {
+      const inner = h("div", { class: "cell" }, cell);
+      const td = h("td", { "data-label": columns[i] }, inner);
+      if (columns[i] !== "Actions") td.title = inner.textContent;
+      return td;
+    }),
+  );
+}
+
+// Everything the page knows of one node, for its details dialog.
+export function nodeDetails(n, ctx) {
+  const rows = [["Address", n.address || ""], ...NODE_COLUMNS.slice(1).map((c, i) => [c, nodeCells(n, ctx)[i]])];
+  if (n.drain) {
+    const d = n.drain;
+    rows.push(["Last drain", `${d.moved} of ${d.total} replicas moved, ${d.error ? `stopped: ${d.error}` : d.done ? "done" : "running"}`]);
+  }
+  if (n.replicas.length) rows.push(["Replicas", n.replicas.map((r) => h("div", {}, `${r.replica} (rank ${r.rank}): ${r.state}`))]);
+  const parts = [h("dl", { class: "details" }, rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]))];
+  if (ctx.actions) parts.push(nodeActions(n, ctx, "dlg-"));
+  return parts;
+}
+
+// A long list of names, cut: the first `max`, then how many more and where to find them.
+function some(names, max, where) {
+  if (names.length <= max) return names.join(", ");
+  return `${names.slice(0, max).join(", ")} and ${(names.length - max).toLocaleString("en-US")} more (${where})`;
+}
+
+const FABRIC_MEMBERS = 12;
 
 export function renderFabrics(cluster) {
   const adapters = new Map(); // fabric key -> node -> adapters
@@ -203,14 +250,11 @@ export function renderFabrics(cluster) {
         ["Fabric", "Identity", "Nodes and adapters"],
         cluster.fabrics.map((f) => {
           const members = adapters.get(`${f.name}@${f.identity}`) || new Map();
-          return [
-            { "data-fabric": f.name, "data-identity": f.identity },
-            [
-              h("strong", {}, f.name),
-              h("code", {}, f.identity),
-              f.nodes.map((id) => h("div", {}, `${id}: ${(members.get(id) || []).join(", ")}`)),
-            ],
-          ];
+          const listed = f.nodes.slice(0, FABRIC_MEMBERS).map((id) => h("div", {}, `${id}: ${(members.get(id) || []).join(", ")}`));
+          if (f.nodes.length > FABRIC_MEMBERS) {
+            listed.push(h("div", { class: "muted" }, `and ${(f.nodes.length - FABRIC_MEMBERS).toLocaleString("en-US")} more: ${f.nodes.length.toLocaleString("en-US")} nodes in all (each node's row lists its fabrics)`));
+          }
+          return [{ "data-fabric": f.name, "data-identity": f.identity }, [h("strong", {}, f.name), h("code", {}, f.identity), listed]];
         }),
       ),
     );
@@ -223,18 +267,26 @@ export function renderFabrics(cluster) {
         "p",
         { "data-islands": "" },
         h("strong", {}, "Islands"),
-        ` (no fabric: single-node replicas only): ${islands.join(", ")}`,
+        ` (no fabric: single-node replicas only): ${some(islands, 20, "each node's row says it")}`,
       ),
     );
   }
   return parts;
 }
 
+const REPLICA_ROWS = 50; // per model; `llmgw ctl replicas` lists every one
+
 export function renderModels(cluster, ctx) {
+  const byModel = new Map(cluster.models.map((m) => [m.model, { placed: [], pending: new Map() }]));
+  for (const r of cluster.replicas) {
+    const of = byModel.get(r.model);
+    if (!of) continue;
+    if (r.replica) of.placed.push(r);
+    else of.pending.set(r.detail, (of.pending.get(r.detail) || 0) + 1);
+  }
   const parts = [];
   for (const m of cluster.models) {
-    const placed = cluster.replicas.filter((r) => r.model === m.model && r.replica);
-    const pending = cluster.replicas.filter((r) => r.model === m.model && !r.replica);
+    const { placed, pending } = byModel.get(m.model);
     const ok = m.ready >= m.replicas;
     parts.push(
       h(
@@ -246,7 +298,10 @@ export function renderModels(cluster, ctx) {
         h("span", { class: "muted" }, ` ${m.engine}, ${m.nodes_per_replica} node(s) per replica`),
       ),
     );
-    const rows = placed.map((r) => [
+    // With many, those not ready first: they are the ones to look at.
+    const notReady = placed.filter((r) => r.state !== "ready");
+    const shown = placed.length > REPLICA_ROWS ? [...notReady, ...placed.filter((r) => r.state === "ready")].slice(0, REPLICA_ROWS) : placed;
+    const rows = shown.map((r) => [
       { id: `replica-${r.replica}`, "data-replica": r.replica, "data-state": r.state },
       [
         h("code", {}, r.replica),
@@ -258,11 +313,15 @@ export function renderModels(cluster, ctx) {
         actionButton(`logs-${r.replica}`, "Log", `Show the engine log of replica ${r.replica}`, () => ctx.logs(r.replica)),
       ],
     ]);
-    for (const p of pending) {
-      rows.push([{ class: "pending", "data-pending": m.model }, [h("em", {}, "pending"), "", badge("pending"), "", "", p.detail, ""]]);
+    for (const [detail, count] of pending) {
+      rows.push([{ class: "pending", "data-pending": m.model }, [h("em", {}, count > 1 ? `${count} pending` : "pending"), "", badge("pending"), "", "", detail, ""]]);
     }
     if (rows.length) {
       parts.push(table(`Replicas of ${m.model}`, ["Replica", "Nodes", "State", "Restarts", "Port", "Detail", "Log"], rows));
+    }
+    if (shown.length < placed.length) {
+      const hidden = placed.length - shown.length;
+      parts.push(h("p", { class: "muted" }, `${hidden.toLocaleString("en-US")} more replicas of ${m.model}, all ready, not listed here: \`llmgw ctl replicas\` lists every one.`));
     }
   }
   return parts.length ? parts : h("p", {}, "The catalog holds no model.");
@@ -335,17 +394,44 @@ export function renderKeys(cluster, ctx) {
   return table("API keys of the gateway (never their tokens)", columns, rows);
 }
 
-export function warnings(cluster) {
+const WARNINGS = 50;
+
+// Each warning once: what many nodes share is one line naming a few of them.
+export function warnings(cluster, ctx) {
   const out = [...cluster.notes];
+  const byText = new Map(); // text -> nodes
+  const add = (text, node) => {
+    if (!byText.has(text)) byText.set(text, []);
+    byText.get(text).push(node);
+  };
+  const lost = [];
   for (const n of cluster.nodes) {
-    if (n.state === "lost") out.push(`node ${n.id} is lost: no heartbeat for ${age(n.last_heartbeat_age_s)}`);
-    if (n.cpu_warning) out.push(`node ${n.id}: ${n.cpu_warning}`);
-    for (const e of n.engines) if (e.cpu_note) out.push(`node ${n.id}: ${e.cpu_note}`);
+    if (n.state === "lost") lost.push(n);
+    if (n.cpu_warning) add(n.cpu_warning, n.id);
+    for (const e of n.engines) if (e.cpu_note) add(e.cpu_note, n.id);
     if (n.cert_expires_in_days !== null && n.cert_expires_in_days < CERT_WARN_DAYS) {
-      out.push(`node ${n.id}: its certificate expires in ${n.cert_expires_in_days.toFixed(0)} days; reissue it with \`llmgw node add\``);
+      add(`its certificate expires in ${n.cert_expires_in_days.toFixed(0)} days; reissue it with \`llmgw node add\``, n.id);
     }
-    for (const p of n.fabric_problems) out.push(`node ${n.id}: fabric refused: ${p}`);
+    for (const p of n.fabric_problems) add(`fabric refused: ${p}`, n.id);
   }
-  for (const m of cluster.models) for (const why of m.pending) out.push(`model ${m.model}: a replica cannot be placed: ${why}`);
+  if (lost.length === 1) {
+    const n = lost[0];
+    out.push(`node ${n.id} is lost: ${n.heard_at === null ? "never heard from" : `its last heartbeat ${age(ctx.sinceHeard(n.heard_at))}`}`);
+  } else if (lost.length) {
+    out.push(`${lost.length.toLocaleString("en-US")} nodes are lost: ${some(lost.map((n) => n.id), 5, "the nodes' State filter lists them")}`);
+  }
+  for (const [text, nodes] of byText) {
+    out.push(nodes.length === 1 ? `node ${nodes[0]}: ${text}` : `${nodes.length.toLocaleString("en-US")} nodes: ${text} (${some(nodes, 5, "filter the nodes by name")})`);
+  }
+  for (const m of cluster.models) {
+    for (const why of new Set(m.pending)) {
+      const count = m.pending.filter((p) => p === why).length;
+      out.push(`model ${m.model}: ${count > 1 ? `${count} replicas cannot` : "a replica cannot"} be placed: ${why}`);
+    }
+  }
+  if (out.length > WARNINGS) {
+    const more = out.length - WARNINGS;
+    return [...out.slice(0, WARNINGS), `and ${more.toLocaleString("en-US")} more warnings`];
+  }
   return out;
 }

@@ -360,6 +360,7 @@ class ControlPlane:
                 await nursery.start(run, "rotation", self.gateway.serve_rotation)
                 await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
+            await nursery.start(run, "page_feed", self.page.serve_feed)  # what open pages are sent
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             try:
                 agent_listeners = await nursery.start(

@@ -1,75 +1,30 @@
 """The cluster page's live feed: server-sent events from the admin API (`GET /admin/v1/events`).
 
-One stream per open page. It sends the whole cluster as the admin API describes it (the same
-views `ctl` reads) at once, then again whenever the control plane says something changed —
-nodes, liveness, replicas, drains, an operator's action — at most every `MIN_INTERVAL_S`
-however often things change, and the gateway's history each time it is sampled. Between them a
-comment line every `HEARTBEAT_S` keeps proxies from closing the connection and lets the page
-notice a dead one. No polling: each stream sleeps on the plane's change events.
+One stream per open page. It sends what the control plane's one feed (`llmgw.server.feed`)
+publishes: the whole cluster as the page shows it (the admin API's views, as `ctl` reads them,
+less what changes at every heartbeat) at once, as a `cluster` event, then, whenever something
+changed, a `changes` event with the nodes and replicas that changed, by id, and what is gone;
+a stream that fell behind (a slow client) is sent the whole cluster again instead. Besides, the
+gateway's history each time it is sampled (`history`). Between them a comment line every
+`HEARTBEAT_S` keeps proxies from closing the connection and lets the page notice a dead one.
+No polling: each stream sleeps on the feed's and the history's wake-ups.
 
 The wire format is the HTML standard's `text/event-stream` (event: NAME / data: JSON / blank
-line); the browser's EventSource reconnects by itself and each new stream starts with a snapshot.
+line); the browser's EventSource reconnects by itself and each new stream starts with the whole
+cluster.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import trio
 
-from llmgw.engines import cpubackend
-from llmgw.server.keys import key_view
+from llmgw.server.feed import Feed, wait_any
 
 HEARTBEAT_S = 15.0
-MIN_INTERVAL_S = 0.25  # a burst of changes (a drain, a node joining) is one snapshot, not fifty
-
-
-class Views(Protocol):
-    """What the feed reads of the control plane (`llmgw.server.views.ClusterViews`)."""
-
-    def fabric_map(self) -> Any: ...
-    def node_views(self) -> list[dict[str, Any]]: ...
-    def replica_views(self) -> list[dict[str, Any]]: ...
-    def model_views(self) -> list[dict[str, Any]]: ...
-    def rotation_changed(self) -> trio.Event: ...
-    def cluster_changed(self) -> trio.Event: ...
-
-
-def cpu_warning(cpu: dict[str, Any] | None) -> str:
-    """What `llmgw doctor` says of a generic virtual CPU (its rules, llmgw.engines.cpubackend), from
-    what the node reported: its model name, or x86 flags without AVX2/FMA."""
-    if not cpu:
-        return ""
-    model, flags = cpu.get("model") or "", set(cpu.get("flags") or ())
-    generic = bool(cpubackend.virtual_model(model))
-    x86 = bool(flags & {"sse2", "lm", "fpu"})
-    lacking = cpubackend.missing_x86(flags)
-    if generic or (x86 and lacking):
-        missing = f" (no {', '.join(lacking)})" if x86 and lacking else ""
-        return (
-            f"generic virtual CPU {model!r}{missing}: llama.cpp runs its slow scalar code; give the VM the host's "
-            "CPU model (Proxmox: `qm set VMID --cpu host`), see `llmgw doctor`"
-        )
-    return ""
-
-
-async def snapshot(plane: Views, keys: Callable[[], Any] | None = None) -> dict[str, Any]:
-    fabrics = plane.fabric_map()
-    nodes = plane.node_views()
-    for n in nodes:
-        n["cpu_warning"] = cpu_warning(n.get("cpu"))
-    return {
-        "at": time.time(),
-        "nodes": nodes,
-        "fabrics": [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics],
-        "notes": list(fabrics.notes),
-        "replicas": plane.replica_views(),
-        "models": plane.model_views(),
-        "keys": [key_view(r) for r in await keys()] if keys is not None else [],
-    }
 
 
 def frame(event: str, data: Any) -> bytes:
@@ -77,60 +32,39 @@ def frame(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def wait_any(events: Sequence[trio.Event], timeout_s: float) -> bool:
-    """Wait until any of `events` is set, for at most `timeout_s`; whether one was."""
-    if any(e.is_set() for e in events):
-        return True
-    woke = False
-    with trio.move_on_after(timeout_s):
-        async with trio.open_nursery() as nursery:
-
-            async def one(event: trio.Event) -> None:
-                nonlocal woke
-                await event.wait()
-                woke = True
-                nursery.cancel_scope.cancel()
-
-            for e in events:
-                nursery.start_soon(one, e)
-    return woke
-
-
 async def stream(
-    plane: Views,
+    feed: Feed,
     *,
-    keys: Callable[[], Any] | None = None,
     history: Any = None,
-    touched: Callable[[], trio.Event] | None = None,
     session_expires_at: float | None = None,
 ) -> AsyncIterator[bytes]:
     """The body of one page's event stream; ends when the session expires (the page then asks
     for a new URL) or the client goes away (the HTTP server cancels it)."""
     yield b"retry: 2000\n\n"  # EventSource's reconnect delay, in milliseconds
-    last_sent = -float("inf")
-    while True:
-        # Taken before the snapshot is built, so a change during it wakes the next wait.
-        changes = [plane.rotation_changed(), plane.cluster_changed()]
-        if touched is not None:
-            changes.append(touched())
-        history_changed = history.sampled.next() if history is not None else None
-        await trio.sleep_until(last_sent + MIN_INTERVAL_S)
-        last_sent = trio.current_time()
-        yield frame("cluster", await snapshot(plane, keys))
-        if history is not None:
-            yield frame("history", history.view())
+    sent = 0  # the feed's version this stream has sent; 0: none yet
+    history_changed = None
+    with feed.watching():
         while True:
-            watched = [*changes, *([history_changed] if history_changed is not None else [])]
+            published = feed.published.next()  # taken before looking: a version published meanwhile wakes the wait
+            found = feed.next_for(sent)
+            if found is not None:
+                first = not sent
+                sent, pieces = found
+                for piece in pieces:  # a whole cluster is megabytes with thousands of nodes: sent in pieces
+                    yield piece
+                if first and history is not None:
+                    history_changed = history.sampled.next()
+                    yield frame("history", history.view())
+                continue
+            watched = [published, *([history_changed] if history_changed is not None else [])]
             timeout = HEARTBEAT_S
             if session_expires_at is not None:
                 timeout = min(timeout, max(0.0, session_expires_at - trio.current_time()))
             if await wait_any(watched, timeout):
-                if any(e.is_set() for e in changes):
-                    break
-                # Only the history moved: send it alone (the next sample taken first: one taken
-                # while this frame waits to be sent is not lost).
-                history_changed = history.sampled.next()
-                yield frame("history", history.view())
+                if history_changed is not None and history_changed.is_set():
+                    # The next sample taken first: one taken while this frame waits to be sent is not lost.
+                    history_changed = history.sampled.next()
+                    yield frame("history", history.view())
                 continue
             if session_expires_at is not None and trio.current_time() >= session_expires_at:
                 yield frame("expired", {"detail": "this page's session expired; run `llmgw ctl page` for a new URL"})

@@ -42,7 +42,7 @@ from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.log import get_logger
-from llmgw.server import events
+from llmgw.server import events, feed
 from llmgw.server.logins import (
     CSRF_HEADER,
     LoginRefused,
@@ -107,7 +107,7 @@ def _content_type(name: str) -> str:
 
 
 class Page:
-    def __init__(self, views: events.Views, history: Sources, keys: KeyRing) -> None:
+    def __init__(self, views: feed.Views, history: Sources, keys: KeyRing) -> None:
         """`views`: what the feed shows of the cluster; `history`: the gateways' figures for
         the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view."""
         self.views = views
@@ -116,6 +116,8 @@ class Page:
         self.history = History(history)
         self._assets: dict[str, bytes] | None = None
         self.touched = Wakeup()  # an operator's change succeeded: open pages show it now
+        # What every open page is sent, made once per change (`serve_feed`).
+        self.feed = feed.Feed(views, keys=keys.rows, touched=self.touched.next)
 
     # -- the page's own routes ------------------------------------------------------------
 
@@ -252,10 +254,8 @@ class Page:
             return StreamingResponse(
                 status=200,
                 body=events.stream(
-                    self.views,
-                    keys=self.keys.rows,
+                    self.feed,
                     history=self.history,
-                    touched=self.touched.next,
                     session_expires_at=caller.session.expires_at if caller.session else None,
                 ),
                 headers=(
@@ -312,6 +312,10 @@ class Page:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The gateway's history for the plots: sampled from the start, not from the first page."""
         await self.history.serve(task_status=task_status)
+
+    async def serve_feed(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The open pages' feed: looks at the cluster while a page is open (`llmgw.server.feed`)."""
+        await self.feed.serve(task_status=task_status)
 
 
 def _refusal(status: int, message: str) -> Response:

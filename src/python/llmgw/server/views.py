@@ -4,14 +4,14 @@ the trio clock's, given by the caller.
 
 Two of the control plane's roles are the small objects at the end, each reading what it shows
 at each call: `ClusterViews`, what the admin API and the cluster page's feed show
-(`llmgw.server.events.Views`), and `GatewayEndpoints`, the gateway's rotation
+(`llmgw.server.feed.Views`), and `GatewayEndpoints`, the gateway's rotation
 (`llmgw.gateway.app.EndpointProvider`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -23,8 +23,8 @@ from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
-from llmgw.server.registry import LOST, UNKNOWN, Node, NodeRegistry
-from llmgw.server.replicas import Replicas
+from llmgw.server.registry import JOINED, LOST, UNKNOWN, Node, NodeRegistry, Session
+from llmgw.server.replicas import Replicas, Stored
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 
@@ -123,41 +123,59 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
 def replica_views(registry: NodeRegistry, replicas: Replicas) -> list[dict[str, Any]]:
     """Each placed replica with what its members report, then what could not be placed."""
     reported = {(s.replica_id, node.node_id): s for node in registry.nodes.values() for s in node.replicas}
+    out = [
+        replica_view(rid, stored, [reported.get((rid, n)) for n in stored.placement.nodes])
+        for rid, stored in sorted(replicas.placed.items())
+    ]
+    return out + pending_views(replicas)
+
+
+def replica_view(rid: str, stored: Stored, members: Sequence[w.ReplicaStatus | None]) -> dict[str, Any]:
+    """A placed replica with what each member (in rank order; None: nothing reported) says."""
+    p = stored.placement
+    states = [m.state if m else "assigned" for m in members]
+    rank0 = members[0]
+    return {
+        "replica": rid,
+        "model": p.model,
+        "engine": p.engine,
+        "nodes": list(p.nodes),
+        "state": states[0] if len(set(states)) == 1 else ",".join(states),
+        "member_states": states,
+        "port": rank0.port if rank0 else 0,
+        "pids": [m.pid if m else 0 for m in members],  # per member, on its node; 0 while none runs
+        "restarts": sum(m.restarts for m in members if m),
+        "detail": "; ".join(m.detail for m in members if m and m.detail),
+        "fabric": p.fabric,
+    }
+
+
+def pending_views(replicas: Replicas) -> list[dict[str, Any]]:
+    """A row per replica the scheduler holds back, as ctl counts them."""
     out = []
-    for rid, stored in sorted(replicas.placed.items()):
-        p = stored.placement
-        members = [reported.get((rid, n)) for n in p.nodes]
-        states = [m.state if m else "assigned" for m in members]
-        rank0 = members[0]
-        out.append(
-            {
-                "replica": rid,
-                "model": p.model,
-                "engine": p.engine,
-                "nodes": list(p.nodes),
-                "state": states[0] if len(set(states)) == 1 else ",".join(states),
-                "member_states": states,
-                "port": rank0.port if rank0 else 0,
-                "pids": [m.pid if m else 0 for m in members],  # per member, on its node; 0 while none runs
-                "restarts": sum(m.restarts for m in members if m),
-                "detail": "; ".join(m.detail for m in members if m and m.detail),
-                "fabric": p.fabric,
-            }
-        )
     for pend in replicas.pending:
         row = {"replica": None, "model": pend.model, "state": "pending", "detail": pend.reason, "nodes": []}
-        out.extend(dict(row) for _ in range(pend.replicas))  # a row per replica held back, as ctl counts them
+        out.extend(dict(row) for _ in range(pend.replicas))
     return out
 
 
-def model_views(models: Sequence[Model], replica_views: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def model_views(models: Sequence[Model], replica_views: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each catalog model with its ready replicas and why any is pending; one pass over the
+    replicas (there may be ten thousand), not one per model."""
+    ready: dict[str, int] = {}
+    pending: dict[str, list[str]] = {}
+    for v in replica_views:
+        if v["state"] == w.READY:
+            ready[v["model"]] = ready.get(v["model"], 0) + 1
+        elif v["state"] == "pending":
+            pending.setdefault(v["model"], []).append(v["detail"])
     return [
         {
             "model": m.name,
             "engine": m.engine,
             "replicas": m.replicas,
-            "ready": sum(1 for v in replica_views if v["model"] == m.name and v["state"] == w.READY),
-            "pending": [v["detail"] for v in replica_views if v["model"] == m.name and v["state"] == "pending"],
+            "ready": ready.get(m.name, 0),
+            "pending": pending.get(m.name, []),
             "gpus_per_replica": m.gpus_per_replica,
             "nodes_per_replica": m.nodes_per_replica,
         }
@@ -290,6 +308,144 @@ def model_details(
     return tuple(out)
 
 
+# -- the cluster page's feed ---------------------------------------------------------------
+# The feed (`llmgw.server.feed`) keeps each node's and replica's view encoded, with what it was
+# made of, and makes it again only when that changed. What a view is made of: the objects the
+# control plane replaces whenever they change (the hello, the inventory, the tuples of engines
+# and replicas a node reports, a placement, the engines' section of the configuration), which a
+# tuple comparison matches by identity before it compares values, and a copy of everything that
+# changes in place (liveness, cordon, drain, the link's state). A joined node's heartbeat is not
+# among them: it only moves the node's deadline, so heartbeats alone never change the page.
+
+
+def cpu_warning(cpu: Mapping[str, Any] | None) -> str:
+    """What `llmgw doctor` says of a generic virtual CPU (its rules, llmgw.engines.cpubackend), from
+    what the node reported: its model name, or x86 flags without AVX2/FMA."""
+    if not cpu:
+        return ""
+    model, flags = cpu.get("model") or "", set(cpu.get("flags") or ())
+    generic = bool(cpubackend.virtual_model(model))
+    x86 = bool(flags & {"sse2", "lm", "fpu"})
+    lacking = cpubackend.missing_x86(flags)
+    if generic or (x86 and lacking):
+        missing = f" (no {', '.join(lacking)})" if x86 and lacking else ""
+        return (
+            f"generic virtual CPU {model!r}{missing}: llama.cpp runs its slow scalar code; give the VM the host's "
+            "CPU model (Proxmox: `qm set VMID --cpu host`), see `llmgw doctor`"
+        )
+    return ""
+
+
+def _cert_days(s: Session | None, wall: float) -> float | None:
+    return round((s.cert_not_after - wall) / 86400, 1) if s else None
+
+
+def page_node_inputs(
+    node: Node, state: str, wall: float, engines: EnginesSection | None, drain: DrainProgress | None
+) -> tuple[Any, ...]:
+    """What `page_node_view` makes the node's view of (see above). Keep it in step with
+    `node_view`: tests/llmgw/server/test_feed.py checks the feed against views made afresh after
+    every kind of change."""
+    s = node.session
+    return (
+        state,
+        node.cordoned,
+        node.draining,
+        node.address,
+        s.connected if s else None,
+        s.last_heartbeat_at if s and state != JOINED else None,
+        s.hello if s else None,
+        (s.cert_serial, s.cert_not_after) if s else None,
+        _cert_days(s, wall),
+        node.inventory,
+        node.engines,
+        node.replicas,
+        engines,
+        drain.view() if drain else None,
+    )
+
+
+def page_node_view(
+    node: Node, state: str, now: float, engines: EnginesSection | None, drain: DrainProgress | None
+) -> dict[str, Any]:
+    """A node as the cluster page shows it: its admin view (`node_view`) and its drain, but
+    instead of the heartbeat's age, which changes at every heartbeat, `heard_at`: when the last
+    one came (liveness time, the clock of the frame's `now`) for a node that is not joined, None
+    for a joined one (its heartbeats are on time); and instead of the CPU's flags, which only
+    `llmgw doctor`'s rule reads, its `cpu_warning`."""
+    view = node_view(node, state, now, engines)
+    s = node.session
+    del view["last_heartbeat_age_s"]
+    view["heard_at"] = s.last_heartbeat_at if s and state != JOINED else None
+    if view["cpu"] is not None:
+        view["cpu_warning"] = cpu_warning(view["cpu"])
+        del view["cpu"]["flags"]
+    else:
+        view["cpu_warning"] = ""
+    view["drain"] = drain.view() if drain else None
+    return view
+
+
+Item = tuple[tuple[Any, ...], Callable[[], dict[str, Any]]]  # what a view is made of, and how to make it
+
+
+class PageLook:
+    """One look at the cluster for the cluster page's feed (`llmgw.server.feed.Look`): the nodes
+    and placed replicas by id, each item with what its view is made of. Taken at one time; an
+    item gone since is None."""
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        replicas: Replicas,
+        drains: Mapping[str, DrainProgress],
+        engines: EnginesSection | None,
+        fabrics_of: Callable[[dict[str, tuple[w.Fabric, ...]]], FabricMap] = fabric_map,
+    ) -> None:
+        """`fabrics_of`: the fabric map of the nodes' reports (`ClusterViews` keeps the last)."""
+        self._registry, self._replicas, self._drains, self._engines = registry, replicas, drains, engines
+        self._fabrics_of = fabrics_of
+        self._fabric_reports: dict[str, tuple[w.Fabric, ...]] = {}  # as the nodes are looked at, in order
+        self.now = registry.clock.now()
+        self._wall = time.time()
+        self.node_ids = sorted(registry.nodes)
+        self.replica_ids = sorted(replicas.placed)
+        # Each node's reports by replica, made when a replica first asks: every report is looked
+        # at once per look, however many replicas a node runs.
+        self._reports: dict[str, dict[str, w.ReplicaStatus]] = {}
+
+    def node(self, node_id: str) -> Item | None:
+        node = self._registry.nodes.get(node_id)
+        if node is None:
+            return None
+        state, drain, engines = self._registry.liveness(node, self.now), self._drains.get(node_id), self._engines
+        if node.inventory is not None:
+            self._fabric_reports[node_id] = node.inventory.fabrics
+        inputs = page_node_inputs(node, state, self._wall, engines, drain)
+        return inputs, lambda: page_node_view(node, state, self.now, engines, drain)
+
+    def replica(self, replica_id: str) -> Item | None:
+        stored = self._replicas.placed.get(replica_id)
+        if stored is None:
+            return None
+        members = tuple(self._report(n, replica_id) for n in stored.placement.nodes)
+        return (stored, members), lambda: replica_view(replica_id, stored, members)
+
+    def _report(self, node_id: str, replica_id: str) -> w.ReplicaStatus | None:
+        reports = self._reports.get(node_id)
+        if reports is None:
+            node = self._registry.nodes.get(node_id)
+            reports = self._reports[node_id] = {s.replica_id: s for s in node.replicas} if node else {}
+        return reports.get(replica_id)
+
+    def pending(self) -> list[dict[str, Any]]:
+        return pending_views(self._replicas)
+
+    def fabrics(self) -> FabricMap:
+        """The fabrics of the nodes looked at (`cluster_fabrics`, once every node was)."""
+        return self._fabrics_of(self._fabric_reports)
+
+
 # -- the roles ------------------------------------------------------------------------------
 
 
@@ -311,6 +467,7 @@ class ClusterViews:
         self.drains = drains
         self.config = config
         self.changes = changes
+        self._last_fabrics: tuple[dict[str, tuple[w.Fabric, ...]], FabricMap] | None = None
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
@@ -351,8 +508,20 @@ class ClusterViews:
     def replica_views(self) -> list[dict[str, Any]]:
         return replica_views(self.registry, self.replicas)
 
-    def model_views(self) -> list[dict[str, Any]]:
-        return model_views(self.config().models, self.replica_views())
+    def model_views(self, replica_views: Iterable[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The catalog's models, counted from `replica_views` (default: the replicas' views now)."""
+        return model_views(self.config().models, self.replica_views() if replica_views is None else replica_views)
+
+    def page_look(self) -> PageLook:
+        return PageLook(self.registry, self.replicas, self.drains, self.config().engines, self._fabrics_of)
+
+    def _fabrics_of(self, reports: dict[str, tuple[w.Fabric, ...]]) -> FabricMap:
+        """The fabric map of these reports: the last one again while they are the same (with
+        thousands of nodes a map takes 5-15 ms, and nodes' fabrics seldom change)."""
+        last = self._last_fabrics
+        if last is None or last[0] != reports:
+            last = self._last_fabrics = (reports, fabric_map(reports))
+        return last[1]
 
     def fabric_map(self) -> FabricMap:
         return cluster_fabrics(self.registry)
