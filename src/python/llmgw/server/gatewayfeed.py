@@ -185,6 +185,7 @@ class GatewayFeed:
             changed = self.endpoints.rotation_changed()
             began = time.perf_counter()
             rotation = rotation_message(self.endpoints.gateway_rotation(), version=self._rotation.version)
+            took = time.perf_counter() - began
             if rotation != self._rotation:
                 self._rotation = attrs.evolve(rotation, version=rotation.version + 1)
                 self._push_all(g.RotationChanged)
@@ -194,8 +195,8 @@ class GatewayFeed:
                 task_status.started()
             await changed.wait()
             # The rotation is a look over every node and replica: while nodes keep joining, the
-            # changes meanwhile are taken in one (`changes.rest`; a millisecond's look, 3 ms).
-            await rest(time.perf_counter() - began)
+            # changes meanwhile are taken in one (`changes.rest`; after a millisecond's look, 3 ms).
+            await rest(took)
 
     async def _follow_keys(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         started = False
