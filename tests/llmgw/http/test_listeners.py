@@ -6,6 +6,7 @@ descriptors."""
 from __future__ import annotations
 
 import errno
+import ssl
 
 import pytest
 import trio
@@ -237,11 +238,55 @@ async def test_a_budget_serves_to_its_size_then_sheds_then_is_full() -> None:
     budget = listeners.Budget(2, idle)
     assert [budget.admit()[0] for _ in range(2)] == [listeners.Admission.SERVE] * 2
     assert budget.admit() == (listeners.Admission.FULL, "")  # none waiting
-    idle._waiting[trio.CancelScope()] = ("192.0.2.9", True)  # one waiting, as `waiting` records it
-    assert budget.admit() == (listeners.Admission.SHED, "192.0.2.9")
+    waiting = idle.scope(peer="192.0.2.9")  # one waiting, as `waiting` records it
+    assert budget.admit() == (listeners.Admission.SHED, "192.0.2.9") and waiting.cancel_called
     assert budget.used == 3  # the shed one counts until it has closed
     budget.leave()
     assert budget.admit() == (listeners.Admission.FULL, "")
+
+
+async def test_a_budget_that_sheds_silent_peers_keeps_one_that_was_heard_lately(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A thousand agents handshaking at once are slow to be served, not silent: the newcomer is
+    # turned away (it dials again) rather than throwing away the work of one half done.
+    idle = listeners.IdleConnections(reason="unproven")
+    budget = listeners.Budget(2, idle, silent_s=1.0)
+    heard = {"a": 0.0, "b": 0.0}
+    scopes = {p: idle.scope(peer=p, heard=lambda p=p: heard[p]) for p in heard}
+    assert [budget.admit()[0] for _ in range(2)] == [listeners.Admission.SERVE] * 2
+    await trio.sleep(0.5)
+    assert budget.admit() == (listeners.Admission.FULL, "")  # both heard within the second
+    await trio.sleep(0.6)
+    heard["a"] = trio.current_time()  # a's peer sent its next flight; b's said nothing
+    assert budget.admit() == (listeners.Admission.SHED, "b") and scopes["b"].cancel_called
+    assert not scopes["a"].cancel_called
+    await trio.sleep(0.5)
+    assert budget.admit() == (listeners.Admission.FULL, "")  # a: heard 0.5 s ago
+    await trio.sleep(0.5)
+    assert budget.admit() == (listeners.Admission.SHED, "a")
+    # Without a `heard`, a wait counts from its start.
+    idle.scope(peer="c")
+    await trio.sleep(0.9)
+    assert budget.admit() == (listeners.Admission.FULL, "")
+    await trio.sleep(0.1)
+    assert budget.admit() == (listeners.Admission.SHED, "c")
+
+
+async def test_a_heard_connection_notes_when_its_peer_last_sent(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = trio.socket.socketpair()
+    heard = listeners.Heard(trio.SocketStream(a))
+    peer = trio.SocketStream(b)
+    at = listeners.heard_at(trio.SSLStream(heard, ssl.create_default_context()))
+    assert at is not None and at() == heard.heard_at == 0.0
+    await trio.sleep(5)
+    await peer.send_all(b"x")
+    assert await heard.receive_some(10) == b"x" and at() == 5.0
+    await heard.send_all(b"y")  # what this side sends is not the peer's
+    assert await peer.receive_some(10) == b"y" and at() == 5.0
+    assert listeners.heard_at(peer) is None
+    await heard.aclose()
+    await peer.aclose()
 
 
 class FlakyListener(trio.abc.Listener):

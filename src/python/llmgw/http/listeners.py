@@ -189,7 +189,8 @@ class IdleConnections:
     def __init__(self, reason: str = "idle") -> None:
         self.reason = reason  # what a shed one counts as in llmgw_connections_shed_total
         # Insertion order is the order the waits began; OrderedDict pops its oldest in O(1).
-        self._waiting: OrderedDict[trio.CancelScope, tuple[str, bool]] = OrderedDict()
+        # Each: its peer, whether a stop ends it, and when its peer was last heard from.
+        self._waiting: OrderedDict[trio.CancelScope, tuple[str, bool, Callable[[], float]]] = OrderedDict()
         self._stopped = False
 
     def __len__(self) -> int:
@@ -197,28 +198,44 @@ class IdleConnections:
 
     @contextlib.contextmanager
     def waiting(
-        self, *, peer: str = "", stoppable: bool = True, deadline: float = math.inf
+        self,
+        *,
+        peer: str = "",
+        stoppable: bool = True,
+        deadline: float = math.inf,
+        heard: Callable[[], float] | None = None,
     ) -> Iterator[trio.CancelScope]:
         """A scope around a wait on the peer, cancelled when this connection is shed or, if
         `stoppable`, when the server stops; its `cancelled_caught` then tells the caller to
         close the connection quietly. `peer` is the address the shedding is counted under.
         `deadline`: the wait's own (one scope for both: a cancellation before it is a shedding
-        or a stop)."""
-        scope = self.scope(peer=peer, stoppable=stoppable, deadline=deadline)
+        or a stop). `heard()`: when the peer last sent something (`Heard`), for `shed_silent`;
+        without it, when the wait began."""
+        scope = self.scope(peer=peer, stoppable=stoppable, deadline=deadline, heard=heard)
         try:
             with scope:
                 yield scope
         finally:
             self._waiting.pop(scope, None)
 
-    def scope(self, *, peer: str = "", stoppable: bool = True, deadline: float = math.inf) -> trio.CancelScope:
+    def scope(
+        self,
+        *,
+        peer: str = "",
+        stoppable: bool = True,
+        deadline: float = math.inf,
+        heard: Callable[[], float] | None = None,
+    ) -> trio.CancelScope:
         """`waiting` without a generator, for the request path: the scope to wait in, counted
         as waiting until `settle` is called with it (which the caller must do, however the wait
         ends)."""
         scope = trio.CancelScope(deadline=deadline)
         if stoppable and self._stopped:
             scope.cancel()
-        self._waiting[scope] = (peer, stoppable)
+        if heard is None:
+            began = trio.current_time()
+            heard = lambda: began  # noqa: E731 - the wait's start, kept
+        self._waiting[scope] = (peer, stoppable, heard)
         return scope
 
     def settle(self, scope: trio.CancelScope) -> None:
@@ -230,16 +247,87 @@ class IdleConnections:
         """Cancel the wait that began first; its peer, or None if nothing waits."""
         if not self._waiting:
             return None
-        scope, (peer, _) = self._waiting.popitem(last=False)
+        scope, (peer, _, _) = self._waiting.popitem(last=False)
+        scope.cancel()
+        return peer
+
+    def shed_silent(self, silent_s: float) -> str | None:
+        """Cancel the wait whose peer has been silent longest, if for `silent_s` at least; its
+        peer, or None. A look over every waiting one: for small budgets (the unproven one)."""
+        if not self._waiting:
+            return None
+        scope, (peer, _, heard) = min(self._waiting.items(), key=lambda item: item[1][2]())
+        if trio.current_time() - heard() < silent_s:
+            return None
+        del self._waiting[scope]
         scope.cancel()
         return peer
 
     def stop(self) -> None:
         """Cancel every stoppable wait, now and from now on."""
         self._stopped = True
-        for scope, (_, stoppable) in self._waiting.items():
+        for scope, (_, stoppable, _) in self._waiting.items():
             if stoppable:
                 scope.cancel()
+
+
+class Heard(trio.abc.HalfCloseableStream):
+    """A TCP connection that notes when its peer last sent something (`heard_at`, trio's clock):
+    what tells a peer that is slow to be served (a thousand agents handshaking at once, each
+    sending at once whatever it is asked) from one that holds its connection and says nothing."""
+
+    def __init__(self, inner: trio.SocketStream) -> None:
+        self.inner = inner
+        self.socket = inner.socket
+        self.heard_at = trio.current_time()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = await self.inner.receive_some(max_bytes)
+        if data:
+            self.heard_at = trio.current_time()
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def setsockopt(self, *args: object) -> None:
+        self.inner.setsockopt(*args)  # type: ignore[arg-type]
+
+    def getsockopt(self, *args: object) -> object:
+        return self.inner.getsockopt(*args)  # type: ignore[arg-type]
+
+
+class HeardListener(trio.abc.Listener[Heard]):
+    """A TCP listener whose connections are `Heard` (put under an SSLListener)."""
+
+    def __init__(self, transport_listener: trio.SocketListener) -> None:
+        self.transport_listener = transport_listener
+        self.socket = transport_listener.socket
+
+    async def accept(self) -> Heard:
+        return Heard(await self.transport_listener.accept())
+
+    async def aclose(self) -> None:
+        await self.transport_listener.aclose()
+
+
+def heard_at(stream: trio.abc.Stream) -> Callable[[], float] | None:
+    """When the peer of `stream` (under any wrappers: TLS) last sent something, if it is `Heard`."""
+    inner = stream
+    while not isinstance(inner, Heard) and hasattr(inner, "transport_stream"):
+        inner = inner.transport_stream
+    if isinstance(inner, Heard):
+        return lambda: inner.heard_at
+    return None
 
 
 class Admission(enum.Enum):
@@ -255,9 +343,13 @@ class Budget:
     pass `size` by the connections closing meanwhile; an outer bound (serve_capped's places)
     keeps the descriptors bounded."""
 
-    def __init__(self, size: int, idle: IdleConnections) -> None:
+    def __init__(self, size: int, idle: IdleConnections, *, silent_s: float = 0.0) -> None:
+        """`silent_s`: only a connection whose peer has been silent that long is shed for a
+        newcomer (`IdleConnections.shed_silent`; else the newcomer is turned away); 0: the one
+        that began waiting first, however recently."""
         self.size = size
         self.idle = idle
+        self.silent_s = silent_s
         self.used = 0
 
     def admit(self) -> tuple[Admission, str]:
@@ -265,7 +357,7 @@ class Budget:
         if self.used < self.size:
             self.used += 1
             return Admission.SERVE, ""
-        peer = self.idle.shed_oldest()
+        peer = self.idle.shed_silent(self.silent_s) if self.silent_s else self.idle.shed_oldest()
         if peer is None:
             return Admission.FULL, ""
         self.used += 1

@@ -77,6 +77,13 @@ HANDSHAKE_TIMEOUT_S = 3.0
 REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
 HELLO_TIMEOUT_S = 10.0  # a link's first frame, the hello, must come within this of its upgrade
 AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
+# At the unproven budget's ceiling, a newcomer takes the place of the connection whose peer has
+# been silent longest, once silent this long; else the newcomer is closed and dials again after
+# its backoff. A real agent answers each step of its handshake within a round trip: one merely
+# slow to be served (a thousand redialling after a cut, waiting on the handshakes before theirs)
+# keeps its place, and its half-done work is not thrown away for a newcomer's. A flood that
+# would keep agents out must refresh every place this often (512 connections a second at 256).
+UNPROVEN_SILENT_S = 0.5
 NO_CERTIFICATE_SERVER = (
     "a client connected without a certificate; only agents holding a node certificate may connect "
     "(`llmgw node add USER@HOST --reissue` gives a node one); without one, only the release files are served"
@@ -118,7 +125,7 @@ class AgentListener:
         # holds within one agent's handshake (a few round trips), not once per deadline. A
         # certificate moves a connection to the agents' budget, where no bare connection goes.
         self.unproven_idle = listeners.IdleConnections(reason="unproven")
-        self.unproven = listeners.Budget(0, self.unproven_idle)  # sized in `serve`
+        self.unproven = listeners.Budget(0, self.unproven_idle, silent_s=UNPROVEN_SILENT_S)  # sized in `serve`
         self.agent_cap = max_connections  # 0 until `serve` sizes it from the fd limit
         self.agents_open = 0
         self.refusals = RefusalLog()
@@ -143,10 +150,10 @@ class AgentListener:
         """Accept agents on (host, port), or on `sockets` already listening (socket activation).
         The mirror's index is built (off the loop) before this reports started, so the first
         desired state of every node already knows what is mirrored."""
-        if sockets:
-            bound = [trio.SSLListener(sock, ssl_context, https_compatible=True) for sock in sockets]
-        else:
-            bound = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host, https_compatible=True)
+        tcp = sockets or await trio.open_tcp_listeners(port, host=host)
+        # Each connection notes when its peer last sent something: a place in the unproven
+        # budget is taken from a silent peer only (`UNPROVEN_SILENT_S`).
+        bound = [trio.SSLListener(listeners.HeardListener(sock), ssl_context, https_compatible=True) for sock in tcp]
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(self.artifacts.serve_index, on_change=self.mirror_changed))
             await self.releases.announce()
@@ -234,7 +241,7 @@ class AgentListener:
             if deadline is None:
                 deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
             reason = None
-            with self.unproven_idle.waiting(peer=address) as shed:
+            with self.unproven_idle.waiting(peer=address, heard=listeners.heard_at(stream)) as shed:
                 handler = partial(self._route, cert=None, address=address, place=place, shed=shed)
                 head_s = max(0.0, deadline - trio.current_time())
                 reason = await self._serve_http(stream, handler, attrs.evolve(self.limits, head_timeout_s=head_s))
@@ -376,7 +383,7 @@ class AgentListener:
         """The TLS handshake, by `deadline`: a client certificate, if any, of the cluster CA;
         False if refused (logged, the agent told why by the TLS alert) or if this connection was
         closed meanwhile to make room for a newer one (counted by whoever closed it)."""
-        with self.unproven_idle.waiting(peer=address) as shed:
+        with self.unproven_idle.waiting(peer=address, heard=listeners.heard_at(stream)) as shed:
             try:
                 with trio.fail_at(deadline):
                     await stream.do_handshake()
