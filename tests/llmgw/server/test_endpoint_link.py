@@ -374,3 +374,34 @@ async def test_the_agent_heartbeats_at_the_interval_it_is_told_and_follows_a_str
     assert len(gaps) >= 3 and all(g == pytest.approx(20.0, abs=0.5) for g in gaps), seen
     # Neither side took the longer silences for a dead peer (the agent's limit and the link's follow).
     assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links
+
+
+async def test_a_link_waiting_on_a_short_silence_keeps_to_the_longer_one_its_agent_was_told_meanwhile(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    # An agent that heartbeats once and then falls silent (frozen), told 5 s: a silence of 30 s
+    # would close its link. Before those 30 s the cluster grows and the control plane tells 100 s
+    # (a silence of 600 s): the wait begun on the 30 s must not close it at 30 s, and the link
+    # is closed once silent for the 600.
+    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=10.0)
+    link = plane.connect(nursery)
+
+    async def once(writer, beat) -> None:
+        writer.session.heartbeat(time.time())
+        writer.wake()
+        await trio.sleep_forever()
+
+    link.agent._heartbeats = once  # type: ignore[method-assign]
+    await link.agent.desired_changed()
+    await plane.until(lambda: "node-a" in plane.endpoint.links)
+    joined = trio.current_time()
+    assert link.agent.state.heartbeat_interval_s == 5.0
+    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.01)
+    with trio.fail_after(11):
+        while link.agent.state.heartbeat_interval_s != 100.0:
+            await trio.sleep(0.25)
+    await trio.sleep(joined + 100.0 - trio.current_time())
+    assert link.ended == [] and "node-a" in plane.endpoint.links
+    with trio.fail_after(600.0):
+        await link.done.wait()
+    assert "nothing received for 600 s" in link.ended[0] and trio.current_time() - joined >= 600.0

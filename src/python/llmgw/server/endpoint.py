@@ -275,11 +275,15 @@ class AgentEndpoint(AgentListener):
         # on (the agent's heartbeats are in the socket buffer, read next).
         clock = self.registry.clock
         heard = clock.now()
-        while True:
+
+        def silence_s() -> float:
             # As long as its node may be silent before it is lost: longer when its agent was
             # told a stretched interval (the configured silence at the configured interval).
             timeout = self.silence_timeout_s or math.inf
-            timeout *= self.registry.ttl_of(link.node_id, link.conn_id) / self.registry.ttl
+            return timeout * self.registry.ttl_of(link.node_id, link.conn_id) / self.registry.ttl
+
+        while True:
+            timeout = silence_s()
             try:
                 with trio.move_on_at(clock.loop_time(heard + timeout)) as silence:
                     text = await ws.get_message()  # cancel-safe: a message not taken stays queued
@@ -293,8 +297,10 @@ class AgentEndpoint(AgentListener):
                 with trio.move_on_after(REFUSAL_SEND_S):
                     await link.writer.finished.wait()
                 return
-            if silence.cancelled_caught and clock.now() - heard < timeout:
-                continue  # a stall moved the deadline
+            if silence.cancelled_caught and clock.now() - heard < (timeout := silence_s()):
+                # A stall moved the deadline, or the cluster grew meanwhile: its agent was told a
+                # longer interval while this waited on the shorter one.
+                continue
             if silence.cancelled_caught:
                 reason = f"nothing received for {timeout:g} s (heartbeats stopped); closing the link"
                 log.warning("agent_link_silent", node=link.node_id, after_s=timeout)
