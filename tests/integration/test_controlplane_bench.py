@@ -89,6 +89,9 @@ def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cut
     assert (result["heartbeat_p99_ms"] is None) == (result["heartbeats_steady"] == 0), result
     assert result["heartbeat_p99_ms"] is None or result["heartbeat_p99_ms"] > 0
     assert result["agents"] == 12 and result["agent_processes"] == 2 and result["gateways"] == 1
+    # A replica a node, ready: the gateway routed to all 12 before the cut and lost none in the
+    # storm (the agents' hellos say what they run; their nodes stayed within their TTL).
+    assert result["ready_routed"] == 12 and result["storm_ready_routed_min"] == 12, result
     assert result["rss_mib"] > 20  # the control plane's own process, not this one's
     # The certificates are kept: a second run issues none (its CA is the same).
     certs = sorted(p.name for p in (tmp_path / "cache" / "certs").iterdir())

@@ -30,6 +30,7 @@ from llmgw.wire import agent_link as w
 
 REPORT_S = 0.5
 GPUS = 8
+REPLICA_PORT = 9  # discard: where a replica would serve, never dialled by the bench
 
 
 def node_id(i: int) -> str:
@@ -71,7 +72,7 @@ def inventory(i: int) -> w.Inventory:
     )
 
 
-def hello(i: int) -> w.Hello:
+def hello(i: int, replicas: tuple[w.ReplicaStatus, ...] = ()) -> w.Hello:
     return w.Hello(
         protocol_version=w.PROTOCOL_VERSION,
         node_id=node_id(i),
@@ -80,19 +81,36 @@ def hello(i: int) -> w.Hello:
         started_at=1.0,
         inventory=inventory(i),
         engines=(w.EngineStatus(name="vllm", version="0.32.0", ok=True),),
+        replicas=replicas,
+    )
+
+
+def ready(desired: w.DesiredState | None) -> tuple[w.ReplicaStatus, ...]:
+    """Every replica member `desired` assigns, reported ready at once (a bench's engine: none
+    runs; the gateway is never sent a request to one)."""
+    if desired is None:
+        return ()
+    return tuple(
+        w.ReplicaStatus(replica_id=a.replica_id, model=a.model, state=w.READY, node_rank=a.node_rank, port=REPLICA_PORT)
+        for a in desired.replicas
     )
 
 
 async def run(port: int, certs: Path, first: int, count: int) -> None:
     streams: set[trio.abc.Stream] = set()
     links: list[AgentLink] = []
+    running: dict[int, tuple[w.ReplicaStatus, ...]] = {}  # what each agent "runs": its hello says it
+
+    def hello_now(i: int) -> w.Hello:
+        return hello(i, running.get(i, ()))
+
     for i in range(first, first + count):
         d = certs / node_id(i)
         link = AgentLink(
             target=Target(host="127.0.0.1", port=port),
             node_id=node_id(i),
             ssl_context=client_ssl_context(certs / "ca.crt", d / "node.crt", d / "node.key"),
-            make_hello=partial(hello, i),
+            make_hello=partial(hello_now, i),
         )
         original = link.dial
 
@@ -103,6 +121,15 @@ async def run(port: int, certs: Path, first: int, count: int) -> None:
 
         link.dial = dial
         links.append(link)
+
+    async def run_replicas(i: int, link: AgentLink) -> None:
+        """Each desired state's replicas, ready at once, as an agent whose engines start instantly."""
+        while True:
+            await link.desired_changed()
+            statuses = ready(link.state.desired)
+            if statuses != running.get(i, ()):
+                running[i] = statuses
+                await link.send(w.ReplicasChanged(replicas=statuses))
 
     async def report() -> None:
         while True:
@@ -129,8 +156,9 @@ async def run(port: int, certs: Path, first: int, count: int) -> None:
                         await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:
-        for link in links:
+        for i, link in zip(range(first, first + count), links, strict=True):
             nursery.start_soon(link.serve)
+            nursery.start_soon(run_replicas, i, link)
         nursery.start_soon(report)
         nursery.start_soon(commands, nursery)
 

@@ -36,7 +36,11 @@ need no agents, placement and reconciling, measured in this process.
    `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
    backoff) and all joined; `storm_dials_failed`, the dials past one per agent meanwhile (each
    refused or failed, then waited its backoff), and `storm_turned_away`, the agent port's own
-   sheddings and stops at its cap, by reason. `--gateways G` (default 4) gateway processes subscribe to the
+   sheddings and stops at its cap, by reason. The catalog has one replica a node (engine vllm,
+   one GPU), which each simulated agent reports ready as soon as it is assigned, and says in
+   its hello: `ready_routed` is how many a gateway worker routed to before the cut, and
+   `storm_ready_routed_min` the fewest it routed to while the storm went on (its /metrics
+   looked at every ROUTED_EVERY_S): equal, when no ready replica that stayed up was lost. `--gateways G` (default 4) gateway processes subscribe to the
    control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
 
 
@@ -98,6 +102,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmg
 GPUS, MEMORY = agents_load.GPUS, 512 * GIB
 ENGINE = "vllm"
 MAX_NODES, MAX_REPLICAS = 20_000, 200_000
+STORM_MODEL = "bench"  # one replica a node in the agents phase
+ROUTED_EVERY_S = 2.0  # how often the gateways' routing is looked at in the storm (/metrics is large)
 
 
 def catalog(replicas: int) -> list[Model]:
@@ -275,14 +281,32 @@ class Load:
             stop(proc)
 
 
-def wait_for(what: str, predicate, timeout_s: float) -> float:
+def wait_for(what: str, predicate, timeout_s: float, every_s: float = 0.1) -> float:
     """Seconds until `predicate()` holds, polled; SystemExit naming `what` past `timeout_s`."""
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout_s:
             raise SystemExit(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.1)
+        time.sleep(every_s)
     return time.monotonic() - started
+
+
+def wait_for_value(what: str, value, timeout_s: float):
+    """`value()` once it is truthy, polled each second; SystemExit naming `what` past `timeout_s`."""
+    found = []
+    wait_for(what, lambda: found.append(value()) or found[-1], timeout_s, every_s=1.0)
+    return found[-1]
+
+
+def ready_routed(http_port: int) -> int:
+    """Replicas in state ready in one gateway worker's rotation (its series in /metrics, as its
+    last heartbeat said them: one is sent at once whenever it routes by a new rotation)."""
+    workers: dict[str, int] = {}
+    for line in metrics_text(http_port).splitlines():
+        if line.startswith("llmgw_gateway_replica_state{") and 'state="ready"' in line and line.endswith(" 1"):
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            workers[worker] = workers.get(worker, 0) + 1
+    return min(workers.values()) if workers else 0
 
 
 def joined_count(state: Path) -> int:
@@ -304,6 +328,10 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:{port}"\n'
         f'http_listen = "127.0.0.1:{http_port}"\ngateway_workers = {gateways}\n'
         f'[http]\nmax_agent_connections = {cap}\n[engines.llamacpp]\nversion = ""\n'
+        # One replica a node, which the agents report ready at once: the gateways route to them,
+        # and the storm must not take one out of their rotation.
+        f'[[models]]\nname = "{STORM_MODEL}"\nengine = "{ENGINE}"\nreplicas = {agents}\ngpus_per_replica = 1\n'
+        'source = { path = "/srv/models/bench" }\n'
     )
     log = (tmp / "server.log").open("wb")
     server = subprocess.Popen(
@@ -336,11 +364,23 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         heartbeat_p99 = p99_of(counted[HEARTBEAT_DELAY], now[HEARTBEAT_DELAY])
         heartbeats = now[HEARTBEAT_DELAY].get(math.inf, 0) - counted[HEARTBEAT_DELAY].get(math.inf, 0)
         rss = rss_mib(server.pid)
+        routed = wait_for_value(
+            f"the gateways to route to {agents} ready replicas",
+            lambda: (n := ready_routed(http_port)) == agents and n,
+            AGENTS_TIMEOUT_S,
+        )
         dials, turned_away = load.attempts(), counters(http_port, TURNED_AWAY)
         load.cut()
         wait_for("the links cut", lambda: load.connected() < agents, 30.0)
-        storm_s = wait_for(f"{agents} agents linked again", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
+        least = [routed]
+
+        def linked_again() -> bool:
+            least[0] = min(least[0], ready_routed(http_port))  # sampled as the storm goes
+            return load.connected() == agents
+
+        storm_s = wait_for(f"{agents} agents linked again", linked_again, AGENTS_TIMEOUT_S, every_s=ROUTED_EVERY_S)
         storm_s += wait_for(f"{agents} nodes joined again", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
+        least[0] = min(least[0], ready_routed(http_port))
         time.sleep(2 * agents_load.REPORT_S)  # the agents' last counts
         storm_dials = load.attempts() - dials
         storm_turned_away = {
@@ -370,6 +410,8 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         # Dials past one per agent: each was refused or failed and waited its backoff.
         "storm_dials_failed": storm_dials - agents,
         "storm_turned_away": storm_turned_away,  # the agent port's connections shed or refused, by reason
+        "ready_routed": routed,  # ready replicas a gateway routed to before the cut
+        "storm_ready_routed_min": least[0],  # the fewest seen while the storm went on (sampled)
     }
 
 
