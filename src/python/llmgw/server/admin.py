@@ -137,7 +137,8 @@ class Views(Protocol):
     ) -> tuple[list[dict[str, Any]], str | None]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
     def replica_views(self) -> list[dict[str, Any]]: ...
-    def model_views(self) -> list[dict[str, Any]]: ...
+    async def replica_listing(self) -> list[dict[str, Any]]: ...
+    def model_views(self, replica_views: Any = None) -> list[dict[str, Any]]: ...
     def fabric_map(self) -> FabricMap: ...
 
 
@@ -282,11 +283,12 @@ class AdminAPI:
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"replicas": self.views.replica_views()})
+            body = await listing_json("replicas", await self.views.replica_listing(), {})
+            return Response(status=200, body=body, headers=(("content-type", "application/json"),))
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"models": self.views.model_views()})
+            return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
         if request.path == "/admin/v1/gateways":
             _allow(request, "GET")
             params.query(request, {})
