@@ -50,6 +50,7 @@ and `Operations` (what it changes: `llmgw.server.operations.Operations`).
 from __future__ import annotations
 
 import hmac
+import json
 import math
 import re
 from collections.abc import Awaitable, Callable
@@ -94,7 +95,26 @@ _NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))
 # `after` for the page after (null on the last); `state` keeps the nodes in that state.
 MAX_NODES_PAGE = 10_000
 NODE_STATES = STATES  # llmgw.server.registry's
-ENCODE_OFF_LOOP = 200  # a listing of more nodes than this is encoded in a thread
+# A listing is encoded this many items at a time, the loop free between: thousands of nodes make
+# megabytes of JSON, tens of milliseconds in one call (in a thread too: the encoder holds the GIL).
+ENCODE_SLICE = 200
+
+
+async def listing_json(key: str, items: list[Any], rest: dict[str, Any]) -> bytes:
+    """`{key: items, **rest}` as compact JSON and a newline, as `Response.json` writes it, encoded
+    ENCODE_SLICE items at a time with a checkpoint between."""
+    parts = [b'{"', key.encode(), b'":[']
+    for start in range(0, len(items), ENCODE_SLICE):
+        if start:
+            await trio.lowlevel.checkpoint()
+            parts.append(b",")
+        chunk = json.dumps(items[start : start + ENCODE_SLICE], separators=(",", ":"))
+        parts.append(chunk[1:-1].encode())
+    tail = json.dumps(rest, separators=(",", ":"))
+    parts.append(b"]" + (b"," + tail[1:].encode() if rest else b"}") + b"\n")
+    return b"".join(parts)
+
+
 NODE_QUERY = {
     "limit": f"how many nodes at most, 1 to {MAX_NODES_PAGE} (default: all)",
     "after": "the node id this page starts after (the previous page's next)",
@@ -117,7 +137,8 @@ class Views(Protocol):
     ) -> tuple[list[dict[str, Any]], str | None]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
     def replica_views(self) -> list[dict[str, Any]]: ...
-    def model_views(self) -> list[dict[str, Any]]: ...
+    async def replica_listing(self) -> list[dict[str, Any]]: ...
+    def model_views(self, replica_views: Any = None) -> list[dict[str, Any]]: ...
     def fabric_map(self) -> FabricMap: ...
 
 
@@ -242,11 +263,12 @@ class AdminAPI:
             nodes, after = await self.views.node_page(limit=limit, after=q.get("after", ""), state=state)
             fabrics = self.views.fabric_map()
             placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
-            body = {"nodes": nodes, "next": after, "fabrics": placed, "notes": list(fabrics.notes)}
-            # Thousands of nodes make a body of megabytes: encoded off the loop.
-            if len(nodes) <= ENCODE_OFF_LOOP:
-                return Response.json(200, body)
-            return await trio.to_thread.run_sync(Response.json, 200, body)
+            rest = {"next": after, "fabrics": placed, "notes": list(fabrics.notes)}
+            return Response(
+                status=200,
+                body=await listing_json("nodes", nodes, rest),
+                headers=(("content-type", "application/json"),),
+            )
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
             params.query(request, {})
@@ -261,11 +283,12 @@ class AdminAPI:
         if request.path == "/admin/v1/replicas":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"replicas": self.views.replica_views()})
+            body = await listing_json("replicas", await self.views.replica_listing(), {})
+            return Response(status=200, body=body, headers=(("content-type", "application/json"),))
         if request.path == "/admin/v1/models":
             _allow(request, "GET")
             params.query(request, {})
-            return Response.json(200, {"models": self.views.model_views()})
+            return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
         if request.path == "/admin/v1/gateways":
             _allow(request, "GET")
             params.query(request, {})
