@@ -314,7 +314,9 @@ def joined_count(state: Path) -> int:
     return len(client.nodes(state="joined"))
 
 
-def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache: Path, gateways: int) -> dict:
+def agents_phase(
+    agents: int, processes: int, steady_s: float, tmp: Path, cache: Path, gateways: int, replicas: bool = True
+) -> dict:
     template, certs = certificates(cache, agents)
     state = tmp / "state"
     shutil.copytree(template, state)
@@ -330,8 +332,12 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         f'[http]\nmax_agent_connections = {cap}\n[engines.llamacpp]\nversion = ""\n'
         # One replica a node, which the agents report ready at once: the gateways route to them,
         # and the storm must not take one out of their rotation.
-        f'[[models]]\nname = "{STORM_MODEL}"\nengine = "{ENGINE}"\nreplicas = {agents}\ngpus_per_replica = 1\n'
-        'source = { path = "/srv/models/bench" }\n'
+        + (
+            f'[[models]]\nname = "{STORM_MODEL}"\nengine = "{ENGINE}"\nreplicas = {agents}\ngpus_per_replica = 1\n'
+            'source = { path = "/srv/models/bench" }\n'
+            if replicas
+            else ""
+        )
     )
     log = (tmp / "server.log").open("wb")
     server = subprocess.Popen(
@@ -364,10 +370,14 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         heartbeat_p99 = p99_of(counted[HEARTBEAT_DELAY], now[HEARTBEAT_DELAY])
         heartbeats = now[HEARTBEAT_DELAY].get(math.inf, 0) - counted[HEARTBEAT_DELAY].get(math.inf, 0)
         rss = rss_mib(server.pid)
-        routed = wait_for_value(
-            f"the gateways to route to {agents} ready replicas",
-            lambda: (n := ready_routed(http_port)) == agents and n,
-            AGENTS_TIMEOUT_S,
+        routed = (
+            wait_for_value(
+                f"the gateways to route to {agents} ready replicas",
+                lambda: (n := ready_routed(http_port)) == agents and n,
+                AGENTS_TIMEOUT_S,
+            )
+            if replicas
+            else 0
         )
         dials, turned_away = load.attempts(), counters(http_port, TURNED_AWAY)
         load.cut()
@@ -410,6 +420,7 @@ def agents_phase(agents: int, processes: int, steady_s: float, tmp: Path, cache:
         # Dials past one per agent: each was refused or failed and waited its backoff.
         "storm_dials_failed": storm_dials - agents,
         "storm_turned_away": storm_turned_away,  # the agent port's connections shed or refused, by reason
+        "agents_replicas": agents if replicas else 0,  # the catalog of the agents phase
         "ready_routed": routed,  # ready replicas a gateway routed to before the cut
         "storm_ready_routed_min": least[0],  # the fewest seen while the storm went on (sampled)
     }
@@ -498,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="phase 3's gateway processes subscribed to the control plane (default: 4)",
     )
+    parser.add_argument(
+        "--no-replicas",
+        action="store_true",
+        help="phase 3 without its catalog of one replica a node (the agents report none)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (always; for the issue's command line)")
     parser.add_argument(
         "--cache-dir",
@@ -533,7 +549,13 @@ def main(argv: list[str] | None = None) -> int:
         processes = args.agent_processes or max(1, min(8, -(-args.agents // 500)))
         with tempfile.TemporaryDirectory(prefix="llmgw-bench-agents-") as tmp:
             result |= agents_phase(
-                args.agents, processes, args.steady_seconds, Path(tmp), args.cache_dir, args.gateways
+                args.agents,
+                processes,
+                args.steady_seconds,
+                Path(tmp),
+                args.cache_dir,
+                args.gateways,
+                replicas=not args.no_replicas,
             )
     # Each target is for its size: 10,000 replicas (in the key's name), 1,000 nodes listed or more.
     sized = {k: v for k, v in TARGETS.items() if k != "list_nodes_ms" or args.reconcile_nodes >= 1000}
