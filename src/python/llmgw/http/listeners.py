@@ -189,8 +189,11 @@ class IdleConnections:
     def __init__(self, reason: str = "idle") -> None:
         self.reason = reason  # what a shed one counts as in llmgw_connections_shed_total
         # Insertion order is the order the waits began; OrderedDict pops its oldest in O(1).
-        # Each: its peer, whether a stop ends it, and when its peer was last heard from.
-        self._waiting: OrderedDict[trio.CancelScope, tuple[str, bool, Callable[[], float]]] = OrderedDict()
+        # Each: its peer, whether a stop ends it, and when its peer was last heard from (`heard`;
+        # None: the wait's start, `began`, for `shed_silent`).
+        self._waiting: OrderedDict[trio.CancelScope, tuple[str, bool, float, Callable[[], float] | None]] = (
+            OrderedDict()
+        )
         self._stopped = False
 
     def __len__(self) -> int:
@@ -232,10 +235,7 @@ class IdleConnections:
         scope = trio.CancelScope(deadline=deadline)
         if stoppable and self._stopped:
             scope.cancel()
-        if heard is None:
-            began = trio.current_time()
-            heard = lambda: began  # noqa: E731 - the wait's start, kept
-        self._waiting[scope] = (peer, stoppable, heard)
+        self._waiting[scope] = (peer, stoppable, trio.current_time(), heard)
         return scope
 
     def settle(self, scope: trio.CancelScope) -> None:
@@ -247,7 +247,7 @@ class IdleConnections:
         """Cancel the wait that began first; its peer, or None if nothing waits."""
         if not self._waiting:
             return None
-        scope, (peer, _, _) = self._waiting.popitem(last=False)
+        scope, (peer, *_) = self._waiting.popitem(last=False)
         scope.cancel()
         return peer
 
@@ -256,8 +256,13 @@ class IdleConnections:
         peer, or None. A look over every waiting one: for small budgets (the unproven one)."""
         if not self._waiting:
             return None
-        scope, (peer, _, heard) = min(self._waiting.items(), key=lambda item: item[1][2]())
-        if trio.current_time() - heard() < silent_s:
+
+        def last_heard(item: tuple) -> float:
+            _, (_, _, began, heard) = item
+            return began if heard is None else heard()
+
+        scope, (peer, *_) = found = min(self._waiting.items(), key=last_heard)
+        if trio.current_time() - last_heard(found) < silent_s:
             return None
         del self._waiting[scope]
         scope.cancel()
@@ -266,7 +271,7 @@ class IdleConnections:
     def stop(self) -> None:
         """Cancel every stoppable wait, now and from now on."""
         self._stopped = True
-        for scope, (_, stoppable, _) in self._waiting.items():
+        for scope, (_, stoppable, *_) in self._waiting.items():
             if stoppable:
                 scope.cancel()
 
