@@ -28,7 +28,15 @@ import pytest
 
 from llmgw import paths
 from llmgw.pki.files import issue_to_dir, load_ca, node_paths
-from testlib.browser import Chromium, contrast_failures, no_console_errors, open_tab, report_dir, unlabelled_controls
+from testlib.browser import (  # noqa: F401 - chromium: a fixture
+    Chromium,
+    chromium,
+    contrast_failures,
+    no_console_errors,
+    open_tab,
+    report_dir,
+    unlabelled_controls,
+)
 from testlib.cluster import MARKER_ENV, Proc, free_port, kill_groups, marked_pids, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.proc import llmgw_env, run_llmgw
@@ -104,16 +112,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         assert cluster.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
-    browser = Chromium(tmp_path_factory.mktemp("chromium"))
-    try:
-        yield browser
-    finally:
-        browser.close()
-
-
-async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_replica(up: Up, chromium: Chromium):
+async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_replica(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
     url = up.ready["page_url"]
     assert url.startswith(f"http://127.0.0.1:{up.port}/login?code=")
     token = paths.admin_token_path(up.state).read_text().strip()
@@ -165,7 +164,7 @@ async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_re
         assert (await again.call("Network.getCookies"))["cookies"] == []
 
 
-async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a_reload(up: Up, chromium: Chromium):
+async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a_reload(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
     login = up.ctl("page", "--actions")
     assert login["actions"] is True
     # Every node joined with its engines reported (`up` is ready once the sims serve, which may be
@@ -234,7 +233,7 @@ async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a
     up.ctl("uncordon", node)
 
 
-async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_page(up: Up, chromium: Chromium):
+async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_page(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
     async with open_tab(chromium) as tab:
         await tab.goto(up.ctl("page")["url"])
         await tab.wait_for(f"document.querySelectorAll('[data-node]').length === {len(NODES)}")

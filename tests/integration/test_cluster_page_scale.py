@@ -18,7 +18,6 @@ the test report directory.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,10 @@ import trio
 from bench import agents_load
 
 from llmgw.ctl.client import AdminClient
-from testlib.browser import (
+from testlib.browser import (  # noqa: F401 - chromium: a fixture
     Chromium,
     Tab,
+    chromium,
     contrast_failures,
     no_console_errors,
     open_tab,
@@ -45,15 +45,6 @@ CORDONED = [agents_load.node_id(i) for i in range(0, NODES, 250)]  # 20, none lo
 MAX_ROWS = 300  # rows in the document at once: those in view, and a few either side
 FIRST_RENDER_S = 30.0  # from the login URL to the first rows, on a loaded 2-core machine
 LIVE_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
-    browser = Chromium(tmp_path_factory.mktemp("chromium"))
-    try:
-        yield browser
-    finally:
-        browser.close()
 
 
 async def big_plane(tmp_path: Path, nursery: trio.Nursery):
@@ -120,7 +111,7 @@ async def type_into(tab: Tab, element_id: str, text: str) -> None:
         await tab.call("Input.insertText", text=ch)
 
 
-async def test_the_page_stays_usable_with_5000_nodes(tmp_path: Path, nursery: trio.Nursery, chromium: Chromium):
+async def test_the_page_stays_usable_with_5000_nodes(tmp_path: Path, nursery: trio.Nursery, chromium: Chromium):  # noqa: F811 - the fixture
     plane, state = await big_plane(tmp_path, nursery)
     client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
     async with open_tab(chromium) as tab:

@@ -27,10 +27,11 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from trio_websocket import open_websocket_url
 
@@ -130,6 +131,16 @@ class Chromium:
 
     def version(self) -> str:
         return subprocess.run([chromium_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    """One headless Chromium for a test module (import it into the module: a fixture)."""
+    browser = Chromium(tmp_path_factory.mktemp("chromium"))
+    try:
+        yield browser
+    finally:
+        browser.close()
 
 
 class ProtocolError(Exception):
