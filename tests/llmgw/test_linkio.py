@@ -264,3 +264,22 @@ async def test_a_caller_is_woken_by_its_reply_its_deadline_or_the_links_end(
     started = trio.current_time()
     assert await replies.wait(3, 10.0) is None and replies.ended
     assert trio.current_time() - started == pytest.approx(3.0)
+
+
+async def test_a_long_frame_is_read_in_a_thread_and_a_short_one_on_the_loop() -> None:
+    """`readable`: a frame of OFF_LOOP_BYTES or more is decoded by a thread (the loop runs on
+    meanwhile), one shorter is left for `receive`; the session takes either the same."""
+    session, _ = joined_server()
+    threads: list[bool] = []
+    decode_on = session.decode
+
+    def decode_where(frame: str) -> s.Decoded:
+        threads.append(trio.lowlevel.in_trio_run() is False)
+        return decode_on(frame)
+
+    session.decode = decode_where  # type: ignore[method-assign]
+    short = '{"type": "heartbeat", "seq": 1}'
+    assert await linkio.readable(session, short) == short and threads == []
+    long = '{"type": "heartbeat", "seq": 1' + " " * linkio.OFF_LOOP_BYTES + "}"
+    decoded = await linkio.readable(session, long)
+    assert threads == [True] and decoded == s.Decoded(decode(short, w.AgentMessage))

@@ -42,6 +42,17 @@ from llmgw.wire import session as s
 
 CLOSE_TIMEOUT_S = 1.0  # the WebSocket's closing handshake after a LinkError: the peer may be why
 POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1: the close code after a LinkError
+# A frame at least this long is decoded off the event loop (`readable`): a gateway's heartbeat with
+# a series per replica, a rotation of thousands of replicas (tens of ms to read at 5,000).
+OFF_LOOP_BYTES = 64 * 1024
+
+
+async def readable(session: Any, frame: str | bytes) -> str | bytes | s.Decoded:
+    """`frame` as `session.receive` takes it: a long one decoded in a thread, so that the event
+    loop goes on meanwhile (CPython hands it the interpreter every few ms), a short one as it is."""
+    if len(frame) < OFF_LOOP_BYTES:
+        return frame
+    return await trio.to_thread.run_sync(session.decode, frame)
 
 
 class Writer:

@@ -279,7 +279,7 @@ async def test_shares_are_renumbered_as_instances_come_and_go(
 async def test_heartbeats_go_both_ways_and_say_the_gateways_load(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
-    gateway = plane.gateway("i1", load=lambda: g.GatewayHeartbeat(seq=0, in_flight=3, requests_total=42))
+    gateway = plane.gateway("i1", load=lambda metrics: g.GatewayHeartbeat(seq=0, in_flight=3, requests_total=42))
     a, b = trio.testing.memory_stream_pair()
     nursery.start_soon(plane.listener.serve_peer, b, CERT, "10.0.0.5")
     nursery.start_soon(gateway.link.run_on, a)
@@ -290,6 +290,35 @@ async def test_heartbeats_go_both_ways_and_say_the_gateways_load(
     assert len(gateway.sink.calls) == 4
     [view] = plane.feed.views()
     assert (view["in_flight"], view["requests_total"]) == (3, 42)
+
+
+async def test_the_metrics_come_once_a_heartbeat_interval_and_a_heartbeat_sent_at_once_leaves_them_out(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    """They hold a series per replica: a key change (or a new rotation) is said at once, without
+    them, and the control plane keeps the figures of the last heartbeat that had them."""
+    asked: list[bool] = []
+
+    def load(metrics: bool) -> g.GatewayHeartbeat:
+        asked.append(metrics)
+        family = g.MetricFamily(name="beats", help="h", kind="counter", samples=(g.Sample(value=len(asked)),))
+        return g.GatewayHeartbeat(seq=0, keys_version=len(asked), metrics=(family,) if metrics else None)
+
+    await plane.join(nursery, "i1", load=load)
+    [link] = plane.feed.links.values()
+    began = trio.current_time()
+    for i in range(10):  # ten key changes within the next two intervals, each said at once
+        plane.keys.rows = [] if i % 2 == 0 else [ALICE]
+        plane.keys.changed.fire()
+        await trio.sleep(HEARTBEAT_S / 5)
+        [value] = [f.samples[0].value for f in link.last.metrics]  # never none: those of one that had them
+        assert asked[int(value) - 1] is True
+    await trio.sleep(HEARTBEAT_S / 10)
+    assert link.last.keys_version == len(asked)  # the newest heartbeat has come
+    [value] = [f.samples[0].value for f in link.last.metrics]
+    assert value == len(asked) - asked[::-1].index(True)  # with the figures of the newest that had them
+    assert asked.count(False) >= 10
+    assert asked.count(True) == 1 + int((trio.current_time() - began) / HEARTBEAT_S)  # the first, then one an interval
 
 
 async def test_a_silent_gateway_is_cut_at_the_ttl_and_told_why(
@@ -396,7 +425,7 @@ class Held:
     keys_version: int | None = None
     outstanding: dict[str, int] = attrs.field(factory=dict)
 
-    def load(self) -> g.GatewayHeartbeat:
+    def load(self, metrics: bool) -> g.GatewayHeartbeat:
         assert self.sink is not None
         rotation, keys = self.sink.last("rotation"), self.sink.last("keys")
         held = sorted((r, n) for r, n in self.outstanding.items() if n)

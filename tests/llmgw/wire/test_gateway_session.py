@@ -185,6 +185,47 @@ def test_a_change_pushes_the_newest_part_and_heartbeats_go_both_ways() -> None:
     )
 
 
+def test_a_heartbeat_without_metrics_that_replaces_an_unsent_one_keeps_its_metrics() -> None:
+    """One sent at once (a new rotation) leaves the figures out; if it takes the place of a
+    periodic one not yet written, the figures that one had still go."""
+    pair = Pair()
+    pair.join()
+    figures = (g.MetricFamily(name="x", help="h", kind="gauge", samples=(g.Sample(value=2.0),)),)
+    pair.gateway.heartbeat(g.GatewayHeartbeat(seq=0, rotation_version=1, metrics=figures))
+    pair.gateway.heartbeat(g.GatewayHeartbeat(seq=0, rotation_version=2))
+    pair.flush()
+    pair.gateway.heartbeat(g.GatewayHeartbeat(seq=0, rotation_version=3))  # nothing unsent: none
+    pair.flush()
+    assert [e.heartbeat for e in pair.events[gs.SERVER][-2:]] == [
+        g.GatewayHeartbeat(seq=2, rotation_version=2, metrics=figures),
+        g.GatewayHeartbeat(seq=3, rotation_version=3, metrics=None),
+    ]
+
+
+def test_a_long_frame_is_read_the_same_off_the_loop_and_refused_the_same() -> None:
+    """`Session.decode` touches nothing of the session (a thread runs it for a long frame,
+    `llmgw.linkio.readable`): what `receive` makes of its answer is what it makes of the frame."""
+    many = tuple(g.Sample(labels=("chat", f"r{i}"), value=float(i)) for i in range(2000))
+    beat = encode(
+        g.GatewayHeartbeat(
+            seq=1,
+            metrics=(g.MetricFamily(name="x", help="h", kind="gauge", labels=("model", "replica"), samples=many),),
+        )
+    )
+    assert len(beat) > 64 * 1024
+    pair, other = Pair(), Pair()
+    pair.join(), other.join()
+    decoded = pair.server.decode(beat)
+    assert pair.server.state is other.server.state  # untouched
+    assert pair.server.receive(decoded) == other.server.receive(beat)
+    bad = beat.replace('"value":1999.0', '"value":"1999"')
+    first, second = Pair(), Pair()
+    first.join(), second.join()
+    refused = first.refused(first.server.decode(bad), first.server)  # type: ignore[arg-type]
+    assert str(refused) == str(second.refused(bad, second.server))
+    assert "samples[1999]: value: expected a finite number, got '1999'" in str(refused)
+
+
 def test_a_slow_reader_holds_one_of_each_kind_the_newest() -> None:
     pair = Pair()
     pair.join()

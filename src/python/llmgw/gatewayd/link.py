@@ -47,7 +47,7 @@ from llmgw import __version__
 from llmgw.backoff import Backoff, Failures
 from llmgw.errors import find
 from llmgw.linkfailure import Redirected, SessionRefused, reason_of
-from llmgw.linkio import LinkStream, Target, Targets, Writer
+from llmgw.linkio import LinkStream, Target, Targets, Writer, readable
 from llmgw.log import get_logger
 from llmgw.pki.ca import cert_info
 from llmgw.pki.files import gateway_paths, load_cert
@@ -79,13 +79,14 @@ MAX_REDIRECTS = 3  # followed at once in a row; past it a redirect waits its bac
 # seconds of its return; a session that was up starts it again.
 LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
 
-# What each heartbeat says (its `seq` is the session's): the worker's load and figures.
-Load = Callable[[], g.GatewayHeartbeat]
+# What each heartbeat says (its `seq` is the session's): the worker's load, and its figures
+# (`metrics`) if asked, else None (a heartbeat sent at once leaves them out: `GatewayHeartbeat`).
+Load = Callable[[bool], g.GatewayHeartbeat]
 ConnectTCP = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
-def no_load() -> g.GatewayHeartbeat:
-    return g.GatewayHeartbeat(seq=0)
+def no_load(metrics: bool) -> g.GatewayHeartbeat:
+    return g.GatewayHeartbeat(seq=0, metrics=() if metrics else None)
 
 
 @attrs.frozen(kw_only=True)
@@ -337,8 +338,9 @@ class GatewayLink:
             raise SessionRefused(
                 f"nothing from the control plane for {silence_s:g} s (its heartbeats stopped); dialling again"
             )
+        frame = await readable(writer.session, text)  # a rotation of thousands: read in a thread
         try:
-            event = writer.session.receive(text)
+            event = writer.session.receive(frame)
         except WireError as exc:
             await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
             raise SessionRefused(f"the control plane sent something this gateway does not understand: {exc}") from None
@@ -349,20 +351,24 @@ class GatewayLink:
         self.sink.heard(trio.current_time())
         return event
 
-    def _beat(self, writer: Writer) -> None:
+    def _beat(self, writer: Writer, metrics: bool = False) -> None:
         session = writer.session
         assert isinstance(session, gs.GatewaySession)
-        session.heartbeat(self.load())  # a newer replaces one unsent
+        session.heartbeat(self.load(metrics))  # a newer replaces one unsent
         writer.wake()
 
     async def _heartbeats(self, writer: Writer, interval: float) -> None:
-        """A heartbeat every `interval`, and one at once when the gateway routes by a new
-        rotation (`applied`) or holds new keys (`_converse`): a move and a key's change wait for
-        what they say (`llmgw.server.gatewayfeed`)."""
+        """A heartbeat every `interval`, with the gateway's metrics, and one at once without them
+        when the gateway routes by a new rotation (`applied`) or holds new keys (`_converse`): a
+        move and a key's change wait for what they say (`llmgw.server.gatewayfeed`)."""
+        due = trio.current_time()
         while writer.session.open:
             applied = self.applied() if self.applied is not None else None  # taken before the load is read
-            self._beat(writer)
-            with trio.move_on_after(interval):
+            timely = trio.current_time() >= due
+            if timely:
+                due = trio.current_time() + interval
+            self._beat(writer, metrics=timely)
+            with trio.move_on_after(due - trio.current_time()):
                 await (applied.wait() if applied is not None else trio.sleep_forever())
 
 

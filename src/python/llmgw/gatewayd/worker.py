@@ -112,10 +112,10 @@ class GatewayWorker:
             )
         return await self.gateway.handle(request)
 
-    def load(self) -> g.GatewayHeartbeat:
+    def load(self, metrics: bool = True) -> g.GatewayHeartbeat:
         """What its link's heartbeats say: requests in flight and answered since it started, the
-        rotation it routes by and the keys it holds, its requests on each replica and its
-        /metrics."""
+        rotation it routes by and the keys it holds, its requests on each replica and, if
+        `metrics`, its /metrics (else None: `GatewayHeartbeat.metrics`)."""
         gateway = self.gateway
         outstanding = sorted((r, n) for r, n in gateway.router.outstanding.items() if n > 0)
         return g.GatewayHeartbeat(
@@ -125,7 +125,7 @@ class GatewayWorker:
             rotation_version=gateway.rotation_version,
             keys_version=self.table.keys_version,
             outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in outstanding),
-            metrics=self.metric_families(),
+            metrics=self.metric_families() if metrics else None,
         )
 
     def _registries(self) -> tuple[MetricsRegistry, ...]:

@@ -100,7 +100,7 @@ class GatewayLink:
     connected_at: float  # unix time
     heard_at: float  # unix time of its last frame
     cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    last: g.GatewayHeartbeat = g.GatewayHeartbeat(seq=0)  # its last heartbeat
+    last: g.GatewayHeartbeat = g.GatewayHeartbeat(seq=0, metrics=())  # its last heartbeat (never without metrics)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -363,8 +363,9 @@ class GatewayFeed:
                 return
             heard = self.clock.now()
             link.heard_at = time.time()
+            frame = await linkio.readable(link.session, text)
             try:
-                event = link.session.receive(text)
+                event = link.session.receive(frame)
             except WireError as exc:
                 log.warning("gateway_bad_message", gateway=link.name, code=exc.code, reason=str(exc))
                 await link.writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S)
@@ -373,7 +374,10 @@ class GatewayFeed:
                 log.warning("gateway_reported_error", gateway=link.name, code=event.code, reason=event.message)
                 return
             if isinstance(event, gs.GatewayHeartbeatReceived):
-                link.last = event.heartbeat
+                beat = event.heartbeat
+                if beat.metrics is None:  # sent at once, for a new rotation or keys: the figures are as they were
+                    beat = attrs.evolve(beat, metrics=link.last.metrics)
+                link.last = beat
                 self.heard.fire()
 
     async def close_all(self, code: str, message: str) -> int:

@@ -21,6 +21,7 @@ import math
 import re
 from typing import Any, get_args
 
+import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
@@ -74,6 +75,132 @@ def _bool(value: Any, _: type) -> bool:
 
 for _type, _hook in ((int, _int), (float, _float), (str, _str), (bool, _bool)):
     converter.register_structure_hook(_type, _hook)
+
+# A gateway's heartbeat carries its /metrics, a series per replica in two of its families (10,000
+# series with 5,000 replicas): those are read and written here, by the rules above, instead of by
+# cattrs' generated hooks with detailed validation (about 7 µs a series each way; 120 ms for
+# one heartbeat of 5,000 replicas, on the control plane's loop). A sample leaves out its fields
+# at their defaults (gateway protocol 5).
+_FAMILY_FIELDS = frozenset(f.name for f in attrs.fields(gateway_link.MetricFamily))
+_FAMILY_NEEDS = ("name", "help", "kind")
+_SAMPLE_FIELDS = frozenset(f.name for f in attrs.fields(gateway_link.Sample))
+
+
+def _fields(value: Any, fields: frozenset[str], where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _NotTaken(f"{where}expected an object, got {shown(value)}")
+    if not value.keys() <= fields:
+        raise _NotTaken(f"{where}unknown fields {', '.join(sorted(map(repr, value.keys() - fields)))}")
+    return value
+
+
+def _each(value: Any, hook: Any, where: str) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise _NotTaken(f"{where}expected a list, got {shown(value)}")
+    try:
+        return tuple(v if isinstance(v, str) and hook is _str else hook(v, None) for v in value)
+    except _NotTaken as exc:
+        raise _NotTaken(f"{where}{exc}") from None
+
+
+_Sample = gateway_link.Sample
+_isfinite = math.isfinite
+
+
+def _quick_sample(value: Any) -> gateway_link.Sample | None:
+    """The sample `value` says if it is well formed (the usual case, checked in one go), else None."""
+    if not isinstance(value, dict) or not value.keys() <= _SAMPLE_FIELDS:
+        return None
+    labels = value.get("labels", ())
+    if isinstance(labels, list):
+        for label in labels:
+            if not isinstance(label, str):
+                return None
+        labels = tuple(labels)
+    elif labels != ():
+        return None
+    number = value.get("value", 0.0)
+    if not isinstance(number, float) or not _isfinite(number):
+        return None
+    counts = value.get("counts", ())
+    if counts != ():
+        if not isinstance(counts, list):
+            return None
+        for count in counts:
+            if count.__class__ is not int or not 0 <= count <= MAX_INT:
+                return None
+        counts = tuple(counts)
+    total = value.get("sum", 0.0)
+    if not isinstance(total, float) or not _isfinite(total):
+        return None
+    return _Sample(labels=labels, value=number, counts=counts, sum=total)
+
+
+def _sample(value: Any, where: str) -> gateway_link.Sample:
+    """`_quick_sample`'s answer, or what is wrong with `value` (its whole numbers taken as floats too)."""
+    d = _fields(value, _SAMPLE_FIELDS, where)
+    number = d.get("value", 0.0)
+    if not isinstance(number, float) or not math.isfinite(number):
+        number = _taken(_float, number, f"{where}value: ")
+    total = d.get("sum", 0.0)
+    if not isinstance(total, float) or not math.isfinite(total):
+        total = _taken(_float, total, f"{where}sum: ")
+    return gateway_link.Sample(
+        labels=_each(d["labels"], _str, f"{where}labels: ") if "labels" in d else (),
+        value=number,
+        counts=_each(d["counts"], _int, f"{where}counts: ") if "counts" in d else (),
+        sum=total,
+    )
+
+
+def _taken(hook: Any, value: Any, where: str) -> Any:
+    try:
+        return hook(value, None)
+    except _NotTaken as exc:
+        raise _NotTaken(f"{where}{exc}") from None
+
+
+def _family(value: Any, _: type) -> gateway_link.MetricFamily:
+    d = _fields(value, _FAMILY_FIELDS, "")
+    missing = [name for name in _FAMILY_NEEDS if name not in d]
+    if missing:
+        raise _NotTaken(f"missing fields {', '.join(map(repr, missing))}")
+    samples = d.get("samples", [])
+    if not isinstance(samples, list):
+        raise _NotTaken(f"samples: expected a list, got {shown(samples)}")
+    return gateway_link.MetricFamily(
+        name=_taken(_str, d["name"], "name: "),
+        help=_taken(_str, d["help"], "help: "),
+        kind=_taken(_str, d["kind"], "kind: "),
+        labels=_each(d.get("labels", []), _str, "labels: "),
+        buckets=_each(d.get("buckets", []), _float, "buckets: "),
+        samples=tuple(_quick_sample(s) or _sample(s, f"samples[{i}]: ") for i, s in enumerate(samples)),
+    )
+
+
+def _family_json(f: gateway_link.MetricFamily) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": f.name, "help": f.help, "kind": f.kind}
+    if f.labels:
+        d["labels"] = list(f.labels)
+    if f.buckets:
+        d["buckets"] = list(f.buckets)
+    d["samples"] = [_sample_json(s) for s in f.samples]
+    return d
+
+
+def _sample_json(s: gateway_link.Sample) -> dict[str, Any]:
+    d: dict[str, Any] = {"labels": list(s.labels)} if s.labels else {}
+    if s.value:
+        d["value"] = s.value
+    if s.counts:
+        d["counts"] = list(s.counts)
+    if s.sum:
+        d["sum"] = s.sum
+    return d
+
+
+converter.register_structure_hook(gateway_link.MetricFamily, _family)
+converter.register_unstructure_hook(gateway_link.MetricFamily, _family_json)
 
 # One union of everything either side may send; AgentMessage and ServerMessage are its halves.
 _ALL = (

@@ -41,8 +41,10 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # `version` of each). 3: the rotation says what the gateway needs of each model besides its
 # replicas (`ModelInfo`: its engine's routes, when it entered the catalog, why none can become
 # ready), and which replicas' state is not known yet (`unknown`). 4: a standby control plane answers a
-# hello with where the leader is (the agent link's `Redirect`).
-GATEWAY_PROTOCOL_VERSION = 4
+# hello with where the leader is (the agent link's `Redirect`). 5: a heartbeat sent at once (for a new
+# rotation or new keys) leaves the metrics out (`metrics` null: as the last that had them said), a
+# sample leaves out its fields at their defaults (a gauge's `counts` and `sum`, a histogram's `value`).
+GATEWAY_PROTOCOL_VERSION = 5
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -104,7 +106,11 @@ class GatewayHeartbeat:
     rotation_version: int = 0  # the version of the rotation it routes by now (0: none yet)
     keys_version: int = 0  # the version of the keys it holds now (0: none yet)
     outstanding: tuple[ReplicaLoad, ...] = ()  # the replicas it has requests on, by replica id
-    metrics: tuple[MetricFamily, ...] = ()  # its /metrics, family by family
+    # Its /metrics, family by family; None: as the last heartbeat that had them said. A heartbeat
+    # every heartbeat interval has them; one sent at once (for a new rotation or new keys) has
+    # not: they hold a series per replica, and during a rolling move the rotation changes every
+    # second or so (issue 31's profile: their decoding was a quarter of the control plane's CPU).
+    metrics: tuple[MetricFamily, ...] | None = None
 
 
 # -- control plane -> gateway --------------------------------------------------------------

@@ -262,7 +262,7 @@ class GatewayServerSession(Session):
             )
 
     def _check(self, message: Any) -> None:
-        if isinstance(message, g.GatewayHeartbeat):
+        if isinstance(message, g.GatewayHeartbeat) and message.metrics is not None:
             check_metrics(message.metrics)
         if isinstance(message, g.GatewayHello):
             self._check_version(message.protocol_version)
@@ -335,10 +335,15 @@ class GatewaySession(Session):
 
     def heartbeat(self, load: g.GatewayHeartbeat | None = None) -> None:
         """Queue a GatewayHeartbeat saying `load` (its `seq` is the session's), if the link is
-        open (an unsent one is replaced)."""
+        open (an unsent one is replaced: if `load` leaves the metrics out, it keeps the unsent
+        one's)."""
         if self.can_send(g.GatewayHeartbeat):
+            load = load or g.GatewayHeartbeat(seq=0)
+            pending = self.outbox.unsent(g.GatewayHeartbeat)
+            if load.metrics is None and pending is not None:
+                load = attrs.evolve(load, metrics=pending.metrics)
             self._seq += 1
-            self.send(attrs.evolve(load or g.GatewayHeartbeat(seq=0), seq=self._seq))
+            self.send(attrs.evolve(load, seq=self._seq))
 
     def _check(self, message: Any) -> None:
         if isinstance(message, g.GatewayWelcome):

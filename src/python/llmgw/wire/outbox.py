@@ -65,6 +65,11 @@ class Outbox:
         if kind in self.limits:
             self._counts[kind] = self._counts.get(kind, 0) + 1
 
+    def unsent(self, kind: type) -> Any | None:
+        """The item of a `latest` kind queued and not yet taken, if one is."""
+        pending = self._unsent_latest.get(kind)
+        return None if pending is None else pending.item
+
     def take(self) -> tuple[type, Any] | None:
         """The next (kind, item) to write, oldest first; None if nothing waits."""
         if not self._queue:

@@ -287,6 +287,14 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
 }
 
 
+@attrs.frozen
+class Decoded:
+    """A frame read already (`Session.decode`): the message it held, or why it was refused."""
+
+    message: Any = None
+    error: WireError | None = None
+
+
 class Session:
     """One end of a link: the rules are the subclass's tables (`receives`, `sends`, `outbox_kinds`
     and `events`: this module's for the agent link, `llmgw.wire.gateway_session`'s for the gateway
@@ -367,7 +375,12 @@ class Session:
         if self.state in (State.UPGRADE, State.START):
             raise LocalProtocolError(f"the {self.role} received a frame before its side began ({self.state.value})")
         try:
-            message = self._decode(frame if isinstance(frame, (str, bytes)) else encode(frame))
+            if isinstance(frame, Decoded):
+                if frame.error is not None:
+                    raise frame.error
+                message = frame.message
+            else:
+                message = self._decode(frame if isinstance(frame, (str, bytes)) else encode(frame))
             after = self.receives.get(self.state, {}).get(type(message))
             if after is None:
                 raise ProtocolError(w.UNEXPECTED, self._unexpected(message))
@@ -378,6 +391,14 @@ class Session:
         self.state = after
         self._answer(message)
         return self.events[type(message)](message)
+
+    def decode(self, frame: str | bytes) -> Decoded:
+        """What `frame` holds, for `receive` to take; touches nothing of the session, so that a
+        thread may run it (`llmgw.linkio.readable`)."""
+        try:
+            return Decoded(self._decode(frame))
+        except WireError as exc:
+            return Decoded(error=exc)
 
     def _decode(self, text: str | bytes) -> Any:
         return structure(parse(text), self.accepts)
