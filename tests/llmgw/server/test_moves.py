@@ -50,21 +50,24 @@ def where(plane: ControlPlane) -> dict[str, tuple[str, ...]]:
     return {k: v.placement.nodes for k, v in sorted(plane.replicas.placed.items())}
 
 
-async def crowded_plane(tmp_path: Path, nursery: trio.Nursery) -> ControlPlane:
-    """Two replicas of "chat" placed while node "a" was alone; then "b" joins."""
+async def crowded_plane(
+    tmp_path: Path, nursery: trio.Nursery, *, replicas: int = 2, more: tuple[str, ...] = ("b",)
+) -> ControlPlane:
+    """Two replicas of "chat" placed while node "a" was alone; then "b" joins (or `more`)."""
     state = tmp_path / "cp"
     make_state(state, sans=["127.0.0.1"], days=3)
     config = ServerConfig(
         engines=OFFLINE_ENGINES,
         server=ServerSection(state_dir=str(state)),
-        models=(Model(name="chat", engine="sim", replicas=2),),
+        models=(Model(name="chat", engine="sim", replicas=replicas),),
     )
     plane = ControlPlane.open(config, state)
     await nursery.start(plane.drains.serve)
     await join(plane, "a")
     plane.replicas.reconcile(trio.current_time())
-    assert where(plane) == {"chat-0": ("a",), "chat-1": ("a",)}
-    await join(plane, "b")
+    assert where(plane) == {f"chat-{i}": ("a",) for i in range(replicas)}
+    for node in more:
+        await join(plane, node)
     return plane
 
 
@@ -102,6 +105,42 @@ async def test_a_replica_placed_with_another_of_its_model_moves_to_a_free_node(
     names = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
     assert names == ["spread_started", "move_replacement_ready", "move_original_stopped"]
     assert await plane.moves.spread_once() is False  # spread: nothing more to do
+
+
+async def test_a_wave_moves_several_crowded_replicas_together_at_most_spread_at_once(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog
+) -> None:
+    """Four replicas placed while "a" was alone, then three nodes join: one look places a
+    replacement on each free node at once (here at most two a wave), each to its own node."""
+    caplog.set_level("INFO")
+    plane = await crowded_plane(tmp_path, nursery, replicas=4, more=("b", "c", "d"))
+    plane.moves.spread_at_once = 2
+    waves: list[bool] = []
+
+    async def spread() -> None:
+        waves.append(await plane.moves.spread_once())
+
+    for wave in (2, 1):
+        nursery.start_soon(spread)
+        await wait_until(
+            lambda n=wave: len(plane.replicas.surge) == n, "the wave", changed=placements_change(plane), timeout=HANG_S
+        )
+        surge = sorted(plane.replicas.surge)
+        assert f"llmgw_replica_moves_in_progress {wave}\n" in plane.moves.render_metrics()
+        homes = [plane.replicas.placed[r].placement.nodes for r in surge]
+        assert len(set(homes)) == wave and ("a",) not in homes  # each on a node of its own, not "a"
+        for replacement in surge:
+            ready(plane, replacement)
+        await wait_until(
+            lambda: not plane.replicas.surge, "the wave done", changed=placements_change(plane), timeout=HANG_S
+        )
+    await wait_until(lambda: len(waves) == 2, "both waves", changed=placements_change(plane), timeout=HANG_S)
+    assert waves == [True, True] and sorted(where(plane).values()) == [("a",), ("b",), ("c",), ("d",)]
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
+    assert started[:2] == ["spread_started", "spread_started"]  # the first wave's two, before either was ready
+    assert await plane.moves.spread_once() is False
+    shown = plane.moves.render_metrics()
+    assert 'llmgw_replica_moves_total{outcome="done"} 3\n' in shown and "llmgw_replica_moves_in_progress 0\n" in shown
 
 
 async def test_the_original_stops_only_once_its_requests_have_finished(
@@ -161,6 +200,7 @@ async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_late
     failed_at = trio.current_time()
     assert await plane.moves.spread_once() is False  # within the retry pause: not even tried
     assert not plane.replicas.surge and trio.current_time() == failed_at
+    assert 'llmgw_replica_moves_total{outcome="failed"} 1\n' in plane.moves.render_metrics()
     await trio.sleep(plane.moves.spread_retry_s)
     for node in ("a", "b"):  # the nodes kept their heartbeats all along
         plane.registry.heartbeat(node, plane.registry.nodes[node].session.conn_id, trio.current_time())

@@ -460,6 +460,7 @@ class ControlPlane:
                 + self.loop_lag.render(trio.current_time())
                 + self.registry.clock.render()
                 + self.endpoint.render_metrics()
+                + self.moves.render_metrics()
                 + (self.step_timer.render() if self.step_timer is not None else "")
             )
             # One exposition: a family both have (the listeners' connections) appears once.

@@ -1,6 +1,6 @@
 """Moving replicas without an outage: drains, and spreading replicas that share a node.
 
-A move is always the same four steps, one replica at a time:
+A move is always the same four steps, for one replica:
 
 1. a replacement is placed where the scheduler allows, on top of the catalog's count;
 2. it becomes ready (or the move stops, the replacement is withdrawn, the original stays);
@@ -14,10 +14,13 @@ A move is always the same four steps, one replica at a time:
 nodes join one at a time, so the first to join gets every replica of a model, and a second
 replica on the same machine protects against nothing. Whenever the cluster changes, the
 spreader looks for a replica sharing a node with another of its model while a schedulable
-node holds none, and moves it there — the same move, so it costs no request.
+node holds none, and moves it there — the same move, so it costs no request. The spreader
+makes its moves in waves: one look over the cluster places a replacement for up to
+`spread_at_once` crowded replicas, each on a node that holds none of its model, and the wave's
+moves go on together (a thousand nodes joining at once leave hundreds crowded on the first).
 
 Drains run in `llmgw.server.drains`, which calls `replace` and `retire` here, one move at a
-time with the spreader (`lock`).
+time; a drain's move and a spreading wave never run together (`lock`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from llmgw.log import get_logger
+from llmgw.metrics import MetricsRegistry
 from llmgw.server.changes import Changes, rest
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
@@ -41,6 +45,10 @@ log = get_logger("llmgw.moves")
 READY_TIMEOUT_S = 600.0  # a replacement's weights may take long to fetch and load
 RETIRE_GRACE_S = 60.0  # requests on the original may finish for this long after it leaves rotation
 SPREAD_RETRY_S = 300.0  # after a spreading move that failed, leave that model alone this long
+# Spreading moves made together, in one wave: a thousand nodes joining at once leave hundreds of
+# replicas crowded on the first (the bench of issue 31: 875 of 1,000), and one at a time took
+# minutes, each move a look over the whole cluster.
+SPREAD_AT_ONCE = 32
 
 
 class MoveFailed(Exception):
@@ -76,10 +84,26 @@ class Moves:
         self.ready_timeout_s = READY_TIMEOUT_S
         self.retire_grace_s = RETIRE_GRACE_S
         self.spread_retry_s = SPREAD_RETRY_S
+        self.spread_at_once = SPREAD_AT_ONCE
         self.retiring: set[str] = retiring if retiring is not None else set()
-        self.lock = trio.Lock()  # one move at a time, drains and spreading together
+        self.lock = trio.Lock()  # one move (or spreading wave) at a time, drains and spreading together
         self.reported = Wakeup()  # an agent reported its replicas: a replacement may be ready
         self._spread_failed_at: dict[str, float] = {}  # model -> when its last spreading move failed
+        self.metrics = MetricsRegistry()
+        self._ended = self.metrics.counter(
+            "llmgw_replica_moves_total",
+            "Moves of a replica (a drain's or spreading's) that ended, by outcome: done (the "
+            "replacement ready, the original stopped) or failed (the replacement never got ready; "
+            "the original runs on).",
+            ("outcome",),
+        )
+        self._under_way = self.metrics.gauge(
+            "llmgw_replica_moves_in_progress", "Moves under way: a replacement placed, its original not yet stopped."
+        )
+
+    def render_metrics(self) -> str:
+        self._under_way.set(len(self.replicas.surge))
+        return self.metrics.render()
 
     def replicas_changed(self) -> None:
         """Called when an agent reports replica states: a replacement may have become ready."""
@@ -111,6 +135,7 @@ class Moves:
         await self._push(new.nodes)
         if not await self._wait_ready(new.replica_id, new.nodes[0]):
             self.replicas.retire(new.replica_id, new.replica_id)
+            self._ended.inc(outcome="failed")
             await self._push(new.nodes)
             raise MoveFailed(
                 f"the replacement {new.replica_id} of {replica_id} did not become ready within "
@@ -118,6 +143,7 @@ class Moves:
             )
         log.info("move_replacement_ready", replica=replica_id, replacement=new.replica_id, on=list(new.nodes))
         await self.retire(replica_id, new.replica_id)
+        self._ended.inc(outcome="done")
 
     async def retire(self, replica_id: str, replacement_id: str | None) -> None:
         """Steps 3-4: out of rotation, its requests finish (bounded), then it stops."""
@@ -164,32 +190,53 @@ class Moves:
         return max(0.0, min(waits)) if waits else math.inf
 
     async def spread_once(self) -> bool:
-        """One spreading move, if one would help; whether a move was made."""
+        """One wave of spreading moves, if one would help (up to `spread_at_once`, made together:
+        each replacement goes to a node that holds no replica of its model, so their loads
+        share nothing); whether a move was made."""
         replicas = self.replicas
         now, live_now = trio.current_time(), self.registry.clock.now()  # retries; liveness
         if self._draining():
             return False  # a drain is moving things: let it finish first
         if not replicas.placed:
             return False  # nothing to spread (and no node's view to build: a cluster still joining)
-        for rid in crowded(replicas.node_views(live_now), [s.placement for s in replicas.placed.values()]):
-            model = replicas.placed[rid].placement.model
-            failed_at = self._spread_failed_at.get(model)
-            if failed_at is not None and now < failed_at + self.spread_retry_s:
-                continue
-            proposal, _ = replicas.propose_replacement(rid, live_now)
-            if proposal is None or not replicas.spreads(proposal):
-                continue  # no free node would take it: staying crowded is better than nothing
-            async with self.lock:
-                if rid not in replicas.placed:
-                    return True
-                replacement = replicas.add_surge(proposal)
-                log.info("spread_started", replica=rid, model=model, to=list(proposal.nodes))
-                try:
-                    await self.replace(rid, replacement)
-                except MoveFailed as exc:
-                    self._spread_failed_at[model] = trio.current_time()
-                    log.warning("spread_failed", replica=rid, reason=str(exc), retry_in_s=self.spread_retry_s)
-                    return False
+        candidates = [
+            rid
+            for rid in crowded(replicas.node_views(live_now), [s.placement for s in replicas.placed.values()])
+            if not self._resting(replicas.placed[rid].placement.model, now)
+        ]
+        if not candidates:
+            return False
+        async with self.lock:
+            wave = []
+            proposals = replicas.propose_spread([r for r in candidates if r in replicas.placed], live_now)
+            for rid, proposal in proposals:
+                if len(wave) == self.spread_at_once:
+                    break
+                if not replicas.spreads(proposal):
+                    continue  # no free node would take it: staying crowded is better than nothing
+                wave.append((rid, replicas.add_surge(proposal)))
+                log.info("spread_started", replica=rid, model=proposal.model, to=list(proposal.nodes))
+            if not wave:
+                return False
+            moved: list[bool] = []
+            async with trio.open_nursery() as nursery:
+                for rid, replacement in wave:
+                    nursery.start_soon(self._spread, rid, replacement, moved)
+        return any(moved)
+
+    def _resting(self, model: str, now: float) -> bool:
+        failed_at = self._spread_failed_at.get(model)
+        return failed_at is not None and now < failed_at + self.spread_retry_s
+
+    async def _spread(self, replica_id: str, replacement: Stored, moved: list[bool]) -> None:
+        model = replacement.placement.model
+        try:
+            await self.replace(replica_id, replacement)
+        except MoveFailed as exc:
+            self._spread_failed_at[model] = trio.current_time()
+            log.warning("spread_failed", replica=replica_id, reason=str(exc), retry_in_s=self.spread_retry_s)
+            moved.append(False)
+            return
+        if not self._resting(model, trio.current_time()):
             self._spread_failed_at.pop(model, None)
-            return True
-        return False
+        moved.append(True)

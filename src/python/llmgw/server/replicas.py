@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -246,6 +247,25 @@ class Replicas:
             reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
             return None, reason
         return new[0], ""
+
+    def propose_spread(self, replica_ids: Sequence[str], now: float) -> list[tuple[str, Placement]]:
+        """Where one more replica of each of `replica_ids`' models would go now (one look for all:
+        a spreading wave), on top of the catalog's count, paired with the replica it would
+        replace, in their order; those with no place are left out. Changes nothing."""
+        wanted = Counter(self.placed[rid].placement.model for rid in replica_ids)
+        models = [
+            attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m for m in self.models()
+        ]
+        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
+        new: dict[str, list[Placement]] = {}
+        for p in plan(self.node_views(now), models, counted).start:
+            new.setdefault(p.model, []).append(p)
+        out = []
+        for rid in replica_ids:
+            found = new.get(self.placed[rid].placement.model)
+            if found:
+                out.append((rid, found.pop(0)))
+        return out
 
     def add_surge(self, p: Placement) -> Stored:
         """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""
