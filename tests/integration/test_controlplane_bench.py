@@ -93,6 +93,9 @@ def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cut
     # storm (the agents' hellos say what they run; their nodes stayed within their TTL).
     assert result["ready_routed"] == 12 and result["storm_ready_routed_min"] == 12, result
     assert result["rss_mib"] > 20  # the control plane's own process, not this one's
+    # The 12 replicas were placed as the agents joined, some together: spread before steady.
+    assert isinstance(result["settle_s"], NUMBER) and result["settle_s"] >= 0
+    assert isinstance(result["replica_moves"], int) and result["replica_moves"] >= 0
     # The certificates are kept: a second run issues none (its CA is the same).
     certs = sorted(p.name for p in (tmp_path / "cache" / "certs").iterdir())
     assert certs == ["ca.crt", *(f"node-{i:05d}" for i in range(12))]

@@ -27,7 +27,9 @@ need no agents, placement and reconciling, measured in this process.
    the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
    control plane's CPU over `--steady-seconds` (at least two of the heartbeat intervals the
    agents are told, `heartbeat_interval_s`, and begun one interval after the last joined: the
-   heartbeats spread by then) once all have joined, and its RSS then; past the default agents'
+   heartbeats spread by then) once all have joined and the replicas placed together while few
+   nodes had joined are spread (`settle_s` after all joined, `replica_moves` made; no move
+   under way or ended for SETTLED_QUIET_S), and its RSS then; past the default agents'
    budget (`max_agent_connections`, an eighth of the open-file limit) the bench sets it;
    `heartbeat_p99_ms`: the 99th percentile of the time from an agent's sending a heartbeat to
    the registry's counting it, over the `heartbeats_steady` heartbeats of that window (the
@@ -356,12 +358,18 @@ def agents_phase(
         join_s = wait_for(f"{agents} agents linked", lambda: load.connected() == agents, AGENTS_TIMEOUT_S)
         wait_for(f"{agents} nodes joined", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
         join_s = max(join_s, 0.0)
+        # The replicas placed while few nodes had joined share their nodes: the spreader moves
+        # them to the nodes that joined since. Steady is once it has done so.
+        joined_at = time.monotonic()
+        wait_for("the spreading moves done", lambda: settled(http_port), AGENTS_TIMEOUT_S, every_s=SETTLED_QUIET_S)
+        settle_s = time.monotonic() - joined_at - SETTLED_QUIET_S
         # What joining started settles, and the heartbeats spread over an interval (every agent
         # joined within the last seconds beat together at first); the window is at least two
         # intervals, so that it holds as many heartbeats as the rate says, no more, no fewer.
         interval = gauge(http_port, "llmgw_agent_heartbeat_interval_seconds")
-        time.sleep(max(min(5.0, steady_s), interval))
+        time.sleep(max(min(5.0, steady_s), interval - SETTLED_QUIET_S))
         steady_s = max(steady_s, 2 * interval)
+        moves = int(sum(counters_of(http_port, MOVES).values()))
         before, counted = cpu_s(server.pid), histograms(http_port, LAG, HEARTBEAT_DELAY)
         time.sleep(steady_s)
         cpu_pct = 100 * (cpu_s(server.pid) - before) / steady_s
@@ -408,6 +416,8 @@ def agents_phase(
         "agent_processes": len(load.procs),
         "gateways": gateways,
         "join_s": round(join_s, 2),
+        "settle_s": round(max(settle_s, 0.0), 2),  # from all joined until the spreading moves were done
+        "replica_moves": moves,  # the moves made by then (spreading replicas placed together)
         "steady_seconds": steady_s,
         "heartbeat_interval_s": interval,
         "max_agent_connections": cap,
@@ -456,6 +466,29 @@ def histograms(http_port: int, *families: str) -> dict[str, dict[float, float]]:
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             out[family][math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+MOVES, UNDER_WAY = "llmgw_replica_moves_total", "llmgw_replica_moves_in_progress"
+SETTLED_QUIET_S = 3.0  # no move under way, and none begun, for this long: the spreader is done
+_last_moves: list[float] = []
+
+
+def counters_of(http_port: int, family: str) -> dict[str, float]:
+    """A family of the control plane's (/metrics), by its series' labels as written."""
+    out = {}
+    for line in metrics_text(http_port).splitlines():
+        if line.startswith(family + "{") or line.startswith(family + " "):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
+
+
+def settled(http_port: int) -> bool:
+    """Whether no move is under way and none ended since the last look (SETTLED_QUIET_S ago)."""
+    ended = sum(counters_of(http_port, MOVES).values())
+    quiet = gauge(http_port, UNDER_WAY) == 0 and _last_moves[-1:] == [ended]
+    _last_moves.append(ended)
+    return quiet
 
 
 # The agent port's own turning away (not a peer's closing: the cut itself closes every link).
