@@ -209,11 +209,14 @@ class Moves:
         async with self.lock:
             wave = []
             proposals = replicas.propose_spread([r for r in candidates if r in replicas.placed], live_now)
+            holding = replicas.holding()
             for rid, proposal in proposals:
                 if len(wave) == self.spread_at_once:
                     break
-                if not replicas.spreads(proposal):
+                taken = holding.setdefault(proposal.model, set())
+                if taken & set(proposal.nodes):
                     continue  # no free node would take it: staying crowded is better than nothing
+                taken.update(proposal.nodes)
                 wave.append((rid, replicas.add_surge(proposal)))
                 log.info("spread_started", replica=rid, model=proposal.model, to=list(proposal.nodes))
             if not wave:

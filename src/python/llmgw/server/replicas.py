@@ -128,6 +128,7 @@ class Replicas:
         self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
         self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
+        self._rows: dict[str, tuple[Stored, dict]] = {}  # `rows`' row of each placement, as made
 
     def node_views(self, now: float) -> list[NodeView]:
         keys_of: dict[str, list[str]] = {}
@@ -285,8 +286,14 @@ class Replicas:
 
     def spreads(self, p: Placement) -> bool:
         """Whether `p` would run where no replica of its model runs now."""
-        taken = {n for s in self.placed.values() if s.placement.model == p.model for n in s.placement.nodes}
-        return not taken & set(p.nodes)
+        return not self.holding().get(p.model, set()) & set(p.nodes)
+
+    def holding(self) -> dict[str, set[str]]:
+        """Model -> the nodes a replica of it runs on now."""
+        out: dict[str, set[str]] = {}
+        for stored in self.placed.values():
+            out.setdefault(stored.placement.model, set()).update(stored.placement.nodes)
+        return out
 
     def retire(self, replica_id: str, replacement: str | None) -> None:
         """For a drain: the original goes; its replacement now counts as one of the catalog's."""
@@ -302,8 +309,18 @@ class Replicas:
         )
 
     def rows(self) -> dict[str, dict]:
-        """The placements as the store keeps them: no key in plain text."""
-        return {k: _to_row(v) for k, v in self.placed.items()}
+        """The placements as the store keeps them: no key in plain text. Each row is made once
+        per placement (a wave of moves saves at each of its steps, a thousand rows each time)."""
+        made, out = self._rows, {}
+        for k, v in self.placed.items():
+            row = made.get(k)
+            if row is None or row[0] is not v:
+                row = made[k] = (v, _to_row(v))
+            out[k] = row[1]
+        if len(made) > len(out):
+            for k in made.keys() - out.keys():
+                del made[k]
+        return out
 
     def _save(self) -> None:
         self.saver.offer(self.rows())
