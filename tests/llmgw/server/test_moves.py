@@ -143,6 +143,33 @@ async def test_a_wave_moves_several_crowded_replicas_together_at_most_spread_at_
     assert 'llmgw_replica_moves_total{outcome="done"} 3\n' in shown and "llmgw_replica_moves_in_progress 0\n" in shown
 
 
+async def test_a_replica_placed_while_a_move_is_under_way_takes_neither_its_id_nor_its_place(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The catalog grows while a replacement waits to be ready: the reconciler's new replica
+    gets an id of its own (it took the replacement's once, and the move waited 10 minutes for
+    a replica that was gone, then stopped the new one), and the move still ends as it should."""
+    plane = await crowded_plane(tmp_path, nursery)
+    moved: list[bool] = []
+    spread_done = trio.Event()
+
+    async def spread() -> None:
+        moved.append(await plane.moves.spread_once())
+        spread_done.set()
+
+    nursery.start_soon(spread)
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
+    [replacement] = plane.replicas.surge
+    plane.replicas.models = lambda: (Model(name="chat", engine="sim", replicas=3),)  # a reload: one more
+    plane.replicas.reconcile(trio.current_time())
+    assert plane.replicas.placed[replacement].placement.nodes == ("b",)  # still the move's
+    [grown] = set(where(plane)) - {"chat-0", "chat-1", replacement}
+    ready(plane, replacement)
+    with trio.fail_after(HANG_S):
+        await spread_done.wait()
+    assert moved == [True] and sorted(where(plane)) == sorted(["chat-0", grown, replacement])
+
+
 async def test_the_original_stops_only_once_its_requests_have_finished(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

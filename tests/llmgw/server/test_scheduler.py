@@ -47,6 +47,21 @@ def test_gpus_and_memory_must_fit_after_what_is_placed() -> None:
     assert "a has 1 free GPUs" in pending.reason or "a has 6.0 GiB free" in pending.reason
 
 
+def test_a_moves_replacement_keeps_its_replica_id_and_its_gpus_from_new_placements() -> None:
+    """A replacement on top of the catalog's count (`reserved`) is neither kept nor stopped, but
+    a pending replica placed meanwhile takes neither its id nor its node's last GPU."""
+    nodes = [node("a", gpus=2), node("b", gpus=1), node("c", gpus=1)]
+    first = plan(nodes[:1], [model(replicas=1, gpus_per_replica=1)], [])
+    [m0] = first.start
+    replacement = attrs.evolve(m0, replica_id="m-1", nodes=("b",))  # m-0 moving to b
+    p = plan(nodes, [model(replicas=2, gpus_per_replica=1)], [m0], [replacement])
+    assert p.keep == (m0,) and p.stop == ()  # the replacement is the move's, not the plan's
+    [new] = p.start
+    assert new.replica_id == "m-2" and new.nodes == ("c",)  # not m-1, and not b's one GPU
+    p = plan(nodes[:2], [model(replicas=3, gpus_per_replica=1)], [m0], [replacement])
+    assert [x.nodes for x in p.start] == [("a",)] and p.pending[0].replicas == 1  # b is full
+
+
 def test_only_schedulable_nodes_with_the_engine() -> None:
     nodes = [
         node("cordoned", schedulable=False, why_not="cordoned"),

@@ -177,8 +177,8 @@ class Replicas:
     def reconcile(self, now: float) -> set[str]:
         """Place what the catalog wants; returns the nodes whose assignments changed."""
         before = {k: s.placement.nodes for k, s in self.placed.items()}
-        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
-        result = plan(self.node_views(now), list(self.models()), counted)
+        counted, surge = self._counted()
+        result = plan(self.node_views(now), list(self.models()), counted, surge)
         placed = {p.replica_id: self.placed[p.replica_id] for p in result.keep}
         placed.update({k: self.placed[k] for k in self.surge if k in self.placed})  # a drain owns these
         used_ports = {s.dist_init_port for s in placed.values()}
@@ -241,8 +241,8 @@ class Replicas:
         count (the reason when nowhere); changes nothing."""
         original = self.placed[replica_id].placement
         models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
-        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
-        result = plan(self.node_views(now), models, counted)
+        counted, surge = self._counted()
+        result = plan(self.node_views(now), models, counted, surge)
         new = [p for p in result.start if p.model == original.model]
         if not new:
             reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
@@ -257,9 +257,9 @@ class Replicas:
         models = [
             attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m for m in self.models()
         ]
-        counted = [s.placement for k, s in self.placed.items() if k not in self.surge]
+        counted, surge = self._counted()
         new: dict[str, list[Placement]] = {}
-        for p in plan(self.node_views(now), models, counted).start:
+        for p in plan(self.node_views(now), models, counted, surge).start:
             new.setdefault(p.model, []).append(p)
         out = []
         for rid in replica_ids:
@@ -267,6 +267,16 @@ class Replicas:
             if found:
                 out.append((rid, found.pop(0)))
         return out
+
+    def _counted(self) -> tuple[list[Placement], list[Placement]]:
+        """The placements the catalog counts, and the moves' replacements on top of them: a plan
+        neither keeps nor stops those, but leaves their GPUs and replica ids alone (a pending
+        replica placed while a move was under way took its replacement's id, and the move
+        waited for a replica that was gone)."""
+        counted, surge = [], []
+        for k, s in self.placed.items():
+            (surge if k in self.surge else counted).append(s.placement)
+        return counted, surge
 
     def add_surge(self, p: Placement) -> Stored:
         """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""

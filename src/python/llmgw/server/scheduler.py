@@ -101,7 +101,15 @@ class _Free:
             self.per_model[(p.model, n)] = self.per_model.get((p.model, n), 0) + 1
 
 
-def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[Placement]) -> Plan:
+def plan(
+    nodes: Sequence[NodeView],
+    catalog: Sequence[Model],
+    placed: Sequence[Placement],
+    reserved: Sequence[Placement] = (),
+) -> Plan:
+    """`reserved`: placements outside the catalog's count (a move's replacement, until its
+    original stops) that the plan neither keeps nor stops, but whose GPUs, memory and replica
+    ids (their slots) no new placement takes."""
     by_id = {n.node_id: n for n in nodes}
     models = {m.name: m for m in catalog}
     keep: list[Placement] = []
@@ -134,11 +142,16 @@ def plan(nodes: Sequence[NodeView], catalog: Sequence[Model], placed: Sequence[P
     )
     for p in keep:
         free.take(p)
+    reserved_slots: dict[str, set[int]] = {}
+    for p in reserved:
+        reserved_slots.setdefault(p.model, set()).add(_slot(p))
+        if all(n in by_id for n in p.nodes):
+            free.take(p)
     start: list[Placement] = []
     pending: list[Pending] = []
     for model in catalog:
         have = kept.get(model.name, [])
-        used_slots = {_slot(p) for p in have}
+        used_slots = {_slot(p) for p in have} | reserved_slots.get(model.name, set())
         missing = model.replicas - len(have)
         if missing <= 0:
             continue
