@@ -58,6 +58,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -601,5 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _stopped(signum: int, _frame: object) -> None:
+    # `timeout` or an operator ends a long run: the `finally`s stop the server and the agents'
+    # processes (a default SIGTERM would leave them running).
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stopped)
     sys.exit(main())

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
 from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import NodeRegistry
-from llmgw.server.replicas import Replicas, sealed_keys
+from llmgw.server.replicas import Placements, Replicas, Stored, sealed_keys
+from llmgw.server.scheduler import Placement
 from llmgw.server.views import gateway_rotation
 from llmgw.wire import agent_link as w
 
@@ -280,3 +283,41 @@ def test_each_models_details_say_its_routes_its_created_and_why_none_can_become_
     assert gateway_rotation(reg5, r5, catalog[2:], (), now, {}).details[0].unservable  # no vllm at all
     reg5.nodes["a"].engines = (*SIM, w.EngineStatus(name="vllm", version="", ok=False, state=w.ENGINE_INSTALLING))
     assert gateway_rotation(reg5, r5, catalog[2:], (), now, {}).details[0].unservable == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["set", "del", "pop"]),
+            st.sampled_from([f"r{i}" for i in range(6)]),
+            st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=2, unique=True),
+        ),
+        max_size=40,
+    )
+)
+def test_the_placements_index_by_node_follows_every_change(steps) -> None:
+    """`Placements.on(node)` (what a node's desired state lists) is always what a look over all
+    of them would find, whatever was set, replaced, deleted or popped."""
+    placed, plain = Placements(), {}
+    for op, rid, nodes in steps:
+        stored = Stored(
+            placement=Placement(replica_id=rid, model="m", engine="sim", nodes=tuple(nodes)),
+            api_key="k",
+            sealed_key="s",
+        )
+        if op == "set":
+            placed[rid], plain[rid] = stored, stored
+        elif rid in plain:
+            del plain[rid]
+            if op == "del":
+                del placed[rid]
+            else:
+                assert placed.pop(rid).placement.replica_id == rid
+        else:
+            assert placed.pop(rid, None) is None
+        for node in "abcd":
+            assert placed.on(node) == {k for k, v in plain.items() if node in v.placement.nodes}
+    assert dict(placed) == plain and Placements(plain.items()).on("a") == placed.on("a")
+    with pytest.raises(TypeError, match="by item only"):
+        placed.update(plain)

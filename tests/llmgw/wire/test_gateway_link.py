@@ -173,3 +173,13 @@ def test_a_rate_is_divided_and_its_burst_is_at_least_one() -> None:
     assert g.share_of_rate(60, g.ShareChanged(index=0, count=2)) == (30.0, 30.0)
     assert g.share_of_rate(1, g.ShareChanged(index=1, count=4)) == (0.25, 1.0)
     assert g.share_of_rate(0, g.ShareChanged(index=0, count=2)) == (0.0, 0.0)
+
+
+def test_one_message_to_many_peers_is_encoded_once() -> None:
+    """The rotation goes to every gateway instance as one object: its frame is made once."""
+    rotation = g.RotationChanged(models=("chat",), endpoints=(ENDPOINT,) * 3, version=4)
+    frame = encode(rotation)
+    assert encode(rotation) is frame  # the same object: the same frame, not made again
+    again = g.RotationChanged(models=("chat",), endpoints=(ENDPOINT,) * 3, version=4)
+    assert encode(again) == frame  # an equal one: an equal frame
+    assert decode(encode(g.RotationChanged(models=("chat",), endpoints=(), version=5)), g.ControlMessage).version == 5

@@ -26,8 +26,9 @@ from __future__ import annotations
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -65,6 +66,55 @@ class Stored:
     api_key: str = attrs.field(repr=False)  # in memory only: the database holds `sealed_key`
     sealed_key: str = attrs.field(repr=False)
     dist_init_port: int = 0
+
+
+class Placements(dict):
+    """The placements by replica id (`Stored`), indexed by node as they change: a node's desired
+    state lists its own (`on`), and with thousands of nodes joining a look over all of them for
+    each made the join quadratic. Changed only by item: `placed[k] = v`, `del placed[k]`, `pop`."""
+
+    def __init__(self, items: Iterable[tuple[str, Stored]] = ()) -> None:
+        super().__init__()
+        self._by_node: dict[str, set[str]] = {}
+        for k, v in items:
+            self[k] = v
+
+    def on(self, node_id: str) -> set[str]:
+        """The replica ids placed on `node_id` (a member on it)."""
+        return self._by_node.get(node_id, set())
+
+    def __setitem__(self, key: str, value: Stored) -> None:
+        if key in self:
+            self._unindex(key, self[key])
+        super().__setitem__(key, value)
+        for n in value.placement.nodes:
+            self._by_node.setdefault(n, set()).add(key)
+
+    def __delitem__(self, key: str) -> None:
+        self._unindex(key, self[key])
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            value = self[key]
+            del self[key]
+            return value
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+    def _unindex(self, key: str, value: Stored) -> None:
+        for n in value.placement.nodes:
+            here = self._by_node.get(n)
+            if here is not None:
+                here.discard(key)
+                if not here:
+                    del self._by_node[n]
+
+    def _unsupported(self, *args: Any, **kw: Any) -> None:
+        raise TypeError("Placements change by item only (placed[k] = v, del placed[k], pop)")
+
+    update = setdefault = popitem = clear = __ior__ = _unsupported  # type: ignore[assignment]
 
 
 # How a row came out of the database.
@@ -118,7 +168,7 @@ class Replicas:
         self.models = models
         self.fabrics = fabrics
         self.keys = keys
-        self.placed: dict[str, Stored] = {}
+        self.placed = Placements()
         self.at_open: dict[str, list[str]] = {PLAIN: [], REPLACED: []}  # replica ids, by how their row was read
         for rid, row in store.at_open.placements.items():
             self.placed[rid], how = _from_row(rid, row, keys)
@@ -199,7 +249,7 @@ class Replicas:
             if old != new:
                 changed |= set(old or ()) | set(new or ())
         save = changed or placed.keys() != self.placed.keys()
-        self.placed = placed
+        self.placed = Placements(placed.items())
         if save:
             self._save()
         return changed
@@ -340,10 +390,9 @@ class Replicas:
     ) -> tuple[w.ReplicaAssignment, ...]:
         """`max_weights_bytes`: [downloads].max_weights_gib in bytes (0: the agent's default)."""
         out = []
-        for rid, stored in sorted(self.placed.items()):
+        for rid in sorted(self.placed.on(node_id)):
+            stored = self.placed[rid]
             p = stored.placement
-            if node_id not in p.nodes:
-                continue
             model = model_of(p.model)
             if model is None:
                 continue

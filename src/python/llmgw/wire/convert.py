@@ -237,9 +237,20 @@ GATEWAY_TYPES = {tag(cls): cls for cls in get_args(_GATEWAY)}
 _UNION_OF = {**{cls: _GATEWAY for cls in get_args(_GATEWAY)}, **{cls: _ALL for cls in get_args(_ALL)}}
 
 
+# The last message of each type encoded, and its frame: the same message to many peers (the
+# rotation to every gateway instance, thousands of replicas) is encoded once. Every message type
+# is frozen, so the same object says the same thing.
+_last_encoded: dict[type, tuple[Any, str]] = {}
+
+
 def encode(message: Any) -> str:
+    last = _last_encoded.get(type(message))
+    if last is not None and last[0] is message:
+        return last[1]
     union = _UNION_OF.get(type(message), _ALL)  # another type: cattrs' own error names it
-    return json.dumps(converter.unstructure(message, union), separators=(",", ":"))
+    text = json.dumps(converter.unstructure(message, union), separators=(",", ":"))
+    _last_encoded[type(message)] = (message, text)
+    return text
 
 
 def decode(text: str | bytes, expected: Any) -> Any:
