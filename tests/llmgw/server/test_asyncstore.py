@@ -18,8 +18,8 @@ import trio
 
 from llmgw.backoff import Backoff
 from llmgw.server.asyncstore import AsyncStore, LatestWriter
-from llmgw.server.errors import StoreBusy, StoreCorrupt
-from llmgw.server.store import Store, store_path
+from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError
+from llmgw.server.store import NodeRow, Store, store_path
 from testlib.stores import StoreUnderTest
 from testlib.waiting import wait_until
 
@@ -71,6 +71,48 @@ async def test_calls_take_turns_on_the_one_connection(store_backend: StoreUnderT
         for i in range(50):
             nursery.start_soon(store.saw_node, f"n{i:02d}", f"127.0.0.{i + 2}")
     assert [n.node_id for n in await store.nodes()] == [f"n{i:02d}" for i in range(50)]
+
+
+async def test_nodes_seen_while_the_store_is_busy_are_written_together_each_caller_given_its_row(
+    store_backend: StoreUnderTest,
+) -> None:
+    """Thousands of agents dialling at once: those whose sighting waits for the store's turn
+    share one transaction, and each hello still gets its node's row (cordoned as stored)."""
+    store = store_backend.open_async(busy_timeout_s=BUSY_S)
+    await store.saw_node("n00", "127.0.0.2")
+    await store.set_cordoned("n00", True)
+    batches: list[list[str]] = []
+    write = store._store.saw_nodes
+
+    def counted(seen: dict[str, str]):
+        batches.append(sorted(seen))
+        return write(seen)
+
+    store._store.saw_nodes = counted  # type: ignore[method-assign]
+    rows: dict[str, NodeRow] = {}
+    refused: list[str] = []
+
+    async def saw(i: int) -> None:
+        try:
+            rows[f"n{i:02d}"] = await store.saw_node(f"n{i:02d}", f"127.0.0.{i + 2}")
+        except StoreError as exc:
+            refused.append(type(exc).__name__)
+
+    async with trio.open_nursery() as nursery:
+        async with store._limiter:  # the store busy with another call meanwhile
+            for i in range(30):
+                nursery.start_soon(saw, i)
+            await trio.sleep(0.05)
+    assert batches == [[f"n{i:02d}" for i in range(30)]]  # one transaction for the 30
+    assert sorted(rows) == [f"n{i:02d}" for i in range(30)] and not refused
+    assert rows["n00"].cordoned and not rows["n01"].cordoned and rows["n07"].address == "127.0.0.9"
+    with store_backend.write_lock():  # a locked database: the batch fails, each caller is told
+        async with trio.open_nursery() as nursery:
+            async with store._limiter:
+                for i in range(5):
+                    nursery.start_soon(saw, i)
+                await trio.sleep(0.05)
+    assert len(batches) == 2 and refused == ["StoreBusy"] * 5
 
 
 async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(

@@ -59,10 +59,20 @@ class Snapshot:
     catalog: dict[str, float] = attrs.field(factory=dict)  # when each model entered the catalog
 
 
+@attrs.define
+class _Sightings:
+    seen: dict[str, str]  # node id -> the address it connected from
+    done: trio.Event = attrs.field(factory=trio.Event)
+    rows: dict[str, NodeRow] = attrs.field(factory=dict)
+    error: BaseException | None = None
+
+
 class AsyncStore:
     def __init__(self, store: Store, at_open: Snapshot) -> None:
         self._store = store
         self._limiter = trio.CapacityLimiter(1)
+        self._held = trio.CapacityLimiter(1)  # a call made while `_limiter` is held (`saw_node`'s batch)
+        self._sightings: _Sightings | None = None  # nodes seen, waiting for their batch's turn
         self.path = store.path
         self.busy_timeout_s = store.busy_timeout_s
         self.at_open = at_open
@@ -146,15 +156,38 @@ class AsyncStore:
         return await self._run(self._store.nodes)
 
     async def saw_node(self, node_id: str, address: str) -> NodeRow:
-        """Record that the node connected from `address` now; its row as it is then."""
-
-        def saw() -> NodeRow:
-            self._store.saw_node(node_id, address)
-            row = self._store.node(node_id)
-            assert row is not None, "just written"
-            return row
-
-        return await self._run(saw)
+        """Record that the node connected from `address` now; its row as it is then. The nodes
+        seen while the store is busy are written together, in one transaction, when its turn
+        comes (thousands of agents dialling at once had a transaction each, one at a time, and
+        their hellos waited past the agents' deadline for them)."""
+        batch = self._sightings
+        if batch is not None:  # a batch waits its turn: join it
+            batch.seen[node_id] = address
+            await batch.done.wait()
+        else:
+            batch = self._sightings = _Sightings({node_id: address})
+            try:
+                async with self._limiter:  # the calls before it first; the batch grows meanwhile
+                    self._sightings = None  # closed: a node seen from now on starts the next
+                    seen = dict(batch.seen)
+                    batch.rows = await trio.to_thread.run_sync(
+                        self._store.saw_nodes, seen, limiter=self._held, abandon_on_cancel=True
+                    )
+            except BaseException as exc:
+                if self._sightings is batch:
+                    self._sightings = None
+                batch.error = exc if isinstance(exc, StoreError) else StoreError(f"the write was cut short: {exc!r}")
+                if isinstance(exc, NotLeader):
+                    self.on_not_leader(exc)
+                raise
+            finally:
+                batch.done.set()
+        if batch.error is not None:
+            raise batch.error
+        row = batch.rows.get(node_id)
+        if row is None:
+            raise StoreError(f"node {node_id}'s row was not there once written")
+        return row
 
     async def set_cordoned(self, node_id: str, cordoned: bool, *, known_at: str | None = None) -> None:
         """`known_at`: the address of a node the caller knows, which gets a row if it has none

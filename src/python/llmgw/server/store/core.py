@@ -333,6 +333,26 @@ class Store:
                 (node_id, now, now, address),
             )
 
+    def saw_nodes(self, seen: dict[str, str], now: float | None = None) -> dict[str, NodeRow]:
+        """`saw_node` for each node id -> address, in one transaction; the rows as they are then
+        (thousands of nodes joining at once: a transaction each kept their hellos waiting)."""
+        now = time.time() if now is None else now
+        ids = sorted(seen)
+        with self._write() as tx:
+            tx.executemany(
+                "INSERT INTO nodes (node_id, first_seen, last_seen, address) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (node_id) DO UPDATE SET last_seen = excluded.last_seen, address = excluded.address",
+                [(node_id, now, now, seen[node_id]) for node_id in ids],
+            )
+        rows: dict[str, NodeRow] = {}
+        for at in range(0, len(ids), 500):  # within any backend's limit of parameters
+            part = ids[at : at + 500]
+            marks = ", ".join("?" * len(part))
+            for r in self._rows(f"SELECT {NODE_COLUMNS} FROM nodes WHERE node_id IN ({marks})", tuple(part)):
+                row = _node_row(r)
+                rows[row.node_id] = row
+        return rows
+
     def know_node(self, node_id: str, address: str, now: float | None = None) -> None:
         """Make sure the node has a row (a new one says it was seen now); an existing one is kept."""
         now = time.time() if now is None else now
