@@ -71,6 +71,33 @@ async def crowded_plane(
     return plane
 
 
+class Spread:
+    """A `spread_once` under way (`spread_started`); `moved()` waits for what it returns."""
+
+    def __init__(self) -> None:
+        self.answer: list[bool] = []
+        self.done = trio.Event()
+
+    async def moved(self) -> bool:
+        with trio.fail_after(HANG_S):
+            await self.done.wait()
+        return self.answer[0]
+
+
+async def spread_started(plane: ControlPlane, nursery: trio.Nursery) -> tuple[Spread, str]:
+    """`spread_once` started, once it has placed its one replacement; and that replacement."""
+    spread = Spread()
+
+    async def run() -> None:
+        spread.answer.append(await plane.moves.spread_once())
+        spread.done.set()
+
+    nursery.start_soon(run)
+    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
+    [replacement] = plane.replicas.surge
+    return spread, replacement
+
+
 def placements_change(plane: ControlPlane):
     """What fires when the placements change (each change is offered to the store's writer)."""
     return plane.replicas.saver.to_write.next
@@ -86,21 +113,11 @@ async def test_a_replica_placed_with_another_of_its_model_moves_to_a_free_node(
 ) -> None:
     caplog.set_level("INFO")
     plane = await crowded_plane(tmp_path, nursery)
-    moved: list[bool] = []
-    spread_done = trio.Event()
-
-    async def spread() -> None:
-        moved.append(await plane.moves.spread_once())
-        spread_done.set()
-
-    nursery.start_soon(spread)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
-    [replacement] = plane.replicas.surge
+    spread, replacement = await spread_started(plane, nursery)
     assert plane.replicas.placed[replacement].placement.nodes == ("b",)
     assert where(plane)["chat-1"] == ("a",)  # the original runs until its replacement is ready
     ready(plane, replacement)
-    await spread_done.wait()
-    assert moved == [True] and sorted(where(plane).values()) == [("a",), ("b",)]
+    assert await spread.moved() is True and sorted(where(plane).values()) == [("a",), ("b",)]
     assert not plane.replicas.surge  # the replacement now counts as one of the catalog's
     names = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
     assert names == ["spread_started", "move_replacement_ready", "move_original_stopped"]
@@ -150,24 +167,13 @@ async def test_a_replica_placed_while_a_move_is_under_way_takes_neither_its_id_n
     gets an id of its own (it took the replacement's once, and the move waited 10 minutes for
     a replica that was gone, then stopped the new one), and the move still ends as it should."""
     plane = await crowded_plane(tmp_path, nursery)
-    moved: list[bool] = []
-    spread_done = trio.Event()
-
-    async def spread() -> None:
-        moved.append(await plane.moves.spread_once())
-        spread_done.set()
-
-    nursery.start_soon(spread)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
-    [replacement] = plane.replicas.surge
+    spread, replacement = await spread_started(plane, nursery)
     plane.replicas.models = lambda: (Model(name="chat", engine="sim", replicas=3),)  # a reload: one more
     plane.replicas.reconcile(trio.current_time())
     assert plane.replicas.placed[replacement].placement.nodes == ("b",)  # still the move's
     [grown] = set(where(plane)) - {"chat-0", "chat-1", replacement}
     ready(plane, replacement)
-    with trio.fail_after(HANG_S):
-        await spread_done.wait()
-    assert moved == [True] and sorted(where(plane)) == sorted(["chat-0", grown, replacement])
+    assert await spread.moved() is True and sorted(where(plane)) == sorted(["chat-0", grown, replacement])
 
 
 async def test_the_original_stops_only_once_its_requests_have_finished(
