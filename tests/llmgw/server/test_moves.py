@@ -13,6 +13,7 @@ import trio.testing
 from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.gateway.routing import Endpoint
 from llmgw.server.app import ControlPlane
+from llmgw.server.moves import LOST_LOOK_S
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.waiting import wait_until
@@ -72,7 +73,7 @@ async def crowded_plane(
 
 
 class Spread:
-    """A `spread_once` under way (`spread_started`); `moved()` waits for what it returns."""
+    """A `spread_once` under way (`start_spread`); `moved()` waits for what it returns."""
 
     def __init__(self) -> None:
         self.answer: list[bool] = []
@@ -84,8 +85,7 @@ class Spread:
         return self.answer[0]
 
 
-async def spread_started(plane: ControlPlane, nursery: trio.Nursery) -> tuple[Spread, str]:
-    """`spread_once` started, once it has placed its one replacement; and that replacement."""
+def start_spread(plane: ControlPlane, nursery: trio.Nursery) -> Spread:
     spread = Spread()
 
     async def run() -> None:
@@ -93,6 +93,12 @@ async def spread_started(plane: ControlPlane, nursery: trio.Nursery) -> tuple[Sp
         spread.done.set()
 
     nursery.start_soon(run)
+    return spread
+
+
+async def spread_started(plane: ControlPlane, nursery: trio.Nursery) -> tuple[Spread, str]:
+    """`spread_once` started, once it has placed its one replacement; and that replacement."""
+    spread = start_spread(plane, nursery)
     await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     [replacement] = plane.replicas.surge
     return spread, replacement
@@ -132,13 +138,8 @@ async def test_a_wave_moves_several_crowded_replicas_together_at_most_spread_at_
     caplog.set_level("INFO")
     plane = await crowded_plane(tmp_path, nursery, replicas=4, more=("b", "c", "d"))
     plane.moves.spread_at_once = 2
-    waves: list[bool] = []
-
-    async def spread() -> None:
-        waves.append(await plane.moves.spread_once())
-
     for wave in (2, 1):
-        nursery.start_soon(spread)
+        spread = start_spread(plane, nursery)
         await wait_until(
             lambda n=wave: len(plane.replicas.surge) == n, "the wave", changed=placements_change(plane), timeout=HANG_S
         )
@@ -148,11 +149,8 @@ async def test_a_wave_moves_several_crowded_replicas_together_at_most_spread_at_
         assert len(set(homes)) == wave and ("a",) not in homes  # each on a node of its own, not "a"
         for replacement in surge:
             ready(plane, replacement)
-        await wait_until(
-            lambda: not plane.replicas.surge, "the wave done", changed=placements_change(plane), timeout=HANG_S
-        )
-    await wait_until(lambda: len(waves) == 2, "both waves", changed=placements_change(plane), timeout=HANG_S)
-    assert waves == [True, True] and sorted(where(plane).values()) == [("a",), ("b",), ("c",), ("d",)]
+        assert await spread.moved() is True and not plane.replicas.surge
+    assert sorted(where(plane).values()) == [("a",), ("b",), ("c",), ("d",)]
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("spread_", "move_"))]
     assert started[:2] == ["spread_started", "spread_started"]  # the first wave's two, before either was ready
     assert await plane.moves.spread_once() is False
@@ -222,6 +220,23 @@ async def test_requests_that_outlast_the_grace_do_not_hold_the_move_forever(
     )
     assert trio.current_time() - left_rotation == pytest.approx(plane.moves.retire_grace_s, abs=0.1)
     assert any(r.getMessage() == "move_retire_grace_over" for r in caplog.records)
+
+
+async def test_a_move_whose_replacements_node_is_lost_gives_up_then_not_at_the_ready_timeout(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog
+) -> None:
+    """The nodes stop heartbeating: the move ends once "b" is lost (its TTL, then a look),
+    not after the ten minutes a replacement may take to load, and a wave holding the moves'
+    lock (a drain waits for it) does not hang on a node that went away."""
+    plane = await crowded_plane(tmp_path, nursery)
+    started = trio.current_time()
+    spread, _ = await spread_started(plane, nursery)
+    assert await spread.moved() is False
+    ttl = plane.registry.ttl
+    assert ttl <= trio.current_time() - started <= ttl + LOST_LOOK_S + 1
+    [failed] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "spread_failed"]
+    assert "lost its node b: no heartbeat within its TTL; chat-1 keeps running" in failed["reason"]
+    assert where(plane) == {"chat-0": ("a",), "chat-1": ("a",)} and not plane.replicas.surge
 
 
 async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_later(

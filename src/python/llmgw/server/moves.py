@@ -34,7 +34,7 @@ import trio
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.server.changes import Changes, rest
-from llmgw.server.registry import NodeRegistry
+from llmgw.server.registry import LOST, NodeRegistry
 from llmgw.server.replicas import Replicas, Stored
 from llmgw.server.scheduler import crowded
 from llmgw.wakeup import Wakeup
@@ -45,6 +45,7 @@ log = get_logger("llmgw.moves")
 READY_TIMEOUT_S = 600.0  # a replacement's weights may take long to fetch and load
 RETIRE_GRACE_S = 60.0  # requests on the original may finish for this long after it leaves rotation
 SPREAD_RETRY_S = 300.0  # after a spreading move that failed, leave that model alone this long
+LOST_LOOK_S = 5.0  # a move waiting for its replacement looks this often whether the replacement's node was lost
 # Spreading moves made together, in one wave: a thousand nodes joining at once leave hundreds of
 # replicas crowded on the first (the bench of issue 31: 875 of 1,000), and one at a time took
 # minutes, each move a look over the whole cluster.
@@ -120,26 +121,43 @@ class Moves:
         s = next((s for s in node.replicas if s.replica_id == replica_id), None) if node else None
         return s.state if s else None
 
-    async def _wait_ready(self, replica_id: str, rank0: str) -> bool:
+    async def _wait_ready(self, replica_id: str, nodes: tuple[str, ...]) -> str:
+        """Until the replacement is ready on its rank 0 (""), or why not: its time is over, or
+        a node of it was lost or removed (looked at with each report, and every LOST_LOOK_S)."""
         with trio.move_on_after(self.ready_timeout_s):
             while True:
                 reported = self.reported.next()
-                if self._member_state(replica_id, rank0) == w.READY:
-                    return True
-                await reported.wait()
-        return False
+                if self._member_state(replica_id, nodes[0]) == w.READY:
+                    return ""
+                gone = self._gone(nodes)
+                if gone:
+                    return gone
+                with trio.move_on_after(LOST_LOOK_S):
+                    await reported.wait()
+        return f"did not become ready within {self.ready_timeout_s:g} s"
+
+    def _gone(self, nodes: tuple[str, ...]) -> str:
+        now = self.registry.clock.now()
+        for n in nodes:
+            node = self.registry.nodes.get(n)
+            if node is None:
+                return f"lost its node {n}: removed"
+            if self.registry.liveness(node, now) == LOST:
+                return f"lost its node {n}: no heartbeat within its TTL"
+        return ""
 
     async def replace(self, replica_id: str, replacement: Stored) -> None:
         """Steps 2-4 for a replacement already placed; `MoveFailed` if it never got ready."""
         new = replacement.placement
         await self._push(new.nodes)
-        if not await self._wait_ready(new.replica_id, new.nodes[0]):
+        why = await self._wait_ready(new.replica_id, new.nodes)
+        if why:
             self.replicas.retire(new.replica_id, new.replica_id)
             self._ended.inc(outcome="failed")
             await self._push(new.nodes)
             raise MoveFailed(
-                f"the replacement {new.replica_id} of {replica_id} did not become ready within "
-                f"{self.ready_timeout_s:g} s; {replica_id} keeps running (`llmgw ctl replicas` says why)"
+                f"the replacement {new.replica_id} of {replica_id} {why}; {replica_id} keeps running "
+                "(`llmgw ctl replicas` says why)"
             )
         log.info("move_replacement_ready", replica=replica_id, replacement=new.replica_id, on=list(new.nodes))
         await self.retire(replica_id, new.replica_id)
