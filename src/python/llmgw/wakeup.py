@@ -101,4 +101,5 @@ ONE_SHOT: dict[str, str] = {
     "control plane's workers listen only then)",
     "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
     "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",
+    "llmgw.server.asyncstore._Sightings.done": "one batch of nodes seen connecting: written (or refused), once",
 }
