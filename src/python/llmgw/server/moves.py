@@ -94,8 +94,8 @@ class Moves:
         self._ended = self.metrics.counter(
             "llmgw_replica_moves_total",
             "Moves of a replica (a drain's or spreading's) that ended, by outcome: done (the "
-            "replacement ready, the original stopped) or failed (the replacement never got ready; "
-            "the original runs on).",
+            "replacement ready, the original stopped) or failed (the replacement not ready in time, "
+            "or its node lost; the original runs on).",
             ("outcome",),
         )
         self._under_way = self.metrics.gauge(

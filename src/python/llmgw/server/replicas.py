@@ -229,8 +229,10 @@ class Replicas:
         before = {k: s.placement.nodes for k, s in self.placed.items()}
         counted, surge = self._counted()
         result = plan(self.node_views(now), list(self.models()), counted, surge)
-        placed = {p.replica_id: self.placed[p.replica_id] for p in result.keep}
-        placed.update({k: self.placed[k] for k in self.surge if k in self.placed})  # a drain owns these
+        placed = Placements((p.replica_id, self.placed[p.replica_id]) for p in result.keep)
+        for k in self.surge:
+            if k in self.placed:
+                placed[k] = self.placed[k]  # a drain owns these
         used_ports = {s.dist_init_port for s in placed.values()}
         for p in result.start:
             port = 0
@@ -249,7 +251,7 @@ class Replicas:
             if old != new:
                 changed |= set(old or ()) | set(new or ())
         save = changed or placed.keys() != self.placed.keys()
-        self.placed = Placements(placed.items())
+        self.placed = placed
         if save:
             self._save()
         return changed
@@ -343,10 +345,6 @@ class Replicas:
         allows (the draining node is not schedulable), on top of the catalog's count."""
         proposal, reason = self.propose_replacement(replica_id, now)
         return (self.add_surge(proposal), "") if proposal is not None else (None, reason)
-
-    def spreads(self, p: Placement) -> bool:
-        """Whether `p` would run where no replica of its model runs now."""
-        return not self.holding().get(p.model, set()) & set(p.nodes)
 
     def holding(self) -> dict[str, set[str]]:
         """Model -> the nodes a replica of it runs on now."""

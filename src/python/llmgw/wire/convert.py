@@ -98,7 +98,7 @@ def _each(value: Any, hook: Any, where: str) -> tuple[Any, ...]:
     if not isinstance(value, list):
         raise _NotTaken(f"{where}expected a list, got {shown(value)}")
     try:
-        return tuple(v if isinstance(v, str) and hook is _str else hook(v, None) for v in value)
+        return tuple(hook(v, None) for v in value)
     except _NotTaken as exc:
         raise _NotTaken(f"{where}{exc}") from None
 
@@ -139,17 +139,11 @@ def _quick_sample(value: Any) -> gateway_link.Sample | None:
 def _sample(value: Any, where: str) -> gateway_link.Sample:
     """`_quick_sample`'s answer, or what is wrong with `value` (its whole numbers taken as floats too)."""
     d = _fields(value, _SAMPLE_FIELDS, where)
-    number = d.get("value", 0.0)
-    if not isinstance(number, float) or not math.isfinite(number):
-        number = _taken(_float, number, f"{where}value: ")
-    total = d.get("sum", 0.0)
-    if not isinstance(total, float) or not math.isfinite(total):
-        total = _taken(_float, total, f"{where}sum: ")
     return gateway_link.Sample(
         labels=_each(d["labels"], _str, f"{where}labels: ") if "labels" in d else (),
-        value=number,
+        value=_taken(_float, d.get("value", 0.0), f"{where}value: "),
         counts=_each(d["counts"], _int, f"{where}counts: ") if "counts" in d else (),
-        sum=total,
+        sum=_taken(_float, d.get("sum", 0.0), f"{where}sum: "),
     )
 
 
