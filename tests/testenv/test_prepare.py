@@ -370,6 +370,27 @@ def test_on_this_prepared_machine_prepare_is_quick_and_does_nothing() -> None:
     assert took < 2.0, f"prepare took {took:.2f} s on a prepared machine"  # ~0.05 s measured; 2 s for a loaded machine
 
 
+def test_only_the_hand_over_lines_reach_stdout_whatever_a_program_run_prints() -> None:
+    """`./pants` takes every stdout line of prepare.py for a NAME=VALUE; apt-get's progress
+    there ("Get:1 http://deb.debian.org/... InRelease") stopped `./pants test` on a fresh machine."""
+    code = (
+        "import subprocess, sys; sys.path.insert(0, sys.argv[1]); import prepare; "
+        "export = prepare.handover(); "
+        "subprocess.run(['echo', 'Get:1 http://deb.debian.org/debian bookworm InRelease'], check=True); "
+        "print('a stray print'); export('LLMGW_LLAMA_BUILD_STATE', 'built'); "
+        "prepare._run(['sh', '-c', 'echo apt-get says'], {})"
+    )
+    where = str(build_root() / "tools" / "testenv")
+    done = subprocess.run([sys.executable, "-I", "-c", code, where], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "LLMGW_LLAMA_BUILD_STATE=built\n"
+    assert done.stderr.splitlines() == [
+        "Get:1 http://deb.debian.org/debian bookworm InRelease",
+        "a stray print",
+        "apt-get says",
+    ]
+
+
 @pytest.mark.parametrize(
     ("args", "prepares"),
     [

@@ -175,11 +175,23 @@ def _spawn(argv: Sequence[str], env: dict, log: Path) -> int:
     return child.pid
 
 
-def _export(name: str, value: str) -> None:
-    print(f"{name}={value}", flush=True)
+def handover() -> Callable[[str, str], None]:
+    """The stdout `./pants` reads NAME=VALUE lines from, kept for those lines alone: from here
+    on this process's stdout is its stderr, and so is every program's it runs. apt-get's
+    progress ("Get:1 http://deb.debian.org/... InRelease") on the hand-over stopped
+    `./pants test` on a machine missing packages, before a test ran."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr  # a print in order with what the programs run say
+
+    def export(name: str, value: str) -> None:
+        print(f"{name}={value}", file=out, flush=True)
+
+    return export
 
 
-def real_machine() -> Machine:
+def real_machine(export: Callable[[str, str], None]) -> Machine:
     return Machine(
         has=_has,
         euid=os.geteuid,
@@ -189,7 +201,7 @@ def real_machine() -> Machine:
         env=dict(os.environ),
         say=lambda line: print(f"testenv: {line}", file=sys.stderr, flush=True),
         spawn=_spawn,
-        export=_export,
+        export=export,
         cores=lambda: os.cpu_count() or 1,
     )
 
@@ -344,7 +356,7 @@ def prepare(m: Machine, build: Path = BUILD_LLAMA, debian: Path = DEBIAN_ROOT) -
 
 
 def main() -> int:
-    return prepare(real_machine())
+    return prepare(real_machine(handover()))
 
 
 if __name__ == "__main__":
