@@ -1,0 +1,266 @@
+"""Prefix-aware routing: which replica most likely holds a request's prompt in its cache. Pure:
+no I/O, no clock; `llmgw.gateway.routing.Router` asks it, the gateway records what was served.
+
+Engines keep the prompts they processed (llama.cpp's slots and its prompt cache, vLLM's and
+SGLang's prefix caches): a conversation's next turn, or another request with the same long system
+prompt, is prefilled only from where its text stops matching what the replica holds. So:
+
+- **The prompt in blocks** (`Prompt.of`): a chat request's messages rendered in order (role and
+  content, `_render`), a completion's prompt as it is, cut into blocks of `block_chars` bytes of
+  its UTF-8; each block's hash covers every block before it (a chain), so one number names a
+  whole prefix. Only whole blocks count, up to `max_blocks`.
+- **What each replica served** (`PrefixTable`): chain -> the replica that last served a prompt
+  starting with it, bounded (`entries`, least recently used first out). A lookup walks the
+  request's chains from the longest down and gives, per replica, the longest prefix it served.
+- **The choice** (`choose`): the candidate with the longest match, unless its outstanding
+  requests exceed the bound (`load_bound`: `load_factor` times the least loaded one's, and one
+  more), then the next longest, and so on (bounded-load: a hot prefix cannot pile onto one
+  replica). With no match within the bound: the conversation's own hash (`Prompt.anchor`: the
+  text up to the end of its first user message, which every later turn starts with) ranks the
+  candidates by rendezvous hashing, and the first within the bound takes it. That ranking is a
+  function of the prompt and the replicas alone, the same in every gateway process: a
+  conversation whose turns reach different gateways (several workers, several gateways behind a
+  load balancer) finds the same replica without their sharing a table.
+
+A replica that leaves rotation (`PrefixTable.forget`) has its entries dropped (lazily: each
+entry names the replica's generation), so one that comes back, likely restarted with an empty
+cache, starts afresh; a new replica has no entries and takes new conversations by the ranking
+at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+BLOCK_CHARS = 256
+MAX_BLOCKS = 256  # 64 KiB of prompt at the default block: longer prompts match on their start
+TABLE_ENTRIES = 200_000  # chains remembered per gateway process (about 30 MiB at most)
+LOAD_FACTOR = 1.25
+# A completion's prompt has no turns: its first blocks stand for the conversation.
+COMPLETION_ANCHOR_BLOCKS = 4
+
+_MASK = (1 << 64) - 1
+
+
+def _stable(data: bytes) -> int:
+    """A 64-bit hash that is the same in every process (Python's `hash` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@attrs.frozen(kw_only=True)
+class Prompt:
+    """A request's prompt as routing sees it: `chains[i]` names its first i + 1 blocks, which
+    end at `ends[i]` (bytes of its rendering); `anchor` its conversation (stable across
+    processes), whose text is the first `anchor_blocks` blocks (the last of them may be short:
+    blocks are cut so that one ends where the anchor does, and a conversation's next turn has
+    the same chains up to there)."""
+
+    chains: tuple[int, ...]
+    ends: tuple[int, ...]
+    anchor: int
+    anchor_blocks: int
+
+    def matched_chars(self, blocks: int) -> int:
+        """How much of the prompt its first `blocks` blocks are."""
+        return self.ends[blocks - 1] if blocks else 0
+
+    @classmethod
+    def of(
+        cls, body: Any, model: str, *, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS
+    ) -> Prompt | None:
+        """The prompt of a chat (`messages`) or completion (`prompt`: a string) request body;
+        None when it has neither (nothing to route by)."""
+        if not isinstance(body, dict):
+            return None
+        limit = block_chars * max_blocks
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            text, anchor_end = _render(messages, limit)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return None
+            text = prompt[:limit].encode()
+            anchor_end = block_chars * COMPLETION_ANCHOR_BLOCKS
+        text = text[:limit]
+        anchor_end = min(anchor_end, len(text))
+        head = model.encode() + b"\0"
+        anchor = _stable(head + text[:anchor_end])
+        ends = [*range(block_chars, anchor_end, block_chars), anchor_end] if anchor_end else []
+        ends += range(anchor_end + block_chars, len(text) + 1, block_chars)
+        chains = []
+        chain, start = hash(head), 0
+        for end in ends:
+            chain = hash((chain, text[start:end]))
+            chains.append(chain)
+            start = end
+        anchor_blocks = len(ends) - len(range(anchor_end + block_chars, len(text) + 1, block_chars))
+        return cls(chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks)
+
+
+def _render(messages: list, limit: int) -> tuple[bytes, int]:
+    """Chat messages as one text, in order (a role and its content a message; anything else a
+    message carries, such as tool calls, as sorted JSON), stopped once past `limit` bytes; and
+    where the first user message ends in it (the conversation's anchor)."""
+    parts: list[bytes] = []
+    size = 0
+    anchor_end = -1
+    for message in messages:
+        if isinstance(message, dict):
+            content = message.get("content")
+            if isinstance(content, str) and len(message) <= 2 + ("name" in message):
+                part = f"{message.get('role')}:{message.get('name', '')}\n{content}\x1e".encode()
+            else:
+                part = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\x1e"
+            is_user = message.get("role") == "user"
+        else:
+            part = json.dumps(message, ensure_ascii=False, default=str).encode() + b"\x1e"
+            is_user = False
+        parts.append(part)
+        size += len(part)
+        if is_user and anchor_end < 0:
+            anchor_end = size
+        if size >= limit:
+            break
+    return b"".join(parts), (anchor_end if anchor_end >= 0 else size)
+
+
+class PrefixTable:
+    """Which replica last served each prompt chain, bounded to `entries` (least recently
+    used out first). Replicas are named by id; `forget` drops one's entries."""
+
+    def __init__(self, entries: int = TABLE_ENTRIES) -> None:
+        self.entries = entries
+        self._table: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._generation: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def record(self, prompt: Prompt, replica_id: str) -> None:
+        """`replica_id` served `prompt`: it holds every prefix of it now."""
+        entry = (replica_id, self._generation.get(replica_id, 0))
+        table = self._table
+        # The longest first: the shorter prefixes, which more prompts share, are the most
+        # recently used and the last to go.
+        for chain in reversed(prompt.chains):
+            table[chain] = entry
+            table.move_to_end(chain)
+        while len(table) > self.entries:
+            table.popitem(last=False)
+
+    def forget(self, replica_id: str) -> None:
+        """`replica_id` left rotation: what it held counts no more (if it comes back, it is
+        assumed to hold nothing)."""
+        self._generation[replica_id] = self._generation.get(replica_id, 0) + 1
+
+    def drop(self, prompt_chains: Sequence[int], replica_id: str) -> int:
+        """The engine says `replica_id` no longer holds these prefixes (its own report of its
+        cache): entries naming it for them are removed; how many."""
+        dropped = 0
+        for chain in prompt_chains:
+            entry = self._table.get(chain)
+            if entry is not None and entry[0] == replica_id:
+                del self._table[chain]
+                dropped += 1
+        return dropped
+
+    def matches(self, prompt: Prompt, replica_ids: Sequence[str]) -> dict[str, int]:
+        """The longest prefix each of `replica_ids` served, in blocks (absent: none)."""
+        wanted = set(replica_ids)
+        found: dict[str, int] = {}
+        table, generation = self._table, self._generation
+        chains = prompt.chains
+        for i in range(len(chains) - 1, -1, -1):
+            entry = table.get(chains[i])
+            if entry is None:
+                continue
+            rid, gen = entry
+            if rid in wanted and rid not in found and generation.get(rid, 0) == gen:
+                found[rid] = i + 1
+                if len(found) == len(wanted):
+                    break
+        return found
+
+
+@attrs.frozen(kw_only=True)
+class Choice:
+    """Which candidate (`index`), how many characters of the prompt it is known to hold
+    (`matched_chars`), and why: "hit" (the replica holding the most of this conversation),
+    "spill" (one holding it, or the replica its rank names, was over the load bound: the next
+    took it), "hash" (no replica holds this conversation: its rendezvous rank chose)."""
+
+    index: int
+    matched_chars: int
+    reason: str
+
+
+def load_bound(least: int, factor: float) -> float:
+    """The most outstanding requests a replica may have and still be chosen for its cache or
+    its rank: `factor` times the least loaded candidate's, and one more."""
+    return least * factor + 1
+
+
+def rank(anchor: int, replica_keys: Sequence[int]) -> list[int]:
+    """The candidates' indexes in the conversation's rendezvous order (highest score first):
+    the same in every process for the same anchor and replicas, and a replica joining or
+    leaving moves only the conversations that rank it (or ranked it) first."""
+    scores = [(_mix(anchor ^ key), i) for i, key in enumerate(replica_keys)]
+    scores.sort(reverse=True)
+    return [i for _, i in scores]
+
+
+def replica_key(replica_id: str) -> int:
+    """A replica's number for `rank` (stable across processes)."""
+    return _stable(replica_id.encode())
+
+
+def _mix(x: int) -> int:
+    """A 64-bit finaliser (splitmix64's): every input bit moves every output bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+def choose(
+    prompt: Prompt,
+    replica_ids: Sequence[str],
+    replica_keys: Sequence[int],
+    loads: Sequence[int],
+    table: PrefixTable,
+    *,
+    load_factor: float = LOAD_FACTOR,
+) -> Choice:
+    """The candidate for `prompt`; `loads` are the candidates' outstanding requests,
+    `replica_keys` their `replica_key`s.
+
+    A replica holds this conversation when what it served covers the prompt's anchor (the
+    system prompt and the first user message, `Prompt.anchor_blocks`): the one holding the
+    most of it within the load bound is chosen. A match short of the anchor is text other conversations share (a common
+    system prompt): following it would pile every conversation with that system prompt onto
+    the first replica that served one, and another gateway, which served them elsewhere, would
+    choose differently; so such a prompt, like one matching nowhere, goes by its rank, and each
+    replica prefills a shared system prompt once."""
+    bound = load_bound(min(loads), load_factor)
+    matched = table.matches(prompt, replica_ids)
+    own = {rid: got for rid, got in matched.items() if got >= prompt.anchor_blocks}
+    spilled = False
+    if own:
+        for i in sorted(
+            (i for i, rid in enumerate(replica_ids) if rid in own), key=lambda i: (-own[replica_ids[i]], loads[i])
+        ):
+            if loads[i] <= bound:
+                got = prompt.matched_chars(own[replica_ids[i]])
+                return Choice(index=i, matched_chars=got, reason="spill" if spilled else "hit")
+            spilled = True
+    for n, i in enumerate(rank(prompt.anchor, replica_keys)):
+        if loads[i] <= bound:
+            reason = "spill" if spilled or n else "hash"
+            return Choice(index=i, matched_chars=prompt.matched_chars(matched.get(replica_ids[i], 0)), reason=reason)
+    raise AssertionError("the least loaded candidate is within any bound")
