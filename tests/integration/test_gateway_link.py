@@ -115,9 +115,13 @@ async def _scenario(cluster: Cluster, credentials: Credentials) -> dict[str, flo
     sink = Sink()
     async with trio.open_nursery() as nursery:
         await nursery.start(
-            partial(serve_gateway_link, server, credentials.ssl_context, name=credentials.name, instance="i1", sink=sink)
+            partial(
+                serve_gateway_link, server, credentials.ssl_context, name=credentials.name, instance="i1", sink=sink
+            )
         )
-        await sink.arrival("a ready replica in the rotation", lambda m: isinstance(m, g.RotationChanged) and m.endpoints)
+        await sink.arrival(
+            "a ready replica in the rotation", lambda m: isinstance(m, g.RotationChanged) and m.endpoints
+        )
         await sink.arrival(
             "both keys", lambda m: isinstance(m, g.KeysChanged) and {k.name for k in m.keys} == {"alice", "bob"}
         )

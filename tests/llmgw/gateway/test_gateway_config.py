@@ -8,6 +8,8 @@ import pytest
 from llmgw import config
 from llmgw.errors import ConfigError
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.routing import Rotation
+from llmgw.wire.gateway_link import ModelInfo
 from testlib.endpoints import StaticEndpoints
 
 
@@ -25,8 +27,11 @@ def test_the_section_is_the_gateways_options_and_each_key_reaches_it() -> None:
                 "max_queue": 50,
                 "max_attempts": 2,
                 "max_outstanding_per_replica": 8,
-                "affinity_chars": 256,
                 "max_idle_per_replica": 16,
+                "prefix_block_chars": 128,
+                "prefix_max_chars": 4096,
+                "prefix_load_factor": 1.5,
+                "prefix_table_entries": 1000,
             }
         }
     )
@@ -39,12 +44,10 @@ def test_the_section_is_the_gateways_options_and_each_key_reaches_it() -> None:
         300.0,
         1.0,
     )
-    assert (pool.max_idle_per_endpoint, router.probe_interval_s, router.max_outstanding, router.affinity_chars) == (
-        16,
-        2.0,
-        8,
-        256,
-    )
+    assert (pool.max_idle_per_endpoint, router.probe_interval_s, router.max_outstanding) == (16, 2.0, 8)
+    assert (router.prefix_load_factor, router.prefix.entries) == (1.5, 1000)
+    gw.apply(Rotation(models=frozenset({"m"}), endpoints=(), details=(ModelInfo(name="m", routing="prefix"),)))
+    assert (gw.prefix_models.models, gw.prefix_models.block_chars, gw.prefix_models.max_blocks) == ({"m"}, 128, 32)
 
 
 def test_bad_values_are_refused_each_with_its_path() -> None:
@@ -68,6 +71,20 @@ def test_bad_values_are_refused_each_with_its_path() -> None:
         "must be at least 1, got 0 @ $.gateway.max_attempts",
         "must not be negative, got -5 @ $.gateway.max_queue",
     ]
+    with pytest.raises(ConfigError) as got:
+        config.server_config_from_dict(
+            {"gateway": {"affinity_chars": 256, "prefix_load_factor": 0.5, "prefix_block_chars": 0}}
+        )
+    assert got.value.problems == [
+        'affinity_chars is gone: models are routed by prefix now (each model\'s routing = "prefix", the default '
+        "for llama.cpp, vLLM and SGLang; docs/gateway.md); remove this line @ $.gateway.affinity_chars",
+        "must be at least 1, got 0 @ $.gateway.prefix_block_chars",
+        "must be at least 1 (1: a cache-holding replica may have one request more than the least loaded), "
+        "got 0.5 @ $.gateway.prefix_load_factor",
+    ]
+    with pytest.raises(ConfigError) as got:
+        config.server_config_from_dict({"models": [{"name": "m", "engine": "sim", "routing": "random"}]})
+    assert any("unknown routing 'random'" in p and p.endswith("@ $.models[0].routing") for p in got.value.problems)
     with pytest.raises(ConfigError) as got:
         config.server_config_from_dict({"gateway": {"connect_timout_s": 1, "max_attempts": "3"}})
     text = str(got.value)

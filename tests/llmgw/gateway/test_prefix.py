@@ -70,22 +70,23 @@ def test_what_is_not_a_prompt_gives_none_and_odd_messages_still_render() -> None
     assert len(prompt(tools).chains) >= 2
 
 
-def test_the_anchor_and_rank_are_the_same_in_another_process() -> None:
-    """Python salts `hash` per process; the conversation's anchor and the ranking must not be
-    salted: two gateways send a conversation to the same replica without sharing a table."""
+def test_the_prompt_and_rank_are_the_same_in_another_process() -> None:
+    """Python salts `hash` per process; the chains, the conversation's anchor and the ranking
+    must not be: two gateways send a conversation to the same replica without sharing a table,
+    and a JSON worker process computes the chains of a large body."""
     body = chat("Where does the river go? " * 8)
     here = prompt(body)
     code = (
         "import json, sys; from llmgw.gateway.prefix import Prompt, rank, replica_key; "
         "p = Prompt.of(json.loads(sys.argv[1]), 'm'); "
-        "print(json.dumps([p.anchor, rank(p.anchor, [replica_key(r) for r in sys.argv[2:]])]))"
+        "print(json.dumps([p.chains, p.anchor, rank(p.anchor, [replica_key(r) for r in sys.argv[2:]])]))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
         [sys.executable, "-c", code, json.dumps(body), *IDS], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == [here.anchor, rank(here.anchor, KEYS)]
+    assert json.loads(done.stdout) == [list(here.chains), here.anchor, rank(here.anchor, KEYS)]
 
 
 def test_the_table_gives_each_replicas_longest_served_prefix() -> None:

@@ -94,7 +94,7 @@ async def test_a_request_queued_for_the_only_replica_is_woken_by_the_probe_that_
     picked: list[tuple[float, Endpoint | None]] = []
 
     async def queued() -> None:
-        ep = await gw._wait_for_endpoint("m", set(), None, trio.current_time() + 30.0)
+        ep, _ = await gw._wait_for_endpoint("m", set(), None, trio.current_time() + 30.0)
         picked.append((trio.current_time(), ep))
 
     nursery.start_soon(queued)

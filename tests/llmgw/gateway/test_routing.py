@@ -1,5 +1,5 @@
 """Routing decisions, pure: least outstanding, random ties, exclusions, drain, down until probed,
-retry only while the client saw nothing, affinity."""
+retry only while the client saw nothing, prefix routing (`llmgw.gateway.prefix` has the rest)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections import Counter
 
 import attrs
 
-from llmgw.gateway.routing import Endpoint, Router, Verdict
+from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.routing import LEAST, LEAST_OUTSTANDING, PREFIX, Endpoint, Route, Router, Verdict
 
 
 def eps(*names: str, model: str = "m", draining: frozenset = frozenset()) -> list[Endpoint]:
@@ -148,15 +149,63 @@ def test_the_per_replica_cap_makes_a_full_model_pick_nothing() -> None:
     assert r.pick("m") is a
 
 
-def test_prefix_affinity_prefers_one_replica_within_one_of_the_least() -> None:
-    r = router("a", "b", "c", "d", affinity_chars=16)
-    prompt = "You are a helpful assistant. Answer briefly."
-    first = r.pick("m", prompt=prompt)
-    assert all(r.pick("m", prompt=prompt) is first for _ in range(20))
-    assert r.pick("m", prompt=prompt[:16] + " something else") is first  # same prefix
-    r.acquire(first)
-    assert r.pick("m", prompt=prompt) is first  # +1 over the least: still preferred
-    r.acquire(first)
-    assert r.pick("m", prompt=prompt) is not first  # +2: load wins
-    others = {r.pick("m", prompt=f"{i:04d} different prefix").replica_id for i in range(40)}
-    assert len(others) > 1
+def _talk(n: int, *turns: str) -> Prompt:
+    messages = [{"role": "system", "content": "Be brief. " * 60}, {"role": "user", "content": f"Question {n}?"}]
+    messages += [{"role": "assistant" if i % 2 == 0 else "user", "content": t} for i, t in enumerate(turns)]
+    got = Prompt.of({"messages": messages}, "m")
+    assert got is not None
+    return got
+
+
+def test_a_model_routed_by_prefix_goes_where_its_conversation_was_served() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b", "c", "d"), {"m": PREFIX})
+    first = _talk(1)
+    ep, route = r.route("m", prompt=first)
+    assert ep is not None and route == Route(PREFIX, "hash", 0) and route.header == "prefix;matched=0;hash"
+    r.served(ep, first)
+    later = _talk(1, "Brief answer. " * 30, "And then?")
+    again, route = r.route("m", prompt=later)
+    assert again is ep and route.reason == "hit" and route.matched_chars == first.ends[-1]
+    assert route.header == f"prefix;matched={first.ends[-1]};hit" and route.metric == "prefix_hit"
+    # Without a prompt (a body without one), or for a model routed by load: least outstanding.
+    assert r.route("m")[1] is LEAST and r.route("m")[1].header == "least_outstanding"
+    r.update({"m"}, eps("a", "b", "c", "d"), {"m": LEAST_OUTSTANDING})
+    assert r.route("m", prompt=later)[1] is LEAST
+
+
+def test_a_replica_leaving_rotation_loses_what_it_held_and_its_conversations_move() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b", "c"), {"m": PREFIX})
+    talks = [_talk(n) for n in range(60)]
+    held = {}
+    for t in talks:
+        ep, _ = r.route("m", prompt=t)
+        assert ep is not None
+        r.served(ep, t)
+        held[t.anchor] = ep.replica_id
+    assert set(held.values()) == {"a", "b", "c"}
+    r.update({"m"}, eps("a", "c"), {"m": PREFIX})  # b leaves
+    for t in talks:
+        ep, route = r.route("m", prompt=t)
+        assert ep is not None and ep.replica_id != "b"
+        if held[t.anchor] != "b":
+            assert (ep.replica_id, route.reason) == (held[t.anchor], "hit")
+        else:
+            assert route.reason == "hash"
+    r.update({"m"}, eps("a", "b", "c"), {"m": PREFIX})  # b is back, assumed empty: it holds nothing
+    assert all(r.prefix.matches(t, ["b"]) == {} for t in talks)
+    # A replica not in rotation is not recorded as holding what it served (its answer raced its removal).
+    gone = Endpoint(replica_id="z", model="m", host="10.0.0.9", port=9)
+    r.served(gone, talks[0])
+    assert r.prefix.matches(talks[0], ["z"]) == {}
+
+
+def test_the_only_candidate_takes_it_and_says_how_much_it_holds() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a"), {"m": PREFIX})
+    t = _talk(1)
+    ep, route = r.route("m", prompt=t)
+    assert ep is not None and route == Route(PREFIX, "only", 0)
+    r.served(ep, t)
+    assert r.route("m", prompt=t)[1] == Route(PREFIX, "only", t.ends[-1])

@@ -9,7 +9,8 @@ import trio
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.gateway.fields import RequestFields, request_fields
+from llmgw.gateway.fields import PrefixModels, RequestFields, request_fields
+from llmgw.gateway.prefix import MAX_BLOCKS, Prompt
 from llmgw.http import jsonbody
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
@@ -114,18 +115,18 @@ def test_only_small_bodies_of_few_values_are_parsed_on_the_loop() -> None:
     assert not jsonbody.inline(b'"' + b"x" * (jsonbody.INLINE_MAX_BYTES + 1) + b'"')  # one value, but large
 
 
-def test_the_gateway_reads_model_stream_and_the_prompts_start() -> None:
+def test_the_gateway_reads_model_stream_and_for_a_model_routed_by_prefix_its_prompt() -> None:
     messages = [{"role": "user", "content": "x" * 3000}, {"role": "user", "content": "y" * 3000}, {"role": "z"}]
-    fields = request_fields({"model": "m", "stream": True, "messages": messages}, 64)
+    body = {"model": "m", "stream": True, "messages": messages}
+    fields = request_fields(body, PrefixModels(models=frozenset({"m"})))
     assert fields.model == "m" and fields.stream
-    assert fields.prompt == json.dumps(messages)[:64]  # the same prefix as rendering them whole
-    fields = request_fields({"model": "m", "stream": True, "messages": messages}, 5000)
-    assert fields.prompt == json.dumps(messages)[:4096]  # at most AFFINITY_SOURCE_CHARS
-    assert request_fields({"model": "m", "prompt": "p"}, 0) == RequestFields(model="m", stream=False, prompt=None)
+    assert fields.prompt == Prompt.of(body, "m") and fields.prompt is not None
+    assert request_fields(body, PrefixModels(models=frozenset({"other"}))).prompt is None
+    assert request_fields({"model": "m", "prompt": "p"}) == RequestFields(model="m", stream=False, prompt=None)
     with pytest.raises(InvalidJson, match="'model' must be a non-empty string .* got an array of 100000 items"):
-        request_fields({"model": [0] * 100_000}, 0)
+        request_fields({"model": [0] * 100_000})
     with pytest.raises(InvalidJson, match="'stream' must be true or false"):
-        request_fields({"model": "m", "stream": "yes"}, 0)
+        request_fields({"model": "m", "stream": "yes"})
 
 
 _text = st.text(st.characters(codec="utf-8"), max_size=40)  # escapes, non-ASCII, surrogates' kin
@@ -134,20 +135,22 @@ _message_values = st.recursive(
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(_text, inner, max_size=6),
     max_leaves=30,
 )
+_messages = st.lists(st.dictionaries(_text, _message_values, max_size=5) | _message_values, max_size=6)
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    messages=st.lists(st.dictionaries(_text, _message_values, max_size=5) | _message_values, max_size=6),
-    chars=st.integers(1, 80),
-)
-@example(messages=[1, 2, 3], chars=4)  # stopped one part short, it would be "[1"
-@example(messages=[{"content": "é" * 30}, {"role": "user"}], chars=20)
-def test_the_prompts_start_is_that_of_the_messages_rendered_whole(messages: list, chars: int) -> None:
-    # Long strings and containers are cut before rendering: the first `chars` characters must
-    # be those of the whole rendering (without its closing bracket), or routing would change.
-    prompt = request_fields({"model": "m", "messages": messages}, chars).prompt
-    assert prompt == json.dumps(messages)[:-1][:chars]
+@given(messages=_messages, more=_messages, block=st.integers(1, 80))
+@example(messages=[{"role": "user", "content": "a", "x": 1}], more=[{"role": "user", "content": "a"}], block=4)
+def test_a_conversation_continued_keeps_every_chain_of_its_start(messages: list, more: list, block: int) -> None:
+    # Whatever the messages hold: once the first user message is in, the next turns' prompt has
+    # every chain of this one's, so the replica that served it is found again.
+    messages = [*messages, {"role": "user", "content": "the first question"}]
+    prefix = PrefixModels(models=frozenset({"m"}), block_chars=block, max_blocks=10_000)
+    start = request_fields({"model": "m", "messages": messages}, prefix).prompt
+    later = request_fields({"model": "m", "messages": [*messages, *more]}, prefix).prompt
+    assert start is not None and later is not None
+    assert later.chains[: len(start.chains)] == start.chains
+    assert later.anchor == start.anchor
 
 
 @pytest.mark.trio
@@ -155,17 +158,22 @@ async def test_small_bodies_are_parsed_inline_and_large_ones_in_the_worker() -> 
     workers = JsonWorkers()
     try:
         small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-        assert (await workers.parse(small, request_fields, 0)).model == "m"
+        assert (await workers.parse(small, request_fields)).model == "m"
         assert workers.parsed_in_worker == 0
         large = json.dumps({"model": "big", "stream": True, "pad": "x" * (2 << 20)}).encode()
-        fields = await workers.parse(large, request_fields, 0)
+        fields = await workers.parse(large, request_fields)
         assert fields == RequestFields(model="big", stream=True, prompt=None)
-        assert workers.parsed_in_worker == 1
+        # A prompt's chains computed in the worker are those the loop computes (no salted hash).
+        chat = {"model": "big", "messages": [{"role": "user", "content": "q" * (2 << 20)}]}
+        prefix = PrefixModels(models=frozenset({"big"}))
+        fields = await workers.parse(json.dumps(chat).encode(), request_fields, prefix)
+        assert fields.prompt == Prompt.of(chat, "big") and len(fields.prompt.chains) == MAX_BLOCKS
+        assert workers.parsed_in_worker == 2
         # The worker stays for the next one, and refusals come back as they were raised.
         with pytest.raises(InvalidJson, match="'stream' must be true or false"):
-            await workers.parse(large.replace(b'"stream": true', b'"stream": 1'), request_fields, 0)
+            await workers.parse(large.replace(b'"stream": true', b'"stream": 1'), request_fields)
         with pytest.raises(InvalidJson, match="is not valid JSON"):
-            await workers.parse(large[:-1], request_fields, 0)
+            await workers.parse(large[:-1], request_fields)
         with pytest.raises(InvalidJson, match="deeper than 64"):
             await workers.parse(
                 b'{"a":' + b"[" * 100 + b"]" * 100 + b', "pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole
@@ -242,7 +250,7 @@ def test_closing_unused_workers_starts_nothing() -> None:
 def test_any_body_is_parsed_or_refused_with_a_message(body: bytes) -> None:
     # Whatever the bytes: a value, or InvalidJson naming the problem; never another exception.
     try:
-        fields = request_fields(jsonbody.loads(body), 64)
+        fields = request_fields(jsonbody.loads(body), PrefixModels(models=frozenset({"m"})))
     except InvalidJson as exc:
         assert exc.message and len(exc.message) < 400
     else:

@@ -103,6 +103,11 @@ def check_server(cfg: ServerConfig) -> list[str]:
                 f"model {m.name!r} uses {m.engine}, which [engines.{m.engine}] turns off (enabled = false); "
                 f"remove that line or this model @ {at}.engine"
             )
+        if m.routing not in ("", "prefix", "least_outstanding"):
+            problems.append(
+                f'unknown routing {m.routing!r}: "prefix" (where the prompt is cached), "least_outstanding", '
+                f"or leave it out (prefix for engines with a prefix cache) @ {at}.routing"
+            )
         if m.engine == "llamacpp" and m.nodes_per_replica > 1:
             problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
         problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
@@ -196,9 +201,27 @@ def _check_gateway(gw: GatewaySection) -> list[str]:
         )
     if gw.max_attempts < 1:
         problems.append(f"must be at least 1, got {gw.max_attempts} @ $.gateway.max_attempts")
-    for key in ("max_queue", "max_outstanding_per_replica", "affinity_chars", "max_idle_per_replica"):
+    for key in ("max_queue", "max_outstanding_per_replica", "max_idle_per_replica"):
         if getattr(gw, key) < 0:
             problems.append(f"must not be negative, got {getattr(gw, key)} @ $.gateway.{key}")
+    if gw.affinity_chars:
+        problems.append(
+            'affinity_chars is gone: models are routed by prefix now (each model\'s routing = "prefix", the '
+            "default for llama.cpp, vLLM and SGLang; docs/gateway.md); remove this line @ $.gateway.affinity_chars"
+        )
+    for key in ("prefix_block_chars", "prefix_max_chars", "prefix_table_entries"):
+        if getattr(gw, key) < 1:
+            problems.append(f"must be at least 1, got {getattr(gw, key)} @ $.gateway.{key}")
+    if gw.prefix_max_chars < gw.prefix_block_chars:
+        problems.append(
+            f"prefix_max_chars ({gw.prefix_max_chars}) must be at least prefix_block_chars "
+            f"({gw.prefix_block_chars}) @ $.gateway.prefix_max_chars"
+        )
+    if gw.prefix_load_factor < 1:
+        problems.append(
+            f"must be at least 1 (1: a cache-holding replica may have one request more than the least "
+            f"loaded), got {gw.prefix_load_factor} @ $.gateway.prefix_load_factor"
+        )
     return problems
 
 

@@ -111,6 +111,9 @@ class Model:
     nodes_per_replica: int = 1
     memory_gb: float = 0.0
     args: tuple[str, ...] = ()
+    # How the gateway picks a replica: "prefix" (where its prompt is cached) or
+    # "least_outstanding"; "" (default): prefix for engines that keep a prefix cache.
+    routing: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -223,8 +226,15 @@ class GatewaySection:
     max_queue: int = 1024
     max_attempts: int = 3
     max_outstanding_per_replica: int = 0
-    affinity_chars: int = 0
+    affinity_chars: int = 0  # replaced by prefix routing: a config that sets it is refused, saying so
     max_idle_per_replica: int = 64
+    # Prefix routing (`llmgw.gateway.prefix`): the prompt's blocks, how much of it counts, how
+    # much busier than the least loaded replica a cache-holding one may be, and how many prompt
+    # prefixes each gateway process remembers.
+    prefix_block_chars: int = 256
+    prefix_max_chars: int = 65536
+    prefix_load_factor: float = 1.25
+    prefix_table_entries: int = 200_000
 
 
 @attrs.frozen(kw_only=True)

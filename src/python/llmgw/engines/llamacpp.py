@@ -68,4 +68,5 @@ SPEC = EngineSpec(
     # Not set, but removed: a rename would let a stray variable of the new name add a key.
     documented_env=(API_KEY_ENV,),
     routes=_routes,
+    prefix_cache=True,
 )

@@ -77,4 +77,5 @@ SPEC = EngineSpec(
     flags_in_files=("--api-key",),
     help_style="argparse",
     routes=_routes,
+    prefix_cache=True,
 )

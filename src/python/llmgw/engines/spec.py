@@ -58,6 +58,10 @@ class EngineSpec:
     # The OpenAI routes it serves at `flags_for`, given a model's args (an embedding model's flag
     # changes them): the gateway forwards those alone to its replicas (`wire.gateway_link.ModelInfo`).
     routes: Callable[[Sequence[str]], tuple[str, ...]] = lambda args: (g.CHAT, g.COMPLETIONS)
+    # Whether it keeps the prompts it processed for the next request that starts the same way
+    # (llama.cpp's slots and prompt cache, vLLM's and SGLang's prefix caches): its models are
+    # routed by prefix unless the catalog says otherwise (`llmgw.gateway.prefix`).
+    prefix_cache: bool = False
 
     def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
         """The command for `launch`: the engine's arguments, then the operator's `extra_args`.

@@ -91,4 +91,5 @@ SPEC = EngineSpec(
     partial_help_marker="Config Groups:",
     partial_help_fix="this is vLLM's summary help; give the output of `vllm serve --help=all`",
     routes=_routes,
+    prefix_cache=True,
 )

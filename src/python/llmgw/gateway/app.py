@@ -57,11 +57,12 @@ from llmgw.gateway.errors import (
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from llmgw.gateway.fields import RequestFields, request_fields
+from llmgw.gateway.fields import NO_PREFIX, PrefixModels, RequestFields, request_fields
 from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstream_headers
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.gateway.routing import Endpoint, Rotation, Router, Verdict
+from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.http.errors import BodyAborted, HTTPError
 from llmgw.http.jsonbody import JsonWorkers, parse_body
@@ -123,10 +124,12 @@ class Gateway:
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
             rng=rng,
-            affinity_chars=options.affinity_chars,
             max_outstanding=options.max_outstanding_per_replica,
             probe_interval_s=options.probe_interval_s,
+            prefix_load_factor=options.prefix_load_factor,
+            prefix_table_entries=options.prefix_table_entries,
         )
+        self.prefix_models = NO_PREFIX  # whose requests' prompts are read for routing
         self.metrics = GatewayMetrics()
         self.rotation_version = 0  # of the rotation routed by now (`Rotation.version`)
         self.details: dict[str, ModelInfo] = {}  # of the models in rotation, as the provider says them
@@ -155,9 +158,17 @@ class Gateway:
 
     def apply(self, rotation: Rotation) -> None:
         before = {(ep.host, ep.port) for eps in self.router.endpoints.values() for ep in eps}
-        self.router.update(rotation.models, rotation.endpoints)
+        policies = {d.name: d.routing for d in rotation.details}
+        self.router.update(rotation.models, rotation.endpoints, policies)
         self.rotation_version = rotation.version
         self.details = {d.name: d for d in rotation.details}
+        by_prefix = frozenset(self.router.policies)
+        if by_prefix != self.prefix_models.models:
+            self.prefix_models = PrefixModels(
+                models=by_prefix,
+                block_chars=self.options.prefix_block_chars,
+                max_blocks=max(1, self.options.prefix_max_chars // self.options.prefix_block_chars),
+            )
         self.applied.fire()
         after = {(ep.host, ep.port) for ep in rotation.endpoints}
         for host, port in before - after:
@@ -348,6 +359,7 @@ class Gateway:
             raise
         job = _Job(self, key, fields.model, started, rid)
         try:
+            job.prompt = fields.prompt
             response = await self._attempts(request, job, fields.prompt)
         except BaseException:
             job.finish(None)
@@ -356,7 +368,7 @@ class Gateway:
 
     async def _read_fields(self, request: Request) -> RequestFields:
         try:
-            return await parse_body(request, self.json, request_fields, self.options.affinity_chars)
+            return await parse_body(request, self.json, request_fields, self.prefix_models)
         except HTTPError as exc:
             raise _counted(self, "-", exc) from None
 
@@ -412,14 +424,14 @@ class Gateway:
         error.headers = (*error.headers, ("x-should-retry", "false"))
         return error
 
-    async def _attempts(self, request: Request, job: _Job, prompt: str | None) -> Response | StreamingResponse:
+    async def _attempts(self, request: Request, job: _Job, prompt: Prompt | None) -> Response | StreamingResponse:
         deadline = job.started + self.options.queue_timeout_s
         tried: set[str] = set()
         last = last_reason = ""
         for attempt in range(self.options.max_attempts):
             if not attempt and (unservable := self._unservable(job.model)) is not None:
                 raise _counted(self, job.model, unservable)
-            ep = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
+            ep, job.route = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
             if ep is None:
                 if not last and (unservable := self._unservable(job.model)) is not None:
                     raise _counted(self, job.model, unservable)  # became so while it waited
@@ -472,12 +484,14 @@ class Gateway:
             self._unavailable(f"{self.options.max_attempts} replicas failed; the last: {last}", "overloaded"),
         )
 
-    async def _wait_for_endpoint(self, model: str, tried: set[str], prompt: str | None, deadline: float):
-        ep = self.router.pick(model, exclude=tried, prompt=prompt)
+    async def _wait_for_endpoint(
+        self, model: str, tried: set[str], prompt: Prompt | None, deadline: float
+    ) -> tuple[Endpoint | None, Route]:
+        ep, route = self.router.route(model, exclude=tried, prompt=prompt)
         if ep is not None:
-            return ep
+            return ep, route
         if sum(self.queued.values()) >= self.options.max_queue:
-            return None
+            return None, route
         self.queued[model] = self.queued.get(model, 0) + 1
         try:
             with trio.move_on_at(deadline):
@@ -485,20 +499,29 @@ class Gateway:
                     # Every change that can free a replica wakes us: a rotation update, a request
                     # finished, a probe that reached a down replica.
                     freed = self.freed.next()
-                    ep = self.router.pick(model, exclude=tried, prompt=prompt)
+                    ep, route = self.router.route(model, exclude=tried, prompt=prompt)
                     if ep is not None:
-                        return ep
+                        return ep, route
                     await freed.wait()
         finally:
             self.queued[model] -= 1
-        return None
+        return None, route
 
     async def _relay(self, upstream: UpstreamResponse, job: _Job) -> Response | StreamingResponse:
         ep = job.endpoint
         assert ep is not None
+        route = job.route
         headers = relayed_headers(
-            upstream.headers, replica_id=ep.replica_id, overhead_s=job.sent_at - job.started, request_id=job.rid
+            upstream.headers,
+            replica_id=ep.replica_id,
+            overhead_s=job.sent_at - job.started,
+            request_id=job.rid,
+            route=route.header if route is not LEAST else "",
         )
+        if route is not LEAST:
+            self.metrics.routed(job.model, route)
+            if job.prompt is not None and upstream.status < 400:
+                self.router.served(ep, job.prompt)  # the engine has the prompt now (its answer began)
         if upstream.header(b"content-length") is not None:
             try:
                 body = await upstream.read(MAX_BUFFERED_BODY)  # UpstreamBroken: the caller retries
@@ -524,12 +547,26 @@ class Gateway:
 class _Job:
     """One forwarded request's accounting; `finish` runs once, however the request ends."""
 
-    __slots__ = ("gw", "key", "model", "started", "rid", "endpoint", "sent_at", "_first_byte_seen", "_done")
+    __slots__ = (
+        "gw",
+        "key",
+        "model",
+        "started",
+        "rid",
+        "endpoint",
+        "sent_at",
+        "prompt",
+        "route",
+        "_first_byte_seen",
+        "_done",
+    )
 
     def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float, rid: str = "") -> None:
         self.gw, self.key, self.model, self.started, self.rid = gw, key, model, started, rid
         self.endpoint: Endpoint | None = None
         self.sent_at = started
+        self.prompt: Prompt | None = None  # for a model routed by prefix
+        self.route: Route = LEAST  # how `endpoint` was chosen
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1

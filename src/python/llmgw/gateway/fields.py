@@ -1,32 +1,41 @@
-"""What the gateway reads of a request body: the model, whether it streams, and the prompt's
-start for prefix affinity. Pure; run where the body is parsed (`llmgw.http.jsonbody`: on the
-loop for small bodies, in the JSON worker for large ones), so only these few fields come back.
-The body itself is forwarded as it came.
+"""What the gateway reads of a request body: the model, whether it streams, and, for a model
+routed by prefix, the prompt in blocks (`llmgw.gateway.prefix.Prompt`). Pure; run where the body
+is parsed (`llmgw.http.jsonbody`: on the loop for small bodies, in the JSON worker for large
+ones), so only these few fields come back. The body itself is forwarded as it came.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Any
 
 import attrs
 
+from llmgw.gateway.prefix import BLOCK_CHARS, MAX_BLOCKS, Prompt
 from llmgw.http.jsonbody import InvalidJson
 
-AFFINITY_SOURCE_CHARS = 4096  # of the rendered messages, at most: the prefix is cut from these
+
+@attrs.frozen(kw_only=True)
+class PrefixModels:
+    """The models whose requests are routed by prefix, and how their prompts are cut."""
+
+    models: frozenset[str] = frozenset()
+    block_chars: int = BLOCK_CHARS
+    max_blocks: int = MAX_BLOCKS
+
+
+NO_PREFIX = PrefixModels()
 
 
 @attrs.frozen(kw_only=True)
 class RequestFields:
     model: str
     stream: bool
-    # The prompt's first `affinity_chars` characters (at most AFFINITY_SOURCE_CHARS), for prefix
-    # affinity; None when affinity is off.
-    prompt: str | None
+    # The prompt in blocks, for a model routed by prefix; None for others, or a body without one.
+    prompt: Prompt | None = None
 
 
-def request_fields(body: Any, affinity_chars: int) -> RequestFields:
+def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields:
     """The fields of a forwarded request's body, or `InvalidJson` naming what is wrong."""
     if not isinstance(body, dict):
         raise InvalidJson(f"request body must be a JSON object, got {_json_type(body)}")
@@ -47,51 +56,9 @@ def request_fields(body: Any, affinity_chars: int) -> RequestFields:
     if not isinstance(stream, (bool, type(None))):
         raise InvalidJson(f"'stream' must be true or false, got {_show(stream)}", code="invalid_type", param="stream")
     prompt = None
-    if affinity_chars:
-        chars = min(affinity_chars, AFFINITY_SOURCE_CHARS)
-        if "prompt" in body:
-            prompt = body["prompt"] if isinstance(body["prompt"], str) else None
-        else:
-            prompt = _rendered(body.get("messages"), chars)
-        if prompt is not None:
-            prompt = prompt[:chars]
+    if model in prefix.models:
+        prompt = Prompt.of(body, model, block_chars=prefix.block_chars, max_blocks=prefix.max_blocks)
     return RequestFields(model=model, stream=bool(stream), prompt=prompt)
-
-
-def _rendered(messages: Any, chars: int) -> str | None:
-    """The messages as JSON text, `json.dumps(messages)` without its closing bracket (so that a
-    conversation's text starts as its next turn's does), exact in its first `chars` characters
-    at least: rendered one by one and stopped once long enough, each message cut first (`_cut`)
-    so that a long system prompt is not serialised whole."""
-    if not isinstance(messages, list):
-        return None
-    parts: list[str] = []
-    size = 1  # the rendering's length: "[", the parts, ", " between them
-    for message in messages:
-        part = json.dumps(_cut(message, chars))
-        size += len(part) + (2 if parts else 0)
-        parts.append(part)
-        if size >= chars:
-            break
-    return "[" + ", ".join(parts)
-
-
-def _cut(value: Any, chars: int, levels: int = 3) -> Any:
-    """`value` with its strings longer than `chars` cut to `chars` and its lists and objects
-    longer than `chars` items cut to `chars` items, `levels` deep (a message, its fields, the
-    parts of its content): rendered, it is what `json.dumps(value)` renders up to its first cut,
-    and at least `chars` characters follow the start of a cut in either (JSON escapes only
-    lengthen a string; an item renders as one character at least), so the first `chars`
-    characters of the two agree, and of the messages' rendering too."""
-    if isinstance(value, str):
-        return value[:chars] if len(value) > chars else value
-    if not levels:
-        return value
-    if isinstance(value, dict):
-        return {k: _cut(v, chars, levels - 1) for k, v in itertools.islice(value.items(), chars)}
-    if isinstance(value, list):
-        return [_cut(v, chars, levels - 1) for v in value[:chars]]
-    return value
 
 
 def _json_type(value: Any) -> str:

@@ -72,13 +72,15 @@ def upstream_headers(request: Request, ep: Endpoint, rid: str = "") -> list[tupl
 
 
 def relayed_headers(
-    upstream: Iterable[tuple[bytes, bytes]], *, replica_id: str, overhead_s: float, request_id: str
+    upstream: Iterable[tuple[bytes, bytes]], *, replica_id: str, overhead_s: float, request_id: str, route: str = ""
 ) -> tuple[tuple[bytes | str, bytes | str], ...]:
     """The fields of the answer to the client, from the replica's (`upstream`, as byte pairs
-    with names in lower case: they go out as they came)."""
-    return (
+    with names in lower case: they go out as they came); `route`: how the replica was chosen
+    (`routing.Route.header`), for a model routed by prefix."""
+    fields = (
         *[(k, v) for k, v in upstream if k not in _NOT_RELAYED],
         ("x-llmgw-replica", replica_id),
         ("x-llmgw-overhead-ms", f"{overhead_s * 1000:.2f}"),
         (REQUEST_ID, request_id),
     )
+    return (*fields, ("x-llmgw-route", route)) if route else fields

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw.gateway.routing import Router
+from llmgw.gateway.routing import Route, Router
 from llmgw.metrics import Counter, Histogram, MetricsRegistry
 from llmgw.wire import gateway_link as g
 
@@ -45,6 +45,18 @@ class GatewayMetrics:
             "Times a replica left rotation after a failed attempt, by reason; it returns when a probe reaches it.",
             ("model", "reason"),
         )
+        self.routes = r.counter(
+            "llmgw_gateway_routes_total",
+            "Answers of models routed by prefix, by how their replica was chosen (prefix_hit: it held the "
+            "conversation; prefix_hash: none did, the conversation's rank chose; prefix_spill: the one "
+            "holding it or ranked first was over the load bound; prefix_only: one candidate).",
+            ("model", "route"),
+        )
+        self.prefix_matched = r.counter(
+            "llmgw_gateway_prefix_matched_chars_total",
+            "Characters of prompts sent to a replica known to hold them already (routed by prefix).",
+            ("model",),
+        )
         self.probes = r.counter(
             "llmgw_gateway_probes_total",
             "Probes of replicas out of rotation, by result (reached, failed).",
@@ -57,6 +69,12 @@ class GatewayMetrics:
     def answered(self, model: str, status: int | str) -> None:
         """A request answered with `status` (one of the gateway's own errors too)."""
         self.requests.add((model, str(status)))
+
+    def routed(self, model: str, route: Route) -> None:
+        """An answer of a model routed by prefix began, from a replica chosen by `route`."""
+        self.routes.add((model, route.metric))
+        if route.matched_chars:
+            self.prefix_matched.add((model,), route.matched_chars)
 
     def timed(self, model: str, seconds: float) -> None:
         """A forwarded request's time from its arrival to the end of its response."""

@@ -7,8 +7,10 @@ prompt, is prefilled only from where its text stops matching what the replica ho
 
 - **The prompt in blocks** (`Prompt.of`): a chat request's messages rendered in order (role and
   content, `_render`), a completion's prompt as it is, cut into blocks of `block_chars` bytes of
-  its UTF-8; each block's hash covers every block before it (a chain), so one number names a
-  whole prefix. Only whole blocks count, up to `max_blocks`.
+  its UTF-8 (and where its anchor ends, below); each block's hash covers every block before it
+  (a chain), so one number names a whole prefix. After the anchor only whole blocks count (the
+  next turn continues the last one), up to `max_blocks`. The hashes are the same in every
+  process.
 - **What each replica served** (`PrefixTable`): chain -> the replica that last served a prompt
   starting with it, bounded (`entries`, least recently used first out). A lookup walks the
   request's chains from the longest down and gives, per replica, the longest prefix it served.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +49,7 @@ LOAD_FACTOR = 1.25
 COMPLETION_ANCHOR_BLOCKS = 4
 
 _MASK = (1 << 64) - 1
+_PLAIN = frozenset({"role", "content", "name"})  # a message of these alone is rendered as text
 
 
 def _stable(data: bytes) -> int:
@@ -90,17 +94,21 @@ class Prompt:
             anchor_end = block_chars * COMPLETION_ANCHOR_BLOCKS
         text = text[:limit]
         anchor_end = min(anchor_end, len(text))
-        head = model.encode() + b"\0"
-        anchor = _stable(head + text[:anchor_end])
         ends = [*range(block_chars, anchor_end, block_chars), anchor_end] if anchor_end else []
+        anchor_blocks = len(ends)
         ends += range(anchor_end + block_chars, len(text) + 1, block_chars)
+        # Running checksums of the text so far, one pair per block end: C-speed (15 us for 8 KiB
+        # in 32 blocks against 39 for BLAKE2b) and the same in every process, so a JSON worker
+        # may compute them. Not for security: a collision costs a cache miss, at most.
+        head = model.encode() + b"\0"
+        crc, adler = zlib.crc32(head), zlib.adler32(head)
         chains = []
-        chain, start = hash(head), 0
+        data, start = memoryview(text), 0
         for end in ends:
-            chain = hash((chain, text[start:end]))
-            chains.append(chain)
+            crc, adler = zlib.crc32(data[start:end], crc), zlib.adler32(data[start:end], adler)
+            chains.append(crc << 32 | adler)
             start = end
-        anchor_blocks = len(ends) - len(range(anchor_end + block_chars, len(text) + 1, block_chars))
+        anchor = chains[anchor_blocks - 1] if anchor_blocks else crc << 32 | adler
         return cls(chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks)
 
 
@@ -114,7 +122,7 @@ def _render(messages: list, limit: int) -> tuple[bytes, int]:
     for message in messages:
         if isinstance(message, dict):
             content = message.get("content")
-            if isinstance(content, str) and len(message) <= 2 + ("name" in message):
+            if isinstance(content, str) and message.keys() <= _PLAIN:
                 part = f"{message.get('role')}:{message.get('name', '')}\n{content}\x1e".encode()
             else:
                 part = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\x1e"

@@ -18,21 +18,27 @@ Invariants: an endpoint leaves rotation the moment `update` omits it or marks it
 `failed` says it failed; requests already on it are not touched, and their `release` still
 balances the count.
 
-Prefix affinity (optional): a hash of the first `affinity_chars` characters of the prompt names
-a preferred endpoint (rendezvous hashing, stable while the set changes); it is chosen when its
-load is within one request of the least, so a shared prefix tends to hit a warm cache without
-piling onto one replica.
+Policies, per model (`policies`, from the control plane's `ModelInfo.routing`):
+`least_outstanding` as above; `prefix` (`llmgw.gateway.prefix`) the replica that holds the
+request's conversation in its cache, or that its rank names, within a load bound. `route` says
+which replica and how it was chosen, for the answer's `x-llmgw-route` header and /metrics; the
+gateway tells `served` what each replica was given, and a replica that leaves rotation has what
+it held forgotten.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 import attrs
 
+from llmgw.gateway.prefix import LOAD_FACTOR, TABLE_ENTRIES, PrefixTable, Prompt, choose, replica_key
 from llmgw.wire.gateway_link import ModelInfo
+
+LEAST_OUTSTANDING = "least_outstanding"
+PREFIX = "prefix"
+POLICIES = (LEAST_OUTSTANDING, PREFIX)
 
 
 @attrs.frozen(kw_only=True)
@@ -73,28 +79,40 @@ class Router:
         self,
         *,
         rng: random.Random | None = None,
-        affinity_chars: int = 0,
         max_outstanding: int = 0,
         probe_interval_s: float = 1.0,
+        prefix_load_factor: float = LOAD_FACTOR,
+        prefix_table_entries: int = TABLE_ENTRIES,
     ) -> None:
         self.rng = rng or random.Random()
-        self.affinity_chars = affinity_chars
         self.max_outstanding = max_outstanding  # per replica; 0 = no cap
         self.probe_interval_s = probe_interval_s
+        self.prefix_load_factor = prefix_load_factor
+        self.prefix = PrefixTable(prefix_table_entries)
         self.models: frozenset[str] = frozenset()
         self.endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self.policies: dict[str, str] = {}  # model -> PREFIX; absent: LEAST_OUTSTANDING
         self.outstanding: dict[str, int] = {}
         self.down: dict[str, Down] = {}
+        self._keys: dict[str, int] = {}  # replica id -> its `prefix.replica_key`
 
-    def update(self, models: Iterable[str], endpoints: Iterable[Endpoint]) -> None:
-        """The models served (known, even with nothing ready) and the endpoints ready now."""
+    def update(
+        self, models: Iterable[str], endpoints: Iterable[Endpoint], policies: Mapping[str, str] | None = None
+    ) -> None:
+        """The models served (known, even with nothing ready), the endpoints ready now, and
+        each model's policy (absent: least outstanding)."""
         by_model: dict[str, list[Endpoint]] = {}
         for ep in endpoints:
             by_model.setdefault(ep.model, []).append(ep)
         self.models = frozenset(models) | frozenset(by_model)
         self.endpoints = {m: tuple(sorted(eps, key=lambda e: e.replica_id)) for m, eps in by_model.items()}
+        if policies is not None:
+            self.policies = {m: p for m, p in policies.items() if p == PREFIX}
         live = {ep.replica_id: ep.address for eps in self.endpoints.values() for ep in eps}
         self.down = {k: d for k, d in self.down.items() if live.get(k) == d.address}
+        for rid in self._keys.keys() - live.keys():
+            self.prefix.forget(rid)  # left rotation: what it held counts no more
+        self._keys = {rid: self._keys.get(rid) or replica_key(rid) for rid in live}
 
     def _current(self, ep: Endpoint) -> bool:
         return any(e.replica_id == ep.replica_id and e.address == ep.address for e in self.endpoints.get(ep.model, ()))
@@ -144,7 +162,14 @@ class Router:
         up = [ep for ep in eps if ep.replica_id not in self.down] if self.down else list(eps)
         return [ep for ep in up if not ep.draining] or up
 
-    def pick(self, model: str, *, exclude: Collection[str] = (), prompt: str | None = None) -> Endpoint | None:
+    def pick(self, model: str, *, exclude: Collection[str] = (), prompt: Prompt | None = None) -> Endpoint | None:
+        return self.route(model, exclude=exclude, prompt=prompt)[0]
+
+    def route(
+        self, model: str, *, exclude: Collection[str] = (), prompt: Prompt | None = None
+    ) -> tuple[Endpoint | None, Route]:
+        """The endpoint for a request of `model` (None: none may take it now) and how it was
+        chosen. `prompt`: the request's, for a model routed by prefix."""
         outstanding, cap = self.outstanding, self.max_outstanding
         candidates: list[Endpoint] = []
         loads: list[int] = []
@@ -153,15 +178,34 @@ class Router:
             if ep.replica_id not in exclude and (cap <= 0 or load < cap):
                 candidates.append(ep)
                 loads.append(load)
+        by_prefix = prompt is not None and model in self.policies
         if len(candidates) <= 1:
-            return candidates[0] if candidates else None
+            ep = candidates[0] if candidates else None
+            if by_prefix and ep is not None:
+                assert prompt is not None
+                held = self.prefix.matches(prompt, (ep.replica_id,)).get(ep.replica_id, 0)
+                return ep, Route(PREFIX, "only", prompt.matched_chars(held))
+            return ep, LEAST
+        if by_prefix:
+            assert prompt is not None
+            ids = [ep.replica_id for ep in candidates]
+            keys = self._keys
+            c = choose(
+                prompt,
+                ids,
+                [keys.get(rid) or replica_key(rid) for rid in ids],
+                loads,
+                self.prefix,
+                load_factor=self.prefix_load_factor,
+            )
+            return candidates[c.index], Route(PREFIX, c.reason, c.matched_chars)
         least = min(loads)
-        if self.affinity_chars > 0 and prompt:
-            prefix = prompt[: self.affinity_chars]
-            preferred = max(range(len(candidates)), key=lambda i: _affinity(prefix, candidates[i].replica_id))
-            if loads[preferred] <= least + 1:
-                return candidates[preferred]
-        return self.rng.choice([ep for ep, load in zip(candidates, loads, strict=True) if load == least])
+        return self.rng.choice([ep for ep, load in zip(candidates, loads, strict=True) if load == least]), LEAST
+
+    def served(self, ep: Endpoint, prompt: Prompt) -> None:
+        """`ep` took `prompt` (its answer began): it holds the prompt's prefixes now."""
+        if self._current(ep):
+            self.prefix.record(prompt, ep.replica_id)
 
     def acquire(self, ep: Endpoint) -> None:
         self.outstanding[ep.replica_id] = self.outstanding.get(ep.replica_id, 0) + 1
@@ -179,9 +223,29 @@ class Router:
         return "draining" if ep.draining else "ready"
 
 
-def _affinity(prefix: str, replica_id: str) -> int:
-    digest = hashlib.blake2b(f"{replica_id}\0{prefix}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+@attrs.frozen
+class Route:
+    """How a replica was chosen: the policy, and for `prefix` why (`prefix.Choice.reason`, or
+    "only": one candidate) and how much of the prompt the replica was known to hold."""
+
+    policy: str
+    reason: str = ""
+    matched_chars: int = 0
+
+    @property
+    def header(self) -> str:
+        """The answer's `x-llmgw-route`: `least_outstanding`, or `prefix;matched=1536;hit`."""
+        if self.policy != PREFIX:
+            return self.policy
+        return f"{PREFIX};matched={self.matched_chars};{self.reason}"
+
+    @property
+    def metric(self) -> str:
+        """Its label on /metrics' routes counter."""
+        return self.policy if self.policy != PREFIX else f"{PREFIX}_{self.reason}"
+
+
+LEAST = Route(LEAST_OUTSTANDING)
 
 
 @attrs.frozen(kw_only=True)

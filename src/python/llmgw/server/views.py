@@ -20,7 +20,7 @@ from llmgw.config import EnginesSection, Model, ServerConfig
 from llmgw.engines import SPECS, cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
-from llmgw.gateway.routing import Endpoint, Rotation
+from llmgw.gateway.routing import LEAST_OUTSTANDING, PREFIX, Endpoint, Rotation
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress
 from llmgw.server.registry import JOINED, LOST, UNKNOWN, Node, NodeRegistry, Session
@@ -319,9 +319,19 @@ def model_details(
                 created=int(created.get(m.name, 0)),
                 unservable=why,
                 retry_after_s=UNSERVABLE_RETRY_AFTER_S if why else 0,
+                routing=routing_of(m),
             )
         )
     return tuple(out)
+
+
+def routing_of(m: Model) -> str:
+    """How the gateway routes `m`'s requests: the catalog's `routing`, else by prefix where its
+    engine keeps a prefix cache."""
+    if m.routing:
+        return m.routing
+    spec = SPECS.get(m.engine)
+    return PREFIX if spec is not None and spec.prefix_cache else LEAST_OUTSTANDING
 
 
 # -- the cluster page's feed ---------------------------------------------------------------

@@ -44,7 +44,8 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # hello with where the leader is (the agent link's `Redirect`). 5: a heartbeat sent at once (for a new
 # rotation or new keys) leaves the metrics out (`metrics` null: as the last that had them said), a
 # sample leaves out its fields at their defaults (a gauge's `counts` and `sum`, a histogram's `value`).
-GATEWAY_PROTOCOL_VERSION = 5
+# 6: a model says how the gateway routes its requests (`ModelInfo.routing`).
+GATEWAY_PROTOCOL_VERSION = 6
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -158,7 +159,8 @@ class ModelInfo:
     model entered the catalog. `unservable`: why no replica of it can become ready now (none
     placed, every one failed, their nodes lost), "" while one is ready or on its way; a request
     for it then gets 503 at once instead of waiting in the queue, with Retry-After
-    `retry_after_s`."""
+    `retry_after_s`. `routing`: how the gateway picks a replica for its requests,
+    "least_outstanding" or "prefix" (`llmgw.gateway.routing`)."""
 
     name: str
     engine: str = ""
@@ -166,6 +168,7 @@ class ModelInfo:
     created: int = 0
     unservable: str = ""
     retry_after_s: int = 0
+    routing: str = "least_outstanding"
 
 
 @attrs.frozen(kw_only=True)
