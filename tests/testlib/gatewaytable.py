@@ -10,7 +10,7 @@ from typing import Any
 
 from llmgw.gateway.keys import token_hash
 from llmgw.wire.convert import converter
-from llmgw.wire.gateway_link import GatewayKey, RotationChanged, RouteEndpoint, ShareChanged
+from llmgw.wire.gateway_link import GatewayKey, ModelInfo, RotationChanged, RouteEndpoint, ShareChanged
 
 TOKEN = "llmgw-tests-token"  # the token of the key "tests"
 
@@ -38,8 +38,9 @@ def write_table_file(
     models: tuple[str, ...] = ("chat",),
     keys: tuple[GatewayKey, ...] = (key("tests"),),
     share: ShareChanged | None = None,
+    details: tuple[ModelInfo, ...] = (),
 ) -> Path:
-    return write_table(path, tuple(route(s) for s in sims), models=models, keys=keys, share=share)
+    return write_table(path, tuple(route(s) for s in sims), models=models, keys=keys, share=share, details=details)
 
 
 def write_table(
@@ -49,10 +50,12 @@ def write_table(
     models: tuple[str, ...],
     keys: tuple[GatewayKey, ...],
     share: ShareChanged | None = None,
+    details: tuple[ModelInfo, ...] = (),
 ) -> Path:
-    """The table `llmgw gateway --table-file` reads: that rotation, those keys, that share."""
+    """The table `llmgw gateway --table-file` reads: that rotation (and what it says of each
+    model, `details`), those keys, that share."""
     table: dict[str, Any] = {
-        "rotation": converter.unstructure(RotationChanged(models=models, endpoints=endpoints)),
+        "rotation": converter.unstructure(RotationChanged(models=models, endpoints=endpoints, details=details)),
         "keys": [converter.unstructure(k) for k in keys],
     }
     if share is not None:
