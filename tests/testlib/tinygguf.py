@@ -60,10 +60,22 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path,
+    *,
+    seed: int = 0,
+    n_layer: int = N_LAYER,
+    n_embd: int = N_EMBD,
+    n_head: int = N_HEAD,
+    n_ff: int = N_FF,
+    context: int = CONTEXT,
+    name: str = "llmgw-tiny-llama",
+) -> Path:
+    """The model, at the sizes given (the defaults: the tiny one the tests load; a wider and
+    deeper one makes prefill measurable on a CPU, as tools/bench/prefix.py needs)."""
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
+    head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
 
     def weight(*shape: int) -> np.ndarray:
@@ -73,14 +85,14 @@ def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
         return np.ones(n, dtype=np.float32)
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("llmgw-tiny-llama")
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
+    writer.add_name(name)
+    writer.add_context_length(context)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
     writer.add_vocab_size(n_vocab)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
@@ -102,19 +114,19 @@ def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
     writer.add_chat_template(CHATML)
 
     # numpy shapes are ggml's reversed: token_embd is (n_vocab, n_embd).
-    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
-    for i in range(N_LAYER):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones(N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones(N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(N_EMBD, N_FF))
-    writer.add_tensor("output_norm.weight", ones(N_EMBD))
-    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD))
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
+    for i in range(n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(n_embd, n_ff))
+    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -3,7 +3,9 @@ and memory as that process's own.
 
     PYTHONPATH=src/python:tests:tools python3 -m bench.gateway_runner SPEC.json [--port P]
 
-SPEC is `{"endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`. It serves a
+SPEC is `{"endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`, and optionally
+`"details": [{"name", "routing", ...}]` (what the rotation says of each model: `ModelInfo`, e.g.
+its routing policy, as tools/bench/prefix.py sets it). It serves a
 `Gateway` with those `StaticEndpoints` on 127.0.0.1 (port P, or a free one), with one new API
 key and no store. It prints `{"port": P, "token": T, "pid": PID}` on one line once it listens,
 and runs until SIGTERM or SIGINT. The open-file limit is raised to its hard limit so thousands of
@@ -32,7 +34,7 @@ from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.gateway.routing import Endpoint
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
-from llmgw.wire.gateway_link import GatewayKey
+from llmgw.wire.gateway_link import GatewayKey, ModelInfo
 from testlib.endpoints import StaticEndpoints
 
 HOST = "127.0.0.1"
@@ -43,7 +45,8 @@ async def serve(spec: dict, port: int) -> None:
     token = "llmgw-" + secrets.token_urlsafe(32)
     keys = KeyTable([GatewayKey(name=KEY_NAME, token_sha256=token_hash(token))])  # its table: that key alone
     endpoints = tuple(Endpoint(**ep) for ep in spec["endpoints"])
-    gateway = Gateway(StaticEndpoints(endpoints), keys)
+    details = tuple(ModelInfo(**d) for d in spec.get("details", ()))
+    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys)
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.serve_rotation)
         await nursery.start(gateway.serve_probes)

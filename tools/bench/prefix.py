@@ -1,0 +1,439 @@
+"""Prefix routing against least outstanding, on real llama.cpp (issue 32), and the routing
+decision alone.
+
+    PYTHONPATH=src/python:tests:tools python3 tools/bench/prefix.py [--json]
+        [--conversations C] [--turns T] [--systems S] [--system-tokens N] [--first-tokens F]
+        [--turn-tokens U] [--max-tokens M] [--concurrency K] [--replicas R] [--slots P]
+        [--layers L] [--width W] [--policies least_outstanding,prefix] [--router-chains N]
+
+For each policy in turn: `--replicas` real llama-server replicas (the release's portable build,
+as `./pants test` made it, or $LLMGW_LLAMA_SERVER), started fresh (their caches empty), each
+with one thread and `--slots` slots, of a model made here with the `gguf` package
+(tests/testlib/tinygguf.py at `--layers` × `--width`: wide enough that prefill of a few thousand
+tokens takes a measurable time on a CPU), behind one gateway (tools/bench/gateway_runner.py)
+routing the model by that policy. `--conversations` multi-turn conversations, `--concurrency`
+at a time, each `--turns` turns one after another: a system prompt of `--system-tokens` words
+(one of `--systems`, shared by the conversations that use it), a first question of
+`--first-tokens` words, then `--turn-tokens` words a turn, each answer `--max-tokens` tokens
+(streamed; the engine's own answer goes back into the conversation). The same conversations,
+word for word, under every policy.
+
+JSON, per policy (`least_outstanding`, `prefix`): `ttft_p50_ms`, `ttft_p99_ms` (time to the
+first streamed event, through the gateway), `throughput_rps` (requests over the phase's wall
+time), `load_imbalance` (most requests one replica answered over the fewest), `requests`,
+`routes` (the `x-llmgw-route` reasons counted), `wall_s`; then `ttft_p50_ratio` and
+`ttft_p99_ratio` (prefix over least outstanding); and the routing decision alone
+(`router_decision_p50_us`, `router_decision_p99_us`: `Router.route` with `--router-chains`
+prefixes in its table, four replicas, on prompts of the same shape; `router_prompt_p99_us`: the
+prompt's hashing, done where the body is parsed). `targets_met` says which of issue 32's
+targets hold. Bounded throughout: a fixed workload, a timeout per request, every process stopped
+at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import queue
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.procs import child_env, stop
+
+from llmgw.config import Secret
+from llmgw.engines import ReplicaLaunch, build_command
+from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.routing import PREFIX, Endpoint, Router
+
+BUILD_LLAMA = Path(__file__).resolve().parents[2] / "tools" / "llama" / "build-llama-server"
+MODEL = "chat"
+POLICIES = ("least_outstanding", "prefix")
+READY_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 300.0
+MAX_REQUESTS = 5_000
+TARGETS = {"ttft_p50_ratio": 0.4, "load_imbalance": 1.3, "router_decision_p99_us": 50.0}
+
+
+def default_server() -> str:
+    if os.environ.get("LLMGW_LLAMA_SERVER"):
+        return os.environ["LLMGW_LLAMA_SERVER"]
+    done = subprocess.run(
+        [sys.executable, "-I", str(BUILD_LLAMA), "--cached"], capture_output=True, text=True, timeout=60, check=False
+    )
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str, key: str = "") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+def wait_for(what: str, ready, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise SystemExit(f"{what}: a process exited with {p.returncode} before it was ready")
+        if ready():
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"{what} was not ready within {READY_TIMEOUT_S:.0f} s")
+
+
+class Replicas:
+    """`count` llama-servers of `model`, each one thread and `slots` slots."""
+
+    def __init__(self, server: str, model: Path, count: int, slots: int, context: int, tmp: Path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.endpoints: list[dict] = []
+        for i in range(count):
+            key, port = secrets.token_urlsafe(24), free_port()
+            private = tmp / f"replica-{i}-{port}"
+            private.mkdir(mode=0o700)
+            launch = ReplicaLaunch(
+                engine="llamacpp",
+                model_path=str(model),
+                served_name=MODEL,
+                host="127.0.0.1",
+                port=port,
+                api_key=Secret(key),
+                context=context * slots,
+                extra_args=("--threads", "1", "--parallel", str(slots), "-lv", "2"),
+                private_dir=str(private),
+            )
+            cmd = build_command(launch, server)
+            for f in cmd.files:
+                fd = os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as out:
+                    out.write(f.content.reveal())
+            with open(private / "llama-server.log", "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd.argv, env=cmd.environment(os.environ), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                    )
+                )
+            self.command = cmd.for_log()["argv"]
+            self.endpoints.append(
+                {"replica_id": f"replica-{i}", "model": MODEL, "host": "127.0.0.1", "port": port, "api_key": key}
+            )
+        for ep in self.endpoints:
+            wait_for("llama-server", lambda ep=ep: _get(ep["port"], "/health") == 200, self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            stop(p)
+
+
+class Gateway:
+    """tools/bench/gateway_runner.py in front of `endpoints`, routing the model by `policy`."""
+
+    def __init__(self, endpoints: list[dict], policy: str, tmp: Path) -> None:
+        spec = tmp / f"gateway-{policy}.json"
+        details = [{"name": MODEL, "engine": "llamacpp", "routing": policy}]
+        spec.write_text(json.dumps({"endpoints": endpoints, "details": details}))
+        with open(tmp / f"gateway-{policy}.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.gateway_runner", str(spec)],
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening")
+        info = json.loads(line)
+        self.port, self.token = info["port"], info["token"]
+
+
+def words(rng: random.Random, count: int) -> str:
+    from testlib.tinygguf import WORDS
+
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def conversations(args: argparse.Namespace) -> list[dict]:
+    """The workload, the same for every policy: each conversation's system prompt, first
+    question and later questions."""
+    rng = random.Random(32)
+    systems = [f"System {s}. " + words(rng, args.system_tokens) for s in range(args.systems)]
+    out = []
+    for c in range(args.conversations):
+        out.append(
+            {
+                "system": systems[c % args.systems],
+                "questions": [f"Question {c}. " + words(rng, args.first_tokens)]
+                + [f"Turn {t} of {c}. " + words(rng, args.turn_tokens) for t in range(1, args.turns)],
+            }
+        )
+    return out
+
+
+def turn(port: int, token: str, messages: list[dict], max_tokens: int) -> tuple[float, str, str, str]:
+    """One streamed chat request: time to its first event, the answer's text, the replica and
+    the route the gateway named."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    body["ignore_eos"] = True
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        started = time.perf_counter()
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        )
+        response = conn.getresponse()
+        if response.status != 200:
+            raise SystemExit(f"the gateway answered {response.status}: {response.read()[:500]!r}")
+        first = None
+        text = []
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            if first is None:
+                first = time.perf_counter() - started
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            for choice in json.loads(data).get("choices", ()):
+                text.append((choice.get("delta") or {}).get("content") or "")
+        if first is None:
+            raise SystemExit("a stream ended without an event")
+        return first, "".join(text), response.getheader("x-llmgw-replica", ""), response.getheader("x-llmgw-route", "")
+    finally:
+        conn.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, work: list[dict]) -> dict:
+    replicas = Replicas(args.server, model, args.replicas, args.slots, args.context, tmp)
+    gateway = None
+    try:
+        gateway = Gateway(replicas.endpoints, policy, tmp)
+        warm = [{"role": "user", "content": "hello"}]
+        wait_for("the gateway", lambda: _get(gateway.port, "/health") == 200, [gateway.proc, *replicas.procs])
+        for _ in range(args.replicas * 2):  # every engine loaded and answering
+            turn(gateway.port, gateway.token, warm, 1)
+        todo: queue.Queue = queue.Queue()
+        for conversation in work:
+            todo.put(conversation)
+        ttfts: list[float] = []
+        served: Counter[str] = Counter()
+        routes: Counter[str] = Counter()
+        failures: list[BaseException] = []
+        lock = threading.Lock()
+
+        def client() -> None:
+            try:
+                while True:
+                    try:
+                        conversation = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    messages = [{"role": "system", "content": conversation["system"]}]
+                    for question in conversation["questions"]:
+                        messages.append({"role": "user", "content": question})
+                        ttft, answer, replica, route = turn(gateway.port, gateway.token, messages, args.max_tokens)
+                        messages.append({"role": "assistant", "content": answer})
+                        with lock:
+                            ttfts.append(ttft)
+                            served[replica] += 1
+                            routes[route.rsplit(";", 1)[-1] if route else "none"] += 1
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                failures.append(exc)
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S * args.turns * len(work))
+        wall = time.perf_counter() - started
+        if failures:
+            raise SystemExit(f"{policy}: {failures[0]}")
+        counts = [served.get(ep["replica_id"], 0) for ep in replicas.endpoints]
+        return {
+            "ttft_p50_ms": round(1000 * percentile(ttfts, 0.5), 1),
+            "ttft_p99_ms": round(1000 * percentile(ttfts, 0.99), 1),
+            "throughput_rps": round(len(ttfts) / wall, 3),
+            "load_imbalance": round(max(counts) / max(1, min(counts)), 3),
+            "requests": len(ttfts),
+            "requests_per_replica": counts,
+            "routes": dict(sorted(routes.items())),
+            "wall_s": round(wall, 1),
+        }
+    finally:
+        if gateway is not None:
+            stop(gateway.proc)
+        replicas.stop()
+
+
+def router_decision(args: argparse.Namespace, work: list[dict]) -> dict:
+    """`Router.route` alone, with `--router-chains` prefixes in its table and four replicas."""
+    router = Router()
+    eps = [Endpoint(replica_id=f"r{i}", model=MODEL, host="10.0.0.1", port=8000 + i) for i in range(4)]
+    router.update({MODEL}, eps, {MODEL: PREFIX})
+    rng = random.Random(7)
+    prompts: list[Prompt] = []
+    n = 0
+    while len(router.prefix) < args.router_chains:
+        conversation = work[n % len(work)]
+        messages = [{"role": "system", "content": conversation["system"]}]
+        messages += [{"role": "user", "content": f"{n} " + q} for q in conversation["questions"][:2]]
+        prompt = Prompt.of({"messages": messages}, MODEL)
+        assert prompt is not None
+        router.served(eps[n % 4], prompt)
+        prompts.append(prompt)
+        n += 1
+    hashing, deciding = [], []
+    for i in range(2000):
+        conversation = work[i % len(work)]
+        body = {
+            "messages": [{"role": "system", "content": conversation["system"]}, {"role": "user", "content": str(i)}]
+        }
+        t0 = time.perf_counter()
+        prompt = Prompt.of(body, MODEL)
+        t1 = time.perf_counter()
+        assert prompt is not None
+        known = prompts[rng.randrange(len(prompts))]
+        t2 = time.perf_counter()
+        router.route(MODEL, prompt=known if i % 2 else prompt)
+        t3 = time.perf_counter()
+        hashing.append(t1 - t0)
+        deciding.append(t3 - t2)
+    return {
+        "router_chains": len(router.prefix),
+        "router_decision_p50_us": round(1e6 * percentile(deciding, 0.5), 1),
+        "router_decision_p99_us": round(1e6 * percentile(deciding, 0.99), 1),
+        "router_prompt_p99_us": round(1e6 * percentile(hashing, 0.99), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON only (it always is)")
+    parser.add_argument("--server", help="llama-server (default: $LLMGW_LLAMA_SERVER, else the cached build)")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--systems", type=int, default=8, help="distinct system prompts (default: 8)")
+    parser.add_argument("--system-tokens", type=int, default=2000)
+    parser.add_argument("--first-tokens", type=int, default=200, help="words of each conversation's first question")
+    parser.add_argument("--turn-tokens", type=int, default=40, help="words of each later question")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4, help="conversations at a time (default: 4)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=2, help="llama-server slots per replica (-np)")
+    parser.add_argument("--context", type=int, default=4096, help="context per slot (default: 4096)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--router-chains", type=int, default=10_000)
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies or any(p not in POLICIES for p in policies):
+        parser.error(f"--policies: a comma-separated list of {', '.join(POLICIES)}")
+    if args.conversations * args.turns > MAX_REQUESTS or min(args.conversations, args.turns, args.replicas) < 1:
+        parser.error(f"--conversations × --turns must be 1..{MAX_REQUESTS}, --replicas at least 1")
+    if args.width % 4:
+        parser.error("--width must be a multiple of 4 (the model's 4 heads)")
+    if args.server is None:
+        args.server = default_server()
+    if not os.access(args.server or "", os.X_OK):
+        parser.error(f"no llama-server at {args.server!r}; run tools/llama/build-llama-server or pass --server")
+    work = conversations(args)
+    out: dict = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "conversations",
+                "turns",
+                "systems",
+                "system_tokens",
+                "first_tokens",
+                "turn_tokens",
+                "max_tokens",
+                "concurrency",
+                "replicas",
+                "slots",
+                "context",
+                "layers",
+                "width",
+            )
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="llmgw-prefix-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        from testlib.tinygguf import write_tiny_llama
+
+        context = args.context * 2
+        model = write_tiny_llama(
+            tmp / "model.gguf",
+            n_layer=args.layers,
+            n_embd=args.width,
+            n_head=4,
+            n_ff=args.width * 3,
+            context=context,
+            name="llmgw-prefix-bench",
+        )
+        out["model_mib"] = round(model.stat().st_size / 2**20, 1)
+        for policy in policies:
+            out[policy] = run_policy(args, policy, model, tmp, work)
+    if "prefix" in out and "least_outstanding" in out:
+        lo, px = out["least_outstanding"], out["prefix"]
+        out["ttft_p50_ratio"] = round(px["ttft_p50_ms"] / lo["ttft_p50_ms"], 3)
+        out["ttft_p99_ratio"] = round(px["ttft_p99_ms"] / lo["ttft_p99_ms"], 3)
+    out |= router_decision(args, work)
+    met = {"router_decision_p99_us": out["router_decision_p99_us"] <= TARGETS["router_decision_p99_us"]}
+    if "ttft_p50_ratio" in out:
+        met["ttft_p50_ratio"] = out["ttft_p50_ratio"] <= TARGETS["ttft_p50_ratio"]
+        met["ttft_p99_no_worse"] = out["ttft_p99_ratio"] <= 1.0
+        met["load_imbalance"] = out["prefix"]["load_imbalance"] <= TARGETS["load_imbalance"]
+    out["targets_met"] = met
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop children on SIGTERM too
+    raise SystemExit(main())
