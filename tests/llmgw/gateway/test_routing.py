@@ -209,3 +209,19 @@ def test_the_only_candidate_takes_it_and_says_how_much_it_holds() -> None:
     assert ep is not None and route == Route(PREFIX, "only", 0)
     r.served(ep, t)
     assert r.route("m", prompt=t)[1] == Route(PREFIX, "only", t.ends[-1])
+
+
+def test_an_engine_that_reports_its_task_count_begun_again_is_taken_to_hold_nothing() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    a = r.endpoints["m"][0]
+    t = _talk(1)
+    r.served(a, t)
+    assert r.engine_report(a, [3, 7]) is False  # the first report: nothing to compare with
+    assert r.engine_report(a, [9, 12]) is False and r.prefix.matches(t, ["a"])  # counting on: the same engine
+    assert r.engine_report(a, []) is True  # no task since: begun again (restarted in place)
+    assert r.prefix.matches(t, ["a"]) == {}
+    r.served(a, t)
+    assert r.engine_report(a, [0]) is False and r.prefix.matches(t, ["a"])
+    gone = Endpoint(replica_id="z", model="m", host="10.0.0.9", port=9)
+    assert r.engine_report(gone, []) is False  # not in rotation: not listened to

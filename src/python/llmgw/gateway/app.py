@@ -57,7 +57,7 @@ from llmgw.gateway.errors import (
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from llmgw.gateway.fields import NO_PREFIX, PrefixModels, RequestFields, request_fields
+from llmgw.gateway.fields import NO_PREFIX, PrefixModels, RequestFields, request_fields, slot_tasks
 from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstream_headers
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.metrics import GatewayMetrics
@@ -65,7 +65,7 @@ from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.http.errors import BodyAborted, HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.jsonbody import InvalidJson, JsonWorkers, ParserBusy, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
@@ -79,6 +79,8 @@ _RETRY_STATUSES = (502, 503)
 # What the gateway's knobs do not set (server.toml's `[gateway]`, `GatewaySection`, sets the rest):
 RETRY_AFTER_S = 5  # Retry-After of a 503 for no replica, in seconds
 MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, up to this
+# How often a llama.cpp replica of a model routed by prefix is asked what its cache holds (`_cache_reports`).
+CACHE_REPORT_INTERVAL_S = 2.0
 
 
 class EndpointProvider(Protocol):
@@ -191,8 +193,14 @@ class Gateway:
 
     async def serve_probes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe each replica out of rotation every `probe_interval_s`; one that answers is back.
-        The probes of one round run together, each bounded by the connect and probe timeouts."""
-        task_status.started()
+        The probes of one round run together, each bounded by the connect and probe timeouts.
+        Meanwhile ask the engines that report their cache what they hold (`_cache_reports`)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._cache_reports)
+            task_status.started()
+            await self._probe_rounds()
+
+    async def _probe_rounds(self) -> None:
         while True:
             went_down = self.went_down.next()
             due = self.router.due_probes(self.clock())
@@ -204,6 +212,51 @@ class Gateway:
             next_at = self.router.next_probe_at()
             with trio.move_on_at(math.inf if next_at is None else next_at):
                 await went_down.wait()
+
+    async def _cache_reports(self) -> None:
+        """Every `CACHE_REPORT_INTERVAL_S`, each llama.cpp replica of a model routed by prefix is
+        asked what it holds (`GET /slots`, with its key; the answer parsed as any body is, off
+        the loop when large): one that restarted since, on the same address, is no longer taken
+        to hold what it served (`Router.engine_report`). Each bounded by the probe's timeouts; a
+        replica that does not answer is the prober's business, not this."""
+        while True:
+            eps = [
+                ep
+                for model in self.router.policies
+                if (info := self.details.get(model)) is not None and info.engine == "llamacpp"
+                for ep in self.router.endpoints.get(model, ())
+            ]
+            async with trio.open_nursery() as nursery:
+                for ep in eps:
+                    nursery.start_soon(self._cache_report, ep)
+            await trio.sleep(CACHE_REPORT_INTERVAL_S)
+
+    async def _cache_report(self, ep: Endpoint) -> None:
+        headers = [(b"authorization", f"Bearer {ep.api_key}".encode())] if ep.api_key else []
+        try:
+            with trio.fail_after(self.options.connect_timeout_s + self.options.probe_timeout_s):
+                upstream = await self.pool.send(ep.host, ep.port, "GET", "/slots", headers, b"")
+                try:
+                    body = await upstream.read(MAX_BUFFERED_BODY) if upstream.status == 200 else b""
+                finally:
+                    await upstream.aclose()
+            if upstream.status != 200:
+                log.debug("gateway_cache_report_refused", replica=ep.replica_id, status=upstream.status)
+                return
+            tasks = await self.json.parse(body, slot_tasks, what="llama-server's /slots")
+        except (
+            trio.TooSlowError,
+            UpstreamUnavailable,
+            UpstreamBroken,
+            UpstreamTooLarge,
+            InvalidJson,
+            ParserBusy,
+        ) as exc:
+            log.debug("gateway_cache_report_failed", replica=ep.replica_id, reason=str(exc) or type(exc).__name__)
+            return
+        if self.router.engine_report(ep, tasks):
+            log.info("gateway_replica_cache_reset", replica=ep.replica_id, model=ep.model)
+            self.metrics.cache_resets.inc(model=ep.model)
 
     async def _probe(self, ep: Endpoint) -> None:
         started = self.clock()

@@ -61,6 +61,15 @@ def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields
     return RequestFields(model=model, stream=bool(stream), prompt=prompt)
 
 
+def slot_tasks(body: Any) -> list[int]:
+    """The task ids in llama-server's `GET /slots` answer: a slot that has run a task says its
+    id (`id_task`); [] for anything else."""
+    if not isinstance(body, list):
+        return []
+    tasks = (s.get("id_task") for s in body if isinstance(s, dict))
+    return [t for t in tasks if isinstance(t, int) and not isinstance(t, bool)]
+
+
 def _json_type(value: Any) -> str:
     for kind, name in ((bool, "a boolean"), (dict, "an object"), (list, "an array"), (str, "a string")):
         if isinstance(value, kind):

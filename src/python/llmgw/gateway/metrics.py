@@ -57,6 +57,12 @@ class GatewayMetrics:
             "Characters of prompts sent to a replica known to hold them already (routed by prefix).",
             ("model",),
         )
+        self.cache_resets = r.counter(
+            "llmgw_gateway_replica_cache_resets_total",
+            "Times a replica's engine reported its cache begun again (restarted in place): what it was "
+            "recorded as holding was forgotten (models routed by prefix, llama.cpp's /slots).",
+            ("model",),
+        )
         self.probes = r.counter(
             "llmgw_gateway_probes_total",
             "Probes of replicas out of rotation, by result (reached, failed).",

@@ -95,6 +95,7 @@ class Router:
         self.outstanding: dict[str, int] = {}
         self.down: dict[str, Down] = {}
         self._keys: dict[str, int] = {}  # replica id -> its `prefix.replica_key`
+        self._engine_tasks: dict[str, int] = {}  # replica id -> the newest task its engine reported
 
     def update(
         self, models: Iterable[str], endpoints: Iterable[Endpoint], policies: Mapping[str, str] | None = None
@@ -112,6 +113,7 @@ class Router:
         self.down = {k: d for k, d in self.down.items() if live.get(k) == d.address}
         for rid in self._keys.keys() - live.keys():
             self.prefix.forget(rid)  # left rotation: what it held counts no more
+            self._engine_tasks.pop(rid, None)
         self._keys = {rid: self._keys.get(rid) or replica_key(rid) for rid in live}
 
     def _current(self, ep: Endpoint) -> bool:
@@ -201,6 +203,21 @@ class Router:
             return candidates[c.index], Route(PREFIX, c.reason, c.matched_chars)
         least = min(loads)
         return self.rng.choice([ep for ep, load in zip(candidates, loads, strict=True) if load == least]), LEAST
+
+    def engine_report(self, ep: Endpoint, tasks: Collection[int]) -> bool:
+        """What `ep`'s engine says of its cache (llama-server's /slots: the ids of the tasks its
+        slots last ran, a count that begins again at 0 when the engine starts): one whose newest
+        task is older than one it reported before has restarted, its cache empty, and what it
+        was recorded as holding is forgotten. Whether it was."""
+        if not self._current(ep):
+            return False
+        newest = max(tasks, default=-1)
+        before = self._engine_tasks.get(ep.replica_id)
+        self._engine_tasks[ep.replica_id] = newest
+        if before is not None and newest < before:
+            self.prefix.forget(ep.replica_id)
+            return True
+        return False
 
     def served(self, ep: Endpoint, prompt: Prompt) -> None:
         """`ep` took `prompt` (its answer began): it holds the prompt's prefixes now."""
