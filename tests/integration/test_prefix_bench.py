@@ -30,6 +30,7 @@ SHAPE = {
     "python": str,
     "settings": MapOf(int),
     "model_mib": NUMBER,
+    "tokens_per_word": NUMBER,
     "least_outstanding": POLICY,
     "prefix": POLICY,
     "ttft_p50_ratio": NUMBER,

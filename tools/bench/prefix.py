@@ -12,9 +12,10 @@ with one thread and `--slots` slots, of a model made here with the `gguf` packag
 (tests/testlib/tinygguf.py at `--layers` × `--width`: wide enough that prefill of a few thousand
 tokens takes a measurable time on a CPU), behind one gateway (tools/bench/gateway_runner.py)
 routing the model by that policy. `--conversations` multi-turn conversations, `--concurrency`
-at a time, each `--turns` turns one after another: a system prompt of `--system-tokens` words
+at a time, each `--turns` turns one after another: a system prompt of `--system-tokens`
 (one of `--systems`, shared by the conversations that use it), a first question of
-`--first-tokens` words, then `--turn-tokens` words a turn, each answer `--max-tokens` tokens
+`--first-tokens`, then `--turn-tokens` a turn (tokens of the model's tokenizer, made of its
+words: `tokens_per_word` says how many a word makes), each answer `--max-tokens` tokens
 (streamed; the engine's own answer goes back into the conversation). The same conversations,
 word for word, under every policy.
 
@@ -180,18 +181,43 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
-def conversations(args: argparse.Namespace) -> list[dict]:
+def tokens_per_word(endpoint: dict) -> float:
+    """How many tokens the model's tokenizer makes of a word of the workload's, on average
+    (llama-server's /tokenize of a sample): the workload's sizes are in tokens."""
+    sample = words(random.Random(1), 2000)
+    conn = http.client.HTTPConnection("127.0.0.1", endpoint["port"], timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request(
+            "POST",
+            "/tokenize",
+            body=json.dumps({"content": sample}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {endpoint['api_key']}"},
+        )
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise SystemExit(f"llama-server's /tokenize answered {response.status}: {body[:300]!r}")
+    return len(json.loads(body)["tokens"]) / 2000
+
+
+def conversations(args: argparse.Namespace, per_word: float) -> list[dict]:
     """The workload, the same for every policy: each conversation's system prompt, first
-    question and later questions."""
+    question and later questions, of about the tokens asked for (`per_word` tokens a word)."""
     rng = random.Random(32)
-    systems = [f"System {s}. " + words(rng, args.system_tokens) for s in range(args.systems)]
+
+    def text(tokens: int) -> str:
+        return words(rng, max(1, round(tokens / per_word)))
+
+    systems = [f"System {s}. " + text(args.system_tokens) for s in range(args.systems)]
     out = []
     for c in range(args.conversations):
         out.append(
             {
                 "system": systems[c % args.systems],
-                "questions": [f"Question {c}. " + words(rng, args.first_tokens)]
-                + [f"Turn {t} of {c}. " + words(rng, args.turn_tokens) for t in range(1, args.turns)],
+                "questions": [f"Question {c}. " + text(args.first_tokens)]
+                + [f"Turn {t} of {c}. " + text(args.turn_tokens) for t in range(1, args.turns)],
             }
         )
     return out
@@ -355,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--systems", type=int, default=8, help="distinct system prompts (default: 8)")
     parser.add_argument("--system-tokens", type=int, default=2000)
-    parser.add_argument("--first-tokens", type=int, default=200, help="words of each conversation's first question")
-    parser.add_argument("--turn-tokens", type=int, default=40, help="words of each later question")
+    parser.add_argument("--first-tokens", type=int, default=200, help="each conversation's first question")
+    parser.add_argument("--turn-tokens", type=int, default=40, help="each later question")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4, help="conversations at a time (default: 4)")
     parser.add_argument("--replicas", type=int, default=2)
@@ -378,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
         args.server = default_server()
     if not os.access(args.server or "", os.X_OK):
         parser.error(f"no llama-server at {args.server!r}; run tools/llama/build-llama-server or pass --server")
-    work = conversations(args)
     out: dict = {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
@@ -417,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
             name="llmgw-prefix-bench",
         )
         out["model_mib"] = round(model.stat().st_size / 2**20, 1)
+        one = Replicas(args.server, model, 1, 1, args.context, tmp)
+        try:
+            per_word = tokens_per_word(one.endpoints[0])
+        finally:
+            one.stop()
+        out["tokens_per_word"] = round(per_word, 3)
+        work = conversations(args, per_word)
         for policy in policies:
             out[policy] = run_policy(args, policy, model, tmp, work)
     if "prefix" in out and "least_outstanding" in out:
