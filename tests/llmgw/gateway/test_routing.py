@@ -225,3 +225,20 @@ def test_an_engine_that_reports_its_task_count_begun_again_is_taken_to_hold_noth
     assert r.engine_report(a, [0]) is False and r.prefix.matches(t, ["a"])
     gone = Endpoint(replica_id="z", model="m", host="10.0.0.9", port=9)
     assert r.engine_report(gone, []) is False  # not in rotation: not listened to
+
+
+def test_a_drain_moves_a_conversation_to_the_next_in_its_rank_and_back_never_to_the_draining_one() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b", "c"), {"m": PREFIX})
+    t = _talk(3)
+    first, _ = r.route("m", prompt=t)
+    assert first is not None
+    r.served(first, t)
+    r.update({"m"}, eps("a", "b", "c", draining=frozenset({first.replica_id})), {"m": PREFIX})
+    moved, route = r.route("m", prompt=t)
+    assert moved is not None and moved.replica_id != first.replica_id and route.reason == "hash"
+    r.served(moved, t)
+    again, route = r.route("m", prompt=t)
+    assert again is moved and route.reason == "hit"  # its next turns stay where it moved
+    r.update({"m"}, eps("a", "b", "c", draining=frozenset({"a", "b", "c"})), {"m": PREFIX})
+    assert r.route("m", prompt=t)[0] is not None  # every replica draining: still served (as by load)
