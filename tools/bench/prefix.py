@@ -11,8 +11,11 @@ as `./pants test` made it, or $LLMGW_LLAMA_SERVER), started fresh (their caches 
 with one thread and `--slots` slots, of a model made here with the `gguf` package
 (tests/testlib/tinygguf.py at `--layers` × `--width`: wide enough that prefill of a few thousand
 tokens takes a measurable time on a CPU), behind one gateway (tools/bench/gateway_runner.py)
-routing the model by that policy. `--conversations` multi-turn conversations, `--concurrency`
-at a time, each `--turns` turns one after another: a system prompt of `--system-tokens`
+routing the model by that policy, each replica's prompt cache `--cache-mib` (llama-server's
+`--cache-ram`: the engine's cache is finite, as a GPU's is). `--conversations` multi-turn
+conversations, all open at once and taking turns (a conversation's next turn waits behind every
+other conversation's: users reading answers), `--concurrency` requests at a time, each of
+`--turns` turns: a system prompt of `--system-tokens`
 (one of `--systems`, shared by the conversations that use it), a first question of
 `--first-tokens`, then `--turn-tokens` a turn (tokens of the model's tokenizer, made of its
 words: `tokens_per_word` says how many a word makes), each answer `--max-tokens` tokens
@@ -111,7 +114,9 @@ def wait_for(what: str, ready, procs: list[subprocess.Popen]) -> None:
 class Replicas:
     """`count` llama-servers of `model`, each one thread and `slots` slots."""
 
-    def __init__(self, server: str, model: Path, count: int, slots: int, context: int, tmp: Path) -> None:
+    def __init__(
+        self, server: str, model: Path, count: int, slots: int, context: int, cache_mib: int, tmp: Path
+    ) -> None:
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[dict] = []
         for i in range(count):
@@ -126,7 +131,7 @@ class Replicas:
                 port=port,
                 api_key=Secret(key),
                 context=context * slots,
-                extra_args=("--threads", "1", "--parallel", str(slots), "-lv", "2"),
+                extra_args=("--threads", "1", "--parallel", str(slots), "--cache-ram", str(cache_mib), "-lv", "2"),
                 private_dir=str(private),
             )
             cmd = build_command(launch, server)
@@ -268,7 +273,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, work: list[dict]) -> dict:
-    replicas = Replicas(args.server, model, args.replicas, args.slots, args.context, tmp)
+    replicas = Replicas(args.server, model, args.replicas, args.slots, args.context, args.cache_mib, tmp)
     gateway = None
     try:
         gateway = Gateway(replicas.endpoints, policy, tmp)
@@ -278,7 +283,8 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
             turn(gateway.port, gateway.token, warm, 1)
         todo: queue.Queue = queue.Queue()
         for conversation in work:
-            todo.put(conversation)
+            todo.put({**conversation, "messages": [{"role": "system", "content": conversation["system"]}]})
+        left = [len(work)]  # conversations not yet at their last turn
         ttfts: list[float] = []
         served: Counter[str] = Counter()
         routes: Counter[str] = Counter()
@@ -286,23 +292,34 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
         lock = threading.Lock()
 
         def client() -> None:
+            # One turn of the conversation first in line, which then goes to the back of the
+            # line: every conversation is open at once, its turns between the others' (users
+            # who read the answer before they write again), as many at a time as clients.
             try:
                 while True:
                     try:
-                        conversation = todo.get_nowait()
+                        conversation = todo.get(timeout=1)
                     except queue.Empty:
-                        return
-                    messages = [{"role": "system", "content": conversation["system"]}]
-                    for question in conversation["questions"]:
-                        messages.append({"role": "user", "content": question})
-                        ttft, answer, replica, route = turn(gateway.port, gateway.token, messages, args.max_tokens)
-                        messages.append({"role": "assistant", "content": answer})
                         with lock:
-                            ttfts.append(ttft)
-                            served[replica] += 1
-                            routes[route.rsplit(";", 1)[-1] if route else "none"] += 1
+                            if left[0] == 0:
+                                return
+                        continue
+                    messages = conversation["messages"]
+                    messages.append({"role": "user", "content": conversation["questions"][len(messages) // 2]})
+                    ttft, answer, replica, route = turn(gateway.port, gateway.token, messages, args.max_tokens)
+                    messages.append({"role": "assistant", "content": answer})
+                    with lock:
+                        ttfts.append(ttft)
+                        served[replica] += 1
+                        routes[route.rsplit(";", 1)[-1] if route else "none"] += 1
+                        if len(messages) // 2 < len(conversation["questions"]):
+                            todo.put(conversation)
+                        else:
+                            left[0] -= 1
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 failures.append(exc)
+                with lock:
+                    left[0] = 0
 
         started = time.perf_counter()
         threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
@@ -388,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2, help="llama-server slots per replica (-np)")
     parser.add_argument("--context", type=int, default=4096, help="context per slot (default: 4096)")
+    parser.add_argument(
+        "--cache-mib",
+        type=int,
+        default=200,
+        help="llama-server's prompt cache in RAM (--cache-ram), per replica (default: 200: about 20 of the "
+        "default conversations at the default model's 4 KiB a token)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -422,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 "replicas",
                 "slots",
                 "context",
+                "cache_mib",
                 "layers",
                 "width",
             )
@@ -442,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             name="llmgw-prefix-bench",
         )
         out["model_mib"] = round(model.stat().st_size / 2**20, 1)
-        one = Replicas(args.server, model, 1, 1, args.context, tmp)
+        one = Replicas(args.server, model, 1, 1, args.context, args.cache_mib, tmp)
         try:
             per_word = tokens_per_word(one.endpoints[0])
         finally:
