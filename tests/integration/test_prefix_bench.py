@@ -19,6 +19,7 @@ POLICY = {
     "ttft_p99_ms": NUMBER,
     "throughput_rps": NUMBER,
     "load_imbalance": NUMBER,
+    "prompt_cached_share": NUMBER,
     "requests": int,
     "requests_per_replica": [int],
     "routes": MapOf(int),

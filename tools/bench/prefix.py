@@ -228,9 +228,10 @@ def conversations(args: argparse.Namespace, per_word: float) -> list[dict]:
     return out
 
 
-def turn(port: int, token: str, messages: list[dict], max_tokens: int) -> tuple[float, str, str, str]:
+def turn(port: int, token: str, messages: list[dict], max_tokens: int) -> tuple[float, str, str, str, int, int]:
     """One streamed chat request: time to its first event, the answer's text, the replica and
-    the route the gateway named."""
+    the route the gateway named, and the prompt's tokens the engine took from its cache and
+    those it computed (llama-server's `timings`, in its last event)."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0}
     body["ignore_eos"] = True
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
@@ -247,6 +248,7 @@ def turn(port: int, token: str, messages: list[dict], max_tokens: int) -> tuple[
             raise SystemExit(f"the gateway answered {response.status}: {response.read()[:500]!r}")
         first = None
         text = []
+        cached = computed = 0
         while True:
             line = response.readline()
             if not line:
@@ -258,11 +260,16 @@ def turn(port: int, token: str, messages: list[dict], max_tokens: int) -> tuple[
             data = line[6:].strip()
             if data == b"[DONE]":
                 break
-            for choice in json.loads(data).get("choices", ()):
+            event = json.loads(data)
+            for choice in event.get("choices", ()):
                 text.append((choice.get("delta") or {}).get("content") or "")
+            timings = event.get("timings")
+            if timings:
+                cached, computed = timings.get("cache_n", 0), timings.get("prompt_n", 0)
         if first is None:
             raise SystemExit("a stream ended without an event")
-        return first, "".join(text), response.getheader("x-llmgw-replica", ""), response.getheader("x-llmgw-route", "")
+        replica, route = response.getheader("x-llmgw-replica", ""), response.getheader("x-llmgw-route", "")
+        return first, "".join(text), replica, route, cached, computed
     finally:
         conn.close()
 
@@ -285,6 +292,7 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
         for conversation in work:
             todo.put({**conversation, "messages": [{"role": "system", "content": conversation["system"]}]})
         left = [len(work)]  # conversations not yet at their last turn
+        prompt_tokens = [0, 0]  # taken from the engines' caches, computed
         ttfts: list[float] = []
         served: Counter[str] = Counter()
         routes: Counter[str] = Counter()
@@ -306,10 +314,14 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
                         continue
                     messages = conversation["messages"]
                     messages.append({"role": "user", "content": conversation["questions"][len(messages) // 2]})
-                    ttft, answer, replica, route = turn(gateway.port, gateway.token, messages, args.max_tokens)
+                    ttft, answer, replica, route, cached, computed = turn(
+                        gateway.port, gateway.token, messages, args.max_tokens
+                    )
                     messages.append({"role": "assistant", "content": answer})
                     with lock:
                         ttfts.append(ttft)
+                        prompt_tokens[0] += cached
+                        prompt_tokens[1] += computed
                         served[replica] += 1
                         routes[route.rsplit(";", 1)[-1] if route else "none"] += 1
                         if len(messages) // 2 < len(conversation["questions"]):
@@ -336,6 +348,8 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
             "ttft_p99_ms": round(1000 * percentile(ttfts, 0.99), 1),
             "throughput_rps": round(len(ttfts) / wall, 3),
             "load_imbalance": round(max(counts) / max(1, min(counts)), 3),
+            # Of the prompts' tokens, the share the engines found in their caches (their own word).
+            "prompt_cached_share": round(prompt_tokens[0] / max(1, sum(prompt_tokens)), 3),
             "requests": len(ttfts),
             "requests_per_replica": counts,
             "routes": dict(sorted(routes.items())),
@@ -398,19 +412,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--systems", type=int, default=8, help="distinct system prompts (default: 8)")
     parser.add_argument("--system-tokens", type=int, default=2000)
-    parser.add_argument("--first-tokens", type=int, default=200, help="each conversation's first question")
-    parser.add_argument("--turn-tokens", type=int, default=40, help="each later question")
+    parser.add_argument(
+        "--first-tokens", type=int, default=1000, help="each conversation's first message (a document, say)"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=60, help="each later question")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=4, help="conversations at a time (default: 4)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        help="requests at a time (default: 2, one a replica: a request's "
+        "time to first token is its own prefill, not another's it shares a replica's one thread with)",
+    )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2, help="llama-server slots per replica (-np)")
-    parser.add_argument("--context", type=int, default=4096, help="context per slot (default: 4096)")
+    parser.add_argument("--context", type=int, default=5120, help="context per slot (default: 5120)")
     parser.add_argument(
         "--cache-mib",
         type=int,
-        default=200,
-        help="llama-server's prompt cache in RAM (--cache-ram), per replica (default: 200: about 20 of the "
-        "default conversations at the default model's 4 KiB a token)",
+        default=256,
+        help="llama-server's prompt cache in RAM (--cache-ram), per replica (default: 256: about 20 of the "
+        "default conversations at the default model's 4 KiB a token; half of them each are 16)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")

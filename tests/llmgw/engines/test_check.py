@@ -48,13 +48,14 @@ def test_the_widest_command_is_multi_node_where_the_engine_spans_nodes() -> None
         "--model",
         "--n-gpu-layers",
         "--port",
+        "--slot-prompt-similarity",
     )
 
 
 def test_llama_help_cut_to_400_lines_reports_what_it_lacks() -> None:
     cut = "".join(help_text("llama-server.txt").splitlines(keepends=True)[:400])
     result = check_engine("llamacpp", cut)
-    assert result.missing == ("--alias", "--api-key-file", "--host", "--port")
+    assert result.missing == ("--alias", "--api-key-file", "--host", "--port", "--slot-prompt-similarity")
     assert result.missing_env == ("LLAMA_API_KEY",)  # documented at line 588
     assert result.warnings == ()  # --help is at line 3: nothing says it was cut
     assert result.status == MISSING

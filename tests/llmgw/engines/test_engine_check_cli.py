@@ -41,10 +41,10 @@ def test_help_given_as_text_the_way_the_docs_show(capsys: pytest.CaptureFixture[
     assert text.startswith("-----")
     assert engine_check("llamacpp", "--help-output", text) == 2
     out = capsys.readouterr().out
-    for flag in ("--alias", "--api-key-file", "--host", "--port"):
+    for flag in ("--alias", "--api-key-file", "--host", "--port", "--slot-prompt-similarity"):
         assert f"  MISSING {flag}\n" in out
     assert "MISSING LLAMA_API_KEY" in out
-    assert "result: 5 of llmgw's flags missing, 0 problems in models' args (exit 2)" in out
+    assert "result: 6 of llmgw's flags missing, 0 problems in models' args (exit 2)" in out
 
 
 def test_warnings_only_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
