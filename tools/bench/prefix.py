@@ -11,8 +11,9 @@ as `./pants test` made it, or $LLMGW_LLAMA_SERVER), started fresh (their caches 
 with one thread and `--slots` slots, of a model made here with the `gguf` package
 (tests/testlib/tinygguf.py at `--layers` × `--width`: wide enough that prefill of a few thousand
 tokens takes a measurable time on a CPU), behind one gateway (tools/bench/gateway_runner.py)
-routing the model by that policy, each replica's prompt cache `--cache-mib` (llama-server's
-`--cache-ram`: the engine's cache is finite, as a GPU's is). `--conversations` multi-turn
+routing the model by that policy. An engine's cache is finite, as a GPU's KV cache is: by
+default its `--slots` slots' contexts alone, room for the conversations a replica takes by
+prefix but not for all of them (`--cache-mib` adds llama-server's prompt cache in RAM). `--conversations` multi-turn
 conversations, all open at once and taking turns (a conversation's next turn waits behind every
 other conversation's: users reading answers), `--concurrency` requests at a time, each of
 `--turns` turns: a system prompt of `--system-tokens`
@@ -425,14 +426,20 @@ def main(argv: list[str] | None = None) -> int:
         "time to first token is its own prefill, not another's it shares a replica's one thread with)",
     )
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=2, help="llama-server slots per replica (-np)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=16,
+        help="llama-server slots per replica (-np; default: 16: the conversations one replica takes by prefix, "
+        "half of them all)",
+    )
     parser.add_argument("--context", type=int, default=5120, help="context per slot (default: 5120)")
     parser.add_argument(
         "--cache-mib",
         type=int,
-        default=256,
-        help="llama-server's prompt cache in RAM (--cache-ram), per replica (default: 256: about 20 of the "
-        "default conversations at the default model's 4 KiB a token; half of them each are 16)",
+        default=0,
+        help="llama-server's prompt cache in RAM (--cache-ram), per replica, MiB (default: 0, none: the "
+        "engine's cache is its slots, as a GPU's is its KV cache)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")
