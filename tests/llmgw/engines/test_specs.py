@@ -81,8 +81,11 @@ def test_a_cpu_replica_sees_no_gpu_and_gets_no_optional_flags() -> None:
     cmd = build_command(launch("llamacpp"))
     assert cmd.argv[0] == "llama-server"
     assert "--ctx-size" not in cmd.argv and "--n-gpu-layers" not in cmd.argv
-    # Conversations find their own prompt again (see llamacpp._args); the operator's value, after, wins.
+    # Conversations find their own prompt again (see llamacpp._args); the operator's value, after,
+    # wins; without the prompt cache in RAM, llama-server's own choice of slot stays.
     assert cmd.argv[-2:] == ("--slot-prompt-similarity", "0")
+    off = build_command(launch("llamacpp", extra_args=("--cache-ram", "0")))
+    assert "--slot-prompt-similarity" not in off.argv
     # Empty, not unset: unset would let the engine take GPU 0 on a GPU node.
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == ""
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from llmgw.config import Secret
 from llmgw.engines.launch import PrivateFile, ReplicaLaunch, gpu_env, key_file
-from llmgw.engines.spec import Arg, EngineSpec, has_flag
+from llmgw.engines.spec import Arg, EngineSpec, flag_value, has_flag
 from llmgw.wire import gateway_link as g
 
 # Every layer on the GPUs. A number rather than "all", which builds before 2025 do not accept.
@@ -30,14 +30,18 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
         args += ["--ctx-size", str(launch.context)]
     if launch.gpus:
         args += ["--n-gpu-layers", ALL_LAYERS]
-    # Conversations taking turns find their own prompt again. At llama-server's default (0.1) a
-    # request takes the slot whose prompt is most like its own by its measure, which for
-    # conversations sharing a system prompt is another conversation's, overwritten: every turn
-    # was prefilled again but for the system prompt (measured with this build, 16 conversations
-    # of 3,000 tokens under 4 system prompts taking turns: 63 % of the prompts' tokens from the
-    # cache at the default, whatever the slots; 85 % with 0 and 16 slots, 97 % with 0 and the
-    # prompt cache in RAM; 2 slots, 4 conversations: 400 ms a turn against 75).
-    args += ["--slot-prompt-similarity", "0"]
+    if flag_value(launch.extra_args, "-cram", "--cache-ram") != "0":
+        # Conversations taking turns find their own prompt again, in the prompt cache in RAM
+        # (on by default): a request takes the least recently used slot, which loads the
+        # request's conversation from that cache. At llama-server's default (0.1) a request
+        # takes the slot whose prompt is most like its own by its measure, for conversations
+        # sharing a system prompt another conversation's, and the prompt cache is not looked
+        # at: every turn was prefilled again but for the system prompt (measured with this
+        # build, 16 conversations of 3,000 tokens under 4 system prompts taking turns, 16
+        # slots: 63 % of the prompts' tokens from the cache at the default, 97 % with 0; 2
+        # slots, 4 conversations: 400 ms a turn against 75). Without the prompt cache (the
+        # operator's `--cache-ram 0`) slots chosen by age alone would be worse: the default stays.
+        args += ["--slot-prompt-similarity", "0"]
     return args
 
 
