@@ -11,9 +11,9 @@ as `./pants test` made it, or $LLMGW_LLAMA_SERVER), started fresh (their caches 
 with one thread and `--slots` slots, of a model made here with the `gguf` package
 (tests/testlib/tinygguf.py at `--layers` × `--width`: wide enough that prefill of a few thousand
 tokens takes a measurable time on a CPU), behind one gateway (tools/bench/gateway_runner.py)
-routing the model by that policy. An engine's cache is finite, as a GPU's KV cache is: by
-default its `--slots` slots' contexts alone, room for the conversations a replica takes by
-prefix but not for all of them (`--cache-mib` adds llama-server's prompt cache in RAM). `--conversations` multi-turn
+routing the model by that policy. An engine's cache is finite, as a GPU's KV cache is:
+llama-server's prompt cache in RAM (`--cache-ram`) is `--cache-mib`, by default room for the
+conversations a replica takes by prefix but not for all of them. `--conversations` multi-turn
 conversations, all open at once and taking turns (a conversation's next turn waits behind every
 other conversation's: users reading answers), `--concurrency` requests at a time, each of
 `--turns` turns: a system prompt of `--system-tokens`
@@ -421,9 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency",
         type=int,
-        default=2,
-        help="requests at a time (default: 2, one a replica: a request's "
-        "time to first token is its own prefill, not another's it shares a replica's one thread with)",
+        default=4,
+        help="requests at a time (default: 4, two a replica: each replica's one thread always has work)",
     )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument(
@@ -437,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-mib",
         type=int,
-        default=0,
-        help="llama-server's prompt cache in RAM (--cache-ram), per replica, MiB (default: 0, none: the "
-        "engine's cache is its slots, as a GPU's is its KV cache)",
+        default=320,
+        help="llama-server's prompt cache in RAM (--cache-ram), per replica, MiB (default: 320: room for the "
+        "conversations one replica takes by prefix, 16 of about 14 MiB at the default model's 4 KiB a token, "
+        "not for all 32)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")
