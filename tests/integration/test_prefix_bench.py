@@ -29,7 +29,7 @@ SHAPE = {
     "machine": str,
     "cpus": int,
     "python": str,
-    "settings": MapOf(int),
+    "settings": MapOf(NUMBER),
     "model_mib": NUMBER,
     "tokens_per_word": NUMBER,
     "least_outstanding": POLICY,

@@ -5,7 +5,7 @@ and memory as that process's own.
 
 SPEC is `{"endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`, and optionally
 `"details": [{"name", "routing", ...}]` (what the rotation says of each model: `ModelInfo`, e.g.
-its routing policy, as tools/bench/prefix.py sets it). It serves a
+its routing policy, as tools/bench/prefix.py sets it) and `"options": {...}` (`[gateway]` keys). It serves a
 `Gateway` with those `StaticEndpoints` on 127.0.0.1 (port P, or a free one), with one new API
 key and no store. It prints `{"port": P, "token": T, "pid": PID}` on one line once it listens,
 and runs until SIGTERM or SIGINT. The open-file limit is raised to its hard limit so thousands of
@@ -29,6 +29,7 @@ from pathlib import Path
 import trio
 
 from llmgw.commands._service import run_service
+from llmgw.config import GatewaySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.gateway.routing import Endpoint
@@ -46,7 +47,8 @@ async def serve(spec: dict, port: int) -> None:
     keys = KeyTable([GatewayKey(name=KEY_NAME, token_sha256=token_hash(token))])  # its table: that key alone
     endpoints = tuple(Endpoint(**ep) for ep in spec["endpoints"])
     details = tuple(ModelInfo(**d) for d in spec.get("details", ()))
-    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys)
+    options = GatewaySection(**spec.get("options", {}))
+    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys, options=options)
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.serve_rotation)
         await nursery.start(gateway.serve_probes)

@@ -58,7 +58,7 @@ from bench.procs import child_env, stop
 
 from llmgw.config import Secret
 from llmgw.engines import ReplicaLaunch, build_command
-from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.prefix import LOAD_FACTOR, Prompt
 from llmgw.gateway.routing import PREFIX, Endpoint, Router
 
 BUILD_LLAMA = Path(__file__).resolve().parents[2] / "tools" / "llama" / "build-llama-server"
@@ -161,10 +161,11 @@ class Replicas:
 class Gateway:
     """tools/bench/gateway_runner.py in front of `endpoints`, routing the model by `policy`."""
 
-    def __init__(self, endpoints: list[dict], policy: str, tmp: Path) -> None:
+    def __init__(self, endpoints: list[dict], policy: str, tmp: Path, load_factor: float) -> None:
         spec = tmp / f"gateway-{policy}.json"
         details = [{"name": MODEL, "engine": "llamacpp", "routing": policy}]
-        spec.write_text(json.dumps({"endpoints": endpoints, "details": details}))
+        options = {"prefix_load_factor": load_factor}
+        spec.write_text(json.dumps({"endpoints": endpoints, "details": details, "options": options}))
         with open(tmp / f"gateway-{policy}.log", "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.gateway_runner", str(spec)],
@@ -284,7 +285,7 @@ def run_policy(args: argparse.Namespace, policy: str, model: Path, tmp: Path, wo
     replicas = Replicas(args.server, model, args.replicas, args.slots, args.context, args.cache_mib, tmp)
     gateway = None
     try:
-        gateway = Gateway(replicas.endpoints, policy, tmp)
+        gateway = Gateway(replicas.endpoints, policy, tmp, args.load_factor)
         warm = [{"role": "user", "content": "hello"}]
         wait_for("the gateway", lambda: _get(gateway.port, "/health") == 200, [gateway.proc, *replicas.procs])
         for _ in range(args.replicas * 2):  # every engine loaded and answering
@@ -444,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256, help="the model's embedding width (default: 256)")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--load-factor", type=float, default=LOAD_FACTOR, help=f"[gateway] prefix_load_factor (default: {LOAD_FACTOR})"
+    )
     parser.add_argument("--router-chains", type=int, default=10_000)
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
@@ -476,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 "slots",
                 "context",
                 "cache_mib",
+                "load_factor",
                 "layers",
                 "width",
             )
