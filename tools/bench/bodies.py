@@ -65,7 +65,7 @@ def run(sizes: list[int]) -> dict:
             if request.path == "/tiny":
                 return Response.json(200, {"ok": True})
             try:
-                fields = await parse_body(request, workers, request_fields, 0)
+                fields = await parse_body(request, workers, request_fields)
             except HTTPError as exc:
                 return Response.json(exc.status, {"error": exc.message})
             return Response.json(200, {"model": fields.model})
