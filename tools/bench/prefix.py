@@ -54,6 +54,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.llamacpp import default_server, free_port
 from bench.procs import child_env, stop
 
 from llmgw.config import Secret
@@ -61,30 +62,12 @@ from llmgw.engines import ReplicaLaunch, build_command
 from llmgw.gateway.prefix import LOAD_FACTOR, Prompt
 from llmgw.gateway.routing import PREFIX, Endpoint, Router
 
-BUILD_LLAMA = Path(__file__).resolve().parents[2] / "tools" / "llama" / "build-llama-server"
 MODEL = "chat"
 POLICIES = ("least_outstanding", "prefix")
 READY_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
 MAX_REQUESTS = 5_000
 TARGETS = {"ttft_p50_ratio": 0.4, "load_imbalance": 1.3, "router_decision_p99_us": 50.0}
-
-
-def default_server() -> str:
-    if os.environ.get("LLMGW_LLAMA_SERVER"):
-        return os.environ["LLMGW_LLAMA_SERVER"]
-    done = subprocess.run(
-        [sys.executable, "-I", str(BUILD_LLAMA), "--cached"], capture_output=True, text=True, timeout=60, check=False
-    )
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str, key: str = "") -> int:
