@@ -54,6 +54,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench import gateway_runner
 from bench.llamacpp import default_server, free_port
 from bench.procs import child_env, stop
 
@@ -151,7 +152,8 @@ class Gateway:
         spec.write_text(json.dumps({"endpoints": endpoints, "details": details, "options": options}))
         with open(tmp / f"gateway-{policy}.log", "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.gateway_runner", str(spec)],
+                # By the module itself, so that Pants gives the smoke test's sandbox its files.
+                [sys.executable, "-m", gateway_runner.__name__, str(spec)],
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -160,7 +162,8 @@ class Gateway:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening")
+            tail = (tmp / f"gateway-{policy}.log").read_text(errors="replace")[-2000:]
+            raise SystemExit(f"the gateway runner exited with {self.proc.wait(10)} before listening:\n{tail}")
         info = json.loads(line)
         self.port, self.token = info["port"], info["token"]
 
