@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from llmgw.gateway.prefix import PrefixTable, Prompt, choose, load_bound, rank, replica_key
+from llmgw.gateway.prefix import MAX_MESSAGES, PrefixTable, Prompt, choose, load_bound, rank, replica_key
 
 SYSTEM = "You are a careful assistant. " * 40  # 1,160 characters: four whole blocks and more
 IDS = ["r-a", "r-b", "r-c"]
@@ -184,3 +184,12 @@ def test_a_new_replica_takes_new_conversations_at_once_and_a_leaving_one_moves_o
     shrunk = ["r-a", "r-c"]
     gone = {a: shrunk[rank(a, [KEYS[0], KEYS[2]])[0]] for a in anchors}
     assert all(gone[a] == before[a] for a in anchors if before[a] != "r-b")
+
+
+def test_a_conversation_of_many_messages_is_read_as_far_as_its_first_max_messages() -> None:
+    """Bounded work per body: 4,000 numbers as messages (a small body, parsed on the loop) cost
+    15 ms to render one by one with `json.dumps`; they are rendered by one encoder, and no
+    further than MAX_MESSAGES."""
+    many = list(range(4000))
+    assert prompt({"messages": many}).chains == prompt({"messages": many[:MAX_MESSAGES]}).chains
+    assert prompt({"messages": many}).chains != prompt({"messages": many[: MAX_MESSAGES - 1]}).chains

@@ -33,6 +33,7 @@ at once.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import zlib
 from collections import OrderedDict
@@ -50,6 +51,10 @@ COMPLETION_ANCHOR_BLOCKS = 4
 
 _MASK = (1 << 64) - 1
 _PLAIN = frozenset({"role", "content", "name"})  # a message of these alone is rendered as text
+# Anything else a message is, rendered by one encoder made once (`json.dumps` with options makes
+# one per call: 3-4 µs, 15 ms for a small body of 4,000 numbers as messages).
+_ENCODE = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
+MAX_MESSAGES = 1024  # rendered at most: a longer conversation is matched on its first ones
 
 
 def _stable(data: bytes) -> int:
@@ -119,16 +124,16 @@ def _render(messages: list, limit: int) -> tuple[bytes, int]:
     parts: list[bytes] = []
     size = 0
     anchor_end = -1
-    for message in messages:
+    for message in itertools.islice(messages, MAX_MESSAGES):
         if isinstance(message, dict):
             content = message.get("content")
             if isinstance(content, str) and message.keys() <= _PLAIN:
                 part = f"{message.get('role')}:{message.get('name', '')}\n{content}\x1e".encode()
             else:
-                part = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\x1e"
+                part = _ENCODE(message).encode() + b"\x1e"
             is_user = message.get("role") == "user"
         else:
-            part = json.dumps(message, ensure_ascii=False, default=str).encode() + b"\x1e"
+            part = _ENCODE(message).encode() + b"\x1e"
             is_user = False
         parts.append(part)
         size += len(part)
