@@ -408,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency",
         type=int,
-        default=4,
-        help="requests at a time (default: 4, two a replica: each replica's one thread always has work)",
+        default=2,
+        help="requests at a time (default: 2, one a replica: a request's time to its first token is then "
+        "its own prefill and not another's it shares a replica's one thread with; 4 is noisier)",
     )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument(

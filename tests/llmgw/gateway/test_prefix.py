@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from llmgw.gateway.prefix import MAX_MESSAGES, PrefixTable, Prompt, choose, load_bound, rank, replica_key
+from llmgw.gateway.prefix import MAX_MESSAGES, Choice, PrefixTable, Prompt, choose, load_bound, rank, replica_key
 
 SYSTEM = "You are a careful assistant. " * 40  # 1,160 characters: four whole blocks and more
 IDS = ["r-a", "r-b", "r-c"]
@@ -193,3 +193,15 @@ def test_a_conversation_of_many_messages_is_read_as_far_as_its_first_max_message
     many = list(range(4000))
     assert prompt({"messages": many}).chains == prompt({"messages": many[:MAX_MESSAGES]}).chains
     assert prompt({"messages": many}).chains != prompt({"messages": many[: MAX_MESSAGES - 1]}).chains
+
+
+def test_a_conversation_held_nowhere_goes_to_the_least_loaded_by_its_rank_among_them() -> None:
+    table = PrefixTable()
+    p = next(t for t in (prompt(chat(f"New {n}. " * 5)) for n in range(100)) if rank(t.anchor, KEYS)[0] == 0)
+    order = rank(p.anchor, KEYS)
+    assert choose(p, IDS, KEYS, [3, 3, 3], table) == Choice(index=order[0], matched_chars=0, reason="hash")
+    # Its ranked replica busy, another idle: waiting would gain it nothing, so the idle one.
+    busy = [0, 0, 0]
+    busy[order[0]] = 1
+    taken = choose(p, IDS, KEYS, busy, table)
+    assert taken.index == order[1] and taken.reason == "spill"

@@ -48,8 +48,9 @@ class GatewayMetrics:
         self.routes = r.counter(
             "llmgw_gateway_routes_total",
             "Answers of models routed by prefix, by how their replica was chosen (prefix_hit: it held the "
-            "conversation; prefix_hash: none did, the conversation's rank chose; prefix_spill: the one "
-            "holding it or ranked first was over the load bound; prefix_only: one candidate).",
+            "conversation; prefix_hash: none did, the conversation's rank chose among the least loaded; "
+            "prefix_spill: the one holding it was over the load bound, or the one ranked first busier than "
+            "another; prefix_only: one candidate).",
             ("model", "route"),
         )
         self.prefix_matched = r.counter(
