@@ -10,8 +10,9 @@ import trio
 import trio.testing
 
 from llmgw.config import GatewaySection
-from llmgw.gateway.app import Gateway, _Job
+from llmgw.gateway.app import CACHE_REPORT_INTERVAL_S, Gateway, _Job
 from llmgw.gateway.routing import Endpoint
+from llmgw.wire.gateway_link import ModelInfo
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import parse_metrics
 
@@ -151,3 +152,18 @@ async def test_a_drain_ends_when_the_last_request_does(
     await trio.sleep(61.0)
     assert ended[1] == (pytest.approx(started + 6.01 + 60.0), False)  # the deadline, a request still in flight
     late.finish(None)
+
+
+async def test_a_cache_report_that_fails_by_a_bug_of_ours_leaves_the_probes_running(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The scripted pool has no `send`: every llama.cpp /slots report of a model routed by
+    prefix fails with an AttributeError. The reports are lost, the prober goes on."""
+    a = endpoint("a", 8001)
+    gw, pool, provider = await gateway(nursery, a)
+    provider.set((a,), None, (ModelInfo(name="m", engine="llamacpp", routing="prefix"),))
+    await trio.sleep(CACHE_REPORT_INTERVAL_S * 3)  # three rounds of reports, each failing
+    gw._failed(a, "first_byte", client_saw_bytes=False)
+    pool.reachable.add(8001)
+    await trio.sleep(1.0 + PROBE_S + 0.1)
+    assert pool.probes and a.replica_id not in gw.router.down  # probed and back

@@ -254,6 +254,9 @@ class Gateway:
         ) as exc:
             log.debug("gateway_cache_report_failed", replica=ep.replica_id, reason=str(exc) or type(exc).__name__)
             return
+        except Exception:  # - a bug of ours: this report is lost, the gateway's other work goes on
+            log.exception("gateway_cache_report_bug", replica=ep.replica_id)
+            return
         if self.router.engine_report(ep, tasks):
             log.info("gateway_replica_cache_reset", replica=ep.replica_id, model=ep.model)
             self.metrics.cache_resets.inc(model=ep.model)
