@@ -80,6 +80,7 @@ class Record:
     # listened on every address then): a field with a default, so those records still read.
     host: str = ""
     gpus: tuple[int, ...] = ()
+    events_port: int = 0  # where it publishes KV-cache events; 0: none (and in records written before)
     fingerprint: str
     started_at: float = 0.0  # unix time, for people reading the file or the log
 
@@ -94,6 +95,7 @@ class Record:
         pid: int,
         *,
         port: int,
+        events_port: int = 0,
         host: str = "",
         gpus: tuple[int, ...],
         fingerprint: str,
@@ -113,6 +115,7 @@ class Record:
             start_time=seen.start_time,
             boot_id=boot_id,
             port=port,
+            events_port=events_port,
             host=host,
             gpus=gpus,
             fingerprint=fingerprint,

@@ -53,7 +53,7 @@ from agent.replica_plan import TRANSITIONS, Key, describe_end, describe_exit
 from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
 from llmgw.backoff import Backoff, Failures
 from llmgw.config import Secret
-from llmgw.engines import Command, ReplicaLaunch, build_command
+from llmgw.engines import Command, ReplicaLaunch, build_command, spec_for
 from llmgw.errors import LlmgwError, leaves, only
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
@@ -95,6 +95,7 @@ class Member:
     done: trio.Event = attrs.Factory(trio.Event)
     gpus: tuple[int, ...] = ()
     port: int = 0  # kept across restarts while it is free, so the gateway's address holds
+    events_port: int = 0  # where rank 0's engine publishes KV-cache events (kept likewise); 0: none
     host: str = ""  # where rank 0's engine listens (while it runs)
     exits: Failures  # its engine's exits that count for the restart policy
     answered: int = 0  # liveness probes its engine answered (200) since it was ready, all starts together
@@ -322,6 +323,7 @@ class Life:
             detail=f"{what}; restarting in {delay:g} s. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
             pid=0,
             port=0,
+            events_port=0,
             restarts=m.status.restarts + 1,
         )
         await trio.sleep(delay)
@@ -343,6 +345,8 @@ class Life:
         # Workers serve nothing, but every spec wants a port: a free one on loopback, never reported.
         m.port = pick_port(host, m.port)
         m.host = host
+        publishes = a.cache_events and a.node_rank == 0 and spec_for(a.engine).cache_events
+        m.events_port = pick_port(host, m.events_port) if publishes else 0
         replica, rank = m.key
         return ReplicaLaunch(
             engine=a.engine,
@@ -359,12 +363,13 @@ class Life:
             dist_init_port=a.dist_init_port,
             ib_adapters=a.ib_adapters,
             private_dir=str(self.keys.dir_for(replica, rank)),
+            events_port=m.events_port,
         )
 
     async def _run_once(self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog) -> int | None:
         """Run the engine once, until it exits (its status) or the member is cancelled (then stop it)."""
         shown = command.for_log()
-        m.set(w.STARTING, pid=0, port=0)
+        m.set(w.STARTING, pid=0, port=0, events_port=0)
         await engine_log.rotate_if_needed()
         engine_log.note(f"starting {a.engine} for replica {a.replica_id} rank {a.node_rank}: {json.dumps(shown)}")
         log.info("replica_starting", replica=a.replica_id, rank=a.node_rank, **shown)
@@ -471,7 +476,7 @@ class Life:
             status = await probe_health(host, port)
             m.observed.set()
             if status == 200:
-                m.set(w.READY, port=port)
+                m.set(w.READY, port=port, events_port=m.events_port)
                 break
             if status is not None:
                 m.set(w.STARTING, port=port)  # it listens, it does not serve yet
@@ -501,7 +506,14 @@ class Life:
     def _record(self, m: Member, a: w.ReplicaAssignment, pid: int) -> None:
         """Note the engine in STATE/run, so that the next agent adopts it should this one die."""
         record = Record.of_child(
-            a, pid, port=m.port, host=m.host, gpus=m.gpus, fingerprint=m.fingerprint, boot_id=self.boot_id
+            a,
+            pid,
+            port=m.port,
+            events_port=m.events_port,
+            host=m.host,
+            gpus=m.gpus,
+            fingerprint=m.fingerprint,
+            boot_id=self.boot_id,
         )
         try:
             if record is not None:  # None: it is gone already, nothing to adopt

@@ -206,6 +206,7 @@ class Supervisor:
             exits=Failures(self.life.backoff),
             gpus=r.gpus,
             port=r.port,
+            events_port=r.events_port,
             host=r.host or "0.0.0.0",  # recorded before engines had their own address: all of them
         )
         self._members[r.key] = m

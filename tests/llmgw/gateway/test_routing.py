@@ -8,8 +8,18 @@ from collections import Counter
 
 import attrs
 
-from llmgw.gateway.prefix import Prompt
-from llmgw.gateway.routing import LEAST, LEAST_OUTSTANDING, PREFIX, Endpoint, Route, Router, Verdict
+from llmgw.gateway.kvevents import Cleared, Removed, Stored
+from llmgw.gateway.prefix import PrefixTable, Prompt
+from llmgw.gateway.routing import (
+    LEAST,
+    LEAST_OUTSTANDING,
+    PREFIX,
+    Endpoint,
+    EventsReport,
+    Route,
+    Router,
+    Verdict,
+)
 
 
 def eps(*names: str, model: str = "m", draining: frozenset = frozenset()) -> list[Endpoint]:
@@ -225,6 +235,72 @@ def test_an_engine_that_reports_its_task_count_begun_again_is_taken_to_hold_noth
     assert r.engine_report(a, [0]) is False and r.prefix.matches(t, ["a"])
     gone = Endpoint(replica_id="z", model="m", host="10.0.0.9", port=9)
     assert r.engine_report(gone, []) is False  # not in rotation: not listened to
+
+
+def test_kv_cache_events_numbered_again_or_a_cleared_cache_forget_what_the_replica_held() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    a = r.endpoints["m"][0]
+    t = _talk(1)
+    r.served(a, t)
+    assert r.engine_events(a, 0, [Stored(hashes=(1, 2), parent=None, block_size=16, tokens=32)]) == EventsReport()
+    assert r.engine_events(a, 3, []) == EventsReport(missed=2)  # 1 and 2 never came
+    assert r.prefix.matches(t, ["a"])
+    assert r.engine_events(a, 0, []) == EventsReport(restarted=True)  # numbered from 0 again: a new engine
+    assert r.prefix.matches(t, ["a"]) == {}
+    r.served(a, t)
+    assert r.engine_events(a, 1, [Cleared()]) == EventsReport(cleared=True)
+    assert r.prefix.matches(t, ["a"]) == {} and r.prefix.held_chars("a") == 0
+    gone = Endpoint(replica_id="z", model="m", host="10.0.0.9", port=9)
+    assert r.engine_events(gone, 0, [Cleared()]) == EventsReport()  # not in rotation: not listened to
+    # Leaving rotation forgets the numbering too: back, its first batch is not a restart.
+    r.update({"m"}, eps("b"), {"m": PREFIX})
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    assert r.engine_events(r.endpoints["m"][0], 0, []) == EventsReport()
+
+
+def test_an_engine_that_evicts_has_the_router_forget_its_oldest_conversations_to_fit() -> None:
+    """The engine holds 32 blocks of 16 tokens (2,048 bytes at 4 a token) once it evicts: of the
+    conversations recorded on it, the most recently served that fit stay, the older go."""
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    a, b = r.endpoints["m"]
+    talks = [Prompt.of({"prompt": f"{n:04d}" + "x" * 1020}, "m") for n in range(6)]  # 1,024 bytes each, 4 blocks
+    for t in talks:
+        assert t is not None
+        r.served(a, t)
+    r.served(b, talks[0])  # b served the oldest one later: the table names b for it now
+    assert r.prefix.held_chars("a") == 5 * 1024 and r.prefix.held_chars("b") == 1024
+    stored = Stored(hashes=tuple(range(60)), parent=None, block_size=16, tokens=960)
+    assert r.engine_events(a, 0, [stored]).trimmed == 0  # no eviction: nothing said of what it lacks
+    report = r.engine_events(a, 1, [Removed(hashes=tuple(range(28)))])  # 32 blocks left
+    assert report.trimmed == 12 and r.prefix.held_chars("a") == 2 * 1024
+    kept = [n for n, t in enumerate(talks) if t is not None and r.prefix.matches(t, ["a"])]
+    assert kept == [4, 5]
+    assert r.prefix.matches(talks[0], ["b"]) == {"b": 4}  # another replica's entries untouched
+    # Removing what it never said it stored (before the subscription began) changes nothing.
+    assert r.engine_events(a, 2, [Removed(hashes=(999,))]).trimmed == 0
+
+
+def test_a_trim_looks_at_a_bounded_number_of_entries_and_the_next_goes_on() -> None:
+    table = PrefixTable()
+    for n in range(100):
+        p = Prompt.of({"prompt": f"{n:04d}" + "y" * 252}, "m")  # one block each
+        assert p is not None
+        table.record(p, "a" if n % 2 else "b")
+    assert table.held_chars("a") == 50 * 256
+    assert table.trim("a", 0, scan=10) == 5  # of the 10 oldest entries, a's five
+    assert table.trim("a", 0, scan=1_000) == 45 and table.held_chars("a") == 0
+    assert table.held_chars("b") == 50 * 256 and len(table) == 50
+    small = PrefixTable(entries=10)  # entries pushed out of a full table stop counting
+    for n in range(30):
+        p = Prompt.of({"prompt": f"{n:04d}" + "z" * 252}, "m")
+        assert p is not None
+        small.record(p, "a")
+    assert small.held_chars("a") == 10 * 256
+    small.forget("a")
+    assert small.held_chars("a") == 0
+    assert small.trim("a", 0) == 0
 
 
 def test_a_drain_moves_a_conversation_to_the_next_in_its_rank_and_back_never_to_the_draining_one() -> None:

@@ -15,6 +15,7 @@ from llmgw import pins
 from llmgw.config import storeurl
 from llmgw.config.schema import (
     ENGINES,
+    EVENT_ENGINES,
     NAME,
     PIP_ENGINES,
     AgentConfig,
@@ -108,6 +109,17 @@ def check_server(cfg: ServerConfig) -> list[str]:
                 f'unknown routing {m.routing!r}: "prefix" (where the prompt is cached), "least_outstanding", '
                 f"or leave it out (prefix for engines with a prefix cache) @ {at}.routing"
             )
+        if m.cache_events:
+            if m.engine in ENGINES and m.engine not in EVENT_ENGINES:
+                problems.append(
+                    f"{m.engine} publishes no KV-cache events ({' and '.join(EVENT_ENGINES)} do); remove cache_events "
+                    f"@ {at}.cache_events"
+                )
+            elif m.routing == "least_outstanding":
+                problems.append(
+                    "cache_events serves routing by prefix, and this model is routed by load (routing = "
+                    f'"least_outstanding"); remove one of them @ {at}.cache_events'
+                )
         if m.engine == "llamacpp" and m.nodes_per_replica > 1:
             problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
         problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))

@@ -31,6 +31,8 @@ DEFAULT_MAX_MEMBERS = 50_000
 DEFAULT_VLLM_VERSION = "0.32.0"
 # Engines installed with pip: without `pip` or `archives`, the requirement is NAME==VERSION.
 PIP_ENGINES = ("vllm", "sglang")
+# Engines that publish their KV-cache events (a model's cache_events; llmgw.engines' specs agree: a test says so).
+EVENT_ENGINES = ("vllm", "sglang")
 # A llama.cpp build on a node is stopped after this long (docs/engines.md: 5-8 min on 2 cores for
 # the CPU build; a CUDA build for one GPU architecture takes several times that).
 DEFAULT_BUILD_TIMEOUT_S = 7200.0
@@ -114,6 +116,10 @@ class Model:
     # How the gateway picks a replica: "prefix" (where its prompt is cached) or
     # "least_outstanding"; "" (default): prefix for engines that keep a prefix cache.
     routing: str = ""
+    # vLLM, SGLang: the engine publishes its KV-cache events and the gateways read them (routing
+    # by prefix knows when a replica evicted or cleared what it served). Off by default: the
+    # events carry token ids, unauthenticated, on a port of every address of the node.
+    cache_events: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -65,6 +65,7 @@ def widest_launches(spec: EngineSpec) -> tuple[ReplicaLaunch, ...]:
         ib_adapters=("mlx5_0", "mlx5_1") if nnodes > 1 else (),
         socket_ifname="ib0" if nnodes > 1 else "",
         private_dir="/var/lib/llmgw-agent/keys/widest-r0",
+        events_port=5557 if spec.cache_events else 0,
     )
     return tuple(attrs.evolve(base, node_rank=rank) for rank in range(nnodes))
 

@@ -16,6 +16,7 @@ when logging, should an engine ever take a secret as a flag.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,9 @@ class ReplicaLaunch:
     # An absolute path to a directory only the engine's user may read, for the files that carry
     # its key (one directory per member; the caller makes it and removes it when the member stops).
     private_dir: str = ""
+    # Where rank 0 publishes its KV-cache events (the catalog's cache_events, engines whose spec
+    # has `cache_events`: vLLM, SGLang), on every address of the node (the engines bind "*"); 0: not.
+    events_port: int = 0
 
     @property
     def multi_node(self) -> bool:
@@ -66,6 +70,19 @@ class ReplicaLaunch:
     def dist_init_addr(self) -> str:
         host = f"[{self.rank0_addr}]" if ":" in self.rank0_addr else self.rank0_addr
         return f"{host}:{self.dist_init_port}"
+
+
+def kv_events_config(launch: ReplicaLaunch, *, vllm: bool) -> list[str]:
+    """`--kv-events-config` for rank 0 of a replica that publishes its KV-cache events
+    (`llmgw.gateway.kvevents` reads them); nothing otherwise. The engines bind the endpoint only
+    when its host is "*" (any other they dial instead), so every address of the node: the events
+    carry token ids and have no authentication (docs/gateway.md says to firewall the port)."""
+    if not launch.events_port or launch.node_rank != 0:
+        return []
+    config: dict[str, object] = {"publisher": "zmq", "endpoint": f"tcp://*:{launch.events_port}", "topic": "kv-events"}
+    if vllm:
+        config["enable_kv_cache_events"] = True  # vLLM's switch; SGLang publishes whenever the flag is given
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
 @attrs.frozen(kw_only=True)

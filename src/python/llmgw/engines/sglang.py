@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 
 from llmgw.config import Secret
-from llmgw.engines.launch import PrivateFile, ReplicaLaunch, fabric_env, gpu_env, key_file
+from llmgw.engines.launch import PrivateFile, ReplicaLaunch, fabric_env, gpu_env, key_file, kv_events_config
 from llmgw.engines.spec import Arg, EngineSpec, has_flag
 from llmgw.wire import gateway_link as g
 
@@ -37,6 +37,7 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
     if launch.multi_node:
         args += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank)]
         args += ["--dist-init-addr", launch.dist_init_addr]
+    args += kv_events_config(launch, vllm=False)
     return args
 
 
@@ -69,7 +70,7 @@ SPEC = EngineSpec(
     managed=frozenset(
         {"--model-path", "--model", "--served-model-name", "--host", "--port", "--api-key", "--config"}
         | {"--tp-size", "--tensor-parallel-size", "--tp", "--nnodes", "--node-rank"}
-        | {"--dist-init-addr", "--nccl-init-addr"}
+        | {"--dist-init-addr", "--nccl-init-addr", "--kv-events-config"}
     ),
     args=_args,
     env=_env,
@@ -78,4 +79,5 @@ SPEC = EngineSpec(
     help_style="argparse",
     routes=_routes,
     prefix_cache=True,
+    cache_events=True,
 )

@@ -62,6 +62,8 @@ class EngineSpec:
     # (llama.cpp's slots and prompt cache, vLLM's and SGLang's prefix caches): its models are
     # routed by prefix unless the catalog says otherwise (`llmgw.gateway.prefix`).
     prefix_cache: bool = False
+    # Whether it publishes KV-cache events (`launch.kv_events_config`): the catalog's cache_events.
+    cache_events: bool = False
 
     def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
         """The command for `launch`: the engine's arguments, then the operator's `extra_args`.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from llmgw.engines.launch import ReplicaLaunch, fabric_env, gpu_env
+from llmgw.engines.launch import ReplicaLaunch, fabric_env, gpu_env, kv_events_config
 from llmgw.engines.spec import Arg, EngineSpec, flag_value
 from llmgw.wire import gateway_link as g
 
@@ -38,6 +38,7 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
         args += ["--master-addr", launch.rank0_addr, "--master-port", str(launch.dist_init_port)]
         if launch.node_rank > 0:
             args.append("--headless")
+    args += kv_events_config(launch, vllm=True)
     return args
 
 
@@ -81,6 +82,7 @@ SPEC = EngineSpec(
         {"--model", "--served-model-name", "--host", "--port", "--api-key"}
         | {"--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--distributed-executor-backend"}
         | {"--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"}
+        | {"--kv-events-config"}
     ),
     args=_args,
     env=_env,
@@ -92,4 +94,5 @@ SPEC = EngineSpec(
     partial_help_fix="this is vLLM's summary help; give the output of `vllm serve --help=all`",
     routes=_routes,
     prefix_cache=True,
+    cache_events=True,
 )

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import random
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import attrs
@@ -60,6 +60,7 @@ from llmgw.gateway.errors import (
 from llmgw.gateway.fields import NO_PREFIX, PrefixModels, RequestFields, request_fields, slot_tasks
 from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstream_headers
 from llmgw.gateway.keys import KeyTable
+from llmgw.gateway.kvevents import Event, EventsError, Subscription, batch_of, decode_batch_async
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
@@ -107,6 +108,7 @@ class Gateway:
         clock: Callable[[], float] = trio.current_time,
         json_workers: JsonWorkers | None = None,
         connect: Connect | None = None,
+        open_events: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
     ) -> None:
         """`connect`: how the pool opens a connection to an engine (`upstream.open_tcp` by
         default; tests reach engines' handlers over memory streams)."""
@@ -123,6 +125,7 @@ class Gateway:
             probe_timeout_s=options.probe_timeout_s,
             connect=connect,
         )
+        self.open_events = open_events  # how a KV-cache events subscription connects (`_subscribe`)
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
             rng=rng,
@@ -197,6 +200,7 @@ class Gateway:
         Meanwhile ask the engines that report their cache what they hold (`_cache_reports`)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._cache_reports)
+            nursery.start_soon(self._cache_events)
             task_status.started()
             await self._probe_rounds()
 
@@ -260,6 +264,77 @@ class Gateway:
         if self.router.engine_report(ep, tasks):
             log.info("gateway_replica_cache_reset", replica=ep.replica_id, model=ep.model)
             self.metrics.cache_resets.inc(model=ep.model)
+
+    async def _cache_events(self) -> None:
+        """A subscription to the KV-cache events of each replica that publishes them (vLLM's,
+        SGLang's, `Endpoint.events_port`) of a model routed by prefix, kept while it is in
+        rotation at that address (`_subscribe`)."""
+        running: dict[str, tuple[tuple[str, int], trio.CancelScope]] = {}
+        async with trio.open_nursery() as nursery:
+            while True:
+                changed = self.applied.next()
+                wanted = {
+                    ep.replica_id: ep
+                    for model in self.router.policies
+                    for ep in self.router.endpoints.get(model, ())
+                    if ep.events_port
+                }
+                for rid, (where, scope) in list(running.items()):
+                    ep = wanted.get(rid)
+                    if ep is None or (ep.host, ep.events_port) != where:
+                        scope.cancel()
+                        del running[rid]
+                for rid, ep in wanted.items():
+                    if rid not in running:
+                        scope = trio.CancelScope()
+                        running[rid] = ((ep.host, ep.events_port), scope)
+                        nursery.start_soon(self._subscribe, ep, scope)
+                await changed.wait()
+
+    async def _subscribe(self, ep: Endpoint, scope: trio.CancelScope) -> None:
+        """Read `ep`'s KV-cache events into the router (`Router.engine_events`) until cancelled;
+        a publisher that cannot be reached, or breaks the protocol, is tried again after a
+        backoff (1 s doubling to 30 s; from 1 s again after a subscription that delivered)."""
+        failures = 0
+        with scope:
+            while True:
+                delivered = False
+                try:
+                    with trio.fail_after(self.options.connect_timeout_s + self.options.probe_timeout_s):
+                        stream = await self.open_events(ep.host, ep.events_port)
+                    async with stream:
+                        sub = Subscription(stream)
+                        with trio.fail_after(self.options.connect_timeout_s + self.options.probe_timeout_s):
+                            await sub.open()
+                        log.info("gateway_cache_events_subscribed", replica=ep.replica_id, port=ep.events_port)
+                        async for frames in sub.messages():
+                            seq, payload = batch_of(frames)
+                            events = await decode_batch_async(payload)
+                            self._engine_events(ep, seq, events)
+                            delivered = True
+                    reason = "the publisher closed the connection"
+                except (OSError, trio.TooSlowError, trio.BrokenResourceError, EventsError) as exc:
+                    reason = str(exc) or type(exc).__name__
+                except Exception:  # - a bug of ours: this subscription stops, the gateway's other work goes on
+                    log.exception("gateway_cache_events_bug", replica=ep.replica_id)
+                    return
+                failures = 1 if delivered else failures + 1
+                (log.info if failures == 1 else log.debug)(
+                    "gateway_cache_events_lost", replica=ep.replica_id, port=ep.events_port, reason=reason
+                )
+                self.metrics.cache_event_failures.inc(model=ep.model)
+                await trio.sleep(min(30.0, 2.0 ** (failures - 1)))
+
+    def _engine_events(self, ep: Endpoint, seq: int, events: list[Event]) -> None:
+        report = self.router.engine_events(ep, seq, events)
+        if report.restarted or report.cleared:
+            why = "restarted" if report.restarted else "cleared"
+            log.info("gateway_replica_cache_reset", replica=ep.replica_id, model=ep.model, why=why)
+            self.metrics.cache_resets.inc(model=ep.model)
+        if report.missed:
+            self.metrics.cache_events_missed.inc(report.missed, model=ep.model)
+        if report.trimmed:
+            self.metrics.cache_trimmed.inc(report.trimmed, model=ep.model)
 
     async def _probe(self, ep: Endpoint) -> None:
         started = self.clock()

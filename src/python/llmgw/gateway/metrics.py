@@ -61,7 +61,24 @@ class GatewayMetrics:
         self.cache_resets = r.counter(
             "llmgw_gateway_replica_cache_resets_total",
             "Times a replica's engine reported its cache begun again (restarted in place): what it was "
-            "recorded as holding was forgotten (models routed by prefix, llama.cpp's /slots).",
+            "recorded as holding was forgotten (models routed by prefix: llama.cpp's /slots, vLLM's and "
+            "SGLang's KV-cache events, where a cleared cache counts too).",
+            ("model",),
+        )
+        self.cache_trimmed = r.counter(
+            "llmgw_gateway_replica_cache_trimmed_total",
+            "Prompt blocks the router stopped taking a replica to hold because its engine's KV-cache events "
+            "said it holds less (it evicted them).",
+            ("model",),
+        )
+        self.cache_events_missed = r.counter(
+            "llmgw_gateway_replica_cache_events_missed_total",
+            "Batches of KV-cache events an engine published that this gateway did not receive (a gap in their numbers).",
+            ("model",),
+        )
+        self.cache_event_failures = r.counter(
+            "llmgw_gateway_replica_cache_event_failures_total",
+            "Subscriptions to an engine's KV-cache events that could not be made or ended (tried again after a backoff).",
             ("model",),
         )
         self.probes = r.counter(

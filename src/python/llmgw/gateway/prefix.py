@@ -148,32 +148,54 @@ def _render(messages: list, limit: int) -> tuple[bytes, int]:
 
 class PrefixTable:
     """Which replica last served each prompt chain, bounded to `entries` (least recently
-    used out first). Replicas are named by id; `forget` drops one's entries."""
+    used out first). Replicas are named by id; `forget` drops one's entries. Each entry counts
+    the bytes of prompt its block adds (`held_chars`: how much prompt a replica is taken to
+    hold), so a replica whose engine says it holds less can be trimmed to that (`trim`)."""
 
     def __init__(self, entries: int = TABLE_ENTRIES) -> None:
         self.entries = entries
-        self._table: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._table: OrderedDict[int, tuple[str, int, int]] = OrderedDict()  # chain -> replica, generation, bytes
         self._generation: dict[str, int] = {}
+        self._chars: dict[str, int] = {}  # replica -> bytes its current entries stand for
 
     def __len__(self) -> int:
         return len(self._table)
 
+    def held_chars(self, replica_id: str) -> int:
+        """How many bytes of prompt `replica_id` is taken to hold (each shared block once)."""
+        return self._chars.get(replica_id, 0)
+
+    def _lose(self, entry: tuple[str, int, int]) -> None:
+        rid, gen, size = entry
+        if self._generation.get(rid, 0) == gen:
+            self._chars[rid] -= size
+
     def record(self, prompt: Prompt, replica_id: str) -> None:
         """`replica_id` served `prompt`: it holds every prefix of it now."""
-        entry = (replica_id, self._generation.get(replica_id, 0))
-        table = self._table
+        gen = self._generation.get(replica_id, 0)
+        table, chars, lose = self._table, self._chars, self._lose
+        ends = prompt.ends
+        added = 0
         # The longest first: the shorter prefixes, which more prompts share, are the most
         # recently used and the last to go.
-        for chain in reversed(prompt.chains):
-            table[chain] = entry
+        for i in range(len(ends) - 1, -1, -1):
+            chain = prompt.chains[i]
+            size = ends[i] - (ends[i - 1] if i else 0)
+            before = table.get(chain)
+            if before is not None:
+                lose(before)
+            table[chain] = (replica_id, gen, size)
             table.move_to_end(chain)
+            added += size
+        chars[replica_id] = chars.get(replica_id, 0) + added
         while len(table) > self.entries:
-            table.popitem(last=False)
+            lose(table.popitem(last=False)[1])
 
     def forget(self, replica_id: str) -> None:
         """`replica_id` left rotation: what it held counts no more (if it comes back, it is
         assumed to hold nothing)."""
         self._generation[replica_id] = self._generation.get(replica_id, 0) + 1
+        self._chars.pop(replica_id, None)
 
     def drop(self, prompt_chains: Sequence[int], replica_id: str) -> int:
         """The engine says `replica_id` no longer holds these prefixes (its own report of its
@@ -182,9 +204,30 @@ class PrefixTable:
         for chain in prompt_chains:
             entry = self._table.get(chain)
             if entry is not None and entry[0] == replica_id:
+                self._lose(entry)
                 del self._table[chain]
                 dropped += 1
         return dropped
+
+    def trim(self, replica_id: str, max_chars: int, *, scan: int = 20_000) -> int:
+        """`replica_id` holds at most `max_chars` bytes of prompt (its engine says so): its least
+        recently used entries go until what it is taken to hold fits. At most `scan` entries
+        are looked at (the table's oldest first, every replica's): a call bounded in time
+        trims what it can and the next one goes on. How many entries went."""
+        excess = self._chars.get(replica_id, 0) - max(0, max_chars)
+        if excess <= 0:
+            return 0
+        gen = self._generation.get(replica_id, 0)
+        doomed = []
+        for chain, (rid, g, size) in itertools.islice(self._table.items(), scan):
+            if rid == replica_id and g == gen:
+                doomed.append(chain)
+                excess -= size
+                if excess <= 0:
+                    break
+        for chain in doomed:
+            self._lose(self._table.pop(chain))
+        return len(doomed)
 
     def matches(self, prompt: Prompt, replica_ids: Sequence[str]) -> dict[str, int]:
         """The longest prefix each of `replica_ids` served, in blocks (absent: none)."""
@@ -196,7 +239,7 @@ class PrefixTable:
             entry = table.get(chains[i])
             if entry is None:
                 continue
-            rid, gen = entry
+            rid, gen, _ = entry
             if rid in wanted and rid not in found and generation.get(rid, 0) == gen:
                 found[rid] = i + 1
                 if len(found) == len(wanted):

@@ -23,7 +23,9 @@ Policies, per model (`policies`, from the control plane's `ModelInfo.routing`):
 request's conversation in its cache, or that its rank names, within a load bound. `route` says
 which replica and how it was chosen, for the answer's `x-llmgw-route` header and /metrics; the
 gateway tells `served` what each replica was given, and a replica that leaves rotation has what
-it held forgotten.
+it held forgotten. What engines say of their caches corrects that: llama.cpp's slots
+(`engine_report`: a restart) and vLLM's and SGLang's KV-cache events (`engine_events`: a
+restart, a cleared cache, and how much the engine holds).
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ from collections.abc import Collection, Iterable, Mapping
 
 import attrs
 
+from llmgw.gateway.kvevents import Cleared, Event, Removed, Stored
 from llmgw.gateway.prefix import LOAD_FACTOR, TABLE_ENTRIES, PrefixTable, Prompt, choose, replica_key
 from llmgw.wire.gateway_link import ModelInfo
 
 LEAST_OUTSTANDING = "least_outstanding"
 PREFIX = "prefix"
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
+# Bytes of rendered prompt per token, to compare what the router recorded (bytes) with what an
+# engine says it holds (blocks of tokens): English text and JSON run at about 4 (code lower,
+# CJK about 2); too high a figure trims less than the engine evicted, never more.
+BYTES_PER_TOKEN = 4
+ENGINE_BLOCKS = 1 << 20  # block hashes remembered per replica from its events
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +57,7 @@ class Endpoint:
     port: int
     api_key: str = attrs.field(default="", repr=False)
     draining: bool = False
+    events_port: int = 0  # where its engine publishes KV-cache events (`llmgw.gateway.kvevents`); 0: none
 
     @property
     def address(self) -> str:
@@ -96,6 +105,7 @@ class Router:
         self.down: dict[str, Down] = {}
         self._keys: dict[str, int] = {}  # replica id -> its `prefix.replica_key`
         self._engine_tasks: dict[str, int] = {}  # replica id -> the newest task its engine reported
+        self._engine_caches: dict[str, EngineCache] = {}  # replica id -> what its KV-cache events said
 
     def update(
         self, models: Iterable[str], endpoints: Iterable[Endpoint], policies: Mapping[str, str] | None = None
@@ -114,6 +124,7 @@ class Router:
         for rid in self._keys.keys() - live.keys():
             self.prefix.forget(rid)  # left rotation: what it held counts no more
             self._engine_tasks.pop(rid, None)
+            self._engine_caches.pop(rid, None)
         self._keys = {rid: self._keys.get(rid) or replica_key(rid) for rid in live}
 
     def _current(self, ep: Endpoint) -> bool:
@@ -219,6 +230,54 @@ class Router:
             return True
         return False
 
+    def engine_events(self, ep: Endpoint, seq: int, events: Iterable[Event]) -> EventsReport:
+        """A batch of `ep`'s KV-cache events (vLLM's, SGLang's: `llmgw.gateway.kvevents`),
+        numbered `seq` by the engine (from 0 at each start). The engine's block hashes are over
+        tokens, which the gateway cannot compute, so what they correct is what needs none:
+
+        - a sequence number that does not follow the last one (the engine started again) or an
+          `AllBlocksCleared`: the cache is empty, what the replica was recorded as holding is
+          forgotten;
+        - the blocks it holds (stored minus evicted, as far as these events told): when it
+          evicts, the router's record of the replica is trimmed, least recently used first, to
+          what those blocks can hold (`BYTES_PER_TOKEN`). Each gateway process records only
+          what it served, so its record is at most what the engine holds from every gateway.
+
+        A gap in the numbers (a publisher drops what a slow subscriber misses) is counted; the
+        blocks stored meanwhile are not known, so later trims go further than needed, never
+        less far."""
+        report = EventsReport()
+        if not self._current(ep):
+            return report
+        rid = ep.replica_id
+        cache = self._engine_caches.get(rid)
+        if cache is None:
+            cache = self._engine_caches[rid] = EngineCache()
+        elif seq <= cache.seq:
+            report.restarted = True
+        elif seq > cache.seq + 1:
+            report.missed = seq - cache.seq - 1
+        cache.seq = seq
+        if report.restarted:
+            cache.blocks.clear()
+            self.prefix.forget(rid)
+        removed = False
+        for event in events:
+            if isinstance(event, Stored):
+                cache.block_size = event.block_size
+                room = ENGINE_BLOCKS - len(cache.blocks)
+                cache.blocks.update(event.hashes[:room] if room < len(event.hashes) else event.hashes)
+            elif isinstance(event, Removed):
+                cache.blocks.difference_update(event.hashes)
+                removed = True
+            elif isinstance(event, Cleared):
+                cache.blocks.clear()
+                self.prefix.forget(rid)
+                report.cleared = True
+        if removed and cache.block_size:
+            report.trimmed = self.prefix.trim(rid, len(cache.blocks) * cache.block_size * BYTES_PER_TOKEN)
+        return report
+
     def served(self, ep: Endpoint, prompt: Prompt) -> None:
         """`ep` took `prompt` (its answer began): it holds the prompt's prefixes now."""
         if self._current(ep):
@@ -238,6 +297,25 @@ class Router:
         if ep.replica_id in self.down:
             return "down"
         return "draining" if ep.draining else "ready"
+
+
+@attrs.define
+class EngineCache:
+    """What a replica's KV-cache events said: the last batch's number, the blocks held, their size."""
+
+    seq: int = -1
+    blocks: set = attrs.Factory(set)
+    block_size: int = 0
+
+
+@attrs.define
+class EventsReport:
+    """What a batch of engine events changed (`Router.engine_events`)."""
+
+    restarted: bool = False  # its numbers began again: forgotten
+    cleared: bool = False  # it emptied its cache: forgotten
+    missed: int = 0  # batches it sent that did not arrive
+    trimmed: int = 0  # entries dropped to fit what it holds
 
 
 @attrs.frozen

@@ -30,7 +30,13 @@ from llmgw.wire.gateway_link import KeysChanged, RotationChanged, RouteEndpoint,
 
 def endpoint(ep: RouteEndpoint) -> Endpoint:
     return Endpoint(
-        replica_id=ep.replica_id, model=ep.model, host=ep.host, port=ep.port, api_key=ep.api_key, draining=ep.draining
+        replica_id=ep.replica_id,
+        model=ep.model,
+        host=ep.host,
+        port=ep.port,
+        api_key=ep.api_key,
+        draining=ep.draining,
+        events_port=ep.events_port,
     )
 
 

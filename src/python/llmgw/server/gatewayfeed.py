@@ -75,6 +75,7 @@ def rotation_message(rotation: Rotation, version: int = 0) -> g.RotationChanged:
                 port=e.port,
                 api_key=e.api_key,
                 draining=e.draining,
+                events_port=e.events_port,
             )
             for e in rotation.endpoints
         ),

@@ -416,6 +416,7 @@ class Replicas:
                     dist_init_port=stored.dist_init_port,
                     gpus=p.gpus_per_node,
                     args=model.args,
+                    cache_events=model.cache_events,
                 )
             )
         return tuple(out)

@@ -238,6 +238,7 @@ def gateway_rotation(
                 port=status.port,
                 api_key=stored.api_key,
                 draining=draining,
+                events_port=status.events_port,
             )
         )
     details = model_details(registry, replicas, models, endpoints, unknown, now, created or {})

@@ -32,7 +32,7 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.heartbeats).
 # 7: an agent's heartbeat says when it was sent (`Heartbeat.sent_at`), for the control plane's
 # figure of how long heartbeats take to count.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -205,6 +205,7 @@ class ReplicaStatus:
     state: str  # one of REPLICA_STATES
     node_rank: int = 0
     port: int = 0  # where rank 0 serves the API on this node (0 until it listens)
+    events_port: int = 0  # where rank 0's engine publishes KV-cache events (ReplicaAssignment.cache_events); 0: none
     restarts: int = 0  # engine process restarts since the agent started
     detail: str = ""  # why, for failed/restarting: with the engine's last log lines
     pid: int = 0
@@ -367,6 +368,9 @@ class ReplicaAssignment:
     gpus: int = 0  # GPUs on this node for this member
     args: tuple[str, ...] = ()  # the catalog's engine args
     ib_adapters: tuple[str, ...] = ()
+    # Rank 0 publishes its KV-cache events on a port of its own (the catalog's cache_events;
+    # vLLM and SGLang), reported as ReplicaStatus.events_port.
+    cache_events: bool = False
 
 
 @attrs.frozen(kw_only=True)

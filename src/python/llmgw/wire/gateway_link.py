@@ -45,7 +45,7 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # rotation or new keys) leaves the metrics out (`metrics` null: as the last that had them said), a
 # sample leaves out its fields at their defaults (a gauge's `counts` and `sum`, a histogram's `value`).
 # 6: a model says how the gateway routes its requests (`ModelInfo.routing`).
-GATEWAY_PROTOCOL_VERSION = 6
+GATEWAY_PROTOCOL_VERSION = 7
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -135,6 +135,7 @@ class RouteEndpoint:
     port: int
     api_key: str = attrs.field(default="", repr=False)  # the replica's engine key
     draining: bool = False
+    events_port: int = 0  # where its engine publishes KV-cache events on `host`; 0: none
 
 
 # The OpenAI-compatible routes a gateway forwards by model, each to the replicas whose engine
