@@ -89,8 +89,8 @@ def test_a_record_is_written_whole_for_its_owner_only_and_read_back(tmp_path: Pa
     assert on_disk["version"] == RECORD_VERSION and on_disk["pid"] == 4242 and on_disk["gpus"] == [0, 1]
     assert "k-m-1" not in path.read_text()  # the API key is only in the fingerprint's digest
     assert records.read() == ([r], [])
-    records.write(attrs.evolve(r, port=5))  # replaced whole
-    assert records.read()[0] == [attrs.evolve(r, port=5)]
+    records.write(attrs.evolve(r, port=5, events_port=6))  # replaced whole
+    assert records.read()[0] == [attrs.evolve(r, port=5, events_port=6)]
     records.remove("m-1", 1)
     assert records.read() == ([], [])
     records.remove("m-1", 1)  # twice is fine

@@ -85,6 +85,32 @@ def test_bad_values_are_refused_each_with_its_path() -> None:
     with pytest.raises(ConfigError) as got:
         config.server_config_from_dict({"models": [{"name": "m", "engine": "sim", "routing": "random"}]})
     assert any("unknown routing 'random'" in p and p.endswith("@ $.models[0].routing") for p in got.value.problems)
+    # cache_events: engines that publish them, routed by prefix.
+    with pytest.raises(ConfigError) as got:
+        config.server_config_from_dict(
+            {
+                "models": [
+                    {"name": "a", "engine": "llamacpp", "source": {"path": "/m.gguf"}, "cache_events": True},
+                    {
+                        "name": "b",
+                        "engine": "vllm",
+                        "source": {"path": "/m"},
+                        "cache_events": True,
+                        "routing": "least_outstanding",
+                    },
+                    {"name": "c", "engine": "sglang", "source": {"path": "/m"}, "cache_events": True},
+                ]
+            }
+        )
+    assert [p for p in got.value.problems if "cache_events" in p] == [
+        "llamacpp publishes no KV-cache events (vllm and sglang do); remove cache_events @ $.models[0].cache_events",
+        'cache_events serves routing by prefix, and this model is routed by load (routing = "least_outstanding"); '
+        "remove one of them @ $.models[1].cache_events",
+    ]
+    ok = config.server_config_from_dict(
+        {"models": [{"name": "c", "engine": "sglang", "source": {"path": "/m"}, "cache_events": True}]}
+    )
+    assert ok.models[0].cache_events is True
     with pytest.raises(ConfigError) as got:
         config.server_config_from_dict({"gateway": {"connect_timout_s": 1, "max_attempts": "3"}})
     text = str(got.value)

@@ -17,8 +17,12 @@ from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Placements, Replicas, Stored, sealed_keys
 from llmgw.server.scheduler import Placement
+from llmgw.gatewayd import table
+from llmgw.server.gatewayfeed import rotation_message
 from llmgw.server.views import gateway_rotation
 from llmgw.wire import agent_link as w
+from llmgw.wire.convert import decode, encode
+from llmgw.wire.gateway_link import ControlMessage
 
 TTL = 10.0
 SIM = (w.EngineStatus(name="sim", version="1", ok=True),)
@@ -69,6 +73,25 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
     sized = Model(name="chat", engine="sim", source=ModelSource(url="https://h/m.gguf", sha256="a" * 64, size=7))
     [with_size] = r.assignments_for("a", lambda name: sized, max_weights_bytes=64 << 30)
     assert (with_size.weights.size, with_size.weights.max_bytes) == (7, 64 << 30)
+
+
+def test_a_model_with_cache_events_tells_its_node_and_the_gateways_learn_where_its_engine_publishes(
+    tmp_path: Path,
+) -> None:
+    reg = NodeRegistry(heartbeat_ttl_s=TTL, started_at=0)
+    conn = joined(reg, "a", 1)
+    catalog = [Model(name="chat", engine="sim", replicas=1, cache_events=True)]
+    r = replicas(tmp_path, reg, catalog)
+    r.reconcile(1)
+    [on_a] = r.assignments_for("a", lambda name: catalog[0])
+    assert on_a.cache_events is True
+    status = w.ReplicaStatus(replica_id=on_a.replica_id, model="chat", state=w.READY, port=8000, events_port=8001)
+    reg.replicas_changed("a", conn, (status,))
+    rotation = gateway_rotation(reg, r, catalog, (), 2)
+    assert [(e.port, e.events_port) for e in rotation.endpoints] == [(8000, 8001)]
+    received = decode(encode(rotation_message(rotation)), ControlMessage)  # over the gateway link
+    [sent] = received.endpoints
+    assert table.endpoint(sent).events_port == 8001  # as a gateway process holds it
 
 
 @pytest.mark.trio
