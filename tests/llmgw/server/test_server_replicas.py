@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
+from llmgw.gatewayd import table
 from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.gatewayfeed import rotation_message
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Placements, Replicas, Stored, sealed_keys
 from llmgw.server.scheduler import Placement
-from llmgw.gatewayd import table
-from llmgw.server.gatewayfeed import rotation_message
 from llmgw.server.views import gateway_rotation
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
