@@ -17,6 +17,7 @@ from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.gateway import kvevents as kv
 from llmgw.wire import agent_link as w
+from testlib import standin_vllm
 from testlib.proc import llmgw_env
 from testlib.waiting import wait_until
 
@@ -27,7 +28,8 @@ def supervisor(state_dir: Path, args_file: Path) -> Supervisor:
     return Supervisor(
         state_dir=state_dir,
         weights=WeightsStore(state_dir / "weights"),
-        engine_command=lambda name: (sys.executable, "-m", "testlib.standin_vllm"),
+        # By the module itself, so that Pants gives the sandbox its file.
+        engine_command=lambda name: (sys.executable, "-m", standin_vllm.__name__),
         env={**llmgw_env(), "STANDIN_ARGS_FILE": str(args_file)},
         listen_host="127.0.0.1",
         stop_timeout_s=5.0,
