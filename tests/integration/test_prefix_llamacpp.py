@@ -80,8 +80,9 @@ async def test_a_replica_restarted_in_place_is_taken_to_hold_nothing(tmp_path: P
         gw.provider.set((ep,), None, (info,))
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello model"}]
 
-        def ask(*more: dict) -> str:
+        def ask(*more: dict, stream: bool = False) -> str:
             body = {"model": "tiny", "messages": [*messages, *more], "max_tokens": 2, "temperature": 0}
+            body["stream"] = stream
             status, headers, raw = request(gw.port, "POST", "/v1/chat/completions", body, token=gw.token, timeout=60)
             assert status == 200, raw
             return headers["x-llmgw-route"]
@@ -91,6 +92,9 @@ async def test_a_replica_restarted_in_place_is_taken_to_hold_nothing(tmp_path: P
         route = await trio.to_thread.run_sync(ask, *later)
         held = int(route.split(";")[1].removeprefix("matched="))
         assert held > len(SYSTEM), route  # the system prompt and the first question, at least
+        assert await trio.to_thread.run_sync(lambda: ask(*later, stream=True)) == f"prefix;matched={held};only"
+        # The prompts it was given are work ahead of others until their answers begin: none now.
+        assert gw.gateway.router.prefilling == {} and gw.gateway.router.outstanding == {}
         await trio.sleep(CACHE_REPORT_INTERVAL_S * 2)  # a report of the engine's tasks heard meanwhile
         assert gw.gateway.metrics.cache_resets.get(model="tiny") == 0
 

@@ -205,3 +205,21 @@ def test_a_conversation_held_nowhere_goes_to_the_least_loaded_by_its_rank_among_
     busy[order[0]] = 1
     taken = choose(p, IDS, KEYS, busy, table)
     assert taken.index == order[1] and taken.reason == "spill"
+
+
+def test_a_turn_waits_for_its_replica_unless_the_prefill_ahead_there_is_more_than_the_whole_prompt() -> None:
+    """The conversation's replica (r-a) holds all but its last turn. A short prefill ahead of it
+    there is still sooner than the whole prompt elsewhere; another conversation's long first
+    turn is not."""
+    table = PrefixTable()
+    first = prompt(chat("The first question. " * 20))
+    table.record(first, "r-a")
+    later = prompt(chat("The first question. " * 20, "An answer. " * 10, "Go on."))
+    new = later.size - first.ends[-1]  # what r-a lacks of it
+    assert 0 < new < later.size
+    held = choose(later, IDS, KEYS, [1, 0, 0], table, prefilling=[later.size - new - 1, 0, 0])
+    assert held == Choice(index=0, matched_chars=first.ends[-1], reason="hit")
+    moved = choose(later, IDS, KEYS, [1, 0, 0], table, prefilling=[later.size, 0, 0])
+    assert moved.index != 0 and moved.reason == "spill" and moved.matched_chars == 0
+    # Between two without the conversation, the one with less prefill ahead.
+    assert choose(later, IDS, KEYS, [1, 1, 1], table, prefilling=[10**6, 5, 7]).index == 1

@@ -318,3 +318,26 @@ def test_a_drain_moves_a_conversation_to_the_next_in_its_rank_and_back_never_to_
     assert again is moved and route.reason == "hit"  # its next turns stay where it moved
     r.update({"m"}, eps("a", "b", "c", draining=frozenset({"a", "b", "c"})), {"m": PREFIX})
     assert r.route("m", prompt=t)[0] is not None  # every replica draining: still served (as by load)
+
+
+def test_the_prefill_a_replica_was_given_counts_until_its_answer_begins_or_the_request_ends() -> None:
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    a, b = r.endpoints["m"]
+    r.acquire(a, 3000)
+    r.acquire(a, 500)
+    r.acquire(b)  # routed by load, or all of its prompt held: nothing ahead
+    assert r.prefilling == {"a": 3500}
+    r.prefilled(a, 3000)  # the first one's answer began
+    assert r.prefilling == {"a": 500}
+    r.release(a)  # and ended
+    r.release(a, 500)  # the second ended without an answer (failed, or its client left)
+    r.release(b)
+    assert r.prefilling == {} and r.outstanding == {}
+    # The work ahead is what the choice weighs: a's own conversation goes to b while a prefills a lot.
+    t = _talk(1)
+    r.served(a, t)
+    assert r.route("m", prompt=t)[0] is a
+    r.acquire(a, 10**6)
+    ep, route = r.route("m", prompt=t)
+    assert ep is b and route.reason == "spill"

@@ -578,7 +578,8 @@ class Gateway:
                 raise _counted(self, job.model, self._unavailable(why + "; try again later", code))
             if attempt:
                 self.metrics.retries.inc(model=job.model, reason=last_reason)
-            self.router.acquire(ep)
+            job.prefill = prompt.size - job.route.matched_chars if prompt is not None and job.route is not LEAST else 0
+            self.router.acquire(ep, job.prefill)
             job.endpoint = ep
             job.sent_at = self.clock()
             try:
@@ -604,7 +605,7 @@ class Gateway:
             log.warning(
                 "gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last, request_id=job.rid
             )
-            self.router.release(ep)
+            self.router.release(ep, job.prefill)
             job.endpoint = None
             self._failed(ep, last_reason, client_saw_bytes=False)  # a retry, by the rule
             tried.add(ep.replica_id)
@@ -661,6 +662,7 @@ class Gateway:
             finally:
                 await upstream.aclose()
             now = self.clock()
+            job.answering()
             job.first_byte(now)
             job.finish(upstream.status, now)
             if upstream.status >= 400 and (rewritten := normalized(upstream.status, body)) is not None:
@@ -688,6 +690,7 @@ class _Job:
         "sent_at",
         "prompt",
         "route",
+        "prefill",
         "_first_byte_seen",
         "_done",
     )
@@ -698,10 +701,18 @@ class _Job:
         self.sent_at = started
         self.prompt: Prompt | None = None  # for a model routed by prefix
         self.route: Route = LEAST  # how `endpoint` was chosen
+        self.prefill = 0  # bytes of its prompt new to `endpoint` while its answer has not begun
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
         gw.in_flight_total += 1
+
+    def answering(self) -> None:
+        """The engine began its answer (a buffered one read, a stream's first chunk): the prompt
+        is no longer work ahead of others on its replica."""
+        if self.prefill and self.endpoint is not None:
+            self.gw.router.prefilled(self.endpoint, self.prefill)
+        self.prefill = 0
 
     def first_byte(self, now: float) -> None:
         if not self._first_byte_seen:
@@ -722,7 +733,8 @@ class _Job:
             gw.finished.fire()
         gw.keys.leave(self.key)
         if self.endpoint is not None:
-            gw.router.release(self.endpoint)
+            gw.router.release(self.endpoint, self.prefill)
+            self.prefill = 0
             gw._wake()
         if status is not None:
             gw.metrics.answered(self.model, status)
@@ -733,6 +745,8 @@ async def _stream(upstream: UpstreamResponse, job: _Job) -> AsyncIterator[bytes]
     status: int | None = 499
     try:
         async for chunk in upstream.body():
+            if job.prefill:
+                job.answering()
             yield chunk
         status = upstream.status
     except UpstreamError as exc:

@@ -76,6 +76,7 @@ class Prompt:
     ends: tuple[int, ...]
     anchor: int
     anchor_blocks: int
+    size: int = 0  # bytes of its rendering read (at most `block_chars * max_blocks`)
 
     def matched_chars(self, blocks: int) -> int:
         """How much of the prompt its first `blocks` blocks are."""
@@ -116,7 +117,9 @@ class Prompt:
             chains.append(crc << 32 | adler)
             start = end
         anchor = chains[anchor_blocks - 1] if anchor_blocks else crc << 32 | adler
-        return cls(chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks)
+        return cls(
+            chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks, size=len(text)
+        )
 
 
 def _render(messages: list, limit: int) -> tuple[bytes, int]:
@@ -295,36 +298,46 @@ def choose(
     table: PrefixTable,
     *,
     load_factor: float = LOAD_FACTOR,
+    prefilling: Sequence[int] | None = None,
 ) -> Choice:
     """The candidate for `prompt`; `loads` are the candidates' outstanding requests,
-    `replica_keys` their `replica_key`s.
+    `replica_keys` their `replica_key`s, `prefilling` the bytes of prompt each has been sent and
+    not yet begun answering (absent: none).
 
-    A replica holds this conversation when what it served covers the prompt's anchor (the
-    system prompt and the first user message, `Prompt.anchor_blocks`): the one holding the
-    most of it within the load bound is chosen. A match short of the anchor is text other conversations share (a common
-    system prompt): following it would pile every conversation with that system prompt onto
-    the first replica that served one, and another gateway, which served them elsewhere, would
-    choose differently; so such a prompt, like one matching nowhere, goes to the least loaded
-    replica, by its rank among equals, and each replica prefills a shared system prompt once."""
+    Among the candidates within the load bound, the one where the prompt's first token comes
+    soonest by the work ahead of it: the prompts it is prefilling, and the part of this prompt it
+    does not hold (`Prompt.size` less what it served of this conversation: a replica holds one
+    when what it served covers the prompt's anchor, the system prompt and the first user
+    message). Among equals the less loaded, then the conversation's rank (`rank` of its anchor:
+    the same in every gateway process, so with nothing recorded, as in a gateway that did not
+    serve the conversation, every process sends it to the same replica while loads are even).
+
+    A match short of the anchor is text other conversations share (a common system prompt):
+    following it would pile every conversation with that system prompt onto the first replica
+    that served one, and another gateway, which served them elsewhere, would choose
+    differently, sending a conversation's turns back and forth; so it counts for nothing here,
+    and each replica prefills a shared system prompt once.
+
+    Why the work and not the match alone: a conversation's replica busy prefilling another's
+    long first turn would make this turn wait for all of it, while another replica might
+    prefill the whole conversation sooner (measured with one-thread llama.cpp replicas, two
+    requests at a time: the longest waits were turns behind another's first turn)."""
     bound = load_bound(min(loads), load_factor)
     matched = table.matches(prompt, replica_ids)
-    own = {rid: got for rid, got in matched.items() if got >= prompt.anchor_blocks}
-    spilled = False
-    if own:
-        for i in sorted(
-            (i for i, rid in enumerate(replica_ids) if rid in own), key=lambda i: (-own[replica_ids[i]], loads[i])
-        ):
-            if loads[i] <= bound:
-                got = prompt.matched_chars(own[replica_ids[i]])
-                return Choice(index=i, matched_chars=got, reason="spill" if spilled else "hit")
-            spilled = True
-    # Held nowhere within the bound: the least loaded, by rank among equals (waiting behind
-    # another request gains such a request nothing; measured with one-thread llama.cpp
-    # replicas, two requests at a time: a new conversation sent by rank alone to the busier
-    # replica put 1.3-1.8 times least outstanding's 99th percentile on the first turns).
-    least = min(loads)
-    for n, i in enumerate(rank(prompt.anchor, replica_keys)):
-        if loads[i] <= least:
-            reason = "spill" if spilled or n else "hash"
-            return Choice(index=i, matched_chars=prompt.matched_chars(matched.get(replica_ids[i], 0)), reason=reason)
-    raise AssertionError("the least loaded candidate is within any bound")
+    own = {rid for rid, got in matched.items() if got >= prompt.anchor_blocks}
+    order = rank(prompt.anchor, replica_keys)
+    best: tuple[int, int, int] | None = None
+    chosen = -1
+    for n, i in enumerate(order):
+        if loads[i] > bound:
+            continue
+        held = prompt.matched_chars(matched[replica_ids[i]]) if replica_ids[i] in own else 0
+        key = ((prefilling[i] if prefilling else 0) + prompt.size - held, loads[i], n)
+        if best is None or key < best:
+            best, chosen = key, i
+    if chosen < 0:
+        raise AssertionError("the least loaded candidate is within any bound")
+    rid = replica_ids[chosen]
+    # "spill": held elsewhere, or (held nowhere) not the replica its rank names first.
+    reason = "hit" if rid in own else "spill" if own or chosen != order[0] else "hash"
+    return Choice(index=chosen, matched_chars=prompt.matched_chars(matched.get(rid, 0)), reason=reason)

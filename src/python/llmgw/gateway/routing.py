@@ -102,6 +102,9 @@ class Router:
         self.endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self.policies: dict[str, str] = {}  # model -> PREFIX; absent: LEAST_OUTSTANDING
         self.outstanding: dict[str, int] = {}
+        # replica id -> bytes of prompt sent to it whose answers have not begun (`acquire`,
+        # `prefilled`, `release`): the work ahead of a request sent there now.
+        self.prefilling: dict[str, int] = {}
         self.down: dict[str, Down] = {}
         self._keys: dict[str, int] = {}  # replica id -> its `prefix.replica_key`
         self._engine_tasks: dict[str, int] = {}  # replica id -> the newest task its engine reported
@@ -202,7 +205,7 @@ class Router:
         if by_prefix:
             assert prompt is not None
             ids = [ep.replica_id for ep in candidates]
-            keys = self._keys
+            keys, prefilling = self._keys, self.prefilling
             c = choose(
                 prompt,
                 ids,
@@ -210,6 +213,7 @@ class Router:
                 loads,
                 self.prefix,
                 load_factor=self.prefix_load_factor,
+                prefilling=[prefilling.get(rid, 0) for rid in ids],
             )
             return candidates[c.index], Route(PREFIX, c.reason, c.matched_chars)
         least = min(loads)
@@ -283,10 +287,26 @@ class Router:
         if self._current(ep):
             self.prefix.record(prompt, ep.replica_id)
 
-    def acquire(self, ep: Endpoint) -> None:
+    def acquire(self, ep: Endpoint, prefill: int = 0) -> None:
+        """A request goes to `ep`, `prefill` bytes of its prompt new to it (routed by prefix:
+        `Prompt.size` less `Route.matched_chars`)."""
         self.outstanding[ep.replica_id] = self.outstanding.get(ep.replica_id, 0) + 1
+        if prefill:
+            self.prefilling[ep.replica_id] = self.prefilling.get(ep.replica_id, 0) + prefill
 
-    def release(self, ep: Endpoint) -> None:
+    def prefilled(self, ep: Endpoint, prefill: int) -> None:
+        """The answer of a request given `acquire(ep, prefill)` began: its prompt is processed."""
+        if prefill:
+            left = self.prefilling.get(ep.replica_id, 0) - prefill
+            if left > 0:
+                self.prefilling[ep.replica_id] = left
+            else:
+                self.prefilling.pop(ep.replica_id, None)
+
+    def release(self, ep: Endpoint, prefill: int = 0) -> None:
+        """The request ended; `prefill`: what of it `prefilled` has not taken back (its answer
+        never began)."""
+        self.prefilled(ep, prefill)
         left = self.outstanding.get(ep.replica_id, 0) - 1
         if left > 0:
             self.outstanding[ep.replica_id] = left
