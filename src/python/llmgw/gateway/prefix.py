@@ -117,9 +117,7 @@ class Prompt:
             chains.append(crc << 32 | adler)
             start = end
         anchor = chains[anchor_blocks - 1] if anchor_blocks else crc << 32 | adler
-        return cls(
-            chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks, size=len(text)
-        )
+        return cls(chains=tuple(chains), ends=tuple(ends), anchor=anchor, anchor_blocks=anchor_blocks, size=len(text))
 
 
 def _render(messages: list, limit: int) -> tuple[bytes, int]:
