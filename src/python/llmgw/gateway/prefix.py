@@ -323,19 +323,29 @@ def choose(
     bound = load_bound(min(loads), load_factor)
     matched = table.matches(prompt, replica_ids)
     own = {rid for rid, got in matched.items() if got >= prompt.anchor_blocks}
-    order = rank(prompt.anchor, replica_keys)
-    best: tuple[int, int, int] | None = None
-    chosen = -1
-    for n, i in enumerate(order):
-        if loads[i] > bound:
+    size = prompt.size
+    best: tuple[int, int] | None = None
+    tied: list[int] = []
+    for i, rid in enumerate(replica_ids):
+        load = loads[i]
+        if load > bound:
             continue
-        held = prompt.matched_chars(matched[replica_ids[i]]) if replica_ids[i] in own else 0
-        key = ((prefilling[i] if prefilling else 0) + prompt.size - held, loads[i], n)
+        held = prompt.matched_chars(matched[rid]) if rid in own else 0
+        key = ((prefilling[i] if prefilling else 0) + size - held, load)
         if best is None or key < best:
-            best, chosen = key, i
-    if chosen < 0:
+            best, tied = key, [i]
+        elif key == best:
+            tied.append(i)
+    if not tied:
         raise AssertionError("the least loaded candidate is within any bound")
+    anchor = prompt.anchor
+    chosen = tied[0] if len(tied) == 1 else max(tied, key=lambda i: _mix(anchor ^ replica_keys[i]))
     rid = replica_ids[chosen]
-    # "spill": held elsewhere, or (held nowhere) not the replica its rank names first.
-    reason = "hit" if rid in own else "spill" if own or chosen != order[0] else "hash"
+    if rid in own:
+        reason = "hit"
+    elif own:
+        reason = "spill"  # held elsewhere: over the bound, or more prefill ahead there than all of it here
+    else:  # held nowhere: "hash" when its rank's first choice took it
+        first = max(range(len(replica_keys)), key=lambda i: _mix(anchor ^ replica_keys[i]))
+        reason = "hash" if chosen == first else "spill"
     return Choice(index=chosen, matched_chars=prompt.matched_chars(matched.get(rid, 0)), reason=reason)
