@@ -87,3 +87,61 @@ def test_a_conversation_keeps_its_replica_whichever_gateway_and_worker_takes_eac
     finally:
         for gw, _ in gws:
             gw.stop(signal.SIGTERM)
+
+
+@pytest.mark.trio
+async def test_a_drain_moves_conversations_without_a_failure_and_they_stay_where_they_moved(
+    tmp_path: Path, engines: list[Sim], nursery
+) -> None:
+    """One gateway in front of the three sims, routing by prefix; twelve conversations take
+    turns, one at a time but for the round during which one replica begins to drain (as a
+    rolling move marks it, still in rotation), all twelve at once. Every request is answered;
+    after the drain none goes to the draining one, and every conversation keeps the replica it
+    is on (a round of all twelve at once may spill some: the load bound)."""
+    import trio
+
+    from testlib.gateway import start_gateway
+
+    eps = tuple(s.endpoint() for s in engines)
+    gw = await start_gateway(nursery, tmp_path, eps)
+    gw.provider.set(eps, None, (ModelInfo(name="chat", engine="sim", routing="prefix"),))
+    replica_of: dict[int, list[str]] = {}
+    statuses: Counter[int] = Counter()
+
+    async def talk(n: int, turn: int) -> None:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Where is river {n}?"}]
+        for t in range(turn):
+            messages += [
+                {"role": "assistant", "content": f"River {n} runs east, turn {t}. " * 8},
+                {"role": "user", "content": f"And after turn {t}?"},
+            ]
+        status, headers, _ = await gw.call("POST", "/v1/chat/completions", {"model": "chat", "messages": messages})
+        statuses[status] += 1
+        replica_of.setdefault(n, []).append(headers.get("x-llmgw-replica", "?"))
+
+    async def round_(turn: int, at_once: bool = False) -> None:
+        async with trio.open_nursery() as group:
+            for n in range(12):
+                if at_once:
+                    group.start_soon(talk, n, turn)
+                else:
+                    await talk(n, turn)
+
+    await round_(0)
+    await round_(1)
+    drained = max({r[-1] for r in replica_of.values()}, key=lambda r: sum(v[-1] == r for v in replica_of.values()))
+    moved = [n for n, r in replica_of.items() if r[-1] == drained]
+    # The drain begins while a round is in flight.
+    async with trio.open_nursery() as group:
+        group.start_soon(round_, 2, True)
+        await trio.sleep(0)
+        gw.provider.set(
+            tuple(s.endpoint(draining=s.name == drained) for s in engines),
+            None,
+            (ModelInfo(name="chat", engine="sim", routing="prefix"),),
+        )
+    await round_(3)
+    await round_(4)
+    assert statuses == Counter({200: 12 * 5})
+    assert moved and all(drained not in r[3:] for r in replica_of.values())
+    assert all(r[0] == r[1] and r[3] == r[4] for r in replica_of.values()), replica_of
