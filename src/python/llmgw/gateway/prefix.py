@@ -302,13 +302,15 @@ def choose(
     `replica_keys` their `replica_key`s, `prefilling` the bytes of prompt each has been sent and
     not yet begun answering (absent: none).
 
-    Among the candidates within the load bound, the one where the prompt's first token comes
-    soonest by the work ahead of it: the prompts it is prefilling, and the part of this prompt it
-    does not hold (`Prompt.size` less what it served of this conversation: a replica holds one
-    when what it served covers the prompt's anchor, the system prompt and the first user
-    message). Among equals the less loaded, then the conversation's rank (`rank` of its anchor:
-    the same in every gateway process, so with nothing recorded, as in a gateway that did not
-    serve the conversation, every process sends it to the same replica while loads are even).
+    A conversation some candidate holds (what it served covers the prompt's anchor, the system
+    prompt and the first user message): among the candidates within the load bound, the one
+    where the prompt's first token comes soonest by the work ahead of it, the prompts it is
+    prefilling and the part of this prompt it does not hold (`Prompt.size` less what it served of
+    this conversation); among equals the less loaded. A conversation held nowhere: the least
+    loaded (least outstanding), among equals the one with the least prefill ahead. Remaining
+    ties go by the conversation's rank (`rank` of its anchor: the same in every gateway process,
+    so with nothing recorded, as in a gateway that did not serve the conversation, every process
+    sends it to the same replica while loads are even).
 
     A match short of the anchor is text other conversations share (a common system prompt):
     following it would pile every conversation with that system prompt onto the first replica
@@ -330,8 +332,12 @@ def choose(
         load = loads[i]
         if load > bound:
             continue
-        held = prompt.matched_chars(matched[rid]) if rid in own else 0
-        key = ((prefilling[i] if prefilling else 0) + size - held, load)
+        ahead = prefilling[i] if prefilling else 0
+        if own:
+            held = prompt.matched_chars(matched[rid]) if rid in own else 0
+            key = (ahead + size - held, load)
+        else:  # held nowhere: least outstanding, then the least prefill ahead
+            key = (load, ahead)
         if best is None or key < best:
             best, tied = key, [i]
         elif key == best:
