@@ -1,8 +1,13 @@
 """A stand-in for vLLM's KV-cache event publisher, for the tests: the batches encoded by msgspec
-(vLLM's encoder) from structs laid out as vLLM's `vllm.distributed.kv_events` declares them
-(array-like, tagged by class name, defaults omitted), and sent as its `ZmqEventPublisher` sends
-them — three frames: topic, sequence (8 bytes, big-endian), payload — by a real libzmq PUB or
-XPUB socket (pyzmq) bound on loopback, in a thread of its own.
+(vLLM's encoder) from structs laid out as vLLM's `vllm.distributed.kv_events` declares them, and
+sent as its `ZmqEventPublisher` sends them — three frames: topic, sequence (8 bytes,
+big-endian), payload — by a real libzmq PUB or XPUB socket (pyzmq) bound on loopback, in a
+thread of its own.
+
+Two layouts, as vLLM has had: the batch is an array (`[ts, events, rank]`) in both; its events
+are maps tagged `"type"` (vLLM 0.28 and later, SGLang 0.5.23: `BlockStored` ...) or, in older
+releases (0.11, 0.20), arrays led by their kind (`OldBlockStored` ... encode so). Streams
+recorded from the engines' own publisher code are in `tests/fixtures/kvevents/`.
 """
 
 from __future__ import annotations
@@ -22,35 +27,44 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+def _events(array_like: bool) -> tuple[type, type, type]:
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[int | bytes]
+        parent_block_hash: int | bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None = None
+        group_idx: int | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[int | bytes]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    return BlockStored, BlockRemoved, AllBlocksCleared
 
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
+BlockStored, BlockRemoved, AllBlocksCleared = _events(array_like=False)
+OldBlockStored, OldBlockRemoved, OldAllBlocksCleared = _events(array_like=True)
 
 
 def encode(events: list[Any], ts: float = 1_700_000_000.25, rank: int | None = None) -> bytes:
     return msgspec.msgpack.encode(EventBatch(ts=ts, events=events, data_parallel_rank=rank))
 
 
-def stored(hashes: list[int | bytes], parent: int | bytes | None = None, block_size: int = 16) -> BlockStored:
+def stored(
+    hashes: list[int | bytes], parent: int | bytes | None = None, block_size: int = 16, *, old: bool = False
+) -> Any:
     tokens = [(i * 7919) % 150_000 for i in range(len(hashes) * block_size)]  # ids past 65,535 too
-    return BlockStored(hashes, parent, tokens, block_size, None, "GPU")
+    return (OldBlockStored if old else BlockStored)(hashes, parent, tokens, block_size, None, "GPU")
 
 
 class Publisher:

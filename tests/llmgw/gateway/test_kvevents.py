@@ -40,6 +40,35 @@ def test_a_batch_as_vllm_encodes_it_gives_its_events() -> None:
     ]
 
 
+def test_a_batch_as_older_vllm_encodes_it_events_as_arrays_gives_the_same() -> None:
+    payload = vp.encode(
+        [vp.stored([11, 12], old=True), vp.OldBlockRemoved([11], "GPU"), vp.OldAllBlocksCleared()], rank=0
+    )
+    assert kv.decode_batch(payload) == [
+        kv.Stored(hashes=(11, 12), parent=None, block_size=16, tokens=32),
+        kv.Removed(hashes=(11,)),
+        kv.Cleared(),
+    ]
+
+
+def test_a_map_event_needs_only_the_fields_read_and_ignores_the_rest() -> None:
+    import msgspec
+
+    h = bytes(range(32))
+    raw = [
+        # SGLang omits what is None; an unknown key, an unknown kind
+        {"type": "BlockStored", "block_hashes": [-5], "token_ids": [1, 2], "block_size": 2, "cache_salt": "s"},
+        {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": -5, "token_ids": [3], "block_size": 2},
+        {"type": "KVCacheOffloaded", "block_hashes": [h]},
+        {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0},
+    ]
+    assert kv.decode_batch(msgspec.msgpack.encode([0.5, raw])) == [
+        kv.Stored(hashes=(-5,), parent=None, block_size=2, tokens=2),
+        kv.Stored(hashes=(h,), parent=-5, block_size=2, tokens=1),
+        kv.Removed(hashes=(h,)),
+    ]
+
+
 def test_hashes_as_bytes_and_the_fields_a_newer_engine_adds_or_an_older_omits() -> None:
     # Newer vLLM: hashes are bytes (sha256); an unknown kind and extra trailing fields are ignored;
     # the data-parallel rank omitted.
@@ -79,7 +108,10 @@ def test_msgpack_values_of_every_kind_decode() -> None:
         (b"\xc0\xc0", "after the msgpack value"),
         (vp.encode([])[:-1], "past the end"),
         (b"\x92\xcb" + b"\0" * 8 + b"\xc0", "not [ts,"),
-        (b"\x92\x00\x91\x90", "led by its kind"),
+        (b"\x92\x00\x91\x90", "nor an array led by it"),
+        (b"\x92\x00\x91\x81\xa4type\x01", 'no "type"'),
+        (b"\x92\x00\x91\x81\xa4type\xabBlockStored", "has no block_hashes, token_ids, block_size"),
+        (b"\x92\x00\x91\x81\xa4type\xacBlockRemoved", "BlockRemoved event has no block_hashes"),
         (b"\x92\x00\x91\x92\xabBlockStored\x90", "fewer than"),
         (b"\x92\x00\x91\x95\xabBlockStored\x90\xc0\x90\x00", "malformed"),
         (b"\x92\x00\x91\x92\xacBlockRemoved\x91\xc3", "not an integer or bytes"),

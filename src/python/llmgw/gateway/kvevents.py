@@ -5,15 +5,24 @@ An engine started with `--kv-events-config` (`llmgw.engines.vllm`, `llmgw.engine
 binds a ZeroMQ PUB socket and sends, for each scheduler step that changed its cache, one
 message of three frames: the topic, a sequence number (8 bytes, big-endian, from 0 at each
 start) and a batch, msgpack `[ts, [event, ...]]` (and the data-parallel rank when set), each
-event an array led by its kind:
+event a map tagged by its kind (vLLM since between 0.20 and 0.28, SGLang 0.5.23; both seen in
+wheels of those releases):
+
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ..., "token_ids": [...],
+     "block_size": 16, ...}
+    {"type": "BlockRemoved", "block_hashes": [...], ...}
+    {"type": "AllBlocksCleared"}
+
+or, from older vLLM releases (0.11, 0.20), an array led by its kind with the fields in order:
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, ...]
     ["BlockRemoved", block_hashes, ...]
     ["AllBlocksCleared"]
 
 Block hashes are the engine's (integers or bytes, over token ids: the gateway, which has no
-tokenizer, cannot compute them); fields after the ones read here are ignored, as are kinds
-not listed (a newer engine's). `Subscription` is the subscriber's side of ZMTP 3.0 (RFC 23,
+tokenizer, cannot compute them); fields other than the ones read here are ignored, as are
+kinds not listed (a newer engine's). `tests/fixtures/kvevents/` holds streams recorded from
+each engine's own publisher code (`testlib/record_kvevents.py` says how). `Subscription` is the subscriber's side of ZMTP 3.0 (RFC 23,
 the NULL mechanism: the engine's publisher has no other) over any trio stream: the greeting,
 READY with Socket-Type SUB, one subscription, then messages. What the router does with the
 events: `llmgw.gateway.routing.Router.engine_events`.
@@ -215,6 +224,51 @@ def _hashes(value: Any) -> tuple[Any, ...]:
     return tuple(_hash(v) for v in value)
 
 
+_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+
+
+def _event(raw: Any) -> Event | None:
+    """One event, either encoding; None for a kind the router does not read."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if not isinstance(kind, str):
+            raise EventsError('an event map has no "type" naming its kind')
+        if kind == "BlockStored":
+            missing = [name for name in _STORED if name not in raw and name != "parent_block_hash"]
+            if missing:
+                raise EventsError(f"a BlockStored event has no {', '.join(missing)}")
+            fields = [raw.get(name) for name in _STORED]
+        elif kind == "BlockRemoved":
+            if "block_hashes" not in raw:
+                raise EventsError("a BlockRemoved event has no block_hashes")
+            fields = [raw["block_hashes"]]
+        else:
+            fields = []
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind, fields = raw[0], raw[1:]
+        if kind == "BlockStored" and len(fields) < 4:
+            raise EventsError("a BlockStored event has fewer than its 4 fields")
+        if kind == "BlockRemoved" and not fields:
+            raise EventsError("a BlockRemoved event has no block_hashes")
+    else:
+        raise EventsError("an event is neither a map tagged by its kind nor an array led by it")
+    if kind == "BlockStored":
+        hashes, parent, tokens, block_size = fields[:4]
+        if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size <= 0:
+            raise EventsError("a BlockStored event's token_ids or block_size is malformed")
+        return Stored(
+            hashes=_hashes(hashes),
+            parent=None if parent is None else _hash(parent),
+            block_size=block_size,
+            tokens=len(tokens),
+        )
+    if kind == "BlockRemoved":
+        return Removed(hashes=_hashes(fields[0]))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    return None  # a newer engine's kind: what it says is not needed to route
+
+
 def decode_batch(payload: bytes) -> list[Event]:
     """The events of one batch (`[ts, [event, ...], ...]`), the kinds the router reads."""
     batch = unpack(payload)
@@ -222,30 +276,9 @@ def decode_batch(payload: bytes) -> list[Event]:
         raise EventsError("a batch is not [ts, [event, ...]]")
     events: list[Event] = []
     for raw in batch[1]:
-        if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
-            raise EventsError("an event is not an array led by its kind")
-        kind = raw[0]
-        if kind == "BlockStored":
-            if len(raw) < 5:
-                raise EventsError("a BlockStored event has fewer than its 4 fields")
-            hashes, parent, tokens, block_size = raw[1], raw[2], raw[3], raw[4]
-            if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size <= 0:
-                raise EventsError("a BlockStored event's token_ids or block_size is malformed")
-            events.append(
-                Stored(
-                    hashes=_hashes(hashes),
-                    parent=None if parent is None else _hash(parent),
-                    block_size=block_size,
-                    tokens=len(tokens),
-                )
-            )
-        elif kind == "BlockRemoved":
-            if len(raw) < 2:
-                raise EventsError("a BlockRemoved event has no block_hashes")
-            events.append(Removed(hashes=_hashes(raw[1])))
-        elif kind == "AllBlocksCleared":
-            events.append(Cleared())
-        # Any other kind is a newer engine's: what it says is not needed to route.
+        event = _event(raw)
+        if event is not None:
+            events.append(event)
     return events
 
 
