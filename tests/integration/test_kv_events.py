@@ -17,9 +17,10 @@ from llmgw.config import GatewaySection
 from llmgw.gateway import kvevents as kv
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.prefix import Prompt
-from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.routing import BYTES_PER_TOKEN, Endpoint
 from llmgw.wire.gateway_link import ModelInfo
 from testlib import kvpublisher as vp
+from testlib import record_kvevents as rec
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import parse_metrics
 from testlib.waiting import wait_until
@@ -154,6 +155,69 @@ async def test_a_gateway_reads_its_replicas_events_and_survives_hostile_publishe
     ep, route = gw.router.route("m", prompt=t)
     assert ep is not None and route.policy == "prefix"  # the gateway routes on
     assert listeners[3][0].connections == 1  # the stalled one: still in its handshake timeout, or backing off
+
+
+class Replay:
+    """A TCP server on loopback that plays a recorded publisher to each connection: the
+    publisher's greeting and READY, then, once the subscription is in and `go` is set, the
+    messages in pieces of every size from 1 byte up; then it holds the connection open."""
+
+    def __init__(self, recorded: bytes) -> None:
+        self.recorded = recorded
+        self.go = trio.Event()
+        self.subscriptions: list[bytes] = []
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        data = self.recorded
+        cut = rec.handshake_length(data)
+        heard = bytearray()
+        await stream.send_all(data[:cut])
+        expected = kv.GREETING + kv.ready(b"SUB") + kv.frame(b"\x01" + kv.TOPIC)
+        while len(heard) < len(expected):
+            chunk = await stream.receive_some()
+            if not chunk:
+                return
+            heard += chunk
+        self.subscriptions.append(bytes(heard))
+        await self.go.wait()
+        size = 1
+        while cut < len(data):
+            await stream.send_all(data[cut : cut + size])
+            cut += size
+            size = size % 97 + 1
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize(("stem", "engine"), rec.RECORDINGS)
+async def test_a_gateway_reads_a_stream_recorded_from_the_engines_own_publisher(
+    nursery: trio.Nursery, stem: str, engine: str
+) -> None:
+    replay = Replay(rec.recording(stem))
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, replay.handle, 0, host="127.0.0.1"))
+    a = Endpoint(replica_id="a", model="m", host="127.0.0.1", port=9, events_port=listener.socket.getsockname()[1])
+    b = Endpoint(replica_id="b", model="m", host="127.0.0.1", port=10)
+    details = (ModelInfo(name="m", engine=engine, routing="prefix"),)
+    gw = Gateway(StaticEndpoints((a, b), None, details), NoKeys(), options=GatewaySection())
+    await nursery.start(gw.serve_rotation)
+    await nursery.start(gw.serve_probes)
+    long = Prompt.of({"messages": [{"role": "system", "content": "S" * 2000}, {"role": "user", "content": "Hi"}]}, "m")
+    assert long is not None
+    await wait_until(lambda: replay.subscriptions, "the gateway subscribed")
+    assert replay.subscriptions == [kv.GREETING + kv.ready(b"SUB") + kv.frame(b"\x01kv-events")]
+    gw.router.served(a, long)
+    assert gw.router.prefix.held_chars("a") > 6 * 16 * BYTES_PER_TOKEN
+    replay.go.set()
+    model = frozenset({("model", "m")})
+
+    def metric(name: str) -> float:
+        return parse_metrics(gw.render_metrics()).get((f"llmgw_gateway_replica_{name}_total", model), 0)
+
+    await wait_until(lambda: metric("cache_resets") == 1, "the recorded AllBlocksCleared read")
+    # Before it, the recorded eviction left 6 blocks of 16 tokens: what the router held of the
+    # 2,000-character prompt was trimmed to fit them; then all of it was forgotten.
+    assert metric("cache_trimmed") >= 1
+    assert gw.router.prefix.matches(long, ["a"]) == {} and gw.router.prefix.held_chars("a") == 0
+    assert metric("cache_events_missed") == 0 and metric("cache_event_failures") == 0
 
 
 class NoKeys:

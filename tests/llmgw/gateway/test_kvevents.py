@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from llmgw.gateway import kvevents as kv
 from testlib import kvpublisher as vp
+from testlib import record_kvevents as rec
 from testlib.zmtp import scripted_publisher
 
 # -- the payload ------------------------------------------------------------------------------
@@ -240,3 +241,44 @@ def test_a_message_not_of_topic_sequence_and_payload_is_refused() -> None:
     with pytest.raises(kv.EventsError, match="8 bytes"):
         kv.batch_of([b"kv-events", b"\0" * 4, b""])
     assert kv.batch_of([b"", (2**40).to_bytes(8, "big"), b"p"]) == (2**40, b"p")
+
+
+# -- streams recorded from the engines' own publishers (tests/fixtures/kvevents) ----------------
+
+
+async def read_recorded(data: bytes, n: int) -> list[tuple[int, list[kv.Event]]]:
+    """What a subscriber reads of `data`, sent by a peer that then closes: `n` batches, or up to
+    where the peer closed (the subscription ending with `EventsError`)."""
+    to_us_send, to_us = trio.testing.memory_stream_one_way_pair()
+    to_them, _ = trio.testing.memory_stream_one_way_pair()  # what we send: kept, not read
+    await to_us_send.send_all(data)
+    await to_us_send.aclose()  # its side only: we read the data, then the end
+    got: list[tuple[int, list[kv.Event]]] = []
+    try:
+        sub = kv.Subscription(trio.StapledStream(to_them, to_us))
+        await sub.open()
+        async for frames in sub.messages():
+            seq, payload = kv.batch_of(frames)
+            got.append((seq, await kv.decode_batch_async(payload)))
+            if len(got) == n:
+                break
+    except kv.EventsError:
+        assert len(got) < n
+    return got
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(("stem", "engine"), rec.RECORDINGS)
+async def test_a_recorded_stream_is_read_as_the_engine_published_it_and_cut_anywhere_ends_cleanly(
+    stem: str, engine: str
+) -> None:
+    data = rec.recording(stem)
+    expected = rec.expected(engine)
+    assert await read_recorded(data, len(expected)) == expected
+    # Cut at every byte: the batches before the cut, whole, then the subscription ends.
+    ends = []
+    for cut in range(len(data)):
+        got = await read_recorded(data[:cut], len(expected))
+        assert got == expected[: len(got)]
+        ends.append(len(got))
+    assert ends == sorted(ends) and ends[-1] == len(expected) - 1
