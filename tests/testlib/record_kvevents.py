@@ -69,7 +69,9 @@ def expected(engine: str) -> list[tuple[int, list[kv.Event]]]:
             hashes = tuple(block_hash(engine, n) for n in blocks)
             if kind == "stored":
                 parent_hash = None if parent is None else block_hash(engine, parent)
-                events.append(kv.Stored(hashes=hashes, parent=parent_hash, block_size=BLOCK, tokens=BLOCK * len(blocks)))
+                events.append(
+                    kv.Stored(hashes=hashes, parent=parent_hash, block_size=BLOCK, tokens=BLOCK * len(blocks))
+                )
             elif kind == "removed":
                 events.append(kv.Removed(hashes=hashes))
             else:
