@@ -282,6 +282,29 @@ def test_an_engine_that_evicts_has_the_router_forget_its_oldest_conversations_to
     assert r.engine_events(a, 2, [Removed(hashes=(999,))]).trimmed == 0
 
 
+def test_an_engines_partial_blocks_count_the_tokens_they_hold() -> None:
+    """vLLM stores a prompt's last block with the tokens it has (`block_size` = those tokens):
+    what the engine holds is the blocks' tokens, not the last event's size times the blocks."""
+    r = Router(rng=random.Random(7))
+    r.update({"m"}, eps("a", "b"), {"m": PREFIX})
+    a = r.endpoints["m"][0]
+    talks = [Prompt.of({"prompt": f"{n:04d}" + "x" * 1020}, "m") for n in range(4)]  # 1,024 bytes each
+    for t in talks:
+        assert t is not None
+        r.served(a, t)
+    full = Stored(hashes=tuple(range(40)), parent=None, block_size=16, tokens=640)
+    partial = Stored(hashes=(100,), parent=39, block_size=3, tokens=3)
+    assert r.engine_events(a, 0, [full, partial]).trimmed == 0
+    # 8 full blocks evicted: 32 full blocks and the partial one left, 515 tokens, 2,060 bytes.
+    assert r.engine_events(a, 1, [Removed(hashes=tuple(range(8)))]).trimmed == 8
+    assert r.prefix.held_chars("a") == 2 * 1024  # by the last event's size (3 a block) it was 0
+    # The same block stored again (whole now) is counted once, at its new size.
+    assert r.engine_events(a, 2, [Stored(hashes=(100,), parent=39, block_size=16, tokens=16)]).trimmed == 0
+    # 30 full blocks and the whole one: 496 tokens, 1,984 bytes: one 256-byte entry goes.
+    assert r.engine_events(a, 3, [Removed(hashes=(8, 9))]).trimmed == 1
+    assert r.prefix.held_chars("a") == 1792
+
+
 def test_a_trim_looks_at_a_bounded_number_of_entries_and_the_next_goes_on() -> None:
     table = PrefixTable()
     for n in range(100):

@@ -242,9 +242,10 @@ class Router:
         - a sequence number that does not follow the last one (the engine started again) or an
           `AllBlocksCleared`: the cache is empty, what the replica was recorded as holding is
           forgotten;
-        - the blocks it holds (stored minus evicted, as far as these events told): when it
-          evicts, the router's record of the replica is trimmed, least recently used first, to
-          what those blocks can hold (`BYTES_PER_TOKEN`). Each gateway process records only
+        - the blocks it holds (stored minus evicted, as far as these events told) and their
+          tokens (a partial block counts what it has): when it evicts a block it said it
+          stored, the router's record of the replica is trimmed, least recently used first, to
+          what those tokens can hold (`BYTES_PER_TOKEN`). Each gateway process records only
           what it served, so its record is at most what the engine holds from every gateway.
 
         A gap in the numbers (a publisher drops what a slow subscriber misses) is counted; the
@@ -263,23 +264,21 @@ class Router:
             report.missed = seq - cache.seq - 1
         cache.seq = seq
         if report.restarted:
-            cache.blocks.clear()
+            cache.clear()
             self.prefix.forget(rid)
         removed = False
         for event in events:
             if isinstance(event, Stored):
-                cache.block_size = event.block_size
-                room = ENGINE_BLOCKS - len(cache.blocks)
-                cache.blocks.update(event.hashes[:room] if room < len(event.hashes) else event.hashes)
+                cache.store(event)
             elif isinstance(event, Removed):
-                cache.blocks.difference_update(event.hashes)
-                removed = True
+                # Blocks it never said it stored (before the subscription) say nothing of its size.
+                removed = cache.remove(event.hashes) or removed
             elif isinstance(event, Cleared):
-                cache.blocks.clear()
+                cache.clear()
                 self.prefix.forget(rid)
                 report.cleared = True
-        if removed and cache.block_size:
-            report.trimmed = self.prefix.trim(rid, len(cache.blocks) * cache.block_size * BYTES_PER_TOKEN)
+        if removed:
+            report.trimmed = self.prefix.trim(rid, cache.tokens * BYTES_PER_TOKEN)
         return report
 
     def served(self, ep: Endpoint, prompt: Prompt) -> None:
@@ -321,11 +320,36 @@ class Router:
 
 @attrs.define
 class EngineCache:
-    """What a replica's KV-cache events said: the last batch's number, the blocks held, their size."""
+    """What a replica's KV-cache events said: the last batch's number, the blocks held (hash ->
+    its tokens: vLLM stores a prompt's last, partial block with the tokens it has) and their
+    tokens in all."""
 
     seq: int = -1
-    blocks: set = attrs.Factory(set)
-    block_size: int = 0
+    blocks: dict = attrs.Factory(dict)
+    tokens: int = 0
+
+    def store(self, event: Stored) -> None:
+        blocks, left = self.blocks, event.tokens or event.block_size * len(event.hashes)
+        for h in event.hashes:
+            size = min(event.block_size, left) if left > 0 else event.block_size
+            left -= size
+            if h in blocks:
+                self.tokens -= blocks[h]
+            elif len(blocks) >= ENGINE_BLOCKS:
+                break
+            blocks[h] = size
+            self.tokens += size
+
+    def remove(self, hashes: Iterable) -> bool:
+        """Whether any of `hashes` was held."""
+        pop, before = self.blocks.pop, len(self.blocks)
+        for h in hashes:
+            self.tokens -= pop(h, 0)
+        return len(self.blocks) < before
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.tokens = 0
 
 
 @attrs.define
