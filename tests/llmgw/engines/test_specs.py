@@ -168,6 +168,32 @@ def test_vllm_single_node() -> None:
     assert cmd.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_API_KEY": KEY}
 
 
+def events_config(cmd) -> dict:
+    return json.loads(cmd.argv[cmd.argv.index("--kv-events-config") + 1])
+
+
+def test_kv_cache_events_are_bound_where_the_api_listens_when_the_engine_can() -> None:
+    # SGLang binds a given IPv4 address with "bind": true; vLLM binds only "*" (it dials any other).
+    assert events_config(build_command(launch("sglang", events_port=8002))) == {
+        "publisher": "zmq",
+        "endpoint": "tcp://10.0.0.5:8002",
+        "topic": "kv-events",
+        "bind": True,
+    }
+    assert events_config(build_command(launch("vllm", events_port=8002))) == {
+        "publisher": "zmq",
+        "endpoint": "tcp://*:8002",
+        "topic": "kv-events",
+        "enable_kv_cache_events": True,
+    }
+    for host in ("0.0.0.0", "fd00::5", "node-a.lan"):  # the wildcard, IPv6 (no libzmq IPv6 there), a name
+        assert events_config(build_command(launch("sglang", host=host, events_port=8002)))["endpoint"] == "tcp://*:8002"
+    ranks = [two_nodes("sglang", rank, events_port=8002) for rank in (0, 1)]
+    assert "--kv-events-config" in build_command(ranks[0]).argv
+    assert "--kv-events-config" not in build_command(ranks[1]).argv  # rank 0 alone publishes
+    assert "--kv-events-config" not in build_command(launch("sglang")).argv
+
+
 def test_vllm_two_nodes_rank0_serves_and_the_worker_is_headless() -> None:
     rank0 = build_command(two_nodes("vllm", 0))
     worker = build_command(two_nodes("vllm", 1))

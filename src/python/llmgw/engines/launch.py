@@ -16,6 +16,7 @@ when logging, should an engine ever take a secret as a flag.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import posixpath
 import re
@@ -74,15 +75,35 @@ class ReplicaLaunch:
 
 def kv_events_config(launch: ReplicaLaunch, *, vllm: bool) -> list[str]:
     """`--kv-events-config` for rank 0 of a replica that publishes its KV-cache events
-    (`llmgw.gateway.kvevents` reads them); nothing otherwise. The engines bind the endpoint only
-    when its host is "*" (any other they dial instead), so every address of the node: the events
-    carry token ids and have no authentication (docs/gateway.md says to firewall the port)."""
+    (`llmgw.gateway.kvevents` reads them); nothing otherwise. The events carry token ids and
+    have no authentication (docs/gateway.md says to firewall the port), so the endpoint is bound
+    where the API listens when the engine can: SGLang binds a given address with `"bind": true`
+    (an IPv4 one: its publisher does not turn on libzmq's IPv6); vLLM binds only when the host
+    is "*" (any other it dials instead), so every address of the node."""
     if not launch.events_port or launch.node_rank != 0:
         return []
-    config: dict[str, object] = {"publisher": "zmq", "endpoint": f"tcp://*:{launch.events_port}", "topic": "kv-events"}
+    host = "*"
+    if not vllm and _ipv4_address(launch.host):
+        host = launch.host
+    config: dict[str, object] = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://{host}:{launch.events_port}",
+        "topic": "kv-events",
+    }
     if vllm:
         config["enable_kv_cache_events"] = True  # vLLM's switch; SGLang publishes whenever the flag is given
+    elif host != "*":
+        config["bind"] = True
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def _ipv4_address(host: str) -> bool:
+    """A node's own IPv4 address (not the wildcard): what a publisher can bind alone."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.version == 4 and not address.is_unspecified
 
 
 @attrs.frozen(kw_only=True)
