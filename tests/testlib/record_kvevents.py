@@ -7,9 +7,10 @@ publishes their events is one Python module each (`vllm/distributed/kv_events.py
 the engine's release wheel, with the few names it imports from the rest of the engine given
 here (a config class, a logger, network helpers its TCP wildcard-port paths use), starts its
 `ZmqEventPublisher` on loopback, connects a plain TCP socket that speaks the subscriber's side
-of ZMTP (`llmgw.gateway.kvevents`' greeting and READY, then the subscription), has the publisher publish
-`SCRIPT` as batches of the module's own event classes, and writes every byte the publisher
-sent: libzmq's greeting and READY, then the messages. Nothing of the engines is kept here.
+of ZMTP (`llmgw.gateway.kvevents`' greeting and READY, then the subscription), has the
+publisher publish `SCRIPT` as batches of the module's own event classes, and writes every byte
+the publisher sent: libzmq's greeting and READY, then the messages. Nothing of the engines is
+kept here.
 
     pip download --no-deps vllm==0.34.0 && unzip -j vllm-0.34.0-*.whl vllm/distributed/kv_events.py
     PYTHONPATH=src/python:tests python -m testlib.record_kvevents vllm kv_events.py \\
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.gateway import kvevents as kv
+from testlib.ports import free_port
 
-TOPIC = "kv-events"
 TS = 1_764_800_000.5
 BLOCK = 16
 
@@ -42,7 +43,7 @@ BLOCK = 16
 def block_hash(engine: str, n: int) -> bytes | int:
     """vLLM hashes blocks with SHA-256 (bytes); SGLang with 64-bit signed integers."""
     digest = hashlib.sha256(f"{engine}-block-{n}".encode()).digest()
-    return digest if engine.startswith("vllm") else int.from_bytes(digest[:8], "big", signed=True)
+    return digest if engine == "vllm" else int.from_bytes(digest[:8], "big", signed=True)
 
 
 def tokens(first: int, n_blocks: int) -> list[int]:
@@ -104,7 +105,7 @@ def _stand_ins(engine: str) -> None:
         mod.__dict__.update(names)
         sys.modules[name] = mod
 
-    if engine.startswith("vllm"):
+    if engine == "vllm":
 
         class KVEventsConfig:
             def __init__(self, **fields: Any) -> None:
@@ -162,7 +163,7 @@ def batches(engine: str, mod: types.ModuleType) -> list[Any]:
                     lora_id=None,
                     medium="GPU",
                 )
-                if engine.startswith("vllm") and "lora_name" in mod.BlockStored.__struct_fields__:
+                if engine == "vllm" and "lora_name" in mod.BlockStored.__struct_fields__:
                     fields["lora_name"] = None
                 if "group_idx" in mod.BlockStored.__struct_fields__:
                     fields["group_idx"] = 0
@@ -178,30 +179,25 @@ def batches(engine: str, mod: types.ModuleType) -> list[Any]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def record_once(engine: str, mod: types.ModuleType) -> bytes:
     port = free_port()
-    if engine.startswith("vllm"):  # vLLM binds only a wildcard endpoint (else it connects)
-        publisher = mod.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}", topic=TOPIC)
+    topic = kv.TOPIC.decode()
+    if engine == "vllm":  # vLLM binds only a wildcard endpoint (else it connects)
+        publisher = mod.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}", topic=topic)
     else:
-        publisher = mod.ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", topic=TOPIC, bind=True)
+        publisher = mod.ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", topic=topic, bind=True)
     got = bytearray()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sub:
             sub.sendall(kv.GREETING + kv.ready(b"SUB"))
             # The subscription only once the publisher's READY is in: libzmq (4.3) closes a
             # connection whose subscription arrives with the greeting and READY.
-            while len(got) < 66 or len(got) < 66 + got[65]:  # greeting, READY's flags and size
+            while len(got) < 66 or len(got) < handshake_length(got):  # greeting, READY's flags and size
                 chunk = sub.recv(65536)
                 if not chunk:
                     raise RuntimeError(f"the publisher closed in its handshake, after {bytes(got)!r}")
                 got += chunk
-            sub.sendall(kv.frame(b"\x01" + TOPIC.encode()))
+            sub.sendall(kv.frame(b"\x01" + kv.TOPIC))
             time.sleep(0.5)  # a PUB socket drops what it sends before the subscription is in
             for batch in batches(engine, mod):
                 publisher.publish(batch)
@@ -227,7 +223,7 @@ def main(argv: list[str]) -> int:
     mod = load(engine, Path(module_path))
     for _ in range(5):
         recording = record_once(engine, mod)
-        if recording.count(b"\x09" + TOPIC.encode()) == len(SCRIPT):  # every message, the first included
+        if recording.count(bytes([len(kv.TOPIC)]) + kv.TOPIC) == len(SCRIPT):  # every message, the first included
             Path(out).write_bytes(recording)
             print(f"{out}: {len(recording)} bytes, {len(SCRIPT)} messages")
             return 0

@@ -22,9 +22,11 @@ or, from older vLLM releases (0.11, 0.20), an array led by its kind with the fie
 Block hashes are the engine's (integers or bytes, over token ids: the gateway, which has no
 tokenizer, cannot compute them); fields other than the ones read here are ignored, as are
 kinds not listed (a newer engine's). `tests/fixtures/kvevents/` holds streams recorded from
-each engine's own publisher code (`testlib/record_kvevents.py` says how). `Subscription` is the subscriber's side of ZMTP 3.0 (RFC 23,
-the NULL mechanism: the engine's publisher has no other) over any trio stream: the greeting,
-READY with Socket-Type SUB, one subscription, then messages. What the router does with the
+each engine's own publisher code (`testlib/record_kvevents.py` says how).
+
+`Subscription` is the subscriber's side of ZMTP 3.0 (RFC 23, the NULL mechanism: the engine's
+publisher has no other) over any trio stream: the greeting, READY with Socket-Type SUB, one
+subscription, then messages. What the router does with the
 events: `llmgw.gateway.routing.Router.engine_events`.
 
 Everything a peer sends is bounded: a frame over `MAX_MESSAGE_BYTES` ends the subscription, a
@@ -225,6 +227,7 @@ def _hashes(value: Any) -> tuple[Any, ...]:
 
 
 _STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+_STORED_REQUIRED = ("block_hashes", "token_ids", "block_size")  # SGLang leaves out a None parent
 
 
 def _event(raw: Any) -> Event | None:
@@ -234,7 +237,7 @@ def _event(raw: Any) -> Event | None:
         if not isinstance(kind, str):
             raise EventsError('an event map has no "type" naming its kind')
         if kind == "BlockStored":
-            missing = [name for name in _STORED if name not in raw and name != "parent_block_hash"]
+            missing = [name for name in _STORED_REQUIRED if name not in raw]
             if missing:
                 raise EventsError(f"a BlockStored event has no {', '.join(missing)}")
             fields = [raw.get(name) for name in _STORED]
