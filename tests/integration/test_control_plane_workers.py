@@ -43,6 +43,8 @@ from testlib.load import chat_body
 WORKERS = 2
 CLIENTS = 8
 PACE_S = 0.02  # each client's requests start at least this far apart: 400 a second in all
+CLIENT_MAX_S = 120.0  # each client stops by itself past this, or this many requests
+CLIENT_MAX_REQUESTS = int(CLIENT_MAX_S / PACE_S)
 STALL_S = 5.0
 DELAY_BOUND_S = 1.0
 CATALOG = """
@@ -99,8 +101,8 @@ def request(port: int, method: str, path: str, **headers: str) -> tuple[int, dic
 @attrs.define
 class Clients:
     """`CLIENTS` threads, each sending a non-streamed chat every `PACE_S` (or once the last is
-    answered, if later) on its own keep-alive connection until stopped; every request's (start,
-    end, outcome), on the monotonic clock."""
+    answered, if later) on its own keep-alive connection until stopped (or past its bounds);
+    every request's (start, end, outcome), on the monotonic clock."""
 
     port: int
     token: str
@@ -122,8 +124,11 @@ class Clients:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         headers = {"authorization": f"Bearer {self.token}", "content-type": "application/json"}
         try:
-            while not self.stop.is_set():
+            deadline = time.monotonic() + CLIENT_MAX_S
+            for _ in range(CLIENT_MAX_REQUESTS):
                 began = time.monotonic()
+                if self.stop.is_set() or began > deadline:
+                    break
                 try:
                     conn.request("POST", "/v1/chat/completions", body=chat_body("chat"), headers=headers)
                     response = conn.getresponse()
