@@ -123,9 +123,19 @@ def test_two_at_once_build_it_once(checkout: Path) -> None:
     assert builds(checkout) == [BUILD_CALL]
 
 
+def interruptible() -> None:
+    """In the child: SIGINT at its default, as a terminal's Ctrl-C finds it. A suite started in
+    the background of a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, and
+    bash, the stand-in pex, can neither trap nor reset a signal ignored when it started: its
+    `trap ... INT` would do nothing and the test wait out its timeout (seen in a fresh run)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_it_becomes_llmgw_so_ctrl_c_reaches_llmgw_and_its_status_is_the_commands(checkout: Path) -> None:
     run(checkout, "version")  # built
-    proc = subprocess.Popen(["./llmgw", "wait"], cwd=checkout, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["./llmgw", "wait"], cwd=checkout, stdout=subprocess.PIPE, text=True, preexec_fn=interruptible
+    )
     try:
         assert proc.stdout is not None
         said = proc.stdout.readline()
