@@ -83,6 +83,7 @@ def test_the_agents_phase_joins_simulated_agents_to_a_real_control_plane_and_cut
     for key in ("cpu_pct_steady", "rss_mib", "reconnect_storm_s"):  # 12 agents for 1 s: may be 0 ticks of CPU
         assert isinstance(result[key], NUMBER) and result[key] >= 0, (key, result)
     assert result["reconnect_storm_s"] > 0
+    assert isinstance(result["storm_dials_failed"], int) and result["storm_dials_failed"] >= 0  # each dialled again
     assert result["loop_lag_p99_ms"] is None or result["loop_lag_p99_ms"] > 0  # a histogram's bound
     # 12 agents for 1 s at a 5 s interval: a few heartbeats or none; counted ones have a p99.
     assert isinstance(result["heartbeats_steady"], int) and result["heartbeats_steady"] >= 0

@@ -6,10 +6,12 @@ its own client certificate, the WebSocket upgrade, a real hello with an inventor
     PYTHONPATH=src/python:tests:tools python3 -m bench.agents_load --port P --certs DIR --first A --count N
 
 Each agent's files are DIR/node-NNNNN/{node.key,node.crt} and DIR/ca.crt. Every half second it
-prints one JSON line, `{"connected": C, "sessions": S, "attempts": A}` (links up now, sessions
-ever, dials ever: a dial that brought no session was refused or failed). A line
-`cut` on its standard input closes every link at once (the agents dial again on their own
-backoff, as after a network cut); end of input or SIGTERM ends it.
+prints one JSON line, `{"connected": C, "sessions": S, "attempts": A, "cuts": K}` (links up now,
+sessions ever, dials ever: a dial that brought no session was refused or failed; cuts made). A
+line `cut` on its standard input closes every link at once (the agents dial again on their own
+backoff, as after a network cut) and says so at once, in a line with `cuts` one more: the links
+may all be up again by the next half second, so "fewer connected" is no sign that it was done.
+End of input or SIGTERM ends it.
 """
 
 from __future__ import annotations
@@ -131,15 +133,23 @@ async def run(port: int, certs: Path, first: int, count: int) -> None:
                 running[i] = statuses
                 await link.send(w.ReplicasChanged(replicas=statuses))
 
+    cuts = 0
+
+    def say() -> None:
+        connected = sum(1 for link in links if link.state.connected)
+        sessions = sum(link.state.sessions for link in links)
+        attempts = sum(link.state.attempts for link in links)
+        print(
+            json.dumps({"connected": connected, "sessions": sessions, "attempts": attempts, "cuts": cuts}), flush=True
+        )
+
     async def report() -> None:
         while True:
-            connected = sum(1 for link in links if link.state.connected)
-            sessions = sum(link.state.sessions for link in links)
-            attempts = sum(link.state.attempts for link in links)
-            print(json.dumps({"connected": connected, "sessions": sessions, "attempts": attempts}), flush=True)
+            say()
             await trio.sleep(REPORT_S)
 
     async def commands(nursery: trio.Nursery) -> None:
+        nonlocal cuts
         stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
         buffered = b""
         while True:
@@ -154,6 +164,8 @@ async def run(port: int, certs: Path, first: int, count: int) -> None:
                     for stream in list(streams):
                         streams.discard(stream)
                         await trio.aclose_forcefully(stream)
+                    cuts += 1
+                    say()
 
     async with trio.open_nursery() as nursery:
         for i, link in zip(range(first, first + count), links, strict=True):

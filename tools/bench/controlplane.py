@@ -253,7 +253,7 @@ class Load:
                 text=True,
             )
             self.procs.append(proc)
-            self.latest.append({"connected": 0, "sessions": 0, "attempts": 0})
+            self.latest.append({"connected": 0, "sessions": 0, "attempts": 0, "cuts": 0})
             threading.Thread(target=self._read, args=(k, proc), daemon=True).start()
 
     def _read(self, k: int, proc: subprocess.Popen) -> None:
@@ -272,6 +272,14 @@ class Load:
     def attempts(self) -> int:
         """Dials ever, over every process."""
         return sum(r["attempts"] for r in self.latest)
+
+    def sessions(self) -> int:
+        """Sessions ever, over every process."""
+        return sum(r["sessions"] for r in self.latest)
+
+    def cuts(self) -> int:
+        """The fewest cuts any process has made."""
+        return min(r["cuts"] for r in self.latest)
 
     def cut(self) -> None:
         for proc in self.procs:
@@ -389,13 +397,16 @@ def agents_phase(
             else 0
         )
         dials, turned_away = load.attempts(), counters(http_port, TURNED_AWAY)
+        sessions = load.sessions()
         load.cut()
-        wait_for("the links cut", lambda: load.connected() < agents, 30.0)
+        # Each process says it cut at once; its links may all be up again before its next report,
+        # so fewer connected is not waited for. Linked again: every agent in a session begun since.
+        wait_for("the links cut", lambda: load.cuts() >= 1, 30.0, every_s=0.01)
         least = [routed]
 
         def linked_again() -> bool:
             least[0] = min(least[0], ready_routed(http_port))  # sampled as the storm goes
-            return load.connected() == agents
+            return load.connected() == agents and load.sessions() >= sessions + agents
 
         storm_s = wait_for(f"{agents} agents linked again", linked_again, AGENTS_TIMEOUT_S, every_s=ROUTED_EVERY_S)
         storm_s += wait_for(f"{agents} nodes joined again", lambda: joined_count(state) == agents, AGENTS_TIMEOUT_S)
