@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.link import LINK_BACKOFF
 from testlib import gatewayd
 from testlib.cluster import Cluster, wait_until
 from testlib.load import Load
@@ -42,6 +43,9 @@ CLIENT_INTERVAL_S = 0.05  # each client: at most 20 requests a second
 RELINKED_WITHIN_S = 10.0  # every worker linked again after the control plane is ready (backoff: 3 s at most)
 NEW_KEY_WITHIN_S = 1.0  # a change after the return reaches every worker (the promise for changes)
 REVOKED_WITHIN_S = 5.0  # the promise for a revocation after the return
+# The agent held while its link's backoff sleep ran: it dials when that sleep ends, at most
+# LINK_BACKOFF.max_s (30 s) after it began, before the hold; then a TLS handshake and a hello.
+AGENT_BACK_WITHIN_S = LINK_BACKOFF.max_s + 15.0
 
 
 @pytest.fixture
@@ -128,7 +132,9 @@ def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_res
         time.sleep(2.0)  # the clients on, the node still away
         agent.popen.send_signal(signal.SIGCONT)
         agent_back = time.monotonic()
-        cluster.wait_nodes("node-a back", lambda nodes: nodes["node-a"]["state"] == "joined")
+        cluster.wait_nodes(
+            "node-a back", lambda nodes: nodes["node-a"]["state"] == "joined", timeout=AGENT_BACK_WITHIN_S
+        )
         measured["agent_back_after_return_s"] = round(time.monotonic() - back_at, 2)
         measured["agent_back_after_resumed_s"] = round(time.monotonic() - agent_back, 2)
         time.sleep(2.0)  # the clients on, the cluster whole again

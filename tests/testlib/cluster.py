@@ -444,14 +444,18 @@ class Cluster:
             {MARKER_ENV: self._marker(node_id)},
         )
 
-    def wait_nodes(self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool]) -> dict[str, dict[str, Any]]:
-        """Poll `ctl nodes` until `check(nodes)`; the nodes it passed on."""
+    def wait_nodes(
+        self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool], *, timeout: float = DEADLINE_S
+    ) -> dict[str, dict[str, Any]]:
+        """Poll `ctl nodes` until `check(nodes)` (for at most `timeout`); the nodes it passed on."""
 
         def poll() -> dict[str, dict[str, Any]] | None:
             nodes = self.nodes()
             return nodes if nodes is not None and check(nodes) else None
 
-        return wait_until(what, poll, procs=self.latest(), alive=[self.server], last_seen=lambda: self.last_nodes)
+        return wait_until(
+            what, poll, procs=self.latest(), alive=[self.server], timeout=timeout, last_seen=lambda: self.last_nodes
+        )
 
     def wait_replicas(
         self, what: str, check: Callable[[list[dict[str, Any]]], bool], *, timeout: float = DEADLINE_S
