@@ -724,3 +724,31 @@ async def test_a_route_with_a_smaller_limit_is_413_before_its_body_is_read(
 
     answer, at = await serve_and_answer(small, Limits(), head_only, ConnectionStats())
     assert at < 1 and answer.startswith(b"HTTP/1.1 413 ") and b"larger than the limit of 100 bytes" in answer
+
+
+@pytest.mark.parametrize("lengths", [b"0, 0", b"5, 5", b"5,5 , 5"])
+async def test_a_list_of_equal_content_lengths_is_taken_as_one(
+    lengths: bytes, autojump_clock: trio.testing.MockClock
+) -> None:
+    """RFC 9112 §6.3: a Content-Length that is a list of one value repeated is that value (as
+    h11 takes it); it once reached `int()` whole and was a 500 with a traceback."""
+    stats = ConnectionStats()
+    body = b"hello"[: int(lengths.split(b",")[0])]
+
+    async def listed(stream) -> None:
+        await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: " + lengths + b"\r\n\r\n" + body)
+        await stream.send_all(b"GET /next HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+
+    answer, _ = await serve_and_answer(echo, Limits(), listed, stats)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"body":"' + body + b'"' in answer
+    assert b'"path":"/next"' in answer and aborted(stats) == {}
+
+
+async def test_differing_listed_content_lengths_are_400(autojump_clock: trio.testing.MockClock) -> None:
+    stats = ConnectionStats()
+
+    async def differing(stream) -> None:
+        await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 5, 6\r\n\r\nhello!")
+
+    answer, _ = await serve_and_answer(echo, Limits(), differing, stats)
+    assert answer.startswith(b"HTTP/1.1 400 ") and aborted(stats) == {"malformed": 1}

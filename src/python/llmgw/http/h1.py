@@ -88,16 +88,25 @@ PAUSED = _Sentinel("PAUSED")  # the request is whole: nothing more until `start_
 
 
 class RequestHead:
-    __slots__ = ("method", "target", "headers", "http_version", "size")
+    __slots__ = ("method", "target", "headers", "http_version", "size", "length")
 
     def __init__(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], http_version: bytes, size: int
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        http_version: bytes,
+        size: int,
+        length: int | None = 0,
     ) -> None:
         self.method = method
         self.target = target
         self.headers = headers  # names lower-case, in the order sent, repeats kept
         self.http_version = http_version  # b"1.1" or b"1.0"
         self.size = size  # the head's bytes, CRLFs included
+        # The body's framing as parsed: its Content-Length (a list of equal values taken as one,
+        # RFC 9112 §6.3), 0 for none, None for a chunked body.
+        self.length = length
 
 
 class Data:
@@ -244,6 +253,10 @@ class ServerConnection(ReadBuffer):
                 connection.extend(t.strip(b" \t").lower() for t in value.split(b","))
             elif name == b"expect":
                 expect = value.lower() == b"100-continue"
+        if chunked and length is not None:
+            # RFC 9112 §6.1: a message with both may be an attempt at request smuggling; answer
+            # and close rather than guess which framing the sender meant.
+            raise ProtocolError("request has both Content-Length and Transfer-Encoding; send one of them")
         version = b"1." + minor
         if version == b"1.1" and hosts != 1:
             raise ProtocolError("a request has no Host header field" if not hosts else "Host given more than once")
@@ -256,7 +269,7 @@ class ServerConnection(ReadBuffer):
         else:
             self._state = _DONE_PENDING
         self.expecting_continue = expect and version == b"1.1" and self._state != _DONE_PENDING
-        return RequestHead(method, target, headers, version, size)
+        return RequestHead(method, target, headers, version, size, None if chunked else length or 0)
 
     def _chunked(self) -> Data | _Sentinel:
         out: list[bytes] = []

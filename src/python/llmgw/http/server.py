@@ -507,20 +507,15 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
     # The parser measured the head whole, however it arrived (431 past `max_head_bytes`).
     raw_headers = tuple(event.headers)  # names lower-case
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
-    if "transfer-encoding" in headers and "content-length" in headers:
-        # RFC 9112 §6.1: a message with both may be an attempt at request smuggling; answer
-        # and close rather than guess which framing the sender meant.
-        raise Abort("malformed", 400, "request has both Content-Length and Transfer-Encoding; send one of them")
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+    declared = event.length  # None: chunked (the parser refused a head with both framings)
+    if declared is not None and declared > limits.max_body_bytes:
         raise Abort(
             "too_large", 413, f"request body of {declared} bytes is larger than the limit of {limits.max_body_bytes}"
         )
     head = bytes(raw[: len(raw) - conn.buffered]) if raw is not None else b""
-    chunked = "transfer-encoding" in headers
-    body = ConnectionBody(conn, c.stream, limits, c.budget, None if chunked else int(declared or 0))
+    body = ConnectionBody(conn, c.stream, limits, c.budget, declared)
     pipelined = 0
-    if not chunked and not int(declared or 0):
+    if declared == 0:
         # No body: take the parser's end of the message now, so the request is whole before the handler runs.
         body.data = _no_body(conn)
         body.settled.set()
