@@ -12,7 +12,9 @@ The file holds what the link would send, as JSON, with the link's field names an
      "share": {"index": 0, "count": 1}}
 
 `share` may be left out (the whole of every limit). It is read once, at start; the link never
-comes up (/health says why) and the staleness counts from then.
+comes up (/health says why, naming the file by its base name only: /health needs no key, and a
+caller learns nothing of the machine's directories from it; the log line `gateway_ready` names
+the whole path for the operator) and the staleness counts from then.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from llmgw.gateway.keys import ALONE
 from llmgw.wire.convert import converter
 from llmgw.wire.gateway_link import GatewayKey, KeysChanged, RotationChanged, ShareChanged, TableSink
 
-FILE_DETAIL = "no link: serving the table read from {path} at start (--table-file)"
+FILE_DETAIL = "no link: serving the table read from {name} at start (--table-file)"
 
 
 @attrs.frozen(kw_only=True)
@@ -60,9 +62,10 @@ def load_table(path: Path) -> TableFile:
 
 
 def feed(sink: TableSink, table: TableFile, *, now: float, path: Path) -> None:
-    """Give `sink` the file's table as the link would give it."""
+    """Give `sink` the file's table as the link would give it; its link detail (shown by the
+    keyless /health) names the file by its base name, not by its path."""
     sink.rotation_changed(table.rotation)
     sink.keys_changed(KeysChanged(keys=table.keys))
     sink.share_changed(table.share)
     sink.heard(now)
-    sink.link_state(False, FILE_DETAIL.format(path=path))
+    sink.link_state(False, FILE_DETAIL.format(name=Path(path).name))
