@@ -98,3 +98,22 @@ def test_the_networks_counted_are_bounded_whatever_the_flood(monkeypatch: pytest
     assert len(summary.networks) == refusals.TOP_NETWORKS + 1
     assert summary.networks[refusals.OTHER] == 5000 - refusals.TOP_NETWORKS
     assert sum(summary.networks.values()) == summary.count == 5000
+
+
+def test_a_stop_flushes_the_open_interval_with_the_time_it_ran_and_nothing_twice() -> None:
+    log = RefusalLog(interval_s=10, burst=2)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        log.refused(t, "admin", "192.0.2.1:50000")
+    for t in (20.0, 21.0, 22.0):  # the first closes the first interval and opens a second
+        log.refused(t, "admin", "192.0.2.1:50001")
+    first, second = log.flush(24.0)  # the ended interval, then the open one cut short
+    assert (first.began, first.span_s, first.count, first.logged) == (0.0, 10.0, 4, 2)
+    assert (second.began, second.count, second.logged) == (20.0, 3, 2) and second.span_s == 4.0
+    assert log.next_due() is None and log.flush(100.0) == [] and log.due(100.0) == []
+
+
+def test_a_flush_says_nothing_of_an_interval_whose_refusals_were_each_logged() -> None:
+    log = RefusalLog(interval_s=10, burst=5)
+    for t in range(5):
+        log.refused(float(t), "admin", "192.0.2.1")
+    assert log.flush(6.0) == [] and log.next_due() is None

@@ -6,15 +6,19 @@ planes as real processes are tests/integration/test_leader_takeover.py's."""
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError
+from llmgw.http.errors import HTTPError
 from llmgw.http.messages import Request, Response
 from llmgw.http.openai import error_body
+from llmgw.http.refusals import BURST, INTERVAL_S
 from llmgw.http.server import bound_address, serve_http
 from llmgw.server.standby import Leader, StandbyFront
 
@@ -137,3 +141,29 @@ async def test_health_and_the_gateways_routes_and_metrics_of_a_standby(nursery: 
             return response.read().decode()
 
     assert "\nllmgw_control_plane_leading 0\n" in await trio.to_thread.run_sync(metrics)
+
+
+async def test_a_flood_of_wrong_credentials_is_a_few_lines_and_one_summary(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    front = StandbyFront(admin_token=TOKEN, leader=lambda: LEADS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(front.refusals.serve)
+        for i in range(200):  # 200 a second, from one /24
+            request = Request.of(
+                "GET",
+                "/admin/v1/nodes",
+                headers={"authorization": "Bearer wrong"},
+                client=f"203.0.113.{i % 9}:4{i:04d}",
+            )
+            with pytest.raises(HTTPError) as refused:
+                await front.handle(request)
+            assert refused.value.status == 401
+            await trio.sleep(0.005)
+        await trio.sleep(INTERVAL_S)  # nothing more comes: the summary is logged all the same
+        nursery.cancel_scope.cancel()
+    assert len([r for r in caplog.records if r.getMessage() == "admin_credential_refused"]) == BURST
+    [summary] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "requests_refused"]  # type: ignore[attr-defined]
+    assert summary["count"] == 200 and summary["logged_each"] == BURST and summary["reasons"] == {"admin": 200}
+    assert summary["networks"] == {"203.0.113.0/24": 200}

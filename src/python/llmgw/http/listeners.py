@@ -20,7 +20,8 @@ for its agents, its engines' connections and its database, nor keep a new client
 connections that do nothing.
 
 Every connection shed or turned away is counted (`llmgw_connections_shed_total`) and logged at
-debug; `llmgw.http.refusals` turns a flood of them into one warning per interval.
+debug; `llmgw.http.refusals` turns a flood of them into one warning per interval
+(`llmgw.http.refusallines.serve_summaries` logs it).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import resource
 import socket
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 
 import trio
 
+from llmgw.http.refusallines import CONNECTIONS, serve_summaries
 from llmgw.http.refusals import RefusalLog
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
@@ -489,23 +492,10 @@ async def serve_capped(
                     refused(budget.idle.reason, shed_peer)
                 nursery.start_soon(serve, stream)
 
-    async def summarise() -> None:
-        # Wakes when the open interval ends, or an interval from now when none is open (one
-        # opened meanwhile is then summarised up to an interval late).
-        while True:
-            due = refusals.next_due()
-            await trio.sleep_until(trio.current_time() + refusals.interval_s if due is None else due)
-            log_summaries(refusals, listener)
-
     async with trio.open_nursery() as connections:
         with shutdown._accepting:
             async with trio.open_nursery() as accepting:
-                accepting.start_soon(summarise)
+                # Its summaries, each when its interval ends, and what is left when accepting stops.
+                await accepting.start(partial(serve_summaries, refusals, listener, event=CONNECTIONS))
                 for sock_listener in listeners:
                     accepting.start_soon(accept_loop, sock_listener, connections)
-
-
-def log_summaries(refusals: RefusalLog, listener: str) -> None:
-    """Log the summaries `refusals` has ready: one warning per interval of many refusals."""
-    for summary in refusals.due(trio.current_time()):
-        log.warning("connections_refused", listener=listener, **summary.fields())

@@ -8,6 +8,11 @@ certificate expired); past that, `RefusalLog` counts them, and one summary per i
 how many there were, by reason and by peer network — /24 for IPv4, /64 for IPv6, so that one
 machine's or one provider's addresses make one entry, the busiest first.
 
+The same counting serves every refusal a peer can repeat at will, on every port: the agent
+port's handshakes and certificates, and the HTTP port's wrong admin credentials, login codes
+and page calls (`llmgw.http.refusallines`, the trio half: the clock, the lines, and the task
+that logs each summary when its interval ends, or at a stop with `flush`).
+
 Pure: the caller passes the time (`now`) and logs what this returns; nothing here reads a
 clock or does I/O, so the tests run it on plain numbers. Each call is O(1), except the one
 that closes an interval, which ranks that interval's networks (at most `MAX_NETWORKS`).
@@ -117,9 +122,21 @@ class RefusalLog:
         ready, self._ready = self._ready, []
         return ready
 
+    def flush(self, now: float) -> list[Summary]:
+        """`due`, and the open interval closed at `now` as well (its summary's span the time it
+        ran): what a listener logs as it stops, so that no refusal counted is left unsaid."""
+        self._close_ended(now)
+        if self._began is not None:
+            self._close(span_s=max(0.0, now - self._began))
+        return self.due(now)
+
     def _close_ended(self, now: float) -> None:
         if self._began is None or now < self._began + self.interval_s:
             return
+        self._close(span_s=self.interval_s)
+
+    def _close(self, *, span_s: float) -> None:
+        assert self._began is not None
         if self._count > self._logged:
             named = sorted(((k, n) for k, n in self._networks.items() if k != OTHER), key=lambda kn: -kn[1])
             networks = dict(named[:TOP_NETWORKS])
@@ -129,7 +146,7 @@ class RefusalLog:
             self._ready.append(
                 Summary(
                     began=self._began,
-                    span_s=self.interval_s,
+                    span_s=span_s,
                     count=self._count,
                     logged=self._logged,
                     reasons=dict(self._reasons.most_common()),

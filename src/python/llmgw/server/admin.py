@@ -65,6 +65,7 @@ from llmgw.http import params
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.drains import DrainProgress
@@ -201,13 +202,17 @@ class AdminAPI:
         gateways: Callable[[], list[dict[str, Any]]] = list,
         keys_reached: Callable[[], Awaitable[Any]] | None = None,
         authority: Callable[[], dict[str, Any]] = dict,
+        refusals: RefusalLines | None = None,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
         certificate serials are recorded and read; `gateways()`: the gateway instances connected
         (`GatewayFeed.views`); `keys_reached()`: returns once the control plane's own gateway
         holds the keys as they are now (bounded), so a key made or revoked is known on
         http_listen when the answer comes; `authority()`: the CA this control plane signs with
-        (its CN and fingerprint: `llmgw server add` checks a new control plane's against its own)."""
+        (its CN and fingerprint: `llmgw server add` checks a new control plane's against its own);
+        `refusals`: where a wrong credential is logged, with the page's refusals (`RefusalLines`:
+        a few lines each interval, then counted)."""
+        self.refusals = refusals or RefusalLines("http")
         self.gateways = gateways
         self.authority = authority
         self.keys_reached = keys_reached
@@ -229,7 +234,9 @@ class AdminAPI:
                 kind="authentication_error",
             )
         if not hmac.compare_digest(given.strip().encode(), self._token):
-            log.warning("admin_credential_refused", client=request.client)
+            self.refusals.refused(
+                log, "admin_credential_refused", kind="admin", peer=request.client, client=request.client
+            )
             raise HTTPError(
                 401,
                 "wrong admin credential: it does not match this control plane's admin.token",

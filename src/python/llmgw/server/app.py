@@ -44,6 +44,7 @@ from llmgw.gateway.history import Totals, totals_of
 from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.refusallines import RefusalLines
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
@@ -229,9 +230,14 @@ class ControlPlane:
             changes=self.changes,
             catalog_times=self.catalog_times,
         )
+        # Refusals on http_listen for who sent them (a wrong admin credential, a spent login code, a
+        # page call from elsewhere): one count for the admin API and the page, a few lines each
+        # interval and then a summary (`serve` logs it), however fast a client repeats them.
+        self.http_refusals = RefusalLines("http")
         # The cluster page: sessions, the gateways' history, the gate.
-        self.page = Page(self.views, self._history_totals, self.keys)
+        self.page = Page(self.views, self._history_totals, self.keys, refusals=self.http_refusals)
         self.admin = AdminAPI(
+            refusals=self.http_refusals,
             views=self.views,
             operations=self.operations,
             page=self.page,
@@ -362,6 +368,7 @@ class ControlPlane:
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
             await nursery.start(run, "page_feed", self.page.serve_feed)  # what open pages are sent
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
+            await nursery.start(self.http_refusals.serve)  # before a request can be refused
             try:
                 agent_listeners = await nursery.start(
                     partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context

@@ -41,6 +41,7 @@ from llmgw.http import params
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.server import events, feed
 from llmgw.server.logins import (
@@ -107,9 +108,14 @@ def _content_type(name: str) -> str:
 
 
 class Page:
-    def __init__(self, views: feed.Views, history: Sources, keys: KeyRing) -> None:
+    def __init__(
+        self, views: feed.Views, history: Sources, keys: KeyRing, *, refusals: RefusalLines | None = None
+    ) -> None:
         """`views`: what the feed shows of the cluster; `history`: the gateways' figures for
-        the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view."""
+        the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view;
+        `refusals`: where a spent login code or a refused page call is logged, with the admin
+        API's wrong credentials (`RefusalLines`: a few lines each interval, then counted)."""
+        self.refusals = refusals or RefusalLines("http")
         self.views = views
         self.keys = keys
         self.sessions = SessionBook()
@@ -154,7 +160,9 @@ class Page:
         try:
             login = self.sessions.redeem(code, now)
         except LoginRefused as exc:
-            log.warning("page_login_refused", client=request.client)
+            self.refusals.refused(
+                log, "page_login_refused", kind="page_login", peer=request.client, client=request.client
+            )
             return _refusal(401, str(exc))
         s = login.session
         log.info(
@@ -211,13 +219,15 @@ class Page:
         authorize(request)  # the admin credential, as `llmgw ctl` sends it; raises 401 without it
         return Caller(who=CREDENTIAL)
 
-    @staticmethod
-    def _check_change(request: Request, session: Session) -> None:
+    def _check_change(self, request: Request, session: Session) -> None:
         host = request.headers.get("host", "")
         origin = request.headers.get("origin", "")
         if origin not in (f"http://{host}", f"https://{host}"):
-            log.warning(
+            self.refusals.refused(
+                log,
                 "page_call_refused",
+                kind="page_origin",
+                peer=request.client,
                 session=session.id,
                 path=cut(request.path),
                 reason="origin",
@@ -230,7 +240,15 @@ class Page:
                 kind="permission_error",
             )
         if not csrf_ok(session, request.headers.get(CSRF_HEADER, "")):
-            log.warning("page_call_refused", session=session.id, path=request.path, reason="csrf")
+            self.refusals.refused(
+                log,
+                "page_call_refused",
+                kind="page_csrf",
+                peer=request.client,
+                session=session.id,
+                path=cut(request.path),
+                reason="csrf",
+            )
             raise HTTPError(
                 403,
                 f"a change through a page session needs the session's CSRF token in {CSRF_HEADER}; reload the page",

@@ -38,6 +38,7 @@ from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Answer, Request, Response
 from llmgw.http.openai import error_body
+from llmgw.http.refusallines import RefusalLines
 from llmgw.http.relay import gateway_route
 from llmgw.http.server import bound_address, serve_http
 from llmgw.log import get_logger
@@ -178,6 +179,8 @@ class StandbyFront:
 
     def __init__(self, *, admin_token: str, leader: Callable[[], Leader]) -> None:
         self._token = admin_token.encode()
+        # Wrong credentials, a few lines each interval and then a summary (`refusals.serve`).
+        self.refusals = RefusalLines("http")
         self.leader = leader
 
     async def handle(self, request: Request) -> Response:
@@ -216,7 +219,9 @@ class StandbyFront:
     def _authorize(self, request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-            log.warning("admin_credential_refused", client=request.client)
+            self.refusals.refused(
+                log, "admin_credential_refused", kind="admin", peer=request.client, client=request.client
+            )
             raise HTTPError(
                 401,
                 "the admin API needs the admin credential (Authorization: Bearer ...), the same on every control "
@@ -238,6 +243,7 @@ async def serve_standby(
     agent_host, agent_port = split_hostport(config.server.agent_listen)
     http_host, http_port = split_hostport(config.server.http_listen)
     async with trio.open_nursery() as nursery:
+        await nursery.start(front.refusals.serve)  # its summaries of wrong credentials
         try:
             agents = await nursery.start(listener.serve, agent_host, agent_port, ssl_context)
         except OSError as exc:
