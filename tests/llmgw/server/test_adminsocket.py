@@ -53,7 +53,15 @@ class Running:
 
 
 async def start(state: Path, nursery: trio.Nursery) -> Running:
-    server = ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    # The relay listens first, on a port of its own (a worker's would be http_listen's), so that
+    # the control plane can be told it is one of its page's addresses.
+    relay = Relay(paths.admin_socket_path(state))
+    listeners = await nursery.start(partial(serve_http, relay.handle, "127.0.0.1", 0, errors=error_body))
+    host, port = bound_address(listeners)
+    relay_url = f"http://{host}:{port}"
+    server = ServerSection(
+        state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0", page_origins=(relay_url,)
+    )
     plane = ControlPlane.open(ServerConfig(server=server, engines=OFFLINE_ENGINES), state)
     scope, stopped = trio.CancelScope(), trio.Event()
 
@@ -67,10 +75,7 @@ async def start(state: Path, nursery: trio.Nursery) -> Running:
     await nursery.start(run)
     await plane.store.saw_node("n1", "127.0.0.5")
     plane.registry.know("n1", address="127.0.0.5")
-    relay = Relay(paths.admin_socket_path(state))
-    listeners = await nursery.start(partial(serve_http, relay.handle, "127.0.0.1", 0, errors=error_body))
-    host, port = bound_address(listeners)
-    return Running(plane, f"http://{host}:{port}", scope, stopped)
+    return Running(plane, relay_url, scope, stopped)
 
 
 class Browser:

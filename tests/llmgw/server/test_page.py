@@ -181,6 +181,23 @@ async def test_a_change_needs_a_session_that_may_act_its_csrf_token_and_this_ori
     assert (await call(actor.json, "GET", "/admin/v1/nodes"))[0] == 401
 
 
+async def test_a_change_is_taken_from_this_control_planes_addresses_not_from_whatever_host_is_named(running) -> None:
+    plane, state = running
+    actor = Browser(client_of(state).url)
+    await call(actor.login, plane.page.login_path(actions=True))
+    _, session = await call(actor.json, "GET", "/admin/v1/page/session")
+    cordon, csrf = "/admin/v1/nodes/n1/cordon", {"x-llmgw-csrf": session["csrf"]}
+    # A page at a name rebound to this machine: its Host and its Origin agree, and neither is ours.
+    rebound = f"rebound.example:{actor.port}"
+    status, body = await call(actor.json, "POST", cordon, host=rebound, origin=f"http://{rebound}", **csrf)
+    message = body["error"]["message"]
+    assert status == 403 and "none of its addresses" in message and f"http://127.0.0.1:{actor.port}" in message
+    assert "page_origins" in message and not plane.registry.nodes["n1"].cordoned
+    # http_listen is 127.0.0.1: the machine's other names for itself are its addresses too.
+    status, body = await call(actor.json, "POST", cordon, origin=f"http://localhost:{actor.port}", **csrf)
+    assert status == 200 and body["node"]["cordoned"] is True
+
+
 async def test_the_feed_sends_the_cluster_then_each_change(running) -> None:
     plane, state = running
     browser = Browser(client_of(state).url)

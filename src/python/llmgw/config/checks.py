@@ -51,6 +51,12 @@ def check_server(cfg: ServerConfig) -> list[str]:
         value = getattr(cfg.server, key)
         if not _HOSTPORT.match(value):
             problems.append(f"expected HOST:PORT, got {value!r} @ $.server.{key}")
+    for i, origin in enumerate(cfg.server.page_origins):
+        if not _ORIGIN.match(origin):
+            problems.append(
+                f"expected an origin as a browser's address bar starts, http://HOST[:PORT] or https://HOST[:PORT] "
+                f"with no path, got {origin!r} @ $.server.page_origins[{i}]"
+            )
     for key in ("head_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s"):
         if getattr(cfg.http, key) <= 0:
             problems.append(f"must be more than 0 seconds @ $.http.{key}")
@@ -284,6 +290,7 @@ def _check_lease(cfg: ServerConfig) -> list[str]:
 
 _WSS = re.compile(r"^wss://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 _HTTP = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+_ORIGIN = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?$")
 
 
 def check_agent(cfg: AgentConfig) -> list[str]:

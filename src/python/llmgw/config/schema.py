@@ -66,6 +66,10 @@ class ServerSection:
     # can say where the leader is ("": from advertise and the listeners; docs/configuration.md).
     agent_url: str = ""
     admin_url: str = ""
+    # Where else the cluster page may be opened, beyond http_listen's address, advertise and
+    # admin_url (an SSH tunnel's other port, a proxy's second name): a page session's change is
+    # refused from any other Origin (`server.page.page_origins`; docs/configuration.md).
+    page_origins: tuple[str, ...] = ()
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
     # Heartbeats a second the control plane takes from all agents together: past

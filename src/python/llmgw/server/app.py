@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -71,7 +72,7 @@ from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
 from llmgw.server.operations import Operations
-from llmgw.server.page import Page
+from llmgw.server.page import Page, page_origins
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
@@ -235,7 +236,10 @@ class ControlPlane:
         # interval and then a summary (`serve` logs it), however fast a client repeats them.
         self.http_refusals = RefusalLines("http")
         # The cluster page: sessions, the gateways' history, the gate.
-        self.page = Page(self.views, self._history_totals, self.keys, refusals=self.http_refusals)
+        self._http_port = split_hostport(config.server.http_listen)[1]  # the port bound, once it is
+        self.page = Page(
+            self.views, self._history_totals, self.keys, origins=self._page_origins, refusals=self.http_refusals
+        )
         self.admin = AdminAPI(
             refusals=self.http_refusals,
             views=self.views,
@@ -382,6 +386,7 @@ class ControlPlane:
             with front:
                 async with trio.open_nursery() as serving:
                     http_address = await serving.start(self._serve_front, agent_address, http_sockets)
+                    self._http_port = http_address[1]  # the page's origins have the port bound
                     bound = Bound(agent_address=agent_address, http_address=http_address)
                     url_file = paths.admin_url_path(self.state_dir)
                     paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
@@ -534,6 +539,11 @@ class ControlPlane:
 
     def _outstanding(self, replica_id: str) -> int:
         return self.gateway.router.outstanding.get(replica_id, 0) + self.gateway_feed.outstanding(replica_id)
+
+    def _page_origins(self) -> frozenset[str]:
+        """Where the cluster page may be opened: the addresses server.toml gives this control
+        plane, with http_listen's port as bound (`page.page_origins`)."""
+        return page_origins(self.config.server, self._http_port, socket.gethostname())
 
     def _history_totals(self) -> dict[str, Totals]:
         """The page history's sources: the gateway on this loop, and every instance connected."""

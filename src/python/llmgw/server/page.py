@@ -19,22 +19,33 @@ Query parameters are read as the admin API reads them (`llmgw.http.params`): `/l
 `guard` decides who is calling, before any admin route runs: a live session cookie, or else
 the admin credential (the bearer check admin.py has always made). A page session may read
 everything the admin API serves; it may change something only if its login code allowed
-actions, only with its CSRF token in `x-llmgw-csrf`, and only from a page of this origin
-(`Origin`). Every call that changes something is logged (`admin_call`) with who made it — the
-session's public id or "admin-credential", never a secret.
+actions, only with its CSRF token in `x-llmgw-csrf`, and only from a page of this control
+plane's own origin (`Origin`, one of `page_origins`). Every call that changes something is
+logged (`admin_call`) with who made it — the session's public id or "admin-credential", never
+a secret.
+
+This control plane's origins are the addresses it is configured or advertised at, never the
+request's own `Host` (which whoever sends the request chooses, a rebound DNS name's page too):
+http_listen's address, or where it listens on every address (0.0.0.0, ::), which no browser
+can name, the loopback names (127.0.0.1, localhost, [::1]) and the machine's host name when
+nothing is advertised; the loopback names too for a loopback http_listen; each of `advertise`
+at http_listen's port; `admin_url`; and `page_origins`. All with the port it is bound to.
 """
 
 from __future__ import annotations
 
 import html
 import importlib.resources
+import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 import llmgw.page
+from llmgw.config import ServerSection
 from llmgw.errors import cut, shown
 from llmgw.gateway.history import History, Sources
 from llmgw.http import params
@@ -86,6 +97,52 @@ CREDENTIAL = "admin-credential"
 
 Inner = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
+WILDCARDS = ("", "0.0.0.0", "::")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")  # one machine's own names for itself
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin(scheme: str, host: str, port: int | None) -> str:
+    """An origin as a browser writes it in `Origin` (RFC 6454 §6.2): the scheme and host in
+    lower case, an IPv6 address in brackets, the port unless it is the scheme's default."""
+    host = host.lower()
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" if port in (None, DEFAULT_PORTS.get(scheme)) else f"{scheme}://{host}:{port}"
+
+
+def origin_of(url: str) -> str:
+    """The origin of `url` (`http://HOST:PORT/any/path`): its scheme, host and port."""
+    parts = urlsplit(url)
+    return origin(parts.scheme.lower(), parts.hostname or "", parts.port)
+
+
+def page_origins(server: ServerSection, http_port: int, hostname: str) -> frozenset[str]:
+    """Where this control plane's page may be opened (the module docstring's rule), for
+    `[server]` as configured, http_listen bound to `http_port` and the machine named
+    `hostname`: the only origins a page session's change is taken from."""
+    listen_host = server.http_listen.rpartition(":")[0].strip("[]")
+    hosts = set(server.advertise)
+    if listen_host in WILDCARDS:
+        hosts.update(LOOPBACK_NAMES)
+        if not server.advertise:
+            hosts.add(hostname)  # as admin_url's default names it (`server.seat.advertised`)
+    else:
+        hosts.add(listen_host)
+        if listen_host in LOOPBACK_NAMES or _is_loopback(listen_host):
+            hosts.update(LOOPBACK_NAMES)
+    origins = {origin("http", host, http_port) for host in hosts}
+    if server.admin_url:
+        origins.add(origin_of(server.admin_url))
+    origins.update(origin_of(o) for o in server.page_origins)
+    return frozenset(origins)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host) in (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+    except ValueError:
+        return False
+
 
 @attrs.frozen(kw_only=True)
 class Caller:
@@ -109,12 +166,21 @@ def _content_type(name: str) -> str:
 
 class Page:
     def __init__(
-        self, views: feed.Views, history: Sources, keys: KeyRing, *, refusals: RefusalLines | None = None
+        self,
+        views: feed.Views,
+        history: Sources,
+        keys: KeyRing,
+        *,
+        origins: Callable[[], frozenset[str]],
+        refusals: RefusalLines | None = None,
     ) -> None:
         """`views`: what the feed shows of the cluster; `history`: the gateways' figures for
         the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view;
-        `refusals`: where a spent login code or a refused page call is logged, with the admin
-        API's wrong credentials (`RefusalLines`: a few lines each interval, then counted)."""
+        `origins()`: this control plane's origins now (`page_origins`), the only ones a
+        session's change is taken from; `refusals`: where a spent login code or a refused page
+        call is logged, with the admin API's wrong credentials (`RefusalLines`: a few lines
+        each interval, then counted)."""
+        self.origins = origins
         self.refusals = refusals or RefusalLines("http")
         self.views = views
         self.keys = keys
@@ -220,9 +286,9 @@ class Page:
         return Caller(who=CREDENTIAL)
 
     def _check_change(self, request: Request, session: Session) -> None:
-        host = request.headers.get("host", "")
-        origin = request.headers.get("origin", "")
-        if origin not in (f"http://{host}", f"https://{host}"):
+        sent = request.headers.get("origin", "")
+        ours = self.origins()
+        if sent.lower() not in ours:
             self.refusals.refused(
                 log,
                 "page_call_refused",
@@ -231,12 +297,13 @@ class Page:
                 session=session.id,
                 path=cut(request.path),
                 reason="origin",
-                origin=cut(origin),
+                origin=cut(sent),
             )
             raise HTTPError(
                 403,
-                f"a change through a page session must come from this control plane's own page (Origin "
-                f"{shown(origin)} is not http://{cut(host)})",
+                f"a change through a page session must come from this control plane's own page: Origin {shown(sent)} "
+                f"is none of its addresses ({', '.join(sorted(ours))}); if the page is opened there, add that origin "
+                "to [server] page_origins in server.toml (or its host to advertise)",
                 kind="permission_error",
             )
         if not csrf_ok(session, request.headers.get(CSRF_HEADER, "")):
