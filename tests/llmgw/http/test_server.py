@@ -752,3 +752,21 @@ async def test_differing_listed_content_lengths_are_400(autojump_clock: trio.tes
 
     answer, _ = await serve_and_answer(echo, Limits(), differing, stats)
     assert answer.startswith(b"HTTP/1.1 400 ") and aborted(stats) == {"malformed": 1}
+
+
+@pytest.mark.parametrize("name", [b"Authorization", b"cookie", b"Proxy-Authorization"])
+async def test_a_credential_given_twice_is_400_whichever_would_win(
+    name: bytes, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A wrong key then a valid one was taken (the last value won): which of two credentials a
+    server, a proxy before it and a log believe is a guess, so neither is."""
+    stats = ConnectionStats()
+
+    async def twice(stream) -> None:
+        await stream.send_all(
+            b"GET /x HTTP/1.1\r\nhost: t\r\n" + name + b": Bearer wrong\r\n" + name + b": Bearer right\r\n\r\n"
+        )
+
+    answer, _ = await serve_and_answer(echo, Limits(), twice, stats)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"given more than once" in answer
+    assert b"connection: close" in answer and aborted(stats) == {"malformed": 1}

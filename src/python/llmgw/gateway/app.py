@@ -471,6 +471,7 @@ class Gateway:
             raise _counted(self, "-", self._unavailable("the gateway is shutting down", "shutting_down"))
         # From the head alone: who is asking, and may they ask now. The body is not read yet.
         key = self._authenticate(request)
+        request.body_owner = "key:" + key.token_sha256  # its bodies held to a share of the budget
         limited = self.keys.admit(key)
         if limited is not None:
             retry = str(max(1, math.ceil(limited.retry_after_s)))

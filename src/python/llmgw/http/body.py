@@ -5,15 +5,27 @@ Deadlines, not per-read timeouts: the body at an average of at least `body_min_b
 bytes a second (after `BODY_RATE_GRACE_S`) and whole within `body_timeout_s`, else 408 and the
 connection closes. Larger than `max_body_bytes` (or the route's own limit) is 413.
 
-What bodies are buffered at once, over all connections of a listener, is bounded by one
-`BodyBudget` (`body_budget_bytes`): a body is counted before it is read (a chunked one as it
-comes), and past the budget it waits briefly, then gets 503 with Retry-After. A chunked body
-may arrive in at most `MAX_BODY_CHUNKS` chunks (the parser spends microseconds on each; tiny
-chunks would turn a body into seconds of work), and is fed to it in small pieces so one read
-never holds the loop long.
+Memory is bounded by the configuration, not by the garbage collector (issue 42):
+- What bodies hold at once, over all connections of a listener, is bounded by one `BodyBudget`
+  (`body_budget_bytes`), charged for the bytes that arrived, as they arrive: a body declaring
+  8 MiB and sending a few KB holds a few KB. Past the budget a body waits briefly, then gets
+  503 with Retry-After.
+- No one holds more than a share of the budget (`BodyBudget.share`): the bodies of one owner —
+  the API key a handler names when it reads (`Request.read(owner=...)`), else the peer's
+  address — wait once they hold it, so a key trickling large bodies slows its own requests only.
+- A body's buffer grows with what arrived (never the declared length up front), and is let go
+  the moment its request ends, however it ends: a failure is kept without its traceback (the
+  frames it names would keep the buffer alive in a reference cycle that only the cyclic
+  collector frees), and the reading frame drops the buffer before an exception leaves it.
+
+A chunked body may arrive in at most `MAX_BODY_CHUNKS` chunks (the parser spends microseconds on
+each; tiny chunks would turn a body into seconds of work), and is fed to it in small pieces so
+one read never holds the loop long.
 """
 
 from __future__ import annotations
+
+import copy
 
 import trio
 
@@ -35,106 +47,164 @@ BODY_BUDGET_WAIT_S = 1.0
 # A body's first bytes may take a moment (a client waiting for 100-continue, a slow start):
 # the minimum rate is enforced on the average after this long.
 BODY_RATE_GRACE_S = 5.0
+# The share of the budget one owner may hold at once: a quarter, or one body of the largest
+# size allowed where that is more (so that such a body can always be read).
+BODY_SHARE = 0.25
 
 
 class BodyBudget:
-    """Request body bytes buffered at once over every connection of a listener: a body takes
-    its size before it is read (a chunked one as it comes) and gives it back when its request
-    is over. A body that does not fit waits up to `wait_s` for room, then is answered 503."""
+    """Request body bytes buffered at once over every connection of a listener, charged as they
+    arrive and given back when their request is over; each owner (an API key, or a peer
+    address) holds at most `share` of them. Bytes that do not fit wait up to `wait_s` for room
+    (in the budget, or in their owner's share), then their request is answered 503."""
 
-    def __init__(self, max_bytes: int, *, wait_s: float = BODY_BUDGET_WAIT_S) -> None:
+    def __init__(self, max_bytes: int, *, share: int | None = None, wait_s: float = BODY_BUDGET_WAIT_S) -> None:
         self.max_bytes = max_bytes
+        self.share = max_bytes if share is None else share
         self.wait_s = wait_s
         self.used = 0
         self.refused = 0
-        self._room = trio.lowlevel.ParkingLot()
+        self.held: dict[str, int] = {}  # by owner; an owner holding nothing is not in it
+        self._room = trio.lowlevel.ParkingLot()  # waiting for the budget
+        self._owner_room: dict[str, trio.lowlevel.ParkingLot] = {}  # waiting for their owner's share
 
-    async def take(self, n: int) -> None:
-        if self.used + n <= self.max_bytes and not self._room:
-            self.used += n
+    @classmethod
+    def of(cls, limits: Limits) -> BodyBudget:
+        """A listener's budget: `body_budget_bytes`, an owner's share `BODY_SHARE` of it, or one
+        body of the largest size allowed where that is more (so that one can always be read)."""
+        budget = limits.body_budget_bytes
+        return cls(budget, share=max(int(budget * BODY_SHARE), min(limits.max_body_bytes, budget)))
+
+    def _fits(self, n: int, owner: str) -> trio.lowlevel.ParkingLot | None:
+        """None if `n` more bytes of `owner` fit; else where to wait for room."""
+        if self.held.get(owner, 0) + n > self.share:
+            lot = self._owner_room.get(owner)
+            if lot is None:
+                lot = self._owner_room[owner] = trio.lowlevel.ParkingLot()
+            return lot
+        if self.used + n > self.max_bytes:
+            return self._room
+        return None
+
+    async def take(self, n: int, owner: str) -> None:
+        lot = self._fits(n, owner)
+        if lot is None:
+            self._charge(n, owner)
             return
         with trio.move_on_after(self.wait_s):
-            while True:
-                await self._room.park()
-                if self.used + n <= self.max_bytes:
-                    self.used += n
-                    self._room.unpark()  # there may be room for the next one too
-                    return
+            while lot is not None:
+                try:
+                    await lot.park()
+                finally:
+                    if not lot and self._owner_room.get(owner) is lot:
+                        del self._owner_room[owner]
+                lot = self._fits(n, owner)
+            self._charge(n, owner)
+            self._room.unpark()  # there may be room for the next one too
+            return
         self.refused += 1
+        mine = self.held.get(owner, 0)
         raise Abort(
             "body_budget",
             503,
-            f"the server is buffering {self.used} bytes of request bodies, its limit of {self.max_bytes}; "
-            "try again in a moment",
+            f"the server is buffering {self.used} bytes of request bodies ({mine} of them this client's, "
+            f"which may hold {self.share}), its limit of {self.max_bytes}; try again in a moment",
             headers=(("retry-after", "1"),),
         )
 
-    def give(self, n: int) -> None:
+    def _charge(self, n: int, owner: str) -> None:
+        self.used += n
+        self.held[owner] = self.held.get(owner, 0) + n
+
+    def give(self, n: int, owner: str) -> None:
         self.used -= n
+        left = self.held[owner] - n
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
         self._room.unpark()
+        lot = self._owner_room.get(owner)
+        if lot is not None:
+            lot.unpark()
 
 
 class ConnectionBody(BodySource):
     """The body of the request a connection is on, read from it when first asked for.
     `settled` is set once no more of it will be read: read whole, or abandoned (the handler
-    answered without it, or reading it failed) — then the connection closes after the answer."""
+    answered without it, or reading it failed) — then the connection closes after the answer.
+    Its bytes are charged to the owner `Request.read` names (the module's docstring)."""
 
     def __init__(
-        self, conn: ServerConnection, stream, limits: Limits, budget: BodyBudget, declared: int | None
+        self,
+        conn: ServerConnection,
+        stream,
+        limits: Limits,
+        budget: BodyBudget,
+        declared: int | None,
     ) -> None:
         self.conn, self.stream, self.limits, self.budget, self.declared = conn, stream, limits, budget, declared
         self.data: bytes | None = None
-        self.failed: BaseException | None = None
+        self.failed: BaseException | None = None  # without its traceback (the module's docstring)
         self.taken = 0
+        self.owner = ""
         self.settled = trio.Event()
 
     @property
     def whole(self) -> bool:
         return self.data is not None
 
-    async def read(self, limit: int | None) -> bytes:
+    async def read(self, limit: int | None, owner: str = "") -> bytes:
         if self.data is not None:
             if limit is not None and len(self.data) > limit:
                 raise too_large(limit)
             return self.data
         if self.failed is not None:
-            raise self.failed
+            raise copy.copy(self.failed)
         try:
             if limit is not None and self.declared is not None and self.declared > limit:
                 raise too_large(limit)
+            self.owner = owner
             try:
                 self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
                 # The peer broke the connection under the body: the connection's to end, not
                 # the handler's to answer (`server._call_handler` lets an `Abort` through).
-                raise Abort(peer_reason(exc) or "closed", message=f"reading the request body: {exc}") from exc
+                raise Abort(peer_reason(exc) or "closed", message=f"reading the request body: {exc}") from None
             return self.data
-        except BaseException as exc:
-            self.failed = exc
+        except Exception as exc:
+            self.failed = _bare(exc)
+            raise
+        except BaseException:  # cancelled: the request is over
+            self.failed = Abort("closed", message="the request ended while its body was read")
             raise
         finally:
             self.settled.set()
 
     async def _read(self, limit: int) -> bytes:
-        conn, limits = self.conn, self.limits
+        body = bytearray()  # grows with what arrives (the module's docstring)
+        try:
+            await self._read_into(body, limit)
+        except BaseException:
+            # Let the buffer go now, not when the exception does: its traceback names the frames
+            # that hold it, and the handler's frames may keep the exception in a cycle.
+            del body[:]
+            raise
+        return bytes(body) if len(body) <= SMALL_BODY_BYTES else body
+
+    async def _read_into(self, body: bytearray, limit: int) -> None:
+        conn, limits, budget, owner = self.conn, self.limits, self.budget, self.owner
         chunked = self.declared is None
-        if not chunked:
-            await self.budget.take(self.declared)
-            self.taken += self.declared
         start = trio.current_time()
         total_deadline = start + limits.body_timeout_s
-        # A body of known length is read into its place, with no copy at the end: it is what
-        # the budget counted, once (a large one is handed out as this bytearray).
-        body = bytearray(self.declared) if not chunked else bytearray()
-        got = 0
         chunks = 0
         unfed = b""  # of a chunked body: read, not yet given to the parser (see CHUNKED_FEED_BYTES)
         while True:
             part = next_event(conn)
             if isinstance(part, Data):
-                if chunked:  # counted as it comes
-                    await self.budget.take(len(part.data))
-                    self.taken += len(part.data)
+                await budget.take(len(part.data), owner)  # counted as it comes
+                self.taken += len(part.data)
+                if chunked:
                     chunks += part.chunks
                     if chunks > MAX_BODY_CHUNKS:
                         raise Abort(
@@ -143,17 +213,13 @@ class ConnectionBody(BodySource):
                             f"chunked request body in more than {MAX_BODY_CHUNKS} chunks; send it with "
                             "Content-Length or in larger chunks",
                         )
-                if chunked:
-                    body += part.data
-                else:  # the parser never gives more than the declared length
-                    body[got : got + len(part.data)] = part.data
-                got += len(part.data)
-                if got > limit:
+                body += part.data  # the parser never gives more than the declared length
+                if len(body) > limit:
                     if limit < limits.max_body_bytes:
                         raise too_large(limit)
                     raise Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
             elif part is END:
-                return bytes(body) if got <= SMALL_BODY_BYTES else body
+                return
             elif part is NEED_DATA and unfed:
                 await trio.lowlevel.checkpoint()
                 conn.receive_data(unfed[:CHUNKED_FEED_BYTES])
@@ -164,7 +230,7 @@ class ConnectionBody(BodySource):
                 deadline = total_deadline
                 if limits.body_min_bytes_per_s > 0:
                     # The average so far must stay above the minimum: each byte buys 1/rate seconds.
-                    deadline = min(deadline, start + BODY_RATE_GRACE_S + got / limits.body_min_bytes_per_s)
+                    deadline = min(deadline, start + BODY_RATE_GRACE_S + len(body) / limits.body_min_bytes_per_s)
                 with trio.move_on_at(deadline):
                     data = await self.stream.receive_some(RECEIVE_SIZE)
                     if chunked:
@@ -176,7 +242,7 @@ class ConnectionBody(BodySource):
                         "body_too_slow",
                         408,
                         f"request body arrived slower than {limits.body_min_bytes_per_s} bytes per second "
-                        f"({got} bytes in {trio.current_time() - start:.1f} s)",
+                        f"({len(body)} bytes in {trio.current_time() - start:.1f} s)",
                     )
                 raise Abort("body_timeout", 408, f"request body not received within {limits.body_timeout_s:g} s")
             else:
@@ -184,8 +250,19 @@ class ConnectionBody(BodySource):
 
     def release(self) -> None:
         if self.taken:
-            self.budget.give(self.taken)
+            self.budget.give(self.taken, self.owner)
             self.taken = 0
+        self.failed = None
+
+
+def _bare(exc: Exception) -> Exception:
+    """`exc` again without its traceback, cause or context (a copy: the one raised keeps them)."""
+    try:
+        bare = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied: said as text
+        return Abort("closed", message=f"reading the request body failed: {exc}")
+    bare.__traceback__ = bare.__cause__ = bare.__context__ = None
+    return bare
 
 
 def next_event(conn: ServerConnection):

@@ -36,7 +36,8 @@ class BodySource:
     """Where a request's body comes from: memory (`Buffered`), or the connection
     (`llmgw.http.body.ConnectionBody`)."""
 
-    async def read(self, limit: int | None) -> bytes:
+    async def read(self, limit: int | None, owner: str = "") -> bytes:
+        """The whole body; `owner`: whom the bytes it holds are charged to while they are."""
         raise NotImplementedError
 
 
@@ -44,7 +45,7 @@ class Buffered(BodySource):
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    async def read(self, limit: int | None) -> bytes:
+    async def read(self, limit: int | None, owner: str = "") -> bytes:
         if limit is not None and len(self.data) > limit:
             raise too_large(limit)
         return self.data
@@ -72,6 +73,9 @@ class Request:
     _head_bytes: bytes = b""  # the head as read, kept for an `Upgrade` only
     # The same dict for every request of the connection, for handlers (the module's docstring).
     per_connection: dict[str, Any] | None = None
+    # Whom the body's bytes are charged to while they are held (`read`): set by a handler that
+    # knows whose request it is (the gateway: its API key) before the body is read.
+    body_owner: str = ""
 
     @classmethod
     def of(
@@ -111,8 +115,17 @@ class Request:
 
     async def read(self, *, limit: int | None = None) -> bytes:
         """The whole body (read once, then the same bytes; a large one as a bytearray);
-        `HTTPError(413)` past `limit` or the server's own limit."""
-        return await self._body.read(limit)
+        `HTTPError(413)` past `limit` or the server's own limit. While it is held, its bytes
+        are charged to `body_owner` in the listener's body budget, which holds each owner to a
+        share (`llmgw.http.body`); with none set, to the client's address."""
+        return await self._body.read(limit, self.body_owner or "addr:" + client_host(self.client))
+
+
+def client_host(client: str) -> str:
+    """The host of a `Request.client` ("HOST:PORT", "[V6]:PORT", or a word for no address)."""
+    if client.startswith("["):
+        return client[1 : client.find("]")] if "]" in client else client[1:]
+    return client.rsplit(":", 1)[0] if client.count(":") == 1 else client
 
 
 def allow(request: Request, method: str) -> None:

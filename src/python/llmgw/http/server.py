@@ -60,7 +60,7 @@ from llmgw.http.errors import Abort, HTTPError, peer_reason
 from llmgw.http.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
-from llmgw.http.messages import Answer, ErrorBody, Handler, Request, StreamingResponse, Upgrade, plain_error
+from llmgw.http.messages import Answer, ErrorBody, Handler, Request, Response, StreamingResponse, Upgrade, plain_error
 from llmgw.http.send import (
     RECEIVE_SIZE,
     answer_and_close,
@@ -108,7 +108,7 @@ async def serve_http(
     task_status.started(listeners)
     stats = stats or ConnectionStats()
     shutdown = shutdown or Shutdown()
-    budget = BodyBudget(limits.body_budget_bytes)
+    budget = BodyBudget.of(limits)
     busy = busy_answer(
         errors(
             HTTPError(
@@ -194,7 +194,9 @@ class _Connection:
     per_connection: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        self.departure = _Departure(self)
+        # Not given the connection itself: the two naming each other would be a reference
+        # cycle, keeping the connection's buffers until the cyclic collector runs.
+        self.departure = _Departure(self.conn, self.stream, self.limits)
 
 
 # A handler that has not answered within this long has its client watched for departure (see
@@ -220,8 +222,8 @@ class _Departure:
     just stops until the next `arm`) and waits for the reading to stop, if it began, before the
     connection is read for the next request: one reader at a time."""
 
-    def __init__(self, c: _Connection) -> None:
-        self.c = c
+    def __init__(self, conn: ServerConnection, stream: trio.abc.Stream, limits: Limits) -> None:
+        self.conn, self.stream, self.limits = conn, stream, limits
         self._timer = trio.CancelScope()
         self._request: ConnectionBody | None = None
         self.departed = False  # the client left while a handler ran: the connection was cancelled
@@ -258,7 +260,7 @@ class _Departure:
                 with trio.CancelScope() as self._reading:
                     await body.settled.wait()
                     if body.whole:
-                        await wait_for_disconnect(self.c.conn, self.c.stream, self.c.limits)
+                        await wait_for_disconnect(self.conn, self.stream, self.limits)
                         self.departed = True
                         connection.cancel()
                         await trio.sleep_forever()  # until disarmed
@@ -293,36 +295,31 @@ async def serve_connection(
         limits=limits,
         errors=errors,
         shutdown=shutdown or Shutdown(),
-        budget=budget or BodyBudget(limits.body_budget_bytes),
+        budget=budget or BodyBudget.of(limits),
         keep_alive=keep_alive,
         upgrades=upgrades,
     )
     try:
-        try:
-            handover = None
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(c.departure.run, nursery.cancel_scope)
+        handover = reason = None
+        failed = False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.departure.run, nursery.cancel_scope)
+            try:
                 handover = await _serve_requests(handler, c)
-                nursery.cancel_scope.cancel()
-            if c.departure.departed:
-                raise Abort("closed", message="the client closed the connection before the answer")
-        except Exception as exc:
-            reason = peer_reason(exc)
-            if reason is None:
-                log.exception("http_connection_failed", listener=listener, client=c.client)
-                if stats is not None:
-                    stats.abort(listener, "internal")
-                await answer_and_close(c.conn, stream, limits, errors(HTTPError(500, INTERNAL_ERROR)))
-            else:
-                abort = next((e for e in leaves(exc) if isinstance(e, Abort)), None)
-                log.debug("http_connection_aborted", listener=listener, client=c.client, reason=reason, detail=str(exc))
-                if stats is not None:
-                    stats.abort(listener, reason)
-                if abort is not None and abort.status:
-                    code = _ABORT_CODES.get(abort.status)
-                    error = errors(HTTPError(abort.status, abort.message, code=code, headers=abort.headers))
-                    await answer_and_close(c.conn, stream, limits, error)
+            except Exception as exc:  # noqa: BLE001 - `_failed` logs a bug with its traceback
+                # Ended here, inside the nursery: an exception that left it would be kept by
+                # trio's nursery frames in a reference cycle, with every buffer of the
+                # connection, until the cyclic collector runs (issue 42).
+                failed = True
+                reason = await _failed(c, exc, stats, listener)
+            nursery.cancel_scope.cancel()
+        if failed:
             return reason
+        if c.departure.departed:
+            log.debug("http_connection_aborted", listener=listener, client=c.client, reason="closed", detail="departed")
+            if stats is not None:
+                stats.abort(listener, "closed")
+            return "closed"
         if handover is not None:
             # No longer HTTP: nothing may be answered on it from here, whatever happens.
             upgrade, prefix = handover
@@ -335,6 +332,36 @@ async def serve_connection(
         return None
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _failed(c: _Connection, exc: Exception, stats: ConnectionStats | None, listener: str) -> str | None:
+    """A connection's requests ended by `exc`: logged, counted and answered if nothing was sent
+    yet. Returns the peer's reason (what /metrics counts), or None for a bug of ours."""
+    reason = peer_reason(exc)
+    if reason is None:
+        log.exception("http_connection_failed", listener=listener, client=c.client)
+        if stats is not None:
+            stats.abort(listener, "internal")
+        await answer_and_close(c.conn, c.stream, c.limits, c.errors(HTTPError(500, INTERNAL_ERROR)))
+        return None
+    log.debug("http_connection_aborted", listener=listener, client=c.client, reason=reason, detail=str(exc))
+    if stats is not None:
+        stats.abort(listener, reason)
+    error = _abort_answer(exc, c.errors)
+    if error is not None:
+        await answer_and_close(c.conn, c.stream, c.limits, error)
+    return reason
+
+
+def _abort_answer(exc: Exception, errors: ErrorBody) -> Response | None:
+    """The answer an aborted connection gets, if its `Abort` has one. Apart so that no local
+    of the frames the exception's traceback names holds it: that would be a reference cycle,
+    kept with every buffer of the connection until the cyclic collector runs (issue 42)."""
+    abort = next((e for e in leaves(exc) if isinstance(e, Abort)), None)
+    if abort is None or not abort.status:
+        return None
+    code = _ABORT_CODES.get(abort.status)
+    return errors(HTTPError(abort.status, abort.message, code=code, headers=abort.headers))
 
 
 async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, bytes] | None:
@@ -388,18 +415,19 @@ async def _call_handler(handler: Handler, request: Request, c: _Connection) -> A
     except Exception as exc:  # - one bad request must not take the server down
         if peer_reason(exc) is not None and any(isinstance(e, Abort) for e in leaves(exc)):
             raise  # reading the body failed by the peer's fault: the connection's to handle
-        http_error = _only_http_error(exc)
-        if http_error is None:
-            log.exception("http_handler_failed", method=request.method, path=request.path)
-            http_error = HTTPError(500, INTERNAL_ERROR)
-        return c.errors(http_error)
+        # No local may hold the error (see `_abort_answer`): it is worded, and the words kept.
+        return c.errors(_handler_error(exc, request))
     finally:
         await c.departure.disarm()
 
 
-def _only_http_error(exc: BaseException) -> HTTPError | None:
+def _handler_error(exc: BaseException, request: Request) -> HTTPError:
+    """What a handler's failure is answered as: its `HTTPError`, or a 500 for a bug (logged)."""
     found = leaves(exc)
-    return found[0] if len(found) == 1 and isinstance(found[0], HTTPError) else None
+    if len(found) == 1 and isinstance(found[0], HTTPError):
+        return found[0]
+    log.exception("http_handler_failed", method=request.method, path=request.path)
+    return HTTPError(500, INTERNAL_ERROR)
 
 
 async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None, *, tried: bool = False) -> bool:
@@ -507,6 +535,8 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
     # The parser measured the head whole, however it arrived (431 past `max_head_bytes`).
     raw_headers = tuple(event.headers)  # names lower-case
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+    if len(headers) < len(raw_headers):  # a field repeated: is it one that must not be?
+        _no_repeated_credentials(raw_headers)
     declared = event.length  # None: chunked (the parser refused a head with both framings)
     if declared is not None and declared > limits.max_body_bytes:
         raise Abort(
@@ -535,6 +565,20 @@ async def _read_head(c: _Connection, *, first: bool) -> Request | None:
         head_bytes=head,
         per_connection=c.per_connection,
     )
+
+
+# Fields that carry a credential: each at most once (RFC 9110 §5.3 lets a field be repeated
+# only where it is a list, and these are not; RFC 6265 §5.4: one Cookie). Given twice, which one
+# a server, a proxy in front of it or a log believes is a guess, so none is.
+_SINGLE_CREDENTIALS = (b"authorization", b"proxy-authorization", b"cookie")
+
+
+def _no_repeated_credentials(raw_headers: tuple[tuple[bytes, bytes], ...]) -> None:
+    names = [name for name, _ in raw_headers]
+    for name in _SINGLE_CREDENTIALS:
+        if names.count(name) > 1:
+            shown = name.decode().title()
+            raise Abort("malformed", 400, f"{shown} given more than once; send one {shown} header field")
 
 
 def _split_target(target: bytes) -> tuple[str, dict[str, list[str]]]:

@@ -117,7 +117,7 @@ class AgentListener:
         self.max_connections = max_connections  # 0 = sized from the fd limit
         self.artifacts = artifact_store or artifacts.Artifacts(Path("/nonexistent"))
         self.releases = release_files or releases.Releases(directory=None, running=None, serve=False)
-        self.budget = BodyBudget(limits.body_budget_bytes)  # no route reads a body: closed unread
+        self.budget = BodyBudget.of(limits)  # no route reads a body: closed unread
         # Connections that have not shown a client certificate have a small budget of their own
         # (sized in `serve`); at its ceiling the oldest still in its handshake is closed for the
         # newcomer. Closing the oldest rather than refusing the newest is what keeps agents
