@@ -1,11 +1,13 @@
 """`llmgw gateway` itself: a real process with two workers on one port (SO_REUSEPORT), in front
 of real sim engines, its table from a file (no control plane: `--table-file`). Both workers
-serve; a worker killed is started again and the other serves meanwhile; SIGTERM or Ctrl-C stops
-it with status 0, its workers drained; a parent killed outright takes its workers with it; a
-port already taken is said at once."""
+serve; a worker killed is started again and the other serves meanwhile; /metrics, whichever
+worker answers, has both workers' series labelled `worker`, no counter going back; SIGTERM or
+Ctrl-C stops it with status 0, its workers drained; a parent killed outright takes its workers
+with it; a port already taken is said at once."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ import pytest
 
 from testlib import hostile
 from testlib.cluster import Proc, free_port, wait_until
-from testlib.gateway import Sim, chat, request
+from testlib.gateway import Sim, chat, parse_metrics, request
 from testlib.gatewaytable import TOKEN, write_table_file
 
 STOP_S = 30.0
@@ -98,6 +100,60 @@ def test_two_workers_share_the_port_and_a_killed_one_is_started_again(tmp_path: 
         gw.kill()
 
 
+def scrape(port: int) -> tuple[str, dict[tuple[str, frozenset], float]]:
+    """/health then /metrics on one fresh connection: the worker that answered, and what it said."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    try:
+        conn.request("GET", "/health")
+        answered = json.loads(conn.getresponse().read())["instance"]
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200
+        return answered, parse_metrics(response.read().decode())
+    finally:
+        conn.close()
+
+
+def test_metrics_show_every_worker_labelled_whichever_answers_and_no_counter_goes_back(
+    tmp_path: Path, engines: list[Sim]
+) -> None:
+    port = free_port()
+    gw = start_gateway(tmp_path, engines, port, "--workers", "2")
+    try:
+        ready_pids(gw)
+        workers = instances(port)
+        assert len(workers) == 2, gw.tail()
+        counted = ("_total", "_bucket", "_count", "_sum")
+        answered_by, last, sent = set(), {}, 0
+        for _ in range(30):
+            assert chats(port, 2) == [200, 200]  # on fresh connections: to either worker
+            sent += 2
+            answered, figures = scrape(port)
+            answered_by.add(answered)
+            assert all("worker" in dict(labels) for _, labels in figures), "every series says whose it is"
+            heard = {dict(labels)["worker"] for name, labels in figures if name == "llmgw_gateway_worker_heard_seconds"}
+            assert heard == workers, (answered, heard)
+            for key, value in figures.items():
+                if key[0].endswith(counted):
+                    assert value >= last.get(key, 0.0), (key, last.get(key), value, answered)
+            last = {k: v for k, v in figures.items() if k[0].endswith(counted)}
+        assert answered_by == workers  # scrapes answered by each worker, one series set for both
+
+        def requests_total() -> float | None:
+            _, figures = scrape(port)
+            total = sum(
+                v
+                for (name, labels), v in figures.items()
+                if name == "llmgw_gateway_requests_total" and ("status", "200") in labels
+            )
+            return total if total == sent else None
+
+        # Each worker's figures are at most a second old in another's answer: soon every request is there.
+        wait_until("every request counted in one scrape", requests_total, alive=[gw], timeout=10)
+    finally:
+        gw.kill()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_stops_the_gateway_and_its_workers_with_status_0(
     tmp_path: Path, engines: list[Sim], sig: signal.Signals
@@ -158,7 +214,10 @@ def test_hostile_peers_end_their_own_connections_and_the_gateway_serves_on(tmp_p
     try:
         ready_pids(gw)
         head, body = hostile.request_bytes(
-            "POST", "/v1/chat/completions", body=hostile.chat_body("chat"), headers=[("authorization", f"Bearer {TOKEN}")]
+            "POST",
+            "/v1/chat/completions",
+            body=hostile.chat_body("chat"),
+            headers=[("authorization", f"Bearer {TOKEN}")],
         )
         for offset in hostile.offsets(head, body):
             for how in ("fin", "rst"):

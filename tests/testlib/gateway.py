@@ -143,3 +143,19 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
             name = name_labels
         out[(name, labels)] = float(value)
     return out
+
+
+def by_worker(figures: dict[tuple[str, frozenset], float], name: str, **labels: str) -> dict[str, float]:
+    """Series `name` with `labels` in a /metrics labelled by worker (a gateway of its own's, or
+    http_listen's): each worker's value, by its instance."""
+    wanted = set(labels.items())
+    return {
+        dict(have)["worker"]: value
+        for (found, have), value in figures.items()
+        if found == name and "worker" in dict(have) and set(have) - {("worker", dict(have)["worker"])} == wanted
+    }
+
+
+def summed(figures: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """Series `name` with `labels`, added up over the workers (`by_worker`)."""
+    return sum(by_worker(figures, name, **labels).values())

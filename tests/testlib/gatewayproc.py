@@ -24,7 +24,7 @@ import attrs
 from llmgw.gateway.keys import token_hash
 from llmgw.gateway.routing import Endpoint
 from llmgw.wire.gateway_link import GatewayKey, RouteEndpoint
-from testlib.gateway import parse_metrics
+from testlib.gateway import parse_metrics, summed
 from testlib.gatewaytable import write_table
 from testlib.proc import llmgw_env
 
@@ -79,13 +79,12 @@ class GatewayProcess:
         return parse_metrics(text)
 
     def answered(self, model: str = "chat") -> int:
-        """Requests for `model` this gateway answered 200."""
-        key = ("llmgw_gateway_requests_total", frozenset({("model", model), ("status", "200")}))
-        return int(self.metrics().get(key, 0))
+        """Requests for `model` this gateway answered 200 (its workers' series added up)."""
+        return int(summed(self.metrics(), "llmgw_gateway_requests_total", model=model, status="200"))
 
     def in_flight(self, model: str = "chat") -> int:
-        """Requests for `model` it is answering now."""
-        return int(self.metrics().get(("llmgw_gateway_in_flight", frozenset({("model", model)})), 0))
+        """Requests for `model` it is answering now (its workers' series added up)."""
+        return int(summed(self.metrics(), "llmgw_gateway_in_flight", model=model))
 
     def tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]

@@ -83,6 +83,7 @@ def configure(parser: Parser) -> None:
     )
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--figures-dir", type=Path, help=argparse.SUPPRESS)  # the parent's, for /metrics
     # What the control plane tells the workers of its own gateway (`llmgw.server.workers`).
     parser.add_argument("--server-name", default="", help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, action="append", default=[], help=argparse.SUPPRESS)
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         relay_socket=args.relay_socket,
         table_first=args.table_first,
         settings=args.settings,
+        figures_dir=args.figures_dir,
     )
     if args.worker_index is not None:
         return run_service("gateway_worker", main.serve_gateway_worker, plan, args.worker_index, args.parent_fd)

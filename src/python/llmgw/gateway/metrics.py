@@ -1,5 +1,6 @@
-"""The gateway's metric families (llmgw.metrics renders them), and any registry's families as a
-gateway process's heartbeats carry them (`families_of`).
+"""The gateway's metric families (llmgw.metrics renders them), any registry's families as a
+gateway process's heartbeats carry them (`families_of`), and several workers' families as one
+/metrics shows them (`render_by_worker`).
 
 Gauges that mirror state kept elsewhere (replica states, queue depth) are set from that state
 just before rendering (`mirror`), so a scrape sees the state as it is, not as it was at the last
@@ -8,7 +9,7 @@ event.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from llmgw.gateway.routing import Route, Router
 from llmgw.metrics import Counter, Histogram, MetricsRegistry
@@ -17,6 +18,7 @@ from llmgw.wire import gateway_link as g
 REQUESTS = "llmgw_gateway_requests_total"
 DURATION = "llmgw_gateway_request_duration_seconds"
 TTFB = "llmgw_gateway_time_to_first_byte_seconds"
+HEARD = "llmgw_gateway_worker_heard_seconds"
 
 
 class GatewayMetrics:
@@ -142,3 +144,42 @@ def _family(f: Counter | Histogram) -> g.MetricFamily:
         )
     samples = tuple(g.Sample(labels=key, value=value) for key, value in sorted(f.values.items()))
     return g.MetricFamily(name=f.name, help=f.help, kind=f.kind, labels=f.labels, samples=samples)
+
+
+def render_by_worker(workers: Iterable[tuple[str, Iterable[g.MetricFamily], float]], now: float) -> str:
+    """The /metrics of several workers serving one port, whichever answers (docs/gateway.md): every
+    family of each worker `(instance, families, taken_at)`, each series labelled `worker` with
+    the worker's instance (one family each, with the series of every worker; a worker whose family
+    of that name has another shape is left out of it), then `HEARD`, the seconds since each
+    worker's figures were taken (`taken_at` and `now`: unix time). The control plane's own workers
+    (`llmgw.server.gatewayfigures`) and a gateway of its own's (`llmgw.gatewayd.figures`) alike."""
+    workers = list(workers)
+    merged: dict[str, tuple[g.MetricFamily, list[tuple[str, g.Sample]]]] = {}
+    for instance, families, _ in workers:
+        for f in families:
+            first, samples = merged.setdefault(f.name, (f, []))
+            if (first.kind, first.labels, first.buckets) == (f.kind, f.labels, f.buckets):  # else: not one family
+                samples.extend((instance, s) for s in f.samples)
+    r = MetricsRegistry()
+    for f, samples in merged.values():
+        _add_by_worker(r, f, samples)
+    heard = r.gauge(
+        HEARD,
+        "Seconds since the worker's figures here were taken (its last heartbeat, or the last it wrote).",
+        ("worker",),
+    )
+    for instance, _, taken_at in workers:
+        heard.set(round(max(0.0, now - taken_at), 3), worker=instance)
+    return r.render()
+
+
+def _add_by_worker(r: MetricsRegistry, f: g.MetricFamily, samples: list[tuple[str, g.Sample]]) -> None:
+    names = ("worker", *f.labels)
+    if f.kind == "histogram":
+        histogram = r.histogram(f.name, f.help, names, f.buckets)
+        for worker, s in samples:
+            histogram.set(list(s.counts), s.sum, **dict(zip(names, (worker, *s.labels), strict=True)))
+        return
+    family = r.counter(f.name, f.help, names) if f.kind == "counter" else r.gauge(f.name, f.help, names)
+    for worker, s in samples:
+        family.inc(s.value, **dict(zip(names, (worker, *s.labels), strict=True)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import socket
 from collections.abc import Sequence
 from functools import partial
@@ -28,6 +29,7 @@ from llmgw import paths
 from llmgw.config import GatewaySection, to_dict
 from llmgw.config.convert import structure
 from llmgw.errors import ConfigError, UsageError
+from llmgw.gatewayd import figures
 from llmgw.gatewayd.identity import credentials
 from llmgw.gatewayd.processes import WorkerCommand, parent_link, serve_workers
 from llmgw.gatewayd.sources import link_source, serve_table_file
@@ -59,6 +61,7 @@ class GatewayPlan:
     relay_socket: Path | None = None  # where what is not the gateway's goes (`llmgw.http.relay`)
     table_first: bool = False  # listen only once the first whole table came (`GatewayWorker.serve`)
     settings: Path | None = None  # `[gateway]` and `[http]` as the control plane runs them (`write_settings`)
+    figures_dir: Path | None = None  # where a gateway of its own's workers share their figures (`figures`)
 
     @property
     def server_url(self) -> str | None:
@@ -81,7 +84,7 @@ def plan(
 ) -> GatewayPlan:
     """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
     `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`,
-    `table_first`, `settings`). `server_url`: the control plane's agent endpoint, or every one's
+    `table_first`, `settings`), or a gateway of its own's parent its workers (`figures_dir`). `server_url`: the control plane's agent endpoint, or every one's
     when several share a store (`--server` given more than once)."""
     host, port = split_listen(listen)
     if inner.get("settings") is not None:
@@ -163,18 +166,24 @@ def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[
 
 
 async def serve_gateway(plan: GatewayPlan, workers: int, command: tuple[str, ...]) -> None:
-    """Run `workers` workers (`command`, this llmgw run again) until cancelled, then stop them."""
-    worker_command = WorkerCommand(argv=command, drain_s=plan.drain_s)
-    async with trio.open_nursery() as nursery:
-        pids = await nursery.start(serve_workers, worker_command, workers)
-        log.info(
-            "gateway_ready",
-            name=plan.name,
-            listen=plan.listen,
-            workers=workers,
-            pids=",".join(map(str, pids)),
-            table=", ".join(plan.servers) or str(plan.table_file),
-        )
+    """Run `workers` workers (`command`, this llmgw run again) until cancelled, then stop them;
+    they share their figures through a directory made for this run (`figures`), removed at the end."""
+    directory = figures.make_dir()
+    try:
+        argv = (*command, "--figures-dir", str(directory))
+        worker_command = WorkerCommand(argv=argv, drain_s=plan.drain_s, figures_dir=directory)
+        async with trio.open_nursery() as nursery:
+            pids = await nursery.start(serve_workers, worker_command, workers)
+            log.info(
+                "gateway_ready",
+                name=plan.name,
+                listen=plan.listen,
+                workers=workers,
+                pids=",".join(map(str, pids)),
+                table=", ".join(plan.servers) or str(plan.table_file),
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # a file per worker; every worker has ended
 
 
 # -- a worker -------------------------------------------------------------------------------
@@ -200,7 +209,10 @@ async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | N
     """One worker: serve on the shared port until cancelled or the parent is gone, then drain."""
     instance = f"w{index}-{new_instance()}"  # the link's instance: one per process, a restart a new one
     relay = Relay(plan.relay_socket) if plan.relay_socket is not None else None
-    worker = GatewayWorker(GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway, relay=relay)
+    shared = figures.SharedFigures(plan.figures_dir, index, instance) if plan.figures_dir is not None else None
+    worker = GatewayWorker(
+        GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway, relay=relay, figures=shared
+    )
     source = source_of(plan, instance, worker)
     parent = parent_link(parent_fd)
     sockets = inherited_listeners(plan.listen_fds)

@@ -24,11 +24,13 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import attrs
 import trio
 
 from llmgw.backoff import Backoff, Failures
+from llmgw.gatewayd import figures
 from llmgw.gatewayd.errors import WorkerFailed
 from llmgw.log import get_logger
 
@@ -48,6 +50,7 @@ class WorkerCommand:
     drain_s: float
     env: Mapping[str, str] | None = None  # None: this process's
     pass_fds: tuple[int, ...] = ()  # open in each worker under the same numbers (listening sockets)
+    figures_dir: Path | None = None  # where the workers share their figures: an ended worker's file goes
 
 
 def worker_argv(command: WorkerCommand, index: int, parent_fd: int) -> list[str]:
@@ -84,6 +87,8 @@ async def serve_worker(command: WorkerCommand, index: int, *, task_status: trio.
     while True:
         began = trio.current_time()
         returncode = await run_worker(command, index, ready)
+        if command.figures_dir is not None:
+            figures.forget(command.figures_dir, index)  # its series go: its next run is a new instance
         if not started:
             raise WorkerFailed(index, returncode)
         now = trio.current_time()

@@ -10,7 +10,8 @@ its own (`GatewayTable`), which its own link to the control plane fills (or a ta
     /v1/...        503 with Retry-After until the first whole table came (no key is known yet)
     GET /metrics   the gateway's families, then `llmgw_gateway_table_staleness_seconds`,
                    `llmgw_gateway_link_up`, `llmgw_gateway_table_received` and the listener's
-                   connection counts
+                   connection counts; in a gateway of its own (`figures`), those of every
+                   worker, each series labelled `worker` (`llmgw.gatewayd.figures`)
     anything else  the gateway's (`Gateway.handle`)
 
 A worker of the control plane's own gateway (`llmgw.server.workers`) has a `relay`: every path
@@ -41,6 +42,7 @@ from llmgw.gateway.app import RETRY_AFTER_S, Gateway
 from llmgw.gateway.front import serve_draining
 from llmgw.gateway.metrics import families_of
 from llmgw.gateway.upstream import Connect
+from llmgw.gatewayd.figures import SharedFigures
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
@@ -72,12 +74,16 @@ class GatewayWorker:
         options: GatewaySection | None = None,
         connect: Connect | None = None,
         relay: Relay | None = None,
+        figures: SharedFigures | None = None,
     ) -> None:
         """`instance`: this worker's name on the link; `connect`: how the upstream pool reaches
-        engines (tests: memory streams); `relay`: where the paths that are not the gateway's go."""
+        engines (tests: memory streams); `relay`: where the paths that are not the gateway's go;
+        `figures`: where the workers of a gateway of its own share their figures, so that its
+        /metrics has every worker's whichever answers (None: its own, unlabelled)."""
         self.table = table
         self.instance = instance
         self.relay = relay
+        self.figures = figures
         self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect)
         self.connections = ConnectionStats()
         self.background = Background(log)
@@ -101,7 +107,8 @@ class GatewayWorker:
             return Response.json(status, {**body, "instance": self.instance})
         if request.path == "/metrics":
             allow(request, "GET")
-            return Response(status=200, body=self.render_metrics().encode(), headers=(("content-type", METRICS_TYPE),))
+            text = self.render_metrics() if self.figures is None else await self.figures.scrape(self.metric_families)
+            return Response(status=200, body=text.encode(), headers=(("content-type", METRICS_TYPE),))
         if not self.table.received and request.path.startswith("/v1/"):
             raise HTTPError(
                 503,
@@ -177,6 +184,8 @@ class GatewayWorker:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gateway.serve_rotation)
                 await nursery.start(self.gateway.serve_probes)
+                if self.figures is not None:  # written before it listens: a scrape sees every worker serving
+                    await nursery.start(self.figures.serve, self.metric_families)
                 if table_first:
                     nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
                     await self.table.whole.wait()
