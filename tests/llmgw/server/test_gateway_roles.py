@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import ssl
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from agent.link import Target as AgentTarget
 from llmgw.backoff import Backoff
 from llmgw.config import ServerConfig, ServerSection
 from llmgw.gatewayd import link as gl
+from llmgw.http.refusals import BURST
 from llmgw.paths import admin_token_path, read_admin_token
 from llmgw.pki.ca import CA, cert_info, new_ca
 from llmgw.pki.files import GatewayPaths, issue_gateway_to_dir, issue_to_dir, load_cert
@@ -134,6 +136,22 @@ async def test_a_node_certificate_cannot_act_as_a_gateway(
     [refused] = refusals(caplog)
     assert refused["cn"] == "node-a" and refused["stage"] == "identity"
     assert plane.plane.gateway_feed.links == {}
+
+
+async def test_a_certificate_refused_again_and_again_is_a_few_lines_then_counted(
+    plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="llmgw.endpoint")
+    node = issue_to_dir(plane.ca, "node-a", tmp_path / "node", validity_days=30)
+    context = client_ssl_context(node.ca_cert, node.cert, node.key)
+    for _ in range(20):  # a node's certificate at the gateway link, as fast as it is refused
+        said = await failure(gateway_link(plane, "node-a", context))
+        assert "is not a gateway certificate" in said
+    lines = [r for r in caplog.records if r.getMessage() == "agent_refused"]
+    assert len(lines) == 20 and len([r for r in lines if r.levelno == logging.WARNING]) == BURST
+    # The rest at debug, counted for the listener's summary of the interval, under their stage.
+    [summary] = plane.plane.endpoint.refusals.flush(trio.current_time())
+    assert (summary.count, summary.logged, summary.reasons) == (20, BURST, {"identity": 20})
 
 
 async def test_a_gateway_certificate_cannot_act_as_a_node_on_the_agent_link(

@@ -246,7 +246,7 @@ class AgentListener:
                 head_s = max(0.0, deadline - trio.current_time())
                 reason = await self._serve_http(stream, handler, attrs.evolve(self.limits, head_timeout_s=head_s))
             if reason is not None and not shed.cancelled_caught:
-                self._refusal("info", "agent_link_closed", address, reason, cn="-", reason=reason)
+                self.log_refusal("info", "agent_link_closed", address, reason, cn="-", reason=reason)
         finally:
             if own:
                 place.leave()
@@ -283,7 +283,7 @@ class AgentListener:
         if cert is None:
             # What OpenSSL would have refused at the handshake had the release route not needed
             # peers without a certificate: logged and worded as that refusal.
-            self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
+            self.log_refusal("warning", "agent_refused", address, "tls", stage="tls", reason=NO_CERTIFICATE_SERVER)
             self.stats.abort(LISTENER, "tls")
             raise HTTPError(403, NO_CERTIFICATE_CLIENT)
         if where is Route.LINK:
@@ -325,7 +325,9 @@ class AgentListener:
                     w.BAD_MESSAGE, f"no hello within {HELLO_TIMEOUT_S:g} s", timeout_s=REFUSAL_SEND_S, ws=ws
                 )
             except WireError as exc:
-                log.warning("agent_refused", address=address, stage="hello", cn=cert.common_name, reason=str(exc))
+                self.log_refusal(
+                    "warning", "agent_refused", address, "hello", stage="hello", cn=cert.common_name, reason=str(exc)
+                )
                 await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
             else:
                 if not isinstance(event, s.Closed):
@@ -340,7 +342,7 @@ class AgentListener:
     def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:
         """A certified peer's refused request, logged; the answer saying why, to raise."""
         stage = "upgrade" if exc.status == 400 else "identity"
-        log.warning("agent_refused", address=address, stage=stage, cn=cert.common_name, reason=str(exc))
+        self.log_refusal("warning", "agent_refused", address, stage, stage=stage, cn=cert.common_name, reason=str(exc))
         self.stats.abort(LISTENER, "refused")
         return HTTPError(exc.status, str(exc))
 
@@ -373,9 +375,10 @@ class AgentListener:
         self.refusals.refused(trio.current_time(), reason, peer, loud=False)
         log.debug("connection_shed", listener=LISTENER, reason=reason, peer=peer)
 
-    def _refusal(self, level: str, event: str, address: str, kind: str, **fields) -> None:
-        """Log the refusal of a peer not known to be an agent: at `level` while there are few,
-        at debug when many (the listener then logs one summary per interval, `RefusalLog`)."""
+    def log_refusal(self, level: str, event: str, address: str, kind: str, **fields) -> None:
+        """Log a refusal on this port (a peer not known to be an agent, a certificate or a hello
+        refused): at `level` while there are few, at debug when many (the listener then logs one
+        summary per interval, `RefusalLog`, counting it under `kind`)."""
         loud = self.refusals.refused(trio.current_time(), kind, address)
         getattr(log, level if loud else "debug")(event, address=address, **fields)
 
@@ -394,7 +397,7 @@ class AgentListener:
                     reason = (
                         describe_tls_failure(exc, side="server") or f"TLS handshake failed: {exc.__cause__ or exc!r}"
                     )
-                self._refusal("warning", "agent_refused", address, "tls", stage="tls", reason=reason)
+                self.log_refusal("warning", "agent_refused", address, "tls", stage="tls", reason=reason)
                 self.stats.abort(LISTENER, "tls")
                 await send_tls_alert(stream)  # so the agent learns why, at once
                 return False
@@ -407,7 +410,7 @@ class AgentListener:
             f"the control plane holds as many agent connections as it may ({self.agent_cap}, [http] "
             "max_agent_connections); this agent retries by itself"
         )
-        self._refusal(
+        self.log_refusal(
             "warning", "agent_refused", address, "agents_full", stage="capacity", cn=cert.common_name, reason=message
         )
 

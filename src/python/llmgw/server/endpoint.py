@@ -179,7 +179,7 @@ class AgentEndpoint(AgentListener):
             await writer.close(w.BAD_MESSAGE, why, timeout_s=REFUSAL_SEND_S, ws=ws)  # not started yet: `ws`
             return
         except WireError as exc:
-            log.warning("agent_refused", address=address, stage="hello", cn=node_id, reason=str(exc))
+            self.log_refusal("warning", "agent_refused", address, "hello", stage="hello", cn=node_id, reason=str(exc))
             await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
             return
         if isinstance(event, s.Closed):

@@ -292,7 +292,9 @@ class GatewayFeed:
             await writer.close(w.BAD_MESSAGE, why, timeout_s=REFUSAL_SEND_S, ws=ws)  # not started yet: `ws`
             return None
         except WireError as exc:
-            log.warning("gateway_refused", address=address, stage="hello", cn=cert.common_name, reason=str(exc))
+            self.listener.log_refusal(
+                "warning", "gateway_refused", address, "hello", stage="hello", cn=cert.common_name, reason=str(exc)
+            )
             await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
             return None
         if isinstance(event, gs.Closed):
