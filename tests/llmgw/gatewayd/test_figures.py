@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw.errors import MachineError
 from llmgw.gatewayd import figures
 from llmgw.gatewayd.figures import PUBLISH_S, SharedFigures
 from llmgw.gatewayd.table import GatewayTable
@@ -125,3 +126,18 @@ async def test_without_a_directory_a_worker_answers_with_its_own_series_unlabell
     w = GatewayWorker(GatewayTable(now=0.0), instance="w0-test")  # the control plane's workers, and tests
     answer(w, 2)
     assert (await scrape(w))[(REQUESTS, frozenset({("model", "chat"), ("status", "200")}))] == 2
+
+
+async def test_a_temporary_directory_it_cannot_write_is_said_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(figures.tempfile, "tempdir", str(tmp_path / "missing"))
+    with pytest.raises(MachineError) as refused:
+        figures.make_dir()
+    assert str(tmp_path / "missing") in str(refused.value) and "set TMPDIR" in str(refused.value)
+
+
+async def test_the_directory_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(figures.tempfile, "tempdir", str(tmp_path))
+    made = figures.make_dir()
+    assert made.parent == tmp_path and made.stat().st_mode & 0o777 == 0o700

@@ -38,6 +38,7 @@ import attrs
 import cattrs
 import trio
 
+from llmgw.errors import MachineError
 from llmgw.gateway.metrics import render_by_worker
 from llmgw.log import get_logger
 from llmgw.wire import gateway_link as g
@@ -62,7 +63,13 @@ class Figures:
 
 def make_dir() -> Path:
     """A new private directory (0700) for one run's figures, under the temporary directory."""
-    return Path(tempfile.mkdtemp(prefix="llmgw-gateway-figures-"))
+    try:
+        return Path(tempfile.mkdtemp(prefix="llmgw-gateway-figures-"))
+    except OSError as exc:
+        raise MachineError(
+            f"cannot make a directory for the workers' /metrics figures in {tempfile.gettempdir()}: "
+            f"{exc.strerror or exc}; set TMPDIR to a directory this user may write"
+        ) from None
 
 
 def file_of(directory: Path, index: int) -> Path:
