@@ -375,8 +375,7 @@ def test_the_driver_paths_in_agent_toml_are_absolute() -> None:
 def test_page_origins_are_origins_each_refused_with_its_index() -> None:
     good = config.server_config_from_dict({"server": {"page_origins": ["http://127.0.0.1:9000", "https://cp.example"]}})
     assert good.server.page_origins == ("http://127.0.0.1:9000", "https://cp.example")
-    problems = problems_of(
-        {"server": {"page_origins": ["http://cp.example", "https://cp.example/page", "cp.example:80"]}}
-    )
-    assert [p.rsplit(" @ ", 1)[1] for p in problems] == ["$.server.page_origins[1]", "$.server.page_origins[2]"]
+    bad = ["http://cp.example", "https://cp.example/page", "cp.example:80", "http://cp.example:70000"]
+    problems = problems_of({"server": {"page_origins": bad}})
+    assert [p.rsplit(" @ ", 1)[1] for p in problems] == [f"$.server.page_origins[{i}]" for i in (1, 2, 3)]
     assert "'https://cp.example/page'" in problems[0] and "http://HOST[:PORT]" in problems[0]

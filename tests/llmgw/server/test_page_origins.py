@@ -59,3 +59,4 @@ def test_an_origin_is_a_urls_scheme_host_and_port() -> None:
     assert origin_of("http://10.0.0.1:8080/admin/v1") == "http://10.0.0.1:8080"
     assert origin_of("https://[2001:DB8::1]:8443") == "https://[2001:db8::1]:8443"
     assert origin_of("HTTPS://Example.COM:443/") == "https://example.com"
+    assert origin_of("http://10.0.0.1:99999") == "http://10.0.0.1:99999"  # no browser's: never a 500

@@ -52,7 +52,8 @@ def check_server(cfg: ServerConfig) -> list[str]:
         if not _HOSTPORT.match(value):
             problems.append(f"expected HOST:PORT, got {value!r} @ $.server.{key}")
     for i, origin in enumerate(cfg.server.page_origins):
-        if not _ORIGIN.match(origin):
+        found = _ORIGIN.match(origin)
+        if not found or found.group(2) and not 0 < int(found.group(2)[1:]) < 65536:
             problems.append(
                 f"expected an origin as a browser's address bar starts, http://HOST[:PORT] or https://HOST[:PORT] "
                 f"with no path, got {origin!r} @ $.server.page_origins[{i}]"

@@ -113,7 +113,11 @@ def origin(scheme: str, host: str, port: int | None) -> str:
 def origin_of(url: str) -> str:
     """The origin of `url` (`http://HOST:PORT/any/path`): its scheme, host and port."""
     parts = urlsplit(url)
-    return origin(parts.scheme.lower(), parts.hostname or "", parts.port)
+    try:
+        port = parts.port
+    except ValueError:  # out of range: no browser names it, and no change fails on it
+        return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+    return origin(parts.scheme.lower(), parts.hostname or "", port)
 
 
 def page_origins(server: ServerSection, http_port: int, hostname: str) -> frozenset[str]:
