@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.http import fields
-from llmgw.http.fields import FieldError, parse_fields, whole_lines, writable
+from llmgw.http.fields import FieldError, as_text, parse_fields, whole_lines, writable
 
 
 def test_fields_are_lower_case_names_and_trimmed_values_in_order_repeats_kept() -> None:
@@ -24,13 +24,14 @@ def test_fields_are_lower_case_names_and_trimmed_values_in_order_repeats_kept() 
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        (b"x-a: 1\r\nno colon\r\n", "not a header field line: b'no colon'"),
-        (b"x-a: 1\r\n folded\r\n", "not a header field line: b' folded'"),  # obs-fold
-        (b"x a: 1\r\n", "not a header field line: b'x a: 1'"),
-        (b"x-a: 1\r\nx-b: 2\x00\r\n", "a control character in the value of the header field b'x-b'"),
-        (b"x-a: 1\rx-b: 2\r\n", "a control character in the value of the header field b'x-a'"),
-        (b"x-a: 1\nx-b: 2\r\n", "a control character in the value of the header field b'x-a'"),
-        (b"x-a: 1\x7f\r\n", "a control character in the value of the header field b'x-a'"),
+        (b"x-a: 1\r\nno colon\r\n", "not a header field line: 'no colon'"),
+        (b"x-a: 1\r\n folded\r\n", "not a header field line: ' folded'"),  # obs-fold
+        (b"x a: 1\r\n", "not a header field line: 'x a: 1'"),
+        (b"x\xe9: 1\r\n", "not a header field line: 'x\xe9: 1'"),  # as text: latin-1
+        (b"x-a: 1\r\nx-b: 2\x00\r\n", "a control character in the value of the header field 'x-b'"),
+        (b"x-a: 1\rx-b: 2\r\n", "a control character in the value of the header field 'x-a'"),
+        (b"x-a: 1\nx-b: 2\r\n", "a control character in the value of the header field 'x-a'"),
+        (b"x-a: 1\x7f\r\n", "a control character in the value of the header field 'x-a'"),
         (b"x-a: 1\r\nx-b: 2", "the header field lines do not end with CRLF"),
     ],
 )
@@ -38,6 +39,14 @@ def test_a_bad_line_is_named_wherever_it_is_in_the_block(block: bytes, message: 
     with pytest.raises(FieldError) as raised:
         parse_fields(block)
     assert str(raised.value) == message
+
+
+def test_a_peers_bytes_are_shown_as_text_escaped_and_cut() -> None:
+    assert as_text(b"gzip") == "gzip"
+    assert as_text(b"caf\xe9") == "caf\xe9"  # each byte a character, as HTTP reads it
+    # A CR or LF must not break a message (or its log line) in two; no control character shows raw.
+    assert as_text(b"a\r\nb\x00\tc\x7f\x9b") == "a\\x0d\\x0ab\\x00\\x09c\\x7f\\x9b"
+    assert as_text(b"v" * 100, 10) == "vvvvvvvvvv... (100 characters)"
 
 
 def test_a_head_written_is_whole_lines_only_when_no_field_splits_it() -> None:

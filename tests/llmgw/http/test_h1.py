@@ -103,7 +103,14 @@ def test_empty_lines_before_a_request_are_skipped_and_a_quiet_end_between_reques
         (b"GET / HTTP/1.1\r\nhost: a\r\nx: 1\rsplit\r\n\r\n", 400, "control character"),
         (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 5, 6\r\n\r\n", 400, "given twice, differently"),
         (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: +5\r\n\r\n", 400, "not a length"),
+        (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 5, 05\r\n\r\n", 400, "given twice, differently"),
+        (b"GET / HTTP/1.0\r\nhost: a\r\nhost: a\r\n\r\n", 400, "Host given more than once"),  # any version
         (b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: gzip\r\n\r\n", 501, "is not supported"),
+        (
+            b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+            400,
+            "twice",
+        ),
         (b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\nxyz\r\n", 400, "not a chunk-size line"),
         (b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n1\r\nabc", 400, "not followed by CRLF"),
         (b"GET / HTTP/1.1\r\nhost: a\r\nx: " + b"a" * MAX_HEAD, 431, "larger than the limit"),  # unfinished
@@ -114,6 +121,47 @@ def test_what_is_not_http_is_refused_by_name_with_its_status(data: bytes, status
     with pytest.raises(ProtocolError, match=says) as info:
         parsed(data)
     assert info.value.status == status
+
+
+TE = b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (TE + b"transfer-encoding: chunked\r\n\r\n", "Transfer-Encoding given twice; send it once: Transfer-Encoding: chunked"),
+        (b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: gzip\xe9\r\n\r\n",
+         "Transfer-Encoding 'gzip\xe9' is not supported; send the body with Content-Length or Transfer-Encoding: chunked"),
+        (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 5\x85\r\n\r\n",
+         "Content-Length '5\\x85' is not a length; send the body's size in bytes"),
+        (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+         "Content-Length given twice, differently ('5' and '6'); send it once"),
+        (b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: " + b"1" * 60 + b"\r\n\r\n",
+         "Content-Length '" + "1" * 40 + "... (60 characters)' is not a length; send the body's size in bytes"),
+        (b"GET /a\rb HTTP/1.1\r\nhost: a\r\n\r\n", "not a request line: 'GET /a\\x0db HTTP/1.1'"),
+        (TE + b"\r\nxyz\r\n", "not a chunk-size line: 'xyz'"),
+        (TE + b"\r\n0\r\nbad line\r\n\r\n", "not a trailer field line: 'bad line'"),
+        (b"GET / HTTP/1.1\r\nhost: a\r\nbad name: 1\r\n\r\n", "not a header field line: 'bad name: 1'"),
+    ],
+)  # fmt: skip
+def test_a_refusal_shows_what_the_client_sent_as_text(data: bytes, message: str) -> None:
+    """Not as Python's b'...': latin-1 text, control characters escaped, cut when long."""
+    with pytest.raises(ProtocolError) as info:
+        parsed(data)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"GET / HTTP/1.0\r\nconnection: keep-alive, close\r\n\r\n",
+        b"GET / HTTP/1.0\r\nconnection: close\r\nconnection: keep-alive\r\n\r\n",
+        # RFC 9112 §6.1: an HTTP/1.0 message with a Transfer-Encoding is closed after.
+        b"POST / HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+    ],
+)
+def test_an_http_1_0_connection_asked_to_close_or_chunked_is_not_kept(data: bytes) -> None:
+    assert not request(data).keep_alive
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,15 @@ a value (no obs-fold); only a block that fails is gone through again, to say whi
 wrong. Written: a name is a token and a value holds no CR, LF or NUL (either would split the
 message), the whole head checked in one pass. The names found tokens are remembered (a bounded
 set), so the usual ones cost a lookup.
+
+A message about a peer's bytes shows them as text (`as_text`), never as Python's `b'...'`.
 """
 
 from __future__ import annotations
 
 import re
+
+from llmgw.errors import cut
 
 TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # TAB is allowed; CR, LF and the rest are not
@@ -22,6 +26,18 @@ _NOT_IN_FIELDS = bytes(range(0x09)) + bytes(range(0x0A, 0x20)) + b"\x7f"
 _SPLITTER = re.compile(rb"[\r\n\x00]")
 _KNOWN_NAMES_MAX = 512
 _good_names: set[bytes] = set()
+SHOWN_CHARS = 40  # of a peer's value in a message
+# Control characters as a message shows them: a CR or LF from the peer must not break the
+# message, or the log line it becomes, in two, nor a C1 one (0x80-0x9f: CSI is 0x9b) reach a
+# terminal.
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def as_text(value: bytes, limit: int = SHOWN_CHARS) -> str:
+    """`value`, bytes a peer sent, as a message shows them: text as HTTP reads it (latin-1, a
+    character a byte), control characters (C0, DEL, C1) written `\\xNN`, cut to `limit`
+    characters with how long it was."""
+    return cut(value.decode("latin-1"), limit).translate(_ESCAPED)
 
 
 class ReadBuffer:
@@ -68,9 +84,9 @@ def _which_line(block: bytes) -> None:
     for line in block.split(b"\r\n")[:-1]:
         name, colon, value = line.partition(b":")
         if not colon or TOKEN.fullmatch(name) is None:
-            raise FieldError(f"not a header field line: {line[:80]!r}")
+            raise FieldError(f"not a header field line: '{as_text(line, 80)}'")
         if BAD_VALUE.search(value) is not None:
-            raise FieldError(f"a control character in the value of the header field {name[:40]!r}")
+            raise FieldError(f"a control character in the value of the header field '{as_text(name)}'")
     raise FieldError("the header field lines do not end with CRLF")  # the callers pass whole lines
 
 

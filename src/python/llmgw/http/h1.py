@@ -11,11 +11,14 @@ to are h11's, and RFC 9112's:
   before its end has come); a request line `METHOD SP TARGET SP HTTP/1.x` (a method is a token,
   a target visible ASCII; another HTTP version is 505); header lines `name: value` (a name a
   token, a value without control characters, CR, LF or NUL; obs-fold refused); an HTTP/1.1
-  request has one Host. Empty lines before a request line are skipped (RFC 9112 §2.2).
-- A body framed by one Content-Length (repeats must agree) or `Transfer-Encoding: chunked` alone
-  (another coding is 501); a chunk-size line is hex with optional extensions, at most
-  `MAX_LINE_BYTES` with them, as is each trailer line; a chunk is followed by CRLF.
-- Keep-alive: HTTP/1.1 unless `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`.
+  request has one Host, and no request two (RFC 9112 §3.2). Empty lines before a request line
+  are skipped (RFC 9112 §2.2).
+- A body framed by one Content-Length (repeats must be the same digits) or one
+  `Transfer-Encoding: chunked` (another coding is 501); a chunk-size line is hex with optional
+  extensions, at most `MAX_LINE_BYTES` with them, as is each trailer line; a chunk is followed
+  by CRLF.
+- Keep-alive: HTTP/1.1 unless `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`
+  and no `close`, and never after a Transfer-Encoding (RFC 9112 §9.3, §6.1).
   `Expect: 100-continue` is noted (`expecting_continue`) until the body is read or answered.
 - Answers: a status line and the handler's fields, then the framing this writes itself (a
   Content-Length, or `chunked` to an HTTP/1.1 client, or the end of the connection to an
@@ -23,6 +26,10 @@ to are h11's, and RFC 9112's:
   answer has no body. A field with CR, LF or NUL, or a name that is no token, is refused
   (`LocalProtocolError`, before anything is written): it would split the answer. Writing more
   or fewer bytes than a Content-Length declared is refused too.
+
+Where this differs from h11 on purpose (stricter, mostly), and why, is the table of
+tests/llmgw/http/test_h1_oracle.py, which checks the two against each other. Its messages show
+what the client sent as text (`fields.as_text`).
 
 Parsing is linear in the bytes fed: the buffer is read from an offset, compacted as it is
 consumed, and a head's or line's end is searched for from where the last search stopped.
@@ -44,6 +51,7 @@ from llmgw.http.fields import (
     TOKEN,
     FieldError,
     ReadBuffer,
+    as_text,
     good_name,
     parse_fields,
     whole_lines,
@@ -215,7 +223,7 @@ class ServerConnection(ReadBuffer):
         first = head.find(b"\r\n")
         line = _REQUEST_LINE.fullmatch(head, 0, first)
         if line is None:
-            raise ProtocolError(f"not a request line: {head[: min(first, 80)]!r}")
+            raise ProtocolError(f"not a request line: '{as_text(head[:first], 80)}'")
         method, target, major, minor = line.groups()
         if major != b"1" or minor not in (b"0", b"1"):
             raise ProtocolError(f"HTTP/{major.decode()}.{minor.decode()} is not supported; send HTTP/1.1", 505)
@@ -224,6 +232,7 @@ class ServerConnection(ReadBuffer):
         except FieldError as exc:
             raise ProtocolError(str(exc)) from None
         length: int | None = None
+        length_digits = b""
         chunked = False
         hosts = 0
         connection: list[bytes] = []
@@ -235,15 +244,27 @@ class ServerConnection(ReadBuffer):
                 for one in value.split(b","):
                     one = one.strip(b" \t")
                     if not one.isdigit() or len(one) > 18:
-                        raise ProtocolError(f"Content-Length is not a length: {value[:40]!r}")
-                    if length is not None and int(one) != length:
-                        raise ProtocolError("Content-Length given twice, differently")
-                    length = int(one)
+                        raise ProtocolError(
+                            f"Content-Length '{as_text(value)}' is not a length; send the body's size in bytes"
+                        )
+                    # Repeats are the same length only as the same digits (RFC 9112 §6.3: identical
+                    # values): "5" and "05" would be one number to us and may be refused or read
+                    # otherwise by a parser in front.
+                    if length is not None and one != length_digits:
+                        raise ProtocolError(
+                            f"Content-Length given twice, differently ('{as_text(length_digits)}' and "
+                            f"'{as_text(one)}'); send it once"
+                        )
+                    length, length_digits = int(one), one
             elif name == b"transfer-encoding":
-                if chunked or value.lower() != b"chunked":
+                if chunked:
+                    # Chunked twice, or a coding after it: either way not a framing to guess at
+                    # (RFC 9112 §6.1: chunked once, and last).
+                    raise ProtocolError("Transfer-Encoding given twice; send it once: Transfer-Encoding: chunked")
+                if value.lower() != b"chunked":
                     raise ProtocolError(
-                        f"Transfer-Encoding {value[:40]!r} is not supported; send the body with Content-Length "
-                        "or Transfer-Encoding: chunked",
+                        f"Transfer-Encoding '{as_text(value)}' is not supported; send the body with "
+                        "Content-Length or Transfer-Encoding: chunked",
                         501,
                     )
                 chunked = True
@@ -258,10 +279,14 @@ class ServerConnection(ReadBuffer):
             # and close rather than guess which framing the sender meant.
             raise ProtocolError("request has both Content-Length and Transfer-Encoding; send one of them")
         version = b"1." + minor
-        if version == b"1.1" and hosts != 1:
+        if hosts > 1 or (version == b"1.1" and not hosts):
             raise ProtocolError("a request has no Host header field" if not hosts else "Host given more than once")
         self.http_version = version
-        self.keep_alive = b"close" not in connection if version == b"1.1" else b"keep-alive" in connection
+        # `close` wins over `keep-alive` wherever it is; an HTTP/1.0 message with a
+        # Transfer-Encoding is closed after (RFC 9112 §6.1: its framing may be faulty).
+        self.keep_alive = b"close" not in connection and (
+            version == b"1.1" or (b"keep-alive" in connection and not chunked)
+        )
         if chunked:
             self._state = _CHUNK_SIZE_LINE
         elif length:
@@ -293,11 +318,11 @@ class ServerConnection(ReadBuffer):
                         break
                     name, colon, value = line.partition(b":")
                     if not colon or TOKEN.fullmatch(name) is None or BAD_VALUE.search(value.strip(b" \t")):
-                        raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
+                        raise ProtocolError(f"not a trailer field line: '{as_text(line, 80)}'")
                     continue
                 size = CHUNK_SIZE.fullmatch(line)
                 if size is None:
-                    raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
+                    raise ProtocolError(f"not a chunk-size line: '{as_text(line, 80)}'")
                 self._left = int(size.group(1), 16)
                 self._state = _CHUNK_DATA if self._left else _TRAILERS
                 chunks += 1 if self._left else 0
@@ -363,7 +388,7 @@ class ServerConnection(ReadBuffer):
             name = name if name.__class__ is bytes else name.encode("latin-1")
             value = value if value.__class__ is bytes else value.encode("latin-1")
             if not good_name(name):
-                raise LocalProtocolError(f"the header field name {name[:40]!r} cannot be written: it is no token")
+                raise LocalProtocolError(f"the header field name '{as_text(name)}' cannot be written: it is no token")
             low = name.lower()
             if low in _FRAMING_OUT:
                 if low == b"connection":
@@ -393,7 +418,7 @@ class ServerConnection(ReadBuffer):
         # Each field is 4 parts and one line; the status line and what follows the fields, a line each.
         if not whole_lines(head, 1 + (fields_end - 1) // 4 + len(parts) - fields_end):
             name = next((parts[i] for i in range(1, fields_end, 4) if not writable(parts[i], parts[i + 2])), b"")
-            raise LocalProtocolError(f"the header field {name[:40]!r} cannot be written: CR, LF or NUL in it")
+            raise LocalProtocolError(f"the header field '{as_text(name)}' cannot be written: CR, LF or NUL in it")
         self._answer, self._answer_left, self.closing = answer, answer_left, close
         return head
 
