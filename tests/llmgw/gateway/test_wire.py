@@ -60,7 +60,7 @@ def test_a_request_is_its_head_with_host_and_length_first_then_the_body() -> Non
 def test_a_field_that_would_split_the_request_is_refused(field: tuple[bytes, bytes]) -> None:
     with pytest.raises(ValueError, match="not sent"):
         request_bytes("POST", "/", "h:1", [field], b"")
-    with pytest.raises(ValueError, match=f"{field[0]!r}.* not sent"):  # found among others, in one pass
+    with pytest.raises(ValueError, match=f"'{field[0].decode()}'.* not sent"):  # found among others, in one pass
         request_bytes("POST", "/", "h:1", [(b"x-0", b"0"), field, (b"x-9", b"9")], b"")
 
 
@@ -121,6 +121,9 @@ def test_a_body_until_close_ends_with_the_connection_and_is_not_reused() -> None
         b"HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK\r\n",  # bytes after the response
         b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nconnection: close\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n",  # close wins
+        # RFC 9112 §6.1: an HTTP/1.0 message with a Transfer-Encoding is closed after.
+        b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
     ],
 )
 def test_a_connection_the_engine_closes_or_that_carried_more_is_not_reused(data: bytes) -> None:
@@ -143,6 +146,11 @@ def test_an_http_1_0_engine_that_asks_for_keep_alive_is_reused() -> None:
         (b"HTTP/2 200 OK\r\n\r\n", "not an HTTP/1.1 status line"),
         (b"HTTP/1.1 20 OK\r\n\r\n", "not an HTTP/1.1 status line"),
         (b"HTTP/1.1 200 O\x01K\r\n\r\n", "not an HTTP/1.1 status line"),
+        (b"HTTP/1.1 099 OK\r\ncontent-length: 0\r\n\r\n", "not an HTTP/1.1 status line"),  # no class 0
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n" + LENGTH, "101 Switching Protocols to a request that asked"),
+        (b"HTTP/1.1 100 Continue\r\ncontent-length: x\r\n\r\n" + LENGTH, "not a length"),  # checked on a 1xx too
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5, 05\r\n\r\nhello", "given differently"),  # the same digits only
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n", "given twice"),
         (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "not a header field line"),
         (b"HTTP/1.1 200 OK\r\nbad name: 1\r\n\r\n", "not a header field line"),
         (b"HTTP/1.1 200 OK\r\nx: 1\r\n folded\r\n\r\n", "not a header field line"),
@@ -183,6 +191,35 @@ def test_an_end_of_connection_before_the_end_of_the_response_is_refused(data: by
             pass
     assert isinstance(info.value, ClosedBeforeResponse) == (data == b"")
     assert parser.started == (data != b"")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\xe9\r\n\r\n", "a Transfer-Encoding other than chunked: 'gzip\xe9'"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\x85\r\n\r\n", "a Content-Length that is not a length: '5\\x85'"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n", "Content-Length given differently: '5' and '6'"),
+        (b"HTTP/1.1 200 O\rK\r\n\r\n", "not an HTTP/1.1 status line: 'HTTP/1.1 200 O\\x0dK'"),
+        (b"HTTP/1.1 200 OK\r\nbad name: 1\r\n\r\n", "not a header field line: 'bad name: 1'"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "not a chunk-size line: 'zz'"),
+    ],
+)  # fmt: skip
+def test_a_refusal_shows_what_the_engine_sent_as_text(data: bytes, message: str) -> None:
+    """Not as Python's b'...': latin-1 text, control characters escaped."""
+    parser = ResponseParser()
+    parser.feed(data)
+    with pytest.raises(ProtocolError) as info:
+        while parser.next_event() not in (END, NEED_DATA):
+            pass
+    assert str(info.value) == message
+
+
+def test_a_head_is_bounded_with_its_empty_line_whole_as_in_pieces() -> None:
+    fields = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nx: "
+    at_bound = fields + b"a" * (MAX_HEAD_BYTES - len(fields) - 4) + b"\r\n\r\n"
+    assert len(at_bound) == MAX_HEAD_BYTES and events(at_bound)[1:] == [b"", END]
+    with pytest.raises(ProtocolError, match="response head larger than"):
+        events(at_bound[:-4] + b"a\r\n\r\n")
 
 
 def test_a_head_or_a_line_past_its_bound_is_refused_even_before_its_end() -> None:

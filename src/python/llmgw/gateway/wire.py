@@ -6,18 +6,23 @@ started, always sends whole requests with a Content-Length, and never pipelines,
 needs a small part of HTTP/1.1; h11's general state machine, its validation of every header
 the gateway itself wrote and its event objects cost about as much CPU as the rest of a relayed
 request's handling (issue 30's profile; docs/performance.md). What an engine sends is still
-checked as strictly: the status line, every header line (a token for a name; no control
-characters, CR or LF in a value; no obs-fold), one Content-Length or `chunked` framing, chunk
-sizes and their CRLFs, a head at most `MAX_HEAD_BYTES` and a chunk-size line at most
-`MAX_LINE_BYTES`. Anything else is `ProtocolError`, which the pool makes the engine's failure.
+checked as strictly: the status line (a status of 100 to 999, and no 101: the gateway asks for
+no upgrade), every header line (a token for a name; no control characters, CR or LF in a value;
+no obs-fold), one Content-Length (repeats the same digits) or one `chunked` framing, checked on
+informational heads too, chunk sizes and their CRLFs, a head at most `MAX_HEAD_BYTES` and a
+chunk-size line at most `MAX_LINE_BYTES`. Anything else is `ProtocolError`, which the pool makes
+the engine's failure; its message shows what the engine sent as text (`fields.as_text`). Where
+this differs from h11 on purpose, and why, is the table of
+tests/llmgw/gateway/test_wire_oracle.py, which checks the two against each other.
 
 `ResponseParser`: `feed` bytes (b"" at the peer's end), then `next_event` until `NEED_DATA`:
 a `Head` (1xx heads are skipped), then `bytes` — every body byte decodable from what was fed, in
 one piece (a chunked body's chunks are joined: several SSE events the engine wrote at once go
-out to the client in one write; at most `MAX_STEPS` framing steps a piece) — then `END`. `reusable` says whether the connection may carry
-another exchange once the response ended: HTTP/1.1, no `Connection: close`, framed by length or
-chunks, nothing sent after it. Time is linear in the bytes fed: the buffer is consumed from an
-offset and compacted, never re-scanned from its start.
+out to the client in one write; at most `MAX_STEPS` framing steps a piece) — then `END`.
+`reusable` says whether the connection may carry another exchange once the response ended:
+HTTP/1.1 without `Connection: close` (HTTP/1.0 with `keep-alive` and no Transfer-Encoding),
+framed by length or by chunks but not both, nothing sent after it. Time is linear in the bytes
+fed: the buffer is consumed from an offset and compacted, never re-scanned from its start.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from llmgw.http.fields import (
     TOKEN,
     FieldError,
     ReadBuffer,
+    as_text,
     good_name,
     parse_fields,
     whole_lines,
@@ -44,7 +50,7 @@ MAX_LINE_BYTES = 4096  # a chunk-size line with its extensions, or one trailer l
 # Framing steps (about a microsecond each) at most per `next_event`: 64 KiB of one-byte chunks
 # come out in several pieces, the caller yielding between them, not in one long step.
 MAX_STEPS = 1024
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
 
 
 class ProtocolError(Exception):
@@ -83,19 +89,51 @@ def request_bytes(method: str, target: str, host: str, headers: Sequence[tuple[b
     parts = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n".encode("latin-1")]
     for name, value in headers:
         if not good_name(name):
-            raise ValueError(f"the header field name {name[:40]!r} is no token: not sent")
+            raise ValueError(f"the header field name '{as_text(name)}' is no token: not sent")
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"\r\n")
     head = b"".join(parts)
     # Three lines before the fields, one per field, the empty line: nothing else may end one.
     if not whole_lines(head, 4 + len(headers)):
         bad = next((name for name, value in headers if not writable(name, value)), None)
-        what = f"the header field {bad[:40]!r}" if bad is not None else "the request line or host"
+        what = f"the header field '{as_text(bad)}'" if bad is not None else "the request line or host"
         raise ValueError(f"{what} holds CR, LF or NUL: not sent")
     return head
 
 
 _HEAD, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+
+
+def _framing(headers: tuple[tuple[bytes, bytes], ...], minor: int) -> tuple[int | None, bool, bool]:
+    """What a head's fields say of its body and its connection: the Content-Length (None: none
+    given), whether the body is chunked, whether the connection closes after it. Refused: a
+    Content-Length that is no number or is given differently, a coding other than chunked, a
+    Transfer-Encoding given twice."""
+    digits = None
+    chunked = False
+    connection: set[bytes] = set()
+    for name, value in headers:
+        if name == b"content-length":
+            for one in value.split(b","):
+                one = one.strip(b" \t")
+                if not one.isdigit() or len(one) > 18:
+                    raise ProtocolError(f"a Content-Length that is not a length: '{as_text(value)}'")
+                # Repeats are one length only as the same digits (RFC 9112 §6.3: identical values).
+                if digits is not None and one != digits:
+                    raise ProtocolError(f"Content-Length given differently: '{as_text(digits)}' and '{as_text(one)}'")
+                digits = one
+        elif name == b"transfer-encoding":
+            if chunked:
+                raise ProtocolError("Transfer-Encoding given twice")
+            if value.lower() != b"chunked":
+                raise ProtocolError(f"a Transfer-Encoding other than chunked: '{as_text(value)}'")
+            chunked = True
+        elif name == b"connection":
+            connection.update(t.strip(b" \t").lower() for t in value.split(b","))
+    # `close` wins wherever it is; HTTP/1.0 keeps a connection only when asked to, and never
+    # after a Transfer-Encoding (RFC 9112 §9.3; §6.1: its framing may be faulty).
+    close = b"close" in connection or (minor == 0 and (b"keep-alive" not in connection or chunked))
+    return (None if digits is None else int(digits)), chunked, close
 
 
 class ResponseParser(ReadBuffer):
@@ -110,6 +148,10 @@ class ResponseParser(ReadBuffer):
     @property
     def reusable(self) -> bool:
         return self._state == _DONE and self.keep_alive and self._pos == len(self._buf) and not self._eof
+
+    def trailing(self) -> bytes:
+        """Bytes received after the response (none on a connection that may be reused)."""
+        return bytes(self._buf[self._pos :]) if self._state == _DONE else b""
 
     @property
     def started(self) -> bool:
@@ -169,60 +211,42 @@ class ResponseParser(ReadBuffer):
                         raise ClosedBeforeResponse("the connection closed before a response")
                     raise ProtocolError("the connection closed in the middle of a response head")
                 return NEED_DATA
-            if end - self._pos > MAX_HEAD_BYTES:
+            if end + 4 - self._pos > MAX_HEAD_BYTES:  # the head with its empty line, as in pieces
                 raise ProtocolError(f"a response head larger than {MAX_HEAD_BYTES} bytes")
             whole = bytes(buf[self._pos : end + 2])  # the last field line's CRLF with it
             self._pos = end + 4
             head, version = self._parse_head(whole)
-            if 100 <= head.status < 200:
+            length, chunked, close = _framing(head.headers, version)  # of every head, as h11 does
+            if head.status == 101:
+                # The gateway asks for no upgrade: what follows would be another protocol's bytes.
+                raise ProtocolError("a 101 Switching Protocols to a request that asked for no upgrade")
+            if head.status < 200:
                 continue  # 100 Continue, 103 Early Hints: the final answer follows
-            self._frame(head, version)
+            self._frame(head, length, chunked, close)
             return head
 
     def _parse_head(self, whole: bytes) -> tuple[Head, int]:
         first = whole.find(b"\r\n")
         status_line = _STATUS_LINE.fullmatch(whole, 0, first)
         if status_line is None:
-            raise ProtocolError(f"not an HTTP/1.1 status line: {whole[: min(first, 80)]!r}")
+            raise ProtocolError(f"not an HTTP/1.1 status line: '{as_text(whole[:first], 80)}'")
         try:
             headers = parse_fields(whole[first + 2 :])
         except FieldError as exc:
             raise ProtocolError(str(exc)) from None
         return Head(status=int(status_line.group(2)), headers=tuple(headers)), int(status_line.group(1))
 
-    def _frame(self, head: Head, minor: int) -> None:
-        lengths = set()
-        chunked = False
-        close = minor == 0
-        for name, value in head.headers:
-            if name == b"content-length":
-                for one in value.split(b","):
-                    one = one.strip(b" \t")
-                    if not one.isdigit() or len(one) > 18:
-                        raise ProtocolError(f"a Content-Length that is not a length: {value[:40]!r}")
-                    lengths.add(int(one))
-            elif name == b"transfer-encoding":
-                if value.lower() != b"chunked" or chunked:
-                    raise ProtocolError(f"a Transfer-Encoding other than chunked: {value[:40]!r}")
-                chunked = True
-            elif name == b"connection":
-                tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
-                if b"close" in tokens:
-                    close = True
-                elif minor == 0 and b"keep-alive" in tokens:
-                    close = False
-        if len(lengths) > 1:
-            raise ProtocolError(f"Content-Length given differently: {sorted(lengths)}")
+    def _frame(self, head: Head, length: int | None, chunked: bool, close: bool) -> None:
         self.keep_alive = not close
         if self._head_request or head.status in (204, 304):
             self._state = _DONE
         elif chunked:
-            if lengths:
+            if length is not None:
                 self.keep_alive = False  # both framings: chunked wins (RFC 9112 §6.3), and it is not reused
             self._state = _CHUNK_SIZE_LINE
-        elif lengths:
-            self._left = lengths.pop()
-            self._state = _LENGTH if self._left else _DONE
+        elif length is not None:
+            self._left = length
+            self._state = _LENGTH if length else _DONE
         else:
             self.keep_alive = False
             self._state = _UNTIL_CLOSE
@@ -257,11 +281,11 @@ class ResponseParser(ReadBuffer):
                     return END
                 name, colon, value = line.partition(b":")
                 if not colon or TOKEN.fullmatch(name) is None or BAD_VALUE.search(value.strip(b" \t")):
-                    raise ProtocolError(f"not a trailer field line: {line[:80]!r}")
+                    raise ProtocolError(f"not a trailer field line: '{as_text(line, 80)}'")
                 return None
             size = CHUNK_SIZE.fullmatch(line)
             if size is None:
-                raise ProtocolError(f"not a chunk-size line: {line[:80]!r}")
+                raise ProtocolError(f"not a chunk-size line: '{as_text(line, 80)}'")
             self._left = int(size.group(1), 16)
             self._state = _CHUNK_DATA if self._left else _TRAILERS
             return None
