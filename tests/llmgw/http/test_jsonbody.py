@@ -1,8 +1,14 @@
-"""JSON bodies: linear parsing with a depth limit, and the worker process for large bodies."""
+"""JSON bodies: one rule for every body (RFC 8259, strictly) in our words, linear parsing with a depth
+limit, and the worker process for large bodies giving the loop's answers."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -27,8 +33,8 @@ def test_valid_json_is_parsed() -> None:
     ("body", "says"),
     [
         (b"{", "is not valid JSON"),
-        (b'{"a": "\xff"}', "is not valid UTF-8"),
-        (b"[" + b"1" * 5000 + b"]", "is not valid JSON"),  # past int()'s digit limit
+        (b'{"a": "\xff"}', "is not valid UTF-8 at byte 7 .ff 22 7d: not a UTF-8 sequence."),
+        (b"[" + b"1" * 5000 + b"]", "has a number of more than 4300 digits"),  # past int()'s digit limit
         (b"[" * 65 + b"]" * 65, "deeper than 64 levels"),
         (b'{"a":' * 65 + b"1" + b"}" * 65, "deeper than 64 levels"),
         (b"[" * 100_000, "deeper than 64 levels"),  # the parser's own recursion limit
@@ -72,18 +78,66 @@ def test_the_depth_is_that_of_the_deepest_container(value: object) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        '{"a": ["\u00e9", 1]}'.encode("utf-16"),  # with a BOM
-        '{"a": ["\u00e9", 1]}'.encode("utf-16-le"),
-        '{"a": ["\u00e9", 1]}'.encode("utf-32"),
-        '{"a": ["é", 1]}'.encode("utf-8-sig"),
+        '{"a": ["é", 1]}'.encode("utf-8-sig"),  # a byte order mark is ignored (RFC 8259 §8.1)
         '{"a": ["é", 1]}'.encode(),
-        b'{"a": ["\xed\xa0\x80", 1]}',  # a lone surrogate in UTF-8: json.loads lets it through
+        b'{"a": ["\\u00e9\\ud83d\\ude00", 1.5e300, -0.0, 1e-999999]}',  # a pair is one character; underflow is 0
+        b'["\\\\ud800"]',  # a backslash, then the letters ud800: no escape
         b'  {"a": 1}',
         b"[1]",
+        b"[" + b"1" * 4300 + b"]",  # as many digits as int() takes
     ],
 )
-def test_bodies_decode_as_json_loads_decodes_them(body: bytes) -> None:
+def test_utf8_json_is_read_as_json_loads_reads_it(body: bytes) -> None:
     assert jsonbody.loads(body) == json.loads(body)
+
+
+# One rule for every body (the docstring of `jsonbody.loads`): each of these is refused, in our
+# words, on the loop and in the worker alike. Each was accepted, or refused in Python's words,
+# before the rule was written down.
+REFUSED = {
+    "nan": (b'{"t": NaN}', "request body has NaN, which is not JSON (RFC 8259 has no NaN or Infinity)"),
+    "infinity": (b'{"t": Infinity}', "request body has Infinity, which is not JSON"),
+    "minus-infinity": (b'{"t": [-Infinity]}', "request body has -Infinity, which is not JSON"),
+    "overflow": (b'{"t": 1e999999}', "has the number 1e999999, past the largest a double holds"),
+    "negative-overflow": (b'{"t": -2e308}', "has the number -2e308, past the largest a double holds"),
+    "overflow-without-exponent": (b'{"t": 1' + b"0" * 400 + b".5}", "(403 characters), past the largest a double"),
+    "too-many-digits": (b'{"t": ' + b"9" * 4301 + b"}", "request body has a number of more than 4300 digits; no field"),
+    "utf-16-bom": ('{"a": "é"}'.encode("utf-16"), "is not UTF-8 (it looks like UTF-16 or UTF-32); send JSON text in"),
+    "utf-16-le": ('{"a": "é"}'.encode("utf-16-le"), "is not UTF-8 (it looks like UTF-16 or UTF-32)"),
+    "utf-16-be": ('{"a": "é"}'.encode("utf-16-be"), "is not UTF-8 (it looks like UTF-16 or UTF-32)"),
+    "utf-32": ('{"a": "é"}'.encode("utf-32"), "is not UTF-8 (it looks like UTF-16 or UTF-32)"),
+    "encoded-surrogate": (
+        b'{"a": ["\xed\xa0\x80", 1]}',
+        "is not valid UTF-8 at byte 8 (ed a0 80: a surrogate code point, which UTF-8 does not encode)",
+    ),
+    "encoded-pair": (b'["\xed\xa0\xbd\xed\xb8\x80"]', "at byte 2 (ed a0 bd: a surrogate code point"),  # CESU-8
+    "escaped-high-surrogate": (
+        b'["a\\ud800b"]',
+        "has a string with the lone surrogate \\ud800, which is not a character",
+    ),
+    "escaped-low-surrogate": (b'{"k": "\\uDC00"}', "the lone surrogate \\udc00"),
+    "escaped-surrogate-in-a-key": (b'{"\\udbff": 1}', "the lone surrogate \\udbff"),
+    "reversed-pair": (b'["\\ude00\\ud83d"]', "the lone surrogate \\ude00"),
+    "after-a-backslash": (b'["\\\\\\ud800"]', "the lone surrogate \\ud800"),  # an escaped backslash, then the escape
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_one_rule_refuses_what_rfc_8259_does_not_allow_in_our_words(name: str) -> None:
+    body, says = REFUSED[name]
+    with pytest.raises(InvalidJson) as refused:
+        jsonbody.loads(body)
+    assert says in refused.value.message
+    assert refused.value.code == "invalid_json"
+    for python in ("sys.", "set_int_max_str_digits", "Exceeds the limit", "(char "):
+        assert python not in refused.value.message
+
+
+@pytest.mark.parametrize("body", [b'{"t": NaN}', b'["\\ud800"]', b"[1e999]", b'"\xed\xb0\x80"'])
+def test_what_the_rule_refuses_is_a_400_naming_it(body: bytes) -> None:
+    with pytest.raises(HTTPError) as refused:
+        jsonbody.parse_json(body)
+    assert refused.value.status == 400 and refused.value.code == "invalid_json"
 
 
 # The pathological bodies of the no-stall issue: each is linear for the C decoder. The old
@@ -255,3 +309,100 @@ def test_any_body_is_parsed_or_refused_with_a_message(body: bytes) -> None:
         assert exc.message and len(exc.message) < 400
     else:
         assert fields.model == "m"
+
+
+# -- the worker gives the loop's answers ---------------------------------------------------------
+
+
+def _verdict(parse: Callable[[], Any]) -> tuple:
+    try:
+        return ("ok", parse())
+    except InvalidJson as exc:
+        return ("refused", exc.message, exc.code)
+
+
+def _in_worker(body: bytes) -> tuple:
+    """`body` through `worker_main` in this process, framed as the parent frames it, the answer
+    unpickled as the parent unpickles it."""
+    header = pickle.dumps((jsonbody._reference(jsonbody.whole), (), len(body)))
+    out = io.BytesIO()
+    assert jsonbody.worker_main(io.BytesIO(jsonbody._FRAME.pack(len(header)) + header + body), out) == 0
+    answer = out.getvalue()
+    (size,) = jsonbody._FRAME.unpack(answer[: jsonbody._FRAME.size])
+    kind, value = pickle.loads(answer[jsonbody._FRAME.size : jsonbody._FRAME.size + size])
+    if kind == "ok":
+        return ("ok", value)
+    assert isinstance(value, InvalidJson), value
+    return ("refused", value.message, value.code)
+
+
+_LONE = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])
+_plain = st.text(max_size=6)  # no surrogates
+# At most one surrogate in a string: never a pair, whichever way the string is written.
+_strings = _plain | st.tuples(_plain, _LONE, _plain).map("".join)
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _strings,  # floats: NaN and infinities too
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_strings, inner, max_size=4),
+    max_leaves=12,
+)
+_ENCODINGS = ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32"]
+
+
+def _allowed(value: Any) -> bool:
+    """RFC 8259 as the rule reads it, for a value before it is written."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        return not any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, list):
+        return all(map(_allowed, value))
+    if isinstance(value, dict):
+        return all(_allowed(k) and _allowed(v) for k, v in value.items())
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_values, ascii=st.booleans(), encoding=st.sampled_from(_ENCODINGS))
+@example(value={"t": math.nan}, ascii=True, encoding="utf-8")
+@example(value=["a\ud800"], ascii=True, encoding="utf-8")  # escaped
+@example(value=["a\ud800"], ascii=False, encoding="utf-8")  # encoded
+@example(value={"a": "é"}, ascii=False, encoding="utf-16-le")
+def test_a_body_is_taken_as_the_rule_says_and_the_worker_says_the_same(value: Any, ascii: bool, encoding: str) -> None:
+    # Python writes NaN and Infinity, escapes or encodes a lone surrogate, and encodes in UTF-16
+    # or 32 if asked: the rule takes the body if and only if it is UTF-8 and its value allowed.
+    body = json.dumps(value, ensure_ascii=ascii).encode(encoding, "surrogatepass")
+    verdict = _verdict(lambda: jsonbody.project(body, jsonbody.whole))
+    if encoding.startswith("utf-8") and _allowed(value):
+        assert verdict == ("ok", value)
+    else:
+        assert verdict[0] == "refused" and "sys." not in verdict[1], verdict
+    assert _in_worker(body) == verdict
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies.strategy("m", 4096) | st.sampled_from([b for b, _ in REFUSED.values()]) | st.binary(max_size=40))
+def test_the_worker_answers_any_body_as_the_loop_does(body: bytes) -> None:
+    assert _in_worker(body) == _verdict(lambda: jsonbody.project(body, jsonbody.whole))
+
+
+@pytest.mark.trio
+async def test_a_worker_process_refuses_by_the_same_rule() -> None:
+    # Padded past INLINE_MAX_BYTES, so that each goes to the worker process; its answer is what
+    # `loads` says of the same bytes on the loop.
+    pad = b'["' + b"x" * (jsonbody.INLINE_MAX_BYTES + 1) + b'", '
+    sent = [pad + body + b"]" for body, _ in REFUSED.values()]
+    sent.append(('["' + "x" * jsonbody.INLINE_MAX_BYTES + '", "é"]').encode("utf-16"))
+    sent.append(b"\xef\xbb\xbf" + pad + b'"\\ud83d\\ude00"]')  # a BOM and a pair: taken
+    workers = JsonWorkers()
+    try:
+        for body in sent:
+            inline = _verdict(lambda body=body: jsonbody.loads(body))
+            try:
+                answer = ("ok", await workers.parse(body, jsonbody.whole))
+            except InvalidJson as exc:
+                answer = ("refused", exc.message, exc.code)
+            assert answer == inline
+        assert workers.parsed_in_worker == len(sent)
+        assert answer[0] == "ok" and answer[1][1] == "\U0001f600"
+    finally:
+        await workers.aclose()

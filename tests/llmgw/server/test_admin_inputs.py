@@ -242,7 +242,24 @@ async def test_a_certificate_records_numbers_are_bounded(plane, change, says) ->
 async def test_a_json_number_past_4300_digits_is_a_bad_body_not_a_bug(plane) -> None:
     raw = b'{"name": "k", "rate_per_minute": ' + b"9" * 5000 + b"}"
     status, answer = await admin(plane, "POST", "/admin/v1/keys", raw=raw)
-    assert status == 400 and "request body is not valid JSON" in refusal(status, answer)
+    message = refusal(status, answer)
+    assert status == 400 and "request body has a number of more than 4300 digits" in message
+    assert "sys." not in message  # in our words, not CPython's
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"name": "k", "rate_per_minute": NaN}', "request body has NaN, which is not JSON"),
+        (b'{"name": "k", "rate_per_minute": 1e999}', "request body has the number 1e999, past the largest a double"),
+        ('{"name": "k"}'.encode("utf-16"), "request body is not UTF-8 (it looks like UTF-16 or UTF-32)"),
+        (b'{"name": "k\\udc00"}', "request body has a string with the lone surrogate \\udc00"),
+    ],
+)
+async def test_a_body_outside_the_json_rule_is_refused_before_its_fields(plane, raw: bytes, says: str) -> None:
+    status, answer = await admin(plane, "POST", "/admin/v1/keys", raw=raw)
+    assert status == 400 and says in refusal(status, answer)
+    assert [r.name for r in await plane[0].keys.rows()] == [KEY]
 
 
 async def test_the_page_login_takes_its_code_once_and_nothing_else(plane) -> None:
