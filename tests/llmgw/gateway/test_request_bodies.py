@@ -1,10 +1,11 @@
-"""What the gateway takes as a request body, as a client sees it: a body outside the one JSON rule
-(`llmgw.http.jsonbody.loads`) is a 400 in OpenAI's shape naming what is wrong, whether the model
-is routed by load or by prefix (whose prompt the gateway reads). Sim engines in memory on
-MockClock (`testlib.memnet`)."""
+"""What the gateway takes as a request body, as a client sees it: a compressed body is a 415
+before it is read, and a body outside the one JSON rule (`llmgw.http.jsonbody.loads`) a 400 in
+OpenAI's shape naming what is wrong, whether the model is routed by load or by prefix (whose
+prompt the gateway reads). Sim engines in memory on MockClock (`testlib.memnet`)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -15,6 +16,43 @@ import trio.testing
 from llmgw.wire import gateway_link as g
 from testlib import memnet
 from testlib.gateway import chat
+
+UNCOMPRESSED = "send the request body uncompressed"
+
+
+@pytest.mark.trio
+async def test_a_compressed_body_is_415_naming_its_coding_before_it_is_read(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    (a,) = memnet.start_sims(net, 1)
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),))
+    compressed = gzip.compress(json.dumps(chat()).encode())
+    status, headers, body = await gw.call(
+        "POST", "/v1/chat/completions", compressed, headers={"content-encoding": "gzip"}
+    )
+    assert status == 415, body
+    assert json.loads(body) == {
+        "error": {
+            "message": f"Content-Encoding 'gzip' is not supported; {UNCOMPRESSED}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unsupported_content_encoding",
+        }
+    }
+    assert headers["accept-encoding"] == "identity" and headers["x-request-id"].startswith("req_")
+    assert "x-llmgw-replica" not in headers  # no engine saw it
+
+    # Refused from the head: a body the JSON worker would parse never reaches it.
+    big = b'{"pad": "' + b"x" * (1 << 20) + b'"}'
+    status, _, body = await gw.call("POST", "/v1/chat/completions", big, headers={"content-encoding": "br, gzip"})
+    assert status == 415 and json.loads(body)["error"]["message"].startswith("Content-Encoding 'br, gzip' is not")
+    assert gw.gateway.json.parsed_in_worker == 0
+    # No coding, said or not, is a body like any other.
+    for said in ({"content-encoding": "identity"}, {"content-encoding": "Identity"}, {}):
+        status, headers, _ = await gw.call("POST", "/v1/chat/completions", chat(), headers=said)
+        assert status == 200 and headers["x-llmgw-replica"] == a.name
+
 
 HI = b'{"role": "user", "content": "hi"}'
 # Each was forwarded to the engine before the rule, or refused in Python's words.

@@ -1,5 +1,5 @@
 """JSON bodies: one rule for every body (RFC 8259, strictly) in our words, linear parsing with a depth
-limit, and the worker process for large bodies giving the loop's answers."""
+limit, the worker process for large bodies giving the loop's answers, and 415 for a compressed body."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from hypothesis import HealthCheck, example, given, settings
@@ -20,6 +21,7 @@ from llmgw.gateway.prefix import MAX_BLOCKS, Prompt
 from llmgw.http import jsonbody
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
+from llmgw.http.messages import BodySource, Request
 from llmgw.simengine import api
 from testlib import bodies
 
@@ -406,3 +408,49 @@ async def test_a_worker_process_refuses_by_the_same_rule() -> None:
         assert answer[0] == "ok" and answer[1][1] == "\U0001f600"
     finally:
         await workers.aclose()
+
+
+# -- compressed bodies -----------------------------------------------------------------------------
+
+
+class _Unread(BodySource):
+    async def read(self, *args: Any) -> bytes:
+        raise AssertionError("the body was read")
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    ("raw_headers", "named"),
+    [
+        (((b"content-encoding", b"gzip"),), "gzip"),
+        (((b"content-encoding", b"GZIP , identity"),), "GZIP"),
+        (((b"content-encoding", b"identity"), (b"content-encoding", b"br")), "br"),
+        (((b"content-encoding", b"deflate, x-" + b"z" * 200),), "deflate, x-zzz"),
+    ],
+)
+async def test_a_compressed_body_is_415_from_the_head(raw_headers, named: str) -> None:
+    workers = JsonWorkers()
+    request = attrs.evolve(Request.of("POST", "/v1/chat/completions", raw_headers=raw_headers), body=_Unread())
+    for read in (jsonbody.read_json(request), jsonbody.parse_body(request, workers, jsonbody.whole)):
+        with pytest.raises(HTTPError) as refused:
+            await read
+        error = refused.value
+        assert (error.status, error.code, error.headers) == (
+            415,
+            "unsupported_content_encoding",
+            (("accept-encoding", "identity"),),
+        )
+        assert error.message.startswith(f"Content-Encoding '{named}")
+        assert error.message.endswith("is not supported; send the request body uncompressed")
+        assert len(error.message) < 200
+    await workers.aclose()
+
+
+@pytest.mark.trio
+async def test_no_coding_or_identity_is_read_as_json() -> None:
+    workers = JsonWorkers()
+    for headers in ({}, {"content-encoding": "identity"}, {"content-encoding": " Identity "}, {"content-encoding": ""}):
+        request = Request.of("POST", "/", body=b'{"a": 1}', headers=headers)
+        assert await jsonbody.read_json(request) == {"a": 1}
+        assert await jsonbody.parse_body(request, workers, jsonbody.whole) == {"a": 1}
+    await workers.aclose()

@@ -11,6 +11,7 @@ answer may be a 5xx, every refusal is a 4xx with a message, and nothing is logge
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from functools import partial
@@ -260,6 +261,17 @@ async def test_a_body_outside_the_json_rule_is_refused_before_its_fields(plane, 
     status, answer = await admin(plane, "POST", "/admin/v1/keys", raw=raw)
     assert status == 400 and says in refusal(status, answer)
     assert [r.name for r in await plane[0].keys.rows()] == [KEY]
+
+
+async def test_a_compressed_body_is_415_before_it_is_read(plane) -> None:
+    cp, token = plane
+    body = gzip.compress(b'{"name": "k"}')
+    sent = [("content-type", "application/json"), ("content-encoding", "gzip")]
+    status, headers, answer = await exchange(cp, "POST", "/admin/v1/keys", body, sent, token=token)
+    error = json.loads(answer)["error"]
+    assert (status, error["code"], headers["accept-encoding"]) == (415, "unsupported_content_encoding", "identity")
+    assert error["message"] == "Content-Encoding 'gzip' is not supported; send the request body uncompressed"
+    assert [r.name for r in await cp.keys.rows()] == [KEY]
 
 
 async def test_the_page_login_takes_its_code_once_and_nothing_else(plane) -> None:

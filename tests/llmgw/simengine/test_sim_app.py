@@ -3,7 +3,9 @@ and how long answers take, streamed and not."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 from functools import partial
 from typing import Any
 
@@ -12,6 +14,8 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
 from llmgw.simengine import api
@@ -346,3 +350,26 @@ async def test_what_the_sim_cannot_do_is_an_openai_shaped_400(body: dict[str, An
         error = body_of(parts)["error"]
         assert status == 400 and error["type"] == "invalid_request_error" and says in error["message"]
         nursery.cancel_scope.cancel()
+
+
+async def test_bodies_are_held_to_the_gateways_json_rule() -> None:
+    # The sim stands in for an engine behind the gateway, and parses as the gateway does
+    # (llmgw.http.jsonbody): a compressed body is 415 from its head, NaN a 400 in our words.
+    e = engine()
+    auth = {"authorization": f"Bearer {KEY}"}
+    try:
+        compressed = gzip.compress(json.dumps(CHAT).encode())
+        with pytest.raises(HTTPError) as refused:
+            await e.handle(
+                Request.of(
+                    "POST", "/v1/chat/completions", body=compressed, headers={**auth, "content-encoding": "gzip"}
+                )
+            )
+        assert (refused.value.status, refused.value.code) == (415, "unsupported_content_encoding")
+        assert refused.value.message == "Content-Encoding 'gzip' is not supported; send the request body uncompressed"
+        nan = json.dumps({**CHAT, "temperature": math.nan}).encode()
+        with pytest.raises(HTTPError) as refused:
+            await e.handle(Request.of("POST", "/v1/chat/completions", body=nan, headers=auth))
+        assert refused.value.status == 400 and "request body has NaN, which is not JSON" in refused.value.message
+    finally:
+        await e.aclose()

@@ -31,7 +31,8 @@ and refused in this API's words, never Python's.
 
 For handlers (the gateway, the admin API, the page, the sim engine): `read_json` reads a small
 body and parses it on the loop, `parse_body` a body of any size through `JsonWorkers`; both
-refuse with `HTTPError` (400 naming what is wrong, 413, 503 when the parsers are all busy).
+refuse with `HTTPError` (400 naming what is wrong, 413, 415 for a compressed body before it is
+read, 503 when the parsers are all busy).
 """
 
 from __future__ import annotations
@@ -441,9 +442,30 @@ def parse_json(data: bytes, *, what: str = "request body") -> Any:
         raise exc.http_error() from None
 
 
+def refuse_content_coding(request: Request) -> None:
+    """`HTTPError(415)` for a body sent with a content coding (RFC 9110 §8.4: gzip, br, ...):
+    none is decoded here, and compressed bytes read as JSON would be refused as "not UTF-8",
+    which sends the client looking in the wrong place. Absent or `identity` (no coding) passes.
+    From the head, before the body is read; the answer says what would be accepted (RFC 9110
+    §15.5.16: Accept-Encoding)."""
+    if "content-encoding" not in request.headers:  # every request but a refused one: one lookup
+        return
+    codings = [c.strip(" \t") for value in request.header_values("content-encoding") for c in value.split(",")]
+    applied = [c for c in codings if c and c.lower() != "identity"]
+    if applied:
+        raise HTTPError(
+            415,
+            f"Content-Encoding {cut(', '.join(applied), 60)!r} is not supported; send the request body uncompressed",
+            code="unsupported_content_encoding",
+            headers=(("accept-encoding", "identity"),),
+        )
+
+
 async def read_json(request: Request, *, limit: int = INLINE_MAX_BYTES, what: str = "request body") -> Any:
     """The body as JSON, for the small bodies of the admin API and the page (at most `limit`
-    bytes, parsed on the loop); `HTTPError(400)` naming what is wrong, 413 past `limit`."""
+    bytes, parsed on the loop); `HTTPError(400)` naming what is wrong, 413 past `limit`, 415 for
+    a compressed body (`refuse_content_coding`)."""
+    refuse_content_coding(request)
     data = await request.read(limit=min(limit, INLINE_MAX_BYTES))
     if not inline(data):
         raise HTTPError(
@@ -458,7 +480,9 @@ async def parse_body(
     request: Request, workers: JsonWorkers, fn: Callable[..., Any], *args: Any, what: str = "request body"
 ) -> Any:
     """`fn(body as JSON, *args)` for a body of any size up to the limit, the loop never held
-    long: 400 for bad JSON, 503 when the parsers are all busy."""
+    long: 400 for bad JSON, 415 for a compressed body (`refuse_content_coding`), 503 when the
+    parsers are all busy."""
+    refuse_content_coding(request)
     body = await request.read()
     try:
         return await workers.parse(body, fn, *args, what=what)
