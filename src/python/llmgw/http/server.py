@@ -83,6 +83,7 @@ _ABORT_CODES = {
     408: "request_timeout",
     413: "request_too_large",
     431: "request_too_large",
+    503: "overloaded",  # the body budget (`llmgw.http.body.BodyBudget`)
 }
 INTERNAL_ERROR = "internal error in llmgw; the server's log has the traceback"
 
