@@ -36,6 +36,7 @@ from testlib import drops, gatewayd
 from testlib.cluster import Cluster
 from testlib.gateway import chat, request
 from testlib.hostile import read_all
+from testlib.procfs import descendants, rss
 
 MIB = 1 << 20
 BUDGET = 64 * MIB  # [http] body_budget_bytes, the default
@@ -75,31 +76,6 @@ class Live:
         worker, the standalone gateway and its workers (and any helper process of theirs)."""
         roots = [self.cluster.server.popen.pid, self.standalone.proc.popen.pid]
         return [p for root in roots for p in (root, *descendants(root))]
-
-
-def rss(pid: int) -> int:
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return 0  # gone meanwhile
-    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), 0)
-
-
-def descendants(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import attrs
 import pytest
@@ -34,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 
 from testlib import bodies
 from testlib.cluster import Cluster
+from testlib.procfs import children, rss
 
 MODEL = "sim-small"
 BODY_LIMIT = 8 << 20
@@ -64,27 +64,6 @@ class Live:
         """The control plane's RSS and its gateway worker's, together."""
         pid = self.cluster.server.popen.pid
         return sum(rss(p) for p in (pid, *children(pid)))
-
-
-def rss(pid: int) -> int:
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return 0  # gone meanwhile
-    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), 0)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 @pytest.fixture(scope="module")

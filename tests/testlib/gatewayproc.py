@@ -27,6 +27,7 @@ from llmgw.wire.gateway_link import GatewayKey, RouteEndpoint
 from testlib.gateway import parse_metrics, summed
 from testlib.gatewaytable import write_table
 from testlib.proc import llmgw_env
+from testlib.procfs import children
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -49,7 +50,7 @@ class GatewayProcess:
         """SIGKILL to its whole process group and to each of its workers (which lead sessions of
         their own), as a crashed machine would: no request is finished, and no worker process of
         it lives on to drain."""
-        workers = _children(self.popen.pid)
+        workers = children(self.popen.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         for pid in workers:
@@ -128,15 +129,6 @@ def start_gateway(
             raise AssertionError(f"gateway {name} did not serve on port {port} within {timeout:g} s\n{gateway.tail()}")
         time.sleep(POLL_S)
     return gateway
-
-
-def _children(pid: int) -> list[int]:
-    """The pids of `pid`'s children (a gateway's workers), as the kernel lists them."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 def _healthy(port: int) -> bool:

@@ -27,6 +27,7 @@ from llmgw.gateway.keys import token_hash
 from llmgw.wire.gateway_link import GatewayKey
 from testlib.gatewaytable import write_table_file
 from testlib.ports import free_port
+from testlib.procfs import descendants
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 40.0  # `llmgw gateway`'s stop: its workers' drain (nothing in flight by then) and exit
@@ -36,21 +37,6 @@ MAX_WORKERS = 8
 CONNECTIONS_PER_WORKER = 32
 LOAD_PROCESSES = 2  # the generator's processes (it is cheap, but one core's loop must never be the limit)
 WARMUP_S = 1.0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` now (its children, theirs, ...), from /proc/PID/task/TID/children."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue  # the thread (or the process) ended meanwhile
-            found += children
-            todo += children
-    return found
 
 
 class ProductGateway:
