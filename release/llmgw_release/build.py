@@ -14,7 +14,9 @@ docs/development.md), and each runs once before it is shipped (llamasmoke.py: `-
 one completion on a tiny model; the foreign architecture under qemu-user).
 
 `build_release` takes every input explicitly; `main` finds them in the checkout (git for the
-commit and its time), which is what a test in a sandbox without git cannot do.
+commit and its time), which is what a test in a sandbox without git cannot do. Before it builds
+anything, `main` provides the Debian packages the build runs (provide.py: the cross compiler and
+qemu-user for the other architecture), installing them as root, else saying the command and stopping.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import importlib.resources
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +38,7 @@ from pathlib import Path
 import attrs
 
 from llmgw import llamarecipe
-from llmgw_release import llamabuild, llamacli, llamasmoke, wheels, zipapp
+from llmgw_release import llamabuild, llamacli, llamasmoke, provide, wheels, zipapp
 from llmgw_release import lock as lockfile
 from testlib.tinygguf import write_tiny_llama
 
@@ -275,7 +278,8 @@ def checkout_inputs(
     return inputs, dirty
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, machine: provide.Machine | None = None) -> int:
+    """The build from the command line; `machine` is what provides its Debian packages (tests give a fake)."""
     parser = argparse.ArgumentParser(
         prog="release:build",
         description=(
@@ -301,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--llama-jobs", type=int, default=None, help="compile jobs for llama.cpp (default: $LLAMA_BUILD_JOBS or 2)"
     )
     args = parser.parse_args(argv)
+    arches = tuple(dict.fromkeys(args.arch or ARCHES))
 
     def progress(message: str) -> None:
         print(f"release: {message}", file=sys.stderr, flush=True)
@@ -310,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = args.llama_jobs if args.llama_jobs is not None else llamacli.build_jobs()
         if jobs < 1:
             raise BuildError(f"--llama-jobs {jobs}: must be 1 or more")
+        # Before anything is built: the cross compiler and qemu-user, which `./pants test` does not install.
+        again = "./pants run release:build -- " + shlex.join(sys.argv[1:] if argv is None else argv)
+        if not provide.provide(machine or provide.real_machine(progress), arches, llamabuild.this_host(), again=again):
+            return 1
         repo = find_checkout(Path.cwd())
         with tempfile.TemporaryDirectory(prefix="llmgw-release-model-") as models:
             inputs, dirty = checkout_inputs(
@@ -325,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(
                     f"uncommitted changes under src/python, release, 3rdparty/python or tools/provision: commit is {inputs.commit}"
                 )
-            paths = build_release(inputs, args.out.resolve(), tuple(dict.fromkeys(args.arch or ARCHES)), progress)
+            paths = build_release(inputs, args.out.resolve(), arches, progress)
     except (BuildError, llamabuild.LlamaBuildError) as exc:
         print(f"release: {exc}", file=sys.stderr)
         return 1

@@ -7,6 +7,8 @@
 1. The Debian packages whose programs the tests run (NEEDS says which and why). It checks for
    the programs themselves, not for package records: a missing one is installed with apt-get
    when running as root; otherwise it prints the one `apt-get install` command to run and exits 1.
+   `./pants run release:build` provides its own packages (the cross compiler, qemu-user) through
+   this same step (`ensure_packages`, from release/llmgw_release/provide.py).
 2. llama.cpp, built the way the release ships it (tools/llama/build-llama-server: the portable
    archive for this machine's architecture, every CPU variant, cached under ~/.cache/llmgw-llama
    and unpacked there). The release test ships that archive; the engine tests and node add's
@@ -235,37 +237,39 @@ def command_for_user(packages: Sequence[str], *, has_sudo: bool) -> str:
 # -- steps ------------------------------------------------------------------------------------
 
 
-def ensure_packages(m: Machine, needs: Sequence[Need] = NEEDS) -> bool:
+def ensure_packages(
+    m: Machine, needs: Sequence[Need] = NEEDS, *, need: str = "the tests need", again: str = "./pants test"
+) -> bool:
+    """Every package of `needs` there, installed now as root; else says the one command and is False.
+
+    `need` and `again` word the messages for whoever asks: the release build asks too
+    (release/llmgw_release/provide.py), with its own needs."""
     gaps = missing(needs, m.has)
     if not gaps:
         return True
-    packages = [need.package for need, _ in gaps]
-    m.say(f"the tests need {len(packages)} Debian package(s) this machine does not have:")
-    for need, absent in gaps:
-        m.say(f"  {need.package}: {need.why} ({', '.join(absent)} missing)")
+    packages = [gap.package for gap, _ in gaps]
+    m.say(f"{need} {len(packages)} Debian package(s) this machine does not have:")
+    for gap, absent in gaps:
+        m.say(f"  {gap.package}: {gap.why} ({', '.join(absent)} missing)")
     if not m.has(APT_GET):
-        m.say(
-            f"this machine has no {APT_GET}: install those packages (or their equivalents) and run ./pants test again"
-        )
+        m.say(f"this machine has no {APT_GET}: install those packages (or their equivalents) and run {again} again")
         return False
     if m.euid() != 0:
-        m.say("installing them needs root; run this, then ./pants test again:")
+        m.say(f"installing them needs root; run this, then {again} again:")
         m.say(f"  {command_for_user(packages, has_sudo=m.has('sudo'))}")
         return False
     m.say(f"installing them: apt-get install {' '.join(packages)}")
     apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
     if m.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=300"], apt_env) != 0:
-        m.say("apt-get update failed (above); fix that and run ./pants test again")
+        m.say(f"apt-get update failed (above); fix that and run {again} again")
         return False
     if m.run(install_argv(packages), apt_env) != 0:
-        m.say(f"apt-get install {' '.join(packages)} failed (above); fix that and run ./pants test again")
+        m.say(f"apt-get install {' '.join(packages)} failed (above); fix that and run {again} again")
         return False
     still = missing(needs, m.has)
     if still:
-        for need, absent in still:
-            m.say(
-                f"{need.package} is installed but {', '.join(absent)} is still missing; the tests need it: {need.why}"
-            )
+        for gap, absent in still:
+            m.say(f"{gap.package} is installed but {', '.join(absent)} is still missing; {need} it: {gap.why}")
         return False
     return True
 
