@@ -19,7 +19,7 @@ from agent import link as agentlink
 from agent.link import AgentLink, Target
 from llmgw.linkio import Targets
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
 from llmgw.wire.convert import decode, encode
 from testlib.memlink import Gate, gated_pair
 

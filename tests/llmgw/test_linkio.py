@@ -15,7 +15,8 @@ import trio_websocket
 
 from llmgw import linkio
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
+from llmgw.wire import session as ls
 from llmgw.wire.convert import decode
 from testlib.memlink import gated_pair, websocket_pair
 
@@ -43,7 +44,7 @@ def joined_server() -> tuple[s.ServerSession, list[int]]:
     session = s.ServerSession("node-a", heartbeat_interval_s=5.0, desired_state=desired)
     path, headers = s.AgentSession("node-a", lambda: HELLO).upgrade_request()
     session.upgrade(
-        s.UpgradeRequest(
+        ls.UpgradeRequest(
             method=b"GET",
             target=path.encode(),
             http_version=b"1.1",
@@ -55,7 +56,7 @@ def joined_server() -> tuple[s.ServerSession, list[int]]:
                 (b"sec-websocket-version", b"13"),
             ),
         ),
-        s.Standing(serial=1),
+        ls.Standing(serial=1),
     )
     session.receive(HELLO)
     return session, made
@@ -273,7 +274,7 @@ async def test_a_long_frame_is_read_in_a_thread_and_a_short_one_on_the_loop() ->
     threads: list[bool] = []
     decode_on = session.decode
 
-    def decode_where(frame: str) -> s.Decoded:
+    def decode_where(frame: str) -> ls.Decoded:
         threads.append(trio.lowlevel.in_trio_run() is False)
         return decode_on(frame)
 
@@ -282,4 +283,4 @@ async def test_a_long_frame_is_read_in_a_thread_and_a_short_one_on_the_loop() ->
     assert await linkio.readable(session, short) == short and threads == []
     long = '{"type": "heartbeat", "seq": 1' + " " * linkio.OFF_LOOP_BYTES + "}"
     decoded = await linkio.readable(session, long)
-    assert threads == [True] and decoded == s.Decoded(decode(short, w.AgentMessage))
+    assert threads == [True] and decoded == ls.Decoded(decode(short, w.AgentMessage))

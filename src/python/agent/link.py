@@ -44,7 +44,7 @@ from llmgw.log import get_logger
 from llmgw.pki.tls import send_tls_alert
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
 from llmgw.wire.errors import WireError
 
 log = get_logger("llmgw.agent.link")
@@ -306,7 +306,7 @@ class AgentLink:
         except WireError as exc:
             await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
             raise SessionRefused(f"the control plane sent something this agent does not understand: {exc}") from None
-        if isinstance(event, s.Redirected):
+        if isinstance(event, s.RedirectReceived):
             raise Redirected(event.leader, event.message)
         if isinstance(event, s.Closed):
             raise SessionRefused(f"the control plane closed the link: {event.message}")

@@ -38,7 +38,7 @@ import trio
 import trio_websocket
 
 from llmgw.errors import UsageError
-from llmgw.wire import session as s
+from llmgw.wire.session import Decoded, LinkSession
 
 CLOSE_TIMEOUT_S = 1.0  # the WebSocket's closing handshake after a LinkError: the peer may be why
 POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1: the close code after a LinkError
@@ -47,7 +47,7 @@ POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1: the close code after a LinkError
 OFF_LOOP_BYTES = 64 * 1024
 
 
-async def readable(session: Any, frame: str | bytes) -> str | bytes | s.Decoded:
+async def readable(session: Any, frame: str | bytes) -> str | bytes | Decoded:
     """`frame` as `session.receive` takes it: a long one decoded in a thread, so that the event
     loop goes on meanwhile (CPython hands it the interpreter every few ms), a short one as it is."""
     if len(frame) < OFF_LOOP_BYTES:
@@ -58,7 +58,7 @@ async def readable(session: Any, frame: str | bytes) -> str | bytes | s.Decoded:
 class Writer:
     """The one writer of a link: senders queue in `session` and `wake` it."""
 
-    def __init__(self, session: s.Session, *, send_timeout_s: float) -> None:
+    def __init__(self, session: LinkSession, *, send_timeout_s: float) -> None:
         self.session = session
         self.send_timeout_s = send_timeout_s
         self.finished = trio.Event()  # `serve` returned

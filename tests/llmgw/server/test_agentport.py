@@ -17,7 +17,8 @@ from llmgw.http.server import serve_connection
 from llmgw.server import agentport
 from llmgw.server.agentport import Route
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
+from llmgw.wire import session as ls
 from llmgw.wire.errors import UpgradeRefused
 from llmgw.wire.gateway_link import GATEWAY_PATH
 from testlib.httpexchange import Answered, exchange
@@ -46,7 +47,7 @@ async def test_the_route_is_decided_from_the_head_alone() -> None:
 def check(request: Request) -> None:
     """The link's session judges the upgrade request the server parsed."""
     session = s.ServerSession("node-a", heartbeat_interval_s=5.0, desired_state=lambda: w.DesiredState(generation=1))
-    session.upgrade(agentport.upgrade_request(request), s.Standing(serial=1))
+    session.upgrade(agentport.upgrade_request(request), ls.Standing(serial=1))
 
 
 async def parsed(data: bytes) -> tuple[Request | None, Answered]:
@@ -128,7 +129,7 @@ async def test_what_is_not_a_websocket_upgrade_for_this_node_is_refused(data: by
 async def test_the_upgrade_request_is_handed_over_as_parsed() -> None:
     request, _ = await parsed(UPGRADE + b"early")
     assert request is not None
-    assert agentport.upgrade_request(request) == s.UpgradeRequest(
+    assert agentport.upgrade_request(request) == ls.UpgradeRequest(
         method=b"GET",
         target=b"/v1/agent",
         http_version=b"1.1",

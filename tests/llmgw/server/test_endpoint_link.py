@@ -25,7 +25,7 @@ from llmgw.server.heartbeats import HeartbeatRule
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.store import NodeRow
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
 from testlib.memlink import Gate, gated_pair
 
 pytestmark = pytest.mark.trio

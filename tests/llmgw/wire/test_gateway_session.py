@@ -16,11 +16,11 @@ from llmgw.pki.ca import ROLE_GATEWAY, ROLE_NODE
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 from llmgw.wire import gateway_session as gs
-from llmgw.wire import session as s
+from llmgw.wire import session as ls
 from llmgw.wire.convert import decode, encode, tag
-from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.errors import LinkProtocolError, LocalLinkError, UpgradeRefused, WireError
 
-GOOD = s.Standing(serial=0xABC, role=ROLE_GATEWAY)  # a gateway's certificate, not revoked
+GOOD = ls.Standing(serial=0xABC, role=ROLE_GATEWAY)  # a gateway's certificate, not revoked
 WEBSOCKET = (
     (b"host", b"cp"),
     (b"upgrade", b"websocket"),
@@ -43,8 +43,8 @@ def hello(name: str = "gw1", instance: str = "i1", **changes) -> g.GatewayHello:
     return attrs.evolve(made, **changes)
 
 
-def upgrade(path: str = g.GATEWAY_PATH, headers=(), **changes) -> s.UpgradeRequest:
-    request = s.UpgradeRequest(
+def upgrade(path: str = g.GATEWAY_PATH, headers=(), **changes) -> ls.UpgradeRequest:
+    request = ls.UpgradeRequest(
         method=b"GET",
         target=path.encode(),
         http_version=b"1.1",
@@ -74,7 +74,7 @@ def server(table=None, name: str = "gw1") -> gs.GatewayServerSession:
     return gs.GatewayServerSession(name, heartbeat_interval_s=5.0, table=table or Table(), server_version="test")
 
 
-def drain(side: s.Session) -> list[str]:
+def drain(side: ls.LinkSession) -> list[str]:
     frames = []
     while (frame := side.next_frame()) is not None:
         frames.append(frame)
@@ -91,10 +91,10 @@ class Pair:
         self.server = server(self.table, cert_cn or name)
         self.events: dict[str, list] = {gs.GATEWAY: [], gs.SERVER: []}
 
-    def peer(self, side: s.Session) -> s.Session:
+    def peer(self, side: ls.LinkSession) -> ls.LinkSession:
         return self.server if side is self.gateway else self.gateway
 
-    def deliver(self, frame: str, to: s.Session):
+    def deliver(self, frame: str, to: ls.LinkSession):
         event = to.receive(frame)
         self.events[to.role].append(event)
         return event
@@ -122,17 +122,17 @@ class Pair:
     def join(self) -> None:
         self.connect()
         self.flush()
-        assert self.gateway.state is self.server.state is s.State.OPEN
+        assert self.gateway.state is self.server.state is ls.State.OPEN
 
-    def refused(self, frame: str, to: s.Session) -> WireError:
+    def refused(self, frame: str, to: ls.LinkSession) -> WireError:
         with pytest.raises(WireError) as info:
             to.receive(frame)
-        assert to.state is s.State.CLOSED
+        assert to.state is ls.State.CLOSED
         assert to.close(info.value.code, str(info.value))
         [goodbye] = drain(to)
         assert to.done
-        assert self.deliver(goodbye, self.peer(to)) == s.Closed(code=info.value.code, message=str(info.value))
-        assert self.peer(to).state is s.State.CLOSED
+        assert self.deliver(goodbye, self.peer(to)) == ls.Closed(code=info.value.code, message=str(info.value))
+        assert self.peer(to).state is ls.State.CLOSED
         return info.value
 
 
@@ -259,7 +259,7 @@ def test_nothing_of_the_table_before_the_hello_and_nothing_after_a_close() -> No
     session.receive(encode(w.LinkError(code="test", message="bye")))
     session.push(g.KeysChanged)  # a push racing the close changes nothing
     assert session.next_frame() is None and session.done
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.push(g.TableHeartbeat)  # no part of the table: a bug of the caller's
 
 
@@ -289,8 +289,10 @@ def test_a_standby_answers_the_hello_with_where_the_leader_is_and_closes() -> No
         w.LinkError(code=w.NOT_LEADER, message=leader.message),
     ]
     assert pair.server.done and pair.table.made == []  # no welcome and nothing of the table
-    assert pair.deliver(frames[0], pair.gateway) == s.Redirected(leader="wss://cp-b:7443", message=leader.message)
-    assert pair.gateway.state is s.State.CLOSED and not pair.gateway.open
+    assert pair.deliver(frames[0], pair.gateway) == ls.RedirectReceived(
+        leader="wss://cp-b:7443", message=leader.message
+    )
+    assert pair.gateway.state is ls.State.CLOSED and not pair.gateway.open
 
 
 def test_a_standby_refuses_an_older_gateway_by_its_version_before_any_redirect() -> None:
@@ -302,7 +304,7 @@ def test_a_standby_refuses_an_older_gateway_by_its_version_before_any_redirect()
         "gw1", heartbeat_interval_s=5.0, table=Table(), standby=lambda: w.Redirect(leader="wss://b:1", message="m")
     )
     session.upgrade(upgrade(headers=NAMED), GOOD)
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(LinkProtocolError) as info:
         session.receive(json.dumps(older))
     assert info.value.code == w.PROTOCOL
     assert f"the gateway speaks gateway protocol {g.GATEWAY_PROTOCOL_VERSION - 1} and this control plane" in str(
@@ -392,7 +394,7 @@ def test_what_the_control_plane_accepts_in_each_state(state: str, kind: type) ->
         session.receive(encode(message))
     expected = w.UNEXPECTED if kind in GATEWAY_SENDS else w.UNKNOWN_TYPE
     assert info.value.code == expected, info.value
-    assert session.state is s.State.CLOSED
+    assert session.state is ls.State.CLOSED
 
 
 @pytest.mark.parametrize("state", sorted(GATEWAY_ACCEPTS))
@@ -407,7 +409,7 @@ def test_what_the_gateway_accepts_in_each_state(state: str, kind: type) -> None:
         session.receive(encode(message))
     expected = w.UNEXPECTED if kind in SERVER_SENDS else w.UNKNOWN_TYPE
     assert info.value.code == expected, info.value
-    assert session.state is s.State.CLOSED
+    assert session.state is ls.State.CLOSED
 
 
 # -- refusals ----------------------------------------------------------------------------------
@@ -418,7 +420,7 @@ def test_a_message_before_the_hello_is_refused() -> None:
     pair.upgrade()
     pair.gateway.start()  # a hello this gateway does not send first: a heartbeat instead
     refusal = pair.refused(encode(g.GatewayHeartbeat(seq=1)), pair.server)
-    assert isinstance(refusal, ProtocolError) and refusal.code == w.UNEXPECTED
+    assert isinstance(refusal, LinkProtocolError) and refusal.code == w.UNEXPECTED
     assert "expected a hello from gateway 'gw1', got GatewayHeartbeat" in str(refusal)
 
 
@@ -524,7 +526,7 @@ def test_a_table_the_gateway_cannot_use_is_refused(message, says: str) -> None:
     pair.join()
     refusal = pair.refused(encode(message), pair.gateway)
     assert refusal.code == w.BAD_MESSAGE and says in str(refusal)
-    assert pair.events[gs.SERVER][-1] == s.Closed(code=w.BAD_MESSAGE, message=str(refusal))
+    assert pair.events[gs.SERVER][-1] == ls.Closed(code=w.BAD_MESSAGE, message=str(refusal))
 
 
 def test_a_malformed_table_frame_is_refused_by_the_gateway() -> None:
@@ -561,7 +563,7 @@ def test_the_first_message_from_the_control_plane_must_be_the_welcome() -> None:
     assert "expected a welcome from the control plane, got RotationChanged" in str(refusal)
 
 
-NODE = s.Standing(serial=0xABC)  # a node's certificate: no role in it, the node role
+NODE = ls.Standing(serial=0xABC)  # a node's certificate: no role in it, the node role
 
 
 @pytest.mark.parametrize(
@@ -606,13 +608,13 @@ NODE = s.Standing(serial=0xABC)  # a node's certificate: no role in it, the node
     ],
 )
 def test_an_upgrade_is_refused_for_its_certificate_path_name_instance_or_handshake(
-    request_: s.UpgradeRequest, standing: s.Standing, status: int, says: str
+    request_: ls.UpgradeRequest, standing: ls.Standing, status: int, says: str
 ) -> None:
     session = server()
     with pytest.raises(UpgradeRefused) as info:
         session.upgrade(request_, standing)
     assert info.value.status == status and says in str(info.value), info.value
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LinkProtocolError):
         session.receive(encode(hello()))  # and no hello gets in after
 
 
@@ -630,29 +632,29 @@ def test_the_gateway_sends_nothing_but_its_hello_until_welcomed() -> None:
     session = gs.GatewaySession("gw1", "i1", hello)
     session.heartbeat()  # not open: nothing queued
     assert session.next_frame() is None
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.receive(encode(SERVER_SENDS[g.GatewayWelcome]))  # nothing can arrive before our hello
     session.start()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.start()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.send(g.GatewayHeartbeat(seq=1))
 
 
 def test_a_hello_for_another_gateway_is_not_sent() -> None:
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         gs.GatewaySession("gw1", "i1", lambda: hello(instance="i2")).start()
 
 
 def test_the_control_plane_checks_the_upgrade_once_and_sends_only_the_table() -> None:
     session = server()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.receive(encode(hello()))  # the upgrade comes first
     session.upgrade(upgrade(headers=NAMED), GOOD)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.upgrade(upgrade(headers=NAMED), GOOD)
     session.receive(encode(hello()))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.send(SERVER_SENDS[g.GatewayWelcome])
 
 

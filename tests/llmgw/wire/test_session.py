@@ -13,13 +13,14 @@ import pytest
 
 from llmgw.pki.ca import ROLE_GATEWAY
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
+from llmgw.wire import session as ls
 from llmgw.wire.convert import decode, encode, tag
-from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.errors import LinkProtocolError, LocalLinkError, UpgradeRefused, WireError
 
 INVENTORY = w.Inventory(hostname="node-a", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1)
 STATUS = w.ReplicaStatus(replica_id="r1", model="m", state=w.READY, port=8000)
-GOOD = s.Standing(serial=0xABC)  # the store knows the certificate, not revoked
+GOOD = ls.Standing(serial=0xABC)  # the store knows the certificate, not revoked
 WEBSOCKET = (
     (b"host", b"cp"),
     (b"upgrade", b"websocket"),
@@ -41,9 +42,9 @@ def hello(node_id: str = "node-a", **changes) -> w.Hello:
     return attrs.evolve(made, **changes)
 
 
-def upgrade(path: str = w.AGENT_PATH, headers=(), **changes) -> s.UpgradeRequest:
+def upgrade(path: str = w.AGENT_PATH, headers=(), **changes) -> ls.UpgradeRequest:
     """An opening handshake as trio-websocket's client sends it, with `headers` added."""
-    request = s.UpgradeRequest(
+    request = ls.UpgradeRequest(
         method=b"GET",
         target=path.encode(),
         http_version=b"1.1",
@@ -52,7 +53,7 @@ def upgrade(path: str = w.AGENT_PATH, headers=(), **changes) -> s.UpgradeRequest
     return attrs.evolve(request, **changes)
 
 
-def upgrade_of(agent: s.AgentSession) -> s.UpgradeRequest:
+def upgrade_of(agent: s.AgentSession) -> ls.UpgradeRequest:
     path, headers = agent.upgrade_request()
     return upgrade(path, headers)
 
@@ -62,7 +63,7 @@ def server(node_id: str = "node-a", **kw) -> s.ServerSession:
     return s.ServerSession(node_id, heartbeat_interval_s=5.0, server_version="test", **kw)
 
 
-def drain(side: s.Session) -> list[str]:
+def drain(side: ls.LinkSession) -> list[str]:
     frames = []
     while (frame := side.next_frame()) is not None:
         frames.append(frame)
@@ -98,16 +99,16 @@ class Pair:
         self.agent = s.AgentSession(node_id, make_hello or (lambda: hello(node_id)))
         self.made = 0
         self.server = server(cert_cn or node_id, desired_state=self.desired)
-        self.events: dict[str, list[s.Event]] = {s.AGENT: [], s.SERVER: []}
+        self.events: dict[str, list[s.Event]] = {s.AGENT: [], ls.SERVER: []}
 
     def desired(self) -> w.DesiredState:
         self.made += 1
         return w.DesiredState(generation=self.made)
 
-    def peer(self, side: s.Session) -> s.Session:
+    def peer(self, side: ls.LinkSession) -> ls.LinkSession:
         return self.server if side is self.agent else self.agent
 
-    def deliver(self, frame: str, to: s.Session) -> s.Event:
+    def deliver(self, frame: str, to: ls.LinkSession) -> s.Event:
         event = to.receive(frame)
         self.events[to.role].append(event)
         return event
@@ -134,18 +135,18 @@ class Pair:
         """Upgrade, hello, welcome and the first desired state: both ends open."""
         self.connect()
         self.flush()
-        assert self.agent.state is self.server.state is s.State.OPEN
+        assert self.agent.state is self.server.state is ls.State.OPEN
 
-    def refused(self, frame: str, to: s.Session) -> WireError:
+    def refused(self, frame: str, to: ls.LinkSession) -> WireError:
         """`frame` refused by `to`, whose LinkError reaches the peer as a `Closed` event."""
         with pytest.raises(WireError) as info:
             to.receive(frame)
-        assert to.state is s.State.CLOSED
+        assert to.state is ls.State.CLOSED
         assert to.close(info.value.code, str(info.value))
         [goodbye] = drain(to)
         assert to.done
-        assert self.deliver(goodbye, self.peer(to)) == s.Closed(code=info.value.code, message=str(info.value))
-        assert self.peer(to).state is s.State.CLOSED
+        assert self.deliver(goodbye, self.peer(to)) == ls.Closed(code=info.value.code, message=str(info.value))
+        assert self.peer(to).state is ls.State.CLOSED
         return info.value
 
 
@@ -190,14 +191,14 @@ def test_every_report_of_the_agent_is_an_event_of_the_control_plane() -> None:
     pair.agent.send(w.EnginesChanged(engines=engines))
     pair.agent.send(w.ReplicasChanged(replicas=(STATUS,)))
     pair.flush()
-    assert pair.events[s.SERVER][1:] == [
+    assert pair.events[ls.SERVER][1:] == [
         s.HeartbeatReceived(seq=1),
         s.HeartbeatReceived(seq=2),
         s.InventoryReported(inventory=INVENTORY),
         s.EnginesReported(engines=engines),
         s.ReplicasReported(replicas=(STATUS,)),
     ]
-    assert pair.server.state is s.State.OPEN
+    assert pair.server.state is ls.State.OPEN
 
 
 def test_a_logs_request_is_answered() -> None:
@@ -233,8 +234,8 @@ def test_a_link_error_either_way_closes_both_ends(closer: str) -> None:
     assert not side.close("test", "again")  # said once
     [goodbye] = drain(side)
     assert side.done
-    assert pair.deliver(goodbye, pair.peer(side)) == s.Closed(code="test", message="going away")
-    assert pair.agent.state is pair.server.state is s.State.CLOSED
+    assert pair.deliver(goodbye, pair.peer(side)) == ls.Closed(code="test", message="going away")
+    assert pair.agent.state is pair.server.state is ls.State.CLOSED
     assert not pair.agent.can_send(w.Heartbeat) and not pair.server.can_send(w.DesiredState)
     assert pair.peer(side).done and pair.peer(side).next_frame() is None  # it answers nothing
 
@@ -244,7 +245,7 @@ def test_messages_decoded_elsewhere_are_taken_as_their_frames_would_be() -> None
     pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     assert pair.server.receive(hello()) == s.Joined(hello=hello())
     assert len(pair.server.outbox) == 2
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LinkProtocolError):
         pair.server.receive(hello())
 
 
@@ -309,7 +310,7 @@ def test_unsent_log_replies_are_bounded_and_the_agent_asks_for_room() -> None:
         assert agent.can_send(w.LogsReply)
         agent.send(w.LogsReply(request_id=i, replica_id="r1"))
     assert not agent.can_send(w.LogsReply)  # its adapter waits for the writer to make room
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.send(w.LogsReply(request_id=s.MAX_LOGS_ASKED + 1, replica_id="r1"))
     assert agent.next_frame() is not None and agent.can_send(w.LogsReply)
     agent.send(w.LogsReply(request_id=s.MAX_LOGS_ASKED + 1, replica_id="r1"))
@@ -333,7 +334,7 @@ def test_nothing_is_written_after_the_peer_closed() -> None:
     pair = Pair()
     pair.join()
     pair.server.push()
-    assert pair.deliver(encode(w.LinkError(code="test", message="bye")), pair.server) == s.Closed(
+    assert pair.deliver(encode(w.LinkError(code="test", message="bye")), pair.server) == ls.Closed(
         code="test", message="bye"
     )
     assert pair.server.next_frame() is None and pair.server.done
@@ -364,8 +365,8 @@ def test_a_standby_answers_the_hello_with_where_the_leader_is_and_closes() -> No
         w.LinkError(code=w.NOT_LEADER, message=leader.message),
     ]
     assert pair.server.done and pair.made == 0  # no welcome, no desired state made
-    assert pair.deliver(frames[0], pair.agent) == s.Redirected(leader="wss://cp-b:7443", message=leader.message)
-    assert pair.agent.state is s.State.CLOSED and not pair.agent.open
+    assert pair.deliver(frames[0], pair.agent) == ls.RedirectReceived(leader="wss://cp-b:7443", message=leader.message)
+    assert pair.agent.state is ls.State.CLOSED and not pair.agent.open
 
 
 def test_a_standby_that_knows_no_leader_says_so() -> None:
@@ -374,7 +375,7 @@ def test_a_standby_that_knows_no_leader_says_so() -> None:
     pair.server = server(desired_state=pair.desired, standby=lambda: none)
     pair.connect()
     first = drain(pair.server)[0]
-    assert pair.deliver(first, pair.agent) == s.Redirected(leader="", message=none.message)
+    assert pair.deliver(first, pair.agent) == ls.RedirectReceived(leader="", message=none.message)
 
 
 def test_a_standby_refuses_an_older_agent_by_its_version_before_any_redirect() -> None:
@@ -384,7 +385,7 @@ def test_a_standby_refuses_an_older_agent_by_its_version_before_any_redirect() -
     older["protocol_version"] = w.PROTOCOL_VERSION - 1
     session = server(standby=lambda: w.Redirect(leader="wss://cp-b:7443", message="m"))
     session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(LinkProtocolError) as info:
         session.receive(json.dumps(older))
     assert info.value.code == w.PROTOCOL
     assert f"the agent speaks protocol {w.PROTOCOL_VERSION - 1} and this control plane speaks" in str(info.value)
@@ -451,7 +452,7 @@ def test_what_the_control_plane_accepts_in_each_state(state: str, kind: type) ->
     # The other side's messages are not ours to know; ours out of order are unexpected.
     expected = w.UNEXPECTED if kind in AGENT_SENDS else w.UNKNOWN_TYPE
     assert info.value.code == expected, info.value
-    assert session.state is s.State.CLOSED
+    assert session.state is ls.State.CLOSED
 
 
 @pytest.mark.parametrize("state", sorted(AGENT_ACCEPTS))
@@ -466,7 +467,7 @@ def test_what_the_agent_accepts_in_each_state(state: str, kind: type) -> None:
         session.receive(encode(message))
     expected = w.UNEXPECTED if kind in SERVER_SENDS else w.UNKNOWN_TYPE
     assert info.value.code == expected, info.value
-    assert session.state is s.State.CLOSED
+    assert session.state is ls.State.CLOSED
 
 
 # -- refusals ----------------------------------------------------------------------------------
@@ -477,7 +478,7 @@ def test_a_message_before_the_hello_is_refused() -> None:
     pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     pair.agent.start()  # a hello this agent does not send first: a heartbeat instead
     refusal = pair.refused(encode(w.Heartbeat(seq=1)), pair.server)
-    assert isinstance(refusal, ProtocolError) and refusal.code == w.UNEXPECTED
+    assert isinstance(refusal, LinkProtocolError) and refusal.code == w.UNEXPECTED
     assert "expected a hello from node 'node-a' (its certificate's CN), got Heartbeat" in str(refusal)
 
 
@@ -499,7 +500,7 @@ def test_a_hello_for_another_node_is_refused() -> None:
     assert "expected a hello from node 'node-b' (its certificate's CN), got hello for node 'node-a'" in str(refusal)
     # The agent hears why, in the words it logs.
     [closed] = pair.events[s.AGENT]
-    assert isinstance(closed, s.Closed) and closed.code == w.NODE_ID_MISMATCH
+    assert isinstance(closed, ls.Closed) and closed.code == w.NODE_ID_MISMATCH
 
 
 @pytest.mark.parametrize("version", [w.PROTOCOL_VERSION - 1, w.PROTOCOL_VERSION + 1, "2", None])
@@ -511,7 +512,7 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
     pair.server.upgrade(upgrade_of(pair.agent), GOOD)
     pair.agent.start()
     refusal = pair.refused(json.dumps(future), pair.server)
-    assert isinstance(refusal, ProtocolError) and refusal.code == w.PROTOCOL
+    assert isinstance(refusal, LinkProtocolError) and refusal.code == w.PROTOCOL
     assert f"the agent speaks protocol {version!r} and this control plane speaks {w.PROTOCOL_VERSION}" in str(refusal)
     assert "run the same llmgw release on both" in str(refusal)
 
@@ -519,7 +520,7 @@ def test_another_protocol_version_is_refused_before_the_rest_of_its_hello(versio
 def test_a_decoded_hello_of_another_version_is_refused_too() -> None:
     session = server()
     session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(LinkProtocolError) as info:
         session.receive(hello(protocol_version=w.PROTOCOL_VERSION + 1))
     assert info.value.code == w.PROTOCOL
 
@@ -533,7 +534,7 @@ def test_the_agent_refuses_anything_but_a_welcome_first_and_a_second_welcome() -
         refusal
     )
     again = agent_in("open")
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(LinkProtocolError) as info:
         again.receive(encode(SERVER_SENDS[w.Welcome]))
     assert "a second welcome" in str(info.value)
 
@@ -562,7 +563,7 @@ def test_the_agent_refuses_a_welcome_for_another_node_or_without_a_version_or_he
     welcome, _ = drain(pair.server)
     refusal = pair.refused(encode(attrs.evolve(decode(welcome, w.ServerMessage), **change)), pair.agent)
     assert refusal.code == code and says in str(refusal), refusal
-    assert pair.events[s.SERVER][-1] == s.Closed(code=code, message=str(refusal))  # the control plane hears why
+    assert pair.events[ls.SERVER][-1] == ls.Closed(code=code, message=str(refusal))  # the control plane hears why
 
 
 @pytest.mark.parametrize("version", ["0.1.0.dev0", "0.0.1-e2e", "1.2.3+local.7", "test"])
@@ -606,7 +607,7 @@ def test_the_agent_refuses_a_logs_request_asked_twice_before_its_answer() -> Non
     agent = agent_in("open")
     request = encode(w.LogsRequest(request_id=4, replica_id="r1"))
     agent.receive(request)
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(LinkProtocolError) as info:
         agent.receive(request)
     assert info.value.code == w.UNEXPECTED and "logs request 4 asked again" in str(info.value)
 
@@ -634,10 +635,10 @@ def test_after_a_refusal_everything_is_refused() -> None:
     with pytest.raises(WireError):
         pair.server.receive("not json")
     pair.agent.heartbeat()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LinkProtocolError):
         pair.server.receive(pair.agent.next_frame())
     assert not pair.server.can_send(w.DesiredState)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         pair.server.send(w.DesiredState(generation=2))
 
 
@@ -650,19 +651,19 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
     assert (path, headers) == ("/v1/agent", [(b"x-llmgw-node-id", b"node-a")])
     session = server()
     session.upgrade(upgrade(path, [(b"X-LLMGW-Node-Id", b"node-a")]), GOOD)  # header names are case-insensitive
-    assert session.state is s.State.AWAIT_HELLO
+    assert session.state is ls.State.AWAIT_HELLO
 
 
 @pytest.mark.parametrize(
     ("request_", "standing", "status", "says"),
     [
         # The certificate first: a revoked node learns that, whatever else it asked.
-        (upgrade("/elsewhere"), s.Standing(serial=0xABC, revoked=True), 403, "(serial abc) was revoked"),
-        (upgrade("/elsewhere"), s.Standing(serial=0xABC, unknown="locked"), 503, "database is busy or failing"),
+        (upgrade("/elsewhere"), ls.Standing(serial=0xABC, revoked=True), 403, "(serial abc) was revoked"),
+        (upgrade("/elsewhere"), ls.Standing(serial=0xABC, unknown="locked"), 503, "database is busy or failing"),
         # Then its role: a gateway's certificate cannot act as a node.
         (
             upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]),
-            s.Standing(serial=0xABC, role=ROLE_GATEWAY),
+            ls.Standing(serial=0xABC, role=ROLE_GATEWAY),
             403,
             "(serial abc) is not a node certificate (its role: llmgw-gateway), and only a node's may act as a node "
             "here; a gateway connects at /v1/gateway",
@@ -689,7 +690,7 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
             "got GET HTTP/1.0",
         ),
         (
-            s.UpgradeRequest(
+            ls.UpgradeRequest(
                 method=b"GET",
                 target=b"/v1/agent",
                 http_version=b"1.1",
@@ -714,13 +715,13 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
     ],
 )
 def test_an_upgrade_is_refused_for_its_certificate_path_node_or_handshake(
-    request_: s.UpgradeRequest, standing: s.Standing, status: int, says: str
+    request_: ls.UpgradeRequest, standing: ls.Standing, status: int, says: str
 ) -> None:
     session = server()
     with pytest.raises(UpgradeRefused) as info:
         session.upgrade(request_, standing)
     assert info.value.status == status and says in str(info.value), info.value
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LinkProtocolError):
         session.receive(encode(hello()))  # and no hello gets in after
 
 
@@ -728,10 +729,10 @@ def test_the_mirror_asks_the_certificate_what_the_link_asks() -> None:
     s.check_standing("node-a", GOOD)
     s.check_node_role("node-a", GOOD)
     with pytest.raises(UpgradeRefused) as info:
-        s.check_standing("node-a", s.Standing(serial=0xABC, revoked=True))
+        s.check_standing("node-a", ls.Standing(serial=0xABC, revoked=True))
     assert info.value.status == 403 and "`llmgw node add USER@HOST --reissue`" in str(info.value)
     with pytest.raises(UpgradeRefused) as info:
-        s.check_node_role("gw1", s.Standing(serial=0xABC, role=ROLE_GATEWAY))
+        s.check_node_role("gw1", ls.Standing(serial=0xABC, role=ROLE_GATEWAY))
     assert info.value.status == 403 and "`llmgw node add USER@HOST --reissue`" in str(info.value)
 
 
@@ -741,44 +742,44 @@ def test_the_mirror_asks_the_certificate_what_the_link_asks() -> None:
 def test_the_agent_sends_nothing_but_its_hello_until_welcomed() -> None:
     agent = s.AgentSession("node-a", hello)
     assert not agent.can_send(w.Heartbeat)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.heartbeat()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.receive(encode(SERVER_SENDS[w.Welcome]))  # nothing can arrive before our hello
     agent.start()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.start()
     assert not agent.can_send(w.ReplicasChanged)
 
 
 def test_a_hello_for_another_node_is_not_sent() -> None:
     agent = s.AgentSession("node-a", lambda: hello("node-b"))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.start()
 
 
 def test_the_agent_replies_only_to_what_it_was_asked() -> None:
     agent = agent_in("open")
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.send(w.LogsReply(request_id=1, replica_id="r1"))
     agent.receive(encode(w.LogsRequest(request_id=1, replica_id="r1")))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.send(w.LogsReply(request_id=1, replica_id="r2"))
     agent.send(w.LogsReply(request_id=1, replica_id="r1"))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         agent.send(w.LogsReply(request_id=1, replica_id="r1"))  # answered once
 
 
 def test_the_control_plane_sends_nothing_before_the_hello_and_welcomes_once() -> None:
     session = server()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.receive(encode(hello()))  # the upgrade comes first
     session.upgrade(upgrade(headers=[(w.NODE_ID_HEADER, b"node-a")]), GOOD)
     assert not session.can_send(w.DesiredState) and session.next_frame() is None
     session.receive(encode(hello()))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.send(SERVER_SENDS[w.Welcome])
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalLinkError):
         session.upgrade(upgrade(), GOOD)
 
 

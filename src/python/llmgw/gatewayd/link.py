@@ -344,7 +344,7 @@ class GatewayLink:
         except WireError as exc:
             await writer.close(exc.code, str(exc), timeout_s=GOODBYE_S)
             raise SessionRefused(f"the control plane sent something this gateway does not understand: {exc}") from None
-        if isinstance(event, gs.Redirected):
+        if isinstance(event, gs.RedirectReceived):
             raise Redirected(event.leader, event.message)
         if isinstance(event, gs.Closed):
             raise SessionRefused(f"the control plane closed the link: {event.message}")

@@ -61,7 +61,7 @@ from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import StoreError
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
 from llmgw.wire.errors import UpgradeRefused, WireError
 
 log = get_logger("llmgw.endpoint")
@@ -300,7 +300,7 @@ class AgentListener:
             raise self.refuse(cert, address, exc) from None
         return await artifacts.handle(request, self.artifacts, cert.common_name)
 
-    async def answer_standby(self, session: s.Session, request: Request, cert: CertInfo, address: str) -> Answer:
+    async def answer_standby(self, session: s.ServingSession, request: Request, cert: CertInfo, address: str) -> Answer:
         """A link's request to a control plane that does not lead: `session` (made with its
         `standby`) judges the upgrade with the store's word on the certificate, then the hello,
         which it answers with the Redirect; nothing is recorded and nothing else is sent."""
@@ -311,7 +311,7 @@ class AgentListener:
         return self.upgrade(partial(self._redirect, session, cert, address), cert, address)
 
     async def _redirect(
-        self, session: s.Session, cert: CertInfo, address: str, stream: trio.abc.Stream, prefix: bytes
+        self, session: s.ServingSession, cert: CertInfo, address: str, stream: trio.abc.Stream, prefix: bytes
     ) -> None:
         async with trio.open_nursery() as nursery:  # trio-websocket's reader, which ends with the link
             with trio.fail_after(HELLO_TIMEOUT_S):

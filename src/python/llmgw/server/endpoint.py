@@ -42,7 +42,7 @@ from llmgw.server.errors import StoreError
 from llmgw.server.heartbeats import HeartbeatRule
 from llmgw.server.registry import NodeRegistry
 from llmgw.wire import agent_link as w
-from llmgw.wire import session as s
+from llmgw.wire import agent_session as s
 from llmgw.wire.errors import UpgradeRefused, WireError
 
 log = get_logger("llmgw.endpoint")

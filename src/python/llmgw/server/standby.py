@@ -49,8 +49,8 @@ from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import StoreError
 from llmgw.server.front import Bound, cannot_listen, split_hostport
 from llmgw.wire import agent_link as w
+from llmgw.wire import agent_session as s
 from llmgw.wire import gateway_session as gs
-from llmgw.wire import session as s
 
 log = get_logger("llmgw.standby")
 

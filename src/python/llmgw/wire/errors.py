@@ -1,5 +1,6 @@
-"""Errors of the wire layer, by blame: the peer's frames (`WireError`, `ProtocolError`,
-`UpgradeRefused`) or our own code's use of a session (`LocalProtocolError`, a bug)."""
+"""Errors of the wire layer, by blame: the peer's frames (`WireError`, `LinkProtocolError`,
+`UpgradeRefused`) or our own code's use of a session (`LocalLinkError`, a bug). Named for the
+link, so that none is mistaken for the HTTP codec's errors."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ class WireError(PeerError):
         super().__init__(message)
 
 
-class ProtocolError(WireError):
+class LinkProtocolError(WireError):
     """A frame understood but out of order: a message before the hello, a second hello, a hello
     for another node or of another protocol version, a message of the other side's."""
 
 
 class UpgradeRefused(PeerError):
-    """The agent's WebSocket upgrade request is refused before any frame: `status` is the HTTP
+    """The peer's WebSocket upgrade request is refused before any frame: `status` is the HTTP
     status to answer it with, the message its body."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -29,5 +30,5 @@ class UpgradeRefused(PeerError):
         super().__init__(message)
 
 
-class LocalProtocolError(Exception):
+class LocalLinkError(Exception):
     """Our own code asked a session to send what the protocol does not allow now: a bug."""

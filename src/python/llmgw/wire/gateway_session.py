@@ -1,12 +1,10 @@
 """The gateway link's protocol, both ends, as state machines with no I/O (after h11).
 
-The agent link's `llmgw.wire.session.Session` runs it: its sequencing, outbox and closing are
-the same for both links, and the tables below are the whole of this one's sequence. A session is
-told each frame its side receives (`receive`) and answers with what it meant (one event); what
-its side sends waits in its outbox for the link's one writer (`next_frame`). It never touches a
-socket, a clock or trio: `llmgw.server.gatewayfeed` and `llmgw.gatewayd.link` are the adapters.
-Two sessions wired together in memory are the protocol's tests
-(tests/llmgw/wire/test_gateway_session.py).
+What every link shares (the sequencing by table, the outbox, closing, the role bases of the two
+ends) is `llmgw.wire.session`'s; the tables below are the whole of this link's sequence. It never
+touches a socket, a clock or trio: `llmgw.server.gatewaylinks` and `llmgw.gatewayd.link` are the
+adapters, each on its end's link runtime. Two sessions wired together in memory are the
+protocol's tests (tests/llmgw/wire/test_gateway_session.py).
 
     gateway                                        control plane
     GET GATEWAY_PATH, GATEWAY_NAME_HEADER: the --> `GatewayServerSession.upgrade`: the certificate
@@ -31,7 +29,7 @@ a newer replacing an unsent older one in its place (each says the whole of what 
 part of the table is made by the session's `table` when the writer takes it, so it is the newest
 then), and so is the gateway's heartbeat. A link holds at most its first frame, one message of
 each kind and its LinkError, whatever its peer does; a peer that takes nothing is cut by the
-adapter's send deadline, not by memory.
+runtime's send deadline, not by memory.
 """
 
 from __future__ import annotations
@@ -49,25 +47,27 @@ from llmgw.errors import cut, shown
 from llmgw.pki.ca import ROLE_GATEWAY
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
-from llmgw.wire.convert import TAG, parse, structure, tag
-from llmgw.wire.errors import LocalProtocolError, ProtocolError, UpgradeRefused, WireError
+from llmgw.wire.errors import LinkProtocolError, LocalLinkError, UpgradeRefused, WireError
 from llmgw.wire.session import (
+    COMMON_EVENTS,
     MIN_HEARTBEAT_INTERVAL_S,
+    SERVER,
     Closed,
-    Redirected,
-    Session,
+    DialingSession,
+    RedirectReceived,
+    ServingSession,
     Standing,
     State,
     UpgradeRequest,
     check_opening_handshake,
     header,
+    store_unknown,
 )
 
-GATEWAY, SERVER = "gateway", "control plane"
+GATEWAY = "gateway"
 TABLE = (g.RotationChanged, g.KeysChanged, g.ShareChanged)  # the parts of the table, in the order first sent
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a token per process: `new_instance`
 INSTANCE_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")  # as the agent link's
 
 # role -> state -> {message type that side may receive: the state after it}
 RECEIVES: dict[str, dict[State, dict[type, State]]] = {
@@ -108,11 +108,7 @@ def check_gateway_standing(name: str, standing: Standing) -> None:
             "on the control plane with `llmgw ca issue --gateway NAME`",
         )
     if standing.unknown:
-        raise UpgradeRefused(
-            503,
-            f"the control plane's database is busy or failing, so the revocation of certificate {standing.serial:x} "
-            f"cannot be checked; this connection is refused and the gateway retries by itself ({standing.unknown})",
-        )
+        raise store_unknown(standing, "gateway")
     if standing.revoked:
         raise UpgradeRefused(
             403,
@@ -154,7 +150,13 @@ class TableHeartbeatReceived:
 
 
 Event = (
-    GatewayJoined | GatewayHeartbeatReceived | Welcomed | TableChanged | TableHeartbeatReceived | Redirected | Closed
+    GatewayJoined
+    | GatewayHeartbeatReceived
+    | Welcomed
+    | TableChanged
+    | TableHeartbeatReceived
+    | RedirectReceived
+    | Closed
 )
 
 _EVENTS: dict[type, Callable[[Any], Event]] = {
@@ -163,20 +165,19 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.GatewayWelcome: lambda m: Welcomed(welcome=m),
     **{t: (lambda m: TableChanged(message=m)) for t in TABLE},
     g.TableHeartbeat: lambda m: TableHeartbeatReceived(seq=m.seq),
-    w.Redirect: lambda m: Redirected(leader=m.leader, message=m.message),
-    w.LinkError: lambda m: Closed(code=m.code, message=m.message),
+    **COMMON_EVENTS,
 }
 
 
-class GatewayServerSession(Session):
+class GatewayServerSession(ServingSession):
     """The control plane's end of one gateway instance's link; `expected_name` is the CN of the
     certificate the gateway connected with, `table(kind)` makes the part of the table of `kind`
     (one of TABLE) as it is when the writer takes it. `standby`: this control plane does not
     lead, and answers the hello with the `Redirect` it makes (after the same checks)."""
 
-    role = SERVER
     accepts = g.GatewayMessage
     receives, sends, outbox_kinds, events = RECEIVES[SERVER], SENDS[SERVER], OUTBOX[SERVER], _EVENTS
+    hello_type, protocol_version = g.GatewayHello, g.GATEWAY_PROTOCOL_VERSION
 
     def __init__(
         self,
@@ -187,26 +188,15 @@ class GatewayServerSession(Session):
         server_version: str = __version__,
         standby: Callable[[], w.Redirect] | None = None,
     ) -> None:
-        super().__init__(State.UPGRADE)
-        self.standby = standby
+        super().__init__(
+            expected_name, heartbeat_interval_s=heartbeat_interval_s, server_version=server_version, standby=standby
+        )
         self.expected_name = expected_name
         self.instance = ""  # the upgrade's GATEWAY_INSTANCE_HEADER, once checked
-        self.heartbeat_interval_s = heartbeat_interval_s
         self.table = table
-        self.server_version = server_version
         self._seq = 0
 
-    @property
-    def joined(self) -> bool:
-        """The gateway's hello was taken."""
-        return self.state is State.OPEN
-
-    def upgrade(self, request: UpgradeRequest, standing: Standing) -> None:
-        """Check the WebSocket upgrade request and the certificate (its role, and its standing in
-        the store); `UpgradeRefused` with the HTTP status to answer if refused."""
-        if self.state is not State.UPGRADE:
-            raise LocalProtocolError(f"upgrade checked twice ({self.state.value})")
-        self.state = State.CLOSED  # until it passes
+    def _check_upgrade(self, request: UpgradeRequest, standing: Standing) -> None:
         check_gateway_standing(self.expected_name, standing)
         path = request.target.decode("latin-1")
         if path != g.GATEWAY_PATH:
@@ -227,13 +217,12 @@ class GatewayServerSession(Session):
             )
         check_opening_handshake(request, g.GATEWAY_PATH)
         self.instance = instance
-        self.state = State.AWAIT_HELLO
 
     def push(self, kind: type) -> None:
         """A part of the table changed: a fresh one of `kind` goes next (made when written, in the
         place of one still unsent). Nothing before the hello: its answer carries the whole table."""
         if kind not in TABLE:
-            raise LocalProtocolError(f"{kind.__name__} is no part of the table")
+            raise LocalLinkError(f"{kind.__name__} is no part of the table")
         if self.state is State.OPEN:
             self.outbox.put(kind, None)
 
@@ -246,20 +235,11 @@ class GatewayServerSession(Session):
     def _made(self, kind: type, item: Any) -> Any:
         return self.table(kind) if item is None else item
 
-    def _decode(self, text: str | bytes) -> Any:
-        data = parse(text)
-        if data.get(TAG) == tag(g.GatewayHello):
-            # Before the rest: another version's hello may not parse as ours at all.
-            self._check_version(data.get("protocol_version"))
-        return structure(data, self.accepts)
-
-    def _check_version(self, version: object) -> None:
-        if version != g.GATEWAY_PROTOCOL_VERSION:
-            raise ProtocolError(
-                w.PROTOCOL,
-                f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks "
-                f"{g.GATEWAY_PROTOCOL_VERSION}; run the same llmgw release on both",
-            )
+    def _other_version(self, version: object) -> str:
+        return (
+            f"the gateway speaks gateway protocol {shown(version)} and this control plane speaks "
+            f"{g.GATEWAY_PROTOCOL_VERSION}; run the same llmgw release on both"
+        )
 
     def _check(self, message: Any) -> None:
         if isinstance(message, g.GatewayHeartbeat) and message.metrics is not None:
@@ -267,7 +247,7 @@ class GatewayServerSession(Session):
         if isinstance(message, g.GatewayHello):
             self._check_version(message.protocol_version)
             if message.name != self.expected_name or message.instance != self.instance:
-                raise ProtocolError(
+                raise LinkProtocolError(
                     g.NAME_MISMATCH,
                     f"expected a hello from gateway {self.expected_name!r} (its certificate's CN), instance "
                     f"{self.instance!r} (its upgrade's), got hello for gateway {shown(message.name)}, instance "
@@ -282,56 +262,44 @@ class GatewayServerSession(Session):
             return f"a second hello on one link from gateway {self.expected_name!r}; a gateway says hello once per connection"
         return f"unexpected {kind} ({self.state.value})"
 
-    def _answer(self, message: Any) -> None:
-        if isinstance(message, g.GatewayHello) and self.standby is not None:
-            self.redirect(self.standby())
-        elif isinstance(message, g.GatewayHello):
-            welcome = g.GatewayWelcome(
-                name=self.expected_name,
-                instance=self.instance,
-                server_version=self.server_version,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-            )
-            self.outbox.put(g.GatewayWelcome, welcome)
-            for kind in TABLE:
-                self.outbox.put(kind, None)  # made when written: the newest then
+    def _welcome(self, hello: g.GatewayHello) -> None:
+        welcome = g.GatewayWelcome(
+            name=self.expected_name,
+            instance=self.instance,
+            server_version=self.server_version,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
+        self.outbox.put(g.GatewayWelcome, welcome)
+        for kind in TABLE:
+            self.outbox.put(kind, None)  # made when written: the newest then
 
 
-class GatewaySession(Session):
+class GatewaySession(DialingSession):
     """The gateway's end of one connection, for the gateway `name` (its certificate's CN) and
     this process, `instance`; `make_hello` is called once, by `start`."""
 
     role = GATEWAY
     accepts = g.ControlMessage
     receives, sends, outbox_kinds, events = RECEIVES[GATEWAY], SENDS[GATEWAY], OUTBOX[GATEWAY], _EVENTS
+    welcome_type = g.GatewayWelcome
 
     def __init__(self, name: str, instance: str, make_hello: Callable[[], g.GatewayHello]) -> None:
-        super().__init__(State.START)
+        super().__init__(make_hello)
         self.name = name
         self.instance = instance
-        self.make_hello = make_hello
         self._seq = 0
 
-    @property
-    def open(self) -> bool:
-        """Welcomed and not closed: heartbeats may be sent."""
-        return self.state is State.OPEN
-
     def upgrade_request(self) -> tuple[str, list[tuple[bytes, bytes]]]:
-        """The path and extra headers of the WebSocket upgrade."""
         return g.GATEWAY_PATH, [
             (g.GATEWAY_NAME_HEADER.encode(), self.name.encode()),
             (g.GATEWAY_INSTANCE_HEADER.encode(), self.instance.encode()),
         ]
 
-    def start(self) -> None:
-        """Queue the hello, the first frame this side sends."""
-        hello = self.make_hello()
+    def _check_hello(self, hello: g.GatewayHello) -> None:
         if (hello.name, hello.instance) != (self.name, self.instance):
-            raise LocalProtocolError(
+            raise LocalLinkError(
                 f"hello for gateway {hello.name!r} ({hello.instance!r}) on the link of {self.name!r} ({self.instance!r})"
             )
-        self.send(hello)
 
     def heartbeat(self, load: g.GatewayHeartbeat | None = None) -> None:
         """Queue a GatewayHeartbeat saying `load` (its `seq` is the session's), if the link is
@@ -364,17 +332,12 @@ class GatewaySession(Session):
 
     def _check_welcome(self, welcome: g.GatewayWelcome) -> None:
         if (welcome.name, welcome.instance) != (self.name, self.instance):
-            raise ProtocolError(
+            raise LinkProtocolError(
                 g.NAME_MISMATCH,
                 f"the control plane welcomed gateway {shown(welcome.name)}, instance {shown(welcome.instance)}, on the "
                 f"link of {self.name!r}, instance {self.instance!r}; check that --server names this cluster's control plane",
             )
-        if not _VERSION.fullmatch(welcome.server_version):
-            raise WireError(
-                w.BAD_MESSAGE,
-                f"the control plane's welcome names no server version this gateway can read "
-                f"({shown(welcome.server_version)}); run an llmgw release on the control plane",
-            )
+        self._check_server_version(welcome.server_version)
         interval = welcome.heartbeat_interval_s
         if not (math.isfinite(interval) and interval >= MIN_HEARTBEAT_INTERVAL_S):
             raise WireError(
@@ -382,14 +345,6 @@ class GatewaySession(Session):
                 f"the control plane asks for a heartbeat every {interval:g} s, and this gateway sends one at most "
                 f"every {MIN_HEARTBEAT_INTERVAL_S:g} s; set heartbeat_interval_s in server.toml to a few seconds",
             )
-
-    def _unexpected(self, message: Any) -> str:
-        kind = type(message).__name__
-        if self.state is State.AWAIT_WELCOME:
-            return f"expected a welcome from the control plane, got {kind}"
-        if isinstance(message, g.GatewayWelcome):
-            return "a second welcome on one link from the control plane"
-        return f"unexpected {kind} from the control plane ({self.state.value})"
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,199}")  # Prometheus' names, bounded

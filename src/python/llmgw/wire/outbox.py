@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from llmgw.wire.errors import LocalProtocolError
+from llmgw.wire.errors import LocalLinkError
 
 
 class _Entry:
@@ -55,9 +55,7 @@ class Outbox:
             pending.item = item  # the newer says all the older did: it goes in the older's place
             return
         if not self.room(kind):
-            raise LocalProtocolError(
-                f"{self.limits[kind]} {kind.__name__} already wait to be written; ask `room` first"
-            )
+            raise LocalLinkError(f"{self.limits[kind]} {kind.__name__} already wait to be written; ask `room` first")
         entry = _Entry(kind, item)
         self._queue.append(entry)
         if kind in self.latest:
