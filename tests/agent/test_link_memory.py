@@ -17,6 +17,7 @@ import trio_websocket
 
 from agent import link as agentlink
 from agent.link import AgentLink, Target
+from llmgw import linkclient
 from llmgw.linkio import Targets
 from llmgw.wire import agent_link as w
 from llmgw.wire import agent_session as s
@@ -189,9 +190,9 @@ async def test_a_control_plane_that_takes_nothing_ends_the_session_at_the_send_d
     assert await agent.link.send(w.ReplicasChanged(replicas=()))
     await agent.done.wait()
     # Its deadline, then at most a second for the WebSocket's close, which nobody reads either.
-    assert agentlink.SEND_TIMEOUT_S <= trio.current_time() - started <= agentlink.SEND_TIMEOUT_S + 1
+    assert linkclient.SEND_TIMEOUT_S <= trio.current_time() - started <= linkclient.SEND_TIMEOUT_S + 1
     assert agent.ended == [
-        f"the control plane took no message for {agentlink.SEND_TIMEOUT_S:g} s: the link is as good as down"
+        f"the control plane took no message for {linkclient.SEND_TIMEOUT_S:g} s: the link is as good as down"
     ]
     assert not await agent.link.send(w.ReplicasChanged(replicas=()))  # no session: the next hello carries it
 
@@ -349,7 +350,7 @@ async def test_two_standbys_that_name_each_other_do_not_spin(
         await link.serve()
     at_once = [t for _, t in planes.dialled if t == 0.0]
     # A round of both, each followed MAX_REDIRECTS times at most, then the backoff.
-    assert len(at_once) <= len(("cp-a", "cp-b")) * (agentlink.MAX_REDIRECTS + 1)
+    assert len(at_once) <= len(("cp-a", "cp-b")) * (linkclient.MAX_REDIRECTS + 1)
     assert len(planes.dialled) < 150  # the backoff grows towards its 30 s between the rounds
 
 

@@ -1,6 +1,7 @@
 """Why a session of a link to the control plane ended (an agent's, a gateway's), in the
 operator's words and with the fix: the control plane's refusal as it said it, else what failed
-on the way (TLS, TCP, a deadline). Shared by both clients: `agent.link`, `llmgw.gatewayd.link`."""
+on the way (TLS, TCP, a deadline). Said by the dialling end's runtime (`llmgw.linkclient`), for
+an agent's link and a gateway's alike."""
 
 from __future__ import annotations
 

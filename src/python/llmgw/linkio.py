@@ -1,6 +1,8 @@
 """The trio half of the links that both ends share (the agent link and the gateway link): a
-link's one writer, and the stream under its WebSocket. The protocols are `llmgw.wire.session`'s
-and `llmgw.wire.gateway_session`'s; this module only moves their frames.
+link's one writer, and the stream under its WebSocket, which the link runtimes of both ends use
+(`llmgw.server.linkserver` on the control plane, `llmgw.linkclient` on an agent or a gateway).
+The protocols are `llmgw.wire.agent_session`'s and `llmgw.wire.gateway_session`'s; this module
+only moves their frames.
 
 `Writer` is the only task that writes a link's frames. Every sender queues its message in the
 session (which coalesces and bounds what waits, `llmgw.wire.outbox`) and rings `wake`; `serve`

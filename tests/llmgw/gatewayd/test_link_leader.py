@@ -81,21 +81,15 @@ class ControlPlanes:
 
 
 def link_to(planes: ControlPlanes, sink: Sink, *hosts: str) -> gl.GatewayLink:
-    link: gl.GatewayLink
-
-    async def dial() -> trio.abc.Stream:
-        return await planes.dial(link.target)
-
-    link = gl.GatewayLink(
+    return gl.GatewayLink(
         target=Targets([Target(host=h, port=7443) for h in hosts]),
         tls=ssl.create_default_context(),
         name="gw1",
         instance="i1",
         sink=sink,
         rng=random.Random(3),
-        dial=dial,
+        dial=planes.dial,
     )
-    return link
 
 
 async def test_a_standby_sends_the_gateway_to_the_leader_at_once(

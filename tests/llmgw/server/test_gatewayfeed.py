@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw import linkclient
 from llmgw.backoff import Backoff
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.gatewayd import link as gl
@@ -343,7 +344,7 @@ async def test_a_gateway_whose_control_plane_falls_silent_ends_the_session(
     gateway.to_gateway.close()  # the control plane's frames stop reaching the gateway
     stopped = trio.current_time()
     await gateway.done.wait()
-    silence = max(gl.SILENT_HEARTBEATS * HEARTBEAT_S, gl.MIN_SILENCE_S)
+    silence = max(linkclient.SILENT_HEARTBEATS * HEARTBEAT_S, linkclient.MIN_SILENCE_S)
     assert trio.current_time() - stopped == pytest.approx(silence, abs=HEARTBEAT_S)
     assert gateway.ended == [
         f"nothing from the control plane for {silence:g} s (its heartbeats stopped); dialling again"
@@ -366,7 +367,7 @@ async def test_a_gateway_dials_again_with_backoff_and_gets_the_whole_table_anew(
     sessions: list[trio.testing.StapledStream] = []
     refuse = [True]
 
-    async def dial() -> trio.abc.Stream:
+    async def dial(target: gl.Target) -> trio.abc.Stream:
         await trio.lowlevel.checkpoint()
         if refuse[0]:
             raise ConnectionRefusedError(111, "Connection refused")
