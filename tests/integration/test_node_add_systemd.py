@@ -29,7 +29,7 @@ import trio
 
 from agent.install.installer import llama_cpu_backend
 from llmgw import pins
-from llmgw.nodeadd import layout
+from llmgw.nodeadd.node import layout
 from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.cluster import wait_until
 from testlib.firsttoken import ModelFiles, first_token, report

@@ -2,8 +2,9 @@
 
 A release is `llmgw-VERSION-linux-ARCH.pyz` and `llama.cpp-bBUILD-linux-ARCH.tar.gz` for each
 architecture and a `SHA256SUMS` listing them (docs/install.md). Both sides use this: `llmgw node
-add` picks the zipapp for a node's architecture, and the control plane serves the files it holds
-(`llmgw.server.releases`), the llama.cpp archives as its nodes' default llama.cpp.
+add` picks the zipapp for a node's architecture (and, from a release it is given, the llama.cpp
+archive, which the node's agent then installs from NODE_RELEASE_DIR), and the control plane serves
+the files it holds (`llmgw.server.releases`), the llama.cpp archives as its nodes' default llama.cpp.
 
 Invariant: a file name is only ever taken from a SHA256SUMS line or built here, and only when it
 matches `NAME` or `LLAMA_NAME` (no `/`, no whitespace), so a name read from a list can never leave
@@ -30,6 +31,10 @@ NAME = re.compile(r"llmgw-(?P<version>[^/\s]+)-linux-(?P<arch>amd64|arm64)\.pyz\
 LLAMA_NAME = re.compile(r"(?P<stem>llama\.cpp-(?P<version>b\d+)-linux-(?P<arch>amd64|arm64))\.tar\.gz\Z")
 LLAMA_BINARY = "llama-server"
 SUMS = "SHA256SUMS"
+# Under a node's agent state_dir: the llama.cpp archive of the release `llmgw node add --release`
+# named and a SHA256SUMS listing it, its line copied from the operator's (node add writes it,
+# agent.install.noderelease reads it).
+NODE_RELEASE_DIR = "release"
 
 
 def file_name(version: str, arch: str) -> str:

@@ -19,6 +19,7 @@ import trio
 
 from llmgw.config import FabricDecl
 from llmgw.nodeadd.errors import AuthFailed
+from llmgw.nodeadd.node.steps import STEPS
 from llmgw.nodeadd.questions import DoctorFailure
 from llmgw.nodeadd.screen import run_with_screen
 from llmgw.nodeadd.steps import FAILED, OK, STARTED, WARN, Event
@@ -99,7 +100,7 @@ async def main(scenario: str, out: Path) -> int:
     body = BODIES[scenario]
     before = termios.tcgetattr(sys.stdin.fileno())  # canonical mode, echo, Ctrl-C as SIGINT
     try:
-        value = await run_with_screen(TITLE, lambda emit, questions: body(emit, questions, out))
+        value = await run_with_screen(TITLE, lambda emit, questions: body(emit, questions, out), STEPS)
     except Exception as exc:  # noqa: BLE001 - what came out is the result under test
         result = {"raised": type(exc).__name__, "message": str(exc), "original": exc is AUTH_FAILED}
     else:

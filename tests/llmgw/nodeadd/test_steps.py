@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from llmgw.nodeadd.node.steps import NAMES, STEPS
 from llmgw.nodeadd.steps import (
     FAILED,
-    NAMES,
     OK,
     PROGRESS,
     STARTED,
@@ -32,14 +32,14 @@ def test_the_authority_is_read_before_the_node_is_touched() -> None:
 
 
 def test_a_whole_run_in_order() -> None:
-    c = Checklist()
+    c = Checklist(steps=STEPS)
     for name in NAMES:
         run(c, name, WARN if name == "doctor" else OK)
     assert c.done and c.failed is None and len(c.events) == 2 * len(NAMES)
 
 
 def test_steps_cannot_skip_ahead_repeat_or_finish_unstarted() -> None:
-    c = Checklist()
+    c = Checklist(steps=STEPS)
     with pytest.raises(ValueError, match="before 'authority' finished"):
         c.apply(Event(step="connect", status=STARTED))
     with pytest.raises(ValueError, match="without starting"):
@@ -50,7 +50,7 @@ def test_steps_cannot_skip_ahead_repeat_or_finish_unstarted() -> None:
 
 
 def test_the_first_failure_stops_the_run() -> None:
-    c = Checklist()
+    c = Checklist(steps=STEPS)
     run(c, "authority", FAILED, "no CA in /var/lib/llmgw; run `llmgw ca init`")
     assert c.done and c.failed == "authority"
     with pytest.raises(ValueError, match="after 'authority' failed"):
@@ -59,13 +59,13 @@ def test_the_first_failure_stops_the_run() -> None:
 
 def test_renderings() -> None:
     event = Event(step="connect", status=OK, detail="ubuntu@10.0.0.21")
-    assert plain_line(Event(step="connect", status=STARTED)) is None
-    assert plain_line(event) == "ok     connect    connect over SSH and verify the host key: ubuntu@10.0.0.21"
+    assert plain_line(Event(step="connect", status=STARTED), STEPS) is None
+    assert plain_line(event, STEPS) == "ok     connect    connect over SSH and verify the host key: ubuntu@10.0.0.21"
     assert json.loads(json_line(event)) == {"step": "connect", "status": "ok", "detail": "ubuntu@10.0.0.21"}
 
 
 def test_a_running_step_reports_progress_in_every_rendering_and_keeps_its_status() -> None:
-    c = Checklist()
+    c = Checklist(steps=STEPS)
     for name in NAMES[:-1]:
         run(c, name, OK)
     with pytest.raises(ValueError, match="progress while not running"):
@@ -75,7 +75,7 @@ def test_a_running_step_reports_progress_in_every_rendering_and_keeps_its_status
     c.apply(said)
     c.apply(said)
     assert c.status["join"] == STARTED and not c.done and summary(c)[-1].startswith("started")
-    assert plain_line(said) == "..     join       joined; installing llama.cpp 40% (build)"
+    assert plain_line(said, STEPS) == "..     join       joined; installing llama.cpp 40% (build)"
     assert json.loads(json_line(said)) == {
         "step": "join",
         "status": "progress",

@@ -1,7 +1,7 @@
 """The verbs of `llmgw gateway` (llmgw.commands.gateway, which without a verb runs the gateway):
 
-- `add USER@HOST` makes a machine a gateway over SSH (llmgw.nodeadd.gateway.flow), drawing its
-  steps as node add draws its own (a checklist in a terminal, `--plain`, `--json`);
+- `add USER@HOST` makes a machine a gateway over SSH (llmgw.nodeadd.gateway.flow, on the onboarding
+  toolkit), drawing its steps as every `add` does (a checklist in a terminal, `--plain`, `--json`);
 - `remove NAME` revokes every certificate of the gateway's name and closes its links (the control
   plane records a gateway's certificates under its name as a node's under its id, so this is
   `llmgw node remove NAME`); with `--ssh USER@HOST` it also stops and disables the unit there;
@@ -16,15 +16,9 @@ import json
 from pathlib import Path
 
 from llmgw.cli import Parser, add_json_flag, add_leaf
-from llmgw.commands._options import (
-    add_admin_options,
-    add_server_options,
-    add_ssh_options,
-    client_from,
-    default_known_hosts,
-    resolve_server_paths,
-)
-from llmgw.errors import LlmgwError, PeerError, UsageError
+from llmgw.commands._options import add_admin_options, add_server_options, add_ssh_options, client_from
+from llmgw.errors import LlmgwError
+from llmgw.nodeadd.flags import add_flags, add_link_flags, check_target, options_from, ssh_from
 from llmgw.nodeadd.gateway import layout
 
 
@@ -69,7 +63,12 @@ def add_verbs(parser: Parser) -> None:
 
 
 def _configure_add(add: argparse.ArgumentParser) -> None:
-    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.31")
+    add_flags(
+        add,
+        machine="machine",
+        example="ubuntu@10.0.0.31",
+        release_default="the control plane's release for the machine's architecture",
+    )
     add.add_argument(
         "--name", default="", help="the gateway's name, its certificate's CN (default: the machine's hostname)"
     )
@@ -85,84 +84,28 @@ def _configure_add(add: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="worker processes sharing the port, each about one core's worth; auto: one per CPU (default 1)",
     )
-    add.add_argument(
-        "--release",
-        metavar="DIR|FILE|URL",
-        default="",
-        help="the release to install, as `llmgw node add --release` takes it (default: the control plane's "
-        "release for the machine's architecture)",
+    add_link_flags(
+        add,
+        who="the gateway",
+        machine="gateway",
+        join_timeout=120.0,
+        join_help="how long to wait for the control plane to list the gateway's workers linked",
+        planes_help="the gateway's unit passes it as one more --server after this one's (repeatable; "
+        "docs/high-availability.md)",
     )
-    add.add_argument(
-        "--release-via",
-        choices=("ssh", "https"),
-        default="",
-        help="without --release, how the control plane's release reaches the machine, as for node add",
-    )
-    add.add_argument(
-        "--server-address",
-        metavar="ADDR",
-        default="",
-        help="the address the gateway dials (default: this machine's address on the route to it); the server "
-        "certificate must cover it",
-    )
-    add.add_argument(
-        "--control-plane",
-        action="append",
-        default=[],
-        metavar="wss://HOST:PORT",
-        help="another control plane's agent endpoint, when several share a PostgreSQL store: the gateway's unit "
-        "passes it as one more --server after this one's (repeatable; docs/high-availability.md)",
-    )
-    add.add_argument(
-        "--reissue", action="store_true", help="make the gateway a new key and certificate even if it has valid ones"
-    )
-    add.add_argument(
-        "--join-timeout",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="how long to wait for the control plane to list the gateway's workers linked (default 120)",
-    )
-    out = add.add_mutually_exclusive_group()
-    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
-    out.add_argument("--json", action="store_true", help="one JSON object per event")
-    add_ssh_options(add)
     add_server_options(add)
 
 
 def run_add(args: argparse.Namespace) -> int:
-    from llmgw.commands.node import run_checklist
-    from llmgw.nodeadd import context, ssh
+    from llmgw.nodeadd.checklist import run_checklist
     from llmgw.nodeadd.gateway import flow, steps
     from llmgw.pki.ca import check_gateway_name
 
-    ssh.parse_target(args.target)  # a bad argument is a usage error before anything is read
     layout.check_listen(args.listen)
     layout.check_workers(args.workers)
     if args.name:
         check_gateway_name(args.name)
-    if args.join_timeout <= 0:
-        raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
-    for url in args.control_plane:
-        if not url.startswith("wss://"):
-            raise UsageError(f"--control-plane {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
-    server_config, state_dir = resolve_server_paths(args)
-    base = context.Options(
-        target=args.target,
-        server_config=server_config,
-        state_dir=state_dir,
-        known_hosts=args.known_hosts or default_known_hosts(),
-        identity_files=tuple(args.identity) if args.identity else None,
-        accept_new_host_key=args.accept_new_host_key,
-        ssh_port=args.port,
-        release=args.release,
-        release_via=args.release_via,
-        server_address=args.server_address,
-        control_planes=tuple(dict.fromkeys(args.control_plane)),
-        reissue=args.reissue,
-        join_timeout_s=args.join_timeout,
-    )
-    opts = flow.Options(base=base, name=args.name, listen=args.listen, workers=args.workers)
+    opts = options_from(args, flow.Options, name=args.name, listen=args.listen, workers=args.workers)
     added = run_checklist(
         f"llmgw gateway add {args.target}",
         lambda emit, questions: flow.add_gateway(opts, emit=emit, questions=questions),
@@ -188,12 +131,11 @@ def run_add(args: argparse.Namespace) -> int:
 def run_remove(args: argparse.Namespace) -> int:
     import trio
 
-    from llmgw.nodeadd import ssh
     from llmgw.pki.ca import check_gateway_name
 
     check_gateway_name(args.name)
     if args.ssh:
-        ssh.parse_target(args.ssh)
+        check_target(args.ssh)
     result = client_from(args).remove_node(args.name)
     stopped = trio.run(_stop_remote, args) if args.ssh else ""
     if args.json:
@@ -212,22 +154,13 @@ def run_remove(args: argparse.Namespace) -> int:
 
 
 async def _stop_remote(args: argparse.Namespace) -> str:
-    from llmgw.nodeadd import ssh
+    from llmgw.nodeadd import service
 
-    async with ssh.open_session(
-        args.ssh,
-        known_hosts=args.known_hosts or default_known_hosts(),
-        accept_new_host_key=args.accept_new_host_key,
-        client_keys=tuple(args.identity) if args.identity else None,
-        port=args.port,
-    ) as s:
-        res = await s.run(["systemctl", "disable", "--now", layout.UNIT_NAME], sudo=True, timeout_s=layout.STOP_S + 30)
-    if res.exit_status != 0:
-        raise PeerError(
-            f"the gateway's certificates were revoked, but stopping it on {args.ssh} failed (systemctl disable --now "
-            f"{layout.UNIT_NAME}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); stop it "
-            "there by hand"
-        )
+    async def how(s) -> tuple[list[str], str]:
+        return ["systemctl", "disable", "--now", layout.UNIT_NAME], f"systemctl disable --now {layout.UNIT_NAME}"
+
+    done = "the gateway's certificates were revoked"
+    await service.stop_remote(args.ssh, **ssh_from(args), how=how, what="it", done=done, timeout_s=layout.STOP_S + 30)
     return f"stopped and disabled {layout.UNIT_NAME} on {args.ssh}; its files are left in place"
 
 

@@ -1,8 +1,8 @@
 """`llmgw node`: a node's membership of the cluster.
 
-`add USER@HOST` onboards a machine over SSH (llmgw.nodeadd.flow), drawing its steps as a
-checklist in a terminal, one line per step elsewhere (`--plain`), or one JSON object per event
-(`--json`). `remove NODE` forgets a node and revokes its certificate; with `--ssh USER@HOST` it
+`add USER@HOST` onboards a machine over SSH (llmgw.nodeadd.node.flow, on the onboarding
+toolkit), drawing its steps as a checklist in a terminal, one line per step elsewhere
+(`--plain`), or one JSON object per event (`--json`). `remove NODE` forgets a node and revokes its certificate; with `--ssh USER@HOST` it
 also stops and disables the agent there.
 """
 
@@ -10,28 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import TypeVar
-
-import trio
 
 from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_json_flag, add_leaf, fabric_arg
-from llmgw.commands._options import (
-    add_admin_options,
-    add_server_options,
-    add_ssh_options,
-    client_from,
-    default_known_hosts,
-    resolve_server_paths,
-)
-from llmgw.errors import LlmgwError, UsageError
-from llmgw.nodeadd import steps
-from llmgw.nodeadd.questions import Questions, Unattended
-
-T = TypeVar("T")
+from llmgw.commands._options import add_admin_options, add_server_options, add_ssh_options, client_from
+from llmgw.errors import LlmgwError
+from llmgw.nodeadd.flags import add_flags, add_link_flags, check_target, options_from, ssh_from
 
 
 def configure(parser: Parser) -> None:
@@ -43,22 +27,11 @@ def configure(parser: Parser) -> None:
         "wait for it to join",
         run_add,
     )
-    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.21")
-    add.add_argument(
-        "--release",
-        metavar="DIR|FILE|URL",
-        default="",
-        help="the release to install: a directory with llmgw-VERSION-linux-ARCH.pyz and SHA256SUMS, one .pyz, or "
-        "the URL of such a directory (fetched by the node); default: the control plane's release for the node's "
-        "architecture ([release] in server.toml)",
-    )
-    add.add_argument(
-        "--release-via",
-        choices=("ssh", "https"),
-        default="",
-        help="without --release, how the control plane's release reaches the node: https, the node downloads it "
-        "from the control plane's agent port; ssh, it is copied over SSH, for a node that cannot reach the "
-        "control plane that way (default: https when the control plane holds the node's file, else ssh)",
+    add_flags(
+        add,
+        machine="node",
+        example="ubuntu@10.0.0.21",
+        release_default="the control plane's release for the node's architecture ([release] in server.toml)",
     )
     add.add_argument(
         "--fabric",
@@ -77,36 +50,20 @@ def configure(parser: Parser) -> None:
         help="go on although doctor's CHECK fails on the node (in a terminal you are asked)",
     )
     add.add_argument(
-        "--reissue", action="store_true", help="make the node a new key and certificate even if it has valid ones"
-    )
-    add.add_argument(
         "--no-system-trust",
         action="store_true",
         help="leave the node's system trust store alone (the agent trusts only its own pki/ca.crt); for an OS "
         "whose store llmgw does not know",
     )
-    add.add_argument(
-        "--server-address",
-        metavar="ADDR",
-        default="",
-        help="the address the agent dials (default: this machine's address on the route to the node); the "
-        "server certificate must cover it",
-    )
-    add.add_argument(
-        "--control-plane",
-        action="append",
-        default=[],
-        metavar="wss://HOST:PORT",
-        help="another control plane's agent endpoint, when several share a PostgreSQL store: the node's agent.toml "
-        "names it after this one's, and the agent tries each in turn (repeatable; docs/high-availability.md)",
-    )
-    add.add_argument(
-        "--join-timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="how long to wait for the agent to join and check llama.cpp without news from the node: the wait "
-        "goes on while the node reports install progress (default 600)",
+    add_link_flags(
+        add,
+        who="the agent",
+        machine="node",
+        join_timeout=600.0,
+        join_help="how long to wait for the agent to join and check llama.cpp without news from the node: the "
+        "wait goes on while the node reports install progress",
+        planes_help="the node's agent.toml names it after this one's, and the agent tries each in turn (repeatable; "
+        "docs/high-availability.md)",
     )
     engines = add.add_argument_group('engines you installed yourself (used when the engine\'s version is "")')
     engines.add_argument("--llamacpp-bin", default="", metavar="PATH", help="llama-server on the node")
@@ -117,10 +74,6 @@ def configure(parser: Parser) -> None:
         "not given: the value of its agent.toml from an earlier add, else the usual place)"
     )
     driverpaths.add_options(where, absolute=True, overrides="the node's agent.toml")
-    out = add.add_mutually_exclusive_group()
-    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
-    out.add_argument("--json", action="store_true", help="one JSON object per event")
-    add_ssh_options(add)
     add_server_options(add)
 
     remove = add_leaf(
@@ -142,32 +95,15 @@ def configure(parser: Parser) -> None:
 
 
 def run_add(args: argparse.Namespace) -> int:
-    from llmgw.nodeadd import flow, ssh
+    from llmgw.nodeadd.checklist import run_checklist
+    from llmgw.nodeadd.node import flow, steps
 
-    ssh.parse_target(args.target)  # a bad target is a usage error before anything is read
-    if args.join_timeout <= 0:
-        raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
-    for url in args.control_plane:
-        if not url.startswith("wss://"):
-            raise UsageError(f"--control-plane {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
-    server_config, state_dir = resolve_server_paths(args)
-    opts = flow.Options(
-        target=args.target,
-        server_config=server_config,
-        state_dir=state_dir,
-        known_hosts=args.known_hosts or default_known_hosts(),
-        identity_files=tuple(args.identity) if args.identity else None,
-        accept_new_host_key=args.accept_new_host_key,
-        ssh_port=args.port,
-        release=args.release,
-        release_via=args.release_via,
-        server_address=args.server_address,
-        control_planes=tuple(dict.fromkeys(args.control_plane)),
+    opts = options_from(
+        args,
+        flow.Options,
         fabrics=tuple(args.fabric),
         ignore_doctor=frozenset(n.strip() for item in args.ignore_doctor for n in item.split(",") if n.strip()),
-        reissue=args.reissue,
         system_trust=not args.no_system_trust,
-        join_timeout_s=args.join_timeout,
         llamacpp_bin=args.llamacpp_bin,
         vllm_bin=args.vllm_bin,
         sglang_python=args.sglang_python,
@@ -176,6 +112,7 @@ def run_add(args: argparse.Namespace) -> int:
     added = run_checklist(
         f"llmgw node add {args.target}",
         lambda emit, questions: flow.add_node(opts, emit=emit, questions=questions),
+        checklist=steps.STEPS,
         plain=args.plain,
         as_json=args.json,
     )
@@ -189,37 +126,6 @@ def run_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_checklist(
-    title: str,
-    body: Callable[[Callable[[steps.Event], None], Questions], Awaitable[T]],
-    *,
-    checklist: steps.Steps = steps.STEPS,
-    plain: bool,
-    as_json: bool,
-) -> T | LlmgwError:
-    """Run `body(emit, questions)` (a flow of `checklist`'s steps) under the checklist screen in a
-    terminal, else printing one line per step (`plain`) or one JSON object per event (`as_json`),
-    with unattended answers. A failure comes back, not raised: its step has shown it already."""
-    if not (plain or as_json) and sys.stdin.isatty() and sys.stdout.isatty():
-        from llmgw.nodeadd.screen import run_with_screen
-
-        try:
-            return trio.run(run_with_screen, title, body, checklist)
-        except LlmgwError as exc:
-            return exc  # the screen has printed the checklist and the failure
-    render = steps.json_line if as_json else partial(steps.plain_line, steps=checklist)
-
-    def emit(event: steps.Event) -> None:
-        line = render(event)
-        if line is not None:
-            print(line, flush=True)
-
-    try:
-        return trio.run(body, emit, Unattended())
-    except LlmgwError as exc:
-        return exc
-
-
 def _added_text(added) -> str:
     return (
         f"node {added.node_id} joined, running llmgw {added.version} under {added.service}; "
@@ -231,10 +137,10 @@ def _added_text(added) -> str:
 
 
 def run_remove(args: argparse.Namespace) -> int:
-    if args.ssh:
-        from llmgw.nodeadd import ssh
+    import trio
 
-        ssh.parse_target(args.ssh)
+    if args.ssh:
+        check_target(args.ssh)
     result = client_from(args).remove_node(args.node)
     stopped = ""
     if args.ssh:
@@ -257,29 +163,13 @@ def run_remove(args: argparse.Namespace) -> int:
 
 
 async def _stop_remote(args: argparse.Namespace) -> str:
-    from llmgw.errors import PeerError
-    from llmgw.nodeadd import install, layout, ssh
+    from llmgw.nodeadd import service
+    from llmgw.nodeadd.node import install, layout
 
-    async with ssh.open_session(
-        args.ssh,
-        known_hosts=args.known_hosts or default_known_hosts(),
-        accept_new_host_key=args.accept_new_host_key,
-        client_keys=tuple(args.identity) if args.identity else None,
-        port=args.port,
-    ) as s:
+    async def how(s) -> tuple[list[str], str]:
         probe = await s.run(["sh", "-c", layout.PROBE], timeout_s=60)
-        facts = layout.parse_probe(probe.stdout)
-        if facts.systemd:
-            argv = ["systemctl", "disable", "--now", layout.UNIT_NAME]
-            how = f"systemctl disable --now {layout.UNIT_NAME}"
-        else:
-            argv = install.stop_supervisor_argv()
-            how = f"llmgw agent stop --pid-file {layout.PID_FILE}"
-        res = await s.run(argv, sudo=True, timeout_s=120)
-        if res.exit_status != 0:
-            raise PeerError(
-                f"the node was removed from the cluster, but stopping its agent on {args.ssh} failed "
-                f"({how}: exit status {res.exit_status}: {(res.stderr or res.stdout).strip()[-400:]}); "
-                "stop it there by hand"
-            )
-        return f"stopped and disabled the agent on {args.ssh} ({how}); its files are left in place"
+        return install.stop_argv(layout.parse_probe(probe.stdout).systemd)
+
+    done = "the node was removed from the cluster"
+    words = await service.stop_remote(args.ssh, **ssh_from(args), how=how, what="its agent", done=done, timeout_s=120)
+    return f"stopped and disabled the agent on {args.ssh} ({words}); its files are left in place"

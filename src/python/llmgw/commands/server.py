@@ -5,7 +5,8 @@ SIGHUP (or `llmgw ctl reload`) reads server.toml again.
 `llmgw server migrate-store --to URL` copies its store into another, empty, one (SQLite to
 PostgreSQL or back) while no server runs; `llmgw server check-store` says whether this machine
 reaches the store server.toml names, and which it is; `llmgw server add USER@HOST` makes another
-machine a second control plane on the same PostgreSQL store, over SSH (llmgw.nodeadd.server).
+machine a second control plane on the same PostgreSQL store, over SSH (llmgw.nodeadd.server.flow,
+on the onboarding toolkit).
 The options that find the state directory (--state-dir, --config) may come before or after the
 subcommand.
 """
@@ -116,9 +117,14 @@ def _own_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_add(add: argparse.ArgumentParser) -> None:
-    from llmgw.commands._options import add_ssh_options
+    from llmgw.nodeadd.flags import add_flags
 
-    add.add_argument("target", metavar="USER@HOST", help="how to log in to the machine, e.g. ubuntu@10.0.0.12")
+    add_flags(
+        add,
+        machine="machine",
+        example="ubuntu@10.0.0.12",
+        release_default="the control plane's release for the machine's architecture",
+    )
     add.add_argument(
         "--store",
         default="",
@@ -135,29 +141,12 @@ def _configure_add(add: argparse.ArgumentParser) -> None:
         "covers (repeatable; default: the HOST of USER@HOST)",
     )
     add.add_argument(
-        "--release",
-        metavar="DIR|FILE|URL",
-        default="",
-        help="the release to install, as `llmgw node add --release` takes it (default: the control plane's "
-        "release for the machine's architecture)",
-    )
-    add.add_argument(
-        "--release-via",
-        choices=("ssh", "https"),
-        default="",
-        help="without --release, how the control plane's release reaches the machine, as for node add",
-    )
-    add.add_argument(
         "--start-timeout",
         type=float,
         default=120.0,
         metavar="S",
         help="how long to wait for the new control plane's admin API to answer (default 120)",
     )
-    out = add.add_mutually_exclusive_group()
-    out.add_argument("--plain", action="store_true", help="one line per step, even in a terminal")
-    out.add_argument("--json", action="store_true", help="one JSON object per event")
-    add_ssh_options(add)
     _own_server_options(add)
 
 
@@ -246,39 +235,28 @@ def run_check_store(args: argparse.Namespace) -> int:
 def run_add(args: argparse.Namespace) -> int:
     from functools import partial
 
-    from llmgw.commands._options import default_known_hosts
-    from llmgw.commands.node import run_checklist
+    import attrs
+
     from llmgw.config import parse_toml
     from llmgw.errors import LlmgwError, UsageError
-    from llmgw.nodeadd import context, ssh
+    from llmgw.nodeadd.checklist import run_checklist
+    from llmgw.nodeadd.flags import check_target, options_from
     from llmgw.nodeadd.server import flow, layout, steps
     from llmgw.server.storecheck import look
 
-    ssh.parse_target(args.target)  # a bad argument is a usage error before anything is read
+    check_target(args.target)  # a bad argument is a usage error before anything is read
     if args.start_timeout <= 0:
         raise UsageError(f"--start-timeout must be positive, not {args.start_timeout:g}")
     store_url = layout.check_store_url(args.store) if args.store else ""
-    config, state_dir = resolve_server_paths(args)
     path = _config_path(args)
+    opts = options_from(args, flow.Options, config_path=path, advertise=tuple(args.advertise))
     source = parse_toml(path.read_text(encoding="utf-8"), str(path)) if path is not None else {}
-    base = context.Options(
-        target=args.target,
-        server_config=config,
-        state_dir=state_dir,
-        known_hosts=args.known_hosts or default_known_hosts(),
-        identity_files=tuple(args.identity) if args.identity else None,
-        accept_new_host_key=args.accept_new_host_key,
-        ssh_port=args.port,
-        release=args.release,
-        release_via=args.release_via,
-    )
-    opts = flow.Options(
-        base=base,
-        config_path=path,
+    config = opts.server_config  # server.toml, read by options_from after the flags were checked
+    opts = attrs.evolve(
+        opts,
         source=source,
         store_url=store_url or config.store.url,
-        advertise=tuple(args.advertise),
-        look_store=partial(look, state_dir, config.store),
+        look_store=partial(look, opts.state_dir, config.store),
     )
     added = run_checklist(
         f"llmgw server add {args.target}",

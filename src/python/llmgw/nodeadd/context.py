@@ -1,9 +1,12 @@
-"""What every step of `llmgw node add` shares: the operator's `Options`, the `Authority` read
-before the node is touched, the `Facts` the steps learn in order, and the helpers that run a
-command on the node and fail with what it said.
+"""What every onboarding flow's steps share: the operator's `Options` (what each flow takes alike:
+SSH, the control plane's files, the release, the address dialled, the join's timeout), the
+`Authority` read before a machine is touched, the `Facts` the steps learn in order, and the
+helpers that run a command on the machine and fail with what it said.
 
-`Facts` is filled step by step (flow.py says in which order): a step reads only what the steps
-before it wrote. Every remote command is argv, quoted by `llmgw.nodeadd.remote`.
+Each flow (llmgw.nodeadd.node, .gateway, .server) subclasses `Options` and `Facts` with its own
+fields; the toolkit's steps read and write only the fields defined here. `Facts` is filled step
+by step (the flow's list says in which order): a step reads only what the steps before it wrote.
+Every remote command is argv, quoted by `llmgw.nodeadd.remote`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import attrs
 from llmgw import config as cfg
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError
-from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd import ssh
 from llmgw.nodeadd.release import Artifact
 from llmgw.pki.ca import CA, CertInfo
 
@@ -28,6 +31,9 @@ FETCH_S = 600
 
 @attrs.frozen(kw_only=True)
 class Options:
+    """What the three `add` commands take alike (llmgw.nodeadd.flags builds it from their flags);
+    a flow's own options subclass it."""
+
     target: str  # user@host
     server_config: cfg.ServerConfig
     state_dir: Path
@@ -39,24 +45,16 @@ class Options:
     release_via: str = ""  # "ssh", "https", or "" (the control plane's when it holds the file, else SSH)
     server_address: str = ""
     # The other control planes' agent endpoints (wss://HOST:PORT), when several share a store:
-    # the node's agent.toml names them after this one's (`--control-plane`).
+    # the machine names them after this one's (`--control-plane`).
     control_planes: tuple[str, ...] = ()
-    fabrics: tuple[cfg.FabricDecl, ...] = ()
-    ignore_doctor: frozenset[str] = frozenset()
     reissue: bool = False
-    system_trust: bool = True  # also trust the CA root in the node's system store (layout.TRUST_STORES)
     join_timeout_s: float = 600.0
-    llamacpp_bin: str = ""
-    vllm_bin: str = ""
-    sglang_python: str = ""
-    # --nvidia-smi, --ib-root, --sminfo as given, by agent.toml key (llmgw.driverpaths); absolute paths
-    driver_paths: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
 class Authority:
-    """What the control plane holds, read before the node is touched. `admin` is the one way to
-    its state: node add never opens the control plane's database."""
+    """What the control plane holds, read before the machine is touched. `admin` is the one way
+    to its state: the flows never open the control plane's database."""
 
     ca: CA
     server_cert: CertInfo
@@ -66,24 +64,17 @@ class Authority:
 
 @attrs.define
 class Facts:
-    node_id: str = ""
-    arch: str = ""
-    machine: str = ""
+    hostname: str = ""
+    arch: str = ""  # the release's name for it (amd64, arm64)
+    machine: str = ""  # as `uname -m` says it
     systemd: bool = False
-    trust_store: layout.TrustStore | None = None  # None: --no-system-trust
-    address: str = ""
+    address: str = ""  # where the machine dials the control plane
     port: int = 0
     stage: str = ""
     artifact: Artifact | None = None
     installed_sha256: str = ""
-    fabrics: tuple[cfg.FabricDecl, ...] = ()
     cert_pem: bytes = b""
     cert_serial: str = ""
-    existing: cfg.AgentConfig | None = None  # the node's agent.toml from an earlier add, if it loads
-
-    def given_fabrics(self, opts: Options) -> tuple[cfg.FabricDecl, ...]:
-        """--fabric flags, else what the node declared before: adding again does not drop them."""
-        return opts.fabrics or (self.existing.fabrics if self.existing else ())
 
     @property
     def server(self) -> str:
@@ -97,8 +88,14 @@ def view_of(nodes: list[dict[str, Any]], node_id: str) -> dict[str, Any] | None:
 
 
 def staged_llmgw(facts: Facts, *args: str) -> list[str]:
-    """Run the staged release (as root, through sudo), unpacking into the stage, not the node."""
+    """Run the staged release (as root, through sudo), unpacking into the stage, not the machine."""
     return ["env", f"SHIV_ROOT={facts.stage}/pyz", "python3", f"{facts.stage}/llmgw", *args]
+
+
+def servers(opts: Options, facts: Facts) -> str | tuple[str, ...]:
+    """The control plane the machine dials, then each other one `--control-plane` named, once."""
+    others = tuple(u for u in opts.control_planes if u != facts.server)
+    return (facts.server, *others) if others else facts.server
 
 
 async def must(s: ssh.Session, argv: list[str], *, sudo: bool, what: str, timeout_s: float = SHORT_S) -> str:

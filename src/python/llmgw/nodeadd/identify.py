@@ -1,81 +1,47 @@
-"""The `identify` and `address` steps of `llmgw node add`: what the node is, and where its agent
-will dial the control plane.
+"""The `identify` and `address` steps every onboarding flow shares: what the machine is, and where
+it will dial the control plane.
 
-`identify` reads the node (hostname, architecture, init system, trust store, an agent.toml from
-an earlier add) and, when the cluster knows a node by that hostname, asks whether this machine
-holds that node's certificate (identity.py decides; the control plane says whether the serial
-is revoked). Nothing is written on the node here. `address` is a decision on this machine only:
-the address must be one the server certificate covers and `agent_listen` can be reached at.
+`probe_machine` reads the machine in one round trip (hostname, architecture, init system,
+os-release: llmgw.nodeadd.layout's probe) into the flow's `Facts`; `check_sudo` refuses a login
+that cannot become root without a password. What a flow then decides from them (a node's id, a
+gateway's name, a control plane's CA) is its own identify step's. Nothing is written on the
+machine here. `agent_address` is a decision on this machine only: the address must be one the
+server certificate covers and `agent_listen` can be reached at.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from pathlib import Path
+from collections.abc import Sequence
 
-import trio
-from cryptography import x509
-
-from llmgw import config as cfg
-from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
-from llmgw.nodeadd import identity, layout, ssh
-from llmgw.nodeadd.context import SHORT_S, Authority, Facts, Options, said, view_of
+from llmgw.errors import ConfigError, MachineError, PeerError
+from llmgw.nodeadd import layout, ssh
+from llmgw.nodeadd.context import SHORT_S, Facts, Options, said
 from llmgw.nodeadd.release import release_arch
-from llmgw.pki.ca import CertInfo, check_node_id
-from llmgw.pki.files import node_paths
+from llmgw.pki.ca import CertInfo
 
 # -- identify ------------------------------------------------------------------------------
 
 
-async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
-    await probe(opts, s, facts)
-    kb = view_of(auth.nodes, facts.node_id)
-    again = ""
-    if kb is not None:
-        marks = "".join(f", {m}" for m in ("cordoned", "draining") if kb.get(m))
-        again = f"; known to the cluster already ({kb['state']}{marks}): adding it again"
-        why = await _why_not_the_holder(s, facts.node_id, auth)
-        if why and not opts.reissue:
-            raise UsageError(identity.refusal(facts.node_id, kb, str(s.target), why))
-        if why:
-            again = (
-                f"; known to the cluster already ({kb['state']}{marks}), and this machine {why}: --reissue makes it "
-                f"{facts.node_id!r} and revokes the certificates of the machine it replaces"
-            )
-    service = "systemd" if facts.systemd else "no systemd"
-    store = f", {facts.trust_store.family} trust store" if facts.trust_store else ""
-    return f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{store}{again}"
-
-
-async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
-    res = await s.run(["sh", "-c", layout.PROBE], timeout_s=SHORT_S)
+async def probe_machine(
+    s: ssh.Session, facts: Facts, *, machine: str = "machine", tools: Sequence[str] = (), without_systemd: str = ""
+) -> layout.Probe:
+    """The probe's answer, with `facts` filled from it (hostname, machine, arch, systemd).
+    `tools`: the flow's known tools the probe looks for; `without_systemd`: for a flow that
+    installs a systemd service, what to tell the operator of a machine without systemd (after
+    its target), which is refused."""
+    res = await s.run(["sh", "-c", layout.probe_script(tools)], timeout_s=SHORT_S)
     if res.exit_status != 0:
-        raise PeerError(f"{s.target}: probing the node failed ({said(res)})")
-    found = layout.parse_probe(res.stdout)
-    hostname = found.hostname
-    try:
-        facts.node_id = check_node_id(hostname)
-    except UsageError:
-        raise PeerError(
-            f"{s.target}: its hostname {hostname!r} cannot be a node id (letters, digits, '-' and '.'); "
-            "give the machine a proper hostname (`sudo hostnamectl set-hostname NAME`) and run again"
-        ) from None
+        raise PeerError(f"{s.target}: probing the {machine} failed ({said(res)})")
+    found = layout.parse_probe(res.stdout, tools)
+    facts.hostname = found.hostname
     facts.machine = found.arch
-    facts.arch = release_arch(facts.machine)
+    facts.arch = release_arch(found.arch)
     facts.systemd = found.systemd
-    if opts.system_trust:
-        facts.trust_store = layout.trust_store(found, str(s.target))
-    await check_sudo(s)
-    current = await s.run(["cat", "--", layout.CONFIG], sudo=True, timeout_s=SHORT_S)
-    if current.exit_status == 0:
-        try:
-            facts.existing = cfg.agent_config_from_dict(cfg.parse_toml(current.stdout, layout.CONFIG), layout.CONFIG)
-        except ConfigError as exc:
-            raise PeerError(
-                f"{s.target}: its {layout.CONFIG} (from an earlier add, or written by hand) does not load: {exc}. "
-                f"Fix it, or remove it to have it written afresh"
-            ) from None
+    if without_systemd and not found.systemd:
+        raise MachineError(f"{s.target} {without_systemd}")
+    return found
 
 
 async def check_sudo(s: ssh.Session) -> None:
@@ -89,23 +55,6 @@ async def check_sudo(s: ssh.Session) -> None:
             f"log in as root, or allow it: `echo '{s.user} ALL=(ALL) NOPASSWD: ALL' | "
             f"sudo tee /etc/sudoers.d/llmgw-{s.user}` on the machine"
         )
-
-
-async def _why_not_the_holder(s: ssh.Session, node_id: str, auth: Authority) -> str:
-    """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
-    node = node_paths(Path(layout.STATE_DIR))
-    res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)
-    pem = res.stdout.encode() if res.exit_status == 0 else None
-    revoked = False
-    try:
-        held = x509.load_pem_x509_certificate(pem).serial_number if pem is not None else None
-    except ValueError:
-        held = None  # not a certificate: why_not_the_holder says so
-    if held is not None:
-        revoked = await trio.to_thread.run_sync(auth.admin.is_revoked, held)
-    return identity.why_not_the_holder(
-        pem, ca_cert=auth.ca.cert, node_id=node_id, is_revoked=lambda n: revoked and n == held
-    )
 
 
 # -- address -------------------------------------------------------------------------------

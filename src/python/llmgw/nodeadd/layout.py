@@ -1,121 +1,79 @@
-"""Where `llmgw node add` puts things on a node, and the files it writes there.
+"""What every onboarding flow (node add, gateway add, server add) puts in the same place on a
+machine, and what it reads there in its first round trip.
 
-    /usr/local/bin/llmgw                    the release zipapp (the same file as on the control plane's download)
-    /etc/llmgw/agent.toml                   the agent's configuration
-    /var/lib/llmgw-agent/pki/               node.key (made there, never leaves), node.csr, node.crt, ca.crt
-    /etc/systemd/system/llmgw-agent.service the unit, where systemd runs the node
-    /run/llmgw-agent.pid, /var/log/llmgw-agent.log   the fallback supervisor's, where it does not
-    /usr/local/share/ca-certificates/llmgw-ca.crt    the CA root, trusted system-wide (Debian, Ubuntu)
-    /etc/pki/ca-trust/source/anchors/llmgw-ca.crt    the same on RHEL and its relatives
+    /usr/local/bin/llmgw          the release zipapp: one llmgw per machine, whatever it serves as
+    /tmp/llmgw-node-add.XXXXXXXX  the stage: a private directory (mktemp -d) a run ships into and
+                                  removes at its end, whatever happens
 
-Also the decisions `identify` makes from what the node answered (`parse_probe`, `trust_store`):
-a node's answer selects a row of a fixed table or fails, and never becomes part of a command.
+`probe_script` and `parse_probe` are the first round trip: hostname, architecture, init system,
+os-release, and which of a flow's known tools are executable there. A machine's answer is data:
+it selects a row of a fixed table or fails, and never becomes part of a command.
 
-Pure: rendering and deciding only, no I/O.
+Also the system user and the systemd sandbox of a service llmgw installs as its own user
+(gateway add, server add). Pure: rendering and deciding only, no I/O.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import attrs
-import tomli_w
-
-from llmgw import config as cfg
-from llmgw.errors import MachineError
 
 BIN = "/usr/local/bin/llmgw"
-CONFIG = "/etc/llmgw/agent.toml"
-STATE_DIR = cfg.DEFAULT_AGENT_STATE_DIR
-PKI_DIR = f"{STATE_DIR}/pki"
-UNIT_NAME = "llmgw-agent.service"
-UNIT = f"/etc/systemd/system/{UNIT_NAME}"
-PID_FILE = "/run/llmgw-agent.pid"
-LOG_FILE = "/var/log/llmgw-agent.log"
 STAGE_PREFIX = "/tmp/llmgw-node-add."
-
-# -- the system trust store -----------------------------------------------------------------
-#
-# What runs as root on the node to trust the CA root system-wide comes from this table only,
-# chosen by the OS family that /etc/os-release names. The node's answers select a row or
-# nothing: no string the node sends becomes part of a command.
-
-
-@attrs.frozen(kw_only=True)
-class TrustStore:
-    family: str  # as docs/node-onboarding.md names it
-    ids: tuple[str, ...]  # os-release ID / ID_LIKE values of the family
-    tool: str  # absolute path, where the family's package puts it
-    args: tuple[str, ...]
-    anchor: str  # where the family takes an extra root
-    install: str  # the command that installs the tool
-
-
-TRUST_STORES = (
-    TrustStore(
-        family="Debian, Ubuntu",
-        ids=("debian", "ubuntu"),
-        tool="/usr/sbin/update-ca-certificates",
-        args=(),
-        anchor="/usr/local/share/ca-certificates/llmgw-ca.crt",
-        install="sudo apt-get install ca-certificates",
-    ),
-    TrustStore(
-        family="RHEL, Fedora, CentOS, Rocky, AlmaLinux",
-        ids=("rhel", "fedora", "centos", "rocky", "almalinux"),
-        tool="/usr/bin/update-ca-trust",
-        args=("extract",),
-        anchor="/etc/pki/ca-trust/source/anchors/llmgw-ca.crt",
-        install="sudo dnf install ca-certificates",
-    ),
-)
 
 
 @attrs.frozen(kw_only=True)
 class Probe:
-    """What `identify` read on the node: data, never a command or a path to run."""
+    """What the first round trip read on the machine: data, never a command or a path to run."""
 
     hostname: str = ""
     arch: str = ""
     systemd: bool = False
-    os_id: str = ""  # "" when the node has no os-release
+    os_id: str = ""  # "" when the machine has no os-release
     os_like: tuple[str, ...] = ()
-    tools: frozenset[str] = frozenset()  # which of TRUST_STORES' tools are executable there
+    tools: frozenset[str] = frozenset()  # which of the flow's known tools are executable there
 
 
-# What `identify` learns in one round trip. A constant script: nothing is interpolated into it
-# but this module's own constants.
-PROBE = (
-    r"""
+def probe_script(tools: Sequence[str] = ()) -> str:
+    """The first round trip, one constant script: nothing is interpolated into it but `tools`,
+    absolute paths from a flow's own table, each quoted."""
+    script = r"""
 echo "hostname=$(uname -n)"
 echo "arch=$(uname -m)"
 if [ -d /run/systemd/system ]; then echo "systemd=yes"; else echo "systemd=no"; fi
 for f in /etc/os-release /usr/lib/os-release; do
   if [ -r "$f" ]; then sed -n -e 's/^ID=/os_id=/p' -e 's/^ID_LIKE=/os_like=/p' "$f"; break; fi
 done
-for tool in """
-    + " ".join(shlex.quote(t.tool) for t in TRUST_STORES)
-    + r"""; do
+"""
+    if tools:
+        script += (
+            "for tool in "
+            + " ".join(shlex.quote(t) for t in tools)
+            + r"""; do
   if [ -x "$tool" ]; then echo "tool=$tool"; fi
 done
 """
-)
+        )
+    return script
 
 
-def parse_probe(stdout: str) -> Probe:
+PROBE = probe_script()
+
+
+def parse_probe(stdout: str, tools: Sequence[str] = ()) -> Probe:
     """The probe's stdout, read as data: the first value of each key wins, other lines are
-    ignored, and a `tool=` line counts only when it is one of TRUST_STORES' own paths."""
+    ignored, and a `tool=` line counts only when it is one of `tools`."""
     found: dict[str, str] = {}
-    tools = set()
-    known = {t.tool for t in TRUST_STORES}
+    seen = set()
+    known = set(tools)
     for line in stdout.splitlines():
         key, sep, value = line.partition("=")
         if not sep:
             continue
         if key == "tool" and value in known:
-            tools.add(value)
+            seen.add(value)
         elif key in ("hostname", "arch", "systemd", "os_id", "os_like"):
             found.setdefault(key, value.strip())
     return Probe(
@@ -124,7 +82,7 @@ def parse_probe(stdout: str) -> Probe:
         systemd=found.get("systemd") == "yes",
         os_id=_unquote(found.get("os_id", "")),
         os_like=tuple(_unquote(found.get("os_like", "")).split()),
-        tools=frozenset(tools),
+        tools=frozenset(seen),
     )
 
 
@@ -133,167 +91,6 @@ def _unquote(value: str) -> str:
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
         return value[1:-1]
     return value
-
-
-def trust_store(probe: Probe, target: str) -> TrustStore:
-    """The row of TRUST_STORES for the node's OS family, with its tool there; else MachineError
-    naming what the node said and what the operator can do."""
-    skip = (
-        "or add the node with --no-system-trust: the agent trusts only its own pki/ca.crt, so the CA root then "
-        "stays out of the system store and nothing else changes"
-    )
-    families = "; ".join(f"{t.family} ({t.tool.rsplit('/', 1)[-1]})" for t in TRUST_STORES)
-    if not probe.os_id:
-        raise MachineError(
-            f"{target} has no readable /etc/os-release (nor /usr/lib/os-release), so llmgw cannot tell which "
-            f"system trust store it has (it knows {families}); {skip}"
-        )
-    said = f"ID={_shown(probe.os_id)}" + (f" ID_LIKE={_shown(' '.join(probe.os_like))}" if probe.os_like else "")
-    names = [probe.os_id, *probe.os_like]
-    store = next((t for name in names for t in TRUST_STORES if name in t.ids), None)
-    if store is None:
-        raise MachineError(
-            f"{target}: its os-release says {said}, and llmgw knows the system trust store only of {families}; "
-            f"{skip}"
-        )
-    if store.tool not in probe.tools:
-        raise MachineError(
-            f"{target}: its os-release says {said} ({store.family}), but it has no {store.tool} to trust the "
-            f"cluster's CA root system-wide; install it (`{store.install}` there) and run again, {skip}"
-        )
-    return store
-
-
-def _shown(value: str) -> str:
-    # A node's value in a message: quoted with escapes (no control characters reach the terminal), and short.
-    return repr(value if len(value) <= 64 else value[:64] + "...")
-
-
-def trust_commands(store: TrustStore, staged_ca: str) -> list[list[str]]:
-    """The argv run as root to trust the staged CA root system-wide: all from `store`, the
-    staging path from node add itself."""
-    return [
-        ["install", "-D", "-m", "0644", staged_ca, store.anchor],
-        [store.tool, *store.args],
-    ]
-
-
-def agent_toml(
-    *,
-    server: str | tuple[str, ...],
-    node_id: str,
-    fabrics: Sequence[cfg.FabricDecl] = (),
-    llamacpp_bin: str = "",
-    vllm_bin: str = "",
-    sglang_python: str = "",
-    driver_paths: Mapping[str, str] = MappingProxyType({}),
-    keep: cfg.AgentConfig | None = None,
-) -> str:
-    """The node's agent.toml; checked by the same loader the agent uses before it is shipped.
-    `server`: this control plane's agent endpoint, or every control plane's (this one first).
-
-    `keep` is the node's agent.toml from before: the settings this add was not given (nvidia_smi,
-    ib_root, sminfo unless in `driver_paths`; weights_dir, source_address) stay as they were.
-    `driver_paths` (--nvidia-smi, --ib-root, --sminfo, by key) replace what was kept; a path equal
-    to the default is written as no key at all, which is how a node returns to the default."""
-    data: dict = {"server": list(server) if isinstance(server, tuple) else server, "node_id": node_id}
-    data["state_dir"] = STATE_DIR
-    defaults = cfg.AgentConfig(server=server)
-    if keep is not None:
-        for key in _KEPT:
-            value = getattr(keep, key)
-            if value != getattr(defaults, key):
-                data[key] = value
-    for key, value in driver_paths.items():
-        data.pop(key, None)
-        if value != getattr(defaults, key):
-            data[key] = value
-    for key, value in (("llamacpp_bin", llamacpp_bin), ("vllm_bin", vllm_bin), ("sglang_python", sglang_python)):
-        if value:
-            data[key] = value
-    if fabrics:
-        data["fabrics"] = [{"name": f.name, "adapters": list(f.adapters)} for f in fabrics]
-    cfg.agent_config_from_dict(data, "the agent.toml node add writes")  # raises ConfigError if wrong
-    head = (
-        "# Written by `llmgw node add`. Adding the node again rewrites it and keeps its settings (not its comments).\n"
-    )
-    return head + tomli_w.dumps(data)
-
-
-_KEPT = ("nvidia_smi", "ib_root", "sminfo", "weights_dir", "source_address")
-
-
-# The sandboxing the agent's unit sets, and each one it does not with the reason: the unit
-# carries both (as comments), docs/node-onboarding.md shows them, and a test keeps them agreeing.
-HARDENING = (
-    ("NoNewPrivileges", "yes"),
-    ("ProtectKernelTunables", "yes"),
-    ("ProtectKernelLogs", "yes"),
-    ("ProtectControlGroups", "yes"),
-    ("ProtectHostname", "yes"),
-    ("RestrictSUIDSGID", "yes"),
-    ("RestrictNamespaces", "yes"),
-    ("RestrictRealtime", "yes"),
-    ("LockPersonality", "yes"),
-    ("SystemCallArchitectures", "native"),
-    # System calls and capabilities no agent, engine, build or package install uses; a call that
-    # is refused fails with EPERM rather than killing the process.
-    ("SystemCallFilter", "~@clock @cpu-emulation @obsolete @reboot @swap"),
-    ("SystemCallErrorNumber", "EPERM"),
-    (
-        "CapabilityBoundingSet",
-        "~CAP_SYS_BOOT CAP_SYS_TIME CAP_WAKE_ALARM CAP_SYS_PACCT CAP_SYS_TTY_CONFIG CAP_LINUX_IMMUTABLE "
-        "CAP_BLOCK_SUSPEND CAP_MAC_ADMIN CAP_MAC_OVERRIDE CAP_AUDIT_CONTROL CAP_AUDIT_READ",
-    ),
-    ("UMask", "0077"),
-)
-NOT_HARDENED = (
-    ("ProtectSystem", "the agent installs infiniband-diags with apt-get or dnf where a fabric needs sminfo, "
-     "which writes /usr and /etc"),
-    ("ProtectHome", "pip, Hugging Face and the engines' compile caches live under root's home"),
-    ("PrivateTmp", "engines outlive an agent restart (KillMode=process) and a unit's private /tmp is deleted "
-     "when it stops, under the engines still using it"),
-    ("PrivateDevices", "engines need the GPUs (/dev/nvidia*) and InfiniBand (/dev/infiniband)"),
-    ("ProtectClock", "it implies a device allow-list, which would close /dev/nvidia* too"),
-    ("ProtectKernelModules", "nvidia-smi and CUDA load the nvidia modules through nvidia-modprobe where "
-     "nothing loaded them at boot"),
-    ("MemoryDenyWriteExecute", "Python's cffi, CUDA's PTX JIT, Triton and torch.compile write code at run time"),
-    ("RestrictAddressFamilies", "RDMA (rdma_cm, NCCL over InfiniBand) uses AF_IB and netlink families beyond "
-     "AF_INET/AF_UNIX"),
-    ("User", "the agent installs engines and system packages, and runs engines with the GPUs, as root"),
-)  # fmt: skip
-
-
-def systemd_unit(*, bin_path: str = BIN, config_path: str = CONFIG) -> str:
-    hardening = "\n".join(f"{key}={value}" for key, value in HARDENING)
-    not_set = "\n".join(f"#   {key}: {why}" for key, why in NOT_HARDENED)
-    return f"""\
-# Written by `llmgw node add`; running it again rewrites this file.
-[Unit]
-Description=llmgw agent: runs this node's share of the LLM cluster
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-Type=simple
-ExecStart={bin_path} agent run --config {config_path}
-Restart=always
-RestartSec=2
-# The agent stops its engines itself on a clean stop (SIGTERM: each engine gets SIGTERM, then
-# SIGKILL after 10 s, well within TimeoutStopSec). An agent that crashes or is killed must not
-# take the replicas with it: the engines keep serving and the agent started next adopts them.
-# So only the agent's own process is signalled, not the rest of its control group.
-KillMode=process
-TimeoutStopSec=30
-
-# Sandboxing, as far as the agent allows (docs/node-onboarding.md, "The agent's unit").
-{hardening}
-# Not set, and why:
-{not_set}
-
-[Install]
-WantedBy=multi-user.target
-"""
 
 
 def system_user_argv(user: str, *, home: str, comment: str) -> list[str]:
@@ -306,12 +103,8 @@ def system_user_argv(user: str, *, home: str, comment: str) -> list[str]:
     ]  # fmt: skip
 
 
-def log_hint(systemd: bool) -> str:
-    return f"journalctl -u {UNIT_NAME}" if systemd else LOG_FILE
-
-
 def service_hardening(state_dir: str) -> tuple[tuple[str, str], ...]:
-    """The systemd sandbox a service node add's kin install runs in (gateway add, server add):
+    """The systemd sandbox of a service that runs as a user of its own (gateway add, server add):
     the whole system read-only but its state directory `state_dir`."""
     return (
         ("NoNewPrivileges", "yes"),

@@ -9,6 +9,10 @@ here over HTTPS, the server checked against the cluster's CA root), or, over SSH
 copied: `[release] dir`, else the release directory this llmgw runs from, else this llmgw itself
 when it is a release for the node's architecture. A development build is never shipped, so the
 fleet does not end up running whatever was in somebody's working tree.
+
+`find_llama` finds, in the SHA256SUMS `--release` names (a directory's, or the one beside a .pyz),
+the llama.cpp archive for the node's architecture, checked here against that list
+(llmgw.nodeadd.node.llama ships it with the zipapp).
 """
 
 from __future__ import annotations
@@ -23,11 +27,20 @@ import attrs
 
 from llmgw import download
 from llmgw.errors import MachineError, PeerError, UsageError
-from llmgw.releasefiles import ARCHES, NAME, SUMS, parse_sums, pick, release_files, running_release
+from llmgw.releasefiles import ARCHES, LLAMA_NAME, NAME, SUMS, parse_sums, pick, release_files, running_release
 from llmgw.version import version_info
 from llmgw.wire.agent_link import RELEASE_PREFIX
 
-__all__ = ["ARCHES", "Artifact", "find_artifact", "from_plane", "local_release", "parse_sums", "release_arch"]
+__all__ = [
+    "ARCHES",
+    "Artifact",
+    "find_artifact",
+    "find_llama",
+    "from_plane",
+    "local_release",
+    "parse_sums",
+    "release_arch",
+]
 
 _FETCH_TIMEOUT_S = 30
 # How node add has the node get its release (`--release-via`); AUTO: from the control plane when
@@ -115,6 +128,41 @@ def _checked(path: Path, version: str, digest: str, label: str) -> Artifact:
             "one; download it again"
         )
     return Artifact(name=path.name, version=version, sha256=digest, path=path)
+
+
+def find_llama(release: str, arch: str) -> tuple[Artifact | None, str]:
+    """The llama.cpp archive for `arch` in the release `--release` names, checked against its
+    SHA256SUMS; or (None, why not, "" when the release is no local one: a URL, or nothing
+    given). Blocking (a whole-file hash)."""
+    if not release or release.startswith(("http://", "https://")):
+        return None, ""
+    path = Path(release)
+    directory = path if path.is_dir() else path.parent
+    sums_file = directory / SUMS
+    try:
+        sums = parse_sums(sums_file.read_text(), str(sums_file))
+    except FileNotFoundError:
+        return (
+            None,
+            f"there is no {sums_file} to list a llama.cpp archive: the node takes llama.cpp from the control plane",
+        )
+    found = [(n, m["version"]) for n in sums if (m := LLAMA_NAME.match(n)) and m["arch"] == arch]
+    if not found:
+        return (
+            None,
+            f"{sums_file} lists no llama.cpp archive for {arch}: the node takes llama.cpp from the control plane",
+        )
+    if len(found) > 1:
+        raise UsageError(
+            f"{sums_file} lists several llama.cpp archives for {arch} ({', '.join(n for n, _ in found)}); keep one"
+        )
+    name, version = found[0]
+    if not (directory / name).is_file():
+        return None, (
+            f"{sums_file} lists {name}, which is not beside it: the node takes llama.cpp from the control plane; "
+            "download it too for the release's own"
+        )
+    return _checked(directory / name, version, sums[name], str(sums_file)), ""
 
 
 def _from_url(url: str, arch: str) -> Artifact:

@@ -1,4 +1,4 @@
-"""The terminal screen of `llmgw node add`: a urwid checklist of the steps and the operator's questions.
+"""The terminal screen of the onboarding flows: a urwid checklist of a flow's steps and the operator's questions.
 
 `run_with_screen` runs the urwid main loop and the caller's body in one nursery. The body
 reports progress through `emit` (applied to a `steps.Checklist`, which keeps the order rules)
@@ -58,12 +58,10 @@ IDLE_HINT = "q or Ctrl-C: stop"
 DETAIL_INDENT = len(MARKS[None]) + 1
 
 
-async def run_with_screen(
-    title: str, body: Callable[[Emit, Questions], Awaitable[T]], checklist: steps.Steps = steps.STEPS
-) -> T:
+async def run_with_screen(title: str, body: Callable[[Emit, Questions], Awaitable[T]], checklist: steps.Steps) -> T:
     """Run `body(emit, questions)` under the checklist screen; return what it returns, raise what it raises.
 
-    `checklist` is the steps shown (node add's unless given). Call from inside `trio.run`. q (when no question is open) or Ctrl-C cancels the body and
+    `checklist` is the flow's steps, as shown. Call from inside `trio.run`. q (when no question is open) or Ctrl-C cancels the body and
     raises UsageError; the body's own exception comes out as itself, not in an exception group.
     """
     ui = _Screen(title, checklist)
@@ -150,7 +148,7 @@ class _StepRow:
 class _Screen:
     """The widgets and what the keys do; synchronous, drawn by the urwid loop while it runs."""
 
-    def __init__(self, title: str, checklist: steps.Steps = steps.STEPS) -> None:
+    def __init__(self, title: str, checklist: steps.Steps) -> None:
         self.checklist = steps.Checklist(steps=checklist)
         self.rows = {name: _StepRow(text) for name, text in checklist}
         self.steps_list = urwid.ListBox(urwid.SimpleFocusListWalker([r.widget for r in self.rows.values()]))

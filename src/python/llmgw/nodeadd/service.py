@@ -1,17 +1,22 @@
-"""A long-running llmgw service on a machine reached over SSH, as `llmgw gateway add` and
-`llmgw server add` install one: its system user, the installed llmgw, and what its systemd
-unit says when it will not stay up (how often systemd restarted it, its journal's last lines).
+"""The `install` and `service` steps every onboarding flow is built from: a long-running llmgw
+service on a machine reached over SSH (a node's agent, a gateway, a control plane), its system
+user, the installed llmgw, its systemd unit written, enabled and (re)started, what the unit says
+when it will not stay up (how often systemd restarted it, its journal's last lines), and its
+stop for good when the machine is removed (`stop_remote`, for the `remove --ssh` commands).
 
 Every command is argv (llmgw.nodeadd.remote quotes it), run through sudo where it changes the
-machine; nothing here decides what a service is called or where its files go: the callers'
+machine; nothing here decides what a service is called or where its files go: the flows'
 layouts do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
 from llmgw.errors import LlmgwError, PeerError
 from llmgw.nodeadd import ssh
-from llmgw.nodeadd.context import SHORT_S, Facts, must, said
+from llmgw.nodeadd.context import SHORT_S, Facts, must, put_text, said
 from llmgw.nodeadd.layout import BIN
 
 LOG_LINES = 15
@@ -43,6 +48,18 @@ async def install_bin(s: ssh.Session, facts: Facts) -> bool:
     return True
 
 
+async def install_unit(s: ssh.Session, stage: str, text: str, unit: str, name: str) -> None:
+    """The unit `text` written at `unit` (through the stage), systemd reloaded, `name` enabled."""
+    await put_text(s, text, f"{stage}/unit", mode=0o644)
+    await must(s, ["install", "-m", "0644", f"{stage}/unit", unit], sudo=True, what=f"writing {unit}")
+    await must(s, ["systemctl", "daemon-reload"], sudo=True, what="reloading systemd")
+    await must(s, ["systemctl", "enable", name], sudo=True, what=f"enabling {name}")
+
+
+async def restart(s: ssh.Session, name: str) -> None:
+    await must(s, ["systemctl", "restart", name], sudo=True, what=f"starting {name}")
+
+
 async def unit_restarts(s: ssh.Session, unit: str) -> int:
     """How often systemd restarted the unit since it was last started by hand (NRestarts)."""
     res = await s.run(["systemctl", "show", "-p", "NRestarts", "--value", unit], timeout_s=SHORT_S)
@@ -59,3 +76,35 @@ async def journal_tail(s: ssh.Session, unit: str) -> str:
         return ""
     tail = res.stdout.rstrip() if res.exit_status == 0 else ""
     return f"; its last lines:\n{tail}" if tail else ""
+
+
+async def stop_remote(
+    target: str,
+    *,
+    known_hosts: Path,
+    accept_new_host_key: bool,
+    identity_files: tuple[Path, ...] | None,
+    ssh_port: int,
+    how: Callable[[ssh.Session], Awaitable[tuple[list[str], str]]],
+    what: str,
+    done: str,
+    timeout_s: float,
+) -> str:
+    """Log in to `target` and stop `what` (its service) for good: `how(session)` says the argv
+    and, in words, what it does (after what the machine answered, e.g. whether it runs systemd).
+    `done` is what happened already, for the message when this fails. Returns the words."""
+    async with ssh.open_session(
+        target,
+        known_hosts=known_hosts,
+        accept_new_host_key=accept_new_host_key,
+        client_keys=identity_files,
+        port=ssh_port,
+    ) as s:
+        argv, words = await how(s)
+        res = await s.run(argv, sudo=True, timeout_s=timeout_s)
+    if res.exit_status != 0:
+        raise PeerError(
+            f"{done}, but stopping {what} on {target} failed ({words}: exit status {res.exit_status}: "
+            f"{(res.stderr or res.stdout).strip()[-400:]}); stop it there by hand"
+        )
+    return words

@@ -1,36 +1,22 @@
-"""The `ship`, `doctor` and `fabrics` steps of `llmgw node add`: what the node gets to run, and
-what it has.
+"""The `ship` step every onboarding flow shares: what the machine gets to run.
 
-`choose` decides where the release comes from (release.py): by default the node downloads it
-from the control plane's agent port (`fetch_from_plane`: python3 on the node, the server checked
-against the CA root node add puts in the stage for that one download, never the node's system
-trust), else it is copied over SSH. Nothing here changes the node outside its stage: the
-release is staged in a private directory
-under /tmp (layout.STAGE_PREFIX), its sha256 checked on the node before anything runs it, and
-doctor run from the stage, its report deciding whether the run goes on (`tried`: the release runs
-there, for a machine that gets no doctor). `fabrics` names the
-adapter groups doctor found, asking the operator (questions.py) for names not given.
+`choose` decides where the release comes from (release.py): by default the machine downloads it
+from the control plane's agent port (`fetch_from_plane`: python3 there, the server checked
+against the CA root the flow puts in the stage for that one download, never the machine's system
+trust), else it is copied over SSH. Nothing here changes the machine outside its stage: each file
+is staged in a private directory under /tmp (layout.STAGE_PREFIX) and its sha256 checked there
+(`deliver`) before anything runs or installs it; `tried` runs the staged release (`llmgw
+version`) for a flow whose machine gets no doctor.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from typing import Any
-
 import trio
 
-from llmgw import config as cfg
-from llmgw import driverpaths
-from llmgw.errors import MachineError, PeerError, UsageError
+from llmgw.errors import PeerError, UsageError
 from llmgw.nodeadd import layout, ssh
 from llmgw.nodeadd.context import DOCTOR_S, FETCH_S, SHORT_S, Facts, Options, put_text, said, staged_llmgw
-from llmgw.nodeadd.questions import DoctorFailure, Questions
 from llmgw.nodeadd.release import HTTPS, Artifact, find_artifact, from_plane, how_to_ship, local_release
-from llmgw.nodeadd.steps import OK, WARN
-from llmgw.wire.agent_link import FabricGroup
-
-# -- ship ----------------------------------------------------------------------------------
 
 MAX_RELEASE_BYTES = 1 << 30  # a release file is tens of MB; the node stops a download past this
 # Run by the node's python3 (-I: nothing from its environment or user site): download argv[1]
@@ -96,6 +82,8 @@ async def choose(opts: Options, facts: Facts, ca_pem: bytes) -> str:
 
 
 async def ship(s: ssh.Session, facts: Facts, ca_pem: bytes = b"") -> None:
+    """Make the stage and deliver the release chosen into it (`deliver`), and read the sha256 of
+    the llmgw installed there, if any (whether `install` replaces it)."""
     art = facts.artifact
     assert art is not None
     res = await s.run(["mktemp", "-d", f"{layout.STAGE_PREFIX}XXXXXXXX"], timeout_s=SHORT_S)
@@ -103,14 +91,23 @@ async def ship(s: ssh.Session, facts: Facts, ca_pem: bytes = b"") -> None:
     if res.exit_status != 0 or not stage.startswith(layout.STAGE_PREFIX) or "/" in stage[len("/tmp/") :]:
         raise PeerError(f"{s.target}: cannot make a staging directory under /tmp ({said(res)})")
     facts.stage = stage
-    staged = f"{stage}/llmgw"
+    await deliver(s, art, f"{stage}/llmgw", ca_pem)
+    facts.installed_sha256 = await remote_sha256(s, layout.BIN)
+    res = await s.run(["mkdir", "-m", "0700", f"{stage}/pyz"], sudo=True, timeout_s=SHORT_S)
+    if res.exit_status != 0:
+        raise PeerError(f"{s.target}: cannot make {stage}/pyz ({said(res)})")
+
+
+async def deliver(s: ssh.Session, art: Artifact, staged: str, ca_pem: bytes = b"") -> None:
+    """`art` at `staged` (in the stage), copied over SSH or fetched by the machine, and its sha256
+    found there to be the one its SHA256SUMS lists; else a PeerError, and nothing runs it."""
     if art.path is not None:
         await s.put(art.path, staged, mode=0o755, timeout_s=FETCH_S)
     elif art.from_plane:
         await fetch_from_plane(s, art, staged, ca_pem)
     else:
         await _fetch_on_node(s, art.url, staged)
-    actual = await _remote_sha256(s, staged)
+    actual = await remote_sha256(s, staged)
     if actual != art.sha256:
         fix = (
             "The control plane's file is not the one its SHA256SUMS lists (damaged on its disk, or replaced): "
@@ -122,10 +119,6 @@ async def ship(s: ssh.Session, facts: Facts, ca_pem: bytes = b"") -> None:
             f"{s.target}: {art.name} arrived with sha256 {actual or 'unreadable'}, not {art.sha256}; "
             f"nothing ran it. {fix}"
         )
-    facts.installed_sha256 = await _remote_sha256(s, layout.BIN)
-    res = await s.run(["mkdir", "-m", "0700", f"{stage}/pyz"], sudo=True, timeout_s=SHORT_S)
-    if res.exit_status != 0:
-        raise PeerError(f"{s.target}: cannot make {stage}/pyz ({said(res)})")
 
 
 async def fetch_from_plane(s: ssh.Session, art: Artifact, dest: str, ca_pem: bytes) -> None:
@@ -173,7 +166,7 @@ async def _fetch_on_node(s: ssh.Session, url: str, dest: str) -> None:
     )
 
 
-async def _remote_sha256(s: ssh.Session, path: str) -> str:
+async def remote_sha256(s: ssh.Session, path: str) -> str:
     res = await s.run(["sha256sum", "--", path], timeout_s=SHORT_S)
     if res.exit_status != 0:
         return ""
@@ -209,96 +202,3 @@ def ship_detail(facts: Facts, machine: str = "node") -> str:
     else:
         was = f"will replace {layout.BIN} there (sha256 {facts.installed_sha256[:12]})"
     return f"{art.name} {how}, sha256 {art.sha256[:12]} verified on the {machine}; {was}"
-
-
-# -- doctor --------------------------------------------------------------------------------
-
-
-async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questions) -> tuple[str, str, dict[str, Any]]:
-    await check_driver_paths(opts, s)
-    host = f"[{facts.address}]" if ":" in facts.address else facts.address
-    args = ["doctor", "--json", "--server", f"{host}:{facts.port}"]
-    if facts.existing is not None:
-        args += ["--config", layout.CONFIG]  # its paths (nvidia_smi, ib_root, ...) as the agent will use them
-    for key, path in opts.driver_paths.items():  # the flags given win over that file, as in the agent.toml written
-        args += [driverpaths.by_key(key).flag, path]
-    for decl in facts.given_fabrics(opts):
-        args += ["--fabric", f"{decl.name}:{','.join(decl.adapters)}" if decl.adapters else decl.name]
-    if opts.ignore_doctor:
-        args += ["--ignore", ",".join(sorted(opts.ignore_doctor))]
-    res = await s.run(staged_llmgw(facts, *args), sudo=True, timeout_s=DOCTOR_S)
-    try:
-        report = json.loads(res.stdout)
-        checks = report["checks"]
-    except (ValueError, KeyError, TypeError):
-        raise PeerError(
-            f"{s.target}: llmgw doctor did not run there ({said(res)}); nothing was changed on the node"
-        ) from None
-    failures = [
-        DoctorFailure(check=c["name"], detail=c["detail"], fix=c.get("fix", ""))
-        for c in checks
-        if c["status"] == "fail" and not c.get("ignored")
-    ]
-    warnings = [c for c in checks if c["status"] in ("warn", "unknown") and not c.get("ignored")]
-    ignored = [c["name"] for c in checks if c.get("ignored")]
-    inventory = report.get("inventory") or {}
-    # The GPUs doctor found, said where the operator reads: a wrong --nvidia-smi looks like none.
-    gpus = f"; GPUs: {inventory.get('gpu_detail')}" if inventory.get("gpu_status") == "present" else ""
-    tail = gpus + (f"; ignored: {', '.join(ignored)}" if ignored else "")
-    if failures:
-        listed = "; ".join(f"{f.check}: {f.detail}" + (f" (fix: {f.fix})" if f.fix else "") for f in failures)
-        if not await questions.go_past_doctor(failures):
-            names = ",".join(f.check for f in failures)
-            raise MachineError(
-                f"doctor failed on {facts.node_id}: {listed}. Nothing was changed on the node. Fix this and run "
-                f"again, or go on past it with --ignore-doctor {names}"
-            )
-        return WARN, f"went on past failed checks: {listed}{tail}", inventory
-    if warnings:
-        listed = "; ".join(f"{c['name']}: {c['detail']}" for c in warnings)
-        return WARN, f"{len(checks) - len(warnings)} checks ok; warnings: {listed}{tail}", inventory
-    return OK, f"{len(checks)} checks ok{tail}", inventory
-
-
-async def check_driver_paths(opts: Options, s: ssh.Session) -> None:
-    """Each --nvidia-smi, --ib-root, --sminfo given is there on the node (as root sees it), or a
-    UsageError naming the flag: doctor would otherwise report a node without GPUs or adapters."""
-    for key, path in opts.driver_paths.items():
-        res = await s.run(driverpaths.test_argv(key, path), sudo=True, timeout_s=SHORT_S)
-        if res.exit_status == 1:
-            raise driverpaths.missing(key, path, str(s.target))
-        if res.exit_status != 0:
-            raise PeerError(f"{s.target}: checking {path} failed ({said(res)})")
-
-
-# -- fabrics -------------------------------------------------------------------------------
-
-
-async def fabrics(
-    opts: Options, facts: Facts, inventory: dict[str, Any], nodes: list[dict[str, Any]], questions: Questions
-) -> tuple[str, str]:
-    groups = [
-        FabricGroup(identity=g["identity"], kind=g["kind"], adapters=tuple(g["adapters"]), detail=g.get("detail", ""))
-        for g in inventory.get("fabric_groups") or ()
-    ]
-    existing = sorted({f["name"] for n in nodes for f in n.get("fabrics") or ()})
-    given = facts.given_fabrics(opts)
-    if not groups and not given:
-        return OK, "no active InfiniBand or RoCE adapter: the node is its own island"
-    answered = tuple(await questions.name_fabrics(groups, existing, given)) if groups else ()
-    # A declaration no group accounts for (doctor has checked it) is kept: the answer covers groups only.
-    grouped = {a for g in groups for a in g.adapters}
-    kept = tuple(d for d in given if d.name not in {a.name for a in answered} and not set(d.adapters) & grouped)
-    facts.fabrics = answered + kept
-    named = {a for d in facts.fabrics for a in d.adapters}
-    text = "; ".join(f"{d.name}: {','.join(d.adapters) or 'the next two adapters'}" for d in facts.fabrics)
-    unnamed = [g for g in groups if not set(g.adapters) & named and not _default_covers(facts.fabrics)]
-    if unnamed:
-        flags = " ".join(f"--fabric NAME:{','.join(g.adapters)}" for g in unnamed)
-        left = "; ".join(f"{','.join(g.adapters)} on {g.identity}" for g in unnamed)
-        return WARN, f"{text + '; ' if text else ''}not named, so unused for multi-node replicas: {left} ({flags})"
-    return OK, text
-
-
-def _default_covers(decls: Sequence[cfg.FabricDecl]) -> bool:
-    return any(not d.adapters for d in decls)

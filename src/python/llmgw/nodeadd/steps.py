@@ -1,11 +1,13 @@
-"""The steps of `llmgw node add`, in the order they run, and the events they emit.
+"""The checklist every onboarding flow reports to: the events its steps emit, and the rules of
+their order.
 
 Each step emits `started`, then exactly one of `ok`, `warn` or `failed`, with a detail; the
-run stops at the first `failed`. Between the two, a long step may emit `progress` events (the
-join, while the node installs llama.cpp), each with what it is doing now. The screens (a urwid checklist in a terminal, one line per
-step elsewhere, or one JSON object per event) only draw these events, so what the operator
-sees and what a script reads come from one place. `llmgw gateway add` runs its own list of steps
-(llmgw.nodeadd.gateway.steps) through the same checklist and screens. Pure: no I/O here.
+run stops at the first `failed`. Between the two, a long step may emit `progress` events (node
+add's join, while the node installs llama.cpp), each with what it is doing now. The screens (a
+urwid checklist in a terminal, one line per step elsewhere, or one JSON object per event) only
+draw these events, so what the operator sees and what a script reads come from one place. Each
+flow names its own steps (`Steps`: llmgw.nodeadd.node.steps, .gateway.steps, .server.steps),
+drawn by the same checklist and screens. Pure: no I/O here.
 """
 
 from __future__ import annotations
@@ -19,23 +21,6 @@ STARTED, OK, WARN, FAILED = "started", "ok", "warn", "failed"
 PROGRESS = "progress"  # a started step says what it is doing now; its status stays `started`
 OUTCOMES = (OK, WARN, FAILED)
 
-# (name, what the operator reads), in order. The authority is read before the node is touched.
-STEPS: tuple[tuple[str, str], ...] = (
-    ("authority", "read the certificate authority"),
-    ("connect", "connect over SSH and verify the host key"),
-    ("identify", "read the node's hostname and architecture"),
-    ("address", "find the address the agent will dial, covered by the server certificate"),
-    ("ship", "ship the release for the node's architecture and verify its sha256"),
-    ("doctor", "run llmgw doctor on the node"),
-    ("fabrics", "name the fabrics of the node's adapters"),
-    ("identity", "make the node's key and CSR there, sign it here"),
-    ("trust", "install the certificate and trust the CA root"),
-    ("configure", "write agent.toml and the service"),
-    ("start", "start the agent"),
-    ("join", "wait for the node to join and install llama.cpp"),
-)
-NAMES = tuple(name for name, _ in STEPS)
-
 Steps = tuple[tuple[str, str], ...]  # (name, what the operator reads), in order
 
 
@@ -46,13 +31,14 @@ class Event:
     detail: str = ""
 
 
-@attrs.define
+@attrs.define(kw_only=True)
 class Checklist:
-    """What has happened so far; `apply` enforces the order and the one-outcome rule."""
+    """What has happened so far of a flow's `steps`; `apply` enforces the order and the
+    one-outcome rule."""
 
+    steps: Steps
     events: list[Event] = attrs.Factory(list)
     status: dict[str, str] = attrs.Factory(dict)
-    steps: Steps = STEPS
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -93,7 +79,7 @@ class Checklist:
         return self.failed is not None or all(self.status.get(n) in OUTCOMES for n in self.names)
 
 
-def plain_line(event: Event, steps: Steps = STEPS) -> str | None:
+def plain_line(event: Event, steps: Steps) -> str | None:
     """One line per finished step (`started` prints nothing), e.g. `ok     connect  ubuntu@10.0.0.21`,
     and one per progress report, e.g. `..     join       installing llama.cpp 40% (build)`."""
     if event.status == STARTED:

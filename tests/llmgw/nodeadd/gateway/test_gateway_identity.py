@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import config as cfg
 from llmgw.errors import MachineError, UsageError
-from llmgw.nodeadd import context, ssh
+from llmgw.nodeadd import ssh
 from llmgw.nodeadd.gateway import install, layout
 from llmgw.nodeadd.steps import OK, WARN
 from llmgw.pki.ca import CA, ROLE_GATEWAY, cert_info, make_key_and_csr
@@ -117,14 +117,14 @@ def ca(tmp_path: Path) -> CA:
 
 
 def _opts(tmp_path: Path, *, reissue: bool = False, name: str = "") -> install.Options:
-    base = context.Options(
+    return install.Options(
         target="root@10.0.0.31",
         server_config=cfg.server_config_from_dict({"server": {"agent_listen": "0.0.0.0:7443"}}),
         state_dir=tmp_path / "plane",
         known_hosts=tmp_path / "known_hosts",
         reissue=reissue,
+        name=name,
     )
-    return install.Options(base=base, name=name)
 
 
 def _auth(tmp_path: Path, ca: CA, *, nodes=(), gateways=()) -> install.Authority:

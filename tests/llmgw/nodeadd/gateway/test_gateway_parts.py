@@ -16,7 +16,7 @@ from trio.testing import MockClock
 from llmgw.commands import gateway as gateway_command
 from llmgw.errors import PeerError, UsageError
 from llmgw.gatewayd import identity as gatewayd_identity
-from llmgw.nodeadd import context, ssh
+from llmgw.nodeadd import ssh
 from llmgw.nodeadd.gateway import install, layout
 from llmgw.nodeadd.gateway.steps import NAMES, STEPS
 from llmgw.nodeadd.screen import _Screen, summary_lines
@@ -226,14 +226,14 @@ class _Machine:
 
 
 def _opts(tmp_path: Path, *, timeout_s: float = 60.0, workers: str = "2") -> install.Options:
-    base = context.Options(
+    return install.Options(
         target="root@10.0.0.31",
         server_config=None,  # type: ignore[arg-type]  # not read by the join
         state_dir=tmp_path,
         known_hosts=tmp_path / "known_hosts",
         join_timeout_s=timeout_s,
+        workers=workers,
     )
-    return install.Options(base=base, workers=workers)
 
 
 def _wait(opts: install.Options, machine: _Machine, answers: list[list[dict]], said: list[str]) -> str:

@@ -20,7 +20,7 @@ from trio.testing import MockClock
 from llmgw import cli
 from llmgw import config as cfg
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
-from llmgw.nodeadd import context, ssh
+from llmgw.nodeadd import ssh
 from llmgw.nodeadd.server import flow, install, layout
 from llmgw.nodeadd.server.steps import NAMES, STEPS
 from llmgw.nodeadd.steps import OK, STARTED, Checklist, Event
@@ -250,8 +250,15 @@ def _plane(tmp_path: Path) -> _Plane:
     password.write_text("the-store-password\n")
     password.chmod(0o600)
     config = cfg.ServerConfig(store=cfg.StoreSection(url=URL, password_file=str(password)))
-    base = context.Options(target="root@10.0.0.2", server_config=config, state_dir=state, known_hosts=tmp_path / "kh")
-    opts = install.Options(base=base, source=SOURCE, store_url=URL, look_store=lambda: SEEN)
+    opts = install.Options(
+        target="root@10.0.0.2",
+        server_config=config,
+        state_dir=state,
+        known_hosts=tmp_path / "kh",
+        source=SOURCE,
+        store_url=URL,
+        look_store=lambda: SEEN,
+    )
     return _Plane(state=state, held=flow.read_held(opts), opts=opts)
 
 

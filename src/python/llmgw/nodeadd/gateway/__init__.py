@@ -1,1 +1,1 @@
-"""`llmgw gateway add`: node add's machinery (SSH, the release, the checklist) installing a gateway."""
+"""`llmgw gateway add`: a machine made a gateway, as a list of steps over the onboarding toolkit."""

@@ -1,8 +1,9 @@
-"""`llmgw gateway add`: the steps, run against one machine over SSH, in the order of `steps.STEPS`.
+"""`llmgw gateway add`: its steps (`steps.STEPS`), each a function over the toolkit
+(llmgw.nodeadd), run against one machine over SSH by the toolkit's `run_flow`.
 
-Node add's machinery (llmgw.nodeadd) with a gateway at the end instead of an agent: the same
-SSH session and host-key questions, the same address check, the same release shipped the same
-way, the same checklist, events and screens. Its invariants hold here too:
+The same SSH session and host-key questions, the same address check, the same release shipped
+the same way, the same checklist, events and screens as node add and server add, with a gateway
+at the end. Invariants:
 
 - The authority (CA, server certificate, a running control plane: its nodes and its gateways)
   is read before the machine is touched, and the control plane's state is read and written
@@ -18,17 +19,16 @@ way, the same checklist, events and screens. Its invariants hold here too:
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
-
 import attrs
 import trio
 
 from llmgw.ctl.client import AdminClient
-from llmgw.nodeadd import flow, identify, ship, ssh
-from llmgw.nodeadd.context import SHORT_S
-from llmgw.nodeadd.flow import Emit, read_authority, remove_stage, run_step
+from llmgw.nodeadd import checklist, ship
+from llmgw.nodeadd.checklist import Emit, Flow, Outcome, read_authority
 from llmgw.nodeadd.gateway import install, layout
 from llmgw.nodeadd.gateway.install import Authority, Facts, Options
+from llmgw.nodeadd.gateway.steps import STEPS
+from llmgw.nodeadd.identify import agent_address
 from llmgw.nodeadd.questions import Questions
 from llmgw.nodeadd.steps import OK, WARN
 
@@ -47,68 +47,23 @@ class Added:
     log: str  # where the gateway's log is, on its machine
 
 
+@attrs.define(kw_only=True)
+class GatewayRun(checklist.Run):
+    opts: Options
+    facts: Facts
+    auth: Authority | None = None
+    before: frozenset[str] = frozenset()  # the gateway's instances linked before `start`, for `join`
+    linked: str = ""
+
+    @property
+    def authority(self) -> Authority:
+        assert self.auth is not None
+        return self.auth
+
+
 async def add_gateway(opts: Options, *, emit: Emit, questions: Questions) -> Added:
-    async with run_step(emit, "authority") as st:
-        auth = await _authority(opts)
-        info = auth.ca.info()
-        st.ok(
-            f"CA {info.common_name!r} (sha256 {info.fingerprint_sha256[:23]}...), control plane at {auth.admin.url} "
-            f"with {len(auth.nodes)} node(s) and {len(auth.gateways)} gateway link(s)"
-        )
-    facts = Facts()
-    async with AsyncExitStack() as stack:
-        async with run_step(emit, "connect") as st:
-            session = await stack.enter_async_context(flow.open_session(opts.base, questions))
-            st.ok(f"{session.target} port {opts.base.ssh_port}, host key verified against {opts.base.known_hosts}")
-        try:
-            return await _on_machine(opts, session, facts, emit, auth)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(SHORT_S):
-                await remove_stage(session, facts.stage)
-
-
-async def _authority(opts: Options) -> Authority:
-    ca, server_cert = read_authority(opts.base.state_dir)
-    admin = AdminClient.locate(server=None, credential=None, state_dir=str(opts.base.state_dir))
-    nodes = await trio.to_thread.run_sync(admin.nodes)
-    gateways = await trio.to_thread.run_sync(admin.gateways)
-    return Authority(ca=ca, server_cert=server_cert, admin=admin, nodes=nodes, gateways=gateways)
-
-
-async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, auth: Authority) -> Added:
-    async with run_step(emit, "identify") as st:
-        st.say(*await install.identify(opts, s, facts, auth))
-
-    async with run_step(emit, "address") as st:
-        facts.address, facts.port = identify.agent_address(opts.base, s.target.host, auth.server_cert, who="gateway")
-        st.ok(f"the gateway will dial {facts.server}, covered by the server certificate")
-
-    async with run_step(emit, "ship") as st:
-        ca_pem = auth.ca.cert_pem()
-        fell_back = await ship.choose(opts.base, facts, ca_pem)
-        await ship.ship(s, facts, ca_pem)
-        ran = await ship.tried(s, facts)
-        detail = f"{ship.ship_detail(facts, machine='machine')}; it runs there: {ran}"
-        st.say(WARN if fell_back else OK, f"{detail}; {fell_back}" if fell_back else detail)
-
-    async with run_step(emit, "install") as st:
-        st.ok(await install.install(s, facts))
-
-    async with run_step(emit, "identity") as st:
-        st.ok(await install.identity(opts, s, facts, auth))
-
-    async with run_step(emit, "configure") as st:
-        st.ok(await install.configure(opts, s, facts))
-
-    async with run_step(emit, "start") as st:
-        before = install.instances(await trio.to_thread.run_sync(auth.admin.gateways), facts.name)
-        await install.start(s)
-        st.ok(f"started (systemctl restart {layout.UNIT_NAME}); its log: {layout.log_hint()}")
-
-    async with run_step(emit, "join") as st:
-        linked = await install.wait_for_link(opts, s, facts, auth.admin, before, progress=st.progress)
-        st.ok(linked)
-
+    run = await checklist.run_flow(FLOW, GatewayRun(opts=opts, facts=Facts(), emit=emit, questions=questions))
+    facts = run.facts
     assert facts.artifact is not None
     return Added(
         name=facts.name,
@@ -117,6 +72,80 @@ async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, a
         workers=opts.workers,
         version=facts.artifact.version,
         cert_serial=facts.cert_serial,
-        linked=linked,
+        linked=run.linked,
         log=layout.log_hint(),
     )
+
+
+async def _authority(run: GatewayRun, st: Outcome) -> None:
+    ca, server_cert = read_authority(run.opts.state_dir)
+    admin = AdminClient.locate(server=None, credential=None, state_dir=str(run.opts.state_dir))
+    nodes = await trio.to_thread.run_sync(admin.nodes)
+    gateways = await trio.to_thread.run_sync(admin.gateways)
+    auth = run.auth = Authority(ca=ca, server_cert=server_cert, admin=admin, nodes=nodes, gateways=gateways)
+    info = auth.ca.info()
+    st.ok(
+        f"CA {info.common_name!r} (sha256 {info.fingerprint_sha256[:23]}...), control plane at {auth.admin.url} "
+        f"with {len(auth.nodes)} node(s) and {len(auth.gateways)} gateway link(s)"
+    )
+
+
+async def _identify(run: GatewayRun, st: Outcome) -> None:
+    st.say(*await install.identify(run.opts, run.s, run.facts, run.authority))
+
+
+async def _address(run: GatewayRun, st: Outcome) -> None:
+    address = agent_address(run.opts, run.s.target.host, run.authority.server_cert, who="gateway")
+    run.facts.address, run.facts.port = address
+    st.ok(f"the gateway will dial {run.facts.server}, covered by the server certificate")
+
+
+async def _ship(run: GatewayRun, st: Outcome) -> None:
+    ca_pem = run.authority.ca.cert_pem()
+    fell_back = await ship.choose(run.opts, run.facts, ca_pem)
+    await ship.ship(run.s, run.facts, ca_pem)
+    ran = await ship.tried(run.s, run.facts)
+    detail = f"{ship.ship_detail(run.facts, machine='machine')}; it runs there: {ran}"
+    st.say(WARN if fell_back else OK, f"{detail}; {fell_back}" if fell_back else detail)
+
+
+async def _install(run: GatewayRun, st: Outcome) -> None:
+    st.ok(await install.install(run.s, run.facts))
+
+
+async def _identity(run: GatewayRun, st: Outcome) -> None:
+    st.ok(await install.identity(run.opts, run.s, run.facts, run.authority))
+
+
+async def _configure(run: GatewayRun, st: Outcome) -> None:
+    st.ok(await install.configure(run.opts, run.s, run.facts))
+
+
+async def _start(run: GatewayRun, st: Outcome) -> None:
+    run.before = install.instances(await trio.to_thread.run_sync(run.authority.admin.gateways), run.facts.name)
+    await install.start(run.s)
+    st.ok(f"started (systemctl restart {layout.UNIT_NAME}); its log: {layout.log_hint()}")
+
+
+async def _join(run: GatewayRun, st: Outcome) -> None:
+    run.linked = await install.wait_for_link(
+        run.opts, run.s, run.facts, run.authority.admin, run.before, progress=st.progress
+    )
+    st.ok(run.linked)
+
+
+FLOW: Flow[GatewayRun] = Flow(
+    STEPS,
+    {
+        "authority": _authority,
+        "connect": checklist.connect,
+        "identify": _identify,
+        "address": _address,
+        "ship": _ship,
+        "install": _install,
+        "identity": _identity,
+        "configure": _configure,
+        "start": _start,
+        "join": _join,
+    },
+)

@@ -1,7 +1,7 @@
 """The steps of `llmgw gateway add` that are a gateway's own: what the machine is and what the
-gateway is called (`identify`), `install`, `identity`, `configure`, `start` and `join`.
-Connecting, the address, shipping and trying the shipped release are node add's (llmgw.nodeadd:
-ssh, identify.agent_address, ship).
+gateway is called (`identify`), `install`, `identity`, `configure`, `start` and `join`, each
+built from the toolkit's (llmgw.nodeadd: identify, certs, service). Connecting, the address,
+shipping and trying the shipped release are the toolkit's as they are.
 
 A gateway's name is `--name` or the machine's hostname, and never a node's id: the control plane
 records a gateway's certificates under its name as a node's under its id (so `llmgw node remove
@@ -9,12 +9,12 @@ NAME` revokes them), so a shared name would make removing or re-adding the node 
 gateway's too. Several machines may serve under one gateway name (each with a key and certificate
 of its own); `identify` says so when it sees one.
 
-`identity` follows node add's (llmgw.nodeadd.install): the key is made on the machine and never
-leaves it, the request is signed here with the gateway role, and the serial is recorded through
-the admin API before the certificate is installed. A certificate the machine holds is kept while
-it fits (ours, a gateway's, for this name and key, more than a week left, not revoked) unless
-`--reissue`; the one it replaces is revoked. Other machines' certificates of the same name are
-left alone (no `revoke_others`).
+`identity` follows the toolkit's certificate rules (llmgw.nodeadd.certs): the key is made on the
+machine and never leaves it, the request is signed here with the gateway role, and the serial is
+recorded through the admin API before the certificate is installed. A certificate the machine
+holds is kept while it fits (ours, a gateway's, for this name and key, more than a week left, not
+revoked) unless `--reissue`; the one it replaces is revoked. Other machines' certificates of the
+same name are left alone (no `revoke_others`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,11 @@ from cryptography import x509
 
 from llmgw import config as cfg
 from llmgw.ctl.client import AdminClient
-from llmgw.errors import MachineError, PeerError, UsageError
-from llmgw.nodeadd import context, service, ssh
-from llmgw.nodeadd import install as node_install
-from llmgw.nodeadd import layout as node_layout
-from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, must, put_text, said
+from llmgw.errors import PeerError, UsageError
+from llmgw.nodeadd import certs, context, service, ssh
+from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, must, put_text, servers
 from llmgw.nodeadd.gateway import layout
-from llmgw.nodeadd.identify import check_sudo
-from llmgw.nodeadd.release import release_arch
+from llmgw.nodeadd.identify import check_sudo, probe_machine
 from llmgw.nodeadd.steps import OK, WARN
 from llmgw.pki.ca import CA, ROLE_GATEWAY, CertInfo, cert_info, check_own_gateway_name
 from llmgw.pki.files import gateway_paths
@@ -47,10 +44,9 @@ GIVE_UP_RESTARTS = 3  # systemd restarted the gateway this often since the start
 
 
 @attrs.frozen(kw_only=True)
-class Options:
-    # SSH, the control plane's files, the release, --server-address, --reissue and the join's
-    # timeout, as node add takes them (its node-only fields are left at their defaults).
-    base: context.Options
+class Options(context.Options):
+    # The toolkit's (SSH, the control plane's files, the release, --server-address,
+    # --control-plane, --reissue and the join's timeout), and the gateway's own.
     name: str = ""  # --name; "": the machine's hostname
     listen: str = layout.DEFAULT_LISTEN
     workers: str = "1"  # a number, or "auto" (one per CPU there)
@@ -72,19 +68,13 @@ class Facts(context.Facts):
 
 
 async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> tuple[str, str]:
-    res = await s.run(["sh", "-c", node_layout.PROBE], timeout_s=SHORT_S)
-    if res.exit_status != 0:
-        raise PeerError(f"{s.target}: probing the machine failed ({said(res)})")
-    found = node_layout.parse_probe(res.stdout)
-    facts.machine = found.arch
-    facts.arch = release_arch(found.arch)
-    facts.systemd = found.systemd
-    if not found.systemd:
-        raise MachineError(
-            f"{s.target} does not run systemd, and `llmgw gateway add` installs the gateway as a systemd service; "
-            "run `llmgw gateway --server wss://HOST:PORT` there under the service manager it has, with a certificate "
-            'from `llmgw ca issue --gateway NAME` (docs/gateway.md, "Running gateways of their own")'
-        )
+    found = await probe_machine(
+        s,
+        facts,
+        without_systemd="does not run systemd, and `llmgw gateway add` installs the gateway as a systemd service; "
+        "run `llmgw gateway --server wss://HOST:PORT` there under the service manager it has, with a certificate "
+        'from `llmgw ca issue --gateway NAME` (docs/gateway.md, "Running gateways of their own")',
+    )
     facts.name, facts.named_by = gateway_name(opts.name, found.hostname, str(s.target))
     refuse_a_node_name(facts.name, auth.nodes)
     await check_sudo(s)
@@ -156,7 +146,7 @@ async def install(s: ssh.Session, facts: Facts) -> str:
 async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
     paths = gateway_paths(Path(layout.PKI_DIR))
     had_key = (await s.run(["test", "-e", str(paths.key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
-    if opts.base.reissue:
+    if opts.reissue:
         await must(
             s,
             ["rm", "-f", "--", str(paths.key), str(paths.cert), str(paths.csr)],
@@ -167,14 +157,14 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
         s, layout.csr_argv(facts.name), sudo=True, what="making the gateway's key and request", timeout_s=DOCTOR_S
     )
     csr_pem = (await must(s, ["cat", "--", str(paths.csr)], sudo=True, what="reading the request")).encode()
-    kept = None if opts.base.reissue or facts.held is None else fitting_cert(facts.held, csr_pem, auth.ca, facts.name)
+    kept = None if opts.reissue else fitting_cert(facts.held, csr_pem, auth.ca, facts.name)
     if kept is not None and await trio.to_thread.run_sync(auth.admin.is_revoked, kept.serial):
         kept = None
     if kept is not None:
         facts.cert_pem, facts.cert_serial = facts.held or b"", f"{kept.serial:x}"
         text = f"kept its certificate (serial {facts.cert_serial}, until {kept.not_after:%Y-%m-%d}); --reissue makes a new key"
     else:
-        text = await _issue(opts.base.server_config, facts, auth, csr_pem, new_key=opts.base.reissue or not had_key)
+        text = await _issue(opts.server_config, facts, auth, csr_pem, new_key=opts.reissue or not had_key)
     await _install_certs(s, facts, auth.ca)
     return text
 
@@ -184,18 +174,17 @@ async def _issue(config: cfg.ServerConfig, facts: Facts, auth: Authority, csr_pe
     facts.cert_pem = auth.ca.sign_gateway_csr(csr_pem, facts.name, validity_days=days)
     info = cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
     facts.cert_serial = f"{info.serial:x}"
-    old = _cert_or_none(facts.held)
+    old = certs.cert_or_none(facts.held)
     revoked = await trio.to_thread.run_sync(record, auth.admin, facts.name, info, old, auth.ca)
     also = f"; revoked the one it replaces (serial {revoked[0]})" if revoked else ""
     key = "a new key" if new_key else "its key"
     return f"issued CN={facts.name} (gateway role) for {key}, serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}{also}"
 
 
-def fitting_cert(pem: bytes, csr_pem: bytes, ca: CA, name: str) -> CertInfo | None:
-    """The machine's certificate, if it can stay: node add's rule (llmgw.nodeadd.install.fitting_cert),
-    and a gateway's."""
-    info = node_install.fitting_cert(pem, csr_pem, ca, name)
-    return info if info is not None and info.role == ROLE_GATEWAY else None
+def fitting_cert(pem: bytes | None, csr_pem: bytes, ca: CA, name: str) -> CertInfo | None:
+    """The machine's certificate, if it can stay: the toolkit's rule (llmgw.nodeadd.certs), and a
+    gateway's."""
+    return certs.fitting_cert(pem, csr_pem, ca, name, role=ROLE_GATEWAY)
 
 
 def record(admin: AdminClient, name: str, info: CertInfo, old: x509.Certificate | None, ca: CA) -> list[str]:
@@ -203,16 +192,7 @@ def record(admin: AdminClient, name: str, info: CertInfo, old: x509.Certificate 
     remove NAME` revokes it), and revoke the certificate this machine held, if ours. Other
     certificates of the name stay: they are other machines'. Returns the serials revoked, in
     hex. Blocking: one request."""
-    also = [old.serial_number] if old is not None and old.issuer == ca.cert.subject else []
-    revoked = admin.record_certificate(info.serial, name, info.not_after.timestamp(), also_revoke=also)
-    return [f"{n:x}" for n in sorted(revoked)]
-
-
-def _cert_or_none(pem: bytes | None) -> x509.Certificate | None:
-    try:
-        return x509.load_pem_x509_certificate(pem) if pem else None
-    except ValueError:
-        return None
+    return certs.record(admin, name, info, old, ca, revoke_others=False)
 
 
 async def _install_certs(s: ssh.Session, facts: Facts, ca: CA) -> None:
@@ -228,20 +208,13 @@ async def _install_certs(s: ssh.Session, facts: Facts, ca: CA) -> None:
 
 
 async def configure(opts: Options, s: ssh.Session, facts: Facts) -> str:
-    others = tuple(u for u in opts.base.control_planes if u != facts.server)
-    servers = (facts.server, *others) if others else facts.server
-    unit = layout.systemd_unit(server=servers, listen=opts.listen, workers=opts.workers, name=facts.name)
-    await put_text(s, unit, f"{facts.stage}/unit", mode=0o644)
-    await must(
-        s, ["install", "-m", "0644", f"{facts.stage}/unit", layout.UNIT], sudo=True, what=f"writing {layout.UNIT}"
-    )
-    await must(s, ["systemctl", "daemon-reload"], sudo=True, what="reloading systemd")
-    await must(s, ["systemctl", "enable", layout.UNIT_NAME], sudo=True, what=f"enabling {layout.UNIT_NAME}")
+    unit = layout.systemd_unit(server=servers(opts, facts), listen=opts.listen, workers=opts.workers, name=facts.name)
+    await service.install_unit(s, facts.stage, unit, layout.UNIT, layout.UNIT_NAME)
     return f"{layout.UNIT} (enabled): dials {facts.server}, serves {opts.listen} with {opts.workers} worker(s)"
 
 
 async def start(s: ssh.Session) -> None:
-    await must(s, ["systemctl", "restart", layout.UNIT_NAME], sudo=True, what=f"starting {layout.UNIT_NAME}")
+    await service.restart(s, layout.UNIT_NAME)
 
 
 def instances(gateways: list[dict[str, Any]], name: str) -> frozenset[str]:
@@ -285,7 +258,7 @@ async def wait_for_link(
     restarts = restarts or partial(service.unit_restarts, s, layout.UNIT_NAME)
     expected = int(opts.workers) if opts.workers.isdigit() else 1  # auto: as many as CPUs there; one says it runs
     seen = ""
-    with trio.move_on_after(opts.base.join_timeout_s):
+    with trio.move_on_after(opts.join_timeout_s):
         while True:
             done, now = link_progress(
                 await poll(), name=facts.name, serial=facts.cert_serial, before=before, workers=expected
@@ -304,6 +277,6 @@ async def wait_for_link(
                 )
             await trio.sleep(POLL_S)
     raise PeerError(
-        f"gateway {facts.name!r} did not link to the control plane within {opts.base.join_timeout_s:g} s: {seen}. Its "
+        f"gateway {facts.name!r} did not link to the control plane within {opts.join_timeout_s:g} s: {seen}. Its "
         f"log on the machine ({layout.log_hint()}) says why" + await service.journal_tail(s, layout.UNIT_NAME)
     )

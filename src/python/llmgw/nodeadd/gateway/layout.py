@@ -1,6 +1,6 @@
 """Where `llmgw gateway add` puts things on a gateway's machine, and the unit it writes there.
 
-    /usr/local/bin/llmgw                       the release zipapp (node add's path: one llmgw per machine)
+    /usr/local/bin/llmgw                       the release zipapp (the toolkit's path: one llmgw per machine)
     /var/lib/llmgw-gateway/                    the gateway user's home, 0700, owned by it
     /var/lib/llmgw-gateway/pki/                gateway.key (made there, never leaves), gateway.csr,
                                                gateway.crt, ca.crt; `llmgw gateway`'s default --pki-dir
@@ -19,9 +19,9 @@ from __future__ import annotations
 import re
 
 from llmgw.errors import UsageError
-from llmgw.nodeadd import layout as node_layout
+from llmgw.nodeadd import layout as machine
 
-BIN = node_layout.BIN
+BIN = machine.BIN
 USER = "llmgw-gateway"
 STATE_DIR = "/var/lib/llmgw-gateway"
 PKI_DIR = f"{STATE_DIR}/pki"  # `llmgw gateway --pki-dir`'s default (a test keeps them equal)
@@ -38,7 +38,7 @@ STOP_S = 45  # the gateway drains for up to 30 s on SIGTERM (llmgw.gatewayd's DR
 
 # The sandboxing the unit sets, and each one it does not with the reason: the unit carries both
 # (as comments), docs/gateway.md shows them, and a test keeps them agreeing.
-HARDENING = node_layout.service_hardening(STATE_DIR)
+HARDENING = machine.service_hardening(STATE_DIR)
 NOT_HARDENED = (
     ("MemoryDenyWriteExecute", "Python's ctypes and cffi callbacks may need memory both written and run, "
      "and a refusal there would kill a worker rather than fail one call"),
@@ -90,7 +90,7 @@ def csr_argv(name: str) -> list[str]:
 
 def user_argv() -> list[str]:
     """Run as root where `getent passwd USER` finds no such user: the gateway's system user."""
-    return node_layout.system_user_argv(USER, home=STATE_DIR, comment="llmgw gateway")
+    return machine.system_user_argv(USER, home=STATE_DIR, comment="llmgw gateway")
 
 
 def dirs_argv() -> list[str]:

@@ -1,1 +1,1 @@
-"""`llmgw server add`: node add's machinery (SSH, the release, the checklist) installing a second control plane."""
+"""`llmgw server add`: a machine made a second control plane, as a list of steps over the onboarding toolkit."""

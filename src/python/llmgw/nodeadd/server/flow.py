@@ -1,9 +1,10 @@
-"""`llmgw server add`: the steps, run against one machine over SSH, in the order of `steps.STEPS`.
+"""`llmgw server add`: its steps (`steps.STEPS`), each a function over the toolkit (llmgw.nodeadd),
+run against one machine over SSH by the toolkit's `run_flow`.
 
-Node add's machinery (llmgw.nodeadd) with a control plane at the end: the same SSH session and
-host-key questions, the same release shipped the same way, the same checklist, events and
-screens. What a second control plane needs that no database holds in plain text — the CA key,
-the engine-key secret, the admin credential, the store's password — is read here first
+The same SSH session and host-key questions, the same release shipped the same way, the same
+checklist, events and screens as node add and gateway add, with a control plane at the end.
+What a second control plane needs that no database holds in plain text — the CA key, the
+engine-key secret, the admin credential, the store's password — is read here first
 (`authority`) and copied as files (install.py says how); everything else it shares with this
 one through the PostgreSQL store both name.
 
@@ -22,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import attrs
@@ -30,13 +30,14 @@ import trio
 
 from llmgw import private
 from llmgw.errors import LlmgwError, MachineError
-from llmgw.nodeadd import flow, identify, ship, ssh
-from llmgw.nodeadd.context import SHORT_S
-from llmgw.nodeadd.flow import Emit, read_authority, remove_stage, run_step
+from llmgw.nodeadd import checklist, ship, ssh
+from llmgw.nodeadd.checklist import Emit, Flow, Outcome, read_authority
+from llmgw.nodeadd.identify import agent_address
 from llmgw.nodeadd.questions import Questions
 from llmgw.nodeadd.release import HTTPS, SSH
 from llmgw.nodeadd.server import install, layout
 from llmgw.nodeadd.server.install import Facts, Held, Options
+from llmgw.nodeadd.server.steps import STEPS
 from llmgw.nodeadd.steps import OK, WARN
 from llmgw.pki.files import load_ca
 
@@ -55,96 +56,124 @@ class Added:
     log: str
 
 
+@attrs.define(kw_only=True)
+class ServerRun(checklist.Run):
+    opts: Options
+    facts: Facts
+    timeout_s: float  # --start-timeout: how long `verify` waits for the admin API
+    held: Held | None = None
+
+    @property
+    def hold(self) -> Held:
+        assert self.held is not None
+        return self.held
+
+
 async def add_server(opts: Options, *, emit: Emit, questions: Questions, timeout_s: float = 120.0) -> Added:
-    async with run_step(emit, "authority") as st:
-        held = await trio.to_thread.run_sync(read_held, opts)
-        info = held.ca.info()
-        st.ok(
-            f"CA {info.common_name!r} (sha256 {info.fingerprint_sha256[:23]}...); "
-            f"{', '.join(c.what for c, _ in held.files)}; store {held.store.text()}"
-        )
-    facts = Facts()
-    facts.advertise = layout.advertised(opts.advertise, ssh.parse_target(opts.base.target).host)
-    async with AsyncExitStack() as stack:
-        async with run_step(emit, "connect") as st:
-            session = await stack.enter_async_context(flow.open_session(opts.base, questions))
-            st.ok(f"{session.target} port {opts.base.ssh_port}, host key verified against {opts.base.known_hosts}")
-        try:
-            return await _on_machine(opts, session, facts, emit, held, timeout_s)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(SHORT_S):
-                await remove_stage(session, facts.stage)
-
-
-async def _on_machine(opts: Options, s: ssh.Session, facts: Facts, emit: Emit, held: Held, timeout_s: float) -> Added:
-    async with run_step(emit, "identify") as st:
-        st.ok(await install.identify(opts, s, facts, held, _machine_id()))
-
-    async with run_step(emit, "ship") as st:
-        fell_back = await choose_release(opts, s, facts, held)
-        await ship.ship(s, facts, held.ca.cert_pem())
-        ran = await ship.tried(s, facts)
-        detail = f"{ship.ship_detail(facts, machine='machine')}; it runs there: {ran}"
-        st.say(WARN if fell_back else OK, f"{detail}; {fell_back}" if fell_back else detail)
-
-    async with run_step(emit, "install") as st:
-        st.ok(await install.install(s, facts))
-
-    async with run_step(emit, "secrets") as st:
-        st.ok(await install.secrets(s, facts, held))
-
-    async with run_step(emit, "configure") as st:
-        text = await install.configure(opts, s, facts, held)
-        st.say(WARN if facts.config_notes else OK, text)
-
-    async with run_step(emit, "store") as st:
-        st.ok(await install.store(s, held, opts.store_url))
-
-    async with run_step(emit, "start") as st:
-        st.ok(await install.start(s, facts))
-
-    async with run_step(emit, "verify") as st:
-        st.ok(await install.verify(s, held, timeout_s=timeout_s, progress=st.progress))
-
+    facts = Facts(advertise=layout.advertised(opts.advertise, ssh.parse_target(opts.target).host))
+    run = ServerRun(opts=opts, facts=facts, emit=emit, questions=questions, timeout_s=timeout_s)
+    await checklist.run_flow(FLOW, run)
     assert facts.artifact is not None
     return Added(
-        host=s.target.host,
+        host=run.s.target.host,
         version=facts.artifact.version,
-        fingerprint=held.ca.info().fingerprint_sha256,
+        fingerprint=run.hold.ca.info().fingerprint_sha256,
         store=install.redacted(opts.store_url),
         changed=tuple(c for c in facts.changed if not c.endswith(" restarted")),
         log=layout.log_hint(),
     )
 
 
+async def _authority(run: ServerRun, st: Outcome) -> None:
+    held = run.held = await trio.to_thread.run_sync(read_held, run.opts)
+    info = held.ca.info()
+    st.ok(
+        f"CA {info.common_name!r} (sha256 {info.fingerprint_sha256[:23]}...); "
+        f"{', '.join(c.what for c, _ in held.files)}; store {held.store.text()}"
+    )
+
+
+async def _identify(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.identify(run.opts, run.s, run.facts, run.hold, _machine_id()))
+
+
+async def _ship(run: ServerRun, st: Outcome) -> None:
+    fell_back = await choose_release(run.opts, run.s, run.facts, run.hold)
+    await ship.ship(run.s, run.facts, run.hold.ca.cert_pem())
+    ran = await ship.tried(run.s, run.facts)
+    detail = f"{ship.ship_detail(run.facts, machine='machine')}; it runs there: {ran}"
+    st.say(WARN if fell_back else OK, f"{detail}; {fell_back}" if fell_back else detail)
+
+
+async def _install(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.install(run.s, run.facts))
+
+
+async def _secrets(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.secrets(run.s, run.facts, run.hold))
+
+
+async def _configure(run: ServerRun, st: Outcome) -> None:
+    text = await install.configure(run.opts, run.s, run.facts, run.hold)
+    st.say(WARN if run.facts.config_notes else OK, text)
+
+
+async def _store(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.store(run.s, run.hold, run.opts.store_url))
+
+
+async def _start(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.start(run.s, run.facts))
+
+
+async def _verify(run: ServerRun, st: Outcome) -> None:
+    st.ok(await install.verify(run.s, run.hold, timeout_s=run.timeout_s, progress=st.progress))
+
+
+FLOW: Flow[ServerRun] = Flow(
+    STEPS,
+    {
+        "authority": _authority,
+        "connect": checklist.connect,
+        "identify": _identify,
+        "ship": _ship,
+        "install": _install,
+        "secrets": _secrets,
+        "configure": _configure,
+        "store": _store,
+        "start": _start,
+        "verify": _verify,
+    },
+)
+
+
 async def choose_release(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> str:
-    """`ship.choose` as node add's, the control plane's release fetched by the machine from its
+    """The toolkit's `ship.choose`, the control plane's release fetched by the machine from its
     agent port when it serves one; where that cannot be (no server certificate for an address the
     machine reaches, the control plane not answering) the file goes over SSH unless
     `--release-via https` was asked for. Returns why it went over SSH when it fell back, else ""."""
-    base = opts.base
-    if base.release or base.release_via == SSH:
-        return await ship.choose(base, facts, held.ca.cert_pem())
+    if opts.release or opts.release_via == SSH:
+        return await ship.choose(opts, facts, held.ca.cert_pem())
     try:
-        _, server_cert = await trio.to_thread.run_sync(read_authority, base.state_dir)
-        facts.address, facts.port = identify.agent_address(base, s.target.host, server_cert, who="machine")
-        return await ship.choose(base, facts, held.ca.cert_pem())
+        _, server_cert = await trio.to_thread.run_sync(read_authority, opts.state_dir)
+        facts.address, facts.port = agent_address(opts, s.target.host, server_cert, who="machine")
+        return await ship.choose(opts, facts, held.ca.cert_pem())
     except LlmgwError as exc:
-        if base.release_via == HTTPS:
+        if opts.release_via == HTTPS:
             raise
         why = str(exc)
-    await ship.choose(attrs.evolve(base, release_via=SSH), facts, held.ca.cert_pem())
+    await ship.choose(attrs.evolve(opts, release_via=SSH), facts, held.ca.cert_pem())
     return f"the control plane's release could not be fetched from its agent port ({why}), so it went over SSH"
 
 
 def read_held(opts: Options) -> Held:
     """This control plane's CA, the files every leader needs, and its store as seen from here.
     Blocking: files, and one connection to the store."""
-    layout.refuse_sqlite(opts.base.server_config.store, opts.config_path)
-    state_dir = opts.base.state_dir
+    layout.refuse_sqlite(opts.server_config.store, opts.config_path)
+    state_dir = opts.state_dir
     ca = load_ca(state_dir)
     files = []
-    for copied in layout.secrets(state_dir, opts.base.server_config.store.password_file):
+    for copied in layout.secrets(state_dir, opts.server_config.store.password_file):
         files.append((copied, _read(copied, state_dir)))
     if opts.look_store is None:
         raise ValueError("server add needs a way to look at the store")  # a bug in the caller

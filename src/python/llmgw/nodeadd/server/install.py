@@ -1,6 +1,7 @@
 """The steps of `llmgw server add` that are a control plane's own: `identify` (the machine, and
-the CA it may hold), `install`, `secrets`, `configure`, `store`, `start` and `verify`.
-Connecting, shipping and trying the release are node add's (llmgw.nodeadd: ssh, ship).
+the CA it may hold), `install`, `secrets`, `configure`, `store`, `start` and `verify`, built from
+the toolkit's (llmgw.nodeadd: identify, service). Connecting, shipping and trying the release are
+the toolkit's as they are.
 
 Invariants:
 
@@ -35,12 +36,10 @@ from cryptography.exceptions import InvalidSignature
 
 from llmgw.config import storeurl
 from llmgw.ctl.client import AdminClient
-from llmgw.errors import LlmgwError, MachineError, PeerError, UsageError
+from llmgw.errors import LlmgwError, PeerError, UsageError
 from llmgw.nodeadd import context, service, ssh
-from llmgw.nodeadd import layout as node_layout
 from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, must, put_text, said
-from llmgw.nodeadd.identify import check_sudo
-from llmgw.nodeadd.release import release_arch
+from llmgw.nodeadd.identify import check_sudo, probe_machine
 from llmgw.nodeadd.server import layout
 from llmgw.pki.ca import CA, cert_info
 
@@ -50,10 +49,9 @@ KEEP_FOR_S = 30 * 86400  # an agent endpoint certificate with less left than thi
 
 
 @attrs.frozen(kw_only=True)
-class Options:
-    # SSH, the control plane's state directory and server.toml, the release and the timeout, as
-    # node add takes them (its node-only fields are left at their defaults).
-    base: context.Options
+class Options(context.Options):
+    # The toolkit's (SSH, the control plane's state directory and server.toml, the release), and
+    # a second control plane's own.
     config_path: Path | None = None  # this control plane's server.toml, whose catalog the new one gets
     source: dict[str, Any] = attrs.field(factory=dict)  # that file, parsed
     store_url: str = ""  # --store: the url the machine reaches the store at ("": this control plane's)
@@ -74,7 +72,6 @@ class Held:
 
 @attrs.define
 class Facts(context.Facts):
-    hostname: str = ""
     machine_id: str = ""
     advertise: tuple[str, ...] = ()
     changed: list[str] = attrs.Factory(list)  # what this run changed on the machine, in words
@@ -87,18 +84,12 @@ MACHINE_ID_ARGV = ["cat", "--", "/etc/machine-id"]  # tells this machine from an
 
 
 async def identify(opts: Options, s: ssh.Session, facts: Facts, held: Held, here_machine_id: str) -> str:
-    res = await s.run(["sh", "-c", node_layout.PROBE], timeout_s=SHORT_S)
-    if res.exit_status != 0:
-        raise PeerError(f"{s.target}: probing the machine failed ({said(res)})")
-    found = node_layout.parse_probe(res.stdout)
-    facts.hostname, facts.machine = found.hostname, found.arch
-    facts.arch = release_arch(found.arch)
-    facts.systemd = found.systemd
-    if not found.systemd:
-        raise MachineError(
-            f"{s.target} does not run systemd, and `llmgw server add` installs the control plane as a systemd "
-            'service; set it up by hand there (docs/high-availability.md, "Adding a second control plane")'
-        )
+    await probe_machine(
+        s,
+        facts,
+        without_systemd="does not run systemd, and `llmgw server add` installs the control plane as a systemd "
+        'service; set it up by hand there (docs/high-availability.md, "Adding a second control plane")',
+    )
     mid = await s.run(MACHINE_ID_ARGV, timeout_s=SHORT_S)
     facts.machine_id = mid.stdout.strip() if mid.exit_status == 0 else ""
     if facts.machine_id and facts.machine_id == here_machine_id:
@@ -219,7 +210,7 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> 
     ):
         facts.changed.append(layout.CONFIG)
         done.append(f"wrote {layout.CONFIG}")
-    cert = await server_cert(s, facts, held.ca, validity_days=opts.base.server_config.ca.server_cert_validity_days)
+    cert = await server_cert(s, facts, held.ca, validity_days=opts.server_config.ca.server_cert_validity_days)
     unit_changed = await place(
         s, facts, layout.systemd_unit().encode(), layout.UNIT, mode=0o644, owner="root", group="root", what="the unit"
     )

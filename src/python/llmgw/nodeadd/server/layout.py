@@ -1,7 +1,7 @@
 """Where `llmgw server add` puts a control plane on a machine, what it copies there, and the two
 files it writes: server.toml and the unit.
 
-    /usr/local/bin/llmgw                      the release zipapp (node add's path: one llmgw per machine)
+    /usr/local/bin/llmgw                      the release zipapp (the toolkit's path: one llmgw per machine)
     /etc/llmgw/server.toml                    0640 root:llmgw: the first control plane's, made this one's
     /var/lib/llmgw/                           0700 llmgw: the state directory, the service user's home
     /var/lib/llmgw/ca/ca.key, ca.crt          0600 / 0644 llmgw: the cluster's CA, copied
@@ -39,10 +39,10 @@ from llmgw import config as cfg
 from llmgw import paths
 from llmgw.config import storeurl
 from llmgw.errors import UsageError
-from llmgw.nodeadd import layout as node_layout
+from llmgw.nodeadd import layout as machine
 from llmgw.pki.files import ca_paths
 
-BIN = node_layout.BIN
+BIN = machine.BIN
 USER = "llmgw"
 STATE_DIR = cfg.DEFAULT_SERVER_STATE_DIR
 CA_DIR = f"{STATE_DIR}/ca"
@@ -197,7 +197,7 @@ def service_argv(*args: str) -> list[str]:
 
 
 def user_argv() -> list[str]:
-    return node_layout.system_user_argv(USER, home=STATE_DIR, comment="llmgw control plane")
+    return machine.system_user_argv(USER, home=STATE_DIR, comment="llmgw control plane")
 
 
 def dirs_argv() -> list[list[str]]:
@@ -210,7 +210,7 @@ def dirs_argv() -> list[list[str]]:
 
 # The sandboxing the unit sets, and each one it does not with the reason: the unit carries both
 # (as comments), docs/high-availability.md shows them.
-HARDENING = node_layout.service_hardening(STATE_DIR)
+HARDENING = machine.service_hardening(STATE_DIR)
 NOT_HARDENED = (
     ("MemoryDenyWriteExecute", "Python's ctypes and cffi callbacks may need memory both written and run"),
     ("PrivateNetwork", "agents, gateways, the admin API and PostgreSQL all reach it, or it them, over the network"),

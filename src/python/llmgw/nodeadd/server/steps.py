@@ -1,4 +1,4 @@
-"""The steps of `llmgw server add`, in the order they run; node add's checklist and screens
+"""The steps of `llmgw server add`, in the order they run; the toolkit's checklist and screens
 (`llmgw.nodeadd.steps`, `llmgw.nodeadd.screen`) draw them. Pure: no I/O here."""
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
-"""The steps of `llmgw node add` that change the node, after doctor has passed: `identity`,
-`trust`, `configure`, `start`, and `join`, which waits for the restarted agent.
+"""What `llmgw node add` takes and learns (`Options` and `Facts`: the toolkit's and a node's own),
+and its steps that change the node, after doctor has passed: `identity`, `trust`, `configure`,
+`start`, and `join`, which waits for the restarted agent.
 
 `identity` makes the node's key on the node (it never leaves it), signs its request here and
 records the serial through the control plane's admin API, before the certificate is installed:
 a serial the control plane did not record is never shipped, so `llmgw node remove` can revoke
 every certificate a node holds. Each certificate issued for a node id revokes every other one of
 that node id (identity.py says why). A certificate the node holds is kept while it fits (ours,
-for this node and key, more than a week left, not revoked) unless `--reissue`.
+for this node and key, more than a week left, not revoked: llmgw.nodeadd.certs) unless `--reissue`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,32 +20,48 @@ from typing import Any
 import attrs
 import trio
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 
+from llmgw import config as cfg
 from llmgw import driverpaths
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.engines import installing_text
 from llmgw.errors import LlmgwError, PeerError
-from llmgw.nodeadd import layout, ssh
-from llmgw.nodeadd.context import (
-    DOCTOR_S,
-    SHORT_S,
-    Authority,
-    Facts,
-    Options,
-    must,
-    put_text,
-    staged_llmgw,
-    view_of,
-)
+from llmgw.nodeadd import certs, context, service, ssh
+from llmgw.nodeadd.context import DOCTOR_S, SHORT_S, Authority, must, put_text, servers, staged_llmgw, view_of
+from llmgw.nodeadd.node import layout, llama
+from llmgw.nodeadd.release import Artifact
 from llmgw.nodeadd.steps import OK, WARN
 from llmgw.pki.ca import CA, CertInfo, cert_info
 from llmgw.pki.files import node_paths
 
 POLL_S = 1.0
 LOG_LINES = 15
-KEEP_FOR_S = 7 * 86400  # a certificate with less left than this is renewed
+
+
+@attrs.frozen(kw_only=True)
+class Options(context.Options):
+    fabrics: tuple[cfg.FabricDecl, ...] = ()
+    ignore_doctor: frozenset[str] = frozenset()
+    system_trust: bool = True  # also trust the CA root in the node's system store (layout.TRUST_STORES)
+    llamacpp_bin: str = ""
+    vllm_bin: str = ""
+    sglang_python: str = ""
+    # --nvidia-smi, --ib-root, --sminfo as given, by agent.toml key (llmgw.driverpaths); absolute paths
+    driver_paths: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Facts(context.Facts):
+    node_id: str = ""  # its hostname, checked
+    trust_store: layout.TrustStore | None = None  # None: --no-system-trust
+    fabrics: tuple[cfg.FabricDecl, ...] = ()
+    existing: cfg.AgentConfig | None = None  # the node's agent.toml from an earlier add, if it loads
+    llama: Artifact | None = None  # the llama.cpp archive of the release --release named, shipped with it
+
+    def given_fabrics(self, opts: Options) -> tuple[cfg.FabricDecl, ...]:
+        """--fabric flags, else what the node declared before: adding again does not drop them."""
+        return opts.fabrics or (self.existing.fabrics if self.existing else ())
+
 
 # -- identity ------------------------------------------------------------------------------
 
@@ -56,6 +71,7 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
     await put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
     node = node_paths(Path(layout.STATE_DIR))
     current = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)
+    held = current.stdout.encode() if current.exit_status == 0 else None
     had_key = await _has_identity(s)
     if opts.reissue:
         await must(s, ["rm", "-f", "--", str(node.key), str(node.cert)], sudo=True, what="removing the old identity")
@@ -67,22 +83,17 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
         timeout_s=DOCTOR_S,
     )
     csr_pem = (await must(s, ["cat", "--", str(node.csr)], sudo=True, what="reading the request")).encode()
-    kept = (
-        None
-        if opts.reissue or current.exit_status != 0
-        else fitting_cert(current.stdout.encode(), csr_pem, auth.ca, facts.node_id)
-    )
+    kept = None if opts.reissue else certs.fitting_cert(held, csr_pem, auth.ca, facts.node_id)
     if kept is not None and await trio.to_thread.run_sync(auth.admin.is_revoked, kept.serial):
         kept = None
-    if kept is not None:
-        facts.cert_pem, info = current.stdout.encode(), kept
-        facts.cert_serial = f"{info.serial:x}"
-        return f"kept its certificate (serial {facts.cert_serial}, until {info.not_after:%Y-%m-%d}); --reissue makes a new key"
-    old = _cert_or_none(current.stdout.encode()) if current.exit_status == 0 else None
+    if kept is not None and held is not None:
+        facts.cert_pem, facts.cert_serial = held, f"{kept.serial:x}"
+        return f"kept its certificate (serial {facts.cert_serial}, until {kept.not_after:%Y-%m-%d}); --reissue makes a new key"
     days = opts.server_config.ca.node_cert_validity_days
     facts.cert_pem = auth.ca.sign_csr(csr_pem, facts.node_id, validity_days=days)
     info = cert_info(x509.load_pem_x509_certificate(facts.cert_pem))
     facts.cert_serial = f"{info.serial:x}"
+    old = certs.cert_or_none(held)
     revoked = await trio.to_thread.run_sync(record, auth.admin, facts.node_id, info, old, auth.ca)
     also = ""
     if len(revoked) == 1:
@@ -95,9 +106,8 @@ async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
 
 def _agent_toml(opts: Options, facts: Facts) -> str:
     before = facts.existing
-    others = tuple(u for u in opts.control_planes if u != facts.server)
     return layout.agent_toml(
-        server=(facts.server, *others) if others else facts.server,
+        server=servers(opts, facts),
         node_id=facts.node_id,
         fabrics=facts.fabrics,
         llamacpp_bin=opts.llamacpp_bin or (before.llamacpp_bin if before else ""),
@@ -113,45 +123,11 @@ async def _has_identity(s: ssh.Session) -> bool:
     return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
 
 
-def _cert_or_none(pem: bytes) -> x509.Certificate | None:
-    try:
-        return x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        return None
-
-
-def fitting_cert(pem: bytes, csr_pem: bytes, ca: CA, node_id: str) -> CertInfo | None:
-    """The node's certificate, if it can stay as far as it alone tells: ours, for this node and
-    its key, valid a while. Whether it is revoked only the control plane knows."""
-    cert = _cert_or_none(pem)
-    if cert is None:
-        return None
-    info = cert_info(cert)
-    csr = x509.load_pem_x509_csr(csr_pem)
-    try:
-        cert.verify_directly_issued_by(ca.cert)
-    except (ValueError, TypeError, InvalidSignature):
-        return None
-    same_key = _public_der(cert.public_key()) == _public_der(csr.public_key())
-    fresh = info.not_after.timestamp() - time.time() > KEEP_FOR_S
-    if not (same_key and fresh and info.common_name == node_id and info.valid_at(datetime.now(timezone.utc))):
-        return None
-    return info
-
-
-def _public_der(key: Any) -> bytes:
-    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
 def record(admin: AdminClient, node_id: str, info: CertInfo, old: x509.Certificate | None, ca: CA) -> list[str]:
     """Have the control plane remember the new serial (so `node remove` revokes it), and revoke
     every other certificate of the node id: the one it replaces on this machine, if ours, and
     those of a machine it replaces. Returns the serials revoked, in hex. Blocking: one request."""
-    also = [old.serial_number] if old is not None and old.issuer == ca.cert.subject else []
-    revoked = admin.record_certificate(
-        info.serial, node_id, info.not_after.timestamp(), revoke_others=True, also_revoke=also
-    )
-    return [f"{n:x}" for n in sorted(revoked)]
+    return certs.record(admin, node_id, info, old, ca, revoke_others=True)
 
 
 # -- trust ---------------------------------------------------------------------------------
@@ -182,13 +158,7 @@ async def trust(s: ssh.Session, facts: Facts, ca: CA) -> tuple[str, str]:
 
 async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, str]:
     assert facts.artifact is not None
-    if facts.installed_sha256 != facts.artifact.sha256:
-        await must(
-            s,
-            ["install", "-D", "-m", "0755", f"{facts.stage}/llmgw", layout.BIN],
-            sudo=True,
-            what=f"installing {layout.BIN}",
-        )
+    await service.install_bin(s, facts)
     await must(
         s,
         ["install", "-D", "-m", "0644", f"{facts.stage}/agent.toml", layout.CONFIG],
@@ -198,13 +168,11 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, s
     written = f"{layout.BIN} ({facts.artifact.version}), {layout.CONFIG}"
     if opts.driver_paths:
         written += f" ({driverpaths.describe(opts.driver_paths)})"
+    placed = await llama.place(s, facts.stage, facts.llama)
+    if placed:
+        written += f", {placed}"
     if facts.systemd:
-        await put_text(s, layout.systemd_unit(), f"{facts.stage}/unit", mode=0o644)
-        await must(
-            s, ["install", "-m", "0644", f"{facts.stage}/unit", layout.UNIT], sudo=True, what=f"writing {layout.UNIT}"
-        )
-        await must(s, ["systemctl", "daemon-reload"], sudo=True, what="reloading systemd")
-        await must(s, ["systemctl", "enable", layout.UNIT_NAME], sudo=True, what=f"enabling {layout.UNIT_NAME}")
+        await service.install_unit(s, facts.stage, layout.systemd_unit(), layout.UNIT, layout.UNIT_NAME)
         return OK, f"{written}, {layout.UNIT} (enabled)"
     return WARN, (
         f"{written}; no systemd on the node, so the agent runs under llmgw's own supervisor "
@@ -215,7 +183,7 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, s
 
 async def start(s: ssh.Session, facts: Facts) -> None:
     if facts.systemd:
-        await must(s, ["systemctl", "restart", layout.UNIT_NAME], sudo=True, what=f"starting {layout.UNIT_NAME}")
+        await service.restart(s, layout.UNIT_NAME)
         return
     await must(s, stop_supervisor_argv(), sudo=True, what="stopping the running agent", timeout_s=DOCTOR_S)
     await must(
@@ -232,6 +200,13 @@ async def start(s: ssh.Session, facts: Facts) -> None:
 
 def stop_supervisor_argv() -> list[str]:
     return [layout.BIN, "agent", "stop", "--pid-file", layout.PID_FILE]
+
+
+def stop_argv(systemd: bool) -> tuple[list[str], str]:
+    """What stops and disables the agent for good (`llmgw node remove --ssh`), and in words."""
+    if systemd:
+        return ["systemctl", "disable", "--now", layout.UNIT_NAME], f"systemctl disable --now {layout.UNIT_NAME}"
+    return stop_supervisor_argv(), f"llmgw agent stop --pid-file {layout.PID_FILE}"
 
 
 # -- join ----------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import pytest
 import trio
 
 from llmgw.errors import MachineError
-from llmgw.nodeadd import identify, install, layout, ssh
-from llmgw.nodeadd.context import Facts, Options
+from llmgw.nodeadd import ssh
+from llmgw.nodeadd.node import identify, install, layout
+from llmgw.nodeadd.node.install import Facts, Options
 from llmgw.pki.files import init_ca, load_ca
 
 DEBIAN_12 = """\

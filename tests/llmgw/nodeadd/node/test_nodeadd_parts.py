@@ -17,8 +17,9 @@ from trio.testing import MockClock
 
 from llmgw import config as cfg
 from llmgw.errors import ConfigError, MachineError, PeerError, UsageError
-from llmgw.nodeadd import identify, install, layout, release, ship, ssh
-from llmgw.nodeadd.context import Facts, Options
+from llmgw.nodeadd import identify, release, ssh
+from llmgw.nodeadd.node import doctor, install, layout
+from llmgw.nodeadd.node.install import Facts, Options
 from llmgw.nodeadd.questions import Unattended
 from llmgw.pki.ca import CertInfo
 from llmgw.pki.files import init_ca, issue_server_cert, load_ca
@@ -53,7 +54,7 @@ def test_agent_toml_names_every_control_plane_given_this_one_first(tmp_path: Pat
 
 
 def test_the_other_control_planes_follow_this_ones_in_agent_toml_once_each() -> None:
-    from llmgw.nodeadd.install import _agent_toml
+    from llmgw.nodeadd.node.install import _agent_toml
 
     opts = Options(
         target="root@node-a",
@@ -416,7 +417,7 @@ class Recorder(Unattended):
 def _fabrics(tmp_path: Path, decls: tuple[cfg.FabricDecl, ...], inventory: dict) -> tuple[str, str, tuple]:
     opts = attrs.evolve(_opts(tmp_path), fabrics=decls)
     facts = Facts()
-    status, text = trio.run(ship.fabrics, opts, facts, inventory, CLUSTER, Recorder())
+    status, text = trio.run(doctor.fabrics, opts, facts, inventory, CLUSTER, Recorder())
     return status, text, facts.fabrics
 
 

@@ -11,8 +11,10 @@ import trio
 from cryptography import x509
 
 from llmgw.errors import UsageError
-from llmgw.nodeadd import identify, identity, install, ssh
-from llmgw.nodeadd.context import Authority, Facts, Options
+from llmgw.nodeadd import ssh
+from llmgw.nodeadd.context import Authority
+from llmgw.nodeadd.node import identify, identity, install
+from llmgw.nodeadd.node.install import Facts, Options
 from llmgw.pki.ca import CA, cert_info, make_key_and_csr
 from llmgw.pki.files import init_ca, load_ca
 from llmgw.server.store import Store

@@ -14,7 +14,7 @@ from llmgw import driverpaths
 from llmgw.cli import build_parser
 from llmgw.commands.agent import checked_driver_paths
 from llmgw.errors import UsageError
-from llmgw.nodeadd import layout
+from llmgw.nodeadd.node import layout
 
 SERVER = "wss://10.0.0.1:7443"
 SMI = "/opt/nvidia/bin/nvidia-smi"
