@@ -1,4 +1,4 @@
-"""A file server on loopback for download tests: llmgw's own h11 server, with HTTP Range (which
+"""A file server on loopback for download tests: llmgw's own HTTP server, with HTTP Range (which
 a test can switch off), recording what each request asked for, and a gate that holds bodies
 back so concurrent downloads overlap for sure. It can also stream a body without a
 Content-Length (chunked).

@@ -1,5 +1,5 @@
-"""What the codecs' oracle tests share (tests/llmgw/http/test_h1_oracle.py for the server role,
-tests/llmgw/gateway/test_wire_oracle.py for the client role): HTTP/1.1 messages generated from
+"""What the codec's oracle tests share (tests/llmgw/h1/test_server_oracle.py for the server role,
+tests/llmgw/h1/test_client_oracle.py for the client role): HTTP/1.1 messages generated from
 their parts and mutated where parsers disagree, the verdict a codec and h11 are each reduced to,
 where the parts of a parsed message lie in its bytes, and `judge`, which compares two verdicts
 allowing exactly the differences a test's table names, each by a rule that must hold.

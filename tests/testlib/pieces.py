@@ -1,5 +1,5 @@
 """Bytes cut into pieces, as a peer's writes may reach a parser: for the codecs' tests
-(`llmgw.http.h1`, `llmgw.gateway.wire`), which feed a message in every cut that matters."""
+(`llmgw.h1`, both roles), which feed a message in every cut that matters."""
 
 from __future__ import annotations
 

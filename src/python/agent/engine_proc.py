@@ -14,9 +14,9 @@ import signal
 import socket
 from typing import Protocol
 
-import h11
 import trio
 
+from llmgw.h1 import NEED_DATA, ProtocolError, ResponseParser, request_bytes
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.replicas")
@@ -104,20 +104,14 @@ async def probe_health(host: str, port: int, *, timeout_s: float = HEALTH_TIMEOU
         except OSError:
             return None
         async with stream:
-            conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(
-                method="GET", target="/health", headers=[("host", f"{host}:{port}"), ("connection", "close")]
-            )
+            # The codec's client role, as the gateway probes an engine (`llmgw.gateway.upstream`).
+            parser = ResponseParser(request_method="GET")
+            request = request_bytes("GET", "/health", f"{host}:{port}", ((b"connection", b"close"),), b"")
             try:
-                await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await stream.receive_some(1 << 14))
-                    elif isinstance(event, h11.Response):
-                        return event.status_code
-                    elif isinstance(event, h11.ConnectionClosed):
-                        return None
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
-                return None
+                await stream.send_all(request)
+                while (event := parser.next_event()) is NEED_DATA:
+                    parser.receive_data(await stream.receive_some(1 << 14))
+                return event.status  # type: ignore[union-attr] - the head comes first (1xx skipped)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+                return None  # closed before answering, or not HTTP
     return None

@@ -1,6 +1,6 @@
 """Downloads resume and are verified; installs are checked before `current` switches.
 
-A real HTTP server on loopback (llmgw's own h11 server) serves the files, with Range support
+A real HTTP server on loopback (llmgw's own HTTP server) serves the files, with Range support
 that the tests can switch off.
 """
 

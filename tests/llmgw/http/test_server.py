@@ -1,4 +1,5 @@
-"""The h11 server adapter, driven over in-memory streams with a fake clock."""
+"""The HTTP server (`llmgw.http.server`, the trio loop around the codec's server role), driven
+over in-memory streams with a fake clock."""
 
 from __future__ import annotations
 

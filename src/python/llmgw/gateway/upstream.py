@@ -1,4 +1,5 @@
-"""HTTP/1.1 client connections to replicas' engines: `llmgw.gateway.wire` on trio, pooled per endpoint.
+"""HTTP/1.1 client connections to replicas' engines: the codec's client role (`llmgw.h1`) on trio,
+pooled per endpoint.
 
 `UpstreamPool.send` writes one request and returns as soon as the response head arrives, with
 an `UpstreamResponse` whose `body()` yields the body's pieces as they arrive (de-chunked, never
@@ -55,7 +56,7 @@ from llmgw.gateway.errors import (
     UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from llmgw.gateway.wire import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
+from llmgw.h1 import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
 from llmgw.http import fastio
 
 RECEIVE_SIZE = 65536
@@ -276,7 +277,7 @@ class UpstreamResponse:
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body's pieces as they arrive; ends at the end of the message. What has arrived
-        when a piece is taken goes out with it (`wire.ResponseParser`): when the engine writes
+        when a piece is taken goes out with it (`llmgw.h1.ResponseParser`): when the engine writes
         faster than the client reads (many small SSE events), one write relays several.
         Silence is bounded by `read_timeout_s` at each read."""
         host, port = self.key
@@ -288,7 +289,7 @@ class UpstreamResponse:
                 event = parser.next_event()
                 if event is NEED_DATA:
                     with trio.move_on_after(timeout):
-                        parser.feed(await fastio.receive(stream, RECEIVE_SIZE))  # b"": the peer closed
+                        parser.receive_data(await fastio.receive(stream, RECEIVE_SIZE))  # b"": the peer closed
                         read = True
                         continue
                     raise UpstreamBroken(f"{host}:{port} sent nothing for {timeout:g} s in the middle of a response")
@@ -325,7 +326,7 @@ async def _head_event(conn: _Conn) -> Head:
         event = parser.next_event()
         if event is NEED_DATA:
             # Nothing can have come before the request was written: wait first, read once.
-            parser.feed(await fastio.receive(conn.stream, RECEIVE_SIZE, waits=True))  # b"": the peer closed
+            parser.receive_data(await fastio.receive(conn.stream, RECEIVE_SIZE, waits=True))  # b"": the peer closed
         else:
             assert isinstance(event, Head), event
             return event

@@ -29,8 +29,8 @@ import copy
 
 import trio
 
+from llmgw.h1 import END, NEED_DATA, Data, ProtocolError, ServerConnection
 from llmgw.http.errors import Abort, peer_reason, too_large
-from llmgw.http.h1 import END, NEED_DATA, Data, ProtocolError, ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.messages import BodySource
 from llmgw.http.send import RECEIVE_SIZE, send

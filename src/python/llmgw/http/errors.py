@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import h11
 import trio
 
 from llmgw.errors import MachineError, leaves
@@ -105,7 +104,7 @@ def peer_reason(exc: BaseException) -> str | None:
             cause = leaf.__cause__
             reset = isinstance(cause, OSError) and cause.errno in (errno.ECONNRESET, errno.EPIPE)
             reasons.append("reset" if reset else "closed")
-        elif isinstance(leaf, (trio.ClosedResourceError, h11.RemoteProtocolError)):
+        elif isinstance(leaf, trio.ClosedResourceError):
             reasons.append("closed")
         else:
             return None

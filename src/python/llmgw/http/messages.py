@@ -1,7 +1,7 @@
 """What a handler of `llmgw.http.server` is given and what it answers.
 
 A `Request` is its head, and its body for the asking (`read`, once): a handler decides from the
-head alone before a byte of the body is buffered. Its headers are kept as the byte pairs h11
+head alone before a byte of the body is buffered. Its headers are kept as the byte pairs the codec
 parsed (`raw_headers`: names lower-case, every repeat in order), so what a proxy forwards is
 what came; `headers` is the convenience view (decoded, a repeated header's last value) and
 `header_values` every value of one. `per_connection` is a dict the server gives every request of
@@ -167,7 +167,7 @@ class StreamingResponse:
     body's) is called however it ends, unstarted too (a HEAD). Once the head is sent the status
     cannot change: a producer that raises ends the connection without the final chunk, which a
     client sees as a truncated body. With `length` the body is sent with that Content-Length
-    (h11 then holds the producer to it); without, chunked."""
+    (the codec then holds the producer to it); without, chunked."""
 
     status: int
     body: AsyncIterable[bytes]

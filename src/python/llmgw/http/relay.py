@@ -13,8 +13,8 @@ once the gateway serves that port from processes of its own.
   only; one the client sent is dropped.
 - An answer with a length of at most `max_whole_bytes` is read whole and answered as a
   `Response`. A longer one, or one without a length (the page's live feed, `GET
-  /admin/v1/events`, server-sent events), is relayed as it arrives, each chunk as h11 delivers
-  it (`StreamingResponse`); the client going away closes the connection to the control plane,
+  /admin/v1/events`, server-sent events), is relayed as it arrives, each piece what the codec
+  could decode of one read (`StreamingResponse`); the client going away closes the connection to the control plane,
   which ends the stream there.
 - One connection per request, closed once answered: admin traffic is a few requests a minute
   and a Unix connect costs microseconds, so there is no pool, nor a pool's rules for
@@ -32,7 +32,8 @@ failure is answered naming the control plane as its cause and what still works:
 - a streamed answer cut or silent midway: ended short (`BodyAborted`), as a client sees any
   upstream that breaks after its head.
 
-Why not the gateway's upstream pool (`gateway/upstream.py`): the HTTP stack imports nothing of
+The HTTP is the codec's client role (`llmgw.h1`: `request_bytes`, `ResponseParser`), as the
+gateway's to engines. Why not the gateway's upstream pool (`gateway/upstream.py`): the HTTP stack imports nothing of
 the gateway, and the pool is made for engines: it writes its own Host (the page's Origin check
 needs the client's), retries on another connection, and on silence probes `/health`, which the
 private socket does not serve.
@@ -45,10 +46,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import attrs
-import h11
 import trio
 
 from llmgw.errors import cut
+from llmgw.h1 import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
 from llmgw.http.errors import BodyAborted, HTTPError
 from llmgw.http.messages import Headers, Request, Response, StreamingResponse
 from llmgw.http.unixsocket import connect_unix
@@ -106,28 +107,29 @@ class _Failed(Exception):
 
 @attrs.define(eq=False)
 class _Upstream:
-    """One connection to the upstream server, as h11's client sees it."""
+    """One connection to the upstream server and the parser of its answer."""
 
     stream: trio.abc.Stream
-    conn: h11.Connection
+    parser: ResponseParser
     answering: bool = False  # the answer's head has come
 
-    async def send(self, *events: h11.Request | h11.Data | h11.EndOfMessage) -> None:
+    async def send(self, data: bytes) -> None:
         try:
-            await self.stream.send_all(b"".join(self.conn.send(e) or b"" for e in events))
+            await self.stream.send_all(data)
         except _STREAM_ERRORS:
             raise _Failed(503, "it closed the connection before taking the request") from None
 
-    async def next_event(self, timeout_s: float, silent: str):
-        """h11's next event, reading within `timeout_s`; `_Failed` with `silent` (504) past it,
-        or 502 for what is not HTTP or a broken connection."""
+    async def next_event(self, timeout_s: float, silent: str) -> Head | bytes | object:
+        """The parser's next event (a `Head`, a piece of the body, `END`), reading within
+        `timeout_s`; `_Failed` with `silent` (504) past it, or 502 for what is not HTTP or a
+        broken connection."""
         while True:
             try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as exc:
+                event = self.parser.next_event()
+            except ProtocolError as exc:
                 raise _Failed(502, self._protocol_error(exc)) from None
-            if event is not h11.NEED_DATA:
-                self.answering = self.answering or isinstance(event, h11.Response)
+            if event is not NEED_DATA:
+                self.answering = self.answering or isinstance(event, Head)
                 return event
             with trio.move_on_after(timeout_s) as waited:
                 try:
@@ -136,15 +138,14 @@ class _Upstream:
                     raise _Failed(502, f"its connection broke ({exc.__class__.__name__})") from None
             if waited.cancelled_caught:
                 raise _Failed(504, silent)
-            self.conn.receive_data(data)  # b"": the peer closed, which h11 reports next
+            self.parser.receive_data(data)  # b"": the peer closed, which the parser reports next
 
-    def _protocol_error(self, exc: h11.RemoteProtocolError) -> str:
-        _, closed = self.conn.trailing_data
-        if not closed:
-            return f"it sent what is not an HTTP answer ({exc})"
-        if self.answering:
+    def _protocol_error(self, exc: ProtocolError) -> str:
+        if isinstance(exc, ClosedBeforeResponse) or (self.parser.eof and not self.answering):
+            return "it closed the connection before answering"
+        if self.parser.eof:
             return "it closed the connection in the middle of an answer"
-        return "it closed the connection before answering"
+        return f"it sent what is not an HTTP answer ({exc})"
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
@@ -181,17 +182,16 @@ class Relay:
 
     async def _relay(self, request: Request) -> Response | StreamingResponse:
         body = await request.read()  # first: a slow client holds no connection to the control plane
-        upstream = await self._connect()
+        upstream = await self._connect(request.method)
         try:
-            head = h11.Request(method=request.method, target=request.target, headers=forwarded_headers(request, body))
-            await upstream.send(head, h11.Data(data=body), h11.EndOfMessage())
+            await upstream.send(request_head(request, body) + body)
             response = await self._head(upstream)
             return await self._answer(request, upstream, response)
         except BaseException:
             await upstream.aclose()
             raise
 
-    async def _connect(self) -> _Upstream:
+    async def _connect(self, method: str) -> _Upstream:
         timeout = self.limits.connect_timeout_s
         try:
             with trio.fail_after(timeout):
@@ -204,28 +204,23 @@ class Relay:
             raise _Failed(503, "nothing listens on it (the control plane stopped)") from None
         except OSError as exc:
             raise _Failed(503, f"cannot connect: {exc.strerror or exc}") from None
-        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.limits.max_head_bytes)
-        return _Upstream(stream, conn)
+        parser = ResponseParser(request_method=method, max_head_bytes=self.limits.max_head_bytes)
+        return _Upstream(stream, parser)
 
-    async def _head(self, upstream: _Upstream) -> h11.Response:
+    async def _head(self, upstream: _Upstream) -> Head:
         timeout = self.limits.first_byte_timeout_s
         with trio.move_on_after(timeout):
-            while True:
-                event = await upstream.next_event(math.inf, "")  # this scope's deadline is the head's
-                if isinstance(event, h11.Response):
-                    return event
-                if not isinstance(event, h11.InformationalResponse):
-                    raise _Failed(502, "it closed the connection before answering")
+            event = await upstream.next_event(math.inf, "")  # this scope's deadline is the head's
+            assert isinstance(event, Head), event  # the parser gives the head first (1xx ones skipped)
+            return event
         raise _Failed(504, f"sent no answer within {timeout:g} s (its event loop may be held up)")
 
-    async def _answer(
-        self, request: Request, upstream: _Upstream, response: h11.Response
-    ) -> Response | StreamingResponse:
+    async def _answer(self, request: Request, upstream: _Upstream, response: Head) -> Response | StreamingResponse:
         """The answer to the client: whole when its length allows (the connection then closed),
         else streamed, the body owning the connection."""
         headers = relayed_headers(response.headers)
-        length = _length(response.headers)
-        status = response.status_code
+        length = upstream.parser.content_length
+        status = response.status
         whole = status in _NO_BODY or (length is not None and length <= self.limits.max_whole_bytes)
         if whole and not request.head:
             data = await self._read_whole(upstream)
@@ -240,12 +235,9 @@ class Relay:
         out = bytearray()
         while True:
             event = await upstream.next_event(idle, f"sent part of an answer and then nothing for {idle:g} s")
-            if isinstance(event, h11.Data):
-                out += event.data
-            elif isinstance(event, h11.EndOfMessage):
+            if event is END:
                 return bytes(out)
-            else:
-                raise _Failed(502, "it closed the connection in the middle of an answer")
+            out += event  # type: ignore[operator] - a piece of the body
 
 
 class RelayedBody:
@@ -257,38 +249,23 @@ class RelayedBody:
         self.upstream = upstream
         self.idle_timeout_s = idle_timeout_s
         self.path = path
-        self.held = None  # an event h11 gave while gathering data, before its turn
         self.sent = 0
 
     def __aiter__(self) -> RelayedBody:
         return self
 
     async def __anext__(self) -> bytes:
-        event, self.held = self.held, None
-        if event is None:
-            silent = f"it sent nothing for {self.idle_timeout_s:g} s in the middle of an answer"
-            try:
-                event = await self.upstream.next_event(self.idle_timeout_s, silent)
-            except _Failed as exc:
-                self._broke(exc.why)
-        if isinstance(event, h11.EndOfMessage):
+        silent = f"it sent nothing for {self.idle_timeout_s:g} s in the middle of an answer"
+        try:
+            event = await self.upstream.next_event(self.idle_timeout_s, silent)
+        except _Failed as exc:
+            self._broke(exc.why)
+        if event is END:
             raise StopAsyncIteration
-        if not isinstance(event, h11.Data):
-            self._broke("it closed the connection in the middle of an answer")
-        # What h11 holds already goes with it: a burst of small events is one write, not one
-        # each. At most one read's worth: h11 is fed one read at a time.
-        data = bytearray(event.data)
-        while True:
-            try:
-                more = self.upstream.conn.next_event()
-            except h11.RemoteProtocolError:
-                break  # raised again at the next read, where it is said
-            if not isinstance(more, h11.Data):
-                self.held = None if more is h11.NEED_DATA else more
-                break
-            data += more.data
-        self.sent += len(data)
-        return bytes(data)
+        # What the parser could decode of the last read, in one piece: a burst of small chunks
+        # is one write, not one each.
+        self.sent += len(event)  # type: ignore[arg-type]
+        return event  # type: ignore[return-value]
 
     def _broke(self, why: str) -> NoReturn:
         log.warning("relay_stream_broken", reason=why, sent_bytes=self.sent, socket=str(self.path))
@@ -298,20 +275,27 @@ class RelayedBody:
         await self.upstream.aclose()
 
 
-def forwarded_headers(request: Request, body: bytes | bytearray) -> list[tuple[bytes, bytes]]:
-    """The request's fields to the upstream: the client's as they came but for the hop-by-hop
-    ones, those `Connection` names and a client's own `CLIENT_HEADER`; then the length of
-    `body`, the client's address, and `Connection: close` (one request per connection)."""
+def request_head(request: Request, body: bytes | bytearray) -> bytes:
+    """The request's head to the upstream: its method and target; its Host (`localhost` for an
+    HTTP/1.0 client's that named none) and the length of `body` first; then the client's fields
+    as they came but for the hop-by-hop ones, those `Connection` names and a client's own
+    `CLIENT_HEADER`; then the client's address, and `Connection: close` (one request per
+    connection)."""
     named = _connection_named(request.raw_headers)
-    fields = [(k, v) for k, v in request.raw_headers if k not in _NOT_FORWARDED and k not in named]
-    if not any(k == b"host" for k, _ in fields):
-        fields.insert(0, (b"host", b"localhost"))  # an HTTP/1.0 client's request: h11 needs one
+    host = b"localhost"
+    fields = []
+    for k, v in request.raw_headers:
+        if k in _NOT_FORWARDED or k in named:
+            continue
+        if k == b"host":
+            host = v
+        else:
+            fields.append((k, v))
     fields += [
-        (b"content-length", str(len(body)).encode()),
         (CLIENT_HEADER.encode(), request.client.encode("latin-1", "replace")),
         (b"connection", b"close"),
     ]
-    return fields
+    return request_bytes(request.method, request.target.decode("latin-1"), host.decode("latin-1"), fields, body)
 
 
 def relayed_headers(upstream: list[tuple[bytes, bytes]]) -> Headers:
@@ -323,8 +307,3 @@ def relayed_headers(upstream: list[tuple[bytes, bytes]]) -> Headers:
 
 def _connection_named(fields) -> set[bytes]:
     return {t.strip().lower() for k, v in fields if k == b"connection" for t in v.split(b",")}
-
-
-def _length(fields) -> int | None:
-    """The answer's Content-Length, as h11 checked it; None without one (chunked, or to the close)."""
-    return next((int(v) for k, v in fields if k == b"content-length"), None)

@@ -1,4 +1,4 @@
-"""Writing responses on a connection (`llmgw.http.h1`), each write within `send_timeout_s` (a
+"""Writing responses on a connection (`llmgw.h1.server_role`), each write within `send_timeout_s` (a
 client that stops reading is cut: `trio.TooSlowError`).
 
 A whole `Response` goes out with its Content-Length; to a HEAD, its head alone (RFC 9110
@@ -20,9 +20,9 @@ from collections.abc import AsyncIterable
 
 import trio
 
+from llmgw.h1 import ServerConnection
 from llmgw.http import fastio
 from llmgw.http.errors import Abort, BodyAborted, peer_reason
-from llmgw.http.h1 import ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Response, StreamingResponse
 from llmgw.log import get_logger

@@ -1,8 +1,8 @@
 """A small HTTP/1.1 server on trio: the one HTTP stack of every llmgw port (the gateway and admin
 API, the agent port, the sim engine).
 
-`llmgw.http.h1` is the protocol, without I/O; this module is the trio loop around it: read
-bytes, feed the parser, hand a `Request` (`llmgw.http.messages`) to the handler, write its answer
+`llmgw.h1` is the protocol, without I/O (its server role); this module is the trio loop around
+it: read bytes, feed the parser, hand a `Request` (`llmgw.http.messages`) to the handler, write its answer
 (`llmgw.http.send`). Keep-alive and pipelined requests are handled in order, one at a time per
 connection (RFC 9112 §9.3.2); a listener may serve one request per connection instead
 (`keep_alive=False`, the agent port). A handler may also answer `Upgrade`, on a listener that
@@ -54,10 +54,10 @@ import attrs
 import trio
 
 from llmgw.errors import leaves
+from llmgw.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
 from llmgw.http import fastio
 from llmgw.http.body import BodyBudget, ConnectionBody, next_event
 from llmgw.http.errors import Abort, HTTPError, peer_reason
-from llmgw.http.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
 from llmgw.http.messages import Answer, ErrorBody, Handler, Request, Response, StreamingResponse, Upgrade, plain_error

@@ -55,7 +55,7 @@ def route(request: Request) -> Route:
 
 def upgrade_request(request: Request) -> UpgradeRequest:
     """The link's upgrade request as `ServerSession.upgrade` checks it (RFC 6455's rules are the
-    session's): the head as h11 parsed it, and how many bytes came after it."""
+    session's): the head as the codec parsed it, and how many bytes came after it."""
     return UpgradeRequest(
         method=request.method.encode("ascii"),
         target=request.target,

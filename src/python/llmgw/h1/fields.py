@@ -1,6 +1,5 @@
-"""What both of llmgw's HTTP/1.1 codecs share: the listeners' server side (`llmgw.http.h1`) and
-the gateway's client side to engines (`llmgw.gateway.wire`). Header field lines as they read and
-write them (RFC 9112 §5, RFC 9110 §5.5), and the buffer they parse from (`ReadBuffer`).
+"""Header field lines as both roles of the codec read and write them (RFC 9112 §5, RFC 9110
+§5.5), and how a peer's bytes are shown in a message (`as_text`).
 
 Read: a block of field lines is checked for control characters in one pass (none but the CRLF
 that ends each line; TAB allowed in a value), then each line is a name that is a token, `:` and
@@ -38,25 +37,6 @@ def as_text(value: bytes, limit: int = SHOWN_CHARS) -> str:
     character a byte), control characters (C0, DEL, C1) written `\\xNN`, cut to `limit`
     characters with how long it was."""
     return cut(value.decode("latin-1"), limit).translate(_ESCAPED)
-
-
-class ReadBuffer:
-    """What a codec has received and not yet parsed: consumed from an offset (`_pos`) and
-    compacted once half of it is consumed, so parsing stays linear in the bytes fed; `_scanned`
-    is where the search for a head's or a line's end goes on from (what was searched is not
-    searched again)."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
-        self._scanned = 0
-
-    def _append(self, data: bytes) -> None:
-        if self._pos and self._pos >= len(self._buf) // 2:
-            del self._buf[: self._pos]
-            self._scanned = max(0, self._scanned - self._pos)
-            self._pos = 0
-        self._buf += data
 
 
 class FieldError(ValueError):

@@ -1,8 +1,9 @@
-"""The listeners' HTTP/1.1 codec (`llmgw.http.h1`) without I/O: requests parsed the same however
-their bytes are split, everything a client may send wrong refused by name with the status it
-deserves, in time linear in what was fed; answers framed by what the client can read; and the
-connection carried to the next request only when both sides are done and neither closes. The
-server around it is test_server.py's; hostile peers on real sockets, tests/integration/test_hostile_peers.py's."""
+"""The HTTP/1.1 codec's server role (`llmgw.h1.server_role`), as the listeners speak it, without
+I/O: requests parsed the same however their bytes are split, everything a client may send wrong
+refused by name with the status it deserves, in time linear in what was fed; answers framed by
+what the client can read; and the connection carried to the next request only when both sides
+are done and neither closes. The server around it is tests/llmgw/http/test_server.py's; hostile
+peers on real sockets, tests/integration/test_hostile_peers.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.http.h1 import (
+from llmgw.h1 import (
     CLOSED,
     END,
     NEED_DATA,

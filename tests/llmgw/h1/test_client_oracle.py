@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client codec (`llmgw.gateway.wire`, reading engines' responses) checked
+"""The gateway's HTTP/1.1 client codec (`llmgw.h1`'s client role, reading engines' responses) checked
 against h11 as an oracle: generated responses to a POST or a HEAD, with informational heads
 before some, mutated where parsers disagree (framing fields repeated, listed, padded, oversized
 and in odd case; obs-fold; bare CR and LF; NUL and other odd bytes; status lines; chunk sizes and
@@ -8,7 +8,7 @@ same response (status, fields, body, whether it ended with the connection, wheth
 is kept, what follows it) or a refusal from both. Where ours differs on purpose, `TABLE` names the
 difference, its reason and the rule that says when it applies (testlib/h1oracle.py's `judge`);
 each row is also shown by its own example. What the oracle found wrong is tested by example in
-test_wire.py."""
+test_client_role.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llmgw.gateway.wire import END, MAX_HEAD_BYTES, MAX_LINE_BYTES, NEED_DATA, Head, ProtocolError, ResponseParser
+from llmgw.h1 import END, MAX_HEAD_BYTES, MAX_LINE_BYTES, NEED_DATA, Head, ProtocolError, ResponseParser
 from testlib import h1oracle as o
 from testlib.pieces import cut
 
@@ -29,7 +29,7 @@ def ours(data: bytes, sizes: list[int] | None = None, method: str = "POST") -> o
     head, body, at_eof = None, bytearray(), None
     try:
         for piece in [*cut(data, sizes), b""]:
-            parser.feed(piece)
+            parser.receive_data(piece)
             while at_eof is None:
                 got = parser.next_event()
                 if got is NEED_DATA:

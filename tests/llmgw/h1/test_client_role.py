@@ -1,6 +1,7 @@
-"""The gateway's HTTP/1.1 client codec (`llmgw.gateway.wire`) without I/O: requests written, and
-responses parsed the same whichever way their bytes are split, with everything an engine might
-send wrong refused by name, in time linear in what was fed."""
+"""The HTTP/1.1 codec's client role (`llmgw.h1.client_role`), as the gateway speaks it to
+engines, without I/O: requests written, and responses parsed the same whichever way their bytes
+are split, with everything an engine might send wrong refused by name, in time linear in what
+was fed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.gateway.wire import (
+from llmgw.h1 import (
     END,
     MAX_HEAD_BYTES,
     NEED_DATA,
@@ -31,7 +32,7 @@ def events(data: bytes, pieces: list[int] | None = None, *, eof: bool = False, m
     out: list = []
     body = bytearray()
     for chunk in [*cut(data, pieces), *([b""] if eof else [])]:
-        parser.feed(chunk)
+        parser.receive_data(chunk)
         while True:
             event = parser.next_event()
             if event is NEED_DATA:
@@ -78,7 +79,7 @@ CHUNKED = (
 
 def test_a_response_with_a_length_is_its_head_then_its_body_and_the_connection_is_reusable() -> None:
     parser = ResponseParser()
-    parser.feed(LENGTH)
+    parser.receive_data(LENGTH)
     head = parser.next_event()
     assert head == Head(status=200, headers=((b"content-type", b"application/json"), (b"content-length", b"5")))
     assert parser.next_event() == b"hello" and parser.next_event() is END and parser.reusable
@@ -86,7 +87,7 @@ def test_a_response_with_a_length_is_its_head_then_its_body_and_the_connection_i
 
 def test_a_chunked_body_is_de_chunked_and_what_has_arrived_goes_out_in_one_piece() -> None:
     parser = ResponseParser()
-    parser.feed(CHUNKED)
+    parser.receive_data(CHUNKED)
     assert isinstance(parser.next_event(), Head)
     assert parser.next_event() == b"data: hello\n\n"  # three chunks, one piece
     assert parser.next_event() is END and parser.reusable
@@ -107,10 +108,10 @@ def test_informational_heads_are_skipped_and_heads_without_a_body_end_at_once() 
 
 def test_a_body_until_close_ends_with_the_connection_and_is_not_reused() -> None:
     parser = ResponseParser()
-    parser.feed(b"HTTP/1.1 200 OK\r\n\r\nsome")
+    parser.receive_data(b"HTTP/1.1 200 OK\r\n\r\nsome")
     assert isinstance(parser.next_event(), Head) and parser.next_event() == b"some"
     assert parser.next_event() is NEED_DATA
-    parser.feed(b"")
+    parser.receive_data(b"")
     assert parser.next_event() is END and not parser.reusable
 
 
@@ -128,7 +129,7 @@ def test_a_body_until_close_ends_with_the_connection_and_is_not_reused() -> None
 )
 def test_a_connection_the_engine_closes_or_that_carried_more_is_not_reused(data: bytes) -> None:
     parser = ResponseParser()
-    parser.feed(data)
+    parser.receive_data(data)
     while parser.next_event() is not END:
         pass
     assert not parser.reusable
@@ -136,7 +137,7 @@ def test_a_connection_the_engine_closes_or_that_carried_more_is_not_reused(data:
 
 def test_an_http_1_0_engine_that_asks_for_keep_alive_is_reused() -> None:
     parser = ResponseParser()
-    parser.feed(b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n")
+    parser.receive_data(b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n")
     assert isinstance(parser.next_event(), Head) and parser.next_event() is END and parser.reusable
 
 
@@ -167,7 +168,7 @@ def test_an_http_1_0_engine_that_asks_for_keep_alive_is_reused() -> None:
 )
 def test_what_is_not_http_is_refused_by_name(data: bytes, says: str) -> None:
     parser = ResponseParser()
-    parser.feed(data)
+    parser.receive_data(data)
     with pytest.raises(ProtocolError, match=says):
         while parser.next_event() not in (END, NEED_DATA):
             pass
@@ -184,8 +185,8 @@ def test_what_is_not_http_is_refused_by_name(data: bytes, says: str) -> None:
 )
 def test_an_end_of_connection_before_the_end_of_the_response_is_refused(data: bytes, says: str) -> None:
     parser = ResponseParser()
-    parser.feed(data)
-    parser.feed(b"")
+    parser.receive_data(data)
+    parser.receive_data(b"")
     with pytest.raises(ProtocolError, match=says) as info:
         while parser.next_event() is not END:
             pass
@@ -207,7 +208,7 @@ def test_an_end_of_connection_before_the_end_of_the_response_is_refused(data: by
 def test_a_refusal_shows_what_the_engine_sent_as_text(data: bytes, message: str) -> None:
     """Not as Python's b'...': latin-1 text, control characters escaped."""
     parser = ResponseParser()
-    parser.feed(data)
+    parser.receive_data(data)
     with pytest.raises(ProtocolError) as info:
         while parser.next_event() not in (END, NEED_DATA):
             pass
@@ -224,11 +225,11 @@ def test_a_head_is_bounded_with_its_empty_line_whole_as_in_pieces() -> None:
 
 def test_a_head_or_a_line_past_its_bound_is_refused_even_before_its_end() -> None:
     parser = ResponseParser()
-    parser.feed(b"HTTP/1.1 200 OK\r\nx: " + b"a" * MAX_HEAD_BYTES)
+    parser.receive_data(b"HTTP/1.1 200 OK\r\nx: " + b"a" * MAX_HEAD_BYTES)
     with pytest.raises(ProtocolError, match="response head larger than"):
         parser.next_event()
     parser = ResponseParser()
-    parser.feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 5000)
+    parser.receive_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 5000)
     assert isinstance(parser.next_event(), Head)
     with pytest.raises(ProtocolError, match="chunk-size or trailer line longer"):
         parser.next_event()
@@ -246,7 +247,7 @@ def fed_a_byte_at_a_time(size: int) -> float:
             parser = ResponseParser()
             started = time.process_time()
             for i in range(len(data)):
-                parser.feed(data[i : i + 1])
+                parser.receive_data(data[i : i + 1])
                 event = parser.next_event()
             tries.append(time.process_time() - started)
             assert isinstance(event, Head) and event.headers[-1] == (b"content-length", b"0")

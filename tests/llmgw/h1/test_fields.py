@@ -1,12 +1,12 @@
-"""Header field lines as both codecs read and write them (`llmgw.http.fields`): a block checked
-in one pass, and the line to blame named when it fails."""
+"""Header field lines as both roles of the codec read and write them (`llmgw.h1.fields`): a
+block checked in one pass, and the line to blame named when it fails."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmgw.http import fields
-from llmgw.http.fields import FieldError, as_text, parse_fields, whole_lines, writable
+from llmgw.h1 import fields
+from llmgw.h1.fields import FieldError, as_text, parse_fields, whole_lines, writable
 
 
 def test_fields_are_lower_case_names_and_trimmed_values_in_order_repeats_kept() -> None:

@@ -1,4 +1,4 @@
-"""The listeners' HTTP/1.1 codec (`llmgw.http.h1`, the server role) checked against h11 as an
+"""The listeners' HTTP/1.1 codec (`llmgw.h1`, the server role) checked against h11 as an
 oracle: generated requests, mutated where parsers disagree (framing fields repeated, listed,
 padded, oversized and in odd case; obs-fold; bare CR and LF; NUL and other odd bytes; chunk sizes
 and extensions; trailers), fed whole, a byte at a time or in random pieces, must get the same
@@ -6,7 +6,7 @@ verdict from both: the same request (method, target, fields, body, whether the c
 kept, what follows it) or a refusal from both. Where ours is stricter or otherwise differs on
 purpose, `TABLE` names the difference, its reason and the rule that says when it applies
 (testlib/h1oracle.py's `judge`); each row is also shown by its own example. What the oracle
-found wrong is tested by example in test_h1.py."""
+found wrong is tested by example in test_server_role.py."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llmgw.http.h1 import CLOSED as OURS_CLOSED
-from llmgw.http.h1 import END, MAX_LINE_BYTES, NEED_DATA, Data, ProtocolError, RequestHead, ServerConnection
+from llmgw.h1 import CLOSED as OURS_CLOSED
+from llmgw.h1 import END, MAX_LINE_BYTES, NEED_DATA, Data, ProtocolError, RequestHead, ServerConnection
 from testlib import h1oracle as o
 from testlib.pieces import cut
 
