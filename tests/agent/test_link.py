@@ -1,4 +1,4 @@
-"""The agent link on real loopback sockets, against the real control plane endpoint.
+"""The agent link on real loopback sockets, against the real control plane's agent port.
 
 Every refusal is checked on both sides: the control plane logs `agent_refused` with the reason,
 and the agent's session fails at once (well inside its 10 s connect timeout) with a reason that
@@ -226,7 +226,7 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
 ) -> None:
     caplog.set_level(logging.INFO)
     store = RefusingStore(plane.plane.store, {"is_revoked", "saw_node"})
-    plane.plane.endpoint.store = store
+    plane.plane.agent_port.store = plane.plane.agent_links.store = store
     files = node_files(plane, tmp_path, "node-a")
     ctx = client_ssl_context(files.ca_cert, files.cert, files.key)
     reason = await session_failure(link_for(plane, "node-a", ctx))
@@ -342,7 +342,7 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
     for round_ in range(3):
         await wait_for(lambda r=round_: link.state.sessions == r + 1 and link.state.connected, "connect")
         with trio.fail_after(5):  # the control plane drops the link
-            assert await plane.plane.endpoint.close_node("node-a", "test", "dropped by the test")
+            assert await plane.plane.agent_links.close_node("node-a", "test", "dropped by the test")
         await wait_for(lambda r=round_: len(ceilings) == r + 1, "reconnect")
     # Each reconnect after a working session is the first attempt again.
     assert ceilings == [link.backoff.first_s] * 3

@@ -84,7 +84,7 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     await trio.sleep(0.5)
     assert files.gets == []  # no node yet: nothing fetched
     plane.operations.certificate_recorded()  # what `node add` recording node-a's certificate does
-    await wait_until(lambda: sha in plane.endpoint.artifacts.available(), "the source mirrored", timeout=120)
+    await wait_until(lambda: sha in plane.agent_port.artifacts.available(), "the source mirrored", timeout=120)
     assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
 
     cache = llama.agent_build_cache()

@@ -60,7 +60,7 @@ async def test_an_archive_dropped_in_by_the_operator_is_served_and_resumed(mirro
     (tmp_path / "got.part").write_bytes(data[:12345])
     await fetch(f"{base}/{digest}", dest, sha256=digest, ssl_context=ctx, cap=archive_cap(0, 0))
     assert dest.read_bytes() == data
-    assert digest in plane.endpoint.artifacts.available()
+    assert digest in plane.agent_port.artifacts.available()
 
 
 async def test_unknown_artifacts_are_404(mirror, tmp_path: Path) -> None:
@@ -100,11 +100,11 @@ async def test_the_control_plane_fetches_configured_archives_once(tmp_path: Path
     config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines)
     plane = ControlPlane.open(config, state)
     with trio.fail_after(10):
-        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
-        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
+        await fill_mirror(lambda: plane.config, plane.agent_port.artifacts, plane.push_all)
+        await fill_mirror(lambda: plane.config, plane.agent_port.artifacts, plane.push_all)  # there: no second download
     assert (state / "artifacts" / digest).read_bytes() == data
     assert files.gets == ["/llama.tgz"]
-    assert digest in plane.endpoint.artifacts.available()
+    assert digest in plane.agent_port.artifacts.available()
 
 
 async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says_so(
@@ -119,13 +119,13 @@ async def test_llamacpps_source_to_build_from_is_mirrored_once_and_the_want_says
     source = EngineBuild(url=f"{origin}/llama-src.tar.gz", sha256=digest, size=len(data))
     engines = EnginesSection(llamacpp=LlamacppSource(build=source))
     plane = ControlPlane.open(ServerConfig(server=ServerSection(state_dir=str(state)), engines=engines), state)
-    [before] = engines_for(engines, None, plane.endpoint.artifacts.available())
+    [before] = engines_for(engines, None, plane.agent_port.artifacts.available())
     assert before.build is not None and not before.build.mirrored
     with trio.fail_after(10):
-        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)
-        await fill_mirror(lambda: plane.config, plane.endpoint.artifacts, plane.push_all)  # there: no second download
+        await fill_mirror(lambda: plane.config, plane.agent_port.artifacts, plane.push_all)
+        await fill_mirror(lambda: plane.config, plane.agent_port.artifacts, plane.push_all)  # there: no second download
     assert files.gets == ["/llama-src.tar.gz"]
-    [after] = engines_for(engines, None, plane.endpoint.artifacts.available())
+    [after] = engines_for(engines, None, plane.agent_port.artifacts.available())
     assert after.build is not None and after.build.mirrored and after.build.sha256 == digest
 
 
@@ -136,7 +136,7 @@ async def test_llamacpp_off_or_the_operators_own_has_no_source_to_mirror(tmp_pat
         config = ServerConfig(server=ServerSection(state_dir=str(state)), engines=EnginesSection(llamacpp=llamacpp))
         plane = ControlPlane.open(config, state)
         with trio.fail_after(5):  # nothing to fetch: returns at once, touching no network
-            await fill_mirror(lambda config=config: config, plane.endpoint.artifacts, plane.push_all)
+            await fill_mirror(lambda config=config: config, plane.agent_port.artifacts, plane.push_all)
         assert not (state / "artifacts").exists()
 
 
@@ -155,11 +155,11 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
     # reconciler are who wait on `changes.nodes`) and fetched nothing.
     await trio.testing.wait_all_tasks_blocked()
     assert plane.changes.nodes.next().statistics().tasks_waiting == 2
-    assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
+    assert files.gets == [] and source.sha256 not in plane.agent_port.artifacts.available()
     plane.registry.know("node-a", address="127.0.0.2", cordoned=False, draining=False)
     plane.changes.node_changed()
     with trio.fail_after(10):
-        while source.sha256 not in plane.endpoint.artifacts.available():
+        while source.sha256 not in plane.agent_port.artifacts.available():
             await trio.sleep(0.05)
     assert files.gets == ["/src.tar.gz"]
 
@@ -189,11 +189,11 @@ async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_need
     cpu.inventory = hello("node-cpu").inventory  # x86_64, no GPU
     plane.operations.certificate_recorded()
     await trio.sleep(0.5)
-    assert files.gets == [] and source.sha256 not in plane.endpoint.artifacts.available()
+    assert files.gets == [] and source.sha256 not in plane.agent_port.artifacts.available()
     gpu = plane.registry.know("node-gpu", address="127.0.0.3")
     gpu.inventory = attrs.evolve(cpu.inventory, gpus=(GPU,), gpu_status="present")
     plane.changes.node_changed()
     with trio.fail_after(10):
-        while source.sha256 not in plane.endpoint.artifacts.available():
+        while source.sha256 not in plane.agent_port.artifacts.available():
             await trio.sleep(0.05)
     assert files.gets == ["/src.tar.gz"]

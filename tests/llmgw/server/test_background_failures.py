@@ -98,7 +98,7 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     # The faults removed, the loops run again and finish their work.
     blocker.rmdir()
     engines_dir.unlink()
-    await wait_until(lambda: digest in plane.endpoint.artifacts.available(), "the archive mirrored")
+    await wait_until(lambda: digest in plane.agent_port.artifacts.available(), "the archive mirrored")
     await wait_until(
         lambda: any(e.name == "llamacpp" and e.version == "b1" for e in plane.registry.nodes["node-a"].engines),
         "the agent's engine loop reporting llama.cpp",

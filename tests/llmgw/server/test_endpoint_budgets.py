@@ -52,7 +52,7 @@ async def start(tmp_path: Path, nursery: trio.Nursery, *, max_agent_connections:
     )
     plane = ControlPlane.open(config, state)
     if refusals is not None:
-        plane.endpoint.refusals = refusals
+        plane.agent_port.refusals = refusals
     bound = await nursery.start(plane.serve)
     host, port = bound.agent_address
     return Port(plane=plane, ca=ca, state=state, host=host, port=port)
@@ -139,7 +139,7 @@ async def test_an_agent_past_max_agent_connections_is_told_503_with_retry_after(
     assert refused["stage"] == "capacity" and refused["cn"] == "node-b"
     await trio.aclose_forcefully(first)  # its place comes back: the next agent gets in
     with trio.fail_after(5):
-        while port.plane.endpoint.agents_open:
+        while port.plane.agent_port.agents_open:
             await trio.sleep(0.01)
     third, answer = await upgrade(port, node(port, tmp_path, "node-c"), "node-c")
     assert answer.startswith(b"HTTP/1.1 101 "), answer

@@ -1,4 +1,4 @@
-"""The control plane's link adapter (`llmgw.server.endpoint`) against the agent's
+"""The control plane's end of the agent link (`llmgw.server.agentlinks`) against the agent's
 (`agent.link`), over memory streams on MockClock: the Welcome before the link is published, the
 first desired state made once the node is recorded, and what a slow or stopped agent does to
 the pushers (nothing), to the desired states (the newest, one at a time), to log requests (a
@@ -19,8 +19,9 @@ import trio.testing
 from agent.link import AgentLink, Target
 from llmgw.linkio import Targets
 from llmgw.pki.ca import CertInfo
-from llmgw.server import endpoint
-from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server import linkserver
+from llmgw.server.agentlinks import AgentLinks
+from llmgw.server.agentlistener import AgentListener
 from llmgw.server.heartbeats import HeartbeatRule
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.store import NodeRow
@@ -82,22 +83,22 @@ class Link:
 
 
 class Plane:
-    """An endpoint whose desired state counts what it made; `until` waits on its changes."""
+    """The agent link's end, whose desired state counts what it made; `until` waits on its changes."""
 
     def __init__(self) -> None:
         self.registry = NodeRegistry(heartbeat_ttl_s=30.0, started_at=0.0)
         self.store = Store()
         self.made: list[float] = []  # when each desired state was made
         self._changed = trio.lowlevel.ParkingLot()
-        self.endpoint = AgentEndpoint(
+        self.agents = AgentLinks(
             registry=self.registry,
             store=self.store,
             heartbeat_interval_s=5.0,
             desired_state=self.desired,
             on_change=self._changed.unpark_all,
             silence_timeout_s=30.0,
-            max_connections=8,
         )
+        self.port = AgentListener(store=self.store, max_connections=8, agents=self.agents)
 
     def desired(self, node_id: str) -> w.DesiredState:
         node = self.registry.nodes[node_id]
@@ -111,7 +112,7 @@ class Plane:
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
         # The connection as the agent port serves it once TLS has shown CERT.
-        await self.endpoint.serve_peer(stream, CERT, "10.0.0.1")
+        await self.port.serve_peer(stream, CERT, "10.0.0.1")
 
     def connect(self, nursery: trio.Nursery, *others: str) -> Link:
         """An agent linked over memory streams (`others`: more control planes its agent.toml
@@ -143,7 +144,7 @@ class Plane:
     async def join(self, nursery: trio.Nursery, *others: str) -> Link:
         link = self.connect(nursery, *others)
         await link.agent.desired_changed()
-        await self.until(lambda: "node-a" in self.endpoint.links)
+        await self.until(lambda: "node-a" in self.agents.links)
         return link
 
 
@@ -160,11 +161,11 @@ async def test_the_link_is_published_once_its_welcome_is_written_the_desired_sta
     await link.to_agent.held.wait()  # the Welcome waits in a buffer the agent does not read
     node = plane.registry.nodes["node-a"]
     assert node.session is not None and node.session.connected  # recorded, connected
-    assert "node-a" not in plane.endpoint.links and plane.made == []  # not published, nothing made
+    assert "node-a" not in plane.agents.links and plane.made == []  # not published, nothing made
     link.to_agent.open()
     await link.agent.desired_changed()
     assert link.agent.state.desired == w.DesiredState(generation=1) and link.agent.state.server_version
-    assert "node-a" in plane.endpoint.links and len(plane.made) == 1
+    assert "node-a" in plane.agents.links and len(plane.made) == 1
 
 
 async def test_pushers_never_wait_on_a_slow_agent_which_gets_the_newest_desired_state_at_its_pace(
@@ -174,7 +175,7 @@ async def test_pushers_never_wait_on_a_slow_agent_which_gets_the_newest_desired_
     link.to_agent.delay_s = 1.0  # the agent takes one frame a second
     for _ in range(100):  # a change every 50 ms for 5 s: the reconciler, the mirror, the admin API
         before = trio.current_time()
-        await plane.endpoint.push_desired_state("node-a")
+        await plane.agents.push_desired_state("node-a")
         assert trio.current_time() == before  # it only queued
         await trio.sleep(0.05)
     last_push = trio.current_time()
@@ -194,14 +195,14 @@ async def test_an_agent_that_takes_nothing_is_cut_at_the_send_deadline(
     link.to_agent.close()
     started = trio.current_time()
     for _ in range(50):
-        await plane.endpoint.push_desired_state("node-a")
+        await plane.agents.push_desired_state("node-a")
     assert trio.current_time() == started
-    await plane.until(lambda: "node-a" not in plane.endpoint.links)
-    assert trio.current_time() - started == pytest.approx(endpoint.SEND_TIMEOUT_S)
+    await plane.until(lambda: "node-a" not in plane.agents.links)
+    assert trio.current_time() - started == pytest.approx(linkserver.SEND_TIMEOUT_S)
     assert not plane.registry.nodes["node-a"].session.connected
     assert len(plane.made) == 2  # the first, and the one stuck: the other pushes made nothing
     [cut] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_link_not_reading"]
-    assert cut == {"node": "node-a", "after_s": endpoint.SEND_TIMEOUT_S}
+    assert cut == {"node": "node-a", "after_s": linkserver.SEND_TIMEOUT_S}
 
 
 async def test_log_requests_past_the_bound_are_answered_at_once_and_the_rest_when_the_agent_reads(
@@ -212,14 +213,14 @@ async def test_log_requests_past_the_bound_are_answered_at_once_and_the_rest_whe
     replies: dict[str, w.LogsReply] = {}
 
     async def ask(replica: str) -> None:
-        replies[replica] = await plane.endpoint.request_logs("node-a", replica, 10)
+        replies[replica] = await plane.agents.request_logs("node-a", replica, 10)
 
     async with trio.open_nursery() as callers:
         for i in range(s.MAX_LOGS_ASKED):
             callers.start_soon(ask, f"r{i}")
         await link.to_agent.held.wait()
         started = trio.current_time()
-        late = await plane.endpoint.request_logs("node-a", "r-late", 10)
+        late = await plane.agents.request_logs("node-a", "r-late", 10)
         assert trio.current_time() == started
         assert late.error == "node node-a has too many log requests unanswered; ask again later"
         link.to_agent.open()
@@ -234,10 +235,10 @@ async def test_a_logs_request_is_answered_when_the_link_ends_not_at_its_deadline
     link = await plane.join(nursery)
     link.to_agent.close()
     started = trio.current_time()
-    reply = await plane.endpoint.request_logs("node-a", "r1", 10, timeout_s=60)
+    reply = await plane.agents.request_logs("node-a", "r1", 10, timeout_s=60)
     assert reply.error == "node node-a's link closed before it answered"
-    assert trio.current_time() - started == pytest.approx(endpoint.SEND_TIMEOUT_S)  # cut, not timed out
-    reply = await plane.endpoint.request_logs("node-a", "r1", 10)
+    assert trio.current_time() - started == pytest.approx(linkserver.SEND_TIMEOUT_S)  # cut, not timed out
+    reply = await plane.agents.request_logs("node-a", "r1", 10)
     assert reply.error == "node node-a is not connected; ask again later"
 
 
@@ -245,11 +246,11 @@ async def test_closing_a_node_tells_its_agent_why_and_ends_the_link(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
     link = await plane.join(nursery)
-    assert await plane.endpoint.close_node("node-a", w.REVOKED, "this node was removed")
+    assert await plane.agents.close_node("node-a", w.REVOKED, "this node was removed")
     await plane.until(lambda: not plane.registry.nodes["node-a"].session.connected)
     await link.done.wait()
     assert link.ended == ["the control plane closed the link: this node was removed"]
-    assert not await plane.endpoint.close_node("node-a", w.REVOKED, "again")
+    assert not await plane.agents.close_node("node-a", w.REVOKED, "again")
 
 
 async def test_an_agents_reports_and_heartbeats_reach_the_registry(
@@ -274,7 +275,7 @@ async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeat
     link = await plane.join(nursery)
     await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
     plane.registry.know("node-b")  # known from before, never linked: unknown while the cluster forms
-    text = plane.endpoint.render_metrics()
+    text = plane.agents.render_metrics()
     assert metric(text, 'llmgw_nodes{state="joined"}') == 1 and metric(text, 'llmgw_nodes{state="unknown"}') == 1
     assert metric(text, 'llmgw_nodes{state="lost"}') == 0 and metric(text, "llmgw_agent_links") == 1
     assert metric(text, "llmgw_agent_heartbeat_interval_seconds") == 5.0
@@ -286,7 +287,7 @@ async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeat
 
     async def counted_as(count: float) -> None:
         with trio.fail_after(5):  # a joined node's heartbeat wakes nothing (`until`): looked at
-            while metric(plane.endpoint.render_metrics(), f"{name}_count") < count:
+            while metric(plane.agents.render_metrics(), f"{name}_count") < count:
                 await trio.sleep(0.1)
 
     # (One at a time: a heartbeat not yet written is replaced by a newer one.)
@@ -294,7 +295,7 @@ async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeat
     await counted_as(counted + 1)
     assert await link.agent.send(w.Heartbeat(seq=101, sent_at=time.time() + 60.0))
     await counted_as(counted + 2)
-    text = plane.endpoint.render_metrics()
+    text = plane.agents.render_metrics()
     assert metric(text, f'{name}_bucket{{le="2.5"}}') == counted + 1
     assert metric(text, f'{name}_bucket{{le="5"}}') == counted + 2
 
@@ -305,27 +306,27 @@ async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeat
 async def test_a_control_plane_that_does_not_lead_redirects_a_new_link_and_records_nothing(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
-    plane.endpoint.leading = lambda: False
-    plane.endpoint.redirect = lambda: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b")
+    plane.agents.leading = lambda: False
+    plane.agents.redirect = lambda: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b")
     link = plane.connect(nursery)
     await link.done.wait()
     assert link.ended == ["the leader is cp-b"]
-    assert "node-a" not in plane.registry.nodes and plane.made == [] and plane.endpoint.links == {}
+    assert "node-a" not in plane.registry.nodes and plane.made == [] and plane.agents.links == {}
 
 
 async def test_once_the_term_is_over_nothing_is_pushed_and_close_all_sends_the_agents_away(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
     leading = [True]
-    plane.endpoint.leading = lambda: leading[0]
+    plane.agents.leading = lambda: leading[0]
     link = await plane.join(nursery)
     assert len(plane.made) == 1
     leading[0] = False
-    await plane.endpoint.push_desired_state("node-a")
-    await plane.endpoint.mirror_changed()
+    await plane.agents.push_desired_state("node-a")
+    await plane.agents.mirror_changed()
     await trio.sleep(1)
     assert len(plane.made) == 1  # no desired state made for it
-    assert await plane.endpoint.close_all(w.NOT_LEADER, "this control plane leads no more") == 1
+    assert await plane.agents.close_all(w.NOT_LEADER, "this control plane leads no more") == 1
     await link.done.wait()
     assert link.ended == ["the control plane closed the link: this control plane leads no more"]
 
@@ -334,8 +335,8 @@ async def test_the_control_plane_heartbeats_so_a_quiet_link_stays_up(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
     link = await plane.join(nursery, "cp-b")  # an agent that would leave a silent one
-    await trio.sleep(20 * plane.endpoint.heartbeat_interval_s)  # no push, no logs: only heartbeats
-    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links
+    await trio.sleep(20 * plane.agents.heartbeat_interval_s)  # no push, no logs: only heartbeats
+    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.agents.links
 
 
 async def beats(plane: Plane, seconds: float) -> list[float]:
@@ -355,15 +356,15 @@ async def test_the_agent_heartbeats_at_the_interval_it_is_told_and_follows_a_str
 ) -> None:
     # One agent at most 0.1 heartbeats a second: told 10 s in its Welcome (at most 250 at the
     # defaults would be told 5 s; the rule's own numbers are tests/llmgw/server/test_heartbeats.py's).
-    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.1)
+    plane.agents.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.1)
     link = await plane.join(nursery, "cp-b")  # an agent that would leave a control plane silent too long
-    conn = plane.endpoint.links["node-a"].conn_id
+    conn = plane.agents.links["node-a"].conn_id
     assert link.agent.state.heartbeat_interval_s == 10.0 and plane.registry.ttl_of("node-a", conn) == 60.0
     seen = await beats(plane, 45.0)
     gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
     assert len(gaps) >= 3 and all(g == pytest.approx(10.0, abs=0.5) for g in gaps), seen
     # The cluster "grows": the next heartbeat of the control plane tells 20 s.
-    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.05)
+    plane.agents.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.05)
     with trio.fail_after(11):
         while link.agent.state.heartbeat_interval_s != 20.0:
             await trio.sleep(0.25)
@@ -373,7 +374,7 @@ async def test_the_agent_heartbeats_at_the_interval_it_is_told_and_follows_a_str
     gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
     assert len(gaps) >= 3 and all(g == pytest.approx(20.0, abs=0.5) for g in gaps), seen
     # Neither side took the longer silences for a dead peer (the agent's limit and the link's follow).
-    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.endpoint.links
+    assert link.ended == [] and link.agent.state.connected and "node-a" in plane.agents.links
 
 
 async def test_a_link_waiting_on_a_short_silence_keeps_to_the_longer_one_its_agent_was_told_meanwhile(
@@ -383,7 +384,7 @@ async def test_a_link_waiting_on_a_short_silence_keeps_to_the_longer_one_its_age
     # would close its link. Before those 30 s the cluster grows and the control plane tells 100 s
     # (a silence of 600 s): the wait begun on the 30 s must not close it at 30 s, and the link
     # is closed once silent for the 600.
-    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=10.0)
+    plane.agents.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=10.0)
     link = plane.connect(nursery)
 
     async def once(writer, beat) -> None:
@@ -393,15 +394,15 @@ async def test_a_link_waiting_on_a_short_silence_keeps_to_the_longer_one_its_age
 
     link.agent._heartbeats = once  # type: ignore[method-assign]
     await link.agent.desired_changed()
-    await plane.until(lambda: "node-a" in plane.endpoint.links)
+    await plane.until(lambda: "node-a" in plane.agents.links)
     joined = trio.current_time()
     assert link.agent.state.heartbeat_interval_s == 5.0
-    plane.endpoint.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.01)
+    plane.agents.heartbeats = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=0.01)
     with trio.fail_after(11):
         while link.agent.state.heartbeat_interval_s != 100.0:
             await trio.sleep(0.25)
     await trio.sleep(joined + 100.0 - trio.current_time())
-    assert link.ended == [] and "node-a" in plane.endpoint.links
+    assert link.ended == [] and "node-a" in plane.agents.links
     with trio.fail_after(600.0):
         await link.done.wait()
     assert "nothing received for 600 s" in link.ended[0] and trio.current_time() - joined >= 600.0

@@ -150,7 +150,7 @@ async def test_a_certificate_refused_again_and_again_is_a_few_lines_then_counted
     lines = [r for r in caplog.records if r.getMessage() == "agent_refused"]
     assert len(lines) == 20 and len([r for r in lines if r.levelno == logging.WARNING]) == BURST
     # The rest at debug, counted for the listener's summary of the interval, under their stage.
-    [summary] = plane.plane.endpoint.refusals.flush(trio.current_time())
+    [summary] = plane.plane.agent_port.refusals.flush(trio.current_time())
     assert (summary.count, summary.logged, summary.reasons) == (20, BURST, {"identity": 20})
 
 

@@ -23,7 +23,8 @@ from llmgw.gatewayd import link as gl
 from llmgw.looplag import StallClock
 from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
 from llmgw.server.agentlistener import AgentListener
-from llmgw.server.gatewayfeed import GatewayFeed, keys_message, rotation_message
+from llmgw.server.gatewayfeed import GatewayFeed
+from llmgw.server.gatewaytable import keys_message, rotation_message
 from llmgw.server.store import KeyRow
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
@@ -146,7 +147,6 @@ class Plane:
         self.keys = Keys()
         self.listener = AgentListener(store=Store(), max_connections=8)
         self.feed = GatewayFeed(
-            listener=self.listener,
             endpoints=self.endpoints,
             keys=self.keys,
             clock=StallClock(),

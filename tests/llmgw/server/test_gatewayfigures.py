@@ -16,7 +16,7 @@ from testlib.gateway import parse_metrics
 
 @attrs.define
 class Link:
-    """What `render_workers` and `history_totals` read of a `GatewayLink`."""
+    """What `render_workers` and `history_totals` read of a `LinkedGateway`."""
 
     name: str
     instance: str

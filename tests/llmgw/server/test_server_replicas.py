@@ -15,7 +15,7 @@ from llmgw.fabrics import FabricMap
 from llmgw.gatewayd import table
 from llmgw.server import keyseal
 from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gatewayfeed import rotation_message
+from llmgw.server.gatewaytable import rotation_message
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.replicas import Placements, Replicas, Stored, sealed_keys
 from llmgw.server.scheduler import Placement

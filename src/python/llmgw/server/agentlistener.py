@@ -17,19 +17,15 @@ agent in the clearest way the stage allows (a flood of them is summarised, `Refu
    head size, send deadline and linger; one request per connection): `_route` sends the
    mirror's requests to `llmgw.server.artifacts`, the release files' to
    `llmgw.server.releases` (any peer), the gateway link's to `gateways` and the rest to the
-   agent link. A peer without a certificate asking for anything but a release file -> HTTP 403,
-   logged as the TLS stage's refusal it stands for.
-3. The mirror: the certificate a node's and not revoked (`llmgw.wire.session.check_standing`
-   and `check_node_role`, the agent link's rules too). The agent link: `AgentEndpoint.link`
-   (`llmgw.server.endpoint`), whose session checks the rest of the upgrade (a gateway's
-   certificate is refused there); the gateway link: `GatewayFeed.link`
-   (`llmgw.server.gatewayfeed`), whose session refuses a node's certificate. Each `Upgrade`
-   answer hands the connection to the WebSocket.
-4. A control plane that does not lead (a standby, `llmgw.server.standby`; a leader whose term
-   has ended) judges either link's upgrade and hello as a leader would, then answers the hello
-   with where the leader is (`answer_standby`: the session's Redirect) and closes.
-
-`AgentEndpoint` is this listener with the links it runs.
+   agent link's end, `agents`. A peer without a certificate asking for anything but a release
+   file -> HTTP 403, logged as the TLS stage's refusal it stands for.
+3. The mirror: the certificate a node's and not revoked (`llmgw.wire.agent_session`'s
+   `check_standing` and `check_node_role`, the agent link's rules too). A link's request goes to
+   its end (`llmgw.server.agentlinks.AgentLinks`, `llmgw.server.gatewayfeed.GatewayFeed`, or a
+   standby's), each on the link runtime (`llmgw.server.linkserver`), with this listener as its
+   `Port`: the store's word on a certificate (`standing`), a refusal counted and said (`refuse`),
+   the connection handed over and contained (`upgrade`), refusals logged among the port's
+   (`log_refusal`).
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ import attrs
 import trio
 import trio_websocket
 
-from llmgw import linkio
 from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http.body import BodyBudget
@@ -60,9 +55,10 @@ from llmgw.server import agentport, artifacts, releases
 from llmgw.server.agentport import Route
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import StoreError
-from llmgw.wire import agent_link as w
+from llmgw.server.linkserver import REFUSAL_SEND_S
 from llmgw.wire import agent_session as s
-from llmgw.wire.errors import UpgradeRefused, WireError
+from llmgw.wire.errors import UpgradeRefused
+from llmgw.wire.session import Standing
 
 log = get_logger("llmgw.endpoint")
 
@@ -74,8 +70,6 @@ LISTENER = "agent"  # the listener's name in /metrics
 # real agent's handshake takes a few round trips; three seconds covers a slow link many times
 # over, and an unproven connection holds a place of the small unproven budget meanwhile.
 HANDSHAKE_TIMEOUT_S = 3.0
-REFUSAL_SEND_S = 1.0  # a refused agent is told why within this, then the connection closes
-HELLO_TIMEOUT_S = 10.0  # a link's first frame, the hello, must come within this of its upgrade
 AGENTS_FULL_RETRY_S = 5  # Retry-After of an agent refused because max_agent_connections are open
 # At the unproven budget's ceiling, a newcomer takes the place of the connection whose peer has
 # been silent longest, once silent this long; else the newcomer is closed and dials again after
@@ -88,6 +82,7 @@ NO_CERTIFICATE_SERVER = (
     "a client connected without a certificate; only agents holding a node certificate may connect "
     "(`llmgw node add USER@HOST --reissue` gives a node one); without one, only the release files are served"
 )
+NO_AGENT_LINK = "this port serves no agent link"
 NO_GATEWAY_LINK = (
     "this control plane serves no gateway link; gateways connect to a control plane started by `llmgw server` "
     "or `llmgw up`"
@@ -99,7 +94,8 @@ NO_CERTIFICATE_CLIENT = (
 
 
 class AgentListener:
-    """Accepts connections on the agent port and routes each request; `link` answers the link's."""
+    """Accepts connections on the agent port and routes each request: a link's to its end
+    (`agents`, `gateways`), to which it is the `linkserver.Port`."""
 
     def __init__(
         self,
@@ -110,7 +106,12 @@ class AgentListener:
         limits: Limits = Limits(),
         max_connections: int = 0,
         release_files: releases.Releases | None = None,
+        agents: LinkEnd | None = None,
+        gateways: LinkEnd | None = None,
+        mirror_changed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`agents`, `gateways`: the links' ends (None: that link is not served here, 404);
+        `mirror_changed()`: the mirror's index changed (an archive came or went)."""
         self.store = store
         self.limits = limits  # [http]'s: the head's deadline and size, each write's deadline
         self.stats = stats or listeners.ConnectionStats()
@@ -129,14 +130,9 @@ class AgentListener:
         self.agent_cap = max_connections  # 0 until `serve` sizes it from the fd limit
         self.agents_open = 0
         self.refusals = RefusalLog()
-        self.gateways: GatewayLinks | None = None  # the gateway link's end (`GatewayFeed`), once wired
-
-    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer:  # pragma: no cover
-        """Answer the link's request (`AgentEndpoint`'s): a refusal, or the WebSocket's `Upgrade`."""
-        raise NotImplementedError
-
-    async def mirror_changed(self) -> None:
-        """The mirror's index changed (an archive came or went)."""
+        self.agents = agents
+        self.gateways = gateways
+        self.mirror_changed = mirror_changed or _nothing
 
     async def serve(
         self,
@@ -174,12 +170,12 @@ class AgentListener:
                 refusals=self.refusals,
             )
 
-    async def standing(self, cert: CertInfo) -> s.Standing:
+    async def standing(self, cert: CertInfo) -> Standing:
         """What the store says of `cert`, with its role (the session judges both)."""
         try:
-            return s.Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial), role=cert.role)
+            return Standing(serial=cert.serial, revoked=await self.store.is_revoked(cert.serial), role=cert.role)
         except StoreError as exc:
-            return s.Standing(serial=cert.serial, unknown=str(exc), role=cert.role)
+            return Standing(serial=cert.serial, unknown=str(exc), role=cert.role)
 
     async def _handle(self, stream: trio.SSLStream) -> None:
         """One connection, contained: whatever the peer does ends this connection only (see
@@ -287,11 +283,13 @@ class AgentListener:
             self.stats.abort(LISTENER, "tls")
             raise HTTPError(403, NO_CERTIFICATE_CLIENT)
         if where is Route.LINK:
-            return await self.link(request, cert, address)
+            if self.agents is None:
+                raise HTTPError(404, NO_AGENT_LINK)
+            return await self.agents.link(self, request, cert, address)
         if where is Route.GATEWAY:
             if self.gateways is None:
                 raise HTTPError(404, NO_GATEWAY_LINK)
-            return await self.gateways.link(request, cert, address)
+            return await self.gateways.link(self, request, cert, address)
         try:
             standing = await self.standing(cert)
             s.check_standing(cert.common_name, standing)
@@ -299,45 +297,6 @@ class AgentListener:
         except UpgradeRefused as exc:
             raise self.refuse(cert, address, exc) from None
         return await artifacts.handle(request, self.artifacts, cert.common_name)
-
-    async def answer_standby(self, session: s.ServingSession, request: Request, cert: CertInfo, address: str) -> Answer:
-        """A link's request to a control plane that does not lead: `session` (made with its
-        `standby`) judges the upgrade with the store's word on the certificate, then the hello,
-        which it answers with the Redirect; nothing is recorded and nothing else is sent."""
-        try:
-            session.upgrade(agentport.upgrade_request(request), await self.standing(cert))  # type: ignore[attr-defined]
-        except UpgradeRefused as exc:
-            raise self.refuse(cert, address, exc) from None
-        return self.upgrade(partial(self._redirect, session, cert, address), cert, address)
-
-    async def _redirect(
-        self, session: s.ServingSession, cert: CertInfo, address: str, stream: trio.abc.Stream, prefix: bytes
-    ) -> None:
-        async with trio.open_nursery() as nursery:  # trio-websocket's reader, which ends with the link
-            with trio.fail_after(HELLO_TIMEOUT_S):
-                ws = await agentport.accept_link(nursery, stream, prefix)
-            writer = linkio.Writer(session, send_timeout_s=REFUSAL_SEND_S)
-            try:
-                with trio.fail_after(HELLO_TIMEOUT_S):
-                    event = session.receive(await ws.get_message())
-            except trio.TooSlowError:
-                await writer.close(
-                    w.BAD_MESSAGE, f"no hello within {HELLO_TIMEOUT_S:g} s", timeout_s=REFUSAL_SEND_S, ws=ws
-                )
-            except WireError as exc:
-                self.log_refusal(
-                    "warning", "agent_refused", address, "hello", stage="hello", cn=cert.common_name, reason=str(exc)
-                )
-                await writer.close(exc.code, str(exc), timeout_s=REFUSAL_SEND_S, ws=ws)
-            else:
-                if not isinstance(event, s.Closed):
-                    redirect = session.goodbye
-                    log.info(
-                        "link_redirected", address=address, cn=cert.common_name, reason=redirect and redirect.message
-                    )
-                    with trio.move_on_after(REFUSAL_SEND_S):
-                        await writer.serve(ws)  # the Redirect, its LinkError, the close
-            nursery.cancel_scope.cancel()
 
     def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:
         """A certified peer's refused request, logged; the answer saying why, to raise."""
@@ -421,14 +380,14 @@ class AgentListener:
             await self._serve_http(stream, full)
 
 
-class GatewayLinks(Protocol):
-    """The gateway link's end on this port (`llmgw.server.gatewayfeed.GatewayFeed`)."""
+class LinkEnd(Protocol):
+    """A link's end on this port (`linkserver.LinkServer`, or a standby's `linkserver.StandbyEnd`)."""
 
-    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer: ...
+    async def link(self, port: AgentListener, request: Request, cert: CertInfo, address: str) -> Answer: ...
 
-    async def close_revoked(self, serials: set[int]) -> int:
-        """Close the links of gateways whose certificate is one of `serials`; how many."""
-        ...
+
+async def _nothing() -> None:
+    await trio.lowlevel.checkpoint()
 
 
 class Place:

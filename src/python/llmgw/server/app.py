@@ -60,7 +60,8 @@ from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
-from llmgw.server.endpoint import AgentEndpoint
+from llmgw.server.agentlinks import AgentLinks
+from llmgw.server.agentlistener import AgentListener
 from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
 from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_workers
@@ -148,31 +149,37 @@ class ControlPlane:
             self.registry.know(row.node_id, address=row.address, cordoned=row.cordoned, draining=row.draining)
         self.intent = NodeIntent(store=store, registry=self.registry, changes=self.changes)
         self.connections = ConnectionStats()
-        self.endpoint = AgentEndpoint(
+        self.agent_links = AgentLinks(
             registry=self.registry,
             store=store,
             heartbeat_interval_s=config.server.heartbeat_interval_s,
             desired_state=self.desired_state,
             on_change=self.changes.node_changed,
             on_replicas=self._replicas_reported,
+            silence_timeout_s=config.server.heartbeat_ttl_s,
+            heartbeat_max_rate=config.server.heartbeat_max_rate,
+            leading=leading,
+            redirect=redirect,
+        )
+        # The agent port: its TLS, budgets and routes; the links' requests go to their ends.
+        self.agent_port = AgentListener(
+            store=store,
             artifact_store=Artifacts(artifacts_dir(state_dir)),
             release_files=Releases(
                 directory=Path(config.release.dir) if config.release.dir else None,
                 running=running,
                 serve=config.release.serve,
             ),
-            silence_timeout_s=config.server.heartbeat_ttl_s,
-            heartbeat_max_rate=config.server.heartbeat_max_rate,
             stats=self.connections,
             limits=config.http,
             max_connections=config.http.max_agent_connections,
-            leading=leading,
-            redirect=redirect,
+            agents=self.agent_links,
+            mirror_changed=self.agent_links.mirror_changed,
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
         self.reconciler = Reconciler(
-            self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.endpoint.links)
+            self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.agent_links.links)
         )
         retiring: set[str] = set()  # written by moves, read by the gateway's endpoints
         # When each model entered the catalog: the store's, and the models new since noted.
@@ -190,7 +197,6 @@ class ControlPlane:
         self.gateway = Gateway(self.endpoints, self.keys.table, options=config.gateway)
         # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
         self.gateway_feed = GatewayFeed(
-            listener=self.endpoint,
             endpoints=self.endpoints,
             keys=self.keys,
             clock=self.registry.clock,
@@ -199,7 +205,7 @@ class ControlPlane:
             leading=leading,
             redirect=redirect,
         )
-        self.endpoint.gateways = self.gateway_feed
+        self.agent_port.gateways = self.gateway_feed
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
@@ -207,7 +213,7 @@ class ControlPlane:
             quiesce=self._quiesce,
             outstanding=self._outstanding,
             changes=self.changes,
-            push=self.endpoint.push_desired_state,
+            push=self.agent_links.push_desired_state,
             draining=lambda: self.drains.running(),
             retiring=retiring,
         )
@@ -227,7 +233,9 @@ class ControlPlane:
             intent=self.intent,
             drains=self.drains,
             reconciler=self.reconciler,
-            endpoint=self.endpoint,
+            links=self.agent_links,
+            gateway_links=self.gateway_feed,
+            releases=self.agent_port.releases,
             changes=self.changes,
             catalog_times=self.catalog_times,
         )
@@ -361,7 +369,7 @@ class ControlPlane:
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
             mirror = partial(fill_mirror, node_known=self._a_node_may_build, retry_s=self.mirror_retry_s)
-            await nursery.start(run, "mirror", mirror, lambda: self.config, self.endpoint.artifacts, self.push_all)
+            await nursery.start(run, "mirror", mirror, lambda: self.config, self.agent_port.artifacts, self.push_all)
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
                 # the process (its default action).
@@ -375,7 +383,7 @@ class ControlPlane:
             await nursery.start(self.http_refusals.serve)  # before a request can be refused
             try:
                 agent_listeners = await nursery.start(
-                    partial(self.endpoint.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context
+                    partial(self.agent_port.serve, sockets=agent_sockets), agent_host, agent_port, self.ssl_context
                 )
             except OSError as exc:
                 raise cannot_listen("agent_listen", self.config.server.agent_listen, exc) from None
@@ -437,7 +445,7 @@ class ControlPlane:
         knows a node, or a node certificate was issued (`node add` records it before it installs
         the agent: the mirror fetches meanwhile). With them, only a node they do not cover (another
         architecture, or an NVIDIA GPU for a CUDA build) needs the source."""
-        release = (await self.endpoint.releases.catalog()).llama_archives()
+        release = (await self.agent_port.releases.catalog()).llama_archives()
         while True:
             changed = self.changes.nodes.next()
             engines = self.config.engines
@@ -471,7 +479,7 @@ class ControlPlane:
                 + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
                 + self.loop_lag.render(trio.current_time())
                 + self.registry.clock.render()
-                + self.endpoint.render_metrics()
+                + self.agent_links.render_metrics()
                 + self.moves.render_metrics()
                 + (self.step_timer.render() if self.step_timer is not None else "")
             )
@@ -489,9 +497,9 @@ class ControlPlane:
         engines = engines_for(
             self.config.engines,
             node.inventory if node else None,
-            self.endpoint.artifacts.available(),
+            self.agent_port.artifacts.available(),
             max_archive_bytes=self.config.downloads.max_archive_bytes,
-            release=self.endpoint.releases.llama_archives(),
+            release=self.agent_port.releases.llama_archives(),
         )
         return w.DesiredState(
             generation=self._generation,
@@ -506,11 +514,11 @@ class ControlPlane:
         return next((m for m in self.config.models if m.name == name), None)
 
     async def push(self, node_id: str) -> None:
-        await self.endpoint.push_desired_state(node_id)
+        await self.agent_links.push_desired_state(node_id)
 
     async def push_all(self) -> None:
-        for node_id in list(self.endpoint.links):
-            await self.endpoint.push_desired_state(node_id)
+        for node_id in list(self.agent_links.links):
+            await self.agent_links.push_desired_state(node_id)
 
     # -- the gateways' part in a move and on the page ----------------------------------------
 

@@ -1,5 +1,5 @@
 """What the control plane shows of the gateway instances connected to it, from the last heartbeat
-of each (`GatewayLink.last`): the figures behind the cluster page's history (`history_totals`)
+of each (`LinkedGateway.last`): the figures behind the cluster page's history (`history_totals`)
 and, when its own gateway runs in worker processes, the gateway's families in its /metrics
 (`render_workers`).
 
@@ -24,22 +24,22 @@ from collections.abc import Iterable
 from llmgw.gateway.history import Totals, totals_of_families
 from llmgw.gateway.metrics import render_by_worker
 from llmgw.pki.ca import CONTROL_PLANE_GATEWAY
-from llmgw.server.gatewayfeed import GatewayLink
+from llmgw.server.gatewayfeed import LinkedGateway
 
 WORKER_NAME = CONTROL_PLANE_GATEWAY  # the gateway name of the control plane's own workers (their certificate's CN)
 
 
-def history_totals(links: Iterable[GatewayLink]) -> dict[str, Totals]:
+def history_totals(links: Iterable[LinkedGateway]) -> dict[str, Totals]:
     """Every instance's totals by "name/instance", for the page's history (`History` sources);
     an instance not heard from yet is left out, so that its first heartbeat is its baseline."""
     return {f"{link.name}/{link.instance}": totals_of_families(link.last.metrics) for link in links if link.last.seq}
 
 
-def own_workers(links: Iterable[GatewayLink]) -> list[GatewayLink]:
+def own_workers(links: Iterable[LinkedGateway]) -> list[LinkedGateway]:
     return [link for link in links if link.name == WORKER_NAME]
 
 
-def render_workers(links: Iterable[GatewayLink], now: float | None = None) -> str:
+def render_workers(links: Iterable[LinkedGateway], now: float | None = None) -> str:
     """The metric families of the control plane's own workers (`links` of WORKER_NAME), each
     series labelled `worker`, then the seconds since each was heard; `now`: unix time."""
     workers = ((link.instance, link.last.metrics or (), link.heard_at) for link in own_workers(links))

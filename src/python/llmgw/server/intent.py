@@ -11,7 +11,7 @@ Every change goes the same three steps, in this order:
 
 A node the store has no row for but the registry knows (its connection could not be recorded
 while the store was busy) gets its row with the first mark (`known_at`). The registry reads the
-marks back from the store when a node joins (`server/endpoint.py`) and at start (`server/app.py`).
+marks back from the store when a node joins (`server/agentlinks.py`) and at start (`server/app.py`).
 """
 
 from __future__ import annotations

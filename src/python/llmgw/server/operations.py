@@ -14,23 +14,30 @@ admin API turns them into statuses.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.log import get_logger
+from llmgw.server.agentlinks import AgentLinks
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
 from llmgw.server.drains import DrainProgress, Drains
-from llmgw.server.endpoint import AgentEndpoint
 from llmgw.server.errors import DiagnosticOff, UnknownNode, UnknownReplica
 from llmgw.server.intent import NodeIntent
 from llmgw.server.liveness import Reconciler
 from llmgw.server.registry import NodeRegistry
+from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas
 from llmgw.server.settings import Settings
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
+
+
+class GatewayRevocations(Protocol):
+    async def close_revoked(self, serials: set[int]) -> int:
+        """Close the links of gateways whose certificate is one of `serials`; how many."""
+        ...
 
 
 class Operations:
@@ -44,11 +51,15 @@ class Operations:
         intent: NodeIntent,
         drains: Drains,
         reconciler: Reconciler,
-        endpoint: AgentEndpoint,
+        links: AgentLinks,
+        gateway_links: GatewayRevocations | None,
+        releases: Releases,
         changes: Changes,
         catalog_times: CatalogTimes | None = None,
     ) -> None:
-        """`catalog_times`: when each model entered the catalog, noted at each reload."""
+        """`links`, `gateway_links`: the agents' and the gateways' links (which a removal closes);
+        `releases`: this control plane's release files (a reload reads them again);
+        `catalog_times`: when each model entered the catalog, noted at each reload."""
         self.catalog_times = catalog_times
         self.settings = settings
         self.store = store
@@ -57,14 +68,16 @@ class Operations:
         self.intent = intent
         self.drains = drains
         self.reconciler = reconciler
-        self.endpoint = endpoint
+        self.links = links
+        self.gateway_links = gateway_links
+        self.releases = releases
         self.changes = changes
         self.node_coming = False  # a node certificate was issued since start: the mirror fetches
 
     async def reload(self) -> dict[str, Any]:
         """Read server.toml again; the catalog and engines change, nothing unchanged restarts."""
         new = self.settings.reread()
-        await self.endpoint.releases.catalog()  # the release's llama.cpp archives, as they are now
+        await self.releases.catalog()  # the release's llama.cpp archives, as they are now
         self.changes.catalog_changed()  # engines may have changed for everyone: every node is pushed
         changed = await self.reconciler.next_pass()
         if self.catalog_times is not None and self.catalog_times.note(m.name for m in new.models):
@@ -91,12 +104,12 @@ class Operations:
             revoked = []
         serials = {int(serial) for serial in revoked}
         revoked = sorted(f"{serial:x}" for serial in serials)  # hex, as openssl and the refusals print it
-        closed = await self.endpoint.close_node(
+        closed = await self.links.close_node(
             node_id, w.REVOKED, "this node was removed from the cluster and its certificate revoked"
         )
         # A gateway's certificates are recorded under its name (`llmgw ca issue --gateway`): its
         # links close too, and its next connection is refused as revoked.
-        gateways = self.endpoint.gateways
+        gateways = self.gateway_links
         if gateways is not None:
             closed = await gateways.close_revoked(serials) > 0 or closed
         self.registry.forget(node_id)
@@ -110,7 +123,7 @@ class Operations:
             raise UnknownReplica(replica_id, sorted(self.replicas.placed))
         members = []
         for rank, node_id in enumerate(stored.placement.nodes):
-            reply = await self.endpoint.request_logs(node_id, replica_id, lines)
+            reply = await self.links.request_logs(node_id, replica_id, lines)
             members.append({"node": node_id, "rank": rank, "text": reply.text, "error": reply.error})
         return {"replica": replica_id, "members": members}
 

@@ -73,7 +73,7 @@ CLOSE_TIMEOUT_S = 10.0  # the old term's store connection, closed once its last 
 
 
 def advertised(config: ServerConfig, bound: Bound | None = None) -> tuple[str, str]:
-    """This control plane's agent endpoint and admin URL as others reach it: `[server] agent_url`
+    """This control plane's agent port (its URL) and admin URL as others reach it: `[server] agent_url`
     and `admin_url`, else made from `advertise` (its first address) or the listener's own
     address, and the port it is bound to (`bound`) or configured with."""
     server = config.server
@@ -95,7 +95,7 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-class Endpoint(Protocol):
+class LinkEnd(Protocol):
     async def close_all(self, code: str, message: str) -> int: ...
 
 
@@ -104,8 +104,8 @@ class Plane(Protocol):
     not import: the root wires them (`serve_control_plane` gives `open_plane`)."""
 
     config: ServerConfig
-    endpoint: Endpoint
-    gateway_feed: Endpoint
+    agent_links: LinkEnd
+    gateway_feed: LinkEnd
 
     @property
     def store(self) -> AsyncStore: ...
@@ -259,7 +259,7 @@ class Seat:
         log.warning("leadership_lost", epoch=term.epoch, reason=term.lost_reason, now="a standby")
         message = f"this control plane leads no more ({term.lost_reason}); the agent goes to the next control plane"
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(plane.endpoint.close_all, w.NOT_LEADER, message)
+            nursery.start_soon(plane.agent_links.close_all, w.NOT_LEADER, message)
             nursery.start_soon(plane.gateway_feed.close_all, w.NOT_LEADER, message)
         leading.cancel()
 

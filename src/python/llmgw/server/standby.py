@@ -9,7 +9,7 @@ seat's last look at the lease):
 
 - the agent port, as a leader's (`agentlistener.AgentListener`: the same TLS, budgets and
   checks of the certificate): either link's upgrade and hello are judged as a leader judges
-  them, and the hello is answered with a `Redirect` naming the leader's agent endpoint, then the
+  them, and the hello is answered with a `Redirect` naming the leader's agent port (its URL), then the
   link is closed; the agent or gateway dials the leader next. The release files and the mirror's
   archives are served as a leader serves them (they are files, not state).
 - http_listen: the admin API (after the admin credential, as a leader checks it) answers 503
@@ -36,23 +36,24 @@ from llmgw.config import ServerConfig
 from llmgw.errors import cut
 from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats
-from llmgw.http.messages import Answer, Request, Response
+from llmgw.http.messages import Request, Response
 from llmgw.http.openai import error_body
 from llmgw.http.refusallines import RefusalLines
 from llmgw.http.relay import gateway_route
 from llmgw.http.server import bound_address, serve_http
 from llmgw.log import get_logger
-from llmgw.pki.ca import CertInfo
 from llmgw.server.admin import is_admin_path
 from llmgw.server.agentlistener import AgentListener
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import StoreError
 from llmgw.server.front import Bound, cannot_listen, split_hostport
+from llmgw.server.linkserver import StandbyEnd
 from llmgw.wire import agent_link as w
 from llmgw.wire import agent_session as s
 from llmgw.wire import gateway_session as gs
 
 log = get_logger("llmgw.standby")
+agent_log, gateway_log = get_logger("llmgw.endpoint"), get_logger("llmgw.gatewayfeed")  # as a leader's ends log
 
 NOT_LEADER = "not_leader"  # the admin API's error code for "ask the leader", which `llmgw ctl` follows
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -126,44 +127,29 @@ class StandbyStore:
 
 
 class StandbyListener(AgentListener):
-    """The agent port of a standby: every link is answered with where the leader is."""
+    """The agent port of a standby: either link's request is answered with where the leader is
+    (`linkserver.StandbyEnd`), after the checks a leader makes."""
 
     def __init__(self, *, leader: Callable[[], Leader], heartbeat_interval_s: float, **listener: Any) -> None:
-        super().__init__(**listener)
+        def redirect() -> w.Redirect:
+            return leader().redirect()
+
+        def agent_session(cn: str, standby: Callable[[], w.Redirect]) -> s.ServerSession:
+            return s.ServerSession(
+                cn, heartbeat_interval_s=heartbeat_interval_s, desired_state=_no_desired_state, standby=standby
+            )
+
+        def gateway_session(cn: str, standby: Callable[[], w.Redirect]) -> gs.GatewayServerSession:
+            return gs.GatewayServerSession(
+                cn, heartbeat_interval_s=heartbeat_interval_s, table=_no_table, standby=standby
+            )
+
+        super().__init__(
+            agents=StandbyEnd(agent_session, redirect, who="agent", who_field="node", log=agent_log),
+            gateways=StandbyEnd(gateway_session, redirect, who="gateway", who_field="gateway", log=gateway_log),
+            **listener,
+        )
         self.leader = leader
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.gateways = _StandbyGateways(self)
-
-    def _redirect_now(self) -> w.Redirect:
-        return self.leader().redirect()
-
-    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer:
-        session = s.ServerSession(
-            cert.common_name,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            desired_state=_no_desired_state,
-            standby=self._redirect_now,
-        )
-        return await self.answer_standby(session, request, cert, address)
-
-
-class _StandbyGateways:
-    """The gateway link's end on a standby's agent port (`agentlistener.GatewayLinks`)."""
-
-    def __init__(self, listener: StandbyListener) -> None:
-        self.listener = listener
-
-    async def link(self, request: Request, cert: CertInfo, address: str) -> Answer:
-        session = gs.GatewayServerSession(
-            cert.common_name,
-            heartbeat_interval_s=self.listener.heartbeat_interval_s,
-            table=_no_table,
-            standby=self.listener._redirect_now,
-        )
-        return await self.listener.answer_standby(session, request, cert, address)
-
-    async def close_revoked(self, serials: set[int]) -> int:
-        return 0  # a standby holds no gateway's link
 
 
 def _no_desired_state() -> w.DesiredState:
