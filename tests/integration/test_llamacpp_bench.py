@@ -6,12 +6,13 @@ this only keeps the benchmark from rotting."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench import llamacpp
 
 from testlib.benchjson import NONE, NUMBER, assert_shape
-from testlib.llama import llama_server
+from testlib.llama import cached_path, llama_server
 
 PHASE = {
     "concurrency": int,
@@ -54,3 +55,28 @@ def test_the_llamacpp_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None
         # ignore_eos: every request generates exactly max_tokens.
         assert figures["completion_tokens"] == figures["requests"] * 4, figures
         assert figures["tokens_per_s"] > 0 and figures["latency_p50_ms"] <= figures["latency_p90_ms"], figures
+
+
+def test_without_server_it_finds_the_llama_server_the_suite_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wherever the bench's own file is: `./pants run tools/bench/prefix.py` runs a copy of it in a
+    sandbox, where the default once looked for tools/llama/build-llama-server beside it and found
+    none ("no llama-server at ''") on a machine whose suite had built one."""
+    llama_server()  # built: ./pants test builds it before this test runs
+    monkeypatch.delenv("LLMGW_LLAMA_SERVER", raising=False)
+    assert llamacpp.default_server() == str(cached_path())
+    monkeypatch.setenv("LLMGW_LLAMA_SERVER", "/opt/llama-server")  # the variable still wins
+    assert llamacpp.default_server() == "/opt/llama-server"
+
+
+def test_without_server_and_nothing_built_it_says_where_it_looked_and_what_builds_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("LLMGW_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("LLMGW_LLAMA_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        llamacpp.main(["--requests", "1"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f": error: no llama-server built in {tmp_path}: `./pants test` builds it "
+        "(or tools/llama/build-llama-server); or pass --server"
+    )

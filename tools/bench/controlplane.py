@@ -1,7 +1,7 @@
 """What one control plane's own work costs as the cluster grows (issue 31): so far the parts that
 need no agents, placement and reconciling, measured in this process.
 
-    PYTHONPATH=src/python:tests:tools python3 tools/bench/controlplane.py [--nodes N] [--replicas R]
+    ./pants run tools/bench/controlplane.py -- [--nodes N] [--replicas R]
         [--reconcile-nodes M] [--reconcile-replicas Q] [--rounds K]
 
 1. placement: `scheduler.plan` places R replicas (default 10,000) over N nodes (default 1,000:

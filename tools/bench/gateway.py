@@ -1,7 +1,7 @@
 """What the gateway costs: the same load straight to a canned-response upstream and through the
 gateway, in one run.
 
-    PYTHONPATH=src/python:tests:tools python3 tools/bench/gateway.py [--generator auto|wrk|rawhttp]
+    ./pants run tools/bench/gateway.py -- [--generator auto|wrk|rawhttp]
         [--latency-seconds L] [--seconds S] [--sse-streams M] [--sse-events E] [--sse-gap-ms G]
         [--streams N] [--workers W] [--workers-seconds S] [--workers-rounds R] [--workers-only]
         [--python auto|current|PATH]

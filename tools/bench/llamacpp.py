@@ -1,7 +1,7 @@
 """Tokens per second of a real llama-server, asked directly (no gateway), started through llmgw's
 llama.cpp spec.
 
-    PYTHONPATH=src/python:tests python3 tools/bench/llamacpp.py [--server PATH] [--model GGUF]
+    ./pants run tools/bench/llamacpp.py -- [--server PATH] [--model GGUF]
         [--requests N] [--concurrency C] [--max-tokens T] [--threads N] [--parallel N]
 
 Without --model it makes the tests' tiny model (tests/testlib/tinygguf.py: 2 layers, 64 wide,
@@ -34,23 +34,40 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from llmgw_release import llamabuild
+
 from llmgw.config import Secret
 from llmgw.engines import ReplicaLaunch, build_command
+from llmgw.llamarecipe import RecipeError
 
-BUILD_LLAMA = Path(__file__).resolve().parents[2] / "tools" / "llama" / "build-llama-server"
 MAX_REQUESTS = 10_000
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
 
 
+class NoServer(Exception):
+    """No llama-server to measure; the message says where it was looked for and what builds one."""
+
+
 def default_server() -> str:
-    """$LLMGW_LLAMA_SERVER, else the cached build's path ("" when there is none)."""
-    if os.environ.get("LLMGW_LLAMA_SERVER"):
-        return os.environ["LLMGW_LLAMA_SERVER"]
-    done = subprocess.run(
-        [sys.executable, "-I", str(BUILD_LLAMA), "--cached"], capture_output=True, text=True, timeout=60, check=False
-    )
-    return done.stdout.strip() if done.returncode == 0 else ""
+    """$LLMGW_LLAMA_SERVER, else this machine's llama-server in the portable build's cache, where
+    `./pants test` (and tools/llama/build-llama-server) leave it. Asked of llamabuild itself, as
+    build-llama-server --cached asks it, not of a script beside this file: `./pants run` runs a
+    copy of the bench in a sandbox of its own, with no checkout around it."""
+    given = os.environ.get("LLMGW_LLAMA_SERVER")
+    if given:
+        return given
+    root = llamabuild.cache_root()
+    try:
+        server = llamabuild.cached_server(llamabuild.pinned_source(), root)
+    except (llamabuild.LlamaBuildError, RecipeError) as exc:
+        raise NoServer(f"cannot tell which llama-server is this machine's: {exc}") from None
+    if server is None:
+        raise NoServer(
+            f"no llama-server built in {root}: `./pants test` builds it (or tools/llama/build-llama-server); "
+            "or pass --server"
+        )
+    return str(server)
 
 
 def free_port() -> int:
@@ -132,12 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=4, help="llama-server slots (-np)")
     parser.add_argument("--ctx-size", type=int, default=4096)
     args = parser.parse_args(argv)
-    if args.server is None:
-        args.server = default_server()  # asked only when not given: it runs build-llama-server --cached
     if not 1 <= args.requests <= MAX_REQUESTS or args.concurrency < 1:
         parser.error(f"--requests must be 1..{MAX_REQUESTS} and --concurrency at least 1")
+    if args.server is None:
+        try:
+            args.server = default_server()  # asked only when not given: it asks the compilers their versions
+        except NoServer as exc:
+            parser.error(str(exc))
     if not os.access(args.server, os.X_OK):
-        parser.error(f"no llama-server at {args.server!r}; run tools/llama/build-llama-server or pass --server")
+        parser.error(f"no llama-server at {args.server!r}; pass --server")
 
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         model = args.model

@@ -1,7 +1,7 @@
 """Prefix routing against least outstanding, on real llama.cpp (issue 32), and the routing
 decision alone.
 
-    PYTHONPATH=src/python:tests:tools python3 tools/bench/prefix.py [--json]
+    ./pants run tools/bench/prefix.py -- [--json]
         [--conversations C] [--turns T] [--systems S] [--system-tokens N] [--first-tokens F]
         [--turn-tokens U] [--max-tokens M] [--concurrency K] [--replicas R] [--slots P]
         [--layers L] [--width W] [--policies least_outstanding,prefix] [--router-chains N]
@@ -55,7 +55,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench import gateway_runner
-from bench.llamacpp import default_server, free_port
+from bench.llamacpp import NoServer, default_server, free_port
 from bench.procs import child_env, stop
 
 from llmgw.config import Secret
@@ -445,9 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.width % 4:
         parser.error("--width must be a multiple of 4 (the model's 4 heads)")
     if args.server is None:
-        args.server = default_server()
-    if not os.access(args.server or "", os.X_OK):
-        parser.error(f"no llama-server at {args.server!r}; run tools/llama/build-llama-server or pass --server")
+        try:
+            args.server = default_server()
+        except NoServer as exc:
+            parser.error(str(exc))
+    if not os.access(args.server, os.X_OK):
+        parser.error(f"no llama-server at {args.server!r}; pass --server")
     out: dict = {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),

@@ -1,6 +1,6 @@
 """Start-up time of a release zipapp: `llmgw version`, cold (first run, which unpacks) and warm.
 
-    python3 tools/bench/startup.py dist/release/llmgw-X-linux-amd64.pyz [--python PY ...] [--runs N]
+    ./pants run tools/bench/startup.py -- dist/release/llmgw-X-linux-amd64.pyz [--python PY ...] [--runs N]
 
 Prints one JSON object per Python: the cold time once, then the median, min and max of N warm
 runs (each run a fresh process, wall clock from spawn to exit). Every run unpacks into a
