@@ -15,7 +15,6 @@ from pathlib import Path
 import attrs
 
 from llmgw import pins
-from llmgw.http.limits import Limits
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 DEFAULT_SERVER_STATE_DIR = "/var/lib/llmgw"
@@ -80,6 +79,24 @@ class ServerSection:
     # command's default, "auto" for `llmgw server` and 1 for `llmgw up`. 0 runs the gateway on
     # the control plane's own loop, for tests and embedding only (docs/configuration.md).
     gateway_workers: int | str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """The limits one HTTP listener serves under: its deadlines, sizes and connection cap.
+    Declared once, here, for `[http]` (`HttpSection`) and every listener of the HTTP stack,
+    which takes them as `llmgw.http.limits.Limits` (the sim engine serves at the defaults). What
+    each limit does is `llmgw.http.server`'s docstring; why each default, docs/configuration.md."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    body_min_bytes_per_s: int = 1024  # bytes per second, averaged over the body so far; 0 = no minimum
+    keepalive_timeout_s: float = 60.0
+    send_timeout_s: float = 30.0
+    max_head_bytes: int = 16384
+    max_body_bytes: int = 8 << 20
+    body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
+    max_connections: int = 0  # 0 = sized from the open-file limit, see `listeners.default_max_connections`
 
 
 @attrs.frozen(kw_only=True)

@@ -1,24 +1,11 @@
-"""The limits one HTTP listener serves under: its deadlines, sizes and connection cap.
-
-Declared once, here: server.toml's `[http]` section is this class (`llmgw.config.HttpSection`
-adds the agent port's own budget to it), the control plane's listeners take it as it is, and the
-sim engine serves at the defaults. What each limit does is `llmgw.http.server`'s docstring; why
-each default, docs/configuration.md.
+"""The limits one HTTP listener serves under (its deadlines, sizes and connection cap), as the
+HTTP stack's modules import them. They are server.toml's `[http]` table and are declared in
+`llmgw.config` (`Limits`, which `HttpSection` extends with the agent port's own budget), so the
+config, which the agent imports, imports nothing of the HTTP stack.
 """
 
 from __future__ import annotations
 
-import attrs
+from llmgw.config.schema import Limits
 
-
-@attrs.frozen(kw_only=True)
-class Limits:
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    body_min_bytes_per_s: int = 1024  # bytes per second, averaged over the body so far; 0 = no minimum
-    keepalive_timeout_s: float = 60.0
-    send_timeout_s: float = 30.0
-    max_head_bytes: int = 16384
-    max_body_bytes: int = 8 << 20
-    body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
-    max_connections: int = 0  # 0 = sized from the open-file limit, see `listeners.default_max_connections`
+__all__ = ["Limits"]
