@@ -3,16 +3,26 @@ end to end with real parts: `llmgw server` serving a release directory ([release
 agent port, a test node in its own network namespace (testlib.netnode) downloading from there
 with its python3, pinned to the cluster's CA root. Whether the file went over HTTPS or SSH is
 read from both ends: the control plane's `release_served` log events (peer and file), and the
-node's SFTP log (`NetNode.sftp_written`), every file SFTP opened there for writing."""
+node's SFTP log (`NetNode.sftp_written`), every file SFTP opened there for writing.
+
+And the release an operator names is the release the node gets, whole: `--release DIR` against
+a control plane that serves no release (no `[release] dir`, a development build) gives the node
+DIR's llama.cpp archive too, which its agent installs and runs; nothing is built there (the node
+has this machine's compilers: a build would be tried, and take the test's time many times over)."""
 
 from __future__ import annotations
 
 import hashlib
+import platform
 import re
 import shutil
 import zipfile
 from pathlib import Path
 
+import pytest
+
+from llmgw import pins
+from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.netnode import NetNode
 from testlib.nodeadd import ControlPlane
 from testlib.proc import run_llmgw
@@ -23,6 +33,16 @@ pytest_plugins = ("testlib.nodeadd",)
 VERSION = "0.0.0-e2e"
 AMD = f"llmgw-{VERSION}-linux-amd64.pyz"
 ARM = f"llmgw-{VERSION}-linux-arm64.pyz"
+LLAMA = llama_file_name(pins.LLAMACPP_VERSION, ARCHES[platform.machine()])
+AGENT_DIR = "/var/lib/llmgw-agent"
+# The operator's defaults for llama.cpp: no [engines.llamacpp] (the pinned release's, else its
+# source built on the node), and a sim model to place.
+SIM_ONLY = """
+[[models]]
+name = "sim-small"
+engine = "sim"
+replicas = 1
+"""
 
 
 def _both_arches(release: Path, into: Path) -> Path:
@@ -128,3 +148,33 @@ def test_a_plane_holding_both_arches_gives_an_arm64_node_the_arm64_file(
     assert _served(cp) == [(node.node_addr, ARM)]
     # The stand-in is not llmgw: doctor, the first thing to run it, stops the run.
     assert rc != 0 and "failed doctor" in out and "the arm64 stand-in" in out, out
+
+
+@pytest.mark.release(with_llama=True)
+def test_a_release_named_gives_the_node_its_llama_cpp_from_a_plane_that_serves_none(
+    node: NetNode, release_dir: Path, tmp_path: Path
+) -> None:
+    assert (release_dir / LLAMA).is_file()  # the release holds the node's archive
+    cp = ControlPlane(tmp_path / "plane", node, catalog=SIM_ONLY, llamacpp_bin=None)  # no [release] dir either
+    try:
+        cp.run()
+        rc, out, err = cp.node_add("--plain", "--accept-new-host-key", release=release_dir)
+        assert rc == 0, out + err
+        digest = hashlib.sha256((release_dir / LLAMA).read_bytes()).hexdigest()
+        assert f"{LLAMA} copied over SSH too, sha256 {digest[:12]} verified on the node" in out, out
+        assert f"{AGENT_DIR}/release/{LLAMA}" in out  # configure placed it for the agent
+        assert f"joined; llama.cpp installed and checked ({pins.LLAMACPP_VERSION})" in out, out
+        # Nothing was built, nor fetched to build: the install's phases, as the join said them.
+        assert not re.search(r"installing llama\.cpp.*\((fetch|configure|build)\)", out), out
+        assert _served(cp) == []  # the plane holds no release, and was asked for none
+        assert any(p.endswith(f"/{LLAMA}.llmgw-part") for p in node.sftp_written())
+        assert node.read(f"{AGENT_DIR}/release/{LLAMA}") == (release_dir / LLAMA).read_bytes()
+        assert node.read(f"{AGENT_DIR}/release/SHA256SUMS").decode() == f"{digest}  {LLAMA}\n"
+        installed = f"{AGENT_DIR}/engines/llamacpp/{pins.LLAMACPP_VERSION}"
+        written = node.written()
+        assert f"{installed}/{LLAMA.removesuffix('.tar.gz')}/llama-server" in written
+        assert not [p for p in written if p.endswith(".build.log") or "/.build-" in p or "/.downloads/" in p]
+        llama = next(e for e in cp.node_view()["engines"] if e["name"] == "llamacpp")
+        assert llama["ok"] and llama["version"] == pins.LLAMACPP_VERSION and llama["cpu_backend"], llama
+    finally:
+        cp.stop()

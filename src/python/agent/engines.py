@@ -11,8 +11,9 @@ engine is reported unavailable rather than failed, and retried the same way.
 
 llama.cpp's source on this node (`wanted_from`), in order: agent.toml's llamacpp_bin; version ""
 (the operator's); an archive server.toml names that fits (cuda where there is a GPU); a CUDA build
-where the node has a GPU, nvcc and the rest of the toolchain; the control plane's release archive
-for this architecture, fetched from its agent port; a build from source. Once checked, the CPU
+where the node has a GPU, nvcc and the rest of the toolchain; the release archive for this
+architecture: the one `llmgw node add --release` installed on this node (agent.install.noderelease,
+verified where it is), else the control plane's, fetched from its agent port; a build from source. Once checked, the CPU
 backend it loads here is asked (`installer.llama_cpu_backend`: each backend's own score, as
 llama.cpp picks) and reported with it.
 
@@ -32,6 +33,7 @@ import attrs
 import trio
 
 from agent.install import build as b
+from agent.install import noderelease
 from agent.install.errors import BuildToolsMissing, EngineCheckFailed, NoSourceForNode
 from agent.install.installer import (
     ArchiveSource,
@@ -69,11 +71,14 @@ def wanted_from(
     *,
     tools: b.BuildTools = NO_TOOLS,
     release_base: str = "",
+    node_release: noderelease.NodeRelease | None = None,
 ) -> Wanted:
     """The install plan for one wanted engine on this node; LlmgwError if there is none.
 
     `tools`: what this node has for a build (a CUDA build is chosen only where it can run);
-    `release_base`: https://HOST:PORT of the control plane, where its release archives are."""
+    `release_base`: https://HOST:PORT of the control plane, where its release archives are;
+    `node_release`: the release `node add --release` installed here, whose llama.cpp archive of
+    the wanted version comes before the control plane's."""
     if want.name == "sglang":
         check = SGLANG_CHECK
     else:
@@ -106,10 +111,11 @@ def wanted_from(
         )
     archive = pick_archive(want, arch, has_gpu)
     released = release_archive(want, arch)
+    here = node_release.archive(want.version, arch) if node_release is not None and want.name == "llamacpp" else None
     # A CUDA build where the node has a GPU and nvcc: what no CPU archive covers. Without the
     # rest of the toolchain, the release's CPU build serves the node rather than nothing.
     cuda_build = archive is None and has_gpu and want.build is not None and bool(tools.nvcc)
-    if cuda_build and released is not None and not tools.complete:
+    if cuda_build and (released is not None or here is not None) and not tools.complete:
         log.warning(
             "engine_cuda_build_skipped",
             engine=want.name,
@@ -117,6 +123,24 @@ def wanted_from(
             "for it: using the release's CPU build; install them for GPU offload",
         )
         cuda_build = False
+    if archive is None and here is not None and not cuda_build:
+        assert node_release is not None
+        return Wanted(
+            name=want.name,
+            version=want.version,
+            source=ArchiveSource(
+                url=str(node_release.path(here)),
+                local=True,
+                sha256=here.sha256,
+                binary=here.binary,
+                max_unpacked_bytes=want.max_unpacked_bytes,
+                max_members=want.max_members,
+                size=here.size,
+                sha256_from=noderelease.SHA256_FROM,
+            ),
+            check_args=check,
+            flags_of="llamacpp",  # as for every prebuilt llama.cpp: a renamed flag is refused here
+        )
     if archive is None and released is not None and not cuda_build:
         archive = attrs.evolve(released, url=f"{release_base}{w.RELEASE_PREFIX}{released.release}")
     if archive is None and want.build is not None:
@@ -261,9 +285,12 @@ async def _reconcile(
     host = urlsplit(server_url)
     base = f"https://{host.hostname}:{host.port}"  # the control plane's agent port: mirror and release
     tools = b.probe_tools(b.which_on(os.environ.get("PATH", os.defpath)))
+    here = await trio.to_thread.run_sync(noderelease.read, Path(config.state_dir))
     for want in state.engines:
         try:
-            plan = wanted_from(want, config, inv.arch, bool(inv.gpus), tools=tools, release_base=base)
+            plan = wanted_from(
+                want, config, inv.arch, bool(inv.gpus), tools=tools, release_base=base, node_release=here
+            )
             fetched = plan.source if isinstance(plan.source, (ArchiveSource, BuildSource)) else None
             mirror = f"{base}{w.ARTIFACTS_PREFIX}{fetched.sha256}" if fetched is not None and fetched.mirrored else None
             installed = await _install(engines, want, plan, store, mirror, send)

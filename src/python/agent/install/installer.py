@@ -12,12 +12,13 @@ version keeps serving until the new one is known to start. A version that fails 
 removed and reported with the engine's own output; `current` is left alone. Only the current
 and the previous version are kept.
 
-A version comes from a prebuilt archive (one server.toml names, or the control plane's release),
-a pip requirement, or llama.cpp's source built here (agent.install.build); a build may be kept in
+A version comes from a prebuilt archive (one server.toml names, the control plane's release, or
+the release `llmgw node add --release` installed on this node: verified in place), a pip requirement, or llama.cpp's source built here (agent.install.build); a build may be kept in
 a build cache and reused by an identical one. Where `Wanted.flags_of` names an engine, its whole
 help is checked against the flags llmgw gives it (engine-check's check) before it is offered.
 `ensure` reports its phases ("fetch", "unpack", "configure", "build", "install", "check") and
-percentages, when known, to `on_progress`, at each change (the caller throttles).
+percentages, when known, to `on_progress`, at each change (the caller throttles). What it is asked
+to make, and what it made, are agent.install.plan's (named here too, as its callers know them).
 """
 
 from __future__ import annotations
@@ -31,20 +32,18 @@ import shutil
 import ssl
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 import trio
 
 from agent.install import build as b
 from agent.install.archive import Limits
-from agent.install.errors import BadSource, EngineCheckFailed, PipInstallFailed
+from agent.install.errors import BadSource, DownloadError, EngineCheckFailed, PipInstallFailed
 from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
+from agent.install.plan import ArchiveSource, BuildSource, Installed, OnProgress, PipSource, Wanted
 from agent.install.unpack import unpack
 from llmgw import llamarecipe
-from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES
-from llmgw.download import Progress, archive_cap, fetch
+from llmgw.download import Progress, archive_cap, fetch, sha256_of
 from llmgw.engines import cpubackend
 from llmgw.log import get_logger
 
@@ -53,86 +52,6 @@ log = get_logger("llmgw.agent.install")
 CHECK_TIMEOUT_S = 60.0
 PIP_TIMEOUT_S = 3600.0
 VENV_TIMEOUT_S = 300.0
-
-# How an install reports where it is: (phase, percent), phase one of
-# llmgw.wire.agent_link.INSTALL_PHASES, percent 0..100 or None where the phase gives no measure.
-# Called synchronously from the installing task: it must not block (the agent keeps the latest
-# and sends it on the link from a task of its own).
-OnProgress = Callable[[str, "int | None"], None]
-
-
-@attrs.frozen(kw_only=True)
-class ArchiveSource:
-    url: str
-    sha256: str
-    binary: str  # the executable's path inside the archive, e.g. "build/bin/llama-server"
-    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
-    max_members: int = DEFAULT_MAX_MEMBERS
-    size: int = 0  # server.toml's size of the archive; 0: not given
-    max_bytes: int = 0  # the cap without size or Content-Length; 0: the default (llmgw.download.archive_cap)
-    mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
-    sha256_from: str = "server.toml"  # where the digest was read, for a mismatch's message
-
-
-@attrs.frozen(kw_only=True)
-class PipSource:
-    requirement: str  # e.g. "vllm==0.11.0"
-    executable: str  # inside the venv, e.g. "bin/vllm"
-    python: str = "python3"
-    index_url: str = ""  # pip's --index-url; "": pip's own (PyPI, or what the node's pip.conf says)
-    extra_index_urls: tuple[str, ...] = ()
-
-    def pip_args(self) -> list[str]:
-        """`pip install`'s arguments. The node's pip configuration (/etc/pip.conf, PIP_* in the
-        agent's environment) is honoured, so an operator's proxy and CA reach pip; only an index
-        server.toml names is passed, and it then replaces the configured one."""
-        args = ["install", "--disable-pip-version-check", "--no-input"]
-        if self.index_url:
-            args += ["--index-url", self.index_url]
-        for url in self.extra_index_urls:
-            args += ["--extra-index-url", url]
-        return [*args, self.requirement]
-
-
-@attrs.frozen(kw_only=True)
-class BuildSource:
-    """llama.cpp's source, built here into `bin/llama-server` (agent.install.build)."""
-
-    url: str
-    sha256: str
-    size: int = 0
-    max_bytes: int = 0
-    jobs: int = 0  # 0: from this node's cores and memory
-    timeout_s: float = DEFAULT_BUILD_TIMEOUT_S
-    gpu: bool = False  # the node has an NVIDIA GPU: a CUDA build where nvcc is found
-    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
-    max_members: int = DEFAULT_MAX_MEMBERS
-    cache_dir: str = ""  # keep and reuse finished builds here ("" = none)
-    mirrored: bool = False  # the control plane's artifact mirror has it (by sha256)
-
-
-@attrs.frozen(kw_only=True)
-class Wanted:
-    """An engine the control plane wants here. No source: the operator installed it at `binary`."""
-
-    name: str
-    version: str
-    source: ArchiveSource | PipSource | BuildSource | None = None
-    binary: str = ""
-    check_args: tuple[str, ...] = ("--version",)
-    # The engine whose flags llmgw gives (llmgw.engines.check) are looked up in the installed
-    # engine's help before it is offered; "": none. `help_environ` is added to the help's environment.
-    flags_of: str = ""
-    help_environ: tuple[tuple[str, str], ...] = ()
-
-
-@attrs.frozen(kw_only=True)
-class Installed:
-    name: str
-    version: str
-    executable: str
-    ok: bool
-    detail: str = ""
 
 
 async def check_runs(argv: list[str], timeout_s: float = CHECK_TIMEOUT_S, env: dict | None = None) -> str:
@@ -150,6 +69,21 @@ async def check_runs(argv: list[str], timeout_s: float = CHECK_TIMEOUT_S, env: d
     if done.returncode != 0:
         raise EngineCheckFailed(f"`{' '.join(argv)}` exited with status {done.returncode}", output)
     return output
+
+
+async def _verified_here(path: Path, sha256: str, sha256_from: str) -> Path:
+    """`path`, a file on this node, once its sha256 is the one `sha256_from` lists: nothing is
+    unpacked from a file that is not the one listed. No copy: unpacking reads it where it is."""
+    try:
+        actual = await trio.to_thread.run_sync(sha256_of, path)
+    except OSError as exc:
+        raise BadSource(f"cannot read {path}: {exc.strerror or exc}; add the node again to place it anew") from None
+    if actual != sha256:
+        raise DownloadError(
+            f"{path} has sha256 {actual}, but {sha256_from} says {sha256}; the file changed or was damaged on this "
+            "node (nothing was installed): add the node again to place it anew"
+        )
+    return path
 
 
 class EngineStore:
@@ -242,15 +176,18 @@ class EngineStore:
     async def _install_archive(
         self, wanted: Wanted, source: ArchiveSource, version_dir: Path, mirror_url: str | None, report: _Reporter
     ) -> Path:
-        archive = await self._fetch(
-            wanted.name,
-            mirror_url or source.url,
-            source.sha256,
-            source.size,
-            source.max_bytes,
-            report,
-            sha256_from=source.sha256_from,
-        )
+        if source.local:
+            archive = await _verified_here(Path(source.url), source.sha256, source.sha256_from)
+        else:
+            archive = await self._fetch(
+                wanted.name,
+                mirror_url or source.url,
+                source.sha256,
+                source.size,
+                source.max_bytes,
+                report,
+                sha256_from=source.sha256_from,
+            )
         staging = self._dir(wanted.name) / f".staging-{wanted.version}-{secrets.token_hex(4)}"
         try:
             limits = Limits(max_bytes=source.max_unpacked_bytes, max_members=source.max_members)
