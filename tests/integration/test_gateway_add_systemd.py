@@ -25,8 +25,8 @@ import pytest
 
 from llmgw.nodeadd.gateway import layout
 from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_pids, wait_until
-from testlib.machine import Machine, preflight
-from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane, build_release
+from testlib.machine import Machine, machine_fixture
+from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane
 
 # The node add tests' fixtures: release_dir, node and cp.
 pytest_plugins = ("testlib.nodeadd",)
@@ -39,22 +39,8 @@ READY_TIMEOUT_S = 120  # placement, the sim engine's start and its health checks
 MARKER = "gateway-add-local-node"
 
 
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-gateway")
-
-
-@pytest.fixture()
-def machine(tmp_path: Path) -> Iterator[Machine]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    m = Machine(tmp_path / "machine", hostname=HOSTNAME)
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+pytestmark = pytest.mark.release(version="0.0.0-gateway")
+machine = machine_fixture(HOSTNAME)
 
 
 @pytest.fixture()

@@ -34,8 +34,8 @@ from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.cluster import wait_until
 from testlib.firsttoken import ModelFiles, first_token, report
 from testlib.llama import llama_server
-from testlib.machine import BUILD_TOOLS, Machine, preflight
-from testlib.nodeadd import ControlPlane, build_release
+from testlib.machine import BUILD_TOOLS, Machine, machine_fixture
+from testlib.nodeadd import ControlPlane
 
 # The node add tests' fixtures: release_dir, node and cp.
 pytest_plugins = ("testlib.nodeadd",)
@@ -48,22 +48,8 @@ READY_TIMEOUT_S = 120  # the model's download, llama-server's start and the mode
 AGENT_DIR = Path(layout.STATE_DIR)
 
 
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-systemd", with_llama=True)
-
-
-@pytest.fixture()
-def machine(tmp_path: Path) -> Iterator[Machine]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    m = Machine(tmp_path / "machine", hostname=HOSTNAME)
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+pytestmark = pytest.mark.release(version="0.0.0-systemd", with_llama=True)
+machine = machine_fixture(HOSTNAME)
 
 
 @pytest.fixture()

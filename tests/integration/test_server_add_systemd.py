@@ -33,8 +33,8 @@ from llmgw.pki.ca import cert_info, new_ca
 from llmgw.pki.files import load_ca
 from llmgw.server.store import Store
 from testlib.exposure import cmdlines_holding
-from testlib.machine import Machine, preflight
-from testlib.nodeadd import ADD_TIMEOUT_S, CATALOG, build_release
+from testlib.machine import Machine, machine_fixture
+from testlib.nodeadd import ADD_TIMEOUT_S, CATALOG
 from testlib.postgres import Database, PostgresServer, running_server
 from testlib.proc import run_llmgw
 
@@ -48,28 +48,20 @@ exec /bin/sh "$@"
 """
 
 
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-server-add")
-
-
-@pytest.fixture()
-def machine(tmp_path: Path) -> Iterator[Machine]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    m = Machine(tmp_path / "machine", hostname=HOSTNAME)
+def _login_logged(m: Machine) -> None:
+    """root's login shell on the machine records each command sshd hands it (LOGGING_SHELL)."""
     shell = m.path("/usr/local/sbin/llmgw-test-login")
     shell.write_text(LOGGING_SHELL)
     shell.chmod(0o755)
     passwd = m.path("/etc/passwd")
     passwd.write_text(re.sub(r"^(root:[^\n]*:)[^:\n]*$", r"\g<1>/usr/local/sbin/llmgw-test-login", passwd.read_text(),
                              count=1, flags=re.M))  # fmt: skip
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+
+
+# The onboarding tests' fixtures: release_dir (the release marked here).
+pytest_plugins = ("testlib.nodeadd",)
+pytestmark = pytest.mark.release(version="0.0.0-server-add")
+machine = machine_fixture(HOSTNAME, before_boot=_login_logged)
 
 
 @pytest.fixture()

@@ -7,12 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from testlib.machine import Machine, preflight
+from testlib.machine import Machine, machine_fixture, preflight
 from testlib.proc import llmgw_env
 
 UNIT = """[Unit]
@@ -24,17 +23,7 @@ WantedBy=multi-user.target
 """
 
 
-@pytest.fixture()
-def machine(tmp_path: Path) -> Iterator[Machine]:
-    why = preflight()
-    if why:
-        pytest.fail(why)
-    m = Machine(tmp_path / "m", hostname="testbox7")
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+machine = machine_fixture("testbox7")
 
 
 def _ssh(m: Machine, command: str) -> subprocess.CompletedProcess:

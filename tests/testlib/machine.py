@@ -14,6 +14,9 @@ VM's hypervisor would) starts only what is enabled.
 otherwise cloud-init is disabled (/etc/cloud/cloud-init.disabled), as on a machine installed by
 hand.
 
+`machine_fixture(hostname)` is the one pytest fixture of a booted machine the tests make theirs
+(`machine = machine_fixture("gw1")` in a test module), with a hook that changes its files first.
+
 Needs root, iproute2, debootstrap and systemd-container; runs without systemd or dbus on this
 machine (`--register=no --keep-unit`). A boot takes under a second here (about 7 s when
 cloud-init runs a first boot). A machine whose test process dies without stopping it (a Pants
@@ -28,7 +31,10 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from testlib.needs import find, missing_message
 from testlib.netns import NetNS
@@ -286,6 +292,29 @@ class Machine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def machine_fixture(hostname: str, *, before_boot: Callable[[Machine], None] | None = None):
+    """A pytest fixture (name it `machine` in the module): a Machine called `hostname` under the
+    test's directory, booted for the test and stopped after it however it ends; `before_boot`
+    changes its files first (Machine.path). Where this machine cannot boot one, the test fails
+    saying why: never a skip."""
+
+    @pytest.fixture()
+    def machine(tmp_path: Path) -> Iterator[Machine]:
+        why = preflight()
+        if why:
+            pytest.fail(why)
+        m = Machine(tmp_path / "machine", hostname=hostname)
+        try:
+            if before_boot is not None:
+                before_boot(m)
+            m.start()
+            yield m
+        finally:
+            m.stop()
+
+    return machine
 
 
 def copy_in(machine: Machine, source: Path, node_path: str, mode: int = 0o644) -> None:

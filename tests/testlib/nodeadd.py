@@ -1,8 +1,11 @@
-"""What the `llmgw node add` integration tests share: a release built from this checkout, a
-control plane driven through the `llmgw` command, and pytest fixtures for both and the node.
+"""What the onboarding integration tests share (node add, gateway add, server add): a release
+built from this checkout, a control plane driven through the `llmgw` command, and pytest fixtures
+for both and the node.
 
-tests/integration/conftest.py gives every test there the fixtures `release_dir`, `node` and `cp`.
-The node (testlib.netnode) has the real llama-server `./pants test` builds mounted at /mnt, named
+A test module takes the fixtures `release_dir`, `node` and `cp` with `pytest_plugins =
+("testlib.nodeadd",)`. `release_dir` is the one release fixture: a module or a test names the
+release it needs with `pytest.mark.release(version=..., with_llama=...)` (default: version
+0.0.0-e2e, no llama.cpp archive), and each release so named is built once a session. The node (testlib.netnode) has the real llama-server `./pants test` builds mounted at /mnt, named
 to node add with --llamacpp-bin; the catalog's model is a sim model. A ControlPlane faces any
 node with `host_addr`, `node_addr` and `client_key`: the systemd machine (testlib.machine) too.
 `ControlPlane(..., llamacpp_bin=None)` with a catalog naming no `[engines.llamacpp]` and a
@@ -67,9 +70,36 @@ def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",),
     return out
 
 
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(tmp_path_factory.mktemp("release"), "0.0.0-e2e")
+VERSION = "0.0.0-e2e"  # release_dir's, unless a test's `release` mark names another
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "release(version='0.0.0-e2e', with_llama=False): the release `release_dir` gives the test (testlib.nodeadd)",
+    )
+
+
+@pytest.fixture(scope="session")
+def _releases() -> dict[tuple[str, bool], Path]:
+    return {}
+
+
+@pytest.fixture()
+def release_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _releases: dict[tuple[str, bool], Path]
+) -> Path:
+    """The release's files for this machine's architecture (`build_release`), as the test's or its
+    module's `release` mark names them; built once a session for each version and llama.cpp."""
+    mark = request.node.get_closest_marker("release")
+    given = dict(mark.kwargs) if mark is not None else {}
+    key = (given.pop("version", VERSION), given.pop("with_llama", False))
+    if given:
+        raise TypeError(f"pytest.mark.release takes version and with_llama, not {sorted(given)}")  # a bug in a test
+    if key not in _releases:
+        version, with_llama = key
+        _releases[key] = build_release(tmp_path_factory.mktemp("release"), version, with_llama=with_llama)
+    return _releases[key]
 
 
 def new_node(root: Path, **kwargs) -> NetNode:
