@@ -18,6 +18,7 @@ from llmgw.gateway import kvevents as kv
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import BYTES_PER_TOKEN, Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.wire.gateway_link import ModelInfo
 from testlib import kvpublisher as vp
 from testlib import record_kvevents as rec
@@ -120,8 +121,7 @@ async def test_a_gateway_reads_its_replicas_events_and_survives_hostile_publishe
     details = (ModelInfo(name="m", engine="vllm", routing="prefix"),)
     provider = StaticEndpoints((a, b), None, details)
     gw = Gateway(provider, NoKeys(), options=GatewaySection(connect_timeout_s=1.0, probe_timeout_s=1.0))
-    await nursery.start(gw.serve_rotation)
-    await nursery.start(gw.serve_probes)
+    await nursery.start(serve_services, gw)
     t = Prompt.of({"messages": [{"role": "system", "content": "S" * 600}, {"role": "user", "content": "Hi"}]}, "m")
     assert t is not None
     try:
@@ -198,8 +198,7 @@ async def test_a_gateway_reads_a_stream_recorded_from_the_engines_own_publisher(
     b = Endpoint(replica_id="b", model="m", host="127.0.0.1", port=10)
     details = (ModelInfo(name="m", engine=engine, routing="prefix"),)
     gw = Gateway(StaticEndpoints((a, b), None, details), NoKeys(), options=GatewaySection())
-    await nursery.start(gw.serve_rotation)
-    await nursery.start(gw.serve_probes)
+    await nursery.start(serve_services, gw)
     long = Prompt.of({"messages": [{"role": "system", "content": "S" * 2000}, {"role": "user", "content": "Hi"}]}, "m")
     assert long is not None
     await wait_until(lambda: replay.subscriptions, "the gateway subscribed")

@@ -16,7 +16,7 @@ import trio
 
 from llmgw.config import Secret
 from llmgw.engines import SPECS, ReplicaLaunch, build_command
-from llmgw.gateway.app import CACHE_REPORT_INTERVAL_S
+from llmgw.gateway.cachewatch import CACHE_REPORT_INTERVAL_S
 from llmgw.gateway.routing import Endpoint
 from llmgw.wire import gateway_link as g
 from testlib.gateway import request, start_gateway

@@ -17,6 +17,7 @@ import trio
 from llmgw.config import GatewaySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.http.limits import Limits
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
@@ -110,8 +111,7 @@ async def start_gateway(
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models)
     gateway = Gateway(provider, keys.table, options=GatewaySection(**options))
-    await nursery.start(gateway.serve_rotation)
-    await nursery.start(gateway.serve_probes)
+    await nursery.start(serve_services, gateway)
     listeners = await nursery.start(
         lambda task_status: serve_http(
             gateway.handle, "127.0.0.1", 0, limits=limits, errors=error_body, task_status=task_status

@@ -25,6 +25,7 @@ import trio.testing
 from llmgw.config import GatewaySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.openai import error_body
@@ -240,6 +241,5 @@ async def start_gateway(
     _, token = await keys.create("tests")
     provider = StaticEndpoints(endpoints, models, details)
     gateway = Gateway(provider, keys.table, options=GatewaySection(**options), connect=net.connect)
-    await nursery.start(gateway.serve_rotation)
-    await nursery.start(gateway.serve_probes)
+    await nursery.start(serve_services, gateway)
     return MemGateway(gateway=gateway, provider=provider, token=token, net=net, limits=limits, keys=keys)

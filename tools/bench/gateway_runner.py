@@ -33,6 +33,7 @@ from llmgw.config import GatewaySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
 from llmgw.wire.gateway_link import GatewayKey, ModelInfo
@@ -50,8 +51,7 @@ async def serve(spec: dict, port: int) -> None:
     options = GatewaySection(**spec.get("options", {}))
     gateway = Gateway(StaticEndpoints(endpoints, details=details), keys, options=options)
     async with trio.open_nursery() as nursery:
-        await nursery.start(gateway.serve_rotation)
-        await nursery.start(gateway.serve_probes)
+        await nursery.start(serve_services, gateway)
         listeners = await nursery.start(partial(serve_http, errors=error_body), gateway.handle, HOST, port)
         _, bound = bound_address(listeners)
         print(json.dumps({"port": bound, "token": token, "pid": os.getpid()}), flush=True)

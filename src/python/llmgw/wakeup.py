@@ -39,8 +39,8 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
     "(`server/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/liveness.py`) looks again",
     "llmgw.server.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
-    "gateway's rotation follows (`Gateway.serve_rotation`), and the gateways' table (`GatewayFeed`); the "
-    "cluster page's feed looks again (`Feed.serve`)",
+    "gateways' table follows: over the link (`GatewayFeed`), and in memory on the control plane's loop "
+    "(`server/inprocess.py`); the cluster page's feed looks again (`Feed.serve`)",
     "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
     "cluster page's feed looks again; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
     "llmgw.server.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
@@ -58,18 +58,21 @@ WAKEUPS: dict[str, str] = {
     "original's requests (`quiesce`) looks again",
     "llmgw.gateway.app.Gateway.applied": "the gateway routes by a new rotation -> a gateway process's link "
     "sends a heartbeat at once, saying the rotation's version (`gatewayd/link.py`), so that a move waiting for "
-    "the gateways (`GatewayFeed.quiesce`) learns it without waiting for the next interval",
-    "llmgw.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again",
+    "the gateways (`GatewayFeed.quiesce`) learns it without waiting for the next interval; the KV-cache events "
+    "subscriptions follow the rotation (`gateway/cachewatch.py`)",
+    "llmgw.gateway.app.Gateway.went_down": "a replica left rotation -> the prober plans its probes again "
+    "(`gateway/probes.py`)",
     "llmgw.gateway.app.Gateway.finished": "the last request in flight finished -> a gateway draining for "
     "shutdown (`drain`) returns",
     "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
-    "link, or its table file) -> the gateway's rotation follows (`Gateway.serve_rotation`)",
+    "link, its table file, or in memory on the control plane's loop) -> the gateway's rotation follows "
+    "(`Gateway.serve_rotation`)",
     "llmgw.server.gatewayfeed.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left, or the "
     "rotation or the keys sent to gateways changed -> a move waiting for the gateways' requests on a replica "
     "(`GatewayFeed.quiesce`), a key's change waiting for the control plane's workers (`keys_reached`) and its "
     "start waiting for them (`OwnGateway`) look again",
     "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
-    "the valid keys again (`GatewayFeed`)",
+    "the valid keys again (`GatewayFeed`; in memory, `server/inprocess.py`)",
     "llmgw.http.server._Departure.stopped": "a connection is no longer read for its client's departure -> "
     "the request that ended waits for it before the connection is read for the next",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "

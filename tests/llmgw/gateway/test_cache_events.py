@@ -1,4 +1,4 @@
-"""The gateway's subscriptions to its replicas' KV-cache events (`Gateway._cache_events`), on a
+"""The gateway's subscriptions to its replicas' KV-cache events (`serve_cache_events`), on a
 fake clock with memory streams for the connections: one per replica that publishes, of a model
 routed by prefix; what arrives corrects the router; a publisher that closes, stalls or breaks
 the protocol is subscribed to again after a backoff; a replica that leaves rotation has its
@@ -15,6 +15,7 @@ from llmgw.config import GatewaySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.wire.gateway_link import ModelInfo
 from testlib import kvpublisher as vp
 from testlib.endpoints import StaticEndpoints
@@ -66,8 +67,7 @@ def talk() -> Prompt:
 async def start(nursery: trio.Nursery, publishers: Publishers, *eps: Endpoint) -> tuple[Gateway, StaticEndpoints]:
     provider = StaticEndpoints(tuple(eps), None, VLLM)
     gw = Gateway(provider, NoKeys(), options=GatewaySection(), open_events=publishers.open)
-    await nursery.start(gw.serve_rotation)
-    await nursery.start(gw.serve_probes)
+    await nursery.start(serve_services, gw)
     return gw, provider
 
 

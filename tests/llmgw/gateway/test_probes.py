@@ -10,8 +10,11 @@ import trio
 import trio.testing
 
 from llmgw.config import GatewaySection
-from llmgw.gateway.app import CACHE_REPORT_INTERVAL_S, Gateway, _Job
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.cachewatch import CACHE_REPORT_INTERVAL_S
+from llmgw.gateway.job import Job
 from llmgw.gateway.routing import Endpoint
+from llmgw.gateway.services import serve_services
 from llmgw.wire.gateway_link import ModelInfo
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import parse_metrics
@@ -50,8 +53,7 @@ async def gateway(nursery: trio.Nursery, *eps: Endpoint) -> tuple[Gateway, Scrip
     pool = ScriptedPool()
     provider = StaticEndpoints(tuple(eps))
     gw = Gateway(provider, NoKeys(), options=GatewaySection(probe_interval_s=1.0), pool=pool)
-    await nursery.start(gw.serve_rotation)
-    await nursery.start(gw.serve_probes)
+    await nursery.start(serve_services, gw)
     return gw, pool, provider
 
 
@@ -63,7 +65,7 @@ async def test_a_silent_replica_is_probed_each_interval_and_returns_at_the_first
     assert pool.probes == []  # nothing down, nothing probed
 
     went_down = trio.current_time()
-    assert gw._failed(a, "connect", client_saw_bytes=False).went_down
+    assert gw.replica_failed(a, "connect", client_saw_bytes=False).went_down
     await trio.sleep(10.5)
     # Down for 10.5 s: probed once a second (each probe's 0.3 s inside its interval), all failed.
     starts = [t - went_down for t, port in pool.probes]
@@ -91,7 +93,7 @@ async def test_a_request_queued_for_the_only_replica_is_woken_by_the_probe_that_
 ) -> None:
     a = endpoint("a", 8001)
     gw, pool, _ = await gateway(nursery, a)
-    gw._failed(a, "first_byte", client_saw_bytes=False)
+    gw.replica_failed(a, "first_byte", client_saw_bytes=False)
     picked: list[tuple[float, Endpoint | None]] = []
 
     async def queued() -> None:
@@ -113,7 +115,7 @@ async def test_a_replica_the_control_plane_removes_is_no_longer_probed(
 ) -> None:
     a, b = endpoint("a", 8001), endpoint("b", 8002)
     gw, pool, provider = await gateway(nursery, a, b)
-    gw._failed(a, "connect", client_saw_bytes=False)
+    gw.replica_failed(a, "connect", client_saw_bytes=False)
     await trio.sleep(3.1)
     assert len(pool.probes) == 3  # the third under way (until 3.3 s)
     provider.set((b,))
@@ -130,7 +132,7 @@ async def test_a_drain_ends_when_the_last_request_does(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     gw, _, _ = await gateway(nursery, endpoint("a", 8001))
-    jobs = [_Job(gw, key=None, model="m", started=0.0), _Job(gw, key=None, model="m", started=0.0)]
+    jobs = [Job(gw, key=None, model="m", started=0.0), Job(gw, key=None, model="m", started=0.0)]
     ended: list[tuple[float, bool]] = []
 
     async def drain() -> None:
@@ -147,7 +149,7 @@ async def test_a_drain_ends_when_the_last_request_does(
     await trio.sleep(0.01)
     assert ended == [(started + 6.0, True)]  # the moment the count reached zero
 
-    late = _Job(gw, key=None, model="m", started=0.0)
+    late = Job(gw, key=None, model="m", started=0.0)
     nursery.start_soon(drain)
     await trio.sleep(61.0)
     assert ended[1] == (pytest.approx(started + 6.01 + 60.0), False)  # the deadline, a request still in flight
@@ -163,7 +165,7 @@ async def test_a_cache_report_that_fails_by_a_bug_of_ours_leaves_the_probes_runn
     gw, pool, provider = await gateway(nursery, a)
     provider.set((a,), None, (ModelInfo(name="m", engine="llamacpp", routing="prefix"),))
     await trio.sleep(CACHE_REPORT_INTERVAL_S * 3)  # three rounds of reports, each failing
-    gw._failed(a, "first_byte", client_saw_bytes=False)
+    gw.replica_failed(a, "first_byte", client_saw_bytes=False)
     pool.reachable.add(8001)
     await trio.sleep(1.0 + PROBE_S + 0.1)
     assert pool.probes and a.replica_id not in gw.router.down  # probed and back

@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from llmgw.gateway.keys import ALONE
+from llmgw.gateway.services import serve_services
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.gatewayd.worker import GatewayWorker
 from llmgw.http.limits import Limits
@@ -42,8 +43,7 @@ class Worker:
         self.worker = GatewayWorker(self.table, instance="gw-0-test", connect=net.connect)
 
     async def start(self) -> Worker:
-        await self.nursery.start(self.worker.gateway.serve_rotation)
-        await self.nursery.start(self.worker.gateway.serve_probes)
+        await self.nursery.start(serve_services, self.worker.gateway)
         return self
 
     def feed(self, sims: list[memnet.MemSim], keys=KEYS, share=ALONE, version: int = 0) -> None:
@@ -227,7 +227,7 @@ async def test_a_worker_of_the_control_plane_relays_its_routes_and_listens_once_
     socket_path = tmp_path / "admin.sock"
     await nursery.start(partial(serve_http_unix, control_plane, socket_path, limits=Limits(), errors=error_body))
     w = Worker(nursery, net)
-    w.worker.relay = Relay(socket_path)
+    w.worker.plane_routes = Relay(socket_path).handle
     fed = trio.Event()
 
     async def source(*, sink, task_status=trio.TASK_STATUS_IGNORED) -> None:

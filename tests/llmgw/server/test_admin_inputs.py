@@ -66,7 +66,9 @@ async def exchange(
         sent.append(("authorization", f"Bearer {token}"))
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(serve_connection, plane.handle_http, server_stream, errors=error_body))
+            nursery.start_soon(
+                partial(serve_connection, plane.gateways.in_process.worker.handle, server_stream, errors=error_body)
+            )
             data = conn.send(h11.Request(method=method, target=target, headers=sent))
             data += conn.send(h11.Data(data=body)) if body else b""
             await client_stream.send_all(data + conn.send(h11.EndOfMessage()))

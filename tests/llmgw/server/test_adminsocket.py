@@ -197,8 +197,9 @@ async def test_the_gateway_routes_are_not_served_there_and_metrics_are(state: Pa
         assert status == 404 and "is the gateway's" in body["error"]["message"]
     status, _, metrics = await call(browser.request, "GET", "/metrics")
     assert status == 200 and b'listener="admin_socket"' in metrics and b"llmgw_background_restarts_total" in metrics
-    status, _, _ = await call(Browser(cp.direct_url).request, "GET", "/health")
-    assert status == 200  # http_listen still serves the gateway
+    status, _, health = await call(Browser(cp.direct_url).request, "GET", "/health")
+    # http_listen still serves the gateway: a gateway worker's /health (no replica here to be ready)
+    assert status == 503 and json.loads(health)["status"] == "no_ready_replica"
 
 
 async def test_the_socket_is_private_replaces_a_stale_one_refuses_a_live_one_and_goes_at_stop(

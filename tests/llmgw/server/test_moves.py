@@ -190,7 +190,7 @@ async def test_the_original_stops_only_once_its_requests_have_finished(
     assert "chat-1" in plane.replicas.placed  # still serving what it has
     started = trio.current_time()
     plane.gateway.router.release(original)
-    plane.gateway._wake()  # what a finished request does
+    plane.gateway.wake()  # what a finished request does
     await wait_until(
         lambda: "chat-1" not in plane.replicas.placed,
         "the original gone",

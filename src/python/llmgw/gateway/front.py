@@ -1,5 +1,5 @@
-"""A gateway's listener and how it stops, for every process that serves the gateway: the control
-plane's front (`llmgw.server.front`) and a gateway worker (`llmgw.gatewayd.worker`).
+"""A gateway's listener and how it stops, for every gateway worker (`llmgw.gatewayd.worker`): in a
+gateway process of its own, in the control plane's worker processes, or on its loop.
 
 On cancellation the requests in flight finish, for at most `drain_s`, then whatever is left is
 cut. Meanwhile, for a listener of its own and alone on its port, new requests get 503 with

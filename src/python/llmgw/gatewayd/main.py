@@ -208,10 +208,14 @@ def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source
 async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | None) -> None:
     """One worker: serve on the shared port until cancelled or the parent is gone, then drain."""
     instance = f"w{index}-{new_instance()}"  # the link's instance: one per process, a restart a new one
-    relay = Relay(plan.relay_socket) if plan.relay_socket is not None else None
+    relay = Relay(plan.relay_socket).handle if plan.relay_socket is not None else None
     shared = figures.SharedFigures(plan.figures_dir, index, instance) if plan.figures_dir is not None else None
     worker = GatewayWorker(
-        GatewayTable(now=trio.current_time()), instance=instance, options=plan.gateway, relay=relay, figures=shared
+        GatewayTable(now=trio.current_time()),
+        instance=instance,
+        options=plan.gateway,
+        plane_routes=relay,
+        figures=shared,
     )
     source = source_of(plan, instance, worker)
     parent = parent_link(parent_fd)

@@ -1,5 +1,7 @@
 """One gateway worker: the OpenAI routes served by the gateway (`llmgw.gateway`) from a table of
-its own (`GatewayTable`), which its own link to the control plane fills (or a table file).
+its own (`GatewayTable`), which its own link to the control plane fills (or a table file, or on
+the control plane's own loop its memory: `llmgw.server.inprocess`). Every request on a gateway's
+port enters here (`GatewayWorker.handle`), and the gateway's own go on to `Gateway.handle`.
 
     GET /health    200 while the worker holds a table with a replica ready to serve; 503 with a
                    `reason` before its first table, with no replica ready, or while draining.
@@ -14,13 +16,16 @@ its own (`GatewayTable`), which its own link to the control plane fills (or a ta
                    worker, each series labelled `worker` (`llmgw.gatewayd.figures`)
     anything else  the gateway's (`Gateway.handle`)
 
-A worker of the control plane's own gateway (`llmgw.server.workers`) has a `relay`: every path
-that is not the gateway's (`relay.gateway_route`: /v1/... and /health) goes to the control
-plane's private socket instead — the admin API, the cluster page, /login and /metrics, which
-is then the control plane's (its families and its workers' figures, docs/gateway.md).
+A worker of the control plane's own gateway has `plane_routes`: every path that is not the
+gateway's (`relay.gateway_route`: /v1/... and /health) goes there instead — the admin API, the
+cluster page, /login and /metrics, which is then the control plane's (its families and its
+workers' figures, docs/gateway.md): relayed to the control plane's private socket from a worker
+process (`llmgw.server.workers`: `Relay.handle`), or handled on the control plane's own loop
+(`llmgw.server.inprocess`: `ControlPlane.handle_own`).
 
-`serve` starts the gateway's rotation and prober, then its listener (`gateway.front`: SO_REUSEPORT
-when workers share the port; a drain on cancellation), then the table's source, which it does not
+`serve` starts the gateway's services (`gateway.services`: its rotation, its prober, what its
+replicas' caches hold), then its listener (`gateway.front`: SO_REUSEPORT when workers share the
+port; a drain on cancellation), then the table's source, which it does not
 wait for: a worker serves at once, 503 until its first table, so a control plane that is away at
 start delays only the table. The control plane's own workers listen only once their first table
 came (`table_first`): their control plane is there, and a connection is better left to a sibling
@@ -38,17 +43,19 @@ import trio
 
 from llmgw.config import GatewaySection
 from llmgw.errors import MachineError
-from llmgw.gateway.app import RETRY_AFTER_S, Gateway
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.checks import RETRY_AFTER_S
 from llmgw.gateway.front import serve_draining
 from llmgw.gateway.metrics import families_of
+from llmgw.gateway.services import serve_services
 from llmgw.gateway.upstream import Connect
 from llmgw.gatewayd.figures import SharedFigures
 from llmgw.gatewayd.table import GatewayTable
 from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats
-from llmgw.http.messages import Request, Response, StreamingResponse, allow
-from llmgw.http.relay import Relay, gateway_route
+from llmgw.http.messages import Handler, Request, Response, StreamingResponse, allow
+from llmgw.http.relay import gateway_route
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.supervision import Background
@@ -73,19 +80,22 @@ class GatewayWorker:
         instance: str = "",
         options: GatewaySection | None = None,
         connect: Connect | None = None,
-        relay: Relay | None = None,
+        plane_routes: Handler | None = None,
         figures: SharedFigures | None = None,
+        connections: ConnectionStats | None = None,
     ) -> None:
         """`instance`: this worker's name on the link; `connect`: how the upstream pool reaches
-        engines (tests: memory streams); `relay`: where the paths that are not the gateway's go;
-        `figures`: where the workers of a gateway of its own share their figures, so that its
-        /metrics has every worker's whichever answers (None: its own, unlabelled)."""
+        engines (tests: memory streams); `plane_routes`: what answers the paths that are not the
+        gateway's (the control plane's); `figures`: where the workers of a gateway of its own
+        share their figures, so that its /metrics has every worker's whichever answers (None: its
+        own, unlabelled); `connections`: its listener's counts (on the control plane's loop, the
+        control plane's own)."""
         self.table = table
         self.instance = instance
-        self.relay = relay
+        self.plane_routes = plane_routes
         self.figures = figures
         self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect)
-        self.connections = ConnectionStats()
+        self.connections = connections if connections is not None else ConnectionStats()
         self.background = Background(log)
         r = self.registry = MetricsRegistry()
         self.staleness = r.gauge(
@@ -99,8 +109,8 @@ class GatewayWorker:
         )
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
-        if self.relay is not None and not gateway_route(request.path):
-            return await self.relay.handle(request)
+        if self.plane_routes is not None and not gateway_route(request.path):
+            return await self.plane_routes(request)
         if request.path == "/health":
             allow(request, "GET")
             status, body = self.table.health(self.gateway.clock(), self.gateway.ready(), draining=self.gateway.draining)
@@ -160,13 +170,16 @@ class GatewayWorker:
         reuse_port: bool = False,
         sockets: list[trio.SocketListener] | None = None,
         table_first: bool = False,
+        cannot_listen: Callable[[OSError], Exception] | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until cancelled, then drain (`gateway.front`); reports its listeners once it
         listens. `sockets`: listening already (passed to this process), in place of binding.
         `table_first`: take no connection before the first whole table came (the control
         plane's workers: meanwhile the kernel gives connections to the other workers, or they
-        wait in the backlog of a socket passed to us), rather than answer 503 until then."""
+        wait in the backlog of a socket passed to us), rather than answer 503 until then.
+        `cannot_listen(exc)`: the error for a port it cannot listen on, naming the setting to
+        change (by default `--listen`'s)."""
         serve_http = partial(
             serve_draining,
             self.handle,
@@ -178,12 +191,11 @@ class GatewayWorker:
             drain_s=drain_s,
             reuse_port=reuse_port,
             sockets=sockets,
-            cannot_listen=partial(cannot_listen, host, port),
+            cannot_listen=cannot_listen or partial(listen_error, host, port),
         )
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.gateway.serve_rotation)
-                await nursery.start(self.gateway.serve_probes)
+                await nursery.start(serve_services, self.gateway)
                 if self.figures is not None:  # written before it listens: a scrape sees every worker serving
                     await nursery.start(self.figures.serve, self.metric_families)
                 if table_first:
@@ -198,7 +210,7 @@ class GatewayWorker:
                 await self.gateway.json.aclose()
 
 
-def cannot_listen(host: str, port: int, exc: OSError) -> MachineError:
+def listen_error(host: str, port: int, exc: OSError) -> MachineError:
     return MachineError(
         f"cannot listen on {host}:{port} (--listen): {exc.strerror or exc}; is another program on that port "
         "(a gateway started without SO_REUSEPORT, another server)? Stop it, or pass another --listen"

@@ -15,7 +15,8 @@ does no I/O; it wires the parts and builds the control plane's four roles as sma
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
 addresses once both ports accept connections. The last is the front on `http_listen`: the
 gateway's worker processes (`llmgw.server.workers`; none of the gateway's requests runs on this
-loop), or with `gateway_workers = 0` the gateway on this loop (`llmgw.server.front`). Every
+loop), or with `gateway_workers = 0` one gateway worker on this loop, its table fed in memory
+(`llmgw.server.inprocess`): either way a request enters at `GatewayWorker.handle`. Every
 background loop runs under `llmgw.supervision.Background`: a failure after start is logged with
 its traceback and the loop started again with backoff; only a failure at start ends the process.
 Drains are jobs of their own service (`llmgw.server.drains`). Shutdown is cancellation, of the
@@ -40,8 +41,6 @@ from llmgw import paths
 from llmgw.config import Model, ServerConfig, storeurl
 from llmgw.engines.wants import engines_for, may_build, release_for
 from llmgw.errors import LlmgwError, cut
-from llmgw.gateway.app import Gateway
-from llmgw.gateway.history import Totals, totals_of
 from llmgw.http.errors import HTTPError
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
@@ -54,17 +53,17 @@ from llmgw.pki.ca import CA
 from llmgw.releasefiles import Running
 from llmgw.server import activation, keyseal, views
 from llmgw.server.admin import AdminAPI, is_admin_path
-from llmgw.server.adminsocket import gateway_route, serve_admin_socket
+from llmgw.server.adminsocket import serve_admin_socket
+from llmgw.server.agentlinks import AgentLinks
+from llmgw.server.agentlistener import AgentListener
 from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
 from llmgw.server.drains import Drains
-from llmgw.server.agentlinks import AgentLinks
-from llmgw.server.agentlistener import AgentListener
-from llmgw.server.front import Bound, cannot_listen, serve_front, split_hostport
+from llmgw.server.front import Bound, cannot_listen, split_hostport
 from llmgw.server.gatewayfeed import GatewayFeed
-from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_workers
+from llmgw.server.gateways import Gateways
 from llmgw.server.intent import NodeIntent
 from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
@@ -82,14 +81,13 @@ from llmgw.server.settings import Settings
 from llmgw.server.store.lease import Fence
 from llmgw.server.views import GatewayEndpoints
 from llmgw.server.warm import Warm, read_warm
-from llmgw.server.workers import OwnGateway, worker_count
+from llmgw.server.workers import worker_count
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-KEYS_REACH_S = 2.0  # a key made or revoked: the admin API answers once the workers hold it, or after this
 
 
 class ControlPlane:
@@ -120,7 +118,7 @@ class ControlPlane:
         """Takes what `open` read (`running`: this llmgw's own release file, None for a
         development build); does no I/O. `gateway_workers`: how many gateway worker processes
         serve http_listen when server.toml does not say (`llmgw server`: "auto", `llmgw up`: 1;
-        0, the gateway on this loop, is for tests and embedding). `term`: the lease this control
+        0, one gateway worker on this loop, is for tests and embedding). `term`: the lease this control
         plane leads by, when several share a PostgreSQL store (`llmgw.server.seat`; None: it
         leads alone); once the term is over it pushes nothing more and answers new links with
         `redirect()`, where the leader is."""
@@ -193,8 +191,7 @@ class ControlPlane:
             changes=self.changes,
             created=self.catalog_times.created,
         )
-        self.keys = KeyRing(store)  # the API keys' one writer; the gateway reads its table
-        self.gateway = Gateway(self.endpoints, self.keys.table, options=config.gateway)
+        self.keys = KeyRing(store)  # the API keys' one writer; the gateway on this loop reads its table
         # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
         self.gateway_feed = GatewayFeed(
             endpoints=self.endpoints,
@@ -206,12 +203,25 @@ class ControlPlane:
             redirect=redirect,
         )
         self.agent_port.gateways = self.gateway_feed
+        # What serves http_listen (the gateway's workers, or one on this loop), and the gateways' part.
+        self.gateways = Gateways(
+            config,
+            workers=self.workers,
+            state_dir=state_dir,
+            ca=ca,
+            endpoints=self.endpoints,
+            keys=self.keys,
+            feed=self.gateway_feed,
+            plane_routes=self.handle_own,
+            connections=self.connections,
+        )
+        self.gateway = self.gateways.gateway  # the gateway on this loop (`gateway_workers = 0`), else None
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
             registry=self.registry,
-            quiesce=self._quiesce,
-            outstanding=self._outstanding,
+            quiesce=self.gateways.quiesce,
+            outstanding=self.gateways.outstanding,
             changes=self.changes,
             push=self.agent_links.push_desired_state,
             draining=lambda: self.drains.running(),
@@ -246,7 +256,7 @@ class ControlPlane:
         # The cluster page: sessions, the gateways' history, the gate.
         self._http_port = split_hostport(config.server.http_listen)[1]  # the port bound, once it is
         self.page = Page(
-            self.views, self._history_totals, self.keys, origins=self._page_origins, refusals=self.http_refusals
+            self.views, self.gateways.history_totals, self.keys, origins=self._page_origins, refusals=self.http_refusals
         )
         self.admin = AdminAPI(
             refusals=self.http_refusals,
@@ -257,7 +267,7 @@ class ControlPlane:
             keys=self.keys,
             token=admin_token,
             gateways=self.gateway_feed.views,
-            keys_reached=self._keys_reached,
+            keys_reached=self.gateways.keys_reached,
             authority=self._authority,
         )
         self.background = Background(log)  # its `restarts` are for /metrics
@@ -356,7 +366,6 @@ class ControlPlane:
         fd_limit = raise_fd_limit()
         run = self.background.run
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._close_json_workers)
             # The loop's ticker first: from then on a stall is noticed, and not counted as silence.
             await nursery.start(run, "loop_lag", partial(serve_loop_lag, self.loop_lag, clock=self.registry.clock))
             if self.step_timer is not None:
@@ -374,9 +383,6 @@ class ControlPlane:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
                 # the process (its default action).
                 await nursery.start(run, "reload", serve_reload_on_sighup, self.operations.reload)
-            if not self.workers:  # the gateway on this loop: its rotation and its probes
-                await nursery.start(run, "rotation", self.gateway.serve_rotation)
-                await nursery.start(run, "probes", self.gateway.serve_probes)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
             await nursery.start(run, "page_feed", self.page.serve_feed)  # what open pages are sent
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
@@ -393,7 +399,8 @@ class ControlPlane:
             agent_address = bound_address(agent_listeners)
             with front:
                 async with trio.open_nursery() as serving:
-                    http_address = await serving.start(self._serve_front, agent_address, http_sockets)
+                    serve_front = partial(self.gateways.serve_front, drain_s=self.shutdown_drain_s)
+                    http_address = await serving.start(serve_front, agent_address, http_sockets)
                     self._http_port = http_address[1]  # the page's origins have the port bound
                     bound = Bound(agent_address=agent_address, http_address=http_address)
                     url_file = paths.admin_url_path(self.state_dir)
@@ -412,33 +419,6 @@ class ControlPlane:
                     task_status.started(bound)
             nursery.cancel_scope.cancel()  # the front has stopped: now the rest
 
-    async def _serve_front(
-        self,
-        agent_address: tuple[str, int],
-        sockets: list[trio.SocketListener],
-        *,
-        task_status: trio.TaskStatus[tuple[str, int]],
-    ) -> None:
-        """`http_listen`, served by the gateway's workers, or by this process with none; started
-        with the address it is bound to. Cancelled, it drains."""
-        if self.workers:
-            own = OwnGateway(
-                count=self.workers, config=self.config, state_dir=self.state_dir, ca=self.ca, feed=self.gateway_feed
-            )
-            own.drain_s = self.shutdown_drain_s
-            await own.serve(agent_address, sockets, task_status=task_status)
-            return
-        front = partial(serve_front, stats=self.connections, sockets=sockets, drain_s=self.shutdown_drain_s)
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(front, self.handle_http, self.gateway, self.config)
-            task_status.started(bound_address(listeners))
-
-    async def _close_json_workers(self) -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            await self.gateway.json.aclose()  # the gateway's JSON worker, if a large body started one
-
     async def _a_node_may_build(self) -> None:
         """Returns once a node may build llama.cpp from its source, so the mirror fetches the
         source then and not before. Without release archives of llama.cpp: once the registry
@@ -456,15 +436,10 @@ class ControlPlane:
                 return
             await changed.wait()
 
-    async def handle_http(self, request: Request) -> Response | StreamingResponse:
-        """`http_listen`: the gateway's routes to the gateway, the rest to `handle_own`."""
-        if gateway_route(request.path):
-            return await self.gateway.handle(request)
-        return await self.handle_own(request)
-
     async def handle_own(self, request: Request) -> Response | StreamingResponse:
-        """The control plane's own routes, on `http_listen` and on its private socket: the admin
-        API, /metrics, the cluster page and /login."""
+        """The control plane's own routes, on `http_listen` (from a gateway worker: over the private
+        socket, or on this loop) and on its private socket: the admin API, /metrics, the cluster
+        page and /login."""
         if is_admin_path(request.path):
             return await self.admin.handle(request)
         if request.path == "/metrics":
@@ -472,8 +447,7 @@ class ControlPlane:
             # The gateway's families (its workers' as they last said them, or its own on this
             # loop), then the process's own: its listeners' connections, the restarts of its
             # background loops, its event loop's lag and the stalls it skipped.
-            links = self.gateway_feed.links.values()
-            gateway = render_workers(links) if self.workers else self.gateway.render_metrics()
+            gateway = self.gateways.render_metrics()
             own = (
                 self.connections.render()
                 + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
@@ -522,15 +496,6 @@ class ControlPlane:
 
     # -- the gateways' part in a move and on the page ----------------------------------------
 
-    async def _quiesce(self, replica_id: str, timeout_s: float) -> bool:
-        """Until no gateway has a request on `replica_id` (taken out of rotation): the one on
-        this loop, if any, then every instance connected over the link (this plane's workers
-        among them); bounded by `timeout_s` in all."""
-        deadline = trio.current_time() + timeout_s
-        if not await self.gateway.quiesce(replica_id, timeout_s):
-            return False
-        return await self.gateway_feed.quiesce(replica_id, max(0.0, deadline - trio.current_time()))
-
     def _authority(self) -> dict[str, Any]:
         info = self.ca.info()
         return {
@@ -539,23 +504,10 @@ class ControlPlane:
             "not_after": info.not_after.isoformat(),
         }
 
-    async def _keys_reached(self) -> None:
-        """Until this plane's workers hold the keys as they are now, for at most KEYS_REACH_S (then
-        the answer goes anyway: a worker that is restarting gets the keys with its table)."""
-        if self.workers and not await self.gateway_feed.keys_reached(WORKER_NAME, KEYS_REACH_S):
-            log.warning("gateway_workers_keys_late", after_s=KEYS_REACH_S)
-
-    def _outstanding(self, replica_id: str) -> int:
-        return self.gateway.router.outstanding.get(replica_id, 0) + self.gateway_feed.outstanding(replica_id)
-
     def _page_origins(self) -> frozenset[str]:
         """Where the cluster page may be opened: the addresses server.toml gives this control
         plane, with http_listen's port as bound (`page.page_origins`)."""
         return page_origins(self.config.server, self._http_port, socket.gethostname())
-
-    def _history_totals(self) -> dict[str, Totals]:
-        """The page history's sources: the gateway on this loop, and every instance connected."""
-        return {"": totals_of(self.gateway.metrics), **history_totals(self.gateway_feed.links.values())}
 
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)

@@ -1,28 +1,15 @@
-"""The control plane's HTTP front: one listener for the gateway, the admin API and /metrics.
-
-It stops as every gateway's listener does (`llmgw.gateway.front.serve_draining`): on
-cancellation the requests in flight finish, for at most `drain_s`, then whatever is left is
-cut; meanwhile new requests get 503 with Retry-After, unless the listening sockets were passed
-to us (socket activation). Also here: the addresses the control plane reports once it listens
-(`Bound`).
+"""The control plane's HTTP front: the addresses it reports once it listens (`Bound`), how
+`[server] http_listen` and `agent_listen` are read (`split_hostport`), and the error for a port it
+cannot listen on (`cannot_listen`). What serves `http_listen` is `llmgw.server.gateways`' (the
+gateway's workers, or one on this loop), each stopping as every gateway's listener does
+(`llmgw.gateway.front.serve_draining`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import attrs
-import trio
 
-from llmgw.config import ServerConfig
 from llmgw.errors import MachineError
-from llmgw.gateway.app import Gateway
-from llmgw.gateway.front import serve_draining
-from llmgw.http.listeners import ConnectionStats
-from llmgw.http.messages import Handler
-from llmgw.log import get_logger
-
-log = get_logger("llmgw.server")
 
 
 @attrs.frozen(kw_only=True)
@@ -34,33 +21,6 @@ class Bound:
     def admin_url(self) -> str:
         host, port = self.http_address
         return f"http://{_url_host(host)}:{port}"
-
-
-async def serve_front(
-    handler: Handler,
-    gateway: Gateway,
-    config: ServerConfig,
-    *,
-    stats: ConnectionStats,
-    sockets: list[trio.SocketListener],
-    drain_s: float,
-    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve `handler` on `[server] http_listen` (or on `sockets`, passed to us) until cancelled,
-    then drain as `llmgw.gateway.front` says."""
-    host, port = split_hostport(config.server.http_listen)
-    await serve_draining(
-        handler,
-        gateway,
-        host,
-        port,
-        limits=config.http,
-        stats=stats,
-        drain_s=drain_s,
-        sockets=sockets,
-        cannot_listen=partial(cannot_listen, "http_listen", config.server.http_listen),
-        task_status=task_status,
-    )
 
 
 def cannot_listen(key: str, value: str, exc: OSError) -> MachineError:

@@ -1,0 +1,117 @@
+"""One forwarded request's accounting (`Job`) and the relay of a streamed answer (`stream`).
+
+A `Job` is made once a request is admitted (its key counted against its limits, its model known)
+and counts it in flight on its model until `finish`, which runs once however the request ends:
+answered, refused on the way, broken off by its replica, or abandoned by its client (499, as
+nginx logs it). While it holds a replica (`endpoint`) that replica counts it outstanding, and
+the part of its prompt new to that replica (`prefill`) counts as work ahead of others there
+until the engine's answer begins (`answering`). Its end lets go of all of it and wakes what
+waits for a replica (`Gateway.wake`) and for the last request in flight (`Gateway.finished`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import trio
+
+from llmgw.gateway.errors import UpstreamError
+from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.routing import LEAST, Endpoint, Route
+from llmgw.gateway.upstream import UpstreamResponse
+from llmgw.http.errors import BodyAborted
+from llmgw.log import get_logger
+from llmgw.wire.gateway_link import GatewayKey
+
+if TYPE_CHECKING:
+    from llmgw.gateway.app import Gateway
+
+log = get_logger("llmgw.gateway")
+
+
+class Job:
+    """One forwarded request's accounting; `finish` runs once, however the request ends."""
+
+    __slots__ = (
+        "gw",
+        "key",
+        "model",
+        "started",
+        "rid",
+        "endpoint",
+        "sent_at",
+        "prompt",
+        "route",
+        "prefill",
+        "_first_byte_seen",
+        "_done",
+    )
+
+    def __init__(self, gw: Gateway, key: GatewayKey, model: str, started: float, rid: str = "") -> None:
+        self.gw, self.key, self.model, self.started, self.rid = gw, key, model, started, rid
+        self.endpoint: Endpoint | None = None
+        self.sent_at = started
+        self.prompt: Prompt | None = None  # for a model routed by prefix
+        self.route: Route = LEAST  # how `endpoint` was chosen
+        self.prefill = 0  # bytes of its prompt new to `endpoint` while its answer has not begun
+        self._first_byte_seen = False
+        self._done = False
+        gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
+        gw.in_flight_total += 1
+
+    def answering(self) -> None:
+        """The engine began its answer (a buffered one read, a stream's first chunk): the prompt
+        is no longer work ahead of others on its replica."""
+        if self.prefill and self.endpoint is not None:
+            self.gw.router.prefilled(self.endpoint, self.prefill)
+        self.prefill = 0
+
+    def first_byte(self, now: float) -> None:
+        if not self._first_byte_seen:
+            self._first_byte_seen = True
+            self.gw.metrics.first_byte(self.model, now - self.started)
+
+    def finish(self, status: int | None, now: float | None = None) -> None:
+        """`status` None: the request ended without an answer of ours (counted where raised,
+        or the client went away: 499, as nginx logs it). `now`: the clock's time, when the
+        caller has just read it."""
+        if self._done:
+            return
+        self._done = True
+        gw = self.gw
+        gw.in_flight[self.model] -= 1
+        gw.in_flight_total -= 1
+        if not gw.in_flight_total:
+            gw.finished.fire()
+        gw.keys.leave(self.key)
+        if self.endpoint is not None:
+            gw.router.release(self.endpoint, self.prefill)
+            self.prefill = 0
+            gw.wake()
+        if status is not None:
+            gw.metrics.answered(self.model, status)
+            gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
+
+
+async def stream(upstream: UpstreamResponse, job: Job) -> AsyncIterator[bytes]:
+    """The answer's body as it comes, passed on without being parsed; its end (or the client's
+    departure, which closes the upstream connection and so stops the engine's work) finishes
+    the job. A stream that breaks once relayed takes its replica out, with no retry."""
+    status: int | None = 499
+    try:
+        async for chunk in upstream.body():
+            if job.prefill:
+                job.answering()
+            yield chunk
+        status = upstream.status
+    except UpstreamError as exc:
+        log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc), request_id=job.rid)
+        status = 502
+        if job.endpoint is not None:  # out of rotation until probed; the client has part of an answer: no retry
+            job.gw.replica_failed(job.endpoint, "broken", client_saw_bytes=True)
+        raise BodyAborted(str(exc)) from None
+    finally:
+        with trio.CancelScope(shield=True):
+            await upstream.aclose()  # not read to its end: closed, which stops the engine's work
+        job.finish(status)

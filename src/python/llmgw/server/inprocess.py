@@ -1,0 +1,151 @@
+"""The control plane's gateway on its own loop (`[server] gateway_workers = 0`: for tests, and for a
+program that embeds the control plane): one `GatewayWorker`, as each worker process runs one,
+whose table is fed in memory instead of over the gateway link. So a request on `http_listen`
+enters at `GatewayWorker.handle` wherever the gateway runs, and the gateway's own go on to
+`Gateway.handle`; what is not the gateway's the worker hands to the control plane's own routes
+(`ControlPlane.handle_own`) directly, where a worker process relays it to the private socket.
+
+`serve_own_table` is that worker's table source (`gatewayd.worker.Source`, as the link client
+and a table file are): it gives the table (a `TableSink`) what the gateway link would give it —
+the rotation as `gatewaytable.rotation_message` says it, the valid keys as `keys_message` says
+them, each again whole, and numbered, when what it says changed — with the link up, and the
+control plane heard every heartbeat interval (the table's staleness, in /health).
+
+Unlike a worker process, this worker is no instance on the gateway link: it takes no share of
+the keys' limits (alone, it has the whole of each, so the instances that share a key are the
+gateways connected), and the control plane reads its requests on each replica and its figures
+directly (`Gateway.quiesce`, `/metrics`). Its keys are the `KeyRing`'s own table
+(`KeyRing.table`), which the ring changes before the admin API answers: a key made or revoked
+counts from the very next request, with no wait for the workers (`keys_reached`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import attrs
+import trio
+
+from llmgw.config import ServerConfig
+from llmgw.gateway.app import Gateway
+from llmgw.gatewayd.table import GatewayTable
+from llmgw.gatewayd.worker import GatewayWorker
+from llmgw.http.listeners import ConnectionStats
+from llmgw.http.messages import Handler
+from llmgw.http.server import bound_address
+from llmgw.server.front import cannot_listen, split_hostport
+from llmgw.server.gatewaytable import keys_message, rotation_message
+from llmgw.server.keys import KeyRing
+from llmgw.server.views import GatewayEndpoints
+from llmgw.wire.gateway_link import TableSink
+
+INSTANCE = "in-process"  # the worker's name in its /health (`instance`)
+
+
+class InProcessGateway:
+    """The gateway worker on the control plane's loop, its table fed from `endpoints` and `keys`."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        endpoints: GatewayEndpoints,
+        keys: KeyRing,
+        plane_routes: Handler,
+        connections: ConnectionStats,
+    ) -> None:
+        """`plane_routes`: the control plane's own routes; `connections`: its listeners' counts,
+        which `http_listen`'s join. Does no I/O."""
+        self.config = config  # as read at start: `[gateway]`, `[http]` and the addresses are fixed
+        self.endpoints = endpoints
+        self.keys = keys
+        self.worker = GatewayWorker(
+            GatewayTable(keys.table),
+            instance=INSTANCE,
+            options=config.gateway,
+            plane_routes=plane_routes,
+            connections=connections,
+        )
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.worker.gateway
+
+    async def serve(
+        self,
+        sockets: list[trio.SocketListener],
+        *,
+        drain_s: float,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve `http_listen` (or `sockets`, passed to us) until cancelled, then drain; started
+        with the address bound, once the table is whole (it is at once: it is this process's)."""
+        server = self.config.server
+        host, port = split_hostport(server.http_listen)
+        source = partial(serve_own_table, self.endpoints, self.keys, server.heartbeat_interval_s)
+        serve = partial(
+            self.worker.serve,
+            limits=self.config.http,
+            drain_s=drain_s,
+            sockets=sockets,
+            table_first=True,
+            cannot_listen=partial(cannot_listen, "http_listen", server.http_listen),
+        )
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve, source, host, port)
+            task_status.started(bound_address(listeners))
+
+
+async def serve_own_table(
+    endpoints: GatewayEndpoints,
+    keys: KeyRing,
+    heartbeat_interval_s: float,
+    *,
+    sink: TableSink,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Give `sink` the control plane's rotation and keys as the gateway link would, each again as
+    it changes, until cancelled; started once the whole table is given."""
+    sink.link_state(True, "")
+    sink.heard(trio.current_time())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_follow_rotation, endpoints, sink)
+        await nursery.start(_follow_keys, keys, sink)
+        task_status.started()
+        while True:  # as the link's heartbeats do: the table is as fresh as the control plane
+            await trio.sleep(heartbeat_interval_s)
+            sink.heard(trio.current_time())
+
+
+async def _follow_rotation(
+    endpoints: GatewayEndpoints, sink: TableSink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    # `changes.rotation` fires on every agent heartbeat too: a rotation is given only when what it
+    # says changed, numbered as the link numbers it (`gatewaytable.TableSource`).
+    sent = None
+    while True:
+        changed = endpoints.rotation_changed()
+        version = sent.version if sent is not None else 0
+        rotation = rotation_message(endpoints.gateway_rotation(), version=version)
+        if rotation != sent:
+            sent = attrs.evolve(rotation, version=version + 1)
+            sink.rotation_changed(sent)
+        if version == 0:  # the first look: the table has its rotation
+            task_status.started()
+        await changed.wait()
+
+
+async def _follow_keys(
+    keys: KeyRing, sink: TableSink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    sent = None
+    while True:
+        changed = keys.changed.next()
+        version = sent.version if sent is not None else 0
+        message = keys_message(keys.valid(), version=version)
+        if message != sent:
+            sent = attrs.evolve(message, version=version + 1)
+            sink.keys_changed(sent)
+        if version == 0:  # the first look: the table has its keys
+            task_status.started()
+        await changed.wait()
