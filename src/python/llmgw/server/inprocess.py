@@ -6,10 +6,10 @@ enters at `GatewayWorker.handle` wherever the gateway runs, and the gateway's ow
 (`ControlPlane.handle_own`) directly, where a worker process relays it to the private socket.
 
 `serve_own_table` is that worker's table source (`gatewayd.worker.Source`, as the link client
-and a table file are): it gives the table (a `TableSink`) what the gateway link would give it —
-the rotation as `gatewaytable.rotation_message` says it, the valid keys as `keys_message` says
-them, each again whole, and numbered, when what it says changed — with the link up, and the
-control plane heard every heartbeat interval (the table's staleness, in /health).
+and a table file are): it gives the table (a `TableSink`) what the gateway link would give it,
+made and followed as the link's is (`gatewaytable.TableSource`: the rotation and the valid keys,
+each again whole, and numbered, when what it says changed), with the link up and the control
+plane heard every heartbeat interval (the table's staleness, in /health).
 
 Unlike a worker process, this worker is no instance on the gateway link: it takes no share of
 the keys' limits (alone, it has the whole of each, so the instances that share a key are the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import attrs
 import trio
 
 from llmgw.config import ServerConfig
@@ -34,9 +33,10 @@ from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Handler
 from llmgw.http.server import bound_address
 from llmgw.server.front import cannot_listen, split_hostport
-from llmgw.server.gatewaytable import keys_message, rotation_message
+from llmgw.server.gatewaytable import TableSource
 from llmgw.server.keys import KeyRing
 from llmgw.server.views import GatewayEndpoints
+from llmgw.wire import gateway_link as g
 from llmgw.wire.gateway_link import TableSink
 
 INSTANCE = "in-process"  # the worker's name in its /health (`instance`)
@@ -106,46 +106,21 @@ async def serve_own_table(
 ) -> None:
     """Give `sink` the control plane's rotation and keys as the gateway link would, each again as
     it changes, until cancelled; started once the whole table is given."""
+
+    def changed(kind: type) -> None:
+        if kind is g.RotationChanged:
+            sink.rotation_changed(table.rotation)
+        else:
+            sink.keys_changed(table.keys)
+
+    table = TableSource(endpoints, keys, changed)  # what the link's table is made of, followed alike
     sink.link_state(True, "")
+    sink.rotation_changed(table.rotation)
+    sink.keys_changed(table.keys)
     sink.heard(trio.current_time())
     async with trio.open_nursery() as nursery:
-        await nursery.start(_follow_rotation, endpoints, sink)
-        await nursery.start(_follow_keys, keys, sink)
+        await nursery.start(table.serve)
         task_status.started()
         while True:  # as the link's heartbeats do: the table is as fresh as the control plane
             await trio.sleep(heartbeat_interval_s)
             sink.heard(trio.current_time())
-
-
-async def _follow_rotation(
-    endpoints: GatewayEndpoints, sink: TableSink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    # `changes.rotation` fires on every agent heartbeat too: a rotation is given only when what it
-    # says changed, numbered as the link numbers it (`gatewaytable.TableSource`).
-    sent = None
-    while True:
-        changed = endpoints.rotation_changed()
-        version = sent.version if sent is not None else 0
-        rotation = rotation_message(endpoints.gateway_rotation(), version=version)
-        if rotation != sent:
-            sent = attrs.evolve(rotation, version=version + 1)
-            sink.rotation_changed(sent)
-        if version == 0:  # the first look: the table has its rotation
-            task_status.started()
-        await changed.wait()
-
-
-async def _follow_keys(
-    keys: KeyRing, sink: TableSink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    sent = None
-    while True:
-        changed = keys.changed.next()
-        version = sent.version if sent is not None else 0
-        message = keys_message(keys.valid(), version=version)
-        if message != sent:
-            sent = attrs.evolve(message, version=version + 1)
-            sink.keys_changed(sent)
-        if version == 0:  # the first look: the table has its keys
-            task_status.started()
-        await changed.wait()
