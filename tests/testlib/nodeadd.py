@@ -73,11 +73,7 @@ def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",),
 VERSION = "0.0.0-e2e"  # release_dir's, unless a test's `release` mark names another
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "release(version='0.0.0-e2e', with_llama=False): the release `release_dir` gives the test (testlib.nodeadd)",
-    )
+# The `release` mark is registered by tests/integration/conftest.py, before the modules using it load.
 
 
 @pytest.fixture(scope="session")
