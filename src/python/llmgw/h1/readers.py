@@ -141,6 +141,9 @@ class Reader:
             if name not in _FRAMING:
                 continue
             if name == b"content-length":
+                if digits is None and value.isdigit() and len(value) <= 18:
+                    digits = value  # the usual one: a single length
+                    continue
                 for one in value.split(b","):
                     one = one.strip(b" \t")
                     if not one.isdigit() or len(one) > 18:
@@ -155,7 +158,7 @@ class Reader:
                     raise ProtocolError(self._say[3].format(as_text(value)), 501)
                 chunked = True
             elif name == b"connection":
-                connection.extend(t.strip(b" \t").lower() for t in value.split(b","))
+                connection += [t.strip(b" \t").lower() for t in value.split(b",")]
             elif name == b"host":
                 hosts += 1
             elif name == b"expect":
