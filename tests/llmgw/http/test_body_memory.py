@@ -152,15 +152,15 @@ async def test_the_budget_is_charged_for_the_bytes_that_arrived_not_those_declar
 
 async def test_no_owner_holds_more_than_its_share(autojump_clock: trio.testing.MockClock) -> None:
     budget = BodyBudget(1000, share=400, wait_s=1.0)
-    await budget.take(300, "key:a")
-    await budget.take(100, "key:a")
+    await budget.claim("key:a").take(300)
+    await budget.claim("key:a").take(100)
     with pytest.raises(Abort) as refused:
-        await budget.take(1, "key:a")  # waits its second, then 503
+        await budget.claim("key:a").take(1)  # the youngest of its owner's: waits its second, then 503
     assert refused.value.status == 503
     assert "400 of them this client's, which may hold 400" in refused.value.message
     assert trio.current_time() == pytest.approx(1.0)
-    await budget.take(400, "key:b")  # another owner is not held back
-    await budget.take(200, "addr:10.0.0.1")
+    await budget.claim("key:b").take(400)  # another owner is not held back
+    await budget.claim("addr:10.0.0.1").take(200)
     assert budget.used == 1000 and budget.held == {"key:a": 400, "key:b": 400, "addr:10.0.0.1": 200}
     assert budget.refused == 1
 
@@ -169,23 +169,84 @@ async def test_an_owner_waiting_for_its_share_is_let_in_when_its_own_body_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     budget = BodyBudget(1000, share=400, wait_s=5.0)
-    await budget.take(400, "key:a")
+    first = budget.claim("key:a")
+    await first.take(400)
+    first.arrived()  # whole: it waits for its answer now, and gives way to nobody
     taken_at: list[float] = []
 
     async def more() -> None:
-        await budget.take(300, "key:a")
+        await budget.claim("key:a").take(300)
         taken_at.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(more)
         await trio.sleep(2)
-        await budget.take(300, "key:b")  # another owner's body coming and going frees none of a's share
-        budget.give(300, "key:b")
+        other = budget.claim("key:b")
+        await other.take(300)  # another owner's body coming and going frees none of a's share
+        other.release()
         await trio.sleep(1)
         assert taken_at == []
-        budget.give(400, "key:a")
+        first.release()
     assert taken_at == [pytest.approx(3.0)]
     assert budget.held == {"key:a": 300} and budget.used == 300
+
+
+async def test_the_youngest_body_still_arriving_gives_way_to_an_older_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    budget = BodyBudget(1000, share=400, wait_s=5.0)
+    older, younger = budget.claim("key:a"), budget.claim("key:a")
+    await older.take(200)
+    cancelled = []
+
+    async def arrive_slowly() -> None:
+        with younger.receiving() as scope:
+            await younger.take(200)
+            await trio.sleep_forever()  # until it gives way
+        cancelled.append(scope.cancelled_caught)
+        younger.release()  # its request ends: what it held comes back
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(arrive_slowly)
+        await trio.sleep(1)
+        await older.take(100)  # the share is full: the younger gives way, then the older takes its room
+    assert cancelled == [True] and "an older request body needed the room" in younger.gave_way
+    assert budget.held == {"key:a": 300} and older.held == 300 and budget.refused == 1
+    assert trio.current_time() == pytest.approx(1.0)
+
+
+async def test_many_bodies_arriving_at_once_never_all_wait_on_each_other(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Fifty bodies of one key, each arriving in pieces: charged as they arrive, each would hold
+    a part of the share and wait for the rest, and all be refused together. The oldest (the
+    first to hold bytes) finish, the youngest giving way to them."""
+    budget = BodyBudget(64_000, share=16_000, wait_s=1.0)
+    finished: list[int] = []
+    refused: list[int] = []
+
+    async def body(i: int, claim) -> None:
+        try:
+            with claim.receiving():
+                for _ in range(8):  # 8,000 bytes: two fit the share
+                    await claim.take(1000)
+                    await trio.sleep(0.01)
+            if claim.gave_way:
+                refused.append(i)
+                return
+            claim.arrived()
+            finished.append(claim.rank)
+            await trio.sleep(0.5)  # answered, then its request ends
+        except Abort:
+            refused.append(i)
+        finally:
+            claim.release()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(body, i, budget.claim("key:a"))
+    assert sorted(finished[:2]) == [1, 2] and len(finished) + len(refused) == 50
+    assert budget.used == 0 and budget.held == {}
 
 
 async def test_a_budget_share_is_at_least_one_body_of_the_largest_size() -> None:

@@ -11,8 +11,13 @@ Memory is bounded by the configuration, not by the garbage collector (issue 42):
   8 MiB and sending a few KB holds a few KB. Past the budget a body waits briefly, then gets
   503 with Retry-After.
 - No one holds more than a share of the budget (`BodyBudget.share`): the bodies of one owner —
-  the API key a handler names when it reads (`Request.read(owner=...)`), else the peer's
-  address — wait once they hold it, so a key trickling large bodies slows its own requests only.
+  the API key a handler names (`Request.body_owner`), else the peer's address — wait once they
+  hold it, so a key trickling large bodies slows its own requests only.
+- Bodies still arriving never all wait on each other: with the budget (or an owner's share)
+  full, the body that began to hold bytes last among those still arriving gives way to an
+  older one that needs room — its read ends, 503, and its bytes are let go — so the oldest
+  always finish. Charged as they arrive, concurrent bodies would otherwise each hold a part,
+  none finish, and all be refused together.
 - A body's buffer grows with what arrived (never the declared length up front), and is let go
   the moment its request ends, however it ends: a failure is kept without its traceback (the
   frames it names would keep the buffer alive in a reference cycle that only the cyclic
@@ -30,6 +35,7 @@ import copy
 import trio
 
 from llmgw.h1 import END, NEED_DATA, Data, ProtocolError, ServerConnection
+from llmgw.http.budget import BodyBudget, Claim
 from llmgw.http.errors import Abort, peer_reason, too_large
 from llmgw.http.limits import Limits
 from llmgw.http.messages import BodySource
@@ -42,91 +48,9 @@ MAX_BODY_CHUNKS = 4096
 # A body up to this size is handed to the handler as bytes; a larger one as the bytearray it
 # was read into (bytes-like for every use: JSON, sending), to keep a copy of it off the budget.
 SMALL_BODY_BYTES = 64 << 10
-# A body waits this long for room in the body budget before it is answered 503.
-BODY_BUDGET_WAIT_S = 1.0
 # A body's first bytes may take a moment (a client waiting for 100-continue, a slow start):
 # the minimum rate is enforced on the average after this long.
 BODY_RATE_GRACE_S = 5.0
-# The share of the budget one owner may hold at once: a quarter, or one body of the largest
-# size allowed where that is more (so that such a body can always be read).
-BODY_SHARE = 0.25
-
-
-class BodyBudget:
-    """Request body bytes buffered at once over every connection of a listener, charged as they
-    arrive and given back when their request is over; each owner (an API key, or a peer
-    address) holds at most `share` of them. Bytes that do not fit wait up to `wait_s` for room
-    (in the budget, or in their owner's share), then their request is answered 503."""
-
-    def __init__(self, max_bytes: int, *, share: int | None = None, wait_s: float = BODY_BUDGET_WAIT_S) -> None:
-        self.max_bytes = max_bytes
-        self.share = max_bytes if share is None else share
-        self.wait_s = wait_s
-        self.used = 0
-        self.refused = 0
-        self.held: dict[str, int] = {}  # by owner; an owner holding nothing is not in it
-        self._room = trio.lowlevel.ParkingLot()  # waiting for the budget
-        self._owner_room: dict[str, trio.lowlevel.ParkingLot] = {}  # waiting for their owner's share
-
-    @classmethod
-    def of(cls, limits: Limits) -> BodyBudget:
-        """A listener's budget: `body_budget_bytes`, an owner's share `BODY_SHARE` of it, or one
-        body of the largest size allowed where that is more (so that one can always be read)."""
-        budget = limits.body_budget_bytes
-        return cls(budget, share=max(int(budget * BODY_SHARE), min(limits.max_body_bytes, budget)))
-
-    def _fits(self, n: int, owner: str) -> trio.lowlevel.ParkingLot | None:
-        """None if `n` more bytes of `owner` fit; else where to wait for room."""
-        if self.held.get(owner, 0) + n > self.share:
-            lot = self._owner_room.get(owner)
-            if lot is None:
-                lot = self._owner_room[owner] = trio.lowlevel.ParkingLot()
-            return lot
-        if self.used + n > self.max_bytes:
-            return self._room
-        return None
-
-    async def take(self, n: int, owner: str) -> None:
-        lot = self._fits(n, owner)
-        if lot is None:
-            self._charge(n, owner)
-            return
-        with trio.move_on_after(self.wait_s):
-            while lot is not None:
-                try:
-                    await lot.park()
-                finally:
-                    if not lot and self._owner_room.get(owner) is lot:
-                        del self._owner_room[owner]
-                lot = self._fits(n, owner)
-            self._charge(n, owner)
-            self._room.unpark()  # there may be room for the next one too
-            return
-        self.refused += 1
-        mine = self.held.get(owner, 0)
-        raise Abort(
-            "body_budget",
-            503,
-            f"the server is buffering {self.used} bytes of request bodies ({mine} of them this client's, "
-            f"which may hold {self.share}), its limit of {self.max_bytes}; try again in a moment",
-            headers=(("retry-after", "1"),),
-        )
-
-    def _charge(self, n: int, owner: str) -> None:
-        self.used += n
-        self.held[owner] = self.held.get(owner, 0) + n
-
-    def give(self, n: int, owner: str) -> None:
-        self.used -= n
-        left = self.held[owner] - n
-        if left:
-            self.held[owner] = left
-        else:
-            del self.held[owner]
-        self._room.unpark()
-        lot = self._owner_room.get(owner)
-        if lot is not None:
-            lot.unpark()
 
 
 class ConnectionBody(BodySource):
@@ -146,8 +70,7 @@ class ConnectionBody(BodySource):
         self.conn, self.stream, self.limits, self.budget, self.declared = conn, stream, limits, budget, declared
         self.data: bytes | None = None
         self.failed: BaseException | None = None  # without its traceback (the module's docstring)
-        self.taken = 0
-        self.owner = ""
+        self.claim: Claim | None = None  # its place in the budget, once it is read
         self.settled = trio.Event()
 
     @property
@@ -164,7 +87,7 @@ class ConnectionBody(BodySource):
         try:
             if limit is not None and self.declared is not None and self.declared > limit:
                 raise too_large(limit)
-            self.owner = owner
+            self.claim = self.budget.claim(owner)
             try:
                 self.data = await self._read(self.limits.max_body_bytes if limit is None else limit)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
@@ -183,17 +106,24 @@ class ConnectionBody(BodySource):
 
     async def _read(self, limit: int) -> bytes:
         body = bytearray()  # grows with what arrives (the module's docstring)
+        claim = self.claim
+        assert claim is not None
         try:
-            await self._read_into(body, limit)
+            with claim.receiving():
+                await self._read_into(body, limit, claim)
+            if claim.gave_way:  # to an older body (`BodyBudget`)
+                raise Abort("body_budget", 503, claim.gave_way, headers=(("retry-after", "1"),))
         except BaseException:
             # Let the buffer go now, not when the exception does: its traceback names the frames
             # that hold it, and the handler's frames may keep the exception in a cycle.
             del body[:]
             raise
+        finally:
+            claim.arrived()
         return bytes(body) if len(body) <= SMALL_BODY_BYTES else body
 
-    async def _read_into(self, body: bytearray, limit: int) -> None:
-        conn, limits, budget, owner = self.conn, self.limits, self.budget, self.owner
+    async def _read_into(self, body: bytearray, limit: int, claim: Claim) -> None:
+        conn, limits = self.conn, self.limits
         chunked = self.declared is None
         start = trio.current_time()
         total_deadline = start + limits.body_timeout_s
@@ -202,8 +132,7 @@ class ConnectionBody(BodySource):
         while True:
             part = next_event(conn)
             if isinstance(part, Data):
-                await budget.take(len(part.data), owner)  # counted as it comes
-                self.taken += len(part.data)
+                await claim.take(len(part.data))  # counted as it comes
                 if chunked:
                     chunks += part.chunks
                     if chunks > MAX_BODY_CHUNKS:
@@ -249,9 +178,8 @@ class ConnectionBody(BodySource):
                 raise Abort("closed", message="connection closed in the middle of the request body")
 
     def release(self) -> None:
-        if self.taken:
-            self.budget.give(self.taken, self.owner)
-            self.taken = 0
+        if self.claim is not None:
+            self.claim.release()
         self.failed = None
 
 
