@@ -8,6 +8,7 @@ import http.client
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,8 +38,14 @@ class Sim:
         self.host = netns.node_addr if netns else "127.0.0.1"
         argv = [sys.executable, "-m", "llmgw", "engine", "sim", "--model", model, "--port", str(self.port)]
         argv += ["--host", self.host, "--api-key", self.key, *extra]
-        io = dict(env=llmgw_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # What it says of itself, for a failure's message (one that could not listen says why).
+        self.log = tempfile.TemporaryFile()
+        io = dict(env=llmgw_env(), stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         self.proc = netns.popen(argv, **io) if netns else subprocess.Popen(argv, **io)
+
+    def tail(self, limit: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-limit:]
 
     def endpoint(self, **kw) -> Endpoint:
         return Endpoint(replica_id=self.name, model=self.model, host=self.host, port=self.port, api_key=self.key, **kw)
@@ -46,7 +53,7 @@ class Sim:
     def wait_serving(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"sim {self.name} exited with {self.proc.returncode}"
+            assert self.proc.poll() is None, f"sim {self.name} exited with {self.proc.returncode}:\n{self.tail()}"
             try:
                 conn = http.client.HTTPConnection(self.host, self.port, timeout=2)
                 conn.request("GET", "/health")
@@ -61,6 +68,7 @@ class Sim:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self.log.close()
 
 
 @attrs.define
