@@ -2,12 +2,13 @@
 API, the agent port, the sim engine).
 
 `llmgw.h1` is the protocol, without I/O (its server role); this module is the trio loop around
-it: read bytes, feed the parser, hand a `Request` (`llmgw.http.messages`) to the handler, write its answer
-(`llmgw.http.send`). Keep-alive and pipelined requests are handled in order, one at a time per
-connection (RFC 9112 §9.3.2); a listener may serve one request per connection instead
-(`keep_alive=False`, the agent port). A handler may also answer `Upgrade`, on a listener that
-takes them (`upgrades=True`): the connection is then handed over, with the bytes already read,
-and is no longer HTTP (the agent port's WebSocket).
+it: read a request's head (`llmgw.http.head`), hand the `Request` (`llmgw.http.messages`) to the
+handler, its body read when it asks (`llmgw.http.body`), write its answer (`llmgw.http.send`).
+Keep-alive and pipelined requests are handled in order, one at a time per connection (RFC 9112
+§9.3.2); a listener may serve one request per connection instead (`keep_alive=False`, the agent
+port). A handler may also answer `Upgrade`, on a listener that takes them (`upgrades=True`): the
+connection is then handed over, with the bytes already read, and is no longer HTTP (the agent
+port's WebSocket).
 
 Containment: whatever a peer does — close or reset at any byte, send garbage, stall, stop
 reading — ends that connection only. The rule lives in one place, `serve_connection`: a
@@ -48,21 +49,19 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from urllib.parse import parse_qs, urlsplit
 
 import attrs
 import trio
 
 from llmgw.errors import leaves
-from llmgw.h1 import CLOSED, END, NEED_DATA, RequestHead, ServerConnection
-from llmgw.http import fastio
-from llmgw.http.body import BodyBudget, ConnectionBody, next_event
+from llmgw.h1 import ServerConnection
+from llmgw.http.body import BodyBudget, ConnectionBody
 from llmgw.http.errors import Abort, HTTPError, peer_reason
+from llmgw.http.head import LOOK_AGAIN_AFTER, read_request
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
 from llmgw.http.messages import Answer, ErrorBody, Handler, Request, Response, StreamingResponse, Upgrade, plain_error
 from llmgw.http.send import (
-    RECEIVE_SIZE,
     answer_and_close,
     answer_busy,
     busy_answer,
@@ -168,12 +167,8 @@ def peer_address(stream: trio.abc.Stream) -> str:
     return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
 
 
-# Heads waited for at once (see `_read_head`) after a look that found nothing, before looking again.
-LOOK_AGAIN_AFTER = 8
-
-
 @attrs.define(kw_only=True, eq=False)
-class _Connection:
+class ServedConnection:
     """One connection as served: its protocol state, its stream and the listener's rules for it."""
 
     conn: ServerConnection
@@ -187,9 +182,9 @@ class _Connection:
     upgrades: bool
     departure: _Departure = attrs.field(init=False)
     # The task's count of trips through the scheduler when it last made sure of one (see
-    # `_read_request`); -1: none counted yet.
+    # `head.read_request`); -1: none counted yet.
     yielded_at: int = -1
-    # Heads waited for without a look first since a look found nothing (`_read_head`).
+    # Heads waited for without a look first since a look found nothing (`head.read_request`).
     looks_skipped: int = LOOK_AGAIN_AFTER
     # What a handler keeps for the requests of this connection alone (`Request.per_connection`).
     per_connection: dict = attrs.field(factory=dict)
@@ -289,7 +284,7 @@ async def serve_connection(
     stream is closed either way. Never raises (but Cancelled): see the module's "Containment".
     Returns why the connection ended when the peer ended it or missed a deadline (the reason
     /metrics counts), else None."""
-    c = _Connection(
+    c = ServedConnection(
         conn=ServerConnection(max_head_bytes=limits.max_head_bytes),
         stream=stream,
         client=peer_address(stream),
@@ -335,7 +330,7 @@ async def serve_connection(
         await trio.aclose_forcefully(stream)
 
 
-async def _failed(c: _Connection, exc: Exception, stats: ConnectionStats | None, listener: str) -> str | None:
+async def _failed(c: ServedConnection, exc: Exception, stats: ConnectionStats | None, listener: str) -> str | None:
     """A connection's requests ended by `exc`: logged, counted and answered if nothing was sent
     yet. Returns the peer's reason (what /metrics counts), or None for a bug of ours."""
     reason = peer_reason(exc)
@@ -365,12 +360,12 @@ def _abort_answer(exc: Exception, errors: ErrorBody) -> Response | None:
     return errors(HTTPError(abort.status, abort.message, code=code, headers=abort.headers))
 
 
-async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, bytes] | None:
+async def _serve_requests(handler: Handler, c: ServedConnection) -> tuple[Upgrade, bytes] | None:
     """Answer requests until the connection is done with HTTP; an `Upgrade` answer and the
     bytes to give its protocol, if one took the connection over."""
     first = True
     while True:
-        request = await _read_request(c, first=first)
+        request = await read_request(c, first=first)
         first = False
         if request is None:
             return None
@@ -404,7 +399,7 @@ async def _serve_requests(handler: Handler, c: _Connection) -> tuple[Upgrade, by
         c.conn.start_next_cycle()
 
 
-async def _call_handler(handler: Handler, request: Request, c: _Connection) -> Answer:
+async def _call_handler(handler: Handler, request: Request, c: ServedConnection) -> Answer:
     """The handler's answer. It runs in the connection's own task: no task, nursery or scope
     per request. A client that leaves meanwhile cancels the whole connection (`_Departure`: a
     gateway request stops its upstream request too)."""
@@ -429,169 +424,3 @@ def _handler_error(exc: BaseException, request: Request) -> HTTPError:
         return found[0]
     log.exception("http_handler_failed", method=request.method, path=request.path)
     return HTTPError(500, INTERNAL_ERROR)
-
-
-async def _receive(c: _Connection, deadline: float | None, raw: bytearray | None, *, tried: bool = False) -> bool:
-    """Read once into the parser (and into `raw`, when the head's bytes are kept), unless
-    `deadline` passes first (then False; None: the caller's scope bounds the wait). `tried`:
-    the caller found nothing to read a moment ago, so this waits at once."""
-    data = None if tried else fastio.receive_now(c.stream, RECEIVE_SIZE)
-    if data is None:
-        waits = fastio.plain(c.stream)
-        if deadline is None:
-            data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
-        else:
-            with trio.move_on_at(deadline):
-                data = await fastio.receive(c.stream, RECEIVE_SIZE, waits=waits)
-            if data is None:
-                return False
-    _take(c, data, raw)
-    return True
-
-
-def _take(c: _Connection, data: bytes, raw: bytearray | None) -> None:
-    """Bytes read: to the parser, and to `raw` when the head's bytes are kept."""
-    c.conn.receive_data(data)
-    if raw is not None:
-        raw += data
-
-
-async def _read_request(c: _Connection, *, first: bool) -> Request | None:
-    """The next request, its head read (its body is read when the handler asks)."""
-    request = await _read_head(c, first=first)
-    if request is not None:
-        # A client that always has the next request ready (pipelined, or fast) and a handler
-        # that answers without waiting (a local route) would keep this task from ever yielding:
-        # reads that find data do not (`fastio`). So once per request, unless the task went
-        # through the scheduler since the last time (a wait for the head, or the handler's own
-        # wait for its upstream): then it yielded already, and a checkpoint would only cost.
-        points = _schedule_points()
-        if points < 0 or points == c.yielded_at:
-            await trio.lowlevel.checkpoint()
-            points = _schedule_points()
-        c.yielded_at = points
-    return request
-
-
-def _schedule_points() -> int:
-    """How many times the current task has gone through the scheduler (trio counts them for
-    `trio.testing.assert_checkpoints`); -1 where this trio does not say."""
-    return getattr(trio.lowlevel.current_task(), "_schedule_points", -1)
-
-
-async def _read_head(c: _Connection, *, first: bool) -> Request | None:
-    conn, limits = c.conn, c.limits
-    now = trio.current_time()
-    # A new connection must send its head within head_timeout_s; a kept-alive one may idle
-    # for keepalive_timeout_s before the next head starts, then has head_timeout_s for it.
-    head_deadline = now + limits.head_timeout_s if first or conn.buffered else None
-    # The head's bytes as read, for a listener that may hand the connection over (`Upgrade`).
-    raw = bytearray(conn.trailing()) if c.upgrades else None
-    while True:
-        event = next_event(conn)
-        if event is not NEED_DATA:
-            break
-        if head_deadline is None and conn.buffered:
-            head_deadline = trio.current_time() + limits.head_timeout_s
-        if not conn.buffered:
-            # Nothing of a request yet: idle between requests until the keep-alive deadline, or
-            # new and silent until the head deadline. Either way the listener may close this
-            # connection quietly to make room at its cap (`listeners.IdleConnections`), and a
-            # stopping server closes the idle ones (not a new one: its request may be on the way).
-            # What came meanwhile (the next request of a fast client) needs no wait. Whether to
-            # look before waiting is learnt: a read that finds nothing costs about as much as
-            # one that finds a request, so a connection whose look found nothing waits at once
-            # for its next few heads (a wait finds a request already there just as well).
-            if c.looks_skipped >= LOOK_AGAIN_AFTER:
-                data = fastio.receive_now(c.stream, RECEIVE_SIZE)
-                if data is not None:
-                    _take(c, data, raw)
-                    continue
-                c.looks_skipped = 0
-            else:
-                c.looks_skipped += 1
-            fresh = head_deadline is not None
-            until = head_deadline if fresh else now + limits.keepalive_timeout_s
-            idle = c.shutdown.idle.scope(peer=c.client, stoppable=not fresh, deadline=until)
-            try:
-                with idle:
-                    await _receive(c, None, raw, tried=True)  # the wait's deadline is the idle scope's own
-            finally:
-                c.shutdown.idle.settle(idle)
-            if not idle.cancelled_caught:
-                continue
-            if trio.current_time() < until:
-                return None  # shed to make room, or the server stops
-            if fresh:
-                raise Abort("head_timeout", message=f"nothing sent within {limits.head_timeout_s:g} s")
-            return None  # the keep-alive deadline: closed quietly (RFC 9112 §9.6)
-        if not await _receive(c, head_deadline, raw):
-            raise Abort(
-                "head_timeout", 408, f"request head not received within {limits.head_timeout_s:g} s; send it whole"
-            )
-    if event is CLOSED:
-        return None
-    if not isinstance(event, RequestHead):
-        raise Abort("malformed", 400, f"expected a request, got {event!r}")
-    # The parser measured the head whole, however it arrived (431 past `max_head_bytes`).
-    raw_headers = tuple(event.headers)  # names lower-case
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
-    if len(headers) < len(raw_headers):  # a field repeated: is it one that must not be?
-        _no_repeated_credentials(raw_headers)
-    declared = event.length  # None: chunked (the parser refused a head with both framings)
-    if declared is not None and declared > limits.max_body_bytes:
-        raise Abort(
-            "too_large", 413, f"request body of {declared} bytes is larger than the limit of {limits.max_body_bytes}"
-        )
-    head = bytes(raw[: len(raw) - conn.buffered]) if raw is not None else b""
-    body = ConnectionBody(conn, c.stream, limits, c.budget, declared)
-    pipelined = 0
-    if declared == 0:
-        # No body: take the parser's end of the message now, so the request is whole before the handler runs.
-        body.data = _no_body(conn)
-        body.settled.set()
-        pipelined = conn.buffered
-    path, query = _split_target(event.target)
-    return Request(
-        method=event.method.decode("ascii"),
-        target=event.target,
-        path=path,
-        query=query,
-        raw_headers=raw_headers,
-        headers=headers,
-        client=c.client,
-        http_version=event.http_version,
-        pipelined=pipelined,
-        body=body,
-        head_bytes=head,
-        per_connection=c.per_connection,
-    )
-
-
-# Fields that carry a credential: each at most once (RFC 9110 §5.3 lets a field be repeated
-# only where it is a list, and these are not; RFC 6265 §5.4: one Cookie). Given twice, which one
-# a server, a proxy in front of it or a log believes is a guess, so none is.
-_SINGLE_CREDENTIALS = (b"authorization", b"proxy-authorization", b"cookie")
-
-
-def _no_repeated_credentials(raw_headers: tuple[tuple[bytes, bytes], ...]) -> None:
-    names = [name for name, _ in raw_headers]
-    for name in _SINGLE_CREDENTIALS:
-        if names.count(name) > 1:
-            shown = name.decode().title()
-            raise Abort("malformed", 400, f"{shown} given more than once; send one {shown} header field")
-
-
-def _split_target(target: bytes) -> tuple[str, dict[str, list[str]]]:
-    """The request target's path and query; the usual origin-form path alone is not parsed."""
-    if target.startswith(b"/") and b"?" not in target and b"#" not in target:
-        return target.decode("latin-1"), {}
-    parts = urlsplit(target.decode("latin-1"))
-    return parts.path, parse_qs(parts.query, keep_blank_values=True)
-
-
-def _no_body(conn: ServerConnection) -> bytes:
-    event = next_event(conn)
-    if event is not END:
-        raise Abort("malformed", 400, f"expected the end of a request without a body, got {event!r}")
-    return b""
