@@ -17,6 +17,9 @@ A table row is one of three kinds:
 - differs: both take it, and ours differs by what `expect` says.
 """
 
+# Over 450 lines, one thing: the oracle both roles' tests are judged by (the generator, the parts
+# of a parsed message, `judge`), which they share so that the two judge alike.
+
 from __future__ import annotations
 
 import dataclasses
