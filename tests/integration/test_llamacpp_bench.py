@@ -76,11 +76,8 @@ def test_without_server_and_nothing_built_it_says_where_it_looked_and_what_build
     with pytest.raises(SystemExit) as exited:
         llamacpp.main(["--requests", "1"])
     assert exited.value.code == 2
-    assert (
-        capsys.readouterr()
-        .err.splitlines()[-1]
-        .endswith(
-            f": error: no llama-server built in {tmp_path}: `./pants test` builds it "
-            "(or tools/llama/build-llama-server); or pass --server"
-        )
-    )
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.endswith(
+        f": error: no llama-server built in {tmp_path}: `./pants test` builds it "
+        "(or tools/llama/build-llama-server); or pass --server"
+    ), said
