@@ -8,7 +8,8 @@ agent (sd_listen_fds(3)). Anything else that starts llmgw the same way (a test, 
 gets the same.
 
 `take()` claims them once and removes the variables, so that no child process (an engine of
-`llmgw up`) believes they are its own.
+`llmgw up`) believes they are its own; `for_ports` takes them and sorts them between the
+control plane's two ports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from collections.abc import MutableMapping
 import trio
 
 from llmgw.errors import MachineError
+from llmgw.log import get_logger
+
+log = get_logger("llmgw.server")
 
 FIRST_FD = 3  # SD_LISTEN_FDS_START
 _VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
@@ -53,6 +57,22 @@ def take(environ: MutableMapping[str, str] | None = None, pid: int | None = None
             )
         socks.append(sock)
     return socks
+
+
+def for_ports(
+    agent: tuple[str, int], http: tuple[str, int]
+) -> tuple[list[trio.SocketListener], list[trio.SocketListener]]:
+    """The sockets passed to this process (`take`) for `agent_listen` and for `http_listen`; any
+    other is said in the log, with the fix, and left unused."""
+    passed = take()
+    agent_sockets, http_sockets = matching(passed, *agent), matching(passed, *http)
+    if passed:
+        log.warning(
+            "activation_sockets_unused",
+            sockets=describe(passed),
+            fix="make the .socket unit's ListenStream= match agent_listen and http_listen in server.toml",
+        )
+    return agent_sockets, http_sockets
 
 
 def matching(socks: list[socket.socket], host: str, port: int) -> list[trio.SocketListener]:

@@ -6,17 +6,15 @@ permissions first (private files open to others are refused before use), then th
 authority (a missing CA is the first thing said), the agents' TLS context, the admin credential
 and this llmgw's own release file (`running_release`: what agents may fetch from the mirror) --
 together `Warm`, which a standby holds ready -- then the store (checked: a damaged database
-stops the start there) and the engine-key secret. The constructor takes what was opened and
-does no I/O; it wires the parts and builds the control plane's four roles as small objects
-(`ControlPlane`'s docstring names them). Where several control planes share a PostgreSQL store,
-`llmgw.server.seat` opens one only once it holds the lease, with the term it leads by.
+stops the start there) and the engine-key secret. The constructor takes what was opened, does
+no I/O and wires the parts (`ControlPlane`'s docstring names them). Where several control planes
+share a PostgreSQL store, `llmgw.server.seat` opens one only once it holds the lease.
 
 `serve` is the root: each service is a `serve_x(..., *, task_status)` started with
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
-addresses once both ports accept connections. The last is the front on `http_listen`: the
-gateway's worker processes (`llmgw.server.workers`; none of the gateway's requests runs on this
-loop), or with `gateway_workers = 0` one gateway worker on this loop, its table fed in memory
-(`llmgw.server.inprocess`): either way a request enters at `GatewayWorker.handle`. Every
+addresses once both ports accept connections. The last is the front on `http_listen`
+(`llmgw.server.gateways`): the gateway's worker processes, or with `gateway_workers = 0` one
+gateway worker on this loop; either way a request enters at `GatewayWorker.handle`. Every
 background loop runs under `llmgw.supervision.Background`: a failure after start is logged with
 its traceback and the loop started again with backoff; only a failure at start ends the process.
 Drains are jobs of their own service (`llmgw.server.drains`). Shutdown is cancellation, of the
@@ -27,32 +25,23 @@ stops.
 from __future__ import annotations
 
 import gc
-import signal
-import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from llmgw import paths
-from llmgw.config import Model, ServerConfig, storeurl
-from llmgw.engines.wants import engines_for, may_build, release_for
-from llmgw.errors import LlmgwError, cut
-from llmgw.http.errors import HTTPError
+from llmgw.config import ServerConfig, storeurl
 from llmgw.http.listeners import ConnectionStats, raise_fd_limit
-from llmgw.http.messages import Request, Response, StreamingResponse, allow
-from llmgw.http.refusallines import RefusalLines
+from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
-from llmgw.metrics import MetricsRegistry, merge
 from llmgw.pki.ca import CA
 from llmgw.releasefiles import Running
 from llmgw.server import activation, keyseal, views
-from llmgw.server.admin import AdminAPI, is_admin_path
 from llmgw.server.adminsocket import serve_admin_socket
 from llmgw.server.agentlinks import AgentLinks
 from llmgw.server.agentlistener import AgentListener
@@ -60,26 +49,24 @@ from llmgw.server.artifacts import Artifacts, artifacts_dir
 from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.catalogtimes import CatalogTimes
 from llmgw.server.changes import Changes
+from llmgw.server.desired import DesiredStates
 from llmgw.server.drains import Drains
 from llmgw.server.front import Bound, cannot_listen, split_hostport
-from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.gateways import Gateways
 from llmgw.server.intent import NodeIntent
-from llmgw.server.keys import KeyRing
 from llmgw.server.keyseal import KeySeal
 from llmgw.server.leadership import Term
+from llmgw.server.lifecycle import cancel_at_stop, serve_admin_url, serve_reload_on_sighup
 from llmgw.server.liveness import Reconciler
 from llmgw.server.mirror import RETRY_S, fill_mirror
 from llmgw.server.moves import Moves
-from llmgw.server.operations import Operations
-from llmgw.server.page import Page, page_origins
+from llmgw.server.ownroutes import OwnRoutes, restarts_metric
 from llmgw.server.registry import NodeRegistry
 from llmgw.server.releases import Releases
 from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.server.seat import serve_seat
 from llmgw.server.settings import Settings
 from llmgw.server.store.lease import Fence
-from llmgw.server.views import GatewayEndpoints
 from llmgw.server.warm import Warm, read_warm
 from llmgw.server.workers import worker_count
 from llmgw.supervision import Background
@@ -87,17 +74,14 @@ from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
 
-METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 
 class ControlPlane:
-    """The control plane's parts, each given what it needs, and its four roles as small objects:
-    `views` (what the admin API and the cluster page show), `operations` (what the admin API
-    changes), `page` (the cluster page and the gate of the admin API) and `endpoints` (the
-    gateway's rotation). Each piece of state has one owner: the configuration `settings`, the
-    nodes as agents report them `registry`, the operator's intent for them `intent`, the
-    placements `replicas`, the reconciler `reconciler` (the one that pushes desired state after a
-    change), moves and drains, the gateway instances connected and their table `gateway_feed`."""
+    """The control plane's parts, each given what it needs. Each piece of state has one owner: the
+    configuration `settings`, the nodes as agents report them `registry`, the operator's intent for
+    them `intent`, the placements `replicas`, the reconciler `reconciler` (the one that pushes
+    desired state after a change), moves and drains, the API keys `keys`. The gateways' side is
+    `gateways` (their rotation `endpoints`, their link `gateway_feed`, the front); the admin API's
+    and the page's is `own_routes` (its roles `views`, `operations`, `page`, `admin`)."""
 
     def __init__(
         self,
@@ -183,39 +167,27 @@ class ControlPlane:
         # When each model entered the catalog: the store's, and the models new since noted.
         self.catalog_times = CatalogTimes(store.at_open.catalog, store.record_catalog)
         self.catalog_times.note(m.name for m in config.models)
-        self.endpoints = GatewayEndpoints(
+        # The gateways: their rotation, keys and link, and what serves http_listen (their workers, or one on this loop).
+        self.gateways = Gateways(
+            config,
+            workers=self.workers,
+            state_dir=state_dir,
+            ca=ca,
+            store=store,
             registry=self.registry,
             replicas=self.replicas,
             models=models,
             retiring=retiring,
             changes=self.changes,
             created=self.catalog_times.created,
-        )
-        self.keys = KeyRing(store)  # the API keys' one writer; the gateway on this loop reads its table
-        # The gateway link: gateways' table (the rotation, the keys, their shares), on the agent port.
-        self.gateway_feed = GatewayFeed(
-            endpoints=self.endpoints,
-            keys=self.keys,
-            clock=self.registry.clock,
-            heartbeat_interval_s=config.server.heartbeat_interval_s,
-            silence_timeout_s=config.server.heartbeat_ttl_s,
             leading=leading,
             redirect=redirect,
-        )
-        self.agent_port.gateways = self.gateway_feed
-        # What serves http_listen (the gateway's workers, or one on this loop), and the gateways' part.
-        self.gateways = Gateways(
-            config,
-            workers=self.workers,
-            state_dir=state_dir,
-            ca=ca,
-            endpoints=self.endpoints,
-            keys=self.keys,
-            feed=self.gateway_feed,
             plane_routes=self.handle_own,
             connections=self.connections,
         )
+        self.endpoints, self.keys, self.gateway_feed = self.gateways.endpoints, self.gateways.keys, self.gateways.feed
         self.gateway = self.gateways.gateway  # the gateway on this loop (`gateway_workers = 0`), else None
+        self.agent_port.gateways = self.gateway_feed
         # Drains and spreading: replicas moved without an outage, one move at a time.
         self.moves = Moves(
             replicas=self.replicas,
@@ -228,14 +200,22 @@ class ControlPlane:
             retiring=retiring,
         )
         self.drains = Drains(registry=self.registry, intent=self.intent, replicas=self.replicas, moves=self.moves)
-        self.views = views.ClusterViews(
-            registry=self.registry,
-            replicas=self.replicas,
-            drains=self.drains,
+        self.background = Background(log)  # its `restarts` are for /metrics
+        own_metrics = [
+            self.connections.render,
+            partial(restarts_metric, self.background.restarts, leading),
+            lambda: self.loop_lag.render(trio.current_time()),
+            self.registry.clock.render,
+            self.agent_links.render_metrics,
+            self.moves.render_metrics,
+        ]
+        if self.step_timer is not None:
+            own_metrics.append(self.step_timer.render)
+        # The admin API, /metrics and the cluster page, and the roles behind them.
+        self._http_port = split_hostport(config.server.http_listen)[1]  # the port bound, once it is
+        self.own_routes = own = OwnRoutes(
             config=lambda: self.config,
-            changes=self.changes,
-        )
-        self.operations = Operations(
+            http_port=lambda: self._http_port,
             settings=self.settings,
             store=store,
             registry=self.registry,
@@ -243,37 +223,29 @@ class ControlPlane:
             intent=self.intent,
             drains=self.drains,
             reconciler=self.reconciler,
-            links=self.agent_links,
-            gateway_links=self.gateway_feed,
+            agent_links=self.agent_links,
+            gateways=self.gateways,
             releases=self.agent_port.releases,
             changes=self.changes,
             catalog_times=self.catalog_times,
+            admin_token=admin_token,
+            ca=ca,
+            own_metrics=own_metrics,
         )
-        # Refusals on http_listen for who sent them (a wrong admin credential, a spent login code, a
-        # page call from elsewhere): one count for the admin API and the page, a few lines each
-        # interval and then a summary (`serve` logs it), however fast a client repeats them.
-        self.http_refusals = RefusalLines("http")
-        # The cluster page: sessions, the gateways' history, the gate.
-        self._http_port = split_hostport(config.server.http_listen)[1]  # the port bound, once it is
-        self.page = Page(
-            self.views, self.gateways.history_totals, self.keys, origins=self._page_origins, refusals=self.http_refusals
+        self.views, self.operations, self.page, self.admin = own.views, own.operations, own.page, own.admin
+        self.http_refusals = own.refusals
+        # What each node is told to have, and when one may build llama.cpp (the mirror's cue).
+        self.desired = DesiredStates(
+            config=lambda: self.config,
+            registry=self.registry,
+            replicas=self.replicas,
+            artifacts=self.agent_port.artifacts,
+            releases=self.agent_port.releases,
+            changes=self.changes,
+            node_coming=lambda: self.operations.node_coming,
         )
-        self.admin = AdminAPI(
-            refusals=self.http_refusals,
-            views=self.views,
-            operations=self.operations,
-            page=self.page,
-            store=store,
-            keys=self.keys,
-            token=admin_token,
-            gateways=self.gateway_feed.views,
-            keys_reached=self.gateways.keys_reached,
-            authority=self._authority,
-        )
-        self.background = Background(log)  # its `restarts` are for /metrics
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self.mirror_retry_s = RETRY_S  # a mirror fetch that failed is tried again after this long
-        self._generation = 0
 
     @property
     def config(self) -> ServerConfig:
@@ -337,14 +309,13 @@ class ControlPlane:
         `private_socket`: serve `handle_own` on STATE_DIR/run/admin.sock as well, for gateway
         workers to relay to (`llmgw.server.adminsocket`); always, with workers of its own.
 
-        What serves `http_listen` (the front) is `gateway_workers` processes
-        (`llmgw.server.workers`), or with 0 the gateway on this loop (`llmgw.server.front`). It
-        stops first: the requests in flight finish, for at most the drain, while the rest still
+        What serves `http_listen` (the front) is `gateway_workers` processes, or with 0 one gateway
+        worker on this loop (`llmgw.server.gateways`). It stops first: the requests in flight finish, for at most the drain, while the rest still
         runs — the workers' links, the private socket they relay to, the cluster's view — and
         the rest stops once it has."""
         front = trio.CancelScope()
         async with trio.open_nursery() as guard:
-            guard.start_soon(_cancel_at_stop, front)
+            guard.start_soon(cancel_at_stop, front)
             with trio.CancelScope(shield=True):  # ended by `_serve` itself, once the front has stopped
                 await self._serve(front, reload_on_sighup, private_socket or self.workers > 0, task_status)
             guard.cancel_scope.cancel()
@@ -353,16 +324,10 @@ class ControlPlane:
         self, front: trio.CancelScope, reload_on_sighup: bool, private_socket: bool, task_status: trio.TaskStatus[Bound]
     ) -> None:
         agent_host, agent_port = split_hostport(self.config.server.agent_listen)
-        http_host, http_port = split_hostport(self.config.server.http_listen)
-        passed = activation.take()  # sockets systemd (or whoever started us) listens on for us
-        agent_sockets = activation.matching(passed, agent_host, agent_port)
-        http_sockets = activation.matching(passed, http_host, http_port)
-        if passed:
-            log.warning(
-                "activation_sockets_unused",
-                sockets=activation.describe(passed),
-                fix="make the .socket unit's ListenStream= match agent_listen and http_listen in server.toml",
-            )
+        # The sockets systemd (or whoever started us) listens on for us, if any.
+        agent_sockets, http_sockets = activation.for_ports(
+            (agent_host, agent_port), split_hostport(self.config.server.http_listen)
+        )
         fd_limit = raise_fd_limit()
         run = self.background.run
         async with trio.open_nursery() as nursery:
@@ -377,7 +342,7 @@ class ControlPlane:
             await nursery.start(run, "liveness", self.reconciler.serve)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
-            mirror = partial(fill_mirror, node_known=self._a_node_may_build, retry_s=self.mirror_retry_s)
+            mirror = partial(fill_mirror, node_known=self.desired.a_node_may_build, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.agent_port.artifacts, self.push_all)
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
@@ -403,9 +368,7 @@ class ControlPlane:
                     http_address = await serving.start(serve_front, agent_address, http_sockets)
                     self._http_port = http_address[1]  # the page's origins have the port bound
                     bound = Bound(agent_address=agent_address, http_address=http_address)
-                    url_file = paths.admin_url_path(self.state_dir)
-                    paths.write_public(url_file, bound.admin_url + "\n")  # `ctl` sends the credential there
-                    await nursery.start(_remove_on_exit, url_file)
+                    await nursery.start(serve_admin_url, self.state_dir, bound.admin_url)
                     log.info(
                         "server_ready",
                         agents=f"{bound.agent_address[0]}:{bound.agent_address[1]}",
@@ -419,73 +382,15 @@ class ControlPlane:
                     task_status.started(bound)
             nursery.cancel_scope.cancel()  # the front has stopped: now the rest
 
-    async def _a_node_may_build(self) -> None:
-        """Returns once a node may build llama.cpp from its source, so the mirror fetches the
-        source then and not before. Without release archives of llama.cpp: once the registry
-        knows a node, or a node certificate was issued (`node add` records it before it installs
-        the agent: the mirror fetches meanwhile). With them, only a node they do not cover (another
-        architecture, or an NVIDIA GPU for a CUDA build) needs the source."""
-        release = (await self.agent_port.releases.catalog()).llama_archives()
-        while True:
-            changed = self.changes.nodes.next()
-            engines = self.config.engines
-            if not release_for(engines.llamacpp, release):
-                if self.registry.nodes or self.operations.node_coming:
-                    return
-            elif any(n.inventory and may_build(engines, n.inventory, release) for n in self.registry.nodes.values()):
-                return
-            await changed.wait()
-
     async def handle_own(self, request: Request) -> Response | StreamingResponse:
-        """The control plane's own routes, on `http_listen` (from a gateway worker: over the private
-        socket, or on this loop) and on its private socket: the admin API, /metrics, the cluster
-        page and /login."""
-        if is_admin_path(request.path):
-            return await self.admin.handle(request)
-        if request.path == "/metrics":
-            allow(request, "GET")
-            # The gateway's families (its workers' as they last said them, or its own on this
-            # loop), then the process's own: its listeners' connections, the restarts of its
-            # background loops, its event loop's lag and the stalls it skipped.
-            gateway = self.gateways.render_metrics()
-            own = (
-                self.connections.render()
-                + _restarts_metric(self.background.restarts, self.term is None or self.term.leading())
-                + self.loop_lag.render(trio.current_time())
-                + self.registry.clock.render()
-                + self.agent_links.render_metrics()
-                + self.moves.render_metrics()
-                + (self.step_timer.render() if self.step_timer is not None else "")
-            )
-            # One exposition: a family both have (the listeners' connections) appears once.
-            return Response(status=200, body=merge(gateway, own).encode(), headers=(("content-type", METRICS_TYPE),))
-        if Page.serves(request.path):  # the cluster page's files and /login
-            return await self.page.handle(request)
-        raise HTTPError(404, f"no route {cut(request.method, 20)} {cut(request.path)}", kind="not_found_error")
+        """The control plane's own routes (`server/ownroutes.py`), on `http_listen` (from a gateway
+        worker: over the private socket, or on this loop) and on its private socket."""
+        return await self.own_routes.handle(request)
 
     # -- desired state ----------------------------------------------------------------------
 
     def desired_state(self, node_id: str) -> w.DesiredState:
-        node = self.registry.nodes.get(node_id)
-        self._generation += 1
-        engines = engines_for(
-            self.config.engines,
-            node.inventory if node else None,
-            self.agent_port.artifacts.available(),
-            max_archive_bytes=self.config.downloads.max_archive_bytes,
-            release=self.agent_port.releases.llama_archives(),
-        )
-        return w.DesiredState(
-            generation=self._generation,
-            cordoned=bool(node and node.cordoned),
-            engines=engines,
-            replicas=self.replicas.assignments_for(
-                node_id, self.model, max_weights_bytes=self.config.downloads.max_weights_bytes
-            ),
-        )
-
-    def model(self, name: str) -> Model | None:
-        return next((m for m in self.config.models if m.name == name), None)
+        return self.desired.of(node_id)
 
     async def push(self, node_id: str) -> None:
         await self.agent_links.push_desired_state(node_id)
@@ -493,21 +398,6 @@ class ControlPlane:
     async def push_all(self) -> None:
         for node_id in list(self.agent_links.links):
             await self.agent_links.push_desired_state(node_id)
-
-    # -- the gateways' part in a move and on the page ----------------------------------------
-
-    def _authority(self) -> dict[str, Any]:
-        info = self.ca.info()
-        return {
-            "common_name": info.common_name,
-            "fingerprint_sha256": info.fingerprint_sha256,
-            "not_after": info.not_after.isoformat(),
-        }
-
-    def _page_origins(self) -> frozenset[str]:
-        """Where the cluster page may be opened: the addresses server.toml gives this control
-        plane, with http_listen's port as bound (`page.page_origins`)."""
-        return page_origins(self.config.server, self._http_port, socket.gethostname())
 
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)
@@ -558,51 +448,3 @@ def freeze_start_objects() -> None:
     `[debug] measure_steps`), longer than a step may take (reliability.md). A process of its own
     only (`llmgw server`, `llmgw up`): it changes the collector for the whole process."""
     gc.freeze()
-
-
-async def serve_reload_on_sighup(
-    reload: Callable[[], Awaitable[Any]], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """SIGHUP reads server.toml again. Each reload's failure is its own: a bad file is said, a bug
-    is logged with its traceback, and the next SIGHUP is still received."""
-    with trio.open_signal_receiver(signal.SIGHUP) as signals:
-        task_status.started()
-        async for _ in signals:
-            try:
-                await reload()
-            except LlmgwError as exc:
-                log.error("reload_failed", reason=str(exc), kept="the running configuration")
-            except Exception:
-                log.exception("reload_failed", kept="the running configuration")
-
-
-def _restarts_metric(restarts: dict[str, int], leading: bool) -> str:
-    registry = MetricsRegistry()
-    family = registry.counter(
-        "llmgw_background_restarts_total",
-        "Times a background loop of the control plane was started again after a failure.",
-        ("task",),
-    )
-    for task, count in sorted(restarts.items()):
-        family.inc(count, task=task)
-    registry.gauge("llmgw_control_plane_leading", "Whether this control plane leads (1) or stands by (0).").set(
-        int(leading)
-    )
-    return registry.render()
-
-
-async def _cancel_at_stop(front: trio.CancelScope) -> None:
-    """When the control plane is cancelled, cancel its front first (`ControlPlane.serve`)."""
-    try:
-        await trio.sleep_forever()
-    finally:
-        front.cancel()
-
-
-async def _remove_on_exit(path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """A stopped server leaves no admin.url behind, so `llmgw ctl` says none is running."""
-    try:
-        task_status.started()
-        await trio.sleep_forever()
-    finally:
-        path.unlink(missing_ok=True)

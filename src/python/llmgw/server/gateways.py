@@ -1,6 +1,9 @@
-"""The control plane's side of its gateways: what serves `http_listen` (the front), and what the rest
-of the control plane asks of the gateways wherever they run.
+"""The control plane's side of its gateways: what they are told, what serves `http_listen` (the
+front), and what the rest of the control plane asks of the gateways wherever they run.
 
+- What they are told: the rotation (`endpoints`, `server.views.GatewayEndpoints`: the catalog's
+  models and the replicas ready now) and the valid API keys (`keys`, `server.keys.KeyRing`, their
+  one writer), sent over the gateway link to every instance (`feed`, `server.gatewayfeed`).
 - The front (`serve_front`): `gateway_workers` worker processes (`llmgw.server.workers.OwnGateway`,
   each a `llmgw gateway` worker linked to this control plane), or with 0 one gateway worker on
   this loop, its table fed in memory (`llmgw.server.inprocess`). Either way a request on
@@ -17,23 +20,29 @@ of the control plane asks of the gateways wherever they run.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import trio
 
-from llmgw.config import ServerConfig
+from llmgw.config import Model, ServerConfig
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.history import Totals, totals_of
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Handler
 from llmgw.log import get_logger
 from llmgw.pki.ca import CA
+from llmgw.server.asyncstore import AsyncStore
+from llmgw.server.changes import Changes
 from llmgw.server.gatewayfeed import GatewayFeed
 from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_workers
 from llmgw.server.inprocess import InProcessGateway
 from llmgw.server.keys import KeyRing
+from llmgw.server.registry import NodeRegistry
+from llmgw.server.replicas import Replicas
 from llmgw.server.views import GatewayEndpoints
 from llmgw.server.workers import OwnGateway
+from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
 
@@ -41,7 +50,8 @@ KEYS_REACH_S = 2.0  # a key made or revoked: the admin API answers once the work
 
 
 class Gateways:
-    """The front on `http_listen` and the gateways' part in moves, keys and figures."""
+    """The gateways' rotation, keys and link; the front on `http_listen`; their part in moves, keys
+    and figures."""
 
     def __init__(
         self,
@@ -50,25 +60,46 @@ class Gateways:
         workers: int,
         state_dir: Path,
         ca: CA,
-        endpoints: GatewayEndpoints,
-        keys: KeyRing,
-        feed: GatewayFeed,
+        store: AsyncStore,
+        registry: NodeRegistry,
+        replicas: Replicas,
+        models: Callable[[], Sequence[Model]],
+        retiring: Collection[str],
+        changes: Changes,
+        created: Mapping[str, float],
+        leading: Callable[[], bool],
+        redirect: Callable[[], w.Redirect] | None,
         plane_routes: Handler,
         connections: ConnectionStats,
     ) -> None:
         """`workers`: how many gateway worker processes serve `http_listen` (0: one worker on
-        this loop, `in_process`); `plane_routes`: the control plane's own routes, which that
-        worker answers the paths that are not the gateway's with. Does no I/O."""
+        this loop, `in_process`); `models()`, `retiring` and `created` are read at each use (the
+        catalog, the replicas a move takes out of rotation, when each model entered the catalog);
+        `leading()` and `redirect()`: the gateway link's, as the agent link's (`GatewayFeed`);
+        `plane_routes`: the control plane's own routes, which the worker on this loop answers
+        the paths that are not the gateway's with. Does no I/O."""
         self.config = config  # as read at start: `[server]`, `[gateway]`, `[http]` and `[ca]` are fixed
         self.workers = workers
         self.state_dir = state_dir
         self.ca = ca
-        self.feed = feed
+        self.endpoints = GatewayEndpoints(
+            registry=registry, replicas=replicas, models=models, retiring=retiring, changes=changes, created=created
+        )
+        self.keys = KeyRing(store)  # the API keys' one writer; the gateway on this loop reads its table
+        self.feed = GatewayFeed(
+            endpoints=self.endpoints,
+            keys=self.keys,
+            clock=registry.clock,  # a stall of the loop is not counted as a gateway's silence
+            heartbeat_interval_s=config.server.heartbeat_interval_s,
+            silence_timeout_s=config.server.heartbeat_ttl_s,
+            leading=leading,
+            redirect=redirect,
+        )
         self.in_process = (
             None
             if workers
             else InProcessGateway(
-                config, endpoints=endpoints, keys=keys, plane_routes=plane_routes, connections=connections
+                config, endpoints=self.endpoints, keys=self.keys, plane_routes=plane_routes, connections=connections
             )
         )
 
