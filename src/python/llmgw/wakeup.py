@@ -93,6 +93,8 @@ WAKEUPS: dict[str, str] = {
 # Events set once and never replaced, by where they live: why each is one.
 ONE_SHOT: dict[str, str] = {
     "llmgw.http.body.ConnectionBody.settled": "one request body: read whole or abandoned, once",
+    "llmgw.http.budget._Waiters.wait.event": "one wait for room in a body budget: its turn came, once (the "
+    "waiters are woken oldest first, one at a time, so each has its own)",
     "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
     "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
     "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
