@@ -7,12 +7,14 @@ GATEWAY_PATH (`llmgw.server.gatewayfeed`), for gateway certificates only; and th
 `GET RELEASE_PREFIX + NAME` (`llmgw.server.releases`), for any peer (a node fetching its release
 has no certificate yet). Its HTTP is the shared server's (`llmgw.http.server`, one request per
 connection): `AgentListener` routes each request by `route`; the mirror and the release files
-answer as ordinary handlers; the link's request is checked by
-`llmgw.wire.session.ServerSession.upgrade` (`upgrade_request` hands it over: the path, the node
-id, RFC 6455's opening handshake, all before any WebSocket handling), and the handler's
-`Upgrade` answer hands the connection to trio-websocket's public `wrap_server_stream`, which
-reads the request again from the bytes already read (`accept_link`, through
-`llmgw.linkio.LinkStream`). Refusals before the WebSocket are plain HTTP on that connection.
+answer as ordinary handlers; a link's request is checked by its session's `upgrade`
+(`llmgw.wire.agent_session.ServerSession`, `llmgw.wire.gateway_session.GatewayServerSession`;
+`upgrade_request` hands it over: the path, the peer's name, RFC 6455's opening handshake, all
+before any WebSocket handling), and the link runtime's `Upgrade` answer
+(`llmgw.server.linkserver`) hands the connection to trio-websocket's public
+`wrap_server_stream`, which reads the request again from the bytes already read (`accept_link`,
+through `llmgw.linkio.LinkStream`). Refusals before the WebSocket are plain HTTP on that
+connection.
 
 Why one port and not a listener of its own for the mirror: `node add`, agent.toml and the
 firewall rules in docs/security.md name one control-plane port for everything a node needs,

@@ -9,9 +9,10 @@ seat's last look at the lease):
 
 - the agent port, as a leader's (`agentlistener.AgentListener`: the same TLS, budgets and
   checks of the certificate): either link's upgrade and hello are judged as a leader judges
-  them, and the hello is answered with a `Redirect` naming the leader's agent port (its URL), then the
-  link is closed; the agent or gateway dials the leader next. The release files and the mirror's
-  archives are served as a leader serves them (they are files, not state).
+  them (`linkserver.StandbyEnd`), and the hello is answered with a `Redirect` naming the
+  leader's agent port (its URL), then the link is closed; the agent or gateway dials the leader
+  next. The release files and the mirror's archives are served as a leader serves them (they
+  are files, not state).
 - http_listen: the admin API (after the admin credential, as a leader checks it) answers 503
   with Retry-After and a JSON body naming the leader's admin URL (`not_leader`), which `llmgw
   ctl` follows; /health answers 503 "standby" (a load balancer sends nothing here), and the

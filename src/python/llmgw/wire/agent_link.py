@@ -11,7 +11,7 @@ restart without losing the other's work. `LinkError` is sent just before the sen
 
 PROTOCOL_VERSION changes whenever a message changes incompatibly; a peer speaking another
 version gets a `LinkError(code="protocol_version")` and the link is closed. The order of the
-messages is `llmgw.wire.session`'s.
+messages is `llmgw.wire.agent_session`'s.
 """
 
 from __future__ import annotations
