@@ -1,1 +1,1 @@
-"""The control plane: registry, scheduler, reconciler, agent endpoint, gateway, admin API."""
+"""The control plane: registry, scheduler, reconciler, agent port and links, gateway, admin API."""

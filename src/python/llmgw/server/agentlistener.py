@@ -201,7 +201,7 @@ class AgentListener:
             cert = cert_info_from_der(der) if der else None
             cn = cert.common_name if cert is not None else "-"
             await self.serve_peer(stream, cert, address, place=place, deadline=deadline)
-        except Exception:  # - one connection's failure must never stop the endpoint
+        except Exception:  # - one connection's failure must never stop the port
             self.stats.abort(LISTENER, "internal")
             log.exception("agent_link_failed", address=address, cn=cn)
         finally:

@@ -10,7 +10,7 @@ The index (which file holds which sha256) is disk work: a directory listing, a s
 file, and the sha256 of a whole archive for any file not named by its hash. It is never built
 on the trio loop: `refresh` builds it in a thread, reusing the hash of every file whose size,
 mtime and inode are unchanged (and the listing while the directory's mtime is), and
-`serve_index` refreshes it every INDEX_INTERVAL_S and tells the endpoint when the set changed.
+`serve_index` refreshes it every INDEX_INTERVAL_S and tells the agent port when the set changed.
 `available` and `path_for` read only the index as last built; a request for a hash it does not
 hold refreshes it once first, so a file dropped in is served at once. Partial downloads
 (`*.part`) and dot files are not archives.

@@ -77,6 +77,15 @@ class Port(Protocol):
         ...
 
 
+class Named(Protocol):
+    """A link's end as its log lines name it (`LinkServer`, `StandbyEnd`): the peer (`who`:
+    "agent", "gateway"; events such as `agent_refused`), the field for its CN, the logger."""
+
+    who: str
+    who_field: str
+    log: Logger
+
+
 @attrs.define(kw_only=True, eq=False)
 class ServedLink:
     """One peer's link, once its hello was taken: what the runtime needs of it; the adapter's
@@ -302,11 +311,11 @@ class LinkServer(Generic[L]):
 
 
 async def hello(
-    port: Port, ws: trio_websocket.WebSocketConnection, writer: linkio.Writer, cert: CertInfo, address: str, by: Any
+    port: Port, ws: trio_websocket.WebSocketConnection, writer: linkio.Writer, cert: CertInfo, address: str, by: Named
 ) -> Any | None:
     """The peer's hello, given to the session within HELLO_TIMEOUT_S: its event (the session
     queued its answer); None if it was refused (the peer told why, the port's refusal logged),
-    not sent in time, or the peer closed instead. `by`: the link's end (`who`, `log`)."""
+    not sent in time, or the peer closed instead. `by`: the link's end, for its log lines."""
     try:
         with trio.fail_after(HELLO_TIMEOUT_S):
             event = writer.session.receive(await ws.get_message())
@@ -329,12 +338,12 @@ async def hello(
 
 
 async def redirect_link(
-    port: Port, session: ServingSession, request: Request, cert: CertInfo, address: str, by: Any
+    port: Port, session: ServingSession, request: Request, cert: CertInfo, address: str, by: Named
 ) -> Upgrade:
     """A link's request to a control plane that does not lead: `session` (made with its
     `standby`) judges the upgrade with the store's word on the certificate, then the hello,
     which it answers with the Redirect; nothing is recorded and nothing else is sent. `by`: the
-    link's end (`who`, `log`), a leader's that leads no more or a standby's."""
+    link's end, a leader's that leads no more or a standby's."""
     try:
         session.upgrade(agentport.upgrade_request(request), await port.standing(cert))
     except UpgradeRefused as exc:

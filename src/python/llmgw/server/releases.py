@@ -15,7 +15,7 @@ plane serves"):
 
 The request names a file; it is looked up in that catalog by exact name and never joined to a
 path, so nothing outside the catalog can be named (no traversal). These are public files, served
-without a client certificate (a node has none yet when it fetches its release): the endpoint
+without a client certificate (a node has none yet when it fetches its release): the agent port
 admits a peer without one to this route alone (`handle` answers it). At most MAX_DOWNLOADS are
 sent at once, each write within the send deadline; the catalog (a directory read, perhaps a whole-file hash) is
 built off the loop at each request, reusing the hash of a file whose size, mtime and inode are

@@ -62,7 +62,7 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @attrs.frozen(kw_only=True)
 class Leader:
-    """Where the leader is, as a standby last read the lease: its agent endpoint and admin URL,
+    """Where the leader is, as a standby last read the lease: its agent port's URL and admin URL,
     "" while none is known (the lease has lapsed, or could not be read), and why not."""
 
     agent_url: str = ""
