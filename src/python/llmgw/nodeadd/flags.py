@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from llmgw.commands._options import add_ssh_options, default_known_hosts, resolve_server_paths
 from llmgw.errors import UsageError
 
-O = TypeVar("O")  # noqa: E741 - a flow's Options class
+OptionsT = TypeVar("OptionsT")  # a flow's Options class
 
 
 def add_flags(parser: argparse.ArgumentParser, *, machine: str, example: str, release_default: str) -> None:
@@ -88,7 +88,7 @@ def check_target(target: str) -> None:
     ssh.parse_target(target)
 
 
-def options_from(args: argparse.Namespace, cls: type[O], **fields: Any) -> O:
+def options_from(args: argparse.Namespace, cls: type[OptionsT], **fields: Any) -> OptionsT:
     """`cls` (a flow's Options) from the flags `add_flags` and `add_link_flags` gave, and the
     flow's own `fields`; the flags are checked before server.toml is read."""
     check_target(args.target)
