@@ -5,7 +5,8 @@ process of them started with automatic collection disabled (a `sitecustomize` on
 inherit, which also leaves a mark per process, checked, so the test knows it took).
 
 Against each listener — the gateway's chat route under eight keys, the admin routes without a
-credential (a gateway worker reads such a body before relaying it to the control plane), the
+credential (a gateway worker reads such a body, up to 64 KiB, before relaying it to the control
+plane), the
 agent port over TLS, the standalone gateway's chat route — `ROUNDS` rounds of `CONNECTIONS`
 connections at once each declare 8 MiB and drop their body at a stage (`testlib.drops`: the
 head only, part of a Content-Length body, part of a chunked body, in the middle of a chunk, and
@@ -242,7 +243,9 @@ def test_a_key_holding_bodies_slows_only_its_own_requests(live: Live, how: dict)
     hog, other = live.tokens[2], live.tokens[3]
     gateway = dict(port=live.http_port, path="/v1/chat/completions")
     admin = dict(port=live.http_port, path="/admin/v1/keys")
-    # The key, and a peer address without one on the keyless admin routes: each holds what it may.
+    # The key holds what it may; a peer address without one, on the keyless admin routes, holds
+    # nothing: the relay takes no more than the control plane's routes do (64 KiB) and refuses
+    # a larger body from its head.
     with (
         Holders(**gateway, token=hog, count=8, source="127.0.0.1", max_s=30, **how) as by_key,
         Holders(**admin, count=8, source="127.0.0.3", max_s=30, **how) as by_address,
@@ -255,11 +258,13 @@ def test_a_key_holding_bodies_slows_only_its_own_requests(live: Live, how: dict)
             took.append(time.monotonic() - started)
             assert status == 200, body
     assert max(took) < ANSWER_WITHIN_S, took
+    assert by_address.answers and all(
+        a.startswith(b"HTTP/1.1 413 ") and b"limit of 65536 bytes" in a for a in by_address.answers
+    ), [a[:120] for a in by_address.answers]
     if how["first"] > 1:
-        # Each of the two held its share and no more: its bodies past it waited their second,
-        # then were refused, saying what it held (the first to be refused its whole share: those
-        # refused at the same moment after it, less, as each refused one let go of its part).
-        for holders in (by_key, by_address):
-            shares = [held_by_client(a) for a in holders.answers if a.startswith(b"HTTP/1.1 503 ")]
-            assert shares and SHARE - (64 << 10) <= max(shares) <= SHARE, shares
+        # The key held its share and no more: its bodies past it waited their second or gave way
+        # to its older ones, refused saying what it held (the first to be refused its whole
+        # share: those refused at the same moment after it, less, as each let go of its part).
+        shares = [held_by_client(a) for a in by_key.answers if a.startswith(b"HTTP/1.1 503 ")]
+        assert shares and SHARE - (64 << 10) <= max(shares) <= SHARE, shares
     assert_serving(live)

@@ -51,12 +51,16 @@ import trio
 from llmgw.errors import cut
 from llmgw.h1 import END, NEED_DATA, ClosedBeforeResponse, Head, ProtocolError, ResponseParser, request_bytes
 from llmgw.http.errors import BodyAborted, HTTPError
+from llmgw.http.jsonbody import INLINE_MAX_BYTES
 from llmgw.http.messages import Headers, Request, Response, StreamingResponse
 from llmgw.http.unixsocket import connect_unix
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.relay")
 
+# The largest body relayed: what every route of the control plane takes at most (the admin API,
+# the page: `llmgw.http.jsonbody.read_json`).
+RELAYED_BODY_MAX_BYTES = INLINE_MAX_BYTES
 # The address of the client the relay serves, for the control plane's log lines and limits.
 CLIENT_HEADER = "x-llmgw-client"
 RECEIVE_SIZE = 65536
@@ -181,7 +185,10 @@ class Relay:
         return HTTPError(502, f"the control plane's answer on {where} was broken: {failed.why}; {STILL_SERVING}")
 
     async def _relay(self, request: Request) -> Response | StreamingResponse:
-        body = await request.read()  # first: a slow client holds no connection to the control plane
+        # First: a slow client holds no connection to the control plane. No more than the
+        # control plane's routes take (`read_json`): a body read before any credential is checked
+        # is small, whoever sends it.
+        body = await request.read(limit=RELAYED_BODY_MAX_BYTES)
         upstream = await self._connect(request.method)
         try:
             await upstream.send(request_head(request, body) + body)
