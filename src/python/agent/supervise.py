@@ -5,25 +5,22 @@ It runs one child (`llmgw agent run --config ...`) with stdin from /dev/null and
 stderr appended to the log file, starts it again after it exits (`CHILD_BACKOFF`), and
 on SIGTERM or SIGINT stops it (SIGTERM, then SIGKILL to its process group after 10 s) and exits 0.
 
+Its parts: the pid file, locked while a supervisor runs (`agent.supervise_pidfile`), and
+detaching with `--daemon` (`agent.supervise_detach`); here the child's loop and the two commands.
+
 Invariants:
-- The pid file's exclusive flock is held exactly while a supervisor runs; the kernel drops it
-  when the process dies, however it dies. So the lock, not the number written in the file, says
-  whether a supervisor runs, and `stop` signals a pid only while its lock is held: a stale file
-  left by a killed supervisor never gets an unrelated process (which reused the pid) killed.
+- The lock, not the number written in the pid file, says whether a supervisor runs
+  (`supervise_pidfile`): `stop` signals a pid only while its lock is held.
 - The lock is taken before detaching (`--daemon`), so a refusal is an ordinary error at the
-  caller's terminal; flock locks belong to the open file description, which the daemon shares
-  through fork and keeps when the original process exits.
+  caller's terminal; the daemon keeps it through fork.
 - Paths and the child's command are made absolute before detaching: the daemon runs in `/`.
-- The daemon holds none of the caller's stdin, stdout or stderr (an SSH channel closes at once),
-  and it reports "ready" (pid written, signal handlers in place) through a pipe the original
+- The daemon reports "ready" (pid written, signal handlers in place) through a pipe the original
   process waits on, bounded.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import select
 import shlex
 import signal
 import subprocess
@@ -36,6 +33,8 @@ from typing import TextIO
 import attrs
 import trio
 
+from agent.supervise_detach import ReadyPipe, detach, wait_ready
+from agent.supervise_pidfile import PidFile, holder
 from llmgw import log as llmgw_log
 from llmgw.backoff import Backoff, Failures
 from llmgw.errors import MachineError
@@ -91,109 +90,6 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
     if env.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
     return env
-
-
-# -- the pid file ----------------------------------------------------------------------------
-
-
-def _read_pid(fd: int) -> int | None:
-    text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-    return int(text) if text.isdigit() else None
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-class PidFile:
-    """The supervisor's pid file, held open and exclusively locked.
-
-    Nothing here unlocks on garbage collection: after `--daemon` forks, the original process
-    simply exits and the daemon keeps the lock.
-    """
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self.fd = fd
-
-    @classmethod
-    def acquire(cls, path: Path) -> PidFile:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise MachineError(
-                f"cannot create {path.parent} for the pid file: {exc.strerror}; "
-                "run as a user who may, or pass --pid-file in a directory you can write"
-            ) from None
-        # A supervisor that is stopping unlinks its file: if that happens between our open and
-        # our lock, we hold a lock on a file nobody else will see. Open again then.
-        for _ in range(5):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise MachineError(
-                    f"cannot open the pid file {path}: {exc.strerror}; pass --pid-file in a directory you can write"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = _read_pid(fd)
-                os.close(fd)
-                who = f"pid {pid}" if pid else "its pid not written yet"
-                raise MachineError(
-                    f"an agent supervisor already runs with the pid file {path} ({who}); "
-                    f"stop it first with `llmgw agent stop --pid-file {path}`, or use another --pid-file"
-                ) from None
-            if _same_file(fd, path):
-                os.ftruncate(fd, 0)
-                try:
-                    os.fchmod(fd, 0o644)  # whatever the umask said
-                except PermissionError:
-                    pass  # someone else's file that we may write: leave its mode alone
-                return cls(path, fd)
-            os.close(fd)
-        raise MachineError(f"the pid file {path} keeps being replaced while it is locked; try again")
-
-    def write_pid(self, pid: int) -> None:
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{pid}\n".encode(), 0)
-
-    def release(self) -> None:
-        if _same_file(self.fd, self.path):
-            self.path.unlink(missing_ok=True)
-        os.close(self.fd)  # the last descriptor of the description: the lock goes with it
-
-
-@attrs.frozen
-class Holder:
-    """Who holds a pid file: `locked` while a supervisor runs; `pid` what the file says."""
-
-    exists: bool
-    locked: bool
-    pid: int | None
-
-
-def holder(path: Path) -> Holder:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return Holder(exists=False, locked=False, pid=None)
-    except OSError as exc:
-        raise MachineError(f"cannot read the pid file {path}: {exc.strerror}; run as its owner or root") from None
-    try:
-        pid = _read_pid(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return Holder(exists=True, locked=True, pid=pid)
-        return Holder(exists=True, locked=False, pid=pid)
-    finally:
-        os.close(fd)
 
 
 # -- the child -------------------------------------------------------------------------------
@@ -291,86 +187,6 @@ async def _supervise(spec: Spec, pid_file: PidFile, log_fd: int, ready: Callable
     log.info("supervisor_stopped", pid=os.getpid())
 
 
-# -- detaching -------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Detached:
-    """One side of `_detach`: the original process reads the ready pipe, the daemon writes it."""
-
-    original: bool
-    fd: int
-
-
-def _detach(log_fd: int) -> Detached:
-    """Fork, setsid, fork: the daemon has no controlling terminal and is no session leader."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    middle = os.fork()
-    if middle:
-        os.close(write_end)
-        os.waitpid(middle, 0)  # it exits as soon as it has forked the daemon
-        return Detached(original=True, fd=read_end)
-    try:
-        os.close(read_end)
-        os.setsid()
-        if os.fork():
-            os._exit(0)
-        os.chdir("/")
-        os.umask(0o022)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        # The caller's stdout and stderr (an SSH channel, a test's pipes) are let go here.
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-    except BaseException:  # noqa: BLE001 - a forked child must never unwind into its parent's code
-        os._exit(1)  # the original reads end of file and says the daemon did not start
-    return Detached(original=False, fd=write_end)
-
-
-class _ReadyPipe:
-    """The daemon's end of the ready pipe: its pid once it runs, or why it could not start."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd: int | None = fd
-
-    def send(self, text: str) -> None:
-        if self.fd is None:
-            return
-        try:
-            os.write(self.fd, text.encode()[:4000])
-        except OSError:
-            pass  # the caller gave up waiting (and said so); the pid file still tells the truth
-        finally:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _wait_ready(read_end: int, spec: Spec, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    data = b""
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                raise MachineError(
-                    f"the agent supervisor did not say it runs within {timeout_s:g} s; see {spec.log_file}, and "
-                    f"stop it with `llmgw agent stop --pid-file {spec.pid_file}` before starting it again"
-                )
-            chunk = os.read(read_end, 4096)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(read_end)
-    text = data.decode(errors="replace").strip()
-    if text.isdigit():
-        return int(text)
-    raise MachineError(f"the agent supervisor did not start: {text or 'it exited at once'}; see {spec.log_file}")
-
-
 # -- the commands ----------------------------------------------------------------------------
 
 
@@ -402,14 +218,14 @@ def run(
     except BaseException:
         os.close(log_fd)
         raise
-    pipe: _ReadyPipe | None = None
+    pipe: ReadyPipe | None = None
     if daemon:
-        side = _detach(log_fd)
+        side = detach(log_fd)
         if side.original:
-            pid = _wait_ready(side.fd, spec, ready_timeout_s)
+            pid = wait_ready(side.fd, timeout_s=ready_timeout_s, log_file=spec.log_file, pid_file=spec.pid_file)
             print(f"agent supervisor started, pid {pid}, log {spec.log_file}", file=out, flush=True)
             return 0
-        pipe = _ReadyPipe(side.fd)
+        pipe = ReadyPipe(side.fd)
 
     def ready(pid: int) -> None:
         if pipe is not None:
