@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from agent.engines import wanted_from
-from agent.install import build as b
 from agent.install.errors import NoSourceForNode
 from agent.install.installer import ArchiveSource, BuildSource
+from agent.install.toolchain import BuildTools
 from agent.main import run_agent
 from llmgw.config import AgentConfig, EngineArchive, EngineSource, EnginesSection
 from llmgw.errors import LlmgwError
@@ -162,7 +162,7 @@ RELEASED = w.EngineArchive(
     release="llama.cpp-b11434-linux-amd64.tar.gz",
 )
 SOURCE = w.EngineBuild(url="https://x/src.tgz", sha256="b" * 64)
-ALL_TOOLS = b.BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
+ALL_TOOLS = BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
 BASE = "https://10.0.0.1:7443"
 
 
@@ -183,10 +183,10 @@ def test_a_gpu_node_builds_for_cuda_where_it_can_and_else_runs_the_releases_cpu_
     config = AgentConfig(server="wss://x:1")
     cuda = wanted_from(want, config, "x86_64", True, tools=ALL_TOOLS, release_base=BASE).source
     assert isinstance(cuda, BuildSource) and cuda.gpu
-    no_cmake = b.BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
+    no_cmake = BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
     cpu = wanted_from(want, config, "x86_64", True, tools=no_cmake, release_base=BASE).source
     assert isinstance(cpu, ArchiveSource) and cpu.url.endswith(RELEASED.release)
-    no_nvcc = wanted_from(want, config, "x86_64", True, tools=b.BuildTools(), release_base=BASE).source
+    no_nvcc = wanted_from(want, config, "x86_64", True, tools=BuildTools(), release_base=BASE).source
     assert isinstance(no_nvcc, ArchiveSource)  # no CUDA build to make: the release's CPU build
     # A configured archive that fits wins over both; without any source the node has none.
     named = w.EngineArchive(arch="x86_64", backend="cpu", url="https://x/cpu.tgz", sha256="a" * 64, binary="b")

@@ -19,7 +19,7 @@ import attrs
 from agent.discovery import cpu as cpumod
 from agent.discovery import fabrics, gpus, infiniband
 from agent.discovery.snapshot import DEFAULT_SYSTEMD_DIR, Snapshot
-from agent.install import build
+from agent.install import toolchain
 from llmgw.config import FabricDecl
 from llmgw.wire import agent_link as w
 
@@ -110,7 +110,7 @@ def check_llamacpp_build(snap: Snapshot) -> Check:
             "source where it needs to (a CUDA build, an architecture the release does not cover)",
         )
     missing = ", ".join(snap.build_missing)
-    fix = f"`sudo {build.install_hint_for(snap.os_family)}`" if snap.os_family else build.install_hint_for("")
+    fix = f"`sudo {toolchain.install_hint_for(snap.os_family)}`" if snap.os_family else toolchain.install_hint_for("")
     if snap.arch not in ("x86_64", "aarch64"):
         return Check(
             name=name,

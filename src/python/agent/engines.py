@@ -32,7 +32,6 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from agent.install import build as b
 from agent.install import noderelease
 from agent.install.errors import BuildToolsMissing, EngineCheckFailed, NoSourceForNode
 from agent.install.installer import (
@@ -44,6 +43,7 @@ from agent.install.installer import (
     check_runs,
     llama_cpu_backend,
 )
+from agent.install.toolchain import BuildTools, probe_tools, which_on
 from agent.progress import Latest, serve_progress
 from llmgw.config import AgentConfig
 from llmgw.engines.wants import pick_archive, release_archive
@@ -57,7 +57,7 @@ log = get_logger("llmgw.agent.engines")
 RETRY_S = 300.0
 FLAG_CHECKED = ("vllm", "sglang")  # pip-installed engines whose help is checked before they are offered
 SGLANG_CHECK = ("-c", "import sglang, sys; print(sglang.__version__)")
-NO_TOOLS = b.BuildTools(missing=("(not looked for)",))
+NO_TOOLS = BuildTools(missing=("(not looked for)",))
 # Not a fault of the install: this node lacks what the engine's source needs here, or no source
 # fits it. Reported as unavailable (the node serves what else it has) and tried again.
 UNAVAILABLE = (BuildToolsMissing, NoSourceForNode)
@@ -69,7 +69,7 @@ def wanted_from(
     arch: str,
     has_gpu: bool,
     *,
-    tools: b.BuildTools = NO_TOOLS,
+    tools: BuildTools = NO_TOOLS,
     release_base: str = "",
     node_release: noderelease.NodeRelease | None = None,
 ) -> Wanted:
@@ -284,7 +284,7 @@ async def _reconcile(
 ) -> None:
     host = urlsplit(server_url)
     base = f"https://{host.hostname}:{host.port}"  # the control plane's agent port: mirror and release
-    tools = b.probe_tools(b.which_on(os.environ.get("PATH", os.defpath)))
+    tools = probe_tools(which_on(os.environ.get("PATH", os.defpath)))
     here = await trio.to_thread.run_sync(noderelease.read, Path(config.state_dir))
     for want in state.engines:
         try:

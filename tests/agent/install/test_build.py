@@ -1,6 +1,7 @@
 """agent.install.build's decisions, alone: progress from ninja's and make's status lines, the job
-count from cores and memory, the tools a build needs and the packages that bring them, which
-recipe (the release's portable one, or the node's own), CMake's options, the cache key, and the blame of a failed build from the text its log ends with
+count from cores and memory, the tools a build needs and the packages that bring them
+(agent.install.toolchain), which recipe (the release's portable one, or the node's own), CMake's
+options, the cache key, and the blame of a failed build from the text its log ends with
 (recorded from real runs: CMake on a PATH without compilers, g++ killed for memory)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from agent.install import build as b
 from agent.install.archive import Member
 from agent.install.errors import BadSource, BuildFailed, BuildOutOfMemory, BuildToolsMissing
+from agent.install.toolchain import Toolchain, find_toolchain, install_hint
 from llmgw import llamarecipe
 
 GIB = 1 << 30
@@ -111,11 +113,11 @@ def test_nvcc_builds_count_2_gib_a_job_and_meminfo_is_read_in_kib() -> None:
     ],
 )
 def test_the_install_hint_follows_os_release(os_release: str, command: str) -> None:
-    assert b.install_hint(os_release) == command
+    assert install_hint(os_release) == command
 
 
 def test_an_unknown_distribution_is_given_both_families_commands() -> None:
-    hint = b.install_hint("ID=plan9\n")
+    hint = install_hint("ID=plan9\n")
     assert "apt-get install build-essential cmake" in hint and "dnf install gcc-c++ cmake make" in hint
 
 
@@ -125,7 +127,7 @@ def tools(*present: str):
 
 def test_missing_tools_are_named_with_the_packages_that_bring_them() -> None:
     with pytest.raises(BuildToolsMissing) as info:
-        b.find_toolchain(tools("make", "nice"), ROCKY, "/usr/local/bin:/usr/bin")
+        find_toolchain(tools("make", "nice"), ROCKY, "/usr/local/bin:/usr/bin")
     message = str(info.value)
     assert "no a C compiler" not in message  # reads as a list
     assert "a C compiler (cc, gcc or clang)" in message and "a C++ compiler (c++, g++ or clang++)" in message
@@ -135,17 +137,17 @@ def test_missing_tools_are_named_with_the_packages_that_bring_them() -> None:
 
 
 def test_ninja_is_preferred_make_is_enough_and_nvcc_is_found() -> None:
-    full = b.find_toolchain(tools("cc", "c++", "cmake", "ninja", "make", "nice", "nvcc"), DEBIAN, "/usr/bin")
+    full = find_toolchain(tools("cc", "c++", "cmake", "ninja", "make", "nice", "nvcc"), DEBIAN, "/usr/bin")
     assert (full.generator, full.nvcc, full.nice) == ("Ninja", "/usr/bin/nvcc", "/usr/bin/nice")
-    bare = b.find_toolchain(tools("gcc", "g++", "cmake", "make"), DEBIAN, "/usr/bin")
+    bare = find_toolchain(tools("gcc", "g++", "cmake", "make"), DEBIAN, "/usr/bin")
     assert bare.generator == "Unix Makefiles" and bare.nice == ""
 
 
 def test_the_compilers_are_named_as_the_release_names_them_where_the_node_has_them() -> None:
-    debian = b.find_toolchain(tools("gcc", "g++", "cc", "c++", "cmake", "ninja"), DEBIAN, "/usr/bin")
+    debian = find_toolchain(tools("gcc", "g++", "cc", "c++", "cmake", "ninja"), DEBIAN, "/usr/bin")
     assert (debian.cc, debian.cxx) == ("gcc", "g++")  # names, not paths: they go into the recipe's key
     assert b.portable_toolchain(debian, "amd64") == llamarecipe.toolchain("amd64", "amd64")
-    clang = b.find_toolchain(tools("clang", "clang++", "cmake", "make"), DEBIAN, "/usr/bin")
+    clang = find_toolchain(tools("clang", "clang++", "cmake", "make"), DEBIAN, "/usr/bin")
     assert (clang.cc, clang.cxx) == ("clang", "clang++")
 
 
@@ -168,11 +170,11 @@ def test_a_portable_build_is_dated_by_its_sources_newest_member() -> None:
     assert b.source_epoch([member(5), member(1_700_000_000), member(7)]) == 1_700_000_000
     assert b.source_epoch([]) == 0
     with pytest.raises(BuildToolsMissing, match=r"make \(or ninja\)"):
-        b.find_toolchain(tools("cc", "c++", "cmake"), DEBIAN, "/usr/bin")
+        find_toolchain(tools("cc", "c++", "cmake"), DEBIAN, "/usr/bin")
 
 
 def test_a_nodes_own_build_is_native_static_server_only_and_cuda_only_when_asked() -> None:
-    toolchain = b.Toolchain(cmake="/usr/bin/cmake", generator="Ninja", nvcc="/usr/local/cuda/bin/nvcc")
+    toolchain = Toolchain(cmake="/usr/bin/cmake", generator="Ninja", nvcc="/usr/local/cuda/bin/nvcc")
     cpu = b.configure_args(toolchain, cuda=False, version="b11434")
     assert cpu[:2] == ["-G", "Ninja"]
     for option in ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF"):

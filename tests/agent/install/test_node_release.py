@@ -15,10 +15,10 @@ import pytest
 import trio
 
 from agent.engines import wanted_from
-from agent.install import build as b
 from agent.install import noderelease
 from agent.install.errors import DownloadError
 from agent.install.installer import ArchiveSource, BuildSource, EngineStore, Wanted
+from agent.install.toolchain import BuildTools
 from llmgw.config import AgentConfig
 from llmgw.wire import agent_link as w
 from testlib.proc import build_root
@@ -37,7 +37,7 @@ RELEASED = w.EngineArchive(
     release=AMD,
 )
 SOURCE = w.EngineBuild(url="https://x/src.tgz", sha256="b" * 64)
-ALL_TOOLS = b.BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
+ALL_TOOLS = BuildTools(nvcc="/usr/local/cuda/bin/nvcc")
 
 
 def llama_archive(stem: str) -> bytes:
@@ -114,7 +114,7 @@ def test_the_release_node_add_installed_comes_before_the_control_planes_and_a_bu
     assert wanted_from(mine, CONFIG, "x86_64", False, node_release=here).source.url == "https://x/cpu.tgz"
     cuda = wanted_from(want, CONFIG, "x86_64", True, tools=ALL_TOOLS, node_release=here).source
     assert isinstance(cuda, BuildSource) and cuda.gpu
-    no_cmake = b.BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
+    no_cmake = BuildTools(missing=("cmake",), nvcc="/usr/local/cuda/bin/nvcc")
     cpu = wanted_from(w.EngineWant(name="llamacpp", version="b11434", build=SOURCE), CONFIG, "x86_64", True,
                       tools=no_cmake, node_release=here).source  # fmt: skip
     assert isinstance(cpu, ArchiveSource) and cpu.local  # no CUDA build to make: the release's CPU build

@@ -21,7 +21,7 @@ import attrs
 
 from agent.discovery import cpu, gpus, infiniband, system
 from agent.discovery.tools import DEFAULT_TIMEOUT_S
-from agent.install import build
+from agent.install import toolchain
 from llmgw import config
 
 DEFAULT_PROC_ROOT = "/proc"
@@ -83,7 +83,9 @@ class Snapshot:
 
 def discover(src: Sources) -> Snapshot:
     pci = gpus.read_nvidia_pci(src.pci_root)
-    tools = build.probe_tools(build.which_on(src.path if src.path is not None else os.environ.get("PATH", os.defpath)))
+    tools = toolchain.probe_tools(
+        toolchain.which_on(src.path if src.path is not None else os.environ.get("PATH", os.defpath))
+    )
     return Snapshot(
         hostname=socket.gethostname(),
         os=system.os_name(src.os_release),

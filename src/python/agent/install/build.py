@@ -17,10 +17,11 @@ keeps; compile progress ("[12/345]" from ninja, "[ 40%]" from make) is reported 
 The build gives the files to install, flat: llama-server, and for the portable recipe its shared
 libraries (with their soname links) and llama.cpp's LICENSE.
 
-The decisions are pure and tested alone: which tools are missing and which packages bring
-them (`find_toolchain`, `install_hint`), how many jobs (`job_count`: the cores, and about 1 GiB
-of available memory a job, 2 for nvcc), which recipe (`portable_arch`), what CMake is told, how
-a failure is blamed (`classify`), and the key a finished build is cached under.
+The tools it runs with are found first (`agent.install.toolchain`: a `Toolchain`, or what is
+missing and the command that installs it). The decisions are pure and tested alone: how many
+jobs (`job_count`: the cores, and about 1 GiB of available memory a job, 2 for nvcc), which
+recipe (`portable_arch`), what CMake is told, how a failure is blamed (`classify`), and the key
+a finished build is cached under.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import tarfile
@@ -42,6 +42,7 @@ import trio
 
 from agent.install.archive import Limits, Member
 from agent.install.errors import BadSource, BuildFailed, BuildOutOfMemory, BuildToolsMissing
+from agent.install.toolchain import Toolchain, install_hint
 from agent.install.unpack import unpack
 from llmgw import llamarecipe
 from llmgw.errors import LlmgwError
@@ -53,116 +54,11 @@ GIB = 1 << 30
 TARGET = llamarecipe.SERVER
 TAIL_LINES = 20
 TOOL_TIMEOUT_S = 60.0
-NVCC_PLACES = ("/usr/local/cuda/bin/nvcc",)  # where the CUDA toolkit installs it, often off PATH
 
 Progress = Callable[[str, "int | None"], None]  # (phase, percent or None)
 
 
 # -- decisions -------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Toolchain:
-    cmake: str
-    generator: str  # "Ninja" or "Unix Makefiles"
-    nvcc: str = ""  # "" when this node has none
-    nice: str = ""  # "" when this node has none: the build then runs at the agent's priority
-    # The compilers' names (looked up on PATH, as the portable recipe names them): the release's
-    # gcc and g++ where the node has them.
-    cc: str = "gcc"
-    cxx: str = "g++"
-
-
-@attrs.frozen(kw_only=True)
-class BuildTools:
-    """What this node has for a build, before one is chosen: the agent picks a CUDA build only
-    where it can run (agent.engines)."""
-
-    missing: tuple[str, ...] = ()  # what find_toolchain would name
-    nvcc: str = ""
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing
-
-
-C_COMPILERS = ("gcc", "cc", "clang")  # preferred first: gcc is the release's
-CXX_COMPILERS = ("g++", "c++", "clang++")
-
-
-def missing_tools(which: Callable[[str], str | None]) -> list[str]:
-    """What a build needs and `which` does not find, as people name it."""
-    missing = []
-    if not any(which(c) for c in C_COMPILERS):
-        missing.append("a C compiler (cc, gcc or clang)")
-    if not any(which(c) for c in CXX_COMPILERS):
-        missing.append("a C++ compiler (c++, g++ or clang++)")
-    if not which("cmake"):
-        missing.append("cmake")
-    if not (which("ninja") or which("ninja-build") or which("make")):
-        missing.append("make (or ninja)")
-    return missing
-
-
-def find_nvcc(which: Callable[[str], str | None]) -> str:
-    return which("nvcc") or next((p for p in NVCC_PLACES if os.access(p, os.X_OK)), "")
-
-
-def probe_tools(which: Callable[[str], str | None]) -> BuildTools:
-    return BuildTools(missing=tuple(missing_tools(which)), nvcc=find_nvcc(which))
-
-
-def find_toolchain(which: Callable[[str], str | None], os_release: str, path: str) -> Toolchain:
-    """The tools a build needs, found with `which`; BuildToolsMissing names what to install."""
-    missing = missing_tools(which)
-    cmake = which("cmake")
-    ninja = which("ninja") or which("ninja-build")
-    if missing:
-        raise BuildToolsMissing(
-            f"this node cannot build llama.cpp: missing on the agent's PATH ({path}): {', '.join(missing)}; "
-            f"install them: {install_hint(os_release)}; then the agent builds it at its next try (or restart "
-            "it). Or give the control plane the release's llama.cpp archive for this architecture (in its "
-            "[release] dir), or [engines.llamacpp] a prebuilt archive for this node in server.toml, or name an "
-            "installed llama-server with `llamacpp_bin` in agent.toml"
-        )
-    return Toolchain(
-        cmake=str(cmake),
-        generator="Ninja" if ninja else "Unix Makefiles",
-        nvcc=find_nvcc(which),
-        nice=which("nice") or "",
-        cc=next(c for c in C_COMPILERS if which(c)),
-        cxx=next(c for c in CXX_COMPILERS if which(c)),
-    )
-
-
-_DEBIAN = "apt-get install build-essential cmake"
-_RHEL = "dnf install gcc-c++ cmake make"
-
-
-def install_hint_for(os_family: str) -> str:
-    """The install command for doctor's OS family ("debian", "rhel", or "": both)."""
-    return {"debian": _DEBIAN, "rhel": _RHEL}.get(
-        os_family
-    ) or f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
-
-
-def install_hint(os_release: str) -> str:
-    """The install command for this distribution (from /etc/os-release's ID and ID_LIKE)."""
-    fields = {}
-    for line in os_release.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            fields[key.strip()] = value.strip().strip("\"'").lower()
-    family = {fields.get("ID", ""), *fields.get("ID_LIKE", "").split()}
-    if family & {"debian", "ubuntu"}:
-        return _DEBIAN
-    if family & {"rhel", "fedora", "centos", "rocky", "almalinux"}:
-        return _RHEL
-    if family & {"suse", "opensuse", "sles"}:
-        return "zypper install gcc-c++ cmake make"
-    if "alpine" in family:
-        return "apk add build-base cmake"
-    return f"`{_DEBIAN}` on Debian or Ubuntu, `{_RHEL}` on the RHEL family"
 
 
 def job_count(cores: int, mem_available: int | None, *, override: int = 0, per_job: int = GIB) -> int:
@@ -512,7 +408,3 @@ def read_text(path: str) -> str:
         return Path(path).read_text(errors="replace")
     except OSError:
         return ""
-
-
-def which_on(path: str) -> Callable[[str], str | None]:
-    return lambda name: shutil.which(name, path=path)

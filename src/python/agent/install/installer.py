@@ -41,6 +41,7 @@ from agent.install.archive import Limits
 from agent.install.errors import BadSource, DownloadError, EngineCheckFailed, PipInstallFailed
 from agent.install.flags import HELP_TIMEOUT_S, help_run, judge_help
 from agent.install.plan import ArchiveSource, BuildSource, Installed, OnProgress, PipSource, Wanted
+from agent.install.toolchain import find_toolchain, which_on
 from agent.install.unpack import unpack
 from llmgw import llamarecipe
 from llmgw.download import Progress, archive_cap, fetch, sha256_of
@@ -219,7 +220,7 @@ class EngineStore:
         check it, and move it into `version_dir`'s bin/ (with its libraries, for the portable recipe)."""
         path = os.environ.get("PATH", os.defpath)
         os_release = b.read_text("/etc/os-release")
-        toolchain = b.find_toolchain(b.which_on(path), os_release, path)  # before any download: fail fast
+        toolchain = find_toolchain(which_on(path), os_release, path)  # before any download: fail fast
         cuda = source.gpu and bool(toolchain.nvcc)
         if source.gpu and not cuda:
             log.warning(
