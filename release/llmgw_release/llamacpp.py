@@ -10,7 +10,7 @@ the build checks every object against it.
 
 Here: the checks on what goes in (ELF machine, needed libraries, RUNPATH) and the archive's
 bytes: sorted members, one mtime, uid/gid 0, fixed modes, gzip without a name or time, so the
-same files give the same bytes. llamabuild.py does the I/O.
+same files give the same bytes. llamabuild.py and llamacompile.py do the I/O.
 
 Standard library only, CPython 3.9+: tools/testenv/prepare.py runs the build with the
 interpreter Pants runs on, before Pants starts.
