@@ -1,5 +1,9 @@
-"""Values made up for JSON schemas, deterministically: the sim engine's answer to
-`response_format: json_schema` and its tool calls' arguments. Pure.
+"""One thing: the generator's walk of a schema, whose kinds call each other through one output.
+
+Values made up for JSON schemas, deterministically: the sim engine's answer to
+`response_format: json_schema` and its tool calls' arguments. Pure. Objects, arrays, branches and
+scalars recurse into each other and share one output, one budget and one set of caches, so
+they stay one class; what a schema object says is read and checked apart, in `schemaplans`.
 
 `generate` walks a schema as clients send them — pydantic's `model_json_schema()` (`$defs` and
 `$ref`, `anyOf` with null for `Optional`, `prefixItems` for tuples, `enum`/`const` for Enum and
@@ -52,10 +56,10 @@ from llmgw.simengine.schemaplans import (
     SCALARS,
     array_plan,
     check_keywords,
-    count,
     number_plan,
     object_plan,
     refused,
+    string_plan,
     types_of,
 )
 from llmgw.simengine.text import WORDS, digest_from
@@ -436,16 +440,7 @@ class _Generator:
     def string(self, schema: dict[str, Any], at: str, minimal: bool) -> None:
         plan = self.plans.get((id(schema), "string"))
         if plan is None:
-            fmt = schema.get("format")
-            if fmt is not None and fmt not in FORMATS:
-                raise refused(
-                    f"{at}/format",
-                    f"'format' {show(fmt)} is not supported: the sim engine makes {', '.join(FORMATS)}",
-                )
-            low, high = count(schema, "minLength", at, 0), count(schema, "maxLength", at, None)
-            if high is not None and high < low:
-                raise refused(f"{at}/maxLength", f"'maxLength' {high} is less than 'minLength' {low}")
-            plan = self.plans[(id(schema), "string")] = (fmt, low, high)
+            plan = self.plans[(id(schema), "string")] = string_plan(schema, at)
         fmt, low, high = plan
         d = self.digest()
         if fmt is not None:

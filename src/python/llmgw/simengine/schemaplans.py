@@ -1,9 +1,9 @@
-"""What a JSON schema says, read and checked for the generator in `schema`: the keywords it
-knows (and those it refuses, with why), the `format`s it makes an example of, and what a value of
-one schema object may be — an object's properties, an array's items, a number's range — as a
-plan. Pure; each function reads one schema object (never following a `$ref`), and `schema` caches
-what it returns by that object's identity. A bad or unsupported keyword raises `SchemaRefused`
-naming it and its JSON pointer.
+"""What a JSON schema says, read and checked for the generator in `schema`: the keywords it knows
+(and those it refuses, with why), the `format`s it makes an example of, and what a value of one
+schema object may be — an object's properties, an array's items, a string's format and length, a
+number's range — as a plan. Pure; each function reads one schema object (never following a `$ref`),
+and `schema` caches what it returns by that object's identity. A bad or unsupported keyword raises
+`SchemaRefused` naming it and its JSON pointer.
 """
 
 from __future__ import annotations
@@ -298,6 +298,21 @@ def count(schema: dict[str, Any], key: str, at: str, default: int | None) -> Any
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise refused(f"{at}/{key}", f"'{key}' must be a whole number, 0 or more, got {show(value)}")
     return value
+
+
+def string_plan(schema: dict[str, Any], at: str) -> tuple[Any, int, int | None]:
+    """What a string of `schema` may be, checked: its `format` (None: words), minLength and
+    maxLength (None: no bound)."""
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise refused(
+            f"{at}/format",
+            f"'format' {show(fmt)} is not supported: the sim engine makes {', '.join(FORMATS)}",
+        )
+    low, high = count(schema, "minLength", at, 0), count(schema, "maxLength", at, None)
+    if high is not None and high < low:
+        raise refused(f"{at}/maxLength", f"'maxLength' {high} is less than 'minLength' {low}")
+    return fmt, low, high
 
 
 def number_plan(schema: dict[str, Any], at: str, integer: bool) -> tuple[Any, ...]:
