@@ -238,7 +238,7 @@ async def test_an_engine_that_stops_answering_after_ready_is_restarted(
     # A real hang: the engine process is stopped (SIGSTOP), so it holds its port and answers nothing.
     caplog.set_level(logging.INFO)
     sup = make_supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.2), liveness=(0.2, 0.3, 3))
-    sup.life.stop_timeout_s = 1.0  # deaf to SIGTERM while stopped: killed after this
+    sup.life.watch.stop_timeout_s = 1.0  # deaf to SIGTERM while stopped: killed after this
     await nursery.start(sup.serve)
     sup.assign((sim(),))
     ready = await sup_reaches(sup, in_state(w.READY), "ready")
@@ -451,7 +451,7 @@ async def test_an_adopted_engine_is_ready_in_the_first_report_probed_and_restart
             while not await trio.to_thread.run_sync(serves, port):
                 await trio.sleep(0.05)
         sup = make_supervisor(tmp_path, backoff=attrs.evolve(RESTART_BACKOFF, first_s=0.2), liveness=(0.2, 0.3, 3))
-        sup.life.stop_timeout_s = 1.0
+        sup.life.watch.stop_timeout_s = 1.0
         await nursery.start(sup.serve)
         # Started, the supervisor has probed it: the hello would say ready, with its pid and port.
         [first] = sup.statuses()

@@ -10,7 +10,7 @@ reachable on the node's other networks.
 The address is known from the first connect on, and kept while the link is down. An engine
 keeps the address it was started with for as long as it runs; only a start (first, or after
 an exit) takes the current one, and an engine whose address has left the machine is started
-again (`agent.replica_member`).
+again (`agent.replica_watch`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The replica supervisor's decisions, pure: the member state table, the restart policy, the plan
 that turns a desired set of assignments into starts, stops and keeps, and how an engine's end
-is told. `agent.replica_supervisor` and `agent.replica_member` perform them.
+is told. `agent.replica_supervisor` and `agent.replica_life` perform them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ stopped. Until a desired state arrives nothing is stopped. So an agent that was 
 started again moves nothing.
 
 Each member is one task in the supervisor's nursery; its whole life (fetch, engine, GPUs,
-start, watch, restart, stop) is `agent.replica_member`, and cancelling its task is its stop. A
+start, watch, restart, stop) is `agent.replica_life`, and cancelling its task is its stop. A
 member replacing another (same replica and rank) starts once that one is done. The decisions
 are pure, in `agent.replica_plan` (state table, restart policy, plan).
 """
@@ -31,17 +31,17 @@ import trio
 from agent.adoption import Adopted, adopt_all, fingerprint, read_boot_id
 from agent.engine_proc import HEALTH_TIMEOUT_S
 from agent.node_address import NodeAddress, address_present
+from agent.replica_life import Life
 from agent.replica_logs import CHECK_INTERVAL_S, FILES, MAX_BYTES, tail_replica
-from agent.replica_member import (
+from agent.replica_member import Member
+from agent.replica_plan import RESTART_BACKOFF, Key, key_of, plan
+from agent.replica_watch import (
     HEALTH_INTERVAL_S,
     LIVENESS_FAILURES,
     LIVENESS_INTERVAL_S,
     LIVENESS_TIMEOUT_S,
     STOP_TIMEOUT_S,
-    Life,
-    Member,
 )
-from agent.replica_plan import RESTART_BACKOFF, Key, key_of, plan
 from agent.weights import WeightsStore
 from llmgw.backoff import Backoff, Failures
 from llmgw.log import get_logger
@@ -109,7 +109,7 @@ class Supervisor:
             holders=lambda: (*self._members.values(), *self._retiring),
             retiring=lambda: self._retiring,
         )
-        self.probed = self.life.probed  # a ready engine's liveness was probed (`answered_probes`)
+        self.probed = self.life.watch.probed  # a ready engine's liveness was probed (`answered_probes`)
 
     # -- what the rest of the agent calls
 

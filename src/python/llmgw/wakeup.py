@@ -80,8 +80,8 @@ WAKEUPS: dict[str, str] = {
     # The agent.
     "agent.replica_supervisor.Supervisor.changed": "a member's status changed -> `serve_reports` sends `ReplicasChanged`; "
     "tests wait on it (`Supervisor.changed`)",
-    "agent.replica_member.Life.released": "a member gave its GPUs back -> members waiting for GPUs look again",
-    "agent.replica_member.Life.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
+    "agent.replica_life.Life.released": "a member gave its GPUs back -> members waiting for GPUs look again",
+    "agent.replica_watch.EngineWatch.probed": "a ready engine's liveness was probed -> tests waiting for probes look "
     "(`Supervisor.answered_probes`)",
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",

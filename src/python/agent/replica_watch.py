@@ -1,0 +1,169 @@
+"""A replica member's engine while it runs, watched until it exits, and stopped: how
+`agent.replica_life` runs each engine it starts (or adopts), for every member of one supervisor.
+
+Rank 0 is ready when `GET /health` answers 200; a worker when it runs. A rank 0 that stops
+answering /health while it runs is stopped, to be started again as if it had exited
+(`LIVENESS_*`: a hung engine is not left holding its replica). An engine whose listening address
+has left the machine (the link came back from another) is stopped to be started again there.
+
+Cancelling the watch is the stop: SIGTERM to the engine's process group, a deadline, then
+SIGKILL, in shielded and bounded cleanup. However the watch ends, nothing of the engine's process
+group is left, and its run record and key file are gone. The process plumbing (process group
+signals, health probe) is `agent.engine_proc`.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import trio
+
+from agent.adoption import RunRecords
+from agent.engine_proc import EngineProcess, probe_health, probe_host, signal_group
+from agent.key_files import KeyFiles
+from agent.node_address import NodeAddress
+from agent.replica_logs import EngineLog
+from agent.replica_member import Member
+from agent.replica_plan import describe_end
+from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.agent.replicas")
+
+STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
+KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
+HEALTH_INTERVAL_S = 0.5
+# Once ready, rank 0's /health is asked again every LIVENESS_INTERVAL_S; LIVENESS_FAILURES
+# answers in a row that are not 200 within LIVENESS_TIMEOUT_S mean the engine is stuck (alive,
+# not serving): it is stopped and started again like an engine that exited. Generous, so that
+# an engine busy under load is never taken for a stuck one: about a minute to notice.
+LIVENESS_INTERVAL_S = 10.0
+LIVENESS_TIMEOUT_S = 10.0
+LIVENESS_FAILURES = 3
+
+
+class EngineWatch:
+    """How the engines of one supervisor's members are watched and stopped: the timings, the
+    node's address, and the run records and key files an engine leaves while it runs."""
+
+    def __init__(
+        self,
+        *,
+        records: RunRecords,
+        keys: KeyFiles,
+        address: NodeAddress,
+        address_present: Callable[[str], bool],
+        stop_timeout_s: float,
+        health_interval_s: float,
+        liveness: tuple[float, float, int],
+        log_check_s: float,
+    ) -> None:
+        self.records = records
+        self.keys = keys
+        self.address = address
+        self.address_present = address_present
+        self.stop_timeout_s = stop_timeout_s
+        self.health_interval_s = health_interval_s
+        self.liveness_interval_s, self.liveness_timeout_s, self.liveness_failures = liveness
+        self.log_check_s = log_check_s
+        self.probed = Wakeup()  # a ready engine's liveness was probed (`Member.answered`)
+
+    async def watch(self, m: Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        """Until the engine exits; cancelled, it stops the engine first (shielded, bounded). Either
+        way nothing of its process group is left and its run record is gone."""
+        replica, rank = m.key
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine_log.serve_rotation, self.log_check_s)
+                if rank == 0:
+                    nursery.start_soon(self._watch_health, m, probe_host(m.host), m.port, engine, engine_log)
+                    nursery.start_soon(self._watch_address, m, engine, engine_log)
+                else:
+                    m.set(w.READY)
+                    m.observed.set()
+                await engine.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.stop_timeout_s + KILL_WAIT_S):
+                if not engine.exited:
+                    m.set(w.STOPPING)
+                    await self._terminate(m, engine, engine_log)
+                signal_group(engine.pgid, signal.SIGKILL)  # whatever it left behind in its group
+            if not engine.exited:  # the bounded cleanup ran out: leave nothing running
+                signal_group(engine.pgid, signal.SIGKILL)
+            self.records.remove(replica, rank)
+            self.keys.remove(replica, rank)
+
+    async def _terminate(self, m: Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        replica, rank = m.key
+        started = trio.current_time()
+        signal_group(engine.pgid, signal.SIGTERM)
+        with trio.move_on_after(self.stop_timeout_s):
+            await engine.wait()
+        if not engine.exited:
+            engine_log.note(f"still running {self.stop_timeout_s:g} s after SIGTERM: sending SIGKILL")
+            log.warning("replica_kill", replica=replica, rank=rank, after_s=self.stop_timeout_s)
+            signal_group(engine.pgid, signal.SIGKILL)
+            with trio.move_on_after(KILL_WAIT_S):
+                await engine.wait()
+        took = trio.current_time() - started
+        engine_log.note(f"stopped: {describe_end(engine)}, {took:.1f} s after SIGTERM")
+        log.info(
+            "replica_stopped",
+            replica=replica,
+            rank=rank,
+            pid=engine.pid,
+            exit_status=engine.returncode,
+            took_s=round(took, 2),
+        )
+
+    async def _watch_address(self, m: Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+        """Stop the engine, to be started again, once the address it listens on has left this
+        machine: the gateway could no longer reach it. Looked at whenever the link's address changes."""
+        while True:
+            await self.address.wait_changed()
+            if self.address_present(m.host):
+                continue  # still here: the engine is not restarted for the link's sake
+            said = (
+                f"its address {m.host} is no longer one of this machine's (the link now comes from "
+                f"{self.address.current}): stopping it to start it again there"
+            )
+            engine_log.note(said)
+            replica, rank = m.key
+            log.warning("replica_address_gone", replica=replica, rank=rank, host=m.host, now=self.address.current)
+            m.set(w.RESTARTING, detail=said)
+            await self._terminate(m, engine, engine_log)
+            return
+
+    async def _watch_health(
+        self, m: Member, host: str, port: int, engine: EngineProcess, engine_log: EngineLog
+    ) -> None:
+        """Ready once `GET /health` answers 200; then, while it runs, stopped if it stops answering."""
+        while True:
+            status = await probe_health(host, port)
+            m.observed.set()
+            if status == 200:
+                m.set(w.READY, port=port, events_port=m.events_port)
+                break
+            if status is not None:
+                m.set(w.STARTING, port=port)  # it listens, it does not serve yet
+            await trio.sleep(self.health_interval_s)
+        failures = 0
+        while failures < self.liveness_failures:
+            await trio.sleep(self.liveness_interval_s)
+            status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
+            failures = 0 if status == 200 else failures + 1
+            m.answered += status == 200
+            self.probed.fire()
+        replica, rank = m.key
+        last = "no answer" if status is None else f"status {status}"
+        said = (
+            f"GET /health: {last}, {failures} times in a row {self.liveness_interval_s:g} s apart (after it was "
+            "ready): the engine is stuck; stopping it to start it again"
+        )
+        engine_log.note(said)
+        log.warning("replica_unresponsive", replica=replica, rank=rank, failures=failures, last=last)
+        m.set(w.RESTARTING, detail=said)
+        await self._terminate(m, engine, engine_log)
