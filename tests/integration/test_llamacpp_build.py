@@ -35,6 +35,7 @@ import trio
 from agent.install import build as b
 from agent.install.archive import Limits
 from agent.install.errors import BuildToolsMissing
+from agent.install.toolchain import find_toolchain, which_on
 from agent.main import run_agent
 from llmgw import llamarecipe, pins
 from llmgw.config import EnginesSection, LlamacppSource
@@ -220,7 +221,7 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
 async def test_the_toolchain_check_runs_on_this_machine_with_its_real_tools() -> None:
     # This machine has what a build needs (tools/testenv/prepare.py installs it): found, ninja chosen.
     path = os.environ.get("PATH", "")
-    found = b.find_toolchain(b.which_on(path), b.read_text("/etc/os-release"), path)
+    found = find_toolchain(which_on(path), b.read_text("/etc/os-release"), path)
     assert found.generator == "Ninja" and found.cmake.endswith("cmake")
     with pytest.raises(BuildToolsMissing):
-        b.find_toolchain(b.which_on("/nonexistent"), b.read_text("/etc/os-release"), "/nonexistent")
+        find_toolchain(which_on("/nonexistent"), b.read_text("/etc/os-release"), "/nonexistent")
