@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from llmgw.server.agentlistener import UNPROVEN_SILENT_S
+from llmgw.server.links.agentlistener import UNPROVEN_SILENT_S
 from llmgw.wire import agent_link as w
 from testlib import hostile
 from testlib.cluster import Cluster, NodeFiles, connection_metrics, wait_until

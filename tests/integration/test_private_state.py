@@ -27,8 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from llmgw import paths
-from llmgw.server import keyseal
-from llmgw.server.store import store_path
+from llmgw.server.store import keyseal, store_path
 from testlib.cluster import Cluster, wait_until
 from testlib.ports import free_port
 from testlib.proc import build_root, llmgw_env, run_llmgw, umask

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from llmgw.server.asyncstore import BUSY_TIMEOUT_S
+from llmgw.server.store.asyncstore import BUSY_TIMEOUT_S
 from testlib.cluster import Cluster, wait_until
 from testlib.proc import build_root, llmgw_env, run_llmgw
 

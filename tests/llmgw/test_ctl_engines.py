@@ -6,8 +6,8 @@ from __future__ import annotations
 from llmgw.config import EngineSource, EnginesSection
 from llmgw.ctl import engines as texts
 from llmgw.ctl.tables import format_nodes
-from llmgw.server.registry import Node
-from llmgw.server.views import engine_view, node_view
+from llmgw.server.state.registry import Node
+from llmgw.server.state.views import engine_view, node_view
 from llmgw.wire import agent_link as w
 
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from llmgw.server.workers import LINK_TIMEOUT_S
+from llmgw.server.gateways.workers import LINK_TIMEOUT_S
 from testlib import activation
 from testlib.ports import free_port
 from testlib.proc import llmgw_env, run_llmgw
@@ -357,8 +357,7 @@ class Cluster:
     def engine_key(self, replica_id: str) -> str:
         """The replica's engine key as the control plane holds it: its row of llmgw.db, where it
         is sealed, opened with the state directory's engine-keys.secret."""
-        from llmgw.server import keyseal
-        from llmgw.server.store import store_path
+        from llmgw.server.store import keyseal, store_path
 
         with contextlib.closing(sqlite3.connect(f"file:{store_path(self.state)}?mode=ro", uri=True)) as db:
             [(body,)] = db.execute("SELECT body FROM placements WHERE replica_id = ?", (replica_id,)).fetchall()

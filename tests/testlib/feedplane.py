@@ -1,5 +1,5 @@
 """The cluster page's feed from both ends, for tests on MockClock: `FakePlane`, a control plane as
-the feed reads it (`llmgw.server.feed.Views`) made of plain dicts, which counts what the feed
+the feed reads it (`llmgw.server.admin.pagefeed.Views`) made of plain dicts, which counts what the feed
 asks of it; `Frames`, a stream's bytes cut into events; and `PageCopy`, the cluster as the page
 (llmgw/page/app.js) keeps it, merged from those events the way the page merges them."""
 

@@ -22,8 +22,8 @@ from llmgw.gateway.services import serve_services
 from llmgw.http.limits import Limits
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.keys import KeyRing
+from llmgw.server.state.keys import KeyRing
+from llmgw.server.store.asyncstore import AsyncStore
 from testlib.cluster import free_port
 from testlib.endpoints import StaticEndpoints
 from testlib.netns import NetNS

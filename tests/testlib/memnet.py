@@ -30,8 +30,8 @@ from llmgw.http.limits import Limits
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.keys import KeyRing
+from llmgw.server.state.keys import KeyRing
+from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.simengine.app import SimEngine
 from llmgw.simengine.options import SimOptions
 from testlib.endpoints import StaticEndpoints

@@ -14,8 +14,8 @@ from pathlib import Path
 import attrs
 
 from llmgw.config import StoreSection
-from llmgw.server.asyncstore import BUSY_TIMEOUT_S, AsyncStore
 from llmgw.server.store import Store, store_path
+from llmgw.server.store.asyncstore import BUSY_TIMEOUT_S, AsyncStore
 from testlib.postgres import Database, PostgresServer
 
 

@@ -11,7 +11,7 @@ need no agents, placement and reconciling, measured in this process.
    all fit. `placement_ms` (named by the count: `placement_ms_10k` at the default) is the best
    of K rounds (default 3), `replan_ms` the plan of the same cluster with every replica placed
    (all kept), `placement_started` and `placement_pending` what the first plan did.
-2. reconcile: one `Replicas.reconcile` pass (`llmgw.server.replicas`, with its store in a
+2. reconcile: one `Replicas.reconcile` pass (`llmgw.server.state.replicas`, with its store in a
    temporary directory) over M joined nodes (default 1,000) and a catalog of Q replicas
    (default 2,000) of the same mix: `reconcile_first_ms` the pass that places them all,
    `reconcile_ms` a pass that finds nothing to change (the reconciler's steady state), best of
@@ -79,13 +79,13 @@ from llmgw.http.listeners import default_max_connections
 from llmgw.http.messages import Response
 from llmgw.pki.ca import make_key_and_csr
 from llmgw.pki.files import load_ca
-from llmgw.server import keyseal
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.changes import Changes
-from llmgw.server.registry import NodeRegistry
-from llmgw.server.replicas import Replicas, sealed_keys
-from llmgw.server.scheduler import GIB, NodeView, plan
-from llmgw.server.views import ClusterViews
+from llmgw.server.state.changes import Changes
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import Replicas, sealed_keys
+from llmgw.server.state.scheduler import GIB, NodeView, plan
+from llmgw.server.state.views import ClusterViews
+from llmgw.server.store import keyseal
+from llmgw.server.store.asyncstore import AsyncStore
 from testlib.controlplane import make_state
 from testlib.ports import free_port
 

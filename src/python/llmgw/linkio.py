@@ -1,6 +1,6 @@
 """The trio half of the links that both ends share (the agent link and the gateway link): a
 link's one writer, and the stream under its WebSocket, which the link runtimes of both ends use
-(`llmgw.server.linkserver` on the control plane, `llmgw.linkclient` on an agent or a gateway).
+(`llmgw.server.links.linkserver` on the control plane, `llmgw.linkclient` on an agent or a gateway).
 The protocols are `llmgw.wire.agent_session`'s and `llmgw.wire.gateway_session`'s; this module
 only moves their frames.
 

@@ -4,7 +4,7 @@ A release is `llmgw-VERSION-linux-ARCH.pyz` and `llama.cpp-bBUILD-linux-ARCH.tar
 architecture and a `SHA256SUMS` listing them (docs/install.md). Both sides use this: `llmgw node
 add` picks the zipapp for a node's architecture (and, from a release it is given, the llama.cpp
 archive, which the node's agent then installs from NODE_RELEASE_DIR), and the control plane serves
-the files it holds (`llmgw.server.releases`), the llama.cpp archives as its nodes' default llama.cpp.
+the files it holds (`llmgw.server.nodes.releases`), the llama.cpp archives as its nodes' default llama.cpp.
 
 Invariant: a file name is only ever taken from a SHA256SUMS line or built here, and only when it
 matches `NAME` or `LLAMA_NAME` (no `/`, no whitespace), so a name read from a list can never leave

@@ -36,22 +36,22 @@ class Wakeup:
 # Each wake-up by where it lives (module.Class.attribute): what fires it, and who waits on it.
 WAKEUPS: dict[str, str] = {
     # The control plane (llmgw.server).
-    "llmgw.server.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
-    "(`server/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/liveness.py`) looks again",
-    "llmgw.server.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
+    "llmgw.server.state.changes.Changes.nodes": "a node connected, left, reported or was removed, an operator's intent "
+    "(`server/state/intent.py`) or the catalog (a reload) changed -> the reconciler (`server/state/liveness.py`) looks again",
+    "llmgw.server.state.changes.Changes.rotation": "what the gateway's rotation is made of may have changed -> the "
     "gateways' table follows: over the link (`GatewayFeed`), and in memory on the control plane's loop "
-    "(`server/inprocess.py`); the cluster page's feed looks again (`Feed.serve`)",
-    "llmgw.server.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
+    "(`server/gateways/inprocess.py`); the cluster page's feed looks again (`Feed.serve`)",
+    "llmgw.server.state.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
     "cluster page's feed looks again; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
-    "llmgw.server.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
+    "llmgw.server.state.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
     "replacement to be ready looks again",
-    "llmgw.server.page.Page.touched": "an operator's change through the admin API succeeded -> the cluster "
+    "llmgw.server.admin.page.Page.touched": "an operator's change through the admin API succeeded -> the cluster "
     "page's feed looks again",
-    "llmgw.server.feed.Feed.published": "the cluster page's feed published a version -> each open page's "
+    "llmgw.server.admin.pagefeed.Feed.published": "the cluster page's feed published a version -> each open page's "
     "stream sends it (`events.stream`)",
-    "llmgw.server.feed.Feed._watchers_moved": "a page's stream opened or closed -> the feed looks at the "
+    "llmgw.server.admin.pagefeed.Feed._watchers_moved": "a page's stream opened or closed -> the feed looks at the "
     "cluster for the first (a fresh look), or forgets it after the last",
-    "llmgw.server.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
+    "llmgw.server.store.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
     # The gateway (llmgw.gateway).
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
@@ -67,12 +67,12 @@ WAKEUPS: dict[str, str] = {
     "llmgw.gatewayd.table.GatewayTable.changed": "the control plane sent a new rotation (a gateway process's "
     "link, its table file, or in memory on the control plane's loop) -> the gateway's rotation follows "
     "(`Gateway.serve_rotation`)",
-    "llmgw.server.gatewayfeed.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left, or the "
+    "llmgw.server.links.gatewaylinks.GatewayFeed.heard": "a gateway instance's heartbeat came, an instance left, or the "
     "rotation or the keys sent to gateways changed -> a move waiting for the gateways' requests on a replica "
     "(`GatewayFeed.quiesce`), a key's change waiting for the control plane's workers (`keys_reached`) and its "
     "start waiting for them (`OwnGateway`) look again",
-    "llmgw.server.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
-    "the valid keys again (`GatewayFeed`; in memory, `server/inprocess.py`)",
+    "llmgw.server.state.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
+    "the valid keys again (`GatewayFeed`; in memory, `server/gateways/inprocess.py`)",
     "llmgw.http.server._Departure.stopped": "a connection is no longer read for its client's departure -> "
     "the request that ended waits for it before the connection is read for the next",
     "llmgw.gateway.history.History.sampled": "a sample of the gateway's figures was taken -> open cluster "
@@ -97,7 +97,7 @@ ONE_SHOT: dict[str, str] = {
     "waiters are woken oldest first, one at a time, so each has its own)",
     "llmgw.nodeadd.screen._ScreenQuestions._ask.answered": "one question on the node add screen, answered once",
     "llmgw.simengine.rendezvous.Rank0.complete": "every worker of one rendezvous joined, once",
-    "llmgw.server.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
+    "llmgw.server.state.drains.DrainProgress.finished": "one drain: done or stopped, once (tests and callers wait on it)",
     "agent.replica_member.Member.assigned": "one member: its assignment arrived (an adopted engine's successor waits)",
     "agent.replica_member.Member.observed": "one member: its engine was probed once, or it ended",
     "agent.replica_member.Member.done": "one member: its task ended",
@@ -106,5 +106,5 @@ ONE_SHOT: dict[str, str] = {
     "control plane's workers listen only then)",
     "llmgw.linkio.Writer.finished": "one link's writer: its task returned, once",
     "llmgw.linkio._Waiting.done": "one log request: its reply arrived (or the link ended), once",
-    "llmgw.server.asyncstore._Sightings.done": "one batch of nodes seen connecting: written (or refused), once",
+    "llmgw.server.store.asyncstore._Sightings.done": "one batch of nodes seen connecting: written (or refused), once",
 }

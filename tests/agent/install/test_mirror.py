@@ -20,7 +20,7 @@ from llmgw.pki.ca import cert_info
 from llmgw.pki.files import issue_to_dir, load_cert
 from llmgw.pki.tls import client_ssl_context
 from llmgw.server.app import ControlPlane
-from llmgw.server.mirror import fill_mirror
+from llmgw.server.nodes.mirror import fill_mirror
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.fileserver import serve_files

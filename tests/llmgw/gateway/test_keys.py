@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from llmgw.gateway.keys import TokenBucket, token_hash
-from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import ApiKeyError
-from llmgw.server.keys import KeyRing
+from llmgw.server.state.keys import KeyRing
 from llmgw.server.store import store_path
+from llmgw.server.store.asyncstore import AsyncStore
 
 
 class FakeClock:

@@ -5,6 +5,7 @@ worker answers; an ended worker's series gone; a file that is not figures left o
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -110,16 +111,21 @@ async def test_an_ended_workers_series_go_and_what_is_not_figures_is_left_out(tm
 
 
 async def test_a_worker_writes_its_figures_as_it_starts_and_then_every_publish_interval(
-    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, nursery: trio.Nursery, mock_clock: trio.testing.MockClock
 ) -> None:
+    # The clock moves only when told: the files are written and read in threads, and a clock that
+    # jumped whenever the loop waited for one would publish again before the first look.
     clock = Clock()
     a, b = worker(tmp_path, 0, clock), worker(tmp_path, 1, clock)
     await nursery.start(b.figures.serve, b.metric_families)  # type: ignore[union-attr]
     assert figures.file_of(tmp_path, 1).exists()
     answer(b, 2)
     assert requests(await scrape(a)) == {}  # b wrote before it answered anything
-    await trio.sleep(PUBLISH_S * 1.5)
-    assert requests(await scrape(a)) == {"w1-test": 2}
+    mock_clock.jump(PUBLISH_S * 1.5)
+    deadline = time.monotonic() + 10  # real seconds, for b's write in its thread
+    while (seen := requests(await scrape(a))) != {"w1-test": 2} and time.monotonic() < deadline:
+        await trio.testing.wait_all_tasks_blocked()
+    assert seen == {"w1-test": 2}
 
 
 async def test_without_a_directory_a_worker_answers_with_its_own_series_unlabelled(tmp_path: Path) -> None:

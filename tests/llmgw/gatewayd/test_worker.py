@@ -216,7 +216,7 @@ async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_rep
 async def test_a_worker_of_the_control_plane_relays_its_routes_and_listens_once_its_table_came(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    """`relay` and `table_first`, as `llmgw.server.workers` runs its workers: what is not the
+    """`relay` and `table_first`, as `llmgw.server.gateways.workers` runs its workers: what is not the
     gateway's goes to the control plane's socket; no connection is taken before the table."""
     net = memnet.MemoryNet(nursery)
     sims = memnet.start_sims(net, 1)

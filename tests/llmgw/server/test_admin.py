@@ -153,7 +153,7 @@ async def test_domain_errors_are_answered_with_their_status_and_message(running)
 
 async def test_the_answers_table_picks_the_most_specific_class() -> None:
     from llmgw.errors import ConfigError, MachineError
-    from llmgw.server.admin import answer
+    from llmgw.server.admin.api import answer
     from llmgw.server.errors import ApiKeyExists, StoreBusy, StoreUnavailable
 
     busy = answer(StoreBusy(Path("/s/llmgw.db"), 1.0))

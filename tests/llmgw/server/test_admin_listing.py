@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from llmgw.http.messages import Response
-from llmgw.server.admin import ENCODE_SLICE, listing_json
+from llmgw.server.admin.api import ENCODE_SLICE, listing_json
 
 pytestmark = pytest.mark.trio
 

@@ -1,4 +1,4 @@
-"""The control plane's private socket (`llmgw.server.adminsocket`) on a real control plane, and
+"""The control plane's private socket (`llmgw.server.admin.privatesocket`) on a real control plane, and
 the relay (`llmgw.http.relay`) in front of it on loopback, as a gateway worker will run it: the
 admin API's client, the page's login flow and its live feed through the relay; the relayed
 client's address believed there and nowhere else; the socket's privacy and its life."""

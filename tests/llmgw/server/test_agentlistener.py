@@ -19,7 +19,7 @@ import trio.testing
 
 from llmgw.http.send import LINGER_S
 from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
-from llmgw.server.agentlistener import (
+from llmgw.server.links.agentlistener import (
     HANDSHAKE_TIMEOUT_S,
     LISTENER,
     NO_CERTIFICATE_CLIENT,
@@ -27,8 +27,8 @@ from llmgw.server.agentlistener import (
     AgentListener,
     Place,
 )
-from llmgw.server.artifacts import Artifacts
-from llmgw.server.releases import Releases
+from llmgw.server.nodes.artifacts import Artifacts
+from llmgw.server.nodes.releases import Releases
 from testlib.httpexchange import converse
 
 pytestmark = pytest.mark.trio

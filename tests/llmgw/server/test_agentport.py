@@ -14,8 +14,8 @@ import trio_websocket
 from llmgw.http.errors import HTTPError
 from llmgw.http.messages import Request, Upgrade
 from llmgw.http.server import serve_connection
-from llmgw.server import agentport
-from llmgw.server.agentport import Route
+from llmgw.server.links import agentport
+from llmgw.server.links.agentport import Route
 from llmgw.wire import agent_link as w
 from llmgw.wire import agent_session as s
 from llmgw.wire import session as ls

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.server import artifacts
-from llmgw.server.artifacts import Artifacts
+from llmgw.server.nodes import artifacts
+from llmgw.server.nodes.artifacts import Artifacts
 
 pytestmark = pytest.mark.trio
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.server import artifacts
-from llmgw.server.artifacts import Artifacts, range_start
+from llmgw.server.nodes import artifacts
+from llmgw.server.nodes.artifacts import Artifacts, range_start
 from testlib.httpexchange import exchange
 
 DATA = bytes(range(256)) * 40  # 10240 bytes

@@ -17,9 +17,9 @@ import pytest
 import trio
 
 from llmgw.backoff import Backoff
-from llmgw.server.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError
 from llmgw.server.store import NodeRow, Store, store_path
+from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
 from testlib.stores import StoreUnderTest
 from testlib.waiting import wait_until
 
@@ -174,7 +174,7 @@ async def test_a_stop_writes_the_latest_version_once_and_bounded(
 async def test_when_each_model_entered_the_catalog_is_kept_across_restarts(store_backend: StoreUnderTest) -> None:
     """`created` of GET /v1/models: noted in memory at once, written in the background, read back
     at the next start; a model removed and added again keeps its first time."""
-    from llmgw.server.catalogtimes import CatalogTimes
+    from llmgw.server.state.catalogtimes import CatalogTimes
 
     clock = iter([100.0, 200.0, 300.0]).__next__
     store = store_backend.open_async()

@@ -20,8 +20,8 @@ from llmgw.http.refusals import RefusalLog
 from llmgw.pki.ca import CA
 from llmgw.pki.files import NodePaths, issue_to_dir
 from llmgw.pki.tls import client_ssl_context
-from llmgw.server.agentlistener import AGENTS_FULL_RETRY_S, LISTENER, UNPROVEN_SILENT_S
 from llmgw.server.app import ControlPlane
+from llmgw.server.links.agentlistener import AGENTS_FULL_RETRY_S, LISTENER, UNPROVEN_SILENT_S
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 

@@ -1,4 +1,4 @@
-"""The control plane's end of the agent link (`llmgw.server.agentlinks`) against the agent's
+"""The control plane's end of the agent link (`llmgw.server.links.agentlinks`) against the agent's
 (`agent.link`), over memory streams on MockClock: the Welcome before the link is published, the
 first desired state made once the node is recorded, and what a slow or stopped agent does to
 the pushers (nothing), to the desired states (the newest, one at a time), to log requests (a
@@ -19,11 +19,11 @@ import trio.testing
 from agent.link import AgentLink, Target
 from llmgw.linkio import Targets
 from llmgw.pki.ca import CertInfo
-from llmgw.server import linkserver
-from llmgw.server.agentlinks import AgentLinks
-from llmgw.server.agentlistener import AgentListener
-from llmgw.server.heartbeats import HeartbeatRule
-from llmgw.server.registry import NodeRegistry
+from llmgw.server.links import linkserver
+from llmgw.server.links.agentlinks import AgentLinks
+from llmgw.server.links.agentlistener import AgentListener
+from llmgw.server.links.heartbeats import HeartbeatRule
+from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.store import NodeRow
 from llmgw.wire import agent_link as w
 from llmgw.wire import agent_session as s

@@ -8,7 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.server import events, feed
+from llmgw.server.admin import events
+from llmgw.server.admin import pagefeed as feed
 from testlib.feedplane import FakePlane, Frames, PageCopy
 
 

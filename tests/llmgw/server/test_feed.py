@@ -1,4 +1,4 @@
-"""The cluster page's feed (`llmgw.server.feed`) on trio's MockClock: one look per change shared by
+"""The cluster page's feed (`llmgw.server.admin.pagefeed`) on trio's MockClock: one look per change shared by
 every open page, made a slice at a time, each view made again only when what it is made of
 changed (never for a heartbeat), the interval stretched by what a look costs, nothing kept while
 no page is open; on the control plane's own views, the kept views are those made afresh after
@@ -19,12 +19,14 @@ import trio.testing
 from bench import agents_load
 
 from llmgw.config import Model, ServerConfig
-from llmgw.server import events, feed, views
-from llmgw.server.changes import Changes
-from llmgw.server.drains import DrainProgress
-from llmgw.server.registry import NodeRegistry
-from llmgw.server.replicas import Stored
-from llmgw.server.scheduler import Pending, Placement
+from llmgw.server.admin import events
+from llmgw.server.admin import pagefeed as feed
+from llmgw.server.state import views
+from llmgw.server.state.changes import Changes
+from llmgw.server.state.drains import DrainProgress
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import Stored
+from llmgw.server.state.scheduler import Pending, Placement
 from llmgw.wire import agent_link as w
 from testlib.feedplane import FakePlane, Frames, PageCopy
 
@@ -190,7 +192,7 @@ async def test_nothing_is_looked_at_or_kept_while_no_page_is_open(
 
 @attrs.define
 class Placed:
-    """What the views read of `llmgw.server.replicas.Replicas`."""
+    """What the views read of `llmgw.server.state.replicas.Replicas`."""
 
     placed: dict[str, Stored] = attrs.Factory(dict)
     pending: tuple[Pending, ...] = ()

@@ -1,5 +1,5 @@
 """The gateway link's two adapters against each other over memory streams on MockClock: the
-control plane's (`llmgw.server.gatewayfeed`, behind the agent port's routes) and a gateway's
+control plane's (`llmgw.server.links.gatewaylinks`, behind the agent port's routes) and a gateway's
 (`llmgw.gatewayd.link`) feeding a recording sink. The whole table on connect, each part again
 when it changes and only then, the shares renumbered as instances come and go, heartbeats both
 ways, a silent peer cut by either side, and a gateway that dials again with backoff and gets the
@@ -22,9 +22,9 @@ from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.gatewayd import link as gl
 from llmgw.looplag import StallClock
 from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
-from llmgw.server.agentlistener import AgentListener
-from llmgw.server.gatewayfeed import GatewayFeed
-from llmgw.server.gatewaytable import keys_message, rotation_message
+from llmgw.server.links.agentlistener import AgentListener
+from llmgw.server.links.gatewaylinks import GatewayFeed
+from llmgw.server.links.gatewaytable import keys_message, rotation_message
 from llmgw.server.store import KeyRow
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
@@ -509,7 +509,7 @@ async def test_once_the_term_is_over_the_table_is_news_no_more_and_a_new_link_is
 ) -> None:
     """A leader whose lease has passed on (several control planes on one store) stops sending
     the table and answers a gateway's hello with where the leader is; `close_all` sends the
-    gateways linked to it away (`llmgw.server.seat`'s step-down)."""
+    gateways linked to it away (`llmgw.server.leadership.seat`'s step-down)."""
     from llmgw.wire import agent_link as w
 
     leading = [True]

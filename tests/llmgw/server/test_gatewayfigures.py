@@ -9,7 +9,7 @@ import attrs
 from llmgw.gateway.metrics import GatewayMetrics, families_of
 from llmgw.http.listeners import ConnectionStats
 from llmgw.metrics import merge
-from llmgw.server.gatewayfigures import WORKER_NAME, history_totals, render_workers
+from llmgw.server.gateways.figures import WORKER_NAME, history_totals, render_workers
 from llmgw.wire import gateway_link as g
 from testlib.gateway import parse_metrics
 

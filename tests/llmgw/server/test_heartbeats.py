@@ -1,13 +1,13 @@
-"""Heartbeats that stretch as the cluster grows (`llmgw.server.heartbeats`) and the liveness
-they bound (`llmgw.server.registry`), on a fake clock: the registry is pure, every call given
+"""Heartbeats that stretch as the cluster grows (`llmgw.server.links.heartbeats`) and the liveness
+they bound (`llmgw.server.state.registry`), on a fake clock: the registry is pure, every call given
 `now`."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmgw.server.heartbeats import HeartbeatRule
-from llmgw.server.registry import JOINED, LOST, NodeRegistry
+from llmgw.server.links.heartbeats import HeartbeatRule
+from llmgw.server.state.registry import JOINED, LOST, NodeRegistry
 from llmgw.wire import agent_link as w
 
 RULE = HeartbeatRule(interval_s=5.0, ttl_s=30.0, max_rate=50.0)  # the defaults

@@ -17,11 +17,10 @@ from llmgw import paths, private
 from llmgw.config import Model
 from llmgw.errors import MachineError
 from llmgw.fabrics import FabricMap
-from llmgw.server import keyseal
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.registry import NodeRegistry
-from llmgw.server.replicas import PLAIN, REPLACED, Replicas, sealed_keys
-from llmgw.server.store import Store
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import PLAIN, REPLACED, Replicas, sealed_keys
+from llmgw.server.store import Store, keyseal
+from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
 from testlib.controlplane import hello
 

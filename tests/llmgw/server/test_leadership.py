@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from llmgw.server.errors import StoreUnavailable
-from llmgw.server.leadership import LeaseKeeper, Term, margin
+from llmgw.server.leadership.leader import LeaseKeeper, Term, margin
 from llmgw.server.store import lease
 from llmgw.server.store.lease import Holder, LeaseRow
 

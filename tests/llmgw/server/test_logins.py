@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.server.logins import (
+from llmgw.server.admin.logins import (
     MAX_CODES,
     LoginRefused,
     SessionBook,

@@ -13,10 +13,10 @@ import pytest
 from llmgw import paths
 from llmgw.config import StoreSection
 from llmgw.errors import MachineError, UsageError
-from llmgw.server.backup import backup
 from llmgw.server.errors import StoreInUse, StoreNotEmpty
-from llmgw.server.migratestore import migrate_store
 from llmgw.server.store import KeyRow, Store, open_backend, schema, store_path
+from llmgw.server.store.backup import backup
+from llmgw.server.store.migratestore import migrate_store
 from testlib.postgres import Database, PostgresServer
 from testlib.proc import run_llmgw
 

@@ -13,7 +13,7 @@ import trio.testing
 from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.gateway.routing import Endpoint
 from llmgw.server.app import ControlPlane
-from llmgw.server.moves import LOST_LOOK_S
+from llmgw.server.state.moves import LOST_LOOK_S
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.waiting import wait_until

@@ -19,8 +19,8 @@ from llmgw import paths
 from llmgw.config import DebugSection
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
+from llmgw.server.admin.logins import SessionBook
 from llmgw.server.app import ControlPlane
-from llmgw.server.logins import SessionBook
 from testlib.controlplane import make_state, serve_plane
 
 pytestmark = pytest.mark.trio
@@ -87,7 +87,7 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy(running) -
         status, headers, _ = await call(browser.request, "GET", f"/page/{name}")
         assert status == 200 and headers["content-type"].startswith(kind)
     assert (await call(browser.request, "GET", "/page/nothing.js"))[0] == 404
-    assert (await call(browser.request, "GET", "/page/../server/page.py"))[0] == 404
+    assert (await call(browser.request, "GET", "/page/../server/admin/page.py"))[0] == 404
     assert (await call(browser.request, "POST", "/"))[0] == 405
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.config import ServerSection
-from llmgw.server.page import origin_of, page_origins
+from llmgw.server.admin.page import origin_of, page_origins
 
 HOST = "cp1"  # the machine's host name
 

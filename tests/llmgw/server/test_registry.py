@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.server.registry import JOINED, JOINING, LOST, UNKNOWN, NodeRegistry
+from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, NodeRegistry
 from llmgw.wire import agent_link as w
 
 TTL = 30.0

@@ -1,4 +1,4 @@
-"""The release files the control plane serves (llmgw.server.releases): which files are in the
+"""The release files the control plane serves (llmgw.server.nodes.releases): which files are in the
 catalog for each source, and the route on memory streams: only catalog names are served, whatever
 the path says; other methods, names and a full house are refused with what to do."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.releasefiles import Running, pick
-from llmgw.server import releases
-from llmgw.server.releases import Releases, build_catalog
+from llmgw.server.nodes import releases
+from llmgw.server.nodes.releases import Releases, build_catalog
 from testlib.httpexchange import exchange
 
 AMD = "llmgw-0.3.0-linux-amd64.pyz"

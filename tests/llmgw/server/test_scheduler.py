@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw.config import Model
-from llmgw.server.scheduler import GIB, NodeView, Placement, crowded, plan
+from llmgw.server.state.scheduler import GIB, NodeView, Placement, crowded, plan
 
 
 def node(node_id: str, *, gpus: int = 0, mem: float = 64, engines=("sim", "llamacpp"), fabrics=(), **kw) -> NodeView:

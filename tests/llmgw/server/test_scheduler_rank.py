@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.config import Model
-from llmgw.server import scheduler
-from llmgw.server.scheduler import GIB, NodeView, Pending, Placement, Plan, plan
+from llmgw.server.state import scheduler
+from llmgw.server.state.scheduler import GIB, NodeView, Pending, Placement, Plan, plan
 
 
 def plainly(nodes: list[NodeView], catalog: list[Model], placed: list[Placement]) -> Plan:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.server.asyncstore import AsyncStore
 from llmgw.server.errors import NotLeader, StoreSchemaBehind, StoreSchemaNewer
 from llmgw.server.store import Store, lease, migrate, open_backend, schema
+from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.server.store.lease import Fence, Holder
 from testlib import newer_llmgw
 from testlib.postgres import Database, PostgresServer, expire_lease

@@ -11,8 +11,8 @@ import attrs
 
 from llmgw.config import ServerConfig, ServerSection, StoreSection
 from llmgw.server.front import Bound
-from llmgw.server.leadership import LeaseKeeper
-from llmgw.server.seat import Seat, advertised
+from llmgw.server.leadership.leader import LeaseKeeper
+from llmgw.server.leadership.seat import Seat, advertised
 from llmgw.server.store.lease import Holder, LeaseRow
 
 ME = Holder(id="me", agent_url="wss://10.0.0.1:7443", admin_url="http://10.0.0.1:8080")

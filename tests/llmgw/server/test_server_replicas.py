@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
 from llmgw.gatewayd import table
-from llmgw.server import keyseal
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.gatewaytable import rotation_message
-from llmgw.server.registry import NodeRegistry
-from llmgw.server.replicas import Placements, Replicas, Stored, sealed_keys
-from llmgw.server.scheduler import Placement
-from llmgw.server.views import gateway_rotation
+from llmgw.server.links.gatewaytable import rotation_message
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import Placements, Replicas, Stored, sealed_keys
+from llmgw.server.state.scheduler import Placement
+from llmgw.server.state.views import gateway_rotation
+from llmgw.server.store import keyseal
+from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from llmgw.wire.gateway_link import ControlMessage
@@ -236,7 +236,7 @@ def test_a_pending_replica_is_logged_once_and_a_forming_cluster_is_no_warning(
 def test_rendezvous_ports_are_drawn_below_the_ephemeral_range() -> None:
     """A rendezvous port among the ephemeral ones may be the local end of any outgoing connection on
     the rank-0 node; the draw stays below Linux's default range (and this machine's)."""
-    from llmgw.server.replicas import DIST_INIT_PORTS, _free_port
+    from llmgw.server.state.replicas import DIST_INIT_PORTS, _free_port
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert DIST_INIT_PORTS.stop <= min(low, 32768)

@@ -1,4 +1,4 @@
-"""What a standby control plane answers on http_listen (`llmgw.server.standby.StandbyFront`), and
+"""What a standby control plane answers on http_listen (`llmgw.server.leadership.standby.StandbyFront`), and
 `llmgw ctl`'s admin client following it to the leader (`llmgw.ctl.client`), over real loopback
 sockets: the client is the synchronous one `llmgw ctl` runs, in a thread. The two control
 planes as real processes are tests/integration/test_leader_takeover.py's."""
@@ -20,7 +20,7 @@ from llmgw.http.messages import Request, Response
 from llmgw.http.openai import error_body
 from llmgw.http.refusals import BURST, INTERVAL_S
 from llmgw.http.server import bound_address, serve_http
-from llmgw.server.standby import Leader, StandbyFront
+from llmgw.server.leadership.standby import Leader, StandbyFront
 
 pytestmark = pytest.mark.trio
 

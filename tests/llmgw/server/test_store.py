@@ -12,7 +12,6 @@ import attrs
 import pytest
 
 from llmgw.errors import MachineError, UsageError
-from llmgw.server.backup import backup
 from llmgw.server.store import (
     Store,
     StoreBusy,
@@ -22,6 +21,7 @@ from llmgw.server.store import (
     store_error,
     store_path,
 )
+from llmgw.server.store.backup import backup
 from testlib.stores import StoreUnderTest
 
 
@@ -313,7 +313,7 @@ def test_a_sqlite_store_never_imports_psycopg(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from llmgw.server.asyncstore import AsyncStore\n"
+        "from llmgw.server.store.asyncstore import AsyncStore\n"
         f"AsyncStore.open(Path({str(tmp_path)!r})).close()\n"
         "assert 'psycopg' not in sys.modules, sorted(m for m in sys.modules if m.startswith('psycopg'))\n"
         "print('ok')\n"

@@ -1,4 +1,4 @@
-"""`llmgw server check-store` (llmgw.server.storecheck) against a real PostgreSQL: which store a
+"""`llmgw server check-store` (llmgw.server.store.check) against a real PostgreSQL: which store a
 url reaches, told apart from another database by its schema history, without migrating or
 writing anything; a database it cannot reach is the store's error, naming it."""
 
@@ -12,7 +12,7 @@ import pytest
 from llmgw.config import StoreSection
 from llmgw.server.errors import StoreUnavailable
 from llmgw.server.store import Store, schema
-from llmgw.server.storecheck import look
+from llmgw.server.store.check import look
 from testlib.ports import free_port
 from testlib.postgres import PostgresServer
 from testlib.proc import run_llmgw

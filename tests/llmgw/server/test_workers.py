@@ -15,7 +15,7 @@ import pytest
 from llmgw import paths
 from llmgw.pki.ca import ROLE_GATEWAY, cert_info
 from llmgw.pki.files import gateway_paths, issue_server_cert, load_cert
-from llmgw.server.workers import WORKER_NAME, hold_port, issue_identity, link_url, tls_name, worker_count
+from llmgw.server.gateways.workers import WORKER_NAME, hold_port, issue_identity, link_url, tls_name, worker_count
 from testlib.controlplane import make_state
 
 

@@ -34,7 +34,7 @@ from llmgw.pki.files import (
     load_cert,
     write_cert,
 )
-from llmgw.server import keyseal
+from llmgw.server.store import keyseal
 
 log = get_logger("llmgw.ca")
 

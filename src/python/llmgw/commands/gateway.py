@@ -84,7 +84,7 @@ def configure(parser: Parser) -> None:
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--figures-dir", type=Path, help=argparse.SUPPRESS)  # the parent's, for /metrics
-    # What the control plane tells the workers of its own gateway (`llmgw.server.workers`).
+    # What the control plane tells the workers of its own gateway (`llmgw.server.gateways.workers`).
     parser.add_argument("--server-name", default="", help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--relay-socket", type=Path, help=argparse.SUPPRESS)

@@ -166,7 +166,7 @@ def run_backup(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from llmgw.paths import engine_keys_secret_path
-    from llmgw.server.backup import backup
+    from llmgw.server.store.backup import backup
 
     config, state_dir = resolve_server_paths(args)
     info = backup(state_dir, Path(args.file), force=args.force, settings=config.store)
@@ -194,7 +194,7 @@ def run_backup(args: argparse.Namespace) -> int:
 
 def run_migrate_store(args: argparse.Namespace) -> int:
     from llmgw.config import storeurl
-    from llmgw.server.migratestore import migrate_store
+    from llmgw.server.store.migratestore import migrate_store
     from llmgw.server.store.schema import TABLE_ROWS
 
     config, state_dir = resolve_server_paths(args)
@@ -224,7 +224,7 @@ def run_migrate_store(args: argparse.Namespace) -> int:
 
 
 def run_check_store(args: argparse.Namespace) -> int:
-    from llmgw.server.storecheck import look
+    from llmgw.server.store.check import look
 
     config, state_dir = resolve_server_paths(args)
     seen = look(state_dir, config.store)
@@ -242,7 +242,7 @@ def run_add(args: argparse.Namespace) -> int:
     from llmgw.nodeadd.checklist import run_checklist
     from llmgw.nodeadd.flags import check_target, options_from
     from llmgw.nodeadd.server import flow, layout, steps
-    from llmgw.server.storecheck import look
+    from llmgw.server.store.check import look
 
     check_target(args.target)  # a bad argument is a usage error before anything is read
     if args.start_timeout <= 0:

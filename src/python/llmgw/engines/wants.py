@@ -27,7 +27,7 @@ GPU_ENGINES = ("vllm", "sglang")
 
 @attrs.frozen(kw_only=True)
 class ReleaseArchive:
-    """A llama.cpp archive of the control plane's release (llmgw.server.releases)."""
+    """A llama.cpp archive of the control plane's release (llmgw.server.nodes.releases)."""
 
     name: str  # its file name, as RELEASE_PREFIX + name serves it
     version: str  # llama.cpp's, e.g. "b11434"

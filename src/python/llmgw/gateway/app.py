@@ -87,7 +87,7 @@ MAX_BUFFERED_BODY = 64 << 20  # an upstream answer with a length is read whole, 
 
 class EndpointProvider(Protocol):
     """Where the gateway's rotation comes from: a gateway worker's table (`gatewayd.table`: filled
-    over the link, from a file, or in memory, `server/inprocess.py`), or a fixed set in the tests
+    over the link, from a file, or in memory, `server/gateways/inprocess.py`), or a fixed set in the tests
     and the bench (`testlib.endpoints.StaticEndpoints`)."""
 
     def gateway_rotation(self) -> Rotation: ...

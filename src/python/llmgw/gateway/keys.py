@@ -2,7 +2,7 @@
 
 A gateway never holds a token: a key is the sha256 of its token, the models it may use and its
 limits (`llmgw.wire.gateway_link.GatewayKey`), as the control plane sends them (`KeysChanged`)
-or, for the control plane's own gateway, as its `KeyRing` (`llmgw.server.keys`) hands them over.
+or, for the control plane's own gateway, as its `KeyRing` (`llmgw.server.state.keys`) hands them over.
 A request's token is hashed and looked up, so no comparison runs over the secret itself, and
 the hash found is checked again with `hmac.compare_digest`. A connection nearly always sends one
 key: the token it sent last and its hash are kept with the connection (`Request.per_connection`,

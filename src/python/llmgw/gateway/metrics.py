@@ -152,7 +152,7 @@ def render_by_worker(workers: Iterable[tuple[str, Iterable[g.MetricFamily], floa
     the worker's instance (one family each, with the series of every worker; a worker whose family
     of that name has another shape is left out of it), then `HEARD`, the seconds since each
     worker's figures were taken (`taken_at` and `now`: unix time). The control plane's own workers
-    (`llmgw.server.gatewayfigures`) and a gateway of its own's (`llmgw.gatewayd.figures`) alike."""
+    (`llmgw.server.gateways.figures`) and a gateway of its own's (`llmgw.gatewayd.figures`) alike."""
     workers = list(workers)
     merged: dict[str, tuple[g.MetricFamily, list[tuple[str, g.Sample]]]] = {}
     for instance, families, _ in workers:

@@ -1,6 +1,6 @@
 """`llmgw gateway` as a whole: what it was asked (`GatewayPlan`, checked before anything starts),
 the parent that keeps the workers running (`serve_gateway`) and one worker (`serve_gateway_worker`).
-The control plane runs its own gateway's workers with this plan too (`llmgw.server.workers`):
+The control plane runs its own gateway's workers with this plan too (`llmgw.server.gateways.workers`):
 listening sockets it hands them (`listen_fds`), the name its certificate covers when they dial
 it on loopback (`tls_name`), its private socket to relay its own routes to (`relay_socket`), and
 to listen only once the first table came (`table_first`).

@@ -1,6 +1,6 @@
 """One gateway worker: the OpenAI routes served by the gateway (`llmgw.gateway`) from a table of
 its own (`GatewayTable`), which its own link to the control plane fills (or a table file, or on
-the control plane's own loop its memory: `llmgw.server.inprocess`). Every request on a gateway's
+the control plane's own loop its memory: `llmgw.server.gateways.inprocess`). Every request on a gateway's
 port enters here (`GatewayWorker.handle`), and the gateway's own go on to `Gateway.handle`.
 
     GET /health    200 while the worker holds a table with a replica ready to serve; 503 with a
@@ -20,8 +20,8 @@ A worker of the control plane's own gateway has `plane_routes`: every path that 
 gateway's (`relay.gateway_route`: /v1/... and /health) goes there instead — the admin API, the
 cluster page, /login and /metrics, which is then the control plane's (its families and its
 workers' figures, docs/gateway.md): relayed to the control plane's private socket from a worker
-process (`llmgw.server.workers`: `Relay.handle`), or handled on the control plane's own loop
-(`llmgw.server.inprocess`: `ControlPlane.handle_own`).
+process (`llmgw.server.gateways.workers`: `Relay.handle`), or handled on the control plane's own loop
+(`llmgw.server.gateways.inprocess`: `ControlPlane.handle_own`).
 
 `serve` starts the gateway's services (`gateway.services`: its rotation, its prober, what its
 replicas' caches hold), then its listener (`gateway.front`: SO_REUSEPORT when workers share the

@@ -13,7 +13,7 @@ malformed value reach a place where it would fail as a bug instead:
 - an id in a path is percent-decoded as UTF-8 (invalid UTF-8 is refused, not replaced); the
   caller then checks it against the id's grammar.
 
-Used by the admin API and the cluster page (`llmgw.server.admin`, `llmgw.server.page`). The
+Used by the admin API and the cluster page (`llmgw.server.admin.api`, `llmgw.server.admin.page`). The
 gateway's OpenAI routes do not use `query`: OpenAI's clients add parameters of their own
 (`api-version`), which the gateway ignores as OpenAI does.
 """

@@ -1,6 +1,6 @@
 """Relaying requests to an HTTP server on a Unix socket: how a gateway process passes on what is
 the control plane's on `http_listen` — the admin API, the cluster page and /login, its /metrics —
-to the control plane's private socket (`STATE_DIR/run/admin.sock`, `llmgw.server.adminsocket`),
+to the control plane's private socket (`STATE_DIR/run/admin.sock`, `llmgw.server.admin.privatesocket`),
 once the gateway serves that port from processes of its own.
 
 `Relay.handle` is a handler of `llmgw.http.server`:
@@ -86,7 +86,7 @@ _STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 def gateway_route(path: str) -> bool:
     """Whether `path` is the gateway's on `http_listen` (wherever the gateway runs); everything
-    else there is the control plane's own (`llmgw.server.adminsocket`), and a gateway worker of
+    else there is the control plane's own (`llmgw.server.admin.privatesocket`), and a gateway worker of
     the control plane relays it."""
     return path.startswith("/v1/") or path == "/health"
 

@@ -179,7 +179,7 @@ def _from_url(url: str, arch: str) -> Artifact:
 
 def local_release(release_dir: str, arch: str) -> Artifact:
     """What is copied over SSH without `--release`, in the control plane's order
-    (`llmgw.server.releases`): `[release] dir`; else the release directory this llmgw runs from,
+    (`llmgw.server.nodes.releases`): `[release] dir`; else the release directory this llmgw runs from,
     when a SHA256SUMS beside its file lists it; else this llmgw itself. Checked here before use."""
     if release_dir:
         return _from_dir(Path(release_dir), arch)

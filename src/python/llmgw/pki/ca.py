@@ -52,7 +52,7 @@ _MAX_CN = 64  # RFC 5280 ub-common-name
 # carries no OU (those issued before roles existed neither); a gateway's carries ROLE_GATEWAY.
 ROLE_NODE = "llmgw-node"
 ROLE_GATEWAY = "llmgw-gateway"
-# The gateway name of the control plane's own workers (`llmgw.server.workers`), whose certificate
+# The gateway name of the control plane's own workers (`llmgw.server.gateways.workers`), whose certificate
 # it issues itself: `llmgw ca issue --gateway` refuses it for a gateway of its own.
 CONTROL_PLANE_GATEWAY = "control-plane"
 

@@ -8,16 +8,16 @@ and this llmgw's own release file (`running_release`: what agents may fetch from
 together `Warm`, which a standby holds ready -- then the store (checked: a damaged database
 stops the start there) and the engine-key secret. The constructor takes what was opened, does
 no I/O and wires the parts (`ControlPlane`'s docstring names them). Where several control planes
-share a PostgreSQL store, `llmgw.server.seat` opens one only once it holds the lease.
+share a PostgreSQL store, `llmgw.server.leadership.seat` opens one only once it holds the lease.
 
 `serve` is the root: each service is a `serve_x(..., *, task_status)` started with
 `nursery.start`, so each is ready before the next starts, and `task_status` gets the bound
 addresses once both ports accept connections. The last is the front on `http_listen`
-(`llmgw.server.gateways`): the gateway's worker processes, or with `gateway_workers = 0` one
+(`llmgw.server.gateways.own`): the gateway's worker processes, or with `gateway_workers = 0` one
 gateway worker on this loop; either way a request enters at `GatewayWorker.handle`. Every
 background loop runs under `llmgw.supervision.Background`: a failure after start is logged with
 its traceback and the loop started again with backoff; only a failure at start ends the process.
-Drains are jobs of their own service (`llmgw.server.drains`). Shutdown is cancellation, of the
+Drains are jobs of their own service (`llmgw.server.state.drains`). Shutdown is cancellation, of the
 front first: its requests in flight finish (bounded) while the rest still runs, then the rest
 stops.
 """
@@ -41,34 +41,36 @@ from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.pki.ca import CA
 from llmgw.releasefiles import Running
-from llmgw.server import activation, keyseal, views
-from llmgw.server.adminsocket import serve_admin_socket
-from llmgw.server.agentlinks import AgentLinks
-from llmgw.server.agentlistener import AgentListener
-from llmgw.server.artifacts import Artifacts, artifacts_dir
-from llmgw.server.asyncstore import AsyncStore
-from llmgw.server.catalogtimes import CatalogTimes
-from llmgw.server.changes import Changes
-from llmgw.server.desired import DesiredStates
-from llmgw.server.drains import Drains
+from llmgw.server import activation
+from llmgw.server.admin.ownroutes import OwnRoutes, restarts_metric
+from llmgw.server.admin.privatesocket import serve_admin_socket
 from llmgw.server.front import Bound, cannot_listen, split_hostport
-from llmgw.server.gateways import Gateways
-from llmgw.server.intent import NodeIntent
-from llmgw.server.keyseal import KeySeal
-from llmgw.server.leadership import Term
+from llmgw.server.gateways.own import Gateways
+from llmgw.server.gateways.workers import worker_count
+from llmgw.server.leadership.leader import Term
+from llmgw.server.leadership.seat import serve_seat
+from llmgw.server.leadership.warm import Warm, read_warm
 from llmgw.server.lifecycle import cancel_at_stop, serve_admin_url, serve_reload_on_sighup
-from llmgw.server.liveness import Reconciler
-from llmgw.server.mirror import RETRY_S, fill_mirror
-from llmgw.server.moves import Moves
-from llmgw.server.ownroutes import OwnRoutes, restarts_metric
-from llmgw.server.registry import NodeRegistry
-from llmgw.server.releases import Releases
-from llmgw.server.replicas import Replicas, seal_at_start, sealed_keys
-from llmgw.server.seat import serve_seat
+from llmgw.server.links.agentlinks import AgentLinks
+from llmgw.server.links.agentlistener import AgentListener
+from llmgw.server.nodes.artifacts import Artifacts, artifacts_dir
+from llmgw.server.nodes.mirror import RETRY_S, fill_mirror
+from llmgw.server.nodes.releases import Releases
 from llmgw.server.settings import Settings
+from llmgw.server.state import views
+from llmgw.server.state.catalogtimes import CatalogTimes
+from llmgw.server.state.changes import Changes
+from llmgw.server.state.desired import DesiredStates
+from llmgw.server.state.drains import Drains
+from llmgw.server.state.intent import NodeIntent
+from llmgw.server.state.liveness import Reconciler
+from llmgw.server.state.moves import Moves
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import Replicas, seal_at_start, sealed_keys
+from llmgw.server.store import keyseal
+from llmgw.server.store.asyncstore import AsyncStore
+from llmgw.server.store.keyseal import KeySeal
 from llmgw.server.store.lease import Fence
-from llmgw.server.warm import Warm, read_warm
-from llmgw.server.workers import worker_count
 from llmgw.supervision import Background
 from llmgw.wire import agent_link as w
 
@@ -103,7 +105,7 @@ class ControlPlane:
         development build); does no I/O. `gateway_workers`: how many gateway worker processes
         serve http_listen when server.toml does not say (`llmgw server`: "auto", `llmgw up`: 1;
         0, one gateway worker on this loop, is for tests and embedding). `term`: the lease this control
-        plane leads by, when several share a PostgreSQL store (`llmgw.server.seat`; None: it
+        plane leads by, when several share a PostgreSQL store (`llmgw.server.leadership.seat`; None: it
         leads alone); once the term is over it pushes nothing more and answers new links with
         `redirect()`, where the leader is."""
         self.term = term
@@ -307,10 +309,10 @@ class ControlPlane:
         """Run until cancelled. `reload_on_sighup`: a SIGHUP reads server.toml again (`llmgw
         server`; tests running several control planes in one process leave it off).
         `private_socket`: serve `handle_own` on STATE_DIR/run/admin.sock as well, for gateway
-        workers to relay to (`llmgw.server.adminsocket`); always, with workers of its own.
+        workers to relay to (`llmgw.server.admin.privatesocket`); always, with workers of its own.
 
         What serves `http_listen` (the front) is `gateway_workers` processes, or with 0 one gateway
-        worker on this loop (`llmgw.server.gateways`). It stops first: the requests in flight finish, for at most the drain, while the rest still
+        worker on this loop (`llmgw.server.gateways.own`). It stops first: the requests in flight finish, for at most the drain, while the rest still
         runs — the workers' links, the private socket they relay to, the cluster's view — and
         the rest stops once it has."""
         front = trio.CancelScope()
@@ -383,7 +385,7 @@ class ControlPlane:
             nursery.cancel_scope.cancel()  # the front has stopped: now the rest
 
     async def handle_own(self, request: Request) -> Response | StreamingResponse:
-        """The control plane's own routes (`server/ownroutes.py`), on `http_listen` (from a gateway
+        """The control plane's own routes (`server/admin/ownroutes.py`), on `http_listen` (from a gateway
         worker: over the private socket, or on this loop) and on its private socket."""
         return await self.own_routes.handle(request)
 
@@ -419,7 +421,7 @@ async def serve_control_plane(
     """`llmgw server`: the control plane opened from `state_dir`, served with the SIGHUP reload,
     its gateway one worker process per CPU unless server.toml says how many. On a PostgreSQL
     store, which several control planes may share, it leads only while it holds the lease and
-    stands by otherwise (`llmgw.server.seat`); on SQLite it is the one control plane and leads."""
+    stands by otherwise (`llmgw.server.leadership.seat`); on SQLite it is the one control plane and leads."""
     if storeurl.is_postgresql(config.store.url):
 
         def open_plane(

@@ -1,5 +1,5 @@
 """Errors of the control plane's domain, by blame. Domain code raises them; the admin API alone
-turns each into an HTTP status (`llmgw.server.admin.ANSWERS`), and the SIGHUP reload logs them.
+turns each into an HTTP status (`llmgw.server.admin.api.ANSWERS`), and the SIGHUP reload logs them.
 
 The store's errors (`StoreBusy`, `StoreUnavailable`, `StoreFailed`, `StoreCorrupt`,
 `StoreSchemaNewer`, `StoreSchemaBehind`: the database, the disk or the network refused) are the machine's;

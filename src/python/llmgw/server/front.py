@@ -1,6 +1,6 @@
 """The control plane's HTTP front: the addresses it reports once it listens (`Bound`), how
 `[server] http_listen` and `agent_listen` are read (`split_hostport`), and the error for a port it
-cannot listen on (`cannot_listen`). What serves `http_listen` is `llmgw.server.gateways`' (the
+cannot listen on (`cannot_listen`). What serves `http_listen` is `llmgw.server.gateways.own`' (the
 gateway's workers, or one on this loop), each stopping as every gateway's listener does
 (`llmgw.gateway.front.serve_draining`).
 """

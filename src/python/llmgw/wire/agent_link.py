@@ -29,7 +29,7 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # 5: a standby control plane answers a hello with where the leader is (`Redirect`); the control plane
 # sends a heartbeat of its own (`ServerHeartbeat`), so that an agent notices one that stopped.
 # 6: the control plane's heartbeat carries the heartbeat interval the agent is to keep from now on
-# (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.heartbeats).
+# (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.links.heartbeats).
 # 7: an agent's heartbeat says when it was sent (`Heartbeat.sent_at`), for the control plane's
 # figure of how long heartbeats take to count.
 PROTOCOL_VERSION = 8
@@ -38,7 +38,7 @@ PROTOCOL_VERSION = 8
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
 # artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`, both to node certificates only; and the
 # release files, `GET RELEASE_PREFIX + NAME` (a release file or SHA256SUMS), to any peer, since a
-# node fetches its release before it has a certificate (llmgw.server.releases).
+# node fetches its release before it has a certificate (llmgw.server.nodes.releases).
 AGENT_PATH = "/v1/agent"
 NODE_ID_HEADER = "x-llmgw-node-id"
 ARTIFACTS_PREFIX = "/v1/artifacts/"
@@ -291,7 +291,7 @@ class ServerHeartbeat:
     """The control plane is there: sent every heartbeat interval, so that an agent notices one
     that stopped (paused, or cut off while its kernel still answers) and dials the next. It
     carries the interval the agent is to heartbeat at from now on (the Welcome's at first; the
-    control plane stretches it as the cluster grows, `llmgw.server.heartbeats`); 0: as it was."""
+    control plane stretches it as the cluster grows, `llmgw.server.links.heartbeats`); 0: as it was."""
 
     seq: int
     heartbeat_interval_s: float = 0.0

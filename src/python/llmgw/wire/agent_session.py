@@ -4,7 +4,7 @@ Every rule of the agent link is here, and nowhere else: which upgrade request is
 frame may come when, what each side answers, which reply matches which request, what waits for
 a slow reader. What every link shares (the sequencing by table, the outbox, closing, the role
 bases of the two ends) is `llmgw.wire.session`'s; the adapters that act on the events are
-`llmgw.server.agentlinks` and `agent.link`, each on its end's link runtime. Two sessions wired
+`llmgw.server.links.agentlinks` and `agent.link`, each on its end's link runtime. Two sessions wired
 together in memory are the protocol's tests (tests/llmgw/wire/test_session.py).
 
     agent                                          control plane

@@ -180,7 +180,7 @@ class RotationChanged:
     had in its last rotation until a later message says which they are. `version` rises with
     every change the control plane makes to the rotation; a gateway's heartbeats say which one
     it routes by, so that the control plane knows when a replica it took out of rotation gets
-    no more requests from it (a move waits for that, `llmgw.server.gatewayfeed.GatewayFeed.quiesce`)."""
+    no more requests from it (a move waits for that, `llmgw.server.links.gatewaylinks.GatewayFeed.quiesce`)."""
 
     models: tuple[str, ...]
     endpoints: tuple[RouteEndpoint, ...]

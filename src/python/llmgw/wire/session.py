@@ -6,7 +6,7 @@ class per end, built on the two role bases here.
 A session is told each frame its side receives (`receive`: the text, or a message) and answers
 with what it meant (one event); what its side sends it queues in its outbox, whence the link's
 one writer takes frames (`next_frame`). It never touches a socket, a clock or trio: the link
-runtimes (`llmgw.server.linkserver` on the control plane, `llmgw.linkclient` on an agent or a
+runtimes (`llmgw.server.links.linkserver` on the control plane, `llmgw.linkclient` on an agent or a
 gateway) move frames between trio-websocket and the session, keep the deadlines and hand the
 events to the link's adapter. Two sessions wired together in memory are each protocol's tests
 (tests/llmgw/wire/test_session.py, test_gateway_session.py).
@@ -56,7 +56,7 @@ class State(enum.Enum):
 
 SERVER = "control plane"  # the role of the serving end, on either link
 MIN_HEARTBEAT_INTERVAL_S = 0.01  # a Welcome asking for heartbeats more often is refused
-# ... or, by an agent, less often: an hour is 180,000 agents at 50 heartbeats a second (llmgw.server.heartbeats)
+# ... or, by an agent, less often: an hour is 180,000 agents at 50 heartbeats a second (llmgw.server.links.heartbeats)
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")  # PEP 440 and semantic versions, "dev", "test"
 

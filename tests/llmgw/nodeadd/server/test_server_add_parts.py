@@ -26,7 +26,7 @@ from llmgw.nodeadd.server.steps import NAMES, STEPS
 from llmgw.nodeadd.steps import OK, STARTED, Checklist, Event
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import ca_paths, init_ca, issue_server_cert, load_ca
-from llmgw.server.storecheck import Seen
+from llmgw.server.store.check import Seen
 
 UNREACHABLE = "root@192.0.2.1"  # TEST-NET-1: nothing answers there; a run that dialled it would hang
 STAGE = "/tmp/llmgw-node-add.test"

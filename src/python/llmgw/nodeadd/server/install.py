@@ -56,7 +56,7 @@ class Options(context.Options):
     source: dict[str, Any] = attrs.field(factory=dict)  # that file, parsed
     store_url: str = ""  # --store: the url the machine reaches the store at ("": this control plane's)
     advertise: tuple[str, ...] = ()
-    # Which store this control plane's [store] names, read here (llmgw.server.storecheck.look, in a
+    # Which store this control plane's [store] names, read here (llmgw.server.store.check.look, in a
     # thread): node add's code never opens the store itself; the command gives it the way.
     look_store: Callable[[], Any] | None = None
 
@@ -67,7 +67,7 @@ class Held:
 
     ca: CA
     files: tuple[tuple[layout.Copied, bytes], ...]
-    store: Any  # llmgw.server.storecheck.Seen: the store as this control plane sees it
+    store: Any  # llmgw.server.store.check.Seen: the store as this control plane sees it
 
 
 @attrs.define

@@ -5,8 +5,11 @@
     sqlite    the state directory's llmgw.db; `copy_database` for `llmgw server backup`
     postgres  a PostgreSQL database (`[store] url`), through psycopg, imported only then
     copy      `llmgw server migrate-store`: every table from one store into an empty other
+    asyncstore  the running control plane's store: a `Store` whose calls run off the event loop
+    backup, migratestore, check  `llmgw server backup`, `migrate-store` and `check-store`
+    keyseal   engine keys sealed for the database, and the secret that seals them
 
-While the control plane runs, it alone opens its store, through `llmgw.server.asyncstore`
+While the control plane runs, it alone opens its store, through `llmgw.server.store.asyncstore`
 (which owns a `Store` and runs its calls in a worker thread, never on the event loop); `llmgw
 node add` and `llmgw ca issue` record a serial and read revocations through its admin API. Only
 while no control plane runs does `llmgw ca issue` open the store itself, and records with the

@@ -27,7 +27,7 @@ store's write lock, for as long as it stays stopped: a running control plane's c
 PostgreSQL ends such a session and rolls its transaction back within half a lease.
 
 The lease's own statements run alone, in autocommit, never under the store's write lock: a
-renewal does not queue behind the writes it keeps valid. `llmgw.server.leadership` runs them.
+renewal does not queue behind the writes it keeps valid. `llmgw.server.leadership.leader` runs them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,503 @@
+"""The admin API: what `llmgw ctl` and `llmgw node remove` call, under /admin/v1/.
+
+Every request carries the admin credential as `Authorization: Bearer TOKEN`; without it, or
+with a wrong one, the answer is 401 with what to do. Routes:
+
+    GET    /admin/v1/nodes[?limit=N&after=NODE&state=S]  the nodes with their state and inventory, by id
+                                           (a page of N after NODE, and the next page's `after`)
+    GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
+    GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log (N: 1-10000, default 100)
+    GET    /admin/v1/models                the catalog with ready replicas per model
+    POST   /admin/v1/reload                read server.toml again (catalog, engines)
+    POST   /admin/v1/nodes/NODE/cordon     no new work for the node
+    POST   /admin/v1/nodes/NODE/uncordon
+    POST   /admin/v1/nodes/NODE/drain[?force=1]   move its replicas off, one at a time, then cordon
+    DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
+    GET    /admin/v1/keys                  the gateway's API keys (never their tokens)
+    POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
+                                           the answer holds the token, shown this once
+    DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/gateways              the gateway instances connected (server/links/gatewaylinks.py): name,
+                                           instance, since when, last heard, requests in flight, share
+    GET    /admin/v1/events                the cluster page's live feed (server/admin/events.py)
+    POST   /admin/v1/page/login            a one-time login URL for the cluster page (server/admin/page.py)
+    POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
+                                           issue`): {serial, node_id, not_after, revoke_others, also_revoke}
+    GET    /admin/v1/certificates/SERIAL   what the control plane holds of a serial: recorded, revoked
+    POST   /admin/v1/debug/stall?seconds=S hold the event loop for S seconds (a diagnostic: `[debug]
+                                           allow_stall`, else 403; the credential itself, not a page session)
+
+Inputs are read strictly (`llmgw.http.params`), each refusal a 400 naming the input, the value
+given (cut short when long) and what is accepted: ids in paths are percent-decoded and must match
+their grammar (node ids as `check_node_id`, `REPLICA`, key names as `keys.KEY_NAME`); a route
+takes only the query parameters listed above, each once (`lines` from 1 to `MAX_LOG_LINES`,
+`force` 1/0/true/false); JSON bodies take only their fields, of their types, within their
+ranges (a key's limits up to `keys.MAX_LIMIT`, serials positive and at most 20 octets per
+RFC 5280, `not_after` from 1970 to the end of 9999). docs/security.md, "The admin API", lists
+them.
+
+Domain errors become statuses here and nowhere else (`ANSWERS`): an unknown node, replica or
+key is 404, a bad server.toml 422 (nothing changed), a reload without a file 409, a diagnostic
+that server.toml does not allow 403. A change the store cannot record (another process holds its
+lock, the disk fails) is answered 503 with `Retry-After` and the store's message; nothing
+changed, and the same request may be sent again.
+
+The control plane is seen through two protocols, the calls this module makes, so that the admin
+API does not import what builds them: `Views` (what it shows: `llmgw.server.state.views.ClusterViews`)
+and `Operations` (what it changes: `llmgw.server.admin.operations.Operations`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from llmgw.errors import ConfigError, LlmgwError, UsageError, cut, shown
+from llmgw.fabrics import FabricMap
+from llmgw.http import params
+from llmgw.http.errors import HTTPError
+from llmgw.http.jsonbody import read_json
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.refusallines import RefusalLines
+from llmgw.log import get_logger
+from llmgw.pki.ca import check_node_id
+from llmgw.server.errors import (
+    ApiKeyError,
+    ApiKeyExists,
+    DiagnosticOff,
+    NoConfigFile,
+    StoreError,
+    UnknownApiKey,
+    UnknownNode,
+    UnknownReplica,
+)
+from llmgw.server.state.drains import DrainProgress
+from llmgw.server.state.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
+from llmgw.server.state.registry import STATES
+
+if TYPE_CHECKING:
+    from llmgw.server.admin.page import Page
+    from llmgw.server.store.asyncstore import AsyncStore
+
+log = get_logger("llmgw.admin")
+
+PREFIX = "/admin/v1/"
+_REPLICA_LOGS = re.compile(r"^/admin/v1/replicas/([^/]+)/logs$")
+_KEY = re.compile(r"^/admin/v1/keys/([^/]+)$")
+_NODE_ACTION = re.compile(r"^/admin/v1/nodes/([^/]+)(?:/(cordon|uncordon|drain))?$")
+# GET /admin/v1/nodes, a page at a time for thousands of nodes: `next` names the id to give as
+# `after` for the page after (null on the last); `state` keeps the nodes in that state.
+MAX_NODES_PAGE = 10_000
+NODE_STATES = STATES  # llmgw.server.state.registry's
+# A listing is encoded this many items at a time, the loop free between: thousands of nodes make
+# megabytes of JSON, tens of milliseconds in one call (in a thread too: the encoder holds the GIL).
+ENCODE_SLICE = 200
+
+
+async def listing_json(key: str, items: list[Any], rest: dict[str, Any]) -> bytes:
+    """`{key: items, **rest}` as compact JSON and a newline, as `Response.json` writes it, encoded
+    ENCODE_SLICE items at a time with a checkpoint between."""
+    parts = [b'{"', key.encode(), b'":[']
+    for start in range(0, len(items), ENCODE_SLICE):
+        if start:
+            await trio.lowlevel.checkpoint()
+            parts.append(b",")
+        chunk = json.dumps(items[start : start + ENCODE_SLICE], separators=(",", ":"))
+        parts.append(chunk[1:-1].encode())
+    tail = json.dumps(rest, separators=(",", ":"))
+    parts.append(b"]" + (b"," + tail[1:].encode() if rest else b"}") + b"\n")
+    return b"".join(parts)
+
+
+NODE_QUERY = {
+    "limit": f"how many nodes at most, 1 to {MAX_NODES_PAGE} (default: all)",
+    "after": "the node id this page starts after (the previous page's next)",
+    "state": ", ".join(NODE_STATES),
+}
+# A replica's id is its model's name (letters, digits, '.', '_', '-'; 63 at most) and its slot.
+REPLICA = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+REPLICA_RULE = "a replica id is its model's name, '-' and a number (see `llmgw ctl replicas`)"
+MAX_LOG_LINES = 10_000  # the agent reads at most 4 MiB of a log back for a tail anyway
+LINES = f"the lines of each member's log to show, 1 to {MAX_LOG_LINES} (default 100)"
+FORCE = "1 (or true) to stop replicas that cannot be moved, 0 (or false, the default) to stop the drain there"
+
+
+class Views(Protocol):
+    """What the admin API shows of the control plane."""
+
+    def node_views(self) -> list[dict[str, Any]]: ...
+    async def node_page(
+        self, *, limit: int | None = None, after: str = "", state: str = ""
+    ) -> tuple[list[dict[str, Any]], str | None]: ...
+    def node_view(self, node_id: str) -> dict[str, Any]: ...
+    def replica_views(self) -> list[dict[str, Any]]: ...
+    async def replica_listing(self) -> list[dict[str, Any]]: ...
+    def model_views(self, replica_views: Any = None) -> list[dict[str, Any]]: ...
+    def fabric_map(self) -> FabricMap: ...
+
+
+class Operations(Protocol):
+    """What the admin API asks the control plane to do."""
+
+    async def reload(self) -> dict[str, Any]: ...
+    async def replica_logs(self, replica_id: str, lines: int) -> dict[str, Any]: ...
+    async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress: ...
+    async def set_cordoned(self, node_id: str, cordoned: bool) -> None: ...
+    async def remove_node(self, node_id: str) -> dict[str, Any]: ...
+    def certificate_recorded(self) -> None: ...
+    def stall(self, seconds: float) -> dict[str, Any]: ...
+
+
+@attrs.frozen
+class Answer:
+    """How a domain error is answered: its status, its OpenAI error type, and its message in a
+    frame (`{}` is the error's own)."""
+
+    status: int
+    kind: str = "invalid_request_error"
+    frame: str = "{}"
+
+
+# The one mapping of domain errors to HTTP statuses, looked up along the error's class hierarchy
+# (the most specific class first). A `StoreError` also says when to try again (`Retry-After`).
+ANSWERS: dict[type[LlmgwError], Answer] = {
+    UnknownNode: Answer(404, "not_found_error"),
+    UnknownReplica: Answer(404, "not_found_error"),
+    UnknownApiKey: Answer(404, "not_found_error"),
+    ApiKeyExists: Answer(409),
+    ApiKeyError: Answer(400),
+    NoConfigFile: Answer(409),
+    DiagnosticOff: Answer(403, "permission_error"),
+    ConfigError: Answer(422, frame="server.toml has problems; nothing changed:\n{}"),
+    StoreError: Answer(503, "unavailable_error"),
+}
+
+
+def answer(exc: LlmgwError) -> HTTPError | None:
+    """The HTTP error a domain error is answered with; None for one that has no answer (a bug)."""
+    found = next((ANSWERS[c] for c in type(exc).__mro__ if c in ANSWERS), None)
+    if found is None:
+        return None
+    headers = (("retry-after", str(math.ceil(exc.retry_after_s))),) if isinstance(exc, StoreError) else ()
+    return HTTPError(found.status, found.frame.format(exc), kind=found.kind, headers=headers)
+
+
+class AdminAPI:
+    def __init__(
+        self,
+        *,
+        views: Views,
+        operations: Operations,
+        page: Page,
+        store: AsyncStore,
+        keys: KeyRing,
+        token: str,
+        gateways: Callable[[], list[dict[str, Any]]] = list,
+        keys_reached: Callable[[], Awaitable[Any]] | None = None,
+        authority: Callable[[], dict[str, Any]] = dict,
+        refusals: RefusalLines | None = None,
+    ) -> None:
+        """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
+        certificate serials are recorded and read; `gateways()`: the gateway instances connected
+        (`GatewayFeed.views`); `keys_reached()`: returns once the control plane's own gateway
+        holds the keys as they are now (bounded), so a key made or revoked is known on
+        http_listen when the answer comes; `authority()`: the CA this control plane signs with
+        (its CN and fingerprint: `llmgw server add` checks a new control plane's against its own);
+        `refusals`: where a wrong credential is logged, with the page's refusals (`RefusalLines`:
+        a few lines each interval, then counted)."""
+        self.refusals = refusals or RefusalLines("http")
+        self.gateways = gateways
+        self.authority = authority
+        self.keys_reached = keys_reached
+        self.views = views
+        self.operations = operations
+        self.page = page
+        self.store = store
+        self.keys = keys
+        self._token = token.encode()
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise HTTPError(
+                401,
+                "the admin API needs the admin credential (Authorization: Bearer ...); `llmgw ctl` reads it from "
+                "the control plane's state directory (admin.token) or from --credential FILE",
+                kind="authentication_error",
+            )
+        if not hmac.compare_digest(given.strip().encode(), self._token):
+            self.refusals.refused(
+                log, "admin_credential_refused", kind="admin", peer=request.client, client=request.client
+            )
+            raise HTTPError(
+                401,
+                "wrong admin credential: it does not match this control plane's admin.token",
+                kind="authentication_error",
+            )
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        # Who calls (a cluster-page session, or the credential through `_authorize`), the page's
+        # own admin routes, and the audit line of every change: server/admin/page.py.
+        return await self.page.guard(request, self._authorize, self._handle_authorized)
+
+    async def _handle_authorized(self, request: Request) -> Response:
+        try:
+            return await self._route(request)
+        except LlmgwError as exc:
+            error = answer(exc)
+            if error is None:
+                raise
+            if isinstance(exc, StoreError):
+                log.warning("admin_store_unavailable", path=request.path, reason=str(exc))
+            raise error from None
+
+    async def _route(self, request: Request) -> Response:
+        if request.path == "/admin/v1/nodes":
+            _allow(request, "GET")
+            q = params.query(request, NODE_QUERY)
+            limit = params.whole_number(q["limit"], "limit", 1, MAX_NODES_PAGE) if "limit" in q else None
+            state = q.get("state", "")
+            if state and state not in NODE_STATES:
+                raise HTTPError(400, f"state must be one of {', '.join(NODE_STATES)}, got {shown(state)}")
+            nodes, after = await self.views.node_page(limit=limit, after=q.get("after", ""), state=state)
+            fabrics = self.views.fabric_map()
+            placed = [{"name": f.name, "identity": f.identity, "nodes": list(f.nodes)} for f in fabrics.fabrics]
+            rest = {"next": after, "fabrics": placed, "notes": list(fabrics.notes)}
+            return Response(
+                status=200,
+                body=await listing_json("nodes", nodes, rest),
+                headers=(("content-type", "application/json"),),
+            )
+        if request.path == "/admin/v1/reload":
+            _allow(request, "POST")
+            params.query(request, {})
+            return Response.json(200, await self.operations.reload())
+        logs = _REPLICA_LOGS.match(request.path)
+        if logs is not None:
+            _allow(request, "GET")
+            replica_id = _path_id(logs.group(1), "replica id", REPLICA, REPLICA_RULE)
+            given = params.query(request, {"lines": LINES})
+            lines = params.whole_number(given.get("lines", "100"), "lines", 1, MAX_LOG_LINES)
+            return Response.json(200, await self.operations.replica_logs(replica_id, lines))
+        if request.path == "/admin/v1/replicas":
+            _allow(request, "GET")
+            params.query(request, {})
+            body = await listing_json("replicas", await self.views.replica_listing(), {})
+            return Response(status=200, body=body, headers=(("content-type", "application/json"),))
+        if request.path == "/admin/v1/models":
+            _allow(request, "GET")
+            params.query(request, {})
+            return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
+        if request.path == "/admin/v1/gateways":
+            _allow(request, "GET")
+            params.query(request, {})
+            return Response.json(200, {"gateways": self.gateways()})
+        if request.path == AUTHORITY:
+            _allow(request, "GET")
+            params.query(request, {})
+            return Response.json(200, {"ca": self.authority()})
+        if request.path == STALL:
+            _allow(request, "POST")
+            # The credential itself, even under a page session's cookie: holding the control plane's
+            # loop is for the operator at its shell, never a button on a page.
+            self._authorize(request)
+            return Response.json(200, self.operations.stall(_stall_seconds(request)))
+        if request.path == "/admin/v1/keys" or _KEY.match(request.path):
+            return await self._keys(request)
+        if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
+            response = await certificates(self.store, request)
+            if request.method == "POST":
+                self.operations.certificate_recorded()  # a node is on its way: its engines' sources are fetched
+            return response
+        m = _NODE_ACTION.match(request.path)
+        if m is None:
+            raise HTTPError(
+                404,
+                f"no admin route {cut(request.method, 20)} {cut(request.path)}",
+                kind="not_found_error",
+            )
+        raw_node, action = m.groups()
+        node_id = _node_id(raw_node)
+        if action == "drain":
+            _allow(request, "POST")
+            force = params.flag(params.query(request, {"force": FORCE}).get("force", "0"), "force")
+            progress = await self.operations.start_drain(node_id, force=force)
+            return Response.json(202, {"drain": progress.view()})
+        if action in ("cordon", "uncordon"):
+            _allow(request, "POST")
+            params.query(request, {})
+            await self.operations.set_cordoned(node_id, action == "cordon")
+            log.info(f"node_{action}ed", node=node_id)
+            return Response.json(200, {"node": self.views.node_view(node_id)})
+        _allow(request, "DELETE")
+        params.query(request, {})
+        return Response.json(200, await self.operations.remove_node(node_id))
+
+    async def _keys_reached(self) -> None:
+        if self.keys_reached is not None:
+            await self.keys_reached()
+
+    async def _keys(self, request: Request) -> Response:
+        ring = self.keys
+        params.query(request, {})
+        if request.path != "/admin/v1/keys":
+            _allow(request, "DELETE")
+            name = _path_id(_KEY.match(request.path).group(1), "key name", KEY_NAME, KEY_NAME_RULE)
+            await ring.revoke(name)
+            await self._keys_reached()
+            log.info("api_key_revoked", name=name)
+            return Response.json(200, {"revoked": name})
+        if request.method in ("GET", "HEAD"):
+            return Response.json(200, {"keys": [key_view(r) for r in await ring.rows()]})
+        _allow(request, "POST")
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
+        unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
+        if unknown:
+            raise HTTPError(
+                400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
+            )
+        if not isinstance(body.get("name"), str):
+            raise HTTPError(400, f"'name' must be a string, got {shown(body.get('name'))}")
+        row, token = await ring.create(
+            body["name"],
+            models=() if body.get("models") is None else body["models"],
+            rate_per_minute=body.get("rate_per_minute", 0),
+            max_concurrency=body.get("max_concurrency", 0),
+        )
+        await self._keys_reached()
+        log.info("api_key_created", name=row.name, models=list(row.models))
+        return Response.json(201, {"key": key_view(row), "token": token})
+
+
+# -- certificates --------------------------------------------------------------------------
+# Serials travel as decimal strings: 159 bits, which a JSON reader would round as a number.
+
+CERTIFICATES = "/admin/v1/certificates"
+_RECORD_FIELDS = {"serial", "node_id", "not_after", "revoke_others", "also_revoke"}
+MAX_SERIAL = (1 << 160) - 1  # RFC 5280 §4.1.2.2: a serial is positive and at most 20 octets
+MAX_NOT_AFTER = 253402300799  # 9999-12-31T23:59:59Z, the last instant X.509's GeneralizedTime says
+MAX_ALSO_REVOKE = 1000  # serials revoked by one record (node add revokes a node's few others)
+
+
+async def certificates(store: AsyncStore, request: Request) -> Response:
+    """The serials of node certificates: recorded by the commands that issue them, read by
+    `llmgw node add`, so that no command but the control plane opens its database while it runs."""
+    if request.path != CERTIFICATES:
+        _allow(request, "GET")
+        params.query(request, {})
+        serial = _serial(params.path_segment(request.path[len(CERTIFICATES) + 1 :], "serial"), "the path")
+        row = await store.certificate(serial)
+        return Response.json(
+            200,
+            {
+                "serial": str(serial),
+                "recorded": row is not None,
+                "node_id": row.node_id if row else None,
+                "not_after": row.not_after if row else None,
+                "revoked": row is not None and row.revoked_at is not None,
+                "revoked_at": row.revoked_at if row else None,
+            },
+        )
+    _allow(request, "POST")
+    params.query(request, {})
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"the body must be a JSON object: {{{', '.join(sorted(_RECORD_FIELDS))}}}")
+    unknown = sorted(set(body) - _RECORD_FIELDS)
+    if unknown:
+        raise HTTPError(400, f"unknown fields {unknown}; a certificate takes {', '.join(sorted(_RECORD_FIELDS))}")
+    serial = _serial(body.get("serial"), "'serial'")
+    node_id = body.get("node_id")
+    if not isinstance(node_id, str):
+        raise HTTPError(400, f"'node_id' must be the node id the certificate names, as a string; got {shown(node_id)}")
+    try:
+        check_node_id(node_id)
+    except UsageError as exc:
+        raise HTTPError(400, f"'node_id': {exc}") from None
+    not_after = _seconds(body.get("not_after"))
+    revoke_others = body.get("revoke_others", False)
+    if not isinstance(revoke_others, bool):
+        raise HTTPError(400, f"'revoke_others' must be true or false, got {shown(revoke_others)}")
+    also = body.get("also_revoke", [])
+    if not isinstance(also, list) or len(also) > MAX_ALSO_REVOKE:
+        raise HTTPError(400, f"'also_revoke' must be a list of at most {MAX_ALSO_REVOKE} serials, got {shown(also)}")
+    also_revoke = [_serial(s, "'also_revoke'") for s in also]
+    revoked = await store.record_issued(
+        serial, node_id, not_after, revoke_others=revoke_others, also_revoke=also_revoke
+    )
+    log.info("certificate_recorded", node=node_id, serial=str(serial), revoked_serials=revoked)
+    return Response.json(201, {"recorded": str(serial), "revoked_serials": revoked})
+
+
+def _serial(given: object, where: str) -> int:
+    if isinstance(given, str):
+        try:
+            return params.whole_number(given, "serial", 1, MAX_SERIAL)
+        except HTTPError:
+            pass
+    raise HTTPError(
+        400,
+        f"{where}: a serial is a positive whole number in decimal, as a string, at most 2**160 - 1 (RFC 5280: "
+        f"20 octets); got {shown(given)}",
+    )
+
+
+def _seconds(given: object) -> float:
+    """A certificate's expiry as JSON gives it: a number of seconds since 1970 that X.509 can say."""
+    # Not `math.isfinite(given)` first: an int of 400 digits does not convert to a float.
+    if not isinstance(given, bool) and isinstance(given, (int, float)) and 0 <= given <= MAX_NOT_AFTER:
+        return float(given)
+    raise HTTPError(
+        400,
+        f"'not_after' must be the certificate's expiry in seconds since 1970, from 0 to {MAX_NOT_AFTER} "
+        f"(the end of 9999); got {shown(given)}",
+    )
+
+
+def _node_id(raw: str) -> str:
+    node_id = params.path_segment(raw, "node id")
+    try:
+        return check_node_id(node_id)
+    except UsageError as exc:
+        raise HTTPError(400, str(exc)) from None
+
+
+def _path_id(raw: str, what: str, grammar: re.Pattern[str], rule: str) -> str:
+    decoded = params.path_segment(raw, what)
+    if grammar.fullmatch(decoded) is None:
+        raise HTTPError(400, f"{what} {shown(decoded)} is not valid: {rule}")
+    return decoded
+
+
+STALL = "/admin/v1/debug/stall"
+AUTHORITY = "/admin/v1/authority"
+MAX_STALL_S = 600.0
+
+
+def _stall_seconds(request: Request) -> float:
+    given = request.query.get("seconds", [""])[0]
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_STALL_S:
+        raise HTTPError(400, f"seconds must be a number of seconds above 0 and at most {MAX_STALL_S:g}, got {given!r}")
+    return seconds
+
+
+def _allow(request: Request, method: str) -> None:
+    allow(request, method)  # a HEAD where GET is allowed; the path cut short in a 405
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(PREFIX)

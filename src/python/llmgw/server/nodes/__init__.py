@@ -1,0 +1,3 @@
+"""What the control plane serves to nodes: engine archives (the mirror and its fill) and the
+release files.
+"""

@@ -1,0 +1,4 @@
+"""The cluster's state and scheduling: the nodes (registry), the operator's intent, the
+catalog turned into placements (replicas, the pure scheduler), moves and drains, the reconciler
+(liveness), what each node is told (desired), the gateway's API keys, and the views of all of it.
+"""

@@ -1,0 +1,453 @@
+"""Replicas on the control plane: the catalog turned into placements, kept in SQLite, and each
+node's share of them as the assignments in its desired state.
+
+`Replicas.reconcile(now)` builds the cluster view the scheduler needs from the registry, runs
+the pure `scheduler.plan`, keeps the result and returns the nodes whose assignments changed;
+the caller pushes their desired state. The placements in memory are the truth while the
+control plane runs: every change is offered to `saver`, whose loop (`saver.serve`, started by
+the control plane) writes the latest set to the store in the background, so a locked or failing
+database never holds up the reconciler (it retries until the write goes through). The rules
+that make it safe:
+
+- A node known from before a control-plane restart (liveness `unknown`) keeps its placements
+  and gets nothing new: its agent is still running them and will be adopted when it reconnects.
+- A lost node's replicas are placed elsewhere, as a whole. Fencing is level-triggered: the lost
+  node's desired state no longer lists them, so when it comes back its agent stops them.
+- A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model.
+
+Each replica's engine key is in memory in plain text and in the store only sealed
+(`llmgw.server.store.keyseal`). A row of an earlier version holds its key in plain text: it is read
+as it is (its engines keep running with it) and `at_open[PLAIN]` names it; `seal_at_start`,
+called by the control plane as it opens, rewrites the store sealed before anything runs.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmgw.config import ENGINES, Model
+from llmgw.fabrics import FabricMap
+from llmgw.log import get_logger
+from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
+from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
+from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
+from llmgw.server.store.keyseal import KeySeal
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.replicas")
+
+# Rendezvous ports are drawn at random from a range away from the usual defaults (29500 is
+# torch.distributed's): a port taken on the rank-0 node fails that replica, which is then rebuilt
+# with another draw instead of hitting the same port again. The range lies below Linux's
+# ephemeral ports (32768-60999 by default): a port there may be the local end of any outgoing
+# connection on the node (a busy `llmgw up`, where every node is 127.0.0.1, failed a drain's
+# replacement five times on one that was).
+DIST_INIT_PORTS = range(12000, 20000)
+_rng = random.SystemRandom()
+
+
+def _free_port(used: set[int]) -> int:
+    while True:
+        port = _rng.choice(DIST_INIT_PORTS)
+        if port not in used:
+            return port
+
+
+@attrs.frozen(kw_only=True)
+class Stored:
+    placement: Placement
+    api_key: str = attrs.field(repr=False)  # in memory only: the database holds `sealed_key`
+    sealed_key: str = attrs.field(repr=False)
+    dist_init_port: int = 0
+
+
+class Placements(dict):
+    """The placements by replica id (`Stored`), indexed by node as they change: a node's desired
+    state lists its own (`on`), and with thousands of nodes joining a look over all of them for
+    each made the join quadratic. Changed only by item: `placed[k] = v`, `del placed[k]`, `pop`."""
+
+    def __init__(self, items: Iterable[tuple[str, Stored]] = ()) -> None:
+        super().__init__()
+        self._by_node: dict[str, set[str]] = {}
+        for k, v in items:
+            self[k] = v
+
+    def on(self, node_id: str) -> set[str]:
+        """The replica ids placed on `node_id` (a member on it)."""
+        return self._by_node.get(node_id, set())
+
+    def __setitem__(self, key: str, value: Stored) -> None:
+        if key in self:
+            self._unindex(key, self[key])
+        super().__setitem__(key, value)
+        for n in value.placement.nodes:
+            self._by_node.setdefault(n, set()).add(key)
+
+    def __delitem__(self, key: str) -> None:
+        self._unindex(key, self[key])
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            value = self[key]
+            del self[key]
+            return value
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+    def _unindex(self, key: str, value: Stored) -> None:
+        for n in value.placement.nodes:
+            here = self._by_node.get(n)
+            if here is not None:
+                here.discard(key)
+                if not here:
+                    del self._by_node[n]
+
+    def _unsupported(self, *args: Any, **kw: Any) -> None:
+        raise TypeError("Placements change by item only (placed[k] = v, del placed[k], pop)")
+
+    update = setdefault = popitem = clear = __ior__ = _unsupported  # type: ignore[assignment]
+
+
+# How a row came out of the database.
+SEALED = "sealed"  # as this version writes it
+PLAIN = "plain"  # an earlier version's row, with the key in plain text: sealed now, the same key
+REPLACED = "replaced"  # its key did not open (sealed under a lost secret): a new key, the engine restarts
+
+
+def _to_row(s: Stored) -> dict:
+    return {"placement": attrs.asdict(s.placement), "sealed_key": s.sealed_key, "dist_init_port": s.dist_init_port}
+
+
+def _from_row(replica_id: str, row: dict, keys: KeySeal) -> tuple[Stored, str]:
+    p = dict(row["placement"])
+    p["nodes"] = tuple(p["nodes"])
+    placement = Placement(**p)
+    if "api_key" in row:  # written before keys were sealed: {"placement", "api_key", "dist_init_port"}
+        key, how = row["api_key"], PLAIN
+    else:
+        opened = keys.open(replica_id, row["sealed_key"])
+        key, how = (opened, SEALED) if opened is not None else (_new_key(), REPLACED)
+    sealed = row["sealed_key"] if how == SEALED else keys.seal(replica_id, key)
+    return Stored(placement=placement, api_key=key, sealed_key=sealed, dist_init_port=row["dist_init_port"]), how
+
+
+def sealed_keys(rows: dict[str, dict]) -> int:
+    """How many stored placements hold a sealed key (which only the secret opens)."""
+    return sum(1 for row in rows.values() if "sealed_key" in row)
+
+
+def _new_key() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def _arriving(state: str, node: Node) -> bool:
+    """Connected (or expected back) but not yet ready for work. Every agent checks and reports
+    its engines (sim at least) right after it joins: until then it is arriving, not short of one."""
+    return state in (JOINING, UNKNOWN) or (state == JOINED and not node.engines)
+
+
+class Replicas:
+    def __init__(
+        self,
+        store: AsyncStore,
+        registry: NodeRegistry,
+        models: Callable[[], Sequence[Model]],
+        fabrics: Callable[[], FabricMap],
+        keys: KeySeal,
+    ) -> None:
+        self.registry = registry
+        self.models = models
+        self.fabrics = fabrics
+        self.keys = keys
+        self.placed = Placements()
+        self.at_open: dict[str, list[str]] = {PLAIN: [], REPLACED: []}  # replica ids, by how their row was read
+        for rid, row in store.at_open.placements.items():
+            self.placed[rid], how = _from_row(rid, row, keys)
+            self.at_open.setdefault(how, []).append(rid)
+        self.saver: LatestWriter[dict[str, dict]] = LatestWriter("placements", store.set_placements)
+        self.pending: tuple[Pending, ...] = ()
+        self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
+        self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
+        self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
+        self._rows: dict[str, tuple[Stored, dict]] = {}  # `rows`' row of each placement, as made
+
+    def node_views(self, now: float) -> list[NodeView]:
+        keys_of: dict[str, list[str]] = {}
+        for f in self.fabrics().fabrics:
+            for n in f.nodes:
+                keys_of.setdefault(n, []).append(f.key)
+        views = []
+        for node_id, node in sorted(self.registry.nodes.items()):
+            state = self.registry.liveness(node, now)
+            inv = node.inventory
+            if state == UNKNOWN:
+                # Not reconnected yet after our restart: keep what it runs, place nothing new.
+                engines = frozenset(ENGINES)
+            else:
+                engines = frozenset(e.name for e in node.engines if e.ok)
+            why = "lost" if state == LOST else "cordoned" if node.cordoned else "draining" if node.draining else state
+            unreported = state == JOINED and _arriving(state, node)
+            if unreported and why == JOINED:
+                why = "has not reported its engines yet"
+            views.append(
+                NodeView(
+                    node_id=node_id,
+                    schedulable=state == JOINED and not node.cordoned and not node.draining and not unreported,
+                    engines=engines,
+                    gpus=len(inv.gpus) if inv else 0,
+                    memory_bytes=inv.memory_total_bytes if inv else 0,
+                    fabrics=tuple(keys_of.get(node_id, ())),
+                    alive=state != LOST,
+                    why_not=why,
+                    avoid=frozenset(self.failed_on.get(node_id, ())),
+                )
+            )
+        return views
+
+    def note_statuses(self, node_id: str, statuses: Sequence[w.ReplicaStatus]) -> bool:
+        """Record members a node reports failed; True if that should trigger a reconcile."""
+        changed = False
+        for s in statuses:
+            if s.state == w.FAILED and s.replica_id in self.placed:
+                self.failed_on.setdefault(node_id, set()).add(s.model)
+                log.warning("replica_failed", replica=s.replica_id, node=node_id, detail=s.detail)
+                del self.placed[s.replica_id]  # rebuilt elsewhere at the next reconcile
+                changed = True
+        return changed
+
+    def reconcile(self, now: float) -> set[str]:
+        """Place what the catalog wants; returns the nodes whose assignments changed."""
+        before = {k: s.placement.nodes for k, s in self.placed.items()}
+        counted, surge = self._counted()
+        result = plan(self.node_views(now), list(self.models()), counted, surge)
+        placed = Placements((p.replica_id, self.placed[p.replica_id]) for p in result.keep)
+        for k in self.surge:
+            if k in self.placed:
+                placed[k] = self.placed[k]  # a drain owns these
+        used_ports = {s.dist_init_port for s in placed.values()}
+        for p in result.start:
+            port = 0
+            if len(p.nodes) > 1:
+                port = _free_port(used_ports)
+                used_ports.add(port)
+            placed[p.replica_id] = self._new(p, port)
+            log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
+        for p in result.stop:
+            log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
+        self._report_pending(result.pending, self.forming(now))
+        self.pending = result.pending
+        changed = set()
+        for rid in set(before) | set(placed):
+            old, new = before.get(rid), placed[rid].placement.nodes if rid in placed else None
+            if old != new:
+                changed |= set(old or ()) | set(new or ())
+        save = changed or placed.keys() != self.placed.keys()
+        self.placed = placed
+        if save:
+            self._save()
+        return changed
+
+    def forming(self, now: float) -> bool:
+        """The cluster is still assembling by itself: just after the control plane started (nodes
+        known from before may come back), with no node at all yet, or with a node that has
+        connected but not yet joined and reported its engines."""
+        if self.registry.forming(now) or not self.registry.nodes:
+            return True
+        return any(_arriving(self.registry.liveness(node, now), node) for node in self.registry.nodes.values())
+
+    def nodes_on_their_way(self, now: float) -> bool:
+        """A node that may yet take work is on its way: one connected or expected back but not
+        ready (`_arriving`), or, with no node known at all, the first moments after the start.
+        Unlike `forming`, a cluster whose every node is here is not waiting for anything, however
+        recently the control plane started."""
+        if not self.registry.nodes:
+            return self.registry.forming(now)
+        return any(_arriving(self.registry.liveness(node, now), node) for node in self.registry.nodes.values())
+
+    def _report_pending(self, pending: Sequence[Pending], forming: bool) -> None:
+        """Log each pending reason once: at info while the cluster is still forming (a replica
+        waiting for nodes that are on their way is no problem), as a warning once it is formed
+        and the replica still has nowhere to go — also when the reason stayed the same."""
+        level = "info" if forming else "warning"
+        logged: dict[Pending, str] = {}
+        for pend in pending:
+            before = self._pending_logged.get(pend)
+            if before is None or (before, level) == ("info", "warning"):
+                emit = log.info if forming else log.warning
+                emit("replica_pending", model=pend.model, replicas=pend.replicas, reason=pend.reason)
+                before = level
+            logged[pend] = before
+        self._pending_logged = logged
+
+    def propose_replacement(self, replica_id: str, now: float) -> tuple[Placement | None, str]:
+        """Where one more replica of `replica_id`'s model would go now, on top of the catalog's
+        count (the reason when nowhere); changes nothing."""
+        original = self.placed[replica_id].placement
+        models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
+        counted, surge = self._counted()
+        result = plan(self.node_views(now), models, counted, surge)
+        new = [p for p in result.start if p.model == original.model]
+        if not new:
+            reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
+            return None, reason
+        return new[0], ""
+
+    def propose_spread(self, replica_ids: Sequence[str], now: float) -> list[tuple[str, Placement]]:
+        """Where one more replica of each of `replica_ids`' models would go now (one look for all:
+        a spreading wave), on top of the catalog's count, paired with the replica it would
+        replace, in their order; those with no place are left out. Changes nothing."""
+        wanted = Counter(self.placed[rid].placement.model for rid in replica_ids)
+        models = [
+            attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m for m in self.models()
+        ]
+        counted, surge = self._counted()
+        new: dict[str, list[Placement]] = {}
+        for p in plan(self.node_views(now), models, counted, surge).start:
+            new.setdefault(p.model, []).append(p)
+        out = []
+        for rid in replica_ids:
+            found = new.get(self.placed[rid].placement.model)
+            if found:
+                out.append((rid, found.pop(0)))
+        return out
+
+    def _counted(self) -> tuple[list[Placement], list[Placement]]:
+        """The placements the catalog counts, and the moves' replacements on top of them: a plan
+        neither keeps nor stops those, but leaves their GPUs and replica ids alone (a pending
+        replica placed while a move was under way took its replacement's id, and the move
+        waited for a replica that was gone)."""
+        counted, surge = [], []
+        for k, s in self.placed.items():
+            (surge if k in self.surge else counted).append(s.placement)
+        return counted, surge
+
+    def add_surge(self, p: Placement) -> Stored:
+        """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""
+        used = {s.dist_init_port for s in self.placed.values()}
+        port = _free_port(used) if len(p.nodes) > 1 else 0
+        stored = self._new(p, port)
+        self.placed[p.replica_id] = stored
+        self.surge.add(p.replica_id)
+        self._save()
+        return stored
+
+    def place_replacement(self, replica_id: str, now: float) -> tuple[Stored | None, str]:
+        """For a drain: one more replica of `replica_id`'s model, placed where the scheduler
+        allows (the draining node is not schedulable), on top of the catalog's count."""
+        proposal, reason = self.propose_replacement(replica_id, now)
+        return (self.add_surge(proposal), "") if proposal is not None else (None, reason)
+
+    def holding(self) -> dict[str, set[str]]:
+        """Model -> the nodes a replica of it runs on now."""
+        out: dict[str, set[str]] = {}
+        for stored in self.placed.values():
+            out.setdefault(stored.placement.model, set()).update(stored.placement.nodes)
+        return out
+
+    def retire(self, replica_id: str, replacement: str | None) -> None:
+        """For a drain: the original goes; its replacement now counts as one of the catalog's."""
+        self.placed.pop(replica_id, None)
+        if replacement is not None:
+            self.surge.discard(replacement)
+        self._save()
+
+    def _new(self, p: Placement, dist_init_port: int) -> Stored:
+        key = _new_key()
+        return Stored(
+            placement=p, api_key=key, sealed_key=self.keys.seal(p.replica_id, key), dist_init_port=dist_init_port
+        )
+
+    def rows(self) -> dict[str, dict]:
+        """The placements as the store keeps them: no key in plain text. Each row is made once
+        per placement (a wave of moves saves at each of its steps, a thousand rows each time)."""
+        made, out = self._rows, {}
+        for k, v in self.placed.items():
+            row = made.get(k)
+            if row is None or row[0] is not v:
+                row = made[k] = (v, _to_row(v))
+            out[k] = row[1]
+        if len(made) > len(out):
+            for k in made.keys() - out.keys():
+                del made[k]
+        return out
+
+    def _save(self) -> None:
+        self.saver.offer(self.rows())
+
+    def assignments_for(
+        self, node_id: str, model_of: Callable[[str], Model | None], *, max_weights_bytes: int = 0
+    ) -> tuple[w.ReplicaAssignment, ...]:
+        """`max_weights_bytes`: [downloads].max_weights_gib in bytes (0: the agent's default)."""
+        out = []
+        for rid in sorted(self.placed.on(node_id)):
+            stored = self.placed[rid]
+            p = stored.placement
+            model = model_of(p.model)
+            if model is None:
+                continue
+            rank0 = self.registry.nodes.get(p.nodes[0])
+            source = model.source
+            out.append(
+                w.ReplicaAssignment(
+                    replica_id=rid,
+                    model=p.model,
+                    engine=p.engine,
+                    weights=w.WeightsSource(
+                        url=source.url,
+                        sha256=source.sha256,
+                        path=source.path,
+                        token=source.token.reveal() if source.token else "",
+                        size=source.size,
+                        max_bytes=max_weights_bytes if source.url else 0,
+                    ),
+                    api_key=stored.api_key,
+                    nodes=p.nodes,
+                    node_rank=p.nodes.index(node_id),
+                    rank0_addr=rank0.address if rank0 and len(p.nodes) > 1 else "",
+                    dist_init_port=stored.dist_init_port,
+                    gpus=p.gpus_per_node,
+                    args=model.args,
+                    cache_events=model.cache_events,
+                )
+            )
+        return tuple(out)
+
+
+def seal_at_start(store: AsyncStore, replicas: Replicas, secret: Path) -> None:
+    """Before anything runs: a database of an earlier version held engine keys in plain text;
+    they are sealed in place and scrubbed from its files, with the same keys (the engines
+    running with them are adopted as they are). Keys that did not open have new ones. `secret`
+    is the file the keys are sealed with, for the log."""
+    plain, replaced = replicas.at_open[PLAIN], replicas.at_open[REPLACED]
+    if not plain and not replaced:
+        return
+    if not store.scrub_placements_at_start(replicas.rows()):
+        log.warning(
+            "engine_keys_scrub_incomplete",
+            path=str(store.path),
+            detail="another process reading the database kept its write-ahead log from being emptied: the old "
+            "rows stay in it until the log is reused, or emptied when the last process using the database closes it; "
+            "stop that process (a sqlite3 shell?)",
+        )
+    if plain:
+        log.info(
+            "engine_keys_sealed",
+            replicas=plain,
+            detail=f"{store.path} held them in plain text; sealed with {secret}, the engines keep their keys",
+        )
+    if replaced:
+        log.warning(
+            "engine_keys_replaced",
+            replicas=replaced,
+            detail=f"their keys do not open with {secret} (sealed with another secret): new keys; their engines "
+            "restart once",
+        )

@@ -1,0 +1,321 @@
+"""Placement: which replicas of which models run on which nodes. A pure function.
+
+`plan(snapshot, catalog, placed)` reads a frozen view of the cluster and the catalog and
+returns a `Plan`; it does no I/O and keeps no state, so tests run it in memory and the
+reconciler performs what it returns. Rules, in the order they are applied:
+
+- Existing placements are kept while still valid (stable): a restart or an unrelated change
+  reshuffles nothing. A placement stops being valid when a node it uses is lost or removed, or
+  its model left the catalog or changed engine, GPUs, nodes or memory. Replicas beyond the
+  catalog's count are stopped, newest first.
+- New replicas go only on nodes that are joined, not cordoned, not draining, and have the
+  model's engine installed and checked; they must fit the node's free GPUs and memory after
+  what is already placed there.
+- A replica spanning several nodes goes only on nodes that share one fabric (by identity, not
+  by name), never on a node with no fabric.
+- Replicas of one model spread across nodes: a node already holding one comes last. Replicas
+  placed together while no other node was there (nodes join one at a time) are named by
+  `crowded`, for the control plane to move with a replacement first (`llmgw.server.state.moves`).
+- A replica that cannot be placed is pending with the reason, e.g.
+  "needs 2 nodes on one fabric, 1 available on ib-a"; replicas of one model held back for the
+  same reason are one `Pending` with their count.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import attrs
+
+from llmgw.config import Model
+
+GIB = 1 << 30
+
+
+@attrs.frozen(kw_only=True)
+class NodeView:
+    node_id: str
+    schedulable: bool  # joined, not cordoned, not draining
+    engines: frozenset[str]  # installed and checked here
+    gpus: int
+    memory_bytes: int
+    fabrics: tuple[str, ...] = ()  # placement keys "name@identity"
+    alive: bool = True  # False: lost or removed; its replicas are rebuilt elsewhere
+    why_not: str = ""  # for pending reasons: "cordoned", "lost", ...
+    avoid: frozenset[str] = frozenset()  # models that failed here: place them elsewhere
+
+
+@attrs.frozen(kw_only=True)
+class Placement:
+    replica_id: str
+    model: str
+    nodes: tuple[str, ...]  # rank order: nodes[0] is rank 0
+    gpus_per_node: int = 0
+    memory_bytes: int = 0
+    engine: str = ""
+    fabric: str = ""  # the placement key the members share ("" for single-node)
+
+
+@attrs.frozen(kw_only=True)
+class Pending:
+    """Replicas of `model` that cannot be placed, all for the same reason: one entry per reason,
+    so the reconciler reports each once however many replicas it holds back."""
+
+    model: str
+    reason: str
+    replicas: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    keep: tuple[Placement, ...]
+    start: tuple[Placement, ...]
+    stop: tuple[Placement, ...]
+    pending: tuple[Pending, ...]
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.keep + self.start
+
+
+def _fits(model: Model, placement: Placement) -> bool:
+    return (
+        placement.engine == model.engine
+        and len(placement.nodes) == model.nodes_per_replica
+        and placement.gpus_per_node == model.gpus_per_replica
+        and placement.memory_bytes == int(model.memory_gb * GIB)
+    )
+
+
+@attrs.define
+class _Free:
+    gpus: dict[str, int]
+    memory: dict[str, int]
+    per_model: dict[tuple[str, str], int]  # (model, node) -> replicas
+
+    def take(self, p: Placement) -> None:
+        for n in p.nodes:
+            self.gpus[n] -= p.gpus_per_node
+            self.memory[n] -= p.memory_bytes
+            self.per_model[(p.model, n)] = self.per_model.get((p.model, n), 0) + 1
+
+
+def plan(
+    nodes: Sequence[NodeView],
+    catalog: Sequence[Model],
+    placed: Sequence[Placement],
+    reserved: Sequence[Placement] = (),
+) -> Plan:
+    """`reserved`: placements outside the catalog's count (a move's replacement, until its
+    original stops) that the plan neither keeps nor stops, but whose GPUs, memory and replica
+    ids (their slots) no new placement takes."""
+    by_id = {n.node_id: n for n in nodes}
+    models = {m.name: m for m in catalog}
+    keep: list[Placement] = []
+    stop: list[Placement] = []
+    for p in sorted(placed, key=lambda p: p.replica_id):
+        model = models.get(p.model)
+        valid = (
+            model is not None
+            and _fits(model, p)
+            and all(n in by_id and by_id[n].alive and model.engine in by_id[n].engines for n in p.nodes)
+        )
+        (keep if valid else stop).append(p)
+    # Too many replicas of a model (its count went down): stop the newest.
+    kept: dict[str, list[Placement]] = {}
+    for p in keep:
+        kept.setdefault(p.model, []).append(p)
+    extra: set[str] = set()
+    for name, model in models.items():
+        mine = kept.get(name, [])
+        for p in sorted(mine, key=_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
+            extra.add(p.replica_id)
+            stop.append(p)
+    if extra:
+        keep = [p for p in keep if p.replica_id not in extra]
+        kept = {name: [p for p in mine if p.replica_id not in extra] for name, mine in kept.items()}
+    free = _Free(
+        gpus={n.node_id: n.gpus for n in nodes},
+        memory={n.node_id: n.memory_bytes for n in nodes},
+        per_model={},
+    )
+    for p in keep:
+        free.take(p)
+    reserved_slots: dict[str, set[int]] = {}
+    for p in reserved:
+        reserved_slots.setdefault(p.model, set()).add(_slot(p))
+        if all(n in by_id for n in p.nodes):
+            free.take(p)
+    start: list[Placement] = []
+    pending: list[Pending] = []
+    for model in catalog:
+        have = kept.get(model.name, [])
+        used_slots = {_slot(p) for p in have} | reserved_slots.get(model.name, set())
+        missing = model.replicas - len(have)
+        if missing <= 0:
+            continue
+        pool = _Pool(model, nodes, free)
+        slot = 0
+        for placed_now in range(missing):
+            while slot in used_slots:
+                slot += 1
+            placement = pool.place(f"{model.name}-{slot}")
+            if placement is None:
+                # Nothing changed since: the rest of this model's replicas fail alike, as one entry.
+                pending.append(
+                    Pending(model=model.name, reason=_why_not(model, nodes, free), replicas=missing - placed_now)
+                )
+                break
+            used_slots.add(slot)
+            free.take(placement)
+            start.append(placement)
+    return Plan(keep=tuple(keep), start=tuple(start), stop=tuple(stop), pending=tuple(pending))
+
+
+class _Pool:
+    """Where the replicas of one model go, one after another, each as `_candidates` would rank
+    them (spread first: fewest replicas of the model on the node, then most free GPUs, then the
+    name) without a pass over every node per replica. The nodes that may run the model at all
+    (schedulable, its engine, not failed with it) are found once. A single-node replica takes
+    the least node of a heap whose keys are lower bounds of the real ones (a node's count of
+    replicas only grows and its free GPUs only shrink within a plan): a node popped with a stale
+    key goes back with its real one, a node that no longer fits leaves for good. A replica over
+    several nodes counts, per fabric, the nodes that fit now, and takes the least of the
+    fullest fabric."""
+
+    def __init__(self, model: Model, nodes: Sequence[NodeView], free: _Free) -> None:
+        self.model, self.free = model, free
+        self.memory = int(model.memory_gb * GIB)
+        self.eligible = [n for n in nodes if n.schedulable and model.engine in n.engines and model.name not in n.avoid]
+        self.heap: list[tuple[int, int, str]] = []
+        if model.nodes_per_replica == 1:
+            self.heap = [self._key(n.node_id) for n in self.eligible]
+            heapq.heapify(self.heap)
+
+    def _key(self, node_id: str) -> tuple[int, int, str]:
+        free = self.free
+        return (free.per_model.get((self.model.name, node_id), 0), -free.gpus[node_id], node_id)
+
+    def _fits(self, node_id: str) -> bool:
+        return self.free.gpus[node_id] >= self.model.gpus_per_replica and self.free.memory[node_id] >= self.memory
+
+    def place(self, replica_id: str) -> Placement | None:
+        model = self.model
+        if model.nodes_per_replica == 1:
+            heap = self.heap
+            while heap:
+                key = heap[0]
+                node_id = key[2]
+                if not self._fits(node_id):
+                    heapq.heappop(heap)  # resources only shrink: it will not fit this model again
+                    continue
+                real = self._key(node_id)
+                if real != key:
+                    heapq.heapreplace(heap, real)
+                    continue
+                return Placement(
+                    replica_id=replica_id,
+                    model=model.name,
+                    nodes=(node_id,),
+                    gpus_per_node=model.gpus_per_replica,
+                    memory_bytes=self.memory,
+                    engine=model.engine,
+                )
+            return None
+        by_fabric: dict[str, list[str]] = {}
+        for n in self.eligible:
+            if self._fits(n.node_id):
+                for f in n.fabrics:
+                    by_fabric.setdefault(f, []).append(n.node_id)
+        need = model.nodes_per_replica
+        for fabric in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
+            members = by_fabric[fabric]
+            if len(members) >= need:
+                chosen = heapq.nsmallest(need, members, key=self._key)
+                return Placement(
+                    replica_id=replica_id,
+                    model=model.name,
+                    nodes=tuple(chosen),
+                    gpus_per_node=model.gpus_per_replica,
+                    memory_bytes=self.memory,
+                    engine=model.engine,
+                    fabric=fabric,
+                )
+            break  # the fullest is too small: so is every other
+        return None
+
+
+def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]:
+    """Single-node replicas that share their node with another replica of their model while a
+    schedulable node holds none of that model: candidates for a spreading move, the newest of
+    each crowded node first. Whether a free node can really take one (engine, GPUs, memory) is
+    for `plan` to say."""
+    by_id = {n.node_id: n for n in nodes}
+    holding: dict[str, set[str]] = {}  # model -> nodes holding a replica of it
+    groups: dict[tuple[str, str], list[Placement]] = {}
+    for p in placed:
+        holding.setdefault(p.model, set()).update(p.nodes)
+        if len(p.nodes) == 1:
+            groups.setdefault((p.model, p.nodes[0]), []).append(p)
+    out = []
+    for (model, node), group in sorted(groups.items()):
+        if len(group) < 2 or not (node in by_id and by_id[node].alive):
+            continue
+        if not any(n.schedulable and n.node_id not in holding[model] for n in nodes):
+            continue
+        out.extend(p.replica_id for p in sorted(group, key=_slot, reverse=True)[:-1])
+    return out
+
+
+def _slot(p: Placement) -> int:
+    tail = p.replica_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 1 << 30
+
+
+def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[list[NodeView], str]:
+    memory = int(model.memory_gb * GIB)
+    ok, reasons = [], []
+    for n in nodes:
+        if not n.schedulable:
+            reasons.append(f"{n.node_id} {n.why_not or 'not schedulable'}")
+        elif model.engine not in n.engines:
+            reasons.append(f"{n.node_id} has no working {model.engine}")
+        elif model.name in n.avoid:
+            reasons.append(f"{n.node_id} failed to run it")
+        elif free.gpus[n.node_id] < model.gpus_per_replica:
+            reasons.append(f"{n.node_id} has {free.gpus[n.node_id]} free GPUs")
+        elif free.memory[n.node_id] < memory:
+            reasons.append(f"{n.node_id} has {free.memory[n.node_id] / GIB:.1f} GiB free")
+        else:
+            ok.append(n)
+    # Spread: nodes without a replica of this model first; then the most free GPUs, then name.
+    ok.sort(key=lambda n: (free.per_model.get((model.name, n.node_id), 0), -free.gpus[n.node_id], n.node_id))
+    return ok, "; ".join(reasons) or "no nodes"
+
+
+def _why_not(model: Model, nodes: Sequence[NodeView], free: _Free) -> str:
+    """Why no further replica of `model` can be placed (`_Pool.place` found nowhere): the
+    nodes that are no candidates and why, or for several nodes the fabrics' shortfall."""
+    candidates, why = _candidates(model, nodes, free)
+    if model.nodes_per_replica == 1:
+        return f"needs 1 node with {_needs(model)}, none available ({why})"
+    by_fabric: dict[str, int] = {}
+    for n in candidates:
+        for f in n.fabrics:
+            by_fabric[f] = by_fabric.get(f, 0) + 1
+    need = model.nodes_per_replica
+    best = max(sorted(by_fabric), key=lambda f: by_fabric[f], default=None)
+    left_out = f" ({why})" if why != "no nodes" else ""  # why the other nodes are not candidates
+    if best is None:
+        return f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric{left_out}"
+    return f"needs {need} nodes on one fabric, {by_fabric[best]} available on {best.split('@')[0]}{left_out}"
+
+
+def _needs(model: Model) -> str:
+    parts = [f"working {model.engine}"]
+    if model.gpus_per_replica:
+        parts.append(f"{model.gpus_per_replica} free GPUs")
+    if model.memory_gb:
+        parts.append(f"{model.memory_gb:g} GiB free")
+    return ", ".join(parts)
