@@ -17,6 +17,7 @@ from llmgw.errors import PeerError, UsageError
 from llmgw.pki.files import load_ca
 from llmgw.server.app import ControlPlane
 from testlib.controlplane import OFFLINE_ENGINES, make_state, serve_plane
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -331,7 +332,10 @@ async def test_the_stall_diagnostic_holds_the_loop_and_the_metrics_and_the_log_s
     before = await call(metrics_of, client.url)
     result = await call(client.request, "POST", f"{STALL}?seconds=0.8")
     assert result["stalled_s"] >= 0.8
-    await trio.sleep(0.2)  # the ticker has woken since
+    # The ticker's first tick after the stall: it counts the lag, credits the stall and warns.
+    await wait_until(
+        lambda: plane.loop_lag.lag_max(trio.current_time()) >= 0.7, "the loop-lag ticker's tick after the stall"
+    )
     after = await call(metrics_of, client.url)
     assert after["llmgw_event_loop_lag_max_seconds"] >= 0.7, after
     # Computing on the loop: busy, as far as this machine gave the process a CPU meanwhile.
