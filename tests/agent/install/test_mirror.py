@@ -24,6 +24,7 @@ from llmgw.server.nodes.mirror import fill_mirror
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.fileserver import serve_files
+from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.trio
 
@@ -165,7 +166,7 @@ async def test_the_source_is_fetched_once_a_node_is_known_not_before(tmp_path: P
 
 
 async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_needs_it(
-    tmp_path: Path, nursery: trio.Nursery
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A control plane whose release holds llama.cpp for x86_64 fetches no source for a CPU node of
     that architecture (an air-gapped site sees no failed download); a GPU node, which may build
@@ -187,8 +188,13 @@ async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_need
     plane, _ = await serve_plane(state, nursery, engines=engines, release=ReleaseSection(dir=str(release)))
     cpu = plane.registry.know("node-cpu", address="127.0.0.2")
     cpu.inventory = hello("node-cpu").inventory  # x86_64, no GPU
+    caplog.set_level("DEBUG", logger="llmgw.server")
+    looks = lambda: [r for r in caplog.records if r.getMessage() == "mirror_source_not_needed"]  # noqa: E731
+    before = len(looks())
     plane.operations.certificate_recorded()
-    await trio.sleep(0.5)
+    # The mirror's wait looks again at the change (and at the CPU node): it logs that no node needs
+    # the source, or, wrongly, returns and the fill fetches it.
+    await wait_until(lambda: len(looks()) > before or files.gets, "the mirror's look at the CPU node")
     assert files.gets == [] and source.sha256 not in plane.agent_port.artifacts.available()
     gpu = plane.registry.know("node-gpu", address="127.0.0.3")
     gpu.inventory = attrs.evolve(cpu.inventory, gpus=(GPU,), gpu_status="present")

@@ -13,12 +13,15 @@ from collections.abc import Callable
 
 from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
+from llmgw.log import get_logger
 from llmgw.server.nodes.artifacts import Artifacts
 from llmgw.server.nodes.releases import Releases
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
 from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.server")
 
 
 class DesiredStates:
@@ -82,4 +85,6 @@ class DesiredStates:
                     return
             elif any(n.inventory and may_build(engines, n.inventory, release) for n in self.registry.nodes.values()):
                 return
+            # Why the source is not fetched yet, at each look (debug: there is a look per node change).
+            log.debug("mirror_source_not_needed", nodes=len(self.registry.nodes), release_llamacpp=bool(release))
             await changed.wait()
