@@ -45,6 +45,13 @@ def metric(gw: GW, name: str, **labels: str) -> float:
     return parse_metrics(gw.gateway.render_metrics()).get((name, frozenset(labels.items())), 0.0)
 
 
+def unread(sim: Sim) -> int:
+    """The bytes received by `sim`'s kernel that no process has read yet (a stopped engine's)."""
+    assert sim.netns is not None
+    out = sim.netns.run("ss", "-tnH", "state", "established", f"( sport = :{sim.port} )")
+    return sum(int(line.split()[0]) for line in out.splitlines() if line.strip())
+
+
 async def call(gw: GW, i: int, timeout: float = 10.0) -> tuple[float, int, str]:
     """(latency, status, replica) of one chat request; a client timeout is status 0."""
     started = trio.current_time()
@@ -96,7 +103,8 @@ async def test_a_request_on_a_pooled_connection_to_a_cut_node_fails_within_about
         os.kill(remote.proc.pid, signal.SIGSTOP)
         try:
             nursery.start_soon(waiting)
-            await trio.sleep(0.5)  # the request is written and acknowledged by the stopped engine's kernel
+            # The request is written and acknowledged by the stopped engine's kernel: in its socket.
+            await wait_until(lambda: unread(remote) >= len(slow), "the request in the stopped engine's socket")
             await trio.to_thread.run_sync(remote.netns.cut)
             cut_at = trio.current_time()
         finally:
@@ -135,6 +143,7 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
         sent = trio.current_time()
         answers.append((sent, *await call(gw, i)))
 
+    failed_probe = ("llmgw_gateway_probes_total", frozenset({("result", "failed")}))
     with trio.fail_after(40):
         async with trio.open_nursery() as load:
             for i in range(total):
@@ -144,16 +153,18 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
                 if i == restore_at_n:
                     # A probe fails at the 1 s connect timeout, begun a second after the replica
                     # went down: on a loaded machine that can come after the 60th request.
-                    failed_probe = ("llmgw_gateway_probes_total", frozenset({("result", "failed")}))
-                    with trio.move_on_after(10):
-                        while failed_probe not in parse_metrics(gw.gateway.render_metrics()):
-                            await trio.sleep(0.1)
+                    await wait_until(
+                        lambda: failed_probe in parse_metrics(gw.gateway.render_metrics()),
+                        "a failed probe of the cut replica",
+                        timeout=10,
+                        poll_s=0.1,
+                    )
                     during_cut.update(parse_metrics(gw.gateway.render_metrics()))
                     marks["down"] = gw.gateway.router.state_of(remote.endpoint()) == "down"
                     await trio.to_thread.run_sync(remote.netns.restore)
                     marks["restored"] = trio.current_time()
                 load.start_soon(one, i)
-                await trio.sleep(1 / rate)
+                await trio.sleep(1 / rate)  # the load's pace: steady, whatever the answers do
 
     assert len(answers) == total and [a for a in answers if a[2] != 200] == []
     worst = max(latency for _, latency, _, _ in answers)
