@@ -1,7 +1,7 @@
 """A gateway's endpoint provider without a control plane, for the tests and the bench
 (tools/bench/gateway_runner.py, phases 1-4): a fixed rotation, replaced with `set`.
 
-The control plane's provider is `llmgw.server.state.views.GatewayEndpoints`; both meet
+The control plane's provider is `llmgw.server.state.rotation.GatewayEndpoints`; both meet
 `llmgw.gateway.app.EndpointProvider`.
 """
 

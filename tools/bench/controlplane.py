@@ -80,10 +80,10 @@ from llmgw.http.messages import Response
 from llmgw.pki.ca import make_key_and_csr
 from llmgw.pki.files import load_ca
 from llmgw.server.state.changes import Changes
+from llmgw.server.state.clusterviews import ClusterViews
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas, sealed_keys
 from llmgw.server.state.scheduler import GIB, NodeView, plan
-from llmgw.server.state.views import ClusterViews
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
 from testlib.controlplane import make_state

@@ -23,6 +23,7 @@ from llmgw.server.admin import events
 from llmgw.server.admin import pagefeed as feed
 from llmgw.server.state import views
 from llmgw.server.state.changes import Changes
+from llmgw.server.state.clusterviews import ClusterViews
 from llmgw.server.state.drains import DrainProgress
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Stored
@@ -209,7 +210,7 @@ class Cluster:
         models = tuple(Model(name=f"m{k}", engine="vllm", replicas=nodes, gpus_per_replica=1) for k in range(per_node))
         self.config = ServerConfig(models=models)
         self.changes = Changes()
-        self.views = views.ClusterViews(
+        self.views = ClusterViews(
             registry=self.registry,
             replicas=self.replicas,  # type: ignore[arg-type]
             drains=self.drains,

@@ -16,8 +16,8 @@ from llmgw.gatewayd import table
 from llmgw.server.links.gatewaytable import rotation_message
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Placements, Replicas, Stored, sealed_keys
+from llmgw.server.state.rotation import gateway_rotation
 from llmgw.server.state.scheduler import Placement
-from llmgw.server.state.views import gateway_rotation
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
@@ -160,7 +160,7 @@ def test_a_lost_nodes_replica_moves_and_is_fenced_there(tmp_path: Path) -> None:
     home = stored.placement.nodes[0]
     for n in ("a", "b", "c"):
         if n != home:
-            reg.heartbeat(n, reg.nodes[n].session.conn_id, 1 + TTL)
+            reg.heartbeat(n, reg.nodes[n].link.conn_id, 1 + TTL)
     changed = r.reconcile(1 + TTL + 1)  # `home` has been silent for longer than the TTL
     new_home = r.placed[rid].placement.nodes[0]
     assert new_home != home and changed == {home, new_home}

@@ -43,7 +43,7 @@ lock, the disk fails) is answered 503 with `Retry-After` and the store's message
 changed, and the same request may be sent again.
 
 The control plane is seen through two protocols, the calls this module makes, so that the admin
-API does not import what builds them: `Views` (what it shows: `llmgw.server.state.views.ClusterViews`)
+API does not import what builds them: `Views` (what it shows: `llmgw.server.state.clusterviews.ClusterViews`)
 and `Operations` (what it changes: `llmgw.server.admin.operations.Operations`).
 """
 

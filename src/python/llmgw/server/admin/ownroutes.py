@@ -1,6 +1,6 @@
 """The control plane's own routes — the admin API (`server/admin/api.py`), /metrics, and the cluster page
 with /login (`server/admin/page.py`); anything else is 404 — and the roles behind them: `views` (what
-the admin API and the page show, `server.views.ClusterViews`), `operations` (what the admin API
+the admin API and the page show, `state.clusterviews.ClusterViews`), `operations` (what the admin API
 changes, `server/admin/operations.py`), `page` (the page, and the gate every admin call passes) and
 `refusals` (a wrong credential, a spent login code, a page call from elsewhere: one count for
 the admin API and the page, a few lines each interval and then a summary, however fast a client
@@ -40,12 +40,12 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.settings import Settings
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
+from llmgw.server.state.clusterviews import ClusterViews
 from llmgw.server.state.drains import Drains
 from llmgw.server.state.intent import NodeIntent
 from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
-from llmgw.server.state.views import ClusterViews
 from llmgw.server.store.asyncstore import AsyncStore
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -9,7 +9,7 @@ Invariants:
 - A look is made a slice at a time (at most `SLICE` nodes or replicas, and `SLICE_S` of making
   views), with a checkpoint between slices: no step of the loop looks at more than `SLICE`
   items, however large the cluster.
-- Each node's and replica's view is kept encoded with what it was made of (`views.PageLook`);
+- Each node's and replica's view is kept encoded with what it was made of (`clusterviews.PageLook`);
   it is made and encoded again only when that changed. A joined node's heartbeat changes
   nothing it is made of, so heartbeats alone never put a node in a frame.
 - Version n's `changes` takes a page from version n-1 to n; a stream further behind, or new,
@@ -41,8 +41,8 @@ import trio
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.errors import StoreError
+from llmgw.server.state.clusterviews import Item
 from llmgw.server.state.keys import key_view
-from llmgw.server.state.views import Item
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.page")
@@ -61,7 +61,7 @@ Piece = bytes | tuple[bytes, ...]  # a tuple: items of a JSON array, joined by c
 
 
 class Look(Protocol):
-    """One look at the cluster (`llmgw.server.state.views.PageLook`)."""
+    """One look at the cluster (`llmgw.server.state.clusterviews.PageLook`)."""
 
     now: float  # liveness time: the clock of the nodes' `heard_at`
     node_ids: Sequence[str]  # in the order the page lists them
@@ -74,7 +74,7 @@ class Look(Protocol):
 
 
 class Views(Protocol):
-    """What the feed reads of the control plane (`llmgw.server.state.views.ClusterViews`)."""
+    """What the feed reads of the control plane (`llmgw.server.state.clusterviews.ClusterViews`)."""
 
     def page_look(self) -> Look: ...
     def model_views(self, replica_views: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]: ...

@@ -35,7 +35,7 @@ from llmgw.http.server import bound_address
 from llmgw.server.front import cannot_listen, split_hostport
 from llmgw.server.links.gatewaytable import TableSource
 from llmgw.server.state.keys import KeyRing
-from llmgw.server.state.views import GatewayEndpoints
+from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.wire import gateway_link as g
 from llmgw.wire.gateway_link import TableSink
 

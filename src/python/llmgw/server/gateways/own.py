@@ -1,7 +1,7 @@
 """The control plane's side of its gateways: what they are told, what serves `http_listen` (the
 front), and what the rest of the control plane asks of the gateways wherever they run.
 
-- What they are told: the rotation (`endpoints`, `server.views.GatewayEndpoints`: the catalog's
+- What they are told: the rotation (`endpoints`, `state.rotation.GatewayEndpoints`: the catalog's
   models and the replicas ready now) and the valid API keys (`keys`, `server.keys.KeyRing`, their
   one writer), sent over the gateway link to every instance (`feed`, `server.gatewayfeed`).
 - The front (`serve_front`): `gateway_workers` worker processes (`llmgw.server.gateways.workers.OwnGateway`,
@@ -40,7 +40,7 @@ from llmgw.server.state.changes import Changes
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
-from llmgw.server.state.views import GatewayEndpoints
+from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
 

@@ -28,7 +28,7 @@ from llmgw.pki.ca import CertInfo
 from llmgw.server.links.gatewaytable import TableSource
 from llmgw.server.links.linkserver import LinkServer, ServedLink
 from llmgw.server.state.keys import KeyRing
-from llmgw.server.state.views import GatewayEndpoints
+from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g

@@ -22,7 +22,7 @@ import trio
 from llmgw.gateway.routing import Rotation
 from llmgw.server.state.changes import rest
 from llmgw.server.state.keys import KeyRing, gateway_key
-from llmgw.server.state.views import GatewayEndpoints
+from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.server.store import KeyRow
 from llmgw.wire import gateway_link as g
 
