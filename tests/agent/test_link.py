@@ -402,7 +402,7 @@ async def test_a_link_is_closed_when_its_certificate_expires(
     expired = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_certificate_expired"]
     assert expired and expired[0]["node"] == "node-a"
     await wait_for(lambda: "expired" in link.state.last_error, "the agent told why")
-    await wait_for(lambda: not plane.plane.registry.nodes["node-a"].session.connected, "the control plane's view")
+    await wait_for(lambda: not plane.plane.registry.nodes["node-a"].link.connected, "the control plane's view")
 
 
 async def test_a_silent_link_is_closed_after_the_heartbeat_ttl(tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -453,16 +453,16 @@ async def test_a_stalled_process_closes_no_link_and_loses_no_node(
     changes = plane.plane.changes
     await wait_for(joined, "join")
     await wait_for(lambda: logged("node_joined"), "the reconciler has seen the join", changed=changes.settled.next)
-    session = registry.nodes["node-a"].session
-    beat = session.last_heartbeat_at
+    agent_link = registry.nodes["node-a"].link
+    beat = agent_link.last_heartbeat_at
     time.sleep(2.5 * ttl)  # the stall: a blocking call on the loop
     # What the stall could set off fires as the loop resumes, at deadlines long past: the
     # reconciler's look at them (a joined node's heartbeats wake nothing: it looks at its
     # deadlines) and the link's silence timer. Then two more heartbeats read on the same link,
     # and time for the reconciler to look again.
     for _ in range(2):
-        await wait_for(lambda b=beat: session.last_heartbeat_at != b, "a heartbeat")
-        beat = session.last_heartbeat_at
+        await wait_for(lambda b=beat: agent_link.last_heartbeat_at != b, "a heartbeat")
+        beat = agent_link.last_heartbeat_at
     await trio.sleep(ttl)
     assert logged("agent_link_silent") == [] and logged("node_lost") == []
     assert len(logged("agent_connected")) == 1  # the same link throughout

@@ -90,8 +90,8 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     # Meanwhile the process serves: HTTP, the agent link (the same session all along), the replica.
     assert (await get(port, "/health"))[0] == 200
     assert link.state.connected and link.state.sessions == 1
-    session = plane.registry.nodes["node-a"].session
-    assert session is not None and session.connected
+    agent_link = plane.registry.nodes["node-a"].link
+    assert agent_link is not None and agent_link.connected
     [again] = [v for v in plane.views.replica_views() if v["replica"] == view["replica"]]
     assert again["state"] == w.READY and again["pids"] == view["pids"]
 
@@ -106,7 +106,7 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     )
     [llamacpp] = [e for e in plane.registry.nodes["node-a"].engines if e.name == "llamacpp"]
     assert not llamacpp.ok and llamacpp.detail  # its own error: the archive is not one
-    assert link.state.sessions == 1 and plane.registry.nodes["node-a"].session is session
+    assert link.state.sessions == 1 and plane.registry.nodes["node-a"].link is agent_link
     assert (await get(port, "/health"))[0] == 200
 
 

@@ -102,7 +102,7 @@ class Plane:
 
     def desired(self, node_id: str) -> w.DesiredState:
         node = self.registry.nodes[node_id]
-        assert node.session is not None and node.session.connected  # recorded first
+        assert node.link is not None and node.link.connected  # recorded first
         self.made.append(trio.current_time())
         return w.DesiredState(generation=len(self.made))
 
@@ -160,7 +160,7 @@ async def test_the_link_is_published_once_its_welcome_is_written_the_desired_sta
     plane.store.on_saw = link.to_agent.close  # the agent stops reading as its node is recorded
     await link.to_agent.held.wait()  # the Welcome waits in a buffer the agent does not read
     node = plane.registry.nodes["node-a"]
-    assert node.session is not None and node.session.connected  # recorded, connected
+    assert node.link is not None and node.link.connected  # recorded, connected
     assert "node-a" not in plane.agents.links and plane.made == []  # not published, nothing made
     link.to_agent.open()
     await link.agent.desired_changed()
@@ -199,7 +199,7 @@ async def test_an_agent_that_takes_nothing_is_cut_at_the_send_deadline(
     assert trio.current_time() == started
     await plane.until(lambda: "node-a" not in plane.agents.links)
     assert trio.current_time() - started == pytest.approx(linkserver.SEND_TIMEOUT_S)
-    assert not plane.registry.nodes["node-a"].session.connected
+    assert not plane.registry.nodes["node-a"].link.connected
     assert len(plane.made) == 2  # the first, and the one stuck: the other pushes made nothing
     [cut] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_link_not_reading"]
     assert cut == {"node": "node-a", "after_s": linkserver.SEND_TIMEOUT_S}
@@ -247,7 +247,7 @@ async def test_closing_a_node_tells_its_agent_why_and_ends_the_link(
 ) -> None:
     link = await plane.join(nursery)
     assert await plane.agents.close_node("node-a", w.REVOKED, "this node was removed")
-    await plane.until(lambda: not plane.registry.nodes["node-a"].session.connected)
+    await plane.until(lambda: not plane.registry.nodes["node-a"].link.connected)
     await link.done.wait()
     assert link.ended == ["the control plane closed the link: this node was removed"]
     assert not await plane.agents.close_node("node-a", w.REVOKED, "again")
@@ -260,7 +260,7 @@ async def test_an_agents_reports_and_heartbeats_reach_the_registry(
     status = w.ReplicaStatus(replica_id="r1", model="m", state=w.READY, port=8000)
     assert await link.agent.send(w.ReplicasChanged(replicas=(status,)))
     await plane.until(lambda: plane.registry.nodes["node-a"].replicas == (status,))
-    await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
+    await plane.until(lambda: plane.registry.nodes["node-a"].link.last_heartbeat_at is not None)
     assert link.agent.state.connected and link.agent.state.server_version
 
 
@@ -273,7 +273,7 @@ async def test_metrics_count_the_nodes_by_state_the_links_and_how_long_heartbeat
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
     link = await plane.join(nursery)
-    await plane.until(lambda: plane.registry.nodes["node-a"].session.last_heartbeat_at is not None)
+    await plane.until(lambda: plane.registry.nodes["node-a"].link.last_heartbeat_at is not None)
     plane.registry.know("node-b")  # known from before, never linked: unknown while the cluster forms
     text = plane.agents.render_metrics()
     assert metric(text, 'llmgw_nodes{state="joined"}') == 1 and metric(text, 'llmgw_nodes{state="unknown"}') == 1
@@ -344,7 +344,7 @@ async def beats(plane: Plane, seconds: float) -> list[float]:
     seen: list[float] = []
     end = trio.current_time() + seconds
     while trio.current_time() < end:
-        at = plane.registry.nodes["node-a"].session.last_heartbeat_at
+        at = plane.registry.nodes["node-a"].link.last_heartbeat_at
         if at is not None and (not seen or at != seen[-1]):
             seen.append(at)
         await trio.sleep(0.25)

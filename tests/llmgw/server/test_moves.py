@@ -251,6 +251,6 @@ async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_late
     assert 'llmgw_replica_moves_total{outcome="failed"} 1\n' in plane.moves.render_metrics()
     await trio.sleep(plane.moves.spread_retry_s)
     for node in ("a", "b"):  # the nodes kept their heartbeats all along
-        plane.registry.heartbeat(node, plane.registry.nodes[node].session.conn_id, trio.current_time())
+        plane.registry.heartbeat(node, plane.registry.nodes[node].link.conn_id, trio.current_time())
     nursery.start_soon(plane.moves.spread_once)
     await wait_until(lambda: plane.replicas.surge, "a second attempt", changed=placements_change(plane), timeout=HANG_S)

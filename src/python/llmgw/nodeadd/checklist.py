@@ -84,10 +84,10 @@ class Run:
     emit: Emit
     questions: Questions
     stack: AsyncExitStack | None = None  # the run's: `connect` enters the session into it
-    session: ssh.Session | None = None
+    session: ssh.SshSession | None = None
 
     @property
-    def s(self) -> ssh.Session:
+    def s(self) -> ssh.SshSession:
         assert self.session is not None, "a step on the machine before `connect`"
         return self.session
 
@@ -131,7 +131,7 @@ async def connect(run: Run, st: Outcome) -> None:
     st.ok(f"{run.session.target} port {run.opts.ssh_port}, host key verified against {run.opts.known_hosts}")
 
 
-def open_session(opts: Options, questions: Questions) -> AbstractAsyncContextManager[ssh.Session]:
+def open_session(opts: Options, questions: Questions) -> AbstractAsyncContextManager[ssh.SshSession]:
     """The SSH session to `opts.target`; a host absent from known_hosts is accepted by the flag or
     by the operator's answer (questions.py)."""
     return ssh.open_session(
@@ -155,7 +155,7 @@ def read_authority(state_dir: Path) -> tuple[CA, CertInfo]:
     return ca, cert_info(load_cert(paths.server_cert))
 
 
-async def remove_stage(s: ssh.Session, stage: str) -> None:
+async def remove_stage(s: ssh.SshSession, stage: str) -> None:
     if not stage.startswith(layout.STAGE_PREFIX):
         return
     try:

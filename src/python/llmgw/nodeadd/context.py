@@ -98,14 +98,14 @@ def servers(opts: Options, facts: Facts) -> str | tuple[str, ...]:
     return (facts.server, *others) if others else facts.server
 
 
-async def must(s: ssh.Session, argv: list[str], *, sudo: bool, what: str, timeout_s: float = SHORT_S) -> str:
+async def must(s: ssh.SshSession, argv: list[str], *, sudo: bool, what: str, timeout_s: float = SHORT_S) -> str:
     res = await s.run(argv, sudo=sudo, timeout_s=timeout_s)
     if res.exit_status != 0:
         raise PeerError(f"{s.target}: {what} failed ({said(res)})")
     return res.stdout
 
 
-async def put_text(s: ssh.Session, text: str, remote: str, *, mode: int) -> None:
+async def put_text(s: ssh.SshSession, text: str, remote: str, *, mode: int) -> None:
     with tempfile.TemporaryDirectory(prefix="llmgw-node-add-") as d:
         local = Path(d) / "file"
         local.write_text(text)

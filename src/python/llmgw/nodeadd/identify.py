@@ -25,7 +25,7 @@ from llmgw.pki.ca import CertInfo
 
 
 async def probe_machine(
-    s: ssh.Session, facts: Facts, *, machine: str = "machine", tools: Sequence[str] = (), without_systemd: str = ""
+    s: ssh.SshSession, facts: Facts, *, machine: str = "machine", tools: Sequence[str] = (), without_systemd: str = ""
 ) -> layout.Probe:
     """The probe's answer, with `facts` filled from it (hostname, machine, arch, systemd).
     `tools`: the flow's known tools the probe looks for; `without_systemd`: for a flow that
@@ -44,7 +44,7 @@ async def probe_machine(
     return found
 
 
-async def check_sudo(s: ssh.Session) -> None:
+async def check_sudo(s: ssh.SshSession) -> None:
     """The login is root, or may use sudo without a password (a prompt would hang the run)."""
     if s.user == "root":
         return

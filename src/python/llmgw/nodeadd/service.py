@@ -22,7 +22,7 @@ from llmgw.nodeadd.layout import BIN
 LOG_LINES = 15
 
 
-async def ensure_user(s: ssh.Session, user: str, argv: list[str]) -> bool:
+async def ensure_user(s: ssh.SshSession, user: str, argv: list[str]) -> bool:
     """The system user `user`, made with `argv` (`layout.system_user_argv`) if the machine has
     none; True if it was made now."""
     found = await s.run(["getent", "passwd", user], timeout_s=SHORT_S)
@@ -37,7 +37,7 @@ def user_text(user: str, made: bool) -> str:
     return f"user {user} ({'made' if made else 'there already'})"
 
 
-async def install_bin(s: ssh.Session, facts: Facts) -> bool:
+async def install_bin(s: ssh.SshSession, facts: Facts) -> bool:
     """The staged release installed at BIN unless the same file is there (its sha256, read by
     `ship`); True if it was installed."""
     art = facts.artifact
@@ -48,7 +48,7 @@ async def install_bin(s: ssh.Session, facts: Facts) -> bool:
     return True
 
 
-async def install_unit(s: ssh.Session, stage: str, text: str, unit: str, name: str) -> None:
+async def install_unit(s: ssh.SshSession, stage: str, text: str, unit: str, name: str) -> None:
     """The unit `text` written at `unit` (through the stage), systemd reloaded, `name` enabled."""
     await put_text(s, text, f"{stage}/unit", mode=0o644)
     await must(s, ["install", "-m", "0644", f"{stage}/unit", unit], sudo=True, what=f"writing {unit}")
@@ -56,18 +56,18 @@ async def install_unit(s: ssh.Session, stage: str, text: str, unit: str, name: s
     await must(s, ["systemctl", "enable", name], sudo=True, what=f"enabling {name}")
 
 
-async def restart(s: ssh.Session, name: str) -> None:
+async def restart(s: ssh.SshSession, name: str) -> None:
     await must(s, ["systemctl", "restart", name], sudo=True, what=f"starting {name}")
 
 
-async def unit_restarts(s: ssh.Session, unit: str) -> int:
+async def unit_restarts(s: ssh.SshSession, unit: str) -> int:
     """How often systemd restarted the unit since it was last started by hand (NRestarts)."""
     res = await s.run(["systemctl", "show", "-p", "NRestarts", "--value", unit], timeout_s=SHORT_S)
     text = res.stdout.strip()
     return int(text) if res.exit_status == 0 and text.isdigit() else 0
 
 
-async def journal_tail(s: ssh.Session, unit: str) -> str:
+async def journal_tail(s: ssh.SshSession, unit: str) -> str:
     """`; its last lines:\\n...` from the unit's journal, or "" when there is none to read."""
     argv = ["journalctl", "-u", unit, "-n", str(LOG_LINES), "--no-pager"]
     try:
@@ -85,7 +85,7 @@ async def stop_remote(
     accept_new_host_key: bool,
     identity_files: tuple[Path, ...] | None,
     ssh_port: int,
-    how: Callable[[ssh.Session], Awaitable[tuple[list[str], str]]],
+    how: Callable[[ssh.SshSession], Awaitable[tuple[list[str], str]]],
     what: str,
     done: str,
     timeout_s: float,

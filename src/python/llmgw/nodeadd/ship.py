@@ -81,7 +81,7 @@ async def choose(opts: Options, facts: Facts, ca_pem: bytes) -> str:
     return f"the control plane serves no {facts.arch} release ({why}), so it went over SSH" if why else ""
 
 
-async def ship(s: ssh.Session, facts: Facts, ca_pem: bytes = b"") -> None:
+async def ship(s: ssh.SshSession, facts: Facts, ca_pem: bytes = b"") -> None:
     """Make the stage and deliver the release chosen into it (`deliver`), and read the sha256 of
     the llmgw installed there, if any (whether `install` replaces it)."""
     art = facts.artifact
@@ -98,7 +98,7 @@ async def ship(s: ssh.Session, facts: Facts, ca_pem: bytes = b"") -> None:
         raise PeerError(f"{s.target}: cannot make {stage}/pyz ({said(res)})")
 
 
-async def deliver(s: ssh.Session, art: Artifact, staged: str, ca_pem: bytes = b"") -> None:
+async def deliver(s: ssh.SshSession, art: Artifact, staged: str, ca_pem: bytes = b"") -> None:
     """`art` at `staged` (in the stage), copied over SSH or fetched by the machine, and its sha256
     found there to be the one its SHA256SUMS lists; else a PeerError, and nothing runs it."""
     if art.path is not None:
@@ -121,7 +121,7 @@ async def deliver(s: ssh.Session, art: Artifact, staged: str, ca_pem: bytes = b"
         )
 
 
-async def fetch_from_plane(s: ssh.Session, art: Artifact, dest: str, ca_pem: bytes) -> None:
+async def fetch_from_plane(s: ssh.SshSession, art: Artifact, dest: str, ca_pem: bytes) -> None:
     """The node downloads `art` from the control plane, the server checked against `ca_pem`
     (put in the stage for this download only)."""
     ca_file = dest.rsplit("/", 1)[0] + "/release-ca.crt"
@@ -150,7 +150,7 @@ async def fetch_from_plane(s: ssh.Session, art: Artifact, dest: str, ca_pem: byt
     raise PeerError(f"{s.target}: fetching {art.url} from the control plane failed ({said(res)})")
 
 
-async def _fetch_on_node(s: ssh.Session, url: str, dest: str) -> None:
+async def _fetch_on_node(s: ssh.SshSession, url: str, dest: str) -> None:
     for argv in (
         ["curl", "-fsSL", "--retry", "3", "-o", dest, url],
         ["wget", "-q", "-O", dest, url],
@@ -166,14 +166,14 @@ async def _fetch_on_node(s: ssh.Session, url: str, dest: str) -> None:
     )
 
 
-async def remote_sha256(s: ssh.Session, path: str) -> str:
+async def remote_sha256(s: ssh.SshSession, path: str) -> str:
     res = await s.run(["sha256sum", "--", path], timeout_s=SHORT_S)
     if res.exit_status != 0:
         return ""
     return res.stdout.split()[0] if res.stdout.split() else ""
 
 
-async def tried(s: ssh.Session, facts: Facts) -> str:
+async def tried(s: ssh.SshSession, facts: Facts) -> str:
     """Run the staged release (`llmgw version`) before anything outside the stage changes: a
     python3 that cannot run it is said now, with nothing installed."""
     res = await s.run(staged_llmgw(facts, "version"), sudo=True, timeout_s=DOCTOR_S)

@@ -11,7 +11,7 @@ asyncssh. Invariants:
   known_hosts. A host whose key differs from the one known is refused, never re-accepted here.
   Host keys are checked before authentication, so a refused host never runs anything.
 - asyncssh runs on asyncio; this module alone knows it. `open_session` opens trio-asyncio's
-  loop for as long as the session lasts and closes it after the session, and every `Session`
+  loop for as long as the session lasts and closes it after the session, and every `SshSession`
   method is a trio function, so a caller sees trio only:
 
       async with open_session("ubuntu@10.0.0.21", known_hosts=..., accept_new_host_key=ask) as s:
@@ -104,7 +104,7 @@ def fingerprint(key: asyncssh.SSHKey) -> str:
     return key.get_fingerprint("sha256")
 
 
-class Session:
+class SshSession:
     """A connected, authenticated SSH session to one node. Use `open_session` to make one."""
 
     def __init__(self, conn: asyncssh.SSHClientConnection, *, target: Target, port: int) -> None:
@@ -178,7 +178,7 @@ class Session:
             scope.shield = True
             await aio_as_trio(self._conn.wait_closed)()
 
-    async def __aenter__(self) -> Session:
+    async def __aenter__(self) -> SshSession:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -222,7 +222,7 @@ async def open_session(
     client_keys: Sequence[Path] | None = None,
     port: int = 22,
     connect_timeout_s: float = 15,
-) -> AsyncIterator[Session]:
+) -> AsyncIterator[SshSession]:
     """Connect to `user@host`, verify its host key, authenticate by key; close on exit.
 
     `accept_new_host_key` decides for a host absent from `known_hosts`: True accepts
@@ -260,7 +260,7 @@ async def _connect(
     keys: list[asyncssh.SSHKeyPair] | None,
     port: int,
     connect_timeout_s: float,
-) -> Session:
+) -> SshSession:
     # asyncssh narrates every connection at INFO; what matters reaches the operator as our errors.
     logging.getLogger("asyncssh").setLevel(max(logging.WARNING, logging.getLogger("asyncssh").level))
     asked = False
@@ -306,7 +306,7 @@ async def _connect(
             ) from exc
         except asyncssh.Error as exc:
             raise PeerError(f"{parsed} port {port}: SSH failed: {_reason(exc)}") from exc
-        return Session(conn, target=parsed, port=port)
+        return SshSession(conn, target=parsed, port=port)
 
 
 class _HostKeyWitness(asyncssh.SSHClient):

@@ -67,7 +67,7 @@ class Facts(context.Facts):
 # -- identify ------------------------------------------------------------------------------
 
 
-async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> tuple[str, str]:
+async def identify(opts: Options, s: ssh.SshSession, facts: Facts, auth: Authority) -> tuple[str, str]:
     found = await probe_machine(
         s,
         facts,
@@ -131,7 +131,7 @@ def _serial_of(pem: bytes | None) -> int | None:
 # -- install -------------------------------------------------------------------------------
 
 
-async def install(s: ssh.Session, facts: Facts) -> str:
+async def install(s: ssh.SshSession, facts: Facts) -> str:
     art = facts.artifact
     assert art is not None
     user = service.user_text(layout.USER, await service.ensure_user(s, layout.USER, layout.user_argv()))
@@ -143,7 +143,7 @@ async def install(s: ssh.Session, facts: Facts) -> str:
 # -- identity ------------------------------------------------------------------------------
 
 
-async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
+async def identity(opts: Options, s: ssh.SshSession, facts: Facts, auth: Authority) -> str:
     paths = gateway_paths(Path(layout.PKI_DIR))
     had_key = (await s.run(["test", "-e", str(paths.key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
     if opts.reissue:
@@ -195,7 +195,7 @@ def record(admin: AdminClient, name: str, info: CertInfo, old: x509.Certificate 
     return certs.record(admin, name, info, old, ca, revoke_others=False)
 
 
-async def _install_certs(s: ssh.Session, facts: Facts, ca: CA) -> None:
+async def _install_certs(s: ssh.SshSession, facts: Facts, ca: CA) -> None:
     paths = gateway_paths(Path(layout.PKI_DIR))
     await put_text(s, facts.cert_pem.decode(), f"{facts.stage}/gateway.crt", mode=0o644)
     await put_text(s, ca.cert_pem().decode(), f"{facts.stage}/ca.crt", mode=0o644)
@@ -207,13 +207,13 @@ async def _install_certs(s: ssh.Session, facts: Facts, ca: CA) -> None:
 # -- configure, start ----------------------------------------------------------------------
 
 
-async def configure(opts: Options, s: ssh.Session, facts: Facts) -> str:
+async def configure(opts: Options, s: ssh.SshSession, facts: Facts) -> str:
     unit = layout.systemd_unit(server=servers(opts, facts), listen=opts.listen, workers=opts.workers, name=facts.name)
     await service.install_unit(s, facts.stage, unit, layout.UNIT, layout.UNIT_NAME)
     return f"{layout.UNIT} (enabled): dials {facts.server}, serves {opts.listen} with {opts.workers} worker(s)"
 
 
-async def start(s: ssh.Session) -> None:
+async def start(s: ssh.SshSession) -> None:
     await service.restart(s, layout.UNIT_NAME)
 
 
@@ -243,7 +243,7 @@ def link_progress(
 
 async def wait_for_link(
     opts: Options,
-    s: ssh.Session,
+    s: ssh.SshSession,
     facts: Facts,
     admin: AdminClient,
     before: frozenset[str],

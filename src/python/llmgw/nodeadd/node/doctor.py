@@ -26,7 +26,9 @@ from llmgw.wire.agent_link import FabricGroup
 # -- doctor --------------------------------------------------------------------------------
 
 
-async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questions) -> tuple[str, str, dict[str, Any]]:
+async def doctor(
+    opts: Options, s: ssh.SshSession, facts: Facts, questions: Questions
+) -> tuple[str, str, dict[str, Any]]:
     await check_driver_paths(opts, s)
     host = f"[{facts.address}]" if ":" in facts.address else facts.address
     args = ["doctor", "--json", "--server", f"{host}:{facts.port}"]
@@ -72,7 +74,7 @@ async def doctor(opts: Options, s: ssh.Session, facts: Facts, questions: Questio
     return OK, f"{len(checks)} checks ok{tail}", inventory
 
 
-async def check_driver_paths(opts: Options, s: ssh.Session) -> None:
+async def check_driver_paths(opts: Options, s: ssh.SshSession) -> None:
     """Each --nvidia-smi, --ib-root, --sminfo given is there on the node (as root sees it), or a
     UsageError naming the flag: doctor would otherwise report a node without GPUs or adapters."""
     for key, path in opts.driver_paths.items():

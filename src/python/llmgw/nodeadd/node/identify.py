@@ -24,7 +24,7 @@ from llmgw.pki.ca import check_node_id
 from llmgw.pki.files import node_paths
 
 
-async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
+async def identify(opts: Options, s: ssh.SshSession, facts: Facts, auth: Authority) -> str:
     await probe(opts, s, facts)
     kb = view_of(auth.nodes, facts.node_id)
     again = ""
@@ -44,7 +44,7 @@ async def identify(opts: Options, s: ssh.Session, facts: Facts, auth: Authority)
     return f"node id {facts.node_id!r} (its hostname), {facts.machine}, {service}{store}{again}"
 
 
-async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
+async def probe(opts: Options, s: ssh.SshSession, facts: Facts) -> None:
     found = await probe_machine(s, facts, machine="node", tools=layout.TRUST_TOOLS)
     hostname = found.hostname
     try:
@@ -68,7 +68,7 @@ async def probe(opts: Options, s: ssh.Session, facts: Facts) -> None:
             ) from None
 
 
-async def _why_not_the_holder(s: ssh.Session, node_id: str, auth: Authority) -> str:
+async def _why_not_the_holder(s: ssh.SshSession, node_id: str, auth: Authority) -> str:
     """Empty if the machine holds the known node's certificate, else what it holds (identity.why_not_the_holder)."""
     node = node_paths(Path(layout.STATE_DIR))
     res = await s.run(["cat", "--", str(node.cert)], sudo=True, timeout_s=SHORT_S)

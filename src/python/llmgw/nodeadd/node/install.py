@@ -66,7 +66,7 @@ class Facts(context.Facts):
 # -- identity ------------------------------------------------------------------------------
 
 
-async def identity(opts: Options, s: ssh.Session, facts: Facts, auth: Authority) -> str:
+async def identity(opts: Options, s: ssh.SshSession, facts: Facts, auth: Authority) -> str:
     config_text = _agent_toml(opts, facts)
     await put_text(s, config_text, f"{facts.stage}/agent.toml", mode=0o644)
     node = node_paths(Path(layout.STATE_DIR))
@@ -118,7 +118,7 @@ def _agent_toml(opts: Options, facts: Facts) -> str:
     )
 
 
-async def _has_identity(s: ssh.Session) -> bool:
+async def _has_identity(s: ssh.SshSession) -> bool:
     key = node_paths(Path(layout.STATE_DIR)).key
     return (await s.run(["test", "-e", str(key)], sudo=True, timeout_s=SHORT_S)).exit_status == 0
 
@@ -133,7 +133,7 @@ def record(admin: AdminClient, node_id: str, info: CertInfo, old: x509.Certifica
 # -- trust ---------------------------------------------------------------------------------
 
 
-async def trust(s: ssh.Session, facts: Facts, ca: CA) -> tuple[str, str]:
+async def trust(s: ssh.SshSession, facts: Facts, ca: CA) -> tuple[str, str]:
     node = node_paths(Path(layout.STATE_DIR))
     await put_text(s, facts.cert_pem.decode(), f"{facts.stage}/node.crt", mode=0o644)
     await put_text(s, ca.cert_pem().decode(), f"{facts.stage}/ca.crt", mode=0o644)
@@ -156,7 +156,7 @@ async def trust(s: ssh.Session, facts: Facts, ca: CA) -> tuple[str, str]:
 # -- configure and start -------------------------------------------------------------------
 
 
-async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, str]:
+async def configure(opts: Options, s: ssh.SshSession, facts: Facts) -> tuple[str, str]:
     assert facts.artifact is not None
     await service.install_bin(s, facts)
     await must(
@@ -181,7 +181,7 @@ async def configure(opts: Options, s: ssh.Session, facts: Facts) -> tuple[str, s
     )
 
 
-async def start(s: ssh.Session, facts: Facts) -> None:
+async def start(s: ssh.SshSession, facts: Facts) -> None:
     if facts.systemd:
         await service.restart(s, layout.UNIT_NAME)
         return
@@ -254,7 +254,7 @@ def join_progress(node: dict[str, Any] | None, started_before: float | None) -> 
 
 async def wait_for_join(
     opts: Options,
-    s: ssh.Session,
+    s: ssh.SshSession,
     facts: Facts,
     admin: AdminClient,
     started_before: float | None,
@@ -290,7 +290,7 @@ async def wait_for_join(
     )
 
 
-async def _log_tail(s: ssh.Session, systemd: bool) -> str:
+async def _log_tail(s: ssh.SshSession, systemd: bool) -> str:
     argv = (
         ["journalctl", "-u", layout.UNIT_NAME, "-n", str(LOG_LINES), "--no-pager"]
         if systemd

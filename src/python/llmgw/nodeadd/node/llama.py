@@ -58,13 +58,13 @@ async def choose(release: str, arch: str, version: str) -> tuple[Artifact | None
     return found, ""
 
 
-async def ship(s: ssh.Session, stage: str, art: Artifact) -> str:
+async def ship(s: ssh.SshSession, stage: str, art: Artifact) -> str:
     """`art` copied into the stage beside the zipapp, its sha256 checked on the node; in words."""
     await deliver(s, art, f"{stage}/{art.name}")
     return f"{art.name} copied over SSH too, sha256 {art.sha256[:12]} verified on the node"
 
 
-async def place(s: ssh.Session, stage: str, art: Artifact | None) -> str:
+async def place(s: ssh.SshSession, stage: str, art: Artifact | None) -> str:
     """The agent's release directory as this add names it: `art` (staged and checked by `ship`)
     and a SHA256SUMS listing it alone; without `art`, no such directory. What is there, in words."""
     if art is None:

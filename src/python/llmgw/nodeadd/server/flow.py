@@ -147,7 +147,7 @@ FLOW: Flow[ServerRun] = Flow(
 )
 
 
-async def choose_release(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> str:
+async def choose_release(opts: Options, s: ssh.SshSession, facts: Facts, held: Held) -> str:
     """The toolkit's `ship.choose`, the control plane's release fetched by the machine from its
     agent port when it serves one; where that cannot be (no server certificate for an address the
     machine reaches, the control plane not answering) the file goes over SSH unless

@@ -83,7 +83,7 @@ class Facts(context.Facts):
 MACHINE_ID_ARGV = ["cat", "--", "/etc/machine-id"]  # tells this machine from another
 
 
-async def identify(opts: Options, s: ssh.Session, facts: Facts, held: Held, here_machine_id: str) -> str:
+async def identify(opts: Options, s: ssh.SshSession, facts: Facts, held: Held, here_machine_id: str) -> str:
     await probe_machine(
         s,
         facts,
@@ -131,7 +131,7 @@ def refuse_another_ca(pem: bytes, ca: CA, target: str) -> None:
 # -- install -------------------------------------------------------------------------------
 
 
-async def install(s: ssh.Session, facts: Facts) -> str:
+async def install(s: ssh.SshSession, facts: Facts) -> str:
     art = facts.artifact
     assert art is not None
     made = await service.ensure_user(s, layout.USER, layout.user_argv())
@@ -153,7 +153,7 @@ def sha256_hex(data: bytes) -> str:
 
 
 async def place(
-    s: ssh.Session, facts: Facts, data: bytes, dest: str, *, mode: int, owner: str, group: str, what: str
+    s: ssh.SshSession, facts: Facts, data: bytes, dest: str, *, mode: int, owner: str, group: str, what: str
 ) -> bool:
     """`data` at `dest` with `mode`, `owner` and `group`, unless it is there so already; True if
     written. The bytes go over SFTP into the stage and are moved into place: never on argv."""
@@ -177,7 +177,7 @@ async def place(
     return True
 
 
-async def secrets(s: ssh.Session, facts: Facts, held: Held) -> str:
+async def secrets(s: ssh.SshSession, facts: Facts, held: Held) -> str:
     placed, kept = [], []
     for copied, data in held.files:
         if await place(
@@ -196,7 +196,7 @@ async def secrets(s: ssh.Session, facts: Facts, held: Held) -> str:
 # -- configure -----------------------------------------------------------------------------
 
 
-async def configure(opts: Options, s: ssh.Session, facts: Facts, held: Held) -> str:
+async def configure(opts: Options, s: ssh.SshSession, facts: Facts, held: Held) -> str:
     rendered = layout.server_toml(
         opts.source,
         store_url=opts.store_url,
@@ -232,7 +232,7 @@ def redacted(url: str) -> str:
     return storeurl.redact(url)
 
 
-async def server_cert(s: ssh.Session, facts: Facts, ca: CA, *, validity_days: int) -> str:
+async def server_cert(s: ssh.SshSession, facts: Facts, ca: CA, *, validity_days: int) -> str:
     """The agent endpoint's certificate there: kept while it fits (this CA's, for exactly the
     addresses advertised, a month or more left), else made there (its key never leaves)."""
     res = await s.run(["cat", "--", layout.SERVER_CERT], sudo=True, timeout_s=SHORT_S)
@@ -274,7 +274,7 @@ def cert_misfit(pem: bytes | None, ca: CA, advertise: tuple[str, ...], now: floa
 # -- store ---------------------------------------------------------------------------------
 
 
-async def store(s: ssh.Session, held: Held, store_url: str) -> str:
+async def store(s: ssh.SshSession, held: Held, store_url: str) -> str:
     """`llmgw server check-store` there, as the service's user, with its server.toml: the same
     store as this control plane's, or the run stops here, nothing started."""
     res = await s.run(
@@ -306,7 +306,7 @@ async def store(s: ssh.Session, held: Held, store_url: str) -> str:
 # -- start, verify -------------------------------------------------------------------------
 
 
-async def start(s: ssh.Session, facts: Facts) -> str:
+async def start(s: ssh.SshSession, facts: Facts) -> str:
     active = await s.run(["systemctl", "is-active", layout.UNIT_NAME], timeout_s=SHORT_S)
     if not facts.changed and active.stdout.strip() == "active":
         return "running already, with the same files: not restarted"
@@ -316,7 +316,7 @@ async def start(s: ssh.Session, facts: Facts) -> str:
     return f"started (systemctl restart {layout.UNIT_NAME}: {why}); its log: {layout.log_hint()}"
 
 
-async def admin_authority(s: ssh.Session, token: str) -> dict[str, Any]:
+async def admin_authority(s: ssh.SshSession, token: str) -> dict[str, Any]:
     """GET /admin/v1/authority of the control plane on the machine, through an SSH forward to
     the address in its admin.url (a loopback one stays loopback)."""
     res = await s.run(["cat", "--", layout.ADMIN_URL], sudo=True, timeout_s=SHORT_S)
@@ -330,7 +330,7 @@ async def admin_authority(s: ssh.Session, token: str) -> dict[str, Any]:
 
 
 async def verify(
-    s: ssh.Session,
+    s: ssh.SshSession,
     held: Held,
     *,
     timeout_s: float,

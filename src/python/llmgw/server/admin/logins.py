@@ -45,7 +45,9 @@ class _Code:
 
 
 @attrs.frozen(kw_only=True)
-class Session:
+class PageSession:
+    """One browser's login to the cluster page, opened by a login code; its cookie is the key."""
+
     id: str  # public: in the audit log and the page; never lets anyone in
     csrf: str
     can_act: bool
@@ -56,7 +58,7 @@ class Session:
 @attrs.frozen(kw_only=True)
 class Login:
     cookie: str  # the cookie value: the only copy outside this table's hashes
-    session: Session
+    session: PageSession
 
 
 class LoginRefused(Exception):
@@ -68,7 +70,7 @@ class SessionBook:
         self.code_ttl_s = code_ttl_s
         self.session_ttl_s = session_ttl_s
         self._codes: dict[bytes, _Code] = {}  # by hash of the code
-        self._sessions: dict[bytes, Session] = {}  # by hash of the cookie value
+        self._sessions: dict[bytes, PageSession] = {}  # by hash of the cookie value
 
     def mint_code(self, now: float, *, can_act: bool = False) -> str:
         self._expire(now)
@@ -90,7 +92,7 @@ class SessionBook:
         while len(self._sessions) >= MAX_SESSIONS:
             del self._sessions[next(iter(self._sessions))]
         cookie = secrets.token_urlsafe(32)
-        session = Session(
+        session = PageSession(
             id="s-" + secrets.token_hex(4),
             csrf=secrets.token_urlsafe(24),
             can_act=found.can_act,
@@ -100,7 +102,7 @@ class SessionBook:
         self._sessions[_digest(cookie)] = session
         return Login(cookie=cookie, session=session)
 
-    def lookup(self, cookie: str, now: float) -> Session | None:
+    def lookup(self, cookie: str, now: float) -> PageSession | None:
         """The live session this cookie value opens, or None (unknown, or expired)."""
         session = self._sessions.get(_digest(cookie))
         if session is None:
@@ -110,7 +112,7 @@ class SessionBook:
             return None
         return session
 
-    def end(self, cookie: str) -> Session | None:
+    def end(self, cookie: str) -> PageSession | None:
         return self._sessions.pop(_digest(cookie), None)
 
     def _expire(self, now: float) -> None:
@@ -123,7 +125,7 @@ class SessionBook:
         return len(self._sessions)
 
 
-def csrf_ok(session: Session, given: str) -> bool:
+def csrf_ok(session: PageSession, given: str) -> bool:
     return bool(given) and hmac.compare_digest(given.encode(), session.csrf.encode())
 
 

@@ -95,7 +95,7 @@ class Operations:
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         node = self.registry.nodes.get(node_id)
         # The certificate it connected with is revoked too, even if this control plane did not issue it.
-        connected = node.session.cert_serial if node is not None and node.session is not None else None
+        connected = node.link.cert_serial if node is not None and node.link is not None else None
         try:
             revoked = await self.store.remove_node(node_id, also_revoke=connected)
         except UnknownNode:

@@ -59,7 +59,7 @@ from llmgw.server.admin import pagefeed as feed
 from llmgw.server.admin.logins import (
     CSRF_HEADER,
     LoginRefused,
-    Session,
+    PageSession,
     SessionBook,
     clear_cookie,
     cookie_value,
@@ -152,7 +152,7 @@ def _is_loopback(host: str) -> bool:
 @attrs.frozen(kw_only=True)
 class Caller:
     who: str  # "admin-credential" or a session's public id
-    session: Session | None = None
+    session: PageSession | None = None
 
 
 def load_assets() -> dict[str, bytes]:
@@ -290,7 +290,7 @@ class Page:
         authorize(request)  # the admin credential, as `llmgw ctl` sends it; raises 401 without it
         return Caller(who=CREDENTIAL)
 
-    def _check_change(self, request: Request, session: Session) -> None:
+    def _check_change(self, request: Request, session: PageSession) -> None:
         sent = request.headers.get("origin", "")
         ours = self.origins()
         if sent.lower() not in ours:

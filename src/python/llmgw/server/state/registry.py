@@ -8,7 +8,7 @@ heartbeat that waited in a socket buffer meanwhile is not counted as the node's 
 time the registry keeps and every deadline it names is liveness time; `clock.loop_time` turns a
 deadline into one for trio. Durable intent (cordon, drain, known nodes) comes from the store at
 start and is mirrored here by the caller; observed state (inventory, engines) arrives with
-each agent session and is never persisted.
+each agent link and is never persisted.
 
 Liveness, from the heartbeats of the agent's current process:
 
@@ -34,8 +34,9 @@ STATES = (JOINED, JOINING, LOST, UNKNOWN)
 
 
 @attrs.define(kw_only=True)
-class Session:
-    """One agent process's link, from its hello; replaced when the agent restarts."""
+class AgentLinkRecord:
+    """What the registry records of one agent link, from its hello; replaced by the next link's hello
+    (a reconnect of the same agent process keeps its heartbeat)."""
 
     conn_id: int
     address: str
@@ -58,7 +59,7 @@ class Node:
     cordoned: bool = False
     draining: bool = False
     address: str = ""
-    session: Session | None = None
+    link: AgentLinkRecord | None = None  # its current agent link, connected or not
     inventory: Inventory | None = None
     engines: tuple[EngineStatus, ...] = ()
     replicas: tuple[ReplicaStatus, ...] = ()  # what the agent reports running
@@ -102,7 +103,7 @@ class NodeRegistry:
         self._last_states.pop(node_id, None)
         return self.nodes.pop(node_id, None)
 
-    # -- sessions -------------------------------------------------------------------------
+    # -- links ----------------------------------------------------------------------------
 
     def connect(self, hello: Hello, *, address: str, cert_serial: int, cert_not_after: float, now: float) -> int:
         """A hello arrived on a new link; returns the connection id that later calls name."""
@@ -112,8 +113,8 @@ class NodeRegistry:
         node.inventory = hello.inventory
         node.engines = hello.engines
         node.replicas = hello.replicas
-        old = node.session
-        node.session = Session(
+        old = node.link
+        node.link = AgentLinkRecord(
             conn_id=self._next_conn,
             address=address,
             hello=hello,
@@ -124,8 +125,8 @@ class NodeRegistry:
         # A reconnect of the same agent process (same start time and boot) keeps its heartbeat:
         # the node did not stop being joined because a TCP connection was replaced.
         if old is not None and (old.hello.started_at, old.hello.boot_id) == (hello.started_at, hello.boot_id):
-            node.session.last_heartbeat_at = old.last_heartbeat_at
-            node.session.ttl_s, node.session.told_ttl_s = old.ttl_s, old.told_ttl_s
+            node.link.last_heartbeat_at = old.last_heartbeat_at
+            node.link.ttl_s, node.link.told_ttl_s = old.ttl_s, old.told_ttl_s
         return self._next_conn
 
     def heartbeat(self, node_id: str, conn_id: int, now: float) -> bool:
@@ -133,34 +134,34 @@ class NodeRegistry:
         first since the agent started, or one after the node was lost): only then is there
         anything for the reconciler to look at. A joined node's heartbeats only move its
         deadline."""
-        session = self._session(node_id, conn_id)
-        if session is None:
+        link = self._link(node_id, conn_id)
+        if link is None:
             return False
         node = self.nodes[node_id]
         was = self.liveness(node, now)
-        session.last_heartbeat_at = now
-        if session.told_ttl_s is not None:
-            session.ttl_s = session.told_ttl_s  # the agent heartbeats at what it was told from here on
+        link.last_heartbeat_at = now
+        if link.told_ttl_s is not None:
+            link.ttl_s = link.told_ttl_s  # the agent heartbeats at what it was told from here on
         return was != JOINED
 
     def told(self, node_id: str, conn_id: int, ttl_s: float) -> None:
         """The node's agent was told a heartbeat interval whose time to be lost is `ttl_s`: a
         longer one counts at once, a shorter one from its next heartbeat (the agent may be
         asleep on the interval it had)."""
-        session = self._session(node_id, conn_id)
-        if session is None:
+        link = self._link(node_id, conn_id)
+        if link is None:
             return
-        session.told_ttl_s = ttl_s
-        if ttl_s > self._ttl(session):
-            session.ttl_s = ttl_s
+        link.told_ttl_s = ttl_s
+        if ttl_s > self._ttl(link):
+            link.ttl_s = ttl_s
 
     def inventory_changed(self, node_id: str, conn_id: int, inventory: Inventory) -> None:
-        if self._session(node_id, conn_id) is not None:
+        if self._link(node_id, conn_id) is not None:
             self.nodes[node_id].inventory = inventory
 
     def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> bool:
         """Keep what the node reports; True if more than an install's progress changed (worth a log line)."""
-        if self._session(node_id, conn_id) is None:
+        if self._link(node_id, conn_id) is None:
             return False
         node = self.nodes[node_id]
         before = [(e.name, e.version, e.ok, e.state, e.phase) for e in node.engines]
@@ -168,34 +169,34 @@ class NodeRegistry:
         return before != [(e.name, e.version, e.ok, e.state, e.phase) for e in engines]
 
     def replicas_changed(self, node_id: str, conn_id: int, replicas: tuple[ReplicaStatus, ...]) -> bool:
-        if self._session(node_id, conn_id) is None:
+        if self._link(node_id, conn_id) is None:
             return False
         self.nodes[node_id].replicas = replicas
         return True
 
     def disconnect(self, node_id: str, conn_id: int) -> None:
-        session = self._session(node_id, conn_id)
-        if session is not None:
-            session.connected = False
+        link = self._link(node_id, conn_id)
+        if link is not None:
+            link.connected = False
 
-    def _session(self, node_id: str, conn_id: int) -> Session | None:
+    def _link(self, node_id: str, conn_id: int) -> AgentLinkRecord | None:
         node = self.nodes.get(node_id)
-        if node is None or node.session is None or node.session.conn_id != conn_id:
-            return None  # a stale link of a replaced session, or a forgotten node
-        return node.session
+        if node is None or node.link is None or node.link.conn_id != conn_id:
+            return None  # a stale link, replaced since, or a forgotten node
+        return node.link
 
     # -- state ----------------------------------------------------------------------------
 
-    def _ttl(self, session: Session) -> float:
-        return self.ttl if session.ttl_s is None else session.ttl_s
+    def _ttl(self, link: AgentLinkRecord) -> float:
+        return self.ttl if link.ttl_s is None else link.ttl_s
 
     def ttl_of(self, node_id: str, conn_id: int) -> float:
         """How long the node of this link may be silent before it is lost (`told`)."""
-        session = self._session(node_id, conn_id)
-        return self.ttl if session is None else self._ttl(session)
+        link = self._link(node_id, conn_id)
+        return self.ttl if link is None else self._ttl(link)
 
     def liveness(self, node: Node, now: float) -> str:
-        s = node.session
+        s = node.link
         if s is None:
             return LOST if now - self.started_at > self.ttl + self.reconnect_grace else UNKNOWN
         if s.last_heartbeat_at is None:
@@ -235,7 +236,7 @@ class NodeRegistry:
         """The earliest time a node's liveness can change without a message arriving."""
         times = [self.started_at + self.ttl + self.reconnect_grace]
         for node in self.nodes.values():
-            s = node.session
+            s = node.link
             if s is not None:
                 heard = s.last_heartbeat_at if s.last_heartbeat_at is not None else s.connected_at
                 times.append(heard + self._ttl(s))
