@@ -143,8 +143,8 @@ def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
         browser.close()
 
 
-class ProtocolError(Exception):
-    pass
+class DevToolsError(Exception):
+    """Chromium answered a DevTools call with an error, or a script the page ran threw."""
 
 
 class Tab:
@@ -170,7 +170,7 @@ class Tab:
         with trio.fail_after(COMMAND_TIMEOUT_S):
             reply = await receive.receive()
         if "error" in reply:
-            raise ProtocolError(f"{method}: {reply['error']}")
+            raise DevToolsError(f"{method}: {reply['error']}")
         return reply.get("result", {})
 
     async def call(self, method: str, **params: Any) -> Any:
@@ -223,7 +223,7 @@ class Tab:
         with trio.fail_after(timeout_s):
             result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
         if "exceptionDetails" in result:
-            raise ProtocolError(f"{expression[:80]}...: {result['exceptionDetails']}")
+            raise DevToolsError(f"{expression[:80]}...: {result['exceptionDetails']}")
         return result["result"].get("value")
 
     async def wait_for(self, predicate: str, timeout_s: float = 20.0) -> Any:

@@ -56,9 +56,9 @@ def test_line_buffer_splits_and_bounds_lines() -> None:
     lines = protocol.LineBuffer()
     assert lines.feed(b'{"type":"ping"}\n{"ty') == [b'{"type":"ping"}']
     assert lines.feed(b'pe":"ready"}\n') == [b'{"type":"ready"}']
-    with pytest.raises(protocol.ProtocolError):
+    with pytest.raises(protocol.RendezvousProtocolError):
         lines.feed(b"x" * (protocol.MAX_LINE + 1))
-    with pytest.raises(protocol.ProtocolError):
+    with pytest.raises(protocol.RendezvousProtocolError):
         protocol.decode(b"GET / HTTP/1.1")
 
 

@@ -28,7 +28,7 @@ PING: dict[str, Any] = {"type": "ping"}
 READY: dict[str, Any] = {"type": "ready"}
 
 
-class ProtocolError(Exception):
+class RendezvousProtocolError(Exception):
     """The peer sent something that is not this protocol (a stray client, another program)."""
 
 
@@ -40,9 +40,9 @@ def decode(line: bytes) -> dict[str, Any]:
     try:
         message = json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: a line of 4,000 brackets
-        raise ProtocolError(f"not a rendezvous message: {line[:80]!r}") from None
+        raise RendezvousProtocolError(f"not a rendezvous message: {line[:80]!r}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise ProtocolError(f"not a rendezvous message: {line[:80]!r}")
+        raise RendezvousProtocolError(f"not a rendezvous message: {line[:80]!r}")
     return message
 
 
@@ -56,7 +56,7 @@ class LineBuffer:
         self._buffer += data
         *lines, rest = self._buffer.split(b"\n")
         if len(rest) > MAX_LINE:
-            raise ProtocolError(f"a line longer than {MAX_LINE} bytes")
+            raise RendezvousProtocolError(f"a line longer than {MAX_LINE} bytes")
         self._buffer = bytearray(rest)
         return [bytes(line) for line in lines]
 

@@ -26,7 +26,12 @@ from llmgw.simengine.options import SimOptions, format_addr
 log = get_logger("llmgw.sim")
 
 JOIN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a worker dialling rank 0, until its deadline
-_CONNECTION_FAILURES = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, protocol.ProtocolError)
+_CONNECTION_FAILURES = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+    protocol.RendezvousProtocolError,
+)
 
 
 class Channel:
