@@ -178,7 +178,7 @@ def test_placements_are_replaced_whole_and_a_scrub_keeps_the_new_ones(store_back
 
 def test_a_store_is_at_the_latest_schema_and_names_its_backend(store_backend: StoreUnderTest) -> None:
     from llmgw.server.store import schema
-    from llmgw.server.store.core import current_version
+    from llmgw.server.store.backend import current_version
 
     store = store_backend.open()
     store.check()
@@ -273,7 +273,7 @@ def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_r
     was, without schema_version), with rows. Migration 1 finds them made and records version 1;
     the later ones are applied after it."""
     from llmgw.server.store import schema
-    from llmgw.server.store.core import current_version
+    from llmgw.server.store.backend import current_version
 
     with sqlite3.connect(str(store_path(tmp_path))) as old:
         old.executescript(OLD_SCHEMA)

@@ -143,9 +143,9 @@ def _waiting_for_the_write_lock(pg: PostgresServer, db: Database) -> int:
 def test_a_migration_waits_for_the_lock_longer_than_a_call_but_not_forever(
     postgres_server: PostgresServer, postgres_db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmgw.server.store import core
+    from llmgw.server.store import backend
 
-    monkeypatch.setattr(core, "MIGRATION_WAIT_S", 0.5)
+    monkeypatch.setattr(backend, "MIGRATION_WAIT_S", 0.5)
     with postgres_server.connect(postgres_db) as holder:
         holder.execute("BEGIN")
         holder.execute("SELECT pg_advisory_xact_lock(%s, %s)", WRITE_LOCK)

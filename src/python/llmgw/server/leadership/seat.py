@@ -23,7 +23,7 @@ holds the lease, the leader while it does, a standby again once it has lost it.
   finish, bounded) and every piece of its state goes with it. The standby that follows is
   built afresh, and so is the next term's plane: nothing of the old term's memory survives
   into the next.
-- The store's schema is migrated by the leader only (`llmgw.server.store.core.migrate`): a
+- The store's schema is migrated by the leader only (`llmgw.server.store.backend.migrate`): a
   control plane of a newer llmgw started while one of an older llmgw leads stands by without
   migrating (`schema_at_start`), and migrates the store in its plane's open once it holds the
   lease, under its term's fence; one of an older llmgw never takes the lease of a store a newer
@@ -62,7 +62,7 @@ from llmgw.server.nodes.artifacts import Artifacts, artifacts_dir
 from llmgw.server.nodes.releases import Releases
 from llmgw.server.store import open_backend, schema
 from llmgw.server.store.asyncstore import BUSY_TIMEOUT_S, AsyncStore
-from llmgw.server.store.core import Backend, current_version, migrate
+from llmgw.server.store.backend import Backend, current_version, migrate
 from llmgw.server.store.lease import Holder
 from llmgw.wire import agent_link as w
 

@@ -1,6 +1,7 @@
 """The control plane's durable state (`Store`), in SQLite by default or in PostgreSQL.
 
-    core      `Store`: every call's SQL, written once for both backends; `open_backend`, `migrate`
+    core      `Store`: every call's SQL, written once for both backends
+    backend   what a backend is; `open_backend`, the one `[store]` names; `migrate`, its schema
     schema    the tables, their versioned migrations, and the two dialects
     sqlite    the state directory's llmgw.db; `copy_database` for `llmgw server backup`
     postgres  a PostgreSQL database (`[store] url`), through psycopg, imported only then
@@ -19,7 +20,8 @@ sqlite3 or psycopg: the drivers' exceptions are translated here, once, into the 
 """
 
 from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError, StoreFailed, StoreUnavailable, UnknownNode
-from llmgw.server.store.core import CertRow, KeyRow, NodeRow, Store, migrate, open_backend
+from llmgw.server.store.backend import migrate, open_backend
+from llmgw.server.store.core import CertRow, KeyRow, NodeRow, Store
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, copy_database, store_error, store_path
 
 __all__ = [

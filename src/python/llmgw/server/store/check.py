@@ -22,7 +22,7 @@ import attrs
 
 from llmgw.config import StoreSection, storeurl
 from llmgw.server.store import schema
-from llmgw.server.store.core import Backend, current_version
+from llmgw.server.store.backend import Backend, current_version
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend, store_path
 
 

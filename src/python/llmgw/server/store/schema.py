@@ -11,7 +11,7 @@ is a new entry at the end. The database records each one applied in `schema_vers
 missing ones are applied in one transaction under the store's write lock, so two processes
 migrating at once take turns (the second finds them applied). Who applies them: whoever opens a
 SQLite file (its one control plane, or a command while none runs); a PostgreSQL store from
-`LEASED` on, its leader only (`core.migrate`), since control planes of two llmgw versions may
+`LEASED` on, its leader only (`backend.migrate`), since control planes of two llmgw versions may
 share it during an upgrade. A migration must therefore leave the schema readable by the llmgw
 before it (add tables and columns, never rename or drop), and finish within a lease's TTL. Migration 1 is the schema as it was
 before versions were recorded, all `IF NOT EXISTS`, so a database of that time takes it as a
@@ -139,7 +139,7 @@ def _v2(d: Dialect) -> tuple[str, ...]:
 MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2))
 LATEST = MIGRATIONS[-1][0]
 # From this version on a database has the lease (`_v2`): a shared PostgreSQL store there is
-# migrated by its leader only (`llmgw.server.store.core.migrate`).
+# migrated by its leader only (`llmgw.server.store.backend.migrate`).
 LEASED = 2
 
 
