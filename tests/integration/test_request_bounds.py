@@ -104,6 +104,7 @@ class HealthWatch:
         self.slowest = 0.0
         self.asked = 0
         self.failures: list[str] = []
+        self._answered = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -114,6 +115,13 @@ class HealthWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(30)
+
+    def more_answers(self, count: int, timeout: float = 10.0) -> None:
+        """Until `count` more answers than now came: the server's loop has gone on past this."""
+        with self._answered:
+            target = self.asked + count
+            if not self._answered.wait_for(lambda: self.asked >= target, timeout):
+                raise AssertionError(f"{count} more /health answers: not within {timeout:g} s; {self.failures[-3:]}")
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
@@ -127,7 +135,9 @@ class HealthWatch:
                 self.failures.append(repr(exc))
                 continue
             self.slowest = max(self.slowest, time.monotonic() - started)
-            self.asked += 1
+            with self._answered:
+                self.asked += 1
+                self._answered.notify_all()
             if status != 200:
                 self.failures.append(f"/health answered {status}")
 
@@ -163,7 +173,7 @@ def test_a_body_built_to_be_slow_never_stalls_the_control_plane(live: Live, name
         steps_before = long_steps(live)
         with HealthWatch(live.http_port) as watch:
             status, answer = post(live.http_port, body, live.token)
-            time.sleep(0.2)  # a few more /health answers after it
+            watch.more_answers(3)  # the loop went on past the body: a step it caused has ended
         if long_steps(live) == steps_before:
             break
     else:
@@ -182,7 +192,7 @@ def test_generated_bodies_never_stall_the_control_plane(live: Live, body: bytes)
     steps_before = long_steps(live)
     with HealthWatch(live.http_port) as watch:
         status, answer = post(live.http_port, body, live.token)
-        time.sleep(0.1)
+        watch.more_answers(2)  # the loop went on past the body: a step it caused has ended
     assert long_steps(live) == steps_before, "a step held the control plane's loop for more than 20 ms"
     assert status in (200, 400), (status, answer[:300])
     assert not watch.failures and watch.slowest < HEALTH_BOUND_S, (watch.failures, watch.slowest)
