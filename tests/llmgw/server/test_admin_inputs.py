@@ -30,7 +30,8 @@ from llmgw import paths
 from llmgw.http.openai import error_body
 from llmgw.http.server import serve_connection
 from llmgw.pki.ca import check_node_id
-from llmgw.server.admin.api import MAX_LOG_LINES, MAX_NOT_AFTER
+from llmgw.server.admin.api import MAX_LOG_LINES
+from llmgw.server.admin.certificates import MAX_NOT_AFTER
 from llmgw.server.app import ControlPlane
 from llmgw.server.state.keys import MAX_LIMIT
 from testlib.controlplane import make_state, serve_plane
