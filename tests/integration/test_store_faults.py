@@ -195,7 +195,11 @@ def test_a_locked_database_fails_one_admin_write_with_503_and_the_server_serves_
             assert stored_placements(db) == [] and not server.events("store_write_recovered")
             held_s = time.monotonic() - locked_at
             released_at = time.monotonic()
-        time.sleep(0.3)  # a few more polls after the release
+        wait_until(
+            "a poll begun after the release answered",
+            lambda: any(at > released_at and status == 200 for at, status, _ in health.answers),
+            procs=[server],
+        )
     assert held_s > 2 * BUSY_TIMEOUT_S, held_s
     during = [(status, took) for at, status, took in health.answers if locked_at <= at <= released_at]
     assert len(during) >= 10, health.answers
