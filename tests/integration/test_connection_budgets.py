@@ -29,7 +29,7 @@ from testlib import hostile
 from testlib.cluster import Cluster, NodeFiles, connection_metrics, wait_until
 
 HTTP_CAP = 40
-AGENT_CAP = 16  # so the unproven budget is 8 (listeners.unproven_budget)
+AGENT_CAP = 16  # so the unproven budget is 8 (fdlimits.unproven_budget)
 HELD = 60  # idle keep-alive clients, and bare connections to the agent port: past each cap
 FLOOD = 2000
 WITHIN_S = 1.0  # the bound on how long the chat and the agent's link may take, held or not

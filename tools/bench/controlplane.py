@@ -75,7 +75,7 @@ from bench.procs import child_env, cpu_s, rss_mib, stop
 from llmgw.config import Model, ServerConfig
 from llmgw.ctl.client import AdminClient
 from llmgw.fabrics import fabric_map
-from llmgw.http.listeners import default_max_connections
+from llmgw.http.fdlimits import default_max_connections
 from llmgw.http.messages import Response
 from llmgw.pki.ca import make_key_and_csr
 from llmgw.pki.files import load_ca

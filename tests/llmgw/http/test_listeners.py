@@ -13,7 +13,8 @@ import trio
 import trio.testing
 
 from llmgw.errors import find
-from llmgw.http import listeners
+from llmgw.http import fdlimits, listeners
+from llmgw.http.heard import Heard, heard_at
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import bound_address, serve_connection, serve_http
@@ -275,16 +276,16 @@ async def test_a_budget_that_sheds_silent_peers_keeps_one_that_was_heard_lately(
 
 async def test_a_heard_connection_notes_when_its_peer_last_sent(autojump_clock: trio.testing.MockClock) -> None:
     a, b = trio.socket.socketpair()
-    heard = listeners.Heard(trio.SocketStream(a))
+    heard = Heard(trio.SocketStream(a))
     peer = trio.SocketStream(b)
-    at = listeners.heard_at(trio.SSLStream(heard, ssl.create_default_context()))
+    at = heard_at(trio.SSLStream(heard, ssl.create_default_context()))
     assert at is not None and at() == heard.heard_at == 0.0
     await trio.sleep(5)
     await peer.send_all(b"x")
     assert await heard.receive_some(10) == b"x" and at() == 5.0
     await heard.send_all(b"y")  # what this side sends is not the peer's
     assert await peer.receive_some(10) == b"y" and at() == 5.0
-    assert listeners.heard_at(peer) is None
+    assert heard_at(peer) is None
     await heard.aclose()
     await peer.aclose()
 
@@ -342,10 +343,10 @@ async def test_an_accept_error_that_is_not_about_capacity_is_raised() -> None:
 
 async def test_connection_caps_come_from_the_open_file_limit() -> None:
     # Agents keep a budget of their own; HTTP connections share the rest, two descriptors each.
-    assert listeners.default_max_connections("agent", 1024) == 112
-    assert listeners.default_max_connections("http", 1024) == 392
+    assert fdlimits.default_max_connections("agent", 1024) == 112
+    assert fdlimits.default_max_connections("http", 1024) == 392
     # The systemd unit's LimitNOFILE=65536 leaves room for a 5,000-node cluster's agents.
-    assert listeners.default_max_connections("agent", 65536) == 8176
-    assert listeners.default_max_connections("http", 65536) == 28616
-    assert listeners.default_max_connections("agent", 1 << 20) == 16384
-    assert listeners.default_max_connections("http", 100) >= 16
+    assert fdlimits.default_max_connections("agent", 65536) == 8176
+    assert fdlimits.default_max_connections("http", 65536) == 28616
+    assert fdlimits.default_max_connections("agent", 1 << 20) == 16384
+    assert fdlimits.default_max_connections("http", 100) >= 16

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from llmgw.config import HttpSection, ServerConfig, ServerSection
-from llmgw.http import listeners
+from llmgw.http.fdlimits import unproven_budget
 from llmgw.http.refusals import RefusalLog
 from llmgw.pki.ca import CA
 from llmgw.pki.files import NodePaths, issue_to_dir
@@ -86,7 +86,7 @@ async def test_a_certified_agent_gets_in_at_once_whatever_silent_bare_connection
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     port = await start(tmp_path, nursery, max_agent_connections=16)
-    unproven_limit = listeners.unproven_budget(16)
+    unproven_limit = unproven_budget(16)
     assert port.plane.connections.unproven_limit.get(listener=LISTENER) == unproven_limit == 8
     files = node(port, tmp_path, "node-a")
     held: list[trio.abc.Stream] = []

@@ -96,7 +96,7 @@ class Limits:
     max_head_bytes: int = 16384
     max_body_bytes: int = 8 << 20
     body_budget_bytes: int = 64 << 20  # request bodies buffered at once, all connections together
-    max_connections: int = 0  # 0 = sized from the open-file limit, see `listeners.default_max_connections`
+    max_connections: int = 0  # 0 = sized from the open-file limit, see `fdlimits.default_max_connections`
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,6 @@
-"""Listening sockets shared by the control plane's servers: a connection budget per listener,
-the open-file limit it is sized from, and the per-listener connection counts /metrics shows.
+"""Listening sockets shared by the control plane's servers: a connection budget per listener
+(sized from the open-file limit by `llmgw.http.fdlimits`), the connections waiting on their peer
+that a listener at its cap sheds, and the per-listener connection counts /metrics shows.
 
 `open_listeners` opens them, with SO_REUSEPORT where several processes serve one port (a
 gateway's workers, `llmgw.gatewayd`): each binds the port itself and the kernel spreads new
@@ -30,7 +31,6 @@ import contextlib
 import enum
 import errno
 import math
-import resource
 import socket
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -38,6 +38,7 @@ from functools import partial
 
 import trio
 
+from llmgw.http.fdlimits import default_overflow
 from llmgw.http.refusallines import CONNECTIONS, serve_summaries
 from llmgw.http.refusals import RefusalLog
 from llmgw.log import get_logger
@@ -82,60 +83,6 @@ async def open_listeners(port: int, *, host: str | None, reuse_port: bool = Fals
             listener.socket.close()
         raise
     return listeners
-
-
-def fd_limit() -> int:
-    """This process's soft limit on open files."""
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def raise_fd_limit(wanted: int = 65536) -> int:
-    """Raise the soft open-file limit towards the hard one (a server's connections are files;
-    many systems start processes at a soft 1024); returns the limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft
-
-
-# Descriptors kept out of every listener's budget: the database, logs, engine and agent
-# processes' pipes, trio's wakeup and signal fds, thread pools.
-FD_RESERVE = 128
-
-
-def default_max_connections(kind: str, limit: int | None = None) -> int:
-    """A listener's connection cap when the configuration leaves it to us.
-
-    Agents get their own budget (an eighth of the descriptors, at most 16,384 nodes: 8,176 under
-    the systemd unit's LimitNOFILE=65536, room for a 5,000-node cluster) so a flood
-    of HTTP clients can never lock a node out; HTTP connections share the rest by half, since
-    a gateway request holds a second descriptor for its upstream connection."""
-    budget = max(64, (fd_limit() if limit is None else limit) - FD_RESERVE)
-    agents = max(16, min(16_384, budget // 8))
-    if kind == "agent":
-        return agents
-    return max(16, (budget - agents) // 2)
-
-
-def unproven_budget(max_agent_connections: int) -> int:
-    """Agent-port connections that have not yet shown a client certificate (TLS handshake under
-    way, or a peer without one fetching a release file) held at once: an eighth of the agents'
-    budget, between 8 and 64. Held apart from the agents', so bare connections never crowd out
-    a certified agent; small, since a real agent leaves it within a round trip or two. At most 256:
-    after a cut, a thousand agents redial within the same second, and each one whose handshake
-    is closed for a newcomer waits its backoff (64 turned away one in fourteen of them here)."""
-    return max(8, min(256, max_agent_connections // 8))
-
-
-def default_overflow(max_connections: int) -> int:
-    """Connections a listener may hold past its cap only to turn them away: an eighth of the
-    cap, between 8 and 256 (a refusal takes a moment, so a few turn away many)."""
-    return max(8, min(256, max_connections // 8))
 
 
 class ConnectionStats:
@@ -215,7 +162,7 @@ class IdleConnections:
         `stoppable`, when the server stops; its `cancelled_caught` then tells the caller to
         close the connection quietly. `peer` is the address the shedding is counted under.
         `deadline`: the wait's own (one scope for both: a cancellation before it is a shedding
-        or a stop). `heard()`: when the peer last sent something (`Heard`), for `shed_silent`;
+        or a stop). `heard()`: when the peer last sent something (`heard.Heard`), for `shed_silent`;
         without it, when the wait began."""
         scope = self.scope(peer=peer, stoppable=stoppable, deadline=deadline, heard=heard)
         try:
@@ -277,65 +224,6 @@ class IdleConnections:
         for scope, (_, stoppable, *_) in self._waiting.items():
             if stoppable:
                 scope.cancel()
-
-
-class Heard(trio.abc.HalfCloseableStream):
-    """A TCP connection that notes when its peer last sent something (`heard_at`, trio's clock):
-    what tells a peer that is slow to be served (a thousand agents handshaking at once, each
-    sending at once whatever it is asked) from one that holds its connection and says nothing."""
-
-    def __init__(self, inner: trio.SocketStream) -> None:
-        self.inner = inner
-        self.socket = inner.socket
-        self.heard_at = trio.current_time()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = await self.inner.receive_some(max_bytes)
-        if data:
-            self.heard_at = trio.current_time()
-        return data
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    def setsockopt(self, *args: object) -> None:
-        self.inner.setsockopt(*args)  # type: ignore[arg-type]
-
-    def getsockopt(self, *args: object) -> object:
-        return self.inner.getsockopt(*args)  # type: ignore[arg-type]
-
-
-class HeardListener(trio.abc.Listener[Heard]):
-    """A TCP listener whose connections are `Heard` (put under an SSLListener)."""
-
-    def __init__(self, transport_listener: trio.SocketListener) -> None:
-        self.transport_listener = transport_listener
-        self.socket = transport_listener.socket
-
-    async def accept(self) -> Heard:
-        return Heard(await self.transport_listener.accept())
-
-    async def aclose(self) -> None:
-        await self.transport_listener.aclose()
-
-
-def heard_at(stream: trio.abc.Stream) -> Callable[[], float] | None:
-    """When the peer of `stream` (under any wrappers: TLS) last sent something, if it is `Heard`."""
-    inner = stream
-    while not isinstance(inner, Heard) and hasattr(inner, "transport_stream"):
-        inner = inner.transport_stream
-    if isinstance(inner, Heard):
-        return lambda: inner.heard_at
-    return None
 
 
 class Admission(enum.Enum):

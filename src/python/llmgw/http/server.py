@@ -57,9 +57,10 @@ from llmgw.errors import leaves
 from llmgw.h1 import ServerConnection
 from llmgw.http.body import BodyBudget, ConnectionBody
 from llmgw.http.errors import Abort, HTTPError, peer_reason
+from llmgw.http.fdlimits import default_max_connections
 from llmgw.http.head import LOOK_AGAIN_AFTER, read_request
 from llmgw.http.limits import Limits
-from llmgw.http.listeners import ConnectionStats, Shutdown, default_max_connections, open_listeners, serve_capped
+from llmgw.http.listeners import ConnectionStats, Shutdown, open_listeners, serve_capped
 from llmgw.http.messages import Answer, ErrorBody, Handler, Request, Response, StreamingResponse, Upgrade, plain_error
 from llmgw.http.send import (
     answer_and_close,

@@ -34,7 +34,8 @@ import trio
 
 from llmgw import paths
 from llmgw.config import ServerConfig, storeurl
-from llmgw.http.listeners import ConnectionStats, raise_fd_limit
+from llmgw.http.fdlimits import raise_fd_limit
+from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.server import bound_address
 from llmgw.log import get_logger

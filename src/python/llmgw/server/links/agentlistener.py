@@ -4,7 +4,7 @@ Order of checks on a new connection, each refusal logged here with its reason an
 agent in the clearest way the stage allows (a flood of them is summarised, `RefusalLog`):
 
 0. Until its TLS handshake shows a client certificate a connection is unproven: it counts in
-   a small budget of its own (`listeners.unproven_budget`), where at the ceiling the oldest is
+   a small budget of its own (`fdlimits.unproven_budget`), where at the ceiling the oldest is
    closed for the newcomer, and must finish the handshake (without a certificate, send its
    request head too) within HANDSHAKE_TIMEOUT_S. A certificate moves it to the agents' budget
    (`max_agent_connections`; past it, 503 with Retry-After). See `Place`.
@@ -43,6 +43,8 @@ from llmgw.errors import leaves, only
 from llmgw.http import listeners
 from llmgw.http.body import BodyBudget
 from llmgw.http.errors import HTTPError, peer_reason
+from llmgw.http.fdlimits import default_max_connections, unproven_budget
+from llmgw.http.heard import HeardListener, heard_at
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Answer, Handler, Request, Upgrade
 from llmgw.http.refusals import RefusalLog
@@ -150,13 +152,13 @@ class AgentListener:
         tcp = sockets or await trio.open_tcp_listeners(port, host=host)
         # Each connection notes when its peer last sent something: a place in the unproven
         # budget is taken from a silent peer only (`UNPROVEN_SILENT_S`).
-        bound = [trio.SSLListener(listeners.HeardListener(sock), ssl_context, https_compatible=True) for sock in tcp]
+        bound = [trio.SSLListener(HeardListener(sock), ssl_context, https_compatible=True) for sock in tcp]
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(self.artifacts.serve_index, on_change=self.mirror_changed))
             await self.releases.announce()
             task_status.started(bound)
-            self.agent_cap = self.max_connections or listeners.default_max_connections(LISTENER)
-            self.unproven.size = listeners.unproven_budget(self.agent_cap)
+            self.agent_cap = self.max_connections or default_max_connections(LISTENER)
+            self.unproven.size = unproven_budget(self.agent_cap)
             self.stats.unproven.set(0, listener=LISTENER)
             self.stats.unproven_limit.set(self.unproven.size, listener=LISTENER)
             # The listener's own bound covers the three: agents, unproven connections, and the
@@ -238,7 +240,7 @@ class AgentListener:
             if deadline is None:
                 deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
             reason = None
-            with self.unproven_idle.waiting(peer=address, heard=listeners.heard_at(stream)) as shed:
+            with self.unproven_idle.waiting(peer=address, heard=heard_at(stream)) as shed:
                 handler = partial(self._route, cert=None, address=address, place=place, shed=shed)
                 head_s = max(0.0, deadline - trio.current_time())
                 reason = await self._serve_http(stream, handler, attrs.evolve(self.limits, head_timeout_s=head_s))
@@ -346,7 +348,7 @@ class AgentListener:
         """The TLS handshake, by `deadline`: a client certificate, if any, of the cluster CA;
         False if refused (logged, the agent told why by the TLS alert) or if this connection was
         closed meanwhile to make room for a newer one (counted by whoever closed it)."""
-        with self.unproven_idle.waiting(peer=address, heard=listeners.heard_at(stream)) as shed:
+        with self.unproven_idle.waiting(peer=address, heard=heard_at(stream)) as shed:
             try:
                 with trio.fail_at(deadline):
                     await stream.do_handshake()
