@@ -191,7 +191,8 @@ def _node_config(state: Path, ca: CA, i: int, agent_port: int, args: argparse.Na
 
 async def up(args: argparse.Namespace, state: Path) -> None:
     from agent.main import run_agent
-    from llmgw.server.app import ControlPlane, freeze_start_objects
+    from llmgw.gcpolicy import freeze_start_objects
+    from llmgw.server.app import ControlPlane
 
     emit = Events(args.json)
     private.make_dir(state, "the state directory of `llmgw up`")  # 0700, and its missing parents

@@ -233,7 +233,7 @@ async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | N
         log.info("gateway_worker_serving", worker=index, instance=instance, listen=plan.listen)
         # What it made to start (modules, the TLS context, the first table) is left out of every
         # garbage collection from now on: a full collection that scans it all holds a request for
-        # about 20 ms (measured in the control plane, `llmgw.server.app.freeze_start_objects`).
+        # about 20 ms (measured in the control plane, `llmgw.gcpolicy.freeze_start_objects`).
         gc.freeze()
         if parent is not None:
             await parent.ready()

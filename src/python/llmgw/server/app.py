@@ -24,7 +24,6 @@ stops.
 
 from __future__ import annotations
 
-import gc
 import ssl
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +33,7 @@ import trio
 
 from llmgw import paths
 from llmgw.config import ServerConfig, storeurl
+from llmgw.gcpolicy import freeze_start_objects
 from llmgw.http.fdlimits import raise_fd_limit
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Request, Response, StreamingResponse
@@ -442,12 +442,3 @@ async def serve_control_plane(
         bound = await nursery.start(partial(plane.serve, reload_on_sighup=True))
         freeze_start_objects()
         task_status.started(bound)
-
-
-def freeze_start_objects() -> None:
-    """Leave what the process made to start (its modules, its configuration, the CA) out of every
-    garbage collection from now on (`gc.freeze`): a full collection scans every object tracked, and
-    with them it held the control plane's loop for about 20 ms here (measured: 22 ms of CPU with
-    `[debug] measure_steps`), longer than a step may take (reliability.md). A process of its own
-    only (`llmgw server`, `llmgw up`): it changes the collector for the whole process."""
-    gc.freeze()
