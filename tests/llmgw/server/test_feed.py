@@ -25,8 +25,8 @@ from llmgw.server.state import views
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.clusterviews import ClusterViews
 from llmgw.server.state.drains import DrainProgress
+from llmgw.server.state.placements import Stored
 from llmgw.server.state.registry import NodeRegistry
-from llmgw.server.state.replicas import Stored
 from llmgw.server.state.scheduler import Pending, Placement
 from llmgw.wire import agent_link as w
 from testlib.feedplane import FakePlane, Frames, PageCopy

@@ -14,8 +14,9 @@ from llmgw.config import Model, ModelSource
 from llmgw.fabrics import FabricMap
 from llmgw.gatewayd import table
 from llmgw.server.links.gatewaytable import rotation_message
+from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import NodeRegistry
-from llmgw.server.state.replicas import Placements, Replicas, Stored, sealed_keys
+from llmgw.server.state.replicas import Replicas, sealed_keys
 from llmgw.server.state.rotation import gateway_rotation
 from llmgw.server.state.scheduler import Placement
 from llmgw.server.store import keyseal

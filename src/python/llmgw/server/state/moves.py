@@ -34,8 +34,9 @@ import trio
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.server.state.changes import Changes, rest
+from llmgw.server.state.placements import Stored
 from llmgw.server.state.registry import LOST, NodeRegistry
-from llmgw.server.state.replicas import Replicas, Stored
+from llmgw.server.state.replicas import Replicas
 from llmgw.server.state.scheduler import crowded
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w

@@ -1,5 +1,6 @@
 """Replicas on the control plane: the catalog turned into placements, kept in SQLite, and each
-node's share of them as the assignments in its desired state.
+node's share of them as the assignments in its desired state. What it holds of each placement, by
+replica and by node, is `llmgw.server.state.placements`'.
 
 `Replicas.reconcile(now)` builds the cluster view the scheduler needs from the registry, runs
 the pure `scheduler.plan`, keeps the result and returns the nodes whose assignments changed;
@@ -26,15 +27,15 @@ from __future__ import annotations
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 
 from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
+from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
 from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
@@ -58,63 +59,6 @@ def _free_port(used: set[int]) -> int:
         port = _rng.choice(DIST_INIT_PORTS)
         if port not in used:
             return port
-
-
-@attrs.frozen(kw_only=True)
-class Stored:
-    placement: Placement
-    api_key: str = attrs.field(repr=False)  # in memory only: the database holds `sealed_key`
-    sealed_key: str = attrs.field(repr=False)
-    dist_init_port: int = 0
-
-
-class Placements(dict):
-    """The placements by replica id (`Stored`), indexed by node as they change: a node's desired
-    state lists its own (`on`), and with thousands of nodes joining a look over all of them for
-    each made the join quadratic. Changed only by item: `placed[k] = v`, `del placed[k]`, `pop`."""
-
-    def __init__(self, items: Iterable[tuple[str, Stored]] = ()) -> None:
-        super().__init__()
-        self._by_node: dict[str, set[str]] = {}
-        for k, v in items:
-            self[k] = v
-
-    def on(self, node_id: str) -> set[str]:
-        """The replica ids placed on `node_id` (a member on it)."""
-        return self._by_node.get(node_id, set())
-
-    def __setitem__(self, key: str, value: Stored) -> None:
-        if key in self:
-            self._unindex(key, self[key])
-        super().__setitem__(key, value)
-        for n in value.placement.nodes:
-            self._by_node.setdefault(n, set()).add(key)
-
-    def __delitem__(self, key: str) -> None:
-        self._unindex(key, self[key])
-        super().__delitem__(key)
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key in self:
-            value = self[key]
-            del self[key]
-            return value
-        if default:
-            return default[0]
-        raise KeyError(key)
-
-    def _unindex(self, key: str, value: Stored) -> None:
-        for n in value.placement.nodes:
-            here = self._by_node.get(n)
-            if here is not None:
-                here.discard(key)
-                if not here:
-                    del self._by_node[n]
-
-    def _unsupported(self, *args: Any, **kw: Any) -> None:
-        raise TypeError("Placements change by item only (placed[k] = v, del placed[k], pop)")
-
-    update = setdefault = popitem = clear = __ior__ = _unsupported  # type: ignore[assignment]
 
 
 # How a row came out of the database.

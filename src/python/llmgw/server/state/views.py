@@ -18,8 +18,9 @@ from llmgw.engines import cpubackend
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.state.drains import DrainProgress
+from llmgw.server.state.placements import Stored
 from llmgw.server.state.registry import JOINED, Node, NodeRegistry
-from llmgw.server.state.replicas import Replicas, Stored
+from llmgw.server.state.replicas import Replicas
 from llmgw.wire import agent_link as w
 
 VIEW_BATCH = 200  # node views made between yields to the loop (`Views.node_page`)
