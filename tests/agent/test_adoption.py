@@ -35,7 +35,7 @@ from agent.replica_plan import RESTART_BACKOFF
 from agent.replica_supervisor import Supervisor
 from agent.weights import WeightsStore
 from llmgw.wire import agent_link as w
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 BOOT = "3f1c-boot"
 DEADLINE_S = 20.0
@@ -225,7 +225,7 @@ def supervisor(state_dir: Path, **kw) -> Supervisor:
 async def sup_reaches(sup: Supervisor, predicate, what: str, *, poll_s: float | None = None):
     """Until `predicate(sup)`: looked at whenever the supervisor's statuses change (and every
     `poll_s` where what is awaited is a log line, which announces nothing)."""
-    return await wait_until(lambda: predicate(sup), what, changed=sup.changed.next, timeout=DEADLINE_S, poll_s=poll_s)
+    return await await_true(lambda: predicate(sup), what, changed=sup.changed.next, timeout=DEADLINE_S, poll_s=poll_s)
 
 
 @pytest.mark.trio

@@ -19,7 +19,7 @@ from llmgw.gateway import kvevents as kv
 from llmgw.wire import agent_link as w
 from testlib import standin_vllm
 from testlib.proc import llmgw_env
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -53,7 +53,7 @@ async def ready(sup: Supervisor) -> w.ReplicaStatus:
     def check() -> w.ReplicaStatus | None:
         return next((s for s in sup.statuses() if s.replica_id == "q-1" and s.state == w.READY), None)
 
-    return await wait_until(
+    return await await_true(
         check, "the replica ready", changed=[sup.changed.next], timeout=60, report=lambda: repr(sup.statuses())
     )
 
@@ -95,7 +95,7 @@ async def test_the_engine_publishes_on_the_port_the_agent_reports_and_a_subscrib
     # Turned off: started again (a changed assignment), without the port or the flag.
     sup.assign((assignment(weights, cache_events=False),))
 
-    again = await wait_until(
+    again = await await_true(
         lambda: next(
             (s for s in sup.statuses() if s.replica_id == "q-1" and s.state == w.READY and s.pid != status.pid), None
         ),

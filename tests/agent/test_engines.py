@@ -25,7 +25,7 @@ from llmgw.pki.files import issue_to_dir, node_paths
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.proc import build_root
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 HELP = build_root() / "tests" / "fixtures" / "help" / "llama-server.txt"
 
@@ -90,7 +90,7 @@ async def test_an_engine_is_installed_from_the_mirror_checked_and_offered(
 
     # Its install's progress comes first ("installing", phase fetch...), then the outcome.
     installed = lambda: llama() is not None and llama().state != w.ENGINE_INSTALLING  # noqa: E731
-    await wait_until(installed, "the install's outcome reported", changed=plane.changes.nodes.next)
+    await await_true(installed, "the install's outcome reported", changed=plane.changes.nodes.next)
     status = llama()
     if works:
         assert status.ok and status.version == "b4242"
@@ -231,7 +231,7 @@ async def test_a_release_archive_damaged_on_the_control_plane_is_refused_before_
         status = next((e for e in node.engines if e.name == "llamacpp"), None) if node else None
         return status if status is not None and status.state != w.ENGINE_INSTALLING else None
 
-    await wait_until(llama, "the release archive refused", changed=plane.changes.nodes.next)
+    await await_true(llama, "the release archive refused", changed=plane.changes.nodes.next)
     status = llama()
     assert not status.ok and status.state == w.ENGINE_FAILED
     assert f"/v1/release/{archive.name} has sha256 " in status.detail

@@ -30,7 +30,7 @@ from llmgw.server.errors import StoreBusy
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
 from testlib.controlplane import OFFLINE_ENGINES, make_state
-from testlib.waiting import wait_until as wait_for  # the one wait helper, under this file's old name
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -125,7 +125,7 @@ async def test_a_node_with_a_good_certificate_joins(plane: Plane, tmp_path: Path
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
     registry = plane.plane.registry
-    await wait_for(
+    await await_true(
         lambda: "node-a" in registry.nodes
         and registry.liveness(registry.nodes["node-a"], trio.current_time()) == "joined",
         "join",
@@ -150,7 +150,7 @@ async def test_the_links_local_address_is_the_nodes_address_as_the_control_plane
     with trio.fail_after(5):
         assert await link.address.wait_known() == "127.0.0.5"
     registry = plane.plane.registry
-    await wait_for(lambda: "node-a" in registry.nodes and registry.nodes["node-a"].address, "the node's address")
+    await await_true(lambda: "node-a" in registry.nodes and registry.nodes["node-a"].address, "the node's address")
     assert registry.nodes["node-a"].address == link.address.current
 
 
@@ -240,7 +240,7 @@ async def test_a_revocation_check_the_store_cannot_answer_refuses_the_node_until
     link = link_for(plane, "node-a", ctx)
     nursery.start_soon(link.serve)
     registry = plane.plane.registry
-    await wait_for(
+    await await_true(
         lambda: "node-a" in registry.nodes
         and registry.liveness(registry.nodes["node-a"], trio.current_time()) == "joined",
         "join",
@@ -261,7 +261,7 @@ async def test_server_certificate_not_covering_the_dialled_address(
     files = node_files(plane, tmp_path, "node-a")
     reason = await session_failure(link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key)))
     assert "127.0.0.2" in reason and "llmgw ca server-cert" in reason, reason
-    await wait_for(lambda: server_refusals(caplog), "the server's log of it")
+    await await_true(lambda: server_refusals(caplog), "the server's log of it")
     [refused] = server_refusals(caplog)
     assert refused["stage"] == "tls" and "refused this control plane's certificate" in refused["reason"], refused
 
@@ -270,7 +270,7 @@ async def test_a_refused_agent_keeps_retrying_with_backoff(plane: Plane, tmp_pat
     files = node_files(plane, tmp_path, "node-b")
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
-    await wait_for(lambda: link.state.attempts >= 4, "retries")
+    await await_true(lambda: link.state.attempts >= 4, "retries")
     assert "does not match its certificate CN" in link.state.last_error
     assert not link.state.connected
 
@@ -281,10 +281,10 @@ async def test_removing_a_node_closes_its_open_link(
     files = node_files(plane, tmp_path, "node-a")
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
-    await wait_for(lambda: link.state.connected, "connect")
+    await await_true(lambda: link.state.connected, "connect")
     result = await plane.plane.operations.remove_node("node-a")
     assert result["link_closed"] is True
-    await wait_for(lambda: "revoked by `llmgw node remove`" in link.state.last_error, "refusal after removal")
+    await await_true(lambda: "revoked by `llmgw node remove`" in link.state.last_error, "refusal after removal")
     assert "node-a" not in plane.plane.registry.nodes
     logged = [r.llmgw_fields for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage() == "link_down"]
     assert any("removed from the cluster" in f["reason"] for f in logged)
@@ -340,10 +340,10 @@ async def test_backoff_starts_over_after_a_session_that_was_up(
     link.rng = Recording(0)
     nursery.start_soon(link.serve)
     for round_ in range(3):
-        await wait_for(lambda r=round_: link.state.sessions == r + 1 and link.state.connected, "connect")
+        await await_true(lambda r=round_: link.state.sessions == r + 1 and link.state.connected, "connect")
         with trio.fail_after(5):  # the control plane drops the link
             assert await plane.plane.agent_links.close_node("node-a", "test", "dropped by the test")
-        await wait_for(lambda r=round_: len(ceilings) == r + 1, "reconnect")
+        await await_true(lambda r=round_: len(ceilings) == r + 1, "reconnect")
     # Each reconnect after a working session is the first attempt again.
     assert ceilings == [link.backoff.first_s] * 3
 
@@ -395,14 +395,14 @@ async def test_a_link_is_closed_when_its_certificate_expires(
     files = node_files(plane, tmp_path, "node-a", days=1, now=issued)
     link = link_for(plane, "node-a", client_ssl_context(files.ca_cert, files.cert, files.key))
     nursery.start_soon(link.serve)
-    await wait_for(lambda: link.state.connected, "connect")
-    await wait_for(
+    await await_true(lambda: link.state.connected, "connect")
+    await await_true(
         lambda: not link.state.connected, "the link closed at the certificate's expiry", timeout=expires_in_s + 2
     )
     expired = [r.llmgw_fields for r in caplog.records if r.getMessage() == "agent_certificate_expired"]
     assert expired and expired[0]["node"] == "node-a"
-    await wait_for(lambda: "expired" in link.state.last_error, "the agent told why")
-    await wait_for(lambda: not plane.plane.registry.nodes["node-a"].link.connected, "the control plane's view")
+    await await_true(lambda: "expired" in link.state.last_error, "the agent told why")
+    await await_true(lambda: not plane.plane.registry.nodes["node-a"].link.connected, "the control plane's view")
 
 
 async def test_a_silent_link_is_closed_after_the_heartbeat_ttl(tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -451,8 +451,8 @@ async def test_a_stalled_process_closes_no_link_and_loses_no_node(
         return [r.llmgw_fields for r in caplog.records if r.getMessage() == event]
 
     changes = plane.plane.changes
-    await wait_for(joined, "join")
-    await wait_for(lambda: logged("node_joined"), "the reconciler has seen the join", changed=changes.settled.next)
+    await await_true(joined, "join")
+    await await_true(lambda: logged("node_joined"), "the reconciler has seen the join", changed=changes.settled.next)
     agent_link = registry.nodes["node-a"].link
     beat = agent_link.last_heartbeat_at
     time.sleep(2.5 * ttl)  # the stall: a blocking call on the loop
@@ -461,7 +461,7 @@ async def test_a_stalled_process_closes_no_link_and_loses_no_node(
     # deadlines) and the link's silence timer. Then two more heartbeats read on the same link,
     # and time for the reconciler to look again.
     for _ in range(2):
-        await wait_for(lambda b=beat: agent_link.last_heartbeat_at != b, "a heartbeat")
+        await await_true(lambda b=beat: agent_link.last_heartbeat_at != b, "a heartbeat")
         beat = agent_link.last_heartbeat_at
     await trio.sleep(ttl)
     assert logged("agent_link_silent") == [] and logged("node_lost") == []

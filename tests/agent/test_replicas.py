@@ -35,7 +35,7 @@ from llmgw.wire.convert import decode, encode
 from testlib.cluster import free_port
 from testlib.exposure import cmdlines_holding, listening
 from testlib.proc import llmgw_env
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -76,7 +76,7 @@ async def sup_reaches(sup: Supervisor, predicate, what: str, *others: Supervisor
         return "\n".join(lines)
 
     changed = [s.changed.next for s in (sup, *others)]
-    return await wait_until(
+    return await await_true(
         lambda: predicate(sup), what, changed=changed, timeout=DEADLINE_S, poll_s=poll_s, report=report
     )
 
@@ -270,7 +270,7 @@ async def test_a_slow_answer_now_and_then_is_not_a_hang(tmp_path: Path, nursery:
     os.kill(ready.pid, signal.SIGCONT)
     answered = sup.answered_probes("m-1")
     # Three probes answered after it (what a restart would have cut short), then nothing was restarted.
-    await wait_until(lambda: sup.answered_probes("m-1") >= answered + 3, "3 probes answered", changed=sup.probed.next)
+    await await_true(lambda: sup.answered_probes("m-1") >= answered + 3, "3 probes answered", changed=sup.probed.next)
     st = status(sup)
     assert st.state == w.READY and st.pid == ready.pid and st.restarts == 0
 

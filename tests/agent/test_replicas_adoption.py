@@ -17,7 +17,7 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.errors import UnknownReplica
 from llmgw.wire import agent_link as w
 from testlib.controlplane import local
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 
 def reported(plane: ControlPlane) -> w.ReplicaStatus | None:
@@ -41,18 +41,18 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
     plane, scope = await nursery.start(control_plane)
     agent_config = cluster.agent(tmp_path, "node-a")
     link = await nursery.start(run_agent, agent_config)
-    ready = await wait_until(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
+    ready = await await_true(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica ready")
     assert ready.pid and ready.port and ready.restarts == 0
 
     first_desired = link.state.desired
     scope.cancel()  # the control plane goes away
-    await wait_until(lambda: not link.state.connected, "link down")
+    await await_true(lambda: not link.state.connected, "link down")
     os.kill(ready.pid, 0)  # the engine still runs
 
     plane, scope = await nursery.start(control_plane)
     sessions = link.state.sessions
-    await wait_until(lambda: link.state.sessions > sessions, "agent back")
-    again = await wait_until(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica reported again")
+    await await_true(lambda: link.state.sessions > sessions, "agent back")
+    again = await await_true(lambda: (s := reported(plane)) and s.state == w.READY and s, "replica reported again")
     assert (again.replica_id, again.pid, again.port, again.restarts) == (
         ready.replica_id,
         ready.pid,
@@ -60,7 +60,7 @@ async def test_a_control_plane_restart_adopts_the_running_replica(
         0,
     )
     # The new control plane's desired state has arrived, with the same assignment, and changed nothing.
-    await wait_until(lambda: link.state.desired is not first_desired, "a new desired state")
+    await await_true(lambda: link.state.desired is not first_desired, "a new desired state")
     assert link.state.desired.replicas == first_desired.replicas
     # A wrong restart would be decided as the agent takes the desired state, and reported over
     # the link at once: both in this process, so once every task here waits, it would be in.

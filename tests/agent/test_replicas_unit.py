@@ -27,7 +27,7 @@ from llmgw.errors import UsageError
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import decode, encode
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 
 def assignment(rid: str = "m-1", **kw) -> w.ReplicaAssignment:
@@ -264,7 +264,7 @@ async def test_an_engine_that_cannot_run_is_retried_with_backoff_then_failed(
     assert "could not be started, 4 times within 600 s" in failed.detail
     assert "cannot run /nonexistent/engine" in failed.detail  # the agent's own line in the engine log
     assert failed.restarts == 3
-    await wait_until(lambda: failed in seen, "the failure reported", changed=reported.next, timeout=10)
+    await await_true(lambda: failed in seen, "the failure reported", changed=reported.next, timeout=10)
     assert [s.restarts for s in seen if s.state == w.RESTARTING] == [1, 2, 3]
     assert [s.detail.split(".")[0] for s in seen if s.state == w.RESTARTING] == [
         "the engine could not be started; restarting in 0",

@@ -24,7 +24,7 @@ from testlib import kvpublisher as vp
 from testlib import record_kvevents as rec
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import parse_metrics
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -130,7 +130,7 @@ async def test_a_gateway_reads_its_replicas_events_and_survives_hostile_publishe
         assert gw.router.route("m", prompt=t)[1].reason == "hit"
         pub.send(0, vp.encode([vp.stored([1, 2])]))
         pub.send(1, vp.encode([vp.AllBlocksCleared()]))
-        await wait_until(lambda: gw.router.prefix.matches(t, ["a"]) == {}, "the router told the cache was cleared")
+        await await_true(lambda: gw.router.prefix.matches(t, ["a"]) == {}, "the router told the cache was cleared")
     finally:
         pub.close()
     model = frozenset({("model", "m")})
@@ -147,7 +147,7 @@ async def test_a_gateway_reads_its_replicas_events_and_survives_hostile_publishe
         for n, (_, port) in enumerate(listeners)
     )
     provider.set((b, *hostiles), None, details)
-    await wait_until(
+    await await_true(
         lambda: all(h.connections >= 2 for h, _ in listeners[:3]), "each hostile publisher tried twice", timeout=20
     )
     failures = parse_metrics(gw.render_metrics())[("llmgw_gateway_replica_cache_event_failures_total", model)]
@@ -201,7 +201,7 @@ async def test_a_gateway_reads_a_stream_recorded_from_the_engines_own_publisher(
     await nursery.start(serve_services, gw)
     long = Prompt.of({"messages": [{"role": "system", "content": "S" * 2000}, {"role": "user", "content": "Hi"}]}, "m")
     assert long is not None
-    await wait_until(lambda: replay.subscriptions, "the gateway subscribed")
+    await await_true(lambda: replay.subscriptions, "the gateway subscribed")
     assert replay.subscriptions == [kv.GREETING + kv.ready(b"SUB") + kv.frame(b"\x01kv-events")]
     gw.router.served(a, long)
     assert gw.router.prefix.held_chars("a") > 6 * 16 * BYTES_PER_TOKEN
@@ -211,7 +211,7 @@ async def test_a_gateway_reads_a_stream_recorded_from_the_engines_own_publisher(
     def metric(name: str) -> float:
         return parse_metrics(gw.render_metrics()).get((f"llmgw_gateway_replica_{name}_total", model), 0)
 
-    await wait_until(lambda: metric("cache_resets") == 1, "the recorded AllBlocksCleared read")
+    await await_true(lambda: metric("cache_resets") == 1, "the recorded AllBlocksCleared read")
     # Before it, the recorded eviction left 6 blocks of 16 tokens: what the router held of the
     # 2,000-character prompt was trimmed to fit them; then all of it was forgotten.
     assert metric("cache_trimmed") >= 1

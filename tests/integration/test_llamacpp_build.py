@@ -45,7 +45,7 @@ from testlib import llama
 from testlib.cluster import MARKER_ENV, marked_pids
 from testlib.controlplane import local
 from testlib.fileserver import serve_files
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -85,14 +85,14 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     await trio.sleep(0.5)
     assert files.gets == []  # no node yet: nothing fetched
     plane.operations.certificate_recorded()  # what `node add` recording node-a's certificate does
-    await wait_until(lambda: sha in plane.agent_port.artifacts.available(), "the source mirrored", timeout=120)
+    await await_true(lambda: sha in plane.agent_port.artifacts.available(), "the source mirrored", timeout=120)
     assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
 
     cache = llama.agent_build_cache()
     offered = cache / llamarecipe.entry_name(llama.portable_recipe())  # the suite's portable build
     node = attrs.evolve(cluster.agent(tmp_path, "node-a"), build_cache=str(cache))
     await nursery.start(run_agent, node)
-    await wait_until(
+    await await_true(
         lambda: llamacpp(plane, "node-a") or events(caplog, "engine_build_started"),
         "node-a to report llama.cpp",
         timeout=REUSE_S,
@@ -145,7 +145,7 @@ async def test_a_node_without_a_compiler_says_which_packages_to_install(
         os.symlink(f"/usr/bin/{tool}" if Path(f"/usr/bin/{tool}").exists() else f"/bin/{tool}", bare / tool)
     monkeypatch.setenv("PATH", str(bare))
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
-    status = await wait_until(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp")
+    status = await await_true(lambda: llamacpp(plane, "node-a"), "node-a to report llama.cpp")
     assert not status.ok
     assert "cannot build llama.cpp" in status.detail and "a C++ compiler" in status.detail
     assert "cmake" in status.detail and str(bare) in status.detail
@@ -201,7 +201,7 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
     with trio.move_on_after(60) as scope:
 
         async def cancel_when_stuck() -> None:
-            await wait_until(
+            await await_true(
                 lambda: len(marked_pids(mark)) == 2 and ("build", 50) in seen, "the stuck build", timeout=30
             )
             scope.cancel()
@@ -214,7 +214,7 @@ async def test_a_cancelled_build_kills_its_whole_process_group(tmp_path: Path) -
     assert ("build", 25) in seen and ("build", 50) in seen
     # The children of the build went with it. SIGKILL is delivered, not waited for: on a loaded
     # machine a killed child can still be exiting when its leader has been reaped (CI saw one).
-    await wait_until(lambda: marked_pids(mark) == [], "the killed build's children to be gone", timeout=10)
+    await await_true(lambda: marked_pids(mark) == [], "the killed build's children to be gone", timeout=10)
     assert "[2/4] Building CXX object b.o" in request.log_path.read_text()
 
 

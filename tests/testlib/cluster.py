@@ -196,7 +196,9 @@ def wait_until(
     last_seen: Callable[[], Any] = lambda: None,
 ) -> T:
     """Poll `check` until it returns something truthy; fail after `timeout` or as soon as a
-    process in `alive` exits, with `last_seen()` and the log tails of `procs` and `alive`."""
+    process in `alive` exits, with `last_seen()` and the log tails of `procs` and `alive`.
+    Blocking, for a test beside real processes; an async test waits with
+    `testlib.waiting.await_true(predicate, what)`."""
     procs, alive = list(procs), list(alive)
     shown = procs + [p for p in alive if p not in procs]
     deadline = time.monotonic() + timeout

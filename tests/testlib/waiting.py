@@ -1,4 +1,5 @@
-"""Waiting in tests: `wait_until`, the one helper for "until this is true", bounded.
+"""Waiting in async tests: `await_true`, the one helper for "until this is true", bounded. (The
+blocking poll of real processes beside a test, name first, is `testlib.cluster.wait_until`.)
 
 A test waits on the event that makes the condition true: pass the `next` of the `Wakeup` (or
 any callable giving the event of the next change) whose firing may make it so, and the
@@ -22,7 +23,7 @@ T = TypeVar("T")
 NextEvent = Callable[[], trio.Event]
 
 
-async def wait_until(
+async def await_true(
     predicate: Callable[[], T],
     what: str,
     *,

@@ -24,7 +24,7 @@ from llmgw.server.nodes.mirror import fill_mirror
 from llmgw.wire import agent_link as w
 from testlib.controlplane import make_state, serve_plane
 from testlib.fileserver import serve_files
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -194,7 +194,7 @@ async def test_with_the_releases_llama_cpp_the_source_waits_for_a_node_that_need
     plane.operations.certificate_recorded()
     # The mirror's wait looks again at the change (and at the CPU node): it logs that no node needs
     # the source, or, wrongly, returns and the fill fetches it.
-    await wait_until(lambda: len(looks()) > before or files.gets, "the mirror's look at the CPU node")
+    await await_true(lambda: len(looks()) > before or files.gets, "the mirror's look at the CPU node")
     assert files.gets == [] and source.sha256 not in plane.agent_port.artifacts.available()
     gpu = plane.registry.know("node-gpu", address="127.0.0.3")
     gpu.inventory = attrs.evolve(cpu.inventory, gpus=(GPU,), gpu_status="present")

@@ -17,7 +17,7 @@ from llmgw.server.app import ControlPlane
 from llmgw.wakeup import Wakeup
 from testlib.controlplane import local
 from testlib.gateway import chat, request
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -35,7 +35,7 @@ async def test_draining_a_node_under_load_fails_no_request(
     for i, node_id in enumerate(("node-a", "node-b")):
         await nursery.start(run_agent, cluster.agent(tmp_path, node_id, source_address=f"127.0.0.{i + 1}"))
     in_rotation = lambda: len(plane.gateway.router.endpoints.get("chat", ())) == 2  # noqa: E731
-    await wait_until(
+    await await_true(
         in_rotation, "two replicas in rotation", changed=plane.gateway.freed.next
     )  # fired as it applies one
     victim = plane.replicas.placed["chat-0"].placement.nodes[0]
@@ -55,12 +55,12 @@ async def test_draining_a_node_under_load_fails_no_request(
     async with trio.open_nursery() as load:
         for _ in range(4):
             load.start_soon(client)
-        await wait_until(lambda: len(results) >= 20, "load running", changed=answered.next)
+        await await_true(lambda: len(results) >= 20, "load running", changed=answered.next)
         progress = await plane.operations.start_drain(victim, force=False)
         with trio.fail_after(DRAIN_TIMEOUT_S):
             await progress.finished.wait()
         before = len(results)
-        await wait_until(lambda: len(results) >= before + 20, "load after the drain", changed=answered.next)
+        await await_true(lambda: len(results) >= before + 20, "load after the drain", changed=answered.next)
         stop.set()
 
     assert progress.error is None and progress.moved == progress.total >= 1

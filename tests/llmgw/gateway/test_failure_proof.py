@@ -17,7 +17,7 @@ import trio.testing
 from llmgw.wakeup import Wakeup
 from testlib import memnet
 from testlib.gateway import chat
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -45,7 +45,7 @@ class Load:
                 return  # this client's key is gone
 
     async def done(self, count: int) -> None:
-        await wait_until(lambda: len(self.answers) >= count, f"{count} answers", changed=self.answered.next)
+        await await_true(lambda: len(self.answers) >= count, f"{count} answers", changed=self.answered.next)
 
     def failed(self) -> list[tuple[int, bytes]]:
         return [(status, body[:200]) for _, status, _, body in self.answers if status != 200]
@@ -70,7 +70,7 @@ async def test_an_engine_gone_mid_load_costs_no_request(
         # Gone with a request on it (nothing announces a request taken: looked at each millisecond
         # of fake time, which costs no real time).
         outstanding = gw.gateway.router.outstanding
-        await wait_until(lambda: outstanding.get(a.name), "a request on a", poll_s=0.001)
+        await await_true(lambda: outstanding.get(a.name), "a request on a", poll_s=0.001)
         net.kill(a.address)
         killed_at = trio.current_time()
     assert len(load.answers) == CLIENTS * PER_CLIENT and load.failed() == []
@@ -91,7 +91,7 @@ async def test_a_replica_drained_under_load_gets_no_new_request_and_none_fails(
         gw.provider.set((a.endpoint(draining=True), b.endpoint()))
         marked_at = trio.current_time()
         outstanding = gw.gateway.router.outstanding
-        await wait_until(lambda: not outstanding.get(a.name), "a's requests finished", changed=gw.gateway.freed.next)
+        await await_true(lambda: not outstanding.get(a.name), "a's requests finished", changed=gw.gateway.freed.next)
         gw.provider.set((b.endpoint(),))
     assert len(load.answers) == CLIENTS * PER_CLIENT and load.failed() == []
     before = [replica for sent, _, replica, _ in load.answers if sent < marked_at]

@@ -18,7 +18,7 @@ from llmgw.wire import agent_link as w
 from testlib.controlplane import local
 from testlib.gateway import chat, request
 from testlib.proc import run_llmgw
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 
 async def ctl(*args: str) -> str:
@@ -51,7 +51,7 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
 
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
     in_rotation = lambda: plane.gateway.router.endpoints.get("chat")  # noqa: E731
-    await wait_until(in_rotation, "the replica in the gateway's rotation", changed=plane.gateway.freed.next)
+    await await_true(in_rotation, "the replica in the gateway's rotation", changed=plane.gateway.freed.next)
     [ep] = plane.gateway.router.endpoints["chat"]
     [view] = plane.views.replica_views()
     assert (ep.replica_id, ep.host, ep.port, ep.draining) == (view["replica"], "127.0.0.1", view["port"], False)
@@ -73,4 +73,4 @@ async def test_a_placed_sim_replica_is_served_through_the_gateway(
     # A drain marks the replica draining at once (it stays the fallback while it is the only one).
     await plane.operations.start_drain("node-a", force=False)
     draining = lambda: plane.gateway.router.endpoints["chat"][0].draining  # noqa: E731
-    await wait_until(draining, "draining in rotation", changed=plane.gateway.freed.next)
+    await await_true(draining, "draining in rotation", changed=plane.gateway.freed.next)

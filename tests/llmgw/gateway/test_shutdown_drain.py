@@ -19,7 +19,7 @@ from testlib.cluster import free_port
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.endpoints import StaticEndpoints
 from testlib.gateway import chat, request
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -80,7 +80,7 @@ async def test_a_stopped_control_plane_lets_a_stream_finish_and_refuses_new_requ
     client, got = await start_stream(port, token)
 
     plane_scope.cancel()  # what SIGTERM does to `llmgw server`
-    await wait_until(lambda: plane.gateway.draining, "the gateway draining", timeout=5)
+    await await_true(lambda: plane.gateway.draining, "the gateway draining", timeout=5)
     status, headers, refused = await trio.to_thread.run_sync(
         lambda: request(port, "POST", "/v1/chat/completions", chat(), token=token, timeout=5)
     )
@@ -141,7 +141,7 @@ async def test_a_stopped_worker_on_a_shared_port_stops_accepting_and_finishes_wh
     client, got = await start_stream(port, token)
 
     scope.cancel()
-    await wait_until(lambda: gateway.draining, "the gateway draining", timeout=5)
+    await await_true(lambda: gateway.draining, "the gateway draining", timeout=5)
     with pytest.raises(OSError):  # left the port: refused, not a 503
         await trio.open_tcp_stream("127.0.0.1", port)
     await finish_stream(client, got)

@@ -21,7 +21,7 @@ from llmgw.gateway.errors import UpstreamSilent
 from llmgw.gateway.upstream import UpstreamPool
 from testlib.gateway import GW, Sim, chat, parse_metrics, start_gateway
 from testlib.netns import NetNS, preflight
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -104,7 +104,7 @@ async def test_a_request_on_a_pooled_connection_to_a_cut_node_fails_within_about
         try:
             nursery.start_soon(waiting)
             # The request is written and acknowledged by the stopped engine's kernel: in its socket.
-            await wait_until(lambda: unread(remote) >= len(slow), "the request in the stopped engine's socket")
+            await await_true(lambda: unread(remote) >= len(slow), "the request in the stopped engine's socket")
             await trio.to_thread.run_sync(remote.netns.cut)
             cut_at = trio.current_time()
         finally:
@@ -130,7 +130,7 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
             break
     assert len(served) == 2, served
     # The gateway pools a connection once it has written the answer: the client may have it first.
-    await wait_until(
+    await await_true(
         lambda: gw.gateway.pool.idle_count(remote.host, remote.port) >= 1, "a pooled connection", timeout=5
     )
 
@@ -153,7 +153,7 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
                 if i == restore_at_n:
                     # A probe fails at the 1 s connect timeout, begun a second after the replica
                     # went down: on a loaded machine that can come after the 60th request.
-                    await wait_until(
+                    await await_true(
                         lambda: failed_probe in parse_metrics(gw.gateway.render_metrics()),
                         "a failed probe of the cut replica",
                         timeout=10,
@@ -183,7 +183,7 @@ async def test_a_node_cut_off_under_steady_load_costs_no_request_and_serves_agai
 
     # Restored: a probe puts it back within about an interval, and it serves again.
     back = lambda: gw.gateway.router.state_of(remote.endpoint()) == "ready"  # noqa: E731
-    await wait_until(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
+    await await_true(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
     assert trio.current_time() - marks["restored"] < 3.0
     served = {(await call(gw, 1000 + i))[2] for i in range(20)}
     assert served == {local.name, remote.name}
@@ -222,7 +222,7 @@ async def test_an_engine_that_takes_requests_and_never_answers_leaves_rotation_a
         # Its kernel still completes TCP connects: only the probe's HTTP answer tells it is not back.
         # Two more probes (what would bring it back, were connects enough) find it still down.
         failed = metric(gw, "llmgw_gateway_probes_total", result="failed")
-        await wait_until(
+        await await_true(
             lambda: metric(gw, "llmgw_gateway_probes_total", result="failed") >= failed + 2, "two more probes"
         )
         assert gw.gateway.router.state_of(stopped.endpoint()) == "down"
@@ -230,7 +230,7 @@ async def test_an_engine_that_takes_requests_and_never_answers_leaves_rotation_a
     finally:
         os.kill(stopped.proc.pid, signal.SIGCONT)
     back = lambda: gw.gateway.router.state_of(stopped.endpoint()) == "ready"  # noqa: E731
-    await wait_until(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
+    await await_true(back, "back in rotation", changed=gw.gateway.freed.next, timeout=5)  # a probe reached it
     assert stopped.name in {(await call(gw, 1000 + i))[2] for i in range(20)}
 
 

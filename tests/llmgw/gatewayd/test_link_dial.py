@@ -15,7 +15,7 @@ import trio.testing
 
 from llmgw.gatewayd import link as gl
 from testlib.netns import SYN_RESENDS_S
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -60,7 +60,7 @@ async def test_a_dial_into_silence_is_given_up_after_the_tcp_timeout_and_made_ag
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(link.serve)
-        await wait_until(lambda: len(dials) >= 12, "twelve dials", timeout=120, poll_s=0.5)
+        await await_true(lambda: len(dials) >= 12, "twelve dials", timeout=120, poll_s=0.5)
         nursery.cancel_scope.cancel()
 
     assert sink.states[0] == (

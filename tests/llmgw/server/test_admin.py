@@ -17,7 +17,7 @@ from llmgw.errors import PeerError, UsageError
 from llmgw.pki.files import load_ca
 from llmgw.server.app import ControlPlane
 from testlib.controlplane import OFFLINE_ENGINES, make_state, serve_plane
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -333,7 +333,7 @@ async def test_the_stall_diagnostic_holds_the_loop_and_the_metrics_and_the_log_s
     result = await call(client.request, "POST", f"{STALL}?seconds=0.8")
     assert result["stalled_s"] >= 0.8
     # The ticker's first tick after the stall: it counts the lag, credits the stall and warns.
-    await wait_until(
+    await await_true(
         lambda: plane.loop_lag.lag_max(trio.current_time()) >= 0.7, "the loop-lag ticker's tick after the stall"
     )
     after = await call(metrics_of, client.url)

@@ -21,7 +21,7 @@ from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError
 from llmgw.server.store import NodeRow, Store, store_path
 from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
 from testlib.stores import StoreUnderTest
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -131,11 +131,11 @@ async def test_the_writer_retries_until_the_lock_goes_and_logs_once_each_way(
         await nursery.start(writer.serve)
         with store_backend.write_lock():
             writer.offer({"r-0": {"v": 1}})
-            await wait_until(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
+            await await_true(lambda: events(caplog, "store_write_failing"), "the first failure logged", timeout=5)
             writer.offer({"r-0": {"v": 2}, "r-1": {"v": 2}})  # the loop goes on changing placements
-            await wait_until(lambda: len(writes) >= 4, "a few more attempts", timeout=10)
+            await await_true(lambda: len(writes) >= 4, "a few more attempts", timeout=10)
             assert writer.pending
-        await wait_until(lambda: not writer.pending, "the write once the lock is gone", timeout=5)
+        await await_true(lambda: not writer.pending, "the write once the lock is gone", timeout=5)
         nursery.cancel_scope.cancel()
     assert await store.placements() == {"r-0": {"v": 2}, "r-1": {"v": 2}}  # the latest, not each version
     [failing] = events(caplog, "store_write_failing")

@@ -26,7 +26,7 @@ from llmgw.wire import agent_link as w
 from testlib.controlplane import local
 from testlib.fileserver import serve_files
 from testlib.gateway import request
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -74,12 +74,12 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     bound = await nursery.start(plane.serve)
     port = bound.http_address[1]
     link = await nursery.start(run_agent, node)
-    await wait_until(lambda: len(failed(caplog, "mirror")) >= 2, "the mirror fill failing twice")
-    [view] = await wait_until(
+    await await_true(lambda: len(failed(caplog, "mirror")) >= 2, "the mirror fill failing twice")
+    [view] = await await_true(
         lambda: [v for v in plane.views.replica_views() if v["state"] == w.READY], "the replica ready", timeout=60
     )
     seen = len(failed(caplog, "engines"))
-    await wait_until(lambda: len(failed(caplog, "engines")) > max(seen, 1), "the engine loop failing again", timeout=60)
+    await await_true(lambda: len(failed(caplog, "engines")) > max(seen, 1), "the engine loop failing again", timeout=60)
 
     # Each failure is logged with its traceback, and the loop was started again.
     mirror = failed(caplog, "mirror")[0]
@@ -98,8 +98,8 @@ async def test_a_failing_mirror_fill_or_engine_loop_costs_that_loop_only(
     # The faults removed, the loops run again and finish their work.
     blocker.rmdir()
     engines_dir.unlink()
-    await wait_until(lambda: digest in plane.agent_port.artifacts.available(), "the archive mirrored")
-    await wait_until(
+    await await_true(lambda: digest in plane.agent_port.artifacts.available(), "the archive mirrored")
+    await await_true(
         lambda: any(e.name == "llamacpp" and e.version == "b1" for e in plane.registry.nodes["node-a"].engines),
         "the agent's engine loop reporting llama.cpp",
         timeout=60,
@@ -118,7 +118,7 @@ async def test_a_drain_hit_by_a_bug_reports_it_and_can_be_run_again(
     bound = await nursery.start(plane.serve)
     port = bound.http_address[1]
     await nursery.start(run_agent, cluster.agent(tmp_path, "node-a"))
-    await wait_until(
+    await await_true(
         lambda: any(v["state"] == w.READY for v in plane.views.replica_views()), "the replica ready", timeout=60
     )
     client = AdminClient.locate(server=None, credential=None, state_dir=str(cluster.state))
@@ -130,7 +130,7 @@ async def test_a_drain_hit_by_a_bug_reports_it_and_can_be_run_again(
     plane.replicas.place_replacement = place_replacement
     started = await trio.to_thread.run_sync(lambda: client.request("POST", "/admin/v1/nodes/node-a/drain"))
     assert set(started["drain"]) == {"node", "total", "moved", "current", "done", "error"}
-    drain = await wait_until(
+    drain = await await_true(
         lambda: plane.drains["node-a"].error and plane.drains["node-a"], "the drain to stop with its error"
     )
     [node] = await trio.to_thread.run_sync(client.nodes)
@@ -146,7 +146,7 @@ async def test_a_drain_hit_by_a_bug_reports_it_and_can_be_run_again(
     plane.replicas.place_replacement = real
     again = await trio.to_thread.run_sync(lambda: client.request("POST", "/admin/v1/nodes/node-a/drain?force=1"))
     assert again["drain"]["error"] is None
-    await wait_until(lambda: plane.drains["node-a"].done, "the drain run again")
+    await await_true(lambda: plane.drains["node-a"].done, "the drain run again")
     assert plane.drains["node-a"] is not drain and plane.registry.nodes["node-a"].cordoned
 
 
@@ -168,7 +168,7 @@ async def test_sighup_reloads_as_soon_as_the_control_plane_is_started(
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control_plane, cluster.config, cluster.state, config_path)
             os.kill(os.getpid(), signal.SIGHUP)
-            await wait_until(
+            await await_true(
                 lambda: any(r.getMessage() == "config_reloaded" for r in caplog.records), "the reload", timeout=10
             )
             nursery.cancel_scope.cancel()

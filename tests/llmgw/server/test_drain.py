@@ -14,7 +14,7 @@ from llmgw.config import Model, ServerConfig, ServerSection
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -68,7 +68,7 @@ async def test_each_replacement_is_ready_before_its_original_stops(
     on_a = sorted(k for k, v in plane.replicas.placed.items() if "a" in v.placement.nodes)
     assert len(on_a) == 1
     progress = await plane.operations.start_drain("a", force=False)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=plane.replicas.saver.to_write.next)
+    await await_true(lambda: plane.replicas.surge, "the replacement", changed=plane.replicas.saver.to_write.next)
     await trio.sleep(10)  # fake time, within the nodes' heartbeat TTL: the drain waits for readiness, not a timer
     assert progress.moved == 0 and on_a[0] in plane.replicas.placed  # waiting: the original still runs
     [replacement] = sorted(plane.replicas.surge)

@@ -29,7 +29,7 @@ from llmgw.pki.tls import client_ssl_context, gateway_ssl_context
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, hello, make_state
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -116,7 +116,7 @@ async def test_a_gateway_certificate_opens_the_gateway_link_and_gets_the_table(
     sink = Sink()
     link = gateway_link(plane, credentials.name, credentials.ssl_context, sink)
     nursery.start_soon(link.serve)
-    await wait_until(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
+    await await_true(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
     assert [kind for kind, _ in sink.calls] == ["link", "rotation", "keys", "share"]
     views = await trio.to_thread.run_sync(admin_get, plane, "/admin/v1/gateways")
     [view] = views["gateways"]
@@ -215,15 +215,15 @@ async def test_revoking_a_connected_gateways_certificate_closes_its_link_saying_
     sink = Sink()
     link = gateway_link(plane, "gw1", gateway_ssl_context(files.dir), sink)
     nursery.start_soon(link.serve)
-    await wait_until(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
+    await await_true(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
     removed = await trio.to_thread.run_sync(admin_call, plane, "DELETE", "/admin/v1/nodes/gw1")
     assert removed["revoked_serials"] == [f"{info.serial:x}"] and removed["link_closed"] is True
     closed = f"the control plane closed the link: the certificate of gateway 'gw1' (serial {info.serial:x}) was revoked"
-    await wait_until(lambda: any(why.startswith(closed) for why in sink.downs()), "the link closed")
+    await await_true(lambda: any(why.startswith(closed) for why in sink.downs()), "the link closed")
     assert plane.plane.gateway_feed.links == {}
     # And it is refused when it dials again.
     refused = "the control plane refused this gateway (HTTP 403): the certificate of gateway 'gw1'"
-    await wait_until(lambda: link.state.last_error.startswith(refused), "refused", timeout=10)
+    await await_true(lambda: link.state.last_error.startswith(refused), "refused", timeout=10)
 
 
 async def test_a_gateway_named_other_than_its_certificate_is_refused(plane: Plane, tmp_path: Path) -> None:

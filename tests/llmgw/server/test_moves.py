@@ -16,7 +16,7 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.state.moves import LOST_LOOK_S
 from llmgw.wire import agent_link as w
 from testlib.controlplane import OFFLINE_ENGINES, make_state
-from testlib.waiting import wait_until
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -99,7 +99,7 @@ def start_spread(plane: ControlPlane, nursery: trio.Nursery) -> Spread:
 async def spread_started(plane: ControlPlane, nursery: trio.Nursery) -> tuple[Spread, str]:
     """`spread_once` started, once it has placed its one replacement; and that replacement."""
     spread = start_spread(plane, nursery)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
+    await await_true(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     [replacement] = plane.replicas.surge
     return spread, replacement
 
@@ -140,7 +140,7 @@ async def test_a_wave_moves_several_crowded_replicas_together_at_most_spread_at_
     plane.moves.spread_at_once = 2
     for wave in (2, 1):
         spread = start_spread(plane, nursery)
-        await wait_until(
+        await await_true(
             lambda n=wave: len(plane.replicas.surge) == n, "the wave", changed=placements_change(plane), timeout=HANG_S
         )
         surge = sorted(plane.replicas.surge)
@@ -181,9 +181,9 @@ async def test_the_original_stops_only_once_its_requests_have_finished(
     original = Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1)
     plane.gateway.router.acquire(original)  # a stream in flight on it
     nursery.start_soon(plane.moves.spread_once)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
+    await await_true(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     ready(plane, next(iter(plane.replicas.surge)))
-    await wait_until(
+    await await_true(
         lambda: "chat-1" in plane.moves.retiring, "out of rotation", changed=rotation_changes(plane), timeout=HANG_S
     )
     await trio.sleep(plane.moves.retire_grace_s / 2)
@@ -191,7 +191,7 @@ async def test_the_original_stops_only_once_its_requests_have_finished(
     started = trio.current_time()
     plane.gateway.router.release(original)
     plane.gateway.wake()  # what a finished request does
-    await wait_until(
+    await await_true(
         lambda: "chat-1" not in plane.replicas.placed,
         "the original gone",
         changed=placements_change(plane),
@@ -206,13 +206,13 @@ async def test_requests_that_outlast_the_grace_do_not_hold_the_move_forever(
     plane = await crowded_plane(tmp_path, nursery)
     plane.gateway.router.acquire(Endpoint(replica_id="chat-1", model="chat", host="127.0.0.1", port=1))
     nursery.start_soon(plane.moves.spread_once)
-    await wait_until(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
+    await await_true(lambda: plane.replicas.surge, "the replacement", changed=placements_change(plane), timeout=HANG_S)
     ready(plane, next(iter(plane.replicas.surge)))
-    await wait_until(
+    await await_true(
         lambda: "chat-1" in plane.moves.retiring, "out of rotation", changed=rotation_changes(plane), timeout=HANG_S
     )
     left_rotation = trio.current_time()
-    await wait_until(
+    await await_true(
         lambda: "chat-1" not in plane.replicas.placed,
         "the original gone",
         changed=placements_change(plane),
@@ -253,4 +253,4 @@ async def test_a_replacement_that_never_gets_ready_is_withdrawn_and_retried_late
     for node in ("a", "b"):  # the nodes kept their heartbeats all along
         plane.registry.heartbeat(node, plane.registry.nodes[node].link.conn_id, trio.current_time())
     nursery.start_soon(plane.moves.spread_once)
-    await wait_until(lambda: plane.replicas.surge, "a second attempt", changed=placements_change(plane), timeout=HANG_S)
+    await await_true(lambda: plane.replicas.surge, "a second attempt", changed=placements_change(plane), timeout=HANG_S)
