@@ -5,7 +5,7 @@ parses each, and how long each takes in all.
 
 The server is llmgw's own (`llmgw.http.server.serve_http`, on loopback) with the gateway's
 handling of a body: the body read under the budget, then parsed for the gateway's fields
-(`llmgw.gateway.fields`) by `llmgw.http.jsonbody` — on the loop up to 64 KiB, in the JSON
+(`llmgw.gateway.fields`) by `llmgw.http.jsonworkers` — on the loop up to 64 KiB, in the JSON
 worker process above. A trio instrument times every task step of the server's loop (in CPU time); a client
 thread sends each body of the corpus (`testlib.bodies`) at each size, one at a time, while a
 second client asks a tiny request every 10 ms on its own connection.
@@ -30,7 +30,7 @@ import trio
 
 from llmgw.gateway.fields import request_fields
 from llmgw.http.errors import HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.jsonworkers import JsonWorkers, parse_body
 from llmgw.http.limits import Limits
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import bound_address, serve_http

@@ -63,7 +63,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec(
         "server",
         "llmgw.commands.server",
-        "run the control plane: agent endpoint, gateway, admin API; back up its state",
+        "run the control plane: agent port, gateway, admin API; back up its state",
     ),
     CommandSpec(
         "up", "llmgw.commands.up", "a whole local cluster in one command: control plane, agents, sim models, gateway"
@@ -73,7 +73,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
 
 EXIT_USAGE = 2
 EXIT_BUG = 70
-# Not a command: how a serving process starts its JSON worker (llmgw.http.jsonbody), the same
+# Not a command: how a serving process starts its JSON worker (llmgw.http.jsonworkers), the same
 # code run again. Spelled so no user types it by accident; not in `llmgw --help`.
 INTERNAL_JSON_WORKER = "__json-worker"
 
@@ -175,7 +175,7 @@ def build_parser(command: str) -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == [INTERNAL_JSON_WORKER]:
-        from llmgw.http.jsonbody import worker_main
+        from llmgw.http.jsonworkers import worker_main
 
         return worker_main()
     top = _top_parser()

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 from llmgw.gateway.fields import PrefixModels, RequestFields, request_fields
 from llmgw.gateway.prefix import MAX_BLOCKS, Prompt
-from llmgw.http import jsonbody
+from llmgw.http import jsonbody, jsonworkers
 from llmgw.http.errors import HTTPError
-from llmgw.http.jsonbody import InvalidJson, JsonWorkers, WorkerOptions
+from llmgw.http.jsonbody import InvalidJson
+from llmgw.http.jsonworkers import JsonWorkers, WorkerOptions
 from llmgw.http.messages import BodySource, Request
 from llmgw.simengine import api
 from testlib import bodies
@@ -262,7 +263,7 @@ async def test_a_body_too_slow_to_parse_is_refused_and_its_worker_replaced() -> 
 async def test_past_the_waiting_limit_large_bodies_are_busy_at_once() -> None:
     workers = JsonWorkers(options=WorkerOptions(max_waiting=0))
     try:
-        with pytest.raises(jsonbody.ParserBusy, match="waiting to be parsed"):
+        with pytest.raises(jsonworkers.ParserBusy, match="waiting to be parsed"):
             await workers.parse(b'{"pad": "' + b"x" * 70_000 + b'"}', jsonbody.whole)
         assert await workers.parse(b'{"small": 1}', jsonbody.whole) == {"small": 1}  # inline: never waits
     finally:
@@ -271,8 +272,8 @@ async def test_past_the_waiting_limit_large_bodies_are_busy_at_once() -> None:
 
 def test_a_projection_must_be_importable_by_the_worker() -> None:
     with pytest.raises(TypeError, match="module-level function"):
-        jsonbody._reference(lambda value: value)
-    assert jsonbody._resolve(jsonbody._reference(request_fields)) is request_fields
+        jsonworkers._reference(lambda value: value)
+    assert jsonworkers._resolve(jsonworkers._reference(request_fields)) is request_fields
 
 
 @pytest.mark.trio
@@ -326,12 +327,12 @@ def _verdict(parse: Callable[[], Any]) -> tuple:
 def _in_worker(body: bytes) -> tuple:
     """`body` through `worker_main` in this process, framed as the parent frames it, the answer
     unpickled as the parent unpickles it."""
-    header = pickle.dumps((jsonbody._reference(jsonbody.whole), (), len(body)))
+    header = pickle.dumps((jsonworkers._reference(jsonbody.whole), (), len(body)))
     out = io.BytesIO()
-    assert jsonbody.worker_main(io.BytesIO(jsonbody._FRAME.pack(len(header)) + header + body), out) == 0
+    assert jsonworkers.worker_main(io.BytesIO(jsonworkers._FRAME.pack(len(header)) + header + body), out) == 0
     answer = out.getvalue()
-    (size,) = jsonbody._FRAME.unpack(answer[: jsonbody._FRAME.size])
-    kind, value = pickle.loads(answer[jsonbody._FRAME.size : jsonbody._FRAME.size + size])
+    (size,) = jsonworkers._FRAME.unpack(answer[: jsonworkers._FRAME.size])
+    kind, value = pickle.loads(answer[jsonworkers._FRAME.size : jsonworkers._FRAME.size + size])
     if kind == "ok":
         return ("ok", value)
     assert isinstance(value, InvalidJson), value
@@ -431,7 +432,7 @@ class _Unread(BodySource):
 async def test_a_compressed_body_is_415_from_the_head(raw_headers, named: str) -> None:
     workers = JsonWorkers()
     request = attrs.evolve(Request.of("POST", "/v1/chat/completions", raw_headers=raw_headers), body=_Unread())
-    for read in (jsonbody.read_json(request), jsonbody.parse_body(request, workers, jsonbody.whole)):
+    for read in (jsonbody.read_json(request), jsonworkers.parse_body(request, workers, jsonbody.whole)):
         with pytest.raises(HTTPError) as refused:
             await read
         error = refused.value
@@ -452,5 +453,5 @@ async def test_no_coding_or_identity_is_read_as_json() -> None:
     for headers in ({}, {"content-encoding": "identity"}, {"content-encoding": " Identity "}, {"content-encoding": ""}):
         request = Request.of("POST", "/", body=b'{"a": 1}', headers=headers)
         assert await jsonbody.read_json(request) == {"a": 1}
-        assert await jsonbody.parse_body(request, workers, jsonbody.whole) == {"a": 1}
+        assert await jsonworkers.parse_body(request, workers, jsonbody.whole) == {"a": 1}
     await workers.aclose()

@@ -214,7 +214,7 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(kind: api.Kind, body: dict[
 
 
 def test_a_decided_job_crosses_back_from_a_json_worker() -> None:
-    # A large body is parsed in a worker process (llmgw.http.jsonbody), which pickles the job back:
+    # A large body is parsed in a worker process (llmgw.http.jsonworkers), which pickles the job back:
     # the answer travels with it, the tools and schemas stay behind.
     decided = job(tools=TOOLS, messages=user("multiply GetWeather"), logprobs=True)
     again = pickle.loads(pickle.dumps(decided))

@@ -70,7 +70,7 @@ from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.http.errors import HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.jsonworkers import JsonWorkers, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup

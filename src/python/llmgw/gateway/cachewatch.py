@@ -26,7 +26,8 @@ from llmgw.gateway.errors import UpstreamBroken, UpstreamTooLarge, UpstreamUnava
 from llmgw.gateway.fields import slot_tasks
 from llmgw.gateway.kvevents import Event, EventsError, Subscription, batch_of, decode_batch_async
 from llmgw.gateway.routing import Endpoint
-from llmgw.http.jsonbody import InvalidJson, ParserBusy
+from llmgw.http.jsonbody import InvalidJson
+from llmgw.http.jsonworkers import ParserBusy
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.gateway")

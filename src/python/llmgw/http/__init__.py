@@ -4,4 +4,5 @@ containment (`server`), what handlers get and answer (`messages`), errors by bla
 request bodies (`body`), writing answers (`send`), the limits (`limits`), files as bodies
 (`files`), capped listeners (`listeners`), and the relay of a request to the control plane's
 private socket (`relay`, the codec's client role). For the JSON APIs on top: OpenAI's error shape
-(`openai`), JSON bodies (`jsonbody`), strict inputs (`params`)."""
+(`openai`), JSON bodies (`jsonbody`; large ones in a worker process, `jsonworkers`), strict
+inputs (`params`)."""

@@ -49,7 +49,7 @@ class HTTPError(Exception):
         self.headers = tuple(headers)
         super().__init__(message)
 
-    def __reduce__(self):  # pickled by a JSON worker's projection (llmgw.http.jsonbody)
+    def __reduce__(self):  # pickled by a JSON worker's projection (llmgw.http.jsonworkers)
         return (_http_error, (self.status, self.message, self.kind, self.headers, self.code, self.param))
 
 

@@ -50,7 +50,7 @@ class Job:
 
 
 def job_of(body: Any, kind: Kind, served_model: str, max_tokens_default: int) -> Job:
-    """`parse_job` as a JSON projection (llmgw.http.jsonbody): run where the body is parsed."""
+    """`parse_job` as a JSON projection (llmgw.http.jsonworkers): run where the body is parsed."""
     return parse_job(kind, body, served_model=served_model, max_tokens_default=max_tokens_default)
 
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import trio
 
 from llmgw.http.errors import HTTPError
-from llmgw.http.jsonbody import JsonWorkers, parse_body
+from llmgw.http.jsonworkers import JsonWorkers, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.looplag import LagMonitor
