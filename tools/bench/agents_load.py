@@ -32,6 +32,7 @@ from llmgw.wire import agent_link as w
 
 REPORT_S = 0.5
 GPUS = 8
+ENGINE = "vllm"  # what every agent reports installed
 REPLICA_PORT = 9  # discard: where a replica would serve, never dialled by the bench
 
 
@@ -82,7 +83,7 @@ def hello(i: int, replicas: tuple[w.ReplicaStatus, ...] = ()) -> w.Hello:
         boot_id=f"boot-{i}",
         started_at=1.0,
         inventory=inventory(i),
-        engines=(w.EngineStatus(name="vllm", version="0.32.0", ok=True),),
+        engines=(w.EngineStatus(name=ENGINE, version="0.32.0", ok=True),),
         replicas=replicas,
     )
 
