@@ -88,7 +88,13 @@ def test_the_leader_killed_then_postgresql_stopped_under_load(
         wait_until("the gateway linked to the new leader", lambda: planes.gateways(b), procs=planes.procs(), timeout=60)
         gateway_s = time.monotonic() - killed
         after = planes.two_ready(b)
-        time.sleep(2.0)  # the load a while longer on the new leader's table
+        on_b = time.monotonic()
+        wait_until(  # the load a while longer on the new leader's table
+            "20 requests answered on the new leader's table",
+            lambda: phase(load, on_b)["requests"] >= 20,
+            procs=planes.procs(),
+            last_seen=lambda: load.failures,
+        )
         load.finish()
         seen = phase(load, killed)
         print(
