@@ -7,9 +7,10 @@ both workers served (the kernel spread the connections), and the CPU counted is 
 parent and its workers, no more and no fewer processes.
 
 These runs cover the benchmark's parts too: `gateway_runner.py` (the gateway of phases 1-4),
-`rawhttp.py` (the canned upstream, streamed and not, and the Python load generator: phase 3's,
-phase 5's, and phases 1-2's with `--generator rawhttp`), `loadgen.py` (wrk, which
-tools/testenv/prepare.py installs, and the fallback), `gateway_workers.py` and `procs.py`."""
+`rawhttp.py`, `rawupstream.py` and `rawload.py` (the canned upstream, streamed and not, and the
+Python load generator: phase 3's, phase 5's, and phases 1-2's with `--generator rawhttp`),
+`loadgen.py` (wrk, which tools/testenv/prepare.py installs, and the fallback), `gateway_workers.py`
+and `procs.py`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 import sysconfig
 
 import pytest
-from bench import gateway, procs, rawhttp
+from bench import gateway, procs, rawhttp, rawload
 
 from testlib.benchjson import NONE, NUMBER, Maybe, assert_shape
 
@@ -213,20 +214,20 @@ def test_the_python_generator_parses_answers_split_anywhere() -> None:
     wire = rawhttp.ANSWER + stream + rawhttp.ANSWER
     expected = [(b"200", 0), (b"200", 3), (b"200", 0)]
     for cut in range(1, len(wire)):
-        answers = rawhttp.Answers()
+        answers = rawload.Answers()
         got = answers.feed(wire[:cut]) + answers.feed(wire[cut:])
         assert [(head.split()[1], events) for head, events in got] == expected, cut
 
 
 def test_an_event_split_between_chunks_is_counted_once() -> None:
     body = rawhttp.chunk(b"data: a\n") + rawhttp.chunk(b"\ndata: b\n\n") + b"0\r\n\r\n"
-    got = rawhttp.Answers().feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
+    got = rawload.Answers().feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
     assert [events for _, events in got] == [2]
 
 
 def test_an_answer_without_a_length_or_chunks_is_refused() -> None:
     with pytest.raises(rawhttp.BadMessage, match="neither a length nor chunks"):
-        rawhttp.Answers().feed(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello")
+        rawload.Answers().feed(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello")
 
 
 def test_the_upstream_streams_whatever_the_spacing_of_stream_true() -> None:

@@ -26,21 +26,18 @@ unparsable before its answer), `seconds` (from the first request sent to the las
 [microseconds, count] pairs in ascending order; with failures, `first_failure` (the first failed
 answer's head, or why). Both parse only what they must: the end of the head, the Content-Length
 or the chunked framing; anything else is a failure that ends the connection.
+
+The upstream is `rawupstream.py`, the load `rawload.py`; this module holds what both speak (the
+canned answers, a request's framing, the chat request) and the command line, which imports the
+end it runs when it runs it (each end imports this module).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import resource
-import select
-import signal
-import socket
 import sys
-import time
-from collections import Counter
 
 BACKLOG = 4096
 RECV = 65536
@@ -119,187 +116,7 @@ def framed(buf: bytes | bytearray, start: int) -> tuple[bytes, int, int] | None:
     return (head, end + 4, past) if past <= len(buf) else None
 
 
-# -- the upstream -----------------------------------------------------------------------------
-
-
-def listen(port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(BACKLOG)
-    sock.setblocking(False)
-    return sock
-
-
-class Upstream:
-    """One process's epoll loop. A connection answers its requests in order; while it streams,
-    further requests wait in its buffer (a client here never pipelines behind a stream). What
-    the kernel does not take at once waits in the connection's `out` for EPOLLOUT."""
-
-    class Conn:
-        __slots__ = ("sock", "fd", "buf", "out", "pending", "closed")
-
-        def __init__(self, sock: socket.socket) -> None:
-            self.sock, self.fd = sock, sock.fileno()
-            self.buf, self.out = bytearray(), bytearray()
-            self.pending: list[bytes] = []  # the stream's writes still due, last first
-            self.closed = False
-
-    def __init__(self, sock: socket.socket, events: int, gap_s: float) -> None:
-        self.sock, self.events, self.gap_s = sock, events, gap_s
-        self.poll = select.epoll()
-        self.poll.register(sock.fileno(), select.EPOLLIN)
-        self.conns: dict[int, Upstream.Conn] = {}
-        # The streams between their first event and their last, in the order they began, and
-        # when they next write: all at once, as a batching engine's decode step gives every
-        # running sequence its next token.
-        self.streaming: dict[int, Upstream.Conn] = {}
-        self.next_step = 0.0
-
-    def serve(self) -> None:
-        """Forever."""
-        while True:
-            timeout = -1.0 if not self.streaming else max(0.0, self.next_step - time.monotonic())
-            for fd, mask in self.poll.poll(timeout):
-                if fd == self.sock.fileno():
-                    self.accept()
-                    continue
-                conn = self.conns.get(fd)
-                if conn is None:
-                    continue
-                if mask & select.EPOLLOUT:
-                    self.write(conn, b"")
-                if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and not conn.closed:
-                    self.read(conn)
-            if self.streaming and time.monotonic() >= self.next_step:
-                self.next_step = time.monotonic() + self.gap_s
-                for conn in list(self.streaming.values()):
-                    self.next_event(conn)
-
-    def accept(self) -> None:
-        try:
-            while True:
-                sock, _ = self.sock.accept()
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn = Upstream.Conn(sock)
-                self.conns[conn.fd] = conn
-                self.poll.register(conn.fd, select.EPOLLIN)
-        except BlockingIOError:
-            pass
-
-    def close(self, conn: Upstream.Conn) -> None:
-        if not conn.closed:
-            conn.closed = True
-            del self.conns[conn.fd]
-            self.streaming.pop(conn.fd, None)
-            self.poll.unregister(conn.fd)
-            conn.sock.close()
-
-    def read(self, conn: Upstream.Conn) -> None:
-        try:
-            data = conn.sock.recv(RECV)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close(conn)
-            return
-        conn.buf += data
-        self.answer(conn)
-
-    def answer(self, conn: Upstream.Conn) -> None:
-        """Answer the complete requests in `conn.buf`, up to the first streamed one."""
-        start, answers = 0, 0
-        try:
-            while not conn.pending and (message := framed(conn.buf, start)) is not None:
-                _, body, past = message
-                streamed = STREAMED.search(conn.buf, body, past) is not None
-                start = past
-                if not streamed:
-                    answers += 1
-                    continue
-                out = ANSWER * answers + STREAM_HEAD
-                answers = 0
-                conn.pending = stream_chunks(self.events)[::-1]
-                if self.gap_s:
-                    self.write(conn, out + conn.pending.pop())
-                    if conn.pending and not conn.closed:
-                        if not self.streaming:
-                            self.next_step = time.monotonic() + self.gap_s
-                        self.streaming[conn.fd] = conn
-                else:
-                    self.write(conn, out)
-                    while conn.pending and not conn.closed:
-                        self.write(conn, conn.pending.pop())  # each a send() of its own
-        except BadMessage:
-            self.close(conn)
-            return
-        del conn.buf[:start]
-        if answers:
-            self.write(conn, ANSWER * answers)
-
-    def next_event(self, conn: Upstream.Conn) -> None:
-        if conn.closed:
-            return  # by an error of its own earlier in this step
-        self.write(conn, conn.pending.pop())
-        if conn.closed or conn.pending:
-            return
-        del self.streaming[conn.fd]
-        if conn.buf:
-            self.answer(conn)  # a request that came in while it streamed
-
-    def write(self, conn: Upstream.Conn, data: bytes) -> None:
-        """Send `data` after what is waiting; keep what the kernel does not take."""
-        if conn.out:
-            conn.out += data
-            data = bytes(conn.out)
-        if not data:
-            return
-        try:
-            sent = conn.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self.close(conn)
-            return
-        waiting = bool(conn.out)
-        conn.out = bytearray(data[sent:])
-        if conn.out and not waiting:
-            self.poll.modify(conn.fd, select.EPOLLIN | select.EPOLLOUT)
-        elif waiting and not conn.out:
-            self.poll.modify(conn.fd, select.EPOLLIN)
-
-
-def upstream(port: int, processes: int, events: int, gap_s: float) -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # thousands of open streams
-    socks = [listen(port) for _ in range(processes)]  # all bound before any is announced
-    pids = []
-    for sock in socks[1:]:
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            Upstream(sock, events, gap_s).serve()
-        pids.append(pid)
-        sock.close()
-
-    def stop(signum: int, frame: object) -> None:
-        for pid in pids:
-            os.kill(pid, signal.SIGTERM)
-        for pid in pids:
-            os.waitpid(pid, 0)
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    print(json.dumps({"pids": [os.getpid(), *pids]}), flush=True)
-    Upstream(socks[0], events, gap_s).serve()
-    return 0
-
-
-# -- the load ---------------------------------------------------------------------------------
+# -- a chat request, as the load sends it ----------------------------------------------------
 
 
 def chat_body(*, stream: bool) -> bytes:
@@ -313,200 +130,6 @@ def chat_request(token: str, *, stream: bool = False) -> bytes:
         f"authorization: Bearer {token}\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
-
-
-class Answers:
-    """The answers arriving on one connection, parsed as far as the bench needs: the head's
-    status, then the body by its Content-Length or its chunks, counting the events (blank lines)
-    in a chunked body. No I/O: bytes in, finished answers out."""
-
-    HEAD, LENGTH, SIZE, DATA, DATA_END, TRAILER = range(6)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.state, self.left, self.head = Answers.HEAD, 0, b""
-        self.events, self.newline = 0, False  # events so far in this body; did its data end in \n
-
-    def feed(self, data: bytes) -> list[tuple[bytes, int]]:
-        """The answers `data` completes: (head, events) each. BadMessage: not such an answer."""
-        buf = self.buf
-        buf += data
-        pos, done = 0, []
-        while True:
-            state = self.state
-            if state == Answers.HEAD:
-                end = buf.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    if len(buf) - pos > MAX_HEAD:
-                        raise BadMessage(f"no end of head within {MAX_HEAD} bytes")
-                    break
-                self.head = head = bytes(buf[pos:end]).lower()
-                pos = end + 4
-                self.events, self.newline = 0, False
-                at = head.find(b"\r\ncontent-length:")
-                if at >= 0:
-                    line_end = head.find(b"\r\n", at + 2)
-                    try:
-                        self.left = int(head[at + 17 : line_end if line_end >= 0 else len(head)])
-                    except ValueError:
-                        raise BadMessage(f"bad Content-Length in {head[:200]!r}") from None
-                    self.state = Answers.LENGTH
-                elif b"\r\ntransfer-encoding: chunked" in head:
-                    self.state = Answers.SIZE
-                else:
-                    raise BadMessage(f"an answer with neither a length nor chunks: {head[:200]!r}")
-            elif state == Answers.LENGTH:
-                take = min(self.left, len(buf) - pos)
-                pos += take
-                self.left -= take
-                if self.left:
-                    break
-                done.append((self.head, 0))
-                self.state = Answers.HEAD
-            elif state == Answers.SIZE:
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    if len(buf) - pos > 1024:
-                        raise BadMessage("a chunk size line over 1 KiB")
-                    break
-                try:
-                    self.left = int(bytes(buf[pos:end]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise BadMessage(f"bad chunk size {bytes(buf[pos:end])[:100]!r}") from None
-                pos = end + 2
-                self.state = Answers.DATA if self.left else Answers.TRAILER
-            elif state == Answers.DATA:
-                take = min(self.left, len(buf) - pos)
-                if not take:
-                    break
-                piece = buf[pos : pos + take]
-                self.events += piece.count(b"\n\n") + (self.newline and piece[0] == 0x0A)
-                self.newline = piece[-1] == 0x0A
-                pos += take
-                self.left -= take
-                if self.left:
-                    break
-                self.state = Answers.DATA_END
-            elif state == Answers.DATA_END:
-                if len(buf) - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise BadMessage("a chunk not followed by CRLF")
-                pos += 2
-                self.state = Answers.SIZE
-            else:  # TRAILER: header lines until an empty one
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                empty = end == pos
-                pos = end + 2
-                if empty:
-                    done.append((self.head, self.events))
-                    self.state = Answers.HEAD
-        del buf[:pos]
-        return done
-
-
-def load(
-    port: int,
-    token: str,
-    connections: int,
-    seconds: float,
-    max_requests: int,
-    *,
-    stream: bool = False,
-    latencies: bool = False,
-    drain_s: float = DRAIN_S,
-) -> dict:
-    request = chat_request(token, stream=stream)
-    poll = select.epoll()
-    conns: dict[int, tuple[socket.socket, Answers, list[float]]] = {}
-    sent = answered = failed = events = 0
-    first = last = 0.0
-    latency: Counter[int] = Counter()
-    first_failure: list[str] = []
-
-    def send(conn: socket.socket, at: list[float]) -> None:
-        nonlocal sent
-        at[0] = time.perf_counter()
-        conn.sendall(request)  # small: the socket buffer takes it at once
-        sent += 1
-
-    def fail(fd: int, why: str) -> None:
-        nonlocal failed
-        failed += 1
-        first_failure[:] = first_failure or [why]
-        conn = conns.pop(fd)[0]
-        poll.unregister(fd)
-        conn.close()
-
-    for _ in range(connections):
-        conn = socket.create_connection(("127.0.0.1", port))
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.setblocking(False)
-        conns[conn.fileno()] = (conn, Answers(), [0.0])
-        poll.register(conn.fileno(), select.EPOLLIN)
-    first = time.monotonic()
-    stop_at = first + seconds
-    for conn, _, at in list(conns.values()):
-        if sent < max_requests:
-            send(conn, at)
-    drain_until = None
-    while conns and sent > answered + failed:
-        now = time.monotonic()
-        if drain_until is None and (now >= stop_at or sent >= max_requests):
-            drain_until = now + drain_s
-        if drain_until is not None and now >= drain_until:
-            missing = sent - answered - failed
-            failed += missing  # never answered
-            first_failure[:] = first_failure or [f"{missing} answers not in within {drain_s:g} s of the end"]
-            break
-        for fd, _ in poll.poll(0.5):
-            conn, answers, at = conns[fd]
-            try:
-                data = conn.recv(RECV)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                fail(fd, "the connection closed before its answer")  # the answer it waited for will not come
-                continue
-            try:
-                complete = answers.feed(data)
-            except BadMessage as exc:
-                fail(fd, str(exc))
-                continue
-            if not complete:
-                continue
-            ended = time.perf_counter()
-            last = time.monotonic()
-            for head, got in complete:
-                if head.startswith(b"http/1.1 200 "):
-                    answered += 1
-                    events += got
-                    if latencies:
-                        latency[round((ended - at[0]) * 1e6)] += 1
-                else:
-                    failed += 1
-                    first_failure[:] = first_failure or [head[:300].decode(errors="replace")]
-            if drain_until is None and last < stop_at and sent < max_requests:
-                send(conn, at)
-    for conn, _, _ in conns.values():
-        conn.close()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    out = {
-        "requests": answered,
-        "failed": failed,
-        "seconds": round(max(last - first, 1e-9), 4),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-        "events": events,
-    }
-    if latencies:
-        out["latency_us"] = sorted(latency.items())
-    if first_failure:
-        out["first_failure"] = first_failure[0]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--processes must be 1..64")
         if not 1 <= args.events <= MAX_EVENTS or not 0 <= args.event_gap_ms <= 60_000:
             parser.error(f"--events must be 1..{MAX_EVENTS} and --event-gap-ms 0..60000")
+        from bench.rawupstream import upstream
+
         return upstream(args.port, args.processes, args.events, args.event_gap_ms / 1000)
     if not 1 <= args.connections <= 4096 or not 0 < args.seconds <= 600 or args.max_requests < 1:
         parser.error("--connections must be 1..4096, --seconds 0..600 and --max-requests at least 1")
     if not 0 < args.drain_s <= MAX_DRAIN_S:
         parser.error(f"--drain-s must be 0..{MAX_DRAIN_S:g}")
+    from bench.rawload import load
+
     result = load(
         args.port,
         args.token,
