@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from llmgw.h1 import END, MAX_HEAD_BYTES, MAX_LINE_BYTES, NEED_DATA, Head, ProtocolError, ResponseParser
+from testlib import h1gen as g
 from testlib import h1oracle as o
 from testlib.pieces import cut
 
@@ -229,14 +230,14 @@ ODD_INFORMATIONAL = (
 @st.composite
 def responses(draw: st.DrawFn) -> tuple[str, bytes]:
     """The method of the request (POST or HEAD) and a response: informational heads before it
-    now and then, a status line and fields, a body framed every way testlib/h1oracle.py frames
+    now and then, a status line and fields, a body framed every way testlib/h1gen.py frames
     one (or by the connection's end), then mutated as it mutates heads."""
-    method = draw(o.one(("POST", "POST", "POST", "HEAD")))
-    status = b"HTTP/" + o.pick(draw, VERSIONS, ODD_VERSIONS) + b" " + o.pick(draw, STATUSES, ODD_STATUSES)
-    status += o.pick(draw, REASONS, ODD_REASONS)
-    before = b"".join(o.pick(draw, ((),) * 4 + ((INFORMATIONAL[0],), INFORMATIONAL), (ODD_INFORMATIONAL,)))
-    lines, body = o.framed(draw, o.common_fields(draw))
-    return method, before + o.mutated(draw, [status, *lines], body + draw(o.one(o.AFTER)))
+    method = draw(g.one(("POST", "POST", "POST", "HEAD")))
+    status = b"HTTP/" + g.pick(draw, VERSIONS, ODD_VERSIONS) + b" " + g.pick(draw, STATUSES, ODD_STATUSES)
+    status += g.pick(draw, REASONS, ODD_REASONS)
+    before = b"".join(g.pick(draw, ((),) * 4 + ((INFORMATIONAL[0],), INFORMATIONAL), (ODD_INFORMATIONAL,)))
+    lines, body = g.framed(draw, g.common_fields(draw))
+    return method, before + g.mutated(draw, [status, *lines], body + draw(g.one(g.AFTER)))
 
 
 @settings(
@@ -249,7 +250,7 @@ def responses(draw: st.DrawFn) -> tuple[str, bytes]:
 @given(st.data())
 def test_ours_and_h11_give_the_same_verdict_on_generated_responses_but_for_the_table(data: st.DataObject) -> None:
     method, raw = data.draw(responses(), label="response")
-    sizes = o.pieces(data.draw, raw)
+    sizes = g.pieces(data.draw, raw)
     verdict = ours(raw, sizes, method)
     assert verdict == ours(raw, method=method), "ours parses the pieces otherwise than the whole"
     event(o.judge(judged(method), raw, verdict, theirs(raw, sizes, method)))

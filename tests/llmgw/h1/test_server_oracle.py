@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from llmgw.h1 import CLOSED as OURS_CLOSED
 from llmgw.h1 import END, MAX_LINE_BYTES, NEED_DATA, Data, ProtocolError, RequestHead, ServerConnection
+from testlib import h1gen as g
 from testlib import h1oracle as o
 from testlib.pieces import cut
 
@@ -231,14 +232,14 @@ ODD_HOSTS = ((), (b"gw", b"gw"), (b"gw", b"other"))
 @st.composite
 def requests(draw: st.DrawFn) -> bytes:
     """A request line and fields (Host none, one or two; Connection; Expect) and a body framed
-    every way testlib/h1oracle.py frames one, then mutated as it mutates heads."""
-    start = draw(o.one(METHODS)) + b" " + draw(o.one(TARGETS)) + b" HTTP/" + o.pick(draw, VERSIONS, ODD_VERSIONS)
-    fields = [o.field_line(draw, b"host", host) for host in o.pick(draw, ((b"gw",), (b"",)), ODD_HOSTS)]
-    fields += o.common_fields(draw)
-    if draw(o.ints(0, 5)) == 0:
-        fields.append(o.field_line(draw, b"expect", b"100-continue"))
-    lines, body = o.framed(draw, fields)
-    return o.mutated(draw, [start, *lines], body + draw(o.one(o.AFTER)))
+    every way testlib/h1gen.py frames one, then mutated as it mutates heads."""
+    start = draw(g.one(METHODS)) + b" " + draw(g.one(TARGETS)) + b" HTTP/" + g.pick(draw, VERSIONS, ODD_VERSIONS)
+    fields = [g.field_line(draw, b"host", host) for host in g.pick(draw, ((b"gw",), (b"",)), ODD_HOSTS)]
+    fields += g.common_fields(draw)
+    if draw(g.ints(0, 5)) == 0:
+        fields.append(g.field_line(draw, b"expect", b"100-continue"))
+    lines, body = g.framed(draw, fields)
+    return g.mutated(draw, [start, *lines], body + draw(g.one(g.AFTER)))
 
 
 @settings(
@@ -251,7 +252,7 @@ def requests(draw: st.DrawFn) -> bytes:
 @given(st.data())
 def test_ours_and_h11_give_the_same_verdict_on_generated_requests_but_for_the_table(data: st.DataObject) -> None:
     raw = data.draw(requests(), label="request")
-    sizes = o.pieces(data.draw, raw)
+    sizes = g.pieces(data.draw, raw)
     verdict = ours(raw, sizes)
     assert verdict == ours(raw), "ours parses the pieces otherwise than the whole"
     event(o.judge(TABLE, raw, verdict, theirs(raw, sizes)))
