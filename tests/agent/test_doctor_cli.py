@@ -51,7 +51,7 @@ def statuses(data: dict) -> dict[str, str]:
 
 @pytest.fixture
 def control_plane() -> Iterator[str]:
-    """A listening socket where the control plane's agent endpoint would be."""
+    """A listening socket where the control plane's agent port would be."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()

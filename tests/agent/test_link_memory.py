@@ -3,7 +3,7 @@ on MockClock: it checks the Welcome before anything else; while the control plan
 or not at all, what the agent's tasks send waits coalesced (the newest of each kind) and never
 holds them, log replies wait for room with nothing read meanwhile, and a control plane that
 takes nothing ends the session at the agent's send deadline. The real control plane on real
-sockets is tests/agent/test_link.py's; both adapters together, tests/llmgw/server/test_endpoint_link.py."""
+sockets is tests/agent/test_link.py's; both adapters together, tests/llmgw/server/test_agentlinks.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Hostile peers against a real cluster: `llmgw server`, one `llmgw agent`, a real sim engine.
 
-Every listener llmgw runs — the HTTP listener (gateway and admin API), the agent endpoint (and
+Every listener llmgw runs — the HTTP listener (gateway and admin API), the agent port (and
 its artifact mirror, and the release files it serves to peers without a certificate), the sim
 engine — is sent what a broken or malicious peer sends: a FIN or
 an RST at many offsets of a request's head and body, in the middle of a streamed response and
@@ -213,7 +213,7 @@ def test_a_client_gone_before_its_error_answer_is_written(live: Live, listener: 
     assert_serving(live)
 
 
-def test_garbage_and_cut_handshakes_at_the_agent_endpoint(live: Live) -> None:
+def test_garbage_and_cut_handshakes_at_the_agent_port(live: Live) -> None:
     port = live.cluster.port
     tls_hello_start = bytes.fromhex("160301020001") + b"\x00" * 40  # a TLS record header, then nonsense
     for data in (b"GET / HTTP/1.1\r\n\r\n", b"\x00" * 100, tls_hello_start):
@@ -343,7 +343,7 @@ def test_two_thousand_idle_connections_while_requests_are_answered(live: Live) -
     assert_serving(live)
 
 
-def test_idle_connections_to_the_agent_endpoint_leave_agents_connected(live: Live) -> None:
+def test_idle_connections_to_the_agent_port_leave_agents_connected(live: Live) -> None:
     kinds = ('{listener="agent",reason="unproven"}', '{listener="agent",reason="busy"}')
     sheds = [f"llmgw_connections_shed_total{kind}" for kind in kinds]
 

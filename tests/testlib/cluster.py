@@ -244,7 +244,7 @@ class ServerNet:
 
 
 class Cluster:
-    """A control plane in `root/state` with its agent endpoint on a fixed port (so a restarted
+    """A control plane in `root/state` with its agent port at a fixed number (so a restarted
     server listens where its agents dial), and the agents' state under `root`."""
 
     def __init__(
@@ -306,7 +306,7 @@ class Cluster:
 
     @property
     def agent_url(self) -> str:
-        """The control plane's agent endpoint, as its agents dial it."""
+        """The control plane's agent port, as its agents dial it."""
         return f"wss://{self.net.dial_host}:{self.port}"
 
     # -- one-shot commands ----------------------------------------------------------------
@@ -334,7 +334,7 @@ class Cluster:
     def add_node(self, node_id: str, agent_toml: str = "", servers: list[str] | None = None) -> NodeFiles:
         """The node's own key and CSR, a certificate the CA signs for it, and the CA certificate.
         `agent_toml` is added to its agent.toml (top-level keys, then tables). `servers`: every
-        control plane's agent endpoint, when several share a store (default: this one's)."""
+        control plane's agent port, when several share a store (default: this one's)."""
         files = NodeFiles(node_id=node_id, state_dir=self.root / node_id, config=self.root / f"{node_id}.toml")
         server = json.dumps(servers) if servers else f'"{self.agent_url}"'
         files.config.write_text(

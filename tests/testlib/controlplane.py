@@ -69,7 +69,7 @@ class Local:
 
     state: Path
     ca: CA
-    port: int  # the agent endpoint's fixed port, so a restarted control plane is found again
+    port: int  # the agent port's number, fixed so a restarted control plane is found again
     config: ServerConfig
 
     def agent(self, root: Path, node_id: str, *, source_address: str = "") -> AgentConfig:

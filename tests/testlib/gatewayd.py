@@ -95,7 +95,7 @@ def start(
     server: str | list[str] | None = None,
     host: str = "127.0.0.1",
 ) -> Standalone:
-    """`llmgw gateway --server` (the cluster's agent endpoint, or `server`: one, or every control
+    """`llmgw gateway --server` (the cluster's agent port, or `server`: one, or every control
     plane's) on a port of its own, owned by the cluster (which kills it in `close`); does not
     wait for it."""
     port = free_port(host)

@@ -3,7 +3,7 @@
 Each function opens its own connection(s) to (host, port), misbehaves in one way and returns
 what the server said, if anything. They are blocking and bounded (every socket has a timeout),
 for tests and benchmarks that then check the server still serves. Used against llmgw's HTTP
-listener (gateway + admin API), its agent endpoint, the sim engine and the artifact mirror.
+listener (gateway + admin API), its agent port, the sim engine and the artifact mirror.
 """
 
 from __future__ import annotations

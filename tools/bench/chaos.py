@@ -19,7 +19,7 @@ and 20 streams in flight. Then, one at a time, each fault waiting for full capac
 - drain            `llmgw ctl drain` of a node with a replica, then uncordon
 - restart          SIGTERM the control plane and start it again on the same sockets
 - hostile          hostile clients (FIN/RST at every offset, garbage, slowloris, JSON 100,000
-                   deep, 1,000 idle connections) against the gateway and the agent endpoint
+                   deep, 1,000 idle connections) against the gateway and the agent port
 - adversarial_bodies  a key holder sends the bodies built to be slow to parse
                    (`testlib.bodies`, at 8 MiB each) while `/health` is timed every 50 ms
 - connection_flood three times the HTTP listener's cap of idle connections and three times the

@@ -107,7 +107,7 @@ def reach_control_plane(server: str, *, timeout_s: float = CONNECT_TIMEOUT_S) ->
 class Request:
     sources: Sources = Sources()
     fabrics: tuple[FabricDecl, ...] = ()
-    server: str = ""  # HOST:PORT of the control plane's agent endpoint; "" skips that check
+    server: str = ""  # HOST:PORT of the control plane's agent port; "" skips that check
     ignore: frozenset[str] = frozenset()
 
 

@@ -50,7 +50,7 @@ class Check:
 
 @attrs.frozen(kw_only=True)
 class Reach:
-    """One attempt to open a TCP connection to the control plane's agent endpoint."""
+    """One attempt to open a TCP connection to the control plane's agent port."""
 
     target: str
     ok: bool

@@ -82,7 +82,7 @@ def private_paths(state_dir: Path) -> list[tuple[Path, str, bool]]:
         (state_dir, "the control plane's state directory", True),
         (ca, "the certificate authority's directory", True),
         (ca / "ca.key", "the CA key", False),
-        (ca / "server.key", "the agent endpoint's key", False),
+        (ca / "server.key", "the agent port's key", False),
         (db, "the database", False),
         (wal, "the database's write-ahead log", False),
         (shm, "the database's shared-memory index", False),

@@ -143,7 +143,7 @@ def test_every_control_plane_given_goes_to_each_worker_in_its_order(tmp_path: Pa
     assert [args[i + 1] for i, a in enumerate(args) if a == "--server"] == servers
     with pytest.raises(UsageError, match="names one control plane twice"):
         main.plan(listen="127.0.0.1:9000", server_url=[*servers, servers[0]], table_file=None, pki_dir=pki, name=None)
-    with pytest.raises(UsageError, match="'https://cp-c:7443' must be a control plane's agent endpoint"):
+    with pytest.raises(UsageError, match="'https://cp-c:7443' must be a control plane's agent port"):
         main.plan(
             listen="127.0.0.1:9000", server_url=[*servers, "https://cp-c:7443"], table_file=None, pki_dir=pki, name=None
         )

@@ -3,7 +3,7 @@ MockClock: its HTTP is the shared server's (a whole head past the limit is 431, 
 gateway's port), a peer without a certificate gets the release files and nothing else, its head
 is due by the handshake's deadline and until it is routed it may be closed for a newcomer; a
 node's revoked certificate is refused at the mirror. The real sockets and TLS are
-tests/llmgw/server/test_endpoint_budgets.py's and tests/agent/test_link.py's."""
+tests/llmgw/server/test_agentport_budgets.py's and tests/agent/test_link.py's."""
 
 from __future__ import annotations
 

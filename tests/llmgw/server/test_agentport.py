@@ -111,7 +111,7 @@ async def test_garbage_too_large_or_cut_heads_reach_no_handler(data: bytes, stat
         (UPGRADE.replace(b"node-a", b"node-b"), "node id 'node-b' does not match its certificate CN 'node-a'"),
         (b"GET /v1/agent HTTP/1.1\r\nhost: cp\r\nx-llmgw-node-id: node-a\r\n\r\n", "expected a WebSocket upgrade to"),
         (UPGRADE.replace(b"sec-websocket-version: 13", b"sec-websocket-version: 8"), "expected a WebSocket upgrade"),
-        (UPGRADE.replace(b"/v1/agent", b"/v1/agent?x=1"), "no agent endpoint at '/v1/agent?x=1'"),
+        (UPGRADE.replace(b"/v1/agent", b"/v1/agent?x=1"), "no agent link at '/v1/agent?x=1'"),
         (
             b"GET /v1/agent HTTP/1.0\r\nupgrade: websocket\r\nconnection: Upgrade\r\nx-llmgw-node-id: node-a\r\n\r\n",
             "HTTP/1.0",

@@ -579,7 +579,7 @@ NODE = ls.Standing(serial=0xABC)  # a node's certificate: no role in it, the nod
         ),
         (upgrade(headers=NAMED), attrs.evolve(GOOD, revoked=True), 403, "`llmgw ca issue --gateway gw1`"),
         (upgrade(headers=NAMED), attrs.evolve(GOOD, unknown="locked"), 503, "the gateway retries by itself"),
-        (upgrade("/v1/agent", NAMED), GOOD, 404, "no gateway endpoint at '/v1/agent'; gateways connect to /v1/gateway"),
+        (upgrade("/v1/agent", NAMED), GOOD, 404, "no gateway link at '/v1/agent'; gateways connect to /v1/gateway"),
         (
             upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw2"), (g.GATEWAY_INSTANCE_HEADER, b"i1")]),
             GOOD,

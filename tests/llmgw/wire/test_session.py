@@ -668,7 +668,7 @@ def test_the_upgrade_names_the_certificates_node_on_the_agent_path() -> None:
             "(serial abc) is not a node certificate (its role: llmgw-gateway), and only a node's may act as a node "
             "here; a gateway connects at /v1/gateway",
         ),
-        (upgrade("/elsewhere", [(w.NODE_ID_HEADER, b"node-a")]), GOOD, 404, "no agent endpoint at '/elsewhere'"),
+        (upgrade("/elsewhere", [(w.NODE_ID_HEADER, b"node-a")]), GOOD, 404, "no agent link at '/elsewhere'"),
         (
             upgrade(headers=[(w.NODE_ID_HEADER, b"node-b")]),
             GOOD,

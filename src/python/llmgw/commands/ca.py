@@ -42,7 +42,7 @@ log = get_logger("llmgw.ca")
 def configure(parser: Parser) -> None:
     sub = add_group(parser, "verb")
 
-    init = add_leaf(sub, "init", "create the certificate authority and the agent endpoint's certificate", run_init)
+    init = add_leaf(sub, "init", "create the certificate authority and the agent port's certificate", run_init)
     add_server_options(init)
     init.add_argument("--validity-days", type=int, metavar="N", help="of the CA (default: [ca].ca_validity_days)")
     _add_san_option(init, required=False)
@@ -54,9 +54,7 @@ def configure(parser: Parser) -> None:
     add_server_options(show)
     add_json_flag(show)
 
-    server = add_leaf(
-        sub, "server-cert", "reissue the agent endpoint's certificate for these addresses", run_server_cert
-    )
+    server = add_leaf(sub, "server-cert", "reissue the agent port's certificate for these addresses", run_server_cert)
     add_server_options(server)
     _add_san_option(server, required=True)
     server.add_argument("--validity-days", type=int, metavar="N", help="default: [ca].server_cert_validity_days")
@@ -157,7 +155,7 @@ def run_server_cert(args: argparse.Namespace) -> int:
         _print_json(None, info, paths)
     else:
         _print_cert("server", paths.server_cert, info)
-        print("restart `llmgw server` so the agent endpoint presents it")
+        print("restart `llmgw server` so the agent port presents it")
     return 0
 
 

@@ -34,7 +34,7 @@ def configure(parser: Parser) -> None:
         help="a fabric this node is on, e.g. ib-a:mlx5_0,mlx5_1 (without adapters: the next two by name); repeatable",
     )
     parser.add_argument(
-        "--server", metavar="HOST:PORT", help="the control plane's agent endpoint: check that this node reaches it"
+        "--server", metavar="HOST:PORT", help="the control plane's agent port: check that this node reaches it"
     )
     parser.add_argument(
         "--ignore",

@@ -47,7 +47,7 @@ def configure(parser: Parser) -> None:
         "--server",
         action="append",
         metavar="wss://HOST:PORT",
-        help="the control plane's agent endpoint ([server] agent_listen), reached with this gateway's certificate; "
+        help="the control plane's agent port ([server] agent_listen), reached with this gateway's certificate; "
         "give it once per control plane when several share a store: the gateway dials them in turn and follows a "
         "standby to the leader",
     )
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.server is None and args.table_file is None:
         raise UsageError(
-            "give --server wss://HOST:PORT (the control plane's agent endpoint) or --table-file FILE to run the "
+            "give --server wss://HOST:PORT (the control plane's agent port) or --table-file FILE to run the "
             "gateway, or a verb: add USER@HOST, remove NAME, csr (`llmgw gateway --help`)"
         )
     plan = main.plan(

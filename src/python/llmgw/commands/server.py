@@ -1,4 +1,4 @@
-"""`llmgw server`: run the control plane (agent endpoint, gateway, admin API) until interrupted.
+"""`llmgw server`: run the control plane (agent port, gateway, admin API) until interrupted.
 SIGHUP (or `llmgw ctl reload`) reads server.toml again.
 
 `llmgw server backup FILE` copies the control plane's SQLite database while the server runs;
@@ -30,7 +30,7 @@ def configure(parser: Parser) -> None:
         "       %(prog)s add USER@HOST [--store URL] [--advertise ADDR] [--release DIR|FILE|URL] [--plain|--json] ..."
     )
     parser.description = (
-        "With no COMMAND: run the control plane (the agent endpoint, the gateway and the admin API) until "
+        "With no COMMAND: run the control plane (the agent port, the gateway and the admin API) until "
         "SIGTERM or Ctrl-C; SIGHUP reads server.toml again. With a COMMAND: do that instead."
     )
     add_server_options(parser)
@@ -137,7 +137,7 @@ def _configure_add(add: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ADDR",
-        help="an address agents and gateways dial the new control plane at, which its agent endpoint's certificate "
+        help="an address agents and gateways dial the new control plane at, which its agent port's certificate "
         "covers (repeatable; default: the HOST of USER@HOST)",
     )
     add.add_argument(

@@ -340,7 +340,7 @@ class FabricDecl:
 
 @attrs.frozen(kw_only=True)
 class AgentConfig:
-    # The control plane's agent endpoint (wss://HOST:PORT), or every control plane's when several
+    # The control plane's agent port (wss://HOST:PORT), or every control plane's when several
     # share a PostgreSQL store: the agent tries them in turn and follows a standby to the leader.
     server: str | tuple[str, ...]
     node_id: str = ""

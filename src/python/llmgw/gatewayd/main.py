@@ -84,7 +84,7 @@ def plan(
 ) -> GatewayPlan:
     """The gateway asked for, checked: a `UsageError`, `ConfigError` or `MachineError` if not.
     `inner`: what the control plane tells its own workers (`tls_name`, `listen_fds`, `relay_socket`,
-    `table_first`, `settings`), or a gateway of its own's parent its workers (`figures_dir`). `server_url`: the control plane's agent endpoint, or every one's
+    `table_first`, `settings`), or a gateway of its own's parent its workers (`figures_dir`). `server_url`: the control plane's agent port, or every one's
     when several share a store (`--server` given more than once)."""
     host, port = split_listen(listen)
     if inner.get("settings") is not None:
@@ -93,7 +93,7 @@ def plan(
     if servers:
         for url in servers:
             if not url.startswith("wss://"):
-                raise UsageError(f"--server {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
+                raise UsageError(f"--server {url!r} must be a control plane's agent port, wss://HOST:PORT")
         if len(set(servers)) != len(servers):
             raise UsageError(f"--server names one control plane twice ({', '.join(servers)}); name each once")
         creds = credentials(pki_dir, name)  # its files are there and a gateway's: told now, not by each worker

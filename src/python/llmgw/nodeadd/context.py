@@ -44,7 +44,7 @@ class Options:
     release: str = ""
     release_via: str = ""  # "ssh", "https", or "" (the control plane's when it holds the file, else SSH)
     server_address: str = ""
-    # The other control planes' agent endpoints (wss://HOST:PORT), when several share a store:
+    # The other control planes' agent ports (wss://HOST:PORT), when several share a store:
     # the machine names them after this one's (`--control-plane`).
     control_planes: tuple[str, ...] = ()
     reissue: bool = False

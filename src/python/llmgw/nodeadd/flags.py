@@ -65,7 +65,7 @@ def add_link_flags(
         action="append",
         default=[],
         metavar="wss://HOST:PORT",
-        help="another control plane's agent endpoint, when several share a PostgreSQL store: " + planes_help,
+        help="another control plane's agent port, when several share a PostgreSQL store: " + planes_help,
     )
     parser.add_argument(
         "--reissue",
@@ -98,7 +98,7 @@ def options_from(args: argparse.Namespace, cls: type[OptionsT], **fields: Any) -
             raise UsageError(f"--join-timeout must be positive, not {args.join_timeout:g}")
         for url in args.control_plane:
             if not url.startswith("wss://"):
-                raise UsageError(f"--control-plane {url!r} must be a control plane's agent endpoint, wss://HOST:PORT")
+                raise UsageError(f"--control-plane {url!r} must be a control plane's agent port, wss://HOST:PORT")
         fields = {
             "server_address": args.server_address,
             "control_planes": tuple(dict.fromkeys(args.control_plane)),

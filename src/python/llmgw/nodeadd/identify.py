@@ -76,7 +76,7 @@ def source_address(host: str, port: int = 22) -> str:
 
 
 def agent_address(opts: Options, host: str, server_cert: CertInfo, *, who: str = "agent") -> tuple[str, int]:
-    """The control plane's agent endpoint as the machine at `host` will dial it: an address the
+    """The control plane's agent port as the machine at `host` will dial it: an address the
     server certificate covers, and a fixed port; `who` dials it (the agent, or a gateway)."""
     listen_host, _, port_text = opts.server_config.server.agent_listen.rpartition(":")
     listen_host = listen_host.strip("[]")

@@ -233,7 +233,7 @@ class CA:
     def server_cert(
         self, sans: Sequence[str], *, validity_days: int, now: datetime | None = None
     ) -> tuple[bytes, bytes]:
-        """A new key and a certificate for the agent endpoint covering exactly `sans` (both PEM)."""
+        """A new key and a certificate for the agent port covering exactly `sans` (both PEM)."""
         names = parse_sans(sans)
         first = str(names[0].value)
         key = ec.generate_private_key(ec.SECP256R1())

@@ -1,6 +1,6 @@
 """Where the cluster's keys and certificates live, and reading and writing them.
 
-Owns the layout of `<server state_dir>/ca/` (the CA and the certificate the agent endpoint
+Owns the layout of `<server state_dir>/ca/` (the CA and the certificate the agent port
 presents), of `<agent state_dir>/pki/` (a node's key, request and certificate) and of a
 gateway's pki directory (gateway.key, gateway.crt, ca.crt), and every read and write of those files; what goes into them is made by `llmgw.pki.ca`. File system
 errors become `MachineError`s that name the path and what to do (`fs_errors`).
@@ -59,7 +59,7 @@ NODE_DIR_WHAT = "the node's key directory"
 
 @attrs.frozen(kw_only=True)
 class CAPaths:
-    """The control plane's files: the CA and the server certificate of the agent endpoint."""
+    """The control plane's files: the CA and the server certificate of the agent port."""
 
     dir: Path
     ca_key: Path
@@ -169,7 +169,7 @@ def load_ca(state_dir: Path) -> CA:
 def issue_server_cert(
     ca: CA, state_dir: Path, sans: Sequence[str], *, validity_days: int, now: datetime | None = None
 ) -> CertInfo:
-    """A new key and certificate for the agent endpoint, covering exactly `sans`, written over
+    """A new key and certificate for the agent port, covering exactly `sans`, written over
     the old ones (the endpoint presents them from its next start)."""
     key_pem, cert_pem = ca.server_cert(sans, validity_days=validity_days, now=now)
     paths = ca_paths(state_dir)

@@ -30,7 +30,7 @@ ALERT_TIMEOUT_S = 5.0  # a peer that does not read its alert must not hold a tas
 
 
 def server_ssl_context(state_dir: Path, *, certificate_optional: bool = False) -> ssl.SSLContext:
-    """The agent endpoint's side: present server.crt, require a node certificate from our CA.
+    """The agent port's side: present server.crt, require a node certificate from our CA.
 
     `certificate_optional`: a peer may also come without any certificate (one it presents must
     still be our CA's and valid); the endpoint then serves it the release files and nothing else."""

@@ -130,7 +130,7 @@ def _describe_verify(code: int, message: str, side: Side | None) -> str:
         )
     if code == _V_PURPOSE:
         return (
-            f"{theirs} is not meant for this use ({message}): the agent endpoint presents server.crt and agents "
+            f"{theirs} is not meant for this use ({message}): the agent port presents server.crt and agents "
             "present node.crt; check which files each side was given"
         )
     return f"{theirs} failed verification ({message}, OpenSSL verify code {code}); inspect it with `openssl x509 -text`"

@@ -115,7 +115,7 @@ class ControlPlane:
         self.workers = worker_count(config.server.gateway_workers, gateway_workers)  # read at start only
         self.state_dir = state_dir
         self.ca = ca
-        self.ssl_context = ssl_context  # the agent endpoint's: the server certificate, agents' CA
+        self.ssl_context = ssl_context  # the agent port's: the server certificate, agents' CA
         self.store = store
         self.changes = Changes()
         # Liveness is judged on the time the loop could read its links (`llmgw.looplag`): after a

@@ -395,7 +395,7 @@ class LogsRequest:
 class Redirect:
     """A control plane that does not lead answers a hello with this, on the agent link and the
     gateway link alike, then closes (a LinkError NOT_LEADER follows it): `leader` is the leader's
-    agent endpoint (wss://HOST:PORT, as the lease names it), "" while no control plane leads (a
+    agent port (wss://HOST:PORT, as the lease names it), "" while no control plane leads (a
     takeover under way); `message` says so for the operator."""
 
     leader: str

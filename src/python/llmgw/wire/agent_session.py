@@ -263,7 +263,7 @@ class ServerSession(ServingSession):
         check_node_role(self.expected_node_id, standing)
         path = request.target.decode("latin-1")
         if path != w.AGENT_PATH:
-            raise UpgradeRefused(404, f"no agent endpoint at {shown(path)}; agents connect to {w.AGENT_PATH}")
+            raise UpgradeRefused(404, f"no agent link at {shown(path)}; agents connect to {w.AGENT_PATH}")
         claimed = header(request.headers, w.NODE_ID_HEADER)
         if claimed != self.expected_node_id:
             raise UpgradeRefused(

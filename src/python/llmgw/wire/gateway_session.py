@@ -200,7 +200,7 @@ class GatewayServerSession(ServingSession):
         check_gateway_standing(self.expected_name, standing)
         path = request.target.decode("latin-1")
         if path != g.GATEWAY_PATH:
-            raise UpgradeRefused(404, f"no gateway endpoint at {shown(path)}; gateways connect to {g.GATEWAY_PATH}")
+            raise UpgradeRefused(404, f"no gateway link at {shown(path)}; gateways connect to {g.GATEWAY_PATH}")
         claimed = header(request.headers, g.GATEWAY_NAME_HEADER)
         if claimed != self.expected_name:
             raise UpgradeRefused(

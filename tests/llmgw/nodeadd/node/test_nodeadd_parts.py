@@ -217,7 +217,7 @@ def test_a_named_server_address_is_checked_too(tmp_path: Path) -> None:
         identify.agent_address(_opts(tmp_path, server_address="other.example.net"), "127.0.0.1", cert)
 
 
-def test_an_agent_endpoint_bound_elsewhere_or_to_port_0_is_refused(tmp_path: Path) -> None:
+def test_an_agent_port_bound_elsewhere_or_to_port_0_is_refused(tmp_path: Path) -> None:
     cert = _server_cert(tmp_path, ["127.0.0.1"])
     with pytest.raises(ConfigError, match="port 0"):
         identify.agent_address(_opts(tmp_path, agent_listen="0.0.0.0:0"), "127.0.0.1", cert)

@@ -143,7 +143,7 @@ def test_a_machine_holding_another_ca_is_refused_and_the_same_one_is_not(tmp_pat
         install.refuse_another_ca(b"junk", ca, "root@cp2")
 
 
-def test_the_agent_endpoints_certificate_there_is_kept_only_while_it_fits(tmp_path: Path) -> None:
+def test_the_agent_ports_certificate_there_is_kept_only_while_it_fits(tmp_path: Path) -> None:
     init_ca(tmp_path, validity_days=3650)
     ca = load_ca(tmp_path)
     assert install.cert_misfit(None, ca, ("10.0.0.2",)) == "there was none"
@@ -297,7 +297,7 @@ def test_configure_writes_server_toml_the_certificate_and_the_unit_once(tmp_path
     facts = _facts()
     said = trio.run(install.configure, plane.opts, machine, facts, plane.held)
     assert f"wrote {layout.CONFIG}; wrote {layout.UNIT}; enabled {layout.UNIT_NAME}" in said
-    assert "its agent endpoint's certificate made there for 10.0.0.2 (there was none)" in said
+    assert "its agent port's certificate made there for 10.0.0.2 (there was none)" in said
     assert "agent_listen 10.0.0.1:7443 is this machine's address: 0.0.0.0:7443 there" in said
     assert machine.meta[layout.CONFIG] == ["640", "root", layout.USER]
     written = tomllib.loads(machine.path(layout.CONFIG).read_text())

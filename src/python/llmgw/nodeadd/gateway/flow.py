@@ -38,7 +38,7 @@ __all__ = ["Added", "Options", "add_gateway"]
 @attrs.frozen(kw_only=True)
 class Added:
     name: str
-    server: str  # what it dials: the control plane's agent endpoint
+    server: str  # what it dials: the control plane's agent port
     listen: str
     workers: str
     version: str

@@ -67,7 +67,7 @@ def gateway_argv(
     *, server: str | tuple[str, ...], listen: str, workers: str, name: str, bin_path: str = BIN
 ) -> list[str]:
     """The gateway's command, as the unit runs it; each word one that systemd takes literally.
-    `server`: the control plane's agent endpoint, or every one's (this one first)."""
+    `server`: the control plane's agent port, or every one's (this one first)."""
     servers = [server] if isinstance(server, str) else list(server)
     argv = [
         bin_path, "gateway", *(w for url in servers for w in ("--server", url)), "--listen", listen,

@@ -146,7 +146,7 @@ def agent_toml(
     keep: cfg.AgentConfig | None = None,
 ) -> str:
     """The node's agent.toml; checked by the same loader the agent uses before it is shipped.
-    `server`: this control plane's agent endpoint, or every control plane's (this one first).
+    `server`: this control plane's agent port, or every control plane's (this one first).
 
     `keep` is the node's agent.toml from before: the settings this add was not given (nvidia_smi,
     ib_root, sminfo unless in `driver_paths`; weights_dir, source_address) stay as they were.

@@ -45,7 +45,7 @@ from llmgw.pki.ca import CA, cert_info
 
 POLL_S = 1.0
 GIVE_UP_RESTARTS = 3  # systemd restarted the server this often since the start: it will not come up
-KEEP_FOR_S = 30 * 86400  # an agent endpoint certificate with less left than this is made anew
+KEEP_FOR_S = 30 * 86400  # an agent port certificate with less left than this is made anew
 
 
 @attrs.frozen(kw_only=True)
@@ -233,25 +233,23 @@ def redacted(url: str) -> str:
 
 
 async def server_cert(s: ssh.SshSession, facts: Facts, ca: CA, *, validity_days: int) -> str:
-    """The agent endpoint's certificate there: kept while it fits (this CA's, for exactly the
+    """The agent port's certificate there: kept while it fits (this CA's, for exactly the
     addresses advertised, a month or more left), else made there (its key never leaves)."""
     res = await s.run(["cat", "--", layout.SERVER_CERT], sudo=True, timeout_s=SHORT_S)
     pem = res.stdout.encode() if res.exit_status == 0 else None
     why = cert_misfit(pem, ca, facts.advertise)
     if not why:
-        return f"its agent endpoint's certificate kept (for {', '.join(facts.advertise)})"
+        return f"its agent port's certificate kept (for {', '.join(facts.advertise)})"
     argv = ["ca", "server-cert", "--config", layout.CONFIG, "--validity-days", str(validity_days)]
     for address in facts.advertise:
         argv += ["--san", address]
-    await must(
-        s, layout.service_argv(*argv), sudo=True, what="making the agent endpoint's certificate", timeout_s=DOCTOR_S
-    )
-    facts.changed.append("the agent endpoint's certificate")
-    return f"its agent endpoint's certificate made there for {', '.join(facts.advertise)} ({why})"
+    await must(s, layout.service_argv(*argv), sudo=True, what="making the agent port's certificate", timeout_s=DOCTOR_S)
+    facts.changed.append("the agent port's certificate")
+    return f"its agent port's certificate made there for {', '.join(facts.advertise)} ({why})"
 
 
 def cert_misfit(pem: bytes | None, ca: CA, advertise: tuple[str, ...], now: float | None = None) -> str:
-    """ "" when `pem` may stay as the agent endpoint's certificate, else why not, in words."""
+    """ "" when `pem` may stay as the agent port's certificate, else why not, in words."""
     if pem is None:
         return "there was none"
     try:

@@ -5,7 +5,7 @@ files it writes: server.toml and the unit.
     /etc/llmgw/server.toml                    0640 root:llmgw: the first control plane's, made this one's
     /var/lib/llmgw/                           0700 llmgw: the state directory, the service user's home
     /var/lib/llmgw/ca/ca.key, ca.crt          0600 / 0644 llmgw: the cluster's CA, copied
-    /var/lib/llmgw/ca/server.key, server.crt  0600 / 0644 llmgw: its own agent endpoint's, made there
+    /var/lib/llmgw/ca/server.key, server.crt  0600 / 0644 llmgw: its own agent port's, made there
     /var/lib/llmgw/engine-keys.secret         0600 llmgw: copied (server.keyseal)
     /var/lib/llmgw/admin.token                0600 llmgw: the admin credential, copied
     /var/lib/llmgw/store.password             0600 llmgw: the store's PostgreSQL password, copied
@@ -15,7 +15,7 @@ What is copied (`SECRETS`) is what every leader needs and no database holds in p
 CA's key (with its certificate), the secret that seals the engine keys, the admin credential,
 and the store's password. Nothing else of the state directory goes: llmgw.db is SQLite's (a
 second control plane shares PostgreSQL), admin.url and run/ are a running server's own, and the
-agent endpoint's key is made on the machine for its own addresses.
+agent port's key is made on the machine for its own addresses.
 
 The control plane runs as a system user of its own (USER), not root: it needs nothing root has,
 and its files are that user's, so `llmgw.private` (which refuses a key another user owns)
@@ -124,7 +124,7 @@ def check_store_url(url: str) -> str:
 
 
 def advertised(given: Sequence[str], host: str) -> tuple[str, ...]:
-    """The addresses agents will dial the new control plane at (its agent endpoint's
+    """The addresses agents will dial the new control plane at (its agent port's
     certificate covers them): `--advertise`, else the host it is reached at over SSH."""
     return tuple(dict.fromkeys(given)) if given else (host,)
 

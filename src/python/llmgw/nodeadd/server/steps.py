@@ -16,7 +16,7 @@ STEPS: Steps = (
     ("ship", "ship the release for the machine's architecture, verify its sha256 and run it"),
     ("install", "install llmgw, the control plane's user and its state directory"),
     ("secrets", "copy the CA, the engine-key secret, the admin credential and the store's password"),
-    ("configure", "write server.toml, the agent endpoint's certificate and the service"),
+    ("configure", "write server.toml, the agent port's certificate and the service"),
     ("store", "check from the machine that it reaches the same store"),
     ("start", "start the control plane"),
     ("verify", "wait for its admin API to answer with the same CA"),
