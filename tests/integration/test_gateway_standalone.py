@@ -17,6 +17,7 @@ made while the gateway is cut off is test_gateway_cutoff.py's.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ OUTAGE_S = 60.0  # the control plane away while clients keep asking (the issue's
 SAMPLE_EVERY_S = 10.0  # /health and /metrics looked at during the outage
 CLIENTS = 4
 CLIENT_INTERVAL_S = 0.05  # each client: at most 20 requests a second
+PHASE_ANSWERS = 10  # each client's answers in a phase the test then says no request failed in
 RELINKED_WITHIN_S = 10.0  # every worker linked again after the control plane is ready (backoff: 3 s at most)
 NEW_KEY_WITHIN_S = 1.0  # a change after the return reaches every worker (the issue's promise for changes)
 REVOKED_WITHIN_S = 5.0  # the issue's promise for a revocation after the return
@@ -64,6 +66,12 @@ def between(loads: list[Load], start: float, end: float) -> list[tuple[float, in
     return [a for load in loads for a in load.answers if start <= a[0] < end]
 
 
+def each_answered(loads: list[Load], count: int, *, since: float) -> bool:
+    """Whether every client had `count` answers to requests it sent from `since` on (failures too:
+    they are the test's to report)."""
+    return all(len(between([load], since, math.inf)) >= count for load in loads)
+
+
 def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_resyncs(cluster: Cluster) -> None:
     cluster.init_ca()
     cluster.set_catalog(CATALOG)
@@ -84,7 +92,8 @@ def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_res
     bound = dict(interval_s=CLIENT_INTERVAL_S, max_s=OUTAGE_S + 90, max_requests=int((OUTAGE_S + 90) / 0.05))
     loads = [Load(gw.port, alice, **bound).start() for _ in range(CLIENTS)]
     try:
-        time.sleep(2.0)  # the clients under way before the control plane goes
+        began = time.monotonic()
+        wait_until("the clients under way", lambda: each_answered(loads, PHASE_ANSWERS, since=began), procs=[gw.proc])
         stopped_at = time.monotonic()
         assert cluster.server is not None and cluster.server.stop(signal.SIGTERM) == 0, cluster.server.tail()
         wait_until(
@@ -135,7 +144,12 @@ def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_res
         revoked_at = time.monotonic()
         wait_until("bob refused by every worker", lambda: gw.accepts(bob, 401), timeout=REVOKED_WITHIN_S)
         measured["revoked_refused_s"] = round(time.monotonic() - revoked_at, 2)
-        time.sleep(2.0)  # the clients on, the node still away
+        since = time.monotonic()
+        wait_until(  # the clients on, the node still away
+            "the clients answered, the node away",
+            lambda: each_answered(loads, PHASE_ANSWERS, since=since),
+            procs=[gw.proc],
+        )
         agent.popen.send_signal(signal.SIGCONT)
         agent_back = time.monotonic()
         cluster.wait_nodes(
@@ -143,7 +157,12 @@ def test_a_standalone_gateway_serves_through_a_60_s_control_plane_outage_and_res
         )
         measured["agent_back_after_return_s"] = round(time.monotonic() - back_at, 2)
         measured["agent_back_after_resumed_s"] = round(time.monotonic() - agent_back, 2)
-        time.sleep(2.0)  # the clients on, the cluster whole again
+        since = time.monotonic()
+        wait_until(  # the clients on, the cluster whole again
+            "the clients answered, the cluster whole",
+            lambda: each_answered(loads, PHASE_ANSWERS, since=since),
+            procs=[gw.proc],
+        )
     finally:
         agent.popen.send_signal(signal.SIGCONT)
         for load in loads:
