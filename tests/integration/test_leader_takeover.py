@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +56,15 @@ def post(plane: Plane, path: str, token: str, timeout: float = 30) -> tuple[int,
         return response.status, json.loads(response.read() or b"null")
     finally:
         conn.close()
+
+
+def unread(port: int) -> int:
+    """The bytes the kernel holds for connections to `port` here that no process has read yet: a
+    request waiting in a stopped process's backlog."""
+    out = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True, check=True
+    ).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if line.strip())
 
 
 def test_the_leader_killed_the_standby_leads_within_10_s_and_nothing_restarts(planes: Planes) -> None:
@@ -131,7 +141,12 @@ def test_a_leader_paused_past_its_lease_has_its_writes_refused_and_stands_by(
 
         writer = threading.Thread(target=cordon)
         writer.start()
-        time.sleep(1.0)  # the request is in the stopped process's backlog (nothing here can tell)
+        wait_until(
+            "the request in the stopped leader's socket, unread",
+            lambda: unread(a.http_port) > 0,
+            procs=planes.procs(),
+            last_seen=lambda: answer,
+        )
     finally:
         a.proc.popen.send_signal(signal.SIGCONT)
     writer.join(60)
