@@ -9,8 +9,8 @@ started again refuses to, naming the fix.
 
 from __future__ import annotations
 
+import http.client
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import pytest
 from llmgw.server.store import schema
 from testlib import newer_llmgw
 from testlib.cluster import wait_until
-from testlib.planes import LEASE_TTL_S, Planes
+from testlib.planes import Plane, Planes
 from testlib.postgres import Database, PostgresServer, postgres_db, postgres_server  # noqa: F401 - fixtures
 
 ONE_REPLICA = """
@@ -48,6 +48,18 @@ def store_version(pg: PostgresServer, db: Database) -> tuple[int, bool]:
     return int(version), bool(table)
 
 
+def lease_tries(plane: Plane) -> int:
+    """A standby's tries at taking the lease so far (`llmgw_lease_tries_total` in its /metrics)."""
+    conn = http.client.HTTPConnection("127.0.0.1", plane.http_port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    [count] = [line.split()[1] for line in text.splitlines() if line.startswith("llmgw_lease_tries_total ")]
+    return int(count)
+
+
 def test_the_newer_llmgw_waits_for_the_lease_then_migrates_and_the_older_never_leads_again(
     planes: Planes,
     postgres_server: PostgresServer,  # noqa: F811 - the fixture
@@ -67,7 +79,8 @@ def test_the_newer_llmgw_waits_for_the_lease_then_migrates_and_the_older_never_l
     # The newer llmgw stands by beside the older leader and leaves the store as it is.
     [behind] = new.events("store_schema_behind")
     assert (behind["found"], behind["latest"]) == (schema.LATEST, schema.LATEST + 1)
-    time.sleep(2 * LEASE_TTL_S)  # several of its tries at the lease
+    tried = lease_tries(new)
+    wait_until("three more of its tries at the lease", lambda: lease_tries(new) >= tried + 3, procs=planes.procs())
     assert store_version(postgres_server, postgres_db) == (schema.LATEST, False)
     assert not new.events("leadership_taken") and not new.events("store_migrated")
     assert planes.ctl(old, "cordon", "node-a")["cordoned"] is True  # the older leader writes on
@@ -104,7 +117,12 @@ def test_the_newer_llmgw_waits_for_the_lease_then_migrates_and_the_older_never_l
     # The newer leader stopped too: the older standby never takes the lease of the migrated store.
     assert new.proc.stop(signal.SIGTERM) == 0
     wait_until("the older standby to refuse the lease", lambda: old_standby.events("lease_refused"), timeout=30)
-    time.sleep(2 * LEASE_TTL_S)
+    tried = lease_tries(old_standby)
+    wait_until(
+        "three more of the older standby's tries at the free lease",
+        lambda: lease_tries(old_standby) >= tried + 3,
+        procs=planes.procs(),
+    )
     assert not old_standby.events("leadership_taken") and old_standby.proc.returncode is None
     [refused] = old_standby.events("lease_refused")  # said once
     assert f"schema is at version {schema.LATEST + 1}, newer than this llmgw's {schema.LATEST}" in refused["reason"]

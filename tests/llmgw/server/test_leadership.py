@@ -280,6 +280,7 @@ async def test_a_released_lease_is_taken_by_a_standby_at_its_next_try(autojump_c
         await trio.sleep(0.2)
         await a.release(term)
     assert trio.current_time() <= 0.2 + RENEW and [t.epoch for t in taken] == [2]
+    assert (a.tries, b.tries) == (1, 2)  # b's first, refused, and the next
 
 
 @pytest.mark.trio

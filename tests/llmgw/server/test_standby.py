@@ -127,7 +127,7 @@ async def test_ctl_follows_once_and_not_round_two_standbys(nursery: trio.Nursery
 
 async def test_health_and_the_gateways_routes_and_metrics_of_a_standby(nursery: trio.Nursery) -> None:
     known = Leader(agent_url=LEADS.agent_url, admin_url="http://10.0.0.2:8080", epoch=4)
-    url = await serve(nursery, StandbyFront(admin_token=TOKEN, leader=lambda: known).handle)
+    url = await serve(nursery, StandbyFront(admin_token=TOKEN, leader=lambda: known, tries=lambda: 7).handle)
     status, _, body = await raw(url, "/health", None)
     assert status == 503 and body == {"status": "standby", "leader": known.view()}  # a load balancer skips it
     status, _, body = await raw(url, "/v1/models", None)
@@ -140,7 +140,8 @@ async def test_health_and_the_gateways_routes_and_metrics_of_a_standby(nursery: 
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
             return response.read().decode()
 
-    assert "\nllmgw_control_plane_leading 0\n" in await trio.to_thread.run_sync(metrics)
+    text = await trio.to_thread.run_sync(metrics)
+    assert "\nllmgw_control_plane_leading 0\n" in text and "\nllmgw_lease_tries_total 7\n" in text
 
 
 async def test_a_flood_of_wrong_credentials_is_a_few_lines_and_one_summary(

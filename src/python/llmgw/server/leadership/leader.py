@@ -123,6 +123,7 @@ class LeaseKeeper:
         self.clock = clock
         self.knows = schema.LATEST if knows is None else knows
         self.seen: LeaseRow | None = None  # the lease as last read; None: not read, or unreadable
+        self.tries = 0  # tries at taking the lease (`acquire`), done: a standby's /metrics counts them
         self.newer_schema = 0  # the store's schema, while it is newer than this llmgw's (it cannot lead)
         self._limiter = trio.CapacityLimiter(1)
         self._run = run or self._in_thread
@@ -165,6 +166,8 @@ class LeaseKeeper:
                 if taken is not None:
                     self._schema_is(0)
                     return Term.taken(taken.epoch, self.ttl_s, sent, self.clock)
+            finally:
+                self.tries += 1
             await trio.sleep(self.renew_s)
 
     def _schema_is(self, version: int) -> None:

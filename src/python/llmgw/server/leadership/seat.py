@@ -188,7 +188,7 @@ class Seat:
                 limits=config.http,
                 max_connections=config.http.max_agent_connections,
             )
-            front = StandbyFront(admin_token=self.warm.admin_token, leader=self.leader)
+            front = StandbyFront(admin_token=self.warm.admin_token, leader=self.leader, tries=lambda: self.keeper.tries)
             async with trio.open_nursery() as nursery:
                 bound = await nursery.start(
                     _serve_standby_with_url,

@@ -18,7 +18,7 @@ seat's last look at the lease):
   ctl` follows; /health answers 503 "standby" (a load balancer sends nothing here), and the
   gateway's routes 503 naming the leader (a standby runs no gateway: in the several-planes
   topology clients use gateways of their own, docs/high-availability.md); /metrics says
-  `llmgw_control_plane_leading 0`.
+  `llmgw_control_plane_leading 0`, and how many times it tried to take the lease.
 """
 
 from __future__ import annotations
@@ -164,11 +164,13 @@ def _no_table(kind: type) -> Any:
 class StandbyFront:
     """What a standby answers on http_listen (the module docstring)."""
 
-    def __init__(self, *, admin_token: str, leader: Callable[[], Leader]) -> None:
+    def __init__(self, *, admin_token: str, leader: Callable[[], Leader], tries: Callable[[], int] = lambda: 0) -> None:
+        """`tries()`: this process's tries at taking the lease so far (`LeaseKeeper.tries`)."""
         self._token = admin_token.encode()
         # Wrong credentials, a few lines each interval and then a summary (`refusals.serve`).
         self.refusals = RefusalLines("http")
         self.leader = leader
+        self.tries = tries
 
     async def handle(self, request: Request) -> Response:
         leader = self.leader()
@@ -197,6 +199,8 @@ class StandbyFront:
             text = (
                 "# HELP llmgw_control_plane_leading Whether this control plane leads (1) or stands by (0).\n"
                 "# TYPE llmgw_control_plane_leading gauge\nllmgw_control_plane_leading 0\n"
+                "# HELP llmgw_lease_tries_total Tries at taking the lease, refused or not (one each lease_renew_s).\n"
+                f"# TYPE llmgw_lease_tries_total counter\nllmgw_lease_tries_total {self.tries()}\n"
             )
             return Response(status=200, body=text.encode(), headers=(("content-type", METRICS_TYPE),))
         raise HTTPError(
