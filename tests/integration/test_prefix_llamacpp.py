@@ -23,6 +23,7 @@ from testlib.gateway import request, start_gateway
 from testlib.llama import llama_server
 from testlib.ports import free_port
 from testlib.tinygguf import write_tiny_llama
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 READY_TIMEOUT_S = 60.0
@@ -95,16 +96,23 @@ async def test_a_replica_restarted_in_place_is_taken_to_hold_nothing(tmp_path: P
         assert await trio.to_thread.run_sync(lambda: ask(*later, stream=True)) == f"prefix;matched={held};only"
         # The prompts it was given are work ahead of others until their answers begin: none now.
         assert gw.gateway.router.prefilling == {} and gw.gateway.router.outstanding == {}
-        await trio.sleep(CACHE_REPORT_INTERVAL_S * 2)  # a report of the engine's tasks heard meanwhile
+        # Reports of the engine's tasks heard since (two: the first may have been under way).
+        reports = lambda: gw.gateway.metrics.cache_reports.get(model="tiny")  # noqa: E731
+        heard = reports()
+        await await_true(
+            lambda: reports() >= heard + 2, "two reports of the engine's tasks", timeout=CACHE_REPORT_INTERVAL_S * 5
+        )
         assert gw.gateway.metrics.cache_resets.get(model="tiny") == 0
 
         proc.terminate()
         proc.wait(timeout=30)
         proc = start(launch, binary, tmp_path / "llama.log")  # the same port and key: the rotation is unchanged
         await trio.to_thread.run_sync(wait_healthy, launch.port, proc)
-        with trio.fail_after(CACHE_REPORT_INTERVAL_S * 5):
-            while gw.gateway.metrics.cache_resets.get(model="tiny") == 0:
-                await trio.sleep(0.1)
+        await await_true(
+            lambda: gw.gateway.metrics.cache_resets.get(model="tiny") > 0,
+            "the restarted engine's report taken as a reset",
+            timeout=CACHE_REPORT_INTERVAL_S * 5,
+        )
         # Without the engine's word the gateway would claim `held` again; it claims nothing.
         assert await trio.to_thread.run_sync(ask, *later) == "prefix;matched=0;only"
     finally:

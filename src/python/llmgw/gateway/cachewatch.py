@@ -82,6 +82,7 @@ async def _cache_report(gw: Gateway, ep: Endpoint) -> None:
     except Exception:  # - a bug of ours: this report is lost, the gateway's other work goes on
         log.exception("gateway_cache_report_bug", replica=ep.replica_id)
         return
+    gw.metrics.cache_reports.inc(model=ep.model)
     if gw.router.engine_report(ep, tasks):
         log.info("gateway_replica_cache_reset", replica=ep.replica_id, model=ep.model)
         gw.metrics.cache_resets.inc(model=ep.model)

@@ -60,6 +60,12 @@ class GatewayMetrics:
             "Characters of prompts sent to a replica known to hold them already (routed by prefix).",
             ("model",),
         )
+        self.cache_reports = r.counter(
+            "llmgw_gateway_replica_cache_reports_total",
+            "Reports of what a replica's engine holds that the gateway read (models routed by prefix: "
+            "llama.cpp's /slots, every 2 s); the resets among them are counted apart.",
+            ("model",),
+        )
         self.cache_resets = r.counter(
             "llmgw_gateway_replica_cache_resets_total",
             "Times a replica's engine reported its cache begun again (restarted in place): what it was "
