@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         payload = vp.encode([vp.stored([seq * 2 + 1], parent=seq * 2 - 1 if seq else None)])
         sock.send_multipart([topic, seq.to_bytes(8, "big"), payload])
         seq += 1
-        time.sleep(0.1)
+        time.sleep(0.1)  # the publisher's pace: a batch each 0.1 s, as an engine at work sends them
 
 
 if __name__ == "__main__":
