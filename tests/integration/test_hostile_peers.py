@@ -360,10 +360,18 @@ def test_idle_connections_to_the_agent_port_leave_agents_connected(live: Live) -
         # takes them from its backlog as fast as it can (on a loaded machine not at once): wait,
         # bounded, until it has seen them all.
         limit = metrics(live)['llmgw_connections_unproven_limit{listener="agent"}']
-        deadline = time.monotonic() + 10
-        while turned_away(m := metrics(live)) - before < 500 - limit:
-            assert time.monotonic() < deadline, m
-            time.sleep(0.1)
+
+        def all_seen() -> dict[str, float] | None:
+            m = metrics(live)
+            return m if turned_away(m) - before >= 500 - limit else None
+
+        m = wait_until(
+            "all 500 seen: those past the unproven limit turned away",
+            all_seen,
+            procs=[live.cluster.server],
+            timeout=10,
+            last_seen=lambda: metrics(live),
+        )
         assert m['llmgw_connections_unproven{listener="agent"}'] <= limit
     finally:
         for s in socks:
@@ -389,10 +397,13 @@ def test_a_mirror_download_that_stops_reading_is_cut(live: Live, tmp_path: Path)
         sock.sendall(f"GET /v1/artifacts/{sha} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
         assert hostile.status_of(sock.recv(4096)) == 200
         before = aborted(live, "agent", "send_timeout")
-        deadline = time.monotonic() + SEND_TIMEOUT_S + 10
-        while aborted(live, "agent", "send_timeout") == before:  # we read nothing more
-            assert time.monotonic() < deadline, metrics(live)
-            time.sleep(0.2)
+        wait_until(  # we read nothing more
+            "the download cut at its send timeout",
+            lambda: aborted(live, "agent", "send_timeout") > before,
+            procs=[live.cluster.server],
+            timeout=SEND_TIMEOUT_S + 10,
+            last_seen=lambda: metrics(live),
+        )
     finally:
         sock.close()
         archive.unlink()
@@ -443,10 +454,13 @@ def test_release_downloads_by_peers_without_a_certificate_are_bounded(live: Live
             assert hostile.status_of(sock.recv(4096)) == 503
         finally:
             sock.close()
-        deadline = time.monotonic() + SEND_TIMEOUT_S + 15
-        while aborted(live, "agent", "send_timeout") < before + len(stalled):
-            assert time.monotonic() < deadline, metrics(live)
-            time.sleep(0.2)
+        wait_until(
+            "every stalled download cut at its send timeout",
+            lambda: aborted(live, "agent", "send_timeout") >= before + len(stalled),
+            procs=[live.cluster.server],
+            timeout=SEND_TIMEOUT_S + 15,
+            last_seen=lambda: metrics(live),
+        )
     finally:
         for sock in stalled:
             sock.close()
