@@ -211,10 +211,13 @@ def test_two_thousand_bare_connections_to_the_agent_port_log_a_handful_of_lines(
         if i % 2:
             sock.sendall(b"\x16\x03\x01\x00\x05hello")
         sock.close()
-    deadline = time.monotonic() + 40  # the summary comes at the end of its interval (10 s)
-    while len([e for e in server.events("connections_refused") if e.get("listener") == "agent"]) == summaries_before:
-        assert time.monotonic() < deadline, server.tail()
-        time.sleep(0.2)
+    wait_until(
+        "the agent listener's summary of connections refused",
+        lambda: len([e for e in server.events("connections_refused") if e.get("listener") == "agent"])
+        > summaries_before,
+        procs=[server],
+        timeout=40,  # the summary comes at the end of its interval (10 s)
+    )
     lines = server.log_path.read_text(errors="replace").splitlines()[already:]
     events = [json.loads(line) for line in lines if line.startswith("{")]
     about_connections = [e for e in events if e.get("logger") in ("llmgw.endpoint", "llmgw.listeners")]
