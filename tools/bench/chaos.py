@@ -48,16 +48,14 @@ import platform
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import trio
+from bench import chaos_attacks as attacks
 from bench import chaos_ha
 from bench.chaos_cluster import ChaosCluster, poll
 from bench.chaos_load import Load
-
-from testlib import bodies, hostile
 
 MODEL = "chat"
 REPLICAS = 2
@@ -76,17 +74,12 @@ FAULTS = (
 SETTLE_S = 3.0  # load measured this long after capacity is full again
 FULL_TIMEOUT_S = 180.0
 ZERO_FAILURE_FAULTS = FAULTS
-BODY_SIZE = 8 << 20  # the adversarial bodies', at the default body limit
-# Caps low enough for the connection flood to reach (the load itself holds a few dozen).
-HTTP_CAP = 256
-AGENT_CAP = 64  # its unproven budget is an eighth: 8
-FLOOD_HOLD_S = 10.0
 
 
 def catalog(output_token_ms: int) -> str:
     # Sim models only: no node is asked for llama.cpp (the default would have each build it).
     return (
-        f"[http]\nmax_connections = {HTTP_CAP}\nmax_agent_connections = {AGENT_CAP}\n\n"
+        f"[http]\nmax_connections = {attacks.HTTP_CAP}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
         "[engines.llamacpp]\nenabled = false\n\n"
         f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
         f'args = ["--output-token-ms", "{output_token_ms}"]\n'
@@ -252,119 +245,15 @@ class Bench:
         return {"old_server_exit": status}
 
     def hostile(self) -> dict:
-        port, agent_port = self.cluster.http_port, self.cluster.agent_port
-        head, body = hostile.request_bytes(
-            "POST", "/v1/chat/completions", body=hostile.chat_body(MODEL), headers=[("authorization", "Bearer x")]
-        )
-        done = {"connections": 0}
-
-        def cuts() -> None:
-            for offset in hostile.offsets(head, body):
-                for how in ("fin", "rst"):
-                    hostile.cut_at("127.0.0.1", port, head + body, offset, how=how)
-                    done["connections"] += 1
-            for _ in range(50):
-                hostile.cut_at("127.0.0.1", port, b"NOT HTTP\r\n\r\n", 12, how="rst")
-                hostile.cut_at("127.0.0.1", agent_port, b"\x16\x03\x01\x02\x00garbage", 10, how="fin")
-                done["connections"] += 2
-            deep = hostile.chat_body(MODEL, nested=100_000)
-            for _ in range(5):
-                sock = hostile.connect("127.0.0.1", port)
-                req_head, req_body = hostile.request_bytes("POST", "/v1/chat/completions", body=deep)
-                sock.sendall(req_head + req_body)
-                hostile.read_all(sock, 4096)
-                sock.close()
-                done["connections"] += 1
-
-        def slow() -> None:
-            hostile.trickle("127.0.0.1", port, head + body, interval_s=0.5, limit_s=15)
-
-        threads = [threading.Thread(target=cuts)] + [threading.Thread(target=slow) for _ in range(10)]
-        for t in threads:
-            t.start()
-        idle = hostile.idle("127.0.0.1", port, 1000)
-        for t in threads:
-            t.join(60)
-        for s in idle:
-            s.close()
-        done["connections"] += 1010
-        return {"hostile_connections": done["connections"], "_lasting": True}
+        return attacks.hostile_clients(self.cluster, MODEL)
 
     def adversarial_bodies(self) -> dict:
-        port = self.cluster.http_port
-        statuses: dict[str, int] = {}
-        slowest = [0.0]
-        stop = threading.Event()
-
-        def health() -> None:
-            while not stop.wait(0.05):
-                started = time.monotonic()
-                sock = hostile.connect("127.0.0.1", port)
-                try:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
-                    hostile.read_all(sock, 65536)
-                finally:
-                    sock.close()
-                slowest[0] = max(slowest[0], time.monotonic() - started)
-
-        watcher = threading.Thread(target=health)
-        watcher.start()
-        try:
-            for name, make in bodies.adversarial(MODEL, BODY_SIZE).items():
-                head, body = hostile.request_bytes(
-                    "POST",
-                    "/v1/chat/completions",
-                    body=make(),
-                    headers=[("authorization", f"Bearer {self.load.token}")],
-                )
-                # Parsed in the gateway's JSON worker, then again in the engine's: seconds, each.
-                sock = hostile.connect("127.0.0.1", port, timeout=120)
-                try:
-                    sock.sendall(head + body)
-                    statuses[name] = hostile.status_of(hostile.read_all(sock, 65536))
-                finally:
-                    sock.close()
-        finally:
-            stop.set()
-            watcher.join(30)
-        return {"bodies": statuses, "health_slowest_s": round(slowest[0], 3), "_lasting": True}
+        return attacks.adversarial_bodies(self.cluster, self.load.token, MODEL)
 
     def connection_flood(self) -> dict:
-        port, agent_port = self.cluster.http_port, self.cluster.agent_port
         spare = sorted(set(NODES) - {r["nodes"][0] for r in self.placed()})[0]
-        held = hostile.idle("127.0.0.1", port, 3 * HTTP_CAP) + hostile.idle("127.0.0.1", agent_port, 3 * 8)
-        try:
-            started = time.monotonic()
-            sock = hostile.connect("127.0.0.1", port, timeout=30)
-            try:
-                sock.sendall(b"GET /health HTTP/1.1\r\nhost: chaos\r\nconnection: close\r\n\r\n")
-                health_status = hostile.status_of(hostile.read_all(sock, 65536))
-            finally:
-                sock.close()
-            health_s = time.monotonic() - started
-            self._killed.add(self.cluster.agents[spare].popen.pid)
-            self.cluster.kill_agent(spare)
-            self.cluster.start_agent(spare)
-            restarted = time.monotonic()
-            rejoined = poll(
-                "rejoin during the flood",
-                lambda: any(
-                    n["id"] == spare and n["connected"] and n["state"] == "joined" for n in self.cluster.ctl("nodes")
-                ),
-                FULL_TIMEOUT_S,
-            )
-            rejoin_s = time.monotonic() - restarted if rejoined else None
-            time.sleep(max(0.0, FLOOD_HOLD_S - (time.monotonic() - started)))
-        finally:
-            for s in held:
-                s.close()
-        return {
-            "held_connections": len(held),
-            "fresh_health_status": health_status,
-            "fresh_health_s": round(health_s, 3),
-            "spare_agent_rejoin_s": round(rejoin_s, 2) if rejoin_s is not None else None,
-            "_lasting": True,
-        }
+        self._killed.add(self.cluster.agents[spare].popen.pid)  # restarted by the flood: not an unexpected exit
+        return attacks.connection_flood(self.cluster, spare, rejoin_timeout_s=FULL_TIMEOUT_S)
 
     def alive(self, info: dict) -> bool:
         return self.cluster.server.returncode is None and self.full()
