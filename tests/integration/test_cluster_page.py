@@ -37,9 +37,10 @@ from testlib.browser import (  # noqa: F401 - chromium: a fixture
     report_dir,
     unlabelled_controls,
 )
-from testlib.cluster import MARKER_ENV, Proc, free_port, kill_groups, marked_pids, wait_until
+from testlib.cluster import free_port, wait_until
 from testlib.hardware import ib_root, sminfo
-from testlib.proc import llmgw_env, run_llmgw
+from testlib.marked import MARKER_ENV, kill_groups, marked_pids
+from testlib.proc import Proc, llmgw_env, run_llmgw
 
 pytestmark = pytest.mark.trio
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from testlib.cluster import Cluster, Proc, wait_until
+from testlib.cluster import Cluster, wait_until
+from testlib.proc import Proc
 
 TTL_S = 3.0
 INTERVAL_S = 0.2

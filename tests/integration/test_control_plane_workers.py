@@ -37,8 +37,9 @@ from typing import Any
 import attrs
 import pytest
 
-from testlib.cluster import Cluster, Proc, tails, wait_until
+from testlib.cluster import Cluster, wait_until
 from testlib.load import chat_body
+from testlib.proc import Proc, tails
 
 WORKERS = 2
 CLIENTS = 8

@@ -24,9 +24,11 @@ from pathlib import Path
 import pytest
 
 from llmgw.nodeadd.gateway import layout
-from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_pids, wait_until
+from testlib.cluster import wait_until
 from testlib.machine import Machine, machine_fixture
+from testlib.marked import MARKER_ENV, kill_groups, marked_pids
 from testlib.nodeadd import ADD_TIMEOUT_S, ControlPlane
+from testlib.proc import Proc
 
 # The node add tests' fixtures: release_dir, node and cp.
 pytest_plugins = ("testlib.nodeadd",)

@@ -23,8 +23,9 @@ import trio
 
 from llmgw.gatewayd.link import Credentials, GatewayLink, Target, serve_gateway_link
 from llmgw.wire import gateway_link as g
-from testlib.cluster import Cluster, kill_groups
+from testlib.cluster import Cluster
 from testlib.gatewayd import admin
+from testlib.marked import kill_groups
 
 CATALOG = """
 [[models]]

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from testlib import hostile
-from testlib.cluster import Proc, free_port, wait_until
+from testlib.cluster import free_port, wait_until
 from testlib.gateway import Sim, chat, parse_metrics, request
 from testlib.gatewaytable import TOKEN, write_table_file
+from testlib.proc import Proc
 
 STOP_S = 30.0
 

@@ -42,9 +42,9 @@ from llmgw.config import EnginesSection, LlamacppSource
 from llmgw.server.app import ControlPlane
 from llmgw.wire import agent_link as w
 from testlib import llama
-from testlib.cluster import MARKER_ENV, marked_pids
 from testlib.controlplane import local
 from testlib.fileserver import serve_files
+from testlib.marked import MARKER_ENV, marked_pids
 from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio

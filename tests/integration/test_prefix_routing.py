@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from llmgw.wire.gateway_link import ModelInfo
-from testlib.cluster import Proc, free_port, wait_until
+from testlib.cluster import free_port, wait_until
 from testlib.gateway import Sim, parse_metrics, request
 from testlib.gatewaytable import TOKEN, write_table_file
+from testlib.proc import Proc
 
 SYSTEM = "You answer questions about rivers, briefly and in plain words. " * 20  # 1,280 bytes
 

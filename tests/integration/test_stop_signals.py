@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from testlib.cluster import MARKER_ENV, Cluster, free_port, marked_pids, wait_until
+from testlib.cluster import Cluster, free_port, wait_until
+from testlib.marked import MARKER_ENV, marked_pids
 from testlib.proc import llmgw_env, run_llmgw
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM]

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from testlib.cluster import MARKER_ENV, marked_engines, marked_pids
+from testlib.marked import MARKER_ENV, marked_engines, marked_pids
 
 
 def test_a_marked_tool_run_is_not_an_engine_but_a_process_given_a_port_is(tmp_path) -> None:

@@ -4,12 +4,12 @@
 left it in. Nothing waits by sleeping: every wait is a poll with a deadline that, when it
 expires, fails with what was last seen and the log tails of the processes involved, so a red
 run says what each side saw. Processes log JSON lines (`--log-format json`) to one file per
-run, so a test reads the events of exactly the run it started.
+run (`testlib.proc.Proc`), so a test reads the events of exactly the run it started.
 
 Engines are the agents' children in their own process groups, so they outlive an agent that
-is killed. Each agent runs with `MARKER_ENV` naming its node, which its engines inherit: that
-is how `engine_pids` finds them in /proc, how `kill_node` takes a node down as a dead machine
-would (agent and engines), and how `close` leaves no engine behind.
+is killed. Each agent runs with `MARKER_ENV` (`testlib.marked`) naming its node, which its
+engines inherit: that is how `engine_pids` finds them in /proc, how `kill_node` takes a node
+down as a dead machine would (agent and engines), and how `close` leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import re
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -34,133 +31,15 @@ import attrs
 
 from llmgw.server.gateways.workers import LINK_TIMEOUT_S
 from testlib import activation
+from testlib.marked import MARKER_ENV, kill_groups, marked_engines, marked_pids
 from testlib.ports import free_port
-from testlib.proc import llmgw_env, run_llmgw
+from testlib.proc import Proc, run_llmgw, tails
 
 T = TypeVar("T")
 
 POLL_S = 0.1
 DEADLINE_S = 20.0
 CLI_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
-TAIL_LINES = 40
-MARKER_ENV = "LLMGW_TESTLIB_NODE"  # read by this module only; the product never looks at it
-
-
-class Proc:
-    """One child process whose standard output and error go to one log file."""
-
-    def __init__(
-        self,
-        name: str,
-        args: list[str],
-        log_path: Path,
-        env: dict[str, str] | None = None,
-        *,
-        sockets: list[socket.socket] | None = None,
-        prefix: list[str] | None = None,
-    ) -> None:
-        """`sockets`: listening sockets passed to it as systemd's socket activation does.
-        `prefix`: a command that runs it (`ip netns exec NAME`), exec'ing it in its own pid."""
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        command = [*(prefix or ()), sys.executable, "-m", "llmgw", *args]
-        self.popen = subprocess.Popen(
-            activation.argv(command, sockets) if sockets else command,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=llmgw_env(env),
-            pass_fds=[s.fileno() for s in sockets or ()],
-        )
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def events(self, event: str | None = None) -> list[dict[str, Any]]:
-        """The JSON log lines written so far (other lines, e.g. tracebacks, are skipped)."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line still being written
-            if event is None or record.get("event") == event:
-                out.append(record)
-        return out
-
-    def tail(self, lines: int = TAIL_LINES) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        status = "running" if self.returncode is None else f"exited {self.returncode}"
-        return f"--- {self.name} ({status}) {self.log_path} ---\n" + "\n".join(text)
-
-    def stop(self, sig: signal.Signals, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        """Send `sig` and wait; the exit status, or None if it did not exit in time (then it is killed)."""
-        if self.returncode is not None:
-            return self.returncode
-        self.popen.send_signal(sig)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(STOP_TIMEOUT_S)
-        self._log.close()
-
-
-def marked_pids(marker: str) -> list[int]:
-    """Every live process whose environment has `MARKER_ENV=marker` (an agent and its engines)."""
-    want = f"{MARKER_ENV}={marker}".encode()
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if want in environ.split(b"\0"):
-            out.append(int(entry.name))
-    return sorted(out)
-
-
-def marked_engines(marker: str) -> list[int]:
-    """The marked processes that are engines: those given a port to serve (`--port`). An agent's
-    short-lived tool runs carry the marker too (`nvidia-smi`, `llmgw engine sim --version` at
-    each start), and a poll that counted them would see an engine start that never happened."""
-    out = []
-    for pid in marked_pids(marker):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile
-        if b"--port" in argv:
-            out.append(pid)
-    return out
-
-
-def kill_groups(pids: Iterable[int]) -> None:
-    """SIGKILL the process group of each pid (an engine leads its own), and the pid itself. An
-    agent and its short-lived tool runs share the test's own group: that one is left alone."""
-    for pid in pids:
-        try:
-            group = os.getpgid(pid)
-            if group != os.getpgrp():
-                os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def connection_metrics(port: int) -> dict[str, float]:
@@ -180,10 +59,6 @@ def connection_metrics(port: int) -> dict[str, float]:
             name = re.sub(r'worker="[^"]*",?', "", name)
             out[name] = out.get(name, 0.0) + float(value)
     return out
-
-
-def tails(procs: Iterable[Proc]) -> str:
-    return "\n".join(p.tail() for p in procs)
 
 
 def wait_until(

@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 
 from llmgw import paths
-from testlib.cluster import Cluster, Proc, free_port, wait_until
+from testlib.cluster import Cluster, free_port, wait_until
 from testlib.gateway import chat, parse_metrics, request
+from testlib.proc import Proc
 
 READY_S = 60.0  # the gateway's workers up and each holding the cluster's table, on a loaded machine
 SAMPLES = 20  # fresh connections in a row all reaching one of two workers: once in half a million

@@ -2,7 +2,7 @@
 makes the table `TABLE`), for the tests of upgrades and of who migrates a store.
 
 - `installed()`: this process is the newer llmgw for the block.
-- `PREFIX`: a command prefix (`testlib.cluster.Proc`'s `prefix`) that runs the
+- `PREFIX`: a command prefix (`testlib.proc.Proc`'s `prefix`) that runs the
   `python -m llmgw ARGS` after it as the newer llmgw, in a process of its own.
 """
 

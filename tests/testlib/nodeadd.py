@@ -24,10 +24,10 @@ import pytest
 from llmgw_release import build, llamabuild, wheels
 
 import llmgw
-from testlib.cluster import Proc, wait_until
+from testlib.cluster import wait_until
 from testlib.llama import cache_root, llama_server
 from testlib.netnode import NetNode, preflight
-from testlib.proc import build_root, run_llmgw
+from testlib.proc import Proc, build_root, run_llmgw
 
 ADD_TIMEOUT_S = 300
 # llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the

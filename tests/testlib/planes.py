@@ -22,8 +22,9 @@ from typing import Any
 
 import attrs
 
-from testlib.cluster import OPERATORS_LLAMACPP, Cluster, NodeFiles, Proc, free_port, wait_until
+from testlib.cluster import OPERATORS_LLAMACPP, Cluster, NodeFiles, free_port, wait_until
 from testlib.postgres import Database
+from testlib.proc import Proc
 
 TWO_REPLICAS = """
 [[models]]

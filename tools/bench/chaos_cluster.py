@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from testlib import activation
-from testlib.cluster import MARKER_ENV, Proc, kill_groups, marked_engines, marked_pids, wait_until
+from testlib.cluster import wait_until
+from testlib.marked import MARKER_ENV, kill_groups, marked_engines, marked_pids
 from testlib.netns import NetNS
-from testlib.proc import run_llmgw
+from testlib.proc import Proc, run_llmgw
 
 CLI_TIMEOUT_S = 30.0
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from testlib.cluster import Proc, free_port, wait_until
+from testlib.cluster import free_port, wait_until
+from testlib.proc import Proc
 
 KEY = "replica-key"
 EXIT_REPLICA_FAILED = 3
