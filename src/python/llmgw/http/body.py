@@ -109,8 +109,10 @@ class ConnectionBody(BodySource):
         claim = self.claim
         assert claim is not None
         try:
-            with claim.receiving():
-                await self._read_into(body, limit, claim)
+            pending = self._read_buffered(body, limit, claim)
+            if pending is not END:
+                with claim.receiving():
+                    await self._read_into(body, limit, claim, pending)
             if claim.gave_way:  # to an older body (`BodyBudget`)
                 raise Abort("body_budget", 503, claim.gave_way, headers=(("retry-after", "1"),))
         except BaseException:
@@ -122,7 +124,29 @@ class ConnectionBody(BodySource):
             claim.arrived()
         return bytes(body) if len(body) <= SMALL_BODY_BYTES else body
 
-    async def _read_into(self, body: bytearray, limit: int, claim: Claim) -> None:
+    def _read_buffered(self, body: bytearray, limit: int, claim: Claim) -> object:
+        """A Content-Length body's bytes the connection already holds, while they fit the budget
+        at once: most bodies arrive with their head, and are read here with no wait and so
+        nothing to give way in (no cancel scope to pay for). END once the body is whole, else
+        what `_read_into` goes on from (a part not yet taken, or None)."""
+        if self.declared is None:  # chunked: `_read_into` counts its chunks
+            return None
+        while True:
+            part = next_event(self.conn)
+            if part is END:
+                return END
+            if not isinstance(part, Data) or not claim.try_take(len(part.data)):
+                return part
+            body += part.data  # the parser never gives more than the declared length
+            if len(body) > limit:
+                raise self._too_large(limit)
+
+    def _too_large(self, limit: int) -> Abort:
+        if limit < self.limits.max_body_bytes:
+            return too_large(limit)
+        return Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
+
+    async def _read_into(self, body: bytearray, limit: int, claim: Claim, pending: object = None) -> None:
         conn, limits = self.conn, self.limits
         chunked = self.declared is None
         start = trio.current_time()
@@ -130,7 +154,7 @@ class ConnectionBody(BodySource):
         chunks = 0
         unfed = b""  # of a chunked body: read, not yet given to the parser (see CHUNKED_FEED_BYTES)
         while True:
-            part = next_event(conn)
+            part, pending = (next_event(conn) if pending is None else pending), None
             if isinstance(part, Data):
                 await claim.take(len(part.data))  # counted as it comes
                 if chunked:
@@ -144,9 +168,7 @@ class ConnectionBody(BodySource):
                         )
                 body += part.data  # the parser never gives more than the declared length
                 if len(body) > limit:
-                    if limit < limits.max_body_bytes:
-                        raise too_large(limit)
-                    raise Abort("too_large", 413, f"request body is larger than the limit of {limit} bytes")
+                    raise self._too_large(limit)
             elif part is END:
                 return
             elif part is NEED_DATA and unfed:

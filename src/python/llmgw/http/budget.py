@@ -80,6 +80,13 @@ class BodyBudget:
             return self._room, self._arriving if short else {}
         return None
 
+    def _try_take(self, n: int, claim: Claim) -> bool:
+        """Charge `n` bytes to `claim` if they fit without waiting."""
+        if self._blocked(n, claim) is None:
+            self._charge(n, claim)
+            return True
+        return False
+
     async def _take(self, n: int, claim: Claim) -> None:
         blocked = self._blocked(n, claim)
         if blocked is None:
@@ -122,7 +129,8 @@ class BodyBudget:
 
     def _wake(self, owner: str) -> None:
         """The oldest waiter for the budget, and for `owner`'s share, look again."""
-        self._room.wake_oldest()
+        if self._room:
+            self._room.wake_oldest()
         waiters = self._owner_room.get(owner)
         if waiters is not None:
             waiters.wake_oldest()
@@ -149,7 +157,8 @@ class BodyBudget:
                 del self._owner_arriving[claim.owner]
 
     def _give(self, claim: Claim) -> None:
-        self._arrived(claim)
+        if claim.arriving:
+            self._arrived(claim)
         if claim.returning:
             self._returning -= claim.returning
             left = self._owner_returning[claim.owner] - claim.returning
@@ -229,6 +238,11 @@ class Claim:
 
     async def take(self, n: int) -> None:
         await self.budget._take(n, self)
+
+    def try_take(self, n: int) -> bool:
+        """Take `n` bytes if they fit at once (no older body waits, the share and the budget have
+        room): what `take` does without waiting; False, and nothing taken, where it would wait."""
+        return self.budget._try_take(n, self)
 
     def receiving(self) -> trio.CancelScope:
         """The scope the body is read in: cancelled if it must give way."""
