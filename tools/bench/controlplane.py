@@ -18,33 +18,11 @@ need no agents, placement and reconciling, measured in this process.
    K; and `list_nodes_ms`, what `GET /admin/v1/nodes` makes of all M nodes (their views and
    the JSON answer, `list_nodes_bytes` long; the HTTP around it aside), best of K.
 
-3. agents (`--agents N`, default 0: skipped; `controlplane_agents.py`): a real `llmgw server` in a process of its own (CPU
-   time and RSS from /proc) and N simulated agents in `--agent-processes` processes
-   (`tools/bench/agents_load.py`: the product's agent link each, with a certificate of its
-   own, issued once and cached under $XDG_CACHE_HOME/llmgw-bench/controlplane with the CA that
-   signed them; a real hello, 8 GPUs and 2 fabrics; heartbeats at the interval the control
-   plane tells). `join_s`: from cold (a new store) until all N links are up, then checked on
-   the control plane (`ctl nodes --state joined`, paged); `cpu_pct_steady` and `rss_mib`: the
-   control plane's CPU over `--steady-seconds` (at least two of the heartbeat intervals the
-   agents are told, `heartbeat_interval_s`, and begun one interval after the last joined: the
-   heartbeats spread by then) once all have joined and the replicas placed together while few
-   nodes had joined are spread (`settle_s` after all joined, `replica_moves` made; no move
-   under way or ended for SETTLED_QUIET_S), and its RSS then; past the default agents'
-   budget (`max_agent_connections`, an eighth of the open-file limit) the bench sets it;
-   `heartbeat_p99_ms`: the 99th percentile of the time from an agent's sending a heartbeat to
-   the registry's counting it, over the `heartbeats_steady` heartbeats of that window (the
-   control plane's `llmgw_agent_heartbeat_delay_seconds`: the bound of the bucket it falls in,
-   so "at most"), and `loop_lag_p99_ms`, its event loop's lag meanwhile, likewise;
-   `reconnect_storm_s`: every link cut at once, until all are up again (the agents' own jittered
-   backoff) and all joined; `storm_dials_failed`, the dials past one per agent meanwhile (each
-   refused or failed, then waited its backoff), and `storm_turned_away`, the agent port's own
-   sheddings and stops at its cap, by reason. The catalog has one replica a node (engine vllm,
-   one GPU), which each simulated agent reports ready as soon as it is assigned, and says in
-   its hello: `ready_routed` is how many a gateway worker routed to before the cut, and
-   `storm_ready_routed_min` the fewest it routed to while the storm went on (its /metrics
-   looked at every ROUTED_EVERY_S): equal, when no ready replica that stayed up was lost. `--gateways G` (default 4) gateway processes subscribe to the
-   control plane meanwhile, as its `gateway_workers` (their CPU is their own, not counted).
-
+3. agents (`--agents N`, default 0: skipped): a real `llmgw server` in a process of its own and
+   N simulated agents linked to it (`--agent-processes` processes), with `--gateways G` gateway
+   processes subscribed: `join_s`, `cpu_pct_steady`, `rss_mib`, `heartbeat_p99_ms`,
+   `loop_lag_p99_ms`, `reconnect_storm_s` and what the storm did to routing. What each figure
+   measures, and how, is `tools/bench/controlplane_agents.py`'s docstring.
 
 Prints one JSON object: the settings, the figures, TARGETS and `ok`.
 """
