@@ -1,0 +1,113 @@
+"""Llama-architecture GGUF models of any shape that a real llama-server loads, made here.
+
+tinygguf.py makes the one tiny model the tests talk to; this makes models whose memory is
+measured (tools/bench/estimate.py, tests/llmgw/sizing): any number of layers, width, heads and
+KV heads (GQA when fewer), feed-forward width and vocabulary size, with F32, F16 or Q8_0
+matrices. The vocabulary is tinygguf's, padded with plain tokens up to `n_vocab`, so the
+tokenizer still works. Weights are seeded: the same arguments make the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.constants import GGMLQuantizationType as Q
+
+from testlib.tinygguf import CHATML, vocabulary
+
+DTYPES = ("F32", "F16", "Q8_0")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
+
+
+def make_gguf(
+    path: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int | None = None,
+    n_ff: int | None = None,
+    n_vocab: int = 600,
+    context: int = 4096,
+    dtype: str = "F32",
+    seed: int = 0,
+    split_max_tensors: int = 0,
+) -> Path:
+    """Write the model to `path` (with `split_max_tensors`, as split parts named as
+    llama.cpp's gguf-split names them, `path` being the first) and return `path`.
+
+    Matrices are `dtype`; norms stay F32 as converters leave them. Q8_0 needs `n_embd` and
+    `n_ff` to be multiples of 32 (its block)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    n_head_kv = n_head if n_head_kv is None else n_head_kv
+    n_ff = 4 * n_embd if n_ff is None else n_ff
+    head_dim = n_embd // n_head
+    tokens, scores, types = vocabulary()
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab} is below the {len(tokens)} tokens the tokenizer needs")
+    pad = n_vocab - len(tokens)
+    tokens += [f"<pad_{i}>" for i in range(pad)]
+    scores += [-1e4] * pad
+    types += [int(gguf.TokenType.USER_DEFINED)] * pad
+    rng = np.random.default_rng(seed)
+
+    writer = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
+    writer.add_name(f"llmgw-shaped-{n_layer}x{n_embd}")
+    writer.add_context_length(context)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_vocab_size(n_vocab)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(FILE_TYPES[dtype])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHATML)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        # numpy shapes are ggml's reversed: (rows, cols) is ggml's [cols, rows].
+        data = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        if dtype == "F32":
+            writer.add_tensor(name, data)
+        elif dtype == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(n_embd, dtype=np.float32))
+
+    matrix("token_embd.weight", n_vocab, n_embd)
+    for i in range(n_layer):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    norm("output_norm.weight")
+    matrix("output.weight", n_vocab, n_embd)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
