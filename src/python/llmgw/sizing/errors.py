@@ -12,7 +12,8 @@ from llmgw.errors import LlmgwError
 
 class NeedMore(Exception):
     """The header goes on past the bytes given: fetch at least `needed` bytes from the file's start
-    and parse again. The hint is a lower bound (a length read further on may ask for more)."""
+    and parse again. The hint is a lower bound (a length read further on may ask for more), one
+    field on: over a network fetch max(needed, 2 * have) to take few round trips."""
 
     def __init__(self, needed: int, have: int) -> None:
         self.needed = needed
