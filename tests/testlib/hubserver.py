@@ -101,7 +101,8 @@ class HubServer:
         for role, port in (("hub", self._port), ("cdn", 0)):
             listener = Listener((self._host, port), Handler, hub=self, role=role)
             self._listeners.append(listener)
-            thread = threading.Thread(target=listener.serve_forever, name=f"hubserver-{role}")
+            # serve_forever looks for shutdown() between polls: a short poll makes close() quick.
+            thread = threading.Thread(target=listener.serve_forever, args=(0.05,), name=f"hubserver-{role}")
             thread.start()
             self._threads.append(thread)
         return self
