@@ -14,7 +14,8 @@ huggingface.co: clients drop Authorization on that redirect as they do for the r
 
 Tokens: a token the server does not know at all (`users` plus every repo's) is refused with 401
 "Invalid credentials in Authorization header", as the Hub refuses a malformed or revoked token
-even for public repos. Faults and counters: `hub.faults`, `hub.log` (testlib.hubfaults).
+even for public repos. Faults and counters: `hub.faults`, `hub.log` (testlib.hubfaults); the
+requests' handling: testlib.hubroutes; the repos: testlib.hubrepo (makers: testlib.hubrepos).
 
 HTTP/1.1 keep-alive, every response with a Content-Length; a cut closes the connection. Each
 connection is a thread of a stdlib ThreadingHTTPServer; `close` ends them all (stalls too).
