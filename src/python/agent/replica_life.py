@@ -182,7 +182,7 @@ class Life:
 
     async def _fetch(self, m: Member, a: w.ReplicaAssignment) -> str:
         source = a.weights
-        if not source.url and not source.path:
+        if not source.url and not source.path and not source.files:
             if a.engine == "sim":
                 return ""  # the sim needs no weights
             raise BadWeightsSource(f"model {a.model} on {a.engine} has no weights url or path; set one in server.toml")

@@ -288,4 +288,8 @@ async def serve_assignments(
         state = desired()
         if state is not None:
             supervisor.assign(state.replicas)
+            if state.keep_files is not None:
+                # The catalog no longer names them: downloaded files no replica here uses go.
+                using = [a.weights for a in state.replicas]
+                await supervisor.life.weights.collect(set(state.keep_files), using)
         await desired_changed()

@@ -2,6 +2,13 @@
 
     WEIGHTS/<sha256>/<file name from the URL>     a URL source, shared by every replica of it
     WEIGHTS/<sha256>/<file name>.part             a download in progress (resumed next time)
+    WEIGHTS/hub/<org>--<name>/<commit>/<path>     a Hub model's files as in its repository: links
+                                                  to WEIGHTS/<sha256>/<name>, one download per file
+
+A Hub source's files are each downloaded like a URL source (a file two revisions share, or two
+models, once); the model's directory holds a symbolic link per file, made once every file is
+there and verified, so the engine finds the layout it expects (split GGUF parts side by side,
+config.json beside the shards) and a half-fetched model is never a directory an engine opens.
 
 A URL source is downloaded once per node, whatever the number of replicas using it: one
 download per sha256 at a time (a `trio.Lock` per digest), resumed with HTTP Range, verified by
@@ -11,14 +18,23 @@ A path source is the operator's arrangement and is only checked to exist.
 
 Nothing the control plane sends can name a file outside the weights directory: the digest
 must be 64 hex digits, the file name (the URL's last path segment, percent-decoded) must be a
-plain name, and a relative path source must stay inside once resolved.
+plain name, a Hub file's path a few plain names joined by '/', and a relative path source must
+stay inside once resolved.
+
+What the catalog no longer names is deleted (`collect`): the control plane sends with each
+desired state the digests of every weights file its catalog names (`DesiredState.keep_files`),
+and the node removes the downloaded files outside them that no replica it runs uses, and the
+Hub directories that link to nothing kept. A path source, the operator's, is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -94,6 +110,40 @@ def target_of(weights_dir: Path, source: w.WeightsSource) -> Path:
     return target
 
 
+HUB_DIR = "hub"
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def check_repo_path(path: str) -> tuple[str, ...]:
+    """A Hub file's path as its parts, each a plain name; `BadWeightsSource` otherwise."""
+    parts = tuple(path.split("/"))
+    if not 1 <= len(parts) <= 5:
+        raise BadWeightsSource(f"file path {path!r} has {len(parts)} parts; a Hub file's path has 1 to 5")
+    for part in parts:
+        check_name(part, "a part of file path")
+    return parts
+
+
+def hub_dir_of(weights_dir: Path, source: w.WeightsSource) -> Path:
+    """Where a Hub source's files are laid out on this node (pure: checks names, touches nothing)."""
+    if not _REPO.match(source.repo) or ".." in source.repo:
+        raise BadWeightsSource(f"repository {source.repo!r} is not ORG/NAME; this node refuses it")
+    if not _COMMIT.match(source.commit):
+        raise BadWeightsSource(f"commit {source.commit!r} of {source.repo} is not 40 hex digits; this node refuses it")
+    if not source.files:
+        raise BadWeightsSource(f"the model from {source.repo} lists no files; this node has nothing to fetch")
+    return weights_dir.resolve() / HUB_DIR / source.repo.replace("/", "--") / source.commit
+
+
+def blob_of(weights_dir: Path, f: w.WeightsFile) -> Path:
+    """Where one Hub file's content is kept: by its digest, under its own base name."""
+    digest = f.sha256.lower()
+    if not _SHA256.match(digest):
+        raise BadWeightsSource(f"file {f.path!r} comes with sha256 {f.sha256!r}, which is not 64 hex digits")
+    return weights_dir.resolve() / digest / check_repo_path(f.path)[-1]
+
+
 class WeightsStore:
     """The weights directory of this node, shared by every replica the agent supervises."""
 
@@ -104,16 +154,29 @@ class WeightsStore:
         self._locks: dict[str, trio.Lock] = {}
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> (size, mtime_ns) when its digest matched
         self._progress: dict[str, Progress] = {}  # digest -> latest, written by the download thread
+        self._done: set[str] = set()  # digests verified here since start (a Hub model's progress counts them)
 
     def progress(self, source: w.WeightsSource) -> Progress | None:
-        """The latest progress of the download `source` needs, if one runs."""
-        return self._progress.get(source.sha256.lower())
+        """The latest progress of the download `source` needs, if one runs; for a Hub source, of
+        all its files together (the done ones counted whole)."""
+        if not source.files:
+            return self._progress.get(source.sha256.lower())
+        running = [self._progress.get(f.sha256.lower()) for f in source.files]
+        if not any(running):
+            return None
+        done = sum(
+            p.done_bytes if p is not None else (f.size if f.sha256.lower() in self._done else 0)
+            for f, p in zip(source.files, running, strict=True)
+        )
+        return Progress(url=source.repo, done_bytes=done, total_bytes=sum(f.size for f in source.files))
 
     async def prepare(self, source: w.WeightsSource, *, on_wait: Callable[[str], None] | None = None) -> str:
         """The weights' path on this node, there and verified; raises `LlmgwError` saying why not.
 
         `on_wait` is told, in words, what the call waits for (another replica's download).
         """
+        if source.files:
+            return await self._prepare_hub(source, on_wait)
         target = target_of(self.root, source)
         if not source.url:
             if not target.exists():
@@ -131,6 +194,43 @@ class WeightsStore:
                 return str(target)
             await self._download(source, target, digest)
         return str(target)
+
+    async def _prepare_hub(self, source: w.WeightsSource, on_wait: Callable[[str], None] | None) -> str:
+        directory = hub_dir_of(self.root, source)
+        blobs = [(f, blob_of(self.root, f)) for f in source.files]  # every name checked before a byte moves
+        for f, blob in blobs:
+            file_source = w.WeightsSource(
+                url=f.url, sha256=f.sha256, token=source.token, size=f.size, max_bytes=source.max_bytes
+            )
+            digest = f.sha256.lower()
+            lock = self._locks.setdefault(digest, trio.Lock())
+            if lock.locked() and on_wait is not None:
+                on_wait(f"waiting for the download of {f.path} started for another replica")
+            async with lock:
+                if not await self._is_verified(blob, digest):
+                    await self._download(file_source, blob, digest)
+            self._done.add(digest)
+        await trio.to_thread.run_sync(_lay_out, directory, [(check_repo_path(f.path), blob) for f, blob in blobs])
+        first = directory.joinpath(*check_repo_path(source.files[0].path))
+        return str(directory if source.directory else first)
+
+    async def collect(self, keep: set[str], using: Sequence[w.WeightsSource]) -> list[str]:
+        """Delete the downloaded files whose digest is neither in `keep` (what the catalog names)
+        nor used by `using` (the sources of the replicas this node runs), and the Hub directories
+        left linking to nothing; a digest being downloaded now is kept. What was deleted, by name."""
+        keep = {d.lower() for d in keep}
+        for source in using:
+            keep.update(f.sha256.lower() for f in source.files)
+            if source.url:
+                keep.add(source.sha256.lower())
+        keep.update(d for d, lock in self._locks.items() if lock.locked())
+        removed = await trio.to_thread.run_sync(_collect, self.root, keep)
+        for digest in removed:
+            self._done.discard(digest)
+            self._verified = {p: v for p, v in self._verified.items() if p.parent.name != digest}
+        if removed:
+            log.info("weights_removed", digests=len(removed), kept=len(keep))
+        return removed
 
     async def _is_verified(self, target: Path, digest: str) -> bool:
         try:
@@ -172,6 +272,43 @@ class WeightsStore:
         st = target.stat()
         self._verified[target] = (st.st_size, st.st_mtime_ns)
         log.info("weights_ready", url=source.url, path=str(target), bytes=st.st_size)
+
+
+def _lay_out(directory: Path, files: list[tuple[tuple[str, ...], Path]]) -> None:
+    """The model's directory: a link per file to its verified content, made beside and renamed
+    into place, so the directory an engine is given is whole or absent. Blocking."""
+    if directory.is_dir() and all(directory.joinpath(*parts).resolve() == blob for parts, blob in files):
+        return
+    staging = directory.with_name(directory.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    for parts, blob in files:
+        link = staging.joinpath(*parts)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(staging, directory)
+
+
+def _collect(root: Path, keep: set[str]) -> list[str]:
+    """Blocking: the digest directories outside `keep` removed, then the Hub directories whose
+    links lead to nothing (or to a removed file)."""
+    removed = []
+    try:
+        entries = sorted(root.iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if _SHA256.match(entry.name) and entry.is_dir() and not entry.is_symlink() and entry.name not in keep:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    hub = root / HUB_DIR
+    for snapshot in sorted(hub.glob("*/*")) if hub.is_dir() else ():
+        links = [p for p in snapshot.rglob("*") if p.is_symlink()]
+        if snapshot.name.endswith(".new") or not links or any(not p.exists() for p in links):
+            shutil.rmtree(snapshot, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                snapshot.parent.rmdir()  # the repository's directory, once its last revision goes
+    return removed
 
 
 def describe(p: Progress) -> str:

@@ -14,7 +14,7 @@ from llmgw import paths
 from llmgw.config import StoreSection
 from llmgw.errors import MachineError, UsageError
 from llmgw.server.errors import StoreInUse, StoreNotEmpty
-from llmgw.server.store import KeyRow, Store, open_backend, schema, store_path
+from llmgw.server.store import HubModelRow, KeyRow, Store, open_backend, schema, store_path
 from llmgw.server.store.backup import backup
 from llmgw.server.store.migratestore import migrate_store
 from testlib.postgres import Database, PostgresServer
@@ -56,6 +56,9 @@ def fill(store: Store) -> None:
     )
     store.revoke_api_key("k2", now=7.0)
     store.record_catalog({"chat": 1.5, "gone-model": 2.0})
+    store.add_hub_model(
+        HubModelRow(name="from-hub", body={"model": {"name": "from-hub"}}, sealed_token="sealed:abc", added_at=8.5)
+    )
     store.set_placements(
         {"chat-0": {"node": "node-a", "key": "sealed:xyz", "port": 41000}, "chat-1": {"node": "node-b"}}
     )
@@ -98,7 +101,7 @@ def test_sqlite_to_postgresql_and_back_through_the_command(
     assert report == {
         "source": str(store_path(first)),
         "target": f"postgresql://127.0.0.1:{postgres_server.port}/{postgres_db.name}",
-        "rows": {"nodes": 2, "certificates": 3, "placements": 2, "api_keys": 2, "catalog_models": 2},
+        "rows": {"nodes": 2, "certificates": 3, "placements": 2, "api_keys": 2, "catalog_models": 2, "hub_models": 1},
         "verified": True,
     }
     pg = Store.open(tmp_path, postgres_db.settings)

@@ -3,6 +3,7 @@ moved off a lost node (fenced there), rebuilt elsewhere when they fail."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.config import Model, ModelSource
+from llmgw.config import HubSection, Model, ModelSource
 from llmgw.fabrics import FabricMap
 from llmgw.gatewayd import table
 from llmgw.server.links.gatewaytable import rotation_message
@@ -19,6 +20,7 @@ from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas, sealed_keys
 from llmgw.server.state.rotation import gateway_rotation
 from llmgw.server.state.scheduler import Placement
+from llmgw.server.state.weights import weights_source
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
@@ -72,7 +74,9 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
     assert r.reconcile(2) == set()  # nothing changed, nothing pushed
     # The weights' size and the download maximum travel with the assignment.
     sized = Model(name="chat", engine="sim", source=ModelSource(url="https://h/m.gguf", sha256="a" * 64, size=7))
-    [with_size] = r.assignments_for("a", lambda name: sized, max_weights_bytes=64 << 30)
+    [with_size] = r.assignments_for(
+        "a", lambda name: sized, partial(weights_source, max_weights_bytes=64 << 30, hub=HubSection())
+    )
     assert (with_size.weights.size, with_size.weights.max_bytes) == (7, 64 << 30)
 
 

@@ -22,6 +22,7 @@ from llmgw.config.schema import (
     EngineBuild,
     EnginesSection,
     GatewaySection,
+    Model,
     ModelSource,
     ServerConfig,
 )
@@ -89,47 +90,60 @@ def check_server(cfg: ServerConfig) -> list[str]:
     seen: dict[str, int] = {}
     for i, m in enumerate(cfg.models):
         at = f"$.models[{i}]"
-        if not NAME.match(m.name):
-            problems.append(
-                f"model name {m.name!r} may use only letters, digits, '.', '_' and '-' "
-                f"and start with a letter or digit @ {at}.name"
-            )
         if m.name in seen:
             problems.append(f"model name {m.name!r} is already used by $.models[{seen[m.name]}] @ {at}.name")
         seen.setdefault(m.name, i)
-        if m.engine not in ENGINES:
-            problems.append(f"unknown engine {m.engine!r} (one of: {', '.join(ENGINES)}) @ {at}.engine")
-        for key in ("replicas", "nodes_per_replica"):
-            if getattr(m, key) < 1:
-                problems.append(f"must be at least 1 @ {at}.{key}")
-        if m.gpus_per_replica < 0 or m.memory_gb < 0:
-            bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
-            problems.append(f"must not be negative @ {at}.{bad}")
-        source = getattr(cfg.engines, m.engine, None)
-        if source is not None and not source.enabled:
+        if m.source.hf:
             problems.append(
-                f"model {m.name!r} uses {m.engine}, which [engines.{m.engine}] turns off (enabled = false); "
-                f"remove that line or this model @ {at}.engine"
+                f"a model from the Hub is added with `llmgw ctl models add {m.name} --hf {m.source.hf}`, which pins "
+                f"its commit and files; server.toml's models name a url or a path @ {at}.source.hf"
             )
-        if m.routing not in ("", "prefix", "least_outstanding"):
+        problems.extend(check_model(m, cfg.engines, at))
+    return problems
+
+
+def check_model(m: Model, engines: EnginesSection, at: str) -> list[str]:
+    """The rules of one model, wherever it comes from (server.toml, or `llmgw ctl models add`,
+    whose problems name the command's options by these paths)."""
+    problems: list[str] = []
+    if not NAME.match(m.name):
+        problems.append(
+            f"model name {m.name!r} may use only letters, digits, '.', '_' and '-' "
+            f"and start with a letter or digit @ {at}.name"
+        )
+    if m.engine not in ENGINES:
+        problems.append(f"unknown engine {m.engine!r} (one of: {', '.join(ENGINES)}) @ {at}.engine")
+    for key in ("replicas", "nodes_per_replica"):
+        if getattr(m, key) < 1:
+            problems.append(f"must be at least 1 @ {at}.{key}")
+    if m.gpus_per_replica < 0 or m.memory_gb < 0:
+        bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
+        problems.append(f"must not be negative @ {at}.{bad}")
+    source = getattr(engines, m.engine, None)
+    if source is not None and not source.enabled:
+        problems.append(
+            f"model {m.name!r} uses {m.engine}, which [engines.{m.engine}] turns off (enabled = false); "
+            f"remove that line or this model @ {at}.engine"
+        )
+    if m.routing not in ("", "prefix", "least_outstanding"):
+        problems.append(
+            f'unknown routing {m.routing!r}: "prefix" (where the prompt is cached), "least_outstanding", '
+            f"or leave it out (prefix for engines with a prefix cache) @ {at}.routing"
+        )
+    if m.cache_events:
+        if m.engine in ENGINES and m.engine not in EVENT_ENGINES:
             problems.append(
-                f'unknown routing {m.routing!r}: "prefix" (where the prompt is cached), "least_outstanding", '
-                f"or leave it out (prefix for engines with a prefix cache) @ {at}.routing"
+                f"{m.engine} publishes no KV-cache events ({' and '.join(EVENT_ENGINES)} do); remove cache_events "
+                f"@ {at}.cache_events"
             )
-        if m.cache_events:
-            if m.engine in ENGINES and m.engine not in EVENT_ENGINES:
-                problems.append(
-                    f"{m.engine} publishes no KV-cache events ({' and '.join(EVENT_ENGINES)} do); remove cache_events "
-                    f"@ {at}.cache_events"
-                )
-            elif m.routing == "least_outstanding":
-                problems.append(
-                    "cache_events serves routing by prefix, and this model is routed by load (routing = "
-                    f'"least_outstanding"); remove one of them @ {at}.cache_events'
-                )
-        if m.engine == "llamacpp" and m.nodes_per_replica > 1:
-            problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
-        problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
+        elif m.routing == "least_outstanding":
+            problems.append(
+                "cache_events serves routing by prefix, and this model is routed by load (routing = "
+                f'"least_outstanding"); remove one of them @ {at}.cache_events'
+            )
+    if m.engine == "llamacpp" and m.nodes_per_replica > 1:
+        problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
+    problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
     return problems
 
 
@@ -244,7 +258,37 @@ def _check_gateway(gw: GatewaySection) -> list[str]:
     return problems
 
 
+# A path in a Hub repository as a node stores it: segments of plain names, nothing that climbs.
+_REPO_PATH = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._+-]{0,199}/){0,4}[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+
+
+def check_repo_path(path: str) -> bool:
+    return bool(_REPO_PATH.match(path)) and ".." not in path.split("/")
+
+
+def _check_hub_source(src: ModelSource, at: str) -> list[str]:
+    problems = []
+    if src.url or src.path:
+        problems.append(f"a model from the Hub names no url or path @ {at}")
+    if not re.fullmatch(r"[0-9a-f]{40}", src.commit):
+        problems.append(f"a model from the Hub is pinned to a commit (40 lowercase hex digits) @ {at}.commit")
+    if not src.files:
+        problems.append(f"a model from the Hub lists the files its engine needs @ {at}.files")
+    for j, f in enumerate(src.files):
+        if not check_repo_path(f.path):
+            problems.append(f"file path {f.path!r} is not a plain relative path @ {at}.files[{j}].path")
+        if not re.fullmatch(r"[0-9a-f]{64}", f.sha256):
+            problems.append(f"needs its sha256 as 64 lowercase hex digits @ {at}.files[{j}].sha256")
+        if f.size < 0:
+            problems.append(f"must not be negative @ {at}.files[{j}].size")
+    return problems
+
+
 def _check_source(src: ModelSource, at: str, *, needed: bool) -> list[str]:
+    if src.hf:
+        return _check_hub_source(src, at)
+    if src.files or src.commit:
+        return [f"files and commit belong to a model from the Hub (hf) @ {at}"]
     if src.url and src.path:
         return [f"give either url or path, not both @ {at}"]
     if src.size < 0:

@@ -116,12 +116,30 @@ class CASection:
 
 
 @attrs.frozen(kw_only=True)
+class ModelFile:
+    """One file of a model from the Hub: its path in the repository, size and SHA-256, pinned
+    when the model was added (`llmgw.hub.resolve`)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
 class ModelSource:
     url: str = ""
     sha256: str = ""
     size: int = 0  # the file's size in bytes, if given: the download may bring no more (and no other)
     path: str = ""
     token: Secret | None = None
+    # A model from the Hub (`llmgw ctl models add NAME --hf ORG/REPO`; not written in server.toml):
+    # the repository, the revision asked for, the commit it was pinned to and the files the engine
+    # needs, each downloaded from [hub] endpoint and verified on the nodes. The engine is given
+    # the first of `files` (llama.cpp: the GGUF, or its first part) or their directory (vLLM, SGLang).
+    hf: str = ""
+    revision: str = ""
+    commit: str = ""
+    files: tuple[ModelFile, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -301,6 +319,18 @@ class DebugSection:
 
 
 @attrs.frozen(kw_only=True)
+class HubSection:
+    """`[hub]`: where models named by their Hub repository come from (`llmgw ctl models add
+    --hf`): the Hugging Face Hub, or any server that speaks its API (an internal mirror, for a
+    cluster without the internet). `token_file`: a file (mode 0600) holding the token used for
+    gated and private repositories when a model brings none of its own."""
+
+    endpoint: str = "https://huggingface.co"
+    token_file: str = ""
+    timeout_s: float = 30.0
+
+
+@attrs.frozen(kw_only=True)
 class StoreSection:
     """`[store]`: where the control plane keeps its state. `url` is "sqlite" (the state
     directory's llmgw.db) or a libpq connection string (`llmgw.config.storeurl` reads it, and
@@ -326,6 +356,7 @@ class ServerConfig:
     downloads: DownloadsSection = DownloadsSection()
     release: ReleaseSection = ReleaseSection()
     debug: DebugSection = DebugSection()
+    hub: HubSection = HubSection()
     models: tuple[Model, ...] = ()
 
 

@@ -43,6 +43,7 @@ from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.pki.ca import CA
 from llmgw.releasefiles import Running
 from llmgw.server import activation
+from llmgw.server.admin.models import HubModels
 from llmgw.server.admin.ownroutes import OwnRoutes, restarts_metric
 from llmgw.server.admin.privatesocket import serve_admin_socket
 from llmgw.server.front import Bound, cannot_listen, split_hostport
@@ -214,6 +215,18 @@ class ControlPlane:
         ]
         if self.step_timer is not None:
             own_metrics.append(self.step_timer.render)
+        # The models added while the cluster runs (`llmgw ctl models add`): the store's, into the catalog.
+        self.hub_models = HubModels(
+            settings=self.settings,
+            store=store,
+            key_seal=key_seal,
+            changes=self.changes,
+            reconciler=self.reconciler,
+            node_views=lambda: self.replicas.node_views(self.registry.clock.now()),
+            catalog_times=self.catalog_times,
+        )
+        self.hub_models.load(store.at_open.hub_models)
+        self.catalog_times.note(m.name for m in self.config.models)
         # The admin API, /metrics and the cluster page, and the roles behind them.
         self._http_port = split_hostport(config.server.http_listen)[1]  # the port bound, once it is
         self.own_routes = own = OwnRoutes(
@@ -234,6 +247,7 @@ class ControlPlane:
             admin_token=admin_token,
             ca=ca,
             own_metrics=own_metrics,
+            models=self.hub_models,
         )
         self.views, self.operations, self.page, self.admin = own.views, own.operations, own.page, own.admin
         self.http_refusals = own.refusals

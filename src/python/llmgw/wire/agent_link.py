@@ -32,7 +32,10 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # (`ServerHeartbeat.heartbeat_interval_s`: stretched as the cluster grows, llmgw.server.links.heartbeats).
 # 7: an agent's heartbeat says when it was sent (`Heartbeat.sent_at`), for the control plane's
 # figure of how long heartbeats take to count.
-PROTOCOL_VERSION = 8
+# 8: rank 0 publishes KV-cache events on a port of its own (ReplicaAssignment.cache_events, ReplicaStatus.events_port).
+# 9: a model from the Hub, as files laid out like its repository (WeightsSource.files, repo, commit,
+# directory), and the weights a node may delete (DesiredState.keep_files).
+PROTOCOL_VERSION = 9
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -343,6 +346,17 @@ class EngineWant:
 
 
 @attrs.frozen(kw_only=True)
+class WeightsFile:
+    """One file of a model from the Hub: where it is in the repository, where to download it,
+    and what it must be."""
+
+    path: str  # in the repository: the engine finds it there, in the model's directory
+    url: str
+    sha256: str
+    size: int
+
+
+@attrs.frozen(kw_only=True)
 class WeightsSource:
     url: str = ""  # downloaded once per node, verified against sha256
     sha256: str = ""
@@ -350,6 +364,13 @@ class WeightsSource:
     token: str = ""  # bearer token for the download; a secret: never logged
     size: int = 0  # server.toml's size of the file in bytes; 0: not given
     max_bytes: int = 0  # without size or Content-Length, the most the download may bring; 0: the agent's default
+    # A model from the Hub: its files, laid out as in the repository at `commit` (the engine is
+    # given the first file, or for `directory` their directory). Each is downloaded once per
+    # node and verified like a url source.
+    repo: str = ""
+    commit: str = ""
+    files: tuple[WeightsFile, ...] = ()
+    directory: bool = False  # vLLM, SGLang: the engine takes the directory
 
 
 @attrs.frozen(kw_only=True)
@@ -379,6 +400,10 @@ class DesiredState:
     cordoned: bool = False
     engines: tuple[EngineWant, ...] = ()
     replicas: tuple[ReplicaAssignment, ...] = ()  # everything this node should run; others stop
+    # The SHA-256 of every weights file the catalog names (url sources and the Hub's files): the
+    # node may delete the downloaded files it holds that are not among them and that no replica
+    # uses. None (a control plane before this field): delete nothing.
+    keep_files: tuple[str, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

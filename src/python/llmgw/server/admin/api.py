@@ -7,7 +7,10 @@ with a wrong one, the answer is 401 with what to do. Routes:
                                            (a page of N after NODE, and the next page's `after`)
     GET    /admin/v1/replicas              every replica: nodes, state, port; then what is pending and why
     GET    /admin/v1/replicas/ID/logs?lines=N   the tail of each member's engine log (N: 1-10000, default 100)
-    GET    /admin/v1/models                the catalog with ready replicas per model
+    GET    /admin/v1/models                the catalog with ready replicas per model (and, for a model
+                                           from the Hub, its repository, commit, files and estimate)
+    POST   /admin/v1/models                add a model from the Hub; DELETE /admin/v1/models/NAME removes
+                                           one; GET /admin/v1/models/search?q=TEXT (server/admin/modelroutes.py)
     POST   /admin/v1/reload                read server.toml again (catalog, engines)
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
     POST   /admin/v1/nodes/NODE/uncordon
@@ -68,6 +71,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
+from llmgw.server.admin import modelroutes
 from llmgw.server.admin.certificates import CERTIFICATES, certificates
 from llmgw.server.errors import (
     ApiKeyError,
@@ -84,6 +88,7 @@ from llmgw.server.state.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
 from llmgw.server.state.registry import STATES
 
 if TYPE_CHECKING:
+    from llmgw.server.admin.models import HubModels
     from llmgw.server.admin.page import Page
     from llmgw.server.store.asyncstore import AsyncStore
 
@@ -204,6 +209,7 @@ class AdminAPI:
         keys_reached: Callable[[], Awaitable[Any]] | None = None,
         authority: Callable[[], dict[str, Any]] = dict,
         refusals: RefusalLines | None = None,
+        models: HubModels | None = None,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
         certificate serials are recorded and read; `gateways()`: the gateway instances connected
@@ -222,6 +228,7 @@ class AdminAPI:
         self.page = page
         self.store = store
         self.keys = keys
+        self.models = models  # the catalog's models added from the Hub (None: no such routes)
         self._token = token.encode()
 
     def _authorize(self, request: Request) -> None:
@@ -293,10 +300,14 @@ class AdminAPI:
             params.query(request, {})
             body = await listing_json("replicas", await self.views.replica_listing(), {})
             return Response(status=200, body=body, headers=(("content-type", "application/json"),))
-        if request.path == "/admin/v1/models":
-            _allow(request, "GET")
+        if request.path == "/admin/v1/models" and request.method in ("GET", "HEAD"):
             params.query(request, {})
-            return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
+            listed = self.views.model_views(await self.views.replica_listing())
+            if self.models is not None:
+                listed = self.models.detail(listed)
+            return Response.json(200, {"models": listed})
+        if self.models is not None and modelroutes.serves(request.path):
+            return await modelroutes.model_routes(self.models, request)
         if request.path == "/admin/v1/gateways":
             _allow(request, "GET")
             params.query(request, {})

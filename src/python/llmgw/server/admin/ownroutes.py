@@ -32,6 +32,7 @@ from llmgw.http.refusallines import RefusalLines
 from llmgw.metrics import MetricsRegistry, merge
 from llmgw.pki.ca import CA
 from llmgw.server.admin.api import AdminAPI, is_admin_path
+from llmgw.server.admin.models import HubModels
 from llmgw.server.admin.operations import Operations
 from llmgw.server.admin.page import Page, page_origins
 from llmgw.server.gateways.own import Gateways
@@ -72,6 +73,7 @@ class OwnRoutes:
         admin_token: str,
         ca: CA,
         own_metrics: Sequence[Callable[[], str]],
+        models: HubModels | None = None,
     ) -> None:
         """`config()`: the configuration running now (a reload replaces it); `http_port()`:
         `http_listen`'s port, as bound once it is (the page's origins have it); `own_metrics`:
@@ -113,6 +115,7 @@ class OwnRoutes:
             gateways=gateways.feed.views,
             keys_reached=gateways.keys_reached,
             authority=self.authority,
+            models=models,
         )
 
     async def handle(self, request: Request) -> Response | StreamingResponse:

@@ -10,6 +10,7 @@ from its source (`a_node_may_build`), which is when the mirror fetches that sour
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from llmgw.config import Model, ServerConfig
 from llmgw.engines.wants import engines_for, may_build, release_for
@@ -19,6 +20,7 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.weights import catalog_digests, weights_source
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
@@ -63,8 +65,11 @@ class DesiredStates:
             cordoned=bool(node and node.cordoned),
             engines=engines,
             replicas=self.replicas.assignments_for(
-                node_id, self.model, max_weights_bytes=config.downloads.max_weights_bytes
+                node_id,
+                self.model,
+                partial(weights_source, max_weights_bytes=config.downloads.max_weights_bytes, hub=config.hub),
             ),
+            keep_files=catalog_digests(config.models),
         )
 
     def model(self, name: str) -> Model | None:
@@ -88,3 +93,4 @@ class DesiredStates:
             # Why the source is not fetched yet, at each look (debug: there is a look per node change).
             log.debug("mirror_source_not_needed", nodes=len(self.registry.nodes), release_llamacpp=bool(release))
             await changed.wait()
+

@@ -38,6 +38,7 @@ from llmgw.log import get_logger
 from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
+from llmgw.server.state.weights import default_weights
 from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.store.keyseal import KeySeal
 from llmgw.wire import agent_link as w
@@ -153,6 +154,7 @@ class Replicas:
                     alive=state != LOST,
                     why_not=why,
                     avoid=frozenset(self.failed_on.get(node_id, ())),
+                    gpu_memory_bytes=min((g.memory_total_mib for g in inv.gpus), default=0) << 20 if inv else 0,
                 )
             )
         return views
@@ -328,9 +330,12 @@ class Replicas:
         self.saver.offer(self.rows())
 
     def assignments_for(
-        self, node_id: str, model_of: Callable[[str], Model | None], *, max_weights_bytes: int = 0
+        self,
+        node_id: str,
+        model_of: Callable[[str], Model | None],
+        weights_of: Callable[[Model], w.WeightsSource] = default_weights,
     ) -> tuple[w.ReplicaAssignment, ...]:
-        """`max_weights_bytes`: [downloads].max_weights_gib in bytes (0: the agent's default)."""
+        """`weights_of(model)`: where the node gets the model's weights (`desired.weights_source`)."""
         out = []
         for rid in sorted(self.placed.on(node_id)):
             stored = self.placed[rid]
@@ -339,20 +344,12 @@ class Replicas:
             if model is None:
                 continue
             rank0 = self.registry.nodes.get(p.nodes[0])
-            source = model.source
             out.append(
                 w.ReplicaAssignment(
                     replica_id=rid,
                     model=p.model,
                     engine=p.engine,
-                    weights=w.WeightsSource(
-                        url=source.url,
-                        sha256=source.sha256,
-                        path=source.path,
-                        token=source.token.reveal() if source.token else "",
-                        size=source.size,
-                        max_bytes=max_weights_bytes if source.url else 0,
-                    ),
+                    weights=weights_of(model),
                     api_key=stored.api_key,
                     nodes=p.nodes,
                     node_rank=p.nodes.index(node_id),

@@ -44,6 +44,7 @@ class NodeView:
     alive: bool = True  # False: lost or removed; its replicas are rebuilt elsewhere
     why_not: str = ""  # for pending reasons: "cordoned", "lost", ...
     avoid: frozenset[str] = frozenset()  # models that failed here: place them elsewhere
+    gpu_memory_bytes: int = 0  # the smallest of its GPUs' memory (0: no GPU, or not reported)
 
 
 @attrs.frozen(kw_only=True)

@@ -38,7 +38,7 @@ from llmgw.backoff import Backoff, Failures
 from llmgw.config import StoreSection
 from llmgw.log import get_logger
 from llmgw.server.errors import NotLeader, StoreError
-from llmgw.server.store import CertRow, KeyRow, NodeRow, Store
+from llmgw.server.store import CertRow, HubModelRow, KeyRow, NodeRow, Store
 from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.wakeup import Wakeup
 
@@ -57,6 +57,7 @@ class Snapshot:
     placements: dict[str, dict]
     api_keys: tuple[KeyRow, ...]
     catalog: dict[str, float] = attrs.field(factory=dict)  # when each model entered the catalog
+    hub_models: tuple[HubModelRow, ...] = ()  # the models added from the Hub
 
 
 @attrs.define
@@ -104,6 +105,7 @@ class AsyncStore:
                 placements=store.placements(),
                 api_keys=tuple(store.api_keys()),
                 catalog=store.catalog_models(),
+                hub_models=tuple(store.hub_models()),
             )
         except BaseException:
             store.close()
@@ -142,6 +144,12 @@ class AsyncStore:
 
     async def record_catalog(self, created: dict[str, float]) -> None:
         await self._run(self._store.record_catalog, created)
+
+    async def add_hub_model(self, row: HubModelRow) -> bool:
+        return await self._run(self._store.add_hub_model, row)
+
+    async def remove_hub_model(self, name: str) -> bool:
+        return await self._run(self._store.remove_hub_model, name)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         try:

@@ -51,6 +51,14 @@ class KeyRow:
 
 
 @attrs.frozen(kw_only=True)
+class HubModelRow:
+    name: str
+    body: dict  # the catalog entry and its estimate, as JSON
+    sealed_token: str = attrs.field(default="", repr=False)  # keyseal's, '' for none
+    added_at: float
+
+
+@attrs.frozen(kw_only=True)
 class NodeRow:
     node_id: str
     first_seen: float
@@ -341,6 +349,26 @@ class Store:
                 "INSERT INTO catalog_models (name, created) VALUES (?, ?) ON CONFLICT DO NOTHING",
                 sorted(created.items()),
             )
+
+    # -- models added from the Hub ---------------------------------------------------------
+
+    def hub_models(self) -> list[HubModelRow]:
+        rows = self._rows("SELECT name, body, sealed_token, added_at FROM hub_models ORDER BY name")
+        return [HubModelRow(name=r[0], body=json.loads(r[1]), sealed_token=r[2], added_at=r[3]) for r in rows]
+
+    def add_hub_model(self, row: HubModelRow) -> bool:
+        """Record a model added to the catalog; False if one of that name is there already."""
+        with self._write() as tx:
+            added = tx.execute(
+                "INSERT INTO hub_models (name, body, sealed_token, added_at) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (row.name, json.dumps(row.body, sort_keys=True), row.sealed_token, row.added_at),
+            )
+        return added > 0
+
+    def remove_hub_model(self, name: str) -> bool:
+        """Forget a model added to the catalog; False if there was none of that name."""
+        with self._write() as tx:
+            return tx.execute("DELETE FROM hub_models WHERE name = ?", (name,)) > 0
 
     # -- certificates ---------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "revoked_at",
     ),
     "catalog_models": ("name", "created"),
+    "hub_models": ("name", "body", "sealed_token", "added_at"),
 }
 # What the copy's summary calls each table's rows.
 TABLE_ROWS = {
@@ -77,6 +78,7 @@ TABLE_ROWS = {
     "placements": "replica placements",
     "api_keys": "API keys",
     "catalog_models": "catalog models",
+    "hub_models": "models added from the Hub",
 }
 
 
@@ -135,8 +137,23 @@ def _v2(d: Dialect) -> tuple[str, ...]:
     )
 
 
+def _v3(d: Dialect) -> tuple[str, ...]:
+    # The models added while the cluster runs (`llmgw ctl models add NAME --hf ORG/REPO`): each as
+    # its catalog entry (llmgw.config.Model as JSON: the commit and files it is pinned to, the
+    # memory it was sized at), and the token of a gated repository sealed like the engine keys
+    # (llmgw.server.store.keyseal, the model's name as associated data), '' for none.
+    return (
+        f"""CREATE TABLE IF NOT EXISTS hub_models (
+            name          TEXT PRIMARY KEY,
+            body          TEXT NOT NULL,               -- JSON: the model and its estimate
+            sealed_token  TEXT NOT NULL DEFAULT '',
+            added_at      {d.real} NOT NULL
+        )""",
+    )
+
+
 # The schema's history: (version, its statements in a dialect). Append; never edit a released one.
-MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2))
+MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2), (3, _v3))
 LATEST = MIGRATIONS[-1][0]
 # From this version on a database has the lease (`_v2`): a shared PostgreSQL store there is
 # migrated by its leader only (`llmgw.server.store.backend.migrate`).

@@ -1,0 +1,350 @@
+"""The models added while the cluster runs (`llmgw ctl models add|remove|search`, the admin
+API's /admin/v1/models): their one owner, `HubModels`.
+
+An add resolves the request against the Hub (`llmgw.hub.resolve`: commit, files, estimate),
+refuses a model that fits no node or fabric of the cluster, then writes the store (the leader's
+fence refuses a standby's write), and only then changes the catalog running (`Settings.added`)
+and posts a catalog change: the reconciler places its replicas and pushes the nodes, the
+gateways' rotation names it. A failure at any step leaves the catalog as it was. A remove is the
+same in reverse: the replicas stop at the next pass, and the nodes free the files no model of
+the catalog names any more (`DesiredState.keep_files`).
+
+A gated repository's token is sealed in the store like the engine keys (`KeySeal`, with
+"model:NAME" as associated data); it reaches only the agents that download the files, in the
+desired state, and is never shown.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import trio
+
+from llmgw.config import Model, Secret, converter, to_dict
+from llmgw.config.checks import check_model
+from llmgw.engines.registry import SPECS
+from llmgw.errors import LlmgwError, MachineError, UsageError
+from llmgw.hub.client import HubClient, RepoMatch
+from llmgw.hub.files import gguf_choices
+from llmgw.hub.resolve import AddRequest, Resolved, resolve
+from llmgw.log import get_logger
+from llmgw.server.settings import Settings
+from llmgw.server.state.catalogtimes import CatalogTimes
+from llmgw.server.state.changes import Changes
+from llmgw.server.state.liveness import Reconciler
+from llmgw.server.state.scheduler import NodeView
+from llmgw.server.store.asyncstore import AsyncStore
+from llmgw.server.store.core import HubModelRow
+from llmgw.server.store.keyseal import KeySeal
+
+log = get_logger("llmgw.server")
+
+GIB = 1 << 30
+SEARCH_DETAILED = 5  # a search lists every match; the first this many with their files' sizes
+
+
+class UnknownModel(UsageError):
+    """No model of that name in the catalog."""
+
+
+class ModelExists(UsageError):
+    """The catalog has a model of that name already."""
+
+
+class ModelDoesNotFit(UsageError):
+    """No node (or fabric) of the cluster could ever hold a replica of the model."""
+
+
+def _model_from(body: dict[str, Any]) -> Model:
+    return converter.structure(body["model"], Model)
+
+
+class HubModels:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: AsyncStore,
+        key_seal: KeySeal,
+        changes: Changes,
+        reconciler: Reconciler,
+        node_views: Callable[[], Sequence[NodeView]],
+        catalog_times: CatalogTimes | None = None,
+        client: Callable[[], HubClient] | None = None,
+    ) -> None:
+        """`node_views()`: the nodes as placement sees them now; `client()`: the Hub client for
+        [hub] as configured now (a reload may change it)."""
+        self.settings = settings
+        self.store = store
+        self.key_seal = key_seal
+        self.changes = changes
+        self.reconciler = reconciler
+        self.node_views = node_views
+        self.catalog_times = catalog_times
+        self.client = client or (lambda: hub_client(settings))
+        self.estimates: dict[str, dict[str, Any]] = {}  # name -> the estimate's parts, for views
+        self._lock = trio.Lock()  # one add or remove at a time: the name checks hold until the write
+
+    def load(self, rows: Sequence[HubModelRow]) -> None:
+        """The store's models at start (or at a leader's takeover), into the catalog running."""
+        added = {}
+        for row in rows:
+            try:
+                model = _model_from(row.body)
+            except (KeyError, TypeError, ValueError, cattrs.BaseValidationError) as exc:  # said, and left in the store
+                log.error("hub_model_unreadable", model=row.name, error=str(exc)[:200])
+                continue
+            token = self.key_seal.open(f"model:{row.name}", row.sealed_token) if row.sealed_token else None
+            if token is not None:
+                model = _with_token(model, Secret(token))
+            added[row.name] = model
+            self.estimates[row.name] = dict(row.body.get("estimate") or {})
+        self.settings.set_added(added)
+        for name in self.settings.shadowed():
+            log.warning("model_shadowed", model=name, fix="server.toml names it too, and its entry is served")
+
+    async def add(self, req: AddRequest, token: Secret | None = None) -> dict[str, Any]:
+        async with self._lock:
+            self._check_name_free(req.name)
+            client = self.client()
+            if token is not None:
+                client = client.with_token(token)
+            if req.engine:
+                _check_args(req.engine, req.args)
+            resolved = await resolve(client, req)
+            model = resolved.model
+            _check_args(model.engine, model.args)
+            problems = check_model(model, self.settings.current.engines, "$")
+            if problems:
+                raise UsageError("; ".join(_option_named(p) for p in problems))
+            refusal = capacity_refusal(model, resolved.estimate.per_gpu, self.node_views())
+            if refusal:
+                raise ModelDoesNotFit(f"{model.name} ({_size(resolved)}) fits no node of this cluster: {refusal}")
+            self._check_name_free(req.name)  # server.toml reloaded meanwhile
+            estimate = _estimate_view(resolved)
+            row = HubModelRow(
+                name=model.name,
+                body={"model": to_dict(model), "estimate": estimate, "quant": resolved.quant},
+                sealed_token=self.key_seal.seal(f"model:{model.name}", token.reveal()) if token else "",
+                added_at=time.time(),
+            )
+            if not await self.store.add_hub_model(row):
+                raise ModelExists(f"the store has a model named {model.name} already (added by another control plane?)")
+            self.estimates[model.name] = estimate
+            self.settings.set_added({**self.settings.added, model.name: _with_token(model, token) if token else model})
+        log.info(
+            "model_added",
+            model=model.name,
+            hf=req.hf,
+            commit=model.source.commit,
+            files=len(model.source.files),
+            bytes=sum(f.size for f in model.source.files),
+            memory_gb=model.memory_gb,
+        )
+        await self._catalog_changed([model.name])
+        return self.view(model)
+
+    async def remove(self, name: str) -> dict[str, Any]:
+        async with self._lock:
+            if name not in self.settings.added:
+                if any(m.name == name for m in self.settings.file_models):
+                    raise UsageError(f"{name} is in server.toml's [[models]]; remove it there and `llmgw ctl reload`")
+                raise UnknownModel(f"the catalog has no model {name} (`llmgw ctl models` lists them)")
+            if not await self.store.remove_hub_model(name):
+                log.warning("hub_model_not_in_store", model=name)
+            added = dict(self.settings.added)
+            del added[name]
+            self.settings.set_added(added)
+            self.estimates.pop(name, None)
+        log.info("model_removed", model=name)
+        await self._catalog_changed([])
+        return {"removed": name}
+
+    async def search(self, text: str, *, limit: int = 20) -> list[dict[str, Any]]:
+        if not text.strip():
+            raise UsageError("give some text to search for, e.g. `llmgw ctl models search qwen gguf`")
+        client = self.client()
+        matches = await trio.to_thread.run_sync(lambda: client.search(text, limit=limit))
+        nodes = self.node_views()
+        out = []
+        for i, match in enumerate(matches):
+            entry: dict[str, Any] = {"repo": match.repo, "downloads": match.downloads, "likes": match.likes}
+            if i < SEARCH_DETAILED:
+                try:
+                    entry["choices"] = await self._choices(client, match, nodes)
+                except LlmgwError as exc:
+                    entry["error"] = str(exc)
+            else:
+                entry["files"] = len(match.files)
+            out.append(entry)
+        return out
+
+    async def _choices(self, client: HubClient, match: RepoMatch, nodes: Sequence[NodeView]) -> list[dict[str, Any]]:
+        rev = await trio.to_thread.run_sync(lambda: client.revision(match.repo, "main"))
+        out = []
+        for c in gguf_choices(rev.files):
+            # A rough need before any header is read: the weights and a tenth more (the add sizes it exactly).
+            need = int(c.size * 1.1) + (256 << 20)
+            fits = [n.node_id for n in nodes if n.alive and n.memory_bytes >= need]
+            out.append(
+                {
+                    "engine": "llamacpp",
+                    "file": c.files[0].path,
+                    "parts": len(c.files),
+                    "quant": c.quant,
+                    "bytes": c.size,
+                    "approx_memory_bytes": need,
+                    "fits_on": fits,
+                }
+            )
+        shards = [f for f in rev.files if "/" not in f.path and f.path.endswith(".safetensors")]
+        if shards:
+            size = sum(f.size for f in shards)
+            out.append({"engine": "vllm", "file": "*.safetensors", "parts": len(shards), "quant": "", "bytes": size})
+        return out
+
+    def detail(self, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The catalog's views (`model_views`) with where each model comes from, and for one from
+        the Hub its repository, commit, files and estimate."""
+        out = []
+        for v in listed:
+            model = self.settings.added.get(v["model"])
+            if model is None or v["model"] in self.settings.shadowed():
+                out.append({**v, "from": "server.toml"})
+            else:
+                out.append({**v, **self.view(model), "from": "hub"})
+        return out
+
+    def view(self, model: Model) -> dict[str, Any]:
+        src = model.source
+        return {
+            "model": model.name,
+            "engine": model.engine,
+            "hf": src.hf,
+            "revision": src.revision,
+            "commit": src.commit,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in src.files],
+            "bytes": sum(f.size for f in src.files),
+            "replicas": model.replicas,
+            "memory_gb": model.memory_gb,
+            "estimate": self.estimates.get(model.name, {}),
+            "token": "set" if src.token else "none",
+        }
+
+    def _check_name_free(self, name: str) -> None:
+        if any(m.name == name for m in self.settings.file_models):
+            raise ModelExists(
+                f"server.toml's [[models]] has a model named {name}; pick another name, or remove it there first"
+            )
+        if name in self.settings.added:
+            raise ModelExists(f"the catalog has a model named {name} already; `llmgw ctl models remove {name}` first")
+
+    async def _catalog_changed(self, new: list[str]) -> None:
+        self.changes.catalog_changed()
+        await self.reconciler.next_pass()
+        if self.catalog_times is not None and self.catalog_times.note(new):
+            self.changes.rotation.fire()
+
+
+def hub_client(settings: Settings) -> HubClient:
+    """The client of [hub] as configured now, with its token_file's token if it names one."""
+    hub = settings.current.hub
+    token = None
+    if hub.token_file:
+        try:
+            text = Path(hub.token_file).read_text().strip()
+        except OSError as exc:
+            raise MachineError(
+                f"cannot read [hub] token_file {hub.token_file} ({exc.strerror}); fix the path or its permissions"
+            ) from None
+        token = Secret(text) if text else None
+    return HubClient(hub.endpoint, token=token, timeout_s=hub.timeout_s)
+
+
+def capacity_refusal(model: Model, per_gpu: int, nodes: Sequence[NodeView]) -> str:
+    """Why no node (or fabric) of `nodes` could ever hold a replica of `model`, whatever else
+    runs; "" if one could, or if the cluster has no node yet (nothing to judge by)."""
+    live = [n for n in nodes if n.alive]
+    if not live:
+        return ""
+    need = int(model.memory_gb * GIB)
+    gpus = model.gpus_per_replica
+
+    def holds(n: NodeView) -> bool:
+        on_gpus = not gpus or not n.gpu_memory_bytes or n.gpu_memory_bytes >= per_gpu
+        return n.memory_bytes >= need and n.gpus >= gpus and on_gpus
+
+    fitting = [n for n in live if holds(n)]
+    if model.nodes_per_replica == 1:
+        if fitting:
+            return ""
+        if gpus:
+            best = max(live, key=lambda n: (n.gpus >= gpus, n.gpu_memory_bytes))
+            have = f"the best has {best.gpus} GPUs of {best.gpu_memory_bytes / GIB:.2f} GiB"
+            want = f"{gpus} GPUs of {per_gpu / GIB:.2f} GiB each"
+        else:
+            best = max(live, key=lambda n: n.memory_bytes)
+            have = f"the largest has {best.memory_bytes / GIB:.2f} GiB"
+            want = f"{need / GIB:.2f} GiB of memory"
+        return (
+            f"a replica needs {want} on one node; {have}; add a larger node, quantise more (--quant), shorten the context (--args --ctx-size N), or give "
+            "--memory-gb if the estimate is wrong"
+        )
+    by_fabric: dict[str, int] = {}
+    for n in fitting:
+        for f in n.fabrics:
+            by_fabric[f] = by_fabric.get(f, 0) + 1
+    if any(count >= model.nodes_per_replica for count in by_fabric.values()):
+        return ""
+    most = max(by_fabric.values(), default=0)
+    return f"a replica needs {model.nodes_per_replica} nodes of one fabric that each hold its share; at most {most} do"
+
+
+def _check_args(engine: str, args: Sequence[str]) -> None:
+    """No argument may set what llmgw sets itself (the model's path, the port, the key); the rest
+    is checked against the engine's own help by `llmgw ctl engine-check`."""
+    if engine not in SPECS:
+        raise UsageError(f"unknown engine {engine!r} (one of: {', '.join(SPECS)}) (--engine)")
+    overriding = sorted({a.partition("=")[0] for a in args if a.startswith("-")} & SPECS[engine].managed)
+    if overriding:
+        raise UsageError(
+            f"--args sets {', '.join(overriding)}, which llmgw sets itself for {engine}; remove it from the args"
+        )
+
+
+def _with_token(model: Model, token: Secret | None) -> Model:
+    return attrs.evolve(model, source=attrs.evolve(model.source, token=token))
+
+
+def _estimate_view(r: Resolved) -> dict[str, Any]:
+    e = r.estimate
+    return {
+        "total_bytes": e.total,
+        "per_gpu_bytes": e.per_gpu,
+        "weights_bytes": e.weights,
+        "kv_cache_bytes": e.kv_cache,
+        "compute_bytes": e.compute,
+        "output_bytes": e.output,
+        "overhead_bytes": e.overhead,
+        "context": e.context,
+        "parallel": e.parallel,
+        "gpus": e.gpus,
+    }
+
+
+def _size(r: Resolved) -> str:
+    return f"{r.estimate.total / GIB:.2f} GiB estimated"
+
+
+_OPTIONS = {"$.name": "NAME", "$.replicas": "--replicas", "$.engine": "--engine", "$.routing": "--routing"}
+
+
+def _option_named(problem: str) -> str:
+    """A check's problem (`... @ $.replicas`) with the command's option in place of the path."""
+    text, _, at = problem.rpartition(" @ ")
+    return f"{text} ({_OPTIONS.get(at, at)})" if text else problem
