@@ -18,6 +18,7 @@ Hub's storage URLs are signed), and never into a message or the log.
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
 import urllib.error
@@ -174,6 +175,8 @@ class HubClient:
             raise self._error(exc, url, repo=repo, revision=commit, path=path) from None
         except (urllib.error.URLError, OSError) as exc:
             raise self._unreachable(url, exc) from None
+        except http.client.HTTPException as exc:  # not OSError: a status line that is not HTTP, a cut chunk
+            raise self._not_http(url, exc) from None
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -194,6 +197,8 @@ class HubClient:
             raise self._error(exc, url, repo=repo, revision=revision) from None
         except (urllib.error.URLError, OSError) as exc:
             raise self._unreachable(url, exc) from None
+        except http.client.HTTPException as exc:  # not OSError: a status line that is not HTTP, a cut chunk
+            raise self._not_http(url, exc) from None
         if len(body) > MAX_JSON_BYTES:
             raise HubError(f"{url} answered more than {MAX_JSON_BYTES >> 20} MiB of metadata; refusing it")
         try:
@@ -208,6 +213,12 @@ class HubClient:
         return HubError(
             f"cannot reach {self.endpoint} ({reason}) for {url}; check the control plane's network, or set "
             "[hub] endpoint in server.toml to a mirror it can reach"
+        )
+
+    def _not_http(self, url: str, exc: http.client.HTTPException) -> HubError:
+        return HubError(
+            f"{self.endpoint} answered {url} with something that is not HTTP ({type(exc).__name__}: "
+            f"{shown(str(exc))}); is it a Hub (or a mirror of it)? Check [hub] endpoint in server.toml"
         )
 
     def _error(self, exc: urllib.error.HTTPError, url: str, *, repo: str, revision: str, path: str = "") -> LlmgwError:
@@ -237,7 +248,9 @@ class HubClient:
                 f"{repo} has no revision {revision!r}; give a branch, a tag or a commit it has (--revision), or leave it out for main"
             )
         if code == "EntryNotFound" or (exc.code == 404 and path):
-            return UnknownFile(f"{repo} at {revision} has no file {path!r}")
+            return UnknownFile(
+                f"{repo} at {revision} has no file {path!r}; check the path against the repository's files (--file)"
+            )
         if exc.code == 404 and repo and not revision:
             return UnknownRepository(f"{self.endpoint} has no repository {repo}; check the name")
         if exc.code == 404 and repo:
