@@ -16,6 +16,7 @@ from llmgw.commands._options import add_admin_options, client_from
 from llmgw.ctl import engines as engine_texts
 from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
+from llmgw.ctl.models import configure_models
 from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.ctl.tables import format_nodes, state_text, table
 from llmgw.errors import UsageError
@@ -36,13 +37,15 @@ def configure(parser: Parser) -> None:
     nodes.add_argument("--after", default="", metavar="NODE", help="the nodes after this node id (by id)")
     add_json_flag(nodes)
     add_admin_options(nodes)
-    for verb, text, fn in (
-        ("replicas", "list replicas: model, nodes, state, port, restarts; and what is pending, with why", run_replicas),
-        ("models", "list the catalog: each model with its ready and wanted replicas", run_models),
-    ):
-        leaf = add_leaf(sub, verb, text, fn)
-        add_json_flag(leaf)
-        add_admin_options(leaf)
+    replicas = add_leaf(
+        sub,
+        "replicas",
+        "list replicas: model, nodes, state, port, restarts; and what is pending, with why",
+        run_replicas,
+    )
+    add_json_flag(replicas)
+    add_admin_options(replicas)
+    configure_models(sub, add_admin_options, client_from)
     logs = add_leaf(sub, "logs", "show the tail of a replica's engine log, from every node it runs on", run_logs)
     logs.add_argument("replica", help="replica id, as `llmgw ctl replicas` lists it")
     logs.add_argument(
@@ -190,27 +193,6 @@ def run_drain(args: argparse.Namespace) -> int:
     if progress["error"]:
         return 1
     return 0 if progress["done"] or not args.wait else 1
-
-
-def run_models(args: argparse.Namespace) -> int:
-    models = client_from(args).request("GET", "/admin/v1/models")["models"]
-    if args.json:
-        print(json.dumps(models, indent=2))
-        return 0
-    rows = [("MODEL", "ENGINE", "READY", "GPUS", "NODES", "PENDING")]
-    for m in models:
-        rows.append(
-            (
-                m["model"],
-                m["engine"],
-                f"{m['ready']}/{m['replicas']}",
-                m["gpus_per_replica"],
-                m["nodes_per_replica"],
-                "; ".join(m["pending"]) or "-",
-            )
-        )
-    print(table(rows) if models else "no models: add [[models]] to server.toml")
-    return 0
 
 
 def run_cordon(args: argparse.Namespace) -> int:

@@ -59,21 +59,24 @@ class AdminClient:
             raise MachineError(f"cannot read {url_file}; run the command with sudo") from None
         return cls(url, paths.read_admin_token(token_file))
 
-    def request(self, method: str, path: str, body: Any = None, *, follow: bool = True) -> Any:
-        """One call; a standby's answer is followed to the leader it names (`follow`, once)."""
-        status, data, raw = self._exchange(method, path, body)
+    def request(
+        self, method: str, path: str, body: Any = None, *, follow: bool = True, timeout_s: float = TIMEOUT_S
+    ) -> Any:
+        """One call; a standby's answer is followed to the leader it names (`follow`, once).
+        `timeout_s`: how long a call that asks the control plane to reach out (the Hub) may take."""
+        status, data, raw = self._exchange(method, path, body, timeout_s)
         leader = _leader_of(status, data)
         if follow and leader and leader.rstrip("/") != self.url:
-            return AdminClient(leader, self._token).request(method, path, body, follow=False)
+            return AdminClient(leader, self._token).request(method, path, body, follow=False, timeout_s=timeout_s)
         if status >= 400:
             message = (data or {}).get("error", {}).get("message", raw.decode("utf-8", "replace"))
             error = UsageError if status in (404, 405) else PeerError
             raise error(f"{message} (HTTP {status} from {self.url})")
         return data
 
-    def _exchange(self, method: str, path: str, body: Any) -> tuple[int, Any, bytes]:
+    def _exchange(self, method: str, path: str, body: Any, timeout_s: float = TIMEOUT_S) -> tuple[int, Any, bytes]:
         conn_cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(self._parts.hostname, self._parts.port, timeout=TIMEOUT_S)
+        conn = conn_cls(self._parts.hostname, self._parts.port, timeout=timeout_s)
         headers = {"authorization": f"Bearer {self._token}", "accept": "application/json"}
         data = None
         if body is not None:
