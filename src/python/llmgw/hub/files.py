@@ -168,11 +168,19 @@ def _choose_directory(files: Sequence[HubFile], engine: str, *, pattern: str, re
             raise FileChoiceError(f"--file {pattern!r} matches no safetensors file at the top of {repo}")
         gguf = "; it holds GGUF files: use --engine llamacpp" if _gguf_choices(files) else ""
         raise FileChoiceError(f"{repo} has no safetensors weights at its top level, which {engine} needs{gguf}")
+    # Mistral's repositories hold the same weights twice at the top: transformers' shards and
+    # their own consolidated.safetensors, which vLLM skips (it loads what the index names).
+    if any(not _consolidated(f) for f in shards):
+        shards = [f for f in shards if not _consolidated(f)]
     by_name = {f.path: f for f in files}
     if "config.json" not in by_name:
         raise FileChoiceError(f"{repo} has no config.json, which {engine} needs beside the weights")
     rest = [by_name[name] for name in _DIRECTORY_FILES if name in by_name]
     return Choice(files=(rest[0], *rest[1:], *sorted(shards, key=lambda f: f.path)))
+
+
+def _consolidated(f: HubFile) -> bool:
+    return f.path.startswith("consolidated") and f.path.endswith(".safetensors")
 
 
 def _matches(path: str, pattern: str) -> bool:
