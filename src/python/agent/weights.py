@@ -23,8 +23,10 @@ stay inside once resolved.
 
 What the catalog no longer names is deleted (`collect`): the control plane sends with each
 desired state the digests of every weights file its catalog names (`DesiredState.keep_files`),
-and the node removes the downloaded files outside them that no replica it runs uses, and the
-Hub directories that link to nothing kept. A path source, the operator's, is never touched.
+and the node removes the downloaded files outside them that no replica it runs uses, the links
+to them, and the Hub directories left linking to nothing. Two models of one commit (two
+quantisations of a GGUF repository) share its directory, each adding its links. A path source,
+the operator's, is never touched.
 """
 
 from __future__ import annotations
@@ -144,6 +146,9 @@ def blob_of(weights_dir: Path, f: w.WeightsFile) -> Path:
     return weights_dir.resolve() / digest / check_repo_path(f.path)[-1]
 
 
+_FREE = trio.Lock()  # never taken: the lock of a digest no download has asked for yet
+
+
 class WeightsStore:
     """The weights directory of this node, shared by every replica the agent supervises."""
 
@@ -154,6 +159,7 @@ class WeightsStore:
         self._locks: dict[str, trio.Lock] = {}
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> (size, mtime_ns) when its digest matched
         self._progress: dict[str, Progress] = {}  # digest -> latest, written by the download thread
+        self._layouts: dict[Path, trio.Lock] = {}  # a commit's directory -> its layout's lock
         self._done: set[str] = set()  # digests verified here since start (a Hub model's progress counts them)
 
     def progress(self, source: w.WeightsSource) -> Progress | None:
@@ -162,7 +168,9 @@ class WeightsStore:
         if not source.files:
             return self._progress.get(source.sha256.lower())
         running = [self._progress.get(f.sha256.lower()) for f in source.files]
-        if not any(running):
+        # A file's download shows progress from its first chunk on; before that (or between two
+        # files) its lock says that the source's download runs.
+        if not any(running) and not any(self._locks.get(f.sha256.lower(), _FREE).locked() for f in source.files):
             return None
         done = sum(
             p.done_bytes if p is not None else (f.size if f.sha256.lower() in self._done else 0)
@@ -210,7 +218,8 @@ class WeightsStore:
                 if not await self._is_verified(blob, digest):
                     await self._download(file_source, blob, digest)
             self._done.add(digest)
-        await trio.to_thread.run_sync(_lay_out, directory, [(check_repo_path(f.path), blob) for f, blob in blobs])
+        async with self._layouts.setdefault(directory, trio.Lock()):  # two models of one commit: one at a time
+            await trio.to_thread.run_sync(_lay_out, directory, [(check_repo_path(f.path), blob) for f, blob in blobs])
         first = directory.joinpath(*check_repo_path(source.files[0].path))
         return str(directory if source.directory else first)
 
@@ -275,23 +284,34 @@ class WeightsStore:
 
 
 def _lay_out(directory: Path, files: list[tuple[tuple[str, ...], Path]]) -> None:
-    """The model's directory: a link per file to its verified content, made beside and renamed
-    into place, so the directory an engine is given is whole or absent. Blocking."""
-    if directory.is_dir() and all(directory.joinpath(*parts).resolve() == blob for parts, blob in files):
+    """The model's directory: a link per file to its verified content. A new directory is made
+    beside and renamed into place, so it is whole or absent. One that exists (another model of
+    the same commit: another quantisation of a GGUF repository) gets the links it lacks, each
+    renamed into place, and keeps the others': a replica of that model may be using them.
+    Blocking; the caller holds the directory's lock."""
+    if not directory.is_dir():
+        staging = directory.with_name(directory.name + ".new")
+        shutil.rmtree(staging, ignore_errors=True)
+        for parts, blob in files:
+            link = staging.joinpath(*parts)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(blob)
+        os.replace(staging, directory)
         return
-    staging = directory.with_name(directory.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
     for parts, blob in files:
-        link = staging.joinpath(*parts)
+        link = directory.joinpath(*parts)
+        if link.is_symlink() and Path(os.readlink(link)) == blob:
+            continue
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(blob)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(staging, directory)
+        fresh = link.with_name(f".{link.name}.new")  # no file of a repository is named so (check_name)
+        fresh.unlink(missing_ok=True)
+        fresh.symlink_to(blob)
+        os.replace(fresh, link)
 
 
 def _collect(root: Path, keep: set[str]) -> list[str]:
-    """Blocking: the digest directories outside `keep` removed, then the Hub directories whose
-    links lead to nothing (or to a removed file)."""
+    """Blocking: the digest directories outside `keep` removed, then the links to removed files,
+    and the Hub directories left with no link."""
     removed = []
     try:
         entries = sorted(root.iterdir())
@@ -304,7 +324,11 @@ def _collect(root: Path, keep: set[str]) -> list[str]:
     hub = root / HUB_DIR
     for snapshot in sorted(hub.glob("*/*")) if hub.is_dir() else ():
         links = [p for p in snapshot.rglob("*") if p.is_symlink()]
-        if snapshot.name.endswith(".new") or not links or any(not p.exists() for p in links):
+        if not snapshot.name.endswith(".new"):
+            for link in [p for p in links if not p.exists()]:  # another model's, of the same commit
+                link.unlink(missing_ok=True)
+                links.remove(link)
+        if snapshot.name.endswith(".new") or not links:
             shutil.rmtree(snapshot, ignore_errors=True)
             with contextlib.suppress(OSError):
                 snapshot.parent.rmdir()  # the repository's directory, once its last revision goes
