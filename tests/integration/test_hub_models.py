@@ -14,6 +14,8 @@ import hashlib
 import http.client
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -27,12 +29,13 @@ from testlib.cluster import OPERATORS_LLAMACPP, Cluster, wait_until
 from testlib.hubrepos import gguf_repo, safetensors_repo
 from testlib.hubserver import HubServer
 from testlib.llama import llama_server
-from testlib.proc import run_llmgw, tails
+from testlib.proc import build_root, run_llmgw, tails
 
 READY_S = 120.0  # download, the engine's start and the model's load, on a loaded 2-core machine
 GGUF = "llmgw-tests/Tiny-Llama-GGUF"
 GATED = "llmgw-tests/Gated-Llama-GGUF"
 TOKEN = "hf_llmgwtestsgatedtoken0123456789"
+DOCUMENTED = "Qwen/Qwen3-0.6B-GGUF"
 ENGINE_ARGS = ("--args", "--ctx-size", "512", "--threads", "1", "--parallel", "1")
 
 
@@ -47,7 +50,12 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     root = tmp_path_factory.mktemp("hub")
-    repos = [gguf_repo(GGUF), gguf_repo(GATED, gated="manual", token=TOKEN), safetensors_repo()]
+    repos = [
+        gguf_repo(GGUF),
+        gguf_repo(GATED, gated="manual", token=TOKEN),
+        gguf_repo(DOCUMENTED, model="Qwen3-0.6B"),  # the repository the docs' commands name
+        safetensors_repo(),
+    ]
     with HubServer(repos) as hub:
         cluster = Cluster(
             root,
@@ -217,6 +225,41 @@ def test_removed_model_stops_and_its_files_leave_the_node(live: Live) -> None:
     assert "to-remove" not in listed(live)
     again = models(live, "remove", "to-remove", ok=False)
     assert again.returncode != 0 and "no model to-remove" in again.stderr
+
+
+def documented_commands(doc: str, heading: str) -> list[list[str]]:
+    """The `llmgw ctl models` lines of the ```sh block under `heading` in docs/`doc`, as argv."""
+    text = (build_root() / "docs" / doc).read_text()
+    section = text.split(heading, 1)[1]
+    block = re.search(r"^```sh\n(.*?)^```", section, flags=re.M | re.S)
+    assert block, f"docs/{doc} has no sh block under {heading!r}"
+    out = []
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line.split("#", 1)[0])
+        if argv[:1] in (["llmgw"], ["./llmgw"]) and argv[1:3] == ["ctl", "models"]:
+            out.append(argv[3:])
+    return out
+
+
+def test_the_documented_commands_work_as_written(live: Live) -> None:
+    """docs/configuration.md's and the quickstart's commands, against the test Hub holding the
+    repository they name (the state directory given as this cluster's)."""
+    for doc, heading in (
+        ("configuration.md", "### Models from the Hub"),
+        ("quickstart.md", "## A model from the Hugging Face Hub"),
+    ):
+        commands = documented_commands(doc, heading)
+        assert any(c[:1] == ["add"] for c in commands), (doc, commands)
+        for argv in commands:
+            if "--state-dir" in argv:  # the quickstart's, for `up`'s default directory
+                at = argv.index("--state-dir")
+                argv = argv[:at] + argv[at + 2 :]
+            done = models(live, *(argv or ["list"]))
+            assert done.stdout.strip(), argv
+            if argv[:1] == ["search"]:
+                assert DOCUMENTED in done.stdout and "Q8_0" in done.stdout, done.stdout
+    wait_ready(live, "qwen3")
+    chat(live, "qwen3")
 
 
 def test_the_catalog_survives_a_control_plane_restart(live: Live) -> None:

@@ -9,7 +9,8 @@ changed (never silently keeping a file that contradicts the flags):
   nodes of the fabric; `up` removes the sim-big it added when a later run has no such fabric;
 - `--model FILE.gguf`: a llama.cpp model named after the file; `up` removes the one it added
   when a later run serves another file or none;
-- llama.cpp is wanted on the nodes (`[engines.llamacpp] enabled`) only while a model uses it,
+- llama.cpp is wanted on the nodes (`[engines.llamacpp] enabled`) only while a model uses it or
+  a llama-server is named (for a model added later from the Hub, `llmgw ctl models add --hf`),
   and then as the llama-server `--llama-server` names (`version = ""`): the local nodes run that
   one, so the control plane has no source to fetch and nothing is built.
 
@@ -141,7 +142,9 @@ def update(doc: dict[str, Any], owned: tuple[str, ...], shape: Shape, path: Path
             changes.append(f"model {name} now serves {shape.gguf} (was {existing.get('source', {}).get('path')})")
             existing["source"] = {"path": str(shape.gguf)}
 
-    changes.extend(_llamacpp_wanted(doc, any(m.get("engine") == "llamacpp" for m in models), shape.llama_server))
+    # A llama-server named: llama.cpp on the nodes, for a model added later (`ctl models add --hf`).
+    wanted = shape.llama_server or any(m.get("engine") == "llamacpp" for m in models)
+    changes.extend(_llamacpp_wanted(doc, wanted, shape.llama_server))
     _check_servable(models, shape, path)
     return Planned(doc=doc, owned=tuple(mine), changes=tuple(changes))
 
