@@ -302,7 +302,11 @@ def capacity_refusal(model: Model, per_gpu: int, nodes: Sequence[NodeView]) -> s
     if any(count >= model.nodes_per_replica for count in by_fabric.values()):
         return ""
     most = max(by_fabric.values(), default=0)
-    return f"a replica needs {model.nodes_per_replica} nodes of one fabric that each hold its share; at most {most} do"
+    return (
+        f"a replica needs {model.nodes_per_replica} nodes of one fabric that each hold its share "
+        f"({need / GIB:.2f} GiB{f', {gpus} GPUs of {per_gpu / GIB:.2f} GiB' if gpus else ''}); at most {most} do; "
+        "add nodes to that fabric, lower --nodes-per-replica, or give --memory-gb if the estimate is wrong"
+    )
 
 
 def _check_args(engine: str, args: Sequence[str]) -> None:
