@@ -24,7 +24,9 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
 
+from testlib.browser import Chromium, no_console_errors, open_tab, unlabelled_controls
 from testlib.cluster import OPERATORS_LLAMACPP, Cluster, wait_until
 from testlib.hubrepos import gguf_repo, safetensors_repo
 from testlib.hubserver import HubServer
@@ -260,6 +262,48 @@ def test_the_documented_commands_work_as_written(live: Live) -> None:
                 assert DOCUMENTED in done.stdout and "Q8_0" in done.stdout, done.stdout
     wait_ready(live, "qwen3")
     chat(live, "qwen3")
+
+
+async def add_and_remove_on_the_page(live: Live) -> None:
+    url = run_llmgw("ctl", "page", "--actions", "--state-dir", str(live.cluster.state)).stdout.split()[0]
+    browser = Chromium(live.cluster.root / "chromium")
+    try:
+        async with open_tab(browser) as tab:
+            await tab.goto(url)
+            await tab.wait_for("!document.getElementById('add-model').hidden && document.getElementById('model-tiny')")
+            # Search, take a result's quantisation into the form, name it, add it.
+            await tab.evaluate(
+                "document.getElementById('hub-search-text').value = 'Tiny-Llama';"
+                "document.getElementById('hub-search-go').click()"
+            )
+            use = f'document.querySelector(\'[data-repo="{GGUF}"] button[aria-label$="Q8_0"]\')'
+            await tab.wait_for(use, 30)
+            await tab.evaluate(f"{use}.click()")
+            assert await tab.evaluate("document.getElementById('add-repo').value") == GGUF
+            assert await tab.evaluate("document.getElementById('add-quant').value") == "Q8_0"
+            await tab.evaluate(
+                "document.getElementById('add-name').value = 'from-page';"
+                "document.getElementById('add-model-go').click()"
+            )
+            await tab.wait_for("document.querySelector('[data-source=\"from-page\"]')", 60)
+            message = await tab.evaluate("document.getElementById('message').textContent")
+            assert message.startswith("Added from-page: " + GGUF), message
+            assert await unlabelled_controls(tab) == []
+            # Its Remove button asks first; confirmed, the model leaves the page.
+            await tab.evaluate("document.getElementById('remove-from-page').click()")
+            await tab.wait_for("document.getElementById('confirm').open")
+            await tab.evaluate("document.getElementById('confirm-ok').click()")
+            await tab.wait_for("!document.getElementById('model-from-page')", 60)
+            no_console_errors(tab)
+    finally:
+        browser.close()
+
+
+def test_the_page_searches_adds_and_removes_a_model(live: Live) -> None:
+    trio.run(add_and_remove_on_the_page, live)
+    assert "from-page" not in listed(live)
+    done = live.cluster.server.events("admin_call") if live.cluster.server else []
+    assert [e["status"] for e in done if e["path"] == "/admin/v1/models" and e["method"] == "POST"][-1:] == [201]
 
 
 def test_the_catalog_survives_a_control_plane_restart(live: Live) -> None:

@@ -189,11 +189,17 @@ class Life:
         m.set(w.FETCHING)
 
         async def report() -> None:
+            last: tuple[float, int] | None = None  # (when, bytes) at the last look: the rate since
             while True:
                 await trio.sleep(PROGRESS_INTERVAL_S)
                 progress = self.weights.progress(source)
-                if progress is not None:
-                    m.set(w.FETCHING, detail=describe(progress))
+                if progress is None:
+                    last = None
+                    continue
+                now = trio.current_time()
+                rate = (progress.done_bytes - last[1]) / (now - last[0]) if last and now > last[0] else None
+                last = (now, progress.done_bytes)
+                m.set(w.FETCHING, detail=describe(progress, rate))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(report)

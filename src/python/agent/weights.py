@@ -335,9 +335,13 @@ def _collect(root: Path, keep: set[str]) -> list[str]:
     return removed
 
 
-def describe(p: Progress) -> str:
-    """A download's progress in words, for a replica's status."""
+def describe(p: Progress, rate: float | None = None) -> str:
+    """A download's progress in words, for a replica's status; `rate` in bytes a second."""
     done = p.done_bytes / 2**20
+    speed = f", {rate / 2**20:.1f} MiB/s" if rate is not None and rate >= 0 else ""
     if p.total_bytes:
-        return f"downloading weights: {done:.0f} of {p.total_bytes / 2**20:.0f} MiB ({100 * p.done_bytes // p.total_bytes}%)"
-    return f"downloading weights: {done:.0f} MiB"
+        return (
+            f"downloading weights: {done:.0f} of {p.total_bytes / 2**20:.0f} MiB "
+            f"({100 * p.done_bytes // p.total_bytes}%{speed})"
+        )
+    return f"downloading weights: {done:.0f} MiB{speed.replace(', ', ' (', 1) + ')' if speed else ''}"

@@ -17,6 +17,7 @@ partial file.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import shutil
 import ssl
@@ -184,10 +185,10 @@ def _fetch_blocking(
         if exc.code == 416 and offset:  # nothing after what we have: the part may be complete
             return _finish(part, dest, sha256, url, sha256_from)
         raise DownloadError(f"{url} answered HTTP {exc.code} {exc.reason}; check the URL in server.toml") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise DownloadError(
-            f"cannot download {url}: {reason}; check the node's network or use the control plane as mirror"
+            f"cannot download {url}: {reason!r}; check the node's network or use the control plane as mirror"
         ) from None
     with response:
         if response.status == 200 and offset:
@@ -209,7 +210,13 @@ def _fetch_blocking(
                 if done > limit:  # a part kept from before is past the cap already
                     over = True
                     break
-                block = response.read(min(CHUNK, limit - done + 1))  # one byte past the cap says it is passed
+                try:
+                    block = response.read(min(CHUNK, limit - done + 1))  # one byte past the cap says it is passed
+                except (OSError, http.client.HTTPException) as exc:  # cut, reset, or no longer HTTP mid-body
+                    raise DownloadError(
+                        f"the download of {url} broke off at {done} bytes ({exc!r}); what arrived is kept and "
+                        "resumed next time"
+                    ) from None
                 if not block:
                     break
                 if done + len(block) > limit:

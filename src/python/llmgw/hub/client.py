@@ -148,8 +148,8 @@ class HubClient:
                 RepoMatch(
                     repo=entry["id"],
                     files=tuple(s["rfilename"] for s in siblings if isinstance(s, dict) and "rfilename" in s),
-                    downloads=int(entry.get("downloads") or 0),
-                    likes=int(entry.get("likes") or 0),
+                    downloads=_count(entry.get("downloads")),
+                    likes=_count(entry.get("likes")),
                     tags=tuple(t for t in entry.get("tags") or () if isinstance(t, str)),
                 )
             )
@@ -158,9 +158,9 @@ class HubClient:
     def file_url(self, repo: str, commit: str, path: str) -> str:
         return f"{self.endpoint}/{repo}/resolve/{quote(commit, safe='')}/{quote(path)}"
 
-    def read(self, repo: str, commit: str, path: str, *, start: int = 0, length: int, whole: int = 0) -> bytes:
-        """`length` bytes of a file from `start` (fewer at its end); `whole`: the file's size, the
-        most that is read when the server ignores the range."""
+    def read(self, repo: str, commit: str, path: str, *, start: int = 0, length: int) -> bytes:
+        """`length` bytes of a file from `start` (fewer at its end; a server that ignores the
+        range is read up to them and no further)."""
         url = self.file_url(repo, commit, path)
         request = self._request(url)
         request.add_header("Range", f"bytes={start}-{start + length - 1}")
@@ -279,6 +279,11 @@ def _file(sibling: Mapping[str, Any], url: str) -> HubFile:
         raise HubError(f"{url} gives no size for {name!r}: the Hub gives sizes with ?blobs=true; is this a Hub?")
     sha256 = lfs.get("sha256") or (lfs.get("oid") or "")
     return HubFile(path=name, size=size, sha256=str(sha256).lower(), blob_id=str(sibling.get("blobId") or ""))
+
+
+def _count(value: object) -> int:
+    """A count a mirror gives (downloads, likes): 0 when it is not a whole number."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _skip(response: Any, n: int) -> None:

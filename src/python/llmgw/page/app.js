@@ -16,6 +16,7 @@ import {
   renderModels,
   warnings,
   h,
+  table,
 } from "./render.js";
 import { NodeList } from "./nodelist.js";
 
@@ -86,6 +87,7 @@ async function start() {
   if (!s.actions) {
     $("session").title = "Run `llmgw ctl page --actions` for a session that may cordon, drain and revoke.";
   }
+  if (s.actions) setUpAddModel();
   connect();
   setInterval(tickAges, 1000); // counts lost nodes' silence up between updates: no request
   setInterval(() => state.history && draw("gateway"), 10000); // the plots' time axis moves on
@@ -301,6 +303,7 @@ const ACTIONS = {
   cordon: { title: "Cordon", text: (n) => `Cordon ${n}? No new replicas will be placed on it; running ones stay.`, call: (n) => ["POST", `/admin/v1/nodes/${encodeURIComponent(n)}/cordon`] },
   uncordon: { title: "Uncordon", text: (n) => `Uncordon ${n}? New replicas may be placed on it again.`, call: (n) => ["POST", `/admin/v1/nodes/${encodeURIComponent(n)}/uncordon`] },
   drain: { title: "Drain", text: (n) => `Drain ${n}? Its replicas move to other nodes one at a time, each replacement ready before its original stops; then it is cordoned.`, call: (n) => ["POST", `/admin/v1/nodes/${encodeURIComponent(n)}/drain`] },
+  remove: { title: "Remove", text: (m) => `Remove the model ${m}? Its replicas stop, and the nodes delete its files.`, call: (m) => ["DELETE", `/admin/v1/models/${encodeURIComponent(m)}`] },
   revoke: { title: "Revoke", text: (k) => `Revoke the API key ${k}? Its next request is refused. This cannot be undone.`, call: (k) => ["DELETE", `/admin/v1/keys/${encodeURIComponent(k)}`] },
 };
 
@@ -348,6 +351,72 @@ async function showLogs(replica) {
       h("section", {}, h("h3", {}, `${m.node}, rank ${m.rank}`), m.error ? h("p", { class: "bad" }, m.error) : h("pre", { tabindex: "0" }, m.text || "(empty)")),
     ),
   );
+}
+
+// A model from the Hub (a session that may act): search, then add by name, repository and quantisation.
+function setUpAddModel() {
+  $("add-model").hidden = false;
+  $("add-model-nav").hidden = false;
+  $("hub-search-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const text = $("hub-search-text").value.trim();
+    const out = $("hub-search-results");
+    out.replaceChildren(h("p", {}, `Searching the Hub for ${text}…`));
+    const response = await fetch(`/admin/v1/models/search?q=${encodeURIComponent(text)}&limit=10`, { credentials: "same-origin" });
+    if (!response.ok) {
+      out.replaceChildren(h("p", { class: "bad" }, await errorOf(response)));
+      return;
+    }
+    out.replaceChildren(searchResults((await response.json()).results));
+  });
+  $("add-model-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const body = {
+      name: $("add-name").value.trim(),
+      hf: $("add-repo").value.trim(),
+      quant: $("add-quant").value.trim(),
+      replicas: Number($("add-replicas").value || 1),
+    };
+    if ($("add-token").value) body.token = $("add-token").value;
+    say(`Adding ${body.name} from ${body.hf}: resolving it on the Hub…`);
+    const response = await fetch("/admin/v1/models", {
+      method: "POST",
+      credentials: "same-origin",
+      headers: { "x-llmgw-csrf": state.session.csrf, "content-type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    if (!response.ok) {
+      say(`Adding ${body.name} failed: ${await errorOf(response)}`, true);
+      return;
+    }
+    const m = (await response.json()).model;
+    $("add-token").value = "";
+    say(`Added ${m.model}: ${m.hf} at ${m.commit.slice(0, 12)}, ${m.files.length} file(s); its replicas start as the nodes download it.`);
+  });
+}
+
+function searchResults(results) {
+  if (!results.length) return h("p", {}, "No repository matches.");
+  const rows = [];
+  for (const r of results) {
+    if (r.error) rows.push([{}, [r.repo, "", "", "", r.error]]);
+    for (const [i, c] of (r.choices || []).entries()) {
+      const use = h("button", { type: "button", id: `use-${r.repo}-${i}`, "aria-label": `Use ${r.repo} ${c.quant || c.file}` }, "Use");
+      use.addEventListener("click", () => {
+        $("add-repo").value = r.repo;
+        $("add-quant").value = c.engine === "llamacpp" ? c.quant : "";
+        if (!$("add-name").value) $("add-name").value = r.repo.split("/")[1].toLowerCase().replace(/[^a-z0-9._-]/g, "-").slice(0, 63);
+        $("add-name").focus();
+      });
+      const fits = c.fits_on === undefined ? "" : c.fits_on.length ? c.fits_on.slice(0, 4).join(", ") : "no node";
+      rows.push([{ "data-repo": r.repo }, [r.repo, c.file + (c.parts > 1 ? ` (+${c.parts - 1})` : ""), c.quant || "", gib(c.bytes), fits, use]]);
+    }
+  }
+  return table("Repositories found on the Hub", ["Repository", "File", "Quantisation", "Size", "Fits on", "Use"], rows);
+}
+
+function gib(n) {
+  return n >= 2 ** 28 ? `${(n / 2 ** 30).toFixed(2)} GiB` : `${(n / 2 ** 20).toFixed(1)} MiB`;
 }
 
 start();

@@ -32,7 +32,7 @@ function badge(state) {
 }
 
 // A table that becomes one card per row on a narrow screen (each cell labelled by its column).
-function table(caption, columns, rows) {
+export function table(caption, columns, rows) {
   return h(
     "div",
     { class: "scroll" },
@@ -298,6 +298,21 @@ export function renderModels(cluster, ctx) {
         h("span", { class: "muted" }, ` ${m.engine}, ${m.nodes_per_replica} node(s) per replica`),
       ),
     );
+    if (m.from === "hub") {
+      const mib = (n) => `${(n / 2 ** 20).toFixed(0)} MiB`;
+      const e = m.estimate || {};
+      parts.push(
+        h(
+          "p",
+          { class: "source", "data-source": m.model },
+          `From ${m.hf} at ${m.commit.slice(0, 12)} (${m.revision}): ${m.files.length} file(s), ${mib(m.bytes)}`,
+          e.total_bytes ? `; a replica needs about ${mib(e.total_bytes)} (KV cache for ${e.context} tokens)` : "",
+          ctx.actions ? " " : "",
+          ctx.actions ? actionButton(`remove-${m.model}`, "Remove", `Remove the model ${m.model}`, () => ctx.act("remove", m.model)) : "",
+        ),
+      );
+    }
+    for (const line of m.progress || []) parts.push(h("p", { class: "muted", "data-progress": m.model }, line));
     // With many, those not ready first: they are the ones to look at.
     const notReady = placed.filter((r) => r.state !== "ready");
     const shown = placed.length > REPLICA_ROWS ? [...notReady, ...placed.filter((r) => r.state === "ready")].slice(0, REPLICA_ROWS) : placed;

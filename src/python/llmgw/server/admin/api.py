@@ -302,10 +302,7 @@ class AdminAPI:
             return Response(status=200, body=body, headers=(("content-type", "application/json"),))
         if request.path == "/admin/v1/models" and request.method in ("GET", "HEAD"):
             params.query(request, {})
-            listed = self.views.model_views(await self.views.replica_listing())
-            if self.models is not None:
-                listed = self.models.detail(listed)
-            return Response.json(200, {"models": listed})
+            return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
         if self.models is not None and modelroutes.serves(request.path):
             return await modelroutes.model_routes(self.models, request)
         if request.path == "/admin/v1/gateways":

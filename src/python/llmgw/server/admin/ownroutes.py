@@ -85,6 +85,8 @@ class OwnRoutes:
         self.gateway_metrics = gateways.render_metrics
         self.own_metrics = tuple(own_metrics)
         self.views = ClusterViews(registry=registry, replicas=replicas, drains=drains, config=config, changes=changes)
+        if models is not None:
+            self.views.model_detail = models.detail  # where each model comes from: the API's and the page's
         self.operations = Operations(
             settings=settings,
             store=store,

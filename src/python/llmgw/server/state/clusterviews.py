@@ -154,6 +154,8 @@ class ClusterViews:
         self.config = config
         self.changes = changes
         self._last_fabrics: tuple[dict[str, tuple[w.Fabric, ...]], FabricMap] | None = None
+        # Each model's view completed with where it comes from (`HubModels.detail`, set by its owner).
+        self.model_detail: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda listed: listed
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
@@ -200,7 +202,8 @@ class ClusterViews:
 
     def model_views(self, replica_views: Iterable[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The catalog's models, counted from `replica_views` (default: the replicas' views now)."""
-        return model_views(self.config().models, self.replica_views() if replica_views is None else replica_views)
+        listed = model_views(self.config().models, self.replica_views() if replica_views is None else replica_views)
+        return self.model_detail(listed)
 
     def page_look(self) -> PageLook:
         return PageLook(self.registry, self.replicas, self.drains, self.config().engines, self._fabrics_of)

@@ -93,4 +93,3 @@ class DesiredStates:
             # Why the source is not fetched yet, at each look (debug: there is a look per node change).
             log.debug("mirror_source_not_needed", nodes=len(self.registry.nodes), release_llamacpp=bool(release))
             await changed.wait()
-

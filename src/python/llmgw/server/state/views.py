@@ -170,16 +170,23 @@ def pending_views(replicas: Replicas) -> list[dict[str, Any]]:
     return out
 
 
+PROGRESS_SHOWN = 20  # replicas on their way shown per model; `llmgw ctl replicas` lists every one
+
+
 def model_views(models: Sequence[Model], replica_views: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each catalog model with its ready replicas and why any is pending; one pass over the
     replicas (there may be ten thousand), not one per model."""
     ready: dict[str, int] = {}
     pending: dict[str, list[str]] = {}
+    coming: dict[str, list[str]] = {}  # replicas on their way: downloading, starting
     for v in replica_views:
         if v["state"] == w.READY:
             ready[v["model"]] = ready.get(v["model"], 0) + 1
         elif v["state"] == "pending":
             pending.setdefault(v["model"], []).append(v["detail"])
+        elif v["state"] in (w.FETCHING, w.STARTING) and len(coming.get(v["model"], ())) < PROGRESS_SHOWN:
+            what = v["detail"] or v["state"]
+            coming.setdefault(v["model"], []).append(f"{v['replica']} on {','.join(v['nodes'])}: {what}")
     return [
         {
             "model": m.name,
@@ -187,6 +194,7 @@ def model_views(models: Sequence[Model], replica_views: Iterable[Mapping[str, An
             "replicas": m.replicas,
             "ready": ready.get(m.name, 0),
             "pending": pending.get(m.name, []),
+            "progress": coming.get(m.name, []),
             "gpus_per_replica": m.gpus_per_replica,
             "nodes_per_replica": m.nodes_per_replica,
         }
