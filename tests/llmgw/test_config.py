@@ -372,6 +372,16 @@ def test_the_driver_paths_in_agent_toml_are_absolute() -> None:
     ]
 
 
+def test_the_weights_cache_limit_is_a_size_zero_or_more() -> None:
+    cfg = config.agent_config_from_dict({"server": "wss://x:1", "weights_cache_gib": 1.5})
+    assert config.weights_cache_bytes_of(cfg) == 3 << 29
+    assert config.weights_cache_bytes_of(config.agent_config_from_dict({"server": "wss://x:1"})) == 0
+    for bad in (-1, float("nan"), float("inf")):
+        assert problems_of({"server": "wss://x:1", "weights_cache_gib": bad}, kind="agent") == [
+            f"must be a size in GiB, 0 or more (0: no limit but the disk's), got {float(bad)} @ $.weights_cache_gib"
+        ]
+
+
 def test_page_origins_are_origins_each_refused_with_its_index() -> None:
     good = config.server_config_from_dict({"server": {"page_origins": ["http://127.0.0.1:9000", "https://cp.example"]}})
     assert good.server.page_origins == ("http://127.0.0.1:9000", "https://cp.example")

@@ -30,7 +30,7 @@ from agent.node_address import NodeAddress
 from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.weights import WeightsStore
 from llmgw import __version__, private
-from llmgw.config import AgentConfig, control_planes, weights_dir_of
+from llmgw.config import AgentConfig, control_planes, weights_cache_bytes_of, weights_dir_of
 from llmgw.errors import LlmgwError
 from llmgw.linkio import Targets
 from llmgw.log import get_logger
@@ -102,7 +102,8 @@ async def run_agent(
     # The supervisor belongs to the agent, not to the link: replicas outlive any session.
     supervisor = Supervisor(
         state_dir=state_dir,
-        weights=WeightsStore(Path(weights_dir_of(config))),  # public URLs: the system's CAs, not the cluster's
+        # No ssl_context: weights come from public URLs, checked with the system's CAs, not the cluster's.
+        weights=WeightsStore(Path(weights_dir_of(config)), limit_bytes=weights_cache_bytes_of(config)),
         engine_command=engines.command_for,
         gpus=lambda: tuple(g.index for g in current.inventory.gpus),
         listen_host=address,

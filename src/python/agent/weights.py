@@ -27,11 +27,17 @@ and the node removes the downloaded files outside them that no replica it runs u
 to them, and the Hub directories left linking to nothing. Two models of one commit (two
 quantisations of a GGUF repository) share its directory, each adding its links. A path source,
 the operator's, is never touched.
+
+The cache may have a size limit (agent.toml's `weights_cache_gib`): before a download would pass
+it, and at each collect, whole digest directories are evicted least recently used first until
+it fits, never one in use (by a replica here, a prepare under way or a download); the policy and
+how "last used" is kept across restarts are in `agent.weights_cache`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import shutil
@@ -42,6 +48,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from agent import weights_cache as cache
 from llmgw.download import Progress, fetch, sha256_of, weights_cap
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
@@ -152,15 +159,32 @@ _FREE = trio.Lock()  # never taken: the lock of a digest no download has asked f
 class WeightsStore:
     """The weights directory of this node, shared by every replica the agent supervises."""
 
-    def __init__(self, root: Path, *, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, root: Path, *, ssl_context: ssl.SSLContext | None = None, limit_bytes: int = 0) -> None:
         self.root = root
         self.ssl_context = ssl_context
+        self.limit_bytes = limit_bytes  # the cache's size limit; 0: none but the disk's
         self.downloads = 0  # completed transfers, for the log and for tests
+        self.evictions = 0  # digest directories evicted for the size limit, for the log and for tests
         self._locks: dict[str, trio.Lock] = {}
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> (size, mtime_ns) when its digest matched
         self._progress: dict[str, Progress] = {}  # digest -> latest, written by the download thread
         self._layouts: dict[Path, trio.Lock] = {}  # a commit's directory -> its layout's lock
         self._done: set[str] = set()  # digests verified here since start (a Hub model's progress counts them)
+        self._preparing: dict[str, int] = {}  # digest -> prepare calls under way that need it
+        self._using: set[str] = set()  # digests of the replicas here, as the last collect was told
+        self._prepared: set[str] = set()  # digests prepared since the last collect: about to be used
+        self._fitting = trio.Lock()  # one eviction pass at a time, so each sees the last one's result
+        self._warned: tuple[str, ...] = ()  # what was in use at the last over-limit warning
+
+    def held(self) -> list[cache.Held]:
+        """Every downloaded file here (complete or partial): (sha256, bytes, complete, last_used),
+        least recently used first. Cheap (a listing and a stat per file, no hashing): for the
+        control plane, to know which nodes hold which weights."""
+        return cache.scan(self.root.resolve())
+
+    def cache_bytes(self) -> int:
+        """The bytes the downloaded files here take, partial downloads included (what the limit counts)."""
+        return sum(h.bytes for h in self.held())
 
     def progress(self, source: w.WeightsSource) -> Progress | None:
         """The latest progress of the download `source` needs, if one runs; for a Hub source, of
@@ -184,15 +208,33 @@ class WeightsStore:
         `on_wait` is told, in words, what the call waits for (another replica's download).
         """
         if source.files:
-            return await self._prepare_hub(source, on_wait)
+            digests = [f.sha256.lower() for f in source.files]
+        else:
+            target = target_of(self.root, source)
+            if not source.url:
+                if not target.exists():
+                    raise WeightsMissing(
+                        f"weights path {str(target)!r} does not exist on this node; copy the weights there "
+                        "or fix the model's path in server.toml"
+                    )
+                return str(target)
+            digests = [source.sha256.lower()]
+        # Counted before the first await: an eviction planned from now on keeps these.
+        for digest in digests:
+            self._preparing[digest] = self._preparing.get(digest, 0) + 1
+        try:
+            path = await (self._prepare_hub(source, on_wait) if source.files else self._prepare_url(source, on_wait))
+        finally:
+            for digest in digests:
+                self._preparing[digest] -= 1
+                if not self._preparing[digest]:
+                    del self._preparing[digest]
+        cache.touch(self.root.resolve(), digests)
+        self._prepared.update(digests)
+        return path
+
+    async def _prepare_url(self, source: w.WeightsSource, on_wait: Callable[[str], None] | None) -> str:
         target = target_of(self.root, source)
-        if not source.url:
-            if not target.exists():
-                raise WeightsMissing(
-                    f"weights path {str(target)!r} does not exist on this node; copy the weights there "
-                    "or fix the model's path in server.toml"
-                )
-            return str(target)
         digest = source.sha256.lower()
         lock = self._locks.setdefault(digest, trio.Lock())
         if lock.locked() and on_wait is not None:
@@ -226,20 +268,63 @@ class WeightsStore:
     async def collect(self, keep: set[str], using: Sequence[w.WeightsSource]) -> list[str]:
         """Delete the downloaded files whose digest is neither in `keep` (what the catalog names)
         nor used by `using` (the sources of the replicas this node runs), and the Hub directories
-        left linking to nothing; a digest being downloaded now is kept. What was deleted, by name."""
-        keep = {d.lower() for d in keep}
-        for source in using:
-            keep.update(f.sha256.lower() for f in source.files)
-            if source.url:
-                keep.add(source.sha256.lower())
-        keep.update(d for d, lock in self._locks.items() if lock.locked())
+        left linking to nothing; a digest being downloaded now is kept. Then, with a size limit,
+        evict the least recently used files no replica uses until the cache fits. The files in use
+        are marked used now. What was deleted, by digest."""
+        self._using = {f.sha256.lower() for source in using for f in source.files}
+        self._using.update(source.sha256.lower() for source in using if source.url)
+        self._prepared = set()  # a replica prepared since the last collect is in `using` if it still runs
+        cache.touch(self.root.resolve(), self._using)
+        keep = {d.lower() for d in keep} | self._in_use()
         removed = await trio.to_thread.run_sync(_collect, self.root, keep)
-        for digest in removed:
-            self._done.discard(digest)
-            self._verified = {p: v for p, v in self._verified.items() if p.parent.name != digest}
+        self._forget(removed)
         if removed:
             log.info("weights_removed", digests=len(removed), kept=len(keep))
-        return removed
+        return removed + await self._fit()
+
+    def _in_use(self) -> set[str]:
+        """The digests no deletion may touch: used by a replica here, being prepared or downloaded."""
+        locked = {d for d, lock in self._locks.items() if lock.locked()}
+        return self._using | self._prepared | set(self._preparing) | locked
+
+    def _forget(self, digests: list[str]) -> None:
+        for digest in digests:
+            self._done.discard(digest)
+            self._verified = {p: v for p, v in self._verified.items() if p.parent.name != digest}
+
+    async def _fit(self, incoming: int = 0) -> list[str]:
+        """Evict the least recently used files not in use until the cache and `incoming` more
+        bytes fit the limit; warn when what is in use alone does not. What was evicted, by digest."""
+        if not self.limit_bytes:
+            return []
+        root = self.root.resolve()
+        async with self._fitting:
+            held = await trio.to_thread.run_sync(cache.scan, root)
+            in_use = self._in_use()
+            plan = cache.plan(held, limit=self.limit_bytes, protected=in_use, incoming=incoming)
+            # No await from the plan to the renames: a prepare that starts later finds the file gone.
+            evicted = [h for h in plan.evict if cache.retire(root, h.sha256)]
+            if evicted:
+                await trio.to_thread.run_sync(_remove_evicted, root)
+        for h in evicted:
+            last_used = datetime.datetime.fromtimestamp(h.last_used, datetime.timezone.utc)
+            log.info("weights_evicted", sha256=h.sha256, bytes=h.bytes, last_used=last_used.isoformat())
+        self.evictions += len(evicted)
+        self._forget([h.sha256 for h in evicted])
+        kept = tuple(h.sha256 for h in plan.kept_in_use)
+        if plan.short and kept != self._warned:
+            log.warning(
+                "weights_cache_over_limit",
+                limit_gib=round(self.limit_bytes / 2**30, 3),
+                in_use_gib=round(sum(h.bytes for h in plan.kept_in_use) / 2**30, 3),
+                in_use=list(kept),
+                incoming_bytes=incoming,
+                detail="the files replicas here use, or that are being fetched, do not fit weights_cache_gib: "
+                "they are kept and downloads need only the disk's free space; raise weights_cache_gib in "
+                "agent.toml or place fewer models on this node",
+            )
+        self._warned = kept if plan.short else ()
+        return [h.sha256 for h in evicted]
 
     async def _is_verified(self, target: Path, digest: str) -> bool:
         try:
@@ -265,6 +350,9 @@ class WeightsStore:
             self._progress[digest] = p
 
         log.info("weights_download", url=source.url, path=str(target))
+        part = target.with_name(target.name + ".part")
+        arrived = part.stat().st_size if part.exists() else 0  # counted in the cache already
+        await self._fit(max(0, source.size - arrived))  # a size not known: 0, and a pass after the download
         try:
             await fetch(
                 source.url,
@@ -281,6 +369,7 @@ class WeightsStore:
         st = target.stat()
         self._verified[target] = (st.st_size, st.st_mtime_ns)
         log.info("weights_ready", url=source.url, path=str(target), bytes=st.st_size)
+        await self._fit()
 
 
 def _lay_out(directory: Path, files: list[tuple[tuple[str, ...], Path]]) -> None:
@@ -321,6 +410,18 @@ def _collect(root: Path, keep: set[str]) -> list[str]:
         if _SHA256.match(entry.name) and entry.is_dir() and not entry.is_symlink() and entry.name not in keep:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
+    _clean_hub(root)
+    return removed
+
+
+def _remove_evicted(root: Path) -> None:
+    """Blocking: the retired digest directories deleted, then the Hub links left pointing at nothing."""
+    cache.remove_retired(root)
+    _clean_hub(root)
+
+
+def _clean_hub(root: Path) -> None:
+    """Blocking: the links to files no longer here removed, and the Hub directories left with no link."""
     hub = root / HUB_DIR
     for snapshot in sorted(hub.glob("*/*")) if hub.is_dir() else ():
         links = [p for p in snapshot.rglob("*") if p.is_symlink()]
@@ -332,7 +433,6 @@ def _collect(root: Path, keep: set[str]) -> list[str]:
             shutil.rmtree(snapshot, ignore_errors=True)
             with contextlib.suppress(OSError):
                 snapshot.parent.rmdir()  # the repository's directory, once its last revision goes
-    return removed
 
 
 def describe(p: Progress, rate: float | None = None) -> str:

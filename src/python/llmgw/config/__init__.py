@@ -60,6 +60,7 @@ from llmgw.config.schema import (
     control_planes,
     parse_fabric_flag,
     pip_requirement,
+    weights_cache_bytes_of,
     weights_dir_of,
 )
 
@@ -111,5 +112,6 @@ __all__ = [
     "pip_requirement",
     "server_config_from_dict",
     "to_dict",
+    "weights_cache_bytes_of",
     "weights_dir_of",
 ]

@@ -357,6 +357,11 @@ def check_agent(cfg: AgentConfig) -> list[str]:
     for key in ("nvidia_smi", "ib_root", "sminfo"):  # the agent runs from / under systemd: relative means nothing
         if not getattr(cfg, key).startswith("/"):
             problems.append(f"{key} must be an absolute path, got {getattr(cfg, key)!r} @ $.{key}")
+    if not (math.isfinite(cfg.weights_cache_gib) and cfg.weights_cache_gib >= 0):
+        problems.append(
+            f"must be a size in GiB, 0 or more (0: no limit but the disk's), got {cfg.weights_cache_gib} "
+            "@ $.weights_cache_gib"
+        )
     if cfg.weights_dir and not cfg.weights_dir.startswith("/"):
         problems.append(f"weights_dir must be an absolute path, got {cfg.weights_dir!r} @ $.weights_dir")
     if cfg.node_id and not NAME.match(cfg.node_id):

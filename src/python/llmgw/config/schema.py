@@ -380,6 +380,9 @@ class AgentConfig:
     ib_root: str = DEFAULT_IB_ROOT
     sminfo: str = DEFAULT_SMINFO
     weights_dir: str = ""  # "" means <state_dir>/weights
+    # The downloaded weights kept here, at most (GiB); past it the least recently used unused files
+    # go (agent.weights_cache). 0: no limit but the disk's.
+    weights_cache_gib: float = 0.0
     fabrics: tuple[FabricDecl, ...] = ()
     llamacpp_bin: str = ""  # an operator-installed llama-server: used on this node whatever server.toml pins
     vllm_bin: str = ""  # an operator-installed `vllm` executable
@@ -396,6 +399,11 @@ def control_planes(cfg: AgentConfig) -> tuple[str, ...]:
 
 def weights_dir_of(cfg: AgentConfig) -> str:
     return cfg.weights_dir or str(Path(cfg.state_dir) / "weights")
+
+
+def weights_cache_bytes_of(cfg: AgentConfig) -> int:
+    """agent.toml's `weights_cache_gib` in bytes; 0: no limit."""
+    return int(cfg.weights_cache_gib * 2**30)
 
 
 def parse_fabric_flag(text: str) -> FabricDecl:
