@@ -183,4 +183,6 @@ def catch_up(said: w.Hello, now: w.Hello) -> list[w.AgentMessage]:
         out.append(w.EnginesChanged(engines=now.engines))
     if now.replicas != said.replicas:
         out.append(w.ReplicasChanged(replicas=now.replicas))
+    if now.weights != said.weights:
+        out.append(w.WeightsChanged(weights=now.weights))
     return out

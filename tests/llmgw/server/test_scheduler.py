@@ -160,3 +160,30 @@ def test_replicas_held_back_for_one_reason_are_one_pending_entry_with_their_coun
     p = plan([node("a", schedulable=False, why_not="joining")], [model(replicas=3), model("other")], [])
     assert [(x.model, x.replicas) for x in p.pending] == [("m", 3), ("other", 1)]
     assert p.pending[0].reason == "needs 1 node with working sim, none available (a joining)"
+
+
+def test_a_replica_goes_where_its_weights_are_other_things_equal() -> None:
+    from llmgw.config import ModelFile, ModelSource
+
+    files = (
+        ModelFile(path="m-00001-of-00002.gguf", size=1, sha256="a" * 64),
+        ModelFile(path="m-00002-of-00002.gguf", size=1, sha256="b" * 64),
+    )
+    hub = model(engine="llamacpp", replicas=2, source=ModelSource(hf="o/r", commit="c" * 40, files=files))
+    holds, part = frozenset({"a" * 64, "b" * 64}), frozenset({"a" * 64})
+    nodes = [node("a"), node("b", holds=part), node("c", holds=holds), node("d", holds=holds | {"x" * 64})]
+    # The two nodes holding both parts, though they sort last by name; spread still comes first.
+    assert sorted(x.nodes for x in plan(nodes, [hub], []).start) == [("c",), ("d",)]
+    three = plan(nodes, [attrs.evolve(hub, replicas=3)], [])
+    assert sorted(x.nodes for x in three.start) == [("a",), ("c",), ("d",)]
+    # A URL source counts its one file; a path source none (every node is alike).
+    url = model("u", engine="llamacpp", source=ModelSource(url="http://x/m.gguf", sha256="b" * 64))
+    assert [x.nodes for x in plan(nodes, [url], []).start] == [("c",)]
+    path = model("p", engine="llamacpp", source=ModelSource(path="/m.gguf"))
+    assert [x.nodes for x in plan(nodes, [path], []).start] == [("a",)]
+    # A drain or a lost node: the replacement goes to the other holder, d, not to a or b.
+    placed = plan(nodes, [attrs.evolve(hub, replicas=1)], []).start
+    assert [x.nodes for x in placed] == [("c",)]
+    drained = [n if n.node_id != "c" else attrs.evolve(n, schedulable=False) for n in nodes]
+    fresh = plan([n for n in drained if n.node_id != "c"], [attrs.evolve(hub, replicas=1)], [])
+    assert [x.nodes for x in fresh.start] == [("d",)]

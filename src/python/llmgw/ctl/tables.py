@@ -72,6 +72,7 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
         "VLLM",
         "FABRICS",
         "CERT EXPIRES",
+        "WEIGHTS",
     )
     rows = [header]
     for n in nodes:
@@ -91,6 +92,19 @@ def format_nodes(nodes: list[dict[str, Any]]) -> str:
                 _vllm(n),
                 _fabrics(n),
                 f"{n['cert_not_after']} ({n['cert_expires_in_days']:.0f}d)" if n.get("cert_not_after") else "-",
+                _weights(n.get("weights")),
             )
         )
     return table(rows)
+
+
+def _weights(held: dict[str, Any] | None) -> str:
+    """A node's weights cache: "3 files, 4.1 GiB (limit 50 GiB), 1 downloading"."""
+    if not held or not (held["files"] or held["downloading"]):
+        return "-"
+    text = f"{held['files']} files, {held['bytes'] / 2**30:.1f} GiB"
+    if held["limit_bytes"]:
+        text += f" (limit {held['limit_bytes'] / 2**30:g} GiB)"
+    if held["downloading"]:
+        text += f", {held['downloading']} downloading"
+    return text

@@ -217,6 +217,12 @@ export function nodeDetails(n, ctx) {
     rows.push(["Last drain", `${d.moved} of ${d.total} replicas moved, ${d.error ? `stopped: ${d.error}` : d.done ? "done" : "running"}`]);
   }
   if (n.replicas.length) rows.push(["Replicas", n.replicas.map((r) => h("div", {}, `${r.replica} (rank ${r.rank}): ${r.state}`))]);
+  const wc = n.weights;
+  if (wc && (wc.files || wc.downloading)) {
+    const limit = wc.limit_bytes ? ` of a ${(wc.limit_bytes / 2 ** 30).toFixed(0)} GiB limit` : "";
+    const more = wc.downloading ? `, ${wc.downloading} downloading` : "";
+    rows.push(["Weights cache", `${wc.files} file(s), ${(wc.bytes / 2 ** 30).toFixed(1)} GiB${limit}${more}; ${(wc.free_bytes / 2 ** 30).toFixed(1)} GiB free`]);
+  }
   const parts = [h("dl", { class: "details" }, rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]))];
   if (ctx.actions) parts.push(nodeActions(n, ctx, "dlg-"));
   return parts;

@@ -34,7 +34,8 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # figure of how long heartbeats take to count.
 # 8: rank 0 publishes KV-cache events on a port of its own (ReplicaAssignment.cache_events, ReplicaStatus.events_port).
 # 9: a model from the Hub, as files laid out like its repository (WeightsSource.files, repo, commit,
-# directory), and the weights a node may delete (DesiredState.keep_files).
+# directory), and the weights a node may delete (DesiredState.keep_files); what a node's weights
+# cache holds (Hello.weights, WeightsChanged).
 PROTOCOL_VERSION = 9
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
@@ -231,6 +232,28 @@ REPLICA_STATES = (FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPP
 
 
 @attrs.frozen(kw_only=True)
+class HeldFile:
+    """A weights file in a node's cache: whole and verified, or a download under way (`complete`
+    False, `size` what has arrived)."""
+
+    sha256: str
+    size: int
+    complete: bool = True
+    last_used: float = 0.0  # unix time a replica last used it (0: not known)
+
+
+@attrs.frozen(kw_only=True)
+class WeightsHeld:
+    """What a node's weights cache holds, for placement (a replica goes where its files are) and
+    for people (`ctl nodes`: files and disk use)."""
+
+    files: tuple[HeldFile, ...] = ()
+    cache_bytes: int = 0  # every file's bytes, partial ones included
+    limit_bytes: int = 0  # agent.toml's weights_cache_gib in bytes; 0: no limit
+    free_bytes: int = 0  # free on the disk of the weights directory
+
+
+@attrs.frozen(kw_only=True)
 class Hello:
     protocol_version: int
     node_id: str
@@ -240,6 +263,7 @@ class Hello:
     inventory: Inventory
     engines: tuple[EngineStatus, ...] = ()
     replicas: tuple[ReplicaStatus, ...] = ()
+    weights: WeightsHeld = WeightsHeld()
 
 
 @attrs.frozen(kw_only=True)
@@ -253,6 +277,11 @@ class Heartbeat:
 @attrs.frozen(kw_only=True)
 class InventoryChanged:
     inventory: Inventory
+
+
+@attrs.frozen(kw_only=True)
+class WeightsChanged:
+    weights: WeightsHeld
 
 
 @attrs.frozen(kw_only=True)
@@ -435,7 +464,9 @@ class LinkError:
     message: str
 
 
-AgentMessage = Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | LogsReply | LinkError
+AgentMessage = (
+    Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | WeightsChanged | LogsReply | LinkError
+)
 ServerMessage = Welcome | DesiredState | LogsRequest | ServerHeartbeat | Redirect | LinkError
 
 # Error codes of LinkError.

@@ -19,7 +19,7 @@ together in memory are the protocol's tests (tests/llmgw/wire/test_session.py).
                                                or, from a control plane that does not lead,
                                                Redirect (where the leader is), LinkError, closed
     the Welcome is for our node id, names a server version and a heartbeat we can keep
-    Heartbeat, InventoryChanged,
+    Heartbeat, InventoryChanged, WeightsChanged,
     EnginesChanged, ReplicasChanged  ------->
            <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`),
                                                ServerHeartbeat every heartbeat interval (`heartbeat`)
@@ -30,7 +30,7 @@ RECEIVES and SENDS below are the whole of the sequence. What waits for a slow re
 that reads nothing:
 
 - coalesced, a newer replacing an unsent older one in its place: DesiredState, ServerHeartbeat,
-  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged (each says the whole of what it reports; a
+  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged, WeightsChanged (each says the whole of what it reports; a
   DesiredState is made by `desired_state` when the writer takes it, so it is the newest then);
 - bounded: at most MAX_LOGS_ASKED LogsRequests asked and unanswered per link (past it
   `request_logs` gives None and the caller answers for the node), and as many LogsReplies unsent
@@ -74,7 +74,7 @@ from llmgw.wire.session import (
 )
 
 AGENT = "agent"
-_REPORTS = (w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.LogsReply)
+_REPORTS = (w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.WeightsChanged, w.LogsReply)
 MAX_LOGS_ASKED = 8  # LogsRequests asked and unanswered on one link; LogsReplies unsent
 
 # role -> state -> {message type that side may receive: the state after it}
@@ -109,7 +109,7 @@ SENDS: dict[str, dict[State, dict[type, State]]] = {
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
     SERVER: (frozenset({w.DesiredState, w.ServerHeartbeat}), {w.LogsRequest: MAX_LOGS_ASKED}),
     AGENT: (
-        frozenset({w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged}),
+        frozenset({w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.WeightsChanged}),
         {w.LogsReply: MAX_LOGS_ASKED},
     ),
 }
@@ -163,6 +163,11 @@ class InventoryReported:
 
 
 @attrs.frozen(kw_only=True)
+class WeightsReported:
+    weights: w.WeightsHeld
+
+
+@attrs.frozen(kw_only=True)
 class EnginesReported:
     engines: tuple[w.EngineStatus, ...]
 
@@ -204,6 +209,7 @@ Event = (
     Joined
     | HeartbeatReceived
     | InventoryReported
+    | WeightsReported
     | EnginesReported
     | ReplicasReported
     | LogsAnswered
@@ -219,6 +225,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.Hello: lambda m: Joined(hello=m),
     w.Heartbeat: lambda m: HeartbeatReceived(seq=m.seq, sent_at=m.sent_at),
     w.InventoryChanged: lambda m: InventoryReported(inventory=m.inventory),
+    w.WeightsChanged: lambda m: WeightsReported(weights=m.weights),
     w.EnginesChanged: lambda m: EnginesReported(engines=m.engines),
     w.ReplicasChanged: lambda m: ReplicasReported(replicas=m.replicas),
     w.LogsReply: lambda m: LogsAnswered(reply=m),

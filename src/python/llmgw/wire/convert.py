@@ -203,6 +203,7 @@ _ALL = (
     | agent_link.InventoryChanged
     | agent_link.EnginesChanged
     | agent_link.ReplicasChanged
+    | agent_link.WeightsChanged
     | agent_link.LogsReply
     | agent_link.LogsRequest
     | agent_link.Welcome

@@ -188,6 +188,10 @@ class AgentLinks(LinkServer[LinkedAgent]):
             self.registry.inventory_changed(link.node_id, link.conn_id, event.inventory)
             self.on_change()
             link.push()  # e.g. a GPU appeared: vLLM is now wanted
+        elif isinstance(event, s.WeightsReported):
+            # Placement reads the whole files; a download's progress changes only what is shown.
+            if self.registry.weights_changed(link.node_id, link.conn_id, event.weights):
+                self.on_change()
         elif isinstance(event, s.LogsAnswered):
             link.logs.give(event.reply.request_id, event.reply)
         elif isinstance(event, s.ReplicasReported):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw.looplag import StallClock
-from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus
+from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus, WeightsHeld
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
 STATES = (JOINED, JOINING, LOST, UNKNOWN)
@@ -63,6 +63,7 @@ class Node:
     inventory: Inventory | None = None
     engines: tuple[EngineStatus, ...] = ()
     replicas: tuple[ReplicaStatus, ...] = ()  # what the agent reports running
+    weights: WeightsHeld = WeightsHeld()  # what its weights cache holds, as it reports it
 
 
 @attrs.frozen(kw_only=True)
@@ -113,6 +114,7 @@ class NodeRegistry:
         node.inventory = hello.inventory
         node.engines = hello.engines
         node.replicas = hello.replicas
+        node.weights = hello.weights
         old = node.link
         node.link = AgentLinkRecord(
             conn_id=self._next_conn,
@@ -158,6 +160,16 @@ class NodeRegistry:
     def inventory_changed(self, node_id: str, conn_id: int, inventory: Inventory) -> None:
         if self._link(node_id, conn_id) is not None:
             self.nodes[node_id].inventory = inventory
+
+    def weights_changed(self, node_id: str, conn_id: int, weights: WeightsHeld) -> bool:
+        """Keep what the node's weights cache holds; True if the set of whole files changed (what
+        placement reads), not only a download's progress."""
+        if self._link(node_id, conn_id) is None:
+            return False
+        node = self.nodes[node_id]
+        before = node.weights
+        node.weights = weights
+        return {f.sha256 for f in before.files if f.complete} != {f.sha256 for f in weights.files if f.complete}
 
     def engines_changed(self, node_id: str, conn_id: int, engines: tuple[EngineStatus, ...]) -> bool:
         """Keep what the node reports; True if more than an install's progress changed (worth a log line)."""

@@ -155,6 +155,7 @@ class Replicas:
                     why_not=why,
                     avoid=frozenset(self.failed_on.get(node_id, ())),
                     gpu_memory_bytes=min((g.memory_total_mib for g in inv.gpus), default=0) << 20 if inv else 0,
+                    holds=frozenset(f.sha256 for f in node.weights.files if f.complete),
                 )
             )
         return views

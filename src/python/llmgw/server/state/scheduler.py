@@ -45,6 +45,7 @@ class NodeView:
     why_not: str = ""  # for pending reasons: "cordoned", "lost", ...
     avoid: frozenset[str] = frozenset()  # models that failed here: place them elsewhere
     gpu_memory_bytes: int = 0  # the smallest of its GPUs' memory (0: no GPU, or not reported)
+    holds: frozenset[str] = frozenset()  # the SHA-256 of the whole weights files its cache holds
 
 
 @attrs.frozen(kw_only=True)
@@ -176,8 +177,8 @@ def plan(
 
 class _Pool:
     """Where the replicas of one model go, one after another, each as `_candidates` would rank
-    them (spread first: fewest replicas of the model on the node, then most free GPUs, then the
-    name) without a pass over every node per replica. The nodes that may run the model at all
+    them (spread first: fewest replicas of the model on the node, then the nodes holding its
+    weights, then most free GPUs, then the name) without a pass over every node per replica. The nodes that may run the model at all
     (schedulable, its engine, not failed with it) are found once. A single-node replica takes
     the least node of a heap whose keys are lower bounds of the real ones (a node's count of
     replicas only grows and its free GPUs only shrink within a plan): a node popped with a stale
@@ -189,14 +190,18 @@ class _Pool:
         self.model, self.free = model, free
         self.memory = int(model.memory_gb * GIB)
         self.eligible = [n for n in nodes if n.schedulable and model.engine in n.engines and model.name not in n.avoid]
-        self.heap: list[tuple[int, int, str]] = []
+        # Nodes without the model's weights come after those holding them, other things equal:
+        # a replica there downloads nothing (a drain or a failure moves replicas to holders first).
+        files = model_files(model)
+        self.lacks = {n.node_id: int(bool(files) and not files <= n.holds) for n in self.eligible}
+        self.heap: list[tuple[int, int, int, str]] = []
         if model.nodes_per_replica == 1:
             self.heap = [self._key(n.node_id) for n in self.eligible]
             heapq.heapify(self.heap)
 
     def _key(self, node_id: str) -> tuple[int, int, str]:
         free = self.free
-        return (free.per_model.get((self.model.name, node_id), 0), -free.gpus[node_id], node_id)
+        return (free.per_model.get((self.model.name, node_id), 0), self.lacks[node_id], -free.gpus[node_id], node_id)
 
     def _fits(self, node_id: str) -> bool:
         return self.free.gpus[node_id] >= self.model.gpus_per_replica and self.free.memory[node_id] >= self.memory
@@ -207,7 +212,7 @@ class _Pool:
             heap = self.heap
             while heap:
                 key = heap[0]
-                node_id = key[2]
+                node_id = key[-1]
                 if not self._fits(node_id):
                     heapq.heappop(heap)  # resources only shrink: it will not fit this model again
                     continue
@@ -269,6 +274,13 @@ def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]
     return out
 
 
+def model_files(model: Model) -> frozenset[str]:
+    """The SHA-256 of every weights file a replica of `model` needs (none for a path source)."""
+    if model.source.files:
+        return frozenset(f.sha256 for f in model.source.files)
+    return frozenset({model.source.sha256.lower()}) if model.source.url else frozenset()
+
+
 def _slot(p: Placement) -> int:
     tail = p.replica_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 1 << 30
@@ -290,8 +302,17 @@ def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[l
             reasons.append(f"{n.node_id} has {free.memory[n.node_id] / GIB:.1f} GiB free")
         else:
             ok.append(n)
-    # Spread: nodes without a replica of this model first; then the most free GPUs, then name.
-    ok.sort(key=lambda n: (free.per_model.get((model.name, n.node_id), 0), -free.gpus[n.node_id], n.node_id))
+    # Spread: nodes without a replica of this model first; then those holding its weights, the
+    # most free GPUs, the name.
+    files = model_files(model)
+    ok.sort(
+        key=lambda n: (
+            free.per_model.get((model.name, n.node_id), 0),
+            int(bool(files) and not files <= n.holds),
+            -free.gpus[n.node_id],
+            n.node_id,
+        )
+    )
     return ok, "; ".join(reasons) or "no nodes"
 
 

@@ -104,6 +104,7 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         "eligibility": _eligibility(inv, engines),
         "fabric_problems": list(inv.fabric_problems) if inv else [],
         "disk_free_bytes": inv.disk_free_bytes if inv else None,
+        "weights": weights_view(node.weights),
         "fabrics": [{"name": f.name, "identity": f.identity, "adapters": list(f.adapters)} for f in inv.fabrics]
         if inv
         else [],
@@ -112,6 +113,17 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
         "cert_expires_in_days": round((s.cert_not_after - time.time()) / 86400, 1) if s else None,
+    }
+
+
+def weights_view(held: w.WeightsHeld) -> dict[str, Any]:
+    """What a node's weights cache holds: whole files, downloads under way, bytes, its limit."""
+    return {
+        "files": sum(1 for f in held.files if f.complete),
+        "downloading": sum(1 for f in held.files if not f.complete),
+        "bytes": held.cache_bytes,
+        "limit_bytes": held.limit_bytes,
+        "free_bytes": held.free_bytes,
     }
 
 
