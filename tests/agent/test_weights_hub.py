@@ -19,6 +19,7 @@ from llmgw.download import CHUNK, DownloadError
 from llmgw.wire import agent_link as w
 from testlib.hubrepo import HubRepo
 from testlib.hubrepos import safetensors_files
+from testlib.hubrepos import weights_source as source
 from testlib.hubserver import HubServer
 
 pytestmark = pytest.mark.trio
@@ -49,25 +50,6 @@ def hub() -> Iterator[HubServer]:
     ]
     with HubServer(repos) as server:
         yield server
-
-
-def source(hub: HubServer, repo: str, *paths: str, revision: str = "main", **kw: object) -> w.WeightsSource:
-    held = hub.repos[repo]
-    commit = held.resolve(revision)
-    return w.WeightsSource(
-        repo=repo,
-        commit=commit.sha,
-        files=tuple(
-            w.WeightsFile(
-                path=p,
-                url=f"{hub.url}/{repo}/resolve/{commit.sha}/{p}",
-                sha256=commit.files[p].sha256,
-                size=commit.files[p].size,
-            )
-            for p in paths
-        ),
-        **kw,  # type: ignore[arg-type]
-    )
 
 
 @pytest.fixture

@@ -148,6 +148,21 @@ def test_a_gguf_model_by_name_is_pinned_downloaded_verified_and_served(live: Liv
     assert live.hub.log.count(kind="cdn", path=f["path"], status=200) == 1, live.hub.log.requests(kind="cdn")
 
 
+def test_the_node_reports_its_cache_and_staging_asks_only_nodes_lacking_the_files(live: Live) -> None:
+    # n1 serves tiny: its cache holds the file, and it told the control plane so.
+    [f] = listed(live)["tiny"]["files"]
+    node = wait_until(
+        "n1 to report tiny's file in its weights cache",
+        lambda: (n := (live.cluster.nodes() or {}).get("n1")) and n["weights"]["files"] >= 1 and n,
+        procs=live.cluster.latest(),
+    )
+    assert node["weights"]["bytes"] >= f["size"] and node["weights"]["free_bytes"] > 0
+    done = json.loads(models(live, "stage", "tiny", "--nodes", "n1", "--json").stdout)
+    assert done == {"model": "tiny", "staging": [], "holding": ["n1"]}
+    refused = models(live, "stage", "tiny", "--nodes", "n9", ok=False)
+    assert refused.returncode != 0 and "no node n9" in refused.stderr
+
+
 def test_split_parts_are_fetched_together_and_the_engine_loads_the_first(live: Live) -> None:
     added = json.loads(
         models(live, "add", "tiny-split", "--hf", GGUF, "--quant", "Q6_K", "--json", *ENGINE_ARGS).stdout

@@ -20,12 +20,17 @@ import math
 import struct
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 
+from llmgw.wire import agent_link as w
 from testlib.hubrepo import HubRepo
 from testlib.tinygguf import CHATML, write_tiny_llama
+
+if TYPE_CHECKING:
+    from testlib.hubserver import HubServer
 
 GITATTRIBUTES = b"".join(
     f"{pattern} filter=lfs diff=lfs merge=lfs -text\n".encode()
@@ -252,3 +257,22 @@ def safetensors_repo(repo_id: str = "llmgw-tests/tiny-llama", *, seed: int = 0, 
         repo_id, safetensors_files(seed=seed), library_name="transformers", pipeline_tag="text-generation",
         tags=["transformers", "safetensors", "llama", "text-generation"], **repo,
     )  # fmt: skip
+
+
+def weights_source(hub: HubServer, repo: str, *paths: str, revision: str = "main", **kw: object) -> w.WeightsSource:
+    """What a control plane sends a node for these files of `repo` at `revision` on `hub`."""
+    commit = hub.repos[repo].resolve(revision)
+    return w.WeightsSource(
+        repo=repo,
+        commit=commit.sha,
+        files=tuple(
+            w.WeightsFile(
+                path=p,
+                url=f"{hub.url}/{repo}/resolve/{commit.sha}/{p}",
+                sha256=commit.files[p].sha256,
+                size=commit.files[p].size,
+            )
+            for p in paths
+        ),
+        **kw,  # type: ignore[arg-type]
+    )

@@ -29,6 +29,7 @@ from agent.link import AgentLink
 from agent.node_address import NodeAddress
 from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.weights import WeightsStore
+from agent.weights_report import held_now, serve_staging, serve_weights_report
 from llmgw import __version__, private
 from llmgw.config import AgentConfig, control_planes, weights_cache_bytes_of, weights_dir_of
 from llmgw.errors import LlmgwError
@@ -108,6 +109,8 @@ async def run_agent(
         gpus=lambda: tuple(g.index for g in current.inventory.gpus),
         listen_host=address,
     )
+    weights = supervisor.life.weights
+    current.weights = await trio.to_thread.run_sync(held_now, weights)  # the hello says it
     for problem in current.inventory.fabric_problems:
         log.warning("fabric_refused", problem=problem)
 
@@ -121,6 +124,7 @@ async def run_agent(
             inventory=current.inventory,
             engines=engines.as_tuple(),
             replicas=supervisor.statuses(),
+            weights=current.weights,
         )
 
     link = AgentLink(
@@ -150,6 +154,17 @@ async def run_agent(
             link.desired_changed,
         )
         await nursery.start(background.run, "reports", supervisor.serve_reports, link.send)
+
+        async def report_weights(held: w.WeightsHeld) -> None:
+            current.weights = held
+            await link.send(w.WeightsChanged(weights=held))
+
+        await nursery.start(
+            background.run, "weights", serve_weights_report, weights, lambda: current.weights, report_weights
+        )
+        await nursery.start(
+            background.run, "staging", serve_staging, weights, lambda: link.state.desired, link.desired_changed
+        )
         await nursery.start(background.run, "inventory", serve_inventory, config, current, link)
         await nursery.start(
             background.run,
@@ -191,6 +206,7 @@ def _stable(inv: w.Inventory) -> w.Inventory:
 @attrs.define
 class Current:
     inventory: w.Inventory
+    weights: w.WeightsHeld = w.WeightsHeld()  # what the weights cache holds, as last told
 
 
 async def serve_inventory(

@@ -134,7 +134,7 @@ def test_loading_opens_each_token_from_its_seal_and_skips_an_unreadable_row() ->
     assert catalog_digests(settings.current.models) == (DIGEST,)
     view = models.detail([{"model": "gated"}, {"model": "sim-small"}])
     assert view[0]["from"] == "hub" and view[0]["token"] == "set" and "hf_secret" not in str(view)
-    assert view[1] == {"model": "sim-small", "from": "server.toml"}
+    assert view[1] == {"model": "sim-small", "from": "server.toml", "staging_to": []}
 
 
 def test_removing_names_where_a_model_comes_from() -> None:

@@ -3,6 +3,7 @@
     llmgw ctl models [list]                   every model: engine, replicas ready, where it comes from
     llmgw ctl models add NAME --hf ORG/REPO   a model from the Hub (or [hub] endpoint's mirror)
     llmgw ctl models remove NAME              its replicas stop; the nodes free its files
+    llmgw ctl models stage NAME --nodes N...  those nodes download its files now, ahead of replicas
     llmgw ctl models search TEXT              repositories matching TEXT, their quantisations, sizes
                                               and whether they would fit
 
@@ -95,6 +96,14 @@ def configure_models(
         verbs, "remove", "remove a model added with `models add`: its replicas stop", partial(run_remove, client_from)
     )
     remove.add_argument("name", help="the model's name, as `llmgw ctl models` lists it")
+    stage = add_leaf(
+        verbs,
+        "stage",
+        "have nodes download a model's files now, ahead of its replicas",
+        partial(run_stage, client_from),
+    )
+    stage.add_argument("name", help="the model's name, as `llmgw ctl models` lists it")
+    stage.add_argument("--nodes", nargs="+", required=True, metavar="NODE", help="the nodes that download it")
     search = add_leaf(
         verbs,
         "search",
@@ -103,7 +112,7 @@ def configure_models(
     )
     search.add_argument("text", nargs="+", help="words of the repository's name, e.g. qwen gguf")
     search.add_argument("--limit", type=int, default=20, metavar="N", help="at most N repositories (1-100, default 20)")
-    for leaf in (listing, add, remove, search):
+    for leaf in (listing, add, remove, stage, search):
         add_json_flag(leaf)
         add_admin_options(leaf)
 
@@ -163,6 +172,22 @@ def run_add(client_from: ClientFrom, args: argparse.Namespace) -> int:
 def run_remove(client_from: ClientFrom, args: argparse.Namespace) -> int:
     result = client_from(args).request("DELETE", f"/admin/v1/models/{quote(args.name, safe='')}")
     print(json.dumps(result, indent=2) if args.json else f"removed {result['removed']}: its replicas stop")
+    return 0
+
+
+def run_stage(client_from: ClientFrom, args: argparse.Namespace) -> int:
+    result = client_from(args).request(
+        "POST", f"/admin/v1/models/{quote(args.name, safe='')}/stage", {"nodes": args.nodes}
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if result["staging"]:
+        print(
+            f"{result['model']}: {', '.join(result['staging'])} download its files now (`llmgw ctl nodes` shows them)"
+        )
+    if result["holding"]:
+        print(f"{result['model']}: {', '.join(result['holding'])} hold its files already")
     return 0
 
 

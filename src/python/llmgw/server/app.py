@@ -69,6 +69,7 @@ from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.moves import Moves
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas, seal_at_start, sealed_keys
+from llmgw.server.state.staging import Staging
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.server.store.keyseal import KeySeal
@@ -119,6 +120,7 @@ class ControlPlane:
         self.ssl_context = ssl_context  # the agent port's: the server certificate, agents' CA
         self.store = store
         self.changes = Changes()
+        self.staging = Staging()  # models staged to nodes ahead of their replicas (`ctl models stage`)
         # Liveness is judged on the time the loop could read its links (`llmgw.looplag`): after a
         # stall, every node's deadline moves by its length.
         clock = StallClock(hold_s=config.server.heartbeat_interval_s)
@@ -142,6 +144,7 @@ class ControlPlane:
             desired_state=self.desired_state,
             on_change=self.changes.node_changed,
             on_replicas=self._replicas_reported,
+            on_weights=self._weights_reported,
             silence_timeout_s=config.server.heartbeat_ttl_s,
             heartbeat_max_rate=config.server.heartbeat_max_rate,
             leading=leading,
@@ -224,6 +227,7 @@ class ControlPlane:
             reconciler=self.reconciler,
             node_views=lambda: self.replicas.node_views(self.registry.clock.now()),
             catalog_times=self.catalog_times,
+            staging=self.staging,
         )
         self.hub_models.load(store.at_open.hub_models)
         self.catalog_times.note(m.name for m in self.config.models)
@@ -260,6 +264,7 @@ class ControlPlane:
             releases=self.agent_port.releases,
             changes=self.changes,
             node_coming=lambda: self.operations.node_coming,
+            staging=self.staging,
         )
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self.mirror_retry_s = RETRY_S  # a mirror fetch that failed is tried again after this long
@@ -415,6 +420,10 @@ class ControlPlane:
     async def push_all(self) -> None:
         for node_id in list(self.agent_links.links):
             await self.agent_links.push_desired_state(node_id)
+
+    def _weights_reported(self, node_id: str, held: w.WeightsHeld) -> None:
+        if self.staging.reported(node_id, held):
+            self.changes.intent_changed(node_id)  # its desired state stages less now
 
     def _replicas_reported(self, node_id: str, statuses: tuple[w.ReplicaStatus, ...]) -> None:
         self.replicas.note_statuses(node_id, statuses)

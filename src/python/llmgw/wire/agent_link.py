@@ -35,7 +35,7 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # 8: rank 0 publishes KV-cache events on a port of its own (ReplicaAssignment.cache_events, ReplicaStatus.events_port).
 # 9: a model from the Hub, as files laid out like its repository (WeightsSource.files, repo, commit,
 # directory), and the weights a node may delete (DesiredState.keep_files); what a node's weights
-# cache holds (Hello.weights, WeightsChanged).
+# cache holds (Hello.weights, WeightsChanged), models staged to it (DesiredState.stage).
 PROTOCOL_VERSION = 9
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
@@ -433,6 +433,9 @@ class DesiredState:
     # node may delete the downloaded files it holds that are not among them and that no replica
     # uses. None (a control plane before this field): delete nothing.
     keep_files: tuple[str, ...] | None = None
+    # Models staged here ahead of their replicas (`llmgw ctl models stage`): download their files
+    # into the weights cache now, one after another, and run nothing.
+    stage: tuple[WeightsSource, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

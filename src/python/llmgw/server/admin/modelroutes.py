@@ -5,6 +5,8 @@
                                             memory_gb, args, routing, token}; 201 with the entry
     DELETE /admin/v1/models/NAME            remove one added so; its replicas stop
     GET    /admin/v1/models/search?q=TEXT[&limit=N]   repositories of the Hub matching TEXT
+    POST   /admin/v1/models/NAME/stage      {nodes}: those nodes download its files now, ahead of
+                                            its replicas; 202 with the nodes asked
 
 The body is read strictly, as every admin input is (`llmgw.server.admin.api`): only these
 fields, of their types and within their ranges. `token` (a gated repository's) is taken here and
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 MODELS = "/admin/v1/models"
 SEARCH = "/admin/v1/models/search"
 _MODEL = re.compile(r"^/admin/v1/models/([^/]+)$")
+_STAGE = re.compile(r"^/admin/v1/models/([^/]+)/stage$")
+MAX_STAGE_NODES = 10_000
 MAX_REPLICAS = 1000
 MAX_GPUS = 64
 MAX_NODES = 64
@@ -47,7 +51,7 @@ FIELDS = {"name", *_STRINGS, *_COUNTS, "memory_gb", "args"}
 
 
 def serves(path: str) -> bool:
-    return path == SEARCH or (path != MODELS and _MODEL.match(path) is not None) or path == MODELS
+    return path in (SEARCH, MODELS) or _MODEL.match(path) is not None or _STAGE.match(path) is not None
 
 
 # How the catalog's and the Hub's errors are answered (the most specific class first); the
@@ -86,17 +90,35 @@ async def _route(models: HubModels, request: Request) -> Response:
             raise HTTPError(400, f"q is {len(text)} characters; give at most {MAX_TEXT}")
         limit = params.whole_number(q["limit"], "limit", 1, 100) if "limit" in q else 20
         return Response.json(200, {"results": await models.search(text, limit=limit)})
+    stage = _STAGE.match(request.path)
+    if stage is not None:
+        allow(request, "POST")
+        params.query(request, {})
+        name = _model_name(stage.group(1))
+        body = await read_json(request)
+        nodes = body.get("nodes") if isinstance(body, dict) and set(body) == {"nodes"} else None
+        if (
+            not isinstance(nodes, list)
+            or not 0 < len(nodes) <= MAX_STAGE_NODES
+            or not all(isinstance(n, str) and NAME.fullmatch(n) for n in nodes)
+        ):
+            raise HTTPError(400, f'the body must be {{"nodes": [NODE, ...]}}: 1 to {MAX_STAGE_NODES} node ids')
+        return Response.json(202, await models.stage(name, list(dict.fromkeys(nodes))))
     if request.path != MODELS:
         allow(request, "DELETE")
         params.query(request, {})
-        name = params.path_segment(_MODEL.match(request.path).group(1), "model name")
-        if not NAME.fullmatch(name):
-            raise HTTPError(400, f"model name {shown(name)} is not valid: letters, digits, '.', '_' and '-'")
-        return Response.json(200, await models.remove(name))
+        return Response.json(200, await models.remove(_model_name(_MODEL.match(request.path).group(1))))
     allow(request, "POST")
     params.query(request, {})
     req, token = add_request(await read_json(request))
     return Response.json(201, {"model": await models.add(req, token)})
+
+
+def _model_name(raw: str) -> str:
+    name = params.path_segment(raw, "model name")
+    if not NAME.fullmatch(name):
+        raise HTTPError(400, f"model name {shown(name)} is not valid: letters, digits, '.', '_' and '-'")
+    return name
 
 
 def add_request(body: Any) -> tuple[AddRequest, Secret | None]:

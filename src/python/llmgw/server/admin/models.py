@@ -37,7 +37,8 @@ from llmgw.server.settings import Settings
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.liveness import Reconciler
-from llmgw.server.state.scheduler import NodeView
+from llmgw.server.state.scheduler import NodeView, model_files
+from llmgw.server.state.staging import Staging
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.server.store.core import HubModelRow
 from llmgw.server.store.keyseal import KeySeal
@@ -76,6 +77,7 @@ class HubModels:
         node_views: Callable[[], Sequence[NodeView]],
         catalog_times: CatalogTimes | None = None,
         client: Callable[[], HubClient] | None = None,
+        staging: Staging | None = None,
     ) -> None:
         """`node_views()`: the nodes as placement sees them now; `client()`: the Hub client for
         [hub] as configured now (a reload may change it)."""
@@ -87,6 +89,7 @@ class HubModels:
         self.node_views = node_views
         self.catalog_times = catalog_times
         self.client = client or (lambda: hub_client(settings))
+        self.staging = staging or Staging()
         self.estimates: dict[str, dict[str, Any]] = {}  # name -> the estimate's parts, for views
         self._lock = trio.Lock()  # one add or remove at a time: the name checks hold until the write
 
@@ -161,9 +164,31 @@ class HubModels:
             del added[name]
             self.settings.set_added(added)
             self.estimates.pop(name, None)
+            self.staging.forget(name)
         log.info("model_removed", model=name)
         await self._catalog_changed([])
         return {"removed": name}
+
+    async def stage(self, name: str, nodes: Sequence[str]) -> dict[str, Any]:
+        """Have `nodes` download `name`'s files now, ahead of its replicas (any catalog model
+        with files to download: from the Hub, or a url)."""
+        model = next((m for m in self.settings.current.models if m.name == name), None)
+        if model is None:
+            raise UnknownModel(f"the catalog has no model {name} (`llmgw ctl models` lists them)")
+        if not model_files(model):
+            raise UsageError(
+                f"{name}'s weights are a path on the nodes ({model.source.path or 'none'}): there is nothing to stage"
+            )
+        views = {n.node_id: n for n in self.node_views()}
+        unknown = sorted(set(nodes) - set(views))
+        if unknown:
+            raise UsageError(f"no node {', '.join(unknown)} in the cluster; `llmgw ctl nodes` lists them")
+        asked = self.staging.add(model, nodes, lambda node: views[node].holds)
+        for node in asked:
+            self.changes.intent_changed(node)
+        if asked:
+            await self.reconciler.next_pass()  # their agents have been told
+        return {"model": name, "staging": asked, "holding": sorted(set(nodes) - set(asked))}
 
     async def search(self, text: str, *, limit: int = 20) -> list[dict[str, Any]]:
         if not text.strip():
@@ -214,10 +239,11 @@ class HubModels:
         out = []
         for v in listed:
             model = self.settings.added.get(v["model"])
+            staged = {"staging_to": self.staging.view().get(v["model"], [])}
             if model is None or v["model"] in self.settings.shadowed():
-                out.append({**v, "from": "server.toml"})
+                out.append({**v, **staged, "from": "server.toml"})
             else:
-                out.append({**v, **self.view(model), "from": "hub"})
+                out.append({**v, **self.view(model), **staged, "from": "hub"})
         return out
 
     def view(self, model: Model) -> dict[str, Any]:

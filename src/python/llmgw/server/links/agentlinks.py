@@ -73,6 +73,7 @@ class AgentLinks(LinkServer[LinkedAgent]):
         desired_state: Callable[[str], w.DesiredState],
         on_change: Callable[[], None] = lambda: None,
         on_replicas: Callable[[str, tuple[w.ReplicaStatus, ...]], None] = lambda node, statuses: None,
+        on_weights: Callable[[str, w.WeightsHeld], None] = lambda node, held: None,
         silence_timeout_s: float = 0.0,
         heartbeat_max_rate: float = 0.0,
         **link: Any,
@@ -90,6 +91,7 @@ class AgentLinks(LinkServer[LinkedAgent]):
         self.desired_state = desired_state
         self.on_change = on_change
         self.on_replicas = on_replicas
+        self.on_weights = on_weights
         self.figures = AgentFigures()
 
     def render_metrics(self) -> str:
@@ -191,6 +193,7 @@ class AgentLinks(LinkServer[LinkedAgent]):
         elif isinstance(event, s.WeightsReported):
             # Placement reads the whole files; a download's progress changes only what is shown.
             if self.registry.weights_changed(link.node_id, link.conn_id, event.weights):
+                self.on_weights(link.node_id, event.weights)
                 self.on_change()
         elif isinstance(event, s.LogsAnswered):
             link.logs.give(event.reply.request_id, event.reply)

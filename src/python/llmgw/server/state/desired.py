@@ -20,6 +20,7 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.staging import Staging
 from llmgw.server.state.weights import catalog_digests, weights_source
 from llmgw.wire import agent_link as w
 
@@ -37,6 +38,7 @@ class DesiredStates:
         releases: Releases,
         changes: Changes,
         node_coming: Callable[[], bool],
+        staging: Staging | None = None,
     ) -> None:
         """`config()`: the configuration running now (a reload replaces it); `node_coming()`:
         whether a node certificate was issued since start (`Operations.node_coming`)."""
@@ -47,6 +49,7 @@ class DesiredStates:
         self.releases = releases
         self.changes = changes
         self.node_coming = node_coming
+        self.staging = staging or Staging()  # models staged to nodes ahead of their replicas
         self._generation = 0
 
     def of(self, node_id: str) -> w.DesiredState:
@@ -70,6 +73,11 @@ class DesiredStates:
                 partial(weights_source, max_weights_bytes=config.downloads.max_weights_bytes, hub=config.hub),
             ),
             keep_files=catalog_digests(config.models),
+            stage=tuple(
+                weights_source(m, max_weights_bytes=config.downloads.max_weights_bytes, hub=config.hub)
+                for m in (self.model(name) for name in self.staging.models_for(node_id))
+                if m is not None
+            ),
         )
 
     def model(self, name: str) -> Model | None:
