@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from llmgw.ctl.client import AdminClient
+from llmgw.errors import LlmgwError
 from llmgw.server.gateways.workers import LINK_TIMEOUT_S
 from testlib import activation
 from testlib.marked import MARKER_ENV, kill_groups, marked_engines, marked_pids
@@ -242,22 +244,34 @@ class Cluster:
         assert key is not None, f"the sealed key of {replica_id} does not open with {self.state}'s secret"
         return key
 
+    # The waits poll these every POLL_S. They ask the admin API as `llmgw ctl replicas --json` and
+    # `llmgw ctl nodes --json` do (the same AdminClient, found from the state directory, a standby
+    # followed to its leader), in this process: a `llmgw ctl` process per poll cost ~0.15 s of CPU,
+    # a quarter of some tests' CPU. The commands themselves are run by `ctl` and the tests of ctl.
+
+    def _admin(self, ask: Callable[[AdminClient], T]) -> tuple[T | None, str | None]:
+        """What `ask` got of the admin API, or None and why (what `llmgw ctl` would have said)."""
+        try:
+            return ask(AdminClient.locate(server=None, credential=None, state_dir=str(self.state))), None
+        except LlmgwError as exc:
+            return None, f"exit {exc.exit_status}: {exc}"
+
     def replicas(self) -> list[dict[str, Any]] | None:
-        """`llmgw ctl replicas --json` (placed, then pending), or None while no control plane answers."""
-        result = self.llmgw("ctl", "replicas", "--json", "--state-dir", str(self.state), ok=False)
-        if result.returncode != 0:
-            self.last_replicas = f"exit {result.returncode}: {result.stderr.strip()}"
+        """What `llmgw ctl replicas --json` says (placed, then pending), or None while no control plane answers."""
+        answer, why = self._admin(lambda client: client.request("GET", "/admin/v1/replicas")["replicas"])
+        if answer is None:
+            self.last_replicas = why
             return None
-        self.last_replicas = json.loads(result.stdout)
-        return self.last_replicas
+        self.last_replicas = answer
+        return answer
 
     def nodes(self) -> dict[str, dict[str, Any]] | None:
-        """`llmgw ctl nodes --json` by node id, or None while no control plane answers."""
-        result = self.llmgw("ctl", "nodes", "--json", "--state-dir", str(self.state), ok=False)
-        if result.returncode != 0:
-            self.last_nodes = f"exit {result.returncode}: {result.stderr.strip()}"
+        """What `llmgw ctl nodes --json` says, by node id, or None while no control plane answers."""
+        answer, why = self._admin(lambda client: client.nodes())
+        if answer is None:
+            self.last_nodes = why
             return None
-        nodes = {n["id"]: n for n in json.loads(result.stdout)}
+        nodes = {n["id"]: n for n in answer}
         self.last_nodes = {k: n["state"] for k, n in nodes.items()}
         return nodes
 
