@@ -166,7 +166,7 @@ def test_a_machine_becomes_a_gateway_that_answers_then_converges_and_is_removed(
     # The model behind it answers through the machine's port.
     wait_until(
         "the sim replica to be ready",
-        lambda: any(r["state"] == "ready" for r in cp.ctl("replicas")),
+        lambda: any(r["state"] == "ready" for r in cp.replicas()),
         alive=[cp.server, agent],
         timeout=READY_TIMEOUT_S,
     )

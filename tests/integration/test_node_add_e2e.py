@@ -85,7 +85,7 @@ def test_node_add_joins_serves_is_idempotent_and_node_remove_stops_it(
     key = cp.ctl("keys", "create", "e2e")["token"]
     wait_until(
         "the sim replica to be ready",
-        lambda: any(r.get("state") == "ready" for r in cp.ctl("replicas")),
+        lambda: any(r.get("state") == "ready" for r in cp.replicas()),
         alive=[cp.server],
         timeout=60,
     )

@@ -88,7 +88,7 @@ def _engines(machine: Machine) -> list[str]:
 
 
 def _ready_replica(cp: ControlPlane) -> dict | None:
-    return next((r for r in cp.ctl("replicas") if r["state"] == "ready" and r["nodes"] == [HOSTNAME]), None)
+    return next((r for r in cp.replicas() if r["state"] == "ready" and r["nodes"] == [HOSTNAME]), None)
 
 
 def test_a_stock_machine_joins_with_the_releases_llamacpp_and_answers_then_survives_reboots_a_re_add_and_node_remove(

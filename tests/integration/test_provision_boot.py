@@ -194,7 +194,7 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     # The first token: the model placed on the node, a chat answered through the gateway by it.
     replica = wait_until(
         "the llama.cpp replica on the VM to be ready",
-        lambda: next((r for r in cp.ctl("replicas") if r["state"] == "ready" and r["nodes"] == [NAME]), None),
+        lambda: next((r for r in cp.replicas() if r["state"] == "ready" and r["nodes"] == [NAME]), None),
         alive=[cp.server],
         timeout=READY_TIMEOUT_S,
         last_seen=lambda: cp.ctl("replicas"),

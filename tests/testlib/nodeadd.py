@@ -24,6 +24,7 @@ import pytest
 from llmgw_release import build, llamabuild, wheels
 
 import llmgw
+from llmgw.ctl.client import AdminClient
 from testlib.cluster import wait_until
 from testlib.llama import cache_root, llama_server
 from testlib.netnode import NetNode, preflight
@@ -180,8 +181,20 @@ class ControlPlane:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    # nodes(), node_view() and replicas() ask the admin API in this process, with the AdminClient
+    # `llmgw ctl nodes --json` and `llmgw ctl replicas --json` use: the waits poll them, and a
+    # `llmgw ctl` process a poll cost ~0.15 s of CPU. `ctl` runs the command itself.
+
+    def _admin(self) -> AdminClient:
+        return AdminClient.locate(server=None, credential=None, state_dir=str(self.state))
+
     def nodes(self) -> dict[str, dict]:
-        return {n["id"]: n for n in self.ctl("nodes")}
+        """What `llmgw ctl nodes --json` says, by node id."""
+        return {n["id"]: n for n in self._admin().nodes()}
+
+    def replicas(self) -> list[dict]:
+        """What `llmgw ctl replicas --json` says (placed, then pending)."""
+        return self._admin().request("GET", "/admin/v1/replicas")["replicas"]
 
     def added(self, release: Path) -> str:
         """A first add that must succeed; its output."""
@@ -211,8 +224,8 @@ class ControlPlane:
         return done.returncode, done.stdout, done.stderr
 
     def node_view(self) -> dict:
-        """The admin API's view of the node (`llmgw ctl nodes --json`)."""
-        return {n["id"]: n for n in self.ctl("nodes")}[self.node.hostname]
+        """The admin API's view of the node (what `llmgw ctl nodes --json` says of it)."""
+        return self.nodes()[self.node.hostname]
 
 
 @pytest.fixture()
