@@ -107,7 +107,7 @@ class Bench:
         a fault must not start in the middle of such a move)."""
         if not self.full():
             return False
-        nodes = self.cluster.ctl("nodes")
+        nodes = self.cluster.nodes()
         if len(nodes) != len(NODES) or any(n["state"] != "joined" for n in nodes):
             return False
         placed = self.placed()
@@ -185,7 +185,7 @@ class Bench:
         return {"node": node, "_placements": placements}
 
     def agent_back(self, info: dict) -> bool:
-        nodes = self.cluster.ctl("nodes")
+        nodes = self.cluster.nodes()
         back = any(n["id"] == info["node"] and n["state"] == "joined" and n["connected"] for n in nodes)
         return back and self.full()
 
@@ -208,7 +208,7 @@ class Bench:
         back_at = time.monotonic()
         rejoined = poll(
             "rejoin",
-            lambda: any(n["id"] == node and n["state"] == "joined" for n in self.cluster.ctl("nodes")),
+            lambda: any(n["id"] == node and n["state"] == "joined" for n in self.cluster.nodes()),
             FULL_TIMEOUT_S,
         )
         rejoin_s = time.monotonic() - back_at if rejoined else None
@@ -230,7 +230,7 @@ class Bench:
         return {"node": node}
 
     def drained(self, info: dict) -> bool:
-        nodes = {n["id"]: n for n in self.cluster.ctl("nodes")}
+        nodes = {n["id"]: n for n in self.cluster.nodes()}
         drain = nodes[info["node"]].get("drain") or {}
         return bool(drain.get("done")) and self.full()
 

@@ -128,7 +128,7 @@ def connection_flood(cluster: ChaosCluster, spare: str, *, rejoin_timeout_s: flo
         restarted = time.monotonic()
         rejoined = poll(
             "rejoin during the flood",
-            lambda: any(n["id"] == spare and n["connected"] and n["state"] == "joined" for n in cluster.ctl("nodes")),
+            lambda: any(n["id"] == spare and n["connected"] and n["state"] == "joined" for n in cluster.nodes()),
             rejoin_timeout_s,
         )
         rejoin_s = time.monotonic() - restarted if rejoined else None
