@@ -41,6 +41,7 @@ from testlib.cluster import free_port, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.marked import MARKER_ENV, kill_groups, marked_pids
 from testlib.proc import Proc, llmgw_env, run_llmgw
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -118,8 +119,18 @@ async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_re
     assert url.startswith(f"http://127.0.0.1:{up.port}/login?code=")
     token = paths.admin_token_path(up.state).read_text().strip()
     assert token not in url
-    replicas = [r["replica"] for r in up.ctl("replicas") if r["replica"]]
-    assert len(replicas) == 3  # sim-small twice, sim-big across two nodes
+    # Settled: `up` is ready once each model serves, and the agents report their engines a few
+    # hundred ms apart, so both sim-small replicas may first land on the node that reported
+    # first and one of them then be spread to another (a move: four replicas for a second).
+    placed = await await_true(
+        lambda: (rs := [r for r in up.ctl("replicas") if r["replica"]])
+        and len(rs) == 3
+        and all(r["state"] == "ready" for r in rs)
+        and rs,
+        "the replicas to settle: sim-small twice, sim-big across two nodes, all ready",
+        poll_s=0.2,
+    )
+    replicas = [r["replica"] for r in placed]
 
     async with open_tab(chromium) as tab:
         await tab.goto(url)

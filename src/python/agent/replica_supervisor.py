@@ -284,12 +284,17 @@ async def serve_assignments(
     A dropped link leaves the last desired state in place, so nothing stops while the control
     plane is away; the desired state it sends on its return is compared, not obeyed blindly."""
     task_status.started()
+    seen: w.DesiredState | None = None
     while True:
         state = desired()
-        if state is not None:
-            supervisor.assign(state.replicas)
-            if state.keep_files is not None:
-                # The catalog no longer names them: downloaded files no replica here uses go.
-                using = [a.weights for a in state.replicas]
-                await supervisor.life.weights.collect(set(state.keep_files), using)
-        await desired_changed()
+        if state is None or state is seen:
+            # Nothing awaited since `desired()` was read: a state arriving now wakes this wait.
+            await desired_changed()
+            continue
+        seen = state
+        supervisor.assign(state.replicas)
+        if state.keep_files is not None:
+            # The catalog no longer names them: downloaded files no replica here uses go. A
+            # desired state arriving meanwhile is read at the top of the loop, not waited for.
+            using = [a.weights for a in state.replicas]
+            await supervisor.life.weights.collect(set(state.keep_files), using)
