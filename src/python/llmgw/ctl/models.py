@@ -240,6 +240,11 @@ def run_list(client_from: ClientFrom, args: argparse.Namespace) -> int:
         )
     if models:
         print(table(rows))
+        for m in models:  # replicas on their way: downloading (MiB, MiB/s), starting
+            for line in m.get("progress") or ():
+                print(f"  {m['model']}: {line}")
+            if m.get("staging_to"):
+                print(f"  {m['model']}: staging to {', '.join(m['staging_to'])}")
     else:
         print("no models: `llmgw ctl models add NAME --hf ORG/REPO`, or [[models]] in server.toml")
     return 0
