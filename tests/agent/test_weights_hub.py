@@ -21,6 +21,7 @@ from testlib.hubrepo import HubRepo
 from testlib.hubrepos import safetensors_files
 from testlib.hubrepos import weights_source as source
 from testlib.hubserver import HubServer
+from testlib.waiting import await_true
 
 pytestmark = pytest.mark.trio
 
@@ -264,6 +265,8 @@ async def test_collect_keeps_a_download_in_progress(hub: HubServer, store: Weigh
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.prepare, src)
         await trio.to_thread.run_sync(stall.wait_reached)
+        # The server stopped after 1000 bytes; the download's thread writes them to its part.
+        await await_true(lambda: list(store.root.rglob("*.part")), "the download's part file")
         assert await store.collect(set(), []) == [] and list(store.root.rglob("*.part"))
         stall.release()
     assert (store.root / sha(BIG) / "m-Q8_0.gguf").read_bytes() == BIG

@@ -147,6 +147,9 @@ class Served:
     status: int = 0
     body_bytes: int = 0  # of the body sent (0 for HEAD)
     cut: bool = False  # ended by a cut fault, or by the client going away
+    # Set once the handler is done with it: a client may have read the last byte before the
+    # server thread counted it (`HubLog.bytes_sent` waits for this).
+    finished: threading.Event = attrs.field(factory=threading.Event, eq=False, repr=False)
 
 
 class HubLog:
@@ -173,11 +176,14 @@ class HubLog:
     def count(self, **where: object) -> int:
         return len(self.requests(**where))
 
-    def bytes_sent(self, path: str | None = None) -> int:
+    def bytes_sent(self, path: str | None = None, *, settle_s: float = 5.0) -> int:
         """Bytes sent of the file at `path` (resolve and CDN bodies, not redirects or errors;
-        None: of every file)."""
-        files = (s for s in self if s.kind in ("resolve", "cdn") and s.status in (200, 206))
-        return sum(s.body_bytes for s in files if path in (None, s.path))
+        None: of every file), once the requests counted are done (each waited for at most
+        `settle_s`: a stalled one is counted as far as it got)."""
+        files = [s for s in self if s.kind in ("resolve", "cdn") and path in (None, s.path)]
+        for s in files:
+            s.finished.wait(settle_s)
+        return sum(s.body_bytes for s in files if s.status in (200, 206))
 
     @property
     def partial_responses(self) -> int:

@@ -93,6 +93,8 @@ class Handler(BaseHTTPRequestHandler):
             hub.errors.append(f"{self.command} {self.path}:\n{traceback.format_exc()}")
             log.exception("hubserver: %s %s", self.command, self.path)
             self.close_connection = True
+        finally:
+            served.finished.set()
 
     def _read_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():

@@ -156,7 +156,7 @@ def arm(hub: HubServer, fault: dict) -> Fault:
 def admin(hub: HubServer, method: str, what: str, body: bytes) -> tuple[object, int]:
     """The remote control's answers: (JSON value, status)."""
     if method == "GET" and what == "log":
-        return [attrs.asdict(s) for s in hub.log], 200
+        return [attrs.asdict(s, filter=lambda a, _: a.name != "finished") for s in hub.log], 200
     if method == "POST" and what == "faults":
         try:
             arm(hub, json.loads(body))
