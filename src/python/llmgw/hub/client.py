@@ -262,7 +262,8 @@ def check_repo_id(repo: str) -> str:
     """`repo` if it is ORG/NAME as the Hub names repositories, else a UsageError saying so."""
     parts = repo.split("/")
     ok = len(parts) == 2 and all(
-        p and len(p) <= 96 and p not in (".", "..") and all(c.isalnum() or c in "-_." for c in p) for p in parts
+        p and len(p) <= 96 and p not in (".", "..") and all(c.isascii() and (c.isalnum() or c in "-_.") for c in p)
+        for p in parts
     )
     if not ok:
         raise UsageError(f"{shown(repo)} is not a Hub repository name; give it as ORG/NAME, e.g. Qwen/Qwen3-0.6B-GGUF")
