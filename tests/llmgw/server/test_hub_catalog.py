@@ -151,3 +151,39 @@ def test_removing_names_where_a_model_comes_from() -> None:
         trio.run(models.remove, "from-file")
     with pytest.raises(UnknownModel, match="the catalog has no model nothing"):
         trio.run(models.remove, "nothing")
+
+
+def test_search_says_for_each_choice_where_it_would_fit() -> None:
+    from llmgw.hub.client import HubClient
+    from llmgw.server.state.scheduler import GIB, NodeView
+    from testlib.hubrepos import gguf_repo, safetensors_repo
+    from testlib.hubserver import HubServer
+
+    cpu = NodeView(node_id="cpu", schedulable=True, engines=frozenset({"llamacpp"}), gpus=0, memory_bytes=64 * GIB)
+    small = NodeView(node_id="small", schedulable=True, engines=frozenset({"llamacpp"}), gpus=0, memory_bytes=1 << 20)
+    gpu = NodeView(
+        node_id="gpu",
+        schedulable=True,
+        engines=frozenset({"vllm"}),
+        gpus=2,
+        memory_bytes=8 * GIB,
+        gpu_memory_bytes=24 * GIB,
+    )
+    with HubServer([gguf_repo("llmgw-tests/Tiny-GGUF"), safetensors_repo("llmgw-tests/tiny-llama")]) as hub:
+        models = HubModels(
+            settings=Settings(ServerConfig()),
+            store=store_stub(),
+            key_seal=KeySeal(secrets.token_bytes(32)),
+            changes=Changes(),
+            reconciler=None,  # type: ignore[arg-type] - a search changes nothing
+            node_views=lambda: [cpu, small, gpu],
+            client=lambda: HubClient(hub.url),
+        )
+        found = {r["repo"]: r for r in trio.run(models.search, "tiny")}
+        with pytest.raises(UsageError, match="give some text to search for"):
+            trio.run(models.search, " ")
+    gguf = {c["quant"]: c for c in found["llmgw-tests/Tiny-GGUF"]["choices"]}
+    assert set(gguf) == {"Q4_K_M", "Q8_0", "Q6_K"} and gguf["Q6_K"]["parts"] == 2
+    assert all(c["engine"] == "llamacpp" and c["fits_on"] == ["cpu", "gpu"] for c in gguf.values())
+    [st] = found["llmgw-tests/tiny-llama"]["choices"]
+    assert st["engine"] == "vllm" and st["parts"] == 2 and st["fits_on"] == ["gpu"]

@@ -230,7 +230,21 @@ class HubModels:
         shards = [f for f in rev.files if "/" not in f.path and f.path.endswith(".safetensors")]
         if shards:
             size = sum(f.size for f in shards)
-            out.append({"engine": "vllm", "file": "*.safetensors", "parts": len(shards), "quant": "", "bytes": size})
+            # vLLM runs on GPUs: a rough need (the weights, a tenth more, 1 GiB of CUDA context and
+            # graphs) against each node's GPU memory in all; the add sizes it from config.json.
+            need = int(size * 1.1) + (1 << 30)
+            fits = [n.node_id for n in nodes if n.alive and n.gpus and n.gpus * n.gpu_memory_bytes >= need]
+            out.append(
+                {
+                    "engine": "vllm",
+                    "file": "*.safetensors",
+                    "parts": len(shards),
+                    "quant": "",
+                    "bytes": size,
+                    "approx_memory_bytes": need,
+                    "fits_on": fits,
+                }
+            )
         return out
 
     def detail(self, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
