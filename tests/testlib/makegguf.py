@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
 
-from testlib.tinygguf import CHATML, vocabulary
+from testlib.tinygguf import add_tokenizer, vocabulary
 
 DTYPES = ("F32", "F16", "Q8_0")
 FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
@@ -67,17 +67,7 @@ def make_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(FILE_TYPES[dtype])
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(CHATML)
+    add_tokenizer(writer, tokens, scores, types)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         # numpy shapes are ggml's reversed: (rows, cols) is ggml's [cols, rows].

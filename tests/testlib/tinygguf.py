@@ -97,21 +97,7 @@ def write_tiny_llama(
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(0)  # all F32
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    # No space before the text, as the BPE vocabularies of today's models: llama.cpp (b11434)
-    # primes a JSON-schema grammar with the chat template's generation prompt, tokenized; with a
-    # space prefix "assistant" comes back as " assistant", the grammar refuses it, and every
-    # chat request with response_format fails ("Failed to initialize samplers").
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(CHATML)
+    add_tokenizer(writer, tokens, scores, types)
 
     # numpy shapes are ggml's reversed: token_embd is (n_vocab, n_embd).
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
@@ -133,3 +119,22 @@ def write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, tokens: list, scores: list, types: list) -> None:
+    """The tokenizer's metadata of every llama GGUF the tests make (`vocabulary`'s, ChatML)."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    # No space before the text, as the BPE vocabularies of today's models: llama.cpp (b11434)
+    # primes a JSON-schema grammar with the chat template's generation prompt, tokenized; with a
+    # space prefix "assistant" comes back as " assistant", the grammar refuses it, and every
+    # chat request with response_format fails ("Failed to initialize samplers").
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHATML)
