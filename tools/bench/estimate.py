@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.llamacpp import NoServer, default_server, free_port
+from bench.procs import stop
 
 from llmgw.sizing.estimate import LlamaSettings, estimate_gguf
 from llmgw.sizing.gguf import parse_header
@@ -109,12 +109,7 @@ def run_case(server: str, model: Path, extra: list[str], tmp: Path) -> dict:
         wait_ready(proc, port)
         rss = rss_bytes(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     figures = engine_figures(log_path.read_text(errors="replace"))
     return {"figures": figures, "rss": rss}
 
