@@ -23,7 +23,7 @@ import json
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -293,7 +293,3 @@ def _skip(response: Any, n: int) -> None:
         if not chunk:
             return
         n -= len(chunk)
-
-
-def file_names(files: Sequence[HubFile]) -> list[str]:
-    return [f.path for f in files]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -174,7 +173,3 @@ async def _estimate(
         raise UsageError(f"{req.hf}: {exc}; or give the memory a replica needs with --memory-gb") from None
     except ValueError as exc:  # an argument sizing reads is not a number
         raise UsageError(f"--args: {exc}") from None
-
-
-def files_of(model: Model) -> Sequence[ModelFile]:
-    return model.source.files
