@@ -27,7 +27,9 @@ from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink
 from agent.node_address import NodeAddress
+from agent.peers import Members, PeerClient, PeerServer, peer_ssl_context
 from agent.replica_supervisor import Supervisor, serve_assignments
+from agent.swarm import Peering, Tracker
 from agent.weights import WeightsStore
 from agent.weights_report import held_now, serve_staging, serve_weights_report
 from llmgw import __version__, private
@@ -138,9 +140,32 @@ async def run_agent(
     servers = ", ".join(control_planes(config))
     log.info("agent_starting", node=identity.node_id, server=servers, state_dir=str(state_dir))
     background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process
+    # Weights from and to the other nodes (agent.peers, agent.swarm): the tracker is asked at the
+    # control plane this agent is linked to.
+    members = Members()
+    weights.peering = Peering(
+        node_id=identity.node_id,
+        tracker=Tracker(lambda: link.target.url, ssl_context),
+        client=PeerClient(files.ca_cert, files.cert, files.key),
+        members=members,
+    )
+    peer_server = PeerServer(weights.offer, peer_ssl_context(files), members)
     async with trio.open_nursery() as nursery:
         if watch_loop:
             await nursery.start(background.run, "loop_lag", partial(serve_loop_lag, LagMonitor()))
+        try:
+            weights.serve_port = await nursery.start(
+                background.run, "weights_peers", peer_server.serve, config.weights_port
+            )
+        except OSError as exc:
+            log.warning(
+                "weights_port_unavailable",
+                port=config.weights_port,
+                reason=str(exc),
+                detail="this node fetches weights from the others but serves none; free the port or change "
+                "weights_port in agent.toml",
+            )
+        current.weights = attrs.evolve(current.weights, port=weights.serve_port)
         link.answer_logs = partial(answer_logs, supervisor)
         await nursery.start(background.run, "replicas", supervisor.serve)
         engines.vouch(supervisor.adopted_engines())

@@ -48,8 +48,11 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from agent import pieces
 from agent import weights_cache as cache
-from llmgw.download import Progress, fetch, sha256_of, weights_cap
+from agent.peers import Offer
+from agent.swarm import Peering, Swarm
+from llmgw.download import DownloadError, Progress, check_free_space, fetch, sha256_of, weights_cap
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
@@ -175,6 +178,11 @@ class WeightsStore:
         self._prepared: set[str] = set()  # digests prepared since the last collect: about to be used
         self._fitting = trio.Lock()  # one eviction pass at a time, so each sees the last one's result
         self._warned: tuple[str, ...] = ()  # what was in use at the last over-limit warning
+        # Fetching from the other nodes (agent.swarm); None: every file from its source, alone.
+        self.peering: Peering | None = None
+        self.serve_port = 0  # where agent.peers serves this store's files to the other nodes; 0: nowhere
+        self._parts: dict[str, pieces.Part] = {}  # digest -> a download in pieces under way, served to peers
+        self._piece_hashes: dict[str, tuple[tuple[int, int], list[str]]] = {}  # digest -> (size, mtime), hashes
 
     def held(self) -> list[cache.Held]:
         """Every downloaded file here (complete or partial): (sha256, bytes, complete, last_used),
@@ -353,6 +361,12 @@ class WeightsStore:
         part = target.with_name(target.name + ".part")
         arrived = part.stat().st_size if part.exists() else 0  # counted in the cache already
         await self._fit(max(0, source.size - arrived))  # a size not known: 0, and a pass after the download
+        if self.peering is not None and source.size > 0:
+            try:
+                await self._swarm(source, target, digest, headers, progress)
+            finally:
+                self._progress.pop(digest, None)
+            return await self._downloaded(source, target)
         try:
             await fetch(
                 source.url,
@@ -365,11 +379,108 @@ class WeightsStore:
             )
         finally:
             self._progress.pop(digest, None)
+        await self._downloaded(source, target)
+
+    async def _downloaded(self, source: w.WeightsSource, target: Path) -> None:
         self.downloads += 1
         st = target.stat()
         self._verified[target] = (st.st_size, st.st_mtime_ns)
         log.info("weights_ready", url=source.url, path=str(target), bytes=st.st_size)
         await self._fit()
+
+    async def _swarm(
+        self,
+        source: w.WeightsSource,
+        target: Path,
+        digest: str,
+        headers: dict[str, str],
+        progress: Callable[[Progress], None],
+    ) -> None:
+        """`target` fetched in pieces from the other nodes, and from the source if the tracker
+        says this node is its origin (`agent.swarm`); verified whole before it takes its name."""
+        assert self.peering is not None
+        old = target.with_name(target.name + ".part")
+        if old.exists() and not pieces.state_of(target).exists():
+            old.unlink()  # a download of the earlier kind (a prefix): started again in pieces
+        await trio.to_thread.run_sync(check_free_space, target.parent, 0, f"downloading {source.url}")
+        part = await trio.to_thread.run_sync(pieces.Part.open, target, source.size)
+        self._parts[digest] = part
+        try:
+            swarm = Swarm(
+                digest=digest,
+                part=part,
+                url=source.url,
+                headers=headers,
+                ssl_context=self.ssl_context,
+                peering=self.peering,
+                on_progress=progress,
+            )
+            await swarm.run()
+            got = await trio.to_thread.run_sync(part.sha256)
+            if got != digest:
+                await trio.to_thread.run_sync(part.discard)
+                log.warning("weights_corrupt", path=str(target), expected_sha256=digest, got_sha256=got)
+                raise DownloadError(
+                    f"the pieces of {source.url} make a file with sha256 {got}, not {digest}; nothing was kept and it "
+                    "is fetched again. If this repeats, the file at the source changed: add the model again"
+                )
+            await trio.to_thread.run_sync(part.finish)
+        finally:
+            self._parts.pop(digest, None)
+            part.close()
+
+    def offer(self, digest: str) -> Offer | None:
+        """What this node can serve of the file `digest` to another (agent.peers): a download
+        in pieces under way, or the whole verified file."""
+        part = self._parts.get(digest)
+        if part is not None:
+            return Offer(
+                size=part.size,
+                complete=False,
+                have=frozenset(part.held()),
+                hashes=part.held,
+                read=part.read_at,
+            )
+        directory = self.root.resolve() / digest
+        try:
+            files = [p for p in directory.iterdir() if not p.name.startswith(".") and not p.name.endswith(".part")]
+        except OSError:
+            return None
+        if len(files) != 1 or not files[0].is_file() or files[0].is_symlink():
+            return None
+        blob = files[0]
+        size = blob.stat().st_size
+
+        def hashes() -> dict[int, str]:
+            return dict(enumerate(self._hashes_of(blob, digest)))
+
+        def read(offset: int, n: int) -> bytes:
+            try:
+                with blob.open("rb") as f:
+                    f.seek(offset)
+                    return f.read(n)
+            except OSError:
+                return b""
+
+        return Offer(size=size, complete=True, have=None, hashes=hashes, read=read)
+
+    def _hashes_of(self, blob: Path, digest: str) -> list[str]:
+        """A whole file's piece hashes: kept beside it, or computed once (blocking)."""
+        st = blob.stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+        known = self._piece_hashes.get(digest)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        hashes = pieces.read_hashes(blob, st.st_size)
+        if hashes is None:  # a file fetched whole, before pieces: hashed now, and checked on the way
+            hashes, whole = pieces.hash_whole(blob)
+            if whole != digest:
+                log.warning("weights_corrupt", path=str(blob), expected_sha256=digest, got_sha256=whole)
+                return []  # no hash from here: no node takes a piece on this one's word
+            with contextlib.suppress(OSError):
+                pieces.write_hashes(blob, st.st_size, hashes)
+        self._piece_hashes[digest] = (stamp, hashes)
+        return hashes
 
 
 def _lay_out(directory: Path, files: list[tuple[tuple[str, ...], Path]]) -> None:

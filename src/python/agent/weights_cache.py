@@ -54,7 +54,7 @@ def scan(root: Path) -> list[Held]:
         try:
             with os.scandir(entry.path) as files:
                 for f in files:
-                    if f.is_file(follow_symlinks=False):
+                    if f.is_file(follow_symlinks=False) and not f.name.startswith("."):  # dot files: bookkeeping
                         size += f.stat(follow_symlinks=False).st_size
                         complete = complete or not f.name.endswith(".part")
             mtime = entry.stat(follow_symlinks=False).st_mtime

@@ -43,6 +43,7 @@ def held_now(weights: WeightsStore) -> w.WeightsHeld:
         cache_bytes=sum(h.bytes for h in held),
         limit_bytes=weights.limit_bytes,
         free_bytes=free,
+        port=weights.serve_port,
     )
 
 
@@ -61,10 +62,11 @@ async def serve_weights_report(
         await trio.sleep(interval_s)
         fresh = await trio.to_thread.run_sync(held_now, weights)
         before = current()
-        if (fresh.files, fresh.cache_bytes, fresh.limit_bytes) != (
+        if (fresh.files, fresh.cache_bytes, fresh.limit_bytes, fresh.port) != (
             before.files,
             before.cache_bytes,
             before.limit_bytes,
+            before.port,
         ):
             await report(fresh)
 

@@ -383,6 +383,9 @@ class AgentConfig:
     # The downloaded weights kept here, at most (GiB); past it the least recently used unused files
     # go (agent.weights_cache). 0: no limit but the disk's.
     weights_cache_gib: float = 0.0
+    # The TCP port this node serves its weights to the cluster's other nodes on (mutual TLS with
+    # node certificates; agent.peers). 0: one the kernel picks, told to the control plane.
+    weights_port: int = 0
     fabrics: tuple[FabricDecl, ...] = ()
     llamacpp_bin: str = ""  # an operator-installed llama-server: used on this node whatever server.toml pins
     vllm_bin: str = ""  # an operator-installed `vllm` executable

@@ -58,6 +58,7 @@ from llmgw.server.links.agentlistener import AgentListener
 from llmgw.server.nodes.artifacts import Artifacts, artifacts_dir
 from llmgw.server.nodes.mirror import RETRY_S, fill_mirror
 from llmgw.server.nodes.releases import Releases
+from llmgw.server.nodes.tracker import Tracker
 from llmgw.server.settings import Settings
 from llmgw.server.state import views
 from llmgw.server.state.catalogtimes import CatalogTimes
@@ -164,6 +165,7 @@ class ControlPlane:
             max_connections=config.http.max_agent_connections,
             agents=self.agent_links,
             mirror_changed=self.agent_links.mirror_changed,
+            weights_tracker=Tracker(self.registry, lambda: self.registry.clock.now()),
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)

@@ -36,7 +36,8 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # 9: a model from the Hub, as files laid out like its repository (WeightsSource.files, repo, commit,
 # directory), and the weights a node may delete (DesiredState.keep_files); what a node's weights
 # cache holds (Hello.weights, WeightsChanged), models staged to it (DesiredState.stage).
-PROTOCOL_VERSION = 9
+# 10: the port a node serves its weights to the other nodes on (WeightsHeld.port; agent.peers).
+PROTOCOL_VERSION = 10
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -47,6 +48,14 @@ AGENT_PATH = "/v1/agent"
 NODE_ID_HEADER = "x-llmgw-node-id"
 ARTIFACTS_PREFIX = "/v1/artifacts/"
 RELEASE_PREFIX = "/v1/release/"
+# The weights tracker (llmgw.server.nodes.tracker), on the agent port to node certificates:
+# `GET PEERS_PREFIX + SHA256` says which nodes hold or fetch that file and whether the asker is
+# the one to fetch it from its source. Each agent serves the files it holds to the other nodes on
+# a port of its own (`WeightsHeld.port`): `GET WEIGHTS_PREFIX + SHA256` (a byte range) and
+# `GET WEIGHTS_PREFIX + SHA256 + PIECES_SUFFIX` (which pieces it has, and their hashes).
+PEERS_PREFIX = "/v1/weights/peers/"
+WEIGHTS_PREFIX = "/v1/weights/"
+PIECES_SUFFIX = "/pieces"
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------
@@ -251,6 +260,7 @@ class WeightsHeld:
     cache_bytes: int = 0  # every file's bytes, partial ones included
     limit_bytes: int = 0  # agent.toml's weights_cache_gib in bytes; 0: no limit
     free_bytes: int = 0  # free on the disk of the weights directory
+    port: int = 0  # where this node serves its weights to the other nodes (agent.peers); 0: it does not
 
 
 @attrs.frozen(kw_only=True)

@@ -57,7 +57,7 @@ from llmgw.server.errors import StoreError
 from llmgw.server.links import agentport
 from llmgw.server.links.agentport import Route
 from llmgw.server.links.linkserver import REFUSAL_SEND_S
-from llmgw.server.nodes import artifacts, releases
+from llmgw.server.nodes import artifacts, releases, tracker
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_session as s
 from llmgw.wire.errors import UpgradeRefused
@@ -112,6 +112,7 @@ class AgentListener:
         agents: LinkEnd | None = None,
         gateways: LinkEnd | None = None,
         mirror_changed: Callable[[], Awaitable[None]] | None = None,
+        weights_tracker: tracker.Tracker | None = None,
     ) -> None:
         """`agents`, `gateways`: the links' ends (None: that link is not served here, 404);
         `mirror_changed()`: the mirror's index changed (an archive came or went)."""
@@ -136,6 +137,7 @@ class AgentListener:
         self.agents = agents
         self.gateways = gateways
         self.mirror_changed = mirror_changed or _nothing
+        self.tracker = weights_tracker
 
     async def serve(
         self,
@@ -299,6 +301,10 @@ class AgentListener:
             s.check_node_role(cert.common_name, standing)
         except UpgradeRefused as exc:
             raise self.refuse(cert, address, exc) from None
+        if where is Route.PEERS:
+            if self.tracker is None:
+                raise HTTPError(404, "this control plane tracks no weights")
+            return await tracker.handle(request, self.tracker, cert.common_name)
         return await artifacts.handle(request, self.artifacts, cert.common_name)
 
     def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:

@@ -1,8 +1,9 @@
 """What arrives on the agent port and where it goes, from the request head alone.
 
-The agent port (server.toml's agent_listen) is one TLS listener, for four things: the agent
-link, a WebSocket at AGENT_PATH, and the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`
-(`llmgw.server.nodes.artifacts`), both for node certificates only; the gateway link, a WebSocket at
+The agent port (server.toml's agent_listen) is one TLS listener, for five things: the agent
+link, a WebSocket at AGENT_PATH, the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`
+(`llmgw.server.nodes.artifacts`), and the weights tracker, `GET PEERS_PREFIX + SHA256`
+(`llmgw.server.nodes.tracker`), all for node certificates only; the gateway link, a WebSocket at
 GATEWAY_PATH (`llmgw.server.links.gatewaylinks`), for gateway certificates only; and the release files,
 `GET RELEASE_PREFIX + NAME` (`llmgw.server.nodes.releases`), for any peer (a node fetching its release
 has no certificate yet). Its HTTP is the shared server's (`llmgw.http.server`, one request per
@@ -38,6 +39,7 @@ from llmgw.wire.session import UpgradeRequest
 
 class Route(enum.Enum):
     MIRROR = "mirror"  # answered by llmgw.server.nodes.artifacts
+    PEERS = "peers"  # the weights tracker, llmgw.server.nodes.tracker: node certificates only
     RELEASE = "release"  # answered by llmgw.server.nodes.releases, to a peer without a certificate too
     LINK = "link"  # the agent link: ServerSession.upgrade checks its path and node id
     GATEWAY = "gateway"  # the gateway link: GatewayServerSession.upgrade checks its path and name
@@ -50,6 +52,8 @@ def route(request: Request) -> Route:
         return Route.MIRROR
     if request.target.startswith(w.RELEASE_PREFIX.encode()):
         return Route.RELEASE
+    if request.target.startswith(w.PEERS_PREFIX.encode()):
+        return Route.PEERS
     if request.target.startswith(GATEWAY_PATH.encode()):
         return Route.GATEWAY
     return Route.LINK

@@ -1,0 +1,356 @@
+"""Weights between nodes: each agent serves the files it holds to the other nodes of its cluster,
+and fetches pieces from them.
+
+The server (`PeerServer`) listens on agent.toml's `weights_port` (0: a port the kernel picks),
+on every address, and says which in its weights report (`WeightsHeld.port`), so the control
+plane's tracker can name it to the others. It speaks HTTPS with the node's own certificate and
+requires the client's: one of the cluster CA's, of a node (a gateway's is refused), and of a node
+the control plane still counts as a member (the tracker's last answer lists them; a node removed
+is refused from then on). Two requests, both GET:
+
+    /v1/weights/SHA256/pieces   {"size", "piece_size", "complete", "have": "<hex bitmap>",
+                                 "hashes": [...]} (hashes with `?hashes=1`: the pieces' SHA-256,
+                                 "" for a piece not here)
+    /v1/weights/SHA256          with `Range: bytes=A-B` covering exactly one piece here: 206
+
+for a file whole and verified here, or one being downloaded (the pieces in so far). At most
+`UPLOADS` pieces are sent at once; past that a request is answered 503 and the asker tries
+another node. Every connection is contained like every other llmgw port's (`llmgw.http.server`),
+its TLS handshake due within `HANDSHAKE_TIMEOUT_S`.
+
+The client side (`PeerClient`) runs in worker threads: one HTTPS connection per node and thread,
+kept alive, the server's certificate checked by hand against the cluster CA and the node id the
+tracker named (node certificates are issued for client authentication: a TLS client's own check
+of the server's purpose would refuse them). A piece is read whole, hashed, and written only when
+its hash is the one expected.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import attrs
+import trio
+
+from agent import pieces
+from llmgw.http.errors import BodyAborted, HTTPError
+from llmgw.http.limits import Limits
+from llmgw.http.listeners import Shutdown, open_listeners, serve_capped
+from llmgw.http.messages import Request, Response, StreamingResponse, allow
+from llmgw.http.server import ConnectionStats, serve_connection
+from llmgw.log import get_logger
+from llmgw.pki.ca import ROLE_NODE, cert_info, cert_info_from_der, check_issued_by
+from llmgw.pki.files import NodePaths, load_cert
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.agent.peers")
+
+UPLOADS = 8  # pieces sent at once
+BLOCK = 1 << 20  # read and sent at a time
+MAX_CONNECTIONS = 64
+HANDSHAKE_TIMEOUT_S = 10.0
+STALL_S = 15.0  # a peer that sends nothing for this long is given up (a client's socket timeout)
+LISTENER = "weights"
+LIMITS = Limits(head_timeout_s=10.0, keepalive_timeout_s=30.0, send_timeout_s=STALL_S, max_head_bytes=4096)
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+_RANGE = re.compile(r"bytes=([0-9]{1,19})-([0-9]{1,19})")
+
+
+@attrs.frozen(kw_only=True)
+class Offer:
+    """What this node can serve of one file now: `read(offset, n)` gives bytes of it (blocking)."""
+
+    size: int
+    complete: bool
+    have: frozenset[int] | None  # None: every piece (complete)
+    hashes: Callable[[], dict[int, str]]  # the pieces' SHA-256 as known here (blocking for a whole file the first time)
+    read: Callable[[int, int], bytes]
+
+
+def bitmap(have: frozenset[int] | None, count: int) -> str:
+    """Pieces as hex, piece 0 the highest bit of the first byte."""
+    bits = bytearray((count + 7) // 8)
+    for i in range(count) if have is None else have:
+        if 0 <= i < count:
+            bits[i // 8] |= 0x80 >> (i % 8)
+    return bits.hex()
+
+
+def from_bitmap(text: str, count: int) -> frozenset[int]:
+    bits = bytes.fromhex(text)
+    return frozenset(i for i in range(min(count, len(bits) * 8)) if bits[i // 8] & (0x80 >> (i % 8)))
+
+
+def peer_ssl_context(files: NodePaths) -> ssl.SSLContext:
+    """The weights port's TLS: this node's certificate, and a client's required, of the cluster CA
+    (OpenSSL checks its chain, dates and purpose; the server checks its role and membership)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_cert_chain(str(files.cert), str(files.key))
+    ctx.load_verify_locations(cafile=str(files.ca_cert))
+    return ctx
+
+
+class Members:
+    """The nodes of this cluster as the tracker last listed them (None until it has)."""
+
+    def __init__(self) -> None:
+        self.ids: frozenset[str] | None = None
+
+    def admits(self, node_id: str) -> bool:
+        return self.ids is None or node_id in self.ids
+
+
+class PeerServer:
+    def __init__(self, offers: Callable[[str], Offer | None], ssl_context: ssl.SSLContext, members: Members) -> None:
+        self.offers = offers
+        self.ssl_context = ssl_context
+        self.members = members
+        self.stats = ConnectionStats()
+        self.uploads = trio.Semaphore(UPLOADS)
+        self.sent_bytes = 0
+        self.port = 0
+
+    async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await open_listeners(port, host=None)
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await serve_capped(
+            self._connection,
+            listeners,
+            max_connections=MAX_CONNECTIONS,
+            stats=self.stats,
+            listener=LISTENER,
+            shutdown=Shutdown(),
+        )
+
+    async def _connection(self, raw: trio.abc.Stream) -> None:
+        stream = trio.SSLStream(raw, self.ssl_context, server_side=True)
+        try:
+            with trio.move_on_after(HANDSHAKE_TIMEOUT_S) as timer:
+                await stream.do_handshake()
+            if timer.cancelled_caught:
+                return
+            der = stream.getpeercert(binary_form=True)
+            node = cert_info_from_der(der) if der else None
+            if node is None or node.role != ROLE_NODE or not self.members.admits(node.common_name):
+                who = node.common_name if node else "a peer without a certificate"
+                log.warning("weights_peer_refused", peer=who, role=node.role if node else "-")
+                return
+            await serve_connection(
+                lambda request: self._handle(request, node.common_name),
+                stream,
+                limits=LIMITS,
+                stats=self.stats,
+                listener=LISTENER,
+            )
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            return  # a peer that broke off, or a handshake refused: that connection only
+        except Exception:  # - one connection's failure must never stop the port
+            log.exception("weights_connection_failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _handle(self, request: Request, node: str) -> Response | StreamingResponse:
+        allow(request, "GET")
+        target = request.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        rest = path.removeprefix(w.WEIGHTS_PREFIX)
+        if rest == path:
+            raise HTTPError(404, "no such path on a node's weights port")
+        want_pieces = rest.endswith(w.PIECES_SUFFIX)
+        digest = rest.removesuffix(w.PIECES_SUFFIX)
+        offer = self.offers(digest) if _SHA.match(digest) else None
+        if offer is None:
+            raise HTTPError(404, "this node holds no such file")
+        count = pieces.piece_count(offer.size)
+        if want_pieces:
+            body = {
+                "size": offer.size,
+                "piece_size": pieces.piece_size(offer.size),
+                "complete": offer.complete,
+                "have": bitmap(offer.have, count),
+            }
+            if "hashes=1" in query.split("&"):
+                known = await trio.to_thread.run_sync(offer.hashes)
+                body["hashes"] = [known.get(i, "") for i in range(count)]
+            return Response.json(200, body)
+        m = _RANGE.fullmatch(request.headers.get("range", "").strip())
+        index = pieces.piece_of(int(m[1]), int(m[2]) - int(m[1]) + 1, offer.size) if m else None
+        if index is None or index >= count:
+            raise HTTPError(416, "ask for one piece: Range: bytes=A-B on piece boundaries")
+        if offer.have is not None and index not in offer.have:
+            raise HTTPError(404, f"piece {index} is not here yet")
+        try:
+            self.uploads.acquire_nowait()
+        except trio.WouldBlock:
+            raise HTTPError(
+                503, "this node is sending as many pieces as it may; ask another", headers=(("retry-after", "1"),)
+            ) from None
+        start, length = pieces.span(index, offer.size)
+        return StreamingResponse(
+            status=206,
+            body=self._send(offer, start, length),
+            headers=(("content-range", f"bytes {start}-{start + length - 1}/{offer.size}"),),
+            length=length,
+        )
+
+    def _send(self, offer: Offer, start: int, length: int) -> _PieceBody:
+        return _PieceBody(self, offer, start, length)
+
+
+class _PieceBody:
+    """One piece as a response body, a block at a time read off the loop; its upload place is
+    given back at `aclose`, which the server calls however the response ends (unstarted too)."""
+
+    def __init__(self, server: PeerServer, offer: Offer, start: int, length: int) -> None:
+        self.server, self.offer, self.at, self.left = server, offer, start, length
+        self.closed = False
+
+    def __aiter__(self) -> _PieceBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.left <= 0:
+            raise StopAsyncIteration
+        block = await trio.to_thread.run_sync(self.offer.read, self.at, min(BLOCK, self.left))
+        if not block:
+            raise BodyAborted(f"the file ended {self.left} bytes early: it went while it was sent")
+        self.at += len(block)
+        self.left -= len(block)
+        self.server.sent_bytes += len(block)
+        return block
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.server.uploads.release()
+        await trio.lowlevel.checkpoint()
+
+
+# -- the client side: blocking, in worker threads ------------------------------------------
+
+
+class PeerFailed(Exception):
+    """A peer that did not give what was asked (unreachable, refused, cut, wrong answer)."""
+
+
+class PeerCorrupt(Exception):
+    """A peer sent a piece whose SHA-256 is not the one expected."""
+
+
+@attrs.frozen(kw_only=True)
+class Peer:
+    node: str
+    address: str
+    port: int
+    complete: bool = False
+
+
+class PeerClient:
+    """HTTPS to other nodes' weights ports, with this node's certificate; the server's
+    certificate checked by hand (see the module docstring). Thread-safe: a connection per
+    (thread, peer)."""
+
+    def __init__(self, ca_cert: Path, cert: Path, key: Path) -> None:
+        self.ca = load_cert(ca_cert)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # checked by `_check_server` instead (the purpose, above)
+        ctx.load_cert_chain(str(cert), str(key))
+        self.ssl_context = ctx
+        self._local = threading.local()
+
+    def _conn(self, peer: Peer) -> http.client.HTTPSConnection:
+        conns: dict = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(peer)
+        if conn is None:
+            conn = http.client.HTTPSConnection(peer.address, peer.port, context=self.ssl_context, timeout=STALL_S)
+            try:
+                conn.connect()
+                self._check_server(conn, peer)
+            except (OSError, ssl.SSLError, PeerFailed) as exc:
+                conn.close()
+                raise PeerFailed(f"cannot reach node {peer.node} at {peer.address}:{peer.port}: {exc}") from None
+            conns[peer] = conn
+        return conn
+
+    def _drop(self, peer: Peer) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+    def _check_server(self, conn: http.client.HTTPSConnection, peer: Peer) -> None:
+        sock = conn.sock
+        der = sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None
+        if not der:
+            raise PeerFailed("it showed no certificate")
+        from cryptography import x509
+
+        cert = x509.load_der_x509_certificate(der)
+        try:
+            check_issued_by(cert, self.ca)
+        except Exception as exc:  # noqa: BLE001 - any failure of the check is a refusal
+            raise PeerFailed(f"its certificate is not this cluster's ({exc})") from None
+        info = cert_info(cert)
+        if not info.valid_at(datetime.now(timezone.utc)):
+            raise PeerFailed(f"its certificate is not valid now ({info.not_before} to {info.not_after})")
+        if info.common_name != peer.node or info.role != ROLE_NODE:
+            raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {peer.node!r}")
+
+    def _get(self, peer: Peer, target: str, headers: dict[str, str]) -> tuple[int, bytes, http.client.HTTPResponse]:
+        for attempt in (0, 1):  # a kept connection the peer closed meanwhile: once more, afresh
+            conn = self._conn(peer)
+            try:
+                conn.request("GET", target, headers=headers)
+                response = conn.getresponse()
+                body = response.read()
+                if response.will_close:
+                    self._drop(peer)
+                return response.status, body, response
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(peer)
+                if attempt or isinstance(exc, (socket.timeout, TimeoutError)):
+                    raise PeerFailed(f"node {peer.node} broke off ({exc!r})") from None
+        raise AssertionError("unreachable")
+
+    def pieces(self, peer: Peer, digest: str, *, hashes: bool) -> dict:
+        target = w.WEIGHTS_PREFIX + digest + w.PIECES_SUFFIX + ("?hashes=1" if hashes else "")
+        status, body, _ = self._get(peer, target, {})
+        if status != 200:
+            raise PeerFailed(f"node {peer.node} answered {status} for the pieces of {digest[:12]}")
+        try:
+            answer = json.loads(body)
+            assert isinstance(answer, dict) and isinstance(answer.get("have"), str)
+        except (ValueError, AssertionError):
+            raise PeerFailed(f"node {peer.node} answered something else than a piece list") from None
+        return answer
+
+    def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
+        """Piece `index` from `peer`, its SHA-256 checked: `PeerCorrupt` when it is not `expected`."""
+        start, length = pieces.span(index, size)
+        status, body, _ = self._get(peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"})
+        if status == 503:
+            raise PeerFailed(f"node {peer.node} is busy")
+        if status != 206 or len(body) != length:
+            raise PeerFailed(f"node {peer.node} answered {status} with {len(body)} bytes for piece {index}")
+        got = pieces.hash_piece(body)
+        if got != expected:
+            raise PeerCorrupt(
+                f"node {peer.node} sent piece {index} of {digest[:12]} with sha256 {got[:16]}…, not {expected[:16]}…"
+            )
+        return body
+
+    def close(self) -> None:
+        for conn in self._local.__dict__.get("conns", {}).values():
+            conn.close()

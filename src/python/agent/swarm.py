@@ -1,0 +1,383 @@
+"""One weights file fetched in pieces, from the nodes that hold it or are fetching it, and from
+its source only by the one node the control plane's tracker names for it (the "origin").
+
+The loop (`Swarm.run`), until every piece is in:
+- every `ASK_S` it asks the tracker (`llmgw.server.nodes.tracker`, `Tracker.ask`): which nodes
+  hold or fetch the file, which one's piece hashes to believe (the "authority": a node holding
+  the whole file, verified, else the origin), and whether this node is the origin. It says which
+  nodes it could not reach, so a file whose only holders are unreachable from here gets an
+  origin again. A tracker that cannot be asked (a control plane gone, or one from before the
+  tracker) makes this node its own origin: one more download from the source rather than none.
+- every `POLL_S` it asks each peer which pieces it has (`agent.peers`), and the authority for
+  their hashes too;
+- it keeps up to `MAX_INFLIGHT` piece requests going, at most `PER_PEER` to one node: the
+  rarest piece first, from the node with fewest requests from here. Each piece is checked
+  against the authority's hash before it is written; a node that sends a wrong piece is named
+  in the log (`weights_peer_corrupt`) and asked nothing more for this file. A node that fails
+  is left alone for `UNREACHABLE_S`.
+- the origin also reads the file from its source, one stream from the first piece it lacks,
+  hashing each piece as it arrives (those hashes are the ones the others check against), and
+  resumes where it broke off after `SOURCE_RETRY_S` when the source fails.
+Pieces are synced and listed every `SYNC_S` (`agent.pieces.Part`), so a cut at any byte loses at
+most that much. With every piece in, the whole file is hashed: only a file whose SHA-256 is the
+catalog's becomes the file an engine sees; one that is not is discarded whole.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import ssl
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from functools import partial
+from urllib.parse import quote, urlsplit
+
+import attrs
+import trio
+
+from agent import pieces
+from agent.peers import Members, Peer, PeerClient, PeerCorrupt, PeerFailed, from_bitmap
+from llmgw.download import DownloadError, Progress
+from llmgw.log import get_logger
+from llmgw.wire import agent_link as w
+
+log = get_logger("llmgw.agent.weights")
+
+ASK_S = 2.0
+POLL_S = 0.5
+MAX_INFLIGHT = 4
+PER_PEER = 2
+UNREACHABLE_S = 10.0
+SOURCE_RETRY_S = 5.0
+SYNC_S = 2.0
+TRACKER_TIMEOUT_S = 10.0
+SOURCE_TIMEOUT_S = 60.0
+
+
+@attrs.frozen(kw_only=True)
+class Answer:
+    """The tracker's word on one file, for the node that asked."""
+
+    origin: bool  # this node fetches it from its source
+    authority: str  # whose piece hashes to believe ("" none yet, or this node)
+    peers: tuple[Peer, ...] = ()
+    members: frozenset[str] | None = None
+
+
+class Tracker:
+    """Asks the control plane's tracker over HTTPS with the node's certificate (blocking)."""
+
+    def __init__(self, server_url: Callable[[], str], ssl_context: ssl.SSLContext) -> None:
+        self.server_url = server_url  # wss://HOST:PORT of the control plane linked to last
+        self.ssl_context = ssl_context
+
+    def ask(self, digest: str, unreachable: set[str]) -> Answer:
+        parts = urlsplit(self.server_url())
+        conn = http.client.HTTPSConnection(
+            parts.hostname or "", parts.port or 443, context=self.ssl_context, timeout=TRACKER_TIMEOUT_S
+        )
+        target = w.PEERS_PREFIX + digest
+        if unreachable:
+            target += "?unreachable=" + quote(",".join(sorted(unreachable)), safe=",")
+        try:
+            conn.request("GET", target, headers={"accept": "application/json"})
+            response = conn.getresponse()
+            body = response.read(1 << 20)
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise PeerFailed(f"the tracker answered {response.status}: {body[:200]!r}")
+        data = json.loads(body)
+        return Answer(
+            origin=bool(data["origin"]),
+            authority=str(data.get("authority", "")),
+            peers=tuple(
+                Peer(node=p["node"], address=p["address"], port=int(p["port"]), complete=bool(p.get("complete")))
+                for p in data.get("peers", ())
+            ),
+            members=frozenset(data["members"]) if isinstance(data.get("members"), list) else None,
+        )
+
+
+@attrs.define
+class Peering:
+    """What a node needs to fetch from the others: who to ask, how to reach them, who may ask it."""
+
+    node_id: str
+    tracker: Tracker
+    client: PeerClient
+    members: Members
+    source_bytes: int = 0  # bytes read from sources, for the bench and the log
+    peer_bytes: int = 0  # bytes received from other nodes
+
+
+class Swarm:
+    def __init__(
+        self,
+        *,
+        digest: str,
+        part: pieces.Part,
+        url: str,
+        headers: dict[str, str],
+        ssl_context: ssl.SSLContext | None,
+        peering: Peering,
+        on_progress: Callable[[Progress], None] = lambda p: None,
+    ) -> None:
+        self.digest = digest
+        self.part = part
+        self.size = part.size
+        self.url = url
+        self.headers = headers
+        self.ssl_context = ssl_context
+        self.peering = peering
+        self.on_progress = on_progress
+        self.answer = Answer(origin=False, authority="")
+        self.have: dict[str, frozenset[int]] = {}  # node -> pieces it has, as it last said
+        self.hashes: dict[int, str] = {}  # the authority's
+        self.banned: set[str] = set()
+        self.unreachable: dict[str, float] = {}  # node -> until (trio time)
+        self.inflight: dict[int, str] = {}  # piece -> node ("" the source)
+        self.source_running = False
+        self.source_error = ""
+        self.changed = trio.Event()
+        self._stop = threading.Event()
+        self._tracker_warned = False
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sync_every)
+                asked_at = -float("inf")
+                while self.part.missing():
+                    now = trio.current_time()
+                    if now - asked_at >= ASK_S:
+                        await self._ask()
+                        asked_at = now
+                    await self._poll()
+                    if self.answer.origin and not self.source_running:
+                        self.source_running = True
+                        nursery.start_soon(self._source)
+                    self._schedule(nursery)
+                    self.changed = trio.Event()
+                    with trio.move_on_after(POLL_S):
+                        await self.changed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._stop.set()
+        await trio.to_thread.run_sync(self.part.sync)
+
+    def _wake(self) -> None:
+        self.changed.set()
+
+    async def _sync_every(self) -> None:
+        while True:
+            await trio.sleep(SYNC_S)
+            await trio.to_thread.run_sync(self.part.sync)
+
+    async def _ask(self) -> None:
+        now = trio.current_time()
+        away = {n for n, until in self.unreachable.items() if until > now} | self.banned
+        try:
+            answer = await trio.to_thread.run_sync(self.peering.tracker.ask, self.digest, away)
+        except (OSError, ValueError, KeyError, TypeError, PeerFailed, http.client.HTTPException) as exc:
+            if not self._tracker_warned:
+                self._tracker_warned = True
+                log.warning(
+                    "weights_tracker_unreachable",
+                    sha256=self.digest,
+                    reason=str(exc),
+                    detail="this node fetches the file from its source itself",
+                )
+            answer = Answer(origin=True, authority=self.peering.node_id)
+        if answer.members is not None:
+            self.peering.members.ids = answer.members
+        if answer.origin and not self.answer.origin:
+            log.info(
+                "weights_origin", sha256=self.digest, url=self.url, detail="this node fetches the file from its source"
+            )
+        self.answer = answer
+
+    async def _poll(self) -> None:
+        now = trio.current_time()
+        peers = [p for p in self.answer.peers if p.node not in self.banned and self.unreachable.get(p.node, 0) <= now]
+        authority = self.answer.authority
+
+        async def one(peer: Peer) -> None:
+            want_hashes = peer.node == authority
+            ask = partial(self.peering.client.pieces, peer, self.digest, hashes=want_hashes)
+            try:
+                found = await trio.to_thread.run_sync(ask)
+                count = pieces.piece_count(self.size)
+                if found.get("size") != self.size:
+                    raise PeerFailed(
+                        f"node {peer.node} holds {found.get('size')} bytes under this digest, not {self.size}"
+                    )
+                try:
+                    self.have[peer.node] = from_bitmap(found["have"], count)
+                except ValueError:
+                    raise PeerFailed(f"node {peer.node} sent a piece bitmap that is not hex") from None
+                if want_hashes and isinstance(found.get("hashes"), list):
+                    for i, h in enumerate(found["hashes"][:count]):
+                        if isinstance(h, str) and len(h) == 64:
+                            self.hashes.setdefault(i, h)
+            except PeerFailed as exc:
+                self._failed(peer, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(one, peer)
+
+    def _failed(self, peer: Peer, exc: Exception) -> None:
+        if self.unreachable.get(peer.node, 0) <= trio.current_time():
+            log.info("weights_peer_failed", sha256=self.digest, peer=peer.node, reason=str(exc))
+        self.unreachable[peer.node] = trio.current_time() + UNREACHABLE_S
+        self.have.pop(peer.node, None)
+
+    def _schedule(self, nursery: trio.Nursery) -> None:
+        now = trio.current_time()
+        usable = {
+            p.node: p
+            for p in self.answer.peers
+            if p.node not in self.banned and self.unreachable.get(p.node, 0) <= now and p.node in self.have
+        }
+        load: dict[str, int] = {}
+        for node in self.inflight.values():
+            load[node] = load.get(node, 0) + 1
+        wanted = [i for i in self.part.missing() if i not in self.inflight and i in self.hashes]
+        rarity = {i: sum(1 for n in usable if i in self.have[n]) for i in wanted}
+        for i in sorted((i for i in wanted if rarity[i]), key=lambda i: (rarity[i], i)):
+            if sum(1 for n in self.inflight.values() if n) >= MAX_INFLIGHT:
+                break
+            holders = [n for n in usable if i in self.have[n] and load.get(n, 0) < PER_PEER]
+            if not holders:
+                continue
+            random.shuffle(holders)
+            node = min(holders, key=lambda n: load.get(n, 0))
+            load[node] = load.get(node, 0) + 1
+            self.inflight[i] = node
+            nursery.start_soon(self._fetch, usable[node], i)
+
+    async def _fetch(self, peer: Peer, index: int) -> None:
+        expected = self.hashes[index]
+
+        def blocking() -> None:
+            data = self.peering.client.piece(peer, self.digest, index, self.size, expected)
+            if not self.part.has(index):
+                self.part.write(index, data, expected)
+
+        try:
+            await trio.to_thread.run_sync(blocking)
+            self.peering.peer_bytes += pieces.span(index, self.size)[1]
+            self._progress()
+        except PeerCorrupt as exc:
+            self.banned.add(peer.node)
+            log.warning(
+                "weights_peer_corrupt",
+                sha256=self.digest,
+                peer=peer.node,
+                piece=index,
+                reason=str(exc),
+                detail="the piece was dropped and this node asks that one nothing more for this file",
+            )
+        except PeerFailed as exc:
+            self._failed(peer, exc)
+        finally:
+            self.inflight.pop(index, None)
+            self._wake()
+
+    def _progress(self) -> None:
+        self.on_progress(Progress(url=self.url, done_bytes=self.part.done_bytes, total_bytes=self.size))
+
+    # -- the source (the origin only) --------------------------------------------------------
+
+    async def _source(self) -> None:
+        try:
+            while self.part.missing():
+                first = self.part.missing()[0]
+                try:
+                    await trio.to_thread.run_sync(
+                        self._stream, first, trio.lowlevel.current_trio_token(), abandon_on_cancel=True
+                    )
+                    self.source_error = ""
+                except DownloadError as exc:
+                    if not self.source_error:
+                        log.warning(
+                            "weights_source_failed",
+                            sha256=self.digest,
+                            url=self.url,
+                            reason=str(exc),
+                            retry_s=SOURCE_RETRY_S,
+                        )
+                    self.source_error = str(exc)
+                    await trio.sleep(SOURCE_RETRY_S)
+        finally:
+            self.source_running = False
+
+    def _stream(self, first: int, token: trio.lowlevel.TrioToken) -> None:
+        """Read the source from piece `first` on (blocking), writing each piece not in yet."""
+        start = pieces.span(first, self.size)[0]
+        request = urllib.request.Request(self.url)
+        for name, value in self.headers.items():
+            if name.lower() == "authorization":
+                request.add_unredirected_header(name, value)
+            else:
+                request.add_header(name, value)
+        request.add_header("Range", f"bytes={start}-{self.size - 1}")
+        try:
+            response = urllib.request.urlopen(request, timeout=SOURCE_TIMEOUT_S, context=self.ssl_context)
+        except urllib.error.HTTPError as exc:
+            raise DownloadError(f"{self.url} answered HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            raise DownloadError(f"cannot download {self.url}: {getattr(exc, 'reason', exc)!r}") from None
+        with response:
+            skip = start if response.status == 200 else 0  # a source without ranges: from its start
+            length = response.headers.get("content-length")
+            total = (start if response.status == 206 else 0) + int(length) if length and length.isdigit() else None
+            if total is not None and total != self.size:
+                raise DownloadError(
+                    f"{self.url} announces {total} bytes, but the catalog gives its size as {self.size}; the file at "
+                    "the source changed: add the model again (`llmgw ctl models add`) to pin what is there now"
+                )
+            begin = index = 0 if skip else first
+            try:
+                while skip:
+                    skip -= len(response.read(min(skip, 1 << 20)) or b"") or self._short(0)
+                for index in range(begin, pieces.piece_count(self.size)):
+                    if self._stop.is_set():
+                        return
+                    _, length_i = pieces.span(index, self.size)
+                    data = _read_exactly(response, length_i)
+                    self.peering.source_bytes += len(data)
+                    if len(data) != length_i:
+                        self._short(len(data))
+                    if not self.part.has(index):
+                        self.part.write(index, data, pieces.hash_piece(data))
+                        token.run_sync_soon(self._arrived)
+            except (OSError, http.client.HTTPException) as exc:
+                raise DownloadError(
+                    f"the download of {self.url} broke off at piece {index} ({exc!r}); it resumes"
+                ) from None
+
+    def _short(self, got: int) -> int:
+        raise DownloadError(f"{self.url} ended early ({got} bytes of a piece); it resumes")
+
+    def _arrived(self) -> None:
+        self._progress()
+        self._wake()
+
+
+def _read_exactly(response: http.client.HTTPResponse, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        block = response.read(min(left, 1 << 20))
+        if not block:
+            break
+        chunks.append(block)
+        left -= len(block)
+    return b"".join(chunks)

@@ -1,0 +1,113 @@
+"""The weights tracker: which nodes hold or fetch each file, and which one node fetches it from
+its source, so that a file crosses the internet once per cluster.
+
+Agents ask it on the agent port, with their node certificate (`GET /v1/weights/peers/SHA256`,
+optionally `?unreachable=NODE,NODE`: the nodes the asker could not reach), every few seconds
+while they fetch a file (`agent.swarm`). The answer:
+
+    {"origin": bool,        the asker fetches the file from its source
+     "authority": NODE,     whose piece hashes the asker believes: a node holding the whole file
+                            (it verified it), else the origin; "" when there is neither yet
+     "peers": [{"node", "address", "port", "complete"}],
+                            the other nodes that hold the file (whole or in part, as their weights
+                            reports say) or asked for it lately, each at the port it serves
+                            weights on
+     "members": [NODE, ...]} the cluster's nodes: a node serves weights to these only
+
+The origin of a file is chosen when a node asks for it and no node the asker can reach holds it
+whole: the node that was origin stays origin while it keeps asking (within `ORIGIN_TTL_S`) and is
+joined; otherwise the asker becomes origin (a new one resumes where the pieces are: the others
+keep theirs). A file held whole by a joined node needs no origin: it comes from the holders.
+
+Everything here is in memory, rebuilt from the agents' asks and weights reports: a control plane
+that restarts, or a standby that takes over, has it back within a few seconds of asks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from urllib.parse import parse_qs, unquote
+
+import attrs
+
+from llmgw.http.errors import HTTPError
+from llmgw.http.messages import Request, Response, allow
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.wire.agent_link import PEERS_PREFIX
+
+FETCHER_TTL_S = 10.0  # an asker counts as fetching the file (a peer to others) this long after its ask
+ORIGIN_TTL_S = 15.0  # an origin that has not asked for this long is replaced by the next asker
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+@attrs.define
+class _File:
+    askers: dict[str, float] = attrs.field(factory=dict)  # node -> when it last asked
+    origin: str = ""
+
+
+class Tracker:
+    def __init__(self, registry: NodeRegistry, now: Callable[[], float]) -> None:
+        self.registry = registry
+        self.now = now
+        self.files: dict[str, _File] = {}
+        self.origins_chosen = 0  # for tests and the log
+
+    def _joined(self, node_id: str, now: float) -> bool:
+        node = self.registry.nodes.get(node_id)
+        return node is not None and self.registry.liveness(node, now) == "joined"
+
+    def ask(self, asker: str, sha256: str, unreachable: frozenset[str] = frozenset()) -> dict:
+        now = self.now()
+        entry = self.files.setdefault(sha256, _File())
+        entry.askers[asker] = now
+        for node, at in list(entry.askers.items()):
+            if now - at > max(FETCHER_TTL_S, ORIGIN_TTL_S):
+                del entry.askers[node]
+        peers: dict[str, dict] = {}
+        whole: list[str] = []
+        for node_id in sorted(self.registry.nodes):
+            node = self.registry.nodes[node_id]
+            if node_id == asker or not node.weights.port or not node.address or not self._joined(node_id, now):
+                continue
+            held = next((f for f in node.weights.files if f.sha256 == sha256), None)
+            fetching = now - entry.askers.get(node_id, -FETCHER_TTL_S * 2) <= FETCHER_TTL_S
+            if held is None and not fetching and entry.origin != node_id:
+                continue
+            complete = held is not None and held.complete
+            peers[node_id] = {"node": node_id, "address": node.address, "port": node.weights.port, "complete": complete}
+            if complete and node_id not in unreachable:
+                whole.append(node_id)
+        if whole:
+            authority, origin = whole[0], False
+        else:
+            current = entry.origin
+            alive = (
+                current
+                and self._joined(current, now)
+                and now - entry.askers.get(current, -ORIGIN_TTL_S * 2) <= ORIGIN_TTL_S
+                and (current == asker or current not in unreachable)
+            )
+            if not alive:
+                entry.origin = asker
+                self.origins_chosen += 1
+            authority, origin = entry.origin, entry.origin == asker
+        return {
+            "origin": origin,
+            "authority": authority,
+            "peers": list(peers.values()),
+            "members": sorted(self.registry.nodes),
+        }
+
+
+async def handle(request: Request, tracker: Tracker, node: str) -> Response:
+    """Answer one ask (`node`'s, its certificate checked by the agent port)."""
+    allow(request, "GET")
+    path, _, query = request.target.decode("latin-1").partition("?")
+    sha256 = path.removeprefix(PEERS_PREFIX)
+    if not _SHA.match(sha256):
+        raise HTTPError(404, "ask for a file by its sha256: /v1/weights/peers/SHA256 (64 hex digits)")
+    away = parse_qs(query[:8192]).get("unreachable", [""])[0]
+    unreachable = frozenset(unquote(n) for n in away.split(",")[:1000] if n)
+    return Response.json(200, tracker.ask(node, sha256, unreachable))
