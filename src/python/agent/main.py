@@ -143,12 +143,13 @@ async def run_agent(
     # Weights from and to the other nodes (agent.peers, agent.swarm): the tracker is asked at the
     # control plane this agent is linked to.
     members = Members()
-    weights.peering = Peering(
+    peering = Peering(
         node_id=identity.node_id,
         tracker=Tracker(lambda: link.target.url, ssl_context),
         client=PeerClient(files.ca_cert, files.cert, files.key),
         members=members,
     )
+    weights.peering = peering if config.weights_from_peers else None
     peer_server = PeerServer(weights.offer, peer_ssl_context(files), members)
     async with trio.open_nursery() as nursery:
         if watch_loop:

@@ -2,12 +2,14 @@
 MockClock: its HTTP is the shared server's (a whole head past the limit is 431, as on the
 gateway's port), a peer without a certificate gets the release files and nothing else, its head
 is due by the handshake's deadline and until it is routed it may be closed for a newcomer; a
-node's revoked certificate is refused at the mirror. The real sockets and TLS are
-tests/llmgw/server/test_agentport_budgets.py's and tests/agent/test_link.py's."""
+node's revoked certificate is refused at the mirror, and at the weights tracker as at the mirror.
+The real sockets and TLS are tests/llmgw/server/test_agentport_budgets.py's and
+tests/agent/test_link.py's; the tracker's choices, tests/llmgw/server/test_tracker.py's."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -29,6 +31,10 @@ from llmgw.server.links.agentlistener import (
 )
 from llmgw.server.nodes.artifacts import Artifacts
 from llmgw.server.nodes.releases import Releases
+from llmgw.server.nodes.tracker import Tracker
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.wire import agent_link as w
+from testlib.controlplane import hello
 from testlib.httpexchange import converse
 
 pytestmark = pytest.mark.trio
@@ -71,6 +77,7 @@ def port(tmp_path: Path) -> AgentListener:
         artifact_store=Artifacts(mirror),
         release_files=Releases(directory=releases, running=None),
         max_connections=4,
+        weights_tracker=Tracker(NodeRegistry(heartbeat_ttl_s=30.0, started_at=0.0), lambda: 1.0),
     )
 
 
@@ -156,3 +163,72 @@ async def test_a_peer_without_a_certificate_may_be_closed_for_a_newcomer_until_i
             answer += await client.receive_some()
         assert port.unproven_idle.shed_oldest() is None
         nursery.cancel_scope.cancel()
+
+
+SHA = "5e" * 32  # a weights file's digest, asked of the tracker
+
+
+def mirror_and_tracker() -> list[str]:
+    return ["/v1/artifacts/" + hashlib.sha256(ARCHIVE).hexdigest(), w.PEERS_PREFIX + SHA]
+
+
+async def test_a_node_asks_the_weights_tracker_with_its_certificate(port: AgentListener) -> None:
+    assert port.tracker is not None
+    registry = port.tracker.registry
+    for node, address in (("node-a", "10.0.0.1"), ("node-b", "10.0.0.2")):  # joined, serving weights
+        conn = registry.connect(hello(node), address=address, cert_serial=1, cert_not_after=2e9, now=1.0)
+        registry.heartbeat(node, conn, 1.0)
+        registry.weights_changed(node, conn, w.WeightsHeld(port=7000))
+    node_b = attrs.evolve(CERT, common_name="node-b", serial=0xB2)
+
+    async def ask(cert: CertInfo, target: str) -> dict:
+        answered = await converse(lambda s: port.serve_peer(s, cert, "10.0.0.1"), get(target))
+        assert answered.status == 200 and answered.headers[b"content-type"].startswith(b"application/json")
+        return json.loads(answered.body)
+
+    # The asker is the one its certificate names: the first to ask fetches the file from its source.
+    answer = await ask(CERT, w.PEERS_PREFIX + SHA)
+    assert answer == {"origin": True, "authority": "node-a", "peers": [], "members": ["node-a", "node-b"]}
+    answer = await ask(node_b, w.PEERS_PREFIX + SHA)
+    assert answer["origin"] is False and answer["authority"] == "node-a"
+    assert answer["peers"] == [{"node": "node-a", "address": "10.0.0.1", "port": 7000, "complete": False}]
+    # The nodes the asker could not reach, in the query: node-b takes over from node-a.
+    answer = await ask(node_b, w.PEERS_PREFIX + SHA + "?unreachable=node-a,node-c")
+    assert answer["origin"] is True and answer["authority"] == "node-b"
+    assert port.agents_open == 0
+
+
+@pytest.mark.parametrize("target", mirror_and_tracker())
+async def test_the_tracker_refuses_whom_the_mirror_refuses(port: AgentListener, target: str) -> None:
+    gateway = attrs.evolve(CERT, common_name="gw1", role=ROLE_GATEWAY)
+    answered = await converse(lambda s: port.serve_peer(s, gateway, "10.0.0.1"), get(target))
+    assert answered.status == 403 and b"is not a node certificate (its role: llmgw-gateway)" in answered.body
+    answered = await converse(lambda s: port.serve_peer(s, None, "10.0.0.9"), get(target))
+    assert answered.status == 403 and answered.body == NO_CERTIFICATE_CLIENT.encode() + b"\n"
+    port.store.revoked.add(CERT.serial)
+    answered = await converse(lambda s: port.serve_peer(s, CERT, "10.0.0.1"), get(target))
+    assert answered.status == 403 and b"was revoked" in answered.body
+    assert port.tracker is not None and port.tracker.files == {}  # none of them was heard
+    assert port.agents_open == 0
+
+
+@pytest.mark.parametrize(
+    "sha",
+    ["5E" * 32, "5e" * 31, "5e" * 33, "5e" * 31 + "zz", "", "../" + "5e" * 32, "%35" + "e" + "5e" * 31],
+)
+async def test_the_tracker_answers_a_bad_sha256_with_its_form(port: AgentListener, sha: str) -> None:
+    answered = await converse(lambda s: port.serve_peer(s, CERT, "10.0.0.1"), get(w.PEERS_PREFIX + sha))
+    assert answered.status == 404, answered
+    assert answered.body == b"ask for a file by its sha256: /v1/weights/peers/SHA256 (64 hex digits)\n"
+    assert port.tracker is not None and port.tracker.files == {}
+
+
+async def test_the_tracker_takes_get_only_and_a_control_plane_without_one_says_so(port: AgentListener) -> None:
+    answered = await converse(
+        lambda s: port.serve_peer(s, CERT, "10.0.0.1"),
+        f"POST {w.PEERS_PREFIX}{SHA} HTTP/1.1\r\nhost: cp\r\ncontent-length: 0\r\n\r\n".encode(),
+    )
+    assert answered.status == 405 and answered.headers[b"allow"] == b"GET, HEAD"
+    port.tracker = None
+    answered = await converse(lambda s: port.serve_peer(s, CERT, "10.0.0.1"), get(w.PEERS_PREFIX + SHA))
+    assert answered.status == 404 and answered.body == b"this control plane tracks no weights\n"

@@ -386,6 +386,9 @@ class AgentConfig:
     # The TCP port this node serves its weights to the cluster's other nodes on (mutual TLS with
     # node certificates; agent.peers). 0: one the kernel picks, told to the control plane.
     weights_port: int = 0
+    # Fetch weights from the other nodes, the source only where the tracker says so (agent.swarm).
+    # false: every file from its source by this node alone (it still serves what it holds).
+    weights_from_peers: bool = True
     fabrics: tuple[FabricDecl, ...] = ()
     llamacpp_bin: str = ""  # an operator-installed llama-server: used on this node whatever server.toml pins
     vllm_bin: str = ""  # an operator-installed `vllm` executable
