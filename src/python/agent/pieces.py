@@ -30,6 +30,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -98,6 +99,10 @@ class Part:
     _fd: int = -1
     _unsynced: dict[int, str] = attrs.field(factory=dict)  # written, not yet synced nor listed
     _lock: threading.Lock = attrs.field(factory=threading.Lock)  # pieces are written from several threads
+    # The whole file's SHA-256 so far, over pieces 0 .. _next - 1: advanced as pieces arrive in
+    # order (those before come back from the page cache), so the file is not read again at the end.
+    _whole: Any = attrs.field(factory=hashlib.sha256)
+    _next: int = 0
 
     @property
     def count(self) -> int:
@@ -161,6 +166,17 @@ class Part:
                         raise _disk_full(self.blob, self.size) from None
                     raise
             self._unsynced[index] = digest
+            if index == self._next:
+                self._whole.update(view)
+                self._next += 1
+            self._catch_up()  # those after it, or from the start after a resume
+
+    def _catch_up(self) -> None:
+        """Hash the pieces in after `_next`, in order, from the part (the lock held)."""
+        while self._next < self.count and (self._next in self.hashes or self._next in self._unsynced):
+            start, length = span(self._next, self.size)
+            self._whole.update(os.pread(self._fd, length, start))
+            self._next += 1
 
     def read(self, index: int) -> bytes:
         start, length = span(index, self.size)
@@ -191,11 +207,12 @@ class Part:
         _write_json(state_of(self.blob), {"size": self.size, "pieces": listed})
 
     def sha256(self) -> str:
-        """The whole part's SHA-256 (all pieces in: see `missing`)."""
-        h = hashlib.sha256()
-        for i in range(self.count):
-            h.update(self.read(i))
-        return h.hexdigest()
+        """The whole part's SHA-256 (all pieces in: see `missing`), mostly hashed already as they came."""
+        with self._lock:
+            self._catch_up()
+            if self._next < self.count:
+                raise ValueError(f"piece {self._next} of {self.blob.name} is not in")
+            return self._whole.copy().hexdigest()
 
     def finish(self) -> None:
         """The part, verified whole, becomes the file; the piece hashes stay for the peers."""
