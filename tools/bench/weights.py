@@ -232,11 +232,13 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the run where every node downloads alone")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the directory (logs of every process) afterwards")
     opts = parser.parse_args()
     why = net_preflight()
     if why:
         raise SystemExit(f"weights bench: {why}")
-    with tempfile.TemporaryDirectory(prefix="llmgw-weights-bench-", dir=opts.dir) as tmp:
+    tmp = tempfile.mkdtemp(prefix="llmgw-weights-bench-", dir=opts.dir)
+    try:
         root = Path(tmp)
         file = root / FILE_NAME
         size = opts.size_mib << 20
@@ -263,6 +265,11 @@ def main() -> None:
             "one_source_download": results["swarm"]["source_downloads"] <= 1.0,
             "spread_ratio_at_most_1_3": results["spread_ratio"] <= 1.3,
         }
+    finally:
+        if opts.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     if opts.json:
         print(json.dumps(results, indent=2))
     else:

@@ -43,7 +43,7 @@ import trio
 from agent import pieces
 from llmgw.http.errors import BodyAborted, HTTPError
 from llmgw.http.limits import Limits
-from llmgw.http.listeners import Shutdown, open_listeners, serve_capped
+from llmgw.http.listeners import Shutdown, open_listeners, peer_host, serve_capped
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.server import ConnectionStats, serve_connection
 from llmgw.log import get_logger
@@ -55,7 +55,9 @@ log = get_logger("llmgw.agent.peers")
 
 UPLOADS = 8  # pieces sent at once
 BLOCK = 1 << 20  # read and sent at a time
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
+KEPT_PER_PEER = 4  # idle connections a client keeps to one peer
+MAX_PIECE_LIST = 1 << 20  # a piece list's JSON, at most (128 hashes are ~9 KB)
 HANDSHAKE_TIMEOUT_S = 10.0
 STALL_S = 15.0  # a peer that sends nothing for this long is given up (a client's socket timeout)
 LISTENER = "weights"
@@ -119,6 +121,10 @@ class PeerServer:
         self.uploads = trio.Semaphore(UPLOADS)
         self.sent_bytes = 0
         self.port = 0
+        # Its `idle`: the connections waiting on their peer (in the TLS handshake, or for a
+        # request, kept alive between pieces), of which the one waiting longest is closed for a
+        # newcomer at MAX_CONNECTIONS (`serve_capped`); without it every newcomer is turned away.
+        self.shutdown = Shutdown()
 
     async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await open_listeners(port, host=None)
@@ -130,16 +136,17 @@ class PeerServer:
             max_connections=MAX_CONNECTIONS,
             stats=self.stats,
             listener=LISTENER,
-            shutdown=Shutdown(),
+            shutdown=self.shutdown,
         )
 
     async def _connection(self, raw: trio.abc.Stream) -> None:
         stream = trio.SSLStream(raw, self.ssl_context, server_side=True)
         try:
-            with trio.move_on_after(HANDSHAKE_TIMEOUT_S) as timer:
+            deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+            with self.shutdown.idle.waiting(peer=peer_host(raw), deadline=deadline) as waited:
                 await stream.do_handshake()
-            if timer.cancelled_caught:
-                return
+            if waited.cancelled_caught:
+                return  # its deadline, or closed for a newcomer
             der = stream.getpeercert(binary_form=True)
             node = cert_info_from_der(der) if der else None
             if node is None or node.role != ROLE_NODE or not self.members.admits(node.common_name):
@@ -152,6 +159,7 @@ class PeerServer:
                 limits=LIMITS,
                 stats=self.stats,
                 listener=LISTENER,
+                shutdown=self.shutdown,
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             return  # a peer that broke off, or a handshake refused: that connection only
@@ -244,6 +252,14 @@ class PeerFailed(Exception):
     """A peer that did not give what was asked (unreachable, refused, cut, wrong answer)."""
 
 
+class PeerUnreachable(PeerFailed):
+    """A peer that could not be connected to (or whose certificate is not the node's)."""
+
+
+class PeerBusy(PeerFailed):
+    """A peer sending as many pieces as it may: ask another, or it again soon."""
+
+
 class PeerCorrupt(Exception):
     """A peer sent a piece whose SHA-256 is not the one expected."""
 
@@ -269,26 +285,31 @@ class PeerClient:
         ctx.verify_mode = ssl.CERT_NONE  # checked by `_check_server` instead (the purpose, above)
         ctx.load_cert_chain(str(cert), str(key))
         self.ssl_context = ctx
-        self._local = threading.local()
+        self._idle: dict[Peer, list[http.client.HTTPSConnection]] = {}  # kept-alive connections, by peer
+        self._lock = threading.Lock()
 
     def _conn(self, peer: Peer) -> http.client.HTTPSConnection:
-        conns: dict = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(peer)
-        if conn is None:
-            conn = http.client.HTTPSConnection(peer.address, peer.port, context=self.ssl_context, timeout=STALL_S)
-            try:
-                conn.connect()
-                self._check_server(conn, peer)
-            except (OSError, ssl.SSLError, PeerFailed) as exc:
-                conn.close()
-                raise PeerFailed(f"cannot reach node {peer.node} at {peer.address}:{peer.port}: {exc}") from None
-            conns[peer] = conn
+        """A kept connection to `peer` no other thread uses, or a new one (its certificate checked)."""
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle:
+                return idle.pop()
+        conn = http.client.HTTPSConnection(peer.address, peer.port, context=self.ssl_context, timeout=STALL_S)
+        try:
+            conn.connect()
+            self._check_server(conn, peer)
+        except (OSError, ssl.SSLError, PeerFailed) as exc:
+            conn.close()
+            raise PeerUnreachable(f"cannot reach node {peer.node} at {peer.address}:{peer.port}: {exc}") from None
         return conn
 
-    def _drop(self, peer: Peer) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(peer, None)
-        if conn is not None:
-            conn.close()
+    def _keep(self, peer: Peer, conn: http.client.HTTPSConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(peer, [])
+            if len(idle) < KEPT_PER_PEER:
+                idle.append(conn)
+                return
+        conn.close()
 
     def _check_server(self, conn: http.client.HTTPSConnection, peer: Peer) -> None:
         sock = conn.sock
@@ -308,25 +329,31 @@ class PeerClient:
         if info.common_name != peer.node or info.role != ROLE_NODE:
             raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {peer.node!r}")
 
-    def _get(self, peer: Peer, target: str, headers: dict[str, str]) -> tuple[int, bytes, http.client.HTTPResponse]:
+    def _get(self, peer: Peer, target: str, headers: dict[str, str], limit: int) -> tuple[int, bytes]:
+        """(status, body) of one GET; a body past `limit` bytes is a broken peer's."""
         for attempt in (0, 1):  # a kept connection the peer closed meanwhile: once more, afresh
             conn = self._conn(peer)
             try:
                 conn.request("GET", target, headers=headers)
                 response = conn.getresponse()
-                body = response.read()
-                if response.will_close:
-                    self._drop(peer)
-                return response.status, body, response
+                body = response.read(limit + 1)
+                if len(body) > limit:
+                    conn.close()
+                    raise PeerFailed(f"node {peer.node} sent more than the {limit} bytes asked for")
+                if response.will_close or not response.isclosed():
+                    conn.close()
+                else:
+                    self._keep(peer, conn)
+                return response.status, body
             except (OSError, http.client.HTTPException) as exc:
-                self._drop(peer)
+                conn.close()
                 if attempt or isinstance(exc, (socket.timeout, TimeoutError)):
                     raise PeerFailed(f"node {peer.node} broke off ({exc!r})") from None
         raise AssertionError("unreachable")
 
     def pieces(self, peer: Peer, digest: str, *, hashes: bool) -> dict:
         target = w.WEIGHTS_PREFIX + digest + w.PIECES_SUFFIX + ("?hashes=1" if hashes else "")
-        status, body, _ = self._get(peer, target, {})
+        status, body = self._get(peer, target, {}, MAX_PIECE_LIST)
         if status != 200:
             raise PeerFailed(f"node {peer.node} answered {status} for the pieces of {digest[:12]}")
         try:
@@ -339,9 +366,11 @@ class PeerClient:
     def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
         """Piece `index` from `peer`, its SHA-256 checked: `PeerCorrupt` when it is not `expected`."""
         start, length = pieces.span(index, size)
-        status, body, _ = self._get(peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"})
+        status, body = self._get(
+            peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"}, length
+        )
         if status == 503:
-            raise PeerFailed(f"node {peer.node} is busy")
+            raise PeerBusy(f"node {peer.node} is sending as many pieces as it may")
         if status != 206 or len(body) != length:
             raise PeerFailed(f"node {peer.node} answered {status} with {len(body)} bytes for piece {index}")
         got = pieces.hash_piece(body)
@@ -352,5 +381,8 @@ class PeerClient:
         return body
 
     def close(self) -> None:
-        for conn in self._local.__dict__.get("conns", {}).values():
+        with self._lock:
+            kept = [c for conns in self._idle.values() for c in conns]
+            self._idle.clear()
+        for conn in kept:
             conn.close()

@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerClient, PeerCorrupt, PeerFailed, from_bitmap
+from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, from_bitmap
 from llmgw.download import DownloadError, Progress
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
@@ -52,6 +52,7 @@ POLL_S = 0.5
 MAX_INFLIGHT = 4
 PER_PEER = 2
 UNREACHABLE_S = 10.0
+BUSY_S = 0.5
 SOURCE_RETRY_S = 5.0
 SYNC_S = 2.0
 TRACKER_TIMEOUT_S = 10.0
@@ -140,6 +141,7 @@ class Swarm:
         self.hashes: dict[int, str] = {}  # the authority's
         self.banned: set[str] = set()
         self.unreachable: dict[str, float] = {}  # node -> until (trio time)
+        self.busy: dict[str, float] = {}  # node -> until: it answered 503, asked nothing until then
         self.inflight: dict[int, str] = {}  # piece -> node ("" the source)
         self.source_running = False
         self.source_error = ""
@@ -244,7 +246,10 @@ class Swarm:
         usable = {
             p.node: p
             for p in self.answer.peers
-            if p.node not in self.banned and self.unreachable.get(p.node, 0) <= now and p.node in self.have
+            if p.node not in self.banned
+            and self.unreachable.get(p.node, 0) <= now
+            and self.busy.get(p.node, 0) <= now
+            and p.node in self.have
         }
         load: dict[str, int] = {}
         for node in self.inflight.values():
@@ -285,6 +290,8 @@ class Swarm:
                 reason=str(exc),
                 detail="the piece was dropped and this node asks that one nothing more for this file",
             )
+        except PeerBusy:
+            self.busy[peer.node] = trio.current_time() + BUSY_S  # not a failure: another node, or it again soon
         except PeerFailed as exc:
             self._failed(peer, exc)
         finally:

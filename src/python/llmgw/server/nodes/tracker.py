@@ -17,7 +17,10 @@ while they fetch a file (`agent.swarm`). The answer:
 The origin of a file is chosen when a node asks for it and no node the asker can reach holds it
 whole: the node that was origin stays origin while it keeps asking (within `ORIGIN_TTL_S`) and is
 joined; otherwise the asker becomes origin (a new one resumes where the pieces are: the others
-keep theirs). A file held whole by a joined node needs no origin: it comes from the holders.
+keep theirs). An asker's word that it cannot reach the origin does not replace it: one node's
+trouble (a peer busy, a connection reset) must not send a second node to the internet; an origin
+cut off from everyone is cut off from the control plane too, and stops being joined. A file held
+whole by a joined node the asker can reach needs no origin: it comes from the holders.
 
 Everything here is in memory, rebuilt from the agents' asks and weights reports: a control plane
 that restarts, or a standby that takes over, has it back within a few seconds of asks.
@@ -87,7 +90,6 @@ class Tracker:
                 current
                 and self._joined(current, now)
                 and now - entry.askers.get(current, -ORIGIN_TTL_S * 2) <= ORIGIN_TTL_S
-                and (current == asker or current not in unreachable)
             )
             if not alive:
                 entry.origin = asker
