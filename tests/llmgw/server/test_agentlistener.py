@@ -175,10 +175,11 @@ def mirror_and_tracker() -> list[str]:
 async def test_a_node_asks_the_weights_tracker_with_its_certificate(port: AgentListener) -> None:
     assert port.tracker is not None
     registry = port.tracker.registry
-    for node, address in (("node-a", "10.0.0.1"), ("node-b", "10.0.0.2")):  # joined, serving weights
+    for node, address in (("node-a", "10.0.0.1"), ("node-b", "10.0.0.2"), ("node-h", "10.0.0.3")):
         conn = registry.connect(hello(node), address=address, cert_serial=1, cert_not_after=2e9, now=1.0)
-        registry.heartbeat(node, conn, 1.0)
-        registry.weights_changed(node, conn, w.WeightsHeld(port=7000))
+        registry.heartbeat(node, conn, 1.0)  # joined, serving weights; node-h holds the file whole
+        held = (w.HeldFile(sha256=SHA, size=10, complete=True),) if node == "node-h" else ()
+        registry.weights_changed(node, conn, w.WeightsHeld(files=held, port=7000))
     node_b = attrs.evolve(CERT, common_name="node-b", serial=0xB2)
 
     async def ask(cert: CertInfo, target: str) -> dict:
@@ -186,14 +187,17 @@ async def test_a_node_asks_the_weights_tracker_with_its_certificate(port: AgentL
         assert answered.status == 200 and answered.headers[b"content-type"].startswith(b"application/json")
         return json.loads(answered.body)
 
-    # The asker is the one its certificate names: the first to ask fetches the file from its source.
+    # The asker is the one its certificate names (node-a), and node-h is its authority.
     answer = await ask(CERT, w.PEERS_PREFIX + SHA)
-    assert answer == {"origin": True, "authority": "node-a", "peers": [], "members": ["node-a", "node-b"]}
-    answer = await ask(node_b, w.PEERS_PREFIX + SHA)
-    assert answer["origin"] is False and answer["authority"] == "node-a"
-    assert answer["peers"] == [{"node": "node-a", "address": "10.0.0.1", "port": 7000, "complete": False}]
-    # The nodes the asker could not reach, in the query: node-b takes over from node-a.
-    answer = await ask(node_b, w.PEERS_PREFIX + SHA + "?unreachable=node-a,node-c")
+    assert answer == {
+        "origin": False,
+        "authority": "node-h",
+        "peers": [{"node": "node-h", "address": "10.0.0.3", "port": 7000, "complete": True}],
+        "members": ["node-a", "node-b", "node-h"],
+    }
+    # The nodes the asker could not reach, in the query: node-b cannot reach the holder, so it
+    # fetches the file from its source.
+    answer = await ask(node_b, w.PEERS_PREFIX + SHA + "?unreachable=node-h,node-x")
     assert answer["origin"] is True and answer["authority"] == "node-b"
     assert port.agents_open == 0
 
