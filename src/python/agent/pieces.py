@@ -183,11 +183,13 @@ class Part:
         return os.pread(self._fd, length, start)
 
     def read_at(self, offset: int, n: int) -> bytes:
-        """Bytes of the part for a peer; b"" once the download has ended (the whole file serves then)."""
+        """Bytes of the part for a peer (from the whole file once it is finished); b"" once gone."""
         fd = self._fd
-        if fd < 0:
-            return b""
         try:
+            if fd < 0:  # finished meanwhile: the same bytes are at the file's final name
+                with self.blob.open("rb") as f:
+                    f.seek(offset)
+                    return f.read(n)
             return os.pread(fd, n, offset)
         except OSError:
             return b""

@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, from_bitmap
+from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, PeerUnreachable, from_bitmap
 from llmgw.download import DownloadError, Progress
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
@@ -236,10 +236,16 @@ class Swarm:
                 nursery.start_soon(one, peer)
 
     def _failed(self, peer: Peer, exc: Exception) -> None:
-        if self.unreachable.get(peer.node, 0) <= trio.current_time():
+        """A node that could not be reached is left alone for UNREACHABLE_S (and the tracker told);
+        one that broke off a request (closed a kept connection, cut a body) for BUSY_S."""
+        now = trio.current_time()
+        if self.unreachable.get(peer.node, 0) <= now:
             log.info("weights_peer_failed", sha256=self.digest, peer=peer.node, reason=str(exc))
-        self.unreachable[peer.node] = trio.current_time() + UNREACHABLE_S
-        self.have.pop(peer.node, None)
+        if isinstance(exc, PeerUnreachable):
+            self.unreachable[peer.node] = now + UNREACHABLE_S
+            self.have.pop(peer.node, None)
+        else:
+            self.busy[peer.node] = now + BUSY_S
 
     def _schedule(self, nursery: trio.Nursery) -> None:
         now = trio.current_time()
