@@ -27,6 +27,7 @@ its hash is the one expected.
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import re
@@ -127,7 +128,7 @@ class PeerServer:
         self.shutdown = Shutdown()
 
     async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await open_listeners(port, host=None)
+        listeners = await listen(port)
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
         await serve_capped(
@@ -214,6 +215,26 @@ class PeerServer:
 
     def _send(self, offer: Offer, start: int, length: int) -> _PieceBody:
         return _PieceBody(self, offer, start, length)
+
+
+async def listen(port: int) -> list[trio.SocketListener]:
+    """Listeners on every address (IPv4 and IPv6), all at one port: the weights report names one.
+    With 0 the kernel picks a port per address family (trio's `open_tcp_listeners` says so: a
+    node reached over IPv6 would be asked at its IPv4 port), so the first listener's is taken for
+    all, bound again at once; once more from the start if another process took it meanwhile."""
+    for attempt in range(3):
+        listeners = await open_listeners(port, host=None)
+        chosen = listeners[0].socket.getsockname()[1]
+        if all(listener.socket.getsockname()[1] == chosen for listener in listeners):
+            return listeners
+        for listener in listeners:
+            await listener.aclose()
+        try:
+            return await open_listeners(chosen, host=None)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 class _PieceBody:
