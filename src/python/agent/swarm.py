@@ -9,7 +9,8 @@ The loop (`Swarm.run`), until every piece is in:
   origin again. A tracker that cannot be asked (a control plane gone, or one from before the
   tracker) makes this node its own origin: one more download from the source rather than none.
 - every `POLL_S` it asks each peer which pieces it has (`agent.peers`), and the authority for
-  their hashes too;
+  their hashes too, each ask a task of its own: a peer that does not answer (its link cut: silence
+  until `STALL_S`) holds up its own ask only, not the asks to the tracker nor the other peers;
 - it keeps up to `MAX_INFLIGHT` piece requests going, at most `PER_PEER` to one node: the
   rarest piece first, from the node with fewest requests from here. Each piece is checked
   against the authority's hash before it is written; a node that sends a wrong piece is named
@@ -143,6 +144,8 @@ class Swarm:
         self.unreachable: dict[str, float] = {}  # node -> until (trio time)
         self.busy: dict[str, float] = {}  # node -> until: it answered 503, asked nothing until then
         self.inflight: dict[int, str] = {}  # piece -> node ("" the source)
+        self.polling: set[str] = set()  # nodes being asked which pieces they have (one ask at a time)
+        self.polled_at: dict[str, float] = {}  # node -> when it was last asked
         self.source_running = False
         self.source_error = ""
         self.changed = trio.Event()
@@ -161,7 +164,7 @@ class Swarm:
                     if now - asked_at >= ASK_S:
                         await self._ask()
                         asked_at = now
-                    await self._poll()
+                    self._poll(nursery)
                     if self.answer.origin and not self.source_running:
                         self.source_running = True
                         nursery.start_soon(self._source)
@@ -205,35 +208,41 @@ class Swarm:
             )
         self.answer = answer
 
-    async def _poll(self) -> None:
+    def _poll(self, nursery: trio.Nursery) -> None:
+        """Ask each peer not asked within POLL_S (and not being asked) which pieces it has, in a
+        task of its own: the loop never waits for an answer, which a peer cut off gives only when
+        the client's timeout (STALL_S) ends the ask. Each answer wakes the loop."""
         now = trio.current_time()
-        peers = [p for p in self.answer.peers if p.node not in self.banned and self.unreachable.get(p.node, 0) <= now]
-        authority = self.answer.authority
+        for peer in self.answer.peers:
+            if peer.node in self.banned or self.unreachable.get(peer.node, 0) > now or peer.node in self.polling:
+                continue
+            if now - self.polled_at.get(peer.node, -float("inf")) < POLL_S:
+                continue
+            self.polling.add(peer.node)
+            self.polled_at[peer.node] = now
+            nursery.start_soon(self._poll_one, peer, peer.node == self.answer.authority)
 
-        async def one(peer: Peer) -> None:
-            want_hashes = peer.node == authority
-            ask = partial(self.peering.client.pieces, peer, self.digest, hashes=want_hashes)
+    async def _poll_one(self, peer: Peer, want_hashes: bool) -> None:
+        ask = partial(self.peering.client.pieces, peer, self.digest, hashes=want_hashes)
+        try:
+            # Abandoned when the file is whole: a silent peer's ask ends in its thread, unwaited.
+            found = await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
+            count = pieces.piece_count(self.size)
+            if found.get("size") != self.size:
+                raise PeerFailed(f"node {peer.node} holds {found.get('size')} bytes under this digest, not {self.size}")
             try:
-                found = await trio.to_thread.run_sync(ask)
-                count = pieces.piece_count(self.size)
-                if found.get("size") != self.size:
-                    raise PeerFailed(
-                        f"node {peer.node} holds {found.get('size')} bytes under this digest, not {self.size}"
-                    )
-                try:
-                    self.have[peer.node] = from_bitmap(found["have"], count)
-                except ValueError:
-                    raise PeerFailed(f"node {peer.node} sent a piece bitmap that is not hex") from None
-                if want_hashes and isinstance(found.get("hashes"), list):
-                    for i, h in enumerate(found["hashes"][:count]):
-                        if isinstance(h, str) and len(h) == 64:
-                            self.hashes.setdefault(i, h)
-            except PeerFailed as exc:
-                self._failed(peer, exc)
-
-        async with trio.open_nursery() as nursery:
-            for peer in peers:
-                nursery.start_soon(one, peer)
+                self.have[peer.node] = from_bitmap(found["have"], count)
+            except ValueError:
+                raise PeerFailed(f"node {peer.node} sent a piece bitmap that is not hex") from None
+            if want_hashes and isinstance(found.get("hashes"), list):
+                for i, h in enumerate(found["hashes"][:count]):
+                    if isinstance(h, str) and len(h) == 64:
+                        self.hashes.setdefault(i, h)
+        except PeerFailed as exc:
+            self._failed(peer, exc)
+        finally:
+            self.polling.discard(peer.node)
+            self._wake()
 
     def _failed(self, peer: Peer, exc: Exception) -> None:
         """A node that could not be reached is left alone for UNREACHABLE_S (and the tracker told);
