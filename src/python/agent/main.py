@@ -142,10 +142,11 @@ async def run_agent(
     background = Background(log, node=identity.node_id)  # `llmgw up` runs several agents in one process
     # Weights from and to the other nodes (agent.peers, agent.swarm): the tracker is asked at the
     # control plane this agent is linked to.
-    members = Members()
+    tracker = Tracker(lambda: link.target.url, ssl_context)
+    members = Members(tracker.members)
     peering = Peering(
         node_id=identity.node_id,
-        tracker=Tracker(lambda: link.target.url, ssl_context),
+        tracker=tracker,
         client=PeerClient(files.ca_cert, files.cert, files.key),
         members=members,
     )

@@ -5,8 +5,9 @@ The server (`PeerServer`) listens on agent.toml's `weights_port` (0: a port the 
 on every address, and says which in its weights report (`WeightsHeld.port`), so the control
 plane's tracker can name it to the others. It speaks HTTPS with the node's own certificate and
 requires the client's: one of the cluster CA's, of a node (a gateway's is refused), and of a node
-the control plane still counts as a member (the tracker's last answer lists them; a node removed
-is refused from then on). Two requests, both GET:
+the control plane still counts as a member (the tracker's last answer lists them, or the control
+plane is asked again when a node not listed comes: `Members`; a node removed is refused from
+then on). Two requests, both GET:
 
     /v1/weights/SHA256/pieces   {"size", "piece_size", "complete", "have": "<hex bitmap>",
                                  "hashes": [...]} (hashes with `?hashes=1`: the pieces' SHA-256,
@@ -60,6 +61,7 @@ MAX_CONNECTIONS = 256
 KEPT_PER_PEER = 4  # idle connections a client keeps to one peer
 MAX_PIECE_LIST = 1 << 20  # a piece list's JSON, at most (128 hashes are ~9 KB)
 HANDSHAKE_TIMEOUT_S = 10.0
+MEMBERS_REFRESH_S = 5.0  # the members asked again at most this often (a node not listed came)
 STALL_S = 15.0  # a peer that sends nothing for this long is given up (a client's socket timeout)
 LISTENER = "weights"
 LIMITS = Limits(head_timeout_s=10.0, keepalive_timeout_s=30.0, send_timeout_s=STALL_S, max_head_bytes=4096)
@@ -104,13 +106,34 @@ def peer_ssl_context(files: NodePaths) -> ssl.SSLContext:
 
 
 class Members:
-    """The nodes of this cluster as the tracker last listed them (None until it has)."""
+    """The nodes of this cluster as the control plane last listed them (None until it has): in the
+    tracker's answers while this node fetches, and asked again (`ask`) when a node not listed
+    comes for pieces. It may have joined since: a node that only serves what it holds hears of
+    no newcomer otherwise, and would refuse every one (each then went to the source)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ask: Callable[[], frozenset[str]] | None = None) -> None:
         self.ids: frozenset[str] | None = None
+        self.ask = ask  # blocking: the control plane's list (`agent.swarm.Tracker.members`)
+        self.asked_at = -float("inf")
+        self._asking = trio.Lock()
 
     def admits(self, node_id: str) -> bool:
         return self.ids is None or node_id in self.ids
+
+    async def refresh(self) -> None:
+        """The list as the control plane has it now, unless asked within MEMBERS_REFRESH_S: nodes
+        refused, however many, cannot have it asked more often. A failure keeps the last list."""
+        if self.ask is None:
+            return
+        async with self._asking:
+            now = trio.current_time()
+            if now - self.asked_at < MEMBERS_REFRESH_S:
+                return
+            self.asked_at = now
+            try:
+                self.ids = await trio.to_thread.run_sync(self.ask)
+            except (OSError, ValueError, PeerFailed, http.client.HTTPException) as exc:
+                log.info("weights_members_unknown", reason=str(exc), detail="the last list of the members stands")
 
 
 class PeerServer:
@@ -150,6 +173,8 @@ class PeerServer:
                 return  # its deadline, or closed for a newcomer
             der = stream.getpeercert(binary_form=True)
             node = cert_info_from_der(der) if der else None
+            if node is not None and node.role == ROLE_NODE and not self.members.admits(node.common_name):
+                await self.members.refresh()  # a node that joined since the list was made
             if node is None or node.role != ROLE_NODE or not self.members.admits(node.common_name):
                 who = node.common_name if node else "a peer without a certificate"
                 log.warning("weights_peer_refused", peer=who, role=node.role if node else "-")

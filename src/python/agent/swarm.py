@@ -77,14 +77,11 @@ class Tracker:
         self.server_url = server_url  # wss://HOST:PORT of the control plane linked to last
         self.ssl_context = ssl_context
 
-    def ask(self, digest: str, unreachable: set[str]) -> Answer:
+    def _get(self, target: str) -> dict:
         parts = urlsplit(self.server_url())
         conn = http.client.HTTPSConnection(
             parts.hostname or "", parts.port or 443, context=self.ssl_context, timeout=TRACKER_TIMEOUT_S
         )
-        target = w.PEERS_PREFIX + digest
-        if unreachable:
-            target += "?unreachable=" + quote(",".join(sorted(unreachable)), safe=",")
         try:
             conn.request("GET", target, headers={"accept": "application/json"})
             response = conn.getresponse()
@@ -94,6 +91,22 @@ class Tracker:
         if response.status != 200:
             raise PeerFailed(f"the tracker answered {response.status}: {body[:200]!r}")
         data = json.loads(body)
+        if not isinstance(data, dict):
+            raise ValueError(f"the tracker answered something else than an object: {body[:200]!r}")
+        return data
+
+    def members(self) -> frozenset[str]:
+        """The cluster's nodes as the control plane lists them now (for `agent.peers.Members`)."""
+        members = self._get(w.MEMBERS_TARGET).get("members")
+        if not isinstance(members, list):
+            raise ValueError(f"the tracker's members are not a list: {members!r}")
+        return frozenset(str(m) for m in members)
+
+    def ask(self, digest: str, unreachable: set[str]) -> Answer:
+        target = w.PEERS_PREFIX + digest
+        if unreachable:
+            target += "?unreachable=" + quote(",".join(sorted(unreachable)), safe=",")
+        data = self._get(target)
         return Answer(
             origin=bool(data["origin"]),
             authority=str(data.get("authority", "")),

@@ -54,6 +54,9 @@ RELEASE_PREFIX = "/v1/release/"
 # a port of its own (`WeightsHeld.port`): `GET WEIGHTS_PREFIX + SHA256` (a byte range) and
 # `GET WEIGHTS_PREFIX + SHA256 + PIECES_SUFFIX` (which pieces it has, and their hashes).
 PEERS_PREFIX = "/v1/weights/peers/"
+# `GET MEMBERS_TARGET`: the cluster's nodes, whom a node serves weights to (`{"members": [...]}`);
+# a node asks when one it does not know comes for pieces (it may have joined since).
+MEMBERS_TARGET = PEERS_PREFIX + "members"
 WEIGHTS_PREFIX = "/v1/weights/"
 PIECES_SUFFIX = "/pieces"
 

@@ -14,6 +14,9 @@ while they fetch a file (`agent.swarm`). The answer:
                             weights on
      "members": [NODE, ...]} the cluster's nodes: a node serves weights to these only
 
+and `GET /v1/weights/peers/members` answers `{"members": [...]}` alone: a node that holds files
+and fetches none asks it when a node it does not know comes for pieces (one that joined since).
+
 The origin of a file is chosen when a node asks for it and no node the asker can reach holds it
 whole: the node that was origin stays origin while it keeps asking (within `ORIGIN_TTL_S`) and is
 joined; otherwise the asker becomes origin (a new one resumes where the pieces are: the others
@@ -37,7 +40,7 @@ import attrs
 from llmgw.http.errors import HTTPError
 from llmgw.http.messages import Request, Response, allow
 from llmgw.server.state.registry import NodeRegistry
-from llmgw.wire.agent_link import PEERS_PREFIX
+from llmgw.wire.agent_link import MEMBERS_TARGET, PEERS_PREFIX
 
 FETCHER_TTL_S = 10.0  # an asker counts as fetching the file (a peer to others) this long after its ask
 ORIGIN_TTL_S = 15.0  # an origin that has not asked for this long is replaced by the next asker
@@ -99,14 +102,20 @@ class Tracker:
             "origin": origin,
             "authority": authority,
             "peers": list(peers.values()),
-            "members": sorted(self.registry.nodes),
+            "members": self.members(),
         }
+
+    def members(self) -> list[str]:
+        """The cluster's nodes (a removed node is not among them): whom a node serves weights to."""
+        return sorted(self.registry.nodes)
 
 
 async def handle(request: Request, tracker: Tracker, node: str) -> Response:
     """Answer one ask (`node`'s, its certificate checked by the agent port)."""
     allow(request, "GET")
     path, _, query = request.target.decode("latin-1").partition("?")
+    if path == MEMBERS_TARGET:
+        return Response.json(200, {"members": tracker.members()})
     sha256 = path.removeprefix(PEERS_PREFIX)
     if not _SHA.match(sha256):
         raise HTTPError(404, "ask for a file by its sha256: /v1/weights/peers/SHA256 (64 hex digits)")
