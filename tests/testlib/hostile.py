@@ -88,7 +88,13 @@ def chat_body(model: str, *, stream: bool = False, max_tokens: int = 16, nested:
 def trickle(host: str, port: int, data: bytes, *, interval_s: float, limit_s: float) -> tuple[bytes, float]:
     """Send `data` a byte every `interval_s` (a slowloris) for at most `limit_s`, reading what
     the server says meanwhile; (its answer, seconds until the server closed or limit_s)."""
-    sock = connect(host, port, timeout=interval_s)
+    return trickle_on(connect(host, port, timeout=interval_s), data, interval_s=interval_s, limit_s=limit_s)
+
+
+def trickle_on(sock: socket.socket, data: bytes, *, interval_s: float, limit_s: float) -> tuple[bytes, float]:
+    """`trickle` on a connection already open (a TLS one, its handshake done: each byte its
+    own record); closes it."""
+    sock.settimeout(interval_s)
     started = time.monotonic()
     answer = b""
     try:
