@@ -223,7 +223,7 @@ def run_once(
             source.wait(10)
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="weights from the internet once, then node to node")
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--size-mib", type=int, default=2048)
@@ -233,7 +233,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the directory (logs of every process) afterwards")
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    """The three runs (two with --no-baseline) and the figures over them."""
     why = net_preflight()
     if why:
         raise SystemExit(f"weights bench: {why}")
@@ -265,11 +269,17 @@ def main() -> None:
             "one_source_download": results["swarm"]["source_downloads"] <= 1.0,
             "spread_ratio_at_most_1_3": results["spread_ratio"] <= 1.3,
         }
+        return results
     finally:
         if opts.keep:
             print(f"kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    opts = parse()
+    results = run(opts)
     if opts.json:
         print(json.dumps(results, indent=2))
     else:

@@ -12,7 +12,9 @@ The loop (`Swarm.run`), until every piece is in:
   their hashes too, each ask a task of its own: a peer that does not answer (its link cut: silence
   until `STALL_S`) holds up its own ask only, not the asks to the tracker nor the other peers;
 - it keeps up to `MAX_INFLIGHT` piece requests going, at most `PER_PEER` to one node: the
-  rarest piece first, from the node with fewest requests from here. Each piece is checked
+  rarest piece first, from the node with fewest requests from here; the seed (the authority) is
+  asked only for pieces no other node has, each by one fetching node in turn, so that it sends
+  each piece about once and the others pass it on (`_schedule`). Each piece is checked
   against the authority's hash before it is written; a node that sends a wrong piece is named
   in the log (`weights_peer_corrupt`) and asked nothing more for this file. A node that fails
   is left alone for `UNREACHABLE_S`.
@@ -54,6 +56,7 @@ MAX_INFLIGHT = 4
 PER_PEER = 2
 UNREACHABLE_S = 10.0
 BUSY_S = 0.5
+SEED_GRACE_S = 3.0
 SOURCE_RETRY_S = 5.0
 SYNC_S = 2.0
 TRACKER_TIMEOUT_S = 10.0
@@ -156,6 +159,9 @@ class Swarm:
         self.banned: set[str] = set()
         self.unreachable: dict[str, float] = {}  # node -> until (trio time)
         self.busy: dict[str, float] = {}  # node -> until: it answered 503, asked nothing until then
+        self.seen: dict[int, float] = {}  # piece -> when a node first had it, as far as this one knows
+        self.from_source = 0  # pieces read from the source here
+        self.from_nodes: dict[str, int] = {}  # pieces fetched from each node
         self.inflight: dict[int, str] = {}  # piece -> node ("" the source)
         self.polling: set[str] = set()  # nodes being asked which pieces they have (one ask at a time)
         self.polled_at: dict[str, float] = {}  # node -> when it was last asked
@@ -189,6 +195,13 @@ class Swarm:
         finally:
             self._stop.set()
         await trio.to_thread.run_sync(self.part.sync)
+        log.info(
+            "weights_pieces",
+            sha256=self.digest,
+            from_source=self.from_source,
+            from_nodes=dict(sorted(self.from_nodes.items())),
+            seed=self.answer.authority,
+        )
 
     def _wake(self) -> None:
         self.changed.set()
@@ -270,6 +283,13 @@ class Swarm:
             self.busy[peer.node] = now + BUSY_S
 
     def _schedule(self, nursery: trio.Nursery) -> None:
+        """Start piece requests: the rarest pieces first, each from the holder with the fewest
+        requests from here. The seed (the authority: the origin, or a node holding the whole
+        file) is asked only for what no other node has, and each such piece by one node of those
+        fetching (its turn: by piece number), the others taking it from that one: so the seed
+        sends each piece about once and its link is not the cluster's bottleneck (with seven
+        nodes asking it for every new piece, the origin sent 80% of the bench's bytes). A piece
+        its turn's node has not passed on within SEED_GRACE_S is anyone's to ask the seed for."""
         now = trio.current_time()
         usable = {
             p.node: p
@@ -279,15 +299,27 @@ class Swarm:
             and self.busy.get(p.node, 0) <= now
             and p.node in self.have
         }
+        seed = self.answer.authority
+        fetchers = sorted(
+            {p.node for p in self.answer.peers if not p.complete and p.node != seed} | {self.peering.node_id}
+        )
+        turn = fetchers.index(self.peering.node_id)
         load: dict[str, int] = {}
         for node in self.inflight.values():
             load[node] = load.get(node, 0) + 1
         wanted = [i for i in self.part.missing() if i not in self.inflight and i in self.hashes]
         rarity = {i: sum(1 for n in usable if i in self.have[n]) for i in wanted}
+        for i in wanted:
+            if rarity[i]:
+                self.seen.setdefault(i, now)
         for i in sorted((i for i in wanted if rarity[i]), key=lambda i: (rarity[i], i)):
             if sum(1 for n in self.inflight.values() if n) >= MAX_INFLIGHT:
                 break
-            holders = [n for n in usable if i in self.have[n] and load.get(n, 0) < PER_PEER]
+            holders = [n for n in usable if i in self.have[n]]
+            others = [n for n in holders if n != seed]
+            if not others and i % len(fetchers) != turn and now - self.seen[i] < SEED_GRACE_S:
+                continue  # another node's turn to take it from the seed: this one takes it from that one
+            holders = [n for n in (others or holders) if load.get(n, 0) < PER_PEER]
             if not holders:
                 continue
             random.shuffle(holders)
@@ -306,6 +338,7 @@ class Swarm:
 
         try:
             await trio.to_thread.run_sync(blocking)
+            self.from_nodes[peer.node] = self.from_nodes.get(peer.node, 0) + 1
             self.peering.peer_bytes += pieces.span(index, self.size)[1]
             self._progress()
         except PeerCorrupt as exc:
@@ -393,6 +426,7 @@ class Swarm:
                         self._short(len(data))
                     if not self.part.has(index):
                         self.part.write(index, data, pieces.hash_piece(data))
+                        self.from_source += 1
                         token.run_sync_soon(self._arrived)
             except (OSError, http.client.HTTPException) as exc:
                 raise DownloadError(
