@@ -244,6 +244,8 @@ class Swarm:
                 continue
             if now - self.polled_at.get(peer.node, -float("inf")) < POLL_S:
                 continue
+            if peer.complete and peer.node in self.have and len(self.hashes) == pieces.piece_count(self.size):
+                continue  # it has every piece, and every hash is known: nothing to ask it again
             self.polling.add(peer.node)
             self.polled_at[peer.node] = now
             nursery.start_soon(self._poll_one, peer, peer.node == self.answer.authority)
