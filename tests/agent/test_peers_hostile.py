@@ -29,22 +29,24 @@ import pytest
 import trio
 import trio.testing
 
-from agent import peers, pieces
-from agent.peers import MAX_CONNECTIONS, UPLOADS, Members, Peer, PeerClient, PeerFailed, PeerServer, peer_ssl_context
+from agent import peers
+from agent.peers import MAX_CONNECTIONS, Members, Peer, PeerClient, PeerFailed, PeerServer, peer_ssl_context
 from agent.weights import WeightsStore
+from llmgw import weightpieces
 from llmgw.http.send import LINGER_S
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import NodePaths, issue_to_dir
 from llmgw.wakeup import Wakeup
+from llmgw.weightpieces import UPLOADS
 from llmgw.wire import agent_link as w
 from testlib import hostile
 
 pytestmark = pytest.mark.trio
 
-SIZE = 2 * pieces.PIECE_MIN + 777  # three pieces of 1 MiB, the last 777 bytes
+SIZE = 2 * weightpieces.PIECE_MIN + 777  # three pieces of 1 MiB, the last 777 bytes
 CONTENT = b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(SIZE // 32 + 1))[:SIZE]
 DIGEST = hashlib.sha256(CONTENT).hexdigest()
-HASHES = [pieces.hash_piece(CONTENT[a : a + n]) for a, n in (pieces.span(i, SIZE) for i in range(3))]
+HASHES = [weightpieces.hash_piece(CONTENT[a : a + n]) for a, n in (weightpieces.span(i, SIZE) for i in range(3))]
 # Sparse, under a digest of the test's choosing: the server serves what its directory holds and
 # hashes it only when asked for its piece hashes, which no test does.
 BIG_SIZE = (1 << 30) + 1
@@ -155,7 +157,7 @@ async def weights_port(nursery: trio.Nursery, tmp_path: Path, pki: Pki, caplog: 
     store = WeightsStore(root)
     server = PeerServer(store.offer, peer_ssl_context(pki.server), Members())
     uploads = Uploads(UPLOADS)
-    server.uploads = uploads  # type: ignore[assignment]
+    server.sender.uploads = uploads  # type: ignore[assignment]
     connections = Connections(server._connection)
     server._connection = connections  # type: ignore[method-assign]
     await nursery.start(server.serve, 0)
@@ -182,14 +184,14 @@ async def assert_serving(port: Port, caplog: pytest.LogCaptureFixture) -> None:
         listing, data = await run(fetch, port)
     assert listing == {
         "size": SIZE,
-        "piece_size": pieces.PIECE_MIN,
+        "piece_size": weightpieces.PIECE_MIN,
         "complete": True,
-        "have": peers.bitmap(None, 3),
+        "have": weightpieces.bitmap(None, 3),
         "hashes": HASHES,
     }
     assert data == CONTENT
     await port.uploads.all_back(within=5)
-    assert port.server.uploads.value == UPLOADS
+    assert port.server.sender.uploads.value == UPLOADS
     await port.connections.all_closed(within=5)  # a peer told off lingers a moment: at most LINGER_S
     assert port.server.stats.open.get(listener=peers.LISTENER) == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -216,7 +218,7 @@ def head(target: str, *headers: tuple[str, str]) -> bytes:
 
 
 def piece_head(digest: str, index: int, size: int, *more: tuple[str, str]) -> bytes:
-    start, length = pieces.span(index, size)
+    start, length = weightpieces.span(index, size)
     return head(w.WEIGHTS_PREFIX + digest, ("range", f"bytes={start}-{start + length - 1}"), *more)
 
 
@@ -433,7 +435,7 @@ async def test_a_head_trickled_byte_by_byte(
         assert 0.9 < took < 1.0 + LINGER_S + 1.0, took  # the deadline, then the linger after the answer
         # A byte at a time within the deadline: answered.
         answer, _ = await run(lambda: hostile.trickle_on(tls(port), fast, interval_s=0.002, limit_s=10))
-        assert hostile.status_of(answer) == 206 and answer.endswith(CONTENT[2 * pieces.PIECE_MIN :]), answer[:200]
+        assert hostile.status_of(answer) == 206 and answer.endswith(CONTENT[2 * weightpieces.PIECE_MIN :]), answer[:200]
     await assert_serving(port, caplog)
 
 
@@ -579,7 +581,7 @@ async def test_ranges_that_are_not_one_piece(
     if status == 416:
         assert b"ask for one piece: Range: bytes=A-B on piece boundaries" in answer
     if status == 206:
-        assert answer.endswith(CONTENT[2 * pieces.PIECE_MIN :])
+        assert answer.endswith(CONTENT[2 * weightpieces.PIECE_MIN :])
     await assert_serving(port, caplog)
 
 

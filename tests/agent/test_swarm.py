@@ -24,6 +24,7 @@ from agent.peers import Members, Peer, PeerClient, PeerFailed, PeerServer, peer_
 from agent.swarm import PER_PEER, Answer, Peering
 from agent.weights import WeightsStore, blob_of
 from agent.weights_report import held_now
+from llmgw import weightpieces
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import NodePaths, issue_gateway_to_dir, issue_to_dir
 from llmgw.pki.files import _node_files as node_paths_in
@@ -34,7 +35,7 @@ from testlib.hubrepo import HubRepo
 from testlib.hubrepos import weights_source
 from testlib.hubserver import HubServer
 
-SIZE = 5 * pieces.PIECE_MIN + 12345  # 6 pieces of 1 MiB, the last short
+SIZE = 5 * weightpieces.PIECE_MIN + 12345  # 6 pieces of 1 MiB, the last short
 CONTENT = b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(SIZE // 32 + 1))[:SIZE]
 REPO = "org/swarm-GGUF"
 FILE = "m-Q8_0.gguf"
@@ -171,10 +172,10 @@ async def test_one_node_downloads_from_the_source_the_others_from_it(hub: HubSer
 
 
 def test_piece_geometry_is_the_same_everywhere() -> None:
-    assert pieces.piece_size(2 << 30) == 16 << 20 and pieces.piece_count(2 << 30) == 128
-    assert pieces.piece_size(100 << 20) == 1 << 20 and pieces.piece_count(100 << 20) == 100
-    assert pieces.span(5, SIZE) == (5 << 20, 12345)
-    assert pieces.piece_of(5 << 20, 12345, SIZE) == 5 and pieces.piece_of(5 << 20, 100, SIZE) is None
+    assert weightpieces.piece_size(2 << 30) == 16 << 20 and weightpieces.piece_count(2 << 30) == 128
+    assert weightpieces.piece_size(100 << 20) == 1 << 20 and weightpieces.piece_count(100 << 20) == 100
+    assert weightpieces.span(5, SIZE) == (5 << 20, 12345)
+    assert weightpieces.piece_of(5 << 20, 12345, SIZE) == 5 and weightpieces.piece_of(5 << 20, 100, SIZE) is None
 
 
 async def held_whole(cluster: Cluster, name: str, source: w.WeightsSource) -> Path:
@@ -229,7 +230,7 @@ async def test_a_cut_source_resumes_where_it_broke_off(
 ) -> None:
     monkeypatch.setattr("agent.swarm.SOURCE_RETRY_S", 0.05)
     source = weights_source(hub, REPO, FILE)
-    hub.faults.cut(FILE, after=2 * pieces.PIECE_MIN + 1000, times=2)
+    hub.faults.cut(FILE, after=2 * weightpieces.PIECE_MIN + 1000, times=2)
     async with trio.open_nursery() as nursery:
         cluster = Cluster(tmp_path, ca, nursery)
         for n in NODES[:2]:
@@ -241,7 +242,7 @@ async def test_a_cut_source_resumes_where_it_broke_off(
     for n in NODES[:2]:
         assert blob_of(cluster.nodes[n].store.root, source.files[0]).read_bytes() == CONTENT
     # Each cut costs at most the piece it broke: the next request starts at the first piece missing.
-    assert SIZE < hub.log.bytes_sent(FILE) <= SIZE + 2 * pieces.PIECE_MIN
+    assert SIZE < hub.log.bytes_sent(FILE) <= SIZE + 2 * weightpieces.PIECE_MIN
 
 
 @pytest.mark.trio
@@ -250,7 +251,7 @@ async def test_a_download_cut_off_resumes_from_its_pieces(
 ) -> None:
     monkeypatch.setattr("agent.swarm.SYNC_S", 0.01)
     source = weights_source(hub, REPO, FILE)
-    stall = hub.faults.stall(FILE, after=3 * pieces.PIECE_MIN + 10)
+    stall = hub.faults.stall(FILE, after=3 * weightpieces.PIECE_MIN + 10)
     async with trio.open_nursery() as nursery:
         cluster = Cluster(tmp_path, ca, nursery)
         node = await cluster.start("node-a")
@@ -271,7 +272,7 @@ async def test_a_download_cut_off_resumes_from_its_pieces(
     assert blob.read_bytes() == CONTENT
     # The agent started again asked the source for what its three pieces do not cover, once.
     ranges = [r.range for r in hub.log.requests(kind="cdn", path=FILE)]
-    assert ranges == [f"bytes=0-{SIZE - 1}", f"bytes={3 * pieces.PIECE_MIN}-{SIZE - 1}"], ranges
+    assert ranges == [f"bytes=0-{SIZE - 1}", f"bytes={3 * weightpieces.PIECE_MIN}-{SIZE - 1}"], ranges
 
 
 def listed(blob: Path) -> int:
@@ -306,7 +307,7 @@ async def test_the_weights_port_serves_node_certificates_of_members_only(hub: Hu
         member = PeerClient(files.ca_cert, files.cert, files.key)
         a.server.members.ids = frozenset({*NODES, "node-x"})  # as the tracker's last answer listed them
         got = await trio.to_thread.run_sync(lambda: member.pieces(peer, digest, hashes=True))
-        assert got["complete"] and len(got["hashes"]) == pieces.piece_count(SIZE)
+        assert got["complete"] and len(got["hashes"]) == weightpieces.piece_count(SIZE)
         # Once the tracker has listed the members, a node it does not list (removed) is refused.
         a.server.members.ids = frozenset(NODES)
         fresh = PeerClient(files.ca_cert, files.cert, files.key)

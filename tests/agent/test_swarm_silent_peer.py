@@ -15,12 +15,13 @@ import trio
 import trio.testing
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerCorrupt, PeerFailed, bitmap
+from agent.peers import Members, Peer, PeerCorrupt, PeerFailed
 from agent.swarm import ASK_S, Answer, Peering, Swarm
+from llmgw import weightpieces
 
 pytestmark = pytest.mark.trio
 
-SIZE = 3 * pieces.PIECE_MIN + 999  # 4 pieces
+SIZE = 3 * weightpieces.PIECE_MIN + 999  # 4 pieces
 CONTENT = bytes(range(256)) * (SIZE // 256) + bytes(SIZE % 256)
 DIGEST = hashlib.sha256(CONTENT).hexdigest()
 GOOD = Peer(node="good", address="127.0.0.1", port=1)
@@ -29,11 +30,11 @@ RATE = 20.0  # the mock clock's seconds per second
 
 
 def piece_hashes() -> list[str]:
-    return [pieces.hash_piece(CONTENT[slice(*_bounds(i))]) for i in range(pieces.piece_count(SIZE))]
+    return [weightpieces.hash_piece(CONTENT[slice(*_bounds(i))]) for i in range(weightpieces.piece_count(SIZE))]
 
 
 def _bounds(index: int) -> tuple[int, int]:
-    start, length = pieces.span(index, SIZE)
+    start, length = weightpieces.span(index, SIZE)
     return start, start + length
 
 
@@ -62,13 +63,13 @@ class Client:
             self.silent_asks += 1
             self.release.wait(10)
             raise PeerFailed("node silent broke off (TimeoutError('The read operation timed out'))")
-        answer = {"size": SIZE, "have": bitmap(None, pieces.piece_count(SIZE))}
+        answer = {"size": SIZE, "have": weightpieces.bitmap(None, weightpieces.piece_count(SIZE))}
         return answer | ({"hashes": piece_hashes()} if hashes else {})
 
     def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
         assert peer == GOOD, f"asked {peer.node}, which listed no piece, for piece {index}"
         data = CONTENT[slice(*_bounds(index))]
-        if pieces.hash_piece(data) != expected:
+        if weightpieces.hash_piece(data) != expected:
             raise PeerCorrupt(f"piece {index}")
         return data
 

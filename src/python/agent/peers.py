@@ -7,17 +7,10 @@ plane's tracker can name it to the others. It speaks HTTPS with the node's own c
 requires the client's: one of the cluster CA's, of a node (a gateway's is refused), and of a node
 the control plane still counts as a member (the tracker's last answer lists them, or the control
 plane is asked again when a node not listed comes: `Members`; a node removed is refused from
-then on). Two requests, both GET:
-
-    /v1/weights/SHA256/pieces   {"size", "piece_size", "complete", "have": "<hex bitmap>",
-                                 "hashes": [...]} (hashes with `?hashes=1`: the pieces' SHA-256,
-                                 "" for a piece not here)
-    /v1/weights/SHA256          with `Range: bytes=A-B` covering exactly one piece here: 206
-
-for a file whole and verified here, or one being downloaded (the pieces in so far). At most
-`UPLOADS` pieces are sent at once; past that a request is answered 503 and the asker tries
-another node. Every connection is contained like every other llmgw port's (`llmgw.http.server`),
-its TLS handshake due within `HANDSHAKE_TIMEOUT_S`.
+then on). It answers the two requests of `llmgw.weightpieces` (a file's piece list, one piece by its
+Range) for a file whole and verified here, or one being downloaded (the pieces in so far), at
+most `weightpieces.UPLOADS` pieces at once. Every connection is contained like every other
+llmgw port's (`llmgw.http.server`), its TLS handshake due within `HANDSHAKE_TIMEOUT_S`.
 
 The client side (`PeerClient`) runs in worker threads: one HTTPS connection per node and thread,
 kept alive, the server's certificate checked by hand against the cluster CA and the node id the
@@ -31,7 +24,6 @@ from __future__ import annotations
 import errno
 import http.client
 import json
-import re
 import socket
 import ssl
 import threading
@@ -42,8 +34,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent import pieces
-from llmgw.http.errors import BodyAborted, HTTPError
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import Shutdown, open_listeners, peer_host, serve_capped
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
@@ -51,12 +41,11 @@ from llmgw.http.server import ConnectionStats, serve_connection
 from llmgw.log import get_logger
 from llmgw.pki.ca import ROLE_NODE, cert_info, cert_info_from_der, check_issued_by
 from llmgw.pki.files import NodePaths, load_cert
+from llmgw.weightpieces import Offer, PieceSender, hash_piece, span
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.peers")
 
-UPLOADS = 8  # pieces sent at once
-BLOCK = 1 << 20  # read and sent at a time
 MAX_CONNECTIONS = 256
 KEPT_PER_PEER = 4  # idle connections a client keeps to one peer
 MAX_PIECE_LIST = 1 << 20  # a piece list's JSON, at most (128 hashes are ~9 KB)
@@ -65,33 +54,6 @@ MEMBERS_REFRESH_S = 5.0  # the members asked again at most this often (a node no
 STALL_S = 15.0  # a peer that sends nothing for this long is given up (a client's socket timeout)
 LISTENER = "weights"
 LIMITS = Limits(head_timeout_s=10.0, keepalive_timeout_s=30.0, send_timeout_s=STALL_S, max_head_bytes=4096)
-_SHA = re.compile(r"^[0-9a-f]{64}$")
-_RANGE = re.compile(r"bytes=([0-9]{1,19})-([0-9]{1,19})")
-
-
-@attrs.frozen(kw_only=True)
-class Offer:
-    """What this node can serve of one file now: `read(offset, n)` gives bytes of it (blocking)."""
-
-    size: int
-    complete: bool
-    have: frozenset[int] | None  # None: every piece (complete)
-    hashes: Callable[[], dict[int, str]]  # the pieces' SHA-256 as known here (blocking for a whole file the first time)
-    read: Callable[[int, int], bytes]
-
-
-def bitmap(have: frozenset[int] | None, count: int) -> str:
-    """Pieces as hex, piece 0 the highest bit of the first byte."""
-    bits = bytearray((count + 7) // 8)
-    for i in range(count) if have is None else have:
-        if 0 <= i < count:
-            bits[i // 8] |= 0x80 >> (i % 8)
-    return bits.hex()
-
-
-def from_bitmap(text: str, count: int) -> frozenset[int]:
-    bits = bytes.fromhex(text)
-    return frozenset(i for i in range(min(count, len(bits) * 8)) if bits[i // 8] & (0x80 >> (i % 8)))
 
 
 def peer_ssl_context(files: NodePaths) -> ssl.SSLContext:
@@ -142,8 +104,7 @@ class PeerServer:
         self.ssl_context = ssl_context
         self.members = members
         self.stats = ConnectionStats()
-        self.uploads = trio.Semaphore(UPLOADS)
-        self.sent_bytes = 0
+        self.sender = PieceSender()
         self.port = 0
         # Its `idle`: the connections waiting on their peer (in the TLS handshake, or for a
         # request, kept alive between pieces), of which the one waiting longest is closed for a
@@ -196,50 +157,7 @@ class PeerServer:
 
     async def _handle(self, request: Request, node: str) -> Response | StreamingResponse:
         allow(request, "GET")
-        target = request.target.decode("latin-1")
-        path, _, query = target.partition("?")
-        rest = path.removeprefix(w.WEIGHTS_PREFIX)
-        if rest == path:
-            raise HTTPError(404, "no such path on a node's weights port")
-        want_pieces = rest.endswith(w.PIECES_SUFFIX)
-        digest = rest.removesuffix(w.PIECES_SUFFIX)
-        offer = self.offers(digest) if _SHA.match(digest) else None
-        if offer is None:
-            raise HTTPError(404, "this node holds no such file")
-        count = pieces.piece_count(offer.size)
-        if want_pieces:
-            body = {
-                "size": offer.size,
-                "piece_size": pieces.piece_size(offer.size),
-                "complete": offer.complete,
-                "have": bitmap(offer.have, count),
-            }
-            if "hashes=1" in query.split("&"):
-                known = await trio.to_thread.run_sync(offer.hashes)
-                body["hashes"] = [known.get(i, "") for i in range(count)]
-            return Response.json(200, body)
-        m = _RANGE.fullmatch(request.headers.get("range", "").strip())
-        index = pieces.piece_of(int(m[1]), int(m[2]) - int(m[1]) + 1, offer.size) if m else None
-        if index is None or index >= count:
-            raise HTTPError(416, "ask for one piece: Range: bytes=A-B on piece boundaries")
-        if offer.have is not None and index not in offer.have:
-            raise HTTPError(404, f"piece {index} is not here yet")
-        try:
-            self.uploads.acquire_nowait()
-        except trio.WouldBlock:
-            raise HTTPError(
-                503, "this node is sending as many pieces as it may; ask another", headers=(("retry-after", "1"),)
-            ) from None
-        start, length = pieces.span(index, offer.size)
-        return StreamingResponse(
-            status=206,
-            body=self._send(offer, start, length),
-            headers=(("content-range", f"bytes {start}-{start + length - 1}/{offer.size}"),),
-            length=length,
-        )
-
-    def _send(self, offer: Offer, start: int, length: int) -> _PieceBody:
-        return _PieceBody(self, offer, start, length)
+        return await self.sender.answer(request, self.offers, place="node")
 
 
 async def listen(port: int) -> list[trio.SocketListener]:
@@ -260,35 +178,6 @@ async def listen(port: int) -> list[trio.SocketListener]:
             if exc.errno != errno.EADDRINUSE or attempt == 2:
                 raise
     raise AssertionError("unreachable")
-
-
-class _PieceBody:
-    """One piece as a response body, a block at a time read off the loop; its upload place is
-    given back at `aclose`, which the server calls however the response ends (unstarted too)."""
-
-    def __init__(self, server: PeerServer, offer: Offer, start: int, length: int) -> None:
-        self.server, self.offer, self.at, self.left = server, offer, start, length
-        self.closed = False
-
-    def __aiter__(self) -> _PieceBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self.left <= 0:
-            raise StopAsyncIteration
-        block = await trio.to_thread.run_sync(self.offer.read, self.at, min(BLOCK, self.left))
-        if not block:
-            raise BodyAborted(f"the file ended {self.left} bytes early: it went while it was sent")
-        self.at += len(block)
-        self.left -= len(block)
-        self.server.sent_bytes += len(block)
-        return block
-
-    async def aclose(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.server.uploads.release()
-        await trio.lowlevel.checkpoint()
 
 
 # -- the client side: blocking, in worker threads ------------------------------------------
@@ -411,7 +300,7 @@ class PeerClient:
 
     def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
         """Piece `index` from `peer`, its SHA-256 checked: `PeerCorrupt` when it is not `expected`."""
-        start, length = pieces.span(index, size)
+        start, length = span(index, size)
         status, body = self._get(
             peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"}, length
         )
@@ -419,7 +308,7 @@ class PeerClient:
             raise PeerBusy(f"node {peer.node} is sending as many pieces as it may")
         if status != 206 or len(body) != length:
             raise PeerFailed(f"node {peer.node} answered {status} with {len(body)} bytes for piece {index}")
-        got = pieces.hash_piece(body)
+        got = hash_piece(body)
         if got != expected:
             raise PeerCorrupt(
                 f"node {peer.node} sent piece {index} of {digest[:12]} with sha256 {got[:16]}…, not {expected[:16]}…"

@@ -1,8 +1,6 @@
-"""A weights file in pieces: how it is cut, and a download's state that survives any cut.
+"""A weights file fetched in pieces: the download's state, which survives any cut.
 
-Every node cuts a file of a given size the same way (`piece_size`): pieces of 1 MiB for a small
-file, doubling up to 16 MiB so that a file has at most about 128 of them (a 2 GiB file: 128 pieces
-of 16 MiB). Nodes exchange pieces (`agent.peers`), each one checked on arrival against its SHA-256
+Every node cuts a file the same way (`llmgw.weightpieces`). Nodes exchange pieces (`agent.peers`), each one checked on arrival against its SHA-256
 as the authority for that file says (a node holding the whole file verified, or the node
 fetching it from its source), and the whole file against its own SHA-256 before anything uses it.
 
@@ -35,43 +33,7 @@ from typing import Any
 import attrs
 
 from llmgw.download import DiskFull
-
-PIECE_MIN = 1 << 20
-PIECE_MAX = 16 << 20
-PIECES_TARGET = 128
-HASHES_FILE = ".pieces.json"
-
-
-def piece_size(size: int) -> int:
-    """The piece size of a file of `size` bytes, the same on every node."""
-    piece = PIECE_MIN
-    while piece < PIECE_MAX and size > piece * PIECES_TARGET:
-        piece *= 2
-    return piece
-
-
-def piece_count(size: int) -> int:
-    piece = piece_size(size)
-    return max(1, -(-size // piece))
-
-
-def span(index: int, size: int) -> tuple[int, int]:
-    """(offset, length) of piece `index` of a file of `size` bytes."""
-    piece = piece_size(size)
-    start = index * piece
-    return start, max(0, min(piece, size - start))
-
-
-def piece_of(start: int, length: int, size: int) -> int | None:
-    """The piece exactly covered by bytes [start, start + length), or None."""
-    piece = piece_size(size)
-    if start % piece or (start, length) != span(start // piece, size) or not length:
-        return None
-    return start // piece
-
-
-def hash_piece(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+from llmgw.weightpieces import piece_count, span, write_hashes, write_json_atomic
 
 
 def part_of(blob: Path) -> Path:
@@ -80,12 +42,6 @@ def part_of(blob: Path) -> Path:
 
 def state_of(blob: Path) -> Path:
     return blob.with_name(f".{blob.name}.part.json")
-
-
-def _write_json(path: Path, obj: object) -> None:
-    fresh = path.with_name(path.name + ".new")
-    fresh.write_text(json.dumps(obj, separators=(",", ":")))
-    os.replace(fresh, path)
 
 
 @attrs.define
@@ -206,7 +162,7 @@ class Part:
             for i in fresh:
                 self._unsynced.pop(i, None)
             listed = {str(i): h for i, h in self.hashes.items()}
-        _write_json(state_of(self.blob), {"size": self.size, "pieces": listed})
+        write_json_atomic(state_of(self.blob), {"size": self.size, "pieces": listed})
 
     def sha256(self) -> str:
         """The whole part's SHA-256 (all pieces in: see `missing`), mostly hashed already as they came."""
@@ -262,36 +218,3 @@ def _disk_full(blob: Path, size: int) -> DiskFull:
         f"{free / 2**30:.2f} GiB free; nothing partial is used. Free space there, lower weights_cache_gib "
         "so older files are evicted first, or point agent.toml's weights_dir at a larger disk"
     )
-
-
-def write_hashes(blob: Path, size: int, hashes: list[str]) -> None:
-    _write_json(blob.parent / HASHES_FILE, {"name": blob.name, "size": size, "pieces": hashes})
-
-
-def read_hashes(blob: Path, size: int) -> list[str] | None:
-    """The piece hashes kept beside a whole file of `size` bytes, or None (not kept, or not this file's)."""
-    try:
-        saved = json.loads((blob.parent / HASHES_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.get("name") != blob.name or saved.get("size") != size:
-        return None
-    pieces = saved.get("pieces")
-    if not isinstance(pieces, list) or len(pieces) != piece_count(size) or not all(isinstance(h, str) for h in pieces):
-        return None
-    return pieces
-
-
-def hash_whole(blob: Path) -> tuple[list[str], str]:
-    """Every piece's SHA-256 of a whole file, and the file's own (blocking: one read of it)."""
-    size = blob.stat().st_size
-    hashes = []
-    whole = hashlib.sha256()
-    with blob.open("rb") as f:
-        for i in range(piece_count(size)):
-            start, length = span(i, size)
-            f.seek(start)
-            data = f.read(length)
-            whole.update(data)
-            hashes.append(hash_piece(data))
-    return hashes, whole.hexdigest()

@@ -43,7 +43,8 @@ import attrs
 import trio
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, PeerUnreachable, from_bitmap
+from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, PeerUnreachable
+from llmgw import weightpieces
 from llmgw.download import DownloadError, Progress
 from llmgw.log import get_logger
 from llmgw.wire import agent_link as w
@@ -244,7 +245,7 @@ class Swarm:
                 continue
             if now - self.polled_at.get(peer.node, -float("inf")) < POLL_S:
                 continue
-            if peer.complete and peer.node in self.have and len(self.hashes) == pieces.piece_count(self.size):
+            if peer.complete and peer.node in self.have and len(self.hashes) == weightpieces.piece_count(self.size):
                 continue  # it has every piece, and every hash is known: nothing to ask it again
             self.polling.add(peer.node)
             self.polled_at[peer.node] = now
@@ -255,11 +256,11 @@ class Swarm:
         try:
             # Abandoned when the file is whole: a silent peer's ask ends in its thread, unwaited.
             found = await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
-            count = pieces.piece_count(self.size)
+            count = weightpieces.piece_count(self.size)
             if found.get("size") != self.size:
                 raise PeerFailed(f"node {peer.node} holds {found.get('size')} bytes under this digest, not {self.size}")
             try:
-                self.have[peer.node] = from_bitmap(found["have"], count)
+                self.have[peer.node] = weightpieces.from_bitmap(found["have"], count)
             except ValueError:
                 raise PeerFailed(f"node {peer.node} sent a piece bitmap that is not hex") from None
             if want_hashes and isinstance(found.get("hashes"), list):
@@ -341,7 +342,7 @@ class Swarm:
         try:
             await trio.to_thread.run_sync(blocking)
             self.from_nodes[peer.node] = self.from_nodes.get(peer.node, 0) + 1
-            self.peering.peer_bytes += pieces.span(index, self.size)[1]
+            self.peering.peer_bytes += weightpieces.span(index, self.size)[1]
             self._progress()
         except PeerCorrupt as exc:
             self.banned.add(peer.node)
@@ -391,7 +392,7 @@ class Swarm:
 
     def _stream(self, first: int, token: trio.lowlevel.TrioToken) -> None:
         """Read the source from piece `first` on (blocking), writing each piece not in yet."""
-        start = pieces.span(first, self.size)[0]
+        start = weightpieces.span(first, self.size)[0]
         request = urllib.request.Request(self.url)
         for name, value in self.headers.items():
             if name.lower() == "authorization":
@@ -418,16 +419,16 @@ class Swarm:
             try:
                 while skip:
                     skip -= len(response.read(min(skip, 1 << 20)) or b"") or self._short(0)
-                for index in range(begin, pieces.piece_count(self.size)):
+                for index in range(begin, weightpieces.piece_count(self.size)):
                     if self._stop.is_set():
                         return
-                    _, length_i = pieces.span(index, self.size)
+                    _, length_i = weightpieces.span(index, self.size)
                     data = _read_exactly(response, length_i)
                     self.peering.source_bytes += len(data)
                     if len(data) != length_i:
                         self._short(len(data))
                     if not self.part.has(index):
-                        self.part.write(index, data, pieces.hash_piece(data))
+                        self.part.write(index, data, weightpieces.hash_piece(data))
                         self.from_source += 1
                         token.run_sync_soon(self._arrived)
             except (OSError, http.client.HTTPException) as exc:

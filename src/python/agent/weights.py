@@ -50,11 +50,12 @@ import trio
 
 from agent import pieces
 from agent import weights_cache as cache
-from agent.peers import Offer
 from agent.swarm import Peering, Swarm
+from llmgw import weightpieces
 from llmgw.download import DownloadError, Progress, check_free_space, fetch, sha256_of, weights_cap
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
+from llmgw.weightpieces import Offer
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.weights")
@@ -471,14 +472,14 @@ class WeightsStore:
         known = self._piece_hashes.get(digest)
         if known is not None and known[0] == stamp:
             return known[1]
-        hashes = pieces.read_hashes(blob, st.st_size)
+        hashes = weightpieces.read_hashes(blob, st.st_size)
         if hashes is None:  # a file fetched whole, before pieces: hashed now, and checked on the way
-            hashes, whole = pieces.hash_whole(blob)
+            hashes, whole = weightpieces.hash_whole(blob)
             if whole != digest:
                 log.warning("weights_corrupt", path=str(blob), expected_sha256=digest, got_sha256=whole)
                 return []  # no hash from here: no node takes a piece on this one's word
             with contextlib.suppress(OSError):
-                pieces.write_hashes(blob, st.st_size, hashes)
+                weightpieces.write_hashes(blob, st.st_size, hashes)
         self._piece_hashes[digest] = (stamp, hashes)
         return hashes
 
