@@ -20,7 +20,7 @@ from agent.peers import Members, Offer, Peer, PeerClient, PeerFailed, PeerServer
 from llmgw.http.messages import Request
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import issue_to_dir
-from llmgw.server.nodes.tracker import Tracker, handle
+from llmgw.server.links.tracker import Tracker, handle
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.wire import agent_link as w
 

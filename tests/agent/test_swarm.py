@@ -1,6 +1,6 @@
 """Weights between nodes (agent.swarm, agent.peers, agent.pieces), in one process on loopback
 with real TLS: three nodes' weights stores, each serving its files on a port of its own with
-its node certificate, and the control plane's tracker (llmgw.server.nodes.tracker) over a
+its node certificate, and the control plane's tracker (llmgw.server.links.tracker) over a
 registry of those nodes; the test Hub (testlib.hubserver) is the source. One node downloads the
 file from the source; the others take it in pieces from it and from each other; a corrupt peer
 is named and avoided, a peer that goes away costs nothing, a cut source resumes, and a part
@@ -28,7 +28,7 @@ from llmgw import weightpieces
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import NodePaths, issue_gateway_to_dir, issue_to_dir
 from llmgw.pki.files import _node_files as node_paths_in
-from llmgw.server.nodes.tracker import Tracker
+from llmgw.server.links.tracker import Tracker
 from llmgw.server.state.registry import AgentLinkRecord, NodeRegistry
 from llmgw.wire import agent_link as w
 from testlib.hubrepo import HubRepo

@@ -89,8 +89,9 @@ def main() -> None:
     parser.add_argument("file", type=Path)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--stats", type=Path, required=True)
+    parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args()
-    server = ThreadingHTTPServer(("0.0.0.0", args.port), handler_for(args.file, Stats(args.stats)))
+    server = ThreadingHTTPServer((args.host, args.port), handler_for(args.file, Stats(args.stats)))
     server.daemon_threads = True
     server.serve_forever()
 

@@ -14,7 +14,10 @@ Needs root (namespaces, tc). Three runs, each with fresh nodes and an empty cach
 - swarm: N nodes, as shipped (agent.swarm: one node fetches from the source, the others from it
   and from each other);
 - baseline (unless --no-baseline): N nodes with `weights_from_peers = false`, each downloading
-  from the source through the same upstream.
+  from the source through the same upstream;
+- control_plane_origin (with --control-plane-origin): N nodes that cannot reach the source (it
+  listens on this machine's loopback) and a control plane with `[downloads] weights_origin =
+  "control_plane"`, which fetches the file and seeds it.
 
 The JSON: per run, `spread_s` (from the first node's start of the download to the last node's
 file verified, from the agents' `weights_download` and `weights_ready` log events),
@@ -34,6 +37,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,9 +100,18 @@ def _cli(*args: str) -> str:
 
 
 def run_once(
-    root: Path, *, nodes: int, peers: bool, file: Path, sha256: str, opts: argparse.Namespace
+    root: Path,
+    *,
+    nodes: int,
+    peers: bool,
+    file: Path,
+    sha256: str,
+    opts: argparse.Namespace,
+    control_plane_origin: bool = False,
 ) -> dict[str, Any]:
-    """One run on a fresh star: the time until every node holds the file, and what it cost."""
+    """One run on a fresh star: the time until every node holds the file, and what it cost.
+    `control_plane_origin`: the source listens on this machine's loopback, which no node can
+    reach (nodes without internet), and server.toml has the control plane fetch and seed it."""
     size = file.stat().st_size
     root.mkdir(parents=True)
     procs: list[Proc] = []
@@ -106,9 +119,17 @@ def run_once(
         assert net.source is not None
         stats = root / "source-stats.json"
         server_script = Path(__file__).with_name("rangeserver.py")  # stdlib only: runs anywhere
-        source = net.source.popen(
-            [sys.executable, str(server_script), str(file), "--port", str(SOURCE_PORT), "--stats", str(stats)]
-        )
+        serve = [sys.executable, str(server_script), str(file), "--stats", str(stats)]
+        if control_plane_origin:  # on this machine's loopback, a port no other program has
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                local_port = probe.getsockname()[1]
+            source = subprocess.Popen([*serve, "--host", "127.0.0.1", "--port", str(local_port)])
+            source_url = f"http://127.0.0.1:{local_port}/{FILE_NAME}"
+        else:
+            serve += ["--port", str(SOURCE_PORT)]
+            source = net.source.popen(serve)
+            source_url = f"http://{net.source.node_addr}:{SOURCE_PORT}/{FILE_NAME}"
         try:
             agent_socket = socket.socket()
             agent_socket.bind(("0.0.0.0", 0))
@@ -124,10 +145,11 @@ def run_once(
                 f'http_listen = "127.0.0.1:0"\n'
                 f"advertise = {json.dumps(advertise)}\n\n"
                 "[engines.llamacpp]\nenabled = false\n\n"
+                + ('[downloads]\nweights_origin = "control_plane"\n\n' if control_plane_origin else "")
             )
             model = (
                 f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {nodes}\n'
-                f'source = {{ url = "http://{net.source.node_addr}:{SOURCE_PORT}/{FILE_NAME}", '
+                f'source = {{ url = "{source_url}", '
                 f'sha256 = "{sha256}", size = {size} }}\n'
             )
             config.write_text(head)  # the model comes once every node has joined: they start together
@@ -230,6 +252,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-rate", default="1gbit")
     parser.add_argument("--source-rate", default="500mbit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run where every node downloads alone")
+    parser.add_argument(
+        "--control-plane-origin",
+        action="store_true",
+        help="one more run: nodes without internet, the control plane fetching the file and seeding it",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the directory (logs of every process) afterwards")
@@ -265,6 +292,16 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 root / "baseline", nodes=opts.nodes, peers=False, file=file, sha256=sha256, opts=opts
             )
             results["baseline_spread_ratio"] = round(results["baseline"]["spread_s"] / single, 3)
+        if opts.control_plane_origin:
+            results["control_plane_origin"] = run_once(
+                root / "control-plane-origin",
+                nodes=opts.nodes,
+                peers=True,
+                file=file,
+                sha256=sha256,
+                opts=opts,
+                control_plane_origin=True,
+            )
         results["targets"] = {
             "one_source_download": results["swarm"]["source_downloads"] <= 1.0,
             "spread_ratio_at_most_1_3": results["spread_ratio"] <= 1.3,

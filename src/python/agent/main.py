@@ -147,7 +147,7 @@ async def run_agent(
     peering = Peering(
         node_id=identity.node_id,
         tracker=tracker,
-        client=PeerClient(files.ca_cert, files.cert, files.key),
+        client=PeerClient(files.ca_cert, files.cert, files.key, control_plane_context=ssl_context),
         members=members,
     )
     weights.peering = peering if config.weights_from_peers else None

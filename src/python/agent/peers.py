@@ -212,8 +212,13 @@ class PeerClient:
     certificate checked by hand (see the module docstring). Thread-safe: a connection per
     (thread, peer)."""
 
-    def __init__(self, ca_cert: Path, cert: Path, key: Path) -> None:
+    def __init__(
+        self, ca_cert: Path, cert: Path, key: Path, *, control_plane_context: ssl.SSLContext | None = None
+    ) -> None:
+        """`control_plane_context`: the link's TLS (the cluster CA, the control plane's certificate
+        checked against the address dialled), for the control plane when it seeds a file."""
         self.ca = load_cert(ca_cert)
+        self.control_plane_context = control_plane_context
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.check_hostname = False
@@ -229,10 +234,15 @@ class PeerClient:
             idle = self._idle.get(peer)
             if idle:
                 return idle.pop()
-        conn = http.client.HTTPSConnection(peer.address, peer.port, context=self.ssl_context, timeout=STALL_S)
+        seeder = peer.node == w.CONTROL_PLANE_PEER
+        if seeder and self.control_plane_context is None:
+            raise PeerUnreachable("the control plane seeds this file and this client has no TLS for it")
+        context = self.control_plane_context if seeder else self.ssl_context
+        conn = http.client.HTTPSConnection(peer.address, peer.port, context=context, timeout=STALL_S)
         try:
             conn.connect()
-            self._check_server(conn, peer)
+            if not seeder:  # the control plane's certificate was checked by the handshake
+                self._check_server(conn, peer)
         except (OSError, ssl.SSLError, PeerFailed) as exc:
             conn.close()
             raise PeerUnreachable(f"cannot reach node {peer.node} at {peer.address}:{peer.port}: {exc}") from None

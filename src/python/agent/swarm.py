@@ -2,7 +2,7 @@
 its source only by the one node the control plane's tracker names for it (the "origin").
 
 The loop (`Swarm.run`), until every piece is in:
-- every `ASK_S` it asks the tracker (`llmgw.server.nodes.tracker`, `Tracker.ask`): which nodes
+- every `ASK_S` it asks the tracker (`llmgw.server.links.tracker`, `Tracker.ask`): which nodes
   hold or fetch the file, which one's piece hashes to believe (the "authority": a node holding
   the whole file, verified, else the origin), and whether this node is the origin. It says which
   nodes it could not reach, so a file whose only holders are unreachable from here gets an
@@ -111,11 +111,17 @@ class Tracker:
         if unreachable:
             target += "?unreachable=" + quote(",".join(sorted(unreachable)), safe=",")
         data = self._get(target)
+        here = urlsplit(self.server_url())
         return Answer(
             origin=bool(data["origin"]),
             authority=str(data.get("authority", "")),
             peers=tuple(
-                Peer(node=p["node"], address=p["address"], port=int(p["port"]), complete=bool(p.get("complete")))
+                # The control plane seeding the file (its weights_origin): at the agent port linked to.
+                Peer(
+                    node=p["node"], address=here.hostname or "", port=here.port or 443, complete=bool(p.get("complete"))
+                )
+                if p.get("control_plane")
+                else Peer(node=p["node"], address=p["address"], port=int(p["port"]), complete=bool(p.get("complete")))
                 for p in data.get("peers", ())
             ),
             members=frozenset(data["members"]) if isinstance(data.get("members"), list) else None,

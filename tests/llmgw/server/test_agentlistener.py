@@ -31,7 +31,7 @@ from llmgw.server.links.agentlistener import (
 )
 from llmgw.server.nodes.artifacts import Artifacts
 from llmgw.server.nodes.releases import Releases
-from llmgw.server.nodes.tracker import Tracker
+from llmgw.server.links.tracker import Tracker
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.wire import agent_link as w
 from testlib.controlplane import hello

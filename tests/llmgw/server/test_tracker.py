@@ -5,7 +5,7 @@ port is tests/llmgw/server/test_agentlistener.py's; the agents asking it, tests/
 
 from __future__ import annotations
 
-from llmgw.server.nodes.tracker import FETCHER_TTL_S, ORIGIN_TTL_S, Tracker
+from llmgw.server.links.tracker import FETCHER_TTL_S, ORIGIN_TTL_S, Tracker
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, NodeRegistry
 from llmgw.wire import agent_link as w
 from testlib.controlplane import hello

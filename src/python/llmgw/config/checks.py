@@ -30,6 +30,9 @@ from llmgw.config.schema import (
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 
 
+WEIGHTS_ORIGINS = ("node", "control_plane")
+
+
 def check_server(cfg: ServerConfig) -> list[str]:
     problems = []
     if cfg.server.heartbeat_ttl_s <= cfg.server.heartbeat_interval_s:
@@ -85,6 +88,11 @@ def check_server(cfg: ServerConfig) -> list[str]:
     for key in ("max_archive_gib", "max_weights_gib"):
         if getattr(cfg.downloads, key) < 1:
             problems.append(f"must be at least 1 @ $.downloads.{key}")
+    if cfg.downloads.weights_origin not in WEIGHTS_ORIGINS:
+        problems.append(
+            f"expected one of {', '.join(map(repr, WEIGHTS_ORIGINS))}, got {cfg.downloads.weights_origin!r} "
+            "@ $.downloads.weights_origin"
+        )
     if cfg.release.dir and not Path(cfg.release.dir).is_absolute():
         problems.append(f"expected an absolute path, got {cfg.release.dir!r} @ $.release.dir")
     seen: dict[str, int] = {}

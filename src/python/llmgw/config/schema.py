@@ -289,6 +289,10 @@ class DownloadsSection:
 
     max_archive_gib: int = 4
     max_weights_gib: int = 64
+    # Who downloads a weights file from its source, once per cluster: "node" (one node the tracker
+    # names; the others take it from the nodes), or "control_plane" (the control plane, for nodes
+    # without internet; llmgw.server.nodes.weightsorigin).
+    weights_origin: str = "node"
 
     @property
     def max_archive_bytes(self) -> int:

@@ -55,10 +55,11 @@ from llmgw.server.leadership.warm import Warm, read_warm
 from llmgw.server.lifecycle import cancel_at_stop, serve_admin_url, serve_reload_on_sighup
 from llmgw.server.links.agentlinks import AgentLinks
 from llmgw.server.links.agentlistener import AgentListener
+from llmgw.server.links.tracker import Tracker
 from llmgw.server.nodes.artifacts import Artifacts, artifacts_dir
 from llmgw.server.nodes.mirror import RETRY_S, fill_mirror
 from llmgw.server.nodes.releases import Releases
-from llmgw.server.nodes.tracker import Tracker
+from llmgw.server.nodes.weightsorigin import WeightsOrigin
 from llmgw.server.settings import Settings
 from llmgw.server.state import views
 from llmgw.server.state.catalogtimes import CatalogTimes
@@ -71,6 +72,7 @@ from llmgw.server.state.moves import Moves
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas, seal_at_start, sealed_keys
 from llmgw.server.state.staging import Staging
+from llmgw.server.state.weights import catalog_files
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.server.store.keyseal import KeySeal
@@ -151,6 +153,18 @@ class ControlPlane:
             leading=leading,
             redirect=redirect,
         )
+        # With [downloads] weights_origin = "control_plane", the control plane downloads each weights
+        # file nodes need and seeds it to them (nodes without internet): the tracker names it.
+        self.weights_origin = (
+            WeightsOrigin(
+                state_dir / "weights",
+                lambda: catalog_files(
+                    self.config.models, max_weights_bytes=self.config.downloads.max_weights_bytes, hub=self.config.hub
+                ),
+            )
+            if config.downloads.weights_origin == "control_plane"
+            else None
+        )
         # The agent port: its TLS, budgets and routes; the links' requests go to their ends.
         self.agent_port = AgentListener(
             store=store,
@@ -165,7 +179,7 @@ class ControlPlane:
             max_connections=config.http.max_agent_connections,
             agents=self.agent_links,
             mirror_changed=self.agent_links.mirror_changed,
-            weights_tracker=Tracker(self.registry, lambda: self.registry.clock.now()),
+            weights_tracker=Tracker(self.registry, lambda: self.registry.clock.now(), origin=self.weights_origin),
         )
         models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
@@ -368,6 +382,8 @@ class ControlPlane:
             await nursery.start(run, "spread", self.moves.serve_spread)
             mirror = partial(fill_mirror, node_known=self.desired.a_node_may_build, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.agent_port.artifacts, self.push_all)
+            if self.weights_origin is not None:  # the weights it seeds to nodes without internet
+                await nursery.start(run, "weights_origin", self.weights_origin.serve)
             if reload_on_sighup:
                 # Before the plane says it is ready: from then on a SIGHUP must reload, not end
                 # the process (its default action).

@@ -48,7 +48,7 @@ AGENT_PATH = "/v1/agent"
 NODE_ID_HEADER = "x-llmgw-node-id"
 ARTIFACTS_PREFIX = "/v1/artifacts/"
 RELEASE_PREFIX = "/v1/release/"
-# The weights tracker (llmgw.server.nodes.tracker), on the agent port to node certificates:
+# The weights tracker (llmgw.server.links.tracker), on the agent port to node certificates:
 # `GET PEERS_PREFIX + SHA256` says which nodes hold or fetch that file and whether the asker is
 # the one to fetch it from its source. Each agent serves the files it holds to the other nodes on
 # a port of its own (`WeightsHeld.port`): `GET WEIGHTS_PREFIX + SHA256` (a byte range) and
@@ -59,6 +59,9 @@ PEERS_PREFIX = "/v1/weights/peers/"
 MEMBERS_TARGET = PEERS_PREFIX + "members"
 WEIGHTS_PREFIX = "/v1/weights/"
 PIECES_SUFFIX = "/pieces"
+# The tracker's name for the control plane as a peer, when it seeds a file itself ([downloads]
+# weights_origin = "control_plane"): no node id starts with "@".
+CONTROL_PLANE_PEER = "@control-plane"
 
 
 # -- what a node has (filled by discovery) -------------------------------------------------

@@ -46,7 +46,7 @@ from llmgw.http.errors import HTTPError, peer_reason
 from llmgw.http.fdlimits import default_max_connections, unproven_budget
 from llmgw.http.heard import HeardListener, heard_at
 from llmgw.http.limits import Limits
-from llmgw.http.messages import Answer, Handler, Request, Upgrade
+from llmgw.http.messages import Answer, Handler, Request, Upgrade, allow
 from llmgw.http.refusals import RefusalLog
 from llmgw.http.server import serve_connection
 from llmgw.log import get_logger
@@ -54,10 +54,10 @@ from llmgw.pki.ca import CertInfo, cert_info_from_der
 from llmgw.pki.tls import send_tls_alert
 from llmgw.pki.tlsdiag import describe_tls_failure
 from llmgw.server.errors import StoreError
-from llmgw.server.links import agentport
+from llmgw.server.links import agentport, tracker
 from llmgw.server.links.agentport import Route
 from llmgw.server.links.linkserver import REFUSAL_SEND_S
-from llmgw.server.nodes import artifacts, releases, tracker
+from llmgw.server.nodes import artifacts, releases
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_session as s
 from llmgw.wire.errors import UpgradeRefused
@@ -305,6 +305,12 @@ class AgentListener:
             if self.tracker is None:
                 raise HTTPError(404, "this control plane tracks no weights")
             return await tracker.handle(request, self.tracker, cert.common_name)
+        if where is Route.WEIGHTS:
+            origin = self.tracker.origin if self.tracker is not None else None
+            if origin is None:
+                raise HTTPError(404, 'this control plane serves no weights ([downloads] weights_origin = "node")')
+            allow(request, "GET")
+            return await origin.sender.answer(request, origin.offer, place="control plane")
         return await artifacts.handle(request, self.artifacts, cert.common_name)
 
     def refuse(self, cert: CertInfo, address: str, exc: UpgradeRefused) -> HTTPError:

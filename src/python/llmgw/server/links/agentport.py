@@ -3,7 +3,7 @@
 The agent port (server.toml's agent_listen) is one TLS listener, for five things: the agent
 link, a WebSocket at AGENT_PATH, the artifact mirror, `GET ARTIFACTS_PREFIX + SHA256`
 (`llmgw.server.nodes.artifacts`), and the weights tracker, `GET PEERS_PREFIX + SHA256`
-(`llmgw.server.nodes.tracker`), all for node certificates only; the gateway link, a WebSocket at
+(`llmgw.server.links.tracker`), all for node certificates only; the gateway link, a WebSocket at
 GATEWAY_PATH (`llmgw.server.links.gatewaylinks`), for gateway certificates only; and the release files,
 `GET RELEASE_PREFIX + NAME` (`llmgw.server.nodes.releases`), for any peer (a node fetching its release
 has no certificate yet). Its HTTP is the shared server's (`llmgw.http.server`, one request per
@@ -39,7 +39,8 @@ from llmgw.wire.session import UpgradeRequest
 
 class Route(enum.Enum):
     MIRROR = "mirror"  # answered by llmgw.server.nodes.artifacts
-    PEERS = "peers"  # the weights tracker, llmgw.server.nodes.tracker: node certificates only
+    PEERS = "peers"  # the weights tracker, llmgw.server.links.tracker: node certificates only
+    WEIGHTS = "weights"  # pieces the control plane seeds (llmgw.server.nodes.weightsorigin): node certificates only
     RELEASE = "release"  # answered by llmgw.server.nodes.releases, to a peer without a certificate too
     LINK = "link"  # the agent link: ServerSession.upgrade checks its path and node id
     GATEWAY = "gateway"  # the gateway link: GatewayServerSession.upgrade checks its path and name
@@ -54,6 +55,8 @@ def route(request: Request) -> Route:
         return Route.RELEASE
     if request.target.startswith(w.PEERS_PREFIX.encode()):
         return Route.PEERS
+    if request.target.startswith(w.WEIGHTS_PREFIX.encode()):
+        return Route.WEIGHTS
     if request.target.startswith(GATEWAY_PATH.encode()):
         return Route.GATEWAY
     return Route.LINK

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 from llmgw.config import HubSection, Model
 from llmgw.log import get_logger
+from llmgw.server.nodes.weightsorigin import FileSource
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.server")
@@ -73,3 +74,21 @@ def catalog_digests(models: Iterable[Model]) -> tuple[str, ...]:
             out.add(m.source.sha256.lower())
         out.update(f.sha256 for f in m.source.files)
     return tuple(sorted(out))
+
+
+def catalog_files(models: Iterable[Model], *, max_weights_bytes: int, hub: HubSection) -> dict[str, FileSource]:
+    """Every weights file of the catalog a node downloads (a URL source, a Hub model's files), by
+    SHA-256, with where it comes from: what the control plane fetches as origin."""
+    out: dict[str, FileSource] = {}
+    for m in models:
+        source = weights_source(m, max_weights_bytes=max_weights_bytes, hub=hub)
+        if source.url:
+            name = unquote(urlsplit(source.url).path.rsplit("/", 1)[-1])
+            out[source.sha256.lower()] = FileSource(
+                url=source.url, size=source.size, name=name, token=source.token, max_bytes=source.max_bytes
+            )
+        for f in source.files:
+            out[f.sha256.lower()] = FileSource(
+                url=f.url, size=f.size, name=f.path.rsplit("/", 1)[-1], token=source.token, max_bytes=source.max_bytes
+            )
+    return out

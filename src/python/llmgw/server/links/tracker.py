@@ -25,6 +25,12 @@ trouble (a peer busy, a connection reset) must not send a second node to the int
 cut off from everyone is cut off from the control plane too, and stops being joined. A file held
 whole by a joined node the asker can reach needs no origin: it comes from the holders.
 
+With server.toml's `[downloads] weights_origin = "control_plane"` (nodes without internet), no
+node is ever origin of a file the catalog names with its size: the control plane downloads it
+(`llmgw.server.nodes.weightsorigin`) and is named as its authority and as a peer,
+`{"node": "@control-plane", "control_plane": true, "complete": bool}`, which nodes reach at the
+agent port they link to (`GET /v1/weights/SHA256[/pieces]`, as a node's weights port answers).
+
 Everything here is in memory, rebuilt from the agents' asks and weights reports: a control plane
 that restarts, or a standby that takes over, has it back within a few seconds of asks.
 """
@@ -39,11 +45,13 @@ import attrs
 
 from llmgw.http.errors import HTTPError
 from llmgw.http.messages import Request, Response, allow
+from llmgw.server.nodes.weightsorigin import CONTROL_PLANE, WeightsOrigin
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.wire.agent_link import MEMBERS_TARGET, PEERS_PREFIX
 
 FETCHER_TTL_S = 10.0  # an asker counts as fetching the file (a peer to others) this long after its ask
 ORIGIN_TTL_S = 15.0  # an origin that has not asked for this long is replaced by the next asker
+MAX_FILES = 4096  # files tracked before those no node asked for lately are forgotten
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -54,9 +62,14 @@ class _File:
 
 
 class Tracker:
-    def __init__(self, registry: NodeRegistry, now: Callable[[], float]) -> None:
+    def __init__(
+        self, registry: NodeRegistry, now: Callable[[], float], *, origin: WeightsOrigin | None = None
+    ) -> None:
+        """`origin`: the control plane's own download of weights ([downloads] weights_origin =
+        "control_plane"), which then seeds every file the catalog names; None: a node does."""
         self.registry = registry
         self.now = now
+        self.origin = origin
         self.files: dict[str, _File] = {}
         self.origins_chosen = 0  # for tests and the log
 
@@ -66,6 +79,8 @@ class Tracker:
 
     def ask(self, asker: str, sha256: str, unreachable: frozenset[str] = frozenset()) -> dict:
         now = self.now()
+        if sha256 not in self.files and len(self.files) >= MAX_FILES:
+            self._forget_idle(now)
         entry = self.files.setdefault(sha256, _File())
         entry.askers[asker] = now
         for node, at in list(entry.askers.items()):
@@ -87,6 +102,14 @@ class Tracker:
                 whole.append(node_id)
         if whole:
             authority, origin = whole[0], False
+        elif self.origin is not None and self.origin.want(sha256, now):
+            # The control plane fetches it from the source, and seeds it: no node goes out.
+            authority, origin = CONTROL_PLANE, False
+            peers[CONTROL_PLANE] = {
+                "node": CONTROL_PLANE,
+                "control_plane": True,
+                "complete": self.origin.complete(sha256),
+            }
         else:
             current = entry.origin
             alive = (
@@ -104,6 +127,13 @@ class Tracker:
             "peers": list(peers.values()),
             "members": self.members(),
         }
+
+    def _forget_idle(self, now: float) -> None:
+        """Files no node asked for lately: a node asking for digests at random grows nothing."""
+        horizon = max(FETCHER_TTL_S, ORIGIN_TTL_S)
+        for digest, entry in list(self.files.items()):
+            if all(now - at > horizon for at in entry.askers.values()):
+                del self.files[digest]
 
     def members(self) -> list[str]:
         """The cluster's nodes (a removed node is not among them): whom a node serves weights to."""
