@@ -57,7 +57,7 @@ MAX_INFLIGHT = 4
 PER_PEER = 2
 UNREACHABLE_S = 10.0
 BUSY_S = 0.5
-SEED_GRACE_S = 3.0
+SEED_GRACE_S = 8.0
 SOURCE_RETRY_S = 5.0
 SYNC_S = 2.0
 TRACKER_TIMEOUT_S = 10.0
@@ -298,7 +298,8 @@ class Swarm:
         fetching (its turn: by piece number), the others taking it from that one: so the seed
         sends each piece about once and its link is not the cluster's bottleneck (with seven
         nodes asking it for every new piece, the origin sent 80% of the bench's bytes). A piece
-        its turn's node has not passed on within SEED_GRACE_S is anyone's to ask the seed for."""
+        its turn's node has not passed on within SEED_GRACE_S is anyone's to ask the seed for; a
+        node that cannot be reached takes no turn."""
         now = trio.current_time()
         usable = {
             p.node: p
@@ -309,8 +310,10 @@ class Swarm:
             and p.node in self.have
         }
         seed = self.answer.authority
+        away = self.banned | {n for n, until in self.unreachable.items() if until > now}
         fetchers = sorted(
-            {p.node for p in self.answer.peers if not p.complete and p.node != seed} | {self.peering.node_id}
+            {p.node for p in self.answer.peers if not p.complete and p.node != seed and p.node not in away}
+            | {self.peering.node_id}
         )
         turn = fetchers.index(self.peering.node_id)
         load: dict[str, int] = {}
