@@ -117,13 +117,15 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
 
 
 def weights_view(held: w.WeightsHeld) -> dict[str, Any]:
-    """What a node's weights cache holds: whole files, downloads under way, bytes, its limit."""
+    """What a node's weights cache holds: whole files, downloads under way, bytes, its limit, and
+    the port it serves them to the other nodes on (0: none)."""
     return {
         "files": sum(1 for f in held.files if f.complete),
         "downloading": sum(1 for f in held.files if not f.complete),
         "bytes": held.cache_bytes,
         "limit_bytes": held.limit_bytes,
         "free_bytes": held.free_bytes,
+        "port": held.port,
     }
 
 
