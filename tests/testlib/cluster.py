@@ -310,14 +310,16 @@ class Cluster:
         )
         return server
 
-    def start_agent(self, node_id: str, env: dict[str, str] | None = None) -> Proc:
+    def start_agent(self, node_id: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Proc:
         """Start `llmgw agent run` for a node added with `add_node`; does not wait for its link.
-        `env`: variables to set in its environment (PATH, say)."""
+        `env`: variables to set in its environment (PATH, say). `prefix`: a command that runs it
+        (`ip netns exec NAME`: the node in a network namespace of its own)."""
         files = self.nodes_files[node_id]
         agent = self._spawn(
             node_id,
             ["agent", "run", "--config", str(files.config), "--log-format", "json"],
             {**(env or {}), MARKER_ENV: self._marker(node_id)},
+            prefix=prefix,
         )
         self.agents[node_id] = agent
         return agent
