@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerClient, PeerFailed, PeerServer, peer_ssl_context
+from agent.peers import Members, Peer, PeerClient, PeerFailed, PeerServer, PeerUnreachable, peer_ssl_context
 from agent.swarm import PER_PEER, Answer, Peering
 from agent.weights import WeightsStore, blob_of
 from agent.weights_report import held_now
@@ -289,7 +289,7 @@ def test_a_disk_too_small_says_so_before_a_byte_moves(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(pieces.os, "posix_fallocate", full)
     blob = tmp_path / ("a" * 64) / "m.gguf"
-    with pytest.raises(pieces.DiskFull, match=r"needs 0.50 GiB .* nothing partial is used"):
+    with pytest.raises(pieces.DiskFull, match=r"needs 512.0 MiB .* nothing partial is used"):
         pieces.Part.open(blob, 1 << 29)
     assert not pieces.part_of(blob).exists() and not pieces.state_of(blob).exists()
 
@@ -311,12 +311,12 @@ async def test_the_weights_port_serves_node_certificates_of_members_only(hub: Hu
         # Once the tracker has listed the members, a node it does not list (removed) is refused.
         a.server.members.ids = frozenset(NODES)
         fresh = PeerClient(files.ca_cert, files.cert, files.key)
-        with pytest.raises(PeerFailed):
+        with pytest.raises(PeerUnreachable, match="refuses this node: this node serves weights to the nodes of its"):
             await trio.to_thread.run_sync(lambda: fresh.pieces(peer, digest, hashes=False))
         # A gateway's certificate, of the same CA, is refused too.
         gw = issue_gateway_to_dir(ca, "gw-1", tmp_path / "gw", validity_days=3)
         gateway = PeerClient(gw.ca_cert, gw.cert, gw.key)
-        with pytest.raises(PeerFailed):
+        with pytest.raises(PeerUnreachable, match="refuses this node"):
             await trio.to_thread.run_sync(lambda: gateway.pieces(peer, digest, hashes=False))
         # Another CA's node with the same name: refused by the TLS handshake.
         other = node_files(tmp_path / "other", new_ca(validity_days=3), "node-b")

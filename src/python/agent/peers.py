@@ -27,13 +27,14 @@ import json
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import attrs
 import trio
 
+from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
 from llmgw.http.listeners import Shutdown, open_listeners, peer_host, serve_capped
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
@@ -139,6 +140,9 @@ class PeerServer:
             if node is None or node.role != ROLE_NODE or not self.members.admits(node.common_name):
                 who = node.common_name if node else "a peer without a certificate"
                 log.warning("weights_peer_refused", peer=who, role=node.role if node else "-")
+                # Said, not just closed: the asker tells "refused" from "broke off" and asks elsewhere.
+                refusal = HTTPError(403, "this node serves weights to the nodes of its cluster only")
+                await serve_connection(_refuse(refusal), stream, limits=LIMITS, stats=self.stats, listener=LISTENER)
                 return
             await serve_connection(
                 lambda request: self._handle(request, node.common_name),
@@ -158,6 +162,13 @@ class PeerServer:
     async def _handle(self, request: Request, node: str) -> Response | StreamingResponse:
         allow(request, "GET")
         return await self.sender.answer(request, self.offers, place="node")
+
+
+def _refuse(refusal: HTTPError) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        raise refusal
+
+    return handler
 
 
 async def listen(port: int) -> list[trio.SocketListener]:
@@ -275,7 +286,15 @@ class PeerClient:
             raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {peer.node!r}")
 
     def _get(self, peer: Peer, target: str, headers: dict[str, str], limit: int) -> tuple[int, bytes]:
-        """(status, body) of one GET; a body past `limit` bytes is a broken peer's."""
+        """(status, body) of one GET; a body past `limit` bytes is a broken peer's, a 403 a refusal
+        (`PeerUnreachable`: this node may not fetch from that one, as if it could not reach it)."""
+        status, body = self._exchange(peer, target, headers, limit)
+        if status == 403:
+            said = body[:300].decode("utf-8", "replace").strip()
+            raise PeerUnreachable(f"node {peer.node} refuses this node: {said}")
+        return status, body
+
+    def _exchange(self, peer: Peer, target: str, headers: dict[str, str], limit: int) -> tuple[int, bytes]:
         for attempt in (0, 1):  # a kept connection the peer closed meanwhile: once more, afresh
             conn = self._conn(peer)
             try:

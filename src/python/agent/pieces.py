@@ -214,7 +214,11 @@ def _disk_full(blob: Path, size: int) -> DiskFull:
     except OSError:
         free = 0
     return DiskFull(
-        f"{blob.name} needs {size / 2**30:.2f} GiB in {blob.parent.parent} and the disk has "
-        f"{free / 2**30:.2f} GiB free; nothing partial is used. Free space there, lower weights_cache_gib "
-        "so older files are evicted first, or point agent.toml's weights_dir at a larger disk"
+        f"{blob.name} needs {_amount(size)} in {blob.parent.parent} and the disk has {_amount(free)} free; nothing "
+        "partial is used. Free space there, lower weights_cache_gib so older files are evicted first, or point "
+        "agent.toml's weights_dir at a larger disk"
     )
+
+
+def _amount(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

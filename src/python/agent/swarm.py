@@ -47,6 +47,7 @@ from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFa
 from llmgw import weightpieces
 from llmgw.download import DownloadError, Progress
 from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.weights")
@@ -174,7 +175,7 @@ class Swarm:
         self.polled_at: dict[str, float] = {}  # node -> when it was last asked
         self.source_running = False
         self.source_error = ""
-        self.changed = trio.Event()
+        self.changed = Wakeup()  # a piece arrived, a request ended, a peer answered: schedule again
         self._stop = threading.Event()
         self._tracker_warned = False
 
@@ -186,6 +187,7 @@ class Swarm:
                 nursery.start_soon(self._sync_every)
                 asked_at = -float("inf")
                 while self.part.missing():
+                    woken = self.changed.next()  # before looking: a change meanwhile is not lost
                     now = trio.current_time()
                     if now - asked_at >= ASK_S:
                         await self._ask()
@@ -195,9 +197,8 @@ class Swarm:
                         self.source_running = True
                         nursery.start_soon(self._source)
                     self._schedule(nursery)
-                    self.changed = trio.Event()
                     with trio.move_on_after(POLL_S):
-                        await self.changed.wait()
+                        await woken.wait()
                 nursery.cancel_scope.cancel()
         finally:
             self._stop.set()
@@ -211,7 +212,7 @@ class Swarm:
         )
 
     def _wake(self) -> None:
-        self.changed.set()
+        self.changed.fire()
 
     async def _sync_every(self) -> None:
         while True:

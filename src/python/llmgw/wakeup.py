@@ -52,6 +52,8 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.admin.pagefeed.Feed._watchers_moved": "a page's stream opened or closed -> the feed looks at the "
     "cluster for the first (a fresh look), or forgets it after the last",
     "llmgw.server.store.asyncstore.LatestWriter.to_write": "a new version was offered -> the background writer writes it",
+    "llmgw.server.nodes.weightsorigin.WeightsOrigin.wake": "a node wants a weights file the control plane seeds, or "
+    "one of its downloads ended -> its serve loop starts what is wanted",
     # The gateway (llmgw.gateway).
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
@@ -86,6 +88,8 @@ WAKEUPS: dict[str, str] = {
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",
     "agent.progress.Latest.noted": "the installer reported progress -> `serve_progress` sends the latest, throttled",
+    "agent.swarm.Swarm.changed": "a piece arrived, a piece request ended or a peer said which pieces it has -> "
+    "the download's loop starts the next requests (`Swarm.run`)",
     "agent.link.AgentLink._desired_changed": "a DesiredState arrived -> the agent's replicas follow it "
     "(`AgentLink.desired_changed`)",
 }

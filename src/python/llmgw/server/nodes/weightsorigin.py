@@ -33,6 +33,7 @@ import trio
 from llmgw.download import DiskFull, DownloadError, fetch, weights_cap
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
 from llmgw.weightpieces import (
     Offer,
     PieceSender,
@@ -86,7 +87,7 @@ class WeightsOrigin:
         self.catalog = catalog
         self.sender = PieceSender()
         self.files: dict[str, _Fetch] = {}
-        self.wake = trio.Event()
+        self.wake = Wakeup()  # a node wants a file, a download ended: the serve loop looks again
         self.downloads = 0
 
     def _blob(self, digest: str, source: FileSource) -> Path:
@@ -101,10 +102,10 @@ class WeightsOrigin:
             if source is None or not source.size or not _NAME.match(source.name):
                 return False
             entry = self.files[digest] = _Fetch(source=source, wanted_at=now)
-            self.wake.set()
+            self.wake.fire()
         entry.wanted_at = now
         if not entry.complete and not entry.running:
-            self.wake.set()
+            self.wake.fire()
         return True
 
     def complete(self, digest: str) -> bool:
@@ -144,6 +145,7 @@ class WeightsOrigin:
         task_status.started()
         async with trio.open_nursery() as nursery:
             while True:
+                woken = self.wake.next()  # before looking: a want meanwhile is not lost
                 now = trio.current_time()
                 for digest, entry in list(self.files.items()):
                     idle = now - entry.wanted_at > WANTED_S
@@ -154,9 +156,8 @@ class WeightsOrigin:
                     entry.running = True
                     nursery.start_soon(self._fetch, digest, entry)
                 await trio.to_thread.run_sync(self.collect, set(self.catalog()))
-                self.wake = trio.Event()
                 with trio.move_on_after(PASS_S):
-                    await self.wake.wait()
+                    await woken.wait()
 
     async def _fetch(self, digest: str, entry: _Fetch) -> None:
         source = entry.source
@@ -195,7 +196,7 @@ class WeightsOrigin:
             entry.error = str(exc)
         finally:
             entry.running = False
-            self.wake.set()
+            self.wake.fire()
 
     async def _hash_as_it_comes(self, blob: Path, entry: _Fetch) -> None:
         """Hash each piece wholly in the .part, in order, as the download passes its end."""
