@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from llmgw.download import DiskFull
-from llmgw.weightpieces import piece_count, span, write_hashes, write_json_atomic
+from llmgw.weightpieces import piece_count, read_range, span, write_hashes, write_json_atomic
 
 
 def part_of(blob: Path) -> Path:
@@ -141,11 +141,9 @@ class Part:
     def read_at(self, offset: int, n: int) -> bytes:
         """Bytes of the part for a peer (from the whole file once it is finished); b"" once gone."""
         fd = self._fd
+        if fd < 0:  # finished meanwhile: the same bytes are at the file's final name
+            return read_range(self.blob, offset, n)
         try:
-            if fd < 0:  # finished meanwhile: the same bytes are at the file's final name
-                with self.blob.open("rb") as f:
-                    f.seek(offset)
-                    return f.read(n)
             return os.pread(fd, n, offset)
         except OSError:
             return b""

@@ -43,6 +43,7 @@ import re
 import shutil
 import ssl
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -55,7 +56,7 @@ from llmgw import weightpieces
 from llmgw.download import DownloadError, Progress, check_free_space, fetch, sha256_of, weights_cap
 from llmgw.errors import MachineError, PeerError
 from llmgw.log import get_logger
-from llmgw.weightpieces import Offer
+from llmgw.weightpieces import Offer, read_range
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.weights")
@@ -455,15 +456,7 @@ class WeightsStore:
         def hashes() -> dict[int, str]:
             return dict(enumerate(self._hashes_of(blob, digest)))
 
-        def read(offset: int, n: int) -> bytes:
-            try:
-                with blob.open("rb") as f:
-                    f.seek(offset)
-                    return f.read(n)
-            except OSError:
-                return b""
-
-        return Offer(size=size, complete=True, have=None, hashes=hashes, read=read)
+        return Offer(size=size, complete=True, have=None, hashes=hashes, read=partial(read_range, blob))
 
     def _hashes_of(self, blob: Path, digest: str) -> list[str]:
         """A whole file's piece hashes: kept beside it, or computed once (blocking)."""

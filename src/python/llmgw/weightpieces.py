@@ -77,6 +77,16 @@ _SHA = re.compile(r"^[0-9a-f]{64}$")
 _RANGE = re.compile(r"bytes=([0-9]{1,19})-([0-9]{1,19})")
 
 
+def read_range(path: Path, start: int, n: int) -> bytes:
+    """`n` bytes of `path` from `start` (blocking); b"" when it cannot be read (gone meanwhile)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(n)
+    except OSError:
+        return b""
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
     fresh = path.with_name(path.name + ".new")
     fresh.write_text(json.dumps(obj, separators=(",", ":")))

@@ -41,6 +41,7 @@ from llmgw.weightpieces import (
     hash_whole,
     piece_count,
     read_hashes,
+    read_range,
     span,
     write_hashes,
 )
@@ -122,15 +123,8 @@ class WeightsOrigin:
         path = blob if entry.complete else blob.with_name(blob.name + ".part")
         hashes = dict(entry.hashes)
 
-        def read(offset: int, n: int) -> bytes:
-            for candidate in (path, blob):  # a download that finished meanwhile: its final name
-                try:
-                    with candidate.open("rb") as f:
-                        f.seek(offset)
-                        return f.read(n)
-                except OSError:
-                    continue
-            return b""
+        def read(offset: int, n: int) -> bytes:  # a download that finished meanwhile: its final name
+            return read_range(path, offset, n) or read_range(blob, offset, n)
 
         return Offer(
             size=entry.source.size,
@@ -207,7 +201,7 @@ class WeightsOrigin:
             if index < piece_count(size):
                 start, length = span(index, size)
                 if entry.arrived >= start + length:
-                    data = await trio.to_thread.run_sync(_read, part, start, length)
+                    data = await trio.to_thread.run_sync(read_range, part, start, length)
                     if len(data) == length:
                         entry.hashes[index] = hash_piece(data)
                         continue
@@ -223,15 +217,6 @@ class WeightsOrigin:
             if re.fullmatch(r"[0-9a-f]{64}", e.name) and e.name not in keep and e.name not in self.files:
                 shutil.rmtree(e.path, ignore_errors=True)
                 log.info("weights_origin_removed", sha256=e.name)
-
-
-def _read(path: Path, start: int, length: int) -> bytes:
-    try:
-        with path.open("rb") as f:
-            f.seek(start)
-            return f.read(length)
-    except OSError:
-        return b""
 
 
 def _whole_hashes(blob: Path, size: int, digest: str) -> list[str]:
