@@ -5,7 +5,8 @@ the bytes it sends (tools/bench/weights.py runs it in the "source" namespace).
 
 GET /NAME (the file's name) answers 200 with the whole file or 206 with `Range: bytes=A-B` /
 `bytes=A-`; every other path is 404. The body goes out with sendfile(2). After each response
-STATS.json holds {"requests": N, "bytes_sent": B}, rewritten atomically.
+STATS.json holds {"requests": N, "bytes_sent": B}, rewritten atomically; it is first written
+once the server listens.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class Stats:
         self.lock = threading.Lock()
         self.requests = 0
         self.bytes_sent = 0
-        self.write()
 
     def add(self, sent: int) -> None:
         with self.lock:
@@ -91,7 +91,9 @@ def main() -> None:
     parser.add_argument("--stats", type=Path, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, args.port), handler_for(args.file, Stats(args.stats)))
+    stats = Stats(args.stats)
+    server = ThreadingHTTPServer((args.host, args.port), handler_for(args.file, stats))
+    stats.write()  # once it listens: the bench waits for this file
     server.daemon_threads = True
     server.serve_forever()
 

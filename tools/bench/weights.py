@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import rangeserver
+
 from llmgw.ctl.client import AdminClient
 from testlib.proc import Proc, run_llmgw
 from testlib.shapednet import ShapedStar
@@ -118,7 +120,7 @@ def run_once(
     with ShapedStar(root / "net", nodes=nodes, node_rate=opts.node_rate, source_rate=opts.source_rate) as net:
         assert net.source is not None
         stats = root / "source-stats.json"
-        server_script = Path(__file__).with_name("rangeserver.py")  # stdlib only: runs anywhere
+        server_script = rangeserver.__file__  # stdlib only: runs as a script anywhere
         serve = [sys.executable, str(server_script), str(file), "--stats", str(stats)]
         if control_plane_origin:  # on this machine's loopback, a port no other program has
             with socket.socket() as probe:
@@ -131,6 +133,11 @@ def run_once(
             source = net.source.popen(serve)
             source_url = f"http://{net.source.node_addr}:{SOURCE_PORT}/{FILE_NAME}"
         try:
+            deadline = time.monotonic() + 30
+            while not stats.exists():  # written once it listens
+                if source.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the source ({' '.join(map(str, serve))}) did not start: exit {source.poll()}")
+                time.sleep(0.05)
             agent_socket = socket.socket()
             agent_socket.bind(("0.0.0.0", 0))
             port = agent_socket.getsockname()[1]
