@@ -29,9 +29,9 @@ from llmgw.server.links.agentlistener import (
     AgentListener,
     Place,
 )
+from llmgw.server.links.tracker import Tracker
 from llmgw.server.nodes.artifacts import Artifacts
 from llmgw.server.nodes.releases import Releases
-from llmgw.server.links.tracker import Tracker
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.wire import agent_link as w
 from testlib.controlplane import hello
