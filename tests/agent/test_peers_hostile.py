@@ -171,7 +171,10 @@ def fetch(port: Port, *, address: str = HOST) -> tuple[dict, bytes]:
     peer = attrs.evolve(port.peer, address=address)
     try:
         listing = client.pieces(peer, DIGEST, hashes=True)
-        data = b"".join(client.piece(peer, DIGEST, i, SIZE, h) for i, h in enumerate(listing["hashes"]))
+        data = b""
+        for i, h in enumerate(listing["hashes"]):
+            with client.buffer() as buffer:
+                data += bytes(client.piece(peer, DIGEST, i, SIZE, h, buffer))
     finally:
         client.close()
     return listing, data
@@ -479,7 +482,7 @@ async def test_a_peer_that_stops_reading_a_piece_gives_its_upload_place_back_at_
             assert hostile.status_of(answer) == 503 and b"retry-after: 1" in answer, answer
             client = PeerClient(port.pki.client.ca_cert, port.pki.client.cert, port.pki.client.key)
             with pytest.raises(PeerFailed):
-                await run(client.piece, port.peer, DIGEST, 0, SIZE, HASHES[0])
+                await run(client.piece, port.peer, DIGEST, 0, SIZE, HASHES[0], bytearray(SIZE + 1))
             await run(client.close)
             # Each stalled piece is cut at its send deadline, and its place given back.
             await port.uploads.all_back(within=send_s + 5)

@@ -6,8 +6,10 @@ faster than time (the peers' answers come from worker threads, which an autojump
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,11 @@ class Client:
         answer = {"size": SIZE, "have": weightpieces.bitmap(None, weightpieces.piece_count(SIZE))}
         return answer | ({"hashes": piece_hashes()} if hashes else {})
 
-    def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
+    @contextlib.contextmanager
+    def buffer(self) -> Iterator[bytearray]:
+        yield bytearray()
+
+    def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str, buffer: bytearray) -> bytes:
         assert peer == GOOD, f"asked {peer.node}, which listed no piece, for piece {index}"
         data = CONTENT[slice(*_bounds(index))]
         if weightpieces.hash_piece(data) != expected:

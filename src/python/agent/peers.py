@@ -21,13 +21,14 @@ its hash is the one expected.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import json
 import socket
 import ssl
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from llmgw.http.server import ConnectionStats, serve_connection
 from llmgw.log import get_logger
 from llmgw.pki.ca import ROLE_NODE, cert_info, cert_info_from_der, check_issued_by
 from llmgw.pki.files import NodePaths, load_cert
-from llmgw.weightpieces import Offer, PieceSender, hash_piece, span
+from llmgw.weightpieces import PIECE_MAX, Offer, PieceSender, hash_piece, span
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.peers")
@@ -238,6 +239,7 @@ class PeerClient:
         self.ssl_context = ctx
         self._idle: dict[Peer, list[http.client.HTTPSConnection]] = {}  # kept-alive connections, by peer
         self._lock = threading.Lock()
+        self._buffers: list[bytearray] = []  # piece buffers given back (`buffer`)
 
     def _conn(self, peer: Peer) -> http.client.HTTPSConnection:
         """A kept connection to `peer` no other thread uses, or a new one (its certificate checked)."""
@@ -285,22 +287,31 @@ class PeerClient:
         if info.common_name != peer.node or info.role != ROLE_NODE:
             raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {peer.node!r}")
 
-    def _get(self, peer: Peer, target: str, headers: dict[str, str], limit: int) -> tuple[int, bytes]:
+    def _get(
+        self, peer: Peer, target: str, headers: dict[str, str], limit: int, into: bytearray | None = None
+    ) -> tuple[int, bytes | memoryview]:
         """(status, body) of one GET; a body past `limit` bytes is a broken peer's, a 403 a refusal
         (`PeerUnreachable`: this node may not fetch from that one, as if it could not reach it)."""
-        status, body = self._exchange(peer, target, headers, limit)
+        status, body = self._exchange(peer, target, headers, limit, into)
         if status == 403:
-            said = body[:300].decode("utf-8", "replace").strip()
+            said = bytes(body[:300]).decode("utf-8", "replace").strip()
             raise PeerUnreachable(f"node {peer.node} refuses this node: {said}")
         return status, body
 
-    def _exchange(self, peer: Peer, target: str, headers: dict[str, str], limit: int) -> tuple[int, bytes]:
+    def _exchange(
+        self, peer: Peer, target: str, headers: dict[str, str], limit: int, into: bytearray | None = None
+    ) -> tuple[int, bytes | memoryview]:
+        """`into`: a buffer the body is read into (a piece: no new 16 MiB object per piece, whose
+        pages the kernel must find and clear each time); the body is then a view of it."""
         for attempt in (0, 1):  # a kept connection the peer closed meanwhile: once more, afresh
             conn = self._conn(peer)
             try:
                 conn.request("GET", target, headers=headers)
                 response = conn.getresponse()
-                body = response.read(limit + 1)
+                if into is not None and response.status == 206:
+                    body: bytes | memoryview = read_into(response, memoryview(into)[: limit + 1])
+                else:
+                    body = response.read(limit + 1)
                 if len(body) > limit:
                     conn.close()
                     raise PeerFailed(f"node {peer.node} sent more than the {limit} bytes asked for")
@@ -327,16 +338,29 @@ class PeerClient:
             raise PeerFailed(f"node {peer.node} answered something else than a piece list") from None
         return answer
 
-    def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str) -> bytes:
-        """Piece `index` from `peer`, its SHA-256 checked: `PeerCorrupt` when it is not `expected`."""
+    @contextlib.contextmanager
+    def buffer(self) -> Iterator[bytearray]:
+        """A buffer for one piece, taken from those given back (as many as pieces fetched at once)."""
+        with self._lock:
+            buffer = self._buffers.pop() if self._buffers else bytearray(PIECE_MAX + 1)
+        try:
+            yield buffer
+        finally:
+            with self._lock:
+                self._buffers.append(buffer)
+
+    def piece(self, peer: Peer, digest: str, index: int, size: int, expected: str, buffer: bytearray) -> memoryview:
+        """Piece `index` from `peer`, its SHA-256 checked: `PeerCorrupt` when it is not `expected`.
+        The bytes are a view of `buffer` (from `buffer()`): use them while it is held."""
         start, length = span(index, size)
         status, body = self._get(
-            peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"}, length
+            peer, w.WEIGHTS_PREFIX + digest, {"Range": f"bytes={start}-{start + length - 1}"}, length, buffer
         )
         if status == 503:
             raise PeerBusy(f"node {peer.node} is sending as many pieces as it may")
         if status != 206 or len(body) != length:
             raise PeerFailed(f"node {peer.node} answered {status} with {len(body)} bytes for piece {index}")
+        body = memoryview(body)
         got = hash_piece(body)
         if got != expected:
             raise PeerCorrupt(
@@ -350,3 +374,14 @@ class PeerClient:
             self._idle.clear()
         for conn in kept:
             conn.close()
+
+
+def read_into(response: http.client.HTTPResponse, view: memoryview) -> memoryview:
+    """The body (or as much of it as fits `view`) read into `view`; the part of it filled."""
+    done = 0
+    while done < len(view):
+        n = response.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return view[:done]

@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from agent import pieces
-from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, PeerUnreachable
+from agent.peers import Members, Peer, PeerBusy, PeerClient, PeerCorrupt, PeerFailed, PeerUnreachable, read_into
 from llmgw import weightpieces
 from llmgw.download import DownloadError, Progress
 from llmgw.log import get_logger
@@ -345,9 +345,10 @@ class Swarm:
         expected = self.hashes[index]
 
         def blocking() -> None:
-            data = self.peering.client.piece(peer, self.digest, index, self.size, expected)
-            if not self.part.has(index):
-                self.part.write(index, data, expected)
+            with self.peering.client.buffer() as buffer:
+                data = self.peering.client.piece(peer, self.digest, index, self.size, expected, buffer)
+                if not self.part.has(index):
+                    self.part.write(index, data, expected)
 
         try:
             await trio.to_thread.run_sync(blocking)
@@ -401,8 +402,10 @@ class Swarm:
             self.source_running = False
 
     def _stream(self, first: int, token: trio.lowlevel.TrioToken) -> None:
-        """Read the source from piece `first` on (blocking), writing each piece not in yet."""
+        """Read the source from piece `first` on (blocking), writing each piece not in yet; each
+        read into one buffer (no new object per piece)."""
         start = weightpieces.span(first, self.size)[0]
+        buffer = bytearray(weightpieces.piece_size(self.size))
         request = urllib.request.Request(self.url)
         for name, value in self.headers.items():
             if name.lower() == "authorization":
@@ -433,7 +436,7 @@ class Swarm:
                     if self._stop.is_set():
                         return
                     _, length_i = weightpieces.span(index, self.size)
-                    data = _read_exactly(response, length_i)
+                    data = read_into(response, memoryview(buffer)[:length_i])
                     self.peering.source_bytes += len(data)
                     if len(data) != length_i:
                         self._short(len(data))
@@ -452,14 +455,3 @@ class Swarm:
     def _arrived(self) -> None:
         self._progress()
         self._wake()
-
-
-def _read_exactly(response: http.client.HTTPResponse, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        block = response.read(min(left, 1 << 20))
-        if not block:
-            break
-        chunks.append(block)
-        left -= len(block)
-    return b"".join(chunks)
