@@ -1,6 +1,7 @@
 """How a weights file reaches every node: once from the internet, then node to node.
 
-    ./pants run tools/bench/weights.py -- --json                 (8 nodes, 2 GiB, ~10 minutes)
+    ./pants run tools/bench/weights.py -- --json                 (8 nodes, 2 GiB, ~12 minutes)
+    ./pants run tools/bench/weights.py -- --json --source-rate 500mbit --control-plane-origin
     ./pants run tools/bench/weights.py -- --json --nodes 3 --size-mib 16 --no-baseline   (the smoke run)
 
 A real cluster: `llmgw server` on this machine, an `llmgw agent` in each of N network namespaces
@@ -257,7 +258,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--size-mib", type=int, default=2048)
     parser.add_argument("--node-rate", default="1gbit")
-    parser.add_argument("--source-rate", default="500mbit")
+    parser.add_argument("--source-rate", default="200mbit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run where every node downloads alone")
     parser.add_argument(
         "--control-plane-origin",
