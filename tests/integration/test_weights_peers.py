@@ -389,7 +389,7 @@ def test_a_disk_too_small_fails_its_replica_saying_so_and_the_others_complete(wo
                 timeout=SETTLE_S,
             )
             detail = failed[0]["detail"]
-            assert f"{w.path} needs" in detail and "GiB free" in detail and str(disk) in detail, detail
+            assert f"{w.path} needs" in detail and "MiB free" in detail and str(disk) in detail, detail
             world.wait_held(others, w, f"beside {SMALL}'s full disk")
             # Nothing of it is left there, at the final name or as a part, and no engine was started.
             left = list(disk.rglob("*"))
