@@ -465,14 +465,11 @@ class WeightsStore:
         known = self._piece_hashes.get(digest)
         if known is not None and known[0] == stamp:
             return known[1]
-        hashes = weightpieces.read_hashes(blob, st.st_size)
-        if hashes is None:  # a file fetched whole, before pieces: hashed now, and checked on the way
-            hashes, whole = weightpieces.hash_whole(blob)
-            if whole != digest:
-                log.warning("weights_corrupt", path=str(blob), expected_sha256=digest, got_sha256=whole)
-                return []  # no hash from here: no node takes a piece on this one's word
-            with contextlib.suppress(OSError):
-                weightpieces.write_hashes(blob, st.st_size, hashes)
+        # A file fetched whole, before pieces, is hashed now, and checked on the way.
+        hashes, whole = weightpieces.kept_or_hashed(blob, st.st_size, digest)
+        if whole != digest:
+            log.warning("weights_corrupt", path=str(blob), expected_sha256=digest, got_sha256=whole)
+            return []  # no hash from here: no node takes a piece on this one's word
         self._piece_hashes[digest] = (stamp, hashes)
         return hashes
 

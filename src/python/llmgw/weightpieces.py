@@ -18,6 +18,7 @@ At most `uploads` pieces are sent at once by one `PieceSender`; past that a requ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -109,6 +110,20 @@ def read_hashes(blob: Path, size: int) -> list[str] | None:
     if not isinstance(pieces, list) or len(pieces) != piece_count(size) or not all(isinstance(h, str) for h in pieces):
         return None
     return pieces
+
+
+def kept_or_hashed(blob: Path, size: int, digest: str) -> tuple[list[str], str]:
+    """A whole file's piece hashes and its SHA-256 as far as known: those kept beside it (with
+    `digest`, which it was verified against), or computed in one read and kept if it is `digest`'s
+    (blocking). A second value other than `digest` says the file is not what it should be."""
+    hashes = read_hashes(blob, size)
+    if hashes is not None:
+        return hashes, digest
+    hashes, whole = hash_whole(blob)
+    if whole == digest:
+        with contextlib.suppress(OSError):
+            write_hashes(blob, size, hashes)
+    return hashes, whole
 
 
 def hash_whole(blob: Path) -> tuple[list[str], str]:

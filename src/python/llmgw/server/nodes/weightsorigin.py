@@ -38,12 +38,10 @@ from llmgw.weightpieces import (
     Offer,
     PieceSender,
     hash_piece,
-    hash_whole,
+    kept_or_hashed,
     piece_count,
-    read_hashes,
     read_range,
     span,
-    write_hashes,
 )
 from llmgw.wire.agent_link import CONTROL_PLANE_PEER
 
@@ -221,11 +219,8 @@ class WeightsOrigin:
 
 def _whole_hashes(blob: Path, size: int, digest: str) -> list[str]:
     """The piece hashes of the verified file: kept beside it, or computed (and checked) once."""
-    hashes = read_hashes(blob, size)
-    if hashes is None:
-        hashes, whole = hash_whole(blob)
-        if whole != digest:
-            blob.unlink(missing_ok=True)
-            raise DownloadError(f"{blob} changed on disk (sha256 {whole}, not {digest}); it is fetched again")
-        write_hashes(blob, size, hashes)
+    hashes, whole = kept_or_hashed(blob, size, digest)
+    if whole != digest:
+        blob.unlink(missing_ok=True)
+        raise DownloadError(f"{blob} changed on disk (sha256 {whole}, not {digest}); it is fetched again")
     return hashes
