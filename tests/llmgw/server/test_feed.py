@@ -112,7 +112,16 @@ async def test_no_step_of_a_look_looks_at_more_than_a_slice(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     plane = FakePlane(nodes=1000)
-    plane.replicas = {f"r{i:05d}": {"replica": f"r{i:05d}", "model": "m", "state": "ready"} for i in range(2000)}
+    plane.replicas = {
+        f"r{i:05d}": {
+            "replica": f"r{i:05d}",
+            "model": "m",
+            "nodes": [f"n{i % 1000:05d}"],
+            "state": "ready",
+            "detail": "",
+        }
+        for i in range(2000)
+    }
     the_feed = feed.Feed(plane, timer=plane.timer)
     with FeedSteps(lambda: plane.looked) as steps:
         await nursery.start(the_feed.serve)
@@ -258,6 +267,22 @@ class Cluster:
         return nodes, {r["replica"]: r for r in replicas if r["replica"]}, [r for r in replicas if not r["replica"]]
 
 
+DOWNLOADING = "downloading weights: 3 of 12 MiB (25%, 1.5 MiB/s)"  # agent.weights.describe's words
+
+
+def replicas_on_their_way(c: Cluster, node_id: str) -> None:
+    """`node_id`'s two replicas reported on their way: the first downloading, the second starting."""
+    first, second = c.registry.nodes[node_id].replicas
+    c.registry.replicas_changed(
+        node_id,
+        c.conns[node_id],
+        (
+            attrs.evolve(first, state=w.FETCHING, detail=DOWNLOADING, port=0, pid=0),
+            attrs.evolve(second, state=w.STARTING, detail=""),
+        ),
+    )
+
+
 @pytest.mark.trio
 async def test_the_kept_views_are_those_made_afresh_after_every_kind_of_change(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
@@ -312,6 +337,9 @@ async def test_the_kept_views_are_those_made_afresh_after_every_kind_of_change(
             ),
             {n0},
         ),
+        # On their way: each model's progress line (`views.model_views`) names the replica, its
+        # node and what it does, as `ctl models` does; the look that makes it must not fail.
+        ("a download, a start", lambda: replicas_on_their_way(c, n1), {n1}),
         ("a reload", reload_without_vllm, {n0, n1, n2, n3}),  # every node's eligibility
         (
             "a node's fabrics",
@@ -340,6 +368,11 @@ async def test_the_kept_views_are_those_made_afresh_after_every_kind_of_change(
         assert page.nodes == nodes, what
         assert page.replicas == replicas and page.pending == pending, what
         assert page.whole["models"] == c.views.model_views(), what
+        if what == "a download, a start":  # the lines are there (the equality above is not of two empties)
+            assert {m["model"]: m["progress"] for m in page.whole["models"]} == {
+                "m0": [f"{n1}-m0 on {n1}: {DOWNLOADING}"],
+                "m1": [f"{n1}-m1 on {n1}: starting"],
+            }
         fabrics = c.views.fabric_map()
         assert page.whole["notes"] == list(fabrics.notes), what
         assert page.whole["fabrics"] == [
