@@ -1,6 +1,7 @@
 """One HTTP exchange over a memory stream pair, served by llmgw's own HTTP server
 (`llmgw.http.server.serve_connection`) exactly as on a socket: the request's bytes in, the answer
-parsed by an h11 client. For handlers tested without sockets (the agent port's routes)."""
+parsed by an h11 client. For handlers tested without sockets (the agent port's routes); and
+`parse_answer`, for what a server sent on a real connection."""
 
 from __future__ import annotations
 
@@ -48,23 +49,29 @@ async def converse(
         if eof:
             await client.send_eof()
         await serve(server)
+    return parse_answer(bytes(raw), head=request.startswith(b"HEAD "))
+
+
+def parse_answer(raw: bytes, *, head: bool = False) -> Answered:
+    """Every byte a server sent on one connection, parsed by an h11 client as the answer to a
+    GET (`head`: to a HEAD, without a body); status 0 when there was no whole answer."""
     conn = h11.Connection(h11.CLIENT)
-    method = b"HEAD" if request.startswith(b"HEAD ") else b"GET"  # how to read the answer: with a body or not
+    method = b"HEAD" if head else b"GET"  # how to read the answer: with a body or not
     conn.send(h11.Request(method=method, target=b"/", headers=[(b"host", b"test")]))
     conn.send(h11.EndOfMessage())
-    conn.receive_data(bytes(raw))
+    conn.receive_data(raw)
     conn.receive_data(b"")
     status, headers, body = 0, {}, b""
     while True:
         try:
             event = conn.next_event()
         except h11.RemoteProtocolError:
-            return Answered(status=0, headers={}, body=b"", raw=bytes(raw))
+            return Answered(status=0, headers={}, body=b"", raw=raw)
         if isinstance(event, h11.Response):
             status, headers = event.status_code, dict(event.headers)
         elif isinstance(event, h11.Data):
             body += event.data
         elif isinstance(event, h11.EndOfMessage):
-            return Answered(status=status, headers=headers, body=body, raw=bytes(raw))
+            return Answered(status=status, headers=headers, body=body, raw=raw)
         else:  # closed with no whole answer
-            return Answered(status=0, headers={}, body=b"", raw=bytes(raw))
+            return Answered(status=0, headers={}, body=b"", raw=raw)
