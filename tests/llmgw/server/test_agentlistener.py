@@ -480,3 +480,36 @@ async def test_a_control_plane_that_is_not_the_origin_says_so_to_a_node_only(
         answered = await s.get(target, None)
         assert answered.status == 403 and answered.body == NO_CERTIFICATE_CLIENT.encode() + b"\n", answered
     s.quiet()
+
+
+async def test_a_file_the_catalog_drops_is_served_no_more_and_deleted(tmp_path: Path, nursery: trio.Nursery) -> None:
+    s = await seeding(tmp_path, nursery)
+    assert s.origin is not None
+    # The origin's serve loop reads the catalog first thing in each pass: its second read after
+    # a wake-up is the end of the pass that read it first. Each odd read runs the next pass at
+    # once (not PASS_S later).
+    catalog, reads, read = s.origin.catalog, [0], {2: trio.Event(), 4: trio.Event()}
+
+    def counted() -> dict[str, FileSource]:
+        reads[0] += 1
+        if reads[0] % 2:
+            s.origin.wake.fire()
+        if reads[0] in read:
+            read[reads[0]].set()
+        return catalog()
+
+    s.origin.catalog = counted
+    await nursery.start(s.origin.serve)
+    with trio.fail_after(10):
+        await read[2].wait()
+    await s.still_serves()  # named: kept and served
+    assert (s.origin.directory / HELD_SHA / "held.gguf").read_bytes() == HELD
+    s.catalog.clear()  # a reload took its model out
+    s.origin.wake.fire()
+    with trio.fail_after(10):
+        await read[4].wait()
+    for target in (pieces(), w.WEIGHTS_PREFIX + HELD_SHA):
+        answered = await s.get(target, s.node, f"range: {PIECE_1}")
+        assert answered.status == 404 and answered.body == b"this control plane holds no such file\n", answered
+    assert not (s.origin.directory / HELD_SHA).exists()
+    assert not s.origin.want(HELD_SHA, now=1.0)  # the tracker names it no more either

@@ -15,8 +15,8 @@ whole file is verified before it takes its name; one that does not verify is dis
 `fetch` and the nodes, whose own whole-file check fails too, fetch it again.
 
 A file is fetched while a node asked for it within `WANTED_S`; a failed download is tried again
-every `RETRY_S` meanwhile. Files the catalog no longer names are deleted (`collect`, at each
-pass of `serve`).
+every `RETRY_S` meanwhile. Files the catalog no longer names are no longer served or fetched
+(`forget`; a download under way ends first) and are deleted (`collect`), at each pass of `serve`.
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ class WeightsOrigin:
         async with trio.open_nursery() as nursery:
             while True:
                 woken = self.wake.next()  # before looking: a want meanwhile is not lost
+                named = set(self.catalog())
+                self.forget(named)
                 now = trio.current_time()
                 for digest, entry in list(self.files.items()):
                     idle = now - entry.wanted_at > WANTED_S
@@ -147,9 +149,18 @@ class WeightsOrigin:
                         continue
                     entry.running = True
                     nursery.start_soon(self._fetch, digest, entry)
-                await trio.to_thread.run_sync(self.collect, set(self.catalog()))
+                await trio.to_thread.run_sync(self.collect, named)
                 with trio.move_on_after(PASS_S):
                     await woken.wait()
+
+    def forget(self, named: set[str]) -> None:
+        """Serve and fetch no more the files the catalog no longer names (`named`: those it does),
+        held whole or in part; a download under way ends first. `collect` then deletes them: kept
+        here, a file the catalog dropped would be served, named to nodes and kept on disk until a
+        restart."""
+        for digest, entry in list(self.files.items()):
+            if digest not in named and not entry.running:
+                del self.files[digest]
 
     async def _fetch(self, digest: str, entry: _Fetch) -> None:
         source = entry.source
