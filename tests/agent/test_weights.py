@@ -1,5 +1,6 @@
 """Weights on a node: downloaded once per node from a real HTTP server on loopback, verified,
-shared by replicas; names from the control plane never leave the weights directory."""
+shared by replicas; names from the control plane never leave the weights directory; a download's
+progress in the words a replica's status carries to `ctl models`, `ctl replicas` and the page."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import trio
 
 from agent.replica_supervisor import Supervisor
-from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, file_name_of, target_of
-from llmgw.download import DownloadError
+from agent.weights import BadWeightsSource, WeightsMissing, WeightsStore, describe, file_name_of, target_of
+from llmgw.download import DownloadError, Progress
 from llmgw.log import EventFormatter
 from llmgw.selfexec import llmgw_command
 from llmgw.wire import agent_link as w
@@ -87,6 +88,31 @@ async def test_a_path_source_must_exist(tmp_path: Path) -> None:
     with pytest.raises(WeightsMissing) as info:
         await store.prepare(w.WeightsSource(path=str(tmp_path / "nope")))
     assert "does not exist on this node" in str(info.value)
+
+
+# -- progress in words -----------------------------------------------------------------------
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("done", "total", "rate", "words"),
+    [
+        (3 * MIB, 12 * MIB, 1.5 * MIB, "downloading weights: 3 of 12 MiB (25%, 1.5 MiB/s)"),
+        (3 * MIB, 12 * MIB, None, "downloading weights: 3 of 12 MiB (25%)"),  # the first look: no rate yet
+        (3 * MIB, 12 * MIB, 0.0, "downloading weights: 3 of 12 MiB (25%, 0.0 MiB/s)"),  # stalled
+        (3 * MIB, 12 * MIB, -2.0 * MIB, "downloading weights: 3 of 12 MiB (25%)"),  # went back (a piece dropped)
+        (12 * MIB - 1, 12 * MIB, None, "downloading weights: 12 of 12 MiB (99%)"),  # 100% only once whole
+        (2560 * MIB, 8192 * MIB, 112.4 * MIB, "downloading weights: 2560 of 8192 MiB (31%, 112.4 MiB/s)"),
+        (3 * MIB, None, 1.5 * MIB, "downloading weights: 3 MiB (1.5 MiB/s)"),  # a size not known
+        (3 * MIB, None, None, "downloading weights: 3 MiB"),
+        (3 * MIB, 0, None, "downloading weights: 3 MiB"),  # 0: not known either
+    ],
+)
+def test_a_download_is_described_in_mib_with_its_share_and_rate(
+    done: int, total: int | None, rate: float | None, words: str
+) -> None:
+    assert describe(Progress(url="https://h/m.gguf", done_bytes=done, total_bytes=total), rate) == words
 
 
 # -- downloads -------------------------------------------------------------------------------

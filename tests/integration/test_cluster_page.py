@@ -8,7 +8,10 @@ context (its own cookies). In order, because each builds on what the one before 
    and 390x844 go to the test report directory (printed), and basic accessibility holds;
 2. a session from `llmgw ctl page --actions` drains a node with the keyboard alone, and the
    drain arrives in the open page without a reload; the log names the session, not a secret;
-3. a fourth node declaring `ib-a` but seeing another subnet manager makes the page say the
+3. a model added to the catalog whose file stalls part-way on its way from the Hub (testlib.hubserver
+   on loopback, a stall fault) shows its download, bytes and rate, on the open page, in
+   `llmgw ctl models` and in `llmgw ctl replicas`; released, it is ready and the line is gone;
+4. a fourth node declaring `ib-a` but seeing another subnet manager makes the page say the
    name covers two fabrics, while open (the live feed), and `ctl nodes` says it too.
 
 No test may leave an error in the browser's console.
@@ -16,7 +19,10 @@ No test may leave an error in the browser's console.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,8 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomli_w
+import tomllib
+import trio
 
 from llmgw import paths
+from llmgw.ctl.client import AdminClient
+from llmgw.ctl.page import page_url
 from llmgw.pki.files import issue_to_dir, load_ca, node_paths
 from testlib.browser import (  # noqa: F401 - chromium: a fixture
     Chromium,
@@ -39,6 +50,8 @@ from testlib.browser import (  # noqa: F401 - chromium: a fixture
 )
 from testlib.cluster import free_port, wait_until
 from testlib.hardware import ib_root, sminfo
+from testlib.hubrepo import HubRepo
+from testlib.hubserver import HubServer
 from testlib.marked import MARKER_ENV, kill_groups, marked_pids
 from testlib.proc import Proc, llmgw_env, run_llmgw
 from testlib.waiting import await_true
@@ -49,6 +62,10 @@ NODES = ("local-1", "local-2", "local-3")
 ODD = "odd-1"  # declares ib-a, sees the recorded one-fabric's subnet manager: another fabric
 ODD_IDENTITY = "ib-sm:0x0002c90300a1b2c3"
 LIVE_S = 30.0  # a change reaching the open page: placement, engines and the feed on a loaded machine
+MIB = 1 << 20
+ADDED = "being-added"  # the model whose download stalls
+ADDED_SIZE = 8 * MIB  # 8 pieces of 1 MiB (agent.pieces)
+STALL_AT = 3 * MIB + MIB // 4  # the Hub stops sending here: 3 whole pieces in, "3 of 8 MiB (37%"
 
 
 class Up:
@@ -243,6 +260,94 @@ async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a
     assert [(c["by"], c["status"]) for c in calls] == [(session_id, 202)]
     assert "code=" not in up.log.read_text()
     up.ctl("uncordon", node)
+
+
+async def test_a_stalled_download_shows_on_the_page_in_ctl_models_and_ctl_replicas(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
+    content = os.urandom(ADDED_SIZE)
+    path = f"{ADDED}.gguf"
+    server_toml = up.state / "server.toml"
+    before = server_toml.read_text()
+    # The admin API in this process (a `llmgw ctl` process costs ~0.6 s); the commands whose text
+    # is checked, `ctl models` and `ctl replicas`, run as themselves.
+    admin = AdminClient.locate(server=None, credential=None, state_dir=str(up.state))
+
+    def ctl(*args: str) -> str:
+        return run_llmgw("ctl", *args, "--state-dir", str(up.state), timeout=60).stdout
+
+    with HubServer([HubRepo(f"llmgw-tests/{ADDED}", {path: content})]) as hub:
+        stall = hub.faults.stall(path, after=STALL_AT)
+        try:
+            async with open_tab(chromium) as tab:
+                await tab.goto(page_url(admin, actions=False)["url"])
+                await tab.wait_for("document.getElementById('model-sim-small')")
+                # Added to the catalog as server.toml adds one (`ctl models add --hf` takes GGUF for
+                # llama.cpp only, and this cluster runs sims): one replica, its file on the Hub.
+                doc = tomllib.loads(before)
+                doc["models"].append(
+                    {
+                        "name": ADDED,
+                        "engine": "sim",
+                        "replicas": 1,
+                        "source": {
+                            "url": f"{hub.url}/llmgw-tests/{ADDED}/resolve/main/{path}",
+                            "sha256": hashlib.sha256(content).hexdigest(),
+                            "size": ADDED_SIZE,
+                        },
+                    }
+                )
+                server_toml.write_text(tomli_w.dumps(doc))
+                admin.request("POST", "/admin/v1/reload")
+                # The one node fetching it (its origin: no other node wants it) stopped 3 pieces in;
+                # its report (every 2 s while it downloads) reaches the control plane.
+                await trio.to_thread.run_sync(stall.wait_reached)
+                row = await await_true(
+                    lambda: next(
+                        (
+                            r
+                            for r in admin.request("GET", "/admin/v1/replicas")["replicas"]
+                            if r["model"] == ADDED and "3 of 8 MiB" in r["detail"]
+                        ),
+                        None,
+                    ),
+                    f"the admin API to show {ADDED}'s replica 3 MiB into its download",
+                    timeout=LIVE_S,
+                    poll_s=0.2,
+                )
+                replica, node = row["replica"], row["nodes"][0]
+                assert row["state"] == "fetching", row
+                words = r"downloading weights: 3 of 8 MiB \(37%(, \d+\.\d MiB/s)?\)"  # the rate from the 2nd report
+                assert re.fullmatch(words, row["detail"]), row
+                # `llmgw ctl models`: the line under the table, as `ctl replicas` shows the row.
+                models = await trio.to_thread.run_sync(ctl, "models")
+                [line] = [line for line in models.splitlines() if line.startswith(f"  {ADDED}: ")]
+                assert re.fullmatch(rf"  {ADDED}: {replica} on {node}: {words}", line), models
+                assert re.search(rf"^{ADDED}\s+sim\s+0/1\s", models, flags=re.M), models
+                replicas = await trio.to_thread.run_sync(ctl, "replicas")
+                [shown] = [r for r in replicas.splitlines() if f" {ADDED} " in r]
+                assert re.fullmatch(rf"{replica}\s+{ADDED}\s+{node}\s+fetching\s+-\s+0\s+{words}", shown), replicas
+                # The open page, live: the line under the model's heading.
+                progress = f"document.querySelector('[data-progress=\"{ADDED}\"]')"
+                text = await tab.wait_for(f"{progress}?.textContent.includes('3 of 8 MiB') && {progress}.textContent")
+                assert re.fullmatch(rf"{replica} on {node}: {words}", text), text
+
+                stall.release()
+                await tab.wait_for(
+                    f"!{progress} && document.getElementById('model-{ADDED}').textContent.includes('1 of 1 ready')",
+                    LIVE_S,
+                )
+                no_console_errors(tab)
+            # Ready on the page, so in the control plane: its line gone from `ctl models`.
+            models = ctl("models")
+            assert re.search(rf"^{ADDED}\s+sim\s+1/1\s", models, flags=re.M), models
+            assert f"  {ADDED}:" not in models, models
+            [row] = [r for r in admin.request("GET", "/admin/v1/replicas")["replicas"] if r["model"] == ADDED]
+            assert (row["replica"], row["state"], row["detail"]) == (replica, "ready", ""), row
+            sent = hub.log.bytes_sent(path)
+            assert sent == ADDED_SIZE, f"the Hub sent {sent} bytes of {ADDED_SIZE}: the stalled request went on"
+        finally:
+            stall.release()
+            server_toml.write_text(before)
+            admin.request("POST", "/admin/v1/reload")
 
 
 async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_page(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
