@@ -56,8 +56,15 @@ WAKEUPS: dict[str, str] = {
     "one of its downloads ended -> its serve loop starts what is wanted",
     # The gateway (llmgw.gateway).
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
-    "go of its replica, a probe reached a down replica) -> queued requests pick again; a move waiting for the "
-    "original's requests (`quiesce`) looks again",
+    "go of its replica, a probe reached a down replica) -> a move waiting for the original's requests "
+    "(`quiesce`) looks again",
+    "llmgw.gateway.queues.ModelQueue.freed": "a replica of the model may have become free (a request of it let go "
+    "of its replica, a probe reached one) or the rotation changed -> the requests queued for that model pick "
+    "again, and look whether the control plane says it is unservable now (`Gateway._wait_for_endpoint`)",
+    "llmgw.gateway.app.Gateway.cold": "a request began to wait for a model with no replica in rotation (one on "
+    "demand, scaled to zero), the first of its queue -> a gateway process's link sends a heartbeat at once with "
+    "the models' load (`gatewayd/link.py`), and the control plane's autoscaler looks (the gateway on its own "
+    "loop), so that a replica starts without waiting for the next interval",
     "llmgw.gateway.app.Gateway.applied": "the gateway routes by a new rotation -> a gateway process's link "
     "sends a heartbeat at once, saying the rotation's version (`gatewayd/link.py`), so that a move waiting for "
     "the gateways (`GatewayFeed.quiesce`) learns it without waiting for the next interval; the KV-cache events "

@@ -13,20 +13,27 @@ buffered). Then the body is parsed only to read "model" and "stream" (400 naming
 `gateway/fields.py`, in a worker process for a large body), and the model is checked as soon as
 it is known (`gateway/checks.py`: 403 for a key that may not use it, 404 for an unknown one or
 one whose engine does not serve the route). A replica is picked by `Router`; with none free the
-request waits in a bounded queue until one is, or 503 with Retry-After at the deadline — but
-only while one can come: a model the control plane says no replica of can become ready now
-(`ModelInfo.unservable`) is a 503 at once, with `x-should-retry: false` so that OpenAI's SDK
-does not retry it. The request goes out with the replica's own engine key. An attempt that
-fails while nothing has gone to the client yet (no connection within the connect timeout,
-refused or reset, no response head within the first-byte timeout and no answer to a probe, a
-502/503, a body read whole that broke off) takes the replica out of rotation and sends the
-request to another, at most `max_attempts` times in all; a stream that breaks once relayed takes
-the replica out too, but is not retried. A replica out of rotation returns when a probe reaches
-it (`gateway/probes.py`). The answer is relayed as it comes (`gateway/job.py`): a body with a
-length is read whole (bounded), anything else (SSE) is passed on chunk by chunk without being
-parsed; a client that goes away closes the upstream connection, which cancels the work on the
-engine. The services beside the handler (the rotation, the prober, the caches' reports and
-events) are started by `gateway/services.py`.
+request waits in its model's queue (`gateway/queues.py`) until one is, or 503 with Retry-After at
+the deadline — but only while one can come: a model the control plane says no replica of can
+become ready now (`ModelInfo.unservable`) is a 503 at once, with `x-should-retry: false` so that
+OpenAI's SDK does not retry it, and so are the requests waiting for it when the control plane
+says so. How many may wait and for how long is the model's own (`ModelInfo.max_queue`,
+`queue_timeout_s`) or else the gateway's (`[gateway] max_queue`, for all such models together,
+and `queue_timeout_s`); past the bound, 503 at once. A model with no replica at all (one on
+demand, scaled to zero) is started by the control plane from what the gateways report
+(`model_loads`): the first request that waits for it is reported at once (`cold`).
+
+The request goes out with the replica's own engine key. An attempt that fails while nothing has
+gone to the client yet (no connection within the connect timeout, refused or reset, no response
+head within the first-byte timeout and no answer to a probe, a 502/503, a body read whole that
+broke off) takes the replica out of rotation and sends the request to another, at most
+`max_attempts` times in all; a stream that breaks once relayed takes the replica out too, but is
+not retried. A replica out of rotation returns when a probe reaches it (`gateway/probes.py`). The
+answer is relayed as it comes (`gateway/job.py`): a body with a length is read whole (bounded),
+anything else (SSE) is passed on chunk by chunk without being parsed; a client that goes away
+closes the upstream connection, which cancels the work on the engine. The services beside the
+handler (the rotation, the prober, the caches' reports and events) are started by
+`gateway/services.py`.
 
 Each response carries `x-request-id` (the caller's own when it sent a usable one; passed to the
 engine and logged with the request's warnings), and a forwarded one `x-llmgw-replica` and
@@ -67,6 +74,7 @@ from llmgw.gateway.job import Job, stream
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.prefix import Prompt
+from llmgw.gateway.queues import Queues
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.http.errors import HTTPError
@@ -74,7 +82,7 @@ from llmgw.http.jsonworkers import JsonWorkers, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
-from llmgw.wire.gateway_link import OPENAI_ROUTES, ModelInfo
+from llmgw.wire.gateway_link import OPENAI_ROUTES, ModelInfo, ModelLoad
 
 log = get_logger("llmgw.gateway")
 
@@ -143,15 +151,17 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.rotation_version = 0  # of the rotation routed by now (`Rotation.version`)
         self.details: dict[str, ModelInfo] = {}  # of the models in rotation, as the provider says them
-        self.queued: dict[str, int] = {}
-        self.in_flight: dict[str, int] = {}
+        self.queues = Queues()  # the requests waiting for a replica, per model
+        self.in_flight: dict[str, int] = {}  # per model, from its `Job` to its end: the queued ones too
         self.in_flight_total = 0  # the sum of `in_flight`, kept so that a request's end need not add it up
+        self.taken: dict[str, int] = {}  # per model, the requests taken since the start (`Job`)
         self.draining = False
         self.refusing = False
-        self.freed = Wakeup()  # a replica may have become free (`wake`)
+        self.freed = Wakeup()  # a replica may have become free (`wake`); each model's waiters have their own
         self.went_down = Wakeup()  # a replica left rotation: the prober looks again (`gateway/probes.py`)
         self.finished = Wakeup()  # the last request in flight finished
         self.applied = Wakeup()  # a new rotation is routed by (`rotation_version`)
+        self.cold = Wakeup()  # a request began to wait for a model with no replica in rotation (`model_loads`)
 
     # -- rotation -------------------------------------------------------------------------
 
@@ -185,10 +195,46 @@ class Gateway:
             self.pool.close_idle(host, port)
         self.wake()
 
-    def wake(self) -> None:
+    def wake(self, model: str | None = None) -> None:
         """A replica may have become free: a request let go of it, the rotation changed, a probe
-        reached it. Queued requests pick again, and `quiesce` looks again."""
+        reached it. The requests queued for its `model` (None: for any) pick again, and `quiesce`
+        looks again."""
         self.freed.fire()
+        if model is None:
+            self.queues.wake_all()
+        else:
+            self.queues.wake(model)
+
+    def at_once(self) -> tuple[trio.Event, trio.Event]:
+        """Events set when what a heartbeat says should reach the control plane at once: the
+        gateway routes by a new rotation (its version: a move waits for it), or a request began to
+        wait for a model with no replica (the models' load: the control plane starts one)."""
+        return self.applied.next(), self.cold.next()
+
+    @property
+    def queued(self) -> dict[str, int]:
+        """Requests waiting for a replica now, per model."""
+        return self.queues.queued
+
+    def model_loads(self) -> tuple[ModelLoad, ...]:
+        """Each model's requests, by name, as the heartbeats say them (`GatewayWorker.load`): waiting
+        now, in flight now (taken and not waiting: on a replica, or between two attempts), taken
+        since the start, and how long the oldest waiting has. The models a request was ever taken
+        for; O(models)."""
+        now = self.clock()
+        loads = []
+        for model, taken in sorted(self.taken.items()):
+            queued = self.queues.queued.get(model, 0)
+            loads.append(
+                ModelLoad(
+                    model=model,
+                    queued=queued,
+                    in_flight=self.in_flight.get(model, 0) - queued,
+                    requests_total=taken,
+                    oldest_wait_s=round(self.queues.oldest_wait(model, now), 3),
+                )
+            )
+        return tuple(loads)
 
     # -- down replicas --------------------------------------------------------------------
 
@@ -329,25 +375,18 @@ class Gateway:
             raise counted(self.metrics, "-", exc) from None
 
     async def _attempts(self, request: Request, job: Job, prompt: Prompt | None) -> Response | StreamingResponse:
-        deadline = job.started + self.options.queue_timeout_s
+        info = self.details.get(job.model)
+        timeout_s = info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
+        deadline = job.started + timeout_s
         tried: set[str] = set()
         last = last_reason = ""
         for attempt in range(self.options.max_attempts):
-            if not attempt and (refused := unservable(self.details, self.router.endpoints, job.model)) is not None:
-                raise counted(self.metrics, job.model, refused)
             ep, job.route = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
             if ep is None:
-                if not last and (refused := unservable(self.details, self.router.endpoints, job.model)) is not None:
-                    raise counted(self.metrics, job.model, refused)  # became so while it waited
                 if last:
                     why, code = f"no replica of {job.model!r} could answer: {last}", "overloaded"
-                elif sum(self.queued.values()) >= self.options.max_queue:
-                    why, code = f"the queue is full ({self.options.max_queue} requests)", "overloaded"
                 else:
-                    why, code = (
-                        f"no ready replica of {job.model!r} within {self.options.queue_timeout_s:g} s",
-                        "model_not_ready",
-                    )
+                    why, code = f"no ready replica of {job.model!r} within {timeout_s:g} s", "model_not_ready"
                 raise counted(self.metrics, job.model, unavailable(why + "; try again later", code))
             if attempt:
                 self.metrics.retries.inc(model=job.model, reason=last_reason)
@@ -382,7 +421,7 @@ class Gateway:
             job.endpoint = None
             self.replica_failed(ep, last_reason, client_saw_bytes=False)  # a retry, by the rule
             tried.add(ep.replica_id)
-            self.wake()
+            self.wake(job.model)
         raise counted(
             self.metrics,
             job.model,
@@ -392,25 +431,43 @@ class Gateway:
     async def _wait_for_endpoint(
         self, model: str, tried: set[str], prompt: Prompt | None, deadline: float
     ) -> tuple[Endpoint | None, Route]:
+        """A replica for the next attempt, at once or once one is free; None: none by `deadline`.
+        503 at once (raised, counted) while the model is unservable, when it becomes so while the
+        request waits, and when its queue is full."""
         ep, route = self.router.route(model, exclude=tried, prompt=prompt)
         if ep is not None:
             return ep, route
-        if sum(self.queued.values()) >= self.options.max_queue:
-            return None, route
-        self.queued[model] = self.queued.get(model, 0) + 1
+        self._refuse_if_unservable(model)
+        info = self.details.get(model)
+        own = info.max_queue if info is not None else 0
+        if own and self.queues.queued.get(model, 0) >= own:
+            why = f"the queue of {model!r} is full ({own} requests)"
+            raise counted(self.metrics, model, unavailable(why + "; try again later", "overloaded"))
+        if not own and self.queues.shared >= self.options.max_queue:
+            why = f"the queue is full ({self.options.max_queue} requests)"
+            raise counted(self.metrics, model, unavailable(why + "; try again later", "overloaded"))
+        ticket = self.queues.enter(model, self.clock(), shared=not own)
+        if self.queues.queued[model] == 1 and not self.router.endpoints.get(model):
+            self.cold.fire()  # the first to wait for a model with no replica: the control plane starts one
         try:
             with trio.move_on_at(deadline):
                 while True:
-                    # Every change that can free a replica wakes us: a rotation update, a request
-                    # finished, a probe that reached a down replica.
-                    freed = self.freed.next()
+                    # Every change that can free a replica of it wakes us: a rotation update (which
+                    # may also say it is unservable now), a request of it finished, a probe that
+                    # reached a down replica.
+                    freed = ticket.queue.freed.next()
                     ep, route = self.router.route(model, exclude=tried, prompt=prompt)
                     if ep is not None:
                         return ep, route
+                    self._refuse_if_unservable(model)
                     await freed.wait()
         finally:
-            self.queued[model] -= 1
+            self.queues.leave(ticket)
         return None, route
+
+    def _refuse_if_unservable(self, model: str) -> None:
+        if (refused := unservable(self.details, self.router.endpoints, model)) is not None:
+            raise counted(self.metrics, model, refused)
 
     async def _relay(self, upstream: UpstreamResponse, job: Job) -> Response | StreamingResponse:
         ep = job.endpoint

@@ -1,12 +1,13 @@
 """One forwarded request's accounting (`Job`) and the relay of a streamed answer (`stream`).
 
-A `Job` is made once a request is admitted (its key counted against its limits, its model known)
-and counts it in flight on its model until `finish`, which runs once however the request ends:
-answered, refused on the way, broken off by its replica, or abandoned by its client (499, as
-nginx logs it). While it holds a replica (`endpoint`) that replica counts it outstanding, and
-the part of its prompt new to that replica (`prefill`) counts as work ahead of others there
-until the engine's answer begins (`answering`). Its end lets go of all of it and wakes what
-waits for a replica (`Gateway.wake`) and for the last request in flight (`Gateway.finished`).
+A `Job` is made once a request is admitted (its key counted against its limits, its model known):
+it counts the request as taken for its model (`Gateway.taken`, what the control plane scales by;
+those refused later too) and in flight on its model until `finish`, which runs once however the
+request ends: answered, refused on the way, broken off by its replica, or abandoned by its client
+(499, as nginx logs it). While it holds a replica (`endpoint`) that replica counts it outstanding,
+and the part of its prompt new to that replica (`prefill`) counts as work ahead of others there
+until the engine's answer begins (`answering`). Its end lets go of all of it and wakes what waits
+for a replica of its model (`Gateway.wake`) and for the last request in flight (`Gateway.finished`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Job:
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
         gw.in_flight_total += 1
+        gw.taken[model] = gw.taken.get(model, 0) + 1
 
     def answering(self) -> None:
         """The engine began its answer (a buffered one read, a stream's first chunk): the prompt
@@ -88,7 +90,7 @@ class Job:
         if self.endpoint is not None:
             gw.router.release(self.endpoint, self.prefill)
             self.prefill = 0
-            gw.wake()
+            gw.wake(self.model)
         if status is not None:
             gw.metrics.answered(self.model, status)
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)

@@ -55,6 +55,6 @@ async def _probe(gw: Gateway, ep: Endpoint) -> None:
     if gw.router.probed(ep, started, reached=why is None):
         assert down is not None
         log.info("gateway_replica_back", replica=ep.replica_id, model=ep.model, down_s=round(started - down.since, 3))
-        gw.wake()
+        gw.wake(ep.model)
     elif why is not None:
         log.debug("gateway_probe_failed", replica=ep.replica_id, model=ep.model, reason=why)
