@@ -13,6 +13,8 @@ anywhere is named in `WAKEUPS`, and a `trio.Event()` is made only where `ONE_SHO
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import trio
 
 
@@ -31,6 +33,24 @@ class Wakeup:
     async def wait(self) -> None:
         """Until the next `fire()`: for a waiter that has nothing to look at first."""
         await self._event.wait()
+
+
+async def any_of(events: Sequence[trio.Event]) -> None:
+    """Until one of `events` is set (a waiter of several `Wakeup`s takes each one's `next()` first);
+    none: forever."""
+    if not events:
+        await trio.sleep_forever()
+    if len(events) == 1:
+        await events[0].wait()
+        return
+
+    async def one(event: trio.Event, done: trio.CancelScope) -> None:
+        await event.wait()
+        done.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            nursery.start_soon(one, event, nursery.cancel_scope)
 
 
 # Each wake-up by where it lives (module.Class.attribute): what fires it, and who waits on it.

@@ -23,7 +23,7 @@ from llmgw.http.openai import error_body
 from llmgw.http.relay import Relay
 from llmgw.http.server import serve_connection
 from llmgw.http.unixsocket import serve_http_unix
-from llmgw.wire.gateway_link import KeysChanged, ReplicaLoad, RotationChanged, ShareChanged
+from llmgw.wire.gateway_link import KeysChanged, ModelLoad, ReplicaLoad, RotationChanged, ShareChanged
 from testlib import memnet
 from testlib.gateway import chat, parse_metrics
 from testlib.gatewaytable import TOKEN, key, route, token_of
@@ -189,7 +189,7 @@ async def test_cut_off_it_takes_a_dead_replica_out_and_probes_it_back(
     assert (await w.health())[1]["ready"] == {"chat": 2}
 
 
-async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_replica_and_its_metrics(
+async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_replica_and_model_and_its_metrics(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     _, sims, w = await started(nursery, 1, output_token_ms=1000)
@@ -198,14 +198,16 @@ async def test_its_heartbeat_says_the_versions_it_holds_its_requests_on_each_rep
     w.feed(sims, version=3)
     await applied.wait()  # the gateway routes by it: what sends a heartbeat at once
     beat = w.worker.load()
-    assert (beat.rotation_version, beat.keys_version, beat.outstanding) == (3, 3, ())
+    assert (beat.rotation_version, beat.keys_version, beat.outstanding, beat.models) == (3, 3, (), ())
     async with trio.open_nursery() as calls:
         calls.start_soon(w.call, "POST", "/v1/chat/completions", chat(max_tokens=3))
         await trio.sleep(1.5)  # its tokens come a second apart
         assert w.worker.load().outstanding == (ReplicaLoad(replica_id="chat-0", outstanding=1),)
         assert w.worker.load().in_flight == 1
+        assert w.worker.load().models == (ModelLoad(model="chat", in_flight=1, requests_total=1),)
     beat = w.worker.load()
     assert beat.outstanding == () and beat.requests_total == 1
+    assert beat.models == (ModelLoad(model="chat", requests_total=1),)  # each model's, by name
     families = {f.name: f for f in beat.metrics}
     # Everything its own /metrics has, family by family.
     assert [f.name for f in beat.metrics] == [

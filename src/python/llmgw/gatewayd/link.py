@@ -6,9 +6,9 @@ the WebSocket upgrade naming the gateway and this process: `GATEWAY_NAME_HEADER`
 to the leader and dials again a control plane that falls silent for SILENT_HEARTBEATS of its
 heartbeats (a half-open connection, a control plane that stopped); every rule of the link is
 `llmgw.wire.gateway_session.GatewaySession`'s. This module is what a gateway does with it: its
-hello, its heartbeats (with its load, and at once when it routes by a new rotation or holds new
-keys), and what the control plane says handed to a `TableSink` (`llmgw.wire.gateway_link`):
-each part of the table as it arrives, `heard` on every frame taken, `link_state(True, "")` once
+hello, its heartbeats (with its load, and at once when it routes by a new rotation, holds new
+keys or begins to hold a request for a model with no replica), and what the control plane says
+handed to a `TableSink` (`llmgw.wire.gateway_link`): each part of the table as it arrives, `heard` on every frame taken, `link_state(True, "")` once
 welcomed and `link_state(False, why)` after every session or attempt that ended (so while the
 control plane is away it is said again at each attempt, with the latest reason). The sink keeps
 the table while the link is down; nothing here forgets it.
@@ -43,6 +43,7 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import cert_info
 from llmgw.pki.files import gateway_paths, load_cert
 from llmgw.pki.tls import gateway_ssl_context
+from llmgw.wakeup import any_of
 from llmgw.wire import gateway_link as g
 from llmgw.wire import gateway_session as gs
 
@@ -66,6 +67,8 @@ LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
 # What each heartbeat says (its `seq` is the session's): the worker's load, and its figures
 # (`metrics`) if asked, else None (a heartbeat sent at once leaves them out: `GatewayHeartbeat`).
 Load = Callable[[bool], g.GatewayHeartbeat]
+# Events set when what the load says should reach the control plane at once (`Gateway.at_once`).
+AtOnce = Callable[[], Sequence[trio.Event]]
 
 
 def no_load(metrics: bool) -> g.GatewayHeartbeat:
@@ -107,7 +110,7 @@ class GatewayLink(LinkClient):
         instance: str,
         sink: g.TableSink,
         load: Load = no_load,
-        applied: Callable[[], trio.Event] | None = None,
+        at_once: AtOnce | None = None,
         tls_name: str = "",
         started_at: float | None = None,
         backoff: Backoff = LINK_BACKOFF,
@@ -118,10 +121,11 @@ class GatewayLink(LinkClient):
         """`dial(target)`: how a session's stream is opened (default: TCP and TLS to `target`;
         memory streams in tests); `connect_tcp`: how the default dial opens TCP (tests: one that
         hangs). `tls_name`: the name the control plane's certificate must cover, if not the host
-        dialled (the control plane's own workers dial it on loopback). `applied()`: an event set
-        when the gateway next routes by a new rotation, which sends a heartbeat at once (what
-        `load()` says has changed: the rotation's version). `target`: the control plane, or every
-        one (`Targets`)."""
+        dialled (the control plane's own workers dial it on loopback). `at_once()`: events one of
+        which is set when what `load()` says should reach the control plane at once, which sends
+        a heartbeat then (`Gateway.at_once`: the gateway routes by a new rotation, its version;
+        a request began to wait for a model with no replica, the models' load). `target`: the
+        control plane, or every one (`Targets`)."""
         super().__init__(
             target=target,
             ssl_context=tls,
@@ -132,7 +136,7 @@ class GatewayLink(LinkClient):
             tcp_timeout_s=TCP_CONNECT_TIMEOUT_S,
             tls_name=tls_name,
         )
-        self.applied = applied
+        self.at_once = at_once
         self.name = name
         self.instance = instance
         self.sink = sink
@@ -190,17 +194,18 @@ class GatewayLink(LinkClient):
 
     async def _heartbeats(self, writer: Writer, interval: float) -> None:
         """A heartbeat every `interval`, with the gateway's metrics, and one at once without them
-        when the gateway routes by a new rotation (`applied`) or holds new keys (`_on_event`): a
-        move and a key's change wait for what they say (`llmgw.server.gatewaylinks`)."""
+        when the gateway routes by a new rotation or holds a request for a model with no replica
+        (`at_once`), or holds new keys (`_on_event`): a move and a key's change wait for what they
+        say (`llmgw.server.gatewaylinks`), a model on demand for its first request to be heard of."""
         due = trio.current_time()
         while writer.session.open:
-            applied = self.applied() if self.applied is not None else None  # taken before the load is read
+            events = self.at_once() if self.at_once is not None else ()  # taken before the load is read
             timely = trio.current_time() >= due
             if timely:
                 due = trio.current_time() + interval
             self._beat(writer, metrics=timely)
             with trio.move_on_after(due - trio.current_time()):
-                await (applied.wait() if applied is not None else trio.sleep_forever())
+                await any_of(events)
 
 
 async def serve_gateway_link(
@@ -211,7 +216,7 @@ async def serve_gateway_link(
     instance: str,
     sink: g.TableSink,
     load: Load = no_load,
-    applied: Callable[[], trio.Event] | None = None,
+    at_once: AtOnce | None = None,
     tls_name: str = "",
     started_at: float | None = None,
     task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
@@ -220,10 +225,10 @@ async def serve_gateway_link(
     linked to the control plane at `server_url` (wss://HOST:PORT, its agent_listen; or every control
     plane's, when several share a store, dialled in turn and followed to the leader) as the gateway
     `name` (its certificate's CN; `Credentials.load` gives both it and `tls`), feeding `sink`
-    forever; `load()` says what each heartbeat reports, and one goes at once when `applied()` is
-    set (`GatewayLink`); `tls_name`: the name the control plane's certificate must cover, if not
-    the host of `server_url`. Started at once, with the link (its
-    `state` says whether it is up); never returns."""
+    forever; `load()` says what each heartbeat reports, and one goes at once when one of
+    `at_once()` is set (`GatewayLink`); `tls_name`: the name the control plane's certificate must
+    cover, if not the host of `server_url`. Started at once, with the link (its `state` says
+    whether it is up); never returns."""
     link = GatewayLink(
         target=Targets.parse(server_url),
         tls=tls,
@@ -231,7 +236,7 @@ async def serve_gateway_link(
         instance=instance,
         sink=sink,
         load=load,
-        applied=applied,
+        at_once=at_once,
         tls_name=tls_name,
         started_at=started_at,
     )

@@ -198,7 +198,7 @@ def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source
             name=creds.name,
             instance=instance,
             load=worker.load,
-            applied=worker.gateway.applied.next,
+            at_once=worker.gateway.at_once,
             tls_name=plan.tls_name,
         )
     assert plan.table is not None and plan.table_file is not None

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import trio
 
-from llmgw.gatewayd.link import Load, serve_gateway_link
+from llmgw.gatewayd.link import AtOnce, Load, serve_gateway_link
 from llmgw.gatewayd.tablefile import TableFile, feed
 from llmgw.gatewayd.worker import Source
 from llmgw.wire.gateway_link import TableSink
@@ -33,14 +33,14 @@ def link_source(
     name: str,
     instance: str,
     load: Load,
-    applied: Callable[[], trio.Event] | None = None,
+    at_once: AtOnce | None = None,
     tls_name: str = "",
 ) -> Source:
     """The gateway link to `server_url` (or to every control plane's, in turn), which hands each part of the table to the sink and dials
     again with backoff while the worker serves on from its last table; `load()` is what its
-    heartbeats report (`GatewayWorker.load`), one sent at once when `applied()` is set (the
-    gateway routes by a new rotation); `tls_name`: the name the control plane's
-    certificate must cover, if not the host of `server_url`."""
+    heartbeats report (`GatewayWorker.load`), one sent at once when one of `at_once()` is set
+    (`Gateway.at_once`: a new rotation, a request held for a model with no replica); `tls_name`:
+    the name the control plane's certificate must cover, if not the host of `server_url`."""
     return partial(
         serve_gateway_link,
         server_url,
@@ -48,7 +48,7 @@ def link_source(
         name=name,
         instance=instance,
         load=load,
-        applied=applied,
+        at_once=at_once,
         tls_name=tls_name,
         started_at=time.time(),
     )

@@ -131,17 +131,19 @@ class GatewayWorker:
 
     def load(self, metrics: bool = True) -> g.GatewayHeartbeat:
         """What its link's heartbeats say: requests in flight and answered since it started, the
-        rotation it routes by and the keys it holds, its requests on each replica and, if
-        `metrics`, its /metrics (else None: `GatewayHeartbeat.metrics`)."""
+        rotation it routes by and the keys it holds, its requests on each replica, each model's
+        requests (`Gateway.model_loads`) and, if `metrics`, its /metrics (else None:
+        `GatewayHeartbeat.metrics`)."""
         gateway = self.gateway
         outstanding = sorted((r, n) for r, n in gateway.router.outstanding.items() if n > 0)
         return g.GatewayHeartbeat(
             seq=0,
-            in_flight=sum(gateway.in_flight.values()),
+            in_flight=gateway.in_flight_total,
             requests_total=int(sum(gateway.metrics.requests.values.values())),
             rotation_version=gateway.rotation_version,
             keys_version=self.table.keys_version,
             outstanding=tuple(g.ReplicaLoad(replica_id=r, outstanding=n) for r, n in outstanding),
+            models=gateway.model_loads(),
             metrics=self.metric_families() if metrics else None,
         )
 
