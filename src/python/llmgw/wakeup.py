@@ -63,6 +63,8 @@ WAKEUPS: dict[str, str] = {
     "(`server/gateways/inprocess.py`); the cluster page's feed looks again (`Feed.serve`)",
     "llmgw.server.state.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
     "cluster page's feed looks again; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
+    "llmgw.server.state.autoscale.Autoscaler.stepped": "the autoscaler looked at the gateways' loads once -> "
+    "tests and benches waiting for a decision look again",
     "llmgw.server.state.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
     "replacement to be ready looks again",
     "llmgw.server.admin.page.Page.touched": "an operator's change through the admin API succeeded -> the cluster "

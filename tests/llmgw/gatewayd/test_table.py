@@ -9,7 +9,7 @@ import trio.testing
 
 from llmgw.gateway.keys import token_hash
 from llmgw.gatewayd.table import GatewayTable
-from llmgw.wire.gateway_link import GatewayKey, KeysChanged, RotationChanged, RouteEndpoint, ShareChanged
+from llmgw.wire.gateway_link import GatewayKey, KeysChanged, ModelInfo, RotationChanged, RouteEndpoint, ShareChanged
 
 ROUTE = RouteEndpoint(replica_id="chat-0", model="chat", host="10.0.0.1", port=8000, api_key="engine-key")
 KEY = GatewayKey(name="team-a", token_sha256=token_hash("token-a"), models=("chat",), max_concurrency=4)
@@ -117,6 +117,22 @@ def test_health_is_503_with_no_replica_ready_and_while_draining() -> None:
     assert (status, body["status"]) == (503, "no_ready_replica")
     status, body = table.health(0.0, {"chat": 1}, draining=True)
     assert (status, body["status"]) == (503, "draining")
+
+
+def test_health_is_200_with_no_replica_ready_when_a_model_is_on_demand() -> None:
+    """Its requests are held while a replica starts: a load balancer must keep sending them here."""
+    table = fed(GatewayTable(), now=0.0)
+    table.rotation_changed(
+        RotationChanged(
+            models=("chat", "cold"),
+            endpoints=(),
+            details=(ModelInfo(name="chat"), ModelInfo(name="cold", on_demand=True)),
+        )
+    )
+    status, body = table.health(0.0, {"chat": 0, "cold": 0}, draining=False)
+    assert (status, body["status"]) == (200, "ok")
+    table.rotation_changed(RotationChanged(models=("chat",), endpoints=(), details=(ModelInfo(name="chat"),)))
+    assert table.health(0.0, {"chat": 0}, draining=False)[0] == 503
 
 
 @pytest.mark.trio

@@ -29,7 +29,7 @@ def plainly(nodes: list[NodeView], catalog: list[Model], placed: list[Placement]
         (keep if valid else stop).append(p)
     for name, model in models.items():
         mine = [p for p in keep if p.model == name]
-        for extra in sorted(mine, key=scheduler._slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
+        for extra in sorted(mine, key=scheduler.replica_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
             keep.remove(extra)
             stop.append(extra)
     free = scheduler._Free(
@@ -40,7 +40,7 @@ def plainly(nodes: list[NodeView], catalog: list[Model], placed: list[Placement]
     start, pending = [], []
     for model in catalog:
         have = [p for p in keep if p.model == model.name]
-        used = {scheduler._slot(p) for p in have}
+        used = {scheduler.replica_slot(p) for p in have}
         for _ in range(model.replicas - len(have)):
             slot = next(i for i in range(len(used) + 1) if i not in used)
             candidates, _why = scheduler._candidates(model, nodes, free)

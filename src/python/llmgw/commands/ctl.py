@@ -18,7 +18,7 @@ from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.models import configure_models
 from llmgw.ctl.page import configure_page  # [i17 page hook]
-from llmgw.ctl.tables import format_nodes, state_text, table
+from llmgw.ctl.tables import format_nodes, scale_text, state_text, table
 from llmgw.errors import UsageError
 
 
@@ -114,12 +114,19 @@ def run_nodes(args: argparse.Namespace) -> int:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    replicas = client_from(args).request("GET", "/admin/v1/replicas")["replicas"]
+    client = client_from(args)
+    replicas = client.request("GET", "/admin/v1/replicas")["replicas"]
     if args.json:
         print(json.dumps(replicas, indent=2))
         return 0
+    # Models whose replicas follow the load: their bounds and last decision under the table.
+    scaled = [
+        (m["model"], text) for m in client.request("GET", "/admin/v1/models")["models"] if (text := scale_text(m))
+    ]
     if not replicas:
-        print("no replicas: the catalog ([[models]] in server.toml) is empty")
+        print("no replicas: the catalog ([[models]] in server.toml) is empty" if not scaled else "no replicas")
+        for name, text in scaled:
+            print(f"  {name}: {text}")
         return 0
     rows = [("REPLICA", "MODEL", "NODES", "STATE", "PORT", "RESTARTS", "DETAIL")]
     for r in replicas:
@@ -138,6 +145,8 @@ def run_replicas(args: argparse.Namespace) -> int:
                 )
             )
     print(table(rows))
+    for name, text in scaled:
+        print(f"  {name}: {text}")
     return 0
 
 

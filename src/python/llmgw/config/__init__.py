@@ -35,6 +35,7 @@ from llmgw.config.schema import (
     PINNED_LLAMACPP_BUILD,
     PIP_ENGINES,
     AgentConfig,
+    AutoscaleSection,
     CASection,
     DebugSection,
     DownloadsSection,
@@ -67,6 +68,7 @@ from llmgw.config.schema import (
 __all__ = [
     "ADAPTER",
     "AgentConfig",
+    "AutoscaleSection",
     "CASection",
     "DEFAULT_AGENT_STATE_DIR",
     "DEFAULT_BUILD_TIMEOUT_S",

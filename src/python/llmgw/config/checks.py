@@ -19,6 +19,7 @@ from llmgw.config.schema import (
     NAME,
     PIP_ENGINES,
     AgentConfig,
+    AutoscaleSection,
     EngineBuild,
     EnginesSection,
     GatewaySection,
@@ -85,6 +86,7 @@ def check_server(cfg: ServerConfig) -> list[str]:
     problems.extend(_check_lease(cfg))
     problems.extend(_check_engines(cfg.engines))
     problems.extend(_check_gateway(cfg.gateway))
+    problems.extend(_check_autoscale(cfg.autoscale))
     for key in ("max_archive_gib", "max_weights_gib"):
         if getattr(cfg.downloads, key) < 1:
             problems.append(f"must be at least 1 @ $.downloads.{key}")
@@ -121,9 +123,9 @@ def check_model(m: Model, engines: EnginesSection, at: str) -> list[str]:
         )
     if m.engine not in ENGINES:
         problems.append(f"unknown engine {m.engine!r} (one of: {', '.join(ENGINES)}) @ {at}.engine")
-    for key in ("replicas", "nodes_per_replica"):
-        if getattr(m, key) < 1:
-            problems.append(f"must be at least 1 @ {at}.{key}")
+    if m.nodes_per_replica < 1:
+        problems.append(f"must be at least 1 @ {at}.nodes_per_replica")
+    problems.extend(_check_scale(m, at))
     if m.gpus_per_replica < 0 or m.memory_gb < 0:
         bad = "gpus_per_replica" if m.gpus_per_replica < 0 else "memory_gb"
         problems.append(f"must not be negative @ {at}.{bad}")
@@ -152,6 +154,53 @@ def check_model(m: Model, engines: EnginesSection, at: str) -> list[str]:
     if m.engine == "llamacpp" and m.nodes_per_replica > 1:
         problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
     problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
+    return problems
+
+
+def _check_scale(m: Model, at: str) -> list[str]:
+    """replicas, min_replicas, max_replicas, idle_s and the model's queue: each problem naming the fix."""
+    if not m.scaled:
+        if m.replicas < 1:
+            return [
+                f"must be at least 1 @ {at}.replicas (a model with no replica while unused: min_replicas = 0 and "
+                "max_replicas = 1, see docs/configuration.md)"
+            ]
+        problems = []
+    else:
+        low, high = m.bounds
+        problems = []
+        if m.min_replicas is not None and m.min_replicas < 0:
+            problems.append(f"must not be negative, got {m.min_replicas} @ {at}.min_replicas")
+        if m.max_replicas is not None and m.max_replicas < 1:
+            problems.append(f"must be at least 1, got {m.max_replicas} @ {at}.max_replicas")
+        if not problems and low > high:
+            problems.append(f"min_replicas ({low}) is more than max_replicas ({high}) @ {at}.max_replicas")
+        if not problems and not low <= m.replicas <= high:
+            problems.append(
+                f"replicas ({m.replicas}) is the count the model starts with, between min_replicas ({low}) and "
+                f"max_replicas ({high}); set it in that range (0 starts none until the first request) @ {at}.replicas"
+            )
+        if not m.idle_s > 0:
+            problems.append(f"must be more than 0 seconds, got {m.idle_s} @ {at}.idle_s")
+    if m.max_queue < 0:
+        problems.append(f"must not be negative (0: [gateway] max_queue), got {m.max_queue} @ {at}.max_queue")
+    if m.queue_timeout_s < 0:
+        problems.append(
+            f"must not be negative (0: [gateway] queue_timeout_s), got {m.queue_timeout_s} @ {at}.queue_timeout_s"
+        )
+    return problems
+
+
+def _check_autoscale(a: AutoscaleSection) -> list[str]:
+    problems = []
+    for key in ("target_per_replica", "up_after_s", "down_after_s", "interval_s"):
+        if not getattr(a, key) > 0:
+            problems.append(f"must be more than 0, got {getattr(a, key)} @ $.autoscale.{key}")
+    if not 0 < a.down_margin <= 1:
+        problems.append(
+            f"must be more than 0 and at most 1 (one fewer replica once the load is under this share of the target), "
+            f"got {a.down_margin} @ $.autoscale.down_margin"
+        )
     return problems
 
 

@@ -159,6 +159,34 @@ class Model:
     # by prefix knows when a replica evicted or cleared what it served). Off by default: the
     # events carry token ids, unauthenticated, on a port of every address of the node.
     cache_events: bool = False
+    # Replicas that follow the load (`llmgw.server.state.autoscale`, docs/configuration.md): with
+    # either set, the control plane keeps between min_replicas and max_replicas by the model's
+    # load, starting from `replicas`; min_replicas = 0 stops every replica after `idle_s` without
+    # a request, and the next request starts one (the gateways hold it meanwhile). Unset: always
+    # `replicas`.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    idle_s: float = 300.0
+    # Requests for this model that may wait for a replica on each gateway instance, and for how
+    # long; 0: [gateway] max_queue and queue_timeout_s. A cold start takes the engine's start and
+    # the model's load: a model on demand may need longer than the gateway's 30 s.
+    max_queue: int = 0
+    queue_timeout_s: float = 0.0
+
+    @property
+    def scaled(self) -> bool:
+        """Its replicas follow the load (min_replicas or max_replicas set)."""
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The fewest and most replicas it may have: (replicas, replicas) unless scaled. Unset,
+        min_replicas is 1 and max_replicas the larger of min_replicas and replicas."""
+        if not self.scaled:
+            return self.replicas, self.replicas
+        low = 1 if self.min_replicas is None else self.min_replicas
+        high = max(low, self.replicas, 1) if self.max_replicas is None else self.max_replicas
+        return low, high
 
 
 @attrs.frozen(kw_only=True)
@@ -283,6 +311,20 @@ class GatewaySection:
 
 
 @attrs.frozen(kw_only=True)
+class AutoscaleSection:
+    """`[autoscale]`: how the replicas of models with min_replicas/max_replicas follow their load
+    (`llmgw.server.state.autoscale`; docs/configuration.md says how to tune it)."""
+
+    # A model's load is its requests queued and in flight on every gateway; it wants
+    # ceil(load / target_per_replica) replicas.
+    target_per_replica: float = 4.0
+    up_after_s: float = 5.0  # the load has wanted more replicas this long: more
+    down_after_s: float = 60.0  # the load would fit one fewer, below `down_margin` of the target, this long: one fewer
+    down_margin: float = 0.5
+    interval_s: float = 1.0  # how often the load is looked at (a request for a model with none is acted on at once)
+
+
+@attrs.frozen(kw_only=True)
 class DownloadsSection:
     """The most a download whose size is not known may bring (docs/configuration.md says why).
     A source with `size` is capped at that, one whose server sends Content-Length at that."""
@@ -357,6 +399,7 @@ class ServerConfig:
     ca: CASection = CASection()
     engines: EnginesSection = EnginesSection()
     gateway: GatewaySection = GatewaySection()
+    autoscale: AutoscaleSection = AutoscaleSection()
     downloads: DownloadsSection = DownloadsSection()
     release: ReleaseSection = ReleaseSection()
     debug: DebugSection = DebugSection()

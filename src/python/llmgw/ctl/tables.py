@@ -3,6 +3,7 @@ in words. Pure: the views as the admin API sends them (dicts) in, text out."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from llmgw.ctl import engines as engine_texts
@@ -11,6 +12,22 @@ from llmgw.ctl import engines as engine_texts
 def table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def scale_text(model: dict[str, Any]) -> str:
+    """A scaled model's bounds, the count it wants and its last decision, as `ctl models` and `ctl
+    replicas` say them: "replicas 0-2 (idle after 300 s), wants 1; scaled up: 14 queued, 0 in flight
+    for 5 s, 12:03:04"; "" for a model with a fixed count."""
+    scale = model.get("scale")
+    if not scale:
+        return ""
+    text = f"replicas {scale['min']}-{scale['max']} (idle after {scale['idle_s']:g} s), wants {scale['wanted']}"
+    if scale.get("lowering"):
+        text += ", retiring one"
+    last = scale.get("last")
+    if last:
+        text += f"; {last['reason']}, {time.strftime('%H:%M:%S', time.localtime(last['at']))}"
+    return text
 
 
 def state_text(node: dict[str, Any]) -> str:

@@ -115,8 +115,9 @@ class GatewayTable:
         return max(0.0, now - (self.made_at if self.last_heard is None else self.last_heard))
 
     def health(self, now: float, ready: Mapping[str, int], *, draining: bool) -> tuple[int, dict]:
-        """/health's status and body: 200 while a table is held with a replica ready to serve;
-        503 with `reason` otherwise. `ready`: replicas in rotation per model, as the gateway's
+        """/health's status and body: 200 while a table is held with a replica ready to serve, or
+        a model on demand (whose requests it holds while a replica starts); 503 with `reason`
+        otherwise. `ready`: replicas in rotation per model, as the gateway's
         router sees them (its own failures taken out)."""
         body: dict = {
             "status": "ok",
@@ -144,7 +145,9 @@ class GatewayTable:
                 "no_table",
                 f"no table from the control plane yet (missing: {missing}); the link: {self.link_detail or 'up'}",
             )
-        if not any(ready.values()):
+        if not any(ready.values()) and not any(d.on_demand for d in self.rotation.details):
+            # A model on demand (min_replicas = 0) has none while unused, and its requests are held
+            # while one starts: a gateway holding such a model serves.
             return "no_ready_replica", "the table holds no replica ready to serve (or every one failed here)"
         return None
 

@@ -318,6 +318,14 @@ export function renderModels(cluster, ctx) {
         ),
       );
     }
+    if (m.scale) {
+      // Replicas that follow the load: the bounds, the count wanted and the last decision with its reason.
+      const s = m.scale;
+      const last = s.last ? `; ${s.last.reason}, ${new Date(s.last.at * 1000).toLocaleTimeString()}` : "";
+      parts.push(
+        h("p", { class: "muted", "data-scale": m.model }, `Replicas ${s.min}-${s.max} by load (idle after ${s.idle_s} s), wants ${s.wanted}${s.lowering ? ", retiring one" : ""}${last}`),
+      );
+    }
     for (const line of m.progress || []) parts.push(h("p", { class: "muted", "data-progress": m.model }, line));
     // With many, those not ready first: they are the ones to look at.
     const notReady = placed.filter((r) => r.state !== "ready");

@@ -62,6 +62,7 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.nodes.weightsorigin import WeightsOrigin
 from llmgw.server.settings import Settings
 from llmgw.server.state import views
+from llmgw.server.state.autoscale import Autoscaler, initial_count, pick_to_retire, ready_count
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.desired import DesiredStates
@@ -181,7 +182,24 @@ class ControlPlane:
             mirror_changed=self.agent_links.mirror_changed,
             weights_tracker=Tracker(self.registry, lambda: self.registry.clock.now(), origin=self.weights_origin),
         )
-        models = lambda: self.config.models  # noqa: E731 - read at each use: a reload replaces them
+        # The catalog as placed and routed: each model with min_replicas/max_replicas at the count
+        # its load wants (the autoscaler's), the others as configured; read at each use.
+        known_models = set(
+            store.at_open.catalog
+        )  # in the catalog before this start: one with no replica was scaled to zero
+        self.autoscaler = Autoscaler(
+            settings=lambda: self.config.autoscale,
+            catalog=lambda: self.config.models,
+            initial=lambda m: initial_count(m, self.replicas, known=m.name in known_models),
+            reports=lambda: self.gateways.model_loads(),
+            heard=lambda: self.gateways.reported(),
+            changed=self.changes.node_changed,
+            retire=lambda rid, then: self._retire_for_scale(rid, then),
+            pick=lambda model: pick_to_retire(self.replicas, model, self.moves.retiring, self.gateways.outstanding),
+            clock=lambda: self.registry.clock.now(),
+            ready=lambda model: ready_count(self.replicas, self.registry, model),
+        )
+        models = self.autoscaler.models
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
         self.reconciler = Reconciler(
             self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.agent_links.links)
@@ -231,6 +249,7 @@ class ControlPlane:
             self.registry.clock.render,
             self.agent_links.render_metrics,
             self.moves.render_metrics,
+            self.autoscaler.render_metrics,
         ]
         if self.step_timer is not None:
             own_metrics.append(self.step_timer.render)
@@ -270,6 +289,7 @@ class ControlPlane:
             models=self.hub_models,
         )
         self.views, self.operations, self.page, self.admin = own.views, own.operations, own.page, own.admin
+        self.views.scale_of = lambda m: self.autoscaler.policy.view(m)
         self.http_refusals = own.refusals
         # What each node is told to have, and when one may build llama.cpp (the mirror's cue).
         self.desired = DesiredStates(
@@ -284,6 +304,12 @@ class ControlPlane:
         )
         self.shutdown_drain_s = 30.0  # on stop: how long requests in flight may take to finish
         self.mirror_retry_s = RETRY_S  # a mirror fetch that failed is tried again after this long
+
+    async def _retire_for_scale(self, replica_id: str, then: Callable[[], None]) -> None:
+        """A scale-down's retirement: a move's last steps (out of rotation, its requests finish,
+        it stops), one at a time with the drains and spreading (`Moves.lock`)."""
+        async with self.moves.lock:
+            await self.moves.retire(replica_id, None, then)
 
     @property
     def config(self) -> ServerConfig:
@@ -380,6 +406,7 @@ class ControlPlane:
             await nursery.start(run, "liveness", self.reconciler.serve)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
+            await nursery.start(run, "autoscale", self.autoscaler.serve)
             mirror = partial(fill_mirror, node_known=self.desired.a_node_may_build, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.agent_port.artifacts, self.push_all)
             if self.weights_origin is not None:  # the weights it seeds to nodes without internet

@@ -44,8 +44,11 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # hello with where the leader is (the agent link's `Redirect`). 5: a heartbeat sent at once (for a new
 # rotation or new keys) leaves the metrics out (`metrics` null: as the last that had them said), a
 # sample leaves out its fields at their defaults (a gauge's `counts` and `sum`, a histogram's `value`).
-# 6: a model says how the gateway routes its requests (`ModelInfo.routing`).
-GATEWAY_PROTOCOL_VERSION = 7
+# 6: a model says how the gateway routes its requests (`ModelInfo.routing`). 8: models on demand:
+# heartbeats carry each model's load (`ModelLoad`), one goes at once when a request starts waiting
+# for a model with no replica ready, and a model says whether it starts on demand and how long
+# and how many requests for it may wait (`ModelInfo.on_demand`, `max_queue`, `queue_timeout_s`).
+GATEWAY_PROTOCOL_VERSION = 8
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -97,6 +100,19 @@ class ReplicaLoad:
 
 
 @attrs.frozen(kw_only=True)
+class ModelLoad:
+    """One model's requests on this instance now, and since it started: what the control plane
+    scales the model's replicas by (`llmgw.server.state.autoscale`). Only models with a request
+    queued or in flight now, or taken since the instance started, are listed."""
+
+    model: str
+    queued: int = 0  # waiting for a replica of it now
+    in_flight: int = 0  # on its replicas now
+    requests_total: int = 0  # taken for it since the instance started (counted as each arrives)
+    oldest_wait_s: float = 0.0  # how long the request queued longest has waited (0: none queued)
+
+
+@attrs.frozen(kw_only=True)
 class GatewayHeartbeat:
     """How the instance is doing. Its counters are totals since it started (a restarted process
     is a new instance and starts from zero), so a heartbeat lost or replaced loses nothing."""
@@ -107,6 +123,7 @@ class GatewayHeartbeat:
     rotation_version: int = 0  # the version of the rotation it routes by now (0: none yet)
     keys_version: int = 0  # the version of the keys it holds now (0: none yet)
     outstanding: tuple[ReplicaLoad, ...] = ()  # the replicas it has requests on, by replica id
+    models: tuple[ModelLoad, ...] = ()  # each model's requests, by model name
     # Its /metrics, family by family; None: as the last heartbeat that had them said. A heartbeat
     # every heartbeat interval has them; one sent at once (for a new rotation or new keys) has
     # not: they hold a series per replica, and during a rolling move the rotation changes every
@@ -161,7 +178,11 @@ class ModelInfo:
     placed, every one failed, their nodes lost), "" while one is ready or on its way; a request
     for it then gets 503 at once instead of waiting in the queue, with Retry-After
     `retry_after_s`. `routing`: how the gateway picks a replica for its requests,
-    "least_outstanding" or "prefix" (`llmgw.gateway.routing`)."""
+    "least_outstanding" or "prefix" (`llmgw.gateway.routing`). `on_demand`: the model may have no
+    replica at all (the catalog's `min_replicas = 0`): a request for it waits while the control
+    plane starts one, and its first waiting request is reported at once. `max_queue` and
+    `queue_timeout_s`: how many of its requests may wait for a replica on an instance and for how
+    long (0: the gateway's own `[gateway] max_queue` and `queue_timeout_s`)."""
 
     name: str
     engine: str = ""
@@ -170,6 +191,9 @@ class ModelInfo:
     unservable: str = ""
     retry_after_s: int = 0
     routing: str = "least_outstanding"
+    on_demand: bool = False
+    max_queue: int = 0
+    queue_timeout_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -43,6 +43,7 @@ from llmgw.server.state.replicas import Replicas
 from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
+from llmgw.wire import gateway_link as g
 
 log = get_logger("llmgw.server")
 
@@ -140,6 +141,19 @@ class Gateways:
         gateway = self.gateway
         here = gateway.router.outstanding.get(replica_id, 0) if gateway is not None else 0
         return here + self.feed.outstanding(replica_id)
+
+    def model_loads(self) -> list[tuple[tuple[str, str], tuple[g.ModelLoad, ...]]]:
+        """Each gateway instance's requests per model, as each last said ((name, instance), its
+        loads): the gateway on this loop's now, if any, and every instance's connected."""
+        gateway = self.gateway
+        here = [(("", "this loop"), gateway.model_loads())] if gateway is not None else []
+        return here + [(link.key, link.last.models) for link in self.feed.links.values()]
+
+    def reported(self) -> list[trio.Event]:
+        """Events set when a gateway next says something of its load: an instance's heartbeat
+        over the link, or a request the gateway on this loop holds for a model with no replica."""
+        gateway = self.gateway
+        return [self.feed.heard.next()] + ([gateway.cold.next()] if gateway is not None else [])
 
     async def keys_reached(self) -> None:
         """Until this plane's workers hold the keys as they are now, for at most KEYS_REACH_S (then

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from llmgw.config import EnginesSection, ServerConfig
+from llmgw.config import EnginesSection, Model, ServerConfig
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.drains import DrainProgress
@@ -156,6 +156,8 @@ class ClusterViews:
         self._last_fabrics: tuple[dict[str, tuple[w.Fabric, ...]], FabricMap] | None = None
         # Each model's view completed with where it comes from (`HubModels.detail`, set by its owner).
         self.model_detail: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda listed: listed
+        # A scaled model's bounds, the count it wants and its last decision (the autoscaler's).
+        self.scale_of: Callable[[Model], dict[str, Any] | None] = lambda model: None
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
@@ -202,7 +204,9 @@ class ClusterViews:
 
     def model_views(self, replica_views: Iterable[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The catalog's models, counted from `replica_views` (default: the replicas' views now)."""
-        listed = model_views(self.config().models, self.replica_views() if replica_views is None else replica_views)
+        listed = model_views(
+            self.config().models, self.replica_views() if replica_views is None else replica_views, self.scale_of
+        )
         return self.model_detail(listed)
 
     def page_look(self) -> PageLook:

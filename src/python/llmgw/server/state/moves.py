@@ -164,8 +164,10 @@ class Moves:
         await self.retire(replica_id, new.replica_id)
         self._ended.inc(outcome="done")
 
-    async def retire(self, replica_id: str, replacement_id: str | None) -> None:
-        """Steps 3-4: out of rotation, its requests finish (bounded), then it stops."""
+    async def retire(self, replica_id: str, replacement_id: str | None, then: Callable[[], None] | None = None) -> None:
+        """Steps 3-4: out of rotation, its requests finish (bounded), then it stops. `then()` is
+        called just before it leaves the placements, with nothing awaited between (a scale-down
+        lowers its model's count there: `llmgw.server.state.autoscale`)."""
         original = self.replicas.placed.get(replica_id)
         if original is None:
             return
@@ -180,6 +182,8 @@ class Moves:
                     after_s=self.retire_grace_s,
                     outstanding=self.outstanding(replica_id),
                 )
+            if then is not None:
+                then()
             self.replicas.retire(replica_id, replacement_id)
         finally:
             self.retiring.discard(replica_id)

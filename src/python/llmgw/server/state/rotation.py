@@ -96,8 +96,10 @@ def model_details(
     ready = {e.model for e in endpoints}
     coming: set[str] = set()
     lost: dict[str, set[str]] = {}
+    count: dict[str, int] = {}
     for rid, stored in replicas.placed.items():
         p = stored.placement
+        count[p.model] = count.get(p.model, 0) + 1
         if rid in unknown:
             coming.add(p.model)
             continue
@@ -121,6 +123,9 @@ def model_details(
     pending: dict[str, str] = {}
     for pend in replicas.pending:
         pending.setdefault(pend.model, pend.reason)
+    # More replicas wanted than placed, none held back: the reconciler's next pass places them
+    # (a model on demand whose first request has just raised its count).
+    coming.update(m.name for m in models if m.name not in pending and count.get(m.name, 0) < m.replicas)
     out = []
     for m in models:
         why = ""
@@ -129,6 +134,8 @@ def model_details(
                 why = f"no replica can be placed: {pending[m.name]}"
             elif m.name in lost:
                 why = f"the nodes of its replicas are lost: {', '.join(sorted(lost[m.name]))}"
+            elif m.replicas == 0 and m.scaled:
+                pass  # none while unused: the next request starts one (`llmgw.server.state.autoscale`)
             elif m.replicas == 0:
                 why = "the catalog asks for no replica of it (replicas = 0)"
             else:
@@ -143,6 +150,9 @@ def model_details(
                 unservable=why,
                 retry_after_s=UNSERVABLE_RETRY_AFTER_S if why else 0,
                 routing=routing_of(m),
+                on_demand=m.scaled and m.bounds[0] == 0,
+                max_queue=m.max_queue,
+                queue_timeout_s=m.queue_timeout_s,
             )
         )
     return tuple(out)

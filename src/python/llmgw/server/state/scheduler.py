@@ -131,7 +131,7 @@ def plan(
     extra: set[str] = set()
     for name, model in models.items():
         mine = kept.get(name, [])
-        for p in sorted(mine, key=_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
+        for p in sorted(mine, key=replica_slot, reverse=True)[: max(0, len(mine) - model.replicas)]:
             extra.add(p.replica_id)
             stop.append(p)
     if extra:
@@ -146,14 +146,14 @@ def plan(
         free.take(p)
     reserved_slots: dict[str, set[int]] = {}
     for p in reserved:
-        reserved_slots.setdefault(p.model, set()).add(_slot(p))
+        reserved_slots.setdefault(p.model, set()).add(replica_slot(p))
         if all(n in by_id for n in p.nodes):
             free.take(p)
     start: list[Placement] = []
     pending: list[Pending] = []
     for model in catalog:
         have = kept.get(model.name, [])
-        used_slots = {_slot(p) for p in have} | reserved_slots.get(model.name, set())
+        used_slots = {replica_slot(p) for p in have} | reserved_slots.get(model.name, set())
         missing = model.replicas - len(have)
         if missing <= 0:
             continue
@@ -270,7 +270,7 @@ def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]
             continue
         if not any(n.schedulable and n.node_id not in holding[model] for n in nodes):
             continue
-        out.extend(p.replica_id for p in sorted(group, key=_slot, reverse=True)[:-1])
+        out.extend(p.replica_id for p in sorted(group, key=replica_slot, reverse=True)[:-1])
     return out
 
 
@@ -281,7 +281,8 @@ def model_files(model: Model) -> frozenset[str]:
     return frozenset({model.source.sha256.lower()}) if model.source.url else frozenset()
 
 
-def _slot(p: Placement) -> int:
+def replica_slot(p: Placement) -> int:
+    """A replica's number within its model (its id's tail: `model-3` is 3); an id without one sorts last."""
     tail = p.replica_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 1 << 30
 

@@ -8,7 +8,7 @@ the caller. The role that serves them, reading what it shows at each call, is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -187,9 +187,15 @@ def pending_views(replicas: Replicas) -> list[dict[str, Any]]:
 PROGRESS_SHOWN = 20  # replicas on their way shown per model; `llmgw ctl replicas` lists every one
 
 
-def model_views(models: Sequence[Model], replica_views: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def model_views(
+    models: Sequence[Model],
+    replica_views: Iterable[Mapping[str, Any]],
+    scale_of: Callable[[Model], dict[str, Any] | None] = lambda model: None,
+) -> list[dict[str, Any]]:
     """Each catalog model with its ready replicas and why any is pending; one pass over the
-    replicas (there may be ten thousand), not one per model."""
+    replicas (there may be ten thousand), not one per model. `scale_of(model)`: a scaled model's
+    bounds, wanted count and last decision (`ScalePolicy.view`), its `replicas` then the count
+    it wants now."""
     ready: dict[str, int] = {}
     pending: dict[str, list[str]] = {}
     coming: dict[str, list[str]] = {}  # replicas on their way: downloading, starting
@@ -201,11 +207,13 @@ def model_views(models: Sequence[Model], replica_views: Iterable[Mapping[str, An
         elif v["state"] in (w.FETCHING, w.STARTING) and len(coming.get(v["model"], ())) < PROGRESS_SHOWN:
             what = v["detail"] or v["state"]
             coming.setdefault(v["model"], []).append(f"{v['replica']} on {','.join(v['nodes'])}: {what}")
+    scales = {m.name: scale_of(m) for m in models if m.scaled}
     return [
         {
             "model": m.name,
             "engine": m.engine,
-            "replicas": m.replicas,
+            "replicas": m.replicas if (scale := scales.get(m.name)) is None else scale["wanted"],
+            "scale": scale,
             "ready": ready.get(m.name, 0),
             "pending": pending.get(m.name, []),
             "progress": coming.get(m.name, []),

@@ -1,0 +1,435 @@
+"""Replicas that follow the load: models on demand, scaled to zero and back.
+
+A catalog model with `min_replicas` or `max_replicas` (`Model.scaled`) has as many replicas as
+its load wants, within its bounds; the others keep `replicas`. The load of a model is what the
+gateways say in their heartbeats (`wire.gateway_link.ModelLoad`): its requests waiting for a
+replica and in flight on one, on every gateway instance, and whether any arrived since the last
+look. The rules (`ScalePolicy.step`, a pure function of the loads and the clock):
+
+- **From zero**: a model with no replica and a request waiting gets one at once. A gateway
+  reports the first request it holds for such a model at once, not at its next heartbeat.
+- **Up**: the load wants ceil((queued + in flight) / target_per_replica) replicas; when that has
+  been more than it has for `up_after_s`, it gets that many (at most `max_replicas`) in one step.
+- **Down**: when the load would fit one replica fewer below `down_margin` of the target (so a
+  steady load does not flap between two counts) for `down_after_s`, one fewer; again after
+  `down_after_s` more.
+- **Idle**: after `idle_s` without a request, `min_replicas` (0: none), one replica at a time.
+
+A rise takes effect at once (the scheduler places the new replicas; the gateways hold requests
+meanwhile). A fall takes a replica out of the gateways' rotation first and lets its requests
+finish (`Moves.retire`, as a drain does: a stream is not cut), and only then lowers the count,
+so the replica stopped is the one drained. Each decision is logged with its reason, counted in
+/metrics and kept as the model's last (`llmgw ctl models`, `ctl replicas` and the page show it).
+
+Where a model starts: a control plane that starts (a restart, a new leader) takes the count of
+each model's replicas placed in the store, within its bounds; a model with none that was in the
+catalog before is at `min_replicas` (it was scaled to zero), a new one starts with `replicas`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+
+import attrs
+import trio
+
+from llmgw.config import AutoscaleSection, Model
+from llmgw.log import get_logger
+from llmgw.metrics import MetricsRegistry
+from llmgw.server.state.registry import NodeRegistry
+from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.scheduler import replica_slot
+from llmgw.wakeup import Wakeup, any_of
+from llmgw.wire import agent_link as w
+from llmgw.wire import gateway_link as g
+
+log = get_logger("llmgw.autoscale")
+
+START, UP, DOWN, IDLE = "start", "up", "down", "idle"
+
+
+@attrs.frozen(kw_only=True)
+class Load:
+    """A model's requests on every gateway now, and whether one arrived since the last look."""
+
+    queued: int = 0
+    in_flight: int = 0
+    arrived: bool = False
+    oldest_wait_s: float = 0.0
+
+    @property
+    def busy(self) -> int:
+        return self.queued + self.in_flight
+
+
+@attrs.frozen(kw_only=True)
+class Decision:
+    model: str
+    kind: str  # START, UP, DOWN, IDLE
+    before: int
+    after: int
+    reason: str  # in words, for the log, `ctl` and the page: "scaled up: 14 queued, 3 in flight for 5 s"
+    at: float  # the policy's clock
+    wall: float = 0.0  # unix time, for the views
+
+
+@attrs.define
+class _Model:
+    wanted: int
+    last_active: float
+    more_since: float | None = None  # the load has wanted more replicas since
+    fewer_since: float | None = None  # the load has fit one fewer since
+    lowering: bool = False  # a replica is being retired: no other decision until it is
+    last: Decision | None = None
+
+
+class ScalePolicy:
+    """How many replicas each scaled model wants. No I/O; `now` is the caller's clock."""
+
+    def __init__(self, settings: Callable[[], AutoscaleSection], initial: Callable[[Model], int]) -> None:
+        """`initial(model)`: the count a model starts with when first seen (see the module)."""
+        self.settings = settings
+        self.initial = initial
+        self.models: dict[str, _Model] = {}
+
+    def wanted(self, model: Model, now: float) -> int:
+        """The replicas `model` wants now (first seen: its initial count, within its bounds)."""
+        state = self.models.get(model.name)
+        if state is None:
+            low, high = model.bounds
+            state = self.models[model.name] = _Model(wanted=min(high, max(low, self.initial(model))), last_active=now)
+        return state.wanted
+
+    def effective(self, catalog: Sequence[Model], now: float) -> tuple[Model, ...]:
+        """The catalog with each scaled model's `replicas` as it wants now."""
+        out = []
+        for m in catalog:
+            if m.scaled:
+                wanted = self.wanted(m, now)
+                out.append(m if m.replicas == wanted else attrs.evolve(m, replicas=wanted))
+            else:
+                out.append(m)
+        return tuple(out)
+
+    def forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.models.pop(name, None)
+
+    def step(
+        self,
+        catalog: Sequence[Model],
+        loads: Mapping[str, Load],
+        now: float,
+        ready: Callable[[str], int] | None = None,
+    ) -> list[Decision]:
+        """Look at every scaled model's load once: the decisions made. A rise changes the count
+        now; a fall (DOWN, IDLE) marks the model lowering, and `lowered` lowers the count once the
+        replica it retired is gone (or `not_lowered` if none could be). `ready(model)`: its
+        replicas ready now; while fewer are ready than it wants, it gets no more (the requests
+        waiting for those on their way say nothing of what more would carry). Asked only of a
+        model whose load wants more."""
+        s = self.settings()
+        decisions = []
+        for m in catalog:
+            if not m.scaled:
+                continue
+            self.wanted(m, now)
+            state = self.models[m.name]
+            low, high = m.bounds
+            load = loads.get(m.name, Load())
+            if load.arrived or load.busy:
+                state.last_active = now
+            if state.lowering:
+                continue
+            decision = None
+            if state.wanted < low or state.wanted > high:  # its bounds changed (a reload)
+                kind = UP if state.wanted < low else DOWN
+                after = low if state.wanted < low else state.wanted - 1
+                decision = self._decide(m, state, kind, after, f"min_replicas/max_replicas are now {low}-{high}", now)
+            elif state.wanted == 0:
+                if load.queued and high > 0:
+                    what = f"{load.queued} request{'s' if load.queued != 1 else ''} waiting"
+                    decision = self._decide(m, state, START, 1, f"started on demand: {what}", now)
+            else:
+                decision = self._up(m, state, load, s, high, now, ready) or self._down(m, state, load, s, low, now)
+            if decision is not None:
+                decisions.append(decision)
+        return decisions
+
+    def _up(
+        self,
+        m: Model,
+        state: _Model,
+        load: Load,
+        s: AutoscaleSection,
+        high: int,
+        now: float,
+        ready: Callable[[str], int] | None,
+    ) -> Decision | None:
+        need = min(high, math.ceil(load.busy / s.target_per_replica))
+        if need <= state.wanted or (ready is not None and ready(m.name) < state.wanted):
+            state.more_since = None
+            return None
+        if state.more_since is None:
+            state.more_since = now
+        held = now - state.more_since
+        if held < s.up_after_s:
+            return None
+        state.more_since = None
+        reason = f"scaled up: {load.queued} queued, {load.in_flight} in flight for {held:.0f} s"
+        return self._decide(m, state, UP, need, reason, now)
+
+    def _down(self, m: Model, state: _Model, load: Load, s: AutoscaleSection, low: int, now: float) -> Decision | None:
+        if state.wanted > low and not load.busy and now - state.last_active >= m.idle_s:
+            state.fewer_since = None
+            to = "scaled to zero" if low == 0 and state.wanted == 1 else "one replica fewer"
+            return self._decide(m, state, IDLE, state.wanted - 1, f"idle for {m.idle_s:g} s: {to}", now)
+        floor = max(low, 1)
+        if state.wanted <= floor or load.busy > s.target_per_replica * s.down_margin * (state.wanted - 1):
+            state.fewer_since = None
+            return None
+        if state.fewer_since is None:
+            state.fewer_since = now
+        held = now - state.fewer_since
+        if held < s.down_after_s:
+            return None
+        state.fewer_since = now  # the next step down waits as long again
+        reason = f"scaled down: {load.busy} requests on {state.wanted} replicas for {held:.0f} s"
+        return self._decide(m, state, DOWN, state.wanted - 1, reason, now)
+
+    def _decide(self, m: Model, state: _Model, kind: str, after: int, reason: str, now: float) -> Decision:
+        decision = Decision(
+            model=m.name, kind=kind, before=state.wanted, after=after, reason=reason, at=now, wall=time.time()
+        )
+        state.last = decision
+        if after > state.wanted:
+            state.wanted = after
+            state.fewer_since = None
+        else:
+            state.lowering = True
+        return decision
+
+    def lowered(self, model: str) -> None:
+        """The replica a fall retired is gone: one fewer."""
+        state = self.models.get(model)
+        if state is not None:
+            state.wanted = max(0, state.wanted - 1)
+            state.lowering = False
+            state.fewer_since = None  # the next step down waits down_after_s from here
+
+    def not_lowered(self, model: str) -> None:
+        """A fall found no replica to retire (none placed): the count falls all the same."""
+        self.lowered(model)
+
+    def view(self, model: Model) -> dict | None:
+        """What `ctl` and the page show of a scaled model: its bounds, the count it wants and its
+        last decision."""
+        state = self.models.get(model.name)
+        if not model.scaled or state is None:
+            return None
+        low, high = model.bounds
+        last = state.last
+        return {
+            "min": low,
+            "max": high,
+            "wanted": state.wanted,
+            "idle_s": model.idle_s,
+            "lowering": state.lowering,
+            "last": None
+            if last is None
+            else {
+                "kind": last.kind,
+                "before": last.before,
+                "after": last.after,
+                "reason": last.reason,
+                "at": last.wall,
+            },
+        }
+
+
+def loads_of(
+    reports: Iterable[tuple[tuple[str, str], Sequence[g.ModelLoad]]], seen: dict[tuple[str, str, str], int]
+) -> dict[str, Load]:
+    """Each model's load over every gateway instance's last report ((name, instance), its models).
+    `seen`: each instance's `requests_total` per model at the last look, updated here: one that
+    rose, or a first report of requests taken, is an arrival. An instance that no longer reports
+    is forgotten."""
+    loads: dict[str, Load] = {}
+    now_seen: dict[tuple[str, str, str], int] = {}
+    for (name, instance), models in reports:
+        for m in models:
+            key = (name, instance, m.model)
+            now_seen[key] = m.requests_total
+            arrived = m.requests_total > seen.get(key, 0)
+            was = loads.get(m.model)
+            if was is None:
+                loads[m.model] = Load(
+                    queued=m.queued, in_flight=m.in_flight, arrived=arrived, oldest_wait_s=m.oldest_wait_s
+                )
+            else:
+                loads[m.model] = Load(
+                    queued=was.queued + m.queued,
+                    in_flight=was.in_flight + m.in_flight,
+                    arrived=was.arrived or arrived,
+                    oldest_wait_s=max(was.oldest_wait_s, m.oldest_wait_s),
+                )
+    seen.clear()
+    seen.update(now_seen)
+    return loads
+
+
+def initial_count(model: Model, replicas: Replicas, *, known: bool) -> int:
+    """The count a scaled model starts with on this control plane: its replicas placed in the
+    store (a restart, a new leader), else `min_replicas` for a model in the catalog before (it had
+    been scaled to zero), else `replicas`. Within its bounds (`ScalePolicy.wanted`)."""
+    placed = sum(
+        1 for rid, s in replicas.placed.items() if s.placement.model == model.name and rid not in replicas.surge
+    )
+    if placed:
+        return placed
+    return model.bounds[0] if known else model.replicas
+
+
+def pick_to_retire(
+    replicas: Replicas, model: str, retiring: Collection[str], outstanding: Callable[[str], int]
+) -> str | None:
+    """Which replica of `model` a scale-down retires: of those the catalog counts (not a move's
+    replacement) and not being retired already, the one with the fewest requests on it, the
+    newest of those."""
+    mine = [
+        s.placement
+        for rid, s in replicas.placed.items()
+        if s.placement.model == model and rid not in replicas.surge and rid not in retiring
+    ]
+    if not mine:
+        return None
+    return min(mine, key=lambda p: (outstanding(p.replica_id), -replica_slot(p))).replica_id
+
+
+def ready_count(replicas: Replicas, registry: NodeRegistry, model: str) -> int:
+    """The replicas of `model` whose rank 0 reports ready."""
+    count = 0
+    for rid, stored in replicas.placed.items():
+        p = stored.placement
+        if p.model != model:
+            continue
+        rank0 = registry.nodes.get(p.nodes[0])
+        if rank0 is not None and any(
+            r.replica_id == rid and r.node_rank == 0 and r.state == w.READY for r in rank0.replicas
+        ):
+            count += 1
+    return count
+
+
+Reports = Callable[[], Iterable[tuple[tuple[str, str], Sequence[g.ModelLoad]]]]
+
+
+class Autoscaler:
+    """The policy at work on the leader: looks at the gateways' loads every `interval_s` and
+    whenever a gateway reports (`heard`), raises counts at once and lowers them one retired
+    replica at a time."""
+
+    def __init__(
+        self,
+        *,
+        settings: Callable[[], AutoscaleSection],
+        catalog: Callable[[], Sequence[Model]],
+        initial: Callable[[Model], int],
+        reports: Reports,
+        heard: Callable[[], Sequence[trio.Event]],
+        changed: Callable[[], None],
+        retire: Callable[[str, Callable[[], None]], Awaitable[None]],
+        pick: Callable[[str], str | None],
+        clock: Callable[[], float],
+        ready: Callable[[str], int] | None = None,
+    ) -> None:
+        """`catalog()`: the catalog as configured (each model's bounds); `reports()`: each gateway
+        instance's last `ModelLoad`s; `heard()`: events a gateway's next report sets (one per source: the link's heartbeats, the
+        gateway on this loop);
+        `changed()`: a count rose (the reconciler looks again); `retire(replica, then)`: take the
+        replica out of rotation, let its requests finish, call `then()` and stop it; `pick(model)`:
+        the replica of `model` to retire (None: none placed); `clock()`: the registry's clock;
+        `ready(model)`: its replicas ready now."""
+        self.settings = settings
+        self.catalog = catalog
+        self.policy = ScalePolicy(settings, initial)
+        self.reports = reports
+        self.heard = heard
+        self.changed = changed
+        self.retire = retire
+        self.pick = pick
+        self.clock = clock
+        self.ready = ready
+        self.seen: dict[tuple[str, str, str], int] = {}
+        self.stepped = Wakeup()  # after each look: tests and benches wait on it
+        self.metrics = MetricsRegistry()
+        self._decisions = self.metrics.counter(
+            "llmgw_autoscale_decisions_total",
+            "Changes to a scaled model's replica count, by model and kind: start (from zero, for a waiting "
+            "request), up (the load wanted more), down (it fit fewer), idle (no request for idle_s).",
+            ("model", "kind"),
+        )
+        self._wanted = self.metrics.gauge(
+            "llmgw_autoscale_replicas_wanted", "The replicas a scaled model wants now.", ("model",)
+        )
+
+    def models(self) -> tuple[Model, ...]:
+        """The catalog as the scheduler and the gateways' rotation take it: each scaled model's
+        count as it wants now."""
+        return self.policy.effective(self.catalog(), self.clock())
+
+    def render_metrics(self) -> str:
+        self._wanted.clear()
+        for m in self.catalog():
+            if m.scaled and m.name in self.policy.models:
+                self._wanted.set(self.policy.models[m.name].wanted, model=m.name)
+        return self.metrics.render()
+
+    def step(self, nursery: trio.Nursery) -> list[Decision]:
+        """One look: the decisions made, a fall's retirement started in `nursery`."""
+        catalog = self.catalog()
+        self.policy.forget(set(self.policy.models) - {m.name for m in catalog})
+        decisions = self.policy.step(catalog, loads_of(self.reports(), self.seen), self.clock(), self.ready)
+        rose = False
+        for d in decisions:
+            self._decisions.inc(model=d.model, kind=d.kind)
+            log.info("autoscale_decision", model=d.model, kind=d.kind, before=d.before, after=d.after, reason=d.reason)
+            if d.after > d.before:
+                rose = True
+            else:
+                nursery.start_soon(self._lower, d.model)
+        if rose:
+            self.changed()
+        self.stepped.fire()
+        return decisions
+
+    async def _lower(self, model: str) -> None:
+        replica = self.pick(model)
+        if replica is None:
+            self.policy.not_lowered(model)
+            self.changed()
+            return
+        done = False
+
+        def then() -> None:
+            nonlocal done
+            done = True
+            self.policy.lowered(model)
+
+        try:
+            await self.retire(replica, then)
+        finally:
+            if not done:  # cancelled, or the replica was gone already: the count falls all the same
+                self.policy.not_lowered(model)
+                self.changed()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                heard = self.heard()
+                self.step(nursery)
+                with trio.move_on_after(self.settings().interval_s):
+                    await any_of(heard)

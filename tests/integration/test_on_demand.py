@@ -1,0 +1,255 @@
+"""Models on demand on a real cluster on loopback: `llmgw server` with its gateway in a worker
+process, a gateway of its own (`llmgw gateway`), one `llmgw agent`, sim engines. Everything
+through what an operator and a client use.
+
+In order, each step from what the last left:
+1. A model with `min_replicas = 0` has no replica (and both gateways' /health say they serve);
+   requests for it, streamed and not, sent together to both gateways, are held and all answered
+   once the one replica the control plane starts is ready: one replica for both gateways.
+2. Unused for `idle_s`, its replica is drained and stopped: none left, its engine gone; the next
+   request brings one back.
+3. Under load the model gets a second replica; when the load falls, one is retired while a
+   stream is on each: every stream ends whole ([DONE], every token), none cut.
+4. A model whose engine cannot start: the requests held for it are answered 503 with the reason
+   at once, not at the end of their wait; a model whose queue is full refuses at once.
+`ctl models` / `ctl replicas` show each decision with its reason, /metrics counts them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import pytest
+
+from testlib import gatewayd
+from testlib.cluster import Cluster, wait_until
+
+CATALOG = """
+[autoscale]
+target_per_replica = 2.0
+up_after_s = 1.0
+down_after_s = 2.0
+down_margin = 1.0  # one fewer as soon as the load fits: a stream on each replica, and one retired under it
+interval_s = 0.2
+
+[[models]]
+name = "cold"
+engine = "sim"
+min_replicas = 0
+max_replicas = 2
+replicas = 0
+idle_s = 4.0
+queue_timeout_s = 60.0
+args = ["--output-token-ms", "40", "--startup-delay-s", "1"]
+
+[[models]]
+name = "broken"
+engine = "sim"
+min_replicas = 0
+max_replicas = 1
+replicas = 0
+queue_timeout_s = 60.0
+args = ["--nnodes", "0"]
+
+[[models]]
+name = "narrow"
+engine = "sim"
+min_replicas = 0
+max_replicas = 1
+replicas = 0
+max_queue = 1
+queue_timeout_s = 5.0
+args = ["--startup-delay-s", "60"]
+"""
+READY_S = 45.0
+
+
+@attrs.frozen
+class Live:
+    cluster: Cluster
+    port: int  # the control plane's http_listen (its gateway worker)
+    other: int  # the gateway of its own
+    token: str
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    cluster = Cluster(
+        tmp_path_factory.mktemp("ondemand"),
+        heartbeat_interval_s=0.5,
+        heartbeat_ttl_s=5.0,
+        server_toml="gateway_workers = 1\n",
+    )
+    try:
+        cluster.init_ca()
+        cluster.set_catalog(CATALOG)
+        cluster.add_node("node-a")
+        server = cluster.start_server()
+        cluster.start_agent("node-a")
+        cluster.wait_nodes("node-a joined", lambda ns: ns.get("node-a", {}).get("state") == "joined")
+        [ready] = server.events("server_ready")
+        other = gatewayd.start(cluster, "gw-b", gatewayd.issue_certificate(cluster, "gw-b"))
+        # No replica is ready (every model is on demand), and the gateway serves all the same.
+        wait_until("gw-b serving", lambda: serving(other), alive=[other.proc], timeout=60)
+        token = cluster.ctl("keys", "create", "ondemand")["token"]
+        yield Live(cluster=cluster, port=int(ready["admin_url"].rsplit(":", 1)[1]), other=other.port, token=token)
+    finally:
+        cluster.close()
+
+
+def serving(gateway: gatewayd.Standalone) -> bool:
+    try:
+        return gateway.health()["http_status"] == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def chat(
+    live: Live, model: str, *, stream: bool = False, max_tokens: int = 8, other: bool = False
+) -> tuple[int, dict[str, str], bytes]:
+    """One chat completion through the control plane's gateway (or, `other`, the gateway of its own)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,  # every one of max_tokens: a stream cut short is told from one that ended
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", live.other if other else live.port, timeout=90)
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"authorization": f"Bearer {live.token}", "content-type": "application/json"},
+        )
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def together(live: Live, calls: list[dict[str, Any]]) -> list[tuple[int, dict[str, str], bytes, float]]:
+    """Each call (chat's keyword arguments) in a thread of its own, all at once; (status,
+    headers, body, seconds) each, in order."""
+    out: list[Any] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        started = time.monotonic()
+        try:
+            status, headers, body = chat(live, **calls[i])
+        except OSError as exc:
+            status, headers, body = 0, {}, str(exc).encode()
+        out[i] = (status, headers, body, time.monotonic() - started)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(o is not None for o in out), "a request did not end within 120 s"
+    return out
+
+
+def placed(live: Live, model: str) -> list[dict[str, Any]]:
+    return [r for r in live.cluster.replicas() or [] if r["replica"] is not None and r["model"] == model]
+
+
+def scale(live: Live, model: str) -> dict[str, Any]:
+    [m] = [m for m in live.cluster.ctl("models") if m["model"] == model]
+    return m["scale"]
+
+
+def streamed_whole(body: bytes, tokens: int) -> bool:
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return False
+    pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1] if json.loads(e)["choices"]]
+    return sum(1 for p in pieces if p) == tokens
+
+
+def test_requests_for_a_model_with_no_replica_are_held_and_answered_by_the_one_replica_started(live: Live) -> None:
+    assert placed(live, "cold") == []
+    before = scale(live, "cold")
+    assert (before["min"], before["max"], before["wanted"]) == (0, 2, 0)
+    calls = [{"model": "cold", "stream": i % 2 == 0, "max_tokens": 4, "other": i >= 3} for i in range(6)]
+    answers = together(live, calls)
+    for (status, _, body, _), call in zip(answers, calls, strict=True):
+        assert status == 200, body
+        assert streamed_whole(body, 4) if call["stream"] else json.loads(body)["choices"][0]["message"]["content"]
+    # Both gateways held requests; one replica was started for all of them.
+    assert len(placed(live, "cold")) == 1
+    after = scale(live, "cold")
+    assert after["wanted"] == 1
+    assert after["last"]["kind"] == "start" and after["last"]["reason"].startswith("started on demand: ")
+    decisions = live.cluster.server.events("autoscale_decision")
+    assert [(d["model"], d["kind"]) for d in decisions] == [("cold", "start")]
+    text = live.cluster.llmgw("ctl", "models", "--state-dir", str(live.cluster.state)).stdout
+    assert "cold: replicas 0-2 (idle after 4 s), wants 1; started on demand: " in text
+
+
+def test_an_idle_model_is_scaled_to_zero_and_back(live: Live) -> None:
+    wait_until("cold scaled to zero", lambda: not placed(live, "cold") or None, timeout=30)
+    last = scale(live, "cold")["last"]
+    assert (last["kind"], last["reason"]) == ("idle", "idle for 4 s: scaled to zero")
+    text = live.cluster.llmgw("ctl", "replicas", "--state-dir", str(live.cluster.state)).stdout
+    assert "cold: replicas 0-2 (idle after 4 s), wants 0; idle for 4 s: scaled to zero" in text
+    status, _, body = chat(live, "cold")
+    assert status == 200, body
+    assert len(placed(live, "cold")) == 1
+
+
+def test_load_adds_a_replica_and_a_scale_down_cuts_no_stream(live: Live) -> None:
+    # 6 streams of 100 tokens at 40 ms (4 s each) want ceil(6 / 2) = 3, at most 2.
+    first = threading.Thread(
+        target=lambda: results.extend(together(live, [{"model": "cold", "stream": True, "max_tokens": 100}] * 6))
+    )
+    results: list[Any] = []
+    first.start()
+    wait_until("a second replica of cold", lambda: len(placed(live, "cold")) == 2 or None, timeout=30)
+    assert scale(live, "cold")["last"]["kind"] == "up"
+    wait_until(
+        "both replicas ready",
+        lambda: sum(r["state"] == "ready" for r in placed(live, "cold")) == 2 or None,
+        timeout=READY_S,
+    )
+    first.join(120)
+    # A stream on each replica (150 tokens, 6 s); their load (2) fits one replica: after
+    # down_after_s one is retired while its stream runs, and every stream ends whole.
+    second = together(live, [{"model": "cold", "stream": True, "max_tokens": 150}] * 2)
+    assert all(status == 200 and streamed_whole(body, 150) for status, _, body, _ in second), second
+    assert all(status == 200 and streamed_whole(body, 100) for status, _, body, _ in results), results
+    wait_until("one replica of cold again", lambda: len(placed(live, "cold")) == 1 or None, timeout=30)
+    decisions = [d for d in live.cluster.server.events("autoscale_decision") if d["model"] == "cold"]
+    assert [d["kind"] for d in decisions][-2:] == ["up", "down"], decisions
+    on = {headers["x-llmgw-replica"] for _, headers, _, _ in second}
+    retired = live.cluster.server.events("move_original_stopped")[-1]["replica"]  # the last: the idle one went before
+    assert len(on) == 2 and retired in on, (on, retired)  # it had a stream, which ended whole
+
+
+def test_a_model_that_cannot_start_answers_its_held_requests_at_once(live: Live) -> None:
+    answers = together(live, [{"model": "broken"}] * 3)
+    for status, headers, body, took in answers:
+        assert status == 503, body
+        assert "retry-after" in headers
+        assert json.loads(body)["error"]["message"]
+        assert took < 30, took  # well before its 60 s wait
+
+
+def test_a_full_queue_refuses_at_once_and_a_held_request_waits_its_limit(live: Live) -> None:
+    # One request may wait on each gateway: of four sent together to one, three are refused at
+    # once, and the one held gets 503 at its 5 s limit (the replica takes a minute to start).
+    answers = sorted(together(live, [{"model": "narrow"}] * 4), key=lambda a: a[3])
+    assert [a[0] for a in answers] == [503] * 4, answers
+    for status, headers, body, took in answers[:3]:
+        assert "retry-after" in headers and took < 3, (status, headers, body, took)
+        assert "queue" in json.loads(body)["error"]["message"], body
+    status, headers, body, took = answers[3]
+    assert 5 <= took < 15 and "retry-after" in headers, answers[3]
+    assert "within 5 s" in json.loads(body)["error"]["message"], body
