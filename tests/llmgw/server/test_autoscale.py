@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from llmgw.config import AutoscaleSection, Model
-from llmgw.server.state.autoscale import DOWN, IDLE, START, UP, Autoscaler, Load, ScalePolicy, loads_of
+from llmgw.server.state.autoscale import DOWN, EVICT, IDLE, START, UP, Autoscaler, Load, Room, ScalePolicy, loads_of
 from llmgw.wire import gateway_link as g
 
 SETTINGS = AutoscaleSection(target_per_replica=4.0, up_after_s=5.0, down_after_s=60.0, down_margin=0.5)
@@ -311,3 +311,29 @@ def test_no_more_replicas_while_those_wanted_are_not_yet_ready() -> None:
     assert p.step([m], {"m": Load(queued=12)}, 31.0, ready.get) == []  # up_after_s from here
     [d] = p.step([m], {"m": Load(queued=12)}, 36.0, ready.get)
     assert (d.kind, d.after) == (UP, 3)
+
+
+def test_a_model_that_does_not_fit_waits_for_the_replica_retired_to_make_room() -> None:
+    cold, warm = scaled("cold", start=0, high=1), scaled("warm", start=1, high=1)
+    p = policy()
+    p.step([cold, warm], {"warm": Load(arrived=True)}, 0.0)
+    verdicts = {"cold": Room(fits=False, replica="warm-0", model="warm")}
+    [d] = p.step([cold, warm], {"cold": Load(queued=2)}, 100.0, room=lambda m: verdicts[m.name])
+    assert (d.model, d.kind, d.before, d.after, d.replica) == ("warm", EVICT, 1, 0, "warm-0")
+    assert d.reason == "stopped to make room for cold (idle 100 s)"
+    # Nothing else for either until the replica is gone: cold stays at 0 (held, not refused).
+    assert p.step([cold, warm], {"cold": Load(queued=5)}, 101.0, room=lambda m: verdicts[m.name]) == []
+    assert [m.replicas for m in p.effective([cold, warm], 101.0)] == [0, 1]
+    p.lowered("warm")
+    verdicts["cold"] = Room(fits=True)
+    [d] = p.step([cold, warm], {"cold": Load(queued=5)}, 102.0, room=lambda m: verdicts[m.name])
+    assert (d.model, d.kind, d.after) == ("cold", START, 1)
+    assert [m.replicas for m in p.effective([cold, warm], 102.0)] == [1, 0]
+
+
+def test_a_model_that_fits_or_for_which_nothing_makes_room_starts_at_once() -> None:
+    for verdict in (Room(fits=True), Room(fits=False)):
+        p = policy()
+        m = scaled("cold", start=0, high=1)
+        [d] = p.step([m], {"cold": Load(queued=1)}, 0.0, room=lambda _m, v=verdict: v)
+        assert (d.kind, d.after) == (START, 1)  # where nothing fits it is pending, with the reason

@@ -62,7 +62,7 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.nodes.weightsorigin import WeightsOrigin
 from llmgw.server.settings import Settings
 from llmgw.server.state import views
-from llmgw.server.state.autoscale import Autoscaler, initial_count, pick_to_retire, ready_count
+from llmgw.server.state.autoscale import Autoscaler, initial_count, make_room, pick_to_retire, ready_count
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.desired import DesiredStates
@@ -198,6 +198,15 @@ class ControlPlane:
             pick=lambda model: pick_to_retire(self.replicas, model, self.moves.retiring, self.gateways.outstanding),
             clock=lambda: self.registry.clock.now(),
             ready=lambda model: ready_count(self.replicas, self.registry, model),
+            room=lambda model: make_room(
+                model,
+                replicas=self.replicas,
+                policy=self.autoscaler.policy,
+                catalog=self.autoscaler.models(),
+                now=self.registry.clock.now(),
+                outstanding=self.gateways.outstanding,
+                retiring=self.moves.retiring,
+            ),
         )
         models = self.autoscaler.models
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)

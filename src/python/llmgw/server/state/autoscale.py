@@ -14,6 +14,10 @@ look. The rules (`ScalePolicy.step`, a pure function of the loads and the clock)
   steady load does not flap between two counts) for `down_after_s`, one fewer; again after
   `down_after_s` more.
 - **Idle**: after `idle_s` without a request, `min_replicas` (0: none), one replica at a time.
+- **Room**: a model with none that fits no node (`make_room`, the scheduler's plan with one more
+  of it) first has the least recently used idle replica of another scaled model retired, one
+  whose going lets it fit (never one with a request on it, nor of a model with a fixed count),
+  and starts once that one is gone.
 
 A rise takes effect at once (the scheduler places the new replicas; the gateways hold requests
 meanwhile). A fall takes a replica out of the gateways' rotation first and lets its requests
@@ -40,14 +44,16 @@ from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
-from llmgw.server.state.scheduler import replica_slot
+from llmgw.server.state.scheduler import plan, replica_slot
 from llmgw.wakeup import Wakeup, any_of
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 
 log = get_logger("llmgw.autoscale")
 
-START, UP, DOWN, IDLE = "start", "up", "down", "idle"
+START, UP, DOWN, IDLE, EVICT = "start", "up", "down", "idle", "evict"
+# Replicas of other models tried, least recently used first, for one that would make room.
+ROOM_CANDIDATES = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -73,6 +79,17 @@ class Decision:
     reason: str  # in words, for the log, `ctl` and the page: "scaled up: 14 queued, 3 in flight for 5 s"
     at: float  # the policy's clock
     wall: float = 0.0  # unix time, for the views
+    replica: str = ""  # EVICT: the replica to retire
+
+
+@attrs.frozen(kw_only=True)
+class Room:
+    """Whether one more replica of a model fits the cluster now, and if not, the replica of
+    another model whose retirement would make room for it ("": none would)."""
+
+    fits: bool
+    replica: str = ""
+    model: str = ""
 
 
 @attrs.define
@@ -82,6 +99,7 @@ class _Model:
     more_since: float | None = None  # the load has wanted more replicas since
     fewer_since: float | None = None  # the load has fit one fewer since
     lowering: bool = False  # a replica is being retired: no other decision until it is
+    awaiting: str = ""  # the model a replica is being retired of to make room for this one
     last: Decision | None = None
 
 
@@ -123,13 +141,17 @@ class ScalePolicy:
         loads: Mapping[str, Load],
         now: float,
         ready: Callable[[str], int] | None = None,
+        room: Callable[[Model], Room] | None = None,
     ) -> list[Decision]:
         """Look at every scaled model's load once: the decisions made. A rise changes the count
         now; a fall (DOWN, IDLE) marks the model lowering, and `lowered` lowers the count once the
         replica it retired is gone (or `not_lowered` if none could be). `ready(model)`: its
         replicas ready now; while fewer are ready than it wants, it gets no more (the requests
         waiting for those on their way say nothing of what more would carry). Asked only of a
-        model whose load wants more."""
+        model whose load wants more. `room(model)`: asked before a model with none is started:
+        where it does not fit, the least recently used idle replica of another scaled model that
+        would make room is retired first (EVICT, for that model), and this one starts once it is
+        gone; where nothing would, it starts all the same (and is pending with the reason)."""
         s = self.settings()
         decisions = []
         for m in catalog:
@@ -141,7 +163,7 @@ class ScalePolicy:
             load = loads.get(m.name, Load())
             if load.arrived or load.busy:
                 state.last_active = now
-            if state.lowering:
+            if state.lowering or state.awaiting:
                 continue
             decision = None
             if state.wanted < low or state.wanted > high:  # its bounds changed (a reload)
@@ -151,7 +173,9 @@ class ScalePolicy:
             elif state.wanted == 0:
                 if load.queued and high > 0:
                     what = f"{load.queued} request{'s' if load.queued != 1 else ''} waiting"
-                    decision = self._decide(m, state, START, 1, f"started on demand: {what}", now)
+                    decision = self._evict_for(m, state, room(m), now) if room is not None else None
+                    if decision is None:
+                        decision = self._decide(m, state, START, 1, f"started on demand: {what}", now)
             else:
                 decision = self._up(m, state, load, s, high, now, ready) or self._down(m, state, load, s, low, now)
             if decision is not None:
@@ -199,6 +223,28 @@ class ScalePolicy:
         reason = f"scaled down: {load.busy} requests on {state.wanted} replicas for {held:.0f} s"
         return self._decide(m, state, DOWN, state.wanted - 1, reason, now)
 
+    def _evict_for(self, m: Model, state: _Model, room: Room, now: float) -> Decision | None:
+        """A replica retired to make room for `m` (its model lowered by one), or None: `m` fits,
+        or nothing would make room."""
+        victim = self.models.get(room.model)
+        if room.fits or not room.replica or victim is None or victim.lowering or victim.wanted < 1:
+            return None
+        state.awaiting = room.model
+        idle = now - victim.last_active
+        decision = Decision(
+            model=room.model,
+            kind=EVICT,
+            before=victim.wanted,
+            after=victim.wanted - 1,
+            reason=f"stopped to make room for {m.name} (idle {idle:.0f} s)",
+            at=now,
+            wall=time.time(),
+            replica=room.replica,
+        )
+        victim.last = decision
+        victim.lowering = True
+        return decision
+
     def _decide(self, m: Model, state: _Model, kind: str, after: int, reason: str, now: float) -> Decision:
         decision = Decision(
             model=m.name, kind=kind, before=state.wanted, after=after, reason=reason, at=now, wall=time.time()
@@ -218,6 +264,9 @@ class ScalePolicy:
             state.wanted = max(0, state.wanted - 1)
             state.lowering = False
             state.fewer_since = None  # the next step down waits down_after_s from here
+        for other in self.models.values():  # a model waiting for the room this made starts at the next look
+            if other.awaiting == model:
+                other.awaiting = ""
 
     def not_lowered(self, model: str) -> None:
         """A fall found no replica to retire (none placed): the count falls all the same."""
@@ -308,6 +357,45 @@ def pick_to_retire(
     return min(mine, key=lambda p: (outstanding(p.replica_id), -replica_slot(p))).replica_id
 
 
+def make_room(
+    model: Model,
+    *,
+    replicas: Replicas,
+    policy: ScalePolicy,
+    catalog: Sequence[Model],
+    now: float,
+    outstanding: Callable[[str], int],
+    retiring: Collection[str],
+) -> Room:
+    """Whether one more replica of `model` fits the cluster now (the scheduler's own plan, with
+    one more of it), and if not, the replica whose retirement would let it: of the scaled models
+    above their min_replicas, not `model`, a replica with no request on it (as the gateways last
+    said) and not being retired, its model's least recently used first; each tried with the plan
+    (the first ROOM_CANDIDATES). `catalog`: as placed now (`ScalePolicy.effective`)."""
+    counted, surge = replicas.counted()
+    nodes = replicas.node_views(now)
+    more = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == model.name else m for m in catalog]
+    if any(p.model == model.name for p in plan(nodes, more, counted, surge).start):
+        return Room(fits=True)
+    scaled = {m.name: m for m in catalog if m.scaled and m.name != model.name}
+    candidates = []
+    for p in counted:
+        m = scaled.get(p.model)
+        state = policy.models.get(p.model)
+        if m is None or state is None or state.lowering or state.wanted <= m.bounds[0]:
+            continue
+        if p.replica_id in retiring or outstanding(p.replica_id):
+            continue
+        candidates.append((state.last_active, p))
+    candidates.sort(key=lambda c: (c[0], c[1].replica_id))
+    for _, victim in candidates[:ROOM_CANDIDATES]:
+        fewer = [attrs.evolve(m, replicas=m.replicas - 1) if m.name == victim.model else m for m in more]
+        rest = [p for p in counted if p.replica_id != victim.replica_id]
+        if any(p.model == model.name for p in plan(nodes, fewer, rest, surge).start):
+            return Room(fits=False, replica=victim.replica_id, model=victim.model)
+    return Room(fits=False)
+
+
 def ready_count(replicas: Replicas, registry: NodeRegistry, model: str) -> int:
     """The replicas of `model` whose rank 0 reports ready."""
     count = 0
@@ -344,6 +432,7 @@ class Autoscaler:
         pick: Callable[[str], str | None],
         clock: Callable[[], float],
         ready: Callable[[str], int] | None = None,
+        room: Callable[[Model], Room] | None = None,
     ) -> None:
         """`catalog()`: the catalog as configured (each model's bounds); `reports()`: each gateway
         instance's last `ModelLoad`s; `heard()`: events a gateway's next report sets (one per source: the link's heartbeats, the
@@ -351,7 +440,8 @@ class Autoscaler:
         `changed()`: a count rose (the reconciler looks again); `retire(replica, then)`: take the
         replica out of rotation, let its requests finish, call `then()` and stop it; `pick(model)`:
         the replica of `model` to retire (None: none placed); `clock()`: the registry's clock;
-        `ready(model)`: its replicas ready now."""
+        `ready(model)`: its replicas ready now; `room(model)`: whether one more replica of it fits,
+        else which replica to retire for it (`make_room`)."""
         self.settings = settings
         self.catalog = catalog
         self.policy = ScalePolicy(settings, initial)
@@ -362,13 +452,16 @@ class Autoscaler:
         self.pick = pick
         self.clock = clock
         self.ready = ready
+        self.room = room
+        self.again = Wakeup()  # a replica retired: a model waiting for the room it made starts now
         self.seen: dict[tuple[str, str, str], int] = {}
         self.stepped = Wakeup()  # after each look: tests and benches wait on it
         self.metrics = MetricsRegistry()
         self._decisions = self.metrics.counter(
             "llmgw_autoscale_decisions_total",
             "Changes to a scaled model's replica count, by model and kind: start (from zero, for a waiting "
-            "request), up (the load wanted more), down (it fit fewer), idle (no request for idle_s).",
+            "request), up (the load wanted more), down (it fit fewer), idle (no request for idle_s), evict (an "
+            "idle replica stopped to make room for a model with none).",
             ("model", "kind"),
         )
         self._wanted = self.metrics.gauge(
@@ -391,7 +484,7 @@ class Autoscaler:
         """One look: the decisions made, a fall's retirement started in `nursery`."""
         catalog = self.catalog()
         self.policy.forget(set(self.policy.models) - {m.name for m in catalog})
-        decisions = self.policy.step(catalog, loads_of(self.reports(), self.seen), self.clock(), self.ready)
+        decisions = self.policy.step(catalog, loads_of(self.reports(), self.seen), self.clock(), self.ready, self.room)
         rose = False
         for d in decisions:
             self._decisions.inc(model=d.model, kind=d.kind)
@@ -399,14 +492,14 @@ class Autoscaler:
             if d.after > d.before:
                 rose = True
             else:
-                nursery.start_soon(self._lower, d.model)
+                nursery.start_soon(self._lower, d.model, d.replica)
         if rose:
             self.changed()
         self.stepped.fire()
         return decisions
 
-    async def _lower(self, model: str) -> None:
-        replica = self.pick(model)
+    async def _lower(self, model: str, replica: str = "") -> None:
+        replica = replica or self.pick(model)
         if replica is None:
             self.policy.not_lowered(model)
             self.changed()
@@ -424,12 +517,13 @@ class Autoscaler:
             if not done:  # cancelled, or the replica was gone already: the count falls all the same
                 self.policy.not_lowered(model)
                 self.changed()
+            self.again.fire()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                heard = self.heard()
+                heard = [*self.heard(), self.again.next()]
                 self.step(nursery)
                 with trio.move_on_after(self.settings().interval_s):
                     await any_of(heard)

@@ -174,7 +174,7 @@ class Replicas:
     def reconcile(self, now: float) -> set[str]:
         """Place what the catalog wants; returns the nodes whose assignments changed."""
         before = {k: s.placement.nodes for k, s in self.placed.items()}
-        counted, surge = self._counted()
+        counted, surge = self.counted()
         result = plan(self.node_views(now), list(self.models()), counted, surge)
         placed = Placements((p.replica_id, self.placed[p.replica_id]) for p in result.keep)
         for k in self.surge:
@@ -240,7 +240,7 @@ class Replicas:
         count (the reason when nowhere); changes nothing."""
         original = self.placed[replica_id].placement
         models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
-        counted, surge = self._counted()
+        counted, surge = self.counted()
         result = plan(self.node_views(now), models, counted, surge)
         new = [p for p in result.start if p.model == original.model]
         if not new:
@@ -256,7 +256,7 @@ class Replicas:
         models = [
             attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m for m in self.models()
         ]
-        counted, surge = self._counted()
+        counted, surge = self.counted()
         new: dict[str, list[Placement]] = {}
         for p in plan(self.node_views(now), models, counted, surge).start:
             new.setdefault(p.model, []).append(p)
@@ -267,7 +267,7 @@ class Replicas:
                 out.append((rid, found.pop(0)))
         return out
 
-    def _counted(self) -> tuple[list[Placement], list[Placement]]:
+    def counted(self) -> tuple[list[Placement], list[Placement]]:
         """The placements the catalog counts, and the moves' replacements on top of them: a plan
         neither keeps nor stops those, but leaves their GPUs and replica ids alone (a pending
         replica placed while a move was under way took its replacement's id, and the move
