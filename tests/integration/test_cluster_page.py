@@ -350,6 +350,36 @@ async def test_a_stalled_download_shows_on_the_page_in_ctl_models_and_ctl_replic
             admin.request("POST", "/admin/v1/reload")
 
 
+async def test_a_model_whose_replicas_follow_the_load_shows_its_bounds_on_the_open_page(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
+    server_toml = up.state / "server.toml"
+    before = server_toml.read_text()
+    admin = AdminClient.locate(server=None, credential=None, state_dir=str(up.state))
+    try:
+        async with open_tab(chromium) as tab:
+            await tab.goto(page_url(admin, actions=False)["url"])
+            await tab.wait_for("document.getElementById('model-sim-small')")
+            doc = tomllib.loads(before)
+            doc["models"].append(
+                {
+                    "name": "elastic",
+                    "engine": "sim",
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "replicas": 1,
+                    "idle_s": 600.0,
+                }
+            )
+            server_toml.write_text(tomli_w.dumps(doc))
+            admin.request("POST", "/admin/v1/reload")
+            scale = "document.querySelector('[data-scale=\"elastic\"]')"
+            text = await tab.wait_for(f"{scale}?.textContent", LIVE_S)
+            assert text == "Replicas 1-2 by load (idle after 600 s), wants 1", text
+            no_console_errors(tab)
+    finally:
+        server_toml.write_text(before)
+        admin.request("POST", "/admin/v1/reload")
+
+
 async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_page(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
     async with open_tab(chromium) as tab:
         await tab.goto(up.ctl("page")["url"])

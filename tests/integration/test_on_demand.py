@@ -12,6 +12,8 @@ In order, each step from what the last left:
    stream is on each: every stream ends whole ([DONE], every token), none cut.
 4. A model whose engine cannot start: the requests held for it are answered 503 with the reason
    at once, not at the end of their wait; a model whose queue is full refuses at once.
+5. More models than memory: two models each needing 60 % of the node's memory; the second one's
+   request has the first one's idle replica retired to make room, and is answered.
 `ctl models` / `ctl replicas` show each decision with its reason, /metrics counts them.
 """
 
@@ -67,6 +69,23 @@ max_queue = 1
 queue_timeout_s = 5.0
 args = ["--startup-delay-s", "60"]
 """
+# Two models each needing more than half of this machine's memory: one fits the node at a time.
+_TOTAL_GIB = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1]) / 2**20
+BIG_GB = round(_TOTAL_GIB * 0.6, 1)
+CATALOG += "".join(
+    f"""
+[[models]]
+name = "{name}"
+engine = "sim"
+min_replicas = 0
+max_replicas = 1
+replicas = 0
+memory_gb = {BIG_GB}
+idle_s = 600.0
+queue_timeout_s = 60.0
+"""
+    for name in ("big-a", "big-b")
+)
 READY_S = 45.0
 
 
@@ -253,3 +272,15 @@ def test_a_full_queue_refuses_at_once_and_a_held_request_waits_its_limit(live: L
     status, headers, body, took = answers[3]
     assert 5 <= took < 15 and "retry-after" in headers, answers[3]
     assert "within 5 s" in json.loads(body)["error"]["message"], body
+
+
+def test_a_model_that_does_not_fit_gets_the_room_of_an_idle_one(live: Live) -> None:
+    status, _, body = chat(live, "big-a")
+    assert status == 200, body
+    assert [r["model"] for r in placed(live, "big-a")] == ["big-a"]
+    status, _, body = chat(live, "big-b")  # big-a is idle (its request is over): it makes room
+    assert status == 200, body
+    assert placed(live, "big-a") == [] and len(placed(live, "big-b")) == 1
+    last = scale(live, "big-a")["last"]
+    assert last["kind"] == "evict" and last["reason"].startswith("stopped to make room for big-b"), last
+    assert scale(live, "big-b")["last"]["kind"] == "start"

@@ -43,7 +43,7 @@ from llmgw.log import get_logger
 from llmgw.server.errors import StoreError
 from llmgw.server.state.clusterviews import Item
 from llmgw.server.state.keys import key_view
-from llmgw.wakeup import Wakeup
+from llmgw.wakeup import Wakeup, any_of
 
 log = get_logger("llmgw.page")
 
@@ -102,19 +102,10 @@ async def wait_any(events: Sequence[trio.Event], timeout_s: float) -> bool:
     """Wait until any of `events` is set, for at most `timeout_s`; whether one was."""
     if any(e.is_set() for e in events):
         return True
-    woke = False
     with trio.move_on_after(timeout_s):
-        async with trio.open_nursery() as nursery:
-
-            async def one(event: trio.Event) -> None:
-                nonlocal woke
-                await event.wait()
-                woke = True
-                nursery.cancel_scope.cancel()
-
-            for e in events:
-                nursery.start_soon(one, e)
-    return woke
+        await any_of(events)
+        return True
+    return False
 
 
 class _Slices:
