@@ -1,6 +1,7 @@
 """The models-on-demand benchmark (tools/bench/ondemand.py) still runs and prints its JSON, every
 key of it, in its smoke form: the llama-server `./pants test` builds (testlib.llama), one small
-made model started cold once, and a short step too small to add a replica. Its figures come from
+made model started cold twice (from zero replicas, back to zero when idle, and from zero again:
+scale to zero and back on a real llama-server), and a short step too small to add a replica. Its figures come from
 full runs (docs/performance.md); this keeps the benchmark from rotting."""
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_the_ondemand_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None
             "--server",
             llama_server(),
             "--runs",
-            "1",
+            "2",
             "--step-clients",
             "2",
             "--step-s",

@@ -253,6 +253,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         shapes = SMOKE_MODELS if opts.smoke else MODELS
         files = {name: make_gguf(root / f"{name}.gguf", **args) for name, args in shapes.items()}
         load_s = {name: min(standalone_load_s(server, path) for _ in range(2)) for name, path in files.items()}
+        (root / "cluster").mkdir()
         cluster = Cluster(
             root / "cluster", heartbeat_interval_s=0.5, heartbeat_ttl_s=5.0, server_toml="gateway_workers = 1\n"
         )
