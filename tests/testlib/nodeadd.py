@@ -16,6 +16,9 @@ release's archive, which the control plane serves from `[release] dir`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -25,7 +28,7 @@ from llmgw_release import build, llamabuild, wheels
 
 import llmgw
 from llmgw.ctl.client import AdminClient
-from testlib.cluster import wait_until
+from testlib.cluster import free_port, wait_until
 from testlib.llama import cache_root, llama_server
 from testlib.netnode import NetNode, preflight
 from testlib.proc import Proc, build_root, run_llmgw
@@ -235,3 +238,31 @@ def cp(tmp_path: Path, node: NetNode) -> Iterator[ControlPlane]:
         yield c
     finally:
         c.stop()
+
+
+class ServedRelease:
+    """A release directory served over plain HTTP (`python -m http.server`) on the host's side of a
+    node's link: a release the node fetches itself."""
+
+    def __init__(self, node: NetNode, directory: Path) -> None:
+        port = free_port(node.host_addr)
+        self.url = f"http://{node.host_addr}:{port}/"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "http.server", "--bind", node.host_addr, "--directory", str(directory), str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until("the release's file server", lambda: _answers(self.url), timeout=15)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(url + "SHA256SUMS", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
