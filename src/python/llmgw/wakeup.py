@@ -63,6 +63,8 @@ WAKEUPS: dict[str, str] = {
     "(`server/gateways/inprocess.py`); the cluster page's feed looks again (`Feed.serve`)",
     "llmgw.server.state.changes.Changes.settled": "the reconciler finished a pass -> the spreader looks (`Moves`); the "
     "cluster page's feed looks again; a reload or a cordon waiting for its push returns (`Reconciler.next_pass`)",
+    "llmgw.server.state.autoscale.Autoscaler.again": "a scale-down's replica was retired (or could not be) -> "
+    "the autoscaler looks again at once: a model waiting for the room it made starts now",
     "llmgw.server.state.autoscale.Autoscaler.stepped": "the autoscaler looked at the gateways' loads once -> "
     "tests and benches waiting for a decision look again",
     "llmgw.server.state.moves.Moves.reported": "an agent reported its replicas' states -> a move waiting for its "
