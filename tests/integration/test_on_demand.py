@@ -35,7 +35,7 @@ from testlib.cluster import Cluster, wait_until
 CATALOG = """
 [autoscale]
 target_per_replica = 2.0
-up_after_s = 1.0
+up_after_s = 3.0  # longer than the held requests' burst once the replica is ready (0.2 s)
 down_after_s = 2.0
 down_margin = 1.0  # one fewer as soon as the load fits: a stream on each replica, and one retired under it
 interval_s = 0.2

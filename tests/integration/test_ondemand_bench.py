@@ -46,6 +46,8 @@ SHAPE = {
         "down_decisions": int,
         "queue_wait_p50_ms": Maybe(NUMBER),
         "queue_wait_p99_ms": Maybe(NUMBER),
+        "first_token_p50_ms": Maybe(NUMBER),
+        "first_token_p99_ms": Maybe(NUMBER),
         "replica_seconds": NUMBER,
         "fixed_max_replica_seconds": NUMBER,
         "trace_s": NUMBER,

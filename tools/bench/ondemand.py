@@ -17,8 +17,9 @@ the suite's llama-server), its catalog two models on demand (`min_replicas = 0`)
    again while the extra replicas are retired. `scale_up_decision_s`: the step's start (the
    queue forming) to the first `up` decision; `queue_wait_p99_ms` during the step (the gateway's
    `x-llmgw-overhead-ms`: time before a replica took the request); replica-seconds used against a
-   fixed `max_replicas` over the same time; `failed_requests` over the whole trace (a non-200,
-   a cut stream), through every scale-down.
+   fixed `max_replicas` over the same time; the time to the first token p50/p99 during the step
+   (the waiting is in llama-server's slots: the gateway sends every request on); `failed_requests`
+   over the whole trace (a non-200, a cut stream), through every scale-down.
 
 Prints one JSON object. Targets: `cold_overhead_s` <= 2, `scale_up_decision_s` <= 10, 0 failed.
 """
@@ -243,6 +244,16 @@ def stepped(cluster: Cluster, client: Client, step_clients: int, step_s: float, 
     if during:
         out["queue_wait_p50_ms"] = round(during[len(during) // 2], 1)
         out["queue_wait_p99_ms"] = round(during[min(len(during) - 1, int(len(during) * 0.99))], 1)
+    # The gateway sends every request on at once (no per-replica cap): the waiting is in
+    # llama-server's slots, which the time to the first token shows.
+    firsts = sorted(
+        1000 * (r["first_token"] - r["start"])
+        for r in results
+        if step_start <= r["start"] < step_end and r["first_token"] is not None
+    )
+    if firsts:
+        out["first_token_p50_ms"] = round(firsts[len(firsts) // 2], 1)
+        out["first_token_p99_ms"] = round(firsts[min(len(firsts) - 1, int(len(firsts) * 0.99))], 1)
     return out
 
 

@@ -55,18 +55,22 @@ def test_more_load_than_the_target_for_up_after_s_adds_what_it_wants_in_one_step
     assert p.step([m], {"m": load}, 4.9) == []
     [d] = p.step([m], {"m": load}, 5.0)
     assert (d.kind, d.before, d.after) == (UP, 1, 4)
-    assert d.reason == "scaled up: 10 queued, 4 in flight for 5 s"
+    assert d.reason == "scaled up: 10 queued, 4 in flight on average over 5 s"
     assert p.effective([m], 5.0)[0].replicas == 4
 
 
-def test_a_burst_shorter_than_up_after_s_adds_nothing() -> None:
+def test_a_burst_shorter_than_up_after_s_adds_nothing_and_a_dip_between_requests_does_not_restart_the_wait() -> None:
     m = scaled(start=1)
     p = policy()
-    assert p.step([m], {"m": Load(queued=20)}, 0.0) == []
-    assert p.step([m], {"m": Load(in_flight=2)}, 3.0) == []  # it passed
-    assert p.step([m], {"m": Load(queued=20)}, 6.0) == []  # a new burst starts its own wait
-    assert p.step([m], {"m": Load(queued=20)}, 10.9) == []
-    assert [d.after for d in p.step([m], {"m": Load(queued=20)}, 11.0)] == [3]
+    # 8 for two seconds (two replicas' worth), then 1: over any 5 s it averages one replica's.
+    for t, busy in [(0.0, 8), (1.0, 8), (2.0, 1), (3.0, 1), (4.0, 1), (5.0, 1), (6.0, 1), (7.0, 1)]:
+        assert p.step([m], {"m": Load(in_flight=busy)}, t) == [], t
+    # A steady 12 with one look at 2 (a client between two requests) in the middle: still up at 5 s.
+    p = policy()
+    for t, busy in [(0.0, 12), (1.0, 12), (2.0, 2), (3.0, 12), (4.0, 12)]:
+        assert p.step([m], {"m": Load(in_flight=busy)}, t) == [], t
+    [d] = p.step([m], {"m": Load(in_flight=12)}, 5.0)
+    assert (d.kind, d.after) == (UP, 3)  # ceil(10 / 4): the average of the last 5 s
 
 
 def test_never_above_max_replicas() -> None:

@@ -8,8 +8,9 @@ look. The rules (`ScalePolicy.step`, a pure function of the loads and the clock)
 
 - **From zero**: a model with no replica and a request waiting gets one at once. A gateway
   reports the first request it holds for such a model at once, not at its next heartbeat.
-- **Up**: the load wants ceil((queued + in flight) / target_per_replica) replicas; when that has
-  been more than it has for `up_after_s`, it gets that many (at most `max_replicas`) in one step.
+- **Up**: the load wants ceil((queued + in flight) / target_per_replica) replicas; when the load
+  averaged over the last `up_after_s` wants more than it has, it gets that many (at most
+  `max_replicas`) in one step.
 - **Down**: when the load would fit one replica fewer below `down_margin` of the target (so a
   steady load does not flap between two counts) for `down_after_s`, one fewer; again after
   `down_after_s` more.
@@ -96,7 +97,7 @@ class Room:
 class _Model:
     wanted: int
     last_active: float
-    more_since: float | None = None  # the load has wanted more replicas since
+    recent: list[tuple[float, int, int]] = attrs.field(factory=list)  # looks at the load: (when, queued, in flight)
     fewer_since: float | None = None  # the load has fit one fewer since
     lowering: bool = False  # a replica is being retired: no other decision until it is
     awaiting: str = ""  # the model a replica is being retired of to make room for this one
@@ -192,17 +193,27 @@ class ScalePolicy:
         now: float,
         ready: Callable[[str], int] | None,
     ) -> Decision | None:
-        need = min(high, math.ceil(load.busy / s.target_per_replica))
-        if need <= state.wanted or (ready is not None and ready(m.name) < state.wanted):
-            state.more_since = None
+        # The load over the last up_after_s, averaged: one look between two requests (a client's
+        # answer done, its next not yet sent) does not start the wait over.
+        recent = state.recent
+        recent.append((now, load.queued, load.in_flight))
+        start = now - s.up_after_s
+        while len(recent) > 1 and recent[1][0] <= start:  # one look at or before the start: the window is covered
+            recent.pop(0)
+        if recent[0][0] > start:
             return None
-        if state.more_since is None:
-            state.more_since = now
-        held = now - state.more_since
-        if held < s.up_after_s:
+        window = recent[1:] or recent
+        queued = sum(q for _, q, _ in window) / len(window)
+        flight = sum(f for _, _, f in window) / len(window)
+        need = min(high, math.ceil((queued + flight) / s.target_per_replica - 1e-9))
+        if need <= state.wanted:
             return None
-        state.more_since = None
-        reason = f"scaled up: {load.queued} queued, {load.in_flight} in flight for {held:.0f} s"
+        if ready is not None and ready(m.name) < state.wanted:
+            state.recent = [(now, load.queued, load.in_flight)]  # measured again once those wanted are ready
+            return None
+        held = now - recent[0][0]
+        state.recent = []
+        reason = f"scaled up: {queued:.0f} queued, {flight:.0f} in flight on average over {held:.0f} s"
         return self._decide(m, state, UP, need, reason, now)
 
     def _down(self, m: Model, state: _Model, load: Load, s: AutoscaleSection, low: int, now: float) -> Decision | None:
