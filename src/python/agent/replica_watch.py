@@ -35,6 +35,7 @@ log = get_logger("llmgw.agent.replicas")
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 KILL_WAIT_S = 5.0  # after SIGKILL, before giving up on reaping
 HEALTH_INTERVAL_S = 0.5
+FIRST_HEALTH_INTERVAL_S = 0.05  # a starting engine is asked this soon again at first, doubling to HEALTH_INTERVAL_S
 # Once ready, rank 0's /health is asked again every LIVENESS_INTERVAL_S; LIVENESS_FAILURES
 # answers in a row that are not 200 within LIVENESS_TIMEOUT_S mean the engine is stuck (alive,
 # not serving): it is stopped and started again like an engine that exited. Generous, so that
@@ -140,7 +141,10 @@ class EngineWatch:
     async def _watch_health(
         self, m: Member, host: str, port: int, engine: EngineProcess, engine_log: EngineLog
     ) -> None:
-        """Ready once `GET /health` answers 200; then, while it runs, stopped if it stops answering."""
+        """Ready once `GET /health` answers 200; then, while it runs, stopped if it stops answering.
+        Asked every 50 ms at first, doubling to `health_interval_s`: a small model loads in a
+        tenth of a second, and a request held for a model on demand waits for this answer."""
+        interval = min(FIRST_HEALTH_INTERVAL_S, self.health_interval_s)
         while True:
             status = await probe_health(host, port)
             m.observed.set()
@@ -149,7 +153,8 @@ class EngineWatch:
                 break
             if status is not None:
                 m.set(w.STARTING, port=port)  # it listens, it does not serve yet
-            await trio.sleep(self.health_interval_s)
+            await trio.sleep(interval)
+            interval = min(2 * interval, self.health_interval_s)
         failures = 0
         while failures < self.liveness_failures:
             await trio.sleep(self.liveness_interval_s)
