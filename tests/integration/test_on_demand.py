@@ -115,18 +115,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         [ready] = server.events("server_ready")
         other = gatewayd.start(cluster, "gw-b", gatewayd.issue_certificate(cluster, "gw-b"))
         # No replica is ready (every model is on demand), and the gateway serves all the same.
-        wait_until("gw-b serving", lambda: serving(other), alive=[other.proc], timeout=60)
+        wait_until("gw-b serving", other.serves, alive=[other.proc], timeout=60)
         token = cluster.ctl("keys", "create", "ondemand")["token"]
         yield Live(cluster=cluster, port=int(ready["admin_url"].rsplit(":", 1)[1]), other=other.port, token=token)
     finally:
         cluster.close()
-
-
-def serving(gateway: gatewayd.Standalone) -> bool:
-    try:
-        return gateway.health()["http_status"] == 200
-    except OSError:  # not listening yet
-        return False
 
 
 def chat(

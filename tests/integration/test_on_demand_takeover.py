@@ -55,13 +55,6 @@ def ask(port: int, token: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def serving(gateway: gatewayd.Standalone) -> bool:
-    try:
-        return gateway.health()["http_status"] == 200
-    except OSError:
-        return False
-
-
 def test_a_scale_up_begun_by_a_leader_killed_is_kept_by_the_next(planes: Planes) -> None:
     a, b = planes.start_two_nodes(CATALOG)
     wait_until(
@@ -73,7 +66,7 @@ def test_a_scale_up_begun_by_a_leader_killed_is_kept_by_the_next(planes: Planes)
     gw = gatewayd.start(
         planes.cluster, "gw1", gatewayd.issue_certificate(planes.cluster, "gw1"), server=planes.agent_urls
     )
-    wait_until("the gateway serving", lambda: serving(gw), alive=[gw.proc], timeout=60)
+    wait_until("the gateway serving", gw.serves, alive=[gw.proc], timeout=60)
 
     answers: list[Any] = []
     threads = [threading.Thread(target=lambda: answers.append(ask(gw.port, token)), daemon=True) for _ in range(3)]

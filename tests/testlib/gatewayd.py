@@ -49,6 +49,13 @@ class Standalone:
             self.port, "POST", "/v1/chat/completions", chat(content, **extra), token=token, host=self.host, timeout=60
         )
 
+    def serves(self) -> bool:
+        """Whether /health says 200 now (False while it does not listen yet)."""
+        try:
+            return self.health()["http_status"] == 200
+        except OSError:
+            return False
+
     def every_worker(self, check: Callable[[dict[str, Any]], bool], samples: int = SAMPLES) -> bool:
         """Whether `check(health)` holds on `samples` fresh connections in a row."""
         return all(check(self.health()) for _ in range(samples))
