@@ -40,7 +40,10 @@ TAKEOVER_S = 10.0  # the issue's bound: the standby leads within this of the lea
 
 @pytest.fixture
 def planes(tmp_path: Path, postgres_db: Database) -> Iterator[Planes]:  # noqa: F811 - the fixture
-    p = Planes(tmp_path, postgres_db)
+    # An agent whose link to the killed leader was backing off comes back up to 30 s later (its
+    # backoff's ceiling; seen in CI: 30.2 s): the new leader waits that long and more for the nodes
+    # it knew before it calls them lost and rebuilds their replicas (the product's default is 35 s).
+    p = Planes(tmp_path, postgres_db, reconnect_grace_s=40.0)
     try:
         yield p
     finally:
