@@ -35,7 +35,7 @@ args = ["--startup-delay-s", "6"]
 
 @pytest.fixture
 def planes(tmp_path: Path, postgres_db: Database) -> Iterator[Planes]:  # noqa: F811 - the fixture
-    p = Planes(tmp_path, postgres_db)
+    p = Planes(tmp_path, postgres_db, reconnect_grace_s=40.0)  # agents backing off return up to 30 s later
     try:
         yield p
     finally:
