@@ -13,7 +13,6 @@ It has no HTTP server, so the figures stay in the log.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from functools import partial
@@ -27,6 +26,7 @@ from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink
 from agent.node_address import NodeAddress
+from agent.node_id import node_id_of
 from agent.peers import Members, PeerClient, PeerServer, peer_ssl_context
 from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.swarm import Peering, Tracker
@@ -53,10 +53,6 @@ class Identity:
     node_id: str
     boot_id: str
     started_at: float
-
-
-def node_id_of(config: AgentConfig) -> str:
-    return config.node_id or socket.gethostname()
 
 
 def boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:

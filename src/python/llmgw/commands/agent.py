@@ -11,8 +11,6 @@ import attrs
 from llmgw import config as cfg
 from llmgw import driverpaths
 from llmgw.cli import Parser, add_group, add_leaf
-from llmgw.commands._service import run_service
-from llmgw.pki.files import write_node_key_and_csr
 
 DEFAULT_CONFIG = "/etc/llmgw/agent.toml"
 # Kept equal to agent.supervise's (imported only when a command runs); a test checks they agree.
@@ -92,6 +90,7 @@ def configure(parser: Parser) -> None:
 
 def run_agent(args: argparse.Namespace) -> int:
     from agent.main import run_agent as serve
+    from llmgw.commands._service import run_service
 
     config = cfg.load_agent_config(args.config)
     overrides = {k: getattr(args, k) for k in ("llamacpp_bin", "vllm_bin", "sglang_python") if getattr(args, k)}
@@ -115,7 +114,9 @@ def _present(key: str, path: Path) -> bool:
 
 
 def run_csr(args: argparse.Namespace) -> int:
-    from agent.main import node_id_of
+    # Not agent.main's imports (trio, the link, the engines: 0.4 CPU-s): a key and a CSR need none.
+    from agent.node_id import node_id_of
+    from llmgw.pki.files import write_node_key_and_csr
 
     config = cfg.load_agent_config(args.config)
     node_id = node_id_of(config)
