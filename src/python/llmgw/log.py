@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from llmgw.config import Secret
+from llmgw.secret import Secret  # not llmgw.config: see llmgw.secret
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("kv", "json")

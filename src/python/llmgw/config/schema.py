@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 
 from llmgw import pins
+from llmgw.secret import Secret
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 DEFAULT_SERVER_STATE_DIR = "/var/lib/llmgw"
@@ -35,21 +36,6 @@ EVENT_ENGINES = ("vllm", "sglang")
 # A llama.cpp build on a node is stopped after this long (docs/engines.md: 5-8 min on 2 cores for
 # the CPU build; a CUDA build for one GPU architecture takes several times that).
 DEFAULT_BUILD_TIMEOUT_S = 7200.0
-
-
-@attrs.frozen(repr=False)
-class Secret:
-    """A value that must never be printed. `reveal()` is the one way to read it."""
-
-    _value: str
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('<redacted>')"
-
-    __str__ = __repr__
 
 
 # -- server.toml ---------------------------------------------------------------------------
