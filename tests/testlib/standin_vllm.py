@@ -15,6 +15,7 @@ operator's vLLM, what the agent starts and the gateway serves through, and vLLM'
   $STANDIN_TOKEN_MS ms). With --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (else 404, as in
   vLLM): `POST /sleep?level=N` ($STANDIN_SLEEP_S, default 0.05 s), `POST /wake_up`
   ($STANDIN_WAKE_S, default 0.2 s), `GET /is_sleeping`; completions answer 503 unless awake.
+  $STANDIN_FAIL=/sleep or /wake_up: that route answers 500 and changes nothing.
   `--headless` (a worker rank) serves nothing, as vLLM's.
 - Given `--kv-events-config`, it publishes KV-cache events as vLLM does (`testlib.kvpublisher`'s
   encoding; a real libzmq PUB socket bound where the config says): a block stored every 0.1 s,
@@ -202,6 +203,9 @@ class Handler(BaseHTTPRequestHandler):
         body = self.read_body()
         if url.path in ("/v1/chat/completions", "/v1/completions"):
             self.complete(url.path, body)
+        elif url.path in ("/sleep", "/wake_up") and engine.sleep_mode and os.environ.get("STANDIN_FAIL") == url.path:
+            # An engine whose sleep mode breaks (out of host memory, say): 500, its state as it was.
+            self.send_json(500, error_body(500, f"{url.path} failed (STANDIN_FAIL)", "InternalServerError"))
         elif url.path == "/sleep" and engine.sleep_mode:
             try:
                 level = int(parse_qs(url.query).get("level", ["1"])[0])

@@ -56,8 +56,9 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 def fingerprint(a: w.ReplicaAssignment) -> str:
     """What makes two assignments the same for `replicas.plan`: equal fingerprints, equal
     assignments. Fields left at their defaults are left out, so that a field added to the wire
-    type with a default does not make a newer agent restart the engines it adopts."""
-    fields = attrs.asdict(a, filter=lambda att, value: value != att.default)
+    type with a default does not make a newer agent restart the engines it adopts. `parked` is
+    not what it runs but what it is asked to do now: parking or waking restarts nothing."""
+    fields = attrs.asdict(a, filter=lambda att, value: value != att.default and att.name != "parked")
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

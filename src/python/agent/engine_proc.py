@@ -16,7 +16,7 @@ from typing import Protocol
 
 import trio
 
-from llmgw.h1 import NEED_DATA, ProtocolError, ResponseParser, request_bytes
+from llmgw.h1 import NEED_DATA, Head, ProtocolError, ResponseParser, request_bytes
 from llmgw.log import get_logger
 
 log = get_logger("llmgw.agent.replicas")
@@ -98,20 +98,57 @@ def pick_port(host: str, preferred: int = 0) -> int:
 
 async def probe_health(host: str, port: int, *, timeout_s: float = HEALTH_TIMEOUT_S) -> int | None:
     """The status of `GET /health` on the engine, or None if nothing answered within `timeout_s`."""
+    answer = await call_engine(host, port, "GET", "/health", timeout_s=timeout_s, body_limit=None)
+    return None if answer is None else answer[0]
+
+
+ENGINE_ANSWER_MAX_BYTES = 1 << 16  # the most of an engine's answer `call_engine` reads
+
+
+async def call_engine(
+    host: str,
+    port: int,
+    method: str,
+    target: str,
+    *,
+    timeout_s: float,
+    bearer: str = "",
+    body_limit: int | None = ENGINE_ANSWER_MAX_BYTES,
+) -> tuple[int, bytes] | None:
+    """One request to an engine's API port (an empty body), on a connection of its own: the
+    answer's status and body (up to `body_limit` bytes; None: the status alone, the body not
+    read), or None if nothing answered within `timeout_s` or the answer was not HTTP. `bearer`:
+    the replica's key, sent as `Authorization: Bearer`."""
+    headers = [(b"connection", b"close")]
+    if bearer:
+        headers.append((b"authorization", b"Bearer " + bearer.encode()))
+    if method != "GET":
+        headers.append((b"content-length", b"0"))
     with trio.move_on_after(timeout_s):
         try:
             stream = await trio.open_tcp_stream(host, port)
         except OSError:
             return None
         async with stream:
-            # The codec's client role, as the gateway probes an engine (`llmgw.gateway.upstream`).
-            parser = ResponseParser(request_method="GET")
-            request = request_bytes("GET", "/health", f"{host}:{port}", ((b"connection", b"close"),), b"")
+            # The codec's client role, as the gateway talks to an engine (`llmgw.gateway.upstream`).
+            parser = ResponseParser(request_method=method)
             try:
-                await stream.send_all(request)
-                while (event := parser.next_event()) is NEED_DATA:
-                    parser.receive_data(await stream.receive_some(1 << 14))
-                return event.status  # type: ignore[union-attr] - the head comes first (1xx skipped)
+                await stream.send_all(request_bytes(method, target, f"{host}:{port}", headers, b""))
+                status, body = 0, bytearray()
+                while True:
+                    event = parser.next_event()
+                    if event is NEED_DATA:
+                        parser.receive_data(await stream.receive_some(1 << 14))
+                    elif isinstance(event, Head):
+                        status = event.status
+                        if body_limit is None:
+                            return status, b""
+                    elif isinstance(event, bytes):
+                        if len(body) + len(event) > (body_limit or 0):
+                            return status, bytes(body)  # enough of it: the rest is not read
+                        body += event
+                    else:  # END
+                        return status, bytes(body)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
                 return None  # closed before answering, or not HTTP
     return None

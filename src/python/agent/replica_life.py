@@ -310,6 +310,7 @@ class Life:
             ib_adapters=a.ib_adapters,
             private_dir=str(self.keys.dir_for(replica, rank)),
             events_port=m.events_port,
+            parkable=a.parkable and spec_for(a.engine).park is not None,
         )
 
     async def _run_once(self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog) -> int | None:

@@ -21,6 +21,7 @@ import trio
 from agent.replica_plan import TRANSITIONS, Key
 from llmgw.backoff import Failures
 from llmgw.log import get_logger
+from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 
 log = get_logger("llmgw.agent.replicas")
@@ -49,6 +50,10 @@ class Member:
     host: str = ""  # where rank 0's engine listens (while it runs)
     exits: Failures  # its engine's exits that count for the restart policy
     answered: int = 0  # liveness probes its engine answered (200) since it was ready, all starts together
+    # Whether the control plane wants its engine parked now (`ReplicaAssignment.parked`), and a
+    # wake-up for each change of that: rank 0's watch parks or wakes the engine to match.
+    park_wanted: bool = False
+    park_changed: Wakeup = attrs.Factory(Wakeup)
 
     @property
     def key(self) -> Key:
@@ -72,6 +77,12 @@ class Member:
             replica, rank = self.key
             log.info("replica_state", replica=replica, rank=rank, state=state, was=old.state, pid=new.pid)
         self.on_change()
+
+    def want_parked(self, parked: bool) -> None:
+        """The control plane's wish for its engine, from each desired state."""
+        if parked != self.park_wanted:
+            self.park_wanted = parked
+            self.park_changed.fire()
 
     def fail(self, reason: str) -> None:
         replica, rank = self.key

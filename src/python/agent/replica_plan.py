@@ -21,8 +21,11 @@ Key = tuple[str, int]  # (replica_id, node_rank)
 # member being stopped only goes on to stopped: whatever else it was about to report is moot.
 TRANSITIONS: Mapping[str, frozenset[str]] = {
     w.FETCHING: frozenset({w.STARTING, w.FAILED, w.STOPPING}),
-    w.STARTING: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
-    w.READY: frozenset({w.RESTARTING, w.FAILED, w.STOPPING}),
+    # PARKED at once: an engine an earlier agent left parked (agent.replica_watch).
+    w.STARTING: frozenset({w.READY, w.PARKED, w.RESTARTING, w.FAILED, w.STOPPING}),
+    w.READY: frozenset({w.PARKED, w.RESTARTING, w.FAILED, w.STOPPING}),
+    # Parked and woken by its engine (rank 0 asks it: `agent.replica_watch`), it runs throughout.
+    w.PARKED: frozenset({w.READY, w.RESTARTING, w.FAILED, w.STOPPING}),
     # An adopted engine that exited is followed by an ordinary start, which may fetch first.
     w.RESTARTING: frozenset({w.FETCHING, w.STARTING, w.FAILED, w.STOPPING}),
     w.FAILED: frozenset({w.FETCHING, w.STARTING, w.STOPPING}),  # waiting for an engine or GPUs

@@ -222,6 +222,7 @@ class Supervisor:
             self._retire(self._members.pop(k))
         for a in todo.keep:
             m = self._members[key_of(a)]
+            m.want_parked(a.parked)
             if m.assignment is None:
                 m.assignment = a
                 m.assigned.set()
@@ -237,6 +238,7 @@ class Supervisor:
                 on_change=self._changed,
                 exits=Failures(self.life.backoff),
             )
+            m.want_parked(a.parked)
             m.assigned.set()
             self._members[k] = m
             log.info("replica_assigned", replica=a.replica_id, rank=a.node_rank, model=a.model, engine=a.engine)

@@ -6,6 +6,12 @@ answering /health while it runs is stopped, to be started again as if it had exi
 (`LIVENESS_*`: a hung engine is not left holding its replica). An engine whose listening address
 has left the machine (the link came back from another) is stopped to be started again there.
 
+An engine that can park its model (`EngineSpec.park`: vLLM's sleep mode) is parked and woken by
+rank 0's watch as the control plane asks (`Member.park_wanted`): `parked` once its engine says
+so, `ready` again once woken. A park that fails leaves it serving (and is tried again); a wake
+that fails has the engine stopped and started again, which serves as surely. An engine found
+parked when it is first seen ready (adopted from an earlier agent) reports `parked`.
+
 Cancelling the watch is the stop: SIGTERM to the engine's process group, a deadline, then
 SIGKILL, in shielded and bounded cleanup. However the watch ends, nothing of the engine's process
 group is left, and its run record and key file are gone. The process plumbing (process group
@@ -14,18 +20,22 @@ signals, health probe) is `agent.engine_proc`.
 
 from __future__ import annotations
 
+import json
+import math
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from agent.adoption import RunRecords
-from agent.engine_proc import EngineProcess, probe_health, probe_host, signal_group
+from agent.engine_proc import HEALTH_TIMEOUT_S, EngineProcess, call_engine, probe_health, probe_host, signal_group
 from agent.key_files import KeyFiles
 from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog
 from agent.replica_member import Member
 from agent.replica_plan import describe_end
+from llmgw.engines import SPECS
+from llmgw.engines.spec import Park
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
@@ -43,6 +53,10 @@ FIRST_HEALTH_INTERVAL_S = 0.05  # a starting engine is asked this soon again at 
 LIVENESS_INTERVAL_S = 10.0
 LIVENESS_TIMEOUT_S = 10.0
 LIVENESS_FAILURES = 3
+# How long an engine may take to park or wake its model (vLLM copies the weights to host memory
+# and back: seconds for a large model), and how soon a park that failed is tried again.
+PARK_TIMEOUT_S = 120.0
+PARK_RETRY_S = 30.0
 
 
 class EngineWatch:
@@ -145,17 +159,39 @@ class EngineWatch:
         Asked every 50 ms at first, doubling to `health_interval_s`: a small model loads in a
         tenth of a second, and a request held for a model on demand waits for this answer."""
         interval = min(FIRST_HEALTH_INTERVAL_S, self.health_interval_s)
+        park = _park_of(m)
         while True:
             status = await probe_health(host, port)
-            m.observed.set()
             if status == 200:
-                m.set(w.READY, port=port, events_port=m.events_port)
+                parked = park is not None and await _parked_now(park, host, port, _bearer(m))
+                m.set(w.PARKED if parked else w.READY, port=port, events_port=m.events_port)
+                m.observed.set()
                 break
+            m.observed.set()
             if status is not None:
                 m.set(w.STARTING, port=port)  # it listens, it does not serve yet
             await trio.sleep(interval)
             interval = min(2 * interval, self.health_interval_s)
+        said = ""
+
+        async def until(check: Callable[[], Awaitable[str]], done: trio.CancelScope) -> None:
+            nonlocal said
+            said = await check()
+            done.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(until, lambda: self._liveness(m, host, port, engine_log), nursery.cancel_scope)
+            if park is not None:
+                nursery.start_soon(
+                    until, lambda: self._keep_parked(m, park, host, port, engine_log), nursery.cancel_scope
+                )
+        m.set(w.RESTARTING, detail=said)
+        await self._terminate(m, engine, engine_log)
+
+    async def _liveness(self, m: Member, host: str, port: int, engine_log: EngineLog) -> str:
+        """Until /health has failed `liveness_failures` times in a row: what to say of it."""
         failures = 0
+        status = None
         while failures < self.liveness_failures:
             await trio.sleep(self.liveness_interval_s)
             status = await probe_health(host, port, timeout_s=self.liveness_timeout_s)
@@ -170,5 +206,74 @@ class EngineWatch:
         )
         engine_log.note(said)
         log.warning("replica_unresponsive", replica=replica, rank=rank, failures=failures, last=last)
-        m.set(w.RESTARTING, detail=said)
-        await self._terminate(m, engine, engine_log)
+        return said
+
+    async def _keep_parked(self, m: Member, park: Park, host: str, port: int, engine_log: EngineLog) -> str:
+        """Park or wake the engine whenever the control plane's wish and its state differ, until a
+        wake fails: what to say of it (the engine is then started again)."""
+        replica, rank = m.key
+        retry = math.inf
+        while True:
+            changed = m.park_changed.next()
+            want = m.park_wanted
+            if want != (m.status.state == w.PARKED):
+                started = trio.current_time()
+                answer = await call_engine(
+                    host, port, "POST", park.sleep if want else park.wake, timeout_s=PARK_TIMEOUT_S, bearer=_bearer(m)
+                )
+                took = trio.current_time() - started
+                if answer is not None and answer[0] == 200:
+                    m.set(w.PARKED if want else w.READY, detail="")
+                    engine_log.note(f"{'parked' if want else 'woken'} in {took:.2f} s")
+                    log.info(
+                        "replica_parked" if want else "replica_woken", replica=replica, rank=rank, took_s=round(took, 3)
+                    )
+                    retry = math.inf
+                    continue  # the wish may have changed meanwhile
+                why = _failure(answer, took)
+                if not want:
+                    said = f"could not wake its model ({why}): stopping the engine to start it again"
+                    engine_log.note(said)
+                    log.warning("replica_wake_failed", replica=replica, rank=rank, reason=why)
+                    return said
+                said = f"could not park its model ({why}); it serves on, tried again in {PARK_RETRY_S:g} s"
+                engine_log.note(said)
+                log.warning("replica_park_failed", replica=replica, rank=rank, reason=why)
+                m.set(w.READY, detail=said)
+                retry = PARK_RETRY_S
+            with trio.move_on_after(retry):
+                await changed.wait()
+
+
+def _park_of(m: Member) -> Park | None:
+    """How the member's engine parks, if it was started able to (an adopted one before its
+    assignment is confirmed: if its engine can at all; an engine not in sleep mode says it is not
+    parked)."""
+    spec = SPECS.get(m.engine)
+    park = spec.park if spec is not None else None
+    if park is None or (m.assignment is not None and not m.assignment.parkable):
+        return None
+    return park
+
+
+def _bearer(m: Member) -> str:
+    return m.assignment.api_key if m.assignment is not None else ""
+
+
+async def _parked_now(park: Park, host: str, port: int, bearer: str) -> bool:
+    """Whether the engine says its model is parked (False when it does not answer so)."""
+    answer = await call_engine(host, port, "GET", park.state, timeout_s=HEALTH_TIMEOUT_S, bearer=bearer)
+    if answer is None or answer[0] != 200:
+        return False
+    try:
+        said = json.loads(answer[1])
+    except ValueError:
+        return False
+    return isinstance(said, dict) and said.get(park.state_key) is True
+
+
+def _failure(answer: tuple[int, bytes] | None, took: float) -> str:
+    if answer is None:
+        return f"no answer within {took:.0f} s"
+    text = answer[1][:200].decode("utf-8", "replace").strip()
+    return f"status {answer[0]}" + (f": {text}" if text else "")

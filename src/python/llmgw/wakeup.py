@@ -123,6 +123,8 @@ WAKEUPS: dict[str, str] = {
     "the download's loop starts the next requests (`Swarm.run`)",
     "agent.link.AgentLink._desired_changed": "a DesiredState arrived -> the agent's replicas follow it "
     "(`AgentLink.desired_changed`)",
+    "agent.replica_member.Member.park_changed": "the control plane asked one member's engine to park or wake -> "
+    "rank 0's watch asks the engine (`EngineWatch._keep_parked`)",
 }
 
 # Events set once and never replaced, by where they live: why each is one.

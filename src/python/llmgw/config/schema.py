@@ -158,6 +158,10 @@ class Model:
     # the model's load: a model on demand may need longer than the gateway's 30 s.
     max_queue: int = 0
     queue_timeout_s: float = 0.0
+    # A replica the load no longer needs is parked rather than stopped where its engine can
+    # (vLLM's sleep mode, on GPUs: the weights kept in the node's memory, the GPU's freed, woken
+    # in a fraction of a second); false: stopped, as on the other engines.
+    park: bool = True
 
     @property
     def scaled(self) -> bool:

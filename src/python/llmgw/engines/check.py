@@ -66,6 +66,7 @@ def widest_launches(spec: EngineSpec) -> tuple[ReplicaLaunch, ...]:
         socket_ifname="ib0" if nnodes > 1 else "",
         private_dir="/var/lib/llmgw-agent/keys/widest-r0",
         events_port=5557 if spec.cache_events else 0,
+        parkable=spec.park is not None,
     )
     return tuple(attrs.evolve(base, node_rank=rank) for rank in range(nnodes))
 

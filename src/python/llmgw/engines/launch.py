@@ -62,6 +62,8 @@ class ReplicaLaunch:
     # Where rank 0 publishes its KV-cache events (the catalog's cache_events, engines whose spec
     # has `cache_events`: vLLM, SGLang), on every address of the node (the engines bind "*"); 0: not.
     events_port: int = 0
+    # Started able to park its model without stopping (`EngineSpec.park`: vLLM's sleep mode).
+    parkable: bool = False
 
     @property
     def multi_node(self) -> bool:

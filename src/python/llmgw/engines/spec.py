@@ -23,6 +23,19 @@ Arg = str | Secret
 
 
 @attrs.frozen(kw_only=True)
+class Park:
+    """How an engine parks its model without stopping (vLLM's sleep mode: the weights put away
+    in host memory, the GPU memory freed, woken in a fraction of a second instead of a reload),
+    on its API port, asked by the agent of rank 0: POST `sleep`, POST `wake`, and GET `state`
+    whose JSON says under `state_key` whether it is parked now."""
+
+    sleep: str
+    wake: str
+    state: str
+    state_key: str
+
+
+@attrs.frozen(kw_only=True)
 class EngineSpec:
     name: str  # as the catalog names it: llamacpp, vllm, sglang, sim
     title: str  # as people name it, in messages
@@ -64,6 +77,9 @@ class EngineSpec:
     prefix_cache: bool = False
     # Whether it publishes KV-cache events (`launch.kv_events_config`): the catalog's cache_events.
     cache_events: bool = False
+    # How it parks a model without stopping, where it can (`launch.parkable` starts it able to);
+    # None: an idle replica of it is stopped instead.
+    park: Park | None = None
 
     def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
         """The command for `launch`: the engine's arguments, then the operator's `extra_args`.

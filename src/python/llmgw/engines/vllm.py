@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from llmgw.engines.launch import ReplicaLaunch, fabric_env, gpu_env, kv_events_config
-from llmgw.engines.spec import Arg, EngineSpec, flag_value
+from llmgw.engines.spec import Arg, EngineSpec, Park, flag_value
 from llmgw.wire import gateway_link as g
 
 
@@ -39,6 +39,8 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
         if launch.node_rank > 0:
             args.append("--headless")
     args += kv_events_config(launch, vllm=True)
+    if launch.parkable:
+        args.append("--enable-sleep-mode")
     return args
 
 
@@ -46,6 +48,11 @@ def _env(launch: ReplicaLaunch) -> dict[str, str]:
     env = {**gpu_env(launch), **fabric_env(launch)}
     if launch.node_rank == 0:  # headless workers serve nothing: they need no key
         env["VLLM_API_KEY"] = launch.api_key.reveal()
+    if launch.parkable:
+        # Sleep mode's routes are served only in vLLM's development mode, which also opens other
+        # routes to whoever reaches the engine's port without a key: only the agent and the
+        # gateway may (docs/security.md).
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
@@ -95,4 +102,7 @@ SPEC = EngineSpec(
     routes=_routes,
     prefix_cache=True,
     cache_events=True,
+    # Sleep mode (`--enable-sleep-mode`, CUDA and ROCm only): level 1 keeps the weights in host
+    # memory and drops the KV cache; vLLM's docs give 0.1-0.4 s to wake, against a reload's 30-100 s.
+    park=Park(sleep="/sleep?level=1", wake="/wake_up", state="/is_sleeping", state_key="is_sleeping"),
 )

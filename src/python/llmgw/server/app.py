@@ -62,7 +62,16 @@ from llmgw.server.nodes.releases import Releases
 from llmgw.server.nodes.weightsorigin import WeightsOrigin
 from llmgw.server.settings import Settings
 from llmgw.server.state import views
-from llmgw.server.state.autoscale import Autoscaler, initial_count, make_room, pick_to_retire, ready_count
+from llmgw.server.state.autoscale import (
+    Autoscaler,
+    initial_count,
+    make_room,
+    parked_count,
+    parks,
+    pick_to_retire,
+    ready_count,
+    wake,
+)
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.desired import DesiredStates
@@ -207,6 +216,10 @@ class ControlPlane:
                 outstanding=self.gateways.outstanding,
                 retiring=self.moves.retiring,
             ),
+            park=lambda rid, then: self._park_for_scale(rid, then),
+            parks=lambda m: parks(m, self.replicas),
+            parked=lambda model: parked_count(self.replicas, model),
+            wake=lambda model, n: wake(self.replicas, self.changes, model, n),
         )
         models = self.autoscaler.models
         self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
@@ -319,6 +332,11 @@ class ControlPlane:
         it stops), one at a time with the drains and spreading (`Moves.lock`)."""
         async with self.moves.lock:
             await self.moves.retire(replica_id, None, then)
+
+    async def _park_for_scale(self, replica_id: str, then: Callable[[], None]) -> None:
+        """A scale-down that parks: out of rotation, its requests finish, its engine parks."""
+        async with self.moves.lock:
+            await self.moves.park(replica_id, then)
 
     @property
     def config(self) -> ServerConfig:

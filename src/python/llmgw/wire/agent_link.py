@@ -37,7 +37,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # directory), and the weights a node may delete (DesiredState.keep_files); what a node's weights
 # cache holds (Hello.weights, WeightsChanged), models staged to it (DesiredState.stage).
 # 10: the port a node serves its weights to the other nodes on (WeightsHeld.port; agent.peers).
-PROTOCOL_VERSION = 10
+# 11: a replica parked by its engine (vLLM's sleep mode): ReplicaAssignment.parkable, parked, and
+# the member state PARKED.
+PROTOCOL_VERSION = 11
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -230,8 +232,10 @@ class ReplicaStatus:
     pid: int = 0
 
 
-# A replica member's life on a node. `ready` = rank 0 answers its health check (workers: running).
-FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED = (
+# A replica member's life on a node. `ready` = rank 0 answers its health check (workers: running);
+# `parked`: its engine runs with the model put away (vLLM's sleep mode: ReplicaAssignment.parked),
+# serving nothing until it is woken.
+FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED, PARKED = (
     "fetching",
     "starting",
     "ready",
@@ -239,8 +243,9 @@ FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED = (
     "failed",
     "stopping",
     "stopped",
+    "parked",
 )
-REPLICA_STATES = (FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED)
+REPLICA_STATES = (FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED, PARKED)
 
 
 # -- agent -> control plane ----------------------------------------------------------------
@@ -437,6 +442,12 @@ class ReplicaAssignment:
     # Rank 0 publishes its KV-cache events on a port of its own (the catalog's cache_events;
     # vLLM and SGLang), reported as ReplicaStatus.events_port.
     cache_events: bool = False
+    # The engine is started able to park its model (`EngineSpec.park`: vLLM's sleep mode), for a
+    # model whose replicas follow the load (llmgw.server.state.autoscale).
+    parkable: bool = False
+    # Park it now (rank 0 asks its engine; PARKED once done), or wake it. Not part of what the
+    # member runs (`agent.adoption.fingerprint`): a change parks or wakes, it never restarts.
+    parked: bool = False
 
 
 @attrs.frozen(kw_only=True)

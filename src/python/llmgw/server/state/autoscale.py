@@ -17,8 +17,14 @@ look. The rules (`ScalePolicy.step`, a pure function of the loads and the clock)
 - **Idle**: after `idle_s` without a request, `min_replicas` (0: none), one replica at a time.
 - **Room**: a model with none that fits no node (`make_room`, the scheduler's plan with one more
   of it) first has the least recently used idle replica of another scaled model retired, one
-  whose going lets it fit (never one with a request on it, nor of a model with a fixed count),
-  and starts once that one is gone.
+  whose going lets it fit (never one with a request on it, nor of a model with a fixed count;
+  a parked one first), and starts once that one is gone.
+- **Parked**: where its engine can (`Model.park`, `EngineSpec.park`: vLLM's sleep mode, on
+  GPUs), a fall parks the replica instead of stopping it: drained the same way, its engine keeps
+  running with the model put away, out of the gateways' rotation (`Replicas.parked`), still
+  placed where it is. A rise wakes parked replicas before it places new ones (a wake takes a
+  fraction of a second, a start the engine's start and the model's load). A model's placed count
+  is the replicas it wants plus those parked.
 
 A rise takes effect at once (the scheduler places the new replicas; the gateways hold requests
 meanwhile). A fall takes a replica out of the gateways' rotation first and lets its requests
@@ -43,8 +49,9 @@ import trio
 from llmgw.config import AutoscaleSection, Model
 from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
+from llmgw.server.state.changes import Changes
 from llmgw.server.state.registry import NodeRegistry
-from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.replicas import Replicas, parkable
 from llmgw.server.state.scheduler import plan, replica_slot
 from llmgw.wakeup import Wakeup, any_of
 from llmgw.wire import agent_link as w
@@ -53,6 +60,7 @@ from llmgw.wire import gateway_link as g
 log = get_logger("llmgw.autoscale")
 
 START, UP, DOWN, IDLE, EVICT = "start", "up", "down", "idle", "evict"
+FALLS = (DOWN, IDLE)  # the decisions that park where the model's replicas can
 # Replicas of other models tried, least recently used first, for one that would make room.
 ROOM_CANDIDATES = 8
 
@@ -81,6 +89,8 @@ class Decision:
     at: float  # the policy's clock
     wall: float = 0.0  # unix time, for the views
     replica: str = ""  # EVICT: the replica to retire
+    woken: int = 0  # START, UP: parked replicas woken (the rest of the rise placed anew)
+    parked: bool = False  # DOWN, IDLE: the replica is parked, not stopped; EVICT: the replica retired was parked
 
 
 @attrs.frozen(kw_only=True)
@@ -91,6 +101,7 @@ class Room:
     fits: bool
     replica: str = ""
     model: str = ""
+    parked: bool = False  # the replica is parked
 
 
 @attrs.define
@@ -107,10 +118,20 @@ class _Model:
 class ScalePolicy:
     """How many replicas each scaled model wants. No I/O; `now` is the caller's clock."""
 
-    def __init__(self, settings: Callable[[], AutoscaleSection], initial: Callable[[Model], int]) -> None:
-        """`initial(model)`: the count a model starts with when first seen (see the module)."""
+    def __init__(
+        self,
+        settings: Callable[[], AutoscaleSection],
+        initial: Callable[[Model], int],
+        parked: Callable[[str], int] = lambda model: 0,
+        parks: Callable[[Model], bool] = lambda model: False,
+    ) -> None:
+        """`initial(model)`: the count a model starts with when first seen (see the module);
+        `parked(name)`: its replicas parked now (`Replicas.parked`), on top of those it wants;
+        `parks(model)`: whether a fall of it parks a replica rather than stopping one."""
         self.settings = settings
         self.initial = initial
+        self.parked = parked
+        self.parks = parks
         self.models: dict[str, _Model] = {}
 
     def wanted(self, model: Model, now: float) -> int:
@@ -122,11 +143,11 @@ class ScalePolicy:
         return state.wanted
 
     def effective(self, catalog: Sequence[Model], now: float) -> tuple[Model, ...]:
-        """The catalog with each scaled model's `replicas` as it wants now."""
+        """The catalog with each scaled model's `replicas` as it wants now, its parked ones on top."""
         out = []
         for m in catalog:
             if m.scaled:
-                wanted = self.wanted(m, now)
+                wanted = self.wanted(m, now) + self.parked(m.name)
                 out.append(m if m.replicas == wanted else attrs.evolve(m, replicas=wanted))
             else:
                 out.append(m)
@@ -174,7 +195,10 @@ class ScalePolicy:
             elif state.wanted == 0:
                 if load.queued and high > 0:
                     what = f"{load.queued} request{'s' if load.queued != 1 else ''} waiting"
-                    decision = self._evict_for(m, state, room(m), now) if room is not None else None
+                    if self.parked(m.name):
+                        decision = self._decide(m, state, START, 1, f"woken on demand (parked): {what}", now, woken=1)
+                    else:
+                        decision = self._evict_for(m, state, room(m), now) if room is not None else None
                     if decision is None:
                         decision = self._decide(m, state, START, 1, f"started on demand: {what}", now)
             else:
@@ -213,13 +237,18 @@ class ScalePolicy:
             return None
         held = now - recent[0][0]
         state.recent = []
+        woken = min(need - state.wanted, self.parked(m.name))
         reason = f"scaled up: {queued:.0f} queued, {flight:.0f} in flight on average over {held:.0f} s"
-        return self._decide(m, state, UP, need, reason, now)
+        if woken:
+            reason += f" ({woken} woken from parked)"
+        return self._decide(m, state, UP, need, reason, now, woken=woken)
 
     def _down(self, m: Model, state: _Model, load: Load, s: AutoscaleSection, low: int, now: float) -> Decision | None:
         if state.wanted > low and not load.busy and now - state.last_active >= m.idle_s:
             state.fewer_since = None
             to = "scaled to zero" if low == 0 and state.wanted == 1 else "one replica fewer"
+            if self.parks(m):
+                to += ", parked"
             return self._decide(m, state, IDLE, state.wanted - 1, f"idle for {m.idle_s:g} s: {to}", now)
         floor = max(low, 1)
         if state.wanted <= floor or load.busy > s.target_per_replica * s.down_margin * (state.wanted - 1):
@@ -232,33 +261,49 @@ class ScalePolicy:
             return None
         state.fewer_since = now  # the next step down waits as long again
         reason = f"scaled down: {load.busy} requests on {state.wanted} replicas for {held:.0f} s"
+        if self.parks(m):
+            reason += ", one parked"
         return self._decide(m, state, DOWN, state.wanted - 1, reason, now)
 
     def _evict_for(self, m: Model, state: _Model, room: Room, now: float) -> Decision | None:
         """A replica retired to make room for `m` (its model lowered by one), or None: `m` fits,
         or nothing would make room."""
         victim = self.models.get(room.model)
-        if room.fits or not room.replica or victim is None or victim.lowering or victim.wanted < 1:
+        if room.fits or not room.replica or victim is None or victim.lowering:
+            return None
+        if not room.parked and victim.wanted < 1:
             return None
         state.awaiting = room.model
         idle = now - victim.last_active
+        what = "a parked replica stopped" if room.parked else "stopped"
         decision = Decision(
             model=room.model,
             kind=EVICT,
             before=victim.wanted,
-            after=victim.wanted - 1,
-            reason=f"stopped to make room for {m.name} (idle {idle:.0f} s)",
+            after=victim.wanted if room.parked else victim.wanted - 1,
+            reason=f"{what} to make room for {m.name} (idle {idle:.0f} s)",
             at=now,
             wall=time.time(),
             replica=room.replica,
+            parked=room.parked,
         )
         victim.last = decision
         victim.lowering = True
         return decision
 
-    def _decide(self, m: Model, state: _Model, kind: str, after: int, reason: str, now: float) -> Decision:
+    def _decide(
+        self, m: Model, state: _Model, kind: str, after: int, reason: str, now: float, woken: int = 0
+    ) -> Decision:
         decision = Decision(
-            model=m.name, kind=kind, before=state.wanted, after=after, reason=reason, at=now, wall=time.time()
+            model=m.name,
+            kind=kind,
+            before=state.wanted,
+            after=after,
+            reason=reason,
+            at=now,
+            wall=time.time(),
+            woken=woken,
+            parked=kind in FALLS and self.parks(m),
         )
         state.last = decision
         if after > state.wanted:
@@ -268,11 +313,13 @@ class ScalePolicy:
             state.lowering = True
         return decision
 
-    def lowered(self, model: str) -> None:
-        """The replica a fall retired is gone: one fewer."""
+    def lowered(self, model: str, fewer: bool = True) -> None:
+        """The replica a fall retired (or parked) is gone: one fewer (`fewer`; False: the replica
+        retired was parked, and the count it wants stays)."""
         state = self.models.get(model)
         if state is not None:
-            state.wanted = max(0, state.wanted - 1)
+            if fewer:
+                state.wanted = max(0, state.wanted - 1)
             state.lowering = False
             state.fewer_since = None  # the next step down waits down_after_s from here
         for other in self.models.values():  # a model waiting for the room this made starts at the next look
@@ -295,6 +342,7 @@ class ScalePolicy:
             "min": low,
             "max": high,
             "wanted": state.wanted,
+            "parked": self.parked(model.name),
             "idle_s": model.idle_s,
             "lowering": state.lowering,
             "last": None
@@ -355,13 +403,16 @@ def initial_count(model: Model, replicas: Replicas, *, known: bool) -> int:
 def pick_to_retire(
     replicas: Replicas, model: str, retiring: Collection[str], outstanding: Callable[[str], int]
 ) -> str | None:
-    """Which replica of `model` a scale-down retires: of those the catalog counts (not a move's
-    replacement) and not being retired already, the one with the fewest requests on it, the
-    newest of those."""
+    """Which replica of `model` a scale-down retires (or parks): of those the catalog counts (not a
+    move's replacement), not being retired already and not parked, the one with the fewest
+    requests on it, the newest of those."""
     mine = [
         s.placement
         for rid, s in replicas.placed.items()
-        if s.placement.model == model and rid not in replicas.surge and rid not in retiring
+        if s.placement.model == model
+        and rid not in replicas.surge
+        and rid not in retiring
+        and rid not in replicas.parked
     ]
     if not mine:
         return None
@@ -381,8 +432,9 @@ def make_room(
     """Whether one more replica of `model` fits the cluster now (the scheduler's own plan, with
     one more of it), and if not, the replica whose retirement would let it: of the scaled models
     above their min_replicas, not `model`, a replica with no request on it (as the gateways last
-    said) and not being retired, its model's least recently used first; each tried with the plan
-    (the first ROOM_CANDIDATES). `catalog`: as placed now (`ScalePolicy.effective`)."""
+    said) and not being retired, parked ones first (of any scaled model: a parked replica is
+    idle), then its model's least recently used; each tried with the plan (the first
+    ROOM_CANDIDATES). `catalog`: as placed now (`ScalePolicy.effective`)."""
     counted, surge = replicas.counted()
     nodes = replicas.node_views(now)
     more = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == model.name else m for m in catalog]
@@ -393,17 +445,18 @@ def make_room(
     for p in counted:
         m = scaled.get(p.model)
         state = policy.models.get(p.model)
-        if m is None or state is None or state.lowering or state.wanted <= m.bounds[0]:
+        parked = p.replica_id in replicas.parked
+        if m is None or state is None or state.lowering or (state.wanted <= m.bounds[0] and not parked):
             continue
         if p.replica_id in retiring or outstanding(p.replica_id):
             continue
-        candidates.append((state.last_active, p))
-    candidates.sort(key=lambda c: (c[0], c[1].replica_id))
-    for _, victim in candidates[:ROOM_CANDIDATES]:
+        candidates.append((not parked, state.last_active, p))
+    candidates.sort(key=lambda c: (c[0], c[1], c[2].replica_id))
+    for awake, _, victim in candidates[:ROOM_CANDIDATES]:
         fewer = [attrs.evolve(m, replicas=m.replicas - 1) if m.name == victim.model else m for m in more]
         rest = [p for p in counted if p.replica_id != victim.replica_id]
         if any(p.model == model.name for p in plan(nodes, fewer, rest, surge).start):
-            return Room(fits=False, replica=victim.replica_id, model=victim.model)
+            return Room(fits=False, replica=victim.replica_id, model=victim.model, parked=not awake)
     return Room(fits=False)
 
 
@@ -420,6 +473,33 @@ def ready_count(replicas: Replicas, registry: NodeRegistry, model: str) -> int:
         ):
             count += 1
     return count
+
+
+def parks(model: Model, replicas: Replicas) -> bool:
+    """Whether a fall of `model` parks a replica: every replica of it placed now was started able
+    to (`parkable`: its engine parks, on GPUs, and the catalog lets it)."""
+    placed = [s.placement for s in replicas.placed.values() if s.placement.model == model.name]
+    return bool(placed) and all(parkable(model, p.gpus_per_node) for p in placed)
+
+
+def parked_count(replicas: Replicas, model: str) -> int:
+    """The replicas of `model` parked now."""
+    placed = replicas.placed
+    return sum(1 for rid in replicas.parked if rid in placed and placed[rid].placement.model == model)
+
+
+def wake(replicas: Replicas, changes: Changes, model: str, n: int) -> int:
+    """Wake up to `n` parked replicas of `model` (their nodes' desired states say so at the
+    reconciler's next pass, and they join the rotation once their engines report ready): how
+    many were."""
+    placed = replicas.placed
+    woken = sorted(rid for rid in replicas.parked if rid in placed and placed[rid].placement.model == model)[:n]
+    for rid in woken:
+        replicas.parked.discard(rid)
+        for node in placed[rid].placement.nodes:
+            changes.intent_changed(node)
+        log.info("replica_waking", replica=rid, model=model)
+    return len(woken)
 
 
 Reports = Callable[[], Iterable[tuple[tuple[str, str], Sequence[g.ModelLoad]]]]
@@ -444,6 +524,10 @@ class Autoscaler:
         clock: Callable[[], float],
         ready: Callable[[str], int] | None = None,
         room: Callable[[Model], Room] | None = None,
+        park: Callable[[str, Callable[[], None]], Awaitable[None]] | None = None,
+        parks: Callable[[Model], bool] = lambda model: False,
+        parked: Callable[[str], int] = lambda model: 0,
+        wake: Callable[[str, int], int] = lambda model, n: 0,
     ) -> None:
         """`catalog()`: the catalog as configured (each model's bounds); `reports()`: each gateway
         instance's last `ModelLoad`s; `heard()`: events a gateway's next report sets (one per source: the link's heartbeats, the
@@ -452,10 +536,12 @@ class Autoscaler:
         replica out of rotation, let its requests finish, call `then()` and stop it; `pick(model)`:
         the replica of `model` to retire (None: none placed); `clock()`: the registry's clock;
         `ready(model)`: its replicas ready now; `room(model)`: whether one more replica of it fits,
-        else which replica to retire for it (`make_room`)."""
+        else which replica to retire for it (`make_room`); `park(replica, then)`: as `retire`, but
+        the replica is parked, not stopped; `parks(model)`: whether its falls park; `parked(model)`:
+        its replicas parked now; `wake(model, n)`: wake n of them (how many were)."""
         self.settings = settings
         self.catalog = catalog
-        self.policy = ScalePolicy(settings, initial)
+        self.policy = ScalePolicy(settings, initial, parked, parks)
         self.reports = reports
         self.heard = heard
         self.changed = changed
@@ -464,6 +550,8 @@ class Autoscaler:
         self.clock = clock
         self.ready = ready
         self.room = room
+        self.park = park
+        self.wake = wake
         self.again = Wakeup()  # a replica retired: a model waiting for the room it made starts now
         self.seen: dict[tuple[str, str, str], int] = {}
         self.stepped = Wakeup()  # after each look: tests and benches wait on it
@@ -472,11 +560,21 @@ class Autoscaler:
             "llmgw_autoscale_decisions_total",
             "Changes to a scaled model's replica count, by model and kind: start (from zero, for a waiting "
             "request), up (the load wanted more), down (it fit fewer), idle (no request for idle_s), evict (an "
-            "idle replica stopped to make room for a model with none).",
+            "idle replica stopped to make room for a model with none). Those that parked a replica or woke one "
+            "are also counted in llmgw_autoscale_parks_total.",
             ("model", "kind"),
         )
         self._wanted = self.metrics.gauge(
             "llmgw_autoscale_replicas_wanted", "The replicas a scaled model wants now.", ("model",)
+        )
+        self._parks = self.metrics.counter(
+            "llmgw_autoscale_parks_total",
+            "Replicas of a scaled model parked (its engine keeps running with the model put away: vLLM's sleep "
+            "mode) or woken, by model and action (park, wake).",
+            ("model", "action"),
+        )
+        self._parked = self.metrics.gauge(
+            "llmgw_autoscale_replicas_parked", "The replicas of a scaled model parked now.", ("model",)
         )
 
     def models(self) -> tuple[Model, ...]:
@@ -486,9 +584,11 @@ class Autoscaler:
 
     def render_metrics(self) -> str:
         self._wanted.clear()
+        self._parked.clear()
         for m in self.catalog():
             if m.scaled and m.name in self.policy.models:
                 self._wanted.set(self.policy.models[m.name].wanted, model=m.name)
+                self._parked.set(self.policy.parked(m.name), model=m.name)
         return self.metrics.render()
 
     def step(self, nursery: trio.Nursery) -> list[Decision]:
@@ -500,33 +600,46 @@ class Autoscaler:
         for d in decisions:
             self._decisions.inc(model=d.model, kind=d.kind)
             log.info("autoscale_decision", model=d.model, kind=d.kind, before=d.before, after=d.after, reason=d.reason)
+            if d.woken:
+                # At once, with the count that rose: the placed count (wanted + parked) stays.
+                woken = self.wake(d.model, d.woken)
+                if woken:
+                    self._parks.inc(woken, model=d.model, action="wake")
             if d.after > d.before:
                 rose = True
             else:
-                nursery.start_soon(self._lower, d.model, d.replica)
+                nursery.start_soon(self._lower, d)
         if rose:
             self.changed()
         self.stepped.fire()
         return decisions
 
-    async def _lower(self, model: str, replica: str = "") -> None:
-        replica = replica or self.pick(model)
+    async def _lower(self, d: Decision) -> None:
+        model = d.model
+        replica = d.replica or self.pick(model)
         if replica is None:
             self.policy.not_lowered(model)
             self.changed()
             return
         done = False
+        park = d.parked and d.kind in FALLS and self.park is not None
 
         def then() -> None:
             nonlocal done
             done = True
-            self.policy.lowered(model)
+            self.policy.lowered(model, fewer=not (d.kind == EVICT and d.parked))
+            if park:
+                self._parks.inc(model=model, action="park")
 
         try:
-            await self.retire(replica, then)
+            if park:
+                assert self.park is not None
+                await self.park(replica, then)
+            else:
+                await self.retire(replica, then)
         finally:
             if not done:  # cancelled, or the replica was gone already: the count falls all the same
-                self.policy.not_lowered(model)
+                self.policy.lowered(model, fewer=not (d.kind == EVICT and d.parked))
                 self.changed()
             self.again.fire()
 

@@ -25,9 +25,10 @@ time; a drain's move and a spreading wave never run together (`lock`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import trio
 
@@ -171,6 +172,30 @@ class Moves:
         original = self.replicas.placed.get(replica_id)
         if original is None:
             return
+        async with self._out_of_rotation(replica_id):
+            if then is not None:
+                then()
+            self.replicas.retire(replica_id, replacement_id)
+        await self._push(original.placement.nodes)
+        log.info("move_original_stopped", replica=replica_id, replacement=replacement_id)
+
+    async def park(self, replica_id: str, then: Callable[[], None]) -> None:
+        """A scale-down that parks: out of rotation, its requests finish (bounded), then its
+        engine is told to park its model (`Replicas.parked`, which keeps it out of rotation until
+        woken). `then()` is called just before, with nothing awaited between."""
+        original = self.replicas.placed.get(replica_id)
+        if original is None:
+            return
+        async with self._out_of_rotation(replica_id):
+            then()
+            self.replicas.parked.add(replica_id)
+        await self._push(original.placement.nodes)
+        log.info("replica_parking", replica=replica_id, model=original.placement.model)
+
+    @contextlib.asynccontextmanager
+    async def _out_of_rotation(self, replica_id: str) -> AsyncIterator[None]:
+        """Out of the gateways' rotation (marked retiring) until every request on it finished, or
+        `retire_grace_s`; the body runs then, and it is no longer marked after."""
         self.retiring.add(replica_id)
         self.changes.rotation.fire()
         try:
@@ -182,14 +207,10 @@ class Moves:
                     after_s=self.retire_grace_s,
                     outstanding=self.outstanding(replica_id),
                 )
-            if then is not None:
-                then()
-            self.replicas.retire(replica_id, replacement_id)
+            yield
         finally:
             self.retiring.discard(replica_id)
             self.changes.rotation.fire()
-        await self._push(original.placement.nodes)
-        log.info("move_original_stopped", replica=replica_id, replacement=replacement_id)
 
     # -- spreading --------------------------------------------------------------------------
 

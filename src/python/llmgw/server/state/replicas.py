@@ -33,6 +33,7 @@ from pathlib import Path
 import attrs
 
 from llmgw.config import ENGINES, Model
+from llmgw.engines import SPECS
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.state.placements import Placements, Stored
@@ -123,6 +124,10 @@ class Replicas:
         self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
         self.surge: set[str] = set()  # replacements a drain placed on top of the catalog's count
+        # Replicas whose engines are told to park their model (the autoscaler's, vLLM's sleep
+        # mode): placed and counted, out of the gateways' rotation until woken. Kept in memory: a
+        # new leader wakes them, and they park again after their model's idle_s.
+        self.parked: set[str] = set()
         self._rows: dict[str, tuple[Stored, dict]] = {}  # `rows`' row of each placement, as made
 
     def node_views(self, now: float) -> list[NodeView]:
@@ -168,6 +173,7 @@ class Replicas:
                 self.failed_on.setdefault(node_id, set()).add(s.model)
                 log.warning("replica_failed", replica=s.replica_id, node=node_id, detail=s.detail)
                 del self.placed[s.replica_id]  # rebuilt elsewhere at the next reconcile
+                self.parked.discard(s.replica_id)
                 changed = True
         return changed
 
@@ -199,6 +205,7 @@ class Replicas:
                 changed |= set(old or ()) | set(new or ())
         save = changed or placed.keys() != self.placed.keys()
         self.placed = placed
+        self.parked.intersection_update(placed.keys())
         if save:
             self._save()
         return changed
@@ -303,6 +310,7 @@ class Replicas:
     def retire(self, replica_id: str, replacement: str | None) -> None:
         """For a drain: the original goes; its replacement now counts as one of the catalog's."""
         self.placed.pop(replica_id, None)
+        self.parked.discard(replica_id)
         if replacement is not None:
             self.surge.discard(replacement)
         self._save()
@@ -359,9 +367,19 @@ class Replicas:
                     gpus=p.gpus_per_node,
                     args=model.args,
                     cache_events=model.cache_events,
+                    parkable=parkable(model, p.gpus_per_node),
+                    parked=rid in self.parked,
                 )
             )
         return tuple(out)
+
+
+def parkable(model: Model, gpus_per_node: int) -> bool:
+    """Whether a replica of `model` is started able to park (`EngineSpec.park`): its replicas
+    follow the load, the catalog lets it (`park`), its engine can, and on GPUs (vLLM's sleep mode
+    is CUDA's and ROCm's)."""
+    spec = SPECS.get(model.engine)
+    return model.scaled and model.park and spec is not None and spec.park is not None and gpus_per_node > 0
 
 
 def seal_at_start(store: AsyncStore, replicas: Replicas, secret: Path) -> None:

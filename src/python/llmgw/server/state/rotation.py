@@ -32,7 +32,7 @@ def gateway_rotation(
     """The catalog's models and, for each placed replica whose rank 0 reports ready with a
     port on a node not lost, where the gateway reaches it and with which key. A replica on
     a draining node, or being retired by a move, is marked draining: no new requests while
-    another replica can take them.
+    another replica can take them. A parked replica (`Replicas.parked`) is left out until woken.
 
     A replica whose rank 0 is on a node known from before this control plane started and not
     back yet (`UNKNOWN`: agents return on their own backoff, up to 30 s apart) is `unknown`:
@@ -48,6 +48,8 @@ def gateway_rotation(
             continue
         if rank0 is None or not rank0.address or registry.liveness(rank0, now) == LOST:
             continue
+        if rid in replicas.parked:
+            continue  # parked, or being parked: no request until it is woken
         status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None)
         if status is None or status.state != w.READY or not status.port:
             continue
@@ -75,7 +77,8 @@ def gateway_rotation(
 # Retry-After of a model none of whose replicas can become ready: nothing says when one will
 # (a node to join, an operator to act), so the client is asked to come back in a while.
 UNSERVABLE_RETRY_AFTER_S = 30
-_ON_THE_WAY = frozenset({w.FETCHING, w.STARTING, w.RESTARTING, w.READY})
+# A parked replica is woken by the request that finds none ready (llmgw.server.state.autoscale).
+_ON_THE_WAY = frozenset({w.FETCHING, w.STARTING, w.RESTARTING, w.READY, w.PARKED})
 
 
 def model_details(
@@ -109,7 +112,7 @@ def model_details(
             lost.setdefault(p.model, set()).update(gone)
             continue
         status = next((s for s in rank0.replicas if s.replica_id == rid and s.node_rank == 0), None) if rank0 else None
-        if status is None or status.state in _ON_THE_WAY:
+        if status is None or status.state in _ON_THE_WAY or rid in replicas.parked:
             coming.add(p.model)
     forming = replicas.nodes_on_their_way(now)
     # An engine a node is installing now may take a model nothing else can: it is on its way.
