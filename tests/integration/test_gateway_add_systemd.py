@@ -41,7 +41,6 @@ READY_TIMEOUT_S = 120  # placement, the sim engine's start and its health checks
 MARKER = "gateway-add-local-node"
 
 
-pytestmark = pytest.mark.release(version="0.0.0-gateway")
 machine = machine_fixture(HOSTNAME)
 
 

@@ -48,7 +48,7 @@ READY_TIMEOUT_S = 120  # the model's download, llama-server's start and the mode
 AGENT_DIR = Path(layout.STATE_DIR)
 
 
-pytestmark = pytest.mark.release(version="0.0.0-systemd", with_llama=True)
+pytestmark = pytest.mark.release(with_llama=True)
 machine = machine_fixture(HOSTNAME)
 
 

@@ -35,7 +35,7 @@ from testlib.cluster import wait_until
 from testlib.firsttoken import ModelFiles, first_token, report
 from testlib.machine import BUILD_TOOLS, Machine, preflight
 from testlib.needs import program
-from testlib.nodeadd import ControlPlane, build_release
+from testlib.nodeadd import VERSION, ControlPlane, build_release
 from testlib.provision import ARCH, Host, load_tool, make_host
 from testlib.sshd import keygen
 
@@ -49,8 +49,8 @@ READY_TIMEOUT_S = 120  # the model's download, llama-server's start and the mode
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_release(tmp_path_factory.mktemp("release"), "0.0.0-provision", with_llama=True)
-    return next(directory.glob("llmgw-0.0.0-provision-linux-*.pyz"))
+    directory = build_release(tmp_path_factory.mktemp("release"), VERSION, with_llama=True)
+    return next(directory.glob(f"llmgw-{VERSION}-linux-*.pyz"))
 
 
 class Loop:
@@ -155,7 +155,7 @@ def test_provisioned_booted_added_and_answering_its_first_token(tmp_path: Path, 
     assert f"{machine.node_addr}/30" in machine.run("ip", "-4", "-o", "addr", "show", "dev", "eth0").stdout
     login = _ssh(machine, key, "sudo -n /usr/local/bin/llmgw version && sha256sum /usr/local/bin/llmgw")
     assert login.returncode == 0, login.stderr
-    assert "0.0.0-provision" in login.stdout
+    assert VERSION in login.stdout
     assert hashlib.sha256(release.read_bytes()).hexdigest() in login.stdout
     log = machine.run("cat", "/var/log/cloud-init-output.log").stdout
     assert f"installed {release.name} as /usr/local/bin/llmgw" in log and "checked" in log

@@ -34,7 +34,7 @@ from llmgw.pki.files import load_ca
 from llmgw.server.store import Store
 from testlib.exposure import cmdlines_holding
 from testlib.machine import Machine, machine_fixture
-from testlib.nodeadd import ADD_TIMEOUT_S, CATALOG
+from testlib.nodeadd import ADD_TIMEOUT_S, CATALOG, VERSION
 from testlib.postgres import Database, PostgresServer, running_server
 from testlib.proc import run_llmgw
 
@@ -58,9 +58,8 @@ def _login_logged(m: Machine) -> None:
                              count=1, flags=re.M))  # fmt: skip
 
 
-# The onboarding tests' fixtures: release_dir (the release marked here).
+# The onboarding tests' fixtures: release_dir, the release (testlib.nodeadd.VERSION) they all share.
 pytest_plugins = ("testlib.nodeadd",)
-pytestmark = pytest.mark.release(version="0.0.0-server-add")
 machine = machine_fixture(HOSTNAME, before_boot=_login_logged)
 
 
@@ -205,7 +204,7 @@ def test_a_machine_becomes_a_second_control_plane_refusing_what_it_must_and_conv
     assert "its admin API answers with this cluster's CA" in lines["verify"], out
     assert re.search(r"sha256 ([0-9A-F:]{23})", lines["verify"]).group(1) in fingerprint, out
     assert "agent_listen" in lines["configure"] and lines["configure"].startswith("warn"), out  # host_addr is ours
-    assert f"the control plane on {machine.node_addr} runs llmgw 0.0.0-server-add" in out, out
+    assert f"the control plane on {machine.node_addr} runs llmgw {VERSION}" in out, out
 
     # Its files: the secrets 0600 and the service user's, the same bytes as here; server.toml root's.
     for path, mode in (("ca/ca.key", "600"), ("engine-keys.secret", "600"), ("admin.token", "600"),

@@ -12,7 +12,7 @@ import pytest
 from bench import startup
 
 from testlib.benchjson import NUMBER, assert_shape
-from testlib.nodeadd import build_release
+from testlib.nodeadd import VERSION, build_release
 
 SHAPE = {
     "artifact": str,
@@ -30,8 +30,8 @@ SHAPE = {
 
 
 def test_the_startup_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    release = build_release(tmp_path / "release", "0.0.0-bench")
-    (artifact,) = release.glob("llmgw-0.0.0-bench-linux-*.pyz")
+    release = build_release(tmp_path / "release", VERSION)
+    (artifact,) = release.glob(f"llmgw-{VERSION}-linux-*.pyz")
     assert startup.main([str(artifact), "--runs", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1, lines  # one JSON object per Python: this one

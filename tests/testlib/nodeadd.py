@@ -28,8 +28,9 @@ from llmgw_release import build, llamabuild, wheels
 
 import llmgw
 from llmgw.ctl.client import AdminClient
+from testlib import releasecache
 from testlib.cluster import free_port, wait_until
-from testlib.llama import cache_root, llama_server
+from testlib.llama import cache_root, llama_server, portable_recipe
 from testlib.netnode import NetNode, preflight
 from testlib.proc import Proc, build_root, run_llmgw
 
@@ -57,9 +58,18 @@ class Node(Protocol):
 def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",), *, with_llama: bool = False) -> Path:
     """The release's files for this machine's architecture, built as `release:build` builds them;
     `with_llama`: with llama.cpp's archive for this machine's architecture too, the portable build
-    `./pants test` keeps in its cache (taken from there, so nothing is compiled here)."""
+    `./pants test` keeps in its cache (taken from there, so nothing is compiled here). Built once
+    for the test files that ask for the same release (`testlib.releasecache`); `out` gets a copy."""
+    inputs = _release_inputs(version, with_llama=with_llama)
+    name = releasecache.key(_release_parts(inputs, arches), _release_files(inputs))
+    return releasecache.built(
+        name, lambda work: build.build_release(inputs, work, arches=arches, progress=lambda *a: None), out
+    )
+
+
+def _release_inputs(version: str, *, with_llama: bool) -> build.Inputs:
     root = build_root()
-    inputs = build.Inputs(
+    return build.Inputs(
         version=version,
         commit="0123456789ab",
         source_date_epoch=1795965623,
@@ -70,8 +80,25 @@ def build_release(out: Path, version: str, arches: tuple[str, ...] = ("amd64",),
         llama_cache=cache_root() if with_llama else None,
         llama_arches=(llamabuild.this_host(),) if with_llama else None,
     )
-    build.build_release(inputs, out, arches=arches, progress=lambda *a: None)
-    return out
+
+
+def _release_parts(inputs: build.Inputs, arches: tuple[str, ...]) -> list[str | bytes]:
+    """What goes into the release besides files: its settings, and llmgw's and the agent's sources
+    as the build collects them (`build.sources`: the version written into llmgw/__init__.py)."""
+    parts: list[str | bytes] = [repr((inputs.version, arches, inputs.commit, inputs.source_date_epoch))]
+    for path, data in sorted(build.sources(inputs.src_root, inputs.version).items()):
+        parts += [path, data]
+    if inputs.llama_cache is not None:  # this machine's archive alone (_release_inputs)
+        archive = llamabuild.archive_path(inputs.llama_cache, portable_recipe())
+        stat = archive.stat() if archive.is_file() else None
+        parts.append(f"{archive} {stat.st_size if stat else None} {stat.st_mtime_ns if stat else None}")
+    return parts
+
+
+def _release_files(inputs: build.Inputs) -> list[Path]:
+    """The files the build reads besides the sources: the pins, and the release build's own code."""
+    code = sorted(p for p in Path(build.__file__).parent.iterdir() if p.suffix == ".py")
+    return [inputs.requirements_txt, inputs.lockfile, *code]
 
 
 VERSION = "0.0.0-e2e"  # release_dir's, unless a test's `release` mark names another
