@@ -22,6 +22,8 @@ def scale_text(model: dict[str, Any]) -> str:
     if not scale:
         return ""
     text = f"replicas {scale['min']}-{scale['max']} (idle after {scale['idle_s']:g} s), wants {scale['wanted']}"
+    if scale.get("parked"):
+        text += f", {scale['parked']} parked"
     if scale.get("lowering"):
         text += ", retiring one"
     last = scale.get("last")

@@ -323,7 +323,7 @@ export function renderModels(cluster, ctx) {
       const s = m.scale;
       const last = s.last ? `; ${s.last.reason}, ${new Date(s.last.at * 1000).toLocaleTimeString()}` : "";
       parts.push(
-        h("p", { class: "muted", "data-scale": m.model }, `Replicas ${s.min}-${s.max} by load (idle after ${s.idle_s} s), wants ${s.wanted}${s.lowering ? ", retiring one" : ""}${last}`),
+        h("p", { class: "muted", "data-scale": m.model }, `Replicas ${s.min}-${s.max} by load (idle after ${s.idle_s} s), wants ${s.wanted}${s.parked ? `, ${s.parked} parked` : ""}${s.lowering ? ", retiring one" : ""}${last}`),
       );
     }
     for (const line of m.progress || []) parts.push(h("p", { class: "muted", "data-progress": m.model }, line));

@@ -1,0 +1,189 @@
+"""Parked replicas on a real cluster on loopback: `llmgw server` (its gateway in a worker process)
+and one `llmgw agent` on a node with a GPU (the recorded nvidia-smi of an L4: the hardware edge),
+whose vLLM is the operator's (agent.toml `vllm_bin`): the stand-in for `vllm serve`
+(`testlib.standin_vllm`, no GPU here), with vLLM's sleep-mode routes. Everything through what an
+operator and a client use.
+
+A vLLM model on demand (min_replicas = 0): the first request starts its replica, started able
+to park (--enable-sleep-mode); unused for idle_s it is parked, not stopped (the same engine
+process asleep, `ctl replicas` says parked, the decision says why); the next requests, streamed
+and not, wake it (no new replica, no new engine) and are answered; a stream on it ends whole.
+/metrics counts the park and the wake."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from testlib import standin_vllm
+from testlib.cluster import OPERATORS_LLAMACPP, Cluster, wait_until
+from testlib.hardware import nvidia_smi
+
+READY_S = 60.0
+
+
+@attrs.frozen
+class Live:
+    cluster: Cluster
+    port: int
+    token: str
+    events: Path  # the stand-in's events: start, sleep, wake, request
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    root = tmp_path_factory.mktemp("park")
+    weights = root / "weights" / "coder"
+    weights.mkdir(parents=True)
+    (weights / "config.json").write_text("{}")
+    (root / "bin").mkdir()
+    vllm = standin_vllm.write_executable(root / "bin" / "vllm")
+    events = root / "engine-events.jsonl"
+    cluster = Cluster(
+        root,
+        heartbeat_interval_s=0.5,
+        heartbeat_ttl_s=5.0,
+        server_toml="gateway_workers = 1\n",
+        engines_toml=OPERATORS_LLAMACPP + '[engines.vllm]\nversion = ""\n',  # the node's own vllm (vllm_bin)
+    )
+    try:
+        cluster.init_ca()
+        cluster.set_catalog(
+            f"""
+[autoscale]
+interval_s = 0.2
+
+[[models]]
+name = "coder"
+engine = "vllm"
+source = {{ path = "{weights}" }}
+min_replicas = 0
+max_replicas = 1
+replicas = 0
+idle_s = 3.0
+gpus_per_replica = 1
+memory_gb = 4.0
+queue_timeout_s = 60.0
+"""
+        )
+        cluster.add_node("node-gpu", agent_toml=f'nvidia_smi = "{nvidia_smi("l4")}"\nvllm_bin = "{vllm}"\n')
+        server = cluster.start_server()
+        cluster.start_agent(
+            "node-gpu", env={"STANDIN_EVENTS_FILE": str(events), "STANDIN_TOKEN_MS": "20", "STANDIN_LOAD_S": "0.5"}
+        )
+        cluster.wait_nodes(
+            "node-gpu joined with its vllm checked",
+            lambda ns: any(e["name"] == "vllm" and e["ok"] for e in ns.get("node-gpu", {}).get("engines", [])),
+        )
+        [ready] = server.events("server_ready")
+        token = cluster.ctl("keys", "create", "park")["token"]
+        yield Live(cluster=cluster, port=int(ready["admin_url"].rsplit(":", 1)[1]), token=token, events=events)
+    finally:
+        cluster.close()
+
+
+def chat(live: Live, *, stream: bool = False, max_tokens: int = 6) -> tuple[int, dict[str, str], bytes]:
+    body = {"model": "coder", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    body["stream"] = stream
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=90)
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"authorization": f"Bearer {live.token}", "content-type": "application/json"},
+        )
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def together(live: Live, calls: list[dict[str, Any]]) -> list[tuple[int, dict[str, str], bytes]]:
+    out: list[Any] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = chat(live, **calls[i])
+        except OSError as exc:
+            out[i] = (0, {}, str(exc).encode())
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(o is not None for o in out), "a request did not end within 120 s"
+    return out
+
+
+def get_metrics(live: Live) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def replica(live: Live) -> dict[str, Any] | None:
+    return next((r for r in live.cluster.replicas() or [] if r["replica"] is not None and r["model"] == "coder"), None)
+
+
+def engine_events(live: Live) -> list[str]:
+    lines = live.events.read_text().splitlines() if live.events.exists() else []
+    return [json.loads(line)["event"] for line in lines if line.strip() and json.loads(line)["event"] != "request"]
+
+
+def streamed_whole(body: bytes, tokens: int) -> bool:
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return False
+    pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1] if json.loads(e)["choices"]]
+    return sum(1 for p in pieces if p) == tokens
+
+
+def test_an_idle_vllm_replica_is_parked_and_woken_by_the_next_requests_with_the_same_engine(live: Live) -> None:
+    assert replica(live) is None
+    status, _, body = chat(live)
+    assert status == 200, body
+    first = replica(live)
+    assert first is not None and first["state"] == "ready"
+    [member] = live.cluster.ctl("logs", first["replica"], "--lines", "50")["members"]
+    assert "--enable-sleep-mode" in member["text"]  # the command the agent logged
+
+    # Unused for idle_s: parked, not stopped.
+    parked = wait_until("coder parked", lambda: (r := replica(live)) and r["state"] == "parked" and r, timeout=30)
+    assert parked["replica"] == first["replica"]
+    assert engine_events(live) == ["start", "sleep"]
+    [m] = [m for m in live.cluster.ctl("models") if m["model"] == "coder"]
+    assert (m["scale"]["wanted"], m["scale"]["parked"]) == (0, 1)
+    assert m["scale"]["last"]["reason"] == "idle for 3 s: scaled to zero, parked"
+    text = live.cluster.llmgw("ctl", "replicas", "--state-dir", str(live.cluster.state)).stdout
+    assert "coder: replicas 0-1 (idle after 3 s), wants 0, 1 parked; idle for 3 s: scaled to zero, parked" in text
+    assert " parked " in text  # the replica's state in its row
+
+    # The next requests, streamed and not, wake it: the same replica, the same engine.
+    started = time.monotonic()
+    answers = together(live, [{"stream": i % 2 == 0, "max_tokens": 6} for i in range(4)])
+    took = time.monotonic() - started
+    for i, (status, _, body) in enumerate(answers):
+        assert status == 200, body
+        assert streamed_whole(body, 6) if i % 2 == 0 else json.loads(body)["choices"][0]["message"]["content"]
+    woken = replica(live)
+    assert woken is not None and (woken["replica"], woken["state"]) == (first["replica"], "ready")
+    assert engine_events(live) == ["start", "sleep", "wake"]  # no second start
+    assert took < 10, took
+    decisions = [(d["kind"], d["reason"]) for d in live.cluster.server.events("autoscale_decision")]
+    assert decisions[-1][0] == "start" and decisions[-1][1].startswith("woken on demand (parked): ")
+    metrics = get_metrics(live)
+    assert 'llmgw_autoscale_parks_total{model="coder",action="park"} 1' in metrics
+    assert 'llmgw_autoscale_parks_total{model="coder",action="wake"} 1' in metrics
