@@ -279,7 +279,14 @@ def _check_build(version: str, build: EngineBuild, at: str) -> list[str]:
 
 def _check_gateway(gw: GatewaySection) -> list[str]:
     problems = []
-    for key in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "probe_interval_s", "probe_timeout_s"):
+    for key in (
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "read_timeout_s",
+        "probe_interval_s",
+        "probe_timeout_s",
+        "stream_stall_s",
+    ):
         if getattr(gw, key) <= 0:
             problems.append(f"must be more than 0 seconds, got {getattr(gw, key)} @ $.gateway.{key}")
     if gw.queue_timeout_s < 0:
@@ -291,7 +298,7 @@ def _check_gateway(gw: GatewaySection) -> list[str]:
         )
     if gw.max_attempts < 1:
         problems.append(f"must be at least 1, got {gw.max_attempts} @ $.gateway.max_attempts")
-    for key in ("max_queue", "max_outstanding_per_replica", "max_idle_per_replica"):
+    for key in ("max_queue", "max_outstanding_per_replica", "max_idle_per_replica", "max_migrations"):
         if getattr(gw, key) < 0:
             problems.append(f"must not be negative, got {getattr(gw, key)} @ $.gateway.{key}")
     if gw.affinity_chars:

@@ -288,6 +288,11 @@ class GatewaySection:
     queue_timeout_s: float = 30.0
     max_queue: int = 1024
     max_attempts: int = 3
+    # A stream whose replica fails mid-answer is continued on another (`llmgw.gateway.migrate`), at
+    # most this many times; 0: never (the answer is cut, as before). Once its tokens flow, a stream
+    # silent for `stream_stall_s` counts as failed.
+    max_migrations: int = 2
+    stream_stall_s: float = 30.0
     max_outstanding_per_replica: int = 0
     affinity_chars: int = 0  # replaced by prefix routing: a config that sets it is refused, saying so
     max_idle_per_replica: int = 64

@@ -27,10 +27,12 @@ The request goes out with the replica's own engine key. An attempt that fails wh
 gone to the client yet (no connection within the connect timeout, refused or reset, no response
 head within the first-byte timeout and no answer to a probe, a 502/503, a body read whole that
 broke off) takes the replica out of rotation and sends the request to another, at most
-`max_attempts` times in all; a stream that breaks once relayed takes the replica out too, but is
-not retried. A replica out of rotation returns when a probe reaches it (`gateway/probes.py`). The
-answer is relayed as it comes (`gateway/job.py`): a body with a length is read whole (bounded),
-anything else (SSE) is passed on chunk by chunk without being parsed; a client that goes away
+`max_attempts` times in all; a stream that breaks once relayed takes the replica out too, and a
+streamed chat or text completion is continued on another replica from where it was
+(`gateway/migrate.py`, `Gateway._continue`). A replica out of rotation returns when a probe
+reaches it (`gateway/probes.py`). The answer is relayed as it comes (`gateway/job.py`): a body
+with a length is read whole (bounded), a stream that may be continued in whole SSE events (kept,
+bounded), any other chunk by chunk without being parsed; a client that goes away
 closes the upstream connection, which cancels the work on the engine. The services beside the
 handler (the rotation, the prober, the caches' reports and events) are started by
 `gateway/services.py`.
@@ -73,12 +75,23 @@ from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstr
 from llmgw.gateway.job import Job, stream
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.migrate import (
+    FINISHED,
+    NOT_EXACT,
+    ROUTES,
+    Reading,
+    Rewrite,
+    continuation_payload,
+    data_of,
+    error_event,
+    finish_event,
+)
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.queues import Queues
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
 from llmgw.http.errors import HTTPError
-from llmgw.http.jsonworkers import JsonWorkers, parse_body
+from llmgw.http.jsonworkers import JsonWorkers, ParserBusy, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
@@ -411,7 +424,7 @@ class Gateway:
                     last, last_reason = f"{ep.replica_id} answered {upstream.status}", str(upstream.status)
                 else:
                     try:
-                        return await self._relay(upstream, job)
+                        return await self._relay(upstream, job, request)
                     except UpstreamBroken as exc:  # a body read whole: none of it went to the client
                         last, last_reason = str(exc), "broken"
             log.warning(
@@ -469,7 +482,7 @@ class Gateway:
         if (refused := unservable(self.details, self.router.endpoints, model)) is not None:
             raise counted(self.metrics, model, refused)
 
-    async def _relay(self, upstream: UpstreamResponse, job: Job) -> Response | StreamingResponse:
+    async def _relay(self, upstream: UpstreamResponse, job: Job, request: Request) -> Response | StreamingResponse:
         ep = job.endpoint
         assert ep is not None
         route = job.route
@@ -500,8 +513,123 @@ class Gateway:
                 headers = (*(h for h in headers if h[0] != b"content-type"), (b"content-type", b"application/json"))
             return Response(status=upstream.status, body=body, headers=headers)
         job.first_byte(self.clock())
-        return StreamingResponse(status=upstream.status, body=stream(upstream, job), headers=headers)
+        resume = None
+        info = self.details.get(job.model)
+        sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if (
+            self.options.max_migrations
+            and upstream.status == 200
+            and sse
+            and info is not None
+            and resume_route(request.path)
+        ):
+            resume = Continuer(self, request, info.engine)
+        return StreamingResponse(status=upstream.status, body=stream(upstream, job, resume), headers=headers)
+
+    async def _continue(
+        self, request: Request, engine: str, job: Job, sent_events: bytes, migration: int
+    ) -> tuple[UpstreamResponse, Rewrite] | bytes:
+        """Continue a stream whose replica failed mid-answer on another (`Continuer`): the
+        continuation sent to the next replica that takes it (as a request's attempts go), or the
+        stream's last bytes: the end of an answer that was over, or an error event saying why it
+        cannot go on."""
+        model, route = job.model, request.path
+        reading = Reading(route)
+        for i, data in enumerate(data_of(sent_events)):  # a long answer's events read a slice at a time
+            reading.add(data)
+            if i % 256 == 255:
+                await trio.lowlevel.checkpoint()
+        sent = reading.sent()
+        if sent.done:
+            return self._migrated(job, "finished", b"")
+        if sent.finished:  # the last token had come; only its usage and [DONE] were missing
+            return self._migrated(job, "finished", b"data: [DONE]\n\n")
+        why, payload = sent.not_exact, b""
+        if not why:
+            try:
+                outcome, why, payload = await self.json.parse(
+                    await request.read(), continuation_payload, route, engine, sent.text, sent.tokens
+                )
+            except (HTTPError, ParserBusy) as exc:  # InvalidJson is an HTTPError
+                outcome, why = NOT_EXACT, f"its body could not be read again: {exc}"
+            if outcome == FINISHED:
+                return self._migrated(job, "finished", finish_event(route, sent, "length") + b"data: [DONE]\n\n")
+        if why:
+            message = f"the replica answering failed mid-answer, and this answer cannot be continued exactly: {why}"
+            return self._migrated(job, "not_exact", error_event(message, "replica_failed"))
+        info = self.details.get(model)
+        timeout_s = info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
+        deadline = self.clock() + timeout_s
+        tried: set[str] = set()
+        last = ""
+        for _ in range(self.options.max_attempts):
+            try:
+                ep, job.route = await self._wait_for_endpoint(model, tried, None, deadline)
+            except HTTPError as exc:
+                last = exc.message
+                break
+            if ep is None:
+                last = last or f"no ready replica of {model!r} within {timeout_s:g} s"
+                break
+            self.router.acquire(ep)
+            job.endpoint = ep
+            try:
+                upstream = await self.pool.send(
+                    ep.host, ep.port, request.method, route, upstream_headers(request, ep, job.rid), payload
+                )
+            except UpstreamUnavailable as exc:
+                last = str(exc)
+            else:
+                if upstream.status == 200:
+                    log.info(
+                        "gateway_stream_migrated",
+                        model=model,
+                        to=ep.replica_id,
+                        migration=migration,
+                        tokens_before=sent.tokens,
+                        request_id=job.rid,
+                    )
+                    self.metrics.migrations.inc(model=model, outcome="continued")
+                    return upstream, Rewrite(route, sent, migration)
+                await upstream.aclose()
+                last = f"{ep.replica_id} answered {upstream.status}"
+            log.warning("gateway_upstream_failed", replica=ep.replica_id, model=model, reason=last, request_id=job.rid)
+            job.leave_replica()
+            self.replica_failed(ep, "connect", client_saw_bytes=False)
+            tried.add(ep.replica_id)
+        message = f"the replica answering failed mid-answer, and no other could continue it: {last}"
+        return self._migrated(job, "failed", error_event(message, "replica_failed"))
+
+    def _migrated(self, job: Job, outcome: str, last: bytes) -> bytes:
+        self.metrics.migrations.inc(model=job.model, outcome=outcome)
+        if outcome != "continued":
+            log.warning("gateway_stream_not_continued", model=job.model, outcome=outcome, request_id=job.rid)
+        return last
 
     def render_metrics(self) -> str:
         self.metrics.mirror(self.router, self.queued, self.in_flight)
         return self.metrics.render()
+
+
+def resume_route(path: str) -> bool:
+    return path in ROUTES
+
+
+@attrs.define
+class Continuer:
+    """A stream's way on (`job.Resume`): `Gateway._continue` for its request and its model's engine."""
+
+    gw: Gateway
+    request: Request
+    engine: str
+
+    @property
+    def max_migrations(self) -> int:
+        return self.gw.options.max_migrations
+
+    @property
+    def stall_s(self) -> float:
+        return self.gw.options.stream_stall_s
+
+    async def __call__(self, job: Job, sent: bytes, migration: int) -> tuple[UpstreamResponse, Rewrite] | bytes:
+        return await self.gw._continue(self.request, self.engine, job, sent, migration)

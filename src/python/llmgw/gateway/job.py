@@ -13,11 +13,12 @@ for a replica of its model (`Gateway.wake`) and for the last request in flight (
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from llmgw.gateway.errors import UpstreamError
+from llmgw.gateway.migrate import Events, Rewrite
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Route
 from llmgw.gateway.upstream import UpstreamResponse
@@ -69,6 +70,14 @@ class Job:
             self.gw.router.prefilled(self.endpoint, self.prefill)
         self.prefill = 0
 
+    def leave_replica(self) -> None:
+        """Its replica failed mid-answer: it no longer counts there (a continuation takes another)."""
+        if self.endpoint is not None:
+            self.gw.router.release(self.endpoint, self.prefill)
+            self.prefill = 0
+            self.endpoint = None
+            self.gw.wake(self.model)
+
     def first_byte(self, now: float) -> None:
         if not self._first_byte_seen:
             self._first_byte_seen = True
@@ -96,23 +105,66 @@ class Job:
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
 
 
-async def stream(upstream: UpstreamResponse, job: Job) -> AsyncIterator[bytes]:
-    """The answer's body as it comes, passed on without being parsed; its end (or the client's
-    departure, which closes the upstream connection and so stops the engine's work) finishes
-    the job. A stream that breaks once relayed takes its replica out, with no retry."""
+class Resume(Protocol):
+    """How a broken stream goes on (`Gateway._continue`): given what the client has had (its
+    whole events) and the migration's number, another replica's answer to the continuation and
+    how to rewrite its events, or the last bytes to send (an error event, or the answer's end)."""
+
+    max_migrations: int
+    stall_s: float
+
+    async def __call__(self, job: Job, sent: bytes, migration: int) -> tuple[UpstreamResponse, Rewrite] | bytes: ...
+
+
+async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = None) -> AsyncIterator[bytes]:
+    """The answer's body as it comes; its end (or the client's departure, which closes the
+    upstream connection and so stops the engine's work) finishes the job. A stream that breaks
+    once relayed takes its replica out. Without `resume` it is passed on without being parsed and
+    a break cuts it; with one it is passed on in whole SSE events, kept (`migrate.Events`), and a
+    break has `resume` continue it on another replica, up to `resume.max_migrations` times."""
     status: int | None = 499
+    events = Events() if resume is not None else None
+    rewrite: Rewrite | None = None
+    migration = 0
     try:
-        async for chunk in upstream.body():
-            if job.prefill:
-                job.answering()
-            yield chunk
-        status = upstream.status
-    except UpstreamError as exc:
-        log.warning("gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc), request_id=job.rid)
-        status = 502
-        if job.endpoint is not None:  # out of rotation until probed; the client has part of an answer: no retry
-            job.gw.replica_failed(job.endpoint, "broken", client_saw_bytes=True)
-        raise BodyAborted(str(exc)) from None
+        while True:
+            try:
+                async for chunk in upstream.body():
+                    if job.prefill:
+                        job.answering()
+                    if events is None:
+                        yield chunk
+                        continue
+                    whole = events.feed(chunk)
+                    if whole:
+                        if upstream.stall_s is None:
+                            assert resume is not None
+                            upstream.stall_s = resume.stall_s  # its tokens flow: a silence now is a stall
+                        yield rewrite.events(whole) if rewrite is not None else whole
+                if events is not None and (rest := events.rest()):
+                    yield rest
+                status = upstream.status
+                return
+            except UpstreamError as exc:
+                log.warning(
+                    "gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc), request_id=job.rid
+                )
+                status = 502
+                if job.endpoint is not None:  # out of rotation until probed
+                    job.gw.replica_failed(job.endpoint, "broken", client_saw_bytes=True)
+                if resume is None or events is None or events.overflow or migration >= resume.max_migrations:
+                    raise BodyAborted(str(exc)) from None
+                with trio.CancelScope(shield=True):
+                    await upstream.aclose()
+                job.leave_replica()
+                migration += 1
+                outcome = await resume(job, events.kept, migration)
+                if isinstance(outcome, bytes):  # the answer's end, or an error event: nothing more comes
+                    if outcome:
+                        yield outcome
+                    status = 200 if outcome.endswith(b"data: [DONE]\n\n") else 502
+                    return
+                upstream, rewrite = outcome
     finally:
         with trio.CancelScope(shield=True):
             await upstream.aclose()  # not read to its end: closed, which stops the engine's work

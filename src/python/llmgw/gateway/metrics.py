@@ -34,6 +34,13 @@ class GatewayMetrics:
         self.retries = r.counter(
             "llmgw_gateway_retries_total", "Requests sent again to another replica, by reason.", ("model", "reason")
         )
+        self.migrations = r.counter(
+            "llmgw_gateway_migrations_total",
+            "Streamed answers whose replica failed mid-answer, by outcome: continued (on another replica), "
+            "finished (nothing was left to generate), not_exact (an answer that cannot be continued exactly "
+            "ended with an error event), failed (no replica could continue it).",
+            ("model", "outcome"),
+        )
         self.replica_state = r.gauge(
             "llmgw_gateway_replica_state",
             "1 for each replica in the gateway's view, labelled with its state (ready, draining, down).",

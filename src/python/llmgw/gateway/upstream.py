@@ -271,6 +271,9 @@ class UpstreamResponse:
     status: int
     headers: tuple[tuple[bytes, bytes], ...]  # names lower-case
     _closed: bool = False
+    # The silence allowed at each read of the body from now on (a stream whose tokens have begun
+    # to flow: `[gateway] stream_stall_s`); None: the pool's `read_timeout_s`.
+    stall_s: float | None = None
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.headers if k == name), None)
@@ -279,15 +282,15 @@ class UpstreamResponse:
         """The body's pieces as they arrive; ends at the end of the message. What has arrived
         when a piece is taken goes out with it (`llmgw.h1.ResponseParser`): when the engine writes
         faster than the client reads (many small SSE events), one write relays several.
-        Silence is bounded by `read_timeout_s` at each read."""
+        Silence is bounded by `read_timeout_s` at each read (`stall_s` once set)."""
         host, port = self.key
         parser, stream = self.conn.parser, self.conn.stream
-        timeout = self.pool.read_timeout_s
         read = True  # whether this piece's bytes came with a read (a checkpoint) since the last
         while True:
             try:
                 event = parser.next_event()
                 if event is NEED_DATA:
+                    timeout = self.pool.read_timeout_s if self.stall_s is None else self.stall_s
                     with trio.move_on_after(timeout):
                         parser.receive_data(await fastio.receive(stream, RECEIVE_SIZE))  # b"": the peer closed
                         read = True

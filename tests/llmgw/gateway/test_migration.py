@@ -1,0 +1,273 @@
+"""A stream whose replica fails mid-answer continues on another (llmgw.gateway.migrate, job.stream):
+scripted engines in memory (testlib.memnet, on MockClock) that answer a fixed text word by word as
+SSE, the first of which dies after some words. The client must get one stream: every word once,
+in order, the first answer's `id` and `created`, usage counting the words before the failure as
+completion tokens, a comment saying it moved; and the continuation must be asked in the engine's
+way (llama.cpp and the sim: a final assistant message; vLLM and SGLang: continue_final_message;
+completions: the prompt plus the text so far), with the token limit less what was sent. Answers
+that cannot be continued exactly end with an error event; with max_migrations = 0 the stream is
+cut as before; a stream silent past stream_stall_s counts as failed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from llmgw.gateway.migrate import CHAT, COMPLETIONS, Events, Rewrite, Sent, continuation_payload
+from llmgw.gateway.routing import Endpoint
+from llmgw.http.messages import Request, Response, StreamingResponse
+from llmgw.wire.gateway_link import ModelInfo
+from testlib import memnet
+
+pytestmark = pytest.mark.trio
+
+WORDS = [("" if i == 0 else " ") + w for i, w in enumerate("the quick brown fox jumps over the lazy dog again".split())]
+
+
+class Scripted:
+    """An engine answering WORDS from where the request says it is (its final assistant message,
+    or the prompt's tail past "Q:"), one SSE event a word, `token_s` apart; `die_after` words and
+    it is gone (its connections cut), `stall_after` words and it goes silent."""
+
+    def __init__(self, net: memnet.MemoryNet, name: str, host: str, *, die_after: int = 0, stall_after: int = 0):
+        self.net, self.name, self.host = net, name, host
+        self.die_after, self.stall_after = die_after, stall_after
+        self.bodies: list[dict[str, Any]] = []
+        net.serve((host, 8000), self.handle)
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(replica_id=self.name, model="m", host=self.host, port=8000, api_key="k")
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        body = json.loads(await request.read())
+        self.bodies.append(body)
+        chat = request.path == CHAT
+        if chat:
+            last = body["messages"][-1]
+            start = len(last["content"].split()) if last["role"] == "assistant" else 0
+        else:
+            start = len(body["prompt"].split("Q:", 1)[1].split()) if "Q:" in body["prompt"] else 0
+        limit = body.get("max_tokens", 100)
+        words = WORDS[start : start + limit]
+        finish = "stop" if start + len(words) == len(WORDS) else "length"
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        ident = f"id-{self.name}"
+
+        async def events():
+            if chat:
+                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, role=True)]})
+            for i, w in enumerate(words):
+                if self.die_after and i == self.die_after:
+                    self.net.kill((self.host, 8000))
+                    await trio.sleep_forever()
+                if self.stall_after and i == self.stall_after:
+                    await trio.sleep_forever()
+                await trio.sleep(0.01)
+                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, text=w)]})
+            yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, finish=finish)]})
+            if body.get("stream_options", {}).get("include_usage"):
+                usage = {
+                    "prompt_tokens": 5 + start,
+                    "completion_tokens": len(words),
+                    "total_tokens": 5 + start + len(words),
+                }
+                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(status=200, body=events(), headers=(("content-type", "text/event-stream"),))
+
+
+def _choice(chat: bool, *, text: str = "", role: bool = False, finish: str | None = None) -> dict[str, Any]:
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+    return {"index": 0, "text": text, "finish_reason": finish}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def parse(body: bytes) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """The JSON events, the comment lines, and whether [DONE] ended it."""
+    events, comments, done = [], [], False
+    for block in body.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith(":"):
+                comments.append(line)
+            elif line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events, comments, done
+
+
+def text_of(events: list[dict[str, Any]], chat: bool = True) -> str:
+    out = []
+    for e in events:
+        for c in e.get("choices", []):
+            out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+    return "".join(out)
+
+
+async def setup(tmp_path: Path, nursery: trio.Nursery, engine: str, **options: Any):
+    net = memnet.MemoryNet(nursery)
+    a = Scripted(net, "m-0", "10.0.0.1", die_after=4)
+    b = Scripted(net, "m-1", "10.0.0.2")
+    info = ModelInfo(name="m", engine=engine, routes=(CHAT, COMPLETIONS))
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), **options)
+    return net, a, b, gw, info
+
+
+async def test_a_chat_stream_whose_replica_dies_continues_on_another_word_for_word(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net, a, b, gw, info = await setup(tmp_path, nursery, "llamacpp")
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100}
+    request["stream_options"] = {"include_usage": True}
+    status, headers, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    assert headers["x-llmgw-replica"] == "m-0" and status == 200  # the headers went out from a
+    events, comments, done = parse(body)
+    assert text_of(events) == "".join(WORDS)  # every word once, in order
+    assert done and comments == [": llmgw migrated 1"]
+    assert {e["id"] for e in events} == {"id-m-0"} and {e["created"] for e in events} == {100}
+    assert sum(1 for e in events if (e["choices"] and e["choices"][0]["delta"].get("role"))) == 1
+    [usage] = [e["usage"] for e in events if e.get("usage")]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": len(WORDS), "total_tokens": 5 + len(WORDS)}
+    # llama.cpp's way: a final assistant message holding the four words sent, the limit less four.
+    cont = b.bodies[-1]
+    assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
+    assert cont["max_tokens"] == 96 and "continue_final_message" not in cont
+    metrics = gw.gateway.render_metrics()
+    assert 'llmgw_gateway_migrations_total{model="m",outcome="continued"} 1' in metrics
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_vllm_and_sglang_are_asked_with_continue_final_message(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, engine: str
+) -> None:
+    net, a, b, gw, info = await setup(tmp_path, nursery, engine)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    assert status == 200 and text_of(parse(body)[0]) == "".join(WORDS)
+    cont = b.bodies[-1]
+    assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
+    assert (cont["continue_final_message"], cont["add_generation_prompt"]) == (True, False)
+    assert "max_tokens" not in cont  # none was asked
+
+
+async def test_an_answer_that_cannot_be_continued_exactly_ends_with_an_error_event(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net, a, b, gw, info = await setup(tmp_path, nursery, "sim")
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    events, _, done = parse(body)
+    assert status == 200 and not done and b.bodies == []
+    assert text_of(events[:-1]) == "".join(WORDS[:4])
+    error = events[-1]["error"]
+    assert error["code"] == "replica_failed" and "cannot be continued exactly" in error["message"]
+    assert "n > 1" in error["message"]
+    assert 'outcome="not_exact"} 1' in gw.gateway.render_metrics()
+
+
+async def test_without_migrations_the_stream_is_cut_as_before(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net, a, b, gw, info = await setup(tmp_path, nursery, "sim", max_migrations=0)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with pytest.raises(Exception):  # noqa: B017 - the client sees the body end without its last chunk
+        await _via_a_then_b(gw, a, b, info, CHAT, request)
+    assert b.bodies == []
+
+
+async def test_a_stream_silent_past_stream_stall_s_is_continued(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    a = Scripted(net, "m-0", "10.0.0.1", stall_after=3)
+    b = Scripted(net, "m-1", "10.0.0.2")
+    info = ModelInfo(name="m", engine="sim", routes=(CHAT, COMPLETIONS))
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), stream_stall_s=2.0)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    started = trio.current_time()
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    assert status == 200 and text_of(parse(body)[0]) == "".join(WORDS)
+    assert b.bodies[-1]["messages"][-1]["content"] == "".join(WORDS[:3])
+    assert 2.0 <= trio.current_time() - started < 5.0  # the stall limit, not read_timeout_s (600 s)
+
+
+async def test_completions_continue_with_the_prompt_plus_the_text_so_far(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net, a, b, gw, info = await setup(tmp_path, nursery, "vllm")
+    request = {"model": "m", "prompt": "Q:", "stream": True, "max_tokens": 8}
+    status, _, body = await _via_a_then_b(gw, a, b, info, COMPLETIONS, request)
+    events, comments, done = parse(body)
+    assert status == 200 and done and comments == [": llmgw migrated 1"]
+    assert text_of(events, chat=False) == "".join(WORDS[:8])
+    assert b.bodies[-1]["prompt"] == "Q:" + "".join(WORDS[:4]) and b.bodies[-1]["max_tokens"] == 4
+
+
+async def _via_a_then_b(gw, a: Scripted, b: Scripted, info: ModelInfo, path: str, request: dict[str, Any]):
+    """The request sent while a alone is in rotation; b is put in as soon as a has it."""
+    async with trio.open_nursery() as n:
+        result: list[Any] = []
+
+        async def call() -> None:
+            result.append(await gw.call("POST", path, request))
+
+        n.start_soon(call)
+        while not a.bodies:
+            await trio.sleep(0.001)
+        gw.provider.set((a.endpoint(), b.endpoint()), details=(info,))
+    return result[0]
+
+
+async def test_events_are_cut_at_blank_lines_and_kept() -> None:
+    ev = Events()
+    assert ev.feed(b"data: 1\n") == b""
+    assert ev.feed(b"\ndata: 2\n\ndata: 3") == b"data: 1\n\ndata: 2\n\n"
+    assert ev.feed(b"\n\n") == b"data: 3\n\n"
+    assert ev.kept == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
+
+
+async def test_what_was_sent_and_what_cannot_be_continued() -> None:
+    tool = _sse({"id": "x", "created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]})
+    assert Sent.of(CHAT, tool).not_exact == "a tool call was under way"
+    two = _sse({"id": "x", "created": 1, "choices": [{"index": 1, "delta": {"content": "a"}}]})
+    assert Sent.of(CHAT, two).not_exact.startswith("the answer has several choices")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    assert continuation_payload({**body, "n": 2}, CHAT, "sim", "a", 1)[0] == "not_exact"
+    assert (
+        continuation_payload({**body, "response_format": {"type": "json_object"}}, CHAT, "sim", "a", 1)[0]
+        == "not_exact"
+    )
+    assert continuation_payload({**body, "response_format": {"type": "text"}}, CHAT, "sim", "a", 1)[0] == ""
+    assert continuation_payload(body, CHAT, "sim", "a b", 10) == ("finished", "", b"")
+    assert continuation_payload({"model": "m", "prompt": ["a", "b"]}, COMPLETIONS, "sim", "", 0)[0] == "not_exact"
+    outcome, _, payload = continuation_payload({**body, "seed": 7, "logprobs": True}, CHAT, "vllm", "a b", 2)
+    made = json.loads(payload)
+    assert outcome == "" and made["continue_final_message"] is True and made["add_generation_prompt"] is False
+    assert made["seed"] == 7 and made["max_tokens"] == 8
+
+
+async def test_a_rewrite_keeps_the_first_answers_identity_and_counts_usage() -> None:
+    sent = Sent(id="first", created=5, text="a b", tokens=2)
+    r = Rewrite(CHAT, sent, 1)
+    out = r.events(
+        _sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        + _sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"content": " c"}}]})
+        + _sse({"id": "x", "created": 9, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+        + b"data: [DONE]\n\n"
+    )
+    events, comments, done = parse(out)
+    assert [e["choices"] for e in events[:1]] == [[{"index": 0, "delta": {"content": " c"}}]]
+    assert all(e["id"] == "first" and e["created"] == 5 for e in events)
+    assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert done and comments == [": llmgw migrated 1"]
