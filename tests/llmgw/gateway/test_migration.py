@@ -18,7 +18,16 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.gateway.migrate import CHAT, COMPLETIONS, Events, Rewrite, Sent, continuation_payload
+from llmgw.gateway.migrate import (
+    CHAT,
+    COMPLETIONS,
+    MAX_KEPT_BYTES,
+    Events,
+    KeptBudget,
+    Rewrite,
+    Sent,
+    continuation_payload,
+)
 from llmgw.gateway.routing import Endpoint
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.wire.gateway_link import ModelInfo
@@ -271,3 +280,16 @@ async def test_a_rewrite_keeps_the_first_answers_identity_and_counts_usage() -> 
     assert all(e["id"] == "first" and e["created"] == 5 for e in events)
     assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     assert done and comments == [": llmgw migrated 1"]
+
+
+async def test_the_kept_events_are_bounded_per_stream_and_per_process() -> None:
+    budget = KeptBudget(limit=100)
+    one, two = Events(budget), Events(budget)
+    assert one.feed(b"data: " + b"x" * 50 + b"\n\n") and budget.used == 58
+    two.feed(b"data: " + b"y" * 50 + b"\n\n")  # past the process's budget: not kept
+    assert two.overflow and two.kept == b"" and budget.used == 58
+    one.release()
+    assert budget.used == 0
+    big = Events(KeptBudget())
+    big.feed(b"data: " + b"z" * (MAX_KEPT_BYTES + 1) + b"\n\n")
+    assert big.overflow and big.kept == b""

@@ -79,6 +79,7 @@ from llmgw.gateway.migrate import (
     FINISHED,
     NOT_EXACT,
     ROUTES,
+    KeptBudget,
     Reading,
     Rewrite,
     continuation_payload,
@@ -143,6 +144,7 @@ class Gateway:
         self.json = json_workers or JsonWorkers()
         self.keys = keys
         self.options = options = options or GatewaySection()
+        self.kept = KeptBudget()  # what the streams that may be continued keep, all together
         self.pool = pool or UpstreamPool(
             max_idle_per_endpoint=options.max_idle_per_replica,
             connect_timeout_s=options.connect_timeout_s,
@@ -630,6 +632,10 @@ class Continuer:
     @property
     def stall_s(self) -> float:
         return self.gw.options.stream_stall_s
+
+    @property
+    def budget(self) -> KeptBudget:
+        return self.gw.kept
 
     async def __call__(self, job: Job, sent: bytes, migration: int) -> tuple[UpstreamResponse, Rewrite] | bytes:
         return await self.gw._continue(self.request, self.engine, job, sent, migration)

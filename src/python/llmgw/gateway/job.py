@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from llmgw.gateway.errors import UpstreamError
-from llmgw.gateway.migrate import Events, Rewrite
+from llmgw.gateway.migrate import Events, KeptBudget, Rewrite
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Route
 from llmgw.gateway.upstream import UpstreamResponse
@@ -112,6 +112,7 @@ class Resume(Protocol):
 
     max_migrations: int
     stall_s: float
+    budget: KeptBudget
 
     async def __call__(self, job: Job, sent: bytes, migration: int) -> tuple[UpstreamResponse, Rewrite] | bytes: ...
 
@@ -123,7 +124,7 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
     a break cuts it; with one it is passed on in whole SSE events, kept (`migrate.Events`), and a
     break has `resume` continue it on another replica, up to `resume.max_migrations` times."""
     status: int | None = 499
-    events = Events() if resume is not None else None
+    events = Events(resume.budget) if resume is not None else None
     rewrite: Rewrite | None = None
     migration = 0
     try:
@@ -166,6 +167,8 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                     return
                 upstream, rewrite = outcome
     finally:
+        if events is not None:
+            events.release()
         with trio.CancelScope(shield=True):
             await upstream.aclose()  # not read to its end: closed, which stops the engine's work
         job.finish(status)

@@ -44,19 +44,49 @@ _FLAG_ENGINES = frozenset(
 _CONSTRAINED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema")
 
 
+# What every stream of one gateway process keeps, together: past it a stream keeps nothing more
+# and cannot be continued (a thousand long answers at once do not take gigabytes).
+MAX_KEPT_TOTAL_BYTES = 256 << 20
+
+
+class KeptBudget:
+    """The bytes all streams of a process keep for a continuation, bounded."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int = MAX_KEPT_TOTAL_BYTES) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
 class Events:
     """A stream cut at its events' boundaries: `feed` returns the bytes up to the last blank line
     so far (whole events, to send), keeping the rest for the next piece; those sent are kept
-    (`kept`) until `MAX_KEPT_BYTES`. Linear in the bytes fed: each is scanned for a boundary once
-    (a boundary split across two pieces is found by looking one byte back)."""
+    (`kept`) until `MAX_KEPT_BYTES`, or the process's `KeptBudget` is spent. Linear in the bytes
+    fed: each is scanned for a boundary once (a boundary split across two pieces is found by
+    looking one byte back). `release` gives the budget back (the stream ended)."""
 
-    __slots__ = ("_tail", "_kept", "kept_bytes", "overflow")
+    __slots__ = ("_tail", "_kept", "kept_bytes", "overflow", "budget")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: KeptBudget | None = None) -> None:
         self._tail = bytearray()
         self._kept: list[bytes] = []
         self.kept_bytes = 0
-        self.overflow = False  # more than MAX_KEPT_BYTES sent: not kept, not continued
+        self.overflow = False  # more than MAX_KEPT_BYTES sent, or no budget left: not kept, not continued
+        self.budget = budget if budget is not None else KeptBudget()
+
+    def release(self) -> None:
+        self.budget.give(self.kept_bytes)
+        self.kept_bytes = 0
+        self._kept = []
 
     def feed(self, piece: bytes) -> bytes:
         tail = self._tail
@@ -65,18 +95,22 @@ class Events:
         end = tail.rfind(b"\n\n", start)
         if end < 0:
             if len(tail) > MAX_KEPT_BYTES:  # not SSE after all, or one giant event: passed on, not kept
-                self.overflow, self._kept = True, []
+                self._overflow()
                 return self.rest()
             return b""
         whole = bytes(tail[: end + 2])
         del tail[: end + 2]
         if not self.overflow:
-            self.kept_bytes += len(whole)
-            if self.kept_bytes > MAX_KEPT_BYTES:
-                self.overflow, self._kept = True, []
+            if self.kept_bytes + len(whole) > MAX_KEPT_BYTES or not self.budget.take(len(whole)):
+                self._overflow()
             else:
+                self.kept_bytes += len(whole)
                 self._kept.append(whole)
         return whole
+
+    def _overflow(self) -> None:
+        self.release()
+        self.overflow = True
 
     def rest(self) -> bytes:
         """What came after the last whole event (at the stream's clean end: sent as it is)."""
