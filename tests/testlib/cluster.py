@@ -40,6 +40,11 @@ from testlib.proc import Proc, run_llmgw, tails
 T = TypeVar("T")
 
 POLL_S = 0.1
+# The control plane's gateway in one worker process unless a test names a count: the product's
+# "auto" is one per core, and each worker costs about 0.7 CPU-s at every start of the server (its
+# imports, its link and TLS; the server itself about 1.1). The tests of several workers name
+# theirs (test_control_plane_workers; the standalone gateways' run `llmgw gateway --workers 2`).
+GATEWAY_WORKERS = "gateway_workers = 1\n"
 DEADLINE_S = 20.0
 CLI_TIMEOUT_S = 30.0
 
@@ -143,7 +148,8 @@ class Cluster:
         after [server] ([engines.*], [release]; TOML text). `net`: where the server runs.
         `reconnect_grace_s`: how long a restarted server waits for the agents it knew; their
         backoff reaches 30 s after a long outage (the product's default, 35 s, covers it).
-        `server_toml`: more keys of [server] (`gateway_workers = 2`; TOML text). `fixed_http_port`:
+        `server_toml`: more keys of [server] (`gateway_workers = 2`; TOML text; without
+        `gateway_workers`, one worker: see GATEWAY_WORKERS). `fixed_http_port`:
         http_listen on a port chosen here, not by the system at each start (the same after a
         restart, or a standby becoming the leader)."""
         net = net or ServerNet()
@@ -170,7 +176,10 @@ class Cluster:
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n"
             # Agents come back on their own backoff after a server restart; give them that long.
-            f"reconnect_grace_s = {reconnect_grace_s}\n" + server_toml + engines_toml
+            f"reconnect_grace_s = {reconnect_grace_s}\n"
+            + ("" if "gateway_workers" in server_toml else GATEWAY_WORKERS)
+            + server_toml
+            + engines_toml
         )
         self.server_config.write_text(self._server_section)
         self.nodes_files: dict[str, NodeFiles] = {}

@@ -174,7 +174,8 @@ class ControlPlane:
             'http_listen = "127.0.0.1:0"\n'
             f'advertise = ["{node.host_addr}"]\n'
             "heartbeat_interval_s = 0.5\n"
-            "heartbeat_ttl_s = 3.0\n" + catalog
+            "heartbeat_ttl_s = 3.0\n"
+            "gateway_workers = 1\n" + catalog  # as testlib.cluster's (GATEWAY_WORKERS says why)
         )
         self.node = node
         self.server: Proc | None = None
