@@ -295,3 +295,120 @@ def test_streamed_tool_calls_in_openais_delta_shape() -> None:
     assert deltas[3] == {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}
     assert deltas[4] == {} and chunks[4]["choices"][0]["finish_reason"] == "tool_calls" and deltas[5] == "[DONE]"
     assert [is_token for is_token, _ in events] == [False, True, False, True, False, False]
+
+
+# -- continuing an answer (request migration) ------------------------------------------------------
+
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about rivers"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}  # vLLM's and SGLang's way
+
+
+def continued(received: Any, conversation: list[dict[str, Any]] = CONVERSATION, **body: Any) -> api.Job:
+    return job(messages=[*conversation, {"role": "assistant", "content": received}], **body)
+
+
+def streamed_text(j: api.Job, c: Completion) -> str:
+    chunks = parse_sse([e for is_token, e in api.stream_events(j, c, id="x", created=1) if is_token])
+    return "".join(ch["choices"][0]["delta"]["content"] if j.kind == "chat" else ch["choices"][0]["text"] for ch in chunks)  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", [{}, CONTINUE], ids=["llama.cpp", "vllm"])
+def test_a_final_assistant_message_is_continued_word_for_word(flags: dict[str, Any]) -> None:
+    before = job(messages=CONVERSATION, max_tokens=1000)
+    whole = api.answer_of(before)
+    n = len(whole.pieces)
+    for k in (1, 2, n // 2, n - 1, n):  # the first word, mid-answer, the last word, the natural end
+        received = "".join(whole.pieces[:k])
+        for content in (received, [{"type": "text", "text": received}]):
+            j = continued(content, max_tokens=1000, stream=True, **flags)
+            rest = api.answer_of(j)
+            assert received + rest.text == whole.text and received + streamed_text(j, rest) == whole.text
+            assert (j.prompt_key, j.start, rest.finish_reason) == (before.prompt_key, k, "stop")
+            # Every message is prompt; only the new words are the completion's.
+            assert api.usage(j, rest) == {"prompt_tokens": 6 + k, "completion_tokens": n - k, "total_tokens": 6 + n}
+    assert api.answer_of(continued(whole.text, **flags)).pieces == ()  # already at its end
+
+
+def test_max_tokens_counts_the_new_words_and_ignore_eos_goes_past_the_end() -> None:
+    whole = api.answer_of(job(messages=CONVERSATION, max_tokens=1000))
+    received = "".join(whole.pieces[:3])
+    rest = api.answer_of(continued(received, max_tokens=4))
+    assert rest.pieces == whole.pieces[3:7] and rest.finish_reason == "length"
+    n = len(whole.pieces)
+    long = api.answer_of(job(messages=CONVERSATION, max_tokens=n + 10, ignore_eos=True))
+    received = "".join(long.pieces[: n + 2])
+    rest = api.answer_of(continued(received, max_tokens=8, ignore_eos=True))
+    assert received + rest.text == long.text and rest.finish_reason == "length"
+
+
+def test_a_continued_answers_logprobs_are_the_uninterrupted_ones() -> None:
+    before = job(messages=CONVERSATION, max_tokens=1000, logprobs=True, top_logprobs=2)
+    entries = api.response_body(before, api.answer_of(before), id="x", created=1)["choices"][0]["logprobs"]["content"]
+    j = continued("".join(e["token"] for e in entries[:4]), max_tokens=1000, logprobs=True, top_logprobs=2)
+    assert api.response_body(j, api.answer_of(j), id="x", created=1)["choices"][0]["logprobs"]["content"] == entries[4:]
+
+
+def test_a_client_prefill_that_is_not_the_answer_is_continued_all_the_same() -> None:
+    j = continued("Sure, here is", max_tokens=5)
+    assert j.start == 3 and j.prompt_tokens == 9 and j.prompt_key == job(messages=CONVERSATION).prompt_key
+    rest = api.answer_of(j)
+    assert rest == complete("m", j.prompt_key, 5, start=3) and rest.pieces[0].startswith(" ")
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"continue_final_message": True}, "Cannot set both `continue_final_message` and `add_generation_prompt` to True"),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "send \"add_generation_prompt\": false"),
+        ({"continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
+    ],
+)  # fmt: skip
+def test_continue_final_message_with_a_generation_prompt_is_refused(body: dict[str, Any], says: str) -> None:
+    messages = [*CONVERSATION, {"role": "assistant", "content": "the"}]
+    err = refused("chat", {"model": "m", "messages": messages, **body})
+    assert err.status == 400 and says in err.message
+
+
+def test_only_a_text_answer_is_continued() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    asked = [{"role": "user", "content": "get_weather in Oslo"}]
+    # A last assistant message with tool calls is the prompt, as before: a new answer.
+    calling = job(messages=[*asked, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert calling.start == 0 and calling.prompt_key != job(messages=asked).prompt_key
+    # The text answer to a tool's result is continued, with the tools still given.
+    result = [*asked, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    whole = api.answer_of(job(messages=result, tools=tools, max_tokens=1000))
+    assert not whole.tool_calls
+    received = "".join(whole.pieces[:5])
+    rest = api.answer_of(continued(received, result, tools=tools, max_tokens=1000))
+    assert received + rest.text == whole.text
+    # Where the uninterrupted answer is tool calls or JSON, the answer is that, whole.
+    assert api.answer_of(continued("the", asked, tools=tools)) == api.answer_of(job(messages=asked, tools=tools))
+    shaped = {"response_format": {"type": "json_object"}}
+    assert api.answer_of(continued('{"answer": "', **shaped)) == api.answer_of(job(messages=CONVERSATION, **shaped))
+
+
+@pytest.mark.parametrize("prompt", ["Tell me a story", "Say: ", ""])
+def test_a_completions_prompt_ending_with_its_answers_start_is_continued(prompt: str) -> None:
+    before = job("completion", prompt=prompt, max_tokens=1000, logprobs=1)
+    whole = api.answer_of(before)
+    n = len(whole.pieces)
+    logprobs = api.response_body(before, whole, id="x", created=1)["choices"][0]["logprobs"]
+    for k in (1, n // 2, n - 1, n):
+        received = "".join(whole.pieces[:k])
+        j = job("completion", prompt=prompt + received, max_tokens=1000, stream=True, logprobs=1)
+        rest = api.answer_of(j)
+        assert received + rest.text == whole.text and received + streamed_text(j, rest) == whole.text
+        assert (j.prompt_key, j.start, rest.finish_reason) == (api.prompt_digest(prompt), k, "stop")
+        # The earlier prompt and the words sent, though P and the first word touch ("story" "the").
+        assert api.usage(j, rest)["prompt_tokens"] == len(prompt.split()) + k
+        assert api.usage(j, rest)["completion_tokens"] == n - k
+        got = api.response_body(j, rest, id="x", created=1)["choices"][0]["logprobs"]
+        assert got["token_logprobs"] == logprobs["token_logprobs"][k:]
+    received = "".join(whole.pieces[:3])
+    rest = api.answer_of(job("completion", prompt=prompt + received, max_tokens=2))
+    assert rest.pieces == whole.pieces[3:5] and rest.finish_reason == "length"
+    # An array of prompts is taken whole.
+    listed = job("completion", prompt=[prompt + received])
+    assert listed.start == 0 and listed.prompt_key == api.prompt_digest(prompt + received)

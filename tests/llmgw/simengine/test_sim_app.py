@@ -373,3 +373,54 @@ async def test_bodies_are_held_to_the_gateways_json_rule() -> None:
         assert refused.value.status == 400 and "request body has NaN, which is not JSON" in refused.value.message
     finally:
         await e.aclose()
+
+
+# -- continuing an answer over HTTP (request migration) --------------------------------------------
+
+
+async def post(client: Client, target: str, body: Any) -> list[tuple[float, bytes]]:
+    status, _, parts = await client.request("POST", target, body)
+    assert status == 200
+    return parts
+
+
+def streamed_text(parts: list[tuple[float, bytes]]) -> str:
+    """The text of a streamed answer, a chat's or a completion's."""
+    text = ""
+    for _, chunk in sse_chunks(parts):
+        if chunk != "[DONE]" and chunk["choices"]:
+            choice = chunk["choices"][0]
+            text += (choice["delta"].get("content") or "") if "delta" in choice else choice["text"]
+    return text
+
+
+async def test_an_answer_cut_mid_stream_is_continued_by_another_replica(autojump_clock: trio.testing.MockClock) -> None:
+    ask = {"model": "m", "messages": [{"role": "user", "content": "tell me about rivers"}], "max_tokens": 1000}
+    async with trio.open_nursery() as nursery:
+        first, second = await connect(nursery, engine()), await connect(nursery, engine())
+        whole = body_of(await post(first, "/v1/chat/completions", ask))["choices"][0]["message"]["content"]
+        words = whole.split(" ")
+        for k in (1, len(words) // 2, len(words)):
+            received = " ".join(words[:k])
+            messages = [*ask["messages"], {"role": "assistant", "content": received}]
+            for flags in ({}, {"continue_final_message": True, "add_generation_prompt": False}):
+                again = {**ask, **flags, "messages": messages}
+                rest = body_of(await post(second, "/v1/chat/completions", again))
+                assert received + rest["choices"][0]["message"]["content"] == whole
+                assert rest["choices"][0]["finish_reason"] == "stop"
+                assert rest["usage"]["prompt_tokens"] == 4 + k and rest["usage"]["completion_tokens"] == len(words) - k
+                streamed = await post(second, "/v1/chat/completions", {**again, "stream": True})
+                assert received + streamed_text(streamed) == whole
+        status, _, parts = await second.request(
+            "POST", "/v1/chat/completions", {**ask, "messages": messages, "continue_final_message": True}
+        )
+        error = body_of(parts)["error"]
+        assert status == 400 and "Cannot set both `continue_final_message` and `add_generation_prompt`" in error["message"]  # fmt: skip
+        completion = {"model": "m", "prompt": "Once", "max_tokens": 1000}
+        whole = body_of(await post(first, "/v1/completions", completion))["choices"][0]["text"]
+        received = " ".join(whole.split(" ")[:7])
+        again = {**completion, "prompt": "Once" + received}
+        assert received + body_of(await post(second, "/v1/completions", again))["choices"][0]["text"] == whole
+        streamed = await post(second, "/v1/completions", {**again, "stream": True})
+        assert received + streamed_text(streamed) == whole
+        nursery.cancel_scope.cancel()

@@ -1,9 +1,12 @@
-"""What the sim engine says: the same answer for the same request, tokens counted as words."""
+"""What the sim engine says: the same answer for the same request, tokens counted as words, an
+answer continued from any word."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 from llmgw.simengine import text
 
@@ -62,3 +65,29 @@ def test_stop_sequence_cuts_before_it() -> None:
 def test_count_tokens_splits_on_whitespace() -> None:
     assert text.count_tokens("") == 0
     assert text.count_tokens("  one\ttwo\nthree  ") == 3
+
+
+@pytest.mark.parametrize("prompt", ["p", "hello there", "a longer prompt, with punctuation"])
+def test_an_answer_from_word_k_joins_the_first_k_words_into_the_whole(prompt: str) -> None:
+    natural = text.natural_length("m", prompt)
+    whole = text.complete("m", prompt, 10_000)
+    for k in range(1, natural + 3):  # every word, the natural end, and past it
+        partial = text.complete("m", prompt, k).text  # what a client had received
+        rest = text.complete("m", prompt, 10_000, start=k)
+        assert partial + rest.text == whole.text and rest.finish_reason == "stop"
+        assert rest.tokens == max(0, natural - k) and text.count_tokens(partial) == min(k, natural)
+        assert all(piece.startswith(" ") for piece in rest.pieces)
+    # max_tokens counts the new words; the cut reports "length" as the whole answer's would.
+    cut = text.complete("m", prompt, 3, start=5)
+    assert cut.pieces == whole.pieces[5:8] and cut.finish_reason == "length"
+    last = text.complete("m", prompt, natural - 5, start=5)
+    assert last.pieces == whole.pieces[5:] and last.finish_reason == "stop"
+
+
+def test_an_answer_from_word_k_with_ignore_eos_goes_past_the_natural_end() -> None:
+    natural = text.natural_length("m", "p")
+    whole = text.complete("m", "p", natural + 20, ignore_eos=True)
+    for k in (1, natural - 1, natural, natural + 5):
+        partial = text.complete("m", "p", k, ignore_eos=True).text
+        rest = text.complete("m", "p", natural + 20 - k, ignore_eos=True, start=k)
+        assert partial + rest.text == whole.text and rest.finish_reason == "length" and "." not in rest.text

@@ -6,11 +6,18 @@ accepted and ignored, as a real engine does with sampling knobs it lacks. Fields
 would change the answer are checked, and a bad one is a 400 naming the field. Tool calls and
 `response_format` are decided while the body is parsed (`structured`): the job carries that
 answer. Logprobs are made up per token (`logprobs`).
+
+A request may carry the start of its answer, to be continued (request migration): a chat whose
+last message is the assistant's, without tool calls (llama.cpp's assistant prefill; vLLM's and
+SGLang's `continue_final_message` with `add_generation_prompt` false), is answered as the
+messages before it, from word k on, k the words of that message; a completions prompt that ends
+with the start of its own answer, as `continuation.split` finds it. Only a text answer is
+continued: tool calls and JSON are made whole (a chat's as for the messages before the partial
+answer, as an engine's grammar starts again; a completion's for the whole prompt).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -18,10 +25,10 @@ from typing import Any, Literal
 import attrs
 
 from llmgw.http.errors import HTTPError
-from llmgw.simengine import structured
+from llmgw.simengine import continuation, structured
 from llmgw.simengine.fields import bad_request, boolean, json_type, show, whole_number
 from llmgw.simengine.logprobs import MAX_TOP, Logprobs
-from llmgw.simengine.text import Completion, ToolCall, complete, count_tokens
+from llmgw.simengine.text import Completion, ToolCall, complete, count_tokens, prompt_digest
 
 Kind = Literal["chat", "completion"]
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -47,17 +54,12 @@ class Job:
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token when logprobs are asked for
     answer: Completion | None = None  # decided with the body (tool calls, JSON); else text, made later
+    start: int = 0  # the text answer's first word: the words of a partial answer the request continues
 
 
 def job_of(body: Any, kind: Kind, served_model: str, max_tokens_default: int) -> Job:
     """`parse_job` as a JSON projection (llmgw.http.jsonworkers): run where the body is parsed."""
     return parse_job(kind, body, served_model=served_model, max_tokens_default=max_tokens_default)
-
-
-def prompt_digest(canonical: str) -> str:
-    """The prompt key of a canonical prompt: fixed-size, so what the answer costs does not grow
-    with the prompt."""
-    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: int) -> Job:
@@ -71,12 +73,21 @@ def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: i
         raise HTTPError(
             404, f"the model {model!r} does not exist; this server serves {served_model!r}", kind="not_found_error"
         )
+    ignore_eos = boolean(body, "ignore_eos")  # vLLM's extension: exactly max_tokens tokens
     if kind == "chat":
-        prompt_key, prompt_tokens, turn = _messages(body.get("messages"))
+        prompt_key, prompt_tokens, turn, start = _messages(body.get("messages"))
+        text_key = prompt_key
+        _continue_final_message(body)
         max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_tokens_default)
         logprobs = _chat_logprobs(body)
     else:
-        (prompt_key, prompt_tokens), turn = _prompt(body.get("prompt")), structured.Turn()
+        prompt = _prompt(body.get("prompt"))
+        if isinstance(body["prompt"], str):  # an array (of one prompt) is taken whole
+            split = continuation.split(model, prompt, ignore_eos=ignore_eos)
+        else:
+            split = continuation.whole(prompt)
+        prompt_key, prompt_tokens, turn = split.prompt_key, count_tokens(prompt), structured.Turn()
+        text_key, start = split.answer_key, split.start
         max_tokens = _max_tokens(body, ("max_tokens",), max_tokens_default)
         logprobs = whole_number(body, "logprobs", 0, MAX_TOP, " (alternatives per token)")
     n = body.get("n", 1)
@@ -91,18 +102,25 @@ def parse_job(kind: Kind, body: Any, *, served_model: str, max_tokens_default: i
     answer = structured.decide(
         kind, body, model=model, prompt_key=prompt_key, max_tokens=max_tokens, stop=stop, turn=turn
     )
+    if answer is not None:  # made whole, for the prompt as it is
+        text_key, start = prompt_key, 0
+    elif start and kind == "completion" and split.at and not prompt[split.at - 1].isspace():
+        # P and the answer's first word ran together ("Say:" "the"): counted apart, the prompt's
+        # tokens are P's and the words sent since, as a chat's are.
+        prompt_tokens += 1
     return Job(
         kind=kind,
         model=model,
-        prompt_key=prompt_key,
+        prompt_key=text_key,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         stop=stop,
         stream=stream,
         include_usage=include_usage,
-        ignore_eos=boolean(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
+        ignore_eos=ignore_eos,
         logprobs=logprobs,
         answer=answer,
+        start=start,
     )
 
 
@@ -115,15 +133,30 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
-def _messages(value: Any) -> tuple[str, int, structured.Turn]:
-    """The prompt key, the prompt's tokens, and the turn (`structured.Turn`). An assistant's
-    tool calls and a tool result's call id are part of the prompt; a message's other fields
-    (name, refusal, ...) are not."""
+def _continue_final_message(body: dict[str, Any]) -> None:
+    # vLLM's rule, in its words: the final message is continued, or a new one is opened.
+    if boolean(body, "continue_final_message") and boolean(body, "add_generation_prompt", default=True):
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+            "('add_generation_prompt' is true unless given); send \"add_generation_prompt\": false "
+            "to continue the final message"
+        )
+
+
+def _messages(value: Any) -> tuple[str, int, structured.Turn, int]:
+    """The prompt key, the prompt's tokens, the turn (`structured.Turn`), and the word the
+    answer starts at. An assistant's tool calls and a tool result's call id are part of the
+    prompt; a message's other fields (name, refusal, ...) are not.
+
+    A last message from the assistant without tool calls is the start of the answer: the key
+    and the turn are those of the messages before it, and the answer starts at its word count.
+    Its words are prompt tokens all the same, as an engine reads them."""
     if not isinstance(value, list) or not value:
         raise bad_request(f"'messages' must be a non-empty array of messages, got {show(value)}")
     canonical: list[list[Any]] = []
-    tokens, role, last_user = 0, "", ""
+    tokens, role, before, last_user = 0, "", "", ""
     for i, message in enumerate(value):
+        before = role
         if not isinstance(message, dict):
             raise bad_request(f"'messages[{i}]' must be an object, got {json_type(message)}")
         role = message.get("role")
@@ -147,8 +180,11 @@ def _messages(value: Any) -> tuple[str, int, structured.Turn]:
         elif role == "user":
             last_user = content
         canonical.append(entry)
+    start = 0
+    if role == "assistant" and not value[-1].get("tool_calls"):
+        start, role = count_tokens(canonical.pop()[1]), before
     key = prompt_digest(json.dumps(canonical, ensure_ascii=False, separators=(",", ":")))
-    return key, tokens, structured.Turn(last_role=role, last_user_text=last_user)
+    return key, tokens, structured.Turn(last_role=role, last_user_text=last_user), start
 
 
 def _tool_calls(value: Any, where: str) -> list[tuple[str, str, str]]:
@@ -191,7 +227,7 @@ def _content(value: Any, where: str) -> str:
     raise bad_request(f"'{where}' must be a string or an array of content parts, got {json_type(value)}")
 
 
-def _prompt(value: Any) -> tuple[str, int]:
+def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if not isinstance(value, str):
@@ -199,7 +235,7 @@ def _prompt(value: Any) -> tuple[str, int]:
             f"'prompt' must be a string (or an array of exactly one string), got {show(value)}; "
             "send one request per prompt"
         )
-    return prompt_digest(value), count_tokens(value)
+    return value
 
 
 def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int) -> int:
@@ -232,7 +268,7 @@ def answer_of(job: Job) -> Completion:
     """What the job is answered: the answer decided with the body, or the prompt's text."""
     if job.answer is not None:
         return job.answer
-    return complete(job.model, job.prompt_key, job.max_tokens, job.stop, job.ignore_eos)
+    return complete(job.model, job.prompt_key, job.max_tokens, job.stop, job.ignore_eos, job.start)
 
 
 def usage(job: Job, completion: Completion) -> dict[str, int]:
@@ -252,10 +288,10 @@ def _logprobs(job: Job, completion: Completion) -> dict[str, Any] | None:
         return None
     made = Logprobs(job.model, job.prompt_key, job.logprobs)
     if job.kind == "completion":
-        return made.completion(completion.pieces)
+        return made.completion(completion.pieces, job.start)
     if completion.tool_calls:  # OpenAI gives none for a tool call's arguments
         return {"content": None, "refusal": None}
-    return made.chat(completion.pieces)
+    return made.chat(completion.pieces, job.start)
 
 
 def response_body(job: Job, completion: Completion, *, id: str, created: int) -> dict[str, Any]:
@@ -307,9 +343,9 @@ def whole_body(job: Job, completion: Completion, *, id: str, created: int) -> It
     for start in range(0, len(pieces), step):
         part = pieces[start : start + step]
         if job.kind == "chat":
-            made_slice = made.chat(part, start)
+            made_slice = made.chat(part, job.start + start)
         else:
-            made_slice = made.completion(part, start, offset)
+            made_slice = made.completion(part, job.start + start, offset)
             offset += sum(map(len, part))
         for key in keys:
             fragments[key].append(_dumps(made_slice[key])[1:-1].encode())  # the array's inside
@@ -405,7 +441,7 @@ def stream_events(job: Job, completion: Completion, *, id: str, created: int) ->
             yield True, sse(chunks.arguments(i, piece))
     logprobs = None if job.logprobs is None else Logprobs(job.model, job.prompt_key, job.logprobs)
     offset = 0
-    for index, piece in enumerate(completion.pieces):
+    for index, piece in enumerate(completion.pieces, job.start):
         yield True, sse(chunks.token(piece, index, offset, logprobs))
         offset += len(piece)
     for c in chunks.closing(completion):

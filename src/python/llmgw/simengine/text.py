@@ -7,6 +7,11 @@ the same text rather than starting another. Each prompt also has a natural lengt
 `MIN_WORDS`..`MAX_WORDS` words, after which the answer ends by itself (finish_reason "stop")
 unless `ignore_eos` asks for exactly `max_tokens`.
 
+An answer may start further on (`start`): the continuation of a partial answer a request carries
+(`continuation`). Word i is the same word whatever the start, and only the first word of the
+whole answer lacks a leading space, so a partial answer of k words and the answer from word k
+join into the uninterrupted text.
+
 An answer may instead be tool calls (`ToolCall`, decided by `structured`): their arguments are
 pieces too, and count as output tokens as the words of a text answer do.
 """
@@ -62,11 +67,29 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
+def encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def prompt_hasher():
+    """The hash whose hex digest is a prompt key, to extend with a canonical prompt (`encode`d):
+    extended piece by piece, it gives each prefix's key as it goes (`continuation`)."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def prompt_digest(canonical: str) -> str:
+    """The prompt key of a canonical prompt: fixed-size, so what the answer costs does not grow
+    with the prompt."""
+    h = prompt_hasher()
+    h.update(encode(canonical))
+    return h.hexdigest()
+
+
 def hasher(*parts: str):
     """A hash of `parts` to extend with `digest_from`: what every deterministic choice derives from."""
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
-        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(encode(part))
         h.update(b"\0")
     return h
 
@@ -74,7 +97,7 @@ def hasher(*parts: str):
 def digest_from(base, *parts: str) -> int:
     h = base.copy()
     for part in parts:
-        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(encode(part))
         h.update(b"\0")
     return int.from_bytes(h.digest(), "big")
 
@@ -92,16 +115,22 @@ def word(model: str, prompt_key: str, index: int) -> str:
 
 
 def complete(
-    model: str, prompt_key: str, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+    model: str,
+    prompt_key: str,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    start: int = 0,
 ) -> Completion:
-    """The answer to a prompt: at most `max_tokens` words, cut before the first stop sequence."""
+    """The answer to a prompt from word `start` on: at most `max_tokens` words, cut before the
+    first stop sequence. An answer whose natural end is at or before `start` is empty ("stop")."""
     natural = natural_length(model, prompt_key)
-    count = max_tokens if ignore_eos else min(max_tokens, natural)
+    end = start + max_tokens if ignore_eos else max(start, min(start + max_tokens, natural))
     base = hasher(model, prompt_key)  # hashed once, copied for each word
-    pieces = [("" if i == 0 else " ") + WORDS[digest_from(base, str(i)) % len(WORDS)] for i in range(count)]
-    if count == natural and not ignore_eos:
+    pieces = [("" if i == 0 else " ") + WORDS[digest_from(base, str(i)) % len(WORDS)] for i in range(start, end)]
+    if end == natural and not ignore_eos and pieces:
         pieces[-1] += "."
-    reason = "length" if count < natural or ignore_eos else "stop"
+    reason = "length" if end < natural or ignore_eos else "stop"
     cut = cut_at_stop(pieces, stop)
     if cut is not None:
         return Completion(pieces=cut, finish_reason="stop")
