@@ -35,7 +35,7 @@ from llmgw.server.gateways.workers import LINK_TIMEOUT_S
 from testlib import activation
 from testlib.marked import MARKER_ENV, kill_groups, marked_engines, marked_pids
 from testlib.ports import free_port
-from testlib.proc import Proc, run_llmgw, tails
+from testlib.proc import Proc, llmgw_here, run_llmgw, tails
 
 T = TypeVar("T")
 
@@ -211,7 +211,7 @@ class Cluster:
         return json.loads(self.llmgw("ctl", *args, "--json", "--state-dir", str(self.state)).stdout)
 
     def init_ca(self) -> None:
-        self.llmgw("ca", "init", "--config", str(self.server_config))
+        llmgw_here("ca", "init", "--config", str(self.server_config))
 
     def set_catalog(self, models_toml: str) -> None:
         """server.toml's `[[models]]` (TOML text); a running server reads it on `ctl reload`."""
@@ -226,8 +226,8 @@ class Cluster:
         files.config.write_text(
             f'server = {server}\nnode_id = "{node_id}"\nstate_dir = "{files.state_dir}"\n' + agent_toml
         )
-        self.llmgw("agent", "csr", "--config", str(files.config))
-        self.llmgw(
+        llmgw_here("agent", "csr", "--config", str(files.config))
+        llmgw_here(
             "ca",
             "issue",
             node_id,

@@ -20,7 +20,7 @@ import attrs
 from llmgw import paths
 from testlib.cluster import Cluster, free_port, wait_until
 from testlib.gateway import chat, parse_metrics, request
-from testlib.proc import Proc
+from testlib.proc import Proc, llmgw_here
 
 READY_S = 60.0  # the gateway's workers up and each holding the cluster's table, on a loaded machine
 SAMPLES = 20  # fresh connections in a row all reaching one of two workers: once in half a million
@@ -90,7 +90,7 @@ class Standalone:
 def issue_certificate(cluster: Cluster, name: str) -> Path:
     """A gateway certificate named `name` from the cluster's CA, in a pki directory of its own."""
     pki = cluster.root / f"{name}-pki"
-    cluster.llmgw("ca", "issue", "--gateway", name, "--config", str(cluster.server_config), "--out", str(pki))
+    llmgw_here("ca", "issue", "--gateway", name, "--config", str(cluster.server_config), "--out", str(pki))
     return pki
 
 

@@ -32,7 +32,7 @@ from testlib import releasecache
 from testlib.cluster import free_port, wait_until
 from testlib.llama import cache_root, llama_server, portable_recipe
 from testlib.netnode import NetNode, preflight
-from testlib.proc import Proc, build_root, run_llmgw
+from testlib.proc import Proc, build_root, llmgw_here, run_llmgw
 
 ADD_TIMEOUT_S = 300
 # llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the
@@ -189,8 +189,7 @@ class ControlPlane:
         return run_llmgw(*args, timeout=timeout)
 
     def init_ca(self) -> None:
-        done = self.llmgw("ca", "init", "--config", str(self.config))
-        assert done.returncode == 0, done.stderr
+        llmgw_here("ca", "init", "--config", str(self.config))
 
     def run(self) -> None:
         """A CA, then the server: the usual start of a test."""

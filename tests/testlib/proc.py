@@ -1,6 +1,8 @@
 """Run the real `llmgw` CLI as a child process, the way an operator would: at once to its end
 (`run_llmgw`), or as a long-lived `Proc` whose output goes to a log file of its own, read back as
-its JSON events and shown by its tail when a wait fails.
+its JSON events and shown by its tail when a wait fails. A test's setup steps that are not what
+it tests (a cluster's CA, a node's key and certificate) run the command's own code in the test's
+process instead (`llmgw_here`): a process of its own spends 0.25-0.3 CPU-s importing for them.
 
 Under Pants a test runs inside a PEX, so a bare `python -m llmgw` would not see the
 third-party packages; the child gets this process's `sys.path` through PYTHONPATH.
@@ -9,8 +11,11 @@ third-party packages; the child gets this process's `sys.path` through PYTHONPAT
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -44,6 +49,26 @@ def run_llmgw(*args: str, env: dict[str, str] | None = None, timeout: float = 60
         check=False,
         **kw,
     )
+
+
+def llmgw_here(*args: str) -> str:
+    """`llmgw COMMAND ARGS` run in this process: the command's parser and `run`, as `llmgw.cli`
+    runs them, without its logging set up (this process's stays as it was). Its standard output; a
+    refusal (an LlmgwError or a status other than 0) fails the test with the command's message."""
+    from llmgw.cli import build_parser
+    from llmgw.errors import LlmgwError
+
+    command, *rest = args
+    parsed = build_parser(command).parse_args(rest)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            status = parsed.run(parsed)
+    except LlmgwError as exc:
+        raise AssertionError(f"`llmgw {shlex.join(args)}` refused: {exc}") from None
+    if status:
+        raise AssertionError(f"`llmgw {shlex.join(args)}` exited {status}; it said:\n{out.getvalue()}")
+    return out.getvalue()
 
 
 def build_root() -> Path:
