@@ -26,7 +26,7 @@ from testlib import activation
 from testlib.cluster import wait_until
 from testlib.marked import MARKER_ENV, kill_groups, marked_engines, marked_pids
 from testlib.netns import NetNS
-from testlib.proc import Proc, run_llmgw
+from testlib.proc import Proc, llmgw_here, run_llmgw
 
 CLI_TIMEOUT_S = 30.0
 
@@ -71,7 +71,7 @@ class ChaosCluster:
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
             f"heartbeat_ttl_s = {heartbeat_ttl_s}\n\n" + catalog
         )
-        self._cli("ca", "init", "--config", str(self.config))
+        llmgw_here("ca", "init", "--config", str(self.config))  # set-up: the command's code in this process
         for i, node in enumerate(nodes):
             self._add_node(node, i)
 
@@ -87,8 +87,8 @@ class ChaosCluster:
             f'server = "wss://{server_host}:{self.agent_port}"\nnode_id = "{node}"\nstate_dir = "{state}"\n{source}'
         )
         pki = state / "pki"
-        self._cli("agent", "csr", "--config", str(config))
-        self._cli(
+        llmgw_here("agent", "csr", "--config", str(config))
+        llmgw_here(
             "ca",
             "issue",
             node,

@@ -48,7 +48,7 @@ from typing import Any
 from bench import rangeserver
 
 from llmgw.ctl.client import AdminClient
-from testlib.proc import Proc, run_llmgw
+from testlib.proc import Proc, llmgw_here, run_llmgw
 from testlib.shapednet import ShapedStar
 from testlib.shapednet import preflight as net_preflight
 
@@ -161,7 +161,7 @@ def run_once(
                 f'sha256 = "{sha256}", size = {size} }}\n'
             )
             config.write_text(head)  # the model comes once every node has joined: they start together
-            _cli("ca", "init", "--config", str(config))
+            llmgw_here("ca", "init", "--config", str(config))  # set-up: the command's code in this process
             server = Proc("server", ["server", "--config", str(config), "--log-format", "json"], root / "server.log")
             procs.append(server)
             agents: dict[str, Proc] = {}
@@ -173,9 +173,9 @@ def run_once(
                     f'server = "wss://{ns.host_addr}:{port}"\nnode_id = "{node}"\nstate_dir = "{home}"\n'
                     f"weights_from_peers = {'true' if peers else 'false'}\n"
                 )
-                _cli("agent", "csr", "--config", str(agent_toml))
+                llmgw_here("agent", "csr", "--config", str(agent_toml))
                 pki = home / "pki"
-                _cli(
+                llmgw_here(
                     "ca",
                     "issue",
                     node,
