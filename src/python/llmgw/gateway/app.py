@@ -588,7 +588,7 @@ class Gateway:
                         model=model,
                         to=ep.replica_id,
                         migration=migration,
-                        tokens_before=sent.tokens,
+                        pieces_before=sent.tokens,
                         request_id=job.rid,
                     )
                     self.metrics.migrations.inc(model=model, outcome="continued")
