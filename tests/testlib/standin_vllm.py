@@ -15,7 +15,9 @@ operator's vLLM, what the agent starts and the gateway serves through, and vLLM'
   $STANDIN_TOKEN_MS ms). With --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (else 404, as in
   vLLM): `POST /sleep?level=N` ($STANDIN_SLEEP_S, default 0.05 s), `POST /wake_up`
   ($STANDIN_WAKE_S, default 0.2 s), `GET /is_sleeping`; completions answer 503 unless awake.
-  $STANDIN_FAIL=/sleep or /wake_up: that route answers 500 and changes nothing.
+  $STANDIN_FAIL=/sleep or /wake_up: that route answers 500 and changes nothing. A chat with
+  `continue_final_message` (and `add_generation_prompt: false`, else 400 as vLLM) goes on from its
+  final assistant message: the reply from that many words on.
   `--headless` (a worker rank) serves nothing, as vLLM's.
 - Given `--kv-events-config`, it publishes KV-cache events as vLLM does (`testlib.kvpublisher`'s
   encoding; a real libzmq PUB socket bound where the config says): a block stored every 0.1 s,
@@ -146,14 +148,15 @@ def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def words(n: int) -> list[str]:
-    return [REPLY[i % len(REPLY)] for i in range(n)]
+def words(n: int, start: int = 0) -> list[str]:
+    return [REPLY[(start + i) % len(REPLY)] for i in range(n)]
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine  # set on the subclass `main` makes
     completion: str | None = None  # the path of the completion being answered
+    continued = 0  # the words of a final assistant message continued (continue_final_message)
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -233,12 +236,13 @@ class Handler(BaseHTTPRequestHandler):
         # A completion's event is on file before its answer goes out: a test that has the answer
         # finds the event.
         if self.completion is not None:
-            self.engine.events.record("request", path=self.completion, status=code)
+            self.engine.events.record("request", path=self.completion, status=code, continued=self.continued)
             self.completion = None
         super().send_response(code, message)
 
     def complete(self, path: str, raw: bytes) -> None:
         self.completion = path
+        self.continued = 0
         try:
             self.answer(path, raw)
         finally:
@@ -271,17 +275,28 @@ class Handler(BaseHTTPRequestHandler):
             return
         chat = path == "/v1/chat/completions"
         prompt = body.get("messages") if chat else body.get("prompt")
+        # vLLM's continue_final_message: the final (assistant) message is the start of the answer,
+        # which goes on from there (the stand-in's reply from that many words on).
+        start = 0
+        if chat and body.get("continue_final_message"):
+            if body.get("add_generation_prompt", True):
+                why = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                self.send_json(400, error_body(400, why, "BadRequestError"))
+                return
+            last = prompt[-1] if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) else {}
+            start = len(str(last.get("content") or "").split()) if last.get("role") == "assistant" else 0
+        self.continued = start
         usage = {"prompt_tokens": len(json.dumps(prompt).split()), "completion_tokens": n}
         usage["total_tokens"] = usage["prompt_tokens"] + n
-        reply = words(n)
+        reply = words(n, start)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.get("stream"):
             options = body.get("stream_options") or {}
-            self.stream(chat, rid, created, model, reply, usage if options.get("include_usage") else None)
+            self.stream(chat, rid, created, model, reply, usage if options.get("include_usage") else None, start)
             return
         time.sleep(max(0, n - 1) * engine.token_s)  # the time of its tokens, as a streamed one takes
-        text = " ".join(reply)
+        text = (" " if start else "") + " ".join(reply)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
         else:
@@ -292,7 +307,9 @@ class Handler(BaseHTTPRequestHandler):
             {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage},
         )
 
-    def stream(self, chat: bool, rid: str, created: int, model: str, reply: list[str], usage: dict | None) -> None:
+    def stream(
+        self, chat: bool, rid: str, created: int, model: str, reply: list[str], usage: dict | None, start: int = 0
+    ) -> None:
         """SSE events in chunked transfer encoding: a chunk per token (the last with the finish
         reason), the usage if asked, then [DONE]."""
         self.send_response(200)
@@ -304,7 +321,7 @@ class Handler(BaseHTTPRequestHandler):
             for i, word in enumerate(reply):
                 if i:
                     time.sleep(self.engine.token_s)
-                piece = word if i == 0 else f" {word}"
+                piece = word if i == 0 and not start else f" {word}"
                 finish = "length" if i == len(reply) - 1 else None
                 if chat:
                     delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}

@@ -90,7 +90,7 @@ async def test_the_database_files_alone_reveal_no_engine_key(tmp_path: Path) -> 
         assert key.encode() not in raw
     with sqlite3.connect(f"file:{tmp_path / 'llmgw.db'}?mode=ro", uri=True) as db:
         bodies = [json.loads(b) for (b,) in db.execute("SELECT body FROM placements")]
-    assert len(bodies) == 3 and all(set(b) == {"placement", "sealed_key", "dist_init_port"} for b in bodies)
+    assert len(bodies) == 3 and all(set(b) == {"placement", "sealed_key", "dist_init_port", "version"} for b in bodies)
     secret = paths.engine_keys_secret_path(tmp_path)
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_text().strip()) == 64
     # A new control plane on the same files opens the same keys: the running engines keep theirs.

@@ -60,7 +60,8 @@ def fill(store: Store) -> None:
         HubModelRow(name="from-hub", body={"model": {"name": "from-hub"}}, sealed_token="sealed:abc", added_at=8.5)
     )
     store.set_placements(
-        {"chat-0": {"node": "node-a", "key": "sealed:xyz", "port": 41000}, "chat-1": {"node": "node-b"}}
+        {"chat-0": {"node": "node-a", "key": "sealed:xyz", "port": 41000}, "chat-1": {"node": "node-b"}},
+        {"chat@abc": {"model": "chat", "version": "abc", "definition": {"name": "chat", "engine": "sim"}}},
     )
 
 
@@ -101,7 +102,15 @@ def test_sqlite_to_postgresql_and_back_through_the_command(
     assert report == {
         "source": str(store_path(first)),
         "target": f"postgresql://127.0.0.1:{postgres_server.port}/{postgres_db.name}",
-        "rows": {"nodes": 2, "certificates": 3, "placements": 2, "api_keys": 2, "catalog_models": 2, "hub_models": 1},
+        "rows": {
+            "nodes": 2,
+            "certificates": 3,
+            "placements": 2,
+            "api_keys": 2,
+            "catalog_models": 2,
+            "hub_models": 1,
+            "model_versions": 1,
+        },
         "verified": True,
     }
     pg = Store.open(tmp_path, postgres_db.settings)

@@ -73,7 +73,12 @@ def test_placed_stored_and_handed_to_each_node(tmp_path: Path) -> None:
     assert on_a.api_key and on_a.api_key != on_b.api_key  # a secret per replica
     assert r.reconcile(2) == set()  # nothing changed, nothing pushed
     # The weights' size and the download maximum travel with the assignment.
-    sized = Model(name="chat", engine="sim", source=ModelSource(url="https://h/m.gguf", sha256="a" * 64, size=7))
+    sized = Model(
+        name="chat", engine="sim", replicas=2, source=ModelSource(url="https://h/m.gguf", sha256="a" * 64, size=7)
+    )
+    (tmp_path / "sized").mkdir(mode=0o700)
+    r = replicas(tmp_path / "sized", reg, [sized])
+    r.reconcile(3)
     [with_size] = r.assignments_for(
         "a", lambda name: sized, partial(weights_source, max_weights_bytes=64 << 30, hub=HubSection())
     )

@@ -185,7 +185,15 @@ def test_a_store_is_at_the_latest_schema_and_names_its_backend(store_backend: St
     assert store.backend == store_backend.kind and str(store.path) == store_backend.where
     assert current_version(store._db) == schema.LATEST
     columns = {table: store._db.rows(f"SELECT * FROM {table} WHERE 1 = 0") for table in schema.TABLES}
-    assert set(columns) == {"nodes", "certificates", "placements", "api_keys", "catalog_models", "hub_models"}
+    assert set(columns) == {
+        "nodes",
+        "certificates",
+        "placements",
+        "api_keys",
+        "catalog_models",
+        "hub_models",
+        "model_versions",
+    }
 
 
 def test_a_store_of_a_newer_llmgw_is_refused_unchanged(store_backend: StoreUnderTest) -> None:
@@ -283,7 +291,7 @@ def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_r
         )
     store_path(tmp_path).chmod(0o600)
     store = Store.open(tmp_path)
-    assert current_version(store._db) == schema.LATEST == 3
+    assert current_version(store._db) == schema.LATEST == 4
     assert [(n.node_id, n.cordoned) for n in store.nodes()] == [("a", True)] and store.is_revoked(7)
     store.check()
 

@@ -18,7 +18,7 @@ from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.models import configure_models
 from llmgw.ctl.page import configure_page  # [i17 page hook]
-from llmgw.ctl.tables import format_nodes, scale_text, state_text, table
+from llmgw.ctl.tables import format_nodes, model_notes, state_text, table
 from llmgw.errors import UsageError
 
 
@@ -119,9 +119,10 @@ def run_replicas(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(replicas, indent=2))
         return 0
-    # Models whose replicas follow the load: their bounds and last decision under the table.
+    # Models whose replicas follow the load (their bounds and last decision) or are being
+    # replaced by a rollout: under the table.
     scaled = [
-        (m["model"], text) for m in client.request("GET", "/admin/v1/models")["models"] if (text := scale_text(m))
+        (m["model"], text) for m in client.request("GET", "/admin/v1/models")["models"] for text in model_notes(m)
     ]
     if not replicas:
         print("no replicas: the catalog ([[models]] in server.toml) is empty" if not scaled else "no replicas")

@@ -24,7 +24,7 @@ from urllib.parse import quote, urlencode
 
 from llmgw.cli import add_group, add_json_flag, add_leaf
 from llmgw.ctl.client import AdminClient
-from llmgw.ctl.tables import scale_text, table
+from llmgw.ctl.tables import model_notes, table
 from llmgw.errors import MachineError, UsageError
 
 ClientFrom = Callable[[argparse.Namespace], AdminClient]
@@ -241,8 +241,8 @@ def run_list(client_from: ClientFrom, args: argparse.Namespace) -> int:
     if models:
         print(table(rows))
         for m in models:  # replicas on their way: downloading (MiB, MiB/s), starting
-            if scaled := scale_text(m):
-                print(f"  {m['model']}: {scaled}")
+            for note in model_notes(m):  # how its replicas follow the load; its rollout
+                print(f"  {m['model']}: {note}")
             for line in m.get("progress") or ():
                 print(f"  {m['model']}: {line}")
             if m.get("staging_to"):

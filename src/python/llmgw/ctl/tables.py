@@ -32,6 +32,33 @@ def scale_text(model: dict[str, Any]) -> str:
     return text
 
 
+def rollout_text(model: dict[str, Any]) -> str:
+    """A model's rollout as `ctl models` and `ctl replicas` say it: "updating: 2 of 4 replicas on
+    the new version (replacing coder-1)", or stopped with its reason and what to do; "" for none."""
+    r = model.get("rollout")
+    if not r:
+        return ""
+    if r["state"] == "stopped":
+        old = r["replicas"] - r["updated"]
+        return (
+            f"{r['reason']}; {old} of {r['replicas']} replicas serve on with the version before. Fix the model "
+            f"(server.toml and `llmgw ctl reload`, or `llmgw ctl models update {model['model']}`), or try it "
+            f"again: `llmgw ctl models update {model['model']} --retry`"
+        )
+    text = f"updating: {r['updated']} of {r['replicas']} replicas on the new version"
+    if r.get("replacing"):
+        text += f" (replacing {r['replacing']})"
+    if r.get("waiting"):
+        text += f"; waiting for room for a replacement: {r['waiting']}"
+    return text
+
+
+def model_notes(model: dict[str, Any]) -> list[str]:
+    """The lines `ctl models` and `ctl replicas` print under their table for a model: how its
+    replicas follow the load, and its rollout."""
+    return [text for text in (scale_text(model), rollout_text(model)) if text]
+
+
 def state_text(node: dict[str, Any]) -> str:
     marks = [m for m in ("cordoned", "draining") if node.get(m)]
     drain = node.get("drain")

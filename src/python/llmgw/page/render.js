@@ -326,6 +326,15 @@ export function renderModels(cluster, ctx) {
         h("p", { class: "muted", "data-scale": m.model }, `Replicas ${s.min}-${s.max} by load (idle after ${s.idle_s} s), wants ${s.wanted}${s.parked ? `, ${s.parked} parked` : ""}${s.lowering ? ", retiring one" : ""}${last}`),
       );
     }
+    if (m.rollout) {
+      // A changed model's replicas replaced one at a time: how far, or why it stopped.
+      const r = m.rollout;
+      const text =
+        r.state === "stopped"
+          ? `${r.reason}; ${r.replicas - r.updated} of ${r.replicas} replicas serve on with the version before`
+          : `Updating: ${r.updated} of ${r.replicas} replicas on the new version${r.replacing ? ` (replacing ${r.replacing})` : ""}${r.waiting ? `; waiting for room for a replacement: ${r.waiting}` : ""}`;
+      parts.push(h("p", { class: r.state === "stopped" ? "bad" : "muted", "data-rollout": m.model, "data-state": r.state }, text));
+    }
     for (const line of m.progress || []) parts.push(h("p", { class: "muted", "data-progress": m.model }, line));
     // With many, those not ready first: they are the ones to look at.
     const notReady = placed.filter((r) => r.state !== "ready");

@@ -81,7 +81,9 @@ from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.moves import Moves
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas, seal_at_start, sealed_keys
+from llmgw.server.state.rollouts import Rollouts
 from llmgw.server.state.staging import Staging
+from llmgw.server.state.versions import engine_version
 from llmgw.server.state.weights import catalog_files
 from llmgw.server.store import keyseal
 from llmgw.server.store.asyncstore import AsyncStore
@@ -222,7 +224,14 @@ class ControlPlane:
             wake=lambda model, n: wake(self.replicas, self.changes, model, n),
         )
         models = self.autoscaler.models
-        self.replicas = Replicas(store, self.registry, models, partial(views.cluster_fabrics, self.registry), key_seal)
+        self.replicas = Replicas(
+            store,
+            self.registry,
+            models,
+            partial(views.cluster_fabrics, self.registry),
+            key_seal,
+            engine_version=lambda engine: engine_version(self.config.engines, engine),
+        )
         self.reconciler = Reconciler(
             self.registry, self.replicas, self.changes, self.push, connected=lambda: list(self.agent_links.links)
         )
@@ -263,6 +272,8 @@ class ControlPlane:
             retiring=retiring,
         )
         self.drains = Drains(registry=self.registry, intent=self.intent, replicas=self.replicas, moves=self.moves)
+        # A changed model's replicas replaced one at a time, by the same moves.
+        self.rollouts = Rollouts(replicas=self.replicas, moves=self.moves, registry=self.registry, changes=self.changes)
         self.background = Background(log)  # its `restarts` are for /metrics
         own_metrics = [
             self.connections.render,
@@ -312,6 +323,7 @@ class ControlPlane:
         )
         self.views, self.operations, self.page, self.admin = own.views, own.operations, own.page, own.admin
         self.views.scale_of = lambda m: self.autoscaler.policy.view(m)
+        self.views.rollouts = self.rollouts.views
         self.http_refusals = own.refusals
         # What each node is told to have, and when one may build llama.cpp (the mirror's cue).
         self.desired = DesiredStates(
@@ -433,6 +445,7 @@ class ControlPlane:
             await nursery.start(run, "liveness", self.reconciler.serve)
             await nursery.start(self.drains.serve)  # drains asked for through the admin API
             await nursery.start(run, "spread", self.moves.serve_spread)
+            await nursery.start(run, "rollouts", self.rollouts.serve)
             await nursery.start(run, "autoscale", self.autoscaler.serve)
             mirror = partial(fill_mirror, node_known=self.desired.a_node_may_build, retry_s=self.mirror_retry_s)
             await nursery.start(run, "mirror", mirror, lambda: self.config, self.agent_port.artifacts, self.push_all)

@@ -51,8 +51,9 @@ from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.registry import NodeRegistry
-from llmgw.server.state.replicas import Replicas, parkable
+from llmgw.server.state.replicas import Replicas
 from llmgw.server.state.scheduler import plan, replica_slot
+from llmgw.server.state.versions import parkable
 from llmgw.wakeup import Wakeup, any_of
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
@@ -404,8 +405,9 @@ def pick_to_retire(
     replicas: Replicas, model: str, retiring: Collection[str], outstanding: Callable[[str], int]
 ) -> str | None:
     """Which replica of `model` a scale-down retires (or parks): of those the catalog counts (not a
-    move's replacement), not being retired already and not parked, the one with the fewest
-    requests on it, the newest of those."""
+    move's replacement), not being retired already and not parked, one of an older version first
+    (its rollout has one fewer to replace), then the one with the fewest requests on it, the
+    newest of those."""
     mine = [
         s.placement
         for rid, s in replicas.placed.items()
@@ -416,7 +418,8 @@ def pick_to_retire(
     ]
     if not mine:
         return None
-    return min(mine, key=lambda p: (outstanding(p.replica_id), -replica_slot(p))).replica_id
+    old = set(replicas.behind().get(model, ()))
+    return min(mine, key=lambda p: (p.replica_id not in old, outstanding(p.replica_id), -replica_slot(p))).replica_id
 
 
 def make_room(
@@ -437,8 +440,9 @@ def make_room(
     ROOM_CANDIDATES). `catalog`: as placed now (`ScalePolicy.effective`)."""
     counted, surge = replicas.counted()
     nodes = replicas.node_views(now)
+    runs = replicas.runs(replicas.targets())
     more = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == model.name else m for m in catalog]
-    if any(p.model == model.name for p in plan(nodes, more, counted, surge).start):
+    if any(p.model == model.name for p in plan(nodes, more, counted, surge, runs).start):
         return Room(fits=True)
     scaled = {m.name: m for m in catalog if m.scaled and m.name != model.name}
     candidates = []
@@ -455,7 +459,7 @@ def make_room(
     for awake, _, victim in candidates[:ROOM_CANDIDATES]:
         fewer = [attrs.evolve(m, replicas=m.replicas - 1) if m.name == victim.model else m for m in more]
         rest = [p for p in counted if p.replica_id != victim.replica_id]
-        if any(p.model == model.name for p in plan(nodes, fewer, rest, surge).start):
+        if any(p.model == model.name for p in plan(nodes, fewer, rest, surge, runs).start):
             return Room(fits=False, replica=victim.replica_id, model=victim.model, parked=not awake)
     return Room(fits=False)
 

@@ -158,6 +158,8 @@ class ClusterViews:
         self.model_detail: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda listed: listed
         # A scaled model's bounds, the count it wants and its last decision (the autoscaler's).
         self.scale_of: Callable[[Model], dict[str, Any] | None] = lambda model: None
+        # The models' rollouts under way or stopped, by model (`Rollouts.views`, set by its owner).
+        self.rollouts: Callable[[], Mapping[str, dict[str, Any]]] = dict
 
     def node_views(self) -> list[dict[str, Any]]:
         return node_views(self.registry, self.drains, self.registry.clock.now(), self.config().engines)
@@ -205,7 +207,10 @@ class ClusterViews:
     def model_views(self, replica_views: Iterable[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The catalog's models, counted from `replica_views` (default: the replicas' views now)."""
         listed = model_views(
-            self.config().models, self.replica_views() if replica_views is None else replica_views, self.scale_of
+            self.config().models,
+            self.replica_views() if replica_views is None else replica_views,
+            self.scale_of,
+            self.rollouts(),
         )
         return self.model_detail(listed)
 

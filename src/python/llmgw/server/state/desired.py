@@ -72,7 +72,8 @@ class DesiredStates:
                 self.model,
                 partial(weights_source, max_weights_bytes=config.downloads.max_weights_bytes, hub=config.hub),
             ),
-            keep_files=catalog_digests(config.models),
+            # Also the weights of the older versions replicas still run (a rollout under way).
+            keep_files=catalog_digests([*config.models, *self.replicas.versions.known.values()]),
             stage=tuple(
                 weights_source(m, max_weights_bytes=config.downloads.max_weights_bytes, hub=config.hub)
                 for m in (self.model(name) for name in self.staging.models_for(node_id))

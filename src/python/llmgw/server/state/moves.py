@@ -19,8 +19,9 @@ makes its moves in waves: one look over the cluster places a replacement for up 
 `spread_at_once` crowded replicas, each on a node that holds none of its model, and the wave's
 moves go on together (a thousand nodes joining at once leave hundreds crowded on the first).
 
-Drains run in `llmgw.server.state.drains`, which calls `replace` and `retire` here, one move at a
-time; a drain's move and a spreading wave never run together (`lock`).
+Drains run in `llmgw.server.state.drains`, and rollouts (a changed model's replicas replaced one
+by one) in `llmgw.server.state.rollouts`; both call `replace` and `retire` here, one move at a
+time; a drain's move, a rollout's and a spreading wave never run together (`lock`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ SPREAD_AT_ONCE = 32
 
 
 class MoveFailed(Exception):
-    """A move stopped; the original keeps running. The message says why, for the operator."""
+    """A move stopped; the original keeps running. The message says why, for the operator;
+    `replacement`, `nodes` and `why` are its parts (a rollout says them its own way)."""
+
+    def __init__(self, message: str, *, replacement: str = "", nodes: tuple[str, ...] = (), why: str = "") -> None:
+        super().__init__(message)
+        self.replacement = replacement
+        self.nodes = nodes
+        self.why = why
 
 
 class Moves:
@@ -124,19 +132,31 @@ class Moves:
         return s.state if s else None
 
     async def _wait_ready(self, replica_id: str, nodes: tuple[str, ...]) -> str:
-        """Until the replacement is ready on its rank 0 (""), or why not: its time is over, or
-        a node of it was lost or removed (looked at with each report, and every LOST_LOOK_S)."""
+        """Until the replacement is ready on its rank 0 (""), or why not: its time is over, a
+        member's agent gave up on it (reported it failed: the placement is gone), or a node of it
+        was lost or removed (looked at with each report, and every LOST_LOOK_S)."""
         with trio.move_on_after(self.ready_timeout_s):
             while True:
                 reported = self.reported.next()
                 if self._member_state(replica_id, nodes[0]) == w.READY:
                     return ""
-                gone = self._gone(nodes)
+                gone = self._failed(replica_id, nodes) or self._gone(nodes)
                 if gone:
                     return gone
                 with trio.move_on_after(LOST_LOOK_S):
                     await reported.wait()
         return f"did not become ready within {self.ready_timeout_s:g} s"
+
+    def _failed(self, replica_id: str, nodes: tuple[str, ...]) -> str:
+        """Why the replacement failed, once a member's agent gave up on it ("" while none did)."""
+        if replica_id in self.replicas.placed:
+            return ""
+        for n in nodes:
+            node = self.registry.nodes.get(n)
+            status = next((s for s in node.replicas if s.replica_id == replica_id), None) if node else None
+            if status is not None and status.state == w.FAILED:
+                return f"failed: {status.detail or 'its agent gave up on it'}"
+        return "was withdrawn (its model or its nodes changed)"
 
     def _gone(self, nodes: tuple[str, ...]) -> str:
         now = self.registry.clock.now()
@@ -158,8 +178,11 @@ class Moves:
             self._ended.inc(outcome="failed")
             await self._push(new.nodes)
             raise MoveFailed(
-                f"the replacement {new.replica_id} of {replica_id} {why}; {replica_id} keeps running "
-                "(`llmgw ctl replicas` says why)"
+                f"the replacement {new.replica_id} on {','.join(new.nodes)} of {replica_id} {why}; {replica_id} keeps running "
+                "(`llmgw ctl replicas` says why)",
+                replacement=new.replica_id,
+                nodes=new.nodes,
+                why=why,
             )
         log.info("move_replacement_ready", replica=replica_id, replacement=new.replica_id, on=list(new.nodes))
         await self.retire(replica_id, new.replica_id)

@@ -1,6 +1,6 @@
 """The placements in memory: each placed replica as the control plane holds it (`Stored`: its
-placement, its engine key in plain text and sealed, its rendezvous port), by replica id and
-indexed by node (`Placements`). `llmgw.server.state.replicas.Replicas` is their one writer.
+placement, its engine key in plain text and sealed, its rendezvous port, the version of its model
+it runs), by replica id and indexed by node (`Placements`). `llmgw.server.state.replicas.Replicas` is their one writer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ class Stored:
     api_key: str = attrs.field(repr=False)  # in memory only: the database holds `sealed_key`
     sealed_key: str = attrs.field(repr=False)
     dist_init_port: int = 0
+    # The version of its model it runs (`llmgw.server.state.versions`); "" in a row written before
+    # versions were kept, taken as the catalog's at the next reconcile.
+    version: str = ""
 
 
 class Placements(dict):

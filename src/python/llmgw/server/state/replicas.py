@@ -14,7 +14,13 @@ that make it safe:
   and gets nothing new: its agent is still running them and will be adopted when it reconnects.
 - A lost node's replicas are placed elsewhere, as a whole. Fencing is level-triggered: the lost
   node's desired state no longer lists them, so when it comes back its agent stops them.
-- A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model.
+- A replica a node reports as `failed` is rebuilt elsewhere; that node is avoided for that model
+  (until the model's version changes: a new version may run where the last one failed).
+- Each placement runs a version of its model (`llmgw.server.state.versions`), its definition kept
+  until the placement goes: a changed model's replicas keep their assignments, exact, and are
+  replaced one at a time by its rollout (`llmgw.server.state.rollouts`), not restarted in place.
+  New placements get the model's target version: the catalog's, or while its rollout is held
+  after a failure, the version its replicas serve (`targets`).
 
 Each replica's engine key is in memory in plain text and in the store only sealed
 (`llmgw.server.store.keyseal`). A row of an earlier version holds its key in plain text: it is read
@@ -33,12 +39,12 @@ from pathlib import Path
 import attrs
 
 from llmgw.config import ENGINES, Model
-from llmgw.engines import SPECS
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
+from llmgw.server.state.versions import ModelVersions, parkable, version_of, with_token
 from llmgw.server.state.weights import default_weights
 from llmgw.server.store.asyncstore import AsyncStore, LatestWriter
 from llmgw.server.store.keyseal import KeySeal
@@ -70,7 +76,14 @@ REPLACED = "replaced"  # its key did not open (sealed under a lost secret): a ne
 
 
 def _to_row(s: Stored) -> dict:
-    return {"placement": attrs.asdict(s.placement), "sealed_key": s.sealed_key, "dist_init_port": s.dist_init_port}
+    # The version beside the placement, not in it: an earlier llmgw reads the placement as a
+    # Placement's fields, and skips what else the row holds.
+    return {
+        "placement": attrs.asdict(s.placement),
+        "sealed_key": s.sealed_key,
+        "dist_init_port": s.dist_init_port,
+        "version": s.version,
+    }
 
 
 def _from_row(replica_id: str, row: dict, keys: KeySeal) -> tuple[Stored, str]:
@@ -83,7 +96,14 @@ def _from_row(replica_id: str, row: dict, keys: KeySeal) -> tuple[Stored, str]:
         opened = keys.open(replica_id, row["sealed_key"])
         key, how = (opened, SEALED) if opened is not None else (_new_key(), REPLACED)
     sealed = row["sealed_key"] if how == SEALED else keys.seal(replica_id, key)
-    return Stored(placement=placement, api_key=key, sealed_key=sealed, dist_init_port=row["dist_init_port"]), how
+    stored = Stored(
+        placement=placement,
+        api_key=key,
+        sealed_key=sealed,
+        dist_init_port=row["dist_init_port"],
+        version=row.get("version", ""),
+    )
+    return stored, how
 
 
 def sealed_keys(rows: dict[str, dict]) -> int:
@@ -109,17 +129,28 @@ class Replicas:
         models: Callable[[], Sequence[Model]],
         fabrics: Callable[[], FabricMap],
         keys: KeySeal,
+        engine_version: Callable[[str], str] = lambda engine: "",
     ) -> None:
+        """`models()`: the catalog as placed (each scaled model at the count it wants);
+        `engine_version(engine)`: [engines]' version of it now, part of a model's version."""
         self.registry = registry
         self.models = models
         self.fabrics = fabrics
         self.keys = keys
+        self.engine_version = engine_version
+        # The definitions the placements run (from the store: what a new leader needs to keep
+        # older versions running until their rollout replaces them), and the models held.
+        self.versions = ModelVersions(store.at_open.model_versions)
+        self._digests: dict[int, tuple[Model, str, str]] = {}  # id(model) -> (model, engine version, its version)
+        self._targeted: dict[str, str] = {}  # each model's target version at the last reconcile
         self.placed = Placements()
         self.at_open: dict[str, list[str]] = {PLAIN: [], REPLACED: []}  # replica ids, by how their row was read
         for rid, row in store.at_open.placements.items():
             self.placed[rid], how = _from_row(rid, row, keys)
             self.at_open.setdefault(how, []).append(rid)
-        self.saver: LatestWriter[dict[str, dict]] = LatestWriter("placements", store.set_placements)
+        self.saver: LatestWriter[tuple[dict[str, dict], dict[str, dict]]] = LatestWriter(
+            "placements", lambda rows: store.set_placements(*rows)
+        )
         self.pending: tuple[Pending, ...] = ()
         self._pending_logged: dict[Pending, str] = {}  # each pending reason, and the level it was logged at
         self.failed_on: dict[str, set[str]] = {}  # node -> models that failed there
@@ -179,9 +210,12 @@ class Replicas:
 
     def reconcile(self, now: float) -> set[str]:
         """Place what the catalog wants; returns the nodes whose assignments changed."""
+        targets = self.targets()
+        adopted = self._follow(targets)
         before = {k: s.placement.nodes for k, s in self.placed.items()}
         counted, surge = self.counted()
-        result = plan(self.node_views(now), list(self.models()), counted, surge)
+        models = [m for m, _ in targets.values()]
+        result = plan(self.node_views(now), models, counted, surge, self.runs(targets))
         placed = Placements((p.replica_id, self.placed[p.replica_id]) for p in result.keep)
         for k in self.surge:
             if k in self.placed:
@@ -192,7 +226,7 @@ class Replicas:
             if len(p.nodes) > 1:
                 port = _free_port(used_ports)
                 used_ports.add(port)
-            placed[p.replica_id] = self._new(p, port)
+            placed[p.replica_id] = self._new(p, port, targets[p.model][1])
             log.info("replica_placed", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
         for p in result.stop:
             log.info("replica_stopped", replica=p.replica_id, model=p.model, nodes=list(p.nodes))
@@ -203,7 +237,7 @@ class Replicas:
             old, new = before.get(rid), placed[rid].placement.nodes if rid in placed else None
             if old != new:
                 changed |= set(old or ()) | set(new or ())
-        save = changed or placed.keys() != self.placed.keys()
+        save = changed or adopted or placed.keys() != self.placed.keys()
         self.placed = placed
         self.parked.intersection_update(placed.keys())
         if save:
@@ -242,13 +276,104 @@ class Replicas:
             logged[pend] = before
         self._pending_logged = logged
 
+    # -- versions -------------------------------------------------------------------------
+
+    def version(self, model: Model) -> str:
+        """`version_of(model)` with [engines]' version of its engine now (remembered per catalog
+        entry: thousands of assignments are made of a few models)."""
+        engine_version = self.engine_version(model.engine)
+        hit = self._digests.get(id(model))
+        if hit is not None and hit[0] is model and hit[1] == engine_version:
+            return hit[2]
+        if len(self._digests) > 4096:
+            self._digests.clear()
+        digest = version_of(model, engine_version)
+        self._digests[id(model)] = (model, engine_version, digest)
+        return digest
+
+    def targets(self) -> dict[str, tuple[Model, str]]:
+        """Each model of the catalog as placed, with the definition its new replicas get and its
+        version: the catalog's, or for a model held after a failed rollout, the version its
+        replicas serve (its count as the catalog's). Notes each catalog definition, so that it
+        is known once the catalog moves on."""
+        out: dict[str, tuple[Model, str]] = {}
+        for m in self.models():
+            version = self.version(m)
+            self.versions.record(m, version)
+            hold = self.versions.held(m.name, version)
+            serving = self.versions.definition(m.name, hold.serving) if hold is not None else None
+            if hold is not None and serving is not None:
+                out[m.name] = (with_token(attrs.evolve(serving, replicas=m.replicas), m.source.token), hold.serving)
+            else:
+                out[m.name] = (m, version)
+        return out
+
+    def runs(self, targets: dict[str, tuple[Model, str]]) -> dict[str, Model]:
+        """By replica id, the older definition each placement of a model being rolled runs."""
+        out = {}
+        for rid, s in self.placed.items():
+            target = targets.get(s.placement.model)
+            if target is not None and s.version != target[1]:
+                definition = self.versions.definition(s.placement.model, s.version)
+                if definition is not None:
+                    out[rid] = definition
+        return out
+
+    def behind(self) -> dict[str, list[str]]:
+        """By model, its replicas the catalog counts (no move's replacement) that run a version
+        other than its target: what its rollout has still to replace, by replica id."""
+        targets = self.targets()
+        out: dict[str, list[str]] = {}
+        for rid, s in sorted(self.placed.items()):
+            target = targets.get(s.placement.model)
+            if target is None or rid in self.surge or s.version in ("", target[1]):
+                continue
+            if self.versions.definition(s.placement.model, s.version) is not None:
+                out.setdefault(s.placement.model, []).append(rid)
+        return out
+
+    def _follow(self, targets: dict[str, tuple[Model, str]]) -> bool:
+        """At a reconcile: a model whose target version changed may go on every node again (the
+        nodes it failed on failed an older version); a placement with no version (a row of an
+        earlier llmgw), or one whose definition is not known, takes its model's target, what
+        its assignment is from now on. Whether a placement changed."""
+        for name, (_, version) in targets.items():
+            if self._targeted.get(name, version) != version:
+                for failed in self.failed_on.values():
+                    failed.discard(name)
+            self._targeted[name] = version
+        adopted = False
+        for rid, s in list(self.placed.items()):
+            target = targets.get(s.placement.model)
+            if target is None or s.version == target[1]:
+                continue
+            if s.version and self.versions.definition(s.placement.model, s.version) is not None:
+                continue
+            if s.version:
+                log.warning(
+                    "replica_version_unknown",
+                    replica=rid,
+                    model=s.placement.model,
+                    version=s.version[:12],
+                    detail="the store holds no definition of what it runs: it is given the catalog's (its engine "
+                    "restarts with it)",
+                )
+            self.placed[rid] = attrs.evolve(s, version=target[1])
+            adopted = True
+        return adopted
+
+    # -- moves ------------------------------------------------------------------------------
+
     def propose_replacement(self, replica_id: str, now: float) -> tuple[Placement | None, str]:
         """Where one more replica of `replica_id`'s model would go now, on top of the catalog's
-        count (the reason when nowhere); changes nothing."""
+        count (the reason when nowhere); changes nothing. It is of the model's target version."""
         original = self.placed[replica_id].placement
-        models = [attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m in self.models()]
+        targets = self.targets()
+        models = [
+            attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m, _ in targets.values()
+        ]
         counted, surge = self.counted()
-        result = plan(self.node_views(now), models, counted, surge)
+        result = plan(self.node_views(now), models, counted, surge, self.runs(targets))
         new = [p for p in result.start if p.model == original.model]
         if not new:
             reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
@@ -260,12 +385,14 @@ class Replicas:
         a spreading wave), on top of the catalog's count, paired with the replica it would
         replace, in their order; those with no place are left out. Changes nothing."""
         wanted = Counter(self.placed[rid].placement.model for rid in replica_ids)
+        targets = self.targets()
         models = [
-            attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m for m in self.models()
+            attrs.evolve(m, replicas=m.replicas + wanted[m.name]) if m.name in wanted else m
+            for m, _ in targets.values()
         ]
         counted, surge = self.counted()
         new: dict[str, list[Placement]] = {}
-        for p in plan(self.node_views(now), models, counted, surge).start:
+        for p in plan(self.node_views(now), models, counted, surge, self.runs(targets)).start:
             new.setdefault(p.model, []).append(p)
         out = []
         for rid in replica_ids:
@@ -288,7 +415,8 @@ class Replicas:
         """Place `p` on top of the catalog's count (a move's replacement, until `retire`)."""
         used = {s.dist_init_port for s in self.placed.values()}
         port = _free_port(used) if len(p.nodes) > 1 else 0
-        stored = self._new(p, port)
+        target = self.targets().get(p.model)
+        stored = self._new(p, port, target[1] if target is not None else "")
         self.placed[p.replica_id] = stored
         self.surge.add(p.replica_id)
         self._save()
@@ -315,10 +443,14 @@ class Replicas:
             self.surge.discard(replacement)
         self._save()
 
-    def _new(self, p: Placement, dist_init_port: int) -> Stored:
+    def _new(self, p: Placement, dist_init_port: int, version: str) -> Stored:
         key = _new_key()
         return Stored(
-            placement=p, api_key=key, sealed_key=self.keys.seal(p.replica_id, key), dist_init_port=dist_init_port
+            placement=p,
+            api_key=key,
+            sealed_key=self.keys.seal(p.replica_id, key),
+            dist_init_port=dist_init_port,
+            version=version,
         )
 
     def rows(self) -> dict[str, dict]:
@@ -335,8 +467,12 @@ class Replicas:
                 del made[k]
         return out
 
+    def version_rows(self) -> dict[str, dict]:
+        """The definitions the placements run, as the store keeps them (`ModelVersions.rows`)."""
+        return self.versions.rows({(s.placement.model, s.version) for s in self.placed.values() if s.version})
+
     def _save(self) -> None:
-        self.saver.offer(self.rows())
+        self.saver.offer((self.rows(), self.version_rows()))
 
     def assignments_for(
         self,
@@ -344,7 +480,9 @@ class Replicas:
         model_of: Callable[[str], Model | None],
         weights_of: Callable[[Model], w.WeightsSource] = default_weights,
     ) -> tuple[w.ReplicaAssignment, ...]:
-        """`weights_of(model)`: where the node gets the model's weights (`desired.weights_source`)."""
+        """`weights_of(model)`: where the node gets the model's weights (`desired.weights_source`).
+        `model_of(name)`: the catalog's entry; a replica of an older version is given the
+        definition it runs (with the catalog's token), so its engine does not restart."""
         out = []
         for rid in sorted(self.placed.on(node_id)):
             stored = self.placed[rid]
@@ -352,6 +490,10 @@ class Replicas:
             model = model_of(p.model)
             if model is None:
                 continue
+            if stored.version and stored.version != self.version(model):
+                runs = self.versions.definition(p.model, stored.version)
+                if runs is not None:
+                    model = with_token(runs, model.source.token)
             rank0 = self.registry.nodes.get(p.nodes[0])
             out.append(
                 w.ReplicaAssignment(
@@ -372,14 +514,6 @@ class Replicas:
                 )
             )
         return tuple(out)
-
-
-def parkable(model: Model, gpus_per_node: int) -> bool:
-    """Whether a replica of `model` is started able to park (`EngineSpec.park`): its replicas
-    follow the load, the catalog lets it (`park`), its engine can, and on GPUs (vLLM's sleep mode
-    is CUDA's and ROCm's)."""
-    spec = SPECS.get(model.engine)
-    return model.scaled and model.park and spec is not None and spec.park is not None and gpus_per_node > 0
 
 
 def seal_at_start(store: AsyncStore, replicas: Replicas, secret: Path) -> None:

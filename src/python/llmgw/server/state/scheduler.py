@@ -6,8 +6,10 @@ reconciler performs what it returns. Rules, in the order they are applied:
 
 - Existing placements are kept while still valid (stable): a restart or an unrelated change
   reshuffles nothing. A placement stops being valid when a node it uses is lost or removed, or
-  its model left the catalog or changed engine, GPUs, nodes or memory. Replicas beyond the
-  catalog's count are stopped, newest first.
+  its model left the catalog or changed engine, GPUs, nodes or memory -- unless it runs an older
+  definition of its model (`runs`: a rollout replaces it one replica at a time,
+  `llmgw.server.state.rollouts`), which it is judged by. Replicas beyond the catalog's count are
+  stopped, newest first.
 - New replicas go only on nodes that are joined, not cordoned, not draining, and have the
   model's engine installed and checked; they must fit the node's free GPUs and memory after
   what is already placed there.
@@ -24,7 +26,7 @@ reconciler performs what it returns. Rules, in the order they are applied:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -108,20 +110,25 @@ def plan(
     catalog: Sequence[Model],
     placed: Sequence[Placement],
     reserved: Sequence[Placement] = (),
+    runs: Mapping[str, Model] | None = None,
 ) -> Plan:
     """`reserved`: placements outside the catalog's count (a move's replacement, until its
     original stops) that the plan neither keeps nor stops, but whose GPUs, memory and replica
-    ids (their slots) no new placement takes."""
+    ids (their slots) no new placement takes. `runs`: by replica id, the older definition of
+    its model a placement runs (its model's replicas are being replaced: it counts as one of
+    them, and is valid if it fits what it runs)."""
     by_id = {n.node_id: n for n in nodes}
     models = {m.name: m for m in catalog}
+    runs = runs or {}
     keep: list[Placement] = []
     stop: list[Placement] = []
     for p in sorted(placed, key=lambda p: p.replica_id):
         model = models.get(p.model)
+        shape = runs.get(p.replica_id, model) if model is not None else None
         valid = (
-            model is not None
-            and _fits(model, p)
-            and all(n in by_id and by_id[n].alive and model.engine in by_id[n].engines for n in p.nodes)
+            shape is not None
+            and _fits(shape, p)
+            and all(n in by_id and by_id[n].alive and shape.engine in by_id[n].engines for n in p.nodes)
         )
         (keep if valid else stop).append(p)
     # Too many replicas of a model (its count went down): stop the newest.

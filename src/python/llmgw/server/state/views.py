@@ -21,6 +21,7 @@ from llmgw.server.state.drains import DrainProgress
 from llmgw.server.state.placements import Stored
 from llmgw.server.state.registry import JOINED, Node, NodeRegistry
 from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.versions import SHOWN
 from llmgw.wire import agent_link as w
 
 VIEW_BATCH = 200  # node views made between yields to the loop (`Views.node_page`)
@@ -172,6 +173,7 @@ def replica_view(rid: str, stored: Stored, members: Sequence[w.ReplicaStatus | N
         "restarts": sum(m.restarts for m in members if m),
         "detail": "; ".join(m.detail for m in members if m and m.detail),
         "fabric": p.fabric,
+        "version": stored.version[:SHOWN],  # of its model (`llmgw.server.state.versions`)
     }
 
 
@@ -191,11 +193,12 @@ def model_views(
     models: Sequence[Model],
     replica_views: Iterable[Mapping[str, Any]],
     scale_of: Callable[[Model], dict[str, Any] | None] = lambda model: None,
+    rollouts: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Each catalog model with its ready replicas and why any is pending; one pass over the
     replicas (there may be ten thousand), not one per model. `scale_of(model)`: a scaled model's
     bounds, wanted count and last decision (`ScalePolicy.view`), its `replicas` then the count
-    it wants now."""
+    it wants now; `rollouts`: by model, its rollout under way or stopped (`Rollouts.views`)."""
     ready: dict[str, int] = {}
     pending: dict[str, list[str]] = {}
     coming: dict[str, list[str]] = {}  # replicas on their way: downloading, starting
@@ -219,6 +222,7 @@ def model_views(
             "progress": coming.get(m.name, []),
             "gpus_per_replica": m.gpus_per_replica,
             "nodes_per_replica": m.nodes_per_replica,
+            "rollout": (rollouts or {}).get(m.name),
         }
         for m in models
     ]

@@ -58,6 +58,7 @@ class Snapshot:
     api_keys: tuple[KeyRow, ...]
     catalog: dict[str, float] = attrs.field(factory=dict)  # when each model entered the catalog
     hub_models: tuple[HubModelRow, ...] = ()  # the models added from the Hub
+    model_versions: dict[str, dict] = attrs.field(factory=dict)  # what the placements run, by MODEL@VERSION
 
 
 @attrs.define
@@ -106,6 +107,7 @@ class AsyncStore:
                 api_keys=tuple(store.api_keys()),
                 catalog=store.catalog_models(),
                 hub_models=tuple(store.hub_models()),
+                model_versions=store.model_versions(),
             )
         except BaseException:
             store.close()
@@ -147,6 +149,9 @@ class AsyncStore:
 
     async def add_hub_model(self, row: HubModelRow) -> bool:
         return await self._run(self._store.add_hub_model, row)
+
+    async def update_hub_model(self, row: HubModelRow) -> bool:
+        return await self._run(self._store.update_hub_model, row)
 
     async def remove_hub_model(self, name: str) -> bool:
         return await self._run(self._store.remove_hub_model, name)
@@ -249,8 +254,8 @@ class AsyncStore:
     async def placements(self) -> dict[str, dict]:
         return await self._run(self._store.placements)
 
-    async def set_placements(self, placements: dict[str, dict]) -> None:
-        await self._run(self._store.set_placements, placements)
+    async def set_placements(self, placements: dict[str, dict], versions: dict[str, dict] | None = None) -> None:
+        await self._run(self._store.set_placements, placements, versions)
 
     def scrub_placements_at_start(self, placements: dict[str, dict]) -> bool:
         """Replace the placements and leave no trace of the old rows in the files

@@ -2,9 +2,9 @@
 
 What lives here survives a control-plane restart: the nodes it knows (and when it last saw
 each), cordon and drain marks, the certificates it issued and the serials it revoked, the
-replica placements, the gateway's API keys, and when each model entered the catalog. What does
-not: anything an agent reports (inventory, engines, replicas), which is rebuilt when the agents
-reconnect.
+replica placements with the model versions they run, the gateway's API keys, and when each
+model entered the catalog. What does not: anything an agent reports (inventory, engines,
+replicas), which is rebuilt when the agents reconnect.
 
 The SQL is written once, here, for both backends (`llmgw.server.store.schema` says where the
 dialects differ); a backend (`backend.Backend`: `sqlite.SqliteBackend`, `postgres.PostgresBackend`,
@@ -269,14 +269,25 @@ class Store:
         rows = self._rows("SELECT replica_id, body FROM placements ORDER BY replica_id")
         return {r[0]: json.loads(r[1]) for r in rows}
 
-    def set_placements(self, placements: dict[str, dict]) -> None:
-        """Replace the stored placements with these (one transaction)."""
+    def set_placements(self, placements: dict[str, dict], versions: dict[str, dict] | None = None) -> None:
+        """Replace the stored placements with these, and the model versions they run with
+        `versions` (None: those stay as they are); one transaction."""
         with self._write() as tx:
             tx.execute("DELETE FROM placements")
             tx.executemany(
                 "INSERT INTO placements (replica_id, body) VALUES (?, ?)",
                 [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(placements.items())],
             )
+            if versions is not None:
+                tx.execute("DELETE FROM model_versions")
+                tx.executemany(
+                    "INSERT INTO model_versions (id, body) VALUES (?, ?)",
+                    [(k, json.dumps(v, sort_keys=True)) for k, v in sorted(versions.items())],
+                )
+
+    def model_versions(self) -> dict[str, dict]:
+        """The definitions the placements run, by MODEL@VERSION (`llmgw.server.state.versions`)."""
+        return {r[0]: json.loads(r[1]) for r in self._rows("SELECT id, body FROM model_versions ORDER BY id")}
 
     def scrub_placements(self, placements: dict[str, dict]) -> bool:
         """Replace the placements (one transaction, as in `set_placements`), then leave as
@@ -364,6 +375,18 @@ class Store:
                 (row.name, json.dumps(row.body, sort_keys=True), row.sealed_token, row.added_at),
             )
         return added > 0
+
+    def update_hub_model(self, row: HubModelRow) -> bool:
+        """Replace a model added to the catalog with `row` (`llmgw ctl models update`; its
+        `added_at` stays); False if there is none of that name."""
+        with self._write() as tx:
+            return (
+                tx.execute(
+                    "UPDATE hub_models SET body = ?, sealed_token = ? WHERE name = ?",
+                    (json.dumps(row.body, sort_keys=True), row.sealed_token, row.name),
+                )
+                > 0
+            )
 
     def remove_hub_model(self, name: str) -> bool:
         """Forget a model added to the catalog; False if there was none of that name."""

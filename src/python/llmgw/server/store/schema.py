@@ -70,6 +70,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "catalog_models": ("name", "created"),
     "hub_models": ("name", "body", "sealed_token", "added_at"),
+    "model_versions": ("id", "body"),
 }
 # What the copy's summary calls each table's rows.
 TABLE_ROWS = {
@@ -79,6 +80,7 @@ TABLE_ROWS = {
     "api_keys": "API keys",
     "catalog_models": "catalog models",
     "hub_models": "models added from the Hub",
+    "model_versions": "model definitions replicas run",
 }
 
 
@@ -152,8 +154,27 @@ def _v3(d: Dialect) -> tuple[str, ...]:
     )
 
 
+def _v4(d: Dialect) -> tuple[str, ...]:
+    # What each version of a model runs (llmgw.server.state.versions): the definition its
+    # replicas were started with, by model and version, written with the placements (each
+    # placement's row names its version), so that a restarted control plane or a new leader goes
+    # on replacing the replicas of a changed model one at a time with the old ones serving
+    # meanwhile, rather than restarting them all with the new definition. No token is kept.
+    return (
+        """CREATE TABLE IF NOT EXISTS model_versions (
+            id    TEXT PRIMARY KEY,                -- MODEL@VERSION
+            body  TEXT NOT NULL                    -- JSON: {"model", "version", "definition"}
+        )""",
+    )
+
+
 # The schema's history: (version, its statements in a dialect). Append; never edit a released one.
-MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = ((1, _v1), (2, _v2), (3, _v3))
+MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = (
+    (1, _v1),
+    (2, _v2),
+    (3, _v3),
+    (4, _v4),
+)
 LATEST = MIGRATIONS[-1][0]
 # From this version on a database has the lease (`_v2`): a shared PostgreSQL store there is
 # migrated by its leader only (`llmgw.server.store.backend.migrate`).
