@@ -260,6 +260,9 @@ async def test_what_was_sent_and_what_cannot_be_continued() -> None:
     assert continuation_payload({**body, "response_format": {"type": "text"}}, CHAT, "sim", "a", 1)[0] == ""
     assert continuation_payload(body, CHAT, "sim", "a b", 10) == ("finished", "", b"")
     assert continuation_payload({"model": "m", "prompt": ["a", "b"]}, COMPLETIONS, "sim", "", 0)[0] == "not_exact"
+    assert (
+        continuation_payload({"model": "m", "prompt": "a", "suffix": "z"}, COMPLETIONS, "sim", "", 0)[0] == "not_exact"
+    )
     outcome, _, payload = continuation_payload({**body, "seed": 7, "logprobs": True}, CHAT, "vllm", "a b", 2)
     made = json.loads(payload)
     assert outcome == "" and made["continue_final_message"] is True and made["add_generation_prompt"] is False

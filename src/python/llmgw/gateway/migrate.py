@@ -20,7 +20,7 @@ the tokens generated before as completion, not prompt; and a comment line before
 
 Not every answer can be continued exactly (`not_exact`): with `n` > 1 (several choices, each at
 its own point), a tool call under way (its arguments are not text the engine can resume),
-`echo` (the prompt comes back first), `best_of`, or a constrained output (`response_format`,
+`echo` (the prompt comes back first), `suffix`, `best_of`, or a constrained output (`response_format`,
 `guided_*`: the grammar would start over mid-value). Those end with an error event naming why.
 Sampling with a seed, and logprobs, continue: the rest is sampled by the new replica (not the
 words that seed would have given from there), each token's logprobs its own.
@@ -222,6 +222,8 @@ def not_exact(route: str, body: dict[str, Any]) -> str:
     if route == COMPLETIONS:
         if body.get("echo"):
             return "the prompt is echoed (echo)"
+        if body.get("suffix"):
+            return "the answer is an insertion before a suffix (suffix)"
         best = body.get("best_of")
         if isinstance(best, int) and best > 1:
             return "best_of > 1"
