@@ -3,6 +3,10 @@
     llmgw ctl models [list]                   every model: engine, replicas ready, where it comes from
     llmgw ctl models add NAME --hf ORG/REPO   a model from the Hub (or [hub] endpoint's mirror)
     llmgw ctl models remove NAME              its replicas stop; the nodes free its files
+    llmgw ctl models update NAME [--revision REV] [--engine E] [--args ...] [--retry]
+                                              another revision, engine or args: its replicas are
+                                              replaced one at a time; --retry: a stopped update
+                                              goes again
     llmgw ctl models stage NAME --nodes N...  those nodes download its files now, ahead of replicas
     llmgw ctl models search TEXT              repositories matching TEXT, their quantisations, sizes
                                               and whether they would fit
@@ -92,6 +96,28 @@ def configure_models(
         metavar="FILE",
         help="a file holding the token of a gated or private repository ('-': standard input)",
     )
+    update = add_leaf(
+        verbs,
+        "update",
+        "change a model added with `models add` (revision, engine, args): its replicas are replaced one at a time",
+        partial(run_update, client_from),
+    )
+    update.add_argument("name", help="the model's name, as `llmgw ctl models` lists it")
+    update.add_argument(
+        "--revision", default="", metavar="REV", help="another branch, tag or commit; pinned to its commit"
+    )
+    update.add_argument("--engine", default="", choices=("llamacpp", "vllm", "sglang"), help="another engine")
+    update.add_argument(
+        "--retry",
+        action="store_true",
+        help="an update that stopped (its new version did not start) goes again; for any model, " "server.toml's too",
+    )
+    update.add_argument(
+        "--args",
+        nargs=argparse.REMAINDER,
+        default=None,
+        help="the engine's own arguments, replacing the model's, last: --args --ctx-size 16384 ('--args' alone: none)",
+    )
     remove = add_leaf(
         verbs, "remove", "remove a model added with `models add`: its replicas stop", partial(run_remove, client_from)
     )
@@ -112,7 +138,7 @@ def configure_models(
     )
     search.add_argument("text", nargs="+", help="words of the repository's name, e.g. qwen gguf")
     search.add_argument("--limit", type=int, default=20, metavar="N", help="at most N repositories (1-100, default 20)")
-    for leaf in (listing, add, remove, stage, search):
+    for leaf in (listing, add, update, remove, stage, search):
         add_json_flag(leaf)
         add_admin_options(leaf)
 
@@ -166,6 +192,35 @@ def run_add(client_from: ClientFrom, args: argparse.Namespace) -> int:
             f"placed with {model['memory_gb']:g} GiB"
         )
     print("its replicas start as the nodes download it: `llmgw ctl replicas` shows their progress")
+    return 0
+
+
+def run_update(client_from: ClientFrom, args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"revision": args.revision, "engine": args.engine, "retry": args.retry}
+    if args.args is not None:
+        body["args"] = list(args.args)
+    if not args.json and (args.revision or args.engine or args.args is not None):
+        print(f"resolving {args.name} again on the Hub ...", file=sys.stderr, flush=True)
+    path = f"/admin/v1/models/{quote(args.name, safe='')}/update"
+    result = client_from(args).request("POST", path, body, timeout_s=ADD_TIMEOUT_S)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    name = result["model"]
+    if result.get("commit") and (args.revision or args.engine or args.args is not None):
+        what = f"{result['hf']} at {result['commit'][:12]} ({result['revision']}), {result['engine']}"
+        what += f", args {' '.join(result['args']) or '(none)'}"
+        if result["changed"]:
+            print(f"updated {name}: {what}")
+            print("its replicas are replaced one at a time, each new one ready first: `llmgw ctl models` shows how far")
+        else:
+            print(f"{name} runs that already ({what}): nothing to replace")
+    if args.retry:
+        print(
+            f"{name}: its stopped update goes again: `llmgw ctl models` shows how far"
+            if result["retried"]
+            else f"{name}: no update of it had stopped; nothing to retry"
+        )
     return 0
 
 

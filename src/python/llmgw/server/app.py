@@ -296,6 +296,7 @@ class ControlPlane:
             node_views=lambda: self.replicas.node_views(self.registry.clock.now()),
             catalog_times=self.catalog_times,
             staging=self.staging,
+            retry=self.rollouts.retry,
         )
         self.hub_models.load(store.at_open.hub_models)
         self.catalog_times.note(m.name for m in self.config.models)

@@ -10,7 +10,9 @@ with a wrong one, the answer is 401 with what to do. Routes:
     GET    /admin/v1/models                the catalog with ready replicas per model (and, for a model
                                            from the Hub, its repository, commit, files and estimate)
     POST   /admin/v1/models                add a model from the Hub; DELETE /admin/v1/models/NAME removes
-                                           one; GET /admin/v1/models/search?q=TEXT (server/admin/modelroutes.py)
+                                           one; POST /admin/v1/models/NAME/update changes one (or retries a
+                                           stopped rollout); GET /admin/v1/models/search?q=TEXT
+                                           (server/admin/modelroutes.py)
     POST   /admin/v1/reload                read server.toml again (catalog, engines)
     POST   /admin/v1/nodes/NODE/cordon     no new work for the node
     POST   /admin/v1/nodes/NODE/uncordon

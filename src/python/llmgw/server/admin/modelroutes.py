@@ -7,6 +7,10 @@
     GET    /admin/v1/models/search?q=TEXT[&limit=N]   repositories of the Hub matching TEXT
     POST   /admin/v1/models/NAME/stage      {nodes}: those nodes download its files now, ahead of
                                             its replicas; 202 with the nodes asked
+    POST   /admin/v1/models/NAME/update     {revision, engine, args, retry}: a model added so
+                                            resolved again with what is given (its replicas are
+                                            replaced one at a time); `retry`: a stopped rollout of
+                                            any model goes again; 200 with the entry
 
 The body is read strictly, as every admin input is (`llmgw.server.admin.api`): only these
 fields, of their types and within their ranges. `token` (a gated repository's) is taken here and
@@ -36,6 +40,8 @@ MODELS = "/admin/v1/models"
 SEARCH = "/admin/v1/models/search"
 _MODEL = re.compile(r"^/admin/v1/models/([^/]+)$")
 _STAGE = re.compile(r"^/admin/v1/models/([^/]+)/stage$")
+_UPDATE = re.compile(r"^/admin/v1/models/([^/]+)/update$")
+UPDATE_FIELDS = {"revision", "engine", "args", "retry"}
 MAX_STAGE_NODES = 10_000
 MAX_REPLICAS = 1000
 MAX_GPUS = 64
@@ -51,7 +57,7 @@ FIELDS = {"name", *_STRINGS, *_COUNTS, "memory_gb", "args"}
 
 
 def serves(path: str) -> bool:
-    return path in (SEARCH, MODELS) or _MODEL.match(path) is not None or _STAGE.match(path) is not None
+    return path in (SEARCH, MODELS) or any(p.match(path) is not None for p in (_MODEL, _STAGE, _UPDATE))
 
 
 # How the catalog's and the Hub's errors are answered (the most specific class first); the
@@ -104,6 +110,12 @@ async def _route(models: HubModels, request: Request) -> Response:
         ):
             raise HTTPError(400, f'the body must be {{"nodes": [NODE, ...]}}: 1 to {MAX_STAGE_NODES} node ids')
         return Response.json(202, await models.stage(name, list(dict.fromkeys(nodes))))
+    update = _UPDATE.match(request.path)
+    if update is not None:
+        allow(request, "POST")
+        params.query(request, {})
+        name = _model_name(update.group(1))
+        return Response.json(200, await models.update(name, **update_request(await read_json(request))))
     if request.path != MODELS:
         allow(request, "DELETE")
         params.query(request, {})
@@ -119,6 +131,36 @@ def _model_name(raw: str) -> str:
     if not NAME.fullmatch(name):
         raise HTTPError(400, f"model name {shown(name)} is not valid: letters, digits, '.', '_' and '-'")
     return name
+
+
+def update_request(body: Any) -> dict[str, Any]:
+    """The body of POST /admin/v1/models/NAME/update, checked field by field: `HubModels.update`'s
+    keywords. 400 naming the first wrong one."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object: {revision, engine, args, retry}")
+    unknown = sorted(set(body) - UPDATE_FIELDS)
+    if unknown:
+        raise HTTPError(400, f"unknown fields {unknown}; an update takes {', '.join(sorted(UPDATE_FIELDS))}")
+    out: dict[str, Any] = {}
+    for key in ("revision", "engine"):
+        value = body.get(key, "")
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise HTTPError(400, f"'{key}' must be a string of at most {MAX_TEXT} characters, got {shown(value)}")
+        out[key] = value
+    if "args" in body:
+        args = body["args"]
+        if (
+            not isinstance(args, list)
+            or len(args) > MAX_ARGS
+            or not all(isinstance(a, str) and len(a) <= 1000 for a in args)
+        ):
+            raise HTTPError(400, f"'args' must be a list of at most {MAX_ARGS} strings, got {shown(args)}")
+        out["args"] = tuple(args)
+    retry = body.get("retry", False)
+    if not isinstance(retry, bool):
+        raise HTTPError(400, f"'retry' must be true or false, got {shown(retry)}")
+    out["retry"] = retry
+    return out
 
 
 def add_request(body: Any) -> tuple[AddRequest, Secret | None]:

@@ -7,7 +7,11 @@ fence refuses a standby's write), and only then changes the catalog running (`Se
 and posts a catalog change: the reconciler places its replicas and pushes the nodes, the
 gateways' rotation names it. A failure at any step leaves the catalog as it was. A remove is the
 same in reverse: the replicas stop at the next pass, and the nodes free the files no model of
-the catalog names any more (`DesiredState.keep_files`).
+the catalog names any more (`DesiredState.keep_files`). An update (`llmgw ctl models update NAME
+--revision REV --args ... --engine E`) resolves the model again with what changed, checks it as
+an add does and replaces its entry: its replicas are then replaced one at a time by its rollout
+(`llmgw.server.state.rollouts`); `--retry` asks a held rollout to go again (any model's, also one
+of server.toml's).
 
 A gated repository's token is sealed in the store like the engine keys (`KeySeal`, with
 "model:NAME" as associated data); it reaches only the agents that download the files, in the
@@ -39,6 +43,7 @@ from llmgw.server.state.changes import Changes
 from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.scheduler import NodeView, model_files
 from llmgw.server.state.staging import Staging
+from llmgw.server.state.versions import version_of
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.server.store.core import HubModelRow
 from llmgw.server.store.keyseal import KeySeal
@@ -78,9 +83,11 @@ class HubModels:
         catalog_times: CatalogTimes | None = None,
         client: Callable[[], HubClient] | None = None,
         staging: Staging | None = None,
+        retry: Callable[[str], bool] = lambda name: False,
     ) -> None:
         """`node_views()`: the nodes as placement sees them now; `client()`: the Hub client for
-        [hub] as configured now (a reload may change it)."""
+        [hub] as configured now (a reload may change it); `retry(name)`: a held rollout of the
+        model goes again (`Rollouts.retry`; whether one was held)."""
         self.settings = settings
         self.store = store
         self.key_seal = key_seal
@@ -90,7 +97,9 @@ class HubModels:
         self.catalog_times = catalog_times
         self.client = client or (lambda: hub_client(settings))
         self.staging = staging or Staging()
+        self.retry = retry
         self.estimates: dict[str, dict[str, Any]] = {}  # name -> the estimate's parts, for views
+        self.chosen: dict[str, dict[str, Any]] = {}  # name -> how its files were chosen, for an update
         self._lock = trio.Lock()  # one add or remove at a time: the name checks hold until the write
 
     def load(self, rows: Sequence[HubModelRow]) -> None:
@@ -107,6 +116,7 @@ class HubModels:
                 model = _with_token(model, Secret(token))
             added[row.name] = model
             self.estimates[row.name] = dict(row.body.get("estimate") or {})
+            self.chosen[row.name] = _chosen(row.body)
         self.settings.set_added(added)
         for name in self.settings.shadowed():
             log.warning("model_shadowed", model=name, fix="server.toml names it too, and its entry is served")
@@ -130,15 +140,17 @@ class HubModels:
                 raise ModelDoesNotFit(f"{model.name} ({_size(resolved)}) fits no node of this cluster: {refusal}")
             self._check_name_free(req.name)  # server.toml reloaded meanwhile
             estimate = _estimate_view(resolved)
+            chosen = {"quant": resolved.quant, "file": req.file, "memory_gb": req.memory_gb}
             row = HubModelRow(
                 name=model.name,
-                body={"model": to_dict(model), "estimate": estimate, "quant": resolved.quant},
+                body={"model": to_dict(model), "estimate": estimate, **chosen},
                 sealed_token=self.key_seal.seal(f"model:{model.name}", token.reveal()) if token else "",
                 added_at=time.time(),
             )
             if not await self.store.add_hub_model(row):
                 raise ModelExists(f"the store has a model named {model.name} already (added by another control plane?)")
             self.estimates[model.name] = estimate
+            self.chosen[model.name] = chosen
             self.settings.set_added({**self.settings.added, model.name: _with_token(model, token) if token else model})
         log.info(
             "model_added",
@@ -151,6 +163,108 @@ class HubModels:
         )
         await self._catalog_changed([model.name])
         return self.view(model)
+
+    async def update(
+        self,
+        name: str,
+        *,
+        revision: str = "",
+        engine: str = "",
+        args: Sequence[str] | None = None,
+        retry: bool = False,
+    ) -> dict[str, Any]:
+        """Change a model added from the Hub: another revision (pinned to its commit), engine or
+        args; the rest as it was. Its replicas are replaced one at a time (its rollout). `retry`:
+        a rollout held after a failure goes again (for any model of the catalog)."""
+        changing = bool(revision or engine or args is not None)
+        changed = False
+        async with self._lock:
+            model = self.settings.added.get(name)
+            if model is None or name in self.settings.shadowed():
+                if not any(m.name == name for m in self.settings.file_models):
+                    raise UnknownModel(f"the catalog has no model {name} (`llmgw ctl models` lists them)")
+                if changing:
+                    raise UsageError(
+                        f"{name} is in server.toml's [[models]]: change it there and `llmgw ctl reload` (its "
+                        "replicas are replaced one at a time as well)"
+                    )
+                model = None
+            elif changing:
+                was = model
+                model = await self._updated(model, revision=revision, engine=engine, args=args)
+                changed = version_of(model) != version_of(was)
+            elif not retry:
+                raise UsageError("say what to change: --revision REV, --engine E or --args ..., or --retry")
+        retried = self.retry(name) if retry else False
+        if model is not None and changing:
+            log.info(
+                "model_updated",
+                model=name,
+                commit=model.source.commit,
+                engine=model.engine,
+                args=list(model.args),
+                changed=changed,
+            )
+        await self._catalog_changed([])
+        shown = model or next(m for m in self.settings.current.models if m.name == name)
+        view = self.view(shown) if model is not None else {"model": name, "engine": shown.engine}
+        return {**view, "args": list(shown.args), "changed": changed, "retried": retried}
+
+    async def _updated(self, model: Model, *, revision: str, engine: str, args: Sequence[str] | None) -> Model:
+        """Under the lock: `model` resolved again with what changed, checked, written to the store
+        and put in the catalog running; the new entry."""
+        chosen = self.chosen.get(model.name, {})
+        engine = engine or model.engine
+        args = tuple(args) if args is not None else model.args
+        _check_args(engine, args)
+        client = self.client()
+        if model.source.token is not None:
+            client = client.with_token(model.source.token)
+        req = AddRequest(
+            name=model.name,
+            hf=model.source.hf,
+            revision=revision or model.source.revision,
+            # The files chosen as they were at the add (the quantisation, or the pattern), unless
+            # the engine changed, which takes other files (GGUF or safetensors).
+            file=chosen.get("file", "") if engine == model.engine else "",
+            quant=chosen.get("quant", "") if engine == model.engine and not chosen.get("file") else "",
+            engine=engine,
+            replicas=model.replicas,
+            gpus_per_replica=model.gpus_per_replica,
+            nodes_per_replica=model.nodes_per_replica,
+            memory_gb=chosen.get("memory_gb", 0.0),
+            args=args,
+            routing=model.routing,
+        )
+        resolved = await resolve(client, req)
+        new = attrs.evolve(
+            model,
+            engine=resolved.model.engine,
+            source=attrs.evolve(resolved.model.source, token=model.source.token),
+            memory_gb=resolved.model.memory_gb,
+            args=args,
+        )
+        problems = check_model(new, self.settings.current.engines, "$")
+        if problems:
+            raise UsageError("; ".join(_option_named(p) for p in problems))
+        refusal = capacity_refusal(new, resolved.estimate.per_gpu, self.node_views())
+        if refusal:
+            raise ModelDoesNotFit(f"{new.name} ({_size(resolved)}) fits no node of this cluster: {refusal}")
+        estimate = _estimate_view(resolved)
+        chosen = {"quant": resolved.quant, "file": req.file, "memory_gb": req.memory_gb}
+        token = model.source.token
+        row = HubModelRow(
+            name=new.name,
+            body={"model": to_dict(new), "estimate": estimate, **chosen},
+            sealed_token=self.key_seal.seal(f"model:{new.name}", token.reveal()) if token else "",
+            added_at=time.time(),  # kept as it was: the store changes the body and the token only
+        )
+        if not await self.store.update_hub_model(row):
+            raise UnknownModel(f"the store has no model {new.name} (removed by another control plane?)")
+        self.estimates[new.name] = estimate
+        self.chosen[new.name] = chosen
+        self.settings.set_added({**self.settings.added, new.name: new})
+        return new
 
     async def remove(self, name: str) -> dict[str, Any]:
         async with self._lock:
@@ -359,6 +473,17 @@ def _check_args(engine: str, args: Sequence[str]) -> None:
         raise UsageError(
             f"--args sets {', '.join(overriding)}, which llmgw sets itself for {engine}; remove it from the args"
         )
+
+
+def _chosen(body: dict[str, Any]) -> dict[str, Any]:
+    """How a stored model's files were chosen at its add (a row of an earlier llmgw has the
+    quantisation only: the estimate sized it)."""
+    memory = body.get("memory_gb", 0.0)
+    return {
+        "quant": str(body.get("quant") or ""),
+        "file": str(body.get("file") or ""),
+        "memory_gb": float(memory) if isinstance(memory, (int, float)) else 0.0,
+    }
 
 
 def _with_token(model: Model, token: Secret | None) -> Model:
