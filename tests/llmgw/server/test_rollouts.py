@@ -267,6 +267,39 @@ async def test_no_room_for_a_replacement_waits_and_says_why(
     assert plane.replicas.behind() == {"coder": ["coder-0", "coder-1"]}  # not held: tried again at the next change
 
 
+async def test_a_replacement_never_takes_the_id_of_a_replica_its_agent_still_reports(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The replica retired a moment ago is still reported ready (its agent has not reported
+    since it stopped it): a replacement of the same id would pass for ready at once, and its
+    original be retired before it ran."""
+    plane = await plane_with(tmp_path, CODER)
+    report(plane, {})
+    change(plane, attrs.evolve(CODER, args=("--output-token-ms", "9")))
+    first = trio.Event()
+
+    async def roll(done: trio.Event) -> None:
+        await plane.rollouts.roll_once()
+        done.set()
+
+    nursery.start_soon(roll, first)
+    await settle()
+    report(plane, {})  # the replacement ready (and the two it may replace)
+    await first.wait()
+    [retired] = {"coder-0", "coder-1"} - set(plane.replicas.placed)
+    assert retired in {s.replica_id for s in plane.registry.nodes["a"].replicas}  # still reported, ready
+    second = trio.Event()
+    nursery.start_soon(roll, second)
+    await settle()
+    [new] = plane.replicas.surge
+    assert new != retired and not second.is_set()  # waiting for its own report
+    [left] = plane.replicas.behind()["coder"]
+    assert left in plane.replicas.placed
+    report(plane, {})
+    await second.wait()
+    assert plane.replicas.behind() == {}
+
+
 async def test_a_changed_memory_keeps_the_old_placements_until_replaced(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -215,7 +215,7 @@ class Replicas:
         before = {k: s.placement.nodes for k, s in self.placed.items()}
         counted, surge = self.counted()
         models = [m for m, _ in targets.values()]
-        result = plan(self.node_views(now), models, counted, surge, self.runs(targets))
+        result = plan(self.node_views(now), models, counted, surge, self.runs(targets), self.busy())
         placed = Placements((p.replica_id, self.placed[p.replica_id]) for p in result.keep)
         for k in self.surge:
             if k in self.placed:
@@ -373,7 +373,7 @@ class Replicas:
             attrs.evolve(m, replicas=m.replicas + 1) if m.name == original.model else m for m, _ in targets.values()
         ]
         counted, surge = self.counted()
-        result = plan(self.node_views(now), models, counted, surge, self.runs(targets))
+        result = plan(self.node_views(now), models, counted, surge, self.runs(targets), self.busy())
         new = [p for p in result.start if p.model == original.model]
         if not new:
             reason = next((p.reason for p in result.pending if p.model == original.model), "no place for it")
@@ -392,7 +392,7 @@ class Replicas:
         ]
         counted, surge = self.counted()
         new: dict[str, list[Placement]] = {}
-        for p in plan(self.node_views(now), models, counted, surge, self.runs(targets)).start:
+        for p in plan(self.node_views(now), models, counted, surge, self.runs(targets), self.busy()).start:
             new.setdefault(p.model, []).append(p)
         out = []
         for rid in replica_ids:
@@ -400,6 +400,18 @@ class Replicas:
             if found:
                 out.append((rid, found.pop(0)))
         return out
+
+    def busy(self) -> set[str]:
+        """Replica ids a node still reports that are placed no more: a new replica must not take
+        one, or the old engine's last report ("ready", on its port) would pass for the new one's
+        (a move would retire its original before the replacement ran; the gateways would send
+        requests to a stopping engine)."""
+        return {
+            s.replica_id
+            for node in self.registry.nodes.values()
+            for s in node.replicas
+            if s.replica_id not in self.placed
+        }
 
     def counted(self) -> tuple[list[Placement], list[Placement]]:
         """The placements the catalog counts, and the moves' replacements on top of them: a plan

@@ -26,7 +26,7 @@ reconciler performs what it returns. Rules, in the order they are applied:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
@@ -111,12 +111,15 @@ def plan(
     placed: Sequence[Placement],
     reserved: Sequence[Placement] = (),
     runs: Mapping[str, Model] | None = None,
+    busy: Collection[str] = (),
 ) -> Plan:
     """`reserved`: placements outside the catalog's count (a move's replacement, until its
     original stops) that the plan neither keeps nor stops, but whose GPUs, memory and replica
     ids (their slots) no new placement takes. `runs`: by replica id, the older definition of
     its model a placement runs (its model's replicas are being replaced: it counts as one of
-    them, and is valid if it fits what it runs)."""
+    them, and is valid if it fits what it runs). `busy`: replica ids an agent still reports
+    though they are no longer placed (one just stopped, whose engine may still say it is ready):
+    no new placement takes one, so that a report of the id is always of the replica placed."""
     by_id = {n.node_id: n for n in nodes}
     models = {m.name: m for m in catalog}
     runs = runs or {}
@@ -152,6 +155,10 @@ def plan(
     for p in keep:
         free.take(p)
     reserved_slots: dict[str, set[int]] = {}
+    for rid in busy:
+        name, _, tail = rid.rpartition("-")
+        if tail.isdigit():
+            reserved_slots.setdefault(name, set()).add(int(tail))
     for p in reserved:
         reserved_slots.setdefault(p.model, set()).add(replica_slot(p))
         if all(n in by_id for n in p.nodes):
