@@ -7,7 +7,8 @@ through the gateway. Everything through what an operator and a client use.
    sent meanwhile is answered 200 and whole (every token, [DONE], none continued on another
    replica: none was cut).
 2. Args the sim refuses (it exits at start): the first replacement fails, the rollout stops, the
-   old replicas serve on (the same engines), and `ctl models` says why.
+   old replicas serve on (the same engines), and `ctl models` says why;
+3. and so does the cluster page, in a real headless Chromium.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import attrs
 import pytest
 
 from llmgw.ctl.client import AdminClient
+from llmgw.ctl.page import page_url
+from testlib.browser import Chromium, chromium, no_console_errors, open_tab  # noqa: F401 - chromium: a fixture
 from testlib.cluster import Cluster, wait_until
 
 MODEL = """
@@ -205,3 +208,15 @@ def test_args_the_engine_refuses_stop_the_rollout_and_the_old_replicas_serve_on(
     assert "coder: update of coder stopped: " in text and "--retry" in text, text
     [event] = live.cluster.server.events("rollout_stopped")
     assert event["model"] == "coder"
+
+
+@pytest.mark.trio
+async def test_the_cluster_page_says_why_the_rollout_stopped(live: Live, chromium: Chromium) -> None:  # noqa: F811 - the fixture
+    admin = AdminClient.locate(server=None, credential=None, state_dir=str(live.cluster.state))
+    async with open_tab(chromium) as tab:
+        await tab.goto(page_url(admin, actions=False)["url"])
+        line = "document.querySelector('[data-rollout=\"coder\"]')"
+        text = await tab.wait_for(f"{line}?.dataset.state === 'stopped' && {line}.textContent", 30)
+        assert text.startswith("update of coder stopped: coder-") and " failed: " in text, text
+        assert text.endswith("; 2 of 2 replicas serve on with the version before"), text
+        no_console_errors(tab)
