@@ -366,6 +366,48 @@ async def test_the_versions_survive_a_reopen_and_a_new_control_plane_goes_on(
         again.store.close()
 
 
+async def test_a_replacement_under_way_at_a_change_of_leader_is_withdrawn_and_the_rollout_goes_on(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The leader placed a replacement and was waiting for it when it lost its lease: the next
+    leader does not count it (the count's excess would be stopped, maybe an old replica that
+    serves), its agent stops it, and the rollout places another."""
+    plane = await plane_with(tmp_path, CODER)
+    report(plane, {})
+    old = prints(plane)
+    updated = attrs.evolve(CODER, args=("--output-token-ms", "9"))
+    change(plane, updated)
+    plane.replicas.reconcile(trio.current_time())
+    leading = trio.CancelScope()
+
+    async def roll() -> None:
+        with leading:
+            await plane.rollouts.roll_once()
+
+    nursery.start_soon(roll)
+    await settle()
+    [under_way] = plane.replicas.surge
+    await plane.store.set_placements(plane.replicas.rows(), plane.replicas.version_rows())  # the saver's write
+    leading.cancel()  # its term is over
+    plane.store.close()
+
+    state = tmp_path / "cp"
+    again = ControlPlane.open(config(state, updated), state)
+    try:
+        assert under_way not in again.replicas.placed  # not the replacement
+        assert sorted(again.replicas.placed) == ["coder-0", "coder-1"]
+        join(again)
+        report(again, {})
+        again.replicas.reconcile(trio.current_time())
+        assert prints(again) == old and sorted(again.replicas.placed) == ["coder-0", "coder-1"]
+        seen: list[int] = []
+        await roll_one(again, nursery, seen)
+        await roll_one(again, nursery, seen)
+        assert set(args_of(again).values()) == {updated.args} and min(seen) >= 2
+    finally:
+        again.store.close()
+
+
 async def test_a_catalog_changed_while_the_control_plane_was_down_is_rolled_too(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

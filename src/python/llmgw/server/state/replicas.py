@@ -75,15 +75,18 @@ PLAIN = "plain"  # an earlier version's row, with the key in plain text: sealed 
 REPLACED = "replaced"  # its key did not open (sealed under a lost secret): a new key, the engine restarts
 
 
-def _to_row(s: Stored) -> dict:
+def _to_row(s: Stored, surge: bool) -> dict:
     # The version beside the placement, not in it: an earlier llmgw reads the placement as a
     # Placement's fields, and skips what else the row holds.
-    return {
+    row = {
         "placement": attrs.asdict(s.placement),
         "sealed_key": s.sealed_key,
         "dist_init_port": s.dist_init_port,
         "version": s.version,
     }
+    if surge:
+        row["surge"] = True  # a move's replacement, not yet one of the catalog's
+    return row
 
 
 def _from_row(replica_id: str, row: dict, keys: KeySeal) -> tuple[Stored, str]:
@@ -145,9 +148,19 @@ class Replicas:
         self._targeted: dict[str, str] = {}  # each model's target version at the last reconcile
         self.placed = Placements()
         self.at_open: dict[str, list[str]] = {PLAIN: [], REPLACED: []}  # replica ids, by how their row was read
+        withdrawn = []
         for rid, row in store.at_open.placements.items():
+            if row.get("surge"):
+                # A move's replacement the control plane before this one placed: the move (a drain's,
+                # a rollout's, spreading's) is not under way here, so neither is its replacement. Its
+                # agent stops it; a rollout places another. (Counted instead, the count's excess
+                # would be stopped, the newest first: maybe an old replica that serves.)
+                withdrawn.append(rid)
+                continue
             self.placed[rid], how = _from_row(rid, row, keys)
             self.at_open.setdefault(how, []).append(rid)
+        if withdrawn:
+            log.info("replica_replacements_withdrawn", replicas=withdrawn, why="their moves were the last leader's")
         self.saver: LatestWriter[tuple[dict[str, dict], dict[str, dict]]] = LatestWriter(
             "placements", lambda rows: store.set_placements(*rows)
         )
@@ -159,7 +172,7 @@ class Replicas:
         # mode): placed and counted, out of the gateways' rotation until woken. Kept in memory: a
         # new leader wakes them, and they park again after their model's idle_s.
         self.parked: set[str] = set()
-        self._rows: dict[str, tuple[Stored, dict]] = {}  # `rows`' row of each placement, as made
+        self._rows: dict[str, tuple[Stored, bool, dict]] = {}  # `rows`' row of each placement, as made
 
     def node_views(self, now: float) -> list[NodeView]:
         keys_of: dict[str, list[str]] = {}
@@ -471,9 +484,10 @@ class Replicas:
         made, out = self._rows, {}
         for k, v in self.placed.items():
             row = made.get(k)
-            if row is None or row[0] is not v:
-                row = made[k] = (v, _to_row(v))
-            out[k] = row[1]
+            surge = k in self.surge
+            if row is None or row[0] is not v or row[1] != surge:
+                row = made[k] = (v, surge, _to_row(v, surge))
+            out[k] = row[2]
         if len(made) > len(out):
             for k in made.keys() - out.keys():
                 del made[k]

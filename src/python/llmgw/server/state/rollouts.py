@@ -24,8 +24,8 @@ tries again at the next change.
 
 A new leader (or a restarted control plane) reads the placements with their versions and the
 definitions from the store, and goes on: the replicas behind are still behind. A replacement
-under way at the change counts as one of the model's there (surge is the leader's own), and the
-count's excess is stopped as any is (the newest first); the rollout then goes on with the next.
+under way at the change is withdrawn (its row says it was a move's: `Replicas`), and the rollout
+places another.
 A hold is also the leader's own: a new leader tries a held version once more, and holds it again
 if it fails.
 """
