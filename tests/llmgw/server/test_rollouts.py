@@ -70,6 +70,13 @@ async def plane_with(tmp_path: Path, *models: Model, memory_gib: int = 16) -> Co
     return plane
 
 
+def beat(plane: ControlPlane, node_id: str = "a") -> None:
+    """The node's agent heartbeats (a test that lets the clock run keeps its node joined)."""
+    link = plane.registry.nodes[node_id].link
+    assert link is not None
+    plane.registry.heartbeat(node_id, link.conn_id, trio.current_time())
+
+
 def report(plane: ControlPlane, states: dict[str, str], detail: str = "") -> None:
     """Node a's agent says each replica of `states` is in its state (the others it runs: ready),
     as its link would: the registry, then the control plane's hook."""
@@ -298,6 +305,37 @@ async def test_a_replacement_never_takes_the_id_of_a_replica_its_agent_still_rep
     report(plane, {})
     await second.wait()
     assert plane.replicas.behind() == {}
+
+
+async def test_the_loop_rolls_by_itself_and_a_wait_for_room_looks_again(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """`Rollouts.serve`: no room for a replacement (two of 5 GiB and another model's 5 GiB on 16),
+    then room made where no reconcile pass sees it (the other model's replica retired): it looks
+    again within WAITING_LOOK_S, and replaces both replicas one after the other."""
+    from llmgw.server.state.rollouts import WAITING_LOOK_S
+
+    coder = attrs.evolve(CODER, memory_gb=5.0)
+    other = Model(name="other", engine="sim", memory_gb=5.0)
+    plane = await plane_with(tmp_path, coder, other)
+    report(plane, {})
+    updated = attrs.evolve(coder, args=("--output-token-ms", "9"))
+    change(plane, updated, other)
+    plane.replicas.reconcile(trio.current_time())
+    await nursery.start(plane.rollouts.serve)
+    await settle()
+    assert not plane.replicas.surge and "GiB free" in plane.rollouts.waiting["coder"]
+    plane.replicas.retire("other-0", None)  # room, unseen by the reconciler
+    began = trio.current_time()
+    while not plane.replicas.surge and trio.current_time() - began <= WAITING_LOOK_S + 1:
+        beat(plane)
+        await trio.sleep(1)
+    assert plane.replicas.surge, plane.rollouts.waiting
+    while plane.replicas.behind() and trio.current_time() - began < 100:
+        beat(plane)
+        report(plane, {})
+        await trio.sleep(1)
+    assert set(args_of(plane).values()) == {updated.args} and not plane.rollouts.waiting
 
 
 async def test_a_changed_memory_keeps_the_old_placements_until_replaced(

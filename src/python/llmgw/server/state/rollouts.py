@@ -32,6 +32,7 @@ if it fails.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -49,6 +50,9 @@ from llmgw.wire import agent_link as w
 log = get_logger("llmgw.rollouts")
 
 UPDATING, STOPPED = "updating", "stopped"
+# A rollout waiting for room looks again this often besides at each change the reconciler sees:
+# room also comes from what passes no reconcile (a replica of another model retired).
+WAITING_LOOK_S = 30.0
 
 
 class Rollouts:
@@ -68,7 +72,8 @@ class Rollouts:
             started = time.perf_counter()
             if not await self.roll_once():
                 await rest(time.perf_counter() - started)  # a look over every placement, as the spreader's
-                await changed.wait()
+                with trio.move_on_after(WAITING_LOOK_S if self.waiting else math.inf):
+                    await changed.wait()
 
     async def roll_once(self) -> bool:
         """One move for each model that has replicas behind its target; whether one was made."""
