@@ -141,3 +141,36 @@ async def test_an_updated_row_is_in_the_store_of_either_backend(store_backend: S
     assert not store.update_hub_model(HubModelRow(name="other", body={}, added_at=9.0))
     [row] = store.hub_models()
     assert row.body == {"model": {"name": "m", "x": 1}} and row.added_at == 1.0
+
+
+async def test_the_route_on_a_served_control_plane(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """POST /admin/v1/models/NAME/update through the admin API as `llmgw ctl` sends it: a
+    server.toml model can be retried, not changed; GET /admin/v1/models says its rollout (none)."""
+    from llmgw.config import Model, ServerSection
+    from llmgw.ctl.client import AdminClient
+    from llmgw.errors import PeerError
+    from llmgw.server.app import ControlPlane
+    from testlib.controlplane import OFFLINE_ENGINES, make_state
+
+    state = tmp_path / "cp"
+    make_state(state)
+    config = ServerConfig(
+        engines=OFFLINE_ENGINES,
+        server=ServerSection(state_dir=str(state), agent_listen="127.0.0.1:0", http_listen="127.0.0.1:0"),
+        models=(Model(name="chat", engine="sim"),),
+    )
+    plane = ControlPlane.open(config, state)
+    await nursery.start(plane.serve)
+    client = AdminClient.locate(server=None, credential=None, state_dir=str(state))
+
+    def ask(method: str, path: str, body: Any = None) -> Any:
+        return client.request(method, path, body)
+
+    answer = await trio.to_thread.run_sync(ask, "POST", "/admin/v1/models/chat/update", {"retry": True})
+    assert (answer["model"], answer["retried"], answer["changed"]) == ("chat", False, False)
+    with pytest.raises(PeerError, match=r"chat is in server.toml's \[\[models\]\]: change it there.*HTTP 400"):
+        await trio.to_thread.run_sync(ask, "POST", "/admin/v1/models/chat/update", {"args": ["--x"]})
+    with pytest.raises(PeerError, match="unknown fields.*HTTP 400"):
+        await trio.to_thread.run_sync(ask, "POST", "/admin/v1/models/chat/update", {"replicas": 3})
+    [model] = (await trio.to_thread.run_sync(ask, "GET", "/admin/v1/models"))["models"]
+    assert model["model"] == "chat" and model["rollout"] is None
