@@ -126,3 +126,30 @@ async def serve_plane(
     )
     plane = ControlPlane.open(config, state)
     return plane, await nursery.start(plane.serve)
+
+
+def join(plane, node_id: str = "a", *, engines: tuple[w.EngineStatus, ...], **inventory) -> int:
+    """Node `node_id` joins an in-process control plane as its agent's hello would make it (with
+    `inventory`'s fields), heartbeats once: the link's id."""
+    now = trio.current_time()
+    conn = plane.registry.connect(
+        hello(node_id, engines=engines, **inventory), address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now
+    )
+    plane.registry.heartbeat(node_id, conn, now)
+    return conn
+
+
+async def one_node_plane(tmp_path: Path, models: Sequence[Model], *, engines: tuple[w.EngineStatus, ...], **inventory):
+    """A control plane in the test's process (not serving) with `models`, node "a" joined with
+    `engines` and `inventory`, and its replicas placed: the unit tests of placement, scaling and
+    rollouts start here. Reporting replicas is the test's (`plane.registry.replicas_changed`)."""
+    from llmgw.server.app import ControlPlane  # the server's code, for the tests that want one
+
+    state = tmp_path / "cp"
+    make_state(state)
+    config = ServerConfig(engines=OFFLINE_ENGINES, server=ServerSection(state_dir=str(state)), models=tuple(models))
+    plane = ControlPlane.open(config, state)
+    await plane.store.saw_node("a", "127.0.0.1")
+    join(plane, engines=engines, **inventory)
+    plane.replicas.reconcile(trio.current_time())
+    return plane

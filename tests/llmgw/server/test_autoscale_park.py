@@ -14,13 +14,13 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.config import Model, ModelSource, ServerConfig, ServerSection
+from llmgw.config import Model, ModelSource
 from llmgw.server.app import ControlPlane
 from llmgw.server.state.autoscale import EVICT, IDLE, START, Room, make_room
 from llmgw.server.state.rotation import gateway_rotation
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
-from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.controlplane import one_node_plane
 
 pytestmark = pytest.mark.trio
 
@@ -55,35 +55,15 @@ def vllm(name: str, *, park: bool = True, gpus: int = 1, replicas: int = 1, high
 
 
 async def plane_with(tmp_path: Path, *models: Model, gpus: int = 1) -> ControlPlane:
-    state = tmp_path / "cp"
-    make_state(state, sans=["127.0.0.1"], days=3)
-    config = ServerConfig(engines=OFFLINE_ENGINES, server=ServerSection(state_dir=str(state)), models=models)
-    plane = ControlPlane.open(config, state)
-    hello = w.Hello(
-        protocol_version=w.PROTOCOL_VERSION,
-        node_id="a",
-        agent_version="t",
-        boot_id="b",
-        started_at=1.0,
-        inventory=w.Inventory(
-            hostname="a",
-            os="l",
-            arch="x86_64",
-            python="3.11",
-            cpu_model="c",
-            cpu_cores=8,
-            memory_total_bytes=64 * GIB,
-            gpus=(GPU,) * gpus,
-            gpu_status=w.GPUS_PRESENT,
-        ),
+    return await one_node_plane(
+        tmp_path,
+        models,
         engines=ENGINES,
+        cpu_cores=8,
+        memory_total_bytes=64 * GIB,
+        gpus=(GPU,) * gpus,
+        gpu_status=w.GPUS_PRESENT,
     )
-    await plane.store.saw_node("a", "127.0.0.1")
-    now = trio.current_time()
-    plane.conn = plane.registry.connect(hello, address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now)
-    plane.registry.heartbeat("a", plane.conn, now)
-    plane.replicas.reconcile(now)
-    return plane
 
 
 def report(plane: ControlPlane, state: str = w.READY) -> None:
@@ -92,7 +72,9 @@ def report(plane: ControlPlane, state: str = w.READY) -> None:
         w.ReplicaStatus(replica_id=rid, model=s.placement.model, state=state, port=9000 + i)
         for i, (rid, s) in enumerate(sorted(plane.replicas.placed.items()))
     )
-    plane.registry.replicas_changed("a", plane.conn, statuses)
+    node = plane.registry.nodes["a"]
+    assert node.link is not None
+    plane.registry.replicas_changed("a", node.link.conn_id, statuses)
 
 
 def assignments(plane: ControlPlane) -> dict[str, w.ReplicaAssignment]:

@@ -11,12 +11,12 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.config import Model, ServerConfig, ServerSection
+from llmgw.config import Model
 from llmgw.server.app import ControlPlane
 from llmgw.server.state.autoscale import EVICT, START, Room, make_room
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
-from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.controlplane import one_node_plane
 
 pytestmark = pytest.mark.trio
 
@@ -29,33 +29,7 @@ def on_demand(name: str, start: int) -> Model:
 
 
 async def plane_with(tmp_path: Path, *models: Model, memory_gib: int = 10) -> ControlPlane:
-    state = tmp_path / "cp"
-    make_state(state, sans=["127.0.0.1"], days=3)
-    config = ServerConfig(engines=OFFLINE_ENGINES, server=ServerSection(state_dir=str(state)), models=models)
-    plane = ControlPlane.open(config, state)
-    hello = w.Hello(
-        protocol_version=w.PROTOCOL_VERSION,
-        node_id="a",
-        agent_version="t",
-        boot_id="b",
-        started_at=1.0,
-        inventory=w.Inventory(
-            hostname="a",
-            os="l",
-            arch="x86_64",
-            python="3.11",
-            cpu_model="c",
-            cpu_cores=2,
-            memory_total_bytes=memory_gib * GIB,
-        ),
-        engines=SIM,
-    )
-    await plane.store.saw_node("a", "127.0.0.1")
-    now = trio.current_time()
-    conn = plane.registry.connect(hello, address="127.0.0.1", cert_serial=1, cert_not_after=2e9, now=now)
-    plane.registry.heartbeat("a", conn, now)
-    plane.replicas.reconcile(now)
-    return plane
+    return await one_node_plane(tmp_path, models, engines=SIM, memory_total_bytes=memory_gib * GIB)
 
 
 def room(plane: ControlPlane, name: str, outstanding: dict[str, int] | None = None) -> Room:
