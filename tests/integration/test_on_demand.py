@@ -19,17 +19,18 @@ In order, each step from what the last left:
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
-import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import attrs
 import pytest
 
 from testlib import gatewayd
+from testlib.calls import post, streamed_whole
+from testlib.calls import together as calls_together
 from testlib.cluster import Cluster, wait_until
 
 CATALOG = """
@@ -133,40 +134,13 @@ def chat(
         "stream": stream,
         "ignore_eos": True,  # every one of max_tokens: a stream cut short is told from one that ended
     }
-    conn = http.client.HTTPConnection("127.0.0.1", live.other if other else live.port, timeout=90)
-    try:
-        conn.request(
-            "POST",
-            "/v1/chat/completions",
-            body=json.dumps(body),
-            headers={"authorization": f"Bearer {live.token}", "content-type": "application/json"},
-        )
-        response = conn.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        conn.close()
+    return post(live.other if other else live.port, live.token, body)
 
 
 def together(live: Live, calls: list[dict[str, Any]]) -> list[tuple[int, dict[str, str], bytes, float]]:
     """Each call (chat's keyword arguments) in a thread of its own, all at once; (status,
     headers, body, seconds) each, in order."""
-    out: list[Any] = [None] * len(calls)
-
-    def one(i: int) -> None:
-        started = time.monotonic()
-        try:
-            status, headers, body = chat(live, **calls[i])
-        except OSError as exc:
-            status, headers, body = 0, {}, str(exc).encode()
-        out[i] = (status, headers, body, time.monotonic() - started)
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert all(o is not None for o in out), "a request did not end within 120 s"
-    return out
+    return calls_together(partial(chat, live), calls)
 
 
 def placed(live: Live, model: str) -> list[dict[str, Any]]:
@@ -176,14 +150,6 @@ def placed(live: Live, model: str) -> list[dict[str, Any]]:
 def scale(live: Live, model: str) -> dict[str, Any]:
     [m] = [m for m in live.cluster.ctl("models") if m["model"] == model]
     return m["scale"]
-
-
-def streamed_whole(body: bytes, tokens: int) -> bool:
-    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
-    if not events or events[-1] != "[DONE]":
-        return False
-    pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1] if json.loads(e)["choices"]]
-    return sum(1 for p in pieces if p) == tokens
 
 
 def test_requests_for_a_model_with_no_replica_are_held_and_answered_by_the_one_replica_started(live: Live) -> None:

@@ -17,9 +17,9 @@ import http.client
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import attrs
 import pytest
 
 from testlib import standin_vllm
+from testlib.calls import metrics_text, post, streamed_whole, together
 from testlib.cluster import OPERATORS_LLAMACPP, Cluster, wait_until
 from testlib.hardware import nvidia_smi
 
@@ -103,46 +104,7 @@ memory_gb = 4.0
 
 def chat(live: Live, *, stream: bool = False, max_tokens: int = 6) -> tuple[int, dict[str, str], bytes]:
     body = {"model": "coder", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    body["stream"] = stream
-    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=90)
-    try:
-        conn.request(
-            "POST",
-            "/v1/chat/completions",
-            body=json.dumps(body),
-            headers={"authorization": f"Bearer {live.token}", "content-type": "application/json"},
-        )
-        response = conn.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        conn.close()
-
-
-def together(live: Live, calls: list[dict[str, Any]]) -> list[tuple[int, dict[str, str], bytes]]:
-    out: list[Any] = [None] * len(calls)
-
-    def one(i: int) -> None:
-        try:
-            out[i] = chat(live, **calls[i])
-        except OSError as exc:
-            out[i] = (0, {}, str(exc).encode())
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert all(o is not None for o in out), "a request did not end within 120 s"
-    return out
-
-
-def get_metrics(live: Live) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    return post(live.port, live.token, {**body, "stream": stream})
 
 
 def replica(live: Live) -> dict[str, Any] | None:
@@ -154,14 +116,6 @@ def engine_events(live: Live, pid: int | None = None) -> list[str]:
     written by the engine itself, so each of its own is there)."""
     lines = [json.loads(line) for line in (live.events.read_text().splitlines() if live.events.exists() else [])]
     return [e["event"] for e in lines if e["event"] != "request" and (pid is None or e["pid"] == pid)]
-
-
-def streamed_whole(body: bytes, tokens: int) -> bool:
-    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
-    if not events or events[-1] != "[DONE]":
-        return False
-    pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1] if json.loads(e)["choices"]]
-    return sum(1 for p in pieces if p) == tokens
 
 
 def test_an_idle_vllm_replica_is_parked_and_woken_by_the_next_requests_with_the_same_engine(live: Live) -> None:
@@ -186,9 +140,9 @@ def test_an_idle_vllm_replica_is_parked_and_woken_by_the_next_requests_with_the_
 
     # The next requests, streamed and not, wake it: the same replica, the same engine.
     started = time.monotonic()
-    answers = together(live, [{"stream": i % 2 == 0, "max_tokens": 6} for i in range(4)])
+    answers = together(partial(chat, live), [{"stream": i % 2 == 0, "max_tokens": 6} for i in range(4)])
     took = time.monotonic() - started
-    for i, (status, _, body) in enumerate(answers):
+    for i, (status, _, body, _) in enumerate(answers):
         assert status == 200, body
         assert streamed_whole(body, 6) if i % 2 == 0 else json.loads(body)["choices"][0]["message"]["content"]
     woken = replica(live)
@@ -200,7 +154,7 @@ def test_an_idle_vllm_replica_is_parked_and_woken_by_the_next_requests_with_the_
     assert took < 10, took
     decisions = [(d["kind"], d["reason"]) for d in live.cluster.server.events("autoscale_decision")]
     assert decisions[-1][0] == "start" and decisions[-1][1].startswith("woken on demand (parked): ")
-    metrics = get_metrics(live)
+    metrics = metrics_text(live.port)
     assert 'llmgw_autoscale_parks_total{model="coder",action="park"} 1' in metrics
     assert 'llmgw_autoscale_parks_total{model="coder",action="wake"} 1' in metrics
 

@@ -13,7 +13,6 @@ through the gateway. Everything through what an operator and a client use.
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -27,6 +26,7 @@ import pytest
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.page import page_url
 from testlib.browser import Chromium, chromium, no_console_errors, open_tab  # noqa: F401 - chromium: a fixture
+from testlib.calls import post
 from testlib.cluster import Cluster, wait_until
 
 MODEL = """
@@ -94,18 +94,8 @@ def stream(live: Live) -> tuple[int, bytes]:
         "stream": True,
         "ignore_eos": True,  # every one of max_tokens: a stream cut short is told from one that ended
     }
-    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
-    try:
-        conn.request(
-            "POST",
-            "/v1/chat/completions",
-            body=json.dumps(body),
-            headers={"authorization": f"Bearer {live.token}", "content-type": "application/json"},
-        )
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+    status, _, answer = post(live.port, live.token, body, timeout=60)
+    return status, answer
 
 
 def whole(body: bytes) -> bool:
