@@ -2,7 +2,8 @@
 meets its targets, in a short form: three faults on loopback nodes with fast heartbeats, then the
 high-availability run's two. The published figures come from the full run
 (docs/reliability.md); this only keeps the benchmark from rotting. Its parts (chaos_cluster.py,
-chaos_load.py, chaos_ha.py) are modules of chaos.py, run by these two runs."""
+chaos_load.py, chaos_ha.py) are modules of chaos.py, run by these two runs; the load's reading of
+a stream (`chaos_load.StreamReader`) is also checked alone, on bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 
 import pytest
 from bench import chaos
+from bench.chaos_load import Load, StreamReader, differs, expected_text, percentile
 
 from testlib.benchjson import NONE, NUMBER, MapOf, Maybe, assert_shape
 
@@ -23,6 +25,15 @@ LOAD = {
     "failed_streams": int,
     "streams_failures": Maybe([str]),
     "streams_slowest_s": (int, float, NONE),
+    "migrated_streams": int,
+    "streams_wrong_text": int,
+    "wrong_text_examples": Maybe([str]),
+    "migration_stall_p99_s": (int, float, NONE),
+    "migration_stall_max_s": (int, float, NONE),
+    "unmoved_stall_p99_s": (int, float, NONE),
+    "unmoved_stall_max_s": (int, float, NONE),
+    "load_cpu_share": (int, float, NONE),
+    "load_lag_max_s": (int, float, NONE),
 }
 FAULT = {**LOAD, "recovery_s": (int, float, NONE), "engine_restarts": int}
 SETTINGS = {
@@ -31,7 +42,9 @@ SETTINGS = {
     "replicas": int,
     "rate_per_s": NUMBER,
     "streams": int,
+    "stream_tokens": int,
     "output_token_ms": int,
+    "http_max_connections": int,
     "heartbeat_interval_s": NUMBER,
     "heartbeat_ttl_s": NUMBER,
     "machine": str,
@@ -45,9 +58,12 @@ SHAPE = {
     },
     "unexpected_process_exits": [str],
     "targets_met": {
-        "engine_kill_no_failed_requests": bool,
-        "agent_kill_no_failed_requests": bool,
-        "restart_no_failed_requests": bool,
+        **{
+            f"{f}_{what}": bool
+            for f in ("engine_kill", "agent_kill", "restart")
+            for what in ("no_failed_requests", "no_failed_streams", "no_wrong_text")
+        },
+        "engine_kill_migration_stall_p99_within_1_5s": bool,
         "agent_kill_adopted_engines": bool,
         "agent_kill_nothing_moved": bool,
         "no_process_exits": bool,
@@ -56,7 +72,7 @@ SHAPE = {
 HA_FAULTS = ("leader_kill", "store_away")
 HA_SHAPE = {
     "settings": {
-        **{k: v for k, v in SETTINGS.items() if k != "network_namespaces"},
+        **{k: v for k, v in SETTINGS.items() if k not in ("network_namespaces", "http_max_connections")},
         "store": str,
         "control_planes": int,
         "gateways": str,
@@ -104,9 +120,40 @@ HA_SHAPE = {
 }
 
 
+def test_a_stream_as_its_client_reads_it() -> None:
+    """Events torn anywhere, the opening role-only delta, a migration's comment line, the gap
+    between two tokens as they arrived, [DONE]; an error event; the expected text's check."""
+    reader = StreamReader()
+    reader.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\ndata: {"choices":[{"del', 1.0)
+    reader.feed(b'ta":{"content":"one"}}]}\n', 1.1)
+    reader.feed(b'\ndata: {"choices":[{"delta":{"content":" two"}}]}\n\n', 1.2)
+    reader.feed(b'data: {"choices":[{"delta":{"content":" three"}}]}\n\n: llmgw migrated 1\n\ndata: [DONE]\n\n', 2.0)
+    assert (reader.text, reader.moved, reader.done, reader.error) == ("one two three", 1, True, "")
+    assert reader.gap_s == pytest.approx(0.8)  # " two" came at 1.2 (with its first half at 1.0), " three" at 2.0
+    completion = StreamReader()
+    completion.feed(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"error":{"message":"cut"}}\n\n', 5.0)
+    assert (completion.text, completion.gap_s, completion.done, completion.error) == (
+        "a",
+        None,
+        False,
+        "error event: cut",
+    )
+
+    load = Load("127.0.0.1", 1, "key", model="chat", rate=1, streams=2, stream_tokens=12)
+    chat_path, chat = load.stream_body(0, 7)
+    text_path, text = load.stream_body(1, 7)
+    assert (chat_path, text_path) == ("/v1/chat/completions", "/v1/completions")
+    want = expected_text("chat", chat_path, chat)
+    assert len(want.split()) == 12 and want != expected_text("chat", text_path, text)
+    assert differs(want, want) == ""
+    assert "first different at word 3" in differs(" ".join(want.split()[:3]), want)
+    assert percentile([0.1] * 98 + [1.0, 2.0], 99) == 1.0
+
+
 def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFixture[str]) -> None:
     code = chaos.main(
-        ["--faults", "engine_kill,agent_kill,restart", "--no-netns", "--rate", "10", "--streams", "2"]
+        ["--faults", "engine_kill,agent_kill,restart", "--no-netns", "--rate", "10"]
+        + ["--streams", "4", "--stream-tokens", "100"]  # 1 s each: the killed engine is in the middle of some
         + ["--heartbeat-interval-s", "1", "--heartbeat-ttl-s", "20"]  # well above an agent restart under load
     )
     result = json.loads(capsys.readouterr().out)
@@ -115,6 +162,9 @@ def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFi
     assert_shape(result, SHAPE)
     for name, fault in result["faults"].items():
         assert fault["requests"] > 0 and fault["failed_requests"] == 0, (name, fault)
+        assert fault["failed_streams"] == 0 and fault["streams_wrong_text"] == 0, (name, fault)
+    kill = result["faults"]["engine_kill"]
+    assert kill["migrated_streams"] >= 1 and kill["migration_stall_max_s"] is not None, kill  # continued elsewhere
     assert result["faults"]["agent_kill"]["engine_restarts"] == 0  # adopted, not started again
     assert result["unexpected_process_exits"] == []
     assert code == 0 and all(result["targets_met"].values()), result["targets_met"]

@@ -8,7 +8,9 @@ process owns (as a systemd .socket unit would), three nodes each running `llmgw 
 engines, the server's default heartbeats (every 5 s, lost after 30 s) unless told otherwise.
 The catalog has one model, `chat`, with two replicas, so one node is spare. Through the
 gateway runs a steady load (`tools/bench/chaos_load.py`): 50 non-streamed requests a second
-and 20 streams in flight. Then, one at a time, each fault waiting for full capacity first:
+and 20 streams in flight (`--streams`), each of `--stream-tokens` tokens, its text checked word
+for word against the sim engine's deterministic answer. Then, one at a time, each fault waiting
+for full capacity first:
 
 - engine_kill      SIGKILL one replica's engine
 - agent_kill       SIGKILL one node's agent alone, start it again a second later (as systemd
@@ -33,7 +35,11 @@ its faults (`tools/bench/chaos_ha.py`): `leader_kill` (SIGKILL the leading contr
 `store_away` (PostgreSQL stopped 30 s; only a cluster the bench started).
 
 For each: the requests and streams started from the fault until capacity was full again (and a
-few seconds after), how many failed and why, `recovery_s` (fault to full capacity: both
+few seconds after), how many failed and why; of the streams, how many moved to another replica
+(`migrated_streams`: the gateway continued them, docs/gateway.md), how many ended with a text
+other than the engine's answer (`streams_wrong_text`), and the longest gap between two tokens a
+client saw (`migration_stall_p99_s`/`_max_s` of the moved ones, `unmoved_stall_*` of the others);
+the load's own CPU share and loop lag; `recovery_s` (fault to full capacity: both
 replicas in the gateway's rotation), `engine_restarts` (engine processes started meanwhile: restarts and replacements), and
 whether any llmgw process exited that the fault did not kill. Prints one JSON object; bounded
 in time (every wait has a deadline) and loopback/namespaces only. About 5 minutes.
@@ -57,6 +63,8 @@ from bench import chaos_ha
 from bench.chaos_cluster import ChaosCluster, poll
 from bench.chaos_load import Load
 
+from llmgw.simengine.text import MAX_WORDS
+
 MODEL = "chat"
 REPLICAS = 2
 NODES = ("node-a", "node-b", "node-c")
@@ -74,12 +82,16 @@ FAULTS = (
 SETTLE_S = 3.0  # load measured this long after capacity is full again
 FULL_TIMEOUT_S = 180.0
 ZERO_FAILURE_FAULTS = FAULTS
+# Faults that cut streams mid-answer (a replica's engine dies with them): each moved stream's
+# longest gap between two tokens, at the 99th percentile, within this (issue 47).
+CUTTING_FAULTS = ("engine_kill", "node_kill")
+MIGRATION_STALL_P99_S = 1.5
 
 
-def catalog(output_token_ms: int) -> str:
+def catalog(output_token_ms: int, http_cap: int = attacks.HTTP_CAP) -> str:
     # Sim models only: no node is asked for llama.cpp (the default would have each build it).
     return (
-        f"[http]\nmax_connections = {attacks.HTTP_CAP}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
+        f"[http]\nmax_connections = {http_cap}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
         "[engines.llamacpp]\nenabled = false\n\n"
         f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
         f'args = ["--output-token-ms", "{output_token_ms}"]\n'
@@ -87,8 +99,8 @@ def catalog(output_token_ms: int) -> str:
 
 
 class Bench:
-    def __init__(self, cluster: ChaosCluster, load: Load, ttl_s: float) -> None:
-        self.cluster, self.load, self.ttl_s = cluster, load, ttl_s
+    def __init__(self, cluster: ChaosCluster, load: Load, ttl_s: float, http_cap: int = attacks.HTTP_CAP) -> None:
+        self.cluster, self.load, self.ttl_s, self.http_cap = cluster, load, ttl_s, http_cap
         self.results: dict[str, dict] = {}
         self.unexpected_exits: list[str] = []
         self._killed: set[int] = set()
@@ -151,8 +163,10 @@ class Bench:
             info.update(await trio.to_thread.run_sync(lambda: after(info)) or {})
         await trio.sleep(SETTLE_S)
         seen.update(await trio.to_thread.run_sync(self.cluster.engine_pids))
+        ended = trio.current_time()
+        await self.load.settle(ended)  # the streams still going: counted once they end
         result = {
-            **self.load.between(started, trio.current_time()),
+            **self.load.between(started, ended),
             "recovery_s": round(recovery_s, 2) if recovery_s is not None else None,
             "engine_restarts": len(seen - before),
         }
@@ -253,7 +267,7 @@ class Bench:
     def connection_flood(self) -> dict:
         spare = sorted(set(NODES) - {r["nodes"][0] for r in self.placed()})[0]
         self._killed.add(self.cluster.agents[spare].popen.pid)  # restarted by the flood: not an unexpected exit
-        return attacks.connection_flood(self.cluster, spare, rejoin_timeout_s=FULL_TIMEOUT_S)
+        return attacks.connection_flood(self.cluster, spare, rejoin_timeout_s=FULL_TIMEOUT_S, cap=self.http_cap)
 
     def alive(self, info: dict) -> bool:
         return self.cluster.server.returncode is None and self.full()
@@ -288,6 +302,12 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
     for name in ZERO_FAILURE_FAULTS:
         if name in results and "requests" in results[name]:
             met[f"{name}_no_failed_requests"] = results[name]["failed_requests"] == 0
+            met[f"{name}_no_failed_streams"] = results[name]["failed_streams"] == 0
+            met[f"{name}_no_wrong_text"] = results[name]["streams_wrong_text"] == 0
+    for name in CUTTING_FAULTS:
+        r = results.get(name)
+        if r and r.get("migration_stall_p99_s") is not None:
+            met[f"{name}_migration_stall_p99_within_1_5s"] = r["migration_stall_p99_s"] <= MIGRATION_STALL_P99_S
     for name in ("node_kill", "node_partition"):
         r = results.get(name)
         if r and r.get("recovery_s") is not None:
@@ -322,12 +342,13 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
     if not netns:
         faults = tuple(f for f in faults if f != "node_partition")
     interval = args.heartbeat_interval_s
+    http_cap = attacks.http_cap(args.streams)
     cluster = await trio.to_thread.run_sync(
         lambda: ChaosCluster(
             root,
             nodes=NODES,
             netns=netns,
-            catalog=catalog(args.output_token_ms),
+            catalog=catalog(args.output_token_ms, http_cap),
             heartbeat_interval_s=interval,
             heartbeat_ttl_s=args.heartbeat_ttl_s,
         )
@@ -337,12 +358,23 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
         for node in NODES:
             cluster.start_agent(node)
         token = await trio.to_thread.run_sync(lambda: cluster.token("chaos"))
-        load = Load("127.0.0.1", cluster.http_port, token, model=MODEL, rate=args.rate, streams=args.streams)
-        bench = Bench(cluster, load, args.heartbeat_ttl_s)
+        load = Load(
+            "127.0.0.1",
+            cluster.http_port,
+            token,
+            model=MODEL,
+            rate=args.rate,
+            streams=args.streams,
+            stream_tokens=args.stream_tokens,
+            spread_s=args.stream_tokens * args.output_token_ms / 1000,
+        )
+        bench = Bench(cluster, load, args.heartbeat_ttl_s, http_cap)
         async with trio.open_nursery() as nursery:
             if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, FULL_TIMEOUT_S)):
                 raise SystemExit("chaos: the cluster did not reach full capacity; see the logs under " + str(root))
             await nursery.start(load.run)
+            with trio.move_on_after(FULL_TIMEOUT_S):
+                await load.steady.wait()  # each stream slot has run one: the streams no longer run in step
             await bench.run(faults)
             nursery.cancel_scope.cancel()
         bench.watch_exits()
@@ -353,7 +385,9 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
                 "replicas": REPLICAS,
                 "rate_per_s": args.rate,
                 "streams": args.streams,
+                "stream_tokens": args.stream_tokens,
                 "output_token_ms": args.output_token_ms,
+                "http_max_connections": http_cap,
                 "heartbeat_interval_s": interval,
                 "heartbeat_ttl_s": args.heartbeat_ttl_s,
                 "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
@@ -378,6 +412,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--rate", type=float, default=50.0, help="non-streamed requests a second (default 50)")
     parser.add_argument("--streams", type=int, default=20, help="streams in flight (default 20)")
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=60,
+        help="tokens of each stream, exactly (ignore_eos): it lasts this many times --output-token-ms (default 60)",
+    )
     parser.add_argument("--output-token-ms", type=int, default=10, help="the sim engine's time per token (default 10)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=5.0, help="server.toml's (default 5)")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=30.0, help="server.toml's (default 30)")
@@ -399,6 +439,10 @@ def main(argv: list[str]) -> int:
     ha.add_argument("--lease-ttl-s", type=float, default=5.0, help="[store] lease_ttl_s (default 5, the product's)")
     ha.add_argument("--lease-renew-s", type=float, default=1.0, help="[store] lease_renew_s (default 1)")
     args = parser.parse_args(argv)
+    if not 1 <= args.stream_tokens <= MAX_WORDS:
+        # The sim continues a completions prompt that ends with at most MAX_WORDS words of its own
+        # answer (simengine.continuation): a longer stream, moved, would not be continued exactly.
+        parser.error(f"--stream-tokens {args.stream_tokens}: give 1 to {MAX_WORDS} (the sim's longest continuation)")
     if args.store is not None and args.store != "postgresql" and not args.store.startswith("postgresql://"):
         parser.error(f"--store {args.store!r}: give 'postgresql' or a postgresql:// url")
     root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-"))

@@ -17,11 +17,17 @@ from testlib import bodies, hostile
 
 BODY_SIZE = 8 << 20  # the adversarial bodies', at the default body limit
 # The listeners' caps the bench gives the server (`chaos.catalog`): low enough for the connection
-# flood to pass threefold (the load itself holds a few dozen).
+# flood to pass threefold (the load itself holds a few dozen), raised for a load of many streams
+# (`http_cap`: each holds a connection, and a load past the cap would be turned away).
 HTTP_CAP = 256
 AGENT_CAP = 64
 AGENT_UNPROVEN = 8  # the agent port's unproven budget: an eighth of AGENT_CAP
 FLOOD_HOLD_S = 10.0
+
+
+def http_cap(streams: int) -> int:
+    """The HTTP listener's cap for a load of `streams` streams: HTTP_CAP, or twice the streams."""
+    return max(HTTP_CAP, 2 * streams)
 
 
 def hostile_clients(cluster: ChaosCluster, model: str) -> dict:
@@ -108,12 +114,12 @@ def adversarial_bodies(cluster: ChaosCluster, token: str, model: str) -> dict:
     return {"bodies": statuses, "health_slowest_s": round(slowest[0], 3), "_lasting": True}
 
 
-def connection_flood(cluster: ChaosCluster, spare: str, *, rejoin_timeout_s: float) -> dict:
-    """Three times the HTTP listener's cap of idle connections and three times the agent port's
+def connection_flood(cluster: ChaosCluster, spare: str, *, rejoin_timeout_s: float, cap: int = HTTP_CAP) -> dict:
+    """Three times the HTTP listener's cap (`cap`) of idle connections and three times the agent port's
     unproven budget of bare ones, held FLOOD_HOLD_S, while the agent of `spare` (a node with no
     replica) is restarted: a fresh /health must be answered and the agent must rejoin."""
     port, agent_port = cluster.http_port, cluster.agent_port
-    held = hostile.idle("127.0.0.1", port, 3 * HTTP_CAP) + hostile.idle("127.0.0.1", agent_port, 3 * AGENT_UNPROVEN)
+    held = hostile.idle("127.0.0.1", port, 3 * cap) + hostile.idle("127.0.0.1", agent_port, 3 * AGENT_UNPROVEN)
     try:
         started = time.monotonic()
         sock = hostile.connect("127.0.0.1", port, timeout=30)

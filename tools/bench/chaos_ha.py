@@ -276,7 +276,15 @@ async def main_async(args, root: Path) -> dict:
             pki = await trio.to_thread.run_sync(lambda: gatewayd.issue_certificate(planes.cluster, "gw"))
             gw = gatewayd.start(planes.cluster, "gw", pki, server=planes.agent_urls)
             token = await trio.to_thread.run_sync(lambda: planes.ctl(planes[0], "keys", "create", "chaos")["token"])
-            load = Load("127.0.0.1", gw.port, token, model=MODEL, rate=args.rate, streams=args.streams)
+            load = Load(
+                "127.0.0.1",
+                gw.port,
+                token,
+                model=MODEL,
+                rate=args.rate,
+                streams=args.streams,
+                stream_tokens=args.stream_tokens,
+            )
             bench = HABench(planes, gw, load, pg)
             async with trio.open_nursery() as nursery:
                 if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, FULL_TIMEOUT_S)):
@@ -296,6 +304,7 @@ async def main_async(args, root: Path) -> dict:
             "replicas": REPLICAS,
             "rate_per_s": args.rate,
             "streams": args.streams,
+            "stream_tokens": args.stream_tokens,
             "output_token_ms": args.output_token_ms,
             "lease_ttl_s": args.lease_ttl_s,
             "lease_renew_s": args.lease_renew_s,
