@@ -390,8 +390,7 @@ class Gateway:
             raise counted(self.metrics, "-", exc) from None
 
     async def _attempts(self, request: Request, job: Job, prompt: Prompt | None) -> Response | StreamingResponse:
-        info = self.details.get(job.model)
-        timeout_s = info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
+        timeout_s = self._queue_timeout_s(job.model)
         deadline = job.started + timeout_s
         tried: set[str] = set()
         last = last_reason = ""
@@ -429,19 +428,25 @@ class Gateway:
                         return await self._relay(upstream, job, request)
                     except UpstreamBroken as exc:  # a body read whole: none of it went to the client
                         last, last_reason = str(exc), "broken"
-            log.warning(
-                "gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=last, request_id=job.rid
-            )
-            self.router.release(ep, job.prefill)
-            job.endpoint = None
-            self.replica_failed(ep, last_reason, client_saw_bytes=False)  # a retry, by the rule
-            tried.add(ep.replica_id)
-            self.wake(job.model)
+            self._attempt_failed(job, ep, last, last_reason, tried)
         raise counted(
             self.metrics,
             job.model,
             unavailable(f"{self.options.max_attempts} replicas failed; the last: {last}", "overloaded"),
         )
+
+    def _queue_timeout_s(self, model: str) -> float:
+        """How long a request of `model` may wait for a replica: its own, else the gateway's."""
+        info = self.details.get(model)
+        return info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
+
+    def _attempt_failed(self, job: Job, ep: Endpoint, why: str, reason: str, tried: set[str]) -> None:
+        """An attempt on `ep` failed with nothing of it sent to the client: the job leaves it, it
+        leaves rotation (a retry, by the rule) and is not tried again for this request."""
+        log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=why, request_id=job.rid)
+        job.leave_replica()
+        self.replica_failed(ep, reason, client_saw_bytes=False)
+        tried.add(ep.replica_id)
 
     async def _wait_for_endpoint(
         self, model: str, tried: set[str], prompt: Prompt | None, deadline: float
@@ -523,7 +528,7 @@ class Gateway:
             and upstream.status == 200
             and sse
             and info is not None
-            and resume_route(request.path)
+            and request.path in ROUTES
         ):
             resume = Continuer(self, request, info.engine)
         return StreamingResponse(status=upstream.status, body=stream(upstream, job, resume), headers=headers)
@@ -559,8 +564,7 @@ class Gateway:
         if why:
             message = f"the replica answering failed mid-answer, and this answer cannot be continued exactly: {why}"
             return self._migrated(job, "not_exact", error_event(message, "replica_failed"))
-        info = self.details.get(model)
-        timeout_s = info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
+        timeout_s = self._queue_timeout_s(model)
         deadline = self.clock() + timeout_s
         tried: set[str] = set()
         last = ""
@@ -595,10 +599,7 @@ class Gateway:
                     return upstream, Rewrite(route, sent, migration)
                 await upstream.aclose()
                 last = f"{ep.replica_id} answered {upstream.status}"
-            log.warning("gateway_upstream_failed", replica=ep.replica_id, model=model, reason=last, request_id=job.rid)
-            job.leave_replica()
-            self.replica_failed(ep, "connect", client_saw_bytes=False)
-            tried.add(ep.replica_id)
+            self._attempt_failed(job, ep, last, "connect", tried)
         message = f"the replica answering failed mid-answer, and no other could continue it: {last}"
         return self._migrated(job, "failed", error_event(message, "replica_failed"))
 
@@ -611,10 +612,6 @@ class Gateway:
     def render_metrics(self) -> str:
         self.metrics.mirror(self.router, self.queued, self.in_flight)
         return self.metrics.render()
-
-
-def resume_route(path: str) -> bool:
-    return path in ROUTES
 
 
 @attrs.define

@@ -71,7 +71,8 @@ class Job:
         self.prefill = 0
 
     def leave_replica(self) -> None:
-        """Its replica failed mid-answer: it no longer counts there (a continuation takes another)."""
+        """It no longer counts on its replica (it ended, or the replica failed and another is
+        tried), and what waits for one of its model is woken."""
         if self.endpoint is not None:
             self.gw.router.release(self.endpoint, self.prefill)
             self.prefill = 0
@@ -96,10 +97,7 @@ class Job:
         if not gw.in_flight_total:
             gw.finished.fire()
         gw.keys.leave(self.key)
-        if self.endpoint is not None:
-            gw.router.release(self.endpoint, self.prefill)
-            self.prefill = 0
-            gw.wake(self.model)
+        self.leave_replica()
         if status is not None:
             gw.metrics.answered(self.model, status)
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
