@@ -101,3 +101,29 @@ async def test_no_room_elsewhere_stops_the_drain_and_force_proceeds(
     await forced.finished.wait()
     assert forced.done and forced.error is None
     assert original not in plane.replicas.placed
+
+
+async def test_a_replica_moved_by_a_move_before_the_drain_is_not_counted_as_the_drains(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The spreader (or a rollout) holds the moves' lock when the drain is asked for and takes the
+    # node's replica elsewhere: the drain then finds nothing to move, and says so (0 of 0), not
+    # "1 of 2 moved" for a node that is empty.
+    plane = await plane_with(tmp_path, nursery, ["a", "b", "c"], replicas=2)
+    [on_a] = [k for k, v in plane.replicas.placed.items() if "a" in v.placement.nodes]
+    async with plane.moves.lock:
+        progress = await plane.operations.start_drain("a", force=False)
+        assert progress.total == 1
+        replacement, _ = plane.replicas.place_replacement(on_a, plane.registry.clock.now())
+        assert replacement is not None and "a" not in replacement.placement.nodes
+        async with trio.open_nursery() as moving:
+            moving.start_soon(plane.moves.replace, on_a, replacement)
+            await await_true(
+                lambda: plane.replicas.surge, "the replacement", changed=plane.replicas.saver.to_write.next
+            )
+            [new] = sorted(plane.replicas.surge)
+            ready(plane, new)
+    await progress.finished.wait()
+    assert progress.done and progress.error is None
+    assert (progress.moved, progress.total) == (0, 0)
+    assert not any("a" in v.placement.nodes for v in plane.replicas.placed.values())

@@ -64,9 +64,9 @@ class DrainProgress:
 
 @attrs.frozen(kw_only=True)
 class DrainRequest:
-    """What `start` sends the drains service: the node's replicas when the drain was asked for."""
+    """What `start` sends the drains service (the replicas to move are those on the node once the
+    drain holds the moves' lock)."""
 
-    replicas: tuple[str, ...]
     force: bool
     progress: DrainProgress
 
@@ -109,11 +109,14 @@ class Drains(Mapping[str, DrainProgress]):
         if current is not None and current.running:
             return current
         await self.intent.start_draining(node)
-        todo = tuple(sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes))
+        todo = self._on_node(node_id)
         progress = self._progress[node_id] = DrainProgress(node=node_id, total=len(todo))
         log.info("drain_started", node=node_id, replicas=list(todo), force=force)
-        await self._send.send(DrainRequest(replicas=todo, force=force, progress=progress))
+        await self._send.send(DrainRequest(force=force, progress=progress))
         return progress
+
+    def _on_node(self, node_id: str) -> tuple[str, ...]:
+        return tuple(sorted(k for k, v in self.replicas.placed.items() if node_id in v.placement.nodes))
 
     # -- running them -----------------------------------------------------------------------
 
@@ -145,10 +148,17 @@ class Drains(Mapping[str, DrainProgress]):
     async def _drain(self, request: DrainRequest) -> None:
         progress = request.progress
         node_id = progress.node
-        for rid in request.replicas:
+        # What is on the node now that this drain holds the moves' lock: a move that held it
+        # before (the spreader's, the autoscaler's) may have taken one of the replicas asked for.
+        todo = self._on_node(node_id)
+        progress.total = len(todo)
+        for rid in todo:
             progress.current = rid
             if rid not in self.replicas.placed:
-                continue  # gone meanwhile (lost, failed, catalog change)
+                # Gone meanwhile (lost, failed, a catalog change): off the node, nothing to move.
+                progress.total -= 1
+                log.info("drain_replica_gone", node=node_id, replica=rid)
+                continue
             replacement, reason = self.replicas.place_replacement(rid, self.registry.clock.now())
             if replacement is None and not request.force:
                 progress.stop(
