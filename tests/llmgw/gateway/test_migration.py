@@ -41,11 +41,21 @@ WORDS = [("" if i == 0 else " ") + w for i, w in enumerate("the quick brown fox 
 class Scripted:
     """An engine answering WORDS from where the request says it is (its final assistant message,
     or the prompt's tail past "Q:"), one SSE event a word, `token_s` apart; `die_after` words and
-    it is gone (its connections cut), `stall_after` words and it goes silent."""
+    it is gone (its connections cut), `stall_after` words and it goes silent; `refuse` (a status and
+    a body) is its answer to a continuation."""
 
-    def __init__(self, net: memnet.MemoryNet, name: str, host: str, *, die_after: int = 0, stall_after: int = 0):
+    def __init__(
+        self,
+        net: memnet.MemoryNet,
+        name: str,
+        host: str,
+        *,
+        die_after: int = 0,
+        stall_after: int = 0,
+        refuse: tuple[int, dict[str, Any]] | None = None,
+    ):
         self.net, self.name, self.host = net, name, host
-        self.die_after, self.stall_after = die_after, stall_after
+        self.die_after, self.stall_after, self.refuse = die_after, stall_after, refuse
         self.bodies: list[dict[str, Any]] = []
         net.serve((host, 8000), self.handle)
 
@@ -61,6 +71,11 @@ class Scripted:
             start = len(last["content"].split()) if last["role"] == "assistant" else 0
         else:
             start = len(body["prompt"].split("Q:", 1)[1].split()) if "Q:" in body["prompt"] else 0
+        if start and self.refuse is not None:
+            status, error = self.refuse
+            return Response(
+                status=status, body=json.dumps(error).encode(), headers=(("content-type", "application/json"),)
+            )
         limit = body.get("max_tokens", 100)
         words = WORDS[start : start + limit]
         finish = "stop" if start + len(words) == len(WORDS) else "length"
@@ -221,6 +236,60 @@ async def test_completions_continue_with_the_prompt_plus_the_text_so_far(
     assert status == 200 and done and comments == [": llmgw migrated 1"]
     assert text_of(events, chat=False) == "".join(WORDS[:8])
     assert b.bodies[-1]["prompt"] == "Q:" + "".join(WORDS[:4]) and b.bodies[-1]["max_tokens"] == 4
+
+
+async def test_a_continuation_the_engine_refuses_ends_with_its_error_and_the_replica_stays(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # llama-server's answer when the prompt and the answer so far pass its context: the replica is
+    # well (another would say the same), so the stream ends with that error, and b stays in rotation.
+    net = memnet.MemoryNet(nursery)
+    a = Scripted(net, "m-0", "10.0.0.1", die_after=4)
+    too_long = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size",
+            "type": "exceed_context_size_error",
+        }
+    }
+    b = Scripted(net, "m-1", "10.0.0.2", refuse=(400, too_long))
+    info = ModelInfo(name="m", engine="llamacpp", routes=(CHAT, COMPLETIONS))
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,))
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    events, _, done = parse(body)
+    assert status == 200 and not done and text_of(events[:-1]) == "".join(WORDS[:4])
+    error = events[-1]["error"]
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert (
+        "m-1 refused to continue it (400)" in error["message"] and "exceeds the available context" in error["message"]
+    )
+    assert len(b.bodies) == 1  # asked once, not again
+    router = gw.gateway.router
+    assert [ep.replica_id for ep in router.in_rotation("m")] == ["m-1"]
+    assert "m-1" not in router.down and router.outstanding.get("m-1", 0) == 0  # the stream let go of it
+    metrics = gw.gateway.render_metrics()
+    assert 'llmgw_gateway_migrations_total{model="m",outcome="refused"} 1' in metrics
+
+
+async def test_a_continuation_answered_503_leaves_rotation_counted_as_503(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+    a = Scripted(net, "m-0", "10.0.0.1", die_after=4)
+    busy = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    b = Scripted(net, "m-1", "10.0.0.2", refuse=(503, busy))
+    info = ModelInfo(name="m", engine="llamacpp", routes=(CHAT, COMPLETIONS))
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), queue_timeout_s=1.0)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    events, _, done = parse(body)
+    assert status == 200 and not done
+    error = events[-1]["error"]
+    assert error["code"] == "replica_failed" and "no other could continue it: m-1 answered 503" in error["message"]
+    metrics = gw.gateway.render_metrics()
+    assert 'llmgw_gateway_replica_down_total{model="m",reason="503"} 1' in metrics
+    assert 'outcome="failed"} 1' in metrics
 
 
 async def _via_a_then_b(gw, a: Scripted, b: Scripted, info: ModelInfo, path: str, request: dict[str, Any]):

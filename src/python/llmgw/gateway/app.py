@@ -68,7 +68,7 @@ from llmgw.gateway.checks import (
     unavailable,
     unservable,
 )
-from llmgw.gateway.engineerrors import normalized
+from llmgw.gateway.engineerrors import MAX_REWRITTEN, normalized, openai_error
 from llmgw.gateway.errors import UpstreamBroken, UpstreamNoFirstByte, UpstreamTooLarge, UpstreamUnavailable
 from llmgw.gateway.fields import NO_PREFIX, PrefixModels, RequestFields, request_fields
 from llmgw.gateway.headers import REQUEST_ID, relayed_headers, request_id, upstream_headers
@@ -84,6 +84,7 @@ from llmgw.gateway.migrate import (
     Rewrite,
     continuation_payload,
     data_of,
+    encode,
     error_event,
     finish_event,
 )
@@ -584,7 +585,7 @@ class Gateway:
                     ep.host, ep.port, request.method, route, upstream_headers(request, ep, job.rid), payload
                 )
             except UpstreamUnavailable as exc:
-                last = str(exc)
+                last, reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
             else:
                 if upstream.status == 200:
                     log.info(
@@ -597,9 +598,15 @@ class Gateway:
                     )
                     self.metrics.migrations.inc(model=model, outcome="continued")
                     return upstream, Rewrite(route, sent, migration)
+                if upstream.status not in _RETRY_STATUSES:
+                    # The replica is well and refused the continuation itself (say 400: the prompt
+                    # and the answer so far past its context): another would too. It stays in
+                    # rotation, and the client gets its reason.
+                    job.leave_replica()
+                    return self._migrated(job, "refused", await _refusal_event(upstream, ep.replica_id))
                 await upstream.aclose()
-                last = f"{ep.replica_id} answered {upstream.status}"
-            self._attempt_failed(job, ep, last, "connect", tried)
+                last, reason = f"{ep.replica_id} answered {upstream.status}", str(upstream.status)
+            self._attempt_failed(job, ep, last, reason, tried)
         message = f"the replica answering failed mid-answer, and no other could continue it: {last}"
         return self._migrated(job, "failed", error_event(message, "replica_failed"))
 
@@ -612,6 +619,25 @@ class Gateway:
     def render_metrics(self) -> str:
         self.metrics.mirror(self.router, self.queued, self.in_flight)
         return self.metrics.render()
+
+
+async def _refusal_event(upstream: UpstreamResponse, replica_id: str) -> bytes:
+    """A stream's last event when `replica_id` refused its continuation with an error answer: the
+    engine's own error in OpenAI's shape (its code kept: `context_length_exceeded` where the
+    prompt and the answer so far do not fit), its message saying the replica before failed. The
+    answer is read bounded and closed."""
+    try:
+        body = await upstream.read(MAX_REWRITTEN)
+    except (UpstreamBroken, UpstreamTooLarge):
+        body = b""
+    finally:
+        await upstream.aclose()
+    prefix = f"the replica answering failed mid-answer, and {replica_id} refused to continue it ({upstream.status})"
+    error = openai_error(upstream.status, body)
+    if error is None:
+        return error_event(prefix, "replica_failed")
+    error["message"] = f"{prefix}: {error['message']}"
+    return encode({"error": error})
 
 
 @attrs.define

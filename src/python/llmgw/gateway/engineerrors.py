@@ -35,6 +35,17 @@ _CONTEXT_WORDS = re.compile(r"maximum context length|context length|context size
 def normalized(status: int, body: bytes) -> bytes | None:
     """`body`, an engine's answer with the error `status` (4xx/5xx), in OpenAI's shape; None to
     relay it unchanged (not an error object, too large to parse here, already in the shape)."""
+    out = openai_error(status, body)
+    if out is None:
+        return None
+    rewritten = json.dumps({"error": out}).encode()
+    return None if rewritten == body else rewritten
+
+
+def openai_error(status: int, body: bytes) -> dict[str, Any] | None:
+    """The error object of an engine's answer with the error `status`, in OpenAI's shape
+    (`message`, `type`, `param`, `code` and the engine's other fields); None if `body` is no such
+    error or is too large to parse here."""
     if status < 400 or len(body) > MAX_REWRITTEN or not inline(body):
         return None
     try:
@@ -57,8 +68,7 @@ def normalized(status: int, body: bytes) -> bytes | None:
         code = code if isinstance(code, str) else None
     out: dict[str, Any] = {k: v for k, v in error.items() if k not in ("object",)}
     out.update(message=message, type=kind, param=param, code=code)
-    rewritten = json.dumps({"error": out}).encode()
-    return None if rewritten == body else rewritten
+    return out
 
 
 def _error_object(doc: Any) -> dict[str, Any] | None:
