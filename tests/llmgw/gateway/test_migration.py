@@ -3,8 +3,9 @@ scripted engines in memory (testlib.memnet, on MockClock) that answer a fixed te
 SSE, the first of which dies after some words. The client must get one stream: every word once,
 in order, the first answer's `id` and `created`, usage counting the words before the failure as
 completion tokens, a comment saying it moved; and the continuation must be asked in the engine's
-way (llama.cpp and the sim: a final assistant message; vLLM and SGLang: continue_final_message;
-completions: the prompt plus the text so far), with the token limit less what was sent. Answers
+way (the sim: a final assistant message; llama.cpp, vLLM and SGLang: with continue_final_message,
+which llama-server needs not to stream the message back first; completions: the prompt plus the
+text so far), with the token limit less what was sent. Answers
 that cannot be continued exactly end with an error event; with max_migrations = 0 the stream is
 cut as before; a stream silent past stream_stall_s counts as failed."""
 
@@ -42,7 +43,9 @@ class Scripted:
     """An engine answering WORDS from where the request says it is (its final assistant message,
     or the prompt's tail past "Q:"), one SSE event a word, `token_s` apart; `die_after` words and
     it is gone (its connections cut), `stall_after` words and it goes silent; `refuse` (a status and
-    a body) is its answer to a continuation."""
+    a body) is its answer to a continuation. `echo_prefill`: as llama-server (b11434) does, a final
+    assistant message continued without `continue_final_message` (its assistant prefill) comes back
+    at the start of the answer, in its first content event with the first new word."""
 
     def __init__(
         self,
@@ -53,8 +56,10 @@ class Scripted:
         die_after: int = 0,
         stall_after: int = 0,
         refuse: tuple[int, dict[str, Any]] | None = None,
+        echo_prefill: bool = False,
     ):
         self.net, self.name, self.host = net, name, host
+        self.echo_prefill = echo_prefill
         self.die_after, self.stall_after, self.refuse = die_after, stall_after, refuse
         self.bodies: list[dict[str, Any]] = []
         net.serve((host, 8000), self.handle)
@@ -66,9 +71,12 @@ class Scripted:
         body = json.loads(await request.read())
         self.bodies.append(body)
         chat = request.path == CHAT
+        echo = ""
         if chat:
             last = body["messages"][-1]
             start = len(last["content"].split()) if last["role"] == "assistant" else 0
+            if start and self.echo_prefill and not body.get("continue_final_message"):
+                echo = last["content"]
         else:
             start = len(body["prompt"].split("Q:", 1)[1].split()) if "Q:" in body["prompt"] else 0
         if start and self.refuse is not None:
@@ -92,7 +100,8 @@ class Scripted:
                 if self.stall_after and i == self.stall_after:
                     await trio.sleep_forever()
                 await trio.sleep(0.01)
-                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, text=w)]})
+                text = echo + w if i == 0 else w
+                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, text=text)]})
             yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, finish=finish)]})
             if body.get("stream_options", {}).get("include_usage"):
                 usage = {
@@ -152,6 +161,7 @@ async def test_a_chat_stream_whose_replica_dies_continues_on_another_word_for_wo
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     net, a, b, gw, info = await setup(tmp_path, nursery, "llamacpp")
+    b.echo_prefill = True  # as llama-server does unless asked with continue_final_message
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100}
     request["stream_options"] = {"include_usage": True}
     status, headers, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
@@ -163,10 +173,12 @@ async def test_a_chat_stream_whose_replica_dies_continues_on_another_word_for_wo
     assert sum(1 for e in events if (e["choices"] and e["choices"][0]["delta"].get("role"))) == 1
     [usage] = [e["usage"] for e in events if e.get("usage")]
     assert usage == {"prompt_tokens": 5, "completion_tokens": len(WORDS), "total_tokens": 5 + len(WORDS)}
-    # llama.cpp's way: a final assistant message holding the four words sent, the limit less four.
+    # A final assistant message holding the four words sent, the limit less four; llama-server
+    # told it is a continuation (else it streams the four words back first: they came twice).
     cont = b.bodies[-1]
     assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
-    assert cont["max_tokens"] == 96 and "continue_final_message" not in cont
+    assert cont["max_tokens"] == 96
+    assert (cont["continue_final_message"], cont["add_generation_prompt"]) == (True, False)
     metrics = gw.gateway.render_metrics()
     assert 'llmgw_gateway_migrations_total{model="m",outcome="continued"} 1' in metrics
 

@@ -6,9 +6,12 @@ bounded (`MAX_KEPT_BYTES`). When the replica relaying it fails mid-answer (reset
 node lost, silent past the stall limit), the gateway (`llmgw.gateway.job`) asks another replica
 to continue it from what the client has (`Sent.of`, `continuation`), in each engine's way:
 
-- chat: the conversation plus an assistant message holding the answer so far, to be continued:
-  llama.cpp takes a final assistant message as the start of its answer (its prefill), vLLM and
-  SGLang with `continue_final_message: true` and `add_generation_prompt: false`; the sim as either.
+- chat: the conversation plus an assistant message holding the answer so far, to be continued,
+  with `continue_final_message: true` and `add_generation_prompt: false` (vLLM's and SGLang's
+  way; llama.cpp takes a final assistant message as the start of its answer, its prefill, either
+  way, but only the flag tells it the message is a continuation: without it llama-server b11434
+  streams the message's text back in its first event, and the client would get it twice); the
+  sim as either.
 - text completions: the prompt plus the text so far.
 - `max_tokens` / `max_completion_tokens` less what was generated (one token per event that
   carried text: llama.cpp, vLLM, SGLang and the sim send one each).
@@ -38,9 +41,8 @@ ROUTES = frozenset({CHAT, COMPLETIONS})
 # The events of one answer kept for a continuation: past this the answer is relayed on but cannot
 # be continued (a runaway answer does not hold memory without bound). About 10,000 tokens' events.
 MAX_KEPT_BYTES = 2 << 20
-_FLAG_ENGINES = frozenset(
-    {"vllm", "sglang"}
-)  # continue_final_message; llama.cpp and the sim: a final assistant message
+# Asked with continue_final_message; the sim: a final assistant message alone (it takes either).
+_FLAG_ENGINES = frozenset({"vllm", "sglang", "llamacpp"})
 _CONSTRAINED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema")
 
 
