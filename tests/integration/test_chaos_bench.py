@@ -1,5 +1,5 @@
 """The chaos benchmark (tools/bench/chaos.py) still runs, prints its JSON (every key of it) and
-meets its targets, in a short form: three faults on loopback nodes with fast heartbeats, then the
+meets its targets, in a short form: four faults on loopback nodes with fast heartbeats, then the
 high-availability run's two. The published figures come from the full run
 (docs/reliability.md); this only keeps the benchmark from rotting. Its parts (chaos_cluster.py,
 chaos_load.py, chaos_ha.py) are modules of chaos.py, run by these two runs; the load's reading of
@@ -54,15 +54,24 @@ SHAPE = {
     "faults": {
         "engine_kill": {**FAULT, "node": str, "replica": str},
         "agent_kill": {**FAULT, "node": str, "replicas_moved": bool},
+        "rolling_update": {
+            **FAULT,
+            "args": [str],
+            "replaced": int,
+            "rollout_s": (int, float, NONE),
+            "versions_before": [str],
+            "versions_after": [str],
+        },
         "restart": {**FAULT, "old_server_exit": (int, NONE)},
     },
     "unexpected_process_exits": [str],
     "targets_met": {
         **{
             f"{f}_{what}": bool
-            for f in ("engine_kill", "agent_kill", "restart")
+            for f in ("engine_kill", "agent_kill", "rolling_update", "restart")
             for what in ("no_failed_requests", "no_failed_streams", "no_wrong_text")
         },
+        "rolling_update_every_replica_replaced": bool,
         "engine_kill_migration_stall_p99_within_1_5s": bool,
         "agent_kill_adopted_engines": bool,
         "agent_kill_nothing_moved": bool,
@@ -152,7 +161,7 @@ def test_a_stream_as_its_client_reads_it() -> None:
 
 def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFixture[str]) -> None:
     code = chaos.main(
-        ["--faults", "engine_kill,agent_kill,restart", "--no-netns", "--rate", "10"]
+        ["--faults", "engine_kill,agent_kill,rolling_update,restart", "--no-netns", "--rate", "10"]
         + ["--streams", "4", "--stream-tokens", "100"]  # 1 s each: the killed engine is in the middle of some
         + ["--heartbeat-interval-s", "1", "--heartbeat-ttl-s", "20"]  # well above an agent restart under load
     )
@@ -166,6 +175,10 @@ def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFi
     kill = result["faults"]["engine_kill"]
     assert kill["migrated_streams"] >= 1 and kill["migration_stall_max_s"] is not None, kill  # continued elsewhere
     assert result["faults"]["agent_kill"]["engine_restarts"] == 0  # adopted, not started again
+    update = result["faults"]["rolling_update"]
+    assert update["replaced"] == 2 and update["engine_restarts"] == 2, update  # one new engine per replica
+    assert len(update["versions_after"]) == 1 and update["versions_after"] != update["versions_before"], update
+    assert update["rollout_s"] is not None and update["rollout_s"] > 0, update  # its rollout_done logged
     assert result["unexpected_process_exits"] == []
     assert code == 0 and all(result["targets_met"].values()), result["targets_met"]
 

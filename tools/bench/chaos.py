@@ -19,6 +19,19 @@ for full capacity first:
 - node_partition   cut a node's network link (root only); restore it once its replica runs
                    elsewhere: no duplicate may survive the rejoin
 - drain            `llmgw ctl drain` of a node with a replica, then uncordon
+- rolling_update   the model's args changed in server.toml and `llmgw ctl reload` (`chat` is a
+                   server.toml model; `ctl models update` changes those added from the Hub, by
+                   the same rollout): each replica replaced by one of the new version, ready
+                   before the old one drains; recovered when every replica runs the new version,
+                   ready and in the gateway's rotation, and the old engines are gone. The two
+                   arg lists it alternates between differ only by a sim flag at its default
+                   (`--prompt-token-ms 0`), so the answers, and the load's text check, stay the
+                   same and the fault can run again; `rollout_s` is `llmgw ctl reload` to the
+                   control plane's `rollout_done`
+- rolling_update_fails  args the sim refuses (it exits at start): recovered when the rollout
+                   has stopped with its reason in `llmgw ctl models` and the old engines still
+                   serve; then the args are put back (a reload), so the next fault starts at
+                   full capacity
 - restart          SIGTERM the control plane and start it again on the same sockets
 - hostile          hostile clients (FIN/RST at every offset, garbage, slowloris, JSON 100,000
                    deep, 1,000 idle connections) against the gateway and the agent port
@@ -42,7 +55,7 @@ client saw (`migration_stall_p99_s`/`_max_s` of the moved ones, `unmoved_stall_*
 the load's own CPU share and loop lag; `recovery_s` (fault to full capacity: both
 replicas in the gateway's rotation), `engine_restarts` (engine processes started meanwhile: restarts and replacements), and
 whether any llmgw process exited that the fault did not kill. Prints one JSON object; bounded
-in time (every wait has a deadline) and loopback/namespaces only. About 5 minutes.
+in time (every wait has a deadline) and loopback/namespaces only. About 7 minutes.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import trio
@@ -74,6 +88,8 @@ FAULTS = (
     "node_kill",
     "node_partition",
     "drain",
+    "rolling_update",
+    "rolling_update_fails",
     "restart",
     "hostile",
     "adversarial_bodies",
@@ -88,19 +104,43 @@ CUTTING_FAULTS = ("engine_kill", "node_kill")
 MIGRATION_STALL_P99_S = 1.5
 
 
-def catalog(output_token_ms: int, http_cap: int = attacks.HTTP_CAP) -> str:
+# The sim's args beside --output-token-ms, by rolling update: the second sets a flag to its
+# default, so both versions answer every request alike, word for word and at the same pace.
+SAME_ANSWERS = ((), ("--prompt-token-ms", "0"))
+REFUSED = ("--no-such-flag",)  # the sim's argparse refuses it: the engine exits at start
+
+
+def sim_args(output_token_ms: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return ["--output-token-ms", str(output_token_ms), *extra]
+
+
+def catalog(output_token_ms: int, http_cap: int = attacks.HTTP_CAP, extra: tuple[str, ...] = ()) -> str:
     # Sim models only: no node is asked for llama.cpp (the default would have each build it).
     return (
         f"[http]\nmax_connections = {http_cap}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
         "[engines.llamacpp]\nenabled = false\n\n"
         f'[[models]]\nname = "{MODEL}"\nengine = "sim"\nreplicas = {REPLICAS}\n'
-        f'args = ["--output-token-ms", "{output_token_ms}"]\n'
+        f"args = {json.dumps(sim_args(output_token_ms, extra))}\n"
     )
 
 
+def log_time(event: dict) -> float:
+    """The unix time of a JSON log line (`ts`: ISO 8601, UTC)."""
+    return datetime.fromisoformat(event["ts"]).timestamp()
+
+
 class Bench:
-    def __init__(self, cluster: ChaosCluster, load: Load, ttl_s: float, http_cap: int = attacks.HTTP_CAP) -> None:
+    def __init__(
+        self,
+        cluster: ChaosCluster,
+        load: Load,
+        ttl_s: float,
+        http_cap: int = attacks.HTTP_CAP,
+        output_token_ms: int = 10,
+    ) -> None:
         self.cluster, self.load, self.ttl_s, self.http_cap = cluster, load, ttl_s, http_cap
+        self.output_token_ms = output_token_ms
+        self.updates = 0  # rolling updates made: the catalog's args are SAME_ANSWERS[updates % 2]
         self.results: dict[str, dict] = {}
         self.unexpected_exits: list[str] = []
         self._killed: set[int] = set()
@@ -252,6 +292,74 @@ class Bench:
         self.cluster.ctl("uncordon", info["node"])
         return {}
 
+    def _set_args(self, extra: tuple[str, ...]) -> float:
+        """The model's args in server.toml, and `llmgw ctl reload`; when the reload was asked (unix time)."""
+        asked = time.time()
+        self.cluster.set_catalog(catalog(self.output_token_ms, self.http_cap, extra))
+        self.cluster.reload()
+        return asked
+
+    def _serving(self) -> dict:
+        placed = self.placed()
+        return {
+            "_pids": {pid for r in placed for pid in r["pids"]},
+            "_versions": {r["version"] for r in placed},
+        }
+
+    def rolling_update(self) -> dict:
+        serving = self._serving()
+        self.updates += 1
+        extra = SAME_ANSWERS[self.updates % 2]
+        return {**serving, "_asked": self._set_args(extra), "args": sim_args(self.output_token_ms, extra)}
+
+    def rolled(self, info: dict) -> bool:
+        """Every replica of the new version, ready and in the gateway's rotation, the rollout
+        over and the old engines gone."""
+        placed = self.placed()
+        versions = {r["version"] for r in placed}
+        if len(placed) != REPLICAS or len(versions) != 1 or versions & info["_versions"]:
+            return False
+        if self.cluster.rollout(MODEL) is not None or self.cluster.engine_pids() & info["_pids"]:
+            return False
+        return self.full()
+
+    def rollout_figures(self, info: dict) -> dict:
+        """What the control plane logged of the rollout: the replicas it replaced, and the time
+        from `llmgw ctl reload` to its `rollout_done`."""
+        since = info["_asked"] - 0.01  # the log's times are to the millisecond
+        events = [e for e in self.cluster.server.events() if e.get("model") == MODEL and log_time(e) >= since]
+        replaced = [e for e in events if e["event"] == "rollout_replacing"]
+        done = [e for e in events if e["event"] == "rollout_done"]
+        return {
+            "replaced": len(replaced),
+            "rollout_s": round(log_time(done[0]) - info["_asked"], 2) if done else None,
+            "versions_before": sorted(info["_versions"]),
+            "versions_after": sorted({r["version"] for r in self.placed()}),
+        }
+
+    def rolling_update_fails(self) -> dict:
+        return {**self._serving(), "_asked": self._set_args(SAME_ANSWERS[self.updates % 2] + REFUSED)}
+
+    def update_stopped(self, info: dict) -> bool:
+        """The rollout stopped with its reason shown, and the old engines serve on (the same ones)."""
+        rollout = self.cluster.rollout(MODEL)
+        if not rollout or rollout["state"] != "stopped" or not rollout["reason"]:
+            return False
+        info["_reason"] = rollout["reason"]
+        placed = self.placed()
+        return self.full() and {pid for r in placed for pid in r["pids"]} == info["_pids"]
+
+    def put_back(self, info: dict) -> dict:
+        """The args as they were (a reload): the hold is over, nothing is behind, nothing restarts."""
+        kept = {pid for r in self.placed() for pid in r["pids"]} == info["_pids"]
+        asked = self._set_args(SAME_ANSWERS[self.updates % 2])
+        back = poll("the update put back", lambda: self.cluster.rollout(MODEL) is None and self.full(), 60)
+        return {
+            "reason": info.get("_reason", "").split("\n")[0],  # its first line: the engine's log follows
+            "old_engines_kept": kept,
+            "put_back_s": round(time.time() - asked, 2) if back else None,
+        }
+
     def restart(self) -> dict:
         self._killed.add(self.cluster.server.popen.pid)
         status = self.cluster.stop_server()
@@ -279,6 +387,8 @@ class Bench:
             "node_kill": (self.node_kill, self.moved_off, self.node_back),
             "node_partition": (self.node_partition, self.moved_off, self.node_back),
             "drain": (self.drain, self.drained, self.uncordon),
+            "rolling_update": (self.rolling_update, self.rolled, self.rollout_figures),
+            "rolling_update_fails": (self.rolling_update_fails, self.update_stopped, self.put_back),
             "restart": (self.restart, lambda i: self.full(), None),
             "hostile": (self.hostile, self.alive, None),
             "adversarial_bodies": (self.adversarial_bodies, self.alive, None),
@@ -327,6 +437,16 @@ def targets(results: dict, ttl_s: float, interval_s: float) -> dict:
             flood["fresh_health_status"] == 200 and flood["fresh_health_s"] < 1.0
         )
         met["connection_flood_agent_rejoined"] = flood["spare_agent_rejoin_s"] is not None
+    update = results.get("rolling_update")
+    if update and "versions_after" in update:
+        met["rolling_update_every_replica_replaced"] = update["recovery_s"] is not None and not (
+            set(update["versions_after"]) & set(update["versions_before"])
+        )
+    failing = results.get("rolling_update_fails")
+    if failing and "reason" in failing:
+        met["rolling_update_fails_stopped_with_reason"] = failing["recovery_s"] is not None and bool(failing["reason"])
+        met["rolling_update_fails_old_engines_kept"] = failing["old_engines_kept"]
+        met["rolling_update_fails_put_back"] = failing["put_back_s"] is not None
     if "agent_kill" in results and "engine_restarts" in results["agent_kill"]:
         met["agent_kill_adopted_engines"] = results["agent_kill"]["engine_restarts"] == 0
         met["agent_kill_nothing_moved"] = results["agent_kill"].get("replicas_moved") is False
@@ -368,7 +488,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
             stream_tokens=args.stream_tokens,
             spread_s=args.stream_tokens * args.output_token_ms / 1000,
         )
-        bench = Bench(cluster, load, args.heartbeat_ttl_s, http_cap)
+        bench = Bench(cluster, load, args.heartbeat_ttl_s, http_cap, args.output_token_ms)
         async with trio.open_nursery() as nursery:
             if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, FULL_TIMEOUT_S)):
                 raise SystemExit("chaos: the cluster did not reach full capacity; see the logs under " + str(root))

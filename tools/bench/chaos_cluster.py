@@ -62,18 +62,23 @@ class ChaosCluster:
                 self.namespaces[node] = ns
         advertise = ["127.0.0.1", *(ns.host_addr for ns in self.namespaces.values())]
         self.config = root / "server.toml"
-        self.config.write_text(
+        self._server_section = (
             "[server]\n"
             f'state_dir = "{self.state}"\n'
             f'agent_listen = "{"0.0.0.0" if netns else "127.0.0.1"}:{self.agent_port}"\n'
             f'http_listen = "127.0.0.1:{self.http_port}"\n'
             f"advertise = {json.dumps(advertise)}\n"
             f"heartbeat_interval_s = {heartbeat_interval_s}\n"
-            f"heartbeat_ttl_s = {heartbeat_ttl_s}\n\n" + catalog
+            f"heartbeat_ttl_s = {heartbeat_ttl_s}\n\n"
         )
+        self.set_catalog(catalog)
         llmgw_here("ca", "init", "--config", str(self.config))  # set-up: the command's code in this process
         for i, node in enumerate(nodes):
             self._add_node(node, i)
+
+    def set_catalog(self, catalog: str) -> None:
+        """server.toml's sections after [server] (TOML text); a running server reads them on `reload`."""
+        self.config.write_text(self._server_section + catalog)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -168,6 +173,10 @@ class ChaosCluster:
     def ctl(self, *args: str) -> Any:
         return json.loads(self._cli("ctl", *args, "--json", "--state-dir", str(self.state)))
 
+    def reload(self) -> Any:
+        """`llmgw ctl reload`: the control plane reads server.toml again (`set_catalog`)."""
+        return self.ctl("reload")
+
     def token(self, name: str) -> str:
         return self.ctl("keys", "create", name)["token"]
 
@@ -185,6 +194,11 @@ class ChaosCluster:
     def replicas(self) -> list[dict[str, Any]]:
         """What `llmgw ctl replicas --json` says."""
         return self._admin().request("GET", "/admin/v1/replicas")["replicas"]
+
+    def rollout(self, model: str) -> dict[str, Any] | None:
+        """`model`'s rollout as `llmgw ctl models --json` says it: None when none is under way or stopped."""
+        models = self._admin().request("GET", "/admin/v1/models")["models"]
+        return next((m["rollout"] for m in models if m["model"] == model), None)
 
     def ready_in_gateway(self, model: str) -> int:
         return ready_in_gateway(self.http_port, model)
