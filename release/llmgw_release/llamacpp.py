@@ -63,8 +63,9 @@ class Member:
     executable: bool = False
 
 
-def check_members(members: Sequence[Member]) -> None:
-    """Flat, llama-server present, at least one CPU backend, every link naming a file beside it."""
+def check_members(members: Sequence[Member], variants: Sequence[str] | None = None) -> None:
+    """Flat, llama-server present, at least one CPU backend (exactly `variants` where given: the
+    recipe's, llmgw.llamarecipe.expected_variants), every link naming a file beside it."""
     names = {m.name for m in members}
     if len(names) != len(members):
         raise RecipeError("the archive would hold one name twice")
@@ -78,9 +79,16 @@ def check_members(members: Sequence[Member]) -> None:
     files = {m.name for m in members if m.data is not None}
     if SERVER not in files:
         raise RecipeError(f"the build made no {SERVER}")
-    if not cpu_variants(names):
+    built = cpu_variants(names)
+    if not built:
         raise RecipeError(
             "the build made no CPU backend (libggml-cpu-<variant>.so): GGML_CPU_ALL_VARIANTS did not apply"
+        )
+    if variants is not None and built != sorted(variants):
+        missing, extra = sorted(set(variants) - set(built)), sorted(set(built) - set(variants))
+        raise RecipeError(
+            f"the build's CPU backends are not the recipe's: missing {missing or 'none'}, not asked for "
+            f"{extra or 'none'}; this llama.cpp source's variants differ from llmgw.llamarecipe.VARIANTS: update it"
         )
 
 

@@ -91,7 +91,7 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
     assert files.gets == [SDIST_PATH]  # fetched once, by the control plane
 
     cache = llama.agent_build_cache()
-    offered = cache / llamarecipe.entry_name(llama.portable_recipe())  # the suite's portable build
+    offered = cache / llamarecipe.entry_name(llama.release_recipe())  # the suite's portable build
     node = attrs.evolve(cluster.agent(tmp_path, "node-a"), build_cache=str(cache))
     await nursery.start(run_agent, node)
     await await_true(
@@ -127,7 +127,7 @@ async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_an
         [installed / "llama-server", "--version"], capture_output=True, text=True, timeout=30, check=False
     )
     assert done.returncode == 0 and "(build 11434," in done.stdout + done.stderr  # llama.cpp b11434
-    # Every CPU variant is there, and the node says which one this CPU loads.
+    # The build's CPU variants are there (the suite's: this CPU's), and the node says which one it loads.
     variants = llamarecipe.cpu_variants(p.name for p in installed.iterdir())
     assert len(variants) > 1 and status.cpu_backend in variants, (status.cpu_backend, variants)
 

@@ -122,6 +122,44 @@ def test_the_recipe_records_what_went_into_its_key() -> None:
     assert "aarch64-linux-gnu-g++" in text and "cmake version 3.25.1" in text
 
 
+# /proc/cpuinfo flags (the features' part) of three machines.
+HASWELL_FLAGS = frozenset("fpu sse4_1 sse4_2 avx f16c fma avx2 bmi2".split())
+ZEN4_FLAGS = (
+    HASWELL_FLAGS
+    | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni"}
+    | {"avx512_bf16"}
+)
+KVM64_FLAGS = frozenset("fpu sse sse2".split())
+
+
+def test_a_build_for_this_cpu_keeps_its_baseline_and_the_variant_llama_cpp_loads_here() -> None:
+    # The scores each library reports (cpu-feats.cpp), as measured on an EPYC: zen4 1984,
+    # icelake 1472, haswell 64, x64 1, sapphirerapids 0.
+    assert llamarecipe.x86_score(dict(llamarecipe.VARIANTS["amd64"])["zen4"], ZEN4_FLAGS) == 1984
+    assert llamarecipe.x86_score(dict(llamarecipe.VARIANTS["amd64"])["icelake"], ZEN4_FLAGS) == 1472
+    assert llamarecipe.x86_score(dict(llamarecipe.VARIANTS["amd64"])["haswell"], ZEN4_FLAGS) == 64
+    assert llamarecipe.x86_score(dict(llamarecipe.VARIANTS["amd64"])["sapphirerapids"], ZEN4_FLAGS) == 0
+    assert llamarecipe.this_cpu_variants("amd64", ZEN4_FLAGS) == ("x64", "zen4")
+    assert llamarecipe.this_cpu_variants("amd64", HASWELL_FLAGS) == ("x64", "haswell")
+    assert llamarecipe.this_cpu_variants("amd64", KVM64_FLAGS) == ("x64",)  # a VM's generic CPU: the baseline
+    assert llamarecipe.this_cpu_variants("arm64", frozenset()) == tuple(n for n, _ in llamarecipe.VARIANTS["arm64"])
+
+
+def test_a_build_for_this_cpu_drops_the_other_variants_and_has_a_key_of_its_own() -> None:
+    tc = llamarecipe.toolchain("amd64", "amd64")
+    release = llamarecipe.recipe(SOURCE, tc, TOOLS, compiles_sme=False)
+    mine = llamarecipe.recipe(SOURCE, tc, TOOLS, compiles_sme=False, keep=("x64", "haswell"))
+    assert release.dropped == () and len(llamarecipe.expected_variants(release)) == 14
+    assert llamarecipe.expected_variants(mine) == ["haswell", "x64"]
+    assert "haswell" not in mine.dropped and "zen4" in mine.dropped and len(mine.dropped) == 12
+    assert mine.key != release.key and mine.args == release.args
+    with pytest.raises(RecipeError, match=r"CPU variants \['m1'\] are not amd64's"):
+        llamarecipe.recipe(SOURCE, tc, TOOLS, compiles_sme=False, keep=("x64", "m1"))
+    # arm64 without SME: the release's build is as before (its key too), its expected variants six.
+    arm = llamarecipe.recipe(SOURCE, llamarecipe.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
+    assert arm.dropped == llamarecipe.SME_VARIANTS and len(llamarecipe.expected_variants(arm)) == 6
+
+
 CMAKELISTS = """\
         if (CMAKE_SYSTEM_NAME MATCHES "Linux")
             ggml_add_cpu_backend_variant(armv8.6_2    DOTPROD FP16_VECTOR_ARITHMETIC SVE MATMUL_INT8 SVE2)

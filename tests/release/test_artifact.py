@@ -88,6 +88,7 @@ def release_inputs(model: Path) -> build.Inputs:
         provision_tool=root / "tools" / "provision" / build.PROVISION_TOOL,
         llama_cache=llama.cache_root(),
         llama_arches=(HOST,),
+        llama_this_cpu=True,  # the build `./pants test` made (the release's own carries every variant)
         llama_smoke_model=model,
     )
 
@@ -202,15 +203,14 @@ def test_every_elf_object_is_for_the_target_machine(release: Release, arch: str)
 
 
 def test_llama_cpp_is_the_cached_archive_not_a_new_build(release: Release) -> None:
-    recipe = llamabuild.make_recipe(llamabuild.pinned_source(), HOST)
-    cached = llamabuild.archive_path(llama.cache_root(), recipe)
+    cached = llamabuild.archive_path(llama.cache_root(), llama.portable_recipe())
     assert release.llama.read_bytes() == cached.read_bytes()
     assert not any(line.startswith("building llama.cpp") for line in release.said), release.said
     [line] = [line for line in release.said if line.startswith(f"{release.llama}: ")]
     assert "from the cache" in line and "ran: version: " in line and "CPU backend " in line, line
 
 
-def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_variant(release: Release) -> None:
+def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_its_cpu_variants(release: Release) -> None:
     top = llamarecipe.top_dir(llamabuild.pinned_source(), HOST)
     with tarfile.open(release.llama) as tar:
         infos = tar.getmembers()
@@ -219,13 +219,13 @@ def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_every_cpu_va
     assert all(i.name.startswith(f"{top}/") and (i.isfile() or i.issym()) for i in infos[1:])
     assert all("/" not in n for n in names) and names == sorted(names)
     assert {"llama-server", "LICENSE", "libllama.so", "libggml-base.so", "libggml.so"} <= set(names), names
-    variants = set(llamarecipe.cpu_variants(names))
-    expected = {
-        "amd64": {"x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell", "skylakex", "cannonlake",
-                  "cascadelake", "icelake", "cooperlake", "zen4", "alderlake", "sapphirerapids"},
-        "arm64": {"armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1", "armv8.6_2"},
-    }[HOST]  # fmt: skip
-    assert expected <= variants, sorted(expected - variants)
+    # The suite's build carries this CPU's variants (the baseline and the one it loads); the
+    # release's every one, which its build checks as it packs (llamacpp.check_members, against
+    # llamarecipe.expected_variants: test_llamarecipe, test_llamacpp).
+    variants = llamarecipe.cpu_variants(names)
+    assert variants == llamarecipe.expected_variants(llama.portable_recipe()), variants
+    assert llamarecipe.VARIANTS[HOST][0][0] in variants
+    assert set(variants) <= set(llamarecipe.expected_variants(llama.release_recipe()))
     assert {(i.uid, i.gid, i.mtime) for i in infos} == {(0, 0, infos[0].mtime)}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import struct
 import tarfile
 from pathlib import Path
@@ -70,6 +71,14 @@ def test_the_real_source_has_the_variants_the_recipe_drops() -> None:
         text = extracted.read().decode()
     out = llamarecipe.drop_variants(text, llamarecipe.SME_VARIANTS)
     assert "variant(armv8.6_2 " in out and "variant(armv9.2_1 " not in out and "variant(armv9.2_2 " not in out
+    # llamarecipe.VARIANTS is this source's Linux list, in its order, with each variant's features.
+    found = re.findall(r"^[ \t]*ggml_add_cpu_backend_variant\(([A-Za-z0-9_.]+)([^)]*)\)", text, re.MULTILINE)
+    variants = [(name, tuple(features.split())) for name, features in found]
+    assert variants[:14] == list(llamarecipe.VARIANTS["amd64"])
+    assert variants[14:22] == list(llamarecipe.VARIANTS["arm64"])
+    assert all(name.startswith(("android_", "apple_", "power", "z1", "riscv")) for name, _ in variants[22:])
+    # Each x86 feature is one the score counts (or AMX_TILE, which it does not).
+    assert {f for _, fs in variants[:14] for f in fs} <= set(llamarecipe.X86_FEATURES)
 
 
 def test_names_of_the_archive() -> None:

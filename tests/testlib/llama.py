@@ -27,7 +27,18 @@ def cache_root() -> Path:
 
 @functools.cache
 def portable_recipe() -> llamarecipe.Recipe:
-    """This machine's portable llama.cpp recipe, as the release's build makes it (its compilers asked)."""
+    """The portable llama.cpp recipe `./pants test` builds: the release's for this machine's
+    architecture (its compilers asked), with the CPU variants this CPU loads (make_recipe(this_cpu=True))."""
+    try:
+        return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host(), this_cpu=True)
+    except llamabuild.LlamaBuildError as exc:
+        pytest.fail(f"cannot tell which llama.cpp build is this machine's: {exc}")
+
+
+@functools.cache
+def release_recipe() -> llamarecipe.Recipe:
+    """The release's recipe for this machine's architecture (every CPU variant): what a node's
+    own CPU build follows, and so the key its build cache names."""
     try:
         return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host())
     except llamabuild.LlamaBuildError as exc:
@@ -62,11 +73,13 @@ def agent_build_cache() -> Path:
     """The tests' agents' `build_cache`: beside the portable build's, outlasting the test run.
 
     It offers the portable build `./pants test` made before the tests (tools/testenv/prepare.py)
-    as an agent's finished build of the same recipe: an entry named as an agent names that
-    recipe's build (llamarecipe.entry_name), a symbolic link to the unpacked archive's directory,
-    which holds what such a build installs (llama-server, its libraries, LICENSE). An agent on
-    this machine, asking its compilers as the release's build did, arrives at the same name and
-    takes its cache path: the suite compiles llama.cpp once per machine and source."""
+    as an agent's finished build of the release's recipe: an entry named as an agent names that
+    recipe's build (llamarecipe.entry_name of `release_recipe`), a symbolic link to the unpacked
+    archive's directory, which holds what such a build installs (llama-server, its libraries,
+    LICENSE). An agent on this machine, asking its compilers as the release's build does, arrives
+    at the same name and takes its cache path: the suite compiles llama.cpp once per machine and
+    source. The build behind it carries only this CPU's variants (`portable_recipe`), which is
+    all an agent here loads; the stand-in is that, not the key the agent works out."""
     root, recipe = cache_root(), portable_recipe()
     portable = llamabuild.server_dir(root, recipe)
     if not (portable / llamarecipe.SERVER).is_file():
@@ -75,7 +88,7 @@ def agent_build_cache() -> Path:
             "Pants run tools/testenv/prepare.py (or tools/llama/build-llama-server)"
         )
     cache = root / "agent-builds"
-    entry = cache / llamarecipe.entry_name(recipe)
+    entry = cache / llamarecipe.entry_name(release_recipe())
     if not entry.exists():
         cache.mkdir(parents=True, exist_ok=True)
         link = cache / f".{entry.name}.{os.getpid()}"

@@ -1,7 +1,7 @@
 """A release directory holding llama.cpp as the release carries it, for tests of the node side.
 
-For this machine's architecture it is the release's own archive: the portable build
-`./pants test` made (release/llmgw_release/llamabuild.py, cached), copied as it is. For another
+For this machine's architecture it is the release's own archive as `./pants test` built it (for
+this CPU's variants: release/llmgw_release/llamabuild.py, cached), copied as it is. For another
 architecture (a node the release "covers" only on paper) it is a stand-in of the same layout
 made from this machine's build: `llama.cpp-VERSION-linux-ARCH.tar.gz` with one top directory of
 the same name holding `llama-server` flat with its libraries and CPU backends, and LICENSE;
@@ -64,8 +64,7 @@ def release_dir(root: Path, arches: tuple[str, ...] = ("amd64",), *, server: str
             binary = Path(server)
             data = archive_bytes(binary.parent, arch, only=[binary.name])
         elif arch == here:
-            recipe = llamabuild.make_recipe(llamabuild.pinned_source(), arch)
-            data = llamabuild.archive_path(llama.cache_root(), recipe).read_bytes()
+            data = llamabuild.archive_path(llama.cache_root(), llama.portable_recipe()).read_bytes()
         else:
             data = archive_bytes(llama.llama_server_dir(), arch)
         (root / name).write_bytes(data)

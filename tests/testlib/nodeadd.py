@@ -79,6 +79,7 @@ def _release_inputs(version: str, *, with_llama: bool) -> build.Inputs:
         wheel_cache=wheels.default_cache(),
         llama_cache=cache_root() if with_llama else None,
         llama_arches=(llamabuild.this_host(),) if with_llama else None,
+        llama_this_cpu=True,  # the build `./pants test` made
     )
 
 

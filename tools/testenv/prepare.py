@@ -9,20 +9,22 @@
    when running as root; otherwise it prints the one `apt-get install` command to run and exits 1.
    `./pants run release:build` provides its own packages (the cross compiler, qemu-user) through
    this same step (`ensure_packages`, from release/llmgw_release/provide.py).
-2. llama.cpp, built the way the release ships it (tools/llama/build-llama-server: the portable
-   archive for this machine's architecture, every CPU variant, cached under ~/.cache/llmgw-llama
-   and unpacked there). The release test ships that archive; the engine tests and node add's
-   test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another; the agent's
-   build-from-source test finds it in its build cache as the agent's own build of the same
-   recipe (testlib.llama.agent_build_cache), so nothing compiles llama.cpp again. The first build
-   takes about 14 minutes of two idle cores, so it does not hold the suite back: it starts in the
+2. llama.cpp, built the way the release ships it for this machine's CPU (tools/llama/build-llama-server:
+   the portable archive for this machine's architecture with the CPU variants this CPU loads, its
+   baseline and its best: a third of the compiling of the release's every variant; cached under
+   ~/.cache/llmgw-llama and unpacked there). The release test ships that archive; the engine
+   tests and node add's test nodes run its llama-server, unless LLMGW_LLAMA_SERVER names another;
+   the agent's build-from-source test finds it in its build cache under the key of the agent's
+   own build (testlib.llama.agent_build_cache), so nothing compiles llama.cpp again. The first
+   build takes minutes, so it does not hold the suite back: it starts in the
    background (niced, its output in dist/testenv/llama-build.log) and Pants runs the tests that
    need no llama-server meanwhile. The tests that do depend on `//tools/llama:built`, a
    shell_command that waits for the build (the build's lock) and so runs them after it; the
    run-state of the build (LLMGW_LLAMA_BUILD_STATE) is in that command's environment, so a build
    started now is waited for even where Pants remembers an earlier wait. While it builds, Pants
    runs one more process than it has cores (PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM): that
-   wait holds a slot and does no work. `./pants run release:build` reuses the build.
+   wait holds a slot and does no work. `./pants run release:build` builds every variant (another
+   key in the same cache).
 3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
    made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once, while
    llama.cpp builds.
@@ -289,8 +291,9 @@ def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_L
     m.say(
         "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests, node "
         "add's test nodes and the agent's source-build test run its llama-server. Building it once, as "
-        f"the release ships it (every CPU variant), from llama.cpp's source, in the background with {jobs} "
-        f"jobs (pid {pid}, about 15 minutes on 2 cores; LLAMA_BUILD_JOBS=N sets the jobs): its output goes "
+        f"the release ships it but with only the CPU variants this machine loads, from llama.cpp's source, in "
+        f"the background with {jobs} jobs (pid {pid}, about 6 minutes on 2 cores; LLAMA_BUILD_JOBS=N sets the "
+        "jobs): its output goes "
         f"to {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log}. The tests that need no llama-server "
         "run meanwhile; the others wait for it (//tools/llama:built), and fail with the build's error if it fails"
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 ARCHES = ("amd64", "arm64")
@@ -68,6 +68,66 @@ OPTIONS = (
 # variants need; without them an SME CPU loads the best of the others (armv8.6_2).
 SME_VARIANTS = ("armv9.2_1", "armv9.2_2")
 SME_PROBE_INPUT = "int x;\n"
+
+
+# The CPU variants GGML_CPU_ALL_VARIANTS builds on Linux (ggml/src/CMakeLists.txt, in its order)
+# and the features each is compiled for; tests/release/test_llamacpp.py reads them from the
+# pinned source. The release ships them all (less SME_VARIANTS where the compiler cannot).
+VARIANTS = {
+    "amd64": (
+        ("x64", ()),
+        ("sse42", ("SSE42",)),
+        ("sandybridge", ("SSE42", "AVX")),
+        ("ivybridge", ("SSE42", "AVX", "F16C")),
+        ("piledriver", ("SSE42", "AVX", "F16C", "FMA")),
+        ("haswell", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2")),
+        ("skylakex", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512")),
+        ("cannonlake", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI")),
+        ("cascadelake", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VNNI")),
+        ("icelake", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI")),
+        ("cooperlake", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16")),
+        (
+            "zen4",
+            ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"),
+        ),
+        ("alderlake", ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI")),
+        (
+            "sapphirerapids",
+            (
+                *("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI"),
+                *("AVX512_BF16", "AMX_TILE", "AMX_INT8"),
+            ),
+        ),
+    ),
+    "arm64": (
+        ("armv8.0_1", ()),
+        ("armv8.2_1", ("DOTPROD",)),
+        ("armv8.2_2", ("DOTPROD", "FP16_VECTOR_ARITHMETIC")),
+        ("armv8.2_3", ("DOTPROD", "FP16_VECTOR_ARITHMETIC", "SVE")),
+        ("armv8.6_1", ("DOTPROD", "FP16_VECTOR_ARITHMETIC", "SVE", "MATMUL_INT8")),
+        ("armv8.6_2", ("DOTPROD", "FP16_VECTOR_ARITHMETIC", "SVE", "MATMUL_INT8", "SVE2")),
+        ("armv9.2_1", ("DOTPROD", "FP16_VECTOR_ARITHMETIC", "SVE", "MATMUL_INT8", "SME")),
+        ("armv9.2_2", ("DOTPROD", "FP16_VECTOR_ARITHMETIC", "SVE", "MATMUL_INT8", "SVE2", "SME")),
+    ),
+}
+# x86: each feature's flags in /proc/cpuinfo, and its weight in the score each variant's library
+# reports at run time (ggml-cpu/arch/x86/cpu-feats.cpp: 0 where a feature is missing, else 1 plus
+# these), by which llama.cpp loads the best it can run.
+X86_FEATURES = {
+    "FMA": (("fma",), 1),
+    "F16C": (("f16c",), 1 << 1),
+    "SSE42": (("sse4_2",), 1 << 2),
+    "BMI2": (("bmi2",), 1 << 3),
+    "AVX": (("avx",), 1 << 4),
+    "AVX2": (("avx2",), 1 << 5),
+    "AVX_VNNI": (("avx_vnni",), 1 << 6),
+    "AVX512": (("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"), 1 << 7),
+    "AVX512_VBMI": (("avx512vbmi",), 1 << 8),
+    "AVX512_BF16": (("avx512_bf16",), 1 << 9),
+    "AVX512_VNNI": (("avx512_vnni",), 1 << 10),
+    "AMX_TILE": (("amx_tile",), 0),
+    "AMX_INT8": (("amx_int8",), 1 << 11),
+}
 
 
 class RecipeError(Exception):
@@ -235,6 +295,27 @@ def drop_variants(cmakelists: str, variants: Sequence[str]) -> str:
     return cmakelists
 
 
+def x86_score(features: Sequence[str], flags: Collection[str]) -> int:
+    """The score a variant compiled for `features` reports on a CPU with these /proc/cpuinfo flags."""
+    score = 1
+    for feature in features:
+        needs, weight = X86_FEATURES[feature]
+        if not all(f in flags for f in needs):
+            return 0
+        score += weight
+    return score
+
+
+def this_cpu_variants(arch: str, flags: Collection[str]) -> tuple[str, ...]:
+    """The CPU variants a build for this CPU alone keeps: the baseline and the one llama.cpp
+    loads here (the best score). On arm64 all of them (their choice is not modelled here)."""
+    variants = VARIANTS[arch]
+    if arch != "amd64":
+        return tuple(name for name, _ in variants)
+    best = max(variants, key=lambda v: (x86_score(v[1], flags), -variants.index(v)))
+    return tuple(dict.fromkeys((variants[0][0], best[0])))
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Everything that decides a build's bytes, and so names its cache entry."""
@@ -269,17 +350,40 @@ class Recipe:
 
 
 def recipe(
-    source: Source, tc: Toolchain, tools: Mapping[str, str], *, compiles_sme: bool, generator: str = GENERATOR
+    source: Source,
+    tc: Toolchain,
+    tools: Mapping[str, str],
+    *,
+    compiles_sme: bool,
+    generator: str = GENERATOR,
+    keep: Collection[str] | None = None,
 ) -> Recipe:
-    """`tools`: tool_commands' names -> the first line of what each printed."""
+    """`tools`: tool_commands' names -> the first line of what each printed. `keep`: the CPU
+    variants to build (this_cpu_variants: the tests' build, for the one machine it runs on);
+    None, every one the compiler can (the release's)."""
+    dropped = set(SME_VARIANTS) if tc.arch == "arm64" and not compiles_sme else set()
+    if keep is not None:
+        unknown = set(keep) - {name for name, _ in VARIANTS[tc.arch]}
+        if unknown:
+            raise RecipeError(f"CPU variants {sorted(unknown)} are not {tc.arch}'s: {expected_names(tc.arch)}")
+        dropped |= {name for name, _ in VARIANTS[tc.arch] if name not in keep}
     return Recipe(
         source=source,
         toolchain=tc,
         args=tuple(cmake_args(source, tc, generator)),
         toolchain_file=toolchain_file(tc),
-        dropped=SME_VARIANTS if tc.arch == "arm64" and not compiles_sme else (),
+        dropped=tuple(name for name, _ in VARIANTS[tc.arch] if name in dropped),
         tools=tuple(sorted(tools.items())),
     )
+
+
+def expected_names(arch: str) -> str:
+    return ", ".join(name for name, _ in VARIANTS[arch])
+
+
+def expected_variants(r: Recipe) -> list[str]:
+    """The CPU variants a build of `r` must leave (libggml-cpu-<variant>.so), sorted."""
+    return sorted(name for name, _ in VARIANTS[r.toolchain.arch] if name not in r.dropped)
 
 
 def top_dir(source: Source, arch: str) -> str:
