@@ -524,8 +524,19 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    if "--engine=llamacpp" in argv or ["--engine", "llamacpp"] in (argv[i : i + 2] for i in range(len(argv))):
+        from bench import chaos_llama  # it imports this module: not at the top
+
+        return chaos_llama.main(argv)  # its own options and defaults
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "llamacpp"),
+        default="sim",
+        help="llamacpp: real llama-server replicas of a made model, engine_kill and node_kill, each stream "
+        "checked against the uninterrupted greedy answer (tools/bench/chaos_llama.py; --engine llamacpp --help)",
+    )
     parser.add_argument(
         "--faults",
         help=f"comma-separated, in order (default: {','.join(FAULTS)}; with --store: {','.join(chaos_ha.FAULTS)})",

@@ -41,8 +41,10 @@ class ChaosCluster:
         catalog: str,
         heartbeat_interval_s: float,
         heartbeat_ttl_s: float,
+        agent_toml: str = "",
     ) -> None:
         self.root = root
+        self.agent_toml = agent_toml  # more of every node's agent config (llamacpp_bin)
         self.state = root / "state"
         self.node_ids = nodes
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -90,6 +92,7 @@ class ChaosCluster:
         config = self.root / f"{node}.toml"
         config.write_text(
             f'server = "wss://{server_host}:{self.agent_port}"\nnode_id = "{node}"\nstate_dir = "{state}"\n{source}'
+            + self.agent_toml
         )
         pki = state / "pki"
         llmgw_here("agent", "csr", "--config", str(config))

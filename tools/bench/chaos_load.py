@@ -303,8 +303,12 @@ class Load:
             return reader.error[:200]
         if not reader.done:
             return f"cut short: {reader.tail[-120:]!r}"
-        extra["wrong_text"] = differs(reader.text, expected_text(self.model, path, body))
+        extra["wrong_text"] = differs(reader.text, self.expected(path, body))
         return ""
+
+    def expected(self, path: str, body: dict) -> str:
+        """The text a stream asked with `body` must have: the sim engine's answer to it."""
+        return expected_text(self.model, path, body)
 
     # -- the load -------------------------------------------------------------------------------
 

@@ -1,0 +1,242 @@
+"""Chaos on real llama-server replicas: streams killed mid-answer, checked against the greedy answer.
+
+    ./pants run tools/bench/chaos.py -- --engine llamacpp --json     (as root: nodes in network namespaces)
+
+chaos.py's cluster and faults (`chaos.Bench`: three nodes, one model `chat` of two replicas, so one
+node is spare), with the model on llama.cpp instead of the sim: llama-server (agent.toml's
+`llamacpp_bin`, this machine's portable build as the tests find it, or `--llama-server`) serving a
+GGUF the bench makes, whose greedy answer re-tokenizes to the same tokens (testlib.makegguf,
+`cycle=True`), so a stream continued on another replica must end with exactly the text it would
+have had uninterrupted. Each replica has one thread and `-np` = `--streams` slots, so that the one
+left after a kill carries every stream.
+
+The load (`GreedyLoad`, chaos_load's with greedy streams): `--streams` streams in flight, chat and
+text completions in turn, each of exactly `--stream-tokens` tokens (`ignore_eos`), one prompt per
+stream slot; before the faults each prompt's uninterrupted greedy answer is asked once, not
+streamed, and every stream after is checked against it word for word (`streams_wrong_text`);
+and `--rate` short non-streamed requests a second. The faults: `engine_kill` (SIGKILL one
+replica's llama-server: the agent starts it again) and `node_kill` (a node's agent and engines
+together; it comes back). The result has chaos.py's keys for those faults (failed streams, moved
+streams, wrong text, the moved streams' longest gap between two tokens at p99 and max) and its
+targets (chaos.targets). The streams are fewer than the sim's 500: two llama-server replicas on a
+2-core machine carry a few tens (the default 12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+from bench import chaos
+from bench import chaos_attacks as attacks
+from bench.chaos_cluster import ChaosCluster, poll
+from bench.chaos_load import CHAT, COMPLETIONS, Load
+
+FAULTS = ("engine_kill", "node_kill")
+# Four 256-wide layers: loaded in a fraction of a second, about 10 ms a token for each of 12
+# streams on one thread; the made vocabulary (600 tokens) keeps the output layer small.
+MODEL_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "dtype": "F32"}
+CONTEXT_PER_SLOT = 512  # a prompt of a few tokens and at most MAX_STREAM_TOKENS
+MAX_STREAM_TOKENS = 256
+
+
+def catalog(model: Path, slots: int, http_cap: int) -> str:
+    args = ["--ctx-size", str(CONTEXT_PER_SLOT * slots), "-np", str(slots), "--threads", "1"]
+    return (
+        f"[http]\nmax_connections = {http_cap}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
+        f'[[models]]\nname = "{chaos.MODEL}"\nengine = "llamacpp"\nsource = {{ path = "{model}" }}\n'
+        f"replicas = {chaos.REPLICAS}\nargs = {json.dumps(args)}\n"
+    )
+
+
+def llama_server_path(given: str) -> str:
+    if given:
+        if not os.access(given, os.X_OK):
+            raise SystemExit(f"chaos: --llama-server {given}: no executable there")
+        return given
+    import pytest
+
+    from testlib.llama import llama_server
+
+    try:
+        return llama_server()
+    except pytest.fail.Exception as exc:  # its message says where it looked
+        raise SystemExit(f"chaos: {exc}; or give --llama-server PATH") from None
+
+
+class GreedyLoad(Load):
+    """chaos_load's load with greedy streams, one prompt per stream slot (each round asks it
+    again), each checked against the uninterrupted answer to its prompt (`learn`)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.answers: dict[str, str] = {}
+
+    def stream_body(self, slot: int, round_: int) -> tuple[str, dict]:
+        body: dict = {
+            "model": self.model,
+            "max_tokens": self.stream_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        if slot % 2:
+            return COMPLETIONS, {**body, "prompt": f"Chaos stream {slot}:"}
+        return CHAT, {**body, "messages": [{"role": "user", "content": f"chaos stream {slot}"}]}
+
+    @staticmethod
+    def _key(path: str, body: dict) -> str:
+        return json.dumps([path, body.get("prompt"), body.get("messages")])
+
+    def expected(self, path: str, body: dict) -> str:
+        return self.answers[self._key(path, body)]
+
+    async def learn(self) -> float:
+        """Ask each slot's prompt once, not streamed, before the load: the uninterrupted greedy
+        answers (`expected`). Returns the longest one took."""
+        slowest = 0.0
+        for slot in range(self.streams):
+            path, body = self.stream_body(slot, 0)
+            data = bytearray()
+            started = trio.current_time()
+            status = await self.one(path, {**body, "stream": False}, data.extend)
+            slowest = max(slowest, trio.current_time() - started)
+            if status != 200:
+                raise SystemExit(
+                    f"chaos: the uninterrupted answer to stream {slot}: HTTP {status}: {bytes(data[:200])!r}"
+                )
+            choice = json.loads(data)["choices"][0]
+            self.answers[self._key(path, body)] = choice["message"]["content"] if path == CHAT else choice["text"]
+        return slowest
+
+
+async def main_async(args: argparse.Namespace, root: Path) -> dict:
+    from testlib.makegguf import make_gguf
+
+    netns = os.geteuid() == 0 and not args.no_netns
+    faults = tuple(f for f in (args.faults or ",".join(FAULTS)).split(",") if f)
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise SystemExit(f"unknown faults {sorted(unknown)}; with --engine llamacpp: {', '.join(FAULTS)}")
+    binary = llama_server_path(args.llama_server)
+    model = make_gguf(root / "cycle.gguf", cycle=True, **MODEL_SHAPE)
+    interval = args.heartbeat_interval_s
+    http_cap = attacks.http_cap(args.streams)
+    cluster = await trio.to_thread.run_sync(
+        lambda: ChaosCluster(
+            root,
+            nodes=chaos.NODES,
+            netns=netns,
+            catalog=catalog(model, args.streams, http_cap),
+            heartbeat_interval_s=interval,
+            heartbeat_ttl_s=args.heartbeat_ttl_s,
+            agent_toml=f"llamacpp_bin = {json.dumps(binary)}\n",
+        )
+    )
+    try:
+        await trio.to_thread.run_sync(cluster.start_server)
+        for node in chaos.NODES:
+            cluster.start_agent(node)
+        token = await trio.to_thread.run_sync(lambda: cluster.token("chaos"))
+        load = GreedyLoad(
+            "127.0.0.1",
+            cluster.http_port,
+            token,
+            model=chaos.MODEL,
+            rate=args.rate,
+            streams=args.streams,
+            stream_tokens=args.stream_tokens,
+        )
+        bench = chaos.Bench(cluster, load, args.heartbeat_ttl_s, http_cap)
+        async with trio.open_nursery() as nursery:
+            if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, chaos.FULL_TIMEOUT_S)):
+                raise SystemExit("chaos: the cluster did not reach full capacity; see the logs under " + str(root))
+            alone_s = await load.learn()
+            load.spread_s = alone_s  # the streams' starts spread over one stream's length, alone
+            await nursery.start(load.run)
+            with trio.move_on_after(chaos.FULL_TIMEOUT_S):
+                await load.steady.wait()
+            await bench.run(faults)
+            nursery.cancel_scope.cancel()
+        bench.watch_exits()
+        answers = set(load.answers.values())
+        return {
+            "settings": {
+                "engine": "llamacpp",
+                "llama_server": binary,
+                "model": {**MODEL_SHAPE, "n_vocab": 600, "cycle": True},
+                "slots_per_replica": args.streams,
+                "threads_per_replica": 1,
+                "nodes": len(chaos.NODES),
+                "network_namespaces": netns,
+                "replicas": chaos.REPLICAS,
+                "rate_per_s": args.rate,
+                "streams": args.streams,
+                "stream_tokens": args.stream_tokens,
+                "uninterrupted_answers": len(load.answers),
+                "distinct_uninterrupted_answers": len(answers),
+                "uninterrupted_answer_s": round(alone_s, 3),
+                "http_max_connections": http_cap,
+                "heartbeat_interval_s": interval,
+                "heartbeat_ttl_s": args.heartbeat_ttl_s,
+                "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
+                "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+            },
+            "faults": bench.results,
+            "unexpected_process_exits": bench.unexpected_exits,
+            "targets_met": {
+                **chaos.targets(bench.results, args.heartbeat_ttl_s, interval),
+                "no_process_exits": not bench.unexpected_exits,
+            },
+        }
+    finally:
+        await trio.to_thread.run_sync(cluster.close)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--engine", choices=("llamacpp",), default="llamacpp", help="(chaos.py hands over with it)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    parser.add_argument("--faults", help=f"comma-separated, in order (default: {','.join(FAULTS)})")
+    parser.add_argument("--rate", type=float, default=2.0, help="short non-streamed requests a second (default 2)")
+    parser.add_argument(
+        "--streams", type=int, default=12, help="streams in flight, and each replica's slots (-np) (default 12)"
+    )
+    parser.add_argument(
+        "--stream-tokens", type=int, default=128, help="tokens of each stream, exactly (ignore_eos) (default 128)"
+    )
+    parser.add_argument("--heartbeat-interval-s", type=float, default=5.0, help="server.toml's (default 5)")
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=30.0, help="server.toml's (default 30)")
+    parser.add_argument(
+        "--llama-server", default="", help="the llama-server to run (default: the tests' portable build)"
+    )
+    parser.add_argument("--no-netns", action="store_true", help="nodes on loopback addresses even as root")
+    parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs) afterwards")
+    args = parser.parse_args(argv)
+    if not 1 <= args.stream_tokens <= MAX_STREAM_TOKENS:
+        parser.error(
+            f"--stream-tokens {args.stream_tokens}: give 1 to {MAX_STREAM_TOKENS} (each slot holds {CONTEXT_PER_SLOT})"
+        )
+    if args.streams < 1:
+        parser.error(f"--streams {args.streams}: give at least 1")
+    root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-llama-"))
+    try:
+        result = trio.run(main_async, args, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"chaos: logs kept in {root}", file=sys.stderr)
+    print(json.dumps(result, indent=2))
+    return 0 if all(result["targets_met"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
