@@ -162,14 +162,22 @@ def test_requests_for_a_model_with_no_replica_are_held_and_answered_by_the_one_r
         assert status == 200, body
         assert streamed_whole(body, 4) if call["stream"] else json.loads(body)["choices"][0]["message"]["content"]
     # Both gateways held requests; one replica was started for all of them.
-    assert len(placed(live, "cold")) == 1
-    after = scale(live, "cold")
-    assert after["wanted"] == 1
-    assert after["last"]["kind"] == "start" and after["last"]["reason"].startswith("started on demand: ")
-    decisions = live.cluster.server.events("autoscale_decision")
-    assert [(d["model"], d["kind"]) for d in decisions] == [("cold", "start")]
+    on, after = placed(live, "cold"), scale(live, "cold")
     text = live.cluster.llmgw("ctl", "models", "--state-dir", str(live.cluster.state)).stdout
-    assert "cold: replicas 0-2 (idle after 4 s), wants 1; started on demand: " in text
+    decisions = live.cluster.server.events("autoscale_decision")  # last: none after it was seen above
+    assert [(d["model"], d["kind"]) for d in decisions][:1] == [("cold", "start")]
+    if len(decisions) == 1:
+        assert len(on) == 1 and after["wanted"] == 1
+        assert after["last"]["kind"] == "start" and after["last"]["reason"].startswith("started on demand: ")
+        assert "cold: replicas 0-2 (idle after 4 s), wants 1; started on demand: " in text
+    else:
+        # On a machine with no CPU to spare (CI's, beside a llama.cpp build) the held burst can
+        # outlast up_after_s once the replica is ready: the load then rightly asks for the second
+        # replica, a rise measured after the start, never a second start.
+        assert [(d["model"], d["kind"]) for d in decisions] == [("cold", "start"), ("cold", "up")]
+        assert decisions[1]["reason"].startswith("scaled up: ")
+        assert len(on) in (1, 2) and after["wanted"] in (1, 2)  # seen before the rise, or after
+        assert "cold: replicas 0-2 (idle after 4 s), wants " in text
 
 
 def test_an_idle_model_is_scaled_to_zero_and_back(live: Live) -> None:
