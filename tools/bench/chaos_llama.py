@@ -3,7 +3,7 @@
     ./pants run tools/bench/chaos.py -- --engine llamacpp --json     (as root: nodes in network namespaces)
 
 chaos.py's cluster and faults (`chaos.Bench`: three nodes, one model `chat` of two replicas, so one
-node is spare), with the model on llama.cpp instead of the sim: llama-server (agent.toml's
+node is spare; here each fault hits the replica with the most requests in flight, `LlamaBench`), with the model on llama.cpp instead of the sim: llama-server (agent.toml's
 `llamacpp_bin`, this machine's portable build as the tests find it, or `--llama-server`) serving a
 GGUF the bench makes, whose greedy answer re-tokenizes to the same tokens (testlib.makegguf,
 `cycle=True`), so a stream continued on another replica must end with exactly the text it would
@@ -25,9 +25,11 @@ targets (chaos.targets). The streams are fewer than the sim's 500: two llama-ser
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -40,9 +42,10 @@ from bench.chaos_cluster import ChaosCluster, poll
 from bench.chaos_load import CHAT, COMPLETIONS, Load
 
 FAULTS = ("engine_kill", "node_kill")
-# Four 256-wide layers: loaded in a fraction of a second, about 10 ms a token for each of 12
-# streams on one thread; the made vocabulary (600 tokens) keeps the output layer small.
-MODEL_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "dtype": "F32"}
+# Eight 512-wide layers (F32, 130 MB): loaded in a third of a second; on one thread of a 2-core
+# machine about 20 ms a token for each of 2 streams, 45 for each of 6, so that a stream of 128
+# tokens lasts seconds, as an answer does, and a kill finds streams in the middle.
+MODEL_SHAPE = {"n_layer": 8, "n_embd": 512, "n_head": 8, "dtype": "F32"}
 CONTEXT_PER_SLOT = 512  # a prompt of a few tokens and at most MAX_STREAM_TOKENS
 MAX_STREAM_TOKENS = 256
 
@@ -69,6 +72,34 @@ def llama_server_path(given: str) -> str:
         return llama_server()
     except pytest.fail.Exception as exc:  # its message says where it looked
         raise SystemExit(f"chaos: {exc}; or give --llama-server PATH") from None
+
+
+def outstanding(port: int, model: str) -> dict[str, int]:
+    """Requests each replica of `model` has outstanding in the gateway now, over all its workers
+    (`llmgw_gateway_replica_outstanding` of its /metrics); {} when it does not answer."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/metrics")
+        data = conn.getresponse().read().decode()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for m in re.finditer(r"^llmgw_gateway_replica_outstanding\{([^}]*)\} (\S+)$", data, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("model") == model:
+            out[labels["replica"]] = out.get(labels["replica"], 0) + int(float(m.group(2)))
+    return out
+
+
+class LlamaBench(chaos.Bench):
+    """chaos.Bench, its faults dealt to the replica (or its node) with the most requests in the
+    gateway: with a few streams, prompt affinity may leave the other replica idle at the moment,
+    and a kill there would cut nothing."""
+
+    def _replica_on(self, spare_ok: bool = False) -> tuple[str, dict]:
+        busy = outstanding(self.cluster.http_port, chaos.MODEL)
+        replica = max(self.placed(), key=lambda r: busy.get(r["replica"], 0))  # the first of equals
+        return replica["nodes"][0], replica
 
 
 class GreedyLoad(Load):
@@ -154,7 +185,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
             streams=args.streams,
             stream_tokens=args.stream_tokens,
         )
-        bench = chaos.Bench(cluster, load, args.heartbeat_ttl_s, http_cap)
+        bench = LlamaBench(cluster, load, args.heartbeat_ttl_s, http_cap)
         async with trio.open_nursery() as nursery:
             if not await trio.to_thread.run_sync(lambda: poll("full capacity", bench.full, chaos.FULL_TIMEOUT_S)):
                 raise SystemExit("chaos: the cluster did not reach full capacity; see the logs under " + str(root))
