@@ -327,10 +327,11 @@ def test_json_nested_100000_deep_is_a_400_everywhere(live: Live) -> None:
 def test_two_thousand_idle_connections_while_requests_are_answered(live: Live) -> None:
     socks = hostile.idle("127.0.0.1", live.http_port, IDLE_CONNECTIONS)
     try:
-        # While all of them are open (well inside the head deadline), the gateway still answers.
+        # While all of them are open (inside their head deadline), the gateway still answers: not
+        # once the deadline has cut them (a timed bound tighter than that is the benches' business).
         started = time.monotonic()
         status, _ = request(live.http_port, "GET", "/health")
-        assert status == 200 and time.monotonic() - started < 1.0
+        assert status == 200 and time.monotonic() - started < HEAD_TIMEOUT_S
         deadline = time.monotonic() + HEAD_TIMEOUT_S
         while (opened := metrics(live)['llmgw_connections_open{listener="http"}']) < IDLE_CONNECTIONS:
             assert time.monotonic() < deadline, opened  # all held at once, within their head deadline
