@@ -151,6 +151,7 @@ class GreedyLoad(Load):
 async def main_async(args: argparse.Namespace, root: Path) -> dict:
     from testlib.makegguf import make_gguf
 
+    load_average = [round(x, 2) for x in os.getloadavg()]  # before the bench's own processes
     netns = os.geteuid() == 0 and not args.no_netns
     faults = tuple(f for f in (args.faults or ",".join(FAULTS)).split(",") if f)
     unknown = set(faults) - set(FAULTS)
@@ -218,7 +219,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
                 "heartbeat_interval_s": interval,
                 "heartbeat_ttl_s": args.heartbeat_ttl_s,
                 "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
-                "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+                "load_average_at_start": load_average,
             },
             "faults": bench.results,
             "unexpected_process_exits": bench.unexpected_exits,
