@@ -197,7 +197,7 @@ def test_an_unbuilt_llama_cpp_is_built_in_the_background_saying_why_where_and_ho
     said = fake.said[0]
     assert said.startswith("llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests")
     assert "as the release ships it but with only the CPU variants this machine loads" in said
-    assert "in the background with 4 jobs (pid 4242, about 6 minutes on 2 cores" in said
+    assert "in the background with 4 jobs (pid 4242; 19 minutes beside the suite on 2 cores" in said
     assert "its output goes to dist/testenv/llama-build.log" in said
     assert said.endswith("the others wait for it (//tools/llama:built), and fail with the build's error if it fails")
 

@@ -292,7 +292,7 @@ def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_L
         "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests, node "
         "add's test nodes and the agent's source-build test run its llama-server. Building it once, as "
         f"the release ships it but with only the CPU variants this machine loads, from llama.cpp's source, in "
-        f"the background with {jobs} jobs (pid {pid}, about 6 minutes on 2 cores; LLAMA_BUILD_JOBS=N sets the "
+        f"the background with {jobs} jobs (pid {pid}; 19 minutes beside the suite on 2 cores; LLAMA_BUILD_JOBS=N sets the "
         "jobs): its output goes "
         f"to {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log}. The tests that need no llama-server "
         "run meanwhile; the others wait for it (//tools/llama:built), and fail with the build's error if it fails"
