@@ -3,8 +3,9 @@
     ./pants run tools/bench/chaos.py -- --engine llamacpp --json     (as root: nodes in network namespaces)
 
 chaos.py's cluster and faults (`chaos.Bench`: three nodes, one model `chat` of two replicas, so one
-node is spare; here each fault hits the replica with the most requests in flight, `LlamaBench`), with the model on llama.cpp instead of the sim: llama-server (agent.toml's
-`llamacpp_bin`, this machine's portable build as the tests find it, or `--llama-server`) serving a
+node is spare; here each fault hits the replica with the most requests in flight, `LlamaBench`),
+with the model on llama.cpp instead of the sim: llama-server (agent.toml's `llamacpp_bin`, this
+machine's portable build as the tests find it, or `--llama-server`) serving a
 GGUF the bench makes, whose greedy answer re-tokenizes to the same tokens (testlib.makegguf,
 `cycle=True`), so a stream continued on another replica must end with exactly the text it would
 have had uninterrupted. Each replica has one thread and `-np` = `--streams` slots, so that the one
@@ -18,8 +19,8 @@ and `--rate` short non-streamed requests a second. The faults: `engine_kill` (SI
 replica's llama-server: the agent starts it again) and `node_kill` (a node's agent and engines
 together; it comes back). The result has chaos.py's keys for those faults (failed streams, moved
 streams, wrong text, the moved streams' longest gap between two tokens at p99 and max) and its
-targets (chaos.targets). The streams are fewer than the sim's 500: two llama-server replicas on a
-2-core machine carry a few tens (the default 12).
+targets (chaos.targets). The streams are fewer than the sim's 500: two one-thread llama-server
+replicas on a 2-core machine carry about a dozen (the default 12; docs/reliability.md).
 """
 
 from __future__ import annotations
