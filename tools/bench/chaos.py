@@ -63,10 +63,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -74,7 +72,7 @@ from pathlib import Path
 import trio
 from bench import chaos_attacks as attacks
 from bench import chaos_ha
-from bench.chaos_cluster import ChaosCluster, poll
+from bench.chaos_cluster import ChaosCluster, poll, report, run_and_print
 from bench.chaos_load import Load
 
 from llmgw.simengine.text import MAX_WORDS
@@ -498,8 +496,8 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
             await bench.run(faults)
             nursery.cancel_scope.cancel()
         bench.watch_exits()
-        return {
-            "settings": {
+        return report(
+            {
                 "nodes": len(NODES),
                 "network_namespaces": netns,
                 "replicas": REPLICAS,
@@ -510,15 +508,10 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
                 "http_max_connections": http_cap,
                 "heartbeat_interval_s": interval,
                 "heartbeat_ttl_s": args.heartbeat_ttl_s,
-                "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
             },
-            "faults": bench.results,
-            "unexpected_process_exits": bench.unexpected_exits,
-            "targets_met": {
-                **targets(bench.results, args.heartbeat_ttl_s, interval),
-                "no_process_exits": not bench.unexpected_exits,
-            },
-        }
+            bench,
+            targets(bench.results, args.heartbeat_ttl_s, interval),
+        )
     finally:
         await trio.to_thread.run_sync(cluster.close)
 
@@ -576,19 +569,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--stream-tokens {args.stream_tokens}: give 1 to {MAX_WORDS} (the sim's longest continuation)")
     if args.store is not None and args.store != "postgresql" and not args.store.startswith("postgresql://"):
         parser.error(f"--store {args.store!r}: give 'postgresql' or a postgresql:// url")
-    root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-"))
-    try:
-        run = chaos_ha.main_async if args.store is not None else main_async
-        result = trio.run(run, args, root)
-    finally:
-        if not args.keep:
-            import shutil
-
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"chaos: logs kept in {root}", file=sys.stderr)
-    print(json.dumps(result, indent=2))
-    return 0 if all(result["targets_met"].values()) else 1
+    return run_and_print(chaos_ha.main_async if args.store is not None else main_async, args, "llmgw-chaos-")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,16 @@ nodes are loopback addresses (127.0.0.2, ...) and the partition fault is skipped
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
 import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +254,34 @@ def ready_in_gateway(port: int, model: str) -> int:
             key = worker.group(1) if worker else b""
             ready[key] = ready.get(key, 0) + (b'state="ready"' in line and line.endswith(b" 1"))
     return min(ready.values(), default=0)
+
+
+def report(settings: dict[str, Any], bench: Any, targets: dict[str, bool]) -> dict[str, Any]:
+    """A chaos run's JSON result: its settings and the machine's, each fault's figures, the
+    processes that exited unasked, and each target (`targets`, and that none exited)."""
+    return {
+        "settings": {
+            **settings,
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
+        },
+        "faults": bench.results,
+        "unexpected_process_exits": bench.unexpected_exits,
+        "targets_met": {**targets, "no_process_exits": not bench.unexpected_exits},
+    }
+
+
+def run_and_print(run: Callable[..., Any], args: Any, prefix: str) -> int:
+    """`trio.run(run, args, root)` in a new directory (removed after unless `args.keep`), its
+    result printed as JSON; 0 if every target was met, else 1."""
+    import trio
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        result = trio.run(run, args, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"chaos: logs kept in {root}", file=sys.stderr)
+    print(json.dumps(result, indent=2))
+    return 0 if all(result["targets_met"].values()) else 1

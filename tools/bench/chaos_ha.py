@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import os
-import platform
 import signal
 import sys
 import time
@@ -40,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import trio
-from bench.chaos_cluster import poll, ready_in_gateway
+from bench.chaos_cluster import poll, ready_in_gateway, report
 from bench.chaos_load import Load
 
 from testlib import gatewayd
@@ -295,8 +293,8 @@ async def main_async(args, root: Path) -> dict:
             bench.watch_exits()
         finally:
             await trio.to_thread.run_sync(planes.close)
-    return {
-        "settings": {
+    return report(
+        {
             "store": "a PostgreSQL cluster made by the bench" if pg is not None else "the database given",
             "control_planes": 2,
             "gateways": "1 standalone, 1 worker",
@@ -311,9 +309,7 @@ async def main_async(args, root: Path) -> dict:
             "heartbeat_interval_s": args.heartbeat_interval_s,
             "heartbeat_ttl_s": args.heartbeat_ttl_s,
             "store_away_s": args.store_away_s,
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
         },
-        "faults": bench.results,
-        "unexpected_process_exits": bench.unexpected_exits,
-        "targets_met": {**targets(bench.results), "no_process_exits": not bench.unexpected_exits},
-    }
+        bench,
+        targets(bench.results),
+    )

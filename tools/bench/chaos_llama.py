@@ -29,17 +29,14 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import trio
 from bench import chaos
 from bench import chaos_attacks as attacks
-from bench.chaos_cluster import ChaosCluster, poll
+from bench.chaos_cluster import ChaosCluster, poll, report, run_and_print
 from bench.chaos_load import CHAT, COMPLETIONS, Load
 
 FAULTS = ("engine_kill", "node_kill")
@@ -200,8 +197,8 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
             nursery.cancel_scope.cancel()
         bench.watch_exits()
         answers = set(load.answers.values())
-        return {
-            "settings": {
+        return report(
+            {
                 "engine": "llamacpp",
                 "llama_server": binary,
                 "model": {**MODEL_SHAPE, "n_vocab": 600, "cycle": True},
@@ -219,16 +216,11 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
                 "http_max_connections": http_cap,
                 "heartbeat_interval_s": interval,
                 "heartbeat_ttl_s": args.heartbeat_ttl_s,
-                "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPython {platform.python_version()}",
                 "load_average_at_start": load_average,
             },
-            "faults": bench.results,
-            "unexpected_process_exits": bench.unexpected_exits,
-            "targets_met": {
-                **chaos.targets(bench.results, args.heartbeat_ttl_s, interval),
-                "no_process_exits": not bench.unexpected_exits,
-            },
-        }
+            bench,
+            chaos.targets(bench.results, args.heartbeat_ttl_s, interval),
+        )
     finally:
         await trio.to_thread.run_sync(cluster.close)
 
@@ -259,16 +251,7 @@ def main(argv: list[str]) -> int:
         )
     if args.streams < 1:
         parser.error(f"--streams {args.streams}: give at least 1")
-    root = Path(tempfile.mkdtemp(prefix="llmgw-chaos-llama-"))
-    try:
-        result = trio.run(main_async, args, root)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"chaos: logs kept in {root}", file=sys.stderr)
-    print(json.dumps(result, indent=2))
-    return 0 if all(result["targets_met"].values()) else 1
+    return run_and_print(main_async, args, "llmgw-chaos-llama-")
 
 
 if __name__ == "__main__":
