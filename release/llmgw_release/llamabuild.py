@@ -276,7 +276,8 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     started = time.monotonic()
     what = f"llama.cpp {source.version} for linux-{tc.arch}" + (" (cross)" if tc.cross else "")
     kept = llamarecipe.expected_variants(recipe)
-    every = len(kept) + len(recipe.dropped) - sum(v in llamarecipe.SME_VARIANTS for v in recipe.dropped)
+    sme = [v for v in recipe.dropped if v in llamarecipe.SME_VARIANTS]  # what this compiler cannot build
+    every = len(llamarecipe.VARIANTS[tc.arch]) - len(sme)  # what the release builds with it
     say(
         f"building {what}: "
         + (
@@ -300,11 +301,7 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
     say(
         f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, "
         f"{len(variants)} CPU variants ({', '.join(variants)})"
-        + (
-            f"; left out {', '.join(sme)} ({tc.cc} cannot compile SME)"
-            if (sme := [v for v in recipe.dropped if v in llamarecipe.SME_VARIANTS])
-            else ""
-        )
+        + (f"; left out {', '.join(sme)} ({tc.cc} cannot compile SME)" if sme else "")
     )
     return path
 

@@ -25,22 +25,22 @@ def cache_root() -> Path:
     return llamabuild.cache_root()
 
 
-@functools.cache
 def portable_recipe() -> llamarecipe.Recipe:
     """The portable llama.cpp recipe `./pants test` builds: the release's for this machine's
     architecture (its compilers asked), with the CPU variants this CPU loads (make_recipe(this_cpu=True))."""
-    try:
-        return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host(), this_cpu=True)
-    except llamabuild.LlamaBuildError as exc:
-        pytest.fail(f"cannot tell which llama.cpp build is this machine's: {exc}")
+    return _recipe(this_cpu=True)
 
 
-@functools.cache
 def release_recipe() -> llamarecipe.Recipe:
     """The release's recipe for this machine's architecture (every CPU variant): what a node's
     own CPU build follows, and so the key its build cache names."""
+    return _recipe(this_cpu=False)
+
+
+@functools.cache
+def _recipe(*, this_cpu: bool) -> llamarecipe.Recipe:
     try:
-        return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host())
+        return llamabuild.make_recipe(llamabuild.pinned_source(), llamabuild.this_host(), this_cpu=this_cpu)
     except llamabuild.LlamaBuildError as exc:
         pytest.fail(f"cannot tell which llama.cpp build is this machine's: {exc}")
 
