@@ -193,6 +193,11 @@ def test_a_store_is_at_the_latest_schema_and_names_its_backend(store_backend: St
         "catalog_models",
         "hub_models",
         "model_versions",
+        "audit_log",
+        "teams",
+        "budgets",
+        "usage_hours",
+        "usage_reports",
     }
 
 
@@ -291,7 +296,7 @@ def test_a_database_from_before_schema_versions_is_taken_at_version_1_with_its_r
         )
     store_path(tmp_path).chmod(0o600)
     store = Store.open(tmp_path)
-    assert current_version(store._db) == schema.LATEST == 4
+    assert current_version(store._db) == schema.LATEST == 6
     assert [(n.node_id, n.cordoned) for n in store.nodes()] == [("a", True)] and store.is_revoked(7)
     store.check()
 

@@ -67,10 +67,25 @@ TABLES: dict[str, tuple[str, ...]] = {
         "max_concurrency",
         "created_at",
         "revoked_at",
+        "team",
     ),
     "catalog_models": ("name", "created"),
     "hub_models": ("name", "body", "sealed_token", "added_at"),
     "model_versions": ("id", "body"),
+    "audit_log": ("id", "at", "actor", "source", "action", "target", "detail"),
+    "teams": ("name", "created_at"),
+    "budgets": ("id", "scope_kind", "scope", "model", "period", "tokens", "created_at"),
+    "usage_hours": (
+        "hour",
+        "key_name",
+        "team",
+        "model",
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+    ),
+    "usage_reports": ("instance", "seq", "at"),
 }
 # What the copy's summary calls each table's rows.
 TABLE_ROWS = {
@@ -81,6 +96,11 @@ TABLE_ROWS = {
     "catalog_models": "catalog models",
     "hub_models": "models added from the Hub",
     "model_versions": "model definitions replicas run",
+    "audit_log": "audit log entries",
+    "teams": "teams",
+    "budgets": "token budgets",
+    "usage_hours": "usage ledger rows (key, model and hour)",
+    "usage_reports": "gateways' acknowledged usage reports",
 }
 
 
@@ -168,12 +188,74 @@ def _v4(d: Dialect) -> tuple[str, ...]:
     )
 
 
+def _v5(d: Dialect) -> tuple[str, ...]:
+    # The audit log (issue 48): every admin action, who did it (the admin credential's name or the
+    # page session's), when, from where and what changed. Nothing secret goes in `detail` (a key's
+    # token never, its name and limits only). `id` is sortable: the time, then a random suffix.
+    return (
+        f"""CREATE TABLE IF NOT EXISTS audit_log (
+            id      TEXT PRIMARY KEY,              -- `at` zero-padded to 17 characters, "-", a random hex: sorts as the log does
+            at      {d.real} NOT NULL,             -- unix seconds
+            actor   TEXT NOT NULL,                 -- the admin credential's name, or "page:<session name>"
+            source  TEXT NOT NULL DEFAULT '',      -- the peer's address, or "local"
+            action  TEXT NOT NULL,                 -- "key.create", "node.drain", "page.login", ...
+            target  TEXT NOT NULL DEFAULT '',      -- what it acted on: a key's, node's or model's name
+            detail  TEXT NOT NULL DEFAULT '{{}}'     -- JSON: what changed
+        )""",
+        "CREATE INDEX IF NOT EXISTS audit_log_at ON audit_log (at)",
+    )
+
+
+def _v6(d: Dialect) -> tuple[str, ...]:
+    # Who used what (issue 48). A key belongs to a team ('' for none). The ledger counts every
+    # answer's tokens per hour, key, team and model, from the engines' own `usage`; gateways report
+    # their counts over the link, each report with a sequence per gateway instance, and a report
+    # is added in the same transaction that records its sequence in `usage_reports`, so a report
+    # sent again (after a reconnect or a leader change) is acknowledged and not counted twice.
+    # Budgets: token budgets of a key or a team, for one model or all ('' = all), per period
+    # ("minute", "day", "month").
+    return (
+        "ALTER TABLE api_keys ADD COLUMN team TEXT NOT NULL DEFAULT ''",
+        f"""CREATE TABLE IF NOT EXISTS teams (
+            name        TEXT PRIMARY KEY,
+            created_at  {d.real} NOT NULL
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS budgets (
+            id          TEXT PRIMARY KEY,          -- SCOPE_KIND:SCOPE:MODEL:PERIOD
+            scope_kind  TEXT NOT NULL,             -- "key" or "team"
+            scope       TEXT NOT NULL,             -- the key's or team's name
+            model       TEXT NOT NULL DEFAULT '',  -- '' = every model
+            period      TEXT NOT NULL,             -- "minute", "day" or "month"
+            tokens      {d.integer} NOT NULL,      -- the budget: prompt plus completion tokens
+            created_at  {d.real} NOT NULL
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS usage_hours (
+            hour               {d.integer} NOT NULL,  -- unix seconds of the hour's start (UTC)
+            key_name           TEXT NOT NULL,
+            team               TEXT NOT NULL DEFAULT '',
+            model              TEXT NOT NULL,
+            requests           {d.integer} NOT NULL DEFAULT 0,
+            prompt_tokens      {d.integer} NOT NULL DEFAULT 0,
+            cached_tokens      {d.integer} NOT NULL DEFAULT 0,  -- of prompt_tokens, where the engine says
+            completion_tokens  {d.integer} NOT NULL DEFAULT 0,
+            PRIMARY KEY (hour, key_name, team, model)
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS usage_reports (
+            instance  TEXT PRIMARY KEY,            -- the gateway process (GatewayHello.instance)
+            seq       {d.integer} NOT NULL,        -- the last report of it added to usage_hours
+            at        {d.real} NOT NULL
+        )""",
+    )
+
+
 # The schema's history: (version, its statements in a dialect). Append; never edit a released one.
 MIGRATIONS: tuple[tuple[int, Callable[[Dialect], tuple[str, ...]]], ...] = (
     (1, _v1),
     (2, _v2),
     (3, _v3),
     (4, _v4),
+    (5, _v5),
+    (6, _v6),
 )
 LATEST = MIGRATIONS[-1][0]
 # From this version on a database has the lease (`_v2`): a shared PostgreSQL store there is
