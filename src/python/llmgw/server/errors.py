@@ -185,8 +185,8 @@ class StoreCorrupt(StoreFailed):
             f'backup (made by `llmgw server backup`; docs/operations.md, "Backing up and restoring the control '
             f"plane's state\", has the commands), or move {name} and its -wal and -shm files aside to start "
             "with an empty one, which loses the cordon and drain marks, the replica placements (replicas are placed "
-            "anew), the gateway's API keys (clients need new ones) and the certificate revocations (run "
-            "`llmgw node remove` again for nodes removed before)",
+            "anew), the gateway's API keys (clients need new ones), the certificate revocations (run "
+            "`llmgw node remove` again for nodes removed before) and the audit log of admin actions",
         )
 
 

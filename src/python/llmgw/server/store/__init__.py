@@ -21,11 +21,12 @@ sqlite3 or psycopg: the drivers' exceptions are translated here, once, into the 
 
 from llmgw.server.errors import StoreBusy, StoreCorrupt, StoreError, StoreFailed, StoreUnavailable, UnknownNode
 from llmgw.server.store.backend import migrate, open_backend
-from llmgw.server.store.core import CertRow, HubModelRow, KeyRow, NodeRow, Store
+from llmgw.server.store.core import AuditRow, CertRow, HubModelRow, KeyRow, NodeRow, Store
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, copy_database, store_error, store_path
 
 __all__ = [
     "CLI_BUSY_TIMEOUT_S",
+    "AuditRow",
     "CertRow",
     "HubModelRow",
     "KeyRow",

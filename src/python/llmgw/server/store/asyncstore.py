@@ -38,7 +38,7 @@ from llmgw.backoff import Backoff, Failures
 from llmgw.config import StoreSection
 from llmgw.log import get_logger
 from llmgw.server.errors import NotLeader, StoreError
-from llmgw.server.store import CertRow, HubModelRow, KeyRow, NodeRow, Store
+from llmgw.server.store import AuditRow, CertRow, HubModelRow, KeyRow, NodeRow, Store
 from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.wakeup import Wakeup
 
@@ -275,6 +275,23 @@ class AsyncStore:
 
     async def revoke_api_key(self, name: str) -> bool:
         return await self._run(self._store.revoke_api_key, name)
+
+    # -- the audit log --------------------------------------------------------------------
+
+    async def record_audit(
+        self, *, actor: str, source: str, action: str, target: str = "", detail: dict | None = None
+    ) -> AuditRow:
+        """`Store.record_audit`: through `llmgw.server.admin.audit`, which keeps secrets out."""
+        return await self._run(
+            lambda: self._store.record_audit(actor=actor, source=source, action=action, target=target, detail=detail)
+        )
+
+    async def audit(self, **filters: Any) -> list[AuditRow]:
+        """`Store.audit`: newest first; filters `since`, `until`, `action`, `actor`, `target`, `limit`."""
+        return await self._run(lambda: self._store.audit(**filters))
+
+    async def prune_audit(self, before: float) -> int:
+        return await self._run(self._store.prune_audit, before)
 
 
 WRITE_BACKOFF = Backoff(first_s=0.5, max_s=30.0)  # a write the database refused, tried again

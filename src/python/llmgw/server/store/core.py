@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -75,6 +76,33 @@ class CertRow:
     not_after: float  # 0 for a serial revoked without having been recorded
     issued_at: float
     revoked_at: float | None
+
+
+@attrs.frozen(kw_only=True)
+class AuditRow:
+    """One admin action (`llmgw.server.admin.audit`): who, when, from where, what it changed."""
+
+    id: str  # sorts as the log does: the time, then a random suffix
+    at: float
+    actor: str  # "admin" (the credential) or "page:<session id>"
+    source: str  # the peer's address
+    action: str  # "key.create", "node.drain", "page.login", ...
+    target: str  # what it acted on: a key's, node's or model's name; "" for none
+    detail: dict  # what changed, as JSON: never a secret
+
+
+AUDIT_COLUMNS = "id, at, actor, source, action, target, detail"
+MAX_AUDIT_ROWS = 10_000  # the most one read returns
+
+
+def _audit_row(r: tuple) -> AuditRow:
+    return AuditRow(id=r[0], at=r[1], actor=r[2], source=r[3], action=r[4], target=r[5], detail=json.loads(r[6]))
+
+
+def audit_id(at: float) -> str:
+    """An entry's key: `at` as 17 characters (seconds and microseconds, zero-padded), then a random
+    suffix, so that the keys sort as the entries were made (to the microsecond) and never clash."""
+    return f"{at:017.6f}-{secrets.token_hex(4)}"
 
 
 NODE_COLUMNS = "node_id, first_seen, last_seen, address, cordoned, draining"
@@ -392,6 +420,71 @@ class Store:
         """Forget a model added to the catalog; False if there was none of that name."""
         with self._write() as tx:
             return tx.execute("DELETE FROM hub_models WHERE name = ?", (name,)) > 0
+
+    # -- the audit log --------------------------------------------------------------------
+
+    def record_audit(
+        self,
+        *,
+        actor: str,
+        source: str,
+        action: str,
+        target: str = "",
+        detail: dict | None = None,
+        now: float | None = None,
+    ) -> AuditRow:
+        """Append one admin action to the audit log; the row written. `detail` must hold nothing
+        secret (`llmgw.server.admin.audit` makes it so)."""
+        at = time.time() if now is None else now
+        row = AuditRow(
+            id=audit_id(at), at=at, actor=actor, source=source, action=action, target=target, detail=detail or {}
+        )
+        with self._write() as tx:
+            tx.execute(
+                f"INSERT INTO audit_log ({AUDIT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (row.id, at, actor, source, action, target, json.dumps(row.detail, sort_keys=True)),
+            )
+        return row
+
+    def audit(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        action: str = "",
+        actor: str = "",
+        target: str = "",
+        limit: int = 100,
+    ) -> list[AuditRow]:
+        """The audit log's entries, newest first, at most `limit` (up to `MAX_AUDIT_ROWS`):
+        from `since` (inclusive) to `until` (exclusive), unix seconds; `action` "key" matches
+        "key" and every "key.*", "key.create" only itself; `actor` "page" matches "page" and every
+        "page:*" (a page session's); `target` exactly."""
+        where: list[str] = []
+        args: list[Any] = []
+        if since is not None:
+            where.append("at >= ?")
+            args.append(since)
+        if until is not None:
+            where.append("at < ?")
+            args.append(until)
+        for column, value, sep in (("action", action, "."), ("actor", actor, ":")):
+            if value:
+                # substr rather than LIKE: no wildcard in a name can widen the match.
+                where.append(f"({column} = ? OR substr({column}, 1, ?) = ?)")
+                args.extend((value, len(value) + 1, value + sep))
+        if target:
+            where.append("target = ?")
+            args.append(target)
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        args.append(max(1, min(limit, MAX_AUDIT_ROWS)))
+        rows = self._rows(f"SELECT {AUDIT_COLUMNS} FROM audit_log{clause} ORDER BY at DESC, id DESC LIMIT ?", args)
+        return [_audit_row(r) for r in rows]
+
+    def prune_audit(self, before: float) -> int:
+        """Forget the audit log's entries older than `before` (unix seconds); how many."""
+        with self._write() as tx:
+            return tx.execute("DELETE FROM audit_log WHERE at < ?", (before,))
 
     # -- certificates ---------------------------------------------------------------------
 
