@@ -257,8 +257,8 @@ class Life:
             n, window = m.exits.count, self.backoff.window_s
             engine_log.note(f"{what}; {n} exits within {window:g} s: not restarting")
             m.fail(
-                f"{what}, {n} times within {window:g} s; not restarted until the assignment changes. Last "
-                f"lines of its log:\n{engine_log.tail(TAIL_LINES)}"
+                f"{what}, {n} times within {window:g} s; not restarted until the assignment changes. "
+                f"{w.LOG_TAIL_MARK}{engine_log.tail(TAIL_LINES)}"
             )
             return False
         delay = m.exits.delay()
@@ -266,7 +266,7 @@ class Life:
         log.warning("replica_exited", replica=replica, rank=rank, exit_status=code, restart_in_s=delay)
         m.set(
             w.RESTARTING,
-            detail=f"{what}; restarting in {delay:g} s. Last lines of its log:\n{engine_log.tail(TAIL_LINES)}",
+            detail=f"{what}; restarting in {delay:g} s. {w.LOG_TAIL_MARK}{engine_log.tail(TAIL_LINES)}",
             pid=0,
             port=0,
             events_port=0,

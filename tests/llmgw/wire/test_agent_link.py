@@ -286,3 +286,19 @@ def test_any_value_anywhere_in_a_hello_is_a_bad_message_or_in_range(path: str, v
             continue
         assert isinstance(leaf, (int, float)), (path, leaf)
         assert (0 <= leaf <= 2**63 - 1) if isinstance(leaf, int) else math.isfinite(leaf), (path, leaf)
+
+
+def test_a_replica_detail_is_made_brief_with_the_end_of_its_engine_log() -> None:
+    usage = "\n".join(f"  --option-{i} VALUE   what option {i} does" for i in range(18))
+    detail = (
+        "the engine exited with status 2, 3 times within 60 s; not restarted until the assignment changes. "
+        f"{m.LOG_TAIL_MARK}usage: llmgw engine sim [-h]\n{usage}\n\nllmgw engine sim: error: unrecognized arguments: --bogus\n"
+    )
+    brief = m.brief_detail(detail)
+    assert "\n" not in brief and "--option-3 " not in brief, brief
+    assert brief == (
+        "the engine exited with status 2, 3 times within 60 s; not restarted until the assignment changes. "
+        "Its log ends: --option-16 VALUE   what option 16 does / --option-17 VALUE   what option 17 does / "
+        "llmgw engine sim: error: unrecognized arguments: --bogus"
+    )
+    assert m.brief_detail("needs 2 GPUs; 1 of this node's 2 are free") == "needs 2 GPUs; 1 of this node's 2 are free"

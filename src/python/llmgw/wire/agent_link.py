@@ -246,6 +246,20 @@ FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED, PARKED = (
     "parked",
 )
 REPLICA_STATES = (FETCHING, STARTING, READY, RESTARTING, FAILED, STOPPING, STOPPED, PARKED)
+# What a restarting or failed replica's `detail` puts before the last lines of its engine's log.
+LOG_TAIL_MARK = "Last lines of its log:\n"
+BRIEF_LOG_LINES = 3
+
+
+def brief_detail(detail: str) -> str:
+    """A replica's `detail` made one line for a reason shown elsewhere (a rollout that stopped):
+    what happened and the last few non-blank lines of its engine's log, where the error is (an
+    engine's argument error ends its usage text). The whole tail stays in the engine's log."""
+    head, mark, tail = detail.partition(LOG_TAIL_MARK)
+    if not mark:
+        return detail
+    last = [line.strip() for line in tail.splitlines() if line.strip()][-BRIEF_LOG_LINES:]
+    return head.rstrip() + (" Its log ends: " + " / ".join(last) if last else "")
 
 
 # -- agent -> control plane ----------------------------------------------------------------

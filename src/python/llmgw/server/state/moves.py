@@ -155,7 +155,7 @@ class Moves:
             node = self.registry.nodes.get(n)
             status = next((s for s in node.replicas if s.replica_id == replica_id), None) if node else None
             if status is not None and status.state == w.FAILED:
-                return f"failed: {status.detail or 'its agent gave up on it'}"
+                return f"failed: {w.brief_detail(status.detail) if status.detail else 'its agent gave up on it'}"
         return "was withdrawn (its model or its nodes changed)"
 
     def _gone(self, nodes: tuple[str, ...]) -> str:
