@@ -81,6 +81,13 @@ def configure(parser: Parser) -> None:
     parser.add_argument(
         "--name", metavar="NAME", help="the gateway's name; default: its certificate's CN, which it must match"
     )
+    parser.add_argument(
+        "--telemetry",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file with a [telemetry] table (server.toml's): export traces to the OpenTelemetry collector "
+        "it names (docs/operations.md, Traces); default: no traces",
+    )
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--figures-dir", type=Path, help=argparse.SUPPRESS)  # the parent's, for /metrics
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         table_first=args.table_first,
         settings=args.settings,
         figures_dir=args.figures_dir,
+        telemetry_file=args.telemetry,
     )
     if args.worker_index is not None:
         return run_service("gateway_worker", main.serve_gateway_worker, plan, args.worker_index, args.parent_fd)

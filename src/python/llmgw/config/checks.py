@@ -26,6 +26,7 @@ from llmgw.config.schema import (
     Model,
     ModelSource,
     ServerConfig,
+    TelemetrySection,
 )
 
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
@@ -87,6 +88,7 @@ def check_server(cfg: ServerConfig) -> list[str]:
     problems.extend(_check_engines(cfg.engines))
     problems.extend(_check_gateway(cfg.gateway))
     problems.extend(_check_autoscale(cfg.autoscale))
+    problems.extend(check_telemetry(cfg.telemetry))
     for key in ("max_archive_gib", "max_weights_gib"):
         if getattr(cfg.downloads, key) < 1:
             problems.append(f"must be at least 1 @ $.downloads.{key}")
@@ -274,6 +276,30 @@ def _check_build(version: str, build: EngineBuild, at: str) -> list[str]:
             problems.append(f"must not be negative (0: {'not given' if key == 'size' else 'automatic'}) @ {at}.{key}")
     if build.timeout_s <= 0:
         problems.append(f"must be more than 0 seconds, got {build.timeout_s} @ {at}.timeout_s")
+    return problems
+
+
+_OTLP_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?(/[^\s?#]*)?$")
+
+
+def check_telemetry(tel: TelemetrySection, at: str = "$.telemetry") -> list[str]:
+    """`[telemetry]`'s rules (server.toml's, and the file of `llmgw gateway --telemetry`)."""
+    problems = []
+    if tel.otlp_endpoint and not _OTLP_URL.match(tel.otlp_endpoint):
+        problems.append(
+            "expected a collector's OTLP/HTTP base URL, http://HOST:PORT or https://HOST:PORT[/PATH] "
+            f"(/v1/traces is appended), got {tel.otlp_endpoint!r} @ {at}.otlp_endpoint"
+        )
+    if not (math.isfinite(tel.sample_ratio) and 0 <= tel.sample_ratio <= 1):
+        problems.append(
+            f"expected the share of requests traced, from 0 to 1, got {tel.sample_ratio} @ {at}.sample_ratio"
+        )
+    if not (math.isfinite(tel.timeout_s) and tel.timeout_s > 0):
+        problems.append(f"must be more than 0 seconds, got {tel.timeout_s} @ {at}.timeout_s")
+    if not tel.service_name:
+        problems.append(f"must not be empty @ {at}.service_name")
+    if tel.headers_file and not Path(tel.headers_file).is_absolute():
+        problems.append(f"expected an absolute path, got {tel.headers_file!r} @ {at}.headers_file")
     return problems
 
 

@@ -387,6 +387,26 @@ class StoreSection:
 
 
 @attrs.frozen(kw_only=True)
+class TelemetrySection:
+    """`[telemetry]`: the gateway's traces (`llmgw.telemetry`), exported over OTLP/HTTP to a
+    collector; off while `otlp_endpoint` is "" (nothing of OpenTelemetry is then imported).
+    `otlp_endpoint` is the collector's base URL, `/v1/traces` appended as OTLP/HTTP's own
+    OTEL_EXPORTER_OTLP_ENDPOINT is; `headers_file` a file (mode 0600) of `Name: value` lines sent
+    with every export (a vendor's API key), read at start and never logged. A request whose
+    client sent a sampled `traceparent` is traced whatever `sample_ratio` says (parent-based)."""
+
+    otlp_endpoint: str = ""
+    service_name: str = "llmgw-gateway"
+    sample_ratio: float = 1.0
+    headers_file: str = ""
+    timeout_s: float = 10.0  # one export's request, in the exporter's own thread
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_endpoint)
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     server: ServerSection = ServerSection()
     store: StoreSection = StoreSection()
@@ -399,6 +419,7 @@ class ServerConfig:
     release: ReleaseSection = ReleaseSection()
     debug: DebugSection = DebugSection()
     hub: HubSection = HubSection()
+    telemetry: TelemetrySection = TelemetrySection()
     models: tuple[Model, ...] = ()
 
 

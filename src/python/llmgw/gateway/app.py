@@ -52,7 +52,7 @@ import math
 import random
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
@@ -99,6 +99,9 @@ from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
 from llmgw.wire.gateway_link import OPENAI_ROUTES, ModelInfo, ModelLoad
 
+if TYPE_CHECKING:
+    from llmgw.telemetry.otel import RequestTrace, Tracing
+
 log = get_logger("llmgw.gateway")
 
 FORWARDED = frozenset(OPENAI_ROUTES)
@@ -137,9 +140,11 @@ class Gateway:
         json_workers: JsonWorkers | None = None,
         connect: Connect | None = None,
         open_events: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
+        tracing: Tracing | None = None,
     ) -> None:
         """`connect`: how the pool opens a connection to an engine (`upstream.open_tcp` by
-        default; tests reach engines' handlers over memory streams)."""
+        default; tests reach engines' handlers over memory streams). `tracing`: the process's
+        traces (`llmgw.telemetry.start`; None: off, and each hook is then one branch)."""
         self.provider = provider
         # Large bodies are parsed in a worker process (started at the first); its owner closes it.
         self.json = json_workers or JsonWorkers()
@@ -154,6 +159,7 @@ class Gateway:
             probe_timeout_s=options.probe_timeout_s,
             connect=connect,
         )
+        self.tracing = tracing
         self.open_events = open_events  # how a KV-cache events subscription connects (`gateway/cachewatch.py`)
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
@@ -304,6 +310,8 @@ class Gateway:
         try:
             if request.path in FORWARDED:
                 allow(request, "POST")
+                if self.tracing is not None:
+                    return await self._forward_traced(request, rid)
                 return await self._forward(request, rid)
             response = self._local(request)
         except HTTPError as exc:
@@ -351,7 +359,25 @@ class Gateway:
         created = info.created if info is not None else 0
         return {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
 
-    async def _forward(self, request: Request, rid: str) -> Response | StreamingResponse:
+    async def _forward_traced(self, request: Request, rid: str) -> Response | StreamingResponse:
+        """`_forward` with the request's spans (`llmgw.telemetry.otel`): ended by the job's end,
+        or here when the request fails or is refused."""
+        assert self.tracing is not None
+        trace = self.tracing.request(request.path, request.headers, rid)
+        if trace is None:  # not sampled: its traceparent, if any, goes on as it came
+            return await self._forward(request, rid)
+        try:
+            return await self._forward(request, rid, trace)
+        except HTTPError as exc:
+            trace.failed(exc.status, exc.code or "", exc.message)
+            raise
+        except BaseException:
+            trace.end(499)  # cancelled: the client went away
+            raise
+
+    async def _forward(
+        self, request: Request, rid: str, trace: RequestTrace | None = None
+    ) -> Response | StreamingResponse:
         started = self.clock()
         if self.refusing:
             raise counted(self.metrics, "-", unavailable("the gateway is shutting down", "shutting_down"))
@@ -376,6 +402,9 @@ class Gateway:
             self.keys.leave(key)
             raise
         job = Job(self, key, fields.model, started, rid)
+        if trace is not None:
+            job.trace = trace
+            trace.admitted(fields.model)
         try:
             job.prompt = fields.prompt
             response = await self._attempts(request, job, fields.prompt)
@@ -396,7 +425,7 @@ class Gateway:
         tried: set[str] = set()
         last = last_reason = ""
         for attempt in range(self.options.max_attempts):
-            ep, job.route = await self._wait_for_endpoint(job.model, tried, prompt, deadline)
+            ep, job.route = await self._wait_for_endpoint(job.model, tried, prompt, deadline, job.trace)
             if ep is None:
                 if last:
                     why, code = f"no replica of {job.model!r} could answer: {last}", "overloaded"
@@ -409,13 +438,16 @@ class Gateway:
             self.router.acquire(ep, job.prefill)
             job.endpoint = ep
             job.sent_at = self.clock()
+            headers = upstream_headers(request, ep, job.rid)
+            if job.trace is not None:
+                headers = job.trace.attempt(ep.replica_id, ep.host, ep.port, headers)
             try:
                 upstream = await self.pool.send(
                     ep.host,
                     ep.port,
                     request.method,
                     request.path,
-                    upstream_headers(request, ep, job.rid),
+                    headers,
                     await request.read(),
                 )
             except UpstreamUnavailable as exc:
@@ -445,12 +477,14 @@ class Gateway:
         """An attempt on `ep` failed with nothing of it sent to the client: the job leaves it, it
         leaves rotation (a retry, by the rule) and is not tried again for this request."""
         log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=why, request_id=job.rid)
+        if job.trace is not None:
+            job.trace.attempt_failed(reason, why)
         job.leave_replica()
         self.replica_failed(ep, reason, client_saw_bytes=False)
         tried.add(ep.replica_id)
 
     async def _wait_for_endpoint(
-        self, model: str, tried: set[str], prompt: Prompt | None, deadline: float
+        self, model: str, tried: set[str], prompt: Prompt | None, deadline: float, trace: RequestTrace | None = None
     ) -> tuple[Endpoint | None, Route]:
         """A replica for the next attempt, at once or once one is free; None: none by `deadline`.
         503 at once (raised, counted) while the model is unservable, when it becomes so while the
@@ -470,6 +504,7 @@ class Gateway:
         ticket = self.queues.enter(model, self.clock(), shared=not own)
         if self.queues.queued[model] == 1 and not self.router.endpoints.get(model):
             self.cold.fire()  # the first to wait for a model with no replica: the control plane starts one
+        waiting = trace.queue() if trace is not None else None
         try:
             with trio.move_on_at(deadline):
                 while True:
@@ -484,6 +519,8 @@ class Gateway:
                     await freed.wait()
         finally:
             self.queues.leave(ticket)
+            if waiting is not None:
+                waiting.end()
         return None, route
 
     def _refuse_if_unservable(self, model: str) -> None:
@@ -493,6 +530,8 @@ class Gateway:
     async def _relay(self, upstream: UpstreamResponse, job: Job, request: Request) -> Response | StreamingResponse:
         ep = job.endpoint
         assert ep is not None
+        if job.trace is not None:
+            job.trace.relaying(upstream.status)
         route = job.route
         headers = relayed_headers(
             upstream.headers,
@@ -571,7 +610,7 @@ class Gateway:
         last = ""
         for _ in range(self.options.max_attempts):
             try:
-                ep, job.route = await self._wait_for_endpoint(model, tried, None, deadline)
+                ep, job.route = await self._wait_for_endpoint(model, tried, None, deadline, job.trace)
             except HTTPError as exc:
                 last = exc.message
                 break
@@ -580,10 +619,11 @@ class Gateway:
                 break
             self.router.acquire(ep)
             job.endpoint = ep
+            headers = upstream_headers(request, ep, job.rid)
+            if job.trace is not None:
+                headers = job.trace.attempt(ep.replica_id, ep.host, ep.port, headers, migration)
             try:
-                upstream = await self.pool.send(
-                    ep.host, ep.port, request.method, route, upstream_headers(request, ep, job.rid), payload
-                )
+                upstream = await self.pool.send(ep.host, ep.port, request.method, route, headers, payload)
             except UpstreamUnavailable as exc:
                 last, reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
             else:
@@ -597,6 +637,8 @@ class Gateway:
                         request_id=job.rid,
                     )
                     self.metrics.migrations.inc(model=model, outcome="continued")
+                    if job.trace is not None:
+                        job.trace.relaying(200)
                     return upstream, Rewrite(route, sent, migration)
                 if upstream.status not in _RETRY_STATUSES:
                     # The replica is well and refused the continuation itself (say 400: the prompt

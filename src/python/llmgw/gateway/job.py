@@ -28,6 +28,7 @@ from llmgw.wire.gateway_link import GatewayKey
 
 if TYPE_CHECKING:
     from llmgw.gateway.app import Gateway
+    from llmgw.telemetry.otel import RequestTrace
 
 log = get_logger("llmgw.gateway")
 
@@ -46,6 +47,7 @@ class Job:
         "prompt",
         "route",
         "prefill",
+        "trace",
         "_first_byte_seen",
         "_done",
     )
@@ -57,6 +59,7 @@ class Job:
         self.prompt: Prompt | None = None  # for a model routed by prefix
         self.route: Route = LEAST  # how `endpoint` was chosen
         self.prefill = 0  # bytes of its prompt new to `endpoint` while its answer has not begun
+        self.trace: RequestTrace | None = None  # its spans, when traced (`llmgw.telemetry`)
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
@@ -101,6 +104,8 @@ class Job:
         if status is not None:
             gw.metrics.answered(self.model, status)
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
+            if self.trace is not None:
+                self.trace.end(status)
 
 
 class Resume(Protocol):
@@ -125,12 +130,16 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
     events = Events(resume.budget) if resume is not None else None
     rewrite: Rewrite | None = None
     migration = 0
+    ttft = job.trace  # its first bytes are the trace's first token, then None
     try:
         while True:
             try:
                 async for chunk in upstream.body():
                     if job.prefill:
                         job.answering()
+                    if ttft is not None:
+                        ttft.first_token()
+                        ttft = None
                     if events is None:
                         yield chunk
                         continue
@@ -149,6 +158,8 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                     "gateway_stream_broken", replica=upstream.key, model=job.model, reason=str(exc), request_id=job.rid
                 )
                 status = 502
+                if job.trace is not None:
+                    job.trace.relay_broken(str(exc))
                 if job.endpoint is not None:  # out of rotation until probed
                     job.gw.replica_failed(job.endpoint, "broken", client_saw_bytes=True)
                 if resume is None or events is None or events.overflow or migration >= resume.max_migrations:

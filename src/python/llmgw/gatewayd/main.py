@@ -20,13 +20,13 @@ import socket
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from llmgw import paths
-from llmgw.config import GatewaySection, to_dict
+from llmgw import paths, telemetry
+from llmgw.config import GatewaySection, TelemetrySection, to_dict
 from llmgw.config.convert import structure
 from llmgw.errors import ConfigError, UsageError
 from llmgw.gatewayd import figures
@@ -40,6 +40,9 @@ from llmgw.http.limits import Limits
 from llmgw.http.relay import Relay
 from llmgw.log import get_logger
 from llmgw.wire.gateway_session import new_instance
+
+if TYPE_CHECKING:
+    from llmgw.telemetry.otel import Tracing
 
 log = get_logger("llmgw.gatewayd")
 
@@ -60,7 +63,11 @@ class GatewayPlan:
     listen_fds: tuple[int, ...] = ()  # listening sockets passed to the workers, in place of binding `listen`
     relay_socket: Path | None = None  # where what is not the gateway's goes (`llmgw.http.relay`)
     table_first: bool = False  # listen only once the first whole table came (`GatewayWorker.serve`)
-    settings: Path | None = None  # `[gateway]` and `[http]` as the control plane runs them (`write_settings`)
+    settings: Path | None = (
+        None  # `[gateway]`, `[http]` and `[telemetry]` as the control plane runs them (`write_settings`)
+    )
+    telemetry: TelemetrySection = TelemetrySection()  # the traces: off unless it names a collector
+    telemetry_file: Path | None = None  # `--telemetry FILE`, where a gateway of its own read `telemetry`
     figures_dir: Path | None = None  # where a gateway of its own's workers share their figures (`figures`)
 
     @property
@@ -88,7 +95,11 @@ def plan(
     when several share a store (`--server` given more than once)."""
     host, port = split_listen(listen)
     if inner.get("settings") is not None:
-        inner["gateway"], inner["http"] = read_settings(inner["settings"])
+        inner["gateway"], inner["http"], inner["telemetry"] = read_settings(inner["settings"])
+    if inner.get("telemetry_file") is not None:
+        inner["telemetry"] = telemetry.load_section(inner["telemetry_file"])
+    if inner.get("telemetry") is not None and inner["telemetry"].headers_file:
+        telemetry.read_headers(inner["telemetry"].headers_file)  # readable and private: told now, not by each worker
     servers = (server_url,) if isinstance(server_url, str) else tuple(server_url or ())
     if servers:
         for url in servers:
@@ -113,14 +124,18 @@ def plan(
     )
 
 
-def write_settings(path: Path, gateway: GatewaySection, http: Limits) -> None:
-    """The control plane's `[gateway]` and `[http]` for its own workers (a 0600 file: nothing in
-    them is secret, but the directory is the workers' private one)."""
+def write_settings(
+    path: Path, gateway: GatewaySection, http: Limits, telemetry: TelemetrySection | None = None
+) -> None:
+    """The control plane's `[gateway]`, `[http]` and `[telemetry]` for its own workers (a 0600
+    file: nothing in them is secret, `[telemetry]`'s headers being in a file of their own, but the
+    directory is the workers' private one)."""
     limits = {f.name: getattr(http, f.name) for f in attrs.fields(Limits)}  # the listener's part of [http]
-    paths.write_private(path, json.dumps({"gateway": to_dict(gateway), "http": limits}).encode())
+    data = {"gateway": to_dict(gateway), "http": limits, "telemetry": to_dict(telemetry or TelemetrySection())}
+    paths.write_private(path, json.dumps(data).encode())
 
 
-def read_settings(path: Path) -> tuple[GatewaySection, Limits]:
+def read_settings(path: Path) -> tuple[GatewaySection, Limits, TelemetrySection]:
     """What `write_settings` wrote; a `ConfigError` naming the file if it cannot be read as that."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -129,7 +144,8 @@ def read_settings(path: Path) -> tuple[GatewaySection, Limits]:
     if not isinstance(data, dict):
         raise ConfigError(str(path), ["expected a JSON object with gateway and http"])
     gateway = structure(data.get("gateway", {}), GatewaySection, str(path))
-    return gateway, structure(data.get("http", {}), Limits, str(path))
+    tracing = structure(data.get("telemetry", {}), TelemetrySection, str(path))
+    return gateway, structure(data.get("http", {}), Limits, str(path)), tracing
 
 
 def split_listen(value: str) -> tuple[str, int]:
@@ -159,6 +175,8 @@ def worker_args(plan: GatewayPlan, *, log_level: str, log_format: str) -> tuple[
         args += ["--table-first"]
     if plan.settings is not None:
         args += ["--settings", str(plan.settings.absolute())]
+    if plan.telemetry_file is not None:
+        args += ["--telemetry", str(plan.telemetry_file.absolute())]
     return tuple(args)
 
 
@@ -206,8 +224,23 @@ def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source
 
 
 async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | None) -> None:
-    """One worker: serve on the shared port until cancelled or the parent is gone, then drain."""
+    """One worker: serve on the shared port until cancelled or the parent is gone, then drain;
+    its traces' exporter (`[telemetry]`) is stopped last, once its spans are handed over."""
     instance = f"w{index}-{new_instance()}"  # the link's instance: one per process, a restart a new one
+    tracing = telemetry.start(plan.telemetry, instance=f"{plan.name}/{instance}")  # None: off
+    if tracing is not None:
+        log.info("gateway_traces", endpoint=tracing.endpoint, sample_ratio=plan.telemetry.sample_ratio)
+    try:
+        await _serve_worker(plan, index, parent_fd, instance, tracing)
+    finally:
+        if tracing is not None:  # what is queued goes to the collector, bounded
+            with trio.CancelScope(shield=True):
+                await tracing.aclose()
+
+
+async def _serve_worker(
+    plan: GatewayPlan, index: int, parent_fd: int | None, instance: str, tracing: Tracing | None
+) -> None:
     relay = Relay(plan.relay_socket).handle if plan.relay_socket is not None else None
     shared = figures.SharedFigures(plan.figures_dir, index, instance) if plan.figures_dir is not None else None
     worker = GatewayWorker(
@@ -216,6 +249,7 @@ async def serve_gateway_worker(plan: GatewayPlan, index: int, parent_fd: int | N
         options=plan.gateway,
         plane_routes=relay,
         figures=shared,
+        tracing=tracing,
     )
     source = source_of(plan, instance, worker)
     parent = parent_link(parent_fd)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -61,6 +61,9 @@ from llmgw.metrics import MetricsRegistry
 from llmgw.supervision import Background
 from llmgw.wire import gateway_link as g
 
+if TYPE_CHECKING:
+    from llmgw.telemetry.otel import Tracing
+
 log = get_logger("llmgw.gatewayd")
 
 # What fills a worker's table: called as `source(sink=table, task_status=...)` (the link client,
@@ -83,18 +86,19 @@ class GatewayWorker:
         plane_routes: Handler | None = None,
         figures: SharedFigures | None = None,
         connections: ConnectionStats | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """`instance`: this worker's name on the link; `connect`: how the upstream pool reaches
         engines (tests: memory streams); `plane_routes`: what answers the paths that are not the
         gateway's (the control plane's); `figures`: where the workers of a gateway of its own
         share their figures, so that its /metrics has every worker's whichever answers (None: its
         own, unlabelled); `connections`: its listener's counts (on the control plane's loop, the
-        control plane's own)."""
+        control plane's own); `tracing`: its traces (`llmgw.telemetry.start`), None when off."""
         self.table = table
         self.instance = instance
         self.plane_routes = plane_routes
         self.figures = figures
-        self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect)
+        self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect, tracing=tracing)
         self.connections = connections if connections is not None else ConnectionStats()
         self.background = Background(log)
         r = self.registry = MetricsRegistry()

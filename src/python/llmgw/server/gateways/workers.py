@@ -164,7 +164,7 @@ class OwnGateway:
     def _command(self, agent_address: tuple[str, int], listen: tuple[str, int], fds: tuple[int, ...]) -> WorkerCommand:
         pki = issue_identity(self.ca, self.state_dir, validity_days=self.config.ca.server_cert_validity_days)
         settings = pki / SETTINGS_FILE
-        gatewayd.write_settings(settings, self.config.gateway, self.config.http)
+        gatewayd.write_settings(settings, self.config.gateway, self.config.http, self.config.telemetry)
         url = link_url(agent_address)
         plan = gatewayd.plan(
             listen=_listen(listen),
