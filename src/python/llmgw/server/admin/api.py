@@ -25,6 +25,8 @@ with a wrong one, the answer is 401 with what to do. Routes:
     GET    /admin/v1/gateways              the gateway instances connected (server/links/gatewaylinks.py): name,
                                            instance, since when, last heard, requests in flight, share
     GET    /admin/v1/events                the cluster page's live feed (server/admin/events.py)
+    GET    /admin/v1/audit[?since=T&until=T&action=A&actor=X&target=N&limit=N]   the audit log, newest
+                                           first (server/admin/audit.py)
     POST   /admin/v1/page/login            a one-time login URL for the cluster page (server/admin/page.py)
     POST   /admin/v1/certificates          record a node certificate just issued (`llmgw node add`, `llmgw ca
                                            issue`): {serial, node_id, not_after, revoke_others, also_revoke}
@@ -73,7 +75,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
-from llmgw.server.admin import modelroutes
+from llmgw.server.admin import audit, modelroutes
 from llmgw.server.admin.certificates import CERTIFICATES, certificates
 from llmgw.server.errors import (
     ApiKeyError,
@@ -289,7 +291,9 @@ class AdminAPI:
         if request.path == "/admin/v1/reload":
             _allow(request, "POST")
             params.query(request, {})
-            return Response.json(200, await self.operations.reload())
+            result = await self.operations.reload()
+            audit.describe(request, "config.reload", **result)
+            return Response.json(200, result)
         logs = _REPLICA_LOGS.match(request.path)
         if logs is not None:
             _allow(request, "GET")
@@ -307,6 +311,8 @@ class AdminAPI:
             return Response.json(200, {"models": self.views.model_views(await self.views.replica_listing())})
         if self.models is not None and modelroutes.serves(request.path):
             return await modelroutes.model_routes(self.models, request)
+        if request.path == audit.ROUTE:
+            return await audit.listing(self.store, request)
         if request.path == "/admin/v1/gateways":
             _allow(request, "GET")
             params.query(request, {})
@@ -320,7 +326,9 @@ class AdminAPI:
             # The credential itself, even under a page session's cookie: holding the control plane's
             # loop is for the operator at its shell, never a button on a page.
             self._authorize(request)
-            return Response.json(200, self.operations.stall(_stall_seconds(request)))
+            seconds = _stall_seconds(request)
+            audit.describe(request, "debug.stall", seconds=seconds)
+            return Response.json(200, self.operations.stall(seconds))
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
@@ -341,16 +349,20 @@ class AdminAPI:
             _allow(request, "POST")
             force = params.flag(params.query(request, {"force": FORCE}).get("force", "0"), "force")
             progress = await self.operations.start_drain(node_id, force=force)
+            audit.describe(request, "node.drain", node_id, force=force)
             return Response.json(202, {"drain": progress.view()})
         if action in ("cordon", "uncordon"):
             _allow(request, "POST")
             params.query(request, {})
             await self.operations.set_cordoned(node_id, action == "cordon")
+            audit.describe(request, f"node.{action}", node_id)
             log.info(f"node_{action}ed", node=node_id)
             return Response.json(200, {"node": self.views.node_view(node_id)})
         _allow(request, "DELETE")
         params.query(request, {})
-        return Response.json(200, await self.operations.remove_node(node_id))
+        removed = await self.operations.remove_node(node_id)
+        audit.describe(request, "node.remove", node_id, revoked_serials=removed["revoked_serials"])
+        return Response.json(200, removed)
 
     async def _keys_reached(self) -> None:
         if self.keys_reached is not None:
@@ -363,6 +375,7 @@ class AdminAPI:
             _allow(request, "DELETE")
             name = _path_id(_KEY.match(request.path).group(1), "key name", KEY_NAME, KEY_NAME_RULE)
             await ring.revoke(name)
+            audit.describe(request, "key.revoke", name)
             await self._keys_reached()
             log.info("api_key_revoked", name=name)
             return Response.json(200, {"revoked": name})
@@ -384,6 +397,14 @@ class AdminAPI:
             models=() if body.get("models") is None else body["models"],
             rate_per_minute=body.get("rate_per_minute", 0),
             max_concurrency=body.get("max_concurrency", 0),
+        )
+        audit.describe(
+            request,
+            "key.create",
+            row.name,
+            models=list(row.models),
+            rate_per_minute=row.rate_per_minute,
+            max_concurrency=row.max_concurrency,
         )
         await self._keys_reached()
         log.info("api_key_created", name=row.name, models=list(row.models))

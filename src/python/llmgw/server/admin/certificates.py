@@ -22,6 +22,7 @@ from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, allow
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
+from llmgw.server.admin import audit
 
 if TYPE_CHECKING:
     from llmgw.server.store.asyncstore import AsyncStore
@@ -84,6 +85,15 @@ async def certificates(store: AsyncStore, request: Request) -> Response:
         serial, node_id, not_after, revoke_others=revoke_others, also_revoke=also_revoke
     )
     log.info("certificate_recorded", node=node_id, serial=str(serial), revoked_serials=revoked)
+    audit.describe(
+        request,
+        "certificate.record",
+        node_id,
+        serial=f"{serial:x}",  # hex, as openssl and `node.remove` print it
+        not_after=not_after,
+        revoke_others=revoke_others,
+        revoked_serials=[f"{int(s):x}" for s in revoked],
+    )
     return Response.json(201, {"recorded": str(serial), "revoked_serials": revoked})
 
 

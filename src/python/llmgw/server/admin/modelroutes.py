@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from llmgw.config import NAME, Secret
 from llmgw.errors import LlmgwError, MachineError, UsageError, shown
 from llmgw.http import params
@@ -30,6 +32,7 @@ from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, allow
 from llmgw.hub.client import GatedRepository, HubError
 from llmgw.hub.resolve import AddRequest
+from llmgw.server.admin import audit
 from llmgw.server.admin.models import ModelDoesNotFit, ModelExists, UnknownModel
 from llmgw.server.errors import StoreError
 
@@ -109,21 +112,32 @@ async def _route(models: HubModels, request: Request) -> Response:
             or not all(isinstance(n, str) and NAME.fullmatch(n) for n in nodes)
         ):
             raise HTTPError(400, f'the body must be {{"nodes": [NODE, ...]}}: 1 to {MAX_STAGE_NODES} node ids')
-        return Response.json(202, await models.stage(name, list(dict.fromkeys(nodes))))
+        staged = await models.stage(name, list(dict.fromkeys(nodes)))
+        audit.describe(request, "model.stage", name, nodes=nodes)
+        return Response.json(202, staged)
     update = _UPDATE.match(request.path)
     if update is not None:
         allow(request, "POST")
         params.query(request, {})
         name = _model_name(update.group(1))
-        return Response.json(200, await models.update(name, **update_request(await read_json(request))))
+        asked = update_request(await read_json(request))
+        updated = await models.update(name, **asked)
+        audit.describe(request, "model.update", name, **{k: v for k, v in asked.items() if v})
+        return Response.json(200, updated)
     if request.path != MODELS:
         allow(request, "DELETE")
         params.query(request, {})
-        return Response.json(200, await models.remove(_model_name(_MODEL.match(request.path).group(1))))
+        name = _model_name(_MODEL.match(request.path).group(1))
+        removed = await models.remove(name)
+        audit.describe(request, "model.remove", name)
+        return Response.json(200, removed)
     allow(request, "POST")
     params.query(request, {})
     req, token = add_request(await read_json(request))
-    return Response.json(201, {"model": await models.add(req, token)})
+    added = await models.add(req, token)
+    asked = {k: v for k, v in attrs.asdict(req).items() if v and k != "name"}
+    audit.describe(request, "model.add", req.name, **asked, token=token is not None)  # "(given)", never the token
+    return Response.json(201, {"model": added})
 
 
 def _model_name(raw: str) -> str:

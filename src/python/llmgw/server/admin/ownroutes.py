@@ -104,7 +104,12 @@ class OwnRoutes:
         self.refusals = RefusalLines("http")
         # The cluster page: sessions, the gateways' history, the gate.
         self.page = Page(
-            self.views, gateways.history_totals, gateways.keys, origins=self.page_origins, refusals=self.refusals
+            self.views,
+            gateways.history_totals,
+            gateways.keys,
+            origins=self.page_origins,
+            refusals=self.refusals,
+            store=store,  # the audit log's
         )
         self.admin = AdminAPI(
             refusals=self.refusals,

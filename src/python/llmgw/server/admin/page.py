@@ -22,7 +22,8 @@ everything the admin API serves; it may change something only if its login code 
 actions, only with its CSRF token in `x-llmgw-csrf`, and only from a page of this control
 plane's own origin (`Origin`, one of `page_origins`). Every call that changes something is
 logged (`admin_call`) with who made it — the session's public id or "admin-credential", never
-a secret.
+a secret — and every one that succeeds is written to the audit log (`llmgw.server.admin.audit`),
+as is each login.
 
 This control plane's origins are the addresses it is configured or advertised at, never the
 request's own `Host` (which whoever sends the request chooses, a rebound DNS name's page too):
@@ -54,7 +55,7 @@ from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
-from llmgw.server.admin import events
+from llmgw.server.admin import audit, events
 from llmgw.server.admin import pagefeed as feed
 from llmgw.server.admin.logins import (
     CSRF_HEADER,
@@ -70,6 +71,7 @@ from llmgw.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from llmgw.server.state.keys import KeyRing
+    from llmgw.server.store.asyncstore import AsyncStore
 
 
 log = get_logger("llmgw.page")
@@ -154,6 +156,11 @@ class Caller:
     who: str  # "admin-credential" or a session's public id
     session: PageSession | None = None
 
+    @property
+    def actor(self) -> str:
+        """Who the audit log says made the call: "admin", or "page:" and the session's id."""
+        return audit.ADMIN if self.session is None else audit.page_actor(self.session.id)
+
 
 def load_assets() -> dict[str, bytes]:
     """The page's files by name, from the package (a directory, a pex or the release zipapp)."""
@@ -178,13 +185,15 @@ class Page:
         *,
         origins: Callable[[], frozenset[str]],
         refusals: RefusalLines | None = None,
+        store: AsyncStore | None = None,
     ) -> None:
         """`views`: what the feed shows of the cluster; `history`: the gateways' figures for
         the plots (`llmgw.gateway.history`); `keys`: the API keys for the keys view;
         `origins()`: this control plane's origins now (`page_origins`), the only ones a
         session's change is taken from; `refusals`: where a spent login code or a refused page
         call is logged, with the admin API's wrong credentials (`RefusalLines`: a few lines
-        each interval, then counted)."""
+        each interval, then counted); `store`: where the audit log is written (None: nowhere)."""
+        self.store = store
         self.origins = origins
         self.refusals = refusals or RefusalLines("http")
         self.views = views
@@ -205,7 +214,7 @@ class Page:
     async def handle(self, request: Request) -> Response:
         if request.path == "/login":
             _allow(request, "GET")  # a HEAD must not spend the code
-            return self._login(request)
+            return await self._login(request)
         if request.method not in SAFE_METHODS:
             raise HTTPError(
                 405,
@@ -222,7 +231,7 @@ class Page:
         headers = (("content-type", _content_type(name)), ("cache-control", "no-cache"), *SECURITY_HEADERS)
         return Response(status=200, body=body, headers=headers)  # to a HEAD the server sends no body
 
-    def _login(self, request: Request) -> Response:
+    async def _login(self, request: Request) -> Response:
         now = trio.current_time()
         try:
             code = params.query(request, {"code": LOGIN_CODE}).get("code", "")
@@ -239,6 +248,15 @@ class Page:
         log.info(
             "page_login", session=s.id, actions=s.can_act, client=request.client, expires_in_s=round(s.expires_at - now)
         )
+        if self.store is not None:
+            await audit.record(
+                self.store,
+                actor=audit.page_actor(s.id),
+                source=audit.source_of(request),
+                action="page.login",
+                detail={"actions": s.can_act, "expires_in_s": round(s.expires_at - now)},
+            )
+            self.touched.fire()  # open pages show the login
         return Response(
             status=303,
             headers=(
@@ -259,18 +277,25 @@ class Page:
         self, request: Request, authorize: Callable[[Request], None], inner: Inner
     ) -> Response | StreamingResponse:
         caller = self._caller(request, authorize)
+        changing = request.method not in SAFE_METHODS
+        call = audit.open_call(request, caller.actor) if changing else None
         try:
-            if request.method not in SAFE_METHODS and caller.session is not None:
+            if changing and caller.session is not None:
                 self._check_change(request, caller.session)
             own = await self._admin_route(request, caller)
             response = own if own is not None else await inner(request)
         except HTTPError as exc:
-            if request.method not in SAFE_METHODS:  # a refused change is audited too
+            if changing:  # a refused change is logged too
                 log.info("admin_call", method=request.method, path=request.path, status=exc.status, by=caller.who)
             raise
-        if request.method not in SAFE_METHODS:
+        finally:
+            if call is not None:
+                audit.close_call(request)  # described or not, the routes are done with it
+        if call is not None:
             log.info("admin_call", method=request.method, path=request.path, status=response.status, by=caller.who)
             if response.status < 400:
+                if self.store is not None:
+                    await audit.record_call(self.store, request, call)
                 self.touched.fire()
         return response
 
@@ -367,6 +392,7 @@ class Page:
             ):
                 raise HTTPError(400, 'the body must be {"actions": true|false} (or empty)')
             actions = body.get("actions", False)
+            audit.describe(request, "page.link", actions=actions)
             return Response.json(
                 201,
                 {
@@ -394,6 +420,7 @@ class Page:
             _allow(request, "POST")
             if caller.session is not None:
                 self.sessions.end(cookie_value(request.headers.get("cookie", "")))
+            audit.describe(request, "page.logout", caller.session.id if caller.session else "")
             return Response.json(200, {"ended": caller.who}, headers=(("set-cookie", clear_cookie()),))
         return None
 

@@ -1,0 +1,278 @@
+"""The audit log on a served control plane (issue 48): every admin action made through the real
+admin API — with the credential, as `llmgw ctl` sends it, and from a cluster page session — is
+recorded with who, from where and what changed, read back by GET /admin/v1/audit with its filters
+and by `llmgw ctl audit`; no token, cookie, CSRF token or login code is in it. Then the entry
+made directly (`audit.record`) when the store refuses it, `small`, and the leader's pruning on a
+fake clock."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from llmgw import paths
+from llmgw.config import ServerConfig, load_server_config
+from llmgw.ctl.client import AdminClient
+from llmgw.errors import PeerError
+from llmgw.server.admin import audit
+from llmgw.server.app import ControlPlane
+from llmgw.server.errors import StoreBusy
+from testlib.controlplane import OFFLINE_ENGINES, make_state
+from testlib.hubrepos import gguf_repo
+from testlib.hubserver import HubServer
+
+pytestmark = pytest.mark.trio
+
+REPO = "llmgw-tests/Tiny-GGUF"
+HUB_TOKEN = "hf_AUDIT_secret_never_kept_0123456789"
+
+
+async def call(fn, *args, **kw):
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kw))
+
+
+class Browser:
+    """What a browser sends: its session cookie, and for a change the page's Origin and CSRF token."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port
+        self.origin = f"http://{self.host}:{self.port}"
+        self.cookie = ""
+        self.csrf = ""
+
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        sent = {**(headers or {}), **({"cookie": self.cookie} if self.cookie else {})}
+        try:
+            conn.request(method, path, headers=sent)
+            response = conn.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            conn.close()
+
+    def login(self, login_path: str) -> None:
+        status, headers, _ = self.request("GET", login_path)
+        assert status == 303
+        self.cookie = headers["set-cookie"].split(";")[0]
+        status, _, body = self.request("GET", "/admin/v1/page/session")
+        session = json.loads(body)
+        self.csrf, self.id = session["csrf"], session["id"]
+
+    def change(self, method: str, path: str) -> int:
+        return self.request(method, path, {"origin": self.origin, "x-llmgw-csrf": self.csrf})[0]
+
+
+@pytest.fixture
+async def served(tmp_path: Path, nursery: trio.Nursery):
+    """A control plane with a server.toml (reload), [debug] allow_stall, [hub] on a test Hub whose
+    gated repository takes HUB_TOKEN, and one known node."""
+    with HubServer([gguf_repo(REPO, model="Tiny", gated="auto", token=HUB_TOKEN)]) as hub:
+        state = tmp_path / "cp"
+        make_state(state, sans=["127.0.0.1"], days=3)
+        toml = tmp_path / "server.toml"
+        toml.write_text(
+            f'[server]\nstate_dir = "{state}"\nagent_listen = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
+            f'[hub]\nendpoint = "{hub.url}"\n[debug]\nallow_stall = true\n'
+            '[[models]]\nname = "chat"\nengine = "sim"\n'
+        )
+        config = load_server_config(toml)
+        config = ServerConfig(
+            server=config.server, hub=config.hub, debug=config.debug, engines=OFFLINE_ENGINES, models=config.models
+        )
+        plane = ControlPlane.open(config, state, toml)
+        await nursery.start(plane.serve)
+        await plane.store.saw_node("n1", "127.0.0.5")
+        plane.registry.know("n1", address="127.0.0.5")
+        yield plane, state, AdminClient.locate(server=None, credential=None, state_dir=str(state))
+
+
+async def test_every_admin_action_is_recorded_with_who_where_and_what_and_nothing_secret(served) -> None:
+    plane, state, client = served
+    ask = client.request
+    made = await call(
+        ask, "POST", "/admin/v1/keys", {"name": "ci", "models": ["chat"], "rate_per_minute": 60, "max_concurrency": 2}
+    )
+    key_token = made["token"]
+    await call(ask, "DELETE", "/admin/v1/keys/ci")
+    with pytest.raises(PeerError):  # refused: nothing changed, nothing recorded
+        await call(ask, "POST", "/admin/v1/keys", {"name": "bad name!"})
+    await call(client.cordon, "n1", True)
+    await call(client.cordon, "n1", False)
+    await call(ask, "POST", "/admin/v1/nodes/n1/drain")
+    await call(ask, "DELETE", "/admin/v1/nodes/n1")  # before the model: a node of no memory would refuse it
+    await call(ask, "POST", "/admin/v1/reload")
+    body = {"serial": "48879", "node_id": "n2", "not_after": 2e9, "revoke_others": True}
+    await call(ask, "POST", "/admin/v1/certificates", body)
+    added = {"name": "tiny", "hf": REPO, "quant": "Q8_0", "token": HUB_TOKEN, "args": ["--ctx-size", "512"]}
+    await call(ask, "POST", "/admin/v1/models", added)
+    await call(ask, "POST", "/admin/v1/models/tiny/update", {"args": ["--ctx-size", "1024"]})
+    await call(ask, "DELETE", "/admin/v1/models/tiny")
+    await call(ask, "POST", "/admin/v1/debug/stall?seconds=0.01")
+    # A page session: the link the credential mints, the login, a change, the logout.
+    link = await call(ask, "POST", "/admin/v1/page/login", {"actions": True})
+    browser = Browser(client.url)
+    await call(browser.login, link["path"])
+    await plane.store.saw_node("n3", "127.0.0.6")
+    plane.registry.know("n3", address="127.0.0.6")
+    assert await call(browser.change, "POST", "/admin/v1/nodes/n3/cordon") == 200
+    assert await call(browser.change, "POST", "/admin/v1/page/logout") == 200
+
+    entries = (await call(ask, "GET", "/admin/v1/audit"))["entries"]
+    page = audit.page_actor(browser.id)
+    assert [(e["actor"], e["action"], e["target"]) for e in reversed(entries)] == [
+        ("admin", "key.create", "ci"),
+        ("admin", "key.revoke", "ci"),
+        ("admin", "node.cordon", "n1"),
+        ("admin", "node.uncordon", "n1"),
+        ("admin", "node.drain", "n1"),
+        ("admin", "node.remove", "n1"),
+        ("admin", "config.reload", ""),
+        ("admin", "certificate.record", "n2"),
+        ("admin", "model.add", "tiny"),
+        ("admin", "model.update", "tiny"),
+        ("admin", "model.remove", "tiny"),
+        ("admin", "debug.stall", ""),
+        ("admin", "page.link", ""),
+        (page, "page.login", ""),
+        (page, "node.cordon", "n3"),
+        (page, "page.logout", browser.id),
+    ]
+    assert {e["source"] for e in entries} == {"127.0.0.1"}
+    assert entries == sorted(entries, key=lambda e: (e["at"], e["id"]), reverse=True)
+    assert all(time.time() - 60 < e["at"] <= time.time() for e in entries)
+    detail = {e["action"]: e["detail"] for e in entries if e["actor"] == "admin"}
+    assert detail["key.create"] == {"models": ["chat"], "rate_per_minute": 60, "max_concurrency": 2}
+    assert detail["node.drain"] == {"force": False}
+    assert detail["config.reload"] == {"models": ["chat"], "nodes_changed": []}
+    assert detail["certificate.record"] == {
+        "serial": "beef",
+        "not_after": 2e9,
+        "revoke_others": True,
+        "revoked_serials": [],
+    }
+    assert detail["model.add"] == {
+        "hf": REPO,
+        "quant": "Q8_0",
+        "args": ["--ctx-size", "512"],
+        "replicas": 1,
+        "nodes_per_replica": 1,
+        "token": "(given)",
+    }
+    assert detail["model.update"] == {"args": ["--ctx-size", "1024"]}
+    assert detail["debug.stall"] == {"seconds": 0.01}
+    assert detail["page.link"] == {"actions": True}
+    [login] = [e for e in entries if e["action"] == "page.login"]
+    assert login["detail"] == {"actions": True, "expires_in_s": 43200}
+
+    # Nothing secret: not the key's token, the Hub token, the credential, the cookie, the CSRF
+    # token or the login code, in the answer or in the store's rows.
+    stored = json.dumps([audit.view(r) for r in await plane.store.audit(limit=10_000)])
+    credential = paths.admin_token_path(state).read_text().strip()
+    code = link["path"].split("code=", 1)[1]
+    for secret in (key_token, HUB_TOKEN, credential, browser.cookie.split("=", 1)[1], browser.csrf, code):
+        assert secret not in stored and secret not in json.dumps(entries)
+
+    # Filters: an action's family, every page session, a target, a time, a limit.
+    def listed(query: str) -> list[tuple[str, str]]:
+        return [(e["action"], e["target"]) for e in ask("GET", "/admin/v1/audit?" + query)["entries"]]
+
+    assert await call(listed, "action=key") == [("key.revoke", "ci"), ("key.create", "ci")]
+    assert await call(listed, "actor=page&action=node") == [("node.cordon", "n3")]
+    assert await call(listed, "target=n1&limit=2") == [("node.remove", "n1"), ("node.drain", "n1")]
+    assert len(await call(listed, "target=n1")) == 4
+    cut = entries[2]["at"]
+    assert len(await call(listed, f"since={cut!r}")) == 3
+    assert await call(listed, f"until={entries[-1]['at']!r}") == []
+    for bad, says in (("since=yesterday", "unix seconds"), ("limit=0", "limit"), ("who=me", "who")):
+        with pytest.raises(PeerError) as refused:
+            await call(ask, "GET", "/admin/v1/audit?" + bad)
+        assert "HTTP 400" in str(refused.value) and says in str(refused.value)
+
+
+class RefusingStore:
+    """The audit log's store as a busy database answers: every write refused."""
+
+    async def record_audit(self, **entry: Any) -> None:
+        raise StoreBusy("/state/llmgw.db", 1.0)
+
+
+async def test_a_store_that_refuses_the_entry_leaves_it_in_the_log(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.audit")
+    row = await audit.record(
+        RefusingStore(),  # type: ignore[arg-type]
+        actor="admin",
+        source="10.1.2.3",
+        action="budget.set",
+        target="team-a",
+        detail={"tokens": 1000, "token": "sk-x"},
+    )
+    assert row is None
+    [line] = [r.llmgw_fields for r in caplog.records if r.getMessage() == "audit_not_recorded"]
+    assert {k: line[k] for k in ("actor", "source", "action", "target", "detail")} == {
+        "actor": "admin",
+        "source": "10.1.2.3",
+        "action": "budget.set",
+        "target": "team-a",
+        "detail": {"tokens": 1000, "token": "(given)"},
+    }
+    assert "sk-x" not in repr(line)
+
+
+async def test_small_keeps_secrets_out_and_details_small() -> None:
+    got = audit.small(
+        {
+            "token": "sk-very-secret",
+            "Password": "",
+            "nested": {"csrf": "abc", "ok": 1, "code": "x"},
+            "long": "x" * 1000,
+            "many": list(range(100)),
+            "when": 1.5,
+            "set": {"b", "a"},
+            "other": Path("/p"),
+        }
+    )
+    assert got["token"] == "(given)" and "Password" not in got
+    assert got["nested"] == {"csrf": "(given)", "ok": 1, "code": "(given)"}
+    assert len(got["long"]) == audit.MAX_TEXT and got["long"].endswith("…")
+    assert got["many"][: audit.MAX_ITEMS] == list(range(audit.MAX_ITEMS)) and got["many"][-1] == "… 36 more"
+    assert (got["when"], got["set"], got["other"]) == (1.5, ["a", "b"], "/p")
+    assert "sk-very-secret" not in json.dumps(got)
+
+
+class PrunedStore:
+    def __init__(self) -> None:
+        self.cuts: list[float] = []
+
+    async def prune_audit(self, before: float) -> int:
+        self.cuts.append(before)
+        return 1
+
+
+async def test_the_leader_prunes_what_is_older_than_keep_days_at_start_and_once_a_day(autojump_clock) -> None:
+    store, wall, keep = PrunedStore(), [1000 * audit.DAY_S], [365.0]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            partial(audit.serve_pruning, store, lambda: keep[0], now=lambda: wall[0])  # type: ignore[arg-type]
+        )
+        await wait_all_tasks_blocked()
+        assert store.cuts == [635 * audit.DAY_S]  # at start
+        wall[0] += audit.DAY_S
+        await trio.sleep(audit.DAY_S)
+        await wait_all_tasks_blocked()
+        assert store.cuts == [635 * audit.DAY_S, 636 * audit.DAY_S]  # a day later
+        keep[0] = 0.0  # keep everything: nothing pruned
+        await trio.sleep(audit.DAY_S)
+        await wait_all_tasks_blocked()
+        assert len(store.cuts) == 2
+        nursery.cancel_scope.cancel()
