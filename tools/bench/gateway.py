@@ -4,7 +4,7 @@ gateway, in one run.
     ./pants run tools/bench/gateway.py -- [--generator auto|wrk|rawhttp]
         [--latency-seconds L] [--seconds S] [--sse-streams M] [--sse-events E] [--sse-gap-ms G]
         [--streams N] [--workers W] [--workers-seconds S] [--workers-rounds R] [--workers-only]
-        [--python auto|current|PATH]
+        [--python auto|current|PATH] [--otlp-endpoint URL]
 
 Loopback only. The upstream is `tools/bench/rawhttp.py upstream`, a plain epoll loop that answers
 at once (a fixed chat completion; for `"stream": true`, E server-sent events), so the engine is
@@ -88,10 +88,16 @@ TARGETS = {
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, name: str, upstreams: list[CannedUpstream], python: str) -> None:
-        """A gateway runner in front of `upstreams`, on a free port, run by `python`."""
+    def __init__(
+        self, tmp: Path, name: str, upstreams: list[CannedUpstream], python: str, otlp_endpoint: str = ""
+    ) -> None:
+        """A gateway runner in front of `upstreams`, on a free port, run by `python`; its traces
+        exported to `otlp_endpoint` if given (`[telemetry]`)."""
         spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"endpoints": [u.endpoint() for u in upstreams]}))
+        body: dict = {"endpoints": [u.endpoint() for u in upstreams]}
+        if otlp_endpoint:
+            body["telemetry"] = {"otlp_endpoint": otlp_endpoint}
+        spec.write_text(json.dumps(body))
         log = tmp / f"{name}.log"
         with log.open("wb") as stderr:
             self.proc = subprocess.Popen(
@@ -298,7 +304,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
     try:
         up = CannedUpstream(events=args.sse_events, gap_ms=args.sse_gap_ms)
         procs.append(up.proc)
-        gw = GatewayProc(tmp, "gw", [up], args.python)
+        gw = GatewayProc(tmp, "gw", [up], args.python, args.otlp_endpoint)
         procs.insert(0, gw.proc)
         wait_answers(gw.port, gw.token)
         out |= latency_phase(gen, up, gw, args.latency_seconds)
@@ -307,7 +313,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
         if args.streams:
             slow = CannedUpstream(events=HELD_EVENTS, gap_ms=HELD_GAP_MS)
             procs.append(slow.proc)
-            gw2 = GatewayProc(tmp, "gw-streams", [slow], args.python)
+            gw2 = GatewayProc(tmp, "gw-streams", [slow], args.python, args.otlp_endpoint)
             procs.insert(0, gw2.proc)
             wait_answers(gw2.port, gw2.token)
             out |= trio.run(hold_streams, gw2, args.streams)
@@ -349,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers-seconds", type=float, default=10.0, help="phase 5's window per run (default: 10)")
     parser.add_argument("--workers-rounds", type=int, default=3, help="phase 5's runs of each, in turn (default: 3)")
     parser.add_argument("--workers-only", action="store_true", help="run phase 5 alone")
+    parser.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="URL",
+        help="phases 1-4: the gateway traces every request to this OpenTelemetry collector ([telemetry] "
+        "otlp_endpoint; default: no traces, as a gateway is configured by default)",
+    )
     parser.add_argument(
         "--python",
         default="auto",
@@ -402,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sse_events_per_stream": args.sse_events,
                 "sse_gap_ms": args.sse_gap_ms,
                 "streams": args.streams,
+                "otlp_endpoint": args.otlp_endpoint,
                 **bench(args, Path(tmp)),
             }
         if args.workers:

@@ -5,7 +5,8 @@ and memory as that process's own.
 
 SPEC is `{"endpoints": [{"replica_id", "model", "host", "port", "api_key"}]}`, and optionally
 `"details": [{"name", "routing", ...}]` (what the rotation says of each model: `ModelInfo`, e.g.
-its routing policy, as tools/bench/prefix.py sets it) and `"options": {...}` (`[gateway]` keys). It serves a
+its routing policy, as tools/bench/prefix.py sets it), `"options": {...}` (`[gateway]` keys) and
+`"telemetry": {...}` (`[telemetry]` keys: traces to a collector, tools/bench/gateway.py --otlp-endpoint). It serves a
 `Gateway` with those `StaticEndpoints` on 127.0.0.1 (port P, or a free one), with one new API
 key and no store. It prints `{"port": P, "token": T, "pid": PID}` on one line once it listens,
 and runs until SIGTERM or SIGINT. The open-file limit is raised to its hard limit so thousands of
@@ -28,8 +29,9 @@ from pathlib import Path
 
 import trio
 
+from llmgw import telemetry
 from llmgw.commands._service import run_service
-from llmgw.config import GatewaySection
+from llmgw.config import GatewaySection, TelemetrySection
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.gateway.routing import Endpoint
@@ -49,7 +51,8 @@ async def serve(spec: dict, port: int) -> None:
     endpoints = tuple(Endpoint(**ep) for ep in spec["endpoints"])
     details = tuple(ModelInfo(**d) for d in spec.get("details", ()))
     options = GatewaySection(**spec.get("options", {}))
-    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys, options=options)
+    tracing = telemetry.start(TelemetrySection(**spec.get("telemetry", {})))  # None without one
+    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys, options=options, tracing=tracing)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_services, gateway)
         listeners = await nursery.start(partial(serve_http, errors=error_body), gateway.handle, HOST, port)
