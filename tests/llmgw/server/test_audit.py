@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import subprocess
 import time
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,7 @@ from llmgw.server.errors import StoreBusy
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.hubrepos import gguf_repo
 from testlib.hubserver import HubServer
+from testlib.proc import run_llmgw
 
 pytestmark = pytest.mark.trio
 
@@ -198,6 +200,44 @@ async def test_every_admin_action_is_recorded_with_who_where_and_what_and_nothin
         with pytest.raises(PeerError) as refused:
             await call(ask, "GET", "/admin/v1/audit?" + bad)
         assert "HTTP 400" in str(refused.value) and says in str(refused.value)
+
+
+async def ctl(*args: str) -> subprocess.CompletedProcess:
+    return await trio.to_thread.run_sync(lambda: run_llmgw("ctl", *args, timeout=60))
+
+
+async def test_ctl_audit_prints_the_log_and_its_filters(served) -> None:
+    plane, state, _ = served
+    where = ("--state-dir", str(state))
+    made = await ctl("keys", "create", "ci", "--models", "chat", "--rate-per-minute", "60", "--json", *where)
+    token = json.loads(made.stdout)["token"]
+    assert (await ctl("cordon", "n1", *where)).returncode == 0
+    assert (await ctl("keys", "revoke", "ci", *where)).returncode == 0
+
+    shown = await ctl("audit", *where)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split() == ["TIME", "(UTC)", "ACTOR", "SOURCE", "ACTION", "TARGET", "DETAIL"]
+    assert [line.split()[2:6] for line in lines[1:]] == [
+        ["admin", "127.0.0.1", "key.revoke", "ci"],
+        ["admin", "127.0.0.1", "node.cordon", "n1"],
+        ["admin", "127.0.0.1", "key.create", "ci"],
+    ]
+    assert lines[3].endswith("max_concurrency=0 models=chat rate_per_minute=60")  # the fields by name
+    assert token not in shown.stdout
+
+    keys = json.loads((await ctl("audit", "--action", "key", "--since", "1h", "--json", *where)).stdout)
+    assert [(e["action"], e["target"], e["actor"]) for e in keys] == [
+        ("key.revoke", "ci", "admin"),
+        ("key.create", "ci", "admin"),
+    ]
+    assert set(keys[0]) == {"id", "at", "actor", "source", "action", "target", "detail"}
+    later = await ctl("audit", "--since", "2999-01-01", *where)
+    assert later.stdout.strip() == "no audit entries (for these filters)"
+    newest = await ctl("audit", "--limit", "1", "--actor", "admin", *where)
+    assert "key.revoke" in newest.stdout and "key.create" not in newest.stdout and "--limit" in newest.stdout
+    wrong = await ctl("audit", "--since", "yesterday", *where)
+    assert wrong.returncode != 0 and "--since 'yesterday' is not a time" in wrong.stderr
 
 
 class RefusingStore:
