@@ -377,3 +377,25 @@ async def test_the_kept_events_are_bounded_per_stream_and_per_process() -> None:
     big = Events(KeptBudget())
     big.feed(b"data: " + b"z" * (MAX_KEPT_BYTES + 1) + b"\n\n")
     assert big.overflow and big.kept == b""
+
+
+@pytest.mark.parametrize("asked", [False, True])
+async def test_a_migrated_streams_usage_counts_the_whole_answer_whether_or_not_the_client_asked(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, asked: bool
+) -> None:
+    # The gateway asks each engine for its usage; the continuation's, rewritten, counts the words
+    # before the failure as completion: that goes to the ledger, and to the client only if asked.
+    net, a, b, gw, info = await setup(tmp_path, nursery, "vllm")
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if asked:
+        request["stream_options"] = {"include_usage": True}
+    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    events, _, done = parse(body)
+    assert status == 200 and done and text_of(events) == "".join(WORDS)
+    assert b.bodies[-1]["stream_options"] == {"include_usage": True}
+    usages = [e["usage"] for e in events if e.get("usage")]
+    assert usages == (
+        [{"prompt_tokens": 5, "completion_tokens": len(WORDS), "total_tokens": 5 + len(WORDS)}] if asked else []
+    )
+    [(row, counts)] = gw.gateway.usage.pending.items()
+    assert row[1:] == ("tests", "", "m") and counts == [1, 5, 0, len(WORDS)]

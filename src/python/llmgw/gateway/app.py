@@ -92,6 +92,7 @@ from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.queues import Queues
 from llmgw.gateway.routing import LEAST, Endpoint, Rotation, Route, Router, Verdict
 from llmgw.gateway.upstream import Connect, UpstreamPool, UpstreamResponse
+from llmgw.gateway.usage import StreamUsage, Usage, body_usage, with_usage
 from llmgw.http.errors import HTTPError
 from llmgw.http.jsonworkers import JsonWorkers, ParserBusy, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
@@ -171,6 +172,7 @@ class Gateway:
         )
         self.prefix_models = NO_PREFIX  # whose requests' prompts are read for routing
         self.metrics = GatewayMetrics()
+        self.usage = Usage(self.metrics.registry)  # who used what: the ledger's counts (`gateway/usage.py`)
         self.rotation_version = 0  # of the rotation routed by now (`Rotation.version`)
         self.details: dict[str, ModelInfo] = {}  # of the models in rotation, as the provider says them
         self.queues = Queues()  # the requests waiting for a replica, per model
@@ -407,6 +409,11 @@ class Gateway:
             trace.admitted(fields.model)
         try:
             job.prompt = fields.prompt
+            job.body = await request.read()
+            if fields.stream and request.path in ROUTES:  # the engine says the usage, the client sees what it asked
+                job.meter = StreamUsage(fields.include_usage)
+                if not fields.include_usage:
+                    job.body = fields.usage_body or with_usage(job.body)
             response = await self._attempts(request, job, fields.prompt)
         except BaseException:
             job.finish(None)
@@ -448,7 +455,7 @@ class Gateway:
                     request.method,
                     request.path,
                     headers,
-                    await request.read(),
+                    job.body,
                 )
             except UpstreamUnavailable as exc:
                 last, last_reason = str(exc), "first_byte" if isinstance(exc, UpstreamNoFirstByte) else "connect"
@@ -552,6 +559,9 @@ class Gateway:
             finally:
                 await upstream.aclose()
             now = self.clock()
+            if upstream.status < 400:
+                job.served = True
+                job.tokens = body_usage(body)
             job.answering()
             job.first_byte(now)
             job.finish(upstream.status, now)
@@ -560,9 +570,12 @@ class Gateway:
                 headers = (*(h for h in headers if h[0] != b"content-type"), (b"content-type", b"application/json"))
             return Response(status=upstream.status, body=body, headers=headers)
         job.first_byte(self.clock())
+        job.served = upstream.status < 400
         resume = None
         info = self.details.get(job.model)
         sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if not sse or upstream.status != 200:
+            job.meter = None
         if (
             self.options.max_migrations
             and upstream.status == 200
@@ -595,7 +608,7 @@ class Gateway:
         if not why:
             try:
                 outcome, why, payload = await self.json.parse(
-                    await request.read(), continuation_payload, route, engine, sent.text, sent.tokens
+                    job.body, continuation_payload, route, engine, sent.text, sent.tokens
                 )
             except (HTTPError, ParserBusy) as exc:  # InvalidJson is an HTTPError
                 outcome, why = NOT_EXACT, f"its body could not be read again: {exc}"

@@ -1,7 +1,9 @@
-"""What the gateway reads of a request body: the model, whether it streams, and, for a model
-routed by prefix, the prompt in blocks (`llmgw.gateway.prefix.Prompt`). Pure; run where the body
-is parsed (`llmgw.http.jsonbody`: on the loop for small bodies, in the JSON worker for large
-ones), so only these few fields come back. The body itself is forwarded as it came.
+"""What the gateway reads of a request body: the model, whether it streams (and whether its client
+asked for the usage), and, for a model routed by prefix, the prompt in blocks
+(`llmgw.gateway.prefix.Prompt`). Pure; run where the body is parsed (`llmgw.http.jsonbody`: on
+the loop for small bodies, in the JSON worker for large ones), so only these few fields come
+back. The body itself is forwarded as it came, but for a stream's request for its usage
+(`llmgw.gateway.usage`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import attrs
 
 from llmgw.gateway.prefix import BLOCK_CHARS, MAX_BLOCKS, Prompt
+from llmgw.gateway.usage import usage_options
 from llmgw.http.jsonbody import InvalidJson
 
 
@@ -33,6 +36,10 @@ class RequestFields:
     stream: bool
     # The prompt in blocks, for a model routed by prefix; None for others, or a body without one.
     prompt: Prompt | None = None
+    # A stream's: whether the client asked for the usage (`stream_options.include_usage`), and the
+    # body to send for one that sent `stream_options` without asking (`gateway.usage.usage_options`).
+    include_usage: bool = False
+    usage_body: bytes = b""
 
 
 def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields:
@@ -58,7 +65,10 @@ def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields
     prompt = None
     if model in prefix.models:
         prompt = Prompt.of(body, model, block_chars=prefix.block_chars, max_blocks=prefix.max_blocks)
-    return RequestFields(model=model, stream=bool(stream), prompt=prompt)
+    include_usage, usage_body = usage_options(body) if stream else (False, b"")
+    return RequestFields(
+        model=model, stream=bool(stream), prompt=prompt, include_usage=include_usage, usage_body=usage_body
+    )
 
 
 def slot_tasks(body: Any) -> list[int]:

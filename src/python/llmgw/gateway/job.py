@@ -22,6 +22,7 @@ from llmgw.gateway.migrate import Events, KeptBudget, Rewrite
 from llmgw.gateway.prefix import Prompt
 from llmgw.gateway.routing import LEAST, Endpoint, Route
 from llmgw.gateway.upstream import UpstreamResponse
+from llmgw.gateway.usage import StreamUsage, Tokens
 from llmgw.http.errors import BodyAborted
 from llmgw.log import get_logger
 from llmgw.wire.gateway_link import GatewayKey
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from llmgw.telemetry.otel import RequestTrace
 
 log = get_logger("llmgw.gateway")
+NOTHING_KEPT = KeptBudget(0)  # the budget of a stream cut at its events that cannot be continued
 
 
 class Job:
@@ -48,6 +50,10 @@ class Job:
         "route",
         "prefill",
         "trace",
+        "body",
+        "served",
+        "tokens",
+        "meter",
         "_first_byte_seen",
         "_done",
     )
@@ -60,6 +66,10 @@ class Job:
         self.route: Route = LEAST  # how `endpoint` was chosen
         self.prefill = 0  # bytes of its prompt new to `endpoint` while its answer has not begun
         self.trace: RequestTrace | None = None  # its spans, when traced (`llmgw.telemetry`)
+        self.body = b""  # what is sent to the engines (the client's, or a stream's asking for its usage)
+        self.served = False  # an engine answered it with a success status: it counts in the usage
+        self.tokens: Tokens | None = None  # an answer read whole: its engine's usage
+        self.meter: StreamUsage | None = None  # a stream's usage, read as it is relayed
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
@@ -106,6 +116,13 @@ class Job:
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
             if self.trace is not None:
                 self.trace.end(status)
+        if self.served:
+            t = self.tokens if self.meter is None else self.meter.tokens
+            key = self.key
+            if t is None:
+                gw.usage.record(key.name, key.team, self.model, 0, 0, 0)
+            else:
+                gw.usage.record(key.name, key.team, self.model, t.prompt, t.cached, t.completion)
 
 
 class Resume(Protocol):
@@ -127,7 +144,11 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
     a break cuts it; with one it is passed on in whole SSE events, kept (`migrate.Events`), and a
     break has `resume` continue it on another replica, up to `resume.max_migrations` times."""
     status: int | None = 499
-    events = Events(resume.budget) if resume is not None else None
+    meter = job.meter
+    if resume is not None:
+        events: Events | None = Events(resume.budget)
+    else:  # a stream whose usage is read is cut at its events too, none kept
+        events = Events(NOTHING_KEPT) if meter is not None else None
     rewrite: Rewrite | None = None
     migration = 0
     ttft = job.trace  # its first bytes are the trace's first token, then None
@@ -145,10 +166,11 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                         continue
                     whole = events.feed(chunk)
                     if whole:
-                        if upstream.stall_s is None:
-                            assert resume is not None
+                        if upstream.stall_s is None and resume is not None:
                             upstream.stall_s = resume.stall_s  # its tokens flow: a silence now is a stall
-                        yield rewrite.events(whole) if rewrite is not None else whole
+                        if rewrite is not None:
+                            whole = rewrite.events(whole)
+                        yield whole if meter is None else meter.events(whole)
                 if events is not None and (rest := events.rest()):
                     yield rest
                 status = upstream.status

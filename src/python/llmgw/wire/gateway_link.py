@@ -131,6 +131,33 @@ class GatewayHeartbeat:
     metrics: tuple[MetricFamily, ...] | None = None
 
 
+@attrs.frozen(kw_only=True)
+class UsageRow:
+    """What one gateway instance counted for a key (of a team) and a model in one hour (`hour`:
+    unix seconds of its start, UTC): answered requests and their engines' tokens
+    (`llmgw.gateway.usage`)."""
+
+    hour: int
+    key: str
+    team: str = ""
+    model: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, where the engine says
+    completion_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class UsageReport:
+    """Counts not yet in the ledger, numbered per instance (`seq` from 1, one more each report).
+    The control plane adds them to the ledger and records `seq` in one transaction, skipping a
+    report whose `seq` it recorded already, then answers `UsageAck(seq)`. A gateway has one report
+    unacknowledged at a time and sends it again, unchanged, after a reconnect."""
+
+    seq: int
+    rows: tuple[UsageRow, ...] = ()
+
+
 # -- control plane -> gateway --------------------------------------------------------------
 
 
@@ -223,6 +250,7 @@ class GatewayKey:
     models: tuple[str, ...] = ()
     rate_per_minute: int = 0
     max_concurrency: int = 0
+    team: str = ""  # the team it belongs to ("": none), which its usage is counted under
 
 
 @attrs.frozen(kw_only=True)
@@ -246,6 +274,13 @@ class ShareChanged:
 @attrs.frozen(kw_only=True)
 class TableHeartbeat:
     """The control plane is there: the gateway's staleness restarts from zero."""
+
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
+class UsageAck:
+    """The report `seq` of this instance is in the ledger (now, or before: sent twice, counted once)."""
 
     seq: int
 

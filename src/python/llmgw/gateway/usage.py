@@ -1,0 +1,258 @@
+"""Who used what, on one gateway process: every answer's tokens as its engine counted them
+(`usage`), added up per hour, key, team and model (`Usage`), for the control plane's ledger
+(issue 48; docs/gateway.md, "Usage").
+
+Where the tokens come from, without parsing what the gateway does not parse already:
+
+- an answer read whole (`body_usage`): its last `"usage"` key, found from the end and decoded
+  alone (a few hundred bytes), not the body;
+- a streamed chat or text completion: the gateway asks the engine for its usage
+  (`stream_options: {"include_usage": true}` added to the body it sends, `with_usage`: spliced
+  before the body's last brace, no re-encoding) and `StreamUsage` reads it from the stream's
+  whole events. Only an event holding `"prompt_tokens"` is decoded: that key, with its closing
+  quote, cannot occur inside a JSON string (a quote there is escaped), so the test is a byte
+  search per piece relayed. A client that did not ask for usage gets none: the usage-only
+  event is dropped, and a usage the engine put into an event with choices is taken out of it.
+  A stream continued on another replica (`gateway/migrate.py`) is read after its rewrite, so
+  its usage counts the whole answer as completion and the client's prompt as prompt, as the
+  client's own usage says (what the engines spent again on the continuation's prompt is the
+  cluster's cost, not the key's).
+
+A request counts once it reached an engine and was answered (status below 400), or its client
+left mid-answer (499): with the tokens its engine reported, none when it reported none (a
+stream cut before its last event; an engine that says no usage).
+
+`Usage.record` is the one way in: it adds to the current hour's row, to the Prometheus counters
+(`llmgw_gateway_tokens_total{model,kind}` and `llmgw_gateway_usage_requests_total{model}`: per
+model, not per key or team, whose number the gateway does not bound) and tells its observers.
+The rows not yet reported wait in `pending`; `report` takes them into a numbered report for the
+link (`llmgw.wire.gateway_link.UsageReport`), which stays the one unacknowledged report until
+`acked`, sent again after every reconnect; what is counted meanwhile waits in `pending`, merged
+by row, so memory is bounded by the rows (hours x keys x models), not by the requests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from llmgw.metrics import MetricsRegistry
+from llmgw.wire.gateway_link import UsageReport, UsageRow
+
+TOKENS = "llmgw_gateway_tokens_total"
+USAGE_REQUESTS = "llmgw_gateway_usage_requests_total"
+HOUR_S = 3600
+# The usage object of an answer is a few hundred bytes; past this from its key it is not read.
+_MAX_USAGE_BYTES = 4096
+_USAGE_KEY = b'"usage"'
+_MARK = b'"prompt_tokens"'  # in a stream's event that carries a usage
+INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+_decoder = json.JSONDecoder()
+
+
+@attrs.frozen
+class Tokens:
+    prompt: int = 0
+    cached: int = 0  # of `prompt`, where the engine says
+    completion: int = 0
+
+
+def tokens_of(usage: Any) -> Tokens | None:
+    """The tokens of a `usage` object: chat and text completions and embeddings (`prompt_tokens`,
+    `completion_tokens`, `prompt_tokens_details.cached_tokens`) or the Responses API's
+    (`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`); None for anything else."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion, details = usage.get("prompt_tokens"), usage.get("completion_tokens"), "prompt_tokens_details"
+    if prompt is None and "input_tokens" in usage:
+        prompt, completion, details = usage.get("input_tokens"), usage.get("output_tokens"), "input_tokens_details"
+    if not _count(prompt):
+        return None
+    cached = (usage.get(details) or {}).get("cached_tokens") if isinstance(usage.get(details), dict) else None
+    return Tokens(
+        prompt=prompt,
+        cached=cached if _count(cached) and cached <= prompt else 0,
+        completion=completion if _count(completion) else 0,
+    )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def body_usage(body: bytes) -> Tokens | None:
+    """The tokens of an answer read whole, from its last `"usage"` key (an engine puts it at the
+    top level, after the choices); only that object is decoded."""
+    at = body.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    text = body[at + len(_USAGE_KEY) : at + _MAX_USAGE_BYTES].decode("utf-8", "replace")
+    colon = text.find(":")
+    if colon < 0:
+        return None
+    start = colon + 1
+    while start < len(text) and text[start] in " \t\r\n":
+        start += 1
+    try:
+        value, _ = _decoder.raw_decode(text, start)
+    except ValueError:
+        return None
+    return tokens_of(value)
+
+
+def with_usage(body: bytes) -> bytes:
+    """`body` (a JSON object with no `stream_options`, as parsed) asking for the usage in the
+    stream's last event: the member spliced in before its last brace."""
+    end = body.rstrip().rfind(b"}")
+    return body[:end] + b"," + INCLUDE_USAGE + body[end:]
+
+
+def usage_options(body: dict[str, Any]) -> tuple[bool, bytes]:
+    """For a streamed request's parsed `body`: whether its client asked for the usage, and, when
+    it sent `stream_options` without asking, the body to send instead (its options with
+    `include_usage` added; b"": none needed, `with_usage` splices it in)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        return False, b""
+    if options.get("include_usage") is True:
+        return True, b""
+    out = {**body, "stream_options": {**options, "include_usage": True}}
+    return False, json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class StreamUsage:
+    """One stream's usage, read from its whole events as they are relayed (`events`), and taken
+    out of them when the client did not ask for it (`asked` False)."""
+
+    __slots__ = ("asked", "tokens")
+
+    def __init__(self, asked: bool) -> None:
+        self.asked = asked
+        self.tokens: Tokens | None = None  # the last usage seen (an engine's last is the whole answer's)
+
+    def events(self, whole: bytes) -> bytes:
+        if _MARK not in whole:
+            return whole
+        out = bytearray()
+        for event in whole.replace(b"\r\n", b"\n").split(b"\n\n"):
+            if not event:
+                continue
+            if _MARK in event:
+                event = self._event(event)
+                if not event:
+                    continue
+            out += event + b"\n\n"
+        return bytes(out)
+
+    def _event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        data = b"\n".join(line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:"))
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict):
+            return event
+        tokens = tokens_of(chunk.get("usage"))
+        if tokens is None:
+            return event
+        self.tokens = tokens
+        if self.asked:
+            return event
+        if not chunk.get("choices"):
+            return b""  # the usage-only event the client did not ask for
+        del chunk["usage"]
+        others = b"".join(line + b"\n" for line in lines if not line.startswith(b"data:"))
+        return others + b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# (key, team, model, prompt, cached, completion): what `Usage.record` tells its observers.
+Observer = Callable[[str, str, str, int, int, int], None]
+
+
+class Usage:
+    """One gateway process's counts by (hour, key, team, model), not yet acknowledged by the
+    control plane, and its token counters. `wall`: the clock the hours are of (unix time)."""
+
+    def __init__(self, registry: MetricsRegistry | None = None, *, wall: Callable[[], float] = time.time) -> None:
+        r = registry if registry is not None else MetricsRegistry()
+        self.tokens_total = r.counter(
+            TOKENS,
+            "Tokens of the answers, as their engines counted them, by model and kind (prompt; cached: of the "
+            "prompt, where the engine says; completion).",
+            ("model", "kind"),
+        )
+        self.requests_total = r.counter(
+            USAGE_REQUESTS, "Requests counted in the usage ledger (answered by an engine), by model.", ("model",)
+        )
+        self.wall = wall
+        self.pending: dict[tuple[int, str, str, str], list[int]] = {}  # row -> [requests, prompt, cached, completion]
+        self.unacked: UsageReport | None = None  # the report sent and not yet acknowledged
+        self.seq = 0  # of the last report made
+        self.observers: list[Observer] = []
+
+    def observe(self, observer: Observer) -> None:
+        """Call `observer(key, team, model, prompt, cached, completion)` at every `record`."""
+        self.observers.append(observer)
+
+    def record(self, key: str, team: str, model: str, prompt: int, cached: int, completion: int) -> None:
+        """One answered request of `key` (of `team`) for `model`, with its engine's tokens."""
+        row = (int(self.wall() // HOUR_S) * HOUR_S, key, team, model)
+        counts = self.pending.get(row)
+        if counts is None:
+            self.pending[row] = [1, prompt, cached, completion]
+        else:
+            counts[0] += 1
+            counts[1] += prompt
+            counts[2] += cached
+            counts[3] += completion
+        self.requests_total.inc(model=model)
+        if prompt:
+            self.tokens_total.inc(prompt, model=model, kind="prompt")
+        if cached:
+            self.tokens_total.inc(cached, model=model, kind="cached")
+        if completion:
+            self.tokens_total.inc(completion, model=model, kind="completion")
+        for observer in self.observers:
+            observer(key, team, model, prompt, cached, completion)
+
+    def report(self) -> UsageReport | None:
+        """The report to send now: the one not yet acknowledged (again: after a reconnect), else
+        the pending rows in a new one (they leave `pending`), else None."""
+        if self.unacked is not None:
+            return self.unacked
+        if not self.pending:
+            return None
+        self.seq += 1
+        rows = tuple(
+            UsageRow(
+                hour=hour,
+                key=key,
+                team=team,
+                model=model,
+                requests=c[0],
+                prompt_tokens=c[1],
+                cached_tokens=c[2],
+                completion_tokens=c[3],
+            )
+            for (hour, key, team, model), c in sorted(self.pending.items())
+        )
+        self.pending = {}
+        self.unacked = UsageReport(seq=self.seq, rows=rows)
+        return self.unacked
+
+    def acked(self, seq: int) -> bool:
+        """The control plane holds report `seq`; whether it was the one waiting."""
+        if self.unacked is None or self.unacked.seq != seq:
+            return False
+        self.unacked = None
+        return True
+
+    @property
+    def unreported(self) -> bool:
+        """Whether anything counted is not yet acknowledged."""
+        return bool(self.pending) or self.unacked is not None
