@@ -316,3 +316,16 @@ async def test_the_leader_prunes_what_is_older_than_keep_days_at_start_and_once_
         await wait_all_tasks_blocked()
         assert len(store.cuts) == 2
         nursery.cancel_scope.cancel()
+
+
+async def test_audit_keep_days_is_a_number_of_days_from_0() -> None:
+    from llmgw.config import server_config_from_dict
+    from llmgw.errors import ConfigError
+
+    assert server_config_from_dict({}).server.audit_keep_days == audit.DEFAULT_KEEP_DAYS == 365
+    assert server_config_from_dict({"server": {"audit_keep_days": 0}}).server.audit_keep_days == 0
+    for bad in (-1, float("nan")):
+        with pytest.raises(ConfigError) as refused:
+            server_config_from_dict({"server": {"audit_keep_days": bad}})
+        assert "must be a number of days, 0 or more" in str(refused.value)
+        assert "@ $.server.audit_keep_days" in str(refused.value)

@@ -53,6 +53,12 @@ def check_server(cfg: ServerConfig) -> list[str]:
             f"heartbeat_max_rate ({rate}) takes fewer than one agent at heartbeat_interval_s "
             f"({cfg.server.heartbeat_interval_s}); raise it, or 0 to turn stretching off @ $.server.heartbeat_max_rate"
         )
+    keep = cfg.server.audit_keep_days
+    if not (math.isfinite(keep) and keep >= 0):
+        problems.append(
+            f"must be a number of days, 0 or more (0: the audit log keeps every entry), got {keep} "
+            "@ $.server.audit_keep_days"
+        )
     for key in ("agent_listen", "http_listen"):
         value = getattr(cfg.server, key)
         if not _HOSTPORT.match(value):

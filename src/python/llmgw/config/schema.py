@@ -61,6 +61,8 @@ class ServerSection:
     # heartbeat_interval_s × this many agents, each is told a longer interval (0: never).
     heartbeat_max_rate: float = 50.0
     reconnect_grace_s: float = 35.0
+    # Days the audit log keeps an admin action; the leader forgets older ones once a day (0: never).
+    audit_keep_days: float = 365.0
     # Gateway worker processes serving http_listen: a number, "auto" (one per CPU), or unset: the
     # command's default, "auto" for `llmgw server` and 1 for `llmgw up`. 0 runs the gateway on
     # the control plane's own loop, for tests and embedding only (docs/configuration.md).

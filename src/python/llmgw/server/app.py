@@ -43,6 +43,7 @@ from llmgw.looplag import LagMonitor, StallClock, StepTimer, serve_loop_lag
 from llmgw.pki.ca import CA
 from llmgw.releasefiles import Running
 from llmgw.server import activation
+from llmgw.server.admin import audit
 from llmgw.server.admin.models import HubModels
 from llmgw.server.admin.ownroutes import OwnRoutes, restarts_metric
 from llmgw.server.admin.privatesocket import serve_admin_socket
@@ -458,6 +459,8 @@ class ControlPlane:
                 await nursery.start(run, "reload", serve_reload_on_sighup, self.operations.reload)
             await nursery.start(run, "page", self.page.serve)  # the gateway's history for the page
             await nursery.start(run, "page_feed", self.page.serve_feed)  # what open pages are sent
+            keep_days = lambda: self.config.server.audit_keep_days  # noqa: E731 - as a reload leaves it
+            await nursery.start(run, "audit_prune", audit.serve_pruning, self.store, keep_days)
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             await nursery.start(self.http_refusals.serve)  # before a request can be refused
             try:
