@@ -232,3 +232,19 @@ class ApiKeyExists(ApiKeyError):
 
 class UnknownApiKey(ApiKeyError):
     """No key has that name."""
+
+
+class TeamError(UsageError):
+    """A team operation the operator asked for cannot be done (bad or duplicate name, unknown team)."""
+
+
+class TeamExists(TeamError):
+    """The name is taken."""
+
+
+class UnknownTeam(TeamError):
+    """No team has that name."""
+
+
+class TeamInUse(TeamError):
+    """Valid keys belong to the team."""

@@ -37,6 +37,7 @@ from llmgw.server.errors import StoreFailed, UnknownNode
 from llmgw.server.store import schema
 from llmgw.server.store.backend import Backend, Tx, current_version, migrate, open_backend
 from llmgw.server.store.lease import STANDBY, Fence
+from llmgw.server.store.ledger import LedgerCalls
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend
 
 
@@ -49,6 +50,7 @@ class KeyRow:
     max_concurrency: int
     created_at: float
     revoked_at: float | None
+    team: str = ""  # the team it belongs to, '' for none
 
 
 @attrs.frozen(kw_only=True)
@@ -114,7 +116,7 @@ def _node_row(r: tuple) -> NodeRow:
     )
 
 
-class Store:
+class Store(LedgerCalls):
     """The store's calls, the same over either backend. `Store(path)` opens a SQLite file (a
     state directory's, or a backup); `Store.open` opens what server.toml's `[store]` names."""
 
@@ -333,7 +335,7 @@ class Store:
 
     def api_keys(self) -> list[KeyRow]:
         rows = self._rows(
-            "SELECT name, token_sha256, models, rate_per_minute, max_concurrency, created_at, revoked_at "
+            "SELECT name, token_sha256, models, rate_per_minute, max_concurrency, created_at, revoked_at, team "
             "FROM api_keys ORDER BY name"
         )
         return [
@@ -345,6 +347,7 @@ class Store:
                 max_concurrency=r[4],
                 created_at=r[5],
                 revoked_at=r[6],
+                team=r[7],
             )
             for r in rows
         ]
@@ -353,8 +356,8 @@ class Store:
         """Record a new key; False if the name is taken (a revoked key keeps its name)."""
         with self._write() as tx:
             added = tx.execute(
-                "INSERT INTO api_keys (name, token_sha256, models, rate_per_minute, max_concurrency, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                "INSERT INTO api_keys (name, token_sha256, models, rate_per_minute, max_concurrency, created_at, team) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (
                     row.name,
                     row.token_sha256,
@@ -362,6 +365,7 @@ class Store:
                     row.rate_per_minute,
                     row.max_concurrency,
                     row.created_at,
+                    row.team,
                 ),
             )
         return added > 0
