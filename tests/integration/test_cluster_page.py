@@ -8,6 +8,7 @@ context (its own cookies). In order, because each builds on what the one before 
    and 390x844 go to the test report directory (printed), and basic accessibility holds;
 2. a session from `llmgw ctl page --actions` drains a node with the keyboard alone, and the
    drain arrives in the open page without a reload; the log names the session, not a secret;
+   the page's audit panel and `llmgw ctl audit` show the drain and the login by that session;
 3. a model added to the catalog whose file stalls part-way on its way from the Hub (testlib.hubserver
    on loopback, a stall fault) shows its download, bytes and rate, on the open page, in
    `llmgw ctl models` and in `llmgw ctl replicas`; released, it is ready and the line is gone;
@@ -250,6 +251,14 @@ async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a
             LIVE_S,
         )
         assert await tab.evaluate("document.activeElement.id") != ""  # the keyboard's place kept
+        # The audit panel shows the drain, by this session, and its login, without a reload.
+        await tab.wait_for("document.querySelector('#audit [data-action=\"node.drain\"]')", LIVE_S)
+        drained = await tab.evaluate("document.querySelector('#audit [data-action=\"node.drain\"]').innerText")
+        assert f"page:{session_id}" in drained and node in drained and "force=false" in drained
+        logins = await tab.evaluate(
+            "[...document.querySelectorAll('#audit [data-action=\"page.login\"]')].map((r) => r.innerText)"
+        )
+        assert any(f"page:{session_id}" in text for text in logins), logins
         no_console_errors(tab)
 
     nodes = {n["id"]: n for n in up.ctl("nodes")}
@@ -259,6 +268,10 @@ async def test_a_drain_made_with_the_keyboard_arrives_in_the_open_page_without_a
     calls = [e for e in up.log_events("admin_call") if e["path"] == f"/admin/v1/nodes/{node}/drain"]
     assert [(c["by"], c["status"]) for c in calls] == [(session_id, 202)]
     assert "code=" not in up.log.read_text()
+    # And in the audit log, which `llmgw ctl audit` reads: the link minted, the login, the drain.
+    entries = up.ctl("audit", "--actor", f"page:{session_id}")
+    assert [(e["action"], e["target"]) for e in entries] == [("node.drain", node), ("page.login", "")]
+    assert up.ctl("audit", "--action", "page.link", "--limit", "1")[0]["detail"] == {"actions": True}
     up.ctl("uncordon", node)
 
 

@@ -26,6 +26,7 @@ from llmgw.config import ServerConfig, load_server_config
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import PeerError
 from llmgw.server.admin import audit
+from llmgw.server.admin import pagefeed as feed
 from llmgw.server.app import ControlPlane
 from llmgw.server.errors import StoreBusy
 from testlib.controlplane import OFFLINE_ENGINES, make_state
@@ -329,3 +330,38 @@ async def test_audit_keep_days_is_a_number_of_days_from_0() -> None:
             server_config_from_dict({"server": {"audit_keep_days": bad}})
         assert "must be a number of days, 0 or more" in str(refused.value)
         assert "@ $.server.audit_keep_days" in str(refused.value)
+
+
+async def test_the_page_feed_sends_the_newest_entries_then_each_new_one(served) -> None:
+    plane, state, client = served
+    for i in range(feed.AUDIT_SHOWN + 2):  # more than the page shows
+        await plane.store.record_audit(actor="admin", source="127.0.0.1", action="key.create", target=f"k{i}")
+    browser = Browser(client.url)
+    await call(browser.login, plane.page.login_path())
+    conn = http.client.HTTPConnection(browser.host, browser.port, timeout=10)
+
+    def open_feed() -> http.client.HTTPResponse:
+        conn.request("GET", "/admin/v1/events", headers={"cookie": browser.cookie})
+        return conn.getresponse()
+
+    def next_event(response: http.client.HTTPResponse) -> tuple[str, dict[str, Any]]:
+        event = None
+        while True:  # bounded by the socket's timeout
+            line = response.readline().decode()
+            if line.startswith("event: "):
+                event = line[7:].strip()
+            elif line.startswith("data: ") and event in ("cluster", "changes"):
+                return event, json.loads(line[6:])
+
+    response = await call(open_feed)
+    try:
+        kind, first = await call(next_event, response)
+        assert kind == "cluster" and len(first["audit"]) == feed.AUDIT_SHOWN
+        assert first["audit"][0]["action"] == "page.login"  # the newest first: this page's own login
+        assert first["audit"][1]["target"] == f"k{feed.AUDIT_SHOWN + 1}"
+        await call(client.cordon, "n1", True)
+        kind, second = await call(next_event, response)
+        assert kind == "changes" and second["audit"][0]["action"] == "node.cordon"
+        assert second["audit"][0]["actor"] == "admin" and len(second["audit"]) == feed.AUDIT_SHOWN
+    finally:
+        conn.close()

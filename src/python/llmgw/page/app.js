@@ -9,6 +9,7 @@
 import {
   age,
   nodeDetails,
+  renderAudit,
   renderDrains,
   renderFabrics,
   renderGateway,
@@ -65,7 +66,7 @@ function signedOut(why) {
   $("signin").hidden = false;
   $("signin-why").textContent = why;
   status("Not signed in");
-  for (const id of ["warnings", "nodes", "fabrics", "models", "drains", "gateway", "keys"]) $(id).hidden = true;
+  for (const id of ["warnings", "nodes", "fabrics", "models", "drains", "gateway", "keys", "audit"]) $(id).hidden = true;
   if (state.feed) state.feed.close();
 }
 
@@ -122,7 +123,7 @@ function connect() {
         state.pending.push(r);
       }
     }
-    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys };
+    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys, audit: data.audit || [] };
     took(data, Object.keys(VIEWS));
   });
   feed.addEventListener("changes", (e) => {
@@ -146,7 +147,8 @@ function connect() {
     if (data.fabrics || data.notes) touched.push("fabrics", "warnings");
     if (data.models) touched.push("models", "gateway", "warnings");
     if (data.keys) touched.push("keys");
-    for (const k of ["fabrics", "notes", "models", "keys"]) if (k in data) state.whole[k] = data[k];
+    if (data.audit) touched.push("audit");
+    for (const k of ["fabrics", "notes", "models", "keys", "audit"]) if (k in data) state.whole[k] = data[k];
     took(data, touched);
   });
   feed.addEventListener("history", (e) => {
@@ -215,6 +217,7 @@ const VIEWS = {
   drains: () => renderDrains(state.cluster),
   gateway: () => renderGateway(state.history, state.cluster ? state.cluster.models : []),
   keys: () => renderKeys(state.cluster, ctx),
+  audit: () => renderAudit(state.cluster),
   warnings: () => {
     const list = warnings(state.cluster, ctx);
     $("warnings").hidden = !list.length;

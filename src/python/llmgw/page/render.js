@@ -432,6 +432,35 @@ export function renderKeys(cluster, ctx) {
   return table("API keys of the gateway (never their tokens)", columns, rows);
 }
 
+// The audit log's newest entries (the feed sends AUDIT_SHOWN of them; `llmgw ctl audit` has the
+// rest): who, when, from where, what, and what changed. Never a secret: the control plane keeps none there.
+export function renderAudit(cluster) {
+  const entries = cluster.audit || [];
+  if (!entries.length) return h("p", {}, "No admin action recorded yet.");
+  const columns = ["When (UTC)", "Who", "From", "Action", "On", "What changed"];
+  const rows = entries.map((e) => [
+    { "data-audit": e.id, "data-action": e.action },
+    [
+      new Date(e.at * 1000).toISOString().slice(0, 19).replace("T", " "),
+      e.actor,
+      e.source || "-",
+      h("code", {}, e.action),
+      e.target || "-",
+      detailText(e.detail),
+    ],
+  ]);
+  return [
+    table("The newest admin actions", columns, rows),
+    h("p", { class: "muted" }, "The newest ", String(entries.length), " entries; ", h("code", {}, "llmgw ctl audit"), " lists and filters them all."),
+  ];
+}
+
+function detailText(detail) {
+  const parts = Object.entries(detail || {}).map(([k, v]) => `${k}=${Array.isArray(v) ? v.join(",") : typeof v === "object" ? JSON.stringify(v) : v}`);
+  const text = parts.join(" ") || "-";
+  return text.length > 120 ? `${text.slice(0, 119)}…` : text;
+}
+
 const WARNINGS = 50;
 
 // Each warning once: what many nodes share is one line naming a few of them.

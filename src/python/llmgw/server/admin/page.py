@@ -203,7 +203,9 @@ class Page:
         self._assets: dict[str, bytes] | None = None
         self.touched = Wakeup()  # an operator's change succeeded: open pages show it now
         # What every open page is sent, made once per change (`serve_feed`).
-        self.feed = feed.Feed(views, keys=keys.rows, touched=self.touched.next)
+        self.feed = feed.Feed(
+            views, keys=keys.rows, audit=self.recent_audit if store is not None else None, touched=self.touched.next
+        )
 
     # -- the page's own routes ------------------------------------------------------------
 
@@ -266,6 +268,11 @@ class Page:
                 *SECURITY_HEADERS,
             ),
         )
+
+    async def recent_audit(self, limit: int) -> list[dict]:
+        """The audit log's newest `limit` entries, for the page."""
+        assert self.store is not None
+        return [audit.view(r) for r in await self.store.audit(limit=limit)]
 
     def login_path(self, *, actions: bool = False) -> str:
         """A one-time login URL's path, for whoever holds the credential (`llmgw up` in-process)."""

@@ -198,7 +198,8 @@ def _list(pieces: Sequence[Piece]) -> list[Piece]:
     return out
 
 
-WHOLE = ("fabrics", "notes", "models", "keys", "pending")  # small, sent whole when they change
+WHOLE = ("fabrics", "notes", "models", "keys", "audit", "pending")  # small, sent whole when they change
+AUDIT_SHOWN = 20  # the newest entries of the audit log a page shows (`llmgw ctl audit` has the rest)
 
 
 class Feed:
@@ -207,13 +208,16 @@ class Feed:
         views: Views,
         *,
         keys: Callable[[], Any] | None = None,
+        audit: Callable[[int], Any] | None = None,
         touched: Callable[[], trio.Event] | None = None,
         timer: Callable[[], float] = time.thread_time,
     ) -> None:
-        """`keys()`: the API keys' rows (`KeyRing.rows`); `touched()`: set at an operator's next
+        """`keys()`: the API keys' rows (`KeyRing.rows`); `audit(n)`: the audit log's newest n
+        entries, as `audit.view`s (`Page.recent_audit`); `touched()`: set at an operator's next
         change (`Page.touched`); `timer`: the CPU time a look is measured with."""
         self.views = views
         self._keys = keys
+        self._audit = audit
         self._touched = touched
         self._timer = timer
         self.latest: Published | None = None
@@ -305,8 +309,18 @@ class Feed:
             log.warning("page_feed_keys_unread", reason=str(exc))
             return self._whole.get("keys", b"[]")
 
+    async def _read_audit(self) -> bytes:
+        if self._audit is None:
+            return b"[]"
+        try:
+            return encode(await self._audit(AUDIT_SHOWN))
+        except StoreError as exc:  # as the keys: the entries as last read
+            log.warning("page_feed_audit_unread", reason=str(exc))
+            return self._whole.get("audit", b"[]")
+
     async def _look(self) -> None:
         keys = await self._read_keys()  # before the look is timed: the store's thread is not the loop's
+        audit = await self._read_audit()
         slices = _Slices(self._timer)
         look, looked_at = self.views.page_look(), trio.current_time()
         nodes = await _look_at(self._nodes, look.node_ids, look.node, slices)
@@ -326,6 +340,7 @@ class Feed:
             "notes": self._fabrics[2],
             "models": encode(self.views.model_views([*replicas.rows, *pending])),
             "keys": keys,
+            "audit": audit,
             "pending": encode(pending),
         }
         whole_changed = [name for name in WHOLE if self._whole.get(name) != whole[name]]
