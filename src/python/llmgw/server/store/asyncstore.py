@@ -39,6 +39,7 @@ from llmgw.config import StoreSection
 from llmgw.log import get_logger
 from llmgw.server.errors import NotLeader, StoreError
 from llmgw.server.store import AuditRow, CertRow, HubModelRow, KeyRow, NodeRow, Store
+from llmgw.server.store.budgetrows import AsyncBudgetCalls
 from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.server.store.ledger import AsyncLedgerCalls
 from llmgw.wakeup import Wakeup
@@ -70,7 +71,7 @@ class _Sightings:
     error: BaseException | None = None
 
 
-class AsyncStore(AsyncLedgerCalls):
+class AsyncStore(AsyncLedgerCalls, AsyncBudgetCalls):
     def __init__(self, store: Store, at_open: Snapshot) -> None:
         self._store = store
         self._limiter = trio.CapacityLimiter(1)

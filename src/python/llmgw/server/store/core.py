@@ -36,6 +36,7 @@ from llmgw.config import StoreSection
 from llmgw.server.errors import StoreFailed, UnknownNode
 from llmgw.server.store import schema
 from llmgw.server.store.backend import Backend, Tx, current_version, migrate, open_backend
+from llmgw.server.store.budgetrows import BudgetCalls
 from llmgw.server.store.lease import STANDBY, Fence
 from llmgw.server.store.ledger import LedgerCalls
 from llmgw.server.store.sqlite import CLI_BUSY_TIMEOUT_S, SqliteBackend
@@ -116,7 +117,7 @@ def _node_row(r: tuple) -> NodeRow:
     )
 
 
-class Store(LedgerCalls):
+class Store(LedgerCalls, BudgetCalls):
     """The store's calls, the same over either backend. `Store(path)` opens a SQLite file (a
     state directory's, or a backup); `Store.open` opens what server.toml's `[store]` names."""
 
