@@ -185,4 +185,6 @@ def catch_up(said: w.Hello, now: w.Hello) -> list[w.AgentMessage]:
         out.append(w.ReplicasChanged(replicas=now.replicas))
     if now.weights != said.weights:
         out.append(w.WeightsChanged(weights=now.weights))
+    if now.speeds != said.speeds:
+        out.append(w.SpeedsChanged(speeds=now.speeds))
     return out

@@ -69,7 +69,7 @@ INVENTORY = m.Inventory(
     fabric_problems=("fabric 'ib-b': ...; fix: ...",),
 )
 
-HELLO = m.Hello(
+HELLO_MESSAGE = HELLO = m.Hello(
     protocol_version=m.PROTOCOL_VERSION,
     node_id="node-1",
     agent_version="0.1.0",
@@ -78,6 +78,20 @@ HELLO = m.Hello(
     inventory=INVENTORY,
     engines=(m.EngineStatus(name="llamacpp", version="b4000", ok=True),),
     replicas=(m.ReplicaStatus(replica_id="r1", model="sim", state="ready"),),
+)
+
+SPEED = m.BackendSpeed(
+    engine="llamacpp",
+    backend="cpu",
+    state=m.SPEED_OK,
+    prompt_tps=850.5,
+    gen_tps=42.25,
+    version="b11434",
+    measured_at=1700000100.0,
+    request="b-1",
+)
+FAILED_SPEED = m.BackendSpeed(
+    engine="llamacpp", backend="cuda", state=m.SPEED_FAILED, device="CUDA0", detail="llama-server exited"
 )
 
 
@@ -118,6 +132,9 @@ HELLO = m.Hello(
             ),
             m.AgentMessage,
         ),
+        (attrs.evolve(HELLO, speeds=(SPEED,)), m.AgentMessage),
+        (m.SpeedsChanged(speeds=(SPEED, FAILED_SPEED)), m.AgentMessage),
+        (m.DesiredState(generation=4, bench="b-1"), m.ServerMessage),
         (m.LinkError(code=m.REVOKED, message="x"), m.ServerMessage),
         (m.LinkError(code=m.REVOKED, message="x"), m.AgentMessage),
         (m.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"), m.ServerMessage),
@@ -138,6 +155,13 @@ def code_of(text: str, side: object = m.AgentMessage) -> str:
 
 def test_type_tags_are_snake_case() -> None:
     assert TYPES["inventory_changed"] is m.InventoryChanged
+    assert TYPES["speeds_changed"] is m.SpeedsChanged
+
+
+def test_a_hello_without_speeds_still_parses() -> None:
+    data = json.loads(encode(attrs.evolve(HELLO_MESSAGE, speeds=(SPEED,))))
+    del data["speeds"]
+    assert decode(json.dumps(data), m.AgentMessage).speeds == ()
     assert TYPES["link_error"] is m.LinkError
 
 

@@ -39,7 +39,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # 10: the port a node serves its weights to the other nodes on (WeightsHeld.port; agent.peers).
 # 11: a replica parked by its engine (vLLM's sleep mode): ReplicaAssignment.parkable, parked, and
 # the member state PARKED.
-PROTOCOL_VERSION = 11
+# 12: each llama.cpp backend's measured speed on the node (BackendSpeed: Hello.speeds, SpeedsChanged),
+# and the control plane's request to measure again (DesiredState.bench).
+PROTOCOL_VERSION = 12
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -288,6 +290,32 @@ class WeightsHeld:
     port: int = 0  # where this node serves its weights to the other nodes (agent.peers); 0: it does not
 
 
+# Values of BackendSpeed.state.
+SPEED_OK = "ok"  # measured: the figures are this backend's
+SPEED_MEASURING = "measuring"  # a measurement is under way (the figures, if any, are the last one's)
+SPEED_WAITING = "waiting"  # this node's replicas are busy: measured once they are idle
+SPEED_FAILED = "failed"  # the measurement went wrong: `detail` says why (the node serves on)
+
+
+@attrs.frozen(kw_only=True)
+class BackendSpeed:
+    """How fast one backend of an engine ran the agent's made model on this node (agent.bench):
+    llama-server's own timings of one completion. One entry per backend (llama.cpp: "cpu",
+    "cuda", "vulkan"), so that a node with several says each; placement weighs nodes by the
+    generation speed of the backend a replica would use (llmgw.server.state.scheduler)."""
+
+    engine: str  # "llamacpp"
+    backend: str  # "cpu", or the GPU backend's name as llama.cpp lists its devices ("cuda", "vulkan")
+    state: str  # SPEED_OK, SPEED_MEASURING, SPEED_WAITING, SPEED_FAILED
+    prompt_tps: float = 0.0  # prompt tokens a second (llama-server's timings.prompt_per_second)
+    gen_tps: float = 0.0  # generated tokens a second (timings.predicted_per_second)
+    version: str = ""  # the engine's version measured ("": the operator's install)
+    device: str = ""  # the device measured ("CUDA0"; "" for the CPU)
+    measured_at: float = 0.0  # unix time the figures were taken (0: never)
+    detail: str = ""  # why it failed or waits
+    request: str = ""  # the control plane's DesiredState.bench this answers ("": measured on its own)
+
+
 @attrs.frozen(kw_only=True)
 class Hello:
     protocol_version: int
@@ -299,6 +327,7 @@ class Hello:
     engines: tuple[EngineStatus, ...] = ()
     replicas: tuple[ReplicaStatus, ...] = ()
     weights: WeightsHeld = WeightsHeld()
+    speeds: tuple[BackendSpeed, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -317,6 +346,13 @@ class InventoryChanged:
 @attrs.frozen(kw_only=True)
 class WeightsChanged:
     weights: WeightsHeld
+
+
+@attrs.frozen(kw_only=True)
+class SpeedsChanged:
+    """Every backend's speed on this node, as measured last (level-triggered: the whole set)."""
+
+    speeds: tuple[BackendSpeed, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -477,6 +513,9 @@ class DesiredState:
     # Models staged here ahead of their replicas (`llmgw ctl models stage`): download their files
     # into the weights cache now, one after another, and run nothing.
     stage: tuple[WeightsSource, ...] = ()
+    # Measure the engines' speeds again (`llmgw ctl nodes bench`): a token the agent has not
+    # measured for yet asks for one measurement, answered in BackendSpeed.request; "": none asked.
+    bench: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -509,7 +548,15 @@ class LinkError:
 
 
 AgentMessage = (
-    Hello | Heartbeat | InventoryChanged | EnginesChanged | ReplicasChanged | WeightsChanged | LogsReply | LinkError
+    Hello
+    | Heartbeat
+    | InventoryChanged
+    | EnginesChanged
+    | ReplicasChanged
+    | WeightsChanged
+    | SpeedsChanged
+    | LogsReply
+    | LinkError
 )
 ServerMessage = Welcome | DesiredState | LogsRequest | ServerHeartbeat | Redirect | LinkError
 

@@ -20,7 +20,7 @@ together in memory are the protocol's tests (tests/llmgw/wire/test_session.py).
                                                Redirect (where the leader is), LinkError, closed
     the Welcome is for our node id, names a server version and a heartbeat we can keep
     Heartbeat, InventoryChanged, WeightsChanged,
-    EnginesChanged, ReplicasChanged  ------->
+    EnginesChanged, ReplicasChanged, SpeedsChanged  ->
            <---------------------------------  DesiredState (`push`), LogsRequest (`request_logs`),
                                                ServerHeartbeat every heartbeat interval (`heartbeat`)
     LogsReply  ----------------------------->  to a request asked and not yet answered
@@ -30,7 +30,7 @@ RECEIVES and SENDS below are the whole of the sequence. What waits for a slow re
 that reads nothing:
 
 - coalesced, a newer replacing an unsent older one in its place: DesiredState, ServerHeartbeat,
-  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged, WeightsChanged (each says the whole of what it reports; a
+  Heartbeat, InventoryChanged, EnginesChanged, ReplicasChanged, WeightsChanged, SpeedsChanged (each says the whole of what it reports; a
   DesiredState is made by `desired_state` when the writer takes it, so it is the newest then);
 - bounded: at most MAX_LOGS_ASKED LogsRequests asked and unanswered per link (past it
   `request_logs` gives None and the caller answers for the node), and as many LogsReplies unsent
@@ -74,7 +74,15 @@ from llmgw.wire.session import (
 )
 
 AGENT = "agent"
-_REPORTS = (w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.WeightsChanged, w.LogsReply)
+_REPORTS = (
+    w.Heartbeat,
+    w.InventoryChanged,
+    w.EnginesChanged,
+    w.ReplicasChanged,
+    w.WeightsChanged,
+    w.SpeedsChanged,
+    w.LogsReply,
+)
 MAX_LOGS_ASKED = 8  # LogsRequests asked and unanswered on one link; LogsReplies unsent
 
 # role -> state -> {message type that side may receive: the state after it}
@@ -109,7 +117,9 @@ SENDS: dict[str, dict[State, dict[type, State]]] = {
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
     SERVER: (frozenset({w.DesiredState, w.ServerHeartbeat}), {w.LogsRequest: MAX_LOGS_ASKED}),
     AGENT: (
-        frozenset({w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.WeightsChanged}),
+        frozenset(
+            {w.Heartbeat, w.InventoryChanged, w.EnginesChanged, w.ReplicasChanged, w.WeightsChanged, w.SpeedsChanged}
+        ),
         {w.LogsReply: MAX_LOGS_ASKED},
     ),
 }
@@ -173,6 +183,11 @@ class EnginesReported:
 
 
 @attrs.frozen(kw_only=True)
+class SpeedsReported:
+    speeds: tuple[w.BackendSpeed, ...]
+
+
+@attrs.frozen(kw_only=True)
 class ReplicasReported:
     replicas: tuple[w.ReplicaStatus, ...]
 
@@ -211,6 +226,7 @@ Event = (
     | InventoryReported
     | WeightsReported
     | EnginesReported
+    | SpeedsReported
     | ReplicasReported
     | LogsAnswered
     | WelcomeReceived
@@ -228,6 +244,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     w.WeightsChanged: lambda m: WeightsReported(weights=m.weights),
     w.EnginesChanged: lambda m: EnginesReported(engines=m.engines),
     w.ReplicasChanged: lambda m: ReplicasReported(replicas=m.replicas),
+    w.SpeedsChanged: lambda m: SpeedsReported(speeds=m.speeds),
     w.LogsReply: lambda m: LogsAnswered(reply=m),
     w.Welcome: lambda m: WelcomeReceived(welcome=m),
     w.DesiredState: lambda m: DesiredStateReceived(desired=m),

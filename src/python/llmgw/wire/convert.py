@@ -204,6 +204,7 @@ _ALL = (
     | agent_link.EnginesChanged
     | agent_link.ReplicasChanged
     | agent_link.WeightsChanged
+    | agent_link.SpeedsChanged
     | agent_link.LogsReply
     | agent_link.LogsRequest
     | agent_link.Welcome
@@ -222,6 +223,8 @@ _GATEWAY = (
     | gateway_link.KeysChanged
     | gateway_link.ShareChanged
     | gateway_link.TableHeartbeat
+    | gateway_link.UsageReport
+    | gateway_link.UsageAck
     | agent_link.Redirect
     | agent_link.LinkError
 )
