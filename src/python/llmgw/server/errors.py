@@ -248,3 +248,11 @@ class UnknownTeam(TeamError):
 
 class TeamInUse(TeamError):
     """Valid keys belong to the team."""
+
+
+class BudgetError(UsageError):
+    """A token budget the operator asked for cannot be set (an unknown key or team, a bad period or amount)."""
+
+
+class UnknownBudget(BudgetError):
+    """No budget has that id."""

@@ -22,6 +22,8 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/budgets               token budgets, with spent and remaining; POST sets one, DELETE
+                                           /admin/v1/budgets/ID removes one (server/admin/budgetroutes.py)
     GET    /admin/v1/gateways              the gateway instances connected (server/links/gatewaylinks.py): name,
                                            instance, since when, last heard, requests in flight, share
     GET    /admin/v1/events                the cluster page's live feed (server/admin/events.py)
@@ -75,15 +77,17 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
-from llmgw.server.admin import audit, modelroutes
+from llmgw.server.admin import audit, budgetroutes, modelroutes
 from llmgw.server.admin.certificates import CERTIFICATES, certificates
 from llmgw.server.errors import (
     ApiKeyError,
     ApiKeyExists,
+    BudgetError,
     DiagnosticOff,
     NoConfigFile,
     StoreError,
     UnknownApiKey,
+    UnknownBudget,
     UnknownNode,
     UnknownReplica,
 )
@@ -94,6 +98,7 @@ from llmgw.server.state.registry import STATES
 if TYPE_CHECKING:
     from llmgw.server.admin.models import HubModels
     from llmgw.server.admin.page import Page
+    from llmgw.server.state.budgetring import BudgetRing
     from llmgw.server.store.asyncstore import AsyncStore
 
 log = get_logger("llmgw.admin")
@@ -181,6 +186,8 @@ ANSWERS: dict[type[LlmgwError], Answer] = {
     UnknownNode: Answer(404, "not_found_error"),
     UnknownReplica: Answer(404, "not_found_error"),
     UnknownApiKey: Answer(404, "not_found_error"),
+    UnknownBudget: Answer(404, "not_found_error"),
+    BudgetError: Answer(400),
     ApiKeyExists: Answer(409),
     ApiKeyError: Answer(400),
     NoConfigFile: Answer(409),
@@ -214,6 +221,7 @@ class AdminAPI:
         authority: Callable[[], dict[str, Any]] = dict,
         refusals: RefusalLines | None = None,
         models: HubModels | None = None,
+        budgets: BudgetRing | None = None,
     ) -> None:
         """`page`: the cluster page, whose gate every call passes (`Page.guard`); `store`: where
         certificate serials are recorded and read; `gateways()`: the gateway instances connected
@@ -233,6 +241,7 @@ class AdminAPI:
         self.store = store
         self.keys = keys
         self.models = models  # the catalog's models added from the Hub (None: no such routes)
+        self.budgets = budgets  # token budgets (None: no such routes)
         self._token = token.encode()
 
     def _authorize(self, request: Request) -> None:
@@ -331,6 +340,8 @@ class AdminAPI:
             return Response.json(200, self.operations.stall(seconds))
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
+        if self.budgets is not None and budgetroutes.serves(request.path):
+            return await budgetroutes.budget_routes(self.budgets, request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
             response = await certificates(self.store, request)
             if request.method == "POST":
