@@ -1,7 +1,7 @@
 """`llmgw ctl`: the operator's view of a running cluster, through the admin API.
 
 The verbs on nodes, replicas and models are here; `keys` is `llmgw.ctl.keys`, `page`
-`llmgw.ctl.page`, `audit` `llmgw.ctl.audit`, `engine-check` (which needs no control plane) `llmgw.ctl.enginecheck`; how
+`llmgw.ctl.page`, `audit` `llmgw.ctl.audit`, `budgets` `llmgw.ctl.budgets`, `engine-check` (which needs no control plane) `llmgw.ctl.enginecheck`; how
 the answers read in a terminal is `llmgw.ctl.tables`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.commands._options import add_admin_options, client_from
 from llmgw.ctl import engines as engine_texts
 from llmgw.ctl.audit import configure_audit
+from llmgw.ctl.budgets import configure_budgets
 from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.models import configure_models
@@ -88,6 +89,7 @@ def configure(parser: Parser) -> None:
     configure_keys(sub, add_admin_options, client_from)
     configure_page(sub, add_admin_options, client_from)  # [i17 page hook] `llmgw ctl page`
     configure_audit(sub, add_admin_options, client_from)
+    configure_budgets(sub, add_admin_options, client_from)
 
 
 def run_nodes(args: argparse.Namespace) -> int:
