@@ -94,11 +94,18 @@ class GatewayProcess:
 
 
 def start_gateway(
-    tmp: Path, name: str, *, port: int, endpoints: Sequence[Endpoint], token: str, timeout: float = READY_TIMEOUT_S
+    tmp: Path,
+    name: str,
+    *,
+    port: int,
+    endpoints: Sequence[Endpoint],
+    token: str,
+    timeout: float = READY_TIMEOUT_S,
+    flags: Sequence[str] = (),
 ) -> GatewayProcess:
     """`llmgw gateway --table-file` serving `endpoints` on 127.0.0.1:`port` with the API key
     `token`, one worker; returns once its /health answers 200. Each call is a fresh process (a
-    restart is another call)."""
+    restart is another call). `flags`: more of `llmgw gateway`'s (`--telemetry FILE`)."""
     state = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
     table = state / "table.json"
     write_table(
@@ -114,7 +121,7 @@ def start_gateway(
     with log_path.open("wb") as stderr:
         popen = subprocess.Popen(
             [sys.executable, "-m", "llmgw", "gateway", "--table-file", str(table), "--name", name]
-            + ["--listen", f"127.0.0.1:{port}", "--workers", "1"],
+            + ["--listen", f"127.0.0.1:{port}", "--workers", "1", *flags],
             stdin=subprocess.DEVNULL,
             stdout=stderr,
             stderr=stderr,
