@@ -344,5 +344,11 @@ def test_issue_with_no_control_plane_running_records_in_the_database(state: Path
     store = Store.open(state)
     try:
         assert [store.certificate(serial).node_id, store.certificate(serial_again).node_id] == ["node07", "node08"]
+        # In the audit log too, as the admin API's route would have recorded it, from this shell.
+        entries = [(r.actor, r.source, r.action, r.target, r.detail["serial"]) for r in store.audit()]
+        assert entries == [
+            ("admin", "local", "certificate.record", "node08", f"{serial_again:x}"),
+            ("admin", "local", "certificate.record", "node07", f"{serial:x}"),
+        ]
     finally:
         store.close()

@@ -50,6 +50,10 @@ def test_up_serves_a_sim_model_through_the_gateway_and_restarts_on_its_state(tmp
     try:
         assert again["api_key"] == ready["api_key"]
         assert chat(again["gateway_url"], again["api_key"])["model"] == "sim-small"
+        # The key `up` made is in the audit log, once (the second start kept it), and not its token.
+        audit = run_llmgw("ctl", "audit", "--json", "--state-dir", str(state), timeout=60)
+        entries = [(e["actor"], e["source"], e["action"], e["target"]) for e in json.loads(audit.stdout)]
+        assert entries == [("admin", "local", "key.create", "llmgw-up")] and ready["api_key"] not in audit.stdout
     finally:
         assert stop(proc) == 0
 

@@ -255,6 +255,14 @@ def _record(state_dir: Path, store_settings: StoreSection, node_id: str, info: C
     store = Store.open(state_dir, store_settings)
     try:
         store.record_issued(info.serial, node_id, info.not_after.timestamp())
+        # As the admin API's route records it (`llmgw.server.admin.audit`), from this machine's shell.
+        store.record_audit(
+            actor="admin",
+            source="local",
+            action="certificate.record",
+            target=node_id,
+            detail={"serial": f"{info.serial:x}", "not_after": info.not_after.timestamp(), "offline": True},
+        )
     finally:
         store.close()
 

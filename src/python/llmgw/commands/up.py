@@ -293,11 +293,14 @@ async def _api_key(plane, state: Path) -> str:
         token = private.read(path, "a gateway API key").decode().strip()
         if plane.keys.table.authenticate(token) is not None:
             return token
+    from llmgw.server.admin import audit
+
     for n in range(1, 1000):
         try:
-            _, token = await plane.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
+            row, token = await plane.keys.create("llmgw-up" if n == 1 else f"llmgw-up-{n}")
             break
         except ApiKeyExists:
             continue
+    await audit.record(plane.store, actor=audit.ADMIN, source="local", action="key.create", target=row.name)
     paths.write_private(path, (token + "\n").encode())
     return token
