@@ -177,6 +177,9 @@ async def test_a_request_that_waits_has_a_queue_span_and_one_without_traceparent
     # Each engine request carried its own trace's traceparent.
     sent = {h["traceparent"].split("-")[1] for h in engine.headers}
     assert sent == {r.trace_id for r in roots}
+    # The engine's usage (asked of a stream by the gateway, llmgw.gateway.usage) on the request's span.
+    for root in roots:
+        assert root.attributes["gen_ai.usage.output_tokens"] == 6 and root.attributes["gen_ai.usage.input_tokens"] > 0
     with trio.fail_after(10):
         await tracing.aclose()
 
@@ -193,6 +196,7 @@ async def test_a_refused_request_is_a_span_with_its_error(
     [root] = receiver.wait_for(1)
     assert root.trace_id == TRACE_ID and root.attributes["http.response.status_code"] == 404
     assert root.attributes["error.type"] == "model_not_found"
+    assert "gen_ai.usage.output_tokens" not in root.attributes  # no engine answered
     assert root.status_code == 0  # a client's error is not the server's (HTTP conventions)
     assert not engine.headers
 

@@ -97,6 +97,14 @@ class Job:
             self._first_byte_seen = True
             self.gw.metrics.first_byte(self.model, now - self.started)
 
+    def _end_trace(self, status: int) -> None:
+        """Its spans end, with the engine's usage when it said it (`gen_ai.usage.*`)."""
+        assert self.trace is not None
+        tokens = self.tokens if self.meter is None else self.meter.tokens
+        if self.served and tokens is not None:
+            self.trace.usage(tokens.prompt, tokens.completion)
+        self.trace.end(status)
+
     def finish(self, status: int | None, now: float | None = None) -> None:
         """`status` None: the request ended without an answer of ours (counted where raised,
         or the client went away: 499, as nginx logs it). `now`: the clock's time, when the
@@ -115,7 +123,7 @@ class Job:
             gw.metrics.answered(self.model, status)
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
             if self.trace is not None:
-                self.trace.end(status)
+                self._end_trace(status)
         if self.served:
             t = self.tokens if self.meter is None else self.meter.tokens
             key = self.key
