@@ -79,6 +79,12 @@ WAKEUPS: dict[str, str] = {
     "llmgw.server.nodes.weightsorigin.WeightsOrigin.wake": "a node wants a weights file the control plane seeds, or "
     "one of its downloads ended -> its serve loop starts what is wanted",
     # The gateway (llmgw.gateway).
+    "llmgw.server.links.usagereports.UsageReports.arrived": "a gateway's usage report came over its link -> the "
+    "ledger's writer adds it to the store and acknowledges it",
+    "llmgw.gateway.usage.Usage.flushing": "a gateway worker stops, its requests drained -> its link sends the "
+    "usage counted and not yet reported at once (`gatewayd/link.py`), not at the next interval",
+    "llmgw.gateway.usage.Usage.acknowledged": "the control plane acknowledged a usage report -> a stopping worker "
+    "waiting for its last counts to be in the ledger looks again (`Usage.flushed`)",
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> a move waiting for the original's requests "
     "(`quiesce`) looks again",

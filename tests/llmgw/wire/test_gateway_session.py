@@ -318,6 +318,7 @@ def test_a_standby_refuses_an_older_gateway_by_its_version_before_any_redirect()
 GATEWAY_SENDS = {
     g.GatewayHello: hello(),
     g.GatewayHeartbeat: g.GatewayHeartbeat(seq=1),
+    g.UsageReport: g.UsageReport(seq=1),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
 SERVER_SENDS = {
@@ -326,12 +327,13 @@ SERVER_SENDS = {
     g.KeysChanged: g.KeysChanged(keys=(KEY,)),
     g.ShareChanged: g.ShareChanged(index=1, count=2),
     g.TableHeartbeat: g.TableHeartbeat(seq=1),
+    g.UsageAck: g.UsageAck(seq=1),  # refused by a gateway that sent no report (`test_usage_...`)
     w.Redirect: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
 SERVER_ACCEPTS = {
     "await_hello": {"gateway_hello", "link_error"},
-    "open": {"gateway_heartbeat", "link_error"},
+    "open": {"gateway_heartbeat", "usage_report", "link_error"},
     "closed": set(),
 }
 GATEWAY_ACCEPTS = {
@@ -665,3 +667,57 @@ def test_instances_are_distinct_tokens_the_upgrade_accepts() -> None:
         server().upgrade(
             upgrade(headers=[(g.GATEWAY_NAME_HEADER, b"gw1"), (g.GATEWAY_INSTANCE_HEADER, instance.encode())]), GOOD
         )
+
+
+# -- usage reports -----------------------------------------------------------------------------
+
+ROW = g.UsageRow(hour=7200, key="alice", team="t", model="chat", requests=2, prompt_tokens=10, completion_tokens=4)
+
+
+def test_usage_reports_go_one_at_a_time_each_acknowledged() -> None:
+    pair = Pair()
+    pair.join()
+    first = g.UsageReport(seq=1, rows=(ROW,))
+    assert pair.gateway.report(first)
+    assert not pair.gateway.report(g.UsageReport(seq=2, rows=(ROW,)))  # not before the first is acknowledged
+    pair.flush()
+    assert pair.events[gs.SERVER][-1] == gs.UsageReported(report=first)
+    with pytest.raises(LocalLinkError, match="the one waiting is 1"):
+        pair.server.ack(2)
+    pair.server.ack(1)
+    pair.flush()
+    assert pair.events[gs.GATEWAY][-1] == gs.UsageAcked(seq=1)
+    assert pair.gateway.report(g.UsageReport(seq=2, rows=(ROW,)))
+    pair.flush()
+    assert pair.events[gs.SERVER][-1].report.seq == 2
+
+
+def test_a_report_before_the_last_is_acknowledged_and_an_ack_of_another_are_refused() -> None:
+    pair = Pair()
+    pair.join()
+    pair.server.receive(encode(g.UsageReport(seq=1, rows=(ROW,))))
+    with pytest.raises(LinkProtocolError, match="before report 1 was acknowledged") as info:
+        pair.server.receive(encode(g.UsageReport(seq=2)))
+    assert info.value.code == w.UNEXPECTED and pair.server.state is ls.State.CLOSED
+    other = Pair()
+    other.join()
+    assert other.gateway.report(g.UsageReport(seq=3))
+    with pytest.raises(LinkProtocolError, match="acknowledged usage report 4, and the one sent on this link is 3"):
+        other.gateway.receive(encode(g.UsageAck(seq=4)))
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        g.UsageReport(seq=0),
+        g.UsageReport(seq=1, rows=(attrs.evolve(ROW, hour=7201),)),
+        g.UsageReport(seq=1, rows=(attrs.evolve(ROW, prompt_tokens=-1),)),
+        g.UsageReport(seq=1, rows=(attrs.evolve(ROW, key=""),)),
+    ],
+)
+def test_a_usage_report_the_ledger_cannot_take_is_refused(report: g.UsageReport) -> None:
+    pair = Pair()
+    pair.join()
+    with pytest.raises(WireError) as info:
+        pair.server.receive(encode(report))
+    assert info.value.code == w.BAD_MESSAGE and "usage" in str(info.value)

@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 
 from llmgw.metrics import MetricsRegistry
+from llmgw.wakeup import Wakeup
 from llmgw.wire.gateway_link import UsageReport, UsageRow
 
 TOKENS = "llmgw_gateway_tokens_total"
@@ -194,6 +195,9 @@ class Usage:
         self.unacked: UsageReport | None = None  # the report sent and not yet acknowledged
         self.seq = 0  # of the last report made
         self.observers: list[Observer] = []
+        self.linked = False  # a link reports them (`gatewayd/link.py`); else `flushed` has nothing to wait for
+        self.flushing = Wakeup()  # `flush`: the link sends what is pending at once
+        self.acknowledged = Wakeup()  # the control plane acknowledged a report
 
     def observe(self, observer: Observer) -> None:
         """Call `observer(key, team, model, prompt, cached, completion)` at every `record`."""
@@ -250,7 +254,20 @@ class Usage:
         if self.unacked is None or self.unacked.seq != seq:
             return False
         self.unacked = None
+        self.acknowledged.fire()
         return True
+
+    def flush(self) -> None:
+        """Have the link send what is pending now, not at its next interval."""
+        self.flushing.fire()
+
+    async def flushed(self) -> None:
+        """Return once everything counted is acknowledged (the caller bounds the wait: a link that
+        is down acknowledges nothing); at once when no link reports the counts."""
+        while self.linked and self.unreported:
+            acknowledged = self.acknowledged.next()
+            self.flush()
+            await acknowledged.wait()
 
     @property
     def unreported(self) -> bool:

@@ -7,7 +7,10 @@ to the leader and dials again a control plane that falls silent for SILENT_HEART
 heartbeats (a half-open connection, a control plane that stopped); every rule of the link is
 `llmgw.wire.gateway_session.GatewaySession`'s. This module is what a gateway does with it: its
 hello, its heartbeats (with its load, and at once when it routes by a new rotation, holds new
-keys or begins to hold a request for a model with no replica), and what the control plane says
+keys or begins to hold a request for a model with no replica), its usage (`llmgw.gateway.usage`:
+every USAGE_INTERVAL_S while there are counts, one report at a time, the unacknowledged one sent
+again after every reconnect, whichever control plane leads then; at once when the worker stops,
+`Usage.flush`), and what the control plane says
 handed to a `TableSink` (`llmgw.wire.gateway_link`): each part of the table as it arrives, `heard` on every frame taken, `link_state(True, "")` once
 welcomed and `link_state(False, why)` after every session or attempt that ended (so while the
 control plane is away it is said again at each attempt, with the latest reason). The sink keeps
@@ -37,6 +40,7 @@ import trio
 
 from llmgw import __version__
 from llmgw.backoff import Backoff
+from llmgw.gateway.usage import Usage
 from llmgw.linkclient import ConnectTCP, Dial, LinkClient
 from llmgw.linkio import Target, Targets, Writer
 from llmgw.log import get_logger
@@ -63,6 +67,10 @@ MAX_TABLE_BYTES = 64 << 20
 # together (a control-plane restart) do not return together, and each is back within a few
 # seconds of its return; a session that was up starts it again.
 LINK_BACKOFF = Backoff(first_s=0.25, max_s=3.0, jitter=True)
+
+# Usage reports: one every this while there are counts (and the last is acknowledged); a worker
+# that stops sends its last at once (`Usage.flush`).
+USAGE_INTERVAL_S = 2.0
 
 # What each heartbeat says (its `seq` is the session's): the worker's load, and its figures
 # (`metrics`) if asked, else None (a heartbeat sent at once leaves them out: `GatewayHeartbeat`).
@@ -113,6 +121,8 @@ class GatewayLink(LinkClient):
         at_once: AtOnce | None = None,
         tls_name: str = "",
         started_at: float | None = None,
+        usage: Usage | None = None,
+        usage_interval_s: float = USAGE_INTERVAL_S,
         backoff: Backoff = LINK_BACKOFF,
         rng: random.Random | None = None,
         dial: Dial | None = None,
@@ -125,7 +135,8 @@ class GatewayLink(LinkClient):
         which is set when what `load()` says should reach the control plane at once, which sends
         a heartbeat then (`Gateway.at_once`: the gateway routes by a new rotation, its version;
         a request began to wait for a model with no replica, the models' load). `target`: the
-        control plane, or every one (`Targets`)."""
+        control plane, or every one (`Targets`). `usage`: the worker's counts, which the link
+        reports (None: none)."""
         super().__init__(
             target=target,
             ssl_context=tls,
@@ -142,6 +153,10 @@ class GatewayLink(LinkClient):
         self.sink = sink
         self.load = load
         self.started_at = time.time() if started_at is None else started_at
+        self.usage = usage
+        self.usage_interval_s = usage_interval_s
+        if usage is not None:
+            usage.linked = True
 
     def _new_session(self) -> gs.GatewaySession:
         return gs.GatewaySession(self.name, self.instance, self._hello)
@@ -165,12 +180,16 @@ class GatewayLink(LinkClient):
             server_version=welcome.server_version,
         )
         nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
+        if self.usage is not None:
+            nursery.start_soon(self._usage_reports, writer, self.usage)
 
     async def _on_event(self, event: gs.Event, writer: Writer) -> None:
         if isinstance(event, gs.TableChanged):
             self._apply(event.message)
             if isinstance(event.message, g.KeysChanged):
                 self._beat(writer)  # the sink holds them now: say so at once
+        elif isinstance(event, gs.UsageAcked) and self.usage is not None:
+            self.usage.acked(event.seq)
 
     def _heard(self) -> None:
         self.sink.heard(trio.current_time())
@@ -183,8 +202,12 @@ class GatewayLink(LinkClient):
             self.sink.rotation_changed(message)
         elif isinstance(message, g.KeysChanged):
             self.sink.keys_changed(message)
-        else:
+        elif isinstance(message, g.ShareChanged):
             self.sink.share_changed(message)
+        elif isinstance(message, g.BudgetsChanged):
+            self.sink.budgets_changed(message)
+        else:
+            self.sink.grants_changed(message)
 
     def _beat(self, writer: Writer, metrics: bool = False) -> None:
         session = writer.session
@@ -207,6 +230,18 @@ class GatewayLink(LinkClient):
             with trio.move_on_after(due - trio.current_time()):
                 await any_of(events)
 
+    async def _usage_reports(self, writer: Writer, usage: Usage) -> None:
+        """The usage counted, reported every `usage_interval_s` (at once when asked: `Usage.flush`),
+        one report at a time: the first is the one unacknowledged on an earlier link, if any."""
+        session = writer.session
+        assert isinstance(session, gs.GatewaySession)
+        while session.open:
+            flushing = usage.flushing.next()
+            if not session.reporting and (report := usage.report()) is not None and session.report(report):
+                writer.wake()
+            with trio.move_on_after(self.usage_interval_s):
+                await flushing.wait()
+
 
 async def serve_gateway_link(
     server_url: str | Sequence[str],
@@ -219,6 +254,7 @@ async def serve_gateway_link(
     at_once: AtOnce | None = None,
     tls_name: str = "",
     started_at: float | None = None,
+    usage: Usage | None = None,
     task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this gateway process (`instance`, e.g. `llmgw.wire.gateway_session.new_instance()`)
@@ -227,7 +263,7 @@ async def serve_gateway_link(
     `name` (its certificate's CN; `Credentials.load` gives both it and `tls`), feeding `sink`
     forever; `load()` says what each heartbeat reports, and one goes at once when one of
     `at_once()` is set (`GatewayLink`); `tls_name`: the name the control plane's certificate must
-    cover, if not the host of `server_url`. Started at once, with the link (its `state` says
+    cover, if not the host of `server_url`; `usage`: the counts it reports. Started at once, with the link (its `state` says
     whether it is up); never returns."""
     link = GatewayLink(
         target=Targets.parse(server_url),
@@ -239,6 +275,7 @@ async def serve_gateway_link(
         at_once=at_once,
         tls_name=tls_name,
         started_at=started_at,
+        usage=usage,
     )
     task_status.started(link)
     await link.serve()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw.gateway.usage import Usage
 from llmgw.gatewayd.link import AtOnce, Load, serve_gateway_link
 from llmgw.gatewayd.tablefile import TableFile, feed
 from llmgw.gatewayd.worker import Source
@@ -35,12 +36,14 @@ def link_source(
     load: Load,
     at_once: AtOnce | None = None,
     tls_name: str = "",
+    usage: Usage | None = None,
 ) -> Source:
     """The gateway link to `server_url` (or to every control plane's, in turn), which hands each part of the table to the sink and dials
     again with backoff while the worker serves on from its last table; `load()` is what its
     heartbeats report (`GatewayWorker.load`), one sent at once when one of `at_once()` is set
     (`Gateway.at_once`: a new rotation, a request held for a model with no replica); `tls_name`:
-    the name the control plane's certificate must cover, if not the host of `server_url`."""
+    the name the control plane's certificate must cover, if not the host of `server_url`; `usage`:
+    the worker's counts (`Gateway.usage`), which the link reports."""
     return partial(
         serve_gateway_link,
         server_url,
@@ -51,4 +54,5 @@ def link_source(
         at_once=at_once,
         tls_name=tls_name,
         started_at=time.time(),
+        usage=usage,
     )

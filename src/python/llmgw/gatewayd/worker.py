@@ -72,6 +72,7 @@ Source = Callable[..., Awaitable[Any]]
 
 DRAIN_S = 30.0  # on stop: how long requests in flight may take to finish (the control plane's too)
 JSON_CLOSE_S = 5.0  # on stop: for the JSON worker process, if a large body started one
+USAGE_FLUSH_S = 3.0  # on stop, once drained: for the last usage report's acknowledgement (`Usage.flushed`)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -199,17 +200,37 @@ class GatewayWorker:
             sockets=sockets,
             cannot_listen=cannot_listen or partial(listen_error, host, port),
         )
+        # The table's source (the link) outlives a stop until the requests are drained and the
+        # usage counted meanwhile is acknowledged, for at most USAGE_FLUSH_S (`serve_then_flush`).
+        linked = trio.CancelScope(shield=True)
+
+        async def serve_source() -> None:
+            with linked:
+                await self.background.run("table_source", partial(source, sink=self.table))
+
+        async def serve_then_flush(*, task_status: trio.TaskStatus[list[trio.SocketListener]]) -> None:
+            try:
+                await serve_http(task_status=task_status)
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(USAGE_FLUSH_S):
+                    await self.gateway.usage.flushed()
+                linked.cancel()
+
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve_services, self.gateway)
-                if self.figures is not None:  # written before it listens: a scrape sees every worker serving
-                    await nursery.start(self.figures.serve, self.metric_families)
-                if table_first:
-                    nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
-                    await self.table.whole.wait()
-                listeners = await nursery.start(serve_http)
+                try:
+                    await nursery.start(serve_services, self.gateway)
+                    if self.figures is not None:  # written before it listens: a scrape sees every worker serving
+                        await nursery.start(self.figures.serve, self.metric_families)
+                    if table_first:
+                        nursery.start_soon(serve_source)
+                        await self.table.whole.wait()
+                    listeners = await nursery.start(serve_then_flush)
+                except BaseException:
+                    linked.cancel()  # stopped before it served: nothing to report
+                    raise
                 if not table_first:
-                    nursery.start_soon(self.background.run, "table_source", partial(source, sink=self.table))
+                    nursery.start_soon(serve_source)
                 task_status.started(listeners)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(JSON_CLOSE_S):

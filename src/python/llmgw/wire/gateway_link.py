@@ -48,7 +48,9 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # heartbeats carry each model's load (`ModelLoad`), one goes at once when a request starts waiting
 # for a model with no replica ready, and a model says whether it starts on demand and how long
 # and how many requests for it may wait (`ModelInfo.on_demand`, `max_queue`, `queue_timeout_s`).
-GATEWAY_PROTOCOL_VERSION = 8
+# 9: who used what: a gateway reports its usage (`UsageReport`, one at a time, each acknowledged with
+# `UsageAck` once it is in the ledger) and a key says its team (`GatewayKey.team`).
+GATEWAY_PROTOCOL_VERSION = 9
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -285,8 +287,10 @@ class UsageAck:
     seq: int
 
 
-GatewayMessage = GatewayHello | GatewayHeartbeat | LinkError
-ControlMessage = GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | Redirect | LinkError
+GatewayMessage = GatewayHello | GatewayHeartbeat | UsageReport | LinkError
+ControlMessage = (
+    GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | UsageAck | Redirect | LinkError
+)
 
 # Error codes of LinkError on this link: the agent link's (`llmgw.wire.agent_link`: bad_message,
 # unknown_type, protocol_version, unexpected_message, revoked, certificate_expired, silent), and:

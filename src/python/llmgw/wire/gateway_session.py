@@ -22,14 +22,19 @@ protocol's tests (tests/llmgw/wire/test_gateway_session.py).
     GatewayHeartbeat  ---------------------------> (`GatewaySession.heartbeat`)
                   <------------------------------- a part of the table again, whole, when it
                                                    changes (`push`); TableHeartbeat (`heartbeat`)
+    UsageReport  --------------------------------> (`GatewaySession.report`) one at a time: the
+                                                   next only once this one is acknowledged
+                  <------------------------------- UsageAck of that report (`GatewayServerSession.ack`),
+                                                   once it is in the ledger
     LinkError, either way: the sender's last frame before it closes (`close`).
 
 What waits for a slow reader: every kind the control plane sends after its Welcome is coalesced,
 a newer replacing an unsent older one in its place (each says the whole of what it reports; a
 part of the table is made by the session's `table` when the writer takes it, so it is the newest
-then), and so is the gateway's heartbeat. A link holds at most its first frame, one message of
-each kind and its LinkError, whatever its peer does; a peer that takes nothing is cut by the
-runtime's send deadline, not by memory.
+then), and so is the gateway's heartbeat; a usage report and its acknowledgement go one at a
+time (the rule above). A link holds at most its first frame, one message of each kind and its
+LinkError, whatever its peer does; a peer that takes nothing is cut by the runtime's send
+deadline, not by memory.
 """
 
 from __future__ import annotations
@@ -73,28 +78,36 @@ INSTANCE_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a lette
 RECEIVES: dict[str, dict[State, dict[type, State]]] = {
     SERVER: {
         State.AWAIT_HELLO: {g.GatewayHello: State.OPEN, w.LinkError: State.CLOSED},
-        State.OPEN: {g.GatewayHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {g.GatewayHeartbeat: State.OPEN, g.UsageReport: State.OPEN, w.LinkError: State.CLOSED},
     },
     GATEWAY: {
         State.AWAIT_WELCOME: {g.GatewayWelcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
-        State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {
+            **{t: State.OPEN for t in TABLE},
+            g.TableHeartbeat: State.OPEN,
+            g.UsageAck: State.OPEN,
+            w.LinkError: State.CLOSED,
+        },
     },
 }
 # role -> state -> {message type that side may send: the state after it}. The control plane's
 # Welcome and first table are its answer to the hello, queued by `receive`; a LinkError may be
 # sent once in any state (`close`).
 SENDS: dict[str, dict[State, dict[type, State]]] = {
-    SERVER: {State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN}},
+    SERVER: {State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN, g.UsageAck: State.OPEN}},
     GATEWAY: {
         State.START: {g.GatewayHello: State.AWAIT_WELCOME},
-        State.OPEN: {g.GatewayHeartbeat: State.OPEN},
+        State.OPEN: {g.GatewayHeartbeat: State.OPEN, g.UsageReport: State.OPEN},
     },
 }
 # role -> (kinds of which only the newest unsent is kept, {kind: most unsent at once})
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
-    SERVER: (frozenset({*TABLE, g.TableHeartbeat}), {}),
-    GATEWAY: (frozenset({g.GatewayHeartbeat}), {}),
+    SERVER: (frozenset({*TABLE, g.TableHeartbeat}), {g.UsageAck: 1}),
+    GATEWAY: (frozenset({g.GatewayHeartbeat}), {g.UsageReport: 1}),
 }
+# The rows of one usage report: a gateway's rows are the hours x keys x models it served, merged;
+# past this a report is refused as a bug (a gateway sends what it counted, not a flood).
+MAX_USAGE_ROWS = 100_000
 
 
 def check_gateway_standing(name: str, standing: Standing) -> None:
@@ -149,12 +162,28 @@ class TableHeartbeatReceived:
     seq: int
 
 
+@attrs.frozen(kw_only=True)
+class UsageReported:
+    """A usage report: the control plane adds it to the ledger, then acknowledges it (`ack`)."""
+
+    report: g.UsageReport
+
+
+@attrs.frozen(kw_only=True)
+class UsageAcked:
+    """The control plane holds the report `seq` sent on this link."""
+
+    seq: int
+
+
 Event = (
     GatewayJoined
     | GatewayHeartbeatReceived
     | Welcomed
     | TableChanged
     | TableHeartbeatReceived
+    | UsageReported
+    | UsageAcked
     | RedirectReceived
     | Closed
 )
@@ -165,6 +194,8 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.GatewayWelcome: lambda m: Welcomed(welcome=m),
     **{t: (lambda m: TableChanged(message=m)) for t in TABLE},
     g.TableHeartbeat: lambda m: TableHeartbeatReceived(seq=m.seq),
+    g.UsageReport: lambda m: UsageReported(report=m),
+    g.UsageAck: lambda m: UsageAcked(seq=m.seq),
     **COMMON_EVENTS,
 }
 
@@ -195,6 +226,7 @@ class GatewayServerSession(ServingSession):
         self.instance = ""  # the upgrade's GATEWAY_INSTANCE_HEADER, once checked
         self.table = table
         self._seq = 0
+        self.reported = 0  # the seq of the usage report received and not yet acknowledged (0: none)
 
     def _check_upgrade(self, request: UpgradeRequest, standing: Standing) -> None:
         check_gateway_standing(self.expected_name, standing)
@@ -232,6 +264,15 @@ class GatewayServerSession(ServingSession):
             self._seq += 1
             self.send(g.TableHeartbeat(seq=self._seq))
 
+    def ack(self, seq: int) -> None:
+        """Report `seq` is in the ledger: its UsageAck goes next, if the link is open (on a link
+        closed meanwhile the gateway sends the report again on its next, and the ledger knows it)."""
+        if seq != self.reported:
+            raise LocalLinkError(f"usage report {seq} acknowledged, and the one waiting is {self.reported or 'none'}")
+        if self.can_send(g.UsageAck):
+            self.reported = 0
+            self.send(g.UsageAck(seq=seq))
+
     def _made(self, kind: type, item: Any) -> Any:
         return self.table(kind) if item is None else item
 
@@ -244,6 +285,15 @@ class GatewayServerSession(ServingSession):
     def _check(self, message: Any) -> None:
         if isinstance(message, g.GatewayHeartbeat) and message.metrics is not None:
             check_metrics(message.metrics)
+        if isinstance(message, g.UsageReport):
+            if self.reported:
+                raise LinkProtocolError(
+                    w.UNEXPECTED,
+                    f"usage report {message.seq} came before report {self.reported} was acknowledged; a gateway "
+                    "sends one at a time (run the same llmgw release on the gateway and the control plane)",
+                )
+            check_usage(message)
+            self.reported = message.seq
         if isinstance(message, g.GatewayHello):
             self._check_version(message.protocol_version)
             if message.name != self.expected_name or message.instance != self.instance:
@@ -288,6 +338,7 @@ class GatewaySession(DialingSession):
         self.name = name
         self.instance = instance
         self._seq = 0
+        self.reporting = 0  # the seq of the usage report sent on this link and not yet acknowledged (0: none)
 
     def upgrade_request(self) -> tuple[str, list[tuple[bytes, bytes]]]:
         return g.GATEWAY_PATH, [
@@ -313,7 +364,24 @@ class GatewaySession(DialingSession):
             self._seq += 1
             self.send(attrs.evolve(load, seq=self._seq))
 
+    def report(self, report: g.UsageReport) -> bool:
+        """Queue `report` if the link is open and none is waiting for its acknowledgement; whether
+        it was."""
+        if self.reporting or not self.can_send(g.UsageReport):
+            return False
+        self.send(report)
+        self.reporting = report.seq
+        return True
+
     def _check(self, message: Any) -> None:
+        if isinstance(message, g.UsageAck):
+            if message.seq != self.reporting:
+                raise LinkProtocolError(
+                    w.UNEXPECTED,
+                    f"the control plane acknowledged usage report {message.seq}, and the one sent on this link is "
+                    f"{self.reporting or 'none'}; run the same llmgw release on the gateway and the control plane",
+                )
+            self.reporting = 0
         if isinstance(message, g.GatewayWelcome):
             self._check_welcome(message)
         elif isinstance(message, g.ShareChanged):
@@ -382,6 +450,26 @@ def _bad_sample(f: g.MetricFamily, s: g.Sample) -> str | None:
     if f.kind == "histogram" and len(s.counts) != len(f.buckets) + 1:
         return f"has a series with {len(s.counts)} counts for {len(f.buckets)} buckets and the one above them"
     return None
+
+
+def check_usage(report: g.UsageReport) -> None:
+    """`WireError` unless a usage report can be added to the ledger as it is: a sequence from 1,
+    at most MAX_USAGE_ROWS rows, each of an hour's start, a key and a model, with counts that are
+    not negative."""
+    if report.seq < 1 or len(report.rows) > MAX_USAGE_ROWS:
+        raise WireError(
+            w.BAD_MESSAGE,
+            f"usage report {report.seq} with {len(report.rows)} rows: a report has a sequence from 1 and at most "
+            f"{MAX_USAGE_ROWS} rows; run the same llmgw release on the gateway and the control plane",
+        )
+    for r in report.rows:
+        counts = (r.requests, r.prompt_tokens, r.cached_tokens, r.completion_tokens)
+        if r.hour < 0 or r.hour % 3600 or min(counts) < 0 or not r.key or not r.model:
+            raise WireError(
+                w.BAD_MESSAGE,
+                f"usage report {report.seq} has a row that is none (hour {r.hour}, key {shown(r.key)}, model "
+                f"{shown(r.model)}, counts {counts}); run the same llmgw release on the gateway and the control plane",
+            )
 
 
 def new_instance() -> str:

@@ -36,6 +36,7 @@ from llmgw.server.gateways.figures import WORKER_NAME, history_totals, render_wo
 from llmgw.server.gateways.inprocess import InProcessGateway
 from llmgw.server.gateways.workers import OwnGateway
 from llmgw.server.links.gatewaylinks import GatewayFeed
+from llmgw.server.links.usagereports import UsageReports
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.registry import NodeRegistry
@@ -96,6 +97,8 @@ class Gateways:
             leading=leading,
             redirect=redirect,
         )
+        self.usage = UsageReports(store)  # the gateways' usage reports into the ledger
+        self.feed.usage = self.usage
         self.in_process = (
             None
             if workers
@@ -120,7 +123,19 @@ class Gateways:
         """Serve `http_listen` (or `sockets`, passed to us) until cancelled, then drain; started
         with the address it is bound to, once every worker serves by the control plane's table."""
         if self.in_process is not None:
-            await self.in_process.serve(sockets, drain_s=drain_s, task_status=task_status)
+            # Its usage is written by this loop (no link), the last of it once it has drained.
+            usage, writing = self.in_process.gateway.usage, trio.CancelScope(shield=True)
+
+            async def write_usage() -> None:
+                with writing:
+                    await self.usage.serve_local(usage)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write_usage)
+                try:
+                    await self.in_process.serve(sockets, drain_s=drain_s, task_status=task_status)
+                finally:
+                    writing.cancel()
             return
         own = OwnGateway(count=self.workers, config=self.config, state_dir=self.state_dir, ca=self.ca, feed=self.feed)
         own.drain_s = drain_s

@@ -12,6 +12,8 @@ protocol is `llmgw.wire.gateway_session.GatewayServerSession`'s.
   (`llmgw.server.gateways.figures`), the rotation version it routes by and its requests on each
   replica, which `quiesce` waits on when a move takes a replica out of rotation, and the keys
   version it holds, which `keys_reached` waits on when the admin API makes or revokes a key.
+- Each instance's usage reports go to the ledger (`usage`, `llmgw.server.links.usagereports`),
+  which acknowledges each on the link it came by once it is written.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from llmgw.log import get_logger
 from llmgw.pki.ca import CertInfo
 from llmgw.server.links.gatewaytable import TableSource
 from llmgw.server.links.linkserver import LinkServer, ServedLink
+from llmgw.server.links.usagereports import UsageReports
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.wakeup import Wakeup
 from llmgw.wire import agent_link as w
 from llmgw.wire import gateway_link as g
 from llmgw.wire import gateway_session as gs
+from llmgw.wire.session import State
 
 log = get_logger("llmgw.gatewayfeed")
 
@@ -58,6 +62,15 @@ class LinkedGateway(ServedLink):
     def fields(self) -> dict[str, str]:
         return {"gateway": self.name, "instance": self.instance}
 
+    def acknowledge(self, seq: int) -> None:
+        """Its usage report `seq` is in the ledger."""
+        self.session.ack(seq)  # type: ignore[attr-defined]
+        self.writer.wake()
+
+    @property
+    def gone(self) -> bool:
+        return self.session.state is State.CLOSED
+
     def push(self, kind: type) -> None:
         self.session.push(kind)  # type: ignore[call-arg]
         self.writer.wake()
@@ -77,6 +90,7 @@ class GatewayFeed(LinkServer[LinkedGateway]):
         self.table = TableSource(endpoints, keys, changed=self._changed)
         self._index: dict[tuple[str, str], int] = {}  # each published link's share index
         self.heard = Wakeup()  # a heartbeat came, an instance left or the rotation changed: `quiesce` looks again
+        self.usage: UsageReports | None = None  # where usage reports go (`Gateways` sets it; None: dropped)
 
     # -- the table ----------------------------------------------------------------------------
 
@@ -167,6 +181,8 @@ class GatewayFeed(LinkServer[LinkedGateway]):
                 beat = attrs.evolve(beat, metrics=link.last.metrics)
             link.last = beat
             self.heard.fire()
+        elif isinstance(event, gs.UsageReported) and self.usage is not None:
+            self.usage.received(link, event.report)
 
     async def close_revoked(self, serials: set[int]) -> int:
         """Close the links of the instances whose certificate is one of `serials` (just revoked),
