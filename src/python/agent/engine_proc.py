@@ -114,15 +114,18 @@ async def call_engine(
     timeout_s: float,
     bearer: str = "",
     body_limit: int | None = ENGINE_ANSWER_MAX_BYTES,
+    json_body: bytes = b"",
 ) -> tuple[int, bytes] | None:
-    """One request to an engine's API port (an empty body), on a connection of its own: the
+    """One request to an engine's API port (`json_body`, or an empty body), on a connection of its own: the
     answer's status and body (up to `body_limit` bytes; None: the status alone, the body not
     read), or None if nothing answered within `timeout_s` or the answer was not HTTP. `bearer`:
     the replica's key, sent as `Authorization: Bearer`."""
     headers = [(b"connection", b"close")]
     if bearer:
         headers.append((b"authorization", b"Bearer " + bearer.encode()))
-    if method != "GET":
+    if json_body:
+        headers.append((b"content-type", b"application/json"))  # request_bytes says its length
+    elif method != "GET":
         headers.append((b"content-length", b"0"))
     with trio.move_on_after(timeout_s):
         try:
@@ -133,7 +136,7 @@ async def call_engine(
             # The codec's client role, as the gateway talks to an engine (`llmgw.gateway.upstream`).
             parser = ResponseParser(request_method=method)
             try:
-                await stream.send_all(request_bytes(method, target, f"{host}:{port}", headers, b""))
+                await stream.send_all(request_bytes(method, target, f"{host}:{port}", headers, json_body) + json_body)
                 status, body = 0, bytearray()
                 while True:
                     event = parser.next_event()

@@ -1,7 +1,7 @@
 """The agent process: load agent.toml, check the node's identity files, keep the link up.
 
 `run_agent` is the root of the agent's one nursery; `llmgw agent run` calls it. Each of its
-loops (replicas, link, assignments, reports, inventory, engines) runs under
+loops (replicas, link, assignments, reports, inventory, engines, bench) runs under
 `llmgw.supervision.Background`: a failure after start is logged with its traceback and that
 loop alone starts again with backoff, so the link and the replicas outlive a failing
 inventory or engine check; a failure at start ends the agent with its own message.
@@ -22,6 +22,7 @@ import attrs
 import trio
 
 from agent import ibdiags, inventory
+from agent.bench import Bench, replicas_busy, serve_bench
 from agent.discovery import system
 from agent.engines import Engines, engine_store, serve_engines
 from agent.link import AgentLink
@@ -123,8 +124,14 @@ async def run_agent(
             engines=engines.as_tuple(),
             replicas=supervisor.statuses(),
             weights=current.weights,
+            speeds=bench.as_tuple(),
         )
 
+    # llama.cpp's speed on this node, measured while its replicas are idle (agent.bench).
+    bench = Bench(
+        directory=state_dir / "bench",
+        busy=partial(replicas_busy, lambda: [r.pid for r in supervisor.statuses()]),
+    )
     link = AgentLink(
         target=Targets.parse(control_planes(config)),
         node_id=identity.node_id,
@@ -203,6 +210,11 @@ async def run_agent(
                 store=engine_store(config, ssl_context),
                 server_url=lambda: link.target.url,  # the control plane linked to last: the leader
             ),
+        )
+        await nursery.start(
+            background.run,
+            "bench",
+            partial(serve_bench, bench, engines, lambda: link.state.desired, link.desired_changed, link.send),
         )
         task_status.started(link)
 
