@@ -11,7 +11,7 @@ import json
 
 import pytest
 from bench import chaos
-from bench.chaos_load import Load, StreamReader, differs, expected_text, percentile
+from bench.chaos_load import Load, Outcome, StreamReader, differs, expected_text, off_seam, percentile, seam, seams
 
 from testlib.benchjson import NONE, NUMBER, MapOf, Maybe, assert_shape
 
@@ -35,7 +35,17 @@ LOAD = {
     "load_cpu_share": (int, float, NONE),
     "load_lag_max_s": (int, float, NONE),
 }
-FAULT = {**LOAD, "recovery_s": (int, float, NONE), "engine_restarts": int}
+FAULT = {**LOAD, "recovery_s": (int, float, NONE), "engine_restarts": int, "load_average": [NUMBER]}
+# A kill's: when it was dealt, and each stream's gap across that moment.
+KILL = {
+    "killed_at_unix": NUMBER,
+    "migration_seam_p99_s": (int, float, NONE),
+    "migration_seam_max_s": (int, float, NONE),
+    "migration_seam_last_token_to_kill_p99_s": (int, float, NONE),
+    "migration_seam_kill_to_next_token_p99_s": (int, float, NONE),
+    "migration_off_seam_p99_s": (int, float, NONE),
+    "unmoved_gap_at_kill_p99_s": (int, float, NONE),
+}
 SETTINGS = {
     "nodes": int,
     "network_namespaces": bool,
@@ -52,7 +62,7 @@ SETTINGS = {
 SHAPE = {
     "settings": SETTINGS,
     "faults": {
-        "engine_kill": {**FAULT, "node": str, "replica": str},
+        "engine_kill": {**FAULT, **KILL, "node": str, "replica": str},
         "agent_kill": {**FAULT, "node": str, "replicas_moved": bool},
         "rolling_update": {
             **FAULT,
@@ -157,6 +167,34 @@ def test_a_stream_as_its_client_reads_it() -> None:
     assert differs(want, want) == ""
     assert "first different at word 3" in differs(" ".join(want.split()[:3]), want)
     assert percentile([0.1] * 98 + [1.0, 2.0], 99) == 1.0
+
+
+def test_the_gap_a_kill_cost_each_stream() -> None:
+    """A kill at 10.0: a moved stream's gap across it (its last token before, the next after) is
+    the stall the move cost, apart from its other gaps; a stream with no token on one side of
+    the kill has no such gap; the survivor's own streams' gaps across it are kept apart."""
+    times = (9.0, 9.5, 9.9, 11.2, 11.3, 12.0)
+    assert seam(times, 10.0) == pytest.approx((0.1, 1.2))
+    assert off_seam(times, 10.0) == pytest.approx(0.7)  # 11.3 to 12.0; 9.9 to 11.2 is the seam
+    assert seam((10.5, 10.6), 10.0) is None and seam((9.0, 9.1), 10.0) is None
+    assert off_seam((9.9, 10.1), 10.0) is None
+    # A token the killed engine wrote just before it died comes a moment after the kill: the
+    # stall is from it to the survivor's first.
+    late = (9.8, 10.001, 11.4, 11.5)
+    assert seam(late, 10.0) == pytest.approx((0.0, 1.399)) and off_seam(late, 10.0) == pytest.approx(0.201)
+
+    def stream(times: tuple[float, ...], moved: int) -> Outcome:
+        return Outcome(kind="stream", started=8.0, ended=13.0, ok=True, moved=moved, times=times)
+
+    out = seams([stream(times, 1), stream((9.95, 10.4, 10.5), 1)], [stream((9.8, 10.1), 0)], 10.0)
+    assert out == {
+        "migration_seam_p99_s": pytest.approx(1.3),
+        "migration_seam_max_s": pytest.approx(1.3),
+        "migration_seam_last_token_to_kill_p99_s": pytest.approx(0.1),
+        "migration_seam_kill_to_next_token_p99_s": pytest.approx(1.2),
+        "migration_off_seam_p99_s": pytest.approx(0.7),
+        "unmoved_gap_at_kill_p99_s": pytest.approx(0.3),
+    }
 
 
 def test_the_chaos_benchmark_runs_and_meets_its_targets(capsys: pytest.CaptureFixture[str]) -> None:

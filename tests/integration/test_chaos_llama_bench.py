@@ -30,6 +30,15 @@ LOAD = {
     "load_cpu_share": (int, float, NONE),
     "load_lag_max_s": (int, float, NONE),
 }
+KILL = {
+    "killed_at_unix": NUMBER,
+    "migration_seam_p99_s": (int, float, NONE),
+    "migration_seam_max_s": (int, float, NONE),
+    "migration_seam_last_token_to_kill_p99_s": (int, float, NONE),
+    "migration_seam_kill_to_next_token_p99_s": (int, float, NONE),
+    "migration_off_seam_p99_s": (int, float, NONE),
+    "unmoved_gap_at_kill_p99_s": (int, float, NONE),
+}
 SHAPE = {
     "settings": {
         "engine": str,
@@ -53,7 +62,15 @@ SHAPE = {
         "load_average_at_start": [NUMBER],
     },
     "faults": {
-        "engine_kill": {**LOAD, "recovery_s": (int, float, NONE), "engine_restarts": int, "node": str, "replica": str}
+        "engine_kill": {
+            **LOAD,
+            **KILL,
+            "recovery_s": (int, float, NONE),
+            "engine_restarts": int,
+            "load_average": [NUMBER],
+            "node": str,
+            "replica": str,
+        }
     },
     "unexpected_process_exits": [str],
     "targets_met": {

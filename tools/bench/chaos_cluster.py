@@ -165,10 +165,12 @@ class ChaosCluster:
         self.agents[node].popen.send_signal(signal.SIGKILL)
         self.agents[node].popen.wait(10)
 
-    def kill_node(self, node: str) -> None:
+    def kill_node(self, node: str) -> float:
+        """SIGKILL `node`'s agent and engines; when its engines died (unix time)."""
         engines = self.engine_pids(node)
         self.kill_agent(node)
         kill_groups(engines)
+        return time.time()
 
     def cut(self, node: str) -> None:
         self.namespaces[node].cut()

@@ -8,8 +8,9 @@ with the model on llama.cpp instead of the sim: llama-server (agent.toml's `llam
 machine's portable build as the tests find it, or `--llama-server`) serving a
 GGUF the bench makes, whose greedy answer re-tokenizes to the same tokens (testlib.makegguf,
 `cycle=True`), so a stream continued on another replica must end with exactly the text it would
-have had uninterrupted. Each replica has one thread and `-np` = `--streams` slots, so that the one
-left after a kill carries every stream.
+have had uninterrupted. Each replica has one thread and `-np` = `--streams` slots and room for the
+short requests in flight (`slots`), so that the one left after a kill carries the whole load: every
+stream, the short requests and the continuations, with no request waiting for a slot.
 
 The load (`GreedyLoad`, chaos_load's with greedy streams): `--streams` streams in flight, chat and
 text completions in turn, each of exactly `--stream-tokens` tokens (`ignore_eos`), one prompt per
@@ -18,8 +19,10 @@ streamed, and every stream after is checked against it word for word (`streams_w
 and `--rate` short non-streamed requests a second. The faults: `engine_kill` (SIGKILL one
 replica's llama-server: the agent starts it again) and `node_kill` (a node's agent and engines
 together; it comes back). The result has chaos.py's keys for those faults (failed streams, moved
-streams, wrong text, the moved streams' longest gap between two tokens at p99 and max) and its
-targets (chaos.targets). The streams are fewer than the sim's 500: two one-thread llama-server
+streams, wrong text, the moved streams' longest gap between two tokens and their gap across the
+kill, at p99 and max) and its targets (chaos.targets). With `--keep`, `streams.jsonl` in the kept
+directory has every stream's tokens' times and request id, to read beside the gateway's log
+(`gateway_stream_broken`, `gateway_stream_migrated`) and each engine's (`node-*/logs/`). The streams are fewer than the sim's 500: two one-thread llama-server
 replicas on a 2-core machine carry about a dozen (the default 12; docs/reliability.md).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import sys
@@ -46,6 +50,20 @@ FAULTS = ("engine_kill", "node_kill")
 MODEL_SHAPE = {"n_layer": 8, "n_embd": 512, "n_head": 8, "dtype": "F32"}
 CONTEXT_PER_SLOT = 512  # a prompt of a few tokens and at most MAX_STREAM_TOKENS
 MAX_STREAM_TOKENS = 256
+# A short request's time on a replica carrying the whole load: 16 tokens at 60 ms a step, about
+# 1 s on a quiet machine (4-5 s when others' work takes most of its core: no slot count helps
+# then). Each replica has this many seconds of `--rate` in slots beside the streams' (`slots`):
+# more would not be free, each slot in use slowing the others' steps.
+SHORT_REQUEST_S = 2.0
+
+
+def slots(streams: int, rate: float) -> int:
+    """Each replica's slots (`-np`): one per stream and room for the short requests in flight, so
+    that one replica alone carries the whole load. With slots for the streams alone, a survivor
+    of a kill had every slot taken (its streams, the moved ones, the short requests) and a moved
+    stream waited in llama-server for a slot to free, 0.8-1.2 s (docs/reliability.md). A slot
+    idle costs its context's memory alone (512 tokens, 8 MiB here)."""
+    return streams + math.ceil(rate * SHORT_REQUEST_S)
 
 
 def catalog(model: Path, slots: int, http_cap: int) -> str:
@@ -159,12 +177,13 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
     model = make_gguf(root / "cycle.gguf", cycle=True, **MODEL_SHAPE)
     interval = args.heartbeat_interval_s
     http_cap = attacks.http_cap(args.streams)
+    n_slots = args.slots or slots(args.streams, args.rate)
     cluster = await trio.to_thread.run_sync(
         lambda: ChaosCluster(
             root,
             nodes=chaos.NODES,
             netns=netns,
-            catalog=catalog(model, args.streams, http_cap),
+            catalog=catalog(model, n_slots, http_cap),
             heartbeat_interval_s=interval,
             heartbeat_ttl_s=args.heartbeat_ttl_s,
             agent_toml=f"llamacpp_bin = {json.dumps(binary)}\n",
@@ -196,13 +215,15 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict:
             await bench.run(faults)
             nursery.cancel_scope.cancel()
         bench.watch_exits()
+        if args.keep:
+            load.dump(root / "streams.jsonl")
         answers = set(load.answers.values())
         return report(
             {
                 "engine": "llamacpp",
                 "llama_server": binary,
                 "model": {**MODEL_SHAPE, "n_vocab": 600, "cycle": True},
-                "slots_per_replica": args.streams,
+                "slots_per_replica": n_slots,
                 "threads_per_replica": 1,
                 "nodes": len(chaos.NODES),
                 "network_namespaces": netns,
@@ -231,8 +252,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     parser.add_argument("--faults", help=f"comma-separated, in order (default: {','.join(FAULTS)})")
     parser.add_argument("--rate", type=float, default=2.0, help="short non-streamed requests a second (default 2)")
+    parser.add_argument("--streams", type=int, default=12, help="streams in flight (default 12)")
     parser.add_argument(
-        "--streams", type=int, default=12, help="streams in flight, and each replica's slots (-np) (default 12)"
+        "--slots",
+        type=int,
+        default=0,
+        help=f"each replica's slots (-np) (default: --streams and {SHORT_REQUEST_S:g} s of --rate)",
     )
     parser.add_argument(
         "--stream-tokens", type=int, default=128, help="tokens of each stream, exactly (ignore_eos) (default 128)"

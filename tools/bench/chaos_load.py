@@ -28,7 +28,9 @@ import itertools
 import json
 import math
 import re
+import secrets
 import time
+from pathlib import Path
 
 import attrs
 import h11
@@ -52,6 +54,8 @@ class Outcome:
     moved: int = 0  # a stream: the migrations its comment line said (0: none)
     gap_s: float | None = None  # a stream: the longest gap between two content events
     wrong_text: str = ""  # a stream that ended well: how its text differed from the expected ("": it did not)
+    rid: str = ""  # the X-Request-Id it was sent with (the gateway's log lines name it)
+    times: tuple[float, ...] = ()  # a stream: when each content event came (the load's clock)
 
 
 class StreamReader:
@@ -62,6 +66,7 @@ class StreamReader:
     def __init__(self) -> None:
         self._buf = bytearray()
         self.pieces: list[str] = []
+        self.times: list[float] = []  # when each piece came
         self.gap_s: float | None = None
         self.moved = 0
         self.done = False
@@ -117,6 +122,7 @@ class StreamReader:
                         self.gap_s = gap if self.gap_s is None or gap > self.gap_s else self.gap_s
                     self._last_at = now
                     self.pieces.append(piece)
+                    self.times.append(now)
 
 
 def expected_text(model: str, path: str, body: dict) -> str:
@@ -176,29 +182,30 @@ class Load:
         self._in_flight: dict[int, float] = {}  # exchanges going on: when each started
         self._ended = trio.Event()  # an exchange ended (`settle` waits on it)
         self._idle: list[_Conn] = []
+        self.run_id = secrets.token_hex(3)  # in each stream's X-Request-Id: this run's, in the gateway's log
+        self.wall_offset = 0.0  # the load's clock (trio's) to unix time, the processes' logs' (`run`)
 
     # -- one exchange ---------------------------------------------------------------------------
 
     async def _connect(self) -> _Conn:
         return _Conn(await trio.open_tcp_stream(self.host, self.port))
 
-    def _request(self, path: str, body: dict) -> tuple[h11.Request, bytes]:
+    def _request(self, path: str, body: dict, rid: str = "") -> tuple[h11.Request, bytes]:
         data = json.dumps(body).encode()
-        return h11.Request(
-            method="POST",
-            target=path,
-            headers=[
-                ("host", "chaos"),
-                ("content-type", "application/json"),
-                ("authorization", f"Bearer {self.token}"),
-                ("content-length", str(len(data))),
-            ],
-        ), data
+        headers = [
+            ("host", "chaos"),
+            ("content-type", "application/json"),
+            ("authorization", f"Bearer {self.token}"),
+            ("content-length", str(len(data))),
+        ]
+        if rid:
+            headers.append(("x-request-id", rid))
+        return h11.Request(method="POST", target=path, headers=headers), data
 
-    async def _exchange(self, conn: _Conn, path: str, body: dict, on_data) -> int:
+    async def _exchange(self, conn: _Conn, path: str, body: dict, on_data, rid: str = "") -> int:
         reused = conn.used
         conn.used = True
-        head, data = self._request(path, body)
+        head, data = self._request(path, body, rid)
         answered = False
         try:
             await conn.stream.send_all(
@@ -232,12 +239,13 @@ class Load:
         else:
             conn.stream.socket.close()
 
-    async def one(self, path: str, body: dict, on_data) -> int:
-        """One exchange with the keep-alive rule above: its status; the body's bytes to `on_data`."""
+    async def one(self, path: str, body: dict, on_data, rid: str = "") -> int:
+        """One exchange with the keep-alive rule above: its status; the body's bytes to `on_data`;
+        `rid`: its X-Request-Id (none: the gateway makes one)."""
         for attempt in range(2):
             conn = self._idle.pop() if self._idle and attempt == 0 else await self._connect()
             try:
-                status = await self._exchange(conn, path, body, on_data)
+                status = await self._exchange(conn, path, body, on_data, rid)
             except _Stale:
                 conn.stream.socket.close()
                 continue
@@ -263,6 +271,8 @@ class Load:
         finally:
             del self._in_flight[ident]
             self._ended.set()
+        if "times" in extra:
+            extra["times"] = tuple(extra["times"])
         self.outcomes.append(
             Outcome(kind=kind, started=started, ended=trio.current_time(), ok=not reason, reason=reason, **extra)
         )
@@ -293,9 +303,10 @@ class Load:
             return COMPLETIONS, {**body, "prompt": f"Chaos stream {slot}, round {round_}:"}
         return CHAT, {**body, "messages": [{"role": "user", "content": f"chaos stream {slot}, round {round_}"}]}
 
-    async def _stream(self, path: str, body: dict, extra: dict) -> str:
+    async def _stream(self, path: str, body: dict, rid: str, extra: dict) -> str:
         reader = StreamReader()
-        status = await self.one(path, body, lambda data: reader.feed(data, trio.current_time()))
+        extra.update(rid=rid, times=reader.times)  # the times as they come, kept however it ends
+        status = await self.one(path, body, lambda data: reader.feed(data, trio.current_time()), rid)
         extra.update(moved=reader.moved, gap_s=reader.gap_s)
         if status != 200:
             return f"HTTP {status}: {reader.tail[:160]!r}"
@@ -326,12 +337,14 @@ class Load:
         does not slow the rate) and `streams` streams, each followed by the next."""
 
         slots_done = 0
+        self.wall_offset = time.time() - trio.current_time()
 
         async def streamer(slot: int) -> None:
             nonlocal slots_done
             await trio.sleep(self.spread_s * slot / self.streams)
             for round_ in itertools.count():
-                await self._timed("stream", functools.partial(self._stream, *self.stream_body(slot, round_)))
+                rid = f"chaos-{self.run_id}-s{slot}-r{round_}"
+                await self._timed("stream", functools.partial(self._stream, *self.stream_body(slot, round_), rid))
                 if not round_:
                     slots_done += 1
                     if slots_done == self.streams:
@@ -351,12 +364,29 @@ class Load:
                 next_at += period
                 await trio.sleep_until(next_at)
 
-    def between(self, start: float, end: float) -> dict:
+    def dump(self, path: Path) -> None:
+        """Every stream's outcome, its tokens' times in unix time, as JSON lines (a kept run's
+        `streams.jsonl`: to read beside the processes' logs, by request id)."""
+        with path.open("w") as f:
+            for o in self.outcomes:
+                if o.kind == "stream":
+                    row = attrs.asdict(o)
+                    off = self.wall_offset
+                    row.update(
+                        started=round(o.started + off, 4),
+                        ended=round(o.ended + off, 4),
+                        times=[round(t + off, 4) for t in o.times],
+                    )
+                    f.write(json.dumps(row) + "\n")
+
+    def between(self, start: float, end: float, fault_at: float | None = None) -> dict:
         """What ran during [start, end) — started in it, or in flight when it began (a stream
         cut by a fault started before it): counts and failures of each kind; for the streams,
         those that moved, those whose text was not the expected one, and the longest gap between
         two tokens of each (the stall its client saw: p99 and max, of the moved ones and of the
-        others); the load's own CPU share and loop lag."""
+        others); the load's own CPU share and loop lag. With `fault_at` (when a kill was dealt),
+        also the gap each stream had across that moment (`seam`): for a moved one, the stall
+        its move cost, split into its last token to the kill and the kill to its next token."""
         window = [o for o in self.outcomes if o.started < end and o.ended >= start]
         out: dict = {}
         for kind, name in (("request", "requests"), ("stream", "streams")):
@@ -379,6 +409,8 @@ class Load:
             gaps = [o.gap_s for o in group if o.gap_s is not None]
             out[f"{name}_stall_p99_s"] = round(percentile(gaps, 99), 3) if gaps else None
             out[f"{name}_stall_max_s"] = round(max(gaps), 3) if gaps else None
+        if fault_at is not None:
+            out.update(seams(moved, [o for o in streams if not o.moved], fault_at))
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) >= 2:
             out["load_cpu_share"] = round((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]), 3)
@@ -386,3 +418,55 @@ class Load:
         else:
             out["load_cpu_share"] = out["load_lag_max_s"] = None
         return out
+
+
+# Tokens the killed engine wrote just before it died still reach the client after the kill, a
+# few milliseconds late (the survivor's first token takes a hundred or more: detection, its slot,
+# its prefill): a gap that begins this soon after the kill is still the kill's.
+SEAM_GRACE_S = 0.05
+
+
+def _across(times: tuple[float, ...], at: float) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in itertools.pairwise(times) if b > at and a < at + SEAM_GRACE_S]
+
+
+def seam(times: tuple[float, ...], at: float) -> tuple[float, float] | None:
+    """A stream's gap across a kill at `at` (the longest that ends after it and begins before
+    `SEAM_GRACE_S` after it), as (its start to `at`, at least 0; `at` to its end); None if it
+    had no token on one side of the kill."""
+    gaps = _across(times, at)
+    if not gaps:
+        return None
+    a, b = max(gaps, key=lambda g: g[1] - g[0])
+    return max(0.0, at - a), b - max(a, at)
+
+
+def off_seam(times: tuple[float, ...], at: float) -> float | None:
+    """A stream's longest gap between two tokens other than its gap across `at` (`seam`)."""
+    across = _across(times, at)
+    cut = max(across, key=lambda g: g[1] - g[0]) if across else None
+    gaps = [b - a for a, b in itertools.pairwise(times) if (a, b) != cut]
+    return max(gaps) if gaps else None
+
+
+def seams(moved: list[Outcome], others: list[Outcome], at: float) -> dict:
+    """The gaps across a kill at `at` (`seam`): of the moved streams, whole (`migration_seam_*`,
+    the stall the move cost its client) and split in two, and each one's longest gap elsewhere
+    (`migration_off_seam_*`: the engine's own pace, before and after the move); of the others
+    (the survivor's own streams), the gap across the kill."""
+    split = [s for o in moved if (s := seam(o.times, at)) is not None]
+    whole = [before + after for before, after in split]
+    off = [g for o in moved if (g := off_seam(o.times, at)) is not None]
+    across = [before + after for o in others if (s := seam(o.times, at)) is not None for before, after in (s,)]
+
+    def p99(values: list[float]) -> float | None:
+        return round(percentile(values, 99), 3) if values else None
+
+    return {
+        "migration_seam_p99_s": p99(whole),
+        "migration_seam_max_s": round(max(whole), 3) if whole else None,
+        "migration_seam_last_token_to_kill_p99_s": p99([b for b, _ in split]),
+        "migration_seam_kill_to_next_token_p99_s": p99([a for _, a in split]),
+        "migration_off_seam_p99_s": p99(off),
+        "unmoved_gap_at_kill_p99_s": p99(across),
+    }
