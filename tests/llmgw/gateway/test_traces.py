@@ -275,6 +275,29 @@ async def test_a_migrated_stream_shows_both_attempts(
     await tracing.aclose()
 
 
+async def test_an_answer_read_whole_that_broke_ends_its_relay_with_its_attempt(receiver: Receiver) -> None:
+    """`_relay` began the relay (the head came), then the body broke (UpstreamBroken): the
+    request goes to another replica; the first relay is exported, not left open."""
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
+    trace = tracing.request("/v1/completions", {}, "rid")
+    trace.admitted("m")
+    for replica in ("m-0", "m-1"):
+        trace.attempt(replica, "127.0.0.1", 1, [])
+        trace.relaying(200)
+        if replica == "m-0":
+            trace.attempt_failed("broken", "m-0 failed in the middle of a response")
+    trace.end(200)
+    flush(tracing)
+    spans = receiver.wait_for(5)
+    relays = by_name(spans, "relay")
+    assert len(relays) == 2 and [r.status_code for r in relays].count(2) == 1
+    outcomes = {s.attributes["llmgw.replica"]: s.attributes["llmgw.outcome"] for s in by_name(spans, "attempt")}
+    assert outcomes == {"m-0": "broken", "m-1": "ok"}
+    [root] = [s for s in spans if s.kind == SERVER]
+    assert root.name == "text_completion m"
+    await tracing.aclose()
+
+
 async def test_off_nothing_of_opentelemetry_is_imported() -> None:
     """A gateway process without [telemetry] loads no OpenTelemetry module (a fresh interpreter:
     the test process itself has imported them)."""

@@ -156,7 +156,9 @@ class RequestTrace:
         return out
 
     def attempt_failed(self, reason: str, why: str) -> None:
-        """The attempt failed before its answer reached the client (another may follow)."""
+        """The attempt failed: before its answer reached the client (another may follow), or
+        mid-answer (`relay_broken`); a relay under way (a body read whole that broke) ends too."""
+        self._end_relay(StatusCode.ERROR, why)
         span, self.attempt_span = self.attempt_span, None
         if span is not None:
             span.set_attribute("llmgw.outcome", reason)
@@ -180,7 +182,6 @@ class RequestTrace:
 
     def relay_broken(self, why: str) -> None:
         """The stream broke mid-answer: its relay and attempt end (a migration may follow)."""
-        self._end_relay(StatusCode.ERROR, why)
         self.attempt_failed("broken", why)
 
     def usage(self, input_tokens: int | None, output_tokens: int | None) -> None:
