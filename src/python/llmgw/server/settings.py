@@ -23,7 +23,7 @@ from llmgw.server.errors import NoConfigFile
 
 log = get_logger("llmgw.server")
 
-FIXED = ("server", "store", "http", "ca", "gateway", "release", "debug")  # read once, at start
+FIXED = ("server", "store", "http", "ca", "gateway", "release", "debug", "telemetry")  # read once, at start
 
 
 class Settings:
