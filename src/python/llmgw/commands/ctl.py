@@ -1,7 +1,7 @@
 """`llmgw ctl`: the operator's view of a running cluster, through the admin API.
 
 The verbs on nodes, replicas and models are here; `keys` is `llmgw.ctl.keys`, `page`
-`llmgw.ctl.page`, `audit` `llmgw.ctl.audit`, `budgets` `llmgw.ctl.budgets`, `engine-check` (which needs no control plane) `llmgw.ctl.enginecheck`; how
+`llmgw.ctl.page`, `audit` `llmgw.ctl.audit`, `usage` and `teams` `llmgw.ctl.usage`, `budgets` `llmgw.ctl.budgets`, `engine-check` (which needs no control plane) `llmgw.ctl.enginecheck`; how
 the answers read in a terminal is `llmgw.ctl.tables`."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.models import configure_models
 from llmgw.ctl.page import configure_page  # [i17 page hook]
 from llmgw.ctl.tables import format_nodes, model_notes, state_text, table
+from llmgw.ctl.usage import configure_teams, configure_usage
 from llmgw.errors import UsageError
 
 
@@ -87,6 +88,8 @@ def configure(parser: Parser) -> None:
         add_admin_options(leaf)
     configure_engine_check(sub)
     configure_keys(sub, add_admin_options, client_from)
+    configure_teams(sub, add_admin_options, client_from)
+    configure_usage(sub, add_admin_options, client_from)
     configure_page(sub, add_admin_options, client_from)  # [i17 page hook] `llmgw ctl page`
     configure_audit(sub, add_admin_options, client_from)
     configure_budgets(sub, add_admin_options, client_from)

@@ -42,6 +42,9 @@ def configure_keys(
     create.add_argument(
         "--max-concurrency", type=int, default=0, metavar="N", help="requests it may have in flight (default: no limit)"
     )
+    create.add_argument(
+        "--team", default="", metavar="T", help="the team it belongs to, whose usage it counts under (`ctl teams`)"
+    )
     listing = add_leaf(verbs, "list", "list the API keys (never their tokens)", partial(run_keys_list, client_from))
     revoke = add_leaf(
         verbs, "revoke", "revoke an API key: its next request is refused", partial(run_keys_revoke, client_from)
@@ -59,6 +62,8 @@ def run_keys_create(client_from: ClientFrom, args: argparse.Namespace) -> int:
         "rate_per_minute": args.rate_per_minute,
         "max_concurrency": args.max_concurrency,
     }
+    if args.team:
+        body["team"] = args.team
     result = client_from(args).request("POST", "/admin/v1/keys", body)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -76,11 +81,12 @@ def run_keys_list(client_from: ClientFrom, args: argparse.Namespace) -> int:
     if not keys:
         print("no API keys: create one with `llmgw ctl keys create NAME`")
         return 0
-    rows = [("NAME", "MODELS", "RATE/MIN", "CONCURRENCY", "CREATED", "STATE")]
+    rows = [("NAME", "TEAM", "MODELS", "RATE/MIN", "CONCURRENCY", "CREATED", "STATE")]
     for k in keys:
         rows.append(
             (
                 k["name"],
+                k.get("team") or "-",
                 ",".join(k["models"]) or "all",
                 k["rate_per_minute"] or "-",
                 k["max_concurrency"] or "-",

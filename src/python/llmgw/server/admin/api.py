@@ -22,6 +22,9 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
     DELETE /admin/v1/keys/NAME             revoke a key; its next request is refused
+    GET    /admin/v1/teams, /admin/v1/usage  the teams (POST creates one, DELETE /admin/v1/teams/NAME
+                                           removes one) and the usage ledger's totals
+                                           (server/admin/usageroutes.py)
     GET    /admin/v1/budgets               token budgets, with spent and remaining; POST sets one, DELETE
                                            /admin/v1/budgets/ID removes one (server/admin/budgetroutes.py)
     GET    /admin/v1/gateways              the gateway instances connected (server/links/gatewaylinks.py): name,
@@ -77,7 +80,7 @@ from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
-from llmgw.server.admin import audit, budgetroutes, modelroutes
+from llmgw.server.admin import audit, budgetroutes, modelroutes, usageroutes
 from llmgw.server.admin.certificates import CERTIFICATES, certificates
 from llmgw.server.errors import (
     ApiKeyError,
@@ -86,10 +89,14 @@ from llmgw.server.errors import (
     DiagnosticOff,
     NoConfigFile,
     StoreError,
+    TeamError,
+    TeamExists,
+    TeamInUse,
     UnknownApiKey,
     UnknownBudget,
     UnknownNode,
     UnknownReplica,
+    UnknownTeam,
 )
 from llmgw.server.state.drains import DrainProgress
 from llmgw.server.state.keys import KEY_NAME, KEY_NAME_RULE, KeyRing, key_view
@@ -189,6 +196,10 @@ ANSWERS: dict[type[LlmgwError], Answer] = {
     UnknownBudget: Answer(404, "not_found_error"),
     BudgetError: Answer(400),
     ApiKeyExists: Answer(409),
+    UnknownTeam: Answer(404, "not_found_error"),
+    TeamExists: Answer(409),
+    TeamInUse: Answer(409),
+    TeamError: Answer(400),
     ApiKeyError: Answer(400),
     NoConfigFile: Answer(409),
     DiagnosticOff: Answer(403, "permission_error"),
@@ -340,6 +351,8 @@ class AdminAPI:
             return Response.json(200, self.operations.stall(seconds))
         if request.path == "/admin/v1/keys" or _KEY.match(request.path):
             return await self._keys(request)
+        if usageroutes.serves(request.path):
+            return await usageroutes.usage_routes(self.store, request)
         if self.budgets is not None and budgetroutes.serves(request.path):
             return await budgetroutes.budget_routes(self.budgets, request)
         if request.path == CERTIFICATES or request.path.startswith(CERTIFICATES + "/"):
@@ -396,10 +409,10 @@ class AdminAPI:
         body = await read_json(request)
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object: {name, models, rate_per_minute, max_concurrency}")
-        unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency"})
+        unknown = sorted(set(body) - {"name", "models", "rate_per_minute", "max_concurrency", "team"})
         if unknown:
             raise HTTPError(
-                400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency"
+                400, f"unknown fields {unknown}; a key takes name, models, rate_per_minute, max_concurrency, team"
             )
         if not isinstance(body.get("name"), str):
             raise HTTPError(400, f"'name' must be a string, got {shown(body.get('name'))}")
@@ -408,6 +421,7 @@ class AdminAPI:
             models=() if body.get("models") is None else body["models"],
             rate_per_minute=body.get("rate_per_minute", 0),
             max_concurrency=body.get("max_concurrency", 0),
+            team=body.get("team", ""),
         )
         audit.describe(
             request,
@@ -416,6 +430,7 @@ class AdminAPI:
             models=list(row.models),
             rate_per_minute=row.rate_per_minute,
             max_concurrency=row.max_concurrency,
+            team=row.team,
         )
         await self._keys_reached()
         log.info("api_key_created", name=row.name, models=list(row.models))

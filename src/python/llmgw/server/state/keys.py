@@ -1,7 +1,8 @@
 """The control plane's side of the gateway's API keys: creating, revoking and listing them.
 
 The store keeps each key's name, the sha256 of its token (never the token, which is shown once
-at creation), the models it may use, its limits and when it was revoked. `KeyRing` is the one
+at creation), the models it may use, its limits, the team it belongs to (whose usage it counts
+under) and when it was revoked. `KeyRing` is the one
 writer of those rows, and keeps `table` (a `llmgw.gateway.keys.KeyTable`, which the control
 plane's own gateway authenticates with) equal to the valid ones: a change is written to the
 store first and made in the table only once written, so a revocation takes effect on the very
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from llmgw.errors import shown
 from llmgw.gateway.keys import KeyTable, token_hash
-from llmgw.server.errors import ApiKeyError, ApiKeyExists, UnknownApiKey
+from llmgw.server.errors import ApiKeyError, ApiKeyExists, UnknownApiKey, UnknownTeam
 from llmgw.server.store import KeyRow
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wakeup import Wakeup
@@ -48,9 +49,16 @@ class KeyRing:
     # -- administration -------------------------------------------------------------------
 
     async def create(
-        self, name: str, *, models: Sequence[str] = (), rate_per_minute: int = 0, max_concurrency: int = 0
+        self,
+        name: str,
+        *,
+        models: Sequence[str] = (),
+        rate_per_minute: int = 0,
+        max_concurrency: int = 0,
+        team: str = "",
     ) -> tuple[KeyRow, str]:
-        """A new key and its token; the token is not kept anywhere and cannot be shown again."""
+        """A new key and its token; the token is not kept anywhere and cannot be shown again.
+        `team`: the team it belongs to ("": none), which must exist (`UnknownTeam`)."""
         if not isinstance(name, str) or not KEY_NAME.fullmatch(name):
             raise ApiKeyError(f"key name {shown(name)} is not valid: {KEY_NAME_RULE}")
         for field, value in (("rate_per_minute", rate_per_minute), ("max_concurrency", max_concurrency)):
@@ -67,6 +75,13 @@ class KeyRing:
                 f"models must be a list of at most {MAX_MODELS} model names (letters, digits, '.', '_' or '-', "
                 f"starting with a letter or digit, 63 at most), got {shown(models)}"
             )
+        if not isinstance(team, str) or (team and not KEY_NAME.fullmatch(team)):
+            raise ApiKeyError(f"team {shown(team)} is not a team's name: {KEY_NAME_RULE}")
+        if team and not await self.store.has_team(team):
+            known = ", ".join(t.name for t in await self.store.teams()) or "none"
+            raise UnknownTeam(
+                f"no team named {team!r} (teams: {known}); create it first with `llmgw ctl teams create {team}`"
+            )
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         row = KeyRow(
             name=name,
@@ -76,6 +91,7 @@ class KeyRing:
             max_concurrency=max_concurrency,
             created_at=time.time(),
             revoked_at=None,
+            team=team,
         )
         if not await self.store.add_api_key(row):
             raise ApiKeyExists(
@@ -113,12 +129,14 @@ def gateway_key(row: KeyRow) -> GatewayKey:
         models=row.models,
         rate_per_minute=row.rate_per_minute,
         max_concurrency=row.max_concurrency,
+        team=row.team,
     )
 
 
 def key_view(row: KeyRow) -> dict:
     return {
         "name": row.name,
+        "team": row.team,
         "models": list(row.models),
         "rate_per_minute": row.rate_per_minute,
         "max_concurrency": row.max_concurrency,
