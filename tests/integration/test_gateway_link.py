@@ -61,7 +61,7 @@ class Sink:
         self.parts.append((trio.current_time(), message))
         self._arrived.unpark_all()
 
-    rotation_changed = keys_changed = share_changed = _record
+    rotation_changed = keys_changed = share_changed = budgets_changed = grants_changed = _record
 
     def heard(self, now: float) -> None:
         pass

@@ -85,6 +85,10 @@ WAKEUPS: dict[str, str] = {
     "usage counted and not yet reported at once (`gatewayd/link.py`), not at the next interval",
     "llmgw.gateway.usage.Usage.acknowledged": "the control plane acknowledged a usage report -> a stopping worker "
     "waiting for its last counts to be in the ledger looks again (`Usage.flushed`)",
+    "llmgw.gateway.budgets.Budgets.granted": "a grant came, a budget's request ended or the link's state changed "
+    "-> the requests waiting for a grant look again (`gateway/budgets.py`, `reserve`)",
+    "llmgw.gateway.budgets.Budgets.due": "what an instance holds or wants of a budget changed -> its link sends a "
+    "budget report (`gatewayd/link.py`)",
     "llmgw.gateway.app.Gateway.freed": "a replica may have become free (the rotation changed, a request let "
     "go of its replica, a probe reached a down replica) -> a move waiting for the original's requests "
     "(`quiesce`) looks again",
@@ -110,6 +114,10 @@ WAKEUPS: dict[str, str] = {
     "rotation or the keys sent to gateways changed -> a move waiting for the gateways' requests on a replica "
     "(`GatewayFeed.quiesce`), a key's change waiting for the control plane's workers (`keys_reached`) and its "
     "start waiting for them (`OwnGateway`) look again",
+    "llmgw.server.state.budgetring.BudgetRing.changed": "a token budget was set or removed -> every gateway is "
+    "sent the budgets again (`GatewayFeed`)",
+    "llmgw.server.state.budgetring.BudgetRing.work": "a budget changed, a ledger read is due or a gateway's link "
+    "closed -> the ring reads the ledger, reclaims and grants (`BudgetRing.serve`)",
     "llmgw.server.state.keys.KeyRing.changed": "an API key was made or revoked -> the gateways' table sends "
     "the valid keys again (`GatewayFeed`; in memory, `server/gateways/inprocess.py`)",
     "llmgw.http.server._Departure.stopped": "a connection is no longer read for its client's departure -> "

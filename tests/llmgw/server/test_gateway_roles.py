@@ -73,6 +73,12 @@ class Sink:
     def share_changed(self, message) -> None:
         self.calls.append(("share", message))
 
+    def budgets_changed(self, message) -> None:
+        self.calls.append(("budgets", message))
+
+    def grants_changed(self, message) -> None:
+        self.calls.append(("grants", message))
+
     def heard(self, now: float) -> None:
         pass
 
@@ -116,8 +122,8 @@ async def test_a_gateway_certificate_opens_the_gateway_link_and_gets_the_table(
     sink = Sink()
     link = gateway_link(plane, credentials.name, credentials.ssl_context, sink)
     nursery.start_soon(link.serve)
-    await await_true(lambda: ("share", gl.g.ShareChanged(index=0, count=1)) in sink.calls, "the table", timeout=10)
-    assert [kind for kind, _ in sink.calls] == ["link", "rotation", "keys", "share"]
+    await await_true(lambda: ("grants", gl.g.GrantsChanged()) in sink.calls, "the table", timeout=10)
+    assert [kind for kind, _ in sink.calls] == ["link", "rotation", "keys", "share", "budgets", "grants"]
     views = await trio.to_thread.run_sync(admin_get, plane, "/admin/v1/gateways")
     [view] = views["gateways"]
     assert (view["name"], view["instance"], view["share"]) == ("gw1", "i1", {"index": 0, "count": 1})

@@ -113,6 +113,12 @@ class Sink:
     def share_changed(self, message: g.ShareChanged) -> None:
         self._record("share", message)
 
+    def budgets_changed(self, message: g.BudgetsChanged) -> None:
+        self._record("budgets", message)
+
+    def grants_changed(self, message: g.GrantsChanged) -> None:
+        self._record("grants", message)
+
     def heard(self, now: float) -> None:
         self.heard_at.append(now)
         self._called.unpark_all()
@@ -188,7 +194,7 @@ class Plane:
 
     async def join(self, nursery: trio.Nursery, instance: str, **kw) -> Gateway:
         gateway = self.connect(nursery, instance, **kw)
-        await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+        await gateway.sink.until(lambda: gateway.sink.last("grants") is not None)
         return gateway
 
 
@@ -203,7 +209,7 @@ async def test_a_gateway_gets_the_whole_table_once_welcomed(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
 ) -> None:
     gateway = await plane.join(nursery, "i1")
-    assert [kind for kind, _ in gateway.sink.calls] == ["link", "rotation", "keys", "share"]
+    assert [kind for kind, _ in gateway.sink.calls] == ["link", "rotation", "keys", "share", "budgets", "grants"]
     assert gateway.sink.calls[0] == ("link", (True, ""))
     assert gateway.sink.last("rotation") == g.RotationChanged(
         models=("chat",),
@@ -217,7 +223,7 @@ async def test_a_gateway_gets_the_whole_table_once_welcomed(
         version=1,
     )
     assert gateway.sink.last("share") == g.ShareChanged(index=0, count=1)
-    assert len(gateway.sink.heard_at) == 4  # the Welcome and the three parts
+    assert len(gateway.sink.heard_at) == 6  # the Welcome and the five parts
     assert gateway.link.state.connected and gateway.link.state.server_version
     [view] = plane.feed.views()
     assert (view["name"], view["instance"], view["address"], view["share"]) == (
@@ -284,11 +290,11 @@ async def test_heartbeats_go_both_ways_and_say_the_gateways_load(
     a, b = trio.testing.memory_stream_pair()
     nursery.start_soon(plane.listener.serve_peer, b, CERT, "10.0.0.5")
     nursery.start_soon(gateway.link.run_on, a)
-    await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+    await gateway.sink.until(lambda: gateway.sink.last("grants") is not None)
     heard = len(gateway.sink.heard_at)
     await trio.sleep(10 * HEARTBEAT_S + 0.5)
     assert len(gateway.sink.heard_at) - heard == 10  # a TableHeartbeat a second, and nothing else
-    assert len(gateway.sink.calls) == 4
+    assert len(gateway.sink.calls) == 6
     [view] = plane.feed.views()
     assert (view["in_flight"], view["requests_total"]) == (3, 42)
 
@@ -445,7 +451,7 @@ def _or(given: int | None, taken: int) -> int:
 async def joined(plane: Plane, nursery: trio.Nursery, instance: str, held: Held) -> Gateway:
     gateway = plane.connect(nursery, instance, load=held.load)
     held.sink = gateway.sink
-    await gateway.sink.until(lambda: gateway.sink.last("share") is not None)
+    await gateway.sink.until(lambda: gateway.sink.last("grants") is not None)
     return gateway
 
 

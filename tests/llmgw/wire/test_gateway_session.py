@@ -56,6 +56,9 @@ def upgrade(path: str = g.GATEWAY_PATH, headers=(), **changes) -> ls.UpgradeRequ
 NAMED = ((g.GATEWAY_NAME_HEADER, b"gw1"), (g.GATEWAY_INSTANCE_HEADER, b"i1"))
 
 
+BUDGET = g.GatewayBudget(id="key:k1::day", scope_kind="key", scope="k1", period="day", tokens=1000)
+
+
 class Table:
     """The control plane's table, each part made when its frame is taken (counted in `made`)."""
 
@@ -63,11 +66,19 @@ class Table:
         self.rotation = g.RotationChanged(models=("chat",), endpoints=(ENDPOINT,))
         self.keys = g.KeysChanged(keys=(KEY,))
         self.share = g.ShareChanged(index=0, count=1)
+        self.budgets = g.BudgetsChanged(budgets=(BUDGET,), version=1)
+        self.grants = g.GrantsChanged(grants=(g.BudgetGrant(budget_id=BUDGET.id, period_start=0, tokens=100),))
         self.made: list[type] = []
 
     def __call__(self, kind: type):
         self.made.append(kind)
-        return {g.RotationChanged: self.rotation, g.KeysChanged: self.keys, g.ShareChanged: self.share}[kind]
+        return {
+            g.RotationChanged: self.rotation,
+            g.KeysChanged: self.keys,
+            g.ShareChanged: self.share,
+            g.BudgetsChanged: self.budgets,
+            g.GrantsChanged: self.grants,
+        }[kind]
 
 
 def server(table=None, name: str = "gw1") -> gs.GatewayServerSession:
@@ -153,13 +164,21 @@ def test_a_hello_is_answered_with_the_welcome_then_the_whole_table_made_when_wri
         pair.table.rotation,
         pair.table.keys,
         pair.table.share,
+        pair.table.budgets,
+        pair.table.grants,
     ]
-    assert pair.table.made == [g.RotationChanged, g.KeysChanged, g.ShareChanged]
+    assert pair.table.made == [g.RotationChanged, g.KeysChanged, g.ShareChanged, g.BudgetsChanged, g.GrantsChanged]
     for frame in frames:
         pair.deliver(frame, pair.gateway)
     assert pair.gateway.open
     assert pair.events[gs.GATEWAY][0] == gs.Welcomed(welcome=decode(frames[0], g.ControlMessage))
-    assert table_of(pair.events[gs.GATEWAY]) == [pair.table.rotation, pair.table.keys, pair.table.share]
+    assert table_of(pair.events[gs.GATEWAY]) == [
+        pair.table.rotation,
+        pair.table.keys,
+        pair.table.share,
+        pair.table.budgets,
+        pair.table.grants,
+    ]
 
 
 def test_the_upgrade_names_the_gateway_and_its_instance() -> None:
@@ -247,6 +266,22 @@ def test_a_slow_reader_holds_one_of_each_kind_the_newest() -> None:
     )
 
 
+def test_budget_reports_keep_the_newest_unsent_and_grants_follow_a_push() -> None:
+    pair = Pair()
+    pair.join()
+    for want in range(1, 50):
+        pair.gateway.budget_report(
+            g.BudgetReport(budgets=(g.BudgetUse(budget_id=BUDGET.id, period_start=0, want=want),))
+        )
+    assert len(pair.gateway.outbox) == 1
+    pair.table.grants = g.GrantsChanged(grants=(g.BudgetGrant(budget_id=BUDGET.id, period_start=0, tokens=500),))
+    pair.server.push(g.GrantsChanged)
+    pair.flush()
+    (reported,) = (e.report for e in pair.events[gs.SERVER] if isinstance(e, gs.BudgetReported))
+    assert reported.budgets[0].want == 49  # only the newest went
+    assert table_of(pair.events[gs.GATEWAY])[-1] == pair.table.grants
+
+
 def test_nothing_of_the_table_before_the_hello_and_nothing_after_a_close() -> None:
     session = server()
     session.push(g.RotationChanged)
@@ -319,6 +354,7 @@ GATEWAY_SENDS = {
     g.GatewayHello: hello(),
     g.GatewayHeartbeat: g.GatewayHeartbeat(seq=1),
     g.UsageReport: g.UsageReport(seq=1),
+    g.BudgetReport: g.BudgetReport(budgets=(g.BudgetUse(budget_id="key:k1::day", period_start=0, want=10),)),
     w.LinkError: w.LinkError(code="test", message="bye"),
 }
 SERVER_SENDS = {
@@ -326,6 +362,8 @@ SERVER_SENDS = {
     g.RotationChanged: g.RotationChanged(models=("chat",), endpoints=(ENDPOINT,)),
     g.KeysChanged: g.KeysChanged(keys=(KEY,)),
     g.ShareChanged: g.ShareChanged(index=1, count=2),
+    g.BudgetsChanged: g.BudgetsChanged(budgets=()),
+    g.GrantsChanged: g.GrantsChanged(),
     g.TableHeartbeat: g.TableHeartbeat(seq=1),
     g.UsageAck: g.UsageAck(seq=1),  # refused by a gateway that sent no report (`test_usage_...`)
     w.Redirect: w.Redirect(leader="wss://cp-b:7443", message="the leader is cp-b"),
@@ -333,12 +371,20 @@ SERVER_SENDS = {
 }
 SERVER_ACCEPTS = {
     "await_hello": {"gateway_hello", "link_error"},
-    "open": {"gateway_heartbeat", "usage_report", "link_error"},
+    "open": {"gateway_heartbeat", "usage_report", "budget_report", "link_error"},
     "closed": set(),
 }
 GATEWAY_ACCEPTS = {
     "await_welcome": {"gateway_welcome", "redirect", "link_error"},
-    "open": {"rotation_changed", "keys_changed", "share_changed", "table_heartbeat", "link_error"},
+    "open": {
+        "rotation_changed",
+        "keys_changed",
+        "share_changed",
+        "budgets_changed",
+        "grants_changed",
+        "table_heartbeat",
+        "link_error",
+    },
     "closed": set(),
 }
 # The agent link's messages are another link's: not known here at all.

@@ -12,7 +12,9 @@ before a byte of the body is read (`llmgw.http.server`: a refused request's body
 buffered). Then the body is parsed only to read "model" and "stream" (400 naming what is wrong;
 `gateway/fields.py`, in a worker process for a large body), and the model is checked as soon as
 it is known (`gateway/checks.py`: 403 for a key that may not use it, 404 for an unknown one or
-one whose engine does not serve the route). A replica is picked by `Router`; with none free the
+one whose engine does not serve the route). A key with token budgets (its own or its team's)
+then reserves the request's tokens from each (`gateway/budgets.py`): 429 `budget_exceeded` naming
+the budget and when it resets, or 503 `budget_unavailable` when no grant of it can be had now. A replica is picked by `Router`; with none free the
 request waits in its model's queue (`gateway/queues.py`) until one is, or 503 with Retry-After at
 the deadline — but only while one can come: a model the control plane says no replica of can
 become ready now (`ModelInfo.unservable`) is a 503 at once, with `x-should-retry: false` so that
@@ -59,6 +61,7 @@ import trio
 
 from llmgw.config import GatewaySection
 from llmgw.errors import cut
+from llmgw.gateway.budgets import Budgets, Hold, Refused, estimate, reserve
 from llmgw.gateway.checks import (
     authenticate,
     check_model,
@@ -98,7 +101,7 @@ from llmgw.http.jsonworkers import JsonWorkers, ParserBusy, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
-from llmgw.wire.gateway_link import OPENAI_ROUTES, ModelInfo, ModelLoad
+from llmgw.wire.gateway_link import OPENAI_ROUTES, GatewayKey, ModelInfo, ModelLoad
 
 if TYPE_CHECKING:
     from llmgw.telemetry.otel import RequestTrace, Tracing
@@ -142,6 +145,7 @@ class Gateway:
         connect: Connect | None = None,
         open_events: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
         tracing: Tracing | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
         """`connect`: how the pool opens a connection to an engine (`upstream.open_tcp` by
         default; tests reach engines' handlers over memory streams). `tracing`: the process's
@@ -161,6 +165,7 @@ class Gateway:
             connect=connect,
         )
         self.tracing = tracing
+        self.budgets = budgets  # the token budgets this instance enforces (None: none)
         self.open_events = open_events  # how a KV-cache events subscription connects (`gateway/cachewatch.py`)
         self.clock = clock  # trio's, or one that agrees with it: the prober sleeps until its times
         self.router = Router(
@@ -396,14 +401,18 @@ class Gateway:
                     429, limited.message, kind="requests", code="rate_limit_exceeded", headers=(("retry-after", retry),)
                 ),
             )
+        hold = None
         try:
             fields = await self._read_fields(request)
             check_model(key, fields.model, self.router.models, self.metrics)
             check_route(self.details, fields.model, request.path, self.metrics)
+            if self.budgets is not None and self.budgets.applies(key):
+                hold = await self._reserve(self.budgets, key, fields, request)
         except BaseException:
             self.keys.leave(key)
             raise
         job = Job(self, key, fields.model, started, rid)
+        job.hold = hold
         if trace is not None:
             job.trace = trace
             trace.admitted(fields.model)
@@ -419,6 +428,21 @@ class Gateway:
             job.finish(None)
             raise
         return response
+
+    async def _reserve(self, budgets: Budgets, key: GatewayKey, fields: RequestFields, request: Request) -> Hold:
+        """The request's tokens reserved from its key's budgets and its team's, or 429/503 (counted)."""
+        tokens = estimate(len(await request.read()), fields.max_tokens)
+        outcome = await reserve(budgets, key, fields.model, tokens)
+        if isinstance(outcome, Refused):
+            headers = [("retry-after", str(max(1, math.ceil(outcome.retry_after_s))))]
+            if outcome.resets_at:
+                headers.append(("x-llmgw-budget-resets-at", str(outcome.resets_at)))
+            kind = "tokens" if outcome.status == 429 else "server_error"
+            error = HTTPError(
+                outcome.status, outcome.message, kind=kind, code=outcome.code, param=outcome.param, headers=headers
+            )
+            raise counted(self.metrics, fields.model, error)
+        return outcome
 
     async def _read_fields(self, request: Request) -> RequestFields:
         try:

@@ -40,6 +40,10 @@ class RequestFields:
     # body to send for one that sent `stream_options` without asking (`gateway.usage.usage_options`).
     include_usage: bool = False
     usage_body: bytes = b""
+    # The longest answer it asks for (`max_tokens`, `max_completion_tokens` or the Responses API's
+    # `max_output_tokens`; None: not said) times its choices (`n`): what a token budget reserves
+    # for it (`llmgw.gateway.budgets.estimate`). Not checked here: the engine answers a bad one.
+    max_tokens: int | None = None
 
 
 def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields:
@@ -67,8 +71,22 @@ def request_fields(body: Any, prefix: PrefixModels = NO_PREFIX) -> RequestFields
         prompt = Prompt.of(body, model, block_chars=prefix.block_chars, max_blocks=prefix.max_blocks)
     include_usage, usage_body = usage_options(body) if stream else (False, b"")
     return RequestFields(
-        model=model, stream=bool(stream), prompt=prompt, include_usage=include_usage, usage_body=usage_body
+        model=model,
+        stream=bool(stream),
+        prompt=prompt,
+        include_usage=include_usage,
+        usage_body=usage_body,
+        max_tokens=_longest_answer(body),
     )
+
+
+def _longest_answer(body: dict) -> int | None:
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            n = body.get("n", 1)
+            return value * (n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1)
+    return None
 
 
 def slot_tasks(body: Any) -> list[int]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from llmgw.gateway.budgets import Hold
 from llmgw.gateway.errors import UpstreamError
 from llmgw.gateway.migrate import Events, KeptBudget, Rewrite
 from llmgw.gateway.prefix import Prompt
@@ -54,6 +55,7 @@ class Job:
         "served",
         "tokens",
         "meter",
+        "hold",
         "_first_byte_seen",
         "_done",
     )
@@ -70,6 +72,7 @@ class Job:
         self.served = False  # an engine answered it with a success status: it counts in the usage
         self.tokens: Tokens | None = None  # an answer read whole: its engine's usage
         self.meter: StreamUsage | None = None  # a stream's usage, read as it is relayed
+        self.hold: Hold | None = None  # what it reserved of its key's token budgets (`gateway/budgets.py`)
         self._first_byte_seen = False
         self._done = False
         gw.in_flight[model] = gw.in_flight.get(model, 0) + 1
@@ -124,6 +127,7 @@ class Job:
             gw.metrics.timed(self.model, (gw.clock() if now is None else now) - self.started)
             if self.trace is not None:
                 self._end_trace(status)
+        t = None
         if self.served:
             t = self.tokens if self.meter is None else self.meter.tokens
             key = self.key
@@ -131,6 +135,12 @@ class Job:
                 gw.usage.record(key.name, key.team, self.model, 0, 0, 0)
             else:
                 gw.usage.record(key.name, key.team, self.model, t.prompt, t.cached, t.completion)
+        if self.hold is not None and gw.budgets is not None:
+            # What its engine said it used; nothing if none answered; its reservation if one
+            # answered without saying (a stream cut before its usage came).
+            used = (t.prompt + t.completion if t is not None else None) if self.served else 0
+            gw.budgets.finish(self.hold, used)
+            self.hold = None
 
 
 class Resume(Protocol):

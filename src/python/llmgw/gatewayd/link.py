@@ -40,6 +40,7 @@ import trio
 
 from llmgw import __version__
 from llmgw.backoff import Backoff
+from llmgw.gateway.budgets import Budgets
 from llmgw.gateway.usage import Usage
 from llmgw.linkclient import ConnectTCP, Dial, LinkClient
 from llmgw.linkio import Target, Targets, Writer
@@ -123,6 +124,7 @@ class GatewayLink(LinkClient):
         started_at: float | None = None,
         usage: Usage | None = None,
         usage_interval_s: float = USAGE_INTERVAL_S,
+        budgets: Budgets | None = None,
         backoff: Backoff = LINK_BACKOFF,
         rng: random.Random | None = None,
         dial: Dial | None = None,
@@ -155,6 +157,7 @@ class GatewayLink(LinkClient):
         self.started_at = time.time() if started_at is None else started_at
         self.usage = usage
         self.usage_interval_s = usage_interval_s
+        self.budgets = budgets
         if usage is not None:
             usage.linked = True
 
@@ -182,6 +185,8 @@ class GatewayLink(LinkClient):
         nursery.start_soon(self._heartbeats, writer, welcome.heartbeat_interval_s)
         if self.usage is not None:
             nursery.start_soon(self._usage_reports, writer, self.usage)
+        if self.budgets is not None:
+            nursery.start_soon(self._budget_reports, writer, self.budgets)
 
     async def _on_event(self, event: gs.Event, writer: Writer) -> None:
         if isinstance(event, gs.TableChanged):
@@ -230,6 +235,17 @@ class GatewayLink(LinkClient):
             with trio.move_on_after(due - trio.current_time()):
                 await any_of(events)
 
+    async def _budget_reports(self, writer: Writer, budgets: Budgets) -> None:
+        """What it holds and wants of each budget: at once on a new link, then whenever that
+        changes (`Budgets.due`: more wanted, a grant reserved from); an unsent one is replaced."""
+        session = writer.session
+        assert isinstance(session, gs.GatewaySession)
+        while session.open:
+            due = budgets.due.next()
+            session.budget_report(budgets.report())
+            writer.wake()
+            await due.wait()
+
     async def _usage_reports(self, writer: Writer, usage: Usage) -> None:
         """The usage counted, reported every `usage_interval_s` (at once when asked: `Usage.flush`),
         one report at a time: the first is the one unacknowledged on an earlier link, if any."""
@@ -255,6 +271,7 @@ async def serve_gateway_link(
     tls_name: str = "",
     started_at: float | None = None,
     usage: Usage | None = None,
+    budgets: Budgets | None = None,
     task_status: trio.TaskStatus[GatewayLink] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this gateway process (`instance`, e.g. `llmgw.wire.gateway_session.new_instance()`)
@@ -276,6 +293,7 @@ async def serve_gateway_link(
         tls_name=tls_name,
         started_at=started_at,
         usage=usage,
+        budgets=budgets,
     )
     task_status.started(link)
     await link.serve()

@@ -219,6 +219,7 @@ def source_of(plan: GatewayPlan, instance: str, worker: GatewayWorker) -> Source
             at_once=worker.gateway.at_once,
             tls_name=plan.tls_name,
             usage=worker.gateway.usage,
+            budgets=worker.table.budgets,
         )
     assert plan.table is not None and plan.table_file is not None
     return partial(serve_table_file, plan.table, plan.table_file)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw.gateway.budgets import Budgets
 from llmgw.gateway.usage import Usage
 from llmgw.gatewayd.link import AtOnce, Load, serve_gateway_link
 from llmgw.gatewayd.tablefile import TableFile, feed
@@ -37,13 +38,15 @@ def link_source(
     at_once: AtOnce | None = None,
     tls_name: str = "",
     usage: Usage | None = None,
+    budgets: Budgets | None = None,
 ) -> Source:
     """The gateway link to `server_url` (or to every control plane's, in turn), which hands each part of the table to the sink and dials
     again with backoff while the worker serves on from its last table; `load()` is what its
     heartbeats report (`GatewayWorker.load`), one sent at once when one of `at_once()` is set
     (`Gateway.at_once`: a new rotation, a request held for a model with no replica); `tls_name`:
     the name the control plane's certificate must cover, if not the host of `server_url`; `usage`:
-    the worker's counts (`Gateway.usage`), which the link reports."""
+    the worker's counts (`Gateway.usage`), which the link reports; `budgets`: the worker's token
+    budgets (its table's), whose grants the link asks for and reports."""
     return partial(
         serve_gateway_link,
         server_url,
@@ -55,4 +58,5 @@ def link_source(
         tls_name=tls_name,
         started_at=time.time(),
         usage=usage,
+        budgets=budgets,
     )

@@ -1,5 +1,6 @@
 """What a gateway process serves from: the last table the control plane sent — the rotation, the
-keys, this instance's share of their limits — and how fresh it is.
+keys, this instance's share of their limits, the token budgets and its grants of them
+(`budgets`, `llmgw.gateway.budgets.Budgets`) — and how fresh it is.
 
 `GatewayTable` is the link client's sink (`llmgw.wire.gateway_link.TableSink`), and its
 `endpoints` the gateway's endpoint provider (`llmgw.gateway.app.EndpointProvider`: a view of its
@@ -9,7 +10,8 @@ rotation had are kept (a control plane that has just started does not know them 
 them would leave the gateway nothing to serve while its nodes come back, up to 30 s). While the
 link is down nothing is forgotten: the gateway routes from the last rotation (its `Router` still
 takes replicas out on its own failed connections and probes them back), accepts the keys it
-knew and keeps its last share. Its staleness is the time since the control plane was last heard
+knew and keeps its last share; of its grants of day and month budgets it keeps none (the control
+plane hands them out again once it is surely gone: `llmgw.server.state.budgets`). Its staleness is the time since the control plane was last heard
 (trio's clock, `heard`), or since the table was made when it never was.
 
 Synchronous and without I/O: the sink's methods are called on the gateway's loop, none blocks.
@@ -22,10 +24,18 @@ from collections.abc import Mapping
 
 import trio
 
+from llmgw.gateway.budgets import Budgets
 from llmgw.gateway.keys import KeyTable
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.wakeup import Wakeup
-from llmgw.wire.gateway_link import KeysChanged, RotationChanged, RouteEndpoint, ShareChanged
+from llmgw.wire.gateway_link import (
+    BudgetsChanged,
+    GrantsChanged,
+    KeysChanged,
+    RotationChanged,
+    RouteEndpoint,
+    ShareChanged,
+)
 
 
 def endpoint(ep: RouteEndpoint) -> Endpoint:
@@ -59,6 +69,7 @@ class GatewayTable:
 
     def __init__(self, keys: KeyTable | None = None, *, now: float = 0.0) -> None:
         self.keys = keys if keys is not None else KeyTable(clock=trio.current_time)
+        self.budgets = Budgets()
         self.changed = Wakeup()  # the rotation was replaced: the gateway's rotation follows
         self.whole = trio.Event()  # the first whole table came (`received`)
         self._rotation = Rotation(models=frozenset(), endpoints=())
@@ -91,6 +102,13 @@ class GatewayTable:
 
     def share_changed(self, message: ShareChanged) -> None:
         self.keys.set_share(message)
+        self.budgets.set_share(message)
+
+    def budgets_changed(self, message: BudgetsChanged) -> None:
+        self.budgets.replace(message)
+
+    def grants_changed(self, message: GrantsChanged) -> None:
+        self.budgets.grants_changed(message)
 
     def heard(self, now: float) -> None:
         self.last_heard = now
@@ -98,6 +116,7 @@ class GatewayTable:
     def link_state(self, connected: bool, detail: str) -> None:
         self.link_up = connected
         self.link_detail = detail
+        self.budgets.set_link(connected)
 
     @property
     def rotation(self) -> Rotation:

@@ -99,7 +99,9 @@ class GatewayWorker:
         self.instance = instance
         self.plane_routes = plane_routes
         self.figures = figures
-        self.gateway = Gateway(table.endpoints, table.keys, options=options, connect=connect, tracing=tracing)
+        self.gateway = Gateway(
+            table.endpoints, table.keys, options=options, connect=connect, tracing=tracing, budgets=table.budgets
+        )
         self.connections = connections if connections is not None else ConnectionStats()
         self.background = Background(log)
         r = self.registry = MetricsRegistry()

@@ -462,6 +462,7 @@ class ControlPlane:
             await nursery.start(run, "page_feed", self.page.serve_feed)  # what open pages are sent
             keep_days = lambda: self.config.server.audit_keep_days  # noqa: E731 - as a reload leaves it
             await nursery.start(run, "audit_prune", audit.serve_pruning, self.store, keep_days)
+            await nursery.start(run, "budgets", self.gateways.budgets.serve)  # loaded before gateways may connect
             await nursery.start(run, "usage_reports", self.gateways.usage.serve)  # the ledger's writer
             await nursery.start(run, "gateway_feed", self.gateway_feed.serve)  # before gateways may connect
             await nursery.start(self.http_refusals.serve)  # before a request can be refused

@@ -222,6 +222,9 @@ _GATEWAY = (
     | gateway_link.RotationChanged
     | gateway_link.KeysChanged
     | gateway_link.ShareChanged
+    | gateway_link.BudgetsChanged
+    | gateway_link.GrantsChanged
+    | gateway_link.BudgetReport
     | gateway_link.TableHeartbeat
     | gateway_link.UsageReport
     | gateway_link.UsageAck

@@ -50,7 +50,9 @@ from llmgw.wire.agent_link import LinkError, Redirect
 # and how many requests for it may wait (`ModelInfo.on_demand`, `max_queue`, `queue_timeout_s`).
 # 9: who used what: a gateway reports its usage (`UsageReport`, one at a time, each acknowledged with
 # `UsageAck` once it is in the ledger) and a key says its team (`GatewayKey.team`).
-GATEWAY_PROTOCOL_VERSION = 9
+# 10: token budgets: the budgets (`BudgetsChanged`) and this instance's grants of them
+# (`GrantsChanged`) are parts of the table; a gateway reports what it holds (`BudgetReport`).
+GATEWAY_PROTOCOL_VERSION = 10
 
 GATEWAY_PATH = "/v1/gateway"
 GATEWAY_NAME_HEADER = "x-llmgw-gateway"
@@ -158,6 +160,32 @@ class UsageReport:
 
     seq: int
     rows: tuple[UsageRow, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class BudgetUse:
+    """One day or month budget on one instance in one period (`period_start`, unix seconds,
+    UTC): `used`, the tokens its answers took in the period (all links); `held`, its grant not
+    used and not reserved (below 0: a debt, an answer that overran); `reserved`, for its requests
+    in flight; `granted`, the grants received on this link (`BudgetGrant.tokens`); `want`, how
+    many more it asks for now (0: none)."""
+
+    budget_id: str
+    period_start: int
+    used: int = 0
+    held: int = 0
+    reserved: int = 0
+    granted: int = 0
+    want: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class BudgetReport:
+    """Each budget the instance holds or wants a grant of, whole (level-triggered: a newer one
+    replaces one unsent); sent at once when it wants more or reserves from a grant, and after
+    every welcome (`llmgw.gateway.budgets`; the control plane's side: `llmgw.server.state.budgets`)."""
+
+    budgets: tuple[BudgetUse, ...] = ()
 
 
 # -- control plane -> gateway --------------------------------------------------------------
@@ -287,9 +315,59 @@ class UsageAck:
     seq: int
 
 
-GatewayMessage = GatewayHello | GatewayHeartbeat | UsageReport | LinkError
+@attrs.frozen(kw_only=True)
+class GatewayBudget:
+    """A token budget of a key or of a team (`scope_kind` "key" or "team", `scope` its name), for
+    one model or all (`model` ""), per "minute", "day" or "month": prompt plus completion tokens."""
+
+    id: str
+    scope_kind: str
+    scope: str
+    model: str = ""
+    period: str
+    tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class BudgetsChanged:
+    """The budgets, all of them (`version` rises with every change)."""
+
+    budgets: tuple[GatewayBudget, ...]
+    version: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class BudgetGrant:
+    """What this instance was granted of a day or month budget on this link in the period
+    `period_start`, all together (a grant raises `tokens`); `exhausted`: nothing more is to be had
+    in the period now (until a gateway that left gives its grant back)."""
+
+    budget_id: str
+    period_start: int
+    tokens: int = 0
+    exhausted: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class GrantsChanged:
+    """This instance's grants, whole: every budget it reported, once the control plane leads and
+    knows what was spent (`llmgw.server.state.budgets`)."""
+
+    grants: tuple[BudgetGrant, ...] = ()
+
+
+GatewayMessage = GatewayHello | GatewayHeartbeat | UsageReport | BudgetReport | LinkError
 ControlMessage = (
-    GatewayWelcome | RotationChanged | KeysChanged | ShareChanged | TableHeartbeat | UsageAck | Redirect | LinkError
+    GatewayWelcome
+    | RotationChanged
+    | KeysChanged
+    | ShareChanged
+    | BudgetsChanged
+    | GrantsChanged
+    | TableHeartbeat
+    | UsageAck
+    | Redirect
+    | LinkError
 )
 
 # Error codes of LinkError on this link: the agent link's (`llmgw.wire.agent_link`: bad_message,
@@ -325,6 +403,10 @@ class TableSink(Protocol):
     def keys_changed(self, message: KeysChanged) -> None: ...
 
     def share_changed(self, message: ShareChanged) -> None: ...
+
+    def budgets_changed(self, message: BudgetsChanged) -> None: ...
+
+    def grants_changed(self, message: GrantsChanged) -> None: ...
 
     def heard(self, now: float) -> None:
         """A frame came from the control plane at `now` (trio's clock): staleness restarts."""

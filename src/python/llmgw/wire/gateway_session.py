@@ -70,7 +70,8 @@ from llmgw.wire.session import (
 )
 
 GATEWAY = "gateway"
-TABLE = (g.RotationChanged, g.KeysChanged, g.ShareChanged)  # the parts of the table, in the order first sent
+# The parts of the table, in the order first sent; the grants are this instance's own.
+TABLE = (g.RotationChanged, g.KeysChanged, g.ShareChanged, g.BudgetsChanged, g.GrantsChanged)
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a token per process: `new_instance`
 INSTANCE_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
@@ -78,7 +79,12 @@ INSTANCE_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a lette
 RECEIVES: dict[str, dict[State, dict[type, State]]] = {
     SERVER: {
         State.AWAIT_HELLO: {g.GatewayHello: State.OPEN, w.LinkError: State.CLOSED},
-        State.OPEN: {g.GatewayHeartbeat: State.OPEN, g.UsageReport: State.OPEN, w.LinkError: State.CLOSED},
+        State.OPEN: {
+            g.GatewayHeartbeat: State.OPEN,
+            g.UsageReport: State.OPEN,
+            g.BudgetReport: State.OPEN,
+            w.LinkError: State.CLOSED,
+        },
     },
     GATEWAY: {
         State.AWAIT_WELCOME: {g.GatewayWelcome: State.OPEN, w.Redirect: State.CLOSED, w.LinkError: State.CLOSED},
@@ -97,13 +103,13 @@ SENDS: dict[str, dict[State, dict[type, State]]] = {
     SERVER: {State.OPEN: {**{t: State.OPEN for t in TABLE}, g.TableHeartbeat: State.OPEN, g.UsageAck: State.OPEN}},
     GATEWAY: {
         State.START: {g.GatewayHello: State.AWAIT_WELCOME},
-        State.OPEN: {g.GatewayHeartbeat: State.OPEN, g.UsageReport: State.OPEN},
+        State.OPEN: {g.GatewayHeartbeat: State.OPEN, g.UsageReport: State.OPEN, g.BudgetReport: State.OPEN},
     },
 }
 # role -> (kinds of which only the newest unsent is kept, {kind: most unsent at once})
 OUTBOX: dict[str, tuple[frozenset[type], dict[type, int]]] = {
     SERVER: (frozenset({*TABLE, g.TableHeartbeat}), {g.UsageAck: 1}),
-    GATEWAY: (frozenset({g.GatewayHeartbeat}), {g.UsageReport: 1}),
+    GATEWAY: (frozenset({g.GatewayHeartbeat, g.BudgetReport}), {g.UsageReport: 1}),
 }
 # The rows of one usage report: a gateway's rows are the hours x keys x models it served, merged;
 # past this a report is refused as a bug (a gateway sends what it counted, not a flood).
@@ -163,6 +169,13 @@ class TableHeartbeatReceived:
 
 
 @attrs.frozen(kw_only=True)
+class BudgetReported:
+    """What the instance holds, uses and wants of each day or month budget (`llmgw.server.state.budgets`)."""
+
+    report: g.BudgetReport
+
+
+@attrs.frozen(kw_only=True)
 class UsageReported:
     """A usage report: the control plane adds it to the ledger, then acknowledges it (`ack`)."""
 
@@ -184,6 +197,7 @@ Event = (
     | TableHeartbeatReceived
     | UsageReported
     | UsageAcked
+    | BudgetReported
     | RedirectReceived
     | Closed
 )
@@ -196,6 +210,7 @@ _EVENTS: dict[type, Callable[[Any], Event]] = {
     g.TableHeartbeat: lambda m: TableHeartbeatReceived(seq=m.seq),
     g.UsageReport: lambda m: UsageReported(report=m),
     g.UsageAck: lambda m: UsageAcked(seq=m.seq),
+    g.BudgetReport: lambda m: BudgetReported(report=m),
     **COMMON_EVENTS,
 }
 
@@ -363,6 +378,11 @@ class GatewaySession(DialingSession):
                 load = attrs.evolve(load, metrics=pending.metrics)
             self._seq += 1
             self.send(attrs.evolve(load, seq=self._seq))
+
+    def budget_report(self, report: g.BudgetReport) -> None:
+        """Queue `report` (of the budgets it holds), if the link is open (an unsent one is replaced)."""
+        if self.can_send(g.BudgetReport):
+            self.send(report)
 
     def report(self, report: g.UsageReport) -> bool:
         """Queue `report` if the link is open and none is waiting for its acknowledgement; whether

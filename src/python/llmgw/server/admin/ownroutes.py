@@ -123,6 +123,7 @@ class OwnRoutes:
             keys_reached=gateways.keys_reached,
             authority=self.authority,
             models=models,
+            budgets=gateways.budgets,
         )
 
     async def handle(self, request: Request) -> Response | StreamingResponse:

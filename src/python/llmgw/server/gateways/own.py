@@ -2,8 +2,10 @@
 front), and what the rest of the control plane asks of the gateways wherever they run.
 
 - What they are told: the rotation (`endpoints`, `state.rotation.GatewayEndpoints`: the catalog's
-  models and the replicas ready now) and the valid API keys (`keys`, `server.keys.KeyRing`, their
-  one writer), sent over the gateway link to every instance (`feed`, `server.gatewayfeed`).
+  models and the replicas ready now), the valid API keys (`keys`, `server.keys.KeyRing`, their
+  one writer) and the token budgets with each instance's grants (`budgets`,
+  `state.budgetring.BudgetRing`), sent over the gateway link to every instance (`feed`,
+  `server.gatewayfeed`). The gateway on this loop (`gateway_workers = 0`) enforces no budget.
 - The front (`serve_front`): `gateway_workers` worker processes (`llmgw.server.gateways.workers.OwnGateway`,
   each a `llmgw gateway` worker linked to this control plane), or with 0 one gateway worker on
   this loop, its table fed in memory (`llmgw.server.gateways.inprocess`). Either way a request on
@@ -30,6 +32,7 @@ from llmgw.gateway.app import Gateway
 from llmgw.gateway.history import Totals, totals_of
 from llmgw.http.listeners import ConnectionStats
 from llmgw.http.messages import Handler
+from llmgw.linkclient import SILENT_HEARTBEATS
 from llmgw.log import get_logger
 from llmgw.pki.ca import CA
 from llmgw.server.gateways.figures import WORKER_NAME, history_totals, render_workers
@@ -37,6 +40,7 @@ from llmgw.server.gateways.inprocess import InProcessGateway
 from llmgw.server.gateways.workers import OwnGateway
 from llmgw.server.links.gatewaylinks import GatewayFeed
 from llmgw.server.links.usagereports import UsageReports
+from llmgw.server.state.budgetring import BudgetRing
 from llmgw.server.state.changes import Changes
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.registry import NodeRegistry
@@ -88,9 +92,15 @@ class Gateways:
             registry=registry, replicas=replicas, models=models, retiring=retiring, changes=changes, created=created
         )
         self.keys = KeyRing(store)  # the API keys' one writer; the gateway on this loop reads its table
+        # A closed link's grant stays counted until its gateway has surely noticed the link is gone
+        # (it drops what it held then): SILENT_HEARTBEATS of ours unheard, and two more.
+        interval = config.server.heartbeat_interval_s
+        grace_s = (SILENT_HEARTBEATS + 2) * interval
+        self.budgets = BudgetRing(store, self.keys, grace_s=grace_s, hold_off_s=grace_s)
         self.feed = GatewayFeed(
             endpoints=self.endpoints,
             keys=self.keys,
+            budgets=self.budgets,
             clock=registry.clock,  # a stall of the loop is not counted as a gateway's silence
             heartbeat_interval_s=config.server.heartbeat_interval_s,
             silence_timeout_s=config.server.heartbeat_ttl_s,

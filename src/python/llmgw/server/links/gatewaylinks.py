@@ -8,6 +8,10 @@ protocol is `llmgw.wire.gateway_session.GatewayServerSession`'s.
 - Each part of the table is sent again whole when what it says changed, to every instance; each
   instance's share is renumbered as instances come and go (index: the order they were published
   in). Every part is made when the writer takes it: a slow instance gets the newest, no backlog.
+- Token budgets (`llmgw.server.state.budgetring.BudgetRing`): every instance is sent the budgets
+  (`BudgetsChanged`, again whole when they change) and its own grants (`GrantsChanged`, when the
+  ring hands it more or says a budget is exhausted); its reports (`BudgetReport`) go to the ring,
+  and so do its link's coming (published) and going.
 - Each instance's last heartbeat is kept on its link (`LinkedGateway.last`): its figures
   (`llmgw.server.gateways.figures`), the rotation version it routes by and its requests on each
   replica, which `quiesce` waits on when a move takes a replica out of rotation, and the keys
@@ -30,6 +34,7 @@ from llmgw.pki.ca import CertInfo
 from llmgw.server.links.gatewaytable import TableSource
 from llmgw.server.links.linkserver import LinkServer, ServedLink
 from llmgw.server.links.usagereports import UsageReports
+from llmgw.server.state.budgetring import BudgetRing
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.wakeup import Wakeup
@@ -82,7 +87,9 @@ class GatewayFeed(LinkServer[LinkedGateway]):
     log = log
     who, who_field = "gateway", "gateway"
 
-    def __init__(self, *, endpoints: GatewayEndpoints, keys: KeyRing, **link: Any) -> None:
+    def __init__(
+        self, *, endpoints: GatewayEndpoints, keys: KeyRing, budgets: BudgetRing | None = None, **link: Any
+    ) -> None:
         """`link`: the runtime's (`clock`: the registry's, whose time a stall of the loop does not
         count as silence; `heartbeat_interval_s`, `silence_timeout_s`, `leading`, `redirect`).
         While this control plane does not lead, the table is sent no more."""
@@ -91,6 +98,9 @@ class GatewayFeed(LinkServer[LinkedGateway]):
         self._index: dict[tuple[str, str], int] = {}  # each published link's share index
         self.heard = Wakeup()  # a heartbeat came, an instance left or the rotation changed: `quiesce` looks again
         self.usage: UsageReports | None = None  # where usage reports go (`Gateways` sets it; None: dropped)
+        self.budgets = budgets
+        if budgets is not None:
+            budgets.on_grants = self._push_grants
 
     # -- the table ----------------------------------------------------------------------------
 
@@ -105,6 +115,10 @@ class GatewayFeed(LinkServer[LinkedGateway]):
             return self.table.rotation
         if kind is g.KeysChanged:
             return self.table.keys
+        if kind is g.BudgetsChanged:
+            return self.budgets.message() if self.budgets is not None else g.BudgetsChanged(budgets=())
+        if kind is g.GrantsChanged:
+            return self.budgets.grants(session.instance) if self.budgets is not None else g.GrantsChanged()
         return self.share((session.expected_name, session.instance))
 
     def _push_all(self, kind: type) -> None:
@@ -121,9 +135,25 @@ class GatewayFeed(LinkServer[LinkedGateway]):
         self._push_all(kind)
         self.heard.fire()
 
+    def _push_grants(self, instances: Any) -> None:
+        if not self.leading():
+            return
+        for link in self.links.values():
+            if link.instance in instances:
+                link.push(g.GrantsChanged)
+
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the table's sources until cancelled."""
-        await self.table.serve(task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.table.serve)
+            if self.budgets is not None:
+                nursery.start_soon(self._follow_budgets, self.budgets)
+            task_status.started()
+
+    async def _follow_budgets(self, budgets: BudgetRing) -> None:
+        while True:
+            await budgets.changed.wait()
+            self._push_all(g.BudgetsChanged)
 
     # -- the link runtime's hooks -------------------------------------------------------------
 
@@ -166,10 +196,14 @@ class GatewayFeed(LinkServer[LinkedGateway]):
         link.session.heartbeat()  # type: ignore[call-arg]
 
     def _published(self, link: LinkedGateway) -> None:
+        if self.budgets is not None:
+            self.budgets.link_opened(link.instance)
         self._renumber()
 
     def _removed(self, link: LinkedGateway, published: bool) -> None:
         if published:
+            if self.budgets is not None:
+                self.budgets.link_closed(link.instance)
             self._renumber()
             self.heard.fire()
             log.info("gateway_left", gateway=link.name, instance=link.instance, gateways=len(self.links))
@@ -183,6 +217,8 @@ class GatewayFeed(LinkServer[LinkedGateway]):
             self.heard.fire()
         elif isinstance(event, gs.UsageReported) and self.usage is not None:
             self.usage.received(link, event.report)
+        elif isinstance(event, gs.BudgetReported) and self.budgets is not None:
+            self.budgets.report(link.instance, event.report)
 
     async def close_revoked(self, serials: set[int]) -> int:
         """Close the links of the instances whose certificate is one of `serials` (just revoked),
