@@ -50,6 +50,7 @@ from testlib.browser import (  # noqa: F401 - chromium: a fixture
     unlabelled_controls,
 )
 from testlib.cluster import free_port, wait_until
+from testlib.gateway import request
 from testlib.hardware import ib_root, sminfo
 from testlib.hubrepo import HubRepo
 from testlib.hubserver import HubServer
@@ -422,6 +423,34 @@ async def test_one_fabric_name_on_two_subnet_managers_is_a_warning_on_the_open_p
 
     result = run_llmgw("ctl", "nodes", "--state-dir", str(up.state), timeout=60)
     assert "note: fabric name 'ib-a' covers 2 independent fabrics" in result.stdout
+
+
+async def test_the_usage_panel_shows_each_keys_tokens_on_the_open_page(up: Up, chromium: Chromium):  # noqa: F811 - the fixture
+    # An answer through `up`'s gateway with its key: the ledger counts it (the usage the engine
+    # said), and the open page's usage panel shows the key's row as `llmgw ctl usage` has it.
+    port = int(up.ready["gateway_url"].rsplit(":", 1)[1].strip("/"))
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "count me"}], "max_tokens": 4}
+    status, _, answer = request(port, "POST", "/v1/chat/completions", body, token=up.ready["api_key"], timeout=60)
+    assert status == 200, answer
+    wait_until(
+        "the ledger to count the answer",
+        lambda: any(r["model"] == "sim-small" for r in up.ctl("usage")["usage"]),
+        timeout=LIVE_S,
+    )
+    [row] = [r for r in up.ctl("usage")["usage"] if r["model"] == "sim-small"]
+    login = up.ctl("page")
+    async with open_tab(chromium) as tab:
+        await tab.goto(login["url"])
+        key = row["key"]
+        selector = f'#usage [data-usage-key="{key}"][data-usage-model="sim-small"]'
+        await tab.wait_for(f"document.querySelector('{selector}')", LIVE_S)
+        cells = await tab.evaluate(f"[...document.querySelector('{selector}').cells].map((c) => c.innerText)")
+        assert cells[0] == row["key"] and cells[2] == "sim-small"
+        assert cells[3:] == [
+            f"{row[k]:,}" for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
+        ]
+        assert await tab.evaluate("document.querySelector('#usage [data-usage-total]') !== null")
+        no_console_errors(tab)
 
 
 def start_odd_node(up: Up) -> Proc:

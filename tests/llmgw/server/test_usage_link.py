@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import ssl
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -24,6 +25,7 @@ from llmgw.server.errors import StoreBusy
 from llmgw.server.links.agentlistener import AgentListener
 from llmgw.server.links.gatewaylinks import GatewayFeed
 from llmgw.server.links.usagereports import UsageReports
+from llmgw.server.store.ledger import REPORTS_KEPT_S
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
 from testlib.memlink import gated_pair
@@ -53,6 +55,12 @@ class Ledger:
         self.rows: dict[tuple, list[int]] = {}
         self.refuse = 0
         self.calls = 0
+        self.pruned: list[float] = []
+
+    async def prune_usage_reports(self, before: float) -> int:
+        await trio.lowlevel.checkpoint()
+        self.pruned.append(before)
+        return 0
 
     async def is_revoked(self, serial: int) -> bool:
         await trio.lowlevel.checkpoint()
@@ -223,3 +231,15 @@ async def test_the_gateway_on_the_control_planes_loop_is_written_directly(
     [instance] = plane.ledger.seq
     assert instance.startswith("own-") and plane.ledger.seq[instance] == 2
     assert plane.ledger.rows[(HOUR, "alice", "", "chat")] == [2, 3, 0, 3]
+
+
+async def test_the_sequences_of_gateways_long_gone_are_forgotten_once_a_day(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    await trio.sleep(3599)
+    assert plane.ledger.pruned == []  # not at a start
+    await trio.sleep(2)
+    [before] = plane.ledger.pruned
+    assert abs(time.time() - REPORTS_KEPT_S - before) < 60
+    await trio.sleep(86400)
+    assert len(plane.ledger.pruned) == 2

@@ -10,6 +10,7 @@ import {
   age,
   nodeDetails,
   renderAudit,
+  renderUsage,
   renderDrains,
   renderFabrics,
   renderGateway,
@@ -66,7 +67,7 @@ function signedOut(why) {
   $("signin").hidden = false;
   $("signin-why").textContent = why;
   status("Not signed in");
-  for (const id of ["warnings", "nodes", "fabrics", "models", "drains", "gateway", "keys", "audit"]) $(id).hidden = true;
+  for (const id of ["warnings", "nodes", "fabrics", "models", "drains", "gateway", "keys", "usage", "audit"]) $(id).hidden = true;
   if (state.feed) state.feed.close();
 }
 
@@ -123,7 +124,7 @@ function connect() {
         state.pending.push(r);
       }
     }
-    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys, audit: data.audit || [] };
+    state.whole = { fabrics: data.fabrics, notes: data.notes, models: data.models, keys: data.keys, audit: data.audit || [], usage: data.usage || null };
     took(data, Object.keys(VIEWS));
   });
   feed.addEventListener("changes", (e) => {
@@ -148,7 +149,8 @@ function connect() {
     if (data.models) touched.push("models", "gateway", "warnings");
     if (data.keys) touched.push("keys");
     if (data.audit) touched.push("audit");
-    for (const k of ["fabrics", "notes", "models", "keys", "audit"]) if (k in data) state.whole[k] = data[k];
+    if ("usage" in data) touched.push("usage");
+    for (const k of ["fabrics", "notes", "models", "keys", "audit", "usage"]) if (k in data) state.whole[k] = data[k];
     took(data, touched);
   });
   feed.addEventListener("history", (e) => {
@@ -218,6 +220,7 @@ const VIEWS = {
   gateway: () => renderGateway(state.history, state.cluster ? state.cluster.models : []),
   keys: () => renderKeys(state.cluster, ctx),
   audit: () => renderAudit(state.cluster),
+  usage: () => renderUsage(state.cluster),
   warnings: () => {
     const list = warnings(state.cluster, ctx);
     $("warnings").hidden = !list.length;

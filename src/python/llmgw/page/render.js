@@ -432,6 +432,26 @@ export function renderKeys(cluster, ctx) {
   return table("API keys of the gateway (never their tokens)", columns, rows);
 }
 
+// Who used what: the usage ledger's totals of the last hours (the feed sends the largest rows;
+// `llmgw ctl usage` has them all, and any time range).
+export function renderUsage(cluster) {
+  const u = cluster.usage;
+  if (!u) return h("p", {}, "The usage ledger is not kept here.");
+  if (!u.usage.length) return h("p", {}, `No usage in the last ${u.hours} hours.`);
+  const columns = ["Key", "Team", "Model", "Requests", "Prompt tokens", "Cached", "Completion tokens", "Total"];
+  const n = (x) => x.toLocaleString("en-US");
+  const rows = u.usage.map((r) => [
+    { "data-usage-key": r.key, "data-usage-model": r.model },
+    [r.key, r.team || "-", r.model, n(r.requests), n(r.prompt_tokens), n(r.cached_tokens), n(r.completion_tokens), n(r.total_tokens)],
+  ]);
+  const t = u.total;
+  rows.push([{ "data-usage-total": "" }, ["All", "", "", n(t.requests), n(t.prompt_tokens), n(t.cached_tokens), n(t.completion_tokens), n(t.total_tokens)]]);
+  return [
+    table(`Tokens per key, team and model since ${u.since.replace("T", " ").replace("Z", " UTC")}`, columns, rows),
+    h("p", { class: "muted" }, u.rows > u.usage.length ? `The largest ${u.usage.length} of ${u.rows}; ` : "", h("code", {}, "llmgw ctl usage"), " reads any range, by key, team or model."),
+  ];
+}
+
 // The audit log's newest entries (the feed sends AUDIT_SHOWN of them; `llmgw ctl audit` has the
 // rest): who, when, from where, what, and what changed. Never a secret: the control plane keeps none there.
 export function renderAudit(cluster) {

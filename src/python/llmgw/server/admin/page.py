@@ -55,7 +55,7 @@ from llmgw.http.jsonbody import read_json
 from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
-from llmgw.server.admin import audit, events
+from llmgw.server.admin import audit, events, usageroutes
 from llmgw.server.admin import pagefeed as feed
 from llmgw.server.admin.logins import (
     CSRF_HEADER,
@@ -94,6 +94,7 @@ SECURITY_HEADERS = (
     ("referrer-policy", "no-referrer"),
 )
 SAFE_METHODS = ("GET", "HEAD")
+USAGE_PANEL_HOURS, USAGE_PANEL_ROWS = 24, 50  # the usage panel: its time range, and its largest rows
 LOGIN_CODE = "the one-time code of a login URL (`llmgw ctl page` prints one)"
 OWN_ROUTES = ("/admin/v1/events", "/admin/v1/page/login", "/admin/v1/page/session", "/admin/v1/page/logout")
 CREDENTIAL = "admin-credential"
@@ -204,8 +205,24 @@ class Page:
         self.touched = Wakeup()  # an operator's change succeeded: open pages show it now
         # What every open page is sent, made once per change (`serve_feed`).
         self.feed = feed.Feed(
-            views, keys=keys.rows, audit=self.recent_audit if store is not None else None, touched=self.touched.next
+            views,
+            keys=keys.rows,
+            audit=self.recent_audit if store is not None else None,
+            usage=self.recent_usage if store is not None else None,
+            touched=self.touched.next,
         )
+
+    async def recent_usage(self) -> dict:
+        """The usage panel's: the ledger's totals of the last USAGE_PANEL_HOURS per key, team and
+        model, the largest USAGE_PANEL_ROWS (`usageroutes.usage_view`; `llmgw ctl usage` has the rest)."""
+        assert self.store is not None
+        view = await usageroutes.usage_view(self.store, {"since": f"{USAGE_PANEL_HOURS}h"})
+        return {
+            **view,
+            "rows": len(view["usage"]),
+            "usage": view["usage"][:USAGE_PANEL_ROWS],
+            "hours": USAGE_PANEL_HOURS,
+        }
 
     # -- the page's own routes ------------------------------------------------------------
 

@@ -198,7 +198,11 @@ def _list(pieces: Sequence[Piece]) -> list[Piece]:
     return out
 
 
-WHOLE = ("fabrics", "notes", "models", "keys", "audit", "pending")  # small, sent whole when they change
+WHOLE = ("fabrics", "notes", "models", "keys", "audit", "usage", "pending")  # small, sent whole when they change
+# The usage ledger's totals change with every gateway's report, which is no change of the cluster:
+# while a page is open they are read again this often (a look that finds nothing else changed
+# costs microseconds a node and sends only them, and nothing when they did not change either).
+USAGE_REFRESH_S = 10.0
 AUDIT_SHOWN = 20  # the newest entries of the audit log a page shows (`llmgw ctl audit` has the rest)
 
 
@@ -209,6 +213,7 @@ class Feed:
         *,
         keys: Callable[[], Any] | None = None,
         audit: Callable[[int], Any] | None = None,
+        usage: Callable[[], Any] | None = None,
         touched: Callable[[], trio.Event] | None = None,
         timer: Callable[[], float] = time.thread_time,
     ) -> None:
@@ -218,6 +223,7 @@ class Feed:
         self.views = views
         self._keys = keys
         self._audit = audit
+        self._usage = usage  # the ledger's totals for the page (`Page.recent_usage`), read every USAGE_REFRESH_S
         self._touched = touched
         self._timer = timer
         self.latest: Published | None = None
@@ -268,13 +274,14 @@ class Feed:
         task_status.started()
         looked_at = -math.inf
         changes: list[trio.Event] = []
+        due = False  # the usage's time to be read again came
         while True:
             moved = self._watchers_moved.next()
             if not self._watchers:
                 self._forget()
                 await moved.wait()
                 continue
-            if self.latest is None or any(e.is_set() for e in changes):
+            if self.latest is None or due or any(e.is_set() for e in changes):
                 await trio.sleep_until(max(looked_at + MIN_INTERVAL_S, self._in_credit_at()))
                 looked_at = trio.current_time()
                 # Taken before the look: a change made during it wakes the next wait.
@@ -282,8 +289,9 @@ class Feed:
                 if self._touched is not None:
                     changes.append(self._touched())
                 await self._look()
+                due = False
                 continue
-            await wait_any([*changes, moved], math.inf)
+            due = not await wait_any([*changes, moved], USAGE_REFRESH_S if self._usage is not None else math.inf)
 
     def _earn(self) -> float:
         now = trio.current_time()
@@ -318,9 +326,19 @@ class Feed:
             log.warning("page_feed_audit_unread", reason=str(exc))
             return self._whole.get("audit", b"[]")
 
+    async def _read_usage(self) -> bytes:
+        if self._usage is None:
+            return b"null"
+        try:
+            return encode(await self._usage())
+        except StoreError as exc:  # as the keys: the totals as last read
+            log.warning("page_feed_usage_unread", reason=str(exc))
+            return self._whole.get("usage", b"null")
+
     async def _look(self) -> None:
         keys = await self._read_keys()  # before the look is timed: the store's thread is not the loop's
         audit = await self._read_audit()
+        usage = await self._read_usage()
         slices = _Slices(self._timer)
         look, looked_at = self.views.page_look(), trio.current_time()
         nodes = await _look_at(self._nodes, look.node_ids, look.node, slices)
@@ -341,6 +359,7 @@ class Feed:
             "models": encode(self.views.model_views([*replicas.rows, *pending])),
             "keys": keys,
             "audit": audit,
+            "usage": usage,
             "pending": encode(pending),
         }
         whole_changed = [name for name in WHOLE if self._whole.get(name) != whole[name]]

@@ -9,12 +9,15 @@ by; a link closed meanwhile gets nothing, and its gateway sends the report again
 link. A write the store refuses is tried again with backoff while the link lasts; one the fence
 refuses (this control plane leads no more) is dropped: the leader steps down, its links close,
 and the gateways send their reports to the next leader. An instance has one report
-unacknowledged at a time, so what waits here is one report per link.
+unacknowledged at a time, so what waits here is one report per link. Once a day the sequences of
+gateway processes not heard of for `ledger.REPORTS_KEPT_S` (30 days) are forgotten: a process
+gone that long sends nothing again.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Protocol
 
 import trio
@@ -25,12 +28,14 @@ from llmgw.log import get_logger
 from llmgw.metrics import MetricsRegistry
 from llmgw.server.errors import NotLeader, StoreError
 from llmgw.server.store.asyncstore import WRITE_BACKOFF, AsyncStore
+from llmgw.server.store.ledger import REPORTS_KEPT_S
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
 
 log = get_logger("llmgw.usage")
 
 LOCAL_INTERVAL_S = 2.0  # the gateway on this loop: its counts written every this while there are some
+PRUNE_EVERY_S = 86400.0  # the sequences of gateway processes gone for REPORTS_KEPT_S are forgotten this often
 
 
 class Reporter(Protocol):
@@ -71,10 +76,15 @@ class UsageReports:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         failures = Failures(self.backoff)
+        prune_at = trio.current_time() + PRUNE_EVERY_S / 24  # not at once: a start is busy enough
         while True:
             arrived = self.arrived.next()
+            if trio.current_time() >= prune_at:
+                prune_at = trio.current_time() + PRUNE_EVERY_S
+                await self._prune()
             if not self._waiting:
-                await arrived.wait()
+                with trio.move_on_at(prune_at):
+                    await arrived.wait()
                 continue
             key, (reporter, report) = next(iter(self._waiting.items()))
             if reporter.gone:
@@ -95,6 +105,15 @@ class UsageReports:
                 del self._waiting[key]
             if not reporter.gone:
                 reporter.acknowledge(report.seq)
+
+    async def _prune(self) -> None:
+        try:
+            forgotten = await self.store.prune_usage_reports(time.time() - REPORTS_KEPT_S)
+        except StoreError as exc:  # the next day's try
+            log.warning("usage_reports_not_pruned", reason=str(exc))
+            return
+        if forgotten:
+            log.info("usage_reports_pruned", instances=forgotten)
 
     async def add(self, instance: str, report: g.UsageReport) -> bool:
         """Add `report` of `instance` to the ledger, once; whether it was added now."""
