@@ -64,6 +64,8 @@ def test_a_streams_request_asks_for_the_usage() -> None:
     assert usage_options({"model": "m", "stream_options": {"include_usage": True}}) == (True, b"")
     asked, other = usage_options({"model": "m", "stream_options": {"include_usage": False, "continuous": 1}})
     assert not asked and json.loads(other)["stream_options"] == {"include_usage": True, "continuous": 1}
+    asked, other = usage_options({"model": "m", "stream_options": None})
+    assert not asked and json.loads(other) == {"model": "m", "stream_options": {"include_usage": True}}
 
 
 def _event(obj: dict[str, Any]) -> bytes:

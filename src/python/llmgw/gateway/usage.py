@@ -116,12 +116,14 @@ def usage_options(body: dict[str, Any]) -> tuple[bool, bytes]:
     """For a streamed request's parsed `body`: whether its client asked for the usage, and, when
     it sent `stream_options` without asking, the body to send instead (its options with
     `include_usage` added; b"": none needed, `with_usage` splices it in)."""
-    options = body.get("stream_options")
-    if not isinstance(options, dict):
+    if "stream_options" not in body:
         return False, b""
-    if options.get("include_usage") is True:
+    options = body["stream_options"]
+    if isinstance(options, dict) and options.get("include_usage") is True:
         return True, b""
-    out = {**body, "stream_options": {**options, "include_usage": True}}
+    # Re-encoded, not spliced: a second "stream_options" member is read differently by different parsers.
+    merged = {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+    out = {**body, "stream_options": merged}
     return False, json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
 
 
