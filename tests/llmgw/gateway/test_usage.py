@@ -211,3 +211,20 @@ async def test_an_engines_error_is_not_counted(
     gw = await memnet.start_gateway(nursery, tmp_path, net, (ep,))
     status, _, _ = await gw.call("POST", CHAT, {"model": "m", "messages": []})
     assert status == 400 and gw.gateway.usage.pending == {}
+
+
+@pytest.mark.trio
+async def test_a_stream_asked_for_and_answered_whole_counts_the_bodys_usage(
+    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    net = memnet.MemoryNet(nursery)
+
+    async def whole(request: Request) -> Response:
+        await request.read()
+        return Response.json(200, {"id": "c", "choices": [], "usage": USAGE})  # an engine that ignored "stream"
+
+    net.serve(("10.0.0.1", 8000), whole)
+    ep = Endpoint(replica_id="m-0", model="m", host="10.0.0.1", port=8000, api_key="k")
+    gw = await memnet.start_gateway(nursery, tmp_path, net, (ep,))
+    status, _, _ = await gw.call("POST", CHAT, {"model": "m", "messages": [], "stream": True})
+    assert status == 200 and list(gw.gateway.usage.pending.values()) == [[1, 7, 4, 3]]

@@ -585,7 +585,7 @@ class Gateway:
             now = self.clock()
             if upstream.status < 400:
                 job.served = True
-                job.tokens = body_usage(body)
+                job.tokens, job.meter = body_usage(body), None  # an answer read whole, streamed or not
             job.answering()
             job.first_byte(now)
             job.finish(upstream.status, now)
