@@ -115,3 +115,53 @@ def test_the_table_counts_and_names_each_nodes_replicas() -> None:
     assert header[:3] == ["NODE", "STATE", "REPLICAS"]
     assert [line.split()[2] for line in lines[1:]] == ["0", "2:", "5:"]
     assert "2: chat-1,chat-2 " in lines[2] and "5: m-0,m-1,m-2,+2 " in lines[3]
+
+
+def test_each_backends_measured_speed_is_a_line_under_the_nodes_table() -> None:
+    node = Node(node_id="node-a")
+    node.engines = (w.EngineStatus(name="llamacpp", version="b11434", ok=True, state=w.ENGINE_OK),)
+    node.speeds = (
+        w.BackendSpeed(engine="llamacpp", backend="cpu", state=w.SPEED_OK, prompt_tps=850.4, gen_tps=42.2),
+        w.BackendSpeed(
+            engine="llamacpp",
+            backend="cuda",
+            device="CUDA0",
+            state=w.SPEED_FAILED,
+            prompt_tps=9000.0,
+            gen_tps=300.0,
+            detail="llama-server exited with 1 before it served",
+        ),
+        w.BackendSpeed(
+            engine="llamacpp", backend="vulkan", state=w.SPEED_WAITING, detail="its replicas are busy (1.5 cores)"
+        ),
+    )
+    v = node_view(node, "joined", 0.0, EnginesSection())
+    assert texts.notes(v) == [
+        "llama.cpp cpu: 850 prompt tok/s, 42 gen tok/s",
+        "llama.cpp cuda (CUDA0): 9000 prompt tok/s, 300 gen tok/s; measurement failed: llama-server exited with 1 "
+        "before it served",
+        "llama.cpp vulkan: waiting: its replicas are busy (1.5 cores)",
+    ]
+
+
+def test_ctl_nodes_bench_prints_the_figures_that_answer_its_request_or_why_not() -> None:
+    from llmgw.ctl.bench import bench_text
+    from llmgw.server.state.views import speed_view
+
+    new = speed_view(
+        w.BackendSpeed(engine="llamacpp", backend="cpu", state=w.SPEED_OK, prompt_tps=800, gen_tps=40, request="r")
+    )
+    old = {**new, "request": "before", "gen_tps": 10.0}
+    answer = {
+        "request": "r",
+        "nodes": [
+            {"node": "a", "asked": True, "done": True, "speeds": [new]},
+            {"node": "b", "asked": True, "done": False, "speeds": [old]},
+            {"node": "c", "asked": False, "error": "node c is not connected; ask again once it is", "speeds": []},
+        ],
+    }
+    assert bench_text(answer).splitlines() == [
+        "a: llama.cpp cpu: 800 prompt tok/s, 40 gen tok/s",
+        "b: still measuring when the wait ended; see `llmgw ctl nodes` later",
+        "c: not asked: node c is not connected; ask again once it is",
+    ]

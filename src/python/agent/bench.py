@@ -109,7 +109,8 @@ def server_argv(executable: str, model: Path, port: int, backend: str, device: s
     argv += [executable, "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--ctx-size", str(CONTEXT), "--parallel", "1"]
     if backend == CPU:
-        argv += ["--n-gpu-layers", "0"]
+        # No device at all, not only no layers: a GPU build would still offload large batches.
+        argv += ["--device", "none", "--n-gpu-layers", "0"]
     else:
         argv += ["--device", device, "--n-gpu-layers", "999"]
     return argv

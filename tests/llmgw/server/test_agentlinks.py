@@ -406,3 +406,20 @@ async def test_a_link_waiting_on_a_short_silence_keeps_to_the_longer_one_its_age
     with trio.fail_after(600.0):
         await link.done.wait()
     assert "nothing received for 600 s" in link.ended[0] and trio.current_time() - joined >= 600.0
+
+
+async def test_measured_speeds_reach_the_registry_and_a_bench_request_rides_the_desired_state(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, plane: Plane
+) -> None:
+    link = await plane.join(nursery)
+    measuring = w.BackendSpeed(engine="llamacpp", backend="cpu", state=w.SPEED_MEASURING, request="bench-1")
+    assert await link.agent.send(w.SpeedsChanged(speeds=(measuring,)))
+    await plane.until(lambda: plane.registry.nodes["node-a"].speeds == (measuring,))
+    assert plane.registry.nodes["node-a"].speeds == (measuring,)
+    done = attrs.evolve(measuring, state=w.SPEED_OK, prompt_tps=850.0, gen_tps=42.0)
+    node = plane.registry.nodes["node-a"]
+    # Only a figure placement reads counts as a change of speed.
+    assert plane.registry.speeds_changed("node-a", node.link.conn_id, (done,)) is True
+    assert plane.registry.speeds_changed("node-a", node.link.conn_id, (attrs.evolve(done, request="x"),)) is False
+    assert plane.registry.ask_bench("node-a", "bench-2") and node.bench_asked == "bench-2"
+    assert not plane.registry.ask_bench("node-z", "bench-2")

@@ -15,6 +15,7 @@ from llmgw.cli import Parser, add_group, add_json_flag, add_leaf
 from llmgw.commands._options import add_admin_options, client_from
 from llmgw.ctl import engines as engine_texts
 from llmgw.ctl.audit import configure_audit
+from llmgw.ctl.bench import configure_bench
 from llmgw.ctl.budgets import configure_budgets
 from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
@@ -30,7 +31,8 @@ def configure(parser: Parser) -> None:
     nodes = add_leaf(
         sub,
         "nodes",
-        "list the nodes: state, replicas, address, agent, heartbeat, hardware, engines, fabrics, certificate",
+        "list the nodes: state, replicas, address, agent, heartbeat, hardware, engines and their measured speed, "
+        "fabrics, certificate; `nodes bench` measures llama.cpp's speed again",
         run_nodes,
     )
     nodes.add_argument("--state", choices=("joined", "joining", "lost", "unknown"), help="only the nodes in this state")
@@ -40,6 +42,9 @@ def configure(parser: Parser) -> None:
     nodes.add_argument("--after", default="", metavar="NODE", help="the nodes after this node id (by id)")
     add_json_flag(nodes)
     add_admin_options(nodes)
+    nodes_verbs = add_group(nodes, "nodes_verb")
+    nodes_verbs.required = False  # `ctl nodes` alone lists them
+    configure_bench(nodes_verbs, add_admin_options, client_from)
     replicas = add_leaf(
         sub,
         "replicas",

@@ -32,9 +32,29 @@ def mark(e: dict[str, Any]) -> str:
     return f"[{e['cpu_backend']}]" if e.get("cpu_backend") else ""
 
 
+def speed_text(s: dict[str, Any]) -> str:
+    """`llama.cpp cpu: 850 prompt tok/s, 42 gen tok/s`, with the measurement under way, waiting or
+    failed and why; the last figures stay until new ones come."""
+    figures = f"{s['prompt_tps']:.0f} prompt tok/s, {s['gen_tps']:.0f} gen tok/s" if s.get("gen_tps") else ""
+    now = {
+        "measuring": "measuring now",
+        "waiting": f"waiting: {s.get('detail', '')}",
+        "failed": f"measurement failed: {s.get('detail', '')}",
+    }.get(s.get("state", ""), "")
+    device = f" ({s['device']})" if s.get("device") else ""
+    return f"{title(s['engine'])} {s['backend']}{device}: " + (
+        "; ".join(x for x in (figures, now) if x) or "not measured"
+    )
+
+
+def speed_lines(n: dict[str, Any]) -> list[str]:
+    """Each engine backend's measured speed on the node (agent.bench), one line each."""
+    return [speed_text(s) for s in n.get("speeds") or []]
+
+
 def notes(n: dict[str, Any]) -> list[str]:
     """Installs under way, engines that failed or are unavailable and why, a CPU backend that costs
-    speed (with the cause and the fix), and the GPU engines this node was not asked to install,
+    speed (with the cause and the fix), each backend's measured speed, and the GPU engines this node was not asked to install,
     with why ("vllm: not applicable (no NVIDIA GPU; ...)")."""
     lines = []
     reported = set()
@@ -49,6 +69,7 @@ def notes(n: dict[str, Any]) -> list[str]:
             lines.append(f"{e['name']} failed: {e['detail']}")
         if e.get("cpu_note"):
             lines.append(f"{e['name']}: {e['cpu_note']}")
+    lines += speed_lines(n)
     for v in n.get("eligibility") or []:
         if v["status"] != "eligible" and v["engine"] not in reported:
             lines.append(f"{v['engine']}: {v['status'].replace('_', ' ')} ({v['reason']})")

@@ -108,6 +108,7 @@ function engines(n) {
       e.cpu_backend ? h("span", { class: "muted", "data-cpu-backend": e.cpu_backend }, ` (CPU backend: ${e.cpu_backend})`) : "",
       e.ok ? "" : ` — ${why}: ${e.detail || "did not run"}`,
       e.cpu_note ? h("div", { class: "warn" }, `⚠ ${e.cpu_note}`) : "",
+      ...speeds(n, e.name),
     );
   });
   for (const [engine, e] of unusable) {
@@ -116,6 +117,17 @@ function engines(n) {
     }
   }
   return rows.length ? rows : "none yet";
+}
+
+// Each backend's measured speed (the agent's bench, placement's weight): "cpu: 850 prompt tok/s,
+// 42 gen tok/s", or why there is no figure.
+function speeds(n, engine) {
+  return (n.speeds || []).filter((x) => x.engine === engine).map((x) => {
+    const figures = x.gen_tps > 0 ? `${Math.round(x.prompt_tps)} prompt tok/s, ${Math.round(x.gen_tps)} gen tok/s` : "";
+    const now = { measuring: "measuring now", waiting: `waiting: ${x.detail}`, failed: `measurement failed: ${x.detail}` }[x.state] || "";
+    const text = [figures, now].filter(Boolean).join("; ") || "not measured";
+    return h("div", { class: x.state === "failed" ? "bad" : "muted", "data-speed": x.backend }, `${x.backend}: ${text}`);
+  });
 }
 
 function cert(n) {

@@ -18,6 +18,8 @@ with a wrong one, the answer is 401 with what to do. Routes:
     POST   /admin/v1/nodes/NODE/uncordon
     POST   /admin/v1/nodes/NODE/drain[?force=1]   move its replicas off, one at a time, then cordon
     DELETE /admin/v1/nodes/NODE            forget the node, revoke its certificates, close its link
+    POST   /admin/v1/bench                 nodes measure their engines' speed again: {nodes, wait_s}, the
+                                           figures once they have (server/admin/benchroute.py)
     GET    /admin/v1/keys                  the gateway's API keys (never their tokens)
     POST   /admin/v1/keys                  create one: {name, models, rate_per_minute, max_concurrency};
                                            the answer holds the token, shown this once
@@ -81,6 +83,8 @@ from llmgw.http.refusallines import RefusalLines
 from llmgw.log import get_logger
 from llmgw.pki.ca import check_node_id
 from llmgw.server.admin import audit, budgetroutes, modelroutes, usageroutes
+from llmgw.server.admin.benchroute import BENCH
+from llmgw.server.admin.benchroute import bench as bench_route
 from llmgw.server.admin.certificates import CERTIFICATES, certificates
 from llmgw.server.errors import (
     ApiKeyError,
@@ -173,6 +177,7 @@ class Operations(Protocol):
     async def start_drain(self, node_id: str, *, force: bool) -> DrainProgress: ...
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None: ...
     async def remove_node(self, node_id: str) -> dict[str, Any]: ...
+    async def bench(self, node_ids: list[str], wait_s: float) -> dict[str, Any]: ...
     def certificate_recorded(self) -> None: ...
     def stall(self, seconds: float) -> dict[str, Any]: ...
 
@@ -333,6 +338,8 @@ class AdminAPI:
             return await modelroutes.model_routes(self.models, request)
         if request.path == audit.ROUTE:
             return await audit.listing(self.store, request)
+        if request.path == BENCH:
+            return await bench_route(self.operations, request)
         if request.path == "/admin/v1/gateways":
             _allow(request, "GET")
             params.query(request, {})

@@ -1,6 +1,6 @@
 """What an operator does to the running control plane (the admin API's `Operations`): reload
-server.toml, cordon, drain, remove a node, read a replica's logs, note a certificate issued, and
-the event-loop stall diagnostic.
+server.toml, cordon, drain, remove a node, read a replica's logs, have nodes measure their
+engines' speed again (`bench`), note a certificate issued, and the event-loop stall diagnostic.
 
 Each change goes through the owner of what it changes and posts a change; nothing here pushes a
 desired state itself. A reload replaces the configuration (`Settings`) and posts a catalog change
@@ -13,8 +13,11 @@ admin API turns them into statuses.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Protocol
+
+import trio
 
 from llmgw.log import get_logger
 from llmgw.server.errors import DiagnosticOff, UnknownNode, UnknownReplica
@@ -28,6 +31,7 @@ from llmgw.server.state.intent import NodeIntent
 from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.registry import NodeRegistry
 from llmgw.server.state.replicas import Replicas
+from llmgw.server.state.views import speed_view
 from llmgw.server.store.asyncstore import AsyncStore
 from llmgw.wire import agent_link as w
 
@@ -127,6 +131,51 @@ class Operations:
             members.append({"node": node_id, "rank": rank, "text": reply.text, "error": reply.error})
         return {"replica": replica_id, "members": members}
 
+    async def bench(self, node_ids: list[str], wait_s: float) -> dict[str, Any]:
+        """Have nodes measure their engines' speed again (agent.bench; every connected node when
+        `node_ids` is empty): each is told in its desired state, and the answer waits at most
+        `wait_s` for them to have measured (or failed, or to wait for their replicas to idle).
+        Per node: `asked`, `done`, its `speeds` as they are then, and `error` if it was not asked."""
+        nodes = self.registry.nodes
+        for node_id in node_ids:
+            if node_id not in nodes:
+                raise UnknownNode(node_id, sorted(nodes))
+        ids = node_ids or sorted(n for n, node in nodes.items() if node.link is not None and node.link.connected)
+        token = f"bench-{secrets.token_hex(6)}"
+        out: dict[str, dict[str, Any]] = {}
+        asked = []
+        for node_id in ids:
+            node = nodes[node_id]
+            if node.link is None or not node.link.connected:
+                out[node_id] = {"asked": False, "error": f"node {node_id} is not connected; ask again once it is"}
+            elif not any(e.name == "llamacpp" and e.ok for e in node.engines):
+                out[node_id] = {"asked": False, "error": f"node {node_id} has no working llama.cpp to measure"}
+            else:
+                self.registry.ask_bench(node_id, token)
+                await self.links.push_desired_state(node_id)
+                asked.append(node_id)
+        log.info("nodes_bench_asked", nodes=asked, request=token)
+        with trio.move_on_after(wait_s):
+            while True:
+                changed = self.changes.nodes.next()
+                if all(_answered(nodes.get(n), token) for n in asked):
+                    break
+                await changed.wait()
+        for node_id in asked:
+            node = nodes.get(node_id)
+            out[node_id] = {"asked": True, "done": _answered(node, token)}
+        return {
+            "request": token,
+            "nodes": [
+                {
+                    "node": node_id,
+                    **out[node_id],
+                    "speeds": [speed_view(x) for x in nodes[node_id].speeds] if node_id in nodes else [],
+                }
+                for node_id in ids
+            ],
+        }
+
     def certificate_recorded(self) -> None:
         """A node certificate was issued (`node add`, `ca issue`): a node will join."""
         self.node_coming = True
@@ -145,3 +194,11 @@ class Operations:
         held = time.monotonic() - began
         log.warning("debug_stall_done", held_s=round(held, 3))
         return {"stalled_s": round(held, 3)}
+
+
+def _answered(node: Any, token: str) -> bool:
+    """Whether a node has answered bench request `token`: every backend measured, failed or waiting."""
+    if node is None or node.link is None or not node.link.connected:
+        return True  # gone meanwhile: nothing more will come
+    speeds = node.speeds
+    return bool(speeds) and all(x.request == token and x.state != w.SPEED_MEASURING for x in speeds)

@@ -201,6 +201,15 @@ class AgentLinks(LinkServer[LinkedAgent]):
             if self.registry.replicas_changed(link.node_id, link.conn_id, event.replicas):
                 self.on_replicas(link.node_id, event.replicas)
                 self.on_change()
+        elif isinstance(event, s.SpeedsReported):
+            # Placement reads the figures; a measurement starting or waiting changes what is shown.
+            if self.registry.speeds_changed(link.node_id, link.conn_id, event.speeds):
+                log.info(
+                    "node_speeds",
+                    node=link.node_id,
+                    speeds=[f"{x.engine}/{x.backend}={x.gen_tps:g}" for x in event.speeds if x.gen_tps > 0],
+                )
+            self.on_change()
         elif isinstance(event, s.EnginesReported):
             if self.registry.engines_changed(link.node_id, link.conn_id, event.engines):
                 log.info(  # once per phase of an install, not once per progress report

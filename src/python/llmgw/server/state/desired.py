@@ -79,6 +79,7 @@ class DesiredStates:
                 for m in (self.model(name) for name in self.staging.models_for(node_id))
                 if m is not None
             ),
+            bench=node.bench_asked if node else "",
         )
 
     def model(self, name: str) -> Model | None:

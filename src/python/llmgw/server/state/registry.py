@@ -27,7 +27,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw.looplag import StallClock
-from llmgw.wire.agent_link import EngineStatus, Hello, Inventory, ReplicaStatus, WeightsHeld
+from llmgw.wire.agent_link import BackendSpeed, EngineStatus, Hello, Inventory, ReplicaStatus, WeightsHeld
 
 JOINING, JOINED, LOST, UNKNOWN = "joining", "joined", "lost", "unknown"
 STATES = (JOINED, JOINING, LOST, UNKNOWN)
@@ -64,6 +64,10 @@ class Node:
     engines: tuple[EngineStatus, ...] = ()
     replicas: tuple[ReplicaStatus, ...] = ()  # what the agent reports running
     weights: WeightsHeld = WeightsHeld()  # what its weights cache holds, as it reports it
+    speeds: tuple[BackendSpeed, ...] = ()  # each engine backend's measured speed (agent.bench), as it reports it
+    # The last `llmgw ctl nodes bench` asked of it (DesiredState.bench): kept in memory only, as a
+    # request is answered in minutes or not at all.
+    bench_asked: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -115,6 +119,7 @@ class NodeRegistry:
         node.engines = hello.engines
         node.replicas = hello.replicas
         node.weights = hello.weights
+        node.speeds = hello.speeds
         old = node.link
         node.link = AgentLinkRecord(
             conn_id=self._next_conn,
@@ -179,6 +184,24 @@ class NodeRegistry:
         before = [(e.name, e.version, e.ok, e.state, e.phase) for e in node.engines]
         node.engines = engines
         return before != [(e.name, e.version, e.ok, e.state, e.phase) for e in engines]
+
+    def speeds_changed(self, node_id: str, conn_id: int, speeds: tuple[BackendSpeed, ...]) -> bool:
+        """Keep what the node measured; True if a figure placement reads changed (a backend's
+        generation speed, or whether it has one), not only a measurement's progress."""
+        if self._link(node_id, conn_id) is None:
+            return False
+        node = self.nodes[node_id]
+        before = gen_speeds(node.speeds)
+        node.speeds = speeds
+        return before != gen_speeds(speeds)
+
+    def ask_bench(self, node_id: str, token: str) -> bool:
+        """Ask the node to measure again (its next desired state carries `token`); False if it is not known."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        node.bench_asked = token
+        return True
 
     def replicas_changed(self, node_id: str, conn_id: int, replicas: tuple[ReplicaStatus, ...]) -> bool:
         if self._link(node_id, conn_id) is None:
@@ -254,3 +277,9 @@ class NodeRegistry:
                 times.append(heard + self._ttl(s))
         future = [t for t in times if t >= now]
         return min(future) + 1e-3 if future else now + self.ttl
+
+
+def gen_speeds(speeds: tuple[BackendSpeed, ...]) -> tuple[tuple[str, str, float], ...]:
+    """(engine, backend, generated tokens a second) of each backend measured: what placement reads.
+    A backend being measured again or waiting keeps its last figures (the agent says them)."""
+    return tuple(sorted((s.engine, s.backend, s.gen_tps) for s in speeds if s.gen_tps > 0))

@@ -42,7 +42,7 @@ from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
 from llmgw.server.state.placements import Placements, Stored
-from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry
+from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry, gen_speeds
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
 from llmgw.server.state.versions import ModelVersions, parkable, version_of, with_token
 from llmgw.server.state.weights import default_weights
@@ -205,6 +205,7 @@ class Replicas:
                     avoid=frozenset(self.failed_on.get(node_id, ())),
                     gpu_memory_bytes=min((g.memory_total_mib for g in inv.gpus), default=0) << 20 if inv else 0,
                     holds=frozenset(f.sha256 for f in node.weights.files if f.complete),
+                    speeds=gen_speeds(node.speeds),
                 )
             )
         return views

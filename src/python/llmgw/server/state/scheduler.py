@@ -18,6 +18,12 @@ reconciler performs what it returns. Rules, in the order they are applied:
 - Replicas of one model spread across nodes: a node already holding one comes last. Replicas
   placed together while no other node was there (nodes join one at a time) are named by
   `crowded`, for the control plane to move with a replacement first (`llmgw.server.state.moves`).
+- Among the nodes that fit, the faster first, by the generation speed each node measured for the
+  backend a replica would use (`speed_of`: llama.cpp's CPU figure, or its best GPU backend's for a
+  model that takes GPUs; agent.bench), after spreading and before the weights already held.
+  Figures within SPEED_STEP of each other rank alike (a measurement's noise orders nothing), and a
+  node without a figure ranks as the middle of those with one, so that with no figures at all
+  placement is as it was.
 - A replica that cannot be placed is pending with the reason, e.g.
   "needs 2 nodes on one fabric, 1 available on ib-a"; replicas of one model held back for the
   same reason are one `Pending` with their count.
@@ -26,6 +32,8 @@ reconciler performs what it returns. Rules, in the order they are applied:
 from __future__ import annotations
 
 import heapq
+import math
+import statistics
 from collections.abc import Collection, Mapping, Sequence
 
 import attrs
@@ -33,6 +41,10 @@ import attrs
 from llmgw.config import Model
 
 GIB = 1 << 30
+# Speeds within this ratio of each other rank alike: one measurement of one completion, on a node
+# doing other things, moves by that much between runs.
+SPEED_STEP = 1.25
+CPU_BACKEND = "cpu"
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +60,27 @@ class NodeView:
     avoid: frozenset[str] = frozenset()  # models that failed here: place them elsewhere
     gpu_memory_bytes: int = 0  # the smallest of its GPUs' memory (0: no GPU, or not reported)
     holds: frozenset[str] = frozenset()  # the SHA-256 of the whole weights files its cache holds
+    # (engine, backend, generated tokens a second) of each backend it measured (agent.bench).
+    speeds: tuple[tuple[str, str, float], ...] = ()
+
+
+def speed_of(node: NodeView, model: Model) -> float:
+    """The generation speed measured on `node` for the backend a replica of `model` would use
+    there: the best GPU backend's for a model that takes GPUs, else the CPU's; 0: no figure."""
+    mine = [(backend, tps) for engine, backend, tps in node.speeds if engine == model.engine and tps > 0]
+    if model.gpus_per_replica:
+        return max((tps for backend, tps in mine if backend != CPU_BACKEND), default=0.0)
+    return max((tps for backend, tps in mine if backend == CPU_BACKEND), default=0.0)
+
+
+def speed_ranks(model: Model, nodes: Sequence[NodeView]) -> dict[str, float]:
+    """Each node's rank by speed for `model` (lower: faster), in steps of SPEED_STEP; a node
+    without a figure takes the median rank of those with one, and with none at all every node
+    ranks 0."""
+    measured = {n.node_id: speed_of(n, model) for n in nodes}
+    ranks = {k: -math.floor(math.log(v) / math.log(SPEED_STEP)) for k, v in measured.items() if v > 0}
+    middle = statistics.median(ranks.values()) if ranks else 0
+    return {n.node_id: ranks.get(n.node_id, middle) for n in nodes}
 
 
 @attrs.frozen(kw_only=True)
@@ -191,8 +224,8 @@ def plan(
 
 class _Pool:
     """Where the replicas of one model go, one after another, each as `_candidates` would rank
-    them (spread first: fewest replicas of the model on the node, then the nodes holding its
-    weights, then most free GPUs, then the name) without a pass over every node per replica. The nodes that may run the model at all
+    them (spread first: fewest replicas of the model on the node, then the faster (`speed_ranks`),
+    then the nodes holding its weights, then most free GPUs, then the name) without a pass over every node per replica. The nodes that may run the model at all
     (schedulable, its engine, not failed with it) are found once. A single-node replica takes
     the least node of a heap whose keys are lower bounds of the real ones (a node's count of
     replicas only grows and its free GPUs only shrink within a plan): a node popped with a stale
@@ -208,14 +241,21 @@ class _Pool:
         # a replica there downloads nothing (a drain or a failure moves replicas to holders first).
         files = model_files(model)
         self.lacks = {n.node_id: int(bool(files) and not files <= n.holds) for n in self.eligible}
-        self.heap: list[tuple[int, int, int, str]] = []
+        self.slower = speed_ranks(model, self.eligible)
+        self.heap: list[tuple[int, float, int, int, str]] = []
         if model.nodes_per_replica == 1:
             self.heap = [self._key(n.node_id) for n in self.eligible]
             heapq.heapify(self.heap)
 
-    def _key(self, node_id: str) -> tuple[int, int, str]:
+    def _key(self, node_id: str) -> tuple[int, float, int, int, str]:
         free = self.free
-        return (free.per_model.get((self.model.name, node_id), 0), self.lacks[node_id], -free.gpus[node_id], node_id)
+        return (
+            free.per_model.get((self.model.name, node_id), 0),
+            self.slower[node_id],
+            self.lacks[node_id],
+            -free.gpus[node_id],
+            node_id,
+        )
 
     def _fits(self, node_id: str) -> bool:
         return self.free.gpus[node_id] >= self.model.gpus_per_replica and self.free.memory[node_id] >= self.memory
@@ -317,12 +357,14 @@ def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[l
             reasons.append(f"{n.node_id} has {free.memory[n.node_id] / GIB:.1f} GiB free")
         else:
             ok.append(n)
-    # Spread: nodes without a replica of this model first; then those holding its weights, the
-    # most free GPUs, the name.
+    # Spread: nodes without a replica of this model first; then the faster, those holding its
+    # weights, the most free GPUs, the name.
     files = model_files(model)
+    slower = speed_ranks(model, ok)
     ok.sort(
         key=lambda n: (
             free.per_model.get((model.name, n.node_id), 0),
+            slower[n.node_id],
             int(bool(files) and not files <= n.holds),
             -free.gpus[n.node_id],
             n.node_id,

@@ -80,6 +80,24 @@ def engine_view(e: w.EngineStatus, inv: w.Inventory | None = None) -> dict[str, 
     }
 
 
+def speed_view(x: w.BackendSpeed) -> dict[str, Any]:
+    """One engine backend's measured speed (agent.bench): tokens a second of the prompt and of
+    generation, `state` ok, measuring, waiting or failed (`detail`: why), the engine version and
+    device measured, when (unix time; 0: never) and the `llmgw ctl nodes bench` request it answers."""
+    return {
+        "engine": x.engine,
+        "backend": x.backend,
+        "state": x.state,
+        "prompt_tps": x.prompt_tps,
+        "gen_tps": x.gen_tps,
+        "version": x.version,
+        "device": x.device,
+        "measured_at": x.measured_at,
+        "detail": x.detail,
+        "request": x.request,
+    }
+
+
 def node_view(node: Node, state: str, now: float, engines: EnginesSection | None = None) -> dict[str, Any]:
     s = node.link
     inv = node.inventory
@@ -110,6 +128,7 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         if inv
         else [],
         "engines": [engine_view(e, inv) for e in node.engines],
+        "speeds": [speed_view(x) for x in node.speeds],
         "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
