@@ -157,6 +157,37 @@ async def test_a_keys_name_and_models_are_checked(plane, body, says) -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ([], "the body must be a JSON object"),
+        ({"node": ["a"]}, "unknown field 'node'"),
+        ({"nodes": "node-a"}, "nodes must be a list of at most 10000 node ids, got 'node-a'"),
+        ({"nodes": [5]}, "got [5]"),
+        ({"nodes": ["bad id!"]}, "bad id!"),
+        ({"wait_s": -1}, "wait_s must be a number of seconds from 0 to 600, got -1"),
+        ({"wait_s": 601}, "got 601"),
+        ({"wait_s": True}, "got True"),
+        ({"wait_s": "5"}, "got '5'"),
+    ],
+)
+async def test_a_bench_request_is_checked(plane, body, says) -> None:
+    status, answer = await admin(plane, "POST", "/admin/v1/bench", body)
+    assert status == 400 and says in refusal(status, answer)
+
+
+async def test_a_bench_names_known_nodes_and_asks_none_that_is_not_connected(plane) -> None:
+    status, answer = await admin(plane, "POST", "/admin/v1/bench", {"nodes": ["node-z"], "wait_s": 0})
+    assert status == 404 and "no node 'node-z'" in refusal(status, answer) and NODE in refusal(status, answer)
+    status, answer = await admin(plane, "POST", "/admin/v1/bench", {"nodes": [NODE], "wait_s": 5})
+    assert status == 200 and answer["request"].startswith("bench-"), answer
+    assert answer["nodes"] == [
+        {"node": NODE, "asked": False, "error": f"node {NODE} is not connected; ask again once it is", "speeds": []}
+    ]
+    status, answer = await admin(plane, "POST", "/admin/v1/bench", {})
+    assert status == 200 and answer["nodes"] == []  # every connected node: none
+
+
+@pytest.mark.parametrize(
     "query",
     [
         "lines=%C2%B2",  # '²': str.isdigit() says yes, int() says no
@@ -336,6 +367,8 @@ FIELDS = [
     "revoke_others",
     "also_revoke",
     "actions",
+    "nodes",
+    "wait_s",
 ]
 shaped = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 bodies = st.one_of(
@@ -360,6 +393,7 @@ TEMPLATES = [
     "/admin/v1/replicas",
     "/admin/v1/models",
     "/admin/v1/reload",
+    "/admin/v1/bench",
     "/admin/v1/keys",
     "/admin/v1/certificates",
     "/admin/v1/events",
