@@ -794,3 +794,16 @@ def test_frames_are_the_wire_encoding() -> None:
     assert decode(welcome, w.ServerMessage) == w.Welcome(
         node_id="node-a", server_version="test", heartbeat_interval_s=5.0
     )
+
+
+def test_speeds_are_reported_and_unsent_ones_are_the_newest_alone() -> None:
+    pair = Pair()
+    pair.join()
+    for i in range(50):
+        speed = w.BackendSpeed(engine="llamacpp", backend="cpu", state=w.SPEED_OK, gen_tps=float(i + 1))
+        pair.agent.send(w.SpeedsChanged(speeds=(speed,)))
+    assert len(pair.agent.outbox) == 1
+    pair.flush()
+    assert pair.events[ls.SERVER][1:] == [s.SpeedsReported(speeds=(speed,))]
+    asked = w.DesiredState(generation=2, bench="bench-1")
+    assert decode(encode(asked), w.ServerMessage).bench == "bench-1"
