@@ -24,6 +24,7 @@ from llmgw.gateway.budgets import (
 )
 from llmgw.server.state.budgets import Budget, BudgetBook
 from llmgw.wire import gateway_link as g
+from llmgw.wire.convert import decode, encode
 
 T0 = calendar.timegm((2026, 12, 7, 10, 0, 0))
 ALICE = g.GatewayKey(name="alice", token_sha256="0" * 64, team="red")
@@ -92,10 +93,10 @@ def test_a_day_budget_waits_for_a_grant_then_says_which_budget_is_spent() -> Non
     b.finish(hold, 80)
     b.finish(over, 120)
     (state,) = b.report().budgets
-    assert (state.used, state.held, state.reserved, state.granted) == (200, -50, 0, 150)
+    assert (state.used, state.held, state.debt, state.reserved, state.granted) == (200, 0, 50, 0, 150)
     b.set_link(False)  # what it held goes, its debt stays
     (state,) = b.report().budgets
-    assert (state.held, state.granted) == (-50, 0)
+    assert (state.held, state.debt, state.granted) == (0, 50, 0)
     refused = b.admit(ALICE, "chat", 10)
     assert isinstance(refused, Refused) and refused.code == BUDGET_UNAVAILABLE and refused.status == 503
 
@@ -121,8 +122,14 @@ MAX_TOKENS = 300
 LONGEST = MAX_PROMPT_BYTES // 3 + MAX_TOKENS  # the longest answer: its reservation
 
 
+def wire(message):
+    """`message` as the link carries it: encoded and decoded (every count a whole number from 0)."""
+    return decode(encode(message), g.GatewayMessage | g.ControlMessage)
+
+
 class Plane:
-    """The leader's book and each instance's link, with a delay each way."""
+    """The leader's book and each instance's link, with a delay each way, each message through
+    the link's converter."""
 
     def __init__(self, book: BudgetBook, gateways: dict[str, Budgets], rng: random.Random) -> None:
         self.book, self.gateways, self.rng = book, gateways, rng
@@ -136,11 +143,12 @@ class Plane:
         gw.set_link(True)
         while True:
             due = gw.due.next()
-            report = gw.report()
+            report = wire(gw.report())
             await trio.sleep(self.rng.uniform(0.001, 0.02))
             self.book.report(instance, report, self.wall())
             for changed in self.book.plan(self.wall()):
-                self.gateways[changed].grants_changed(g.GrantsChanged(grants=self.book.grants(changed, self.wall())))
+                grants = wire(g.GrantsChanged(grants=self.book.grants(changed, self.wall())))
+                self.gateways[changed].grants_changed(grants)
             await due.wait()
 
 

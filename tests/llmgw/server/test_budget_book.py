@@ -103,12 +103,34 @@ def test_a_gone_instance_is_reclaimed_after_the_grace_and_a_flap_is_not() -> Non
     assert account.outstanding == gb
     assert b.plan(T0 + 11) == {"b"}  # the rest of a's grant is handed out again
     assert granted(b, "b") == gb + (1000 - 150 - gb)  # all of what is left
-    # A flap: b's link goes and comes back within the grace; it dropped what it held.
+    # A flap: b's link goes and comes back within the grace. Its grants count from 0 on the new
+    # link; what it held counts until it reports (it may have reserved some since its last report).
+    held = account.holdings["b"].held
     b.link_closed("b", T0 + 12)
     b.link_opened("b")
     h = account.holdings["b"]
-    assert (h.sent, h.received, h.held) == (0, 0, 0)
+    assert (h.sent, h.received, h.held) == (0, 0, held)
     assert b.next_expiry() is None
+    b.report("b", use(granted=0, held=0, reserved=90, used=500), T0 + 13)
+    assert account.outstanding == 90
+
+
+def test_an_instance_back_after_its_grace_counts_from_its_settlement() -> None:
+    b = book(grace_s=10.0)
+    b.link_opened("a")
+    b.report("a", use(want=500), T0)
+    b.set_base(DAY.id, period_start("day", T0), 0)
+    b.plan(T0)
+    b.report("a", use(granted=500, used=100, held=300, reserved=100), T0)
+    b.link_closed("a", T0 + 1)
+    assert b.expire(T0 + 11)
+    account = b.accounts[DAY.id]
+    assert (account.spent, account.outstanding) == (200, 0)  # its 300 held came back
+    # It returns: its requests in flight ended with 80 used, and it reserved 50 more after its last
+    # report (from what it held; not known until now).
+    b.link_opened("a")
+    b.report("a", use(used=100 + 80 + 50), T0 + 20)
+    assert account.spent == 100 + 80 + 50
 
 
 def test_a_new_leader_holds_off_and_counts_the_ledger_and_what_instances_report_after() -> None:

@@ -125,7 +125,8 @@ class Granted:
             budget_id=self.budget.id,
             period_start=self.start,
             used=self.used,
-            held=self.held,
+            held=max(0, self.held),
+            debt=max(0, -self.held),
             reserved=self.reserved,
             granted=self.received,
             want=self.want,
@@ -285,11 +286,14 @@ class Budgets:
                 retry_after_s=1.0,
                 resets_at=a.end,
             )
+        # A reservation is reported at once (coalesced): what the control plane hands out again
+        # of a link that went is what its last report said was held, not reserved.
         if a.held >= tokens:
             a.held -= tokens
             a.reserved += tokens
             if a.held < tokens:
                 self._ask(a, tokens)
+            self.due.fire()
             return a, tokens, False
         if a.held > 0 and not a.overrunning:  # the one request let through past what is held
             taken = a.held
@@ -297,6 +301,7 @@ class Budgets:
             a.reserved += taken
             a.overrunning += 1
             self._ask(a, tokens)
+            self.due.fire()
             return a, taken, True
         self._ask(a, tokens)
         if a.exhausted:

@@ -166,14 +166,16 @@ class UsageReport:
 class BudgetUse:
     """One day or month budget on one instance in one period (`period_start`, unix seconds,
     UTC): `used`, the tokens its answers took in the period (all links); `held`, its grant not
-    used and not reserved (below 0: a debt, an answer that overran); `reserved`, for its requests
-    in flight; `granted`, the grants received on this link (`BudgetGrant.tokens`); `want`, how
-    many more it asks for now (0: none)."""
+    used and not reserved; `debt`, what its answers used past its grants (an answer that overran:
+    the next grant pays it first; `held` is 0 then); `reserved`, for its requests in flight;
+    `granted`, the grants received on this link (`BudgetGrant.tokens`); `want`, how many more it
+    asks for now (0: none). Every count is a whole number from 0, as every count on the links is."""
 
     budget_id: str
     period_start: int
     used: int = 0
     held: int = 0
+    debt: int = 0
     reserved: int = 0
     granted: int = 0
     want: int = 0

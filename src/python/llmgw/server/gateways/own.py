@@ -52,6 +52,7 @@ from llmgw.wire import gateway_link as g
 
 log = get_logger("llmgw.server")
 
+BUDGET_GRACE_S = 5.0
 KEYS_REACH_S = 2.0  # a key made or revoked: the admin API answers once the workers hold it, or after this
 
 
@@ -93,9 +94,10 @@ class Gateways:
         )
         self.keys = KeyRing(store)  # the API keys' one writer; the gateway on this loop reads its table
         # A closed link's grant stays counted until its gateway has surely noticed the link is gone
-        # (it drops what it held then): SILENT_HEARTBEATS of ours unheard, and two more.
+        # (it drops what it held then): SILENT_HEARTBEATS of ours unheard, and two more; at least
+        # BUDGET_GRACE_S, so that a gateway back after a short cut finds its grant still its own.
         interval = config.server.heartbeat_interval_s
-        grace_s = (SILENT_HEARTBEATS + 2) * interval
+        grace_s = max(BUDGET_GRACE_S, (SILENT_HEARTBEATS + 2) * interval)
         self.budgets = BudgetRing(store, self.keys, grace_s=grace_s, hold_off_s=grace_s)
         self.feed = GatewayFeed(
             endpoints=self.endpoints,

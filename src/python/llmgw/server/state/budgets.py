@@ -77,6 +77,9 @@ class Account:
     base: int | None  # spent before this leader began (the ledger's); None until read
     settled: int = 0  # spent by instances gone
     holdings: dict[str, Holding] = attrs.field(factory=dict)  # by instance
+    # Of each instance gone: the `used` its settlement counted up to (its last report's used and
+    # reserved), so that what it reports if it comes back counts from there, nothing lost.
+    gone: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def end(self) -> int:
@@ -158,8 +161,9 @@ class BudgetBook:
         for account in self.accounts.values():
             h = account.holdings.get(instance)
             if h is not None:
+                # What it held it dropped when its last link went, but what it reserved since its
+                # last report is not known yet: its last `held` counts until its next report.
                 h.sent = h.received = 0
-                h.held = min(h.held, 0)  # it dropped what it held when the last link went
                 h.closed_at = None
 
     def link_closed(self, instance: str, now: float) -> None:
@@ -180,6 +184,7 @@ class BudgetBook:
             for instance in gone:
                 h = account.holdings.pop(instance)
                 account.settled += h.spent + h.reserved
+                account.gone[instance] = h.used + h.reserved
                 changed = True
         return changed
 
@@ -198,10 +203,18 @@ class BudgetBook:
                 continue  # a budget gone, or a period that turned on one side first
             h = account.holdings.get(instance)
             if h is None:
-                # Its spending before its first report to this leader is in the ledger's `base`
-                # when the period began before this leader; else all of it was under this one.
-                h = account.holdings[instance] = Holding(base_used=use.used if account.start < self.started else 0)
-            h.used, h.held, h.reserved, h.received, h.want = use.used, use.held, use.reserved, use.granted, use.want
+                # Back after it was settled: from what that counted. Else its spending before its
+                # first report to this leader is in the ledger's `base` when the period began
+                # before this leader; if not, all of it was under this one.
+                base = account.gone.pop(instance, use.used if account.start < self.started else 0)
+                h = account.holdings[instance] = Holding(base_used=base)
+            h.used, h.held, h.reserved, h.received, h.want = (
+                use.used,
+                use.held - use.debt,
+                use.reserved,
+                use.granted,
+                use.want,
+            )
             if instance in self.linked:
                 h.closed_at = None
 
