@@ -26,7 +26,7 @@ import pytest
 from llmgw import paths
 from testlib import gatewayd
 from testlib.cluster import Cluster, wait_until
-from testlib.gateway import chat, request, summed
+from testlib.gateway import chat, parse_metrics, request, summed
 
 CATALOG = """
 [[models]]
@@ -128,6 +128,9 @@ def test_usage_is_counted_once_through_gateway_and_control_plane_restarts(cluste
     assert [(r["team"], r["requests"]) for r in by_team] == [("research", 3)]
     metrics = gw.metrics()
     assert summed(metrics, "llmgw_gateway_tokens_total", model="chat", kind="completion") == expected[2]
+    plane = parse_metrics(request(own_gateway_port(cluster), "GET", "/metrics")[2].decode())
+    assert plane[("llmgw_usage_reports_total", frozenset({("outcome", "added")}))] >= 2  # gw-a's and the worker's
+    assert plane[("llmgw_usage_tokens_total", frozenset({("kind", "completion")}))] == expected[2] + bobs[1]
 
     # The gateway answers twice more and is stopped at once: its last counts go before it exits.
     for _ in range(2):

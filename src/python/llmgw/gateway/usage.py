@@ -36,9 +36,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
-
-import attrs
+from typing import Any, NamedTuple
 
 from llmgw.metrics import MetricsRegistry
 from llmgw.wakeup import Wakeup
@@ -55,8 +53,7 @@ INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _decoder = json.JSONDecoder()
 
 
-@attrs.frozen
-class Tokens:
+class Tokens(NamedTuple):
     prompt: int = 0
     cached: int = 0  # of `prompt`, where the engine says
     completion: int = 0
@@ -65,20 +62,23 @@ class Tokens:
 def tokens_of(usage: Any) -> Tokens | None:
     """The tokens of a `usage` object: chat and text completions and embeddings (`prompt_tokens`,
     `completion_tokens`, `prompt_tokens_details.cached_tokens`) or the Responses API's
-    (`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`); None for anything else."""
+    (`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`); None for anything
+    else. On every answer's path: plain lookups."""
     if not isinstance(usage, dict):
         return None
-    prompt, completion, details = usage.get("prompt_tokens"), usage.get("completion_tokens"), "prompt_tokens_details"
-    if prompt is None and "input_tokens" in usage:
-        prompt, completion, details = usage.get("input_tokens"), usage.get("output_tokens"), "input_tokens_details"
+    prompt = usage.get("prompt_tokens")
+    if prompt is None:
+        prompt, completion, details = (
+            usage.get("input_tokens"),
+            usage.get("output_tokens"),
+            usage.get("input_tokens_details"),
+        )
+    else:
+        completion, details = usage.get("completion_tokens"), usage.get("prompt_tokens_details")
     if not _count(prompt):
         return None
-    cached = (usage.get(details) or {}).get("cached_tokens") if isinstance(usage.get(details), dict) else None
-    return Tokens(
-        prompt=prompt,
-        cached=cached if _count(cached) and cached <= prompt else 0,
-        completion=completion if _count(completion) else 0,
-    )
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    return Tokens(prompt, cached if _count(cached) and cached <= prompt else 0, completion if _count(completion) else 0)
 
 
 def _count(value: Any) -> bool:
@@ -197,6 +197,7 @@ class Usage:
         self.unacked: UsageReport | None = None  # the report sent and not yet acknowledged
         self.seq = 0  # of the last report made
         self.observers: list[Observer] = []
+        self._series: dict[str, tuple[tuple[str, ...], ...]] = {}  # model -> its counters' keys
         self.linked = False  # a link reports them (`gatewayd/link.py`); else `flushed` has nothing to wait for
         self.flushing = Wakeup()  # `flush`: the link sends what is pending at once
         self.acknowledged = Wakeup()  # the control plane acknowledged a report
@@ -216,13 +217,20 @@ class Usage:
             counts[1] += prompt
             counts[2] += cached
             counts[3] += completion
-        self.requests_total.inc(model=model)
+        series = self._series.get(model)
+        if series is None:  # the counters' keys, made once a model
+            tokens = self.tokens_total
+            series = self._series[model] = (
+                self.requests_total.key(model=model),
+                *(tokens.key(model=model, kind=kind) for kind in ("prompt", "cached", "completion")),
+            )
+        self.requests_total.add(series[0])
         if prompt:
-            self.tokens_total.inc(prompt, model=model, kind="prompt")
+            self.tokens_total.add(series[1], prompt)
         if cached:
-            self.tokens_total.inc(cached, model=model, kind="cached")
+            self.tokens_total.add(series[2], cached)
         if completion:
-            self.tokens_total.inc(completion, model=model, kind="completion")
+            self.tokens_total.add(series[3], completion)
         for observer in self.observers:
             observer(key, team, model, prompt, cached, completion)
 
