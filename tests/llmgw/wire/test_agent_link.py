@@ -67,6 +67,24 @@ INVENTORY = m.Inventory(
         m.FabricGroup(identity="ib-sm:0x0002c90300a1b2c3", kind="infiniband", adapters=("mlx5_0",), detail="x"),
     ),
     fabric_problems=("fabric 'ib-b': ...; fix: ...",),
+    vulkan=(
+        m.VulkanDevice(
+            index=0,
+            name="NVIDIA L4",
+            type=m.VULKAN_DISCRETE,
+            vendor_id="0x10de",
+            device_id="0x27b8",
+            driver_id="DRIVER_ID_NVIDIA_PROPRIETARY",
+            driver_name="NVIDIA",
+            driver_info="550.54.15",
+            driver_version="550.54.15.0",
+            api_version="1.3.277",
+            heaps=(m.VulkanHeap(size_bytes=24 << 30, device_local=True), m.VulkanHeap(size_bytes=16 << 30)),
+        ),
+        m.VulkanDevice(index=1, name="llvmpipe", type=m.VULKAN_CPU, vendor_id="0x10005", software=True),
+    ),
+    vulkan_status=m.VULKAN_PRESENT,
+    vulkan_detail="NVIDIA L4 (discrete, NVIDIA, 1.3)",
 )
 
 HELLO_MESSAGE = HELLO = m.Hello(

@@ -41,7 +41,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # the member state PARKED.
 # 12: each llama.cpp backend's measured speed on the node (BackendSpeed: Hello.speeds, SpeedsChanged),
 # and the control plane's request to measure again (DesiredState.bench).
-PROTOCOL_VERSION = 12
+# 13: the node's Vulkan devices as its loader's vulkaninfo lists them (Inventory.vulkan, vulkan_status,
+# vulkan_detail; VulkanDevice, VulkanHeap).
+PROTOCOL_VERSION = 13
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -163,6 +165,50 @@ class Fabric:
     kind: str = ""  # "infiniband" or "roce"
 
 
+# Values of VulkanDevice.type: Vulkan's VkPhysicalDeviceType, named short.
+VULKAN_DISCRETE = "discrete"
+VULKAN_INTEGRATED = "integrated"
+VULKAN_VIRTUAL = "virtual"  # a GPU passed through a hypervisor (virtio-gpu's Venus)
+VULKAN_CPU = "cpu"  # a software rasterizer on the CPU (Mesa's lavapipe / llvmpipe)
+VULKAN_OTHER = "other"
+
+
+@attrs.frozen(kw_only=True)
+class VulkanHeap:
+    """One memory heap of a Vulkan device (VkMemoryHeap)."""
+
+    size_bytes: int
+    device_local: bool = False  # the device's own memory (VRAM on a discrete card)
+
+
+@attrs.frozen(kw_only=True)
+class VulkanDevice:
+    """One Vulkan physical device, as `vulkaninfo --summary` lists it (its heaps from the full text)."""
+
+    index: int  # vulkaninfo's GPU number: the order the loader enumerates devices in
+    name: str  # "AMD Radeon RX 7900 XTX (RADV NAVI31)"
+    type: str  # one of VULKAN_* above
+    vendor_id: str  # PCI vendor id as vulkaninfo prints it: "0x1002"; Mesa's software devices "0x10005"
+    device_id: str = ""
+    driver_id: str = ""  # "DRIVER_ID_MESA_RADV"
+    driver_name: str = ""  # "radv", "NVIDIA", "llvmpipe"
+    driver_info: str = ""  # "Mesa 22.3.6", "535.183.01"
+    driver_version: str = ""
+    api_version: str = ""  # the Vulkan version the driver supports: "1.3.230"
+    # Not a GPU: a software device (type cpu) is listed so the operator sees the loader works, and
+    # placement never counts it as a GPU.
+    software: bool = False
+    heaps: tuple[VulkanHeap, ...] = ()  # (): vulkaninfo's full text could not be read
+
+
+# Values of Inventory.vulkan_status.
+VULKAN_PRESENT = "present"  # vulkaninfo lists at least one device (maybe only a software one)
+VULKAN_NONE = "none"  # vulkaninfo runs but the loader finds no driver or no device
+VULKAN_MISSING = "missing"  # no vulkaninfo (vulkan-tools not installed)
+VULKAN_FAILED = "failed"  # vulkaninfo fails, hangs or prints what is not its summary
+VULKAN_UNKNOWN = "unknown"  # the agent did not say (older than protocol 13)
+
+
 @attrs.frozen(kw_only=True)
 class Inventory:
     hostname: str
@@ -185,6 +231,9 @@ class Inventory:
     ib_adapters: tuple[IbAdapter, ...] = ()
     fabric_groups: tuple[FabricGroup, ...] = ()
     fabric_problems: tuple[str, ...] = ()  # declared fabrics refused, each with its fix
+    vulkan: tuple[VulkanDevice, ...] = ()
+    vulkan_status: str = VULKAN_UNKNOWN
+    vulkan_detail: str = ""  # for people: what was found, or what is wrong and the fix
 
 
 # Values of EngineStatus.state. "" comes from an agent that predates it: read `ok`.
