@@ -33,16 +33,18 @@ from llmgw import telemetry
 from llmgw.commands._service import run_service
 from llmgw.config import GatewaySection, TelemetrySection
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.budgets import Budgets
 from llmgw.gateway.keys import KeyTable, token_hash
 from llmgw.gateway.routing import Endpoint
 from llmgw.gateway.services import serve_services
 from llmgw.http.openai import error_body
 from llmgw.http.server import bound_address, serve_http
-from llmgw.wire.gateway_link import GatewayKey, ModelInfo
+from llmgw.wire.gateway_link import BudgetsChanged, GatewayBudget, GatewayKey, ModelInfo
 from testlib.endpoints import StaticEndpoints
 
 HOST = "127.0.0.1"
 KEY_NAME = "bench"
+OTHER_BUDGET = GatewayBudget(id="key:other::day", scope_kind="key", scope="other", period="day", tokens=1000)
 
 
 async def serve(spec: dict, port: int) -> None:
@@ -52,7 +54,13 @@ async def serve(spec: dict, port: int) -> None:
     details = tuple(ModelInfo(**d) for d in spec.get("details", ()))
     options = GatewaySection(**spec.get("options", {}))
     tracing = telemetry.start(TelemetrySection(**spec.get("telemetry", {})))  # None without one
-    gateway = Gateway(StaticEndpoints(endpoints, details=details), keys, options=options, tracing=tracing)
+    # Token budgets as a worker's table holds them: one of another key, so the bench's key takes
+    # the path of every key without a budget (`Budgets.applies`).
+    budgets = Budgets()
+    budgets.replace(BudgetsChanged(budgets=(OTHER_BUDGET,), version=1))
+    gateway = Gateway(
+        StaticEndpoints(endpoints, details=details), keys, options=options, tracing=tracing, budgets=budgets
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_services, gateway)
         listeners = await nursery.start(partial(serve_http, errors=error_body), gateway.handle, HOST, port)
