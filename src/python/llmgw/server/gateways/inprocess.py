@@ -9,7 +9,9 @@ enters at `GatewayWorker.handle` wherever the gateway runs, and the gateway's ow
 and a table file are): it gives the table (a `TableSink`) what the gateway link would give it,
 made and followed as the link's is (`gatewaytable.TableSource`: the rotation and the valid keys,
 each again whole, and numbered, when what it says changed), with the link up and the control
-plane heard every heartbeat interval (the table's staleness, in /health).
+plane heard every heartbeat interval (the table's staleness, in /health). Token budgets too: the
+budgets and this worker's grants (it is the instance INSTANCE of the `BudgetRing`'s book), and its
+reports handed to the ring as they change, as its link would.
 
 Unlike a worker process, this worker is no instance on the gateway link: it takes no share of
 the keys' limits (alone, it has the whole of each, so the instances that share a key are the
@@ -34,6 +36,7 @@ from llmgw.http.messages import Handler
 from llmgw.http.server import bound_address
 from llmgw.server.front import cannot_listen, split_hostport
 from llmgw.server.links.gatewaytable import TableSource
+from llmgw.server.state.budgetring import BudgetRing
 from llmgw.server.state.keys import KeyRing
 from llmgw.server.state.rotation import GatewayEndpoints
 from llmgw.wire import gateway_link as g
@@ -53,12 +56,14 @@ class InProcessGateway:
         keys: KeyRing,
         plane_routes: Handler,
         connections: ConnectionStats,
+        budgets: BudgetRing | None = None,
     ) -> None:
         """`plane_routes`: the control plane's own routes; `connections`: its listeners' counts,
-        which `http_listen`'s join. Does no I/O."""
+        which `http_listen`'s join; `budgets`: the token budgets it enforces. Does no I/O."""
         self.config = config  # as read at start: `[gateway]`, `[http]` and the addresses are fixed
         self.endpoints = endpoints
         self.keys = keys
+        self.budgets = budgets
         self.worker = GatewayWorker(
             GatewayTable(keys.table),
             instance=INSTANCE,
@@ -82,7 +87,7 @@ class InProcessGateway:
         with the address bound, once the table is whole (it is at once: it is this process's)."""
         server = self.config.server
         host, port = split_hostport(server.http_listen)
-        source = partial(serve_own_table, self.endpoints, self.keys, server.heartbeat_interval_s)
+        source = partial(serve_own_table, self.endpoints, self.keys, server.heartbeat_interval_s, budgets=self.budgets)
         serve = partial(
             self.worker.serve,
             limits=self.config.http,
@@ -102,6 +107,7 @@ async def serve_own_table(
     heartbeat_interval_s: float,
     *,
     sink: TableSink,
+    budgets: BudgetRing | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Give `sink` the control plane's rotation and keys as the gateway link would, each again as
@@ -120,7 +126,43 @@ async def serve_own_table(
     sink.heard(trio.current_time())
     async with trio.open_nursery() as nursery:
         await nursery.start(table.serve)
+        if budgets is not None and isinstance(sink, GatewayTable):
+            await nursery.start(serve_own_budgets, budgets, sink)
         task_status.started()
         while True:  # as the link's heartbeats do: the table is as fresh as the control plane
             await trio.sleep(heartbeat_interval_s)
             sink.heard(trio.current_time())
+
+
+async def serve_own_budgets(
+    ring: BudgetRing, table: GatewayTable, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The budgets and this worker's grants into `table`, its reports to `ring`, as the link
+    carries them for a worker process; until cancelled."""
+    told = ring.on_grants  # the feed's: the linked instances
+
+    def on_grants(instances) -> None:
+        told(instances)
+        if INSTANCE in instances:
+            table.grants_changed(ring.grants(INSTANCE))
+
+    ring.on_grants = on_grants
+    ring.link_opened(INSTANCE)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow, ring, table)
+            task_status.started()
+            while True:
+                due = table.budgets.due.next()
+                ring.report(INSTANCE, table.budgets.report())
+                await due.wait()
+    finally:
+        ring.on_grants = told
+        ring.link_closed(INSTANCE)
+
+
+async def _follow(ring: BudgetRing, table: GatewayTable) -> None:
+    while True:
+        changed = ring.changed.next()
+        table.budgets_changed(ring.message())
+        await changed.wait()

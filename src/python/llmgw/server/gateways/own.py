@@ -5,7 +5,7 @@ front), and what the rest of the control plane asks of the gateways wherever the
   models and the replicas ready now), the valid API keys (`keys`, `server.keys.KeyRing`, their
   one writer) and the token budgets with each instance's grants (`budgets`,
   `state.budgetring.BudgetRing`), sent over the gateway link to every instance (`feed`,
-  `server.gatewayfeed`). The gateway on this loop (`gateway_workers = 0`) enforces no budget.
+  `server.gatewayfeed`); the gateway on this loop (`gateway_workers = 0`) gets them in memory.
 - The front (`serve_front`): `gateway_workers` worker processes (`llmgw.server.gateways.workers.OwnGateway`,
   each a `llmgw gateway` worker linked to this control plane), or with 0 one gateway worker on
   this loop, its table fed in memory (`llmgw.server.gateways.inprocess`). Either way a request on
@@ -115,7 +115,12 @@ class Gateways:
             None
             if workers
             else InProcessGateway(
-                config, endpoints=self.endpoints, keys=self.keys, plane_routes=plane_routes, connections=connections
+                config,
+                endpoints=self.endpoints,
+                keys=self.keys,
+                plane_routes=plane_routes,
+                connections=connections,
+                budgets=self.budgets,
             )
         )
 
