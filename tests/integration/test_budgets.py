@@ -59,8 +59,8 @@ ROUNDS = 400  # a client's requests at most (bounded; it stops at the first budg
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    # The control plane's own gateway on its loop (`gateway_workers = 0`, which enforces no budget):
-    # the instances sharing the budgets are the three gateways' six workers.
+    # The control plane's own gateway on its loop (`gateway_workers = 0`): it takes no request here,
+    # so the instances spending the budgets are the three gateways' six workers.
     c = Cluster(tmp_path, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0, server_toml="gateway_workers = 0\n")
     try:
         yield c
