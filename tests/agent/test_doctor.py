@@ -16,7 +16,7 @@ from llmgw.config import FabricDecl
 from llmgw.errors import UsageError
 from llmgw.wire import agent_link as w
 from llmgw.wire.convert import converter
-from testlib.hardware import NO_TOOL, sources
+from testlib.hardware import FIXTURES, NO_TOOL, sources
 
 SYNCED = system.ClockInfo(now=1_790_000_000.0, synchronized=True)
 GIB = 1 << 30
@@ -151,6 +151,60 @@ def test_nvidia_smi_missing_where_the_bus_shows_gpus_fails(tmp_path: Path) -> No
     assert checks["nvidia-smi"].status == doctor_checks.FAIL
     assert checks["nvidia-smi"].fix.startswith("pass --nvidia-smi PATH")
     assert checks["vllm"].status == doctor_checks.UNKNOWN
+
+
+def gpu_dri(tmp_path: Path) -> Path:
+    """A /dev/dri with one GPU's render node: the node has a GPU with its kernel driver."""
+    dri = tmp_path / "dri"
+    dri.mkdir(parents=True, exist_ok=True)
+    (dri / "renderD128").touch()
+    return dri
+
+
+def test_vulkan_without_a_gpu_is_ok_whatever_vulkaninfo_says(tmp_path: Path) -> None:
+    for case, says in [
+        (None, f"no vulkaninfo at {NO_TOOL} (vulkan-tools is not installed)"),
+        ("no-driver", "the Vulkan loader finds no driver"),
+        ("lavapipe", "llvmpipe (LLVM 15.0.6, 256 bits) (software, llvmpipe, Vulkan 1.3): software only"),
+        ("garbage", "vulkaninfo at "),
+    ]:
+        c = check(tmp_path, "vulkan", vulkan=case)
+        assert c.status == doctor_checks.OK and c.detail.startswith(says), (case, c)
+        assert c.detail.endswith(f"; no GPU here (no render node in {FIXTURES / 'no-such-dir'}), so nothing to fix")
+
+
+def test_vulkan_gpus_found_are_ok(tmp_path: Path) -> None:
+    c = check(tmp_path, "vulkan", vulkan="radv", dri=gpu_dri(tmp_path))
+    assert c.status == doctor_checks.OK
+    assert c.detail.startswith("AMD Radeon RX 7900 XTX (RADV NAVI31) (discrete, radv, Vulkan 1.3, 24.0 GiB); llvmpipe")
+    c = check(tmp_path, "vulkan", vulkan="intel")  # no render node read: still what the loader lists
+    assert c.status == doctor_checks.OK and c.detail.startswith("Intel(R) UHD Graphics 770 (ADL-S GT1) (integrated")
+
+
+def test_vulkan_a_gpu_without_a_usable_vulkan_device_warns_with_the_fix(tmp_path: Path) -> None:
+    dri = gpu_dri(tmp_path)
+    node = dri / "renderD128"
+    c = check(tmp_path, "vulkan", vulkan="lavapipe", dri=dri)
+    assert c.status == doctor_checks.WARN
+    assert (
+        c.detail == f"a GPU is here ({node}) but Vulkan sees only llvmpipe (LLVM 15.0.6, 256 bits) (software, "
+        "llvmpipe, Vulkan 1.3): software only, not counted as a GPU"
+    )
+    assert "`sudo apt-get install mesa-vulkan-drivers`" in c.fix and "render" in c.fix
+    c = check(tmp_path, "vulkan", vulkan=None, dri=dri)
+    assert c.status == doctor_checks.WARN and c.fix == "`sudo apt-get install vulkan-tools mesa-vulkan-drivers`"
+    assert f"the node has a GPU ({node})" in c.detail
+    c = check(tmp_path, "vulkan", vulkan="no-driver", dri=dri)
+    assert c.status == doctor_checks.WARN and "mesa-vulkan-drivers" in c.fix
+    c = check(tmp_path, "vulkan", vulkan="no-loader", dri=dri)
+    assert c.status == doctor_checks.WARN and "libvulkan1" in c.fix
+
+
+def test_vulkan_on_an_nvidia_node_serving_through_cuda_is_not_needed(tmp_path: Path) -> None:
+    c = check(tmp_path, "vulkan", gpu="l4", vulkan=None, dri=gpu_dri(tmp_path))
+    assert c.status == doctor_checks.OK and c.detail.endswith("; not needed: the NVIDIA GPUs serve through CUDA")
+    c = check(tmp_path, "vulkan", gpu="l4", vulkan="nvidia")
+    assert c.status == doctor_checks.OK and c.detail.startswith("NVIDIA GeForce RTX 4090 (discrete, NVIDIA")
 
 
 def test_nvidia_smi_failing_fails(tmp_path: Path) -> None:

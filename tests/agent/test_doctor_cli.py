@@ -14,15 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from testlib.hardware import FIXTURES, ib_root, nvidia_smi, sminfo
+from testlib.hardware import FIXTURES, ib_root, nvidia_smi, sminfo, vulkaninfo
 from testlib.proc import run_llmgw
 
 REAL_MACHINE = ("--ignore", "clock,disk,service-manager")
 MACHINE_CHECKS = ("clock", "disk", "service-manager")
 
 
-def fixture_args(tmp_path: Path, *, proc: str, pci: str, gpu: str | None, ib: str) -> list[str]:
+def fixture_args(
+    tmp_path: Path, *, proc: str, pci: str, gpu: str | None, ib: str, vulkan: str | None = "lavapipe"
+) -> list[str]:
     return [
+        "--vulkaninfo",
+        vulkaninfo(vulkan),
+        "--dri-dir",
+        str(FIXTURES / "no-such-dir"),
         "--proc-root",
         str(FIXTURES / "proc" / proc),
         "--pci-root",
@@ -154,3 +160,31 @@ def test_an_unknown_check_to_ignore_is_a_usage_error() -> None:
     done = run_llmgw("doctor", "--ignore", "cpu")
     assert done.returncode == 2
     assert "--ignore: no check named cpu (checks: cpu-features, memory," in done.stderr
+
+
+def test_vulkan_a_gpu_seen_only_as_software_warns_and_a_radv_card_is_reported(tmp_path: Path) -> None:
+    dri = tmp_path / "dri"
+    dri.mkdir()
+    (dri / "renderD128").touch()
+    args = fixture_args(tmp_path, proc="xeon-host-vm", pci="none", gpu=None, ib="empty")
+    at = args.index("--dri-dir") + 1
+    args[at] = str(dri)
+    code, data = doctor_json(*args)
+    [vk] = [c for c in data["checks"] if c["name"] == "vulkan"]
+    assert (code, vk["status"]) == (1, "warn"), data["checks"]
+    assert vk["detail"].startswith(f"a GPU is here ({dri / 'renderD128'}) but Vulkan sees only llvmpipe")
+    assert "mesa-vulkan-drivers" in vk["fix"]
+    assert data["inventory"]["vulkan_status"] == "present"
+    assert [d["software"] for d in data["inventory"]["vulkan"]] == [True]
+
+    args[args.index("--vulkaninfo") + 1] = vulkaninfo("radv")
+    code, data = doctor_json(*args)
+    [vk] = [c for c in data["checks"] if c["name"] == "vulkan"]
+    assert (code, vk["status"]) == (0, "ok"), data["checks"]
+    assert vk["detail"].startswith("AMD Radeon RX 7900 XTX (RADV NAVI31) (discrete, radv, Vulkan 1.3, 24.0 GiB)")
+    radv = data["inventory"]["vulkan"][0]
+    assert (radv["vendor_id"], radv["type"], radv["heaps"][0]) == (
+        "0x1002",
+        "discrete",
+        {"size_bytes": 25753026560, "device_local": True},
+    )

@@ -97,3 +97,22 @@ def test_an_older_agents_inventory_still_parses() -> None:
         w.AgentMessage,
     ).inventory
     assert inv.gpu_status == w.GPUS_UNKNOWN and inv.engine_eligibility == () and inv.fabric_groups == ()
+
+
+def test_vulkan_devices_cross_the_wire_with_the_software_one_marked(tmp_path: Path) -> None:
+    inv = inventory.inventory_of(discover(sources(weights_dir=tmp_path, vulkan="radv")))
+    assert inv.vulkan_status == w.VULKAN_PRESENT
+    assert [(d.name, d.type, d.software) for d in inv.vulkan] == [
+        ("AMD Radeon RX 7900 XTX (RADV NAVI31)", w.VULKAN_DISCRETE, False),
+        ("llvmpipe (LLVM 15.0.6, 256 bits)", w.VULKAN_CPU, True),
+    ]
+    assert inv.vulkan_detail.startswith("AMD Radeon RX 7900 XTX (RADV NAVI31) (discrete, radv, Vulkan 1.3, 24.0 GiB)")
+    assert decode(encode(hello(inv)), w.AgentMessage).inventory == inv
+
+
+def test_vulkan_missing_is_said_with_its_fix_and_an_older_agent_says_nothing(tmp_path: Path) -> None:
+    inv = inventory.inventory_of(discover(sources(weights_dir=tmp_path)))
+    assert inv.vulkan_status == w.VULKAN_MISSING and inv.vulkan == ()
+    assert "; fix: `apt-get install vulkan-tools mesa-vulkan-drivers`" in inv.vulkan_detail
+    old = w.Inventory(hostname="h", os="linux", arch="x86_64", python="3.11", cpu_model="c", cpu_cores=1)
+    assert (old.vulkan_status, old.vulkan) == (w.VULKAN_UNKNOWN, ())

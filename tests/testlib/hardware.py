@@ -1,7 +1,7 @@
 """The recorded hardware in tests/fixtures, and discovery `Sources` pointing at it.
 
 Fixtures stand in for hardware only: proc-, PCI- and sysfs-shaped directories, and scripts in
-place of nvidia-smi, sminfo and ip. Everything else (tool runs with timeouts, parsing, checks)
+place of nvidia-smi, sminfo, ip and vulkaninfo. Everything else (tool runs with timeouts, parsing, checks)
 is the real code.
 """
 
@@ -36,6 +36,12 @@ def ip(case: str) -> str:
     return str(path) if path.exists() else NO_TOOL
 
 
+def vulkaninfo(case: str | None) -> str:
+    """A stand-in vulkaninfo (tests/fixtures/vulkan: "lavapipe", "radv", "nvidia", "intel", "no-driver",
+    "no-loader", "hang", "garbage", "full-fails"), or None for a node without vulkan-tools."""
+    return str(FIXTURES / "vulkan" / case) if case else NO_TOOL
+
+
 def sources(
     *,
     weights_dir: Path,
@@ -45,6 +51,8 @@ def sources(
     ib: str = "empty",
     sminfo_path: str | None = None,
     os_release: str = "debian-12",
+    vulkan: str | None = None,
+    dri: Path | None = None,
 ) -> Sources:
     return Sources(
         proc_root=FIXTURES / "proc" / proc,
@@ -55,5 +63,7 @@ def sources(
         sminfo=sminfo_path if sminfo_path is not None else sminfo(ib),
         ip=ip(ib),
         weights_dir=weights_dir,
+        vulkaninfo=vulkaninfo(vulkan),
+        dri_dir=dri if dri is not None else FIXTURES / "no-such-dir",
         tool_timeout_s=10.0,
     )

@@ -108,6 +108,12 @@ NEEDS: tuple[Need, ...] = (
         ("/usr/lib/postgresql/*/bin/initdb", "/usr/lib/postgresql/*/bin/pg_ctl"),
         "the store's tests run against a real PostgreSQL cluster they make with initdb (tests/testlib/postgres.py)",
     ),
+    Need("vulkan-tools", ("vulkaninfo",), "the agent finds Vulkan devices with vulkaninfo; a test runs the real one"),
+    Need(
+        "mesa-vulkan-drivers",
+        ("/usr/share/vulkan/icd.d/lvp_icd.*.json",),
+        "lavapipe, Mesa's software Vulkan device, is the one the real vulkaninfo test finds",
+    ),
     Need(
         "fonts-dejavu-core",
         ("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",),

@@ -258,6 +258,34 @@ def check_vllm(snap: Snapshot) -> Check:
     )
 
 
+def check_vulkan(snap: Snapshot) -> Check:
+    """llama.cpp's Vulkan build wants a Vulkan GPU. Only a node with a GPU (a render node in
+    /dev/dri) and no usable Vulkan device has something to fix; NVIDIA GPUs serve through CUDA."""
+    name = "vulkan"
+    v = snap.vulkan
+    if v.gpus:
+        return Check(name=name, status=OK, detail=v.detail)
+    if snap.gpus.status == w.GPUS_PRESENT:
+        return Check(name=name, status=OK, detail=f"{v.detail}; not needed: the NVIDIA GPUs serve through CUDA")
+    if not v.render_nodes:
+        return Check(
+            name=name,
+            status=OK,
+            detail=f"{v.detail}; no GPU here (no render node in {v.dri_dir}), so nothing to fix",
+        )
+    here = ", ".join(v.render_nodes)
+    if v.status == w.VULKAN_PRESENT:  # a software device alone
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"a GPU is here ({here}) but Vulkan sees only {v.detail}",
+            fix=f"install the GPU's Vulkan driver ({_install(snap, 'mesa-vulkan-drivers')} for AMD and Intel; "
+            "NVIDIA's comes with its driver), and let the agent's user open the render node (the `render` group)",
+        )
+    fix = _install(snap, "vulkan-tools mesa-vulkan-drivers") if v.status == w.VULKAN_MISSING else v.fix
+    return Check(name=name, status=WARN, detail=f"{v.detail}: llama.cpp's Vulkan build cannot use it", fix=fix)
+
+
 def _running(snap: Snapshot, comm: str) -> bool | None:
     # /proc/PID/comm holds at most 15 characters: "nv-fabricmanager" appears as "nv-fabricmanage".
     if snap.commands is None:
@@ -423,6 +451,7 @@ CHECKS: tuple[tuple[str, Callable[..., Check]], ...] = (
     ("llamacpp-build", check_llamacpp_build),
     ("nvidia-smi", check_nvidia),
     ("vllm", check_vllm),
+    ("vulkan", check_vulkan),
     ("fabric-manager", check_fabric_manager),
     ("imex", check_imex),
     ("gpudirect-rdma", check_gpudirect),

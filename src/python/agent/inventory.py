@@ -3,7 +3,8 @@
 `collect(config)` looks at the node (blocking: call it with `trio.to_thread.run_sync`) and
 `inventory_of(snapshot, declared)` is the pure mapping, so the control plane sees exactly what
 `llmgw doctor` saw: GPUs with nvidia-smi's status, vLLM's and SGLang's eligibility with their reasons, the
-InfiniBand / RoCE adapters, the fabric groups they form, and the declared fabrics that hold
+InfiniBand / RoCE adapters, the fabric groups they form, the Vulkan devices vulkaninfo lists (a
+software one marked so), and the declared fabrics that hold
 (those that do not are listed in `fabric_problems`, each with its fix, and are not sent as
 fabrics, so the node is an island for them rather than a member of the wrong fabric).
 """
@@ -43,6 +44,9 @@ def inventory_of(snap: Snapshot, declared: Sequence[FabricDecl] = ()) -> Invento
         ib_adapters=snap.ib.adapters,
         fabric_groups=fabrics.group_adapters(snap.ib.adapters),
         fabric_problems=tuple(f"{p.message}; fix: {p.fix}" for p in check.problems),
+        vulkan=snap.vulkan.devices,
+        vulkan_status=snap.vulkan.status,
+        vulkan_detail=snap.vulkan.detail + (f"; fix: {snap.vulkan.fix}" if snap.vulkan.fix else ""),
     )
 
 

@@ -2,7 +2,7 @@
 
 `Sources` says where to look. Every path is a parameter, defaulting to the usual place, so
 that tests (and `llmgw doctor --ib-root ...`) point discovery at recorded fixtures: a proc-
-shaped directory, a sysfs-shaped tree, scripts standing in for nvidia-smi, sminfo and ip.
+shaped directory, a sysfs-shaped tree, scripts standing in for nvidia-smi, sminfo, ip and vulkaninfo.
 
 `discover` is blocking (file reads and a few bounded tool runs, see `tools`); the agent runs it
 with `trio.to_thread.run_sync`. A `Snapshot` is plain data: doctor's checks and the hello's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from agent.discovery import cpu, gpus, infiniband, system
+from agent.discovery import cpu, gpus, infiniband, system, vulkan
 from agent.discovery.tools import DEFAULT_TIMEOUT_S
 from agent.install import toolchain
 from llmgw import config
@@ -30,6 +30,8 @@ DEFAULT_IP = "/usr/sbin/ip"
 DEFAULT_OS_RELEASE = "/etc/os-release"
 # Present exactly when systemd is the init: sd_booted(3) decides by it.
 DEFAULT_SYSTEMD_DIR = "/run/systemd/system"
+DEFAULT_VULKANINFO = "/usr/bin/vulkaninfo"  # vulkan-tools, on Debian/Ubuntu and RHEL alike
+DEFAULT_DRI_DIR = "/dev/dri"  # renderD* there: a GPU with its kernel driver loaded
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +44,8 @@ class Sources:
     nvidia_smi: str = config.DEFAULT_NVIDIA_SMI
     sminfo: str = config.DEFAULT_SMINFO
     ip: str = DEFAULT_IP
+    vulkaninfo: str = DEFAULT_VULKANINFO
+    dri_dir: Path = Path(DEFAULT_DRI_DIR)
     weights_dir: Path = Path(config.DEFAULT_AGENT_STATE_DIR) / "weights"
     tool_timeout_s: float = DEFAULT_TIMEOUT_S
     path: str | None = None  # where to look for build tools; None: this process's PATH
@@ -74,6 +78,7 @@ class Snapshot:
     pci: gpus.NvidiaPci | None  # None: the PCI bus could not be read
     gpus: gpus.GpuReport
     ib: infiniband.IbReport
+    vulkan: vulkan.VulkanReport
     modules: frozenset[str] | None  # None: /proc/modules unreadable
     commands: frozenset[str] | None  # running processes' names; None: /proc unreadable
     # What a build of llama.cpp would need and is not on PATH (empty: all there), and nvcc.
@@ -101,6 +106,7 @@ def discover(src: Sources) -> Snapshot:
         pci=pci,
         gpus=gpus.probe_gpus(src.nvidia_smi, pci, timeout_s=src.tool_timeout_s),
         ib=infiniband.probe_infiniband(src.ib_root, sminfo=src.sminfo, ip=src.ip, timeout_s=src.tool_timeout_s),
+        vulkan=vulkan.probe_vulkan(src.vulkaninfo, src.dri_dir, timeout_s=src.tool_timeout_s),
         modules=system.loaded_modules(src.proc_root),
         commands=system.running_commands(src.proc_root),
         build_missing=tools.missing,

@@ -20,7 +20,7 @@ from llmgw.cli import Parser, add_json_flag, fabric_arg
 def configure(parser: Parser) -> None:
     parser.description = (
         "check that this node can do its job: CPU features, Python, disk, clock, what a llama.cpp build needs, "
-        "GPUs and driver, vLLM, fabric manager, IMEX, GPUDirect RDMA, subnet managers, declared fabrics, the "
+        "GPUs and driver, vLLM, Vulkan devices, fabric manager, IMEX, GPUDirect RDMA, subnet managers, declared fabrics, the "
         "control plane. "
         "Exit status: 0 all ok, 1 warnings (or something could not be checked), 2 a failure."
     )
@@ -53,6 +53,10 @@ def configure(parser: Parser) -> None:
     )
     where.add_argument("--proc-root", metavar="DIR", help="the proc filesystem (default /proc)")
     where.add_argument("--pci-root", metavar="DIR", help="PCI devices in sysfs (default /sys/bus/pci/devices)")
+    where.add_argument(
+        "--vulkaninfo", metavar="PATH", help="Vulkan's vulkaninfo, from vulkan-tools (default /usr/bin/vulkaninfo)"
+    )
+    where.add_argument("--dri-dir", metavar="DIR", help="where GPUs' render nodes are (default /dev/dri)")
 
 
 def _server_of(url: str) -> str:
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         "weights_dir": Path(args.weights_dir) if args.weights_dir else None,
         "proc_root": Path(args.proc_root) if args.proc_root else None,
         "pci_root": Path(args.pci_root) if args.pci_root else None,
+        "vulkaninfo": args.vulkaninfo,
+        "dri_dir": Path(args.dri_dir) if args.dri_dir else None,
     }
     if agent_cfg:
         sources = sources_from_config(agent_cfg, **paths)
