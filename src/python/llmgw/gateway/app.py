@@ -420,7 +420,7 @@ class Gateway:
             job.prompt = fields.prompt
             job.body = await request.read()
             if fields.stream and request.path in ROUTES:  # the engine says the usage, the client sees what it asked
-                job.meter = StreamUsage(fields.include_usage)
+                job.meter = StreamUsage(fields.include_usage, len(job.body))
                 if not fields.include_usage:
                     job.body = fields.usage_body or with_usage(job.body)
             response = await self._attempts(request, job, fields.prompt)

@@ -45,10 +45,16 @@ GRANT_WAIT_S = 2.0  # how long a request waits for a grant asked for before it i
 BUDGET_EXCEEDED, BUDGET_UNAVAILABLE = "budget_exceeded", "budget_unavailable"
 
 
+def prompt_estimate(body_bytes: int) -> int:
+    """A request's prompt tokens at most, from its body's size (also what the usage counts for a
+    stream cut before its engine said its usage: `gateway/job.py`)."""
+    return body_bytes // PROMPT_BYTES_PER_TOKEN
+
+
 def estimate(body_bytes: int, max_tokens: int | None) -> int:
     """A request's reservation: its prompt at most, and its answer's longest."""
     completion = max_tokens if max_tokens is not None and max_tokens > 0 else DEFAULT_COMPLETION
-    return body_bytes // PROMPT_BYTES_PER_TOKEN + completion
+    return prompt_estimate(body_bytes) + completion
 
 
 def period_start(period: str, now: float) -> int:

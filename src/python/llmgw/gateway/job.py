@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from llmgw.gateway.budgets import Hold
+from llmgw.gateway.budgets import Hold, prompt_estimate
 from llmgw.gateway.errors import UpstreamError
 from llmgw.gateway.migrate import Events, KeptBudget, Rewrite
 from llmgw.gateway.prefix import Prompt
@@ -129,18 +129,43 @@ class Job:
                 self._end_trace(status)
         t = None
         if self.served:
-            t = self.tokens if self.meter is None else self.meter.tokens
+            meter = self.meter
+            t = self.tokens if meter is None else meter.tokens
+            if t is None and meter is not None:
+                t = self._estimated(meter, status)
             key = self.key
             if t is None:
                 gw.usage.record(key.name, key.team, self.model, 0, 0, 0)
             else:
                 gw.usage.record(key.name, key.team, self.model, t.prompt, t.cached, t.completion)
         if self.hold is not None and gw.budgets is not None:
-            # What its engine said it used; nothing if none answered; its reservation if one
-            # answered without saying (a stream cut before its usage came).
+            # What the ledger counts (its engine's usage, or a cut stream's estimate); nothing if
+            # none answered; its reservation if one answered whole without saying.
             used = (t.prompt + t.completion if t is not None else None) if self.served else 0
             gw.budgets.finish(self.hold, used)
             self.hold = None
+
+    def _estimated(self, meter: StreamUsage, status: int | None) -> Tokens:
+        """A stream that ended without its engine's usage: the tokens relayed as completion, and
+        an earlier attempt's prompt, else the prompt estimated as the budgets reserve it."""
+        earlier = meter.earlier
+        completion = meter.relayed_tokens()
+        if earlier is not None:
+            t = Tokens(earlier.prompt, earlier.cached, max(completion, earlier.completion))
+        else:
+            t = Tokens(prompt_estimate(meter.body_bytes), 0, completion)
+        reason = "client_gone" if status == 499 else "cut" if status is None or status >= 400 else "no_usage"
+        self.gw.usage.estimated_total.inc(model=self.model, reason=reason)
+        log.debug(
+            "gateway_usage_estimated",
+            model=self.model,
+            reason=reason,
+            prompt_tokens=t.prompt,
+            completion_tokens=t.completion,
+            events=meter.relayed,
+            request_id=self.rid,
+        )
+        return t
 
 
 class Resume(Protocol):
@@ -188,7 +213,16 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                             upstream.stall_s = resume.stall_s  # its tokens flow: a silence now is a stall
                         if rewrite is not None:
                             whole = rewrite.events(whole)
-                        yield whole if meter is None else meter.events(whole)
+                        if meter is None:
+                            yield whole
+                            continue
+                        whole = meter.events(whole)
+                        yield whole
+                        # Sent (the client asked for more): what a stream cut before its usage counts.
+                        if not meter.relayed:
+                            meter.first = whole
+                        meter.relayed += whole.count(b"\n\n")
+                        meter.last = whole
                 if events is not None and (rest := events.rest()):
                     yield rest
                 status = upstream.status
@@ -215,6 +249,8 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                     status = 200 if outcome.endswith(b"data: [DONE]\n\n") else 502
                     return
                 upstream, rewrite = outcome
+                if meter is not None and meter.tokens is not None:  # an attempt's usage, not the answer's
+                    meter.earlier, meter.tokens = meter.tokens, None
     finally:
         if events is not None:
             events.release()

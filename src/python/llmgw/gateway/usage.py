@@ -19,8 +19,15 @@ Where the tokens come from, without parsing what the gateway does not parse alre
   cluster's cost, not the key's).
 
 A request counts once it reached an engine and was answered (status below 400), or its client
-left mid-answer (499): with the tokens its engine reported, none when it reported none (a
-stream cut before its last event; an engine that says no usage).
+left mid-answer (499): with the tokens its engine reported. A stream that ended without them (its
+client gone, its replica failed and the answer not continued, an engine that says none) counts
+what is known instead (`StreamUsage.relayed_tokens`, `gateway/job.py`): the token events relayed
+as completion tokens (one token an event in llama.cpp, vLLM, SGLang and the sim: a lower bound
+where an engine puts several in one), and an earlier attempt's prompt tokens, else the prompt the
+budgets reserve for (`budgets.prompt_estimate`); `llmgw_gateway_usage_estimated_total{model,reason}`
+counts those answers (the ledger has no column for it). Counting costs the relay one byte count
+a piece sent (its blank lines); only the first and last pieces are read, once, and only for such a
+stream. An answer read whole that says no usage counts none.
 
 `Usage.record` is the one way in: it adds to the current hour's row, to the Prometheus counters
 (`llmgw_gateway_tokens_total{model,kind}` and `llmgw_gateway_usage_requests_total{model}`: per
@@ -38,12 +45,14 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from llmgw.gateway.migrate import data_of
 from llmgw.metrics import MetricsRegistry
 from llmgw.wakeup import Wakeup
 from llmgw.wire.gateway_link import UsageReport, UsageRow
 
 TOKENS = "llmgw_gateway_tokens_total"
 USAGE_REQUESTS = "llmgw_gateway_usage_requests_total"
+USAGE_ESTIMATED = "llmgw_gateway_usage_estimated_total"
 HOUR_S = 3600
 # The usage object of an answer is a few hundred bytes; past this from its key it is not read.
 _MAX_USAGE_BYTES = 4096
@@ -129,13 +138,30 @@ def usage_options(body: dict[str, Any]) -> tuple[bool, bytes]:
 
 class StreamUsage:
     """One stream's usage, read from its whole events as they are relayed (`events`), and taken
-    out of them when the client did not ask for it (`asked` False)."""
+    out of them when the client did not ask for it (`asked` False). `body_bytes`: the client's
+    request's size, for the prompt's estimate. What the client was sent (`job.stream` keeps
+    `relayed`, `first` and `last` as it relays) is what a stream cut before its usage counts
+    (`relayed_tokens`)."""
 
-    __slots__ = ("asked", "tokens")
+    __slots__ = ("asked", "tokens", "earlier", "body_bytes", "relayed", "first", "last")
 
-    def __init__(self, asked: bool) -> None:
+    def __init__(self, asked: bool, body_bytes: int = 0) -> None:
         self.asked = asked
         self.tokens: Tokens | None = None  # the last usage seen (an engine's last is the whole answer's)
+        self.earlier: Tokens | None = None  # the last usage of an attempt before the stream moved
+        self.body_bytes = body_bytes
+        self.relayed = 0  # events sent to the client (blank lines of the pieces sent)
+        self.first = b""  # the first piece sent that held an event, and the last
+        self.last = b""
+
+    def relayed_tokens(self) -> int:
+        """The completion tokens the client was sent: every event relayed but those of the first
+        and last pieces that carry no token (a chat answer's opening role, the finish reason,
+        `[DONE]`, an error, a comment). Middle pieces are not read: their events are tokens."""
+        n = self.relayed - _not_tokens(self.first)
+        if self.last is not self.first:
+            n -= _not_tokens(self.last)
+        return max(0, n)
 
     def events(self, whole: bytes) -> bytes:
         if _MARK not in whole:
@@ -173,6 +199,36 @@ class StreamUsage:
         return others + b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _not_tokens(piece: bytes) -> int:
+    """How many of the whole events in `piece` carry no token of the answer."""
+    if not piece:
+        return 0
+    return piece.count(b"\n\n") - sum(1 for data in data_of(piece) if _carries_token(data))
+
+
+def _carries_token(data: str) -> bool:
+    """Whether an event's data carries a token: text of a choice, its content, reasoning or a
+    tool call's arguments (a chat delta), in any choice."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
+        ):
+            return True
+    return False
+
+
 # (key, team, model, prompt, cached, completion): what `Usage.record` tells its observers.
 Observer = Callable[[str, str, str, int, int, int], None]
 
@@ -191,6 +247,13 @@ class Usage:
         )
         self.requests_total = r.counter(
             USAGE_REQUESTS, "Requests counted in the usage ledger (answered by an engine), by model.", ("model",)
+        )
+        self.estimated_total = r.counter(
+            USAGE_ESTIMATED,
+            "Streamed answers counted without their engine's usage, by model and why (client_gone, cut, "
+            "no_usage): their completion tokens the token events relayed, their prompt an earlier attempt's "
+            "or the body's size / 3.",
+            ("model", "reason"),
         )
         self.wall = wall
         self.pending: dict[tuple[int, str, str, str], list[int]] = {}  # row -> [requests, prompt, cached, completion]
