@@ -4,7 +4,8 @@ One `up` and one Chromium for the module; each test opens its own tab in its own
 context (its own cookies). In order, because each builds on what the one before left:
 
 1. the URL `up` printed logs in once, leaves no code in the address bar, sets an HttpOnly
-   SameSite=Strict cookie, and the page shows every node and replica; screenshots at 1280x800
+   SameSite=Strict cookie, and the page shows every node and replica, and the Vulkan device the real
+   vulkaninfo finds (lavapipe, as software); screenshots at 1280x800
    and 390x844 go to the test report directory (printed), and basic accessibility holds;
 2. a session from `llmgw ctl page --actions` drains a node with the keyboard alone, and the
    drain arrives in the open page without a reload; the log names the session, not a secret;
@@ -150,6 +151,9 @@ async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_re
         poll_s=0.2,
     )
     replicas = [r["replica"] for r in placed]
+    [local1] = [n for n in up.ctl("nodes") if n["id"] == "local-1"]
+    assert local1["vulkan_status"] == "present", local1["vulkan_detail"]
+    assert [(d["type"], d["software"]) for d in local1["vulkan"] if d["name"].startswith("llvmpipe")] == [("cpu", True)]
 
     async with open_tab(chromium) as tab:
         await tab.goto(url)
@@ -160,6 +164,13 @@ async def test_the_printed_url_logs_in_once_and_the_page_shows_every_node_and_re
         for replica in replicas:
             await tab.wait_for(f"document.querySelector('[data-replica=\"{replica}\"][data-state=ready]')")
         assert await tab.evaluate("document.querySelector('[data-fabric=\"ib-a\"]') !== null")
+        # Each node's Vulkan devices, from the real vulkaninfo its agent ran (tools/testenv/prepare.py
+        # installs vulkan-tools and Mesa's lavapipe): lavapipe shown, muted, as software, no GPU.
+        lavapipe = "document.querySelector('#node-local-1 [data-vulkan][data-software=\"true\"]')"
+        await tab.wait_for(f"{lavapipe} !== null")
+        text = await tab.evaluate(f"{lavapipe}.textContent")
+        assert text.startswith("Vulkan: llvmpipe (LLVM ") and "(software, llvmpipe, Vulkan 1." in text, text
+        assert await tab.evaluate(f"{lavapipe}.className") == "muted"
         assert "read-only" in await tab.evaluate("document.getElementById('session').textContent")
         assert await tab.evaluate("document.querySelectorAll('#nodes button').length") == 0  # read-only: no actions
         # The session is in an HttpOnly, SameSite=Strict cookie; nothing of it, nor the

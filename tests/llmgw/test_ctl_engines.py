@@ -3,9 +3,11 @@ phase, a failure with why, the GPU engines a node was not asked for with why (pu
 
 from __future__ import annotations
 
+import attrs
+
 from llmgw.config import EngineSource, EnginesSection
 from llmgw.ctl import engines as texts
-from llmgw.ctl.tables import format_nodes
+from llmgw.ctl.tables import format_nodes, vulkan_text
 from llmgw.server.state.registry import Node
 from llmgw.server.state.views import engine_view, node_view
 from llmgw.wire import agent_link as w
@@ -165,3 +167,35 @@ def test_ctl_nodes_bench_prints_the_figures_that_answer_its_request_or_why_not()
         "b: still measuring when the wait ended; see `llmgw ctl nodes` later",
         "c: not asked: node c is not connected; ask again once it is",
     ]
+
+
+def test_a_nodes_vulkan_gpus_are_a_line_under_the_table_and_a_software_device_alone_is_none() -> None:
+    radv = w.VulkanDevice(
+        index=0,
+        name="AMD Radeon RX 7900 XTX (RADV NAVI31)",
+        type=w.VULKAN_DISCRETE,
+        vendor_id="0x1002",
+        driver_name="radv",
+        api_version="1.3.230",
+        heaps=(w.VulkanHeap(size_bytes=25753026560, device_local=True), w.VulkanHeap(size_bytes=32 << 30)),
+    )
+    lavapipe = w.VulkanDevice(
+        index=1,
+        name="llvmpipe (LLVM 15.0.6, 256 bits)",
+        type=w.VULKAN_CPU,
+        vendor_id="0x10005",
+        driver_name="llvmpipe",
+        api_version="1.3.230",
+        software=True,
+    )
+    v = view(inv=attrs.evolve(CPU, vulkan=(radv, lavapipe), vulkan_status=w.VULKAN_PRESENT))
+    assert [(d["type"], d["software"], d["vram_bytes"]) for d in v["vulkan"]] == [
+        ("discrete", False, 25753026560),
+        ("cpu", True, 0),
+    ]
+    assert vulkan_text(v) == "vulkan: AMD Radeon RX 7900 XTX (RADV NAVI31) (discrete, radv, Vulkan 1.3, 24.0 GiB)"
+    assert vulkan_text(view(inv=attrs.evolve(CPU, vulkan=(lavapipe,), vulkan_status=w.VULKAN_PRESENT))) == ""
+    assert vulkan_text(view(inv=attrs.evolve(CPU, vulkan_status=w.VULKAN_MISSING, vulkan_detail="no vulkaninfo"))) == ""
+    failed = view(inv=attrs.evolve(CPU, vulkan_status=w.VULKAN_FAILED, vulkan_detail="vulkaninfo at X hangs"))
+    assert vulkan_text(failed) == "vulkan: vulkaninfo at X hangs"
+    assert (view()["vulkan"], view()["vulkan_status"]) == ([], None)  # a node not heard from yet

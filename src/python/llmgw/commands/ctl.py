@@ -21,7 +21,7 @@ from llmgw.ctl.enginecheck import configure_engine_check
 from llmgw.ctl.keys import configure_keys
 from llmgw.ctl.models import configure_models
 from llmgw.ctl.page import configure_page  # [i17 page hook]
-from llmgw.ctl.tables import format_nodes, model_notes, state_text, table
+from llmgw.ctl.tables import format_nodes, model_notes, state_text, table, vulkan_text
 from llmgw.ctl.usage import configure_teams, configure_usage
 from llmgw.errors import UsageError
 
@@ -120,6 +120,8 @@ def run_nodes(args: argparse.Namespace) -> int:
                 print(f"{n['id']}: fabric refused: {problem}")
             if n.get("gpu_status") in ("not_found", "failed"):
                 print(f"{n['id']}: GPUs: {n.get('gpu_detail')}")
+            if vulkan := vulkan_text(n):
+                print(f"{n['id']}: {vulkan}")
             for line in engine_texts.notes(n):
                 print(f"{n['id']}: {line}")
     return 0

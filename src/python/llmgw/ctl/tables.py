@@ -75,6 +75,18 @@ def _gpus(n: dict[str, Any]) -> str:
     return {"not_found": "nvidia-smi missing!", "failed": "nvidia-smi failed!"}.get(n.get("gpu_status") or "", "none")
 
 
+def vulkan_text(n: dict[str, Any]) -> str:
+    """The line `ctl nodes` prints under its table for a node's Vulkan GPUs ("vulkan: AMD Radeon RX
+    7900 XTX (RADV NAVI31) (discrete, radv, Vulkan 1.3, 24.0 GiB)"), or why vulkaninfo failed; ""
+    for a node with none (a software device alone is no GPU, and would be a line on every node)."""
+    found = [d["text"] for d in n.get("vulkan") or [] if not d.get("software")]
+    if found:
+        return "vulkan: " + "; ".join(found)
+    if n.get("vulkan_status") == "failed":
+        return f"vulkan: {n.get('vulkan_detail')}"
+    return ""
+
+
 def _vllm(n: dict[str, Any]) -> str:
     e = next((e for e in n.get("eligibility") or [] if e["engine"] == "vllm"), None)
     if e is None:

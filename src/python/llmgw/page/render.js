@@ -79,8 +79,12 @@ function bytes(n) {
 }
 
 function gpus(n) {
+  return [...nvidiaGpus(n), ...vulkan(n)];
+}
+
+function nvidiaGpus(n) {
   if (!n.gpus.length) {
-    return ["not_found", "failed"].includes(n.gpu_status) ? h("span", { class: "bad" }, n.gpu_detail || n.gpu_status) : "none";
+    return [["not_found", "failed"].includes(n.gpu_status) ? h("span", { class: "bad" }, n.gpu_detail || n.gpu_status) : "none"];
   }
   const byModel = new Map();
   for (const g of n.gpus) {
@@ -88,6 +92,16 @@ function gpus(n) {
     byModel.set(key, (byModel.get(key) || 0) + 1);
   }
   return [...byModel].map(([k, count]) => h("div", {}, `${count} × ${k}`));
+}
+
+// The node's Vulkan devices, as its vulkaninfo lists them: a software one (lavapipe) muted, since it
+// is no GPU; a vulkaninfo that fails, in red (agent.discovery.vulkan says why and the fix).
+function vulkan(n) {
+  const devices = (n.vulkan || []).map((d) =>
+    h("div", { class: d.software ? "muted" : "", "data-vulkan": String(d.index), "data-software": String(d.software) }, `Vulkan: ${d.text}`),
+  );
+  if (n.vulkan_status === "failed") devices.push(h("div", { class: "bad", "data-vulkan": "failed" }, `Vulkan: ${n.vulkan_detail}`));
+  return devices;
 }
 
 function engines(n) {

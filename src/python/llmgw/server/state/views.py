@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from llmgw.config import EnginesSection, Model
-from llmgw.engines import cpubackend
+from llmgw.engines import cpubackend, vulkandevices
 from llmgw.engines.wants import gpu_verdicts
 from llmgw.fabrics import FabricMap, fabric_map
 from llmgw.server.state.drains import DrainProgress
@@ -98,6 +98,23 @@ def speed_view(x: w.BackendSpeed) -> dict[str, Any]:
     }
 
 
+def vulkan_view(d: w.VulkanDevice) -> dict[str, Any]:
+    """One Vulkan device (agent.discovery.vulkan): `software` ones are never GPUs; `vram_bytes` is the
+    largest device-local heap (0: unknown); `text` is how ctl and the page show it."""
+    return {
+        "index": d.index,
+        "name": d.name,
+        "type": d.type,
+        "vendor_id": d.vendor_id,
+        "driver_name": d.driver_name,
+        "driver_info": d.driver_info,
+        "api_version": d.api_version,
+        "software": d.software,
+        "vram_bytes": vulkandevices.vram_bytes(d),
+        "text": vulkandevices.describe(d),
+    }
+
+
 def node_view(node: Node, state: str, now: float, engines: EnginesSection | None = None) -> dict[str, Any]:
     s = node.link
     inv = node.inventory
@@ -120,6 +137,9 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         else [],
         "gpu_status": inv.gpu_status if inv else None,
         "gpu_detail": inv.gpu_detail if inv else "",
+        "vulkan": [vulkan_view(d) for d in inv.vulkan] if inv else [],
+        "vulkan_status": inv.vulkan_status if inv else None,
+        "vulkan_detail": inv.vulkan_detail if inv else "",
         "eligibility": _eligibility(inv, engines),
         "fabric_problems": list(inv.fabric_problems) if inv else [],
         "disk_free_bytes": inv.disk_free_bytes if inv else None,
