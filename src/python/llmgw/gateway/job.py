@@ -218,11 +218,7 @@ async def stream(upstream: UpstreamResponse, job: Job, resume: Resume | None = N
                             continue
                         whole = meter.events(whole)
                         yield whole
-                        # Sent (the client asked for more): what a stream cut before its usage counts.
-                        if not meter.relayed:
-                            meter.first = whole
-                        meter.relayed += whole.count(b"\n\n")
-                        meter.last = whole
+                        meter.sent(whole)  # the client took it (it asked for more)
                 if events is not None and (rest := events.rest()):
                     yield rest
                 status = upstream.status

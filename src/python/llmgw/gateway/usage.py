@@ -139,9 +139,8 @@ def usage_options(body: dict[str, Any]) -> tuple[bool, bytes]:
 class StreamUsage:
     """One stream's usage, read from its whole events as they are relayed (`events`), and taken
     out of them when the client did not ask for it (`asked` False). `body_bytes`: the client's
-    request's size, for the prompt's estimate. What the client was sent (`job.stream` keeps
-    `relayed`, `first` and `last` as it relays) is what a stream cut before its usage counts
-    (`relayed_tokens`)."""
+    request's size, for the prompt's estimate. What the client was sent (`sent`, as `job.stream`
+    relays) is what a stream cut before its usage counts (`relayed_tokens`)."""
 
     __slots__ = ("asked", "tokens", "earlier", "body_bytes", "relayed", "first", "last")
 
@@ -153,6 +152,14 @@ class StreamUsage:
         self.relayed = 0  # events sent to the client (blank lines of the pieces sent)
         self.first = b""  # the first piece sent that held an event, and the last
         self.last = b""
+
+    def sent(self, whole: bytes) -> None:
+        """`whole` (events, as `events` returned them) reached the client: what a stream cut
+        before its usage counts. One byte count of its blank lines, no parsing."""
+        if not self.relayed:
+            self.first = whole
+        self.relayed += whole.count(b"\n\n")
+        self.last = whole
 
     def relayed_tokens(self) -> int:
         """The completion tokens the client was sent: every event relayed but those of the first
