@@ -7,6 +7,9 @@ worker; keys of a team and of none.
   tokens the engine said (the sim's usage, read from the answers that carry it).
 - The gateway stopped (SIGTERM) right after answering: its last counts are flushed before it
   exits; started again, and the control plane restarted: nothing lost, nothing counted twice.
+- A client that reads 3 tokens of a stream and closes its connection is counted the tokens it
+  was sent (at least 3) and the prompt as the body's bytes / 3, marked in the gateway's
+  `llmgw_gateway_usage_estimated_total` (the sim sends a token each 20 ms).
 - `ctl usage --team`, `--by`, `--csv`; `ctl teams remove` refused while a key belongs to the team;
   the gateway's Prometheus counters.
 """
@@ -17,6 +20,7 @@ import csv
 import io
 import json
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ CATALOG = """
 name = "chat"
 engine = "sim"
 replicas = 1
+args = ["--output-token-ms", "20"]
 """
 READY_S = 60.0
 COUNTED_S = 15.0  # a report every 2 s, written at once
@@ -74,6 +79,24 @@ def counted(cluster: Cluster, key: str, expected: tuple[int, int, int], procs: l
     )
 
 
+def read_then_close(port: int, token: str, body: bytes, tokens: int) -> int:
+    """POST a streamed chat `body` on a raw socket, read until `tokens` events with content came,
+    then close the connection; how many came."""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {token}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    seen, got = 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head + body)
+        while seen < tokens:
+            piece = sock.recv(65536)
+            assert piece, f"the stream ended after {seen} tokens: {got[-500:]!r}"
+            got += piece
+            seen = got.count(b'"content":"') - got.count(b'"content":""')
+    return seen
+
+
 def own_gateway_port(cluster: Cluster) -> int:
     url = paths.admin_url_path(cluster.state).read_text().strip()
     return int(url.split("//", 1)[1].rsplit(":", 1)[1].strip("/"))
@@ -91,13 +114,14 @@ def test_usage_is_counted_once_through_gateway_and_control_plane_restarts(cluste
     alice = cluster.ctl("keys", "create", "alice", "--team", "research")
     assert alice["key"]["team"] == "research"
     bob = cluster.ctl("keys", "create", "bob")["token"]
+    dave = cluster.ctl("keys", "create", "dave")["token"]
     refused = cluster.llmgw(
         "ctl", "keys", "create", "carol", "--team", "nobody", "--state-dir", str(cluster.state), ok=False
     )
     assert refused.returncode != 0 and "llmgw ctl teams create nobody" in refused.stderr
     gw = gatewayd.start(cluster, "gw-a", pki)
     gw.wait_serving()
-    wait_until("gw-a holds the keys", lambda: gw.health()["keys"] == 2, procs=[gw.proc])
+    wait_until("gw-a holds the keys", lambda: gw.health()["keys"] == 3, procs=[gw.proc])
     token = alice["token"]
 
     # Not streamed: the usage is the answer's.
@@ -131,6 +155,20 @@ def test_usage_is_counted_once_through_gateway_and_control_plane_restarts(cluste
     plane = parse_metrics(request(own_gateway_port(cluster), "GET", "/metrics")[2].decode())
     assert plane[("llmgw_usage_reports_total", frozenset({("outcome", "added")}))] >= 2  # gw-a's and the worker's
     assert plane[("llmgw_usage_tokens_total", frozenset({("kind", "completion")}))] == expected[2] + bobs[1]
+
+    # A client gone after 3 tokens of a stream: what it was sent, and the prompt's estimate.
+    body = json.dumps(chat("count the sea", max_tokens=200, stream=True)).encode()
+    seen = read_then_close(gw.port, dave, body, 3)
+    assert seen == 3
+    wait_until(
+        "dave's cut stream in the ledger",
+        lambda: totals(cluster, "dave") is not None,
+        procs=[gw.proc, cluster.server],
+        timeout=COUNTED_S,
+    )
+    requests, prompt, completion = totals(cluster, "dave") or (0, 0, 0)
+    assert (requests, prompt) == (1, len(body) // 3) and 3 <= completion < 200, (requests, prompt, completion)
+    assert summed(gw.metrics(), "llmgw_gateway_usage_estimated_total", model="chat", reason="client_gone") == 1
 
     # The gateway answers twice more and is stopped at once: its last counts go before it exits.
     for _ in range(2):
