@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -29,132 +28,11 @@ from llmgw.gateway.migrate import (
     Sent,
     continuation_payload,
 )
-from llmgw.gateway.routing import Endpoint
-from llmgw.http.messages import Request, Response, StreamingResponse
 from llmgw.wire.gateway_link import ModelInfo
 from testlib import memnet
+from testlib.migrationrig import WORDS, Scripted, parse, setup, sse, text_of, via_a_then_b
 
 pytestmark = pytest.mark.trio
-
-WORDS = [("" if i == 0 else " ") + w for i, w in enumerate("the quick brown fox jumps over the lazy dog again".split())]
-
-
-class Scripted:
-    """An engine answering WORDS from where the request says it is (its final assistant message,
-    or the prompt's tail past "Q:"), one SSE event a word, `token_s` apart; `die_after` words and
-    it is gone (its connections cut), `stall_after` words and it goes silent; `refuse` (a status and
-    a body) is its answer to a continuation. `echo_prefill`: as llama-server (b11434) does, a final
-    assistant message continued without `continue_final_message` (its assistant prefill) comes back
-    at the start of the answer, in its first content event with the first new word."""
-
-    def __init__(
-        self,
-        net: memnet.MemoryNet,
-        name: str,
-        host: str,
-        *,
-        die_after: int = 0,
-        stall_after: int = 0,
-        refuse: tuple[int, dict[str, Any]] | None = None,
-        echo_prefill: bool = False,
-    ):
-        self.net, self.name, self.host = net, name, host
-        self.echo_prefill = echo_prefill
-        self.die_after, self.stall_after, self.refuse = die_after, stall_after, refuse
-        self.bodies: list[dict[str, Any]] = []
-        net.serve((host, 8000), self.handle)
-
-    def endpoint(self) -> Endpoint:
-        return Endpoint(replica_id=self.name, model="m", host=self.host, port=8000, api_key="k")
-
-    async def handle(self, request: Request) -> Response | StreamingResponse:
-        body = json.loads(await request.read())
-        self.bodies.append(body)
-        chat = request.path == CHAT
-        echo = ""
-        if chat:
-            last = body["messages"][-1]
-            start = len(last["content"].split()) if last["role"] == "assistant" else 0
-            if start and self.echo_prefill and not body.get("continue_final_message"):
-                echo = last["content"]
-        else:
-            start = len(body["prompt"].split("Q:", 1)[1].split()) if "Q:" in body["prompt"] else 0
-        if start and self.refuse is not None:
-            status, error = self.refuse
-            return Response(
-                status=status, body=json.dumps(error).encode(), headers=(("content-type", "application/json"),)
-            )
-        limit = body.get("max_tokens", 100)
-        words = WORDS[start : start + limit]
-        finish = "stop" if start + len(words) == len(WORDS) else "length"
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        ident = f"id-{self.name}"
-
-        async def events():
-            if chat:
-                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, role=True)]})
-            for i, w in enumerate(words):
-                if self.die_after and i == self.die_after:
-                    self.net.kill((self.host, 8000))
-                    await trio.sleep_forever()
-                if self.stall_after and i == self.stall_after:
-                    await trio.sleep_forever()
-                await trio.sleep(0.01)
-                text = echo + w if i == 0 else w
-                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, text=text)]})
-            yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [_choice(chat, finish=finish)]})
-            if body.get("stream_options", {}).get("include_usage"):
-                usage = {
-                    "prompt_tokens": 5 + start,
-                    "completion_tokens": len(words),
-                    "total_tokens": 5 + start + len(words),
-                }
-                yield _sse({"id": ident, "object": kind, "created": 100 + start, "choices": [], "usage": usage})
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(status=200, body=events(), headers=(("content-type", "text/event-stream"),))
-
-
-def _choice(chat: bool, *, text: str = "", role: bool = False, finish: str | None = None) -> dict[str, Any]:
-    if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish}
-    return {"index": 0, "text": text, "finish_reason": finish}
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def parse(body: bytes) -> tuple[list[dict[str, Any]], list[str], bool]:
-    """The JSON events, the comment lines, and whether [DONE] ended it."""
-    events, comments, done = [], [], False
-    for block in body.decode().split("\n\n"):
-        for line in block.splitlines():
-            if line.startswith(":"):
-                comments.append(line)
-            elif line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    return events, comments, done
-
-
-def text_of(events: list[dict[str, Any]], chat: bool = True) -> str:
-    out = []
-    for e in events:
-        for c in e.get("choices", []):
-            out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
-    return "".join(out)
-
-
-async def setup(tmp_path: Path, nursery: trio.Nursery, engine: str, **options: Any):
-    net = memnet.MemoryNet(nursery)
-    a = Scripted(net, "m-0", "10.0.0.1", die_after=4)
-    b = Scripted(net, "m-1", "10.0.0.2")
-    info = ModelInfo(name="m", engine=engine, routes=(CHAT, COMPLETIONS))
-    gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), **options)
-    return net, a, b, gw, info
 
 
 async def test_a_chat_stream_whose_replica_dies_continues_on_another_word_for_word(
@@ -164,7 +42,7 @@ async def test_a_chat_stream_whose_replica_dies_continues_on_another_word_for_wo
     b.echo_prefill = True  # as llama-server does unless asked with continue_final_message
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100}
     request["stream_options"] = {"include_usage": True}
-    status, headers, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, headers, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     assert headers["x-llmgw-replica"] == "m-0" and status == 200  # the headers went out from a
     events, comments, done = parse(body)
     assert text_of(events) == "".join(WORDS)  # every word once, in order
@@ -189,7 +67,7 @@ async def test_vllm_and_sglang_are_asked_with_continue_final_message(
 ) -> None:
     net, a, b, gw, info = await setup(tmp_path, nursery, engine)
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     assert status == 200 and text_of(parse(body)[0]) == "".join(WORDS)
     cont = b.bodies[-1]
     assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
@@ -202,7 +80,7 @@ async def test_an_answer_that_cannot_be_continued_exactly_ends_with_an_error_eve
 ) -> None:
     net, a, b, gw, info = await setup(tmp_path, nursery, "sim")
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     events, _, done = parse(body)
     assert status == 200 and not done and b.bodies == []
     assert text_of(events[:-1]) == "".join(WORDS[:4])
@@ -218,7 +96,7 @@ async def test_without_migrations_the_stream_is_cut_as_before(
     net, a, b, gw, info = await setup(tmp_path, nursery, "sim", max_migrations=0)
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     with pytest.raises(Exception):  # noqa: B017 - the client sees the body end without its last chunk
-        await _via_a_then_b(gw, a, b, info, CHAT, request)
+        await via_a_then_b(gw, a, b, info, CHAT, request)
     assert b.bodies == []
 
 
@@ -232,7 +110,7 @@ async def test_a_stream_silent_past_stream_stall_s_is_continued(
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), stream_stall_s=2.0)
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     started = trio.current_time()
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     assert status == 200 and text_of(parse(body)[0]) == "".join(WORDS)
     assert b.bodies[-1]["messages"][-1]["content"] == "".join(WORDS[:3])
     assert 2.0 <= trio.current_time() - started < 5.0  # the stall limit, not read_timeout_s (600 s)
@@ -243,7 +121,7 @@ async def test_completions_continue_with_the_prompt_plus_the_text_so_far(
 ) -> None:
     net, a, b, gw, info = await setup(tmp_path, nursery, "vllm")
     request = {"model": "m", "prompt": "Q:", "stream": True, "max_tokens": 8}
-    status, _, body = await _via_a_then_b(gw, a, b, info, COMPLETIONS, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, COMPLETIONS, request)
     events, comments, done = parse(body)
     assert status == 200 and done and comments == [": llmgw migrated 1"]
     assert text_of(events, chat=False) == "".join(WORDS[:8])
@@ -268,7 +146,7 @@ async def test_a_continuation_the_engine_refuses_ends_with_its_error_and_the_rep
     info = ModelInfo(name="m", engine="llamacpp", routes=(CHAT, COMPLETIONS))
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,))
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     events, _, done = parse(body)
     assert status == 200 and not done and text_of(events[:-1]) == "".join(WORDS[:4])
     error = events[-1]["error"]
@@ -294,7 +172,7 @@ async def test_a_continuation_answered_503_leaves_rotation_counted_as_503(
     info = ModelInfo(name="m", engine="llamacpp", routes=(CHAT, COMPLETIONS))
     gw = await memnet.start_gateway(nursery, tmp_path, net, (a.endpoint(),), details=(info,), queue_timeout_s=1.0)
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     events, _, done = parse(body)
     assert status == 200 and not done
     error = events[-1]["error"]
@@ -302,21 +180,6 @@ async def test_a_continuation_answered_503_leaves_rotation_counted_as_503(
     metrics = gw.gateway.render_metrics()
     assert 'llmgw_gateway_replica_down_total{model="m",reason="503"} 1' in metrics
     assert 'outcome="failed"} 1' in metrics
-
-
-async def _via_a_then_b(gw, a: Scripted, b: Scripted, info: ModelInfo, path: str, request: dict[str, Any]):
-    """The request sent while a alone is in rotation; b is put in as soon as a has it."""
-    async with trio.open_nursery() as n:
-        result: list[Any] = []
-
-        async def call() -> None:
-            result.append(await gw.call("POST", path, request))
-
-        n.start_soon(call)
-        while not a.bodies:
-            await trio.sleep(0.001)
-        gw.provider.set((a.endpoint(), b.endpoint()), details=(info,))
-    return result[0]
 
 
 async def test_events_are_cut_at_blank_lines_and_kept() -> None:
@@ -328,9 +191,9 @@ async def test_events_are_cut_at_blank_lines_and_kept() -> None:
 
 
 async def test_what_was_sent_and_what_cannot_be_continued() -> None:
-    tool = _sse({"id": "x", "created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]})
+    tool = sse({"id": "x", "created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]})
     assert Sent.of(CHAT, tool).not_exact == "a tool call was under way"
-    two = _sse({"id": "x", "created": 1, "choices": [{"index": 1, "delta": {"content": "a"}}]})
+    two = sse({"id": "x", "created": 1, "choices": [{"index": 1, "delta": {"content": "a"}}]})
     assert Sent.of(CHAT, two).not_exact.startswith("the answer has several choices")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     assert continuation_payload({**body, "n": 2}, CHAT, "sim", "a", 1)[0] == "not_exact"
@@ -354,9 +217,9 @@ async def test_a_rewrite_keeps_the_first_answers_identity_and_counts_usage() -> 
     sent = Sent(id="first", created=5, text="a b", tokens=2)
     r = Rewrite(CHAT, sent, 1)
     out = r.events(
-        _sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        + _sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"content": " c"}}]})
-        + _sse({"id": "x", "created": 9, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+        sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        + sse({"id": "x", "created": 9, "choices": [{"index": 0, "delta": {"content": " c"}}]})
+        + sse({"id": "x", "created": 9, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
         + b"data: [DONE]\n\n"
     )
     events, comments, done = parse(out)
@@ -389,7 +252,7 @@ async def test_a_migrated_streams_usage_counts_the_whole_answer_whether_or_not_t
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     if asked:
         request["stream_options"] = {"include_usage": True}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     events, _, done = parse(body)
     assert status == 200 and done and text_of(events) == "".join(WORDS)
     assert b.bodies[-1]["stream_options"] == {"include_usage": True}

@@ -253,14 +253,15 @@ async def test_a_collector_down_or_failing_holds_no_request(
 async def test_a_migrated_stream_shows_both_attempts(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, receiver: Receiver
 ) -> None:
-    from test_migration import CHAT, COMPLETIONS, WORDS, _via_a_then_b, parse, text_of
-    from test_migration import setup as migration_setup
+    from llmgw.gateway.migrate import CHAT, COMPLETIONS
+    from testlib.migrationrig import WORDS, parse, text_of, via_a_then_b
+    from testlib.migrationrig import setup as migration_setup
 
     tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
     net, a, b, gw, info = await migration_setup(tmp_path, nursery, "vllm")
     gw.gateway.tracing = tracing
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    status, _, body = await _via_a_then_b(gw, a, b, info, CHAT, request)
+    status, _, body = await via_a_then_b(gw, a, b, info, CHAT, request)
     assert status == 200 and text_of(parse(body)[0]) == "".join(WORDS)
     flush(tracing)
     spans = receiver.wait_for(5)
