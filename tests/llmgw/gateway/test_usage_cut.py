@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw.gateway import usage as usage_module
 from llmgw.gateway.budgets import Budgets, prompt_estimate
 from llmgw.gateway.migrate import CHAT, COMPLETIONS
 from llmgw.gateway.routing import Endpoint
@@ -274,3 +275,49 @@ async def test_the_sim_in_memory_client_gone_after_k_tokens(
     status, got = await stream_until(gw, CHAT, body, 5)
     assert status == 200 and _token_events(got) == 5
     assert list(gw.gateway.usage.pending.values()) == [[1, len(body) // 3, 0, 5]]
+
+
+def _chunk(delta: dict[str, Any] | None = None, finish: str | None = None) -> bytes:
+    return _sse({"id": "c", "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]})
+
+
+async def test_the_opening_and_closing_events_are_left_out_wherever_the_pieces_fall() -> None:
+    opening, done = _chunk({"role": "assistant", "content": ""}), b"data: [DONE]\n\n"
+    tok = [_chunk({"content": f" w{i}"}) for i in range(3)]
+    finish, comment = _chunk(finish="stop"), b": llmgw migrated 1\n\n"
+    error = _sse({"error": {"message": "gone", "code": "replica_failed"}})
+    cases = [
+        ([opening + tok[0], tok[1], tok[2] + finish, done], 3),  # the end split over two pieces
+        ([opening, tok[0] + tok[1] + tok[2] + finish + comment + done], 3),
+        ([opening + tok[0] + tok[1] + finish], 2),  # one piece
+        ([opening], 0),
+        ([opening, error], 0),
+        ([tok[0], tok[1] + error], 2),  # no opening (a completion, a continuation)
+        ([_chunk({"reasoning_content": "hm"}) + _chunk({"tool_calls": [{"index": 0}]})], 2),
+    ]
+    for pieces, tokens in cases:
+        meter = StreamUsage(asked=False)
+        for piece in pieces:
+            meter.sent(piece)
+        assert meter.relayed_tokens() == tokens, pieces
+
+
+async def test_a_long_cut_stream_is_counted_without_reading_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20,099 token events in pieces of 100, cut: every event counted, and only the opening and
+    # the closing events read (json.loads counts the events read).
+    meter = StreamUsage(asked=False)
+    tok = _chunk({"content": " w"})
+    meter.sent(_chunk({"role": "assistant", "content": ""}) + tok * 99)
+    for _ in range(199):
+        meter.sent(tok * 100)
+    meter.sent(tok * 100 + _chunk(finish="length"))
+    read: list[str] = []
+    loads = json.loads
+
+    def counting(data: str) -> Any:
+        read.append(data)
+        return loads(data)
+
+    monkeypatch.setattr(usage_module.json, "loads", counting)
+    assert meter.relayed_tokens() == 99 + 199 * 100 + 100
+    assert len(read) == 3  # the opening, the finish, the last token

@@ -26,8 +26,8 @@ as completion tokens (one token an event in llama.cpp, vLLM, SGLang and the sim:
 where an engine puts several in one), and an earlier attempt's prompt tokens, else the prompt the
 budgets reserve for (`budgets.prompt_estimate`); `llmgw_gateway_usage_estimated_total{model,reason}`
 counts those answers (the ledger has no column for it). Counting costs the relay one byte count
-a piece sent (its blank lines); only the first and last pieces are read, once, and only for such a
-stream. An answer read whole that says no usage counts none.
+a piece sent (its blank lines); only the opening event and at most `CLOSING_EVENTS` at the end are
+read, once, and only for such a stream. An answer read whole that says no usage counts none.
 
 `Usage.record` is the one way in: it adds to the current hour's row, to the Prometheus counters
 (`llmgw_gateway_tokens_total{model,kind}` and `llmgw_gateway_usage_requests_total{model}`: per
@@ -58,6 +58,9 @@ HOUR_S = 3600
 _MAX_USAGE_BYTES = 4096
 _USAGE_KEY = b'"usage"'
 _MARK = b'"prompt_tokens"'  # in a stream's event that carries a usage
+# At the end of a stream, the events that may carry no token: the finish reason, a usage, an
+# error, a comment, [DONE], with room to spare. A cut stream's count reads no more than these.
+CLOSING_EVENTS = 8
 INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _decoder = json.JSONDecoder()
 
@@ -142,7 +145,7 @@ class StreamUsage:
     request's size, for the prompt's estimate. What the client was sent (`sent`, as `job.stream`
     relays) is what a stream cut before its usage counts (`relayed_tokens`)."""
 
-    __slots__ = ("asked", "tokens", "earlier", "body_bytes", "relayed", "first", "last")
+    __slots__ = ("asked", "tokens", "earlier", "body_bytes", "relayed", "first", "prev", "last")
 
     def __init__(self, asked: bool, body_bytes: int = 0) -> None:
         self.asked = asked
@@ -150,7 +153,8 @@ class StreamUsage:
         self.earlier: Tokens | None = None  # the last usage of an attempt before the stream moved
         self.body_bytes = body_bytes
         self.relayed = 0  # events sent to the client (blank lines of the pieces sent)
-        self.first = b""  # the first piece sent that held an event, and the last
+        self.first = b""  # the first piece sent that held an event, the one before the last, the last
+        self.prev = b""
         self.last = b""
 
     def sent(self, whole: bytes) -> None:
@@ -159,15 +163,33 @@ class StreamUsage:
         if not self.relayed:
             self.first = whole
         self.relayed += whole.count(b"\n\n")
-        self.last = whole
+        self.prev, self.last = self.last, whole
 
     def relayed_tokens(self) -> int:
-        """The completion tokens the client was sent: every event relayed but those of the first
-        and last pieces that carry no token (a chat answer's opening role, the finish reason,
-        `[DONE]`, an error, a comment). Middle pieces are not read: their events are tokens."""
-        n = self.relayed - _not_tokens(self.first)
-        if self.last is not self.first:
-            n -= _not_tokens(self.last)
+        """The completion tokens the client was sent: every event relayed but the opening one
+        and the closing ones when they carry no token (a chat answer's role; the finish reason,
+        an error, a comment, `[DONE]`). Only those few events are read (at most CLOSING_EVENTS
+        from the end), however long the pieces: the others are tokens."""
+        first = self.first
+        n, floor = self.relayed, 0
+        if first:
+            floor = first.find(b"\n\n") + 2
+            if not _event_token(first[:floor]):
+                n -= 1
+        walk = CLOSING_EVENTS
+        for piece in (self.last, self.prev):
+            bottom = floor if piece is first else 0  # the opening is counted once
+            end = len(piece)
+            while walk and end > bottom:
+                walk -= 1
+                start = piece.rfind(b"\n\n", bottom, end - 2)
+                start = bottom if start < 0 else start + 2
+                if _event_token(piece[start:end]):
+                    return max(0, n)
+                n -= 1
+                end = start
+            if piece is first or not walk:
+                break
         return max(0, n)
 
     def events(self, whole: bytes) -> bytes:
@@ -206,18 +228,14 @@ class StreamUsage:
         return others + b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _not_tokens(piece: bytes) -> int:
-    """How many of the whole events in `piece` carry no token of the answer."""
-    if not piece:
-        return 0
-    return piece.count(b"\n\n") - sum(1 for data in data_of(piece) if _carries_token(data))
-
-
-def _carries_token(data: str) -> bool:
-    """Whether an event's data carries a token: text of a choice, its content, reasoning or a
-    tool call's arguments (a chat delta), in any choice."""
+def _event_token(event: bytes) -> bool:
+    """Whether one whole event carries a token of the answer: text of a choice, its content,
+    reasoning or a tool call (a chat delta), in any choice."""
+    data = data_of(event)
+    if not data:
+        return False  # a comment
     try:
-        chunk = json.loads(data)
+        chunk = json.loads(data[0])
     except ValueError:
         return False
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
