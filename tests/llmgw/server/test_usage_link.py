@@ -27,7 +27,6 @@ from llmgw.server.links.gatewaylinks import GatewayFeed
 from llmgw.server.links.usagereports import UsageReports
 from llmgw.server.store.ledger import REPORTS_KEPT_S
 from llmgw.wakeup import Wakeup
-from llmgw.wire import gateway_link as g
 from testlib.memlink import gated_pair
 
 pytestmark = pytest.mark.trio
@@ -87,7 +86,10 @@ class Endpoints:
         self.changed = Wakeup()
 
     def gateway_rotation(self) -> Rotation:
-        return Rotation(models=frozenset({"chat"}), endpoints=(Endpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k"),))
+        return Rotation(
+            models=frozenset({"chat"}),
+            endpoints=(Endpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k"),),
+        )
 
     def rotation_changed(self) -> trio.Event:
         return self.changed.next()
@@ -140,7 +142,7 @@ class Plane:
         async def run() -> None:
             try:
                 await link.run_on(a)
-            except Exception:  # noqa: BLE001, S110 - the session broke: what the test waits for
+            except Exception:  # noqa: BLE001 - the session broke: what the test waits for
                 pass
             ended.set()
 
