@@ -172,7 +172,10 @@ class BudgetRing:
         while True:
             work = self.work.next()
             now = self.wall()
-            for account in self.book.needs_base(now):
+            # The ledger is read once the hold-off is over: by then the gateways linked again
+            # have sent the usage reports the restart left unacknowledged.
+            holding_off = now < self.book.started + self.book.hold_off_s
+            for account in [] if holding_off else self.book.needs_base(now):
                 try:
                     spent = await self._ledger_spent(account.budget, account.start)
                 except StoreError as exc:  # the grants of this budget wait; the rest goes on
@@ -184,7 +187,7 @@ class BudgetRing:
             self.book.expire(now)
             self._plan(now)
             wake_at = [t for t in (self.book.next_expiry(), self.book.started + self.book.hold_off_s) if t and t > now]
-            if any(a.base is None for a in self.book.accounts.values()):
+            if not holding_off and any(a.base is None for a in self.book.accounts.values()):
                 wake_at.append(now + LEDGER_RETRY_S)
             with trio.move_on_after(min(wake_at) - now if wake_at else float("inf")):
                 await work.wait()
