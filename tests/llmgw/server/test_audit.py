@@ -155,7 +155,7 @@ async def test_every_admin_action_is_recorded_with_who_where_and_what_and_nothin
     assert entries == sorted(entries, key=lambda e: (e["at"], e["id"]), reverse=True)
     assert all(time.time() - 60 < e["at"] <= time.time() for e in entries)
     detail = {e["action"]: e["detail"] for e in entries if e["actor"] == "admin"}
-    assert detail["key.create"] == {"models": ["chat"], "rate_per_minute": 60, "max_concurrency": 2}
+    assert detail["key.create"] == {"models": ["chat"], "rate_per_minute": 60, "max_concurrency": 2, "team": ""}
     assert detail["node.drain"] == {"force": False}
     assert detail["config.reload"] == {"models": ["chat"], "nodes_changed": []}
     assert detail["certificate.record"] == {
@@ -224,7 +224,7 @@ async def test_ctl_audit_prints_the_log_and_its_filters(served) -> None:
         ["admin", "127.0.0.1", "node.cordon", "n1"],
         ["admin", "127.0.0.1", "key.create", "ci"],
     ]
-    assert lines[3].endswith("max_concurrency=0 models=chat rate_per_minute=60")  # the fields by name
+    assert lines[3].endswith("max_concurrency=0 models=chat rate_per_minute=60 team=")  # the fields by name
     assert token not in shown.stdout
 
     keys = json.loads((await ctl("audit", "--action", "key", "--since", "1h", "--json", *where)).stdout)
