@@ -7,7 +7,6 @@ fake clock."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import subprocess
@@ -15,7 +14,6 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import trio
@@ -32,6 +30,7 @@ from llmgw.server.errors import StoreBusy
 from testlib.controlplane import OFFLINE_ENGINES, make_state
 from testlib.hubrepos import gguf_repo
 from testlib.hubserver import HubServer
+from testlib.pageclient import Browser, Feed
 from testlib.proc import run_llmgw
 
 pytestmark = pytest.mark.trio
@@ -42,38 +41,6 @@ HUB_TOKEN = "hf_AUDIT_secret_never_kept_0123456789"
 
 async def call(fn, *args, **kw):
     return await trio.to_thread.run_sync(lambda: fn(*args, **kw))
-
-
-class Browser:
-    """What a browser sends: its session cookie, and for a change the page's Origin and CSRF token."""
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname, parts.port
-        self.origin = f"http://{self.host}:{self.port}"
-        self.cookie = ""
-        self.csrf = ""
-
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
-        sent = {**(headers or {}), **({"cookie": self.cookie} if self.cookie else {})}
-        try:
-            conn.request(method, path, headers=sent)
-            response = conn.getresponse()
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-        finally:
-            conn.close()
-
-    def login(self, login_path: str) -> None:
-        status, headers, _ = self.request("GET", login_path)
-        assert status == 303
-        self.cookie = headers["set-cookie"].split(";")[0]
-        status, _, body = self.request("GET", "/admin/v1/page/session")
-        session = json.loads(body)
-        self.csrf, self.id = session["csrf"], session["id"]
-
-    def change(self, method: str, path: str) -> int:
-        return self.request(method, path, {"origin": self.origin, "x-llmgw-csrf": self.csrf})[0]
 
 
 @pytest.fixture
@@ -125,7 +92,7 @@ async def test_every_admin_action_is_recorded_with_who_where_and_what_and_nothin
     # A page session: the link the credential mints, the login, a change, the logout.
     link = await call(ask, "POST", "/admin/v1/page/login", {"actions": True})
     browser = Browser(client.url)
-    await call(browser.login, link["path"])
+    await call(browser.sign_in, link["path"])
     await plane.store.saw_node("n3", "127.0.0.6")
     plane.registry.know("n3", address="127.0.0.6")
     assert await call(browser.change, "POST", "/admin/v1/nodes/n3/cordon") == 200
@@ -337,31 +304,17 @@ async def test_the_page_feed_sends_the_newest_entries_then_each_new_one(served) 
     for i in range(feed.AUDIT_SHOWN + 2):  # more than the page shows
         await plane.store.record_audit(actor="admin", source="127.0.0.1", action="key.create", target=f"k{i}")
     browser = Browser(client.url)
-    await call(browser.login, plane.page.login_path())
-    conn = http.client.HTTPConnection(browser.host, browser.port, timeout=10)
-
-    def open_feed() -> http.client.HTTPResponse:
-        conn.request("GET", "/admin/v1/events", headers={"cookie": browser.cookie})
-        return conn.getresponse()
-
-    def next_event(response: http.client.HTTPResponse) -> tuple[str, dict[str, Any]]:
-        event = None
-        while True:  # bounded by the socket's timeout
-            line = response.readline().decode()
-            if line.startswith("event: "):
-                event = line[7:].strip()
-            elif line.startswith("data: ") and event in ("cluster", "changes"):
-                return event, json.loads(line[6:])
-
-    response = await call(open_feed)
+    await call(browser.sign_in, plane.page.login_path())
+    page_feed = Feed(browser)
+    await call(page_feed.open)
     try:
-        kind, first = await call(next_event, response)
+        kind, first = await call(page_feed.next)
         assert kind == "cluster" and len(first["audit"]) == feed.AUDIT_SHOWN
         assert first["audit"][0]["action"] == "page.login"  # the newest first: this page's own login
         assert first["audit"][1]["target"] == f"k{feed.AUDIT_SHOWN + 1}"
         await call(client.cordon, "n1", True)
-        kind, second = await call(next_event, response)
+        kind, second = await call(page_feed.next)
         assert kind == "changes" and second["audit"][0]["action"] == "node.cordon"
         assert second["audit"][0]["actor"] == "admin" and len(second["audit"]) == feed.AUDIT_SHOWN
     finally:
-        conn.close()
+        page_feed.close()

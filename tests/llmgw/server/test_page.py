@@ -4,11 +4,8 @@ line, and the live feed."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
@@ -22,6 +19,7 @@ from llmgw.ctl.page import page_url
 from llmgw.server.admin.logins import SessionBook
 from llmgw.server.app import ControlPlane
 from testlib.controlplane import make_state, serve_plane
+from testlib.pageclient import Browser, Feed
 
 pytestmark = pytest.mark.trio
 
@@ -34,38 +32,6 @@ async def running(tmp_path: Path, nursery: trio.Nursery) -> tuple[ControlPlane, 
     await plane.store.saw_node("n1", "127.0.0.5")
     plane.registry.know("n1", address="127.0.0.5")
     return plane, state
-
-
-class Browser:
-    """What a browser sends: the cookie it was given, and (for the page's own fetches) the Origin."""
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname, parts.port
-        self.origin = f"http://{self.host}:{self.port}"
-        self.cookie = ""
-
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
-        sent = dict(headers or {})
-        if self.cookie:
-            sent["cookie"] = self.cookie
-        try:
-            conn.request(method, path, headers=sent)
-            response = conn.getresponse()
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-        finally:
-            conn.close()
-
-    def login(self, login_path: str) -> tuple[int, dict, bytes]:
-        status, headers, body = self.request("GET", login_path)
-        if status == 303:
-            self.cookie = headers["set-cookie"].split(";")[0]
-        return status, headers, body
-
-    def json(self, method: str, path: str, **headers: str) -> tuple[int, Any]:
-        status, _, body = self.request(method, path, headers)
-        return status, json.loads(body)
 
 
 async def call(fn, *args, **kw):
@@ -202,34 +168,20 @@ async def test_the_feed_sends_the_cluster_then_each_change(running) -> None:
     plane, state = running
     browser = Browser(client_of(state).url)
     await call(browser.login, plane.page.login_path())
-    conn = http.client.HTTPConnection(browser.host, browser.port, timeout=10)
-
-    def open_feed() -> http.client.HTTPResponse:
-        conn.request("GET", "/admin/v1/events", headers={"cookie": browser.cookie})
-        return conn.getresponse()
-
-    def next_event(response: http.client.HTTPResponse) -> tuple[str, dict[str, Any]]:
-        event = None
-        while True:  # bounded by the socket's timeout
-            line = response.readline().decode()
-            if line.startswith("event: "):
-                event = line[7:].strip()
-            elif line.startswith("data: ") and event in ("cluster", "changes"):
-                return event, json.loads(line[6:])
-
-    response = await call(open_feed)
+    feed = Feed(browser)
+    response = await call(feed.open)
     try:
         assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
-        kind, first = await call(next_event, response)
+        kind, first = await call(feed.next)
         assert kind == "cluster" and [n["id"] for n in first["nodes"]] == ["n1"] and not first["nodes"][0]["cordoned"]
         assert {"fabrics", "notes", "replicas", "models", "keys"} <= set(first)
         await call(client_of(state).cordon, "n1", True)  # `llmgw ctl cordon`, with the credential
         # What changed, by id, from the version the page has.
-        kind, second = await call(next_event, response)
+        kind, second = await call(feed.next)
         assert kind == "changes" and second["base"] == first["version"]
         assert [n["id"] for n in second["nodes"]] == ["n1"] and second["nodes"][0]["cordoned"] is True
     finally:
-        conn.close()
+        feed.close()
 
 
 async def test_a_page_session_cannot_stall_the_loop_even_one_that_may_act(running) -> None:
