@@ -3,9 +3,13 @@ slow or stopped (`Gate`), and a WebSocket pair over one. For tests on `MockClock
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import trio
 import trio.testing
 import trio_websocket
+
+from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
 
 
 class Gate:
@@ -62,3 +66,18 @@ async def websocket_pair(
         opening.start_soon(accept)
         client = await trio_websocket.wrap_client_stream(nursery, client_stream, "cp", "/v1/agent")
     return client, accepted[0]
+
+
+def gateway_cert(name: str = "gw1") -> CertInfo:
+    """What the control plane reads from a gateway's certificate (role gateway, valid a month)."""
+    now = datetime.now(timezone.utc)
+    return CertInfo(
+        subject=f"OU=llmgw-gateway,CN={name}",
+        issuer="CN=llmgw",
+        common_name=name,
+        serial=0xB1,
+        fingerprint_sha256="",
+        not_before=now - timedelta(days=1),
+        not_after=now + timedelta(days=30),
+        role=ROLE_GATEWAY,
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import ssl
-from datetime import datetime, timedelta, timezone
 
 import attrs
 import pytest
@@ -21,28 +20,17 @@ from llmgw.backoff import Backoff
 from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.gatewayd import link as gl
 from llmgw.looplag import StallClock
-from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
 from llmgw.server.links.agentlistener import AgentListener
 from llmgw.server.links.gatewaylinks import GatewayFeed
 from llmgw.server.links.gatewaytable import keys_message, rotation_message
 from llmgw.server.store import KeyRow
 from llmgw.wakeup import Wakeup
 from llmgw.wire import gateway_link as g
-from testlib.memlink import Gate, gated_pair
+from testlib.memlink import Gate, gated_pair, gateway_cert
 
 pytestmark = pytest.mark.trio
 
-NOW = datetime.now(timezone.utc)
-CERT = CertInfo(
-    subject="OU=llmgw-gateway,CN=gw1",
-    issuer="CN=llmgw",
-    common_name="gw1",
-    serial=0xB1,
-    fingerprint_sha256="",
-    not_before=NOW - timedelta(days=1),
-    not_after=NOW + timedelta(days=30),
-    role=ROLE_GATEWAY,
-)
+CERT = gateway_cert()
 EP = Endpoint(replica_id="r1", model="chat", host="10.0.0.1", port=8000, api_key="k1")
 ALICE = KeyRow(
     name="alice",

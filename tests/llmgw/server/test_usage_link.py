@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import ssl
 import time
-from datetime import datetime, timedelta, timezone
 
 import pytest
 import trio
@@ -20,28 +19,17 @@ from llmgw.gateway.routing import Endpoint, Rotation
 from llmgw.gateway.usage import Usage
 from llmgw.gatewayd import link as gl
 from llmgw.looplag import StallClock
-from llmgw.pki.ca import ROLE_GATEWAY, CertInfo
 from llmgw.server.errors import StoreBusy
 from llmgw.server.links.agentlistener import AgentListener
 from llmgw.server.links.gatewaylinks import GatewayFeed
 from llmgw.server.links.usagereports import UsageReports
 from llmgw.server.store.ledger import REPORTS_KEPT_S
 from llmgw.wakeup import Wakeup
-from testlib.memlink import gated_pair
+from testlib.memlink import gated_pair, gateway_cert
 
 pytestmark = pytest.mark.trio
 
-NOW = datetime.now(timezone.utc)
-CERT = CertInfo(
-    subject="OU=llmgw-gateway,CN=gw1",
-    issuer="CN=llmgw",
-    common_name="gw1",
-    serial=0xB1,
-    fingerprint_sha256="",
-    not_before=NOW - timedelta(days=1),
-    not_after=NOW + timedelta(days=30),
-    role=ROLE_GATEWAY,
-)
+CERT = gateway_cert()
 HOUR = 1765080000
 
 
