@@ -101,7 +101,7 @@ from llmgw.http.jsonworkers import JsonWorkers, ParserBusy, parse_body
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
-from llmgw.wire.gateway_link import OPENAI_ROUTES, GatewayKey, ModelInfo, ModelLoad
+from llmgw.wire.gateway_link import OPENAI_ROUTES, RESPONSES, GatewayKey, ModelInfo, ModelLoad
 
 if TYPE_CHECKING:
     from llmgw.telemetry.otel import RequestTrace, Tracing
@@ -423,6 +423,8 @@ class Gateway:
                 job.meter = StreamUsage(fields.include_usage, len(job.body))
                 if not fields.include_usage:
                     job.body = fields.usage_body or with_usage(job.body)
+            elif fields.stream and request.path == RESPONSES:  # its usage is in its stream already
+                job.meter = StreamUsage(True, len(job.body), responses=True)
             response = await self._attempts(request, job, fields.prompt)
         except BaseException:
             job.finish(None)

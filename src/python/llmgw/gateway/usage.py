@@ -17,6 +17,11 @@ Where the tokens come from, without parsing what the gateway does not parse alre
   its usage counts the whole answer as completion and the client's prompt as prompt, as the
   client's own usage says (what the engines spent again on the continuation's prompt is the
   cluster's cost, not the key's).
+- a streamed answer of the Responses API (`/v1/responses`, `StreamUsage(responses=True)`): its
+  `response.completed` event (or `response.incomplete`) always carries the response's usage
+  (`input_tokens`, `output_tokens`): nothing is asked, and nothing taken out (it is part of that
+  API). Only an event holding `"input_tokens"` is read, and of it only its usage object (the
+  event holds the whole response, the answer's text too). Its stream is passed on byte for byte.
 
 A request counts once it reached an engine and was answered (status below 400), or its client
 left mid-answer (499): with the tokens its engine reported. A stream that ended without them (its
@@ -27,7 +32,10 @@ where an engine puts several in one), and an earlier attempt's prompt tokens, el
 budgets reserve for (`budgets.prompt_estimate`); `llmgw_gateway_usage_estimated_total{model,reason}`
 counts those answers (the ledger has no column for it). Counting costs the relay one byte count
 a piece sent (its blank lines); only the opening event and at most `CLOSING_EVENTS` at the end are
-read, once, and only for such a stream. An answer read whole that says no usage counts none.
+read, once, and only for such a stream. A Responses API stream counts its
+`response.output_text.delta` events instead (and reasoning and tool-call argument deltas), one
+token each, by byte searches of their type as they are sent (`RESPONSE_TOKEN_TYPES`: four counts
+a piece). An answer read whole that says no usage counts none.
 
 `Usage.record` is the one way in: it adds to the current hour's row, to the Prometheus counters
 (`llmgw_gateway_tokens_total{model,kind}` and `llmgw_gateway_usage_requests_total{model}`: per
@@ -58,6 +66,16 @@ HOUR_S = 3600
 _MAX_USAGE_BYTES = 4096
 _USAGE_KEY = b'"usage"'
 _MARK = b'"prompt_tokens"'  # in a stream's event that carries a usage
+_RESPONSES_MARK = b'"input_tokens"'  # in a Responses API event that carries one (`response.completed`)
+# The types of the Responses API's events that carry one token each. The type, quotes included,
+# occurs in no other string but one that is all of it (a quote inside is escaped): the relay
+# counts them with a byte search a piece.
+RESPONSE_TOKEN_TYPES = (
+    b'"response.output_text.delta"',
+    b'"response.reasoning_text.delta"',
+    b'"response.reasoning_summary_text.delta"',
+    b'"response.function_call_arguments.delta"',
+)
 # At the end of a stream, the events that may carry no token: the finish reason, a usage, an
 # error, a comment, [DONE], with room to spare. A cut stream's count reads no more than these.
 CLOSING_EVENTS = 8
@@ -143,16 +161,32 @@ class StreamUsage:
     """One stream's usage, read from its whole events as they are relayed (`events`), and taken
     out of them when the client did not ask for it (`asked` False). `body_bytes`: the client's
     request's size, for the prompt's estimate. What the client was sent (`sent`, as `job.stream`
-    relays) is what a stream cut before its usage counts (`relayed_tokens`)."""
+    relays) is what a stream cut before its usage counts (`relayed_tokens`). `responses`: a
+    Responses API stream (its usage in `response.completed`, always there: passed on as it is)."""
 
-    __slots__ = ("asked", "tokens", "earlier", "body_bytes", "relayed", "first", "prev", "last")
+    __slots__ = (
+        "asked",
+        "responses",
+        "mark",
+        "tokens",
+        "earlier",
+        "body_bytes",
+        "relayed",
+        "deltas",
+        "first",
+        "prev",
+        "last",
+    )
 
-    def __init__(self, asked: bool, body_bytes: int = 0) -> None:
-        self.asked = asked
+    def __init__(self, asked: bool, body_bytes: int = 0, *, responses: bool = False) -> None:
+        self.asked = asked or responses  # the Responses API's usage is the client's own: never taken out
+        self.responses = responses
+        self.mark = _RESPONSES_MARK if responses else _MARK
         self.tokens: Tokens | None = None  # the last usage seen (an engine's last is the whole answer's)
         self.earlier: Tokens | None = None  # the last usage of an attempt before the stream moved
         self.body_bytes = body_bytes
         self.relayed = 0  # events sent to the client (blank lines of the pieces sent)
+        self.deltas = 0  # a Responses API stream's token events sent (`RESPONSE_TOKEN_TYPES`)
         self.first = b""  # the first piece sent that held an event, the one before the last, the last
         self.prev = b""
         self.last = b""
@@ -163,13 +197,20 @@ class StreamUsage:
         if not self.relayed:
             self.first = whole
         self.relayed += whole.count(b"\n\n")
+        if self.responses:
+            for kind in RESPONSE_TOKEN_TYPES:
+                self.deltas += whole.count(kind)
+            return
         self.prev, self.last = self.last, whole
 
     def relayed_tokens(self) -> int:
         """The completion tokens the client was sent: every event relayed but the opening one
         and the closing ones when they carry no token (a chat answer's role; the finish reason,
         an error, a comment, `[DONE]`). Only those few events are read (at most CLOSING_EVENTS
-        from the end), however long the pieces: the others are tokens."""
+        from the end), however long the pieces: the others are tokens. A Responses API stream:
+        its token events, counted as they were sent."""
+        if self.responses:
+            return self.deltas
         first = self.first
         n, floor = self.relayed, 0
         if first:
@@ -193,18 +234,40 @@ class StreamUsage:
         return max(0, n)
 
     def events(self, whole: bytes) -> bytes:
-        if _MARK not in whole:
+        """`whole` (whole events) as the client gets them, their usage read: unchanged, unless
+        the client did not ask for the usage and an event holds it."""
+        mark = self.mark
+        if mark not in whole:
+            return whole
+        events = whole.replace(b"\r\n", b"\n").split(b"\n\n")
+        if self.asked:  # read, passed on as the engine sent it
+            for event in events:
+                if mark in event:
+                    self._read(event)
             return whole
         out = bytearray()
-        for event in whole.replace(b"\r\n", b"\n").split(b"\n\n"):
+        for event in events:
             if not event:
                 continue
-            if _MARK in event:
+            if mark in event:
                 event = self._event(event)
                 if not event:
                     continue
             out += event + b"\n\n"
         return bytes(out)
+
+    def _read(self, event: bytes) -> None:
+        """The usage of an event the client gets as it is."""
+        if self.responses:
+            # `response.completed` holds the whole response: its usage object alone is decoded
+            # (the last "usage" key of the event: the response's own, after its output).
+            tokens = body_usage(event)
+            if tokens is None:  # another key "usage" after it (a tool's schema): the event decoded
+                tokens = _response_usage(event)
+            if tokens is not None:
+                self.tokens = tokens
+            return
+        self._event(event)
 
     def _event(self, event: bytes) -> bytes:
         lines = event.split(b"\n")
@@ -226,6 +289,19 @@ class StreamUsage:
         del chunk["usage"]
         others = b"".join(line + b"\n" for line in lines if not line.startswith(b"data:"))
         return others + b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _response_usage(event: bytes) -> Tokens | None:
+    """The usage of a Responses API event (`response.completed`: `response.usage`), decoded whole."""
+    data = data_of(event)
+    if not data:
+        return None
+    try:
+        chunk = json.loads(data[0])
+    except ValueError:
+        return None
+    response = chunk.get("response") if isinstance(chunk, dict) else None
+    return tokens_of(response.get("usage")) if isinstance(response, dict) else None
 
 
 def _event_token(event: bytes) -> bool:
