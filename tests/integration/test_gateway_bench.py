@@ -37,6 +37,7 @@ SETTINGS = {
     "targets": {name: NUMBER for name in gateway.TARGETS},
 }
 PHASES_1_3 = {
+    "otlp_endpoint": str,  # '' unless --otlp-endpoint: phases 1-4's gateway traces every request to it
     "latency_seconds": int,
     "throughput_seconds": int,
     "throughput_connections": int,
