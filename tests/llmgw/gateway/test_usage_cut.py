@@ -17,22 +17,20 @@ import trio
 import trio.testing
 
 from llmgw.gateway import usage as usage_module
-from llmgw.gateway.budgets import Budgets, prompt_estimate
+from llmgw.gateway.budgets import prompt_estimate
 from llmgw.gateway.migrate import CHAT, COMPLETIONS
 from llmgw.gateway.routing import Endpoint
 from llmgw.gateway.usage import StreamUsage
 from llmgw.http.messages import Request, Response, StreamingResponse
-from llmgw.server.state.budgets import Budget
 from llmgw.simengine import api
-from llmgw.wire import gateway_link as g
 from llmgw.wire.gateway_link import ModelInfo
 from testlib import memnet
+from testlib.minutebudget import charged, with_budget
 
 pytestmark = pytest.mark.trio
 
 WORDS = ["one", " two", " three", " four", " five", " six", " seven", " eight"]
 USAGE = {"prompt_tokens": 7, "completion_tokens": len(WORDS), "total_tokens": 7 + len(WORDS)}
-BUDGET = 100_000
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -96,20 +94,6 @@ def request_body(route: str) -> bytes:
     else:
         body["prompt"] = "count to eight: " * 10
     return json.dumps(body).encode()
-
-
-def with_budget(gw: memnet.MemGateway) -> Budgets:
-    """A minute budget of the gateway's key, on a clock that stands still (no refill)."""
-    budgets = Budgets(clock=lambda: 0.0, wall=lambda: 1_765_000_000.0)
-    budget = Budget(scope_kind="key", scope="tests", period="minute", tokens=BUDGET)
-    budgets.replace(g.BudgetsChanged(budgets=(budget.wire(),), version=1))
-    gw.gateway.budgets = budgets
-    return budgets
-
-
-def charged(budgets: Budgets) -> float:
-    [part] = budgets._minute.values()
-    return BUDGET - part.level
 
 
 async def stream_until(gw: memnet.MemGateway, route: str, body: bytes, tokens: int | None) -> tuple[int, bytes]:

@@ -15,14 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.gateway.budgets import Budgets, prompt_estimate
+from llmgw.gateway.budgets import prompt_estimate
 from llmgw.gateway.routing import Endpoint
 from llmgw.gateway.usage import StreamUsage, Tokens, body_usage
 from llmgw.http.messages import Request, Response, StreamingResponse
-from llmgw.server.state.budgets import Budget
-from llmgw.wire import gateway_link as g
 from llmgw.wire.gateway_link import RESPONSES, ModelInfo
 from testlib import memnet
+from testlib.minutebudget import charged, with_budget
 
 WORDS = ["one", " two", ' "input_tokens": 99', " four", " five"]  # a word that looks like a usage key
 USAGE = {
@@ -32,7 +31,6 @@ USAGE = {
     "output_tokens_details": {"reasoning_tokens": 0},
     "total_tokens": 11 + len(WORDS),
 }
-BUDGET = 100_000
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -111,20 +109,6 @@ class Engine:
 def request_body(stream: bool) -> bytes:
     body = {"model": "m", "input": "count to five, one word at a time " * 4, "stream": stream}
     return json.dumps(body).encode()
-
-
-def with_budget(gw: memnet.MemGateway) -> Budgets:
-    """A minute budget of the gateway's key, on a clock that stands still (no refill)."""
-    budgets = Budgets(clock=lambda: 0.0, wall=lambda: 1_765_000_000.0)
-    budget = Budget(scope_kind="key", scope="tests", period="minute", tokens=BUDGET)
-    budgets.replace(g.BudgetsChanged(budgets=(budget.wire(),), version=1))
-    gw.gateway.budgets = budgets
-    return budgets
-
-
-def charged(budgets: Budgets) -> float:
-    [part] = budgets._minute.values()
-    return BUDGET - part.level
 
 
 async def gateway(tmp_path: Path, nursery: trio.Nursery, engine: Engine) -> memnet.MemGateway:
