@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 from llmgw.cli import add_json_flag, add_leaf
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.tables import table
-from llmgw.ctl.times import parse_time, utc_text
+from llmgw.ctl.times import add_period_options, period_query, utc_text
 from llmgw.errors import UsageError
 
 ClientFrom = Callable[[argparse.Namespace], AdminClient]
@@ -35,8 +35,7 @@ def configure_audit(
         "the audit log: every admin action, who made it, when, from where and what changed (newest first)",
         partial(run_audit, client_from),
     )
-    leaf.add_argument("--since", metavar="WHEN", help="from then on: an age (30m, 1h, 2d, 1w) or an ISO date or time")
-    leaf.add_argument("--until", metavar="WHEN", help="before then (the same forms)")
+    add_period_options(leaf)
     leaf.add_argument("--action", metavar="A", help="one action (key.create) or a family of them (key)")
     leaf.add_argument("--actor", metavar="X", help="admin, page (every page session) or page:SESSION")
     leaf.add_argument("--target", metavar="NAME", help="what was acted on: a key's, node's or model's name")
@@ -52,10 +51,7 @@ def query(args: argparse.Namespace, now: float) -> dict[str, Any]:
     if not 1 <= args.limit <= MAX_LIMIT:
         raise UsageError(f"--limit must be from 1 to {MAX_LIMIT}, got {args.limit}")
     q: dict[str, Any] = {"limit": args.limit}
-    for option in ("since", "until"):
-        given = getattr(args, option)
-        if given:
-            q[option] = repr(parse_time(given, now, option=f"--{option}"))
+    q.update(period_query(args, now))
     for option in ("action", "actor", "target"):
         given = getattr(args, option)
         if given:

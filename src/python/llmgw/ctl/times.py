@@ -5,6 +5,7 @@ times). Pure: `now` is given."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import re
 
@@ -35,3 +36,19 @@ def parse_time(text: str, now: float, *, option: str = "--since") -> float:
 def utc_text(at: float) -> str:
     """A unix time as the tables print it: "2026-12-07 10:00:01" (UTC)."""
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def add_period_options(parser: argparse.ArgumentParser) -> None:
+    """`--since` and `--until`, as `ctl usage` and `ctl audit` take them."""
+    parser.add_argument("--since", metavar="WHEN", help="from then on: an age (30m, 1h, 2d, 1w) or an ISO date or time")
+    parser.add_argument("--until", metavar="WHEN", help="before then (the same forms)")
+
+
+def period_query(args: argparse.Namespace, now: float) -> dict[str, str]:
+    """The admin API's `since` and `until` for the options given (unix seconds, as repr)."""
+    q = {}
+    for option in ("since", "until"):
+        given = getattr(args, option)
+        if given:
+            q[option] = repr(parse_time(given, now, option=f"--{option}"))
+    return q

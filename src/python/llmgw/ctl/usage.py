@@ -22,7 +22,7 @@ from urllib.parse import quote, urlencode
 from llmgw.cli import add_group, add_json_flag, add_leaf
 from llmgw.ctl.client import AdminClient
 from llmgw.ctl.tables import table
-from llmgw.ctl.times import parse_time, utc_text
+from llmgw.ctl.times import add_period_options, period_query, utc_text
 from llmgw.errors import UsageError
 
 ClientFrom = Callable[[argparse.Namespace], AdminClient]
@@ -45,8 +45,7 @@ def configure_usage(
     only.add_argument("--key", metavar="K", help="one key's usage")
     only.add_argument("--team", metavar="T", help="one team's usage")
     leaf.add_argument("--model", metavar="M", help="one model's usage")
-    leaf.add_argument("--since", metavar="WHEN", help="from then on: an age (30m, 1h, 2d, 1w) or an ISO date or time")
-    leaf.add_argument("--until", metavar="WHEN", help="before then (the same forms)")
+    add_period_options(leaf)
     leaf.add_argument(
         "--by",
         metavar="FIELDS",
@@ -96,10 +95,7 @@ def usage_query(args: argparse.Namespace, now: float) -> dict[str, str]:
         given = getattr(args, option)
         if given:
             q[option] = given
-    for option in ("since", "until"):
-        given = getattr(args, option)
-        if given:
-            q[option] = repr(parse_time(given, now, option=f"--{option}"))
+    q.update(period_query(args, now))
     return q
 
 
