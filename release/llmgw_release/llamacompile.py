@@ -56,7 +56,7 @@ def compile_archive(
         env = llamarecipe.build_environ(os.environ, epoch, str(work))
         _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
         _run_logged(
-            ["cmake", "--build", str(build), "--target", llamarecipe.SERVER, "-j", str(jobs)],
+            ["cmake", "--build", str(build), "--target", *llamarecipe.TARGETS, "-j", str(jobs)],
             env,
             work / "build.log",
             "compiling",

@@ -182,9 +182,12 @@ def test_a_source_without_the_variant_the_recipe_drops_stops_the_build() -> None
 
 def test_the_archive_takes_the_server_and_the_shared_libraries_only() -> None:
     names = ["llama-server", "llama-cli", "libllama.so.0.0.11434", "libllama.so.0", "libllama.so", "libmtmd.so.0",
-             "libggml-cpu-haswell.so", "test-tokenizer-0", "rpc-server", "libfoo.a", "notes.txt"]  # fmt: skip
+             "libggml-cpu-haswell.so", "test-tokenizer-0", "ggml-rpc-server", "libggml-rpc.so", "rpc-server",
+             "libfoo.a", "notes.txt"]  # fmt: skip
     assert llamarecipe.shipped(names) == [
+        "ggml-rpc-server",
         "libggml-cpu-haswell.so",
+        "libggml-rpc.so",
         "libllama.so",
         "libllama.so.0",
         "libllama.so.0.0.11434",
@@ -209,7 +212,7 @@ def test_the_key_of_a_known_recipe_does_not_move() -> None:
     more each. Move it on purpose (RECIPE_REVISION), and update this value with it."""
     amd64 = llamarecipe.recipe(SOURCE, llamarecipe.toolchain("amd64", "amd64"), TOOLS, compiles_sme=False)
     arm64 = llamarecipe.recipe(SOURCE, llamarecipe.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
-    assert (amd64.key, arm64.key) == ("7bcf46908284ffde", "fd4aad184918aab2")
+    assert (amd64.key, arm64.key) == ("f50e67877c8b0cf0", "b5a1bfb15caa5d79")
 
 
 def test_a_node_without_ninja_builds_the_same_recipe_with_make_under_another_key() -> None:

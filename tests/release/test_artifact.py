@@ -219,6 +219,7 @@ def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_its_cpu_vari
     assert all(i.name.startswith(f"{top}/") and (i.isfile() or i.issym()) for i in infos[1:])
     assert all("/" not in n for n in names) and names == sorted(names)
     assert {"llama-server", "LICENSE", "libllama.so", "libggml-base.so", "libggml.so"} <= set(names), names
+    assert {"ggml-rpc-server", "libggml-rpc.so"} <= set(names), names  # one model over several nodes
     # The suite's build carries this CPU's variants (the baseline and the one it loads); the
     # release's every one, which its build checks as it packs (llamacpp.check_members, against
     # llamarecipe.expected_variants: test_llamarecipe, test_llamacpp).

@@ -7,7 +7,8 @@ release archives are: shared libraries, every CPU variant the source builds for 
 as a loadable backend (`libggml-cpu-<variant>.so`, the best one for the CPU chosen at run time),
 no tuning for the build machine, and `$ORIGIN` as every object's library path, so the directory
 runs from anywhere with no LD_LIBRARY_PATH. What a build leaves that is shipped (`shipped`):
-`llama-server`, its shared libraries with their soname links, and llama.cpp's LICENSE, flat.
+`llama-server`, `ggml-rpc-server`, their shared libraries with their soname links, and llama.cpp's
+LICENSE, flat.
 
 Beyond upstream's recipe, two things keep it runnable on a stock cloud image, whose only C++
 runtime is what apt itself needs: no OpenMP (ggml's own thread pool instead; libgomp is not on
@@ -36,9 +37,15 @@ ARCHES = ("amd64", "arm64")
 MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
 TRIPLETS = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
 SERVER = "llama-server"
+# llama.cpp's RPC server: it lends a node's devices to another node's llama-server (`--rpc`), for
+# one model split across machines (docs/engines.md "One model over several nodes").
+RPC_SERVER = "ggml-rpc-server"
+# What a build compiles (`cmake --build --target` each): the server and the RPC server, and through
+# them the libraries they load (every CPU variant's, and libggml-rpc.so, the RPC backend).
+TARGETS = (SERVER, RPC_SERVER)
 LICENSE = "LICENSE"
 # Bump when this module or a build changes what it makes of a recipe: it is in the key.
-RECIPE_REVISION = 1
+RECIPE_REVISION = 2  # 2: the RPC backend and ggml-rpc-server
 GENERATOR = "Ninja"  # the release's; a node without ninja builds the same with make (another key)
 
 # Placeholders for the build's own paths in the recipe; substituted when CMake runs.
@@ -62,6 +69,7 @@ OPTIONS = (
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # its download fails offline
+    "-DGGML_RPC=ON",  # libggml-rpc.so and ggml-rpc-server: one model over several nodes
 )
 
 # GCC below 14 cannot compile for SME (`-march=armv9.2-a+sme`), which llama.cpp's two armv9.2
@@ -403,9 +411,10 @@ CPU_VARIANT = re.compile(r"libggml-cpu-([A-Za-z0-9_.]+)\.so")
 
 
 def shipped(names: Iterable[str]) -> list[str]:
-    """Of the build's bin/ directory, what is shipped (beside the source's LICENSE): llama-server
-    and the shared libraries (with their soname links); not the other programs a build may leave there."""
-    return sorted(n for n in names if n == SERVER or SHIPPED.fullmatch(n))
+    """Of the build's bin/ directory, what is shipped (beside the source's LICENSE): llama-server,
+    ggml-rpc-server and the shared libraries (with their soname links); not the other programs a
+    build may leave there."""
+    return sorted(n for n in names if n in TARGETS or SHIPPED.fullmatch(n))
 
 
 def cpu_variants(names: Iterable[str]) -> list[str]:

@@ -10,7 +10,7 @@ cover, is this node's alone: static, tuned for its CPU (GGML_NATIVE) and GPU (`c
 keyed also by the CPU's flags (`cache_key`).
 
 The source archive is unpacked with the installer's safe unpack (its caps apply), configured,
-and only the `llama-server` target is built, with ninja if present, else make. Both steps run
+and only the `llama-server` and `ggml-rpc-server` targets are built, with ninja if present, else make. Both steps run
 `nice`d in a process group of their own, under one deadline: a timeout or a cancellation kills
 the whole group (compilers included) before this returns. Their output goes to a log the caller
 keeps; compile progress ("[12/345]" from ninja, "[ 40%]" from make) is reported as a percentage.
@@ -108,6 +108,7 @@ def configure_args(toolchain: Toolchain, *, cuda: bool, version: str) -> list[st
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_SERVER=ON",
         "-DLLAMA_USE_PREBUILT_UI=OFF",  # its download fails offline
+        "-DGGML_RPC=ON",  # ggml-rpc-server: this node can lend its devices to another's llama-server
     ]
     number = llamarecipe.tag_number(version)
     if number:
@@ -292,7 +293,16 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> list[P
         configure = [*nice, req.toolchain.cmake, "-S", str(src), "-B", str(build)]
         configure += configure_args(req.toolchain, cuda=req.cuda, version=req.version)
         env = {**os.environ, "LC_ALL": "C"}  # English messages: classify reads them
-    compile_ = [*nice, req.toolchain.cmake, "--build", str(build), "--target", TARGET, "-j", str(req.jobs)]
+    compile_ = [
+        *nice,
+        req.toolchain.cmake,
+        "--build",
+        str(build),
+        "--target",
+        *llamarecipe.TARGETS,
+        "-j",
+        str(req.jobs),
+    ]
     req.log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info(
         "engine_build_started",
@@ -321,7 +331,8 @@ async def build_llama_server(req: BuildRequest, on_progress: Progress) -> list[P
     if not binary.is_file():
         raise BuildFailed(f"building llama.cpp {req.version} made no {binary}; the build's log: {req.log_path}")
     if req.recipe is None:
-        return [binary]
+        rpc = build / "bin" / llamarecipe.RPC_SERVER
+        return [binary, rpc] if rpc.is_file() else [binary]
     names = [p.name for p in binary.parent.iterdir()]
     if not llamarecipe.cpu_variants(names):
         raise BuildFailed(
