@@ -43,7 +43,9 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # and the control plane's request to measure again (DesiredState.bench).
 # 13: the node's Vulkan devices as its loader's vulkaninfo lists them (Inventory.vulkan, vulkan_status,
 # vulkan_detail; VulkanDevice, VulkanHeap).
-PROTOCOL_VERSION = 13
+# 14: one llama.cpp model over several nodes through llama.cpp's RPC: every member's address
+# (ReplicaAssignment.member_addrs), which rank 0 dials.
+PROTOCOL_VERSION = 14
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
 # WebSocket at AGENT_PATH whose upgrade request names the node in NODE_ID_HEADER, and the
@@ -535,6 +537,11 @@ class ReplicaAssignment:
     node_rank: int = 0
     rank0_addr: str = ""  # the rank-0 node's address as the members dial it (multi-node)
     dist_init_port: int = 0
+    # Every member's address in rank order, as the control plane reaches each node (multi-node
+    # llama.cpp): ranks 1.. lend their devices through llama.cpp's RPC server, which the node's
+    # agent serves on member_addrs[rank]:dist_init_port behind mutual TLS that admits rank 0's
+    # node alone (agent.rpctunnel); rank 0 dials them all. () for every other replica.
+    member_addrs: tuple[str, ...] = ()
     gpus: int = 0  # GPUs on this node for this member
     args: tuple[str, ...] = ()  # the catalog's engine args
     ib_adapters: tuple[str, ...] = ()
