@@ -34,6 +34,7 @@ from pathlib import Path
 
 import attrs
 import trio
+from cryptography import x509
 
 from llmgw.http.errors import HTTPError
 from llmgw.http.limits import Limits
@@ -41,7 +42,7 @@ from llmgw.http.listeners import Shutdown, open_listeners, peer_host, serve_capp
 from llmgw.http.messages import Request, Response, StreamingResponse, allow
 from llmgw.http.server import ConnectionStats, serve_connection
 from llmgw.log import get_logger
-from llmgw.pki.ca import ROLE_NODE, cert_info, cert_info_from_der, check_issued_by
+from llmgw.pki.ca import ROLE_NODE, CertInfo, cert_info, cert_info_from_der, check_issued_by
 from llmgw.pki.files import NodePaths, load_cert
 from llmgw.weightpieces import PIECE_MAX, Offer, PieceSender, hash_piece, span
 from llmgw.wire import agent_link as w
@@ -67,6 +68,44 @@ def peer_ssl_context(files: NodePaths) -> ssl.SSLContext:
     ctx.load_cert_chain(str(files.cert), str(files.key))
     ctx.load_verify_locations(cafile=str(files.ca_cert))
     return ctx
+
+
+def peer_client_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A node's TLS when it dials another node's port (the weights port, a helper's RPC tunnel):
+    its own certificate shown; the server's checked by `check_node` after the handshake, not by
+    OpenSSL (node certificates are issued for client authentication: a TLS client's own check
+    of the server's purpose would refuse them)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # checked by `check_node` instead (the purpose, above)
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
+def check_node(der: bytes | None, ca: x509.Certificate, node: str) -> None:
+    """That a server's certificate (DER, as the handshake gave it) is node `node`'s, of this
+    cluster's CA and valid now: `PeerFailed` saying what it is otherwise."""
+    if not der:
+        raise PeerFailed("it showed no certificate")
+    cert = x509.load_der_x509_certificate(der)
+    try:
+        check_issued_by(cert, ca)
+    except Exception as exc:  # noqa: BLE001 - any failure of the check is a refusal
+        raise PeerFailed(f"its certificate is not this cluster's ({exc})") from None
+    info = cert_info(cert)
+    if not info.valid_at(datetime.now(timezone.utc)):
+        raise PeerFailed(f"its certificate is not valid now ({info.not_before} to {info.not_after})")
+    if info.common_name != node or info.role != ROLE_NODE:
+        raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {node!r}")
+
+
+def client_node(stream: trio.SSLStream) -> CertInfo | None:
+    """The certificate a client showed on a port of `peer_ssl_context` (OpenSSL checked its
+    chain, dates and purpose in the handshake), if it is a node's; None otherwise (a gateway's)."""
+    der = stream.getpeercert(binary_form=True)
+    info = cert_info_from_der(der) if der else None
+    return info if info is not None and info.role == ROLE_NODE else None
 
 
 class Members:
@@ -134,13 +173,12 @@ class PeerServer:
                 await stream.do_handshake()
             if waited.cancelled_caught:
                 return  # its deadline, or closed for a newcomer
-            der = stream.getpeercert(binary_form=True)
-            node = cert_info_from_der(der) if der else None
-            if node is not None and node.role == ROLE_NODE and not self.members.admits(node.common_name):
+            node = client_node(stream)
+            if node is not None and not self.members.admits(node.common_name):
                 await self.members.refresh()  # a node that joined since the list was made
-            if node is None or node.role != ROLE_NODE or not self.members.admits(node.common_name):
-                who = node.common_name if node else "a peer without a certificate"
-                log.warning("weights_peer_refused", peer=who, role=node.role if node else "-")
+            if node is None or not self.members.admits(node.common_name):
+                who = node.common_name if node else "a peer without a node's certificate"
+                log.warning("weights_peer_refused", peer=who)
                 # Said, not just closed: the asker tells "refused" from "broke off" and asks elsewhere.
                 refusal = HTTPError(403, "this node serves weights to the nodes of its cluster only")
                 await serve_connection(_refuse(refusal), stream, limits=LIMITS, stats=self.stats, listener=LISTENER)
@@ -231,12 +269,7 @@ class PeerClient:
         checked against the address dialled), for the control plane when it seeds a file."""
         self.ca = load_cert(ca_cert)
         self.control_plane_context = control_plane_context
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE  # checked by `_check_server` instead (the purpose, above)
-        ctx.load_cert_chain(str(cert), str(key))
-        self.ssl_context = ctx
+        self.ssl_context = peer_client_ssl_context(cert, key)
         self._idle: dict[Peer, list[http.client.HTTPSConnection]] = {}  # kept-alive connections, by peer
         self._lock = threading.Lock()
         self._buffers: list[bytearray] = []  # piece buffers given back (`buffer`)
@@ -271,21 +304,7 @@ class PeerClient:
 
     def _check_server(self, conn: http.client.HTTPSConnection, peer: Peer) -> None:
         sock = conn.sock
-        der = sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None
-        if not der:
-            raise PeerFailed("it showed no certificate")
-        from cryptography import x509
-
-        cert = x509.load_der_x509_certificate(der)
-        try:
-            check_issued_by(cert, self.ca)
-        except Exception as exc:  # noqa: BLE001 - any failure of the check is a refusal
-            raise PeerFailed(f"its certificate is not this cluster's ({exc})") from None
-        info = cert_info(cert)
-        if not info.valid_at(datetime.now(timezone.utc)):
-            raise PeerFailed(f"its certificate is not valid now ({info.not_before} to {info.not_after})")
-        if info.common_name != peer.node or info.role != ROLE_NODE:
-            raise PeerFailed(f"it is {info.common_name!r} ({info.role}), not node {peer.node!r}")
+        check_node(sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None, self.ca, peer.node)
 
     def _get(
         self, peer: Peer, target: str, headers: dict[str, str], limit: int, into: bytearray | None = None
