@@ -9,6 +9,7 @@ import os
 import stat
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -52,7 +53,13 @@ async def test_llama_cpp_is_measured_on_the_made_model_and_reported(tmp_path: Pa
     # Measured: nothing is due until the engine changes or the control plane asks again.
     assert bench.due(engines, w.DesiredState(generation=2, bench="ask-1")) is None
     assert bench.due(engines, w.DesiredState(generation=3, bench="ask-2")) is not None
-    assert bench.due(_engines(llama_server(), version="b11500"), None) is not None
+    newer = _engines(llama_server(), version="b11500")
+    want = w.EngineWant(name=b.ENGINE, version="b11500")
+    assert bench.due(newer, w.DesiredState(generation=4, bench="ask-1", engines=(want,))) is not None
+    # measure_speed = false: a new version is measured only when asked.
+    quiet = (attrs.evolve(want, measure_speed=False),)
+    assert bench.due(newer, w.DesiredState(generation=4, bench="ask-1", engines=quiet)) is None
+    assert bench.due(newer, w.DesiredState(generation=5, bench="ask-3", engines=quiet)) is not None
     log = (tmp_path / "llama-server-cpu.log").read_text()
     assert "prompt eval time" in log or "print_timing" in log, log[-2000:]
 

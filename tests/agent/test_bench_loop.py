@@ -2,7 +2,7 @@
 measurement: once llama.cpp is checked, again at a new version or when the control plane asks
 (DesiredState.bench), never while the replicas are busy (waiting, then measured once idle), a
 failure reported with its reason and the last figures kept; the devices llama-server lists are
-measured each as its backend."""
+measured each as its backend. Where the want says `measure_speed = false`, only when asked."""
 
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ def test_the_figures_are_llama_servers_timings_and_nothing_else() -> None:
 
 
 class Harness:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, measure_speed: bool = True) -> None:
         self.engines = Engines()
-        self.desired: w.DesiredState | None = None
+        # What the control plane wants of llama.cpp (llmgw.engines.wants), server.toml's measure_speed in it.
+        self.wants = (w.EngineWant(name="llamacpp", version="b11434", measure_speed=measure_speed),)
+        self.desired: w.DesiredState | None = w.DesiredState(generation=1, engines=self.wants)
         self.changed = Wakeup()
         self.sent: list[tuple[w.BackendSpeed, ...]] = []
         self.measured: list[tuple[str, str]] = []
@@ -90,7 +92,7 @@ class Harness:
         self.engines.executables["llamacpp"] = executable
 
     def ask(self, token: str) -> None:
-        self.desired = w.DesiredState(generation=1, bench=token)
+        self.desired = w.DesiredState(generation=2, engines=self.wants, bench=token)
         self.changed.fire()
 
     def last(self) -> dict[str, w.BackendSpeed]:
@@ -143,6 +145,59 @@ async def _measured_when_checked_again_when_asked_or_changed(tmp_path: Path) -> 
 def test_measured_when_checked_again_when_asked_or_changed(tmp_path: Path) -> None:
     trio.run(
         _measured_when_checked_again_when_asked_or_changed, tmp_path, clock=trio.testing.MockClock(autojump_threshold=0)
+    )
+
+
+async def _measure_speed_false_measures_only_when_asked(tmp_path: Path) -> None:
+    h = Harness(tmp_path, measure_speed=False)
+    async with trio.open_nursery() as nursery:
+        await h.serve(nursery)
+        h.install("b11434")
+        await trio.sleep(600)
+        assert h.measured == [] and h.sent == []  # installed and checked: not measured, nothing reported
+        h.install("b11500")  # nor at a new version
+        await trio.sleep(600)
+        assert h.measured == [] and h.sent == []
+        h.ask("ask-1")  # `llmgw ctl nodes bench`
+        await trio.sleep(5)
+        assert h.measured == [("/opt/llama/llama-server", "cpu")]
+        cpu = h.last()["cpu"]
+        assert (cpu.state, cpu.gen_tps, cpu.version, cpu.request) == ("ok", 40.0, "b11500", "ask-1")
+        h.install("b11600")  # answered; a new version is still not measured by itself
+        await trio.sleep(600)
+        assert len(h.measured) == 1
+        h.ask("ask-2")
+        await trio.sleep(5)
+        assert len(h.measured) == 2 and h.last()["cpu"].version == "b11600"
+        nursery.cancel_scope.cancel()
+
+
+def test_measure_speed_false_measures_only_when_asked(tmp_path: Path) -> None:
+    trio.run(
+        _measure_speed_false_measures_only_when_asked, tmp_path, clock=trio.testing.MockClock(autojump_threshold=0)
+    )
+
+
+async def _not_by_itself_before_a_desired_state_wants_llama_cpp(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.desired = None  # none yet: it may say measure_speed = false
+    h.install("b11434")
+    async with trio.open_nursery() as nursery:
+        await h.serve(nursery)
+        await trio.sleep(600)
+        assert h.measured == []
+        h.desired = w.DesiredState(generation=1, engines=h.wants)
+        h.changed.fire()
+        await trio.sleep(5)
+        assert h.measured == [("/opt/llama/llama-server", "cpu")]
+        nursery.cancel_scope.cancel()
+
+
+def test_not_by_itself_before_a_desired_state_wants_llama_cpp(tmp_path: Path) -> None:
+    trio.run(
+        _not_by_itself_before_a_desired_state_wants_llama_cpp,
+        tmp_path,
+        clock=trio.testing.MockClock(autojump_threshold=0),
     )
 
 

@@ -389,3 +389,12 @@ def test_page_origins_are_origins_each_refused_with_its_index() -> None:
     problems = problems_of({"server": {"page_origins": bad}})
     assert [p.rsplit(" @ ", 1)[1] for p in problems] == [f"$.server.page_origins[{i}]" for i in (1, 2, 3)]
     assert "'https://cp.example/page'" in problems[0] and "http://HOST[:PORT]" in problems[0]
+
+
+def test_llamacpp_measure_speed_is_on_by_default_and_a_bool() -> None:
+    assert config.server_config_from_dict({}).engines.llamacpp.measure_speed
+    off = config.server_config_from_dict({"engines": {"llamacpp": {"measure_speed": False}}}).engines.llamacpp
+    assert not off.measure_speed and off.version == pins.LLAMACPP_VERSION and off.release  # nothing else moves
+    assert any(
+        "$.engines.llamacpp.measure_speed" in p for p in problems_of({"engines": {"llamacpp": {"measure_speed": "no"}}})
+    )

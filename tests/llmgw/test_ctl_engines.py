@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw.config import EngineSource, EnginesSection
+from llmgw.config import EngineSource, EnginesSection, LlamacppSource
 from llmgw.ctl import engines as texts
 from llmgw.ctl.tables import format_nodes, vulkan_text
 from llmgw.server.state.registry import Node
@@ -144,6 +144,22 @@ def test_each_backends_measured_speed_is_a_line_under_the_nodes_table() -> None:
         "before it served",
         "llama.cpp vulkan: waiting: its replicas are busy (1.5 cores)",
     ]
+
+
+def test_measure_speed_false_says_llamacpp_is_not_measured_and_how_to_measure() -> None:
+    node = Node(node_id="node-a")
+    node.engines = (w.EngineStatus(name="llamacpp", version="b11434", ok=True, state=w.ENGINE_OK),)
+    quiet = EnginesSection(llamacpp=LlamacppSource(measure_speed=False))
+    assert texts.notes(node_view(node, "joined", 0.0, quiet)) == [texts.NOT_MEASURED]
+    assert "measure_speed = false" in texts.NOT_MEASURED and "`llmgw ctl nodes bench`" in texts.NOT_MEASURED
+    assert texts.notes(node_view(node, "joined", 0.0, EnginesSection())) == []  # on: it is being measured
+    # Measured once asked: the figures, nothing more.
+    node.speeds = (w.BackendSpeed(engine="llamacpp", backend="cpu", state=w.SPEED_OK, prompt_tps=850, gen_tps=42),)
+    assert texts.notes(node_view(node, "joined", 0.0, quiet)) == ["llama.cpp cpu: 850 prompt tok/s, 42 gen tok/s"]
+    # No working llama.cpp: nothing to measure, nothing said about it.
+    node.speeds = ()
+    node.engines = (w.EngineStatus(name="llamacpp", version="b11434", ok=False, state=w.ENGINE_FAILED, detail="x"),)
+    assert texts.NOT_MEASURED not in texts.notes(node_view(node, "joined", 0.0, quiet))
 
 
 def test_ctl_nodes_bench_prints_the_figures_that_answer_its_request_or_why_not() -> None:

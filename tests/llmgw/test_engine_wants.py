@@ -272,3 +272,11 @@ def test_a_node_may_build_where_nothing_prebuilt_covers_it_or_for_cuda() -> None
     cuda = EnginesSection(llamacpp=LlamacppSource(archives=(CUDA_ARCHIVE,)))
     assert not may_build(cuda, node(gpus=1), ())
     assert not may_build(EnginesSection(llamacpp=LlamacppSource(version="")), node(arch="riscv64"), ())
+
+
+def test_llamacpps_measure_speed_reaches_its_want_only() -> None:
+    [llama, vllm] = engines_for(EnginesSection(), node(gpus=1))
+    assert llama.measure_speed and vllm.measure_speed  # the default: the node measures once installed
+    quiet = EnginesSection(llamacpp=LlamacppSource(measure_speed=False))
+    [llama] = engines_for(quiet, node(vllm=w.NOT_APPLICABLE))
+    assert (llama.name, llama.measure_speed) == ("llamacpp", False)

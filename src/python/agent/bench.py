@@ -4,7 +4,8 @@ faster nodes first (llmgw.server.state.scheduler).
 
 When: once llama.cpp is installed and checked here (and again for each new version or binary),
 and when the control plane asks (`DesiredState.bench`, from `llmgw ctl nodes bench`: a token not
-answered yet). Never while this node's replicas are busy, as far as the agent can tell (their
+answered yet). Where server.toml's [engines.llamacpp] says `measure_speed = false` (the want's
+`measure_speed`), or before the first desired state says either way, only when asked. Never while this node's replicas are busy, as far as the agent can tell (their
 engines used more than BUSY_CORES of CPU over BUSY_SAMPLE_S): the backend is reported `waiting`
 and measured once they are idle, looked at again every BUSY_RETRY_S.
 
@@ -228,14 +229,25 @@ class Bench:
 
     def due(self, engines: Engines, desired: w.DesiredState | None) -> Due | None:
         """What to measure now, if anything: llama.cpp checked here and not measured at this
-        version and executable, or a request not answered yet."""
+        version and executable (where the control plane's want says `measure_speed`), or a
+        request not answered yet."""
         status, executable = engines.statuses.get(ENGINE), engines.executables.get(ENGINE)
         if status is None or not status.ok or status.state == w.ENGINE_INSTALLING or executable is None:
             return None
         request = desired.bench if desired is not None else ""
-        if (status.version, executable) != self.measured or (request and request != self.answered):
+        if request and request != self.answered:
+            return Due(version=status.version, executable=executable, request=request)
+        if (status.version, executable) != self.measured and self.by_itself(desired):
             return Due(version=status.version, executable=executable, request=request)
         return None
+
+    @staticmethod
+    def by_itself(desired: w.DesiredState | None) -> bool:
+        """Whether the control plane wants llama.cpp's speed measured without being asked: its
+        want of llama.cpp says so. Not before a desired state wants llama.cpp (the want may say
+        `measure_speed = false`, and until one comes this agent has checked no llama.cpp)."""
+        wants = desired.engines if desired is not None else ()
+        return any(e.name == ENGINE and e.measure_speed for e in wants)
 
     def forget_unless(self, engines: Engines) -> bool:
         """Drop the speeds if llama.cpp is no longer offered here; True if there were any."""

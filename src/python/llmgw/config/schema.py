@@ -256,11 +256,14 @@ class LlamacppSource(EngineSource):
     cover, else built on each node from its source. On a node, in order (agent.engines): agent.toml's
     llamacpp_bin; version "" (the operator's llama-server); an `archives` entry that fits (cuda where
     there is a GPU); a CUDA build where the node has a GPU and nvcc; the release's archive; a build.
-    `release = false` takes nothing from the release; `build = false` builds nowhere."""
+    `release = false` takes nothing from the release; `build = false` builds nowhere.
+    `measure_speed = false`: the nodes measure llama.cpp's speed (agent.bench) only when
+    `llmgw ctl nodes bench` asks, not by themselves once it is installed."""
 
     version: str = pins.LLAMACPP_VERSION
     build: EngineBuild | None = attrs.field(default=attrs.Factory(_pinned_build, takes_self=True))
     release: bool = attrs.field(default=attrs.Factory(_release_by_default, takes_self=True))
+    measure_speed: bool = True
 
 
 @attrs.frozen(kw_only=True)

@@ -47,9 +47,22 @@ def speed_text(s: dict[str, Any]) -> str:
     )
 
 
+NOT_MEASURED = (
+    "llama.cpp: speed not measured (measure_speed = false in server.toml's [engines.llamacpp]; "
+    "`llmgw ctl nodes bench` measures it)"
+)
+
+
 def speed_lines(n: dict[str, Any]) -> list[str]:
-    """Each engine backend's measured speed on the node (agent.bench), one line each."""
-    return [speed_text(s) for s in n.get("speeds") or []]
+    """Each engine backend's measured speed on the node (agent.bench), one line each; where the
+    cluster does not measure by itself (`measure_speed` false) and llama.cpp runs here but was
+    never measured, a line saying so and how to measure."""
+    speeds = n.get("speeds") or []
+    lines = [speed_text(s) for s in speeds]
+    runs = any(e["name"] == "llamacpp" and e["ok"] for e in n.get("engines") or [])
+    if n.get("measure_speed") is False and runs and not any(s["engine"] == "llamacpp" for s in speeds):
+        lines.append(NOT_MEASURED)
+    return lines
 
 
 def notes(n: dict[str, Any]) -> list[str]:

@@ -102,6 +102,7 @@ def _want(
             jobs=build.jobs,
             timeout_s=build.timeout_s,
         ),
+        measure_speed=getattr(source, "measure_speed", True),  # llama.cpp's only
     )
 
 

@@ -134,9 +134,15 @@ function engines(n) {
 }
 
 // Each backend's measured speed (the agent's bench, placement's weight): "cpu: 850 prompt tok/s,
-// 42 gen tok/s", or why there is no figure.
+// 42 gen tok/s", or why there is no figure. With measure_speed = false a node measures only when
+// asked: until then, say so and how to ask.
 function speeds(n, engine) {
-  return (n.speeds || []).filter((x) => x.engine === engine).map((x) => {
+  const mine = (n.speeds || []).filter((x) => x.engine === engine);
+  const runs = (n.engines || []).some((e) => e.name === engine && e.ok);
+  if (!mine.length && engine === "llamacpp" && n.measure_speed === false && runs) {
+    return [h("div", { class: "muted", "data-speed": "none" }, "speed not measured (measure_speed = false; `llmgw ctl nodes bench` measures it)")];
+  }
+  return mine.map((x) => {
     const figures = x.gen_tps > 0 ? `${Math.round(x.prompt_tps)} prompt tok/s, ${Math.round(x.gen_tps)} gen tok/s` : "";
     const now = { measuring: "measuring now", waiting: `waiting: ${x.detail}`, failed: `measurement failed: ${x.detail}` }[x.state] || "";
     const text = [figures, now].filter(Boolean).join("; ") || "not measured";

@@ -44,7 +44,8 @@ from llmgw.config import DEFAULT_BUILD_TIMEOUT_S, DEFAULT_MAX_MEMBERS, DEFAULT_M
 # 13: the node's Vulkan devices as its loader's vulkaninfo lists them (Inventory.vulkan, vulkan_status,
 # vulkan_detail; VulkanDevice, VulkanHeap).
 # 14: one llama.cpp model over several nodes through llama.cpp's RPC: every member's address
-# (ReplicaAssignment.member_addrs), which rank 0 dials.
+# (ReplicaAssignment.member_addrs), which rank 0 dials; whether a node measures llama.cpp's speed
+# by itself (EngineWant.measure_speed; else only at DesiredState.bench).
 PROTOCOL_VERSION = 14
 
 # The agent port (server.toml's agent_listen: one TLS port) serves three things: the link, a
@@ -494,6 +495,9 @@ class EngineWant:
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES
     max_members: int = DEFAULT_MAX_MEMBERS
     build: EngineBuild | None = None  # no archive fits the node: build it from this source
+    # llama.cpp's: the node measures its speed once installed (agent.bench); False: only when
+    # asked (DesiredState.bench).
+    measure_speed: bool = True
 
 
 @attrs.frozen(kw_only=True)

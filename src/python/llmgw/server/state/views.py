@@ -149,6 +149,8 @@ def node_view(node: Node, state: str, now: float, engines: EnginesSection | None
         else [],
         "engines": [engine_view(e, inv) for e in node.engines],
         "speeds": [speed_view(x) for x in node.speeds],
+        # false: the nodes measure llama.cpp's speed only when `llmgw ctl nodes bench` asks.
+        "measure_speed": getattr(engines.llamacpp, "measure_speed", True) if engines is not None else True,
         "replicas": [{"replica": r.replica_id, "rank": r.node_rank, "state": r.state} for r in node.replicas],
         "cert_serial": f"{s.cert_serial:x}" if s else None,
         "cert_not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.cert_not_after)) if s else None,
