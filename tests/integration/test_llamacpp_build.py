@@ -65,11 +65,12 @@ def llamacpp(plane: ControlPlane, node: str):
 
 
 def default_engines(base: str) -> EnginesSection:
-    """The default [engines.llamacpp], its source served from `base` instead of PyPI."""
+    """The default [engines.llamacpp], its source served from `base` instead of PyPI, and its
+    speed not measured by itself (no test here looks at speeds)."""
     default = LlamacppSource()
     assert default.version == pins.LLAMACPP_VERSION and default.build is not None
     local_source = attrs.evolve(default.build, url=f"{base}{SDIST_PATH}")
-    return EnginesSection(llamacpp=attrs.evolve(default, build=local_source))
+    return EnginesSection(llamacpp=attrs.evolve(default, build=local_source, measure_speed=False))
 
 
 async def test_the_default_llamacpp_is_built_from_the_mirrored_source_checked_and_offered(

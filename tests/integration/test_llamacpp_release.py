@@ -31,7 +31,7 @@ from agent.install.installer import llama_cpu_backend
 from llmgw import pins
 from llmgw.releasefiles import ARCHES, llama_file_name
 from testlib.browser import Chromium, open_tab
-from testlib.cluster import Cluster, wait_until
+from testlib.cluster import Cluster, measure_speed_off, wait_until
 from testlib.hardware import ib_root, sminfo
 from testlib.llama import llama_server
 from testlib.llamarelease import release_dir
@@ -56,7 +56,8 @@ def clusters(tmp_path: Path) -> Iterator[list[Cluster]]:
 
 def release_cluster(root: Path, clusters: list[Cluster], engines_toml: str, arches=(ARCH,)) -> Cluster:
     release = release_dir(root / "release", arches)
-    cluster = Cluster(root, engines_toml=f'[release]\ndir = "{release}"\n' + engines_toml)
+    # Not measured by itself (no test here looks at speeds): in `engines_toml`'s [engines.llamacpp] if any.
+    cluster = Cluster(root, engines_toml=measure_speed_off(f'[release]\ndir = "{release}"\n' + engines_toml))
     clusters.append(cluster)
     cluster.init_ca()
     cluster.start_server()

@@ -44,7 +44,11 @@ async def test_a_node_measures_llama_cpp_reports_it_and_measures_again_when_aske
 ) -> None:
     cluster = local(tmp_path, monkeypatch, ())
     state = cluster.state
-    plane = ControlPlane.open(cluster.config, state)
+    # The tests' clusters do not measure by themselves (OFFLINE_ENGINES); this one, as by default, does.
+    engines = cluster.config.engines
+    assert not engines.llamacpp.measure_speed
+    measuring = attrs.evolve(engines, llamacpp=attrs.evolve(engines.llamacpp, measure_speed=True))
+    plane = ControlPlane.open(attrs.evolve(cluster.config, engines=measuring), state)
     await nursery.start(plane.serve)
     await nursery.start(run_agent, attrs.evolve(cluster.agent(tmp_path, "node-a"), llamacpp_bin=llama_server()))
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
+import tomllib
 
 from llmgw.ctl.client import AdminClient
 from llmgw.errors import LlmgwError
@@ -109,7 +110,30 @@ class NodeFiles:
 # The operator's llama-server (agent.toml's llamacpp_bin), as before llama.cpp came with each node
 # by default: most clusters serve sim models, and a build per agent would cost minutes of CPU
 # (tests/integration/test_llamacpp_build.py builds it; test_llamacpp_release.py takes the release's).
-OPERATORS_LLAMACPP = '[engines.llamacpp]\nversion = ""\n'
+# Not measured by itself (agent.bench): no test of these clusters looks at speeds, and each
+# agent with a llama-server would spend seconds of CPU measuring it (test_speed_bench measures).
+OPERATORS_LLAMACPP = '[engines.llamacpp]\nversion = ""\nmeasure_speed = false\n'
+LLAMACPP_TABLE = "[engines.llamacpp]\n"
+
+
+def measure_speed_off(toml: str) -> str:
+    """server.toml text `toml` with `measure_speed = false` under [engines.llamacpp]: in its table
+    where it has one (TOML refuses a second), else in one added at the end, which leaves every
+    other key of llama.cpp at its default. For the tests' clusters that never look at speeds."""
+    if "measure_speed" in toml:
+        out = toml
+    elif LLAMACPP_TABLE in toml:
+        out = toml.replace(LLAMACPP_TABLE, LLAMACPP_TABLE + "measure_speed = false\n", 1)
+    else:
+        out = (
+            toml
+            + ("\n" if toml and not toml.endswith("\n") else "")
+            + "\n"
+            + LLAMACPP_TABLE
+            + "measure_speed = false\n"
+        )
+    assert tomllib.loads(out)["engines"]["llamacpp"].get("measure_speed") is False, out
+    return out
 
 
 @attrs.frozen(kw_only=True)

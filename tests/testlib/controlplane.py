@@ -30,7 +30,9 @@ from testlib.cluster import free_port
 # The engines of an in-process control plane in a test: llama.cpp as the operator's install
 # (version ""), so nothing is fetched from the internet (the default's source to build, which
 # the mirror fetches at start) and nothing built (minutes of CPU); these tests serve sim models.
-OFFLINE_ENGINES = EnginesSection(llamacpp=LlamacppSource(version=""))
+# Nor measured by itself (agent.bench): an agent given a llama-server would spend seconds of CPU on
+# it that no test but test_speed_bench (which turns it on) looks at.
+OFFLINE_ENGINES = EnginesSection(llamacpp=LlamacppSource(version="", measure_speed=False))
 
 
 def make_state(state: Path, *, sans: Sequence[str] = ("127.0.0.1",), days: int = 3) -> CA:

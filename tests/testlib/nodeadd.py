@@ -10,7 +10,9 @@ to node add with --llamacpp-bin; the catalog's model is a sim model. A ControlPl
 node with `host_addr`, `node_addr` and `client_key`: the systemd machine (testlib.machine) too.
 `ControlPlane(..., llamacpp_bin=None)` with a catalog naming no `[engines.llamacpp]` and a
 release built `with_llama` is the operator's default instead: no engine flag, and llama.cpp the
-release's archive, which the control plane serves from `[release] dir`.
+release's archive, which the control plane serves from `[release] dir`. Every ControlPlane's
+server.toml says `measure_speed = false` under `[engines.llamacpp]` (added where the catalog has
+no such table, every other key at its default): these tests never look at speeds.
 """
 
 from __future__ import annotations
@@ -29,17 +31,18 @@ from llmgw_release import build, llamabuild, wheels
 import llmgw
 from llmgw.ctl.client import AdminClient
 from testlib import releasecache
-from testlib.cluster import free_port, wait_until
+from testlib.cluster import free_port, measure_speed_off, wait_until
 from testlib.llama import cache_root, llama_server, portable_recipe
 from testlib.netnode import NetNode, preflight
 from testlib.proc import Proc, build_root, llmgw_here, run_llmgw
 
 ADD_TIMEOUT_S = 300
 # llama.cpp as the operator's llama-server (node add --llamacpp-bin), not the pinned build: the
-# control plane then has no source to fetch from PyPI.
+# control plane then has no source to fetch from PyPI. Its speed not measured: no test here looks.
 CATALOG = """
 [engines.llamacpp]
 version = ""
+measure_speed = false
 
 [[models]]
 name = "sim-small"
@@ -176,7 +179,7 @@ class ControlPlane:
             f'advertise = ["{node.host_addr}"]\n'
             "heartbeat_interval_s = 0.5\n"
             "heartbeat_ttl_s = 3.0\n"
-            "gateway_workers = 1\n" + catalog  # as testlib.cluster's (GATEWAY_WORKERS says why)
+            "gateway_workers = 1\n" + measure_speed_off(catalog)  # as testlib.cluster's (GATEWAY_WORKERS says why)
         )
         self.node = node
         self.server: Proc | None = None

@@ -70,6 +70,9 @@ def catalog(model: Path, slots: int, http_cap: int) -> str:
     args = ["--ctx-size", str(CONTEXT_PER_SLOT * slots), "-np", str(slots), "--threads", "1"]
     return (
         f"[http]\nmax_connections = {http_cap}\nmax_agent_connections = {attacks.AGENT_CAP}\n\n"
+        # llama.cpp's speed not measured by itself (agent.bench): it would cost each node CPU the
+        # chaos measures nothing of. Its other keys keep their defaults.
+        "[engines.llamacpp]\nmeasure_speed = false\n\n"
         f'[[models]]\nname = "{chaos.MODEL}"\nengine = "llamacpp"\nsource = {{ path = "{model}" }}\n'
         f"replicas = {chaos.REPLICAS}\nargs = {json.dumps(args)}\n"
     )
