@@ -9,7 +9,7 @@ import pytest
 
 from llmgw import config
 from llmgw.config import Secret
-from llmgw.engines import SPECS, LaunchError, ReplicaLaunch, build_command, spec_for
+from llmgw.engines import SPECS, LaunchError, ReplicaLaunch, build_command, llamacpp, spec_for
 from llmgw.engines.launch import PrivateFile
 
 KEY = "k-0123456789abcdef"
@@ -75,6 +75,43 @@ def test_llamacpp_command_and_environment() -> None:
     # One key per line, as --api-key-file reads it; the caller writes it before the start.
     [key_file] = cmd.files
     assert key_file.path == f"{PRIVATE}/api-key" and key_file.content.reveal() == KEY + "\n"
+
+
+def test_llamacpp_over_rpc_rank_0_offloads_every_layer_to_its_helpers_over_tcp() -> None:
+    cmd = build_command(
+        attrs.evolve(two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",)), gpus=()), "/opt/llama-server"
+    )
+    at = cmd.argv.index("--rpc")
+    assert cmd.argv[at + 1] == "127.0.0.1:41001"
+    assert cmd.argv[cmd.argv.index("--n-gpu-layers") + 1] == "999"  # RPC devices are offload targets
+    assert cmd.env["GGML_RPC_NO_RDMA"] == "1" and cmd.env["CUDA_VISIBLE_DEVICES"] == ""
+    three = build_command(
+        launch(
+            "llamacpp",
+            nnodes=3,
+            rank0_addr="10.0.0.5",
+            dist_init_port=29500,
+            rpc_servers=("127.0.0.1:41001", "127.0.0.1:41002"),
+        )
+    )
+    assert three.argv[three.argv.index("--rpc") + 1] == "127.0.0.1:41001,127.0.0.1:41002"
+    # A llama.cpp replica on one node is as before: no --rpc, no RDMA switch.
+    alone = build_command(launch("llamacpp"))
+    assert "--rpc" not in alone.argv and "GGML_RPC_NO_RDMA" not in alone.env
+
+
+def test_a_llamacpp_helper_runs_the_rpc_server_on_loopback() -> None:
+    helper = two_nodes("llamacpp", 1, host="127.0.0.1", port=41007, extra_args=("--threads", "6", "-np", "2"))
+    cmd = llamacpp.rpc_server_command(helper, "/opt/llama/ggml-rpc-server")
+    assert cmd.argv == ("/opt/llama/ggml-rpc-server", "-H", "127.0.0.1", "-p", "41007", "-t", "6")
+    assert cmd.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3", "GGML_RPC_NO_RDMA": "1"}
+    assert cmd.files == ()  # it serves no API: no key
+    plain = llamacpp.rpc_server_command(attrs.evolve(helper, extra_args=()), "/x/ggml-rpc-server")
+    assert "-t" not in plain.argv
+    with pytest.raises(LaunchError, match="listens on 127.0.0.1 only, not '10.0.0.6'"):
+        llamacpp.rpc_server_command(attrs.evolve(helper, host="10.0.0.6"), "/x/ggml-rpc-server")
+    with pytest.raises(LaunchError, match="rank 0 of 2 runs llama-server"):
+        llamacpp.rpc_server_command(attrs.evolve(helper, node_rank=0), "/x/ggml-rpc-server")
 
 
 def test_a_cpu_replica_sees_no_gpu_and_gets_no_optional_flags() -> None:
@@ -265,7 +302,11 @@ def test_sim_runs_under_the_callers_llmgw() -> None:
 @pytest.mark.parametrize(
     ("replica", "says"),
     [
-        (launch("llamacpp", nnodes=2, rank0_addr="a", dist_init_port=1), "set nodes_per_replica = 1"),
+        (
+            launch("llamacpp", nnodes=2, rank0_addr="a", dist_init_port=1, rpc_servers=("127.0.0.1:1", "127.0.0.1:2")),
+            "rpc_servers ['127.0.0.1:1', '127.0.0.1:2'] are for rank 0 of a replica, one per other node",
+        ),
+        (launch("llamacpp", extra_args=("--rpc", "10.0.0.9:50052")), "args set --rpc, which llmgw sets itself"),
         (launch("vllm", nnodes=2), "needs rank0_addr and dist_init_port"),
         (launch("vllm", nnodes=2, node_rank=2, rank0_addr="a", dist_init_port=1), "node_rank 2 is outside 0..1"),
         (launch("sim", port=0), "port 0 is not a TCP port"),

