@@ -84,6 +84,9 @@ class Record:
     events_port: int = 0  # where it publishes KV-cache events; 0: none (and in records written before)
     fingerprint: str
     started_at: float = 0.0  # unix time, for people reading the file or the log
+    # Part of a replica over llama.cpp's RPC, whose tunnel lives in the agent that started it
+    # (agent.replica_rpc): an agent adopting it stops it.
+    rpc: bool = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -101,6 +104,7 @@ class Record:
         gpus: tuple[int, ...],
         fingerprint: str,
         boot_id: str,
+        rpc: bool = False,
     ) -> Record | None:
         """The record of an engine just started (it leads its own process group); None if it is gone already."""
         seen = proc_stat(pid)
@@ -121,6 +125,7 @@ class Record:
             gpus=gpus,
             fingerprint=fingerprint,
             started_at=time.time(),
+            rpc=rpc,
         )
 
 

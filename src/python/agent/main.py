@@ -29,6 +29,7 @@ from agent.link import AgentLink
 from agent.node_address import NodeAddress
 from agent.node_id import node_id_of
 from agent.peers import Members, PeerClient, PeerServer, peer_ssl_context
+from agent.replica_rpc import RpcIdentity
 from agent.replica_supervisor import Supervisor, serve_assignments
 from agent.swarm import Peering, Tracker
 from agent.weights import WeightsStore
@@ -107,6 +108,7 @@ async def run_agent(
         engine_command=engines.command_for,
         gpus=lambda: tuple(g.index for g in current.inventory.gpus),
         listen_host=address,
+        rpc=RpcIdentity.of(files),  # llama.cpp's RPC between nodes goes through this node's tunnels
     )
     weights = supervisor.life.weights
     current.weights = await trio.to_thread.run_sync(held_now, weights)  # the hello says it

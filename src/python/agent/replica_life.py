@@ -35,11 +35,13 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import attrs
 import trio
 
+from agent import replica_rpc
 from agent.adoption import Adopted, Record, RunRecords
 from agent.engine_proc import Child, pick_port
 from agent.engines import EngineUnavailable
@@ -48,11 +50,13 @@ from agent.node_address import NodeAddress
 from agent.replica_logs import EngineLog, log_path
 from agent.replica_member import Member
 from agent.replica_plan import describe_end, describe_exit
-from agent.replica_watch import EngineWatch
+from agent.replica_rpc import RpcIdentity
+from agent.replica_watch import Beside, EngineWatch
+from agent.rpctunnel import HelperUnreachable, TunnelClient
 from agent.weights import BadWeightsSource, WeightsStore, check_name, describe
 from llmgw.backoff import Backoff
 from llmgw.config import Secret
-from llmgw.engines import Command, ReplicaLaunch, build_command, spec_for
+from llmgw.engines import Command, ReplicaLaunch, build_command, llamacpp, spec_for
 from llmgw.errors import LlmgwError, leaves, only
 from llmgw.log import get_logger
 from llmgw.wakeup import Wakeup
@@ -88,9 +92,12 @@ class Life:
         log_check_s: float,
         holders: Callable[[], Iterable[Member]],
         retiring: Callable[[], Iterable[Member]],
+        rpc: RpcIdentity | None = None,
     ) -> None:
         """`holders()` are the members that may hold GPUs (running or on their way out),
-        `retiring()` those on their way out; the rest is `Supervisor`'s arguments."""
+        `retiring()` those on their way out; `rpc`: this node's TLS for llama.cpp's RPC tunnels
+        (None: it takes no part in a replica over RPC); the rest is `Supervisor`'s arguments."""
+        self.rpc = rpc
         self.logs_dir = state_dir / "logs"
         self.records = RunRecords(state_dir / "run")
         self.keys = KeyFiles(state_dir / "keys")
@@ -156,7 +163,7 @@ class Life:
                 f"adopted pid {engine.pid} (port {engine.record.port}), started {ago:.0f} s ago by an earlier "
                 f"agent process; its exit is watched through {engine.watched_by}"
             )
-            await self.watch.watch(m, engine, engine_log)
+            await self.watch.watch(m, engine, engine_log, _stop_at_once if engine.record.rpc else None)
             return await self._back_off(m, None, describe_end(engine), engine_log)
         finally:
             engine_log.close()
@@ -165,7 +172,8 @@ class Life:
         try:
             check_name(a.replica_id, "replica id")
             check_name(a.model, "model name")
-            model_path = await self._fetch(m, a)
+            # A llama.cpp RPC helper holds no weights: rank 0 sends it the tensors.
+            model_path = "" if replica_rpc.is_helper(a) else await self._fetch(m, a)
             prefix = await self._engine(m, a)
             await self._take_gpus(m, a)
         except Exception as exc:
@@ -239,15 +247,74 @@ class Life:
         self, m: Member, a: w.ReplicaAssignment, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog
     ) -> None:
         while True:
-            host = await self._listen_host(m) if a.node_rank == 0 else "127.0.0.1"
             try:
-                command = build_command(self._launch(m, a, model_path, host), prefix)
+                if replica_rpc.is_helper(a):
+                    code, what = await self._run_helper(m, a, prefix, engine_log)
+                elif replica_rpc.spans_rpc(a):
+                    code, what = await self._run_with_helpers(m, a, model_path, prefix, engine_log)
+                else:
+                    host = await self._listen_host(m) if a.node_rank == 0 else "127.0.0.1"
+                    code = await self._run_once(
+                        m, a, build_command(self._launch(m, a, model_path, host), prefix), engine_log
+                    )
+                    what = describe_exit(code)
             except LlmgwError as exc:
                 m.fail(str(exc))
                 return
-            code = await self._run_once(m, a, command, engine_log)
-            if not await self._back_off(m, code, describe_exit(code), engine_log):
+            if not await self._back_off(m, code, what, engine_log):
                 return
+
+    def _rpc_identity(self) -> RpcIdentity:
+        if self.rpc is None:
+            raise replica_rpc.RpcUnavailable("this agent was started without its node's TLS files for llama.cpp's RPC")
+        return self.rpc
+
+    async def _run_helper(
+        self, m: Member, a: w.ReplicaAssignment, prefix: tuple[str, ...], engine_log: EngineLog
+    ) -> tuple[int | None, str]:
+        """A llama.cpp RPC helper's rpc-server once, its tunnel beside it (`agent.replica_rpc`)."""
+        identity = self._rpc_identity()
+        executable = replica_rpc.rpc_server_beside(prefix)
+        bind = await self._listen_host(m)  # the tunnel's: where rank 0 dials this node
+        command = llamacpp.rpc_server_command(self._launch(m, a, "", replica_rpc.LOCAL), executable)
+        beside = partial(replica_rpc.serve_helper, identity, a, m.port, bind)
+        code = await self._run_once(m, a, command, engine_log, beside=beside)
+        return code, describe_exit(code)
+
+    async def _run_with_helpers(
+        self, m: Member, a: w.ReplicaAssignment, model_path: str, prefix: tuple[str, ...], engine_log: EngineLog
+    ) -> tuple[int | None, str]:
+        """Rank 0 of a llama.cpp replica over RPC once: its local ends of the helpers' tunnels,
+        the wait for every helper, then llama-server with --rpc to them (`agent.replica_rpc`)."""
+        identity = self._rpc_identity()
+        tunnels = TunnelClient(replica_rpc.helpers_of(a), identity.client_context, identity.ca)
+        host = await self._listen_host(m)
+        async with trio.open_nursery() as nursery:
+            ports = await nursery.start(tunnels.serve)
+            m.set(w.STARTING, detail="waiting for the helper nodes", pid=0, port=0, events_port=0)
+            try:
+                await tunnels.wait_reachable(
+                    within_s=replica_rpc.HELPERS_WAIT_S, on_wait=lambda text: m.set(w.STARTING, detail=text)
+                )
+            except HelperUnreachable as exc:
+                engine_log.note(str(exc))
+                nursery.cancel_scope.cancel()
+                return None, str(exc)
+            m.set(w.STARTING, detail="")
+            servers = tuple(f"{replica_rpc.LOCAL}:{port}" for port in ports)
+            launch = attrs.evolve(self._launch(m, a, model_path, host), rpc_servers=servers)
+            command = build_command(launch, prefix)
+            lost = tunnels.lost.next()
+
+            async def beside(ready: Callable[[], None]) -> str:
+                await lost.wait()
+                return f"{tunnels.lost_how}: stopping llama-server to start it again once every helper answers"
+
+            code = await self._run_once(m, a, command, engine_log, beside=beside)
+            nursery.cancel_scope.cancel()
+        if lost.is_set():  # the helper's loss is the news, the engine's exit its consequence
+            return code, f"{tunnels.lost_how}; llama-server stopped ({describe_exit(code)})"
+        return code, describe_exit(code)
 
     async def _back_off(self, m: Member, code: int | None, what: str, engine_log: EngineLog) -> bool:
         """After an engine exit: wait as the restart policy says (True), or fail the member (False)."""
@@ -313,8 +380,11 @@ class Life:
             parkable=a.parkable and spec_for(a.engine).park is not None,
         )
 
-    async def _run_once(self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog) -> int | None:
-        """Run the engine once, until it exits (its status) or the member is cancelled (then stop it)."""
+    async def _run_once(
+        self, m: Member, a: w.ReplicaAssignment, command: Command, engine_log: EngineLog, beside: Beside | None = None
+    ) -> int | None:
+        """Run the engine once, until it exits (its status) or the member is cancelled (then stop
+        it); `beside`: what runs beside it (`EngineWatch.watch`)."""
         shown = command.for_log()
         m.set(w.STARTING, pid=0, port=0, events_port=0)
         await engine_log.rotate_if_needed()
@@ -345,7 +415,7 @@ class Life:
         m.set(w.STARTING, pid=proc.pid)
         engine_log.note(f"pid {proc.pid}")
         self._record(m, a, proc.pid)
-        await self.watch.watch(m, Child(proc), engine_log)
+        await self.watch.watch(m, Child(proc), engine_log, beside)
         return proc.returncode
 
     def _open_log(self, m: Member) -> EngineLog:
@@ -357,6 +427,7 @@ class Life:
         record = Record.of_child(
             a,
             pid,
+            rpc=replica_rpc.spans_rpc(a),
             port=m.port,
             events_port=m.events_port,
             host=m.host,
@@ -370,3 +441,9 @@ class Life:
         except OSError as exc:
             # The engine runs all the same; only an agent that dies now would leave it unadopted.
             log.warning("replica_record_failed", replica=a.replica_id, rank=a.node_rank, reason=str(exc))
+
+
+async def _stop_at_once(ready: Callable[[], None]) -> str:
+    """Beside an adopted engine of a replica over llama.cpp's RPC: its tunnel died with the agent
+    that started it (`agent.replica_rpc`), so it is stopped to start again."""
+    return replica_rpc.ADOPTED_SAID

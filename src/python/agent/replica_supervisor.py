@@ -35,6 +35,7 @@ from agent.replica_life import Life
 from agent.replica_logs import CHECK_INTERVAL_S, FILES, MAX_BYTES, tail_replica
 from agent.replica_member import Member
 from agent.replica_plan import RESTART_BACKOFF, Key, key_of, plan
+from agent.replica_rpc import RpcIdentity
 from agent.replica_watch import (
     HEALTH_INTERVAL_S,
     LIVENESS_FAILURES,
@@ -76,13 +77,15 @@ class Supervisor:
         log_check_s: float = CHECK_INTERVAL_S,
         use_pidfd: bool = True,
         address_present: Callable[[str], bool] = address_present,
+        rpc: RpcIdentity | None = None,
     ) -> None:
         """`engine_command(name)` is the argv prefix of an engine (`Engines.command_for`);
         `gpus()` the GPU indices of this node; `env` the engines' base environment (default:
         the agent's, read at each start); `listen_host` where rank 0 engines listen: the link's
         `NodeAddress`, or a fixed address; `address_present(host)` whether an address is still
         this machine's (tests stand in for an address that leaves); `use_pidfd=False` watches
-        adopted engines through /proc as on kernels without pidfds."""
+        adopted engines through /proc as on kernels without pidfds; `rpc` this node's TLS for
+        llama.cpp's RPC tunnels (`agent.replica_rpc`; None: no replica over RPC runs here)."""
         self.address = listen_host if isinstance(listen_host, NodeAddress) else NodeAddress(listen_host)
         self.use_pidfd = use_pidfd
         self._wanted: tuple[w.ReplicaAssignment, ...] | None = None  # None: no desired state yet
@@ -108,6 +111,7 @@ class Supervisor:
             log_check_s=log_check_s,
             holders=lambda: (*self._members.values(), *self._retiring),
             retiring=lambda: self._retiring,
+            rpc=rpc,
         )
         self.probed = self.life.watch.probed  # a ready engine's liveness was probed (`answered_probes`)
 

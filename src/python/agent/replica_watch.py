@@ -59,6 +59,31 @@ PARK_TIMEOUT_S = 120.0
 PARK_RETRY_S = 30.0
 
 
+# What runs beside an engine while it runs (`EngineWatch.watch`): given `ready`, it returns only
+# to have the engine stopped, saying why.
+Beside = Callable[[Callable[[], None]], Awaitable[str]]
+
+
+class _Probes:
+    """The scopes of an engine's checks, cancelled together (`stop`), those begun after too."""
+
+    def __init__(self) -> None:
+        self._scopes: list[trio.CancelScope] = []
+        self._stopped = False
+
+    def scope(self) -> trio.CancelScope:
+        scope = trio.CancelScope()
+        if self._stopped:
+            scope.cancel()
+        self._scopes.append(scope)
+        return scope
+
+    def cancel(self) -> None:
+        self._stopped = True
+        for scope in self._scopes:
+            scope.cancel()
+
+
 class EngineWatch:
     """How the engines of one supervisor's members are watched and stopped: the timings, the
     node's address, and the run records and key files an engine leaves while it runs."""
@@ -85,19 +110,33 @@ class EngineWatch:
         self.log_check_s = log_check_s
         self.probed = Wakeup()  # a ready engine's liveness was probed (`Member.answered`)
 
-    async def watch(self, m: Member, engine: EngineProcess, engine_log: EngineLog) -> None:
+    async def watch(
+        self, m: Member, engine: EngineProcess, engine_log: EngineLog, beside: Beside | None = None
+    ) -> None:
         """Until the engine exits; cancelled, it stops the engine first (shielded, bounded). Either
-        way nothing of its process group is left and its run record is gone."""
+        way nothing of its process group is left and its run record is gone.
+
+        `beside(ready)` runs while the engine does (a llama.cpp RPC member's tunnel,
+        `agent.replica_rpc`): a worker is ready when it calls `ready()` rather than at once, and
+        when it returns, what it says is why the engine is stopped (to be started again)."""
         replica, rank = m.key
+        probes = _Probes()  # the engine's own checks, ended when `beside` stops it
+
+        async def probing(check: Callable[..., Awaitable[None]], *args: object) -> None:
+            with probes.scope():
+                await check(*args)
+
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine_log.serve_rotation, self.log_check_s)
                 if rank == 0:
-                    nursery.start_soon(self._watch_health, m, probe_host(m.host), m.port, engine, engine_log)
-                    nursery.start_soon(self._watch_address, m, engine, engine_log)
-                else:
+                    nursery.start_soon(probing, self._watch_health, m, probe_host(m.host), m.port, engine, engine_log)
+                    nursery.start_soon(probing, self._watch_address, m, engine, engine_log)
+                elif beside is None:
                     m.set(w.READY)
                     m.observed.set()
+                if beside is not None:
+                    nursery.start_soon(self._watch_beside, m, beside, probes, engine, engine_log)
                 await engine.wait()
                 nursery.cancel_scope.cancel()
         finally:
@@ -110,6 +149,21 @@ class EngineWatch:
                 signal_group(engine.pgid, signal.SIGKILL)
             self.records.remove(replica, rank)
             self.keys.remove(replica, rank)
+
+    async def _watch_beside(
+        self, m: Member, beside: Beside, probes: _Probes, engine: EngineProcess, engine_log: EngineLog
+    ) -> None:
+        def ready() -> None:
+            m.set(w.READY)
+            m.observed.set()
+
+        said = await beside(ready)
+        probes.cancel()  # no probe may call it ready while it stops
+        engine_log.note(said)
+        replica, rank = m.key
+        log.warning("replica_companion_ended", replica=replica, rank=rank, said=said)
+        m.set(w.RESTARTING, detail=said)
+        await self._terminate(m, engine, engine_log)
 
     async def _terminate(self, m: Member, engine: EngineProcess, engine_log: EngineLog) -> None:
         replica, rank = m.key

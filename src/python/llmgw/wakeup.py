@@ -132,6 +132,8 @@ WAKEUPS: dict[str, str] = {
     "(`Supervisor.answered_probes`)",
     "agent.node_address.NodeAddress.changed": "the link's local address changed -> engines listening on an "
     "address that left the machine are started again",
+    "agent.rpctunnel.TunnelClient.lost": "a helper's side ended an RPC connection it relayed (its rpc-server or its "
+    "agent gone) -> rank 0's watch stops its llama-server, to start it again once the helpers answer",
     "agent.progress.Latest.noted": "the installer reported progress -> `serve_progress` sends the latest, throttled",
     "agent.swarm.Swarm.changed": "a piece arrived, a piece request ended or a peer said which pieces it has -> "
     "the download's loop starts the next requests (`Swarm.run`)",
