@@ -249,74 +249,10 @@ def ask(port: Port, request: bytes) -> bytes:
 # -- TLS in memory: the test decides which bytes reach the wire -------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class Cut:
-    handshake: int  # bytes of the TLS handshake sent
-    request: int  # bytes of the encrypted request sent
-    answer: bytes  # what the server said, decrypted (after a FIN)
-
-
-def tls_cut(
-    port: Port,
-    request: bytes,
-    *,
-    in_handshake: int | None = None,
-    in_request: int | None = None,
-    plain: int | None = None,
-    how: str,
-) -> Cut:
-    """A TLS client (node-b's certificate) whose TLS runs in memory, so the test decides what
-    reaches the wire: the first `in_handshake` bytes of its handshake (all: None; nothing after
-    it then), else the handshake and the first `in_request` bytes (all: None) of the record(s)
-    of `request`'s first `plain` bytes (all: None). Then FIN (`how="fin"`: the answer is read,
-    and decrypted when the handshake was done) or RST. The handshake's length varies by a
-    byte or two (an ECDSA signature's), so a cut is counted within its part."""
-    sock = hostile.connect(HOST, port.port)
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    conn = port.ctx.wrap_bio(incoming, outgoing)
-    shaken = sent = 0
-    done = False
-    try:
-        while True:
-            try:
-                conn.do_handshake()
-                done = True
-            except ssl.SSLWantReadError:
-                pass
-            data = outgoing.read()
-            if in_handshake is not None:
-                data = data[: max(0, in_handshake - shaken)]
-            sock.sendall(data)
-            shaken += len(data)
-            if done or in_handshake is not None and shaken >= in_handshake:
-                break
-            data = sock.recv(65536)
-            if not data:
-                break  # refused
-            incoming.write(data)
-        if done and in_handshake is None:
-            conn.write(request[:plain] if plain is not None else request)
-            data = outgoing.read()
-            if in_request is not None:
-                data = data[:in_request]
-            sock.sendall(data)
-            sent = len(data)
-        if how == "rst":
-            hostile.reset(sock)
-            return Cut(handshake=shaken, request=sent, answer=b"")
-        sock.shutdown(socket.SHUT_WR)
-        raw = hostile.read_all(sock, limit=4 << 20)
-    finally:
-        sock.close()
-    answer = b""
-    if done:
-        incoming.write(raw)
-        try:
-            while chunk := conn.read(65536):
-                answer += chunk
-        except ssl.SSLError:
-            pass  # the end of what came: the server closes without a close_notify
-    return Cut(handshake=shaken, request=sent, answer=answer)
+def tls_cut(port: Port, request: bytes, **kw: Any) -> hostile.Cut:
+    """`hostile.tls_cut` with node-b's certificate (the TLS in memory: the test decides what
+    reaches the wire)."""
+    return hostile.tls_cut(HOST, port.port, port.ctx, request, **kw)
 
 
 # -- the tests --------------------------------------------------------------------------------

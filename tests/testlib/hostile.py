@@ -3,11 +3,13 @@
 Each function opens its own connection(s) to (host, port), misbehaves in one way and returns
 what the server said, if anything. They are blocking and bounded (every socket has a timeout),
 for tests and benchmarks that then check the server still serves. Used against llmgw's HTTP
-listener (gateway + admin API), its agent port, the sim engine and the artifact mirror.
+listener (gateway + admin API), its agent port, the sim engine, the artifact mirror, a node's
+weights port and its llama.cpp RPC tunnel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import ssl
@@ -152,3 +154,75 @@ def tls_client(
     if cert:
         ctx.load_cert_chain(cert, key)
     return ctx.wrap_socket(connect(host, port), server_hostname=server_name or host)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cut:
+    handshake: int  # bytes of the TLS handshake sent
+    request: int  # bytes of the encrypted request sent
+    answer: bytes  # what the server said, decrypted (after a FIN)
+
+
+def tls_cut(
+    host: str,
+    port: int,
+    ctx: ssl.SSLContext,
+    request: bytes,
+    *,
+    in_handshake: int | None = None,
+    in_request: int | None = None,
+    plain: int | None = None,
+    how: str,
+) -> Cut:
+    """A TLS client (`ctx`, with its certificate) whose TLS runs in memory, so the test decides what
+    reaches the wire: the first `in_handshake` bytes of its handshake (all: None; nothing after
+    it then), else the handshake and the first `in_request` bytes (all: None) of the record(s)
+    of `request`'s first `plain` bytes (all: None). Then FIN (`how="fin"`: the answer is read,
+    and decrypted when the handshake was done) or RST. The handshake's length varies by a
+    byte or two (an ECDSA signature's), so a cut is counted within its part."""
+    sock = connect(host, port)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    conn = ctx.wrap_bio(incoming, outgoing)
+    shaken = sent = 0
+    done = False
+    try:
+        while True:
+            try:
+                conn.do_handshake()
+                done = True
+            except ssl.SSLWantReadError:
+                pass
+            data = outgoing.read()
+            if in_handshake is not None:
+                data = data[: max(0, in_handshake - shaken)]
+            sock.sendall(data)
+            shaken += len(data)
+            if done or in_handshake is not None and shaken >= in_handshake:
+                break
+            data = sock.recv(65536)
+            if not data:
+                break  # refused
+            incoming.write(data)
+        if done and in_handshake is None:
+            conn.write(request[:plain] if plain is not None else request)
+            data = outgoing.read()
+            if in_request is not None:
+                data = data[:in_request]
+            sock.sendall(data)
+            sent = len(data)
+        if how == "rst":
+            reset(sock)
+            return Cut(handshake=shaken, request=sent, answer=b"")
+        sock.shutdown(socket.SHUT_WR)
+        raw = read_all(sock, limit=4 << 20)
+    finally:
+        sock.close()
+    answer = b""
+    if done:
+        incoming.write(raw)
+        try:
+            while chunk := conn.read(65536):
+                answer += chunk
+        except ssl.SSLError:
+            pass  # the end of what came: the server closes without a close_notify
+    return Cut(handshake=shaken, request=sent, answer=answer)
