@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -213,3 +214,14 @@ def test_a_multi_node_replica_needs_enough_nodes_of_one_fabric() -> None:
     gpus = [node("a", 32, gpus=1, gpu_gib=24, fabrics=ib), node("b", 32, gpus=1, gpu_gib=24, fabrics=ib)]
     assert capacity_refusal(model(gpus=1, nodes=2), 20 * GIB, gpus) == ""
     assert "1 GPUs of 30.00 GiB); at most 0 do" in capacity_refusal(model(gpus=1, nodes=2), 30 * GIB, gpus)
+
+
+def test_a_llamacpp_replica_over_several_nodes_may_use_one_subnet() -> None:
+    llama = Model(name="m", engine="llamacpp", memory_gb=20, nodes_per_replica=2)
+    subnet = [attrs.evolve(node(n, 32), subnet="subnet:10.0.0.0/24") for n in "ab"]
+    assert capacity_refusal(llama, 0, subnet) == ""
+    assert "at most 0 do" in capacity_refusal(model(20, nodes=2), 0, subnet)  # vLLM needs a fabric
+    apart = [subnet[0], attrs.evolve(node("b", 32), subnet="subnet:10.0.1.0/24")]
+    reason = capacity_refusal(llama, 0, apart)
+    assert "2 nodes of one fabric or subnet" in reason and "at most 1 do" in reason
+    assert "add nodes to that fabric or subnet" in reason

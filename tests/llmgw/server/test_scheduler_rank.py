@@ -1,7 +1,8 @@
 """The scheduler's placements are the rule's, however it finds them (`scheduler._Pool`: one pass
 over the nodes per model, not per replica): checked against the rule written plainly — every
 replica ranks every node — on random clusters, including nodes that fill up, lost and cordoned
-nodes, failed models, fabrics and replicas placed before."""
+nodes, failed models, fabrics, subnets (llama.cpp), measured speeds, weights held and replicas
+placed before."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.config import Model
+from llmgw.config import Model, ModelSource
 from llmgw.server.state import scheduler
 from llmgw.server.state.scheduler import GIB, NodeView, Pending, Placement, Plan, plan
 
@@ -49,15 +50,25 @@ def plainly(nodes: list[NodeView], catalog: list[Model], placed: list[Placement]
             if model.nodes_per_replica == 1:
                 chosen = (candidates[0].node_id,) if candidates else ()
             else:
-                by_fabric: dict[str, list[NodeView]] = {}
+                # Close: one fabric, else (llama.cpp) one subnet; the fullest of each first.
+                by_group: dict[str, list[NodeView]] = {}
                 for n in candidates:
-                    for f in n.fabrics:
-                        by_fabric.setdefault(f, []).append(n)
-                for f in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
-                    if len(by_fabric[f]) >= model.nodes_per_replica:
-                        chosen = tuple(n.node_id for n in by_fabric[f][: model.nodes_per_replica])
-                        fabric = f
-                    break
+                    for g in (*n.fabrics, *((n.subnet,) if model.engine == "llamacpp" and n.subnet else ())):
+                        by_group.setdefault(g, []).append(n)
+                for g in sorted(by_group, key=lambda g: (g.startswith("subnet:"), -len(by_group[g]), g)):
+                    if len(by_group[g]) >= model.nodes_per_replica:
+                        members = by_group[g][: model.nodes_per_replica]
+                        # Rank 0 the fastest, then one holding the weights.
+                        may = [
+                            n
+                            for n in nodes
+                            if n.schedulable and model.engine in n.engines and model.name not in n.avoid
+                        ]
+                        slower, files = scheduler.speed_ranks(model, may), scheduler.model_files(model)
+                        members.sort(key=lambda n: (slower[n.node_id], bool(files) and not files <= n.holds))
+                        chosen = tuple(n.node_id for n in members)
+                        fabric = g
+                        break
             if not chosen:
                 reason = scheduler._why_not(model, nodes, free)
                 if pending and (pending[-1].model, pending[-1].reason) == (model.name, reason):
@@ -81,6 +92,8 @@ def plainly(nodes: list[NodeView], catalog: list[Model], placed: list[Placement]
 
 
 FABRICS = ("ib-a@1", "ib-b@2", "roce@3")
+SUBNETS = ("", "subnet:10.0.0.0/24", "subnet:10.0.1.0/24")
+WEIGHTS = ModelSource(url="https://x/m.gguf", sha256="a" * 64)
 
 
 @st.composite
@@ -96,6 +109,11 @@ def clusters(draw):
             fabrics=tuple(draw(st.sets(st.sampled_from(FABRICS), max_size=2))),
             alive=draw(st.booleans()) or draw(st.booleans()),
             avoid=frozenset(draw(st.sets(st.sampled_from(["m0", "m1"]), max_size=1))),
+            subnet=draw(st.sampled_from(SUBNETS)),
+            speeds=tuple(
+                ("llamacpp", "cpu", tps) for tps in draw(st.lists(st.sampled_from([10.0, 11.0, 40.0]), max_size=1))
+            ),
+            holds=frozenset(draw(st.sets(st.just("a" * 64)))),
         )
         for i in range(count)
     ]
@@ -107,6 +125,7 @@ def clusters(draw):
             gpus_per_replica=draw(st.integers(0, 4)),
             nodes_per_replica=draw(st.sampled_from([1, 1, 2, 3])),
             memory_gb=float(draw(st.integers(0, 24))),
+            source=draw(st.sampled_from([ModelSource(), WEIGHTS])),
         )
         for k in range(draw(st.integers(1, 4)))
     ]

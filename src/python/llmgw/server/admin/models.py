@@ -40,6 +40,7 @@ from llmgw.log import get_logger
 from llmgw.server.settings import Settings
 from llmgw.server.state.catalogtimes import CatalogTimes
 from llmgw.server.state.changes import Changes
+from llmgw.server.state.closeness import group_kinds
 from llmgw.server.state.liveness import Reconciler
 from llmgw.server.state.scheduler import NodeView, model_files
 from llmgw.server.state.staging import Staging
@@ -449,17 +450,18 @@ def capacity_refusal(model: Model, per_gpu: int, nodes: Sequence[NodeView]) -> s
             f"a replica needs {want} on one node; {have}; add a larger node, quantise more (--quant), shorten the context (--args --ctx-size N), or give "
             "--memory-gb if the estimate is wrong"
         )
-    by_fabric: dict[str, int] = {}
+    by_group: dict[str, int] = {}
     for n in fitting:
-        for f in n.fabrics:
-            by_fabric[f] = by_fabric.get(f, 0) + 1
-    if any(count >= model.nodes_per_replica for count in by_fabric.values()):
+        for g in n.groups(model):
+            by_group[g] = by_group.get(g, 0) + 1
+    if any(count >= model.nodes_per_replica for count in by_group.values()):
         return ""
-    most = max(by_fabric.values(), default=0)
+    most, kinds = max(by_group.values(), default=0), group_kinds(model.engine)
     return (
-        f"a replica needs {model.nodes_per_replica} nodes of one fabric that each hold its share "
+        f"a replica needs {model.nodes_per_replica} nodes of {kinds} that each hold its share "
         f"({need / GIB:.2f} GiB{f', {gpus} GPUs of {per_gpu / GIB:.2f} GiB' if gpus else ''}); at most {most} do; "
-        "add nodes to that fabric, lower --nodes-per-replica, or give --memory-gb if the estimate is wrong"
+        f"add nodes to that {kinds.removeprefix('one ')}, lower --nodes-per-replica, or give --memory-gb if the "
+        "estimate is wrong"
     )
 
 

@@ -13,8 +13,11 @@ reconciler performs what it returns. Rules, in the order they are applied:
 - New replicas go only on nodes that are joined, not cordoned, not draining, and have the
   model's engine installed and checked; they must fit the node's free GPUs and memory after
   what is already placed there.
-- A replica spanning several nodes goes only on nodes that share one fabric (by identity, not
-  by name), never on a node with no fabric.
+- A replica spanning several nodes goes only on nodes that are close (`closeness`): that share
+  one fabric (by identity, not by name), or for llama.cpp, whose RPC needs no fabric, else one
+  subnet of their addresses. A fabric comes before a subnet, and the fullest group of each kind
+  first. Its members are the group's first by the rules below, ranked by speed then the weights
+  they hold: rank 0 (which serves, and alone reads llama.cpp's weights) the fastest.
 - Replicas of one model spread across nodes: a node already holding one comes last. Replicas
   placed together while no other node was there (nodes join one at a time) are named by
   `crowded`, for the control plane to move with a replacement first (`llmgw.server.state.moves`).
@@ -39,6 +42,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from llmgw.config import Model
+from llmgw.server.state.closeness import group_kinds, group_name, group_order, groups_of
 
 GIB = 1 << 30
 # Speeds within this ratio of each other rank alike: one measurement of one completion, on a node
@@ -62,6 +66,11 @@ class NodeView:
     holds: frozenset[str] = frozenset()  # the SHA-256 of the whole weights files its cache holds
     # (engine, backend, generated tokens a second) of each backend it measured (agent.bench).
     speeds: tuple[tuple[str, str, float], ...] = ()
+    subnet: str = ""  # of the address it is reached at (`closeness.subnet_of`; "": none known)
+
+    def groups(self, model: Model) -> tuple[str, ...]:
+        """The groups of close nodes it is in for a replica of `model` over several nodes."""
+        return groups_of(model.engine, self.fabrics, self.subnet)
 
 
 def speed_of(node: NodeView, model: Model) -> float:
@@ -91,7 +100,7 @@ class Placement:
     gpus_per_node: int = 0
     memory_bytes: int = 0
     engine: str = ""
-    fabric: str = ""  # the placement key the members share ("" for single-node)
+    fabric: str = ""  # the group key the members share (`closeness`; "" for single-node)
 
 
 @attrs.frozen(kw_only=True)
@@ -230,8 +239,8 @@ class _Pool:
     the least node of a heap whose keys are lower bounds of the real ones (a node's count of
     replicas only grows and its free GPUs only shrink within a plan): a node popped with a stale
     key goes back with its real one, a node that no longer fits leaves for good. A replica over
-    several nodes counts, per fabric, the nodes that fit now, and takes the least of the
-    fullest fabric."""
+    several nodes counts, per group of close nodes (`closeness`), the nodes that fit now, and
+    takes the least of the fullest fabric, else of the fullest subnet (llama.cpp)."""
 
     def __init__(self, model: Model, nodes: Sequence[NodeView], free: _Free) -> None:
         self.model, self.free = model, free
@@ -283,27 +292,34 @@ class _Pool:
                     engine=model.engine,
                 )
             return None
-        by_fabric: dict[str, list[str]] = {}
+        by_group: dict[str, list[str]] = {}
         for n in self.eligible:
             if self._fits(n.node_id):
-                for f in n.fabrics:
-                    by_fabric.setdefault(f, []).append(n.node_id)
+                for g in n.groups(model):
+                    by_group.setdefault(g, []).append(n.node_id)
         need = model.nodes_per_replica
-        for fabric in sorted(by_fabric, key=lambda f: (-len(by_fabric[f]), f)):
-            members = by_fabric[fabric]
+        # The fullest fabric, else the fullest subnet: the fullest of a kind too small, so is every other of it.
+        for group in sorted(by_group, key=lambda g: (group_order(g), -len(by_group[g]), g)):
+            members = by_group[group]
             if len(members) >= need:
                 chosen = heapq.nsmallest(need, members, key=self._key)
                 return Placement(
                     replica_id=replica_id,
                     model=model.name,
-                    nodes=tuple(chosen),
+                    nodes=tuple(rank_order(chosen, self.slower, self.lacks)),
                     gpus_per_node=model.gpus_per_replica,
                     memory_bytes=self.memory,
                     engine=model.engine,
-                    fabric=fabric,
+                    fabric=group,
                 )
-            break  # the fullest is too small: so is every other
         return None
+
+
+def rank_order(chosen: Sequence[str], slower: Mapping[str, float], lacks: Mapping[str, int]) -> list[str]:
+    """The members of a multi-node replica in rank order: the faster first (by `speed_ranks`),
+    then those holding the weights, else as chosen. Rank 0 serves the requests and is the one
+    node of a llama.cpp replica that reads the weights."""
+    return sorted(chosen, key=lambda n: (slower[n], lacks[n]))
 
 
 def crowded(nodes: Sequence[NodeView], placed: Sequence[Placement]) -> list[str]:
@@ -360,7 +376,11 @@ def _candidates(model: Model, nodes: Sequence[NodeView], free: _Free) -> tuple[l
     # Spread: nodes without a replica of this model first; then the faster, those holding its
     # weights, the most free GPUs, the name.
     files = model_files(model)
-    slower = speed_ranks(model, ok)
+    # Ranked among every node that may run the model, as `_Pool` ranks them: a node without a
+    # figure is the middle of those, whatever fits now.
+    slower = speed_ranks(
+        model, [n for n in nodes if n.schedulable and model.engine in n.engines and model.name not in n.avoid]
+    )
     ok.sort(
         key=lambda n: (
             free.per_model.get((model.name, n.node_id), 0),
@@ -379,16 +399,16 @@ def _why_not(model: Model, nodes: Sequence[NodeView], free: _Free) -> str:
     candidates, why = _candidates(model, nodes, free)
     if model.nodes_per_replica == 1:
         return f"needs 1 node with {_needs(model)}, none available ({why})"
-    by_fabric: dict[str, int] = {}
+    by_group: dict[str, int] = {}
     for n in candidates:
-        for f in n.fabrics:
-            by_fabric[f] = by_fabric.get(f, 0) + 1
-    need = model.nodes_per_replica
-    best = max(sorted(by_fabric), key=lambda f: by_fabric[f], default=None)
+        for g in n.groups(model):
+            by_group[g] = by_group.get(g, 0) + 1
+    need, kinds = model.nodes_per_replica, group_kinds(model.engine)
+    best = max(sorted(by_group), key=lambda g: by_group[g], default=None)
     left_out = f" ({why})" if why != "no nodes" else ""  # why the other nodes are not candidates
     if best is None:
-        return f"needs {need} nodes on one fabric, none of the nodes that fit is on a fabric{left_out}"
-    return f"needs {need} nodes on one fabric, {by_fabric[best]} available on {best.split('@')[0]}{left_out}"
+        return f"needs {need} nodes on {kinds}, none of the nodes that fit is on a fabric{left_out}"
+    return f"needs {need} nodes on {kinds}, {by_group[best]} available on {group_name(best)}{left_out}"
 
 
 def _needs(model: Model) -> str:
