@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import ssl
 from pathlib import Path
 
@@ -298,3 +299,18 @@ async def test_relay_tells_which_side_ended_first(closing: str) -> None:
         assert await a_near.receive_some(100) == b"to a"
         await (a_near if closing == "a" else b_near).aclose()
     assert result == [rpctunnel.Ended(closing, "eof")]
+
+
+async def test_a_tunnel_connection_whose_peer_vanishes_is_ended_by_the_kernel(nursery: trio.Nursery, pki: Pki) -> None:
+    """Keepalive probes and a user timeout on the tunnel's sockets: a peer gone without a FIN
+    (powered off, cut off) does not hold the helper's one-client rpc-server for ever."""
+    rpc = RpcStandIn()
+    helper = await helper_tunnel(nursery, pki, rpc)
+    with trio.fail_after(WITHIN_S):
+        stream = await client_of(pki.serving, helper).dial(helper)
+    async with stream:
+        raw = stream.transport_stream
+        assert isinstance(raw, trio.SocketStream)
+        assert raw.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpctunnel.SILENT_S * 1000
+        assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == rpctunnel.SILENT_S // 2

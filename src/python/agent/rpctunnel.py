@@ -23,13 +23,15 @@ only, and the node's agent carries it to the one node allowed, through two ends 
 The relay (`relay`) moves bytes both ways in reads of up to `CHUNK` bytes and does nothing
 per byte; the first side to end (EOF, reset, a TLS error) ends the connection, and only that
 one. An RPC connection idle for hours is an idle llama-server, not a stalled peer: no idle
-deadline. Whose end came first is told (`Ended`): the serving node's `TunnelClient` fires
+deadline; one whose peer vanished without a word is ended by the kernel after `SILENT_S`
+(keepalive probes, TCP_USER_TIMEOUT). Whose end came first is told (`Ended`): the serving node's `TunnelClient` fires
 `lost` when a helper's side ended a relayed connection (its rpc-server or agent gone), so
 rank 0's llama-server, which would fail at its next request, is started again at once.
 """
 
 from __future__ import annotations
 
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -52,6 +54,11 @@ CONNECT_TIMEOUT_S = 10.0  # a dial to a helper (TCP and TLS), or to the local rp
 LISTENER = "rpc"
 LOCAL_LISTENER = "rpc-local"
 LOCAL = "127.0.0.1"
+# A tunnel connection whose peer vanished (its node powered off, the network cut: no FIN, no RST)
+# would otherwise stay open forever and hold the helper's rpc-server, which serves one client at
+# a time, from the next rank 0: after SILENT_S without an answer to keepalive probes, or with
+# data unacknowledged, the kernel ends it (tcp(7)).
+SILENT_S = 60
 
 
 class HelperUnreachable(LlmgwError):
@@ -103,6 +110,21 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> Ended:
         nursery.start_soon(pump, a, b, "a", "b", nursery.cancel_scope)
         nursery.start_soon(pump, b, a, "b", "a", nursery.cancel_scope)
     return ended[0] if ended else Ended("a", "cancelled")
+
+
+def _end_when_silent(stream: trio.abc.Stream) -> None:
+    if not isinstance(stream, trio.SocketStream):
+        return  # a test's memory stream
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    settings = (
+        ("TCP_USER_TIMEOUT", SILENT_S * 1000),  # milliseconds
+        ("TCP_KEEPIDLE", SILENT_S // 2),
+        ("TCP_KEEPINTVL", SILENT_S // 6),
+        ("TCP_KEEPCNT", 3),
+    )
+    for name, value in settings:
+        if hasattr(socket, name):
+            stream.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _connect_failure(exc: OSError) -> str:
@@ -166,6 +188,7 @@ class TunnelServer:
         stream = trio.SSLStream(raw, self.ssl_context, server_side=True)
         peer = peer_host(raw)
         try:
+            _end_when_silent(raw)
             with self.shutdown.idle.waiting(peer=peer, deadline=trio.current_time() + HANDSHAKE_TIMEOUT_S) as waited:
                 await stream.do_handshake()
             if waited.cancelled_caught:
@@ -229,6 +252,7 @@ class TunnelClient:
         try:
             with trio.fail_after(CONNECT_TIMEOUT_S):
                 raw = await self.connect(helper.address, helper.port)
+                _end_when_silent(raw)
                 stream = trio.SSLStream(raw, self.ssl_context, server_hostname=None)
                 try:
                     await stream.do_handshake()
