@@ -41,6 +41,7 @@ import attrs
 from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
+from llmgw.server.state.closeness import RPC_ENGINES, subnet_of
 from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry, gen_speeds
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
@@ -206,6 +207,7 @@ class Replicas:
                     gpu_memory_bytes=min((g.memory_total_mib for g in inv.gpus), default=0) << 20 if inv else 0,
                     holds=frozenset(f.sha256 for f in node.weights.files if f.complete),
                     speeds=gen_speeds(node.speeds),
+                    subnet=subnet_of(node.address),
                 )
             )
         return views
@@ -501,6 +503,13 @@ class Replicas:
     def _save(self) -> None:
         self.saver.offer((self.rows(), self.version_rows()))
 
+    def member_addrs(self, p: Placement) -> tuple[str, ...]:
+        """Every member's address in rank order, as the registry knows it, for a llama.cpp replica
+        over several nodes (rank 0 dials each helper's RPC server there); () for any other."""
+        if p.engine not in RPC_ENGINES or len(p.nodes) < 2:
+            return ()
+        return tuple((n.address if (n := self.registry.nodes.get(node_id)) else "") for node_id in p.nodes)
+
     def assignments_for(
         self,
         node_id: str,
@@ -533,6 +542,7 @@ class Replicas:
                     node_rank=p.nodes.index(node_id),
                     rank0_addr=rank0.address if rank0 and len(p.nodes) > 1 else "",
                     dist_init_port=stored.dist_init_port,
+                    member_addrs=self.member_addrs(p),
                     gpus=p.gpus_per_node,
                     args=model.args,
                     cache_events=model.cache_events,
