@@ -182,6 +182,21 @@ async def test_sizing_reads_the_args_and_the_gpus(hub: HubServer) -> None:
     assert gpu.estimate.gpus == 2 and gpu.model.memory_gb == 0
 
 
+async def test_a_llamacpp_replica_over_several_nodes_asks_each_for_its_share(hub: HubServer) -> None:
+    whole = await resolve(client(hub), AddRequest(name="t", hf=GGUF, quant="Q8_0"))
+    split = await resolve(client(hub), AddRequest(name="t", hf=GGUF, quant="Q8_0", nodes_per_replica=2))
+    e = split.estimate
+    assert split.model.nodes_per_replica == 2 and e == whole.estimate
+    share = (e.weights + e.kv_cache) / 2 + e.compute + e.output + e.overhead
+    assert split.model.memory_gb == pytest.approx(share / 2**30, abs=0.011)
+    # Not the whole halved (0.02 GiB for this tiny model): each member has its buffers and process.
+    assert split.model.memory_gb != pytest.approx(e.total / 2 / 2**30, abs=0.011)
+    on_gpus = await resolve(
+        client(hub), AddRequest(name="t", hf=GGUF, quant="Q8_0", nodes_per_replica=2, gpus_per_replica=1)
+    )
+    assert on_gpus.estimate.gpus == 2 and on_gpus.model.memory_gb == 0  # its share is on the GPUs (per_gpu)
+
+
 async def test_an_empty_small_file_is_pinned(hub: HubServer) -> None:
     hub.add(HubRepo("o/st-empty", safetensors_files() | {"added_tokens.json": b""}))
     resolved = await resolve(client(hub), AddRequest(name="st", hf="o/st-empty"))

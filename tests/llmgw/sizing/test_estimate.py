@@ -20,6 +20,7 @@ from llmgw.sizing.estimate import (
     estimate_safetensors,
     llama_compute_bytes,
     llama_kv_bytes,
+    llama_member_bytes,
 )
 from llmgw.sizing.gguf import parse_header
 from llmgw.sizing.model import ModelShape
@@ -92,6 +93,17 @@ def test_a_made_model_with_llama_servers_defaults(tmp_path: Path) -> None:
     assert e.total == e.weights + e.kv_cache + e.compute + e.output + e.overhead == e.per_gpu
     two = estimate_gguf(parse_header(path.read_bytes()), gpus=2)
     assert two.per_gpu == (two.weights + two.kv_cache) // 2 + two.compute + two.overhead
+
+
+def test_a_llamacpp_replica_over_several_nodes_shares_its_layers_and_their_cache(tmp_path: Path) -> None:
+    path = make_gguf(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_head=4, n_vocab=600, context=2048)
+    e = estimate_gguf(parse_header(path.read_bytes()))
+    assert llama_member_bytes(e, 1) == e.total
+    own = e.compute + e.output + e.overhead  # each member's buffers and process, not shared
+    assert llama_member_bytes(e, 2) == -(-(e.weights + e.kv_cache) // 2) + own
+    assert llama_member_bytes(e, 3) == -(-(e.weights + e.kv_cache) // 3) + own
+    # Every member together holds at least the whole, never less: the split is not an undercount.
+    assert 3 * llama_member_bytes(e, 3) >= e.total
 
 
 def test_unknown_kv_cache_type_is_named(tmp_path: Path) -> None:

@@ -77,9 +77,16 @@ async def resolve(client: HubClient, req: AddRequest) -> Resolved:
     choice = choose(rev.files, engine, pattern=req.file, quant=req.quant, repo=req.hf)
     pinned, small = await _pin(client, rev, choice)
     estimate = await _estimate(client, rev, choice, engine, small, req)
-    # What placement counts on each node: a CPU replica's whole need, shared by its nodes; a replica
-    # on GPUs holds its weights and cache there (estimate.per_gpu), and takes no node memory unless told.
-    per_node = 0 if req.gpus_per_replica else estimate.total / max(req.nodes_per_replica, 1)
+    # What placement counts on each node: a CPU replica's whole need, shared by its nodes (llama.cpp:
+    # each member's share of the layers and their cache, and buffers of its own); a replica on GPUs
+    # holds its weights and cache there (estimate.per_gpu), and takes no node memory unless told.
+    nodes = max(req.nodes_per_replica, 1)
+    if req.gpus_per_replica:
+        per_node = 0.0
+    elif engine == "llamacpp":
+        per_node = sizing.llama_member_bytes(estimate, nodes)
+    else:
+        per_node = estimate.total / nodes
     memory_gb = req.memory_gb or math.ceil(per_node / GIB * 100) / 100
     model = Model(
         name=req.name,
