@@ -100,10 +100,11 @@ def test_a_llamacpp_replica_over_several_nodes_shares_its_layers_and_their_cache
     e = estimate_gguf(parse_header(path.read_bytes()))
     assert llama_member_bytes(e, 1) == e.total
     own = e.compute + e.output + e.overhead  # each member's buffers and process, not shared
-    assert llama_member_bytes(e, 2) == -(-(e.weights + e.kv_cache) // 2) + own
-    assert llama_member_bytes(e, 3) == -(-(e.weights + e.kv_cache) // 3) + own
-    # Every member together holds at least the whole, never less: the split is not an undercount.
-    assert 3 * llama_member_bytes(e, 3) >= e.total
+    # On CPUs the layers and their cache go to the helpers (every layer offloaded, rank 0 has no device).
+    assert llama_member_bytes(e, 2) == e.weights + e.kv_cache + own
+    assert llama_member_bytes(e, 3) == -(-(e.weights + e.kv_cache) // 2) + own
+    # The helpers together hold at least the whole: the split is not an undercount.
+    assert 2 * llama_member_bytes(e, 3) >= e.total
 
 
 def test_unknown_kv_cache_type_is_named(tmp_path: Path) -> None:

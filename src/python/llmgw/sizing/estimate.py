@@ -202,14 +202,17 @@ def estimate_gguf(
 
 def llama_member_bytes(e: Estimate, members: int) -> int:
     """What each node of a llama.cpp replica over `members` nodes must hold on its CPU (llama.cpp's
-    RPC, `nodes_per_replica`): its share of the layers, and with them of the KV cache (llama.cpp
-    keeps each layer's cache on the device that holds the layer), (weights + KV) / members, plus a
-    compute buffer of its own, the output buffer and the process's overhead. A helper's
-    rpc-server holds no output buffer: the rule asks each member for rank 0's share, a few MiB
-    more than a helper needs, so any member may be rank 0. One node: the whole."""
+    RPC, `nodes_per_replica`). Rank 0's llama-server offloads every layer to a device
+    (`--n-gpu-layers 999`, docs/engines.md), and on a node without GPUs its devices are the
+    helpers' rpc-servers alone: the members-1 helpers share the layers, and with them the KV
+    cache (llama.cpp keeps each layer's cache on the layer's device), each (weights + KV) /
+    (members - 1) and a compute buffer of its own; rank 0 keeps the token embeddings, the output
+    buffer and its compute buffer. One number is asked of every member, the largest share (a
+    helper's, with the output buffer and the process's overhead), so any node may be rank 0.
+    One node: the whole."""
     if members <= 1:
         return e.total
-    return -(-(e.weights + e.kv_cache) // members) + e.compute + e.output + e.overhead
+    return -(-(e.weights + e.kv_cache) // (members - 1)) + e.compute + e.output + e.overhead
 
 
 def _config_int(config: Mapping[str, object], *keys: str) -> int | None:
