@@ -104,7 +104,7 @@ def test_rules_across_fields_are_checked_after_types() -> None:
     assert "heartbeat_ttl_s (5.0) must be longer than heartbeat_interval_s (10.0) @ $.server.heartbeat_ttl_s" in got
     assert "expected HOST:PORT, got '8080' @ $.server.http_listen" in got
     assert "model name 'm' is already used by $.models[0] @ $.models[1].name" in got
-    assert "llama.cpp runs on one node; set nodes_per_replica = 1 @ $.models[1].nodes_per_replica" in got
+    assert not any("nodes_per_replica" in p for p in got)  # llama.cpp over several nodes: its RPC (issue 49)
     assert "path must be absolute on the nodes, got 'models/x' @ $.models[1].source.path" in got
     assert any(p.startswith("model name '../evil' may use only") for p in got)
     assert "unknown engine 'tensorrt' (one of: llamacpp, vllm, sglang, sim) @ $.models[2].engine" in got
@@ -398,3 +398,14 @@ def test_llamacpp_measure_speed_is_on_by_default_and_a_bool() -> None:
     assert any(
         "$.engines.llamacpp.measure_speed" in p for p in problems_of({"engines": {"llamacpp": {"measure_speed": "no"}}})
     )
+
+
+def test_a_llamacpp_model_may_span_several_nodes_and_needs_at_least_one() -> None:
+    model = {"name": "big", "engine": "llamacpp", "source": {"path": "/models/big.gguf"}}
+    [big] = config.server_config_from_dict(
+        {"models": [{**model, "nodes_per_replica": 3, "gpus_per_replica": 1}]}
+    ).models
+    assert (big.engine, big.nodes_per_replica) == ("llamacpp", 3)
+    assert problems_of({"models": [{**model, "nodes_per_replica": 0}]}) == [
+        "must be at least 1 @ $.models[0].nodes_per_replica"
+    ]

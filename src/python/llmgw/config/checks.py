@@ -159,8 +159,10 @@ def check_model(m: Model, engines: EnginesSection, at: str) -> list[str]:
                 "cache_events serves routing by prefix, and this model is routed by load (routing = "
                 f'"least_outstanding"); remove one of them @ {at}.cache_events'
             )
-    if m.engine == "llamacpp" and m.nodes_per_replica > 1:
-        problems.append(f"llama.cpp runs on one node; set nodes_per_replica = 1 @ {at}.nodes_per_replica")
+    # llama.cpp over several nodes (its RPC) needs ggml-rpc-server beside llama-server on every node:
+    # the release's and llmgw's own builds have it; one the operator installed (version "",
+    # llamacpp_bin, archives) may not, which only its node can tell: its agent reports the replica
+    # failed, with the fix.
     problems.extend(_check_source(m.source, f"{at}.source", needed=m.engine != "sim"))
     return problems
 

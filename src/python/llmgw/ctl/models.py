@@ -75,7 +75,11 @@ def configure_models(
         "--gpus-per-replica", type=int, default=0, metavar="N", help="GPUs each replica takes (default 0: CPU)"
     )
     add.add_argument(
-        "--nodes-per-replica", type=int, default=1, metavar="N", help="nodes one replica spans (vLLM, SGLang)"
+        "--nodes-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="nodes one replica spans (vLLM, SGLang; llama.cpp over its RPC)",
     )
     add.add_argument(
         "--memory-gb",
