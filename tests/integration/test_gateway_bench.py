@@ -37,7 +37,8 @@ SETTINGS = {
     "targets": {name: NUMBER for name in gateway.TARGETS},
 }
 PHASES_1_3 = {
-    "otlp_endpoint": str,  # '' unless --otlp-endpoint: phases 1-4's gateway traces every request to it
+    "otlp_endpoint": str,  # '' unless --otlp-endpoint: phases 1-4's gateway traces requests to it
+    "sample_ratio": float,  # of those requests, the share traced (--sample-ratio, [telemetry] sample_ratio)
     "latency_seconds": int,
     "throughput_seconds": int,
     "throughput_connections": int,
@@ -159,6 +160,13 @@ def test_without_wrk_the_python_generator_loads_the_gateway(capsys: pytest.Captu
     assert_shape(result, {**SETTINGS, **PHASES_1_3, "ok": OK_1_3})
     assert result["generator"] == "rawhttp", result
     check_phases_1_3(result)
+
+
+def test_a_sample_ratio_needs_a_collector_and_a_share() -> None:
+    for argv in (["--sample-ratio", "0.01"], ["--otlp-endpoint", "http://127.0.0.1:4318", "--sample-ratio", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            gateway.main(argv)
+        assert exc.value.code == 2  # argparse's usage error, before anything starts
 
 
 def test_the_workers_phase_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ gateway, in one run.
     ./pants run tools/bench/gateway.py -- [--generator auto|wrk|rawhttp]
         [--latency-seconds L] [--seconds S] [--sse-streams M] [--sse-events E] [--sse-gap-ms G]
         [--streams N] [--workers W] [--workers-seconds S] [--workers-rounds R] [--workers-only]
-        [--python auto|current|PATH] [--otlp-endpoint URL]
+        [--python auto|current|PATH] [--otlp-endpoint URL [--sample-ratio R]]
 
 Loopback only. The upstream is `tools/bench/rawhttp.py upstream`, a plain epoll loop that answers
 at once (a fixed chat completion; for `"stream": true`, E server-sent events), so the engine is
@@ -89,14 +89,20 @@ TARGETS = {
 
 class GatewayProc:
     def __init__(
-        self, tmp: Path, name: str, upstreams: list[CannedUpstream], python: str, otlp_endpoint: str = ""
+        self,
+        tmp: Path,
+        name: str,
+        upstreams: list[CannedUpstream],
+        python: str,
+        otlp_endpoint: str = "",
+        sample_ratio: float = 1.0,
     ) -> None:
         """A gateway runner in front of `upstreams`, on a free port, run by `python`; its traces
-        exported to `otlp_endpoint` if given (`[telemetry]`)."""
+        exported to `otlp_endpoint` if given, `sample_ratio` of them (`[telemetry]`)."""
         spec = tmp / f"{name}.json"
         body: dict = {"endpoints": [u.endpoint() for u in upstreams]}
         if otlp_endpoint:
-            body["telemetry"] = {"otlp_endpoint": otlp_endpoint}
+            body["telemetry"] = {"otlp_endpoint": otlp_endpoint, "sample_ratio": sample_ratio}
         spec.write_text(json.dumps(body))
         log = tmp / f"{name}.log"
         with log.open("wb") as stderr:
@@ -304,7 +310,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
     try:
         up = CannedUpstream(events=args.sse_events, gap_ms=args.sse_gap_ms)
         procs.append(up.proc)
-        gw = GatewayProc(tmp, "gw", [up], args.python, args.otlp_endpoint)
+        gw = GatewayProc(tmp, "gw", [up], args.python, args.otlp_endpoint, args.sample_ratio)
         procs.insert(0, gw.proc)
         wait_answers(gw.port, gw.token)
         out |= latency_phase(gen, up, gw, args.latency_seconds)
@@ -313,7 +319,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
         if args.streams:
             slow = CannedUpstream(events=HELD_EVENTS, gap_ms=HELD_GAP_MS)
             procs.append(slow.proc)
-            gw2 = GatewayProc(tmp, "gw-streams", [slow], args.python, args.otlp_endpoint)
+            gw2 = GatewayProc(tmp, "gw-streams", [slow], args.python, args.otlp_endpoint, args.sample_ratio)
             procs.insert(0, gw2.proc)
             wait_answers(gw2.port, gw2.token)
             out |= trio.run(hold_streams, gw2, args.streams)
@@ -359,8 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         "--otlp-endpoint",
         default="",
         metavar="URL",
-        help="phases 1-4: the gateway traces every request to this OpenTelemetry collector ([telemetry] "
+        help="phases 1-4: the gateway traces requests to this OpenTelemetry collector ([telemetry] "
         "otlp_endpoint; default: no traces, as a gateway is configured by default)",
+    )
+    parser.add_argument(
+        "--sample-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="with --otlp-endpoint: the share of requests without a traceparent that are traced ([telemetry] "
+        "sample_ratio; default: 1.0, every one, the default of [telemetry])",
     )
     parser.add_argument(
         "--python",
@@ -382,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
             f"phase 3 would take {sse_s:.0f} s at least ({args.sse_streams} streams {SSE_CONNECTIONS} at a time, "
             f"{args.sse_events} events {args.sse_gap_ms:g} ms apart), over {PHASE_TIMEOUT_S / 2:g}: ask for fewer"
         )
+    if not 0.0 <= args.sample_ratio <= 1.0:
+        parser.error("--sample-ratio must be 0..1")
+    if args.sample_ratio != 1.0 and not args.otlp_endpoint:
+        parser.error("--sample-ratio samples the traces of --otlp-endpoint, which is not given")
     if not 0 <= args.streams <= MAX_STREAMS:
         parser.error(f"--streams must be 0..{MAX_STREAMS}")
     if args.workers != 0 and not 2 <= args.workers <= gateway_workers.MAX_WORKERS:
@@ -416,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sse_gap_ms": args.sse_gap_ms,
                 "streams": args.streams,
                 "otlp_endpoint": args.otlp_endpoint,
+                "sample_ratio": args.sample_ratio,
                 **bench(args, Path(tmp)),
             }
         if args.workers:

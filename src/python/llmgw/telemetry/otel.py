@@ -22,6 +22,15 @@ appends it to a bounded queue (`MAX_QUEUE_SPANS`, the oldest dropped when full),
 that is down or slow never holds a request. Sampling is parent-based: a client's sampled
 `traceparent` is traced, an unsampled one is not, and a request without one is traced at
 `sample_ratio`; a request not traced costs one unsampled span and nothing after.
+
+Kept cheap (docs/performance.md, issue 48): what a span learns after its start (a status, an
+outcome, the usage, the time to first token) is kept in a plain dict and given to the SDK once,
+as the span ends (one `set_attributes`, not a locked, checked call each); the engine's
+`traceparent` is formatted from the attempt's span context as the W3C propagator would, with no
+context built to inject from; a child of the gateway's own span is sampled in one look at its
+parent (`_ParentBased`). On the exporter's thread, each export encodes up to
+`EXPORT_BATCH_SPANS` spans, and the resource's hash, which the encoder takes for every span, is
+computed once (`_Resource`).
 """
 
 from __future__ import annotations
@@ -36,14 +45,18 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, SamplingResult, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from llmgw import __version__
 from llmgw.config import TelemetrySection
 
 MAX_QUEUE_SPANS = 8192  # spans waiting for export; past it the oldest are dropped (about 4 MB)
+# Spans encoded and sent in one export (the SDK's default is 512): the exporter's thread wakes
+# when this many are queued (or every 5 s), and each export's HTTP request is paid once for them.
+EXPORT_BATCH_SPANS = 2048
 SHUTDOWN_S = 2.0  # at the process's end: for the spans still queued
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 # gen_ai.operation.name by route (OpenTelemetry GenAI conventions); others keep their path.
@@ -53,6 +66,36 @@ OPERATIONS = {
     "/v1/embeddings": "embeddings",
     "/v1/responses": "chat",
 }
+
+
+class _Resource(Resource):
+    """The SDK's Resource with its hash computed once: the OTLP encoder groups every span by its
+    resource, and `Resource.__hash__` serialises the attributes to JSON each time."""
+
+    def __init__(self, resource: Resource) -> None:
+        super().__init__(resource.attributes, resource.schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+class _ParentBased(ParentBased):
+    """The SDK's ParentBased(TraceIdRatioBased(ratio)) with its commonest case looked at first: a
+    span under one of the gateway's own (a local, sampled parent) is sampled, as ParentBased's
+    `local_parent_sampled` (ALWAYS_ON) decides, in one look at the parent instead of three."""
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__(TraceIdRatioBased(ratio))
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
+        parent = get_current_span(parent_context).get_span_context()
+        if parent.is_valid and parent.trace_flags.sampled and not parent.is_remote:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)
+        return super().should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+
+_NO_CONTEXT = Context()  # the base of a span's context: not the task's current one, which is not the request's
 
 
 def traces_url(endpoint: str) -> str:
@@ -70,12 +113,15 @@ class Tracing:
         if instance:
             attributes["service.instance.id"] = instance
         self.provider = TracerProvider(
-            resource=Resource.create(attributes), sampler=ParentBased(TraceIdRatioBased(section.sample_ratio))
+            resource=_Resource(Resource.create(attributes)),
+            sampler=_ParentBased(section.sample_ratio),
         )
         self.exporter = OTLPSpanExporter(
             endpoint=traces_url(section.otlp_endpoint), headers=headers, timeout=section.timeout_s
         )
-        self.processor = BatchSpanProcessor(self.exporter, max_queue_size=MAX_QUEUE_SPANS)
+        self.processor = BatchSpanProcessor(
+            self.exporter, max_queue_size=MAX_QUEUE_SPANS, max_export_batch_size=EXPORT_BATCH_SPANS
+        )
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("llmgw.gateway", __version__)
         self.propagator = TraceContextTextMapPropagator()
@@ -84,7 +130,7 @@ class Tracing:
     def request(self, path: str, headers: dict[str, str], request_id: str) -> RequestTrace | None:
         """A forwarded request's trace, or None when it is not sampled (its `traceparent`, if
         any, then goes to the engine as it came)."""
-        parent = self.propagator.extract(headers) if "traceparent" in headers else None
+        parent = self.propagator.extract(headers) if "traceparent" in headers else _NO_CONTEXT
         span = self.tracer.start_span(
             "POST " + path,
             context=parent,
@@ -110,14 +156,29 @@ class Tracing:
 
 
 class RequestTrace:
-    """One forwarded request's spans, ended once however the request ends (`end`, `failed`)."""
+    """One forwarded request's spans, ended once however the request ends (`end`, `failed`).
+    `ending` and `attempt_ending` hold the attributes their span learnt since its start, set
+    as it ends."""
 
-    __slots__ = ("tracing", "span", "path", "context", "attempt_span", "relay_span", "attempts", "done")
+    __slots__ = (
+        "tracing",
+        "span",
+        "path",
+        "context",
+        "ending",
+        "attempt_span",
+        "attempt_ending",
+        "relay_span",
+        "attempts",
+        "done",
+    )
 
     def __init__(self, tracing: Tracing, span: Span, path: str) -> None:
         self.tracing, self.span, self.path = tracing, span, path
-        self.context: Context = set_span_in_context(span)
+        self.context: Context = set_span_in_context(span, _NO_CONTEXT)
+        self.ending: dict[str, AttributeValue] = {}
         self.attempt_span: Span | None = None
+        self.attempt_ending: dict[str, AttributeValue] = {}
         self.relay_span: Span | None = None
         self.attempts = 0
         self.done = False
@@ -125,7 +186,7 @@ class RequestTrace:
     def admitted(self, model: str) -> None:
         """Its key and model were accepted: the span is named for the model (GenAI's way)."""
         self.span.update_name(f"{OPERATIONS.get(self.path, self.path)} {model}")
-        self.span.set_attribute("gen_ai.request.model", model)
+        self.ending["gen_ai.request.model"] = model
 
     def queue(self) -> Span:
         """The span of a wait for a free replica; the caller ends it."""
@@ -137,7 +198,7 @@ class RequestTrace:
         """An attempt on a replica begins: its span, and the request's `headers` with the client's
         trace fields replaced by this span's (its `tracestate` carried on)."""
         self.attempts += 1
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "llmgw.replica": replica,
             "server.address": host,
             "server.port": port,
@@ -148,11 +209,13 @@ class RequestTrace:
         span = self.tracing.tracer.start_span(
             "attempt", context=self.context, kind=SpanKind.CLIENT, attributes=attributes
         )
-        self.attempt_span = span
-        carrier: dict[str, str] = {}
-        self.tracing.propagator.inject(carrier, context=set_span_in_context(span))
+        self.attempt_span, self.attempt_ending = span, {}
         out = [(k, v) for k, v in headers if k not in _TRACE_HEADERS]
-        out.extend((k.encode(), v.encode()) for k, v in carrier.items())
+        # What TraceContextTextMapPropagator.inject writes for this span.
+        ctx = span.get_span_context()
+        out.append((b"traceparent", b"00-%032x-%016x-%02x" % (ctx.trace_id, ctx.span_id, ctx.trace_flags)))
+        if ctx.trace_state:
+            out.append((b"tracestate", ctx.trace_state.to_header().encode()))
         return out
 
     def attempt_failed(self, reason: str, why: str) -> None:
@@ -161,7 +224,8 @@ class RequestTrace:
         self._end_relay(StatusCode.ERROR, why)
         span, self.attempt_span = self.attempt_span, None
         if span is not None:
-            span.set_attribute("llmgw.outcome", reason)
+            self.attempt_ending["llmgw.outcome"] = reason
+            span.set_attributes(self.attempt_ending)
             span.set_status(Status(StatusCode.ERROR, why))
             span.end()
 
@@ -170,15 +234,16 @@ class RequestTrace:
         span = self.attempt_span
         if span is None:
             return
-        span.set_attribute("http.response.status_code", status)
-        self.relay_span = self.tracing.tracer.start_span("relay", context=set_span_in_context(span))
+        self.attempt_ending["http.response.status_code"] = status
+        self.relay_span = self.tracing.tracer.start_span("relay", context=set_span_in_context(span, _NO_CONTEXT))
 
     def first_token(self) -> None:
         """A stream's first body bytes reached the gateway (its time to first token)."""
-        self.span.add_event("first_token")
+        now = time.time_ns()
+        self.span.add_event("first_token", timestamp=now)
         start = self.span.start_time  # type: ignore[attr-defined] - the SDK's span has it
         if start is not None:
-            self.span.set_attribute("llmgw.time_to_first_token_ms", round((time.time_ns() - start) / 1e6, 3))
+            self.ending["llmgw.time_to_first_token_ms"] = round((now - start) / 1e6, 3)
 
     def relay_broken(self, why: str) -> None:
         """The stream broke mid-answer: its relay and attempt end (a migration may follow)."""
@@ -187,9 +252,9 @@ class RequestTrace:
     def usage(self, input_tokens: int | None, output_tokens: int | None) -> None:
         """The answer's usage, when the gateway knows it."""
         if input_tokens is not None:
-            self.span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+            self.ending["gen_ai.usage.input_tokens"] = input_tokens
         if output_tokens is not None:
-            self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+            self.ending["gen_ai.usage.output_tokens"] = output_tokens
 
     def end(self, status: int, why: str = "") -> None:
         """The request ended with `status` to the client (499: the client went away)."""
@@ -200,9 +265,11 @@ class RequestTrace:
         self._end_relay(StatusCode.ERROR if error else StatusCode.UNSET, f"ended with {status}")
         span, self.attempt_span = self.attempt_span, None
         if span is not None:
-            span.set_attribute("llmgw.outcome", "ok" if not error else f"ended_{status}")
+            self.attempt_ending["llmgw.outcome"] = "ok" if not error else f"ended_{status}"
+            span.set_attributes(self.attempt_ending)
             span.end()
-        self.span.set_attribute("http.response.status_code", status)
+        self.ending["http.response.status_code"] = status
+        self.span.set_attributes(self.ending)
         if error:
             self.span.set_status(Status(StatusCode.ERROR, why or f"answered {status}"))
         self.span.end()
@@ -212,7 +279,7 @@ class RequestTrace:
         error code, `error.type`)."""
         if self.done:
             return
-        self.span.set_attribute("error.type", code or str(status))
+        self.ending["error.type"] = code or str(status)
         self.attempt_failed("failed", message)
         self.end(status, message)
 
