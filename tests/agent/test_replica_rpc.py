@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +20,9 @@ import pytest
 import trio
 
 from agent import replica_rpc
+from agent.adoption import Record, RunRecords, fingerprint, proc_stat, read_boot_id
 from agent.peers import peer_client_ssl_context
+from agent.replica_logs import EngineLog, log_path
 from agent.replica_rpc import RpcIdentity
 from agent.replica_supervisor import Supervisor
 from agent.rpctunnel import Helper, HelperUnreachable, TunnelClient
@@ -184,3 +187,63 @@ async def test_a_node_that_cannot_take_part_says_what_it_lacks(
         else:
             assert "without its node's TLS files for llama.cpp's RPC" in failed.detail, failed
         nursery.cancel_scope.cancel()
+
+
+async def test_an_adopted_rpc_member_is_stopped_and_started_afresh_with_this_agents_tunnel(
+    tmp_path: Path, nodes: dict[str, NodePaths]
+) -> None:
+    """An agent that was killed left its helper's rpc-server running, without the tunnel that
+    lived in that agent: the next one stops it at once, then starts its own."""
+    llama = llama_dir(tmp_path)
+    port = free_port()
+    a = assignment(1, port)
+    rpc_port = free_port()
+    engine_log = EngineLog(log_path(tmp_path / "node-1" / "logs", "m-1", 1))
+    orphan = subprocess.Popen(
+        [str(llama / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port)],
+        stdin=subprocess.DEVNULL,
+        stdout=engine_log.fileno(),
+        stderr=engine_log.fileno(),
+        start_new_session=True,
+    )
+    engine_log.close()
+    try:
+        seen = proc_stat(orphan.pid)
+        assert seen is not None
+        RunRecords(tmp_path / "node-1" / "run").write(
+            Record(
+                replica_id="m-1",
+                node_rank=1,
+                model="m",
+                engine="llamacpp",
+                pid=orphan.pid,
+                pgid=orphan.pid,
+                start_time=seen.start_time,
+                boot_id=read_boot_id(),
+                port=rpc_port,
+                host="127.0.0.1",
+                fingerprint=fingerprint(a),
+                rpc=True,
+            )
+        )
+        sup = supervisor(tmp_path, "node-1", nodes["node-1"], llama)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.serve)
+            sup.assign([a])
+            again = await await_true(
+                lambda: (st := next(iter(sup.statuses()), None))
+                and st.state == w.READY
+                and st.pid != orphan.pid
+                and st,
+                "the helper started afresh",
+                changed=[sup.changed.next],
+                timeout=DEADLINE_S,
+                report=lambda: f"{sup.statuses()!r}\n{sup.tail('m-1', 30)}",
+            )
+            assert orphan.wait(10) == -signal.SIGTERM
+            assert again.restarts == 1 and replica_rpc.ADOPTED_SAID in sup.tail("m-1", 50)
+            nursery.cancel_scope.cancel()
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
