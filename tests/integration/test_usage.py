@@ -12,6 +12,10 @@ worker; keys of a team and of none.
   `llmgw_gateway_usage_estimated_total` (the sim sends a token each 20 ms).
 - `ctl usage --team`, `--by`, `--csv`; `ctl teams remove` refused while a key belongs to the team;
   the gateway's Prometheus counters.
+
+`ctl` runs in this process (`testlib.proc.llmgw_here`: the command's own code), also where the
+test polls the ledger: a `llmgw ctl` process costs 0.2-0.3 CPU-s. The two refusals run as
+processes, for their exit status and what they print.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from llmgw import paths
 from testlib import gatewayd
 from testlib.cluster import Cluster, wait_until
 from testlib.gateway import chat, parse_metrics, request, summed
+from testlib.proc import llmgw_here
 
 CATALOG = """
 [[models]]
@@ -60,8 +65,18 @@ def tokens(usage: dict[str, int]) -> tuple[int, int]:
     return usage["prompt_tokens"], usage["completion_tokens"]
 
 
+def ctl_here(cluster: Cluster, *args: str) -> str:
+    """What `llmgw ctl ARGS` prints against the cluster's control plane, run in this process."""
+    return llmgw_here("ctl", *args, "--state-dir", str(cluster.state))
+
+
+def ctl(cluster: Cluster, *args: str) -> Any:
+    """`llmgw ctl ARGS --json`, run in this process, parsed."""
+    return json.loads(ctl_here(cluster, *args, "--json"))
+
+
 def usage_of(cluster: Cluster, *args: str) -> dict[str, Any]:
-    return cluster.ctl("usage", *args)
+    return ctl(cluster, "usage", *args)
 
 
 def totals(cluster: Cluster, key: str) -> tuple[int, int, int] | None:
@@ -110,11 +125,11 @@ def test_usage_is_counted_once_through_gateway_and_control_plane_restarts(cluste
     cluster.start_server()
     cluster.start_agent("node-a")
     cluster.wait_replicas("the replica ready", lambda rs: [r["state"] for r in rs] == ["ready"], timeout=READY_S)
-    assert cluster.ctl("teams", "create", "research")["team"]["name"] == "research"
-    alice = cluster.ctl("keys", "create", "alice", "--team", "research")
+    assert ctl(cluster, "teams", "create", "research")["team"]["name"] == "research"
+    alice = ctl(cluster, "keys", "create", "alice", "--team", "research")
     assert alice["key"]["team"] == "research"
-    bob = cluster.ctl("keys", "create", "bob")["token"]
-    dave = cluster.ctl("keys", "create", "dave")["token"]
+    bob = ctl(cluster, "keys", "create", "bob")["token"]
+    dave = ctl(cluster, "keys", "create", "dave")["token"]
     refused = cluster.llmgw(
         "ctl", "keys", "create", "carol", "--team", "nobody", "--state-dir", str(cluster.state), ok=False
     )
@@ -192,12 +207,12 @@ def test_usage_is_counted_once_through_gateway_and_control_plane_restarts(cluste
     counted(cluster, "alice", expected, [gw.proc, cluster.server])
 
     # The other ways to read it, and a team with a key stays.
-    text = cluster.llmgw("ctl", "usage", "--csv", "--state-dir", str(cluster.state)).stdout
+    text = ctl_here(cluster, "usage", "--csv")
     rows = {r["key"]: r for r in csv.DictReader(io.StringIO(text))}
     assert rows["alice"]["team"] == "research" and int(rows["alice"]["requests"]) == 7
     assert int(rows["bob"]["total_tokens"]) == sum(bobs)
-    table = cluster.llmgw("ctl", "usage", "--state-dir", str(cluster.state)).stdout
+    table = ctl_here(cluster, "usage")
     assert "alice" in table and "research" in table and "total" in table
     removing = cluster.llmgw("ctl", "teams", "remove", "research", "--state-dir", str(cluster.state), ok=False)
     assert removing.returncode != 0 and "still has 1 valid key(s): alice" in removing.stderr
-    assert cluster.ctl("teams", "list") == [{"name": "research", "created_at": pytest.approx(0, abs=1e10), "keys": 1}]
+    assert ctl(cluster, "teams", "list") == [{"name": "research", "created_at": pytest.approx(0, abs=1e10), "keys": 1}]
