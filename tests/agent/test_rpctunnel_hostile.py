@@ -215,9 +215,11 @@ async def test_a_fin_or_rst_at_any_byte_of_the_handshake_or_after_it(
     t = tunnel
     ctx = t.ctx("serving")
     with trio.fail_after(WITHIN_S):
+        # The whole command, then FIN: relayed to the rpc-server; the FIN ends the connection
+        # (either side's end ends both: llama.cpp's RPC never half-closes), its echo or not.
         whole = await run(hostile.tls_cut, HOST, t.port, ctx, HELLO, how="fin")
-        t.good += 1  # the serving node's: relayed to the rpc-server, whose echo came back
-        assert whole.answer == HELLO, whole
+        assert whole.request > 0 and whole.answer in (b"", HELLO), whole
+        reached = 1  # the serving node's connections that may have reached the rpc-server
         in_handshake = set(range(1, 12)) | set(range(12, whole.handshake + 8, max(1, whole.handshake // 40)))
         for how in ("fin", "rst"):
             for n in sorted(in_handshake):
@@ -226,13 +228,14 @@ async def test_a_fin_or_rst_at_any_byte_of_the_handshake_or_after_it(
             # The handshake whole and part of a command: relayed as far as it came, then ended.
             for n in (1, 5, whole.request - 1):
                 await run(hostile.tls_cut, HOST, t.port, ctx, HELLO, in_request=n, how=how)
-                t.good += 1
+                reached += 1
     assert len(in_handshake) > 40
     await gone(t)
     # A cut at the handshake's last bytes may leave it whole (its length varies by a byte or
-    # two): the serving node's own connection, relayed. Those alone may have reached the rpc-server.
-    whole_already = 2 * sum(1 for n in in_handshake if n >= whole.handshake - 2)
-    assert t.good <= t.echo.accepted <= t.good + whole_already, (t.echo.accepted, t.good, whole_already)
+    # two), and a reset may discard a handshake's last bytes unread: the serving node's own
+    # connections, relayed or not. Those alone may have reached the rpc-server.
+    reached += 2 * sum(1 for n in in_handshake if n >= whole.handshake - 2)
+    assert t.echo.accepted <= reached, (t.echo.accepted, reached)
     t.good = t.echo.accepted
     await assert_serving(t, caplog)
 
