@@ -65,6 +65,8 @@ from bench import gateway_runner, gateway_workers, loadgen, rawhttp
 from bench.loadgen import percentile_ms
 from bench.procs import CannedUpstream, child_env, cpu_s, gateway_python, machine_busy_s, machine_steal_s, rss_mib, stop
 
+from llmgw.config.schema import DEFAULT_SAMPLE_RATIO
+
 READY_TIMEOUT_S = 30.0
 PHASE_TIMEOUT_S = 180.0
 MAX_SECONDS = 60
@@ -95,7 +97,7 @@ class GatewayProc:
         upstreams: list[CannedUpstream],
         python: str,
         otlp_endpoint: str = "",
-        sample_ratio: float = 1.0,
+        sample_ratio: float = DEFAULT_SAMPLE_RATIO,
     ) -> None:
         """A gateway runner in front of `upstreams`, on a free port, run by `python`; its traces
         exported to `otlp_endpoint` if given, `sample_ratio` of them (`[telemetry]`)."""
@@ -371,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sample-ratio",
         type=float,
-        default=1.0,
+        default=None,
         metavar="R",
         help="with --otlp-endpoint: the share of requests without a traceparent that are traced ([telemetry] "
-        "sample_ratio; default: 1.0, every one, the default of [telemetry])",
+        f"sample_ratio; default: {DEFAULT_SAMPLE_RATIO}, the default of [telemetry]; 1.0: every one)",
     )
     parser.add_argument(
         "--python",
@@ -396,10 +398,12 @@ def main(argv: list[str] | None = None) -> int:
             f"phase 3 would take {sse_s:.0f} s at least ({args.sse_streams} streams {SSE_CONNECTIONS} at a time, "
             f"{args.sse_events} events {args.sse_gap_ms:g} ms apart), over {PHASE_TIMEOUT_S / 2:g}: ask for fewer"
         )
+    if args.sample_ratio is not None and not args.otlp_endpoint:
+        parser.error("--sample-ratio samples the traces of --otlp-endpoint, which is not given")
+    if args.sample_ratio is None:
+        args.sample_ratio = DEFAULT_SAMPLE_RATIO
     if not 0.0 <= args.sample_ratio <= 1.0:
         parser.error("--sample-ratio must be 0..1")
-    if args.sample_ratio != 1.0 and not args.otlp_endpoint:
-        parser.error("--sample-ratio samples the traces of --otlp-endpoint, which is not given")
     if not 0 <= args.streams <= MAX_STREAMS:
         parser.error(f"--streams must be 0..{MAX_STREAMS}")
     if args.workers != 0 and not 2 <= args.workers <= gateway_workers.MAX_WORKERS:

@@ -317,7 +317,7 @@ async def test_off_nothing_of_opentelemetry_is_imported() -> None:
 
 async def test_telemetry_config_is_checked(tmp_path: Path) -> None:
     cfg = server_config_from_dict({"telemetry": {"otlp_endpoint": "http://collector:4318"}})
-    assert cfg.telemetry.enabled and cfg.telemetry.sample_ratio == 1.0
+    assert cfg.telemetry.enabled and cfg.telemetry.sample_ratio == 0.01  # 1 % unless set
     assert not server_config_from_dict({}).telemetry.enabled  # off by default
     with pytest.raises(ConfigError) as err:
         server_config_from_dict(
