@@ -147,7 +147,7 @@ def _collect(bin_dir: Path, license_file: Path) -> list[llamacpp.Member]:
         if path.is_symlink():
             members.append(llamacpp.Member(name=name, link=os.readlink(path)))
         elif path.is_file():
-            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name == llamarecipe.SERVER))
+            members.append(llamacpp.Member(name=name, data=path.read_bytes(), executable=name in llamarecipe.TARGETS))
     members.append(llamacpp.Member(name=llamarecipe.LICENSE, data=license_file.read_bytes()))
     return members
 

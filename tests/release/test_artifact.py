@@ -55,12 +55,15 @@ READY_DEADLINE_S = 30
 POLL_S = 0.1
 E_MACHINE = {"x86_64": 0x3E, "aarch64": 0xB7}
 
+# One gateway worker (the default, one a core, is two here: each another start of the artifact,
+# about 0.7 CPU-s, which tells nothing more about the Python it runs under).
 SERVER_TOML = """\
 [server]
 state_dir = "{tmp}/state"
 agent_listen = "127.0.0.1:0"
 http_listen = "127.0.0.1:0"
 advertise = ["127.0.0.1"]
+gateway_workers = 1
 """
 
 
@@ -122,9 +125,20 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     return Release(out=first, again=second, model=model, said=tuple(said))
 
 
-def members(artifact: Path) -> dict[str, bytes]:
+def names(artifact: Path) -> set[str]:
     with zipfile.ZipFile(artifact) as z:
-        return {name: z.read(name) for name in z.namelist()}
+        return set(z.namelist())
+
+
+def heads(artifact: Path, size: int) -> dict[str, bytes]:
+    """Each member's first `size` bytes: only so much of each is decompressed (the whole
+    artifact is 19 MB of deflate, about a CPU-second to read)."""
+    with zipfile.ZipFile(artifact) as z:
+        out = {}
+        for name in z.namelist():
+            with z.open(name) as member:
+                out[name] = member.read(size)
+        return out
 
 
 # -- the files -------------------------------------------------------------------------------
@@ -160,17 +174,17 @@ def test_two_builds_of_one_commit_are_byte_identical(release: Release) -> None:
 
 @pytest.mark.parametrize("arch", ["amd64", "arm64"])
 def test_every_minor_has_its_compiled_modules_and_conditional_dependencies(release: Release, arch: str) -> None:
-    names = set(members(release.artifact(arch)))
+    shipped = names(release.artifact(arch))
     machine = wheels.MACHINES[arch]
     for minor in MINORS:
         for module in ("_cffi_backend", "greenlet/_greenlet"):
-            assert f"site-packages/{module}.cpython-3{minor}-{machine}-linux-gnu.so" in names
-    assert "site-packages/cryptography/hazmat/bindings/_rust.abi3.so" in names
+            assert f"site-packages/{module}.cpython-3{minor}-{machine}-linux-gnu.so" in shipped
+    assert "site-packages/cryptography/hazmat/bindings/_rust.abi3.so" in shipped
     # Needed below 3.11 only, shipped to all: one artifact serves every minor.
-    assert "site-packages/tomli/__init__.py" in names
-    assert "site-packages/exceptiongroup/__init__.py" in names
+    assert "site-packages/tomli/__init__.py" in shipped
+    assert "site-packages/exceptiongroup/__init__.py" in shipped
     # The runtime only: no test or build tools.
-    tops = {n.split("/")[1] for n in names if n.startswith("site-packages/")}
+    tops = {n.split("/")[1] for n in shipped if n.startswith("site-packages/")}
     assert not tops & {"pytest", "_pytest", "ruff", "shiv", "pip", "click", "setuptools"}
     clients = {"openai", "langchain_openai", "langchain_core", "litellm", "pydantic", "httpx2"}  # tests' only
     assert not tops & clients
@@ -184,15 +198,15 @@ def elf_machine(data: bytes) -> int | None:
 
 
 def test_the_cluster_page_is_package_data_in_the_artifact(release: Release) -> None:
-    names = set(members(release.artifact("amd64")))
+    shipped = names(release.artifact("amd64"))
     files = ("index.html", "app.js", "render.js", "nodelist.js", "plots.js", "style.css")
     page = {f"site-packages/llmgw/page/{n}" for n in files}
-    assert page <= names, sorted(page - names)
+    assert page <= shipped, sorted(page - shipped)
 
 
 @pytest.mark.parametrize("arch", ["amd64", "arm64"])
 def test_every_elf_object_is_for_the_target_machine(release: Release, arch: str) -> None:
-    machines = {name: elf_machine(data) for name, data in members(release.artifact(arch)).items()}
+    machines = {name: elf_machine(data) for name, data in heads(release.artifact(arch), 20).items()}
     elves = {name: m for name, m in machines.items() if m is not None}
     assert len(elves) >= 10, sorted(elves)
     wrong = {name: hex(m) for name, m in elves.items() if m != E_MACHINE[wheels.MACHINES[arch]]}
@@ -220,6 +234,7 @@ def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_its_cpu_vari
     assert all("/" not in n for n in names) and names == sorted(names)
     assert {"llama-server", "LICENSE", "libllama.so", "libggml-base.so", "libggml.so"} <= set(names), names
     assert {"ggml-rpc-server", "libggml-rpc.so"} <= set(names), names  # one model over several nodes
+    assert all(i.mode == 0o755 for i in infos if i.name.endswith(("/llama-server", "/ggml-rpc-server"))), infos
     # The suite's build carries this CPU's variants (the baseline and the one it loads); the
     # release's every one, which its build checks as it packs (llamacpp.check_members, against
     # llamarecipe.expected_variants: test_llamarecipe, test_llamacpp).
@@ -354,15 +369,15 @@ COMMANDS = {
 
 @attrs.frozen
 class Service:
-    """A command that serves HTTP until SIGTERM: after `setup`, it must answer `method path`
-    (with `body`, as JSON) with 200, and exit 0 on SIGTERM.
+    """A command that serves HTTP until SIGTERM: after `setup`, it must answer `method` on each
+    of `paths` (with `body`, as JSON) with 200, and exit 0 on SIGTERM.
 
     It says where it listens either in a file (`url_file`, holding a base URL) or on a port the
     test chose (`url`, with `{port}`).
     """
 
     args: tuple[str, ...]
-    path: str
+    paths: tuple[str, ...]
     setup: tuple[tuple[str, ...], ...] = ()
     url_file: str | None = None
     url: str | None = None
@@ -371,21 +386,18 @@ class Service:
 
 
 SERVICES = {
-    "server": Service(  # /metrics: the gateway workers' families and, through the relay, the control plane's
+    "server": Service(
         ("server", "--config", "{tmp}/server.toml"),
-        "/metrics",
-        setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
-        url_file="{tmp}/state/admin.url",
-    ),
-    "cluster page": Service(  # the page's files are package data: served from inside the artifact
-        ("server", "--config", "{tmp}/server.toml"),
-        "/page/app.js",
+        (
+            "/metrics",  # the gateway worker's families and, through the relay, the control plane's
+            "/page/app.js",  # the cluster page's files are package data: served from inside the artifact
+        ),
         setup=(("ca", "init", "--config", "{tmp}/server.toml"),),
         url_file="{tmp}/state/admin.url",
     ),
     "engine sim": Service(
         ("engine", "sim", "--model", "tiny", "--port", "{port}"),
-        "/v1/completions",
+        ("/v1/completions",),
         url="http://127.0.0.1:{port}",
         method="POST",
         body=b'{"model": "tiny", "prompt": "hello", "max_tokens": 4}',
@@ -437,9 +449,10 @@ def test_service_answers_under_every_python(
     try:
         base = wait_for_url(service, workdir, port, proc)
         headers = {"Content-Type": "application/json"} if service.body is not None else {}
-        request = urllib.request.Request(base + service.path, data=service.body, headers=headers, method=service.method)
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+        for path in service.paths:
+            request = urllib.request.Request(base + path, data=service.body, headers=headers, method=service.method)
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.status == 200, path
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
