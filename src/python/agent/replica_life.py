@@ -276,6 +276,9 @@ class Life:
         identity = self._rpc_identity()
         executable = replica_rpc.rpc_server_beside(prefix)
         bind = await self._listen_host(m)  # the tunnel's: where rank 0 dials this node
+        named = a.member_addrs[a.node_rank] if len(a.member_addrs) > a.node_rank else bind
+        if named != bind:  # a NAT between this node and the control plane: rank 0 dials what it names
+            log.warning("rpc_tunnel_address", replica=a.replica_id, rank=a.node_rank, listens=bind, dialled=named)
         command = llamacpp.rpc_server_command(self._launch(m, a, "", replica_rpc.LOCAL), executable)
         beside = partial(replica_rpc.serve_helper, identity, a, m.port, bind)
         code = await self._run_once(m, a, command, engine_log, beside=beside)
