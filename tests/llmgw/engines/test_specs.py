@@ -77,13 +77,16 @@ def test_llamacpp_command_and_environment() -> None:
     assert key_file.path == f"{PRIVATE}/api-key" and key_file.content.reveal() == KEY + "\n"
 
 
-def test_llamacpp_over_rpc_rank_0_offloads_every_layer_to_its_helpers_over_tcp() -> None:
+def test_llamacpp_over_rpc_rank_0_leaves_the_split_to_llama_cpp_and_stays_on_tcp() -> None:
     cmd = build_command(
         attrs.evolve(two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",)), gpus=()), "/opt/llama-server"
     )
     at = cmd.argv.index("--rpc")
     assert cmd.argv[at + 1] == "127.0.0.1:41001"
-    assert cmd.argv[cmd.argv.index("--n-gpu-layers") + 1] == "999"  # RPC devices are offload targets
+    # No GPU here: llama.cpp's own fit offloads to the helpers what fits there, the rest stays here.
+    assert "--n-gpu-layers" not in cmd.argv
+    with_gpus = build_command(two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",)))
+    assert with_gpus.argv[with_gpus.argv.index("--n-gpu-layers") + 1] == "999"  # as on one node
     assert cmd.env["GGML_RPC_NO_RDMA"] == "1" and cmd.env["CUDA_VISIBLE_DEVICES"] == ""
     three = build_command(
         launch(

