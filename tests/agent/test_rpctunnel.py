@@ -314,3 +314,32 @@ async def test_a_tunnel_connection_whose_peer_vanishes_is_ended_by_the_kernel(nu
         assert raw.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpctunnel.SILENT_S * 1000
         assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == rpctunnel.SILENT_S // 2
+
+
+async def test_helpers_are_waited_for_together_and_one_still_dialling_at_the_end_is_named(
+    nursery: trio.Nursery, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper that answers nothing (its first dial still under way when the wait ends) delays
+    neither the wait's end nor the other helper's check, and is named all the same."""
+    monkeypatch.setattr(rpctunnel, "CONNECT_TIMEOUT_S", 5.0)
+    rpc = RpcStandIn()
+    good = await helper_tunnel(nursery, pki, rpc)
+    mute = trio.socket.socket()
+    await mute.bind((HOST, 0))
+    mute.listen(8)
+    silent = Helper(node="node-3", address=HOST, port=mute.getsockname()[1])
+    client = TunnelClient(
+        [silent, good], peer_client_ssl_context(pki.serving.cert, pki.serving.key), load_cert(pki.serving.ca_cert)
+    )
+    try:
+        started = trio.current_time()
+        with trio.fail_after(WITHIN_S), pytest.raises(HelperUnreachable) as caught:
+            await client.wait_reachable(within_s=0.5)
+        assert trio.current_time() - started < 2.0  # not the 5 s of the silent one's dial
+    finally:
+        mute.close()
+    assert (
+        str(caught.value)
+        == f"helper nodes not reached within 0.5 s: helper node node-3 at {HOST}:{silent.port}: no answer yet"
+    )
+    assert rpc.accepted == 1  # the good one was reached meanwhile

@@ -288,21 +288,29 @@ class TunnelClient:
         unreachable after `within_s`, saying why. `on_wait(text)` says whom it waits for."""
         waiting = list(self.helpers)
         last: dict[str, str] = {}
+
+        def said(helper: Helper) -> str:
+            return last.get(helper.node, f"helper node {helper.node} at {helper.where}: no answer yet")
+
+        async def look(helper: Helper) -> None:
+            try:
+                await self.reach(helper)
+            except HelperUnreachable as exc:
+                last[helper.node] = str(exc)
+            else:
+                waiting.remove(helper)
+
         with trio.move_on_after(within_s):
             while waiting:
-                for helper in list(waiting):
-                    try:
-                        await self.reach(helper)
-                    except HelperUnreachable as exc:
-                        last[helper.node] = str(exc)
-                    else:
-                        waiting.remove(helper)
+                async with trio.open_nursery() as nursery:  # all at once: one silent helper delays none
+                    for helper in list(waiting):
+                        nursery.start_soon(look, helper)
                 if waiting:
-                    on_wait("waiting for helper nodes: " + "; ".join(last[h.node] for h in waiting))
+                    on_wait("waiting for helper nodes: " + "; ".join(said(h) for h in waiting))
                     await trio.sleep(retry_s)
         if waiting:
             raise HelperUnreachable(
-                f"helper nodes not reached within {within_s:g} s: " + "; ".join(last[h.node] for h in waiting)
+                f"helper nodes not reached within {within_s:g} s: " + "; ".join(said(h) for h in waiting)
             )
 
     async def serve(self, *, task_status: trio.TaskStatus[tuple[int, ...]] = trio.TASK_STATUS_IGNORED) -> None:
