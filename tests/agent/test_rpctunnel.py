@@ -212,6 +212,10 @@ async def test_unreachable_helpers_are_named_with_what_failed(
     with trio.fail_after(WITHIN_S), pytest.raises(HelperUnreachable) as refused:
         await client_of(pki.serving, nobody).reach(nobody)
     assert "helper node node-1 at 127.0.0.1" in str(refused.value) and "connection refused" in str(refused.value)
+    # No address known for it.
+    unnamed = Helper(node="node-1", address="", port=free)
+    with trio.fail_after(WITHIN_S), pytest.raises(HelperUnreachable, match="the control plane named no address"):
+        await client_of(pki.serving, unnamed).reach(unnamed)
     # A listener that never answers the handshake: timed out.
     mute = trio.socket.socket()
     await mute.bind((HOST, 0))

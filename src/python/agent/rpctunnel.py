@@ -249,6 +249,8 @@ class TunnelClient:
     async def dial(self, helper: Helper) -> trio.SSLStream:
         """A TLS connection to `helper`'s tunnel, its certificate checked; `HelperUnreachable`
         saying what failed otherwise (refused, timed out, TLS refused, not the helper)."""
+        if not helper.address:
+            raise HelperUnreachable(f"helper node {helper.node}: the control plane named no address for it")
         try:
             with trio.fail_after(CONNECT_TIMEOUT_S):
                 raw = await self.connect(helper.address, helper.port)
