@@ -305,7 +305,8 @@ class Life:
                 return None, str(exc)
             m.set(w.STARTING, detail="")
             servers = tuple(f"{replica_rpc.LOCAL}:{port}" for port in ports)
-            launch = attrs.evolve(self._launch(m, a, model_path, host), rpc_servers=servers)
+            layers = await trio.to_thread.run_sync(replica_rpc.model_layers, model_path)
+            launch = attrs.evolve(self._launch(m, a, model_path, host), rpc_servers=servers, model_layers=layers)
             command = build_command(launch, prefix)
             lost = tunnels.lost.next()
 

@@ -13,7 +13,8 @@ one that cannot listen stops the rpc-server, to be started again by the restart 
 Rank 0 opens a local end per helper (127.0.0.1, a free port each), waits until every helper's
 tunnel answers (`HELPERS_WAIT_S`: the members start together; one not reached by then is an
 exit of the engine, named with what failed), then starts llama-server with `--rpc` to those
-ends. A helper that ends a relayed connection (its rpc-server or agent gone) has rank 0's
+ends and the layers split evenly over the members (`model_layers`, read from the GGUF's header,
+and `llamacpp.rpc_layer_split`). A helper that ends a relayed connection (its rpc-server or agent gone) has rank 0's
 llama-server stopped to be started again, waiting for the helpers anew; so a helper restarted
 where it was forms the replica again, as a multi-node vLLM replica's rendezvous does.
 
@@ -37,8 +38,11 @@ from llmgw.engines import spec_for
 from llmgw.errors import LlmgwError
 from llmgw.llamarecipe import RPC_SERVER
 from llmgw.pki.files import NodePaths, load_cert
+from llmgw.sizing.errors import MalformedGguf, MissingMetadata, NeedMore
+from llmgw.sizing.gguf import parse_header
 from llmgw.wire import agent_link as w
 
+HEADER_READ = 1 << 20  # a GGUF header's first read; a tokenizer's vocabulary can take several MiB
 HELPERS_WAIT_S = 180.0  # rank 0 waits this long for its helpers before it counts a failed start
 FIRST_PROBE_S = 0.05  # a starting rpc-server is asked this soon again at first, doubling to PROBE_S
 PROBE_S = 0.5
@@ -92,6 +96,32 @@ def helpers_of(a: w.ReplicaAssignment) -> tuple[Helper, ...]:
         Helper(node=a.nodes[rank], address=a.member_addrs[rank], port=a.dist_init_port)
         for rank in range(1, len(a.nodes))
     )
+
+
+def model_layers(path: str) -> int:
+    """The repeating layers of the GGUF at `path` (`<arch>.block_count`, in the first part of a
+    split model), which rank 0 spreads over the members (`llamacpp.rpc_layer_split`). Reads the
+    header alone, growing the read as `parse_header` asks; blocking (call it in a thread)."""
+    size = HEADER_READ
+    with open(path, "rb") as f:
+        while True:
+            f.seek(0)
+            prefix = f.read(size)
+            try:
+                header = parse_header(prefix)
+                break
+            except NeedMore as more:
+                if len(prefix) < size:
+                    raise MalformedGguf(f"{path} ends at byte {len(prefix)}, inside its GGUF header") from None
+                size = max(more.needed, 2 * size)
+    arch = header.metadata.get("general.architecture")
+    layers = header.metadata.get(f"{arch}.block_count")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise MissingMetadata(
+            f"{path} has no layer count ({arch}.block_count is {layers!r}): llama.cpp's RPC split cannot be set; "
+            "serve it on one node or use a GGUF converted by llama.cpp's tools"
+        )
+    return layers
 
 
 def rpc_server_beside(prefix: tuple[str, ...]) -> str:

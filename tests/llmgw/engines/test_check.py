@@ -35,7 +35,7 @@ def test_every_flag_llmgw_uses_is_in_the_recorded_help(engine: str) -> None:
 
 def test_the_widest_command_is_multi_node_where_the_engine_spans_nodes() -> None:
     assert [r.node_rank for r in widest_launches(spec_for("vllm"))] == [0, 1]
-    # llama.cpp's other ranks run its rpc-server, not llama-server: rank 0's flags, --rpc among them.
+    # llama.cpp's other ranks run its rpc-server, not llama-server: rank 0's flags, --rpc and the split among them.
     assert [r.node_rank for r in widest_launches(spec_for("llamacpp"))] == [0]
     assert widest_launches(spec_for("llamacpp"))[0].rpc_servers == ("127.0.0.1:50052",)
     # Flags a worker alone gets, or only a multi-node replica, are checked too.
@@ -52,6 +52,7 @@ def test_the_widest_command_is_multi_node_where_the_engine_spans_nodes() -> None
         "--port",
         "--rpc",
         "--slot-prompt-similarity",
+        "--tensor-split",
     )
 
 
@@ -70,7 +71,7 @@ def test_help_without_its_own_help_line_is_warned_about() -> None:
     assert len(result.warnings) == 1
     assert "does not document --help itself" in result.warnings[0]
     assert "`llama-server --help`" in result.warnings[0]
-    assert result.missing == ("--ctx-size", "--model", "--n-gpu-layers", "--rpc")
+    assert result.missing == ("--ctx-size", "--model", "--n-gpu-layers", "--rpc", "--tensor-split")
 
 
 def test_warnings_alone_exit_1() -> None:

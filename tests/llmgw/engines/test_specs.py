@@ -77,17 +77,21 @@ def test_llamacpp_command_and_environment() -> None:
     assert key_file.path == f"{PRIVATE}/api-key" and key_file.content.reveal() == KEY + "\n"
 
 
-def test_llamacpp_over_rpc_rank_0_leaves_the_split_to_llama_cpp_and_stays_on_tcp() -> None:
-    cmd = build_command(
-        attrs.evolve(two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",)), gpus=()), "/opt/llama-server"
-    )
-    at = cmd.argv.index("--rpc")
-    assert cmd.argv[at + 1] == "127.0.0.1:41001"
-    # No GPU here: llama.cpp's own fit offloads to the helpers what fits there, the rest stays here.
-    assert "--n-gpu-layers" not in cmd.argv
-    with_gpus = build_command(two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",)))
-    assert with_gpus.argv[with_gpus.argv.index("--n-gpu-layers") + 1] == "999"  # as on one node
+def _flag(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_llamacpp_over_rpc_rank_0_sets_an_even_split_and_stays_on_tcp() -> None:
+    rpc = two_nodes("llamacpp", 0, rpc_servers=("127.0.0.1:41001",), model_layers=8)
+    cmd = build_command(attrs.evolve(rpc, gpus=()), "/opt/llama-server")
+    assert _flag(cmd.argv, "--rpc") == "127.0.0.1:41001"
+    # No GPU here: 4 layers on this CPU; 4 and the output layer (counted by --n-gpu-layers) on the helper.
+    assert (_flag(cmd.argv, "--n-gpu-layers"), _flag(cmd.argv, "--tensor-split")) == ("5", "5")
     assert cmd.env["GGML_RPC_NO_RDMA"] == "1" and cmd.env["CUDA_VISIBLE_DEVICES"] == ""
+    # Two GPUs a node: every layer on a device; the helper's two, then this node's two (4 layers
+    # and the output layer), each node's layers shared by its GPUs.
+    with_gpus = build_command(rpc)
+    assert (_flag(with_gpus.argv, "--n-gpu-layers"), _flag(with_gpus.argv, "--tensor-split")) == ("9", "4,4,5,5")
     three = build_command(
         launch(
             "llamacpp",
@@ -95,12 +99,44 @@ def test_llamacpp_over_rpc_rank_0_leaves_the_split_to_llama_cpp_and_stays_on_tcp
             rank0_addr="10.0.0.5",
             dist_init_port=29500,
             rpc_servers=("127.0.0.1:41001", "127.0.0.1:41002"),
+            model_layers=8,
         )
     )
-    assert three.argv[three.argv.index("--rpc") + 1] == "127.0.0.1:41001,127.0.0.1:41002"
-    # A llama.cpp replica on one node is as before: no --rpc, no RDMA switch.
+    assert _flag(three.argv, "--rpc") == "127.0.0.1:41001,127.0.0.1:41002"
+    # 8 layers over 3: 2 on rank 0's CPU, 3 on each helper, the last with the output layer.
+    assert (_flag(three.argv, "--n-gpu-layers"), _flag(three.argv, "--tensor-split")) == ("7", "3,4")
+    # The operator's split, after llmgw's, wins.
+    own = build_command(attrs.evolve(rpc, gpus=(), extra_args=("--n-gpu-layers", "999")))
+    assert own.argv[-2:] == ("--n-gpu-layers", "999")
+    with pytest.raises(LaunchError, match="needs the model's layer count"):
+        build_command(attrs.evolve(rpc, model_layers=0))
+    # A llama.cpp replica on one node is as before: no --rpc, no RDMA switch, no split.
     alone = build_command(launch("llamacpp"))
-    assert "--rpc" not in alone.argv and "GGML_RPC_NO_RDMA" not in alone.env
+    assert "--rpc" not in alone.argv and "GGML_RPC_NO_RDMA" not in alone.env and "--tensor-split" not in alone.argv
+
+
+@pytest.mark.parametrize("layers", [1, 2, 7, 8, 31, 80])
+@pytest.mark.parametrize("members", [2, 3, 5])
+@pytest.mark.parametrize("gpus", [0, 1, 3])
+def test_the_rpc_split_gives_each_member_its_share_as_llama_cpp_assigns_layers(layers, members, gpus) -> None:
+    """llama.cpp's assignment (src/llama-model.cpp, load_tensors) replayed on the flags: layers
+    before the offloaded ones on rank 0's CPU, each offloaded one to the device whose cumulative
+    share first exceeds its position; each member's layers within one of layers / members."""
+    ngl, split = llamacpp.rpc_layer_split(layers, members, gpus)
+    devices = max(gpus, 1)
+    owner = [rank for rank in range(1, members) for _ in range(devices)] + [0] * gpus
+    assert len(split) == len(owner)
+    cumulative = [sum(split[: i + 1]) / sum(split) for i in range(len(split))]
+    start = max(layers + 1 - ngl, 0)
+    held = [0] * members
+    for il in range(layers + 1):  # the output layer is number `layers`
+        if il < start:
+            rank = 0
+        else:
+            rank = owner[next(i for i, c in enumerate(cumulative) if c > (il - start) / ngl)]
+        held[rank] += il < layers
+    assert sum(held) == layers
+    assert max(held) - min(held) <= 1 and held[0] == layers // members, held
 
 
 def test_a_llamacpp_helper_runs_the_rpc_server_on_loopback() -> None:

@@ -71,7 +71,10 @@ def widest_launches(spec: EngineSpec) -> tuple[ReplicaLaunch, ...]:
     # Ranks >= 1 of an RPC engine run its rpc-server, not the engine: rank 0 alone has its flags.
     ranks = 1 if spec.rpc_helpers else nnodes
     rpc = ("127.0.0.1:50052",) if spec.rpc_helpers and nnodes > 1 else ()
-    return tuple(attrs.evolve(base, node_rank=rank, rpc_servers=rpc if rank == 0 else ()) for rank in range(ranks))
+    return tuple(
+        attrs.evolve(base, node_rank=rank, rpc_servers=rpc if rank == 0 else (), model_layers=32 if rpc else 0)
+        for rank in range(ranks)
+    )
 
 
 def widest_flags(spec: EngineSpec) -> tuple[str, ...]:

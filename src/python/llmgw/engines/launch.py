@@ -68,6 +68,9 @@ class ReplicaLaunch:
     # (`EngineSpec.rpc_helpers`): each helper's rpc-server as llama-server dials it, "host:port",
     # in rank order (the agent's local ends of its tunnels to them: agent.rpctunnel).
     rpc_servers: tuple[str, ...] = ()
+    # With `rpc_servers`: the model's repeating layers (its GGUF's `<arch>.block_count`, which the
+    # agent reads from the file), spread evenly over the members (`llamacpp.rpc_layer_split`).
+    model_layers: int = 0
 
     @property
     def multi_node(self) -> bool:
@@ -182,6 +185,11 @@ def check_launch(launch: ReplicaLaunch, *, engine_title: str, max_nodes: int | N
         problems.append(
             f"rpc_servers {list(launch.rpc_servers)} are for rank 0 of a replica, one per other node "
             f"(rank {launch.node_rank} of {launch.nnodes}); a bug in the agent"
+        )
+    if launch.rpc_servers and launch.model_layers < 1:
+        problems.append(
+            f"rank 0 of a replica over llama.cpp's RPC needs the model's layer count to split it, got "
+            f"{launch.model_layers}; a bug in the agent"
         )
     if any(g < 0 for g in launch.gpus) or len(set(launch.gpus)) != len(launch.gpus):
         problems.append(f"gpus {list(launch.gpus)} must be distinct non-negative indices")

