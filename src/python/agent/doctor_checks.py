@@ -140,7 +140,10 @@ def check_memory(snap: Snapshot) -> Check:
     if snap.memory is None:
         return Check(name="memory", status=UNKNOWN, detail=f"{COULD_NOT}: /proc/meminfo cannot be read")
     m = snap.memory
-    return Check(name="memory", status=OK, detail=f"{_gib(m.total_bytes)}, {_gib(m.available_bytes)} available")
+    limited = f" (the memory limit of cgroup {m.cgroup}, below the machine's)" if m.cgroup else ""
+    return Check(
+        name="memory", status=OK, detail=f"{_gib(m.total_bytes)}{limited}, {_gib(m.available_bytes)} available"
+    )
 
 
 def check_python(snap: Snapshot) -> Check:

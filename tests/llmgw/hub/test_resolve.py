@@ -187,7 +187,12 @@ async def test_a_llamacpp_replica_over_several_nodes_asks_each_for_its_share(hub
     split = await resolve(client(hub), AddRequest(name="t", hf=GGUF, quant="Q8_0", nodes_per_replica=3))
     e = split.estimate
     assert split.model.nodes_per_replica == 3 and e == whole.estimate
-    share = (e.weights + e.kv_cache) / 2 + e.compute + e.output + e.overhead  # one of two helpers' share
+    # Each member's share of the layers and their cache (ceil(layers / 3) of them), the tensors
+    # outside the layers, and its own buffers and process.
+    assert e.layers > 0 and 0 < e.layer_bytes < e.weights
+    most = -(-e.layers // 3)
+    layers = (e.layer_bytes + e.kv_cache) * most / e.layers
+    share = layers + e.weights - e.layer_bytes + e.compute + e.output + e.overhead
     assert split.model.memory_gb == pytest.approx(share / 2**30, abs=0.011)
     # Not the whole over three (0.02 GiB for this tiny model): each member has its buffers and process.
     assert split.model.memory_gb != pytest.approx(e.total / 3 / 2**30, abs=0.011)

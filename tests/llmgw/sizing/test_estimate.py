@@ -96,15 +96,26 @@ def test_a_made_model_with_llama_servers_defaults(tmp_path: Path) -> None:
 
 
 def test_a_llamacpp_replica_over_several_nodes_shares_its_layers_and_their_cache(tmp_path: Path) -> None:
-    path = make_gguf(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_head=4, n_vocab=600, context=2048)
-    e = estimate_gguf(parse_header(path.read_bytes()))
+    path = make_gguf(tmp_path / "m.gguf", n_layer=8, n_embd=64, n_head=4, n_vocab=600, context=2048)
+    header = parse_header(path.read_bytes())
+    e = estimate_gguf(header)
+    assert e.layers == 8
+    outside = sum(t.nbytes for t in header.tensors if not t.name.startswith("blk."))  # embeddings, output, norm
+    assert e.layer_bytes == e.weights - outside > 0
     assert llama_member_bytes(e, 1) == e.total
     own = e.compute + e.output + e.overhead  # each member's buffers and process, not shared
-    # On CPUs the layers and their cache go to the helpers (every layer offloaded, rank 0 has no device).
-    assert llama_member_bytes(e, 2) == e.weights + e.kv_cache + own
-    assert llama_member_bytes(e, 3) == -(-(e.weights + e.kv_cache) // 2) + own
-    # The helpers together hold at least the whole: the split is not an undercount.
-    assert 2 * llama_member_bytes(e, 3) >= e.total
+    # Every member holds its layers (rank 0 on its own CPU) with their cache, and at most the tensors
+    # outside the layers (rank 0 the embeddings, the last helper the output layer).
+    assert llama_member_bytes(e, 2) == (e.layer_bytes + e.kv_cache) // 2 + outside + own
+    # 8 layers over 3: at most 3 on one member.
+    assert llama_member_bytes(e, 3) == -(-(e.layer_bytes + e.kv_cache) * 3 // 8) + outside + own
+    # Two members hold the whole between them, not one (the split pools memory); the members
+    # together are not an undercount.
+    assert llama_member_bytes(e, 2) < e.total <= 2 * llama_member_bytes(e, 2)
+    assert e.total <= 3 * llama_member_bytes(e, 3)
+    # Without the layer count, an even share of weights and cache.
+    unknown = attrs.evolve(e, layers=0, layer_bytes=0)
+    assert llama_member_bytes(unknown, 2) == -(-(e.weights + e.kv_cache) // 2) + own
 
 
 def test_unknown_kv_cache_type_is_named(tmp_path: Path) -> None:

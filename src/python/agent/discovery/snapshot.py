@@ -25,6 +25,7 @@ from agent.install import toolchain
 from llmgw import config
 
 DEFAULT_PROC_ROOT = "/proc"
+DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
 DEFAULT_PCI_ROOT = "/sys/bus/pci/devices"
 DEFAULT_IP = "/usr/sbin/ip"
 DEFAULT_OS_RELEASE = "/etc/os-release"
@@ -37,6 +38,7 @@ DEFAULT_DRI_DIR = "/dev/dri"  # renderD* there: a GPU with its kernel driver loa
 @attrs.frozen(kw_only=True)
 class Sources:
     proc_root: Path = Path(DEFAULT_PROC_ROOT)
+    cgroup_root: Path = Path(DEFAULT_CGROUP_ROOT)
     pci_root: Path = Path(DEFAULT_PCI_ROOT)
     ib_root: Path = Path(config.DEFAULT_IB_ROOT)
     os_release: Path = Path(DEFAULT_OS_RELEASE)
@@ -99,7 +101,7 @@ def discover(src: Sources) -> Snapshot:
         arch=system.machine(),
         python=tuple(sys.version_info[:3]),  # type: ignore[arg-type]
         cpu=cpu.read_cpuinfo(src.proc_root),
-        memory=system.read_meminfo(src.proc_root),
+        memory=system.read_memory(src.proc_root, src.cgroup_root),
         disk=system.disk_free(src.weights_dir),
         clock=system.read_clock(),
         systemd=src.systemd_dir.is_dir(),

@@ -62,6 +62,10 @@ class Estimate:
     overhead: int
     gpus: int
     per_gpu: int
+    # llama.cpp: the repeating layers (`<arch>.block_count`) and the bytes of their tensors
+    # (`blk.*`), which a replica over several nodes splits by whole layers; 0 when unknown.
+    layers: int = 0
+    layer_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -181,6 +185,8 @@ def estimate_gguf(
     if s.context is None and shape.context_length <= 0:
         raise MalformedGguf(f"{shape.architecture}.context_length is {shape.context_length}; give a context")
     n_ctx, slots, _, _ = llama_kv_cells(shape, s)
+    parts = [headers] if isinstance(headers, GgufHeader) else headers
+    layer_bytes = sum(t.nbytes for h in parts for t in h.tensors if t.name.startswith("blk."))
     kv = llama_kv_bytes(shape, s)
     compute = llama_compute_bytes(shape, s)
     output = shape.vocab_size * slots * 4
@@ -197,22 +203,30 @@ def estimate_gguf(
         overhead=overhead,
         gpus=gpus,
         per_gpu=per_gpu if gpus else total,
+        layers=shape.block_count,
+        layer_bytes=layer_bytes,
     )
 
 
 def llama_member_bytes(e: Estimate, members: int) -> int:
     """What each node of a llama.cpp replica over `members` nodes must hold on its CPU (llama.cpp's
-    RPC, `nodes_per_replica`). Rank 0's llama-server offloads every layer to a device
-    (`--n-gpu-layers 999`, docs/engines.md), and on a node without GPUs its devices are the
-    helpers' rpc-servers alone: the members-1 helpers share the layers, and with them the KV
-    cache (llama.cpp keeps each layer's cache on the layer's device), each (weights + KV) /
-    (members - 1) and a compute buffer of its own; rank 0 keeps the token embeddings, the output
-    buffer and its compute buffer. One number is asked of every member, the largest share (a
-    helper's, with the output buffer and the process's overhead), so any node may be rank 0.
-    One node: the whole."""
+    RPC, `nodes_per_replica`). Rank 0 splits the layers evenly (engines.llamacpp.rpc_layer_split:
+    layers // members each, the remainder one more on some), keeping its share on its own CPU, so a
+    member holds at most ceil(layers / members) layers and their KV cache (llama.cpp keeps each
+    layer's cache on the layer's device), and at most the tensors outside the layers (the token
+    embeddings stay on rank 0, the output layer goes to the last helper: with tied embeddings a
+    copy of them), with a compute buffer of its own, the output buffer and the process's
+    overhead. One number is asked of every member, so any node may be rank 0. Without the layer
+    count (an estimate not from a GGUF), (weights + KV cache) / members. One node: the whole."""
     if members <= 1:
         return e.total
-    return -(-(e.weights + e.kv_cache) // (members - 1)) + e.compute + e.output + e.overhead
+    if e.layers and e.layer_bytes:
+        most = -(-e.layers // members)
+        layers = -(-(e.layer_bytes + e.kv_cache) * most // e.layers)
+        share = layers + (e.weights - e.layer_bytes)
+    else:
+        share = -(-(e.weights + e.kv_cache) // members)
+    return share + e.compute + e.output + e.overhead
 
 
 def _config_int(config: Mapping[str, object], *keys: str) -> int | None:
