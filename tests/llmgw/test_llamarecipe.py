@@ -257,3 +257,53 @@ def test_the_build_environment_is_dated_by_the_source_and_keeps_flags_and_git_ou
         "GIT_CEILING_DIRECTORIES": "/w",
     }
     assert given["CFLAGS"] == "-march=native"  # the caller's mapping is left alone
+
+
+# -- the Vulkan module -----------------------------------------------------------------------
+
+HEADERS = llamarecipe.Pinned(
+    url="http://deb.example/pool/libvulkan-dev_1.4.309.0-1_amd64.deb", sha256="8d" * 32, size=1
+)
+GLSLC = "shaderc v2023.2 v2023.2"
+
+
+def cpu_recipe(arch: str = "amd64", tools: dict = TOOLS) -> llamarecipe.Recipe:
+    return llamarecipe.recipe(SOURCE, llamarecipe.toolchain(arch, arch), tools, compiles_sme=False)
+
+
+def test_the_vulkan_recipe_is_the_cpu_recipes_arguments_with_vulkan_on_and_its_headers_named() -> None:
+    cpu = cpu_recipe()
+    vk = llamarecipe.vulkan_recipe(cpu, HEADERS, GLSLC)
+    assert vk.args[: len(cpu.args)] == cpu.args
+    assert vk.args[len(cpu.args) :] == ("-DGGML_VULKAN=ON", "-DVulkan_INCLUDE_DIR={vulkan_headers}/usr/include")
+    filled = llamarecipe.fill(vk.args, vulkan_headers="/cache/vulkan-headers/8d8d")
+    assert "-DVulkan_INCLUDE_DIR=/cache/vulkan-headers/8d8d/usr/include" in filled
+    assert llamarecipe.vulkan_entry_name(vk) == f"llama.cpp-b11434-linux-amd64-vulkan-{vk.key}"
+
+
+def test_the_vulkan_key_changes_with_the_cpu_recipe_the_headers_and_glslc() -> None:
+    cpu = cpu_recipe()
+    base = llamarecipe.vulkan_recipe(cpu, HEADERS, GLSLC)
+    assert base.key != cpu.key and len(base.key) == 16
+    assert base.key == llamarecipe.vulkan_recipe(cpu_recipe(), HEADERS, GLSLC).key
+    other_headers = llamarecipe.Pinned(url=HEADERS.url, sha256="ff" * 32, size=1)
+    newer_cc = cpu_recipe(tools=dict(TOOLS, cc="gcc (Debian 13.1.0-1) 13.1.0"))
+    keys = {
+        base.key,
+        llamarecipe.vulkan_recipe(cpu, other_headers, GLSLC).key,
+        llamarecipe.vulkan_recipe(cpu, HEADERS, "shaderc v2024.1 v2024.1").key,
+        llamarecipe.vulkan_recipe(newer_cc, HEADERS, GLSLC).key,
+    }
+    assert len(keys) == 4
+
+
+def test_no_cross_built_vulkan_module_says_why_but_a_native_arm64_one_is_built() -> None:
+    cross = llamarecipe.recipe(SOURCE, llamarecipe.toolchain("arm64", "amd64"), TOOLS, compiles_sme=False)
+    with pytest.raises(RecipeError, match="no Vulkan build for arm64 from another architecture: .*no arm64 Vulkan"):
+        llamarecipe.vulkan_recipe(cross, HEADERS, GLSLC)
+    assert llamarecipe.vulkan_recipe(cpu_recipe("arm64"), HEADERS, GLSLC).key != cross.key
+
+
+def test_the_vulkan_archive_is_named_after_the_cpu_archive() -> None:
+    assert llamarecipe.backend_top_dir(SOURCE, "amd64") == "llama.cpp-b11434-linux-amd64"
+    assert llamarecipe.backend_top_dir(SOURCE, "amd64", "vulkan") == "llama.cpp-b11434-linux-amd64-vulkan"

@@ -419,3 +419,105 @@ def shipped(names: Iterable[str]) -> list[str]:
 
 def cpu_variants(names: Iterable[str]) -> list[str]:
     return sorted(m.group(1) for m in map(CPU_VARIANT.fullmatch, names) if m)
+
+
+# -- the Vulkan module -----------------------------------------------------------------------
+#
+# llama.cpp's Vulkan backend, for the GPUs of every vendor a Vulkan driver serves. With
+# GGML_BACKEND_DL it is one more loadable backend, libggml-vulkan.so, which llama-server loads
+# from beside itself at run time like the CPU variants: the Vulkan archive is the CPU archive's
+# files and that module, built from the same source with the same options in a tree configured
+# with Vulkan on (only its target compiled: no second build of the rest). Its key is the CPU
+# recipe's and what the module adds: the Vulkan options, the Vulkan headers' sha256 and glslc's
+# version (it compiles the shaders into the module).
+#
+# Debian 12's Vulkan headers (1.3.239) are older than this llama.cpp's ggml-vulkan.cpp needs
+# (VK_EXT_layer_settings): the build takes Debian 13's from a pinned .deb (llmgw.pins), their
+# usr/include alone. The loader it links against (libvulkan.so.1, which the module needs at run
+# time: VULKAN_LOADER) and glslc are the build machine's own.
+#
+# Native builds only: a cross build (the release's arm64, from amd64) would link against the
+# other architecture's libvulkan.so, which Debian has only as libvulkan-dev:arm64 through a
+# multiarch dpkg (dpkg --add-architecture arm64), not among the cross packages the release's
+# arm64 build installs (crossbuild-essential-arm64). So the release, built on amd64, ships
+# Vulkan for amd64; an arm64 machine builds arm64's natively (the headers are the same files).
+
+VULKAN = "vulkan"  # the backend's name: EngineArchive.backend, and the archive's suffix
+VULKAN_TARGET = "ggml-vulkan"
+VULKAN_MODULE = "libggml-vulkan.so"
+VULKAN_LOADER = "libvulkan.so.1"
+VULKAN_REVISION = 1  # bump when what a build makes of a Vulkan recipe changes: it is in the key
+VULKAN_HEADERS = "{vulkan_headers}"  # where the pinned headers were unpacked; substituted when CMake runs
+VULKAN_OPTIONS = ("-DGGML_VULKAN=ON", f"-DVulkan_INCLUDE_DIR={VULKAN_HEADERS}/usr/include")
+GLSLC = "glslc"
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A file pinned by content (llmgw.pins): the Vulkan headers' .deb."""
+
+    url: str
+    sha256: str
+    size: int
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[1]
+
+
+@dataclass(frozen=True)
+class VulkanRecipe:
+    """The Vulkan module's build on top of a CPU recipe: what decides its bytes, and its key."""
+
+    cpu: Recipe
+    headers: Pinned
+    glslc: str  # `glslc --version`'s first line
+
+    @property
+    def source(self) -> Source:
+        return self.cpu.source
+
+    @property
+    def toolchain(self) -> Toolchain:
+        return self.cpu.toolchain
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The CPU recipe's CMake arguments, with Vulkan on and its headers named."""
+        return (*self.cpu.args, *VULKAN_OPTIONS)
+
+    def as_json(self) -> str:
+        return json.dumps(
+            {
+                "vulkan_revision": VULKAN_REVISION,
+                "cpu": json.loads(self.cpu.as_json()),
+                "cmake_args": list(self.args),
+                "headers_sha256": self.headers.sha256,
+                "glslc": self.glslc,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.as_json().encode()).hexdigest()[:16]
+
+
+def vulkan_recipe(cpu: Recipe, headers: Pinned, glslc: str) -> VulkanRecipe:
+    if cpu.toolchain.cross:
+        raise RecipeError(
+            f"no Vulkan build for {cpu.toolchain.arch} from another architecture: the cross build has no "
+            f"{cpu.toolchain.arch} Vulkan loader to link against (see llmgw.llamarecipe); build it on such a machine"
+        )
+    return VulkanRecipe(cpu=cpu, headers=headers, glslc=glslc)
+
+
+def backend_top_dir(source: Source, arch: str, backend: str = "cpu") -> str:
+    """The archive's one directory for a backend: top_dir for the CPU's, `-vulkan` after it for Vulkan's."""
+    top = top_dir(source, arch)
+    return top if backend == "cpu" else f"{top}-{backend}"
+
+
+def vulkan_entry_name(r: VulkanRecipe) -> str:
+    return f"{backend_top_dir(r.source, r.toolchain.arch, VULKAN)}-{r.key}"
