@@ -159,7 +159,7 @@ async def test_a_traced_stream_is_one_trace_under_the_clients_span(
 async def test_a_request_that_waits_has_a_queue_span_and_one_without_traceparent_a_root(
     tmp_path: Path, nursery: trio.Nursery, receiver: Receiver
 ) -> None:
-    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, sample_ratio=1.0))
     engine = RecordingEngine(output_token_ms=30)
     port, token, _ = await start_gateway(
         nursery, tmp_path, [await engine.start(nursery)], tracing, max_outstanding_per_replica=1
@@ -187,7 +187,7 @@ async def test_a_request_that_waits_has_a_queue_span_and_one_without_traceparent
 async def test_a_refused_request_is_a_span_with_its_error(
     tmp_path: Path, nursery: trio.Nursery, receiver: Receiver
 ) -> None:
-    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, sample_ratio=1.0))
     engine = RecordingEngine()
     port, token, _ = await start_gateway(nursery, tmp_path, [await engine.start(nursery)], tracing)
     status, _, _ = await call(port, token, {**chat_body(), "model": "nope"}, {"traceparent": TRACEPARENT})
@@ -237,7 +237,7 @@ async def test_a_collector_down_or_failing_holds_no_request(
         receiver.stop()  # nothing listens on its port now
     else:
         receiver.down()  # answers 503 to every export, which the SDK retries with backoff
-    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, timeout_s=5.0))
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, sample_ratio=1.0, timeout_s=5.0))
     engine = RecordingEngine()
     port, token, _ = await start_gateway(nursery, tmp_path, [await engine.start(nursery)], tracing)
     tracing.processor._batch_processor._worker_awaken.set()  # an export under way meanwhile
@@ -257,7 +257,7 @@ async def test_a_migrated_stream_shows_both_attempts(
     from testlib.migrationrig import WORDS, parse, text_of, via_a_then_b
     from testlib.migrationrig import setup as migration_setup
 
-    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, sample_ratio=1.0))
     net, a, b, gw, info = await migration_setup(tmp_path, nursery, "vllm")
     gw.gateway.tracing = tracing
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -279,7 +279,7 @@ async def test_a_migrated_stream_shows_both_attempts(
 async def test_an_answer_read_whole_that_broke_ends_its_relay_with_its_attempt(receiver: Receiver) -> None:
     """`_relay` began the relay (the head came), then the body broke (UpstreamBroken): the
     request goes to another replica; the first relay is exported, not left open."""
-    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint))
+    tracing = telemetry.start(TelemetrySection(otlp_endpoint=receiver.endpoint, sample_ratio=1.0))
     trace = tracing.request("/v1/completions", {}, "rid")
     trace.admitted("m")
     for replica in ("m-0", "m-1"):
