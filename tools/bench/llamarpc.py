@@ -18,12 +18,12 @@ local ends (TunnelClient, its certificate checked by each helper's) and llama-se
 its node's address and llama-server dialling it directly (`direct`), so the tunnel's cost is
 the difference. Both ends run with GGML_RPC_NO_RDMA=1, as the agents start them.
 
-The split (`split`): each of N members holds n_layer // N of the repeating layers (the remainder
-one more on each helper from rank 1 on): node-0's CPU keeps the first ones with the token
-embeddings, and `--n-gpu-layers` (which counts the output layer, offloaded first) with
-`--tensor-split` gives each helper its share, the last one the output layer too. This is the
-rule C3a is landing in llmgw.engines.llamacpp for the agents (rpc_layer_split), written here
-until it lands. The buffers llama-server reports for each device are in the JSON (`buffers_mib`).
+The split (`split`) is the agents' (llmgw.engines.llamacpp.rpc_layer_split, docs/engines.md "How
+the layers are split"): each of N members holds n_layer // N of the repeating layers (the
+remainder one more on each helper from rank 1 on); node-0's CPU keeps the first ones with the
+token embeddings, and `--n-gpu-layers` (which counts the output layer) with `--tensor-split` gives
+each helper its share, the last one the output layer too. The buffers llama-server reports for
+each device are in the JSON (`buffers_mib`).
 
 Per configuration: llama-server started (the helpers' rpc-servers and tunnels ready before it),
 `load_s` from its start to /health answering 200 (its weights read, the helpers' sent over the
@@ -62,7 +62,7 @@ from typing import Any
 
 from bench import llamacpp, llamarpc_tunnel
 
-from llmgw.engines.llamacpp import NO_RDMA
+from llmgw.engines.llamacpp import NO_RDMA, rpc_layer_split
 from llmgw.llamarecipe import RPC_SERVER
 from llmgw.pki.ca import new_ca
 from llmgw.pki.files import issue_to_dir
@@ -79,9 +79,9 @@ LOAD_TIMEOUT_S = 300.0  # a model's load: its weights sent to the helpers over t
 READY_TIMEOUT_S = 60.0  # an rpc-server or a tunnel end listening
 MAX_COMPLETIONS = 50
 SPLIT_RULE = (
-    "each member n_layer // N repeating layers, the remainder one more on each helper from rank 1: node-0's "
-    "CPU the first ones, --n-gpu-layers the helpers' plus the output layer, --tensor-split their shares "
-    "(the last helper's with the output layer)"
+    "the agents' (llmgw.engines.llamacpp.rpc_layer_split): each member n_layer // N repeating layers, the "
+    "remainder one more on each helper from rank 1; node-0's CPU the first ones, --n-gpu-layers the helpers' "
+    "plus the output layer, --tensor-split their shares (the last helper's with the output layer)"
 )
 HOW = (
     "the pieces llmgw's agents run, started directly (no control plane or agents): ggml-rpc-server "
@@ -126,16 +126,12 @@ class Member:
 
 
 def split_args(n_layer: int, members: int) -> list[str]:
-    """`--n-gpu-layers` and `--tensor-split` giving each of `members` n_layer // members of the
-    repeating layers, the remainder one more on each helper from rank 1 on. llama.cpp counts the
-    output layer in `--n-gpu-layers` and offloads it first, so the count is the helpers' layers
-    plus one and the last helper's share holds it; the layers not offloaded (the first ones) stay
-    on node-0's CPU with the token embeddings."""
+    """`--n-gpu-layers` and `--tensor-split` as rank 0's agent gives them (llmgw.engines.llamacpp's
+    rpc_layer_split, nodes without GPUs): about 1/members of the layers on each member."""
     if members == 1:
         return []
-    per = [n_layer // members + (1 if 0 < rank <= n_layer % members else 0) for rank in range(members)]
-    shares = [*per[1:-1], per[-1] + 1]
-    return ["--n-gpu-layers", str(sum(per[1:]) + 1), "--tensor-split", ",".join(map(str, shares))]
+    layers, shares = rpc_layer_split(n_layer, members, 0)
+    return ["--n-gpu-layers", str(layers), "--tensor-split", ",".join(map(str, shares))]
 
 
 def prompt_ids(n: int) -> list[int]:
