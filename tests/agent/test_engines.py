@@ -197,6 +197,40 @@ def test_a_gpu_node_builds_for_cuda_where_it_can_and_else_runs_the_releases_cpu_
     assert "offers llamacpp b11434 for x86_64/cpu, not for this node (aarch64)" in str(info.value)
 
 
+VULKAN_RELEASED = attrs.evolve(
+    RELEASED,
+    backend="vulkan",
+    sha256="f" * 64,
+    binary="llama.cpp-b11434-linux-amd64-vulkan/llama-server",
+    release="llama.cpp-b11434-linux-amd64-vulkan.tar.gz",
+)
+
+
+def test_the_vulkan_backend_takes_the_releases_vulkan_build_installed_beside_the_cpu_one() -> None:
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED, VULKAN_RELEASED), build=SOURCE)
+    config = AgentConfig(server="wss://x:1")
+    plan = wanted_from(want, config, "x86_64", False, release_base=BASE, backend="vulkan")
+    assert isinstance(plan.source, ArchiveSource)
+    assert plan.source.url == f"{BASE}/v1/release/llama.cpp-b11434-linux-amd64-vulkan.tar.gz"
+    assert (plan.source.sha256, plan.source.binary) == (VULKAN_RELEASED.sha256, VULKAN_RELEASED.binary)
+    assert (plan.flavor, plan.slot, plan.flags_of) == ("vulkan", "b11434-vulkan", "llamacpp")
+    cpu = wanted_from(want, config, "x86_64", False, release_base=BASE)
+    assert cpu.source.url.endswith(RELEASED.release) and (cpu.flavor, cpu.slot) == ("", "b11434")
+    # A release without a Vulkan build: its CPU build rather than nothing.
+    only_cpu = wanted_from(attrs.evolve(want, archives=(RELEASED,)), config, "x86_64", False, backend="vulkan")
+    assert only_cpu.source.sha256 == RELEASED.sha256 and only_cpu.flavor == ""
+
+
+def test_agent_toml_names_the_llama_backend_or_leaves_it_to_the_node() -> None:
+    assert AgentConfig(server="wss://x:1").llamacpp_backend == "auto"
+    from llmgw.config.checks import check_agent
+
+    assert check_agent(AgentConfig(server="wss://x:1", llamacpp_backend="vulkan")) == []
+    assert check_agent(AgentConfig(server="wss://x:1", llamacpp_backend="rocm")) == [
+        "expected one of auto, cpu, vulkan, got 'rocm' @ $.llamacpp_backend"
+    ]
+
+
 @pytest.mark.trio
 async def test_a_release_archive_damaged_on_the_control_plane_is_refused_before_it_is_unpacked(
     tmp_path: Path, nursery: trio.Nursery

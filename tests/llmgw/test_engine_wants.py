@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from llmgw.config import (
@@ -17,9 +18,11 @@ from llmgw.engines.wants import (
     ReleaseArchive,
     engines_for,
     gpu_verdicts,
+    llama_backend,
     may_build,
     pick_archive,
     release_archive,
+    vulkan_device,
 )
 from llmgw.wire import agent_link as w
 
@@ -280,3 +283,50 @@ def test_llamacpps_measure_speed_reaches_its_want_only() -> None:
     quiet = EnginesSection(llamacpp=LlamacppSource(measure_speed=False))
     [llama] = engines_for(quiet, node(vllm=w.NOT_APPLICABLE))
     assert (llama.name, llama.measure_speed) == ("llamacpp", False)
+
+
+# -- which llama.cpp build a node takes from the release --------------------------------------
+
+LAVAPIPE = w.VulkanDevice(
+    index=0, name="llvmpipe (LLVM 15.0.6, 256 bits)", type=w.VULKAN_CPU, vendor_id="0x10005", software=True
+)
+RADEON = w.VulkanDevice(
+    index=1, name="AMD Radeon RX 7900 XTX (RADV NAVI31)", type=w.VULKAN_DISCRETE, vendor_id="0x1002"
+)
+
+
+def with_vulkan(*devices: w.VulkanDevice, status: str = w.VULKAN_PRESENT) -> w.Inventory:
+    return attrs.evolve(node(), vulkan=devices, vulkan_status=status)
+
+
+def test_auto_takes_vulkan_on_a_hardware_device_and_the_cpu_build_on_lavapipe_alone() -> None:
+    assert llama_backend("auto", with_vulkan(LAVAPIPE, RADEON)) == "vulkan"
+    assert vulkan_device(with_vulkan(LAVAPIPE, RADEON)) == RADEON
+    assert llama_backend("auto", with_vulkan(LAVAPIPE)) == "cpu"  # software: slower than the CPU build
+    assert llama_backend("auto", node()) == "cpu"  # vulkaninfo not asked (an older agent)
+    assert llama_backend("auto", with_vulkan(RADEON, status=w.VULKAN_FAILED)) == "cpu"  # the loader did not answer
+
+
+def test_the_operator_forces_either_build() -> None:
+    assert llama_backend("vulkan", with_vulkan(LAVAPIPE)) == "vulkan"
+    assert llama_backend("cpu", with_vulkan(RADEON)) == "cpu"
+
+
+def test_the_releases_vulkan_archive_is_wanted_with_its_backend_and_picked_by_it() -> None:
+    cpu = ReleaseArchive(
+        name="llama.cpp-b1-linux-amd64.tar.gz", version="b1", arch="x86_64", sha256="c" * 64, binary="b"
+    )
+    vk = ReleaseArchive(
+        name="llama.cpp-b1-linux-amd64-vulkan.tar.gz",
+        version="b1",
+        arch="x86_64",
+        sha256="v" * 64,
+        binary="b",
+        backend="vulkan",
+    )
+    config = EnginesSection(llamacpp=LlamacppSource(version="b1", release=True))
+    [want] = engines_for(config, node(), release=(cpu, vk))
+    assert [(a.backend, a.release) for a in want.archives] == [("cpu", cpu.name), ("vulkan", vk.name)]
+    assert release_archive(want, "x86_64").release == cpu.name
+    assert release_archive(want, "x86_64", "vulkan").release == vk.name
+    assert release_archive(want, "aarch64", "vulkan") is None

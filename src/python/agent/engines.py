@@ -46,7 +46,7 @@ from agent.install.installer import (
 from agent.install.toolchain import BuildTools, probe_tools, which_on
 from agent.progress import Latest, serve_progress
 from llmgw.config import AgentConfig
-from llmgw.engines.wants import pick_archive, release_archive
+from llmgw.engines.wants import llama_backend, pick_archive, release_archive
 from llmgw.errors import LlmgwError
 from llmgw.log import get_logger
 from llmgw.selfexec import llmgw_command
@@ -72,13 +72,16 @@ def wanted_from(
     tools: BuildTools = NO_TOOLS,
     release_base: str = "",
     node_release: noderelease.NodeRelease | None = None,
+    backend: str = "cpu",
 ) -> Wanted:
     """The install plan for one wanted engine on this node; LlmgwError if there is none.
 
     `tools`: what this node has for a build (a CUDA build is chosen only where it can run);
     `release_base`: https://HOST:PORT of the control plane, where its release archives are;
     `node_release`: the release `node add --release` installed here, whose llama.cpp archive of
-    the wanted version comes before the control plane's."""
+    the wanted version comes before the control plane's; `backend`: the llama.cpp build to take from
+    the control plane's release (llmgw.engines.wants.llama_backend), its CPU build where it has no
+    other (the node's own release holds the CPU build alone)."""
     if want.name == "sglang":
         check = SGLANG_CHECK
     else:
@@ -110,7 +113,18 @@ def wanted_from(
             help_environ=device,
         )
     archive = pick_archive(want, arch, has_gpu)
-    released = release_archive(want, arch)
+    released = release_archive(want, arch, backend)
+    if released is None and backend != "cpu":
+        released = release_archive(want, arch)
+        if released is not None:
+            log.warning(
+                "engine_backend_not_released",
+                engine=want.name,
+                backend=backend,
+                reason=f"the control plane's release has no {backend} build of llama.cpp for {arch}: using its CPU build",
+            )
+    # The release's Vulkan build comes before the node's own release, which holds the CPU build.
+    vulkan = released is not None and released.backend != "cpu"
     here = node_release.archive(want.version, arch) if node_release is not None and want.name == "llamacpp" else None
     # A CUDA build where the node has a GPU and nvcc: what no CPU archive covers. Without the
     # rest of the toolchain, the release's CPU build serves the node rather than nothing.
@@ -123,7 +137,7 @@ def wanted_from(
             "for it: using the release's CPU build; install them for GPU offload",
         )
         cuda_build = False
-    if archive is None and here is not None and not cuda_build:
+    if archive is None and here is not None and not cuda_build and not vulkan:
         assert node_release is not None
         return Wanted(
             name=want.name,
@@ -187,6 +201,7 @@ def wanted_from(
         # llama.cpp's help is checked as the build's is: a prebuilt one that renamed a flag is
         # refused here, not minutes into a model load.
         flags_of=want.name if want.name == "llamacpp" else "",
+        flavor="vulkan" if archive.backend == "vulkan" else "",  # beside the CPU build of its version
     )
 
 
@@ -289,7 +304,14 @@ async def _reconcile(
     for want in state.engines:
         try:
             plan = wanted_from(
-                want, config, inv.arch, bool(inv.gpus), tools=tools, release_base=base, node_release=here
+                want,
+                config,
+                inv.arch,
+                bool(inv.gpus),
+                tools=tools,
+                release_base=base,
+                node_release=here,
+                backend=llama_backend(config.llamacpp_backend, inv),
             )
             fetched = plan.source if isinstance(plan.source, (ArchiveSource, BuildSource)) else None
             mirror = f"{base}{w.ARTIFACTS_PREFIX}{fetched.sha256}" if fetched is not None and fetched.mirrored else None

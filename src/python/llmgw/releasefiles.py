@@ -27,8 +27,11 @@ ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm
 UNAME = {"amd64": "x86_64", "arm64": "aarch64"}  # a release's architecture as `uname -m` prints it
 NAME = re.compile(r"llmgw-(?P<version>[^/\s]+)-linux-(?P<arch>amd64|arm64)\.pyz\Z")
 # llama.cpp built for every CPU of an architecture (release/): one top directory of the same
-# name, holding llama-server and its libraries (the CPU backends chosen at run time) flat.
-LLAMA_NAME = re.compile(r"(?P<stem>llama\.cpp-(?P<version>b\d+)-linux-(?P<arch>amd64|arm64))\.tar\.gz\Z")
+# name, holding llama-server and its libraries (the CPU backends chosen at run time) flat. With
+# `-vulkan` after the architecture: the same files and llama.cpp's Vulkan backend (`backend`).
+LLAMA_NAME = re.compile(
+    r"(?P<stem>llama\.cpp-(?P<version>b\d+)-linux-(?P<arch>amd64|arm64)(?:-(?P<backend>vulkan))?)\.tar\.gz\Z"
+)
 LLAMA_BINARY = "llama-server"
 SUMS = "SHA256SUMS"
 # Under a node's agent state_dir: the llama.cpp archive of the release `llmgw node add --release`
@@ -51,6 +54,13 @@ def llama_binary(name: str) -> str:
     m = LLAMA_NAME.match(name)
     assert m is not None, name
     return f"{m['stem']}/{LLAMA_BINARY}"
+
+
+def llama_backend(name: str) -> str:
+    """The backend of the release's llama.cpp archive `name`: "cpu", or "vulkan" for its Vulkan build."""
+    m = LLAMA_NAME.match(name)
+    assert m is not None, name
+    return m["backend"] or "cpu"
 
 
 def is_release_name(name: str) -> bool:

@@ -80,6 +80,22 @@ def test_the_release_there_is_read_by_its_list_and_only_llama_archives_beside_it
     assert here.path(archive) == tmp_path / "release" / AMD
 
 
+def test_a_vulkan_build_beside_is_read_with_its_backend_and_the_cpu_build_stays_the_nodes(tmp_path: Path) -> None:
+    amd, vk = llama_archive("llama.cpp-b11434-linux-amd64"), llama_archive("llama.cpp-b11434-linux-amd64-vulkan")
+    vk_name = "llama.cpp-b11434-linux-amd64-vulkan.tar.gz"
+    placed(tmp_path, {AMD: amd, vk_name: vk})
+    here = noderelease.read(tmp_path)
+    assert sorted((a.name, a.backend) for a in here.archives) == [(vk_name, "vulkan"), (AMD, "cpu")]
+    assert here.archive("b11434", "x86_64").name == AMD
+    # A node that takes the Vulkan build takes the control plane's, not the CPU build placed here.
+    released_vk = w.EngineArchive(arch="x86_64", backend="vulkan", url="", sha256="f" * 64, binary="b", release=vk_name)
+    want = w.EngineWant(name="llamacpp", version="b11434", archives=(RELEASED, released_vk), build=SOURCE)
+    plan = wanted_from(want, CONFIG, "x86_64", False, release_base=BASE, node_release=here, backend="vulkan")
+    assert plan.source.url == f"{BASE}/v1/release/{vk_name}" and plan.flavor == "vulkan"
+    cpu = wanted_from(want, CONFIG, "x86_64", False, release_base=BASE, node_release=here)
+    assert cpu.source.local and cpu.source.url == str(tmp_path / "release" / AMD)
+
+
 def test_no_release_or_a_bad_list_gives_nothing(tmp_path: Path) -> None:
     assert noderelease.read(tmp_path).archives == ()
     (tmp_path / "release").mkdir()
@@ -158,3 +174,22 @@ def test_a_file_changed_on_the_node_is_refused_before_anything_is_unpacked(tmp_p
     assert f"{directory / AMD} has sha256 " in text
     assert f"but the release node add installed (its SHA256SUMS) says {hashlib.sha256(amd).hexdigest()}" in text
     assert not (tmp_path / "state/engines/llamacpp").exists()
+
+
+def test_another_flavor_of_the_version_in_use_is_installed_beside_it_and_switched_to(tmp_path: Path) -> None:
+    """A node whose choice moves from the CPU build to the Vulkan build of one version installs anew
+    (a directory of its own), not taking the version in use for it; and back the same way."""
+    amd = llama_archive("llama.cpp-b11434-linux-amd64")
+    directory = placed(tmp_path / "state", {AMD: amd})
+    store = EngineStore(tmp_path / "state" / "engines")
+    cpu = Wanted(name="llamacpp", version="b11434", source=_local(directory / AMD, amd))
+    vulkan = Wanted(name="llamacpp", version="b11434", source=_local(directory / AMD, amd), flavor="vulkan")
+    current = tmp_path / "state/engines/llamacpp/current"
+    assert trio.run(store.ensure, cpu).flavor == ""
+    installed = trio.run(store.ensure, vulkan)
+    assert (installed.version, installed.flavor, os.readlink(current)) == ("b11434", "vulkan", "b11434-vulkan")
+    assert installed.executable.startswith(str(tmp_path / "state/engines/llamacpp/b11434-vulkan/"))
+    assert store.current("llamacpp").flavor == "vulkan"
+    assert trio.run(store.ensure, vulkan).executable == installed.executable  # in use: nothing again
+    trio.run(store.ensure, cpu)
+    assert os.readlink(current) == "b11434" and store.current("llamacpp").flavor == ""

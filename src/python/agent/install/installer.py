@@ -101,7 +101,9 @@ class EngineStore:
             data = json.loads(meta.read_text())
         except (OSError, ValueError):
             return None
-        return Installed(name=name, version=data["version"], executable=data["executable"], ok=True)
+        return Installed(
+            name=name, version=data["version"], executable=data["executable"], ok=True, flavor=data.get("flavor", "")
+        )
 
     async def ensure(
         self, wanted: Wanted, *, mirror_url: str | None = None, on_progress: OnProgress | None = None
@@ -113,22 +115,31 @@ class EngineStore:
         if wanted.source is None:
             return await self._operator_installed(wanted)
         current = self.current(wanted.name)
-        if current is not None and current.version == wanted.version:
+        if current is not None and current.version == wanted.version and current.flavor == wanted.flavor:
             await check_runs([current.executable, *wanted.check_args])
             return current
-        version_dir = self._dir(wanted.name) / wanted.version
+        version_dir = self._dir(wanted.name) / wanted.slot
         if isinstance(wanted.source, ArchiveSource):
             executable = await self._install_archive(wanted, wanted.source, version_dir, mirror_url, report)
         elif isinstance(wanted.source, BuildSource):
             executable = await self._install_build(wanted, wanted.source, version_dir, mirror_url, report)
         else:
             executable = await self._install_pip(wanted, wanted.source, version_dir, report)
-        installed = Installed(name=wanted.name, version=wanted.version, executable=str(executable), ok=True)
-        (version_dir / ".llmgw-installed.json").write_text(
-            json.dumps({"version": wanted.version, "executable": str(executable)})
+        installed = Installed(
+            name=wanted.name, version=wanted.version, executable=str(executable), ok=True, flavor=wanted.flavor
         )
-        self._switch(wanted.name, wanted.version)
-        log.info("engine_installed", engine=wanted.name, version=wanted.version, executable=str(executable))
+        meta = {"version": wanted.version, "executable": str(executable)}
+        if wanted.flavor:
+            meta["flavor"] = wanted.flavor
+        (version_dir / ".llmgw-installed.json").write_text(json.dumps(meta))
+        self._switch(wanted.name, wanted.slot)
+        log.info(
+            "engine_installed",
+            engine=wanted.name,
+            version=wanted.version,
+            flavor=wanted.flavor,
+            executable=str(executable),
+        )
         return installed
 
     async def _operator_installed(self, wanted: Wanted) -> Installed:

@@ -39,8 +39,8 @@ class NodeRelease:
     archives: tuple[ReleaseArchive, ...] = ()
 
     def archive(self, version: str, arch: str) -> ReleaseArchive | None:
-        """The llama.cpp archive of `version` for `arch` (as `uname -m` says it), if there is one."""
-        return next((a for a in self.archives if a.version == version and a.arch == arch), None)
+        """The llama.cpp archive (the CPU build) of `version` for `arch` (as `uname -m` says it), if there is one."""
+        return next((a for a in self.archives if a.version == version and a.arch == arch and a.backend == "cpu"), None)
 
     def path(self, archive: ReleaseArchive) -> Path:
         return self.directory / archive.name  # a release name: no '/', so it stays in the directory
@@ -78,6 +78,7 @@ def read(state_dir: Path) -> NodeRelease:
                 sha256=digest,
                 binary=llama_binary(name),
                 size=size,
+                backend=m["backend"] or "cpu",
             )
         )
     return NodeRelease(directory=directory, archives=tuple(found))

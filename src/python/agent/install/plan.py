@@ -82,6 +82,14 @@ class Wanted:
     # engine's help before it is offered; "": none. `help_environ` is added to the help's environment.
     flags_of: str = ""
     help_environ: tuple[tuple[str, str], ...] = ()
+    # Another build of the same version ("vulkan": llama.cpp's Vulkan archive), installed in a
+    # directory of its own, so that a node switching between builds installs anew; "": the plain one.
+    flavor: str = ""
+
+    @property
+    def slot(self) -> str:
+        """Its directory under the engine's: the version, and the flavor after it."""
+        return f"{self.version}-{self.flavor}" if self.flavor else self.version
 
 
 @attrs.frozen(kw_only=True)
@@ -91,3 +99,4 @@ class Installed:
     executable: str
     ok: bool
     detail: str = ""
+    flavor: str = ""

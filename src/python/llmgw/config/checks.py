@@ -431,6 +431,7 @@ def _check_lease(cfg: ServerConfig) -> list[str]:
     return problems
 
 
+LLAMACPP_BACKENDS = ("auto", "cpu", "vulkan")  # agent.toml's llamacpp_backend
 _WSS = re.compile(r"^wss://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 _HTTP = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 _ORIGIN = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?$")
@@ -442,6 +443,10 @@ def check_agent(cfg: AgentConfig) -> list[str]:
         problems.append(f"must not be negative (0: automatic), got {cfg.build_jobs} @ $.build_jobs")
     if cfg.build_cache and not cfg.build_cache.startswith("/"):
         problems.append(f"build_cache must be an absolute path, got {cfg.build_cache!r} @ $.build_cache")
+    if cfg.llamacpp_backend not in LLAMACPP_BACKENDS:
+        problems.append(
+            f"expected one of {', '.join(LLAMACPP_BACKENDS)}, got {cfg.llamacpp_backend!r} @ $.llamacpp_backend"
+        )
     if isinstance(cfg.server, tuple):
         if not cfg.server:
             problems.append("expected a wss:// URL of the control plane, or a list of every control plane's @ $.server")

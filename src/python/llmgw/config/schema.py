@@ -470,6 +470,9 @@ class AgentConfig:
     source_address: str = ""  # the local address to dial the control plane from ("" = the system's choice)
     build_jobs: int = 0  # parallel jobs of a llama.cpp build here; 0: server.toml's, else from cores and memory
     build_cache: str = ""  # a directory keeping built llama-servers to reuse (by source, CPU and flags); "": none
+    # Which of the release's llama.cpp builds this node takes: "auto" (Vulkan's where the node has a
+    # Vulkan device that is not a software one, else the CPU's), "cpu" or "vulkan" (docs/engines.md).
+    llamacpp_backend: str = "auto"
 
 
 def control_planes(cfg: AgentConfig) -> tuple[str, ...]:

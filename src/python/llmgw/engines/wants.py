@@ -35,6 +35,7 @@ class ReleaseArchive:
     sha256: str
     binary: str  # llama-server's path inside it
     size: int = 0
+    backend: str = "cpu"  # or "vulkan": the CPU build's files and llama.cpp's Vulkan backend
 
 
 def release_for(source: EngineSource, release: Sequence[ReleaseArchive]) -> tuple[ReleaseArchive, ...]:
@@ -56,7 +57,7 @@ def _want(
     released = tuple(
         w.EngineArchive(
             arch=r.arch,
-            backend="cpu",
+            backend=r.backend,
             url="",
             sha256=r.sha256,
             binary=r.binary,
@@ -148,9 +149,25 @@ def pick_archive(want: w.EngineWant, arch: str, has_gpu: bool) -> w.EngineArchiv
     return cpu[0] if cpu else None
 
 
-def release_archive(want: w.EngineWant, arch: str) -> w.EngineArchive | None:
-    """The control plane's release archive of the wanted version for this architecture."""
-    return next((a for a in want.archives if a.release and a.arch == arch), None)
+def release_archive(want: w.EngineWant, arch: str, backend: str = "cpu") -> w.EngineArchive | None:
+    """The control plane's release archive of the wanted version for this architecture and backend."""
+    return next((a for a in want.archives if a.release and a.arch == arch and a.backend == backend), None)
+
+
+def vulkan_device(inv: w.Inventory) -> w.VulkanDevice | None:
+    """The node's first Vulkan device that is hardware (not a software rasterizer like Mesa's
+    lavapipe), where the loader found it (vulkaninfo ran: the loader llama.cpp's Vulkan build needs is there)."""
+    if inv.vulkan_status != w.VULKAN_PRESENT:
+        return None
+    return next((d for d in inv.vulkan if not d.software and d.type != w.VULKAN_CPU), None)
+
+
+def llama_backend(choice: str, inv: w.Inventory) -> str:
+    """The llama.cpp build a node takes from the release: agent.toml's `llamacpp_backend` ("cpu",
+    "vulkan"), or for "auto" Vulkan where the node has a hardware Vulkan device, else the CPU's."""
+    if choice != "auto":
+        return choice
+    return "vulkan" if vulkan_device(inv) is not None else "cpu"
 
 
 def may_build(config: EnginesSection, inv: w.Inventory, release: Sequence[ReleaseArchive]) -> bool:

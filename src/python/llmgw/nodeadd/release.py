@@ -146,7 +146,8 @@ def find_llama(release: str, arch: str) -> tuple[Artifact | None, str]:
             None,
             f"there is no {sums_file} to list a llama.cpp archive: the node takes llama.cpp from the control plane",
         )
-    found = [(n, m["version"]) for n in sums if (m := LLAMA_NAME.match(n)) and m["arch"] == arch]
+    # The CPU build: a node with a Vulkan device takes the Vulkan build from the control plane.
+    found = [(n, m["version"]) for n in sums if (m := LLAMA_NAME.match(n)) and m["arch"] == arch and not m["backend"]]
     if not found:
         return (
             None,

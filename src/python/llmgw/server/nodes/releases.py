@@ -92,6 +92,7 @@ class Catalog:
                         sha256=e.sha256,
                         binary=llama_binary(e.name),
                         size=e.size,
+                        backend=m["backend"] or "cpu",
                     )
                 )
         return tuple(found)
