@@ -48,9 +48,15 @@ def test_least_outstanding_wins_and_ties_are_random() -> None:
 
 def test_tried_replicas_are_excluded_and_none_left_is_none() -> None:
     r = router("a", "b")
-    assert r.pick("m", exclude={"a"}).replica_id == "b"
-    assert r.pick("m", exclude={"a", "b"}) is None
+    a, b = r.endpoints["m"]
+    assert r.pick("m", exclude={a}).replica_id == "b"
+    assert r.pick("m", exclude={a, b}) is None
     assert r.pick("other") is None
+    # A replica started again at another address (placed again after a member's node was lost:
+    # its rank 0 on a new port, or another node) is another endpoint: a request that tried it
+    # before may try it now.
+    r.update({"m"}, [attrs.evolve(a, port=a.port + 1), b])
+    assert r.pick("m", exclude={a, b}).replica_id == "a"
 
 
 def test_a_failed_replica_stays_down_however_long_until_a_probe_reaches_it() -> None:
@@ -102,7 +108,7 @@ def test_a_replica_the_control_plane_removes_or_moves_is_forgotten_down_state_an
 
     r.failed(r.endpoints["m"][0], "connect", 3.0, client_saw_bytes=False)
     r.update({"m"}, [attrs.evolve(eps("a", "b")[0], port=9999), eps("a", "b")[1]])  # restarted elsewhere
-    assert r.down == {} and r.pick("m", exclude={"b"}).port == 9999
+    assert r.down == {} and r.pick("m", exclude={r.endpoints["m"][1]}).port == 9999
     r.failed(r.endpoints["m"][1], "connect", 4.0, client_saw_bytes=False)
     r.update({"m"}, r.endpoints["m"])  # an update that keeps it keeps it down
     assert set(r.down) == {"b"}

@@ -455,7 +455,7 @@ class Gateway:
     async def _attempts(self, request: Request, job: Job, prompt: Prompt | None) -> Response | StreamingResponse:
         timeout_s = self._queue_timeout_s(job.model)
         deadline = job.started + timeout_s
-        tried: set[str] = set()
+        tried: set[Endpoint] = set()
         last = last_reason = ""
         for attempt in range(self.options.max_attempts):
             ep, job.route = await self._wait_for_endpoint(job.model, tried, prompt, deadline, job.trace)
@@ -506,7 +506,7 @@ class Gateway:
         info = self.details.get(model)
         return info.queue_timeout_s if info is not None and info.queue_timeout_s else self.options.queue_timeout_s
 
-    def _attempt_failed(self, job: Job, ep: Endpoint, why: str, reason: str, tried: set[str]) -> None:
+    def _attempt_failed(self, job: Job, ep: Endpoint, why: str, reason: str, tried: set[Endpoint]) -> None:
         """An attempt on `ep` failed with nothing of it sent to the client: the job leaves it, it
         leaves rotation (a retry, by the rule) and is not tried again for this request."""
         log.warning("gateway_upstream_failed", replica=ep.replica_id, model=job.model, reason=why, request_id=job.rid)
@@ -514,10 +514,15 @@ class Gateway:
             job.trace.attempt_failed(reason, why)
         job.leave_replica()
         self.replica_failed(ep, reason, client_saw_bytes=False)
-        tried.add(ep.replica_id)
+        tried.add(ep)
 
     async def _wait_for_endpoint(
-        self, model: str, tried: set[str], prompt: Prompt | None, deadline: float, trace: RequestTrace | None = None
+        self,
+        model: str,
+        tried: set[Endpoint],
+        prompt: Prompt | None,
+        deadline: float,
+        trace: RequestTrace | None = None,
     ) -> tuple[Endpoint | None, Route]:
         """A replica for the next attempt, at once or once one is free; None: none by `deadline`.
         503 at once (raised, counted) while the model is unservable, when it becomes so while the
@@ -645,7 +650,7 @@ class Gateway:
             return self._migrated(job, "not_exact", error_event(message, "replica_failed"))
         timeout_s = self._queue_timeout_s(model)
         deadline = self.clock() + timeout_s
-        tried: set[str] = set()
+        tried: set[Endpoint] = set()
         last = ""
         for _ in range(self.options.max_attempts):
             try:

@@ -3,7 +3,8 @@
 `Router` holds, per model, the endpoints in rotation (from the control plane, replaced whole
 by `update`) and the requests outstanding on each (kept by `acquire`/`release`, keyed by
 replica id so a count survives an update). `pick` chooses the endpoint with the fewest
-outstanding requests, ties broken at random, never one already tried for this request, one
+outstanding requests, ties broken at random, never one already tried for this request (at the
+address it was tried at: a replica started again at another address may be tried again), one
 that is draining, one down, or one at its per-replica cap.
 
 Down replicas: an attempt that fails on a replica (`failed`: no connection, no answer in time,
@@ -178,20 +179,23 @@ class Router:
         up = [ep for ep in eps if ep.replica_id not in self.down] if self.down else list(eps)
         return [ep for ep in up if not ep.draining] or up
 
-    def pick(self, model: str, *, exclude: Collection[str] = (), prompt: Prompt | None = None) -> Endpoint | None:
+    def pick(self, model: str, *, exclude: Collection[Endpoint] = (), prompt: Prompt | None = None) -> Endpoint | None:
         return self.route(model, exclude=exclude, prompt=prompt)[0]
 
     def route(
-        self, model: str, *, exclude: Collection[str] = (), prompt: Prompt | None = None
+        self, model: str, *, exclude: Collection[Endpoint] = (), prompt: Prompt | None = None
     ) -> tuple[Endpoint | None, Route]:
         """The endpoint for a request of `model` (None: none may take it now) and how it was
-        chosen. `prompt`: the request's, for a model routed by prefix."""
+        chosen. `prompt`: the request's, for a model routed by prefix. `exclude`: the endpoints
+        the request tried; a replica of theirs that is now at another address (started again
+        elsewhere, or on another port) is another endpoint, as for its down state."""
         outstanding, cap = self.outstanding, self.max_outstanding
+        tried = {(e.replica_id, e.address) for e in exclude}
         candidates: list[Endpoint] = []
         loads: list[int] = []
         for ep in self.in_rotation(model):
             load = outstanding.get(ep.replica_id, 0)
-            if ep.replica_id not in exclude and (cap <= 0 or load < cap):
+            if (ep.replica_id, ep.address) not in tried and (cap <= 0 or load < cap):
                 candidates.append(ep)
                 loads.append(load)
         by_prefix = prompt is not None and model in self.policies
