@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -146,7 +147,7 @@ def test_a_llamacpp_helper_runs_the_rpc_server_on_loopback() -> None:
     assert cmd.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3", "GGML_RPC_NO_RDMA": "1"}
     assert cmd.files == ()  # it serves no API: no key
     plain = llamacpp.rpc_server_command(attrs.evolve(helper, extra_args=()), "/x/ggml-rpc-server")
-    assert "-t" not in plain.argv
+    assert plain.argv[-2:] == ("-t", str(llamacpp.physical_cores()))  # not the rpc-server's own 1
     with pytest.raises(LaunchError, match="listens on 127.0.0.1 only, not '10.0.0.6'"):
         llamacpp.rpc_server_command(attrs.evolve(helper, host="10.0.0.6"), "/x/ggml-rpc-server")
     with pytest.raises(LaunchError, match="rank 0 of 2 runs llama-server"):
@@ -393,3 +394,14 @@ def test_help_commands() -> None:
     # An operator's own choice is kept.
     assert spec_for("vllm").help_command(environ={"VLLM_TARGET_DEVICE": "cuda"}).env == {}
     assert spec_for("sglang").help_command("/v/python").argv == ("/v/python", "-m", "sglang.launch_server", "--help")
+
+
+def test_the_threads_of_a_helper_are_its_physical_cores(tmp_path: Path) -> None:
+    """Hyperthread siblings count once; a CPU sysfs does not describe counts as a core."""
+    for cpu, siblings in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3"), (4, "4")):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    assert llamacpp.physical_cores([0, 1, 2, 3, 4], sysfs=tmp_path) == 3
+    assert llamacpp.physical_cores([0, 2], sysfs=tmp_path) == 1
+    assert llamacpp.physical_cores([0, 7], sysfs=tmp_path) == 2
+    assert llamacpp.physical_cores([], sysfs=tmp_path) == 1

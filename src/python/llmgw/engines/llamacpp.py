@@ -13,7 +13,9 @@ removed from the environment the engine inherits, so that the file's key is the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from llmgw.config import Secret
 from llmgw.engines.errors import LaunchError
@@ -90,8 +92,9 @@ def _env(launch: ReplicaLaunch) -> dict[str, str]:
 def rpc_server_command(launch: ReplicaLaunch, executable: str) -> Command:
     """A helper's `ggml-rpc-server` (rank >= 1 of a multi-node replica): on `launch.host`, which
     must be loopback (the RPC has no authentication: only the agent's tunnel reaches it), at
-    `launch.port`, its devices pinned as a rank 0's are; the threads of the model's `-t` if set
-    (its own default is half the cores). Its options: tools/rpc/rpc-server.cpp."""
+    `launch.port`, its devices pinned as a rank 0's are; the threads of the model's `-t` if set,
+    else one per physical core this process may run on (`physical_cores`), as llama-server takes
+    by default: the rpc-server's own default is one thread. Its options: tools/rpc/rpc-server.cpp."""
     if launch.host != RPC_HOST:
         raise LaunchError(
             f"ggml-rpc-server has no authentication and listens on {RPC_HOST} only, not {launch.host!r} "
@@ -100,10 +103,23 @@ def rpc_server_command(launch: ReplicaLaunch, executable: str) -> Command:
     if launch.node_rank == 0 or not launch.multi_node:
         raise LaunchError(f"rank {launch.node_rank} of {launch.nnodes} runs llama-server, not ggml-rpc-server")
     argv = [executable, "-H", launch.host, "-p", str(launch.port)]
-    threads = flag_value(launch.extra_args, "-t", "--threads")
-    if threads:
-        argv += ["-t", threads]
+    threads = flag_value(launch.extra_args, "-t", "--threads") or str(physical_cores())
+    argv += ["-t", threads]
     return Command(argv=tuple(argv), env={**gpu_env(launch), **NO_RDMA})
+
+
+def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The physical cores among `cpus` (default: those this process may run on, its affinity and
+    cpuset): one per set of hyperthread siblings, as llama.cpp counts the threads it computes with
+    by default (cpu_get_num_math). Where sysfs does not say, every CPU counts as a core."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    siblings = set()
+    for cpu in cpus:
+        try:
+            siblings.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            siblings.add(f"cpu{cpu}")
+    return max(1, len(siblings))
 
 
 def _files(launch: ReplicaLaunch) -> list[PrivateFile]:
