@@ -1,8 +1,9 @@
 """`./pants run release:build -- --version X --out DIR`: the release zipapps, llama.cpp, llmgw-provision-node and SHA256SUMS.
 
 Writes `llmgw-X-linux-amd64.pyz`, `llmgw-X-linux-arm64.pyz`, `llmgw-provision-node`,
-`llama.cpp-bN-linux-amd64.tar.gz`, `llama.cpp-bN-linux-arm64.tar.gz` and `SHA256SUMS` into
-DIR. Each
+`llama.cpp-bN-linux-amd64.tar.gz`, `llama.cpp-bN-linux-amd64-vulkan.tar.gz` (llamavulkan.py: the
+CPU archive's files and llama.cpp's Vulkan module; built natively only: not arm64's from amd64), `llama.cpp-bN-linux-arm64.tar.gz`
+and `SHA256SUMS` into DIR. Each
 zipapp holds llmgw and agent from src/python, the runtime requirements pinned by default.lock
 with the wheels of every CPython 3.10-3.13 side by side, and `llmgw/_build_info.py` (version,
 commit, build date, target). The build date is the commit's time (or SOURCE_DATE_EPOCH), never
@@ -38,7 +39,7 @@ from pathlib import Path
 import attrs
 
 from llmgw import llamarecipe
-from llmgw_release import llamabuild, llamacli, llamasmoke, provide, wheels, zipapp
+from llmgw_release import llamabuild, llamacli, llamasmoke, llamavulkan, provide, wheels, zipapp
 from llmgw_release import lock as lockfile
 from testlib.tinygguf import write_tiny_llama
 
@@ -78,6 +79,8 @@ class Inputs:
     llama_this_cpu: bool = False
     # Each archive answers one completion on this GGUF model before it ships; None: `--version` only.
     llama_smoke_model: Path | None = None
+    # The Vulkan archive beside the CPU one, where it is built (llamavulkan: amd64, natively).
+    llama_vulkan: bool = True
 
 
 def artifact_name(version: str, arch: str) -> str:
@@ -215,17 +218,39 @@ def ship_llama(inputs: Inputs, cache: Path, out_dir: Path, arches: Sequence[str]
             smoked = llamasmoke.smoke(archive, source, arch, model=inputs.llama_smoke_model)
         except (llamabuild.LlamaBuildError, llamarecipe.RecipeError) as exc:
             raise BuildError(str(exc)) from None
-        path = out_dir / archive.name
-        shutil.copyfile(archive, path)
-        ran = f"{smoked.version}, {'qemu-user' if recipe.toolchain.cross else 'natively'}"
-        if smoked.backend:
-            ran += f", CPU backend {smoked.backend}, {llamasmoke.SMOKE_TOKENS} tokens"
-        progress(
-            f"{path}: {path.stat().st_size / 1e6:.1f} MB, {'from the cache' if cached else 'built'} "
-            f"({archive.parent}); ran: {ran}"
-        )
-        shipped.append(path)
+        shipped.append(_copy_out(archive, out_dir, cached, smoked, recipe.toolchain.cross, progress))
+        if not inputs.llama_vulkan:
+            continue
+        if recipe.toolchain.cross:
+            progress(
+                f"no Vulkan build of llama.cpp for {arch}: it is cross-built here, and the Vulkan build is "
+                "native only (docs/development.md, The Vulkan build)"
+            )
+            continue
+        try:
+            vk = llamavulkan.make_recipe(source, arch, this_cpu=inputs.llama_this_cpu)
+            cached = llamavulkan.archive_path(cache, vk).is_file()
+            archive = llamavulkan.ensure_archive(vk, cache, jobs=inputs.llama_jobs, say=progress)
+            smoked = llamasmoke.smoke(
+                archive, source, arch, model=inputs.llama_smoke_model, top=llamavulkan.top_dir(vk)
+            )
+        except (llamabuild.LlamaBuildError, llamarecipe.RecipeError) as exc:
+            raise BuildError(str(exc)) from None
+        shipped.append(_copy_out(archive, out_dir, cached, smoked, False, progress))
     return shipped
+
+
+def _copy_out(archive: Path, out_dir: Path, cached: bool, smoked: llamasmoke.Smoked, cross: bool, progress) -> Path:
+    path = out_dir / archive.name
+    shutil.copyfile(archive, path)
+    ran = f"{smoked.version}, {'qemu-user' if cross else 'natively'}"
+    if smoked.backend:
+        ran += f", CPU backend {smoked.backend}, {llamasmoke.SMOKE_TOKENS} tokens"
+    progress(
+        f"{path}: {path.stat().st_size / 1e6:.1f} MB, {'from the cache' if cached else 'built'} "
+        f"({archive.parent}); ran: {ran}"
+    )
+    return path
 
 
 # -- the command line: inputs from the checkout ---------------------------------------------

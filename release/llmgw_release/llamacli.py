@@ -5,6 +5,9 @@
     build-llama-server --sdist          llama.cpp's pinned source (fetched once); prints its path
     build-llama-server --archive ARCH [--smoke GGUF]
                                         ARCH's release archive (built if need be), optionally smoke-tested
+    build-llama-server --vulkan [--cached | --archive ARCH]
+                                        the same for the Vulkan build (llamavulkan: the CPU build's files
+                                        and llama.cpp's Vulkan module); native builds only
 
 LLMGW_LLAMA_CACHE moves the cache (default ~/.cache/llmgw-llama); LLAMA_BUILD_JOBS sets the
 compile jobs (default 2). `./pants test` runs it first (tools/testenv/prepare.py), with the
@@ -19,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from llmgw.llamarecipe import ARCHES, RecipeError
-from llmgw_release import llamabuild, llamasmoke
+from llmgw_release import llamabuild, llamasmoke, llamavulkan
 from llmgw_release.llamabuild import LlamaBuildError, stderr_say
 
 NOT_BUILT = 3  # `--cached`: nothing in the cache
@@ -48,11 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     what.add_argument("--sdist", action="store_true", help="fetch llama.cpp's source if needed; print its path")
     what.add_argument("--archive", choices=ARCHES, help="build (if needed) this architecture's archive")
     parser.add_argument("--smoke", type=Path, metavar="GGUF", help="with --archive: run it, with one completion")
+    parser.add_argument(
+        "--vulkan",
+        action="store_true",
+        help="the Vulkan build instead (the CPU build's files and libggml-vulkan.so; built on top of the CPU build)",
+    )
     args = parser.parse_args(argv)
     if args.smoke and not args.archive:
         parser.error("--smoke goes with --archive")
+    if args.vulkan and args.sdist:
+        parser.error("--vulkan goes with --cached, --archive or nothing")
     try:
         source, root = llamabuild.pinned_source(), llamabuild.cache_root()
+        if args.vulkan:
+            return _vulkan(args, source, root)
         if args.cached:
             server = llamabuild.cached_server(source, root)
             if server is None:
@@ -72,4 +84,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LlamaBuildError, RecipeError) as exc:
         stderr_say(str(exc))
         return 1
+    return 0
+
+
+def _vulkan(args: argparse.Namespace, source: llamabuild.Source, root: Path) -> int:
+    if args.cached:
+        server = llamavulkan.cached_server(source, root)
+        if server is None:
+            return NOT_BUILT
+        print(server)
+    elif args.archive:
+        recipe = llamavulkan.make_recipe(source, args.archive)
+        path = llamavulkan.ensure_archive(recipe, root, jobs=build_jobs())
+        if args.smoke:
+            smoked = llamasmoke.smoke(path, source, args.archive, model=args.smoke, top=llamavulkan.top_dir(recipe))
+            stderr_say(f"{path.name}: {smoked.version}; loaded {smoked.backend}; wrote {smoked.completion!r}")
+        print(path)
+    else:
+        print(llamavulkan.ensure_server(source, root, jobs=build_jobs()))
     return 0

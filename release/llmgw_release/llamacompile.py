@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from llmgw import llamarecipe
-from llmgw.llamarecipe import Recipe, RecipeError, Source
+from llmgw.llamarecipe import Recipe, RecipeError, Source, VulkanRecipe
 from llmgw_release import llamacpp
 from llmgw_release.errors import LlamaBuildError
 
@@ -44,25 +44,7 @@ def compile_archive(
     """Build `recipe` from `sdist` in `work` (empty); the archive's bytes and the files it holds."""
     source, tc = recipe.source, recipe.toolchain
     try:
-        src = _unpack_source(sdist, source, work)
-        if recipe.dropped:
-            cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
-            cmakelists.write_text(llamarecipe.drop_variants(cmakelists.read_text(), recipe.dropped))
-        toolchain = work / "toolchain.cmake"
-        if recipe.toolchain_file:
-            toolchain.write_text(recipe.toolchain_file)
-        build = work / "build"
-        args = llamarecipe.fill(recipe.args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain))
-        env = llamarecipe.build_environ(os.environ, epoch, str(work))
-        _run_logged(["cmake", *args], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
-        _run_logged(
-            ["cmake", "--build", str(build), "--target", *llamarecipe.TARGETS, "-j", str(jobs)],
-            env,
-            work / "build.log",
-            "compiling",
-            None,
-            say,
-        )
+        src, build = _compile(recipe, recipe.args, llamarecipe.TARGETS, sdist, epoch, work, {}, jobs, say)
         members = _collect(build / "bin", src / llamarecipe.LICENSE)
         llamacpp.check_members(members, llamarecipe.expected_variants(recipe))
         llamacpp.check_objects(tc.arch, members, {m.name: _dynamic(build / "bin" / m.name) for m in _elves(members)})
@@ -70,6 +52,57 @@ def compile_archive(
     except RecipeError as exc:
         raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
     return data, members
+
+
+def compile_vulkan_module(
+    recipe: VulkanRecipe, sdist: Path, epoch: int, work: Path, headers: Path, *, jobs: int, say: Callable[[str], None]
+) -> tuple[llamacpp.Member, dict[str, list[str]]]:
+    """Build the Vulkan module of `recipe` in `work` (empty), its headers unpacked in `headers`
+    (the directory holding usr/include): the module and its dynamic section. Only its target is
+    compiled (with libggml-base, which it links against; the CPU archive ships that)."""
+    paths = {"vulkan_headers": str(headers)}
+    try:
+        _, build = _compile(recipe.cpu, recipe.args, (llamarecipe.VULKAN_TARGET,), sdist, epoch, work, paths, jobs, say)
+    except RecipeError as exc:
+        raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
+    path = build / "bin" / llamarecipe.VULKAN_MODULE
+    if not path.is_file():
+        raise LlamaBuildError(f"the build made no {path} (the build is kept in {work})")
+    return llamacpp.Member(name=path.name, data=path.read_bytes()), _dynamic(path)
+
+
+def _compile(
+    recipe: Recipe,
+    args: Sequence[str],
+    targets: Sequence[str],
+    sdist: Path,
+    epoch: int,
+    work: Path,
+    paths: Mapping[str, str],
+    jobs: int,
+    say: Callable[[str], None],
+) -> tuple[Path, Path]:
+    """Configure `args` (the recipe's, or more) and build `targets`; the source and build directories."""
+    src = _unpack_source(sdist, recipe.source, work)
+    if recipe.dropped:
+        cmakelists = src / "ggml" / "src" / "CMakeLists.txt"
+        cmakelists.write_text(llamarecipe.drop_variants(cmakelists.read_text(), recipe.dropped))
+    toolchain = work / "toolchain.cmake"
+    if recipe.toolchain_file:
+        toolchain.write_text(recipe.toolchain_file)
+    build = work / "build"
+    filled = llamarecipe.fill(args, work=str(work), src=str(src), build=str(build), toolchain=str(toolchain), **paths)
+    env = llamarecipe.build_environ(os.environ, epoch, str(work))
+    _run_logged(["cmake", *filled], env, work / "configure.log", "configuring", CONFIGURE_TIMEOUT_S, say)
+    _run_logged(
+        ["cmake", "--build", str(build), "--target", *targets, "-j", str(jobs)],
+        env,
+        work / "build.log",
+        "compiling",
+        None,
+        say,
+    )
+    return src, build
 
 
 def _unpack_source(sdist: Path, source: Source, work: Path) -> Path:

@@ -23,10 +23,19 @@ import io
 import re
 import struct
 import tarfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from llmgw.llamarecipe import LICENSE, SERVER, SHIPPED, RecipeError, Source, cpu_variants
+from llmgw.llamarecipe import (
+    LICENSE,
+    SERVER,
+    SHIPPED,
+    VULKAN_LOADER,
+    RecipeError,
+    Source,
+    backend_top_dir,
+    cpu_variants,
+)
 
 E_MACHINE = {"amd64": 0x3E, "arm64": 0xB7}  # ELF e_machine: EM_X86_64, EM_AARCH64
 
@@ -49,8 +58,14 @@ SYSTEM_LIBRARIES = frozenset(
 # -- the archive -----------------------------------------------------------------------------
 
 
-def archive_name(source: Source, arch: str) -> str:
-    return f"llama.cpp-{source.version}-linux-{arch}.tar.gz"
+# The Vulkan module needs the Vulkan loader too: the node's own (Debian's libvulkan1), which a node
+# that gets the Vulkan archive has (agent: the archive is chosen only where the loader is).
+VULKAN_SYSTEM = SYSTEM_LIBRARIES | {VULKAN_LOADER}
+
+
+def archive_name(source: Source, arch: str, backend: str = "cpu") -> str:
+    """`llama.cpp-<version>-linux-<arch>.tar.gz`; `-vulkan` before `.tar.gz` for the Vulkan build."""
+    return f"{backend_top_dir(source, arch, backend)}.tar.gz"
 
 
 @dataclass(frozen=True)
@@ -111,11 +126,19 @@ def dynamic_section(readelf_d: str) -> dict[str, list[str]]:
     return out
 
 
-def check_objects(arch: str, members: Sequence[Member], dynamic: Mapping[str, Mapping[str, list[str]]]) -> None:
+def check_objects(
+    arch: str,
+    members: Sequence[Member],
+    dynamic: Mapping[str, Mapping[str, list[str]]],
+    *,
+    beside: Collection[str] = (),
+    system: Collection[str] = SYSTEM_LIBRARIES,
+) -> None:
     """Every ELF file is for `arch`, finds its libraries by `$ORIGIN` alone (no build path, no
-    RPATH), and needs nothing but the archive's own libraries and SYSTEM_LIBRARIES. `dynamic`:
-    each ELF file's dynamic_section."""
-    present = {m.name for m in members}
+    RPATH), and needs nothing but the archive's own libraries (`members`, and `beside`: the
+    names of those already checked) and `system` (the Vulkan module: and VULKAN_SYSTEM).
+    `dynamic`: each ELF file's dynamic_section."""
+    present = {m.name for m in members} | set(beside)
     problems = []
     for m in members:
         if m.data is None:
@@ -135,7 +158,7 @@ def check_objects(arch: str, members: Sequence[Member], dynamic: Mapping[str, Ma
             problems.append(
                 f"{m.name} has RUNPATH {entry.get('RUNPATH')} and RPATH {entry.get('RPATH')}, not RUNPATH [$ORIGIN] alone"
             )
-        foreign = sorted(n for n in entry.get("NEEDED", []) if n not in present and n not in SYSTEM_LIBRARIES)
+        foreign = sorted(n for n in entry.get("NEEDED", []) if n not in present and n not in system)
         if foreign:
             problems.append(f"{m.name} needs {', '.join(foreign)}, neither in the archive nor on every stock system")
     if problems:

@@ -78,11 +78,13 @@ def smoke(
     model: Path | None,
     host: str | None = None,
     timeout: float = SMOKE_TIMEOUT_S,
+    top: str | None = None,
 ) -> Smoked:
-    """Unpack `archive` and run its llama-server: `--version`, then (with `model`) one completion."""
+    """Unpack `archive` and run its llama-server: `--version`, then (with `model`) one completion.
+    `top`: the archive's directory, where it is not the CPU archive's (the Vulkan archive's)."""
     prefix, extra = runner(arch, host or this_host())
     with tempfile.TemporaryDirectory(prefix="llmgw-llama-smoke-") as tmp:
-        directory = unpack(archive, llamarecipe.top_dir(source, arch), Path(tmp) / "unpacked")
+        directory = unpack(archive, top or llamarecipe.top_dir(source, arch), Path(tmp) / "unpacked")
         server = [*prefix, str(directory / llamarecipe.SERVER)]
         env = run_env(extra)
         elsewhere = Path(tmp) / "elsewhere"  # not the archive's directory: $ORIGIN must find the libraries

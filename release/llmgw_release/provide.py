@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from llmgw import llamarecipe
-from llmgw_release import llamabuild, llamasmoke
+from llmgw_release import llamabuild, llamasmoke, llamavulkan
 from testenv import prepare
 from testenv.prepare import Machine, Need
 
@@ -43,7 +43,10 @@ def needs(arches: Sequence[str], host: str) -> tuple[Need, ...]:
                 archs.append(arch)
 
     for arch in arches:
-        add(llamabuild.needed_tools(llamarecipe.toolchain(arch, host)), arch, "builds llama.cpp for {}")
+        tc = llamarecipe.toolchain(arch, host)
+        add(llamabuild.needed_tools(tc), arch, "builds llama.cpp for {}")
+        if not tc.cross:  # the Vulkan build is native only (llmgw.llamarecipe)
+            add(llamavulkan.needed_tools(tc), arch, "builds llama.cpp's Vulkan module for {}")
         add(llamasmoke.smoke_needs(arch, host), arch, "runs the {} llama.cpp once under qemu-user before it ships")
     return (
         GIT,

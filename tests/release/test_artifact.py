@@ -40,7 +40,7 @@ from llmgw_release import build, llamabuild, llamacpp, llamasmoke, wheels
 
 import llmgw
 from llmgw import llamarecipe
-from testlib import llama
+from testlib import llama, llamavulkan
 from testlib.ports import free_port
 from testlib.proc import build_root
 from testlib.pythons import find_python, find_python39
@@ -113,6 +113,10 @@ class Release:
     def llama(self) -> Path:
         return self.out / llamacpp.archive_name(llamabuild.pinned_source(), HOST)
 
+    @property
+    def vulkan(self) -> Path:
+        return self.out / llamacpp.archive_name(llamabuild.pinned_source(), HOST, llamarecipe.VULKAN)
+
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
@@ -146,8 +150,9 @@ def heads(artifact: Path, size: int) -> dict[str, bytes]:
 
 def test_sha256sums_lists_every_artifact_and_verifies(release: Release) -> None:
     lines = (release.out / "SHA256SUMS").read_text().splitlines()
-    files = [release.llama, release.artifact("amd64"), release.artifact("arm64"), release.out / build.PROVISION_TOOL]
-    expected = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" for path in files]
+    files = [release.llama, release.vulkan, release.artifact("amd64"), release.artifact("arm64")]
+    files.append(release.out / build.PROVISION_TOOL)
+    expected = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" for path in sorted(files)]
     assert lines == expected
     # What docs/install.md tells the operator to run.
     done = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=release.out, capture_output=True, text=True)
@@ -222,6 +227,29 @@ def test_llama_cpp_is_the_cached_archive_not_a_new_build(release: Release) -> No
     assert not any(line.startswith("building llama.cpp") for line in release.said), release.said
     [line] = [line for line in release.said if line.startswith(f"{release.llama}: ")]
     assert "from the cache" in line and "ran: version: " in line and "CPU backend " in line, line
+
+
+def test_the_vulkan_build_is_the_cached_one_the_cpu_archives_files_and_the_vulkan_module(
+    release: Release, tmp_path: Path
+) -> None:
+    assert release.vulkan.read_bytes() == llamavulkan.vulkan_archive().read_bytes()
+    [line] = [line for line in release.said if line.startswith(f"{release.vulkan}: ")]
+    assert "from the cache" in line and "ran: version: " in line, line
+    source = llamabuild.pinned_source()
+    cpu_top, top = llamarecipe.top_dir(source, HOST), llamarecipe.backend_top_dir(source, HOST, llamarecipe.VULKAN)
+    with tarfile.open(release.llama) as tar:
+        cpu = [i.name.removeprefix(cpu_top) for i in tar.getmembers()]
+    with tarfile.open(release.vulkan) as tar:
+        infos = tar.getmembers()
+    assert sorted([i.name.removeprefix(top) for i in infos]) == sorted([*cpu, f"/{llamarecipe.VULKAN_MODULE}"])
+    directory = llamabuild.unpack(release.vulkan, top, tmp_path / "x")
+    module = directory / llamarecipe.VULKAN_MODULE
+    done = subprocess.run(["readelf", "-d", "-W", str(module)], capture_output=True, text=True, check=True)
+    dynamic = llamacpp.dynamic_section(done.stdout)
+    assert dynamic["RUNPATH"] == ["$ORIGIN"] and dynamic["RPATH"] == [], dynamic
+    outside = set(dynamic["NEEDED"]) - {p.name for p in directory.iterdir()}
+    assert outside <= {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libvulkan.so.1"}, outside
+    assert "libvulkan.so.1" in outside
 
 
 def test_llama_cpp_is_one_directory_of_the_server_its_libraries_and_its_cpu_variants(release: Release) -> None:

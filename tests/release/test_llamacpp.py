@@ -5,6 +5,7 @@ unpacking (llamabuild.py), without compiling (the recipe itself: tests/llmgw/tes
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import os
 import re
@@ -284,3 +285,60 @@ def test_an_archive_of_another_layout_is_not_unpacked(tmp_path: Path) -> None:
     with pytest.raises(llamabuild.LlamaBuildError, match="'other' is not a file directly inside top/"):
         llamabuild.unpack(archive, "top", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# -- the Vulkan archive ----------------------------------------------------------------------
+
+
+def test_the_vulkan_archive_is_named_with_its_backend() -> None:
+    assert llamacpp.archive_name(SOURCE, "amd64") == "llama.cpp-b11434-linux-amd64.tar.gz"
+    assert llamacpp.archive_name(SOURCE, "amd64", "vulkan") == "llama.cpp-b11434-linux-amd64-vulkan.tar.gz"
+
+
+def test_the_vulkan_module_may_need_the_vulkan_loader_and_what_is_beside_it_only() -> None:
+    module = Member(name="libggml-vulkan.so", data=elf(AMD64, b"vulkan"))
+    beside = [m.name for m in built()]
+    ok = {"NEEDED": ["libggml-base.so", "libvulkan.so.1", "libstdc++.so.6"], "RUNPATH": ["$ORIGIN"], "RPATH": []}
+    llamacpp.check_objects("amd64", [module], {module.name: ok}, beside=beside, system=llamacpp.VULKAN_SYSTEM)
+    with pytest.raises(RecipeError, match="libggml-vulkan.so needs libvulkan.so.1, neither in the archive"):
+        llamacpp.check_objects("amd64", [module], {module.name: ok}, beside=beside)  # a CPU archive's rules
+    lost = dict(ok, NEEDED=["libggml-base.so.0", "libvulkan.so.1"])
+    with pytest.raises(RecipeError, match=r"needs libggml-base\.so\.0, neither"):
+        llamacpp.check_objects("amd64", [module], {module.name: lost}, beside=beside, system=llamacpp.VULKAN_SYSTEM)
+
+
+def ar_member(name: str, data: bytes) -> bytes:
+    header = f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}".encode() + b"`\n"
+    return header + data + (b"\n" if len(data) % 2 else b"")
+
+
+def test_the_data_of_a_deb_is_found_past_its_other_members() -> None:
+    from llmgw_release import llamavulkan
+
+    deb = b"!<arch>\n" + ar_member("debian-binary", b"2.0\n") + ar_member("control.tar.xz", b"odd")
+    deb += ar_member("data.tar.xz", b"the data")
+    assert llamavulkan.deb_data(deb) == ("data.tar.xz", b"the data")
+    with pytest.raises(llamabuild.LlamaBuildError, match="holds no data.tar"):
+        llamavulkan.deb_data(b"!<arch>\n" + ar_member("debian-binary", b"2.0\n"))
+    with pytest.raises(llamabuild.LlamaBuildError, match="not a .deb"):
+        llamavulkan.deb_data(b"PK\x03\x04")
+
+
+def test_only_the_headers_of_the_deb_are_unpacked(tmp_path: Path) -> None:
+    from llmgw_release import llamavulkan
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:xz") as tar:
+        for name, data in (("./usr/include/vulkan/vulkan.hpp", b"// hpp"), ("./usr/lib/x/libvulkan.so", b"ELF")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    deb = b"!<arch>\n" + ar_member("debian-binary", b"2.0\n") + ar_member("data.tar.xz", raw.getvalue())
+    pinned = llamarecipe.Pinned(
+        url=f"http://deb.example/{'h.deb'}", sha256=hashlib.sha256(deb).hexdigest(), size=len(deb)
+    )
+    (tmp_path / "vulkan-headers").mkdir()
+    (tmp_path / "vulkan-headers" / "h.deb").write_bytes(deb)
+    dest = llamavulkan.ensure_headers(tmp_path, pinned, say=lambda line: None)  # the .deb is there: no fetch
+    assert (dest / "usr/include/vulkan/vulkan.hpp").read_bytes() == b"// hpp"
+    assert not (dest / "usr/lib").exists()

@@ -24,6 +24,7 @@ EVERYTHING = {item for need in NEEDS for item in need.provides} | {prepare.APT_G
 BUILD = Path("/checkout/tools/llama/build-llama-server")
 DEBIAN = Path("/checkout/tools/testenv/debian_root.py")
 LLAMA = [sys.executable, "-I", str(BUILD)]  # run with the interpreter Pants runs on
+VULKAN_CACHED = [*LLAMA, "--vulkan", "--cached"]
 
 
 class Fake:
@@ -37,6 +38,7 @@ class Fake:
         apt_status: int = 0,
         installs: dict[str, set[str]] | None = None,
         llama: str = "cached",
+        vulkan: str = "cached",
         debian: str = "cached",
         env: dict | None = None,
     ) -> None:
@@ -45,6 +47,7 @@ class Fake:
         self.apt_status = apt_status
         self.installs = installs or {}  # package -> what installing it provides
         self.llama = llama  # "cached", "missing", "broken" (its --cached check fails)
+        self.vulkan = vulkan  # the same, for the Vulkan build (--vulkan --cached)
         self.debian = debian  # the same, for the Debian root
         self.ran: list[tuple[list[str], dict]] = []
         self.captured: list[list[str]] = []
@@ -84,10 +87,12 @@ class Fake:
                 return 1, ""
             self.debian = "cached"
             return 0, "/cache/root\n"
-        assert argv[:3] == LLAMA and argv[3:] == ["--cached"], argv  # prepare builds only in the background
-        if self.llama == "broken":
+        # prepare builds only in the background
+        assert argv[:3] == LLAMA and argv[3:] in (["--cached"], ["--vulkan", "--cached"]), argv
+        state = self.vulkan if "--vulkan" in argv else self.llama
+        if state == "broken":
             return 2, ""
-        return (0, "/cache/llama-server\n") if self.llama == "cached" else (prepare.NOT_BUILT, "")
+        return (0, "/cache/llama-server\n") if state == "cached" else (prepare.NOT_BUILT, "")
 
     def _quiet(self, argv: Sequence[str]) -> int:
         self.captured.append(list(argv))
@@ -114,7 +119,7 @@ def test_everything_there_as_root_says_nothing_and_runs_nothing_but_the_cache_ch
     assert run(fake) == 0
     assert fake.said == []
     assert fake.ran == []
-    assert fake.captured == [[*LLAMA, "--cached"], [str(DEBIAN), "--cached"]]
+    assert fake.captured == [[*LLAMA, "--cached"], VULKAN_CACHED, [str(DEBIAN), "--cached"]]
 
 
 def test_as_root_only_the_missing_packages_are_installed_saying_what_and_why() -> None:
@@ -189,9 +194,10 @@ def test_an_unbuilt_llama_cpp_is_built_in_the_background_saying_why_where_and_ho
     fake = Fake(EVERYTHING, llama="missing", debian="missing", env={"LLAMA_BUILD_JOBS": "4"})
     assert run(fake) == 0
     assert fake.spawned == [(LLAMA, {"LLAMA_BUILD_JOBS": "4"}, prepare.BUILD_LOG)]
-    assert fake.captured == [[*LLAMA, "--cached"], [str(DEBIAN), "--cached"], [str(DEBIAN)]]  # the root meanwhile
+    assert fake.captured == [[*LLAMA, "--cached"], VULKAN_CACHED, [str(DEBIAN), "--cached"], [str(DEBIAN)]]
     assert fake.exported == [
         ("LLMGW_LLAMA_BUILD_STATE", "building:4242"),
+        ("LLMGW_LLAMA_VULKAN_BUILD_STATE", "built"),
         ("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", "3"),
     ]
     said = fake.said[0]
@@ -200,6 +206,41 @@ def test_an_unbuilt_llama_cpp_is_built_in_the_background_saying_why_where_and_ho
     assert "in the background with 4 jobs (pid 4242; 19 minutes beside the suite on 2 cores" in said
     assert "its output goes to dist/testenv/llama-build.log" in said
     assert said.endswith("the others wait for it (//tools/llama:built), and fail with the build's error if it fails")
+
+
+def test_an_unbuilt_vulkan_build_starts_beside_the_cpu_one_and_pants_gets_a_slot_for_each_wait() -> None:
+    fake = Fake(EVERYTHING, llama="missing", vulkan="missing")
+    assert run(fake) == 0
+    assert fake.spawned == [
+        (LLAMA, {"LLAMA_BUILD_JOBS": "3"}, prepare.BUILD_LOG),
+        ([*LLAMA, "--vulkan"], {"LLAMA_BUILD_JOBS": "3"}, prepare.VULKAN_BUILD_LOG),
+    ]
+    assert fake.exported == [
+        ("LLMGW_LLAMA_BUILD_STATE", "building:4242"),
+        ("LLMGW_LLAMA_VULKAN_BUILD_STATE", "building:4242"),
+        ("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", "4"),
+    ]
+    said = fake.said[1]
+    assert said.startswith("llama.cpp's Vulkan build is not there yet: the Vulkan engine test runs it on lavapipe")
+    assert "its output goes to dist/testenv/llama-vulkan-build.log" in said
+    assert said.endswith("(//tools/llama:built-vulkan)")
+
+
+def test_only_the_vulkan_build_missing_starts_it_alone() -> None:
+    fake = Fake(EVERYTHING, vulkan="missing")
+    assert run(fake) == 0
+    assert [argv for argv, _, _ in fake.spawned] == [[*LLAMA, "--vulkan"]]
+    assert fake.exported == [
+        ("LLMGW_LLAMA_BUILD_STATE", "built"),
+        ("LLMGW_LLAMA_VULKAN_BUILD_STATE", "building:4242"),
+        ("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", "3"),
+    ]
+
+
+def test_a_vulkan_cache_check_that_fails_stops_with_its_status() -> None:
+    fake = Fake(EVERYTHING, vulkan="broken")
+    assert run(fake) == 1
+    assert fake.said[-1] == f"{' '.join(LLAMA)} --vulkan --cached failed with status 2"
 
 
 def test_the_background_build_takes_one_job_more_than_the_cores_unless_told() -> None:
@@ -212,7 +253,8 @@ def test_the_background_build_takes_one_job_more_than_the_cores_unless_told() ->
 def test_a_built_llama_cpp_is_said_to_pants_as_built_and_nothing_is_started() -> None:
     fake = Fake(EVERYTHING)
     assert run(fake) == 0
-    assert fake.spawned == [] and fake.exported == [("LLMGW_LLAMA_BUILD_STATE", "built")]
+    assert fake.spawned == []
+    assert fake.exported == [("LLMGW_LLAMA_BUILD_STATE", "built"), ("LLMGW_LLAMA_VULKAN_BUILD_STATE", "built")]
 
 
 def test_a_cache_check_that_fails_otherwise_stops_with_its_status() -> None:
@@ -226,7 +268,12 @@ def test_llmgw_llama_server_names_the_tests_server_but_the_release_build_is_stil
     fake = Fake(EVERYTHING | {"/opt/llama-server"}, llama="missing", env={"LLMGW_LLAMA_SERVER": "/opt/llama-server"})
     assert run(fake) == 0
     assert [argv for argv, _, _ in fake.spawned] == [LLAMA]
-    assert fake.captured == [[*LLAMA, "--cached"], ["/opt/llama-server", "--version"], [str(DEBIAN), "--cached"]]
+    assert fake.captured == [
+        [*LLAMA, "--cached"],
+        VULKAN_CACHED,
+        ["/opt/llama-server", "--version"],
+        [str(DEBIAN), "--cached"],
+    ]
     assert fake.said[0].startswith("llama.cpp is not built yet")
 
 

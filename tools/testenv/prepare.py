@@ -24,7 +24,11 @@
    started now is waited for even where Pants remembers an earlier wait. While it builds, Pants
    runs one more process than it has cores (PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM): that
    wait holds a slot and does no work. `./pants run release:build` builds every variant (another
-   key in the same cache).
+   key in the same cache). Beside it, llama.cpp's Vulkan build for the tests that run it
+   (`build-llama-server --vulkan`: the Vulkan module compiled alone, packed with the CPU build's
+   files; release/llmgw_release/llamavulkan.py), started the same way when it is not cached
+   (its output in dist/testenv/llama-vulkan-build.log; it waits for the CPU build's lock first),
+   waited for by `//tools/llama:built-vulkan` (LLMGW_LLAMA_VULKAN_BUILD_STATE); 5 CPU-minutes.
 3. As root, the Debian 12 root that the systemd test machines boot (tools/testenv/debian_root.py,
    made once by debootstrap, cached under ~/.cache/llmgw-machine): about a minute, once, while
    llama.cpp builds.
@@ -32,9 +36,9 @@
 What it hands to `./pants` (variables for Pants' environment) it prints on stdout as
 NAME=VALUE lines; everything it says goes to stderr.
 
-Everything there: it says nothing and costs a few stat() calls and one
+Everything there: it says nothing and costs a few stat() calls, one
 `build-llama-server --cached` (the compilers' `--version`, which key the cache, and the cached
-server's): 0.1-0.3 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
+server's) and one `build-llama-server --vulkan --cached` (glslc's too): 0.5 s measured. Whatever it does, it says what and why. It never lets a test turn into a skip: a
 need it cannot meet stops `./pants test` with a message naming it and the fix.
 
 Runs on CPython 3.9 (Pants' own interpreter) and later; the standard library only.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -53,6 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_LOG = ROOT / "dist" / "testenv" / "llama-build.log"
+VULKAN_BUILD_LOG = ROOT / "dist" / "testenv" / "llama-vulkan-build.log"
 BUILD_LLAMA = ROOT / "tools" / "llama" / "build-llama-server"
 DEBIAN_ROOT = ROOT / "tools" / "testenv" / "debian_root.py"
 NOT_BUILT = 3  # build-llama-server --cached / debian_root.py --cached: nothing in the cache
@@ -109,6 +115,14 @@ NEEDS: tuple[Need, ...] = (
         "the store's tests run against a real PostgreSQL cluster they make with initdb (tests/testlib/postgres.py)",
     ),
     Need("vulkan-tools", ("vulkaninfo",), "the agent finds Vulkan devices with vulkaninfo; a test runs the real one"),
+    # llama.cpp's Vulkan build (release/llmgw_release/llamavulkan.py: its headers are a pinned .deb's).
+    Need("glslc", ("glslc",), "compiles llama.cpp's Vulkan shaders into its Vulkan module"),
+    Need(
+        "libvulkan-dev",
+        (f"/usr/lib/{platform.machine()}-linux-gnu/libvulkan.so",),
+        "llama.cpp's Vulkan module links against the Vulkan loader",
+    ),
+    Need("spirv-headers", ("/usr/include/spirv/unified1/spirv.hpp",), "llama.cpp's Vulkan shader generator needs them"),
     Need(
         "mesa-vulkan-drivers",
         ("/usr/share/vulkan/icd.d/lvp_icd.*.json",),
@@ -282,17 +296,29 @@ def ensure_packages(
     return True
 
 
-def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_LOG) -> bool | None:
-    """True if llama.cpp is built, None if a build was started in the background now (the tests
-    that need it wait for it: //tools/llama:built), False if it cannot be told."""
-    tool = [sys.executable, "-I", str(build)]
+def _cached(m: Machine, tool: Sequence[str]) -> bool | None:
+    """`tool --cached`: True if built, None if not yet, False if it cannot be told (said)."""
     status, _ = m.capture([*tool, "--cached"])
     if status == 0:
         return True
     if status != NOT_BUILT:
         m.say(f"{' '.join(tool)} --cached failed with status {status}")
         return False
-    jobs = m.env.get("LLAMA_BUILD_JOBS") or str(m.cores() + 1)  # niced: the extra job fills the idle moments
+    return None
+
+
+def _jobs(m: Machine) -> str:
+    return m.env.get("LLAMA_BUILD_JOBS") or str(m.cores() + 1)  # niced: the extra job fills the idle moments
+
+
+def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_LOG) -> bool | None:
+    """True if llama.cpp is built, None if a build was started in the background now (the tests
+    that need it wait for it: //tools/llama:built), False if it cannot be told."""
+    tool = [sys.executable, "-I", str(build)]
+    cached = _cached(m, tool)
+    if cached is not None:
+        return cached
+    jobs = _jobs(m)
     pid = m.spawn(tool, {"LLAMA_BUILD_JOBS": jobs}, log)
     m.say(
         "llama.cpp is not built yet: the release test ships it, and the llama.cpp engine tests, node "
@@ -304,7 +330,28 @@ def start_llama_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = BUILD_L
         "run meanwhile; the others wait for it (//tools/llama:built), and fail with the build's error if it fails"
     )
     m.export("LLMGW_LLAMA_BUILD_STATE", f"building:{pid}")
-    m.export("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", str(m.cores() + 1))
+    return None
+
+
+def start_vulkan_build(m: Machine, build: Path = BUILD_LLAMA, log: Path = VULKAN_BUILD_LOG) -> bool | None:
+    """The same for llama.cpp's Vulkan build (build-llama-server --vulkan: the CPU build's files and
+    libggml-vulkan.so), which //tools/llama:built-vulkan waits for. Started beside the CPU build,
+    it waits for that build's lock first (it takes the CPU archive's files), then compiles the
+    Vulkan module alone."""
+    tool = [sys.executable, "-I", str(build), "--vulkan"]
+    cached = _cached(m, tool)
+    if cached is not None:
+        return cached
+    jobs = _jobs(m)
+    pid = m.spawn(tool, {"LLAMA_BUILD_JOBS": jobs}, log)
+    m.say(
+        "llama.cpp's Vulkan build is not there yet: the Vulkan engine test runs it on lavapipe. Building its "
+        f"Vulkan module once, after the CPU build, in the background with {jobs} jobs (pid {pid}; measured 5 "
+        "CPU-minutes for the shaders and the module, 7 minutes niced on 2 busy cores): its output goes to "
+        f"{log.relative_to(ROOT) if log.is_relative_to(ROOT) else log}. That test waits for it "
+        "(//tools/llama:built-vulkan)"
+    )
+    m.export("LLMGW_LLAMA_VULKAN_BUILD_STATE", f"building:{pid}")
     return None
 
 
@@ -355,6 +402,14 @@ def prepare(m: Machine, build: Path = BUILD_LLAMA, debian: Path = DEBIAN_ROOT) -
         return 1
     if built:
         m.export("LLMGW_LLAMA_BUILD_STATE", "built")
+    vulkan = start_vulkan_build(m, build)
+    if vulkan is False:
+        return 1
+    if vulkan:
+        m.export("LLMGW_LLAMA_VULKAN_BUILD_STATE", "built")
+    started = [b for b in (built, vulkan) if b is None]
+    if started:  # each wait for a build holds a slot and does no work
+        m.export("PANTS_PROCESS_EXECUTION_LOCAL_PARALLELISM", str(m.cores() + len(started)))
     if not check_llama_server_variable(m):
         return 1
     if not ensure_debian_root(m, debian):  # while llama.cpp builds, if it does
