@@ -6,8 +6,8 @@ files and libggml-vulkan.so, as `./pants test` built them: testlib.llamavulkan) 
 SHA256SUMS. The node's agent.toml forces `llamacpp_backend = "vulkan"` (lavapipe is a software
 device: left to "auto", the node takes the CPU build); the agent fetches the Vulkan archive,
 installs it beside where the CPU build would go, and serves a made GGUF with it. llama.cpp itself
-passes over software devices unless GGML_VK_VISIBLE_DEVICES names them: the agent's environment,
-which llama-server inherits, names lavapipe (as docs/engines.md tells an operator to). A chat
+passes over software devices unless GGML_VK_VISIBLE_DEVICES names them: the agent, forced to
+Vulkan on a node whose only Vulkan device is lavapipe, names it in its engines' environment. A chat
 completion through the gateway answers the crafted model's known greedy text (testlib.makegguf,
 cycle=True), and llama-server's log (at -lv 4, from the catalog's args) says every layer went to
 the Vulkan device, llvmpipe.
@@ -68,7 +68,7 @@ def test_a_node_forced_to_vulkan_serves_through_the_gateway_on_lavapipe(tmp_path
         cluster.init_ca()
         server = cluster.start_server()
         files = cluster.add_node("node-a", agent_toml='llamacpp_backend = "vulkan"\n')
-        cluster.start_agent("node-a", env={"GGML_VK_VISIBLE_DEVICES": str(lavapipe_index())})
+        agent = cluster.start_agent("node-a")
 
         def settled() -> dict | None:
             node = (cluster.nodes() or {}).get("node-a")
@@ -87,6 +87,9 @@ def test_a_node_forced_to_vulkan_serves_through_the_gateway_on_lavapipe(tmp_path
         )
         assert llama["ok"], llama["detail"]
         assert (llama["version"], llama["state"]) == (pins.LLAMACPP_VERSION, "ok")
+        # llama.cpp passes over software devices: the agent named lavapipe to its engines.
+        [named] = agent.events("engine_environment")
+        assert named["GGML_VK_VISIBLE_DEVICES"] == str(lavapipe_index()), named
         # The Vulkan archive was served (not the CPU one), and installed as its own flavor.
         served = [e["name"] for e in server.events("release_served")]
         assert served == [archive.name], served

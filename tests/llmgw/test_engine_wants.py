@@ -23,6 +23,7 @@ from llmgw.engines.wants import (
     pick_archive,
     release_archive,
     vulkan_device,
+    vulkan_devices_env,
 )
 from llmgw.wire import agent_link as w
 
@@ -330,3 +331,13 @@ def test_the_releases_vulkan_archive_is_wanted_with_its_backend_and_picked_by_it
     assert release_archive(want, "x86_64").release == cpu.name
     assert release_archive(want, "x86_64", "vulkan").release == vk.name
     assert release_archive(want, "aarch64", "vulkan") is None
+
+
+def test_a_node_forced_to_vulkan_on_software_devices_alone_names_them_to_llama_cpp() -> None:
+    assert vulkan_devices_env("vulkan", with_vulkan(LAVAPIPE)) == {"GGML_VK_VISIBLE_DEVICES": "0"}
+    two = attrs.evolve(LAVAPIPE, index=1)
+    assert vulkan_devices_env("vulkan", with_vulkan(LAVAPIPE, two)) == {"GGML_VK_VISIBLE_DEVICES": "0,1"}
+    # A hardware device: llama.cpp's own choice (every GPU, no software device); not forced: nothing.
+    assert vulkan_devices_env("vulkan", with_vulkan(LAVAPIPE, RADEON)) == {}
+    assert vulkan_devices_env("auto", with_vulkan(LAVAPIPE)) == vulkan_devices_env("cpu", with_vulkan(LAVAPIPE)) == {}
+    assert vulkan_devices_env("vulkan", with_vulkan(LAVAPIPE, status=w.VULKAN_FAILED)) == {}

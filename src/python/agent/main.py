@@ -13,6 +13,7 @@ It has no HTTP server, so the figures stay in the log.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from functools import partial
@@ -36,6 +37,7 @@ from agent.weights import WeightsStore
 from agent.weights_report import held_now, serve_staging, serve_weights_report
 from llmgw import __version__, private
 from llmgw.config import AgentConfig, control_planes, weights_cache_bytes_of, weights_dir_of
+from llmgw.engines.wants import vulkan_devices_env
 from llmgw.errors import LlmgwError
 from llmgw.linkio import Targets
 from llmgw.log import get_logger
@@ -76,6 +78,17 @@ def check_private(state_dir: Path) -> None:
         raise private.NotPrivate(found)
 
 
+def engines_environ(config: AgentConfig, inv: w.Inventory) -> dict[str, str] | None:
+    """The engines' base environment: this process's (None), or with what llama.cpp's Vulkan build
+    needs to use a software device when agent.toml forces "vulkan" (wants.vulkan_devices_env), where
+    the operator's environment does not already say it."""
+    extra = {k: v for k, v in vulkan_devices_env(config.llamacpp_backend, inv).items() if k not in os.environ}
+    if not extra:
+        return None
+    log.info("engine_environment", reason='llamacpp_backend = "vulkan" on software Vulkan devices alone', **extra)
+    return {**os.environ, **extra}
+
+
 async def run_agent(
     config: AgentConfig,
     *,
@@ -109,6 +122,7 @@ async def run_agent(
         gpus=lambda: tuple(g.index for g in current.inventory.gpus),
         listen_host=address,
         rpc=RpcIdentity.of(files),  # llama.cpp's RPC between nodes goes through this node's tunnels
+        env=engines_environ(config, current.inventory),
     )
     weights = supervisor.life.weights
     current.weights = await trio.to_thread.run_sync(held_now, weights)  # the hello says it

@@ -162,6 +162,21 @@ def vulkan_device(inv: w.Inventory) -> w.VulkanDevice | None:
     return next((d for d in inv.vulkan if not d.software and d.type != w.VULKAN_CPU), None)
 
 
+# llama.cpp's Vulkan backend uses the devices this names (the loader's numbers, vulkaninfo's GPU
+# numbers); without it, every hardware device and never a software one.
+VULKAN_DEVICES_ENV = "GGML_VK_VISIBLE_DEVICES"
+
+
+def vulkan_devices_env(choice: str, inv: w.Inventory) -> dict[str, str]:
+    """What the engines' environment needs for llama.cpp's Vulkan build to use this node's Vulkan
+    devices: where agent.toml forces "vulkan" and the node has software devices alone (lavapipe),
+    GGML_VK_VISIBLE_DEVICES naming them, as llama.cpp passes over them otherwise; else nothing."""
+    if choice != "vulkan" or inv.vulkan_status != w.VULKAN_PRESENT or vulkan_device(inv) is not None:
+        return {}
+    software = [str(d.index) for d in inv.vulkan]
+    return {VULKAN_DEVICES_ENV: ",".join(software)} if software else {}
+
+
 def llama_backend(choice: str, inv: w.Inventory) -> str:
     """The llama.cpp build a node takes from the release: agent.toml's `llamacpp_backend` ("cpu",
     "vulkan"), or for "auto" Vulkan where the node has a hardware Vulkan device, else the CPU's."""
