@@ -308,3 +308,46 @@ async def test_progress_between_two_files_is_not_none(hub: HubServer, store: Wei
             len(SMALL) + len(BIG),
         )
         stall.release()
+
+
+async def test_a_tidy_up_waits_for_a_layout_half_done(
+    hub: HubServer, store: WeightsStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collect while a model's directory is being laid out (its staging `.new` made, not yet
+    renamed into place) must not take the `.new` for a crash's leftover: it waits for the layout
+    (seen in test_hub_models: `os.replace(staging, directory)` found its staging gone)."""
+    from agent import weights
+
+    made, release = threading.Event(), threading.Event()
+    real = weights._lay_out
+
+    def lay_out_slowly(directory: Path, files: list) -> None:
+        staging = directory.with_name(directory.name + ".new")
+        for parts, _blob in files:  # the staging as the real one makes it, then a pause before the rest
+            (staging.joinpath(*parts)).parent.mkdir(parents=True, exist_ok=True)
+        made.set()
+        assert release.wait(10)
+        real(directory, files)
+
+    monkeypatch.setattr(weights, "_lay_out", lay_out_slowly)
+    src = source(hub, REPO, "m-Q4_K_M.gguf")
+    async with trio.open_nursery() as nursery:
+        prepared: list[str] = []
+
+        async def prepare() -> None:
+            prepared.append(await store.prepare(src))
+
+        nursery.start_soon(prepare)
+        await trio.to_thread.run_sync(made.wait, 10)
+        collected = trio.Event()
+
+        async def collect() -> None:
+            await store.collect(set(), [])
+            collected.set()
+
+        nursery.start_soon(collect)
+        with trio.move_on_after(0.3):
+            await collected.wait()
+        assert not collected.is_set()  # held back while the layout is half done
+        release.set()
+    assert Path(prepared[0]).read_bytes() == SMALL

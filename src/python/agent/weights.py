@@ -174,6 +174,10 @@ class WeightsStore:
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> (size, mtime_ns) when its digest matched
         self._progress: dict[str, Progress] = {}  # digest -> latest, written by the download thread
         self._layouts: dict[Path, trio.Lock] = {}  # a commit's directory -> its layout's lock
+        # Held while the Hub's directories change, by a layout (its staging `.new` directory made,
+        # then renamed into place) or by a tidy-up (which deletes `.new` directories a crash left
+        # and directories whose links all went): one never sees the other's work half done.
+        self._hub_tidy = trio.Lock()
         self._done: set[str] = set()  # digests verified here since start (a Hub model's progress counts them)
         self._preparing: dict[str, int] = {}  # digest -> prepare calls under way that need it
         self._using: set[str] = set()  # digests of the replicas here, as the last collect was told
@@ -270,7 +274,7 @@ class WeightsStore:
                 if not await self._is_verified(blob, digest):
                     await self._download(file_source, blob, digest)
             self._done.add(digest)
-        async with self._layouts.setdefault(directory, trio.Lock()):  # two models of one commit: one at a time
+        async with self._layouts.setdefault(directory, trio.Lock()), self._hub_tidy:  # one layout of a commit at a time
             await trio.to_thread.run_sync(_lay_out, directory, [(check_repo_path(f.path), blob) for f, blob in blobs])
         first = directory.joinpath(*check_repo_path(source.files[0].path))
         return str(directory if source.directory else first)
@@ -286,7 +290,8 @@ class WeightsStore:
         self._prepared = set()  # a replica prepared since the last collect is in `using` if it still runs
         cache.touch(self.root.resolve(), self._using)
         keep = {d.lower() for d in keep} | self._in_use()
-        removed = await trio.to_thread.run_sync(_collect, self.root, keep)
+        async with self._hub_tidy:
+            removed = await trio.to_thread.run_sync(_collect, self.root, keep)
         self._forget(removed)
         if removed:
             log.info("weights_removed", digests=len(removed), kept=len(keep))
@@ -315,7 +320,8 @@ class WeightsStore:
             # No await from the plan to the renames: a prepare that starts later finds the file gone.
             evicted = [h for h in plan.evict if cache.retire(root, h.sha256)]
             if evicted:
-                await trio.to_thread.run_sync(_remove_evicted, root)
+                async with self._hub_tidy:
+                    await trio.to_thread.run_sync(_remove_evicted, root)
         for h in evicted:
             last_used = datetime.datetime.fromtimestamp(h.last_used, datetime.timezone.utc)
             log.info("weights_evicted", sha256=h.sha256, bytes=h.bytes, last_used=last_used.isoformat())
