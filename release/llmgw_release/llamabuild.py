@@ -244,6 +244,17 @@ def archive_path(root: Path, recipe: Recipe) -> Path:
 # -- building --------------------------------------------------------------------------------
 
 
+def store(entry: Path, path: Path, recipe_json: str, data: bytes, work: Path) -> None:
+    """A finished build into its cache entry (the CPU archive's and the Vulkan one's): its recipe
+    beside it, the archive written whole (a `.part` renamed into place), the work tree removed."""
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / "recipe.json").write_text(recipe_json + "\n")
+    part = path.with_name(f".{path.name}.part")
+    part.write_bytes(data)
+    os.replace(part, path)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 @contextmanager
 def locked(path: Path, say: Say, what: str) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -295,14 +306,8 @@ def build_archive(recipe: Recipe, root: Path, *, jobs: int, say: Say = stderr_sa
         "minutes, arm64 20; LLAMA_BUILD_JOBS sets the jobs)"
     )
     data, members = compile_archive(recipe, sdist, epoch, work, jobs=jobs, say=say)
-    entry = entry_dir(root, recipe)
-    entry.mkdir(parents=True, exist_ok=True)
-    (entry / "recipe.json").write_text(recipe.as_json() + "\n")
     path = archive_path(root, recipe)
-    part = path.with_name(f".{path.name}.part")
-    part.write_bytes(data)
-    os.replace(part, path)
-    shutil.rmtree(work, ignore_errors=True)
+    store(entry_dir(root, recipe), path, recipe.as_json(), data, work)
     variants = llamarecipe.cpu_variants(m.name for m in members)
     say(
         f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, "

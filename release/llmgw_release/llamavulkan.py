@@ -204,14 +204,8 @@ def _build(recipe: VulkanRecipe, root: Path, cpu_archive: Path, *, jobs: int, sa
         data = llamacpp.assemble(top_dir(recipe), members, epoch)
     except RecipeError as exc:
         raise LlamaBuildError(f"{exc} (the build is kept in {work})") from None
-    entry = entry_dir(root, recipe)
-    entry.mkdir(parents=True, exist_ok=True)
-    (entry / "recipe.json").write_text(recipe.as_json() + "\n")
     path = archive_path(root, recipe)
-    part = path.with_name(f".{path.name}.part")
-    part.write_bytes(data)
-    os.replace(part, path)
-    shutil.rmtree(work, ignore_errors=True)
+    llamabuild.store(entry_dir(root, recipe), path, recipe.as_json(), data, work)
     say(
         f"built {path} in {(time.monotonic() - started) / 60:.1f} min: {len(data) / 1e6:.1f} MB, the CPU archive's "
         f"files and {module.name} ({len(module.data or b'') / 1e6:.1f} MB)"
