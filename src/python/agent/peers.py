@@ -108,6 +108,37 @@ def client_node(stream: trio.SSLStream) -> CertInfo | None:
     return info if info is not None and info.role == ROLE_NODE else None
 
 
+async def node_connection(
+    raw: trio.abc.Stream,
+    ssl_context: ssl.SSLContext,
+    shutdown: Shutdown,
+    handle: Callable[[trio.SSLStream, CertInfo | None], Awaitable[None]],
+    *,
+    failed_event: str,
+    handshake_s: float,
+) -> None:
+    """One connection to a node's mutual-TLS port (the weights port's, a llama.cpp RPC tunnel's):
+    its handshake due within `handshake_s` (the port's own), waiting meanwhile among `shutdown.idle` (the one
+    waiting longest is closed for a newcomer at the port's cap), then `handle` with the client's
+    node certificate (None: not a node's). A peer that broke off or a handshake refused ends that
+    connection quietly; anything else is logged as `failed_event`: the port goes on. The stream is
+    closed at the end."""
+    stream = trio.SSLStream(raw, ssl_context, server_side=True)
+    try:
+        deadline = trio.current_time() + handshake_s
+        with shutdown.idle.waiting(peer=peer_host(raw), deadline=deadline) as waited:
+            await stream.do_handshake()
+        if waited.cancelled_caught:
+            return  # its deadline, or closed for a newcomer
+        await handle(stream, client_node(stream))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+        return  # a peer that broke off, or a handshake refused: that connection only
+    except Exception:  # - one connection's failure must never stop the port
+        log.exception(failed_event)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
 class Members:
     """The nodes of this cluster as the control plane last listed them (None until it has): in the
     tracker's answers while this node fetches, and asked again (`ask`) when a node not listed
@@ -166,37 +197,33 @@ class PeerServer:
         )
 
     async def _connection(self, raw: trio.abc.Stream) -> None:
-        stream = trio.SSLStream(raw, self.ssl_context, server_side=True)
-        try:
-            deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
-            with self.shutdown.idle.waiting(peer=peer_host(raw), deadline=deadline) as waited:
-                await stream.do_handshake()
-            if waited.cancelled_caught:
-                return  # its deadline, or closed for a newcomer
-            node = client_node(stream)
-            if node is not None and not self.members.admits(node.common_name):
-                await self.members.refresh()  # a node that joined since the list was made
-            if node is None or not self.members.admits(node.common_name):
-                who = node.common_name if node else "a peer without a node's certificate"
-                log.warning("weights_peer_refused", peer=who)
-                # Said, not just closed: the asker tells "refused" from "broke off" and asks elsewhere.
-                refusal = HTTPError(403, "this node serves weights to the nodes of its cluster only")
-                await serve_connection(_refuse(refusal), stream, limits=LIMITS, stats=self.stats, listener=LISTENER)
-                return
-            await serve_connection(
-                lambda request: self._handle(request, node.common_name),
-                stream,
-                limits=LIMITS,
-                stats=self.stats,
-                listener=LISTENER,
-                shutdown=self.shutdown,
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
-            return  # a peer that broke off, or a handshake refused: that connection only
-        except Exception:  # - one connection's failure must never stop the port
-            log.exception("weights_connection_failed")
-        finally:
-            await trio.aclose_forcefully(stream)
+        await node_connection(
+            raw,
+            self.ssl_context,
+            self.shutdown,
+            self._serve,
+            failed_event="weights_connection_failed",
+            handshake_s=HANDSHAKE_TIMEOUT_S,
+        )
+
+    async def _serve(self, stream: trio.SSLStream, node: CertInfo | None) -> None:
+        if node is not None and not self.members.admits(node.common_name):
+            await self.members.refresh()  # a node that joined since the list was made
+        if node is None or not self.members.admits(node.common_name):
+            who = node.common_name if node else "a peer without a node's certificate"
+            log.warning("weights_peer_refused", peer=who)
+            # Said, not just closed: the asker tells "refused" from "broke off" and asks elsewhere.
+            refusal = HTTPError(403, "this node serves weights to the nodes of its cluster only")
+            await serve_connection(_refuse(refusal), stream, limits=LIMITS, stats=self.stats, listener=LISTENER)
+            return
+        await serve_connection(
+            lambda request: self._handle(request, node.common_name),
+            stream,
+            limits=LIMITS,
+            stats=self.stats,
+            listener=LISTENER,
+            shutdown=self.shutdown,
+        )
 
     async def _handle(self, request: Request, node: str) -> Response | StreamingResponse:
         allow(request, "GET")

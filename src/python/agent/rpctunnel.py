@@ -39,10 +39,11 @@ import attrs
 import trio
 from cryptography import x509
 
-from agent.peers import PeerFailed, check_node, client_node
+from agent.peers import PeerFailed, check_node, node_connection
 from llmgw.errors import LlmgwError
 from llmgw.http.listeners import ConnectionStats, Shutdown, open_listeners, peer_host, serve_capped
 from llmgw.log import get_logger
+from llmgw.pki.ca import CertInfo
 from llmgw.wakeup import Wakeup
 
 log = get_logger("llmgw.agent.rpc")
@@ -185,40 +186,41 @@ class TunnelServer:
         )
 
     async def _connection(self, raw: trio.abc.Stream) -> None:
-        stream = trio.SSLStream(raw, self.ssl_context, server_side=True)
-        peer = peer_host(raw)
         try:
             _end_when_silent(raw)
-            with self.shutdown.idle.waiting(peer=peer, deadline=trio.current_time() + HANDSHAKE_TIMEOUT_S) as waited:
-                await stream.do_handshake()
-            if waited.cancelled_caught:
-                return  # its deadline, or closed for a newcomer
-            node = client_node(stream)
-            if node is None or node.common_name != self.admits:
-                who = node.common_name if node is not None else "a peer without a node's certificate"
-                log.warning("rpc_peer_refused", peer=peer, node=who, admits=self.admits)
-                return
-            try:
-                with trio.fail_after(CONNECT_TIMEOUT_S):
-                    local = await self.connect(*self.target)
-            except (OSError, trio.TooSlowError) as exc:
-                log.warning("rpc_server_unreachable", target=f"{self.target[0]}:{self.target[1]}", reason=repr(exc))
-                return
-            self.relayed += 1
-            async with local:
-                ended = await relay(stream, local)
-            log.info(
-                "rpc_connection_ended",
-                peer=node.common_name,
-                by="serving node" if ended.side == "a" else "rpc-server",
-                how=ended.how,
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
-            return  # a peer that broke off, or a handshake refused: that connection only
-        except Exception:  # - one connection's failure must never stop the port
-            log.exception("rpc_connection_failed")
-        finally:
-            await trio.aclose_forcefully(stream)
+        except OSError:  # a peer gone already: that connection only
+            await trio.aclose_forcefully(raw)
+            return
+        await node_connection(
+            raw,
+            self.ssl_context,
+            self.shutdown,
+            self._relay,
+            failed_event="rpc_connection_failed",
+            handshake_s=HANDSHAKE_TIMEOUT_S,
+        )
+
+    async def _relay(self, stream: trio.SSLStream, node: CertInfo | None) -> None:
+        """A connection whose handshake is done: relayed to the rpc-server if it is rank 0's node."""
+        if node is None or node.common_name != self.admits:
+            who = node.common_name if node is not None else "a peer without a node's certificate"
+            log.warning("rpc_peer_refused", peer=peer_host(stream.transport_stream), node=who, admits=self.admits)
+            return
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                local = await self.connect(*self.target)
+        except (OSError, trio.TooSlowError) as exc:
+            log.warning("rpc_server_unreachable", target=f"{self.target[0]}:{self.target[1]}", reason=repr(exc))
+            return
+        self.relayed += 1
+        async with local:
+            ended = await relay(stream, local)
+        log.info(
+            "rpc_connection_ended",
+            peer=node.common_name,
+            by="serving node" if ended.side == "a" else "rpc-server",
+            how=ended.how,
+        )
 
 
 # -- the serving node's end ---------------------------------------------------------------------
