@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import ipaddress
 
+from llmgw.engines import SPECS
+
 SUBNET = "subnet:"
-# The engines whose members speak plain TCP to each other (llama.cpp's RPC): a replica may span the
-# nodes of one subnet without a fabric, and its members are told every member's address.
-RPC_ENGINES = frozenset({"llamacpp"})
 SUBNET_BITS = {4: 24, 6: 64}
 
 
@@ -32,9 +31,17 @@ def subnet_of(address: str) -> str:
     return f"{SUBNET}{net}"
 
 
+def over_rpc(engine: str) -> bool:
+    """Whether the members of a multi-node replica of `engine` speak plain TCP to each other (its
+    spec's `rpc_helpers`: llama.cpp's RPC): it may span the nodes of one subnet without a fabric,
+    and its members are told every member's address."""
+    spec = SPECS.get(engine)
+    return spec is not None and spec.rpc_helpers
+
+
 def groups_of(engine: str, fabrics: tuple[str, ...], subnet: str) -> tuple[str, ...]:
     """The group keys a node of these `fabrics` and `subnet` is in for a replica of `engine`."""
-    if subnet and engine in RPC_ENGINES:
+    if subnet and over_rpc(engine):
         return (*fabrics, subnet)
     return fabrics
 
@@ -53,4 +60,4 @@ def group_name(key: str) -> str:
 
 def group_kinds(engine: str) -> str:
     """What a multi-node replica of `engine` needs its nodes to share, for its pending reason."""
-    return "one fabric or subnet" if engine in RPC_ENGINES else "one fabric"
+    return "one fabric or subnet" if over_rpc(engine) else "one fabric"

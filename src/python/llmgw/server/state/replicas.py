@@ -41,7 +41,7 @@ import attrs
 from llmgw.config import ENGINES, Model
 from llmgw.fabrics import FabricMap
 from llmgw.log import get_logger
-from llmgw.server.state.closeness import RPC_ENGINES, subnet_of
+from llmgw.server.state.closeness import over_rpc, subnet_of
 from llmgw.server.state.placements import Placements, Stored
 from llmgw.server.state.registry import JOINED, JOINING, LOST, UNKNOWN, Node, NodeRegistry, gen_speeds
 from llmgw.server.state.scheduler import NodeView, Pending, Placement, plan
@@ -506,7 +506,7 @@ class Replicas:
     def member_addrs(self, p: Placement) -> tuple[str, ...]:
         """Every member's address in rank order, as the registry knows it, for a llama.cpp replica
         over several nodes (rank 0 dials each helper's RPC server there); () for any other."""
-        if p.engine not in RPC_ENGINES or len(p.nodes) < 2:
+        if not over_rpc(p.engine) or len(p.nodes) < 2:
             return ()
         return tuple((n.address if (n := self.registry.nodes.get(node_id)) else "") for node_id in p.nodes)
 
